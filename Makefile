@@ -1,0 +1,36 @@
+# Two entry points that work on a fresh clone: `make run` (tiny model, full stack) and `make test`.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+TINY_MODEL := .models/tiny-llama
+STAMP := $(VENV)/.installed
+
+.PHONY: setup run test test-fast bench clean
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+
+# torch first and pinned: an unpinned torch drags in gigabytes of CUDA wheels.
+$(STAMP): $(PY) pyproject.toml
+	$(PIP) install -q torch==2.13.0
+	$(PIP) install -q -e '.[test]'
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+$(TINY_MODEL)/config.json: $(STAMP)
+	$(VENV)/bin/megatron-serve make-tiny-model $(TINY_MODEL)
+
+run: $(TINY_MODEL)/config.json
+	$(VENV)/bin/megatron-serve run --model $(TINY_MODEL)
+
+test: $(STAMP)
+	TRITON_INTERPRET=1 $(PY) -m pytest -q -p no:cacheprovider
+
+test-fast: $(STAMP)
+	TRITON_INTERPRET=1 $(PY) -m pytest -q -m "not slow"
+
+clean:
+	rm -rf $(VENV) .models build *.egg-info

@@ -1,0 +1,72 @@
+"""Engine-wide settings (``InferenceConfig``): what one engine replica may hold and compute per step."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    """Accept ``"bfloat16"``-style names or a ``torch.dtype``; anything else is a clear error."""
+    if isinstance(dtype, torch.dtype):
+        if dtype not in _DTYPES.values():
+            raise ValueError(f"dtype must be one of {', '.join(_DTYPES)}, got {dtype}")
+        return dtype
+    name = str(dtype).removeprefix("torch.")
+    if name not in _DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(_DTYPES)}, got {dtype!r}")
+    return _DTYPES[name]
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+@dataclass
+class InferenceConfig:
+    """Sizing of one engine. Everything is optional; defaults suit a CPU and are scaled up on a GPU.
+
+    The KV pool is sized by ``num_kv_blocks`` when given, else by ``kv_cache_memory_fraction`` of
+    free device memory (on CPU: of a fixed 1 GiB budget, since host memory is shared with everything).
+    """
+
+    dtype: str | torch.dtype | None = None
+    device: str | None = None
+    block_size_tokens: int | None = None
+    num_kv_blocks: int | None = None
+    kv_cache_memory_fraction: float = 0.9
+    max_batch_tokens: int = 2048
+    max_requests: int = 64
+    max_sequence_length: int | None = None
+    enable_prefix_caching: bool = False
+    tensor_parallel_size: int = 1
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.device is None:
+            self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        if self.block_size_tokens is None:
+            self.block_size_tokens = 64 if str(self.device).startswith("cuda") else 16
+        if self.dtype is not None:
+            self.dtype = resolve_dtype(self.dtype)
+        for name in ("block_size_tokens", "max_batch_tokens", "max_requests", "tensor_parallel_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.num_kv_blocks is not None and (not isinstance(self.num_kv_blocks, int) or self.num_kv_blocks < 1):
+            raise ValueError(f"num_kv_blocks must be a positive integer, got {self.num_kv_blocks!r}")
+        if not 0.0 < float(self.kv_cache_memory_fraction) <= 1.0:
+            raise ValueError(f"kv_cache_memory_fraction must be in (0, 1], got {self.kv_cache_memory_fraction}")
+        if self.max_sequence_length is not None and self.max_sequence_length < 2:
+            raise ValueError(f"max_sequence_length must be >= 2, got {self.max_sequence_length}")
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain values only, so the config can cross a process boundary (msgpack, argv)."""
+        data = asdict(self)
+        if isinstance(self.dtype, torch.dtype):
+            data["dtype"] = dtype_name(self.dtype)
+        return data

@@ -1,0 +1,149 @@
+"""The request record that travels from the API through coordinator and engines and back.
+
+One record per request for its whole life: preemption and moves between engines append events
+and tokens to it instead of creating a new one.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgpack
+
+from .sampling_params import SamplingParams
+
+
+class RequestStatus(str, enum.Enum):
+    WAITING_IN_QUEUE = "WAITING_IN_QUEUE"
+    ACTIVE = "ACTIVE"
+    COMPLETED = "COMPLETED"
+    FAILED = "FAILED"
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"
+    LENGTH = "length"
+    ABORT = "abort"
+    ERROR = "error"
+
+
+class EventType(str, enum.Enum):
+    ADD = "ADD"
+    PREFILL = "PREFILL"
+    FIRST_TOKEN = "FIRST_TOKEN"
+    PREEMPT = "PREEMPT"
+    EVICT = "EVICT"
+    FINISH = "FINISH"
+    FAIL = "FAIL"
+
+
+@dataclass
+class RequestEvent:
+    type: EventType
+    timestamp: float
+    detail: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"type": self.type.value, "timestamp": self.timestamp, "detail": self.detail}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "RequestEvent":
+        return cls(EventType(data["type"]), data["timestamp"], data.get("detail"))
+
+
+@dataclass
+class DynamicInferenceRequest:
+    """Public result object: what was asked, what came out, and how it went."""
+
+    request_id: str
+    prompt: str | None
+    prompt_tokens: list[int]
+    sampling_params: SamplingParams = field(default_factory=SamplingParams)
+    generated_tokens: list[int] = field(default_factory=list)
+    generated_text: str | None = None
+    generated_log_probs: list[float] = field(default_factory=list)
+    generated_top_n_logprobs: list[dict[int, float]] = field(default_factory=list)
+    status: RequestStatus = RequestStatus.WAITING_IN_QUEUE
+    finish_reason: FinishReason | None = None
+    error: str | None = None
+    events: list[RequestEvent] = field(default_factory=list)
+    arrival_time: float = field(default_factory=time.time)
+    first_token_time: float | None = None
+    finish_time: float | None = None
+
+    @property
+    def ttft(self) -> float | None:
+        """Seconds from arrival to the first generated token."""
+        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+
+    @property
+    def latency(self) -> float | None:
+        """Seconds from arrival to the final token (or failure)."""
+        return None if self.finish_time is None else self.finish_time - self.arrival_time
+
+    @property
+    def finished(self) -> bool:
+        return self.status in (RequestStatus.COMPLETED, RequestStatus.FAILED)
+
+    def add_event(self, event_type: EventType, detail: str | None = None) -> None:
+        now = time.time()
+        self.events.append(RequestEvent(event_type, now, detail))
+        if event_type is EventType.FIRST_TOKEN and self.first_token_time is None:
+            self.first_token_time = now
+        if event_type in (EventType.FINISH, EventType.FAIL):
+            self.finish_time = now
+
+    def fail(self, message: str, reason: FinishReason = FinishReason.ERROR) -> None:
+        self.status = RequestStatus.FAILED
+        self.finish_reason = reason
+        self.error = message
+        self.add_event(EventType.FAIL, message)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "request_id": self.request_id,
+            "prompt": self.prompt,
+            "prompt_tokens": list(self.prompt_tokens),
+            "sampling_params": self.sampling_params.to_dict(),
+            "generated_tokens": list(self.generated_tokens),
+            "generated_text": self.generated_text,
+            "generated_log_probs": list(self.generated_log_probs),
+            "generated_top_n_logprobs": [list(d.items()) for d in self.generated_top_n_logprobs],
+            "status": self.status.value,
+            "finish_reason": None if self.finish_reason is None else self.finish_reason.value,
+            "error": self.error,
+            "events": [e.to_dict() for e in self.events],
+            "arrival_time": self.arrival_time,
+            "first_token_time": self.first_token_time,
+            "finish_time": self.finish_time,
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "DynamicInferenceRequest":
+        return cls(
+            request_id=data["request_id"],
+            prompt=data.get("prompt"),
+            prompt_tokens=list(data["prompt_tokens"]),
+            sampling_params=SamplingParams.from_dict(data.get("sampling_params")),
+            generated_tokens=list(data.get("generated_tokens", [])),
+            generated_text=data.get("generated_text"),
+            generated_log_probs=list(data.get("generated_log_probs", [])),
+            generated_top_n_logprobs=[dict(pairs) for pairs in data.get("generated_top_n_logprobs", [])],
+            status=RequestStatus(data.get("status", RequestStatus.WAITING_IN_QUEUE.value)),
+            finish_reason=None if data.get("finish_reason") is None else FinishReason(data["finish_reason"]),
+            error=data.get("error"),
+            events=[RequestEvent.from_dict(e) for e in data.get("events", [])],
+            arrival_time=data.get("arrival_time", time.time()),
+            first_token_time=data.get("first_token_time"),
+            finish_time=data.get("finish_time"),
+        )
+
+    def serialize(self) -> bytes:
+        return msgpack.packb(self.to_dict(), use_bin_type=True)
+
+    @classmethod
+    def deserialize(cls, payload: bytes) -> "DynamicInferenceRequest":
+        return cls.from_dict(msgpack.unpackb(payload, raw=False, strict_map_key=False))
