@@ -1,0 +1,136 @@
+"""Plain-PyTorch reference implementations of every hot-path op.
+
+These are the CPU path of the engine and the ground truth the Triton kernels are tested against.
+Layout conventions shared with the kernels:
+
+* KV cache of one layer: ``k_cache`` / ``v_cache`` of shape ``[num_blocks, block_size, num_kv_heads, head_dim]``.
+* ``block_tables``: int32 ``[num_seqs, max_blocks_per_seq]``; entries past a sequence's last block are ignored.
+* ``slot_mapping``: int64 ``[num_tokens]``, ``block_id * block_size + offset``; negative slots are skipped.
+* ``context_lens``: int32 ``[num_seqs]``, tokens in the cache for each sequence *including* the ones
+  written this step. Prefill queries are the last ``q_len`` positions of their sequence.
+* Rotary embedding is the Hugging Face "rotate half" form, ``cos``/``sin`` of shape ``[positions, rotary_dim // 2]``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm computed in float32, as Llama does, then cast back to the input dtype."""
+    x32 = x.float()
+    normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * normed.to(x.dtype)
+
+
+def fused_add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Return ``(rms_norm(x + residual), x + residual)``: the pre-norm of the next sub-layer and its residual."""
+    summed = x + residual
+    return rms_norm(summed, weight, eps), summed
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """SwiGLU activation on a fused gate/up projection: ``silu(x[..., :n]) * x[..., n:]``."""
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def apply_rotary(
+    q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate ``q`` ``[T, Hq, D]`` and ``k`` ``[T, Hkv, D]`` by their token positions."""
+    cos_t = cos[positions].unsqueeze(1)
+    sin_t = sin[positions].unsqueeze(1)
+    return _rotate(q, cos_t, sin_t), _rotate(k, cos_t, sin_t)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = cos.shape[-1]
+    x32 = x.float()
+    x1, x2, rest = x32[..., :half], x32[..., half : 2 * half], x32[..., 2 * half :]
+    rotated = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest), dim=-1)
+    return rotated.to(x.dtype)
+
+
+def write_kv_cache(
+    key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """Scatter this step's keys/values ``[T, Hkv, D]`` into their cache slots (in place)."""
+    valid = slot_mapping >= 0
+    if not bool(valid.all()):
+        key, value, slot_mapping = key[valid], value[valid], slot_mapping[valid]
+    num_blocks, block_size = k_cache.shape[:2]
+    k_cache.view(num_blocks * block_size, *k_cache.shape[2:])[slot_mapping] = key.to(k_cache.dtype)
+    v_cache.view(num_blocks * block_size, *v_cache.shape[2:])[slot_mapping] = value.to(v_cache.dtype)
+
+
+def _gather_sequence_kv(
+    cache: torch.Tensor, block_tables: torch.Tensor, num_blocks: int
+) -> torch.Tensor:
+    """``[S, num_blocks * block_size, Hkv, D]``: the first ``num_blocks`` blocks of each sequence, contiguous."""
+    table = block_tables[:, :num_blocks].long().clamp_min(0)
+    gathered = cache[table]  # [S, nb, bs, Hkv, D]
+    return gathered.flatten(1, 2)
+
+
+def paged_attention_decode(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """One query token per sequence (``q`` ``[S, Hq, D]``) attending to its whole cached context."""
+    block_size = k_cache.shape[1]
+    max_len = int(context_lens.max())
+    num_blocks = -(-max_len // block_size)
+    keys = _gather_sequence_kv(k_cache, block_tables, num_blocks).transpose(1, 2)  # [S, Hkv, L, D]
+    values = _gather_sequence_kv(v_cache, block_tables, num_blocks).transpose(1, 2)
+    positions = torch.arange(keys.shape[2], device=q.device)
+    mask = (positions[None, :] < context_lens[:, None].to(q.device))[:, None, None, :]  # [S, 1, 1, L]
+    out = F.scaled_dot_product_attention(
+        q.unsqueeze(2).float(), keys.float(), values.float(), attn_mask=mask, scale=scale,
+        enable_gqa=q.shape[1] != keys.shape[1],
+    )
+    return out.squeeze(2).to(q.dtype)
+
+
+def paged_attention_prefill(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Causal attention for packed query chunks (``q`` ``[T, Hq, D]``) over their cached prefixes.
+
+    Sequence ``i`` owns queries ``query_start_loc[i]:query_start_loc[i+1]``, which are the last
+    positions of its ``context_lens[i]`` cached tokens (chunked prefill over cached blocks).
+    """
+    block_size = k_cache.shape[1]
+    out = torch.empty_like(q)
+    starts = query_start_loc.tolist()
+    lens = context_lens.tolist()
+    for i, context_len in enumerate(lens):
+        q_start, q_end = starts[i], starts[i + 1]
+        q_len = q_end - q_start
+        if q_len == 0:
+            continue
+        num_blocks = -(-context_len // block_size)
+        keys = _gather_sequence_kv(k_cache, block_tables[i : i + 1], num_blocks)[0, :context_len]
+        values = _gather_sequence_kv(v_cache, block_tables[i : i + 1], num_blocks)[0, :context_len]
+        query_pos = torch.arange(context_len - q_len, context_len, device=q.device)
+        key_pos = torch.arange(context_len, device=q.device)
+        mask = key_pos[None, :] <= query_pos[:, None]
+        attended = F.scaled_dot_product_attention(
+            q[q_start:q_end].transpose(0, 1).float(), keys.transpose(0, 1).float(), values.transpose(0, 1).float(),
+            attn_mask=mask, scale=scale, enable_gqa=q.shape[1] != keys.shape[1],
+        )
+        out[q_start:q_end] = attended.transpose(0, 1).to(q.dtype)
+    return out
