@@ -17,6 +17,7 @@ OP_NAMES = (
     "fused_add_rms_norm",
     "silu_and_mul",
     "apply_rotary",
+    "apply_rotary_write_kv_cache",
     "write_kv_cache",
     "paged_attention_decode",
     "paged_attention_prefill",

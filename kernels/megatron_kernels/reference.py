@@ -67,6 +67,23 @@ def write_kv_cache(
     v_cache.view(num_blocks * block_size, *v_cache.shape[2:])[slot_mapping] = value.to(v_cache.dtype)
 
 
+def apply_rotary_write_kv_cache(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    positions: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``apply_rotary`` then ``write_kv_cache`` of the rotated keys and ``v``; returns the rotated ``(q, k)``."""
+    q, k = apply_rotary(q, k, positions, cos, sin)
+    write_kv_cache(k, v, k_cache, v_cache, slot_mapping)
+    return q, k
+
+
 def _gather_sequence_kv(
     cache: torch.Tensor, block_tables: torch.Tensor, num_blocks: int
 ) -> torch.Tensor:

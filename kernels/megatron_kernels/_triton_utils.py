@@ -1,0 +1,70 @@
+"""Launch helpers shared by the Triton kernel modules: tile sizing, dtype mapping, device facts.
+
+The same kernels run compiled on a GPU and under ``TRITON_INTERPRET=1`` on CPU. The interpreter pays
+about 1.5 ms per program instance, so on CPU the launchers pick large tiles and small grids; on a GPU
+they pick tiles that keep registers and shared memory within budget.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+_TL_DTYPES = {
+    torch.float32: tl.float32,
+    torch.float16: tl.float16,
+    torch.bfloat16: tl.bfloat16,
+}
+
+
+def tl_dtype(dtype: torch.dtype):
+    """The Triton dtype of a floating-point torch dtype the kernels support."""
+    try:
+        return _TL_DTYPES[dtype]
+    except KeyError:
+        raise TypeError(f"unsupported dtype for Triton kernels: {dtype}") from None
+
+
+def interpreted(t: torch.Tensor) -> bool:
+    """True when ``t`` is served by the Triton interpreter (any non-CUDA tensor)."""
+    return t.device.type != "cuda"
+
+
+def next_pow2(n: int) -> int:
+    return triton.next_power_of_2(max(int(n), 1))
+
+
+def tile_budget(t: torch.Tensor) -> int:
+    """Elements one program may hold in a 2-D/3-D tile: large under the interpreter, register-sized on GPU."""
+    return 1 << 16 if interpreted(t) else 1 << 12
+
+
+def rows_per_program(t: torch.Tensor, row_elems: int, num_rows: int) -> int:
+    """A power-of-two row count per program that fits the tile budget (at least 1)."""
+    rows = max(1, tile_budget(t) // next_pow2(row_elems))  # both powers of two, so is the quotient
+    return min(rows, next_pow2(num_rows))
+
+
+def num_warps_for(block_elems: int) -> int:
+    """Warps for an element-wise/reduction tile of ``block_elems`` elements."""
+    return int(min(max(block_elems // 512, 1), 8))
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device (a nominal 1 elsewhere)."""
+    if device.type != "cuda":
+        return 1
+    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
+    """``t`` itself when its last dimension has unit stride, else a contiguous copy."""
+    return t if t.stride(-1) == 1 else t.contiguous()

@@ -1,0 +1,26 @@
+"""Triton implementations of every dispatcher op, with the reference signatures.
+
+Each kernel lives in its own module; this module only gathers them under the names that
+:mod:`megatron_kernels.ops` resolves. Importing it requires ``triton`` (the dispatcher falls back to the
+reference when that import fails).
+"""
+
+from __future__ import annotations
+
+from .triton_activation import silu_and_mul
+from .triton_decode_attention import paged_attention_decode
+from .triton_kv_cache import write_kv_cache
+from .triton_norm import fused_add_rms_norm, rms_norm
+from .triton_prefill_attention import paged_attention_prefill
+from .triton_rotary import apply_rotary, apply_rotary_write_kv_cache
+
+__all__ = [
+    "apply_rotary",
+    "apply_rotary_write_kv_cache",
+    "fused_add_rms_norm",
+    "paged_attention_decode",
+    "paged_attention_prefill",
+    "rms_norm",
+    "silu_and_mul",
+    "write_kv_cache",
+]

@@ -1,0 +1,196 @@
+"""Paged attention for prefill and chunked prefill over cached blocks, in Triton.
+
+Queries of all sequences are packed (varlen, ``query_start_loc``); each sequence's queries are the last
+``q_len`` positions of its ``context_len`` cached tokens, and attention is causal. One program serves
+one tile of ``BLOCK_Q`` queries of one sequence times the ``GROUP`` query heads of one KV head: the
+tile's rows are (query, head) pairs, so each K/V tile is read once for the whole GQA group. Programs
+find their sequence by binary search over ``query_start_loc``; the grid is a shape-only upper bound
+(``num_tokens // BLOCK_Q + num_seqs`` tiles), so no host sync is needed. Key tiles below the tile's
+first query position skip the causal mask; only the diagonal tiles apply it.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._triton_utils import interpreted, next_pow2
+
+_LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _attend(
+    acc, l_i, m_i, q, q_pos, k_base, v_base, table, lo, hi, qk_scale,
+    d, d_mask, stride_kb, stride_ko, stride_vb, stride_vo,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    CAUSAL_MASK: tl.constexpr,
+    FP32_DOT: tl.constexpr,
+):
+    """Online-softmax accumulation over keys ``[lo, hi)``."""
+    for n0 in range(lo, hi, BLOCK_N):
+        n = n0 + tl.arange(0, BLOCK_N)
+        n_mask = n < hi
+        block = tl.load(table + n // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
+        offset = n % BLOCK_SIZE
+        kv_mask = n_mask[:, None] & d_mask[None, :]
+        k = tl.load(k_base + (block * stride_kb + offset * stride_ko)[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        if FP32_DOT:
+            s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k))
+        s = s * qk_scale
+        if CAUSAL_MASK:
+            s = tl.where(n_mask[None, :] & (n[None, :] <= q_pos[:, None]), s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))  # finite: key 0 precedes every query, tiles go in order
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = tl.load(v_base + (block * stride_vb + offset * stride_vo)[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        if FP32_DOT:
+            acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit(do_not_specialize=["num_seqs", "search_steps"])
+def _prefill_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, query_start_loc_ptr, context_lens_ptr, out_ptr,
+    qk_scale, num_seqs, search_steps,
+    stride_qt, stride_qh,
+    stride_kb, stride_ko, stride_kh,
+    stride_vb, stride_vo, stride_vh,
+    stride_bt,
+    stride_ot, stride_oh,
+    GROUP: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    FP32_DOT: tl.constexpr,
+):
+    tile = tl.program_id(0)
+    kv_head = tl.program_id(1)
+
+    # Sequence of this tile: the last i with query_start_loc[i] // BLOCK_Q + i <= tile. Those starts
+    # strictly increase and leave each sequence at least cdiv(q_len, BLOCK_Q) tiles.
+    lo = num_seqs * 0
+    hi = num_seqs - 1
+    for _ in range(search_steps):
+        mid = (lo + hi + 1) // 2
+        ok = tl.load(query_start_loc_ptr + mid) // BLOCK_Q + mid <= tile
+        lo = tl.where(ok, mid, lo)
+        hi = tl.where(ok, hi, mid - 1)
+    seq = lo
+    q_start = tl.load(query_start_loc_ptr + seq)
+    q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
+    q_block = tile - (q_start // BLOCK_Q + seq)
+    if q_block * BLOCK_Q >= q_len:
+        return
+    context_len = tl.load(context_lens_ptr + seq)
+    prefix = context_len - q_len  # cached tokens before this chunk's first query
+
+    rows = tl.arange(0, BLOCK_Q * BLOCK_G)
+    q_idx = q_block * BLOCK_Q + rows // BLOCK_G
+    g = rows % BLOCK_G
+    heads = kv_head * GROUP + g
+    row_mask = (q_idx < q_len) & (g < GROUP)
+    d = tl.arange(0, BLOCK_D)
+    d_mask = d < HEAD_DIM
+    tok = (q_start + q_idx).to(tl.int64)
+    q = tl.load(q_ptr + tok[:, None] * stride_qt + heads[:, None] * stride_qh + d[None, :],
+                mask=row_mask[:, None] & d_mask[None, :], other=0.0)
+    if FP32_DOT:
+        q = q.to(tl.float32)
+    q_pos = prefix + q_idx
+
+    m_i = tl.full([BLOCK_Q * BLOCK_G], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_Q * BLOCK_G], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_Q * BLOCK_G, BLOCK_D], dtype=tl.float32)
+    table = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    k_base = k_cache_ptr + kv_head * stride_kh
+    v_base = v_cache_ptr + kv_head * stride_vh
+    first_pos = prefix + q_block * BLOCK_Q
+    # Keys at or before the tile's first query are visible to every row: no causal mask there.
+    full_hi = ((first_pos + 1) // BLOCK_N) * BLOCK_N
+    kv_hi = tl.minimum(context_len, first_pos + BLOCK_Q)
+    acc, l_i, m_i = _attend(
+        acc, l_i, m_i, q, q_pos, k_base, v_base, table, 0, full_hi, qk_scale,
+        d, d_mask, stride_kb, stride_ko, stride_vb, stride_vo, BLOCK_SIZE, BLOCK_N, False, FP32_DOT,
+    )
+    acc, l_i, m_i = _attend(
+        acc, l_i, m_i, q, q_pos, k_base, v_base, table, full_hi, kv_hi, qk_scale,
+        d, d_mask, stride_kb, stride_ko, stride_vb, stride_vo, BLOCK_SIZE, BLOCK_N, True, FP32_DOT,
+    )
+    out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+    tl.store(out_ptr + tok[:, None] * stride_ot + heads[:, None] * stride_oh + d[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & d_mask[None, :])
+
+
+def paged_attention_prefill(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    *,
+    block_m: int | None = None,
+    block_n: int | None = None,
+) -> torch.Tensor:
+    """Triton twin of :func:`megatron_kernels.reference.paged_attention_prefill`.
+
+    ``block_m`` (rows = queries x padded group heads) and ``block_n`` (keys) override the tile heuristics.
+    """
+    num_tokens, num_q_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, cache_head_dim = k_cache.shape
+    if cache_head_dim != head_dim or num_q_heads % num_kv_heads:
+        raise ValueError(f"q {tuple(q.shape)} does not fit cache {tuple(k_cache.shape)}")
+    if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
+        raise ValueError("KV cache head_dim must be contiguous")
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    block_tables = block_tables if block_tables.stride(-1) == 1 else block_tables.contiguous()
+    query_start_loc = query_start_loc.contiguous()
+    context_lens = context_lens.contiguous()
+    num_seqs = context_lens.shape[0]
+    out = torch.empty_like(q)
+    if num_seqs == 0 or num_tokens == 0:
+        return out
+    group = num_q_heads // num_kv_heads
+    block_g = next_pow2(group)
+    cpu = interpreted(q)
+    if block_m is None:
+        block_m = 128 if cpu else 64
+    if block_n is None:
+        block_n = 128 if cpu else (64 if head_dim <= 128 else 32)
+    block_m = max(block_m, block_g, 16)
+    block_q = block_m // block_g
+    num_tiles = num_tokens // block_q + num_seqs
+    _prefill_kernel[(num_tiles, num_kv_heads)](
+        q, k_cache, v_cache, block_tables, query_start_loc, context_lens, out,
+        float(scale) * _LOG2E, num_seqs, max(num_seqs - 1, 1).bit_length(),
+        q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        block_tables.stride(0),
+        out.stride(0), out.stride(1),
+        GROUP=group,
+        BLOCK_G=block_g,
+        BLOCK_Q=block_q,
+        HEAD_DIM=head_dim,
+        BLOCK_D=next_pow2(head_dim),
+        BLOCK_SIZE=block_size,
+        BLOCK_N=block_n,
+        FP32_DOT=cpu or q.dtype == torch.float32,
+        num_warps=4,
+        num_stages=2,
+    )
+    return out
