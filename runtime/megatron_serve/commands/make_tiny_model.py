@@ -1,0 +1,27 @@
+"""``megatron-serve make-tiny-model DIR``: a small random model for demos and tests."""
+
+from __future__ import annotations
+
+import argparse
+
+from ..tiny_model import ARCHITECTURES, make_tiny_model
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("directory", help="where to write the model (created if missing)")
+    parser.add_argument("--seed", type=int, default=0, help="weights are a function of the seed")
+    parser.add_argument("--arch", choices=sorted(ARCHITECTURES), default="llama")
+    parser.add_argument("--hidden-size", type=int, default=64)
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--kv-heads", type=int, default=2)
+    parser.add_argument("--intermediate-size", type=int, default=128)
+
+
+def run(args: argparse.Namespace) -> int:
+    path = make_tiny_model(
+        args.directory, seed=args.seed, arch=args.arch, hidden_size=args.hidden_size, num_layers=args.layers,
+        num_heads=args.heads, num_kv_heads=args.kv_heads, intermediate_size=args.intermediate_size,
+    )
+    print(f"wrote a tiny {args.arch} model to {path}")
+    return 0

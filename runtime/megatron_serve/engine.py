@@ -1,0 +1,268 @@
+"""``DynamicInferenceEngine``: one model replica, its paged KV cache, and the step loop over requests.
+
+The engine never raises for a bad request: the request fails alone and comes back from ``step()``.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .config import InferenceConfig
+from .detokenizer import IncrementalDetokenizer
+from .kv_cache import BlockAllocator, KVCachePool, blocks_for_tokens
+from .model.config import ModelConfig
+from .model.llama import LlamaForCausalLM
+from .model.loader import load_model
+from .model_runner import ModelRunner
+from .request import DynamicInferenceRequest, EventType, FinishReason, RequestStatus
+from .sampler import Sampler
+from .scheduler import Scheduler, Sequence
+from .tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+CPU_KV_BUDGET_BYTES = 1 << 30  # host memory is shared with everything else: a fixed budget, not "free memory"
+
+
+@dataclass
+class StepOutput:
+    """What one step did for one request: the tokens it added and whether it is done."""
+
+    request: DynamicInferenceRequest
+    new_tokens: list[int]
+    new_text: str
+    new_log_probs: list[float]
+    finished: bool
+
+
+def default_dtype(config: InferenceConfig, model_config: ModelConfig) -> torch.dtype:
+    """float32 on CPU (bf16 matmuls are slow there); the checkpoint's dtype, else bfloat16, on a GPU."""
+    if config.dtype is not None:
+        return config.dtype
+    if not str(config.device).startswith("cuda"):
+        return torch.float32
+    return {"float16": torch.float16, "float32": torch.float32}.get(model_config.torch_dtype or "", torch.bfloat16)
+
+
+class DynamicInferenceEngine:
+    def __init__(self, model: LlamaForCausalLM, tokenizer: Tokenizer, config: InferenceConfig):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.config = config
+        self.device = torch.device(config.device)
+        model_config = model.config
+        self.dtype = next(model.parameters()).dtype
+        self.max_sequence_length = self._max_sequence_length(model_config)
+        block_size = config.block_size_tokens
+        self.kv_cache = KVCachePool(
+            model_config.num_layers, self._num_blocks(model), block_size, model.num_local_kv_heads,
+            model_config.head_dim, self.dtype, self.device,
+        )
+        self.allocator = BlockAllocator(self.kv_cache.shape[2])
+        self.scheduler = Scheduler(self.allocator, block_size, config.max_batch_tokens, config.max_requests)
+        self.runner = ModelRunner(model, block_size, self.device)
+        self.sampler = Sampler(config.seed, self.device)
+        self._sequences: dict[str, Sequence] = {}
+        self._detokenizers: dict[str, IncrementalDetokenizer] = {}
+        self._pending: list[StepOutput] = []
+        self.suspended = False
+        self.weights_offloaded = False
+
+    @classmethod
+    def from_model_dir(cls, model_dir: str | Path, config: InferenceConfig | None = None) -> "DynamicInferenceEngine":
+        config = config or InferenceConfig()
+        model_config = ModelConfig.from_dir(model_dir)
+        tokenizer = Tokenizer.from_pretrained(model_dir)
+        model = load_model(model_dir, default_dtype(config, model_config), config.device)
+        return cls(model, tokenizer, config)
+
+    # ----------------------------------------------------------------- sizing
+    def _max_sequence_length(self, model_config: ModelConfig) -> int:
+        limit = model_config.max_context
+        requested = self.config.max_sequence_length
+        if requested is None:
+            return limit
+        if requested > limit:
+            raise ValueError(f"max_sequence_length={requested} exceeds what the model attends over ({limit})")
+        return requested
+
+    def _num_blocks(self, model: LlamaForCausalLM) -> int:
+        if self.config.num_kv_blocks is not None:
+            return self.config.num_kv_blocks
+        mc = model.config
+        per_block = KVCachePool.bytes_per_block(mc.num_layers, self.config.block_size_tokens,
+                                                model.num_local_kv_heads, mc.head_dim, self.dtype)
+        if self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            budget = int(total * self.config.kv_cache_memory_fraction) - (total - free)
+        else:
+            budget = int(CPU_KV_BUDGET_BYTES * self.config.kv_cache_memory_fraction)
+        needed = self.config.max_requests * blocks_for_tokens(self.max_sequence_length, self.config.block_size_tokens)
+        blocks = min(budget // per_block, needed)
+        if blocks < 1:
+            raise ValueError("no memory left for the KV cache: lower the model size or raise kv_cache_memory_fraction")
+        return blocks
+
+    # ------------------------------------------------------------ public API
+    @property
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
+
+    @property
+    def kv_blocks_total(self) -> int:
+        return self.allocator.num_blocks
+
+    @property
+    def kv_blocks_free(self) -> int:
+        return self.allocator.num_free
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._pending) or self.scheduler.has_work()
+
+    def add_request(self, request: DynamicInferenceRequest) -> None:
+        """Queue a request; one that can never run fails alone (reported by the next ``step``)."""
+        request.add_event(EventType.ADD)
+        problem = self._admission_problem(request)
+        if problem is not None:
+            request.fail(problem)
+            self._pending.append(StepOutput(request, [], "", [], True))
+            return
+        sp = request.sampling_params
+        stop_ids = frozenset() if sp.ignore_eos else frozenset(
+            self.tokenizer.eos_token_ids if sp.termination_id is None
+            else (sp.termination_id if isinstance(sp.termination_id, list) else [sp.termination_id]))
+        max_total = min(len(request.prompt_tokens) + sp.num_tokens_to_generate, self.max_sequence_length)
+        sequence = Sequence(request, max_total, stop_ids)
+        request.status = RequestStatus.WAITING_IN_QUEUE
+        self._sequences[request.request_id] = sequence
+        detokenizer = IncrementalDetokenizer(self.tokenizer, sp.stop_words)
+        if request.generated_tokens:  # a continuation: its earlier text was already delivered
+            detokenizer.update(request.generated_tokens)
+            detokenizer.emitted = len(detokenizer.text) - (detokenizer.holdback if sp.stop_words else 0)
+            detokenizer.emitted = max(detokenizer.emitted, 0)
+        self._detokenizers[request.request_id] = detokenizer
+        self.scheduler.add(sequence)
+
+    def _admission_problem(self, request: DynamicInferenceRequest) -> str | None:
+        prompt_len = len(request.prompt_tokens)
+        if request.request_id in self._sequences:
+            return f"request id {request.request_id!r} is already in this engine"
+        if prompt_len == 0:
+            return "prompt is empty"
+        vocab = self.model.config.vocab_size
+        if any(not 0 <= t < vocab for t in request.prompt_tokens):
+            return f"prompt holds token ids outside the vocabulary [0, {vocab})"
+        if prompt_len >= self.max_sequence_length:
+            return (f"prompt has {prompt_len} tokens but max_sequence_length is {self.max_sequence_length} "
+                    "(prompt plus at least one generated token must fit)")
+        total = min(prompt_len + request.sampling_params.num_tokens_to_generate, self.max_sequence_length)
+        needed = blocks_for_tokens(total, self.config.block_size_tokens)
+        if needed > self.kv_blocks_total:
+            return (f"request needs {needed} KV blocks ({total} tokens) but the pool holds {self.kv_blocks_total}: "
+                    "raise num_kv_blocks or lower num_tokens_to_generate")
+        return None
+
+    def abort_request(self, request_id: str) -> DynamicInferenceRequest | None:
+        sequence = self._sequences.pop(request_id, None)
+        if sequence is None:
+            return None
+        self.scheduler.finish(sequence)
+        self._detokenizers.pop(request_id, None)
+        request = sequence.request
+        request.fail("aborted", FinishReason.ABORT)
+        return request
+
+    def take_unfinished_requests(self) -> list[DynamicInferenceRequest]:
+        """Hand back every unfinished request (draining): blocks freed, tokens generated so far kept."""
+        sequences = self.scheduler.take_all()
+        self._sequences.clear()
+        self._detokenizers.clear()
+        for sequence in sequences:
+            sequence.request.status = RequestStatus.WAITING_IN_QUEUE
+        return [s.request for s in sequences]
+
+    def suspend(self, level: int = 1) -> int:
+        """Release the KV pool (and at level 2 move weights to host); returns device bytes released."""
+        if level not in (1, 2):
+            raise ValueError(f"suspend level must be 1 or 2, got {level}")
+        released = 0
+        if not self.suspended:
+            self.scheduler.evict_all()
+            released += self.kv_cache.release()
+            self.suspended = True
+        if level == 2 and not self.weights_offloaded and self.device.type == "cuda":
+            released += sum(p.numel() * p.element_size() for p in self.model.parameters())
+            self.model.to("cpu")
+            torch.cuda.empty_cache()
+            self.weights_offloaded = True
+        return released
+
+    def resume(self) -> None:
+        if self.weights_offloaded:
+            self.model.to(self.device)
+            self.weights_offloaded = False
+        if self.suspended:
+            self.kv_cache.allocate()
+            self.suspended = False
+
+    # ------------------------------------------------------------------ step
+    def step(self) -> list[StepOutput]:
+        outputs, self._pending = self._pending, []
+        if self.suspended or not self.scheduler.has_work():
+            return outputs
+        batch = self.scheduler.schedule()
+        if not batch:
+            return outputs
+        sampling = [(s, count) for s, count in batch.entries if s.num_computed + count == len(s.token_ids)]
+        logits = self.runner.execute(batch.entries, self.kv_cache.layer_caches)
+        for sequence, count in batch.entries:
+            sequence.num_computed += count
+        sequences = [s for s, _ in sampling]
+        result = self.sampler.sample(logits, [s.request.sampling_params for s in sequences],
+                                     [len(s.request.generated_tokens) for s in sequences])
+        for i, sequence in enumerate(sequences):
+            outputs.append(self._append_token(sequence, result.token_ids[i], result.log_probs[i], result.top_n[i]))
+        return outputs
+
+    def _append_token(self, sequence: Sequence, token: int, log_prob: float | None,
+                      top_n: dict[int, float] | None) -> StepOutput:
+        request = sequence.request
+        if not request.generated_tokens:
+            request.add_event(EventType.FIRST_TOKEN)
+        detokenizer = self._detokenizers[request.request_id]
+        finish: FinishReason | None = None
+        new_tokens: list[int] = []
+        new_log_probs: list[float] = []
+        if token in sequence.stop_token_ids:
+            finish = FinishReason.STOP
+        else:
+            sequence.token_ids.append(token)
+            request.generated_tokens.append(token)
+            new_tokens.append(token)
+            if log_prob is not None:
+                request.generated_log_probs.append(log_prob)
+                new_log_probs.append(log_prob)
+            if top_n is not None:
+                request.generated_top_n_logprobs.append(top_n)
+            if detokenizer.update(request.generated_tokens):
+                finish = FinishReason.STOP
+            elif len(sequence.token_ids) >= sequence.max_total_tokens:
+                finish = FinishReason.LENGTH
+        new_text = detokenizer.take_new_text(final=finish is not None)
+        if finish is not None:
+            request.generated_text = detokenizer.text
+            request.status = RequestStatus.COMPLETED
+            request.finish_reason = finish
+            request.add_event(EventType.FINISH, finish.value)
+            self.scheduler.finish(sequence)
+            del self._sequences[request.request_id]
+            del self._detokenizers[request.request_id]
+        return StepOutput(request, new_tokens, new_text, new_log_probs, finish is not None)

@@ -1,0 +1,60 @@
+"""Paged attention over the KV cache, and the per-step metadata that describes the packed batch.
+
+A step packs decode tokens first (one per sequence) and prefill chunks after them; decode and
+prefill run through different kernels because their shapes differ so much.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from megatron_kernels import get_op
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [T] int64 cache slot of every token of the step
+    num_decode_tokens: int
+    decode_block_tables: torch.Tensor | None  # [D, max_blocks] int32
+    decode_context_lens: torch.Tensor | None  # [D] int32, including this step's token
+    prefill_block_tables: torch.Tensor | None  # [P, max_blocks] int32
+    prefill_query_start_loc: torch.Tensor | None  # [P + 1] int32, offsets into the prefill tokens
+    prefill_context_lens: torch.Tensor | None  # [P] int32, including this step's chunk
+
+
+@dataclass
+class ForwardContext:
+    """What every layer needs besides hidden states: the batch layout and its own cache pages."""
+
+    metadata: AttentionMetadata
+    kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
+
+
+class PagedAttention(nn.Module):
+    def __init__(self, layer_index: int, scale: float, device: torch.device):
+        super().__init__()
+        self.layer_index = layer_index
+        self.scale = scale
+        self._write = get_op("write_kv_cache", device)
+        self._decode = get_op("paged_attention_decode", device)
+        self._prefill = get_op("paged_attention_prefill", device)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, context: ForwardContext) -> torch.Tensor:
+        meta = context.metadata
+        k_cache, v_cache = context.kv_caches[self.layer_index]
+        self._write(k, v, k_cache, v_cache, meta.slot_mapping)
+        num_decode = meta.num_decode_tokens
+        if num_decode == q.shape[0]:
+            return self._decode(q, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, self.scale)
+        if num_decode == 0:
+            return self._prefill(q, k_cache, v_cache, meta.prefill_block_tables, meta.prefill_query_start_loc,
+                                 meta.prefill_context_lens, self.scale)
+        out = torch.empty_like(q)
+        out[:num_decode] = self._decode(q[:num_decode], k_cache, v_cache, meta.decode_block_tables,
+                                        meta.decode_context_lens, self.scale)
+        out[num_decode:] = self._prefill(q[num_decode:], k_cache, v_cache, meta.prefill_block_tables,
+                                         meta.prefill_query_start_loc, meta.prefill_context_lens, self.scale)
+        return out

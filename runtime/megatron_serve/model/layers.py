@@ -1,0 +1,175 @@
+"""Building blocks of the decoder, shaped for tensor parallelism.
+
+Linear layers own only their rank's slice and know how to cut that slice out of a full
+checkpoint tensor (``weight_loader``), so loading never needs the whole weight on one rank.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import torch
+from torch import nn
+
+from .config import RopeConfig
+from .parallel import SINGLE, TensorParallel
+
+# A checkpoint tensor handed to a loader: a safetensors slice (supports indexing) or a tensor.
+TensorSource = object
+
+
+def _narrow(source: TensorSource, dim: int, start: int, length: int) -> torch.Tensor:
+    """Read ``[start, start+length)`` along ``dim`` from a safetensors slice or a tensor."""
+    if isinstance(source, torch.Tensor):
+        return source.narrow(dim, start, length)
+    index = [slice(None)] * len(source.get_shape())
+    index[dim] = slice(start, start + length)
+    return source[tuple(index)]
+
+
+def _read_all(source: TensorSource) -> torch.Tensor:
+    return source if isinstance(source, torch.Tensor) else source[:]
+
+
+def _copy_checked(param: torch.Tensor, loaded: torch.Tensor, name: str) -> None:
+    if tuple(param.shape) != tuple(loaded.shape):
+        raise ValueError(f"weight {name}: checkpoint shape {tuple(loaded.shape)} does not fit {tuple(param.shape)}")
+    param.data.copy_(loaded)
+
+
+class ColumnParallelLinear(nn.Module):
+    """Output features split across ranks; each rank's output is its slice (no communication).
+
+    ``shards`` maps each fused part (q|k|v, gate|up) to ``(features, unit)``: a part is split across
+    ranks in whole units (a head, a feature), and the fused weight on a rank is the concatenation of
+    its slices. A part with fewer units than ranks (KV heads under wide TP) is replicated: groups of
+    ranks share one unit.
+    """
+
+    def __init__(self, in_features: int, shards: dict[str, tuple[int, int]], bias: bool = False,
+                 tp: TensorParallel = SINGLE):
+        super().__init__()
+        self.tp = tp
+        self.slices: dict[str, tuple[int, int, int]] = {}  # name -> (offset here, start in checkpoint, length)
+        offset = 0
+        for name, (features, unit) in shards.items():
+            start, length = self._rank_slice(name, features, unit)
+            self.slices[name] = (offset, start, length)
+            offset += length
+        self.weight = nn.Parameter(torch.empty(offset, in_features), requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(offset), requires_grad=False) if bias else None
+
+    def _rank_slice(self, name: str, features: int, unit: int) -> tuple[int, int]:
+        units = features // unit
+        ranks = self.tp.size
+        if units >= ranks:
+            if units % ranks:
+                raise ValueError(f"{name}: {units} units do not split over {ranks} ranks")
+            length = features // ranks
+            return self.tp.rank * length, length
+        if ranks % units:
+            raise ValueError(f"{name}: {units} units cannot be replicated evenly over {ranks} ranks")
+        return (self.tp.rank * units // ranks) * unit, unit
+
+    def weight_loader(self, param: nn.Parameter, source: TensorSource, shard: str | None = None) -> None:
+        name = shard if shard is not None else next(iter(self.slices))
+        offset, start, length = self.slices[name]
+        _copy_checked(param.data.narrow(0, offset, length), _narrow(source, 0, start, length), name)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return nn.functional.linear(x, self.weight, self.bias)
+
+
+class RowParallelLinear(nn.Module):
+    """Input features split across ranks; partial outputs are summed with an all-reduce."""
+
+    def __init__(self, in_features: int, out_features: int, tp: TensorParallel = SINGLE):
+        super().__init__()
+        if in_features % tp.size:
+            raise ValueError(f"{in_features} input features do not split over {tp.size} ranks")
+        self.tp = tp
+        self.local_in = in_features // tp.size
+        self.weight = nn.Parameter(torch.empty(out_features, self.local_in), requires_grad=False)
+
+    def weight_loader(self, param: nn.Parameter, source: TensorSource, shard: str | None = None) -> None:
+        _copy_checked(param, _narrow(source, 1, self.tp.rank * self.local_in, self.local_in), "row-parallel")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.tp.all_reduce(nn.functional.linear(x, self.weight))
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Embedding table split by vocabulary rows; ranks fill only ids they own, then all-reduce."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, tp: TensorParallel = SINGLE):
+        super().__init__()
+        self.tp = tp
+        self.vocab_size = vocab_size
+        self.rows_per_rank = math.ceil(vocab_size / tp.size)
+        self.start = tp.rank * self.rows_per_rank
+        self.local_rows = max(0, min(self.rows_per_rank, vocab_size - self.start))
+        self.weight = nn.Parameter(torch.zeros(self.rows_per_rank, hidden_size), requires_grad=False)
+
+    def weight_loader(self, param: nn.Parameter, source: TensorSource, shard: str | None = None) -> None:
+        piece = _narrow(source, 0, self.start, self.local_rows)
+        _copy_checked(param.data.narrow(0, 0, self.local_rows), piece, "embedding")
+
+    def forward(self, token_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:
+            return nn.functional.embedding(token_ids, self.weight)
+        local = token_ids - self.start
+        owned = (local >= 0) & (local < self.local_rows)
+        out = nn.functional.embedding(local.clamp(0, self.rows_per_rank - 1), self.weight)
+        out = out * owned.unsqueeze(-1).to(out.dtype)
+        return self.tp.all_reduce(out)
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """Output projection split by vocabulary rows; logits are gathered to full width."""
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        logits = nn.functional.linear(hidden, self.weight)
+        if self.tp.size == 1:
+            return logits[..., : self.vocab_size]
+        return self.tp.all_gather_last_dim(logits)[..., : self.vocab_size]
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float, norm: Callable, fused_add_norm: Callable):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size), requires_grad=False)
+        self.eps = eps
+        self._norm = norm
+        self._fused_add_norm = fused_add_norm
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """``norm(x)``, or with a residual ``(norm(x + residual), x + residual)`` in one pass."""
+        if residual is None:
+            return self._norm(x, self.weight, self.eps)
+        return self._fused_add_norm(x, residual, self.weight, self.eps)
+
+
+def rotary_cos_sin(head_dim: int, max_positions: int, rope: RopeConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """float32 ``cos``/``sin`` tables ``[max_positions, head_dim // 2]``, with Llama 3 / linear scaling."""
+    inv_freq = 1.0 / (rope.theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    if rope.rope_type == "linear":
+        inv_freq = inv_freq / rope.factor
+    elif rope.rope_type == "llama3":
+        inv_freq = _llama3_inv_freq(inv_freq, rope)
+    positions = torch.arange(max_positions, dtype=torch.int64).float()
+    freqs = torch.outer(positions, inv_freq)
+    return freqs.cos(), freqs.sin()
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, rope: RopeConfig) -> torch.Tensor:
+    """Llama 3.1 frequency rescaling: long wavelengths slowed by ``factor``, short kept, a smooth band between."""
+    old_context = rope.original_max_position_embeddings
+    low_freq_wavelen = old_context / rope.low_freq_factor
+    high_freq_wavelen = old_context / rope.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / rope.factor, inv_freq)
+    smooth = (old_context / wavelen - rope.low_freq_factor) / (rope.high_freq_factor - rope.low_freq_factor)
+    smoothed = (1 - smooth) * scaled / rope.factor + smooth * scaled
+    medium = ~(wavelen < high_freq_wavelen) & ~(wavelen > low_freq_wavelen)
+    return torch.where(medium, smoothed, scaled)

@@ -1,0 +1,147 @@
+"""The Llama-family decoder (Llama, Mistral, Qwen2 with qkv bias, Qwen3 with q/k norm).
+
+Module names mirror the Hugging Face checkpoints (``model.layers.N.self_attn...``) except where
+projections are fused (``qkv_proj``, ``gate_up_proj``); the loader maps between the two.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from megatron_kernels import get_op
+
+from .attention import ForwardContext, PagedAttention
+from .config import ModelConfig
+from .layers import (
+    ColumnParallelLinear,
+    ParallelLMHead,
+    RMSNorm,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    rotary_cos_sin,
+)
+from .parallel import SINGLE, TensorParallel
+
+
+class _Ops:
+    """The kernels one model instance uses, resolved once for its device."""
+
+    def __init__(self, device: torch.device):
+        self.rms_norm = get_op("rms_norm", device)
+        self.fused_add_rms_norm = get_op("fused_add_rms_norm", device)
+        self.silu_and_mul = get_op("silu_and_mul", device)
+        self.apply_rotary = get_op("apply_rotary", device)
+
+    def norm(self, size: int, eps: float) -> RMSNorm:
+        return RMSNorm(size, eps, self.rms_norm, self.fused_add_rms_norm)
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: ModelConfig, layer_index: int, ops: _Ops, tp: TensorParallel, device: torch.device):
+        super().__init__()
+        head_dim = config.head_dim
+        self.head_dim = head_dim
+        self.qkv_proj = ColumnParallelLinear(
+            config.hidden_size,
+            {"q": (config.num_heads * head_dim, head_dim), "k": (config.num_kv_heads * head_dim, head_dim),
+             "v": (config.num_kv_heads * head_dim, head_dim)},
+            bias=config.qkv_bias,
+            tp=tp,
+        )
+        self.q_size = self.qkv_proj.slices["q"][2]
+        self.kv_size = self.qkv_proj.slices["k"][2]
+        self.o_proj = RowParallelLinear(config.num_heads * head_dim, config.hidden_size, tp=tp)
+        self.q_norm = ops.norm(head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.k_norm = ops.norm(head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.apply_rotary = ops.apply_rotary
+        self.attn = PagedAttention(layer_index, head_dim**-0.5, device)
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, context: ForwardContext,
+                cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(-1, self.q_size // self.head_dim, self.head_dim)
+        k = k.view(-1, self.kv_size // self.head_dim, self.head_dim)
+        v = v.view(-1, self.kv_size // self.head_dim, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.apply_rotary(q, k, positions, cos, sin)
+        out = self.attn(q, k, v, context)
+        return self.o_proj(out.flatten(1))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config: ModelConfig, ops: _Ops, tp: TensorParallel):
+        super().__init__()
+        size = config.intermediate_size
+        self.gate_up_proj = ColumnParallelLinear(config.hidden_size, {"gate": (size, 1), "up": (size, 1)}, tp=tp)
+        self.down_proj = RowParallelLinear(size, config.hidden_size, tp=tp)
+        self.silu_and_mul = ops.silu_and_mul
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.silu_and_mul(self.gate_up_proj(hidden)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer_index: int, ops: _Ops, tp: TensorParallel, device: torch.device):
+        super().__init__()
+        self.self_attn = LlamaAttention(config, layer_index, ops, tp, device)
+        self.mlp = LlamaMLP(config, ops, tp)
+        self.input_layernorm = ops.norm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = ops.norm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, positions, hidden, residual, context, cos, sin):
+        if residual is None:
+            residual = hidden
+            hidden = self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden, context, cos, sin)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: ModelConfig, ops: _Ops, tp: TensorParallel, device: torch.device):
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp=tp)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, index, ops, tp, device) for index in range(config.num_layers)
+        )
+        self.norm = ops.norm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, token_ids, positions, context, cos, sin) -> torch.Tensor:
+        hidden = self.embed_tokens(token_ids)
+        residual = None
+        for layer in self.layers:
+            hidden, residual = layer(positions, hidden, residual, context, cos, sin)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+
+class LlamaForCausalLM(nn.Module):
+    """Decoder plus LM head. ``forward`` returns hidden states; ``compute_logits`` only for rows that sample."""
+
+    def __init__(self, config: ModelConfig, tp: TensorParallel = SINGLE, device: torch.device | str = "cpu"):
+        super().__init__()
+        device = torch.device(device)
+        self.config = config
+        self.tp = tp
+        ops = _Ops(device)
+        self.model = LlamaModel(config, ops, tp, device)
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp=tp)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        cos, sin = rotary_cos_sin(config.head_dim, config.max_position_embeddings, config.rope)
+        self.register_buffer("rotary_cos", cos, persistent=False)
+        self.register_buffer("rotary_sin", sin, persistent=False)
+
+    @property
+    def num_local_kv_heads(self) -> int:
+        return self.model.layers[0].self_attn.kv_size // self.config.head_dim
+
+    def forward(self, token_ids: torch.Tensor, positions: torch.Tensor, context: ForwardContext) -> torch.Tensor:
+        return self.model(token_ids, positions, context, self.rotary_cos, self.rotary_sin)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()

@@ -1,0 +1,124 @@
+"""Loading Hugging Face safetensors checkpoints (single file or sharded with an index) into the decoder.
+
+Each tensor is read through a safetensors slice handed to the owning layer's ``weight_loader``,
+so a tensor-parallel rank reads only its slice from disk.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from pathlib import Path
+from typing import Callable, Iterator
+
+import torch
+from safetensors import safe_open
+
+from .config import ModelConfig
+from .llama import LlamaForCausalLM
+from .parallel import SINGLE, TensorParallel
+
+# checkpoint projection name -> (fused module name, shard id)
+FUSED_PROJECTIONS = {
+    "q_proj": ("qkv_proj", "q"),
+    "k_proj": ("qkv_proj", "k"),
+    "v_proj": ("qkv_proj", "v"),
+    "gate_proj": ("gate_up_proj", "gate"),
+    "up_proj": ("gate_up_proj", "up"),
+}
+IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def checkpoint_files(model_dir: str | Path) -> list[Path]:
+    """The safetensors files of a model directory, from its index when sharded."""
+    model_dir = Path(model_dir)
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        files = sorted({model_dir / name for name in weight_map.values()})
+    else:
+        files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors weights in model directory {model_dir}")
+    missing = [str(f) for f in files if not f.is_file()]
+    if missing:
+        raise FileNotFoundError(f"checkpoint index names missing files: {', '.join(missing)}")
+    return files
+
+
+def iterate_checkpoint(model_dir: str | Path) -> Iterator[tuple[str, object]]:
+    """Yield ``(name, safetensors slice)`` for every tensor, without reading the data yet."""
+    for path in checkpoint_files(model_dir):
+        with safe_open(str(path), framework="pt") as handle:
+            for name in handle.keys():
+                yield name, handle.get_slice(name)
+
+
+def _target(model: LlamaForCausalLM, name: str) -> tuple[torch.nn.Parameter, Callable | None, str | None] | None:
+    """Map a checkpoint tensor name to the parameter that holds it (and its loader and shard)."""
+    if name.endswith(IGNORED_SUFFIXES):
+        return None
+    module_path, _, param_name = name.rpartition(".")
+    parts = module_path.split(".")
+    shard = None
+    if parts and parts[-1] in FUSED_PROJECTIONS:
+        parts[-1], shard = FUSED_PROJECTIONS[parts[-1]]
+    try:
+        module = model.get_submodule(".".join(parts))
+    except AttributeError:
+        raise ValueError(f"checkpoint tensor {name!r} has no place in {model.config.architecture}") from None
+    param = getattr(module, param_name, None)
+    if not isinstance(param, torch.nn.Parameter):
+        raise ValueError(f"checkpoint tensor {name!r} has no place in {model.config.architecture}")
+    return param, getattr(module, "weight_loader", None), shard
+
+
+def load_weights(model: LlamaForCausalLM, tensors: Iterator[tuple[str, object]]) -> None:
+    """Copy checkpoint tensors into ``model``; every parameter must be covered exactly."""
+    expected = {id(p): n for n, p in model.named_parameters()}
+    seen: set[int] = set()
+    with torch.no_grad():
+        for name, source in tensors:
+            if name == "lm_head.weight" and model.config.tie_word_embeddings:
+                continue  # tied: the embedding already fills it
+            target = _target(model, name)
+            if target is None:
+                continue
+            param, loader, shard = target
+            if loader is not None:
+                loader(param, source, shard)
+            else:
+                loaded = source if isinstance(source, torch.Tensor) else source[:]
+                if tuple(loaded.shape) != tuple(param.shape):
+                    raise ValueError(f"weight {name}: checkpoint shape {tuple(loaded.shape)} does not fit {tuple(param.shape)}")
+                param.data.copy_(loaded)
+            seen.add(id(param))
+    missing = [n for pid, n in expected.items() if pid not in seen]
+    if missing:
+        raise ValueError(f"checkpoint is missing weights: {', '.join(sorted(missing)[:8])}")
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype):
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def build_model(config: ModelConfig, dtype: torch.dtype, device: torch.device | str,
+                tp: TensorParallel = SINGLE) -> LlamaForCausalLM:
+    """An uninitialised model with parameters allocated directly on ``device`` in ``dtype``."""
+    with _default_dtype(dtype), torch.device(device):
+        model = LlamaForCausalLM(config, tp=tp, device=device)
+    return model.eval()
+
+
+def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device | str,
+               tp: TensorParallel = SINGLE) -> LlamaForCausalLM:
+    config = ModelConfig.from_dir(model_dir)
+    model = build_model(config, dtype, device, tp)
+    load_weights(model, iterate_checkpoint(model_dir))
+    return model

@@ -1,0 +1,34 @@
+"""Tensor-parallel context of this process: which slice of every sharded weight it owns.
+
+With one rank (the default) every layer holds whole weights and no collective is issued, so the
+single-GPU and CPU paths pay nothing for the tensor-parallel structure.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class TensorParallel:
+    rank: int = 0
+    size: int = 1
+    group: object | None = None
+
+    def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
+        if self.size > 1:
+            dist.all_reduce(tensor, group=self.group)
+        return tensor
+
+    def all_gather_last_dim(self, tensor: torch.Tensor) -> torch.Tensor:
+        if self.size == 1:
+            return tensor
+        parts = [torch.empty_like(tensor) for _ in range(self.size)]
+        dist.all_gather(parts, tensor.contiguous(), group=self.group)
+        return torch.cat(parts, dim=-1)
+
+
+SINGLE = TensorParallel()

@@ -1,0 +1,115 @@
+"""Routing policies: which engine group gets the next queued request.
+
+The coordinator calls ``policy.select(request, candidates)`` with the engines that may take work
+now (registered, not draining, below their in-flight limit) and dispatches to the one returned.
+A policy only chooses; it never mutates the engines or the request. Policies are looked up by
+name in :data:`ROUTING_POLICIES`; a new policy (e.g. ``prefix_affinity``, which prefers the group
+holding the longest chain of the prompt's block hashes) registers itself with
+:func:`register_routing_policy` and can read whatever the engines report in their heartbeat
+``stats`` (``EngineView.stats``) and the prompt tokens of the request.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any, Callable, Protocol, Sequence
+
+
+class EngineView(Protocol):
+    """What a policy may read about an engine (implemented by the coordinator's engine record)."""
+
+    engine_id: str
+    group: int
+    capacity: int  # requests the engine runs at once (its ``max_requests``)
+    kv_blocks_free: int
+    kv_blocks_total: int
+    stats: dict[str, Any]  # extra facts from the engine's last heartbeat
+
+    @property
+    def load(self) -> int:  # requests assigned and not finished
+        ...
+
+
+class RequestView(Protocol):
+    request_id: str
+    prompt_tokens: list[int]
+
+
+class RoutingPolicy(Protocol):
+    name: str
+
+    def select(self, request: RequestView, candidates: Sequence[EngineView]) -> EngineView | None:
+        """Return the engine to run ``request`` (``candidates`` is never empty), or ``None`` to hold it."""
+        ...
+
+    def forget(self, engine_id: str) -> None:
+        """Drop per-engine state of an engine that left."""
+        ...
+
+
+class LeastLoaded:
+    """Fewest in-flight requests relative to capacity; ties go to more free KV blocks, then group id."""
+
+    name = "least_loaded"
+
+    def select(self, request: RequestView, candidates: Sequence[EngineView]) -> EngineView | None:
+        def key(engine: EngineView) -> tuple[float, float, int]:
+            free_fraction = engine.kv_blocks_free / engine.kv_blocks_total if engine.kv_blocks_total else 0.0
+            return (engine.load / max(engine.capacity, 1), -free_fraction, engine.group)
+
+        return min(candidates, key=key)
+
+    def forget(self, engine_id: str) -> None:
+        pass
+
+
+class RoundRobin:
+    """Cycle through groups in group-id order, skipping those that cannot take work now."""
+
+    name = "round_robin"
+
+    def __init__(self) -> None:
+        self._last_group: int | None = None
+
+    def select(self, request: RequestView, candidates: Sequence[EngineView]) -> EngineView | None:
+        ordered = sorted(candidates, key=lambda e: e.group)
+        chosen = ordered[0]
+        if self._last_group is not None:
+            for engine in ordered:
+                if engine.group > self._last_group:
+                    chosen = engine
+                    break
+        self._last_group = chosen.group
+        return chosen
+
+    def forget(self, engine_id: str) -> None:
+        pass
+
+
+ROUTING_POLICIES: dict[str, Callable[[], RoutingPolicy]] = {
+    "least_loaded": LeastLoaded,
+    "round_robin": RoundRobin,
+}
+
+#: Policies named by the design that live in their own module and register on import.
+_PLUGIN_MODULES = {"prefix_affinity": "megatron_serve.prefix_routing"}
+
+#: Every name the CLI offers (``--routing``), available or not yet.
+KNOWN_POLICIES = ("least_loaded", "round_robin", "prefix_affinity")
+
+
+def register_routing_policy(name: str, factory: Callable[[], RoutingPolicy]) -> None:
+    ROUTING_POLICIES[name] = factory
+
+
+def make_routing_policy(name: str) -> RoutingPolicy:
+    """Instantiate a policy by name; a clear ``ValueError`` when it does not exist (yet)."""
+    if name not in ROUTING_POLICIES and name in _PLUGIN_MODULES:
+        try:
+            importlib.import_module(_PLUGIN_MODULES[name])
+        except ImportError:
+            pass
+    if name not in ROUTING_POLICIES:
+        available = ", ".join(sorted(ROUTING_POLICIES))
+        raise ValueError(f"routing policy {name!r} is not available in this build (available: {available})")
+    return ROUTING_POLICIES[name]()

@@ -1,0 +1,155 @@
+"""Continuous batching: which requests run this step, and how many tokens each computes.
+
+Every step mixes one decode token per running request with chunks of prompts (chunked prefill)
+up to ``max_batch_tokens``. Running requests are served first, oldest first; waiting ones are
+admitted while tokens, request slots and KV blocks remain. When blocks run out, the newest
+running request is preempted: its blocks are freed and it waits to be recomputed from its prompt
+plus the tokens it already generated, which leaves its output unchanged.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from .kv_cache import BlockAllocator, blocks_for_tokens
+from .request import DynamicInferenceRequest, EventType, RequestStatus
+
+
+@dataclass
+class Sequence:
+    """Engine-side state of one request: its tokens, how many are in the cache, and where."""
+
+    request: DynamicInferenceRequest
+    max_total_tokens: int
+    stop_token_ids: frozenset[int]
+    token_ids: list[int] = field(default_factory=list)
+    num_computed: int = 0
+    block_table: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not self.token_ids:
+            self.token_ids = list(self.request.prompt_tokens) + list(self.request.generated_tokens)
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    @property
+    def num_uncomputed(self) -> int:
+        return len(self.token_ids) - self.num_computed
+
+
+@dataclass
+class ScheduledBatch:
+    """One step's work: ``(sequence, tokens to compute)``, decode entries (one token) first."""
+
+    entries: list[tuple[Sequence, int]]
+    preempted: list[Sequence]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(count for _, count in self.entries)
+
+    def __bool__(self) -> bool:
+        return bool(self.entries)
+
+
+class Scheduler:
+    def __init__(self, allocator: BlockAllocator, block_size: int, max_batch_tokens: int, max_requests: int):
+        self.allocator = allocator
+        self.block_size = block_size
+        self.max_batch_tokens = max_batch_tokens
+        self.max_requests = max_requests
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+
+    def add(self, sequence: Sequence) -> None:
+        self.waiting.append(sequence)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def _blocks_needed(self, sequence: Sequence, num_tokens: int) -> int:
+        return blocks_for_tokens(sequence.num_computed + num_tokens, self.block_size) - len(sequence.block_table)
+
+    def _grow(self, sequence: Sequence, num_tokens: int) -> None:
+        needed = self._blocks_needed(sequence, num_tokens)
+        if needed > 0:
+            sequence.block_table.extend(self.allocator.allocate(needed))
+
+    def release(self, sequence: Sequence) -> None:
+        """Drop a sequence's blocks; it must be recomputed from scratch to run again."""
+        self.allocator.free(sequence.block_table)
+        sequence.block_table = []
+        sequence.num_computed = 0
+
+    def _preempt_newest(self, preempted: list[Sequence]) -> Sequence:
+        victim = self.running.pop()
+        self.release(victim)
+        victim.request.status = RequestStatus.WAITING_IN_QUEUE
+        victim.request.add_event(EventType.PREEMPT)
+        self.waiting.appendleft(victim)
+        preempted.append(victim)
+        return victim
+
+    def schedule(self) -> ScheduledBatch:
+        budget = self.max_batch_tokens
+        entries: list[tuple[Sequence, int]] = []
+        preempted: list[Sequence] = []
+        index = 0
+        while index < len(self.running) and budget > 0:
+            sequence = self.running[index]
+            count = min(sequence.num_uncomputed, budget)
+            while self._blocks_needed(sequence, count) > self.allocator.num_free:
+                if self._preempt_newest(preempted) is sequence:
+                    break
+            else:
+                self._grow(sequence, count)
+                entries.append((sequence, count))
+                budget -= count
+                index += 1
+                continue
+            break  # the sequence itself was preempted: nothing newer is left running
+        while (self.waiting and budget > 0 and not preempted and len(self.running) < self.max_requests):
+            sequence = self.waiting[0]
+            count = min(sequence.num_uncomputed, budget)
+            if self._blocks_needed(sequence, count) > self.allocator.num_free:
+                break
+            self.waiting.popleft()
+            self._grow(sequence, count)
+            self.running.append(sequence)
+            sequence.request.status = RequestStatus.ACTIVE
+            sequence.request.add_event(EventType.PREFILL)
+            entries.append((sequence, count))
+            budget -= count
+        entries.sort(key=lambda entry: entry[1] != 1)  # decode-shaped entries first, stable otherwise
+        return ScheduledBatch(entries, preempted)
+
+    def finish(self, sequence: Sequence) -> None:
+        """Remove a finished or aborted sequence from wherever it is and free its blocks."""
+        if sequence in self.running:
+            self.running.remove(sequence)
+        elif sequence in self.waiting:
+            self.waiting.remove(sequence)
+        self.release(sequence)
+
+    def evict_all(self) -> list[Sequence]:
+        """Move every running sequence back to waiting without blocks (suspend); returns them."""
+        evicted = list(self.running)
+        for sequence in reversed(evicted):
+            self.release(sequence)
+            sequence.request.status = RequestStatus.WAITING_IN_QUEUE
+            sequence.request.add_event(EventType.EVICT)
+            self.waiting.appendleft(sequence)
+        self.running.clear()
+        return evicted
+
+    def take_all(self) -> list[Sequence]:
+        """Remove and return every sequence, running first (oldest first), with blocks freed."""
+        taken = self.running + list(self.waiting)
+        for sequence in self.running:
+            self.release(sequence)
+        self.running.clear()
+        self.waiting.clear()
+        return taken

@@ -1,0 +1,63 @@
+"""Tokenization and chat templates from the model directory, through ``transformers`` (local files only)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+
+class Tokenizer:
+    """A thin adapter that fixes the few calls the engine, coordinator and server make."""
+
+    def __init__(self, hf_tokenizer: Any, eos_token_ids: list[int]):
+        self._tok = hf_tokenizer
+        self.eos_token_ids = eos_token_ids
+
+    @classmethod
+    def from_pretrained(cls, model_dir: str | Path) -> "Tokenizer":
+        from transformers import AutoTokenizer  # noqa: PLC0415 - heavy import, only when a tokenizer is needed
+
+        model_dir = Path(model_dir)
+        if not (model_dir / "tokenizer.json").is_file() and not (model_dir / "tokenizer_config.json").is_file():
+            raise FileNotFoundError(f"no tokenizer.json or tokenizer_config.json in model directory {model_dir}")
+        hf_tokenizer = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
+        return cls(hf_tokenizer, _eos_ids(model_dir, hf_tokenizer))
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self._tok)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(self._tok.encode(text, add_special_tokens=add_special_tokens))
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self._tok.decode(token_ids, skip_special_tokens=skip_special_tokens)
+
+    def token_text(self, token_id: int) -> str:
+        """The text of one token on its own (for log-prob listings)."""
+        return self._tok.decode([token_id], skip_special_tokens=False)
+
+    @property
+    def has_chat_template(self) -> bool:
+        return bool(getattr(self._tok, "chat_template", None))
+
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+        if not self.has_chat_template:
+            raise ValueError("this model has no chat template (tokenizer_config.json has no 'chat_template')")
+        return self._tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+
+
+def _eos_ids(model_dir: Path, hf_tokenizer: Any) -> list[int]:
+    """EOS ids from the tokenizer, config.json and generation_config.json together (Llama 3 lists several)."""
+    ids: list[int] = []
+    if hf_tokenizer.eos_token_id is not None:
+        ids.append(int(hf_tokenizer.eos_token_id))
+    for name in ("generation_config.json", "config.json"):
+        path = model_dir / name
+        if path.is_file():
+            value = json.loads(path.read_text()).get("eos_token_id")
+            for token_id in value if isinstance(value, list) else [value]:
+                if token_id is not None and int(token_id) not in ids:
+                    ids.append(int(token_id))
+    return ids
