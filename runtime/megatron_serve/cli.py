@@ -14,6 +14,9 @@ import sys
 COMMANDS: dict[str, tuple[str, str]] = {
     "make-tiny-model": ("megatron_serve.commands.make_tiny_model", "write a small random Llama-family model + tokenizer"),
     "generate": ("megatron_serve.commands.generate", "generate from a model directory in this process"),
+    "coordinator": ("megatron_serve.commands.coordinator", "run the coordinator (routing, request table, lifecycle)"),
+    "engine": ("megatron_serve.commands.engine", "run one engine group that serves a coordinator"),
+    "control": ("megatron_serve.commands.control", "pause|unpause|suspend|resume|stop|status a fleet"),
 }
 
 

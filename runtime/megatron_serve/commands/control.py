@@ -1,0 +1,119 @@
+"""``megatron-serve control VERB``: lifecycle verbs and status for humans and scripts.
+
+Prints the acknowledged state (one line, plus per-engine facts) or, for ``status``, a table;
+``--json`` prints the coordinator's answer as one JSON object instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import time
+from typing import Any
+
+from .options import add_token_option, read_token
+
+VERBS = ("pause", "unpause", "suspend", "resume", "stop", "status")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("verb", choices=VERBS)
+    parser.add_argument("--coordinator", required=True, metavar="ADDRESS", help="e.g. tcp://127.0.0.1:5555")
+    parser.add_argument("--json", action="store_true", help="print the answer as one JSON object")
+    parser.add_argument("--level", type=int, choices=(1, 2), default=1,
+                        help="suspend level: 1 frees the KV cache, 2 also moves weights to host memory")
+    parser.add_argument("--drain-timeout", type=float, default=None, metavar="S",
+                        help="stop: how long engines may keep working before handing requests back")
+    parser.add_argument("--timeout", type=float, default=120.0, metavar="S",
+                        help="give up waiting for the acknowledgement after this long")
+    parser.add_argument("--connect-timeout", type=float, default=10.0, metavar="S")
+    add_token_option(parser)
+
+
+async def _execute(args: argparse.Namespace, token: str | None) -> dict[str, Any]:
+    from ..client import InferenceClient  # noqa: PLC0415
+
+    client = InferenceClient(args.coordinator, token=token, role="control")
+    try:
+        await client.start(timeout=args.connect_timeout)
+    except TimeoutError:
+        raise RuntimeError(f"no coordinator answered at {args.coordinator} within {args.connect_timeout:.0f}s "
+                           "(is it running? check --coordinator)") from None
+    try:
+        if args.verb == "status":
+            return await client.status(timeout=args.timeout)
+        if args.verb == "suspend":
+            return await client.suspend(level=args.level, timeout=args.timeout)
+        if args.verb == "stop":
+            return await client.stop(timeout=args.timeout, drain_timeout=args.drain_timeout)
+        return await getattr(client, args.verb)(timeout=args.timeout)
+    finally:
+        client.close()
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..client import ControlError, CoordinatorError  # noqa: PLC0415
+
+    token = read_token(args)
+    try:
+        answer = asyncio.run(_execute(args, token))
+    except ControlError as exc:
+        raise RuntimeError(f"{args.verb} refused by the coordinator: {exc}") from None
+    except CoordinatorError as exc:
+        raise RuntimeError(f"coordinator error ({exc.code}): {exc}") from None
+    except (asyncio.TimeoutError, TimeoutError):
+        raise RuntimeError(f"{args.verb}: no acknowledgement within {args.timeout:.0f}s") from None
+    if args.json:
+        print(json.dumps(answer, sort_keys=True, default=str))
+    elif args.verb == "status":
+        print(format_status(answer))
+    else:
+        print(format_ack(args.verb, answer))
+    return 0
+
+
+def format_ack(verb: str, answer: dict[str, Any]) -> str:
+    detail = answer.get("detail") or {}
+    engines = detail.get("engines") or {}
+    head = f"{verb}: fleet is {answer['state']}"
+    if detail.get("noop"):
+        head += " (already; no change)"
+    head += f", acknowledged by {len(engines)} engine(s)"
+    if "released_bytes" in detail:
+        head += f", released {_bytes(detail['released_bytes'])}"
+    lines = [head]
+    for engine_id, facts in sorted(engines.items()):
+        shown = ", ".join(f"{k}={_bytes(v) if k == 'released_bytes' else v}" for k, v in sorted(facts.items()))
+        lines.append(f"  {engine_id}: {shown}")
+    return "\n".join(lines)
+
+
+def format_status(status: dict[str, Any]) -> str:
+    now = time.time()
+    lines = [f"state: {status['state']}   queued: {status['queued']}   in flight: {status['in_flight']}   "
+             f"completed: {status['completed']}   failed: {status['failed']}"]
+    engines = status.get("engines") or []
+    if not engines:
+        lines.append("no engines connected")
+        return "\n".join(lines)
+    header = ("ENGINE", "GROUP", "STATE", "RUNNING", "WAITING", "KV FREE/TOTAL", "HEARTBEAT")
+    rows = [header]
+    for e in engines:
+        age = now - float(e.get("last_heartbeat") or now)
+        rows.append((str(e["id"]), str(e["group"]), str(e["state"]), str(e["running"]), str(e["waiting"]),
+                     f"{e['kv_blocks_free']}/{e['kv_blocks_total']}", f"{max(age, 0.0):.1f}s ago"))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
+    for row in rows:
+        lines.append("  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip())
+    return "\n".join(lines)
+
+
+def _bytes(value: Any) -> str:
+    if not isinstance(value, int):
+        return str(value)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if value < 1024 or unit == "GiB":
+            return f"{value} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    return str(value)

@@ -1,0 +1,55 @@
+"""``megatron-serve coordinator``: routes requests to engine groups and runs the lifecycle state machine."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import time
+
+from ..protocol import DEFAULT_PORT, MAX_MESSAGE_BYTES
+from ..routing import KNOWN_POLICIES
+from .options import add_log_option, add_token_option, read_token, setup_logging
+
+logger = logging.getLogger("megatron_serve.coordinator")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", required=True, metavar="DIR",
+                        help="model directory (only its tokenizer is loaded: prompts are tokenized here)")
+    parser.add_argument("--host", default="0.0.0.0", help="interface to bind (default: all)")
+    parser.add_argument("--port", type=int, default=DEFAULT_PORT, help="ROUTER port (0 = any free port)")
+    parser.add_argument("--routing", choices=KNOWN_POLICIES, default="least_loaded")
+    parser.add_argument("--heartbeat-timeout", type=float, default=10.0, metavar="S",
+                        help="remove an engine silent for this long and re-queue its requests")
+    parser.add_argument("--client-timeout", type=float, default=600.0, metavar="S",
+                        help="forget requests of a client disconnected for this long")
+    parser.add_argument("--max-message-bytes", type=int, default=MAX_MESSAGE_BYTES, metavar="N")
+    parser.add_argument("--address-file", metavar="PATH", help="write the bound address here once listening")
+    add_token_option(parser)
+    add_log_option(parser)
+
+
+def run(args: argparse.Namespace) -> int:
+    setup_logging(args.log_level)
+    from ..coordinator import Coordinator, serve  # noqa: PLC0415 - keep --help fast
+    from ..routing import make_routing_policy  # noqa: PLC0415
+    from ..tokenizer import Tokenizer  # noqa: PLC0415
+
+    if args.heartbeat_timeout <= 0:
+        raise ValueError(f"--heartbeat-timeout must be > 0, got {args.heartbeat_timeout}")
+    make_routing_policy(args.routing)  # fail before loading anything
+    token = read_token(args)
+    started = time.monotonic()
+    logger.info("loading tokenizer from %s", args.model)
+    tokenizer = Tokenizer.from_pretrained(args.model)
+    logger.info("tokenizer loaded in %.1fs", time.monotonic() - started)
+    coordinator = Coordinator(
+        tokenizer, host=args.host, port=args.port, token=token, routing=args.routing,
+        heartbeat_timeout=args.heartbeat_timeout, client_timeout=args.client_timeout,
+        max_message_bytes=args.max_message_bytes,
+    )
+    try:
+        serve(coordinator, address_file=args.address_file)
+    except OSError as exc:  # zmq.ZMQError is an OSError: e.g. address in use
+        raise RuntimeError(f"cannot listen on {args.host}:{args.port}: {exc} (choose another --port)") from None
+    return 0

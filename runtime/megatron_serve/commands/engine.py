@@ -1,0 +1,50 @@
+"""``megatron-serve engine``: one engine group serving a coordinator."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import time
+
+from .options import (add_engine_options, add_log_option, add_token_option, inference_config_from_args, read_token,
+                      setup_logging)
+
+logger = logging.getLogger("megatron_serve.engine_process")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", required=True, metavar="DIR", help="Hugging Face model directory")
+    parser.add_argument("--coordinator", required=True, metavar="ADDRESS", help="e.g. tcp://127.0.0.1:5555")
+    parser.add_argument("--group", type=int, default=None, metavar="G",
+                        help="engine group id (default: the coordinator assigns the next free one)")
+    parser.add_argument("--drain-timeout", type=float, default=30.0, metavar="S",
+                        help="on SIGTERM or STOP, finish work for at most this long, then hand the rest back")
+    parser.add_argument("--coordinator-timeout", type=float, default=10.0, metavar="S",
+                        help="reconnect when the coordinator has been silent this long")
+    add_engine_options(parser)
+    add_token_option(parser)
+    add_log_option(parser)
+
+
+def run(args: argparse.Namespace) -> int:
+    setup_logging(args.log_level)
+    if not args.coordinator.startswith(("tcp://", "ipc://")):
+        raise ValueError(f"--coordinator must look like tcp://HOST:PORT, got {args.coordinator!r}")
+    if args.group is not None and args.group < 0:
+        raise ValueError(f"--group must be >= 0, got {args.group}")
+    config = inference_config_from_args(args)
+    token = read_token(args)
+    from ..engine import DynamicInferenceEngine  # noqa: PLC0415 - torch import is slow
+    from ..engine_process import run_engine_process  # noqa: PLC0415
+
+    def make_engine() -> DynamicInferenceEngine:
+        started = time.monotonic()
+        logger.info("loading model from %s (device %s)", args.model, config.device)
+        engine = DynamicInferenceEngine.from_model_dir(args.model, config)
+        logger.info("model loaded in %.1fs: %d KV blocks of %d tokens, up to %d requests at once",
+                    time.monotonic() - started, engine.kv_blocks_total, config.block_size_tokens, config.max_requests)
+        return engine
+
+    return run_engine_process(make_engine, args.coordinator, token=token, group=args.group,
+                              drain_timeout=args.drain_timeout, coordinator_timeout=args.coordinator_timeout,
+                              info={"model": args.model})

@@ -1,0 +1,490 @@
+"""An engine process: one ``DynamicInferenceEngine`` serving the coordinator (``megatron-serve engine``).
+
+Two threads with one job each:
+
+* :class:`CoordinatorLink` (background thread) owns the DEALER socket: HELLO with the token,
+  group and capacity; a HEARTBEAT every second *even while a long step, a weight offload or a
+  suspend runs* (otherwise the coordinator would declare a busy engine dead); noticing a lost or
+  restarted coordinator and registering again with backoff. Every registration is a new
+  *session*; messages produced for an older session are dropped on the way out, because the
+  coordinator already re-queued that session's requests and would otherwise see them twice.
+* :class:`EngineProcess` (main thread) is a thin loop over the engine interface: apply incoming
+  messages at step boundaries, call ``engine.step()`` while RUNNING, report every step's outputs.
+  Lifecycle verbs are applied between steps, so PAUSE always takes effect at a step boundary.
+
+SIGTERM: send DRAINING (the coordinator stops routing here), keep stepping until the work is done
+or ``drain_timeout`` passes, hand the rest back (the coordinator re-queues it, continuing from the
+tokens already streamed) and exit 0. STOP from the coordinator does the same and acknowledges.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import signal
+import socket
+import threading
+import time
+import uuid
+from typing import Any, Callable, Iterator
+
+import zmq
+
+from .protocol import FROM_COORDINATOR, ErrorCode, FleetState, Header, ProtocolError, Role, decode, encode
+from .request import DynamicInferenceRequest, FinishReason, RequestStatus
+
+logger = logging.getLogger("megatron_serve.engine_process")
+
+DEFAULT_DRAIN_TIMEOUT = 30.0
+_HANDBACK_ACK_WAIT = 5.0
+
+
+def backoff_delays(initial: float = 0.1, maximum: float = 2.0) -> Iterator[float]:
+    """0.1, 0.2, 0.4 ... capped at ``maximum``: reconnect attempts that neither hammer nor dawdle."""
+    delay = initial
+    while True:
+        yield delay
+        delay = min(delay * 2, maximum)
+
+
+class CoordinatorLink:
+    """The engine's connection to the coordinator, in its own thread (see the module docstring).
+
+    Events for the main thread arrive on :attr:`inbox` as tuples:
+    ``("registered", hello_ack_body, session)``, ``("message", header, body, session)`` and
+    ``("fatal", reason)`` (e.g. the token was refused: retrying cannot help).
+    """
+
+    def __init__(
+        self,
+        address: str,
+        hello: dict[str, Any],
+        *,
+        heartbeat_interval: float = 1.0,
+        coordinator_timeout: float = 10.0,
+        context: zmq.Context | None = None,
+    ) -> None:
+        self.address = address
+        self.hello = hello
+        self.heartbeat_interval = heartbeat_interval
+        self.coordinator_timeout = coordinator_timeout
+        self.ctx = context or zmq.Context.instance()
+        self.inbox: queue.Queue[tuple[Any, ...]] = queue.Queue()
+        self.stats: dict[str, Any] = {}  # replaced wholesale by the main thread; sent with each heartbeat
+        self.engine_id: str | None = None
+        self.session = 0
+        self._pipe_name = f"inproc://engine-link-{uuid.uuid4().hex}"
+        self._tx = self.ctx.socket(zmq.PAIR)  # main thread's end
+        self._tx.bind(self._pipe_name)
+        self._thread = threading.Thread(target=self._run, name="coordinator-link", daemon=True)
+
+    # -- main-thread API
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def send(self, header: Header, body: dict[str, Any], session: int) -> None:
+        """Queue a message for the coordinator; dropped if ``session`` is no longer current."""
+        try:
+            frame = encode(header, body)
+        except ProtocolError as exc:
+            logger.error("not sending %s: %s", header.name, exc)
+            return
+        self._tx.send_multipart([session.to_bytes(8, "little"), frame])
+
+    def close(self, timeout: float = 2.0) -> None:
+        """Flush what was queued (up to ``timeout``) and stop the thread."""
+        if self._thread.is_alive():
+            self._tx.send_multipart([b"close", b""])
+            self._thread.join(timeout + 1.0)
+        self._tx.close(linger=0)
+
+    # -- link thread
+
+    def _new_socket(self) -> zmq.Socket:
+        sock = self.ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 2000)
+        sock.setsockopt(zmq.IMMEDIATE, 1)  # never queue frames for a connection that is not up
+        sock.setsockopt(zmq.SNDHWM, 100_000)
+        sock.setsockopt(zmq.RCVHWM, 100_000)
+        sock.setsockopt(zmq.RECONNECT_IVL, 100)
+        sock.setsockopt(zmq.RECONNECT_IVL_MAX, 2000)
+        sock.connect(self.address)
+        return sock
+
+    def _run(self) -> None:
+        rx = self.ctx.socket(zmq.PAIR)
+        rx.connect(self._pipe_name)
+        sock = self._new_socket()
+        registered = False
+        delays = backoff_delays()
+        next_hello = 0.0
+        last_rx = time.monotonic()
+        last_heartbeat = 0.0
+        announced_wait = False
+        poller = zmq.Poller()
+        poller.register(rx, zmq.POLLIN)
+        poller.register(sock, zmq.POLLIN)
+        try:
+            while True:
+                now = time.monotonic()
+                if not registered and now >= next_hello:
+                    self._try_send(sock, encode(Header.HELLO, self.hello))
+                    next_hello = now + next(delays)
+                    if now - last_rx > 5.0 and not announced_wait:
+                        logger.warning("waiting for the coordinator at %s ...", self.address)
+                        announced_wait = True
+                if registered and now - last_heartbeat >= self.heartbeat_interval:
+                    body = {"engine_id": self.engine_id, **self.stats}
+                    self._try_send(sock, encode(Header.HEARTBEAT, body))
+                    last_heartbeat = now
+                if registered and now - last_rx > self.coordinator_timeout:
+                    logger.warning("coordinator silent for %.1fs: reconnecting", now - last_rx)
+                    poller.unregister(sock)
+                    sock.close(linger=0)
+                    sock = self._new_socket()
+                    poller.register(sock, zmq.POLLIN)
+                    registered, delays, next_hello, last_rx = False, backoff_delays(), 0.0, now
+                    continue
+                events = dict(poller.poll(100))
+                if rx in events:
+                    while True:
+                        try:
+                            tag, frame = rx.recv_multipart(zmq.NOBLOCK)
+                        except zmq.Again:
+                            break
+                        if tag == b"close":
+                            return
+                        if registered and int.from_bytes(tag, "little") == self.session:
+                            self._try_send(sock, frame)
+                if sock in events:
+                    while True:
+                        try:
+                            frame = sock.recv(zmq.NOBLOCK)
+                        except zmq.Again:
+                            break
+                        try:
+                            header, body = decode(frame, FROM_COORDINATOR)
+                        except ProtocolError as exc:
+                            logger.warning("dropped frame from the coordinator: %s", exc)
+                            continue
+                        last_rx = time.monotonic()
+                        if header is Header.HELLO_ACK:
+                            if registered:
+                                continue  # duplicate answer to a retried HELLO
+                            registered, announced_wait = True, False
+                            self.session += 1
+                            self.engine_id = body.get("engine_id")
+                            delays = backoff_delays()
+                            self.inbox.put(("registered", body, self.session))
+                        elif header is Header.ERROR:
+                            code = body["code"]
+                            if code == ErrorCode.UNAUTHORIZED.value:
+                                self.inbox.put(("fatal", f"coordinator refused the token: {body['message']}"))
+                                return
+                            if code == ErrorCode.HELLO_REQUIRED.value:
+                                if registered:
+                                    logger.warning("coordinator does not know this engine (restarted?): registering again")
+                                    registered, next_hello = False, 0.0
+                            elif code == ErrorCode.GROUP_IN_USE.value:
+                                logger.warning("%s; retrying", body["message"])
+                            else:
+                                logger.warning("coordinator error %s: %s", code, body["message"])
+                        elif header is Header.HEARTBEAT:
+                            pass
+                        elif registered:
+                            self.inbox.put(("message", header, body, self.session))
+        finally:
+            sock.close(linger=2000)  # flush the last frames (handback, acks) before exiting
+            rx.close(linger=0)
+
+    @staticmethod
+    def _try_send(sock: zmq.Socket, frame: bytes) -> bool:
+        try:
+            sock.send(frame, zmq.NOBLOCK)
+            return True
+        except zmq.Again:  # not connected right now: the coordinator re-queues what it misses
+            return False
+
+
+class EngineProcess:
+    """Drives one engine for the coordinator. ``run()`` returns the process exit code."""
+
+    def __init__(
+        self,
+        engine: Any,
+        address: str,
+        *,
+        token: str | None = None,
+        group: int | None = None,
+        drain_timeout: float = DEFAULT_DRAIN_TIMEOUT,
+        heartbeat_interval: float = 1.0,
+        coordinator_timeout: float = 10.0,
+        info: dict[str, Any] | None = None,
+    ) -> None:
+        self.engine = engine
+        self.drain_timeout = float(drain_timeout)
+        capacity = int(getattr(engine.config, "max_requests", 16) or 16)
+        facts = {"pid": os.getpid(), "host": socket.gethostname(),
+                 "kv_blocks_total": int(getattr(engine, "kv_blocks_total", 0) or 0)}
+        kv_cache = getattr(engine, "kv_cache", None)
+        if kv_cache is not None and isinstance(getattr(kv_cache, "num_bytes", None), int):
+            facts["kv_cache_bytes"] = kv_cache.num_bytes
+        if isinstance(getattr(engine, "max_sequence_length", None), int):
+            facts["max_sequence_length"] = engine.max_sequence_length
+        facts.update(info or {})
+        hello = {"role": Role.ENGINE.value, "token": token, "engine_group": group, "capacity": capacity,
+                 "info": facts}
+        self.link = CoordinatorLink(address, hello, heartbeat_interval=heartbeat_interval,
+                                    coordinator_timeout=coordinator_timeout)
+        self.state = FleetState.PAUSED.value  # until the coordinator says otherwise
+        self.suspend_level = 0
+        self.session = 0
+        self.engine_id: str | None = None
+        self.drain_deadline: float | None = None
+        self.stop_control_id: Any = None
+        self.sigterm = False
+        self.fatal: str | None = None
+        self.steps = 0
+        self._handback_acked = False
+
+    # -- signals
+
+    def install_signal_handlers(self) -> None:
+        def on_term(signum: int, _frame: Any) -> None:
+            if self.sigterm:  # second signal: stop waiting
+                self.drain_deadline = 0.0
+            self.sigterm = True
+
+        signal.signal(signal.SIGTERM, on_term)
+        signal.signal(signal.SIGINT, on_term)
+
+    # -- loop
+
+    def run(self) -> int:
+        self.link.start()
+        try:
+            while True:
+                busy = self.state == FleetState.RUNNING.value and self.engine.has_unfinished_requests()
+                self._handle_inbox(timeout=0.0 if busy else 0.05)
+                if self.fatal:
+                    logger.error("%s", self.fatal)
+                    return 1
+                if self.sigterm and self.drain_deadline is None:
+                    self._begin_drain(self.drain_timeout, "SIGTERM")
+                if self.drain_deadline is not None and self._drain_finished():
+                    return 0
+                if self.state == FleetState.RUNNING.value and self.engine.has_unfinished_requests():
+                    self._step()
+                self._publish_stats()
+        finally:
+            self.link.close()
+
+    def _handle_inbox(self, timeout: float) -> None:
+        try:
+            event = self.link.inbox.get(timeout=timeout) if timeout > 0 else self.link.inbox.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            kind = event[0]
+            if kind == "fatal":
+                self.fatal = event[1]
+                return
+            if kind == "registered":
+                self._on_registered(event[1], event[2])
+            elif kind == "message" and event[3] == self.session:
+                self._on_message(event[1], event[2])
+            try:
+                event = self.link.inbox.get_nowait()
+            except queue.Empty:
+                return
+
+    def _send(self, header: Header, body: dict[str, Any]) -> None:
+        if self.session:
+            self.link.send(header, body, self.session)
+
+    def _on_registered(self, ack: dict[str, Any], session: int) -> None:
+        if self.session:
+            dropped = self.engine.take_unfinished_requests()
+            logger.warning("registered again with coordinator %s: dropped %d in-flight request(s) "
+                           "(the coordinator re-queued them)", ack["coordinator_id"], len(dropped))
+        self.session = session
+        self.engine_id = ack.get("engine_id")
+        logger.info("registered with coordinator %s as %s (group %s), state %s", ack["coordinator_id"],
+                    self.engine_id, ack.get("engine_group"), ack["state"])
+        target = ack["state"]
+        if target == FleetState.SUSPENDED.value:
+            self._suspend(int(ack.get("suspend_level") or 1))
+        else:
+            if self.suspend_level:
+                self.engine.resume()
+                self.suspend_level = 0
+            # A STOPPED coordinator: wait paused until it is restarted with UNPAUSE.
+            self.state = FleetState.RUNNING.value if target == FleetState.RUNNING.value else FleetState.PAUSED.value
+        if self.drain_deadline is not None:
+            self._send(Header.DRAINING, {"engine_id": self.engine_id})
+        self._publish_stats()
+
+    def _on_message(self, header: Header, body: dict[str, Any]) -> None:
+        if header is Header.ENGINE_SUBMIT:
+            self._add(body["request"])
+        elif header is Header.ABORT:
+            self.engine.abort_request(body["request_id"])
+        elif header is Header.HANDBACK:
+            self._handback_acked = True
+        elif header in (Header.PAUSE, Header.UNPAUSE, Header.SUSPEND, Header.RESUME, Header.STOP):
+            self._on_verb(header, body)
+        elif header is Header.REFIT:
+            self._ack(body["control_id"], {"error": "REFIT is not supported by this engine"})
+
+    def _add(self, data: dict[str, Any]) -> None:
+        try:
+            request = DynamicInferenceRequest.from_dict(data)
+        except (KeyError, ValueError, TypeError) as exc:
+            logger.error("unreadable request from the coordinator: %s", exc)
+            request_id = data.get("request_id")
+            if isinstance(request_id, str):
+                failed = dict(data, status=RequestStatus.FAILED.value, finish_reason=FinishReason.ERROR.value,
+                              error=f"engine could not read the request: {exc}")
+                self._send(Header.ENGINE_STEP, {"engine_id": self.engine_id, "outputs": [
+                    {"request_id": request_id, "new_tokens": [], "finished": True, "request": failed}]})
+            return
+        self.engine.add_request(request)
+
+    def _step(self) -> None:
+        try:
+            outputs = self.engine.step()
+        except Exception as exc:  # an engine bug or device failure: fail what ran, keep serving
+            logger.exception("engine step failed")
+            failed = self.engine.take_unfinished_requests()
+            for request in failed:
+                request.fail(f"engine step failed: {type(exc).__name__}: {exc}")
+            payload = [{"request_id": r.request_id, "new_tokens": [], "finished": True, "request": r.to_dict()}
+                       for r in failed]
+            self._send(Header.ENGINE_STEP, {"engine_id": self.engine_id, "outputs": payload})
+            return
+        self.steps += 1
+        if not outputs:
+            return
+        payload = []
+        for out in outputs:
+            item: dict[str, Any] = {"request_id": out.request.request_id, "new_tokens": list(out.new_tokens),
+                                    "new_text": out.new_text or "", "finished": bool(out.finished)}
+            if out.new_log_probs:
+                item["new_log_probs"] = [float(x) for x in out.new_log_probs]
+            if out.finished:
+                item["request"] = out.request.to_dict()
+            payload.append(item)
+        self._send(Header.ENGINE_STEP, {"engine_id": self.engine_id, "outputs": payload})
+
+    def _publish_stats(self) -> None:
+        e = self.engine
+        self.link.stats = {
+            "state": FleetState.DRAINING.value if self.drain_deadline is not None else self.state,
+            "running": int(e.num_running), "waiting": int(e.num_waiting),
+            "kv_blocks_free": int(e.kv_blocks_free), "kv_blocks_total": int(e.kv_blocks_total),
+            "stats": {"steps": self.steps, "suspend_level": self.suspend_level},
+        }
+
+    # -- lifecycle
+
+    def _ack(self, control_id: Any, detail: dict[str, Any]) -> None:
+        self._send(Header.CONTROL_ACK, {"control_id": control_id, "state": self.state, "detail": detail,
+                                        "engine_id": self.engine_id})
+
+    def _suspend(self, level: int) -> int:
+        """Release device memory (KV pool; level 2 also weights). Returns bytes released now."""
+        if self.suspend_level >= level:
+            self.state = FleetState.SUSPENDED.value
+            return 0
+        released = int(self.engine.suspend(level) or 0)
+        self.suspend_level = level
+        self.state = FleetState.SUSPENDED.value
+        logger.info("suspended (level %d): released %d bytes of device memory", level, released)
+        return released
+
+    def _on_verb(self, verb: Header, body: dict[str, Any]) -> None:
+        control_id = body["control_id"]
+        if verb is Header.PAUSE:
+            if self.state == FleetState.RUNNING.value:
+                self.state = FleetState.PAUSED.value
+            self._ack(control_id, {"running": self.engine.num_running, "waiting": self.engine.num_waiting})
+        elif verb is Header.UNPAUSE:
+            if self.suspend_level:
+                self.engine.resume()
+                self.suspend_level = 0
+            self.state = FleetState.RUNNING.value
+            self._ack(control_id, {})
+        elif verb is Header.SUSPEND:
+            level = int(body.get("level") or 1)
+            already = self.suspend_level >= level
+            released = self._suspend(level)
+            detail: dict[str, Any] = {"released_bytes": released, "level": self.suspend_level}
+            if already:
+                detail["already_suspended"] = True
+            self._ack(control_id, detail)
+        elif verb is Header.RESUME:
+            resumed = bool(self.suspend_level)
+            if resumed:
+                self.engine.resume()
+                self.suspend_level = 0
+                self.state = FleetState.PAUSED.value
+                logger.info("resumed: device memory restored, running requests will be recomputed")
+            self._ack(control_id, {"resumed": resumed})
+        elif verb is Header.STOP:
+            self.stop_control_id = control_id
+            timeout = body.get("drain_timeout")
+            self._begin_drain(self.drain_timeout if timeout is None else float(timeout), "STOP")
+
+    def _begin_drain(self, timeout: float, why: str) -> None:
+        if self.drain_deadline is None:
+            self.drain_deadline = time.monotonic() + max(0.0, timeout)
+            logger.info("%s: draining (%d running, %d waiting; up to %.0fs)", why, self.engine.num_running,
+                        self.engine.num_waiting, timeout)
+            self._send(Header.DRAINING, {"engine_id": self.engine_id})
+
+    def _drain_finished(self) -> bool:
+        """Hand back what is left once done, timed out, or unable to step; True when we may exit."""
+        stepping = self.state == FleetState.RUNNING.value
+        if self.engine.has_unfinished_requests() and stepping and time.monotonic() < self.drain_deadline:
+            return False
+        rest = self.engine.take_unfinished_requests()
+        ids = [r.request_id for r in rest]
+        if not self.session:
+            logger.info("exiting without a coordinator (%d unfinished request(s) dropped)", len(ids))
+            return True
+        stopping = self.stop_control_id is not None
+        self._handback_acked = False
+        self._send(Header.HANDBACK, {"engine_id": self.engine_id, "request_ids": ids, "final": not stopping})
+        deadline = time.monotonic() + _HANDBACK_ACK_WAIT
+        while not self._handback_acked and time.monotonic() < deadline and not self.fatal:
+            try:
+                event = self.link.inbox.get(timeout=0.05)
+            except queue.Empty:
+                continue
+            if event[0] == "message" and event[1] is Header.HANDBACK:
+                self._handback_acked = True
+            elif event[0] == "registered":
+                break  # a new coordinator: it never had these requests
+        if stopping:
+            self.state = FleetState.STOPPED.value
+            self._ack(self.stop_control_id, {"handed_back": len(ids)})
+        logger.info("drained: %d request(s) handed back%s; exiting", len(ids),
+                    "" if self._handback_acked else " (no acknowledgement from the coordinator)")
+        return True
+
+
+def run_engine_process(
+    make_engine: Callable[[], Any],
+    address: str,
+    **kwargs: Any,
+) -> int:
+    """Build the engine (slow: model load) and serve; the CLI entry point's body."""
+    engine = make_engine()
+    proc = EngineProcess(engine, address, **kwargs)
+    proc.install_signal_handlers()
+    try:
+        return proc.run()
+    finally:
+        zmq.Context.instance().destroy(linger=2000)  # deliver queued frames before the process ends

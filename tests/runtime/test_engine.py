@@ -1,0 +1,209 @@
+"""Engine behaviour: preemption, chunked prefill, sampling, stop conditions, admission errors, events."""
+
+from __future__ import annotations
+
+import pytest
+
+from megatron_serve import (
+    DynamicInferenceRequest,
+    EventType,
+    FinishReason,
+    InferenceConfig,
+    MegatronLLM,
+    RequestStatus,
+    SamplingParams,
+)
+
+from .conftest import PROMPTS
+
+GREEDY = SamplingParams(temperature=0.0, num_tokens_to_generate=24, ignore_eos=True, return_log_probs=True)
+
+
+@pytest.fixture(scope="module")
+def reference_outputs(tiny_llama):
+    llm = MegatronLLM(tiny_llama, InferenceConfig(block_size_tokens=16))
+    return [o.generated_tokens for o in llm.generate(PROMPTS * 4, GREEDY)]
+
+
+def test_preemption_under_a_tiny_pool_keeps_outputs(tiny_llama, reference_outputs):
+    # 32 requests of ~20-60 tokens each, 12 blocks of 4 tokens: constant preemption.
+    llm = MegatronLLM(tiny_llama, InferenceConfig(block_size_tokens=4, num_kv_blocks=24, max_batch_tokens=64))
+    outs = llm.generate(PROMPTS * 4, GREEDY)
+    preemptions = sum(1 for o in outs for e in o.events if e.type is EventType.PREEMPT)
+    assert preemptions > 10
+    assert all(o.status is RequestStatus.COMPLETED for o in outs)
+    assert [o.generated_tokens for o in outs] == reference_outputs
+    assert llm.engine.kv_blocks_free == llm.engine.kv_blocks_total
+
+
+def test_chunked_prefill_with_small_token_budget_keeps_outputs(tiny_llama, reference_outputs):
+    llm = MegatronLLM(tiny_llama, InferenceConfig(block_size_tokens=8, max_batch_tokens=7, max_requests=3))
+    outs = llm.generate(PROMPTS * 4, GREEDY)
+    assert [o.generated_tokens for o in outs] == reference_outputs
+
+
+def test_top_k_one_equals_greedy(tiny_llama, reference_outputs):
+    llm = MegatronLLM(tiny_llama)
+    outs = llm.generate(PROMPTS, SamplingParams(temperature=0.8, top_k=1, num_tokens_to_generate=24, ignore_eos=True))
+    assert [o.generated_tokens for o in outs] == reference_outputs[: len(PROMPTS)]
+
+
+def test_seeded_sample_is_the_same_alone_or_in_a_batch(tiny_llama):
+    llm = MegatronLLM(tiny_llama)
+    params = SamplingParams(temperature=1.0, top_p=0.9, top_k=50, num_tokens_to_generate=20, ignore_eos=True, seed=7)
+    alone = llm.generate(PROMPTS[1], params)[0].generated_tokens
+    batch = llm.generate(PROMPTS, params)[1].generated_tokens
+    tight = MegatronLLM(tiny_llama, InferenceConfig(block_size_tokens=4, num_kv_blocks=20))
+    preempted = tight.generate(PROMPTS, params)[1].generated_tokens
+    assert alone == batch == preempted
+    other_seed = llm.generate(PROMPTS[1], SamplingParams(temperature=1.0, num_tokens_to_generate=20,
+                                                        ignore_eos=True, seed=8))[0].generated_tokens
+    assert other_seed != alone
+
+
+def test_sampling_explores_more_than_greedy(tiny_llama):
+    llm = MegatronLLM(tiny_llama)
+    outs = llm.generate([PROMPTS[0]] * 6, SamplingParams(temperature=1.5, num_tokens_to_generate=12, ignore_eos=True))
+    assert len({tuple(o.generated_tokens) for o in outs}) > 1
+
+
+def test_stop_word_ends_generation_and_is_trimmed(tiny_llama):
+    llm = MegatronLLM(tiny_llama)
+    free = llm.generate(PROMPTS[2], SamplingParams(temperature=0.0, num_tokens_to_generate=40, ignore_eos=True))[0]
+    text = free.generated_text
+    stop = text[len(text) // 2 : len(text) // 2 + 3]
+    assert len(stop) == 3
+    out = llm.generate(PROMPTS[2], SamplingParams(temperature=0.0, num_tokens_to_generate=40, ignore_eos=True,
+                                                  stop_words=[stop]))[0]
+    assert out.finish_reason is FinishReason.STOP
+    assert out.generated_text == text[: text.find(stop)]
+    assert stop not in out.generated_text
+    assert len(out.generated_tokens) < len(free.generated_tokens)
+
+
+def test_termination_id_stops_and_ignore_eos_keeps_it(tiny_llama, reference_outputs):
+    llm = MegatronLLM(tiny_llama)
+    expected = reference_outputs[0]
+    stop_token = expected[5]
+    first = expected.index(stop_token)
+    out = llm.generate(PROMPTS[0], SamplingParams(temperature=0.0, num_tokens_to_generate=24,
+                                                  termination_id=stop_token))[0]
+    assert out.finish_reason is FinishReason.STOP
+    assert out.generated_tokens == expected[:first]
+
+
+def test_over_long_prompt_fails_alone(tiny_llama):
+    llm = MegatronLLM(tiny_llama, InferenceConfig(max_sequence_length=64))
+    long_prompt = list(range(5, 105))
+    outs = llm.generate([PROMPTS[0], long_prompt, PROMPTS[3]], SamplingParams(temperature=0.0, num_tokens_to_generate=8))
+    assert outs[1].status is RequestStatus.FAILED
+    assert outs[1].finish_reason is FinishReason.ERROR
+    assert "100 tokens" in outs[1].error and "max_sequence_length is 64" in outs[1].error
+    assert outs[0].status is outs[2].status is RequestStatus.COMPLETED
+
+
+def test_generation_is_capped_at_max_sequence_length(tiny_llama):
+    llm = MegatronLLM(tiny_llama, InferenceConfig(max_sequence_length=30))
+    prompt = llm.tokenizer.encode(PROMPTS[1])
+    out = llm.generate([prompt], SamplingParams(temperature=0.0, num_tokens_to_generate=50, ignore_eos=True))[0]
+    assert len(prompt) + len(out.generated_tokens) == 30
+    assert out.finish_reason is FinishReason.LENGTH
+
+
+def test_bad_token_ids_and_empty_prompts_fail_alone(tiny_llama):
+    llm = MegatronLLM(tiny_llama)
+    outs = llm.generate([[1, 2, 10**6], [], PROMPTS[0]], SamplingParams(num_tokens_to_generate=4))
+    assert "outside the vocabulary" in outs[0].error
+    assert outs[1].error == "prompt is empty"
+    assert outs[2].status is RequestStatus.COMPLETED
+
+
+def test_top_n_logprobs_contain_the_chosen_token(tiny_llama):
+    llm = MegatronLLM(tiny_llama)
+    out = llm.generate(PROMPTS[1], SamplingParams(temperature=0.0, num_tokens_to_generate=6, ignore_eos=True,
+                                                  return_log_probs=True, top_n_logprobs=3))[0]
+    assert len(out.generated_top_n_logprobs) == 6
+    for token, log_prob, top in zip(out.generated_tokens, out.generated_log_probs, out.generated_top_n_logprobs):
+        assert len(top) == 3
+        assert top[token] == pytest.approx(log_prob)
+        assert max(top.values()) == pytest.approx(log_prob)
+
+
+def test_events_timing_and_msgpack_round_trip(tiny_llama):
+    llm = MegatronLLM(tiny_llama)
+    out = llm.generate(PROMPTS[0], SamplingParams(temperature=0.0, num_tokens_to_generate=5, ignore_eos=True,
+                                                  return_log_probs=True, top_n_logprobs=2))[0]
+    kinds = [e.type for e in out.events]
+    assert kinds[:3] == [EventType.ADD, EventType.PREFILL, EventType.FIRST_TOKEN] and kinds[-1] is EventType.FINISH
+    assert 0 <= out.ttft <= out.latency
+    copy = DynamicInferenceRequest.deserialize(out.serialize())
+    assert copy.to_dict() == out.to_dict()
+    assert copy.ttft == out.ttft and copy.generated_top_n_logprobs == out.generated_top_n_logprobs
+
+
+def test_prompt_shapes_and_input_order(tiny_llama):
+    llm = MegatronLLM(tiny_llama)
+    params = SamplingParams(temperature=0.0, num_tokens_to_generate=4, ignore_eos=True)
+    tokens = llm.tokenizer.encode(PROMPTS[1])
+    by_text = llm.generate(PROMPTS[1], params)
+    by_tokens = llm.generate(tokens, params)
+    batch = llm.generate([PROMPTS[0], PROMPTS[1]], params)
+    assert len(by_text) == len(by_tokens) == 1
+    assert by_text[0].generated_tokens == by_tokens[0].generated_tokens == batch[1].generated_tokens
+    assert batch[0].prompt == PROMPTS[0]
+    with pytest.raises(TypeError, match=r"prompts\[1\]"):
+        llm.generate(["ok", 3.5], params)
+
+
+def test_lifecycle_verbs_raise_in_direct_mode(tiny_llama):
+    llm = MegatronLLM(tiny_llama)
+    for verb in ("pause", "unpause", "suspend", "resume"):
+        with pytest.raises(RuntimeError, match="coordinator mode"):
+            getattr(llm, verb)()
+
+
+def test_suspend_releases_the_pool_and_resume_continues(tiny_llama, reference_outputs):
+    llm = MegatronLLM(tiny_llama)
+    engine = llm.engine
+    requests = [DynamicInferenceRequest(str(i), p, llm.tokenizer.encode(p), GREEDY) for i, p in enumerate(PROMPTS)]
+    for request in requests:
+        engine.add_request(request)
+    for _ in range(5):
+        engine.step()
+    expected_bytes = engine.kv_cache.num_bytes
+    assert engine.suspend() == expected_bytes > 0
+    assert engine.step() == [] and engine.num_running == 0
+    engine.resume()
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert [r.generated_tokens for r in requests] == reference_outputs[: len(PROMPTS)]
+    assert any(e.type is EventType.EVICT for e in requests[0].events)
+
+
+def test_handed_back_requests_continue_on_another_engine(tiny_llama, reference_outputs):
+    first, second = MegatronLLM(tiny_llama).engine, MegatronLLM(tiny_llama).engine
+    requests = [DynamicInferenceRequest(str(i), p, first.tokenizer.encode(p), GREEDY) for i, p in enumerate(PROMPTS)]
+    for request in requests:
+        first.add_request(request)
+    for _ in range(6):
+        first.step()
+    handed = first.take_unfinished_requests()
+    assert handed and not first.has_unfinished_requests()
+    assert first.kv_blocks_free == first.kv_blocks_total
+    for request in handed:
+        second.add_request(request)
+    while second.has_unfinished_requests():
+        second.step()
+    assert [r.generated_tokens for r in requests] == reference_outputs[: len(PROMPTS)]
+
+
+def test_abort_frees_blocks(tiny_llama):
+    engine = MegatronLLM(tiny_llama).engine
+    request = DynamicInferenceRequest("a", None, [5, 6, 7, 8], GREEDY)
+    engine.add_request(request)
+    engine.step()
+    assert engine.kv_blocks_free < engine.kv_blocks_total
+    assert engine.abort_request("a") is request
+    assert request.finish_reason is FinishReason.ABORT
+    assert engine.kv_blocks_free == engine.kv_blocks_total and not engine.has_unfinished_requests()
+    assert engine.abort_request("a") is None
