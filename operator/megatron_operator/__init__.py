@@ -1,0 +1,15 @@
+"""megatron-serve Kubernetes operator: CRD model, rendering of child objects, lifecycle control.
+
+Submodules, one job each:
+
+- :mod:`.crd`: the CustomResourceDefinition as data (single source of the YAML files);
+- :mod:`.spec`: validation and defaults of a resource (pure Python);
+- :mod:`.render`: resource -> child objects (pure function), and ``megatron-serve render``;
+- :mod:`.lifecycle`: spec.lifecycle <-> coordinator states, and the verbs between them;
+- :mod:`.coordinator_link`: the operator's only contact with the coordinator client;
+- :mod:`.kube`: the operator's only contact with the Kubernetes API (besides kopf itself);
+- :mod:`.reconcile` / :mod:`.status`: child reconciliation and status computation;
+- :mod:`.handlers`: the kopf handlers; :mod:`.cli`: entry points for ``megatron-serve``.
+"""
+
+__version__ = "0.1.0"

@@ -1,0 +1,99 @@
+"""Operator configuration, read from the environment (the chart and kustomize base set it)."""
+
+from __future__ import annotations
+
+import os
+import secrets
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from . import __version__
+
+DEFAULT_IMAGE = f"ghcr.io/megatron-serve/megatron-serve:{__version__}"
+DEFAULT_ADDRESS_TEMPLATE = "tcp://{name}-coordinator.{namespace}.svc:5555"
+# Used only by `megatron-serve render` when no key is configured, so that its output is
+# deterministic; the operator itself never derives tokens from a well-known key.
+RENDER_FALLBACK_TOKEN_KEY = b"megatron-serve-render-only"
+
+ENV_DEFAULT_IMAGE = "MEGATRON_OPERATOR_DEFAULT_IMAGE"
+ENV_TOKEN_KEY = "MEGATRON_OPERATOR_TOKEN_KEY"
+ENV_TOKEN_KEY_FILE = "MEGATRON_OPERATOR_TOKEN_KEY_FILE"
+ENV_ADDRESS = "MEGATRON_OPERATOR_COORDINATOR_ADDRESS"
+ENV_INTERVAL = "MEGATRON_OPERATOR_RECONCILE_INTERVAL"
+ENV_CONNECT_TIMEOUT = "MEGATRON_OPERATOR_CONNECT_TIMEOUT"
+ENV_COMMAND_TIMEOUT = "MEGATRON_OPERATOR_COMMAND_TIMEOUT"
+ENV_POD_LABELS = "MEGATRON_OPERATOR_POD_LABELS"
+ENV_SCANNING = "MEGATRON_OPERATOR_SCANNING"
+
+
+def _labels(text: str) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for part in text.split(","):
+        part = part.strip()
+        if not part:
+            continue
+        key, sep, value = part.partition("=")
+        if not sep or not key.strip():
+            raise ValueError(f"{ENV_POD_LABELS}: expected key=value[,key=value], got {text!r}")
+        out[key.strip()] = value.strip()
+    return out
+
+
+def _float(env: Mapping[str, str], name: str, default: float) -> float:
+    raw = env.get(name)
+    if raw in (None, ""):
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError(f"{name}: expected a number of seconds, got {raw!r}") from None
+    if value <= 0:
+        raise ValueError(f"{name}: must be positive, got {raw!r}")
+    return value
+
+
+@dataclass(frozen=True)
+class OperatorConfig:
+    default_image: str = DEFAULT_IMAGE
+    token_key: bytes = RENDER_FALLBACK_TOKEN_KEY
+    coordinator_address_template: str = DEFAULT_ADDRESS_TEMPLATE
+    reconcile_interval: float = 15.0
+    connect_timeout: float = 5.0
+    command_timeout: float = 120.0
+    operator_pod_labels: dict[str, str] = field(default_factory=lambda: {"app.kubernetes.io/name": "megatron-operator"})
+    scanning: bool = True
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None, *, for_render: bool = False) -> "OperatorConfig":
+        env = os.environ if env is None else env
+        key: bytes | None = None
+        if env.get(ENV_TOKEN_KEY):
+            key = env[ENV_TOKEN_KEY].encode()
+        elif env.get(ENV_TOKEN_KEY_FILE):
+            with open(env[ENV_TOKEN_KEY_FILE], "rb") as f:
+                key = f.read().strip()
+        if not key:
+            # The operator keeps the token of an existing Secret, so a per-process random key
+            # only affects resources created while it runs; render needs a deterministic one.
+            key = RENDER_FALLBACK_TOKEN_KEY if for_render else secrets.token_bytes(32)
+        template = env.get(ENV_ADDRESS) or DEFAULT_ADDRESS_TEMPLATE
+        try:
+            template.format(name="n", namespace="ns")
+        except (KeyError, IndexError, ValueError) as exc:
+            raise ValueError(f"{ENV_ADDRESS}: bad template {template!r} (use {{name}} and {{namespace}}): {exc}") from None
+        labels = _labels(env[ENV_POD_LABELS]) if env.get(ENV_POD_LABELS) else None
+        kwargs = {} if labels is None else {"operator_pod_labels": labels}
+        return cls(
+            default_image=env.get(ENV_DEFAULT_IMAGE) or DEFAULT_IMAGE,
+            token_key=key,
+            coordinator_address_template=template,
+            reconcile_interval=_float(env, ENV_INTERVAL, 15.0),
+            connect_timeout=_float(env, ENV_CONNECT_TIMEOUT, 5.0),
+            command_timeout=_float(env, ENV_COMMAND_TIMEOUT, 120.0),
+            scanning=(env.get(ENV_SCANNING, "true").strip().lower() not in ("0", "false", "no", "off")),
+            **kwargs,
+        )
+
+    def coordinator_address(self, name: str, namespace: str) -> str:
+        """Where the operator reaches a resource's coordinator."""
+        return self.coordinator_address_template.format(name=name, namespace=namespace)

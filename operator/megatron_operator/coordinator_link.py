@@ -1,0 +1,131 @@
+"""The operator's only contact with a coordinator: a small link over the project's client.
+
+The real link wraps ``megatron_serve.InferenceClient`` (DESIGN section 5), imported lazily so the
+operator imports fine without it. Tests swap the whole link with :func:`set_link_factory`
+(an in-process fake coordinator) or point the real one at 127.0.0.1 with the environment
+variable ``MEGATRON_OPERATOR_COORDINATOR_ADDRESS`` (see :mod:`megatron_operator.config`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from typing import Any, Protocol
+
+from .lifecycle import VERBS
+
+
+class CoordinatorUnavailable(RuntimeError):
+    """The coordinator could not be reached or did not answer in time."""
+
+
+class CoordinatorRejected(RuntimeError):
+    """The coordinator answered a verb with an error (e.g. an illegal transition)."""
+
+
+class CoordinatorLink(Protocol):
+    address: str
+
+    async def status(self, timeout: float) -> dict[str, Any]:
+        """The coordinator's STATUS_REPLY: state, engines, queued, in_flight, completed, failed."""
+
+    async def command(self, verb: str, timeout: float) -> dict[str, Any]:
+        """Send pause|unpause|suspend|resume|stop; resolves to the CONTROL_ACK {state, detail}."""
+
+    async def close(self) -> None:
+        """Release the connection."""
+
+
+LinkFactory = Callable[[str, "str | None", float], Awaitable[CoordinatorLink]]
+
+
+class ClientLink:
+    """A link over ``megatron_serve.InferenceClient``."""
+
+    def __init__(self, client: Any, address: str):
+        self.client = client
+        self.address = address
+
+    @classmethod
+    async def open(cls, address: str, token: str | None, timeout: float) -> "ClientLink":
+        try:
+            from megatron_serve import InferenceClient
+        except ImportError as exc:  # the runtime is not installed next to the operator
+            raise CoordinatorUnavailable(f"megatron_serve.InferenceClient is not available: {exc}") from exc
+        client = InferenceClient(address, token=token)
+        try:
+            await asyncio.wait_for(client.start(timeout=timeout), timeout + 1.0)
+        except BaseException as exc:
+            await _close_quietly(client)
+            if isinstance(exc, asyncio.CancelledError):
+                raise
+            raise CoordinatorUnavailable(f"cannot reach the coordinator at {address}: {_text(exc)}") from exc
+        return cls(client, address)
+
+    async def status(self, timeout: float) -> dict[str, Any]:
+        try:
+            reply = await asyncio.wait_for(self.client.status(), timeout)
+        except (asyncio.TimeoutError, ConnectionError, OSError) as exc:
+            raise CoordinatorUnavailable(f"no STATUS reply from {self.address}: {_text(exc)}") from exc
+        return _as_dict(reply)
+
+    async def command(self, verb: str, timeout: float) -> dict[str, Any]:
+        if verb not in VERBS:
+            raise ValueError(f"unknown verb {verb!r}")
+        method = getattr(self.client, verb)
+        call = method(level=1) if verb == "suspend" else method()
+        try:
+            ack = await asyncio.wait_for(call, timeout)
+        except (asyncio.TimeoutError, ConnectionError, OSError) as exc:
+            raise CoordinatorUnavailable(f"no acknowledgement of {verb.upper()} from {self.address}: "
+                                         f"{_text(exc)}") from exc
+        except (RuntimeError, ValueError) as exc:
+            raise CoordinatorRejected(f"{verb.upper()} rejected: {_text(exc)}") from exc
+        return _as_dict(ack)
+
+    async def close(self) -> None:
+        await _close_quietly(self.client)
+
+
+def _text(exc: BaseException) -> str:
+    return str(exc) or type(exc).__name__
+
+
+def _as_dict(value: Any) -> dict[str, Any]:
+    if isinstance(value, dict):
+        return value
+    if hasattr(value, "_asdict"):
+        return dict(value._asdict())
+    if hasattr(value, "__dict__"):
+        return dict(vars(value))
+    return {"state": str(value)}
+
+
+async def _close_quietly(client: Any) -> None:
+    close = getattr(client, "close", None)
+    try:
+        if close is not None:
+            result = close()
+            if asyncio.iscoroutine(result):
+                await asyncio.wait_for(result, 5.0)
+    except Exception:  # closing is best effort
+        pass
+
+
+_factory: LinkFactory = ClientLink.open
+
+
+def set_link_factory(factory: LinkFactory | None) -> None:
+    """Replace how links are opened (tests); ``None`` restores the real client."""
+    global _factory
+    _factory = factory or ClientLink.open
+
+
+async def open_link(address: str, token: str | None, timeout: float) -> CoordinatorLink:
+    """Open a link to the coordinator at ``address``; raises :class:`CoordinatorUnavailable`."""
+    try:
+        return await _factory(address, token, timeout)
+    except (CoordinatorUnavailable, asyncio.CancelledError):
+        raise
+    except Exception as exc:
+        raise CoordinatorUnavailable(f"cannot reach the coordinator at {address}: {_text(exc)}") from exc

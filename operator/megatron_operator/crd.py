@@ -1,0 +1,380 @@
+"""The ``MegatronInference`` CustomResourceDefinition (DESIGN section 8), as data.
+
+This module is the single source of the CRD: ``manifests/crds/`` and the chart's ``crds/``
+folder hold its YAML form (``python -m megatron_operator.crd`` prints it; a test keeps the files
+identical), and :mod:`megatron_operator.spec` validates and defaults resources with the very
+same schema, so ``render`` and the operator agree with the API server.
+
+CEL rules (``x-kubernetes-validations``) carry a Python twin (:data:`CEL_CHECKS`) used by the
+operator, which cannot depend on a CEL evaluator; tests evaluate the real CEL expressions with
+``cel-python`` and check that both agree on every example and on a set of bad resources.
+"""
+
+from __future__ import annotations
+
+import copy
+import sys
+from collections.abc import Callable
+from typing import Any
+
+GROUP = "serving.megatron.dev"
+VERSION = "v1alpha1"
+API_VERSION = f"{GROUP}/{VERSION}"
+KIND = "MegatronInference"
+PLURAL = "megatroninferences"
+SINGULAR = "megatroninference"
+SHORT_NAMES = ["mi"]
+CRD_NAME = f"{PLURAL}.{GROUP}"
+
+LIFECYCLES = ["Running", "Paused", "Suspended", "Shutdown"]
+PHASES = ["Pending", "Progressing", "Ready", "Paused", "Suspended", "Shutdown", "Degraded", "Failed"]
+DTYPES = ["bfloat16", "float16", "float32"]
+ROUTINGS = ["least_loaded", "round_robin", "prefix_affinity"]
+CONDITION_TYPES = ["Ready", "CoordinatorReady", "EnginesReady", "LifecycleSynced", "SpecValid"]
+
+COORDINATOR_PORT = 5555
+# Longest resource name: "<name>-engine-<g>" must stay a valid StatefulSet name whose pods'
+# controller-revision-hash label ("<sts>-<10 chars>") fits in 63 characters, with g < 1000.
+MAX_NAME_LENGTH = 40
+MAX_DATA = 256
+
+
+# --------------------------------------------------------------------------- schema helpers
+
+def _str(description: str, **extra: Any) -> dict[str, Any]:
+    return {"type": "string", "description": description, **extra}
+
+
+def _int(description: str, **extra: Any) -> dict[str, Any]:
+    return {"type": "integer", "format": "int32", "description": description, **extra}
+
+
+def _obj(description: str, properties: dict[str, Any], **extra: Any) -> dict[str, Any]:
+    return {"type": "object", "description": description, "properties": properties, **extra}
+
+
+def _free(description: str) -> dict[str, Any]:
+    """An object whose content the API server keeps as is (a Kubernetes type we pass through)."""
+    return {"type": "object", "description": description, "x-kubernetes-preserve-unknown-fields": True}
+
+
+_QUANTITY = {
+    "anyOf": [{"type": "integer"}, {"type": "string"}],
+    "x-kubernetes-int-or-string": True,
+    "pattern": r"^(\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))(([KMGTPE]i)|[numkMGTPE]|([eE](\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))))?$",
+}
+
+
+def _resources(description: str) -> dict[str, Any]:
+    quantities = {"type": "object", "additionalProperties": copy.deepcopy(_QUANTITY)}
+    return _obj(description, {
+        "limits": {**quantities, "description": "Maximum amount of compute resources allowed."},
+        "requests": {**quantities, "description": "Minimum amount of compute resources required."},
+    })
+
+
+# --------------------------------------------------------------------------- CEL rules + twins
+
+# Each rule: (schema path of the object it is attached to, CEL rule, message, python twin).
+# The twin receives the (defaulted) object the rule is attached to, like CEL's ``self``.
+CelCheck = Callable[[dict[str, Any]], bool]
+
+
+def _ranks(spec: dict[str, Any]) -> int:
+    par = spec.get("parallelism", {})
+    return int(par.get("tensor", 1)) * int(par.get("pipeline", 1))
+
+
+def _gpus_rule(spec: dict[str, Any]) -> bool:
+    ranks = _ranks(spec)
+    gpus = int(spec.get("engine", {}).get("gpusPerPod", 8))
+    return ranks % gpus == 0 or gpus % ranks == 0
+
+
+def _model_path_rule(model: dict[str, Any]) -> bool:
+    if "volume" not in model:
+        return True
+    mount = model.get("mountPath", "/models").rstrip("/") or "/"
+    path = model["path"]
+    return path == mount or path.startswith(mount if mount == "/" else mount + "/")
+
+
+CEL_RULES: list[tuple[str, str, str, CelCheck]] = [
+    (
+        "",
+        f"size(self.metadata.name) <= {MAX_NAME_LENGTH}",
+        f"metadata.name must be at most {MAX_NAME_LENGTH} characters (child names append '-engine-<group>')",
+        lambda obj: len(obj.get("metadata", {}).get("name", "")) <= MAX_NAME_LENGTH,
+    ),
+    (
+        "",
+        "self.metadata.name.matches('^[a-z]')",
+        "metadata.name must start with a lower-case letter (it names Services)",
+        lambda obj: obj.get("metadata", {}).get("name", "")[:1].isalpha()
+        and obj.get("metadata", {}).get("name", "")[:1].islower(),
+    ),
+    (
+        "spec",
+        "(self.parallelism.tensor * self.parallelism.pipeline) % self.engine.gpusPerPod == 0"
+        " || self.engine.gpusPerPod % (self.parallelism.tensor * self.parallelism.pipeline) == 0",
+        "parallelism.tensor * parallelism.pipeline must be a multiple or a divisor of engine.gpusPerPod",
+        _gpus_rule,
+    ),
+    (
+        "spec",
+        f"self.server.port != {COORDINATOR_PORT}",
+        f"server.port must differ from the coordinator port {COORDINATOR_PORT} (both run in one pod)",
+        lambda spec: int(spec.get("server", {}).get("port", 8000)) != COORDINATOR_PORT,
+    ),
+    (
+        "spec.model",
+        "!has(self.volume) || self.path == self.mountPath || self.path.startsWith(self.mountPath + '/')",
+        "model.path must lie inside model.mountPath when model.volume is set",
+        _model_path_rule,
+    ),
+    (
+        "spec.model",
+        "!has(self.volume) || size(self.volume) == 1",
+        "model.volume must name exactly one volume source, e.g. {persistentVolumeClaim: {claimName: models}}",
+        lambda model: "volume" not in model or len(model["volume"]) == 1,
+    ),
+]
+
+# rule text -> python twin (the operator evaluates these; tests compare them with real CEL)
+CEL_CHECKS: dict[str, CelCheck] = {rule: check for _, rule, _, check in CEL_RULES}
+
+
+def _rules_for(path: str) -> list[dict[str, str]]:
+    return [{"rule": rule, "message": message} for where, rule, message, _ in CEL_RULES if where == path]
+
+
+# --------------------------------------------------------------------------- the schema
+
+def spec_schema() -> dict[str, Any]:
+    model = _obj(
+        "The Hugging Face model directory the engines serve.",
+        {
+            "path": _str("Absolute path of the HF model directory inside the pods (inside mountPath when volume is set).",
+                         minLength=1, maxLength=4096, pattern="^/"),
+            "volume": _free("Any Kubernetes volume source holding the model, e.g. "
+                            "{persistentVolumeClaim: {claimName: models}}; mounted read-only at mountPath."),
+            "mountPath": _str("Where the model volume is mounted.", default="/models",
+                              minLength=1, maxLength=1024, pattern="^/"),
+            "dtype": _str("Weight and activation dtype.", enum=list(DTYPES), default="bfloat16"),
+            "maxSequenceLength": _int("Longest prompt + generation, in tokens.", minimum=1),
+        },
+        required=["path"],
+    )
+    model["x-kubernetes-validations"] = _rules_for("spec.model")
+    parallelism = _obj(
+        "Parallel layout: data = number of engine groups, each tensor*pipeline GPUs.",
+        {
+            "tensor": _int("Tensor-parallel ranks per engine group.", minimum=1, maximum=64, default=1),
+            "pipeline": _int("Pipeline-parallel stages per engine group.", minimum=1, maximum=16, default=1),
+            "data": _int("Number of engine groups (data-parallel replicas); scaled by the scale subresource.",
+                         minimum=0, maximum=MAX_DATA, default=1),
+        },
+        default={},
+    )
+    engine = _obj(
+        "Engine pods.",
+        {
+            "gpusPerPod": _int("GPUs per node/pod; pods per group = ceil(tensor*pipeline / gpusPerPod).",
+                               minimum=1, maximum=16, default=8),
+            "kvCache": _obj(
+                "Paged KV cache.",
+                {
+                    "blockSizeTokens": _int("Tokens per KV block.", minimum=1, maximum=4096),
+                    "memoryFraction": {"type": "number", "description": "Fraction of free GPU memory for the KV pool.",
+                                       "minimum": 0, "exclusiveMinimum": True, "maximum": 1},
+                    "prefixCaching": {"type": "boolean", "description": "Share KV blocks of common prefixes.",
+                                      "default": True},
+                },
+                default={},
+            ),
+            "maxBatchTokens": _int("Token budget of one engine step.", minimum=1),
+            "resources": _resources("CPU/memory for each engine pod; nvidia.com/gpu is set by the operator."),
+            "nodeSelector": {"type": "object", "description": "Node selector for engine pods.",
+                             "additionalProperties": {"type": "string"}},
+            "tolerations": {"type": "array", "description": "Tolerations for engine pods.",
+                            "items": _free("A Kubernetes Toleration.")},
+            "affinity": _free("A Kubernetes Affinity for engine pods."),
+            "priorityClassName": _str("PriorityClass of engine pods.", maxLength=253),
+        },
+        default={},
+    )
+    coordinator = _obj(
+        "The coordinator process (routing, tokenization, lifecycle).",
+        {
+            "routing": _str("Routing policy.", enum=list(ROUTINGS), default="least_loaded"),
+            "resources": _resources("Resources of the coordinator container."),
+        },
+        default={},
+    )
+    server = _obj(
+        "The OpenAI-compatible HTTP server (runs in the coordinator pod).",
+        {
+            "port": _int("HTTP port of the server and its Service.", minimum=1, maximum=65535, default=8000),
+            "apiKeySecretRef": _obj(
+                "Secret key holding the API key clients must send.",
+                {"name": _str("Secret name.", minLength=1, maxLength=253),
+                 "key": _str("Key in the Secret.", minLength=1, maxLength=253)},
+                required=["name", "key"],
+            ),
+            "resources": _resources("Resources of the server container."),
+        },
+        default={},
+    )
+    spec = _obj(
+        "Desired state of a served model.",
+        {
+            "image": _str("Runtime image; the operator's default when omitted.", minLength=1, maxLength=1024),
+            "imagePullPolicy": _str("Image pull policy.", enum=["Always", "IfNotPresent", "Never"]),
+            "imagePullSecrets": {"type": "array", "description": "Secrets to pull the image.",
+                                 "items": _obj("A LocalObjectReference.",
+                                               {"name": _str("Secret name.", minLength=1, maxLength=253)},
+                                               required=["name"])},
+            "model": model,
+            "parallelism": parallelism,
+            "engine": engine,
+            "coordinator": coordinator,
+            "server": server,
+            "lifecycle": _str("Running | Paused (stop stepping, keep memory) | Suspended (release GPU memory) | "
+                              "Shutdown (stop engines, scale them to zero).", enum=list(LIFECYCLES), default="Running"),
+            "drainTimeoutSeconds": _int("How long engines may drain on shutdown, scale-down or deletion.",
+                                        minimum=0, maximum=3600, default=60),
+        },
+        required=["model"],
+    )
+    spec["x-kubernetes-validations"] = _rules_for("spec")
+    return spec
+
+
+def status_schema() -> dict[str, Any]:
+    condition = _obj(
+        "A standard condition.",
+        {
+            "type": _str("Condition type.", enum=list(CONDITION_TYPES)),
+            "status": _str("True, False or Unknown.", enum=["True", "False", "Unknown"]),
+            "reason": _str("Machine-readable reason."),
+            "message": _str("Human-readable message."),
+            "lastTransitionTime": _str("When the status last changed.", format="date-time"),
+            "observedGeneration": {"type": "integer", "format": "int64",
+                                   "description": "Generation the condition was computed for."},
+        },
+        required=["type", "status"],
+    )
+    return _obj(
+        "Observed state, written by the operator.",
+        {
+            "phase": _str("Summary phase.", enum=list(PHASES)),
+            "lifecycle": _obj("Lifecycle as requested and as acknowledged by the coordinator.", {
+                "desired": _str("spec.lifecycle as last seen.", enum=list(LIFECYCLES)),
+                "observed": _str("Lifecycle acknowledged by the coordinator.", enum=list(LIFECYCLES)),
+                "since": _str("When observed last changed.", format="date-time"),
+                "message": _str("Last acknowledgement or error."),
+            }),
+            "engines": _obj("Engine groups.", {
+                "desired": _int("Engine groups wanted now (0 when Shutdown).", minimum=0),
+                "ready": _int("Engine groups whose pods are all ready.", minimum=0),
+                "connected": _int("Engine groups registered with the coordinator.", minimum=0),
+            }),
+            "endpoint": _str("OpenAI base URL inside the cluster."),
+            "selector": _str("Label selector of engine pods (for the scale subresource)."),
+            "observedGeneration": {"type": "integer", "format": "int64",
+                                   "description": "metadata.generation the status reflects."},
+            "conditions": {"type": "array", "description": "Ready, CoordinatorReady, EnginesReady, "
+                                                           "LifecycleSynced, SpecValid.",
+                           "items": condition,
+                           "x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]},
+        },
+    )
+
+
+def openapi_schema() -> dict[str, Any]:
+    return {
+        "type": "object",
+        "description": "A served LLM: coordinator, OpenAI server and data-parallel engine groups.",
+        "required": ["spec"],
+        "properties": {
+            "apiVersion": {"type": "string"},
+            "kind": {"type": "string"},
+            "metadata": {"type": "object"},
+            "spec": spec_schema(),
+            "status": status_schema(),
+        },
+        "x-kubernetes-validations": _rules_for(""),
+    }
+
+
+def crd() -> dict[str, Any]:
+    """The CustomResourceDefinition object."""
+    return {
+        "apiVersion": "apiextensions.k8s.io/v1",
+        "kind": "CustomResourceDefinition",
+        "metadata": {
+            "name": CRD_NAME,
+            "labels": {"app.kubernetes.io/name": "megatron-operator", "app.kubernetes.io/part-of": "megatron-serve"},
+        },
+        "spec": {
+            "group": GROUP,
+            "scope": "Namespaced",
+            "names": {
+                "kind": KIND,
+                "listKind": f"{KIND}List",
+                "plural": PLURAL,
+                "singular": SINGULAR,
+                "shortNames": list(SHORT_NAMES),
+                "categories": ["megatron"],
+            },
+            "versions": [{
+                "name": VERSION,
+                "served": True,
+                "storage": True,
+                "schema": {"openAPIV3Schema": openapi_schema()},
+                "subresources": {
+                    "status": {},
+                    "scale": {
+                        "specReplicasPath": ".spec.parallelism.data",
+                        "statusReplicasPath": ".status.engines.ready",
+                        "labelSelectorPath": ".status.selector",
+                    },
+                },
+                "additionalPrinterColumns": [
+                    {"name": "Phase", "type": "string", "jsonPath": ".status.phase"},
+                    {"name": "Lifecycle", "type": "string", "jsonPath": ".status.lifecycle.observed",
+                     "description": "Lifecycle acknowledged by the coordinator"},
+                    {"name": "Ready", "type": "integer", "jsonPath": ".status.engines.ready",
+                     "description": "Ready engine groups"},
+                    {"name": "Desired", "type": "integer", "jsonPath": ".spec.parallelism.data",
+                     "description": "Engine groups (data parallelism)", "priority": 1},
+                    {"name": "Endpoint", "type": "string", "jsonPath": ".status.endpoint"},
+                    {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
+                ],
+            }],
+        },
+    }
+
+
+def crd_yaml() -> str:
+    import yaml
+
+    header = ("# Generated from megatron_operator/crd.py by `python -m megatron_operator.crd`; do not edit.\n"
+              "# The chart's crds/ folder holds an identical copy (tests/operator keep them equal).\n")
+    return header + yaml.safe_dump(crd(), sort_keys=False, width=120)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    text = crd_yaml()
+    if argv:
+        for path in argv:
+            with open(path, "w", encoding="utf-8") as f:
+                f.write(text)
+    else:
+        sys.stdout.write(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

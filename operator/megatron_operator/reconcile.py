@@ -1,0 +1,225 @@
+"""Child reconciliation: make the live children match what :mod:`render` says, minimally.
+
+- A missing child is created; an existing one is patched only where it differs from the
+  rendered object (server-side defaults and extra fields are left alone), so a second pass over
+  an unchanged resource makes no API writes at all.
+- An existing object of the same name that no controller owns is adopted (the patch adds our
+  labels and ownerReference); one owned by another controller is left alone and reported.
+- Engine groups roll one at a time: the pod template of a group is replaced only while no
+  other group is still coming up on a new template. Engines drain on SIGTERM (preStop and
+  terminationGracePeriodSeconds), so replacing a group's pods drains it first.
+- Engine groups at or above ``data`` (StatefulSet and headless Service) are deleted, highest
+  first; their engines drain the same way.
+- A patch the API server refuses as invalid (an immutable field changed) deletes the object,
+  and the next pass creates it again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from typing import Any
+
+from . import render
+from .kube import Kube, KubeError
+
+Event = tuple[str, str, str]  # (type, reason, message)
+
+
+def _scalar_equal(want: Any, have: Any) -> bool:
+    if want == have:
+        return True
+    # quantities and ports come back as strings or numbers ("8" vs 8)
+    if isinstance(want, (int, float, str)) and isinstance(have, (int, float, str)) \
+            and not isinstance(want, bool) and not isinstance(have, bool):
+        return str(want) == str(have)
+    return False
+
+
+def contains(want: Any, have: Any) -> bool:
+    """Whether ``have`` (live) already holds everything ``want`` (rendered) says."""
+    if isinstance(want, dict):
+        if not isinstance(have, dict):
+            return False
+        return all(key in have and contains(value, have[key]) for key, value in want.items())
+    if isinstance(want, list):
+        if not isinstance(have, list) or len(want) != len(have):
+            return False
+        return all(contains(w, h) for w, h in zip(want, have))
+    return _scalar_equal(want, have)
+
+
+def diff(want: dict[str, Any], have: dict[str, Any]) -> dict[str, Any]:
+    """A JSON merge patch that makes ``have`` contain ``want`` (empty when it already does).
+
+    Lists are replaced whole (merge-patch semantics), maps are merged key by key.
+    """
+    patch: dict[str, Any] = {}
+    for key, value in want.items():
+        if key in have and contains(value, have[key]):
+            continue
+        if isinstance(value, dict) and isinstance(have.get(key), dict):
+            patch[key] = diff(value, have[key])
+        else:
+            patch[key] = value
+    return patch
+
+
+def controller_uid(obj: dict[str, Any]) -> str | None:
+    for ref in (obj.get("metadata") or {}).get("ownerReferences") or []:
+        if ref.get("controller"):
+            return ref.get("uid")
+    return None
+
+
+def group_of(obj: dict[str, Any]) -> int | None:
+    value = ((obj.get("metadata") or {}).get("labels") or {}).get(render.GROUP_LABEL)
+    try:
+        return int(value) if value is not None else None
+    except ValueError:
+        return None
+
+
+def settled(sts: dict[str, Any]) -> bool:
+    """A StatefulSet whose controller has caught up and whose pods are all ready."""
+    spec = sts.get("spec") or {}
+    status = sts.get("status") or {}
+    replicas = int(spec.get("replicas", 1))
+    generation = (sts.get("metadata") or {}).get("generation")
+    observed = status.get("observedGeneration")
+    if generation is not None and (observed is None or int(observed) < int(generation)):
+        return False
+    return int(status.get("readyReplicas") or 0) >= replicas and int(status.get("updatedReplicas", replicas) or 0) >= replicas
+
+
+def group_ready(sts: dict[str, Any] | None, pods: int) -> bool:
+    """Engine group readiness: the StatefulSet runs all its pods ready, on its current template."""
+    if sts is None or pods <= 0:
+        return False
+    if int((sts.get("spec") or {}).get("replicas", 0)) < pods:
+        return False
+    return settled(sts)
+
+
+def _key(obj: dict[str, Any]) -> tuple[str, str]:
+    return obj["kind"], obj["metadata"]["name"]
+
+
+@dataclass
+class ChildrenResult:
+    live: dict[tuple[str, str], dict[str, Any]] = field(default_factory=dict)
+    writes: int = 0
+    events: list[Event] = field(default_factory=list)
+    conflicts: list[str] = field(default_factory=list)
+    deferred: list[str] = field(default_factory=list)  # groups waiting for their turn to roll
+
+
+class Reconciler:
+    def __init__(self, kube: Kube):
+        self.kube = kube
+
+    async def _get(self, obj: dict[str, Any]) -> dict[str, Any] | None:
+        meta = obj["metadata"]
+        return await self.kube.get(obj["apiVersion"], obj["kind"], meta["namespace"], meta["name"])
+
+    async def children(self, desired: list[dict[str, Any]], *, name: str, namespace: str,
+                       uid: str | None, data: int) -> ChildrenResult:
+        result = ChildrenResult()
+        lives = await asyncio.gather(*(self._get(obj) for obj in desired))
+        live_by_key = {_key(obj): live for obj, live in zip(desired, lives)}
+
+        # Which engine groups are already on their new template but not up yet: while one is,
+        # no other group's template is replaced.
+        rolling: set[str] = set()
+        for obj in desired:
+            live = live_by_key[_key(obj)]
+            if obj["kind"] == "StatefulSet" and live is not None and controller_uid(live) in (None, uid):
+                if contains(obj["spec"]["template"], (live.get("spec") or {}).get("template")) \
+                        and int(obj["spec"]["replicas"]) > 0 and not settled(live):
+                    rolling.add(obj["metadata"]["name"])
+
+        for obj in desired:
+            key = _key(obj)
+            live = live_by_key[key]
+            label = f"{obj['kind']} {obj['metadata']['name']}"
+            if live is None:
+                created = await self._create(obj, result)
+                result.live[key] = created if created is not None else obj
+                continue
+            owner = controller_uid(live)
+            if owner is not None and uid is not None and owner != uid:
+                result.conflicts.append(label)
+                result.live[key] = live
+                continue
+            patch = diff(obj, live)
+            if obj["kind"] == "Secret" and render.TOKEN_KEY in (live.get("data") or {}):
+                patch.pop("data", None)  # the token of an existing Secret is never rotated
+            if obj["kind"] == "StatefulSet" and "template" in patch.get("spec", {}):
+                others_rolling = rolling - {obj["metadata"]["name"]}
+                if others_rolling:
+                    patch["spec"].pop("template")
+                    if not patch["spec"]:
+                        patch.pop("spec")
+                    result.deferred.append(obj["metadata"]["name"])
+                else:
+                    rolling.add(obj["metadata"]["name"])
+            if not patch:
+                result.live[key] = live
+                continue
+            result.live[key] = await self._patch(obj, patch, live, result)
+
+        await self._delete_extra_groups(name, namespace, uid, data, {_key(o) for o in desired}, result)
+        return result
+
+    async def _create(self, obj: dict[str, Any], result: ChildrenResult) -> dict[str, Any] | None:
+        label = f"{obj['kind']} {obj['metadata']['name']}"
+        try:
+            created = await self.kube.create(obj)
+        except KubeError as exc:
+            if exc.status == 409:  # created meanwhile (by us or a stale watch): next pass patches
+                return None
+            raise
+        result.writes += 1
+        result.events.append(("Normal", "Created", f"Created {label}"))
+        return created
+
+    async def _patch(self, obj: dict[str, Any], patch: dict[str, Any], live: dict[str, Any],
+                     result: ChildrenResult) -> dict[str, Any]:
+        meta = obj["metadata"]
+        label = f"{obj['kind']} {meta['name']}"
+        try:
+            patched = await self.kube.patch(obj["apiVersion"], obj["kind"], meta["namespace"], meta["name"], patch)
+        except KubeError as exc:
+            if exc.status == 422:  # an immutable field differs: replace the object
+                await self.kube.delete(obj["apiVersion"], obj["kind"], meta["namespace"], meta["name"])
+                result.writes += 1
+                result.events.append(("Warning", "Recreating", f"Deleted {label} to recreate it: {exc}"))
+                return live
+            raise
+        result.writes += 1
+        adopted = controller_uid(live) is None and "ownerReferences" in patch.get("metadata", {})
+        what = "Adopted" if adopted else "Updated"
+        parts: list[str] = []
+        for top, value in patch.items():
+            parts += [f"{top}.{sub}" for sub in value] if isinstance(value, dict) else [top]
+        result.events.append(("Normal", what, f"{what} {label} ({', '.join(sorted(parts))})"))
+        return patched or live
+
+    async def _delete_extra_groups(self, name: str, namespace: str, uid: str | None, data: int,
+                                   wanted: set[tuple[str, str]], result: ChildrenResult) -> None:
+        selector = f"app.kubernetes.io/instance={name},app.kubernetes.io/component=engine"
+        for api_version, kind in (("apps/v1", "StatefulSet"), ("v1", "Service")):
+            items = await self.kube.list(api_version, kind, namespace, selector)
+            extra = []
+            for item in items:
+                item_name = item["metadata"]["name"]
+                group = group_of(item)
+                if (kind, item_name) in wanted or group is None or group < data:
+                    continue
+                if controller_uid(item) not in (None, uid) or item_name != render.engine_name(name, group):
+                    continue
+                extra.append((group, item_name))
+            for group, item_name in sorted(extra, reverse=True):
+                await self.kube.delete(api_version, kind, namespace, item_name)
+                result.writes += 1
+                result.events.append(("Normal", "Deleted", f"Deleted {kind} {item_name} (engine group {group})"))

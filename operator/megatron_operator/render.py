@@ -1,0 +1,543 @@
+"""Rendering: a ``MegatronInference`` resource -> the child objects the operator creates.
+
+:func:`render` is a pure function: the same resource and configuration always give the same
+objects in the same order (DESIGN section 8):
+
+1. Secret ``<name>-coordinator-token`` (the coordinator's shared token),
+2. Service ``<name>`` (OpenAI port; the endpoint ``http://<name>.<namespace>.svc:<port>/v1``),
+3. Service ``<name>-coordinator`` (ZeroMQ port 5555),
+4. NetworkPolicy ``<name>-coordinator`` (port 5555 only from engine, server and operator pods),
+5. Deployment ``<name>-coordinator`` (1 replica: coordinator + OpenAI server containers),
+6. for each data-parallel group g: headless Service ``<name>-engine-<g>`` (rank rendezvous,
+   ``publishNotReadyAddresses``) then StatefulSet ``<name>-engine-<g>`` (pods of the group).
+
+Every object carries ``app.kubernetes.io/instance=<name>`` and, when the resource has a uid,
+an ownerReference to it. The token is an HMAC of the resource's identity under the operator's
+key, so re-rendering gives the same Secret; the operator additionally never rotates the token
+of an existing Secret (it passes it in as ``token``).
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import hmac
+import sys
+from typing import Any
+
+from . import crd
+from .config import OperatorConfig
+from .spec import InferenceSpec, SpecError, parse
+
+COORDINATOR_PORT = crd.COORDINATOR_PORT
+RENDEZVOUS_PORT = 29500
+TOKEN_KEY = "token"
+MANAGED_BY = "megatron-operator"
+GROUP_LABEL = f"{crd.GROUP}/group"
+ENGINE_SHM_LIMIT = "8Gi"
+DEFAULT_SIDE_RESOURCES = {"requests": {"cpu": "1", "memory": "2Gi"}}
+UID = 1000
+
+# ----------------------------------------------------------------------------- names
+
+def secret_name(name: str) -> str:
+    return f"{name}-coordinator-token"
+
+
+def coordinator_name(name: str) -> str:
+    return f"{name}-coordinator"
+
+
+def server_service_name(name: str) -> str:
+    return name
+
+
+def engine_name(name: str, group: int) -> str:
+    return f"{name}-engine-{group}"
+
+
+def endpoint(name: str, namespace: str, port: int) -> str:
+    return f"http://{server_service_name(name)}.{namespace}.svc:{port}/v1"
+
+
+def coordinator_service_address(name: str, namespace: str) -> str:
+    """The coordinator address used inside the cluster (engines)."""
+    return f"tcp://{coordinator_name(name)}.{namespace}.svc:{COORDINATOR_PORT}"
+
+
+def selector_labels(name: str, component: str, group: int | None = None) -> dict[str, str]:
+    labels = {
+        "app.kubernetes.io/name": "megatron-serve",
+        "app.kubernetes.io/instance": name,
+        "app.kubernetes.io/component": component,
+    }
+    if group is not None:
+        labels[GROUP_LABEL] = str(group)
+    return labels
+
+
+def labels(name: str, component: str, group: int | None = None) -> dict[str, str]:
+    return {**selector_labels(name, component, group), "app.kubernetes.io/managed-by": MANAGED_BY}
+
+
+def instance_selector(name: str) -> str:
+    """Label selector (string form) of every child of ``name``."""
+    return f"app.kubernetes.io/instance={name},app.kubernetes.io/managed-by={MANAGED_BY}"
+
+
+def engine_pod_selector(name: str) -> str:
+    """Label selector of the engine pods (status.selector, for the scale subresource)."""
+    return f"app.kubernetes.io/name=megatron-serve,app.kubernetes.io/instance={name},app.kubernetes.io/component=engine"
+
+
+def derive_token(key: bytes, namespace: str, name: str, uid: str | None) -> str:
+    msg = f"{namespace}/{name}/{uid or ''}".encode()
+    return hmac.new(key, msg, hashlib.sha256).hexdigest()
+
+
+# ----------------------------------------------------------------------------- pieces
+
+def _meta(spec: InferenceSpec, name: str, component: str, group: int | None = None) -> dict[str, Any]:
+    meta: dict[str, Any] = {"name": name, "namespace": spec.namespace, "labels": labels(spec.name, component, group)}
+    if spec.uid:
+        meta["ownerReferences"] = [{
+            "apiVersion": crd.API_VERSION,
+            "kind": crd.KIND,
+            "name": spec.name,
+            "uid": spec.uid,
+            "controller": True,
+        }]
+    return meta
+
+
+def _container_security() -> dict[str, Any]:
+    return {
+        "allowPrivilegeEscalation": False,
+        "privileged": False,
+        "readOnlyRootFilesystem": True,
+        "runAsNonRoot": True,
+        "capabilities": {"drop": ["ALL"]},
+    }
+
+
+def _pod_security() -> dict[str, Any]:
+    return {
+        "runAsNonRoot": True,
+        "runAsUser": UID,
+        "runAsGroup": UID,
+        "fsGroup": UID,
+        "seccompProfile": {"type": "RuntimeDefault"},
+    }
+
+
+def _base_env(spec: InferenceSpec) -> list[dict[str, Any]]:
+    return [
+        {"name": "MEGATRON_SERVE_TOKEN",
+         "valueFrom": {"secretKeyRef": {"name": secret_name(spec.name), "key": TOKEN_KEY}}},
+        {"name": "HOME", "value": "/tmp"},
+        {"name": "XDG_CACHE_HOME", "value": "/tmp/.cache"},
+        {"name": "HF_HOME", "value": "/tmp/.cache/huggingface"},
+        {"name": "HF_HUB_OFFLINE", "value": "1"},
+        {"name": "TRITON_CACHE_DIR", "value": "/tmp/.cache/triton"},
+        {"name": "PYTHONUNBUFFERED", "value": "1"},
+    ]
+
+
+def _volumes(spec: InferenceSpec) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    volumes: list[dict[str, Any]] = [{"name": "tmp", "emptyDir": {}}]
+    mounts: list[dict[str, Any]] = [{"name": "tmp", "mountPath": "/tmp"}]
+    if spec.model_volume:
+        volumes.append({"name": "model", **spec.model_volume})
+        mounts.append({"name": "model", "mountPath": spec.model_mount_path, "readOnly": True})
+    return volumes, mounts
+
+
+def _image_fields(spec: InferenceSpec, config: OperatorConfig) -> dict[str, Any]:
+    out: dict[str, Any] = {"image": spec.image or config.default_image}
+    if spec.image_pull_policy:
+        out["imagePullPolicy"] = spec.image_pull_policy
+    return out
+
+
+def _pod_common(spec: InferenceSpec) -> dict[str, Any]:
+    pod: dict[str, Any] = {
+        "automountServiceAccountToken": False,
+        "enableServiceLinks": False,
+        "terminationGracePeriodSeconds": spec.drain_timeout_seconds + 30,
+        "securityContext": _pod_security(),
+    }
+    if spec.image_pull_secrets:
+        pod["imagePullSecrets"] = [dict(s) for s in spec.image_pull_secrets]
+    return pod
+
+
+def _model_flags(spec: InferenceSpec) -> list[str]:
+    flags = ["--model", spec.model_path]
+    return flags
+
+
+def _engine_flags(spec: InferenceSpec) -> list[str]:
+    """Flags shared by the commands that build engines (DESIGN section 7)."""
+    flags = ["--dtype", spec.dtype]
+    if spec.max_sequence_length is not None:
+        flags += ["--max-sequence-length", str(spec.max_sequence_length)]
+    if spec.block_size_tokens is not None:
+        flags += ["--block-size", str(spec.block_size_tokens)]
+    if spec.max_batch_tokens is not None:
+        flags += ["--max-batch-tokens", str(spec.max_batch_tokens)]
+    flags.append("--prefix-caching" if spec.prefix_caching else "--no-prefix-caching")
+    return flags
+
+
+# ----------------------------------------------------------------------------- objects
+
+def render_secret(spec: InferenceSpec, token: str) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": _meta(spec, secret_name(spec.name), "coordinator"),
+        "type": "Opaque",
+        "data": {TOKEN_KEY: base64.b64encode(token.encode()).decode()},
+    }
+
+
+def render_server_service(spec: InferenceSpec) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _meta(spec, server_service_name(spec.name), "coordinator"),
+        "spec": {
+            "type": "ClusterIP",
+            "selector": selector_labels(spec.name, "coordinator"),
+            "ports": [{"name": "http", "port": spec.server_port, "targetPort": "http", "protocol": "TCP"}],
+        },
+    }
+
+
+def render_coordinator_service(spec: InferenceSpec) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _meta(spec, coordinator_name(spec.name), "coordinator"),
+        "spec": {
+            "type": "ClusterIP",
+            "selector": selector_labels(spec.name, "coordinator"),
+            "ports": [{"name": "coordinator", "port": COORDINATOR_PORT, "targetPort": "coordinator",
+                       "protocol": "TCP"}],
+        },
+    }
+
+
+def render_network_policy(spec: InferenceSpec, config: OperatorConfig) -> dict[str, Any]:
+    return {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": _meta(spec, coordinator_name(spec.name), "coordinator"),
+        "spec": {
+            "podSelector": {"matchLabels": selector_labels(spec.name, "coordinator")},
+            "policyTypes": ["Ingress"],
+            "ingress": [
+                {
+                    # The coordinator port: engines, OpenAI servers and the operator only.
+                    "from": [
+                        {"podSelector": {"matchLabels": selector_labels(spec.name, "engine")}},
+                        {"podSelector": {"matchLabels": selector_labels(spec.name, "coordinator")}},
+                        {"namespaceSelector": {}, "podSelector": {"matchLabels": dict(config.operator_pod_labels)}},
+                    ],
+                    "ports": [{"protocol": "TCP", "port": COORDINATOR_PORT}],
+                },
+                {
+                    # The OpenAI port is the product's front door: open to every client.
+                    "ports": [{"protocol": "TCP", "port": spec.server_port}],
+                },
+            ],
+        },
+    }
+
+
+def render_coordinator_deployment(spec: InferenceSpec, config: OperatorConfig) -> dict[str, Any]:
+    volumes, mounts = _volumes(spec)
+    image = _image_fields(spec, config)
+    coordinator = {
+        "name": "coordinator",
+        **image,
+        "args": ["coordinator", *_model_flags(spec), "--port", str(COORDINATOR_PORT), "--routing", spec.routing],
+        "env": _base_env(spec),
+        "ports": [{"name": "coordinator", "containerPort": COORDINATOR_PORT, "protocol": "TCP"}],
+        # The ROUTER socket is bound exactly while the coordinator process serves.
+        "readinessProbe": {"tcpSocket": {"port": "coordinator"}, "periodSeconds": 5, "failureThreshold": 3},
+        "livenessProbe": {"tcpSocket": {"port": "coordinator"}, "initialDelaySeconds": 10,
+                          "periodSeconds": 10, "failureThreshold": 6},
+        "resources": spec.coordinator_resources or DEFAULT_SIDE_RESOURCES,
+        "securityContext": _container_security(),
+        "volumeMounts": mounts,
+    }
+    server_env = _base_env(spec)
+    if spec.api_key_secret_ref:
+        server_env.append({"name": "MEGATRON_SERVE_API_KEY", "valueFrom": {"secretKeyRef": {
+            "name": spec.api_key_secret_ref["name"], "key": spec.api_key_secret_ref["key"]}}})
+    server = {
+        "name": "server",
+        **image,
+        "args": ["server", *_model_flags(spec), "--coordinator", f"tcp://127.0.0.1:{COORDINATOR_PORT}",
+                 "--host", "0.0.0.0", "--port", str(spec.server_port)],
+        "env": server_env,
+        "ports": [{"name": "http", "containerPort": spec.server_port, "protocol": "TCP"}],
+        # /ready: coordinator reachable and not stopped; /health: the process answers.
+        "readinessProbe": {"httpGet": {"path": "/ready", "port": "http"}, "periodSeconds": 5, "failureThreshold": 3},
+        "livenessProbe": {"httpGet": {"path": "/health", "port": "http"}, "initialDelaySeconds": 10,
+                          "periodSeconds": 10, "failureThreshold": 6},
+        # Let Service endpoints drop this pod before the server stops accepting connections.
+        "lifecycle": {"preStop": {"exec": {"command": ["sleep", "5"]}}},
+        "resources": spec.server_resources or DEFAULT_SIDE_RESOURCES,
+        "securityContext": _container_security(),
+        "volumeMounts": mounts,
+    }
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": _meta(spec, coordinator_name(spec.name), "coordinator"),
+        "spec": {
+            "replicas": 1,
+            # Never two coordinators at once: engines would split between them.
+            "strategy": {"type": "Recreate"},
+            "selector": {"matchLabels": selector_labels(spec.name, "coordinator")},
+            "template": {
+                "metadata": {"labels": labels(spec.name, "coordinator")},
+                "spec": {**_pod_common(spec), "containers": [coordinator, server], "volumes": volumes},
+            },
+        },
+    }
+
+
+def render_engine_service(spec: InferenceSpec, group: int) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _meta(spec, engine_name(spec.name, group), "engine", group),
+        "spec": {
+            "clusterIP": "None",
+            # Ranks must find each other before any of them is ready.
+            "publishNotReadyAddresses": True,
+            "selector": selector_labels(spec.name, "engine", group),
+            "ports": [{"name": "rendezvous", "port": RENDEZVOUS_PORT, "targetPort": "rendezvous", "protocol": "TCP"}],
+        },
+    }
+
+
+def _engine_probe(mode: str, period: int, failures: int) -> dict[str, Any]:
+    return {
+        "exec": {"command": ["python", "-m", "megatron_operator.probe", mode]},
+        "periodSeconds": period,
+        "timeoutSeconds": 10,
+        "failureThreshold": failures,
+    }
+
+
+# The pod ordinal of a StatefulSet pod is the suffix of its host name; a multi-pod group derives
+# its node rank from it (then exec keeps the engine as PID 1, so it receives SIGTERM itself).
+RANK_WRAPPER = ('ordinal="${HOSTNAME##*-}"; export NODE_RANK="$ordinal"; '
+                'export RANK="$((ordinal * NPROC_PER_NODE))"; exec megatron-serve "$@"')
+
+
+def render_engine_statefulset(spec: InferenceSpec, group: int, config: OperatorConfig,
+                              engines_stopped: bool) -> dict[str, Any]:
+    name = engine_name(spec.name, group)
+    volumes, mounts = _volumes(spec)
+    volumes.append({"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": ENGINE_SHM_LIMIT}})
+    mounts.append({"name": "dshm", "mountPath": "/dev/shm"})
+    pods = spec.pods_per_group
+    gpus = spec.gpus_per_engine_pod
+    args = [
+        "engine", *_model_flags(spec),
+        "--coordinator", coordinator_service_address(spec.name, spec.namespace),
+        "--group", str(group),
+        "--tensor-parallel", str(spec.tensor),
+    ]
+    if spec.pipeline > 1:
+        args += ["--pipeline-parallel", str(spec.pipeline)]
+    args += _engine_flags(spec)
+    if spec.kv_memory_fraction is not None:
+        args += ["--kv-cache-memory-fraction", repr(float(spec.kv_memory_fraction))]
+    args += ["--drain-timeout", str(spec.drain_timeout_seconds)]
+    env = _base_env(spec) + [
+        {"name": "MEGATRON_SERVE_COORDINATOR", "value": coordinator_service_address(spec.name, spec.namespace)},
+        {"name": "MEGATRON_SERVE_GROUP", "value": str(group)},
+        {"name": "MASTER_ADDR", "value": f"{name}-0.{name}.{spec.namespace}.svc"},
+        {"name": "MASTER_PORT", "value": str(RENDEZVOUS_PORT)},
+        {"name": "WORLD_SIZE", "value": str(spec.ranks_per_group)},
+        {"name": "NNODES", "value": str(pods)},
+        {"name": "NPROC_PER_NODE", "value": str(gpus)},
+        {"name": "LOCAL_RANK", "value": "0"},
+    ]
+    if pods == 1:
+        env += [{"name": "NODE_RANK", "value": "0"}, {"name": "RANK", "value": "0"}]
+    resources = {k: dict(v) for k, v in spec.engine_resources.items()}
+    for kind in ("limits", "requests"):
+        resources.setdefault(kind, {})["nvidia.com/gpu"] = gpus
+    container: dict[str, Any] = {
+        "name": "engine",
+        **_image_fields(spec, config),
+    }
+    if pods > 1:
+        container["command"] = ["/bin/sh", "-c", RANK_WRAPPER, "megatron-serve"]
+    container.update({
+        "args": args,
+        "env": env,
+        "ports": [{"name": "rendezvous", "containerPort": RENDEZVOUS_PORT, "protocol": "TCP"}],
+        # Model loading can take long: the startup probe allows 30 minutes to register.
+        "startupProbe": _engine_probe("registered", 10, 180),
+        # Ready while the coordinator has this group registered.
+        "readinessProbe": _engine_probe("registered", 15, 2),
+        # Restart only when a reachable coordinator has dropped this group for two minutes.
+        "livenessProbe": _engine_probe("alive", 30, 4),
+        # SIGTERM makes the engine send DRAINING and finish or hand back its requests; waiting
+        # for it here keeps the drain visible and bounded by terminationGracePeriodSeconds.
+        "lifecycle": {"preStop": {"exec": {"command": [
+            "/bin/sh", "-c", "kill -TERM 1; while kill -0 1 2>/dev/null; do sleep 1; done"]}}},
+        "resources": resources,
+        "securityContext": _container_security(),
+        "volumeMounts": mounts,
+    })
+    pod_spec: dict[str, Any] = {**_pod_common(spec), "containers": [container], "volumes": volumes}
+    if spec.node_selector:
+        pod_spec["nodeSelector"] = dict(spec.node_selector)
+    if spec.tolerations:
+        pod_spec["tolerations"] = [dict(t) for t in spec.tolerations]
+    if spec.affinity:
+        pod_spec["affinity"] = spec.affinity
+    if spec.priority_class_name:
+        pod_spec["priorityClassName"] = spec.priority_class_name
+    replicas = 0 if engines_stopped else pods
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "StatefulSet",
+        "metadata": _meta(spec, name, "engine", group),
+        "spec": {
+            "serviceName": name,
+            "replicas": replicas,
+            "podManagementPolicy": "Parallel",
+            "updateStrategy": {"type": "RollingUpdate"},
+            "selector": {"matchLabels": selector_labels(spec.name, "engine", group)},
+            "template": {
+                "metadata": {"labels": labels(spec.name, "engine", group)},
+                "spec": pod_spec,
+            },
+        },
+    }
+
+
+def render_spec(spec: InferenceSpec, config: OperatorConfig | None = None, *, token: str | None = None,
+                engines_stopped: bool | None = None) -> list[dict[str, Any]]:
+    """Children of an already parsed spec; see :func:`render`."""
+    config = config or OperatorConfig()
+    if token is None:
+        token = derive_token(config.token_key, spec.namespace, spec.name, spec.uid)
+    if engines_stopped is None:
+        engines_stopped = spec.lifecycle == "Shutdown"
+    objects = [
+        render_secret(spec, token),
+        render_server_service(spec),
+        render_coordinator_service(spec),
+        render_network_policy(spec, config),
+        render_coordinator_deployment(spec, config),
+    ]
+    for group in range(spec.data):
+        objects.append(render_engine_service(spec, group))
+        objects.append(render_engine_statefulset(spec, group, config, engines_stopped))
+    return objects
+
+
+def render(resource: dict[str, Any], config: OperatorConfig | None = None, *, token: str | None = None,
+           engines_stopped: bool | None = None, default_namespace: str = "default") -> list[dict[str, Any]]:
+    """The child objects of ``resource``, in a stable order.
+
+    ``token`` keeps an existing coordinator token (default: derived from the resource identity).
+    ``engines_stopped`` scales engine StatefulSets to zero (default: ``spec.lifecycle == Shutdown``);
+    the operator holds it False until the coordinator has acknowledged STOP.
+    Raises :class:`~megatron_operator.spec.SpecError` for an invalid resource.
+    """
+    spec = parse(resource, default_namespace=default_namespace)
+    return render_spec(spec, config, token=token, engines_stopped=engines_stopped)
+
+
+# ----------------------------------------------------------------------------- the command
+
+def to_yaml(objects: list[dict[str, Any]]) -> str:
+    import yaml
+
+    return yaml.safe_dump_all(objects, sort_keys=False, explicit_start=True, width=120)
+
+
+def load_resources(text: str) -> list[dict[str, Any]]:
+    import yaml
+
+    docs = [doc for doc in yaml.safe_load_all(text) if doc is not None]
+    out: list[dict[str, Any]] = []
+    for doc in docs:
+        if isinstance(doc, dict) and doc.get("kind") == "List" and isinstance(doc.get("items"), list):
+            out.extend(doc["items"])
+        else:
+            out.append(doc)
+    return out
+
+
+def render_file(path: str, config: OperatorConfig | None = None) -> tuple[str, list[str]]:
+    """Render every MegatronInference in a YAML file: (YAML stream, error lines)."""
+    import yaml
+
+    try:
+        if path == "-":
+            text = sys.stdin.read()
+        else:
+            with open(path, encoding="utf-8") as f:
+                text = f.read()
+    except OSError as exc:
+        return "", [f"{path}: cannot read: {exc.strerror or exc}"]
+    try:
+        docs = load_resources(text)
+    except yaml.YAMLError as exc:
+        return "", [f"{path}: not valid YAML: {exc}"]
+    if not docs:
+        return "", [f"{path}: no resource found"]
+    config = config or OperatorConfig.from_env(for_render=True)
+    objects: list[dict[str, Any]] = []
+    errors: list[str] = []
+    for i, doc in enumerate(docs):
+        label = f"{path}: document {i + 1}"
+        if isinstance(doc, dict) and isinstance(doc.get("metadata"), dict) and doc["metadata"].get("name"):
+            label = f"{path}: {doc.get('kind', '?')}/{doc['metadata']['name']}"
+        try:
+            objects.extend(render(doc, config))
+        except SpecError as exc:
+            errors.extend(f"{label}: {reason}" for reason in exc.reasons)
+    return (to_yaml(objects) if not errors else ""), errors
+
+
+def render_main(argv: list[str] | None = None) -> int:
+    """``megatron-serve render -f FILE``: print the child objects, or the reasons and exit 1."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="megatron-serve render",
+                                     description="Print the child objects the operator would create.")
+    parser.add_argument("-f", "--filename", required=True, help="resource YAML file ('-' for stdin)")
+    args = parser.parse_args(argv)
+    return render_command(args.filename)
+
+
+def render_command(path: str, out: Any = None, err: Any = None) -> int:
+    out = out or sys.stdout
+    err = err or sys.stderr
+    try:
+        config = OperatorConfig.from_env(for_render=True)
+    except ValueError as exc:
+        print(f"megatron-serve render: error: {exc}", file=err)
+        return 2
+    text, errors = render_file(path, config)
+    if errors:
+        print(f"megatron-serve render: {path} is invalid:", file=err)
+        for line in errors:
+            print(f"  {line}", file=err)
+        return 1
+    out.write(text)
+    return 0

@@ -1,0 +1,278 @@
+"""Validation, defaulting and a typed view of a ``MegatronInference`` resource (pure Python).
+
+:func:`parse` applies the CRD schema of :mod:`megatron_operator.crd` the way the API server
+does (structural checks, defaults, the CEL rules' Python twins), rejects unknown fields like
+``kubectl``'s strict field validation, and returns an :class:`InferenceSpec`. Every problem is
+reported as one readable line naming the field, all at once, in :class:`SpecError`.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+from . import crd
+
+
+class SpecError(ValueError):
+    """An invalid resource; ``reasons`` lists one readable line per problem."""
+
+    def __init__(self, reasons: list[str]):
+        self.reasons = list(reasons)
+        super().__init__("; ".join(self.reasons))
+
+
+# --------------------------------------------------------------------------- structural schema
+
+_TYPES = {
+    "object": dict,
+    "array": list,
+    "string": str,
+    "boolean": bool,
+}
+
+
+def _type_ok(value: Any, schema: dict[str, Any]) -> bool:
+    if schema.get("x-kubernetes-int-or-string"):
+        return isinstance(value, (int, str)) and not isinstance(value, bool)
+    kind = schema.get("type")
+    if kind is None:
+        return True
+    if kind == "integer":
+        return isinstance(value, int) and not isinstance(value, bool)
+    if kind == "number":
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    return isinstance(value, _TYPES[kind])
+
+
+def _describe(value: Any) -> str:
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, int):
+        return "an integer"
+    if isinstance(value, float):
+        return "a number"
+    if isinstance(value, str):
+        return "a string"
+    if isinstance(value, list):
+        return "a list"
+    if isinstance(value, dict):
+        return "an object"
+    return type(value).__name__
+
+
+def apply_defaults(value: Any, schema: dict[str, Any]) -> Any:
+    """Fill in schema defaults in place (objects defaulted to {} get their nested defaults too)."""
+    if isinstance(value, dict) and "properties" in schema:
+        for name, sub in schema["properties"].items():
+            if name not in value and "default" in sub:
+                value[name] = copy.deepcopy(sub["default"])
+            if name in value:
+                apply_defaults(value[name], sub)
+    elif isinstance(value, dict) and isinstance(schema.get("additionalProperties"), dict):
+        for item in value.values():
+            apply_defaults(item, schema["additionalProperties"])
+    elif isinstance(value, list) and "items" in schema:
+        for item in value:
+            apply_defaults(item, schema["items"])
+    return value
+
+
+def check_schema(value: Any, schema: dict[str, Any], path: str, errors: list[str]) -> None:
+    """Append one readable line per structural problem of ``value`` at ``path``."""
+    where = path or "(root)"
+    if not _type_ok(value, schema):
+        expected = "an integer or a string" if schema.get("x-kubernetes-int-or-string") else \
+            {"integer": "an integer", "number": "a number", "string": "a string", "boolean": "a boolean",
+             "object": "an object", "array": "a list"}[schema["type"]]
+        errors.append(f"{where}: must be {expected}, got {_describe(value)} {value!r}")
+        return
+    if "enum" in schema and value not in schema["enum"]:
+        allowed = ", ".join(str(v) for v in schema["enum"])
+        errors.append(f"{where}: unsupported value {value!r}; must be one of: {allowed}")
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        if "minimum" in schema:
+            low = schema["minimum"]
+            if schema.get("exclusiveMinimum") and not value > low:
+                errors.append(f"{where}: must be greater than {low}, got {value}")
+            elif value < low:
+                errors.append(f"{where}: must be at least {low}, got {value}")
+        if "maximum" in schema:
+            high = schema["maximum"]
+            if schema.get("exclusiveMaximum") and not value < high:
+                errors.append(f"{where}: must be less than {high}, got {value}")
+            elif value > high:
+                errors.append(f"{where}: must be at most {high}, got {value}")
+    if isinstance(value, str):
+        if "minLength" in schema and len(value) < schema["minLength"]:
+            errors.append(f"{where}: must not be empty" if schema["minLength"] == 1
+                          else f"{where}: must be at least {schema['minLength']} characters")
+        if "maxLength" in schema and len(value) > schema["maxLength"]:
+            errors.append(f"{where}: must be at most {schema['maxLength']} characters")
+        if "pattern" in schema and not re.search(schema["pattern"], value):
+            hint = "must be an absolute path" if schema["pattern"] == "^/" else f"must match {schema['pattern']}"
+            errors.append(f"{where}: {hint}, got {value!r}")
+    if isinstance(value, dict):
+        props = schema.get("properties")
+        for name in schema.get("required", []):
+            if name not in value:
+                errors.append(f"{path + '.' if path else ''}{name}: required field is missing")
+        if props is not None:
+            for name, item in value.items():
+                sub_path = f"{path}.{name}" if path else name
+                if name in props:
+                    check_schema(item, props[name], sub_path, errors)
+                elif not schema.get("x-kubernetes-preserve-unknown-fields"):
+                    errors.append(f"{sub_path}: unknown field")
+        elif isinstance(schema.get("additionalProperties"), dict):
+            for name, item in value.items():
+                check_schema(item, schema["additionalProperties"], f"{path}.{name}", errors)
+    if isinstance(value, list) and "items" in schema:
+        for i, item in enumerate(value):
+            check_schema(item, schema["items"], f"{path}[{i}]", errors)
+
+
+def _check_cel(value: Any, schema: dict[str, Any], path: str, errors: list[str]) -> None:
+    """Evaluate the Python twins of the CEL rules, depth first, like the API server."""
+    if isinstance(value, dict) and "properties" in schema:
+        for name, sub in schema["properties"].items():
+            if name in value and name != "metadata":
+                _check_cel(value[name], sub, f"{path}.{name}" if path else name, errors)
+    for rule in schema.get("x-kubernetes-validations", []):
+        try:
+            ok = crd.CEL_CHECKS[rule["rule"]](value)
+        except (KeyError, TypeError, ValueError, ZeroDivisionError):
+            ok = False
+        if not ok:
+            errors.append(f"{path or '(root)'}: {rule['message']}")
+
+
+def validate(resource: dict[str, Any]) -> dict[str, Any]:
+    """Return a defaulted deep copy of ``resource`` or raise :class:`SpecError` with all reasons."""
+    if not isinstance(resource, dict):
+        raise SpecError([f"a resource must be a mapping, got {_describe(resource)}"])
+    errors: list[str] = []
+    if resource.get("apiVersion") != crd.API_VERSION:
+        errors.append(f"apiVersion: must be {crd.API_VERSION}, got {resource.get('apiVersion')!r}")
+    if resource.get("kind") != crd.KIND:
+        errors.append(f"kind: must be {crd.KIND}, got {resource.get('kind')!r}")
+    meta = resource.get("metadata")
+    if not isinstance(meta, dict) or not isinstance(meta.get("name"), str) or not meta.get("name"):
+        errors.append("metadata.name: required field is missing")
+    elif not re.fullmatch(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?", meta["name"]):
+        errors.append(f"metadata.name: {meta['name']!r} must be a DNS label (lower-case letters, digits and '-')")
+    if errors:
+        raise SpecError(errors)
+    schema = crd.openapi_schema()
+    obj = copy.deepcopy(resource)
+    obj.pop("status", None)
+    apply_defaults(obj, schema)
+    check_schema({k: v for k, v in obj.items() if k != "metadata"}, {**schema, "required": ["spec"]}, "", errors)
+    if not errors:
+        _check_cel(obj, schema, "", errors)
+    if errors:
+        raise SpecError(errors)
+    return obj
+
+
+# --------------------------------------------------------------------------- typed view
+
+@dataclass(frozen=True)
+class InferenceSpec:
+    """The defaulted spec of one resource, with the derived numbers that rendering needs."""
+
+    name: str
+    namespace: str
+    uid: str | None
+    generation: int | None
+    image: str | None
+    image_pull_policy: str | None
+    image_pull_secrets: list[dict[str, Any]]
+    model_path: str
+    model_volume: dict[str, Any] | None
+    model_mount_path: str
+    dtype: str
+    max_sequence_length: int | None
+    tensor: int
+    pipeline: int
+    data: int
+    gpus_per_pod: int
+    block_size_tokens: int | None
+    kv_memory_fraction: float | None
+    prefix_caching: bool
+    max_batch_tokens: int | None
+    engine_resources: dict[str, Any]
+    node_selector: dict[str, str]
+    tolerations: list[dict[str, Any]]
+    affinity: dict[str, Any] | None
+    priority_class_name: str | None
+    routing: str
+    coordinator_resources: dict[str, Any]
+    server_port: int
+    api_key_secret_ref: dict[str, str] | None
+    server_resources: dict[str, Any]
+    lifecycle: str
+    drain_timeout_seconds: int
+    raw: dict[str, Any] = field(repr=False, compare=False, default_factory=dict)
+
+    @property
+    def ranks_per_group(self) -> int:
+        """World size of one engine group: tensor * pipeline."""
+        return self.tensor * self.pipeline
+
+    @property
+    def gpus_per_engine_pod(self) -> int:
+        """GPUs requested by each engine pod (a group smaller than a node takes only what it needs)."""
+        return min(self.gpus_per_pod, self.ranks_per_group)
+
+    @property
+    def pods_per_group(self) -> int:
+        return math.ceil(self.ranks_per_group / self.gpus_per_pod)
+
+
+def parse(resource: dict[str, Any], default_namespace: str = "default") -> InferenceSpec:
+    """Validate and default ``resource``; raise :class:`SpecError` listing every problem."""
+    obj = validate(resource)
+    meta = obj["metadata"]
+    spec = obj["spec"]
+    model, par, engine = spec["model"], spec["parallelism"], spec["engine"]
+    kv = engine["kvCache"]
+    server = spec["server"]
+    return InferenceSpec(
+        name=meta["name"],
+        namespace=meta.get("namespace") or default_namespace,
+        uid=meta.get("uid"),
+        generation=meta.get("generation"),
+        image=spec.get("image"),
+        image_pull_policy=spec.get("imagePullPolicy"),
+        image_pull_secrets=list(spec.get("imagePullSecrets", [])),
+        model_path=model["path"],
+        model_volume=model.get("volume"),
+        model_mount_path=model["mountPath"],
+        dtype=model["dtype"],
+        max_sequence_length=model.get("maxSequenceLength"),
+        tensor=par["tensor"],
+        pipeline=par["pipeline"],
+        data=par["data"],
+        gpus_per_pod=engine["gpusPerPod"],
+        block_size_tokens=kv.get("blockSizeTokens"),
+        kv_memory_fraction=kv.get("memoryFraction"),
+        prefix_caching=kv["prefixCaching"],
+        max_batch_tokens=engine.get("maxBatchTokens"),
+        engine_resources=dict(engine.get("resources", {})),
+        node_selector=dict(engine.get("nodeSelector", {})),
+        tolerations=list(engine.get("tolerations", [])),
+        affinity=engine.get("affinity"),
+        priority_class_name=engine.get("priorityClassName"),
+        routing=spec["coordinator"]["routing"],
+        coordinator_resources=dict(spec["coordinator"].get("resources", {})),
+        server_port=server["port"],
+        api_key_secret_ref=server.get("apiKeySecretRef"),
+        server_resources=dict(server.get("resources", {})),
+        lifecycle=spec["lifecycle"],
+        drain_timeout_seconds=spec["drainTimeoutSeconds"],
+        raw=obj,
+    )
