@@ -284,7 +284,7 @@ def decode(
     if size == 0:
         raise ProtocolError("empty frame")
     try:
-        obj = msgpack.unpackb(frame, raw=False, use_list=True, strict_map_key=True, max_buffer_size=max_bytes)
+        obj = msgpack.unpackb(frame, raw=False, use_list=True, strict_map_key=True)
     except msgpack.ExtraData:
         raise ProtocolError("trailing bytes after the msgpack message") from None
     except Exception as exc:  # msgpack raises a zoo of types (ValueError, UnpackValueError, FormatError, ...)

@@ -6,8 +6,8 @@ import argparse
 import logging
 import time
 
-from .options import (add_engine_options, add_log_option, add_token_option, inference_config_from_args, read_token,
-                      setup_logging)
+from .engine_options import add_engine_options, inference_config_from_args
+from .options import add_log_option, add_token_option, read_token, setup_logging
 
 logger = logging.getLogger("megatron_serve.engine_process")
 

@@ -1,9 +1,11 @@
-"""Options shared by the commands that build engines (``run``, ``engine``; DESIGN section 7).
+"""Options shared by the fleet commands (``coordinator``, ``engine``, ``control``, ``run``).
 
-One place maps flags to :class:`~megatron_serve.config.InferenceConfig` fields and back, so that
-``megatron-serve run``, ``megatron-serve engine`` and the Python API that spawns engine processes
-agree on every name and default. Also: the shared token (``--token-file`` or
-``MEGATRON_SERVE_TOKEN``) and logging setup.
+* the shared token: ``--token-file`` or ``$MEGATRON_SERVE_TOKEN`` (DESIGN section 7);
+* :func:`inference_config_to_argv`, the inverse of
+  :func:`~megatron_serve.commands.engine_options.inference_config_from_args` (the engine option
+  group lives in :mod:`~megatron_serve.commands.engine_options`), so that processes started from
+  Python (``LocalFleet``) get exactly the caller's ``InferenceConfig``;
+* one logging format for every long-running process.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from ..config import InferenceConfig, dtype_name
 
 TOKEN_ENV = "MEGATRON_SERVE_TOKEN"
 
-# flag dest -> InferenceConfig field
+# engine_options flag dest -> InferenceConfig field
 _ENGINE_FIELDS = {
     "dtype": "dtype",
     "block_size": "block_size_tokens",
@@ -33,36 +35,8 @@ _ENGINE_FIELDS = {
 }
 
 
-def add_engine_options(parser: argparse.ArgumentParser) -> None:
-    """Add the engine sizing options; every one defaults to ``InferenceConfig``'s own default."""
-    group = parser.add_argument_group("engine options")
-    group.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
-                       help="weights and KV cache dtype (default: float32 on CPU, the checkpoint's on GPU)")
-    group.add_argument("--block-size", type=int, metavar="TOKENS", help="KV cache block size in tokens")
-    group.add_argument("--num-kv-blocks", type=int, metavar="N", help="size of the KV pool in blocks")
-    group.add_argument("--kv-cache-memory-fraction", type=float, metavar="F",
-                       help="size the KV pool from this fraction of device memory (when --num-kv-blocks is unset)")
-    group.add_argument("--max-batch-tokens", type=int, metavar="N", help="token budget of one step")
-    group.add_argument("--max-requests", type=int, metavar="N", help="requests running at once per engine")
-    group.add_argument("--max-sequence-length", type=int, metavar="N", help="prompt + generation limit")
-    group.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=None,
-                       help="share KV blocks of common prompt prefixes")
-    group.add_argument("--device", help="cpu, cuda, cuda:1 ... (default: cuda when available)")
-    group.add_argument("--seed", type=int, help="sampling seed of the engine")
-
-
-def inference_config_from_args(args: argparse.Namespace) -> InferenceConfig:
-    """Build the config from the flags that were given (``ValueError`` names a bad value)."""
-    kwargs: dict[str, Any] = {}
-    for dest, name in _ENGINE_FIELDS.items():
-        value = getattr(args, dest, None)
-        if value is not None:
-            kwargs[name] = value
-    return InferenceConfig(**kwargs)
-
-
 def inference_config_to_argv(config: InferenceConfig) -> list[str]:
-    """The flags that rebuild ``config`` in another process (inverse of :func:`inference_config_from_args`)."""
+    """The ``engine_options`` flags that rebuild ``config`` in another process."""
     argv: list[str] = []
     for dest, name in _ENGINE_FIELDS.items():
         value = getattr(config, name)

@@ -1,0 +1,167 @@
+"""A coordinator and N engine processes on this machine, started and stopped as one unit.
+
+Used by ``MegatronLLM`` / ``MegatronAsyncLLM`` in coordinator mode when no coordinator address is
+given, and by tests and benchmarks. Children are real ``megatron-serve`` processes (the same code
+paths as a deployment); their logs go to files so that a full pipe can never block them, and a
+child that dies during start-up is reported with the tail of its log.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from .commands.options import TOKEN_ENV, inference_config_to_argv
+from .config import InferenceConfig
+
+logger = logging.getLogger("megatron_serve.local_fleet")
+
+
+def _tail(path: Path, lines: int = 15) -> str:
+    try:
+        text = path.read_text(errors="replace").strip().splitlines()
+    except OSError:
+        return "(no log)"
+    return "\n".join(text[-lines:])
+
+
+class LocalFleet:
+    """``start()`` returns the coordinator address; ``stop()`` ends every child (STOP first, then signals)."""
+
+    def __init__(
+        self,
+        model_dir: str | os.PathLike,
+        num_engines: int = 1,
+        inference_config: InferenceConfig | None = None,
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        token: str | None = None,
+        routing: str = "least_loaded",
+        heartbeat_timeout: float = 10.0,
+        drain_timeout: float = 30.0,
+        log_dir: str | os.PathLike | None = None,
+        python: str = sys.executable,
+    ) -> None:
+        if num_engines < 1:
+            raise ValueError(f"num_engines must be >= 1, got {num_engines}")
+        self.model_dir = str(model_dir)
+        self.num_engines = num_engines
+        self.inference_config = inference_config
+        self.host = host
+        self.port = port
+        self.token = token
+        self.routing = routing
+        self.heartbeat_timeout = heartbeat_timeout
+        self.drain_timeout = drain_timeout
+        self.python = python
+        self._own_log_dir = log_dir is None
+        self.log_dir = Path(log_dir or tempfile.mkdtemp(prefix="megatron-fleet-"))
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self.coordinator: subprocess.Popen | None = None
+        self.engines: list[subprocess.Popen] = []
+        self.address: str | None = None
+
+    def _env(self) -> dict[str, str]:
+        env = dict(os.environ)
+        env.pop(TOKEN_ENV, None)
+        if self.token:
+            env[TOKEN_ENV] = self.token  # not on the command line, where `ps` would show it
+        return env
+
+    def _spawn(self, args: list[str], log_name: str) -> subprocess.Popen:
+        log = open(self.log_dir / log_name, "ab")
+        try:
+            return subprocess.Popen([self.python, "-m", "megatron_serve.cli", *args], stdin=subprocess.DEVNULL,
+                                    stdout=log, stderr=subprocess.STDOUT, env=self._env(), start_new_session=True)
+        finally:
+            log.close()
+
+    def start(self, timeout: float = 120.0) -> str:
+        """Start the coordinator, wait until it listens, start the engines; returns the address."""
+        address_file = self.log_dir / "coordinator.address"
+        address_file.unlink(missing_ok=True)
+        self.coordinator = self._spawn(
+            ["coordinator", "--model", self.model_dir, "--host", self.host, "--port", str(self.port),
+             "--routing", self.routing, "--heartbeat-timeout", str(self.heartbeat_timeout),
+             "--address-file", str(address_file)], "coordinator.log")
+        deadline = time.monotonic() + timeout
+        while not address_file.exists():
+            if self.coordinator.poll() is not None:
+                raise RuntimeError(f"the coordinator exited with code {self.coordinator.returncode}:\n"
+                                   f"{_tail(self.log_dir / 'coordinator.log')}")
+            if time.monotonic() > deadline:
+                self.stop()
+                raise TimeoutError(f"the coordinator did not start within {timeout:.0f}s (log: {self.log_dir})")
+            time.sleep(0.05)
+        self.address = address_file.read_text().strip()
+        engine_args = inference_config_to_argv(self.inference_config) if self.inference_config else []
+        for index in range(self.num_engines):
+            self.add_engine(group=index, extra=engine_args)
+        logger.info("local fleet: coordinator at %s, %d engine(s) starting (logs in %s)", self.address,
+                    self.num_engines, self.log_dir)
+        return self.address
+
+    def add_engine(self, group: int | None = None, extra: list[str] | None = None) -> subprocess.Popen:
+        """Start one more engine process (used by ``start()``, and by tests that replace engines)."""
+        if self.address is None:
+            raise RuntimeError("start() the fleet first")
+        if extra is None:
+            extra = inference_config_to_argv(self.inference_config) if self.inference_config else []
+        args = ["engine", "--model", self.model_dir, "--coordinator", self.address,
+                "--drain-timeout", str(self.drain_timeout), *extra]
+        if group is not None:
+            args += ["--group", str(group)]
+        proc = self._spawn(args, f"engine-{len(self.engines)}.log")
+        self.engines.append(proc)
+        return proc
+
+    def check_alive(self) -> None:
+        """Raise with the child's log tail if the coordinator or an engine died unexpectedly."""
+        if self.coordinator is not None and self.coordinator.poll() is not None:
+            raise RuntimeError(f"the coordinator exited with code {self.coordinator.returncode}:\n"
+                               f"{_tail(self.log_dir / 'coordinator.log')}")
+        for index, proc in enumerate(self.engines):
+            if proc.poll() is not None and proc.returncode != 0:
+                raise RuntimeError(f"engine {index} exited with code {proc.returncode}:\n"
+                                   f"{_tail(self.log_dir / f'engine-{index}.log')}")
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Wait for engines to exit (after a STOP sent by the caller), then signal what is left."""
+        deadline = time.monotonic() + timeout
+        for proc in self.engines:
+            self._end(proc, deadline)
+        if self.coordinator is not None:
+            self._end(self.coordinator, time.monotonic() + 10.0, wait_first=False)
+
+    @staticmethod
+    def _end(proc: subprocess.Popen, deadline: float, wait_first: bool = True) -> None:
+        if proc.poll() is not None:
+            return
+        if wait_first:
+            try:
+                proc.wait(timeout=max(0.0, min(deadline - time.monotonic(), 2.0)))
+                return
+            except subprocess.TimeoutExpired:
+                pass
+        try:
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(timeout=max(0.5, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        except ProcessLookupError:
+            pass
+
+    def kill(self) -> None:
+        """SIGKILL every child at once (test teardown, or after a failed start)."""
+        for proc in [*self.engines, self.coordinator]:
+            if proc is not None and proc.poll() is None:
+                proc.kill()
+                proc.wait()

@@ -1,0 +1,81 @@
+"""Fixtures of the coordinator suite: a tiny model per session, and an in-process fleet of fake engines."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import pytest
+
+from megatron_serve.coordinator import Coordinator
+from megatron_serve.engine_process import EngineProcess
+
+from .fakes import FakeEngine
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory) -> str:
+    from megatron_serve.tiny_model import make_tiny_model
+
+    return str(make_tiny_model(tmp_path_factory.mktemp("coordinator-tiny"), seed=0))
+
+
+class InProcessFleet:
+    """A real Coordinator and EngineProcess objects over real sockets, in threads, with fake engines.
+
+    Fast (no torch, no process start-up): for the state machine, routing and protocol edge cases.
+    """
+
+    def __init__(self, token: str | None = None, routing: str = "least_loaded", heartbeat_timeout: float = 10.0,
+                 port: int = 0) -> None:
+        self.token = token
+        self.routing = routing
+        self.heartbeat_timeout = heartbeat_timeout
+        self.engines: list[tuple[EngineProcess, FakeEngine, threading.Thread, dict]] = []
+        self.coordinator: Coordinator | None = None
+        self.thread: threading.Thread | None = None
+        self.port = port
+        self.start_coordinator()
+
+    def start_coordinator(self) -> None:
+        self.coordinator = Coordinator(None, port=self.port, token=self.token, routing=self.routing,
+                                       heartbeat_timeout=self.heartbeat_timeout)
+        self.address = self.coordinator.bind()
+        self.port = self.coordinator.port
+        self.thread = threading.Thread(target=self.coordinator.run, daemon=True)
+        self.thread.start()
+
+    def stop_coordinator(self) -> None:
+        self.coordinator.shutdown()
+        self.thread.join(10)
+
+    def add_engine(self, token: str | None = "<fleet>", group: int | None = None, **fake_kwargs) -> tuple[EngineProcess, FakeEngine, dict]:
+        fake = FakeEngine(**fake_kwargs)
+        proc = EngineProcess(fake, self.address, token=self.token if token == "<fleet>" else token, group=group,
+                             drain_timeout=5.0, coordinator_timeout=3.0)
+        result: dict = {}
+        thread = threading.Thread(target=lambda: result.__setitem__("rc", proc.run()), daemon=True)
+        thread.start()
+        self.engines.append((proc, fake, thread, result))
+        return proc, fake, result
+
+    def stop(self) -> None:
+        for proc, _fake, thread, _ in self.engines:
+            proc.sigterm = True
+        for proc, _fake, thread, _ in self.engines:
+            thread.join(15)
+        self.stop_coordinator()
+
+
+@pytest.fixture
+def fleet_factory():
+    fleets: list[InProcessFleet] = []
+
+    def make(**kwargs) -> InProcessFleet:
+        fleet = InProcessFleet(**kwargs)
+        fleets.append(fleet)
+        return fleet
+
+    yield make
+    for fleet in fleets:
+        fleet.stop()

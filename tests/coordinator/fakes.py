@@ -1,0 +1,127 @@
+"""A deterministic stand-in for ``DynamicInferenceEngine`` (same interface, no torch).
+
+Token ``i+1`` is a fixed function of the last tokens, so a request continued on another engine
+from its generated tokens produces exactly the tokens it would have produced in one place: tests
+can check exactly-once delivery and continuation without a model.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+from types import SimpleNamespace
+
+from megatron_serve.request import DynamicInferenceRequest, EventType, FinishReason, RequestStatus
+
+BLOCK_BYTES = 4096
+
+
+def next_token(tokens: list[int]) -> int:
+    return (sum(tokens[-3:]) * 31 + 7) % 1000
+
+
+def expected_tokens(prompt_tokens: list[int], n: int) -> list[int]:
+    tokens = list(prompt_tokens)
+    out = []
+    for _ in range(n):
+        t = next_token(tokens)
+        tokens.append(t)
+        out.append(t)
+    return out
+
+
+@dataclass
+class FakeStepOutput:
+    request: DynamicInferenceRequest
+    new_tokens: list[int]
+    new_text: str
+    new_log_probs: list[float]
+    finished: bool
+
+
+class FakeEngine:
+    def __init__(self, max_requests: int = 8, step_delay: float = 0.0, kv_blocks: int = 32) -> None:
+        self.config = SimpleNamespace(max_requests=max_requests)
+        self.tokenizer = None
+        self.step_delay = step_delay
+        self._kv_blocks = kv_blocks
+        self.requests: dict[str, DynamicInferenceRequest] = {}
+        self.suspended = False
+        self.steps = 0
+        self._gate = threading.Event()
+        self._gate.set()
+
+    def freeze(self) -> None:
+        """The next step blocks until ``thaw()``: a hung engine (no steps, and no loop to answer anything)."""
+        self._gate.clear()
+
+    def thaw(self) -> None:
+        self._gate.set()
+
+    @property
+    def num_running(self) -> int:
+        return min(len(self.requests), self.config.max_requests)
+
+    @property
+    def num_waiting(self) -> int:
+        return max(0, len(self.requests) - self.config.max_requests)
+
+    @property
+    def kv_blocks_total(self) -> int:
+        return self._kv_blocks
+
+    @property
+    def kv_blocks_free(self) -> int:
+        return 0 if self.suspended else self._kv_blocks - self.num_running
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def add_request(self, request: DynamicInferenceRequest) -> None:
+        request.add_event(EventType.ADD)
+        self.requests[request.request_id] = request
+
+    def step(self) -> list[FakeStepOutput]:
+        if self.suspended:
+            return []
+        self._gate.wait()
+        if self.step_delay:
+            time.sleep(self.step_delay)
+        self.steps += 1
+        outputs = []
+        for request in list(self.requests.values())[: self.config.max_requests]:
+            token = next_token(request.prompt_tokens + request.generated_tokens)
+            request.generated_tokens.append(token)
+            request.status = RequestStatus.ACTIVE
+            done = len(request.generated_tokens) >= request.sampling_params.num_tokens_to_generate
+            if done:
+                request.status = RequestStatus.COMPLETED
+                request.finish_reason = FinishReason.LENGTH
+                request.generated_text = " ".join(map(str, request.generated_tokens))
+                request.add_event(EventType.FINISH, "length")
+                del self.requests[request.request_id]
+            outputs.append(FakeStepOutput(request, [token], f" {token}", [], done))
+        return outputs
+
+    def abort_request(self, request_id: str) -> DynamicInferenceRequest | None:
+        request = self.requests.pop(request_id, None)
+        if request is not None:
+            request.fail("aborted", FinishReason.ABORT)
+        return request
+
+    def take_unfinished_requests(self) -> list[DynamicInferenceRequest]:
+        taken = list(self.requests.values())
+        self.requests.clear()
+        for request in taken:
+            request.status = RequestStatus.WAITING_IN_QUEUE
+        return taken
+
+    def suspend(self, level: int = 1) -> int:
+        if self.suspended:
+            return 0
+        self.suspended = True
+        return self._kv_blocks * BLOCK_BYTES
+
+    def resume(self) -> None:
+        self.suspended = False
