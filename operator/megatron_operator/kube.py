@@ -71,13 +71,16 @@ def _url(api_version: str, kind: str, namespace: str, name: str | None = None,
 
 def load_api_client() -> Any:
     """An ApiClient with the usual credentials: in-cluster first, then KUBECONFIG."""
+    import os
+
     import kubernetes
 
     cfg = kubernetes.client.Configuration()
     try:
         kubernetes.config.load_incluster_config(client_configuration=cfg)
     except kubernetes.config.ConfigException:
-        kubernetes.config.load_kube_config(client_configuration=cfg)
+        kubernetes.config.load_kube_config(config_file=os.environ.get("KUBECONFIG") or None,
+                                           client_configuration=cfg)
     return kubernetes.client.ApiClient(cfg)
 
 

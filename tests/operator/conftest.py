@@ -16,6 +16,7 @@ import glob
 import logging
 import os
 import pathlib
+import tempfile
 import threading
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -29,6 +30,10 @@ os.environ.setdefault("MEGATRON_OPERATOR_RECONCILE_INTERVAL", "0.5")
 os.environ.setdefault("MEGATRON_OPERATOR_TOKEN_KEY", "operator-tests-key")
 os.environ.setdefault("MEGATRON_OPERATOR_CONNECT_TIMEOUT", "2")
 os.environ.setdefault("MEGATRON_OPERATOR_COMMAND_TIMEOUT", "10")
+# The kubernetes client reads $KUBECONFIG's *path* once, at import: keep one path for the whole
+# session and rewrite the file for each test's emulator.
+KUBECONFIG = pathlib.Path(tempfile.mkdtemp(prefix="megatron-operator-tests-")) / "kubeconfig"
+os.environ["KUBECONFIG"] = str(KUBECONFIG)
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 EXAMPLES = sorted(glob.glob(str(ROOT / "manifests" / "examples" / "*.yaml")))
@@ -95,9 +100,10 @@ class FakeCoordinator:
     async def open(self, address: str, token: str | None, timeout: float) -> "FakeLink":
         from megatron_operator.coordinator_link import CoordinatorUnavailable
 
-        if not self.up:
+        expected = self.token()
+        if not self.up or expected is None:  # no Secret yet: no coordinator pod either
             raise CoordinatorUnavailable(f"cannot reach the coordinator at {address}: connection refused")
-        if token != self.token():
+        if token != expected:
             self.rejected_tokens += 1
             raise CoordinatorUnavailable(f"{address}: HELLO rejected: bad token")
         self.opened.append(address)
@@ -231,7 +237,10 @@ class Cluster:
         seen = -1
         while True:
             async with emu.changed:
-                await emu.changed.wait_for(lambda: emu.rv != seen)
+                try:  # react to changes; also re-check now and then (tests release held workloads)
+                    await asyncio.wait_for(emu.changed.wait_for(lambda: emu.rv != seen), 0.2)
+                except asyncio.TimeoutError:
+                    pass
                 seen = emu.rv
             for plural in ("deployments", "statefulsets"):
                 for obj in emu.objects_of(plural):
@@ -312,10 +321,8 @@ async def cluster(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> As
     logging.getLogger("kopf").setLevel(logging.WARNING)
     async with StrictKubernetesEmulator() as emu, kmock.Server(emu) as server:
         url = str(server.url).rstrip("/")
-        kubeconfig = tmp_path / "kubeconfig"
-        kubeconfig.write_text(kubeconfig_text(url))
-        monkeypatch.setenv("KUBECONFIG", str(kubeconfig))
-        c = Cluster(emu, url, kubeconfig)
+        KUBECONFIG.write_text(kubeconfig_text(url))
+        c = Cluster(emu, url, KUBECONFIG)
         try:
             yield c
         finally:

@@ -56,3 +56,176 @@ async def test_apply_creates_rendered_children_and_status(cluster):
     assert st["lifecycle"]["desired"] == st["lifecycle"]["observed"] == "Running"
     assert st["observedGeneration"] == cluster.mi(NS, "demo")["metadata"]["generation"]
     assert set(conditions(st).values()) == {"True"}
+
+    # A second (and third...) reconcile changes nothing: no API writes other than Events.
+    passes = lambda: sum(1 for call in cluster.emu.api_calls  # noqa: E731
+                         if call[0] == "get" and call[2] == "secrets")
+    before_rv, before_passes = cluster.emu.rv, passes()
+    await wait_for(lambda: passes() >= before_passes + 6, what="three more reconcile passes")
+    changes = [m for m in cluster.emu.mutations_since(before_rv) if m[2] != "events"]
+    assert changes == []
+
+
+async def start(cluster, name: str = "demo", data: int = 2, **spec: Any):
+    await cluster.install_crd()
+    cluster.start_controllers()
+    resource = base_resource(name, data)
+    resource["spec"].update(spec)
+    live = await cluster.apply(copy.deepcopy(resource))
+    fake = fake_coordinator_for(cluster, NS, name)
+    await cluster.start_operator(fake)
+    await wait_for(lambda: cluster.status(NS, name).get("phase") in ("Ready", "Paused", "Suspended", "Shutdown"),
+                   what="a steady phase")
+    return resource, live, fake
+
+
+def engine_names(cluster, name: str = "demo") -> list[str]:
+    return sorted(k[1] for k in cluster.children(NS, name) if k[0] == "StatefulSet")
+
+
+async def test_scaling_data_adds_and_removes_groups(cluster):
+    await start(cluster, data=2)
+    await cluster.patch_mi(NS, "demo", {"spec": {"parallelism": {"data": 3}}})
+    await wait_for(lambda: engine_names(cluster) == ["demo-engine-0", "demo-engine-1", "demo-engine-2"],
+                   what="a third engine group")
+    await wait_for(lambda: cluster.status(NS, "demo")["engines"] == {"desired": 3, "ready": 3, "connected": 3},
+                   what="three groups ready")
+    assert ("Service", "demo-engine-2") in cluster.children(NS, "demo")
+
+    # the scale subresource maps to spec.parallelism.data (kubectl scale / HPA)
+    scale = await cluster.must("PATCH", cluster.mi_path(NS, "demo", "scale"), {"spec": {"replicas": 1}},
+                               "application/merge-patch+json")
+    assert scale["spec"]["replicas"] == 1
+    await wait_for(lambda: sorted(k for k in cluster.children(NS, "demo") if "-engine-" in k[1])
+                   == [("Service", "demo-engine-0"), ("StatefulSet", "demo-engine-0")], what="groups 1 and 2 removed")
+    st = await wait_for(lambda: cluster.status(NS, "demo")["engines"]["desired"] == 1 and cluster.status(NS, "demo"))
+    assert st["selector"] == ("app.kubernetes.io/name=megatron-serve,app.kubernetes.io/instance=demo,"
+                              "app.kubernetes.io/component=engine")
+    scale = await cluster.must("GET", cluster.mi_path(NS, "demo", "scale"))
+    assert scale["spec"]["replicas"] == 1
+
+
+async def test_lifecycle_walks_the_coordinator(cluster):
+    _, _, fake = await start(cluster)
+
+    async def go(lifecycle: str, phase: str) -> dict[str, Any]:
+        await cluster.patch_mi(NS, "demo", {"spec": {"lifecycle": lifecycle}})
+        return await wait_for(lambda: (st := cluster.status(NS, "demo")).get("phase") == phase
+                              and st["lifecycle"]["observed"] == lifecycle and st, what=f"{lifecycle}/{phase}")
+
+    st = await go("Paused", "Paused")
+    assert fake.commands == ["pause"] and fake.state == "PAUSED"
+    assert conditions(st)["LifecycleSynced"] == "True"
+    await go("Suspended", "Suspended")
+    assert fake.commands == ["pause", "suspend"]
+    await go("Running", "Ready")
+    assert fake.commands[2:] == ["resume", "unpause"]
+    # Running -> Suspended is PAUSE then SUSPEND
+    await go("Suspended", "Suspended")
+    assert fake.commands[4:] == ["pause", "suspend"]
+
+    # Shutdown: STOP, then engine StatefulSets scale to zero
+    st = await go("Shutdown", "Shutdown")
+    assert fake.commands[6:] == ["stop"]
+    assert all(cluster.emu.find("statefulsets", NS, n)["spec"]["replicas"] == 0 for n in engine_names(cluster))
+    assert st["engines"]["desired"] == 0
+    # back to Running: scale up, then UNPAUSE restarts the fleet
+    await go("Running", "Ready")
+    assert fake.commands[7:] == ["unpause"]
+    assert all(cluster.emu.find("statefulsets", NS, n)["spec"]["replicas"] == 1 for n in engine_names(cluster))
+
+    # a restarted coordinator comes back RUNNING: the timer re-applies the desired state
+    await go("Paused", "Paused")
+    fake.restart()
+    await wait_for(lambda: fake.state == "PAUSED" and fake.commands[-1] == "pause", what="re-paused")
+    # an unreachable coordinator shows in the conditions, then converges again
+    fake.up = False
+    await wait_for(lambda: conditions(cluster.status(NS, "demo")).get("CoordinatorReady") == "False",
+                   what="CoordinatorReady False")
+    assert cluster.status(NS, "demo")["phase"] == "Degraded"
+    fake.restart()
+    fake.up = True
+    await wait_for(lambda: cluster.status(NS, "demo").get("phase") == "Paused" and fake.state == "PAUSED",
+                   what="converged after the outage")
+    assert fake.rejected_tokens == 0
+
+
+async def test_invalid_spec_sets_specvalid_false_and_leaves_children(cluster):
+    await start(cluster)
+    before = cluster.children(NS, "demo")
+    rv = cluster.emu.rv
+    # the emulator does not run CEL: this slips past the CRD like an old/buggy API server would
+    await cluster.patch_mi(NS, "demo", {"spec": {"parallelism": {"tensor": 3}}})
+    st = await wait_for(lambda: (s := cluster.status(NS, "demo")).get("phase") == "Failed" and s, what="Failed")
+    spec_valid = next(c for c in st["conditions"] if c["type"] == "SpecValid")
+    assert spec_valid["status"] == "False" and spec_valid["reason"] == "InvalidSpec"
+    assert "multiple or a divisor of engine.gpusPerPod" in spec_valid["message"]
+    assert st["observedGeneration"] == cluster.mi(NS, "demo")["metadata"]["generation"]
+    changes = [m for m in cluster.emu.mutations_since(rv) if m[2] not in ("events", "megatroninferences")]
+    assert changes == [] and cluster.children(NS, "demo") == before
+    events = [e for e in cluster.emu.objects_of("events", NS) if e.get("reason") == "InvalidSpec"]
+    assert events and "multiple or a divisor" in events[0]["message"]
+    # fixing the spec recovers
+    await cluster.patch_mi(NS, "demo", {"spec": {"parallelism": {"tensor": 2}}})
+    await wait_for(lambda: cluster.status(NS, "demo").get("phase") == "Ready", what="Ready again")
+
+
+async def test_image_change_rolls_one_group_at_a_time(cluster):
+    await start(cluster, data=3)
+    names = engine_names(cluster)
+    cluster.hold.update(names)  # pods of updated groups do not become ready until released
+    await cluster.patch_mi(NS, "demo", {"spec": {"image": "example.com/megatron-serve:new"}})
+
+    def images() -> list[str]:
+        return [cluster.emu.find("statefulsets", NS, n)["spec"]["template"]["spec"]["containers"][0]["image"]
+                for n in names]
+
+    await wait_for(lambda: images()[0].endswith(":new"), what="group 0 rolled")
+    deploy = cluster.emu.find("deployments", NS, "demo-coordinator")
+    assert deploy["spec"]["template"]["spec"]["containers"][0]["image"].endswith(":new")
+    passes = lambda: sum(1 for c in cluster.emu.api_calls if c[0] == "get" and c[2] == "secrets")  # noqa: E731
+    seen = passes()
+    await wait_for(lambda: passes() >= seen + 6, what="more reconcile passes")
+    assert [i.endswith(":new") for i in images()] == [True, False, False]
+    cluster.hold.discard(names[0])
+    await wait_for(lambda: images()[1].endswith(":new"), what="group 1 rolled")
+    assert not images()[2].endswith(":new")
+    cluster.hold.clear()
+    await wait_for(lambda: all(i.endswith(":new") for i in images()), what="all groups rolled")
+    await wait_for(lambda: cluster.status(NS, "demo").get("phase") == "Ready", what="Ready after the roll")
+
+
+async def test_operator_restart_converges_and_adopts(cluster):
+    await cluster.install_crd()
+    cluster.start_controllers()
+    resource = base_resource("demo", 1)
+    live = await cluster.apply(copy.deepcopy(resource))
+    # an unowned object with a child's name already exists: the operator adopts it
+    await cluster.must("POST", f"/api/v1/namespaces/{NS}/services", {
+        "apiVersion": "v1", "kind": "Service", "metadata": {"name": "demo-coordinator", "namespace": NS},
+        "spec": {"ports": [{"port": 1234}], "selector": {"app": "old"}}})
+    fake = fake_coordinator_for(cluster, NS, "demo")
+    await cluster.start_operator(fake)
+    await wait_for(lambda: cluster.status(NS, "demo").get("phase") == "Ready", what="Ready")
+    svc = cluster.emu.find("services", NS, "demo-coordinator")
+    assert svc["metadata"]["ownerReferences"][0]["uid"] == live["metadata"]["uid"]
+    assert svc["spec"]["ports"][0]["port"] == 5555
+
+    await cluster.stop_operator()
+    await cluster.patch_mi(NS, "demo", {"spec": {"lifecycle": "Suspended", "parallelism": {"data": 2}}})
+    assert fake.state == "RUNNING"
+    await cluster.start_operator(fake)
+    await wait_for(lambda: cluster.status(NS, "demo").get("phase") == "Suspended"
+                   and cluster.status(NS, "demo")["engines"]["ready"] == 2, what="converged after restart")
+    assert fake.commands == ["pause", "suspend"]
+
+
+async def test_delete_runs_the_finalizer(cluster):
+    _, live, fake = await start(cluster)
+    mi = cluster.mi(NS, "demo")
+    assert "serving.megatron.dev/finalizer" in mi["metadata"]["finalizers"]
+    await cluster.must("DELETE", cluster.mi_path(NS, "demo"))
+    await wait_for(lambda: cluster.mi(NS, "demo") is None, what="resource deleted")
+    assert fake.commands[-1] == "stop"
+    # the emulator garbage-collects owned children, as the real API server does
+    await wait_for(lambda: cluster.children(NS, "demo") == {}, what="children collected")
