@@ -94,9 +94,9 @@ def _gpus_rule(spec: dict[str, Any]) -> bool:
 def _model_path_rule(model: dict[str, Any]) -> bool:
     if "volume" not in model:
         return True
-    mount = model.get("mountPath", "/models").rstrip("/") or "/"
+    mount = model.get("mountPath", "/models")
     path = model["path"]
-    return path == mount or path.startswith(mount if mount == "/" else mount + "/")
+    return path == mount or path.startswith(mount + "/")
 
 
 CEL_RULES: list[tuple[str, str, str, CelCheck]] = [

@@ -1,0 +1,236 @@
+"""The CRD: files equal its source, the schema is structural, examples validate against it
+(jsonschema for the structure, cel-python for the CEL rules), bad resources are rejected with
+readable reasons, and the operator's Python validation agrees with the CRD on all of them."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import jsonschema
+import pytest
+
+from conftest import CRD_PATH, EXAMPLES, ROOT, load_yaml
+
+from megatron_operator import crd, spec
+
+CHART_CRD = ROOT / "charts" / "megatron-operator" / "crds" / "serving.megatron.dev_megatroninferences.yaml"
+
+
+def test_crd_files_equal_the_source_and_each_other():
+    assert CRD_PATH.read_text() == crd.crd_yaml()
+    assert CHART_CRD.read_bytes() == CRD_PATH.read_bytes()
+    (doc,) = load_yaml(CRD_PATH)
+    assert doc == crd.crd()
+
+
+def test_crd_is_a_valid_kubernetes_object():
+    import kubernetes_validate
+
+    (doc,) = load_yaml(CRD_PATH)
+    kubernetes_validate.validate(doc, "1.33", strict=True)
+    version = doc["spec"]["versions"][0]
+    assert doc["spec"]["names"]["shortNames"] == ["mi"]
+    assert version["subresources"]["scale"]["specReplicasPath"] == ".spec.parallelism.data"
+    assert version["subresources"]["status"] == {}
+    assert [c["name"] for c in version["additionalPrinterColumns"]] == \
+        ["Phase", "Lifecycle", "Ready", "Desired", "Endpoint", "Age"]
+
+
+def _walk(schema: dict[str, Any], path: str = ""):
+    yield path, schema
+    for name, sub in (schema.get("properties") or {}).items():
+        yield from _walk(sub, f"{path}.{name}")
+    if isinstance(schema.get("items"), dict):
+        yield from _walk(schema["items"], f"{path}[]")
+    if isinstance(schema.get("additionalProperties"), dict):
+        yield from _walk(schema["additionalProperties"], f"{path}{{}}")
+
+
+def test_schema_is_structural():
+    """The rules of https://kubernetes.io/docs/tasks/extend-kubernetes/custom-resources/
+    custom-resource-definitions/#specifying-a-structural-schema that a typo could break."""
+    schema = crd.openapi_schema()
+    for path, node in _walk(schema):
+        if node.get("x-kubernetes-int-or-string"):
+            assert node["anyOf"] == [{"type": "integer"}, {"type": "string"}], path
+            continue
+        assert "type" in node, f"{path}: every node needs a type"
+        if node["type"] == "object" and "properties" in node:
+            assert "additionalProperties" not in node, path
+        if "default" in node:
+            errors: list[str] = []
+            spec.check_schema(copy.deepcopy(node["default"]), node, path, errors)
+            assert not errors, errors
+        for rule in node.get("x-kubernetes-validations", []):
+            assert rule["rule"] in crd.CEL_CHECKS and rule["message"], path
+
+
+# --------------------------------------------------------------------------- a reference validator
+
+def _json_schema(node: dict[str, Any]) -> dict[str, Any]:
+    """openAPIV3Schema -> draft-4 JSON schema, with unknown fields forbidden (kubectl's strict
+    field validation: the API server would drop them, the user would lose them silently)."""
+    out = {k: v for k, v in node.items() if not k.startswith("x-kubernetes-") and k not in ("default", "format")}
+    if "properties" in node:
+        out["properties"] = {k: _json_schema(v) for k, v in node["properties"].items()}
+        if not node.get("x-kubernetes-preserve-unknown-fields"):
+            out["additionalProperties"] = False
+    if isinstance(node.get("items"), dict):
+        out["items"] = _json_schema(node["items"])
+    if isinstance(node.get("additionalProperties"), dict):
+        out["additionalProperties"] = _json_schema(node["additionalProperties"])
+    if node.get("x-kubernetes-int-or-string"):
+        out.pop("type", None)
+    return out
+
+
+def _default(value: Any, node: dict[str, Any]) -> Any:
+    """The API server's structural defaulting, written independently of megatron_operator.spec."""
+    if isinstance(value, dict):
+        for name, sub in (node.get("properties") or {}).items():
+            if name not in value and "default" in sub:
+                value[name] = copy.deepcopy(sub["default"])
+            if name in value:
+                _default(value[name], sub)
+    return value
+
+
+def _cel_errors(value: Any, node: dict[str, Any], path: str = "") -> list[str]:
+    import celpy
+
+    errors: list[str] = []
+    if isinstance(value, dict):
+        for name, sub in (node.get("properties") or {}).items():
+            if name in value and name != "metadata":
+                errors += _cel_errors(value[name], sub, f"{path}.{name}")
+    env = celpy.Environment()
+    for rule in node.get("x-kubernetes-validations", []):
+        program = env.program(env.compile(rule["rule"]))
+        try:
+            ok = bool(program.evaluate({"self": celpy.json_to_cel(value)}))
+        except Exception:  # a failing rule is a rejection in the API server too
+            ok = False
+        if not ok:
+            errors.append(f"{path or '(root)'}: {rule['message']}")
+    return errors
+
+
+def crd_errors(resource: dict[str, Any]) -> list[str]:
+    """What the API server (structure + defaults + CEL) would say about ``resource``."""
+    schema = crd.openapi_schema()
+    obj = _default(copy.deepcopy(resource), schema)
+    validator = jsonschema.Draft4Validator(_json_schema(schema))
+    errors = [f"{'.'.join(str(p) for p in e.absolute_path)}: {e.message}" for e in validator.iter_errors(obj)]
+    if not errors:
+        errors = _cel_errors(obj, schema)
+    return errors
+
+
+def test_examples_validate_against_the_crd(example):
+    assert crd_errors(example) == []
+    parsed = spec.parse(example)
+    # the operator's defaults are the CRD's defaults
+    assert spec.validate(example) == _default(copy.deepcopy(example), crd.openapi_schema())
+    assert parsed.data >= 1 and parsed.pods_per_group >= 1
+
+
+def test_examples_cover_the_documented_shapes():
+    by_name = {ex.rsplit("/", 1)[-1]: load_yaml(ex)[0] for ex in EXAMPLES}
+    shapes = {name: spec.parse(doc) for name, doc in by_name.items()}
+    assert shapes["single-gpu.yaml"].gpus_per_engine_pod == 1 and shapes["single-gpu.yaml"].data == 1
+    assert shapes["tp8-one-node.yaml"].tensor == 8 and shapes["tp8-one-node.yaml"].pods_per_group == 1
+    assert (shapes["tp2-dp4.yaml"].tensor, shapes["tp2-dp4.yaml"].data) == (2, 4)
+    assert shapes["multi-node.yaml"].pods_per_group == 2
+    assert shapes["rl-rollout-paused.yaml"].lifecycle == "Paused"
+
+
+def _bad(mutate) -> dict[str, Any]:
+    (doc,) = load_yaml(ROOT / "manifests" / "examples" / "tp2-dp4.yaml")
+    doc = copy.deepcopy(doc)
+    mutate(doc)
+    return doc
+
+
+BAD = {
+    "tensor not fitting gpusPerPod": (lambda d: d["spec"]["parallelism"].update(tensor=3),
+                                      "spec: parallelism.tensor * parallelism.pipeline must be a multiple or a "
+                                      "divisor of engine.gpusPerPod"),
+    "unknown lifecycle": (lambda d: d["spec"].update(lifecycle="Sleeping"),
+                          "spec.lifecycle: unsupported value 'Sleeping'; must be one of: Running, Paused, "
+                          "Suspended, Shutdown"),
+    "negative data": (lambda d: d["spec"]["parallelism"].update(data=-1),
+                      "spec.parallelism.data: must be at least 0, got -1"),
+    "zero tensor": (lambda d: d["spec"]["parallelism"].update(tensor=0),
+                    "spec.parallelism.tensor: must be at least 1, got 0"),
+    "tensor as a string": (lambda d: d["spec"]["parallelism"].update(tensor="2"),
+                           "spec.parallelism.tensor: must be an integer, got a string '2'"),
+    "missing model": (lambda d: d["spec"].pop("model"), "spec.model: required field is missing"),
+    "relative model path": (lambda d: d["spec"]["model"].update(path="models/x"),
+                            "spec.model.path: must be an absolute path, got 'models/x'"),
+    "model outside the volume": (lambda d: d["spec"]["model"].update(path="/data/x"),
+                                 "spec.model: model.path must lie inside model.mountPath when model.volume is set"),
+    "two volume sources": (lambda d: d["spec"]["model"]["volume"].update(hostPath={"path": "/x"}),
+                           "spec.model: model.volume must name exactly one volume source"),
+    "bad dtype": (lambda d: d["spec"]["model"].update(dtype="int8"),
+                  "spec.model.dtype: unsupported value 'int8'"),
+    "unknown field": (lambda d: d["spec"].update(replicas=3), "spec.replicas: unknown field"),
+    "server on the coordinator port": (lambda d: d["spec"]["server"].update(port=5555),
+                                       "spec: server.port must differ from the coordinator port 5555"),
+    "memory fraction zero": (lambda d: d["spec"]["engine"]["kvCache"].update(memoryFraction=0),
+                             "spec.engine.kvCache.memoryFraction: must be greater than 0, got 0"),
+    "memory fraction above one": (lambda d: d["spec"]["engine"]["kvCache"].update(memoryFraction=1.5),
+                                  "spec.engine.kvCache.memoryFraction: must be at most 1, got 1.5"),
+    "api key ref without key": (lambda d: d["spec"]["server"].update(apiKeySecretRef={"name": "k"}),
+                                "spec.server.apiKeySecretRef.key: required field is missing"),
+    "drain timeout too long": (lambda d: d["spec"].update(drainTimeoutSeconds=99999),
+                               "spec.drainTimeoutSeconds: must be at most 3600, got 99999"),
+    "unknown routing": (lambda d: d["spec"]["coordinator"].update(routing="random"),
+                        "spec.coordinator.routing: unsupported value 'random'"),
+    "name too long": (lambda d: d["metadata"].update(name="a" * 41),
+                      "(root): metadata.name must be at most 40 characters"),
+    "name starting with a digit": (lambda d: d["metadata"].update(name="7b-model"),
+                                   "(root): metadata.name must start with a lower-case letter"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD))
+def test_bad_resources_are_rejected_with_readable_reasons(case):
+    mutate, reason = BAD[case]
+    resource = _bad(mutate)
+    with pytest.raises(spec.SpecError) as info:
+        spec.parse(resource)
+    assert any(r.startswith(reason) for r in info.value.reasons), info.value.reasons
+    # the CRD (structure + CEL, as the API server applies it) rejects it too
+    assert crd_errors(resource), f"the CRD accepts {case!r}"
+
+
+def test_every_problem_is_reported_at_once():
+    def mutate(d: dict[str, Any]) -> None:
+        d["spec"]["lifecycle"] = "Nope"
+        d["spec"]["parallelism"]["data"] = -2
+        d["spec"]["extra"] = 1
+
+    with pytest.raises(spec.SpecError) as info:
+        spec.parse(_bad(mutate))
+    assert len(info.value.reasons) == 3
+
+
+def test_python_twins_agree_with_cel():
+    """Each CEL rule and its Python twin give the same verdict on a spread of inputs."""
+    import celpy
+
+    env = celpy.Environment()
+    samples: dict[str, list[dict[str, Any]]] = {
+        "": [{"metadata": {"name": n}} for n in ("a", "a" * 40, "a" * 41, "7b", "x-1", "Bad")],
+        "spec": [{"parallelism": {"tensor": t, "pipeline": p}, "engine": {"gpusPerPod": g}, "server": {"port": port}}
+                 for t in (1, 2, 3, 8, 16) for p in (1, 2) for g in (1, 4, 8) for port in (8000, 5555)],
+        "spec.model": [{"path": path, "mountPath": mount, **({"volume": vol} if vol is not None else {})}
+                       for path in ("/models/x", "/models", "/modelsx/y", "/data/x")
+                       for mount in ("/models", "/")
+                       for vol in (None, {"emptyDir": {}}, {"emptyDir": {}, "hostPath": {"path": "/"}})],
+    }
+    for where, rule, _, check in crd.CEL_RULES:
+        program = env.program(env.compile(rule))
+        for sample in samples[where]:
+            assert bool(program.evaluate({"self": celpy.json_to_cel(sample)})) == check(sample), (rule, sample)

@@ -1,0 +1,271 @@
+"""Rendering: every example's children pass `kubernetes-validate --strict`, in a stable order,
+with the names, labels, ranks, GPUs, probes and hardening of DESIGN section 8; and the
+`megatron-serve render -f FILE` entry point."""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import copy
+import io
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+from typing import Any
+
+import pytest
+import yaml
+
+from conftest import ROOT, load_yaml
+
+from megatron_operator import cli, render as rendering
+from megatron_operator.config import OperatorConfig
+from megatron_operator.render import render
+
+CONFIG = OperatorConfig(token_key=b"k")
+K8S_VERSION = "1.33"
+
+
+def identified(resource: dict[str, Any], uid: str = "0b7d9c52-3f3e-4a5e-9d0e-2f4b1f1f2a10",
+               namespace: str = "ml") -> dict[str, Any]:
+    out = copy.deepcopy(resource)
+    out["metadata"].update(uid=uid, namespace=namespace)
+    return out
+
+
+def by_key(objects: list[dict[str, Any]]) -> dict[tuple[str, str], dict[str, Any]]:
+    return {(o["kind"], o["metadata"]["name"]): o for o in objects}
+
+
+def test_every_rendered_object_passes_kubernetes_validate_strict(example):
+    import kubernetes_validate
+
+    for resource in (example, identified(example)):
+        for obj in render(resource, CONFIG):
+            kubernetes_validate.validate(obj, K8S_VERSION, strict=True)
+
+
+def test_stable_order_and_deterministic(example):
+    first = render(identified(example), CONFIG)
+    second = render(identified(copy.deepcopy(example)), CONFIG)
+    assert first == second
+    assert rendering.to_yaml(first) == rendering.to_yaml(second)
+    kinds = [o["kind"] for o in first]
+    data = example["spec"]["parallelism"]["data"]
+    assert kinds == ["Secret", "Service", "Service", "NetworkPolicy", "Deployment"] + ["Service", "StatefulSet"] * data
+    name = example["metadata"]["name"]
+    assert [o["metadata"]["name"] for o in first[:5]] == [
+        f"{name}-coordinator-token", name, f"{name}-coordinator", f"{name}-coordinator", f"{name}-coordinator"]
+    assert [o["metadata"]["name"] for o in first[5::2]] == [f"{name}-engine-{g}" for g in range(data)]
+
+
+def test_labels_owner_and_namespace(example):
+    resource = identified(example)
+    name = resource["metadata"]["name"]
+    for obj in render(resource, CONFIG):
+        meta = obj["metadata"]
+        assert meta["namespace"] == "ml"
+        assert meta["labels"]["app.kubernetes.io/instance"] == name
+        assert meta["labels"]["app.kubernetes.io/managed-by"] == "megatron-operator"
+        assert meta["ownerReferences"] == [{"apiVersion": "serving.megatron.dev/v1alpha1", "kind": "MegatronInference",
+                                            "name": name, "uid": resource["metadata"]["uid"], "controller": True}]
+    # without a uid (a file not yet applied) there is nothing to own by
+    assert all("ownerReferences" not in o["metadata"] for o in render(example, CONFIG))
+
+
+def _containers(obj: dict[str, Any]) -> list[dict[str, Any]]:
+    return obj["spec"]["template"]["spec"]["containers"]
+
+
+def test_pods_are_hardened_and_probed(example):
+    for obj in render(example, CONFIG):
+        if obj["kind"] not in ("Deployment", "StatefulSet"):
+            continue
+        pod = obj["spec"]["template"]["spec"]
+        assert pod["securityContext"]["runAsNonRoot"] is True
+        assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+        assert pod["automountServiceAccountToken"] is False
+        assert pod["terminationGracePeriodSeconds"] == example["spec"].get("drainTimeoutSeconds", 60) + 30
+        mounts_tmp = True
+        for c in pod["containers"]:
+            sc = c["securityContext"]
+            assert sc["allowPrivilegeEscalation"] is False and sc["readOnlyRootFilesystem"] is True
+            assert sc["capabilities"] == {"drop": ["ALL"]} and sc["privileged"] is False
+            assert c["readinessProbe"] and c["livenessProbe"]
+            mounts_tmp &= any(m["mountPath"] == "/tmp" for m in c["volumeMounts"])
+            token = next(e for e in c["env"] if e["name"] == "MEGATRON_SERVE_TOKEN")
+            assert token["valueFrom"]["secretKeyRef"]["name"].endswith("-coordinator-token")
+        assert mounts_tmp
+        if obj["kind"] == "StatefulSet":
+            (engine,) = pod["containers"]
+            assert engine["lifecycle"]["preStop"]["exec"]["command"][0] == "/bin/sh"
+            assert engine["startupProbe"]["failureThreshold"] * engine["startupProbe"]["periodSeconds"] >= 1800
+
+
+def test_coordinator_pod_runs_coordinator_and_server():
+    (resource,) = load_yaml(ROOT / "manifests" / "examples" / "rl-rollout-paused.yaml")
+    objs = by_key(render(identified(resource), CONFIG))
+    deploy = objs[("Deployment", "rollout-coordinator")]
+    assert deploy["spec"]["replicas"] == 1 and deploy["spec"]["strategy"] == {"type": "Recreate"}
+    coordinator, server = _containers(deploy)
+    assert coordinator["args"] == ["coordinator", "--model", "/models/policy/qwen3-8b", "--port", "5555",
+                                   "--routing", "round_robin"]
+    assert server["args"] == ["server", "--model", "/models/policy/qwen3-8b", "--coordinator", "tcp://127.0.0.1:5555",
+                              "--host", "0.0.0.0", "--port", "8000"]
+    api_key = next(e for e in server["env"] if e["name"] == "MEGATRON_SERVE_API_KEY")
+    assert api_key["valueFrom"]["secretKeyRef"] == {"name": "rollout-api-key", "key": "api-key"}
+    assert server["readinessProbe"]["httpGet"]["path"] == "/ready"
+    assert server["livenessProbe"]["httpGet"]["path"] == "/health"
+    mount = next(m for m in coordinator["volumeMounts"] if m["name"] == "model")
+    assert mount == {"name": "model", "mountPath": "/models/policy", "readOnly": True}
+    assert {"name": "model", "persistentVolumeClaim": {"claimName": "rl-checkpoints"}} in \
+        deploy["spec"]["template"]["spec"]["volumes"]
+    svc = objs[("Service", "rollout")]
+    assert svc["spec"]["ports"] == [{"name": "http", "port": 8000, "targetPort": "http", "protocol": "TCP"}]
+    assert objs[("Service", "rollout-coordinator")]["spec"]["ports"][0]["port"] == 5555
+    # the paused fleet's engines still run: Paused keeps memory, only Shutdown scales to zero
+    assert all(o["spec"]["replicas"] == 1 for k, o in objs.items() if k[0] == "StatefulSet")
+
+
+def test_network_policy_admits_coordinator_traffic_only_from_fleet_and_operator():
+    (resource,) = load_yaml(ROOT / "manifests" / "examples" / "single-gpu.yaml")
+    policy = by_key(render(resource, CONFIG))[("NetworkPolicy", "llama-1b-coordinator")]["spec"]
+    assert policy["podSelector"]["matchLabels"]["app.kubernetes.io/component"] == "coordinator"
+    assert policy["policyTypes"] == ["Ingress"]
+    coordinator_rule, http_rule = policy["ingress"]
+    assert coordinator_rule["ports"] == [{"protocol": "TCP", "port": 5555}]
+    peers = coordinator_rule["from"]
+    assert [p["podSelector"]["matchLabels"].get("app.kubernetes.io/component") for p in peers[:2]] == \
+        ["engine", "coordinator"]
+    assert all(p["podSelector"]["matchLabels"]["app.kubernetes.io/instance"] == "llama-1b" for p in peers[:2])
+    assert peers[2] == {"namespaceSelector": {}, "podSelector": {"matchLabels": {
+        "app.kubernetes.io/name": "megatron-operator"}}}
+    assert http_rule == {"ports": [{"protocol": "TCP", "port": 8000}]}
+
+
+def test_engine_groups_gpus_and_rendezvous():
+    (resource,) = load_yaml(ROOT / "manifests" / "examples" / "tp2-dp4.yaml")
+    objs = by_key(render(identified(resource), CONFIG))
+    for g in range(4):
+        sts = objs[("StatefulSet", f"qwen-14b-engine-{g}")]
+        svc = objs[("Service", f"qwen-14b-engine-{g}")]
+        assert sts["spec"]["serviceName"] == svc["metadata"]["name"]
+        assert sts["spec"]["podManagementPolicy"] == "Parallel" and sts["spec"]["replicas"] == 1
+        assert svc["spec"]["clusterIP"] == "None" and svc["spec"]["publishNotReadyAddresses"] is True
+        assert svc["spec"]["selector"] == sts["spec"]["selector"]["matchLabels"]
+        assert svc["spec"]["selector"]["serving.megatron.dev/group"] == str(g)
+        (engine,) = _containers(sts)
+        assert engine["resources"]["limits"]["nvidia.com/gpu"] == 2  # a 2-rank group on an 8-GPU node
+        assert engine["resources"]["requests"] == {"cpu": "8", "memory": "128Gi", "nvidia.com/gpu": 2}
+        args = engine["args"]
+        assert args[:9] == ["engine", "--model", "/models/qwen2.5-14b-instruct", "--coordinator",
+                            "tcp://qwen-14b-coordinator.ml.svc:5555", "--group", str(g), "--tensor-parallel", "2"]
+        assert "command" not in engine  # one pod per group: the image entrypoint runs directly
+        env = {e["name"]: e.get("value") for e in engine["env"]}
+        assert env["MASTER_ADDR"] == f"qwen-14b-engine-{g}-0.qwen-14b-engine-{g}.ml.svc"
+        assert (env["WORLD_SIZE"], env["RANK"], env["NNODES"], env["NPROC_PER_NODE"]) == ("2", "0", "1", "2")
+
+
+def test_multi_node_group_derives_ranks_from_the_pod_ordinal(tmp_path: pathlib.Path):
+    (resource,) = load_yaml(ROOT / "manifests" / "examples" / "multi-node.yaml")
+    sts = by_key(render(resource, CONFIG))[("StatefulSet", "llama-405b-engine-1")]
+    assert sts["spec"]["replicas"] == 2
+    (engine,) = _containers(sts)
+    assert engine["resources"]["limits"]["nvidia.com/gpu"] == 8
+    env = {e["name"]: e.get("value") for e in engine["env"]}
+    assert (env["WORLD_SIZE"], env["NNODES"], env["NPROC_PER_NODE"]) == ("16", "2", "8")
+    assert "RANK" not in env and env["MASTER_ADDR"] == "llama-405b-engine-1-0.llama-405b-engine-1.default.svc"
+    # run the rendered wrapper with a stand-in megatron-serve: pod 1 gets node rank 1, rank 8
+    fake = tmp_path / "megatron-serve"
+    fake.write_text('#!/bin/sh\necho "NODE_RANK=$NODE_RANK RANK=$RANK ARGS=$*"\n')
+    fake.chmod(0o755)
+    run_env = {"PATH": f"{tmp_path}:/usr/bin:/bin", "HOSTNAME": "llama-405b-engine-1-1",
+               **{k: v for k, v in env.items() if v is not None}}
+    out = subprocess.run([*engine["command"], *engine["args"][:3]], env=run_env, capture_output=True, text=True,
+                         check=True, timeout=10).stdout
+    assert out.strip() == "NODE_RANK=1 RANK=8 ARGS=engine --model /models/llama-3.1-405b-instruct"
+
+
+def test_token_is_stable_and_per_resource():
+    (resource,) = load_yaml(ROOT / "manifests" / "examples" / "single-gpu.yaml")
+    secret = render(identified(resource), CONFIG)[0]
+    token = base64.b64decode(secret["data"]["token"]).decode()
+    assert len(token) == 64
+    assert render(identified(resource), CONFIG)[0] == secret
+    assert render(identified(resource, uid="another"), CONFIG)[0] != secret
+    assert render(identified(resource), OperatorConfig(token_key=b"other"))[0] != secret
+    # the operator keeps an existing Secret's token
+    kept = render(identified(resource), CONFIG, token="existing")[0]
+    assert base64.b64decode(kept["data"]["token"]) == b"existing"
+
+
+def test_shutdown_scales_engines_to_zero():
+    (resource,) = load_yaml(ROOT / "manifests" / "examples" / "tp2-dp4.yaml")
+    resource["spec"]["lifecycle"] = "Shutdown"
+    objs = render(resource, CONFIG)
+    assert [o["spec"]["replicas"] for o in objs if o["kind"] == "StatefulSet"] == [0, 0, 0, 0]
+    assert by_key(objs)[("Deployment", "qwen-14b-coordinator")]["spec"]["replicas"] == 1
+    held = render(resource, CONFIG, engines_stopped=False)  # until the coordinator acknowledged STOP
+    assert [o["spec"]["replicas"] for o in held if o["kind"] == "StatefulSet"] == [1, 1, 1, 1]
+
+
+# --------------------------------------------------------------------------- the command
+
+def test_render_command_prints_a_yaml_stream(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]):
+    monkeypatch.setenv("MEGATRON_OPERATOR_TOKEN_KEY", "k")
+    path = ROOT / "manifests" / "examples" / "tp2-dp4.yaml"
+    assert cli.render_command(str(path)) == 0
+    out = capsys.readouterr().out
+    docs = list(yaml.safe_load_all(out))
+    (resource,) = load_yaml(path)
+    assert docs == render(resource, CONFIG)
+    assert out.startswith("---\n") and out.count("\n---\n") == len(docs) - 1
+    # the subcommand module, as megatron_serve.cli calls it
+    from megatron_operator.commands import render as command
+
+    parser = argparse.ArgumentParser()
+    command.add_arguments(parser)
+    assert command.run(parser.parse_args(["-f", str(path)])) == 0
+    assert capsys.readouterr().out == out
+
+
+def test_render_command_rejects_invalid_resources(tmp_path: pathlib.Path):
+    (resource,) = load_yaml(ROOT / "manifests" / "examples" / "tp2-dp4.yaml")
+    resource["spec"]["parallelism"]["tensor"] = 3
+    resource["spec"]["lifecycle"] = "Sleeping"
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump(resource))
+    out, err = io.StringIO(), io.StringIO()
+    assert rendering.render_command(str(path), out=out, err=err) == 1
+    assert out.getvalue() == ""
+    text = err.getvalue()
+    assert "MegatronInference/qwen-14b: spec.lifecycle: unsupported value 'Sleeping'" in text
+    assert rendering.render_command(str(tmp_path / "missing.yaml"), out=out, err=io.StringIO()) == 1
+    path.write_text("kind: [unclosed")
+    err = io.StringIO()
+    assert rendering.render_command(str(path), out=out, err=err) == 1 and "not valid YAML" in err.getvalue()
+    # the CEL rule shows once the enum is fixed
+    resource["spec"]["lifecycle"] = "Running"
+    path.write_text(yaml.safe_dump(resource))
+    err = io.StringIO()
+    assert rendering.render_command(str(path), out=out, err=err) == 1
+    assert "multiple or a divisor of engine.gpusPerPod" in err.getvalue()
+
+
+def test_module_entry_point_renders(tmp_path: pathlib.Path):
+    env = dict(os.environ, MEGATRON_OPERATOR_TOKEN_KEY="k")
+    proc = subprocess.run([sys.executable, "-m", "megatron_operator", "render", "-f",
+                           str(ROOT / "manifests" / "examples" / "single-gpu.yaml")],
+                          capture_output=True, text=True, env=env, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert len(list(yaml.safe_load_all(proc.stdout))) == 7
+
+
+def test_kopf_arguments():
+    assert cli.kopf_argv([]) == ["run", "--module", "megatron_operator.handlers", "--all-namespaces"]
+    assert cli.kopf_argv(["--standalone", "-n", "ml"]) == \
+        ["run", "--module", "megatron_operator.handlers", "--standalone", "-n", "ml"]
+    assert cli.kopf_argv(["--", "-A", "--standalone"])[-2:] == ["-A", "--standalone"]
+    assert shutil.which("sh")  # the rank wrapper's shell exists where tests run
