@@ -42,7 +42,7 @@ class InferenceConfig:
     max_batch_tokens: int = 2048
     max_requests: int = 64
     max_sequence_length: int | None = None
-    enable_prefix_caching: bool = False
+    enable_prefix_caching: bool = True
     tensor_parallel_size: int = 1
     seed: int = 0
 

@@ -62,7 +62,7 @@ class DynamicInferenceEngine:
             model_config.num_layers, self._num_blocks(model), block_size, model.num_local_kv_heads,
             model_config.head_dim, self.dtype, self.device,
         )
-        self.allocator = BlockAllocator(self.kv_cache.shape[2])
+        self.allocator = BlockAllocator(self.kv_cache.shape[2], config.enable_prefix_caching)
         self.scheduler = Scheduler(self.allocator, block_size, config.max_batch_tokens, config.max_requests)
         self.runner = ModelRunner(model, block_size, self.device)
         self.sampler = Sampler(config.seed, self.device)
@@ -71,6 +71,12 @@ class DynamicInferenceEngine:
         self._pending: list[StepOutput] = []
         self.suspended = False
         self.weights_offloaded = False
+        self.computed_tokens = 0  # tokens run through the model (prefill and decode), for counters
+
+    @property
+    def cached_tokens(self) -> int:
+        """Prompt tokens skipped so far because their KV blocks were found in the prefix cache."""
+        return self.scheduler.cached_tokens
 
     @classmethod
     def from_model_dir(cls, model_dir: str | Path, config: InferenceConfig | None = None) -> "DynamicInferenceEngine":
@@ -196,6 +202,7 @@ class DynamicInferenceEngine:
         released = 0
         if not self.suspended:
             self.scheduler.evict_all()
+            self.allocator.clear_cache()  # the cached contents die with the pool
             released += self.kv_cache.release()
             self.suspended = True
         if level == 2 and not self.weights_offloaded and self.device.type == "cuda":
@@ -225,6 +232,8 @@ class DynamicInferenceEngine:
         logits = self.runner.execute(batch.entries, self.kv_cache.layer_caches)
         for sequence, count in batch.entries:
             sequence.num_computed += count
+            self.scheduler.register_computed_blocks(sequence)
+        self.computed_tokens += batch.num_tokens
         sequences = [s for s, _ in sampling]
         result = self.sampler.sample(logits, [s.request.sampling_params for s in sequences],
                                      [len(s.request.generated_tokens) for s in sequences])

@@ -6,7 +6,7 @@ a block returns to the free list when its last reference is dropped.
 
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict, deque
 
 import torch
 
@@ -16,42 +16,91 @@ class OutOfBlocksError(RuntimeError):
 
 
 class BlockAllocator:
-    """Reference-counted allocation of block ids ``0 .. num_blocks-1``."""
+    """Reference-counted allocation of block ids ``0 .. num_blocks-1``, with an optional prefix cache.
 
-    def __init__(self, num_blocks: int):
+    With prefix caching, a complete block can be registered under its chained content hash. When
+    its last reference goes, it is not freed but kept *evictable*: a later request with the same
+    prefix takes it back, and allocation reuses evictable blocks least-recently-freed first. Blocks
+    are freed children first, so a parent is never evicted before its children.
+    """
+
+    def __init__(self, num_blocks: int, enable_prefix_caching: bool = False):
         self.num_blocks = num_blocks
+        self.enable_prefix_caching = enable_prefix_caching
         self._free: deque[int] = deque(range(num_blocks))
+        self._evictable: OrderedDict[int, None] = OrderedDict()
         self._ref_counts = [0] * num_blocks
+        self._hash_of_block: dict[int, int] = {}
+        self._block_of_hash: dict[int, int] = {}
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        """Blocks an allocation can take now: never-cached ones plus evictable cached ones."""
+        return len(self._free) + len(self._evictable)
+
+    @property
+    def num_cached(self) -> int:
+        return len(self._block_of_hash)
 
     def allocate(self, count: int) -> list[int]:
-        if count > len(self._free):
-            raise OutOfBlocksError(f"asked for {count} KV blocks, {len(self._free)} free")
-        blocks = [self._free.popleft() for _ in range(count)]
-        for block in blocks:
+        if count > self.num_free:
+            raise OutOfBlocksError(f"asked for {count} KV blocks, {self.num_free} free")
+        blocks = []
+        for _ in range(count):
+            if self._free:
+                block = self._free.popleft()
+            else:
+                block, _ = self._evictable.popitem(last=False)
+                del self._block_of_hash[self._hash_of_block.pop(block)]
             self._ref_counts[block] = 1
+            blocks.append(block)
         return blocks
-
-    def share(self, block: int) -> None:
-        """Add a reference to a block that is already in use."""
-        if self._ref_counts[block] <= 0:
-            raise ValueError(f"block {block} is free and cannot be shared")
-        self._ref_counts[block] += 1
 
     def ref_count(self, block: int) -> int:
         return self._ref_counts[block]
 
     def free(self, blocks: list[int]) -> None:
-        for block in blocks:
+        """Drop one reference to each block; pass a block table as is (it is released children first)."""
+        for block in reversed(blocks):
             count = self._ref_counts[block]
             if count <= 0:
                 raise ValueError(f"block {block} freed twice")
             self._ref_counts[block] = count - 1
             if count == 1:
-                self._free.append(block)
+                if block in self._hash_of_block:
+                    self._evictable[block] = None
+                else:
+                    self._free.append(block)
+
+    def lookup(self, hashes: list[int]) -> list[int]:
+        """The cached blocks holding the longest prefix of ``hashes``."""
+        blocks = []
+        for block_hash in hashes:
+            block = self._block_of_hash.get(block_hash)
+            if block is None:
+                break
+            blocks.append(block)
+        return blocks
+
+    def acquire(self, blocks: list[int]) -> None:
+        """Take a reference to cached blocks found by ``lookup`` (reviving evictable ones)."""
+        for block in blocks:
+            if self._ref_counts[block] == 0:
+                del self._evictable[block]
+            self._ref_counts[block] += 1
+
+    def register(self, block: int, block_hash: int) -> None:
+        """Publish a computed, complete block under its hash (first writer wins)."""
+        if self.enable_prefix_caching and block_hash not in self._block_of_hash and block not in self._hash_of_block:
+            self._block_of_hash[block_hash] = block
+            self._hash_of_block[block] = block_hash
+
+    def clear_cache(self) -> None:
+        """Forget every cached hash (the pool's contents are gone or stale); blocks in use stay in use."""
+        self._free.extend(self._evictable)
+        self._evictable.clear()
+        self._hash_of_block.clear()
+        self._block_of_hash.clear()
 
 
 def blocks_for_tokens(num_tokens: int, block_size: int) -> int:

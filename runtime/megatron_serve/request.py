@@ -66,6 +66,7 @@ class DynamicInferenceRequest:
     generated_text: str | None = None
     generated_log_probs: list[float] = field(default_factory=list)
     generated_top_n_logprobs: list[dict[int, float]] = field(default_factory=list)
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache at the last admission
     status: RequestStatus = RequestStatus.WAITING_IN_QUEUE
     finish_reason: FinishReason | None = None
     error: str | None = None
@@ -112,6 +113,7 @@ class DynamicInferenceRequest:
             "generated_text": self.generated_text,
             "generated_log_probs": list(self.generated_log_probs),
             "generated_top_n_logprobs": [list(d.items()) for d in self.generated_top_n_logprobs],
+            "cached_tokens": self.cached_tokens,
             "status": self.status.value,
             "finish_reason": None if self.finish_reason is None else self.finish_reason.value,
             "error": self.error,
@@ -132,6 +134,7 @@ class DynamicInferenceRequest:
             generated_text=data.get("generated_text"),
             generated_log_probs=list(data.get("generated_log_probs", [])),
             generated_top_n_logprobs=[dict(pairs) for pairs in data.get("generated_top_n_logprobs", [])],
+            cached_tokens=int(data.get("cached_tokens", 0)),
             status=RequestStatus(data.get("status", RequestStatus.WAITING_IN_QUEUE.value)),
             finish_reason=None if data.get("finish_reason") is None else FinishReason(data["finish_reason"]),
             error=data.get("error"),

@@ -13,6 +13,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from .kv_cache import BlockAllocator, blocks_for_tokens
+from .prefix_hash import ROOT_HASH, block_hashes, chain_hash
 from .request import DynamicInferenceRequest, EventType, RequestStatus
 
 
@@ -26,6 +27,7 @@ class Sequence:
     token_ids: list[int] = field(default_factory=list)
     num_computed: int = 0
     block_table: list[int] = field(default_factory=list)
+    block_hashes: list[int] = field(default_factory=list)  # chained hashes of the complete blocks computed
 
     def __post_init__(self) -> None:
         if not self.token_ids:
@@ -63,6 +65,7 @@ class Scheduler:
         self.max_requests = max_requests
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.cached_tokens = 0  # tokens admitted sequences skipped thanks to the prefix cache
 
     def add(self, sequence: Sequence) -> None:
         self.waiting.append(sequence)
@@ -82,7 +85,36 @@ class Scheduler:
         """Drop a sequence's blocks; it must be recomputed from scratch to run again."""
         self.allocator.free(sequence.block_table)
         sequence.block_table = []
+        sequence.block_hashes = []
         sequence.num_computed = 0
+
+    def _attach_cached_prefix(self, sequence: Sequence) -> int:
+        """Start a sequence on the longest cached chain of its blocks; returns the tokens it skips.
+
+        The last token is always computed (its logits are needed), so it is never part of the match.
+        """
+        if not self.allocator.enable_prefix_caching or sequence.num_computed:
+            return 0
+        cacheable = (len(sequence.token_ids) - 1) // self.block_size
+        hashes = block_hashes(sequence.token_ids[: cacheable * self.block_size], self.block_size)
+        blocks = self.allocator.lookup(hashes)
+        if blocks:
+            self.allocator.acquire(blocks)
+            sequence.block_table = list(blocks)
+            sequence.block_hashes = hashes[: len(blocks)]
+            sequence.num_computed = len(blocks) * self.block_size
+        return sequence.num_computed
+
+    def register_computed_blocks(self, sequence: Sequence) -> None:
+        """Publish the sequence's newly completed blocks to the prefix cache."""
+        if not self.allocator.enable_prefix_caching:
+            return
+        size = self.block_size
+        for index in range(len(sequence.block_hashes), sequence.num_computed // size):
+            parent = sequence.block_hashes[-1] if sequence.block_hashes else ROOT_HASH
+            block_hash = chain_hash(parent, sequence.token_ids[index * size : (index + 1) * size])
+            sequence.block_hashes.append(block_hash)
+            self.allocator.register(sequence.block_table[index], block_hash)
 
     def _preempt_newest(self, preempted: list[Sequence]) -> Sequence:
         victim = self.running.pop()
@@ -113,10 +145,14 @@ class Scheduler:
             break  # the sequence itself was preempted: nothing newer is left running
         while (self.waiting and budget > 0 and not preempted and len(self.running) < self.max_requests):
             sequence = self.waiting[0]
+            cached = self._attach_cached_prefix(sequence)
             count = min(sequence.num_uncomputed, budget)
             if self._blocks_needed(sequence, count) > self.allocator.num_free:
+                self.release(sequence)
                 break
             self.waiting.popleft()
+            self.cached_tokens += cached
+            sequence.request.cached_tokens = min(cached, len(sequence.request.prompt_tokens))
             self._grow(sequence, count)
             self.running.append(sequence)
             sequence.request.status = RequestStatus.ACTIVE

@@ -18,7 +18,7 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--max-batch-tokens", type=int, default=2048, help="token budget of one step")
     group.add_argument("--max-requests", type=int, default=64, help="requests running at once")
     group.add_argument("--max-sequence-length", type=int, default=None, help="prompt + generation limit")
-    group.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=False,
+    group.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                        help="reuse KV blocks of shared prompt prefixes")
     group.add_argument("--seed", type=int, default=0)
 

@@ -1,0 +1,114 @@
+"""Prefix caching: identical outputs, fewer prefill tokens, LRU eviction children first."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from megatron_serve import DynamicInferenceRequest, InferenceConfig, MegatronLLM, SamplingParams
+from megatron_serve.kv_cache import BlockAllocator
+from megatron_serve.prefix_hash import block_hashes
+
+BLOCK = 16
+PARAMS = SamplingParams(temperature=0.0, num_tokens_to_generate=6, ignore_eos=True)
+
+
+def shared_prefix_workload(count: int = 200, prefixes: int = 4, prefix_len: int = 6 * BLOCK, seed: int = 0):
+    rng = random.Random(seed)
+    heads = [[rng.randrange(5, 500) for _ in range(prefix_len)] for _ in range(prefixes)]
+    prompts = [heads[i % prefixes] + [rng.randrange(5, 500) for _ in range(rng.randint(3, 20))] for i in range(count)]
+    return prompts, prefix_len
+
+
+def run(model_dir: str, prompts, caching: bool):
+    llm = MegatronLLM(model_dir, InferenceConfig(block_size_tokens=BLOCK, num_kv_blocks=96, max_batch_tokens=256,
+                                                 max_requests=16, enable_prefix_caching=caching))
+    outs = llm.generate(prompts, PARAMS)
+    return [o.generated_tokens for o in outs], llm.engine, outs
+
+
+def test_outputs_equal_and_prefill_drops_by_the_shared_fraction(tiny_llama):
+    prompts, prefix_len = shared_prefix_workload()
+    off_tokens, off_engine, _ = run(tiny_llama, prompts, caching=False)
+    on_tokens, on_engine, outs = run(tiny_llama, prompts, caching=True)
+    assert on_tokens == off_tokens
+    # Memory pressure: 96 blocks cannot hold 200 requests' blocks, so cached blocks were evicted and reused.
+    assert on_engine.allocator.num_cached < sum(len(p) // BLOCK for p in prompts)
+    prompt_tokens = sum(len(p) for p in prompts)
+    shared_fraction = (len(prompts) - 4) * prefix_len / prompt_tokens  # every use of a prefix after its first
+    drop = (off_engine.computed_tokens - on_engine.computed_tokens) / prompt_tokens
+    assert drop >= shared_fraction * 0.95, (drop, shared_fraction)
+    assert on_engine.cached_tokens >= (len(prompts) - 16) * prefix_len
+    assert sum(o.cached_tokens for o in outs) > 0 and all(o.cached_tokens <= prefix_len for o in outs)
+
+
+def test_fully_cached_prompt_still_computes_its_last_token(tiny_llama):
+    llm = MegatronLLM(tiny_llama, InferenceConfig(block_size_tokens=BLOCK, enable_prefix_caching=True))
+    prompt = list(range(10, 10 + 4 * BLOCK))  # exactly four blocks
+    first = llm.generate([prompt], PARAMS)[0]
+    second = llm.generate([prompt], PARAMS)[0]
+    assert second.generated_tokens == first.generated_tokens
+    assert second.cached_tokens == 3 * BLOCK
+
+
+def test_cache_is_dropped_on_suspend_and_outputs_stay_correct(tiny_llama):
+    llm = MegatronLLM(tiny_llama, InferenceConfig(block_size_tokens=BLOCK, enable_prefix_caching=True))
+    prompt = list(range(10, 10 + 3 * BLOCK + 5))
+    first = llm.generate([prompt], PARAMS)[0]
+    llm.engine.suspend()
+    assert llm.engine.allocator.num_cached == 0
+    llm.engine.resume()
+    again = llm.generate([prompt], PARAMS)[0]
+    assert again.cached_tokens == 0 and again.generated_tokens == first.generated_tokens
+
+
+def test_lru_eviction_takes_children_before_parents():
+    allocator = BlockAllocator(4, enable_prefix_caching=True)
+    tokens = list(range(3 * 4))
+    hashes = block_hashes(tokens, 4)
+    table = allocator.allocate(3)
+    for block, block_hash in zip(table, hashes):
+        allocator.register(block, block_hash)
+    allocator.free(table)
+    assert allocator.num_free == 4 and allocator.num_cached == 3
+    allocator.allocate(1)  # the never-cached block
+    allocator.allocate(1)  # evicts the deepest child first
+    assert allocator.lookup(hashes) == table[:2]
+    allocator.allocate(1)
+    assert allocator.lookup(hashes) == table[:1]
+
+
+def test_shared_blocks_are_reference_counted():
+    allocator = BlockAllocator(4, enable_prefix_caching=True)
+    hashes = block_hashes(list(range(8)), 4)
+    table = allocator.allocate(2)
+    for block, block_hash in zip(table, hashes):
+        allocator.register(block, block_hash)
+    found = allocator.lookup(hashes)
+    allocator.acquire(found)
+    assert [allocator.ref_count(b) for b in table] == [2, 2]
+    allocator.free(table)
+    assert allocator.num_free == 2  # still referenced by the second user
+    allocator.free(found)
+    assert allocator.num_free == 4
+    with pytest.raises(ValueError, match="freed twice"):
+        allocator.free([table[0]])
+
+
+def test_prefix_hashes_are_stable_and_chained():
+    tokens = list(range(40))
+    assert block_hashes(tokens, 16) == block_hashes(tokens[:32], 16)
+    other = block_hashes([99] + tokens[1:], 16)
+    assert other[0] != block_hashes(tokens, 16)[0] and other[1] != block_hashes(tokens, 16)[1]
+
+
+def test_engine_request_with_cached_prefix_reports_it(tiny_llama):
+    engine = MegatronLLM(tiny_llama, InferenceConfig(block_size_tokens=BLOCK, enable_prefix_caching=True)).engine
+    prompt = list(range(20, 20 + 2 * BLOCK + 3))
+    for rid in ("a", "b"):
+        request = DynamicInferenceRequest(rid, None, prompt, PARAMS)
+        engine.add_request(request)
+        while engine.has_unfinished_requests():
+            engine.step()
+    assert request.cached_tokens == 2 * BLOCK
