@@ -49,8 +49,9 @@ def rows_per_program(t: torch.Tensor, row_elems: int, num_rows: int) -> int:
 
 
 def num_warps_for(block_elems: int) -> int:
-    """Warps for an element-wise/reduction tile of ``block_elems`` elements."""
-    return int(min(max(block_elems // 512, 1), 8))
+    """Warps (a power of two, 1 to 8) for an element-wise/reduction tile of ``block_elems`` elements."""
+    warps = min(max(int(block_elems) // 512, 1), 8)
+    return 1 << (warps.bit_length() - 1)
 
 
 @functools.lru_cache(maxsize=None)

@@ -142,7 +142,8 @@ def _choose_splits(q: torch.Tensor, num_seqs: int, num_kv_heads: int, max_contex
     programs = num_seqs * num_kv_heads
     want = triton.cdiv(2 * sm_count(q.device), max(programs, 1))
     worth = triton.cdiv(max_context, max(_MIN_TOKENS_PER_SPLIT, block_n))
-    return int(max(1, min(want, worth, _MAX_SPLITS)))
+    splits = max(1, min(want, worth, _MAX_SPLITS))
+    return 1 << (splits.bit_length() - 1)  # a power of two: few kernel variants to compile
 
 
 def paged_attention_decode(

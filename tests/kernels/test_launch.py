@@ -1,0 +1,55 @@
+"""Launch heuristics, and a GPU build of every kernel on machines that have no GPU."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from megatron_kernels import _triton_utils, triton_decode_attention
+
+
+@pytest.mark.parametrize("elems", [1, 100, 512, 1500, 2560, 5120, 1 << 20])
+def test_num_warps_is_a_power_of_two(elems):
+    warps = _triton_utils.num_warps_for(elems)
+    assert 1 <= warps <= 8 and warps & (warps - 1) == 0
+
+
+def test_rows_per_program_fits_budget():
+    x = torch.empty(0)
+    for row_elems in (1, 64, 100, 4096, 1 << 20):
+        for rows in (1, 7, 1000):
+            n = _triton_utils.rows_per_program(x, row_elems, rows)
+            assert n >= 1 and n & (n - 1) == 0
+            assert n <= _triton_utils.next_pow2(rows)
+            assert n == 1 or n * _triton_utils.next_pow2(row_elems) <= _triton_utils.tile_budget(x)
+
+
+def test_decode_split_heuristic(monkeypatch):
+    monkeypatch.setattr(triton_decode_attention, "interpreted", lambda t: False)
+    monkeypatch.setattr(triton_decode_attention, "sm_count", lambda device: 132)
+    q = torch.empty(0)
+    choose = triton_decode_attention._choose_splits
+    assert choose(q, 1, 8, 8192, 64) == 32  # one sequence, long context: fill the GPU
+    assert choose(q, 1, 8, 256, 64) == 1  # short context: not worth a second kernel
+    assert choose(q, 64, 8, 8192, 64) == 1  # enough programs already
+    for seqs in range(1, 40):
+        splits = choose(q, seqs, 4, 4096, 64)
+        assert splits & (splits - 1) == 0 and 1 <= splits <= 16
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the kernel tests run natively on this GPU")
+@pytest.mark.parametrize("capability", [90])  # the script takes 80 as well (A100)
+def test_kernels_build_for_gpu(capability):
+    """Every launch the wrappers make compiles to a cubin for Hopper (ptxas ships with triton)."""
+    script = Path(__file__).with_name("gpu_compile_check.py")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    result = subprocess.run([sys.executable, str(script), str(capability)], env=env, capture_output=True,
+                            text=True, timeout=540)
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    assert "0 failed" in result.stdout
