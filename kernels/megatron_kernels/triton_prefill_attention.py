@@ -167,8 +167,10 @@ def paged_attention_prefill(
     group = num_q_heads // num_kv_heads
     block_g = next_pow2(group)
     cpu = interpreted(q)
+    # Long prompts have tiles enough to fill the GPU with the larger, more efficient 128-row tile.
+    large = not cpu and num_tokens * num_kv_heads >= 4096 and head_dim <= 128
     if block_m is None:
-        block_m = 128 if cpu else 64
+        block_m = 128 if cpu or large else 64
     if block_n is None:
         block_n = 128 if cpu else (64 if head_dim <= 128 else 32)
     block_m = max(block_m, block_g, 16)
@@ -190,7 +192,7 @@ def paged_attention_prefill(
         BLOCK_SIZE=block_size,
         BLOCK_N=block_n,
         FP32_DOT=cpu or q.dtype == torch.float32,
-        num_warps=4,
+        num_warps=8 if block_m >= 128 and not cpu else 4,
         num_stages=1 if q.dtype == torch.float32 else 2,  # fp32 tiles would need twice the shared memory
     )
     return out

@@ -96,6 +96,9 @@ def main(capability: int) -> int:
         triton_decode_attention.paged_attention_decode(q[:2], k_cache, v_cache, tables[:2], lens[:2], 0.1,
                                                        num_splits=4)
         ops.paged_attention_prefill(q, k_cache, v_cache, tables, qsl, lens, 0.1)
+        long_q = torch.zeros(4096, hq, head_dim, dtype=dtype)  # long prompts take the 128-row tile
+        ops.paged_attention_prefill(long_q, k_cache, v_cache, tables[:1], qsl[:2] * 0 + torch.tensor([0, 4096]),
+                                    lens[:1], 0.1)
         cos = torch.randn(100, head_dim // 2)
         positions = torch.arange(tokens)
         ops.apply_rotary(q, k, positions, cos, cos)
