@@ -1,0 +1,235 @@
+"""``megatron-serve run --model DIR``: coordinator, N engine processes and the HTTP server, as one command.
+
+The coordinator and engines are real child processes (the same code as a deployment, via
+``LocalFleet``; their logs go to ``--log-dir``); the HTTP server runs in this process. Each
+start-up stage prints one progress line, and the last line prints the endpoint and a ``curl``
+example. SIGINT/SIGTERM stop everything in order: the HTTP server stops taking requests, the
+fleet gets STOP (engines drain and exit), then the processes are reaped. A second signal stops
+at once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import shlex
+import signal
+import time
+from typing import Any
+
+from .engine_options import add_engine_options, inference_config_from_args
+from .options import add_log_option, add_token_option, read_token, setup_logging
+from .server import add_server_options, check_server_options, read_api_key
+
+logger = logging.getLogger("megatron_serve.run")
+
+STAGES = 4
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", required=True, metavar="DIR", help="Hugging Face model directory")
+    parser.add_argument("--engines", type=int, default=1, metavar="N", help="engine groups (data parallel)")
+    parser.add_argument("--tensor-parallel", type=int, default=1, metavar="N", help="GPUs (ranks) per engine group")
+    parser.add_argument("--coordinator-port", type=int, default=5555, metavar="PORT",
+                        help="coordinator port on 127.0.0.1, for `megatron-serve control` (0 = any free port)")
+    parser.add_argument("--routing", default="least_loaded",
+                        choices=["least_loaded", "round_robin", "prefix_affinity"])
+    parser.add_argument("--log-dir", metavar="DIR", help="where coordinator and engine logs go (default: a new "
+                                                         "temporary directory)")
+    parser.add_argument("--startup-timeout", type=float, default=600.0, metavar="S",
+                        help="give up if the engines have not loaded the model after this long")
+    parser.add_argument("--drain-timeout", type=float, default=30.0, metavar="S",
+                        help="on Ctrl-C, how long engines may finish running requests")
+    add_server_options(parser, default_host="127.0.0.1")
+    add_engine_options(parser)
+    add_token_option(parser)
+    add_log_option(parser)
+    parser.set_defaults(log_level="WARNING")
+
+
+def progress(stage: int | None, message: str) -> None:
+    prefix = f"[{stage}/{STAGES}] " if stage is not None else "      "
+    print(prefix + message, flush=True)
+
+
+def run(args: argparse.Namespace) -> int:
+    setup_logging(args.log_level)
+    if args.engines < 1:
+        raise ValueError(f"--engines must be >= 1, got {args.engines}")
+    if args.tensor_parallel < 1:
+        raise ValueError(f"--tensor-parallel must be >= 1, got {args.tensor_parallel}")
+    if args.tensor_parallel > 1 and not _engine_has_option("--tensor-parallel"):
+        raise ValueError("--tensor-parallel > 1 needs engines with tensor parallelism, which this build does not "
+                         "have yet: use --tensor-parallel 1")
+    check_server_options(args)
+    config = inference_config_from_args(args, tensor_parallel_size=args.tensor_parallel)  # fails before any start
+    api_key = read_api_key(args)
+    token = read_token(args)
+    return asyncio.run(_Stack(args, config, api_key, token).main())
+
+
+def _engine_has_option(flag: str) -> bool:
+    from . import engine  # noqa: PLC0415
+
+    parser = argparse.ArgumentParser(add_help=False)
+    engine.add_arguments(parser)
+    return flag in parser._option_string_actions  # noqa: SLF001 - argparse has no public query
+
+
+def curl_example(url: str, model: str, api_key: bool) -> str:
+    body = json.dumps({"model": model, "prompt": "Hello", "max_tokens": 16})
+    auth = ' -H "Authorization: Bearer $MEGATRON_SERVE_API_KEY"' if api_key else ""
+    return f"curl {url}/v1/completions -H 'Content-Type: application/json'{auth} -d {shlex.quote(body)}"
+
+
+class _Stack:
+    """One run of the whole stack; ``main()`` returns the exit code."""
+
+    def __init__(self, args: argparse.Namespace, config: Any, api_key: str | None, token: str | None) -> None:
+        self.args = args
+        self.config = config
+        self.api_key = api_key
+        self.token = token
+        self.fleet: Any = None
+        self.client: Any = None
+        self.stop = asyncio.Event()
+        self.signals = 0
+        self.forced = False
+        self.task: asyncio.Task | None = None
+
+    def _on_signal(self, signum: int) -> None:
+        self.signals += 1
+        if self.signals == 1:
+            progress(None, f"{signal.Signals(signum).name}: stopping (again to stop at once)")
+            self.stop.set()
+            return
+        progress(None, "stopping at once")
+        self.forced = True
+        if self.fleet is not None:
+            self.fleet.kill()
+        if self.task is not None:
+            self.task.cancel()
+
+    async def main(self) -> int:
+        try:
+            self.task = asyncio.current_task()
+            return await self._main()
+        except asyncio.CancelledError:
+            if self.forced:
+                return 130
+            raise
+
+    async def _main(self) -> int:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, self._on_signal, sig)
+        from ..server.modelinfo import ModelFacts  # noqa: PLC0415
+        from ..server.runner import bind_socket  # noqa: PLC0415
+        from ..tokenizer import Tokenizer  # noqa: PLC0415
+
+        args = self.args
+        started = time.monotonic()
+        facts = ModelFacts.from_dir(args.model, args.served_model_name)
+        tokenizer = await asyncio.to_thread(Tokenizer.from_pretrained, args.model)
+        sock = bind_socket(args.host, args.port)  # before any child starts: a busy port fails fast
+        progress(1, f"model '{facts.name}' from {args.model}: vocabulary {facts.vocab_size}, context "
+                    f"{facts.max_model_len} tokens ({time.monotonic() - started:.1f}s)")
+        try:
+            startup = asyncio.ensure_future(self._start_fleet())
+            stopper = asyncio.ensure_future(self.stop.wait())
+            await asyncio.wait({startup, stopper}, return_when=asyncio.FIRST_COMPLETED)
+            stopper.cancel()
+            if not startup.done():
+                startup.cancel()
+                try:
+                    await startup
+                except (asyncio.CancelledError, Exception):
+                    pass
+                return 130
+            startup.result()
+            await self._serve(facts, tokenizer, sock)
+            return 0
+        finally:
+            sock.close()
+            await self._shutdown()
+
+    async def _start_fleet(self) -> None:
+        from ..client import InferenceClient  # noqa: PLC0415
+        from ..local_fleet import LocalFleet  # noqa: PLC0415
+        from .options import inference_config_to_argv  # noqa: PLC0415
+
+        args = self.args
+        tp_args = ["--tensor-parallel", str(args.tensor_parallel)] if args.tensor_parallel > 1 else []
+
+        class _Fleet(LocalFleet):
+            """LocalFleet whose engines also get ``--tensor-parallel`` (not an ``InferenceConfig`` flag)."""
+
+            def add_engine(self, group: int | None = None, extra: list[str] | None = None) -> Any:
+                if extra is None:
+                    extra = inference_config_to_argv(self.inference_config) if self.inference_config else []
+                return super().add_engine(group, [*extra, *tp_args])
+
+        self.fleet = _Fleet(args.model, args.engines, self.config, host="127.0.0.1", port=args.coordinator_port,
+                            token=self.token, routing=args.routing, drain_timeout=args.drain_timeout,
+                            log_dir=args.log_dir)
+        started = time.monotonic()
+        address = await asyncio.to_thread(self.fleet.start, 60.0)
+        progress(2, f"coordinator listening on {address} (logs in {self.fleet.log_dir})")
+        self.client = InferenceClient(address, token=self.token)
+        await self.client.start(timeout=30.0)
+        tp = f", tensor parallel {args.tensor_parallel}" if args.tensor_parallel > 1 else ""
+        progress(3, f"starting {args.engines} engine process(es){tp}: loading the model ...")
+        seen: set[str] = set()
+        deadline = time.monotonic() + args.startup_timeout
+        while len(seen) < args.engines:
+            self.fleet.check_alive()  # an engine that died says why (its log tail)
+            status = await self.client.status(timeout=10.0)
+            for engine in status["engines"]:
+                if engine["id"] not in seen:
+                    seen.add(engine["id"])
+                    progress(None, f"engine {engine['id']} ready: group {engine['group']}, "
+                                   f"{engine['kv_blocks_total']} KV blocks ({time.monotonic() - started:.1f}s)")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{len(seen)} of {args.engines} engine(s) ready after {args.startup_timeout:.0f}s "
+                                   f"(logs in {self.fleet.log_dir}; raise --startup-timeout)")
+            if len(seen) < args.engines:
+                await asyncio.sleep(0.2)
+        if status["state"] != "RUNNING":
+            await self.client.unpause(timeout=30.0)  # e.g. a coordinator left STOPPED by an earlier run
+
+    async def _serve(self, facts: Any, tokenizer: Any, sock: Any) -> None:
+        from ..server.app import create_app  # noqa: PLC0415
+        from ..server.runner import serve_app  # noqa: PLC0415
+
+        args = self.args
+        app = create_app(self.client, tokenizer, facts.name, self.api_key, vocab_size=facts.vocab_size,
+                         max_model_len=facts.max_model_len, max_concurrent_requests=args.max_concurrent_requests)
+
+        def started(url: str) -> None:
+            progress(4, f"HTTP server listening on {url}{' (API key required)' if self.api_key else ''}")
+            print(f"megatron-serve is ready: {url}/v1 (model '{facts.name}', {args.engines} engine(s)); try: "
+                  f"{curl_example(url, facts.name, bool(self.api_key))}", flush=True)
+
+        await serve_app(app, sock=sock, log_level=args.log_level, on_started=started, stop=self.stop)
+
+    async def _shutdown(self) -> None:
+        """Server already stopped; now STOP the fleet (engines drain) and reap the processes."""
+        if self.fleet is None:
+            return
+        if self.forced:
+            self.fleet.kill()
+            return
+        progress(None, "stopping the fleet: engines finish or hand back their requests ...")
+        if self.client is not None:
+            try:
+                await self.client.stop(timeout=self.args.drain_timeout + 15.0, drain_timeout=self.args.drain_timeout)
+            except Exception as exc:  # the processes are signalled below anyway
+                logger.warning("STOP was not acknowledged (%s): signalling the processes", exc)
+            self.client.close()
+        await asyncio.to_thread(self.fleet.stop)
+        progress(None, "stopped")
+        if self.args.log_dir is None:
+            logger.info("logs kept in %s", self.fleet.log_dir)
+

@@ -1,0 +1,107 @@
+"""``megatron-serve server``: the OpenAI-compatible HTTP server in front of a coordinator.
+
+The server holds no model: it tokenizes, validates and forwards requests through an
+``InferenceClient``. It may start before its coordinator (it then reports not-ready and answers
+503 until the coordinator appears), and several servers may share one coordinator.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import sys
+
+from .options import add_log_option, add_token_option, read_token, setup_logging
+
+logger = logging.getLogger("megatron_serve.server")
+
+API_KEY_ENV = "MEGATRON_SERVE_API_KEY"  # the same name as megatron_serve.server.API_KEY_ENV (kept light here)
+
+
+def add_server_options(parser: argparse.ArgumentParser, default_host: str) -> None:
+    """HTTP options shared by ``server`` and ``run``."""
+    group = parser.add_argument_group("HTTP server")
+    group.add_argument("--host", default=default_host, help=f"interface to listen on (default: {default_host})")
+    group.add_argument("--port", type=int, default=8000, help="HTTP port (default: 8000; 0 = any free port)")
+    group.add_argument("--served-model-name", metavar="NAME",
+                       help="the model name clients send (default: the model directory's name)")
+    group.add_argument("--api-key-file", metavar="PATH",
+                       help=f"require this key as 'Authorization: Bearer KEY' on /v1 (else ${API_KEY_ENV}; "
+                            "none = open)")
+    group.add_argument("--max-concurrent-requests", type=int, default=None, metavar="N",
+                       help="queue limit: engine requests this server holds at once; more are answered 429")
+
+
+def read_api_key(args: argparse.Namespace) -> str | None:
+    """The API key from ``--api-key-file``, else ``$MEGATRON_SERVE_API_KEY``, else ``None`` (no key)."""
+    path = getattr(args, "api_key_file", None)
+    if path:
+        try:
+            with open(path) as fh:
+                key = fh.read().strip()
+        except OSError as exc:
+            raise FileNotFoundError(f"cannot read --api-key-file {path}: {exc.strerror}") from None
+        if not key:
+            raise ValueError(f"--api-key-file {path} is empty")
+        return key
+    return os.environ.get(API_KEY_ENV) or None
+
+
+def check_server_options(args: argparse.Namespace) -> None:
+    if not 0 <= args.port <= 65535:
+        raise ValueError(f"--port must be in 0..65535, got {args.port}")
+    if args.max_concurrent_requests is not None and args.max_concurrent_requests < 1:
+        raise ValueError(f"--max-concurrent-requests must be >= 1, got {args.max_concurrent_requests}")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", required=True, metavar="DIR",
+                        help="model directory (its tokenizer and config.json are read; no weights are loaded)")
+    parser.add_argument("--coordinator", required=True, metavar="ADDRESS", help="e.g. tcp://127.0.0.1:5555")
+    add_server_options(parser, default_host="0.0.0.0")
+    add_token_option(parser)
+    add_log_option(parser)
+
+
+def run(args: argparse.Namespace) -> int:
+    setup_logging(args.log_level)
+    if not args.coordinator.startswith(("tcp://", "ipc://")):
+        raise ValueError(f"--coordinator must look like tcp://HOST:PORT, got {args.coordinator!r}")
+    check_server_options(args)
+    api_key = read_api_key(args)
+    token = read_token(args)
+    from ..server.modelinfo import ModelFacts  # noqa: PLC0415 - keep --help fast
+    from ..server.runner import bind_socket  # noqa: PLC0415
+    from ..tokenizer import Tokenizer  # noqa: PLC0415
+
+    facts = ModelFacts.from_dir(args.model, args.served_model_name)
+    tokenizer = Tokenizer.from_pretrained(args.model)
+    sock = bind_socket(args.host, args.port)
+    asyncio.run(_serve(args, facts, tokenizer, sock, api_key, token))
+    return 0
+
+
+async def _serve(args: argparse.Namespace, facts, tokenizer, sock, api_key: str | None, token: str | None) -> None:
+    from ..client import InferenceClient  # noqa: PLC0415
+    from ..server.app import create_app  # noqa: PLC0415
+    from ..server.runner import serve_app  # noqa: PLC0415
+
+    client = InferenceClient(args.coordinator, token=token)
+    app = create_app(client, tokenizer, facts.name, api_key, vocab_size=facts.vocab_size,
+                     max_model_len=facts.max_model_len, max_concurrent_requests=args.max_concurrent_requests)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+
+    def started(url: str) -> None:
+        print(f"megatron-serve server: {url}/v1 serving model '{facts.name}' through {args.coordinator}"
+              f"{' (API key required)' if api_key else ''}", file=sys.stderr, flush=True)
+
+    try:
+        await serve_app(app, sock=sock, log_level=args.log_level, on_started=started, stop=stop)
+    finally:
+        client.close()

@@ -1,0 +1,227 @@
+"""The FastAPI application: OpenAI routes, probes and metrics over an ``InferenceClient``.
+
+:func:`create_app` is the only constructor. The same app serves ``megatron-serve server`` (a
+client of a remote coordinator), ``megatron-serve run`` (a local fleet) and
+``MegatronAsyncLLM.serve()`` (in-process), so that all three behave identically.
+
+``/v1/*`` needs the API key when one is configured; ``/health``, ``/ready`` and ``/metrics`` never
+do, because Kubernetes probes and Prometheus scrapers carry no credentials.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+from contextlib import asynccontextmanager
+from typing import Any, AsyncIterator
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.openapi.utils import get_openapi
+from fastapi.responses import JSONResponse, Response
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+
+from .chat import ChatHandler
+from .completions import CompletionHandler
+from .context import ServerContext
+from .errors import APIError, install_error_handlers
+from .fleet import FleetMonitor, InferenceBackend
+from .generation import PendingCounter
+from .metrics import ServerMetrics
+from .models import (
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionRequest,
+    CompletionResponse,
+    ErrorResponse,
+    HealthResponse,
+    ModelCard,
+    ModelList,
+    ReadyResponse,
+)
+from .streaming import cancel_on_disconnect
+
+logger = logging.getLogger("megatron_serve.server")
+
+API_KEY_ENV = "MEGATRON_SERVE_API_KEY"
+
+_SSE_DOC = ("With `stream: true` the answer is `text/event-stream`: one `data: {chunk JSON}` event per piece "
+            "of text (OpenAI chunk objects), an optional usage chunk (`stream_options.include_usage`), then "
+            "`data: [DONE]`.")
+
+
+def _error_responses(codes: list[int]) -> dict[int | str, dict[str, Any]]:
+    meaning = {400: "invalid request (bad parameter, unknown model, prompt longer than the context)",
+               401: "missing or wrong API key", 404: "no such model", 429: "the server's queue is full",
+               500: "the engine failed", 503: "the fleet is stopped or the coordinator is unreachable"}
+    return {code: {"model": ErrorResponse, "description": meaning[code]} for code in codes}
+
+
+def create_app(
+    backend: InferenceBackend,
+    tokenizer: Any,
+    model_name: str,
+    api_key: str | None = None,
+    *,
+    vocab_size: int | None = None,
+    max_model_len: int | None = None,
+    max_concurrent_requests: int | None = None,
+    status_interval: float = 0.5,
+) -> FastAPI:
+    """An OpenAI-compatible app in front of ``backend`` (an ``InferenceClient`` or the same interface).
+
+    ``vocab_size`` / ``max_model_len``: the model's, used to refuse bad prompts with a 400 (engines
+    report a tighter ``max_sequence_length`` once connected, which then wins).
+    ``max_concurrent_requests``: engine requests this server holds at once; beyond it, 429.
+    The backend is started by the app (in the background) if it is not started yet, but never
+    closed by it: whoever made the backend closes it.
+    """
+    monitor = FleetMonitor(backend, interval=status_interval)
+    pending = PendingCounter(max_concurrent_requests)
+    metrics = ServerMetrics(monitor, lambda: pending.value)
+    ctx = ServerContext(backend=backend, tokenizer=tokenizer, model_name=model_name, monitor=monitor, metrics=metrics,
+                        pending=pending, vocab_size=vocab_size, default_max_model_len=max_model_len)
+
+    @asynccontextmanager
+    async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
+        monitor.ensure_running()
+        await monitor.wait_first_poll(timeout=5.0)
+        try:
+            yield
+        finally:
+            await monitor.stop()
+
+    app = FastAPI(
+        title="megatron-serve",
+        version="0.1.0",
+        summary="OpenAI-compatible inference API of a megatron-serve fleet",
+        lifespan=lifespan,
+    )
+    app.state.ctx = ctx
+    install_error_handlers(app)
+    app.add_middleware(_HTTPMetricsMiddleware, metrics=metrics)
+
+    api_dependencies = []
+    error_codes = [400, 429, 500, 503]
+    if api_key:
+        bearer = HTTPBearer(auto_error=False, description="the server's API key, as `Authorization: Bearer KEY`")
+        expected = api_key.encode()
+
+        async def require_api_key(credentials: HTTPAuthorizationCredentials | None = Depends(bearer)) -> None:
+            offered = credentials.credentials.encode() if credentials is not None else b""
+            if not offered or not hmac.compare_digest(offered, expected):
+                raise APIError(401, "missing or wrong API key: send it as 'Authorization: Bearer KEY'",
+                               code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+
+        api_dependencies.append(Depends(require_api_key))
+        error_codes.insert(1, 401)
+
+    stream_200 = {200: {"content": {"text/event-stream": {"schema": {"type": "string"}}},
+                        "description": "the completion (JSON), or its stream of server-sent events"}}
+
+    @app.post("/v1/completions", response_model=CompletionResponse, dependencies=api_dependencies,
+              responses={**stream_200, **_error_responses(error_codes)}, tags=["OpenAI"],
+              description="Complete one or more prompts. " + _SSE_DOC)
+    async def completions(body: CompletionRequest, request: Request) -> Any:
+        async def work() -> Any:
+            await monitor.wait_first_poll()
+            handler = CompletionHandler(ctx, body)
+            return await (handler.stream() if body.stream else handler.complete())
+
+        return await cancel_on_disconnect(request, work())
+
+    @app.post("/v1/chat/completions", response_model=ChatCompletionResponse, dependencies=api_dependencies,
+              responses={**stream_200, **_error_responses(error_codes)}, tags=["OpenAI"],
+              description="Answer a conversation rendered with the model's chat template. " + _SSE_DOC)
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
+        async def work() -> Any:
+            await monitor.wait_first_poll()
+            handler = ChatHandler(ctx, body)
+            return await (handler.stream() if body.stream else handler.complete())
+
+        return await cancel_on_disconnect(request, work())
+
+    def model_card() -> ModelCard:
+        return ModelCard(id=model_name, created=ctx.created, max_model_len=ctx.max_model_len())
+
+    @app.get("/v1/models", response_model=ModelList, dependencies=api_dependencies, tags=["OpenAI"],
+             responses=_error_responses([401] if api_key else []))
+    async def list_models() -> ModelList:
+        return ModelList(data=[model_card()])
+
+    @app.get("/v1/models/{model}", response_model=ModelCard, dependencies=api_dependencies, tags=["OpenAI"],
+             responses=_error_responses([401, 404] if api_key else [404]))
+    async def retrieve_model(model: str) -> ModelCard:
+        if model not in ctx.served_names:
+            raise APIError(404, f"the model '{model}' does not exist here", param="model", code="model_not_found")
+        return model_card()
+
+    @app.get("/health", response_model=HealthResponse, tags=["probes"],
+             description="200 while this process is up (liveness).")
+    async def health() -> HealthResponse:
+        return HealthResponse()
+
+    @app.get("/ready", response_model=ReadyResponse, tags=["probes"],
+             responses={503: {"model": ReadyResponse, "description": "the fleet is stopped or unreachable"}},
+             description="200 while the coordinator answers and the fleet is not stopped: requests are "
+                         "accepted, even if a paused fleet makes them wait (readiness).")
+    async def ready() -> Response:
+        await monitor.wait_first_poll()
+        body = ReadyResponse(ready=monitor.ready, state=monitor.state if monitor.reachable else None,
+                             coordinator_reachable=monitor.reachable, engines=len(monitor.engines),
+                             detail=monitor.not_ready_reason())
+        return JSONResponse(body.model_dump(), status_code=200 if body.ready else 503)
+
+    @app.get("/metrics", tags=["probes"], response_class=Response,
+             responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}},
+                              "description": "Prometheus text exposition format"}},
+             description="Prometheus metrics: requests by outcome, tokens, TTFT and TPOT histograms, and the "
+                         "fleet's queue depth, running requests, KV blocks and lifecycle state.")
+    async def prometheus_metrics() -> Response:
+        await monitor.wait_first_poll()
+        if monitor.reachable:
+            await monitor.refresh()
+        data, content_type = metrics.render()
+        return Response(content=data, media_type=content_type)
+
+    def openapi() -> dict[str, Any]:
+        """FastAPI's document, minus the 422 answers it assumes: validation errors are 400 here."""
+        if app.openapi_schema is None:
+            schema = get_openapi(title=app.title, version=app.version, summary=app.summary, routes=app.routes,
+                                 description="OpenAI-compatible API. Every error is an OpenAI error object.")
+            for path in schema.get("paths", {}).values():
+                for operation in path.values():
+                    operation.get("responses", {}).pop("422", None)
+            components = schema.get("components", {}).get("schemas", {})
+            for name in ("HTTPValidationError", "ValidationError"):
+                components.pop(name, None)
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
+    return app
+
+
+class _HTTPMetricsMiddleware:
+    """Counts answers by route template and status (a pure ASGI middleware: streaming stays untouched)."""
+
+    def __init__(self, app: Any, metrics: ServerMetrics) -> None:
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        status: dict[str, int] = {}
+
+        async def send_wrapper(message: dict) -> None:
+            if message["type"] == "http.response.start":
+                status["code"] = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_wrapper)
+        finally:
+            route = scope.get("route")
+            path = getattr(route, "path", None) or "unmatched"
+            self.metrics.http_requests.labels(path, str(status.get("code", 500))).inc()

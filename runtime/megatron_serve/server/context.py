@@ -1,0 +1,37 @@
+"""Everything a route needs, built once per app: backend, tokenizer, model facts, monitor, metrics."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from .fleet import FleetMonitor, InferenceBackend
+from .generation import PendingCounter, Submission
+from .metrics import ServerMetrics
+from .translate import EngineJob
+
+
+@dataclass
+class ServerContext:
+    backend: InferenceBackend
+    tokenizer: Any
+    model_name: str
+    monitor: FleetMonitor
+    metrics: ServerMetrics
+    pending: PendingCounter
+    vocab_size: int | None = None
+    default_max_model_len: int | None = None  # from config.json, until engines report theirs
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    @property
+    def served_names(self) -> list[str]:
+        return [self.model_name]
+
+    def max_model_len(self) -> int | None:
+        """Prompt + generation limit: what the engines report (the tightest), else the model's own."""
+        return self.monitor.max_sequence_length() or self.default_max_model_len
+
+    def submit(self, jobs: list[EngineJob]) -> Submission:
+        """Reserve queue room for ``jobs`` (429 when full); the caller awaits or streams the result."""
+        return Submission(self.backend, self.metrics, self.pending, jobs)

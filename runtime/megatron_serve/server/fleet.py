@@ -1,0 +1,186 @@
+"""What the server knows about the fleet behind it: one ``STATUS`` poll, shared by every route.
+
+Readiness, the 503 decision, the context length that prompts are checked against and the fleet
+gauges of ``/metrics`` all come from the coordinator's ``STATUS_REPLY``. Polling it in one
+background task (instead of per request) keeps the coordinator's load independent of the HTTP
+request rate, and lets a request be refused at once, without a round trip, when the fleet is
+stopped or the coordinator cannot be reached.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any, AsyncIterator, Protocol
+
+from .errors import APIError
+
+logger = logging.getLogger("megatron_serve.server")
+
+STOPPED = "STOPPED"
+
+
+class InferenceBackend(Protocol):
+    """What the server needs from :class:`~megatron_serve.client.InferenceClient` (or a stand-in)."""
+
+    def add_request(self, prompt: str | list[int], sampling_params: Any, *,
+                    request_id: str | None = None) -> "asyncio.Future[Any]": ...
+
+    def add_request_streaming(self, prompt: str | list[int], sampling_params: Any, *,
+                              request_id: str | None = None) -> AsyncIterator[Any]: ...
+
+    def abort(self, request_id: str) -> None: ...
+
+    async def status(self, timeout: float | None = 10.0) -> dict[str, Any]: ...
+
+
+class FleetMonitor:
+    """Polls ``backend.status()`` every ``interval`` seconds and keeps the last answer.
+
+    The backend is started here too (``start(timeout)`` when it has one), in the background and
+    without a deadline: a server may come up before its coordinator, and must then answer 503
+    and report not-ready until the coordinator appears, instead of failing to start.
+    """
+
+    def __init__(self, backend: InferenceBackend, interval: float = 0.5, timeout: float = 2.0,
+                 connect_grace: float = 2.0) -> None:
+        self.backend = backend
+        self.interval = interval
+        self.timeout = timeout
+        self.connect_grace = connect_grace
+        self.status: dict[str, Any] | None = None
+        self.reachable = False
+        self.problem: str | None = "not connected to the coordinator yet"
+        self.updated = 0.0
+        self._task: asyncio.Task | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._first = asyncio.Event()
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def ensure_running(self) -> None:
+        """Start polling on the running loop (idempotent; restarts on a new loop)."""
+        loop = asyncio.get_running_loop()
+        if self._task is not None and not self._task.done() and self._loop is loop:
+            return
+        self._loop = loop
+        self._first = asyncio.Event()
+        self._task = loop.create_task(self._run(), name="megatron-serve-fleet-monitor")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except (asyncio.CancelledError, Exception):
+                pass
+            self._task = None
+
+    async def wait_first_poll(self, timeout: float = 5.0) -> None:
+        """Wait (bounded) until the first poll answered or failed: startup and first requests are then exact."""
+        self.ensure_running()
+        if self._first.is_set():
+            return
+        try:
+            await asyncio.wait_for(self._first.wait(), timeout)
+        except asyncio.TimeoutError:
+            pass
+
+    async def _run(self) -> None:
+        start = getattr(self.backend, "start", None)
+        if start is not None:
+            starting = asyncio.ensure_future(start(timeout=float("inf")))
+            began = time.monotonic()
+            try:
+                while not starting.done():
+                    if time.monotonic() - began > self.connect_grace:
+                        self._first.set()  # stop holding the first requests: they get 503 until connected
+                    await asyncio.wait({starting}, timeout=self.interval)
+            finally:
+                if not starting.done():
+                    starting.cancel()
+            if starting.exception() is not None:  # e.g. a refused token: retrying cannot help, say what to fix
+                self.problem = f"cannot connect to the coordinator: {starting.exception()}"
+                self.reachable = False
+                self._first.set()
+                logger.error("%s", self.problem)
+                return
+        while True:
+            await self.refresh()
+            self._first.set()
+            await asyncio.sleep(self.interval)
+
+    async def refresh(self) -> dict[str, Any] | None:
+        """Ask for a fresh status now; on failure the fleet counts as unreachable."""
+        try:
+            status = await self.backend.status(timeout=self.timeout)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # timeout, closed client, coordinator error: all mean "cannot serve now"
+            if self.reachable:
+                logger.warning("coordinator unreachable: %s", exc or type(exc).__name__)
+            self.reachable = False
+            self.problem = f"the coordinator does not answer ({type(exc).__name__}{': ' + str(exc) if str(exc) else ''})"
+            return None
+        if not self.reachable:
+            logger.info("coordinator reachable: fleet %s with %d engine(s)", status.get("state"),
+                        len(status.get("engines") or []))
+        self.status = status
+        self.reachable = True
+        self.problem = None
+        self.updated = time.monotonic()
+        return status
+
+    # ------------------------------------------------------------------ views
+
+    @property
+    def state(self) -> str | None:
+        return None if self.status is None else str(self.status.get("state"))
+
+    @property
+    def engines(self) -> list[dict[str, Any]]:
+        return list((self.status or {}).get("engines") or [])
+
+    @property
+    def ready(self) -> bool:
+        """Requests are accepted (maybe to wait): the coordinator answers and the fleet is not stopped."""
+        return self.reachable and self.state != STOPPED
+
+    def not_ready_reason(self) -> str | None:
+        if not self.reachable:
+            return self.problem or "the coordinator does not answer"
+        if self.state == STOPPED:
+            return "the fleet is stopped (megatron-serve control unpause restarts it)"
+        return None
+
+    def check_accepting(self) -> None:
+        """Raise 503 unless new requests can be accepted (PAUSED and SUSPENDED fleets accept and hold them)."""
+        reason = self.not_ready_reason()
+        if reason is not None:
+            code = "coordinator_unreachable" if not self.reachable else "fleet_stopped"
+            raise APIError(503, f"service unavailable: {reason}", code=code, headers={"Retry-After": "5"})
+
+    def max_sequence_length(self) -> int | None:
+        """The smallest context limit any engine reported (prompt + generation), if any did."""
+        limits = [e.get("info", {}).get("max_sequence_length") for e in self.engines]
+        limits = [int(x) for x in limits if isinstance(x, int) and not isinstance(x, bool) and x > 0]
+        return min(limits) if limits else None
+
+    def totals(self) -> dict[str, int]:
+        """Fleet-wide sums for the gauges of ``/metrics``."""
+        engines = self.engines
+        total = sum(int(e.get("kv_blocks_total") or 0) for e in engines)
+        free = sum(int(e.get("kv_blocks_free") or 0) for e in engines)
+        status = self.status or {}
+        return {
+            "engines": len(engines),
+            "queued": int(status.get("queued") or 0),
+            "in_flight": int(status.get("in_flight") or 0),
+            "running": sum(int(e.get("running") or 0) for e in engines),
+            "waiting": sum(int(e.get("waiting") or 0) for e in engines),
+            "kv_blocks_total": total,
+            "kv_blocks_used": max(total - free, 0),
+            "completed": int(status.get("completed") or 0),
+            "failed": int(status.get("failed") or 0),
+        }

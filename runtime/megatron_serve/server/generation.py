@@ -1,0 +1,167 @@
+"""Running the engine requests of one HTTP request: submit, wait or stream, and always clean up.
+
+One HTTP request becomes several engine requests (``n`` choices, several prompts). This module
+submits them through the backend, gathers their results (or merges their streams in arrival
+order), and guarantees that an HTTP request that goes away — client disconnect, cancellation,
+an error in a sibling choice — aborts every engine request it still owns, so the engine frees
+their KV blocks at once instead of generating for nobody.
+
+Failed engine requests become HTTP errors here: a request the engine refused before running it
+(it never reached prefill) is the caller's fault (400); one that failed while running is ours (500).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator
+
+from ..request import DynamicInferenceRequest, EventType, FinishReason, RequestStatus
+from .errors import APIError
+from .fleet import InferenceBackend
+from .metrics import ServerMetrics
+from .translate import EngineJob
+
+logger = logging.getLogger("megatron_serve.server")
+
+
+class PendingCounter:
+    """Engine requests this server is waiting on; bounded by the queue limit (429 beyond it)."""
+
+    def __init__(self, limit: int | None = None) -> None:
+        self.limit = limit
+        self.value = 0
+
+    def acquire(self, count: int) -> None:
+        if self.limit is not None and self.value + count > self.limit:
+            raise APIError(429, f"the server's queue is full ({self.value} of {self.limit} requests pending, this one "
+                                f"needs {count}); retry later", code="queue_full", headers={"Retry-After": "1"})
+        self.value += count
+
+    def release(self, count: int = 1) -> None:
+        self.value = max(0, self.value - count)
+
+
+def check_result(request: DynamicInferenceRequest) -> DynamicInferenceRequest:
+    """Return a finished request, or raise the HTTP error its failure deserves."""
+    if request.status is not RequestStatus.FAILED:
+        return request
+    message = request.error or "the request failed"
+    if request.finish_reason is FinishReason.ABORT:
+        raise APIError(503, f"the request was aborted by the fleet: {message}", code="request_aborted")
+    if not any(e.type is EventType.PREFILL for e in request.events):
+        raise APIError(400, f"the engine refused the request: {message}", code="invalid_request")
+    raise APIError(500, f"the engine failed while generating: {message}", code="engine_error")
+
+
+def _submission_error(exc: Exception) -> APIError:
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, ValueError):  # the coordinator's INVALID_REQUEST
+        return APIError(400, str(exc), code="invalid_request")
+    if isinstance(exc, (ConnectionError, RuntimeError)):
+        return APIError(503, f"service unavailable: {exc}", code="coordinator_unreachable")
+    return APIError(500, f"{type(exc).__name__}: {exc}", code="internal_error")
+
+
+@dataclass
+class Submission:
+    """The engine requests of one HTTP request, with the bookkeeping to abort what is unfinished."""
+
+    backend: InferenceBackend
+    metrics: ServerMetrics
+    pending: PendingCounter
+    jobs: list[EngineJob]
+    ids: list[str] = field(default_factory=list)
+    unfinished: set[str] = field(default_factory=set)
+
+    def __post_init__(self) -> None:
+        self.pending.acquire(len(self.jobs))
+        self.ids = [uuid.uuid4().hex for _ in self.jobs]
+        self.unfinished = set(self.ids)
+
+    def _finished(self, request_id: str, request: DynamicInferenceRequest | None) -> None:
+        if request_id in self.unfinished:
+            self.unfinished.discard(request_id)
+            self.pending.release()
+            if request is not None:
+                self.metrics.observe_finished(request)
+
+    def close(self) -> None:
+        """Abort every engine request that has not finished (idempotent)."""
+        if not self.unfinished:
+            return
+        count = len(self.unfinished)
+        for request_id in list(self.unfinished):
+            try:
+                self.backend.abort(request_id)
+            except Exception:  # a closed client: nothing left to abort
+                logger.debug("abort of %s failed", request_id, exc_info=True)
+        self.pending.release(count)
+        self.metrics.observe_aborted(count)
+        self.unfinished.clear()
+
+    # ------------------------------------------------------------------ whole results
+
+    async def results(self) -> list[DynamicInferenceRequest]:
+        """Every job's finished request, in job order; errors and cancellation abort the rest."""
+        try:
+            try:
+                futures = [self.backend.add_request(job.prompt.tokens, job.params, request_id=request_id)
+                           for job, request_id in zip(self.jobs, self.ids)]
+            except Exception as exc:  # refused synchronously (e.g. a closed client)
+                raise _submission_error(exc) from None
+            results: list[DynamicInferenceRequest] = []
+            for request_id, future in zip(self.ids, futures):
+                try:
+                    request = await future
+                except asyncio.CancelledError:
+                    raise
+                except Exception as exc:
+                    self._finished(request_id, None)
+                    raise _submission_error(exc) from None
+                self._finished(request_id, request)
+                results.append(check_result(request))
+            return results
+        finally:
+            self.close()
+
+    # ------------------------------------------------------------------ streams
+
+    async def stream(self) -> AsyncIterator[tuple[EngineJob, Any]]:
+        """``(job, item)`` pairs as they arrive: ``StreamPartial``s, then each job's final request.
+
+        Closing the iterator (the response ended or the client left) aborts what is unfinished.
+        """
+        queue: asyncio.Queue[tuple[EngineJob, str, Any]] = asyncio.Queue()
+
+        async def pump(job: EngineJob, request_id: str) -> None:
+            try:
+                async for item in self.backend.add_request_streaming(job.prompt.tokens, job.params,
+                                                                     request_id=request_id):
+                    queue.put_nowait((job, request_id, item))
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                queue.put_nowait((job, request_id, exc))
+
+        tasks = [asyncio.create_task(pump(job, rid)) for job, rid in zip(self.jobs, self.ids)]
+        remaining = len(self.jobs)
+        try:
+            while remaining:
+                job, request_id, item = await queue.get()
+                if isinstance(item, BaseException):
+                    self._finished(request_id, None)
+                    raise _submission_error(item) if isinstance(item, Exception) else item
+                if isinstance(item, DynamicInferenceRequest):
+                    remaining -= 1
+                    self._finished(request_id, item)
+                    yield job, check_result(item)
+                else:
+                    yield job, item
+        finally:
+            for task in tasks:
+                task.cancel()  # each stream's own cleanup aborts its request
+            self.close()

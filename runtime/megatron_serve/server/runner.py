@@ -1,0 +1,91 @@
+"""Running an app on uvicorn inside an existing event loop, on a socket bound beforehand.
+
+Binding first (instead of letting uvicorn bind) turns "address in use" into one clear line before
+anything else starts, makes ``--port 0`` usable (the caller learns the port), and lets the
+caller print the endpoint only once it really listens. uvicorn's own signal handling is switched
+off: the commands decide what SIGINT/SIGTERM stop, and in what order.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+from typing import Any, Callable
+
+import uvicorn
+
+logger = logging.getLogger("megatron_serve.server")
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to ``host:port`` (not yet listening); ``RuntimeError`` says what to change."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise RuntimeError(f"cannot listen on {host}:{port}: {exc.strerror or exc} (choose another --port or --host)") \
+            from None
+    return sock
+
+
+def endpoint_url(sock: socket.socket) -> str:
+    """``http://host:port`` a local user can open (``0.0.0.0`` shown as ``127.0.0.1``)."""
+    host, port = sock.getsockname()[:2]
+    if host in ("0.0.0.0", "::", ""):
+        host = "127.0.0.1"
+    if ":" in host:
+        host = f"[{host}]"
+    return f"http://{host}:{port}"
+
+
+class _Server(uvicorn.Server):
+    def capture_signals(self):  # type: ignore[override]
+        return contextlib.nullcontext()
+
+
+async def serve_app(app: Any, host: str = "127.0.0.1", port: int = 8000, *, sock: socket.socket | None = None,
+                    log_level: str = "warning", on_started: Callable[[str], None] | None = None,
+                    stop: asyncio.Event | None = None, graceful_timeout: float = 5.0) -> None:
+    """Serve ``app`` until ``stop`` is set or this coroutine is cancelled, then shut down gracefully.
+
+    ``on_started(url)`` runs once the socket accepts connections and the app's startup finished.
+    """
+    if sock is None:
+        sock = bind_socket(host, port)
+    config = uvicorn.Config(app, log_level=log_level.lower(), lifespan="on", access_log=log_level.lower() == "debug",
+                            timeout_graceful_shutdown=graceful_timeout)
+    server = _Server(config)
+    serving = asyncio.ensure_future(_run(server, sock))
+    stop_wait = asyncio.ensure_future(stop.wait()) if stop is not None else None
+    try:
+        while not server.started:
+            if serving.done():
+                break
+            await asyncio.sleep(0.02)
+        if server.started and on_started is not None:
+            on_started(endpoint_url(sock))
+        waiters = {serving} | ({stop_wait} if stop_wait is not None else set())
+        await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        server.should_exit = True
+        if stop_wait is not None:
+            stop_wait.cancel()
+        try:
+            await asyncio.shield(serving)
+        except asyncio.CancelledError:
+            await serving
+        finally:
+            sock.close()
+    serving.result()
+
+
+async def _run(server: uvicorn.Server, sock: socket.socket) -> None:
+    try:
+        await server.serve(sockets=[sock])
+    except SystemExit as exc:  # uvicorn exits the process on a failed startup; here it is an error instead
+        raise RuntimeError(f"the HTTP server failed to start (exit code {exc.code}); see the log above") from None

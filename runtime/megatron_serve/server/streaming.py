@@ -1,0 +1,91 @@
+"""Server-sent events, and answering a request only while its client is still there.
+
+Two problems that both routes share:
+
+* A streamed answer must still be able to fail with a proper status code (400, 429, 503) when
+  the problem shows before the first token, so :func:`event_stream_response` waits for the first
+  event before sending headers; problems after that become an ``error`` event in the stream.
+* A client that leaves must not leave work behind. :func:`cancel_on_disconnect` watches the ASGI
+  ``receive`` channel while a non-streamed request waits and cancels the wait when the client
+  disconnects (the cancellation aborts the engine requests). While a response streams, Starlette
+  itself cancels the body iterator on disconnect, with the same effect.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any, AsyncIterator, Awaitable, TypeVar
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel
+
+from .errors import APIError
+
+T = TypeVar("T")
+
+DONE = "data: [DONE]\n\n"
+#: Status logged for requests whose client left before the answer (nginx's convention; nobody receives it).
+CLIENT_CLOSED = 499
+
+
+def sse(payload: BaseModel | dict[str, Any]) -> str:
+    data = payload.model_dump_json() if isinstance(payload, BaseModel) else json.dumps(payload)
+    return f"data: {data}\n\n"
+
+
+async def _wait_for_disconnect(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def cancel_on_disconnect(request: Request, work: Awaitable[T]) -> T | Response:
+    """Await ``work``; if the client disconnects first, cancel it and return a 499 nobody will read."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_wait_for_disconnect(request))
+    try:
+        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        if task in done:
+            return task.result()
+        task.cancel()
+        try:
+            await task
+        except BaseException:  # noqa: BLE001 - cancelled work may end any way; the client is gone
+            pass
+        return JSONResponse({"error": {"message": "client closed the request", "type": "client_closed",
+                                       "param": None, "code": None}}, status_code=CLIENT_CLOSED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+
+
+def error_event(exc: APIError) -> str:
+    return sse(exc.body())
+
+
+async def event_stream_response(events: AsyncIterator[str]) -> StreamingResponse:
+    """A ``text/event-stream`` response whose first event already exists (see the module docstring).
+
+    ``events`` must raise :class:`APIError` for problems before its first event and turn later
+    ones into error events itself.
+    """
+    try:
+        first = await events.__anext__()
+    except StopAsyncIteration:
+        first = None
+
+    async def body() -> AsyncIterator[str]:
+        try:
+            if first is not None:
+                yield first
+            async for event in events:
+                yield event
+        finally:
+            await events.aclose()
+
+    return StreamingResponse(body(), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})

@@ -1,0 +1,191 @@
+"""From an OpenAI request body to engine requests: prompts as token ids and ``SamplingParams``.
+
+Everything a request can get wrong is found here, before anything is submitted, and answered
+with a 400 that names the parameter: an unknown model, a prompt that does not fit the context,
+token ids outside the vocabulary, parameters this server cannot honour. The engine would refuse
+some of these too, but only after a round trip through the coordinator and without a status code.
+
+Prompts are tokenized here (not by the coordinator) so that the context check and the usage
+counts see exactly the tokens the engine will run.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from ..sampling_params import SamplingParams
+from .errors import APIError, bad_request, unsupported
+from .models import ChatCompletionRequest, CompletionRequest, _SamplingRequest
+
+#: OpenAI's default ``max_tokens`` of the completions endpoint.
+DEFAULT_COMPLETION_TOKENS = 16
+
+
+@dataclass
+class Prompt:
+    """One prompt as the engine will see it; ``text`` is kept for ``echo``."""
+
+    tokens: list[int]
+    text: str | None = None
+
+
+@dataclass
+class EngineJob:
+    """One engine request: choice ``index`` of the response, for prompt ``prompt_index``."""
+
+    index: int
+    prompt_index: int
+    prompt: Prompt
+    params: SamplingParams
+
+
+def check_model(requested: str, served: list[str]) -> None:
+    if requested not in served:
+        raise APIError(400, f"the model '{requested}' does not exist here; this server serves "
+                            f"{', '.join(repr(n) for n in served)} (see GET /v1/models)",
+                       param="model", code="model_not_found")
+
+
+def check_common(req: _SamplingRequest) -> None:
+    """Parameters of both endpoints that this server accepts but cannot honour unless they are neutral."""
+    if req.presence_penalty:
+        raise unsupported("presence_penalty", "a non-zero presence penalty")
+    if req.frequency_penalty:
+        raise unsupported("frequency_penalty", "a non-zero frequency penalty")
+    if req.logit_bias:
+        raise unsupported("logit_bias", "logit bias")
+    if req.stream_options is not None and not req.stream:
+        raise bad_request("stream_options is only allowed when stream is true", param="stream_options")
+
+
+def check_tokens(tokens: list[int], vocab_size: int | None, param: str) -> None:
+    if not tokens:
+        raise bad_request(f"{param} is empty (it encodes to no tokens)", param=param)
+    if vocab_size is not None:
+        bad = next((t for t in tokens if t >= vocab_size), None)
+        if bad is not None:
+            raise bad_request(f"{param} holds token id {bad}, outside the vocabulary [0, {vocab_size})", param=param,
+                              code="invalid_token_id")
+
+
+def completion_prompts(req: CompletionRequest, tokenizer: Any, vocab_size: int | None) -> list[Prompt]:
+    """The prompt field in any of its four shapes, as a list of tokenized prompts."""
+    raw = req.prompt
+    if isinstance(raw, str):
+        items: list[str | list[int]] = [raw]
+    elif raw and all(isinstance(x, int) for x in raw):
+        items = [list(raw)]  # one prompt of token ids
+    else:
+        items = list(raw)
+    prompts = []
+    for i, item in enumerate(items):
+        param = "prompt" if len(items) == 1 else f"prompt[{i}]"
+        if isinstance(item, str):
+            prompt = Prompt(list(tokenizer.encode(item)), item)
+        else:
+            prompt = Prompt([int(t) for t in item], None)
+        check_tokens(prompt.tokens, vocab_size, param)
+        prompts.append(prompt)
+    return prompts
+
+
+def _message_text(content: Any) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    return "\n".join(part.text for part in content)
+
+
+def chat_prompt(req: ChatCompletionRequest, tokenizer: Any, vocab_size: int | None) -> Prompt:
+    """Messages rendered with the model's chat template, then tokenized (the template adds BOS itself)."""
+    if req.tools:
+        raise unsupported("tools", "tool calling")
+    if req.response_format is not None and req.response_format.type != "text":
+        raise unsupported("response_format", f"response_format type '{req.response_format.type}'")
+    if req.top_logprobs and not req.logprobs:
+        raise bad_request("top_logprobs needs logprobs=true", param="top_logprobs")
+    messages = []
+    for message in req.messages:
+        item: dict[str, Any] = {"role": message.role, "content": _message_text(message.content)}
+        if message.name is not None:
+            item["name"] = message.name
+        if message.tool_call_id is not None:
+            item["tool_call_id"] = message.tool_call_id
+        messages.append(item)
+    if not getattr(tokenizer, "has_chat_template", True):
+        raise bad_request("this model has no chat template: use /v1/completions", param="messages",
+                          code="chat_template_missing")
+    try:
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    except Exception as exc:  # the template may raise on conversations it does not support (jinja errors)
+        raise bad_request(f"the model's chat template cannot render these messages: {exc}", param="messages",
+                          code="chat_template_error") from None
+    prompt = Prompt(list(tokenizer.encode(text, add_special_tokens=False)), text)
+    check_tokens(prompt.tokens, vocab_size, "messages")
+    return prompt
+
+
+def resolve_max_tokens(prompt_len: int, requested: int | None, default: int | None, max_model_len: int | None,
+                       *, prompt_param: str, tokens_param: str) -> int:
+    """Tokens to generate: the request's (checked against the context) or the endpoint's default.
+
+    ``default=None`` means "the rest of the context window" (chat completions).
+    """
+    if max_model_len is None:
+        if requested is not None:
+            return requested
+        return default if default is not None else 2**31 - 1
+    if prompt_len >= max_model_len:
+        raise APIError(400, f"This model's maximum context length is {max_model_len} tokens, and your prompt has "
+                            f"{prompt_len} tokens (the prompt plus at least one generated token must fit). "
+                            "Please shorten the prompt.", param=prompt_param, code="context_length_exceeded")
+    room = max_model_len - prompt_len
+    if requested is None:
+        return room if default is None else min(default, room)
+    if requested > room:
+        raise APIError(400, f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+                            f"{prompt_len + requested} tokens ({prompt_len} in the prompt, {requested} for the "
+                            f"completion). Please reduce {tokens_param} to at most {room}, or shorten the prompt.",
+                       param=tokens_param, code="context_length_exceeded")
+    return requested
+
+
+_PARAM_NAMES = {"num_tokens_to_generate": "max_tokens", "stop_words": "stop", "top_n_logprobs": "logprobs"}
+
+
+def sampling_params(req: _SamplingRequest, *, max_tokens: int, logprobs: bool, top_logprobs: int,
+                    choice: int) -> SamplingParams:
+    """The engine's ``SamplingParams`` for choice number ``choice`` (seeds differ per choice)."""
+    stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+    seed = None
+    if req.seed is not None:
+        seed = (req.seed + choice) % 2**63  # n seeded choices must still differ from each other
+    top_k = req.top_k if req.top_k is not None and req.top_k > 0 else 0
+    try:
+        return SamplingParams(
+            temperature=1.0 if req.temperature is None else float(req.temperature),
+            top_p=1.0 if req.top_p is None else float(req.top_p),
+            top_k=top_k,
+            num_tokens_to_generate=max_tokens,
+            stop_words=stop,
+            ignore_eos=bool(req.ignore_eos),
+            return_log_probs=logprobs,
+            top_n_logprobs=top_logprobs,
+            seed=seed,
+        )
+    except ValueError as exc:  # SamplingParams names its own field; translate the name back
+        message = str(exc)
+        field = message.split(" ", 1)[0]
+        param = _PARAM_NAMES.get(field, field)
+        raise bad_request(message.replace(field, param, 1), param=param) from None
+
+
+def make_jobs(prompts: list[Prompt], n: int, params_for: Any) -> list[EngineJob]:
+    """``n`` jobs per prompt, numbered the way OpenAI numbers choices (prompt-major)."""
+    jobs = []
+    for p, prompt in enumerate(prompts):
+        for c in range(n):
+            jobs.append(EngineJob(index=p * n + c, prompt_index=p, prompt=prompt, params=params_for(prompt, c)))
+    return jobs

@@ -1,0 +1,53 @@
+"""Fixtures of the server suite: a tiny model and its tokenizer (once per session), apps served on 127.0.0.1."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import re
+from typing import AsyncIterator
+
+import pytest
+
+from megatron_serve.server.runner import bind_socket, serve_app
+from megatron_serve.tiny_model import make_tiny_model
+from megatron_serve.tokenizer import Tokenizer
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory) -> str:
+    return str(make_tiny_model(tmp_path_factory.mktemp("server-tiny") / "tiny-llama", seed=0))
+
+
+@pytest.fixture(scope="session")
+def tokenizer(tiny_model) -> Tokenizer:
+    return Tokenizer.from_pretrained(tiny_model)
+
+
+@contextlib.asynccontextmanager
+async def serving(app) -> AsyncIterator[str]:
+    """Serve ``app`` with uvicorn on a free port of 127.0.0.1 in this event loop; yields the base URL."""
+    sock = bind_socket("127.0.0.1", 0)
+    stop = asyncio.Event()
+    started: asyncio.Future = asyncio.get_running_loop().create_future()
+    task = asyncio.create_task(serve_app(app, sock=sock, stop=stop,
+                                         on_started=lambda url: started.done() or started.set_result(url)))
+    done, _ = await asyncio.wait({task, started}, timeout=30, return_when=asyncio.FIRST_COMPLETED)
+    if started not in done:
+        task.cancel()
+        raise RuntimeError("the app did not start")
+    try:
+        yield started.result()
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 30)
+
+
+def metric(text: str, name: str, labels: str = "") -> float:
+    """The value of one sample in Prometheus text (``labels`` like ``status="aborted"``)."""
+    pattern = re.escape(name) + (r"\{" + re.escape(labels) + r"\}" if labels else "") + r" ([0-9.e+-]+)$"
+    for line in text.splitlines():
+        match = re.match(pattern, line)
+        if match:
+            return float(match.group(1))
+    raise KeyError(f"{name}{{{labels}}} not in the metrics")

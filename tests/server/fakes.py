@@ -1,0 +1,133 @@
+"""A stand-in for ``InferenceClient``: instant, deterministic generation over the real tokenizer.
+
+The HTTP layer's own behaviour (shapes, errors, streaming, aborts, queue limit, readiness) is
+tested against this, without processes or a model; the end-to-end module covers the real stack.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any, AsyncIterator
+
+from megatron_serve.client import StreamPartial
+from megatron_serve.detokenizer import IncrementalDetokenizer
+from megatron_serve.request import DynamicInferenceRequest, EventType, FinishReason, RequestStatus
+from megatron_serve.sampling_params import SamplingParams
+
+
+class FakeBackend:
+    """``gate`` cleared = a paused fleet (requests wait); ``reachable=False`` = no coordinator."""
+
+    def __init__(self, tokenizer: Any, *, state: str = "RUNNING", max_sequence_length: int = 64,
+                 token_delay: float = 0.0) -> None:
+        self.tokenizer = tokenizer
+        self.state = state
+        self.reachable = True
+        self.max_sequence_length = max_sequence_length
+        self.token_delay = token_delay
+        self.gate = asyncio.Event()
+        self.gate.set()
+        self.submitted: list[tuple[list[int], SamplingParams]] = []
+        self.aborted: list[str] = []
+        self.running: set[str] = set()
+        self._tasks: dict[str, asyncio.Task] = {}
+
+    async def status(self, timeout: float | None = 10.0) -> dict[str, Any]:
+        if not self.reachable:
+            raise TimeoutError("no answer")
+        return {"state": self.state, "queued": 0, "in_flight": len(self.running), "completed": 0, "failed": 0,
+                "engines": [{"id": "e1-g0", "group": 0, "state": self.state, "running": len(self.running),
+                             "waiting": 0, "kv_blocks_free": 64 - len(self.running), "kv_blocks_total": 64,
+                             "info": {"max_sequence_length": self.max_sequence_length}}]}
+
+    @staticmethod
+    def next_token(prompt: list[int], i: int, seed: int | None) -> int:
+        return 5 + (sum(prompt) * 31 + i * 17 + (seed or 0) * 7) % 400  # past the special tokens
+
+    async def _generate(self, request_id: str, prompt: list[int], params: SamplingParams,
+                        ) -> AsyncIterator[StreamPartial | DynamicInferenceRequest]:
+        self.submitted.append((list(prompt), params))
+        request = DynamicInferenceRequest(request_id=request_id, prompt=None, prompt_tokens=list(prompt),
+                                          sampling_params=params)
+        request.add_event(EventType.ADD)
+        await self.gate.wait()
+        self.running.add(request_id)
+        try:
+            request.add_event(EventType.PREFILL)
+            detokenizer = IncrementalDetokenizer(self.tokenizer, params.stop_words)  # holds back like the engine
+            limit = min(params.num_tokens_to_generate, self.max_sequence_length - len(prompt))
+            for i in range(limit):
+                if self.token_delay:
+                    await asyncio.sleep(self.token_delay)
+                await self.gate.wait()
+                token = self.next_token(prompt, i, params.seed)
+                if i == 0:
+                    request.add_event(EventType.FIRST_TOKEN)
+                request.generated_tokens.append(token)
+                logprob = -0.5 - i / 100
+                if params.return_log_probs or params.top_n_logprobs:
+                    request.generated_log_probs.append(logprob)
+                if params.top_n_logprobs:
+                    others = range(10, 10 + params.top_n_logprobs - 1)
+                    request.generated_top_n_logprobs.append(
+                        {token: logprob, **{t: logprob - 1 - k for k, t in enumerate(others)}})
+                stopped = detokenizer.update(request.generated_tokens)
+                last = stopped or i == limit - 1
+                new_text = detokenizer.take_new_text(final=last)
+                request.finish_reason = FinishReason.STOP if stopped else FinishReason.LENGTH
+                if last:
+                    request.generated_text = detokenizer.text
+                    break
+                yield StreamPartial(request_id, [token], new_text, [logprob] if params.return_log_probs else [])
+            request.status = RequestStatus.COMPLETED
+            request.add_event(EventType.FINISH)
+            yield request
+        finally:
+            self.running.discard(request_id)
+
+    def add_request(self, prompt: list[int], sampling_params: SamplingParams, *,
+                    request_id: str | None = None) -> "asyncio.Future[DynamicInferenceRequest]":
+        async def collect() -> DynamicInferenceRequest:
+            final = None
+            async for item in self._generate(request_id, prompt, sampling_params):
+                final = item
+            return final
+
+        task = asyncio.ensure_future(collect())
+        self._tasks[request_id] = task
+        return task
+
+    async def add_request_streaming(self, prompt: list[int], sampling_params: SamplingParams, *,
+                                    request_id: str | None = None) -> AsyncIterator[Any]:
+        finished = False
+        try:
+            async for item in self._generate(request_id, prompt, sampling_params):
+                finished = isinstance(item, DynamicInferenceRequest)
+                yield item
+        finally:
+            if not finished:
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        if request_id not in self.aborted:  # like the real client: aborting twice is one abort
+            self.aborted.append(request_id)
+        task = self._tasks.pop(request_id, None)
+        if task is not None:
+            task.cancel()
+
+
+def wait_until(predicate, timeout: float, what: str, interval: float = 0.05) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out after {timeout:.0f}s waiting for {what}")
+        time.sleep(interval)
+
+
+async def async_wait_until(predicate, timeout: float, what: str, interval: float = 0.02) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out after {timeout:.0f}s waiting for {what}")
+        await asyncio.sleep(interval)

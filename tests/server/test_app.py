@@ -1,0 +1,332 @@
+"""The HTTP layer against a fake backend, served by uvicorn on 127.0.0.1: shapes, errors, aborts, limits.
+
+Fast (no model, no processes): every error status and its OpenAI body, streaming framing, the
+queue limit, readiness, and that a client that leaves aborts its requests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+import pytest
+
+from megatron_serve.request import DynamicInferenceRequest, EventType, FinishReason
+from megatron_serve.server import create_app
+
+from .conftest import metric, serving
+from .fakes import FakeBackend, async_wait_until
+
+pytestmark = pytest.mark.timeout(120)
+
+MODEL = "tiny-llama"
+
+
+def make_app(tokenizer, backend, **kwargs):
+    return create_app(backend, tokenizer, MODEL, vocab_size=512, max_model_len=1024, status_interval=0.05, **kwargs)
+
+
+def assert_error(response: httpx.Response, status: int, param: str | None = "<any>", code: str | None = None) -> dict:
+    assert response.status_code == status, response.text
+    body = response.json()
+    assert set(body) == {"error"}, body
+    error = body["error"]
+    assert set(error) == {"message", "type", "param", "code"}, error
+    assert isinstance(error["message"], str) and error["message"]
+    assert isinstance(error["type"], str) and error["type"]
+    if param != "<any>":
+        assert error["param"] == param, error
+    if code is not None:
+        assert error["code"] == code, error
+    return error
+
+
+def sse_events(text: str) -> list[str]:
+    return [line[len("data: "):] for line in text.splitlines() if line.startswith("data: ")]
+
+
+@pytest.fixture
+def backend(tokenizer):
+    return FakeBackend(tokenizer)
+
+
+async def test_openapi_documents_every_route_and_no_422(tokenizer, backend):
+    async with serving(make_app(tokenizer, backend)) as url, httpx.AsyncClient(base_url=url) as http:
+        doc = (await http.get("/openapi.json")).json()
+    assert set(doc["paths"]) == {"/v1/completions", "/v1/chat/completions", "/v1/models", "/v1/models/{model}",
+                                 "/health", "/ready", "/metrics"}
+    assert "422" not in json.dumps(doc["paths"])
+    post = doc["paths"]["/v1/completions"]["post"]
+    assert {"200", "400", "429", "500", "503"} <= set(post["responses"])
+    assert "text/event-stream" in post["responses"]["200"]["content"]
+    assert "securitySchemes" not in doc.get("components", {})  # no key configured: no auth documented
+    keyed = make_app(tokenizer, backend, api_key="k").openapi()
+    assert "HTTPBearer" in keyed["components"]["securitySchemes"]
+    assert "401" in keyed["paths"]["/v1/chat/completions"]["post"]["responses"]
+
+
+BAD_BODIES = [
+    ({"model": MODEL}, "prompt", "missing_required_parameter"),
+    ({"model": MODEL, "prompt": "x", "temperature": 2.5}, "temperature", None),
+    ({"model": MODEL, "prompt": "x", "temperature": "1"}, "temperature", None),
+    ({"model": MODEL, "prompt": "x", "top_p": 0}, "top_p", None),
+    ({"model": MODEL, "prompt": "x", "n": 0}, "n", None),
+    ({"model": MODEL, "prompt": "x", "max_tokens": 0}, "max_tokens", None),
+    ({"model": MODEL, "prompt": "x", "logprobs": 21}, "logprobs", None),
+    ({"model": MODEL, "prompt": "x", "stop": [""]}, "stop", None),
+    ({"model": MODEL, "prompt": "x", "stream": 1}, "stream", None),
+    ({"model": MODEL, "prompt": [1, "a"]}, "prompt", None),
+    ({"model": MODEL, "prompt": ["a", [1]]}, "prompt", None),
+    ({"model": MODEL, "prompt": []}, "prompt", None),
+    ({"model": MODEL, "prompt": [-1]}, "prompt", None),
+    ({"model": MODEL, "prompt": "x", "seed": 2**64}, "seed", None),
+    ({"model": 3, "prompt": "x"}, "model", None),
+]
+
+
+async def test_invalid_bodies_are_openai_400s(tokenizer, backend):
+    async with serving(make_app(tokenizer, backend)) as url, httpx.AsyncClient(base_url=url) as http:
+        for body, param, code in BAD_BODIES:
+            assert_error(await http.post("/v1/completions", json=body), 400, param, code)
+        assert_error(await http.post("/v1/completions", content=b"{not json", headers={"content-type": "application/json"}),
+                     400, None, "invalid_json")
+        assert_error(await http.post("/v1/completions", json=[1, 2]), 400)
+        chat = {"model": MODEL, "messages": [{"role": "robot", "content": "hi"}]}
+        assert_error(await http.post("/v1/chat/completions", json=chat), 400, "messages[0].role")
+        chat = {"model": MODEL, "messages": []}
+        assert_error(await http.post("/v1/chat/completions", json=chat), 400, "messages")
+        chat = {"model": MODEL, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}
+        assert_error(await http.post("/v1/chat/completions", json=chat), 400)
+    assert backend.submitted == []  # nothing reached the fleet
+
+
+async def test_semantic_errors_are_400s(tokenizer, backend):
+    user = [{"role": "user", "content": "hi"}]
+    cases = [
+        ("/v1/completions", {"model": "gpt-4", "prompt": "x"}, "model", "model_not_found"),
+        ("/v1/chat/completions", {"model": "gpt-4", "messages": user}, "model", "model_not_found"),
+        ("/v1/completions", {"model": MODEL, "prompt": [7] * 64}, "prompt", "context_length_exceeded"),
+        ("/v1/completions", {"model": MODEL, "prompt": [7] * 10, "max_tokens": 55}, "max_tokens",
+         "context_length_exceeded"),
+        ("/v1/chat/completions", {"model": MODEL, "messages": user, "max_completion_tokens": 64},
+         "max_completion_tokens", "context_length_exceeded"),
+        ("/v1/completions", {"model": MODEL, "prompt": [600]}, "prompt", "invalid_token_id"),
+        ("/v1/completions", {"model": MODEL, "prompt": "x", "presence_penalty": 0.5}, "presence_penalty", None),
+        ("/v1/completions", {"model": MODEL, "prompt": "x", "logit_bias": {"5": 1.0}}, "logit_bias", None),
+        ("/v1/completions", {"model": MODEL, "prompt": "x", "suffix": "y"}, "suffix", None),
+        ("/v1/completions", {"model": MODEL, "prompt": "x", "best_of": 3}, "best_of", None),
+        ("/v1/completions", {"model": MODEL, "prompt": "x", "echo": True, "logprobs": 1}, "echo", None),
+        ("/v1/completions", {"model": MODEL, "prompt": "x", "stream_options": {"include_usage": True}},
+         "stream_options", None),
+        ("/v1/chat/completions", {"model": MODEL, "messages": user, "top_logprobs": 2}, "top_logprobs", None),
+        ("/v1/chat/completions", {"model": MODEL, "messages": user, "tools": [{"type": "function"}]}, "tools", None),
+        ("/v1/chat/completions", {"model": MODEL, "messages": user, "response_format": {"type": "json_object"}},
+         "response_format", None),
+    ]
+    async with serving(make_app(tokenizer, backend)) as url, httpx.AsyncClient(base_url=url) as http:
+        for path, body, param, code in cases:
+            error = assert_error(await http.post(path, json=body), 400, param, code)
+            assert error["type"] == "invalid_request_error"
+        assert_error(await http.get("/v1/models/gpt-4"), 404, "model", "model_not_found")
+        assert_error(await http.get("/v1/nothing"), 404)
+        error = assert_error(await http.delete("/v1/completions"), 405)
+        assert error["code"] == "method_not_allowed"
+    assert backend.submitted == []
+
+
+async def test_api_key(tokenizer, backend):
+    body = {"model": MODEL, "prompt": "Hello", "max_tokens": 2}
+    async with serving(make_app(tokenizer, backend, api_key="s3cret")) as url, httpx.AsyncClient(base_url=url) as http:
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "Basic czNjcmV0"},
+                        {"Authorization": "Bearer"}):
+            response = await http.post("/v1/completions", json=body, headers=headers)
+            assert_error(response, 401, None, "invalid_api_key")
+            assert response.headers["www-authenticate"] == "Bearer"
+            assert_error(await http.get("/v1/models", headers=headers), 401)
+        ok = await http.post("/v1/completions", json=body, headers={"Authorization": "Bearer s3cret"})
+        assert ok.status_code == 200, ok.text
+        for path in ("/health", "/ready", "/metrics"):  # probes and scrapers carry no credentials
+            assert (await http.get(path)).status_code == 200
+
+
+async def test_stopped_or_unreachable_fleet_is_503_and_not_ready(tokenizer, backend):
+    body = {"model": MODEL, "prompt": "Hello", "max_tokens": 2}
+    async with serving(make_app(tokenizer, backend)) as url, httpx.AsyncClient(base_url=url) as http:
+        assert (await http.get("/ready")).json()["ready"] is True
+        backend.state = "STOPPED"
+        await async_wait_until(lambda: backend.state == "STOPPED", 1, "state")
+        for _ in range(100):
+            ready = await http.get("/ready")
+            if ready.status_code == 503:
+                break
+            await asyncio.sleep(0.02)
+        assert ready.status_code == 503 and ready.json()["state"] == "STOPPED"
+        assert_error(await http.post("/v1/completions", json=body), 503, None, "fleet_stopped")
+        backend.state, backend.reachable = "RUNNING", False
+        for _ in range(200):
+            ready = await http.get("/ready")
+            if ready.json()["coordinator_reachable"] is False:
+                break
+            await asyncio.sleep(0.02)
+        assert ready.status_code == 503
+        error = assert_error(await http.post("/v1/chat/completions",
+                                             json={"model": MODEL, "messages": [{"role": "user", "content": "x"}]}),
+                             503, None, "coordinator_unreachable")
+        assert "coordinator" in error["message"]
+        assert "megatron_serve_coordinator_reachable 0.0" in (await http.get("/metrics")).text
+        backend.reachable = True
+        for _ in range(200):
+            if (await http.get("/ready")).status_code == 200:
+                break
+            await asyncio.sleep(0.02)
+        assert (await http.post("/v1/completions", json=body)).status_code == 200
+    assert len(backend.submitted) == 1
+
+
+async def test_paused_fleet_holds_requests_and_queue_limit_is_429(tokenizer, backend):
+    backend.gate.clear()
+    backend.state = "PAUSED"
+    body = {"model": MODEL, "prompt": "Hello", "max_tokens": 3}
+    async with serving(make_app(tokenizer, backend, max_concurrent_requests=3)) as url, \
+            httpx.AsyncClient(base_url=url, timeout=30) as http:
+        assert (await http.get("/ready")).status_code == 200  # paused is ready: requests wait
+        held = [asyncio.create_task(http.post("/v1/completions", json=body)) for _ in range(3)]
+        await async_wait_until(lambda: len(backend.submitted) == 3, 10, "3 held requests")
+        metrics = (await http.get("/metrics")).text
+        assert metric(metrics, "megatron_serve_server_pending_requests") == 3
+        assert metric(metrics, "megatron_serve_lifecycle_state", 'state="PAUSED"') == 1
+        response = await http.post("/v1/completions", json=body)
+        error = assert_error(response, 429, None, "queue_full")
+        assert error["type"] == "rate_limit_error" and response.headers["retry-after"]
+        assert not any(task.done() for task in held)
+        backend.state = "RUNNING"
+        backend.gate.set()
+        answers = await asyncio.gather(*held)
+        assert [a.status_code for a in answers] == [200, 200, 200]
+        assert_error(await http.post("/v1/completions", json={**body, "n": 4}), 429)  # n=4 never fits in 3
+        assert (await http.post("/v1/completions", json={**body, "n": 3})).status_code == 200
+
+
+async def test_client_disconnect_aborts_waiting_and_streaming_requests(tokenizer, backend):
+    async with serving(make_app(tokenizer, backend)) as url, httpx.AsyncClient(base_url=url) as http:
+        backend.gate.clear()  # held: the client gives up while its request waits
+        with pytest.raises(httpx.ReadTimeout):
+            await http.post("/v1/completions", json={"model": MODEL, "prompt": "Hi", "n": 2}, timeout=0.5)
+        await async_wait_until(lambda: len(backend.aborted) == 2, 10, "both choices aborted")
+        metrics = (await http.get("/metrics")).text
+        assert metric(metrics, "megatron_serve_requests_total", 'status="aborted"') == 2
+        assert metric(metrics, "megatron_serve_server_pending_requests") == 0
+        backend.gate.set()
+        backend.token_delay = 0.02  # mid-stream: leave after two chunks
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "stream": True,
+                "max_completion_tokens": 40}
+        async with http.stream("POST", "/v1/chat/completions", json=body) as response:
+            assert response.status_code == 200
+            lines = response.aiter_lines()
+            seen = 0
+            while seen < 2:
+                if (await lines.__anext__()).startswith("data: "):
+                    seen += 1
+        await async_wait_until(lambda: len(backend.aborted) == 3 and not backend.running, 10, "stream aborted")
+        metrics = (await http.get("/metrics")).text
+        assert metric(metrics, "megatron_serve_requests_total", 'status="aborted"') == 3
+        assert metric(metrics, "megatron_serve_requests_running") == 0
+
+
+async def test_streaming_framing_matches_the_whole_answer(tokenizer, backend):
+    body = {"model": MODEL, "prompt": [[40, 41, 42], [5, 6, 7]], "n": 2, "max_tokens": 6, "echo": True}
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_completion_tokens": 5, "n": 2,
+            "logprobs": True}
+    async with serving(make_app(tokenizer, backend)) as url, httpx.AsyncClient(base_url=url) as http:
+        whole = (await http.post("/v1/completions", json=body)).json()
+        streamed = await http.post("/v1/completions", json={**body, "stream": True,
+                                                           "stream_options": {"include_usage": True}})
+        assert streamed.headers["content-type"].startswith("text/event-stream")
+        events = sse_events(streamed.text)
+        assert events[-1] == "[DONE]"
+        chunks = [json.loads(e) for e in events[:-1]]
+        assert chunks[-1]["choices"] == [] and chunks[-1]["usage"] == whole["usage"]
+        texts: dict[int, str] = {}
+        finish: dict[int, str] = {}
+        for chunk in chunks[:-1]:
+            assert chunk["object"] == "text_completion" and chunk["id"] == chunks[0]["id"]
+            for choice in chunk["choices"]:
+                texts[choice["index"]] = texts.get(choice["index"], "") + choice["text"]
+                if choice["finish_reason"]:
+                    finish[choice["index"]] = choice["finish_reason"]
+        assert sorted(texts) == [0, 1, 2, 3]
+        for choice in whole["choices"]:
+            assert texts[choice["index"]] == choice["text"]
+            assert finish[choice["index"]] == choice["finish_reason"] == "length"
+        assert whole["choices"][0]["text"].startswith(tokenizer.decode([40, 41, 42]))
+        assert whole["usage"]["completion_tokens"] == 4 * 6
+
+        whole_chat = (await http.post("/v1/chat/completions", json=chat)).json()
+        events = sse_events((await http.post("/v1/chat/completions", json={**chat, "stream": True})).text)
+        assert events[-1] == "[DONE]"
+        chunks = [json.loads(e) for e in events[:-1]]
+        assert all(c["object"] == "chat.completion.chunk" for c in chunks)
+        firsts = {}
+        contents: dict[int, str] = {}
+        tokens: dict[int, int] = {}
+        for chunk in chunks:
+            (choice,) = chunk["choices"]
+            firsts.setdefault(choice["index"], choice["delta"])
+            contents[choice["index"]] = contents.get(choice["index"], "") + (choice["delta"].get("content") or "")
+            tokens[choice["index"]] = tokens.get(choice["index"], 0) + len((choice.get("logprobs") or {}).get("content") or [])
+            if choice["finish_reason"]:
+                assert choice["delta"] == {}  # the last chunk of a choice changes nothing
+        assert firsts == {0: {"role": "assistant", "content": ""}, 1: {"role": "assistant", "content": ""}}
+        for choice in whole_chat["choices"]:
+            assert contents[choice["index"]] == choice["message"]["content"]
+            assert tokens[choice["index"]] == len(choice["logprobs"]["content"]) == 5
+
+
+async def test_stop_sequences_and_logprob_shapes(tokenizer, backend):
+    probe = {"model": MODEL, "prompt": "Hello", "max_tokens": 8, "logprobs": 3}
+    async with serving(make_app(tokenizer, backend)) as url, httpx.AsyncClient(base_url=url) as http:
+        answer = (await http.post("/v1/completions", json=probe)).json()
+        (choice,) = answer["choices"]
+        logprobs = choice["logprobs"]
+        assert len(logprobs["tokens"]) == len(logprobs["token_logprobs"]) == len(logprobs["top_logprobs"]) == 8
+        assert all(len(top) <= 3 for top in logprobs["top_logprobs"])
+        assert logprobs["text_offset"][0] == 0
+        text = choice["text"]
+        stop = next(text[i:i + 2] for i in range(2, len(text) - 2) if text[i:i + 2].strip() and text.find(text[i:i + 2]) == i)
+        stopped = (await http.post("/v1/completions", json={**probe, "stop": [stop, "zzzz"]})).json()
+        assert stopped["choices"][0]["text"] == text[: text.index(stop)]
+        assert stopped["choices"][0]["finish_reason"] == "stop"
+        streamed = sse_events((await http.post("/v1/completions", json={**probe, "stop": stop, "stream": True})).text)
+        pieces = [json.loads(e)["choices"][0] for e in streamed[:-1]]
+        assert "".join(p["text"] for p in pieces) == text[: text.index(stop)]
+        assert pieces[-1]["finish_reason"] == "stop"
+
+
+async def test_engine_refusal_is_400_and_engine_failure_is_500(tokenizer, backend):
+    def failing(prompt, params, *, request_id=None, prefilled=False):
+        request = DynamicInferenceRequest(request_id=request_id, prompt=None, prompt_tokens=list(prompt),
+                                          sampling_params=params)
+        if prefilled:
+            request.add_event(EventType.PREFILL)
+        request.fail("request needs 99 KV blocks", FinishReason.ERROR)
+        future = asyncio.get_running_loop().create_future()
+        future.set_result(request)
+        return future
+
+    body = {"model": MODEL, "prompt": "Hello", "max_tokens": 2}
+    async with serving(make_app(tokenizer, backend)) as url, httpx.AsyncClient(base_url=url) as http:
+        backend.add_request = failing
+        error = assert_error(await http.post("/v1/completions", json=body), 400, None, "invalid_request")
+        assert "99 KV blocks" in error["message"]
+        backend.add_request = lambda *a, **k: failing(*a, **k, prefilled=True)
+        assert_error(await http.post("/v1/completions", json=body), 500, None, "engine_error")
+
+        def broken(*_a, **_k):
+            raise KeyError("boom")
+
+        backend.add_request = broken
+        assert_error(await http.post("/v1/completions", json=body), 500)
+        metrics = (await http.get("/metrics")).text
+        assert metric(metrics, "megatron_serve_requests_total", 'status="failed"') == 2
+        assert metric(metrics, "megatron_serve_server_pending_requests") == 0
