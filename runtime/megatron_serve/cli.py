@@ -17,6 +17,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "coordinator": ("megatron_serve.commands.coordinator", "run the coordinator (routing, request table, lifecycle)"),
     "engine": ("megatron_serve.commands.engine", "run one engine group that serves a coordinator"),
     "control": ("megatron_serve.commands.control", "pause|unpause|suspend|resume|stop|status a fleet"),
+    "server": ("megatron_serve.commands.server", "run the OpenAI-compatible HTTP server in front of a coordinator"),
+    "run": ("megatron_serve.commands.run", "coordinator + engines + HTTP server on this machine, as one command"),
 }
 
 
