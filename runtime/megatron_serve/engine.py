@@ -48,23 +48,53 @@ def default_dtype(config: InferenceConfig, model_config: ModelConfig) -> torch.d
     return {"float16": torch.float16, "float32": torch.float32}.get(model_config.torch_dtype or "", torch.bfloat16)
 
 
+def max_sequence_length_for(model_config: ModelConfig, config: InferenceConfig) -> int:
+    limit = model_config.max_context
+    requested = config.max_sequence_length
+    if requested is None:
+        return limit
+    if requested > limit:
+        raise ValueError(f"max_sequence_length={requested} exceeds what the model attends over ({limit})")
+    return requested
+
+
+def build_kv_pool(model: LlamaForCausalLM, config: InferenceConfig, max_sequence_length: int,
+                  device: torch.device) -> KVCachePool:
+    """The KV pool, sized by ``num_kv_blocks`` or by memory; tensor-parallel ranks agree on the smallest."""
+    from .tensor_parallel import agree_on_min  # noqa: PLC0415 - torch.distributed only when needed
+
+    mc = model.config
+    dtype = next(model.parameters()).dtype
+    block_size = config.block_size_tokens
+    num_blocks = config.num_kv_blocks
+    if num_blocks is None:
+        per_block = KVCachePool.bytes_per_block(mc.num_layers, block_size, model.num_local_kv_heads, mc.head_dim, dtype)
+        if device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(device)
+            budget = int(total * config.kv_cache_memory_fraction) - (total - free)
+        else:
+            budget = int(CPU_KV_BUDGET_BYTES * config.kv_cache_memory_fraction)
+        needed = config.max_requests * blocks_for_tokens(max_sequence_length, block_size)
+        num_blocks = min(budget // per_block, needed)
+        if num_blocks < 1:
+            raise ValueError("no memory left for the KV cache: use a smaller model or raise kv_cache_memory_fraction")
+    num_blocks = agree_on_min(num_blocks, model.tp)
+    return KVCachePool(mc.num_layers, num_blocks, block_size, model.num_local_kv_heads, mc.head_dim, dtype, device)
+
+
 class DynamicInferenceEngine:
-    def __init__(self, model: LlamaForCausalLM, tokenizer: Tokenizer, config: InferenceConfig):
+    def __init__(self, model: LlamaForCausalLM, tokenizer: Tokenizer, config: InferenceConfig,
+                 runner: ModelRunner | None = None):
         self.model = model
         self.tokenizer = tokenizer
         self.config = config
-        self.device = torch.device(config.device)
-        model_config = model.config
-        self.dtype = next(model.parameters()).dtype
-        self.max_sequence_length = self._max_sequence_length(model_config)
-        block_size = config.block_size_tokens
-        self.kv_cache = KVCachePool(
-            model_config.num_layers, self._num_blocks(model), block_size, model.num_local_kv_heads,
-            model_config.head_dim, self.dtype, self.device,
-        )
+        self.device = next(model.parameters()).device
+        self.max_sequence_length = max_sequence_length_for(model.config, config)
+        self.kv_cache = build_kv_pool(model, config, self.max_sequence_length, self.device)
         self.allocator = BlockAllocator(self.kv_cache.shape[2], config.enable_prefix_caching)
+        block_size = config.block_size_tokens
         self.scheduler = Scheduler(self.allocator, block_size, config.max_batch_tokens, config.max_requests)
-        self.runner = ModelRunner(model, block_size, self.device)
+        self.runner = runner or ModelRunner(model, block_size, self.device)
         self.sampler = Sampler(config.seed, self.device)
         self._sequences: dict[str, Sequence] = {}
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
@@ -80,38 +110,23 @@ class DynamicInferenceEngine:
 
     @classmethod
     def from_model_dir(cls, model_dir: str | Path, config: InferenceConfig | None = None) -> "DynamicInferenceEngine":
+        """Load model and tokenizer; with ``tensor_parallel_size > 1`` also start and join the other ranks."""
         config = config or InferenceConfig()
         model_config = ModelConfig.from_dir(model_dir)
         tokenizer = Tokenizer.from_pretrained(model_dir)
-        model = load_model(model_dir, default_dtype(config, model_config), config.device)
-        return cls(model, tokenizer, config)
+        dtype = default_dtype(config, model_config)
+        if config.tensor_parallel_size == 1:
+            return cls(load_model(model_dir, dtype, config.device), tokenizer, config)
+        from .tensor_parallel import TensorParallelRunner, start_rank_zero  # noqa: PLC0415
 
-    # ----------------------------------------------------------------- sizing
-    def _max_sequence_length(self, model_config: ModelConfig) -> int:
-        limit = model_config.max_context
-        requested = self.config.max_sequence_length
-        if requested is None:
-            return limit
-        if requested > limit:
-            raise ValueError(f"max_sequence_length={requested} exceeds what the model attends over ({limit})")
-        return requested
+        tp, device, workers = start_rank_zero(str(model_dir), config)
+        model = load_model(model_dir, dtype, device, tp)
+        runner = TensorParallelRunner(model, config.block_size_tokens, device, tp, workers)
+        return cls(model, tokenizer, config, runner)
 
-    def _num_blocks(self, model: LlamaForCausalLM) -> int:
-        if self.config.num_kv_blocks is not None:
-            return self.config.num_kv_blocks
-        mc = model.config
-        per_block = KVCachePool.bytes_per_block(mc.num_layers, self.config.block_size_tokens,
-                                                model.num_local_kv_heads, mc.head_dim, self.dtype)
-        if self.device.type == "cuda":
-            free, total = torch.cuda.mem_get_info(self.device)
-            budget = int(total * self.config.kv_cache_memory_fraction) - (total - free)
-        else:
-            budget = int(CPU_KV_BUDGET_BYTES * self.config.kv_cache_memory_fraction)
-        needed = self.config.max_requests * blocks_for_tokens(self.max_sequence_length, self.config.block_size_tokens)
-        blocks = min(budget // per_block, needed)
-        if blocks < 1:
-            raise ValueError("no memory left for the KV cache: lower the model size or raise kv_cache_memory_fraction")
-        return blocks
+    def shutdown(self) -> None:
+        """Stop the other tensor-parallel ranks, if any; the engine is unusable afterwards."""
+        self.runner.shutdown()
 
     # ------------------------------------------------------------ public API
     @property
@@ -199,13 +214,17 @@ class DynamicInferenceEngine:
         """Release the KV pool (and at level 2 move weights to host); returns device bytes released."""
         if level not in (1, 2):
             raise ValueError(f"suspend level must be 1 or 2, got {level}")
+        offload = level == 2 and not self.weights_offloaded and self.device.type == "cuda"
+        if self.suspended and not offload:
+            return 0
+        self.runner.on_suspend(level)
         released = 0
         if not self.suspended:
             self.scheduler.evict_all()
             self.allocator.clear_cache()  # the cached contents die with the pool
             released += self.kv_cache.release()
             self.suspended = True
-        if level == 2 and not self.weights_offloaded and self.device.type == "cuda":
+        if offload:
             released += sum(p.numel() * p.element_size() for p in self.model.parameters())
             self.model.to("cpu")
             torch.cuda.empty_cache()
@@ -213,6 +232,8 @@ class DynamicInferenceEngine:
         return released
 
     def resume(self) -> None:
+        if self.suspended or self.weights_offloaded:
+            self.runner.on_resume()
         if self.weights_offloaded:
             self.model.to(self.device)
             self.weights_offloaded = False

@@ -1,10 +1,13 @@
 """Turns a scheduled batch into model inputs, runs the forward pass, and returns logits to sample.
 
-Only rows that sample this step (decode tokens and prefill chunks that reach the end of their
-sequence) go through the LM head: the rest of a prompt needs its keys and values, not logits.
+A step is first described as a ``StepPlan`` of plain integer lists (cheap to send to the other
+tensor-parallel ranks), then turned into tensors on each rank's device. Only rows that sample
+(decode tokens, and prefill chunks that reach the end of their sequence) go through the LM head.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -13,54 +16,91 @@ from .model.llama import LlamaForCausalLM
 from .scheduler import Sequence
 
 
+@dataclass
+class StepPlan:
+    token_ids: list[int]
+    positions: list[int]
+    slots: list[int]
+    decode_block_tables: list[list[int]]
+    decode_context_lens: list[int]
+    prefill_block_tables: list[list[int]]
+    prefill_query_start: list[int]
+    prefill_context_lens: list[int]
+    sample_rows: list[int]
+
+
+def _padded(tables: list[list[int]]) -> list[list[int]]:
+    width = max(len(t) for t in tables)
+    return [t + [0] * (width - len(t)) for t in tables]
+
+
+def plan_step(entries: list[tuple[Sequence, int]], block_size: int) -> StepPlan:
+    """Describe one step; ``entries`` come decode-shaped (one token) first, as the scheduler orders them."""
+    plan = StepPlan([], [], [], [], [], [], [0], [], [])
+    for sequence, count in entries:
+        start = sequence.num_computed
+        plan.token_ids.extend(sequence.token_ids[start : start + count])
+        table = sequence.block_table
+        for position in range(start, start + count):
+            plan.positions.append(position)
+            plan.slots.append(table[position // block_size] * block_size + position % block_size)
+        if start + count == len(sequence.token_ids):
+            plan.sample_rows.append(len(plan.token_ids) - 1)
+        if count == 1:
+            plan.decode_block_tables.append(table)
+            plan.decode_context_lens.append(start + 1)
+        else:
+            plan.prefill_block_tables.append(table)
+            plan.prefill_query_start.append(plan.prefill_query_start[-1] + count)
+            plan.prefill_context_lens.append(start + count)
+    if plan.decode_block_tables:
+        plan.decode_block_tables = _padded(plan.decode_block_tables)
+    if plan.prefill_block_tables:
+        plan.prefill_block_tables = _padded(plan.prefill_block_tables)
+    return plan
+
+
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, block_size: int, device: torch.device):
         self.model = model
         self.block_size = block_size
         self.device = device
 
-    def _tensor(self, values: list[int], dtype: torch.dtype) -> torch.Tensor:
-        return torch.tensor(values, dtype=dtype, device=self.device)
+    def _tensor(self, values: list, dtype: torch.dtype) -> torch.Tensor | None:
+        return torch.tensor(values, dtype=dtype, device=self.device) if values else None
 
-    def _block_tables(self, sequences: list[Sequence]) -> torch.Tensor:
-        width = max(len(s.block_table) for s in sequences)
-        rows = [s.block_table + [0] * (width - len(s.block_table)) for s in sequences]
-        return self._tensor(rows, torch.int32)
-
-    def prepare(self, entries: list[tuple[Sequence, int]]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
-        token_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        sample_rows: list[int] = []
-        decode = [s for s, count in entries if count == 1]
-        prefill = [(s, count) for s, count in entries if count != 1]
-        query_start = [0]
-        for sequence, count in entries:
-            start = sequence.num_computed
-            token_ids.extend(sequence.token_ids[start : start + count])
-            table, size = sequence.block_table, self.block_size
-            for position in range(start, start + count):
-                positions.append(position)
-                slots.append(table[position // size] * size + position % size)
-            if start + count == len(sequence.token_ids):
-                sample_rows.append(len(token_ids) - 1)
-            if count != 1:
-                query_start.append(query_start[-1] + count)
-        metadata = AttentionMetadata(
-            slot_mapping=self._tensor(slots, torch.int64),
-            num_decode_tokens=len(decode),
-            decode_block_tables=self._block_tables(decode) if decode else None,
-            decode_context_lens=self._tensor([s.num_computed + 1 for s in decode], torch.int32) if decode else None,
-            prefill_block_tables=self._block_tables([s for s, _ in prefill]) if prefill else None,
-            prefill_query_start_loc=self._tensor(query_start, torch.int32) if prefill else None,
-            prefill_context_lens=self._tensor([s.num_computed + c for s, c in prefill], torch.int32) if prefill else None,
+    def metadata(self, plan: StepPlan) -> AttentionMetadata:
+        has_prefill = bool(plan.prefill_block_tables)
+        return AttentionMetadata(
+            slot_mapping=self._tensor(plan.slots, torch.int64),
+            num_decode_tokens=len(plan.decode_context_lens),
+            decode_block_tables=self._tensor(plan.decode_block_tables, torch.int32),
+            decode_context_lens=self._tensor(plan.decode_context_lens, torch.int32),
+            prefill_block_tables=self._tensor(plan.prefill_block_tables, torch.int32),
+            prefill_query_start_loc=self._tensor(plan.prefill_query_start, torch.int32) if has_prefill else None,
+            prefill_context_lens=self._tensor(plan.prefill_context_lens, torch.int32),
         )
-        return self._tensor(token_ids, torch.int64), self._tensor(positions, torch.int64), metadata, sample_rows
 
     @torch.inference_mode()
+    def run_plan(self, plan: StepPlan, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        """Run one step; returns float32 logits ``[sampling rows, vocab]`` in entry order."""
+        context = ForwardContext(self.metadata(plan), kv_caches)
+        hidden = self.model(self._tensor(plan.token_ids, torch.int64), self._tensor(plan.positions, torch.int64),
+                            context)
+        if not plan.sample_rows:  # only partial prefill chunks this step: nothing to sample
+            return hidden.new_empty((0, self.model.config.vocab_size), dtype=torch.float32)
+        return self.model.compute_logits(hidden[self._tensor(plan.sample_rows, torch.int64)])
+
     def execute(self, entries: list[tuple[Sequence, int]], kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
                 ) -> torch.Tensor:
-        """Run one step; returns float32 logits ``[sampling rows, vocab]`` in entry order."""
-        token_ids, positions, metadata, sample_rows = self.prepare(entries)
-        hidden = self.model(token_ids, positions, ForwardContext(metadata, kv_caches))
-        return self.model.compute_logits(hidden[self._tensor(sample_rows, torch.int64)])
+        return self.run_plan(plan_step(entries, self.block_size), kv_caches)
+
+    # Hooks for runners that drive other ranks; a single-rank runner has nothing to tell anyone.
+    def on_suspend(self, level: int) -> None:
+        pass
+
+    def on_resume(self) -> None:
+        pass
+
+    def shutdown(self) -> None:
+        pass

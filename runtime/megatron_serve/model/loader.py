@@ -73,8 +73,12 @@ def _target(model: LlamaForCausalLM, name: str) -> tuple[torch.nn.Parameter, Cal
     return param, getattr(module, "weight_loader", None), shard
 
 
-def load_weights(model: LlamaForCausalLM, tensors: Iterator[tuple[str, object]]) -> None:
-    """Copy checkpoint tensors into ``model``; every parameter must be covered exactly."""
+def load_weights(model: LlamaForCausalLM, tensors: Iterator[tuple[str, object]],
+                 progress: Callable[[str], None] | None = None) -> None:
+    """Copy checkpoint tensors into ``model``; every parameter must be covered exactly.
+
+    ``progress`` is called with each tensor's name once it is loaded (load progress reporting).
+    """
     expected = {id(p): n for n, p in model.named_parameters()}
     seen: set[int] = set()
     with torch.no_grad():
@@ -93,6 +97,8 @@ def load_weights(model: LlamaForCausalLM, tensors: Iterator[tuple[str, object]])
                     raise ValueError(f"weight {name}: checkpoint shape {tuple(loaded.shape)} does not fit {tuple(param.shape)}")
                 param.data.copy_(loaded)
             seen.add(id(param))
+            if progress is not None:
+                progress(name)
     missing = [n for pid, n in expected.items() if pid not in seen]
     if missing:
         raise ValueError(f"checkpoint is missing weights: {', '.join(sorted(missing)[:8])}")
@@ -117,8 +123,8 @@ def build_model(config: ModelConfig, dtype: torch.dtype, device: torch.device | 
 
 
 def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device | str,
-               tp: TensorParallel = SINGLE) -> LlamaForCausalLM:
+               tp: TensorParallel = SINGLE, progress: Callable[[str], None] | None = None) -> LlamaForCausalLM:
     config = ModelConfig.from_dir(model_dir)
     model = build_model(config, dtype, device, tp)
-    load_weights(model, iterate_checkpoint(model_dir))
+    load_weights(model, iterate_checkpoint(model_dir), progress)
     return model

@@ -1,0 +1,205 @@
+"""Tensor-parallel engine groups: one process per GPU, ranks in lockstep.
+
+Rank 0 of a group owns the scheduler and talks to the coordinator. Each step it describes the
+batch as a ``StepPlan`` and broadcasts it; every rank runs the forward pass on its weight slice
+and its share of the KV heads; rank 0 samples from the gathered logits. Suspend, resume and stop
+are broadcast the same way, so a verb always acts on the whole group.
+
+Placement: a group of ``WORLD_SIZE`` ranks may span pods. Each pod starts its local ranks
+``RANK .. RANK + NPROC_PER_NODE - 1`` (the operator sets these, with ``MASTER_ADDR`` naming pod 0
+through the headless Service); without those variables every rank runs on this machine. NCCL on
+GPUs, gloo on CPU. If any rank dies, the next collective fails on the others, and they exit:
+the coordinator then sees the group gone and re-queues its requests.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import multiprocessing
+import os
+import socket
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from .config import InferenceConfig
+from .model.loader import load_model
+from .model.parallel import TensorParallel
+from .model_runner import ModelRunner, StepPlan, plan_step
+
+logger = logging.getLogger(__name__)
+
+RENDEZVOUS_TIMEOUT_S = float(os.environ.get("MEGATRON_SERVE_RENDEZVOUS_TIMEOUT", "300"))
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where this process's ranks sit in their group."""
+
+    world_size: int
+    first_local_rank: int  # global rank of this machine's first process
+    local_count: int  # ranks started on this machine
+    master_addr: str
+    master_port: int
+
+    @property
+    def hosts_rank_zero(self) -> bool:
+        return self.first_local_rank == 0
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def placement_for(world_size: int) -> Placement:
+    """From the operator's rendezvous environment when it is set, else every rank on this machine."""
+    env = os.environ
+    if "MASTER_ADDR" in env and "WORLD_SIZE" in env:
+        if int(env["WORLD_SIZE"]) != world_size:
+            raise ValueError(f"WORLD_SIZE={env['WORLD_SIZE']} does not match --tensor-parallel {world_size}")
+        local = int(env.get("NPROC_PER_NODE", world_size))
+        return Placement(world_size, int(env.get("RANK", "0")), local, env["MASTER_ADDR"],
+                         int(env.get("MASTER_PORT", "29500")))
+    return Placement(world_size, 0, world_size, "127.0.0.1", free_port())
+
+
+def rank_device(local_index: int, config: InferenceConfig) -> torch.device:
+    device = torch.device(config.device)
+    if device.type == "cuda":
+        return torch.device("cuda", local_index % max(torch.cuda.device_count(), 1))
+    return device
+
+
+def join_group(placement: Placement, rank: int, device: torch.device) -> TensorParallel:
+    """Rendezvous with the other ranks; waits for late peers up to the timeout, then says what is missing."""
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    try:
+        dist.init_process_group(
+            backend, init_method=f"tcp://{placement.master_addr}:{placement.master_port}", rank=rank,
+            world_size=placement.world_size, timeout=datetime.timedelta(seconds=RENDEZVOUS_TIMEOUT_S),
+        )
+    except Exception as exc:  # noqa: BLE001 - re-raised with what to fix
+        raise RuntimeError(
+            f"tensor-parallel rank {rank}/{placement.world_size} could not join the group at "
+            f"{placement.master_addr}:{placement.master_port} within {RENDEZVOUS_TIMEOUT_S:.0f}s "
+            f"(are all {placement.world_size} ranks started?): {exc}"
+        ) from exc
+    return TensorParallel(rank=rank, size=placement.world_size, group=dist.group.WORLD)
+
+
+def agree_on_min(value: int, tp: TensorParallel) -> int:
+    """The smallest ``value`` over the group: every rank must size its KV pool identically."""
+    if tp.size == 1:
+        return value
+    tensor = torch.tensor([value], dtype=torch.int64)
+    if dist.get_backend(tp.group) == "nccl":
+        tensor = tensor.cuda()
+    dist.all_reduce(tensor, op=dist.ReduceOp.MIN, group=tp.group)
+    return int(tensor.item())
+
+
+class TensorParallelRunner(ModelRunner):
+    """Rank 0's runner: broadcasts every step and lifecycle change before acting on it itself."""
+
+    def __init__(self, model, block_size: int, device: torch.device, tp: TensorParallel,
+                 workers: list[multiprocessing.Process]):
+        super().__init__(model, block_size, device)
+        self.tp = tp
+        self.workers = workers
+
+    def _broadcast(self, kind: str, payload: object = None) -> None:
+        dist.broadcast_object_list([(kind, payload)], src=0, group=self.tp.group)
+
+    def _check_workers(self) -> None:
+        """Fail fast when a local rank died, instead of waiting on a collective that cannot finish."""
+        dead = [w.name for w in self.workers if not w.is_alive()]
+        if dead:
+            raise RuntimeError(f"tensor-parallel group lost {', '.join(dead)}; this engine group must restart")
+
+    def execute(self, entries, kv_caches) -> torch.Tensor:
+        self._check_workers()
+        plan = plan_step(entries, self.block_size)
+        self._broadcast("step", plan)
+        return self.run_plan(plan, kv_caches)
+
+    def on_suspend(self, level: int) -> None:
+        self._broadcast("suspend", level)
+
+    def on_resume(self) -> None:
+        self._broadcast("resume")
+
+    def shutdown(self) -> None:
+        if not dist.is_initialized():
+            return
+        try:
+            self._broadcast("stop")
+        finally:
+            dist.destroy_process_group()
+            for worker in self.workers:
+                worker.join(timeout=30)
+
+
+def spawn_local_workers(model_dir: str, config: InferenceConfig, placement: Placement) -> list[multiprocessing.Process]:
+    """Start this machine's ranks other than rank 0 as child processes."""
+    context = multiprocessing.get_context("spawn")
+    workers = []
+    for index in range(placement.local_count):
+        rank = placement.first_local_rank + index
+        if rank == 0:
+            continue
+        process = context.Process(target=run_worker, args=(model_dir, config.to_dict(), placement, rank, index),
+                                  name=f"megatron-tp-rank-{rank}", daemon=True)
+        process.start()
+        workers.append(process)
+    return workers
+
+
+def run_worker(model_dir: str, config_dict: dict, placement: Placement, rank: int, local_index: int) -> None:
+    """A rank other than 0: load its slice, mirror rank 0's KV pool, and follow its broadcasts until stop."""
+    from .engine import build_kv_pool, default_dtype, max_sequence_length_for  # noqa: PLC0415 - avoid a cycle
+    from .model.config import ModelConfig  # noqa: PLC0415
+
+    config = InferenceConfig(**config_dict)
+    device = rank_device(local_index, config)
+    tp = join_group(placement, rank, device)
+    model_config = ModelConfig.from_dir(model_dir)
+    model = load_model(model_dir, default_dtype(config, model_config), device, tp)
+    pool = build_kv_pool(model, config, max_sequence_length_for(model_config, config), device)
+    runner = ModelRunner(model, config.block_size_tokens, device)
+    while True:
+        message: list = [None]
+        dist.broadcast_object_list(message, src=0, group=tp.group)
+        kind, payload = message[0]
+        if kind == "step":
+            plan: StepPlan = payload
+            runner.run_plan(plan, pool.layer_caches)
+        elif kind == "suspend":
+            pool.release()
+            if payload == 2 and device.type == "cuda":
+                model.to("cpu")
+                torch.cuda.empty_cache()
+        elif kind == "resume":
+            model.to(device)
+            pool.allocate()
+        elif kind == "stop":
+            break
+    dist.destroy_process_group()
+
+
+def start_rank_zero(model_dir: str, config: InferenceConfig) -> tuple[TensorParallel, torch.device, list]:
+    """Start this machine's other ranks and join the group as rank 0 (when this machine holds it)."""
+    placement = placement_for(config.tensor_parallel_size)
+    workers = spawn_local_workers(model_dir, config, placement)
+    if not placement.hosts_rank_zero:
+        # This machine holds only followers: serve them until they exit; rank 0 lives in another pod.
+        for worker in workers:
+            worker.join()
+        raise SystemExit(max((w.exitcode or 0) for w in workers) if workers else 0)
+    device = rank_device(0, config)
+    return join_group(placement, 0, device), device, workers

@@ -1,0 +1,87 @@
+"""Tensor parallelism on CPU with gloo: outputs equal TP=1, and each rank loads only its slice."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from megatron_serve import InferenceConfig, MegatronLLM, SamplingParams
+from megatron_serve.tiny_model import make_tiny_model
+
+PROMPTS = ["Hello", "The quick brown fox jumps over the lazy dog.", "1 2 3 4", "def add(a, b): return a + b"]
+GREEDY = SamplingParams(temperature=0.0, num_tokens_to_generate=16, ignore_eos=True, return_log_probs=True)
+
+
+@pytest.fixture(scope="module")
+def gqa_model(tmp_path_factory) -> str:
+    # 4 query heads over 2 KV heads: TP=2 splits KV heads, TP=4 replicates them (fewer KV heads than ranks).
+    return str(make_tiny_model(tmp_path_factory.mktemp("gqa"), seed=3, num_heads=4, num_kv_heads=2))
+
+
+@pytest.fixture(scope="module")
+def mqa_tied_model(tmp_path_factory) -> str:
+    return str(make_tiny_model(tmp_path_factory.mktemp("mqa"), seed=4, arch="qwen2", num_heads=4, num_kv_heads=1,
+                               tie_word_embeddings=True))
+
+
+def generate(model_dir: str, tp: int):
+    llm = MegatronLLM(model_dir, InferenceConfig(tensor_parallel_size=tp, block_size_tokens=8))
+    try:
+        outs = llm.generate(PROMPTS, GREEDY)
+        return [o.generated_tokens for o in outs], [o.generated_log_probs for o in outs]
+    finally:
+        llm.engine.shutdown()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model_fixture", ["gqa_model", "mqa_tied_model"])
+def test_tp2_and_tp4_equal_tp1(model_fixture, request):
+    model_dir = request.getfixturevalue(model_fixture)
+    tokens_1, log_probs_1 = generate(model_dir, 1)
+    for tp in (2, 4):
+        tokens, log_probs = generate(model_dir, tp)
+        assert tokens == tokens_1, f"TP={tp} diverged"
+        for row, expected in zip(log_probs, log_probs_1):
+            assert row == pytest.approx(expected, abs=1e-4)
+
+
+LOAD_PROBE = textwrap.dedent("""
+    import json, sys, torch
+    from megatron_serve.model.loader import load_model
+    from megatron_serve.model.parallel import TensorParallel
+
+    def anon_rss():
+        for line in open("/proc/self/status"):
+            if line.startswith("RssAnon:"):
+                return int(line.split()[1]) * 1024
+
+    model_dir, rank, size = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+    base = anon_rss()
+    peak = [0]
+    def progress(_name):
+        peak[0] = max(peak[0], anon_rss() - base)
+    model = load_model(model_dir, torch.float32, "cpu", TensorParallel(rank=rank, size=size), progress)
+    local = sum(p.numel() * p.element_size() for p in model.parameters())
+    print(json.dumps({"peak": peak[0], "local_bytes": local}))
+""")
+
+
+def test_each_rank_loads_about_one_nth_of_the_weights(tmp_path):
+    # No process group is needed to load: this measures exactly what one rank's load allocates.
+    model_dir = make_tiny_model(tmp_path / "big", seed=0, hidden_size=256, num_layers=4, num_heads=8, num_kv_heads=4,
+                                intermediate_size=1024)
+    full = None
+    for size in (1, 2, 4):
+        out = subprocess.run([sys.executable, "-c", LOAD_PROBE, str(model_dir), str(size - 1), str(size)],
+                             check=True, capture_output=True, text=True)
+        measured = json.loads(out.stdout.strip().splitlines()[-1])
+        if size == 1:
+            full = measured["local_bytes"]
+            largest_tensor = 256 * 1024 * 4  # the MLP projections
+        assert measured["local_bytes"] <= full / size * 1.1
+        # allocator slack aside, a rank's peak is its slice plus at most one tensor being read
+        assert measured["peak"] <= full / size + largest_tensor + (1 << 20), (size, measured, full)
