@@ -1,7 +1,7 @@
 """Compile every Triton kernel, as the op wrappers launch it on a GPU, for a CUDA target without a GPU.
 
-Run as a script (``python tests/kernels/gpu_compile_check.py 90``) in a process *without*
-``TRITON_INTERPRET``: it replaces ``JITFunction.run`` with ahead-of-time compilation through ``ptxas``,
+Run as a script (``python tests/kernels/gpu_compile_check.py 90 [--quick]``, ``--quick`` = bf16 only) in
+a process *without* ``TRITON_INTERPRET``: it replaces ``JITFunction.run`` with ahead-of-time compilation through ``ptxas``,
 drives the real op wrappers with CPU tensors and GPU tile heuristics, and prints one line per launch.
 This catches what only a GPU build rejects (``tl.dot`` tiles under 16, loop-carried type changes,
 shared-memory overflow) on machines that have no GPU. Exit status 1 when any launch fails to compile.
@@ -43,7 +43,7 @@ def _signature(fn: JITFunction, args, kwargs):
     return signature, constexprs
 
 
-def main(capability: int) -> int:
+def main(capability: int, quick: bool = False) -> int:
     target = GPUTarget("cuda", capability, 32)
     failures: list[str] = []
     compiled: set[tuple] = set()
@@ -83,7 +83,8 @@ def main(capability: int) -> int:
 
     from megatron_kernels import triton_ops as ops  # noqa: PLC0415
 
-    for dtype, (hq, hkv, head_dim) in ((torch.bfloat16, (32, 8, 128)), (torch.float32, (8, 2, 64))):
+    cases = [(torch.bfloat16, (32, 8, 128)), (torch.float32, (8, 2, 64))]
+    for dtype, (hq, hkv, head_dim) in cases[:1] if quick else cases:
         tokens, block_size, num_blocks = 40, 16, 64
         q = torch.randn(tokens, hq, head_dim, dtype=dtype)
         k = torch.randn(tokens, hkv, head_dim, dtype=dtype)
@@ -115,4 +116,5 @@ def main(capability: int) -> int:
 if __name__ == "__main__":
     if os.environ.get("TRITON_INTERPRET") == "1":
         sys.exit("run without TRITON_INTERPRET: the interpreter replaces the kernels this script compiles")
-    sys.exit(main(int(sys.argv[1]) if len(sys.argv) > 1 else 90))
+    args = [a for a in sys.argv[1:] if a != "--quick"]
+    sys.exit(main(int(args[0]) if args else 90, quick="--quick" in sys.argv))
