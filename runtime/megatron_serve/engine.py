@@ -6,6 +6,7 @@ The engine never raises for a bad request: the request fails alone and comes bac
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -16,7 +17,7 @@ from .detokenizer import IncrementalDetokenizer
 from .kv_cache import BlockAllocator, KVCachePool, blocks_for_tokens
 from .model.config import ModelConfig
 from .model.llama import LlamaForCausalLM
-from .model.loader import load_model
+from .model.loader import iterate_checkpoint, load_model, load_weights, verify_checkpoint
 from .model_runner import ModelRunner
 from .request import DynamicInferenceRequest, EventType, FinishReason, RequestStatus
 from .sampler import Sampler
@@ -102,6 +103,7 @@ class DynamicInferenceEngine:
         self.suspended = False
         self.weights_offloaded = False
         self.computed_tokens = 0  # tokens run through the model (prefill and decode), for counters
+        self.epoch = 0  # generation of the weights being served; bumped by every refit
 
     @property
     def cached_tokens(self) -> int:
@@ -231,6 +233,24 @@ class DynamicInferenceEngine:
             self.weights_offloaded = True
         return released
 
+    def refit(self, source: str | Path, epoch: int | None = None) -> dict[str, float]:
+        """Load new weights of the same shapes from ``source`` in place; returns timings and the new epoch.
+
+        Shapes are verified before any live weight is touched, so a bad source leaves the old
+        weights serving. Cached prefix blocks of the old weights are forgotten; requests in flight
+        keep their KV and continue, and their per-token epochs show the switch.
+        """
+        started = time.perf_counter()
+        verify_checkpoint(self.model, source)
+        verified = time.perf_counter()
+        self.runner.on_refit(str(source))
+        load_weights(self.model, iterate_checkpoint(source))
+        self.allocator.clear_cache()
+        self.epoch = self.epoch + 1 if epoch is None else int(epoch)
+        finished = time.perf_counter()
+        return {"epoch": self.epoch, "verify_s": verified - started, "load_s": finished - verified,
+                "total_s": finished - started}
+
     def resume(self) -> None:
         if self.suspended or self.weights_offloaded:
             self.runner.on_resume()
@@ -252,6 +272,8 @@ class DynamicInferenceEngine:
         sampling = [(s, count) for s, count in batch.entries if s.num_computed + count == len(s.token_ids)]
         logits = self.runner.execute(batch.entries, self.kv_cache.layer_caches)
         for sequence, count in batch.entries:
+            if sequence.kv_epoch is None:
+                sequence.kv_epoch = self.epoch
             sequence.num_computed += count
             self.scheduler.register_computed_blocks(sequence)
         self.computed_tokens += batch.num_tokens
@@ -276,6 +298,8 @@ class DynamicInferenceEngine:
         else:
             sequence.token_ids.append(token)
             request.generated_tokens.append(token)
+            request.policy_epochs.append(self.epoch)
+            request.kv_epochs.append(sequence.kv_epoch)
             new_tokens.append(token)
             if log_prob is not None:
                 request.generated_log_probs.append(log_prob)

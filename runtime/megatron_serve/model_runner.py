@@ -102,5 +102,8 @@ class ModelRunner:
     def on_resume(self) -> None:
         pass
 
+    def on_refit(self, source: str) -> None:
+        pass
+
     def shutdown(self) -> None:
         pass

@@ -66,6 +66,8 @@ class DynamicInferenceRequest:
     generated_text: str | None = None
     generated_log_probs: list[float] = field(default_factory=list)
     generated_top_n_logprobs: list[dict[int, float]] = field(default_factory=list)
+    policy_epochs: list[int] = field(default_factory=list)  # weights generation that produced each token
+    kv_epochs: list[int] = field(default_factory=list)  # oldest generation of the KV cache each token attended to
     cached_tokens: int = 0  # prompt tokens served from the prefix cache at the last admission
     status: RequestStatus = RequestStatus.WAITING_IN_QUEUE
     finish_reason: FinishReason | None = None
@@ -113,6 +115,8 @@ class DynamicInferenceRequest:
             "generated_text": self.generated_text,
             "generated_log_probs": list(self.generated_log_probs),
             "generated_top_n_logprobs": [list(d.items()) for d in self.generated_top_n_logprobs],
+            "policy_epochs": list(self.policy_epochs),
+            "kv_epochs": list(self.kv_epochs),
             "cached_tokens": self.cached_tokens,
             "status": self.status.value,
             "finish_reason": None if self.finish_reason is None else self.finish_reason.value,
@@ -134,6 +138,8 @@ class DynamicInferenceRequest:
             generated_text=data.get("generated_text"),
             generated_log_probs=list(data.get("generated_log_probs", [])),
             generated_top_n_logprobs=[dict(pairs) for pairs in data.get("generated_top_n_logprobs", [])],
+            policy_epochs=list(data.get("policy_epochs", [])),
+            kv_epochs=list(data.get("kv_epochs", [])),
             cached_tokens=int(data.get("cached_tokens", 0)),
             status=RequestStatus(data.get("status", RequestStatus.WAITING_IN_QUEUE.value)),
             finish_reason=None if data.get("finish_reason") is None else FinishReason(data["finish_reason"]),

@@ -28,6 +28,7 @@ class Sequence:
     num_computed: int = 0
     block_table: list[int] = field(default_factory=list)
     block_hashes: list[int] = field(default_factory=list)  # chained hashes of the complete blocks computed
+    kv_epoch: int | None = None  # weights generation its cached KV was computed under (None: no KV yet)
 
     def __post_init__(self) -> None:
         if not self.token_ids:
@@ -87,6 +88,7 @@ class Scheduler:
         sequence.block_table = []
         sequence.block_hashes = []
         sequence.num_computed = 0
+        sequence.kv_epoch = None
 
     def _attach_cached_prefix(self, sequence: Sequence) -> int:
         """Start a sequence on the longest cached chain of its blocks; returns the tokens it skips.

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from .config import InferenceConfig
-from .model.loader import load_model
+from .model.loader import iterate_checkpoint, load_model, load_weights, verify_checkpoint
 from .model.parallel import TensorParallel
 from .model_runner import ModelRunner, StepPlan, plan_step
 
@@ -134,6 +134,9 @@ class TensorParallelRunner(ModelRunner):
     def on_resume(self) -> None:
         self._broadcast("resume")
 
+    def on_refit(self, source: str) -> None:
+        self._broadcast("refit", source)
+
     def shutdown(self) -> None:
         if not dist.is_initialized():
             return
@@ -187,6 +190,9 @@ def run_worker(model_dir: str, config_dict: dict, placement: Placement, rank: in
         elif kind == "resume":
             model.to(device)
             pool.allocate()
+        elif kind == "refit":
+            verify_checkpoint(model, payload)
+            load_weights(model, iterate_checkpoint(payload))
         elif kind == "stop":
             break
     dist.destroy_process_group()

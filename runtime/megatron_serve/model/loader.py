@@ -104,6 +104,34 @@ def load_weights(model: LlamaForCausalLM, tensors: Iterator[tuple[str, object]],
         raise ValueError(f"checkpoint is missing weights: {', '.join(sorted(missing)[:8])}")
 
 
+# Fields that fix every weight's shape: a refit source must agree on all of them.
+STRUCTURAL_FIELDS = ("architecture", "vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+                     "num_kv_heads", "head_dim", "tie_word_embeddings", "qkv_bias", "qk_norm")
+FLOAT_DTYPES = {"F32", "F16", "BF16", "F64"}
+
+
+def verify_checkpoint(model: LlamaForCausalLM, model_dir: str | Path) -> None:
+    """Check that ``model_dir`` holds weights of exactly ``model``'s shapes, reading no tensor data.
+
+    The check runs the real loading path against a shape-only (meta) copy of the model, so it
+    accepts exactly what ``load_weights`` would, and refuses with the first mismatch it finds.
+    """
+    new_config = ModelConfig.from_dir(model_dir)
+    for name in STRUCTURAL_FIELDS:
+        new, old = getattr(new_config, name), getattr(model.config, name)
+        if new != old:
+            raise ValueError(f"{model_dir}: {name} is {new!r} but the serving model has {old!r}")
+    shadow = build_model(model.config, torch.float32, "meta", model.tp)
+
+    def shapes_only():
+        for name, source in iterate_checkpoint(model_dir):
+            if source.get_dtype() not in FLOAT_DTYPES:
+                raise ValueError(f"{model_dir}: tensor {name} has dtype {source.get_dtype()}, expected floating point")
+            yield name, torch.empty(source.get_shape(), device="meta")
+
+    load_weights(shadow, shapes_only())
+
+
 @contextlib.contextmanager
 def _default_dtype(dtype: torch.dtype):
     previous = torch.get_default_dtype()
