@@ -128,8 +128,13 @@ def build_checkpoint(name: str, shape: dict, workdir: Path, device: torch.device
     )
     config.architectures = ["LlamaForCausalLM"]
     torch.manual_seed(seed)
-    with torch.device(device):
-        model = transformers.LlamaForCausalLM(config).to(torch.bfloat16)
+    default_dtype = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)  # no float32 copy of an 8B model on the way
+    try:
+        with torch.device(device):
+            model = transformers.LlamaForCausalLM(config).to(torch.bfloat16)
+    finally:
+        torch.set_default_dtype(default_dtype)
     model.save_pretrained(out, safe_serialization=True)
     del model
     free_memory()
@@ -222,8 +227,9 @@ def engine_decode_tokens_per_s(model, shape: dict, batch: int, prompt_len: int, 
             requests.append(request)
         return requests
 
-    # warm-up: compiles every kernel variant this batch size uses
-    warm = submit("warm", 4)
+    # Warm-up over the same lengths: compiles every kernel variant the run meets (the decode split
+    # count follows the block-table width, which grows with the context).
+    warm = submit("warm", new_tokens)
     while any(not r.finished for r in warm):
         engine.step()
 

@@ -1,8 +1,9 @@
 """Compile every Triton kernel, as the op wrappers launch it on a GPU, for a CUDA target without a GPU.
 
 Run as a script (``python tests/kernels/gpu_compile_check.py 90 [--quick]``, ``--quick`` = bf16 only) in
-a process *without* ``TRITON_INTERPRET``: it replaces ``JITFunction.run`` with ahead-of-time compilation through ``ptxas``,
-drives the real op wrappers with CPU tensors and GPU tile heuristics, and prints one line per launch.
+a process *without* ``TRITON_INTERPRET``: it replaces ``JITFunction.run`` with ahead-of-time compilation
+through ``ptxas``, drives the real op wrappers with CPU tensors and GPU tile heuristics, and prints one
+line per launch.
 This catches what only a GPU build rejects (``tl.dot`` tiles under 16, loop-carried type changes,
 shared-memory overflow) on machines that have no GPU. Exit status 1 when any launch fails to compile.
 """
