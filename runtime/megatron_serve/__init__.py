@@ -1,28 +1,45 @@
-"""megatron-serve runtime: engine, coordinator, client, high-level API, HTTP server and CLI."""
+"""megatron-serve runtime: engine, coordinator, client, high-level API, HTTP server and CLI.
 
-from .config import InferenceConfig
-from .llm import MegatronLLM
-from .request import DynamicInferenceRequest, EventType, FinishReason, RequestStatus
-from .sampling_params import SamplingParams
+Public names are imported on first use (PEP 562), so that light processes (``megatron-serve
+control``, the coordinator) do not pay for importing torch.
+"""
 
-__all__ = [
-    "DynamicInferenceRequest",
-    "InferenceClient",
-    "MegatronAsyncLLM",
-    "EventType",
-    "FinishReason",
-    "InferenceConfig",
-    "MegatronLLM",
-    "RequestStatus",
-    "SamplingParams",
-]
+from __future__ import annotations
 
-_LAZY = {"InferenceClient": ".client", "MegatronAsyncLLM": ".async_llm"}  # imported on first use
+import importlib
+from typing import TYPE_CHECKING, Any
+
+_EXPORTS = {
+    "DynamicInferenceRequest": ".request",
+    "EventType": ".request",
+    "FinishReason": ".request",
+    "InferenceClient": ".client",
+    "InferenceConfig": ".config",
+    "MegatronAsyncLLM": ".async_llm",
+    "MegatronLLM": ".llm",
+    "RequestStatus": ".request",
+    "SamplingParams": ".sampling_params",
+}
+
+__all__ = sorted(_EXPORTS)
+
+if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
+    from .async_llm import MegatronAsyncLLM
+    from .client import InferenceClient
+    from .config import InferenceConfig
+    from .llm import MegatronLLM
+    from .request import DynamicInferenceRequest, EventType, FinishReason, RequestStatus
+    from .sampling_params import SamplingParams
 
 
-def __getattr__(name: str):
-    if name in _LAZY:
-        import importlib  # noqa: PLC0415
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(module, __name__), name)
+    globals()[name] = value
+    return value
 
-        return getattr(importlib.import_module(_LAZY[name], __name__), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))

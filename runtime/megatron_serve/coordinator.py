@@ -105,6 +105,7 @@ class EngineRecord:
     last_heartbeat: float = field(default_factory=time.time)  # wall clock, for humans
     last_seen: float = field(default_factory=time.monotonic)  # for the timeout
     assigned: set[str] = field(default_factory=set)
+    completed: int = 0  # requests this engine finished (for STATUS and balance checks)
 
     @property
     def load(self) -> int:
@@ -121,6 +122,7 @@ class EngineRecord:
             "kv_blocks_total": self.kv_blocks_total,
             "last_heartbeat": self.last_heartbeat,
             "assigned": self.load,
+            "completed": self.completed,
             "capacity": self.capacity,
             "info": self.info,
         }
@@ -184,15 +186,19 @@ class IllegalTransition(Exception):
 
 
 class _DropLog:
-    """Logs dropped frames, at most ``per_second`` lines a second plus a count of the rest.
+    """Logs dropped frames: at most ``per_second`` lines a second, plus the first of each kind.
 
-    A flood of garbage must neither fill the disk nor hide what is happening.
+    A flood of garbage must neither fill the disk nor hide what is happening: beyond the budget
+    only a reason not yet seen in this second is logged (so an oversize frame is not hidden by ten
+    thousand syntax errors), and the rest are counted in one summary line.
     """
 
-    def __init__(self, per_second: int = 20) -> None:
+    def __init__(self, per_second: int = 20, max_kinds: int = 50) -> None:
         self.per_second = per_second
+        self.max_kinds = max_kinds
         self.window = 0
         self.logged = 0
+        self.kinds: set[str] = set()
         self.suppressed = 0
         self.total = 0
 
@@ -202,8 +208,10 @@ class _DropLog:
         if now != self.window:
             self.flush()
             self.window = now
-        if self.logged < self.per_second:
+        kind = reason[:24]
+        if self.logged < self.per_second or (kind not in self.kinds and len(self.kinds) < self.max_kinds):
             self.logged += 1
+            self.kinds.add(kind)
             logger.warning("dropped frame from %s: %s", peer, reason)
         else:
             self.suppressed += 1
@@ -213,6 +221,7 @@ class _DropLog:
             logger.warning("dropped %d more frames in the last second (log lines suppressed)", self.suppressed)
         self.logged = 0
         self.suppressed = 0
+        self.kinds.clear()
 
 
 # ----------------------------------------------------------------------------- coordinator
@@ -765,6 +774,7 @@ class Coordinator:
                                    self._tokens_body(record, new_tokens, new_log_probs, out.get("new_text") or ""))
             if out["finished"]:
                 engine.assigned.discard(record.key)
+                engine.completed += 1
                 final = request
                 if out.get("request") is not None:
                     try:

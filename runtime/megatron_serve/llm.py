@@ -51,14 +51,21 @@ class MegatronLLM:
                  tokenizer: Tokenizer | str | Path | None = None, token: str | None = None):
         self.use_coordinator = use_coordinator
         self._ids = itertools.count()
+        self._remote = None
         if use_coordinator:
-            raise NotImplementedError("coordinator mode is not available yet")
+            self._start_coordinator_mode(model, inference_config, coordinator_address, num_engines, tokenizer, token)
+            return
         self.engine = build_engine(model, inference_config, tokenizer)
         self.tokenizer = self.engine.tokenizer
 
     def generate(self, prompts: PromptInput, sampling_params: SamplingParams | None = None
                  ) -> list[DynamicInferenceRequest]:
         """Generate for every prompt; returns one finished request per prompt, in input order."""
+        if self.use_coordinator:
+            if self._remote is None:
+                raise RuntimeError("this MegatronLLM was shut down")
+            result = self._loop_thread.run(self._remote.generate(prompts, sampling_params))
+            return result if isinstance(result, list) else [result]
         prompt_list, _ = normalize_prompts(prompts)
         params = sampling_params if sampling_params is not None else SamplingParams()
         params.validate()
@@ -76,20 +83,57 @@ class MegatronLLM:
         if not self.use_coordinator:
             raise RuntimeError(f"{verb}() needs coordinator mode (MegatronLLM(..., use_coordinator=True))")
 
-    def pause(self) -> None:
-        self._require_coordinator("pause")
+    # Coordinator mode: a MegatronAsyncLLM on a background event-loop thread; calls block on it.
+    def _start_coordinator_mode(self, model, inference_config, coordinator_address, num_engines, tokenizer,
+                                token) -> None:
+        from .async_llm import MegatronAsyncLLM  # noqa: PLC0415
+        from .loop_thread import EventLoopThread  # noqa: PLC0415
 
-    def unpause(self) -> None:
-        self._require_coordinator("unpause")
+        self._loop_thread = EventLoopThread("megatron-llm-loop")
+        try:
+            self._remote = MegatronAsyncLLM(model, inference_config, True, coordinator_address, num_engines,
+                                            tokenizer, token)
+            self._loop_thread.run(self._remote.start())
+        except BaseException:
+            if self._remote is not None:
+                self._loop_thread.run(self._remote.close())
+            self._loop_thread.stop()
+            raise
+        self.engine = None
+        self.tokenizer = tokenizer
 
-    def suspend(self, level: int = 1) -> None:
-        self._require_coordinator("suspend")
+    def _lifecycle(self, verb: str, *args):
+        self._require_coordinator(verb)
+        if self._remote is None:
+            raise RuntimeError("this MegatronLLM was shut down")
+        return self._loop_thread.run(getattr(self._remote, verb)(*args))
 
-    def resume(self) -> None:
-        self._require_coordinator("resume")
+    def pause(self) -> dict:
+        """Stop stepping at a step boundary, keeping memory; returns the acknowledgement."""
+        return self._lifecycle("pause")
+
+    def unpause(self) -> dict:
+        return self._lifecycle("unpause")
+
+    def suspend(self, level: int = 1) -> dict:
+        """Release the KV cache (level 2: also weights to host); pauses first when running."""
+        return self._lifecycle("suspend", level)
+
+    def resume(self) -> dict:
+        return self._lifecycle("resume")
+
+    def status(self) -> dict:
+        return self._lifecycle("status")
 
     def shutdown(self) -> None:
-        """Direct mode holds no processes: nothing to stop."""
+        """Coordinator mode: stop the local fleet this object started (or disconnect). Direct mode: nothing to stop."""
+        if self._remote is None:
+            return
+        remote, self._remote = self._remote, None
+        try:
+            self._loop_thread.run(remote.close())
+        finally:
+            self._loop_thread.stop()
 
     def __enter__(self) -> "MegatronLLM":
         return self

@@ -132,21 +132,25 @@ class LocalFleet:
                 raise RuntimeError(f"engine {index} exited with code {proc.returncode}:\n"
                                    f"{_tail(self.log_dir / f'engine-{index}.log')}")
 
-    def stop(self, timeout: float = 30.0) -> None:
-        """Wait for engines to exit (after a STOP sent by the caller), then signal what is left."""
+    def stop(self, timeout: float = 30.0, stop_acknowledged: bool = False) -> None:
+        """End every child: SIGTERM (engines drain, hand back and exit 0), SIGKILL after ``timeout``.
+
+        ``stop_acknowledged``: the fleet already acknowledged STOP, so the engines are exiting on
+        their own; give them until the deadline before signalling.
+        """
         deadline = time.monotonic() + timeout
         for proc in self.engines:
-            self._end(proc, deadline)
+            self._end(proc, deadline, wait_first=stop_acknowledged)
         if self.coordinator is not None:
             self._end(self.coordinator, time.monotonic() + 10.0, wait_first=False)
 
     @staticmethod
-    def _end(proc: subprocess.Popen, deadline: float, wait_first: bool = True) -> None:
+    def _end(proc: subprocess.Popen, deadline: float, wait_first: bool) -> None:
         if proc.poll() is not None:
             return
         if wait_first:
             try:
-                proc.wait(timeout=max(0.0, min(deadline - time.monotonic(), 2.0)))
+                proc.wait(timeout=max(0.0, deadline - time.monotonic()))
                 return
             except subprocess.TimeoutExpired:
                 pass

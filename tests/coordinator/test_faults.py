@@ -1,0 +1,203 @@
+"""Faults with real processes: SIGKILL and SIGTERM of engines under load, a restarted coordinator, tokens.
+
+One fleet (coordinator + 2 engines) is shared; each test starts from two live engines
+(``two_engines`` replaces any that a previous test ended).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from types import SimpleNamespace
+
+import pytest
+
+from megatron_serve.client import InferenceClient, StreamPartial, Unauthorized
+from megatron_serve.config import InferenceConfig
+from megatron_serve.protocol import Header
+from megatron_serve.request import RequestStatus
+from megatron_serve.sampling_params import SamplingParams
+
+from .helpers import Children, free_port
+
+pytestmark = [pytest.mark.timeout(600), pytest.mark.slow]
+
+PROMPTS = [f"Fault test {i}: the quick brown fox jumps over {i} lazy dogs" for i in range(100)]
+LONG = SamplingParams(temperature=0.0, num_tokens_to_generate=48, ignore_eos=True)
+ENGINE_ARGS = ("--max-requests", "8", "--drain-timeout", "1")
+
+
+@pytest.fixture(scope="module")
+def direct(tiny_model):
+    from megatron_serve.llm import MegatronLLM
+
+    llm = MegatronLLM(tiny_model, InferenceConfig(num_kv_blocks=64))
+    return {p: r.generated_tokens for p, r in zip(PROMPTS, llm.generate(PROMPTS, LONG))}
+
+
+@pytest.fixture(scope="module")
+def fleet(tiny_model, tmp_path_factory):
+    children = Children(tmp_path_factory.mktemp("fault-logs"))
+    port = free_port()
+    state = SimpleNamespace(port=port, address=f"tcp://127.0.0.1:{port}", model=tiny_model, children=children,
+                            coordinator=children.coordinator(tiny_model, port, "--heartbeat-timeout", "5"),
+                            engines=[children.engine(tiny_model, port, *ENGINE_ARGS) for _ in range(2)])
+    try:
+        yield state
+    finally:
+        children.kill_all()
+
+
+@pytest.fixture
+async def client(fleet):
+    for i, proc in enumerate(fleet.engines):
+        if proc.poll() is not None:
+            fleet.engines[i] = fleet.children.engine(fleet.model, fleet.port, *ENGINE_ARGS)
+    c = InferenceClient(fleet.address, coordinator_timeout=3.0)
+    await c.start(timeout=60)
+    await c.wait_for_engines(2, timeout=300)
+    try:
+        yield c
+    finally:
+        c.close()
+
+
+class Recorder:
+    """Counts RESULT and TOKENS messages as the client receives them (before any de-duplication)."""
+
+    def __init__(self, client: InferenceClient) -> None:
+        self.results: Counter = Counter()
+        original = client._on_message
+
+        def spy(header, body):
+            if header is Header.RESULT:
+                self.results[str(body["client_request_id"])] += 1
+            original(header, body)
+
+        client._on_message = spy
+
+
+async def _stream_all(client, prompts):
+    streamed = {p: [] for p in prompts}
+
+    async def one(p):
+        final = None
+        async for item in client.add_request_streaming(p, LONG, request_id=p):
+            if isinstance(item, StreamPartial):
+                streamed[p].extend(item.new_tokens)
+            else:
+                final = item
+        return final
+
+    tasks = [asyncio.create_task(one(p)) for p in prompts]
+    return tasks, streamed
+
+
+async def _wait_both_busy(client, streamed, timeout=60.0):
+    """Both engines hold requests and tokens are flowing: the moment to hurt one of them."""
+    deadline = time.monotonic() + timeout
+    while True:
+        status = await client.status()
+        flowing = sum(len(tokens) for tokens in streamed.values())
+        if len(status["engines"]) == 2 and all(e["assigned"] > 0 for e in status["engines"]) and flowing >= 100:
+            return status
+        assert time.monotonic() < deadline, f"engines never both busy: {status}"
+        await asyncio.sleep(0.02)
+
+
+def _pid_of(status_engine) -> int:
+    return int(status_engine["info"]["pid"])
+
+
+async def test_sigkill_one_of_two_engines_with_100_in_flight(client, fleet, direct):
+    recorder = Recorder(client)
+    tasks, streamed = await _stream_all(client, PROMPTS)
+    status = await _wait_both_busy(client, streamed)
+    victim = status["engines"][0]
+    os.kill(_pid_of(victim), signal.SIGKILL)
+    results = await asyncio.wait_for(asyncio.gather(*tasks), 300)
+    assert len(results) == 100 and all(r.status is RequestStatus.COMPLETED for r in results)
+    for p, r in zip(PROMPTS, results):
+        assert r.generated_tokens == direct[p], p  # continued elsewhere from its generated tokens
+        assert streamed[p] == r.generated_tokens, p  # each token delivered exactly once
+    assert all(recorder.results[p] == 1 for p in PROMPTS), [k for k, v in recorder.results.items() if v != 1]
+    moved = [r for r in results if any(e.type.value == "EVICT" for e in r.events)]
+    assert moved, "the killed engine had requests; some must have moved"
+    after = await client.status()
+    assert [e["id"] for e in after["engines"]] != [] and victim["id"] not in [e["id"] for e in after["engines"]]
+    assert after["in_flight"] == 0 and after["queued"] == 0
+
+
+async def test_sigterm_engine_under_load_loses_nothing(client, fleet, direct):
+    recorder = Recorder(client)
+    tasks, streamed = await _stream_all(client, PROMPTS)
+    status = await _wait_both_busy(client, streamed)
+    victim = status["engines"][1]
+    proc = next(p for p in fleet.engines if p.pid == _pid_of(victim))
+    proc.send_signal(signal.SIGTERM)
+    assert await asyncio.to_thread(proc.wait, 60) == 0  # drains within --drain-timeout, exits 0
+    results = await asyncio.wait_for(asyncio.gather(*tasks), 300)
+    assert all(r.status is RequestStatus.COMPLETED for r in results)
+    for p, r in zip(PROMPTS, results):
+        assert r.generated_tokens == direct[p] and streamed[p] == r.generated_tokens, p
+    assert all(recorder.results[p] == 1 for p in PROMPTS)
+    log = fleet.children.log_of(proc)
+    assert "draining" in log and "handed back" in log
+
+
+async def test_restarted_coordinator_is_rejoined(client, fleet, direct):
+    prompts = PROMPTS[:30]
+    tasks, streamed = await _stream_all(client, prompts)
+    await _wait_both_busy(client, streamed)
+    fleet.coordinator.send_signal(signal.SIGKILL)
+    fleet.coordinator.wait(10)
+    first_id = client.coordinator_id
+    fleet.coordinator = fleet.children.coordinator(fleet.model, fleet.port, "--heartbeat-timeout", "5")
+    results = await asyncio.wait_for(asyncio.gather(*tasks), 300)
+    assert client.coordinator_id != first_id
+    for p, r in zip(prompts, results):
+        assert r.generated_tokens == direct[p] and streamed[p] == r.generated_tokens, p
+    status = await client.wait_for_engines(2, timeout=60)
+    assert sorted(e["group"] for e in status["engines"]) == [0, 1]
+    again = await asyncio.gather(*(client.add_request(p, LONG) for p in PROMPTS[30:40]))
+    assert [r.generated_tokens for r in again] == [direct[p] for p in PROMPTS[30:40]]
+    for proc in fleet.engines:
+        assert "registering again" in fleet.children.log_of(proc) or "registered with coordinator" in \
+            fleet.children.log_of(proc)
+
+
+async def test_token_rejected(tiny_model, tmp_path):
+    children = Children(tmp_path)
+    port = free_port()
+    address = f"tcp://127.0.0.1:{port}"
+    good, bad = tmp_path / "good.token", tmp_path / "bad.token"
+    good.write_text("s3cret\n")
+    bad.write_text("guess\n")
+    try:
+        children.coordinator(tiny_model, port, env={"MEGATRON_SERVE_TOKEN": "s3cret"})
+        rejected = children.engine(tiny_model, port, "--token-file", str(bad))
+        accepted = children.engine(tiny_model, port, "--token-file", str(good))
+        with pytest.raises(Unauthorized):
+            await InferenceClient(address).start(timeout=60)
+        with pytest.raises(Unauthorized):
+            await InferenceClient(address, token="guess").start(timeout=10)
+        rc = await asyncio.to_thread(rejected.wait, 300)
+        assert rc == 1 and "coordinator refused the token" in children.log_of(rejected)
+        async with InferenceClient(address, token="s3cret") as c:
+            status = await c.wait_for_engines(1, timeout=300)
+            assert len(status["engines"]) == 1
+            r = await c.add_request("hello", SamplingParams(temperature=0.0, num_tokens_to_generate=3))
+            assert r.status is RequestStatus.COMPLETED
+        cli = await asyncio.to_thread(subprocess.run, [sys.executable, "-m", "megatron_serve.cli", "control", "status",
+                                                       "--coordinator", address], capture_output=True, text=True,
+                                      timeout=120, env={k: v for k, v in os.environ.items()
+                                                        if k != "MEGATRON_SERVE_TOKEN"})
+        assert cli.returncode == 1 and "token" in cli.stderr and cli.stderr.strip().count("\n") == 0
+        assert accepted.poll() is None
+    finally:
+        children.kill_all()
