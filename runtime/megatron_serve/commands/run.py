@@ -17,6 +17,7 @@ import logging
 import shlex
 import signal
 import time
+from pathlib import Path
 from typing import Any
 
 from .engine_options import add_engine_options, inference_config_from_args
@@ -78,6 +79,26 @@ def _engine_has_option(flag: str) -> bool:
     return flag in parser._option_string_actions  # noqa: SLF001 - argparse has no public query
 
 
+def _check_model_dir(model_dir: str, served_name: str | None) -> str:
+    """Fail in a second, before starting processes, when the directory cannot be a model."""
+    from ..server.modelinfo import default_model_name  # noqa: PLC0415
+
+    path = Path(model_dir)
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"no config.json in model directory {model_dir} (make one with "
+                                "`megatron-serve make-tiny-model DIR`, or point --model at a Hugging Face model)")
+    if not (path / "tokenizer.json").is_file() and not (path / "tokenizer_config.json").is_file():
+        raise FileNotFoundError(f"no tokenizer.json or tokenizer_config.json in model directory {model_dir}")
+    return served_name or default_model_name(path)
+
+
+def _load_tokenizer(model_dir: str, served_name: str | None) -> tuple[Any, Any]:
+    from ..server.modelinfo import ModelFacts  # noqa: PLC0415
+    from ..tokenizer import Tokenizer  # noqa: PLC0415
+
+    return ModelFacts.from_dir(model_dir, served_name), Tokenizer.from_pretrained(model_dir)
+
+
 def curl_example(url: str, model: str, api_key: bool) -> str:
     body = json.dumps({"model": model, "prompt": "Hello", "max_tokens": 16})
     auth = ' -H "Authorization: Bearer $MEGATRON_SERVE_API_KEY"' if api_key else ""
@@ -125,17 +146,14 @@ class _Stack:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, self._on_signal, sig)
-        from ..server.modelinfo import ModelFacts  # noqa: PLC0415
         from ..server.runner import bind_socket  # noqa: PLC0415
-        from ..tokenizer import Tokenizer  # noqa: PLC0415
 
         args = self.args
-        started = time.monotonic()
-        facts = ModelFacts.from_dir(args.model, args.served_model_name)
-        tokenizer = await asyncio.to_thread(Tokenizer.from_pretrained, args.model)
+        name = _check_model_dir(args.model, args.served_model_name)
         sock = bind_socket(args.host, args.port)  # before any child starts: a busy port fails fast
-        progress(1, f"model '{facts.name}' from {args.model}: vocabulary {facts.vocab_size}, context "
-                    f"{facts.max_model_len} tokens ({time.monotonic() - started:.1f}s)")
+        progress(1, f"model '{name}' from {args.model}")
+        # The tokenizer loads here while the children load theirs: start-up is bounded by the slowest.
+        loading = asyncio.ensure_future(asyncio.to_thread(_load_tokenizer, args.model, args.served_model_name))
         try:
             startup = asyncio.ensure_future(self._start_fleet())
             stopper = asyncio.ensure_future(self.stop.wait())
@@ -149,6 +167,7 @@ class _Stack:
                     pass
                 return 130
             startup.result()
+            facts, tokenizer = await loading
             await self._serve(facts, tokenizer, sock)
             return 0
         finally:
