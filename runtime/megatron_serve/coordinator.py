@@ -270,11 +270,13 @@ class Coordinator:
         self.completed_controls: collections.OrderedDict[Any, tuple[Header, dict[str, Any]]] = collections.OrderedDict()
         self._registrations = 0
         self._probes: list[tuple[float, int]] = []  # (due, fd) after disconnect events
+        self._undelivered: set[str] = set()  # finished, but the RESULT send failed: retried by _tick
         self._hello_required_sent: collections.OrderedDict[bytes, float] = collections.OrderedDict()
         self._drop = _DropLog()
         self._stop = False
         self._advancing = False
         self._last_sweep = time.monotonic()
+        self._last_retry = time.monotonic()
 
         self.ctx = zmq.Context.instance()
         self.sock: zmq.Socket | None = None
@@ -629,6 +631,8 @@ class Coordinator:
                                stream=bool(body.get("stream")))
         self.requests[key] = record
         client.requests.add(key)
+        if self._finish_if_exhausted(record, "length reached before resubmission"):
+            return
         self.queue.append(key)
         self._dispatch()
 
@@ -686,11 +690,16 @@ class Coordinator:
         data["request_id"] = record.client_request_id
         sent = self._send(client.identity, Header.RESULT, {"client_request_id": record.client_request_id,
                                                            "request": data})
-        if sent and not client.acks:
+        if not sent:
+            self._undelivered.add(record.key)
+            return
+        self._undelivered.discard(record.key)
+        if not client.acks:
             self._forget_request(record)
 
     def _forget_request(self, record: RequestRecord) -> None:
         self.requests.pop(record.key, None)
+        self._undelivered.discard(record.key)
         client = self.clients.get(record.client_id)
         if client is not None:
             client.requests.discard(record.key)
@@ -796,14 +805,20 @@ class Coordinator:
         request = record.request
         request.status = RequestStatus.WAITING_IN_QUEUE
         request.add_event(EventType.EVICT, reason)
-        if len(request.generated_tokens) >= request.sampling_params.num_tokens_to_generate:
-            # Lost exactly after its last token: nothing left to compute.
-            request.status = RequestStatus.COMPLETED
-            request.finish_reason = FinishReason.LENGTH
-            request.add_event(EventType.FINISH, "length reached before the move")
-            self._finish(record, request)
+        if self._finish_if_exhausted(record, "length reached before the move"):
             return
         self.queue.appendleft(record.key)
+
+    def _finish_if_exhausted(self, record: RequestRecord, why: str) -> bool:
+        """A request lost (or resubmitted) right after its last token has nothing left to compute."""
+        request = record.request
+        if len(request.generated_tokens) < request.sampling_params.num_tokens_to_generate:
+            return False
+        request.status = RequestStatus.COMPLETED
+        request.finish_reason = FinishReason.LENGTH
+        request.add_event(EventType.FINISH, why)
+        self._finish(record, request)
+        return True
 
     def _remove_engine(self, engine: EngineRecord, reason: str, expected: bool = False) -> None:
         if self.engines.pop(engine.engine_id, None) is None:
@@ -1057,6 +1072,14 @@ class Coordinator:
         for engine in list(self.engines.values()):
             if now - engine.last_seen > self.heartbeat_timeout:
                 self._remove_engine(engine, f"no heartbeat for {now - engine.last_seen:.1f}s")
+        if self._undelivered and now - self._last_retry > 1.0:
+            self._last_retry = now
+            for key in list(self._undelivered):
+                record = self.requests.get(key)
+                if record is None or record.phase != "finished":
+                    self._undelivered.discard(key)
+                else:
+                    self._deliver(record)
         if now - self._last_sweep > 5.0:
             self._last_sweep = now
             for client in list(self.clients.values()):

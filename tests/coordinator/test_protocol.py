@@ -1,0 +1,121 @@
+"""Frame validation, and a few protocol rules checked with a raw DEALER socket."""
+
+from __future__ import annotations
+
+import msgpack
+import pytest
+import zmq
+
+from megatron_serve.protocol import (FROM_COORDINATOR, MAX_MESSAGE_BYTES, TO_COORDINATOR, Header, ProtocolError,
+                                     decode, encode)
+
+
+def pack(obj) -> bytes:
+    return msgpack.packb(obj, use_bin_type=True)
+
+
+@pytest.mark.parametrize("frame, reason", [
+    (b"", "empty frame"),
+    (b"\xc1", "not msgpack"),
+    (pack([1, {}]) + b"x", "trailing bytes"),
+    (pack({"a": 1}), "must be a list"),
+    (pack([]), "list of 0 items"),
+    (pack([1, {}, 3]), "list of 3 items"),
+    (pack([True, {}]), "header must be an integer"),
+    (pack(["HELLO", {}]), "header must be an integer"),
+    (pack([999, {}]), "unknown header 999"),
+    (pack([int(Header.HELLO_ACK), {"coordinator_id": "x", "state": "RUNNING"}]), "not accepted in this direction"),
+    (pack([int(Header.SUBMIT), [1, 2]]), "body must be a map"),
+    (pack([int(Header.SUBMIT), {1: 2}]), "not allowed for map key"),
+    (pack([int(Header.SUBMIT), {"prompt": "hi"}]), "missing field 'client_request_id'"),
+    (pack([int(Header.SUBMIT), {"client_request_id": "a", "prompt": 5}]), "field 'prompt' must be str|list"),
+    (pack([int(Header.SUSPEND), {"control_id": "c", "level": True}]), "field 'level' must be int, got bool"),
+    (pack([int(Header.SUBMIT), {"client_request_id": "a", "prompt": "x", "stream": 1}]), "field 'stream' must be bool"),
+    (b"\x91" * 5000, "not msgpack"),
+])
+def test_malformed_frames_are_explained(frame, reason):
+    with pytest.raises(ProtocolError, match=reason):
+        decode(frame, TO_COORDINATOR)
+
+
+def test_oversize_is_refused_both_ways():
+    with pytest.raises(ProtocolError, match="oversize frame"):
+        decode(b"\x00" * 11, TO_COORDINATOR, max_bytes=10)
+    with pytest.raises(ProtocolError, match="exceeds"):
+        encode(Header.SUBMIT, {"client_request_id": "a", "prompt": "x" * (MAX_MESSAGE_BYTES + 1)})
+
+
+def test_round_trip_and_extras_ignored():
+    body = {"client_request_id": "r1", "prompt": [1, 2, 3], "sampling_params": {"temperature": 0.0},
+            "stream": True, "from_the_future": 42}
+    header, decoded = decode(encode(Header.SUBMIT, body), TO_COORDINATOR)
+    assert header is Header.SUBMIT and decoded == body
+    assert decode(pack([int(Header.HEARTBEAT)]), TO_COORDINATOR).body == {}
+    header, decoded = decode(encode(Header.ABORT, {"request_id": "k"}), FROM_COORDINATOR)
+    assert header is Header.ABORT and decoded == {"request_id": "k"}
+    assert int(Header.REFIT) == 26  # reserved for the refit issue; numbers are part of the contract
+
+
+def _dealer(address: str) -> zmq.Socket:
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(address)
+    return sock
+
+
+def _recv(sock: zmq.Socket, timeout_ms: int = 5000):
+    assert sock.poll(timeout_ms), "no answer"
+    return decode(sock.recv(), FROM_COORDINATOR)
+
+
+def test_retried_hello_keeps_one_registration(fleet_factory):
+    fleet = fleet_factory()
+    sock = _dealer(fleet.address)
+    try:
+        hello = encode(Header.HELLO, {"role": "engine", "capacity": 4})
+        sock.send(hello)
+        sock.send(hello)
+        first, second = _recv(sock), _recv(sock)
+        assert first.header is second.header is Header.HELLO_ACK
+        assert first.body["engine_id"] == second.body["engine_id"]
+        sock.send(encode(Header.STATUS, {}))
+        reply = _recv(sock)
+        while reply.header is not Header.STATUS_REPLY:
+            reply = _recv(sock)
+        assert len(reply.body["engines"]) == 1
+    finally:
+        sock.close()
+
+
+def test_stranger_is_told_to_hello_and_served_nothing(fleet_factory):
+    fleet = fleet_factory(token="t")
+    sock = _dealer(fleet.address)
+    try:
+        sock.send(encode(Header.STATUS, {}))
+        answer = _recv(sock)
+        assert answer.header is Header.ERROR and answer.body["code"] == "hello_required"
+        sock.send(encode(Header.HELLO, {"role": "client"}))
+        answer = _recv(sock)
+        assert answer.header is Header.ERROR and answer.body["code"] == "unauthorized"
+        sock.send(encode(Header.PAUSE, {"control_id": "x"}))
+        assert not sock.poll(300) or _recv(sock).header is Header.ERROR
+        assert fleet.coordinator.state.value == "RUNNING"
+    finally:
+        sock.close()
+
+
+def test_resubmission_that_already_reached_its_length_finishes_at_once(fleet_factory):
+    fleet = fleet_factory()  # no engines at all: nothing could compute it
+    sock = _dealer(fleet.address)
+    try:
+        sock.send(encode(Header.HELLO, {"role": "client", "client_id": "c1"}))
+        assert _recv(sock).header is Header.HELLO_ACK
+        sock.send(encode(Header.SUBMIT, {"client_request_id": "r", "prompt": [1, 2],
+                                         "sampling_params": {"num_tokens_to_generate": 3},
+                                         "generated_tokens": [7, 8, 9]}))
+        answer = _recv(sock)
+        assert answer.header is Header.RESULT
+        assert answer.body["request"]["generated_tokens"] == [7, 8, 9]
+        assert answer.body["request"]["status"] == "COMPLETED"
+    finally:
+        sock.close()
