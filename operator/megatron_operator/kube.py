@@ -16,7 +16,7 @@ import json
 from typing import Any
 from urllib.parse import quote, urlencode
 
-from . import crd
+from . import __version__, crd
 
 # (apiVersion, kind) -> (URL prefix, plural)
 KINDS: dict[tuple[str, str], tuple[str, str]] = {
@@ -81,7 +81,9 @@ def load_api_client() -> Any:
     except kubernetes.config.ConfigException:
         kubernetes.config.load_kube_config(config_file=os.environ.get("KUBECONFIG") or None,
                                            client_configuration=cfg)
-    return kubernetes.client.ApiClient(cfg)
+    client = kubernetes.client.ApiClient(cfg)
+    client.user_agent = f"megatron-operator/{__version__}"
+    return client
 
 
 class Kube:

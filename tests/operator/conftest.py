@@ -318,7 +318,7 @@ async def cluster(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> As
 
     from kube_emulator import StrictKubernetesEmulator, kubeconfig_text
 
-    logging.getLogger("kopf").setLevel(logging.WARNING)
+    logging.getLogger("kopf").setLevel(os.environ.get("OPERATOR_TESTS_KOPF_LOG", "WARNING"))
     async with StrictKubernetesEmulator() as emu, kmock.Server(emu) as server:
         url = str(server.url).rstrip("/")
         KUBECONFIG.write_text(kubeconfig_text(url))
@@ -327,6 +327,7 @@ async def cluster(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> As
             yield c
         finally:
             await c.close()
+            await emu.end_watches()
 
 
 def fake_coordinator_for(c: Cluster, namespace: str, name: str) -> FakeCoordinator:

@@ -109,6 +109,8 @@ class StrictKubernetesEmulator(kmock.KubernetesEmulator):
         self.changed = asyncio.Condition()
         self.scale_paths: dict[Any, dict[str, str]] = {}
         self.api_calls: list[tuple[str, str, str, str | None]] = []
+        self.agents: list[str] = []  # User-Agent of each api_calls entry
+        self.closing = False
         self.resources.load_bundled()
 
     # ------------------------------------------------------------------ helpers
@@ -129,6 +131,15 @@ class StrictKubernetesEmulator(kmock.KubernetesEmulator):
         self.rv += 1
         return str(self.rv)
 
+    async def end_watches(self) -> None:
+        """End every open watch stream (the server waits for open handlers when it stops)."""
+        async with self.changed:
+            self.closing = True
+            self.changed.notify_all()
+
+    def logged_rv(self) -> int:
+        return self.log[-1][0] if self.log else 0
+
     async def _emit(self, res: Any, kind: str, obj: dict[str, Any]) -> None:
         async with self.changed:
             self.log.append((int(obj["metadata"]["resourceVersion"]), res, {"type": kind, "object": copy.deepcopy(obj)}))
@@ -148,6 +159,7 @@ class StrictKubernetesEmulator(kmock.KubernetesEmulator):
             verb = {"POST": "create", "PATCH": "patch", "PUT": "update", "DELETE": "delete"}.get(method, method.lower())
         plural = res.plural + (f"/{request.subresource}" if request.subresource else "")
         self.api_calls.append((verb, res.group or "", plural, request.namespace))
+        self.agents.append(request.headers.get("User-Agent", ""))
 
     # ------------------------------------------------------------------ dispatch
 
@@ -436,11 +448,15 @@ class StrictKubernetesEmulator(kmock.KubernetesEmulator):
             async with self.changed:
                 try:
                     remaining = None if deadline is None else max(0.0, deadline - loop.time())
-                    await asyncio.wait_for(self.changed.wait_for(lambda: self.rv > cursor), remaining)
+                    await asyncio.wait_for(self.changed.wait_for(
+                        lambda: self.logged_rv() > cursor or self.closing), remaining)
                 except asyncio.TimeoutError:
                     return
+                if self.closing:
+                    return
+                # (a version may be stamped but not logged yet: follow the log, not the counter)
                 events = [(rv, e) for rv, res, e in self.log if rv > cursor and res == request.resource]
-                cursor = self.rv
+                cursor = self.logged_rv()
             for _, event in events:
                 meta = event["object"]["metadata"]
                 if request.namespace is not None and meta.get("namespace") != request.namespace:
@@ -485,6 +501,10 @@ class StrictKubernetesEmulator(kmock.KubernetesEmulator):
                         await self._emit(res, "MODIFIED", new)
                     return
         raise KeyError((plural, namespace, name))
+
+    def calls_by(self, *agent_prefixes: str) -> list[tuple[str, str, str, str | None]]:
+        """The recorded API calls whose User-Agent starts with one of the prefixes."""
+        return [call for call, agent in zip(self.api_calls, self.agents) if agent.startswith(agent_prefixes)]
 
     def mutations_since(self, rv: int) -> list[tuple[int, str, str, str]]:
         """(resourceVersion, event type, plural, name) of every change after ``rv``."""

@@ -229,3 +229,37 @@ async def test_delete_runs_the_finalizer(cluster):
     assert fake.commands[-1] == "stop"
     # the emulator garbage-collects owned children, as the real API server does
     await wait_for(lambda: cluster.children(NS, "demo") == {}, what="children collected")
+
+
+async def test_rbac_covers_every_call_and_nothing_more(cluster):
+    """Every API call of the operator process (kopf's and ours) is granted by kube.PERMISSIONS,
+    which the chart and kustomize RBAC equal (test_operator_chart), and every permission is used."""
+    from megatron_operator.kube import PERMISSIONS
+
+    await cluster.install_crd()
+    cluster.start_controllers()
+    # a Secret of the child's name that nobody owns: adopted (secrets: patch)
+    await cluster.must("POST", f"/api/v1/namespaces/{NS}/secrets", {
+        "apiVersion": "v1", "kind": "Secret", "metadata": {"name": "demo-coordinator-token", "namespace": NS},
+        "data": {"token": "c2VjcmV0"}})
+    resource = base_resource("demo", 2)
+    await cluster.apply(copy.deepcopy(resource))
+    await cluster.apply(base_resource("side", 0))  # no existing Secret here (secrets: create)
+    fake = fake_coordinator_for(cluster, NS, "demo")
+    await cluster.start_operator(fake)
+    await wait_for(lambda: cluster.status(NS, "demo").get("phase") == "Ready", what="Ready")
+    await wait_for(lambda: cluster.token_of(NS, "side"), what="the other resource's Secret")
+    assert cluster.token_of(NS, "demo") == "secret"  # an existing token is kept, never rotated
+    # scale down (list/delete), new image (deployments patch), new port (services/networkpolicies patch)
+    await cluster.patch_mi(NS, "demo", {"spec": {"image": "example.com/x:2", "server": {"port": 8080},
+                                                 "parallelism": {"data": 1}}})
+    await wait_for(lambda: engine_names(cluster) == ["demo-engine-0"] and
+                   cluster.status(NS, "demo").get("phase") == "Ready", what="scaled down and Ready")
+    await cluster.must("DELETE", cluster.mi_path(NS, "demo"))
+    await wait_for(lambda: cluster.mi(NS, "demo") is None, what="deleted")
+    await cluster.stop_operator()
+
+    granted = {(group, resource, verb) for group, resource, verbs in PERMISSIONS for verb in verbs}
+    used = {(group, plural, verb) for verb, group, plural, _ in cluster.emu.calls_by("kopf/", "megatron-operator/")}
+    assert used - granted == set(), "calls without a permission"
+    assert granted - used == set(), "permissions never used"
