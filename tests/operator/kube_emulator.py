@@ -470,6 +470,8 @@ class StrictKubernetesEmulator(kmock.KubernetesEmulator):
         if request.resource.group == "":
             doc["groupVersion"] = request.resource.version
         for entry in doc.get("resources", []):
+            if "/" in entry["name"]:  # subresources have no short names of their own
+                entry["shortNames"], entry["categories"] = [], []
             if entry["name"].endswith("/scale"):
                 entry["kind"], entry["group"], entry["version"] = "Scale", "autoscaling", "v1"
             if not entry.get("verbs"):
