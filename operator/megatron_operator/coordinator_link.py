@@ -29,8 +29,11 @@ class CoordinatorLink(Protocol):
     async def status(self, timeout: float) -> dict[str, Any]:
         """The coordinator's STATUS_REPLY: state, engines, queued, in_flight, completed, failed."""
 
-    async def command(self, verb: str, timeout: float) -> dict[str, Any]:
-        """Send pause|unpause|suspend|resume|stop; resolves to the CONTROL_ACK {state, detail}."""
+    async def command(self, verb: str, timeout: float, drain_timeout: float | None = None) -> dict[str, Any]:
+        """Send pause|unpause|suspend|resume|stop; resolves to the CONTROL_ACK {state, detail}.
+
+        ``drain_timeout`` bounds how long engines may drain on STOP (where the client supports it).
+        """
 
     async def close(self) -> None:
         """Release the connection."""
@@ -52,7 +55,10 @@ class ClientLink:
             from megatron_serve import InferenceClient
         except ImportError as exc:  # the runtime is not installed next to the operator
             raise CoordinatorUnavailable(f"megatron_serve.InferenceClient is not available: {exc}") from exc
-        client = InferenceClient(address, token=token)
+        try:  # the control role: lifecycle verbs and STATUS only, no requests
+            client = InferenceClient(address, token=token, role="control")
+        except (TypeError, ValueError):
+            client = InferenceClient(address, token=token)
         try:
             await asyncio.wait_for(client.start(timeout=timeout), timeout + 1.0)
         except BaseException as exc:
@@ -69,11 +75,19 @@ class ClientLink:
             raise CoordinatorUnavailable(f"no STATUS reply from {self.address}: {_text(exc)}") from exc
         return _as_dict(reply)
 
-    async def command(self, verb: str, timeout: float) -> dict[str, Any]:
+    async def command(self, verb: str, timeout: float, drain_timeout: float | None = None) -> dict[str, Any]:
         if verb not in VERBS:
             raise ValueError(f"unknown verb {verb!r}")
         method = getattr(self.client, verb)
-        call = method(level=1) if verb == "suspend" else method()
+        if verb == "suspend":
+            call = method(level=1)
+        elif verb == "stop" and drain_timeout is not None:
+            try:
+                call = method(drain_timeout=drain_timeout)
+            except TypeError:
+                call = method()
+        else:
+            call = method()
         try:
             ack = await asyncio.wait_for(call, timeout)
         except (asyncio.TimeoutError, ConnectionError, OSError) as exc:

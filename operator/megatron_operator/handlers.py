@@ -223,9 +223,13 @@ async def _walk(body: Any, memo: Any, link: Any, current: str | None, target: st
         obs.lifecycle_message = str(exc)
         return current
     for verb in verbs:
-        timeout = CONFIG.command_timeout + (spec.drain_timeout_seconds if verb == "stop" else 0)
+        if verb == "stop":
+            timeout = CONFIG.command_timeout + spec.drain_timeout_seconds
+            call = link.command(verb, timeout, drain_timeout=float(spec.drain_timeout_seconds))
+        else:
+            call = link.command(verb, CONFIG.command_timeout)
         try:
-            ack = await link.command(verb, timeout)
+            ack = await call
         except CoordinatorRejected as exc:
             obs.lifecycle_error = True
             obs.lifecycle_message = str(exc)
@@ -310,7 +314,7 @@ async def on_delete(body: Any, meta: Any, spec: Any, memo: Any, logger: Any, **_
         try:
             link = await _link(memo, address, token or render.derive_token(CONFIG.token_key, namespace, name,
                                                                             meta.get("uid")))
-            ack = await link.command("stop", float(max(drain, 1)) + 5.0)
+            ack = await link.command("stop", float(max(drain, 1)) + 5.0, drain_timeout=float(drain))
             _event(body, "Normal", "Stopped", f"STOP acknowledged before deletion: {ack.get('state', 'STOPPED')}")
         except (CoordinatorUnavailable, CoordinatorRejected) as exc:
             logger.warning("could not stop the fleet gracefully (%s); children are deleted anyway", exc)

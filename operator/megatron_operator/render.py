@@ -352,8 +352,9 @@ def render_engine_statefulset(spec: InferenceSpec, group: int, config: OperatorC
         "engine", *_model_flags(spec),
         "--coordinator", coordinator_service_address(spec.name, spec.namespace),
         "--group", str(group),
-        "--tensor-parallel", str(spec.tensor),
     ]
+    if spec.tensor > 1:  # the engine's default is 1
+        args += ["--tensor-parallel", str(spec.tensor)]
     if spec.pipeline > 1:
         args += ["--pipeline-parallel", str(spec.pipeline)]
     args += _engine_flags(spec)

@@ -14,7 +14,7 @@ import jsonschema
 import pytest
 import yaml
 
-from conftest import ROOT
+from .helpers import ROOT
 
 from megatron_operator.kube import PERMISSIONS
 

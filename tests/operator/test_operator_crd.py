@@ -10,7 +10,7 @@ from typing import Any
 import jsonschema
 import pytest
 
-from conftest import CRD_PATH, EXAMPLES, ROOT, load_yaml
+from .helpers import CRD_PATH, EXAMPLES, ROOT, load_yaml
 
 from megatron_operator import crd, spec
 

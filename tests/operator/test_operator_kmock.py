@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from conftest import ROOT, fake_coordinator_for, load_yaml, wait_for, with_uid
+from .helpers import ROOT, fake_coordinator_for, load_yaml, wait_for, with_uid
 
 pytestmark = pytest.mark.timeout(120)
 

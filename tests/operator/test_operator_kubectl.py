@@ -10,7 +10,7 @@ import shutil
 
 import pytest
 
-from conftest import CRD_PATH, ROOT, fake_coordinator_for, wait_for
+from .helpers import CRD_PATH, ROOT, fake_coordinator_for, wait_for
 
 KUBECTL = shutil.which("kubectl") or "/usr/bin/kubectl"
 pytestmark = [pytest.mark.timeout(180),

@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import yaml
 
-from conftest import ROOT, load_yaml
+from .helpers import ROOT, load_yaml
 
 from megatron_operator import cli, render as rendering
 from megatron_operator.config import OperatorConfig
@@ -162,6 +162,7 @@ def test_engine_groups_gpus_and_rendezvous():
         args = engine["args"]
         assert args[:9] == ["engine", "--model", "/models/qwen2.5-14b-instruct", "--coordinator",
                             "tcp://qwen-14b-coordinator.ml.svc:5555", "--group", str(g), "--tensor-parallel", "2"]
+        assert args[-2:] == ["--drain-timeout", "60"]
         assert "command" not in engine  # one pod per group: the image entrypoint runs directly
         env = {e["name"]: e.get("value") for e in engine["env"]}
         assert env["MASTER_ADDR"] == f"qwen-14b-engine-{g}-0.qwen-14b-engine-{g}.ml.svc"
