@@ -330,3 +330,14 @@ async def test_engine_refusal_is_400_and_engine_failure_is_500(tokenizer, backen
         metrics = (await http.get("/metrics")).text
         assert metric(metrics, "megatron_serve_requests_total", 'status="failed"') == 2
         assert metric(metrics, "megatron_serve_server_pending_requests") == 0
+
+
+async def test_degenerate_sampling_values_mean_greedy_and_seeds_differ_per_choice(tokenizer, backend):
+    body = {"model": MODEL, "prompt": "Hello", "max_tokens": 2, "temperature": 5e-324, "top_p": 5e-324,
+            "top_k": -1, "seed": -3, "n": 2, "stop": "x"}
+    async with serving(make_app(tokenizer, backend)) as url, httpx.AsyncClient(base_url=url) as http:
+        assert (await http.post("/v1/completions", json=body)).status_code == 200
+    (_, first), (_, second) = backend.submitted
+    assert first.temperature == 0.0 and first.top_k == 1 and first.is_greedy  # never logits / 5e-324
+    assert first.stop_words == ["x"] and first.num_tokens_to_generate == 2
+    assert {first.seed, second.seed} == {(-3) % 2**63, (-2) % 2**63}

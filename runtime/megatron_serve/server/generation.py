@@ -18,6 +18,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
+from ..client import CoordinatorError
 from ..request import DynamicInferenceRequest, EventType, FinishReason, RequestStatus
 from .errors import APIError
 from .fleet import InferenceBackend
@@ -61,8 +62,12 @@ def _submission_error(exc: Exception) -> APIError:
         return exc
     if isinstance(exc, ValueError):  # the coordinator's INVALID_REQUEST
         return APIError(400, str(exc), code="invalid_request")
-    if isinstance(exc, (ConnectionError, RuntimeError)):
+    if isinstance(exc, ConnectionError) or (isinstance(exc, RuntimeError) and "not started" in str(exc)):
         return APIError(503, f"service unavailable: {exc}", code="coordinator_unreachable")
+    if isinstance(exc, CoordinatorError):
+        return APIError(503, f"the coordinator refused the request: {exc}", code=exc.code)
+    if isinstance(exc, RuntimeError):  # e.g. an in-process engine whose step failed
+        return APIError(500, f"the engine failed: {exc}", code="engine_error")
     return APIError(500, f"{type(exc).__name__}: {exc}", code="internal_error")
 
 

@@ -1,0 +1,116 @@
+"""Property-based check of ``/openapi.json``: schemathesis generates requests, the server must keep its promises.
+
+The server here is ``MegatronAsyncLLM.serve()`` in direct mode (a real tiny engine in this
+process, on its own event-loop thread), with the context capped at 64 tokens so every generated
+request is cheap. Checked on every case: no 5xx, status codes, content types, headers and bodies as
+documented, and schema-violating requests rejected (400). Not checked: that every schema-valid
+request is accepted — a valid body can still ask for more tokens than the context holds, which
+is a documented 400 no schema can express.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+import time
+
+import httpx
+import pytest
+import schemathesis
+from hypothesis import HealthCheck, given, settings
+from schemathesis import GenerationMode
+from schemathesis.specs.openapi.checks import positive_data_acceptance
+
+from megatron_serve.async_llm import MegatronAsyncLLM
+from megatron_serve.config import InferenceConfig
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+
+MIN_CASES = 500
+MODEL = "tiny-llama"  # the directory name of the session's tiny model
+CASES: list[str] = []
+
+# Every built-in check runs except positive_data_acceptance (see the module docstring).
+EXCLUDED = [positive_data_acceptance]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def served_url(tiny_model):
+    """``MegatronAsyncLLM.serve()`` on a background loop; yields the base URL."""
+    port = _free_port()
+    loop = asyncio.new_event_loop()
+    llm = MegatronAsyncLLM(tiny_model, InferenceConfig(max_sequence_length=64, num_kv_blocks=256, max_requests=32))
+    task_holder: dict = {}
+
+    def main() -> None:
+        asyncio.set_event_loop(loop)
+        task_holder["task"] = loop.create_task(llm.serve("127.0.0.1", port))
+        try:
+            loop.run_until_complete(task_holder["task"])
+        except asyncio.CancelledError:
+            pass
+        finally:
+            loop.run_until_complete(llm.close())
+            loop.close()
+
+    thread = threading.Thread(target=main, name="serve", daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    while True:
+        try:
+            if httpx.get(f"{url}/ready", timeout=2).status_code == 200:
+                break
+        except httpx.TransportError:
+            pass
+        assert thread.is_alive(), "serve() died during start-up"
+        assert time.monotonic() < deadline, "serve() did not become ready"
+        time.sleep(0.1)
+    try:
+        yield url
+    finally:
+        loop.call_soon_threadsafe(task_holder["task"].cancel)
+        thread.join(60)
+
+
+@pytest.mark.parametrize("mode, examples", [(GenerationMode.POSITIVE, 330), (GenerationMode.NEGATIVE, 220)])
+def test_api_keeps_its_openapi_promises(served_url, mode, examples):
+    schema = schemathesis.openapi.from_url(f"{served_url}/openapi.json")
+    seen: dict[str, int] = {}
+    statuses: dict[int, int] = {}
+
+    @given(case=schema.as_strategy(generation_mode=mode))
+    @settings(max_examples=examples, deadline=None, derandomize=True, database=None,
+              suppress_health_check=list(HealthCheck))
+    def check(case) -> None:
+        number = sum(seen.values())
+        if isinstance(case.body, dict) and "model" in case.body and number % 8:
+            case.body["model"] = MODEL  # mostly the served name, or nearly every case is "unknown model"
+        if case.path_parameters and "model" in case.path_parameters and number % 2:
+            case.path_parameters["model"] = MODEL
+        seen[case.operation.label] = seen.get(case.operation.label, 0) + 1
+        response = case.call_and_validate(base_url=served_url, timeout=60, excluded_checks=EXCLUDED)
+        statuses[response.status_code] = statuses.get(response.status_code, 0) + 1
+
+    check()
+    CASES.extend(label for label, count in seen.items() for _ in range(count))
+    # every operation was exercised (only request bodies can be made schema-violating)
+    assert len(seen) == (7 if mode is GenerationMode.POSITIVE else 2), seen
+    if mode is GenerationMode.POSITIVE:
+        assert statuses.get(200, 0) >= examples // 4, statuses  # many valid requests really generated text
+    else:
+        assert set(statuses) == {400}, statuses
+
+
+def test_enough_cases_were_generated():
+    by_operation: dict[str, int] = {}
+    for label in CASES:
+        by_operation[label] = by_operation.get(label, 0) + 1
+    assert len(CASES) >= MIN_CASES, by_operation
