@@ -24,7 +24,7 @@ $(TINY_MODEL)/config.json: $(STAMP)
 	$(VENV)/bin/megatron-serve make-tiny-model $(TINY_MODEL)
 
 run: $(TINY_MODEL)/config.json
-	$(VENV)/bin/megatron-serve generate --model $(TINY_MODEL) "Hello" "The quick brown fox"
+	$(VENV)/bin/megatron-serve run --model $(TINY_MODEL)
 
 test: $(STAMP)
 	TRITON_INTERPRET=1 $(PY) -m pytest -q -p no:cacheprovider
