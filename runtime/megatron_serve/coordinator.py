@@ -1121,7 +1121,7 @@ def write_address_file(path: str, address: str) -> None:
 
 def serve(coordinator: Coordinator, address_file: str | None = None, install_signals: bool = True) -> None:
     """Bind, publish the address, serve until SIGTERM/SIGINT."""
-    address = coordinator.bind()
+    address = coordinator.address or coordinator.bind()
     if address_file:
         write_address_file(address_file, address)
     if install_signals:

@@ -1,7 +1,8 @@
 """Faults with real processes: SIGKILL and SIGTERM of engines under load, a restarted coordinator, tokens.
 
-One fleet (coordinator + 2 engines) is shared; each test starts from two live engines
-(``two_engines`` replaces any that a previous test ended).
+One fleet (coordinator + 2 engines, all with a shared token from ``MEGATRON_SERVE_TOKEN``) is
+shared; each test starts from two live engines (the ``client`` fixture replaces any that a
+previous test ended).
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ pytestmark = [pytest.mark.timeout(600), pytest.mark.slow]
 PROMPTS = [f"Fault test {i}: the quick brown fox jumps over {i} lazy dogs" for i in range(100)]
 LONG = SamplingParams(temperature=0.0, num_tokens_to_generate=48, ignore_eos=True)
 ENGINE_ARGS = ("--max-requests", "8", "--drain-timeout", "1")
+TOKEN = "fleet-s3cret"
+TOKEN_ENV = {"MEGATRON_SERVE_TOKEN": TOKEN}
 
 
 @pytest.fixture(scope="module")
@@ -45,8 +48,9 @@ def fleet(tiny_model, tmp_path_factory):
     children = Children(tmp_path_factory.mktemp("fault-logs"))
     port = free_port()
     state = SimpleNamespace(port=port, address=f"tcp://127.0.0.1:{port}", model=tiny_model, children=children,
-                            coordinator=children.coordinator(tiny_model, port, "--heartbeat-timeout", "5"),
-                            engines=[children.engine(tiny_model, port, *ENGINE_ARGS) for _ in range(2)])
+                            coordinator=children.coordinator(tiny_model, port, "--heartbeat-timeout", "5",
+                                                             env=TOKEN_ENV),
+                            engines=[children.engine(tiny_model, port, *ENGINE_ARGS, env=TOKEN_ENV) for _ in range(2)])
     try:
         yield state
     finally:
@@ -57,8 +61,8 @@ def fleet(tiny_model, tmp_path_factory):
 async def client(fleet):
     for i, proc in enumerate(fleet.engines):
         if proc.poll() is not None:
-            fleet.engines[i] = fleet.children.engine(fleet.model, fleet.port, *ENGINE_ARGS)
-    c = InferenceClient(fleet.address, coordinator_timeout=3.0)
+            fleet.engines[i] = fleet.children.engine(fleet.model, fleet.port, *ENGINE_ARGS, env=TOKEN_ENV)
+    c = InferenceClient(fleet.address, token=TOKEN, coordinator_timeout=3.0)
     await c.start(timeout=60)
     await c.wait_for_engines(2, timeout=300)
     try:
@@ -157,7 +161,7 @@ async def test_restarted_coordinator_is_rejoined(client, fleet, direct):
     fleet.coordinator.send_signal(signal.SIGKILL)
     fleet.coordinator.wait(10)
     first_id = client.coordinator_id
-    fleet.coordinator = fleet.children.coordinator(fleet.model, fleet.port, "--heartbeat-timeout", "5")
+    fleet.coordinator = fleet.children.coordinator(fleet.model, fleet.port, "--heartbeat-timeout", "5", env=TOKEN_ENV)
     results = await asyncio.wait_for(asyncio.gather(*tasks), 300)
     assert client.coordinator_id != first_id
     for p, r in zip(prompts, results):
@@ -171,33 +175,29 @@ async def test_restarted_coordinator_is_rejoined(client, fleet, direct):
             fleet.children.log_of(proc)
 
 
-async def test_token_rejected(tiny_model, tmp_path):
-    children = Children(tmp_path)
-    port = free_port()
-    address = f"tcp://127.0.0.1:{port}"
-    good, bad = tmp_path / "good.token", tmp_path / "bad.token"
-    good.write_text("s3cret\n")
+async def test_token_rejected(client, fleet, tmp_path):
+    bad, good = tmp_path / "bad.token", tmp_path / "good.token"
     bad.write_text("guess\n")
-    try:
-        children.coordinator(tiny_model, port, env={"MEGATRON_SERVE_TOKEN": "s3cret"})
-        rejected = children.engine(tiny_model, port, "--token-file", str(bad))
-        accepted = children.engine(tiny_model, port, "--token-file", str(good))
-        with pytest.raises(Unauthorized):
-            await InferenceClient(address).start(timeout=60)
-        with pytest.raises(Unauthorized):
-            await InferenceClient(address, token="guess").start(timeout=10)
-        rc = await asyncio.to_thread(rejected.wait, 300)
-        assert rc == 1 and "coordinator refused the token" in children.log_of(rejected)
-        async with InferenceClient(address, token="s3cret") as c:
-            status = await c.wait_for_engines(1, timeout=300)
-            assert len(status["engines"]) == 1
-            r = await c.add_request("hello", SamplingParams(temperature=0.0, num_tokens_to_generate=3))
-            assert r.status is RequestStatus.COMPLETED
-        cli = await asyncio.to_thread(subprocess.run, [sys.executable, "-m", "megatron_serve.cli", "control", "status",
-                                                       "--coordinator", address], capture_output=True, text=True,
-                                      timeout=120, env={k: v for k, v in os.environ.items()
-                                                        if k != "MEGATRON_SERVE_TOKEN"})
-        assert cli.returncode == 1 and "token" in cli.stderr and cli.stderr.strip().count("\n") == 0
-        assert accepted.poll() is None
-    finally:
-        children.kill_all()
+    good.write_text(TOKEN + "\n")
+    no_token_env = {k: v for k, v in os.environ.items() if k != "MEGATRON_SERVE_TOKEN"}
+    rejected = fleet.children.engine(fleet.model, fleet.port, "--token-file", str(bad), env=no_token_env)
+    with pytest.raises(Unauthorized):
+        await InferenceClient(fleet.address).start(timeout=30)
+    with pytest.raises(Unauthorized):
+        await InferenceClient(fleet.address, token="guess").start(timeout=30)
+
+    def control(*extra):
+        return subprocess.run([sys.executable, "-m", "megatron_serve.cli", "control", "status", "--json",
+                               "--coordinator", fleet.address, *extra], capture_output=True, text=True, timeout=120,
+                              env=no_token_env)
+
+    refused = await asyncio.to_thread(control)
+    assert refused.returncode == 1 and "token" in refused.stderr and refused.stderr.strip().count("\n") == 0
+    allowed = await asyncio.to_thread(control, "--token-file", str(good))
+    assert allowed.returncode == 0, allowed.stderr
+    rc = await asyncio.to_thread(rejected.wait, 300)
+    assert rc == 1 and "coordinator refused the token" in fleet.children.log_of(rejected)
+    status = await client.status()
+    assert len(status["engines"]) == 2  # the rejected engine never joined
+    r = await client.add_request("hello", SamplingParams(temperature=0.0, num_tokens_to_generate=3))
+    assert r.status is RequestStatus.COMPLETED

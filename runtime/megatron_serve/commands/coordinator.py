@@ -48,8 +48,11 @@ def run(args: argparse.Namespace) -> int:
         heartbeat_timeout=args.heartbeat_timeout, client_timeout=args.client_timeout,
         max_message_bytes=args.max_message_bytes,
     )
+    import zmq  # noqa: PLC0415
+
     try:
-        serve(coordinator, address_file=args.address_file)
-    except OSError as exc:  # zmq.ZMQError is an OSError: e.g. address in use
+        coordinator.bind()
+    except zmq.ZMQError as exc:  # e.g. address in use
         raise RuntimeError(f"cannot listen on {args.host}:{args.port}: {exc} (choose another --port)") from None
+    serve(coordinator, address_file=args.address_file)
     return 0
