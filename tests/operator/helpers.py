@@ -37,6 +37,7 @@ import kubernetes.config.kube_config as _kube_config  # noqa: E402  (in case it 
 
 _kube_config.KUBE_CONFIG_DEFAULT_LOCATION = str(KUBECONFIG)
 
+NS = "default"
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 EXAMPLES = sorted(glob.glob(str(ROOT / "manifests" / "examples" / "*.yaml")))
 CRD_PATH = ROOT / "manifests" / "crds" / "serving.megatron.dev_megatroninferences.yaml"

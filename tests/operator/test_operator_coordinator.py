@@ -1,0 +1,149 @@
+"""The operator against a real coordinator and engine processes on 127.0.0.1.
+
+kopf runs against the strict emulator; the coordinator address is pointed at 127.0.0.1 (what
+``MEGATRON_OPERATOR_COORDINATOR_ADDRESS`` does in production); the token comes from the Secret
+the operator created. Patching ``spec.lifecycle`` through Paused, Suspended, Running and
+Shutdown drives the coordinator through the same states, with acknowledgements, and
+``status.lifecycle.observed`` follows; restarting the operator or the coordinator midway
+converges. The fake workload controllers stand in for the StatefulSet controller: the test
+starts and stops the engine process the way the StatefulSet's replica count says.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import dataclasses
+import pathlib
+import signal
+from typing import Any
+
+import pytest
+
+from .helpers import NS, ROOT, load_yaml, wait_for
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> str:
+    tiny = pytest.importorskip("megatron_serve.tiny_model")
+    return str(tiny.make_tiny_model(tmp_path_factory.mktemp("operator-tiny"), seed=0))
+
+
+async def coordinator_state(address: str, token: str) -> dict[str, Any]:
+    from megatron_operator.coordinator_link import ClientLink
+
+    link = await ClientLink.open(address, token, 10.0)
+    try:
+        return await link.status(10.0)
+    finally:
+        await link.close()
+
+
+async def test_lifecycle_with_a_real_coordinator(cluster, tiny_model: str, tmp_path: pathlib.Path,
+                                                 monkeypatch: pytest.MonkeyPatch):
+    pytest.importorskip("megatron_serve.coordinator")
+    from megatron_operator import handlers
+
+    from tests.coordinator.helpers import Children, free_port
+
+    port = free_port()
+    address = f"tcp://127.0.0.1:{port}"
+    monkeypatch.setattr(handlers, "CONFIG", dataclasses.replace(
+        handlers.CONFIG, coordinator_address_template=address, connect_timeout=3.0, command_timeout=60.0))
+
+    (resource,) = load_yaml(ROOT / "manifests" / "examples" / "single-gpu.yaml")
+    resource = copy.deepcopy(resource)
+    resource["metadata"] = {"name": "tiny", "namespace": NS}
+    resource["spec"]["model"] = {"path": tiny_model, "dtype": "float32"}
+    resource["spec"]["drainTimeoutSeconds"] = 5
+    await cluster.install_crd()
+    cluster.start_controllers()
+    await cluster.apply(resource)
+    await cluster.start_operator()  # the real link: megatron_serve.InferenceClient
+    token = await wait_for(lambda: cluster.token_of(NS, "tiny"), what="the coordinator Secret")
+
+    children = Children(tmp_path)
+    env = {"MEGATRON_SERVE_TOKEN": token, "MEGATRON_KERNELS": "reference"}
+
+    def start_coordinator():
+        return children.coordinator(tiny_model, port, env=env)
+
+    def start_engine():
+        return children.engine(tiny_model, port, "--group", "0", "--device", "cpu", "--dtype", "float32",
+                               "--drain-timeout", "5", env=env)
+
+    def replicas() -> int:
+        return cluster.emu.find("statefulsets", NS, "tiny-engine-0")["spec"]["replicas"]
+
+    async def expect(lifecycle: str, phase: str, state: str) -> None:
+        await wait_for(lambda: (st := cluster.status(NS, "tiny")).get("phase") == phase
+                       and st["lifecycle"]["observed"] == lifecycle, timeout=120, what=f"{lifecycle}/{phase}")
+        assert (await coordinator_state(address, token))["state"] == state
+
+    try:
+        coordinator = start_coordinator()
+        engine = start_engine()
+        await wait_for(lambda: cluster.status(NS, "tiny").get("phase") == "Ready", timeout=180,
+                       what="Ready with a real coordinator and engine")
+        assert (await coordinator_state(address, token))["state"] == "RUNNING"
+        st = cluster.status(NS, "tiny")
+        assert st["engines"] == {"desired": 1, "ready": 1, "connected": 1}
+
+        await cluster.patch_mi(NS, "tiny", {"spec": {"lifecycle": "Paused"}})
+        await expect("Paused", "Paused", "PAUSED")
+        await cluster.patch_mi(NS, "tiny", {"spec": {"lifecycle": "Suspended"}})
+        await expect("Suspended", "Suspended", "SUSPENDED")
+        await cluster.patch_mi(NS, "tiny", {"spec": {"lifecycle": "Running"}})
+        await expect("Running", "Ready", "RUNNING")
+        events = [e["message"] for e in sorted(cluster.emu.objects_of("events", NS),
+                                               key=lambda e: int(e["metadata"]["resourceVersion"]))
+                  if e.get("reason") == "Lifecycle"]
+        assert [m.split(" ")[0] for m in events] == ["PAUSE", "SUSPEND", "RESUME", "UNPAUSE"]
+
+        # the operator restarts while the desired state changes: it converges when it is back
+        await cluster.stop_operator()
+        await cluster.patch_mi(NS, "tiny", {"spec": {"lifecycle": "Paused"}})
+        await cluster.start_operator()
+        await expect("Paused", "Paused", "PAUSED")
+
+        # the coordinator restarts (it comes back RUNNING): the timer pauses it again
+        coordinator.send_signal(signal.SIGKILL)
+        coordinator.wait(timeout=30)
+        coordinator = start_coordinator()
+        await wait_for(lambda: coordinator_is(address, token, "PAUSED"), timeout=120,
+                       what="the restarted coordinator paused again")
+        await expect("Paused", "Paused", "PAUSED")
+
+        # Shutdown: STOP (the engine drains and exits), then the StatefulSet scales to zero
+        await cluster.patch_mi(NS, "tiny", {"spec": {"lifecycle": "Shutdown"}})
+        await wait_for(lambda: cluster.status(NS, "tiny").get("phase") == "Shutdown", timeout=120, what="Shutdown")
+        assert replicas() == 0
+        assert (await coordinator_state(address, token))["state"] == "STOPPED"
+        await asyncio.to_thread(engine.wait, 60)
+        assert engine.returncode == 0, children.log_of(engine)[-2000:]
+
+        # back to Running: the StatefulSet scales up (we start its pod), UNPAUSE restarts the fleet
+        await cluster.patch_mi(NS, "tiny", {"spec": {"lifecycle": "Running"}})
+        await wait_for(lambda: replicas() == 1, what="the engine StatefulSet scaled up")
+        engine = start_engine()
+        await expect("Running", "Ready", "RUNNING")
+        assert cluster.status(NS, "tiny")["engines"]["connected"] == 1
+
+        # deletion: the finalizer STOPs the fleet (the engine drains and exits) before GC
+        await cluster.must("DELETE", cluster.mi_path(NS, "tiny"))
+        await wait_for(lambda: cluster.mi(NS, "tiny") is None, timeout=60, what="deleted")
+        assert (await coordinator_state(address, token))["state"] == "STOPPED"
+        await asyncio.to_thread(engine.wait, 60)
+        assert engine.returncode == 0
+    finally:
+        await cluster.stop_operator()
+        children.kill_all()
+
+
+async def coordinator_is(address: str, token: str, state: str) -> bool:
+    try:
+        return (await coordinator_state(address, token))["state"] == state
+    except Exception:
+        return False
