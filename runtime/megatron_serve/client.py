@@ -447,6 +447,12 @@ class InferenceClient:
         self._send(Header.ABORT, {"client_request_id": pending.request_id})
 
     @property
+    def connected(self) -> bool:
+        """Registered with a coordinator that answered within ``coordinator_timeout`` (for readiness probes)."""
+        return (self._registered and not self._closed
+                and time.monotonic() - self._last_rx < self.coordinator_timeout)
+
+    @property
     def num_pending(self) -> int:
         return len(self._pending)
 

@@ -248,6 +248,7 @@ class EngineProcess:
         self.fatal: str | None = None
         self.steps = 0
         self._handback_acked = False
+        self._stats_at = 0.0
 
     # -- signals
 
@@ -324,7 +325,7 @@ class EngineProcess:
             self.state = FleetState.RUNNING.value if target == FleetState.RUNNING.value else FleetState.PAUSED.value
         if self.drain_deadline is not None:
             self._send(Header.DRAINING, {"engine_id": self.engine_id})
-        self._publish_stats()
+        self._publish_stats(force=True)
 
     def _on_message(self, header: Header, body: dict[str, Any]) -> None:
         if header is Header.ENGINE_SUBMIT:
@@ -378,18 +379,33 @@ class EngineProcess:
             payload.append(item)
         self._send(Header.ENGINE_STEP, {"engine_id": self.engine_id, "outputs": payload})
 
-    def _publish_stats(self) -> None:
+    def _publish_stats(self, force: bool = False) -> None:
+        """Refresh what the next heartbeat reports (at most every 0.2 s: heartbeats go once a second).
+
+        An engine may add routing facts (e.g. the block hashes it caches, for ``prefix_affinity``)
+        through an optional ``routing_stats() -> dict`` method; they reach the routing policy as
+        ``EngineView.stats``.
+        """
+        now = time.monotonic()
+        if not force and now - self._stats_at < 0.2:
+            return
+        self._stats_at = now
         e = self.engine
+        stats: dict[str, Any] = {"steps": self.steps, "suspend_level": self.suspend_level}
+        extra = getattr(e, "routing_stats", None)
+        if callable(extra):
+            stats.update(extra())
         self.link.stats = {
             "state": FleetState.DRAINING.value if self.drain_deadline is not None else self.state,
             "running": int(e.num_running), "waiting": int(e.num_waiting),
             "kv_blocks_free": int(e.kv_blocks_free), "kv_blocks_total": int(e.kv_blocks_total),
-            "stats": {"steps": self.steps, "suspend_level": self.suspend_level},
+            "stats": stats,
         }
 
     # -- lifecycle
 
     def _ack(self, control_id: Any, detail: dict[str, Any]) -> None:
+        self._publish_stats(force=True)  # no heartbeat after the ack may carry the old state
         self._send(Header.CONTROL_ACK, {"control_id": control_id, "state": self.state, "detail": detail,
                                         "engine_id": self.engine_id})
 
@@ -443,6 +459,7 @@ class EngineProcess:
             logger.info("%s: draining (%d running, %d waiting; up to %.0fs)", why, self.engine.num_running,
                         self.engine.num_waiting, timeout)
             self._send(Header.DRAINING, {"engine_id": self.engine_id})
+            self._publish_stats(force=True)
 
     def _drain_finished(self) -> bool:
         """Hand back what is left once done, timed out, or unable to step; True when we may exit."""

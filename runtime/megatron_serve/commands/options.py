@@ -14,9 +14,10 @@ import argparse
 import logging
 import os
 import sys
-from typing import Any
+from typing import TYPE_CHECKING
 
-from ..config import InferenceConfig, dtype_name
+if TYPE_CHECKING:  # importing config imports torch: not for `control` and the coordinator
+    from ..config import InferenceConfig
 
 TOKEN_ENV = "MEGATRON_SERVE_TOKEN"
 
@@ -35,7 +36,7 @@ _ENGINE_FIELDS = {
 }
 
 
-def inference_config_to_argv(config: InferenceConfig) -> list[str]:
+def inference_config_to_argv(config: "InferenceConfig") -> list[str]:
     """The ``engine_options`` flags that rebuild ``config`` in another process."""
     argv: list[str] = []
     for dest, name in _ENGINE_FIELDS.items():
@@ -46,7 +47,7 @@ def inference_config_to_argv(config: InferenceConfig) -> list[str]:
         if isinstance(value, bool):
             argv.append(flag if value else "--no-" + dest.replace("_", "-"))
         elif name == "dtype" and not isinstance(value, str):
-            argv += [flag, dtype_name(value)]
+            argv += [flag, str(value).removeprefix("torch.")]  # torch.bfloat16 -> bfloat16
         else:
             argv += [flag, str(value)]
     return argv
