@@ -341,3 +341,17 @@ async def test_degenerate_sampling_values_mean_greedy_and_seeds_differ_per_choic
     assert first.temperature == 0.0 and first.top_k == 1 and first.is_greedy  # never logits / 5e-324
     assert first.stop_words == ["x"] and first.num_tokens_to_generate == 2
     assert {first.seed, second.seed} == {(-3) % 2**63, (-2) % 2**63}
+
+
+def test_listening_socket_is_tcp_so_connections_get_nodelay():
+    """asyncio sets TCP_NODELAY on accepted sockets only when proto is TCP; without it keep-alive
+    responses stall ~40 ms on delayed ACKs."""
+    import socket  # noqa: PLC0415
+
+    from megatron_serve.server.runner import bind_socket  # noqa: PLC0415
+
+    sock = bind_socket("127.0.0.1", 0)
+    try:
+        assert sock.proto == socket.IPPROTO_TCP
+    finally:
+        sock.close()

@@ -22,7 +22,9 @@ logger = logging.getLogger("megatron_serve.server")
 def bind_socket(host: str, port: int) -> socket.socket:
     """A TCP socket bound to ``host:port`` (not yet listening); ``RuntimeError`` says what to change."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    # proto must say TCP: asyncio sets TCP_NODELAY on accepted connections only then, and without it
+    # every keep-alive response waits for the client's delayed ACK (~40 ms) between headers and body.
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((host, port))
