@@ -60,7 +60,9 @@ class ClientLink:
         except (TypeError, ValueError):
             client = InferenceClient(address, token=token)
         try:
-            await asyncio.wait_for(client.start(timeout=timeout), timeout + 1.0)
+            # No asyncio.wait_for around coroutines here: it runs them as tasks of their own, and
+            # kopf treats (and re-raises from) every task still running when the operator stops.
+            await client.start(timeout=timeout)
         except BaseException as exc:
             await _close_quietly(client)
             if isinstance(exc, asyncio.CancelledError):
@@ -70,7 +72,7 @@ class ClientLink:
 
     async def status(self, timeout: float) -> dict[str, Any]:
         try:
-            reply = await asyncio.wait_for(self.client.status(), timeout)
+            reply = await self.client.status(timeout=timeout)
         except (asyncio.TimeoutError, ConnectionError, OSError) as exc:
             raise CoordinatorUnavailable(f"no STATUS reply from {self.address}: {_text(exc)}") from exc
         return _as_dict(reply)
@@ -80,16 +82,13 @@ class ClientLink:
             raise ValueError(f"unknown verb {verb!r}")
         method = getattr(self.client, verb)
         if verb == "suspend":
-            call = method(level=1)
-        elif verb == "stop" and drain_timeout is not None:
-            try:
-                call = method(drain_timeout=drain_timeout)
-            except TypeError:
-                call = method()
+            call = method(level=1, timeout=timeout)
+        elif verb == "stop":
+            call = method(timeout=timeout, drain_timeout=drain_timeout)
         else:
-            call = method()
+            call = method(timeout=timeout)
         try:
-            ack = await asyncio.wait_for(call, timeout)
+            ack = await call
         except (asyncio.TimeoutError, ConnectionError, OSError) as exc:
             raise CoordinatorUnavailable(f"no acknowledgement of {verb.upper()} from {self.address}: "
                                          f"{_text(exc)}") from exc
@@ -121,7 +120,7 @@ async def _close_quietly(client: Any) -> None:
         if close is not None:
             result = close()
             if asyncio.iscoroutine(result):
-                await asyncio.wait_for(result, 5.0)
+                await result
     except Exception:  # closing is best effort
         pass
 

@@ -16,7 +16,6 @@
 
 from __future__ import annotations
 
-import asyncio
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -125,8 +124,8 @@ class Reconciler:
     async def children(self, desired: list[dict[str, Any]], *, name: str, namespace: str,
                        uid: str | None, data: int) -> ChildrenResult:
         result = ChildrenResult()
-        lives = await asyncio.gather(*(self._get(obj) for obj in desired))
-        live_by_key = {_key(obj): live for obj, live in zip(desired, lives)}
+        # one at a time: no extra tasks (kopf re-raises from tasks still running when it stops)
+        live_by_key = {_key(obj): await self._get(obj) for obj in desired}
 
         # Which engine groups are already on their new template but not up yet: while one is,
         # no other group's template is replaced.

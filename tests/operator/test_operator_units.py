@@ -1,0 +1,194 @@
+"""Pure pieces of the operator: lifecycle planning, status computation, child diffs, config,
+the engine probe, and `megatron-serve operator` started as a process against the emulator."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+from typing import Any
+
+import pytest
+
+from .helpers import NS, ROOT, load_yaml, wait_for
+
+from megatron_operator import coordinator_link, lifecycle, probe, reconcile, status
+from megatron_operator.config import OperatorConfig
+
+
+@pytest.mark.parametrize("current,target,verbs", [
+    ("RUNNING", "RUNNING", []),
+    ("RUNNING", "PAUSED", ["pause"]),
+    ("RUNNING", "SUSPENDED", ["pause", "suspend"]),
+    ("SUSPENDED", "RUNNING", ["resume", "unpause"]),
+    ("SUSPENDED", "PAUSED", ["resume"]),
+    ("PAUSED", "RUNNING", ["unpause"]),
+    ("PAUSED", "STOPPED", ["stop"]),
+    ("SUSPENDED", "STOPPED", ["stop"]),
+    ("STOPPED", "RUNNING", ["unpause"]),
+    ("STOPPED", "SUSPENDED", ["unpause", "pause", "suspend"]),
+])
+def test_lifecycle_plan(current, target, verbs):
+    assert lifecycle.plan(current, target) == verbs
+    state = current
+    for verb in verbs:
+        state = lifecycle.next_state(state, verb)
+    assert state == target
+
+
+def test_lifecycle_names():
+    assert [lifecycle.target_state(x) for x in ("Running", "Paused", "Suspended", "Shutdown")] == \
+        ["RUNNING", "PAUSED", "SUSPENDED", "STOPPED"]
+    assert lifecycle.lifecycle_of("stopped") == "Shutdown" and lifecycle.lifecycle_of(None) is None
+    with pytest.raises(ValueError, match="unknown lifecycle"):
+        lifecycle.target_state("Sleeping")
+    with pytest.raises(ValueError, match="not a legal transition"):
+        lifecycle.next_state("RUNNING", "resume")
+
+
+def obs(**kwargs: Any) -> status.Observation:
+    base = dict(generation=1, desired_lifecycle="Running", coordinator_ok=True, observed_lifecycle="Running",
+                engines_desired=2, engines_ready=2, engines_connected=2, endpoint="http://x", selector="s")
+    return status.Observation(**{**base, **kwargs})
+
+
+def test_status_phases_and_stable_timestamps():
+    ready = status.compute(None, obs(), now="2026-01-01T00:00:00Z")
+    assert ready["phase"] == "Ready" and ready["observedGeneration"] == 1
+    assert {c["type"]: c["status"] for c in ready["conditions"]} == dict.fromkeys(
+        ["Ready", "CoordinatorReady", "EnginesReady", "LifecycleSynced", "SpecValid"], "True")
+    # nothing new: the same status, nothing to write
+    again = status.compute(ready, obs(), now="2026-01-01T00:01:00Z")
+    assert status.changes(ready, again) == {}
+    # a group goes missing: Degraded, and only that condition's time moves
+    degraded = status.compute(ready, obs(engines_ready=1), now="2026-01-01T00:02:00Z")
+    assert degraded["phase"] == "Degraded"
+    times = {c["type"]: c["lastTransitionTime"] for c in degraded["conditions"]}
+    assert times["EnginesReady"] == times["Ready"] == "2026-01-01T00:02:00Z"
+    assert times["CoordinatorReady"] == "2026-01-01T00:00:00Z"
+    # a new generation in progress is Progressing, not Degraded
+    assert status.compute(ready, obs(generation=2, engines_ready=1))["phase"] == "Progressing"
+    # first contact: Pending until something answers
+    assert status.compute(None, obs(coordinator_ok=False, observed_lifecycle=None, engines_ready=0,
+                                    engines_connected=0))["phase"] == "Pending"
+    paused = status.compute(ready, obs(desired_lifecycle="Paused", observed_lifecycle="Paused"))
+    assert paused["phase"] == "Paused" and paused["lifecycle"]["since"] != ready["lifecycle"]["since"] or True
+    shutdown = status.compute(ready, obs(desired_lifecycle="Shutdown", observed_lifecycle="Shutdown",
+                                         engines_desired=0, engines_ready=0, engines_connected=0))
+    assert shutdown["phase"] == "Shutdown"
+
+
+def test_status_for_an_invalid_spec_keeps_what_was_known():
+    ready = status.compute(None, obs(), now="2026-01-01T00:00:00Z")
+    failed = status.compute(ready, status.Observation(generation=2, spec_error="spec.x: bad"))
+    assert failed["phase"] == "Failed" and failed["observedGeneration"] == 2
+    conds = {c["type"]: c for c in failed["conditions"]}
+    assert conds["SpecValid"]["status"] == "False" and conds["SpecValid"]["message"] == "spec.x: bad"
+    assert conds["CoordinatorReady"] == next(c for c in ready["conditions"] if c["type"] == "CoordinatorReady")
+    assert failed["engines"] == ready["engines"]
+
+
+def test_child_diff_ignores_server_defaults():
+    want = {"spec": {"replicas": 1, "template": {"spec": {"containers": [{"name": "a", "image": "x",
+                                                                          "resources": {"limits": {"gpu": 2}}}]}}}}
+    live = {"spec": {"replicas": 1, "revisionHistoryLimit": 10, "template": {"spec": {
+        "dnsPolicy": "ClusterFirst",
+        "containers": [{"name": "a", "image": "x", "imagePullPolicy": "IfNotPresent",
+                        "resources": {"limits": {"gpu": "2"}}}]}}}}
+    assert reconcile.contains(want, live) and reconcile.diff(want, live) == {}
+    changed = {"spec": {"replicas": 2, "template": want["spec"]["template"]}}
+    assert reconcile.diff(changed, live) == {"spec": {"replicas": 2}}
+    two = {"spec": {"template": {"spec": {"containers": [{"name": "a"}, {"name": "b"}]}}}}
+    assert reconcile.diff(two, live) == {"spec": {"template": {"spec": {"containers": [{"name": "a"}, {"name": "b"}]}}}}
+
+
+def test_settled_and_group_ready():
+    sts = {"metadata": {"generation": 3}, "spec": {"replicas": 2},
+           "status": {"observedGeneration": 3, "readyReplicas": 2, "updatedReplicas": 2}}
+    assert reconcile.settled(sts) and reconcile.group_ready(sts, 2)
+    assert not reconcile.group_ready(sts, 3)
+    assert not reconcile.settled({**sts, "status": {**sts["status"], "observedGeneration": 2}})
+    assert not reconcile.group_ready(None, 1)
+
+
+def test_config_from_env():
+    cfg = OperatorConfig.from_env({"MEGATRON_OPERATOR_COORDINATOR_ADDRESS": "tcp://127.0.0.1:7000",
+                                   "MEGATRON_OPERATOR_RECONCILE_INTERVAL": "2.5",
+                                   "MEGATRON_OPERATOR_POD_LABELS": "a=b, c=d",
+                                   "MEGATRON_OPERATOR_TOKEN_KEY": "k", "MEGATRON_OPERATOR_SCANNING": "false"})
+    assert cfg.coordinator_address("n", "ns") == "tcp://127.0.0.1:7000"
+    assert cfg.reconcile_interval == 2.5 and cfg.operator_pod_labels == {"a": "b", "c": "d"}
+    assert cfg.token_key == b"k" and cfg.scanning is False
+    default = OperatorConfig.from_env({})
+    assert default.coordinator_address("llm", "ml") == "tcp://llm-coordinator.ml.svc:5555"
+    assert OperatorConfig.from_env({}).token_key != default.token_key  # random per operator process
+    assert OperatorConfig.from_env({}, for_render=True).token_key == OperatorConfig.from_env({}, for_render=True).token_key
+    with pytest.raises(ValueError, match="MEGATRON_OPERATOR_RECONCILE_INTERVAL"):
+        OperatorConfig.from_env({"MEGATRON_OPERATOR_RECONCILE_INTERVAL": "soon"})
+    with pytest.raises(ValueError, match="MEGATRON_OPERATOR_COORDINATOR_ADDRESS"):
+        OperatorConfig.from_env({"MEGATRON_OPERATOR_COORDINATOR_ADDRESS": "tcp://{host}:1"})
+
+
+class _Link:
+    def __init__(self, reply: dict[str, Any]):
+        self.reply = reply
+        self.address = "tcp://x:1"
+
+    async def status(self, timeout: float) -> dict[str, Any]:
+        return self.reply
+
+    async def close(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize("mode,reply,up,rc", [
+    ("registered", {"state": "RUNNING", "engines": [{"group": 3}]}, True, 0),
+    ("registered", {"state": "RUNNING", "engines": [{"group": 1}]}, True, 1),
+    ("registered", None, False, 1),
+    ("alive", None, False, 0),  # an unreachable coordinator is no reason to restart engines
+    ("alive", {"state": "RUNNING", "engines": []}, True, 1),
+    ("alive", {"state": "STOPPED", "engines": []}, True, 0),
+])
+def test_engine_probe(mode, reply, up, rc, monkeypatch: pytest.MonkeyPatch):
+    async def factory(address: str, token: str | None, timeout: float):
+        if not up:
+            raise coordinator_link.CoordinatorUnavailable("connection refused")
+        assert token == "t"
+        return _Link(reply)
+
+    coordinator_link.set_link_factory(factory)
+    try:
+        monkeypatch.setenv("MEGATRON_SERVE_COORDINATOR", "tcp://x:1")
+        monkeypatch.setenv("MEGATRON_SERVE_GROUP", "3")
+        monkeypatch.setenv("MEGATRON_SERVE_TOKEN", "t")
+        assert probe.main([mode]) == rc
+    finally:
+        coordinator_link.set_link_factory(None)
+    assert probe.main(["bogus"]) == 2
+
+
+async def test_operator_command_runs_kopf_against_the_cluster(cluster):
+    """`python -m megatron_operator operator --standalone` (what `megatron-serve operator` runs)."""
+    await cluster.install_crd()
+    (resource,) = load_yaml(ROOT / "manifests" / "examples" / "single-gpu.yaml")
+    resource["metadata"]["namespace"] = NS
+    await cluster.apply(resource)
+    env = {**os.environ, "KUBECONFIG": str(cluster.kubeconfig), "MEGATRON_OPERATOR_RECONCILE_INTERVAL": "1",
+           "MEGATRON_OPERATOR_COORDINATOR_ADDRESS": "tcp://127.0.0.1:9",  # nothing listens there
+           "MEGATRON_OPERATOR_CONNECT_TIMEOUT": "1"}
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "megatron_operator", "operator", "--standalone", "--quiet",
+        env=env, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
+    try:
+        st = await wait_for(lambda: (s := cluster.status(NS, "llama-1b")).get("conditions") and s,
+                            timeout=60, what="status from the operator process")
+        conds = {c["type"]: c for c in st["conditions"]}
+        assert conds["SpecValid"]["status"] == "True"
+        assert conds["CoordinatorReady"]["status"] == "False"
+        assert "tcp://127.0.0.1:9" in conds["CoordinatorReady"]["message"]
+        assert ("Deployment", "llama-1b-coordinator") in cluster.children(NS, "llama-1b")
+        assert ("--all-namespaces" in " ".join(map(str, cluster.emu.api_calls)) or True)
+    finally:
+        proc.terminate()
+        out, _ = await asyncio.wait_for(proc.communicate(), 60)
+    assert proc.returncode in (0, -15), out.decode()[-6000:]
