@@ -71,8 +71,14 @@ def test_status_phases_and_stable_timestamps():
     # first contact: Pending until something answers
     assert status.compute(None, obs(coordinator_ok=False, observed_lifecycle=None, engines_ready=0,
                                     engines_connected=0))["phase"] == "Pending"
-    paused = status.compute(ready, obs(desired_lifecycle="Paused", observed_lifecycle="Paused"))
-    assert paused["phase"] == "Paused" and paused["lifecycle"]["since"] != ready["lifecycle"]["since"] or True
+    paused = status.compute(ready, obs(desired_lifecycle="Paused", observed_lifecycle="Paused"),
+                            now="2026-01-01T00:03:00Z")
+    assert paused["phase"] == "Paused" and paused["lifecycle"]["since"] == "2026-01-01T00:03:00Z"
+    assert ready["lifecycle"]["since"] == "2026-01-01T00:00:00Z"
+    # spec.lifecycle changed (a new generation), the coordinator still RUNNING
+    unsynced = status.compute(ready, obs(generation=2, desired_lifecycle="Paused"))
+    assert unsynced["phase"] == "Progressing"
+    assert {c["type"]: c["status"] for c in unsynced["conditions"]}["LifecycleSynced"] == "False"
     shutdown = status.compute(ready, obs(desired_lifecycle="Shutdown", observed_lifecycle="Shutdown",
                                          engines_desired=0, engines_ready=0, engines_connected=0))
     assert shutdown["phase"] == "Shutdown"
@@ -187,7 +193,8 @@ async def test_operator_command_runs_kopf_against_the_cluster(cluster):
         assert conds["CoordinatorReady"]["status"] == "False"
         assert "tcp://127.0.0.1:9" in conds["CoordinatorReady"]["message"]
         assert ("Deployment", "llama-1b-coordinator") in cluster.children(NS, "llama-1b")
-        assert ("--all-namespaces" in " ".join(map(str, cluster.emu.api_calls)) or True)
+        # served cluster-wide by default: the resource was listed without a namespace
+        assert ("list", "serving.megatron.dev", "megatroninferences", None) in cluster.emu.api_calls
     finally:
         proc.terminate()
         out, _ = await asyncio.wait_for(proc.communicate(), 60)
