@@ -16,6 +16,7 @@ reimplements the object-level verbs and keeps KMock for the HTTP server and disc
   ``resourceVersion`` preconditions give 409;
 - delete: finalizers hold objects with a ``deletionTimestamp``; removing the last finalizer
   deletes them; dependents are garbage-collected through ownerReferences (background);
+- get/list as a ``Table`` (what ``kubectl get`` asks for) from a CRD's printer columns;
 - list/watch: label selectors (``=``, ``==``, ``!=``, ``key``, ``!key``), lists carry ``kind``
   and a real ``resourceVersion``, watches resume from a ``resourceVersion``.
 
@@ -108,6 +109,7 @@ class StrictKubernetesEmulator(kmock.KubernetesEmulator):
         self.log: list[tuple[int, Any, dict[str, Any]]] = []
         self.changed = asyncio.Condition()
         self.scale_paths: dict[Any, dict[str, str]] = {}
+        self.printer_columns: dict[Any, list[dict[str, Any]]] = {}
         self.api_calls: list[tuple[str, str, str, str | None]] = []
         self.agents: list[str] = []  # User-Agent of each api_calls entry
         self.closing = False
@@ -239,6 +241,7 @@ class StrictKubernetesEmulator(kmock.KubernetesEmulator):
                 subresources=subs)
             if "scale" in subs:
                 self.scale_paths[res] = version["subresources"]["scale"]
+            self.printer_columns[res] = list(version.get("additionalPrinterColumns") or [])
         crd["status"] = {
             "acceptedNames": dict(names),
             "storedVersions": [v["name"] for v in spec["versions"] if v.get("storage")],
@@ -413,9 +416,38 @@ class StrictKubernetesEmulator(kmock.KubernetesEmulator):
             out.append(obj)
         return sorted(out, key=lambda o: (o["metadata"].get("namespace") or "", o["metadata"]["name"]))
 
+    def _wants_table(self, request: kmock.Request) -> bool:
+        return "as=Table" in (request.headers.get("Accept") or "") and request.resource in self.printer_columns
+
+    def _table(self, res: Any, items: list[dict[str, Any]]) -> dict[str, Any]:
+        """Server-side printing of a custom resource, from its CRD's additionalPrinterColumns."""
+        columns = [{"name": "Name", "type": "string", "format": "name", "priority": 0,
+                    "description": "Name of the object"}]
+        columns += [{"name": c["name"], "type": c["type"], "format": c.get("format", ""),
+                     "priority": c.get("priority", 0), "description": c.get("description", "")}
+                    for c in self.printer_columns[res]]
+        now = datetime.datetime.now(datetime.timezone.utc)
+
+        def cell(obj: dict[str, Any], column: dict[str, Any]) -> Any:
+            value: Any = obj
+            for key in column["jsonPath"].lstrip(".").split("."):
+                value = value.get(key) if isinstance(value, dict) else None
+            if value is not None and column["type"] == "date":
+                when = datetime.datetime.strptime(value, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=datetime.timezone.utc)
+                value = f"{max(0, int((now - when).total_seconds()))}s"
+            return value
+
+        rows = [{"cells": [o["metadata"]["name"]] + [cell(o, c) for c in self.printer_columns[res]],
+                 "object": {"kind": "PartialObjectMetadata", "apiVersion": "meta.k8s.io/v1",
+                            "metadata": o["metadata"]}} for o in items]
+        return {"kind": "Table", "apiVersion": "meta.k8s.io/v1", "metadata": {"resourceVersion": str(self.rv)},
+                "columnDefinitions": columns, "rows": rows}
+
     async def _serve_list(self, request: kmock.Request) -> Any:
         async with self._lock:
             items = [copy.deepcopy(o) for o in self._select(request)]
+            if self._wants_table(request):
+                return self._table(request.resource, items)
             return {"apiVersion": self._api_version(request.resource), "kind": f"{self._kind(request.resource)}List",
                     "metadata": {"resourceVersion": str(self.rv)}, "items": items}
 
@@ -427,6 +459,8 @@ class StrictKubernetesEmulator(kmock.KubernetesEmulator):
                 raise kmock.KubernetesObjectNotFoundError(message=exc.message) from None
             if request.subresource == "scale":
                 return self.scale_of(request.resource, obj)
+            if not request.subresource and self._wants_table(request):
+                return self._table(request.resource, [copy.deepcopy(obj)])
             return copy.deepcopy(obj)
 
     async def _serve_watch(self, request: kmock.Request) -> AsyncIterator[Any]:
