@@ -34,9 +34,12 @@ RUN apt-get update \
 
 # The wheel pins nothing new for torch: the base's CUDA build satisfies torch>=2.4,<3 and stays.
 COPY --from=build /wheels /wheels
+# UID 1000 is what the operator's pods run as (runAsUser); some bases already have such a user.
 RUN python -m pip install --no-cache-dir /wheels/*.whl \
     && rm -rf /wheels \
-    && useradd --uid 1000 --user-group --create-home --home-dir /home/megatron --shell /usr/sbin/nologin megatron
+    && (getent passwd 1000 >/dev/null || useradd --uid 1000 --user-group --no-create-home --shell /usr/sbin/nologin megatron) \
+    && mkdir -p /home/megatron \
+    && chown 1000:1000 /home/megatron
 
 ENV PYTHONUNBUFFERED=1 \
     HF_HUB_OFFLINE=1 \
