@@ -311,3 +311,20 @@ def test_rendered_commands_parse_with_the_runtime_cli(example):
                 raise AssertionError(f"{container['name']}: {args}: {exc}") from None
             assert unknown == [], f"{container['name']}: unknown arguments {unknown}"
             assert parsed.model == example["spec"]["model"]["path"]
+
+
+def test_wiring_into_the_megatron_serve_cli(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]):
+    """The subcommand modules work through megatron_serve.cli.main, as registered in its COMMANDS."""
+    serve_cli = pytest.importorskip("megatron_serve.cli")
+    monkeypatch.setitem(serve_cli.COMMANDS, "render", ("megatron_operator.commands.render", "render"))
+    monkeypatch.setitem(serve_cli.COMMANDS, "operator", ("megatron_operator.commands.operator", "operator"))
+    monkeypatch.setenv("MEGATRON_OPERATOR_TOKEN_KEY", "k")
+    path = str(ROOT / "manifests" / "examples" / "single-gpu.yaml")
+    assert serve_cli.main(["render", "-f", path]) == 0
+    assert len(list(yaml.safe_load_all(capsys.readouterr().out))) == 7
+    seen: list[list[str]] = []
+    monkeypatch.setattr(cli, "operator_command", lambda extra: seen.append(list(extra)) or 0)
+    assert serve_cli.main(["operator", "-n", "ml", "--standalone", "--liveness=http://0.0.0.0:8080/healthz"]) == 0
+    assert cli.kopf_argv(seen[-1]) == ["run", "--module", "megatron_operator.handlers", "-n", "ml", "--standalone",
+                                       "--liveness=http://0.0.0.0:8080/healthz"]
+    assert serve_cli.main(["operator"]) == 0 and seen[-1] == []

@@ -12,10 +12,13 @@ ACCEPTS_EXTRA_ARGS = True
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("kopf_args", nargs=argparse.REMAINDER, help="options passed to `kopf run`")
+    # No arguments of our own: everything after `operator` reaches `kopf run` unchanged, in order,
+    # through the CLI's extra arguments (ACCEPTS_EXTRA_ARGS).
+    parser.epilog = ("All options are passed to `kopf run`, e.g. --standalone, -A/--all-namespaces, "
+                     "-n/--namespace NS, --verbose, --liveness=http://0.0.0.0:8080/healthz.")
 
 
 def run(args: argparse.Namespace) -> int:
     from ..cli import operator_command
 
-    return operator_command(list(getattr(args, "kopf_args", [])) + list(getattr(args, "extra_args", [])))
+    return operator_command(list(getattr(args, "extra_args", [])))
