@@ -194,7 +194,13 @@ class _Stack:
                             token=self.token, routing=args.routing, drain_timeout=args.drain_timeout,
                             log_dir=args.log_dir)
         started = time.monotonic()
-        address = await asyncio.to_thread(self.fleet.start, 60.0)
+        try:
+            address = await asyncio.to_thread(self.fleet.start, 60.0)
+        except RuntimeError as exc:
+            if "in use" in str(exc):
+                raise RuntimeError(f"{exc}\n(for `run`: pass another --coordinator-port, or 0 for any free port)") \
+                    from None
+            raise
         progress(2, f"coordinator listening on {address} (logs in {self.fleet.log_dir})")
         self.client = InferenceClient(address, token=self.token)
         await self.client.start(timeout=30.0)
