@@ -328,7 +328,8 @@ async def test_engine_refusal_is_400_and_engine_failure_is_500(tokenizer, backen
         backend.add_request = broken
         assert_error(await http.post("/v1/completions", json=body), 500)
         metrics = (await http.get("/metrics")).text
-        assert metric(metrics, "megatron_serve_requests_total", 'status="failed"') == 2
+        assert metric(metrics, "megatron_serve_requests_total", 'status="failed"') == 3
+        assert metric(metrics, "megatron_serve_requests_total", 'status="aborted"') == 0
         assert metric(metrics, "megatron_serve_server_pending_requests") == 0
 
 

@@ -93,6 +93,8 @@ class Submission:
             self.pending.release()
             if request is not None:
                 self.metrics.observe_finished(request)
+            else:  # refused or lost on the way: no record came back
+                self.metrics.requests.labels("failed").inc()
 
     def close(self) -> None:
         """Abort every engine request that has not finished (idempotent)."""
@@ -116,7 +118,9 @@ class Submission:
             try:
                 futures = [self.backend.add_request(job.prompt.tokens, job.params, request_id=request_id)
                            for job, request_id in zip(self.jobs, self.ids)]
-            except Exception as exc:  # refused synchronously (e.g. a closed client)
+            except Exception as exc:  # refused synchronously (e.g. a closed client): nothing to abort
+                for request_id in self.ids:
+                    self._finished(request_id, None)
                 raise _submission_error(exc) from None
             results: list[DynamicInferenceRequest] = []
             for request_id, future in zip(self.ids, futures):
