@@ -21,9 +21,9 @@ def example(request: pytest.FixtureRequest) -> dict[str, Any]:
 
 
 @pytest.fixture
-async def cluster(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[Cluster]:
+async def cluster() -> AsyncIterator[Cluster]:
+    """A fresh strict emulator on a local port; KUBECONFIG points at it; kopf starts on demand."""
     import kmock
-
 
     logging.getLogger("kopf").setLevel(os.environ.get("OPERATOR_TESTS_KOPF_LOG", "WARNING"))
     async with StrictKubernetesEmulator() as emu, kmock.Server(emu) as server:

@@ -13,12 +13,11 @@ import asyncio
 import base64
 import copy
 import glob
-import logging
 import os
 import pathlib
 import tempfile
 import threading
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from typing import Any
 
 import yaml

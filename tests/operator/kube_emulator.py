@@ -38,7 +38,7 @@ from typing import Any
 import aiohttp.web
 import jsonpatch
 import kmock
-from kmock._internal import apps, enums, references
+from kmock._internal import apps, references
 
 def _now() -> str:
     return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
