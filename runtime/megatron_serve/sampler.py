@@ -54,7 +54,10 @@ class Sampler:
             scaled = _filter_top_k_top_p(logits[row] / sp.temperature, sp.top_k, sp.top_p)
             generator = (self._generator if sp.seed is None
                          else _seeded_generator(sp.seed, token_indices[row], logits.device))
-            tokens[row] = torch.multinomial(scaled.softmax(-1), 1, generator=generator)[0]
+            probs = scaled.softmax(-1)
+            if not bool(torch.isfinite(probs).all()):
+                continue  # degenerate filter settings: keep the greedy choice rather than fail the batch
+            tokens[row] = torch.multinomial(probs, 1, generator=generator)[0]
         token_list = tokens.tolist()
         log_probs: list[float | None] = [None] * len(params)
         top_n: list[dict[int, float] | None] = [None] * len(params)

@@ -6,6 +6,9 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 
+GREEDY_TEMPERATURE = 1e-5
+
+
 @dataclass
 class SamplingParams:
     """How one request samples and when it stops.
@@ -72,7 +75,8 @@ class SamplingParams:
 
     @property
     def is_greedy(self) -> bool:
-        return self.temperature == 0.0 or self.top_k == 1
+        """Temperatures this small make sampling numerically meaningless: they decode greedily."""
+        return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1
 
 
 def _check_number(name: str, value: Any, minimum: float | None = None, maximum: float | None = None) -> None:

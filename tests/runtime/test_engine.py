@@ -207,3 +207,11 @@ def test_abort_frees_blocks(tiny_llama):
     assert request.finish_reason is FinishReason.ABORT
     assert engine.kv_blocks_free == engine.kv_blocks_total and not engine.has_unfinished_requests()
     assert engine.abort_request("a") is None
+
+
+def test_degenerate_sampling_values_decode_greedily_instead_of_failing(tiny_llama, reference_outputs):
+    llm = MegatronLLM(tiny_llama)
+    for params in (SamplingParams(temperature=1e-300, num_tokens_to_generate=24, ignore_eos=True),
+                   SamplingParams(temperature=0.7, top_p=5e-324, num_tokens_to_generate=24, ignore_eos=True)):
+        outs = llm.generate(PROMPTS[:2], params)
+        assert [o.generated_tokens for o in outs] == reference_outputs[:2]
