@@ -25,6 +25,7 @@ async def cluster() -> AsyncIterator[Cluster]:
     """A fresh strict emulator on a local port; KUBECONFIG points at it; kopf starts on demand."""
     import kmock
 
+    # OPERATOR_TESTS_KOPF_LOG=DEBUG (with -o log_cli=true) shows what kopf and the operator do
     logging.getLogger("kopf").setLevel(os.environ.get("OPERATOR_TESTS_KOPF_LOG", "WARNING"))
     async with StrictKubernetesEmulator() as emu, kmock.Server(emu) as server:
         url = str(server.url).rstrip("/")

@@ -32,6 +32,7 @@ import datetime
 import json
 import secrets
 import uuid
+import warnings
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -113,7 +114,9 @@ class StrictKubernetesEmulator(kmock.KubernetesEmulator):
         self.api_calls: list[tuple[str, str, str, str | None]] = []
         self.agents: list[str] = []  # User-Agent of each api_calls entry
         self.closing = False
-        self.resources.load_bundled()
+        with warnings.catch_warnings():  # kmock 0.8 uses importlib.resources.read_binary
+            warnings.simplefilter("ignore", DeprecationWarning)
+            self.resources.load_bundled()
 
     # ------------------------------------------------------------------ helpers
 
