@@ -9,7 +9,8 @@ Submodules, one job each:
 - :mod:`.coordinator_link`: the operator's only contact with the coordinator client;
 - :mod:`.kube`: the operator's only contact with the Kubernetes API (besides kopf itself);
 - :mod:`.reconcile` / :mod:`.status`: child reconciliation and status computation;
-- :mod:`.handlers`: the kopf handlers; :mod:`.cli`: entry points for ``megatron-serve``.
+- :mod:`.handlers`: the kopf handlers; :mod:`.cli`: entry points for ``megatron-serve``;
+- :mod:`.probe`: engine pod readiness/liveness probes (``python -m megatron_operator.probe``).
 """
 
 __version__ = "0.1.0"
