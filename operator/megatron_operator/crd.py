@@ -170,7 +170,8 @@ def spec_schema() -> dict[str, Any]:
         "Parallel layout: data = number of engine groups, each tensor*pipeline GPUs.",
         {
             "tensor": _int("Tensor-parallel ranks per engine group.", minimum=1, maximum=64, default=1),
-            "pipeline": _int("Pipeline-parallel stages per engine group.", minimum=1, maximum=16, default=1),
+            "pipeline": _int("Pipeline-parallel stages per engine group. Reserved: the engine runs one stage, "
+                             "so only 1 is accepted.", minimum=1, maximum=1, default=1),
             "data": _int("Number of engine groups (data-parallel replicas); scaled by the scale subresource.",
                          minimum=0, maximum=MAX_DATA, default=1),
         },

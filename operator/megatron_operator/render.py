@@ -355,8 +355,6 @@ def render_engine_statefulset(spec: InferenceSpec, group: int, config: OperatorC
     ]
     if spec.tensor > 1:  # the engine's default is 1
         args += ["--tensor-parallel", str(spec.tensor)]
-    if spec.pipeline > 1:
-        args += ["--pipeline-parallel", str(spec.pipeline)]
     args += _engine_flags(spec)
     if spec.kv_memory_fraction is not None:
         args += ["--kv-cache-memory-fraction", repr(float(spec.kv_memory_fraction))]

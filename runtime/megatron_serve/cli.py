@@ -19,6 +19,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "control": ("megatron_serve.commands.control", "pause|unpause|suspend|resume|stop|status a fleet"),
     "server": ("megatron_serve.commands.server", "run the OpenAI-compatible HTTP server in front of a coordinator"),
     "run": ("megatron_serve.commands.run", "coordinator + engines + HTTP server on this machine, as one command"),
+    "operator": ("megatron_operator.commands.operator", "run the Kubernetes operator (options pass through to kopf run)"),
+    "render": ("megatron_operator.commands.render", "print the child objects the operator would create for a resource"),
 }
 
 

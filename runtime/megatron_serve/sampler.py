@@ -35,6 +35,7 @@ def _filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch
         probs = sorted_logits.softmax(-1)
         # drop a token once the mass strictly before it already reaches top_p (the first always stays)
         drop = (probs.cumsum(-1) - probs) >= top_p
+        drop[0] = False  # even a subnormal top_p (0 in float32) keeps the most likely token
         logits = logits.masked_fill(drop.scatter(0, order, drop), float("-inf"))
     return logits
 

@@ -25,6 +25,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--coordinator", required=True, metavar="ADDRESS", help="e.g. tcp://127.0.0.1:5555")
     parser.add_argument("--group", type=int, default=None, metavar="G",
                         help="engine group id (default: the coordinator assigns the next free one)")
+    parser.add_argument("--tensor-parallel", type=int, default=1, metavar="N",
+                        help="ranks (GPUs) in this engine group; the local ones are started by this command")
     parser.add_argument("--drain-timeout", type=float, default=30.0, metavar="S",
                         help="on SIGTERM or STOP, finish work for at most this long, then hand the rest back")
     parser.add_argument("--coordinator-timeout", type=float, default=10.0, metavar="S",
@@ -40,7 +42,9 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--coordinator must look like tcp://HOST:PORT, got {args.coordinator!r}")
     if args.group is not None and args.group < 0:
         raise ValueError(f"--group must be >= 0, got {args.group}")
-    config = inference_config_from_args(args)
+    if args.tensor_parallel < 1:
+        raise ValueError(f"--tensor-parallel must be >= 1, got {args.tensor_parallel}")
+    config = inference_config_from_args(args, tensor_parallel_size=args.tensor_parallel)
     token = read_token(args)
     from ..engine import DynamicInferenceEngine  # noqa: PLC0415 - torch import is slow
     from ..engine_process import run_engine_process  # noqa: PLC0415

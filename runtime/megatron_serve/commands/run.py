@@ -61,22 +61,11 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--engines must be >= 1, got {args.engines}")
     if args.tensor_parallel < 1:
         raise ValueError(f"--tensor-parallel must be >= 1, got {args.tensor_parallel}")
-    if args.tensor_parallel > 1 and not _engine_has_option("--tensor-parallel"):
-        raise ValueError("--tensor-parallel > 1 needs engines with tensor parallelism, which this build does not "
-                         "have yet: use --tensor-parallel 1")
     check_server_options(args)
     config = inference_config_from_args(args, tensor_parallel_size=args.tensor_parallel)  # fails before any start
     api_key = read_api_key(args)
     token = read_token(args)
     return asyncio.run(_Stack(args, config, api_key, token).main())
-
-
-def _engine_has_option(flag: str) -> bool:
-    from . import engine  # noqa: PLC0415
-
-    parser = argparse.ArgumentParser(add_help=False)
-    engine.add_arguments(parser)
-    return flag in parser._option_string_actions  # noqa: SLF001 - argparse has no public query
 
 
 def _check_model_dir(model_dir: str, served_name: str | None) -> str:

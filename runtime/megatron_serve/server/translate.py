@@ -20,10 +20,6 @@ from .models import ChatCompletionRequest, CompletionRequest, _SamplingRequest
 
 #: OpenAI's default ``max_tokens`` of the completions endpoint.
 DEFAULT_COMPLETION_TOKENS = 16
-#: Temperatures below this decode greedily (as in vLLM); dividing logits by them would overflow.
-GREEDY_TEMPERATURE = 1e-5
-#: Nucleus masses below this keep exactly the most likely token (for any vocabulary under a million).
-SINGLE_TOKEN_TOP_P = 1e-6
 
 
 @dataclass
@@ -169,12 +165,6 @@ def sampling_params(req: _SamplingRequest, *, max_tokens: int, logprobs: bool, t
     top_k = req.top_k if req.top_k is not None and req.top_k > 0 else 0
     temperature = 1.0 if req.temperature is None else float(req.temperature)
     top_p = 1.0 if req.top_p is None else float(req.top_p)
-    # Degenerate values mean greedy decoding; say so exactly, instead of letting logits / 1e-300 overflow
-    # or a subnormal top_p round to 0 in float32 and drop every token.
-    if temperature < GREEDY_TEMPERATURE:
-        temperature = 0.0
-    if top_p < SINGLE_TOKEN_TOP_P:
-        top_k = 1  # the nucleus is the most likely token alone (its probability is at least 1/vocab)
     try:
         return SamplingParams(
             temperature=temperature,
