@@ -106,6 +106,8 @@ class EngineRecord:
     last_seen: float = field(default_factory=time.monotonic)  # for the timeout
     assigned: set[str] = field(default_factory=set)
     completed: int = 0  # requests this engine finished (for STATUS and balance checks)
+    cached_tokens: int = 0  # prompt tokens the engine skipped thanks to its prefix cache (its heartbeat)
+    computed_tokens: int = 0  # tokens the engine ran through its model (its heartbeat)
 
     @property
     def load(self) -> int:
@@ -123,6 +125,8 @@ class EngineRecord:
             "last_heartbeat": self.last_heartbeat,
             "assigned": self.load,
             "completed": self.completed,
+            "cached_tokens": self.cached_tokens,
+            "computed_tokens": self.computed_tokens,
             "capacity": self.capacity,
             "info": self.info,
         }
@@ -721,7 +725,7 @@ class Coordinator:
         header, body = msg
         if header is Header.HEARTBEAT:
             engine.last_heartbeat = time.time()
-            for name in ("running", "waiting", "kv_blocks_free", "kv_blocks_total"):
+            for name in ("running", "waiting", "kv_blocks_free", "kv_blocks_total", "cached_tokens", "computed_tokens"):
                 if body.get(name) is not None:
                     setattr(engine, name, int(body[name]))
             if body.get("state"):
@@ -737,6 +741,7 @@ class Coordinator:
         elif header is Header.DRAINING:
             if not engine.draining:
                 engine.draining = True
+                self.policy.forget(engine.engine_id)  # its prefix cache leaves with it
                 logger.info("engine %s is draining: no new requests routed to it (%d assigned)",
                             engine.engine_id, engine.load)
         elif header is Header.HANDBACK:
@@ -1022,7 +1027,14 @@ class Coordinator:
         logger.info("%s acknowledged: %s -> %s by %d engine(s)%s", op.verb.name, op.previous_state, self.state.value,
                     len(op.engines), f", released {detail['released_bytes']} bytes" if released else "")
         self._answer(op, Header.CONTROL_ACK, body)
+        self._forget_routing_history_if_caches_may_be_gone(op)
         self._dispatch()
+
+    def _forget_routing_history_if_caches_may_be_gone(self, op: ControlOp) -> None:
+        """A suspended fleet may resume with empty prefix caches (and a refit drops them): routing starts over."""
+        if self.state is FleetState.SUSPENDED or op.verb is Header.REFIT:
+            for engine_id in list(self.engines):
+                self.policy.forget(engine_id)
 
     def _answer(self, op: ControlOp, header: Header, body: dict[str, Any]) -> None:
         self.completed_controls[op.control_id] = (header, body)

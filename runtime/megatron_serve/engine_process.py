@@ -233,6 +233,10 @@ class EngineProcess:
             facts["kv_cache_bytes"] = kv_cache.num_bytes
         if isinstance(getattr(engine, "max_sequence_length", None), int):
             facts["max_sequence_length"] = engine.max_sequence_length
+        block_size = getattr(engine.config, "block_size_tokens", None)
+        if isinstance(block_size, int):  # prefix_affinity routing hashes prompts with the engines' block size
+            facts["block_size"] = block_size
+            facts["prefix_caching"] = bool(getattr(engine.config, "enable_prefix_caching", False))
         facts.update(info or {})
         hello = {"role": Role.ENGINE.value, "token": token, "engine_group": group, "capacity": capacity,
                  "info": facts}
@@ -399,6 +403,9 @@ class EngineProcess:
             "state": FleetState.DRAINING.value if self.drain_deadline is not None else self.state,
             "running": int(e.num_running), "waiting": int(e.num_waiting),
             "kv_blocks_free": int(e.kv_blocks_free), "kv_blocks_total": int(e.kv_blocks_total),
+            # prefix-cache counters: prompt tokens skipped thanks to the cache, tokens run through the model
+            "cached_tokens": int(getattr(e, "cached_tokens", 0) or 0),
+            "computed_tokens": int(getattr(e, "computed_tokens", 0) or 0),
             "stats": stats,
         }
 

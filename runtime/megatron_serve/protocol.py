@@ -172,6 +172,8 @@ TO_COORDINATOR: dict[Header, Schema] = {
         "waiting": _opt(*_INT),
         "kv_blocks_free": _opt(*_INT),
         "kv_blocks_total": _opt(*_INT),
+        "cached_tokens": _opt(*_INT),
+        "computed_tokens": _opt(*_INT),
         "stats": _opt(*_DICT),
     },
     Header.DRAINING: {"engine_id": _opt(*_STR)},
