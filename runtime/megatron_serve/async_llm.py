@@ -108,6 +108,7 @@ class _EngineThread:
                 if command[0] == "close":
                     for request_id in list(self._waiters):
                         self._post(request_id, ConnectionError("MegatronAsyncLLM was shut down"), final=True)
+                    engine.shutdown()  # stops tensor-parallel followers, if any
                     return
                 self._apply(command)
             if not engine.has_unfinished_requests():

@@ -126,7 +126,18 @@ class MegatronLLM:
         return self._lifecycle("status")
 
     def shutdown(self) -> None:
-        """Coordinator mode: stop the local fleet this object started (or disconnect). Direct mode: nothing to stop."""
+        """Stop the local fleet this object started, or disconnect from a remote one (coordinator mode only)."""
+        self._require_coordinator("shutdown")
+        self.close()
+
+    def close(self) -> None:
+        """Release everything this object holds, in either mode (what ``with`` calls on exit).
+
+        Direct mode: stops the engine's tensor-parallel followers, if any.
+        """
+        if self.engine is not None:
+            engine, self.engine = self.engine, None
+            engine.shutdown()
         if self._remote is None:
             return
         remote, self._remote = self._remote, None
@@ -139,4 +150,4 @@ class MegatronLLM:
         return self
 
     def __exit__(self, *exc_info) -> None:
-        self.shutdown()
+        self.close()

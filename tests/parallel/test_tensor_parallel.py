@@ -34,7 +34,7 @@ def generate(model_dir: str, tp: int):
         outs = llm.generate(PROMPTS, GREEDY)
         return [o.generated_tokens for o in outs], [o.generated_log_probs for o in outs]
     finally:
-        llm.engine.shutdown()
+        llm.close()
 
 
 @pytest.mark.slow

@@ -157,7 +157,7 @@ def test_prompt_shapes_and_input_order(tiny_llama):
 
 def test_lifecycle_verbs_raise_in_direct_mode(tiny_llama):
     llm = MegatronLLM(tiny_llama)
-    for verb in ("pause", "unpause", "suspend", "resume"):
+    for verb in ("pause", "unpause", "suspend", "resume", "shutdown"):
         with pytest.raises(RuntimeError, match="coordinator mode"):
             getattr(llm, verb)()
 
