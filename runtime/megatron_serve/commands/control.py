@@ -97,12 +97,14 @@ def format_status(status: dict[str, Any]) -> str:
     if not engines:
         lines.append("no engines connected")
         return "\n".join(lines)
-    header = ("ENGINE", "GROUP", "STATE", "RUNNING", "WAITING", "KV FREE/TOTAL", "HEARTBEAT")
+    header = ("ENGINE", "GROUP", "STATE", "RUNNING", "WAITING", "KV FREE/TOTAL", "CACHED/COMPUTED", "HEARTBEAT")
     rows = [header]
     for e in engines:
         age = now - float(e.get("last_heartbeat") or now)
         rows.append((str(e["id"]), str(e["group"]), str(e["state"]), str(e["running"]), str(e["waiting"]),
-                     f"{e['kv_blocks_free']}/{e['kv_blocks_total']}", f"{max(age, 0.0):.1f}s ago"))
+                     f"{e['kv_blocks_free']}/{e['kv_blocks_total']}",
+                     f"{e.get('cached_tokens', '-')}/{e.get('computed_tokens', '-')}",  # prefix-cache token counters
+                     f"{max(age, 0.0):.1f}s ago"))
     widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
     for row in rows:
         lines.append("  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip())

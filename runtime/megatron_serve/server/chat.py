@@ -10,7 +10,7 @@ from fastapi.responses import StreamingResponse
 
 from ..client import StreamPartial
 from ..request import DynamicInferenceRequest
-from .completions import _finish
+from .completions import _finish, make_usage
 from .context import ServerContext
 from .errors import APIError
 from .models import (
@@ -73,11 +73,9 @@ class ChatHandler:
 
         self.jobs = make_jobs([self.prompt], self.n, params_for)
 
-    def usage(self, results: list[DynamicInferenceRequest]) -> Usage:
-        prompt_tokens = len(self.prompt.tokens)
-        completion_tokens = sum(len(r.generated_tokens) for r in results)
-        return Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                     total_tokens=prompt_tokens + completion_tokens)
+    def usage(self, finished: list[tuple[EngineJob, DynamicInferenceRequest]]) -> Usage:
+        """One prompt, counted once: with ``n > 1``, the cached tokens of choice 0 (see ``cached_prompt_tokens``)."""
+        return make_usage(len(self.prompt.tokens), finished)
 
     def _logprobs(self, tokens: list[int], log_probs: list[float],
                   top_n: list[dict[int, float]] | None) -> ChatChoiceLogprobs | None:
@@ -95,7 +93,7 @@ class ChatHandler:
             for job, result in zip(self.jobs, results)
         ]
         return ChatCompletionResponse(id=self.id, created=self.created, model=self.req.model, choices=choices,
-                                      usage=self.usage(results))
+                                      usage=self.usage(list(zip(self.jobs, results))))
 
     def _chunk(self, choices: list[ChatChunkChoice], usage: Usage | None = None) -> str:
         return sse(ChatCompletionChunk(id=self.id, created=self.created, model=self.req.model, choices=choices,
@@ -106,7 +104,7 @@ class ChatHandler:
         submission = self.ctx.submit(self.jobs)
         emitted: dict[int, str] = {}
         streamed_tokens: dict[int, int] = {}
-        results: list[DynamicInferenceRequest] = []
+        results: list[tuple[EngineJob, DynamicInferenceRequest]] = []
         started = False
         stream = submission.stream()
         try:
@@ -130,7 +128,7 @@ class ChatHandler:
                                                        logprobs=logprobs)])
                     continue
                 result: DynamicInferenceRequest = item
-                results.append(result)
+                results.append((job, result))
                 final_text = result.generated_text or ""
                 sent = emitted[job.index]
                 rest = final_text[len(sent):] if final_text.startswith(sent) else ""

@@ -12,7 +12,15 @@ from ..client import StreamPartial
 from ..request import DynamicInferenceRequest
 from .context import ServerContext
 from .errors import APIError, unsupported
-from .models import CompletionChoice, CompletionChunk, CompletionLogprobs, CompletionRequest, CompletionResponse, Usage
+from .models import (
+    CompletionChoice,
+    CompletionChunk,
+    CompletionLogprobs,
+    CompletionRequest,
+    CompletionResponse,
+    PromptTokensDetails,
+    Usage,
+)
 from .streaming import DONE, error_event, event_stream_response, sse
 from .translate import (
     DEFAULT_COMPLETION_TOKENS,
@@ -43,6 +51,29 @@ def completion_logprobs(tokenizer: Any, tokens: list[int], log_probs: list[float
                for d in top_n[: len(tokens)]]
         top += [None] * (len(tokens) - len(top))
     return CompletionLogprobs(tokens=texts, token_logprobs=token_logprobs, top_logprobs=top, text_offset=offsets)
+
+
+def cached_prompt_tokens(finished: list[tuple[EngineJob, DynamicInferenceRequest]]) -> int:
+    """Prompt tokens served from the prefix cache, counted once per prompt like ``usage.prompt_tokens``.
+
+    With ``n > 1`` each choice of a prompt is its own engine request with its own count; the count
+    of the prompt's first choice (lowest choice index, submitted first) is the one reported: it says
+    whether the prompt was already cached when the request arrived, while its siblings may also hit
+    the blocks that this very request computed.
+    """
+    first: dict[int, tuple[int, int]] = {}  # prompt index -> (choice index, cached tokens)
+    for job, result in finished:
+        known = first.get(job.prompt_index)
+        if known is None or job.index < known[0]:
+            first[job.prompt_index] = (job.index, min(int(result.cached_tokens or 0), len(job.prompt.tokens)))
+    return sum(cached for _, cached in first.values())
+
+
+def make_usage(prompt_tokens: int, finished: list[tuple[EngineJob, DynamicInferenceRequest]]) -> Usage:
+    completion_tokens = sum(len(r.generated_tokens) for _, r in finished)
+    return Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                 total_tokens=prompt_tokens + completion_tokens,
+                 prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_prompt_tokens(finished)))
 
 
 def _echo_text(ctx: ServerContext, prompt: Prompt) -> str:
@@ -80,11 +111,8 @@ class CompletionHandler:
 
         self.jobs = make_jobs(self.prompts, self.n, params_for)
 
-    def usage(self, results: list[DynamicInferenceRequest]) -> Usage:
-        prompt_tokens = sum(len(p.tokens) for p in self.prompts)
-        completion_tokens = sum(len(r.generated_tokens) for r in results)
-        return Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                     total_tokens=prompt_tokens + completion_tokens)
+    def usage(self, finished: list[tuple[EngineJob, DynamicInferenceRequest]]) -> Usage:
+        return make_usage(sum(len(p.tokens) for p in self.prompts), finished)
 
     # ------------------------------------------------------------------ whole answer
 
@@ -102,7 +130,7 @@ class CompletionHandler:
             choices.append(CompletionChoice(index=job.index, text=prefix + text, logprobs=logprobs,
                                             finish_reason=_finish(result)))
         return CompletionResponse(id=self.id, created=self.created, model=self.req.model, choices=choices,
-                                  usage=self.usage(results))
+                                  usage=self.usage(list(zip(self.jobs, results))))
 
     # ------------------------------------------------------------------ streamed answer
 
@@ -117,7 +145,7 @@ class CompletionHandler:
         emitted: dict[int, str] = {}  # job index -> text sent so far (generated part)
         offsets: dict[int, int] = {}  # job index -> text offset for the next log-prob token
         streamed_tokens: dict[int, int] = {}
-        results: list[DynamicInferenceRequest] = []
+        results: list[tuple[EngineJob, DynamicInferenceRequest]] = []
         started = False
         stream = submission.stream()
         try:
@@ -144,7 +172,7 @@ class CompletionHandler:
                     yield self._chunk(job, prefix + text, logprobs)
                     continue
                 result: DynamicInferenceRequest = item
-                results.append(result)
+                results.append((job, result))
                 final_text = result.generated_text or ""
                 sent = emitted[job.index]
                 rest = final_text[len(sent):] if final_text.startswith(sent) else ""

@@ -181,6 +181,8 @@ class FleetMonitor:
             "waiting": sum(int(e.get("waiting") or 0) for e in engines),
             "kv_blocks_total": total,
             "kv_blocks_used": max(total - free, 0),
+            "cached_tokens": sum(int(e.get("cached_tokens") or 0) for e in engines),
+            "computed_tokens": sum(int(e.get("computed_tokens") or 0) for e in engines),
             "completed": int(status.get("completed") or 0),
             "failed": int(status.get("failed") or 0),
         }

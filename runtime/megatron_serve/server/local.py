@@ -76,6 +76,8 @@ class AsyncLLMBackend:
             "engines": [{"id": "local", "group": 0, "state": "RUNNING", "running": engine.num_running,
                          "waiting": engine.num_waiting, "kv_blocks_free": engine.kv_blocks_free,
                          "kv_blocks_total": engine.kv_blocks_total,
+                         "cached_tokens": int(getattr(engine, "cached_tokens", 0) or 0),
+                         "computed_tokens": int(getattr(engine, "computed_tokens", 0) or 0),
                          "info": {"max_sequence_length": engine.max_sequence_length}}],
             "queued": 0,
             "in_flight": engine.num_running + engine.num_waiting,

@@ -56,7 +56,24 @@ class _FleetCollector(Collector):
         yield gauge("requests_waiting", "requests waiting inside engines (their last heartbeat)", totals["waiting"])
         yield gauge("kv_blocks_used", "KV cache blocks in use, all engines", totals["kv_blocks_used"])
         yield gauge("kv_blocks_total", "KV cache blocks, all engines", totals["kv_blocks_total"])
+        yield gauge("engine_cached_tokens", "prompt tokens the engines skipped thanks to their prefix caches "
+                    "(sum of the engines' counters since they started)", totals["cached_tokens"])
+        yield gauge("engine_computed_tokens", "tokens the engines ran through the model, prefill and decode "
+                    "(sum of the engines' counters since they started)", totals["computed_tokens"])
         yield gauge("server_pending_requests", "engine requests this server is waiting on", self.pending())
+
+
+class _HitRateCollector(Collector):
+    """Prefix-cache hit rate of this server's finished requests: cached / prompt tokens (0 before any)."""
+
+    def __init__(self, metrics: "ServerMetrics") -> None:
+        self.metrics = metrics
+
+    def collect(self) -> Iterable[GaugeMetricFamily]:
+        m = self.metrics
+        rate = m._cached_total / m._prompt_total if m._prompt_total else 0.0
+        yield GaugeMetricFamily(f"{_PREFIX}_prefix_cache_hit_rate",
+                                "cached prompt tokens / prompt tokens of the requests this server finished", value=rate)
 
 
 class ServerMetrics:
@@ -72,6 +89,11 @@ class ServerMetrics:
         self.finish_reasons = Counter(f"{_PREFIX}_finish_reasons", "completed choices by finish reason",
                                       ["reason"], registry=r)
         self.prompt_tokens = Counter(f"{_PREFIX}_prompt_tokens", "prompt tokens of finished requests", registry=r)
+        self.cached_prompt_tokens = Counter(f"{_PREFIX}_cached_prompt_tokens",
+                                            "prompt tokens of finished requests served from the prefix cache",
+                                            registry=r)
+        self._prompt_total = 0  # the two counters' values, for the hit rate
+        self._cached_total = 0
         self.generation_tokens = Counter(f"{_PREFIX}_generation_tokens", "tokens generated for finished requests",
                                          registry=r)
         self.ttft = Histogram(f"{_PREFIX}_time_to_first_token_seconds", "time from arrival to the first token",
@@ -85,6 +107,7 @@ class ServerMetrics:
         for reason in ("stop", "length"):
             self.finish_reasons.labels(reason)
         self.registry.register(_FleetCollector(monitor, pending))
+        self.registry.register(_HitRateCollector(self))
 
     def observe_finished(self, request: Any) -> None:
         """Count one finished engine request (a ``DynamicInferenceRequest``)."""
@@ -101,7 +124,12 @@ class ServerMetrics:
         else:
             self.requests.labels("failed").inc()
         generated = len(getattr(request, "generated_tokens", []) or [])
-        self.prompt_tokens.inc(len(getattr(request, "prompt_tokens", []) or []))
+        prompt = len(getattr(request, "prompt_tokens", []) or [])
+        cached = min(int(getattr(request, "cached_tokens", 0) or 0), prompt)
+        self.prompt_tokens.inc(prompt)
+        self.cached_prompt_tokens.inc(cached)
+        self._prompt_total += prompt
+        self._cached_total += cached
         self.generation_tokens.inc(generated)
         ttft, latency = getattr(request, "ttft", None), getattr(request, "latency", None)
         if ttft is not None and ttft >= 0:

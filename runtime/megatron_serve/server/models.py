@@ -114,10 +114,16 @@ class ChatCompletionRequest(_SamplingRequest):
 # ----------------------------------------------------------------------------- responses
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = Field(0, description="prompt tokens whose KV blocks came from the prefix cache "
+                                              "(not computed again)")
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
 
 
 FinishReasonName = Literal["stop", "length"]
