@@ -31,6 +31,7 @@ from typing import Any, Callable, Iterator
 
 import zmq
 
+from .errors import EngineGroupLost
 from .protocol import FROM_COORDINATOR, ErrorCode, FleetState, Header, ProtocolError, Role, decode, encode
 from .request import DynamicInferenceRequest, FinishReason, RequestStatus
 
@@ -238,6 +239,9 @@ class EngineProcess:
             facts["block_size"] = block_size
             facts["prefix_caching"] = bool(getattr(engine.config, "enable_prefix_caching", False))
         facts.update(info or {})
+        self.weights_source: str | None = facts.get("model")  # where the served weights came from (REFIT replaces it)
+        facts["epoch"] = int(getattr(engine, "epoch", 0) or 0)
+        facts["weights"] = self.weights_source
         hello = {"role": Role.ENGINE.value, "token": token, "engine_group": group, "capacity": capacity,
                  "info": facts}
         self.link = CoordinatorLink(address, hello, heartbeat_interval=heartbeat_interval,
@@ -318,6 +322,8 @@ class EngineProcess:
         self.engine_id = ack.get("engine_id")
         logger.info("registered with coordinator %s as %s (group %s), state %s", ack["coordinator_id"],
                     self.engine_id, ack.get("engine_group"), ack["state"])
+        if ack.get("refit") and not self._sync_weights(ack["refit"]):
+            return
         target = ack["state"]
         if target == FleetState.SUSPENDED.value:
             self._suspend(int(ack.get("suspend_level") or 1))
@@ -341,7 +347,7 @@ class EngineProcess:
         elif header in (Header.PAUSE, Header.UNPAUSE, Header.SUSPEND, Header.RESUME, Header.STOP):
             self._on_verb(header, body)
         elif header is Header.REFIT:
-            self._ack(body["control_id"], {"error": "REFIT is not supported by this engine"})
+            self._on_refit(body)
 
     def _add(self, data: dict[str, Any]) -> None:
         try:
@@ -360,6 +366,10 @@ class EngineProcess:
     def _step(self) -> None:
         try:
             outputs = self.engine.step()
+        except EngineGroupLost:
+            # Stepping again is impossible: exit, so the coordinator re-queues this group's requests.
+            logger.exception("engine group lost a rank; exiting so its requests move to other groups")
+            raise SystemExit(1) from None
         except Exception as exc:  # an engine bug or device failure: fail what ran, keep serving
             logger.exception("engine step failed")
             failed = self.engine.take_unfinished_requests()
@@ -378,6 +388,9 @@ class EngineProcess:
                                     "new_text": out.new_text or "", "finished": bool(out.finished)}
             if out.new_log_probs:
                 item["new_log_probs"] = [float(x) for x in out.new_log_probs]
+            if out.new_tokens and not out.finished:  # the coordinator mirrors them for a request that moves
+                n = len(out.new_tokens)
+                item["epochs"] = [list(out.request.policy_epochs[-n:]), list(out.request.kv_epochs[-n:])]
             if out.finished:
                 item["request"] = out.request.to_dict()
             payload.append(item)
@@ -395,7 +408,8 @@ class EngineProcess:
             return
         self._stats_at = now
         e = self.engine
-        stats: dict[str, Any] = {"steps": self.steps, "suspend_level": self.suspend_level}
+        stats: dict[str, Any] = {"steps": self.steps, "suspend_level": self.suspend_level,
+                                 "epoch": int(getattr(e, "epoch", 0) or 0)}
         extra = getattr(e, "routing_stats", None)
         if callable(extra):
             stats.update(extra())
@@ -459,6 +473,68 @@ class EngineProcess:
             self.stop_control_id = control_id
             timeout = body.get("drain_timeout")
             self._begin_drain(self.drain_timeout if timeout is None else float(timeout), "STOP")
+
+    # -- weight refit
+
+    def _note_weights(self) -> None:
+        """What the next HELLO says about our weights (a restarted coordinator syncs us by it)."""
+        info = self.link.hello["info"]
+        info["epoch"] = int(getattr(self.engine, "epoch", 0) or 0)
+        info["weights"] = self.weights_source
+
+    def _on_refit(self, body: dict[str, Any]) -> None:
+        """REFIT at a step boundary: phase ``verify`` checks shapes only; ``load`` swaps the weights in place.
+
+        The coordinator verifies on every engine before any engine loads, so a bad source leaves
+        the whole fleet on its old weights. A load that fails after verification (a read error)
+        leaves this engine's weights mixed: its epoch becomes -1 and the coordinator makes it
+        register again, which loads the fleet's current weights or exits.
+        """
+        control_id, source, phase = body["control_id"], body["source"], body.get("phase") or "load"
+        if self.state not in (FleetState.PAUSED.value, FleetState.SUSPENDED.value):
+            self._ack(control_id, {"error": f"REFIT needs a paused or suspended engine; this one is {self.state}"})
+            return
+        if not callable(getattr(self.engine, "refit", None)):
+            self._ack(control_id, {"error": "this engine cannot refit its weights"})
+            return
+        try:
+            if phase == "verify":
+                self._ack(control_id, {"verified_s": round(float(self.engine.verify_refit(source)), 6)})
+                return
+            timings = self.engine.refit(source, body.get("epoch"))
+        except Exception as exc:  # noqa: BLE001 - any failure is reported; the fleet decides
+            epoch = int(getattr(self.engine, "epoch", 0) or 0)
+            logger.error("REFIT (%s) from %s failed: %s", phase, source, exc)
+            self._note_weights()
+            self._ack(control_id, {"error": str(exc) or type(exc).__name__, "phase": phase, "epoch": epoch,
+                                   "weights_intact": epoch != -1})
+            return
+        self.weights_source = source
+        self._note_weights()
+        logger.info("refit: epoch %d from %s in %.2fs (verify %.2fs, load %.2fs)", timings["epoch"], source,
+                    timings["total_s"], timings["verify_s"], timings["load_s"])
+        self._ack(control_id, {**{k: round(float(v), 6) for k, v in timings.items() if k != "epoch"},
+                               "epoch": int(timings["epoch"]), "source": source})
+
+    def _sync_weights(self, refit: dict[str, Any]) -> bool:
+        """At registration: load the fleet's current weights if ours differ. False (fatal) when that fails."""
+        source, epoch = refit.get("source"), refit.get("epoch")
+        if not isinstance(source, str) or not isinstance(epoch, int) or isinstance(epoch, bool):
+            logger.warning("ignoring a malformed refit instruction in HELLO_ACK: %r", refit)
+            return True
+        if source == self.weights_source and epoch == int(getattr(self.engine, "epoch", 0) or 0):
+            return True
+        logger.info("the fleet serves epoch %d from %s: loading it before serving", epoch, source)
+        try:
+            timings = self.engine.refit(source, epoch)
+        except Exception as exc:  # noqa: BLE001
+            self.fatal = (f"cannot load the fleet's current weights (epoch {epoch}) from {source}: {exc} "
+                          "(start this engine with a model of the fleet's architecture)")
+            return False
+        self.weights_source = source
+        self._note_weights()
+        logger.info("loaded epoch %d in %.2fs", epoch, timings["total_s"])
+        return True
 
     def _begin_drain(self, timeout: float, why: str) -> None:
         if self.drain_deadline is None:

@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from .config import InferenceConfig
+from .errors import EngineGroupLost
 from .model.loader import iterate_checkpoint, load_model, load_weights, verify_checkpoint
 from .model.parallel import TensorParallel
 from .model_runner import ModelRunner, StepPlan, plan_step
@@ -114,19 +115,26 @@ class TensorParallelRunner(ModelRunner):
         self.workers = workers
 
     def _broadcast(self, kind: str, payload: object = None) -> None:
-        dist.broadcast_object_list([(kind, payload)], src=0, group=self.tp.group)
+        self._check_workers()
+        try:
+            dist.broadcast_object_list([(kind, payload)], src=0, group=self.tp.group)
+        except Exception as exc:  # noqa: BLE001 - a collective fails only when the group broke
+            raise EngineGroupLost(f"tensor-parallel group broke during {kind!r}: {exc}") from exc
 
     def _check_workers(self) -> None:
         """Fail fast when a local rank died, instead of waiting on a collective that cannot finish."""
         dead = [w.name for w in self.workers if not w.is_alive()]
         if dead:
-            raise RuntimeError(f"tensor-parallel group lost {', '.join(dead)}; this engine group must restart")
+            raise EngineGroupLost(f"tensor-parallel group lost {', '.join(dead)}; this engine group must restart")
 
     def execute(self, entries, kv_caches) -> torch.Tensor:
-        self._check_workers()
         plan = plan_step(entries, self.block_size)
         self._broadcast("step", plan)
-        return self.run_plan(plan, kv_caches)
+        try:
+            return self.run_plan(plan, kv_caches)
+        except Exception as exc:  # noqa: BLE001 - the forward's all-reduces fail when a peer died mid-step
+            self._check_workers()
+            raise EngineGroupLost(f"tensor-parallel forward failed: {exc}") from exc
 
     def on_suspend(self, level: int) -> None:
         self._broadcast("suspend", level)
@@ -142,6 +150,8 @@ class TensorParallelRunner(ModelRunner):
             return
         try:
             self._broadcast("stop")
+        except EngineGroupLost:
+            pass  # followers already gone: nothing left to stop
         finally:
             dist.destroy_process_group()
             for worker in self.workers:
