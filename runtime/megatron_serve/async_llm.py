@@ -12,7 +12,10 @@ Two modes behind one interface:
   disconnects (it never stops a fleet it did not start; send :meth:`stop` for that).
 
 The lifecycle verbs (``pause``, ``unpause``, ``suspend``, ``resume``, ``shutdown``) exist only in
-coordinator mode and raise ``RuntimeError`` in direct mode. ``async with`` starts the object and
+coordinator mode and raise ``RuntimeError`` in direct mode. ``refit`` works in both: through the
+coordinator (fleet PAUSED or SUSPENDED) or, in direct mode, on the in-process engine between two
+steps (there is one replica, so nothing can disagree; requests in flight continue on the new
+weights and their per-token epochs show the switch). ``async with`` starts the object and
 on exit calls :meth:`close`, which shuts down in either mode.
 """
 
@@ -36,6 +39,14 @@ from .request import DynamicInferenceRequest
 from .sampling_params import SamplingParams
 
 logger = logging.getLogger("megatron_serve.async_llm")
+
+
+def direct_refit_answer(source: str, timings: dict[str, Any]) -> dict[str, Any]:
+    """A direct-mode refit in the shape of the coordinator's acknowledgement (one engine, ``local``)."""
+    facts = {k: v for k, v in timings.items() if k != "epoch"}
+    facts.update(epoch=int(timings["epoch"]), source=source)
+    return {"state": "RUNNING", "detail": {"epoch": int(timings["epoch"]), "source": source, "noop": False,
+                                           "engines": {"local": facts}}}
 
 
 def _settle(future: asyncio.Future, result: Any = None, exc: BaseException | None = None) -> None:
@@ -73,6 +84,13 @@ class _EngineThread:
 
     def abort(self, request_id: str) -> None:
         self._commands.put(("abort", request_id))
+
+    def refit(self, source: str, epoch: int | None) -> asyncio.Future:
+        """Refit the engine between two steps; the future resolves to its timings (or its error)."""
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        self._commands.put(("refit", source, epoch, loop, future))
+        return future
 
     def close(self, timeout: float = 30.0) -> None:
         if self._started and self._thread.is_alive():
@@ -130,6 +148,17 @@ class _EngineThread:
                     self._post(request_id, out.request, final=True)
 
     def _apply(self, command: tuple[Any, ...]) -> None:
+        if command[0] == "refit":
+            _, source, epoch, loop, future = command
+            try:
+                result, exc = self.engine.refit(source, epoch), None
+            except Exception as error:  # noqa: BLE001 - handed to the caller
+                result, exc = None, error
+            try:
+                loop.call_soon_threadsafe(_settle, future, result, exc)
+            except RuntimeError:  # the caller's loop is closed
+                pass
+            return
         if command[0] == "abort":
             request = self.engine.abort_request(command[1])
             if request is not None:
@@ -361,6 +390,21 @@ class MegatronAsyncLLM:
         self._require_coordinator("stop")
         await self._ensure_started()
         return await self._client.stop()
+
+    async def refit(self, source: str | os.PathLike, epoch: int | None = None) -> dict[str, Any]:
+        """Load new weights of the same shapes from model directory ``source`` in place.
+
+        Coordinator mode: the REFIT verb (the fleet must be PAUSED or SUSPENDED); resolves on the
+        acknowledgement. Direct mode: the engine refits between two steps. Either way the answer is
+        ``{"state", "detail": {"epoch", "source", "engines": {id: timings}}}``, and a source of other
+        shapes raises (``ControlError`` / ``ValueError``) with the old weights still serving.
+        """
+        source = os.fspath(source)
+        await self._ensure_started()
+        if self.use_coordinator:
+            return await self._client.refit(source, epoch)
+        timings = await self._engine_thread.refit(source, epoch)
+        return direct_refit_answer(source, timings)
 
     async def status(self) -> dict[str, Any]:
         self._require_coordinator("status")

@@ -490,6 +490,23 @@ class InferenceClient:
         """The STOP verb: every engine drains and exits. (To close this client, use :meth:`close`.)"""
         return await self._control(Header.STOP, timeout, drain_timeout=drain_timeout)
 
+    async def refit(self, source: str, epoch: int | None = None, timeout: float | None = None) -> dict[str, Any]:
+        """REFIT (fleet PAUSED or SUSPENDED): every engine loads the weights in model directory ``source``.
+
+        ``source`` is a path as the engines see it; its shapes must equal the served model's.
+        ``epoch`` (default: the current one + 1) is the generation recorded for the new weights and
+        reported with every token generated under them. The coordinator verifies the source on every
+        engine before any engine loads it: a mismatch raises :class:`ControlError` (code
+        ``refit_failed``) naming the engine and the problem, and the fleet keeps its old weights.
+        The acknowledgement's ``detail`` holds ``epoch``, ``source`` and per-engine timings
+        (``verify_s``, ``load_s``, ``total_s``).
+        """
+        if not isinstance(source, str) or not source:
+            raise ValueError("source must be a non-empty model directory path")
+        if epoch is not None and (isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0):
+            raise ValueError(f"epoch must be an integer >= 0, got {epoch!r}")
+        return await self._control(Header.REFIT, timeout, source=source, epoch=epoch)
+
     async def status(self, timeout: float | None = 10.0) -> dict[str, Any]:
         """The ``STATUS_REPLY`` fields: state, engines, queued, in_flight, completed, failed, ..."""
         self._require_started()

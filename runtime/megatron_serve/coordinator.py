@@ -106,6 +106,9 @@ class EngineRecord:
     last_seen: float = field(default_factory=time.monotonic)  # for the timeout
     assigned: set[str] = field(default_factory=set)
     completed: int = 0  # requests this engine finished (for STATUS and balance checks)
+    epoch: int = 0  # generation of the weights it serves (from its HELLO, then its REFIT acks)
+    weights: str | None = None  # where those weights came from
+    last_refit: dict[str, Any] = field(default_factory=dict)  # timings of its last REFIT
     cached_tokens: int = 0  # prompt tokens the engine skipped thanks to its prefix cache (its heartbeat)
     computed_tokens: int = 0  # tokens the engine ran through its model (its heartbeat)
 
@@ -129,6 +132,9 @@ class EngineRecord:
             "computed_tokens": self.computed_tokens,
             "capacity": self.capacity,
             "info": self.info,
+            "epoch": self.epoch,
+            "weights": self.weights,
+            "last_refit": self.last_refit or None,
         }
 
 
@@ -184,10 +190,15 @@ class ControlOp:
     target_state: str = ""
     noop: bool = False
     started: float = field(default_factory=time.monotonic)
+    source: str | None = None  # REFIT: the new weights
+    epoch: int | None = None  # REFIT: the generation they become
+    failed: dict[str, str] = field(default_factory=dict)  # REFIT: engine id -> why it could not load
 
 
 class IllegalTransition(Exception):
-    pass
+    def __init__(self, message: str, code: ErrorCode = ErrorCode.ILLEGAL_TRANSITION) -> None:
+        super().__init__(message)
+        self.code = code
 
 
 class _DropLog:
@@ -247,6 +258,7 @@ class Coordinator:
         client_timeout: float = DEFAULT_CLIENT_TIMEOUT,
         max_message_bytes: int = MAX_MESSAGE_BYTES,
         dispatch_factor: float = 2.0,
+        model: str | None = None,
     ) -> None:
         self.tokenizer = tokenizer
         self.host = host
@@ -259,6 +271,12 @@ class Coordinator:
         self.max_message_bytes = int(max_message_bytes)
         self.dispatch_factor = float(dispatch_factor)
         self.coordinator_id = uuid.uuid4().hex[:12]
+        # Weights generation: engines started from ``model`` that register with another epoch load
+        # ``weights_source`` first (None: nothing was refitted, the model directory itself is current).
+        self.model = model
+        self.epoch = 0
+        self.weights_source: str | None = None
+        self.refits = 0
 
         self.state = FleetState.RUNNING
         self.suspend_level = 0
@@ -506,16 +524,20 @@ class Coordinator:
                               info=info, kv_blocks_total=int(info.get("kv_blocks_total", 0) or 0),
                               kv_blocks_free=int(info.get("kv_blocks_total", 0) or 0))
         engine.state = self._engine_adopted_state()
+        refit = self._weights_for(engine)
         self.engines[engine_id] = engine
         self.peers[identity] = (Role.ENGINE, engine_id)
-        ok = self._send(identity, Header.HELLO_ACK, {
+        ack_body = {
             "coordinator_id": self.coordinator_id,
             "state": self.state.value,
             "engine_id": engine_id,
             "engine_group": group,
             "suspend_level": self.suspend_level,
             "heartbeat_interval": 1.0,
-        })
+        }
+        if refit is not None:
+            ack_body["refit"] = refit
+        ok = self._send(identity, Header.HELLO_ACK, ack_body)
         if not ok:
             self._remove_engine(engine, "HELLO_ACK could not be sent")
             return
@@ -523,6 +545,44 @@ class Coordinator:
                     engine.capacity, self.state.value,
                     "".join(f", {k} {info[k]}" for k in ("host", "pid") if k in info))
         self._dispatch()
+
+    def _same_model(self, engine: EngineRecord) -> bool:
+        """Whether the engine was started from this coordinator's model (unknown on either side: yes).
+
+        An engine of another model is part of a rolling replacement: it is neither synced to the
+        refitted weights nor taken as the source of truth about them (STATUS flags its epoch).
+        """
+        theirs = engine.info.get("model")
+        if not self.model or not isinstance(theirs, str):
+            return True
+        return os.path.normpath(theirs) == os.path.normpath(self.model)
+
+    def _weights_for(self, engine: EngineRecord) -> dict[str, Any] | None:
+        """At registration: the ``refit`` an engine must load before serving, if any.
+
+        A coordinator that never refitted (e.g. it restarted) adopts the weights of the first
+        registering engine of its model that reports a refit, so the fleet's epoch survives a
+        coordinator restart; engines that then register with other weights load them.
+        """
+        epoch = engine.info.get("epoch")
+        engine.epoch = epoch if isinstance(epoch, int) and not isinstance(epoch, bool) else 0
+        weights = engine.info.get("weights")
+        engine.weights = weights if isinstance(weights, str) else None
+        if not self._same_model(engine):
+            return None
+        if self.weights_source is None:
+            if engine.epoch > self.epoch and engine.weights is not None and \
+                    all(e.epoch == self.epoch for e in self.engines.values() if self._same_model(e)):
+                self.epoch, self.weights_source = engine.epoch, engine.weights
+                logger.info("adopted weights epoch %d (%s) from engine %s", self.epoch, self.weights_source,
+                            engine.engine_id)
+            return None
+        if engine.epoch == self.epoch and engine.weights == self.weights_source:
+            return None
+        logger.info("engine %s serves epoch %d: it loads the fleet's epoch %d (%s) before serving",
+                    engine.engine_id, engine.epoch, self.epoch, self.weights_source)
+        engine.epoch, engine.weights = self.epoch, self.weights_source  # it exits if it cannot
+        return {"source": self.weights_source, "epoch": self.epoch}
 
     def _engine_adopted_state(self) -> str:
         return FleetState.PAUSED.value if self.state is FleetState.STOPPED else self.state.value
@@ -789,6 +849,7 @@ class Coordinator:
             if new_tokens:
                 request.generated_tokens.extend(new_tokens)
                 request.generated_log_probs.extend(new_log_probs)
+                self._mirror_epochs(request, len(new_tokens), out.get("epochs"))
                 request.status = RequestStatus.ACTIVE
                 if record.stream:
                     client = self.clients.get(record.client_id)
@@ -812,6 +873,15 @@ class Coordinator:
                     final_data = None
                 self._finish(record, final, final_data)
         self._dispatch()
+
+    @staticmethod
+    def _mirror_epochs(request: DynamicInferenceRequest, n: int, epochs: Any) -> None:
+        """Keep the per-token weight epochs with the mirrored tokens (-1: not reported)."""
+        ok = isinstance(epochs, list) and len(epochs) == 2 and all(
+            isinstance(e, list) and len(e) == n and all(isinstance(x, int) for x in e) for e in epochs)
+        policy, kv = epochs if ok else ([-1] * n, [-1] * n)
+        request.policy_epochs.extend(policy)
+        request.kv_epochs.extend(kv)
 
     def _requeue(self, record: RequestRecord, reason: str) -> None:
         """Put a request that lost its engine back at the head of the queue, keeping its tokens."""
@@ -895,9 +965,10 @@ class Coordinator:
             return
         if any(op.control_id == control_id for op in self.controls):
             return  # in progress; the answer goes to the client's current connection
-        if header is Header.REFIT:
-            self._send(identity, Header.ERROR, {"code": ErrorCode.UNSUPPORTED.value, "control_id": control_id,
-                                                "message": "REFIT is not supported by this coordinator"})
+        epoch = body.get("epoch")
+        if header is Header.REFIT and ((epoch is not None and epoch < 0) or not body["source"]):
+            self._send(identity, Header.ERROR, {"code": ErrorCode.INVALID_REQUEST.value, "control_id": control_id,
+                                                "message": "REFIT needs a non-empty source and an epoch >= 0"})
             return
         level = body.get("level") or 1
         if header is Header.SUSPEND and level not in (1, 2):
@@ -906,6 +977,8 @@ class Coordinator:
             return
         op = ControlOp(control_id=control_id, verb=header, client_id=client.client_id, level=int(level),
                        drain_timeout=body.get("drain_timeout"))
+        if header is Header.REFIT:
+            op.source, op.epoch = body["source"], epoch
         self.controls.append(op)
         logger.info("%s %s: %s requested (state %s)", client.role.value, client.client_id[:8], header.name,
                     self.state.value)
@@ -916,6 +989,8 @@ class Coordinator:
         state, verb = self.state, op.verb
         if verb is Header.STOP:
             return [Header.STOP], FleetState.STOPPED
+        if verb is Header.REFIT:
+            return self._plan_refit(op), state
         if state is FleetState.STOPPED and verb is not Header.UNPAUSE:
             raise IllegalTransition(f"{verb.name} is not allowed while STOPPED (UNPAUSE restarts the fleet)")
         if verb is Header.PAUSE:
@@ -936,6 +1011,34 @@ class Coordinator:
             return [Header.RESUME], state  # memory already resident: a no-op that still acks
         raise IllegalTransition(f"unknown verb {verb.name}")
 
+    def _plan_refit(self, op: ControlOp) -> list[Header]:
+        """REFIT: verify on every engine, then load on every engine (two broadcasts of REFIT)."""
+        if self.state not in (FleetState.PAUSED, FleetState.SUSPENDED):
+            raise IllegalTransition(f"REFIT is only allowed while PAUSED or SUSPENDED; the fleet is "
+                                    f"{self.state.value} (PAUSE first)")
+        if not self.engines:
+            raise IllegalTransition("REFIT needs at least one connected engine to verify the new weights",
+                                    ErrorCode.REFIT_FAILED)
+        if op.epoch is None:
+            op.epoch = self.epoch + 1
+        return [Header.REFIT, Header.REFIT]
+
+    def _refit_verify_failed(self, op: ControlOp) -> bool:
+        """After the verify broadcast: refuse the whole REFIT if any engine refused the source."""
+        if op.verb is not Header.REFIT or op.step_index != 0:
+            return False
+        errors = {eid: f["error"] for eid, f in op.engines.items() if f.get("error")}
+        if not errors:
+            return False
+        self.controls.popleft()
+        eid, why = sorted(errors.items())[0]
+        message = (f"REFIT refused by engine {eid}" + (f" and {len(errors) - 1} more" if len(errors) > 1 else "")
+                   + f": {why}; the fleet keeps serving epoch {self.epoch}")
+        logger.warning("%s", message)
+        self._answer(op, Header.ERROR, {"code": ErrorCode.REFIT_FAILED.value, "message": message,
+                                        "control_id": op.control_id})
+        return True
+
     def _advance_controls(self) -> None:
         """Drive the verb at the head of the queue: plan it, broadcast each step, complete it.
 
@@ -954,7 +1057,7 @@ class Coordinator:
                     except IllegalTransition as exc:
                         self.controls.popleft()
                         logger.info("%s refused: %s", op.verb.name, exc)
-                        self._answer(op, Header.ERROR, {"code": ErrorCode.ILLEGAL_TRANSITION.value,
+                        self._answer(op, Header.ERROR, {"code": exc.code.value,
                                                         "message": str(exc), "control_id": op.control_id})
                         continue
                     previous_level = self.suspend_level if self.state is FleetState.SUSPENDED else 0
@@ -969,6 +1072,8 @@ class Coordinator:
                     op.step_index = 0
                 elif op.waiting:
                     return
+                elif self._refit_verify_failed(op):
+                    continue
                 else:
                     op.step_index += 1
                 while op.step_index < len(op.steps):
@@ -989,6 +1094,13 @@ class Coordinator:
             body["level"] = self.suspend_level
         if verb is Header.STOP and op.drain_timeout is not None:
             body["drain_timeout"] = op.drain_timeout
+        if verb is Header.REFIT:
+            body.update(source=op.source, epoch=op.epoch, phase="verify" if op.step_index == 0 else "load")
+            if op.step_index == 1:
+                # Every engine verified the source: from now on it is the fleet's weights, also for
+                # engines that register while (or after) the others load it.
+                self.epoch, self.weights_source = int(op.epoch), op.source
+                self.refits += 1
         unreachable = []
         for engine in list(self.engines.values()):
             if verb is Header.STOP:
@@ -1012,9 +1124,24 @@ class Coordinator:
         facts = op.engines.setdefault(engine.engine_id, {"group": engine.group})
         facts.update(body.get("detail") or {})
         facts["state"] = engine.state
+        if op.verb is Header.REFIT and op.step_index == 1 and self._on_refit_loaded(op, engine, facts):
+            return
         if op.steps[op.step_index] is Header.STOP:
             self._remove_engine(engine, "stopped", expected=True)  # it exits now; not a failure
         self._advance_controls()
+
+    def _on_refit_loaded(self, op: ControlOp, engine: EngineRecord, facts: dict[str, Any]) -> bool:
+        """An engine's answer to the load phase; True when it failed and was removed (advancing done)."""
+        if not facts.get("error"):
+            engine.epoch, engine.weights = int(op.epoch), op.source
+            engine.last_refit = {k: facts[k] for k in ("verify_s", "load_s", "total_s") if k in facts}
+            return False
+        # It verified the source but could not load it: its weights cannot be trusted. Removing it
+        # re-queues its requests; it registers again and loads the fleet's weights, or exits.
+        op.failed[engine.engine_id] = str(facts["error"])
+        self._remove_engine(engine, f"REFIT load failed: {facts['error']}")
+        self._advance_controls()
+        return True
 
     def _complete(self, op: ControlOp) -> None:
         detail: dict[str, Any] = {"previous_state": op.previous_state, "noop": op.noop, "engines": op.engines}
@@ -1023,6 +1150,10 @@ class Coordinator:
             detail["released_bytes"] = sum(released)
         if op.verb is Header.SUSPEND:
             detail["level"] = self.suspend_level
+        if op.verb is Header.REFIT:
+            detail.update(noop=False, epoch=self.epoch, source=self.weights_source)
+            if op.failed:
+                detail["failed"] = dict(op.failed)
         body = {"control_id": op.control_id, "state": self.state.value, "detail": detail}
         logger.info("%s acknowledged: %s -> %s by %d engine(s)%s", op.verb.name, op.previous_state, self.state.value,
                     len(op.engines), f", released {detail['released_bytes']} bytes" if released else "")
@@ -1067,6 +1198,10 @@ class Coordinator:
             "clients": sum(1 for c in self.clients.values() if c.identity is not None),
             "pending_controls": [op.verb.name for op in self.controls],
             "dropped_frames": self._drop.total,
+            "epoch": self.epoch,
+            "weights": self.weights_source,
+            "refits": self.refits,
+            "epoch_mismatch": sorted(e.engine_id for e in self.engines.values() if e.epoch != self.epoch),
         }
 
     def _drain_monitor(self) -> None:

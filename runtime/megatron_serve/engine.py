@@ -167,6 +167,8 @@ class DynamicInferenceEngine:
         request.status = RequestStatus.WAITING_IN_QUEUE
         self._sequences[request.request_id] = sequence
         detokenizer = IncrementalDetokenizer(self.tokenizer, sp.stop_words)
+        for epochs in (request.policy_epochs, request.kv_epochs):  # a continuation whose epochs were not kept
+            epochs[:0] = [-1] * max(len(request.generated_tokens) - len(epochs), 0)  # -1: unknown
         if request.generated_tokens:  # a continuation: its earlier text was already delivered
             detokenizer.update(request.generated_tokens)
             detokenizer.emitted = len(detokenizer.text) - (detokenizer.holdback if sp.stop_words else 0)
@@ -243,13 +245,26 @@ class DynamicInferenceEngine:
         started = time.perf_counter()
         verify_checkpoint(self.model, source)
         verified = time.perf_counter()
-        self.runner.on_refit(str(source))
-        load_weights(self.model, iterate_checkpoint(source))
+        try:
+            self.runner.on_refit(str(source))
+            load_weights(self.model, iterate_checkpoint(source))
+        except BaseException:
+            self.epoch = -1  # a mix of two checkpoints (e.g. a read error midway): no epoch describes it
+            raise
         self.allocator.clear_cache()
         self.epoch = self.epoch + 1 if epoch is None else int(epoch)
         finished = time.perf_counter()
         return {"epoch": self.epoch, "verify_s": verified - started, "load_s": finished - verified,
                 "total_s": finished - started}
+
+    def verify_refit(self, source: str | Path) -> float:
+        """Check that ``source`` holds weights of this model's shapes (no tensor data read); returns seconds.
+
+        Raises ``ValueError`` naming the first mismatch; nothing live is touched either way.
+        """
+        started = time.perf_counter()
+        verify_checkpoint(self.model, source)
+        return time.perf_counter() - started
 
     def resume(self) -> None:
         if self.suspended or self.weights_offloaded:

@@ -7,6 +7,7 @@ batch is done. Coordinator mode talks to a fleet through the coordinator protoco
 from __future__ import annotations
 
 import itertools
+import os
 from pathlib import Path
 
 from .config import InferenceConfig
@@ -124,6 +125,24 @@ class MegatronLLM:
 
     def status(self) -> dict:
         return self._lifecycle("status")
+
+    def refit(self, source: str | os.PathLike, epoch: int | None = None) -> dict:
+        """Load new weights of the same shapes from model directory ``source`` in place.
+
+        Coordinator mode: the REFIT verb (PAUSE first). Direct mode: the engine loads them at once
+        (``generate`` is not running: this object is single-threaded). A source of other shapes
+        raises with the old weights still serving. See :meth:`MegatronAsyncLLM.refit`.
+        """
+        if self.use_coordinator:
+            if self._remote is None:
+                raise RuntimeError("this MegatronLLM was shut down")
+            return self._loop_thread.run(self._remote.refit(source, epoch))
+        if self.engine is None:
+            raise RuntimeError("this MegatronLLM was closed")
+        from .async_llm import direct_refit_answer  # noqa: PLC0415
+
+        source = os.fspath(source)
+        return direct_refit_answer(source, self.engine.refit(source, epoch))
 
     def shutdown(self) -> None:
         """Stop the local fleet this object started, or disconnect from a remote one (coordinator mode only)."""

@@ -49,7 +49,7 @@ class Header(enum.IntEnum):
     RESUME = 23
     STOP = 24
     CONTROL_ACK = 25
-    REFIT = 26  # reserved: in-place weight refit (RL fleets issue)
+    REFIT = 26  # in-place weight refit (legal while PAUSED or SUSPENDED)
     # introspection and liveness
     STATUS = 30
     STATUS_REPLY = 31
@@ -95,7 +95,8 @@ class ErrorCode(str, enum.Enum):
     ILLEGAL_TRANSITION = "illegal_transition"  # lifecycle verb not allowed in the current state
     INVALID_REQUEST = "invalid_request"  # SUBMIT that can never run (bad params, empty prompt)
     GROUP_IN_USE = "group_in_use"  # another live engine holds that group id
-    UNSUPPORTED = "unsupported"  # header known but not implemented (e.g. REFIT here)
+    UNSUPPORTED = "unsupported"  # header known but not implemented by this peer
+    REFIT_FAILED = "refit_failed"  # an engine could not verify or load the new weights
     FORBIDDEN = "forbidden"  # role may not send this header
 
 
@@ -192,6 +193,7 @@ FROM_COORDINATOR: dict[Header, Schema] = {
         "engine_group": _opt(*_INT),
         "suspend_level": _opt(*_INT),
         "heartbeat_interval": _opt(*_NUM),
+        "refit": _opt(*_DICT),  # {source, epoch}: the fleet's current weights, to load before serving
     },
     Header.ERROR: {
         "code": _req(*_STR),
@@ -216,6 +218,7 @@ FROM_COORDINATOR: dict[Header, Schema] = {
         "completed": _req(*_INT),
         "failed": _req(*_INT),
         "status_id": _opt(*_ID),
+        "epoch": _opt(*_INT),  # generation of the weights the fleet serves (bumped by REFIT)
     },
     Header.HEARTBEAT: {"coordinator_id": _opt(*_STR), "state": _opt(*_STR)},
     # to engines
@@ -226,7 +229,8 @@ FROM_COORDINATOR: dict[Header, Schema] = {
     Header.SUSPEND: {**_CONTROL, "level": _opt(*_INT)},
     Header.RESUME: _CONTROL,
     Header.STOP: {**_CONTROL, "drain_timeout": _opt(*_NUM)},
-    Header.REFIT: {**_CONTROL, "source": _req(*_STR), "epoch": _opt(*_INT)},
+    # phase "verify": check shapes only (every engine, before any loads); "load": load in place
+    Header.REFIT: {**_CONTROL, "source": _req(*_STR), "epoch": _opt(*_INT), "phase": _opt(*_STR)},
     Header.HANDBACK: {"request_ids": _req(*_LIST)},
 }
 

@@ -14,7 +14,7 @@ from typing import Any
 
 from .options import add_token_option, read_token
 
-VERBS = ("pause", "unpause", "suspend", "resume", "stop", "status")
+VERBS = ("pause", "unpause", "suspend", "resume", "stop", "status", "refit")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -25,6 +25,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="suspend level: 1 frees the KV cache, 2 also moves weights to host memory")
     parser.add_argument("--drain-timeout", type=float, default=None, metavar="S",
                         help="stop: how long engines may keep working before handing requests back")
+    parser.add_argument("--source", metavar="DIR",
+                        help="refit: model directory (as the engines see it) holding the new weights")
+    parser.add_argument("--epoch", type=int, default=None, metavar="N",
+                        help="refit: generation to record for the new weights (default: current + 1)")
     parser.add_argument("--timeout", type=float, default=120.0, metavar="S",
                         help="give up waiting for the acknowledgement after this long")
     parser.add_argument("--connect-timeout", type=float, default=10.0, metavar="S")
@@ -47,6 +51,8 @@ async def _execute(args: argparse.Namespace, token: str | None) -> dict[str, Any
             return await client.suspend(level=args.level, timeout=args.timeout)
         if args.verb == "stop":
             return await client.stop(timeout=args.timeout, drain_timeout=args.drain_timeout)
+        if args.verb == "refit":
+            return await client.refit(args.source, args.epoch, timeout=args.timeout)
         return await getattr(client, args.verb)(timeout=args.timeout)
     finally:
         client.close()
@@ -55,6 +61,10 @@ async def _execute(args: argparse.Namespace, token: str | None) -> dict[str, Any
 def run(args: argparse.Namespace) -> int:
     from ..client import ControlError, CoordinatorError  # noqa: PLC0415
 
+    if args.verb == "refit" and not args.source:
+        raise ValueError("refit needs --source DIR (the model directory with the new weights)")
+    if args.verb == "refit" and args.epoch is not None and args.epoch < 0:
+        raise ValueError(f"--epoch must be >= 0, got {args.epoch}")
     token = read_token(args)
     try:
         answer = asyncio.run(_execute(args, token))
@@ -82,6 +92,8 @@ def format_ack(verb: str, answer: dict[str, Any]) -> str:
     head += f", acknowledged by {len(engines)} engine(s)"
     if "released_bytes" in detail:
         head += f", released {_bytes(detail['released_bytes'])}"
+    if verb == "refit" and "epoch" in detail:
+        head += f", now serving epoch {detail['epoch']} from {detail.get('source')}"
     lines = [head]
     for engine_id, facts in sorted(engines.items()):
         shown = ", ".join(f"{k}={_bytes(v) if k == 'released_bytes' else v}" for k, v in sorted(facts.items()))
@@ -93,6 +105,10 @@ def format_status(status: dict[str, Any]) -> str:
     now = time.time()
     lines = [f"state: {status['state']}   queued: {status['queued']}   in flight: {status['in_flight']}   "
              f"completed: {status['completed']}   failed: {status['failed']}"]
+    if status.get("epoch") is not None:  # weights generation (REFIT)
+        lines[0] += f"   epoch: {status['epoch']}"
+        if status.get("epoch_mismatch"):
+            lines.append(f"engines on other weights: {', '.join(status['epoch_mismatch'])}")
     engines = status.get("engines") or []
     if not engines:
         lines.append("no engines connected")

@@ -46,7 +46,7 @@ def run(args: argparse.Namespace) -> int:
     coordinator = Coordinator(
         tokenizer, host=args.host, port=args.port, token=token, routing=args.routing,
         heartbeat_timeout=args.heartbeat_timeout, client_timeout=args.client_timeout,
-        max_message_bytes=args.max_message_bytes,
+        max_message_bytes=args.max_message_bytes, model=args.model,
     )
     import zmq  # noqa: PLC0415
 

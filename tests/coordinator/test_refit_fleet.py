@@ -1,0 +1,156 @@
+"""In-place weight refit through a real fleet: ``megatron-serve coordinator`` + 2 engine processes.
+
+Acceptance of issue 9 on a tiny model: generate, pause, refit to a second checkpoint with other
+random weights, unpause: new requests equal direct mode on the second checkpoint; requests in
+flight across the refit complete and their per-token epochs show the switch. A checkpoint of
+another hidden size is refused with a clear error and the fleet keeps serving the old weights;
+REFIT while RUNNING is refused; an engine that joins later loads the fleet's current weights.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+
+from megatron_serve.client import ControlError, InferenceClient, StreamPartial
+from megatron_serve.config import InferenceConfig
+from megatron_serve.sampling_params import SamplingParams
+from megatron_serve.tiny_model import make_tiny_model
+
+from .helpers import Children, free_port
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+
+PROMPTS = ["Hello there", "The quick brown fox jumps over the lazy dog", "1 2 3 4", "def add(a, b):",
+           "Once upon a time", "Kubernetes runs containers in pods"]
+GREEDY = SamplingParams(temperature=0.0, num_tokens_to_generate=8, ignore_eos=True)
+LONG = SamplingParams(temperature=0.0, num_tokens_to_generate=200, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tiny_model, tmp_path_factory):
+    root = tmp_path_factory.mktemp("refit-checkpoints")
+    return SimpleNamespace(a=tiny_model, b=str(make_tiny_model(root / "b", seed=1)),
+                           wide=str(make_tiny_model(root / "wide", seed=2, hidden_size=96)))
+
+
+@pytest.fixture(scope="module")
+def direct(checkpoints):
+    from megatron_serve.llm import MegatronLLM
+
+    def outputs(model_dir):
+        with MegatronLLM(model_dir, InferenceConfig(num_kv_blocks=64)) as llm:
+            return [r.generated_tokens for r in llm.generate(PROMPTS, GREEDY)]
+
+    a, b = outputs(checkpoints.a), outputs(checkpoints.b)
+    assert a != b
+    return SimpleNamespace(a=a, b=b)
+
+
+@pytest.fixture(scope="module")
+def fleet(checkpoints, tmp_path_factory):
+    children = Children(tmp_path_factory.mktemp("refit-fleet-logs"))
+    port = free_port()
+    children.coordinator(checkpoints.a, port)
+    engines = [children.engine(checkpoints.a, port) for _ in range(2)]
+    try:
+        yield SimpleNamespace(address=f"tcp://127.0.0.1:{port}", port=port, children=children, engines=engines)
+    finally:
+        children.kill_all()
+
+
+async def generate(client: InferenceClient) -> list[list[int]]:
+    results = await asyncio.gather(*(client.add_request(p, GREEDY) for p in PROMPTS))
+    return [r.generated_tokens for r in results]
+
+
+async def test_refit_in_place_through_the_fleet(fleet, checkpoints, direct):
+    client = InferenceClient(fleet.address)
+    await client.start(timeout=60)
+    try:
+        await client.wait_for_engines(2, timeout=300)
+        assert await generate(client) == direct.a
+
+        with pytest.raises(ControlError, match="only allowed while PAUSED or SUSPENDED; the fleet is RUNNING") as err:
+            await client.refit(checkpoints.b)
+        assert err.value.code == "illegal_transition"
+
+        # requests in flight across the refit: each has produced tokens before the pause
+        streams = [client.add_request_streaming(p, LONG) for p in PROMPTS[:4]]
+        firsts = await asyncio.gather(*(anext(s) for s in streams))
+        assert all(isinstance(f, StreamPartial) and f.new_tokens for f in firsts)
+        await client.pause()
+        ack = await client.refit(checkpoints.b, epoch=5)
+        assert ack["state"] == "PAUSED" and ack["detail"]["epoch"] == 5 and ack["detail"]["source"] == checkpoints.b
+        engines = ack["detail"]["engines"]
+        assert len(engines) == 2
+        for facts in engines.values():
+            assert facts["epoch"] == 5 and facts["total_s"] >= facts["load_s"] > 0 and "verified_s" in facts
+        await client.unpause()
+
+        async def finish(stream):
+            async for item in stream:
+                if not isinstance(item, StreamPartial):
+                    return item
+
+        for result in await asyncio.gather(*(finish(s) for s in streams)):
+            assert len(result.generated_tokens) == LONG.num_tokens_to_generate
+            assert len(result.policy_epochs) == len(result.kv_epochs) == len(result.generated_tokens)
+            assert result.policy_epochs[0] == 0 and result.policy_epochs[-1] == 5
+            assert result.policy_epochs == sorted(result.policy_epochs)  # one switch, 0 -> 5
+            assert set(result.kv_epochs) == {0}  # they attended to KV computed under the old weights
+
+        assert await generate(client) == direct.b
+        fresh = await client.add_request(PROMPTS[0], GREEDY)
+        assert set(fresh.policy_epochs) == set(fresh.kv_epochs) == {5}
+        status = await client.status()
+        assert status["epoch"] == 5 and status["weights"] == checkpoints.b and status["epoch_mismatch"] == []
+        assert all(e["epoch"] == 5 and e["last_refit"]["total_s"] > 0 for e in status["engines"])
+
+        # a checkpoint of another hidden size: refused by every engine, nothing changes
+        await client.pause()
+        with pytest.raises(ControlError, match="hidden_size is 96 but the serving model has 64") as err:
+            await client.refit(checkpoints.wide)
+        assert err.value.code == "refit_failed" and "keeps serving epoch 5" in str(err.value)
+        await client.unpause()
+        assert (await client.status())["epoch"] == 5
+        assert await generate(client) == direct.b
+
+        # an engine that joins later (started from the original model) loads the current weights
+        late = fleet.children.engine(checkpoints.a, fleet.port, "--group", "7")
+        status = await client.wait_for_engines(3, timeout=300)
+        joined = next(e for e in status["engines"] if e["group"] == 7)
+        assert joined["epoch"] == 5 and joined["weights"] == checkpoints.b and status["epoch_mismatch"] == []
+        for engine in fleet.engines:  # only the late engine is left to serve: its outputs are those of b
+            engine.terminate()
+        for engine in fleet.engines:
+            await asyncio.to_thread(engine.wait, 60)
+        assert late.poll() is None
+        assert await generate(client) == direct.b
+        assert "loads the fleet's epoch 5" in fleet.children.log_of(late) or \
+            "loading it before serving" in fleet.children.log_of(late)
+    finally:
+        client.close()
+
+
+def test_control_cli_refit(fleet, checkpoints):
+    """``megatron-serve control refit`` prints the new epoch; refused while RUNNING with one clear line."""
+    base = [sys.executable, "-m", "megatron_serve.cli", "control"]
+    where = ["--coordinator", fleet.address]
+    refused = subprocess.run([*base, "refit", "--source", checkpoints.b, *where], capture_output=True, text=True,
+                             timeout=120)
+    assert refused.returncode != 0 and "PAUSE first" in refused.stderr
+    subprocess.run([*base, "pause", *where], check=True, capture_output=True, timeout=120)
+    out = subprocess.run([*base, "refit", "--source", checkpoints.b, "--json", *where], capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    answer = json.loads(out.stdout)
+    assert answer["state"] == "PAUSED" and answer["detail"]["epoch"] == 6  # current + 1
+    text = subprocess.run([*base, "status", *where], capture_output=True, text=True, timeout=120)
+    assert "epoch: 6" in text.stdout
+    subprocess.run([*base, "unpause", *where], check=True, capture_output=True, timeout=120)
