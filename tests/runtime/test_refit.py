@@ -67,3 +67,36 @@ def test_refit_forgets_prefix_cache_of_old_weights(checkpoints):
     out = llm.generate([prompt], GREEDY)[0]
     assert out.cached_tokens == 0
     assert out.generated_tokens == MegatronLLM(b).generate([prompt], GREEDY)[0].generated_tokens
+
+
+def test_megatron_llm_refit_in_direct_mode(checkpoints):
+    a, b, wide = checkpoints
+    with MegatronLLM(a) as llm:
+        answer = llm.refit(b)
+        assert answer["detail"]["epoch"] == 1 and answer["detail"]["source"] == b
+        assert answer["detail"]["engines"]["local"]["load_s"] > 0
+        assert [o.generated_tokens for o in llm.generate(PROMPTS[:2], GREEDY)] == outputs(b)[:2]
+        with pytest.raises(ValueError, match="hidden_size is 96"):
+            llm.refit(wide, epoch=9)
+        assert llm.engine.epoch == 1
+
+
+async def test_async_llm_refit_in_direct_mode_between_steps(checkpoints):
+    from megatron_serve import MegatronAsyncLLM
+    from megatron_serve.client import StreamPartial
+
+    a, b, wide = checkpoints
+    long = SamplingParams(temperature=0.0, num_tokens_to_generate=64, ignore_eos=True)
+    async with MegatronAsyncLLM(a) as llm:
+        stream = llm.generate_stream(PROMPTS[1], long)
+        first = await stream.__anext__()
+        assert isinstance(first, StreamPartial)
+        answer = await llm.refit(b, epoch=3)
+        assert answer["detail"]["epoch"] == 3
+        async for item in stream:
+            final = item
+        assert final.policy_epochs[0] == 0 and final.policy_epochs[-1] == 3
+        with pytest.raises(ValueError, match="hidden_size is 96"):
+            await llm.refit(wide)
+        fresh = await llm.generate(PROMPTS[0], GREEDY)
+        assert set(fresh.policy_epochs) == {3}
