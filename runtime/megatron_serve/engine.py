@@ -104,6 +104,8 @@ class DynamicInferenceEngine:
         self.weights_offloaded = False
         self.computed_tokens = 0  # tokens run through the model (prefill and decode), for counters
         self.epoch = 0  # generation of the weights being served; bumped by every refit
+        self.refits = 0
+        self.last_refit: dict[str, float] | None = None  # timings of the last refit (for /metrics)
 
     @property
     def cached_tokens(self) -> int:
@@ -254,8 +256,9 @@ class DynamicInferenceEngine:
         self.allocator.clear_cache()
         self.epoch = self.epoch + 1 if epoch is None else int(epoch)
         finished = time.perf_counter()
-        return {"epoch": self.epoch, "verify_s": verified - started, "load_s": finished - verified,
-                "total_s": finished - started}
+        self.refits += 1
+        self.last_refit = {"verify_s": verified - started, "load_s": finished - verified, "total_s": finished - started}
+        return {"epoch": self.epoch, **self.last_refit}
 
     def verify_refit(self, source: str | Path) -> float:
         """Check that ``source`` holds weights of this model's shapes (no tensor data read); returns seconds.

@@ -28,6 +28,7 @@ from .models import (
 )
 from .streaming import DONE, error_event, event_stream_response, sse
 from .translate import EngineJob, Prompt, chat_prompt, check_common, check_model, make_jobs, resolve_max_tokens, sampling_params
+from .translate import epoch_fields
 
 
 def _top(tokenizer: Any, token: int, logprob: float) -> TopLogprob:
@@ -89,7 +90,7 @@ class ChatHandler:
             ChatChoice(index=job.index, message=ChatResponseMessage(content=result.generated_text or ""),
                        logprobs=self._logprobs(result.generated_tokens, result.generated_log_probs,
                                                result.generated_top_n_logprobs),
-                       finish_reason=_finish(result))
+                       finish_reason=_finish(result), **epoch_fields(self.req, result))
             for job, result in zip(self.jobs, results)
         ]
         return ChatCompletionResponse(id=self.id, created=self.created, model=self.req.model, choices=choices,
@@ -141,7 +142,7 @@ class ChatHandler:
                     yield self._chunk([ChatChunkChoice(index=job.index, delta=ChatDelta(content=rest),
                                                        logprobs=logprobs)])
                 yield self._chunk([ChatChunkChoice(index=job.index, delta=ChatDelta(),
-                                                   finish_reason=_finish(result))])
+                                                   finish_reason=_finish(result), **epoch_fields(self.req, result))])
             if self.req.stream_options is not None and self.req.stream_options.include_usage:
                 yield self._chunk([], usage=self.usage(results))
             yield DONE

@@ -29,6 +29,7 @@ from .translate import (
     check_common,
     check_model,
     completion_prompts,
+    epoch_fields,
     make_jobs,
     resolve_max_tokens,
     sampling_params,
@@ -128,16 +129,17 @@ class CompletionHandler:
                                                result.generated_log_probs,
                                                result.generated_top_n_logprobs if self.top else None, len(prefix))
             choices.append(CompletionChoice(index=job.index, text=prefix + text, logprobs=logprobs,
-                                            finish_reason=_finish(result)))
+                                            finish_reason=_finish(result), **epoch_fields(self.req, result)))
         return CompletionResponse(id=self.id, created=self.created, model=self.req.model, choices=choices,
                                   usage=self.usage(list(zip(self.jobs, results))))
 
     # ------------------------------------------------------------------ streamed answer
 
     def _chunk(self, job: EngineJob, text: str, logprobs: CompletionLogprobs | None = None,
-               finish_reason: str | None = None) -> str:
+               finish_reason: str | None = None, result: DynamicInferenceRequest | None = None) -> str:
+        epochs = epoch_fields(self.req, result) if result is not None else {}
         return sse(CompletionChunk(id=self.id, created=self.created, model=self.req.model, choices=[
-            CompletionChoice(index=job.index, text=text, logprobs=logprobs, finish_reason=finish_reason)]))
+            CompletionChoice(index=job.index, text=text, logprobs=logprobs, finish_reason=finish_reason, **epochs)]))
 
     async def events(self) -> AsyncIterator[str]:
         """SSE events; raises ``APIError`` before the first one, reports in-stream after it."""
@@ -183,7 +185,7 @@ class CompletionHandler:
                         self.ctx.tokenizer, result.generated_tokens[done:], result.generated_log_probs[done:],
                         result.generated_top_n_logprobs[done:] if self.top else None, offsets[job.index])
                 started = True
-                yield self._chunk(job, prefix + rest, logprobs, _finish(result))
+                yield self._chunk(job, prefix + rest, logprobs, _finish(result), result)
             if self.req.stream_options is not None and self.req.stream_options.include_usage:
                 yield sse(CompletionChunk(id=self.id, created=self.created, model=self.req.model, choices=[],
                                           usage=self.usage(results)))

@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any, Callable, Iterable
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from .fleet import FleetMonitor
@@ -61,6 +61,30 @@ class _FleetCollector(Collector):
         yield gauge("engine_computed_tokens", "tokens the engines ran through the model, prefill and decode "
                     "(sum of the engines' counters since they started)", totals["computed_tokens"])
         yield gauge("server_pending_requests", "engine requests this server is waiting on", self.pending())
+        yield from _refit_metrics(monitor)
+
+
+def _refit_metrics(monitor: FleetMonitor) -> Iterable[GaugeMetricFamily]:
+    """Weights generation of the fleet and of each engine, and how long each engine's last refit took."""
+    status = monitor.status or {}
+    yield GaugeMetricFamily(f"{_PREFIX}_weights_epoch", "generation (REFIT epoch) of the weights the fleet serves",
+                            value=float(status.get("epoch") or 0))
+    yield CounterMetricFamily(f"{_PREFIX}_refits", "REFITs the coordinator completed since it started",
+                              value=float(status.get("refits") or 0))
+    epochs = GaugeMetricFamily(f"{_PREFIX}_engine_weights_epoch", "generation of the weights each engine serves",
+                               labels=["engine", "group"])
+    seconds = GaugeMetricFamily(f"{_PREFIX}_engine_refit_seconds", "duration of each engine's last refit, by phase "
+                                "(verify: shape check; load: copying weights in place; total)",
+                                labels=["engine", "group", "phase"])
+    for engine in monitor.engines:
+        labels = [str(engine.get("id")), str(engine.get("group"))]
+        if isinstance(engine.get("epoch"), int):
+            epochs.add_metric(labels, float(engine["epoch"]))
+        for phase, value in ((engine.get("last_refit") or {}).items()):
+            if phase.endswith("_s") and isinstance(value, (int, float)):
+                seconds.add_metric([*labels, phase[:-2]], float(value))
+    yield epochs
+    yield seconds
 
 
 class _HitRateCollector(Collector):

@@ -57,6 +57,8 @@ class _SamplingRequest(_Request):
     logit_bias: dict[str, float] | None = Field(None, description="not supported; must be empty")
     user: str | None = Field(None, description="accepted and ignored")
     ignore_eos: bool | None = Field(None, description="extension: keep generating past end-of-sequence tokens")
+    return_epochs: bool | None = Field(None, description="extension: add policy_epochs and kv_epochs (the weights "
+                                                         "generation of every generated token) to each choice")
 
 
 PromptInput = Union[
@@ -136,11 +138,29 @@ class CompletionLogprobs(BaseModel):
     text_offset: list[int]
 
 
-class CompletionChoice(BaseModel):
+class _Epochs(BaseModel):
+    """Serializer of the ``return_epochs`` extension fields: left out entirely unless they were asked for."""
+
+    @model_serializer(mode="wrap")
+    def _drop_absent_epochs(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        data = handler(self)
+        for key in ("policy_epochs", "kv_epochs"):
+            if data.get(key) is None:
+                data.pop(key, None)
+        return data
+
+
+_POLICY_EPOCHS = "extension (return_epochs): the weights generation (REFIT epoch) that produced each generated token"
+_KV_EPOCHS = "extension (return_epochs): the weights generation of the KV cache each generated token attended to"
+
+
+class CompletionChoice(_Epochs):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: FinishReasonName | None = None
+    policy_epochs: list[int] | None = Field(None, description=_POLICY_EPOCHS)
+    kv_epochs: list[int] | None = Field(None, description=_KV_EPOCHS)
 
 
 class CompletionResponse(BaseModel):
@@ -174,11 +194,13 @@ class ChatResponseMessage(BaseModel):
     refusal: str | None = None
 
 
-class ChatChoice(BaseModel):
+class ChatChoice(_Epochs):
     index: int
     message: ChatResponseMessage
     logprobs: ChatChoiceLogprobs | None = None
     finish_reason: FinishReasonName | None = None
+    policy_epochs: list[int] | None = Field(None, description=_POLICY_EPOCHS)
+    kv_epochs: list[int] | None = Field(None, description=_KV_EPOCHS)
 
 
 class ChatCompletionResponse(BaseModel):
@@ -202,11 +224,13 @@ class ChatDelta(BaseModel):
         return {k: v for k, v in handler(self).items() if v is not None}
 
 
-class ChatChunkChoice(BaseModel):
+class ChatChunkChoice(_Epochs):
     index: int
     delta: ChatDelta
     logprobs: ChatChoiceLogprobs | None = None
     finish_reason: FinishReasonName | None = None
+    policy_epochs: list[int] | None = Field(None, description=_POLICY_EPOCHS + " (on the choice's last chunk)")
+    kv_epochs: list[int] | None = Field(None, description=_KV_EPOCHS + " (on the choice's last chunk)")
 
 
 class ChatCompletionChunk(BaseModel):

@@ -18,6 +18,14 @@ from ..sampling_params import SamplingParams
 from .errors import APIError, bad_request, unsupported
 from .models import ChatCompletionRequest, CompletionRequest, _SamplingRequest
 
+def epoch_fields(req: _SamplingRequest, result: Any) -> dict[str, list[int]]:
+    """The ``return_epochs`` extension of one choice: per-token weight epochs, when asked for."""
+    if not req.return_epochs:
+        return {}
+    return {"policy_epochs": list(getattr(result, "policy_epochs", None) or []),
+            "kv_epochs": list(getattr(result, "kv_epochs", None) or [])}
+
+
 #: OpenAI's default ``max_tokens`` of the completions endpoint.
 DEFAULT_COMPLETION_TOKENS = 16
 
