@@ -23,6 +23,10 @@ class CoordinatorRejected(RuntimeError):
     """The coordinator answered a verb with an error (e.g. an illegal transition)."""
 
 
+class RefitFailed(CoordinatorRejected):
+    """An engine refused the new weights (e.g. another architecture); the fleet kept the old ones."""
+
+
 class CoordinatorLink(Protocol):
     address: str
 
@@ -34,6 +38,10 @@ class CoordinatorLink(Protocol):
 
         ``drain_timeout`` bounds how long engines may drain on STOP (where the client supports it).
         """
+
+    async def refit(self, source: str, epoch: int | None, timeout: float) -> dict[str, Any]:
+        """REFIT (fleet PAUSED or SUSPENDED): resolves to the CONTROL_ACK; raises :class:`RefitFailed`
+        when an engine refused the weights, :class:`CoordinatorRejected` for other refusals."""
 
     async def close(self) -> None:
         """Release the connection."""
@@ -94,6 +102,16 @@ class ClientLink:
                                          f"{_text(exc)}") from exc
         except (RuntimeError, ValueError) as exc:
             raise CoordinatorRejected(f"{verb.upper()} rejected: {_text(exc)}") from exc
+        return _as_dict(ack)
+
+    async def refit(self, source: str, epoch: int | None, timeout: float) -> dict[str, Any]:
+        try:
+            ack = await self.client.refit(source, epoch, timeout=timeout)
+        except (asyncio.TimeoutError, ConnectionError, OSError) as exc:
+            raise CoordinatorUnavailable(f"no acknowledgement of REFIT from {self.address}: {_text(exc)}") from exc
+        except (RuntimeError, ValueError) as exc:
+            kind = RefitFailed if getattr(exc, "code", None) == "refit_failed" else CoordinatorRejected
+            raise kind(f"REFIT rejected: {_text(exc)}") from exc
         return _as_dict(ack)
 
     async def close(self) -> None:

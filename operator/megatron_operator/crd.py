@@ -162,6 +162,10 @@ def spec_schema() -> dict[str, Any]:
                               minLength=1, maxLength=1024, pattern="^/"),
             "dtype": _str("Weight and activation dtype.", enum=list(DTYPES), default="bfloat16"),
             "maxSequenceLength": _int("Longest prompt + generation, in tokens.", minimum=1),
+            "revision": _str("Optional label of the weights at path (e.g. a training step or commit). Changing "
+                             "path or revision on a running resource refits the weights in place (PAUSE, REFIT, "
+                             "UNPAUSE) when the architecture is unchanged, else rolls the pods.",
+                             maxLength=253),
         },
         required=["path"],
     )
@@ -279,6 +283,15 @@ def status_schema() -> dict[str, Any]:
                 "desired": _int("Engine groups wanted now (0 when Shutdown).", minimum=0),
                 "ready": _int("Engine groups whose pods are all ready.", minimum=0),
                 "connected": _int("Engine groups registered with the coordinator.", minimum=0),
+            }),
+            "model": _obj("The weights being served.", {
+                "path": _str("spec.model.path of the weights the engines serve."),
+                "revision": _str("spec.model.revision of those weights."),
+                "epoch": {"type": "integer", "format": "int64", "minimum": 0,
+                          "description": "Weights generation set by the last in-place refit (0: as started)."},
+                "refittedAt": _str("When the last in-place refit was acknowledged.", format="date-time"),
+                "templatePath": _str("Model path in the pod templates: engines that start load it, then the "
+                                     "coordinator's current weights. Changes only when pods must roll."),
             }),
             "endpoint": _str("OpenAI base URL inside the cluster."),
             "selector": _str("Label selector of engine pods (for the scale subresource)."),

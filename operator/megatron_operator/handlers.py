@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import dataclasses
 import logging
 from typing import Any
 
@@ -27,7 +28,7 @@ import kopf
 
 from . import coordinator_link, crd, lifecycle, render, status
 from .config import OperatorConfig
-from .coordinator_link import CoordinatorRejected, CoordinatorUnavailable
+from .coordinator_link import CoordinatorRejected, CoordinatorUnavailable, RefitFailed
 from .kube import Kube, KubeError
 from .reconcile import Reconciler, group_ready
 from .spec import SpecError, parse
@@ -175,7 +176,13 @@ async def _reconcile(body: Any, meta: Any, memo: Any, patch: Any, log: Any) -> N
         link = getattr(memo, "megatron_link", None)
     engines_stopped = target == lifecycle.STOPPED and (link is None or coordinator_state == lifecycle.STOPPED)
 
-    desired = render.render_spec(spec, CONFIG, token=token, engines_stopped=engines_stopped)
+    # New weights (spec.model.path / revision): refit in place, or roll the pods when that cannot work.
+    obs.model = await _sync_weights(body, memo, link, spec, _model_status(previous, spec, memo), coordinator_state,
+                                    coordinator_status, target)
+    memo.megatron_model = obs.model
+    link = getattr(memo, "megatron_link", None) if link is not None else None
+    rendered = dataclasses.replace(spec, model_path=obs.model["templatePath"])
+    desired = render.render_spec(rendered, CONFIG, token=token, engines_stopped=engines_stopped)
     result = await Reconciler(kube()).children(desired, name=name, namespace=namespace, uid=uid, data=spec.data)
     for kind, reason, message in result.events:
         _event(body, kind, reason, message)
@@ -250,6 +257,100 @@ async def _walk(body: Any, memo: Any, link: Any, current: str | None, target: st
         obs.lifecycle_message = message
         current = state
     return current
+
+
+# --------------------------------------------------------------------------- weights
+
+def _model_status(previous: dict[str, Any], spec: Any, memo: Any) -> dict[str, Any]:
+    """``status.model`` as recorded; for a new resource, the spec's model as started (epoch 0).
+
+    What this process recorded last wins over the body's status: kopf applies a handler's status
+    patch after the handler returns, so the next pass may still see the older status, and a refit
+    must not run twice.
+    """
+    model = dict(getattr(memo, "megatron_model", None) or previous.get("model") or {})
+    if not model.get("templatePath"):
+        model = _started_with(spec)
+    return model
+
+
+def _started_with(spec: Any) -> dict[str, Any]:
+    """``status.model`` of pods (re)started from the spec's model: the template carries its path."""
+    model: dict[str, Any] = {"path": spec.model_path, "epoch": 0, "templatePath": spec.model_path}
+    if spec.model_revision is not None:
+        model["revision"] = spec.model_revision
+    return model
+
+
+async def _sync_weights(body: Any, memo: Any, link: Any, spec: Any, model: dict[str, Any], state: str | None,
+                        coordinator_status: dict[str, Any] | None, target: str) -> dict[str, Any]:
+    """Serve the spec's weights; returns the new ``status.model``.
+
+    The pod templates keep ``templatePath`` (so a refit never rolls a pod): engines that start
+    later load it and, at registration, the coordinator's current weights. A changed
+    ``spec.model.path``/``revision`` on a fleet that serves (coordinator reachable, an engine
+    connected, not shutting down) is refitted in place: PAUSE (if running), REFIT, UNPAUSE. If an
+    engine refuses the weights (another architecture), the fleet keeps the old ones and the
+    template takes the new path instead: the usual drain-first rolling replacement. With nothing
+    serving, the template takes the new path at once. By level: a coordinator whose epoch is
+    behind ``status.model.epoch`` (it restarted along with its engines) is refitted again.
+    """
+    wanted = (spec.model_path, spec.model_revision)
+    changed = (model.get("path"), model.get("revision")) != wanted
+    reply = coordinator_status or {}
+    fleet_epoch = reply.get("epoch")
+    serving = (link is not None and target != lifecycle.STOPPED and state in (lifecycle.RUNNING, lifecycle.PAUSED,
+                                                                             lifecycle.SUSPENDED)
+               and bool(reply.get("engines")))
+    epoch = int(model.get("epoch") or 0)
+    if not changed:
+        if serving and isinstance(fleet_epoch, int) and fleet_epoch < epoch:
+            try:
+                await _refit(memo, link, state, model["path"], epoch)
+            except (CoordinatorRejected, CoordinatorUnavailable) as exc:
+                _event(body, "Warning", "RefitFailed", f"could not restore the weights of epoch {epoch}: {exc}")
+            else:
+                _event(body, "Normal", "Refitted", f"the coordinator reported epoch {fleet_epoch}: weights of "
+                       f"epoch {epoch} ({model['path']}) loaded again")
+        return model
+    if link is None:
+        return model  # the coordinator is unreachable: decide once it answers
+    if not serving:
+        return _started_with(spec)
+    epoch = max(epoch, fleet_epoch if isinstance(fleet_epoch, int) else 0) + 1
+    try:
+        ack = await _refit(memo, link, state, spec.model_path, epoch)
+    except RefitFailed as exc:
+        _event(body, "Warning", "RefitFailed", f"{exc}; replacing the engine pods instead (drain first)")
+        return _started_with(spec)
+    except (CoordinatorRejected, CoordinatorUnavailable) as exc:
+        _event(body, "Warning", "RefitFailed", f"refit to {spec.model_path} not done, retrying: {exc}")
+        return model
+    new = {**_started_with(spec), "epoch": int((ack.get("detail") or {}).get("epoch", epoch)),
+           "refittedAt": status.now_iso(), "templatePath": model["templatePath"]}
+    engines = (ack.get("detail") or {}).get("engines") or {}
+    slowest = max((float(f.get("total_s") or 0.0) for f in engines.values() if isinstance(f, dict)), default=0.0)
+    revision = f" (revision {spec.model_revision})" if spec.model_revision else ""
+    _event(body, "Normal", "Refitted", f"weights refitted in place from {spec.model_path}{revision}: epoch "
+           f"{new['epoch']} on {len(engines)} engine group(s), slowest {slowest:.1f}s; no pod replaced")
+    return new
+
+
+async def _refit(memo: Any, link: Any, state: str | None, source: str, epoch: int) -> dict[str, Any]:
+    """PAUSE (only if running), REFIT, and UNPAUSE again (also after a refused REFIT)."""
+    timeout = CONFIG.command_timeout
+    running = state == lifecycle.RUNNING
+    try:
+        if running:
+            await link.command("pause", timeout)
+        try:
+            return await link.refit(source, epoch, timeout)
+        finally:
+            if running:
+                await link.command("unpause", timeout)
+    except CoordinatorUnavailable:
+        await _drop_link(memo)  # the lifecycle walk of a later pass puts the state right
+        raise
 
 
 def _short(detail: Any, limit: int = 200) -> str:

@@ -194,6 +194,7 @@ class InferenceSpec:
     model_path: str
     model_volume: dict[str, Any] | None
     model_mount_path: str
+    model_revision: str | None
     dtype: str
     max_sequence_length: int | None
     tensor: int
@@ -252,6 +253,7 @@ def parse(resource: dict[str, Any], default_namespace: str = "default") -> Infer
         model_path=model["path"],
         model_volume=model.get("volume"),
         model_mount_path=model["mountPath"],
+        model_revision=model.get("revision"),
         dtype=model["dtype"],
         max_sequence_length=model.get("maxSequenceLength"),
         tensor=par["tensor"],

@@ -38,6 +38,7 @@ class Observation:
     engines_connected: int = 0
     endpoint: str | None = None
     selector: str | None = None
+    model: dict[str, Any] | None = None  # status.model: the weights served (kept as it was when None)
 
 
 def _condition(previous: dict[str, dict[str, Any]], ctype: str, ok: bool, reason: str, message: str,
@@ -128,6 +129,7 @@ def compute(previous: dict[str, Any] | None, obs: Observation, now: str | None =
                     "connected": obs.engines_connected},
         "endpoint": obs.endpoint,
         "selector": obs.selector,
+        "model": obs.model,
         "conditions": [c[t] for t in CONDITION_TYPES],
     }
     if gen is not None:
@@ -138,4 +140,8 @@ def compute(previous: dict[str, Any] | None, obs: Observation, now: str | None =
 def changes(previous: dict[str, Any] | None, new: dict[str, Any]) -> dict[str, Any]:
     """The top-level status keys of ``new`` that differ from ``previous`` (a merge patch)."""
     previous = previous or {}
-    return {key: value for key, value in new.items() if previous.get(key) != value}
+    delta = {key: value for key, value in new.items() if previous.get(key) != value}
+    if isinstance(delta.get("model"), dict) and isinstance(previous.get("model"), dict):
+        # a merge patch keeps nested keys it does not name: drop the ones the new status.model lacks
+        delta["model"] = {**{k: None for k in previous["model"] if k not in delta["model"]}, **delta["model"]}
+    return delta

@@ -88,10 +88,17 @@ class FakeCoordinator:
         self.groups = groups
         self.token = token
         self.rejected_tokens = 0
+        self.epoch = 0  # weights generation (REFIT)
+        self.weights: str | None = None
+        self.incompatible: set[str] = set()  # sources every engine refuses (another architecture)
 
     def restart(self) -> None:
-        """A new coordinator process: it starts RUNNING."""
+        """A new coordinator process: it starts RUNNING (and adopts the epoch its engines report)."""
         self.state = "RUNNING"
+
+    def forget_weights(self) -> None:
+        """A coordinator restarted together with all its engines: back on the pods' own model, epoch 0."""
+        self.epoch, self.weights = 0, None
 
     async def open(self, address: str, token: str | None, timeout: float) -> "FakeLink":
         from megatron_operator.coordinator_link import CoordinatorUnavailable
@@ -121,9 +128,25 @@ class FakeLink:
         self._check()
         c = self.coordinator
         engines = [{"id": f"engine-{g}", "group": g, "state": c.state, "running": 0, "waiting": 0,
-                    "kv_blocks_free": 10, "kv_blocks_total": 10, "last_heartbeat": 0.0}
+                    "kv_blocks_free": 10, "kv_blocks_total": 10, "last_heartbeat": 0.0, "epoch": c.epoch}
                    for g in c.groups()] if c.state != "STOPPED" else []
-        return {"state": c.state, "engines": engines, "queued": 0, "in_flight": 0, "completed": 0, "failed": 0}
+        return {"state": c.state, "engines": engines, "queued": 0, "in_flight": 0, "completed": 0, "failed": 0,
+                "epoch": c.epoch, "weights": c.weights}
+
+    async def refit(self, source: str, epoch: int | None, timeout: float) -> dict[str, Any]:
+        from megatron_operator.coordinator_link import CoordinatorRejected, RefitFailed
+
+        self._check()
+        c = self.coordinator
+        if c.state not in ("PAUSED", "SUSPENDED"):
+            raise CoordinatorRejected(f"REFIT rejected: only allowed while PAUSED or SUSPENDED; the fleet is {c.state}")
+        if source in c.incompatible:
+            raise RefitFailed(f"REFIT rejected: {source}: hidden_size is 96 but the serving model has 64")
+        c.commands.append("refit")
+        c.epoch = c.epoch + 1 if epoch is None else epoch
+        c.weights = source
+        engines = {f"engine-{g}": {"group": g, "epoch": c.epoch, "total_s": 0.5} for g in c.groups()}
+        return {"state": c.state, "detail": {"epoch": c.epoch, "source": source, "engines": engines}}
 
     async def command(self, verb: str, timeout: float, drain_timeout: float | None = None) -> dict[str, Any]:
         from megatron_operator.coordinator_link import CoordinatorRejected
