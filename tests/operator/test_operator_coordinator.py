@@ -147,3 +147,77 @@ async def coordinator_is(address: str, token: str, state: str) -> bool:
         return (await coordinator_state(address, token))["state"] == state
     except Exception:
         return False
+
+
+async def test_model_path_change_refits_a_real_fleet_in_place(cluster, tiny_model: str, tmp_path: pathlib.Path,
+                                                             monkeypatch: pytest.MonkeyPatch):
+    """Patching spec.model.path refits the running engine (no pod template change) and status.model.epoch
+    increases; a checkpoint of another hidden size is refused and the pods roll instead."""
+    pytest.importorskip("megatron_serve.coordinator")
+    from megatron_operator import handlers
+    from megatron_serve import InferenceClient, MegatronLLM, SamplingParams
+    from megatron_serve.tiny_model import make_tiny_model
+
+    from tests.coordinator.helpers import Children, free_port
+
+    second = str(make_tiny_model(tmp_path / "second", seed=1))
+    wide = str(make_tiny_model(tmp_path / "wide", seed=2, hidden_size=96))
+    greedy = SamplingParams(temperature=0.0, num_tokens_to_generate=6, ignore_eos=True)
+    with MegatronLLM(second) as llm:
+        expected = llm.generate(["Hello there"], greedy)[0].generated_tokens
+
+    port = free_port()
+    address = f"tcp://127.0.0.1:{port}"
+    monkeypatch.setattr(handlers, "CONFIG", dataclasses.replace(
+        handlers.CONFIG, coordinator_address_template=address, connect_timeout=3.0, command_timeout=60.0))
+    (resource,) = load_yaml(ROOT / "manifests" / "examples" / "single-gpu.yaml")
+    resource = copy.deepcopy(resource)
+    resource["metadata"] = {"name": "tiny", "namespace": NS}
+    resource["spec"]["model"] = {"path": tiny_model, "dtype": "float32"}
+    resource["spec"]["drainTimeoutSeconds"] = 5
+    await cluster.install_crd()
+    cluster.start_controllers()
+    await cluster.apply(resource)
+    await cluster.start_operator()
+    token = await wait_for(lambda: cluster.token_of(NS, "tiny"), what="the coordinator Secret")
+    children = Children(tmp_path)
+    env = {"MEGATRON_SERVE_TOKEN": token, "MEGATRON_KERNELS": "reference"}
+
+    def template_args() -> dict[str, list[str]]:
+        return {obj["metadata"]["name"]: obj["spec"]["template"]["spec"]["containers"][0]["args"]
+                for plural in ("statefulsets", "deployments") for obj in cluster.emu.objects_of(plural, NS)}
+
+    try:
+        children.coordinator(tiny_model, port, env=env)
+        children.engine(tiny_model, port, "--group", "0", "--device", "cpu", "--dtype", "float32",
+                        "--drain-timeout", "5", env=env)
+        await wait_for(lambda: cluster.status(NS, "tiny").get("phase") == "Ready", timeout=180, what="Ready")
+        before = template_args()
+        generation = cluster.emu.find("statefulsets", NS, "tiny-engine-0")["metadata"]["generation"]
+
+        await cluster.patch_mi(NS, "tiny", {"spec": {"model": {"path": second}}})
+        st = await wait_for(lambda: (s := cluster.status(NS, "tiny")).get("model", {}).get("epoch") == 1 and s,
+                            timeout=120, what="status.model.epoch 1")
+        assert st["model"]["path"] == second and st["model"]["templatePath"] == tiny_model
+        assert template_args() == before
+        assert cluster.emu.find("statefulsets", NS, "tiny-engine-0")["metadata"]["generation"] == generation
+        fleet = await coordinator_state(address, token)
+        assert fleet["state"] == "RUNNING" and fleet["epoch"] == 1 and fleet["weights"] == second
+        assert [e["epoch"] for e in fleet["engines"]] == [1]
+        async with InferenceClient(address, token=token) as client:
+            result = await client.add_request("Hello there", greedy)
+        assert result.generated_tokens == expected and set(result.policy_epochs) == {1}
+        await wait_for(lambda: cluster.status(NS, "tiny").get("phase") == "Ready", timeout=60, what="Ready again")
+
+        await cluster.patch_mi(NS, "tiny", {"spec": {"model": {"path": wide}}})
+        st = await wait_for(lambda: (s := cluster.status(NS, "tiny"))["model"]["templatePath"] == wide and s,
+                            timeout=120, what="the pods roll onto the refused path")
+        assert st["model"]["epoch"] == 0
+        assert wide in template_args()["tiny-engine-0"]
+        refused = [e["message"] for e in cluster.emu.objects_of("events", NS) if e.get("reason") == "RefitFailed"]
+        assert refused and "hidden_size is 96 but the serving model has 64" in refused[-1]
+        fleet = await coordinator_state(address, token)  # the old pods serve the old weights until replaced
+        assert fleet["state"] == "RUNNING" and fleet["epoch"] == 1
+    finally:
+        await cluster.stop_operator()
+        children.kill_all()
