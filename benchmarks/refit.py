@@ -1,0 +1,149 @@
+"""In-place refit versus restarting the engine process: how long new weights take to serve.
+
+Two random checkpoints of the same (a few hundred MB) architecture are written once; a local
+fleet (coordinator + one engine process) serves the first. Then, alternating between them:
+
+* **refit in place**: PAUSE, REFIT (verify on every engine, then load), UNPAUSE, first request;
+* **restart**: SIGTERM the engine (it drains and exits), start a new engine process on the other
+  checkpoint, wait until it registered, first request. This is what rolling a pod costs at best
+  (no image pull, no scheduling, no container start).
+
+Each phase is timed by the client (acknowledgement round trips); the engine's own verify/load
+split comes from the REFIT acknowledgement. Prints one table (median of ``--rounds``).
+
+    python benchmarks/refit.py                                   # ~360 MB fp32 checkpoints on CPU
+    python benchmarks/refit.py --hidden-size 2048 --layers 8 --rounds 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from megatron_serve import InferenceConfig, SamplingParams
+from megatron_serve.client import InferenceClient
+from megatron_serve.local_fleet import LocalFleet
+from megatron_serve.tiny_model import make_tiny_model
+
+ONE_TOKEN = SamplingParams(temperature=0.0, num_tokens_to_generate=1, ignore_eos=True)
+
+
+def checkpoint_bytes(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.glob("*.safetensors"))
+
+
+async def first_request(client: InferenceClient) -> float:
+    started = time.perf_counter()
+    result = await client.add_request("refit benchmark: the quick brown fox", ONE_TOKEN)
+    if result.status.value != "COMPLETED":
+        raise RuntimeError(f"request failed: {result.error}")
+    return time.perf_counter() - started
+
+
+async def refit_round(client: InferenceClient, source: str) -> dict[str, float]:
+    t0 = time.perf_counter()
+    await client.pause()
+    t1 = time.perf_counter()
+    ack = await client.refit(source)
+    t2 = time.perf_counter()
+    await client.unpause()
+    t3 = time.perf_counter()
+    first = await first_request(client)
+    (facts,) = ack["detail"]["engines"].values()
+    return {"pause": t1 - t0, "refit": t2 - t1, "  engine: verify (meta dry run)": facts["verified_s"],
+            "  engine: load in place": facts["load_s"], "unpause": t3 - t2, "first request": first,
+            "total": t3 - t0 + first}
+
+
+async def restart_round(client: InferenceClient, fleet: LocalFleet, source: str, config_args: list[str]) -> dict:
+    old = fleet.engines[-1]
+    before = {e["id"] for e in (await client.status())["engines"]}
+    t0 = time.perf_counter()
+    old.terminate()  # SIGTERM: DRAINING, hand back, exit
+    await asyncio.to_thread(old.wait, 120)
+    t1 = time.perf_counter()
+    fleet.model_dir = source  # the replacement starts from the new weights
+    fleet.add_engine(group=0, extra=config_args)
+    while True:
+        engines = (await client.status())["engines"]
+        if any(e["id"] not in before for e in engines):
+            break
+        fleet.check_alive()
+        await asyncio.sleep(0.05)
+    t2 = time.perf_counter()
+    first = await first_request(client)
+    return {"stop old process (drain, exit)": t1 - t0, "start new process, load, register": t2 - t1,
+            "first request": first, "total": t2 - t0 + first}
+
+
+async def main_async(args: argparse.Namespace) -> None:
+    root = Path(args.dir or tempfile.mkdtemp(prefix="megatron-refit-bench-"))
+    shape = dict(hidden_size=args.hidden_size, num_layers=args.layers, num_heads=args.heads, num_kv_heads=args.kv_heads,
+                 intermediate_size=args.intermediate_size)
+    paths = []
+    for seed in (0, 1):
+        path = root / f"ckpt{seed}"
+        if not (path / "config.json").exists():
+            print(f"writing checkpoint {path} ...", file=sys.stderr)
+            make_tiny_model(path, seed=seed, **shape)
+        paths.append(str(path))
+    size = checkpoint_bytes(Path(paths[0]))
+    config = InferenceConfig(num_kv_blocks=64, max_sequence_length=256)
+    config_args = ["--num-kv-blocks", "64", "--max-sequence-length", "256"]
+    fleet = LocalFleet(paths[0], 1, config)
+    address = await asyncio.to_thread(fleet.start, 300)
+    client = InferenceClient(address)
+    await client.start(timeout=60)
+    refits: list[dict] = []
+    restarts: list[dict] = []
+    try:
+        await client.wait_for_engines(1, timeout=600)
+        await first_request(client)  # warm-up
+        # restarts first: the coordinator then has no refit on record to sync new engines to
+        for i in range(args.rounds):
+            restarts.append(await restart_round(client, fleet, paths[(i + 1) % 2], config_args))
+        current = (args.rounds % 2)
+        for i in range(args.rounds):
+            refits.append(await refit_round(client, paths[(current + i + 1) % 2]))
+    finally:
+        client.close()
+        await asyncio.to_thread(fleet.stop, 60)
+
+    def median(rows: list[dict], key: str) -> float:
+        return statistics.median(r[key] for r in rows)
+
+    print(f"\nrefit vs restart, {size / 2**20:.0f} MiB fp32 checkpoint ({args.layers} layers, hidden "
+          f"{args.hidden_size}), CPU, {os.cpu_count()} cores, median of {args.rounds}\n")
+    print(f"| {'in-place refit phase':<36} | {'seconds':>8} |")
+    print(f"|{'-' * 38}|{'-' * 10}|")
+    for key in refits[0]:
+        print(f"| {key:<36} | {median(refits, key):>8.3f} |")
+    print(f"\n| {'engine restart phase':<36} | {'seconds':>8} |")
+    print(f"|{'-' * 38}|{'-' * 10}|")
+    for key in restarts[0]:
+        print(f"| {key:<36} | {median(restarts, key):>8.3f} |")
+    speedup = median(restarts, "total") / median(refits, "total")
+    print(f"\nnew weights serving after {median(refits, 'total'):.2f} s in place vs {median(restarts, 'total'):.2f} s "
+          f"by restart ({speedup:.1f}x)")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--dir", help="where to write (or find) the checkpoints (default: a temporary directory)")
+    parser.add_argument("--hidden-size", type=int, default=1024)
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--heads", type=int, default=16)
+    parser.add_argument("--kv-heads", type=int, default=4)
+    parser.add_argument("--intermediate-size", type=int, default=2816)
+    parser.add_argument("--rounds", type=int, default=3)
+    asyncio.run(main_async(parser.parse_args()))
+
+
+if __name__ == "__main__":
+    main()
