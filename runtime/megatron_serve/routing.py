@@ -24,6 +24,7 @@ class EngineView(Protocol):
     kv_blocks_free: int
     kv_blocks_total: int
     stats: dict[str, Any]  # extra facts from the engine's last heartbeat
+    info: dict[str, Any]  # facts from its registration (pid, host, block_size, prefix_caching ...)
 
     @property
     def load(self) -> int:  # requests assigned and not finished
