@@ -179,6 +179,35 @@ def test_coordinator_forgets_a_draining_engine_and_reports_cache_counters():
     coordinator.close()
 
 
+def test_coordinator_forgets_every_group_after_a_suspend_or_a_refit():
+    from megatron_serve.coordinator import ControlOp  # noqa: PLC0415
+    from megatron_serve.protocol import FleetState  # noqa: PLC0415
+
+    coordinator = Coordinator(None, routing="prefix_affinity")
+    info = {"block_size": BS, "prefix_caching": True}
+    records = [EngineRecord(engine_id=f"e{g + 1}-g{g}", identity=b"x%d" % g, group=g, capacity=8, info=info)
+               for g in range(2)]
+    coordinator.engines.update({r.engine_id: r for r in records})
+    policy = coordinator.policy
+
+    def route_to_both() -> None:
+        for record in records:
+            policy.select(request(seq(0, 4)), [record])
+        assert all(policy.history_size(r.engine_id) for r in records)
+
+    route_to_both()
+    coordinator._complete(ControlOp(control_id="p", verb=Header.PAUSE, client_id="c"))  # caches stay
+    assert all(policy.history_size(r.engine_id) for r in records)
+    coordinator.state = FleetState.SUSPENDED
+    coordinator._complete(ControlOp(control_id="s", verb=Header.SUSPEND, client_id="c"))
+    assert not any(policy.history_size(r.engine_id) for r in records)
+    coordinator.state = FleetState.PAUSED
+    route_to_both()
+    coordinator._complete(ControlOp(control_id="r", verb=Header.REFIT, client_id="c"))  # old weights' KV is gone
+    assert not any(policy.history_size(r.engine_id) for r in records)
+    coordinator.close()
+
+
 # ----------------------------------------------------------------------------- coordinator + engine processes
 
 
