@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 
@@ -61,14 +61,18 @@ class SamplingParams:
             raise ValueError("termination_id contradicts ignore_eos=True: give one or the other")
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        """Plain values for the wire (a field copy: ``dataclasses.asdict`` deep-copies and is slow per request)."""
+        data = {name: getattr(self, name) for name in _FIELD_NAMES}
+        data["stop_words"] = list(self.stop_words)
+        if isinstance(self.termination_id, list):
+            data["termination_id"] = list(self.termination_id)
+        return data
 
     @classmethod
     def from_dict(cls, data: dict[str, Any] | None) -> "SamplingParams":
         """Build from a wire/HTTP dict; unknown keys are an error, not silently ignored."""
         data = dict(data or {})
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(data) - known)
+        unknown = sorted(set(data) - set(_FIELD_NAMES))
         if unknown:
             raise ValueError(f"unknown sampling parameter(s): {', '.join(unknown)}")
         return cls(**data)
@@ -77,6 +81,9 @@ class SamplingParams:
     def is_greedy(self) -> bool:
         """Temperatures this small make sampling numerically meaningless: they decode greedily."""
         return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1
+
+
+_FIELD_NAMES = tuple(f.name for f in fields(SamplingParams))
 
 
 def _check_number(name: str, value: Any, minimum: float | None = None, maximum: float | None = None) -> None:
