@@ -29,6 +29,7 @@ class Sequence:
     block_table: list[int] = field(default_factory=list)
     block_hashes: list[int] = field(default_factory=list)  # chained hashes of the complete blocks computed
     kv_epoch: int | None = None  # weights generation its cached KV was computed under (None: no KV yet)
+    prompt_hashes: list[int] = field(default_factory=list)  # hashes of every complete block it can share
 
     def __post_init__(self) -> None:
         if not self.token_ids:
@@ -87,25 +88,38 @@ class Scheduler:
         self.allocator.free(sequence.block_table)
         sequence.block_table = []
         sequence.block_hashes = []
+        sequence.prompt_hashes = []
         sequence.num_computed = 0
         sequence.kv_epoch = None
 
-    def _attach_cached_prefix(self, sequence: Sequence) -> int:
-        """Start a sequence on the longest cached chain of its blocks; returns the tokens it skips.
+    def _attach_cached_prefix(self, sequence: Sequence) -> int | None:
+        """Start a sequence on the longest cached chain of its blocks.
 
-        The last token is always computed (its logits are needed), so it is never part of the match.
+        Returns the hash of its first block that is not cached (None when all shareable blocks
+        are). The last token is always computed (its logits are needed), so it is never matched.
         """
         if not self.allocator.enable_prefix_caching or sequence.num_computed:
-            return 0
+            return None
         cacheable = (len(sequence.token_ids) - 1) // self.block_size
-        hashes = block_hashes(sequence.token_ids[: cacheable * self.block_size], self.block_size)
-        blocks = self.allocator.lookup(hashes)
+        sequence.prompt_hashes = block_hashes(sequence.token_ids[: cacheable * self.block_size], self.block_size)
+        blocks = self.allocator.lookup(sequence.prompt_hashes)
         if blocks:
             self.allocator.acquire(blocks)
             sequence.block_table = list(blocks)
-            sequence.block_hashes = hashes[: len(blocks)]
+            sequence.block_hashes = sequence.prompt_hashes[: len(blocks)]
             sequence.num_computed = len(blocks) * self.block_size
-        return sequence.num_computed
+        return sequence.prompt_hashes[len(blocks)] if len(blocks) < cacheable else None
+
+    def _blocks_being_computed(self) -> set[int]:
+        """Hashes of shareable blocks that running sequences have still to compute.
+
+        A waiting request whose next uncached block is among them waits for it rather than
+        computing the same prefix a second time (a burst of requests sharing a new prefix).
+        """
+        pending: set[int] = set()
+        for sequence in self.running:
+            pending.update(sequence.prompt_hashes[len(sequence.block_hashes):])
+        return pending
 
     def register_computed_blocks(self, sequence: Sequence) -> None:
         """Publish the sequence's newly completed blocks to the prefix cache."""
@@ -145,22 +159,31 @@ class Scheduler:
                 index += 1
                 continue
             break  # the sequence itself was preempted: nothing newer is left running
-        while (self.waiting and budget > 0 and not preempted and len(self.running) < self.max_requests):
-            sequence = self.waiting[0]
-            cached = self._attach_cached_prefix(sequence)
+        pending = self._blocks_being_computed()
+        deferred: list[Sequence] = []
+        while self.waiting and budget > 0 and not preempted and len(self.running) < self.max_requests:
+            sequence = self.waiting.popleft()
+            next_hash = self._attach_cached_prefix(sequence)
+            if next_hash is not None and next_hash in pending:
+                self.release(sequence)
+                deferred.append(sequence)
+                continue
             count = min(sequence.num_uncomputed, budget)
             if self._blocks_needed(sequence, count) > self.allocator.num_free:
                 self.release(sequence)
+                self.waiting.appendleft(sequence)
                 break
-            self.waiting.popleft()
+            cached = sequence.num_computed
             self.cached_tokens += cached
             sequence.request.cached_tokens = min(cached, len(sequence.request.prompt_tokens))
             self._grow(sequence, count)
             self.running.append(sequence)
+            pending.update(sequence.prompt_hashes[len(sequence.block_hashes):])
             sequence.request.status = RequestStatus.ACTIVE
             sequence.request.add_event(EventType.PREFILL)
             entries.append((sequence, count))
             budget -= count
+        self.waiting.extendleft(reversed(deferred))
         entries.sort(key=lambda entry: entry[1] != 1)  # decode-shaped entries first, stable otherwise
         return ScheduledBatch(entries, preempted)
 

@@ -38,9 +38,19 @@ def test_outputs_equal_and_prefill_drops_by_the_shared_fraction(tiny_llama):
     prompt_tokens = sum(len(p) for p in prompts)
     shared_fraction = (len(prompts) - 4) * prefix_len / prompt_tokens  # every use of a prefix after its first
     drop = (off_engine.computed_tokens - on_engine.computed_tokens) / prompt_tokens
-    assert drop >= shared_fraction * 0.95, (drop, shared_fraction)
-    assert on_engine.cached_tokens >= (len(prompts) - 16) * prefix_len
+    assert drop >= shared_fraction, (drop, shared_fraction)
+    assert on_engine.cached_tokens >= (len(prompts) - 4) * prefix_len
     assert sum(o.cached_tokens for o in outs) > 0 and all(o.cached_tokens <= prefix_len for o in outs)
+
+
+def test_a_burst_sharing_a_new_prefix_computes_it_once(tiny_llama):
+    prefix = list(range(30, 30 + 4 * BLOCK))
+    prompts = [prefix + [100 + i, 200 + i, 300 + i] for i in range(8)]
+    llm = MegatronLLM(tiny_llama, InferenceConfig(block_size_tokens=BLOCK, enable_prefix_caching=True))
+    outs = llm.generate(prompts, PARAMS)  # all eight wait together: the first computes the prefix, the rest reuse it
+    assert sorted(o.cached_tokens for o in outs) == [0] + [4 * BLOCK] * 7
+    alone = MegatronLLM(tiny_llama, InferenceConfig(block_size_tokens=BLOCK, enable_prefix_caching=False))
+    assert [o.generated_tokens for o in outs] == [o.generated_tokens for o in alone.generate(prompts, PARAMS)]
 
 
 def test_fully_cached_prompt_still_computes_its_last_token(tiny_llama):
