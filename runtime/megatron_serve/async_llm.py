@@ -37,6 +37,7 @@ from .local_fleet import LocalFleet
 from .prompts import Prompt, PromptInput, normalize_prompts
 from .request import DynamicInferenceRequest
 from .sampling_params import SamplingParams
+from .streams import iterate_stream
 
 logger = logging.getLogger("megatron_serve.async_llm")
 
@@ -341,21 +342,8 @@ class MegatronAsyncLLM:
                 yield item
             return
         request_id, _future, items = self._engine_thread.submit(prompt, params, stream=True)
-        finished = False
-        try:
-            while True:
-                item = await items.get()
-                if isinstance(item, BaseException):
-                    finished = True
-                    raise item
-                if isinstance(item, DynamicInferenceRequest):
-                    finished = True
-                    yield item
-                    return
-                yield item
-        finally:
-            if not finished:
-                self._engine_thread.abort(request_id)
+        async for item in iterate_stream(items, lambda: self._engine_thread.abort(request_id)):
+            yield item
 
     # ------------------------------------------------------------------ lifecycle (coordinator mode)
 

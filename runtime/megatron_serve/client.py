@@ -28,6 +28,7 @@ import zmq.asyncio
 
 from .protocol import FROM_COORDINATOR, ErrorCode, Header, ProtocolError, Role, decode, encode
 from .request import DynamicInferenceRequest
+from .streams import iterate_stream
 from .sampling_params import SamplingParams
 
 logger = logging.getLogger("megatron_serve.client")
@@ -422,21 +423,13 @@ class InferenceClient:
         Leaving the loop early (``break``, cancellation) aborts the request.
         """
         pending = self._new_pending(prompt, sampling_params, request_id, stream=True)
-        finished = False
-        try:
-            while True:
-                item = await pending.queue.get()
-                if isinstance(item, BaseException):
-                    finished = True
-                    raise item
-                if isinstance(item, DynamicInferenceRequest):
-                    finished = True
-                    yield item
-                    return
-                yield item
-        finally:
-            if not finished and not self._closed:
+
+        def abandon() -> None:
+            if not self._closed:
                 self.abort(pending.request_id)
+
+        async for item in iterate_stream(pending.queue, abandon):
+            yield item
 
     def abort(self, request_id: str) -> None:
         """Abort a pending request; its future resolves with ``finish_reason`` ``abort``."""

@@ -15,7 +15,13 @@ import time
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 from .engine_options import add_engine_options, inference_config_from_args  # noqa: E402
-from .options import add_log_option, add_token_option, read_token, setup_logging  # noqa: E402
+from .options import (  # noqa: E402
+    add_log_option,
+    add_token_option,
+    check_coordinator_address,
+    read_token,
+    setup_logging,
+)
 
 logger = logging.getLogger("megatron_serve.engine_process")
 
@@ -38,8 +44,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     setup_logging(args.log_level)
-    if not args.coordinator.startswith(("tcp://", "ipc://")):
-        raise ValueError(f"--coordinator must look like tcp://HOST:PORT, got {args.coordinator!r}")
+    check_coordinator_address(args.coordinator)
     if args.group is not None and args.group < 0:
         raise ValueError(f"--group must be >= 0, got {args.group}")
     if args.tensor_parallel < 1:

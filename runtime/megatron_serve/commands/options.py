@@ -58,19 +58,29 @@ def add_token_option(parser: argparse.ArgumentParser) -> None:
                         help=f"file holding the shared coordinator token (else ${TOKEN_ENV}; none = no token)")
 
 
-def read_token(args: argparse.Namespace) -> str | None:
-    """The shared token from ``--token-file``, else ``$MEGATRON_SERVE_TOKEN``, else ``None``."""
-    path = getattr(args, "token_file", None)
+def read_secret(args: argparse.Namespace, attribute: str, flag: str, env: str) -> str | None:
+    """A secret from the file named by ``flag`` (attribute ``attribute``), else ``$env``, else ``None``."""
+    path = getattr(args, attribute, None)
     if path:
         try:
             with open(path) as fh:
-                token = fh.read().strip()
+                secret = fh.read().strip()
         except OSError as exc:
-            raise FileNotFoundError(f"cannot read --token-file {path}: {exc.strerror}") from None
-        if not token:
-            raise ValueError(f"--token-file {path} is empty")
-        return token
-    return os.environ.get(TOKEN_ENV) or None
+            raise FileNotFoundError(f"cannot read {flag} {path}: {exc.strerror}") from None
+        if not secret:
+            raise ValueError(f"{flag} {path} is empty")
+        return secret
+    return os.environ.get(env) or None
+
+
+def read_token(args: argparse.Namespace) -> str | None:
+    """The shared token from ``--token-file``, else ``$MEGATRON_SERVE_TOKEN``, else ``None``."""
+    return read_secret(args, "token_file", "--token-file", TOKEN_ENV)
+
+
+def check_coordinator_address(address: str) -> None:
+    if not address.startswith(("tcp://", "ipc://")):
+        raise ValueError(f"--coordinator must look like tcp://HOST:PORT, got {address!r}")
 
 
 def add_log_option(parser: argparse.ArgumentParser) -> None:

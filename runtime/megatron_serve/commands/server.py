@@ -10,11 +10,17 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import os
 import signal
 import sys
 
-from .options import add_log_option, add_token_option, read_token, setup_logging
+from .options import (
+    add_log_option,
+    add_token_option,
+    check_coordinator_address,
+    read_secret,
+    read_token,
+    setup_logging,
+)
 
 logger = logging.getLogger("megatron_serve.server")
 
@@ -37,17 +43,7 @@ def add_server_options(parser: argparse.ArgumentParser, default_host: str) -> No
 
 def read_api_key(args: argparse.Namespace) -> str | None:
     """The API key from ``--api-key-file``, else ``$MEGATRON_SERVE_API_KEY``, else ``None`` (no key)."""
-    path = getattr(args, "api_key_file", None)
-    if path:
-        try:
-            with open(path) as fh:
-                key = fh.read().strip()
-        except OSError as exc:
-            raise FileNotFoundError(f"cannot read --api-key-file {path}: {exc.strerror}") from None
-        if not key:
-            raise ValueError(f"--api-key-file {path} is empty")
-        return key
-    return os.environ.get(API_KEY_ENV) or None
+    return read_secret(args, "api_key_file", "--api-key-file", API_KEY_ENV)
 
 
 def check_server_options(args: argparse.Namespace) -> None:
@@ -68,8 +64,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     setup_logging(args.log_level)
-    if not args.coordinator.startswith(("tcp://", "ipc://")):
-        raise ValueError(f"--coordinator must look like tcp://HOST:PORT, got {args.coordinator!r}")
+    check_coordinator_address(args.coordinator)
     check_server_options(args)
     api_key = read_api_key(args)
     token = read_token(args)

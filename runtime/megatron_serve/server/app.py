@@ -49,6 +49,18 @@ _SSE_DOC = ("With `stream: true` the answer is `text/event-stream`: one `data: {
             "`data: [DONE]`.")
 
 
+# One server-sent event, as OpenAPI tools read a stream: each event's fields, the data a chunk's JSON or [DONE].
+_SSE_EVENT_SCHEMA = {
+    "type": "object",
+    "required": ["data"],
+    "properties": {
+        "data": {"type": "string", "description": "one chunk object as JSON, or the literal [DONE]"},
+        "event": {"type": "string"},
+        "id": {"type": "string"},
+    },
+}
+
+
 def _error_responses(codes: list[int]) -> dict[int | str, dict[str, Any]]:
     meaning = {400: "invalid request (bad parameter, unknown model, prompt longer than the context)",
                401: "missing or wrong API key", 404: "no such model", 429: "the server's queue is full",
@@ -115,7 +127,7 @@ def create_app(
         api_dependencies.append(Depends(require_api_key))
         error_codes.insert(1, 401)
 
-    stream_200 = {200: {"content": {"text/event-stream": {"schema": {"type": "string"}}},
+    stream_200 = {200: {"content": {"text/event-stream": {"schema": _SSE_EVENT_SCHEMA}},
                         "description": "the completion (JSON), or its stream of server-sent events"}}
 
     @app.post("/v1/completions", response_model=CompletionResponse, dependencies=api_dependencies,

@@ -1,0 +1,30 @@
+"""Turning a queue of streamed items into an async iterator that aborts its request when abandoned."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any, AsyncIterator, Callable
+
+from .request import DynamicInferenceRequest
+
+
+async def iterate_stream(items: asyncio.Queue, abandon: Callable[[], None]) -> AsyncIterator[Any]:
+    """Yield partials until the final ``DynamicInferenceRequest`` (or raise the error put in its place).
+
+    Leaving the loop before the end (``break``, cancellation) calls ``abandon``, which aborts the request.
+    """
+    finished = False
+    try:
+        while True:
+            item = await items.get()
+            if isinstance(item, BaseException):
+                finished = True
+                raise item
+            if isinstance(item, DynamicInferenceRequest):
+                finished = True
+                yield item
+                return
+            yield item
+    finally:
+        if not finished:
+            abandon()
