@@ -27,8 +27,9 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> str:
-    tiny = pytest.importorskip("megatron_serve.tiny_model")
-    return str(tiny.make_tiny_model(tmp_path_factory.mktemp("operator-tiny"), seed=0))
+    from megatron_serve.tiny_model import make_tiny_model
+
+    return str(make_tiny_model(tmp_path_factory.mktemp("operator-tiny"), seed=0))
 
 
 async def coordinator_state(address: str, token: str) -> dict[str, Any]:
@@ -43,7 +44,6 @@ async def coordinator_state(address: str, token: str) -> dict[str, Any]:
 
 async def test_lifecycle_with_a_real_coordinator(cluster, tiny_model: str, tmp_path: pathlib.Path,
                                                  monkeypatch: pytest.MonkeyPatch):
-    pytest.importorskip("megatron_serve.coordinator")
     from megatron_operator import handlers
 
     from tests.coordinator.helpers import Children, free_port
@@ -153,7 +153,6 @@ async def test_model_path_change_refits_a_real_fleet_in_place(cluster, tiny_mode
                                                              monkeypatch: pytest.MonkeyPatch):
     """Patching spec.model.path refits the running engine (no pod template change) and status.model.epoch
     increases; a checkpoint of another hidden size is refused and the pods roll instead."""
-    pytest.importorskip("megatron_serve.coordinator")
     from megatron_operator import handlers
     from megatron_serve import InferenceClient, MegatronLLM, SamplingParams
     from megatron_serve.tiny_model import make_tiny_model
