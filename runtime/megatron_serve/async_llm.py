@@ -144,7 +144,8 @@ class _EngineThread:
                 entry = self._waiters.get(request_id)
                 if entry is not None and entry[2] is not None and (out.new_tokens or out.new_text):
                     self._post(request_id, StreamPartial(request_id, list(out.new_tokens), out.new_text,
-                                                         list(out.new_log_probs)), final=False)
+                                                         list(out.new_log_probs),
+                                                         new_top_logprobs=list(out.new_top_logprobs)), final=False)
                 if out.finished:
                     self._post(request_id, out.request, final=True)
 

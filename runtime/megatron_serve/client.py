@@ -27,7 +27,7 @@ import zmq
 import zmq.asyncio
 
 from .protocol import FROM_COORDINATOR, ErrorCode, Header, ProtocolError, Role, decode, encode
-from .request import DynamicInferenceRequest
+from .request import DynamicInferenceRequest, top_logprobs_from_wire
 from .streams import iterate_stream
 from .sampling_params import SamplingParams
 
@@ -58,6 +58,7 @@ class StreamPartial:
     new_tokens: list[int]
     new_text: str
     new_log_probs: list[float] = field(default_factory=list)
+    new_top_logprobs: list[dict[int, float]] = field(default_factory=list)  # per new token, when asked for
     finished: bool = False  # partials never finish; the final item is the DynamicInferenceRequest
 
 
@@ -298,7 +299,9 @@ class InferenceClient:
                 tokens = list(body["new_tokens"])
                 pending.received.extend(tokens)
                 pending.queue.put_nowait(StreamPartial(pending.request_id, tokens, body.get("new_text") or "",
-                                                       list(body.get("logprobs") or [])))
+                                                       list(body.get("logprobs") or []),
+                                                       new_top_logprobs=top_logprobs_from_wire(
+                                                           body.get("top_logprobs") or [])))
         elif header is Header.RESULT:
             crid = body["client_request_id"]
             self._acks.append(crid)

@@ -53,7 +53,7 @@ from .protocol import (
     encode,
     int_list,
 )
-from .request import DynamicInferenceRequest, EventType, FinishReason, RequestStatus
+from .request import DynamicInferenceRequest, EventType, FinishReason, RequestStatus, top_logprobs_from_wire
 from .routing import RoutingPolicy, make_routing_policy
 from .sampling_params import SamplingParams
 
@@ -717,13 +717,15 @@ class Coordinator:
         self._finish(record, record.request)
 
     def _tokens_body(self, record: RequestRecord, tokens: list[int], logprobs: list[float],
-                     text: str | None) -> dict[str, Any]:
+                     text: str | None, top_logprobs: list | None = None) -> dict[str, Any]:
         if text is None:
             text = self._decode(tokens)
         body: dict[str, Any] = {"client_request_id": record.client_request_id, "new_tokens": list(tokens),
                                 "new_text": text}
         if record.request.sampling_params.return_log_probs:
             body["logprobs"] = list(logprobs)
+        if top_logprobs:
+            body["top_logprobs"] = top_logprobs
         return body
 
     def _decode(self, tokens: list[int]) -> str:
@@ -846,16 +848,19 @@ class Coordinator:
                 continue
             request = record.request
             new_log_probs = list(out.get("new_log_probs") or [])
+            new_top = out.get("new_top_logprobs") or []
             if new_tokens:
                 request.generated_tokens.extend(new_tokens)
                 request.generated_log_probs.extend(new_log_probs)
+                request.generated_top_n_logprobs.extend(top_logprobs_from_wire(new_top))
                 self._mirror_epochs(request, len(new_tokens), out.get("epochs"))
                 request.status = RequestStatus.ACTIVE
                 if record.stream:
                     client = self.clients.get(record.client_id)
                     if client is not None and client.identity is not None:
                         self._send(client.identity, Header.TOKENS,
-                                   self._tokens_body(record, new_tokens, new_log_probs, out.get("new_text") or ""))
+                                   self._tokens_body(record, new_tokens, new_log_probs, out.get("new_text") or "",
+                                                     new_top))
             if out["finished"]:
                 engine.assigned.discard(record.key)
                 engine.completed += 1

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -38,6 +38,7 @@ class StepOutput:
     new_text: str
     new_log_probs: list[float]
     finished: bool
+    new_top_logprobs: list[dict[int, float]] = field(default_factory=list)
 
 
 def default_dtype(config: InferenceConfig, model_config: ModelConfig) -> torch.dtype:
@@ -311,6 +312,7 @@ class DynamicInferenceEngine:
         finish: FinishReason | None = None
         new_tokens: list[int] = []
         new_log_probs: list[float] = []
+        new_top: list[dict[int, float]] = []
         if token in sequence.stop_token_ids:
             finish = FinishReason.STOP
         else:
@@ -324,6 +326,7 @@ class DynamicInferenceEngine:
                 new_log_probs.append(log_prob)
             if top_n is not None:
                 request.generated_top_n_logprobs.append(top_n)
+                new_top.append(top_n)
             if detokenizer.update(request.generated_tokens):
                 finish = FinishReason.STOP
             elif len(sequence.token_ids) >= sequence.max_total_tokens:
@@ -337,4 +340,4 @@ class DynamicInferenceEngine:
             self.scheduler.finish(sequence)
             del self._sequences[request.request_id]
             del self._detokenizers[request.request_id]
-        return StepOutput(request, new_tokens, new_text, new_log_probs, finish is not None)
+        return StepOutput(request, new_tokens, new_text, new_log_probs, finish is not None, new_top)

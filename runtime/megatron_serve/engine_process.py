@@ -33,7 +33,7 @@ import zmq
 
 from .errors import EngineGroupLost
 from .protocol import FROM_COORDINATOR, ErrorCode, FleetState, Header, ProtocolError, Role, decode, encode
-from .request import DynamicInferenceRequest, FinishReason, RequestStatus
+from .request import DynamicInferenceRequest, FinishReason, RequestStatus, top_logprobs_to_wire
 
 logger = logging.getLogger("megatron_serve.engine_process")
 
@@ -388,6 +388,8 @@ class EngineProcess:
                                     "new_text": out.new_text or "", "finished": bool(out.finished)}
             if out.new_log_probs:
                 item["new_log_probs"] = [float(x) for x in out.new_log_probs]
+            if out.new_top_logprobs:
+                item["new_top_logprobs"] = top_logprobs_to_wire(out.new_top_logprobs)
             if out.new_tokens and not out.finished:  # the coordinator mirrors them for a request that moves
                 n = len(out.new_tokens)
                 item["epochs"] = [list(out.request.policy_epochs[-n:]), list(out.request.kv_epochs[-n:])]

@@ -207,6 +207,7 @@ FROM_COORDINATOR: dict[Header, Schema] = {
         "new_tokens": _req(*_LIST),
         "new_text": _opt(*_STR),
         "logprobs": _opt(*_LIST),
+        "top_logprobs": _opt(*_LIST),  # per new token: [[token id, log prob], ...]
     },
     Header.RESULT: {"client_request_id": _req(*_ID), "request": _req(*_DICT)},
     Header.CONTROL_ACK: {"control_id": _req(*_ID), "state": _req(*_STR), "detail": _opt(*_DICT)},
@@ -240,6 +241,7 @@ STEP_OUTPUT_SCHEMA: Schema = {
     "new_tokens": _req(*_LIST),
     "new_text": _opt(*_STR),
     "new_log_probs": _opt(*_LIST),
+    "new_top_logprobs": _opt(*_LIST),  # per new token: [[token id, log prob], ...]
     "finished": _req(*_BOOL),
     "request": _opt(*_DICT),  # the full record, present when finished
 }

@@ -40,6 +40,15 @@ class EventType(str, enum.Enum):
     FAIL = "FAIL"
 
 
+def top_logprobs_to_wire(top: list[dict[int, float]]) -> list[list[list]]:
+    """Per-token ``{token id: log prob}`` as lists of ``[id, log prob]`` pairs (msgpack maps need str keys)."""
+    return [[[token, log_prob] for token, log_prob in entry.items()] for entry in top]
+
+
+def top_logprobs_from_wire(pairs: list[list[list]]) -> list[dict[int, float]]:
+    return [{int(token): float(log_prob) for token, log_prob in entry} for entry in pairs]
+
+
 @dataclass
 class RequestEvent:
     type: EventType
@@ -114,7 +123,7 @@ class DynamicInferenceRequest:
             "generated_tokens": list(self.generated_tokens),
             "generated_text": self.generated_text,
             "generated_log_probs": list(self.generated_log_probs),
-            "generated_top_n_logprobs": [list(d.items()) for d in self.generated_top_n_logprobs],
+            "generated_top_n_logprobs": top_logprobs_to_wire(self.generated_top_n_logprobs),
             "policy_epochs": list(self.policy_epochs),
             "kv_epochs": list(self.kv_epochs),
             "cached_tokens": self.cached_tokens,
@@ -137,7 +146,7 @@ class DynamicInferenceRequest:
             generated_tokens=list(data.get("generated_tokens", [])),
             generated_text=data.get("generated_text"),
             generated_log_probs=list(data.get("generated_log_probs", [])),
-            generated_top_n_logprobs=[dict(pairs) for pairs in data.get("generated_top_n_logprobs", [])],
+            generated_top_n_logprobs=top_logprobs_from_wire(data.get("generated_top_n_logprobs", [])),
             policy_epochs=list(data.get("policy_epochs", [])),
             kv_epochs=list(data.get("kv_epochs", [])),
             cached_tokens=int(data.get("cached_tokens", 0)),

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import errno
 import threading
+import time
 from pathlib import Path
 
 import pytest
+import zmq
 
 from megatron_serve.coordinator import Coordinator
 from megatron_serve.engine_process import EngineProcess
@@ -37,10 +40,24 @@ class InProcessFleet:
         self.port = port
         self.start_coordinator()
 
-    def start_coordinator(self) -> None:
-        self.coordinator = Coordinator(None, port=self.port, token=self.token, routing=self.routing,
-                                       heartbeat_timeout=self.heartbeat_timeout)
-        self.address = self.coordinator.bind()
+    def start_coordinator(self, timeout: float = 10.0) -> None:
+        """Start a coordinator; on a restart, poll until the old socket has released the port.
+
+        ZeroMQ closes sockets in its I/O thread, so the same port can stay bound for a moment after
+        ``close()`` returns (a separate process would not see this: its port dies with it).
+        """
+        deadline = time.monotonic() + timeout
+        while True:
+            self.coordinator = Coordinator(None, port=self.port, token=self.token, routing=self.routing,
+                                           heartbeat_timeout=self.heartbeat_timeout)
+            try:
+                self.address = self.coordinator.bind()
+                break
+            except zmq.ZMQError as exc:
+                self.coordinator.close()
+                if exc.errno != errno.EADDRINUSE or time.monotonic() > deadline:
+                    raise
+                time.sleep(0.02)
         self.port = self.coordinator.port
         self.thread = threading.Thread(target=self.coordinator.run, daemon=True)
         self.thread.start()

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import SimpleNamespace
 
 from megatron_serve.request import DynamicInferenceRequest, EventType, FinishReason, RequestStatus
@@ -38,6 +38,7 @@ class FakeStepOutput:
     new_text: str
     new_log_probs: list[float]
     finished: bool
+    new_top_logprobs: list[dict[int, float]] = field(default_factory=list)
 
 
 class FakeEngine:

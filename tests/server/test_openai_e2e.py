@@ -266,6 +266,19 @@ def test_logprobs(stack, client, direct):
     assert all(len(c.top_logprobs) == 3 and c.top_logprobs[0].logprob == pytest.approx(c.logprob, abs=1e-4)
                for c in content)
 
+    # streamed: every chunk's tokens carry their alternatives, not only the last chunk's
+    streamed = [c for chunk in client.chat.completions.create(model=stack.model, messages=CHAT, max_tokens=MAX_TOKENS,
+                                                               temperature=0, logprobs=True, top_logprobs=3,
+                                                               stream=True)
+                if chunk.choices and chunk.choices[0].logprobs for c in chunk.choices[0].logprobs.content]
+    assert [c.logprob for c in streamed] == pytest.approx([c.logprob for c in content], abs=1e-4)
+    assert all(len(c.top_logprobs) == 3 for c in streamed)
+    pieces = [chunk.choices[0].logprobs for chunk in client.completions.create(
+        model=stack.model, prompt=PROMPTS[0], max_tokens=MAX_TOKENS, temperature=0, logprobs=2, stream=True)
+        if chunk.choices and chunk.choices[0].logprobs]
+    assert sum(len(p.tokens) for p in pieces) == len(expected.generated_tokens)
+    assert all(top and 1 <= len(top) <= 2 for p in pieces for top in p.top_logprobs)
+
 
 def test_errors_have_status_and_openai_shape(stack, client):
     def raw(path: str, body: dict, key: str | None = API_KEY) -> dict:

@@ -120,7 +120,7 @@ class ChatHandler:
                     text = item.new_text or ""
                     logprobs = None
                     if self.want_logprobs and item.new_tokens:
-                        logprobs = self._logprobs(item.new_tokens, item.new_log_probs, None)
+                        logprobs = self._logprobs(item.new_tokens, item.new_log_probs, item.new_top_logprobs)
                     streamed_tokens[job.index] += len(item.new_tokens)
                     if not (text or logprobs):
                         continue

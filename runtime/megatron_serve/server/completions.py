@@ -163,7 +163,7 @@ class CompletionHandler:
                     logprobs = None
                     if self.want_logprobs and item.new_tokens:
                         logprobs = completion_logprobs(self.ctx.tokenizer, item.new_tokens, item.new_log_probs,
-                                                       [None] * len(item.new_tokens) if self.top else None,
+                                                       item.new_top_logprobs if self.top else None,
                                                        offsets[job.index])
                         offsets[job.index] += sum(len(t) for t in logprobs.tokens)
                     streamed_tokens[job.index] += len(item.new_tokens)
