@@ -42,17 +42,17 @@ async def coordinator_state(address: str, token: str) -> dict[str, Any]:
         await link.close()
 
 
-async def test_lifecycle_with_a_real_coordinator(cluster, tiny_model: str, tmp_path: pathlib.Path,
-                                                 monkeypatch: pytest.MonkeyPatch):
+async def operate_tiny_resource(cluster, tiny_model: str, monkeypatch: pytest.MonkeyPatch):
+    """Apply a one-engine resource for ``tiny_model`` and run the operator with its real coordinator link,
+    pointed at a free port on 127.0.0.1; returns ``(port, address, coordinator token)``."""
     from megatron_operator import handlers
 
-    from tests.coordinator.helpers import Children, free_port
+    from tests.coordinator.helpers import free_port
 
     port = free_port()
     address = f"tcp://127.0.0.1:{port}"
     monkeypatch.setattr(handlers, "CONFIG", dataclasses.replace(
         handlers.CONFIG, coordinator_address_template=address, connect_timeout=3.0, command_timeout=60.0))
-
     (resource,) = load_yaml(ROOT / "manifests" / "examples" / "single-gpu.yaml")
     resource = copy.deepcopy(resource)
     resource["metadata"] = {"name": "tiny", "namespace": NS}
@@ -63,7 +63,14 @@ async def test_lifecycle_with_a_real_coordinator(cluster, tiny_model: str, tmp_p
     await cluster.apply(resource)
     await cluster.start_operator()  # the real link: megatron_serve.InferenceClient
     token = await wait_for(lambda: cluster.token_of(NS, "tiny"), what="the coordinator Secret")
+    return port, address, token
 
+
+async def test_lifecycle_with_a_real_coordinator(cluster, tiny_model: str, tmp_path: pathlib.Path,
+                                                 monkeypatch: pytest.MonkeyPatch):
+    from tests.coordinator.helpers import Children
+
+    port, address, token = await operate_tiny_resource(cluster, tiny_model, monkeypatch)
     children = Children(tmp_path)
     env = {"MEGATRON_SERVE_TOKEN": token, "MEGATRON_KERNELS": "reference"}
 
@@ -153,11 +160,10 @@ async def test_model_path_change_refits_a_real_fleet_in_place(cluster, tiny_mode
                                                              monkeypatch: pytest.MonkeyPatch):
     """Patching spec.model.path refits the running engine (no pod template change) and status.model.epoch
     increases; a checkpoint of another hidden size is refused and the pods roll instead."""
-    from megatron_operator import handlers
     from megatron_serve import InferenceClient, MegatronLLM, SamplingParams
     from megatron_serve.tiny_model import make_tiny_model
 
-    from tests.coordinator.helpers import Children, free_port
+    from tests.coordinator.helpers import Children
 
     second = str(make_tiny_model(tmp_path / "second", seed=1))
     wide = str(make_tiny_model(tmp_path / "wide", seed=2, hidden_size=96))
@@ -165,20 +171,7 @@ async def test_model_path_change_refits_a_real_fleet_in_place(cluster, tiny_mode
     with MegatronLLM(second) as llm:
         expected = llm.generate(["Hello there"], greedy)[0].generated_tokens
 
-    port = free_port()
-    address = f"tcp://127.0.0.1:{port}"
-    monkeypatch.setattr(handlers, "CONFIG", dataclasses.replace(
-        handlers.CONFIG, coordinator_address_template=address, connect_timeout=3.0, command_timeout=60.0))
-    (resource,) = load_yaml(ROOT / "manifests" / "examples" / "single-gpu.yaml")
-    resource = copy.deepcopy(resource)
-    resource["metadata"] = {"name": "tiny", "namespace": NS}
-    resource["spec"]["model"] = {"path": tiny_model, "dtype": "float32"}
-    resource["spec"]["drainTimeoutSeconds"] = 5
-    await cluster.install_crd()
-    cluster.start_controllers()
-    await cluster.apply(resource)
-    await cluster.start_operator()
-    token = await wait_for(lambda: cluster.token_of(NS, "tiny"), what="the coordinator Secret")
+    port, address, token = await operate_tiny_resource(cluster, tiny_model, monkeypatch)
     children = Children(tmp_path)
     env = {"MEGATRON_SERVE_TOKEN": token, "MEGATRON_KERNELS": "reference"}
 
