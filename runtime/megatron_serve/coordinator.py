@@ -38,7 +38,6 @@ from zmq.utils.monitor import recv_monitor_message
 
 from .protocol import (
     CONTROL_VERBS,
-    FROM_COORDINATOR,
     MAX_MESSAGE_BYTES,
     STEP_OUTPUT_SCHEMA,
     TO_COORDINATOR,
