@@ -43,6 +43,7 @@ class InferenceConfig:
     max_requests: int = 64
     max_sequence_length: int | None = None
     enable_prefix_caching: bool = True
+    enable_cuda_graphs: bool = True  # replay decode steps from CUDA graphs (GPU with Triton kernels only)
     tensor_parallel_size: int = 1
     seed: int = 0
 
@@ -57,6 +58,9 @@ class InferenceConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        for name in ("enable_prefix_caching", "enable_cuda_graphs"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if self.num_kv_blocks is not None and (not isinstance(self.num_kv_blocks, int) or self.num_kv_blocks < 1):
             raise ValueError(f"num_kv_blocks must be a positive integer, got {self.num_kv_blocks!r}")
         if not 0.0 < float(self.kv_cache_memory_fraction) <= 1.0:

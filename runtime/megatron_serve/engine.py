@@ -18,6 +18,7 @@ from .kv_cache import BlockAllocator, KVCachePool, blocks_for_tokens
 from .model.config import ModelConfig
 from .model.llama import LlamaForCausalLM
 from .model.loader import iterate_checkpoint, load_model, load_weights, verify_checkpoint
+from .cuda_graphs import decode_graphs_for
 from .model_runner import ModelRunner
 from .request import DynamicInferenceRequest, EventType, FinishReason, RequestStatus
 from .sampler import Sampler
@@ -96,7 +97,9 @@ class DynamicInferenceEngine:
         self.allocator = BlockAllocator(self.kv_cache.shape[2], config.enable_prefix_caching)
         block_size = config.block_size_tokens
         self.scheduler = Scheduler(self.allocator, block_size, config.max_batch_tokens, config.max_requests)
-        self.runner = runner or ModelRunner(model, block_size, self.device)
+        self.runner = runner or ModelRunner(model, block_size, self.device,
+                                            decode_graphs_for(model, config, self.max_sequence_length, self.device))
+        self.runner.capture_graphs(self.kv_cache.layer_caches)
         self.sampler = Sampler(config.seed, self.device)
         self._sequences: dict[str, Sequence] = {}
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
@@ -126,7 +129,8 @@ class DynamicInferenceEngine:
 
         tp, device, workers = start_rank_zero(str(model_dir), config)
         model = load_model(model_dir, dtype, device, tp)
-        runner = TensorParallelRunner(model, config.block_size_tokens, device, tp, workers)
+        graphs = decode_graphs_for(model, config, max_sequence_length_for(model_config, config), device)
+        runner = TensorParallelRunner(model, config.block_size_tokens, device, tp, workers, graphs)
         return cls(model, tokenizer, config, runner)
 
     def shutdown(self) -> None:
@@ -271,14 +275,17 @@ class DynamicInferenceEngine:
         return time.perf_counter() - started
 
     def resume(self) -> None:
-        if self.suspended or self.weights_offloaded:
-            self.runner.on_resume()
+        """Bring weights and the KV pool back, then capture the decode graphs over them again."""
+        if not (self.suspended or self.weights_offloaded):
+            return
+        self.runner.on_resume()
         if self.weights_offloaded:
             self.model.to(self.device)
             self.weights_offloaded = False
         if self.suspended:
             self.kv_cache.allocate()
             self.suspended = False
+        self.runner.capture_graphs(self.kv_cache.layer_caches)
 
     # ------------------------------------------------------------------ step
     def step(self) -> list[StepOutput]:

@@ -3,6 +3,7 @@
 A step is first described as a ``StepPlan`` of plain integer lists (cheap to send to the other
 tensor-parallel ranks), then turned into tensors on each rank's device. Only rows that sample
 (decode tokens, and prefill chunks that reach the end of their sequence) go through the LM head.
+Decode-only steps replay a captured CUDA graph when the runner has them (see ``cuda_graphs``).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .cuda_graphs import DecodeGraphs
 from .model.attention import AttentionMetadata, ForwardContext
 from .model.llama import LlamaForCausalLM
 from .scheduler import Sequence
@@ -61,10 +63,12 @@ def plan_step(entries: list[tuple[Sequence, int]], block_size: int) -> StepPlan:
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaForCausalLM, block_size: int, device: torch.device):
+    def __init__(self, model: LlamaForCausalLM, block_size: int, device: torch.device,
+                 decode_graphs: DecodeGraphs | None = None):
         self.model = model
         self.block_size = block_size
         self.device = device
+        self.decode_graphs = decode_graphs
 
     def _tensor(self, values: list, dtype: torch.dtype) -> torch.Tensor | None:
         return torch.tensor(values, dtype=dtype, device=self.device) if values else None
@@ -84,6 +88,8 @@ class ModelRunner:
     @torch.inference_mode()
     def run_plan(self, plan: StepPlan, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         """Run one step; returns float32 logits ``[sampling rows, vocab]`` in entry order."""
+        if self.decode_graphs is not None and self.decode_graphs.covers(plan):
+            return self.decode_graphs.run(plan)
         context = ForwardContext(self.metadata(plan), kv_caches)
         hidden = self.model(self._tensor(plan.token_ids, torch.int64), self._tensor(plan.positions, torch.int64),
                             context)
@@ -95,9 +101,17 @@ class ModelRunner:
                 ) -> torch.Tensor:
         return self.run_plan(plan_step(entries, self.block_size), kv_caches)
 
-    # Hooks for runners that drive other ranks; a single-rank runner has nothing to tell anyone.
+    def capture_graphs(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Capture the decode graphs over a newly allocated KV pool (engine start, resume)."""
+        if self.decode_graphs is not None:
+            self.decode_graphs.capture(kv_caches)
+
     def on_suspend(self, level: int) -> None:
-        pass
+        """Release the decode graphs before the pool they point into is freed."""
+        if self.decode_graphs is not None:
+            self.decode_graphs.release()
+
+    # Hooks for runners that drive other ranks; a single-rank runner has nothing to tell anyone.
 
     def on_resume(self) -> None:
         pass

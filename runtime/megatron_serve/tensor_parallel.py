@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from .config import InferenceConfig
+from .cuda_graphs import DecodeGraphs, decode_graphs_for
 from .errors import EngineGroupLost
 from .model.loader import iterate_checkpoint, load_model, load_weights, verify_checkpoint
 from .model.parallel import TensorParallel
@@ -109,8 +110,8 @@ class TensorParallelRunner(ModelRunner):
     """Rank 0's runner: broadcasts every step and lifecycle change before acting on it itself."""
 
     def __init__(self, model, block_size: int, device: torch.device, tp: TensorParallel,
-                 workers: list[multiprocessing.Process]):
-        super().__init__(model, block_size, device)
+                 workers: list[multiprocessing.Process], decode_graphs: DecodeGraphs | None = None):
+        super().__init__(model, block_size, device, decode_graphs)
         self.tp = tp
         self.workers = workers
 
@@ -138,6 +139,7 @@ class TensorParallelRunner(ModelRunner):
 
     def on_suspend(self, level: int) -> None:
         self._broadcast("suspend", level)
+        super().on_suspend(level)
 
     def on_resume(self) -> None:
         self._broadcast("resume")
@@ -183,8 +185,12 @@ def run_worker(model_dir: str, config_dict: dict, placement: Placement, rank: in
     tp = join_group(placement, rank, device)
     model_config = ModelConfig.from_dir(model_dir)
     model = load_model(model_dir, default_dtype(config, model_config), device, tp)
-    pool = build_kv_pool(model, config, max_sequence_length_for(model_config, config), device)
-    runner = ModelRunner(model, config.block_size_tokens, device)
+    max_sequence_length = max_sequence_length_for(model_config, config)
+    pool = build_kv_pool(model, config, max_sequence_length, device)
+    # Same graphs, captured in the same order as rank 0's: their collectives must pair up.
+    runner = ModelRunner(model, config.block_size_tokens, device,
+                         decode_graphs_for(model, config, max_sequence_length, device))
+    runner.capture_graphs(pool.layer_caches)
     while True:
         message: list = [None]
         dist.broadcast_object_list(message, src=0, group=tp.group)
@@ -193,6 +199,7 @@ def run_worker(model_dir: str, config_dict: dict, placement: Placement, rank: in
             plan: StepPlan = payload
             runner.run_plan(plan, pool.layer_caches)
         elif kind == "suspend":
+            runner.on_suspend(payload)
             pool.release()
             if payload == 2 and device.type == "cuda":
                 model.to("cpu")
@@ -200,6 +207,7 @@ def run_worker(model_dir: str, config_dict: dict, placement: Placement, rank: in
         elif kind == "resume":
             model.to(device)
             pool.allocate()
+            runner.capture_graphs(pool.layer_caches)
         elif kind == "refit":
             verify_checkpoint(model, payload)
             load_weights(model, iterate_checkpoint(payload))

@@ -20,6 +20,8 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--max-sequence-length", type=int, default=None, help="prompt + generation limit")
     group.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                        help="reuse KV blocks of shared prompt prefixes")
+    group.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=True,
+                       help="replay decode steps from CUDA graphs on a GPU (--no-cuda-graphs: always eager)")
     group.add_argument("--seed", type=int, default=0)
 
 
@@ -28,5 +30,6 @@ def inference_config_from_args(args: argparse.Namespace, tensor_parallel_size: i
         dtype=args.dtype, device=args.device, block_size_tokens=args.block_size, num_kv_blocks=args.num_kv_blocks,
         kv_cache_memory_fraction=args.kv_cache_memory_fraction, max_batch_tokens=args.max_batch_tokens,
         max_requests=args.max_requests, max_sequence_length=args.max_sequence_length,
-        enable_prefix_caching=args.prefix_caching, tensor_parallel_size=tensor_parallel_size, seed=args.seed,
+        enable_prefix_caching=args.prefix_caching, enable_cuda_graphs=args.cuda_graphs,
+        tensor_parallel_size=tensor_parallel_size, seed=args.seed,
     )

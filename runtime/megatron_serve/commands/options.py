@@ -31,6 +31,7 @@ _ENGINE_FIELDS = {
     "max_requests": "max_requests",
     "max_sequence_length": "max_sequence_length",
     "prefix_caching": "enable_prefix_caching",
+    "cuda_graphs": "enable_cuda_graphs",
     "device": "device",
     "seed": "seed",
 }

@@ -38,14 +38,16 @@ class PagedAttention(nn.Module):
         super().__init__()
         self.layer_index = layer_index
         self.scale = scale
-        self._write = get_op("write_kv_cache", device)
+        self._rotate_and_store = get_op("apply_rotary_write_kv_cache", device)
         self._decode = get_op("paged_attention_decode", device)
         self._prefill = get_op("paged_attention_prefill", device)
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, context: ForwardContext) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+                cos: torch.Tensor, sin: torch.Tensor, context: ForwardContext) -> torch.Tensor:
+        """Rotate ``q``/``k`` by position, store ``k``/``v`` in the cache (one fused kernel), then attend."""
         meta = context.metadata
         k_cache, v_cache = context.kv_caches[self.layer_index]
-        self._write(k, v, k_cache, v_cache, meta.slot_mapping)
+        q, _ = self._rotate_and_store(q, k, v, positions, cos, sin, k_cache, v_cache, meta.slot_mapping)
         num_decode = meta.num_decode_tokens
         if num_decode == q.shape[0]:
             return self._decode(q, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, self.scale)

@@ -31,7 +31,6 @@ class _Ops:
         self.rms_norm = get_op("rms_norm", device)
         self.fused_add_rms_norm = get_op("fused_add_rms_norm", device)
         self.silu_and_mul = get_op("silu_and_mul", device)
-        self.apply_rotary = get_op("apply_rotary", device)
 
     def norm(self, size: int, eps: float) -> RMSNorm:
         return RMSNorm(size, eps, self.rms_norm, self.fused_add_rms_norm)
@@ -54,7 +53,6 @@ class LlamaAttention(nn.Module):
         self.o_proj = RowParallelLinear(config.num_heads * head_dim, config.hidden_size, tp=tp)
         self.q_norm = ops.norm(head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.k_norm = ops.norm(head_dim, config.rms_norm_eps) if config.qk_norm else None
-        self.apply_rotary = ops.apply_rotary
         self.attn = PagedAttention(layer_index, head_dim**-0.5, device)
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, context: ForwardContext,
@@ -65,8 +63,7 @@ class LlamaAttention(nn.Module):
         v = v.view(-1, self.kv_size // self.head_dim, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.apply_rotary(q, k, positions, cos, sin)
-        out = self.attn(q, k, v, context)
+        out = self.attn(q, k, v, positions, cos, sin, context)
         return self.o_proj(out.flatten(1))
 
 

@@ -1,0 +1,247 @@
+"""Decode-step graphs: static buffers, padded batch sizes, release on suspend and capture on resume.
+
+On CPU a stand-in capture "replays" by running the captured forward again over the same static
+buffers, so everything but the CUDA graph itself is exercised: a step reaches the model only through
+the buffers (a stale block table or a padding row that wrote a cache slot would change the tokens).
+On a GPU the last test runs the engine's real CUDA graphs against the eager path.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron_serve import InferenceConfig, MegatronLLM, SamplingParams
+from megatron_serve.cuda_graphs import DecodeGraphs, graph_batch_sizes
+from megatron_serve.kv_cache import blocks_for_tokens
+from megatron_serve.model_runner import ModelRunner, plan_step
+
+from .conftest import PROMPTS
+
+BLOCK = 8
+GREEDY = SamplingParams(temperature=0.0, num_tokens_to_generate=20, ignore_eos=True, return_log_probs=True)
+# Different lengths finish at different steps, so decode batches shrink through every padded size. The
+# first request (owner of cache block 0, where a padding row that wrote slot 0 would land) runs longest.
+STAGGERED = [SamplingParams(temperature=0.0, num_tokens_to_generate=6 + 3 * (len(PROMPTS) - i), ignore_eos=True)
+             for i in range(len(PROMPTS))]
+
+
+class ReplayByRerun:
+    """CPU stand-in for ``CudaGraphCapture``: a replay reruns the forward on the static buffers it closed over."""
+
+    def __init__(self):
+        self.captured_sizes: list[int] = []
+        self.replayed_sizes: list[int] = []
+
+    def __call__(self, forward):
+        self.captured_sizes.append(forward().shape[0])
+
+        def replay():
+            logits = forward()
+            self.replayed_sizes.append(logits.shape[0])
+            return logits
+
+        return replay
+
+
+def config(**overrides) -> InferenceConfig:
+    return InferenceConfig(**{"block_size_tokens": BLOCK, "max_requests": 8, **overrides})
+
+
+def with_graphs(llm: MegatronLLM, batch_sizes: list[int]) -> ReplayByRerun:
+    """Give ``llm``'s engine a runner with decode graphs over the stand-in capture, captured now."""
+    engine = llm.engine
+    capture = ReplayByRerun()
+    graphs = DecodeGraphs(engine.model, batch_sizes, blocks_for_tokens(engine.max_sequence_length, BLOCK),
+                          engine.device, lambda: capture)
+    engine.runner = ModelRunner(engine.model, BLOCK, engine.device, graphs)
+    engine.runner.capture_graphs(engine.kv_cache.layer_caches)
+    return capture
+
+
+def generate_each(llm: MegatronLLM, prompts: list[str], params: list[SamplingParams]):
+    """Submit every prompt with its own parameters, step until all finish; requests in input order."""
+    from megatron_serve.llm import make_requests  # noqa: PLC0415
+
+    requests = [make_requests([p], sp, llm.tokenizer, llm._ids)[0] for p, sp in zip(prompts, params)]
+    for request in requests:
+        llm.engine.add_request(request)
+    while llm.engine.has_unfinished_requests():
+        llm.engine.step()
+    return requests
+
+
+@pytest.fixture(scope="module")
+def eager_outputs(tiny_llama):
+    llm = MegatronLLM(tiny_llama, config())
+    greedy = llm.generate(PROMPTS, GREEDY)
+    staggered = generate_each(llm, PROMPTS, STAGGERED)
+    return ([o.generated_tokens for o in greedy], [o.generated_log_probs for o in greedy],
+            [o.generated_tokens for o in staggered])
+
+
+def test_batch_sizes_cover_every_decode_batch_up_to_max_requests():
+    assert graph_batch_sizes(1) == [1]
+    assert graph_batch_sizes(6) == [1, 2, 4, 6]
+    assert graph_batch_sizes(64) == [1, 2, 4, 8, 16, 32, 48, 64]
+    assert graph_batch_sizes(100) == [1, 2, 4, 8, 16, 32, 48, 64, 80, 96, 100]
+    assert graph_batch_sizes(4096)[-1] == 512
+
+
+def test_replayed_decode_steps_equal_eager_steps(tiny_llama, eager_outputs):
+    tokens, log_probs, staggered = eager_outputs
+    llm = MegatronLLM(tiny_llama, config())
+    capture = with_graphs(llm, [1, 2, 4, 8])
+    assert capture.captured_sizes == [8, 4, 2, 1]  # largest first: smaller graphs reuse its memory pool
+
+    outs = llm.generate(PROMPTS, GREEDY)
+    assert [o.generated_tokens for o in outs] == tokens
+    for got, want in zip((o.generated_log_probs for o in outs), log_probs):
+        assert got == pytest.approx(want, abs=1e-5)
+    assert capture.replayed_sizes.count(8) >= GREEDY.num_tokens_to_generate - 2  # decode ran from the graphs
+
+    capture.replayed_sizes.clear()
+    outs = generate_each(llm, PROMPTS, STAGGERED)
+    assert [o.generated_tokens for o in outs] == staggered
+    # 8 requests that finish one by one: decode batches of 7, 6, 5, 3 run padded to 8 and 4.
+    assert {8, 4, 2, 1} <= set(capture.replayed_sizes)
+
+
+def test_prefill_and_batches_over_the_largest_graph_run_eagerly(tiny_llama, eager_outputs):
+    tokens, _, _ = eager_outputs
+    llm = MegatronLLM(tiny_llama, config())
+    capture = with_graphs(llm, [1, 2])  # 8 running requests never fit
+    outs = llm.generate(PROMPTS, GREEDY)
+    assert [o.generated_tokens for o in outs] == tokens
+    assert capture.replayed_sizes == []
+
+    alone = llm.generate(PROMPTS[:2], GREEDY)  # one prefill step, then decode batches of 2
+    assert [o.generated_tokens for o in alone] == tokens[:2]
+    assert capture.replayed_sizes == [2] * (GREEDY.num_tokens_to_generate - 1)
+
+
+def test_single_token_prefill_chunks_that_do_not_sample_replay_correctly(tiny_llama, eager_outputs):
+    # A 2-token budget: once one request decodes, the other's prefill goes in 1-token chunks, which are
+    # decode-shaped and share the step with the decode row; only a prompt's last chunk samples.
+    tokens, _, _ = eager_outputs
+    llm = MegatronLLM(tiny_llama, config(max_batch_tokens=2, max_requests=2))
+    capture = with_graphs(llm, [1, 2])
+    outs = llm.generate(PROMPTS[:2], GREEDY)
+    assert [o.generated_tokens for o in outs] == tokens[:2]
+    assert len(capture.replayed_sizes) >= len(outs[1].prompt_tokens) - 2  # prefill went through the graphs too
+
+
+def test_suspend_releases_graphs_and_resume_captures_them_over_the_new_pool(tiny_llama, eager_outputs):
+    tokens, _, _ = eager_outputs
+    llm = MegatronLLM(tiny_llama, config())
+    capture = with_graphs(llm, [1, 2, 4, 8])
+    graphs = llm.engine.runner.decode_graphs
+    engine = llm.engine
+
+    requests = generate_each_partially(llm, steps=6)
+    engine.suspend()
+    assert not graphs.captured  # nothing holds the freed pool any more
+    engine.resume()
+    assert graphs.captured and capture.captured_sizes == [8, 4, 2, 1] * 2
+    replays_before = len(capture.replayed_sizes)
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert [r.generated_tokens for r in requests] == tokens  # recomputed after the pool was dropped
+    assert len(capture.replayed_sizes) > replays_before
+
+
+def generate_each_partially(llm: MegatronLLM, steps: int):
+    from megatron_serve.llm import make_requests  # noqa: PLC0415
+
+    requests = make_requests(PROMPTS, GREEDY, llm.tokenizer, llm._ids)
+    for request in requests:
+        llm.engine.add_request(request)
+    for _ in range(steps):
+        llm.engine.step()
+    assert all(r.generated_tokens and not r.finished for r in requests)
+    return requests
+
+
+def test_graphs_survive_refit_and_serve_the_new_weights(tiny_llama, tmp_path):
+    from megatron_serve.tiny_model import make_tiny_model  # noqa: PLC0415
+
+    other = make_tiny_model(tmp_path / "other", seed=1, arch="llama")
+    want = [o.generated_tokens for o in MegatronLLM(str(other), config()).generate(PROMPTS, GREEDY)]
+    llm = MegatronLLM(tiny_llama, config())
+    capture = with_graphs(llm, [1, 2, 4, 8])
+    llm.engine.refit(other)
+    assert llm.engine.runner.decode_graphs.captured  # weights were copied in place: same addresses
+    outs = llm.generate(PROMPTS, GREEDY)
+    assert [o.generated_tokens for o in outs] == want
+    assert capture.replayed_sizes
+
+
+def test_a_replay_pads_rows_to_write_nothing_and_returns_only_sampling_rows(tiny_llama):
+    llm = MegatronLLM(tiny_llama, config())
+    with_graphs(llm, [4])
+    engine, graphs = llm.engine, llm.engine.runner.decode_graphs
+    # Three decode-shaped rows over blocks 5, 6 and 7; the middle one is a prefill chunk that does not sample.
+    plan = plan_step([], BLOCK)
+    plan.token_ids, plan.positions, plan.slots = [11, 12, 13], [2, 3, 4], [5 * BLOCK + 2, 6 * BLOCK + 3, 7 * BLOCK + 4]
+    plan.decode_block_tables, plan.decode_context_lens, plan.sample_rows = [[5], [6], [7]], [3, 4, 5], [0, 2]
+    for layer_k, layer_v in engine.kv_cache.layer_caches:
+        torch.manual_seed(0)
+        layer_k.normal_()
+        layer_v.normal_()
+    untouched = [k.clone() for k, _ in engine.kv_cache.layer_caches]
+
+    eager = ModelRunner(engine.model, BLOCK, engine.device).run_plan(plan, engine.kv_cache.layer_caches)
+    replayed = graphs.run(plan)
+
+    assert replayed.shape == eager.shape == (2, engine.model.config.vocab_size)
+    torch.testing.assert_close(replayed, eager)
+    assert graphs.slots[3].item() == -1 and graphs.context_lens[3].item() == 0  # the padding row
+    for before, (after, _) in zip(untouched, engine.kv_cache.layer_caches):
+        changed = (before != after).flatten(2).any(-1).nonzero().tolist()
+        assert changed == [[5, 2], [6, 3], [7, 4]]  # [block, offset] of the three real rows, nothing else
+
+
+def test_plan_over_the_static_block_table_width_runs_eagerly(tiny_llama):
+    llm = MegatronLLM(tiny_llama, config())
+    with_graphs(llm, [1, 2])
+    graphs = llm.engine.runner.decode_graphs
+    sequence_blocks = graphs.max_blocks_per_sequence
+    plan = plan_step([], BLOCK)
+    plan.token_ids, plan.positions, plan.slots = [1], [0], [0]
+    plan.decode_block_tables, plan.decode_context_lens, plan.sample_rows = [[0] * sequence_blocks], [1], [0]
+    assert graphs.covers(plan)
+    plan.decode_block_tables = [[0] * (sequence_blocks + 1)]
+    assert not graphs.covers(plan)
+
+
+def test_cuda_graphs_flag_round_trips_through_engine_argv():
+    import argparse  # noqa: PLC0415
+
+    from megatron_serve.commands.engine_options import add_engine_options, inference_config_from_args  # noqa: PLC0415
+    from megatron_serve.commands.options import inference_config_to_argv  # noqa: PLC0415
+
+    parser = argparse.ArgumentParser()
+    add_engine_options(parser)
+    for value in (True, False):
+        original = InferenceConfig(device="cpu", enable_cuda_graphs=value, enable_prefix_caching=not value,
+                                   max_requests=5, block_size_tokens=4, dtype="float32")
+        rebuilt = inference_config_from_args(parser.parse_args(inference_config_to_argv(original)))
+        assert rebuilt.to_dict() == original.to_dict()
+    with pytest.raises(ValueError, match="enable_cuda_graphs must be true or false"):
+        InferenceConfig(enable_cuda_graphs="yes")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_real_cuda_graphs_equal_the_eager_engine(tiny_llama):
+    eager = MegatronLLM(tiny_llama, config(device="cuda", enable_cuda_graphs=False, dtype="float32"))
+    graphed = MegatronLLM(tiny_llama, config(device="cuda", dtype="float32"))
+    assert graphed.engine.runner.decode_graphs.captured
+    want = [o.generated_tokens for o in eager.generate(PROMPTS, GREEDY)]
+    assert [o.generated_tokens for o in graphed.generate(PROMPTS, GREEDY)] == want
+    assert [o.generated_tokens for o in generate_each(graphed, PROMPTS, STAGGERED)] == \
+        [o.generated_tokens for o in generate_each(eager, PROMPTS, STAGGERED)]
+    graphed.engine.suspend()
+    assert not graphed.engine.runner.decode_graphs.captured
+    graphed.engine.resume()
+    assert graphed.engine.runner.decode_graphs.captured
+    assert [o.generated_tokens for o in graphed.generate(PROMPTS, GREEDY)] == want
