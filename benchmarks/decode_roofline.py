@@ -3,12 +3,12 @@
 GPU only. For a Llama-shaped model with random bf16 weights (about 1B parameters, and 8B when the GPU
 has room) and batch sizes 1, 8, 64 and 256, it prints decode tokens/s of:
 
-* ``engine``: ``DynamicInferenceEngine.step()`` in steady-state decode (scheduler, model runner with the
-  Triton kernels, sampler), measured between "every request has its first token" and "the first
-  request finishes", so the batch is constant over the window. Tokenization is stubbed out.
-* ``fwd``/``fwd+graph``: the model's decode forward pass plus LM head alone, eagerly and replayed from a
-  CUDA graph captured by this script (the kernels need no host sync, so the whole step captures):
-  the ceiling the engine's own CUDA graphs can reach.
+* ``engine``: ``DynamicInferenceEngine.step()`` in steady-state decode (scheduler, model runner, Triton
+  kernels, sampler) with the engine's CUDA graphs, measured between "every request has its first token"
+  and "the first request finishes", so the batch is constant over the window. Tokenization is stubbed out.
+* ``eager``: the same engine with ``enable_cuda_graphs=False``.
+* ``replay``: the engine's captured decode graph alone (``DecodeGraphs.run`` of one plan, no scheduler
+  or sampler): the ceiling the engine's step loop can reach.
 * ``hf``: ``transformers`` ``generate`` (greedy, default dynamic cache) on the same weights; its decode
   time is ``t(new_tokens) - t(1 token)``.
 
@@ -53,8 +53,8 @@ class Row:
     context: int
     bound: float
     engine: float | None = None
-    fwd: float | None = None
-    fwd_graph: float | None = None
+    eager: float | None = None
+    replay: float | None = None
     hf: float | None = None
     note: str = ""
 
@@ -193,7 +193,7 @@ def hf_decode_tokens_per_s(model_dir: Path, batches: list[int], prompt_len: int,
 
 
 def make_engine(model, shape: dict, batch: int, prompt_len: int, new_tokens: int, block_size: int,
-                device: torch.device):
+                device: torch.device, cuda_graphs: bool):
     from megatron_serve import InferenceConfig  # noqa: PLC0415
     from megatron_serve.engine import DynamicInferenceEngine  # noqa: PLC0415
     from megatron_serve.tokenizer import Tokenizer  # noqa: PLC0415
@@ -203,17 +203,18 @@ def make_engine(model, shape: dict, batch: int, prompt_len: int, new_tokens: int
     config = InferenceConfig(
         dtype=torch.bfloat16, device=str(device), block_size_tokens=block_size, num_kv_blocks=blocks,
         max_requests=batch, max_batch_tokens=max(2048, batch * prompt_len), max_sequence_length=total + 1,
+        enable_cuda_graphs=cuda_graphs,
     )
     return DynamicInferenceEngine(model, Tokenizer(_NoText(), []), config)
 
 
 def engine_decode_tokens_per_s(model, shape: dict, batch: int, prompt_len: int, new_tokens: int, block_size: int,
-                               device: torch.device) -> tuple[float, float]:
+                               device: torch.device, cuda_graphs: bool) -> tuple[float, float]:
     """Steady-state decode tokens/s of ``engine.step()`` and the window's mean context length."""
     from megatron_serve import SamplingParams  # noqa: PLC0415
     from megatron_serve.request import DynamicInferenceRequest  # noqa: PLC0415
 
-    engine = make_engine(model, shape, batch, prompt_len, new_tokens, block_size, device)
+    engine = make_engine(model, shape, batch, prompt_len, new_tokens, block_size, device, cuda_graphs)
     gen = torch.Generator().manual_seed(2)
 
     def submit(tag: str, n: int):
@@ -253,56 +254,40 @@ def engine_decode_tokens_per_s(model, shape: dict, batch: int, prompt_len: int, 
     return produced / max(elapsed, 1e-9), (start_context + end_context) / 2
 
 
-def forward_decode_tokens_per_s(model, shape: dict, batch: int, context: int, block_size: int,
-                                device: torch.device, use_graph: bool, iters: int = 20) -> float:
-    """Decode forward + LM head for ``batch`` sequences at ``context`` tokens, eager or from a CUDA graph."""
-    from megatron_serve.model.attention import AttentionMetadata, ForwardContext  # noqa: PLC0415
+def replay_decode_tokens_per_s(model, shape: dict, batch: int, context: int, block_size: int,
+                               device: torch.device, iters: int = 20) -> float:
+    """The engine's decode graph for ``batch`` sequences at ``context`` tokens, replayed alone (eager on CPU)."""
+    from megatron_serve.cuda_graphs import CudaGraphCapture, DecodeGraphs  # noqa: PLC0415
     from megatron_serve.kv_cache import KVCachePool  # noqa: PLC0415
+    from megatron_serve.model_runner import StepPlan  # noqa: PLC0415
 
     blocks_per_seq = -(-context // block_size)
     pool = KVCachePool(shape["num_hidden_layers"], batch * blocks_per_seq, block_size,
                        model.num_local_kv_heads, shape["head_dim"], torch.bfloat16, device)
-    perm = torch.randperm(batch * blocks_per_seq, device=device).to(torch.int32)
-    tables = perm.view(batch, blocks_per_seq)
-    positions = torch.full((batch,), context - 1, dtype=torch.int64, device=device)
-    last_block = tables[:, (context - 1) // block_size].to(torch.int64)
-    meta = AttentionMetadata(
-        slot_mapping=last_block * block_size + (context - 1) % block_size,
-        num_decode_tokens=batch,
-        decode_block_tables=tables,
-        decode_context_lens=torch.full((batch,), context, dtype=torch.int32, device=device),
-        prefill_block_tables=None, prefill_query_start_loc=None, prefill_context_lens=None,
+    tables = torch.randperm(batch * blocks_per_seq).view(batch, blocks_per_seq).tolist()
+    last = context - 1
+    plan = StepPlan(
+        token_ids=torch.randint(2, shape["vocab_size"], (batch,)).tolist(), positions=[last] * batch,
+        slots=[table[last // block_size] * block_size + last % block_size for table in tables],
+        decode_block_tables=tables, decode_context_lens=[context] * batch,
+        prefill_block_tables=[], prefill_query_start=[0], prefill_context_lens=[], sample_rows=list(range(batch)),
     )
-    token_ids = torch.randint(2, shape["vocab_size"], (batch,), device=device)
-    ctx = ForwardContext(meta, pool.layer_caches)
 
-    def step():
-        return model.compute_logits(model(token_ids, positions, ctx))
+    def rerun(forward):  # CPU: no graphs; "replay" runs the forward again over the same buffers
+        return forward
 
-    with torch.inference_mode():
-        stream = torch.cuda.Stream(device) if device.type == "cuda" else None
-        if stream is not None:
-            stream.wait_stream(torch.cuda.current_stream(device))
-            with torch.cuda.stream(stream):
-                for _ in range(3):
-                    step()
-            torch.cuda.current_stream(device).wait_stream(stream)
-        else:
-            step()
-        run = step
-        if use_graph:
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                step()
-            run = graph.replay
-        run()
-        sync(device)
-        start = time.perf_counter()
-        for _ in range(iters):
-            run()
-        sync(device)
-        elapsed = time.perf_counter() - start
-    del pool
+    capture = (lambda: CudaGraphCapture(device)) if device.type == "cuda" else (lambda: rerun)
+    graphs = DecodeGraphs(model, [batch], blocks_per_seq, device, capture)
+    graphs.capture(pool.layer_caches)
+    graphs.run(plan)
+    sync(device)
+    start = time.perf_counter()
+    for _ in range(iters):
+        graphs.run(plan)
+    sync(device)
+    elapsed = time.perf_counter() - start
+    graphs.release()
+    del graphs, pool
     free_memory()
     return batch * iters / elapsed
 
@@ -322,14 +307,14 @@ def print_table(rows: list[Row], bandwidth: float, device_name: str, prompt_len:
     print()
     print(f"device: {device_name}; bandwidth {bandwidth / 1e9:.0f} GB/s; prompt {prompt_len} tokens, "
           f"{new_tokens} generated; bf16 random weights; tokens/s of decode")
-    header = (f"{'model':>6} {'batch':>5} {'ctx':>5} {'bound':>10} {'engine':>10} {'%bound':>6} {'fwd':>10} "
-              f"{'fwd+graph':>10} {'%bound':>6} {'hf':>10} {'eng/hf':>6}")
+    header = (f"{'model':>6} {'batch':>5} {'ctx':>5} {'bound':>10} {'engine':>10} {'%bound':>6} {'eager':>10} "
+              f"{'replay':>10} {'%bound':>6} {'hf':>10} {'eng/hf':>6}")
     print(header)
     print("-" * len(header))
     for r in rows:
         ratio = f"{r.engine / r.hf:6.2f}" if r.engine and r.hf else f"{'-':>6}"
         print(f"{r.model:>6} {r.batch:5d} {r.context:5d} {fmt(r.bound)} {fmt(r.engine)} {pct(r.engine, r.bound)} "
-              f"{fmt(r.fwd)} {fmt(r.fwd_graph)} {pct(r.fwd_graph, r.bound)} {fmt(r.hf)} {ratio}"
+              f"{fmt(r.eager)} {fmt(r.replay)} {pct(r.replay, r.bound)} {fmt(r.hf)} {ratio}"
               + (f"  {r.note}" if r.note else ""))
 
 
@@ -342,7 +327,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--block-size", type=int, default=64)
     parser.add_argument("--bandwidth-gbs", type=float, default=None, help="use this instead of the measured copy")
     parser.add_argument("--no-hf", action="store_true", help="skip transformers generate")
-    parser.add_argument("--no-graph", action="store_true", help="skip the CUDA-graph forward measurement")
+    parser.add_argument("--no-eager", action="store_true", help="skip the engine run without CUDA graphs")
     parser.add_argument("--workdir", default=None, help="where checkpoints go (default: a temporary directory)")
     parser.add_argument("--smoke", action="store_true", help="tiny model, few tokens; allowed on CPU")
     args = parser.parse_args(argv)
@@ -359,7 +344,6 @@ def main(argv: list[str] | None = None) -> int:
     bandwidth = (args.bandwidth_gbs * 1e9 if args.bandwidth_gbs else measure_bandwidth(device, 1 << 26 if
                                                                                       args.smoke else 1 << 30))
     device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    use_graph = device.type == "cuda" and not args.no_graph
 
     from megatron_serve.model.loader import load_model  # noqa: PLC0415
 
@@ -387,23 +371,22 @@ def main(argv: list[str] | None = None) -> int:
                 notes = []
                 try:
                     row.engine, mean_ctx = engine_decode_tokens_per_s(
-                        model, shape, batch, args.prompt_len, args.new_tokens, args.block_size, device)
+                        model, shape, batch, args.prompt_len, args.new_tokens, args.block_size, device, True)
+                    if not args.no_eager:
+                        row.eager, _ = engine_decode_tokens_per_s(
+                            model, shape, batch, args.prompt_len, args.new_tokens, args.block_size, device, False)
                 except Exception as exc:  # report and keep measuring the rest
                     mean_ctx = args.prompt_len + args.new_tokens / 2
                     notes.append(f"engine failed: {type(exc).__name__}: {str(exc)[:200]}")
                 row.context = int(round(mean_ctx))
                 row.bound = bound_tokens_per_s(batch, weights, kv_tok, mean_ctx, bandwidth)
                 try:
-                    row.fwd = forward_decode_tokens_per_s(model, shape, batch, row.context, args.block_size,
-                                                          device, use_graph=False)
-                    if use_graph:
-                        row.fwd_graph = forward_decode_tokens_per_s(model, shape, batch, row.context,
-                                                                    args.block_size, device, use_graph=True)
+                    row.replay = replay_decode_tokens_per_s(model, shape, batch, row.context, args.block_size, device)
                 except Exception as exc:
-                    notes.append(f"forward failed: {type(exc).__name__}: {str(exc)[:200]}")
+                    notes.append(f"replay failed: {type(exc).__name__}: {str(exc)[:200]}")
                 row.note = "; ".join(notes)
                 print(f"  engine   batch {batch:4d}: {fmt(row.engine)} tok/s (bound {row.bound:.0f}; "
-                      f"fwd {fmt(row.fwd, 0)}, graph {fmt(row.fwd_graph, 0)})", flush=True)
+                      f"eager {fmt(row.eager, 0)}, replay {fmt(row.replay, 0)})", flush=True)
                 rows.append(row)
             del model
             free_memory()

@@ -1,0 +1,21 @@
+"""``benchmarks/decode_roofline.py --smoke`` runs end to end on CPU, so the GPU benchmark cannot rot unnoticed."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+BENCHMARK = Path(__file__).resolve().parents[2] / "benchmarks" / "decode_roofline.py"
+
+
+def test_decode_roofline_smoke_prints_a_row_per_batch():
+    result = subprocess.run([sys.executable, str(BENCHMARK), "--smoke", "--no-hf"], capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    rows = re.findall(r"^\s*smoke\s+(\d+)\s+\d+\s+(\d+)\s+(\d+)\s+[\d.]+%\s+(\d+)\s+(\d+)", result.stdout, re.M)
+    assert [int(batch) for batch, *_ in rows] == [1, 4], result.stdout
+    for _, bound, engine, eager, replay in rows:
+        assert 0 < int(engine) < int(bound) and int(eager) > 0 and int(replay) > 0
+    assert "failed" not in result.stdout
