@@ -26,21 +26,33 @@ def _seeded_generator(seed: int, token_index: int, device: torch.device) -> torc
     return generator
 
 
-def _filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
-    if top_k > 0 and top_k < logits.shape[-1]:
-        threshold = torch.topk(logits, top_k).values[-1]
-        logits = logits.masked_fill(logits < threshold, float("-inf"))
-    if top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, descending=True)
-        probs = sorted_logits.softmax(-1)
-        # drop a token once the mass strictly before it already reaches top_p (the first always stays)
-        drop = (probs.cumsum(-1) - probs) >= top_p
-        drop[0] = False  # even a subnormal top_p (0 in float32) keeps the most likely token
-        logits = logits.masked_fill(drop.scatter(0, order, drop), float("-inf"))
-    return logits
+def _filtered_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
+                    top_p: torch.Tensor) -> torch.Tensor:
+    """Row-wise softmax of ``logits / temperature`` restricted by each row's top-k and top-p, in one pass.
+
+    ``top_k`` 0 and ``top_p`` 1.0 turn a filter off. Top-k keeps every token at least as likely as the
+    k-th (ties stay); top-p then drops a token once the mass strictly before it reaches ``top_p`` (the
+    most likely token always stays, even for a subnormal ``top_p``).
+    """
+    scaled = logits / temperature[:, None]
+    sorted_logits, order = torch.sort(scaled, dim=-1, descending=True)
+    vocab = scaled.shape[-1]
+    kth = sorted_logits.gather(1, (top_k.clamp(1, vocab) - 1)[:, None])
+    below_k = (sorted_logits < kth) & (top_k > 0)[:, None]
+    sorted_logits = sorted_logits.masked_fill(below_k, float("-inf"))
+    probs = sorted_logits.softmax(-1)
+    drop = ((probs.cumsum(-1) - probs) >= top_p[:, None]) & (top_p < 1.0)[:, None]
+    drop[:, 0] = False
+    keep = ~(below_k | drop)
+    return scaled.masked_fill(~keep.scatter(1, order, keep), float("-inf")).softmax(-1)
 
 
 class Sampler:
+    """Samples a whole batch with a handful of device ops and one read-back of the results.
+
+    On a GPU, per-row host round trips would cost more than the decode step itself at large batches.
+    """
+
     def __init__(self, seed: int, device: torch.device):
         self.device = device
         self._generator = torch.Generator(device=device)
@@ -49,27 +61,45 @@ class Sampler:
     def sample(self, logits: torch.Tensor, params: list[SamplingParams], token_indices: list[int]) -> SampleResult:
         """``logits`` ``[n, vocab]`` float32; ``token_indices[i]``: how many tokens request ``i`` generated so far."""
         tokens = torch.argmax(logits, dim=-1)
-        for row, sp in enumerate(params):
-            if sp.is_greedy:
-                continue
-            scaled = _filter_top_k_top_p(logits[row] / sp.temperature, sp.top_k, sp.top_p)
-            generator = (self._generator if sp.seed is None
-                         else _seeded_generator(sp.seed, token_indices[row], logits.device))
-            probs = scaled.softmax(-1)
-            if not bool(torch.isfinite(probs).all()):
-                continue  # degenerate filter settings: keep the greedy choice rather than fail the batch
-            tokens[row] = torch.multinomial(probs, 1, generator=generator)[0]
+        sampled = [row for row, sp in enumerate(params) if not sp.is_greedy]
+        if sampled:
+            tokens[sampled] = self._draw(logits[sampled], tokens[sampled], [params[r] for r in sampled],
+                                         [token_indices[r] for r in sampled])
         token_list = tokens.tolist()
         log_probs: list[float | None] = [None] * len(params)
         top_n: list[dict[int, float] | None] = [None] * len(params)
         wanted = [row for row, sp in enumerate(params) if sp.return_log_probs or sp.top_n_logprobs]
         if wanted:
             all_log_probs = torch.log_softmax(logits[wanted], dim=-1)
+            chosen = all_log_probs.gather(1, tokens[wanted][:, None]).squeeze(1).tolist()
+            most = max(params[row].top_n_logprobs or 0 for row in wanted)
+            values, ids = torch.topk(all_log_probs, most) if most else (None, None)
+            values, ids = (values.tolist(), ids.tolist()) if most else ([], [])
             for position, row in enumerate(wanted):
-                row_log_probs = all_log_probs[position]
-                log_probs[row] = float(row_log_probs[token_list[row]])
+                log_probs[row] = chosen[position]
                 n = params[row].top_n_logprobs
                 if n:
-                    values, ids = torch.topk(row_log_probs, n)
-                    top_n[row] = dict(zip(ids.tolist(), values.tolist()))
+                    top_n[row] = dict(zip(ids[position][:n], values[position][:n]))
         return SampleResult(token_list, log_probs, top_n)
+
+    def _draw(self, logits: torch.Tensor, greedy: torch.Tensor, params: list[SamplingParams],
+              token_indices: list[int]) -> torch.Tensor:
+        """One token per row; a row whose filter leaves no finite distribution keeps its greedy token."""
+        device = logits.device
+        probs = _filtered_probs(
+            logits,
+            torch.tensor([sp.temperature for sp in params], dtype=logits.dtype, device=device),
+            torch.tensor([sp.top_k for sp in params], dtype=torch.int64, device=device),
+            torch.tensor([sp.top_p for sp in params], dtype=logits.dtype, device=device),
+        )
+        usable = torch.isfinite(probs).all(-1, keepdim=True)
+        probs = torch.where(usable, probs, torch.nn.functional.one_hot(greedy, probs.shape[-1]).to(probs.dtype))
+        unseeded = [i for i, sp in enumerate(params) if sp.seed is None]
+        draws = torch.empty(len(params), dtype=torch.int64, device=device)
+        if unseeded:
+            draws[unseeded] = torch.multinomial(probs[unseeded], 1, generator=self._generator).squeeze(1)
+        for i, sp in enumerate(params):
+            if sp.seed is not None:  # its own stream: the draw cannot depend on the rest of the batch
+                draws[i] = torch.multinomial(probs[i], 1, generator=_seeded_generator(sp.seed, token_indices[i],
+                                                                                      device))[0]
+        return draws

@@ -1,0 +1,80 @@
+"""The batched sampler: filters per row, seeded rows independent of their batch, log probs and top-n."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron_serve.sampler import Sampler
+from megatron_serve.sampling_params import SamplingParams
+
+VOCAB = 12
+# Distinct, well separated probabilities: token t has logit t / 2, so token 11 is the most likely.
+LOGITS = torch.arange(VOCAB, dtype=torch.float32) / 2
+
+
+def draw_many(params: SamplingParams, rows: int = 4000) -> torch.Tensor:
+    sampler = Sampler(seed=0, device=torch.device("cpu"))
+    result = sampler.sample(LOGITS.expand(rows, VOCAB).clone(), [params] * rows, [0] * rows)
+    return torch.tensor(result.token_ids)
+
+
+def frequencies(tokens: torch.Tensor) -> torch.Tensor:
+    return torch.bincount(tokens, minlength=VOCAB).float() / len(tokens)
+
+
+def test_temperature_sampling_follows_the_softmax():
+    got = frequencies(draw_many(SamplingParams(temperature=1.0)))
+    torch.testing.assert_close(got, LOGITS.softmax(-1), atol=0.03, rtol=0)
+
+
+def test_top_k_keeps_exactly_the_k_most_likely_renormalized():
+    got = frequencies(draw_many(SamplingParams(temperature=1.0, top_k=3)))
+    want = torch.zeros(VOCAB)
+    want[-3:] = LOGITS[-3:].softmax(-1)
+    assert set(torch.nonzero(got).flatten().tolist()) == {9, 10, 11}
+    torch.testing.assert_close(got, want, atol=0.03, rtol=0)
+
+
+def test_top_p_keeps_the_smallest_prefix_reaching_p():
+    probs = LOGITS.softmax(-1)  # sorted descending: 11, 10, 9, ...
+    mass_of_top_two = float(probs[-2:].sum())
+    got = frequencies(draw_many(SamplingParams(temperature=1.0, top_p=mass_of_top_two - 0.01)))
+    assert set(torch.nonzero(got).flatten().tolist()) == {10, 11}
+    want = torch.zeros(VOCAB)
+    want[-2:] = probs[-2:] / probs[-2:].sum()
+    torch.testing.assert_close(got, want, atol=0.03, rtol=0)
+
+
+def test_a_mixed_batch_treats_each_row_by_its_own_parameters():
+    greedy = SamplingParams(temperature=0.0, return_log_probs=True, top_n_logprobs=2)
+    seeded = SamplingParams(temperature=1.0, top_p=0.9, seed=5, return_log_probs=True)
+    degenerate = SamplingParams(temperature=5e-324, top_p=0.5)  # logits / temperature overflow
+    tight = SamplingParams(temperature=1.0, top_k=1)
+    shuffled = LOGITS[torch.randperm(VOCAB, generator=torch.Generator().manual_seed(3))]
+    batch = torch.stack([LOGITS, shuffled, LOGITS, shuffled, LOGITS])
+    params = [greedy, seeded, degenerate, tight, SamplingParams(temperature=2.0, seed=9)]
+
+    result = Sampler(0, torch.device("cpu")).sample(batch, params, [0, 4, 0, 0, 7])
+
+    assert result.token_ids[0] == 11
+    assert result.token_ids[2] == 11  # no finite distribution: the greedy choice, not an error
+    assert result.token_ids[3] == int(shuffled.argmax())
+    alone = Sampler(123, torch.device("cpu")).sample(shuffled[None], [seeded], [4])
+    assert result.token_ids[1] == alone.token_ids[0]  # a seeded row ignores its batch and the engine seed
+    log_probs = batch.log_softmax(-1)
+    assert result.log_probs[0] == pytest.approx(float(log_probs[0, 11]))
+    assert result.log_probs[1] == pytest.approx(float(log_probs[1, result.token_ids[1]]))
+    assert result.log_probs[2] is None
+    assert result.top_n[0] == pytest.approx({11: float(log_probs[0, 11]), 10: float(log_probs[0, 10])})
+    assert result.top_n[1] is None
+
+
+def test_seeded_draws_change_with_the_token_index_and_repeat_with_it():
+    params = SamplingParams(temperature=1.0, seed=42)
+    sampler = Sampler(0, torch.device("cpu"))
+    draws = [sampler.sample(LOGITS[None].clone(), [params], [index]).token_ids[0] for index in range(40)]
+    again = [Sampler(7, torch.device("cpu")).sample(LOGITS[None].clone(), [params], [index]).token_ids[0]
+             for index in range(40)]
+    assert draws == again
+    assert len(set(draws)) > 3
