@@ -8,6 +8,7 @@ Decode-only steps replay a captured CUDA graph when the runner has them (see ``c
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -16,6 +17,8 @@ from .cuda_graphs import DecodeGraphs
 from .model.attention import AttentionMetadata, ForwardContext
 from .model.llama import LlamaForCausalLM
 from .scheduler import Sequence
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -102,9 +105,22 @@ class ModelRunner:
         return self.run_plan(plan_step(entries, self.block_size), kv_caches)
 
     def capture_graphs(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """Capture the decode graphs over a newly allocated KV pool (engine start, resume)."""
-        if self.decode_graphs is not None:
+        """Capture the decode graphs over a newly allocated KV pool (engine start, resume).
+
+        A failed capture costs speed, not service: a single rank goes on without graphs. Tensor-parallel
+        ranks must capture in lockstep (their warm-up runs all-reduce), so there it is an error.
+        """
+        if self.decode_graphs is None:
+            return
+        try:
             self.decode_graphs.capture(kv_caches)
+        except Exception as exc:  # noqa: BLE001 - any capture failure has the same remedy
+            self.decode_graphs.release()
+            if self.model.tp.size > 1:
+                raise RuntimeError(f"capturing decode CUDA graphs failed ({exc}); "
+                                   "start the engine with --no-cuda-graphs") from exc
+            logger.warning("capturing decode CUDA graphs failed, decoding eagerly from now on: %s", exc)
+            self.decode_graphs = None
 
     def on_suspend(self, level: int) -> None:
         """Release the decode graphs before the pool they point into is freed."""

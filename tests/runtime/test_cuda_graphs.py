@@ -201,6 +201,26 @@ def test_a_replay_pads_rows_to_write_nothing_and_returns_only_sampling_rows(tiny
         assert changed == [[5, 2], [6, 3], [7, 4]]  # [block, offset] of the three real rows, nothing else
 
 
+def test_a_failed_capture_leaves_a_working_eager_engine(tiny_llama, eager_outputs, caplog):
+    tokens, _, _ = eager_outputs
+    llm = MegatronLLM(tiny_llama, config())
+    engine = llm.engine
+
+    def broken_capture(forward):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    graphs = DecodeGraphs(engine.model, [1, 2, 4, 8], blocks_for_tokens(engine.max_sequence_length, BLOCK),
+                          engine.device, lambda: broken_capture)
+    engine.runner = ModelRunner(engine.model, BLOCK, engine.device, graphs)
+    engine.runner.capture_graphs(engine.kv_cache.layer_caches)
+    assert engine.runner.decode_graphs is None
+    assert "capturing decode CUDA graphs failed" in caplog.text
+    assert [o.generated_tokens for o in llm.generate(PROMPTS, GREEDY)] == tokens
+    engine.suspend()
+    engine.resume()  # no graphs to capture again: still serves
+    assert [o.generated_tokens for o in llm.generate(PROMPTS, GREEDY)] == tokens
+
+
 def test_plan_over_the_static_block_table_width_runs_eagerly(tiny_llama):
     llm = MegatronLLM(tiny_llama, config())
     with_graphs(llm, [1, 2])
