@@ -69,3 +69,23 @@ def test_engine_greedy_output_same_on_both_backends(monkeypatch, tmp_path):
         generated[backend] = [out.generated_tokens for out in llm.generate(prompts, params)]
     assert generated["triton"] == generated["reference"]
     assert all(len(tokens) == 6 for tokens in generated["triton"])
+
+
+def test_decode_graph_replay_through_triton_equals_the_reference_engine(monkeypatch, tmp_path):
+    """Padded graph batches through the Triton kernels (padding rows: slot -1, context 0) change no token."""
+    import megatron_serve as serve
+    from megatron_serve.tiny_model import make_tiny_model
+
+    from ..graph_replay import install_graphs
+
+    model_dir = make_tiny_model(tmp_path / "tiny", seed=3, arch="llama")
+    prompts = ["Hello", "The quick brown fox jumps over the lazy dog.", "1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17"]
+    params = serve.SamplingParams(temperature=0.0, num_tokens_to_generate=6, ignore_eos=True)
+    config = serve.InferenceConfig(dtype="float32", block_size_tokens=16)
+    monkeypatch.setenv("MEGATRON_KERNELS", "reference")
+    want = [out.generated_tokens for out in serve.MegatronLLM(str(model_dir), config).generate(prompts, params)]
+    monkeypatch.setenv("MEGATRON_KERNELS", "triton")
+    llm = serve.MegatronLLM(str(model_dir), config)
+    capture = install_graphs(llm.engine, [4])
+    assert [out.generated_tokens for out in llm.generate(prompts, params)] == want
+    assert capture.replayed_sizes == [4] * (params.num_tokens_to_generate - 1)  # 3 rows padded to 4

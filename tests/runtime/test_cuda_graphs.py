@@ -1,9 +1,8 @@
 """Decode-step graphs: static buffers, padded batch sizes, release on suspend and capture on resume.
 
-On CPU a stand-in capture "replays" by running the captured forward again over the same static
-buffers, so everything but the CUDA graph itself is exercised: a step reaches the model only through
-the buffers (a stale block table or a padding row that wrote a cache slot would change the tokens).
-On a GPU the last test runs the engine's real CUDA graphs against the eager path.
+On CPU a stand-in capture (``tests.graph_replay``) "replays" by running the captured forward again
+over the same static buffers. On a GPU the last test runs the engine's real CUDA graphs against the
+eager path.
 """
 
 from __future__ import annotations
@@ -16,6 +15,7 @@ from megatron_serve.cuda_graphs import DecodeGraphs, graph_batch_sizes
 from megatron_serve.kv_cache import blocks_for_tokens
 from megatron_serve.model_runner import ModelRunner, plan_step
 
+from ..graph_replay import install_graphs
 from .conftest import PROMPTS
 
 BLOCK = 8
@@ -26,37 +26,8 @@ STAGGERED = [SamplingParams(temperature=0.0, num_tokens_to_generate=6 + 3 * (len
              for i in range(len(PROMPTS))]
 
 
-class ReplayByRerun:
-    """CPU stand-in for ``CudaGraphCapture``: a replay reruns the forward on the static buffers it closed over."""
-
-    def __init__(self):
-        self.captured_sizes: list[int] = []
-        self.replayed_sizes: list[int] = []
-
-    def __call__(self, forward):
-        self.captured_sizes.append(forward().shape[0])
-
-        def replay():
-            logits = forward()
-            self.replayed_sizes.append(logits.shape[0])
-            return logits
-
-        return replay
-
-
 def config(**overrides) -> InferenceConfig:
     return InferenceConfig(**{"block_size_tokens": BLOCK, "max_requests": 8, **overrides})
-
-
-def with_graphs(llm: MegatronLLM, batch_sizes: list[int]) -> ReplayByRerun:
-    """Give ``llm``'s engine a runner with decode graphs over the stand-in capture, captured now."""
-    engine = llm.engine
-    capture = ReplayByRerun()
-    graphs = DecodeGraphs(engine.model, batch_sizes, blocks_for_tokens(engine.max_sequence_length, BLOCK),
-                          engine.device, lambda: capture)
-    engine.runner = ModelRunner(engine.model, BLOCK, engine.device, graphs)
-    engine.runner.capture_graphs(engine.kv_cache.layer_caches)
-    return capture
 
 
 def generate_each(llm: MegatronLLM, prompts: list[str], params: list[SamplingParams]):
@@ -91,7 +62,7 @@ def test_batch_sizes_cover_every_decode_batch_up_to_max_requests():
 def test_replayed_decode_steps_equal_eager_steps(tiny_llama, eager_outputs):
     tokens, log_probs, staggered = eager_outputs
     llm = MegatronLLM(tiny_llama, config())
-    capture = with_graphs(llm, [1, 2, 4, 8])
+    capture = install_graphs(llm.engine, [1, 2, 4, 8])
     assert capture.captured_sizes == [8, 4, 2, 1]  # largest first: smaller graphs reuse its memory pool
 
     outs = llm.generate(PROMPTS, GREEDY)
@@ -110,7 +81,7 @@ def test_replayed_decode_steps_equal_eager_steps(tiny_llama, eager_outputs):
 def test_prefill_and_batches_over_the_largest_graph_run_eagerly(tiny_llama, eager_outputs):
     tokens, _, _ = eager_outputs
     llm = MegatronLLM(tiny_llama, config())
-    capture = with_graphs(llm, [1, 2])  # 8 running requests never fit
+    capture = install_graphs(llm.engine, [1, 2])  # 8 running requests never fit
     outs = llm.generate(PROMPTS, GREEDY)
     assert [o.generated_tokens for o in outs] == tokens
     assert capture.replayed_sizes == []
@@ -125,7 +96,7 @@ def test_single_token_prefill_chunks_that_do_not_sample_replay_correctly(tiny_ll
     # decode-shaped and share the step with the decode row; only a prompt's last chunk samples.
     tokens, _, _ = eager_outputs
     llm = MegatronLLM(tiny_llama, config(max_batch_tokens=2, max_requests=2))
-    capture = with_graphs(llm, [1, 2])
+    capture = install_graphs(llm.engine, [1, 2])
     outs = llm.generate(PROMPTS[:2], GREEDY)
     assert [o.generated_tokens for o in outs] == tokens[:2]
     assert len(capture.replayed_sizes) >= len(outs[1].prompt_tokens) - 2  # prefill went through the graphs too
@@ -134,7 +105,7 @@ def test_single_token_prefill_chunks_that_do_not_sample_replay_correctly(tiny_ll
 def test_suspend_releases_graphs_and_resume_captures_them_over_the_new_pool(tiny_llama, eager_outputs):
     tokens, _, _ = eager_outputs
     llm = MegatronLLM(tiny_llama, config())
-    capture = with_graphs(llm, [1, 2, 4, 8])
+    capture = install_graphs(llm.engine, [1, 2, 4, 8])
     graphs = llm.engine.runner.decode_graphs
     engine = llm.engine
 
@@ -168,7 +139,7 @@ def test_graphs_survive_refit_and_serve_the_new_weights(tiny_llama, tmp_path):
     other = make_tiny_model(tmp_path / "other", seed=1, arch="llama")
     want = [o.generated_tokens for o in MegatronLLM(str(other), config()).generate(PROMPTS, GREEDY)]
     llm = MegatronLLM(tiny_llama, config())
-    capture = with_graphs(llm, [1, 2, 4, 8])
+    capture = install_graphs(llm.engine, [1, 2, 4, 8])
     llm.engine.refit(other)
     assert llm.engine.runner.decode_graphs.captured  # weights were copied in place: same addresses
     outs = llm.generate(PROMPTS, GREEDY)
@@ -178,7 +149,7 @@ def test_graphs_survive_refit_and_serve_the_new_weights(tiny_llama, tmp_path):
 
 def test_a_replay_pads_rows_to_write_nothing_and_returns_only_sampling_rows(tiny_llama):
     llm = MegatronLLM(tiny_llama, config())
-    with_graphs(llm, [4])
+    install_graphs(llm.engine, [4])
     engine, graphs = llm.engine, llm.engine.runner.decode_graphs
     # Three decode-shaped rows over blocks 5, 6 and 7; the middle one is a prefill chunk that does not sample.
     plan = plan_step([], BLOCK)
@@ -223,7 +194,7 @@ def test_a_failed_capture_leaves_a_working_eager_engine(tiny_llama, eager_output
 
 def test_plan_over_the_static_block_table_width_runs_eagerly(tiny_llama):
     llm = MegatronLLM(tiny_llama, config())
-    with_graphs(llm, [1, 2])
+    install_graphs(llm.engine, [1, 2])
     graphs = llm.engine.runner.decode_graphs
     sequence_blocks = graphs.max_blocks_per_sequence
     plan = plan_step([], BLOCK)

@@ -1,0 +1,41 @@
+"""A CPU stand-in for CUDA-graph capture, and a way to give an engine decode graphs built on it."""
+
+from __future__ import annotations
+
+from megatron_serve.cuda_graphs import DecodeGraphs
+from megatron_serve.engine import DynamicInferenceEngine
+from megatron_serve.kv_cache import blocks_for_tokens
+from megatron_serve.model_runner import ModelRunner
+
+
+class ReplayByRerun:
+    """Stands in for ``CudaGraphCapture``: a replay reruns the forward on the static buffers it closed over.
+
+    Everything but the CUDA graph itself is exercised: a step reaches the model only through the
+    buffers, so a stale block table or a padding row that wrote a cache slot changes the tokens.
+    """
+
+    def __init__(self):
+        self.captured_sizes: list[int] = []
+        self.replayed_sizes: list[int] = []
+
+    def __call__(self, forward):
+        self.captured_sizes.append(forward().shape[0])
+
+        def replay():
+            logits = forward()
+            self.replayed_sizes.append(logits.shape[0])
+            return logits
+
+        return replay
+
+
+def install_graphs(engine: DynamicInferenceEngine, batch_sizes: list[int]) -> ReplayByRerun:
+    """Give ``engine`` a runner with decode graphs over the stand-in capture, captured now."""
+    capture = ReplayByRerun()
+    block_size = engine.config.block_size_tokens
+    graphs = DecodeGraphs(engine.model, batch_sizes, blocks_for_tokens(engine.max_sequence_length, block_size),
+                          engine.device, lambda: capture)
+    engine.runner = ModelRunner(engine.model, block_size, engine.device, graphs)
+    engine.runner.capture_graphs(engine.kv_cache.layer_caches)
+    return capture
