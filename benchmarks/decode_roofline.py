@@ -67,18 +67,23 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def seconds_for(run, iters: int, device: torch.device, warmup: int = 1) -> float:
+    """Wall time of ``iters`` calls of ``run`` (device work included), after ``warmup`` untimed calls."""
+    for _ in range(warmup):
+        run()
+    sync(device)
+    start = time.perf_counter()
+    for _ in range(iters):
+        run()
+    sync(device)
+    return time.perf_counter() - start
+
+
 def measure_bandwidth(device: torch.device, nbytes: int = 1 << 30, iters: int = 20) -> float:
     """Bytes/s of a device-to-device copy (read + write counted)."""
     src = torch.empty(nbytes, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
-    for _ in range(3):
-        dst.copy_(src)
-    sync(device)
-    start = time.perf_counter()
-    for _ in range(iters):
-        dst.copy_(src)
-    sync(device)
-    elapsed = time.perf_counter() - start
+    elapsed = seconds_for(lambda: dst.copy_(src), iters, device, warmup=3)
     del src, dst
     return 2 * nbytes * iters / elapsed
 
@@ -279,13 +284,7 @@ def replay_decode_tokens_per_s(model, shape: dict, batch: int, context: int, blo
     capture = (lambda: CudaGraphCapture(device)) if device.type == "cuda" else (lambda: rerun)
     graphs = DecodeGraphs(model, [batch], blocks_per_seq, device, capture)
     graphs.capture(pool.layer_caches)
-    graphs.run(plan)
-    sync(device)
-    start = time.perf_counter()
-    for _ in range(iters):
-        graphs.run(plan)
-    sync(device)
-    elapsed = time.perf_counter() - start
+    elapsed = seconds_for(lambda: graphs.run(plan), iters, device)
     graphs.release()
     del graphs, pool
     free_memory()
