@@ -12,6 +12,7 @@ import json
 import httpx
 import pytest
 
+from megatron_serve.client import StreamPartial
 from megatron_serve.request import DynamicInferenceRequest, EventType, FinishReason
 from megatron_serve.server import create_app
 
@@ -232,6 +233,80 @@ async def test_client_disconnect_aborts_waiting_and_streaming_requests(tokenizer
         metrics = (await http.get("/metrics")).text
         assert metric(metrics, "megatron_serve_requests_total", 'status="aborted"') == 3
         assert metric(metrics, "megatron_serve_requests_running") == 0
+
+
+def stream_body(path: str, **fields) -> dict:
+    """A streamed request of either endpoint: the same fields, in each endpoint's words."""
+    if path == "/v1/chat/completions":
+        return {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "stream": True, **fields}
+    return {"model": MODEL, "prompt": "Hi", "stream": True, **fields}
+
+
+def fail_streams(backend: FakeBackend, after: int, *, prefilled: bool) -> None:
+    """Each engine stream sends ``after`` one-token pieces, then a failed record: an engine that failed
+    while generating (``prefilled``), or that refused the request before running it."""
+
+    async def failing(prompt, params, *, request_id=None):
+        for i in range(after):
+            yield StreamPartial(request_id, [FakeBackend.next_token(prompt, i, params.seed)], "ab", [-0.5])
+        request = DynamicInferenceRequest(request_id=request_id, prompt=None, prompt_tokens=list(prompt),
+                                          sampling_params=params)
+        if prefilled:
+            request.add_event(EventType.PREFILL)
+        request.fail("out of KV blocks", FinishReason.ERROR)
+        yield request
+
+    backend.add_request_streaming = failing
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+async def test_error_mid_stream_is_an_error_event_then_done_and_aborts_the_siblings(tokenizer, backend, path):
+    fail_streams(backend, after=2, prefilled=True)
+    async with serving(make_app(tokenizer, backend)) as url, httpx.AsyncClient(base_url=url) as http:
+        response = await http.post(path, json=stream_body(path, n=2, max_tokens=8))
+        assert response.status_code == 200 and response.headers["content-type"].startswith("text/event-stream")
+        events = sse_events(response.text)
+        assert events[-1] == "[DONE]"
+        assert json.loads(events[-2]) == {"error": {
+            "message": "the engine failed while generating: out of KV blocks", "type": "server_error", "param": None,
+            "code": "engine_error"}}
+        chunks = [json.loads(e) for e in events[:-2]]
+        assert chunks and all("error" not in c and c["choices"] for c in chunks)  # the text sent before the failure
+        # The first failure ends the answer: the other choice is aborted, nothing is left pending.
+        metrics = (await http.get("/metrics")).text
+        assert metric(metrics, "megatron_serve_requests_total", 'status="failed"') == 1
+        assert metric(metrics, "megatron_serve_requests_total", 'status="aborted"') == 1
+        assert metric(metrics, "megatron_serve_server_pending_requests") == 0
+    assert len(backend.aborted) == 1
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+async def test_error_before_the_first_event_of_a_stream_is_an_http_error(tokenizer, backend, path):
+    fail_streams(backend, after=0, prefilled=False)
+    async with serving(make_app(tokenizer, backend)) as url, httpx.AsyncClient(base_url=url) as http:
+        error = assert_error(await http.post(path, json=stream_body(path, max_tokens=8)), 400, None,
+                             "invalid_request")
+        assert error["message"] == "the engine refused the request: out of KV blocks"
+        metrics = (await http.get("/metrics")).text
+        assert metric(metrics, "megatron_serve_requests_total", 'status="failed"') == 1
+        assert metric(metrics, "megatron_serve_server_pending_requests") == 0
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+async def test_client_leaving_a_stream_aborts_every_choice(tokenizer, backend, path):
+    backend.token_delay = 0.02
+    async with serving(make_app(tokenizer, backend)) as url, httpx.AsyncClient(base_url=url) as http:
+        async with http.stream("POST", path, json=stream_body(path, n=2, max_tokens=40)) as response:
+            assert response.status_code == 200
+            lines = response.aiter_lines()
+            seen = 0
+            while seen < 3:
+                if (await lines.__anext__()).startswith("data: "):
+                    seen += 1
+        await async_wait_until(lambda: len(backend.aborted) == 2 and not backend.running, 10, "both choices aborted")
+        metrics = (await http.get("/metrics")).text
+        assert metric(metrics, "megatron_serve_requests_total", 'status="aborted"') == 2
+        assert metric(metrics, "megatron_serve_server_pending_requests") == 0
 
 
 async def test_streaming_framing_matches_the_whole_answer(tokenizer, backend):
