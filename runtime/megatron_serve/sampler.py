@@ -92,8 +92,11 @@ class Sampler:
             torch.tensor([sp.top_k for sp in params], dtype=torch.int64, device=device),
             torch.tensor([sp.top_p for sp in params], dtype=logits.dtype, device=device),
         )
+        # A row without a finite distribution becomes all mass on its greedy token (no vocab-sized temporary).
         usable = torch.isfinite(probs).all(-1, keepdim=True)
-        probs = torch.where(usable, probs, torch.nn.functional.one_hot(greedy, probs.shape[-1]).to(probs.dtype))
+        probs = probs.masked_fill(~usable, 0.0)
+        greedy = greedy[:, None]
+        probs.scatter_(1, greedy, torch.where(usable, probs.gather(1, greedy), 1.0))
         unseeded = [i for i, sp in enumerate(params) if sp.seed is None]
         draws = torch.empty(len(params), dtype=torch.int64, device=device)
         if unseeded:
