@@ -127,6 +127,16 @@ def create_app(
         api_dependencies.append(Depends(require_api_key))
         error_codes.insert(1, 401)
 
+    async def answer(handler_type: type[CompletionHandler] | type[ChatHandler], body: Any, request: Request) -> Any:
+        """Either endpoint's answer, whole or streamed, given up (its engine requests aborted) if the client leaves."""
+
+        async def work() -> Any:
+            await monitor.wait_first_poll()
+            handler = handler_type(ctx, body)
+            return await (handler.stream() if body.stream else handler.complete())
+
+        return await cancel_on_disconnect(request, work())
+
     stream_200 = {200: {"content": {"text/event-stream": {"schema": _SSE_EVENT_SCHEMA}},
                         "description": "the completion (JSON), or its stream of server-sent events"}}
 
@@ -134,23 +144,13 @@ def create_app(
               responses={**stream_200, **_error_responses(error_codes)}, tags=["OpenAI"],
               description="Complete one or more prompts. " + _SSE_DOC)
     async def completions(body: CompletionRequest, request: Request) -> Any:
-        async def work() -> Any:
-            await monitor.wait_first_poll()
-            handler = CompletionHandler(ctx, body)
-            return await (handler.stream() if body.stream else handler.complete())
-
-        return await cancel_on_disconnect(request, work())
+        return await answer(CompletionHandler, body, request)
 
     @app.post("/v1/chat/completions", response_model=ChatCompletionResponse, dependencies=api_dependencies,
               responses={**stream_200, **_error_responses(error_codes)}, tags=["OpenAI"],
               description="Answer a conversation rendered with the model's chat template. " + _SSE_DOC)
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
-        async def work() -> Any:
-            await monitor.wait_first_poll()
-            handler = ChatHandler(ctx, body)
-            return await (handler.stream() if body.stream else handler.complete())
-
-        return await cancel_on_disconnect(request, work())
+        return await answer(ChatHandler, body, request)
 
     def model_card() -> ModelCard:
         return ModelCard(id=model_name, created=ctx.created, max_model_len=ctx.max_model_len())

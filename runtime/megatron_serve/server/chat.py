@@ -10,9 +10,8 @@ from fastapi.responses import StreamingResponse
 
 from ..client import StreamPartial
 from ..request import DynamicInferenceRequest
-from .completions import _finish, make_usage
+from .answers import Delta, StreamedChoices, finish_reason, make_usage
 from .context import ServerContext
-from .errors import APIError
 from .models import (
     ChatChoice,
     ChatChoiceLogprobs,
@@ -26,7 +25,7 @@ from .models import (
     TopLogprob,
     Usage,
 )
-from .streaming import DONE, error_event, event_stream_response, sse
+from .streaming import event_stream_response, openai_events, sse
 from .translate import EngineJob, Prompt, chat_prompt, check_common, check_model, make_jobs, resolve_max_tokens, sampling_params
 from .translate import epoch_fields
 
@@ -90,7 +89,7 @@ class ChatHandler:
             ChatChoice(index=job.index, message=ChatResponseMessage(content=result.generated_text or ""),
                        logprobs=self._logprobs(result.generated_tokens, result.generated_log_probs,
                                                result.generated_top_n_logprobs),
-                       finish_reason=_finish(result), **epoch_fields(self.req, result))
+                       finish_reason=finish_reason(result), **epoch_fields(self.req, result))
             for job, result in zip(self.jobs, results)
         ]
         return ChatCompletionResponse(id=self.id, created=self.created, model=self.req.model, choices=choices,
@@ -100,59 +99,34 @@ class ChatHandler:
         return sse(ChatCompletionChunk(id=self.id, created=self.created, model=self.req.model, choices=choices,
                                        usage=usage))
 
-    async def events(self) -> AsyncIterator[str]:
-        """SSE events; raises ``APIError`` before the first one, reports in-stream after it."""
-        submission = self.ctx.submit(self.jobs)
-        emitted: dict[int, str] = {}
-        streamed_tokens: dict[int, int] = {}
+    def _content(self, index: int, delta: Delta) -> str | None:
+        """A chunk adding ``delta`` to choice ``index``; None when it would add nothing."""
+        logprobs = self._logprobs(delta.tokens, delta.log_probs, delta.top_n) if delta.tokens else None
+        if not (delta.text or logprobs):
+            return None
+        return self._chunk([ChatChunkChoice(index=index, delta=ChatDelta(content=delta.text), logprobs=logprobs)])
+
+    async def _events(self, items: AsyncIterator[tuple[EngineJob, Any]]) -> AsyncIterator[str]:
+        """The chunks of the answer as the submission's ``items`` arrive (framing: ``openai_events``)."""
+        choices = StreamedChoices()
         results: list[tuple[EngineJob, DynamicInferenceRequest]] = []
-        started = False
-        stream = submission.stream()
-        try:
-            async for job, item in stream:
-                job: EngineJob
-                if job.index not in emitted:
-                    emitted[job.index] = ""
-                    streamed_tokens[job.index] = 0
-                    started = True
-                    yield self._chunk([ChatChunkChoice(index=job.index, delta=ChatDelta(role="assistant", content=""))])
-                if isinstance(item, StreamPartial):
-                    text = item.new_text or ""
-                    logprobs = None
-                    if self.want_logprobs and item.new_tokens:
-                        logprobs = self._logprobs(item.new_tokens, item.new_log_probs, item.new_top_logprobs)
-                    streamed_tokens[job.index] += len(item.new_tokens)
-                    if not (text or logprobs):
-                        continue
-                    emitted[job.index] += text
-                    yield self._chunk([ChatChunkChoice(index=job.index, delta=ChatDelta(content=text),
-                                                       logprobs=logprobs)])
-                    continue
-                result: DynamicInferenceRequest = item
-                results.append((job, result))
-                final_text = result.generated_text or ""
-                sent = emitted[job.index]
-                rest = final_text[len(sent):] if final_text.startswith(sent) else ""
-                done = streamed_tokens[job.index]
-                logprobs = None
-                if self.want_logprobs and len(result.generated_tokens) > done:
-                    logprobs = self._logprobs(result.generated_tokens[done:], result.generated_log_probs[done:],
-                                              result.generated_top_n_logprobs[done:])
-                if rest or logprobs:  # text the engine held back (a possible stop word) until the end
-                    yield self._chunk([ChatChunkChoice(index=job.index, delta=ChatDelta(content=rest),
-                                                       logprobs=logprobs)])
-                yield self._chunk([ChatChunkChoice(index=job.index, delta=ChatDelta(),
-                                                   finish_reason=_finish(result), **epoch_fields(self.req, result))])
-            if self.req.stream_options is not None and self.req.stream_options.include_usage:
-                yield self._chunk([], usage=self.usage(results))
-            yield DONE
-        except APIError as exc:
-            if not started:
-                raise
-            yield error_event(exc)
-            yield DONE
-        finally:
-            await stream.aclose()
+        async for job, item in items:
+            if choices.first_seen(job.index):
+                yield self._chunk([ChatChunkChoice(index=job.index, delta=ChatDelta(role="assistant", content=""))])
+            if isinstance(item, StreamPartial):
+                chunk = self._content(job.index, choices.piece(job.index, item))
+                if chunk is not None:
+                    yield chunk
+                continue
+            result: DynamicInferenceRequest = item
+            results.append((job, result))
+            chunk = self._content(job.index, choices.rest(job.index, result))
+            if chunk is not None:  # text the engine held back (a possible stop word) until the end
+                yield chunk
+            yield self._chunk([ChatChunkChoice(index=job.index, delta=ChatDelta(),
+                                               finish_reason=finish_reason(result), **epoch_fields(self.req, result))])
+        if self.req.stream_options is not None and self.req.stream_options.include_usage:
+            yield self._chunk([], usage=self.usage(results))
 
     async def stream(self) -> StreamingResponse:
-        return await event_stream_response(self.events())
+        return await event_stream_response(openai_events(self.ctx.submit(self.jobs).stream(), self._events))

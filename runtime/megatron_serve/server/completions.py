@@ -10,18 +10,18 @@ from fastapi.responses import StreamingResponse
 
 from ..client import StreamPartial
 from ..request import DynamicInferenceRequest
+from .answers import Delta, StreamedChoices, finish_reason, make_usage
 from .context import ServerContext
-from .errors import APIError, unsupported
+from .errors import unsupported
 from .models import (
     CompletionChoice,
     CompletionChunk,
     CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
-    PromptTokensDetails,
     Usage,
 )
-from .streaming import DONE, error_event, event_stream_response, sse
+from .streaming import event_stream_response, openai_events, sse
 from .translate import (
     DEFAULT_COMPLETION_TOKENS,
     EngineJob,
@@ -52,29 +52,6 @@ def completion_logprobs(tokenizer: Any, tokens: list[int], log_probs: list[float
                for d in top_n[: len(tokens)]]
         top += [None] * (len(tokens) - len(top))
     return CompletionLogprobs(tokens=texts, token_logprobs=token_logprobs, top_logprobs=top, text_offset=offsets)
-
-
-def cached_prompt_tokens(finished: list[tuple[EngineJob, DynamicInferenceRequest]]) -> int:
-    """Prompt tokens served from the prefix cache, counted once per prompt like ``usage.prompt_tokens``.
-
-    With ``n > 1`` each choice of a prompt is its own engine request with its own count; the count
-    of the prompt's first choice (lowest choice index, submitted first) is the one reported: it says
-    whether the prompt was already cached when the request arrived, while its siblings may also hit
-    the blocks that this very request computed.
-    """
-    first: dict[int, tuple[int, int]] = {}  # prompt index -> (choice index, cached tokens)
-    for job, result in finished:
-        known = first.get(job.prompt_index)
-        if known is None or job.index < known[0]:
-            first[job.prompt_index] = (job.index, min(int(result.cached_tokens or 0), len(job.prompt.tokens)))
-    return sum(cached for _, cached in first.values())
-
-
-def make_usage(prompt_tokens: int, finished: list[tuple[EngineJob, DynamicInferenceRequest]]) -> Usage:
-    completion_tokens = sum(len(r.generated_tokens) for _, r in finished)
-    return Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                 total_tokens=prompt_tokens + completion_tokens,
-                 prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_prompt_tokens(finished)))
 
 
 def _echo_text(ctx: ServerContext, prompt: Prompt) -> str:
@@ -129,7 +106,7 @@ class CompletionHandler:
                                                result.generated_log_probs,
                                                result.generated_top_n_logprobs if self.top else None, len(prefix))
             choices.append(CompletionChoice(index=job.index, text=prefix + text, logprobs=logprobs,
-                                            finish_reason=_finish(result), **epoch_fields(self.req, result)))
+                                            finish_reason=finish_reason(result), **epoch_fields(self.req, result)))
         return CompletionResponse(id=self.id, created=self.created, model=self.req.model, choices=choices,
                                   usage=self.usage(list(zip(self.jobs, results))))
 
@@ -141,67 +118,39 @@ class CompletionHandler:
         return sse(CompletionChunk(id=self.id, created=self.created, model=self.req.model, choices=[
             CompletionChoice(index=job.index, text=text, logprobs=logprobs, finish_reason=finish_reason, **epochs)]))
 
-    async def events(self) -> AsyncIterator[str]:
-        """SSE events; raises ``APIError`` before the first one, reports in-stream after it."""
-        submission = self.ctx.submit(self.jobs)
-        emitted: dict[int, str] = {}  # job index -> text sent so far (generated part)
+    def _logprobs(self, delta: Delta, offset: int) -> CompletionLogprobs | None:
+        """The log-prob block of a streamed chunk; None when not asked for or the chunk adds no token."""
+        if not (self.want_logprobs and delta.tokens):
+            return None
+        return completion_logprobs(self.ctx.tokenizer, delta.tokens, delta.log_probs,
+                                   delta.top_n if self.top else None, offset)
+
+    async def _events(self, items: AsyncIterator[tuple[EngineJob, Any]]) -> AsyncIterator[str]:
+        """The chunks of the answer as the submission's ``items`` arrive (framing: ``openai_events``)."""
+        choices = StreamedChoices()
         offsets: dict[int, int] = {}  # job index -> text offset for the next log-prob token
-        streamed_tokens: dict[int, int] = {}
         results: list[tuple[EngineJob, DynamicInferenceRequest]] = []
-        started = False
-        stream = submission.stream()
-        try:
-            async for job, item in stream:
-                first = job.index not in emitted
-                prefix = _echo_text(self.ctx, job.prompt) if first and self.req.echo else ""
-                if first:
-                    emitted[job.index] = ""
-                    offsets[job.index] = len(prefix)
-                    streamed_tokens[job.index] = 0
-                if isinstance(item, StreamPartial):
-                    text = item.new_text or ""
-                    logprobs = None
-                    if self.want_logprobs and item.new_tokens:
-                        logprobs = completion_logprobs(self.ctx.tokenizer, item.new_tokens, item.new_log_probs,
-                                                       item.new_top_logprobs if self.top else None,
-                                                       offsets[job.index])
-                        offsets[job.index] += sum(len(t) for t in logprobs.tokens)
-                    streamed_tokens[job.index] += len(item.new_tokens)
-                    if not (prefix or text or logprobs):
-                        continue
-                    emitted[job.index] += text
-                    started = True
-                    yield self._chunk(job, prefix + text, logprobs)
-                    continue
-                result: DynamicInferenceRequest = item
-                results.append((job, result))
-                final_text = result.generated_text or ""
-                sent = emitted[job.index]
-                rest = final_text[len(sent):] if final_text.startswith(sent) else ""
-                logprobs = None
-                done = streamed_tokens[job.index]
-                if self.want_logprobs and len(result.generated_tokens) > done:
-                    logprobs = completion_logprobs(
-                        self.ctx.tokenizer, result.generated_tokens[done:], result.generated_log_probs[done:],
-                        result.generated_top_n_logprobs[done:] if self.top else None, offsets[job.index])
-                started = True
-                yield self._chunk(job, prefix + rest, logprobs, _finish(result), result)
-            if self.req.stream_options is not None and self.req.stream_options.include_usage:
-                yield sse(CompletionChunk(id=self.id, created=self.created, model=self.req.model, choices=[],
-                                          usage=self.usage(results)))
-            yield DONE
-        except APIError as exc:
-            if not started:
-                raise
-            yield error_event(exc)
-            yield DONE
-        finally:
-            await stream.aclose()
+        async for job, item in items:
+            first = choices.first_seen(job.index)
+            prefix = _echo_text(self.ctx, job.prompt) if first and self.req.echo else ""
+            if first:
+                offsets[job.index] = len(prefix)
+            if isinstance(item, StreamPartial):
+                delta = choices.piece(job.index, item)
+                logprobs = self._logprobs(delta, offsets[job.index])
+                if logprobs is not None:
+                    offsets[job.index] += sum(len(t) for t in logprobs.tokens)
+                if prefix or delta.text or logprobs:
+                    yield self._chunk(job, prefix + delta.text, logprobs)
+                continue
+            result: DynamicInferenceRequest = item
+            results.append((job, result))
+            delta = choices.rest(job.index, result)
+            yield self._chunk(job, prefix + delta.text, self._logprobs(delta, offsets[job.index]),
+                              finish_reason(result), result)
+        if self.req.stream_options is not None and self.req.stream_options.include_usage:
+            yield sse(CompletionChunk(id=self.id, created=self.created, model=self.req.model, choices=[],
+                                      usage=self.usage(results)))
 
     async def stream(self) -> StreamingResponse:
-        return await event_stream_response(self.events())
-
-
-def _finish(result: DynamicInferenceRequest) -> str | None:
-    reason = result.finish_reason.value if result.finish_reason is not None else None
-    return reason if reason in ("stop", "length") else None
+        return await event_stream_response(openai_events(self.ctx.submit(self.jobs).stream(), self._events))

@@ -4,7 +4,8 @@ Two problems that both routes share:
 
 * A streamed answer must still be able to fail with a proper status code (400, 429, 503) when
   the problem shows before the first token, so :func:`event_stream_response` waits for the first
-  event before sending headers; problems after that become an ``error`` event in the stream.
+  event before sending headers; problems after that become an ``error`` event in the stream
+  (:func:`openai_events`, which also ends every stream with ``[DONE]``).
 * A client that leaves must not leave work behind. :func:`cancel_on_disconnect` watches the ASGI
   ``receive`` channel while a non-streamed request waits and cancels the wait when the client
   disconnects (the cancellation aborts the engine requests). While a response streams, Starlette
@@ -15,7 +16,8 @@ from __future__ import annotations
 
 import asyncio
 import json
-from typing import Any, AsyncIterator, Awaitable, TypeVar
+from contextlib import aclosing
+from typing import Any, AsyncGenerator, AsyncIterator, Awaitable, Callable, TypeVar
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -63,15 +65,37 @@ async def cancel_on_disconnect(request: Request, work: Awaitable[T]) -> T | Resp
             task.cancel()
 
 
-def error_event(exc: APIError) -> str:
-    return sse(exc.body())
+async def openai_events(items: AsyncGenerator[T, None],
+                        render: Callable[[AsyncIterator[T]], AsyncIterator[str]]) -> AsyncIterator[str]:
+    """The events ``render`` makes of ``items``, framed as an OpenAI stream; closing it closes ``items``.
+
+    An :class:`APIError` before the first event is raised, so that the answer can still be that
+    error with its status code; after it the status line is sent, so the error becomes an OpenAI
+    error event, and ``data: [DONE]`` ends the stream either way, as OpenAI clients expect.
+    ``items`` is closed however the stream ends (finished, failed, or closed or cancelled because
+    the client left), which for a submission's stream aborts its unfinished engine requests.
+    """
+    started = False
+    try:
+        async with aclosing(render(items)) as events:
+            async for event in events:
+                started = True
+                yield event
+        yield DONE
+    except APIError as exc:
+        if not started:
+            raise
+        yield sse(exc.body())
+        yield DONE
+    finally:
+        await items.aclose()
 
 
 async def event_stream_response(events: AsyncIterator[str]) -> StreamingResponse:
     """A ``text/event-stream`` response whose first event already exists (see the module docstring).
 
     ``events`` must raise :class:`APIError` for problems before its first event and turn later
-    ones into error events itself.
+    ones into error events itself (as :func:`openai_events` does).
     """
     try:
         first = await events.__anext__()

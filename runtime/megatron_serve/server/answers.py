@@ -1,0 +1,89 @@
+"""From finished engine requests to the parts of an answer that both endpoints share.
+
+Finish reasons, usage, and the bookkeeping of a streamed choice are the same for
+``/v1/completions`` and ``/v1/chat/completions``; only the objects they go into differ.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..client import StreamPartial
+from ..request import DynamicInferenceRequest
+from .models import PromptTokensDetails, Usage
+from .translate import EngineJob
+
+
+def finish_reason(result: DynamicInferenceRequest) -> str | None:
+    """The OpenAI finish reason of a finished request; the engine's others have no OpenAI name."""
+    reason = result.finish_reason.value if result.finish_reason is not None else None
+    return reason if reason in ("stop", "length") else None
+
+
+def cached_prompt_tokens(finished: list[tuple[EngineJob, DynamicInferenceRequest]]) -> int:
+    """Prompt tokens served from the prefix cache, counted once per prompt like ``usage.prompt_tokens``.
+
+    With ``n > 1`` each choice of a prompt is its own engine request with its own count; the count
+    of the prompt's first choice (lowest choice index, submitted first) is the one reported: it says
+    whether the prompt was already cached when the request arrived, while its siblings may also hit
+    the blocks that this very request computed.
+    """
+    first: dict[int, tuple[int, int]] = {}  # prompt index -> (choice index, cached tokens)
+    for job, result in finished:
+        known = first.get(job.prompt_index)
+        if known is None or job.index < known[0]:
+            first[job.prompt_index] = (job.index, min(int(result.cached_tokens or 0), len(job.prompt.tokens)))
+    return sum(cached for _, cached in first.values())
+
+
+def make_usage(prompt_tokens: int, finished: list[tuple[EngineJob, DynamicInferenceRequest]]) -> Usage:
+    completion_tokens = sum(len(r.generated_tokens) for _, r in finished)
+    return Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                 total_tokens=prompt_tokens + completion_tokens,
+                 prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_prompt_tokens(finished)))
+
+
+@dataclass
+class Delta:
+    """What one chunk of a streamed choice adds: its text, and the tokens (with log-probs) behind it."""
+
+    text: str
+    tokens: list[int]
+    log_probs: list[float]
+    top_n: list[dict[int, float]]
+
+
+class StreamedChoices:
+    """What each choice of a streamed answer has sent so far, so that its final record adds only the rest.
+
+    The final record repeats the whole generation, and the engine may have held text back until
+    then (a possible stop word): the choice's last chunk carries the text and tokens that its
+    pieces did not.
+    """
+
+    def __init__(self) -> None:
+        self._text: dict[int, str] = {}  # choice index -> text sent so far
+        self._tokens: dict[int, int] = {}  # choice index -> tokens sent so far
+
+    def first_seen(self, index: int) -> bool:
+        """True once per choice, for its first item (when its opening chunk is due)."""
+        if index in self._text:
+            return False
+        self._text[index] = ""
+        self._tokens[index] = 0
+        return True
+
+    def piece(self, index: int, item: StreamPartial) -> Delta:
+        """A streamed piece, counted as sent."""
+        text = item.new_text or ""
+        self._text[index] += text
+        self._tokens[index] += len(item.new_tokens)
+        return Delta(text, item.new_tokens, item.new_log_probs, item.new_top_logprobs)
+
+    def rest(self, index: int, result: DynamicInferenceRequest) -> Delta:
+        """What the final record holds beyond the pieces sent (text only if it extends what was sent)."""
+        final_text = result.generated_text or ""
+        sent = self._text[index]
+        done = self._tokens[index]
+        return Delta(final_text[len(sent):] if final_text.startswith(sent) else "", result.generated_tokens[done:],
+                     result.generated_log_probs[done:], result.generated_top_n_logprobs[done:])
