@@ -358,7 +358,7 @@ def crd() -> dict[str, Any]:
                     {"name": "Phase", "type": "string", "jsonPath": ".status.phase"},
                     {"name": "Lifecycle", "type": "string", "jsonPath": ".status.lifecycle.observed",
                      "description": "Lifecycle acknowledged by the coordinator"},
-                    {"name": "Ready", "type": "integer", "jsonPath": ".status.engines.ready",
+                    {"name": "Ready Engines", "type": "integer", "jsonPath": ".status.engines.ready",
                      "description": "Ready engine groups"},
                     {"name": "Desired", "type": "integer", "jsonPath": ".spec.parallelism.data",
                      "description": "Engine groups (data parallelism)", "priority": 1},

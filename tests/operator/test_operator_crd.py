@@ -34,7 +34,7 @@ def test_crd_is_a_valid_kubernetes_object():
     assert version["subresources"]["scale"]["specReplicasPath"] == ".spec.parallelism.data"
     assert version["subresources"]["status"] == {}
     assert [c["name"] for c in version["additionalPrinterColumns"]] == \
-        ["Phase", "Lifecycle", "Ready", "Desired", "Endpoint", "Age"]
+        ["Phase", "Lifecycle", "Ready Engines", "Desired", "Endpoint", "Age"]
 
 
 def _walk(schema: dict[str, Any], path: str = ""):

@@ -44,7 +44,7 @@ async def test_kubectl_apply_patch_scale_delete(cluster):
     assert await observed() == "Paused" and fake.commands == ["pause"]
     # the CRD's printer columns, as `kubectl get mi` shows them
     header, row = (await kubectl(cluster, "get", "mi")).splitlines()
-    assert header.split() == ["NAME", "PHASE", "LIFECYCLE", "READY", "ENDPOINT", "AGE"]
+    assert header.split() == ["NAME", "PHASE", "LIFECYCLE", "READY", "ENGINES", "ENDPOINT", "AGE"]
     assert row.split()[:5] == ["rollout", "Paused", "Paused", "8", "http://rollout.default.svc:8000/v1"]
     wide = (await kubectl(cluster, "get", "mi", "-o", "wide")).splitlines()[0].split()
     assert "DESIRED" in wide
