@@ -15,7 +15,10 @@ The coordinator
   another engine from the tokens already generated. Only the engine a request is currently
   assigned to may add tokens to it, so each token and each result is delivered exactly once;
 * runs the lifecycle state machine RUNNING / PAUSED / SUSPENDED / STOPPED; a verb is answered
-  with ``CONTROL_ACK`` only after every connected engine acknowledged it.
+  with ``CONTROL_ACK`` only after every connected engine acknowledged it. An engine that does not
+  acknowledge a verb step within ``verb_timeout`` (its step loop hangs while its heartbeat thread
+  lives on) is removed like a dead engine and kept out of the fleet until its step loop answers
+  again, so a lifecycle change never waits forever.
 
 It is a single-threaded event loop over one ROUTER socket plus a socket monitor: every handler is
 short and nothing blocks, so no locks are needed.
@@ -60,10 +63,14 @@ logger = logging.getLogger("megatron_serve.coordinator")
 
 DEFAULT_HEARTBEAT_TIMEOUT = 10.0
 DEFAULT_CLIENT_TIMEOUT = 600.0
+# Per verb step. Below the operator's default command timeout (120 s), so that its own call gets the
+# acknowledgement even when an engine hangs.
+DEFAULT_VERB_TIMEOUT = 60.0
 _TICK_S = 0.05
 _MAX_BURST = 512  # frames handled before the periodic work runs again
 _PROBE_DELAYS = (0.02, 0.1, 0.5, 2.0)  # after a disconnect event: when to test who is gone
 _COMPLETED_CONTROLS_KEPT = 256
+_UNRESPONSIVE_KEPT = 1024  # connections of engines dropped for a missed verb deadline, remembered
 
 # Which headers each role may send (after HELLO).
 _ALLOWED: dict[Role, frozenset[Header]] = {
@@ -189,6 +196,8 @@ class ControlOp:
     target_state: str = ""
     noop: bool = False
     started: float = field(default_factory=time.monotonic)
+    step_started: float = 0.0  # when the current step was broadcast: its acknowledgement deadline starts there
+    unresponsive: list[str] = field(default_factory=list)  # engines removed for missing a step's deadline
     source: str | None = None  # REFIT: the new weights
     epoch: int | None = None  # REFIT: the generation they become
     failed: dict[str, str] = field(default_factory=dict)  # REFIT: engine id -> why it could not load
@@ -255,6 +264,7 @@ class Coordinator:
         routing: str = "least_loaded",
         heartbeat_timeout: float = DEFAULT_HEARTBEAT_TIMEOUT,
         client_timeout: float = DEFAULT_CLIENT_TIMEOUT,
+        verb_timeout: float = DEFAULT_VERB_TIMEOUT,
         max_message_bytes: int = MAX_MESSAGE_BYTES,
         dispatch_factor: float = 2.0,
         model: str | None = None,
@@ -267,6 +277,7 @@ class Coordinator:
         self.policy: RoutingPolicy = make_routing_policy(routing)
         self.heartbeat_timeout = float(heartbeat_timeout)
         self.client_timeout = float(client_timeout)
+        self.verb_timeout = float(verb_timeout)
         self.max_message_bytes = int(max_message_bytes)
         self.dispatch_factor = float(dispatch_factor)
         self.coordinator_id = uuid.uuid4().hex[:12]
@@ -294,6 +305,8 @@ class Coordinator:
         self._probes: list[tuple[float, int]] = []  # (due, fd) after disconnect events
         self._undelivered: set[str] = set()  # finished, but the RESULT send failed: retried by _tick
         self._hello_required_sent: collections.OrderedDict[bytes, float] = collections.OrderedDict()
+        # identity -> engine id of engines removed for a missed verb deadline (see _on_unresponsive_frame)
+        self._unresponsive: collections.OrderedDict[bytes, str] = collections.OrderedDict()
         self._drop = _DropLog()
         self._stop = False
         self._advancing = False
@@ -327,9 +340,9 @@ class Coordinator:
         shown = "127.0.0.1" if bind_host == "*" else self.host
         self.address = f"tcp://{shown}:{self.port}"
         logger.info(
-            "coordinator %s listening on %s (routing %s, token %s, heartbeat timeout %.1fs)",
+            "coordinator %s listening on %s (routing %s, token %s, heartbeat timeout %.1fs, verb timeout %.1fs)",
             self.coordinator_id, self.address, self.routing_name,
-            "required" if self.token else "not required", self.heartbeat_timeout,
+            "required" if self.token else "not required", self.heartbeat_timeout, self.verb_timeout,
         )
         return self.address
 
@@ -421,6 +434,8 @@ class Coordinator:
             return
         known = self.peers.get(identity)
         if known is None:
+            if self._on_unresponsive_frame(identity, msg.header):
+                return
             self._drop(self._peer_name(identity), f"{msg.header.name} before a successful HELLO")
             self._hello_required(identity)
             return
@@ -446,6 +461,27 @@ class Coordinator:
                 self._on_client_message(client, identity, msg)
         except ProtocolError as exc:
             self._drop(self._peer_name(identity), str(exc))
+
+    def _on_unresponsive_frame(self, identity: bytes, header: Header) -> bool:
+        """A frame from an engine removed for a missed verb deadline; True when handled (nothing else to do).
+
+        Its heartbeats come from a thread of their own and say nothing about its step loop: they are
+        answered, so that its link neither re-registers nor reconnects under a new identity, but the
+        engine stays out of the fleet (it would swallow requests and stall the next verb). Any other
+        frame (the late acknowledgement, step outputs) comes from the step loop: the engine works
+        again and is told to HELLO again, like an engine presumed lost that comes back (its stale
+        work was re-queued; it drops it on registering).
+        """
+        engine_id = self._unresponsive.get(identity)
+        if engine_id is None:
+            return False
+        if header is Header.HEARTBEAT:
+            self._send(identity, Header.HEARTBEAT, self._heartbeat_body())
+            return True
+        del self._unresponsive[identity]
+        logger.info("engine %s, removed as unresponsive, answers again (%s): it may register again",
+                    engine_id, header.name)
+        return False
 
     def _hello_required(self, identity: bytes) -> None:
         """Tell an unknown (but protocol-speaking) peer to HELLO again, at most once a second."""
@@ -526,6 +562,7 @@ class Coordinator:
         refit = self._weights_for(engine)
         self.engines[engine_id] = engine
         self.peers[identity] = (Role.ENGINE, engine_id)
+        self._unresponsive.pop(identity, None)
         ack_body = {
             "coordinator_id": self.coordinator_id,
             "state": self.state.value,
@@ -1091,8 +1128,9 @@ class Coordinator:
             self._advancing = False
 
     def _broadcast_step(self, op: ControlOp) -> None:
-        """Send the current step's verb to every connected engine; each one must ack."""
+        """Send the current step's verb to every connected engine; each one must ack (see _expire_verb_step)."""
         verb = op.steps[op.step_index]
+        op.step_started = time.monotonic()
         body: dict[str, Any] = {"control_id": f"{op.control_id}#{op.step_index}"}
         if verb is Header.SUSPEND:
             body["level"] = self.suspend_level
@@ -1116,6 +1154,31 @@ class Coordinator:
                 unreachable.append(engine)
         for engine in unreachable:
             self._remove_engine(engine, "unreachable (send failed)")
+
+    def _expire_verb_step(self, now: float) -> None:
+        """Remove the engines that did not acknowledge the current verb step within ``verb_timeout``.
+
+        Heartbeats come from a thread of the engine's own, so an engine whose step loop hangs (a
+        stuck kernel, a deadlock) is never timed out by them and would hold the verb forever. It is
+        removed like a dead engine (its requests re-queued), kept out of the fleet until its step
+        loop answers (see _on_unresponsive_frame), and the verb completes with the other engines;
+        the ``CONTROL_ACK`` lists it under ``unresponsive``. A STOP step also waits for the drain
+        time it gave the engines.
+        """
+        if not self.controls or not self.controls[0].waiting:
+            return
+        op = self.controls[0]
+        verb = op.steps[op.step_index]
+        limit = self.verb_timeout + ((op.drain_timeout or 0.0) if verb is Header.STOP else 0.0)
+        if now - op.step_started <= limit:
+            return
+        for engine in [e for e in self.engines.values() if e.engine_id in op.waiting]:
+            op.unresponsive.append(engine.engine_id)
+            self._unresponsive[engine.identity] = engine.engine_id
+            while len(self._unresponsive) > _UNRESPONSIVE_KEPT:
+                self._unresponsive.popitem(last=False)
+            self._remove_engine(engine, f"did not acknowledge {verb.name} within {limit:.1f}s "
+                                        "(heartbeats alone do not count; kept out until it answers)")
 
     def _on_engine_ack(self, engine: EngineRecord, body: dict[str, Any]) -> None:
         engine.state = str(body["state"])
@@ -1158,6 +1221,8 @@ class Coordinator:
             detail.update(noop=False, epoch=self.epoch, source=self.weights_source)
             if op.failed:
                 detail["failed"] = dict(op.failed)
+        if op.unresponsive:
+            detail["unresponsive"] = list(op.unresponsive)
         body = {"control_id": op.control_id, "state": self.state.value, "detail": detail}
         logger.info("%s acknowledged: %s -> %s by %d engine(s)%s", op.verb.name, op.previous_state, self.state.value,
                     len(op.engines), f", released {detail['released_bytes']} bytes" if released else "")
@@ -1234,6 +1299,7 @@ class Coordinator:
         for engine in list(self.engines.values()):
             if now - engine.last_seen > self.heartbeat_timeout:
                 self._remove_engine(engine, f"no heartbeat for {now - engine.last_seen:.1f}s")
+        self._expire_verb_step(now)
         if self._undelivered and now - self._last_retry > 1.0:
             self._last_retry = now
             for key in list(self._undelivered):
@@ -1291,4 +1357,5 @@ def serve(coordinator: Coordinator, address_file: str | None = None, install_sig
     coordinator.run()
 
 
-__all__: Iterable[str] = ["Coordinator", "serve", "write_address_file", "DEFAULT_HEARTBEAT_TIMEOUT"]
+__all__: Iterable[str] = ["Coordinator", "serve", "write_address_file", "DEFAULT_HEARTBEAT_TIMEOUT",
+                          "DEFAULT_VERB_TIMEOUT"]

@@ -21,6 +21,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--routing", choices=KNOWN_POLICIES, default="least_loaded")
     parser.add_argument("--heartbeat-timeout", type=float, default=10.0, metavar="S",
                         help="remove an engine silent for this long and re-queue its requests")
+    parser.add_argument("--verb-timeout", type=float, default=60.0, metavar="S",
+                        help="remove an engine that does not acknowledge a lifecycle verb step for this long "
+                             "(its step loop hangs; heartbeats alone do not count) and re-queue its requests, "
+                             "so the verb completes with the other engines")
     parser.add_argument("--client-timeout", type=float, default=600.0, metavar="S",
                         help="forget requests of a client disconnected for this long")
     parser.add_argument("--max-message-bytes", type=int, default=MAX_MESSAGE_BYTES, metavar="N")
@@ -37,6 +41,8 @@ def run(args: argparse.Namespace) -> int:
 
     if args.heartbeat_timeout <= 0:
         raise ValueError(f"--heartbeat-timeout must be > 0, got {args.heartbeat_timeout}")
+    if args.verb_timeout <= 0:
+        raise ValueError(f"--verb-timeout must be > 0, got {args.verb_timeout}")
     make_routing_policy(args.routing)  # fail before loading anything
     token = read_token(args)
     started = time.monotonic()
@@ -46,7 +52,7 @@ def run(args: argparse.Namespace) -> int:
     coordinator = Coordinator(
         tokenizer, host=args.host, port=args.port, token=token, routing=args.routing,
         heartbeat_timeout=args.heartbeat_timeout, client_timeout=args.client_timeout,
-        max_message_bytes=args.max_message_bytes, model=args.model,
+        verb_timeout=args.verb_timeout, max_message_bytes=args.max_message_bytes, model=args.model,
     )
     import zmq  # noqa: PLC0415
 

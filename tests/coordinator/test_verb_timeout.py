@@ -1,0 +1,159 @@
+"""The per-step acknowledgement deadline of lifecycle verbs, with fake engines over real sockets.
+
+An engine whose step loop hangs keeps heartbeating from its link thread, so the heartbeat timeout
+never removes it; without a deadline a verb would wait for its acknowledgement forever.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import pytest
+
+from megatron_serve import cli
+from megatron_serve.client import InferenceClient, StreamPartial
+from megatron_serve.request import DynamicInferenceRequest, EventType, RequestStatus
+from megatron_serve.sampling_params import SamplingParams
+
+from .fakes import FakeEngine, expected_tokens
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def hang_after(fake: FakeEngine, steps: int) -> threading.Event:
+    """Make ``fake`` hang in the step after its ``steps``-th; the event is set just before it blocks."""
+    hanging = threading.Event()
+    step = fake.step
+
+    def step_then_hang():
+        if fake.steps >= steps and not hanging.is_set():
+            fake.freeze()
+            hanging.set()
+        return step()
+
+    fake.step = step_then_hang
+    return hanging
+
+
+async def until(predicate, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not await predicate():
+        if time.monotonic() > deadline:
+            raise TimeoutError(what)
+        await asyncio.sleep(0.02)
+
+
+async def engine_ids(client: InferenceClient) -> list[str]:
+    return sorted(e["id"] for e in (await client.status())["engines"])
+
+
+async def test_engine_that_never_acks_is_dropped_and_its_request_moves(fleet_factory):
+    fleet = fleet_factory(verb_timeout=1.0)
+    hung_proc, hung_fake, _ = fleet.add_engine()
+    hanging = hang_after(hung_fake, 3)
+    async with InferenceClient(fleet.address) as client:
+        [hung_id] = [e["id"] for e in (await client.wait_for_engines(1, timeout=20, poll=0.02))["engines"]]
+        prompt = [4, 5, 6]
+        streamed: list[int] = []
+
+        async def consume() -> DynamicInferenceRequest:
+            async for item in client.add_request_streaming(prompt, SamplingParams(num_tokens_to_generate=20),
+                                                           request_id="moved"):
+                if isinstance(item, StreamPartial):
+                    streamed.extend(item.new_tokens)
+                else:
+                    return item
+            raise AssertionError("the stream ended without a final request")
+
+        task = asyncio.create_task(consume())
+        assert await asyncio.to_thread(hanging.wait, 10), "the engine never reached its fourth step"
+        hung_proc.link.heartbeat_interval = 0.05  # its link thread lives on: heartbeats keep coming, often
+        fleet.add_engine()
+        await client.wait_for_engines(2, timeout=20, poll=0.02)
+        [healthy_id] = [i for i in await engine_ids(client) if i != hung_id]
+
+        started = time.monotonic()
+        ack = await client.pause(timeout=10)
+        assert time.monotonic() - started >= 1.0
+        assert ack["state"] == "PAUSED"
+        assert ack["detail"]["unresponsive"] == [hung_id]
+        assert "did not acknowledge PAUSE" in ack["detail"]["engines"][hung_id]["lost"]
+        assert ack["detail"]["engines"][healthy_id]["state"] == "PAUSED"
+        status = await client.status()
+        assert [e["id"] for e in status["engines"]] == [healthy_id]
+        assert status["queued"] == 1 and status["in_flight"] == 0  # re-queued, held while paused
+
+        ack = await client.unpause(timeout=10)
+        assert "unresponsive" not in ack["detail"] and list(ack["detail"]["engines"]) == [healthy_id]
+        final = await asyncio.wait_for(task, 10)
+        assert final.status is RequestStatus.COMPLETED
+        assert final.generated_tokens == expected_tokens(prompt, 20)
+        assert streamed == final.generated_tokens  # every token exactly once across the move
+        assert any(e.type is EventType.EVICT for e in final.events)
+        status = await client.status()
+        assert [(e["id"], e["completed"]) for e in status["engines"]] == [(healthy_id, 1)]
+        assert hung_proc.link.session == 1  # its heartbeats were answered, it was not let back in
+
+        # Its step loop answers again: it is told to register anew and drops its stale work.
+        hung_fake.thaw()
+        await until(lambda: _count_engines(client, 2), 10, "the recovered engine registered again")
+        await until(lambda: _idle(hung_fake), 10, "stale work dropped")
+        status = await client.status()
+        assert status["completed"] == 1 and status["in_flight"] == 0 and status["queued"] == 0
+        assert hung_id not in [e["id"] for e in status["engines"]]
+
+
+async def _count_engines(client: InferenceClient, n: int) -> bool:
+    return len(await engine_ids(client)) == n
+
+
+async def _idle(fake: FakeEngine) -> bool:
+    return not fake.requests
+
+
+async def test_engines_that_ack_in_time_are_kept(fleet_factory):
+    fleet = fleet_factory(verb_timeout=2.0)
+    fleet.add_engine(step_delay=0.01)
+    fleet.add_engine(step_delay=0.01)
+    async with InferenceClient(fleet.address) as client:
+        await client.wait_for_engines(2, timeout=20, poll=0.02)
+        ids = await engine_ids(client)
+        prompts = [[1 + i, 2, 3] for i in range(6)]
+        futures = [client.add_request(p, SamplingParams(num_tokens_to_generate=40)) for p in prompts]
+        acks = [await client.suspend(), await client.resume(), await client.unpause(), await client.pause(),
+                await client.unpause()]
+        for ack in acks:
+            assert "unresponsive" not in ack["detail"]
+            assert not any("lost" in facts for facts in ack["detail"]["engines"].values())
+        assert acks[0]["state"] == "SUSPENDED" and acks[-1]["state"] == "RUNNING"
+        results = await asyncio.wait_for(asyncio.gather(*futures), 20)
+        assert [r.generated_tokens for r in results] == [expected_tokens(p, 40) for p in prompts]
+        assert not any(e.type is EventType.EVICT for r in results for e in r.events)
+        assert await engine_ids(client) == ids
+
+
+async def test_stop_deadline_includes_the_drain_time(fleet_factory):
+    fleet = fleet_factory(verb_timeout=1.0)
+    fleet.add_engine(step_delay=0.01)
+    async with InferenceClient(fleet.address) as client:
+        await client.wait_for_engines(1, timeout=20, poll=0.02)
+        future = client.add_request([7, 8, 9], SamplingParams(num_tokens_to_generate=100_000))
+        await until(lambda: _in_flight(client, 1), 10, "in flight")
+        started = time.monotonic()
+        ack = await client.stop(timeout=10, drain_timeout=2.0)  # the engine drains for 2 s, then acks
+        assert time.monotonic() - started >= 2.0
+        assert ack["state"] == "STOPPED" and "unresponsive" not in ack["detail"]
+        [facts] = ack["detail"]["engines"].values()
+        assert facts["handed_back"] == 1 and "lost" not in facts
+        future.cancel()  # re-queued on a stopped fleet: it would wait for a restart
+
+
+async def _in_flight(client: InferenceClient, n: int) -> bool:
+    return (await client.status())["in_flight"] == n
+
+
+def test_verb_timeout_flag_must_be_positive(capsys):
+    assert cli.main(["coordinator", "--model", "unused", "--verb-timeout", "0"]) == 1
+    assert "--verb-timeout must be > 0" in capsys.readouterr().err
