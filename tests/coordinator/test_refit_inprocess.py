@@ -157,7 +157,9 @@ async def test_an_engine_of_another_model_is_flagged_not_synced(fleet_factory):
         await client.refit("/m/b")
         other = add(fleet, RefitFake(), model="/m/new")  # a rolling replacement's engine
         same = add(fleet, RefitFake(), model="/m/a/")
-        status = await status_when(client, lambda s: len(s["engines"]) == 3, "three engines")
+        # The fakes load on their own threads, a moment after STATUS already lists them: wait for the load.
+        status = await status_when(client, lambda s: len(s["engines"]) == 3 and same.loaded
+                                   and len(s["epoch_mismatch"]) <= 1, "three engines, the joiner refitted")
         assert other.loaded == [] and same.loaded == [("/m/b", 1)]
         assert len(status["epoch_mismatch"]) == 1
         flagged = next(e for e in status["engines"] if e["id"] == status["epoch_mismatch"][0])
