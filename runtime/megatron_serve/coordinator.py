@@ -66,6 +66,9 @@ DEFAULT_CLIENT_TIMEOUT = 600.0
 # Per verb step. Below the operator's default command timeout (120 s), so that its own call gets the
 # acknowledgement even when an engine hangs.
 DEFAULT_VERB_TIMEOUT = 60.0
+# Steps that move weights (SUSPEND may offload them, RESUME brings them back and captures CUDA graphs,
+# REFIT's second step loads a checkpoint) take as long as reading a large checkpoint can.
+DEFAULT_WEIGHTS_TIMEOUT = 900.0
 _TICK_S = 0.05
 _MAX_BURST = 512  # frames handled before the periodic work runs again
 _PROBE_DELAYS = (0.02, 0.1, 0.5, 2.0)  # after a disconnect event: when to test who is gone
@@ -265,6 +268,7 @@ class Coordinator:
         heartbeat_timeout: float = DEFAULT_HEARTBEAT_TIMEOUT,
         client_timeout: float = DEFAULT_CLIENT_TIMEOUT,
         verb_timeout: float = DEFAULT_VERB_TIMEOUT,
+        weights_timeout: float = DEFAULT_WEIGHTS_TIMEOUT,
         max_message_bytes: int = MAX_MESSAGE_BYTES,
         dispatch_factor: float = 2.0,
         model: str | None = None,
@@ -278,6 +282,7 @@ class Coordinator:
         self.heartbeat_timeout = float(heartbeat_timeout)
         self.client_timeout = float(client_timeout)
         self.verb_timeout = float(verb_timeout)
+        self.weights_timeout = float(weights_timeout)
         self.max_message_bytes = int(max_message_bytes)
         self.dispatch_factor = float(dispatch_factor)
         self.coordinator_id = uuid.uuid4().hex[:12]
@@ -1162,14 +1167,14 @@ class Coordinator:
         stuck kernel, a deadlock) is never timed out by them and would hold the verb forever. It is
         removed like a dead engine (its requests re-queued), kept out of the fleet until its step
         loop answers (see _on_unresponsive_frame), and the verb completes with the other engines;
-        the ``CONTROL_ACK`` lists it under ``unresponsive``. A STOP step also waits for the drain
-        time it gave the engines.
+        the ``CONTROL_ACK`` lists it under ``unresponsive``. See ``_step_deadline`` for how long a
+        step may take.
         """
         if not self.controls or not self.controls[0].waiting:
             return
         op = self.controls[0]
         verb = op.steps[op.step_index]
-        limit = self.verb_timeout + ((op.drain_timeout or 0.0) if verb is Header.STOP else 0.0)
+        limit = self._step_deadline(op, verb)
         if now - op.step_started <= limit:
             return
         for engine in [e for e in self.engines.values() if e.engine_id in op.waiting]:
@@ -1179,6 +1184,15 @@ class Coordinator:
                 self._unresponsive.popitem(last=False)
             self._remove_engine(engine, f"did not acknowledge {verb.name} within {limit:.1f}s "
                                         "(heartbeats alone do not count; kept out until it answers)")
+
+    def _step_deadline(self, op: ControlOp, verb: Header) -> float:
+        """Seconds an engine may take to acknowledge ``verb``: a STOP adds its drain time, and steps
+        that move weights (SUSPEND, RESUME, REFIT's load) get ``weights_timeout``."""
+        if verb is Header.STOP:
+            return self.verb_timeout + (op.drain_timeout or 0.0)
+        if verb in (Header.SUSPEND, Header.RESUME) or (verb is Header.REFIT and op.step_index == 1):
+            return max(self.verb_timeout, self.weights_timeout)
+        return self.verb_timeout
 
     def _on_engine_ack(self, engine: EngineRecord, body: dict[str, Any]) -> None:
         engine.state = str(body["state"])
@@ -1358,4 +1372,4 @@ def serve(coordinator: Coordinator, address_file: str | None = None, install_sig
 
 
 __all__: Iterable[str] = ["Coordinator", "serve", "write_address_file", "DEFAULT_HEARTBEAT_TIMEOUT",
-                          "DEFAULT_VERB_TIMEOUT"]
+                          "DEFAULT_VERB_TIMEOUT", "DEFAULT_WEIGHTS_TIMEOUT"]

@@ -9,7 +9,7 @@ import time
 import pytest
 import zmq
 
-from megatron_serve.coordinator import DEFAULT_VERB_TIMEOUT, Coordinator
+from megatron_serve.coordinator import DEFAULT_VERB_TIMEOUT, DEFAULT_WEIGHTS_TIMEOUT, Coordinator
 from megatron_serve.engine_process import EngineProcess
 
 from .fakes import FakeEngine
@@ -29,11 +29,13 @@ class InProcessFleet:
     """
 
     def __init__(self, token: str | None = None, routing: str = "least_loaded", heartbeat_timeout: float = 10.0,
-                 port: int = 0, verb_timeout: float = DEFAULT_VERB_TIMEOUT) -> None:
+                 port: int = 0, verb_timeout: float = DEFAULT_VERB_TIMEOUT,
+                 weights_timeout: float = DEFAULT_WEIGHTS_TIMEOUT) -> None:
         self.token = token
         self.routing = routing
         self.heartbeat_timeout = heartbeat_timeout
         self.verb_timeout = verb_timeout
+        self.weights_timeout = weights_timeout
         self.engines: list[tuple[EngineProcess, FakeEngine, threading.Thread, dict]] = []
         self.coordinator: Coordinator | None = None
         self.thread: threading.Thread | None = None
@@ -49,7 +51,8 @@ class InProcessFleet:
         deadline = time.monotonic() + timeout
         while True:
             self.coordinator = Coordinator(None, port=self.port, token=self.token, routing=self.routing,
-                                           heartbeat_timeout=self.heartbeat_timeout, verb_timeout=self.verb_timeout)
+                                           heartbeat_timeout=self.heartbeat_timeout, verb_timeout=self.verb_timeout,
+                                           weights_timeout=self.weights_timeout)
             try:
                 self.address = self.coordinator.bind()
                 break

@@ -150,10 +150,30 @@ async def test_stop_deadline_includes_the_drain_time(fleet_factory):
         future.cancel()  # re-queued on a stopped fleet: it would wait for a restart
 
 
+async def test_steps_that_move_weights_get_the_weights_deadline(fleet_factory):
+    fleet = fleet_factory(verb_timeout=0.5, weights_timeout=10.0)
+    _, fake, _ = fleet.add_engine()
+    resume = fake.resume
+
+    def slow_resume():  # weights coming back from host memory, graphs being captured
+        time.sleep(1.5)
+        resume()
+
+    fake.resume = slow_resume
+    async with InferenceClient(fleet.address) as client:
+        await client.wait_for_engines(1, timeout=20, poll=0.02)
+        engines = await engine_ids(client)
+        await client.suspend(timeout=10)
+        ack = await client.resume(timeout=10)
+        assert ack["state"] == "PAUSED" and "unresponsive" not in ack["detail"]
+        assert await engine_ids(client) == engines
+
+
 async def _in_flight(client: InferenceClient, n: int) -> bool:
     return (await client.status())["in_flight"] == n
 
 
-def test_verb_timeout_flag_must_be_positive(capsys):
-    assert cli.main(["coordinator", "--model", "unused", "--verb-timeout", "0"]) == 1
-    assert "--verb-timeout must be > 0" in capsys.readouterr().err
+@pytest.mark.parametrize("flag", ["--verb-timeout", "--weights-timeout"])
+def test_deadline_flags_must_be_positive(capsys, flag):
+    assert cli.main(["coordinator", "--model", "unused", flag, "0"]) == 1
+    assert f"{flag} must be > 0" in capsys.readouterr().err
