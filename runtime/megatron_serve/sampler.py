@@ -26,21 +26,30 @@ def _seeded_generator(seed: int, token_index: int, device: torch.device) -> torc
     return generator
 
 
-def _filtered_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
-                    top_p: torch.Tensor) -> torch.Tensor:
-    """Row-wise softmax of ``logits / temperature`` restricted by each row's top-k and top-p, in one pass.
+def _filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Row-wise softmax of ``logits / temperature`` restricted by each row's top-k and top-p.
 
-    ``top_k`` 0 and ``top_p`` 1.0 turn a filter off. Top-k keeps every token at least as likely as the
-    k-th (ties stay); top-p then drops a token once the mass strictly before it reaches ``top_p`` (the
-    most likely token always stays, even for a subnormal ``top_p``).
+    Top-k keeps every token at least as likely as the k-th (ties stay); top-p then drops a token
+    once the mass strictly before it reaches ``top_p`` (the most likely token always stays, even for
+    a subnormal ``top_p``). Only a batch with a top-p row pays for a full sort; top-k alone needs
+    the k largest values only. Each row's result depends on that row alone.
     """
-    scaled = logits / temperature[:, None]
-    sorted_logits, order = torch.sort(scaled, dim=-1, descending=True)
+    device = logits.device
+    scaled = logits / torch.tensor([sp.temperature for sp in params], dtype=logits.dtype, device=device)[:, None]
     vocab = scaled.shape[-1]
-    kth = sorted_logits.gather(1, (top_k.clamp(1, vocab) - 1)[:, None])
-    below_k = (sorted_logits < kth) & (top_k > 0)[:, None]
-    sorted_logits = sorted_logits.masked_fill(below_k, float("-inf"))
-    probs = sorted_logits.softmax(-1)
+    top_k = torch.tensor([min(sp.top_k, vocab) for sp in params], dtype=torch.int64, device=device)
+    k_active = (top_k > 0)[:, None]
+    if all(sp.top_p >= 1.0 for sp in params):
+        most = max(sp.top_k for sp in params)
+        if most:
+            kth = torch.topk(scaled, min(most, vocab)).values.gather(1, (top_k.clamp(min=1) - 1)[:, None])
+            scaled = scaled.masked_fill((scaled < kth) & k_active, float("-inf"))
+        return scaled.softmax(-1)
+    top_p = torch.tensor([sp.top_p for sp in params], dtype=logits.dtype, device=device)
+    sorted_logits, order = torch.sort(scaled, dim=-1, descending=True)
+    kth = sorted_logits.gather(1, (top_k.clamp(min=1) - 1)[:, None])
+    below_k = (sorted_logits < kth) & k_active
+    probs = sorted_logits.masked_fill(below_k, float("-inf")).softmax(-1)
     drop = ((probs.cumsum(-1) - probs) >= top_p[:, None]) & (top_p < 1.0)[:, None]
     drop[:, 0] = False
     keep = ~(below_k | drop)
@@ -84,25 +93,25 @@ class Sampler:
 
     def _draw(self, logits: torch.Tensor, greedy: torch.Tensor, params: list[SamplingParams],
               token_indices: list[int]) -> torch.Tensor:
-        """One token per row; a row whose filter leaves no finite distribution keeps its greedy token."""
-        device = logits.device
-        probs = _filtered_probs(
-            logits,
-            torch.tensor([sp.temperature for sp in params], dtype=logits.dtype, device=device),
-            torch.tensor([sp.top_k for sp in params], dtype=torch.int64, device=device),
-            torch.tensor([sp.top_p for sp in params], dtype=logits.dtype, device=device),
-        )
+        """One token per row; a row whose filter leaves no finite distribution keeps its greedy token.
+
+        Draws by the exponential race, ``argmax(probs / E)`` with ``E ~ Exp(1)`` per token, which
+        picks token t with probability ``probs[t]``: a few elementwise ops and no ``multinomial``.
+        """
+        probs = _filtered_probs(logits, params)
         # A row without a finite distribution becomes all mass on its greedy token (no vocab-sized temporary).
         usable = torch.isfinite(probs).all(-1, keepdim=True)
         probs = probs.masked_fill(~usable, 0.0)
         greedy = greedy[:, None]
         probs.scatter_(1, greedy, torch.where(usable, probs.gather(1, greedy), 1.0))
+        noise = torch.empty_like(probs)
         unseeded = [i for i, sp in enumerate(params) if sp.seed is None]
-        draws = torch.empty(len(params), dtype=torch.int64, device=device)
-        if unseeded:
-            draws[unseeded] = torch.multinomial(probs[unseeded], 1, generator=self._generator).squeeze(1)
+        if len(unseeded) == len(params):
+            noise.exponential_(generator=self._generator)
+        elif unseeded:
+            noise[unseeded] = torch.empty_like(probs[unseeded]).exponential_(generator=self._generator)
         for i, sp in enumerate(params):
             if sp.seed is not None:  # its own stream: the draw cannot depend on the rest of the batch
-                draws[i] = torch.multinomial(probs[i], 1, generator=_seeded_generator(sp.seed, token_indices[i],
-                                                                                      device))[0]
-        return draws
+                noise[i].exponential_(generator=_seeded_generator(sp.seed, token_indices[i], probs.device))
+        # A zero draw would turn an impossible token's 0 / 0 into NaN, which argmax would pick.
+        return (probs / noise.clamp_min_(torch.finfo(noise.dtype).tiny)).argmax(-1)
