@@ -198,6 +198,8 @@ def spec_schema() -> dict[str, Any]:
                 default={},
             ),
             "maxBatchTokens": _int("Token budget of one engine step.", minimum=1),
+            "cudaGraphs": {"type": "boolean", "default": True,
+                           "description": "Replay decode steps from CUDA graphs (false: every step runs eagerly)."},
             "resources": _resources("CPU/memory for each engine pod; nvidia.com/gpu is set by the operator."),
             "nodeSelector": {"type": "object", "description": "Node selector for engine pods.",
                              "additionalProperties": {"type": "string"}},

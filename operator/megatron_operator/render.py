@@ -186,6 +186,8 @@ def _engine_flags(spec: InferenceSpec) -> list[str]:
     if spec.max_batch_tokens is not None:
         flags += ["--max-batch-tokens", str(spec.max_batch_tokens)]
     flags.append("--prefix-caching" if spec.prefix_caching else "--no-prefix-caching")
+    if not spec.cuda_graphs:  # on by default; the flag only when off, so existing pod templates stay unchanged
+        flags.append("--no-cuda-graphs")
     return flags
 
 

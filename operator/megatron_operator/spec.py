@@ -205,6 +205,7 @@ class InferenceSpec:
     kv_memory_fraction: float | None
     prefix_caching: bool
     max_batch_tokens: int | None
+    cuda_graphs: bool
     engine_resources: dict[str, Any]
     node_selector: dict[str, str]
     tolerations: list[dict[str, Any]]
@@ -264,6 +265,7 @@ def parse(resource: dict[str, Any], default_namespace: str = "default") -> Infer
         kv_memory_fraction=kv.get("memoryFraction"),
         prefix_caching=kv["prefixCaching"],
         max_batch_tokens=engine.get("maxBatchTokens"),
+        cuda_graphs=engine["cudaGraphs"],
         engine_resources=dict(engine.get("resources", {})),
         node_selector=dict(engine.get("nodeSelector", {})),
         tolerations=list(engine.get("tolerations", [])),

@@ -315,3 +315,18 @@ def test_wiring_into_the_megatron_serve_cli(monkeypatch: pytest.MonkeyPatch, cap
     assert cli.kopf_argv(seen[-1]) == ["run", "--module", "megatron_operator.handlers", "-n", "ml", "--standalone",
                                        "--liveness=http://0.0.0.0:8080/healthz"]
     assert serve_cli.main(["operator"]) == 0 and seen[-1] == []
+
+
+@pytest.mark.parametrize("cuda_graphs", [None, True, False])
+def test_engine_cuda_graphs_switch_reaches_the_engine_command(cuda_graphs):
+    (resource,) = load_yaml(ROOT / "manifests" / "examples" / "tp2-dp4.yaml")
+    if cuda_graphs is not None:
+        resource["spec"]["engine"]["cudaGraphs"] = cuda_graphs
+    sts = by_key(render(identified(resource), CONFIG))[("StatefulSet", "qwen-14b-engine-0")]
+    (engine,) = _containers(sts)
+    command, *args = engine["args"]
+    # Off only when asked: the default adds no flag, so pod templates rendered before the field existed still match.
+    assert ("--no-cuda-graphs" in args) is (cuda_graphs is False)
+    assert not any(a == "--cuda-graphs" for a in args)
+    parsed, _ = _parser_for(command).parse_known_args(args)
+    assert parsed.cuda_graphs is (cuda_graphs is not False)
