@@ -156,6 +156,8 @@ class _NoText:
     """Stands in for the tokenizer: the benchmark feeds token ids and ignores text."""
 
     eos_token_id = None
+    all_special_ids: list[int] = []
+    added_tokens_decoder: dict = {}
 
     def decode(self, token_ids, skip_special_tokens=True) -> str:
         return ""

@@ -6,7 +6,14 @@ from .tokenizer import Tokenizer
 
 
 class IncrementalDetokenizer:
-    """Tracks how much of a request's text was already emitted.
+    """Tracks a request's text and how much of it was already emitted.
+
+    Each new token is decoded in a short window with the visible token before it, and its text is
+    the window's text past that token's (decoding the whole output every step would cost O(length)
+    per token). The window keeps what depends on neighbours right: a word-start marker becomes a
+    space after the first token, and bytes of one UTF-8 character split over tokens join up; until
+    they do, the pending text ends in U+FFFD and the window stays open. Special tokens render as
+    nothing, so they never enter a window (a window starting at one would lose a leading space).
 
     Text that may still turn into a stop word (the last ``len(longest stop word) - 1`` characters)
     or that ends in an incomplete UTF-8 sequence is held back until it is safe.
@@ -18,10 +25,28 @@ class IncrementalDetokenizer:
         self.holdback = max((len(word) for word in stop_words), default=1) - 1
         self.emitted = 0
         self.text = ""
+        self._special = tokenizer.special_token_ids
+        self._seen = 0  # generated tokens looked at so far
+        self._visible: list[int] = []  # the generated tokens that are not special
+        self._committed = ""  # text of visible[:read_offset], final
+        self._prefix_offset = 0  # window start: the visible token before read_offset, decoded for context
+        self._read_offset = 0
+
+    def _decode_new(self, generated_tokens: list[int]) -> str:
+        """The whole text so far: committed text plus what the tokens past ``read_offset`` add."""
+        self._visible.extend(t for t in generated_tokens[self._seen :] if t not in self._special)
+        self._seen = len(generated_tokens)
+        prefix = self.tokenizer.decode(self._visible[self._prefix_offset : self._read_offset])
+        pending = self.tokenizer.decode(self._visible[self._prefix_offset :])[len(prefix) :]
+        if pending and not pending.endswith("\ufffd"):
+            self._committed += pending
+            self._prefix_offset, self._read_offset = self._read_offset, len(self._visible)
+            return self._committed
+        return self._committed + pending
 
     def update(self, generated_tokens: list[int]) -> bool:
-        """Decode the tokens so far; returns True when a stop word appeared (the text is then trimmed)."""
-        text = self.tokenizer.decode(generated_tokens)
+        """Decode the new tokens; returns True when a stop word appeared (the text is then trimmed)."""
+        text = self._decode_new(generated_tokens)
         if self.stop_words:
             search_from = max(0, self.emitted - self.holdback)
             hits = [i for i in (text.find(w, search_from) for w in self.stop_words) if i >= 0]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 from typing import Any
@@ -33,6 +34,12 @@ class Tokenizer:
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(token_ids, skip_special_tokens=skip_special_tokens)
+
+    @functools.cached_property
+    def special_token_ids(self) -> frozenset[int]:
+        """Ids that ``decode`` drops by default: the named special tokens and every added token marked special."""
+        added = getattr(self._tok, "added_tokens_decoder", {}) or {}
+        return frozenset(self._tok.all_special_ids) | {i for i, token in added.items() if token.special}
 
     def token_text(self, token_id: int) -> str:
         """The text of one token on its own (for log-prob listings)."""

@@ -1,0 +1,74 @@
+"""Incremental detokenization equals decoding the whole output, token by token, for byte-level and
+SentencePiece-style (Metaspace) tokenizers, with multi-byte characters split over tokens."""
+
+from __future__ import annotations
+
+import pytest
+from tokenizers import Tokenizer as RawTokenizer
+from tokenizers import decoders, models, pre_tokenizers, trainers
+from transformers import PreTrainedTokenizerFast
+
+from megatron_serve.detokenizer import IncrementalDetokenizer
+from megatron_serve.tiny_model import train_tokenizer
+from megatron_serve.tokenizer import Tokenizer
+
+TEXTS = [
+    "Hello world, the quick brown fox.",
+    "naïve café — déjà vu; 東京タワー and 🚀🚀 rockets 👩‍💻!",
+    "  leading spaces, trailing \n newlines\n\n and\ttabs ",
+    "def add(a, b):\n    return a + b  # 😀",
+]
+
+
+def metaspace_tokenizer() -> Tokenizer:
+    """A SentencePiece-like BPE (word starts marked with ▁, byte fallback) as Llama 2 and Mistral use."""
+    raw = RawTokenizer(models.BPE(byte_fallback=True, unk_token="<unk>"))
+    raw.pre_tokenizer = pre_tokenizers.Metaspace()
+    raw.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                     decoders.Strip(" ", 1, 0)])
+    byte_tokens = [f"<0x{b:02X}>" for b in range(256)]
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<unk>", "</s>", *byte_tokens])
+    raw.train_from_iterator([t.replace("🚀", "") for t in TEXTS] * 20, trainer)
+    return Tokenizer(PreTrainedTokenizerFast(tokenizer_object=raw, eos_token="</s>", unk_token="<unk>"), [1])
+
+
+def byte_level_tokenizer() -> Tokenizer:
+    raw = train_tokenizer()
+    return Tokenizer(PreTrainedTokenizerFast(tokenizer_object=raw, eos_token="</s>"), [])
+
+
+@pytest.fixture(scope="module", params=["byte_level", "metaspace"])
+def tokenizer(request) -> Tokenizer:
+    return byte_level_tokenizer() if request.param == "byte_level" else metaspace_tokenizer()
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_token_by_token_text_equals_decoding_everything(tokenizer, text):
+    tokens = tokenizer.encode(text, add_special_tokens=False)
+    assert len(tokens) > 5
+    detokenizer = IncrementalDetokenizer(tokenizer, [])
+    streamed = ""
+    for count in range(1, len(tokens) + 1):
+        detokenizer.update(tokens[:count])
+        assert detokenizer.text == tokenizer.decode(tokens[:count])  # every step, not just at the end
+        streamed += detokenizer.take_new_text(final=count == len(tokens))
+        assert "\ufffd" not in streamed  # a character split over tokens is never streamed half-made
+    assert streamed == tokenizer.decode(tokens)
+
+
+def test_a_continuation_resumes_from_its_earlier_tokens(tokenizer):
+    tokens = tokenizer.encode(TEXTS[1], add_special_tokens=False)
+    detokenizer = IncrementalDetokenizer(tokenizer, [])
+    detokenizer.update(tokens[:7])  # what an engine does for a request that already generated 7 tokens
+    for count in range(8, len(tokens) + 1):
+        detokenizer.update(tokens[:count])
+    assert detokenizer.text == tokenizer.decode(tokens)
+
+
+def test_stop_word_spanning_tokens_trims_the_text(tokenizer):
+    tokens = tokenizer.encode(TEXTS[0], add_special_tokens=False)
+    detokenizer = IncrementalDetokenizer(tokenizer, ["brown"])
+    for count in range(1, len(tokens) + 1):
+        if detokenizer.update(tokens[:count]):
+            break
+    assert detokenizer.text == "Hello world, the quick "
