@@ -224,15 +224,20 @@ async def test_client_disconnect_aborts_waiting_and_streaming_requests(tokenizer
                 "max_completion_tokens": 40}
         async with http.stream("POST", "/v1/chat/completions", json=body) as response:
             assert response.status_code == 200
-            lines = response.aiter_lines()
-            seen = 0
-            while seen < 2:
-                if (await lines.__anext__()).startswith("data: "):
-                    seen += 1
+            await read_events(response, 2)
         await async_wait_until(lambda: len(backend.aborted) == 3 and not backend.running, 10, "stream aborted")
         metrics = (await http.get("/metrics")).text
         assert metric(metrics, "megatron_serve_requests_total", 'status="aborted"') == 3
         assert metric(metrics, "megatron_serve_requests_running") == 0
+
+
+async def read_events(response: httpx.Response, count: int) -> None:
+    """Read ``count`` SSE data lines of a streamed response, then leave the rest unread."""
+    lines = response.aiter_lines()
+    seen = 0
+    while seen < count:
+        if (await lines.__anext__()).startswith("data: "):
+            seen += 1
 
 
 def stream_body(path: str, **fields) -> dict:
@@ -298,11 +303,7 @@ async def test_client_leaving_a_stream_aborts_every_choice(tokenizer, backend, p
     async with serving(make_app(tokenizer, backend)) as url, httpx.AsyncClient(base_url=url) as http:
         async with http.stream("POST", path, json=stream_body(path, n=2, max_tokens=40)) as response:
             assert response.status_code == 200
-            lines = response.aiter_lines()
-            seen = 0
-            while seen < 3:
-                if (await lines.__anext__()).startswith("data: "):
-                    seen += 1
+            await read_events(response, 3)
         await async_wait_until(lambda: len(backend.aborted) == 2 and not backend.running, 10, "both choices aborted")
         metrics = (await http.get("/metrics")).text
         assert metric(metrics, "megatron_serve_requests_total", 'status="aborted"') == 2
