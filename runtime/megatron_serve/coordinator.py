@@ -18,7 +18,9 @@ The coordinator
   with ``CONTROL_ACK`` only after every connected engine acknowledged it. An engine that does not
   acknowledge a verb step within ``verb_timeout`` (its step loop hangs while its heartbeat thread
   lives on) is removed like a dead engine and kept out of the fleet until its step loop answers
-  again, so a lifecycle change never waits forever.
+  again, so a lifecycle change never waits forever. While the fleet runs, an engine with requests
+  whose step loop makes no progress for ``stall_timeout`` (its heartbeats report a loop counter) is
+  treated the same way, so a hung engine never keeps requests forever.
 
 It is a single-threaded event loop over one ROUTER socket plus a socket monitor: every handler is
 short and nothing blocks, so no locks are needed.
@@ -69,11 +71,14 @@ DEFAULT_VERB_TIMEOUT = 60.0
 # Steps that move weights (SUSPEND may offload them, RESUME brings them back and captures CUDA graphs,
 # REFIT's second step loads a checkpoint) take as long as reading a large checkpoint can.
 DEFAULT_WEIGHTS_TIMEOUT = 900.0
+# An engine's step loop may not move for this long while it has requests. Generous: one step may be a
+# long prefill or JIT-compile kernels, and a false alarm moves all the engine's requests elsewhere.
+DEFAULT_STALL_TIMEOUT = 120.0
 _TICK_S = 0.05
 _MAX_BURST = 512  # frames handled before the periodic work runs again
 _PROBE_DELAYS = (0.02, 0.1, 0.5, 2.0)  # after a disconnect event: when to test who is gone
 _COMPLETED_CONTROLS_KEPT = 256
-_UNRESPONSIVE_KEPT = 1024  # connections of engines dropped for a missed verb deadline, remembered
+_UNRESPONSIVE_KEPT = 1024  # connections of engines dropped as unresponsive (see _drop_unresponsive), remembered
 
 # Which headers each role may send (after HELLO).
 _ALLOWED: dict[Role, frozenset[Header]] = {
@@ -120,6 +125,8 @@ class EngineRecord:
     last_refit: dict[str, Any] = field(default_factory=dict)  # timings of its last REFIT
     cached_tokens: int = 0  # prompt tokens the engine skipped thanks to its prefix cache (its heartbeat)
     computed_tokens: int = 0  # tokens the engine ran through its model (its heartbeat)
+    progress: int | None = None  # its step loop's iteration counter (last heartbeat's ``progress``); None: unknown
+    stall_clock: float = field(default_factory=time.monotonic)  # a stall of its step loop is measured from here
 
     @property
     def load(self) -> int:
@@ -139,6 +146,7 @@ class EngineRecord:
             "completed": self.completed,
             "cached_tokens": self.cached_tokens,
             "computed_tokens": self.computed_tokens,
+            "progress": self.progress,
             "capacity": self.capacity,
             "info": self.info,
             "epoch": self.epoch,
@@ -269,6 +277,7 @@ class Coordinator:
         client_timeout: float = DEFAULT_CLIENT_TIMEOUT,
         verb_timeout: float = DEFAULT_VERB_TIMEOUT,
         weights_timeout: float = DEFAULT_WEIGHTS_TIMEOUT,
+        stall_timeout: float = DEFAULT_STALL_TIMEOUT,
         max_message_bytes: int = MAX_MESSAGE_BYTES,
         dispatch_factor: float = 2.0,
         model: str | None = None,
@@ -283,6 +292,7 @@ class Coordinator:
         self.client_timeout = float(client_timeout)
         self.verb_timeout = float(verb_timeout)
         self.weights_timeout = float(weights_timeout)
+        self.stall_timeout = float(stall_timeout)
         self.max_message_bytes = int(max_message_bytes)
         self.dispatch_factor = float(dispatch_factor)
         self.coordinator_id = uuid.uuid4().hex[:12]
@@ -310,7 +320,7 @@ class Coordinator:
         self._probes: list[tuple[float, int]] = []  # (due, fd) after disconnect events
         self._undelivered: set[str] = set()  # finished, but the RESULT send failed: retried by _tick
         self._hello_required_sent: collections.OrderedDict[bytes, float] = collections.OrderedDict()
-        # identity -> engine id of engines removed for a missed verb deadline (see _on_unresponsive_frame)
+        # identity -> engine id of engines removed as unresponsive (see _drop_unresponsive)
         self._unresponsive: collections.OrderedDict[bytes, str] = collections.OrderedDict()
         self._drop = _DropLog()
         self._stop = False
@@ -345,9 +355,10 @@ class Coordinator:
         shown = "127.0.0.1" if bind_host == "*" else self.host
         self.address = f"tcp://{shown}:{self.port}"
         logger.info(
-            "coordinator %s listening on %s (routing %s, token %s, heartbeat timeout %.1fs, verb timeout %.1fs)",
-            self.coordinator_id, self.address, self.routing_name,
+            "coordinator %s listening on %s (routing %s, token %s, heartbeat timeout %.1fs, verb timeout %.1fs, "
+            "stall timeout %.1fs)", self.coordinator_id, self.address, self.routing_name,
             "required" if self.token else "not required", self.heartbeat_timeout, self.verb_timeout,
+            self.stall_timeout,
         )
         return self.address
 
@@ -468,7 +479,7 @@ class Coordinator:
             self._drop(self._peer_name(identity), str(exc))
 
     def _on_unresponsive_frame(self, identity: bytes, header: Header) -> bool:
-        """A frame from an engine removed for a missed verb deadline; True when handled (nothing else to do).
+        """A frame from an engine removed as unresponsive; True when handled (nothing else to do).
 
         Its heartbeats come from a thread of their own and say nothing about its step loop: they are
         answered, so that its link neither re-registers nor reconnects under a new identity, but the
@@ -835,6 +846,7 @@ class Coordinator:
                 engine.state = str(body["state"])
             if body.get("stats") is not None:
                 engine.stats = dict(body["stats"])
+            self._note_progress(engine, body.get("progress"))
             self._send(engine.identity, Header.HEARTBEAT, self._heartbeat_body())
         elif header is Header.ENGINE_STEP:
             self._check_engine_id(engine, body)
@@ -865,6 +877,13 @@ class Coordinator:
             self._dispatch()
         elif header is Header.STATUS:
             self._send(engine.identity, Header.STATUS_REPLY, self.status())
+
+    @staticmethod
+    def _note_progress(engine: EngineRecord, progress: int | None) -> None:
+        """Restart the engine's stall clock when its step loop's counter changed (see _expire_stalled_engines)."""
+        if progress != engine.progress:
+            engine.progress = progress
+            engine.stall_clock = time.monotonic()
 
     @staticmethod
     def _check_engine_id(engine: EngineRecord, body: dict[str, Any]) -> None:
@@ -999,6 +1018,8 @@ class Coordinator:
             self.queue.popleft()
             record.phase = "dispatched"
             record.engine_id = engine.engine_id
+            if not engine.assigned:  # an idle loop may wait without counting: its stall clock starts now
+                engine.stall_clock = time.monotonic()
             engine.assigned.add(key)
 
     # ------------------------------------------------------------------ lifecycle
@@ -1163,12 +1184,9 @@ class Coordinator:
     def _expire_verb_step(self, now: float) -> None:
         """Remove the engines that did not acknowledge the current verb step within ``verb_timeout``.
 
-        Heartbeats come from a thread of the engine's own, so an engine whose step loop hangs (a
-        stuck kernel, a deadlock) is never timed out by them and would hold the verb forever. It is
-        removed like a dead engine (its requests re-queued), kept out of the fleet until its step
-        loop answers (see _on_unresponsive_frame), and the verb completes with the other engines;
-        the ``CONTROL_ACK`` lists it under ``unresponsive``. See ``_step_deadline`` for how long a
-        step may take.
+        Without a deadline an engine whose step loop hangs would hold the verb forever (see
+        _drop_unresponsive); the verb completes with the other engines and the ``CONTROL_ACK`` lists
+        it under ``unresponsive``. See ``_step_deadline`` for how long a step may take.
         """
         if not self.controls or not self.controls[0].waiting:
             return
@@ -1179,11 +1197,40 @@ class Coordinator:
             return
         for engine in [e for e in self.engines.values() if e.engine_id in op.waiting]:
             op.unresponsive.append(engine.engine_id)
-            self._unresponsive[engine.identity] = engine.engine_id
-            while len(self._unresponsive) > _UNRESPONSIVE_KEPT:
-                self._unresponsive.popitem(last=False)
-            self._remove_engine(engine, f"did not acknowledge {verb.name} within {limit:.1f}s "
-                                        "(heartbeats alone do not count; kept out until it answers)")
+            self._drop_unresponsive(engine, f"did not acknowledge {verb.name} within {limit:.1f}s")
+
+    def _expire_stalled_engines(self, now: float) -> None:
+        """Remove the engines whose step loop made no progress for ``stall_timeout`` while they have requests.
+
+        Outside a verb nothing else would notice a hung step loop, and its requests would wait on it
+        forever. The clock runs only while the fleet is RUNNING with no verb in flight (engines do
+        not step otherwise, and a verb has its own deadline) and restarts when the loop's counter
+        moves or an idle engine gets work. An engine whose last heartbeat did not report the counter
+        (an older engine, or one busy registering, e.g. loading the fleet's weights) is never taken
+        for stalled.
+        """
+        if self.state is not FleetState.RUNNING or self.controls:
+            for engine in self.engines.values():
+                engine.stall_clock = now
+            return
+        for engine in list(self.engines.values()):
+            stalled = now - engine.stall_clock
+            if engine.assigned and engine.progress is not None and stalled > self.stall_timeout:
+                self._drop_unresponsive(engine, f"its step loop made no progress for {stalled:.1f}s "
+                                                f"with {engine.load} request(s) assigned")
+
+    def _drop_unresponsive(self, engine: EngineRecord, why: str) -> None:
+        """Remove an engine whose step loop does not answer, and keep it out until it does.
+
+        Heartbeats come from a thread of the engine's own, so an engine whose step loop hangs (a
+        stuck kernel, a deadlock) is never timed out by them. It is removed like a dead engine (its
+        requests re-queued) and its connection remembered, so that its heartbeats do not let it back
+        into the fleet until its step loop answers (see _on_unresponsive_frame).
+        """
+        self._unresponsive[engine.identity] = engine.engine_id
+        while len(self._unresponsive) > _UNRESPONSIVE_KEPT:
+            self._unresponsive.popitem(last=False)
+        self._remove_engine(engine, f"{why} (heartbeats alone do not count; kept out until it answers)")
 
     def _step_deadline(self, op: ControlOp, verb: Header) -> float:
         """Seconds an engine may take to acknowledge ``verb``: a STOP adds its drain time, and steps
@@ -1314,6 +1361,7 @@ class Coordinator:
             if now - engine.last_seen > self.heartbeat_timeout:
                 self._remove_engine(engine, f"no heartbeat for {now - engine.last_seen:.1f}s")
         self._expire_verb_step(now)
+        self._expire_stalled_engines(now)
         if self._undelivered and now - self._last_retry > 1.0:
             self._last_retry = now
             for key in list(self._undelivered):
@@ -1372,4 +1420,4 @@ def serve(coordinator: Coordinator, address_file: str | None = None, install_sig
 
 
 __all__: Iterable[str] = ["Coordinator", "serve", "write_address_file", "DEFAULT_HEARTBEAT_TIMEOUT",
-                          "DEFAULT_VERB_TIMEOUT", "DEFAULT_WEIGHTS_TIMEOUT"]
+                          "DEFAULT_VERB_TIMEOUT", "DEFAULT_WEIGHTS_TIMEOUT", "DEFAULT_STALL_TIMEOUT"]

@@ -10,7 +10,10 @@ Two threads with one job each:
   coordinator already re-queued that session's requests and would otherwise see them twice.
 * :class:`EngineProcess` (main thread) is a thin loop over the engine interface: apply incoming
   messages at step boundaries, call ``engine.step()`` while RUNNING, report every step's outputs.
-  Lifecycle verbs are applied between steps, so PAUSE always takes effect at a step boundary.
+  Lifecycle verbs are applied between steps, so PAUSE always takes effect at a step boundary. The
+  loop counts its iterations (it never blocks for more than 50 ms while idle) and the heartbeats
+  report that count as ``progress``: since they come from the link thread, the count is how the
+  coordinator tells a hung step loop from a live one.
 
 SIGTERM: send DRAINING (the coordinator stops routing here), keep stepping until the work is done
 or ``drain_timeout`` passes, hand the rest back (the coordinator re-queues it, continuing from the
@@ -255,6 +258,7 @@ class EngineProcess:
         self.sigterm = False
         self.fatal: str | None = None
         self.steps = 0
+        self.iterations = 0  # of the loop in run(): the heartbeat's ``progress``
         self._handback_acked = False
         self._stats_at = 0.0
 
@@ -275,6 +279,7 @@ class EngineProcess:
         self.link.start()
         try:
             while True:
+                self.iterations += 1
                 busy = self.state == FleetState.RUNNING.value and self.engine.has_unfinished_requests()
                 self._handle_inbox(timeout=0.0 if busy else 0.05)
                 if self.fatal:
@@ -314,6 +319,9 @@ class EngineProcess:
             self.link.send(header, body, self.session)
 
     def _on_registered(self, ack: dict[str, Any], session: int) -> None:
+        # Registering may take minutes (loading the fleet's weights, resuming): meanwhile the loop's
+        # count says nothing, and heartbeats carry none (the coordinator reads that as "unknown").
+        self.link.stats = {k: v for k, v in self.link.stats.items() if k != "progress"}
         if self.session:
             dropped = self.engine.take_unfinished_requests()
             logger.warning("registered again with coordinator %s: dropped %d in-flight request(s) "
@@ -423,6 +431,7 @@ class EngineProcess:
             "cached_tokens": int(getattr(e, "cached_tokens", 0) or 0),
             "computed_tokens": int(getattr(e, "computed_tokens", 0) or 0),
             "stats": stats,
+            "progress": self.iterations,
         }
 
     # -- lifecycle

@@ -176,6 +176,8 @@ TO_COORDINATOR: dict[Header, Schema] = {
         "cached_tokens": _opt(*_INT),
         "computed_tokens": _opt(*_INT),
         "stats": _opt(*_DICT),
+        # iterations of the engine's step loop; absent from older engines (unknown, never "stalled")
+        "progress": _opt(*_INT),
     },
     Header.DRAINING: {"engine_id": _opt(*_STR)},
     Header.CONTROL_ACK: {"control_id": _req(*_ID), "state": _req(*_STR), "detail": _opt(*_DICT),

@@ -5,11 +5,12 @@ from __future__ import annotations
 import errno
 import threading
 import time
+from typing import Callable
 
 import pytest
 import zmq
 
-from megatron_serve.coordinator import DEFAULT_VERB_TIMEOUT, DEFAULT_WEIGHTS_TIMEOUT, Coordinator
+from megatron_serve.coordinator import DEFAULT_STALL_TIMEOUT, DEFAULT_VERB_TIMEOUT, DEFAULT_WEIGHTS_TIMEOUT, Coordinator
 from megatron_serve.engine_process import EngineProcess
 
 from .fakes import FakeEngine
@@ -30,29 +31,31 @@ class InProcessFleet:
 
     def __init__(self, token: str | None = None, routing: str = "least_loaded", heartbeat_timeout: float = 10.0,
                  port: int = 0, verb_timeout: float = DEFAULT_VERB_TIMEOUT,
-                 weights_timeout: float = DEFAULT_WEIGHTS_TIMEOUT) -> None:
+                 weights_timeout: float = DEFAULT_WEIGHTS_TIMEOUT, stall_timeout: float = DEFAULT_STALL_TIMEOUT) -> None:
         self.token = token
         self.routing = routing
         self.heartbeat_timeout = heartbeat_timeout
         self.verb_timeout = verb_timeout
         self.weights_timeout = weights_timeout
+        self.stall_timeout = stall_timeout
         self.engines: list[tuple[EngineProcess, FakeEngine, threading.Thread, dict]] = []
         self.coordinator: Coordinator | None = None
         self.thread: threading.Thread | None = None
         self.port = port
         self.start_coordinator()
 
-    def start_coordinator(self, timeout: float = 10.0) -> None:
+    def start_coordinator(self, timeout: float = 10.0, setup: Callable[[Coordinator], None] | None = None) -> None:
         """Start a coordinator; on a restart, poll until the old socket has released the port.
 
         ZeroMQ closes sockets in its I/O thread, so the same port can stay bound for a moment after
         ``close()`` returns (a separate process would not see this: its port dies with it).
+        ``setup`` adjusts it before it serves, when no peer can have reached it yet.
         """
         deadline = time.monotonic() + timeout
         while True:
             self.coordinator = Coordinator(None, port=self.port, token=self.token, routing=self.routing,
                                            heartbeat_timeout=self.heartbeat_timeout, verb_timeout=self.verb_timeout,
-                                           weights_timeout=self.weights_timeout)
+                                           weights_timeout=self.weights_timeout, stall_timeout=self.stall_timeout)
             try:
                 self.address = self.coordinator.bind()
                 break
@@ -62,6 +65,8 @@ class InProcessFleet:
                     raise
                 time.sleep(0.02)
         self.port = self.coordinator.port
+        if setup is not None:
+            setup(self.coordinator)
         self.thread = threading.Thread(target=self.coordinator.run, daemon=True)
         self.thread.start()
 
@@ -69,10 +74,11 @@ class InProcessFleet:
         self.coordinator.shutdown()
         self.thread.join(10)
 
-    def add_engine(self, token: str | None = "<fleet>", group: int | None = None, **fake_kwargs) -> tuple[EngineProcess, FakeEngine, dict]:
-        fake = FakeEngine(**fake_kwargs)
+    def add_engine(self, token: str | None = "<fleet>", group: int | None = None, heartbeat_interval: float = 1.0,
+                   fake: FakeEngine | None = None, **fake_kwargs) -> tuple[EngineProcess, FakeEngine, dict]:
+        fake = fake or FakeEngine(**fake_kwargs)
         proc = EngineProcess(fake, self.address, token=self.token if token == "<fleet>" else token, group=group,
-                             drain_timeout=5.0, coordinator_timeout=3.0)
+                             drain_timeout=5.0, coordinator_timeout=3.0, heartbeat_interval=heartbeat_interval)
         result: dict = {}
         thread = threading.Thread(target=lambda: result.__setitem__("rc", proc.run()), daemon=True)
         thread.start()

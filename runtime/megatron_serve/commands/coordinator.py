@@ -28,6 +28,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--weights-timeout", type=float, default=900.0, metavar="S",
                         help="the same deadline for steps that move weights (SUSPEND, RESUME, REFIT's load), "
                              "which take as long as reading the checkpoint")
+    parser.add_argument("--stall-timeout", type=float, default=120.0, metavar="S",
+                        help="while the fleet runs, remove an engine with requests whose step loop made no "
+                             "progress for this long (it hangs; heartbeats alone do not count) and re-queue its "
+                             "requests; generous, since one step may be a long prefill")
     parser.add_argument("--client-timeout", type=float, default=600.0, metavar="S",
                         help="forget requests of a client disconnected for this long")
     parser.add_argument("--max-message-bytes", type=int, default=MAX_MESSAGE_BYTES, metavar="N")
@@ -44,7 +48,7 @@ def run(args: argparse.Namespace) -> int:
 
     if args.heartbeat_timeout <= 0:
         raise ValueError(f"--heartbeat-timeout must be > 0, got {args.heartbeat_timeout}")
-    for flag in ("verb_timeout", "weights_timeout"):
+    for flag in ("verb_timeout", "weights_timeout", "stall_timeout"):
         if getattr(args, flag) <= 0:
             raise ValueError(f"--{flag.replace('_', '-')} must be > 0, got {getattr(args, flag)}")
     make_routing_policy(args.routing)  # fail before loading anything
@@ -56,7 +60,8 @@ def run(args: argparse.Namespace) -> int:
     coordinator = Coordinator(
         tokenizer, host=args.host, port=args.port, token=token, routing=args.routing,
         heartbeat_timeout=args.heartbeat_timeout, client_timeout=args.client_timeout,
-        verb_timeout=args.verb_timeout, weights_timeout=args.weights_timeout, max_message_bytes=args.max_message_bytes, model=args.model,
+        verb_timeout=args.verb_timeout, weights_timeout=args.weights_timeout, stall_timeout=args.stall_timeout,
+        max_message_bytes=args.max_message_bytes, model=args.model,
     )
     import zmq  # noqa: PLC0415
 
