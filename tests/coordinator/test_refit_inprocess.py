@@ -136,7 +136,8 @@ async def test_late_engines_load_the_current_weights_and_a_restarted_coordinator
         await client.pause()
         await client.refit("/m/b", epoch=3)
         late = add(fleet, RefitFake())
-        status = await status_when(client, lambda s: len(s["engines"]) == 2, "the late engine")
+        # It loads on its own thread, a moment after STATUS already lists it: wait for the load.
+        status = await status_when(client, lambda s: len(s["engines"]) == 2 and late.loaded, "the late engine loaded")
         assert late.loaded == [("/m/b", 3)] and status["epoch_mismatch"] == []
         assert first.loaded == [("/m/b", 3)]
     fleet.stop_coordinator()
