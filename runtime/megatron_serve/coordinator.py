@@ -7,7 +7,9 @@ The coordinator
   stranger sends, with a log line;
 * tokenizes prompts once, queues requests and routes them to engine groups (``least_loaded`` by
   default; see :mod:`megatron_serve.routing`), forwarding streamed ``TOKENS`` and the final
-  ``RESULT`` to the submitting client;
+  ``RESULT`` to the submitting client. The tokenizer may load in a background thread (importing
+  ``transformers`` takes long): the coordinator serves at once, and text prompts that arrive
+  before the tokenizer is ready wait for it;
 * keeps every request in its table until the client acknowledged the final result
   (``RESULT_ACK``) — a client that reconnects gets undelivered results again;
 * mirrors every token an engine generated, so that when an engine dies (connection lost, send
@@ -23,20 +25,23 @@ The coordinator
   treated the same way, so a hung engine never keeps requests forever.
 
 It is a single-threaded event loop over one ROUTER socket plus a socket monitor: every handler is
-short and nothing blocks, so no locks are needed.
+short and nothing blocks, so no locks are needed (a tokenizer loading in the background hands over
+its result through a future that the loop polls).
 """
 
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import hmac
 import logging
 import os
 import signal
+import threading
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Protocol
+from typing import Any, Callable, Iterable, Protocol
 
 import zmq
 from zmq.utils.monitor import recv_monitor_message
@@ -281,8 +286,18 @@ class Coordinator:
         max_message_bytes: int = MAX_MESSAGE_BYTES,
         dispatch_factor: float = 2.0,
         model: str | None = None,
+        tokenizer_loader: Callable[[], TokenizerLike] | None = None,
     ) -> None:
+        """``tokenizer_loader``: instead of ``tokenizer``, builds it in a background thread started by
+        ``run()``, so that peers can connect meanwhile (see _release_held_prompts)."""
+        if tokenizer is not None and tokenizer_loader is not None:
+            raise ValueError("pass a tokenizer or a tokenizer_loader, not both")
         self.tokenizer = tokenizer
+        self._tokenizer_loader = tokenizer_loader
+        # The loader thread's only output: (tokenizer, seconds) or its exception, taken by _tick.
+        self._tokenizer_loading: concurrent.futures.Future[tuple[TokenizerLike, float]] | None = None
+        self._tokenizer_error: str | None = None  # why text prompts cannot be tokenized (the load failed)
+        self._held: list[str] = []  # keys of text prompts waiting for the tokenizer, in arrival order
         self.host = host
         self.port = port
         self.token = token or None
@@ -386,6 +401,8 @@ class Coordinator:
         """Serve until :meth:`shutdown`."""
         if self.sock is None:
             self.bind()
+        if self._tokenizer_loader is not None and self.tokenizer is None and self._tokenizer_loading is None:
+            self._start_tokenizer_load(self._tokenizer_loader)
         poller = zmq.Poller()
         poller.register(self.sock, zmq.POLLIN)
         poller.register(self.monitor, zmq.POLLIN)
@@ -406,6 +423,23 @@ class Coordinator:
             logger.info("coordinator %s stopping (%d queued, %d in flight)", self.coordinator_id,
                         self._count("queued"), self._count("dispatched"))
             self.close()
+
+    def _start_tokenizer_load(self, loader: Callable[[], TokenizerLike]) -> None:
+        """Run ``loader`` in a daemon thread; its result reaches the event loop through a future only."""
+        future: concurrent.futures.Future[tuple[TokenizerLike, float]] = concurrent.futures.Future()
+
+        def load() -> None:
+            started = time.monotonic()
+            try:
+                tokenizer = loader()
+            except BaseException as exc:  # noqa: BLE001 - whatever it is, the event loop reports it
+                future.set_exception(exc)
+            else:
+                future.set_result((tokenizer, time.monotonic() - started))
+
+        self._tokenizer_loading = future
+        logger.info("loading the tokenizer in the background: token ids are served now, text prompts wait for it")
+        threading.Thread(target=load, name="tokenizer-loader", daemon=True).start()
 
     def _send(self, identity: bytes | None, header: Header, body: dict[str, Any]) -> bool:
         """Send one message; False when the peer is gone (EHOSTUNREACH) or its queue is full."""
@@ -722,21 +756,19 @@ class Coordinator:
             if record.phase == "finished":
                 self._deliver(record)
             return
+        held = False
         try:
             params = SamplingParams.from_dict(body.get("sampling_params"))
             prompt = body["prompt"]
             if isinstance(prompt, str):
-                if self.tokenizer is None:
-                    raise ValueError("this coordinator has no tokenizer: send token ids")
-                if not prompt:
-                    raise ValueError("prompt is empty")
                 prompt_text: str | None = prompt
-                prompt_tokens = list(self.tokenizer.encode(prompt))
+                held = self._tokenizer_loading is not None and bool(prompt)
+                prompt_tokens = [] if held else self._tokenize(prompt)
             else:
                 prompt_text = None
                 prompt_tokens = int_list(prompt, "prompt")
-            if not prompt_tokens:
-                raise ValueError("prompt is empty")
+                if not prompt_tokens:
+                    raise ValueError("prompt is empty")
             generated = int_list(list(body.get("generated_tokens") or []), "generated_tokens")
         except (ValueError, TypeError) as exc:
             self._send(identity, Header.ERROR, {"code": ErrorCode.INVALID_REQUEST.value, "message": str(exc),
@@ -748,10 +780,59 @@ class Coordinator:
                                stream=bool(body.get("stream")))
         self.requests[key] = record
         client.requests.add(key)
+        if held:  # a record already, so that it can be aborted, resubmitted and counted as queued
+            self._held.append(key)
+            return
+        self._enqueue(record)
+        self._dispatch()
+
+    def _tokenize(self, text: str) -> list[int]:
+        """Token ids of a text prompt; ``ValueError`` saying why when there are none."""
+        if not text:
+            raise ValueError("prompt is empty")
+        if self.tokenizer is None:
+            raise ValueError(self._tokenizer_error or "this coordinator has no tokenizer: send token ids")
+        tokens = list(self.tokenizer.encode(text))
+        if not tokens:
+            raise ValueError("prompt is empty")
+        return tokens
+
+    def _enqueue(self, record: RequestRecord) -> None:
+        """Queue a new (or resubmitted) request for dispatch."""
         if self._finish_if_exhausted(record, "length reached before resubmission"):
             return
-        self.queue.append(key)
-        self._dispatch()
+        self.queue.append(record.key)
+
+    def _release_held_prompts(self) -> None:
+        """The tokenizer finished loading: adopt it (or its failure) and queue the held text prompts.
+
+        They are tokenized in arrival order; when the load failed they are refused like any text
+        prompt from now on (``ERROR`` naming the problem) while token ids keep being served.
+        """
+        future, self._tokenizer_loading = self._tokenizer_loading, None
+        try:
+            self.tokenizer, seconds = future.result()
+            logger.info("tokenizer ready (loaded in %.1fs); %d waiting text prompt(s) released", seconds,
+                        len(self._held))
+        except BaseException as exc:  # noqa: BLE001 - the loader's own failure, whatever it is
+            self._tokenizer_error = (f"this coordinator could not load its tokenizer ({type(exc).__name__}: {exc}): "
+                                     "send token ids, or fix the model directory's tokenizer files and restart it")
+            logger.error("%s; refusing %d waiting text prompt(s)", self._tokenizer_error, len(self._held))
+        held, self._held = self._held, []
+        for key in held:
+            record = self.requests.get(key)
+            if record is None or record.phase != "queued":
+                continue  # aborted, or its client went away
+            try:
+                record.request.prompt_tokens = self._tokenize(record.request.prompt or "")
+            except (ValueError, TypeError) as exc:
+                client = self.clients.get(record.client_id)
+                self._send(client.identity if client else None, Header.ERROR,
+                           {"code": ErrorCode.INVALID_REQUEST.value, "message": str(exc),
+                            "client_request_id": record.client_request_id})
+                self._forget_request(record)
+                continue
+            self._enqueue(record)
 
     def _on_abort(self, client: ClientRecord, body: dict[str, Any]) -> None:
         record = self.requests.get(self._key(client.client_id, body["client_request_id"]))
@@ -1362,6 +1443,8 @@ class Coordinator:
                 self._remove_engine(engine, f"no heartbeat for {now - engine.last_seen:.1f}s")
         self._expire_verb_step(now)
         self._expire_stalled_engines(now)
+        if self._tokenizer_loading is not None and self._tokenizer_loading.done():
+            self._release_held_prompts()
         if self._undelivered and now - self._last_retry > 1.0:
             self._last_retry = now
             for key in list(self._undelivered):
@@ -1420,4 +1503,4 @@ def serve(coordinator: Coordinator, address_file: str | None = None, install_sig
 
 
 __all__: Iterable[str] = ["Coordinator", "serve", "write_address_file", "DEFAULT_HEARTBEAT_TIMEOUT",
-                          "DEFAULT_VERB_TIMEOUT", "DEFAULT_WEIGHTS_TIMEOUT", "DEFAULT_STALL_TIMEOUT"]
+                          "DEFAULT_VERB_TIMEOUT", "DEFAULT_WEIGHTS_TIMEOUT", "DEFAULT_STALL_TIMEOUT", "TokenizerLike"]

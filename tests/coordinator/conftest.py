@@ -10,7 +10,13 @@ from typing import Callable
 import pytest
 import zmq
 
-from megatron_serve.coordinator import DEFAULT_STALL_TIMEOUT, DEFAULT_VERB_TIMEOUT, DEFAULT_WEIGHTS_TIMEOUT, Coordinator
+from megatron_serve.coordinator import (
+    DEFAULT_STALL_TIMEOUT,
+    DEFAULT_VERB_TIMEOUT,
+    DEFAULT_WEIGHTS_TIMEOUT,
+    Coordinator,
+    TokenizerLike,
+)
 from megatron_serve.engine_process import EngineProcess
 
 from .fakes import FakeEngine
@@ -31,13 +37,15 @@ class InProcessFleet:
 
     def __init__(self, token: str | None = None, routing: str = "least_loaded", heartbeat_timeout: float = 10.0,
                  port: int = 0, verb_timeout: float = DEFAULT_VERB_TIMEOUT,
-                 weights_timeout: float = DEFAULT_WEIGHTS_TIMEOUT, stall_timeout: float = DEFAULT_STALL_TIMEOUT) -> None:
+                 weights_timeout: float = DEFAULT_WEIGHTS_TIMEOUT, stall_timeout: float = DEFAULT_STALL_TIMEOUT,
+                 tokenizer_loader: Callable[[], TokenizerLike] | None = None) -> None:
         self.token = token
         self.routing = routing
         self.heartbeat_timeout = heartbeat_timeout
         self.verb_timeout = verb_timeout
         self.weights_timeout = weights_timeout
         self.stall_timeout = stall_timeout
+        self.tokenizer_loader = tokenizer_loader
         self.engines: list[tuple[EngineProcess, FakeEngine, threading.Thread, dict]] = []
         self.coordinator: Coordinator | None = None
         self.thread: threading.Thread | None = None
@@ -55,7 +63,8 @@ class InProcessFleet:
         while True:
             self.coordinator = Coordinator(None, port=self.port, token=self.token, routing=self.routing,
                                            heartbeat_timeout=self.heartbeat_timeout, verb_timeout=self.verb_timeout,
-                                           weights_timeout=self.weights_timeout, stall_timeout=self.stall_timeout)
+                                           weights_timeout=self.weights_timeout, stall_timeout=self.stall_timeout,
+                                           tokenizer_loader=self.tokenizer_loader)
             try:
                 self.address = self.coordinator.bind()
                 break

@@ -3,14 +3,11 @@
 from __future__ import annotations
 
 import argparse
-import logging
-import time
+import functools
 
 from ..protocol import DEFAULT_PORT, MAX_MESSAGE_BYTES
 from ..routing import KNOWN_POLICIES
 from .options import add_log_option, add_token_option, read_token, setup_logging
-
-logger = logging.getLogger("megatron_serve.coordinator")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -53,12 +50,11 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(f"--{flag.replace('_', '-')} must be > 0, got {getattr(args, flag)}")
     make_routing_policy(args.routing)  # fail before loading anything
     token = read_token(args)
-    started = time.monotonic()
-    logger.info("loading tokenizer from %s", args.model)
-    tokenizer = Tokenizer.from_pretrained(args.model)
-    logger.info("tokenizer loaded in %.1fs", time.monotonic() - started)
     coordinator = Coordinator(
-        tokenizer, host=args.host, port=args.port, token=token, routing=args.routing,
+        # Loaded in the background (importing transformers takes long): engines and clients can
+        # connect at once after a (re)start; text prompts wait for it.
+        tokenizer_loader=functools.partial(Tokenizer.from_pretrained, args.model),
+        host=args.host, port=args.port, token=token, routing=args.routing,
         heartbeat_timeout=args.heartbeat_timeout, client_timeout=args.client_timeout,
         verb_timeout=args.verb_timeout, weights_timeout=args.weights_timeout, stall_timeout=args.stall_timeout,
         max_message_bytes=args.max_message_bytes, model=args.model,

@@ -1,0 +1,110 @@
+"""The coordinator serves while its tokenizer loads in the background (``tokenizer_loader``).
+
+Token ids are served at once; text prompts that arrive before the tokenizer is ready are held in
+arrival order and released when it is, or refused with the load's error if it fails.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+
+from megatron_serve.client import InferenceClient
+from megatron_serve.request import FinishReason, RequestStatus
+from megatron_serve.sampling_params import SamplingParams
+
+from .fakes import expected_tokens
+from .helpers import Children, free_port, wait_until
+
+pytestmark = pytest.mark.timeout(120)
+
+FIVE = SamplingParams(num_tokens_to_generate=5)
+
+
+class CharTokenizer:
+    def encode(self, text: str) -> list[int]:
+        return [ord(c) % 1000 for c in text]
+
+    def decode(self, ids: list[int]) -> str:
+        return " ".join(map(str, ids))
+
+
+def gated_loader(release: threading.Event, error: Exception | None = None):
+    """A loader that blocks until ``release`` is set, then returns a tokenizer or raises ``error``."""
+
+    def load() -> CharTokenizer:
+        assert release.wait(60), "never released"
+        if error is not None:
+            raise error
+        return CharTokenizer()
+
+    return load
+
+
+async def test_text_prompts_wait_for_the_tokenizer_and_token_ids_do_not(fleet_factory):
+    release = threading.Event()
+    fleet = fleet_factory(tokenizer_loader=gated_loader(release))
+    fleet.add_engine(max_requests=1)  # one request at a time: completions show the dispatch order
+    async with InferenceClient(fleet.address) as client:
+        await client.wait_for_engines(1, timeout=20, poll=0.02)
+        texts = ["first", "second", "third"]
+        held = [client.add_request(t, FIVE) for t in texts]
+        aborted = client.add_request("never mind", FIVE, request_id="aborted")
+        client.abort("aborted")
+        ids = await asyncio.wait_for(client.add_request([1, 2, 3], FIVE), 10)  # served while the tokenizer loads
+        assert ids.generated_tokens == expected_tokens([1, 2, 3], 5)
+        dropped = await asyncio.wait_for(aborted, 10)
+        assert dropped.status is RequestStatus.FAILED and dropped.finish_reason is FinishReason.ABORT
+        assert not any(f.done() for f in held)
+        assert (await client.status())["queued"] == 3  # held prompts count as queued
+
+        release.set()
+        results = await asyncio.wait_for(asyncio.gather(*held), 10)
+        for text, result in zip(texts, results):
+            assert result.status is RequestStatus.COMPLETED
+            assert result.prompt_tokens == CharTokenizer().encode(text)
+            assert result.generated_tokens == expected_tokens(result.prompt_tokens, 5)
+        finished = [r.finish_time for r in results]
+        assert finished == sorted(finished)  # released in arrival order
+        status = await client.status()
+        assert status["completed"] == 4 and status["queued"] == 0
+
+
+async def test_a_failed_load_refuses_text_prompts_and_keeps_serving_token_ids(fleet_factory):
+    release = threading.Event()
+    fleet = fleet_factory(tokenizer_loader=gated_loader(release, FileNotFoundError("no tokenizer.json in /models/x")))
+    fleet.add_engine()
+    async with InferenceClient(fleet.address) as client:
+        await client.wait_for_engines(1, timeout=20, poll=0.02)
+        early = client.add_request("too early", FIVE)
+        await asyncio.wait_for(client.add_request([4, 5, 6], FIVE), 10)
+        release.set()
+        problem = r"could not load its tokenizer \(FileNotFoundError: no tokenizer.json in /models/x\)"
+        with pytest.raises(ValueError, match=problem):
+            await asyncio.wait_for(early, 10)
+        with pytest.raises(ValueError, match=problem):
+            await asyncio.wait_for(client.add_request("too late", FIVE), 10)
+        result = await asyncio.wait_for(client.add_request([7, 8, 9], FIVE), 10)
+        assert result.generated_tokens == expected_tokens([7, 8, 9], 5)
+        status = await client.status()
+        assert status["completed"] == 2 and status["queued"] == 0 and status["in_flight"] == 0
+
+
+async def test_coordinator_command_serves_while_its_tokenizer_cannot_load(tmp_path):
+    """The real command listens although the model directory has no tokenizer, and says so on text prompts."""
+    children = Children(tmp_path)
+    port = free_port()
+    try:
+        proc = children.coordinator(str(tmp_path / "no-model"), port)
+        async with InferenceClient(f"tcp://127.0.0.1:{port}") as client:
+            assert (await client.status())["state"] == "RUNNING"
+            with pytest.raises(ValueError, match="could not load its tokenizer.*no tokenizer.json"):
+                await asyncio.wait_for(client.add_request("hello", FIVE), 60)
+        assert proc.poll() is None
+        wait_until(lambda: "could not load its tokenizer" in children.log_of(proc), 10, "the error line in the log")
+        log = children.log_of(proc)
+        assert log.index("listening on") < log.index("could not load its tokenizer")
+    finally:
+        children.kill_all()
