@@ -19,9 +19,7 @@ class Tokenizer:
     def from_pretrained(cls, model_dir: str | Path) -> "Tokenizer":
         from transformers import AutoTokenizer  # noqa: PLC0415 - heavy import, only when a tokenizer is needed
 
-        model_dir = Path(model_dir)
-        if not (model_dir / "tokenizer.json").is_file() and not (model_dir / "tokenizer_config.json").is_file():
-            raise FileNotFoundError(f"no tokenizer.json or tokenizer_config.json in model directory {model_dir}")
+        model_dir = check_tokenizer_files(model_dir)
         hf_tokenizer = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
         return cls(hf_tokenizer, _eos_ids(model_dir, hf_tokenizer))
 
@@ -53,6 +51,14 @@ class Tokenizer:
         if not self.has_chat_template:
             raise ValueError("this model has no chat template (tokenizer_config.json has no 'chat_template')")
         return self._tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+
+
+def check_tokenizer_files(model_dir: str | Path) -> Path:
+    """Fail fast, without importing ``transformers``, when ``model_dir`` holds no tokenizer files."""
+    model_dir = Path(model_dir)
+    if not (model_dir / "tokenizer.json").is_file() and not (model_dir / "tokenizer_config.json").is_file():
+        raise FileNotFoundError(f"no tokenizer.json or tokenizer_config.json in model directory {model_dir}")
+    return model_dir
 
 
 def _eos_ids(model_dir: Path, hf_tokenizer: Any) -> list[int]:

@@ -11,6 +11,7 @@ import threading
 
 import pytest
 
+from megatron_serve import cli
 from megatron_serve.client import InferenceClient
 from megatron_serve.request import FinishReason, RequestStatus
 from megatron_serve.sampling_params import SamplingParams
@@ -92,19 +93,21 @@ async def test_a_failed_load_refuses_text_prompts_and_keeps_serving_token_ids(fl
         assert status["completed"] == 2 and status["queued"] == 0 and status["in_flight"] == 0
 
 
-async def test_coordinator_command_serves_while_its_tokenizer_cannot_load(tmp_path):
-    """The real command listens although the model directory has no tokenizer, and says so on text prompts."""
+async def test_coordinator_command_listens_before_its_tokenizer_is_loaded(tmp_path, tiny_model):
     children = Children(tmp_path)
     port = free_port()
     try:
-        proc = children.coordinator(str(tmp_path / "no-model"), port)
+        proc = children.coordinator(tiny_model, port)
         async with InferenceClient(f"tcp://127.0.0.1:{port}") as client:
             assert (await client.status())["state"] == "RUNNING"
-            with pytest.raises(ValueError, match="could not load its tokenizer.*no tokenizer.json"):
-                await asyncio.wait_for(client.add_request("hello", FIVE), 60)
-        assert proc.poll() is None
-        wait_until(lambda: "could not load its tokenizer" in children.log_of(proc), 10, "the error line in the log")
+        wait_until(lambda: "tokenizer ready" in children.log_of(proc), 120, "the tokenizer loaded")
         log = children.log_of(proc)
-        assert log.index("listening on") < log.index("could not load its tokenizer")
+        assert log.index("listening on") < log.index("tokenizer ready")
+        assert proc.poll() is None
     finally:
         children.kill_all()
+
+
+def test_coordinator_command_refuses_a_model_directory_without_tokenizer_files(tmp_path, capsys):
+    assert cli.main(["coordinator", "--model", str(tmp_path / "no-model"), "--port", "0"]) == 1
+    assert "no tokenizer.json or tokenizer_config.json in model directory" in capsys.readouterr().err

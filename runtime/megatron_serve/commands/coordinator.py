@@ -41,7 +41,7 @@ def run(args: argparse.Namespace) -> int:
     setup_logging(args.log_level)
     from ..coordinator import Coordinator, serve  # noqa: PLC0415 - keep --help fast
     from ..routing import make_routing_policy  # noqa: PLC0415
-    from ..tokenizer import Tokenizer  # noqa: PLC0415
+    from ..tokenizer import Tokenizer, check_tokenizer_files  # noqa: PLC0415
 
     if args.heartbeat_timeout <= 0:
         raise ValueError(f"--heartbeat-timeout must be > 0, got {args.heartbeat_timeout}")
@@ -49,6 +49,7 @@ def run(args: argparse.Namespace) -> int:
         if getattr(args, flag) <= 0:
             raise ValueError(f"--{flag.replace('_', '-')} must be > 0, got {getattr(args, flag)}")
     make_routing_policy(args.routing)  # fail before loading anything
+    check_tokenizer_files(args.model)  # a wrong path fails the start; only the slow load happens later
     token = read_token(args)
     coordinator = Coordinator(
         # Loaded in the background (importing transformers takes long): engines and clients can
