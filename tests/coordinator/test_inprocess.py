@@ -7,7 +7,6 @@ paths with real engine processes and a real model are in ``test_fleet.py`` and `
 from __future__ import annotations
 
 import asyncio
-import time
 
 import pytest
 
@@ -16,6 +15,7 @@ from megatron_serve.request import FinishReason, RequestStatus
 from megatron_serve.sampling_params import SamplingParams
 
 from .fakes import BLOCK_BYTES, expected_tokens
+from .helpers import until
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -26,14 +26,6 @@ def prompts(n: int, offset: int = 0) -> list[list[int]]:
 
 async def wait_engines(client: InferenceClient, n: int, timeout: float = 20.0) -> dict:
     return await client.wait_for_engines(n, timeout=timeout, poll=0.02)
-
-
-async def until(predicate, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not await predicate():
-        if time.monotonic() > deadline:
-            raise TimeoutError(what)
-        await asyncio.sleep(0.02)
 
 
 async def test_requests_routed_to_both_engines_and_complete(fleet_factory):

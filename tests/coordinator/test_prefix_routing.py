@@ -6,9 +6,7 @@ leave) run against a real ``Coordinator`` and ``EngineProcess`` objects over soc
 
 from __future__ import annotations
 
-import asyncio
 import threading
-import time
 from types import SimpleNamespace
 
 import pytest
@@ -23,6 +21,7 @@ from megatron_serve.routing import make_routing_policy
 from megatron_serve.sampling_params import SamplingParams
 
 from .fakes import FakeEngine
+from .helpers import until
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -222,14 +221,6 @@ def add_caching_engine(fleet, block_size: int = BS) -> tuple[EngineProcess, Fake
     thread.start()
     fleet.engines.append((proc, fake, thread, result))
     return proc, fake
-
-
-async def until(predicate, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise TimeoutError(what)
-        await asyncio.sleep(0.02)
 
 
 async def test_fleet_routes_a_prefix_to_one_engine_and_forgets_on_suspend_and_leave(fleet_factory):

@@ -8,9 +8,7 @@ started from another model (a rolling replacement) is flagged, not synced.
 
 from __future__ import annotations
 
-import asyncio
 import threading
-import time
 
 import pytest
 
@@ -19,6 +17,7 @@ from megatron_serve.engine_process import EngineProcess
 from megatron_serve.sampling_params import SamplingParams
 
 from .fakes import FakeEngine, expected_tokens
+from .helpers import until
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -59,17 +58,6 @@ def add(fleet, fake: FakeEngine, model: str | None = None) -> FakeEngine:
     thread.start()
     fleet.engines.append((proc, fake, thread, result))
     return fake
-
-
-async def until(predicate, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = await predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise TimeoutError(what)
-        await asyncio.sleep(0.02)
 
 
 async def status_when(client: InferenceClient, check, what: str) -> dict:

@@ -14,14 +14,15 @@ import time
 import pytest
 
 from megatron_serve import cli
-from megatron_serve.client import InferenceClient, StreamPartial
+from megatron_serve.client import InferenceClient
 from megatron_serve.coordinator import Coordinator
 from megatron_serve.engine_process import EngineProcess
-from megatron_serve.request import DynamicInferenceRequest, EventType, RequestStatus
+from megatron_serve.request import EventType, RequestStatus
 from megatron_serve.sampling_params import SamplingParams
 
 from .fakes import FakeEngine, expected_tokens
-from .test_verb_timeout import engine_ids, hang_after, until
+from .helpers import until
+from .test_verb_timeout import consume, engine_ids, hang_after
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -62,16 +63,7 @@ async def test_engine_that_hangs_while_running_is_dropped_and_its_request_moves(
         prompt = [4, 5, 6]
         streamed: list[int] = []
 
-        async def consume() -> DynamicInferenceRequest:
-            async for item in client.add_request_streaming(prompt, SamplingParams(num_tokens_to_generate=20),
-                                                           request_id="moved"):
-                if isinstance(item, StreamPartial):
-                    streamed.extend(item.new_tokens)
-                else:
-                    return item
-            raise AssertionError("the stream ended without a final request")
-
-        task = asyncio.create_task(consume())
+        task = asyncio.create_task(consume(client, prompt, "moved", streamed))
         assert await asyncio.to_thread(hanging.wait, 10), "the engine never reached its fourth step"
         hung_at = time.monotonic()
         fleet.add_engine(heartbeat_interval=HEARTBEAT)

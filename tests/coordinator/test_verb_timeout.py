@@ -18,6 +18,7 @@ from megatron_serve.request import DynamicInferenceRequest, EventType, RequestSt
 from megatron_serve.sampling_params import SamplingParams
 
 from .fakes import FakeEngine, expected_tokens
+from .helpers import until
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -37,12 +38,16 @@ def hang_after(fake: FakeEngine, steps: int) -> threading.Event:
     return hanging
 
 
-async def until(predicate, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not await predicate():
-        if time.monotonic() > deadline:
-            raise TimeoutError(what)
-        await asyncio.sleep(0.02)
+async def consume(client: InferenceClient, prompt: list[int], request_id: str,
+                  streamed: list[int]) -> DynamicInferenceRequest:
+    """Stream a 20-token request, collecting its tokens in ``streamed``; the final request."""
+    async for item in client.add_request_streaming(prompt, SamplingParams(num_tokens_to_generate=20),
+                                                   request_id=request_id):
+        if isinstance(item, StreamPartial):
+            streamed.extend(item.new_tokens)
+        else:
+            return item
+    raise AssertionError("the stream ended without a final request")
 
 
 async def engine_ids(client: InferenceClient) -> list[str]:
@@ -58,16 +63,7 @@ async def test_engine_that_never_acks_is_dropped_and_its_request_moves(fleet_fac
         prompt = [4, 5, 6]
         streamed: list[int] = []
 
-        async def consume() -> DynamicInferenceRequest:
-            async for item in client.add_request_streaming(prompt, SamplingParams(num_tokens_to_generate=20),
-                                                           request_id="moved"):
-                if isinstance(item, StreamPartial):
-                    streamed.extend(item.new_tokens)
-                else:
-                    return item
-            raise AssertionError("the stream ended without a final request")
-
-        task = asyncio.create_task(consume())
+        task = asyncio.create_task(consume(client, prompt, "moved", streamed))
         assert await asyncio.to_thread(hanging.wait, 10), "the engine never reached its fourth step"
         hung_proc.link.heartbeat_interval = 0.05  # its link thread lives on: heartbeats keep coming, often
         fleet.add_engine()
