@@ -352,33 +352,29 @@ class MegatronAsyncLLM:
         if not self.use_coordinator:
             raise RuntimeError(f"{verb}() needs coordinator mode (MegatronAsyncLLM(..., use_coordinator=True))")
 
+    async def _lifecycle(self, verb: str, **arguments: Any) -> dict[str, Any]:
+        """Send ``verb`` to the fleet (coordinator mode only); resolves on its acknowledgement."""
+        self._require_coordinator(verb)
+        await self._ensure_started()
+        return await getattr(self._client, verb)(**arguments)
+
     async def pause(self) -> dict[str, Any]:
         """Stop stepping at a step boundary, keep memory; resolves on the fleet's acknowledgement."""
-        self._require_coordinator("pause")
-        await self._ensure_started()
-        return await self._client.pause()
+        return await self._lifecycle("pause")
 
     async def unpause(self) -> dict[str, Any]:
-        self._require_coordinator("unpause")
-        await self._ensure_started()
-        return await self._client.unpause()
+        return await self._lifecycle("unpause")
 
     async def suspend(self, level: int = 1) -> dict[str, Any]:
         """Release the KV cache (level 2: also weights); pauses first when running."""
-        self._require_coordinator("suspend")
-        await self._ensure_started()
-        return await self._client.suspend(level=level)
+        return await self._lifecycle("suspend", level=level)
 
     async def resume(self) -> dict[str, Any]:
-        self._require_coordinator("resume")
-        await self._ensure_started()
-        return await self._client.resume()
+        return await self._lifecycle("resume")
 
     async def stop(self) -> dict[str, Any]:
         """The STOP verb for the whole fleet (also one this object did not start)."""
-        self._require_coordinator("stop")
-        await self._ensure_started()
-        return await self._client.stop()
+        return await self._lifecycle("stop")
 
     async def refit(self, source: str | os.PathLike, epoch: int | None = None) -> dict[str, Any]:
         """Load new weights of the same shapes from model directory ``source`` in place.
@@ -396,9 +392,7 @@ class MegatronAsyncLLM:
         return direct_refit_answer(source, timings)
 
     async def status(self) -> dict[str, Any]:
-        self._require_coordinator("status")
-        await self._ensure_started()
-        return await self._client.status()
+        return await self._lifecycle("status")
 
     async def shutdown(self) -> None:
         """Stop the local fleet this object started (STOP, then the processes), or disconnect from a remote one."""

@@ -14,7 +14,7 @@ Refit copies weights in place, so graphs survive it.
 from __future__ import annotations
 
 import bisect
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
@@ -24,6 +24,9 @@ from .config import InferenceConfig
 from .kv_cache import blocks_for_tokens
 from .model.attention import AttentionMetadata, ForwardContext
 from .model.llama import LlamaForCausalLM
+
+if TYPE_CHECKING:  # model_runner imports this module
+    from .model_runner import StepPlan
 
 MAX_GRAPH_BATCH = 512  # larger decode batches are compute-bound: launch overhead no longer matters
 WARMUP_RUNS = 2  # eager runs before capture: compile every Triton variant, settle the allocator
@@ -107,12 +110,12 @@ class DecodeGraphs:
         """Drop the graphs, and with them their references to the KV cache and their memory pool."""
         self._replays.clear()
 
-    def covers(self, plan) -> bool:
-        """Whether ``plan`` (a ``StepPlan``) is a decode-only step that a captured graph can run."""
+    def covers(self, plan: StepPlan) -> bool:
+        """Whether ``plan`` is a decode-only step that a captured graph can run."""
         return (self.captured and not plan.prefill_block_tables and 0 < len(plan.token_ids) <= self.max_batch
                 and len(plan.decode_block_tables[0]) <= self.max_blocks_per_sequence)
 
-    def run(self, plan) -> torch.Tensor:
+    def run(self, plan: StepPlan) -> torch.Tensor:
         """Copy ``plan`` into the static buffers, replay the smallest graph that fits; logits of sampling rows."""
         count = len(plan.token_ids)
         size = self.batch_sizes[bisect.bisect_left(self.batch_sizes, count)]

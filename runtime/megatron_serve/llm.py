@@ -134,9 +134,7 @@ class MegatronLLM:
         raises with the old weights still serving. See :meth:`MegatronAsyncLLM.refit`.
         """
         if self.use_coordinator:
-            if self._remote is None:
-                raise RuntimeError("this MegatronLLM was shut down")
-            return self._loop_thread.run(self._remote.refit(source, epoch))
+            return self._lifecycle("refit", source, epoch)
         if self.engine is None:
             raise RuntimeError("this MegatronLLM was closed")
         from .async_llm import direct_refit_answer  # noqa: PLC0415

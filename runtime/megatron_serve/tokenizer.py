@@ -36,7 +36,7 @@ class Tokenizer:
     @functools.cached_property
     def special_token_ids(self) -> frozenset[int]:
         """Ids that ``decode`` drops by default: the named special tokens and every added token marked special."""
-        added = getattr(self._tok, "added_tokens_decoder", {}) or {}
+        added = self._tok.added_tokens_decoder
         return frozenset(self._tok.all_special_ids) | {i for i, token in added.items() if token.special}
 
     def token_text(self, token_id: int) -> str:
