@@ -1,13 +1,18 @@
 # syntax=docker/dockerfile:1
 # megatron-serve runtime image: engine, coordinator, OpenAI server and Kubernetes operator.
 #
-#   docker build -t ghcr.io/megatron-serve/megatron-serve:0.1.0 .
+#   make image            # docker or podman; tags ghcr.io/megatron-serve/megatron-serve:<version>
 #   docker run --gpus all -v /models:/models ghcr.io/megatron-serve/megatron-serve:0.1.0 \
 #       run --model /models/llama-3.2-1b-instruct --host 0.0.0.0
+#
+# The install path is the one the release check (tests/release) runs on every change: the wheel
+# built from this tree, installed with the `triton` extra (already satisfied by the base image).
+# VERSION equals megatron_serve.__version__ (a test keeps them equal; `make image` passes it).
 #
 # The base is an official CUDA build of PyTorch (runtime flavour: no CUDA toolkit); torch and
 # triton come from it, the project and its other dependencies from the wheel built below.
 ARG BASE_IMAGE=pytorch/pytorch:2.7.1-cuda12.8-cudnn9-runtime
+ARG VERSION=0.1.0
 
 # ---------------------------------------------------------------- build: the project's wheel
 FROM ${BASE_IMAGE} AS build
@@ -20,7 +25,9 @@ RUN python -m pip wheel --no-cache-dir --no-deps --wheel-dir /wheels .
 
 # ---------------------------------------------------------------- runtime
 FROM ${BASE_IMAGE}
+ARG VERSION
 LABEL org.opencontainers.image.title="megatron-serve" \
+      org.opencontainers.image.version="${VERSION}" \
       org.opencontainers.image.description="Kubernetes-native LLM inference: engine, coordinator, OpenAI server, operator" \
       org.opencontainers.image.licenses="Apache-2.0"
 
@@ -35,7 +42,7 @@ RUN apt-get update \
 # The wheel pins nothing new for torch: the base's CUDA build satisfies torch>=2.4,<3 and stays.
 COPY --from=build /wheels /wheels
 # UID 1000 is what the operator's pods run as (runAsUser); some bases already have such a user.
-RUN python -m pip install --no-cache-dir /wheels/*.whl \
+RUN python -m pip install --no-cache-dir "/wheels/megatron_serve-${VERSION}-py3-none-any.whl[triton]" \
     && rm -rf /wheels \
     && (getent passwd 1000 >/dev/null || useradd --uid 1000 --user-group --no-create-home --shell /usr/sbin/nologin megatron) \
     && mkdir -p /home/megatron \

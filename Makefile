@@ -6,7 +6,13 @@ PIP := $(PY) -m pip
 TINY_MODEL := .models/tiny-llama
 STAMP := $(VENV)/.installed
 
-.PHONY: setup run test test-fast bench clean
+# The image: docker if present, else podman. Tagged with the package version (one source:
+# megatron_serve.__version__), which the chart's appVersion and the manifests also carry.
+VERSION := $(shell sed -n 's/^__version__ = "\(.*\)"/\1/p' runtime/megatron_serve/__init__.py)
+IMAGE ?= ghcr.io/megatron-serve/megatron-serve
+CONTAINER_TOOL ?= $(shell command -v docker 2>/dev/null || command -v podman 2>/dev/null)
+
+.PHONY: setup run test test-fast image clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -32,5 +38,9 @@ test: $(STAMP)
 test-fast: $(STAMP)
 	TRITON_INTERPRET=1 $(PY) -m pytest -q -m "not slow"
 
+image:
+	@test -n "$(CONTAINER_TOOL)" || { echo "make image needs docker or podman"; exit 1; }
+	$(CONTAINER_TOOL) build --build-arg VERSION=$(VERSION) -t $(IMAGE):$(VERSION) .
+
 clean:
-	rm -rf $(VENV) .models build *.egg-info
+	rm -rf $(VENV) .models build dist *.egg-info

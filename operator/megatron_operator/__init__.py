@@ -13,4 +13,6 @@ Submodules, one job each:
 - :mod:`.probe`: engine pod readiness/liveness probes (``python -m megatron_operator.probe``).
 """
 
-__version__ = "0.1.0"
+from megatron_serve import __version__
+
+__all__ = ["__version__"]

@@ -49,12 +49,27 @@ async def _check(mode: str, address: str, group: int, token: str | None, timeout
     return 1, f"group {group} is not registered with the coordinator at {address}"
 
 
+PROBE_MODES = ("registered", "alive")
+
+
+def parse_mode(argv: list[str]) -> str:
+    """The probe's one argument (default ``registered``); ``SystemExit(2)`` with a usage line otherwise.
+
+    The release check parses every probe command the operator renders with this, in the installed wheel.
+    """
+    mode = argv[0] if argv else "registered"
+    if len(argv) > 1 or mode not in PROBE_MODES:
+        print(f"usage: python -m megatron_operator.probe {'|'.join(PROBE_MODES)} (got {' '.join(argv)!r})",
+              file=sys.stderr)
+        raise SystemExit(2)
+    return mode
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = list(sys.argv[1:] if argv is None else argv)
-    mode = args[0] if args else "registered"
-    if mode not in ("registered", "alive"):
-        print(f"usage: python -m megatron_operator.probe registered|alive (got {mode!r})", file=sys.stderr)
-        return 2
+    try:
+        mode = parse_mode(list(sys.argv[1:] if argv is None else argv))
+    except SystemExit as exc:
+        return int(exc.code or 0)
     address = os.environ.get("MEGATRON_SERVE_COORDINATOR", "")
     group_text = os.environ.get("MEGATRON_SERVE_GROUP", "")
     if not address or not group_text.isdigit():

@@ -9,6 +9,11 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+# The distribution's one version: pyproject.toml reads it from here, and the CLI (--version), the
+# HTTP server (OpenAPI), the operator's default image tag, the image label and the chart's
+# appVersion all equal it (tests/release/test_versions.py keeps them equal).
+__version__ = "0.1.0"
+
 _EXPORTS = {
     "DynamicInferenceRequest": ".request",
     "EventType": ".request",

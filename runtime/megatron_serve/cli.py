@@ -10,6 +10,8 @@ import argparse
 import importlib
 import sys
 
+from . import __version__
+
 # name -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
     "make-tiny-model": ("megatron_serve.commands.make_tiny_model", "write a small random Llama-family model + tokenizer"),
@@ -24,9 +26,14 @@ COMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    """Parse a ``megatron-serve`` command line exactly as :func:`main` does, without running it.
+
+    Only the chosen subcommand's module is imported. The release check runs this in the installed
+    wheel on every container command the operator renders, so a renamed flag cannot ship.
+    """
     parser = argparse.ArgumentParser(prog="megatron-serve", description="Megatron-style LLM inference stack.")
+    parser.add_argument("--version", action="version", version=f"megatron-serve {__version__}")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     chosen = argv[0] if argv else None
     for name, (module_name, help_text) in COMMANDS.items():
@@ -37,11 +44,16 @@ def main(argv: list[str] | None = None) -> int:
     args, extra = parser.parse_known_args(argv)
     if args.command is None:
         parser.print_help()
-        return 2
-    module = importlib.import_module(args._module)
-    if extra and not getattr(module, "ACCEPTS_EXTRA_ARGS", False):
+        parser.exit(2)
+    if extra and not getattr(importlib.import_module(args._module), "ACCEPTS_EXTRA_ARGS", False):
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     args.extra_args = extra
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(list(sys.argv[1:] if argv is None else argv))
+    module = importlib.import_module(args._module)
     try:
         return int(module.run(args) or 0)
     except KeyboardInterrupt:

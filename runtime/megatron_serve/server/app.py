@@ -20,6 +20,7 @@ from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
+from .. import __version__
 from .chat import ChatHandler
 from .completions import CompletionHandler
 from .context import ServerContext
@@ -104,7 +105,7 @@ def create_app(
 
     app = FastAPI(
         title="megatron-serve",
-        version="0.1.0",
+        version=__version__,
         summary="OpenAI-compatible inference API of a megatron-serve fleet",
         lifespan=lifespan,
     )

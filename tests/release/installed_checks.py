@@ -1,0 +1,90 @@
+"""Checks that run INSIDE the release check's fresh virtual environment, against the installed wheel.
+
+The release test copies this file out of the checkout and runs it with the fresh environment's
+interpreter from a directory outside the repository, so only what the wheel installed can be
+imported. Each subcommand prints one JSON document on stdout.
+
+    python installed_checks.py imports            # import every module of the three packages
+    python installed_checks.py commands           # the CLI's subcommand names and the version
+    python installed_checks.py parse FILE.json    # parse rendered container command lines
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import pkgutil
+import sys
+import sysconfig
+from pathlib import Path
+
+PACKAGES = ("megatron_serve", "megatron_kernels", "megatron_operator")
+
+
+def imports() -> dict[str, object]:
+    """Walk the installed packages (so a new subpackage is covered without editing the test) and
+    import every module; each must come from this environment's site-packages."""
+    site = Path(sysconfig.get_paths()["purelib"]).resolve()
+    modules: dict[str, str] = {}
+    failures: dict[str, str] = {}
+    for name in PACKAGES:
+        package = importlib.import_module(name)
+        modules[name] = package.__file__
+        for info in pkgutil.walk_packages(package.__path__, prefix=f"{name}."):
+            if info.name.rsplit(".", 1)[-1] == "__main__":
+                continue  # an entry point: importing it runs the program (the CLI checks cover it)
+            try:
+                modules[info.name] = importlib.import_module(info.name).__file__
+            except Exception as exc:  # noqa: BLE001 - every failure is reported by name
+                failures[info.name] = f"{type(exc).__name__}: {exc}"
+    outside = {name: path for name, path in modules.items() if not Path(path).resolve().is_relative_to(site)}
+    return {"modules": sorted(modules), "failures": failures, "outside_site_packages": outside}
+
+
+def commands() -> dict[str, object]:
+    import megatron_serve
+    from megatron_serve.cli import COMMANDS
+
+    return {"commands": sorted(COMMANDS), "version": megatron_serve.__version__}
+
+
+def parse(path: str) -> dict[str, object]:
+    """Parse each ``[program, argv]`` pair with the installed program's own parser.
+
+    ``megatron-serve`` lines go through :func:`megatron_serve.cli.parse_args`; the operator's
+    pass-through options through ``kopf run``'s own click parser; probe lines through the probe's.
+    """
+    from megatron_operator.cli import kopf_argv
+    from megatron_operator.probe import parse_mode
+    from megatron_serve.cli import parse_args
+
+    import kopf.cli
+
+    results: list[str] = []
+    for program, argv in json.loads(Path(path).read_text()):
+        try:
+            if program == "megatron-serve":
+                args = parse_args(argv)
+                if args.command == "operator":
+                    kopf_run = kopf_argv(args.extra_args)
+                    kopf.cli.run.make_context("run", kopf_run[1:])
+            elif program == "probe":
+                parse_mode(argv)
+            else:
+                raise ValueError(f"unknown program {program!r}")
+            results.append("ok")
+        except SystemExit as exc:
+            results.append(f"exit {exc.code}")
+        except Exception as exc:  # noqa: BLE001 - reported per line
+            results.append(f"{type(exc).__name__}: {exc}")
+    return {"results": results}
+
+
+def main(argv: list[str]) -> int:
+    check = {"imports": imports, "commands": commands, "parse": parse}[argv[0]]
+    print(json.dumps(check(*argv[1:])))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

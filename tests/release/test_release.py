@@ -1,0 +1,244 @@
+"""The release check: the product as users install it, tested from outside the checkout.
+
+Builds the sdist and, from it, the wheel (``python -m build``); installs the wheel into a fresh
+virtual environment exactly as the Dockerfile does (torch 2.13.0 CPU first, then the wheel with
+:data:`IMAGE_EXTRAS`); then, from a directory outside the repository and with nothing of the
+checkout on the path, imports every module, asks every subcommand for ``--help``, makes a tiny
+model, generates, serves it with ``run`` and answers one completion through the official
+``openai`` client, stops it with Ctrl-C, and parses every container command line the operator
+renders for the examples with the installed CLI's own parser.
+
+It takes a few minutes (most of it installing into the new environment), so it is marked slow;
+``make test`` and CI run it on every change.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+import openai
+import pytest
+import yaml
+
+from tests.server.fakes import wait_until
+from tests.server.test_openai_e2e import free_port
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
+
+ROOT = Path(__file__).resolve().parents[2]
+SOURCE_ROOTS = {"megatron_serve": ROOT / "runtime", "megatron_kernels": ROOT / "kernels",
+                "megatron_operator": ROOT / "operator"}
+# The extras the image installs the wheel with; the Dockerfile test below keeps them equal.
+IMAGE_EXTRAS = "triton"
+TORCH = "torch==2.13.0"
+
+
+@dataclass(frozen=True)
+class Release:
+    wheel: Path
+    sdist: Path
+    venv: Path
+    outside: Path  # the working directory of every installed command: not the checkout
+
+    @property
+    def bin(self) -> Path:
+        return self.venv / "bin"
+
+    def env(self) -> dict[str, str]:
+        env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV", "PYTHONHOME")}
+        env["PATH"] = f"{self.bin}{os.pathsep}{env.get('PATH', '')}"
+        env["HF_HUB_OFFLINE"] = "1"
+        return env
+
+    def run(self, *argv: str | Path, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([str(a) for a in argv], cwd=self.outside, env=self.env(), capture_output=True,
+                              text=True, timeout=timeout, stdin=subprocess.DEVNULL)
+
+    def check(self, *argv: str | Path, timeout: float = 300) -> str:
+        done = self.run(*argv, timeout=timeout)
+        assert done.returncode == 0, f"{' '.join(map(str, argv))} exited {done.returncode}:\n{done.stdout}\n{done.stderr}"
+        return done.stdout
+
+    def installed_check(self, *args: str) -> dict[str, Any]:
+        script = self.outside / "installed_checks.py"
+        return json.loads(self.check(self.bin / "python", script, *args))
+
+
+def _step(argv: list[str | Path], cwd: Path, timeout: float = 900) -> None:
+    done = subprocess.run([str(a) for a in argv], cwd=cwd, capture_output=True, text=True, timeout=timeout,
+                          stdin=subprocess.DEVNULL)
+    assert done.returncode == 0, f"{' '.join(map(str, argv))} exited {done.returncode}:\n{done.stdout[-4000:]}\n{done.stderr[-4000:]}"
+
+
+@pytest.fixture(scope="module")
+def release(tmp_path_factory: pytest.TempPathFactory) -> Release:
+    work = tmp_path_factory.mktemp("release")
+    dist = work / "dist"
+    # sdist first, then the wheel built from the unpacked sdist: both artifacts are checked at once.
+    _step([sys.executable, "-m", "build", "--sdist", "--wheel", "--outdir", dist, ROOT], cwd=work)
+    (wheel,) = dist.glob("*.whl")
+    (sdist,) = dist.glob("*.tar.gz")
+    venv = work / "venv"
+    _step([sys.executable, "-m", "venv", venv], cwd=work)
+    pip = [venv / "bin" / "python", "-m", "pip", "install", "--quiet", "--no-input"]
+    _step([*pip, TORCH], cwd=work)
+    _step([*pip, f"{wheel}[{IMAGE_EXTRAS}]"], cwd=work)
+    outside = work / "outside"
+    outside.mkdir()
+    shutil.copy(Path(__file__).with_name("installed_checks.py"), outside)
+    return Release(wheel=wheel, sdist=sdist, venv=venv, outside=outside)
+
+
+def source_packages() -> set[str]:
+    """Every package folder (one with an ``__init__.py``) under the three source roots."""
+    found = set()
+    for name, root in SOURCE_ROOTS.items():
+        for init in (root / name).rglob("__init__.py"):
+            found.add(".".join(init.parent.relative_to(root).parts))
+    return found
+
+
+def wheel_packages(wheel: Path) -> set[str]:
+    with zipfile.ZipFile(wheel) as archive:
+        names = archive.namelist()
+    return {".".join(Path(n).parent.parts) for n in names if n.endswith("/__init__.py") and ".dist-info" not in n}
+
+
+def test_the_wheel_ships_every_package_and_its_data(release: Release) -> None:
+    assert source_packages() - wheel_packages(release.wheel) == set()
+    with zipfile.ZipFile(release.wheel) as archive:
+        names = set(archive.namelist())
+    assert {f"{name}/py.typed" for name in SOURCE_ROOTS} <= names
+    from megatron_serve import __version__
+
+    assert release.wheel.name.startswith(f"megatron_serve-{__version__}-")
+    assert release.sdist.name == f"megatron_serve-{__version__}.tar.gz"
+
+
+def test_every_module_imports_from_the_installed_wheel(release: Release) -> None:
+    report = release.installed_check("imports")
+    assert report["failures"] == {}
+    assert report["outside_site_packages"] == {}
+    source_modules = {
+        ".".join(path.relative_to(root).with_suffix("").parts).removesuffix(".__init__")
+        for name, root in SOURCE_ROOTS.items() for path in (root / name).rglob("*.py") if path.stem != "__main__"
+    }
+    assert source_modules - set(report["modules"]) == set()
+
+
+def test_version_and_every_subcommand_help(release: Release) -> None:
+    from megatron_serve import __version__
+
+    facts = release.installed_check("commands")
+    assert facts["version"] == __version__
+    assert release.check(release.bin / "megatron-serve", "--version").strip() == f"megatron-serve {__version__}"
+    assert "make-tiny-model" in facts["commands"] and "render" in facts["commands"]
+    for command in facts["commands"]:
+        out = release.check(release.bin / "megatron-serve", command, "--help", timeout=120)
+        assert "usage" in out.lower(), f"{command} --help printed no usage:\n{out}"
+
+
+def test_tiny_model_generate_and_serve_through_the_openai_client(release: Release) -> None:
+    model = release.outside / "tiny"
+    release.check(release.bin / "megatron-serve", "make-tiny-model", model)
+    assert (model / "config.json").is_file() and (model / "tokenizer.json").is_file()
+    generated = release.check(release.bin / "megatron-serve", "generate", "--model", model, "--max-tokens", "8", "Hello")
+    assert generated.strip(), "generate printed nothing"
+
+    http_port = free_port()
+    log = release.outside / "run.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(
+            [str(release.bin / "megatron-serve"), "run", "--model", str(model), "--port", str(http_port),
+             "--coordinator-port", "0", "--log-dir", str(release.outside / "logs")],
+            cwd=release.outside, env=release.env(), stdout=out, stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL, start_new_session=True)
+    try:
+        def serving() -> bool:
+            assert proc.poll() is None, log.read_text()
+            return "/v1" in log.read_text() and "curl" in log.read_text()
+
+        wait_until(serving, 300, "`megatron-serve run` to print its endpoint", interval=0.2)
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{http_port}/v1", api_key="unused", max_retries=0,
+                               timeout=120)
+        completion = client.completions.create(model=client.models.list().data[0].id, prompt="Hello",
+                                               max_tokens=8, temperature=0)
+        assert completion.choices[0].finish_reason in ("stop", "length")
+        assert completion.usage.completion_tokens >= 1
+        # Ctrl-C in a terminal signals the whole foreground process group.
+        os.killpg(proc.pid, signal.SIGINT)
+        assert proc.wait(timeout=120) == 0, log.read_text()
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    text = log.read_text()
+    assert "Traceback" not in text, text
+
+
+def rendered_command_lines(objects: list[dict[str, Any]]) -> Iterator[tuple[str, list[str]]]:
+    """``(program, argv)`` for every container of ours in the pod templates, probes included.
+
+    A container without ``command`` runs the image's entrypoint (``megatron-serve``); the engine's
+    rank wrapper (``/bin/sh -c '... exec megatron-serve "$@"' megatron-serve``) passes its args on.
+    Commands of other programs (``sleep``, the preStop shell loop) are not ours to parse.
+    """
+    for obj in objects:
+        pod = obj.get("spec", {}).get("template", {}).get("spec")
+        if pod is None:
+            continue
+        for container in [*pod.get("initContainers", []), *pod["containers"]]:
+            command, args = container.get("command"), [str(a) for a in container.get("args", [])]
+            if command is None:
+                yield "megatron-serve", args
+            elif command[0] == "megatron-serve":
+                yield "megatron-serve", [*command[1:], *args]
+            elif command[:2] == ["/bin/sh", "-c"] and command[-1] == "megatron-serve" and 'megatron-serve "$@"' in command[2]:
+                yield "megatron-serve", args
+            for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+                exec_command = container.get(probe, {}).get("exec", {}).get("command", [])
+                if exec_command[:3] == ["python", "-m", "megatron_operator.probe"]:
+                    yield "probe", exec_command[3:]
+
+
+def test_rendered_containers_are_accepted_by_the_installed_cli(release: Release) -> None:
+    lines: list[tuple[str, list[str]]] = []
+    examples = sorted((ROOT / "manifests" / "examples").glob("*.yaml"))
+    assert examples
+    for example in examples:
+        rendered = release.check(release.bin / "megatron-serve", "render", "-f", example)
+        found = list(rendered_command_lines([d for d in yaml.safe_load_all(rendered) if d]))
+        programs = {program for program, _ in found}
+        assert programs == {"megatron-serve", "probe"}, f"{example.name}: rendered {found}"
+        lines += found
+    # The operator's own Deployment, as the kustomize base installs it.
+    base = [d for d in yaml.safe_load_all((ROOT / "manifests" / "operator" / "deployment.yaml").read_text()) if d]
+    operator_lines = list(rendered_command_lines(base))
+    assert operator_lines and operator_lines[0][1][0] == "operator"
+    lines += operator_lines
+    # A flag the CLI does not know must fail the check (the check itself can fail).
+    lines.append(("megatron-serve", ["engine", "--model", "/m", "--coordinator", "tcp://c:5555", "--no-such-flag"]))
+    path = release.outside / "command-lines.json"
+    path.write_text(json.dumps(lines))
+    results = release.installed_check("parse", str(path))["results"]
+    assert results[-1] != "ok"
+    failed = [(line, result) for line, result in zip(lines[:-1], results[:-1]) if result != "ok"]
+    assert failed == []
+
+
+def test_the_image_installs_the_wheel_as_the_release_check_does() -> None:
+    """Same wheel, same extras: the Dockerfile builds the wheel and installs it with IMAGE_EXTRAS."""
+    dockerfile = (ROOT / "Dockerfile").read_text()
+    assert re.search(r"pip wheel [^\n]*--no-deps[^\n]* \.", dockerfile)
+    installs = re.findall(r"pip install [^\n]*?(\S*\.whl\S*)", dockerfile)
+    assert installs and all(f"[{IMAGE_EXTRAS}]" in spec for spec in installs), installs
