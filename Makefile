@@ -8,6 +8,7 @@ STAMP := $(VENV)/.installed
 
 # The image: docker if present, else podman. Tagged with the package version (one source:
 # megatron_serve.__version__), which the chart's appVersion and the manifests also carry.
+# BASE_IMAGE=... builds on another PyTorch image (any with python, pip, torch and triton).
 VERSION := $(shell sed -n 's/^__version__ = "\(.*\)"/\1/p' runtime/megatron_serve/__init__.py)
 IMAGE ?= ghcr.io/megatron-serve/megatron-serve
 CONTAINER_TOOL ?= $(shell command -v docker 2>/dev/null || command -v podman 2>/dev/null)
@@ -40,7 +41,8 @@ test-fast: $(STAMP)
 
 image:
 	@test -n "$(CONTAINER_TOOL)" || { echo "make image needs docker or podman"; exit 1; }
-	$(CONTAINER_TOOL) build --build-arg VERSION=$(VERSION) -t $(IMAGE):$(VERSION) .
+	$(CONTAINER_TOOL) build --build-arg VERSION=$(VERSION) $(if $(BASE_IMAGE),--build-arg BASE_IMAGE=$(BASE_IMAGE)) \
+		-t $(IMAGE):$(VERSION) .
 
 clean:
 	rm -rf $(VENV) .models build dist *.egg-info
