@@ -6,12 +6,12 @@ PIP := $(PY) -m pip
 TINY_MODEL := .models/tiny-llama
 STAMP := $(VENV)/.installed
 
-# The image: docker if present, else podman. Tagged with the package version (one source:
+# The image: docker when its engine answers, else podman. Tagged with the package version (one source:
 # megatron_serve.__version__), which the chart's appVersion and the manifests also carry.
 # BASE_IMAGE=... builds on another PyTorch image (any with python, pip, torch and triton).
 VERSION := $(shell sed -n 's/^__version__ = "\(.*\)"/\1/p' runtime/megatron_serve/__init__.py)
 IMAGE ?= ghcr.io/megatron-serve/megatron-serve
-CONTAINER_TOOL ?= $(shell command -v docker 2>/dev/null || command -v podman 2>/dev/null)
+CONTAINER_TOOL ?= $(shell docker info >/dev/null 2>&1 && echo docker || command -v podman 2>/dev/null)
 
 .PHONY: setup run test test-fast image clean
 
