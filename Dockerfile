@@ -8,6 +8,9 @@
 # The install path is the one the release check (tests/release) runs on every change: the wheel
 # built from this tree, installed with the `triton` extra (already satisfied by the base image).
 # VERSION equals megatron_serve.__version__ (a test keeps them equal; `make image` passes it).
+# Another BASE_IMAGE works when its `python`/`pip` on PATH are a venv or conda environment with
+# torch (a distribution's own python3 refuses pip installs as "externally managed"). Stopping a
+# serving container drains the engines first: give it time (`docker stop -t 45`).
 #
 # The base is an official CUDA build of PyTorch (runtime flavour: no CUDA toolkit); torch and
 # triton come from it, the project and its other dependencies from the wheel built below.
