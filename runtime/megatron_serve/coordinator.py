@@ -328,6 +328,7 @@ class Coordinator:
         self.queue: collections.deque[str] = collections.deque()
         self.completed = 0
         self.failed = 0
+        self.aborted = 0  # by a client, or by the fleet (a pause in abort mode): neither is a failure
         self.stale_outputs = 0
         self.controls: collections.deque[ControlOp] = collections.deque()
         self.completed_controls: collections.OrderedDict[Any, tuple[Header, dict[str, Any]]] = collections.OrderedDict()
@@ -886,6 +887,8 @@ class Coordinator:
         record.final_data = final_data if final_data is not None else final.to_dict()
         if final.status is RequestStatus.COMPLETED:
             self.completed += 1
+        elif final.finish_reason is FinishReason.ABORT:
+            self.aborted += 1
         else:
             self.failed += 1
         self._deliver(record)
@@ -1403,6 +1406,7 @@ class Coordinator:
             "in_flight": self._count("dispatched"),
             "completed": self.completed,
             "failed": self.failed,
+            "aborted": self.aborted,
             "coordinator_id": self.coordinator_id,
             "routing": self.routing_name,
             "suspend_level": self.suspend_level,

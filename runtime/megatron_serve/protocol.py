@@ -220,6 +220,7 @@ FROM_COORDINATOR: dict[Header, Schema] = {
         "in_flight": _req(*_INT),
         "completed": _req(*_INT),
         "failed": _req(*_INT),
+        "aborted": _opt(*_INT),  # not counted in failed; absent from older coordinators
         "status_id": _opt(*_ID),
         "epoch": _opt(*_INT),  # generation of the weights the fleet serves (bumped by REFIT)
     },

@@ -8,6 +8,15 @@ from pathlib import Path
 from typing import Any
 
 
+class PromptTooLong(ValueError):
+    """A text holds more tokens than the caller can use; ``tokens`` says how many."""
+
+    def __init__(self, tokens: int, limit: int) -> None:
+        super().__init__(f"the text has {tokens} tokens, more than {limit}")
+        self.tokens = tokens
+        self.limit = limit
+
+
 class Tokenizer:
     """A thin adapter that fixes the few calls the engine, coordinator and server make."""
 
@@ -27,8 +36,23 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return len(self._tok)
 
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return list(self._tok.encode(text, add_special_tokens=add_special_tokens))
+    def encode(self, text: str, add_special_tokens: bool = True, max_tokens: int | None = None) -> list[int]:
+        """Token ids of ``text``; with ``max_tokens``, :class:`PromptTooLong` when there are more.
+
+        Fast tokenizers encode through the Rust tokenizer's batch call, which releases the GIL while
+        it works (other threads, the server's event loop among them, keep running), and the count is
+        checked before the ids become a Python list: that conversion holds the GIL (180 ms for
+        1.5 M tokens here), so a text too long for the context never pays it.
+        """
+        if not self._tok.is_fast:
+            ids = list(self._tok.encode(text, add_special_tokens=add_special_tokens))
+            if max_tokens is not None and len(ids) > max_tokens:
+                raise PromptTooLong(len(ids), max_tokens)
+            return ids
+        encoding = self._tok.backend_tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)[0]
+        if max_tokens is not None and len(encoding) > max_tokens:
+            raise PromptTooLong(len(encoding), max_tokens)
+        return encoding.ids
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(token_ids, skip_special_tokens=skip_special_tokens)

@@ -212,8 +212,9 @@ async def test_10000_malformed_frames_do_not_hurt(client, fleet, direct):
     assert "dropped frame from" in log and "unknown header" in log and "oversize frame" in log
 
 
-def _control(fleet, *args: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "megatron_serve.cli", "control", *args, "--coordinator", fleet.address],
+def _control(fleet, *args: str, env: dict | None = None, address: str | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "megatron_serve.cli", "control", *args, "--coordinator",
+                           address or fleet.address],
                           capture_output=True, text=True, timeout=120, env={**os.environ, **(env or {})})
 
 
@@ -221,11 +222,12 @@ async def test_control_cli(client, fleet):
     status = await asyncio.to_thread(_control, fleet, "status", "--json")
     assert status.returncode == 0, status.stderr
     data = json.loads(status.stdout)
-    for key in ("state", "engines", "queued", "in_flight", "completed", "failed"):
+    for key in ("state", "engines", "queued", "in_flight", "completed", "failed", "aborted"):
         assert key in data
     assert data["state"] == "RUNNING" and len(data["engines"]) == 2
-    table = await asyncio.to_thread(_control, fleet, "status")
-    assert table.returncode == 0 and "ENGINE" in table.stdout and "KV FREE/TOTAL" in table.stdout
+    table = await asyncio.to_thread(_control, fleet, "status", address=f"127.0.0.1:{fleet.port}")  # no tcp://
+    assert table.returncode == 0 and "ENGINE" in table.stdout and "KV FREE/TOTAL" in table.stdout, table.stderr
+    assert "aborted: " in table.stdout
     suspended = await asyncio.to_thread(_control, fleet, "suspend")
     assert suspended.returncode == 0 and "SUSPENDED" in suspended.stdout and "released" in suspended.stdout
     refused = await asyncio.to_thread(_control, fleet, "unpause")

@@ -210,6 +210,8 @@ async def test_streaming_abort_and_invalid_requests(fleet_factory):
         async for _item in client.add_request_streaming(prompt, SamplingParams(num_tokens_to_generate=100_000)):
             break
         await until(lambda: _in_flight(client, 0), 10, "early-exit stream aborted")
+        status = await client.status()  # aborts are counted as such, not as failures
+        assert (status["completed"], status["aborted"], status["failed"]) == (1, 2, 0)
 
 
 async def test_token_required(fleet_factory):

@@ -12,6 +12,7 @@ import json
 import time
 from typing import Any
 
+from .inputs import coordinator_address
 from .options import add_token_option, read_token
 
 VERBS = ("pause", "unpause", "suspend", "resume", "stop", "status", "refit")
@@ -61,6 +62,7 @@ async def _execute(args: argparse.Namespace, token: str | None) -> dict[str, Any
 def run(args: argparse.Namespace) -> int:
     from ..client import ControlError, CoordinatorError  # noqa: PLC0415
 
+    args.coordinator = coordinator_address(args.coordinator)
     if args.verb == "refit" and not args.source:
         raise ValueError("refit needs --source DIR (the model directory with the new weights)")
     if args.verb == "refit" and args.epoch is not None and args.epoch < 0:
@@ -104,7 +106,7 @@ def format_ack(verb: str, answer: dict[str, Any]) -> str:
 def format_status(status: dict[str, Any]) -> str:
     now = time.time()
     lines = [f"state: {status['state']}   queued: {status['queued']}   in flight: {status['in_flight']}   "
-             f"completed: {status['completed']}   failed: {status['failed']}"]
+             f"completed: {status['completed']}   failed: {status['failed']}   aborted: {status.get('aborted', '-')}"]
     if status.get("epoch") is not None:  # weights generation (REFIT)
         lines[0] += f"   epoch: {status['epoch']}"
         if status.get("epoch_mismatch"):

@@ -7,6 +7,7 @@ import functools
 
 from ..protocol import DEFAULT_PORT, MAX_MESSAGE_BYTES
 from ..routing import KNOWN_POLICIES
+from .inputs import parse_port
 from .options import add_log_option, add_token_option, read_token, setup_logging
 
 
@@ -43,6 +44,7 @@ def run(args: argparse.Namespace) -> int:
     from ..routing import make_routing_policy  # noqa: PLC0415
     from ..tokenizer import Tokenizer, check_tokenizer_files  # noqa: PLC0415
 
+    parse_port(args.port, "--port")
     if args.heartbeat_timeout <= 0:
         raise ValueError(f"--heartbeat-timeout must be > 0, got {args.heartbeat_timeout}")
     for flag in ("verb_timeout", "weights_timeout", "stall_timeout"):

@@ -15,13 +15,8 @@ import time
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 from .engine_options import add_engine_options, inference_config_from_args  # noqa: E402
-from .options import (  # noqa: E402
-    add_log_option,
-    add_token_option,
-    check_coordinator_address,
-    read_token,
-    setup_logging,
-)
+from .inputs import check_model_dir, coordinator_address  # noqa: E402
+from .options import add_log_option, add_token_option, read_token, setup_logging  # noqa: E402
 
 logger = logging.getLogger("megatron_serve.engine_process")
 
@@ -44,12 +39,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     setup_logging(args.log_level)
-    check_coordinator_address(args.coordinator)
+    address = coordinator_address(args.coordinator)
     if args.group is not None and args.group < 0:
         raise ValueError(f"--group must be >= 0, got {args.group}")
     if args.tensor_parallel < 1:
         raise ValueError(f"--tensor-parallel must be >= 1, got {args.tensor_parallel}")
     config = inference_config_from_args(args, tensor_parallel_size=args.tensor_parallel)
+    check_model_dir(args.model)
     token = read_token(args)
     from ..engine import DynamicInferenceEngine  # noqa: PLC0415 - torch import is slow
     from ..engine_process import run_engine_process  # noqa: PLC0415
@@ -62,7 +58,7 @@ def run(args: argparse.Namespace) -> int:
                     time.monotonic() - started, engine.kv_blocks_total, config.block_size_tokens, config.max_requests)
         return engine
 
-    rc = run_engine_process(make_engine, args.coordinator, token=token, group=args.group,
+    rc = run_engine_process(make_engine, address, token=token, group=args.group,
                             drain_timeout=args.drain_timeout, coordinator_timeout=args.coordinator_timeout,
                             info={"model": args.model})
     # Everything is handed back and flushed: skip the interpreter's slow teardown of torch (seconds),

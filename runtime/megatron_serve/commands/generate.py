@@ -7,6 +7,7 @@ import sys
 import time
 
 from .engine_options import add_engine_options, inference_config_from_args
+from .inputs import check_model_dir
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -24,6 +25,7 @@ def run(args: argparse.Namespace) -> int:
     from ..llm import MegatronLLM  # noqa: PLC0415 - torch import only when generating
     from ..sampling_params import SamplingParams  # noqa: PLC0415
 
+    check_model_dir(args.model)
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                             num_tokens_to_generate=args.max_tokens, ignore_eos=args.ignore_eos)
     started = time.perf_counter()

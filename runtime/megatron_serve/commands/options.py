@@ -79,11 +79,6 @@ def read_token(args: argparse.Namespace) -> str | None:
     return read_secret(args, "token_file", "--token-file", TOKEN_ENV)
 
 
-def check_coordinator_address(address: str) -> None:
-    if not address.startswith(("tcp://", "ipc://")):
-        raise ValueError(f"--coordinator must look like tcp://HOST:PORT, got {address!r}")
-
-
 def add_log_option(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
 

@@ -17,12 +17,12 @@ import logging
 import shlex
 import signal
 import time
-from pathlib import Path
 from typing import Any
 
 from .engine_options import add_engine_options, inference_config_from_args
+from .inputs import check_model_dir, check_port_free, parse_port
 from .options import add_log_option, add_token_option, read_token, setup_logging
-from .server import add_server_options, check_server_options, read_api_key
+from .server import add_server_options, check_server_options, read_api_key, read_limits
 
 logger = logging.getLogger("megatron_serve.run")
 
@@ -62,23 +62,13 @@ def run(args: argparse.Namespace) -> int:
     if args.tensor_parallel < 1:
         raise ValueError(f"--tensor-parallel must be >= 1, got {args.tensor_parallel}")
     check_server_options(args)
+    parse_port(args.coordinator_port, "--coordinator-port")
     config = inference_config_from_args(args, tensor_parallel_size=args.tensor_parallel)  # fails before any start
     api_key = read_api_key(args)
     token = read_token(args)
+    check_model_dir(args.model)
+    check_port_free("127.0.0.1", args.coordinator_port, "--coordinator-port")
     return asyncio.run(_Stack(args, config, api_key, token).main())
-
-
-def _check_model_dir(model_dir: str, served_name: str | None) -> str:
-    """Fail in a second, before starting processes, when the directory cannot be a model."""
-    from ..server.modelinfo import default_model_name  # noqa: PLC0415
-
-    path = Path(model_dir)
-    if not (path / "config.json").is_file():
-        raise FileNotFoundError(f"no config.json in model directory {model_dir} (make one with "
-                                "`megatron-serve make-tiny-model DIR`, or point --model at a Hugging Face model)")
-    if not (path / "tokenizer.json").is_file() and not (path / "tokenizer_config.json").is_file():
-        raise FileNotFoundError(f"no tokenizer.json or tokenizer_config.json in model directory {model_dir}")
-    return served_name or default_model_name(path)
 
 
 def _load_tokenizer(model_dir: str, served_name: str | None) -> tuple[Any, Any]:
@@ -137,12 +127,15 @@ class _Stack:
             loop.add_signal_handler(sig, self._on_signal, sig)
         from ..server.runner import bind_socket  # noqa: PLC0415
 
+        from ..server.modelinfo import default_model_name  # noqa: PLC0415
+
         args = self.args
-        name = _check_model_dir(args.model, args.served_model_name)
+        name = args.served_model_name or default_model_name(args.model)
         sock = bind_socket(args.host, args.port)  # before any child starts: a busy port fails fast
         progress(1, f"model '{name}' from {args.model}")
         # The tokenizer loads here while the children load theirs: start-up is bounded by the slowest.
         loading = asyncio.ensure_future(asyncio.to_thread(_load_tokenizer, args.model, args.served_model_name))
+        loading.add_done_callback(lambda f: f.cancelled() or f.exception())  # a failed start reports its own error
         try:
             startup = asyncio.ensure_future(self._start_fleet())
             stopper = asyncio.ensure_future(self.stop.wait())
@@ -224,14 +217,16 @@ class _Stack:
 
         args = self.args
         app = create_app(self.client, tokenizer, facts.name, self.api_key, vocab_size=facts.vocab_size,
-                         max_model_len=facts.max_model_len, max_concurrent_requests=args.max_concurrent_requests)
+                         max_model_len=facts.max_model_len, max_concurrent_requests=args.max_concurrent_requests,
+                         limits=read_limits(args), tokenizer_threads=args.tokenizer_threads)
 
         def started(url: str) -> None:
             progress(4, f"HTTP server listening on {url}{' (API key required)' if self.api_key else ''}")
             print(f"megatron-serve is ready: {url}/v1 (model '{facts.name}', {args.engines} engine(s)); try: "
                   f"{curl_example(url, facts.name, bool(self.api_key))}", flush=True)
 
-        await serve_app(app, sock=sock, log_level=args.log_level, on_started=started, stop=self.stop)
+        await serve_app(app, sock=sock, log_level=args.log_level, on_started=started, stop=self.stop,
+                        read_timeout=args.read_timeout)
 
     async def _shutdown(self) -> None:
         """Server already stopped; now STOP the fleet (engines drain) and reap the processes."""

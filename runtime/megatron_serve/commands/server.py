@@ -13,14 +13,9 @@ import logging
 import signal
 import sys
 
-from .options import (
-    add_log_option,
-    add_token_option,
-    check_coordinator_address,
-    read_secret,
-    read_token,
-    setup_logging,
-)
+from ..limits import RequestLimits
+from .inputs import check_model_dir, coordinator_address, parse_port
+from .options import add_log_option, add_token_option, read_secret, read_token, setup_logging
 
 logger = logging.getLogger("megatron_serve.server")
 
@@ -39,6 +34,24 @@ def add_server_options(parser: argparse.ArgumentParser, default_host: str) -> No
                             "none = open)")
     group.add_argument("--max-concurrent-requests", type=int, default=None, metavar="N",
                        help="queue limit: engine requests this server holds at once; more are answered 429")
+    group.add_argument("--read-timeout", type=float, default=60.0, metavar="S",
+                       help="a request (headers and body) must arrive within this many seconds of its first byte, "
+                            "else 408 and the connection is closed (slow clients cannot hold connections)")
+    group.add_argument("--tokenizer-threads", type=int, default=None, metavar="N",
+                       help="threads that tokenize prompts and render chat templates, off the event loop "
+                            "(default: up to 4)")
+    limits = parser.add_argument_group("request limits", "what one request may carry; beyond it, 400 or 413 "
+                                                         "before any work is done")
+    defaults = RequestLimits()
+    for name, flag, text in RequestLimits.flags():
+        default = getattr(defaults, name)
+        shown = f" (default: {default})" if default is not None else ""
+        limits.add_argument(flag, dest=name, type=int, default=None, metavar="N", help=text + shown)
+
+
+def read_limits(args: argparse.Namespace) -> RequestLimits:
+    """The request limits from the flags (``ValueError`` names a bad one)."""
+    return RequestLimits.from_options(vars(args))
 
 
 def read_api_key(args: argparse.Namespace) -> str | None:
@@ -47,10 +60,14 @@ def read_api_key(args: argparse.Namespace) -> str | None:
 
 
 def check_server_options(args: argparse.Namespace) -> None:
-    if not 0 <= args.port <= 65535:
-        raise ValueError(f"--port must be in 0..65535, got {args.port}")
+    parse_port(args.port, "--port")
     if args.max_concurrent_requests is not None and args.max_concurrent_requests < 1:
         raise ValueError(f"--max-concurrent-requests must be >= 1, got {args.max_concurrent_requests}")
+    if not args.read_timeout > 0:
+        raise ValueError(f"--read-timeout must be > 0, got {args.read_timeout}")
+    if args.tokenizer_threads is not None and args.tokenizer_threads < 1:
+        raise ValueError(f"--tokenizer-threads must be >= 1, got {args.tokenizer_threads}")
+    read_limits(args)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -64,8 +81,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     setup_logging(args.log_level)
-    check_coordinator_address(args.coordinator)
+    args.coordinator = coordinator_address(args.coordinator)
     check_server_options(args)
+    check_model_dir(args.model, weights=False)
     api_key = read_api_key(args)
     token = read_token(args)
     from ..server.modelinfo import ModelFacts  # noqa: PLC0415 - keep --help fast
@@ -86,7 +104,8 @@ async def _serve(args: argparse.Namespace, facts, tokenizer, sock, api_key: str 
 
     client = InferenceClient(args.coordinator, token=token)
     app = create_app(client, tokenizer, facts.name, api_key, vocab_size=facts.vocab_size,
-                     max_model_len=facts.max_model_len, max_concurrent_requests=args.max_concurrent_requests)
+                     max_model_len=facts.max_model_len, max_concurrent_requests=args.max_concurrent_requests,
+                     limits=read_limits(args), tokenizer_threads=args.tokenizer_threads)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -97,6 +116,7 @@ async def _serve(args: argparse.Namespace, facts, tokenizer, sock, api_key: str 
               f"{' (API key required)' if api_key else ''}", file=sys.stderr, flush=True)
 
     try:
-        await serve_app(app, sock=sock, log_level=args.log_level, on_started=started, stop=stop)
+        await serve_app(app, sock=sock, log_level=args.log_level, on_started=started, stop=stop,
+                        read_timeout=args.read_timeout)
     finally:
         client.close()

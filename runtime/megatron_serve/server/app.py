@@ -6,6 +6,10 @@ client of a remote coordinator), ``megatron-serve run`` (a local fleet) and
 
 ``/v1/*`` needs the API key when one is configured; ``/health``, ``/ready`` and ``/metrics`` never
 do, because Kubernetes probes and Prometheus scrapers carry no credentials.
+
+The generation routes read their body themselves (``intake.py``): the key is checked before the
+body is parsed, the body limit applies, and parsing, the limits, tokenization and chat-template
+rendering run as one job on the app's worker threads, never on the event loop that the probes need.
 """
 
 from __future__ import annotations
@@ -19,6 +23,10 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from pydantic import BaseModel
+from pydantic.json_schema import models_json_schema
+
+from ..limits import RequestLimits
 
 from .. import __version__
 from .chat import ChatHandler
@@ -27,6 +35,7 @@ from .context import ServerContext
 from .errors import APIError, install_error_handlers
 from .fleet import FleetMonitor, InferenceBackend
 from .generation import PendingCounter
+from .intake import BodySizeLimit, Workers, check_limits, parse_body
 from .metrics import ServerMetrics
 from .models import (
     ChatCompletionRequest,
@@ -63,8 +72,10 @@ _SSE_EVENT_SCHEMA = {
 
 
 def _error_responses(codes: list[int]) -> dict[int | str, dict[str, Any]]:
-    meaning = {400: "invalid request (bad parameter, unknown model, prompt longer than the context)",
+    meaning = {400: "invalid request (bad parameter, unknown parameter, unknown model, prompt longer than the "
+                    "context, over a request limit)",
                401: "missing or wrong API key", 404: "no such model", 429: "the server's queue is full",
+               413: "the request body is larger than the server accepts (--max-request-bytes)",
                500: "the engine failed", 503: "the fleet is stopped or the coordinator is unreachable"}
     return {code: {"model": ErrorResponse, "description": meaning[code]} for code in codes}
 
@@ -79,20 +90,26 @@ def create_app(
     max_model_len: int | None = None,
     max_concurrent_requests: int | None = None,
     status_interval: float = 0.5,
+    limits: RequestLimits | None = None,
+    tokenizer_threads: int | None = None,
 ) -> FastAPI:
     """An OpenAI-compatible app in front of ``backend`` (an ``InferenceClient`` or the same interface).
 
     ``vocab_size`` / ``max_model_len``: the model's, used to refuse bad prompts with a 400 (engines
     report a tighter ``max_sequence_length`` once connected, which then wins).
     ``max_concurrent_requests``: engine requests this server holds at once; beyond it, 429.
+    ``limits``: what one request may carry (default :class:`~megatron_serve.limits.RequestLimits()`);
+    ``tokenizer_threads``: worker threads for tokenization and chat templates (default up to 4).
     The backend is started by the app (in the background) if it is not started yet, but never
     closed by it: whoever made the backend closes it.
     """
     monitor = FleetMonitor(backend, interval=status_interval)
     pending = PendingCounter(max_concurrent_requests)
     metrics = ServerMetrics(monitor, lambda: pending.value)
+    limits = limits or RequestLimits()
     ctx = ServerContext(backend=backend, tokenizer=tokenizer, model_name=model_name, monitor=monitor, metrics=metrics,
-                        pending=pending, vocab_size=vocab_size, default_max_model_len=max_model_len)
+                        pending=pending, limits=limits, workers=Workers(tokenizer_threads), vocab_size=vocab_size,
+                        default_max_model_len=max_model_len)
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
@@ -102,6 +119,7 @@ def create_app(
             yield
         finally:
             await monitor.stop()
+            ctx.workers.close()
 
     app = FastAPI(
         title="megatron-serve",
@@ -111,10 +129,11 @@ def create_app(
     )
     app.state.ctx = ctx
     install_error_handlers(app)
+    app.add_middleware(BodySizeLimit, limit=limits.max_body_bytes)
     app.add_middleware(_HTTPMetricsMiddleware, metrics=metrics)
 
     api_dependencies = []
-    error_codes = [400, 429, 500, 503]
+    error_codes = [400, 413, 429, 500, 503]
     if api_key:
         bearer = HTTPBearer(auto_error=False, description="the server's API key, as `Authorization: Bearer KEY`")
         expected = api_key.encode()
@@ -128,30 +147,38 @@ def create_app(
         api_dependencies.append(Depends(require_api_key))
         error_codes.insert(1, 401)
 
-    async def answer(handler_type: type[CompletionHandler] | type[ChatHandler], body: Any, request: Request) -> Any:
+    def prepare(handler_type: type[CompletionHandler] | type[ChatHandler], body: bytes) -> Any:
+        """On a worker thread: parse, check the limits, tokenize or render; the handler that will answer."""
+        req = parse_body(handler_type.request_model, body)
+        check_limits(req, limits, ctx.max_model_len())
+        return handler_type(ctx, req)
+
+    async def answer(handler_type: type[CompletionHandler] | type[ChatHandler], request: Request) -> Any:
         """Either endpoint's answer, whole or streamed, given up (its engine requests aborted) if the client leaves."""
+        body = await request.body()  # whole, before anything watches the connection for a disconnect
 
         async def work() -> Any:
             await monitor.wait_first_poll()
-            handler = handler_type(ctx, body)
-            return await (handler.stream() if body.stream else handler.complete())
+            handler = await ctx.workers.run(prepare, handler_type, body)
+            return await (handler.stream() if handler.req.stream else handler.complete())
 
-        return await cancel_on_disconnect(request, work())
+        return await cancel_on_disconnect(request, work(), ctx.stopping)
 
     stream_200 = {200: {"content": {"text/event-stream": {"schema": _SSE_EVENT_SCHEMA}},
                         "description": "the completion (JSON), or its stream of server-sent events"}}
 
     @app.post("/v1/completions", response_model=CompletionResponse, dependencies=api_dependencies,
               responses={**stream_200, **_error_responses(error_codes)}, tags=["OpenAI"],
-              description="Complete one or more prompts. " + _SSE_DOC)
-    async def completions(body: CompletionRequest, request: Request) -> Any:
-        return await answer(CompletionHandler, body, request)
+              openapi_extra=_request_body(CompletionRequest), description="Complete one or more prompts. " + _SSE_DOC)
+    async def completions(request: Request) -> Any:
+        return await answer(CompletionHandler, request)
 
     @app.post("/v1/chat/completions", response_model=ChatCompletionResponse, dependencies=api_dependencies,
               responses={**stream_200, **_error_responses(error_codes)}, tags=["OpenAI"],
+              openapi_extra=_request_body(ChatCompletionRequest),
               description="Answer a conversation rendered with the model's chat template. " + _SSE_DOC)
-    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
-        return await answer(ChatHandler, body, request)
+    async def chat_completions(request: Request) -> Any:
+        return await answer(ChatHandler, request)
 
     def model_card() -> ModelCard:
         return ModelCard(id=model_name, created=ctx.created, max_model_len=ctx.max_model_len())
@@ -197,21 +224,32 @@ def create_app(
         return Response(content=data, media_type=content_type)
 
     def openapi() -> dict[str, Any]:
-        """FastAPI's document, minus the 422 answers it assumes: validation errors are 400 here."""
+        """FastAPI's document, minus the 422 answers it assumes (validation errors are 400 here), plus the
+        request bodies that the generation routes parse themselves."""
         if app.openapi_schema is None:
             schema = get_openapi(title=app.title, version=app.version, summary=app.summary, routes=app.routes,
                                  description="OpenAI-compatible API. Every error is an OpenAI error object.")
             for path in schema.get("paths", {}).values():
                 for operation in path.values():
                     operation.get("responses", {}).pop("422", None)
-            components = schema.get("components", {}).get("schemas", {})
+            components = schema.setdefault("components", {}).setdefault("schemas", {})
             for name in ("HTTPValidationError", "ValidationError"):
                 components.pop(name, None)
+            _, request_schemas = models_json_schema([(CompletionRequest, "validation"),
+                                                     (ChatCompletionRequest, "validation")],
+                                                    ref_template="#/components/schemas/{model}")
+            components.update(request_schemas.get("$defs", {}))
             app.openapi_schema = schema
         return app.openapi_schema
 
     app.openapi = openapi  # type: ignore[method-assign]
     return app
+
+
+def _request_body(model: type[BaseModel]) -> dict[str, Any]:
+    """The OpenAPI ``requestBody`` of a route that parses ``model`` itself (its schema is added by ``openapi()``)."""
+    ref = {"$ref": f"#/components/schemas/{model.__name__}"}
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": ref}}}}
 
 
 class _HTTPMetricsMiddleware:

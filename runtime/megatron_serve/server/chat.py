@@ -50,6 +50,8 @@ def chat_logprobs(tokenizer: Any, tokens: list[int], log_probs: list[float],
 class ChatHandler:
     """Validates one chat request, submits its ``n`` engine requests, and shapes the answer."""
 
+    request_model = ChatCompletionRequest
+
     def __init__(self, ctx: ServerContext, req: ChatCompletionRequest) -> None:
         self.ctx = ctx
         self.req = req
@@ -61,10 +63,11 @@ class ChatHandler:
         check_model(req.model, ctx.served_names)
         check_common(req)
         ctx.monitor.check_accepting()
-        self.prompt = chat_prompt(req, ctx.tokenizer, ctx.vocab_size)
+        max_len = ctx.max_model_len()
+        self.prompt = chat_prompt(req, ctx.tokenizer, ctx.vocab_size, max_len)
         requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         tokens_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
-        max_tokens = resolve_max_tokens(len(self.prompt.tokens), requested, None, ctx.max_model_len(),
+        max_tokens = resolve_max_tokens(len(self.prompt.tokens), requested, None, max_len,
                                         prompt_param="messages", tokens_param=tokens_param)
 
         def params_for(_prompt: Prompt, choice: int):
@@ -129,4 +132,4 @@ class ChatHandler:
             yield self._chunk([], usage=self.usage(results))
 
     async def stream(self) -> StreamingResponse:
-        return await event_stream_response(openai_events(self.ctx.submit(self.jobs).stream(), self._events))
+        return await event_stream_response(openai_events(self.ctx.submit(self.jobs).stream(), self._events), self.id)

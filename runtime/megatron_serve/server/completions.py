@@ -61,6 +61,8 @@ def _echo_text(ctx: ServerContext, prompt: Prompt) -> str:
 class CompletionHandler:
     """Validates one request, submits its engine requests, and shapes the answer."""
 
+    request_model = CompletionRequest
+
     def __init__(self, ctx: ServerContext, req: CompletionRequest) -> None:
         self.ctx = ctx
         self.req = req
@@ -78,8 +80,8 @@ class CompletionHandler:
         if req.echo and self.want_logprobs:
             raise unsupported("echo", "echo together with logprobs (prompt tokens are not scored)")
         ctx.monitor.check_accepting()
-        self.prompts = completion_prompts(req, ctx.tokenizer, ctx.vocab_size)
         max_len = ctx.max_model_len()
+        self.prompts = completion_prompts(req, ctx.tokenizer, ctx.vocab_size, max_len)
 
         def params_for(prompt: Prompt, choice: int):
             max_tokens = resolve_max_tokens(len(prompt.tokens), req.max_tokens, DEFAULT_COMPLETION_TOKENS, max_len,
@@ -153,4 +155,4 @@ class CompletionHandler:
                                       usage=self.usage(results)))
 
     async def stream(self) -> StreamingResponse:
-        return await event_stream_response(openai_events(self.ctx.submit(self.jobs).stream(), self._events))
+        return await event_stream_response(openai_events(self.ctx.submit(self.jobs).stream(), self._events), self.id)

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..limits import RequestLimits
+from .errors import shutting_down
 from .fleet import FleetMonitor, InferenceBackend
 from .generation import PendingCounter, Submission
+from .intake import Workers
 from .metrics import ServerMetrics
 from .translate import EngineJob
 
@@ -20,9 +24,13 @@ class ServerContext:
     monitor: FleetMonitor
     metrics: ServerMetrics
     pending: PendingCounter
+    limits: RequestLimits
+    workers: Workers
     vocab_size: int | None = None
     default_max_model_len: int | None = None  # from config.json, until engines report theirs
     created: int = field(default_factory=lambda: int(time.time()))
+    #: Set when the server stops: what it holds is answered with 503 at once, new requests get 503.
+    stopping: asyncio.Event = field(default_factory=asyncio.Event)
 
     @property
     def served_names(self) -> list[str]:
@@ -34,4 +42,6 @@ class ServerContext:
 
     def submit(self, jobs: list[EngineJob]) -> Submission:
         """Reserve queue room for ``jobs`` (429 when full); the caller awaits or streams the result."""
-        return Submission(self.backend, self.metrics, self.pending, jobs)
+        if self.stopping.is_set():
+            raise shutting_down()
+        return Submission(self.backend, self.metrics, self.pending, self.stopping, jobs)

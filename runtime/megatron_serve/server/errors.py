@@ -17,6 +17,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from .extensions import unknown_field_message
+
 logger = logging.getLogger("megatron_serve.server")
 
 INVALID_REQUEST = "invalid_request_error"
@@ -55,6 +57,12 @@ class APIError(Exception):
         return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
 
 
+def shutting_down() -> APIError:
+    """What a request held or running when the server stops is answered (and new ones meanwhile)."""
+    return APIError(503, "the server is shutting down; retry on another replica", code="server_shutting_down",
+                    headers={"Retry-After": "5"})
+
+
 def bad_request(message: str, param: str | None = None, code: str = "invalid_value") -> APIError:
     return APIError(400, message, param=param, code=code)
 
@@ -85,35 +93,40 @@ _UNION_HINTS = {
 }
 
 
-def _top_field(error: dict[str, Any]) -> str:
-    return ((_param_path(error.get("loc", ())) or "").split(".")[0]).split("[")[0]
-
-
 def _is_union_label(part: str) -> bool:
     """Field names are lower-case identifiers; pydantic's union-branch labels are not."""
     return not part.isidentifier() or part[0].isupper() or part in ("str", "int", "float", "bool", "list", "dict")
 
 
-def validation_error(exc: RequestValidationError) -> APIError:
-    """The first problem of a body that failed validation, as a 400 naming the field."""
-    errors = exc.errors()
+def validation_error(errors: Sequence[Any]) -> APIError:
+    """The problem of a body that failed validation (pydantic's ``errors()``), as a 400 naming the field.
+
+    Unknown fields come first (all of them are named): a client that sends a field this server
+    does not know must learn that before anything else, since its answer would not do what it asked.
+    """
     if not errors:
         return bad_request("invalid request body")
+    unknown = [_param_path(e.get("loc", ())) or "?" for e in errors if e.get("type") == "extra_forbidden"]
+    if unknown:
+        message, code = unknown_field_message(unknown[0])
+        if len(unknown) > 1:
+            message += f"; also unrecognized: {', '.join(unknown[1:])}"
+        return bad_request(message, param=unknown[0], code=code)
     first = errors[0]
     if first.get("type") == "json_invalid":
         detail = (first.get("ctx") or {}).get("error", "")
-        return bad_request(f"the request body is not valid JSON{': ' + str(detail) if detail else ''}",
-                           code="invalid_json")
+        return bad_request("the request body is not valid JSON (UTF-8 text without lone surrogates, nested at most "
+                           f"a few hundred levels){': ' + str(detail) if detail else ''}", code="invalid_json")
     param = _param_path(first.get("loc", ()))
     message = str(first.get("msg", "invalid value"))
     if first.get("type") == "missing":
         return bad_request(f"missing required parameter: {param}", param=param, code="missing_required_parameter")
-    if first.get("type") in ("model_attributes_type", "dict_type") and param is None:
+    if first.get("type") in ("model_type", "model_attributes_type", "dict_type") and param is None:
         return bad_request("the request body must be a JSON object", code="invalid_json")
     top = (param or "").split(".")[0].split("[")[0]
-    if top in _UNION_HINTS and sum(1 for e in errors if _top_field(e) == top) > 1:
-        # every branch of a union failed: say which forms are accepted
-        return bad_request(f"{top}: {_UNION_HINTS[top]}", param=top)
+    if top in _UNION_HINTS and param != top or first.get("type") == "union_tag_invalid":
+        # a value of a union field (prompt, stop) that fits none of its forms: say which are accepted
+        return bad_request(f"{top}: {_UNION_HINTS.get(top, 'has an unexpected form')} ({param}: {message})", param=top)
     shown = first.get("input")
     try:
         shown_text = json.dumps(shown)[:80]
@@ -132,7 +145,7 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_request: Request, exc: RequestValidationError) -> JSONResponse:
-        return validation_error(exc).response()
+        return validation_error(exc.errors()).response()
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_request: Request, exc: StarletteHTTPException) -> JSONResponse:

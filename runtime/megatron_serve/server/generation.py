@@ -20,7 +20,7 @@ from typing import Any, AsyncIterator
 
 from ..client import CoordinatorError
 from ..request import DynamicInferenceRequest, EventType, FinishReason, RequestStatus
-from .errors import APIError
+from .errors import APIError, shutting_down
 from .fleet import InferenceBackend
 from .metrics import ServerMetrics
 from .translate import EngineJob
@@ -78,6 +78,7 @@ class Submission:
     backend: InferenceBackend
     metrics: ServerMetrics
     pending: PendingCounter
+    stopping: asyncio.Event  # the server stops: give up at once with a 503 (what is unfinished is aborted)
     jobs: list[EngineJob]
     ids: list[str] = field(default_factory=list)
     unfinished: set[str] = field(default_factory=set)
@@ -123,16 +124,21 @@ class Submission:
                     self._finished(request_id, None)
                 raise _submission_error(exc) from None
             results: list[DynamicInferenceRequest] = []
-            for request_id, future in zip(self.ids, futures):
-                try:
-                    request = await future
-                except asyncio.CancelledError:
-                    raise
-                except Exception as exc:
-                    self._finished(request_id, None)
-                    raise _submission_error(exc) from None
-                self._finished(request_id, request)
-                results.append(check_result(request))
+            stopped = asyncio.ensure_future(self.stopping.wait())
+            try:
+                for request_id, future in zip(self.ids, futures):
+                    await asyncio.wait({future, stopped}, return_when=asyncio.FIRST_COMPLETED)
+                    if not future.done():
+                        raise shutting_down()
+                    try:
+                        request = future.result()
+                    except Exception as exc:
+                        self._finished(request_id, None)
+                        raise _submission_error(exc) from None
+                    self._finished(request_id, request)
+                    results.append(check_result(request))
+            finally:
+                stopped.cancel()
             return results
         finally:
             self.close()
@@ -144,7 +150,7 @@ class Submission:
 
         Closing the iterator (the response ended or the client left) aborts what is unfinished.
         """
-        queue: asyncio.Queue[tuple[EngineJob, str, Any]] = asyncio.Queue()
+        queue: asyncio.Queue[tuple[EngineJob | None, str, Any]] = asyncio.Queue()
 
         async def pump(job: EngineJob, request_id: str) -> None:
             try:
@@ -157,10 +163,14 @@ class Submission:
                 queue.put_nowait((job, request_id, exc))
 
         tasks = [asyncio.create_task(pump(job, rid)) for job, rid in zip(self.jobs, self.ids)]
+        stopped = asyncio.ensure_future(self.stopping.wait())
+        stopped.add_done_callback(lambda f: f.cancelled() or queue.put_nowait((None, "", shutting_down())))
         remaining = len(self.jobs)
         try:
             while remaining:
                 job, request_id, item = await queue.get()
+                if job is None:  # the server stops
+                    raise item
                 if isinstance(item, BaseException):
                     self._finished(request_id, None)
                     raise _submission_error(item) if isinstance(item, Exception) else item
@@ -171,6 +181,7 @@ class Submission:
                 else:
                     yield job, item
         finally:
+            stopped.cancel()
             for task in tasks:
                 task.cancel()  # each stream's own cleanup aborts its request
             self.close()

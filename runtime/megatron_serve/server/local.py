@@ -14,6 +14,7 @@ import uuid
 from pathlib import Path
 from typing import Any, AsyncIterator
 
+from ..limits import RequestLimits
 from .app import API_KEY_ENV, create_app
 from .modelinfo import ModelFacts, default_model_name
 from .runner import serve_app
@@ -27,6 +28,7 @@ class AsyncLLMBackend:
         self._tasks: dict[str, asyncio.Task] = {}
         self.completed = 0
         self.failed = 0
+        self.aborted = 0
 
     async def start(self, timeout: float | None = None) -> "AsyncLLMBackend":
         await self.llm.start()
@@ -48,12 +50,14 @@ class AsyncLLMBackend:
 
     async def add_request_streaming(self, prompt: str | list[int], sampling_params: Any, *,
                                     request_id: str | None = None) -> AsyncIterator[Any]:
-        from ..request import DynamicInferenceRequest, RequestStatus  # noqa: PLC0415
+        from ..request import DynamicInferenceRequest, FinishReason, RequestStatus  # noqa: PLC0415
 
         async for item in self.llm.generate_stream(prompt, sampling_params):
             if isinstance(item, DynamicInferenceRequest):
                 if item.status is RequestStatus.COMPLETED:
                     self.completed += 1
+                elif item.finish_reason is FinishReason.ABORT:
+                    self.aborted += 1
                 else:
                     self.failed += 1
             yield item
@@ -86,6 +90,7 @@ class AsyncLLMBackend:
             "in_flight": engine.num_running + engine.num_waiting,
             "completed": self.completed,
             "failed": self.failed,
+            "aborted": self.aborted,
         }
 
 
@@ -104,10 +109,12 @@ def _model_facts(llm: Any, model_name: str | None) -> tuple[Any, ModelFacts]:
 
 async def serve_async_llm(llm: Any, host: str = "127.0.0.1", port: int = 8000, *, model_name: str | None = None,
                           api_key: str | None = None, max_concurrent_requests: int | None = None,
-                          log_level: str = "warning", stop: asyncio.Event | None = None) -> None:
+                          log_level: str = "warning", stop: asyncio.Event | None = None,
+                          limits: RequestLimits | None = None, read_timeout: float = 60.0) -> None:
     """Serve the OpenAI API for ``llm`` until cancelled (or ``stop`` is set); ``llm`` stays open.
 
     ``api_key=None`` reads ``$MEGATRON_SERVE_API_KEY`` (no key when unset), like the commands do.
+    ``limits`` and ``read_timeout``: as the commands' ``--max-*`` and ``--read-timeout`` flags.
     """
     await llm.start()
     tokenizer, facts = await asyncio.to_thread(_model_facts, llm, model_name)
@@ -115,8 +122,8 @@ async def serve_async_llm(llm: Any, host: str = "127.0.0.1", port: int = 8000, *
     if api_key is None:
         api_key = os.environ.get(API_KEY_ENV) or None
     app = create_app(backend, tokenizer, facts.name, api_key, vocab_size=facts.vocab_size,
-                     max_model_len=facts.max_model_len, max_concurrent_requests=max_concurrent_requests)
-    await serve_app(app, host, port, log_level=log_level, stop=stop)
+                     max_model_len=facts.max_model_len, max_concurrent_requests=max_concurrent_requests, limits=limits)
+    await serve_app(app, host, port, log_level=log_level, stop=stop, read_timeout=read_timeout)
 
 
 __all__ = ["AsyncLLMBackend", "default_model_name", "serve_async_llm"]

@@ -1,9 +1,11 @@
 """Pydantic models of the OpenAI HTTP API: what requests may hold and what responses promise.
 
-Request models are *strict* (no ``"1"`` for an integer, no ``0`` for a boolean) and carry their
-ranges as field constraints, so that FastAPI rejects malformed bodies before any work is done and
-``/openapi.json`` states exactly what is accepted. Unknown request fields are ignored, as the
-OpenAI API evolves faster than any server: a newer client must not break against us.
+Request models are *strict* in both senses: no ``"1"`` for an integer or ``0`` for a boolean,
+and no field that is neither OpenAI's nor one of this server's extensions (listed once, in
+``extensions.py``): an unknown field is a 400 that names it, never silently ignored. Static
+ranges are field constraints, so that malformed bodies are refused before any work is done and
+``/openapi.json`` states exactly what is accepted; the configurable limits (``n``, stop strings,
+prompt size, ...) are checked by ``intake.py``.
 
 Response models are what the handlers build and what the OpenAPI document promises; the official
 ``openai`` client parses them, so field names and nesting follow the OpenAI API exactly.
@@ -13,14 +15,20 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, model_serializer
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Discriminator,
+    Field,
+    SerializerFunctionWrapHandler,
+    Tag,
+    model_serializer,
+)
 
-#: Choices per request (``n``): each is a separate engine request.
-MAX_CHOICES = 16
+from .extensions import extension
+
 #: Top log-probabilities per token the engine can return (``SamplingParams.top_n_logprobs``).
 MAX_TOP_LOGPROBS = 20
-#: Stop sequences per request.
-MAX_STOP_SEQUENCES = 16
 #: Seeds are 64-bit signed integers in the OpenAI API.
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
 
@@ -29,9 +37,9 @@ StopSequence = Annotated[str, Field(min_length=1)]
 
 
 class _Request(BaseModel):
-    """Base of request bodies: strict types, extra fields accepted and ignored."""
+    """Base of request bodies: strict types, unknown fields refused."""
 
-    model_config = ConfigDict(strict=True, extra="ignore")
+    model_config = ConfigDict(strict=True, extra="forbid")
 
 
 class StreamOptions(_Request):
@@ -44,10 +52,9 @@ class _SamplingRequest(_Request):
     model: str = Field(description="the served model name (see GET /v1/models)")
     temperature: float | None = Field(None, ge=0.0, le=2.0, description="0 = greedy; default 1")
     top_p: float | None = Field(None, gt=0.0, le=1.0, description="nucleus sampling mass; default 1 (off)")
-    top_k: int | None = Field(None, ge=-1, description="extension: sample among the k most likely tokens; "
-                                                        "0 or -1 = off")
-    n: int | None = Field(None, ge=1, le=MAX_CHOICES, description="choices to generate for each prompt")
-    stop: StopSequence | Annotated[list[StopSequence], Field(max_length=MAX_STOP_SEQUENCES)] | None = Field(
+    top_k: int | None = extension("top_k", ge=-1)
+    n: int | None = Field(None, ge=1, description="choices to generate for each prompt")
+    stop: StopSequence | list[StopSequence] | None = Field(
         None, description="generation stops before the first of these strings; it is not returned")
     seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX, description="makes sampling repeatable")
     stream: bool | None = Field(None, description="answer with server-sent events ending in 'data: [DONE]'")
@@ -56,16 +63,34 @@ class _SamplingRequest(_Request):
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0, description="only 0 is supported")
     logit_bias: dict[str, float] | None = Field(None, description="not supported; must be empty")
     user: str | None = Field(None, description="accepted and ignored")
-    ignore_eos: bool | None = Field(None, description="extension: keep generating past end-of-sequence tokens")
-    return_epochs: bool | None = Field(None, description="extension: add policy_epochs and kv_epochs (the weights "
-                                                         "generation of every generated token) to each choice")
+    ignore_eos: bool | None = extension("ignore_eos")
+    return_epochs: bool | None = extension("return_epochs")
 
 
-PromptInput = Union[
-    Annotated[str, Field(min_length=1)],
-    Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1)],
-    Annotated[list[TokenId], Field(min_length=1)],
-    Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1)],
+def _prompt_shape(value: Any) -> str:
+    """Which of the four prompt shapes ``value`` claims to be, from its first item.
+
+    Choosing the branch up front keeps validation linear: a plain union tries every branch and
+    builds one error per item for each that fails (a 500k-id prompt took 270 ms instead of 70).
+    """
+    if isinstance(value, list) and value:
+        first = value[0]
+        if isinstance(first, str):
+            return "list[str]"
+        if isinstance(first, list):
+            return "list[list[int]]"
+        return "list[int]"
+    return "str" if isinstance(value, str) else "list[int]"
+
+
+PromptInput = Annotated[
+    Union[
+        Annotated[Annotated[str, Field(min_length=1)], Tag("str")],
+        Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1), Tag("list[str]")],
+        Annotated[list[TokenId], Field(min_length=1), Tag("list[int]")],
+        Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1), Tag("list[list[int]]")],
+    ],
+    Discriminator(_prompt_shape),
 ]
 
 
@@ -78,7 +103,7 @@ class CompletionRequest(_SamplingRequest):
                                  description="return log-probs of the chosen tokens and this many alternatives")
     echo: bool | None = Field(None, description="prepend the prompt to each choice's text")
     suffix: str | None = Field(None, description="not supported; must be empty")
-    best_of: int | None = Field(None, ge=1, le=MAX_CHOICES, description="only equal to n is supported")
+    best_of: int | None = Field(None, ge=1, description="only equal to n is supported")
 
 
 class TextContentPart(_Request):

@@ -9,13 +9,18 @@ Two problems that both routes share:
 * A client that leaves must not leave work behind. :func:`cancel_on_disconnect` watches the ASGI
   ``receive`` channel while a non-streamed request waits and cancels the wait when the client
   disconnects (the cancellation aborts the engine requests). While a response streams, Starlette
-  itself cancels the body iterator on disconnect, with the same effect.
+  itself cancels the body iterator on disconnect, with the same effect. Either way the departure
+  is logged once, at debug level: clients leave all the time, it is no error of the server's.
+* A server that stops answers what it holds: the wait is cancelled with a 503 (a stream that
+  already started gets an error event and ``[DONE]`` from its submission), never uvicorn's
+  plain-text 500 after its graceful-shutdown timeout.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from contextlib import aclosing
 from typing import Any, AsyncGenerator, AsyncIterator, Awaitable, Callable, TypeVar
 
@@ -23,7 +28,9 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel
 
-from .errors import APIError
+from .errors import APIError, shutting_down
+
+logger = logging.getLogger("megatron_serve.server")
 
 T = TypeVar("T")
 
@@ -44,25 +51,36 @@ async def _wait_for_disconnect(request: Request) -> None:
             return
 
 
-async def cancel_on_disconnect(request: Request, work: Awaitable[T]) -> T | Response:
-    """Await ``work``; if the client disconnects first, cancel it and return a 499 nobody will read."""
+async def cancel_on_disconnect(request: Request, work: Awaitable[T], stopping: asyncio.Event) -> T | Response:
+    """Await ``work``; if the client disconnects first, cancel it and return a 499 nobody will read;
+    if the server stops first (``stopping``), cancel it and answer 503."""
     task = asyncio.ensure_future(work)
     watcher = asyncio.ensure_future(_wait_for_disconnect(request))
+    stopper = asyncio.ensure_future(stopping.wait())
     try:
-        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        done, _ = await asyncio.wait({task, watcher, stopper}, return_when=asyncio.FIRST_COMPLETED)
         if task in done:
             return task.result()
         task.cancel()
         try:
             await task
-        except BaseException:  # noqa: BLE001 - cancelled work may end any way; the client is gone
+        except BaseException:  # noqa: BLE001 - cancelled work may end any way; it is not wanted any more
             pass
+        if watcher not in done:
+            return shutting_down().response()
+        logger.debug("client %s left %s before its answer: its engine requests are aborted",
+                     _peer(request), request.url.path)
         return JSONResponse({"error": {"message": "client closed the request", "type": "client_closed",
                                        "param": None, "code": None}}, status_code=CLIENT_CLOSED)
     finally:
         watcher.cancel()
+        stopper.cancel()
         if not task.done():
             task.cancel()
+
+
+def _peer(request: Request) -> str:
+    return f"{request.client.host}:{request.client.port}" if request.client else "?"
 
 
 async def openai_events(items: AsyncGenerator[T, None],
@@ -91,7 +109,7 @@ async def openai_events(items: AsyncGenerator[T, None],
         await items.aclose()
 
 
-async def event_stream_response(events: AsyncIterator[str]) -> StreamingResponse:
+async def event_stream_response(events: AsyncIterator[str], answer_id: str) -> StreamingResponse:
     """A ``text/event-stream`` response whose first event already exists (see the module docstring).
 
     ``events`` must raise :class:`APIError` for problems before its first event and turn later
@@ -103,12 +121,16 @@ async def event_stream_response(events: AsyncIterator[str]) -> StreamingResponse
         first = None
 
     async def body() -> AsyncIterator[str]:
+        ended = False
         try:
             if first is not None:
                 yield first
             async for event in events:
                 yield event
+            ended = True
         finally:
+            if not ended:
+                logger.debug("the client of %s left its stream: its engine requests are aborted", answer_id)
             await events.aclose()
 
     return StreamingResponse(body(), media_type="text/event-stream",

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..sampling_params import SamplingParams
+from ..tokenizer import PromptTooLong
 from .errors import APIError, bad_request, unsupported
 from .models import ChatCompletionRequest, CompletionRequest, _SamplingRequest
 
@@ -77,7 +78,24 @@ def check_tokens(tokens: list[int], vocab_size: int | None, param: str) -> None:
                               code="invalid_token_id")
 
 
-def completion_prompts(req: CompletionRequest, tokenizer: Any, vocab_size: int | None) -> list[Prompt]:
+def context_exceeded(max_model_len: int, prompt_len: int, param: str) -> APIError:
+    return APIError(400, f"This model's maximum context length is {max_model_len} tokens, and your prompt has "
+                         f"{prompt_len} tokens (the prompt plus at least one generated token must fit). "
+                         "Please shorten the prompt.", param=param, code="context_length_exceeded")
+
+
+def tokenize(tokenizer: Any, text: str, max_model_len: int | None, param: str, add_special_tokens: bool = True,
+             ) -> list[int]:
+    """``text`` as token ids; a text too long for the context is refused without listing its ids."""
+    limit = None if max_model_len is None else max_model_len - 1
+    try:
+        return list(tokenizer.encode(text, add_special_tokens=add_special_tokens, max_tokens=limit))
+    except PromptTooLong as exc:
+        raise context_exceeded(max_model_len or 0, exc.tokens, param) from None
+
+
+def completion_prompts(req: CompletionRequest, tokenizer: Any, vocab_size: int | None,
+                       max_model_len: int | None) -> list[Prompt]:
     """The prompt field in any of its four shapes, as a list of tokenized prompts."""
     raw = req.prompt
     if isinstance(raw, str):
@@ -90,7 +108,7 @@ def completion_prompts(req: CompletionRequest, tokenizer: Any, vocab_size: int |
     for i, item in enumerate(items):
         param = "prompt" if len(items) == 1 else f"prompt[{i}]"
         if isinstance(item, str):
-            prompt = Prompt(list(tokenizer.encode(item)), item)
+            prompt = Prompt(tokenize(tokenizer, item, max_model_len, param), item)
         else:
             prompt = Prompt([int(t) for t in item], None)
         check_tokens(prompt.tokens, vocab_size, param)
@@ -106,7 +124,8 @@ def _message_text(content: Any) -> str:
     return "\n".join(part.text for part in content)
 
 
-def chat_prompt(req: ChatCompletionRequest, tokenizer: Any, vocab_size: int | None) -> Prompt:
+def chat_prompt(req: ChatCompletionRequest, tokenizer: Any, vocab_size: int | None,
+                max_model_len: int | None) -> Prompt:
     """Messages rendered with the model's chat template, then tokenized (the template adds BOS itself)."""
     if req.tools:
         raise unsupported("tools", "tool calling")
@@ -130,7 +149,7 @@ def chat_prompt(req: ChatCompletionRequest, tokenizer: Any, vocab_size: int | No
     except Exception as exc:  # the template may raise on conversations it does not support (jinja errors)
         raise bad_request(f"the model's chat template cannot render these messages: {exc}", param="messages",
                           code="chat_template_error") from None
-    prompt = Prompt(list(tokenizer.encode(text, add_special_tokens=False)), text)
+    prompt = Prompt(tokenize(tokenizer, text, max_model_len, "messages", add_special_tokens=False), text)
     check_tokens(prompt.tokens, vocab_size, "messages")
     return prompt
 
@@ -146,9 +165,7 @@ def resolve_max_tokens(prompt_len: int, requested: int | None, default: int | No
             return requested
         return default if default is not None else 2**31 - 1
     if prompt_len >= max_model_len:
-        raise APIError(400, f"This model's maximum context length is {max_model_len} tokens, and your prompt has "
-                            f"{prompt_len} tokens (the prompt plus at least one generated token must fit). "
-                            "Please shorten the prompt.", param=prompt_param, code="context_length_exceeded")
+        raise context_exceeded(max_model_len, prompt_len, prompt_param)
     room = max_model_len - prompt_len
     if requested is None:
         return room if default is None else min(default, room)

@@ -1,0 +1,84 @@
+"""What one HTTP request may carry: the front door's limits, their defaults and why.
+
+Every limit answers before the expensive step it protects: the body size before the body is
+read, prompt characters before tokenization, ``n``, stop strings, ``logit_bias`` entries and
+messages before anything is rendered or submitted. Without them one anonymous request could
+occupy the server for a minute (a 20 MB prompt took 57 s to reach its 400, tokenized on the event
+loop, and ``/health`` did not answer meanwhile: Kubernetes restarts such a pod).
+
+This module is light (no FastAPI, no torch) so that the commands can build their flags from it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+MiB = 1 << 20
+
+#: Characters per token of context beyond which a prompt cannot fit with any common tokenizer:
+#: English averages about 4 characters per token and code about 3; 32 leaves room for prompts
+#: full of long whitespace-run tokens. Used when ``max_prompt_chars`` is not given.
+PROMPT_CHARS_PER_CONTEXT_TOKEN = 32
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    """Per-request limits of the OpenAI server; each field is also a command-line flag (``flag``).
+
+    The defaults and their reasons:
+
+    * ``max_body_bytes`` 4 MiB: a 128k-token prompt is about 0.5 MiB as text and 0.9 MiB as token
+      ids, so 4 MiB holds a batch of several of them. Parsing is the one step that cannot leave the
+      event loop (the JSON parser holds the GIL): measured on 2 loaded cores, a body of densest
+      small integers (``[1,1,1,...]``, the worst case) costs about 100 ms per MiB, text about
+      5 ms per MiB. Larger bodies get a 413 before they are read.
+    * ``max_prompt_chars``: by default ``32 x`` the context length in tokens (see
+      :data:`PROMPT_CHARS_PER_CONTEXT_TOKEN`): longer text cannot fit, so it is refused before
+      a tokenizer thread spends time on it (1 M characters took 1.3 s to tokenize here). It counts
+      all prompts of a request, or all message text of a chat.
+    * ``max_n`` 128: OpenAI's own maximum; each choice is an engine request.
+    * ``max_stop`` 16 stop strings of at most ``max_stop_chars`` 256 characters: the engine looks
+      for each in the new text of every step and holds back ``longest - 1`` characters of a stream.
+    * ``max_logit_bias`` 1024 entries: every entry is applied at every step of the request.
+    * ``max_messages`` 1024 messages per chat: the chat template renders each (in Python).
+    """
+
+    max_body_bytes: int = field(default=4 * MiB, metadata={
+        "flag": "--max-request-bytes", "help": "largest request body in bytes; larger ones get 413"})
+    max_prompt_chars: int | None = field(default=None, metadata={
+        "flag": "--max-prompt-chars",
+        "help": f"most prompt characters per request, checked before tokenization (default: "
+                f"{PROMPT_CHARS_PER_CONTEXT_TOKEN} x the context length in tokens)"})
+    max_n: int = field(default=128, metadata={"flag": "--max-n", "help": "most choices (n) per request"})
+    max_stop: int = field(default=16, metadata={"flag": "--max-stop", "help": "most stop strings per request"})
+    max_stop_chars: int = field(default=256, metadata={
+        "flag": "--max-stop-chars", "help": "longest stop string, in characters"})
+    max_logit_bias: int = field(default=1024, metadata={
+        "flag": "--max-logit-bias", "help": "most logit_bias entries per request"})
+    max_messages: int = field(default=1024, metadata={
+        "flag": "--max-messages", "help": "most messages per chat request"})
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if value is None and f.name == "max_prompt_chars":
+                continue
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{f.metadata['flag']} must be an integer >= 1, got {value!r}")
+
+    def prompt_chars(self, max_model_len: int | None) -> int | None:
+        """The prompt-character limit in force for a model with this context length (None = none)."""
+        if self.max_prompt_chars is not None:
+            return self.max_prompt_chars
+        return None if max_model_len is None else PROMPT_CHARS_PER_CONTEXT_TOKEN * max_model_len
+
+    @staticmethod
+    def flags() -> list[tuple[str, str, str]]:
+        """``(field name, flag, help)`` of every limit, for the commands' option group."""
+        return [(f.name, f.metadata["flag"], f.metadata["help"]) for f in fields(RequestLimits)]
+
+    @classmethod
+    def from_options(cls, options: dict[str, Any]) -> "RequestLimits":
+        """From parsed flags (``dest`` = field name); ``None`` keeps a default."""
+        return cls(**{name: options[name] for name, _, _ in cls.flags() if options.get(name) is not None})

@@ -1,0 +1,97 @@
+"""The one list of request fields beyond the OpenAI API that this server accepts, and the ones it refuses.
+
+Request bodies are strict: a field that is neither part of the OpenAI API nor listed in
+:data:`EXTENSIONS` gets a 400 that names it. Ignoring it would answer 200 with output that does
+not do what the client asked (a ``repetition_penalty`` that never applied looks like a model
+that repeats itself).
+
+To implement an extension: add its entry to :data:`EXTENSIONS` (removing it from
+:data:`NOT_IMPLEMENTED`), declare the field in ``models.py`` with :func:`extension`, and honour it.
+A test checks that every declared field outside the OpenAI API is listed here and the reverse.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import Field
+
+#: Extensions this server implements: name -> what it does (shown in ``/openapi.json``).
+EXTENSIONS: dict[str, str] = {
+    "top_k": "sample among the k most likely tokens; 0 or -1 = off (vLLM's name)",
+    "ignore_eos": "keep generating past end-of-sequence tokens (vLLM's name)",
+    "return_epochs": "add policy_epochs and kv_epochs (the weights generation of every generated token) to each "
+                     "choice",
+}
+
+#: Well-known fields this server does not implement, OpenAI's and other servers' (vLLM, SGLang):
+#: refused with a 400 that says so, instead of the generic unknown-parameter answer.
+NOT_IMPLEMENTED: dict[str, str] = {
+    "functions": "function calling (deprecated by OpenAI for tools)",
+    "function_call": "function calling (deprecated by OpenAI for tools)",
+    "parallel_tool_calls": "tool calling",
+    "audio": "audio output",
+    "modalities": "output modalities",
+    "prediction": "predicted outputs",
+    "reasoning_effort": "reasoning effort",
+    "web_search_options": "web search",
+    "service_tier": "service tiers",
+    "store": "stored completions",
+    "metadata": "stored completions",
+    "repetition_penalty": "repetition penalty",
+    "min_p": "min-p sampling",
+    "min_tokens": "a minimum number of generated tokens",
+    "stop_token_ids": "stop token ids",
+    "include_stop_str_in_output": "returning the stop string",
+    "skip_special_tokens": "choosing whether special tokens are skipped",
+    "spaces_between_special_tokens": "choosing how special tokens are joined",
+    "length_penalty": "beam search",
+    "use_beam_search": "beam search",
+    "early_stopping": "beam search",
+    "bad_words": "bad words",
+    "allowed_token_ids": "restricting the vocabulary",
+    "truncate_prompt_tokens": "prompt truncation",
+    "prompt_logprobs": "prompt log-probs",
+    "guided_json": "guided decoding (JSON schema)",
+    "guided_regex": "guided decoding (regular expression)",
+    "guided_choice": "guided decoding (choice)",
+    "guided_grammar": "guided decoding (grammar)",
+    "guided_decoding_backend": "guided decoding",
+    "guided_whitespace_pattern": "guided decoding",
+    "structural_tag": "guided decoding (structural tags)",
+    "add_generation_prompt": "chat template options",
+    "continue_final_message": "chat template options",
+    "add_special_tokens": "chat template options",
+    "chat_template": "a per-request chat template",
+    "chat_template_kwargs": "chat template options",
+    "documents": "retrieval documents in the chat template",
+    "mm_processor_kwargs": "multimodal inputs",
+    "priority": "request priorities",
+    "request_id": "client-chosen request ids",
+    "logits_processors": "logits processors",
+    "return_tokens_as_token_ids": "token ids in log-prob listings",
+    "lora_request": "LoRA adapters",
+    "regex": "guided decoding (regular expression)",
+    "json_schema": "guided decoding (JSON schema)",
+    "ebnf": "guided decoding (grammar)",
+    "no_stop_trim": "returning the stop string",
+}
+
+
+def extension(name: str, default: Any = None, **constraints: Any) -> Any:
+    """A pydantic ``Field`` for the extension ``name``, described by its entry in :data:`EXTENSIONS`.
+
+    A field named here but missing from the list fails at import, so the list cannot fall behind.
+    """
+    return Field(default, description=f"extension: {EXTENSIONS[name]}", **constraints)
+
+
+def unknown_field_message(path: str) -> tuple[str, str]:
+    """(message, code) for a request field the models do not declare; ``path`` like ``messages[0].foo``."""
+    name = path.rsplit(".", 1)[-1]
+    if "." not in path and "[" not in path and name in NOT_IMPLEMENTED:
+        return (f"{name}: {NOT_IMPLEMENTED[name]} is not supported by this server (the parameter is refused rather "
+                "than ignored, since ignoring it would change the answer)", "unsupported_parameter")
+    known = ", ".join(sorted(EXTENSIONS))
+    return (f"unrecognized request argument supplied: {path} (not part of the OpenAI API nor one of this server's "
+            f"extensions: {known})", "unknown_parameter")

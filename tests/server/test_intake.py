@@ -1,0 +1,205 @@
+"""The front door against a fake backend: strict bodies, the one list of extensions, request limits, and
+tokenization that never holds up ``/health``.
+
+Each case was answered wrongly before: unknown fields and vLLM's sampling extras got 200 with
+unchanged output, a body of any size was read and tokenized on the event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import typing
+
+import httpx
+import pytest
+
+from megatron_serve.limits import PROMPT_CHARS_PER_CONTEXT_TOKEN, RequestLimits
+from megatron_serve.server.extensions import EXTENSIONS, NOT_IMPLEMENTED
+from megatron_serve.server.models import ChatCompletionRequest, ChatMessage, CompletionRequest
+
+from .conftest import serving
+from .fakes import FakeBackend
+from .test_app import MODEL, assert_error, make_app
+
+pytestmark = pytest.mark.timeout(180)
+
+USER = [{"role": "user", "content": "hi"}]
+
+# The request fields of the OpenAI API (https://platform.openai.com/docs/api-reference) that the models declare.
+OPENAI_COMPLETION_FIELDS = {"model", "prompt", "best_of", "echo", "frequency_penalty", "logit_bias", "logprobs",
+                            "max_tokens", "n", "presence_penalty", "seed", "stop", "stream", "stream_options",
+                            "suffix", "temperature", "top_p", "user"}
+OPENAI_CHAT_FIELDS = {"model", "messages", "frequency_penalty", "logit_bias", "logprobs", "max_completion_tokens",
+                      "max_tokens", "n", "presence_penalty", "response_format", "seed", "stop", "stream",
+                      "stream_options", "temperature", "tool_choice", "tools", "top_logprobs", "top_p", "user"}
+
+
+@pytest.fixture
+def backend(tokenizer):
+    return FakeBackend(tokenizer, max_sequence_length=1024)
+
+
+def test_one_list_of_extensions_matches_the_declared_fields():
+    completion_extras = set(CompletionRequest.model_fields) - OPENAI_COMPLETION_FIELDS
+    chat_extras = set(ChatCompletionRequest.model_fields) - OPENAI_CHAT_FIELDS
+    assert completion_extras | chat_extras == set(EXTENSIONS)
+    assert not set(NOT_IMPLEMENTED) & (set(CompletionRequest.model_fields) | set(ChatCompletionRequest.model_fields))
+    for model in (CompletionRequest, ChatCompletionRequest, ChatMessage):
+        assert model.model_config["extra"] == "forbid"
+
+
+UNKNOWN = [
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "temprature": 0.5}, "temprature"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": USER, "max_new_tokens": 5}, "max_new_tokens"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "hi", "weight": 1}]},
+     "messages[0].weight"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "stream": True, "stream_options": {"include_usage": True,
+                                                                                           "chunked": True}},
+     "stream_options.chunked"),
+]
+
+
+@pytest.mark.parametrize("path,body,param", UNKNOWN, ids=[u[2] for u in UNKNOWN])
+async def test_unknown_fields_are_400s_that_name_them(tokenizer, backend, path, body, param):
+    async with serving(make_app(tokenizer, backend)) as url, httpx.AsyncClient(base_url=url) as http:
+        error = assert_error(await http.post(path, json=body), 400, param, "unknown_parameter")
+    assert param in error["message"] and "top_k" in error["message"]  # says what is accepted instead
+    assert backend.submitted == []
+
+
+VLLM_EXTRAS = [("repetition_penalty", 1.3), ("min_p", 0.1), ("min_tokens", 4), ("stop_token_ids", [5]),
+               ("guided_json", {"type": "object"})]
+
+
+@pytest.mark.parametrize("field,value", VLLM_EXTRAS, ids=[f for f, _ in VLLM_EXTRAS])
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+async def test_sampling_extras_this_server_lacks_are_refused_not_ignored(tokenizer, backend, path, field, value):
+    body = {"model": MODEL, "prompt": "x"} if path == "/v1/completions" else {"model": MODEL, "messages": USER}
+    async with serving(make_app(tokenizer, backend)) as url, httpx.AsyncClient(base_url=url) as http:
+        error = assert_error(await http.post(path, json={**body, field: value}), 400, field, "unsupported_parameter")
+        assert "not supported" in error["message"]
+        several = await http.post(path, json={**body, field: value, "foo": 1, "bar": 2})
+        error = assert_error(several, 400, field)
+        assert "foo" in error["message"] and "bar" in error["message"]  # every unknown field is named
+        assert (await http.post(path, json={**body, "top_k": 3, "ignore_eos": True})).status_code == 200
+    assert len(backend.submitted) == 1
+
+
+MALFORMED = [
+    (b'{"model": "tiny-llama", "prompt": "\xff\xfe"}', "invalid UTF-8"),
+    (b'{"model": "tiny-llama", "prompt": "a\\ud800b"}', "lone surrogate"),
+    (b'{"model": "tiny-llama", "prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", "deep nesting"),
+    (b"", "empty"),
+]
+
+
+@pytest.mark.parametrize("body,what", MALFORMED, ids=[m[1] for m in MALFORMED])
+async def test_malformed_bodies_are_400s(tokenizer, backend, body, what):
+    async with serving(make_app(tokenizer, backend)) as url, httpx.AsyncClient(base_url=url) as http:
+        assert_error(await http.post("/v1/completions", content=body, headers={"content-type": "application/json"}),
+                     400, None, "invalid_json")
+    assert backend.submitted == []
+
+
+class CountingTokenizer:
+    """The real tokenizer, counting what it is asked to tokenize or render."""
+
+    def __init__(self, inner) -> None:
+        self.inner = inner
+        self.calls = 0
+
+    def __getattr__(self, name: str) -> typing.Any:
+        return getattr(self.inner, name)
+
+    def encode(self, *args, **kwargs):
+        self.calls += 1
+        return self.inner.encode(*args, **kwargs)
+
+    def apply_chat_template(self, *args, **kwargs):
+        self.calls += 1
+        return self.inner.apply_chat_template(*args, **kwargs)
+
+
+OVER_LIMITS = [
+    ("/v1/completions", {"prompt": "x", "n": 5}, "n"),
+    ("/v1/completions", {"prompt": "x", "stop": ["a", "b", "c", "d"]}, "stop"),
+    ("/v1/completions", {"prompt": "x", "stop": "y" * 11}, "stop"),
+    ("/v1/completions", {"prompt": "x", "logit_bias": {"5": 1.0, "6": 1.0, "7": 1.0}}, "logit_bias"),
+    ("/v1/chat/completions", {"messages": USER * 4}, "messages"),
+    ("/v1/completions", {"prompt": "x" * 101}, "prompt"),
+    ("/v1/completions", {"prompt": ["x" * 60, "y" * 60]}, "prompt"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x" * 101}]}, "messages"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": 1024}, "max_tokens"),
+    ("/v1/chat/completions", {"messages": USER, "max_completion_tokens": 5000}, "max_completion_tokens"),
+]
+
+
+@pytest.mark.parametrize("path,fields,param", OVER_LIMITS, ids=[f"{p}:{o[2]}" for p, o in
+                                                                   zip(range(len(OVER_LIMITS)), OVER_LIMITS)])
+async def test_requests_over_a_limit_are_refused_before_tokenization(tokenizer, backend, path, fields, param):
+    limits = RequestLimits(max_n=4, max_stop=3, max_stop_chars=10, max_logit_bias=2, max_messages=3,
+                           max_prompt_chars=100)
+    counting = CountingTokenizer(tokenizer)
+    async with serving(make_app(counting, backend, limits=limits)) as url, httpx.AsyncClient(base_url=url) as http:
+        error = assert_error(await http.post(path, json={"model": MODEL, **fields}), 400, param)
+        assert "at most" in error["message"] or "maximum context length" in error["message"]
+    assert counting.calls == 0 and backend.submitted == []
+
+
+def test_prompt_character_limit_follows_the_context_unless_given():
+    assert RequestLimits().prompt_chars(1024) == PROMPT_CHARS_PER_CONTEXT_TOKEN * 1024
+    assert RequestLimits(max_prompt_chars=7).prompt_chars(1024) == 7
+    assert RequestLimits().prompt_chars(None) is None
+    with pytest.raises(ValueError, match="--max-n"):
+        RequestLimits(max_n=0)
+
+
+async def test_oversized_bodies_get_413_in_the_openai_shape(tokenizer, backend):
+    limits = RequestLimits(max_body_bytes=10_000)
+    big = b'{"model": "tiny-llama", "prompt": "' + b"x" * 20_000 + b'"}'
+
+    async def chunked():  # no Content-Length: the limit applies while the body is read
+        for i in range(0, len(big), 1000):
+            yield big[i:i + 1000]
+
+    async with serving(make_app(tokenizer, backend, limits=limits)) as url, httpx.AsyncClient(base_url=url) as http:
+        declared = await http.post("/v1/completions", content=big, headers={"content-type": "application/json"})
+        error = assert_error(declared, 413, None, "request_too_large")
+        assert "10000 bytes" in error["message"] and "--max-request-bytes" in error["message"]
+        assert_error(await http.post("/v1/chat/completions", content=chunked(),
+                                     headers={"content-type": "application/json"}), 413, None, "request_too_large")
+        # the connection stays usable and small requests pass
+        ok = await http.post("/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 2})
+        assert ok.status_code == 200, ok.text
+    assert len(backend.submitted) == 1
+
+
+async def probe_health(url: str, stop: asyncio.Event, latencies: list[float]) -> None:
+    """GET /health every 100 ms until ``stop``; records each answer's latency (an error counts as infinite)."""
+    async with httpx.AsyncClient(base_url=url, timeout=30) as http:
+        while not stop.is_set():
+            began = time.perf_counter()
+            response = await http.get("/health")
+            latencies.append(time.perf_counter() - began if response.status_code == 200 else float("inf"))
+            await asyncio.sleep(0.1)
+
+
+async def test_health_answers_while_a_huge_prompt_is_tokenized(tokenizer, backend):
+    # 1 M characters take seconds to tokenize here; the probe must not wait for them.
+    limits = RequestLimits(max_body_bytes=8 << 20, max_prompt_chars=2_000_000)
+    prompt = "the quick brown fox jumps over the lazy dog; " * 22_000
+    latencies: list[float] = []
+    stop = asyncio.Event()
+    async with serving(make_app(tokenizer, backend, limits=limits)) as url, \
+            httpx.AsyncClient(base_url=url, timeout=120) as http:
+        prober = asyncio.create_task(probe_health(url, stop, latencies))
+        began = time.perf_counter()
+        response = await http.post("/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 1})
+        took = time.perf_counter() - began
+        stop.set()
+        await prober
+    error = assert_error(response, 400, "prompt", "context_length_exceeded")  # tokenized, then too long
+    assert "tokens" in error["message"]
+    assert took > 1.0 and len(latencies) >= 5, (took, latencies)  # the probe ran all along
+    assert max(latencies) < 0.5, f"/health took {max(latencies):.3f}s while a prompt was tokenized"
