@@ -8,6 +8,8 @@ unchanged output, a body of any size was read and tokenized on the event loop.
 from __future__ import annotations
 
 import asyncio
+import json
+import logging
 import time
 import typing
 
@@ -203,3 +205,92 @@ async def test_health_answers_while_a_huge_prompt_is_tokenized(tokenizer, backen
     assert "tokens" in error["message"]
     assert took > 1.0 and len(latencies) >= 5, (took, latencies)  # the probe ran all along
     assert max(latencies) < 0.5, f"/health took {max(latencies):.3f}s while a prompt was tokenized"
+
+
+async def raw_exchange(url: str, data: bytes, *, wait: float) -> bytes:
+    """Send ``data`` on a fresh connection, then read whatever the server answers within ``wait`` seconds."""
+    host, port = url.removeprefix("http://").split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    try:
+        writer.write(data)
+        await writer.drain()
+        return await asyncio.wait_for(reader.read(), wait)  # until the server closes the connection
+    finally:
+        writer.close()
+
+
+async def serving_with(app, **options):
+    """Like ``conftest.serving`` but with ``serve_app`` options; yields (url, stop event, task)."""
+    from megatron_serve.server.runner import bind_socket, serve_app
+
+    sock = bind_socket("127.0.0.1", 0)
+    stop = asyncio.Event()
+    started: asyncio.Future = asyncio.get_running_loop().create_future()
+    task = asyncio.create_task(serve_app(app, sock=sock, stop=stop, on_started=started.set_result, **options))
+    await asyncio.wait_for(asyncio.shield(started), 30)
+    return started.result(), stop, task
+
+
+@pytest.mark.parametrize("partial", [b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Le",
+                                     b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                                     b"Content-Length: 100\r\n\r\n{\"model\": \"tiny"],
+                         ids=["headers", "body"])
+async def test_a_request_that_does_not_arrive_in_time_gets_408_and_the_connection_closes(tokenizer, backend, partial):
+    url, stop, task = await serving_with(make_app(tokenizer, backend), read_timeout=0.5)
+    try:
+        began = time.perf_counter()
+        answer = await raw_exchange(url, partial, wait=10)
+        took = time.perf_counter() - began
+        head, _, body = answer.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 408"), answer
+        assert json.loads(body)["error"]["code"] == "request_timeout"
+        assert 0.4 < took < 5, took
+        async with httpx.AsyncClient(base_url=url) as http:  # the server is fine
+            assert (await http.get("/health")).status_code == 200
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 30)
+    assert backend.submitted == []
+
+
+async def test_malformed_http_gets_an_openai_400(tokenizer, backend):
+    url, stop, task = await serving_with(make_app(tokenizer, backend))
+    try:
+        answer = await raw_exchange(url, b"BLAH\x00 / HTTP/1.1\r\n\r\n", wait=10)
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 30)
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 400") and json.loads(body)["error"]["code"] == "invalid_http", answer
+
+
+async def test_stopping_server_answers_held_and_streaming_requests_with_503(tokenizer, backend, caplog):
+    backend.token_delay = 0.05
+    url, stop, task = await serving_with(make_app(tokenizer, backend), graceful_timeout=30)
+    uvicorn_log = logging.getLogger("uvicorn.error")  # uvicorn's loggers do not propagate to caplog's root handler
+    uvicorn_log.addHandler(caplog.handler)
+    async with httpx.AsyncClient(base_url=url, timeout=30) as http:
+        streaming = http.stream("POST", "/v1/completions",
+                                json={"model": MODEL, "prompt": "Hi", "max_tokens": 200, "stream": True})
+        response = await streaming.__aenter__()
+        assert response.status_code == 200
+        lines = response.aiter_lines()
+        assert (await lines.__anext__()).startswith("data: {")  # streaming has begun
+        backend.gate.clear()  # a paused fleet: the next request is held
+        held = asyncio.create_task(http.post("/v1/chat/completions", json={"model": MODEL, "messages": USER}))
+        while len(backend.submitted) < 2:
+            await asyncio.sleep(0.02)
+        began = time.perf_counter()
+        stop.set()
+        answer = await held
+        rest = [line async for line in lines if line.startswith("data: ")]
+        await streaming.__aexit__(None, None, None)
+        await asyncio.wait_for(task, 30)
+        took = time.perf_counter() - began
+    error = assert_error(answer, 503, None, "server_shutting_down")
+    assert "shutting down" in error["message"]
+    assert rest[-1] == "data: [DONE]" and json.loads(rest[-2][len("data: "):])["error"]["code"] == "server_shutting_down"
+    assert took < 10, took  # answered at once, not after uvicorn's graceful-shutdown timeout
+    assert len(backend.aborted) == 2  # both engine requests were given up
+    uvicorn_log.removeHandler(caplog.handler)
+    assert "Exception in ASGI application" not in caplog.text and "Traceback" not in caplog.text
