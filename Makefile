@@ -13,7 +13,7 @@ VERSION := $(shell sed -n 's/^__version__ = "\(.*\)"/\1/p' runtime/megatron_serv
 IMAGE ?= ghcr.io/megatron-serve/megatron-serve
 CONTAINER_TOOL ?= $(shell docker info >/dev/null 2>&1 && echo docker || command -v podman 2>/dev/null)
 
-.PHONY: setup run test test-fast image clean
+.PHONY: setup run test test-fast docs image clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -22,7 +22,7 @@ $(PY):
 # torch first and pinned: an unpinned torch drags in gigabytes of CUDA wheels.
 $(STAMP): $(PY) pyproject.toml
 	$(PIP) install -q torch==2.13.0
-	$(PIP) install -q -e '.[test]'
+	$(PIP) install -q -e '.[test,docs]'
 	touch $(STAMP)
 
 setup: $(STAMP)
@@ -39,10 +39,16 @@ test: $(STAMP)
 test-fast: $(STAMP)
 	TRITON_INTERPRET=1 $(PY) -m pytest -q -m "not slow"
 
+# Regenerate the reference pages (CLI, HTTP API, resource schema, metrics, vLLM mapping, dashboard)
+# from the code, then build the site into site/ (tests fail while a generated page is stale).
+docs: $(STAMP)
+	$(PY) tools/generate_docs.py
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
+
 image:
 	@test -n "$(CONTAINER_TOOL)" || { echo "make image needs docker or podman"; exit 1; }
 	$(CONTAINER_TOOL) build --build-arg VERSION=$(VERSION) $(if $(BASE_IMAGE),--build-arg BASE_IMAGE=$(BASE_IMAGE)) \
 		-t $(IMAGE):$(VERSION) .
 
 clean:
-	rm -rf $(VENV) .models build dist *.egg-info
+	rm -rf $(VENV) .models build dist site *.egg-info

@@ -130,6 +130,7 @@ class EngineRecord:
     last_refit: dict[str, Any] = field(default_factory=dict)  # timings of its last REFIT
     cached_tokens: int = 0  # prompt tokens the engine skipped thanks to its prefix cache (its heartbeat)
     computed_tokens: int = 0  # tokens the engine ran through its model (its heartbeat)
+    metrics: dict[str, Any] | None = None  # its cumulative engine metrics (last heartbeat's ``metrics``)
     progress: int | None = None  # its step loop's iteration counter (last heartbeat's ``progress``); None: unknown
     stall_clock: float = field(default_factory=time.monotonic)  # a stall of its step loop is measured from here
 
@@ -157,6 +158,7 @@ class EngineRecord:
             "epoch": self.epoch,
             "weights": self.weights,
             "last_refit": self.last_refit or None,
+            "metrics": self.metrics,
         }
 
 
@@ -930,6 +932,8 @@ class Coordinator:
                 engine.state = str(body["state"])
             if body.get("stats") is not None:
                 engine.stats = dict(body["stats"])
+            if body.get("metrics") is not None:
+                engine.metrics = body["metrics"]  # passed through to STATUS for the servers' /metrics
             self._note_progress(engine, body.get("progress"))
             self._send(engine.identity, Header.HEARTBEAT, self._heartbeat_body())
         elif header is Header.ENGINE_STEP:

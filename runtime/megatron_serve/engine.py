@@ -14,6 +14,7 @@ import torch
 
 from .config import InferenceConfig
 from .detokenizer import IncrementalDetokenizer
+from .engine_stats import EngineStats
 from .kv_cache import BlockAllocator, KVCachePool, blocks_for_tokens
 from .model.config import ModelConfig
 from .model.llama import LlamaForCausalLM
@@ -110,11 +111,16 @@ class DynamicInferenceEngine:
         self.epoch = 0  # generation of the weights being served; bumped by every refit
         self.refits = 0
         self.last_refit: dict[str, float] | None = None  # timings of the last refit (for /metrics)
+        self.stats = EngineStats()  # vLLM-style counters and histograms, shipped in heartbeats
 
     @property
     def cached_tokens(self) -> int:
         """Prompt tokens skipped so far because their KV blocks were found in the prefix cache."""
         return self.scheduler.cached_tokens
+
+    def metrics_snapshot(self) -> dict:
+        """The cumulative engine metrics, as the heartbeat's ``metrics`` field carries them."""
+        return self.stats.to_wire(self.scheduler.queried_tokens, self.scheduler.cached_tokens)
 
     @classmethod
     def from_model_dir(cls, model_dir: str | Path, config: InferenceConfig | None = None) -> "DynamicInferenceEngine":
@@ -210,6 +216,7 @@ class DynamicInferenceEngine:
         self._detokenizers.pop(request_id, None)
         request = sequence.request
         request.fail("aborted", FinishReason.ABORT)
+        self.stats.finish(request)
         return request
 
     def take_unfinished_requests(self) -> list[DynamicInferenceRequest]:
@@ -293,6 +300,7 @@ class DynamicInferenceEngine:
         if self.suspended or not self.scheduler.has_work():
             return outputs
         batch = self.scheduler.schedule()
+        self.stats.preempted(len(batch.preempted))
         if not batch:
             return outputs
         sampling = [(s, count) for s, count in batch.entries if s.num_computed + count == len(s.token_ids)]
@@ -306,8 +314,11 @@ class DynamicInferenceEngine:
         sequences = [s for s, _ in sampling]
         result = self.sampler.sample(logits, [s.request.sampling_params for s in sequences],
                                      [len(s.request.generated_tokens) for s in sequences])
+        now = time.monotonic()
         for i, sequence in enumerate(sequences):
-            outputs.append(self._append_token(sequence, result.token_ids[i], result.log_probs[i], result.top_n[i]))
+            out = self._append_token(sequence, result.token_ids[i], result.log_probs[i], result.top_n[i])
+            self.stats.observe(sequence, out.request, len(out.new_tokens), out.finished, now)
+            outputs.append(out)
         return outputs
 
     def _append_token(self, sequence: Sequence, token: int, log_prob: float | None,

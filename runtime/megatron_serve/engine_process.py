@@ -411,7 +411,8 @@ class EngineProcess:
 
         An engine may add routing facts (e.g. the block hashes it caches, for ``prefix_affinity``)
         through an optional ``routing_stats() -> dict`` method; they reach the routing policy as
-        ``EngineView.stats``.
+        ``EngineView.stats``. Its optional ``metrics_snapshot() -> dict`` (cumulative counters and
+        histogram buckets, :mod:`megatron_serve.engine_stats`) travels as the heartbeat's ``metrics``.
         """
         now = time.monotonic()
         if not force and now - self._stats_at < 0.2:
@@ -423,6 +424,7 @@ class EngineProcess:
         extra = getattr(e, "routing_stats", None)
         if callable(extra):
             stats.update(extra())
+        snapshot = getattr(e, "metrics_snapshot", None)  # optional, like routing_stats
         self.link.stats = {
             "state": FleetState.DRAINING.value if self.drain_deadline is not None else self.state,
             "running": int(e.num_running), "waiting": int(e.num_waiting),
@@ -433,6 +435,8 @@ class EngineProcess:
             "stats": stats,
             "progress": self.iterations,
         }
+        if callable(snapshot):
+            self.link.stats["metrics"] = snapshot()
 
     # -- lifecycle
 

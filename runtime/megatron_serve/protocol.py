@@ -178,6 +178,8 @@ TO_COORDINATOR: dict[Header, Schema] = {
         "stats": _opt(*_DICT),
         # iterations of the engine's step loop; absent from older engines (unknown, never "stalled")
         "progress": _opt(*_INT),
+        # cumulative engine counters and histogram buckets (engine_stats.EngineStats.to_wire); optional
+        "metrics": _opt(*_DICT),
     },
     Header.DRAINING: {"engine_id": _opt(*_STR)},
     Header.CONTROL_ACK: {"control_id": _req(*_ID), "state": _req(*_STR), "detail": _opt(*_DICT),

@@ -30,6 +30,7 @@ class Sequence:
     block_hashes: list[int] = field(default_factory=list)  # chained hashes of the complete blocks computed
     kv_epoch: int | None = None  # weights generation its cached KV was computed under (None: no KV yet)
     prompt_hashes: list[int] = field(default_factory=list)  # hashes of every complete block it can share
+    last_token_at: float | None = None  # monotonic time of its last sampled token here (inter-token latency)
 
     def __post_init__(self) -> None:
         if not self.token_ids:
@@ -68,6 +69,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.cached_tokens = 0  # tokens admitted sequences skipped thanks to the prefix cache
+        self.queried_tokens = 0  # tokens admitted sequences looked up in the prefix cache (vLLM's "queries")
 
     def add(self, sequence: Sequence) -> None:
         self.waiting.append(sequence)
@@ -175,6 +177,7 @@ class Scheduler:
                 break
             cached = sequence.num_computed
             self.cached_tokens += cached
+            self.queried_tokens += len(sequence.token_ids)
             sequence.request.cached_tokens = min(cached, len(sequence.request.prompt_tokens))
             self._grow(sequence, count)
             self.running.append(sequence)

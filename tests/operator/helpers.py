@@ -47,6 +47,23 @@ def load_yaml(path: str | pathlib.Path) -> list[dict[str, Any]]:
         return [d for d in yaml.safe_load_all(f) if d is not None]
 
 
+def structural_json_schema(node: dict[str, Any]) -> dict[str, Any]:
+    """openAPIV3Schema -> draft-4 JSON schema, with unknown fields forbidden (kubectl's strict
+    field validation: the API server would drop them, the user would lose them silently)."""
+    out = {k: v for k, v in node.items() if not k.startswith("x-kubernetes-") and k not in ("default", "format")}
+    if "properties" in node:
+        out["properties"] = {k: structural_json_schema(v) for k, v in node["properties"].items()}
+        if not node.get("x-kubernetes-preserve-unknown-fields"):
+            out["additionalProperties"] = False
+    if isinstance(node.get("items"), dict):
+        out["items"] = structural_json_schema(node["items"])
+    if isinstance(node.get("additionalProperties"), dict):
+        out["additionalProperties"] = structural_json_schema(node["additionalProperties"])
+    if node.get("x-kubernetes-int-or-string"):
+        out.pop("type", None)
+    return out
+
+
 async def wait_for(predicate: Callable[[], Any], timeout: float = 20.0, what: str = "condition",
                    interval: float = 0.05) -> Any:
     """Poll ``predicate`` until it returns something truthy or the deadline passes."""

@@ -10,7 +10,7 @@ from typing import Any
 import jsonschema
 import pytest
 
-from .helpers import CRD_PATH, EXAMPLES, ROOT, load_yaml
+from .helpers import CRD_PATH, EXAMPLES, ROOT, load_yaml, structural_json_schema
 
 from megatron_operator import crd, spec
 
@@ -68,23 +68,6 @@ def test_schema_is_structural():
 
 # --------------------------------------------------------------------------- a reference validator
 
-def _json_schema(node: dict[str, Any]) -> dict[str, Any]:
-    """openAPIV3Schema -> draft-4 JSON schema, with unknown fields forbidden (kubectl's strict
-    field validation: the API server would drop them, the user would lose them silently)."""
-    out = {k: v for k, v in node.items() if not k.startswith("x-kubernetes-") and k not in ("default", "format")}
-    if "properties" in node:
-        out["properties"] = {k: _json_schema(v) for k, v in node["properties"].items()}
-        if not node.get("x-kubernetes-preserve-unknown-fields"):
-            out["additionalProperties"] = False
-    if isinstance(node.get("items"), dict):
-        out["items"] = _json_schema(node["items"])
-    if isinstance(node.get("additionalProperties"), dict):
-        out["additionalProperties"] = _json_schema(node["additionalProperties"])
-    if node.get("x-kubernetes-int-or-string"):
-        out.pop("type", None)
-    return out
-
-
 def _default(value: Any, node: dict[str, Any]) -> Any:
     """The API server's structural defaulting, written independently of megatron_operator.spec."""
     if isinstance(value, dict):
@@ -120,7 +103,7 @@ def crd_errors(resource: dict[str, Any]) -> list[str]:
     """What the API server (structure + defaults + CEL) would say about ``resource``."""
     schema = crd.openapi_schema()
     obj = _default(copy.deepcopy(resource), schema)
-    validator = jsonschema.Draft4Validator(_json_schema(schema))
+    validator = jsonschema.Draft4Validator(structural_json_schema(schema))
     errors = [f"{'.'.join(str(p) for p in e.absolute_path)}: {e.message}" for e in validator.iter_errors(obj)]
     if not errors:
         errors = _cel_errors(obj, schema)

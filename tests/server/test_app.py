@@ -228,7 +228,7 @@ async def test_client_disconnect_aborts_waiting_and_streaming_requests(tokenizer
         await async_wait_until(lambda: len(backend.aborted) == 3 and not backend.running, 10, "stream aborted")
         metrics = (await http.get("/metrics")).text
         assert metric(metrics, "megatron_serve_requests_total", 'status="aborted"') == 3
-        assert metric(metrics, "megatron_serve_requests_running") == 0
+        assert metric(metrics, "megatron_serve_num_requests_running", f'engine_group="0",model_name="{MODEL}"') == 0
 
 
 async def read_events(response: httpx.Response, count: int) -> None:

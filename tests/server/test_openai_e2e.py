@@ -160,7 +160,7 @@ def test_models_health_ready_and_metric_names(stack, client):
     for name in ("megatron_serve_requests_total", "megatron_serve_prompt_tokens_total",
                  "megatron_serve_generation_tokens_total", "megatron_serve_time_to_first_token_seconds_bucket",
                  "megatron_serve_time_per_output_token_seconds_bucket", "megatron_serve_queue_depth",
-                 "megatron_serve_requests_running", "megatron_serve_kv_blocks_used", "megatron_serve_kv_blocks_total",
+                 "megatron_serve_num_requests_running", "megatron_serve_kv_blocks_used", "megatron_serve_kv_blocks_total",
                  'megatron_serve_lifecycle_state{state="RUNNING"} 1.0'):
         assert name in text, name
     assert metric(text, "megatron_serve_kv_blocks_total") == NUM_KV_BLOCKS
@@ -342,6 +342,7 @@ def test_paused_and_suspended_fleets_hold_requests_and_queue_limit_is_429(stack,
 def test_disconnects_abort_and_free_the_request(stack):
     headers = {"Authorization": f"Bearer {API_KEY}"}
     aborted = metric(scrape(stack), "megatron_serve_requests_total", 'status="aborted"')
+    engine = f'engine_group="0",model_name="{stack.model}"'
     body = {"model": stack.model, "prompt": "Once upon a time", "max_tokens": 900, "stream": True,
             "ignore_eos": True}
     with httpx.Client(base_url=stack.url, headers=headers, timeout=60) as http:
@@ -350,13 +351,15 @@ def test_disconnects_abort_and_free_the_request(stack):
             lines = response.iter_lines()
             assert next(line for line in lines if line.startswith("data: "))
             control(stack.address, "pause")  # freeze it mid-generation, holding its KV blocks
-            wait_until(lambda: metric(scrape(stack), "megatron_serve_requests_running") == 1, 30, "running request")
+            wait_until(lambda: metric(scrape(stack), "megatron_serve_num_requests_running", engine) == 1, 30,
+                       "running request")
             assert metric(scrape(stack), "megatron_serve_kv_blocks_used") > 0
         # the client went away mid-stream: the request is aborted and the engine frees it
         wait_until(lambda: metric(scrape(stack), "megatron_serve_requests_total", 'status="aborted"') == aborted + 1,
                    30, "the abort")
         wait_until(lambda: metric(scrape(stack), "megatron_serve_kv_blocks_used") == 0
-                   and metric(scrape(stack), "megatron_serve_requests_running") == 0, 30, "the engine to free it")
+                   and metric(scrape(stack), "megatron_serve_num_requests_running", engine) == 0, 30,
+                   "the engine to free it")
 
         with pytest.raises(httpx.ReadTimeout):  # a non-streamed request, waiting in the paused queue
             http.post("/v1/completions", json={**body, "stream": False, "max_tokens": 4}, timeout=1.0)

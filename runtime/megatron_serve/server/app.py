@@ -105,7 +105,7 @@ def create_app(
     """
     monitor = FleetMonitor(backend, interval=status_interval)
     pending = PendingCounter(max_concurrent_requests)
-    metrics = ServerMetrics(monitor, lambda: pending.value)
+    metrics = ServerMetrics(monitor, lambda: pending.value, model_name)
     limits = limits or RequestLimits()
     ctx = ServerContext(backend=backend, tokenizer=tokenizer, model_name=model_name, monitor=monitor, metrics=metrics,
                         pending=pending, limits=limits, workers=Workers(tokenizer_threads), vocab_size=vocab_size,
@@ -214,8 +214,10 @@ def create_app(
     @app.get("/metrics", tags=["probes"], response_class=Response,
              responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}},
                               "description": "Prometheus text exposition format"}},
-             description="Prometheus metrics: requests by outcome, tokens, TTFT and TPOT histograms, and the "
-                         "fleet's queue depth, running requests, KV blocks and lifecycle state.")
+             description="Prometheus metrics of the whole fleet: every engine group's vLLM-style series (running "
+                         "and waiting requests, KV-cache usage, token counters, TTFT, inter-token, end-to-end and "
+                         "queue-time histograms, preemptions, prefix-cache queries and hits), the coordinator's "
+                         "queue depth, lifecycle state and refits, and this server's own requests.")
     async def prometheus_metrics() -> Response:
         await monitor.wait_first_poll()
         if monitor.reachable:

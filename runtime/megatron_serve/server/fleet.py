@@ -177,12 +177,7 @@ class FleetMonitor:
             "engines": len(engines),
             "queued": int(status.get("queued") or 0),
             "in_flight": int(status.get("in_flight") or 0),
-            "running": sum(int(e.get("running") or 0) for e in engines),
-            "waiting": sum(int(e.get("waiting") or 0) for e in engines),
             "kv_blocks_total": total,
             "kv_blocks_used": max(total - free, 0),
-            "cached_tokens": sum(int(e.get("cached_tokens") or 0) for e in engines),
             "computed_tokens": sum(int(e.get("computed_tokens") or 0) for e in engines),
-            "completed": int(status.get("completed") or 0),
-            "failed": int(status.get("failed") or 0),
         }

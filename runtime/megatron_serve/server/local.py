@@ -83,6 +83,7 @@ class AsyncLLMBackend:
                          "cached_tokens": int(getattr(engine, "cached_tokens", 0) or 0),
                          "computed_tokens": int(getattr(engine, "computed_tokens", 0) or 0),
                          "epoch": int(getattr(engine, "epoch", 0)), "last_refit": getattr(engine, "last_refit", None),
+                         "metrics": engine.metrics_snapshot(),
                          "info": {"max_sequence_length": engine.max_sequence_length}}],
             "epoch": int(getattr(engine, "epoch", 0)),
             "refits": int(getattr(engine, "refits", 0)),

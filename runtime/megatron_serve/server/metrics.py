@@ -1,81 +1,78 @@
-"""Prometheus metrics of one server: its own counters and histograms, plus fleet gauges from STATUS.
+"""Prometheus metrics of one server: its own counters, plus the fleet's and every engine's series from STATUS.
 
 Each app gets its own ``CollectorRegistry`` so that several apps (tests, ``serve()`` next to a
-``run``) never share or double-register series. Request-level series (outcomes, tokens, TTFT,
-TPOT) are observed by this server; fleet-level gauges (queue depth, running requests, KV blocks,
-lifecycle state) are read from the coordinator's last ``STATUS_REPLY`` at scrape time, so every
-server replica in front of one fleet reports the same fleet numbers.
+``run``) never share or double-register series. Every series is declared in
+:mod:`.metric_catalog` (name, type, labels, meaning, vLLM twin); this module only fills them in:
+
+* request-level series of this server (outcomes, TPOT, cached prompt tokens) are observed here;
+* fleet gauges (queue depth, KV blocks, lifecycle state, refits) and the engine series (vLLM's
+  running/waiting, KV-cache usage, token counters, TTFT/ITL/latency/queue histograms, preemptions,
+  prefix-cache queries and hits) are read from the coordinator's last ``STATUS_REPLY`` at scrape
+  time. Engines ship cumulative numbers in their heartbeats, so a scrape costs the engines nothing
+  and one scrape of any server sees the whole fleet.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any, Callable, Iterable
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from ..engine_stats import COUNTERS, FINISH_REASONS, HISTOGRAMS
 from .fleet import FleetMonitor
+from .metric_catalog import SERIES, Series, series
 
 LIFECYCLE_STATES = ("RUNNING", "PAUSED", "SUSPENDED", "STOPPED")
-_PREFIX = "megatron_serve"
 
-_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
-                 20.0, 40.0, 80.0)
 _TPOT_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75,
                  1.0, 2.5)
-_LATENCY_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 1.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
-                    240.0, 480.0)
+
+
+def _family(name: str, value: float | None = None) -> Metric:
+    """An empty (or single-valued) family for the catalogue entry ``name``."""
+    entry = series(name)
+    cls = {"counter": CounterMetricFamily, "gauge": GaugeMetricFamily, "histogram": HistogramMetricFamily}[entry.kind]
+    if value is not None:
+        return cls(entry.base_name, entry.help, value=value)
+    return cls(entry.base_name, entry.help, labels=list(entry.labels))
 
 
 class _FleetCollector(Collector):
-    """Gauges computed from the monitor's last status and the server's own pending count."""
+    """Fleet gauges from the monitor's last status, and the server's own pending count."""
 
     def __init__(self, monitor: FleetMonitor, pending: Callable[[], int]) -> None:
         self.monitor = monitor
         self.pending = pending
 
-    def collect(self) -> Iterable[GaugeMetricFamily]:
+    def collect(self) -> Iterable[Metric]:
         monitor = self.monitor
         totals = monitor.totals()
-
-        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
-            return GaugeMetricFamily(f"{_PREFIX}_{name}", doc, value=value)
-
-        yield gauge("coordinator_reachable", "1 while the coordinator answers STATUS", 1.0 if monitor.reachable else 0.0)
-        state = GaugeMetricFamily(f"{_PREFIX}_lifecycle_state", "1 for the fleet's current lifecycle state",
-                                  labels=["state"])
+        yield _family("coordinator_reachable", 1.0 if monitor.reachable else 0.0)
+        state = _family("lifecycle_state")
         current = monitor.state if monitor.reachable else None
         for name in LIFECYCLE_STATES:
             state.add_metric([name], 1.0 if current == name else 0.0)
         yield state
-        yield gauge("engines", "engine groups registered with the coordinator", totals["engines"])
-        yield gauge("queue_depth", "requests queued at the coordinator, not yet sent to an engine", totals["queued"])
-        yield gauge("requests_in_flight", "requests the coordinator has sent to engines", totals["in_flight"])
-        yield gauge("requests_running", "requests running in engines (their last heartbeat)", totals["running"])
-        yield gauge("requests_waiting", "requests waiting inside engines (their last heartbeat)", totals["waiting"])
-        yield gauge("kv_blocks_used", "KV cache blocks in use, all engines", totals["kv_blocks_used"])
-        yield gauge("kv_blocks_total", "KV cache blocks, all engines", totals["kv_blocks_total"])
-        yield gauge("engine_cached_tokens", "prompt tokens the engines skipped thanks to their prefix caches "
-                    "(sum of the engines' counters since they started)", totals["cached_tokens"])
-        yield gauge("engine_computed_tokens", "tokens the engines ran through the model, prefill and decode "
-                    "(sum of the engines' counters since they started)", totals["computed_tokens"])
-        yield gauge("server_pending_requests", "engine requests this server is waiting on", self.pending())
+        yield _family("engines", totals["engines"])
+        yield _family("queue_depth", totals["queued"])
+        yield _family("requests_in_flight", totals["in_flight"])
+        yield _family("kv_blocks_used", totals["kv_blocks_used"])
+        yield _family("kv_blocks_total", totals["kv_blocks_total"])
+        yield _family("engine_computed_tokens", totals["computed_tokens"])
+        yield _family("server_pending_requests", self.pending())
         yield from _refit_metrics(monitor)
 
 
-def _refit_metrics(monitor: FleetMonitor) -> Iterable[GaugeMetricFamily]:
+def _refit_metrics(monitor: FleetMonitor) -> Iterable[Metric]:
     """Weights generation of the fleet and of each engine, and how long each engine's last refit took."""
     status = monitor.status or {}
-    yield GaugeMetricFamily(f"{_PREFIX}_weights_epoch", "generation (REFIT epoch) of the weights the fleet serves",
-                            value=float(status.get("epoch") or 0))
-    yield CounterMetricFamily(f"{_PREFIX}_refits", "REFITs the coordinator completed since it started",
-                              value=float(status.get("refits") or 0))
-    epochs = GaugeMetricFamily(f"{_PREFIX}_engine_weights_epoch", "generation of the weights each engine serves",
-                               labels=["engine", "group"])
-    seconds = GaugeMetricFamily(f"{_PREFIX}_engine_refit_seconds", "duration of each engine's last refit, by phase "
-                                "(verify: shape check; load: copying weights in place; total)",
-                                labels=["engine", "group", "phase"])
+    yield _family("weights_epoch", float(status.get("epoch") or 0))
+    yield _family("refits_total", float(status.get("refits") or 0))
+    epochs = _family("engine_weights_epoch")
+    seconds = _family("engine_refit_seconds")
     for engine in monitor.engines:
         labels = [str(engine.get("id")), str(engine.get("group"))]
         if isinstance(engine.get("epoch"), int):
@@ -87,50 +84,105 @@ def _refit_metrics(monitor: FleetMonitor) -> Iterable[GaugeMetricFamily]:
     yield seconds
 
 
+def _number(value: Any) -> float | None:
+    """A finite, non-negative number from an engine's report (None for anything else: never a broken scrape)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    value = float(value)
+    return value if math.isfinite(value) and value >= 0 else None
+
+
+def _buckets(report: Any, bounds: tuple[float, ...]) -> tuple[list[tuple[str, float]], float] | None:
+    """Cumulative ``(le, count)`` pairs and the sum of one reported histogram, if it is well formed."""
+    if not isinstance(report, dict) or not isinstance(report.get("counts"), list):
+        return None
+    counts = [_number(c) for c in report["counts"]]
+    total = _number(report.get("sum"))
+    if report.get("le") != list(bounds) or len(counts) != len(bounds) + 1 or None in counts or total is None:
+        return None  # another version's bounds, or garbage: leave this engine's histogram out
+    pairs, running = [], 0.0
+    for bound, count in zip([*map(str, bounds), "+Inf"], counts):
+        running += count  # type: ignore[operator]
+        pairs.append((bound, running))
+    return pairs, total
+
+
+class _EngineCollector(Collector):
+    """vLLM's engine series, one per engine group, from the ``metrics`` each engine last reported."""
+
+    def __init__(self, monitor: FleetMonitor, model_name: str) -> None:
+        self.monitor = monitor
+        self.model_name = model_name
+
+    def collect(self) -> Iterable[Metric]:
+        engines = self.monitor.engines if self.monitor.reachable else []
+        families = {s.name: _family(s.name) for s in SERIES if s.source == "engine"}
+        for engine in engines:
+            labels = [str(engine.get("group")), self.model_name]
+            running, waiting = _number(engine.get("running")), _number(engine.get("waiting"))
+            free, total = _number(engine.get("kv_blocks_free")), _number(engine.get("kv_blocks_total"))
+            if running is not None:
+                families["num_requests_running"].add_metric(labels, running)
+            if waiting is not None:
+                families["num_requests_waiting"].add_metric(labels, waiting)
+            if free is not None and total:
+                families["kv_cache_usage_perc"].add_metric(labels, min(max(1.0 - free / total, 0.0), 1.0))
+            report = engine.get("metrics")
+            if not isinstance(report, dict):
+                continue  # an engine that reports no metrics (an older version, or not yet)
+            counters = report.get("counters") if isinstance(report.get("counters"), dict) else {}
+            for name in COUNTERS:
+                value = _number(counters.get(name))
+                if value is not None:
+                    families[f"{name}_total"].add_metric(labels, value)
+            finished = report.get("request_success") if isinstance(report.get("request_success"), dict) else {}
+            for reason in FINISH_REASONS:
+                value = _number(finished.get(reason))
+                if value is not None:
+                    families["request_success_total"].add_metric([*labels, reason], value)
+            histograms = report.get("histograms") if isinstance(report.get("histograms"), dict) else {}
+            for name, bounds in HISTOGRAMS.items():
+                parsed = _buckets(histograms.get(name), bounds)
+                if parsed is not None:
+                    families[name].add_metric(labels, parsed[0], parsed[1])
+        yield from families.values()
+
+
 class _HitRateCollector(Collector):
     """Prefix-cache hit rate of this server's finished requests: cached / prompt tokens (0 before any)."""
 
     def __init__(self, metrics: "ServerMetrics") -> None:
         self.metrics = metrics
 
-    def collect(self) -> Iterable[GaugeMetricFamily]:
+    def collect(self) -> Iterable[Metric]:
         m = self.metrics
-        rate = m._cached_total / m._prompt_total if m._prompt_total else 0.0
-        yield GaugeMetricFamily(f"{_PREFIX}_prefix_cache_hit_rate",
-                                "cached prompt tokens / prompt tokens of the requests this server finished", value=rate)
+        yield _family("prefix_cache_hit_rate", m._cached_total / m._prompt_total if m._prompt_total else 0.0)
+
+
+def _counter(entry: Series, registry: CollectorRegistry) -> Counter:
+    return Counter(entry.base_name, entry.help, list(entry.labels), registry=registry)
 
 
 class ServerMetrics:
     """The series of one server (see the module docstring)."""
 
-    def __init__(self, monitor: FleetMonitor, pending: Callable[[], int]) -> None:
+    def __init__(self, monitor: FleetMonitor, pending: Callable[[], int], model_name: str = "") -> None:
         self.registry = CollectorRegistry()
         r = self.registry
-        self.http_requests = Counter(f"{_PREFIX}_http_requests", "HTTP requests answered, by route and status code",
-                                     ["route", "code"], registry=r)
-        self.requests = Counter(f"{_PREFIX}_requests", "generation requests by outcome: completed, failed, aborted",
-                                ["status"], registry=r)
-        self.finish_reasons = Counter(f"{_PREFIX}_finish_reasons", "completed choices by finish reason",
-                                      ["reason"], registry=r)
-        self.prompt_tokens = Counter(f"{_PREFIX}_prompt_tokens", "prompt tokens of finished requests", registry=r)
-        self.cached_prompt_tokens = Counter(f"{_PREFIX}_cached_prompt_tokens",
-                                            "prompt tokens of finished requests served from the prefix cache",
-                                            registry=r)
-        self._prompt_total = 0  # the two counters' values, for the hit rate
+        self.http_requests = _counter(series("http_requests_total"), r)
+        self.requests = _counter(series("requests_total"), r)
+        self.finish_reasons = _counter(series("finish_reasons_total"), r)
+        self.cached_prompt_tokens = _counter(series("cached_prompt_tokens_total"), r)
+        self._prompt_total = 0  # prompt and cached tokens of finished requests, for the hit rate
         self._cached_total = 0
-        self.generation_tokens = Counter(f"{_PREFIX}_generation_tokens", "tokens generated for finished requests",
-                                         registry=r)
-        self.ttft = Histogram(f"{_PREFIX}_time_to_first_token_seconds", "time from arrival to the first token",
-                              buckets=_TTFT_BUCKETS, registry=r)
-        self.tpot = Histogram(f"{_PREFIX}_time_per_output_token_seconds",
-                              "mean time between generated tokens after the first", buckets=_TPOT_BUCKETS, registry=r)
-        self.e2e = Histogram(f"{_PREFIX}_e2e_request_latency_seconds", "time from arrival to the last token",
-                             buckets=_LATENCY_BUCKETS, registry=r)
+        tpot = series("time_per_output_token_seconds")
+        self.tpot = Histogram(tpot.base_name, tpot.help, buckets=_TPOT_BUCKETS, registry=r)
         for status in ("completed", "failed", "aborted"):
             self.requests.labels(status)  # present from the start, so rates work from the first scrape
         for reason in ("stop", "length"):
             self.finish_reasons.labels(reason)
         self.registry.register(_FleetCollector(monitor, pending))
+        self.registry.register(_EngineCollector(monitor, model_name))
         self.registry.register(_HitRateCollector(self))
 
     def observe_finished(self, request: Any) -> None:
@@ -150,18 +202,12 @@ class ServerMetrics:
         generated = len(getattr(request, "generated_tokens", []) or [])
         prompt = len(getattr(request, "prompt_tokens", []) or [])
         cached = min(int(getattr(request, "cached_tokens", 0) or 0), prompt)
-        self.prompt_tokens.inc(prompt)
         self.cached_prompt_tokens.inc(cached)
         self._prompt_total += prompt
         self._cached_total += cached
-        self.generation_tokens.inc(generated)
         ttft, latency = getattr(request, "ttft", None), getattr(request, "latency", None)
-        if ttft is not None and ttft >= 0:
-            self.ttft.observe(ttft)
-        if latency is not None and latency >= 0:
-            self.e2e.observe(latency)
-            if ttft is not None and generated > 1 and latency >= ttft:
-                self.tpot.observe((latency - ttft) / (generated - 1))
+        if ttft is not None and latency is not None and generated > 1 and latency >= ttft >= 0:
+            self.tpot.observe((latency - ttft) / (generated - 1))
 
     def observe_aborted(self, count: int = 1) -> None:
         """Requests this server aborted (its client went away) before they finished."""

@@ -1,0 +1,112 @@
+"""Engine-level counters and histograms, kept as plain integers and shipped whole in each heartbeat.
+
+An engine process serves no HTTP: the server's ``/metrics`` sees the fleet through the
+coordinator's ``STATUS_REPLY``, which carries each engine's last heartbeat. So an engine keeps
+*cumulative* counters and histogram bucket counts (never deltas: a lost or duplicated heartbeat
+then changes nothing) and :meth:`EngineStats.to_wire` copies them into the heartbeat's optional
+``metrics`` field once per publication (at most every 0.2 s), not once per token.
+
+The meanings and units are vLLM's (``vllm:time_to_first_token_seconds`` and so on), so dashboards
+and alerts written for vLLM read these series unchanged; the bucket bounds are a superset of
+vLLM's, so its ``le`` thresholds exist here too. Cost on the step loop: one call per request that
+sampled in the step (a few integer additions and at most one ``bisect`` over about 25 bounds),
+next to the detokenizer and sampler work that the same request already costs; preemptions are
+counted once per step.
+"""
+
+from __future__ import annotations
+
+import bisect
+from typing import Any, Protocol
+
+from .request import DynamicInferenceRequest, EventType, FinishReason
+
+# vLLM's bounds, plus finer ones below its smallest where a GPU engine commonly lands.
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+INTER_TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5,
+                       0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+REQUEST_LATENCY_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0,
+                           50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+
+#: histogram name (as exported, without the prefix) -> bucket bounds
+HISTOGRAMS: dict[str, tuple[float, ...]] = {
+    "time_to_first_token_seconds": TTFT_BUCKETS,
+    "inter_token_latency_seconds": INTER_TOKEN_BUCKETS,
+    "e2e_request_latency_seconds": REQUEST_LATENCY_BUCKETS,
+    "request_queue_time_seconds": REQUEST_LATENCY_BUCKETS,
+}
+#: counter names on the wire (the exported name adds ``_total``)
+COUNTERS = ("prompt_tokens", "generation_tokens", "num_preemptions", "prefix_cache_queries", "prefix_cache_hits")
+#: finish reasons counted by ``request_success``
+FINISH_REASONS = (FinishReason.STOP.value, FinishReason.LENGTH.value, FinishReason.ABORT.value)
+
+
+class Histogram:
+    """Fixed bounds, one count per bucket plus the overflow bucket (``le="+Inf"``), and the sum."""
+
+    __slots__ = ("bounds", "counts", "sum")
+
+    def __init__(self, bounds: tuple[float, ...]) -> None:
+        self.bounds = bounds
+        self.counts = [0] * (len(bounds) + 1)
+        self.sum = 0.0
+
+    def observe(self, value: float, times: int = 1) -> None:
+        self.counts[bisect.bisect_left(self.bounds, value)] += times  # le is inclusive: value == bound fits
+        self.sum += value * times
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"le": list(self.bounds), "counts": list(self.counts), "sum": self.sum}
+
+
+class SampledSequence(Protocol):
+    """What :meth:`EngineStats.observe` reads of a scheduler ``Sequence``."""
+
+    last_token_at: float | None
+
+
+class EngineStats:
+    """The counters and histograms of one engine since it started (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self.counters = dict.fromkeys(COUNTERS, 0)
+        self.finished = dict.fromkeys(FINISH_REASONS, 0)
+        self.histograms = {name: Histogram(bounds) for name, bounds in HISTOGRAMS.items()}
+
+    def observe(self, sequence: SampledSequence, request: DynamicInferenceRequest, new_tokens: int,
+                finished: bool, now: float) -> None:
+        """One request sampled in a step that ended at ``now`` (monotonic): it added ``new_tokens``."""
+        self.counters["generation_tokens"] += new_tokens
+        if len(request.generated_tokens) == new_tokens:  # nothing generated before: its first sampled token
+            self.counters["prompt_tokens"] += len(request.prompt_tokens)
+            if request.ttft is not None:
+                self.histograms["time_to_first_token_seconds"].observe(max(request.ttft, 0.0))
+        elif sequence.last_token_at is not None:  # None: it came from another engine mid-generation
+            self.histograms["inter_token_latency_seconds"].observe(now - sequence.last_token_at)
+        sequence.last_token_at = now
+        if finished:
+            self.finish(request)
+
+    def preempted(self, count: int) -> None:
+        self.counters["num_preemptions"] += count
+
+    def finish(self, request: DynamicInferenceRequest) -> None:
+        """A request left this engine finished (completed or aborted here)."""
+        reason = request.finish_reason.value if request.finish_reason is not None else None
+        if reason in self.finished:
+            self.finished[reason] += 1
+        if reason == FinishReason.ABORT.value:
+            return
+        if request.latency is not None:
+            self.histograms["e2e_request_latency_seconds"].observe(max(request.latency, 0.0))
+        scheduled = next((e.timestamp for e in request.events if e.type is EventType.PREFILL), None)
+        if scheduled is not None:
+            self.histograms["request_queue_time_seconds"].observe(max(scheduled - request.arrival_time, 0.0))
+
+    def to_wire(self, prefix_cache_queries: int, prefix_cache_hits: int) -> dict[str, Any]:
+        """The heartbeat's ``metrics`` field (the prefix-cache counters live in the scheduler)."""
+        counters = {**self.counters, "prefix_cache_queries": prefix_cache_queries,
+                    "prefix_cache_hits": prefix_cache_hits}
+        return {"counters": counters, "request_success": dict(self.finished),
+                "histograms": {name: h.to_wire() for name, h in self.histograms.items()}}

@@ -1,0 +1,129 @@
+"""Every series ``/metrics`` exports, as data: name, type, labels, meaning, and vLLM's name for it.
+
+One table feeds three things: :mod:`.metrics` builds its counters, histograms and collected
+families from it (so a series cannot be exported without an entry), the generated metrics
+reference page lists it (``make docs``), and the Grafana dashboard and autoscaling examples are
+checked against it. Names are given as Prometheus exposes them (counters end in ``_total``).
+
+``source`` says where the numbers come from:
+
+* ``engine``: each engine's cumulative counters and histograms (:mod:`megatron_serve.engine_stats`),
+  shipped in its heartbeat, kept by the coordinator and read from ``STATUS_REPLY`` at scrape time,
+  one series per engine group (labels ``engine_group`` and ``model_name``);
+* ``fleet``: the coordinator's own facts from the same ``STATUS_REPLY``;
+* ``server``: observed by this server process (its own HTTP requests and results).
+
+Engine and fleet series are the same on every server replica in front of one fleet: aggregate them
+with ``max``/``avg`` over replicas (or scrape one), never ``sum``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+PREFIX = "megatron_serve"
+
+Kind = Literal["counter", "gauge", "histogram"]
+Source = Literal["engine", "fleet", "server"]
+
+
+@dataclass(frozen=True)
+class Series:
+    """One exported metric family."""
+
+    name: str  # without the prefix; counters include their ``_total`` suffix
+    kind: Kind
+    help: str
+    source: Source
+    labels: tuple[str, ...] = ()
+    vllm: str | None = None  # vLLM's series with the same meaning and unit, if it has one
+    unit: str = ""
+
+    @property
+    def full_name(self) -> str:
+        return f"{PREFIX}_{self.name}"
+
+    @property
+    def base_name(self) -> str:
+        """The name prometheus-client is given (it appends ``_total`` to counters itself)."""
+        return self.full_name[: -len("_total")] if self.kind == "counter" else self.full_name
+
+
+ENGINE_LABELS = ("engine_group", "model_name")
+
+SERIES: tuple[Series, ...] = (
+    # ---- every engine, from its last heartbeat (vLLM's engine series, same meaning and unit)
+    Series("num_requests_running", "gauge", "requests in the engine's running batch", "engine", ENGINE_LABELS,
+           "vllm:num_requests_running", "requests"),
+    Series("num_requests_waiting", "gauge", "requests queued inside the engine, waiting to be scheduled",
+           "engine", ENGINE_LABELS, "vllm:num_requests_waiting", "requests"),
+    Series("kv_cache_usage_perc", "gauge", "fraction of the engine's KV-cache blocks in use, 0 to 1", "engine",
+           ENGINE_LABELS, "vllm:kv_cache_usage_perc", "fraction"),
+    Series("prompt_tokens_total", "counter", "prompt tokens of the requests the engine started generating for",
+           "engine", ENGINE_LABELS, "vllm:prompt_tokens_total", "tokens"),
+    Series("generation_tokens_total", "counter", "tokens the engine generated", "engine", ENGINE_LABELS,
+           "vllm:generation_tokens_total", "tokens"),
+    Series("request_success_total", "counter", "requests the engine finished, by finish reason (stop, length, "
+           "abort)", "engine", (*ENGINE_LABELS, "finished_reason"), "vllm:request_success_total", "requests"),
+    Series("num_preemptions_total", "counter", "running requests the engine preempted because KV blocks ran out "
+           "(each is recomputed later)", "engine", ENGINE_LABELS, "vllm:num_preemptions_total", "requests"),
+    Series("prefix_cache_queries_total", "counter", "tokens the engine looked up in its prefix cache when it "
+           "admitted a request", "engine", ENGINE_LABELS, "vllm:prefix_cache_queries_total", "tokens"),
+    Series("prefix_cache_hits_total", "counter", "of those, tokens found in the prefix cache (not recomputed)",
+           "engine", ENGINE_LABELS, "vllm:prefix_cache_hits_total", "tokens"),
+    Series("time_to_first_token_seconds", "histogram", "time from a request's arrival at the coordinator to "
+           "its first generated token", "engine", ENGINE_LABELS, "vllm:time_to_first_token_seconds", "seconds"),
+    Series("inter_token_latency_seconds", "histogram", "time between two consecutive generated tokens of a "
+           "request", "engine", ENGINE_LABELS, "vllm:inter_token_latency_seconds", "seconds"),
+    Series("e2e_request_latency_seconds", "histogram", "time from a request's arrival at the coordinator to "
+           "its last token (completed requests)", "engine", ENGINE_LABELS, "vllm:e2e_request_latency_seconds",
+           "seconds"),
+    Series("request_queue_time_seconds", "histogram", "time from a request's arrival at the coordinator until "
+           "an engine first scheduled it (coordinator queue plus engine queue)", "engine", ENGINE_LABELS,
+           "vllm:request_queue_time_seconds", "seconds"),
+    # ---- the fleet, from the coordinator's STATUS (no vLLM twin)
+    Series("coordinator_reachable", "gauge", "1 while the coordinator answers STATUS", "fleet"),
+    Series("lifecycle_state", "gauge", "1 for the fleet's current lifecycle state (RUNNING, PAUSED, "
+           "SUSPENDED, STOPPED), 0 for the others", "fleet", ("state",)),
+    Series("engines", "gauge", "engine groups registered with the coordinator", "fleet"),
+    Series("queue_depth", "gauge", "requests queued at the coordinator, not yet sent to an engine", "fleet",
+           unit="requests"),
+    Series("requests_in_flight", "gauge", "requests the coordinator has sent to engines", "fleet", unit="requests"),
+    Series("kv_blocks_used", "gauge", "KV cache blocks in use, all engines", "fleet", unit="blocks"),
+    Series("kv_blocks_total", "gauge", "KV cache blocks, all engines", "fleet", unit="blocks"),
+    Series("engine_computed_tokens", "gauge", "tokens the engines ran through the model, prefill and decode "
+           "(sum of the engines' counters since they started)", "fleet", unit="tokens"),
+    Series("weights_epoch", "gauge", "generation (REFIT epoch) of the weights the fleet serves", "fleet"),
+    Series("refits_total", "counter", "REFITs the coordinator completed since it started", "fleet"),
+    Series("engine_weights_epoch", "gauge", "generation of the weights each engine serves", "fleet",
+           ("engine", "group")),
+    Series("engine_refit_seconds", "gauge", "duration of each engine's last refit, by phase (verify: shape "
+           "check; load: copying weights in place; total)", "fleet", ("engine", "group", "phase"), None, "seconds"),
+    # ---- this server's own requests
+    Series("http_requests_total", "counter", "HTTP requests answered, by route template and status code",
+           "server", ("route", "code")),
+    Series("requests_total", "counter", "generation requests this server finished, by outcome: "
+           "completed, failed, aborted", "server", ("status",)),
+    Series("finish_reasons_total", "counter", "completed choices this server returned, by finish reason (stop, "
+           "length)", "server", ("reason",)),
+    Series("cached_prompt_tokens_total", "counter", "prompt tokens of the requests this server finished that "
+           "were served from the prefix cache", "server", unit="tokens"),
+    Series("prefix_cache_hit_rate", "gauge", "cached prompt tokens / prompt tokens of the requests this "
+           "server finished (0 before any)", "server", unit="fraction"),
+    Series("time_per_output_token_seconds", "histogram", "mean time between a request's generated tokens "
+           "after the first, one observation per request", "server", (),
+           "vllm:request_time_per_output_token_seconds", "seconds"),
+    Series("server_pending_requests", "gauge", "engine requests this server is waiting on", "server",
+           unit="requests"),
+)
+
+BY_NAME: dict[str, Series] = {s.name: s for s in SERIES}
+
+
+def series(name: str) -> Series:
+    """The catalogue entry called ``name`` (without the prefix); ``KeyError`` names what is missing."""
+    try:
+        return BY_NAME[name]
+    except KeyError:
+        raise KeyError(f"no series {name!r} in the metric catalogue") from None
