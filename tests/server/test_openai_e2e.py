@@ -369,6 +369,84 @@ def test_disconnects_abort_and_free_the_request(stack):
     control(stack.address, "unpause")
 
 
+def counter(text: str, name: str, labels: str = "") -> float:
+    """A counter's value; 0 while it has no sample (an engine's first heartbeat may carry no metrics yet)."""
+    try:
+        return metric(text, name, labels)
+    except KeyError:
+        return 0.0
+
+
+def test_metrics_during_load_show_every_documented_series(stack, tiny_model):
+    """Scrape /metrics before, during and after real load: every catalogued series is there and sane."""
+    from megatron_serve.server.metric_catalog import SERIES  # noqa: PLC0415
+
+    engine = f'engine_group="0",model_name="{stack.model}"'
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    body = {"model": stack.model, "prompt": "The quick brown fox jumps over the lazy dog. " * 4, "max_tokens": 24,
+            "ignore_eos": True, "temperature": 0}
+    before = scrape(stack)
+    during: list[str] = []
+    held_count = QUEUE_LIMIT - 1  # the server holds QUEUE_LIMIT requests: one streaming, the rest waiting
+    pool = ThreadPoolExecutor(held_count)
+    with httpx.Client(base_url=stack.url, headers=headers, timeout=120) as http:
+        try:
+            long = {**body, "stream": True, "max_tokens": 900}  # still running when the pause lands
+            with http.stream("POST", "/v1/completions", json=long) as response:
+                assert response.status_code == 200
+                lines = response.iter_lines()
+                assert next(line for line in lines if line.startswith("data: "))
+                control(stack.address, "pause")  # freeze the load mid-generation: running, holding KV blocks
+                held = [pool.submit(http.post, "/v1/completions", json=body) for _ in range(held_count)]
+                wait_until(lambda: metric(scrape(stack), "megatron_serve_num_requests_running", engine) == 1
+                           and metric(scrape(stack), "megatron_serve_queue_depth") == held_count, 30,
+                           "a running request and a queue")
+                during.append(scrape(stack))
+                assert 0 < metric(during[-1], "megatron_serve_kv_cache_usage_perc", engine) <= 1
+                control(stack.address, "unpause")
+            # the streaming client left: its request is aborted; the held ones run to their length
+            for future in held:
+                assert future.result(timeout=120).status_code == 200
+        finally:
+            pool.shutdown(wait=False, cancel_futures=True)
+    control(stack.address, "pause")  # a refit of the same weights: the refit series fill too
+    control(stack.address, "refit", source=tiny_model, epoch=7)
+    control(stack.address, "unpause")
+
+    length = f'engine_group="0",finished_reason="length",model_name="{stack.model}"'  # labels sort by name
+    first = counter(before, "megatron_serve_request_success_total", length)
+
+    def settled() -> bool:  # engines report in heartbeats: wait until the last request is counted
+        during.append(scrape(stack))
+        return counter(during[-1], "megatron_serve_request_success_total", length) >= first + held_count
+
+    wait_until(settled, 30, "the engine counters to catch up")
+    after = during.pop()
+    for entry in SERIES:  # every documented series has samples
+        assert re.search(rf"^{entry.full_name}(_bucket|_count)?[{{ ]", after, flags=re.M), entry.full_name
+    for text in [before, *during, after]:
+        assert 0 <= metric(text, "megatron_serve_kv_cache_usage_perc", engine) <= 1
+    assert metric(after, "megatron_serve_kv_cache_usage_perc", engine) == 0  # everything finished
+
+    def grew(name: str, labels: str = engine) -> float:
+        return metric(after, name, labels) - counter(before, name, labels)
+
+    tokens = held_count * body["max_tokens"]
+    assert grew("megatron_serve_generation_tokens_total") >= tokens
+    assert grew("megatron_serve_prompt_tokens_total") >= QUEUE_LIMIT * 10
+    assert grew("megatron_serve_request_success_total", length.replace('"length"', '"abort"')) >= 1
+    assert grew("megatron_serve_prefix_cache_queries_total") >= grew("megatron_serve_prompt_tokens_total")
+    assert grew("megatron_serve_prefix_cache_hits_total") > 0  # the same prompt, four times
+    assert grew("megatron_serve_num_preemptions_total") >= 0
+    for histogram in ("time_to_first_token_seconds", "e2e_request_latency_seconds", "request_queue_time_seconds"):
+        assert grew(f"megatron_serve_{histogram}_count") >= held_count, histogram
+        assert grew(f"megatron_serve_{histogram}_sum") > 0, histogram
+    assert grew("megatron_serve_inter_token_latency_seconds_count") >= tokens - held_count
+    assert grew("megatron_serve_refits_total", "") == 1 and metric(after, "megatron_serve_weights_epoch") == 7
+    refit_total = re.search(r'^megatron_serve_engine_refit_seconds\{[^}]*phase="total"\} ([0-9.e+-]+)$', after, re.M)
+    assert refit_total and float(refit_total.group(1)) > 0
+
+
 def test_stopped_fleet_answers_503(stack, client):
     control(stack.address, "stop", drain_timeout=5.0)
     wait_until(lambda: httpx.get(f"{stack.url}/ready").status_code == 503, 30, "not ready")

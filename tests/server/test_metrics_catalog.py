@@ -1,0 +1,96 @@
+"""``/metrics`` exports exactly the catalogued series, and engine reports are read defensively."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from megatron_serve.engine_stats import EngineStats
+from megatron_serve.server.metric_catalog import SERIES
+from megatron_serve.server.metrics import ServerMetrics
+
+
+class Monitor:
+    """The FleetMonitor views ServerMetrics reads, over a fixed STATUS_REPLY."""
+
+    def __init__(self, engines: list[dict[str, Any]]) -> None:
+        self.reachable = True
+        self.state = "RUNNING"
+        self.status = {"state": "RUNNING", "queued": 3, "in_flight": 2, "epoch": 1, "refits": 1, "engines": engines}
+        self.engines = engines
+
+    def totals(self) -> dict[str, int]:
+        return {"engines": len(self.engines), "queued": 3, "in_flight": 2, "kv_blocks_used": 4, "kv_blocks_total": 16,
+                "computed_tokens": 7}
+
+
+def engine(group: int, report: dict[str, Any] | None) -> dict[str, Any]:
+    return {"id": f"e{group}", "group": group, "running": 2, "waiting": 1, "kv_blocks_free": 6, "kv_blocks_total": 8,
+            "epoch": 1, "last_refit": {"verify_s": 0.1, "load_s": 0.2, "total_s": 0.3}, "metrics": report}
+
+
+def scrape(engines: list[dict[str, Any]]) -> dict[str, Any]:
+    metrics = ServerMetrics(Monitor(engines), lambda: 0, "llama")  # type: ignore[arg-type]
+    metrics.http_requests.labels("/v1/completions", "200").inc()
+    metrics.tpot.observe(0.01)
+    text = metrics.render()[0].decode()
+    # prometheus-client adds a <name>_created gauge (creation time) to its own counters and histograms
+    return {family.name: family for family in text_string_to_metric_families(text)
+            if not family.name.endswith("_created")}
+
+
+def a_report() -> dict[str, Any]:
+    stats = EngineStats()
+    stats.counters["generation_tokens"] = 12
+    stats.histograms["time_to_first_token_seconds"].observe(0.3)
+    stats.finished["stop"] = 2
+    return stats.to_wire(prefix_cache_queries=40, prefix_cache_hits=16)
+
+
+def test_exported_families_are_the_catalogue():
+    families = scrape([engine(0, a_report())])
+    # the parser names counters without _total
+    catalogued = {s.full_name[: -len("_total")] if s.kind == "counter" else s.full_name for s in SERIES}
+    assert set(families) == catalogued
+    for entry in SERIES:
+        family = families[entry.base_name]
+        assert family.type == entry.kind, entry.name
+        sample_labels = {k for sample in family.samples for k in sample.labels if k not in ("le",)}
+        assert sample_labels == set(entry.labels), entry.name
+
+
+def test_engine_series_are_labelled_by_group_and_model():
+    families = scrape([engine(0, a_report()), engine(3, a_report())])
+    usage = {s.labels["engine_group"]: s.value for s in families["megatron_serve_kv_cache_usage_perc"].samples}
+    assert usage == {"0": 0.25, "3": 0.25}
+    tokens = [s for s in families["megatron_serve_generation_tokens"].samples if s.name.endswith("_total")]
+    assert {(s.labels["engine_group"], s.labels["model_name"], s.value) for s in tokens} == {("0", "llama", 12.0),
+                                                                                            ("3", "llama", 12.0)}
+    ttft = {s.labels.get("le"): s.value for s in families["megatron_serve_time_to_first_token_seconds"].samples
+            if s.name.endswith("_bucket") and s.labels["engine_group"] == "0"}
+    assert ttft["0.25"] == 0 and ttft["0.5"] == 1 and ttft["+Inf"] == 1  # cumulative buckets
+    hits = {s.labels["engine_group"]: s.value for s in families["megatron_serve_prefix_cache_hits"].samples
+            if s.name.endswith("_total")}
+    assert hits == {"0": 16.0, "3": 16.0}
+
+
+def test_malformed_engine_reports_are_left_out_and_never_break_the_scrape():
+    good = a_report()
+    bad_bounds = copy.deepcopy(good)
+    bad_bounds["histograms"]["time_to_first_token_seconds"]["le"] = [1.0]
+    negative = copy.deepcopy(good)
+    negative["counters"]["generation_tokens"] = -5
+    strings = copy.deepcopy(good)
+    strings["histograms"]["e2e_request_latency_seconds"]["counts"] = ["x"] * 25
+    families = scrape([engine(0, bad_bounds), engine(1, negative), engine(2, strings), engine(3, "garbage"),
+                       engine(4, None)])  # type: ignore[arg-type]
+    ttft_groups = {s.labels["engine_group"] for s in families["megatron_serve_time_to_first_token_seconds"].samples}
+    assert ttft_groups == {"1", "2"}  # engine 0's histogram has other bounds
+    tokens = {s.labels["engine_group"] for s in families["megatron_serve_generation_tokens"].samples}
+    assert tokens == {"0", "2"}  # engine 1 reported a negative counter
+    e2e = {s.labels["engine_group"] for s in families["megatron_serve_e2e_request_latency_seconds"].samples}
+    assert e2e == {"0", "1"}
+    running = {s.labels["engine_group"] for s in families["megatron_serve_num_requests_running"].samples}
+    assert running == {"0", "1", "2", "3", "4"}  # the heartbeat's plain fields still count
