@@ -31,6 +31,7 @@ class IncrementalDetokenizer:
         self._committed = ""  # text of visible[:read_offset], final
         self._prefix_offset = 0  # window start: the visible token before read_offset, decoded for context
         self._read_offset = 0
+        self._stop_floor = 0  # stop words must end past this (text made while min_tokens held them off)
 
     def _decode_new(self, generated_tokens: list[int]) -> str:
         """The whole text so far: committed text plus what the tokens past ``read_offset`` add."""
@@ -44,17 +45,27 @@ class IncrementalDetokenizer:
             return self._committed
         return self._committed + pending
 
-    def update(self, generated_tokens: list[int]) -> bool:
-        """Decode the new tokens; returns True when a stop word appeared (the text is then trimmed)."""
+    def update(self, generated_tokens: list[int], check_stop: bool = True) -> bool:
+        """Decode the new tokens; returns True when a stop word appeared (the text is then trimmed).
+
+        ``check_stop=False`` (before ``min_tokens``): stop words are not looked for, and one that
+        ends in the text made meanwhile never counts later.
+        """
         text = self._decode_new(generated_tokens)
-        if self.stop_words:
+        if not check_stop:
+            self._stop_floor = len(text)
+        elif self.stop_words:
             search_from = max(0, self.emitted - self.holdback)
-            hits = [i for i in (text.find(w, search_from) for w in self.stop_words) if i >= 0]
+            hits = [i for i in (self._find_stop(text, w, search_from) for w in self.stop_words) if i >= 0]
             if hits:
                 self.text = text[: min(hits)]
                 return True
         self.text = text
         return False
+
+    def _find_stop(self, text: str, word: str, start: int) -> int:
+        """The first occurrence of ``word`` from ``start`` that ends past the stop floor, or -1."""
+        return text.find(word, max(start, self._stop_floor - len(word) + 1))
 
     def take_new_text(self, final: bool) -> str:
         end = len(self.text)

@@ -20,10 +20,12 @@ from .model.config import ModelConfig
 from .model.llama import LlamaForCausalLM
 from .model.loader import iterate_checkpoint, load_model, load_weights, verify_checkpoint
 from .cuda_graphs import decode_graphs_for
-from .model_runner import ModelRunner
+from .logits_processors import RowContext, apply_controls, apply_token_bitmask
+from .model_runner import ModelRunner, prompt_positions_to_score
 from .request import DynamicInferenceRequest, EventType, FinishReason, RequestStatus
-from .sampler import Sampler
+from .sampler import Sampler, score_tokens
 from .scheduler import Scheduler, Sequence
+from .structured_output import StructuredOutputs
 from .tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -102,6 +104,7 @@ class DynamicInferenceEngine:
                                             decode_graphs_for(model, config, self.max_sequence_length, self.device))
         self.runner.capture_graphs(self.kv_cache.layer_caches)
         self.sampler = Sampler(config.seed, self.device)
+        self.structured = StructuredOutputs(tokenizer, model.config.vocab_size)
         self._sequences: dict[str, Sequence] = {}
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._pending: list[StepOutput] = []
@@ -172,9 +175,15 @@ class DynamicInferenceEngine:
             self._pending.append(StepOutput(request, [], "", [], True))
             return
         sp = request.sampling_params
-        stop_ids = frozenset() if sp.ignore_eos else frozenset(
+        stop_ids = frozenset(sp.stop_token_ids) | (frozenset() if sp.ignore_eos else frozenset(
             self.tokenizer.eos_token_ids if sp.termination_id is None
-            else (sp.termination_id if isinstance(sp.termination_id, list) else [sp.termination_id]))
+            else (sp.termination_id if isinstance(sp.termination_id, list) else [sp.termination_id])))
+        if sp.structured_outputs is not None:
+            problem = self.structured.add(request.request_id, sp.structured_outputs, request.generated_tokens)
+            if problem is not None:
+                request.fail(problem)
+                self._pending.append(StepOutput(request, [], "", [], True))
+                return
         max_total = min(len(request.prompt_tokens) + sp.num_tokens_to_generate, self.max_sequence_length)
         sequence = Sequence(request, max_total, stop_ids)
         request.status = RequestStatus.WAITING_IN_QUEUE
@@ -198,6 +207,9 @@ class DynamicInferenceEngine:
         vocab = self.model.config.vocab_size
         if any(not 0 <= t < vocab for t in request.prompt_tokens):
             return f"prompt holds token ids outside the vocabulary [0, {vocab})"
+        outside = [t for t in request.sampling_params.logit_bias or {} if t >= vocab]
+        if outside:
+            return f"logit_bias names token id {outside[0]}, outside the vocabulary [0, {vocab})"
         if prompt_len >= self.max_sequence_length:
             return (f"prompt has {prompt_len} tokens but max_sequence_length is {self.max_sequence_length} "
                     "(prompt plus at least one generated token must fit)")
@@ -214,6 +226,7 @@ class DynamicInferenceEngine:
             return None
         self.scheduler.finish(sequence)
         self._detokenizers.pop(request_id, None)
+        self.structured.remove(request_id)
         request = sequence.request
         request.fail("aborted", FinishReason.ABORT)
         self.stats.finish(request)
@@ -224,6 +237,7 @@ class DynamicInferenceEngine:
         sequences = self.scheduler.take_all()
         self._sequences.clear()
         self._detokenizers.clear()
+        self.structured.clear()  # rebuilt from the generated tokens wherever the requests run next
         for sequence in sequences:
             sequence.request.status = RequestStatus.WAITING_IN_QUEUE
         return [s.request for s in sequences]
@@ -305,6 +319,8 @@ class DynamicInferenceEngine:
             return outputs
         sampling = [(s, count) for s, count in batch.entries if s.num_computed + count == len(s.token_ids)]
         logits = self.runner.execute(batch.entries, self.kv_cache.layer_caches)
+        self._record_prompt_scores(batch.entries, logits[len(sampling):])
+        logits = logits[: len(sampling)]
         for sequence, count in batch.entries:
             if sequence.kv_epoch is None:
                 sequence.kv_epoch = self.epoch
@@ -312,14 +328,47 @@ class DynamicInferenceEngine:
             self.scheduler.register_computed_blocks(sequence)
         self.computed_tokens += batch.num_tokens
         sequences = [s for s, _ in sampling]
-        result = self.sampler.sample(logits, [s.request.sampling_params for s in sequences],
-                                     [len(s.request.generated_tokens) for s in sequences])
+        processed = self._controlled_logits(logits, sequences)
+        result = self.sampler.sample(processed, [s.request.sampling_params for s in sequences],
+                                     [len(s.request.generated_tokens) for s in sequences],
+                                     model_logits=None if processed is logits else logits)
         now = time.monotonic()
         for i, sequence in enumerate(sequences):
             out = self._append_token(sequence, result.token_ids[i], result.log_probs[i], result.top_n[i])
             self.stats.observe(sequence, out.request, len(out.new_tokens), out.finished, now)
             outputs.append(out)
         return outputs
+
+    def _controlled_logits(self, logits: torch.Tensor, sequences: list[Sequence]) -> torch.Tensor:
+        """The logits to sample from: logit controls, then grammar masks (``logits`` itself when none apply).
+
+        The grammar masks are filled on the host after the forward pass was launched, so on a GPU
+        they overlap with it.
+        """
+        rows = [RowContext(s.request.sampling_params, s.request.prompt_tokens, s.request.generated_tokens,
+                           s.stop_token_ids) for s in sequences]
+        processed = apply_controls(logits, rows)
+        masks = self.structured.bitmask([s.request_id for s in sequences], [s.stop_token_ids for s in sequences])
+        if masks is not None:
+            processed = processed.clone() if processed is logits else processed
+            apply_token_bitmask(processed, *masks)
+        return processed
+
+    def _record_prompt_scores(self, entries: list[tuple[Sequence, int]], logits: torch.Tensor) -> None:
+        """Prompt log probs (and top-n) of the positions this step scored (``model_runner.plan_step``'s order)."""
+        if not logits.shape[0]:
+            return
+        spans = [(s, positions) for s, count in entries if (positions := prompt_positions_to_score(s, count))]
+        targets = torch.tensor([s.token_ids[p + 1] for s, positions in spans for p in positions], device=logits.device)
+        scores = score_tokens(logits, targets, max(s.request.sampling_params.top_n_logprobs for s, _ in spans))
+        row = 0
+        for sequence, positions in spans:
+            request = sequence.request
+            request.prompt_log_probs.extend(scores.log_probs[row : row + len(positions)])
+            n = request.sampling_params.top_n_logprobs
+            if n:
+                request.prompt_top_n_logprobs.extend(scores.top(i, n) for i in range(row, row + len(positions)))
+            row += len(positions)
 
     def _append_token(self, sequence: Sequence, token: int, log_prob: float | None,
                       top_n: dict[int, float] | None) -> StepOutput:
@@ -345,17 +394,28 @@ class DynamicInferenceEngine:
             if top_n is not None:
                 request.generated_top_n_logprobs.append(top_n)
                 new_top.append(top_n)
-            if detokenizer.update(request.generated_tokens):
+            grammar_done, problem = (self.structured.accept(request.request_id, token)
+                                     if request.request_id in self.structured else (False, None))
+            if problem is not None:
+                finish = FinishReason.ERROR
+            elif detokenizer.update(request.generated_tokens,
+                                    check_stop=len(request.generated_tokens) >= request.sampling_params.min_tokens):
+                finish = FinishReason.STOP
+            elif grammar_done:
                 finish = FinishReason.STOP
             elif len(sequence.token_ids) >= sequence.max_total_tokens:
                 finish = FinishReason.LENGTH
         new_text = detokenizer.take_new_text(final=finish is not None)
         if finish is not None:
             request.generated_text = detokenizer.text
-            request.status = RequestStatus.COMPLETED
-            request.finish_reason = finish
-            request.add_event(EventType.FINISH, finish.value)
+            if finish is FinishReason.ERROR:
+                request.fail(problem or "failed")
+            else:
+                request.status = RequestStatus.COMPLETED
+                request.finish_reason = finish
+                request.add_event(EventType.FINISH, finish.value)
             self.scheduler.finish(sequence)
             del self._sequences[request.request_id]
             del self._detokenizers[request.request_id]
+            self.structured.remove(request.request_id)
         return StepOutput(request, new_tokens, new_text, new_log_probs, finish is not None, new_top)

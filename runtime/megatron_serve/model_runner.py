@@ -2,14 +2,16 @@
 
 A step is first described as a ``StepPlan`` of plain integer lists (cheap to send to the other
 tensor-parallel ranks), then turned into tensors on each rank's device. Only rows that sample
-(decode tokens, and prefill chunks that reach the end of their sequence) go through the LM head.
+(decode tokens, and prefill chunks that reach the end of their sequence) go through the LM head,
+plus, for requests that asked for prompt log probs, the prompt positions that predict the next
+prompt token (``score_rows``; their logits follow the sampling rows').
 Decode-only steps replay a captured CUDA graph when the runner has them (see ``cuda_graphs``).
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -32,6 +34,20 @@ class StepPlan:
     prefill_query_start: list[int]
     prefill_context_lens: list[int]
     sample_rows: list[int]
+    score_rows: list[int] = field(default_factory=list)
+
+
+def prompt_positions_to_score(sequence: Sequence, count: int) -> range:
+    """Positions of this step's chunk whose logits score the next prompt token and are not scored yet.
+
+    Position ``p`` predicts prompt token ``p + 1``; positions scored before a preemption are not
+    scored again when the request is recomputed.
+    """
+    request = sequence.request
+    if not request.prompt_scores_missing:
+        return range(0)
+    start = sequence.num_computed
+    return range(max(start, len(request.prompt_log_probs)), min(start + count, len(request.prompt_tokens) - 1))
 
 
 def _padded(tables: list[list[int]]) -> list[list[int]]:
@@ -44,7 +60,9 @@ def plan_step(entries: list[tuple[Sequence, int]], block_size: int) -> StepPlan:
     plan = StepPlan([], [], [], [], [], [], [0], [], [])
     for sequence, count in entries:
         start = sequence.num_computed
+        first_row = len(plan.token_ids)
         plan.token_ids.extend(sequence.token_ids[start : start + count])
+        plan.score_rows.extend(first_row + p - start for p in prompt_positions_to_score(sequence, count))
         table = sequence.block_table
         for position in range(start, start + count):
             plan.positions.append(position)
@@ -90,15 +108,16 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run_plan(self, plan: StepPlan, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-        """Run one step; returns float32 logits ``[sampling rows, vocab]`` in entry order."""
-        if self.decode_graphs is not None and self.decode_graphs.covers(plan):
+        """Run one step; returns float32 logits ``[sampling rows + score rows, vocab]`` in entry order."""
+        if self.decode_graphs is not None and not plan.score_rows and self.decode_graphs.covers(plan):
             return self.decode_graphs.run(plan)
         context = ForwardContext(self.metadata(plan), kv_caches)
         hidden = self.model(self._tensor(plan.token_ids, torch.int64), self._tensor(plan.positions, torch.int64),
                             context)
-        if not plan.sample_rows:  # only partial prefill chunks this step: nothing to sample
+        rows = plan.sample_rows + plan.score_rows
+        if not rows:  # only partial prefill chunks this step: nothing to sample
             return hidden.new_empty((0, self.model.config.vocab_size), dtype=torch.float32)
-        return self.model.compute_logits(hidden[self._tensor(plan.sample_rows, torch.int64)])
+        return self.model.compute_logits(hidden[self._tensor(rows, torch.int64)])
 
     def execute(self, entries: list[tuple[Sequence, int]], kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
                 ) -> torch.Tensor:

@@ -75,6 +75,10 @@ class DynamicInferenceRequest:
     generated_text: str | None = None
     generated_log_probs: list[float] = field(default_factory=list)
     generated_top_n_logprobs: list[dict[int, float]] = field(default_factory=list)
+    # With ``return_prompt_log_probs``: log probs of prompt tokens 1.. (the first has no context), and
+    # with ``top_n_logprobs`` the n most likely tokens at each of those positions.
+    prompt_log_probs: list[float] = field(default_factory=list)
+    prompt_top_n_logprobs: list[dict[int, float]] = field(default_factory=list)
     policy_epochs: list[int] = field(default_factory=list)  # weights generation that produced each token
     kv_epochs: list[int] = field(default_factory=list)  # oldest generation of the KV cache each token attended to
     cached_tokens: int = 0  # prompt tokens served from the prefix cache at the last admission
@@ -95,6 +99,13 @@ class DynamicInferenceRequest:
     def latency(self) -> float | None:
         """Seconds from arrival to the final token (or failure)."""
         return None if self.finish_time is None else self.finish_time - self.arrival_time
+
+    @property
+    def prompt_scores_missing(self) -> int:
+        """Prompt positions still to score for ``return_prompt_log_probs`` (0 when not asked for or done)."""
+        if not self.sampling_params.return_prompt_log_probs:
+            return 0
+        return max(len(self.prompt_tokens) - 1 - len(self.prompt_log_probs), 0)
 
     @property
     def finished(self) -> bool:
@@ -124,6 +135,8 @@ class DynamicInferenceRequest:
             "generated_text": self.generated_text,
             "generated_log_probs": list(self.generated_log_probs),
             "generated_top_n_logprobs": top_logprobs_to_wire(self.generated_top_n_logprobs),
+            "prompt_log_probs": list(self.prompt_log_probs),
+            "prompt_top_n_logprobs": top_logprobs_to_wire(self.prompt_top_n_logprobs),
             "policy_epochs": list(self.policy_epochs),
             "kv_epochs": list(self.kv_epochs),
             "cached_tokens": self.cached_tokens,
@@ -147,6 +160,8 @@ class DynamicInferenceRequest:
             generated_text=data.get("generated_text"),
             generated_log_probs=list(data.get("generated_log_probs", [])),
             generated_top_n_logprobs=top_logprobs_from_wire(data.get("generated_top_n_logprobs", [])),
+            prompt_log_probs=list(data.get("prompt_log_probs", [])),
+            prompt_top_n_logprobs=top_logprobs_from_wire(data.get("prompt_top_n_logprobs", [])),
             policy_epochs=list(data.get("policy_epochs", [])),
             kv_epochs=list(data.get("kv_epochs", [])),
             cached_tokens=int(data.get("cached_tokens", 0)),

@@ -20,6 +20,28 @@ class SampleResult:
     top_n: list[dict[int, float] | None]
 
 
+@dataclass
+class TokenScores:
+    """Log probs of given tokens, and the ``top_n`` most likely tokens at each row (best first)."""
+
+    log_probs: list[float]
+    top_ids: list[list[int]]
+    top_log_probs: list[list[float]]
+
+    def top(self, row: int, n: int) -> dict[int, float]:
+        return dict(zip(self.top_ids[row][:n], self.top_log_probs[row][:n]))
+
+
+def score_tokens(logits: torch.Tensor, targets: torch.Tensor, top_n: int) -> TokenScores:
+    """Log-softmax of each row of ``logits``, read at ``targets`` (one token per row) and at its top ``top_n``."""
+    log_probs = torch.log_softmax(logits, dim=-1)
+    chosen = log_probs.gather(1, targets[:, None]).squeeze(1).tolist()
+    if not top_n:
+        return TokenScores(chosen, [], [])
+    values, ids = torch.topk(log_probs, min(top_n, log_probs.shape[-1]))
+    return TokenScores(chosen, ids.tolist(), values.tolist())
+
+
 def _seeded_generator(seed: int, token_index: int, device: torch.device) -> torch.Generator:
     generator = torch.Generator(device=device)
     generator.manual_seed((seed * 1_000_003 + token_index) % (2**63 - 1))
@@ -29,6 +51,7 @@ def _seeded_generator(seed: int, token_index: int, device: torch.device) -> torc
 def _filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     """Row-wise softmax of ``logits / temperature`` restricted by each row's top-k and top-p.
 
+    Min-p first drops tokens less likely than ``min_p`` times the most likely one (vLLM's order).
     Top-k keeps every token at least as likely as the k-th (ties stay); top-p then drops a token
     once the mass strictly before it reaches ``top_p`` (the most likely token always stays, even for
     a subnormal ``top_p``). Only a batch with a top-p row pays for a full sort; top-k alone needs
@@ -36,6 +59,10 @@ def _filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch
     """
     device = logits.device
     scaled = logits / torch.tensor([sp.temperature for sp in params], dtype=logits.dtype, device=device)[:, None]
+    if any(sp.min_p for sp in params):
+        min_p = torch.tensor([sp.min_p for sp in params], dtype=logits.dtype, device=device)[:, None]
+        probs = scaled.softmax(-1)
+        scaled = scaled.masked_fill(probs < min_p * probs.amax(-1, keepdim=True), float("-inf"))
     vocab = scaled.shape[-1]
     top_k = torch.tensor([min(sp.top_k, vocab) for sp in params], dtype=torch.int64, device=device)
     k_active = (top_k > 0)[:, None]
@@ -67,8 +94,14 @@ class Sampler:
         self._generator = torch.Generator(device=device)
         self._generator.manual_seed(seed)
 
-    def sample(self, logits: torch.Tensor, params: list[SamplingParams], token_indices: list[int]) -> SampleResult:
-        """``logits`` ``[n, vocab]`` float32; ``token_indices[i]``: how many tokens request ``i`` generated so far."""
+    def sample(self, logits: torch.Tensor, params: list[SamplingParams], token_indices: list[int],
+               model_logits: torch.Tensor | None = None) -> SampleResult:
+        """``logits`` ``[n, vocab]`` float32; ``token_indices[i]``: how many tokens request ``i`` generated so far.
+
+        ``model_logits``: the model's own logits when ``logits`` were changed by logit controls or a
+        grammar (``logits_processors``); log probs are reported from them, the model's distribution,
+        as vLLM reports raw log probs by default.
+        """
         tokens = torch.argmax(logits, dim=-1)
         sampled = [row for row, sp in enumerate(params) if not sp.is_greedy]
         if sampled:
@@ -79,16 +112,12 @@ class Sampler:
         top_n: list[dict[int, float] | None] = [None] * len(params)
         wanted = [row for row, sp in enumerate(params) if sp.return_log_probs or sp.top_n_logprobs]
         if wanted:
-            all_log_probs = torch.log_softmax(logits[wanted], dim=-1)
-            chosen = all_log_probs.gather(1, tokens[wanted][:, None]).squeeze(1).tolist()
-            most = max(params[row].top_n_logprobs or 0 for row in wanted)
-            values, ids = torch.topk(all_log_probs, most) if most else (None, None)
-            values, ids = (values.tolist(), ids.tolist()) if most else ([], [])
+            source = logits if model_logits is None else model_logits
+            scores = score_tokens(source[wanted], tokens[wanted], max(params[row].top_n_logprobs for row in wanted))
             for position, row in enumerate(wanted):
-                log_probs[row] = chosen[position]
-                n = params[row].top_n_logprobs
-                if n:
-                    top_n[row] = dict(zip(ids[position][:n], values[position][:n]))
+                log_probs[row] = scores.log_probs[position]
+                if params[row].top_n_logprobs:
+                    top_n[row] = scores.top(position, params[row].top_n_logprobs)
         return SampleResult(token_list, log_probs, top_n)
 
     def _draw(self, logits: torch.Tensor, greedy: torch.Tensor, params: list[SamplingParams],

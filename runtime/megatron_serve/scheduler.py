@@ -99,8 +99,10 @@ class Scheduler:
 
         Returns the hash of its first block that is not cached (None when all shareable blocks
         are). The last token is always computed (its logits are needed), so it is never matched.
+        A request that still needs prompt log probs reads nothing from the cache: the positions it
+        would skip must be scored (vLLM's choice too); it still publishes its blocks for others.
         """
-        if not self.allocator.enable_prefix_caching or sequence.num_computed:
+        if not self.allocator.enable_prefix_caching or sequence.num_computed or sequence.request.prompt_scores_missing:
             return None
         cacheable = (len(sequence.token_ids) - 1) // self.block_size
         sequence.prompt_hashes = block_hashes(sequence.token_ids[: cacheable * self.block_size], self.block_size)

@@ -33,6 +33,11 @@ class Tokenizer:
         return cls(hf_tokenizer, _eos_ids(model_dir, hf_tokenizer))
 
     @property
+    def hf_tokenizer(self) -> Any:
+        """The ``transformers`` tokenizer itself, for libraries that read a vocabulary from it (grammar engines)."""
+        return self._tok
+
+    @property
     def vocab_size(self) -> int:
         return len(self._tok)
 
