@@ -19,9 +19,16 @@ ARCHITECTURES = {
 SPECIAL_TOKENS = ["<|begin_of_text|>", "<|end_of_text|>", "<|im_start|>", "<|im_end|>", "<|pad|>"]
 BOS, EOS = SPECIAL_TOKENS[0], SPECIAL_TOKENS[1]
 
+# ChatML; with tools, a Hermes-style tool list and <tool_call> blocks (Qwen 2.5's format), so that tool
+# calling runs through the same template path as real models. Without tools it renders as it always did.
 CHAT_TEMPLATE = (
-    "{{ bos_token }}{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
-    "{{ message['content'] }}<|im_end|>\n{% endfor %}"
+    "{{ bos_token }}{% if tools %}<|im_start|>system\nYou may call functions. Signatures:\n<tools>\n"
+    "{% for tool in tools %}{{ tool | tojson }}\n{% endfor %}</tools>\nCall one as <tool_call>\n"
+    "{\"name\": ..., \"arguments\": ...}\n</tool_call><|im_end|>\n{% endif %}"
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}"
+    "{% for call in message.tool_calls or [] %}<tool_call>\n"
+    "{\"name\": \"{{ call.function.name }}\", \"arguments\": {{ call.function.arguments | tojson }}}\n"
+    "</tool_call>{% endfor %}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 

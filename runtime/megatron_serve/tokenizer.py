@@ -73,13 +73,20 @@ class Tokenizer:
         return self._tok.decode([token_id], skip_special_tokens=False)
 
     @property
+    def chat_template(self) -> str | None:
+        template = getattr(self._tok, "chat_template", None)
+        return template if isinstance(template, str) else None
+
+    @property
     def has_chat_template(self) -> bool:
         return bool(getattr(self._tok, "chat_template", None))
 
-    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                            tools: list[dict[str, Any]] | None = None) -> str:
         if not self.has_chat_template:
             raise ValueError("this model has no chat template (tokenizer_config.json has no 'chat_template')")
-        return self._tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+        return self._tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                             tools=tools)
 
 
 def check_tokenizer_files(model_dir: str | Path) -> Path:

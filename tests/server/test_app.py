@@ -56,7 +56,7 @@ async def test_openapi_documents_every_route_and_no_422(tokenizer, backend):
     async with serving(make_app(tokenizer, backend)) as url, httpx.AsyncClient(base_url=url) as http:
         doc = (await http.get("/openapi.json")).json()
     assert set(doc["paths"]) == {"/v1/completions", "/v1/chat/completions", "/v1/models", "/v1/models/{model}",
-                                 "/health", "/ready", "/metrics"}
+                                 "/health", "/ready", "/metrics", "/tokenize", "/detokenize"}
     assert "422" not in json.dumps(doc["paths"])
     post = doc["paths"]["/v1/completions"]["post"]
     assert {"200", "400", "429", "500", "503"} <= set(post["responses"])
@@ -102,6 +102,9 @@ async def test_invalid_bodies_are_openai_400s(tokenizer, backend):
     assert backend.submitted == []  # nothing reached the fleet
 
 
+TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
+
+
 async def test_semantic_errors_are_400s(tokenizer, backend):
     user = [{"role": "user", "content": "hi"}]
     cases = [
@@ -113,17 +116,38 @@ async def test_semantic_errors_are_400s(tokenizer, backend):
         ("/v1/chat/completions", {"model": MODEL, "messages": user, "max_completion_tokens": 64},
          "max_completion_tokens", "context_length_exceeded"),
         ("/v1/completions", {"model": MODEL, "prompt": [600]}, "prompt", "invalid_token_id"),
-        ("/v1/completions", {"model": MODEL, "prompt": "x", "presence_penalty": 0.5}, "presence_penalty", None),
-        ("/v1/completions", {"model": MODEL, "prompt": "x", "logit_bias": {"5": 1.0}}, "logit_bias", None),
+        ("/v1/completions", {"model": MODEL, "prompt": "x", "presence_penalty": 2.5}, "presence_penalty", None),
+        ("/v1/completions", {"model": MODEL, "prompt": "x", "logit_bias": {"a": 1.0}}, "logit_bias", "invalid_token_id"),
+        ("/v1/completions", {"model": MODEL, "prompt": "x", "logit_bias": {"600": 1.0}}, "logit_bias",
+         "invalid_token_id"),
+        ("/v1/completions", {"model": MODEL, "prompt": "x", "logit_bias": {"5": 101}}, "logit_bias", None),
+        ("/v1/completions", {"model": MODEL, "prompt": "x", "guided_regex": "a("}, "guided_regex",
+         "invalid_constraint"),
+        ("/v1/completions", {"model": MODEL, "prompt": "x", "guided_grammar": "root ::= missing"}, "guided_grammar",
+         "invalid_constraint"),
+        ("/v1/completions", {"model": MODEL, "prompt": "x", "guided_json": {"type": "object"}, "guided_regex": "a"},
+         "guided_regex", "conflicting_parameters"),
+        ("/v1/completions", {"model": MODEL, "prompt": "x", "min_tokens": 20, "max_tokens": 4}, "min_tokens", None),
+        ("/v1/completions", {"model": MODEL, "prompt": "x", "echo": True, "logprobs": 1, "stream": True}, "echo",
+         None),
+        ("/v1/completions", {"model": MODEL, "prompt": "x", "prompt_logprobs": 1, "stream": True}, "prompt_logprobs",
+         None),
         ("/v1/completions", {"model": MODEL, "prompt": "x", "suffix": "y"}, "suffix", None),
         ("/v1/completions", {"model": MODEL, "prompt": "x", "best_of": 3}, "best_of", None),
-        ("/v1/completions", {"model": MODEL, "prompt": "x", "echo": True, "logprobs": 1}, "echo", None),
         ("/v1/completions", {"model": MODEL, "prompt": "x", "stream_options": {"include_usage": True}},
          "stream_options", None),
         ("/v1/chat/completions", {"model": MODEL, "messages": user, "top_logprobs": 2}, "top_logprobs", None),
-        ("/v1/chat/completions", {"model": MODEL, "messages": user, "tools": [{"type": "function"}]}, "tools", None),
-        ("/v1/chat/completions", {"model": MODEL, "messages": user, "response_format": {"type": "json_object"}},
-         "response_format", None),
+        ("/v1/chat/completions", {"model": MODEL, "messages": user, "tools": [{"type": "function"}]},
+         "tools[0].function", None),
+        ("/v1/chat/completions", {"model": MODEL, "messages": user, "tool_choice": "required"}, "tool_choice", None),
+        ("/v1/chat/completions", {"model": MODEL, "messages": user, "tools": [TOOL],
+                                  "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice",
+         None),
+        ("/v1/chat/completions", {"model": MODEL, "messages": user, "tools": [TOOL], "tool_choice": "required",
+                                  "response_format": {"type": "json_object"}}, "tool_choice",
+         "conflicting_parameters"),
+        ("/v1/chat/completions", {"model": MODEL, "messages": user, "response_format": {"type": "json_schema"}},
+         "response_format.json_schema", None),
     ]
     async with serving(make_app(tokenizer, backend)) as url, httpx.AsyncClient(base_url=url) as http:
         for path, body, param, code in cases:

@@ -34,7 +34,8 @@ OPENAI_COMPLETION_FIELDS = {"model", "prompt", "best_of", "echo", "frequency_pen
                             "suffix", "temperature", "top_p", "user"}
 OPENAI_CHAT_FIELDS = {"model", "messages", "frequency_penalty", "logit_bias", "logprobs", "max_completion_tokens",
                       "max_tokens", "n", "presence_penalty", "response_format", "seed", "stop", "stream",
-                      "stream_options", "temperature", "tool_choice", "tools", "top_logprobs", "top_p", "user"}
+                      "stream_options", "temperature", "tool_choice", "tools", "top_logprobs", "top_p", "user",
+                      "parallel_tool_calls"}
 
 
 @pytest.fixture
@@ -70,8 +71,8 @@ async def test_unknown_fields_are_400s_that_name_them(tokenizer, backend, path, 
     assert backend.submitted == []
 
 
-VLLM_EXTRAS = [("repetition_penalty", 1.3), ("min_p", 0.1), ("min_tokens", 4), ("stop_token_ids", [5]),
-               ("guided_json", {"type": "object"})]
+VLLM_EXTRAS = [("include_stop_str_in_output", True), ("bad_words", ["x"]), ("allowed_token_ids", [5]),
+               ("truncate_prompt_tokens", 4), ("skip_special_tokens", False)]
 
 
 @pytest.mark.parametrize("field,value", VLLM_EXTRAS, ids=[f for f, _ in VLLM_EXTRAS])

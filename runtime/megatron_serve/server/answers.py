@@ -10,7 +10,9 @@ from dataclasses import dataclass
 
 from ..client import StreamPartial
 from ..request import DynamicInferenceRequest
-from .models import PromptTokensDetails, Usage
+from typing import Any
+
+from .models import PromptLogprob, PromptLogprobs, PromptTokensDetails, Usage
 from .translate import EngineJob
 
 
@@ -41,6 +43,24 @@ def make_usage(prompt_tokens: int, finished: list[tuple[EngineJob, DynamicInfere
     return Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
                  total_tokens=prompt_tokens + completion_tokens,
                  prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_prompt_tokens(finished)))
+
+
+def prompt_logprobs(tokenizer: Any, result: DynamicInferenceRequest, n: int) -> PromptLogprobs:
+    """vLLM's ``prompt_logprobs``: None for the first token, then per position the prompt token and the top ``n``.
+
+    Ranks are known for tokens among the position's top-n alternatives (1 = most likely), else null.
+    """
+    entries: PromptLogprobs = [None]
+    for position, log_prob in enumerate(result.prompt_log_probs):
+        token = result.prompt_tokens[position + 1]
+        top = result.prompt_top_n_logprobs[position] if position < len(result.prompt_top_n_logprobs) else {}
+        ranked = sorted(top.items(), key=lambda item: -item[1])
+        rank = next((r + 1 for r, (t, _) in enumerate(ranked) if t == token), None)
+        entry = {str(token): PromptLogprob(logprob=log_prob, rank=rank, decoded_token=tokenizer.token_text(token))}
+        for r, (t, value) in enumerate(ranked[:n]):
+            entry.setdefault(str(t), PromptLogprob(logprob=value, rank=r + 1, decoded_token=tokenizer.token_text(t)))
+        entries.append(entry)
+    return entries
 
 
 @dataclass

@@ -49,6 +49,8 @@ from .models import (
     ReadyResponse,
 )
 from .streaming import cancel_on_disconnect
+from .tokenize import add_tokenize_routes
+from .tool_calls import parser_for_template
 
 logger = logging.getLogger("megatron_serve.server")
 
@@ -109,7 +111,8 @@ def create_app(
     limits = limits or RequestLimits()
     ctx = ServerContext(backend=backend, tokenizer=tokenizer, model_name=model_name, monitor=monitor, metrics=metrics,
                         pending=pending, limits=limits, workers=Workers(tokenizer_threads), vocab_size=vocab_size,
-                        default_max_model_len=max_model_len)
+                        default_max_model_len=max_model_len,
+                        tool_parser=parser_for_template(getattr(tokenizer, "chat_template", None)))
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
@@ -224,6 +227,8 @@ def create_app(
             await monitor.refresh()
         data, content_type = metrics.render()
         return Response(content=data, media_type=content_type)
+
+    add_tokenize_routes(app, ctx, api_dependencies, _error_responses([400, 401] if api_key else [400]))
 
     def openapi() -> dict[str, Any]:
         """FastAPI's document, minus the 422 answers it assumes (validation errors are 400 here), plus the

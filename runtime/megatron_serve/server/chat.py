@@ -10,8 +10,9 @@ from fastapi.responses import StreamingResponse
 
 from ..client import StreamPartial
 from ..request import DynamicInferenceRequest
-from .answers import Delta, StreamedChoices, finish_reason, make_usage
+from .answers import Delta, StreamedChoices, finish_reason, make_usage, prompt_logprobs
 from .context import ServerContext
+from .errors import unsupported
 from .models import (
     ChatChoice,
     ChatChoiceLogprobs,
@@ -22,12 +23,28 @@ from .models import (
     ChatDelta,
     ChatResponseMessage,
     ChatTokenLogprob,
+    ChatToolCall,
+    DeltaFunctionCall,
+    DeltaToolCall,
+    FunctionCall,
     TopLogprob,
     Usage,
 )
 from .streaming import event_stream_response, openai_events, sse
-from .translate import EngineJob, Prompt, chat_prompt, check_common, check_model, make_jobs, resolve_max_tokens, sampling_params
-from .translate import epoch_fields
+from .tool_calls import Arguments, CallReader, CallStart, Content, Event, plan_tools
+from .translate import (
+    EngineJob,
+    Prompt,
+    chat_prompt,
+    check_common,
+    check_model,
+    controls,
+    epoch_fields,
+    make_jobs,
+    resolve_max_tokens,
+    sampling_params,
+    structured_outputs,
+)
 
 
 def _top(tokenizer: Any, token: int, logprob: float) -> TopLogprob:
@@ -36,13 +53,14 @@ def _top(tokenizer: Any, token: int, logprob: float) -> TopLogprob:
 
 
 def chat_logprobs(tokenizer: Any, tokens: list[int], log_probs: list[float],
-                  top_n: list[dict[int, float]] | None) -> ChatChoiceLogprobs:
+                  top_n: list[dict[int, float]] | None, n: int = 20) -> ChatChoiceLogprobs:
     content = []
     for i, token in enumerate(tokens):
         entry = _top(tokenizer, token, log_probs[i] if i < len(log_probs) else -9999.0)  # OpenAI's "unknown"
         alternatives = []
         if top_n is not None and i < len(top_n) and top_n[i]:
-            alternatives = [_top(tokenizer, t, lp) for t, lp in sorted(top_n[i].items(), key=lambda kv: -kv[1])]
+            ranked = sorted(top_n[i].items(), key=lambda kv: -kv[1])[:n]
+            alternatives = [_top(tokenizer, t, lp) for t, lp in ranked]
         content.append(ChatTokenLogprob(**entry.model_dump(), top_logprobs=alternatives))
     return ChatChoiceLogprobs(content=content)
 
@@ -62,17 +80,23 @@ class ChatHandler:
         self.top = req.top_logprobs or 0
         check_model(req.model, ctx.served_names)
         check_common(req)
+        if req.prompt_logprobs is not None and req.stream:
+            raise unsupported("prompt_logprobs", "prompt_logprobs with stream=true")
         ctx.monitor.check_accepting()
         max_len = ctx.max_model_len()
-        self.prompt = chat_prompt(req, ctx.tokenizer, ctx.vocab_size, max_len)
+        self.tools = plan_tools(req, ctx.tool_parser)
+        self.prompt = chat_prompt(req, ctx.tokenizer, ctx.vocab_size, max_len, tools=self.tools.template_tools)
+        extra = controls(req, ctx.vocab_size, structured_outputs(req, self.tools.constraint),
+                         prompt_log_probs=req.prompt_logprobs is not None)
+        top_n = max(self.top, req.prompt_logprobs or 0)
         requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         tokens_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         max_tokens = resolve_max_tokens(len(self.prompt.tokens), requested, None, max_len,
                                         prompt_param="messages", tokens_param=tokens_param)
 
         def params_for(_prompt: Prompt, choice: int):
-            return sampling_params(req, max_tokens=max_tokens, logprobs=self.want_logprobs, top_logprobs=self.top,
-                                   choice=choice)
+            return sampling_params(req, max_tokens=max_tokens, logprobs=self.want_logprobs, top_logprobs=top_n,
+                                   choice=choice, extra=extra)
 
         self.jobs = make_jobs([self.prompt], self.n, params_for)
 
@@ -84,52 +108,102 @@ class ChatHandler:
                   top_n: list[dict[int, float]] | None) -> ChatChoiceLogprobs | None:
         if not self.want_logprobs:
             return None
-        return chat_logprobs(self.ctx.tokenizer, tokens, log_probs, top_n if self.top else None)
+        return chat_logprobs(self.ctx.tokenizer, tokens, log_probs, top_n if self.top else None, self.top)
+
+    def _finish_reason(self, result: DynamicInferenceRequest, called: bool) -> str | None:
+        """``tool_calls`` when the model ended its turn with calls (a named function's call ends with ``stop``)."""
+        reason = finish_reason(result)
+        return "tool_calls" if called and reason == "stop" and self.tools.named is None else reason
+
+    def _message(self, text: str) -> ChatResponseMessage:
+        reader = self.tools.reader()
+        if reader is None:
+            return ChatResponseMessage(content=text)
+        events = reader.feed(text) + reader.finish()
+        content = "".join(e.text for e in events if isinstance(e, Content))
+        calls: list[ChatToolCall] = []
+        for event in events:
+            if isinstance(event, CallStart):
+                calls.append(ChatToolCall(id=event.id, function=FunctionCall(name=event.name, arguments="")))
+            elif isinstance(event, Arguments):
+                calls[event.index].function.arguments += event.text
+        return ChatResponseMessage(content=content if content.strip() or not calls else None, tool_calls=calls or None)
 
     async def complete(self) -> ChatCompletionResponse:
         results = await self.ctx.submit(self.jobs).results()
-        choices = [
-            ChatChoice(index=job.index, message=ChatResponseMessage(content=result.generated_text or ""),
-                       logprobs=self._logprobs(result.generated_tokens, result.generated_log_probs,
-                                               result.generated_top_n_logprobs),
-                       finish_reason=finish_reason(result), **epoch_fields(self.req, result))
-            for job, result in zip(self.jobs, results)
-        ]
+        choices = []
+        for job, result in zip(self.jobs, results):
+            message = self._message(result.generated_text or "")
+            choices.append(ChatChoice(index=job.index, message=message,
+                                      logprobs=self._logprobs(result.generated_tokens, result.generated_log_probs,
+                                                              result.generated_top_n_logprobs),
+                                      finish_reason=self._finish_reason(result, bool(message.tool_calls)),
+                                      **epoch_fields(self.req, result)))
+        scored = None
+        if self.req.prompt_logprobs is not None:
+            scored = prompt_logprobs(self.ctx.tokenizer, results[0], self.req.prompt_logprobs)
         return ChatCompletionResponse(id=self.id, created=self.created, model=self.req.model, choices=choices,
-                                      usage=self.usage(list(zip(self.jobs, results))))
+                                      usage=self.usage(list(zip(self.jobs, results))), prompt_logprobs=scored)
 
     def _chunk(self, choices: list[ChatChunkChoice], usage: Usage | None = None) -> str:
         return sse(ChatCompletionChunk(id=self.id, created=self.created, model=self.req.model, choices=choices,
                                        usage=usage))
 
-    def _content(self, index: int, delta: Delta) -> str | None:
-        """A chunk adding ``delta`` to choice ``index``; None when it would add nothing."""
+    def _content(self, index: int, delta: Delta, reader: CallReader | None, final: bool = False
+                 ) -> tuple[str | None, bool]:
+        """A chunk adding ``delta`` to choice ``index`` (None if nothing), and whether it carries tool calls."""
         logprobs = self._logprobs(delta.tokens, delta.log_probs, delta.top_n) if delta.tokens else None
-        if not (delta.text or logprobs):
-            return None
-        return self._chunk([ChatChunkChoice(index=index, delta=ChatDelta(content=delta.text), logprobs=logprobs)])
+        if reader is None:
+            message = ChatDelta(content=delta.text) if delta.text else ChatDelta()
+        else:
+            message = _delta(reader.feed(delta.text) + (reader.finish() if final else []))
+        if message.content is None and message.tool_calls is None and logprobs is None:
+            return None, False
+        return self._chunk([ChatChunkChoice(index=index, delta=message, logprobs=logprobs)]), bool(message.tool_calls)
 
     async def _events(self, items: AsyncIterator[tuple[EngineJob, Any]]) -> AsyncIterator[str]:
         """The chunks of the answer as the submission's ``items`` arrive (framing: ``openai_events``)."""
         choices = StreamedChoices()
+        readers: dict[int, CallReader | None] = {}
+        called: set[int] = set()
         results: list[tuple[EngineJob, DynamicInferenceRequest]] = []
         async for job, item in items:
             if choices.first_seen(job.index):
+                readers[job.index] = self.tools.reader()
                 yield self._chunk([ChatChunkChoice(index=job.index, delta=ChatDelta(role="assistant", content=""))])
-            if isinstance(item, StreamPartial):
-                chunk = self._content(job.index, choices.piece(job.index, item))
-                if chunk is not None:
-                    yield chunk
+            reader = readers[job.index]
+            final = not isinstance(item, StreamPartial)
+            delta = choices.rest(job.index, item) if final else choices.piece(job.index, item)
+            chunk, calls = self._content(job.index, delta, reader, final)
+            if calls:
+                called.add(job.index)
+            if chunk is not None:  # for the final record: text the engine held back (a possible stop word)
+                yield chunk
+            if not final:
                 continue
             result: DynamicInferenceRequest = item
             results.append((job, result))
-            chunk = self._content(job.index, choices.rest(job.index, result))
-            if chunk is not None:  # text the engine held back (a possible stop word) until the end
-                yield chunk
             yield self._chunk([ChatChunkChoice(index=job.index, delta=ChatDelta(),
-                                               finish_reason=finish_reason(result), **epoch_fields(self.req, result))])
+                                               finish_reason=self._finish_reason(result, job.index in called),
+                                               **epoch_fields(self.req, result))])
         if self.req.stream_options is not None and self.req.stream_options.include_usage:
             yield self._chunk([], usage=self.usage(results))
 
     async def stream(self) -> StreamingResponse:
         return await event_stream_response(openai_events(self.ctx.submit(self.jobs).stream(), self._events), self.id)
+
+
+def _delta(events: list[Event]) -> ChatDelta:
+    """One chunk's delta from a call reader's events: its content text and its pieces of calls."""
+    text = "".join(e.text for e in events if isinstance(e, Content))
+    calls: list[DeltaToolCall] = []
+    for event in events:
+        if isinstance(event, CallStart):
+            calls.append(DeltaToolCall(index=event.index, id=event.id, type="function",
+                                       function=DeltaFunctionCall(name=event.name, arguments="")))
+        elif isinstance(event, Arguments):
+            if calls and calls[-1].index == event.index:
+                calls[-1].function.arguments = (calls[-1].function.arguments or "") + event.text
+            else:
+                calls.append(DeltaToolCall(index=event.index, function=DeltaFunctionCall(arguments=event.text)))
+    return ChatDelta(content=text or None, tool_calls=calls or None)

@@ -10,7 +10,7 @@ from fastapi.responses import StreamingResponse
 
 from ..client import StreamPartial
 from ..request import DynamicInferenceRequest
-from .answers import Delta, StreamedChoices, finish_reason, make_usage
+from .answers import Delta, StreamedChoices, finish_reason, make_usage, prompt_logprobs
 from .context import ServerContext
 from .errors import unsupported
 from .models import (
@@ -29,27 +29,29 @@ from .translate import (
     check_common,
     check_model,
     completion_prompts,
+    controls,
     epoch_fields,
     make_jobs,
     resolve_max_tokens,
     sampling_params,
+    structured_outputs,
 )
 
 
-def completion_logprobs(tokenizer: Any, tokens: list[int], log_probs: list[float],
-                        top_n: list[dict[int, float]] | None, offset: int) -> CompletionLogprobs:
+def completion_logprobs(tokenizer: Any, tokens: list[int], log_probs: list[float | None],
+                        top_n: list[dict[int, float] | None] | None, offset: int, n: int = 20) -> CompletionLogprobs:
     """The legacy completions log-prob block; ``offset`` is where the first token's text starts."""
     texts = [tokenizer.token_text(t) for t in tokens]
     offsets = []
     for text in texts:
         offsets.append(offset)
         offset += len(text)
-    token_logprobs: list[float | None] = [float(x) for x in log_probs[: len(tokens)]]
+    token_logprobs: list[float | None] = [None if x is None else float(x) for x in log_probs[: len(tokens)]]
     token_logprobs += [None] * (len(tokens) - len(token_logprobs))
     top: list[dict[str, float] | None] | None = None
     if top_n is not None:
-        top = [{tokenizer.token_text(t): float(lp) for t, lp in d.items()} if d is not None else None
-               for d in top_n[: len(tokens)]]
+        top = [{tokenizer.token_text(t): float(lp) for t, lp in sorted(d.items(), key=lambda kv: -kv[1])[:n]}
+               if d is not None else None for d in top_n[: len(tokens)]]
         top += [None] * (len(tokens) - len(top))
     return CompletionLogprobs(tokens=texts, token_logprobs=token_logprobs, top_logprobs=top, text_offset=offsets)
 
@@ -77,17 +79,22 @@ class CompletionHandler:
             raise unsupported("suffix", "suffix (insertion)")
         if req.best_of is not None and req.best_of != self.n:
             raise unsupported("best_of", "best_of other than n")
-        if req.echo and self.want_logprobs:
-            raise unsupported("echo", "echo together with logprobs (prompt tokens are not scored)")
+        self.echo_logprobs = bool(req.echo) and self.want_logprobs
+        if req.stream and (self.echo_logprobs or req.prompt_logprobs is not None):
+            raise unsupported("prompt_logprobs" if req.prompt_logprobs is not None else "echo",
+                              "log probs of prompt tokens with stream=true")
         ctx.monitor.check_accepting()
         max_len = ctx.max_model_len()
         self.prompts = completion_prompts(req, ctx.tokenizer, ctx.vocab_size, max_len)
+        extra = controls(req, ctx.vocab_size, structured_outputs(req),
+                         prompt_log_probs=self.echo_logprobs or req.prompt_logprobs is not None)
+        top_n = max(self.top, req.prompt_logprobs or 0)
 
         def params_for(prompt: Prompt, choice: int):
             max_tokens = resolve_max_tokens(len(prompt.tokens), req.max_tokens, DEFAULT_COMPLETION_TOKENS, max_len,
                                             prompt_param="prompt", tokens_param="max_tokens")
-            return sampling_params(req, max_tokens=max_tokens, logprobs=self.want_logprobs, top_logprobs=self.top,
-                                   choice=choice)
+            return sampling_params(req, max_tokens=max_tokens, logprobs=self.want_logprobs, top_logprobs=top_n,
+                                   choice=choice, extra=extra)
 
         self.jobs = make_jobs(self.prompts, self.n, params_for)
 
@@ -104,11 +111,20 @@ class CompletionHandler:
             text = result.generated_text or ""
             logprobs = None
             if self.want_logprobs:
-                logprobs = completion_logprobs(self.ctx.tokenizer, result.generated_tokens,
-                                               result.generated_log_probs,
-                                               result.generated_top_n_logprobs if self.top else None, len(prefix))
+                tokens, log_probs, top = result.generated_tokens, list(result.generated_log_probs), \
+                    list(result.generated_top_n_logprobs)
+                if self.echo_logprobs:  # the prompt's tokens first; its first token has no log prob
+                    tokens = result.prompt_tokens + tokens
+                    log_probs = [None, *result.prompt_log_probs, *log_probs]
+                    top = [None, *result.prompt_top_n_logprobs, *top]
+                logprobs = completion_logprobs(self.ctx.tokenizer, tokens, log_probs, top if self.top else None,
+                                               0 if self.echo_logprobs else len(prefix), self.top)
+            scored = None
+            if self.req.prompt_logprobs is not None:
+                scored = prompt_logprobs(self.ctx.tokenizer, result, self.req.prompt_logprobs)
             choices.append(CompletionChoice(index=job.index, text=prefix + text, logprobs=logprobs,
-                                            finish_reason=finish_reason(result), **epoch_fields(self.req, result)))
+                                            finish_reason=finish_reason(result), prompt_logprobs=scored,
+                                            **epoch_fields(self.req, result)))
         return CompletionResponse(id=self.id, created=self.created, model=self.req.model, choices=choices,
                                   usage=self.usage(list(zip(self.jobs, results))))
 
@@ -125,7 +141,7 @@ class CompletionHandler:
         if not (self.want_logprobs and delta.tokens):
             return None
         return completion_logprobs(self.ctx.tokenizer, delta.tokens, delta.log_probs,
-                                   delta.top_n if self.top else None, offset)
+                                   delta.top_n if self.top else None, offset, self.top)
 
     async def _events(self, items: AsyncIterator[tuple[EngineJob, Any]]) -> AsyncIterator[str]:
         """The chunks of the answer as the submission's ``items`` arrive (framing: ``openai_events``)."""

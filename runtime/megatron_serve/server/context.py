@@ -28,6 +28,7 @@ class ServerContext:
     workers: Workers
     vocab_size: int | None = None
     default_max_model_len: int | None = None  # from config.json, until engines report theirs
+    tool_parser: str | None = None  # tool-call format read from outputs with tool_choice "auto"
     created: int = field(default_factory=lambda: int(time.time()))
     #: Set when the server stops: what it holds is answered with 503 at once, new requests get 503.
     stopping: asyncio.Event = field(default_factory=asyncio.Event)

@@ -22,6 +22,18 @@ EXTENSIONS: dict[str, str] = {
     "ignore_eos": "keep generating past end-of-sequence tokens (vLLM's name)",
     "return_epochs": "add policy_epochs and kv_epochs (the weights generation of every generated token) to each "
                      "choice",
+    "repetition_penalty": "divides positive (and multiplies negative) logits of prompt and generated tokens; 1 = off "
+                          "(vLLM's name)",
+    "min_p": "drop tokens less likely than min_p times the most likely one; 0 = off (vLLM's name)",
+    "min_tokens": "no end-of-sequence token, stop token or stop string before this many tokens (vLLM's name)",
+    "stop_token_ids": "generation also stops at these token ids, which are not returned (vLLM's name)",
+    "guided_json": "the output follows this JSON schema (vLLM's name)",
+    "guided_regex": "the output matches this regular expression (vLLM's name)",
+    "guided_choice": "the output is one of these strings (vLLM's name)",
+    "guided_grammar": "the output follows this grammar: GBNF/EBNF ('root ::= ...') or Lark (vLLM's name)",
+    "prompt_logprobs": "log-prob of every prompt token and this many alternatives at each position (vLLM's name "
+                       "and shape; not with stream)",
+    "response_format": "on /v1/completions too (as vLLM): 'json_object' or 'json_schema' constrains the output",
 }
 
 #: Well-known fields this server does not implement, OpenAI's and other servers' (vLLM, SGLang):
@@ -29,7 +41,6 @@ EXTENSIONS: dict[str, str] = {
 NOT_IMPLEMENTED: dict[str, str] = {
     "functions": "function calling (deprecated by OpenAI for tools)",
     "function_call": "function calling (deprecated by OpenAI for tools)",
-    "parallel_tool_calls": "tool calling",
     "audio": "audio output",
     "modalities": "output modalities",
     "prediction": "predicted outputs",
@@ -38,10 +49,6 @@ NOT_IMPLEMENTED: dict[str, str] = {
     "service_tier": "service tiers",
     "store": "stored completions",
     "metadata": "stored completions",
-    "repetition_penalty": "repetition penalty",
-    "min_p": "min-p sampling",
-    "min_tokens": "a minimum number of generated tokens",
-    "stop_token_ids": "stop token ids",
     "include_stop_str_in_output": "returning the stop string",
     "skip_special_tokens": "choosing whether special tokens are skipped",
     "spaces_between_special_tokens": "choosing how special tokens are joined",
@@ -51,11 +58,6 @@ NOT_IMPLEMENTED: dict[str, str] = {
     "bad_words": "bad words",
     "allowed_token_ids": "restricting the vocabulary",
     "truncate_prompt_tokens": "prompt truncation",
-    "prompt_logprobs": "prompt log-probs",
-    "guided_json": "guided decoding (JSON schema)",
-    "guided_regex": "guided decoding (regular expression)",
-    "guided_choice": "guided decoding (choice)",
-    "guided_grammar": "guided decoding (grammar)",
     "guided_decoding_backend": "guided decoding",
     "guided_whitespace_pattern": "guided decoding",
     "structural_tag": "guided decoding (structural tags)",

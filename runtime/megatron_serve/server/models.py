@@ -46,6 +46,18 @@ class StreamOptions(_Request):
     include_usage: bool = Field(False, description="send one last chunk with the usage of the whole request")
 
 
+class JsonSchemaFormat(_Request):
+    name: str = Field(description="the schema's name")
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema", description="the JSON schema of the output")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Request):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
 class _SamplingRequest(_Request):
     """Fields shared by ``/v1/completions`` and ``/v1/chat/completions``."""
 
@@ -59,9 +71,24 @@ class _SamplingRequest(_Request):
     seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX, description="makes sampling repeatable")
     stream: bool | None = Field(None, description="answer with server-sent events ending in 'data: [DONE]'")
     stream_options: StreamOptions | None = None
-    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0, description="only 0 is supported")
-    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0, description="only 0 is supported")
-    logit_bias: dict[str, float] | None = Field(None, description="not supported; must be empty")
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0, description="subtracted from the logit of every "
+                                                                              "token already generated; default 0")
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0, description="subtracted from a token's logit once "
+                                                                               "per time it was generated; default 0")
+    logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = Field(
+        None, description="token id (as a string) -> bias added to its logit, -100 to 100")
+    repetition_penalty: float | None = extension("repetition_penalty", gt=0.0, le=100.0)
+    min_p: float | None = extension("min_p", ge=0.0, le=1.0)
+    min_tokens: int | None = extension("min_tokens", ge=0)
+    stop_token_ids: list[TokenId] | None = extension("stop_token_ids")
+    response_format: ResponseFormat | None = Field(None, description="'json_object' or 'json_schema': the output is "
+                                                                     "JSON (of that schema)")
+    guided_json: dict[str, Any] | str | None = extension("guided_json")
+    guided_regex: str | None = extension("guided_regex", min_length=1)
+    guided_choice: Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1)] | None = extension(
+        "guided_choice")
+    guided_grammar: str | None = extension("guided_grammar", min_length=1)
+    prompt_logprobs: int | None = extension("prompt_logprobs", ge=0, le=MAX_TOP_LOGPROBS)
     user: str | None = Field(None, description="accepted and ignored")
     ignore_eos: bool | None = extension("ignore_eos")
     return_epochs: bool | None = extension("return_epochs")
@@ -111,15 +138,44 @@ class TextContentPart(_Request):
     text: str
 
 
+class FunctionDefinition(_Request):
+    name: str = Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = Field(None, description="JSON schema of the arguments")
+    strict: bool | None = None
+
+
+class ToolDefinition(_Request):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(_Request):
+    name: str
+
+
+class NamedToolChoice(_Request):
+    type: Literal["function"]
+    function: FunctionName
+
+
+class ToolCallFunction(_Request):
+    name: str
+    arguments: str = Field(description="the arguments as a JSON object, in a string")
+
+
+class ToolCall(_Request):
+    id: str
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
 class ChatMessage(_Request):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextContentPart] | None = None
     name: str | None = None
     tool_call_id: str | None = None
-
-
-class ResponseFormat(_Request):
-    type: Literal["text", "json_object", "json_schema"]
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatCompletionRequest(_SamplingRequest):
@@ -133,9 +189,12 @@ class ChatCompletionRequest(_SamplingRequest):
     logprobs: bool | None = Field(None, description="return the log-prob of each generated token")
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS,
                                      description="alternatives per token (needs logprobs=true)")
-    tools: list[dict] | None = Field(None, description="not supported; must be empty")
-    tool_choice: str | dict | None = Field(None, description="accepted when no tools are given")
-    response_format: ResponseFormat | None = Field(None, description="only type 'text' is supported")
+    tools: list[ToolDefinition] | None = Field(None, description="functions the model may call")
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
+        None, description="'auto' (default with tools): the model decides, calls are parsed from its output; "
+                          "'required' or a named function: the output is constrained to valid calls; 'none'")
+    parallel_tool_calls: bool | None = Field(None, description="false: at most one call per answer (with "
+                                                               "'required': exactly one)")
 
 
 # ----------------------------------------------------------------------------- responses
@@ -153,7 +212,7 @@ class Usage(BaseModel):
     prompt_tokens_details: PromptTokensDetails | None = None
 
 
-FinishReasonName = Literal["stop", "length"]
+FinishReasonName = Literal["stop", "length", "tool_calls"]
 
 
 class CompletionLogprobs(BaseModel):
@@ -163,13 +222,26 @@ class CompletionLogprobs(BaseModel):
     text_offset: list[int]
 
 
+class PromptLogprob(BaseModel):
+    """vLLM's entry of ``prompt_logprobs``: one token's log prob at one prompt position."""
+
+    logprob: float
+    rank: int | None = Field(None, description="1 = the most likely token at that position; null when unknown")
+    decoded_token: str | None = None
+
+
+#: Per prompt position: token id (as a string) -> its entry; the first position has none (null).
+PromptLogprobs = list[dict[str, PromptLogprob] | None]
+_PROMPT_LOGPROBS = "extension (prompt_logprobs): log probs of the prompt tokens, vLLM's shape"
+
+
 class _Epochs(BaseModel):
-    """Serializer of the ``return_epochs`` extension fields: left out entirely unless they were asked for."""
+    """Serializer of extension fields (``return_epochs``, ``prompt_logprobs``): left out unless asked for."""
 
     @model_serializer(mode="wrap")
     def _drop_absent_epochs(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
         data = handler(self)
-        for key in ("policy_epochs", "kv_epochs"):
+        for key in ("policy_epochs", "kv_epochs", "prompt_logprobs"):
             if data.get(key) is None:
                 data.pop(key, None)
         return data
@@ -184,6 +256,7 @@ class CompletionChoice(_Epochs):
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: FinishReasonName | None = None
+    prompt_logprobs: PromptLogprobs | None = Field(None, description=_PROMPT_LOGPROBS)
     policy_epochs: list[int] | None = Field(None, description=_POLICY_EPOCHS)
     kv_epochs: list[int] | None = Field(None, description=_KV_EPOCHS)
 
@@ -213,10 +286,29 @@ class ChatChoiceLogprobs(BaseModel):
     refusal: list[ChatTokenLogprob] | None = None
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str
+
+
+class ChatToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
     refusal: str | None = None
+    tool_calls: list[ChatToolCall] | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_no_calls(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        data = handler(self)
+        if not data.get("tool_calls"):
+            data.pop("tool_calls", None)
+        return data
 
 
 class ChatChoice(_Epochs):
@@ -228,7 +320,7 @@ class ChatChoice(_Epochs):
     kv_epochs: list[int] | None = Field(None, description=_KV_EPOCHS)
 
 
-class ChatCompletionResponse(BaseModel):
+class ChatCompletionResponse(_Epochs):
     id: str
     object: Literal["chat.completion"] = "chat.completion"
     created: int
@@ -236,6 +328,21 @@ class ChatCompletionResponse(BaseModel):
     choices: list[ChatChoice]
     usage: Usage | None = None
     system_fingerprint: str | None = None
+    prompt_logprobs: PromptLogprobs | None = Field(None, description=_PROMPT_LOGPROBS)
+
+
+class DeltaFunctionCall(BaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(BaseModel):
+    """A piece of tool call ``index``: its first piece carries id, type and name; arguments add up."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall
 
 
 class ChatDelta(BaseModel):
@@ -243,6 +350,7 @@ class ChatDelta(BaseModel):
 
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
     @model_serializer(mode="wrap")
     def _drop_unset(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
@@ -320,3 +428,41 @@ class ReadyResponse(BaseModel):
     coordinator_reachable: bool
     engines: int = 0
     detail: str | None = None
+
+
+class TokenizeCompletionRequest(_Request):
+    """Body of ``POST /tokenize`` for a prompt (vLLM's shape)."""
+
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool = Field(True, description="add the tokenizer's special tokens (BOS)")
+    return_token_strs: bool | None = Field(False, description="also list each token's text")
+
+
+class TokenizeChatRequest(_Request):
+    """Body of ``POST /tokenize`` for a conversation, rendered with the chat template first (vLLM's shape)."""
+
+    model: str | None = None
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    add_generation_prompt: bool = Field(True, description="end with the assistant's turn opening")
+    add_special_tokens: bool = Field(False, description="add special tokens beyond the template's own")
+    tools: list[ToolDefinition] | None = None
+    return_token_strs: bool | None = Field(False, description="also list each token's text")
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int | None = None
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeRequest(_Request):
+    """Body of ``POST /detokenize`` (vLLM's shape)."""
+
+    model: str | None = None
+    tokens: list[TokenId]
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str

@@ -11,13 +11,15 @@ counts see exactly the tokens the engine will run.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Any
 
-from ..sampling_params import SamplingParams
+from ..sampling_params import SamplingParams, StructuredOutputsParams
+from ..structured_output import grammar_error
 from ..tokenizer import PromptTooLong
-from .errors import APIError, bad_request, unsupported
-from .models import ChatCompletionRequest, CompletionRequest, _SamplingRequest
+from .errors import APIError, bad_request
+from .models import ChatCompletionRequest, ChatMessage, CompletionRequest, _SamplingRequest
 
 def epoch_fields(req: _SamplingRequest, result: Any) -> dict[str, list[int]]:
     """The ``return_epochs`` extension of one choice: per-token weight epochs, when asked for."""
@@ -57,15 +59,65 @@ def check_model(requested: str, served: list[str]) -> None:
 
 
 def check_common(req: _SamplingRequest) -> None:
-    """Parameters of both endpoints that this server accepts but cannot honour unless they are neutral."""
-    if req.presence_penalty:
-        raise unsupported("presence_penalty", "a non-zero presence penalty")
-    if req.frequency_penalty:
-        raise unsupported("frequency_penalty", "a non-zero frequency penalty")
-    if req.logit_bias:
-        raise unsupported("logit_bias", "logit bias")
+    """Checks of both endpoints that the body's schema cannot express."""
     if req.stream_options is not None and not req.stream:
         raise bad_request("stream_options is only allowed when stream is true", param="stream_options")
+
+
+def _logit_bias(req: _SamplingRequest, vocab_size: int | None) -> dict[int, float] | None:
+    """``logit_bias`` with its keys as token ids (the API sends them as strings)."""
+    if not req.logit_bias:
+        return None
+    bias = {}
+    for key, value in req.logit_bias.items():
+        if not key.isdigit() or (vocab_size is not None and int(key) >= vocab_size):
+            raise bad_request(f"logit_bias: key {key!r} is not a token id of this model's vocabulary [0, "
+                              f"{vocab_size})", param="logit_bias", code="invalid_token_id")
+        bias[int(key)] = value
+    return bias
+
+
+def structured_outputs(req: _SamplingRequest, tool_constraint: tuple[str, StructuredOutputsParams] | None = None
+                       ) -> StructuredOutputsParams | None:
+    """The one output constraint of a request (``response_format``, ``guided_*`` or tools), checked.
+
+    A schema, regex or grammar that cannot be used is a 400 naming its parameter; two constraints
+    at once are a 400 too (one would be silently ignored otherwise).
+    """
+    given: list[tuple[str, dict]] = []
+    if req.guided_json is not None:
+        given.append(("guided_json", {"json": req.guided_json}))
+    if req.guided_regex is not None:
+        given.append(("guided_regex", {"regex": req.guided_regex}))
+    if req.guided_choice is not None:
+        given.append(("guided_choice", {"choice": req.guided_choice}))
+    if req.guided_grammar is not None:
+        given.append(("guided_grammar", {"grammar": req.guided_grammar}))
+    response_format = req.response_format
+    if response_format is not None and response_format.type == "json_object":
+        given.append(("response_format", {"json_object": True}))
+    elif response_format is not None and response_format.type == "json_schema":
+        if response_format.json_schema is None or response_format.json_schema.schema_ is None:
+            raise bad_request("response_format: type 'json_schema' needs json_schema.schema",
+                              param="response_format.json_schema")
+        given.append(("response_format", {"json": response_format.json_schema.schema_}))
+    if tool_constraint is not None:
+        given.append((tool_constraint[0], tool_constraint[1].to_dict()))
+    if not given:
+        return None
+    if len(given) > 1:
+        raise bad_request(f"{given[0][0]} and {given[1][0]} both constrain the output: give only one",
+                          param=given[1][0], code="conflicting_parameters")
+    param, spec = given[0]
+    try:
+        constraint = StructuredOutputsParams(**spec)
+    except ValueError as exc:
+        raise bad_request(f"{param}: {exc}", param=param) from None
+    problem = grammar_error(constraint)
+    if problem is not None:
+        raise bad_request(f"{param}: this constraint cannot be used: {problem}", param=param,
+                          code="invalid_constraint")
+    return constraint
 
 
 def check_tokens(tokens: list[int], vocab_size: int | None, param: str) -> None:
@@ -124,31 +176,46 @@ def _message_text(content: Any) -> str:
     return "\n".join(part.text for part in content)
 
 
-def chat_prompt(req: ChatCompletionRequest, tokenizer: Any, vocab_size: int | None,
-                max_model_len: int | None) -> Prompt:
-    """Messages rendered with the model's chat template, then tokenized (the template adds BOS itself)."""
-    if req.tools:
-        raise unsupported("tools", "tool calling")
-    if req.response_format is not None and req.response_format.type != "text":
-        raise unsupported("response_format", f"response_format type '{req.response_format.type}'")
-    if req.top_logprobs and not req.logprobs:
-        raise bad_request("top_logprobs needs logprobs=true", param="top_logprobs")
-    messages = []
-    for message in req.messages:
-        item: dict[str, Any] = {"role": message.role, "content": _message_text(message.content)}
-        if message.name is not None:
-            item["name"] = message.name
-        if message.tool_call_id is not None:
-            item["tool_call_id"] = message.tool_call_id
-        messages.append(item)
+def _message_dict(message: ChatMessage) -> dict[str, Any]:
+    """One message as chat templates read it; a call's arguments as an object (templates ``tojson`` them)."""
+    item: dict[str, Any] = {"role": message.role, "content": _message_text(message.content)}
+    if message.name is not None:
+        item["name"] = message.name
+    if message.tool_call_id is not None:
+        item["tool_call_id"] = message.tool_call_id
+    if message.tool_calls:
+        calls = []
+        for call in message.tool_calls:
+            try:
+                arguments: Any = json.loads(call.function.arguments)
+            except ValueError:
+                arguments = call.function.arguments
+            calls.append({"id": call.id, "type": "function",
+                          "function": {"name": call.function.name, "arguments": arguments}})
+        item["tool_calls"] = calls
+    return item
+
+
+def render_chat(messages: list[ChatMessage], tokenizer: Any, *, tools: list[dict[str, Any]] | None = None,
+                add_generation_prompt: bool = True) -> str:
+    """Messages rendered with the model's chat template (400 when it has none or cannot render them)."""
     if not getattr(tokenizer, "has_chat_template", True):
         raise bad_request("this model has no chat template: use /v1/completions", param="messages",
                           code="chat_template_missing")
     try:
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        return tokenizer.apply_chat_template([_message_dict(m) for m in messages],
+                                             add_generation_prompt=add_generation_prompt, tools=tools)
     except Exception as exc:  # the template may raise on conversations it does not support (jinja errors)
         raise bad_request(f"the model's chat template cannot render these messages: {exc}", param="messages",
                           code="chat_template_error") from None
+
+
+def chat_prompt(req: ChatCompletionRequest, tokenizer: Any, vocab_size: int | None, max_model_len: int | None,
+                tools: list[dict[str, Any]] | None = None) -> Prompt:
+    """Messages (and tools) rendered with the model's chat template, then tokenized (the template adds BOS)."""
+    if req.top_logprobs and not req.logprobs:
+        raise bad_request("top_logprobs needs logprobs=true", param="top_logprobs")
+    text = render_chat(req.messages, tokenizer, tools=tools)
     prompt = Prompt(tokenize(tokenizer, text, max_model_len, "messages", add_special_tokens=False), text)
     check_tokens(prompt.tokens, vocab_size, "messages")
     return prompt
@@ -180,8 +247,24 @@ def resolve_max_tokens(prompt_len: int, requested: int | None, default: int | No
 _PARAM_NAMES = {"num_tokens_to_generate": "max_tokens", "stop_words": "stop", "top_n_logprobs": "logprobs"}
 
 
+def controls(req: _SamplingRequest, vocab_size: int | None, constraint: StructuredOutputsParams | None,
+             prompt_log_probs: bool = False) -> dict[str, object]:
+    """The ``SamplingParams`` fields of the logit controls, output constraint and prompt scoring of a request."""
+    return {
+        "presence_penalty": req.presence_penalty or 0.0,
+        "frequency_penalty": req.frequency_penalty or 0.0,
+        "repetition_penalty": 1.0 if req.repetition_penalty is None else req.repetition_penalty,
+        "logit_bias": _logit_bias(req, vocab_size),
+        "min_p": req.min_p or 0.0,
+        "min_tokens": req.min_tokens or 0,
+        "stop_token_ids": list(req.stop_token_ids or []),
+        "structured_outputs": constraint,
+        "return_prompt_log_probs": prompt_log_probs,
+    }
+
+
 def sampling_params(req: _SamplingRequest, *, max_tokens: int, logprobs: bool, top_logprobs: int,
-                    choice: int) -> SamplingParams:
+                    choice: int, extra: dict[str, object] | None = None) -> SamplingParams:
     """The engine's ``SamplingParams`` for choice number ``choice`` (seeds differ per choice)."""
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     seed = None
@@ -201,6 +284,7 @@ def sampling_params(req: _SamplingRequest, *, max_tokens: int, logprobs: bool, t
             return_log_probs=logprobs,
             top_n_logprobs=top_logprobs,
             seed=seed,
+            **(extra or {}),
         )
     except ValueError as exc:  # SamplingParams names its own field; translate the name back
         message = str(exc)

@@ -1,0 +1,56 @@
+"""``POST /tokenize`` and ``POST /detokenize`` in vLLM's shapes, for clients that count tokens.
+
+``/tokenize`` takes a ``prompt`` (tokenized as ``/v1/completions`` does) or ``messages`` (rendered
+with the chat template first, as ``/v1/chat/completions`` does, tools included), so a client
+counts exactly the tokens the endpoint would run.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import FastAPI
+
+from .context import ServerContext
+from .errors import bad_request
+from .models import (
+    DetokenizeRequest,
+    DetokenizeResponse,
+    TokenizeChatRequest,
+    TokenizeCompletionRequest,
+    TokenizeResponse,
+)
+from .translate import check_model, check_tokens, render_chat
+
+
+def _check_model(ctx: ServerContext, model: str | None) -> None:
+    if model is not None:
+        check_model(model, ctx.served_names)
+
+
+def add_tokenize_routes(app: FastAPI, ctx: ServerContext, dependencies: list[Any],
+                        responses: dict[int | str, dict[str, Any]]) -> None:
+    @app.post("/tokenize", response_model=TokenizeResponse, dependencies=dependencies, responses=responses,
+              tags=["tokenizer"], description="Token ids of a prompt, or of messages rendered with the chat template.")
+    async def tokenize(body: TokenizeCompletionRequest | TokenizeChatRequest) -> TokenizeResponse:
+        _check_model(ctx, body.model)
+        tokenizer = ctx.tokenizer
+        if isinstance(body, TokenizeChatRequest):
+            tools = [tool.model_dump(exclude_none=True) for tool in body.tools] if body.tools else None
+            text = render_chat(body.messages, tokenizer, tools=tools, add_generation_prompt=body.add_generation_prompt)
+        else:
+            text = body.prompt
+        tokens = list(tokenizer.encode(text, add_special_tokens=body.add_special_tokens))
+        strs = [tokenizer.token_text(t) for t in tokens] if body.return_token_strs else None
+        return TokenizeResponse(count=len(tokens), max_model_len=ctx.max_model_len(), tokens=tokens, token_strs=strs)
+
+    @app.post("/detokenize", response_model=DetokenizeResponse, dependencies=dependencies, responses=responses,
+              tags=["tokenizer"], description="The text of token ids.")
+    async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:
+        _check_model(ctx, body.model)
+        if body.tokens:
+            check_tokens(body.tokens, ctx.vocab_size, "tokens")
+        try:
+            return DetokenizeResponse(prompt=ctx.tokenizer.decode(body.tokens))
+        except (ValueError, OverflowError, TypeError) as exc:
+            raise bad_request(f"tokens cannot be decoded: {exc}", param="tokens") from None
