@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from megatron_serve import DynamicInferenceRequest, SamplingParams
 from megatron_serve.tiny_model import make_tiny_model
 
 
@@ -23,3 +24,13 @@ PROMPTS = [
     "splits memory into pages. Requests own lists of blocks.",
     "What is the weather like?",
 ]
+
+
+def run_requests(engine, jobs: list[tuple[str, SamplingParams]]) -> list[DynamicInferenceRequest]:
+    """Requests with different parameters stepped together in one engine until all finish."""
+    requests = [DynamicInferenceRequest(str(i), p, engine.tokenizer.encode(p), sp) for i, (p, sp) in enumerate(jobs)]
+    for request in requests:
+        engine.add_request(request)
+    while engine.has_unfinished_requests():
+        engine.step()
+    return requests

@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_serve import DynamicInferenceRequest, InferenceConfig, MegatronLLM, SamplingParams
+from megatron_serve import InferenceConfig, MegatronLLM, SamplingParams
 from megatron_serve.sampler import _filtered_probs
 from megatron_serve.logits_processors import RowContext, apply_controls, apply_token_bitmask, unpack_bitmask
 
-from .conftest import PROMPTS
+from .conftest import PROMPTS, run_requests
 
 GREEDY = dict(temperature=0.0, num_tokens_to_generate=24, ignore_eos=True)
 
@@ -28,22 +28,12 @@ def test_neutral_controls_leave_greedy_output_unchanged(llm):
     assert [o.generated_log_probs for o in neutral] == [o.generated_log_probs for o in plain]
 
 
-def run_mixed(engine, jobs: list[tuple[str, SamplingParams]]) -> list[DynamicInferenceRequest]:
-    """Requests with different parameters in the same engine steps."""
-    requests = [DynamicInferenceRequest(str(i), p, engine.tokenizer.encode(p), sp) for i, (p, sp) in enumerate(jobs)]
-    for request in requests:
-        engine.add_request(request)
-    while engine.has_unfinished_requests():
-        engine.step()
-    return requests
-
-
 def test_logit_bias_makes_every_token_the_biased_one_in_a_mixed_batch(llm):
     target = llm.engine.tokenizer.encode(" fox", add_special_tokens=False)[0]
     biased = SamplingParams(**GREEDY, logit_bias={target: 100.0})
     free = SamplingParams(**GREEDY)
     plain = llm.generate(PROMPTS[:4], free)
-    results = run_mixed(llm.engine, list(zip(PROMPTS[:4], [biased, free, biased, free])))
+    results = run_requests(llm.engine, list(zip(PROMPTS[:4], [biased, free, biased, free])))
     assert all(t == target for r in results[0::2] for t in r.generated_tokens)
     assert [r.generated_tokens for r in results[1::2]] == [o.generated_tokens for o in plain[1::2]]
 

@@ -12,7 +12,7 @@ import pytest
 from megatron_serve import DynamicInferenceRequest, InferenceConfig, MegatronLLM, RequestStatus, SamplingParams
 from megatron_serve.sampling_params import StructuredOutputsParams
 
-from .conftest import PROMPTS
+from .conftest import PROMPTS, run_requests
 
 SCHEMA = {
     "type": "object",
@@ -33,22 +33,13 @@ def constrained(**spec) -> SamplingParams:
                           structured_outputs=StructuredOutputsParams(**spec))
 
 
-def run(engine, jobs: list[tuple[str, SamplingParams]]) -> list[DynamicInferenceRequest]:
-    requests = [DynamicInferenceRequest(str(i), p, engine.tokenizer.encode(p), sp) for i, (p, sp) in enumerate(jobs)]
-    for request in requests:
-        engine.add_request(request)
-    while engine.has_unfinished_requests():
-        engine.step()
-    return requests
-
-
 @pytest.fixture(scope="module")
 def llm(tiny_llama):
     return MegatronLLM(tiny_llama, InferenceConfig(block_size_tokens=16))
 
 
 def test_json_schema_output_validates_for_twenty_seeds(llm):
-    outs = run(llm.engine, [(PROMPTS[seed % len(PROMPTS)], constrained(json=SCHEMA, seed=seed)) for seed in range(20)])
+    outs = run_requests(llm.engine, [(PROMPTS[seed % len(PROMPTS)], constrained(json=SCHEMA, seed=seed)) for seed in range(20)])
     texts = set()
     for out in outs:
         assert out.status is RequestStatus.COMPLETED and out.finish_reason.value == "stop", out.error
@@ -60,7 +51,7 @@ def test_json_schema_output_validates_for_twenty_seeds(llm):
 def test_each_kind_of_constraint_mixes_with_free_requests_in_one_batch(llm):
     free = SamplingParams(temperature=0.0, num_tokens_to_generate=24, ignore_eos=True)
     reference = [o.generated_tokens for o in llm.generate(PROMPTS[:3], free)]
-    outs = run(llm.engine, [
+    outs = run_requests(llm.engine, [
         (PROMPTS[0], free),
         (PROMPTS[1], constrained(choice=["red", "green", "blue sky"])),
         (PROMPTS[1], free),
@@ -81,9 +72,9 @@ def test_each_kind_of_constraint_mixes_with_free_requests_in_one_batch(llm):
 
 def test_grammar_state_survives_preemption(tiny_llama, llm):
     jobs = [(p, constrained(json=SCHEMA, seed=i)) for i, p in enumerate(PROMPTS)]
-    reference = [o.generated_tokens for o in run(llm.engine, jobs)]
+    reference = [o.generated_tokens for o in run_requests(llm.engine, jobs)]
     tight = MegatronLLM(tiny_llama, InferenceConfig(block_size_tokens=4, num_kv_blocks=64, max_batch_tokens=64))
-    outs = run(tight.engine, [(p, constrained(json=SCHEMA, seed=i)) for i, p in enumerate(PROMPTS)])
+    outs = run_requests(tight.engine, [(p, constrained(json=SCHEMA, seed=i)) for i, p in enumerate(PROMPTS)])
     assert all(o.status is RequestStatus.COMPLETED for o in outs), [o.error for o in outs]
     assert sum(1 for o in outs for e in o.events if e.type.value == "PREEMPT") > 0
     assert [o.generated_tokens for o in outs] == reference
@@ -91,7 +82,7 @@ def test_grammar_state_survives_preemption(tiny_llama, llm):
 
 def test_grammar_state_is_rebuilt_on_another_engine(tiny_llama, llm):
     jobs = [(p, constrained(json=SCHEMA, seed=i)) for i, p in enumerate(PROMPTS[:4])]
-    reference = [o.generated_tokens for o in run(llm.engine, jobs)]
+    reference = [o.generated_tokens for o in run_requests(llm.engine, jobs)]
     first, second = MegatronLLM(tiny_llama).engine, MegatronLLM(tiny_llama).engine
     requests = [DynamicInferenceRequest(str(i), p, first.tokenizer.encode(p), sp) for i, (p, sp) in enumerate(jobs)]
     for request in requests:
@@ -110,7 +101,7 @@ def test_grammar_state_is_rebuilt_on_another_engine(tiny_llama, llm):
 
 
 def test_a_bad_grammar_fails_its_request_alone(llm):
-    outs = run(llm.engine, [(PROMPTS[0], constrained(regex="a(")),
+    outs = run_requests(llm.engine, [(PROMPTS[0], constrained(regex="a(")),
                             (PROMPTS[0], SamplingParams(temperature=0.0, num_tokens_to_generate=4))])
     assert outs[0].status is RequestStatus.FAILED and "structured_outputs" in outs[0].error
     assert "regex" in outs[0].error or "unclosed" in outs[0].error
