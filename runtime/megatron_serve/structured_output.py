@@ -105,6 +105,8 @@ class StructuredOutputs:
         matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
         if matcher.is_error():
             return f"structured_outputs: {matcher.get_error().strip()}"
+        if not generated_tokens and matcher.is_stopped():
+            return "structured_outputs: the constraint allows no output"
         if generated_tokens and not matcher.consume_tokens(list(generated_tokens)):
             return f"structured_outputs: the tokens generated so far do not fit the grammar: {matcher.get_error()}"
         self._matchers[request_id] = matcher
@@ -129,7 +131,8 @@ class StructuredOutputs:
 
         One parallel fill for all of them (llguidance's executor, without the GIL). Each row's
         end-of-sequence bits are then set to its own stop tokens: allowed where the grammar is
-        complete, forbidden everywhere else.
+        complete, forbidden everywhere else. A complete grammar with nothing left to allow (a
+        request with ``ignore_eos``) allows EOS, which the grammar consumes and then stops.
         """
         rows = [i for i, request_id in enumerate(request_ids) if request_id in self._matchers]
         if not rows:
@@ -145,8 +148,10 @@ class StructuredOutputs:
         for position, (row, matcher) in enumerate(zip(rows, matchers)):
             for token in eos:
                 view[position, token >> 5] &= ~(1 << (token & 31)) & 0xFFFFFFFF
-            if matcher.is_accepting():
-                for token in stop_token_ids[row]:
-                    if token < self.vocab_size:
-                        view[position, token >> 5] |= 1 << (token & 31)
+            allowed = list(stop_token_ids[row]) if matcher.is_accepting() else []
+            if not view[position].any() and not allowed:
+                allowed = eos  # the grammar is complete and the request has no stop token of its own (ignore_eos)
+            for token in allowed:
+                if token < self.vocab_size:
+                    view[position, token >> 5] |= 1 << (token & 31)
         return rows, bitmask

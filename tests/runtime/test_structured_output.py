@@ -1,5 +1,7 @@
 """Structured outputs in the engine: every constrained output is in its language, free rows are untouched,
-and the grammar state survives preemption and a move to another engine (rebuilt from the tokens)."""
+and the grammar state survives preemption and a move to another engine (rebuilt from the tokens).
+
+Schema validity over many seeds is checked through the HTTP API (``tests/server/test_openai_surface.py``)."""
 
 from __future__ import annotations
 
@@ -36,16 +38,6 @@ def constrained(**spec) -> SamplingParams:
 @pytest.fixture(scope="module")
 def llm(tiny_llama):
     return MegatronLLM(tiny_llama, InferenceConfig(block_size_tokens=16))
-
-
-def test_json_schema_output_validates_for_twenty_seeds(llm):
-    outs = run_requests(llm.engine, [(PROMPTS[seed % len(PROMPTS)], constrained(json=SCHEMA, seed=seed)) for seed in range(20)])
-    texts = set()
-    for out in outs:
-        assert out.status is RequestStatus.COMPLETED and out.finish_reason.value == "stop", out.error
-        jsonschema.validate(json.loads(out.generated_text), SCHEMA)
-        texts.add(out.generated_text)
-    assert len(texts) > 10  # sampled, not one fixed answer
 
 
 def test_each_kind_of_constraint_mixes_with_free_requests_in_one_batch(llm):

@@ -70,7 +70,7 @@ def _logit_bias(req: _SamplingRequest, vocab_size: int | None) -> dict[int, floa
         return None
     bias = {}
     for key, value in req.logit_bias.items():
-        if not key.isdigit() or (vocab_size is not None and int(key) >= vocab_size):
+        if not (key.isascii() and key.isdigit()) or (vocab_size is not None and int(key) >= vocab_size):
             raise bad_request(f"logit_bias: key {key!r} is not a token id of this model's vocabulary [0, "
                               f"{vocab_size})", param="logit_bias", code="invalid_token_id")
         bias[int(key)] = value
