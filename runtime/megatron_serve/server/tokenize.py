@@ -28,21 +28,25 @@ def _check_model(ctx: ServerContext, model: str | None) -> None:
         check_model(model, ctx.served_names)
 
 
+def _tokenize(ctx: ServerContext, body: TokenizeCompletionRequest | TokenizeChatRequest) -> TokenizeResponse:
+    tokenizer = ctx.tokenizer
+    if isinstance(body, TokenizeChatRequest):
+        tools = [tool.model_dump(exclude_none=True) for tool in body.tools] if body.tools else None
+        text = render_chat(body.messages, tokenizer, tools=tools, add_generation_prompt=body.add_generation_prompt)
+    else:
+        text = body.prompt
+    tokens = list(tokenizer.encode(text, add_special_tokens=body.add_special_tokens))
+    strs = [tokenizer.token_text(t) for t in tokens] if body.return_token_strs else None
+    return TokenizeResponse(count=len(tokens), max_model_len=ctx.max_model_len(), tokens=tokens, token_strs=strs)
+
+
 def add_tokenize_routes(app: FastAPI, ctx: ServerContext, dependencies: list[Any],
                         responses: dict[int | str, dict[str, Any]]) -> None:
     @app.post("/tokenize", response_model=TokenizeResponse, dependencies=dependencies, responses=responses,
               tags=["tokenizer"], description="Token ids of a prompt, or of messages rendered with the chat template.")
     async def tokenize(body: TokenizeCompletionRequest | TokenizeChatRequest) -> TokenizeResponse:
         _check_model(ctx, body.model)
-        tokenizer = ctx.tokenizer
-        if isinstance(body, TokenizeChatRequest):
-            tools = [tool.model_dump(exclude_none=True) for tool in body.tools] if body.tools else None
-            text = render_chat(body.messages, tokenizer, tools=tools, add_generation_prompt=body.add_generation_prompt)
-        else:
-            text = body.prompt
-        tokens = list(tokenizer.encode(text, add_special_tokens=body.add_special_tokens))
-        strs = [tokenizer.token_text(t) for t in tokens] if body.return_token_strs else None
-        return TokenizeResponse(count=len(tokens), max_model_len=ctx.max_model_len(), tokens=tokens, token_strs=strs)
+        return await ctx.workers.run(_tokenize, ctx, body)  # rendering and encoding stay off the event loop
 
     @app.post("/detokenize", response_model=DetokenizeResponse, dependencies=dependencies, responses=responses,
               tags=["tokenizer"], description="The text of token ids.")
