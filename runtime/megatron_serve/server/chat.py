@@ -85,9 +85,9 @@ class ChatHandler:
         ctx.monitor.check_accepting()
         max_len = ctx.max_model_len()
         self.tools = plan_tools(req, ctx.tool_parser)
-        self.prompt = chat_prompt(req, ctx.tokenizer, ctx.vocab_size, max_len, tools=self.tools.template_tools)
         extra = controls(req, ctx.vocab_size, structured_outputs(req, self.tools.constraint),
-                         prompt_log_probs=req.prompt_logprobs is not None)
+                         prompt_log_probs=req.prompt_logprobs is not None)  # checked before the costlier rendering
+        self.prompt = chat_prompt(req, ctx.tokenizer, ctx.vocab_size, max_len, tools=self.tools.template_tools)
         top_n = max(self.top, req.prompt_logprobs or 0)
         requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         tokens_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
