@@ -295,3 +295,16 @@ async def test_stopping_server_answers_held_and_streaming_requests_with_503(toke
     assert len(backend.aborted) == 2  # both engine requests were given up
     uvicorn_log.removeHandler(caplog.handler)
     assert "Exception in ASGI application" not in caplog.text and "Traceback" not in caplog.text
+
+
+async def test_implemented_extensions_reach_the_engine_as_sampling_params(tokenizer, backend):
+    body = {"model": MODEL, "prompt": "x", "max_tokens": 4, "repetition_penalty": 1.3, "min_p": 0.1, "min_tokens": 2,
+            "stop_token_ids": [5], "guided_choice": ["a", "b"], "presence_penalty": 0.5, "frequency_penalty": 0.25,
+            "logit_bias": {"7": 2.0}, "prompt_logprobs": 2}
+    async with serving(make_app(tokenizer, backend)) as url, httpx.AsyncClient(base_url=url) as http:
+        assert (await http.post("/v1/completions", json=body)).status_code == 200
+    params = backend.submitted[0][1]
+    assert (params.repetition_penalty, params.min_p, params.min_tokens, params.stop_token_ids) == (1.3, 0.1, 2, [5])
+    assert (params.presence_penalty, params.frequency_penalty, params.logit_bias) == (0.5, 0.25, {7: 2.0})
+    assert params.structured_outputs.choice == ["a", "b"]
+    assert params.return_prompt_log_probs and params.top_n_logprobs == 2
