@@ -2,8 +2,9 @@
 
 The baseline swaps ``engine.stats`` for a stand-in whose methods do nothing, in the same process
 and on the same requests, so the ratio is the host time the counters and histograms add per step
-(one ``observe`` per request that sampled). Also prints the cost of one heartbeat snapshot
-(``metrics_snapshot``), which runs at most every 0.2 s. A tiny model keeps the model's share of a
+(one ``observe`` per request that sampled); on a shared CPU that difference drowns in noise, so
+it also times ``observe_step`` alone, and one heartbeat snapshot (``metrics_snapshot``, at most every
+0.2 s). A tiny model keeps the model's share of a
 step small, which makes the metrics' share look *larger* than on a real model.
 
     python benchmarks/engine_metrics.py
@@ -18,7 +19,7 @@ import tempfile
 import time
 
 from megatron_serve.config import InferenceConfig
-from megatron_serve.engine import DynamicInferenceEngine
+from megatron_serve.engine import DynamicInferenceEngine, StepOutput
 from megatron_serve.engine_stats import EngineStats
 from megatron_serve.request import DynamicInferenceRequest
 from megatron_serve.sampling_params import SamplingParams
@@ -28,7 +29,7 @@ from megatron_serve.tiny_model import make_tiny_model
 class NoStats(EngineStats):
     """The baseline: the same interface, nothing counted."""
 
-    def observe(self, *args: object, **kwargs: object) -> None:
+    def observe_step(self, *args: object, **kwargs: object) -> None:
         pass
 
     def preempted(self, count: int) -> None:
@@ -49,6 +50,21 @@ def seconds_per_step(engine: DynamicInferenceEngine, batch: int, tokens: int) ->
         engine.step()
         times.append(time.perf_counter() - start)
     return statistics.median(times[2:])  # skip the prefill steps
+
+
+def seconds_per_request(batch: int, steps: int = 2000) -> float:
+    """``observe_step`` of a decode batch in mid-generation (the common step), per request."""
+    stats = EngineStats()
+    outputs, sequences = [], []
+    for i in range(batch):
+        request = DynamicInferenceRequest(f"r{i}", None, [1, 2, 3], SamplingParams())
+        request.generated_tokens = [4, 5]
+        outputs.append(StepOutput(request, [5], "", [], False))
+        sequences.append(type("Sequence", (), {"last_token_at": 0.0})())
+    start = time.perf_counter()
+    for step in range(steps):
+        stats.observe_step(sequences, outputs, 0.01 * (step + 1))
+    return (time.perf_counter() - start) / steps / batch
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -74,11 +90,14 @@ def main(argv: list[str] | None = None) -> int:
         for _ in range(1000):
             engine.metrics_snapshot()
         snapshot = (time.perf_counter() - start) / 1000
+    observe = seconds_per_request(args.batch)
     a, b = statistics.median(with_stats), statistics.median(without)
     print(f"device {engine.device}; batch {args.batch}; {args.tokens} tokens per request; median decode step")
     print(f"{'without metrics':>18} {b * 1e3:8.3f} ms")
     print(f"{'with metrics':>18} {a * 1e3:8.3f} ms   ratio {a / b:.3f}   "
           f"({(a - b) / args.batch * 1e6:.2f} us per request per step)")
+    print(f"{'per request':>18} {observe * 1e6:8.2f} us (observe_step of a decode batch of {args.batch}; "
+          f"{observe * args.batch / b:.2%} of this step)")
     print(f"{'heartbeat snapshot':>18} {snapshot * 1e6:8.1f} us (at most every 0.2 s)")
     return 0
 

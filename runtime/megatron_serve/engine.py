@@ -333,11 +333,10 @@ class DynamicInferenceEngine:
                                      [len(s.request.generated_tokens) for s in sequences],
                                      model_logits=None if processed is logits else logits)
         now = time.monotonic()
-        for i, sequence in enumerate(sequences):
-            out = self._append_token(sequence, result.token_ids[i], result.log_probs[i], result.top_n[i])
-            self.stats.observe(sequence, out.request, len(out.new_tokens), out.finished, now)
-            outputs.append(out)
-        return outputs
+        sampled = [self._append_token(sequence, result.token_ids[i], result.log_probs[i], result.top_n[i])
+                   for i, sequence in enumerate(sequences)]
+        self.stats.observe_step(sequences, sampled, now)
+        return outputs + sampled
 
     def _controlled_logits(self, logits: torch.Tensor, sequences: list[Sequence]) -> torch.Tensor:
         """The logits to sample from: logit controls, then grammar masks (``logits`` itself when none apply).

@@ -8,15 +8,19 @@ then changes nothing) and :meth:`EngineStats.to_wire` copies them into the heart
 
 The meanings and units are vLLM's (``vllm:time_to_first_token_seconds`` and so on), so dashboards
 and alerts written for vLLM read these series unchanged; the bucket bounds are a superset of
-vLLM's, so its ``le`` thresholds exist here too. Cost on the step loop: one call per request that
-sampled in the step (a few integer additions and at most one ``bisect`` over about 25 bounds),
-next to the detokenizer and sampler work that the same request already costs; preemptions are
-counted once per step.
+vLLM's, so its ``le`` thresholds exist here too. Cost on the step loop: one pass per step over the
+requests that sampled (a few attribute reads and integer additions each; histograms are observed
+once per distinct value, e.g. one inter-token gap for a whole decode batch), next to the
+detokenizer and sampler work the same requests already cost. Measured with
+``benchmarks/engine_metrics.py`` (decode batch of 64, 2-core machine at load average 15): 0.9 us
+per request per step, against 0.2 us for a bare loop that only touches each request; a heartbeat
+snapshot 10-45 us.
 """
 
 from __future__ import annotations
 
 import bisect
+from collections.abc import Sequence
 from typing import Any, Protocol
 
 from .request import DynamicInferenceRequest, EventType, FinishReason
@@ -61,9 +65,17 @@ class Histogram:
 
 
 class SampledSequence(Protocol):
-    """What :meth:`EngineStats.observe` reads of a scheduler ``Sequence``."""
+    """What :meth:`EngineStats.observe_step` reads and writes of a scheduler ``Sequence``."""
 
     last_token_at: float | None
+
+
+class SampledOutput(Protocol):
+    """What it reads of an engine ``StepOutput``."""
+
+    request: DynamicInferenceRequest
+    new_tokens: list[int]
+    finished: bool
 
 
 class EngineStats:
@@ -74,19 +86,35 @@ class EngineStats:
         self.finished = dict.fromkeys(FINISH_REASONS, 0)
         self.histograms = {name: Histogram(bounds) for name, bounds in HISTOGRAMS.items()}
 
-    def observe(self, sequence: SampledSequence, request: DynamicInferenceRequest, new_tokens: int,
-                finished: bool, now: float) -> None:
-        """One request sampled in a step that ended at ``now`` (monotonic): it added ``new_tokens``."""
-        self.counters["generation_tokens"] += new_tokens
-        if len(request.generated_tokens) == new_tokens:  # nothing generated before: its first sampled token
-            self.counters["prompt_tokens"] += len(request.prompt_tokens)
-            if request.ttft is not None:
-                self.histograms["time_to_first_token_seconds"].observe(max(request.ttft, 0.0))
-        elif sequence.last_token_at is not None:  # None: it came from another engine mid-generation
-            self.histograms["inter_token_latency_seconds"].observe(now - sequence.last_token_at)
-        sequence.last_token_at = now
-        if finished:
-            self.finish(request)
+    def observe_step(self, sequences: Sequence[SampledSequence], outputs: Sequence[SampledOutput], now: float) -> None:
+        """The requests that sampled in a step that ended at ``now`` (monotonic), and what each added.
+
+        Inter-token gaps are grouped by the time of the previous token (the requests that also
+        sampled in the previous step share it), so the histogram sees one observation per distinct
+        gap, not one per token.
+        """
+        gaps: dict[float, int] = {}
+        generated = 0
+        for sequence, out in zip(sequences, outputs):
+            request, count = out.request, len(out.new_tokens)
+            generated += count
+            last = sequence.last_token_at
+            if len(request.generated_tokens) == count:  # nothing generated before: its first sampled token
+                self._first_token(request)
+            elif last is not None:  # None: it came from another engine mid-generation
+                gaps[last] = gaps.get(last, 0) + 1
+            sequence.last_token_at = now
+            if out.finished:
+                self.finish(request)
+        self.counters["generation_tokens"] += generated
+        inter_token = self.histograms["inter_token_latency_seconds"]
+        for last, count in gaps.items():
+            inter_token.observe(now - last, count)
+
+    def _first_token(self, request: DynamicInferenceRequest) -> None:
+        self.counters["prompt_tokens"] += len(request.prompt_tokens)
+        if request.ttft is not None:
+            self.histograms["time_to_first_token_seconds"].observe(max(request.ttft, 0.0))
 
     def preempted(self, count: int) -> None:
         self.counters["num_preemptions"] += count
