@@ -398,8 +398,9 @@ def vllm_page(document: dict[str, Any]) -> str:
     extra = [p for p in paths if p not in VLLM_ROUTES]
     if extra:
         out.append("\nOnly here: " + ", ".join(_code(p) for p in extra) + " (see the [HTTP API](reference/http-api.md)).\n")
-    out.append("\n## Metrics\n\nReplace the `vllm:` prefix with `megatron_serve_`; meaning and unit are the same. "
-               "Labels: `model_name` as in vLLM, and `engine_group` where vLLM has `engine`. The "
+    out.append("\n## Metrics\n\nEach vLLM series below has a twin here with the same meaning and unit; most "
+               "differ only in the prefix (`vllm:` becomes `megatron_serve_`). Engine series carry `model_name` as "
+               "in vLLM, and `engine_group` where vLLM has `engine`. The "
                "[metrics reference](reference/metrics.md) lists every series.\n\n| vLLM | here |\n|---|---|\n")
     for entry in SERIES:
         if entry.vllm:
