@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from bisect import bisect_right
+from typing import Iterable
+
 from .tokenizer import Tokenizer
 
 
@@ -33,10 +36,9 @@ class IncrementalDetokenizer:
         self._read_offset = 0
         self._stop_floor = 0  # stop words must end past this (text made while min_tokens held them off)
 
-    def _decode_new(self, generated_tokens: list[int]) -> str:
-        """The whole text so far: committed text plus what the tokens past ``read_offset`` add."""
-        self._visible.extend(t for t in generated_tokens[self._seen :] if t not in self._special)
-        self._seen = len(generated_tokens)
+    def append(self, new_tokens: Iterable[int]) -> str:
+        """The whole text after ``new_tokens``: committed text plus what the tokens past ``read_offset`` add."""
+        self._visible.extend(t for t in new_tokens if t not in self._special)
         prefix = self.tokenizer.decode(self._visible[self._prefix_offset : self._read_offset])
         pending = self.tokenizer.decode(self._visible[self._prefix_offset :])[len(prefix) :]
         if pending and not pending.endswith("\ufffd"):
@@ -45,13 +47,19 @@ class IncrementalDetokenizer:
             return self._committed
         return self._committed + pending
 
+    @property
+    def committed_length(self) -> int:
+        """Characters of the text that no later token can change."""
+        return len(self._committed)
+
     def update(self, generated_tokens: list[int], check_stop: bool = True) -> bool:
         """Decode the new tokens; returns True when a stop word appeared (the text is then trimmed).
 
         ``check_stop=False`` (before ``min_tokens``): stop words are not looked for, and one that
         ends in the text made meanwhile never counts later.
         """
-        text = self._decode_new(generated_tokens)
+        text = self.append(generated_tokens[self._seen :])
+        self._seen = len(generated_tokens)
         if not check_stop:
             self._stop_floor = len(text)
         elif self.stop_words:
@@ -78,3 +86,55 @@ class IncrementalDetokenizer:
         new_text = self.text[self.emitted : end]
         self.emitted = end
         return new_text
+
+
+class TokenTexts:
+    """What each generated token adds to a choice's text, so that log-prob listings agree with the text.
+
+    Decoding a token on its own is not its share of the text: a special token is in no text
+    (decoding skips it), a character split over tokens shows as U+FFFD in each, a word-start marker
+    loses its space at the start of a decode, and a stop string trims tokens away. Listing tokens
+    that way put ``text_offset`` past the end of ``text``. Here a token's text is what it makes
+    final, decoded in the same windows as :class:`IncrementalDetokenizer` (so both agree): the
+    empty string for special tokens, for the first bytes of a split character (the token that
+    completes it carries it) and for tokens past a stop string. The texts of all tokens
+    concatenate to the text, and no offset passes its end.
+    """
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self._decoder = IncrementalDetokenizer(tokenizer, [])
+        self._ends: list[int] = []  # per token: length of the text that is final once it is decoded
+        self._pending = False  # the last token leaves an incomplete character (it takes it if it stays last)
+
+    def add(self, tokens: Iterable[int]) -> None:
+        for token in tokens:
+            whole = self._decoder.append([token])
+            self._ends.append(self._decoder.committed_length)
+            self._pending = len(whole) > self._decoder.committed_length
+
+    def complete_within(self, length: int) -> int:
+        """How many of the tokens have all of their text within the first ``length`` characters."""
+        count = bisect_right(self._ends, length)
+        return count - 1 if self._pending and count == len(self._ends) else count
+
+    def texts(self, text: str, first: int, last: int, *, final: bool) -> list[str]:
+        """The texts of tokens ``first..last-1`` within ``text`` (the choice's text, or what was sent of it).
+
+        ``final``: ``text`` is the whole text, so the last token also takes what is still pending
+        (a character left incomplete at the end, shown as U+FFFD in the text).
+        """
+        limit = len(text)
+        start = min(self._ends[first - 1], limit) if first else 0
+        out = []
+        for i in range(first, last):
+            end = limit if final and i == len(self._ends) - 1 else min(self._ends[i], limit)
+            out.append(text[start:end])
+            start = end
+        return out
+
+
+def token_texts(tokenizer: Tokenizer, tokens: list[int], text: str) -> list[str]:
+    """The text each of ``tokens`` adds to ``text``, their finished decoding (see :class:`TokenTexts`)."""
+    texts = TokenTexts(tokenizer)
+    texts.add(tokens)
+    return texts.texts(text, 0, len(tokens), final=True)

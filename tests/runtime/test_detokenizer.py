@@ -8,7 +8,7 @@ from tokenizers import Tokenizer as RawTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-from megatron_serve.detokenizer import IncrementalDetokenizer
+from megatron_serve.detokenizer import IncrementalDetokenizer, TokenTexts, token_texts
 from megatron_serve.tiny_model import train_tokenizer
 from megatron_serve.tokenizer import Tokenizer
 
@@ -72,3 +72,28 @@ def test_stop_word_spanning_tokens_trims_the_text(tokenizer):
         if detokenizer.update(tokens[:count]):
             break
     assert detokenizer.text == "Hello world, the quick "
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_token_texts_concatenate_to_the_text_with_special_tokens_and_trims(tokenizer, text):
+    special = min(tokenizer.special_token_ids)
+    tokens = tokenizer.encode(text, add_special_tokens=False)
+    tokens = tokens[:3] + [special] + tokens[3:] + [special]
+    whole = tokenizer.decode(tokens)
+    texts = token_texts(tokenizer, tokens, whole)
+    assert len(texts) == len(tokens) and "".join(texts) == whole
+    assert texts[3] == "" and texts[-1] == ""  # special tokens add nothing to the text
+    assert any(t != tokenizer.token_text(token) for t, token in zip(texts, tokens))  # not a per-token decode
+    trimmed = whole[: len(whole) // 2]  # what a stop string leaves
+    texts = token_texts(tokenizer, tokens, trimmed)
+    assert len(texts) == len(tokens) and "".join(texts) == trimmed and texts[-1] == ""
+
+
+def test_a_split_character_is_listed_with_the_token_that_completes_it():
+    tokenizer = byte_level_tokenizer()  # (the Metaspace one here marks its byte tokens special: decoding drops them)
+    tokens = tokenizer.encode("🚀", add_special_tokens=False)
+    assert len(tokens) > 1  # split over byte tokens
+    assert token_texts(tokenizer, tokens, "🚀") == [""] * (len(tokens) - 1) + ["🚀"]
+    partial = TokenTexts(tokenizer)
+    partial.add(tokens[:-1])
+    assert partial.complete_within(0) == len(tokens) - 2  # the last one may still take the character

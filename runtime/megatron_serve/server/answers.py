@@ -6,12 +6,13 @@ Finish reasons, usage, and the bookkeeping of a streamed choice are the same for
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-from ..client import StreamPartial
-from ..request import DynamicInferenceRequest
+from dataclasses import dataclass, field
 from typing import Any
 
+from ..client import StreamPartial
+from ..detokenizer import TokenTexts
+from ..request import DynamicInferenceRequest
+from ..tokenizer import Tokenizer
 from .models import PromptLogprob, PromptLogprobs, PromptTokensDetails, Usage
 from .translate import EngineJob
 
@@ -65,12 +66,27 @@ def prompt_logprobs(tokenizer: Any, result: DynamicInferenceRequest, n: int) -> 
 
 @dataclass
 class Delta:
-    """What one chunk of a streamed choice adds: its text, and the tokens (with log-probs) behind it."""
+    """What one chunk of a streamed choice adds: its text, and the tokens (with log-probs) it lists.
+
+    ``token_texts`` are the listed tokens' texts (what each adds to the choice's text); a token
+    is listed only once all of its text has been sent, so listings never run ahead of the text.
+    """
 
     text: str
     tokens: list[int]
     log_probs: list[float]
     top_n: list[dict[int, float]]
+    token_texts: list[str]
+
+
+@dataclass
+class _Choice:
+    text: str = ""  # sent so far
+    tokens: list[int] = field(default_factory=list)  # generated so far
+    log_probs: list[float] = field(default_factory=list)
+    top_n: list[dict[int, float]] = field(default_factory=list)
+    listed: int = 0  # tokens already listed in a chunk
+    texts: TokenTexts | None = None
 
 
 class StreamedChoices:
@@ -78,32 +94,52 @@ class StreamedChoices:
 
     The final record repeats the whole generation, and the engine may have held text back until
     then (a possible stop word): the choice's last chunk carries the text and tokens that its
-    pieces did not.
+    pieces did not. ``tokenizer`` (when log-probs are listed) gives each token its text.
     """
 
-    def __init__(self) -> None:
-        self._text: dict[int, str] = {}  # choice index -> text sent so far
-        self._tokens: dict[int, int] = {}  # choice index -> tokens sent so far
+    def __init__(self, tokenizer: Tokenizer | None = None) -> None:
+        self.tokenizer = tokenizer
+        self._choices: dict[int, _Choice] = {}
 
     def first_seen(self, index: int) -> bool:
         """True once per choice, for its first item (when its opening chunk is due)."""
-        if index in self._text:
+        if index in self._choices:
             return False
-        self._text[index] = ""
-        self._tokens[index] = 0
+        self._choices[index] = _Choice(texts=TokenTexts(self.tokenizer) if self.tokenizer is not None else None)
         return True
 
     def piece(self, index: int, item: StreamPartial) -> Delta:
         """A streamed piece, counted as sent."""
+        choice = self._choices[index]
         text = item.new_text or ""
-        self._text[index] += text
-        self._tokens[index] += len(item.new_tokens)
-        return Delta(text, item.new_tokens, item.new_log_probs, item.new_top_logprobs)
+        choice.text += text
+        self._extend(choice, item.new_tokens, item.new_log_probs, item.new_top_logprobs)
+        listable = len(choice.tokens) if choice.texts is None else choice.texts.complete_within(len(choice.text))
+        return self._delta(choice, text, listable, final=False)
 
     def rest(self, index: int, result: DynamicInferenceRequest) -> Delta:
         """What the final record holds beyond the pieces sent (text only if it extends what was sent)."""
+        choice = self._choices[index]
         final_text = result.generated_text or ""
-        sent = self._text[index]
-        done = self._tokens[index]
-        return Delta(final_text[len(sent):] if final_text.startswith(sent) else "", result.generated_tokens[done:],
-                     result.generated_log_probs[done:], result.generated_top_n_logprobs[done:])
+        text = final_text[len(choice.text):] if final_text.startswith(choice.text) else ""
+        choice.text += text
+        done = len(choice.tokens)
+        self._extend(choice, result.generated_tokens[done:], result.generated_log_probs[done:],
+                     result.generated_top_n_logprobs[done:])
+        return self._delta(choice, text, len(choice.tokens), final=True)
+
+    @staticmethod
+    def _extend(choice: _Choice, tokens: list[int], log_probs: list[float], top_n: list[dict[int, float]]) -> None:
+        choice.tokens += tokens
+        choice.log_probs += log_probs
+        choice.top_n += top_n
+        if choice.texts is not None:
+            choice.texts.add(tokens)
+
+    @staticmethod
+    def _delta(choice: _Choice, text: str, listable: int, *, final: bool) -> Delta:
+        first = choice.listed
+        choice.listed = max(listable, first)
+        last = choice.listed
+        texts = choice.texts.texts(choice.text, first, last, final=final) if choice.texts is not None else []
+        return Delta(text, choice.tokens[first:last], choice.log_probs[first:last], choice.top_n[first:last], texts)

@@ -9,6 +9,7 @@ from typing import Any, AsyncIterator
 from fastapi.responses import StreamingResponse
 
 from ..client import StreamPartial
+from ..detokenizer import token_texts
 from ..request import DynamicInferenceRequest
 from .answers import Delta, StreamedChoices, finish_reason, make_usage, prompt_logprobs
 from .context import ServerContext
@@ -47,20 +48,21 @@ from .translate import (
 )
 
 
-def _top(tokenizer: Any, token: int, logprob: float) -> TopLogprob:
-    text = tokenizer.token_text(token)
+def _entry(text: str, logprob: float) -> TopLogprob:
     return TopLogprob(token=text, logprob=float(logprob), bytes=list(text.encode("utf-8")))
 
 
-def chat_logprobs(tokenizer: Any, tokens: list[int], log_probs: list[float],
+def chat_logprobs(tokenizer: Any, texts: list[str], log_probs: list[float],
                   top_n: list[dict[int, float]] | None, n: int = 20) -> ChatChoiceLogprobs:
+    """Log-probs of tokens whose texts (what each adds to the generated text) are ``texts``; the ``n``
+    best alternatives are named by their own text."""
     content = []
-    for i, token in enumerate(tokens):
-        entry = _top(tokenizer, token, log_probs[i] if i < len(log_probs) else -9999.0)  # OpenAI's "unknown"
+    for i, text in enumerate(texts):
+        entry = _entry(text, log_probs[i] if i < len(log_probs) else -9999.0)  # OpenAI's "unknown"
         alternatives = []
         if top_n is not None and i < len(top_n) and top_n[i]:
             ranked = sorted(top_n[i].items(), key=lambda kv: -kv[1])[:n]
-            alternatives = [_top(tokenizer, t, lp) for t, lp in ranked]
+            alternatives = [_entry(tokenizer.token_text(t), lp) for t, lp in ranked]
         content.append(ChatTokenLogprob(**entry.model_dump(), top_logprobs=alternatives))
     return ChatChoiceLogprobs(content=content)
 
@@ -104,11 +106,11 @@ class ChatHandler:
         """One prompt, counted once: with ``n > 1``, the cached tokens of choice 0 (see ``cached_prompt_tokens``)."""
         return make_usage(len(self.prompt.tokens), finished)
 
-    def _logprobs(self, tokens: list[int], log_probs: list[float],
+    def _logprobs(self, texts: list[str], log_probs: list[float],
                   top_n: list[dict[int, float]] | None) -> ChatChoiceLogprobs | None:
         if not self.want_logprobs:
             return None
-        return chat_logprobs(self.ctx.tokenizer, tokens, log_probs, top_n if self.top else None, self.top)
+        return chat_logprobs(self.ctx.tokenizer, texts, log_probs, top_n if self.top else None, self.top)
 
     def _finish_reason(self, result: DynamicInferenceRequest, called: bool) -> str | None:
         """``tool_calls`` when the model ended its turn with calls (a named function's call ends with ``stop``)."""
@@ -131,12 +133,20 @@ class ChatHandler:
 
     async def complete(self) -> ChatCompletionResponse:
         results = await self.ctx.submit(self.jobs).results()
+        if self.want_logprobs or self.req.prompt_logprobs is not None:  # decodes every token: off the event loop
+            return await self.ctx.workers.run(self._response, results)
+        return self._response(results)
+
+    def _response(self, results: list[DynamicInferenceRequest]) -> ChatCompletionResponse:
         choices = []
         for job, result in zip(self.jobs, results):
-            message = self._message(result.generated_text or "")
-            choices.append(ChatChoice(index=job.index, message=message,
-                                      logprobs=self._logprobs(result.generated_tokens, result.generated_log_probs,
-                                                              result.generated_top_n_logprobs),
+            text = result.generated_text or ""
+            message = self._message(text)
+            logprobs = None
+            if self.want_logprobs:
+                logprobs = self._logprobs(token_texts(self.ctx.tokenizer, result.generated_tokens, text),
+                                          result.generated_log_probs, result.generated_top_n_logprobs)
+            choices.append(ChatChoice(index=job.index, message=message, logprobs=logprobs,
                                       finish_reason=self._finish_reason(result, bool(message.tool_calls)),
                                       **epoch_fields(self.req, result)))
         scored = None
@@ -152,7 +162,7 @@ class ChatHandler:
     def _content(self, index: int, delta: Delta, reader: CallReader | None, final: bool = False
                  ) -> tuple[str | None, bool]:
         """A chunk adding ``delta`` to choice ``index`` (None if nothing), and whether it carries tool calls."""
-        logprobs = self._logprobs(delta.tokens, delta.log_probs, delta.top_n) if delta.tokens else None
+        logprobs = self._logprobs(delta.token_texts, delta.log_probs, delta.top_n) if delta.tokens else None
         if reader is None:
             message = ChatDelta(content=delta.text) if delta.text else ChatDelta()
         else:
@@ -163,7 +173,7 @@ class ChatHandler:
 
     async def _events(self, items: AsyncIterator[tuple[EngineJob, Any]]) -> AsyncIterator[str]:
         """The chunks of the answer as the submission's ``items`` arrive (framing: ``openai_events``)."""
-        choices = StreamedChoices()
+        choices = StreamedChoices(self.ctx.tokenizer if self.want_logprobs else None)
         readers: dict[int, CallReader | None] = {}
         called: set[int] = set()
         results: list[tuple[EngineJob, DynamicInferenceRequest]] = []

@@ -9,6 +9,7 @@ from typing import Any, AsyncIterator
 from fastapi.responses import StreamingResponse
 
 from ..client import StreamPartial
+from ..detokenizer import token_texts
 from ..request import DynamicInferenceRequest
 from .answers import Delta, StreamedChoices, finish_reason, make_usage, prompt_logprobs
 from .context import ServerContext
@@ -38,21 +39,21 @@ from .translate import (
 )
 
 
-def completion_logprobs(tokenizer: Any, tokens: list[int], log_probs: list[float | None],
+def completion_logprobs(tokenizer: Any, texts: list[str], log_probs: list[float | None],
                         top_n: list[dict[int, float] | None] | None, offset: int, n: int = 20) -> CompletionLogprobs:
-    """The legacy completions log-prob block; ``offset`` is where the first token's text starts."""
-    texts = [tokenizer.token_text(t) for t in tokens]
+    """The legacy completions log-prob block of tokens whose texts (what each adds to ``text``) are
+    ``texts``; ``offset`` is where the first one starts. The ``n`` best alternatives are named by their own text."""
     offsets = []
     for text in texts:
         offsets.append(offset)
         offset += len(text)
-    token_logprobs: list[float | None] = [None if x is None else float(x) for x in log_probs[: len(tokens)]]
-    token_logprobs += [None] * (len(tokens) - len(token_logprobs))
+    token_logprobs: list[float | None] = [None if x is None else float(x) for x in log_probs[: len(texts)]]
+    token_logprobs += [None] * (len(texts) - len(token_logprobs))
     top: list[dict[str, float] | None] | None = None
     if top_n is not None:
         top = [{tokenizer.token_text(t): float(lp) for t, lp in sorted(d.items(), key=lambda kv: -kv[1])[:n]}
-               if d is not None else None for d in top_n[: len(tokens)]]
-        top += [None] * (len(tokens) - len(top))
+               if d is not None else None for d in top_n[: len(texts)]]
+        top += [None] * (len(texts) - len(top))
     return CompletionLogprobs(tokens=texts, token_logprobs=token_logprobs, top_logprobs=top, text_offset=offsets)
 
 
@@ -105,19 +106,24 @@ class CompletionHandler:
 
     async def complete(self) -> CompletionResponse:
         results = await self.ctx.submit(self.jobs).results()
+        if self.want_logprobs or self.req.prompt_logprobs is not None:  # decodes every token: off the event loop
+            return await self.ctx.workers.run(self._response, results)
+        return self._response(results)
+
+    def _response(self, results: list[DynamicInferenceRequest]) -> CompletionResponse:
         choices = []
         for job, result in zip(self.jobs, results):
             prefix = _echo_text(self.ctx, job.prompt) if self.req.echo else ""
             text = result.generated_text or ""
             logprobs = None
             if self.want_logprobs:
-                tokens, log_probs, top = result.generated_tokens, list(result.generated_log_probs), \
-                    list(result.generated_top_n_logprobs)
+                texts = token_texts(self.ctx.tokenizer, result.generated_tokens, text)
+                log_probs, top = list(result.generated_log_probs), list(result.generated_top_n_logprobs)
                 if self.echo_logprobs:  # the prompt's tokens first; its first token has no log prob
-                    tokens = result.prompt_tokens + tokens
+                    texts = token_texts(self.ctx.tokenizer, result.prompt_tokens, prefix) + texts
                     log_probs = [None, *result.prompt_log_probs, *log_probs]
                     top = [None, *result.prompt_top_n_logprobs, *top]
-                logprobs = completion_logprobs(self.ctx.tokenizer, tokens, log_probs, top if self.top else None,
+                logprobs = completion_logprobs(self.ctx.tokenizer, texts, log_probs, top if self.top else None,
                                                0 if self.echo_logprobs else len(prefix), self.top)
             scored = None
             if self.req.prompt_logprobs is not None:
@@ -140,12 +146,12 @@ class CompletionHandler:
         """The log-prob block of a streamed chunk; None when not asked for or the chunk adds no token."""
         if not (self.want_logprobs and delta.tokens):
             return None
-        return completion_logprobs(self.ctx.tokenizer, delta.tokens, delta.log_probs,
+        return completion_logprobs(self.ctx.tokenizer, delta.token_texts, delta.log_probs,
                                    delta.top_n if self.top else None, offset, self.top)
 
     async def _events(self, items: AsyncIterator[tuple[EngineJob, Any]]) -> AsyncIterator[str]:
         """The chunks of the answer as the submission's ``items`` arrive (framing: ``openai_events``)."""
-        choices = StreamedChoices()
+        choices = StreamedChoices(self.ctx.tokenizer if self.want_logprobs else None)
         offsets: dict[int, int] = {}  # job index -> text offset for the next log-prob token
         results: list[tuple[EngineJob, DynamicInferenceRequest]] = []
         async for job, item in items:

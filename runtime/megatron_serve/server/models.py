@@ -216,10 +216,13 @@ FinishReasonName = Literal["stop", "length", "tool_calls"]
 
 
 class CompletionLogprobs(BaseModel):
-    tokens: list[str]
+    tokens: list[str] = Field(description="per generated token, the text it adds to the choice's text (they "
+                                          "concatenate to it); empty for a token that adds none: a special token "
+                                          "such as end-of-sequence, a token past a stop string, the first bytes of "
+                                          "a character split over tokens")
     token_logprobs: list[float | None]
     top_logprobs: list[dict[str, float] | None] | None = None
-    text_offset: list[int]
+    text_offset: list[int] = Field(description="where each token's text starts in the choice's text")
 
 
 class PromptLogprob(BaseModel):
