@@ -11,9 +11,6 @@ from . import __version__
 
 DEFAULT_IMAGE = f"ghcr.io/megatron-serve/megatron-serve:{__version__}"
 DEFAULT_ADDRESS_TEMPLATE = "tcp://{name}-coordinator.{namespace}.svc:5555"
-# Used only by `megatron-serve render` when no key is configured, so that its output is
-# deterministic; the operator itself never derives tokens from a well-known key.
-RENDER_FALLBACK_TOKEN_KEY = b"megatron-serve-render-only"
 
 ENV_DEFAULT_IMAGE = "MEGATRON_OPERATOR_DEFAULT_IMAGE"
 ENV_TOKEN_KEY = "MEGATRON_OPERATOR_TOKEN_KEY"
@@ -52,10 +49,33 @@ def _float(env: Mapping[str, str], name: str, default: float) -> float:
     return value
 
 
+def token_key_from_env(env: Mapping[str, str]) -> bytes | None:
+    """The operator's token key from ``$MEGATRON_OPERATOR_TOKEN_KEY`` or the file named by
+    ``$MEGATRON_OPERATOR_TOKEN_KEY_FILE``; ``None`` when neither is set."""
+    if env.get(ENV_TOKEN_KEY):
+        return env[ENV_TOKEN_KEY].encode()
+    if env.get(ENV_TOKEN_KEY_FILE):
+        return read_token_key(env[ENV_TOKEN_KEY_FILE], ENV_TOKEN_KEY_FILE)
+    return None
+
+
+def read_token_key(path: str, source: str) -> bytes:
+    try:
+        with open(path, "rb") as f:
+            key = f.read().strip()
+    except OSError as exc:
+        raise ValueError(f"{source}: cannot read {path}: {exc.strerror or exc}") from None
+    if not key:
+        raise ValueError(f"{source}: {path} is empty")
+    return key
+
+
 @dataclass(frozen=True)
 class OperatorConfig:
     default_image: str = DEFAULT_IMAGE
-    token_key: bytes = RENDER_FALLBACK_TOKEN_KEY
+    # Never a well-known value: a token derived from public information is no secret. Without a
+    # configured key each process draws its own (the operator keeps the token of an existing Secret).
+    token_key: bytes = field(default_factory=lambda: secrets.token_bytes(32))
     coordinator_address_template: str = DEFAULT_ADDRESS_TEMPLATE
     reconcile_interval: float = 15.0
     connect_timeout: float = 5.0
@@ -64,18 +84,11 @@ class OperatorConfig:
     scanning: bool = True
 
     @classmethod
-    def from_env(cls, env: Mapping[str, str] | None = None, *, for_render: bool = False) -> "OperatorConfig":
+    def from_env(cls, env: Mapping[str, str] | None = None) -> "OperatorConfig":
         env = os.environ if env is None else env
-        key: bytes | None = None
-        if env.get(ENV_TOKEN_KEY):
-            key = env[ENV_TOKEN_KEY].encode()
-        elif env.get(ENV_TOKEN_KEY_FILE):
-            with open(env[ENV_TOKEN_KEY_FILE], "rb") as f:
-                key = f.read().strip()
-        if not key:
-            # The operator keeps the token of an existing Secret, so a per-process random key
-            # only affects resources created while it runs; render needs a deterministic one.
-            key = RENDER_FALLBACK_TOKEN_KEY if for_render else secrets.token_bytes(32)
+        # The operator keeps the token of an existing Secret, so a per-process random key only
+        # affects resources created while it runs.
+        key = token_key_from_env(env) or secrets.token_bytes(32)
         template = env.get(ENV_ADDRESS) or DEFAULT_ADDRESS_TEMPLATE
         try:
             template.format(name="n", namespace="ns")

@@ -13,20 +13,23 @@ objects in the same order (DESIGN section 8):
 
 Every object carries ``app.kubernetes.io/instance=<name>`` and, when the resource has a uid,
 an ownerReference to it. The token is an HMAC of the resource's identity under the operator's
-key, so re-rendering gives the same Secret; the operator additionally never rotates the token
-of an existing Secret (it passes it in as ``token``).
+key, so re-rendering with that key gives the same Secret; the operator additionally never
+rotates the token of an existing Secret (it passes it in as ``token``). There is no default key:
+``megatron-serve render`` without the operator's key renders random tokens.
 """
 
 from __future__ import annotations
 
 import base64
+import dataclasses
 import hashlib
 import hmac
+import os
 import sys
 from typing import Any
 
 from . import crd
-from .config import OperatorConfig
+from .config import ENV_TOKEN_KEY, ENV_TOKEN_KEY_FILE, OperatorConfig, read_token_key, token_key_from_env
 from .spec import InferenceSpec, SpecError, parse
 
 COORDINATOR_PORT = crd.COORDINATOR_PORT
@@ -501,7 +504,7 @@ def render_file(path: str, config: OperatorConfig | None = None) -> tuple[str, l
         return "", [f"{path}: not valid YAML: {exc}"]
     if not docs:
         return "", [f"{path}: no resource found"]
-    config = config or OperatorConfig.from_env(for_render=True)
+    config = config or OperatorConfig.from_env()
     objects: list[dict[str, Any]] = []
     errors: list[str] = []
     for i, doc in enumerate(docs):
@@ -515,30 +518,48 @@ def render_file(path: str, config: OperatorConfig | None = None) -> tuple[str, l
     return (to_yaml(objects) if not errors else ""), errors
 
 
+def add_render_arguments(parser: Any) -> None:
+    """The options of ``megatron-serve render`` (an ``argparse`` parser)."""
+    parser.add_argument("-f", "--filename", required=True, metavar="FILE",
+                        help="MegatronInference YAML ('-' reads stdin); may hold several documents")
+    parser.add_argument("--token-key-file", metavar="PATH",
+                        help="the operator's token key: the Secret then holds the token the operator derives "
+                             f"(else ${ENV_TOKEN_KEY} or ${ENV_TOKEN_KEY_FILE}; none = a random token)")
+
+
 def render_main(argv: list[str] | None = None) -> int:
     """``megatron-serve render -f FILE``: print the child objects, or the reasons and exit 1."""
     import argparse
 
     parser = argparse.ArgumentParser(prog="megatron-serve render",
                                      description="Print the child objects the operator would create.")
-    parser.add_argument("-f", "--filename", required=True, help="resource YAML file ('-' for stdin)")
+    add_render_arguments(parser)
     args = parser.parse_args(argv)
-    return render_command(args.filename)
+    return render_command(args.filename, token_key_file=args.token_key_file)
 
 
-def render_command(path: str, out: Any = None, err: Any = None) -> int:
+def render_command(path: str, out: Any = None, err: Any = None, *, token_key_file: str | None = None) -> int:
+    """Print the children of every resource in ``path``; the coordinator token comes from the operator's
+    key when one is given, else it is random (never derived from public information), and stderr says so."""
     out = out or sys.stdout
     err = err or sys.stderr
     try:
-        config = OperatorConfig.from_env(for_render=True)
+        config = OperatorConfig.from_env()
+        key = read_token_key(token_key_file, "--token-key-file") if token_key_file else token_key_from_env(os.environ)
     except ValueError as exc:
         print(f"megatron-serve render: error: {exc}", file=err)
         return 2
+    if key is not None:
+        config = dataclasses.replace(config, token_key=key)
     text, errors = render_file(path, config)
     if errors:
         print(f"megatron-serve render: {path} is invalid:", file=err)
         for line in errors:
             print(f"  {line}", file=err)
         return 1
+    if key is None:
+        print(f"megatron-serve render: no token key given (--token-key-file, ${ENV_TOKEN_KEY} or "
+              f"${ENV_TOKEN_KEY_FILE}): each Secret holds a new random token; give the operator's key to render "
+              "the token the operator derives", file=err)
     out.write(text)
     return 0

@@ -27,7 +27,7 @@ def rendered(resource: dict[str, Any], live: dict[str, Any], **kwargs: Any) -> l
     from megatron_operator.config import OperatorConfig
     from megatron_operator.render import render
 
-    return render(with_uid(resource, live), OperatorConfig.from_env(for_render=True), **kwargs)
+    return render(with_uid(resource, live), OperatorConfig.from_env(), **kwargs)
 
 
 def conditions(status: dict[str, Any]) -> dict[str, str]:

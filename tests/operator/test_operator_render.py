@@ -7,6 +7,8 @@ from __future__ import annotations
 import argparse
 import base64
 import copy
+import hashlib
+import hmac
 import io
 import os
 import pathlib
@@ -253,6 +255,43 @@ def test_render_command_rejects_invalid_resources(tmp_path: pathlib.Path):
     err = io.StringIO()
     assert rendering.render_command(str(path), out=out, err=err) == 1
     assert "multiple or a divisor of engine.gpusPerPod" in err.getvalue()
+
+
+def secret_token(text: str) -> str:
+    secret = next(doc for doc in yaml.safe_load_all(text) if doc["kind"] == "Secret")
+    return base64.b64decode(secret["data"]["token"]).decode()
+
+
+def test_render_without_a_key_never_emits_a_derivable_token(monkeypatch: pytest.MonkeyPatch, tmp_path: pathlib.Path):
+    monkeypatch.delenv("MEGATRON_OPERATOR_TOKEN_KEY", raising=False)
+    monkeypatch.delenv("MEGATRON_OPERATOR_TOKEN_KEY_FILE", raising=False)
+    path = str(ROOT / "manifests" / "examples" / "single-gpu.yaml")
+    (resource,) = load_yaml(ROOT / "manifests" / "examples" / "single-gpu.yaml")
+    tokens = []
+    for _ in range(2):
+        out, err = io.StringIO(), io.StringIO()
+        assert rendering.render_command(path, out=out, err=err) == 0
+        assert "random token" in err.getvalue() and "--token-key-file" in err.getvalue()
+        tokens.append(secret_token(out.getvalue()))
+    assert tokens[0] != tokens[1] and all(len(t) == 64 for t in tokens)
+    # not the HMAC of the resource under the key that used to be written in the source
+    public = hmac.new(b"megatron-serve-render-only", f"{resource['metadata'].get('namespace', 'default')}/"
+                      f"{resource['metadata']['name']}/".encode(), hashlib.sha256).hexdigest()
+    assert public not in tokens
+
+    key_file = tmp_path / "key"
+    key_file.write_text("operator-key\n")
+    out, err = io.StringIO(), io.StringIO()
+    assert rendering.render_command(path, out=out, err=err, token_key_file=str(key_file)) == 0
+    assert err.getvalue() == ""
+    assert secret_token(out.getvalue()) == rendering.derive_token(b"operator-key", "default",
+                                                                  resource["metadata"]["name"], None)
+    assert list(yaml.safe_load_all(out.getvalue())) == \
+        render(resource, OperatorConfig(token_key=b"operator-key"))  # what the operator creates
+    missing = io.StringIO()
+    assert rendering.render_command(path, out=io.StringIO(), err=missing,
+                                    token_key_file=str(tmp_path / "nope")) == 2
+    assert "--token-key-file" in missing.getvalue()
 
 
 def test_module_entry_point_renders(tmp_path: pathlib.Path):

@@ -6,11 +6,12 @@ import argparse
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("-f", "--filename", required=True, metavar="FILE",
-                        help="MegatronInference YAML ('-' reads stdin); may hold several documents")
+    from ..render import add_render_arguments
+
+    add_render_arguments(parser)
 
 
 def run(args: argparse.Namespace) -> int:
     from ..cli import render_command
 
-    return render_command(args.filename)
+    return render_command(args.filename, token_key_file=args.token_key_file)
