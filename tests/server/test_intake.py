@@ -308,3 +308,50 @@ async def test_implemented_extensions_reach_the_engine_as_sampling_params(tokeni
     assert (params.presence_penalty, params.frequency_penalty, params.logit_bias) == (0.5, 0.25, {7: 2.0})
     assert params.structured_outputs.choice == ["a", "b"]
     assert params.return_prompt_log_probs and params.top_n_logprobs == 2
+
+
+async def test_a_client_leaving_while_sending_its_body_is_no_error(tokenizer, backend, caplog):
+    caplog.set_level(logging.DEBUG, logger="megatron_serve.server")
+    uvicorn_log = logging.getLogger("uvicorn.error")
+    uvicorn_log.addHandler(caplog.handler)
+    url, stop, task = await serving_with(make_app(tokenizer, backend))
+    try:
+        host, port = url.removeprefix("http://").split(":")
+        _, writer = await asyncio.open_connection(host, int(port))
+        writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 100\r\n\r\n{\"model\": ")
+        await writer.drain()
+        writer.close()
+        async with httpx.AsyncClient(base_url=url) as http:
+            while "while sending its body" not in caplog.text:
+                await asyncio.sleep(0.02)
+            metrics = (await http.get("/metrics")).text
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 30)
+        uvicorn_log.removeHandler(caplog.handler)
+    left = [r for r in caplog.records if "while sending its body" in r.getMessage()]
+    assert len(left) == 1 and left[0].levelno == logging.DEBUG  # once, at debug level
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
+    assert 'code="500"' not in metrics
+
+
+async def test_a_client_that_leaves_is_logged_once_at_debug_level(tokenizer, backend, caplog):
+    caplog.set_level(logging.DEBUG, logger="megatron_serve.server")
+    backend.token_delay = 0.02
+    async with serving(make_app(tokenizer, backend)) as url, httpx.AsyncClient(base_url=url) as http:
+        async with http.stream("POST", "/v1/completions", json={"model": MODEL, "prompt": "Hi", "n": 2,
+                                                                "max_tokens": 100, "stream": True}) as response:
+            lines = response.aiter_lines()
+            while not (await lines.__anext__()).startswith("data: "):
+                pass
+        backend.gate.clear()
+        with pytest.raises(httpx.ReadTimeout):
+            await http.post("/v1/completions", json={"model": MODEL, "prompt": "Hi"}, timeout=0.5)
+        while len(backend.aborted) < 3:
+            await asyncio.sleep(0.02)
+        backend.gate.set()
+    departures = [r for r in caplog.records if " left " in r.getMessage()]
+    assert [r.levelno for r in departures] == [logging.DEBUG, logging.DEBUG], caplog.text
+    assert "left its stream" in departures[0].getMessage() and "before its answer" in departures[1].getMessage()
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text

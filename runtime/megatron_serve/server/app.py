@@ -48,7 +48,7 @@ from .models import (
     ModelList,
     ReadyResponse,
 )
-from .streaming import cancel_on_disconnect
+from .streaming import cancel_on_disconnect, client_closed, read_body
 from .tokenize import add_tokenize_routes
 from .tool_calls import parser_for_template
 
@@ -158,7 +158,9 @@ def create_app(
 
     async def answer(handler_type: type[CompletionHandler] | type[ChatHandler], request: Request) -> Any:
         """Either endpoint's answer, whole or streamed, given up (its engine requests aborted) if the client leaves."""
-        body = await request.body()  # whole, before anything watches the connection for a disconnect
+        body = await read_body(request)  # whole, before anything watches the connection for a disconnect
+        if body is None:
+            return client_closed()
 
         async def work() -> Any:
             await monitor.wait_first_poll()

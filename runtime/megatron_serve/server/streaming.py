@@ -27,6 +27,7 @@ from typing import Any, AsyncGenerator, AsyncIterator, Awaitable, Callable, Type
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel
+from starlette.requests import ClientDisconnect
 
 from .errors import APIError, shutting_down
 
@@ -42,6 +43,20 @@ CLIENT_CLOSED = 499
 def sse(payload: BaseModel | dict[str, Any]) -> str:
     data = payload.model_dump_json() if isinstance(payload, BaseModel) else json.dumps(payload)
     return f"data: {data}\n\n"
+
+
+def client_closed() -> JSONResponse:
+    return JSONResponse({"error": {"message": "client closed the request", "type": "client_closed", "param": None,
+                                   "code": None}}, status_code=CLIENT_CLOSED)
+
+
+async def read_body(request: Request) -> bytes | None:
+    """The whole request body, or None when the client left while sending it (logged once, at debug)."""
+    try:
+        return await request.body()
+    except ClientDisconnect:
+        logger.debug("client %s left %s while sending its body", _peer(request), request.url.path)
+        return None
 
 
 async def _wait_for_disconnect(request: Request) -> None:
@@ -70,8 +85,7 @@ async def cancel_on_disconnect(request: Request, work: Awaitable[T], stopping: a
             return shutting_down().response()
         logger.debug("client %s left %s before its answer: its engine requests are aborted",
                      _peer(request), request.url.path)
-        return JSONResponse({"error": {"message": "client closed the request", "type": "client_closed",
-                                       "param": None, "code": None}}, status_code=CLIENT_CLOSED)
+        return client_closed()
     finally:
         watcher.cancel()
         stopper.cancel()
@@ -126,6 +140,10 @@ async def event_stream_response(events: AsyncIterator[str], answer_id: str) -> S
             if first is not None:
                 yield first
             async for event in events:
+                # Let the loop run between writes: events that arrived together would otherwise all be
+                # written before the loop notices a client that left, each into a dead socket (asyncio
+                # logged "socket.send() raised exception." hundreds of times per stream left).
+                await asyncio.sleep(0)
                 yield event
             ended = True
         finally:
