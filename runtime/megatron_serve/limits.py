@@ -28,11 +28,12 @@ class RequestLimits:
 
     The defaults and their reasons:
 
-    * ``max_body_bytes`` 4 MiB: a 128k-token prompt is about 0.5 MiB as text and 0.9 MiB as token
-      ids, so 4 MiB holds a batch of several of them. Parsing is the one step that cannot leave the
-      event loop (the JSON parser holds the GIL): measured on 2 loaded cores, a body of densest
-      small integers (``[1,1,1,...]``, the worst case) costs about 100 ms per MiB, text about
-      5 ms per MiB. Larger bodies get a 413 before they are read.
+    * ``max_body_bytes`` 2 MiB: a 128k-token prompt is about 0.5 MiB as text and about 1 MiB as
+      token ids (``json.dumps`` writes ``"128000, "`` per id), so 2 MiB holds a full Llama 3.1
+      context either way. Parsing is the one step that cannot leave the event loop (the JSON
+      parser holds the GIL): measured on 2 loaded cores, a body of the densest small integers
+      (``[1,1,1,...]``, the worst case) costs 60 to 100 ms per MiB, text about 5 ms per MiB.
+      Larger bodies get a 413 before they are read.
     * ``max_prompt_chars``: by default ``32 x`` the context length in tokens (see
       :data:`PROMPT_CHARS_PER_CONTEXT_TOKEN`): longer text cannot fit, so it is refused before
       a tokenizer thread spends time on it (1 M characters took 1.3 s to tokenize here). It counts
@@ -44,7 +45,7 @@ class RequestLimits:
     * ``max_messages`` 1024 messages per chat: the chat template renders each (in Python).
     """
 
-    max_body_bytes: int = field(default=4 * MiB, metadata={
+    max_body_bytes: int = field(default=2 * MiB, metadata={
         "flag": "--max-request-bytes", "help": "largest request body in bytes; larger ones get 413"})
     max_prompt_chars: int | None = field(default=None, metadata={
         "flag": "--max-prompt-chars",

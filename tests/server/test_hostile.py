@@ -31,12 +31,14 @@ from types import SimpleNamespace
 import httpx
 import pytest
 
+from megatron_serve.limits import RequestLimits
+
 from .test_openai_e2e import free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 READ_TIMEOUT = 2.0
-BODY_LIMIT = 1 << 20
+BODY_LIMIT = RequestLimits().max_body_bytes  # the default: what ships is what is tested
 #: Worst /health latency allowed on a host with at most 2 runnable processes per core (scaled beyond).
 PROBE_LIMIT = 1.0
 GREEDY = {"prompt": "The quick brown fox", "max_tokens": 16, "temperature": 0}
@@ -91,7 +93,7 @@ def stack(tiny_model, tmp_path_factory):
     proc = subprocess.Popen(
         [sys.executable, "-m", "megatron_serve.cli", "run", "--model", tiny_model, "--port", str(port),
          "--coordinator-port", "0", "--log-dir", str(tmp / "logs"), "--read-timeout", str(READ_TIMEOUT),
-         "--max-request-bytes", str(BODY_LIMIT), "--num-kv-blocks", "256", "--max-requests", "64",
+         "--num-kv-blocks", "256", "--max-requests", "64",
          "--log-level", "INFO"],
         stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
     url = f"http://127.0.0.1:{port}"

@@ -213,7 +213,7 @@ class _Stack:
 
     async def _serve(self, facts: Any, tokenizer: Any, sock: Any) -> None:
         from ..server.app import create_app  # noqa: PLC0415
-        from ..server.runner import serve_app  # noqa: PLC0415
+        from ..server.runner import freeze_startup_heap, serve_app  # noqa: PLC0415
 
         args = self.args
         app = create_app(self.client, tokenizer, facts.name, self.api_key, vocab_size=facts.vocab_size,
@@ -225,6 +225,7 @@ class _Stack:
             print(f"megatron-serve is ready: {url}/v1 (model '{facts.name}', {args.engines} engine(s)); try: "
                   f"{curl_example(url, facts.name, bool(self.api_key))}", flush=True)
 
+        freeze_startup_heap()
         await serve_app(app, sock=sock, log_level=args.log_level, on_started=started, stop=self.stop,
                         read_timeout=args.read_timeout)
 

@@ -100,7 +100,7 @@ def run(args: argparse.Namespace) -> int:
 async def _serve(args: argparse.Namespace, facts, tokenizer, sock, api_key: str | None, token: str | None) -> None:
     from ..client import InferenceClient  # noqa: PLC0415
     from ..server.app import create_app  # noqa: PLC0415
-    from ..server.runner import serve_app  # noqa: PLC0415
+    from ..server.runner import freeze_startup_heap, serve_app  # noqa: PLC0415
 
     client = InferenceClient(args.coordinator, token=token)
     app = create_app(client, tokenizer, facts.name, api_key, vocab_size=facts.vocab_size,
@@ -115,6 +115,7 @@ async def _serve(args: argparse.Namespace, facts, tokenizer, sock, api_key: str 
         print(f"megatron-serve server: {url}/v1 serving model '{facts.name}' through {args.coordinator}"
               f"{' (API key required)' if api_key else ''}", file=sys.stderr, flush=True)
 
+    freeze_startup_heap()
     try:
         await serve_app(app, sock=sock, log_level=args.log_level, on_started=started, stop=stop,
                         read_timeout=args.read_timeout)

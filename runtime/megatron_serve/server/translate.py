@@ -123,10 +123,9 @@ def structured_outputs(req: _SamplingRequest, tool_constraint: tuple[str, Struct
 def check_tokens(tokens: list[int], vocab_size: int | None, param: str) -> None:
     if not tokens:
         raise bad_request(f"{param} is empty (it encodes to no tokens)", param=param)
-    if vocab_size is not None:
-        bad = next((t for t in tokens if t >= vocab_size), None)
-        if bad is not None:
-            raise bad_request(f"{param} holds token id {bad}, outside the vocabulary [0, {vocab_size})", param=param,
+    if vocab_size is not None and max(tokens) >= vocab_size:  # max() in C: a long prompt costs no Python loop
+        bad = next(t for t in tokens if t >= vocab_size)
+        raise bad_request(f"{param} holds token id {bad}, outside the vocabulary [0, {vocab_size})", param=param,
                               code="invalid_token_id")
 
 
@@ -162,7 +161,9 @@ def completion_prompts(req: CompletionRequest, tokenizer: Any, vocab_size: int |
         if isinstance(item, str):
             prompt = Prompt(tokenize(tokenizer, item, max_model_len, param), item)
         else:
-            prompt = Prompt([int(t) for t in item], None)
+            if max_model_len is not None and len(item) >= max_model_len:
+                raise context_exceeded(max_model_len, len(item), param)  # before looking at every id
+            prompt = Prompt(list(item), None)
         check_tokens(prompt.tokens, vocab_size, param)
         prompts.append(prompt)
     return prompts
