@@ -210,7 +210,7 @@ async def test_deep_json_invalid_utf8_and_lone_surrogates(stack):
 
 async def test_unknown_fields_and_extras(stack):
     async with httpx.AsyncClient(base_url=stack.url, timeout=60) as http:
-        for field, value in (("repetition_penalty", 1.2), ("min_p", 0.1), ("guided_json", {}), ("foo", 1)):
+        for field, value in (("use_beam_search", True), ("bad_words", ["x"]), ("functions", []), ("foo", 1)):
             response = await http.post("/v1/completions", json={"model": stack.model, "prompt": "x", field: value})
             record(stack, response)
             assert openai_error(response, 400)["param"] == field

@@ -355,3 +355,24 @@ async def test_a_client_that_leaves_is_logged_once_at_debug_level(tokenizer, bac
     assert [r.levelno for r in departures] == [logging.DEBUG, logging.DEBUG], caplog.text
     assert "left its stream" in departures[0].getMessage() and "before its answer" in departures[1].getMessage()
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text
+
+
+async def test_tokenize_routes_go_through_the_same_front_door(tokenizer, backend):
+    limits = RequestLimits(max_prompt_chars=100, max_messages=2)
+    counting = CountingTokenizer(tokenizer)
+    async with serving(make_app(counting, backend, limits=limits)) as url, httpx.AsyncClient(base_url=url) as http:
+        async def post(path: str, body: bytes) -> httpx.Response:
+            return await http.post(path, content=body, headers={"content-type": "application/json"})
+
+        assert_error(await post("/tokenize", b'{"prompt": "a\\ud800b"}'), 400, None, "invalid_json")  # was a 500
+        assert_error(await post("/tokenize", b'{"messages": [{"role": "user", "content": "\\udc00"}]}'), 400, None,
+                     "invalid_json")
+        assert_error(await post("/tokenize", json.dumps({"prompt": "x" * 101}).encode()), 400, "prompt")
+        assert_error(await post("/tokenize", json.dumps({"messages": USER * 3}).encode()), 400, "messages")
+        assert_error(await post("/tokenize", b'{"prompt": "x", "foo": 1}'), 400, "foo", "unknown_parameter")
+        assert_error(await post("/detokenize", b'{"tokens": [1], "bar": 2}'), 400, "bar", "unknown_parameter")
+        assert counting.calls == 0
+        ok = await post("/tokenize", b'{"prompt": "hello"}')
+        assert ok.status_code == 200 and ok.json()["count"] == len(tokenizer.encode("hello"))
+        text = (await post("/detokenize", json.dumps({"tokens": ok.json()["tokens"]}).encode())).json()["prompt"]
+        assert text == "hello"

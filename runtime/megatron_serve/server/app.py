@@ -23,7 +23,6 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
-from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
 from ..limits import RequestLimits
@@ -35,7 +34,7 @@ from .context import ServerContext
 from .errors import APIError, install_error_handlers
 from .fleet import FleetMonitor, InferenceBackend
 from .generation import PendingCounter
-from .intake import BodySizeLimit, Workers, check_limits, parse_body
+from .intake import SELF_PARSED, BodySizeLimit, Workers, check_limits, parse_body, request_body_doc
 from .metrics import ServerMetrics
 from .models import (
     ChatCompletionRequest,
@@ -174,13 +173,13 @@ def create_app(
 
     @app.post("/v1/completions", response_model=CompletionResponse, dependencies=api_dependencies,
               responses={**stream_200, **_error_responses(error_codes)}, tags=["OpenAI"],
-              openapi_extra=_request_body(CompletionRequest), description="Complete one or more prompts. " + _SSE_DOC)
+              openapi_extra=request_body_doc(CompletionRequest), description="Complete one or more prompts. " + _SSE_DOC)
     async def completions(request: Request) -> Any:
         return await answer(CompletionHandler, request)
 
     @app.post("/v1/chat/completions", response_model=ChatCompletionResponse, dependencies=api_dependencies,
               responses={**stream_200, **_error_responses(error_codes)}, tags=["OpenAI"],
-              openapi_extra=_request_body(ChatCompletionRequest),
+              openapi_extra=request_body_doc(ChatCompletionRequest),
               description="Answer a conversation rendered with the model's chat template. " + _SSE_DOC)
     async def chat_completions(request: Request) -> Any:
         return await answer(ChatHandler, request)
@@ -244,8 +243,7 @@ def create_app(
             components = schema.setdefault("components", {}).setdefault("schemas", {})
             for name in ("HTTPValidationError", "ValidationError"):
                 components.pop(name, None)
-            _, request_schemas = models_json_schema([(CompletionRequest, "validation"),
-                                                     (ChatCompletionRequest, "validation")],
+            _, request_schemas = models_json_schema([(model, "validation") for model in SELF_PARSED],
                                                     ref_template="#/components/schemas/{model}")
             components.update(request_schemas.get("$defs", {}))
             app.openapi_schema = schema
@@ -253,12 +251,6 @@ def create_app(
 
     app.openapi = openapi  # type: ignore[method-assign]
     return app
-
-
-def _request_body(model: type[BaseModel]) -> dict[str, Any]:
-    """The OpenAPI ``requestBody`` of a route that parses ``model`` itself (its schema is added by ``openapi()``)."""
-    ref = {"$ref": f"#/components/schemas/{model.__name__}"}
-    return {"requestBody": {"required": True, "content": {"application/json": {"schema": ref}}}}
 
 
 class _HTTPMetricsMiddleware:

@@ -21,12 +21,20 @@ import os
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, TypeVar
 
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel, TypeAdapter, ValidationError
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ..limits import RequestLimits
 from .errors import APIError, bad_request, validation_error
-from .models import ChatCompletionRequest, CompletionRequest, _SamplingRequest
+from .models import (
+    ChatCompletionRequest,
+    ChatMessage,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeChatRequest,
+    TokenizeCompletionRequest,
+    _SamplingRequest,
+)
 
 M = TypeVar("M", bound=BaseModel)
 T = TypeVar("T")
@@ -81,12 +89,15 @@ def _content_length(scope: Scope) -> int | None:
     return None
 
 
-def parse_body(model: type[M], body: bytes) -> M:
-    """``body`` as ``model``, or the 400 that names what is wrong."""
+def parse_body(schema: type[M] | TypeAdapter[M], body: bytes) -> M:
+    """``body`` as ``schema`` (a model, or a ``TypeAdapter`` for a union of them), or the 400 that names
+    what is wrong."""
     if not body:
         raise bad_request("the request body is empty: send a JSON object", code="invalid_json")
     try:
-        return model.model_validate_json(body)
+        if isinstance(schema, TypeAdapter):
+            return schema.validate_json(body)
+        return schema.model_validate_json(body)
     except ValidationError as exc:
         raise validation_error(exc.errors(include_url=False)) from None
 
@@ -107,26 +118,36 @@ def check_limits(req: _SamplingRequest, limits: RequestLimits, max_model_len: in
         raise bad_request(f"logit_bias has {len(req.logit_bias)} entries; this server allows at most "
                           f"{limits.max_logit_bias}", param="logit_bias")
     if isinstance(req, ChatCompletionRequest):
-        if len(req.messages) > limits.max_messages:
-            raise bad_request(f"messages holds {len(req.messages)} messages; this server allows at most "
-                              f"{limits.max_messages}", param="messages")
+        check_prompt_size(limits, max_model_len, messages=req.messages)
         requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         tokens_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
-        chars, prompt_param = sum(_content_chars(m.content) for m in req.messages), "messages"
     elif isinstance(req, CompletionRequest):
+        check_prompt_size(limits, max_model_len, prompt=req.prompt)
         requested, tokens_param = req.max_tokens, "max_tokens"
-        chars, prompt_param = _prompt_chars(req.prompt), "prompt"
     else:
         raise TypeError(f"not a request model: {type(req).__name__}")
-    chars_limit = limits.prompt_chars(max_model_len)
-    if chars_limit is not None and chars > chars_limit:
-        raise APIError(400, f"{prompt_param} holds {chars} characters; this server tokenizes at most {chars_limit} "
-                            "per request (longer text cannot fit the context)", param=prompt_param,
-                       code="context_length_exceeded")
     if max_model_len is not None and requested is not None and requested >= max_model_len:
         raise APIError(400, f"This model's maximum context length is {max_model_len} tokens, and {tokens_param} asks "
                             f"for {requested} (the prompt needs at least one token too). Please reduce {tokens_param}.",
                        param=tokens_param, code="context_length_exceeded")
+
+
+def check_prompt_size(limits: RequestLimits, max_model_len: int | None, *, prompt: Any = None,
+                      messages: list[ChatMessage] | None = None) -> None:
+    """The limits on what is about to be rendered and tokenized: a ``prompt`` (any of its shapes) or
+    chat ``messages`` (how many, and their characters)."""
+    if messages is not None:
+        if len(messages) > limits.max_messages:
+            raise bad_request(f"messages holds {len(messages)} messages; this server allows at most "
+                              f"{limits.max_messages}", param="messages")
+        chars, param = sum(_content_chars(m.content) for m in messages), "messages"
+    else:
+        chars, param = _prompt_chars(prompt), "prompt"
+    chars_limit = limits.prompt_chars(max_model_len)
+    if chars_limit is not None and chars > chars_limit:
+        raise APIError(400, f"{param} holds {chars} characters; this server tokenizes at most {chars_limit} "
+                            "per request (longer text cannot fit the context)", param=param,
+                       code="context_length_exceeded")
 
 
 def _prompt_chars(prompt: Any) -> int:
@@ -141,6 +162,19 @@ def _content_chars(content: Any) -> int:
     if isinstance(content, str):
         return len(content)
     return sum(len(part.text) for part in content)
+
+
+def request_body_doc(*models: type[BaseModel]) -> dict[str, Any]:
+    """The OpenAPI ``requestBody`` of a route that parses one of ``models`` itself (``openapi()`` adds
+    their schemas, see :data:`SELF_PARSED`)."""
+    refs = [{"$ref": f"#/components/schemas/{model.__name__}"} for model in models]
+    schema = refs[0] if len(refs) == 1 else {"oneOf": refs}
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}
+
+
+#: The request bodies that routes parse themselves (through :func:`parse_body`), for the OpenAPI document.
+SELF_PARSED: tuple[type[BaseModel], ...] = (CompletionRequest, ChatCompletionRequest, TokenizeCompletionRequest,
+                                            TokenizeChatRequest, DetokenizeRequest)
 
 
 class Workers:

@@ -22,6 +22,7 @@ from pydantic import (
     Field,
     SerializerFunctionWrapHandler,
     Tag,
+    TypeAdapter,
     model_serializer,
 )
 
@@ -451,6 +452,18 @@ class TokenizeChatRequest(_Request):
     add_special_tokens: bool = Field(False, description="add special tokens beyond the template's own")
     tools: list[ToolDefinition] | None = None
     return_token_strs: bool | None = Field(False, description="also list each token's text")
+
+
+def _tokenize_shape(value: Any) -> str:
+    return "TokenizeChatRequest" if isinstance(value, dict) and "messages" in value else "TokenizeCompletionRequest"
+
+
+#: Body of ``POST /tokenize``: a prompt or a conversation, told apart by ``messages`` (one branch's errors only).
+TokenizeRequest = TypeAdapter(Annotated[
+    Union[Annotated[TokenizeCompletionRequest, Tag("TokenizeCompletionRequest")],
+          Annotated[TokenizeChatRequest, Tag("TokenizeChatRequest")]],
+    Discriminator(_tokenize_shape),
+])
 
 
 class TokenizeResponse(BaseModel):

@@ -9,17 +9,20 @@ from __future__ import annotations
 
 from typing import Any
 
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
 
 from .context import ServerContext
 from .errors import bad_request
+from .intake import check_prompt_size, parse_body, request_body_doc
 from .models import (
     DetokenizeRequest,
     DetokenizeResponse,
     TokenizeChatRequest,
     TokenizeCompletionRequest,
+    TokenizeRequest,
     TokenizeResponse,
 )
+from .streaming import client_closed, read_body
 from .translate import check_model, check_tokens, render_chat
 
 
@@ -28,7 +31,14 @@ def _check_model(ctx: ServerContext, model: str | None) -> None:
         check_model(model, ctx.served_names)
 
 
-def _tokenize(ctx: ServerContext, body: TokenizeCompletionRequest | TokenizeChatRequest) -> TokenizeResponse:
+def _tokenize(ctx: ServerContext, raw: bytes) -> TokenizeResponse:
+    """On a worker thread: parse, check the model and the limits, render and encode."""
+    body = parse_body(TokenizeRequest, raw)
+    _check_model(ctx, body.model)
+    if isinstance(body, TokenizeChatRequest):
+        check_prompt_size(ctx.limits, ctx.max_model_len(), messages=body.messages)
+    else:
+        check_prompt_size(ctx.limits, ctx.max_model_len(), prompt=body.prompt)
     tokenizer = ctx.tokenizer
     if isinstance(body, TokenizeChatRequest):
         tools = [tool.model_dump(exclude_none=True) for tool in body.tools] if body.tools else None
@@ -42,19 +52,28 @@ def _tokenize(ctx: ServerContext, body: TokenizeCompletionRequest | TokenizeChat
 
 def add_tokenize_routes(app: FastAPI, ctx: ServerContext, dependencies: list[Any],
                         responses: dict[int | str, dict[str, Any]]) -> None:
+    # Both read their bodies themselves (see app.py): parsed, checked and (de)tokenized on the worker threads.
     @app.post("/tokenize", response_model=TokenizeResponse, dependencies=dependencies, responses=responses,
-              tags=["tokenizer"], description="Token ids of a prompt, or of messages rendered with the chat template.")
-    async def tokenize(body: TokenizeCompletionRequest | TokenizeChatRequest) -> TokenizeResponse:
-        _check_model(ctx, body.model)
-        return await ctx.workers.run(_tokenize, ctx, body)  # rendering and encoding stay off the event loop
+              tags=["tokenizer"], openapi_extra=request_body_doc(TokenizeCompletionRequest, TokenizeChatRequest),
+              description="Token ids of a prompt, or of messages rendered with the chat template.")
+    async def tokenize(request: Request) -> Any:
+        raw = await read_body(request)
+        return client_closed() if raw is None else await ctx.workers.run(_tokenize, ctx, raw)
 
     @app.post("/detokenize", response_model=DetokenizeResponse, dependencies=dependencies, responses=responses,
-              tags=["tokenizer"], description="The text of token ids.")
-    async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:
-        _check_model(ctx, body.model)
-        if body.tokens:
-            check_tokens(body.tokens, ctx.vocab_size, "tokens")
-        try:
-            return DetokenizeResponse(prompt=ctx.tokenizer.decode(body.tokens))
-        except (ValueError, OverflowError, TypeError) as exc:
-            raise bad_request(f"tokens cannot be decoded: {exc}", param="tokens") from None
+              tags=["tokenizer"], openapi_extra=request_body_doc(DetokenizeRequest),
+              description="The text of token ids.")
+    async def detokenize(request: Request) -> Any:
+        raw = await read_body(request)
+        return client_closed() if raw is None else await ctx.workers.run(_detokenize, ctx, raw)
+
+
+def _detokenize(ctx: ServerContext, raw: bytes) -> DetokenizeResponse:
+    body = parse_body(DetokenizeRequest, raw)
+    _check_model(ctx, body.model)
+    if body.tokens:
+        check_tokens(body.tokens, ctx.vocab_size, "tokens")
+    try:
+        return DetokenizeResponse(prompt=ctx.tokenizer.decode(body.tokens))
+    except (ValueError, OverflowError, TypeError) as exc:
+        raise bad_request(f"tokens cannot be decoded: {exc}", param="tokens") from None
