@@ -13,6 +13,7 @@ or an error event and ``[DONE]`` mid-stream) before uvicorn closes the connectio
 from __future__ import annotations
 
 import asyncio
+import atexit
 import contextlib
 import functools
 import gc
@@ -64,9 +65,12 @@ def freeze_startup_heap() -> None:
     its imports are done, each one held the event loop for 0.3 to 2.4 s on 2 loaded cores, so
     /health stalled every few seconds under streaming load. Frozen, collections only walk what was
     created since (the same step vLLM's server takes). For processes, not libraries: it is global.
+    The heap is thawed at exit: frozen objects are never finalized, and Triton's nanobind
+    extension then prints a leak report as the interpreter ends (after the last "stopped" line).
     """
     gc.collect()
     gc.freeze()
+    atexit.register(gc.unfreeze)
 
 
 class _Server(uvicorn.Server):
