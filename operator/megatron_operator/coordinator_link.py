@@ -12,7 +12,7 @@ import asyncio
 from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
-from .lifecycle import VERBS
+from megatron_serve.lifecycle import Verb, parse_verb
 
 
 class CoordinatorUnavailable(RuntimeError):
@@ -86,8 +86,8 @@ class ClientLink:
         return _as_dict(reply)
 
     async def command(self, verb: str, timeout: float, drain_timeout: float | None = None) -> dict[str, Any]:
-        if verb not in VERBS:
-            raise ValueError(f"unknown verb {verb!r}")
+        if parse_verb(verb) is Verb.REFIT:
+            raise ValueError("REFIT takes a source: use refit()")
         method = getattr(self.client, verb)
         if verb == "suspend":
             call = method(level=1, timeout=timeout)

@@ -47,12 +47,12 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from .protocol import (
-    CONTROL_VERBS,
+    HEADER_VERBS,
+    VERB_HEADERS,
     MAX_MESSAGE_BYTES,
     STEP_OUTPUT_SCHEMA,
     TO_COORDINATOR,
     ErrorCode,
-    FleetState,
     Header,
     Message,
     ProtocolError,
@@ -62,6 +62,7 @@ from .protocol import (
     encode,
     int_list,
 )
+from .lifecycle import ENGINE_DRAINING, STEPS, Deadline, FleetState, IllegalTransition, Step, Verb, transition
 from .request import DynamicInferenceRequest, EventType, FinishReason, RequestStatus, top_logprobs_from_wire
 from .routing import RoutingPolicy, make_routing_policy
 from .sampling_params import SamplingParams
@@ -90,8 +91,8 @@ _ALLOWED: dict[Role, frozenset[Header]] = {
     Role.ENGINE: frozenset({Header.HEARTBEAT, Header.DRAINING, Header.CONTROL_ACK, Header.ENGINE_STEP,
                             Header.HANDBACK, Header.STATUS}),
     Role.CLIENT: frozenset({Header.SUBMIT, Header.ABORT, Header.RESULT_ACK, Header.STATUS, Header.HEARTBEAT,
-                            *CONTROL_VERBS, Header.REFIT}),
-    Role.CONTROL: frozenset({Header.STATUS, Header.HEARTBEAT, *CONTROL_VERBS, Header.REFIT}),
+                            *HEADER_VERBS}),
+    Role.CONTROL: frozenset({Header.STATUS, Header.HEARTBEAT, *HEADER_VERBS}),
 }
 
 
@@ -142,7 +143,7 @@ class EngineRecord:
         return {
             "id": self.engine_id,
             "group": self.group,
-            "state": FleetState.DRAINING.value if self.draining else self.state,
+            "state": ENGINE_DRAINING if self.draining else self.state,
             "running": self.running,
             "waiting": self.waiting,
             "kv_blocks_free": self.kv_blocks_free,
@@ -202,11 +203,11 @@ class ControlOp:
     """One lifecycle verb in progress: a list of engine steps, each acknowledged by every engine."""
 
     control_id: Any
-    verb: Header
+    verb: Verb
     client_id: str
     level: int = 1
     drain_timeout: float | None = None
-    steps: list[Header] = field(default_factory=list)
+    steps: tuple[Step, ...] = ()
     step_index: int = -1
     waiting: set[str] = field(default_factory=set)
     engines: dict[str, dict[str, Any]] = field(default_factory=dict)
@@ -221,10 +222,8 @@ class ControlOp:
     failed: dict[str, str] = field(default_factory=dict)  # REFIT: engine id -> why it could not load
 
 
-class IllegalTransition(Exception):
-    def __init__(self, message: str, code: ErrorCode = ErrorCode.ILLEGAL_TRANSITION) -> None:
-        super().__init__(message)
-        self.code = code
+class RefitRefused(IllegalTransition):
+    """A REFIT the table allows but the fleet cannot run (no engine to verify the weights)."""
 
 
 class _DropLog:
@@ -738,8 +737,8 @@ class Coordinator:
             self._send(identity, Header.STATUS_REPLY, reply)
         elif header is Header.HEARTBEAT:
             self._send(identity, Header.HEARTBEAT, self._heartbeat_body())
-        elif header in CONTROL_VERBS or header is Header.REFIT:
-            self._on_control(client, identity, header, body)
+        elif header in HEADER_VERBS:
+            self._on_control(client, identity, HEADER_VERBS[header], body)
 
     @staticmethod
     def _key(client_id: str, client_request_id: Any) -> str:
@@ -1112,7 +1111,7 @@ class Coordinator:
 
     # ------------------------------------------------------------------ lifecycle
 
-    def _on_control(self, client: ClientRecord, identity: bytes, header: Header, body: dict[str, Any]) -> None:
+    def _on_control(self, client: ClientRecord, identity: bytes, verb: Verb, body: dict[str, Any]) -> None:
         control_id = body["control_id"]
         if control_id in self.completed_controls:  # retry after a reconnect: answer again
             reply_header, reply = self.completed_controls[control_id]
@@ -1121,66 +1120,37 @@ class Coordinator:
         if any(op.control_id == control_id for op in self.controls):
             return  # in progress; the answer goes to the client's current connection
         epoch = body.get("epoch")
-        if header is Header.REFIT and ((epoch is not None and epoch < 0) or not body["source"]):
+        if verb is Verb.REFIT and ((epoch is not None and epoch < 0) or not body["source"]):
             self._send(identity, Header.ERROR, {"code": ErrorCode.INVALID_REQUEST.value, "control_id": control_id,
                                                 "message": "REFIT needs a non-empty source and an epoch >= 0"})
             return
         level = body.get("level") or 1
-        if header is Header.SUSPEND and level not in (1, 2):
+        if verb is Verb.SUSPEND and level not in (1, 2):
             self._send(identity, Header.ERROR, {"code": ErrorCode.INVALID_REQUEST.value, "control_id": control_id,
                                                 "message": f"suspend level must be 1 or 2, got {level}"})
             return
-        op = ControlOp(control_id=control_id, verb=header, client_id=client.client_id, level=int(level),
+        op = ControlOp(control_id=control_id, verb=verb, client_id=client.client_id, level=int(level),
                        drain_timeout=body.get("drain_timeout"))
-        if header is Header.REFIT:
+        if verb is Verb.REFIT:
             op.source, op.epoch = body["source"], epoch
         self.controls.append(op)
-        logger.info("%s %s: %s requested (state %s)", client.role.value, client.client_id[:8], header.name,
+        logger.info("%s %s: %s requested (state %s)", client.role.value, client.client_id[:8], verb.name,
                     self.state.value)
         self._advance_controls()
 
-    def _plan(self, op: ControlOp) -> tuple[list[Header], FleetState]:
-        """Engine steps and target state of a verb in the current state (DESIGN section 5)."""
-        state, verb = self.state, op.verb
-        if verb is Header.STOP:
-            return [Header.STOP], FleetState.STOPPED
-        if verb is Header.REFIT:
-            return self._plan_refit(op), state
-        if state is FleetState.STOPPED and verb is not Header.UNPAUSE:
-            raise IllegalTransition(f"{verb.name} is not allowed while STOPPED (UNPAUSE restarts the fleet)")
-        if verb is Header.PAUSE:
-            if state is FleetState.SUSPENDED:  # already not stepping, and memory stays released
-                return [], FleetState.SUSPENDED
-            return [Header.PAUSE], FleetState.PAUSED
-        if verb is Header.UNPAUSE:
-            if state is FleetState.SUSPENDED:
-                raise IllegalTransition("UNPAUSE is not allowed while SUSPENDED: RESUME first")
-            return [Header.UNPAUSE], FleetState.RUNNING
-        if verb is Header.SUSPEND:
-            if state is FleetState.RUNNING:
-                return [Header.PAUSE, Header.SUSPEND], FleetState.SUSPENDED
-            return [Header.SUSPEND], FleetState.SUSPENDED
-        if verb is Header.RESUME:
-            if state is FleetState.SUSPENDED:
-                return [Header.RESUME], FleetState.PAUSED
-            return [Header.RESUME], state  # memory already resident: a no-op that still acks
-        raise IllegalTransition(f"unknown verb {verb.name}")
-
-    def _plan_refit(self, op: ControlOp) -> list[Header]:
-        """REFIT: verify on every engine, then load on every engine (two broadcasts of REFIT)."""
-        if self.state not in (FleetState.PAUSED, FleetState.SUSPENDED):
-            raise IllegalTransition(f"REFIT is only allowed while PAUSED or SUSPENDED; the fleet is "
-                                    f"{self.state.value} (PAUSE first)")
-        if not self.engines:
-            raise IllegalTransition("REFIT needs at least one connected engine to verify the new weights",
-                                    ErrorCode.REFIT_FAILED)
-        if op.epoch is None:
-            op.epoch = self.epoch + 1
-        return [Header.REFIT, Header.REFIT]
+    def _plan(self, op: ControlOp) -> tuple[tuple[Step, ...], FleetState]:
+        """Engine steps and target state of a verb in the current state (the lifecycle table)."""
+        planned = transition(self.state, op.verb)
+        if op.verb is Verb.REFIT:
+            if not self.engines:
+                raise RefitRefused("REFIT needs at least one connected engine to verify the new weights")
+            if op.epoch is None:
+                op.epoch = self.epoch + 1
+        return planned.steps, planned.target
 
     def _refit_verify_failed(self, op: ControlOp) -> bool:
         """After the verify broadcast: refuse the whole REFIT if any engine refused the source."""
-        if op.verb is not Header.REFIT or op.step_index != 0:
+        if op.steps[op.step_index] is not Step.REFIT_VERIFY:
             return False
         errors = {eid: f["error"] for eid, f in op.engines.items() if f.get("error")}
         if not errors:
@@ -1212,7 +1182,9 @@ class Coordinator:
                     except IllegalTransition as exc:
                         self.controls.popleft()
                         logger.info("%s refused: %s", op.verb.name, exc)
-                        self._answer(op, Header.ERROR, {"code": exc.code.value,
+                        code = ErrorCode.REFIT_FAILED if isinstance(exc, RefitRefused) else \
+                            ErrorCode.ILLEGAL_TRANSITION
+                        self._answer(op, Header.ERROR, {"code": code.value,
                                                         "message": str(exc), "control_id": op.control_id})
                         continue
                     previous_level = self.suspend_level if self.state is FleetState.SUSPENDED else 0
@@ -1242,24 +1214,26 @@ class Coordinator:
             self._advancing = False
 
     def _broadcast_step(self, op: ControlOp) -> None:
-        """Send the current step's verb to every connected engine; each one must ack (see _expire_verb_step)."""
-        verb = op.steps[op.step_index]
+        """Send the current step to every connected engine; each one must ack (see _expire_verb_step)."""
+        step = op.steps[op.step_index]
+        spec = STEPS[step]
+        verb = VERB_HEADERS[spec.verb]
         op.step_started = time.monotonic()
         body: dict[str, Any] = {"control_id": f"{op.control_id}#{op.step_index}"}
-        if verb is Header.SUSPEND:
+        if step is Step.SUSPEND:
             body["level"] = self.suspend_level
-        if verb is Header.STOP and op.drain_timeout is not None:
+        if step is Step.STOP and op.drain_timeout is not None:
             body["drain_timeout"] = op.drain_timeout
-        if verb is Header.REFIT:
-            body.update(source=op.source, epoch=op.epoch, phase="verify" if op.step_index == 0 else "load")
-            if op.step_index == 1:
+        if spec.verb is Verb.REFIT:
+            body.update(source=op.source, epoch=op.epoch, phase=spec.phase)
+            if step is Step.REFIT_LOAD:
                 # Every engine verified the source: from now on it is the fleet's weights, also for
                 # engines that register while (or after) the others load it.
                 self.epoch, self.weights_source = int(op.epoch), op.source
                 self.refits += 1
         unreachable = []
         for engine in list(self.engines.values()):
-            if verb is Header.STOP:
+            if step is Step.STOP:
                 engine.stopping = True
             if self._send(engine.identity, verb, body):
                 op.waiting.add(engine.engine_id)
@@ -1279,13 +1253,13 @@ class Coordinator:
         if not self.controls or not self.controls[0].waiting:
             return
         op = self.controls[0]
-        verb = op.steps[op.step_index]
-        limit = self._step_deadline(op, verb)
+        step = op.steps[op.step_index]
+        limit = self._step_deadline(op, step)
         if now - op.step_started <= limit:
             return
         for engine in [e for e in self.engines.values() if e.engine_id in op.waiting]:
             op.unresponsive.append(engine.engine_id)
-            self._drop_unresponsive(engine, f"did not acknowledge {verb.name} within {limit:.1f}s")
+            self._drop_unresponsive(engine, f"did not acknowledge {step.value} within {limit:.1f}s")
 
     def _expire_stalled_engines(self, now: float) -> None:
         """Remove the engines whose step loop made no progress for ``stall_timeout`` while they have requests.
@@ -1320,12 +1294,13 @@ class Coordinator:
             self._unresponsive.popitem(last=False)
         self._remove_engine(engine, f"{why} (heartbeats alone do not count; kept out until it answers)")
 
-    def _step_deadline(self, op: ControlOp, verb: Header) -> float:
-        """Seconds an engine may take to acknowledge ``verb``: a STOP adds its drain time, and steps
-        that move weights (SUSPEND, RESUME, REFIT's load) get ``weights_timeout``."""
-        if verb is Header.STOP:
+    def _step_deadline(self, op: ControlOp, step: Step) -> float:
+        """Seconds an engine may take to acknowledge ``step`` (its kind of deadline is in the lifecycle table):
+        a STOP adds its drain time, and steps that move weights get ``weights_timeout``."""
+        deadline = STEPS[step].deadline
+        if deadline is Deadline.DRAIN:
             return self.verb_timeout + (op.drain_timeout or 0.0)
-        if verb in (Header.SUSPEND, Header.RESUME) or (verb is Header.REFIT and op.step_index == 1):
+        if deadline is Deadline.WEIGHTS:
             return max(self.verb_timeout, self.weights_timeout)
         return self.verb_timeout
 
@@ -1340,9 +1315,10 @@ class Coordinator:
         facts = op.engines.setdefault(engine.engine_id, {"group": engine.group})
         facts.update(body.get("detail") or {})
         facts["state"] = engine.state
-        if op.verb is Header.REFIT and op.step_index == 1 and self._on_refit_loaded(op, engine, facts):
+        step = op.steps[op.step_index]
+        if step is Step.REFIT_LOAD and self._on_refit_loaded(op, engine, facts):
             return
-        if op.steps[op.step_index] is Header.STOP:
+        if step is Step.STOP:
             self._remove_engine(engine, "stopped", expected=True)  # it exits now; not a failure
         self._advance_controls()
 
@@ -1364,9 +1340,9 @@ class Coordinator:
         released = [f["released_bytes"] for f in op.engines.values() if isinstance(f.get("released_bytes"), int)]
         if released:
             detail["released_bytes"] = sum(released)
-        if op.verb is Header.SUSPEND:
+        if op.verb is Verb.SUSPEND:
             detail["level"] = self.suspend_level
-        if op.verb is Header.REFIT:
+        if op.verb is Verb.REFIT:
             detail.update(noop=False, epoch=self.epoch, source=self.weights_source)
             if op.failed:
                 detail["failed"] = dict(op.failed)
@@ -1381,7 +1357,7 @@ class Coordinator:
 
     def _forget_routing_history_if_caches_may_be_gone(self, op: ControlOp) -> None:
         """A suspended fleet may resume with empty prefix caches (and a refit drops them): routing starts over."""
-        if self.state is FleetState.SUSPENDED or op.verb is Header.REFIT:
+        if self.state is FleetState.SUSPENDED or op.verb is Verb.REFIT:
             for engine_id in list(self.engines):
                 self.policy.forget(engine_id)
 

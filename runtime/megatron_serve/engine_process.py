@@ -35,7 +35,8 @@ from typing import Any, Callable, Iterator
 import zmq
 
 from .errors import EngineGroupLost
-from .protocol import FROM_COORDINATOR, ErrorCode, FleetState, Header, ProtocolError, Role, decode, encode
+from .lifecycle import ENGINE_DRAINING, STEPS, FleetState, Step, engine_state_after
+from .protocol import FROM_COORDINATOR, HEADER_VERBS, ErrorCode, Header, ProtocolError, Role, decode, encode, step_of
 from .request import DynamicInferenceRequest, FinishReason, RequestStatus, top_logprobs_to_wire
 
 logger = logging.getLogger("megatron_serve.engine_process")
@@ -249,7 +250,7 @@ class EngineProcess:
                  "info": facts}
         self.link = CoordinatorLink(address, hello, heartbeat_interval=heartbeat_interval,
                                     coordinator_timeout=coordinator_timeout)
-        self.state = FleetState.PAUSED.value  # until the coordinator says otherwise
+        self.state = FleetState.PAUSED  # until the coordinator says otherwise
         self.suspend_level = 0
         self.session = 0
         self.engine_id: str | None = None
@@ -280,7 +281,7 @@ class EngineProcess:
         try:
             while True:
                 self.iterations += 1
-                busy = self.state == FleetState.RUNNING.value and self.engine.has_unfinished_requests()
+                busy = self.state is FleetState.RUNNING and self.engine.has_unfinished_requests()
                 self._handle_inbox(timeout=0.0 if busy else 0.05)
                 if self.fatal:
                     logger.error("%s", self.fatal)
@@ -289,7 +290,7 @@ class EngineProcess:
                     self._begin_drain(self.drain_timeout, "SIGTERM")
                 if self.drain_deadline is not None and self._drain_finished():
                     return 0
-                if self.state == FleetState.RUNNING.value and self.engine.has_unfinished_requests():
+                if self.state is FleetState.RUNNING and self.engine.has_unfinished_requests():
                     self._step()
                 self._publish_stats()
         finally:
@@ -335,12 +336,11 @@ class EngineProcess:
         target = ack["state"]
         if target == FleetState.SUSPENDED.value:
             self._suspend(int(ack.get("suspend_level") or 1))
+            self.state = FleetState.SUSPENDED
         else:
-            if self.suspend_level:
-                self.engine.resume()
-                self.suspend_level = 0
+            self._restore()
             # A STOPPED coordinator: wait paused until it is restarted with UNPAUSE.
-            self.state = FleetState.RUNNING.value if target == FleetState.RUNNING.value else FleetState.PAUSED.value
+            self.state = FleetState.RUNNING if target == FleetState.RUNNING.value else FleetState.PAUSED
         if self.drain_deadline is not None:
             self._send(Header.DRAINING, {"engine_id": self.engine_id})
         self._publish_stats(force=True)
@@ -352,10 +352,8 @@ class EngineProcess:
             self.engine.abort_request(body["request_id"])
         elif header is Header.HANDBACK:
             self._handback_acked = True
-        elif header in (Header.PAUSE, Header.UNPAUSE, Header.SUSPEND, Header.RESUME, Header.STOP):
-            self._on_verb(header, body)
-        elif header is Header.REFIT:
-            self._on_refit(body)
+        elif header in HEADER_VERBS:
+            self._on_step(header, body)
 
     def _add(self, data: dict[str, Any]) -> None:
         try:
@@ -426,7 +424,7 @@ class EngineProcess:
             stats.update(extra())
         snapshot = getattr(e, "metrics_snapshot", None)  # optional, like routing_stats
         self.link.stats = {
-            "state": FleetState.DRAINING.value if self.drain_deadline is not None else self.state,
+            "state": ENGINE_DRAINING if self.drain_deadline is not None else self.state.value,
             "running": int(e.num_running), "waiting": int(e.num_waiting),
             "kv_blocks_free": int(e.kv_blocks_free), "kv_blocks_total": int(e.kv_blocks_total),
             # prefix-cache counters: prompt tokens skipped thanks to the cache, tokens run through the model
@@ -442,52 +440,71 @@ class EngineProcess:
 
     def _ack(self, control_id: Any, detail: dict[str, Any]) -> None:
         self._publish_stats(force=True)  # no heartbeat after the ack may carry the old state
-        self._send(Header.CONTROL_ACK, {"control_id": control_id, "state": self.state, "detail": detail,
+        self._send(Header.CONTROL_ACK, {"control_id": control_id, "state": self.state.value, "detail": detail,
                                         "engine_id": self.engine_id})
 
     def _suspend(self, level: int) -> int:
         """Release device memory (KV pool; level 2 also weights). Returns bytes released now."""
         if self.suspend_level >= level:
-            self.state = FleetState.SUSPENDED.value
             return 0
         released = int(self.engine.suspend(level) or 0)
         self.suspend_level = level
-        self.state = FleetState.SUSPENDED.value
         logger.info("suspended (level %d): released %d bytes of device memory", level, released)
         return released
 
-    def _on_verb(self, verb: Header, body: dict[str, Any]) -> None:
+    def _restore(self) -> bool:
+        """Bring released device memory back; False when nothing was released."""
+        if not self.suspend_level:
+            return False
+        self.engine.resume()
+        self.suspend_level = 0
+        logger.info("resumed: device memory restored, running requests will be recomputed")
+        return True
+
+    def _on_step(self, header: Header, body: dict[str, Any]) -> None:
+        """One lifecycle step at a step boundary: the table says where it leads, the action does the work."""
         control_id = body["control_id"]
-        if verb is Header.PAUSE:
-            if self.state == FleetState.RUNNING.value:
-                self.state = FleetState.PAUSED.value
-            self._ack(control_id, {"running": self.engine.num_running, "waiting": self.engine.num_waiting})
-        elif verb is Header.UNPAUSE:
-            if self.suspend_level:
-                self.engine.resume()
-                self.suspend_level = 0
-            self.state = FleetState.RUNNING.value
-            self._ack(control_id, {})
-        elif verb is Header.SUSPEND:
-            level = int(body.get("level") or 1)
-            already = self.suspend_level >= level
-            released = self._suspend(level)
-            detail: dict[str, Any] = {"released_bytes": released, "level": self.suspend_level}
-            if already:
-                detail["already_suspended"] = True
-            self._ack(control_id, detail)
-        elif verb is Header.RESUME:
-            resumed = bool(self.suspend_level)
-            if resumed:
-                self.engine.resume()
-                self.suspend_level = 0
-                self.state = FleetState.PAUSED.value
-                logger.info("resumed: device memory restored, running requests will be recomputed")
-            self._ack(control_id, {"resumed": resumed})
-        elif verb is Header.STOP:
-            self.stop_control_id = control_id
-            timeout = body.get("drain_timeout")
-            self._begin_drain(self.drain_timeout if timeout is None else float(timeout), "STOP")
+        try:
+            step = step_of(header, body.get("phase"))
+        except ProtocolError as exc:
+            self._ack(control_id, {"error": str(exc)})
+            return
+        spec = STEPS[step]
+        if self.state not in spec.requires:
+            self._ack(control_id, {"error": f"{step.value} needs an engine that is "
+                                            f"{' or '.join(sorted(s.value for s in spec.requires))}; "
+                                            f"this one is {self.state.value}"})
+            return
+        detail = self._STEP_ACTIONS[step](self, body)
+        if detail is None:  # STOP: acknowledged once drained (see _drain_finished)
+            return
+        if "error" not in detail:
+            self.state = engine_state_after(step, self.state)
+        self._ack(control_id, detail)
+
+    def _pause_action(self, _body: dict[str, Any]) -> dict[str, Any]:
+        return {"running": self.engine.num_running, "waiting": self.engine.num_waiting}
+
+    def _unpause_action(self, _body: dict[str, Any]) -> dict[str, Any]:
+        self._restore()
+        return {}
+
+    def _suspend_action(self, body: dict[str, Any]) -> dict[str, Any]:
+        level = int(body.get("level") or 1)
+        already = self.suspend_level >= level
+        released = self._suspend(level)
+        detail: dict[str, Any] = {"released_bytes": released, "level": self.suspend_level}
+        if already:
+            detail["already_suspended"] = True
+        return detail
+
+    def _resume_action(self, _body: dict[str, Any]) -> dict[str, Any]:
+        return {"resumed": self._restore()}
+
+    def _stop_action(self, body: dict[str, Any]) -> None:
+        self.stop_control_id = body["control_id"]
+        timeout = body.get("drain_timeout")
+        self._begin_drain(self.drain_timeout if timeout is None else float(timeout), "STOP")
 
     # -- weight refit
 
@@ -497,7 +514,7 @@ class EngineProcess:
         info["epoch"] = int(getattr(self.engine, "epoch", 0) or 0)
         info["weights"] = self.weights_source
 
-    def _on_refit(self, body: dict[str, Any]) -> None:
+    def _refit_action(self, body: dict[str, Any]) -> dict[str, Any]:
         """REFIT at a step boundary: phase ``verify`` checks shapes only; ``load`` swaps the weights in place.
 
         The coordinator verifies on every engine before any engine loads, so a bad source leaves
@@ -505,31 +522,36 @@ class EngineProcess:
         leaves this engine's weights mixed: its epoch becomes -1 and the coordinator makes it
         register again, which loads the fleet's current weights or exits.
         """
-        control_id, source, phase = body["control_id"], body["source"], body.get("phase") or "load"
-        if self.state not in (FleetState.PAUSED.value, FleetState.SUSPENDED.value):
-            self._ack(control_id, {"error": f"REFIT needs a paused or suspended engine; this one is {self.state}"})
-            return
+        source, phase = body["source"], body.get("phase") or "load"
         if not callable(getattr(self.engine, "refit", None)):
-            self._ack(control_id, {"error": "this engine cannot refit its weights"})
-            return
+            return {"error": "this engine cannot refit its weights"}
         try:
             if phase == "verify":
-                self._ack(control_id, {"verified_s": round(float(self.engine.verify_refit(source)), 6)})
-                return
+                return {"verified_s": round(float(self.engine.verify_refit(source)), 6)}
             timings = self.engine.refit(source, body.get("epoch"))
         except Exception as exc:  # noqa: BLE001 - any failure is reported; the fleet decides
             epoch = int(getattr(self.engine, "epoch", 0) or 0)
             logger.error("REFIT (%s) from %s failed: %s", phase, source, exc)
             self._note_weights()
-            self._ack(control_id, {"error": str(exc) or type(exc).__name__, "phase": phase, "epoch": epoch,
-                                   "weights_intact": epoch != -1})
-            return
+            return {"error": str(exc) or type(exc).__name__, "phase": phase, "epoch": epoch,
+                    "weights_intact": epoch != -1}
         self.weights_source = source
         self._note_weights()
         logger.info("refit: epoch %d from %s in %.2fs (verify %.2fs, load %.2fs)", timings["epoch"], source,
                     timings["total_s"], timings["verify_s"], timings["load_s"])
-        self._ack(control_id, {**{k: round(float(v), 6) for k, v in timings.items() if k != "epoch"},
-                               "epoch": int(timings["epoch"]), "source": source})
+        return {**{k: round(float(v), 6) for k, v in timings.items() if k != "epoch"},
+                "epoch": int(timings["epoch"]), "source": source}
+
+    #: What each step of the lifecycle table does here (a test checks that every step has one).
+    _STEP_ACTIONS: dict[Step, Callable[["EngineProcess", dict[str, Any]], dict[str, Any] | None]] = {
+        Step.PAUSE: _pause_action,
+        Step.UNPAUSE: _unpause_action,
+        Step.SUSPEND: _suspend_action,
+        Step.RESUME: _resume_action,
+        Step.STOP: _stop_action,
+        Step.REFIT_VERIFY: _refit_action,
+        Step.REFIT_LOAD: _refit_action,
+    }
 
     def _sync_weights(self, refit: dict[str, Any]) -> bool:
         """At registration: load the fleet's current weights if ours differ. False (fatal) when that fails."""
@@ -561,7 +583,7 @@ class EngineProcess:
 
     def _drain_finished(self) -> bool:
         """Hand back what is left once done, timed out, or unable to step; True when we may exit."""
-        stepping = self.state == FleetState.RUNNING.value
+        stepping = self.state is FleetState.RUNNING
         if self.engine.has_unfinished_requests() and stepping and time.monotonic() < self.drain_deadline:
             return False
         rest = self.engine.take_unfinished_requests()
@@ -583,7 +605,7 @@ class EngineProcess:
             elif event[0] == "registered":
                 break  # a new coordinator: it never had these requests
         if stopping:
-            self.state = FleetState.STOPPED.value
+            self.state = FleetState.STOPPED
             self._ack(self.stop_control_id, {"handed_back": len(ids)})
         logger.info("drained: %d request(s) handed back%s; exiting", len(ids),
                     "" if self._handback_acked else " (no acknowledgement from the coordinator)")

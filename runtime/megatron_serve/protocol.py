@@ -23,6 +23,8 @@ from typing import Any, Mapping, NamedTuple
 
 import msgpack
 
+from .lifecycle import STEPS, Step, Verb
+
 #: Default largest frame accepted (and sent). Prompts of a million tokens fit easily.
 MAX_MESSAGE_BYTES = 16 * 1024 * 1024
 
@@ -61,24 +63,29 @@ class Header(enum.IntEnum):
     HANDBACK = 52  # engine -> coordinator: these requests are yours again (ack echoes it back)
 
 
-#: The lifecycle verbs and the state each one aims for.
-CONTROL_VERBS: dict[Header, str] = {
-    Header.PAUSE: "PAUSED",
-    Header.UNPAUSE: "RUNNING",
-    Header.SUSPEND: "SUSPENDED",
-    Header.RESUME: "PAUSED",
-    Header.STOP: "STOPPED",
+#: The message each lifecycle verb travels as (the verbs and their rules: :mod:`megatron_serve.lifecycle`).
+VERB_HEADERS: dict[Verb, Header] = {
+    Verb.PAUSE: Header.PAUSE,
+    Verb.UNPAUSE: Header.UNPAUSE,
+    Verb.SUSPEND: Header.SUSPEND,
+    Verb.RESUME: Header.RESUME,
+    Verb.STOP: Header.STOP,
+    Verb.REFIT: Header.REFIT,
 }
+HEADER_VERBS: dict[Header, Verb] = {header: verb for verb, header in VERB_HEADERS.items()}
+_STEP_MESSAGES: dict[tuple[Header, str | None], Step] = {
+    (VERB_HEADERS[spec.verb], spec.phase): step for step, spec in STEPS.items()}
 
 
-class FleetState(str, enum.Enum):
-    """Lifecycle state of the coordinator (and of each engine, plus DRAINING for engines)."""
-
-    RUNNING = "RUNNING"
-    PAUSED = "PAUSED"
-    SUSPENDED = "SUSPENDED"
-    STOPPED = "STOPPED"
-    DRAINING = "DRAINING"
+def step_of(header: Header, phase: str | None) -> Step:
+    """The lifecycle step a verb message from the coordinator carries (REFIT's ``phase`` tells which;
+    coordinators older than the verify phase sent none: a load)."""
+    if header is Header.REFIT and phase is None:
+        return Step.REFIT_LOAD
+    step = _STEP_MESSAGES.get((header, phase if header is Header.REFIT else None))
+    if step is None:
+        raise ProtocolError(f"{header.name}: unknown phase {phase!r}")
+    return step
 
 
 class Role(str, enum.Enum):

@@ -180,7 +180,7 @@ def test_coordinator_forgets_a_draining_engine_and_reports_cache_counters():
 
 def test_coordinator_forgets_every_group_after_a_suspend_or_a_refit():
     from megatron_serve.coordinator import ControlOp  # noqa: PLC0415
-    from megatron_serve.protocol import FleetState  # noqa: PLC0415
+    from megatron_serve.lifecycle import FleetState, Verb  # noqa: PLC0415
 
     coordinator = Coordinator(None, routing="prefix_affinity")
     info = {"block_size": BS, "prefix_caching": True}
@@ -195,14 +195,14 @@ def test_coordinator_forgets_every_group_after_a_suspend_or_a_refit():
         assert all(policy.history_size(r.engine_id) for r in records)
 
     route_to_both()
-    coordinator._complete(ControlOp(control_id="p", verb=Header.PAUSE, client_id="c"))  # caches stay
+    coordinator._complete(ControlOp(control_id="p", verb=Verb.PAUSE, client_id="c"))  # caches stay
     assert all(policy.history_size(r.engine_id) for r in records)
     coordinator.state = FleetState.SUSPENDED
-    coordinator._complete(ControlOp(control_id="s", verb=Header.SUSPEND, client_id="c"))
+    coordinator._complete(ControlOp(control_id="s", verb=Verb.SUSPEND, client_id="c"))
     assert not any(policy.history_size(r.engine_id) for r in records)
     coordinator.state = FleetState.PAUSED
     route_to_both()
-    coordinator._complete(ControlOp(control_id="r", verb=Header.REFIT, client_id="c"))  # old weights' KV is gone
+    coordinator._complete(ControlOp(control_id="r", verb=Verb.REFIT, client_id="c"))  # old weights' KV is gone
     assert not any(policy.history_size(r.engine_id) for r in records)
     coordinator.close()
 

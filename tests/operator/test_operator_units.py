@@ -42,8 +42,10 @@ def test_lifecycle_names():
     assert lifecycle.lifecycle_of("stopped") == "Shutdown" and lifecycle.lifecycle_of(None) is None
     with pytest.raises(ValueError, match="unknown lifecycle"):
         lifecycle.target_state("Sleeping")
-    with pytest.raises(ValueError, match="not a legal transition"):
-        lifecycle.next_state("RUNNING", "resume")
+    # RESUME where memory is resident is a no-op (megatron_serve.lifecycle), UNPAUSE while SUSPENDED is refused
+    assert lifecycle.next_state("RUNNING", "resume") == "RUNNING"
+    with pytest.raises(ValueError, match="RESUME first"):
+        lifecycle.next_state("SUSPENDED", "unpause")
 
 
 def obs(**kwargs: Any) -> status.Observation:

@@ -12,10 +12,11 @@ import json
 import time
 from typing import Any
 
+from ..lifecycle import Verb
 from .inputs import coordinator_address
 from .options import add_token_option, read_token
 
-VERBS = ("pause", "unpause", "suspend", "resume", "stop", "status", "refit")
+VERBS = (*(verb.value for verb in Verb), "status")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -14,11 +14,12 @@ import logging
 import time
 from typing import Any, AsyncIterator, Protocol
 
+from ..lifecycle import FleetState
 from .errors import APIError
 
 logger = logging.getLogger("megatron_serve.server")
 
-STOPPED = "STOPPED"
+STOPPED = FleetState.STOPPED.value
 
 
 class InferenceBackend(Protocol):

@@ -22,10 +22,10 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.registry import Collector
 
 from ..engine_stats import COUNTERS, FINISH_REASONS, HISTOGRAMS
+from ..lifecycle import FleetState
 from .fleet import FleetMonitor
 from .metric_catalog import SERIES, Series, series
 
-LIFECYCLE_STATES = ("RUNNING", "PAUSED", "SUSPENDED", "STOPPED")
 
 _TPOT_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75,
                  1.0, 2.5)
@@ -53,8 +53,8 @@ class _FleetCollector(Collector):
         yield _family("coordinator_reachable", 1.0 if monitor.reachable else 0.0)
         state = _family("lifecycle_state")
         current = monitor.state if monitor.reachable else None
-        for name in LIFECYCLE_STATES:
-            state.add_metric([name], 1.0 if current == name else 0.0)
+        for name in FleetState:
+            state.add_metric([name.value], 1.0 if current == name.value else 0.0)
         yield state
         yield _family("engines", totals["engines"])
         yield _family("queue_depth", totals["queued"])

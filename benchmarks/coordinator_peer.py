@@ -1,0 +1,386 @@
+"""This project's coordinator against Megatron-LM's, side by side, with the same fake-engine load.
+
+Both coordinators run in processes of their own; both fleets are ``--engines`` fake engines that
+answer every request at once with one generated token (one process hosts all of them, a single
+poll loop over one DEALER socket per engine, so the engines cost the same on both sides); both
+clients run in this process. Megatron's side is megatron-core's own
+``DataParallelInferenceCoordinator`` and ``InferenceClient`` (PyPI ``megatron-core``, imported
+only here: ``pip install megatron-core==0.16.1``; it imports on CPU with torch, numpy and
+packaging), its fake engines speaking its frames (``ENGINE_REPLY`` with serialized request
+records, as ``DynamicInferenceEngine`` sends them). This project's side is
+:class:`megatron_serve.coordinator.Coordinator` and :class:`megatron_serve.client.InferenceClient`,
+its fake engines speaking this project's frames (HELLO, heartbeats, ``ENGINE_STEP`` with the
+finished record, as ``EngineProcess`` sends them). Prompts are token ids on both sides, so neither
+coordinator tokenizes; Megatron's detokenizes every result (its design), with a tokenizer as
+cheap as the text our fake engines attach.
+
+Scenarios, each ``--requests`` requests: ``burst`` (all submitted at once), ``c64`` (64 in flight,
+closed loop), ``c1`` (one at a time). Reported per coordinator and scenario: requests per second,
+latency p50/p99 (submission to result, at the client) and the coordinator process's CPU time per
+request (user + system, from /proc), then our/Megatron ratios.
+
+    python benchmarks/coordinator_peer.py                  # 5,000 requests, 4 engines, all scenarios
+    python benchmarks/coordinator_peer.py --only ours --scenarios c64 --profile /tmp/prof  # py-spy the coordinator
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import multiprocessing as mp
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any, Awaitable, Callable
+
+import zmq
+
+CAPACITY = 128  # requests each of our fake engines accepts at once (a GPU engine's --max-num-seqs)
+SCENARIOS = {"burst": None, "c64": 64, "c1": 1}
+PROMPT = [101, 2023, 2003, 1037, 3231, 102]
+
+
+# ----------------------------------------------------------------------------- shared helpers
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` so far."""
+    with open(f"/proc/{pid}/stat") as fh:
+        fields = fh.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, int(round(q / 100 * (len(ordered) - 1)))))]
+
+
+@dataclass
+class Row:
+    side: str
+    scenario: str
+    rps: float
+    p50_ms: float
+    p99_ms: float
+    cpu_us: float  # coordinator CPU per request, microseconds
+
+
+async def drive(submit: Callable[[int], Awaitable[Any]], requests: int, in_flight: int | None
+                ) -> tuple[float, list[float]]:
+    """Run ``requests`` submissions (all at once, or ``in_flight`` at a time); returns (seconds, latencies)."""
+    latencies: list[float] = []
+
+    async def one(i: int) -> None:
+        started = time.perf_counter()
+        await submit(i)
+        latencies.append(time.perf_counter() - started)
+
+    started = time.perf_counter()
+    if in_flight is None:
+        await asyncio.gather(*(one(i) for i in range(requests)))
+    else:
+        numbers = iter(range(requests))
+
+        async def worker() -> None:
+            for i in numbers:
+                await one(i)
+
+        await asyncio.gather(*(worker() for _ in range(in_flight)))
+    return time.perf_counter() - started, latencies
+
+
+async def measure(side: str, submit: Callable[[int], Awaitable[Any]], coordinator_pid: int, args: argparse.Namespace,
+                  profile: Callable[[str], Any]) -> list[Row]:
+    rows = []
+    await drive(submit, min(500, args.requests), 16)  # warm-up: connections, allocator, caches
+    for name in args.scenarios:
+        in_flight = SCENARIOS[name]
+        requests = args.requests if in_flight != 1 else min(args.requests, args.requests_c1)
+        spy = profile(f"{side}-{name}")
+        cpu = cpu_seconds(coordinator_pid)
+        seconds, latencies = await drive(submit, requests, in_flight)
+        cpu = cpu_seconds(coordinator_pid) - cpu
+        if spy is not None:
+            spy.wait()
+        rows.append(Row(side, name, requests / seconds, percentile(latencies, 50) * 1e3,
+                        percentile(latencies, 99) * 1e3, cpu / requests * 1e6))
+        print(f"  {side:<8} {name:<6} {rows[-1].rps:8.0f} req/s  p50 {rows[-1].p50_ms:6.2f} ms  "
+              f"cpu {rows[-1].cpu_us:6.1f} us/req", file=sys.stderr)
+    return rows
+
+
+def start_py_spy(pid: int, out_dir: str | None, seconds: float) -> Callable[[str], Any]:
+    """A function that starts ``py-spy record`` on the coordinator for one scenario (or does nothing)."""
+    def start(label: str) -> subprocess.Popen | None:
+        if out_dir is None:
+            return None
+        os.makedirs(out_dir, exist_ok=True)
+        return subprocess.Popen([shutil.which("py-spy", path=os.path.dirname(sys.executable)) or "py-spy", "record", "--pid", str(pid), "--duration", str(int(seconds)),
+                                 "--rate", "500", "--format", "raw", "--output", f"{out_dir}/{label}.txt",
+                                 "--nonblocking"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return start
+
+
+# ----------------------------------------------------------------------------- this project's side
+
+
+def ours_coordinator(pipe: Any) -> None:
+    import logging
+
+    from megatron_serve.coordinator import Coordinator, serve
+
+    logging.basicConfig(level=logging.WARNING)
+    coordinator = Coordinator(None, host="127.0.0.1", port=0)
+    pipe.send(coordinator.bind())
+    serve(coordinator)
+
+
+def ours_engines(address: str, count: int) -> None:
+    """``count`` fake engines speaking this project's frames: every request finishes with one token at once."""
+    from megatron_serve.protocol import FROM_COORDINATOR, Header, decode, encode
+
+    ctx = zmq.Context()
+    socks, ids = [], {}
+    poller = zmq.Poller()
+    for group in range(count):
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(address)
+        sock.send(encode(Header.HELLO, {"role": "engine", "engine_group": group, "capacity": CAPACITY,
+                                        "info": {"kv_blocks_total": 1024}}))
+        socks.append(sock)
+        poller.register(sock, zmq.POLLIN)
+    last_beat, progress = 0.0, 0
+    while True:
+        now = time.monotonic()
+        if now - last_beat > 1.0:
+            last_beat = now
+            for sock in socks:
+                if sock in ids:
+                    sock.send(encode(Header.HEARTBEAT, {"engine_id": ids[sock], "progress": progress}))
+        for sock, _ in poller.poll(200):
+            progress += 1
+            outputs = []
+            while True:
+                try:
+                    header, body = decode(sock.recv(zmq.NOBLOCK), FROM_COORDINATOR)
+                except zmq.Again:
+                    break
+                if header is Header.HELLO_ACK:
+                    ids[sock] = body["engine_id"]
+                elif header is Header.ENGINE_SUBMIT:
+                    record = body["request"]
+                    token = 7
+                    record.update(generated_tokens=[token], generated_text=" 7", status="COMPLETED",
+                                  finish_reason="length", first_token_time=time.time(), finish_time=time.time())
+                    outputs.append({"request_id": record["request_id"], "new_tokens": [token], "new_text": " 7",
+                                    "finished": True, "request": record})
+                elif header in (Header.PAUSE, Header.UNPAUSE, Header.STOP):
+                    sock.send(encode(Header.CONTROL_ACK, {"control_id": body["control_id"], "state": "RUNNING",
+                                                          "engine_id": ids[sock]}))
+            if outputs:
+                sock.send(encode(Header.ENGINE_STEP, {"engine_id": ids[sock], "outputs": outputs}))
+
+
+async def run_ours(args: argparse.Namespace) -> list[Row]:
+    from megatron_serve.client import InferenceClient
+    from megatron_serve.sampling_params import SamplingParams
+
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    coordinator = ctx.Process(target=ours_coordinator, args=(child,), daemon=True)
+    coordinator.start()
+    address = parent.recv()
+    engines = ctx.Process(target=ours_engines, args=(address, args.engines), daemon=True)
+    engines.start()
+    client = InferenceClient(address)
+    try:
+        await client.start(timeout=60)
+        await client.wait_for_engines(args.engines, timeout=60, poll=0.05)
+        params = SamplingParams(temperature=0.0, num_tokens_to_generate=1, ignore_eos=True)
+
+        async def submit(i: int) -> Any:
+            result = await client.add_request([*PROMPT, i % 30000], params)
+            if result.status.value != "COMPLETED":
+                raise RuntimeError(f"request failed: {result.error}")
+            return result
+
+        return await measure("ours", submit, coordinator.pid, args,
+                             start_py_spy(coordinator.pid, args.profile, args.profile_seconds))
+    finally:
+        client.close()
+        for proc in (engines, coordinator):
+            proc.kill()
+            proc.join()
+
+
+# ----------------------------------------------------------------------------- Megatron's side
+
+
+def _cpu_nvtx() -> None:
+    """megatron-core marks its (de)serialization with ``torch.cuda.nvtx`` ranges, which raise on a CPU build of
+    torch; without a profiler attached they cost next to nothing on a GPU build, so here they do nothing."""
+    import torch
+
+    torch.cuda.nvtx.range_push = lambda *_args, **_kwargs: None
+    torch.cuda.nvtx.range_pop = lambda *_args, **_kwargs: None
+
+
+class _CheapTokenizer:
+    """Megatron's coordinator detokenizes every result; this costs what our fakes' attached text costs."""
+
+    def detokenize(self, tokens: list[int]) -> str:
+        return " " + " ".join(map(str, tokens))
+
+
+def megatron_coordinator(pipe: Any, ready: Any, engines: int) -> None:
+    from megatron.core.inference.data_parallel_inference_coordinator import DataParallelInferenceCoordinator
+
+    DataParallelInferenceCoordinator.entrypoint(pipe, ready, engines, _CheapTokenizer())
+
+
+def megatron_engines(address: str, count: int) -> None:
+    """``count`` fake engines speaking Megatron's frames: one ``ENGINE_REPLY`` per poll with every finished record."""
+    import msgpack
+    import torch
+    from megatron.core.inference.headers import Headers
+    from megatron.core.inference.inference_request import (DynamicInferenceRequest, DynamicInferenceRequestRecord,
+                                                            Status)
+    from megatron.core.inference.sampling_params import SamplingParams
+
+    _cpu_nvtx()
+    # One real record, serialized the engine's way, as the template of every reply (the engine's own
+    # serialization cost stays out of the measurement, as on our side).
+    request = DynamicInferenceRequest(request_id=0, prompt_tokens=torch.tensor(PROMPT),
+                                      sampling_params=SamplingParams(num_tokens_to_generate=1))
+    request.generated_tokens = [7]
+    request.status = Status.COMPLETED
+    template = DynamicInferenceRequestRecord.from_request(request).serialize()
+    ctx = zmq.Context()
+    socks = []
+    poller = zmq.Poller()
+    for rank in range(count):
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.IDENTITY, f"mp-coord-{rank}".encode())
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(address)
+        sock.send(b"")  # registration, as DynamicInferenceEngine does
+        socks.append(sock)
+        poller.register(sock, zmq.POLLIN)
+    while True:
+        for sock, _ in poller.poll(200):
+            replies = []
+            while True:
+                try:
+                    data = msgpack.unpackb(sock.recv(zmq.NOBLOCK), raw=False)
+                except zmq.Again:
+                    break
+                header = Headers(data[0])
+                if header is Headers.SUBMIT_REQUEST:
+                    request_id, prompt, _params = data[1:]
+                    inner = dict(template["requests"][0], request_id=request_id, prompt_tokens=("tensor", prompt))
+                    replies.append({**template, "requests": [inner]})
+                elif header is Headers.PAUSE:
+                    sock.send(msgpack.packb([Headers.PAUSE_ACK.value], use_bin_type=True))
+                elif header is Headers.STOP:
+                    sock.send(msgpack.packb([Headers.STOP_ACK.value], use_bin_type=True))
+            if replies:
+                sock.send(msgpack.packb([Headers.ENGINE_REPLY.value, replies], use_bin_type=True))
+
+
+async def run_megatron(args: argparse.Namespace) -> list[Row]:
+    from megatron.core.inference.inference_client import InferenceClient
+    from megatron.core.inference.sampling_params import SamplingParams
+
+    _cpu_nvtx()
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    ready = ctx.Event()
+    coordinator = ctx.Process(target=megatron_coordinator, args=(child, ready, args.engines), daemon=True)
+    coordinator.start()
+    address = parent.recv()  # sent before it waits for its engines
+    engines = ctx.Process(target=megatron_engines, args=(address, args.engines), daemon=True)
+    engines.start()
+    if not ready.wait(120):
+        raise RuntimeError("Megatron's coordinator did not see its engines register")
+    client = InferenceClient(address)
+    try:
+        await client.start()
+        params = SamplingParams(temperature=0.0, num_tokens_to_generate=1)
+
+        async def submit(i: int) -> Any:
+            return await client.add_request([*PROMPT, i % 30000], params)
+
+        return await measure("megatron", submit, coordinator.pid, args,
+                             start_py_spy(coordinator.pid, args.profile, args.profile_seconds))
+    finally:
+        client.stop()
+        for proc in (engines, coordinator):
+            proc.kill()
+            proc.join()
+
+
+# ----------------------------------------------------------------------------- report
+
+
+def report(rows: list[Row]) -> None:
+    header = f"{'coordinator':<12} {'scenario':<8} {'req/s':>8} {'p50 ms':>8} {'p99 ms':>8} {'CPU us/req':>11}"
+    print(header)
+    print("-" * len(header))
+    for row in rows:
+        print(f"{row.side:<12} {row.scenario:<8} {row.rps:>8.0f} {row.p50_ms:>8.2f} {row.p99_ms:>8.2f} "
+              f"{row.cpu_us:>11.1f}")
+    by_key = {(r.side, r.scenario): r for r in rows}
+    scenarios = [s for s in SCENARIOS if ("ours", s) in by_key and ("megatron", s) in by_key]
+    if scenarios:
+        print()
+        print(f"{'ours / megatron':<21} {'req/s':>8} {'p50':>8} {'CPU/req':>8}")
+        for s in scenarios:
+            ours, theirs = by_key[("ours", s)], by_key[("megatron", s)]
+            print(f"{s:<21} {ours.rps / theirs.rps:>7.2f}x {ours.p50_ms / theirs.p50_ms:>7.2f}x "
+                  f"{ours.cpu_us / theirs.cpu_us:>7.2f}x")
+
+
+async def main(args: argparse.Namespace) -> None:
+    rows: list[Row] = []
+    for _ in range(args.repeat):
+        if args.only in (None, "megatron"):
+            rows += await run_megatron(args)
+        if args.only in (None, "ours"):
+            rows += await run_ours(args)
+    if args.repeat > 1:  # the median of each measurement over the repeats
+        merged = []
+        for key in dict.fromkeys((r.side, r.scenario) for r in rows):
+            group = [r for r in rows if (r.side, r.scenario) == key]
+            merged.append(Row(*key, *(statistics.median(getattr(r, f) for r in group)
+                                      for f in ("rps", "p50_ms", "p99_ms", "cpu_us"))))
+        rows = merged
+    print(f"{args.engines} fake engines, {args.requests} requests per scenario "
+          f"({args.requests_c1} at 1 in flight), median of {args.repeat} run(s)")
+    report(rows)
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--requests", type=int, default=5000)
+    parser.add_argument("--requests-c1", type=int, default=2000, help="requests at 1 in flight (they take longest)")
+    parser.add_argument("--engines", type=int, default=4)
+    parser.add_argument("--scenarios", default="burst,c64,c1", type=lambda s: s.split(","))
+    parser.add_argument("--repeat", type=int, default=1, help="runs of everything; the table shows medians")
+    parser.add_argument("--only", choices=("ours", "megatron"), default=None)
+    parser.add_argument("--profile", metavar="DIR", default=None,
+                        help="py-spy the coordinator during each scenario (raw collapsed stacks in DIR)")
+    parser.add_argument("--profile-seconds", type=float, default=3.0)
+    args = parser.parse_args()
+    unknown = set(args.scenarios) - set(SCENARIOS)
+    if unknown:
+        parser.error(f"unknown scenario(s) {', '.join(sorted(unknown))}; choose from {', '.join(SCENARIOS)}")
+    return args
+
+
+if __name__ == "__main__":
+    asyncio.run(main(parse_args()))

@@ -1,0 +1,232 @@
+"""The fleet lifecycle as one table: states, verbs, transitions, and what each step does on an engine.
+
+Every component that needs the lifecycle reads it from here and nowhere else: the coordinator
+(which verb is legal in which state, which engine steps it broadcasts, each step's deadline), the
+engine process (what a step does to its own state), the operator (the walk from the observed to
+the desired state), the ``control`` command and the client (the verbs), and the metrics (the
+states). Pure, standard library only: the operator imports it without the runtime's dependencies.
+
+A verb (what a client asks for) runs as a list of *steps* (what every engine is told, each
+acknowledged by every engine before the next one is sent). Decisions this table makes (they used to
+be encoded twice, and the two copies disagreed):
+
+* ``SUSPEND`` from ``RUNNING`` is legal and runs two steps, ``PAUSE`` then ``SUSPEND`` (DESIGN 4:
+  ``suspend()`` from RUNNING pauses first, never hangs). It is a *compound* edge: the operator's
+  walk (:func:`walk`) uses only one-step edges, so it still sends PAUSE, then SUSPEND, each
+  acknowledged (DESIGN 8) -- the same table, read at a finer grain.
+* ``RESUME`` means "device memory resident again". From ``SUSPENDED`` it leads to ``PAUSED``; from
+  ``RUNNING`` or ``PAUSED`` memory already is resident, so it is a no-op that still acknowledges and
+  leaves the state alone (it never pauses a running fleet). The operator's table used to call it
+  illegal there, and ``CONTROL_VERBS[RESUME]`` said it aimed at PAUSED.
+* ``PAUSE`` while ``SUSPENDED`` is a no-op with no engine step (not stepping already; memory stays
+  released); ``UNPAUSE`` while ``SUSPENDED`` is refused (RESUME first).
+* ``STOPPED`` accepts only ``UNPAUSE`` (restarts the fleet once engines joined again) and ``STOP``.
+* ``REFIT`` is legal while ``PAUSED`` or ``SUSPENDED`` and keeps the state; it runs two named steps,
+  ``REFIT_VERIFY`` (every engine checks the source, none loads) and ``REFIT_LOAD``, each with its
+  own deadline. A refit whose source is a rendezvous instead of a directory, or pause modes, add
+  arguments to these steps, not rows to this table.
+* Repeating the current state (PAUSE while PAUSED, STOP while STOPPED ...) re-sends its step, so
+  that engines that drifted are put right, and acknowledges with ``noop``.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Mapping
+
+
+class FleetState(str, enum.Enum):
+    """Lifecycle state of the fleet (the coordinator's) and of each engine."""
+
+    RUNNING = "RUNNING"
+    PAUSED = "PAUSED"
+    SUSPENDED = "SUSPENDED"
+    STOPPED = "STOPPED"
+
+
+#: What STATUS shows for an engine that is shutting down (not a fleet state: no verb leads to it).
+ENGINE_DRAINING = "DRAINING"
+
+
+class Verb(str, enum.Enum):
+    """What a client, the operator or a human asks of the fleet; the value is the verb's name in the
+    ``control`` command, the client's method and the operator's events."""
+
+    PAUSE = "pause"
+    UNPAUSE = "unpause"
+    SUSPEND = "suspend"
+    RESUME = "resume"
+    STOP = "stop"
+    REFIT = "refit"
+
+
+class Deadline(enum.Enum):
+    """Which acknowledgement deadline a step gets (the coordinator's ``--*-timeout`` options)."""
+
+    VERB = "verb"  # --verb-timeout: a step that only flips a flag between two engine steps
+    WEIGHTS = "weights"  # --weights-timeout: a step that moves weights (checkpoint read, offload, graph capture)
+    DRAIN = "drain"  # --verb-timeout plus the drain time the verb gave
+
+
+class Step(str, enum.Enum):
+    """One broadcast to every engine, acknowledged by each."""
+
+    PAUSE = "PAUSE"
+    UNPAUSE = "UNPAUSE"
+    SUSPEND = "SUSPEND"
+    RESUME = "RESUME"
+    STOP = "STOP"
+    REFIT_VERIFY = "REFIT_VERIFY"
+    REFIT_LOAD = "REFIT_LOAD"
+
+
+@dataclass(frozen=True)
+class StepSpec:
+    """What one step is on the wire and what it does to an engine."""
+
+    verb: Verb  # the message it travels as (REFIT's two steps differ by ``phase``)
+    deadline: Deadline
+    does: str  # what the engine does, for humans (README, logs)
+    moves: Mapping[FleetState, FleetState] = field(default_factory=dict)  # engine state after it; absent: unchanged
+    requires: frozenset[FleetState] = frozenset(FleetState)  # engine states it is legal in (else the engine refuses)
+    phase: str | None = None  # REFIT's ``phase`` field
+
+
+_ANY = tuple(FleetState)
+_S = FleetState
+
+STEPS: dict[Step, StepSpec] = {
+    Step.PAUSE: StepSpec(Verb.PAUSE, Deadline.VERB, "stop stepping at a step boundary; keep all device memory",
+                         {_S.RUNNING: _S.PAUSED}),
+    Step.UNPAUSE: StepSpec(Verb.UNPAUSE, Deadline.VERB, "step again (restore device memory first if it was released)",
+                           {_S.PAUSED: _S.RUNNING, _S.SUSPENDED: _S.RUNNING, _S.STOPPED: _S.RUNNING}),
+    Step.SUSPEND: StepSpec(Verb.SUSPEND, Deadline.WEIGHTS,
+                           "release the KV cache (level 2: also offload the weights to host memory)",
+                           {_S.RUNNING: _S.SUSPENDED, _S.PAUSED: _S.SUSPENDED}),
+    Step.RESUME: StepSpec(Verb.RESUME, Deadline.WEIGHTS,
+                          "restore released device memory; running requests continue by recomputation",
+                          {_S.SUSPENDED: _S.PAUSED}),
+    Step.STOP: StepSpec(Verb.STOP, Deadline.DRAIN, "finish work until the drain time, hand the rest back, exit",
+                        {state: _S.STOPPED for state in _ANY}),
+    Step.REFIT_VERIFY: StepSpec(Verb.REFIT, Deadline.VERB, "check that the source's tensors fit the model; load nothing",
+                                requires=frozenset({_S.PAUSED, _S.SUSPENDED}), phase="verify"),
+    Step.REFIT_LOAD: StepSpec(Verb.REFIT, Deadline.WEIGHTS, "load the verified source's weights in place",
+                              requires=frozenset({_S.PAUSED, _S.SUSPENDED}), phase="load"),
+}
+
+
+@dataclass(frozen=True)
+class Transition:
+    """A legal verb in one state: the steps every engine runs, and the state the fleet ends in."""
+
+    target: FleetState
+    steps: tuple[Step, ...]
+
+
+#: Why a verb is refused in a state (an ``ERROR illegal_transition`` with this text).
+Refusal = str
+
+
+def _refit(state: FleetState) -> Transition:
+    return Transition(state, (Step.REFIT_VERIFY, Step.REFIT_LOAD))
+
+
+_STOP = Transition(_S.STOPPED, (Step.STOP,))
+_NOT_WHILE_STOPPED = "{verb} is not allowed while STOPPED (UNPAUSE restarts the fleet)"
+_REFIT_NEEDS_PAUSE = "REFIT is only allowed while PAUSED or SUSPENDED; the fleet is {state} (PAUSE first)"
+
+#: The table: state -> verb -> transition, or the reason it is refused.
+TABLE: dict[FleetState, dict[Verb, Transition | Refusal]] = {
+    _S.RUNNING: {
+        Verb.PAUSE: Transition(_S.PAUSED, (Step.PAUSE,)),
+        Verb.UNPAUSE: Transition(_S.RUNNING, (Step.UNPAUSE,)),
+        Verb.SUSPEND: Transition(_S.SUSPENDED, (Step.PAUSE, Step.SUSPEND)),  # compound: pauses first
+        Verb.RESUME: Transition(_S.RUNNING, (Step.RESUME,)),  # memory is resident: a no-op
+        Verb.STOP: _STOP,
+        Verb.REFIT: _REFIT_NEEDS_PAUSE,
+    },
+    _S.PAUSED: {
+        Verb.PAUSE: Transition(_S.PAUSED, (Step.PAUSE,)),
+        Verb.UNPAUSE: Transition(_S.RUNNING, (Step.UNPAUSE,)),
+        Verb.SUSPEND: Transition(_S.SUSPENDED, (Step.SUSPEND,)),
+        Verb.RESUME: Transition(_S.PAUSED, (Step.RESUME,)),  # memory is resident: a no-op
+        Verb.STOP: _STOP,
+        Verb.REFIT: _refit(_S.PAUSED),
+    },
+    _S.SUSPENDED: {
+        Verb.PAUSE: Transition(_S.SUSPENDED, ()),  # not stepping already; memory stays released
+        Verb.UNPAUSE: "UNPAUSE is not allowed while SUSPENDED: RESUME first",
+        Verb.SUSPEND: Transition(_S.SUSPENDED, (Step.SUSPEND,)),  # maybe a deeper level
+        Verb.RESUME: Transition(_S.PAUSED, (Step.RESUME,)),
+        Verb.STOP: _STOP,
+        Verb.REFIT: _refit(_S.SUSPENDED),
+    },
+    _S.STOPPED: {
+        Verb.PAUSE: _NOT_WHILE_STOPPED,
+        Verb.UNPAUSE: Transition(_S.RUNNING, (Step.UNPAUSE,)),
+        Verb.SUSPEND: _NOT_WHILE_STOPPED,
+        Verb.RESUME: _NOT_WHILE_STOPPED,
+        Verb.STOP: _STOP,
+        Verb.REFIT: _REFIT_NEEDS_PAUSE,
+    },
+}
+
+
+class IllegalTransition(ValueError):
+    """A verb the table refuses in the current state; ``str(err)`` says why and what to do."""
+
+
+def transition(state: FleetState, verb: Verb) -> Transition:
+    """The transition of ``verb`` in ``state``; raises :class:`IllegalTransition` when it is refused."""
+    entry = TABLE[state][verb]
+    if isinstance(entry, str):
+        raise IllegalTransition(entry.format(verb=verb.name, state=state.value))
+    return entry
+
+
+def next_state(state: FleetState | str, verb: Verb | str) -> FleetState:
+    """Where ``verb`` leads from ``state`` (names accepted in any case, e.g. ``"RUNNING"``, ``"pause"``)."""
+    return transition(parse_state(state), parse_verb(verb)).target
+
+
+def engine_state_after(step: Step, state: FleetState) -> FleetState:
+    """An engine's state after it ran ``step`` in ``state``."""
+    return STEPS[step].moves.get(state, state)
+
+
+def parse_state(name: FleetState | str) -> FleetState:
+    try:
+        return FleetState(name.upper() if isinstance(name, str) else name)
+    except ValueError:
+        raise ValueError(f"unknown lifecycle state {name!r}; expected one of "
+                         f"{', '.join(s.value for s in FleetState)}") from None
+
+
+def parse_verb(name: Verb | str) -> Verb:
+    try:
+        return Verb(name.lower() if isinstance(name, str) else name)
+    except ValueError:
+        raise ValueError(f"unknown verb {name!r}; expected one of {', '.join(v.value for v in Verb)}") from None
+
+
+def walk(current: FleetState | str, target: FleetState | str) -> list[Verb]:
+    """The shortest list of verbs from ``current`` to ``target`` over one-step edges.
+
+    One step per verb means one acknowledgement per state change, so the operator can record and
+    report every state the fleet passes through (``RUNNING -> SUSPENDED`` is PAUSE, then SUSPEND).
+    """
+    start, goal = parse_state(current), parse_state(target)
+    frontier: deque[tuple[FleetState, list[Verb]]] = deque([(start, [])])
+    seen = {start}
+    while frontier:
+        state, path = frontier.popleft()
+        if state is goal:
+            return path
+        for verb, entry in TABLE[state].items():
+            if isinstance(entry, str) or len(entry.steps) != 1 or entry.target in seen:
+                continue
+            seen.add(entry.target)
+            frontier.append((entry.target, [*path, verb]))
+    raise IllegalTransition(f"no path from {start.value} to {goal.value}")  # pragma: no cover - connected
