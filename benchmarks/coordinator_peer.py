@@ -141,7 +141,8 @@ def ours_coordinator(pipe: Any) -> None:
 
 def ours_engines(address: str, count: int) -> None:
     """``count`` fake engines speaking this project's frames: every request finishes with one token at once."""
-    from megatron_serve.protocol import FROM_COORDINATOR, Header, decode, encode
+    from megatron_serve.messages import FROM_COORDINATOR, PROTOCOL_VERSION
+    from megatron_serve.protocol import Header, decode, encode, unbatch
 
     ctx = zmq.Context()
     socks, ids = [], {}
@@ -151,7 +152,7 @@ def ours_engines(address: str, count: int) -> None:
         sock.setsockopt(zmq.LINGER, 0)
         sock.connect(address)
         sock.send(encode(Header.HELLO, {"role": "engine", "engine_group": group, "capacity": CAPACITY,
-                                        "info": {"kv_blocks_total": 1024}}))
+                                        "info": {"kv_blocks_total": 1024}, "protocol": PROTOCOL_VERSION}))
         socks.append(sock)
         poller.register(sock, zmq.POLLIN)
     last_beat, progress = 0.0, 0
@@ -167,21 +168,19 @@ def ours_engines(address: str, count: int) -> None:
             outputs = []
             while True:
                 try:
-                    header, body = decode(sock.recv(zmq.NOBLOCK), FROM_COORDINATOR)
+                    message = decode(sock.recv(zmq.NOBLOCK), FROM_COORDINATOR)
                 except zmq.Again:
                     break
-                if header is Header.HELLO_ACK:
-                    ids[sock] = body["engine_id"]
-                elif header is Header.ENGINE_SUBMIT:
-                    record = body["request"]
-                    token = 7
-                    record.update(generated_tokens=[token], generated_text=" 7", status="COMPLETED",
-                                  finish_reason="length", first_token_time=time.time(), finish_time=time.time())
-                    outputs.append({"request_id": record["request_id"], "new_tokens": [token], "new_text": " 7",
-                                    "finished": True, "request": record})
-                elif header in (Header.PAUSE, Header.UNPAUSE, Header.STOP):
-                    sock.send(encode(Header.CONTROL_ACK, {"control_id": body["control_id"], "state": "RUNNING",
-                                                          "engine_id": ids[sock]}))
+                for header, body in (unbatch(message.body, FROM_COORDINATOR) if message.header is Header.BATCH
+                                     else (message,)):
+                    if header is Header.HELLO_ACK:
+                        ids[sock] = body.engine_id
+                    elif header is Header.ENGINE_SUBMIT:
+                        record = body.request
+                        record.update(generated_tokens=[7], generated_text=" 7", status="COMPLETED",
+                                      finish_reason="length", first_token_time=time.time(), finish_time=time.time())
+                        outputs.append({"request_id": record["request_id"], "new_tokens": [7], "new_text": " 7",
+                                        "finished": True, "request": record})
             if outputs:
                 sock.send(encode(Header.ENGINE_STEP, {"engine_id": ids[sock], "outputs": outputs}))
 

@@ -26,7 +26,10 @@ from typing import Any, AsyncIterator
 import zmq
 import zmq.asyncio
 
-from .protocol import FROM_COORDINATOR, ErrorCode, Header, ProtocolError, Role, decode, encode
+import msgspec
+
+from .messages import FROM_COORDINATOR, PROTOCOL_VERSION, Error
+from .protocol import ErrorCode, Header, ProtocolError, Role, decode, encode, unbatch
 from .request import DynamicInferenceRequest, top_logprobs_from_wire
 from .streams import iterate_stream
 from .sampling_params import SamplingParams
@@ -66,12 +69,19 @@ class StreamPartial:
 class _Pending:
     request_id: str
     prompt: str | list[int]
-    sampling_params: dict[str, Any]
+    sampling_params: SamplingParams
     stream: bool
     future: asyncio.Future
     queue: asyncio.Queue | None = None
     received: list[int] = field(default_factory=list)
     aborted: bool = False
+
+
+def _unreadable(request_id: str, exc: Exception) -> DynamicInferenceRequest:
+    """A result record that does not parse: the request fails, saying why (nothing is lost silently)."""
+    request = DynamicInferenceRequest(request_id=request_id, prompt=None, prompt_tokens=[])
+    request.fail(f"unreadable result from the coordinator: {exc}")
+    return request
 
 
 def _backoff(initial: float = 0.1, maximum: float = 2.0):
@@ -169,7 +179,8 @@ class InferenceClient:
         self._tasks.append(asyncio.create_task(self._recv_loop(sock), name="inference-client-recv"))
 
     async def _handshake(self, deadline: float | None) -> None:
-        hello = {"role": self.role.value, "token": self.token, "client_id": self.client_id, "acks": True}
+        hello = {"role": self.role.value, "token": self.token, "client_id": self.client_id, "acks": True,
+                 "protocol": PROTOCOL_VERSION}
         delays = _backoff()
         while True:
             if self._closed:
@@ -192,8 +203,8 @@ class InferenceClient:
             break
         self._registered = True
         previous = self.coordinator_id
-        self.coordinator_id = body["coordinator_id"]
-        self.state = body["state"]
+        self.coordinator_id = body.coordinator_id
+        self.state = body.state
         if previous is not None:
             logger.info("reconnected to coordinator %s (was %s): resubmitting %d request(s)", self.coordinator_id,
                         previous, len(self._pending))
@@ -301,24 +312,30 @@ class InferenceClient:
             if len(frames) == _BATCH:
                 await asyncio.sleep(0)  # more may be waiting: let the event loop run first (see _BATCH)
 
-    def _on_message(self, header: Header, body: dict[str, Any]) -> None:
-        if header is Header.HELLO_ACK:
+    def _on_message(self, header: Header, body: Any) -> None:
+        if header is Header.BATCH:
+            for item in unbatch(body, FROM_COORDINATOR):
+                if isinstance(item, ProtocolError):
+                    logger.warning("dropped message from the coordinator: %s", item)
+                else:
+                    self._on_message(*item)
+        elif header is Header.HELLO_ACK:
             if self._hello_waiter is not None and not self._hello_waiter.done():
                 self._hello_waiter.set_result(body)
         elif header is Header.HEARTBEAT:
-            if body.get("state"):
-                self.state = body["state"]
+            if body.state:
+                self.state = body.state
         elif header is Header.TOKENS:
-            pending = self._pending.get(str(body["client_request_id"]))
+            pending = self._pending.get(str(body.client_request_id))
             if pending is not None and pending.queue is not None:
-                tokens = list(body["new_tokens"])
+                tokens = body.new_tokens
                 pending.received.extend(tokens)
-                pending.queue.put_nowait(StreamPartial(pending.request_id, tokens, body.get("new_text") or "",
-                                                       list(body.get("logprobs") or []),
+                pending.queue.put_nowait(StreamPartial(pending.request_id, tokens, body.new_text or "",
+                                                       body.logprobs or [],
                                                        new_top_logprobs=top_logprobs_from_wire(
-                                                           body.get("top_logprobs") or [])))
+                                                           body.top_logprobs or [])))
         elif header is Header.RESULT:
-            crid = body["client_request_id"]
+            crid = body.client_request_id
             self._acks.append(crid)
             if not self._ack_scheduled:
                 self._ack_scheduled = True
@@ -326,27 +343,30 @@ class InferenceClient:
             pending = self._pending.pop(str(crid), None)
             if pending is None:
                 return  # a duplicate after a reconnect: already delivered
-            request = DynamicInferenceRequest.from_dict(body["request"])
+            try:
+                request = DynamicInferenceRequest.from_dict(body.request)  # validated here, where it enters
+            except (KeyError, ValueError, TypeError) as exc:
+                request = _unreadable(pending.request_id, exc)
             request.request_id = pending.request_id
             if not pending.future.done():
                 pending.future.set_result(request)
             if pending.queue is not None:
                 pending.queue.put_nowait(request)
         elif header is Header.CONTROL_ACK:
-            entry = self._controls.pop(str(body["control_id"]), None)
-            self.state = body["state"]
+            entry = self._controls.pop(str(body.control_id), None)
+            self.state = body.state
             if entry is not None and not entry[2].done():
-                entry[2].set_result({"state": body["state"], "detail": body.get("detail") or {}})
+                entry[2].set_result({"state": body.state, "detail": body.detail or {}})
         elif header is Header.STATUS_REPLY:
-            future = self._status_waiters.pop(body.get("status_id"), None)
-            self.state = body["state"]
+            future = self._status_waiters.pop(body.status_id, None)
+            self.state = body.state
             if future is not None and not future.done():
-                future.set_result(body)
+                future.set_result(msgspec.structs.asdict(body))
         elif header is Header.ERROR:
             self._on_error(body)
 
-    def _on_error(self, body: dict[str, Any]) -> None:
-        code, message = body["code"], body["message"]
+    def _on_error(self, body: Error) -> None:
+        code, message = body.code, body.message
         if code == ErrorCode.UNAUTHORIZED.value:
             exc = Unauthorized(code, message)
             if self._hello_waiter is not None and not self._hello_waiter.done():
@@ -359,13 +379,13 @@ class InferenceClient:
                 logger.warning("coordinator does not know this client (restarted?): connecting again")
                 self._reconnect(replace_socket=False)
             return
-        if body.get("control_id") is not None:
-            entry = self._controls.pop(str(body["control_id"]), None)
+        if body.control_id is not None:
+            entry = self._controls.pop(str(body.control_id), None)
             if entry is not None and not entry[2].done():
                 entry[2].set_exception(ControlError(code, message))
             return
-        if body.get("client_request_id") is not None:
-            pending = self._pending.pop(str(body["client_request_id"]), None)
+        if body.client_request_id is not None:
+            pending = self._pending.pop(str(body.client_request_id), None)
             if pending is not None:
                 exc = ValueError(message) if code == ErrorCode.INVALID_REQUEST.value else CoordinatorError(code, message)
                 if not pending.future.done():
@@ -402,9 +422,9 @@ class InferenceClient:
                      request_id: str | None, stream: bool) -> _Pending:
         self._require_started()
         if isinstance(sampling_params, SamplingParams):
-            params = sampling_params.to_dict()
+            params = sampling_params
         else:
-            params = SamplingParams.from_dict(sampling_params).to_dict()  # validates: ValueError naming the field
+            params = SamplingParams.from_dict(sampling_params)  # validates: ValueError naming the field
         if not isinstance(prompt, str):
             prompt = [int(t) for t in prompt]
         request_id = str(request_id) if request_id is not None else uuid.uuid4().hex

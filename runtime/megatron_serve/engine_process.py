@@ -36,7 +36,8 @@ import zmq
 
 from .errors import EngineGroupLost
 from .lifecycle import ENGINE_DRAINING, STEPS, FleetState, Step, engine_state_after
-from .protocol import FROM_COORDINATOR, HEADER_VERBS, ErrorCode, Header, ProtocolError, Role, decode, encode, step_of
+from .messages import FROM_COORDINATOR, PROTOCOL_VERSION, Control, HelloAck, Refit, Stop, Suspend
+from .protocol import HEADER_VERBS, ErrorCode, Header, ProtocolError, Role, decode, encode, step_of, unbatch
 from .request import DynamicInferenceRequest, FinishReason, RequestStatus, top_logprobs_to_wire
 
 logger = logging.getLogger("megatron_serve.engine_process")
@@ -122,9 +123,7 @@ class CoordinatorLink:
         rx = self.ctx.socket(zmq.PAIR)
         rx.connect(self._pipe_name)
         sock = self._new_socket()
-        registered = False
-        delays = backoff_delays()
-        next_hello = 0.0
+        self._reset_registration()
         last_rx = time.monotonic()
         last_heartbeat = 0.0
         announced_wait = False
@@ -134,23 +133,24 @@ class CoordinatorLink:
         try:
             while True:
                 now = time.monotonic()
-                if not registered and now >= next_hello:
+                if not self._registered and now >= self._next_hello:
                     self._try_send(sock, encode(Header.HELLO, self.hello))
-                    next_hello = now + next(delays)
+                    self._next_hello = now + next(self._delays)
                     if now - last_rx > 5.0 and not announced_wait:
                         logger.warning("waiting for the coordinator at %s ...", self.address)
                         announced_wait = True
-                if registered and now - last_heartbeat >= self.heartbeat_interval:
+                if self._registered and now - last_heartbeat >= self.heartbeat_interval:
                     body = {"engine_id": self.engine_id, **self.stats}
                     self._try_send(sock, encode(Header.HEARTBEAT, body))
                     last_heartbeat = now
-                if registered and now - last_rx > self.coordinator_timeout:
+                if self._registered and now - last_rx > self.coordinator_timeout:
                     logger.warning("coordinator silent for %.1fs: reconnecting", now - last_rx)
                     poller.unregister(sock)
                     sock.close(linger=0)
                     sock = self._new_socket()
                     poller.register(sock, zmq.POLLIN)
-                    registered, delays, next_hello, last_rx = False, backoff_delays(), 0.0, now
+                    self._reset_registration()
+                    last_rx = now
                     continue
                 events = dict(poller.poll(100))
                 if rx in events:
@@ -161,48 +161,63 @@ class CoordinatorLink:
                             break
                         if tag == b"close":
                             return
-                        if registered and int.from_bytes(tag, "little") == self.session:
+                        if self._registered and int.from_bytes(tag, "little") == self.session:
                             self._try_send(sock, frame)
                 if sock in events:
                     while True:
                         try:
-                            frame = sock.recv(zmq.NOBLOCK)
+                            frame = sock.recv(zmq.NOBLOCK, copy=False)
                         except zmq.Again:
                             break
                         try:
-                            header, body = decode(frame, FROM_COORDINATOR)
+                            message = decode(frame.buffer, FROM_COORDINATOR)
                         except ProtocolError as exc:
                             logger.warning("dropped frame from the coordinator: %s", exc)
                             continue
                         last_rx = time.monotonic()
-                        if header is Header.HELLO_ACK:
-                            if registered:
-                                continue  # duplicate answer to a retried HELLO
-                            registered, announced_wait = True, False
-                            self.session += 1
-                            self.engine_id = body.get("engine_id")
-                            delays = backoff_delays()
-                            self.inbox.put(("registered", body, self.session))
-                        elif header is Header.ERROR:
-                            code = body["code"]
-                            if code == ErrorCode.UNAUTHORIZED.value:
-                                self.inbox.put(("fatal", f"coordinator refused the token: {body['message']}"))
+                        items = unbatch(message.body, FROM_COORDINATOR) if message.header is Header.BATCH \
+                            else (message,)
+                        for item in items:
+                            if isinstance(item, ProtocolError):
+                                logger.warning("dropped message from the coordinator: %s", item)
+                            elif not self._on_message(*item):
                                 return
-                            if code == ErrorCode.HELLO_REQUIRED.value:
-                                if registered:
-                                    logger.warning("coordinator does not know this engine (restarted?): registering again")
-                                    registered, next_hello = False, 0.0
-                            elif code == ErrorCode.GROUP_IN_USE.value:
-                                logger.warning("%s; retrying", body["message"])
-                            else:
-                                logger.warning("coordinator error %s: %s", code, body["message"])
-                        elif header is Header.HEARTBEAT:
-                            pass
-                        elif registered:
-                            self.inbox.put(("message", header, body, self.session))
+                            elif self._registered:
+                                announced_wait = False
         finally:
             sock.close(linger=2000)  # flush the last frames (handback, acks) before exiting
             rx.close(linger=0)
+
+    def _reset_registration(self) -> None:
+        self._registered = False
+        self._delays = backoff_delays()
+        self._next_hello = 0.0
+
+    def _on_message(self, header: Header, body: Any) -> bool:
+        """One message from the coordinator (link thread); False when retrying cannot help (stop)."""
+        if header is Header.HELLO_ACK:
+            if self._registered:
+                return True  # duplicate answer to a retried HELLO
+            self._registered = True
+            self.session += 1
+            self.engine_id = body.engine_id
+            self._delays = backoff_delays()
+            self.inbox.put(("registered", body, self.session))
+        elif header is Header.ERROR:
+            if body.code == ErrorCode.UNAUTHORIZED.value:
+                self.inbox.put(("fatal", f"coordinator refused the token: {body.message}"))
+                return False
+            if body.code == ErrorCode.HELLO_REQUIRED.value:
+                if self._registered:
+                    logger.warning("coordinator does not know this engine (restarted?): registering again")
+                    self._registered, self._next_hello = False, 0.0
+            elif body.code == ErrorCode.GROUP_IN_USE.value:
+                logger.warning("%s; retrying", body.message)
+            else:
+                logger.warning("coordinator error %s: %s", body.code, body.message)
+        elif header is not Header.HEARTBEAT and self._registered:
+            self.inbox.put(("message", header, body, self.session))
+        return True
 
     @staticmethod
     def _try_send(sock: zmq.Socket, frame: bytes) -> bool:
@@ -247,7 +262,7 @@ class EngineProcess:
         facts["epoch"] = int(getattr(engine, "epoch", 0) or 0)
         facts["weights"] = self.weights_source
         hello = {"role": Role.ENGINE.value, "token": token, "engine_group": group, "capacity": capacity,
-                 "info": facts}
+                 "info": facts, "protocol": PROTOCOL_VERSION}
         self.link = CoordinatorLink(address, hello, heartbeat_interval=heartbeat_interval,
                                     coordinator_timeout=coordinator_timeout)
         self.state = FleetState.PAUSED  # until the coordinator says otherwise
@@ -309,7 +324,7 @@ class EngineProcess:
             if kind == "registered":
                 self._on_registered(event[1], event[2])
             elif kind == "message" and event[3] == self.session:
-                self._on_message(event[1], event[2])
+                self._on_coordinator(event[1], event[2])
             try:
                 event = self.link.inbox.get_nowait()
             except queue.Empty:
@@ -319,23 +334,23 @@ class EngineProcess:
         if self.session:
             self.link.send(header, body, self.session)
 
-    def _on_registered(self, ack: dict[str, Any], session: int) -> None:
+    def _on_registered(self, ack: HelloAck, session: int) -> None:
         # Registering may take minutes (loading the fleet's weights, resuming): meanwhile the loop's
         # count says nothing, and heartbeats carry none (the coordinator reads that as "unknown").
         self.link.stats = {k: v for k, v in self.link.stats.items() if k != "progress"}
         if self.session:
             dropped = self.engine.take_unfinished_requests()
             logger.warning("registered again with coordinator %s: dropped %d in-flight request(s) "
-                           "(the coordinator re-queued them)", ack["coordinator_id"], len(dropped))
+                           "(the coordinator re-queued them)", ack.coordinator_id, len(dropped))
         self.session = session
-        self.engine_id = ack.get("engine_id")
-        logger.info("registered with coordinator %s as %s (group %s), state %s", ack["coordinator_id"],
-                    self.engine_id, ack.get("engine_group"), ack["state"])
-        if ack.get("refit") and not self._sync_weights(ack["refit"]):
+        self.engine_id = ack.engine_id
+        logger.info("registered with coordinator %s as %s (group %s), state %s", ack.coordinator_id,
+                    self.engine_id, ack.engine_group, ack.state)
+        if ack.refit and not self._sync_weights(ack.refit):
             return
-        target = ack["state"]
+        target = ack.state
         if target == FleetState.SUSPENDED.value:
-            self._suspend(int(ack.get("suspend_level") or 1))
+            self._suspend(ack.suspend_level or 1)
             self.state = FleetState.SUSPENDED
         else:
             self._restore()
@@ -345,11 +360,11 @@ class EngineProcess:
             self._send(Header.DRAINING, {"engine_id": self.engine_id})
         self._publish_stats(force=True)
 
-    def _on_message(self, header: Header, body: dict[str, Any]) -> None:
+    def _on_coordinator(self, header: Header, body: Any) -> None:
         if header is Header.ENGINE_SUBMIT:
-            self._add(body["request"])
+            self._add(body.request)
         elif header is Header.ABORT:
-            self.engine.abort_request(body["request_id"])
+            self.engine.abort_request(body.request_id)
         elif header is Header.HANDBACK:
             self._handback_acked = True
         elif header in HEADER_VERBS:
@@ -461,11 +476,11 @@ class EngineProcess:
         logger.info("resumed: device memory restored, running requests will be recomputed")
         return True
 
-    def _on_step(self, header: Header, body: dict[str, Any]) -> None:
+    def _on_step(self, header: Header, body: Control) -> None:
         """One lifecycle step at a step boundary: the table says where it leads, the action does the work."""
-        control_id = body["control_id"]
+        control_id = body.control_id
         try:
-            step = step_of(header, body.get("phase"))
+            step = step_of(header, body.phase if isinstance(body, Refit) else None)
         except ProtocolError as exc:
             self._ack(control_id, {"error": str(exc)})
             return
@@ -482,15 +497,15 @@ class EngineProcess:
             self.state = engine_state_after(step, self.state)
         self._ack(control_id, detail)
 
-    def _pause_action(self, _body: dict[str, Any]) -> dict[str, Any]:
+    def _pause_action(self, _body: Control) -> dict[str, Any]:
         return {"running": self.engine.num_running, "waiting": self.engine.num_waiting}
 
-    def _unpause_action(self, _body: dict[str, Any]) -> dict[str, Any]:
+    def _unpause_action(self, _body: Control) -> dict[str, Any]:
         self._restore()
         return {}
 
-    def _suspend_action(self, body: dict[str, Any]) -> dict[str, Any]:
-        level = int(body.get("level") or 1)
+    def _suspend_action(self, body: Suspend) -> dict[str, Any]:
+        level = body.level or 1
         already = self.suspend_level >= level
         released = self._suspend(level)
         detail: dict[str, Any] = {"released_bytes": released, "level": self.suspend_level}
@@ -498,12 +513,12 @@ class EngineProcess:
             detail["already_suspended"] = True
         return detail
 
-    def _resume_action(self, _body: dict[str, Any]) -> dict[str, Any]:
+    def _resume_action(self, _body: Control) -> dict[str, Any]:
         return {"resumed": self._restore()}
 
-    def _stop_action(self, body: dict[str, Any]) -> None:
-        self.stop_control_id = body["control_id"]
-        timeout = body.get("drain_timeout")
+    def _stop_action(self, body: Stop) -> None:
+        self.stop_control_id = body.control_id
+        timeout = body.drain_timeout
         self._begin_drain(self.drain_timeout if timeout is None else float(timeout), "STOP")
 
     # -- weight refit
@@ -514,7 +529,7 @@ class EngineProcess:
         info["epoch"] = int(getattr(self.engine, "epoch", 0) or 0)
         info["weights"] = self.weights_source
 
-    def _refit_action(self, body: dict[str, Any]) -> dict[str, Any]:
+    def _refit_action(self, body: Refit) -> dict[str, Any]:
         """REFIT at a step boundary: phase ``verify`` checks shapes only; ``load`` swaps the weights in place.
 
         The coordinator verifies on every engine before any engine loads, so a bad source leaves
@@ -522,13 +537,13 @@ class EngineProcess:
         leaves this engine's weights mixed: its epoch becomes -1 and the coordinator makes it
         register again, which loads the fleet's current weights or exits.
         """
-        source, phase = body["source"], body.get("phase") or "load"
+        source, phase = body.source, body.phase or "load"
         if not callable(getattr(self.engine, "refit", None)):
             return {"error": "this engine cannot refit its weights"}
         try:
             if phase == "verify":
                 return {"verified_s": round(float(self.engine.verify_refit(source)), 6)}
-            timings = self.engine.refit(source, body.get("epoch"))
+            timings = self.engine.refit(source, body.epoch)
         except Exception as exc:  # noqa: BLE001 - any failure is reported; the fleet decides
             epoch = int(getattr(self.engine, "epoch", 0) or 0)
             logger.error("REFIT (%s) from %s failed: %s", phase, source, exc)
@@ -543,7 +558,7 @@ class EngineProcess:
                 "epoch": int(timings["epoch"]), "source": source}
 
     #: What each step of the lifecycle table does here (a test checks that every step has one).
-    _STEP_ACTIONS: dict[Step, Callable[["EngineProcess", dict[str, Any]], dict[str, Any] | None]] = {
+    _STEP_ACTIONS: dict[Step, Callable[["EngineProcess", Any], dict[str, Any] | None]] = {
         Step.PAUSE: _pause_action,
         Step.UNPAUSE: _unpause_action,
         Step.SUSPEND: _suspend_action,

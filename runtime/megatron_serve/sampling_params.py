@@ -1,10 +1,18 @@
-"""Per-request sampling settings, validated once at the entry point so that engines never see bad values."""
+"""Per-request sampling settings, validated once where they enter a process, so engines never see bad values.
+
+``SamplingParams`` is a ``msgspec.Struct``: the same class is the Python API and the wire form (a
+msgpack map of its fields, defaults left out), so a new field is added in one place (here, with its
+check in :meth:`SamplingParams.validate`). Decoding checks the types in C and then runs
+``__post_init__``; building one in Python runs the same checks. Unknown fields are an error, not
+silently ignored.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
 from typing import Any
 
+import msgspec
+from msgspec import field
 
 GREEDY_TEMPERATURE = 1e-5
 #: OpenAI's range for ``logit_bias`` values, and for presence and frequency penalties.
@@ -12,14 +20,14 @@ MAX_LOGIT_BIAS = 100.0
 MAX_PENALTY = 2.0
 
 
-@dataclass
-class StructuredOutputsParams:
+class StructuredOutputsParams(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
     """Constrain a request's output to a language: exactly one of the fields is set.
 
     ``json``: a JSON schema (dict or its text); ``json_object``: any JSON object; ``regex``: a regular
     expression (Rust ``regex`` syntax); ``choice``: one of these strings; ``grammar``: a context-free
     grammar in GBNF/EBNF (``root ::= ...``) or Lark syntax. The engine decodes only tokens that keep
     the output a prefix of the language, and stops once it is complete (see ``structured_output``).
+    On the wire it is ``{kind: value}`` (the unset fields are defaults, left out).
     """
 
     json: dict[str, Any] | str | None = None
@@ -35,7 +43,7 @@ class StructuredOutputsParams:
                              f" (got {', '.join(given) or 'none'})")
         if self.json is not None and not isinstance(self.json, (dict, str)):
             raise ValueError(f"structured_outputs.json must be a JSON schema (object or string), got {self.json!r}")
-        if not isinstance(self.json_object, bool):
+        if self.json_object is not True and self.json_object is not False:
             raise ValueError(f"structured_outputs.json_object must be a bool, got {self.json_object!r}")
         for name in ("regex", "grammar"):
             value = getattr(self, name)
@@ -59,8 +67,7 @@ class StructuredOutputsParams:
 _CONSTRAINT_KINDS = ("json", "json_object", "regex", "choice", "grammar")
 
 
-@dataclass
-class SamplingParams:
+class SamplingParams(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
     """How one request samples and when it stops.
 
     ``termination_id`` of ``None`` means "the tokenizer's EOS ids"; the engine fills them in.
@@ -76,11 +83,13 @@ class SamplingParams:
     return_log_probs: bool = False
     top_n_logprobs: int = 0
     seed: int | None = None
-    # Extensions of the OpenAI/vLLM surface; every default is neutral (output unchanged).
+    # Extensions of the OpenAI/vLLM surface; every default is neutral (output unchanged) and, like
+    # every default, stays off the wire, so a request that uses none of them reads the same to a
+    # peer that predates them. ``logit_bias`` also reads as ``[id, bias]`` pairs (what such peers sent).
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
-    logit_bias: dict[int, float] | None = None
+    logit_bias: dict[int, float] | list[tuple[int, float]] | None = None
     min_p: float = 0.0
     min_tokens: int = 0
     stop_token_ids: list[int] = field(default_factory=list)
@@ -103,16 +112,17 @@ class SamplingParams:
         for word in self.stop_words:
             if not isinstance(word, str) or not word:
                 raise ValueError(f"stop_words must hold non-empty strings, got {word!r}")
-        self.stop_words = list(self.stop_words)
+        if isinstance(self.stop_words, tuple):
+            self.stop_words = list(self.stop_words)
         if self.termination_id is not None:
             ids = self.termination_id if isinstance(self.termination_id, (list, tuple)) else [self.termination_id]
             for token_id in ids:
                 _check_int("termination_id", token_id, minimum=0)
             if isinstance(self.termination_id, tuple):
                 self.termination_id = list(self.termination_id)
-        if not isinstance(self.ignore_eos, bool):
+        if self.ignore_eos is not True and self.ignore_eos is not False:
             raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
-        if not isinstance(self.return_log_probs, bool):
+        if self.return_log_probs is not True and self.return_log_probs is not False:
             raise ValueError(f"return_log_probs must be a bool, got {self.return_log_probs!r}")
         _check_int("top_n_logprobs", self.top_n_logprobs, minimum=0, maximum=20)
         if self.seed is not None:
@@ -128,12 +138,17 @@ class SamplingParams:
         if not 0 < self.repetition_penalty <= 100:
             raise ValueError(f"repetition_penalty must be in (0, 100], got {self.repetition_penalty}")
         if self.logit_bias is not None:
-            if not isinstance(self.logit_bias, dict):
-                raise ValueError(f"logit_bias must map token ids to numbers, got {self.logit_bias!r}")
-            for token_id, bias in self.logit_bias.items():
+            bias = self.logit_bias
+            if isinstance(bias, (list, tuple)):
+                if not all(isinstance(pair, (list, tuple)) and len(pair) == 2 for pair in bias):
+                    raise ValueError(f"logit_bias must be [token id, bias] pairs, got {bias!r}")
+                bias = dict(bias)
+            if not isinstance(bias, dict):
+                raise ValueError(f"logit_bias must map token ids to numbers, got {bias!r}")
+            for token_id, value in bias.items():
                 _check_int("logit_bias token id", token_id, minimum=0)
-                _check_number("logit_bias value", bias, minimum=-MAX_LOGIT_BIAS, maximum=MAX_LOGIT_BIAS)
-            self.logit_bias = {int(t): float(b) for t, b in self.logit_bias.items()} or None
+                _check_number("logit_bias value", value, minimum=-MAX_LOGIT_BIAS, maximum=MAX_LOGIT_BIAS)
+            self.logit_bias = {int(t): float(b) for t, b in bias.items()} or None
         _check_number("min_p", self.min_p, minimum=0.0, maximum=1.0)
         _check_int("min_tokens", self.min_tokens, minimum=0)
         if self.min_tokens > self.num_tokens_to_generate:
@@ -143,8 +158,9 @@ class SamplingParams:
             raise ValueError(f"stop_token_ids must be a list of token ids, got {self.stop_token_ids!r}")
         for token_id in self.stop_token_ids:
             _check_int("stop_token_ids", token_id, minimum=0)
-        self.stop_token_ids = list(self.stop_token_ids)
-        if not isinstance(self.return_prompt_log_probs, bool):
+        if isinstance(self.stop_token_ids, tuple):
+            self.stop_token_ids = list(self.stop_token_ids)
+        if self.return_prompt_log_probs is not True and self.return_prompt_log_probs is not False:
             raise ValueError(f"return_prompt_log_probs must be a bool, got {self.return_prompt_log_probs!r}")
         if isinstance(self.structured_outputs, dict):
             self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
@@ -158,40 +174,22 @@ class SamplingParams:
                     or self.logit_bias or self.min_tokens)
 
     def to_dict(self) -> dict[str, Any]:
-        """Plain values for the wire (a field copy: ``dataclasses.asdict`` deep-copies and is slow per request).
-
-        Extension fields at their neutral default are left out, so that a request that uses none of
-        them reads the same to a peer that predates them. ``logit_bias`` travels as ``[id, bias]``
-        pairs (the protocol's msgpack maps take string keys only).
-        """
-        data = {name: getattr(self, name) for name in _FIELD_NAMES}
+        """Plain values (lists copied): every base field, and the extensions that are not neutral."""
+        data = {name: getattr(self, name) for name in _BASE_FIELDS}
         data["stop_words"] = list(self.stop_words)
         if isinstance(self.termination_id, list):
             data["termination_id"] = list(self.termination_id)
-        for name, default in _EXTENSION_DEFAULTS.items():
-            if data[name] == default:
-                del data[name]
-        if "stop_token_ids" in data:
-            data["stop_token_ids"] = list(self.stop_token_ids)
-        if self.logit_bias:
-            data["logit_bias"] = [[token, bias] for token, bias in self.logit_bias.items()]
-        if self.structured_outputs is not None:
-            data["structured_outputs"] = self.structured_outputs.to_dict()
+        extensions = msgspec.to_builtins(self)  # defaults (neutral values) left out
+        data.update((name, extensions[name]) for name in _EXTENSION_FIELDS if name in extensions)
         return data
 
     @classmethod
     def from_dict(cls, data: dict[str, Any] | None) -> "SamplingParams":
-        """Build from a wire/HTTP dict; unknown keys are an error, not silently ignored."""
-        data = dict(data or {})
-        unknown = sorted(set(data) - set(_FIELD_NAMES))
-        if unknown:
-            raise ValueError(f"unknown sampling parameter(s): {', '.join(unknown)}")
-        bias = data.get("logit_bias")
-        if isinstance(bias, list):
-            if not all(isinstance(pair, (list, tuple)) and len(pair) == 2 for pair in bias):
-                raise ValueError(f"logit_bias must be [token id, bias] pairs, got {bias!r}")
-            data["logit_bias"] = {token: value for token, value in bias}
-        return cls(**data)
+        """Build from a dict (HTTP body, older callers); ``ValueError`` naming the field, unknown keys included."""
+        try:
+            return msgspec.convert(data or {}, cls)
+        except msgspec.ValidationError as exc:
+            raise ValueError(_field_error(exc)) from None
 
     @property
     def is_greedy(self) -> bool:
@@ -199,16 +197,38 @@ class SamplingParams:
         return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1
 
 
-_FIELD_NAMES = tuple(f.name for f in fields(SamplingParams))
-_EXTENSION_DEFAULTS: dict[str, Any] = {
-    "presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0, "logit_bias": None,
-    "min_p": 0.0, "min_tokens": 0, "stop_token_ids": [], "return_prompt_log_probs": False,
-    "structured_outputs": None,
-}
+_BASE_FIELDS = SamplingParams.__struct_fields__[:SamplingParams.__struct_fields__.index("presence_penalty")]
+_EXTENSION_FIELDS = SamplingParams.__struct_fields__[len(_BASE_FIELDS):]
+_WIRE = msgspec.msgpack.Decoder(SamplingParams)
+_DEFAULTS_WIRE = b"\x80"  # an empty msgpack map
+
+
+def params_from_wire(data: bytes) -> tuple[SamplingParams, bytes]:
+    """Sampling parameters from their msgpack (empty or nil: the defaults), and the bytes to forward.
+
+    ``ValueError`` naming the field when they are unusable.
+    """
+    if not data or data == b"\xc0":
+        return SamplingParams(), _DEFAULTS_WIRE
+    try:
+        return _WIRE.decode(data), data
+    except msgspec.ValidationError as exc:
+        raise ValueError(_field_error(exc)) from None
+    except msgspec.DecodeError as exc:
+        raise ValueError(f"sampling_params: {exc}") from None
+
+
+def _field_error(exc: msgspec.ValidationError) -> str:
+    """msgspec's reason, worded like ours (``unknown sampling parameter(s): x``, ``... - at `$.top_k```)."""
+    text = str(exc)
+    if text.startswith("Object contains unknown field"):
+        name = text.split("`")[1]
+        return f"unknown sampling parameter(s): {name}"
+    return text
 
 
 def _check_number(name: str, value: Any, minimum: float | None = None, maximum: float | None = None) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+    if value is True or value is False or not isinstance(value, (int, float)):
         raise ValueError(f"{name} must be a number, got {value!r}")
     if value != value:  # NaN
         raise ValueError(f"{name} must be a number, got NaN")
@@ -219,6 +239,6 @@ def _check_number(name: str, value: Any, minimum: float | None = None, maximum: 
 
 
 def _check_int(name: str, value: Any, minimum: int | None = None, maximum: int | None = None) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
+    if value is True or value is False or not isinstance(value, int):
         raise ValueError(f"{name} must be an integer, got {value!r}")
     _check_number(name, value, minimum, maximum)

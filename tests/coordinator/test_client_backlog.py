@@ -16,7 +16,8 @@ import pytest
 import zmq
 
 from megatron_serve.client import InferenceClient, StreamPartial
-from megatron_serve.protocol import TO_COORDINATOR, Header, decode, encode
+from megatron_serve.messages import TO_COORDINATOR
+from megatron_serve.protocol import Header, decode, encode
 from megatron_serve.sampling_params import SamplingParams
 
 from .helpers import free_port

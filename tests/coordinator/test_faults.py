@@ -80,7 +80,7 @@ class Recorder:
 
         def spy(header, body):
             if header is Header.RESULT:
-                self.results[str(body["client_request_id"])] += 1
+                self.results[str(body.client_request_id)] += 1
             original(header, body)
 
         client._on_message = spy

@@ -12,14 +12,15 @@ from types import SimpleNamespace
 import pytest
 
 from megatron_serve.client import InferenceClient
-from megatron_serve.coordinator import Coordinator, EngineRecord
+from megatron_serve.messages import Control, ControlAck, Draining, Heartbeat, Refit, Status, Suspend
 from megatron_serve.engine_process import EngineProcess
 from megatron_serve.prefix_hash import block_hashes
 from megatron_serve.prefix_routing import DEFAULT_MAX_LOAD_GAP, DEFAULT_MAX_LOAD_RATIO, PrefixAffinity
-from megatron_serve.protocol import Header, Message
+from megatron_serve.protocol import Header
 from megatron_serve.routing import make_routing_policy
 from megatron_serve.sampling_params import SamplingParams
 
+from .core_harness import CoreHarness
 from .fakes import FakeEngine
 from .helpers import until
 
@@ -161,50 +162,48 @@ def test_forget_drops_a_group_and_unknown_ids_are_fine():
 
 
 def test_coordinator_forgets_a_draining_engine_and_reports_cache_counters():
-    coordinator = Coordinator(None, routing="prefix_affinity")
-    info = {"block_size": BS, "prefix_caching": True, "kv_blocks_total": 64}
-    records = [EngineRecord(engine_id=f"e{g + 1}-g{g}", identity=b"x%d" % g, group=g, capacity=8, info=info,
-                            kv_blocks_total=64, kv_blocks_free=64) for g in range(2)]
-    for record in records:
-        coordinator.engines[record.engine_id] = record
-    policy = coordinator.policy
+    h = CoreHarness(routing="prefix_affinity")
+    info = {"block_size": BS, "prefix_caching": True}
+    ids = [h.engine(b"x%d" % g, group=g, **info) for g in range(2)]
+    records = [h.core.engines[i] for i in ids]
+    policy = h.core.policy
     assert policy.select(request(seq(0, 4)), records) is records[0]
-    coordinator._on_engine_message(records[1], Message(Header.HEARTBEAT, {"cached_tokens": 48,
-                                                                         "computed_tokens": 300}))
-    described = coordinator.status()["engines"][1]
+    h.send(records[1].identity, Header.HEARTBEAT, Heartbeat(cached_tokens=48, computed_tokens=300))
+    described = h.core.status(Status()).engines[1]
     assert (described["cached_tokens"], described["computed_tokens"]) == (48, 300)
-    coordinator._on_engine_message(records[0], Message(Header.DRAINING, {"engine_id": records[0].engine_id}))
+    h.send(records[0].identity, Header.DRAINING, Draining(engine_id=records[0].engine_id))
     assert records[0].draining and policy.history_size(records[0].engine_id) == 0
-    coordinator.close()
 
 
 def test_coordinator_forgets_every_group_after_a_suspend_or_a_refit():
-    from megatron_serve.coordinator import ControlOp  # noqa: PLC0415
-    from megatron_serve.lifecycle import FleetState, Verb  # noqa: PLC0415
-
-    coordinator = Coordinator(None, routing="prefix_affinity")
+    h = CoreHarness(routing="prefix_affinity")
+    h.client(b"c")
     info = {"block_size": BS, "prefix_caching": True}
-    records = [EngineRecord(engine_id=f"e{g + 1}-g{g}", identity=b"x%d" % g, group=g, capacity=8, info=info)
-               for g in range(2)]
-    coordinator.engines.update({r.engine_id: r for r in records})
-    policy = coordinator.policy
+    records = [h.core.engines[h.engine(b"x%d" % g, group=g, **info)] for g in range(2)]
+    policy = h.core.policy
 
     def route_to_both() -> None:
         for record in records:
             policy.select(request(seq(0, 4)), [record])
         assert all(policy.history_size(r.engine_id) for r in records)
 
+    def verb(header: Header, body, *states: str) -> None:
+        h.send(b"c", header, body)
+        for index, state in enumerate(states):
+            for record in records:
+                h.send(record.identity, Header.CONTROL_ACK, ControlAck(control_id=f"{body.control_id}#{index}",
+                                                                        state=state))
+        assert h.take(b"c", Header.CONTROL_ACK)
+
     route_to_both()
-    coordinator._complete(ControlOp(control_id="p", verb=Verb.PAUSE, client_id="c"))  # caches stay
+    verb(Header.PAUSE, Control(control_id="p"), "PAUSED")  # caches stay
     assert all(policy.history_size(r.engine_id) for r in records)
-    coordinator.state = FleetState.SUSPENDED
-    coordinator._complete(ControlOp(control_id="s", verb=Verb.SUSPEND, client_id="c"))
+    verb(Header.SUSPEND, Suspend(control_id="s"), "SUSPENDED")
     assert not any(policy.history_size(r.engine_id) for r in records)
-    coordinator.state = FleetState.PAUSED
+    verb(Header.RESUME, Control(control_id="r"), "PAUSED")
     route_to_both()
-    coordinator._complete(ControlOp(control_id="r", verb=Verb.REFIT, client_id="c"))  # old weights' KV is gone
+    verb(Header.REFIT, Refit(control_id="f", source="/w"), "PAUSED", "PAUSED")  # old weights' KV is gone
     assert not any(policy.history_size(r.engine_id) for r in records)
-    coordinator.close()
 
 
 # ----------------------------------------------------------------------------- coordinator + engine processes
@@ -226,7 +225,7 @@ def add_caching_engine(fleet, block_size: int = BS) -> tuple[EngineProcess, Fake
 async def test_fleet_routes_a_prefix_to_one_engine_and_forgets_on_suspend_and_leave(fleet_factory):
     fleet = fleet_factory(routing="prefix_affinity")
     procs = [add_caching_engine(fleet)[0] for _ in range(2)]
-    policy = fleet.coordinator.policy
+    policy = fleet.coordinator.core.policy
     params = SamplingParams(temperature=0.0, num_tokens_to_generate=3)
     shared = seq(50, 5)
     async with InferenceClient(fleet.address) as client:
@@ -245,11 +244,11 @@ async def test_fleet_routes_a_prefix_to_one_engine_and_forgets_on_suspend_and_le
         await client.resume()
         await client.unpause()
         await client.add_request(shared + [99], params)
-        holder_id = next(eid for eid in list(fleet.coordinator.engines) if policy.history_size(eid))
+        holder_id = next(eid for eid in list(fleet.coordinator.core.engines) if policy.history_size(eid))
 
         leaving = next(p for p in procs if p.engine_id == holder_id)
         leaving.sigterm = True  # drains (forgotten at once), hands back nothing, leaves
         await until(lambda: policy.history_size(holder_id) == 0, 10, "the draining engine forgotten")
-        await until(lambda: holder_id not in fleet.coordinator.engines, 20, "the engine to leave")
+        await until(lambda: holder_id not in fleet.coordinator.core.engines, 20, "the engine to leave")
         result = await client.add_request(shared + [100], params)
         assert result.generated_tokens and policy.history_size(holder_id) == 0

@@ -139,7 +139,7 @@ async def test_late_engines_load_the_current_weights_and_a_restarted_coordinator
 
 async def test_an_engine_of_another_model_is_flagged_not_synced(fleet_factory):
     fleet = fleet_factory()
-    fleet.coordinator.model = "/m/a"
+    fleet.coordinator.core.model = "/m/a"
     add(fleet, RefitFake(), model="/m/a")
     async with InferenceClient(fleet.address) as client:
         await client.wait_for_engines(1, timeout=20, poll=0.02)

@@ -103,9 +103,8 @@ async def test_async_llm_refit_in_direct_mode_between_steps(checkpoints):
 
 
 def test_a_continuation_without_epochs_gets_unknown_ones(checkpoints):
-    """A request resubmitted with tokens whose epochs were not kept (-1) still has one entry per token."""
-    from megatron_serve.coordinator import Coordinator
-
+    """A request resubmitted with tokens whose epochs were not kept (-1) still has one entry per token.
+    (The coordinator's side, mirroring the epochs engines report: tests/coordinator/test_core.py.)"""
     a, _, _ = checkpoints
     llm = MegatronLLM(a)
     request = DynamicInferenceRequest("moved", PROMPTS[0], llm.tokenizer.encode(PROMPTS[0]), GREEDY,
@@ -116,8 +115,3 @@ def test_a_continuation_without_epochs_gets_unknown_ones(checkpoints):
     n = len(request.generated_tokens)
     assert request.policy_epochs[:3] == request.kv_epochs[:3] == [-1, -1, 0]
     assert len(request.policy_epochs) == len(request.kv_epochs) == n and set(request.policy_epochs[3:]) == {0}
-
-    mirrored = DynamicInferenceRequest("m", None, [1], GREEDY)
-    Coordinator._mirror_epochs(mirrored, 2, [[3, 3], [2, 3]])
-    Coordinator._mirror_epochs(mirrored, 1, None)  # an engine that does not report them
-    assert mirrored.policy_epochs == [3, 3, -1] and mirrored.kv_epochs == [2, 3, -1]

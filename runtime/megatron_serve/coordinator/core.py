@@ -1,0 +1,554 @@
+"""The coordinator's core: all its state and decisions, and no sockets.
+
+Every input is a method call with the time: a decoded message from a peer (:meth:`on_message`),
+a peer the transport found gone (:meth:`on_peer_gone`), the clock (:meth:`on_tick`), the tokenizer
+finishing its load (:meth:`on_tokenizer`). Each returns the effects to perform (messages to send,
+peers to probe; :mod:`.effects`). Nothing calls back into a handler: removing an engine re-queues
+its requests and marks the lifecycle runner to advance, and one settling pass after the input
+runs it and dispatches. This is how it is unit-tested without ZeroMQ (tests/coordinator/test_core.py);
+:mod:`.loop` is the thin loop that owns the socket.
+
+The jobs live beside it, one module each: :mod:`.handshake` (HELLO, registration),
+:mod:`.requests` (the request table), :mod:`.dispatch` (routing queued requests to engines),
+:mod:`.verbs` (the lifecycle state machine), :mod:`.liveness` (heartbeats, probes, stalls).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from typing import Any, Protocol
+
+import msgspec
+
+from ..lifecycle import FleetState
+from ..messages import (
+    TO_COORDINATOR,
+    ClientAbort,
+    Draining,
+    EngineAbort,
+    EngineStep,
+    Error,
+    Handback,
+    Heartbeat,
+    Hello,
+    ResultAck,
+    ResultOut,
+    Status,
+    StatusReply,
+    StepOutput,
+    Submit,
+    Tokens,
+)
+from ..protocol import HEADER_VERBS, ErrorCode, Header, Message, ProtocolError, Role, encode, unbatch
+from ..routing import RoutingPolicy, make_routing_policy
+from ..sampling_params import params_from_wire
+from . import dispatch, handshake, liveness
+from .droplog import DropLog
+from .effects import Effect, Probe, Send
+from .peers import ClientRecord, EngineRecord
+from .requests import Phase, RequestRecord, RequestTable
+from .verbs import VerbRunner
+
+logger = logging.getLogger("megatron_serve.coordinator")
+
+DEFAULT_HEARTBEAT_TIMEOUT = 10.0
+DEFAULT_CLIENT_TIMEOUT = 600.0
+# Per verb step. Below the operator's default command timeout (120 s), so that its own call gets the
+# acknowledgement even when an engine hangs.
+DEFAULT_VERB_TIMEOUT = 60.0
+# Steps that move weights (SUSPEND may offload them, RESUME brings them back and captures CUDA graphs,
+# REFIT's load reads a checkpoint) take as long as reading a large checkpoint can.
+DEFAULT_WEIGHTS_TIMEOUT = 900.0
+# An engine's step loop may not move for this long while it has requests. Generous: one step may be a
+# long prefill or JIT-compile kernels, and a false alarm moves all the engine's requests elsewhere.
+DEFAULT_STALL_TIMEOUT = 120.0
+
+# Which headers each role may send (after HELLO).
+ALLOWED: dict[Role, frozenset[Header]] = {
+    Role.ENGINE: frozenset({Header.HEARTBEAT, Header.DRAINING, Header.CONTROL_ACK, Header.ENGINE_STEP,
+                            Header.HANDBACK, Header.STATUS}),
+    Role.CLIENT: frozenset({Header.SUBMIT, Header.ABORT, Header.RESULT_ACK, Header.STATUS, Header.HEARTBEAT,
+                            *HEADER_VERBS}),
+    Role.CONTROL: frozenset({Header.STATUS, Header.HEARTBEAT, *HEADER_VERBS}),
+}
+
+_STEP_OUTPUT = msgspec.msgpack.Decoder(StepOutput)
+_RECORD = msgspec.msgpack.Decoder(dict[str, Any] | None)
+_ENCODE = msgspec.msgpack.Encoder()
+_FINISHED = ("COMPLETED", "FAILED")
+
+
+class TokenizerLike(Protocol):
+    def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, ids: list[int]) -> str: ...
+
+
+class CoordinatorCore:
+    """State and decisions of one coordinator (see the module docstring)."""
+
+    def __init__(
+        self,
+        tokenizer: TokenizerLike | None = None,
+        *,
+        token: str | None = None,
+        routing: str = "least_loaded",
+        heartbeat_timeout: float = DEFAULT_HEARTBEAT_TIMEOUT,
+        client_timeout: float = DEFAULT_CLIENT_TIMEOUT,
+        verb_timeout: float = DEFAULT_VERB_TIMEOUT,
+        weights_timeout: float = DEFAULT_WEIGHTS_TIMEOUT,
+        stall_timeout: float = DEFAULT_STALL_TIMEOUT,
+        dispatch_factor: float = 2.0,
+        model: str | None = None,
+        tokenizer_pending: bool = False,
+    ) -> None:
+        """``tokenizer_pending``: a tokenizer is loading elsewhere; text prompts are held until
+        :meth:`on_tokenizer` says how it went."""
+        self.tokenizer = tokenizer
+        self.tokenizer_pending = tokenizer_pending
+        self.tokenizer_error: str | None = None  # why text prompts cannot be tokenized (the load failed)
+        self.token = token or None
+        self.routing_name = routing
+        self.policy: RoutingPolicy = make_routing_policy(routing)
+        self.heartbeat_timeout = float(heartbeat_timeout)
+        self.client_timeout = float(client_timeout)
+        self.verb_timeout = float(verb_timeout)
+        self.weights_timeout = float(weights_timeout)
+        self.stall_timeout = float(stall_timeout)
+        self.dispatch_factor = float(dispatch_factor)
+        self.coordinator_id = uuid.uuid4().hex[:12]
+        # Weights generation: engines started from ``model`` that register with another epoch load
+        # ``weights_source`` first (None: nothing was refitted, the model directory itself is current).
+        self.model = model
+        self.epoch = 0
+        self.weights_source: str | None = None
+        self.refits = 0
+
+        self.state = FleetState.RUNNING
+        self.suspend_level = 0
+        self.peers: dict[bytes, tuple[Role, str]] = {}  # identity -> (role, engine_id | client_id)
+        self.engines: dict[str, EngineRecord] = {}
+        self.clients: dict[str, ClientRecord] = {}
+        self.requests = RequestTable()
+        self.verbs = VerbRunner(self)
+        self.liveness = liveness.Liveness()
+        self.registrations = 0
+        self.stale_outputs = 0
+        self.drop = DropLog()
+        self._out: list[Effect] = []
+        self._advance = False
+
+    # ------------------------------------------------------------------ inputs
+
+    def on_message(self, identity: bytes, message: Message, now: float) -> list[Effect]:
+        """One decoded message from ``identity`` (a ``BATCH`` is taken apart here)."""
+        if message.header is Header.BATCH:
+            for item in unbatch(message.body, TO_COORDINATOR):
+                if isinstance(item, ProtocolError):
+                    self.drop(self.peer_name(identity), str(item))
+                else:
+                    self._handle(identity, item, now)
+        else:
+            self._handle(identity, message, now)
+        return self._settle(now)
+
+    def on_peer_gone(self, identity: bytes, reason: str, now: float) -> list[Effect]:
+        """A send to ``identity`` failed, or a probe found it gone."""
+        handshake.forget_peer(self, identity, f"unreachable ({reason})", now)
+        return self._settle(now)
+
+    def on_hello_after_probe(self, identity: bytes, hello: Hello, now: float) -> list[Effect]:
+        """An engine's HELLO for a group whose holder was just probed (see handshake)."""
+        handshake.on_hello(self, identity, hello, now, probed=True)
+        return self._settle(now)
+
+    def on_tick(self, now: float) -> list[Effect]:
+        """Deadlines: heartbeats, verb steps, stalled step loops, silent and departed clients."""
+        liveness.expire(self, now)
+        return self._settle(now)
+
+    def on_tokenizer(self, tokenizer: TokenizerLike | None, error: str | None, now: float) -> list[Effect]:
+        """The background load finished: adopt the tokenizer (or its failure) and release held text prompts.
+
+        They are tokenized in arrival order; when the load failed they are refused like any text
+        prompt from now on (``ERROR`` naming the problem) while token ids keep being served.
+        """
+        self.tokenizer_pending = False
+        self.tokenizer, self.tokenizer_error = tokenizer, error
+        for record in self.requests.take_held():
+            try:
+                record.prompt_tokens = self.tokenize(record.prompt or "")
+            except ValueError as exc:
+                client = self.clients.get(record.client_id)
+                if client is not None and client.identity is not None:
+                    self.send(client.identity, Header.ERROR, Error(code=ErrorCode.INVALID_REQUEST.value,
+                                                                   message=str(exc),
+                                                                   client_request_id=record.client_request_id))
+                self.forget_request(record)
+                continue
+            self.requests.enqueue(record)
+        return self._settle(now)
+
+    def _settle(self, now: float) -> list[Effect]:
+        """Run what the input left to do (advance the lifecycle, dispatch), then hand over the effects."""
+        while self._advance:
+            self._advance = False
+            self.verbs.advance(now)
+        dispatch.dispatch(self, now)
+        out, self._out = self._out, []
+        return out
+
+    # ------------------------------------------------------------------ effects and helpers
+
+    def send(self, identity: bytes, header: Header, body: Any, batch: bool = False) -> None:
+        try:
+            frame = encode(header, body)
+        except ProtocolError as exc:
+            logger.error("cannot send %s: %s", header.name, exc)
+            return
+        self._out.append(Send(identity, frame, batch))
+
+    def probe(self, identity: bytes, hello: tuple[bytes, Hello] | None = None) -> None:
+        self._out.append(Probe(identity, encode(Header.HEARTBEAT, self.heartbeat()), hello))
+
+    def heartbeat(self) -> Heartbeat:
+        return Heartbeat(coordinator_id=self.coordinator_id, state=self.state.value)
+
+    def advance_verbs(self) -> None:
+        """Have the lifecycle runner look at the verb in progress once this input is handled."""
+        self._advance = True
+
+    def peer_name(self, identity: bytes) -> str:
+        known = self.peers.get(identity)
+        return f"{known[0].value} {known[1]}" if known else f"peer {identity.hex()}"
+
+    def tokenize(self, text: str) -> list[int]:
+        """Token ids of a text prompt; ``ValueError`` saying why when there are none."""
+        if not text:
+            raise ValueError("prompt is empty")
+        if self.tokenizer is None:
+            raise ValueError(self.tokenizer_error or "this coordinator has no tokenizer: send token ids")
+        tokens = list(self.tokenizer.encode(text))
+        if not tokens:
+            raise ValueError("prompt is empty")
+        return tokens
+
+    def detokenize(self, tokens: list[int]) -> str:
+        if self.tokenizer is None or not tokens:
+            return ""
+        try:
+            return self.tokenizer.decode(list(tokens))
+        except Exception:  # a foreign engine may report ids the tokenizer rejects
+            return ""
+
+    # ------------------------------------------------------------------ messages
+
+    def _handle(self, identity: bytes, message: Message, now: float) -> None:
+        header, body = message
+        if header is Header.HELLO:
+            handshake.on_hello(self, identity, body, now)
+            return
+        known = self.peers.get(identity)
+        if known is None:
+            if self.liveness.unresponsive_frame(self, identity, header):
+                return
+            self.drop(self.peer_name(identity), f"{header.name} before a successful HELLO")
+            self.liveness.hello_required(self, identity, now)
+            return
+        role, who = known
+        if header not in ALLOWED[role]:
+            reason = f"role {role.value} may not send {header.name}"
+            self.drop(self.peer_name(identity), reason)
+            self.send(identity, Header.ERROR, Error(code=ErrorCode.FORBIDDEN.value, message=reason))
+            return
+        if role is Role.ENGINE:
+            engine = self.engines.get(who)
+            if engine is None:  # removed (e.g. timed out) while frames were in flight
+                self.peers.pop(identity, None)
+                self.drop(self.peer_name(identity), f"{header.name} from an engine that was removed")
+                self.liveness.hello_required(self, identity, now)
+                return
+            engine.last_seen = now
+            self._engine_message(engine, header, body, now)
+        else:
+            client = self.clients[who]
+            client.last_seen = now
+            self._client_message(client, identity, header, body, now)
+
+    def _client_message(self, client: ClientRecord, identity: bytes, header: Header, body: Any, now: float) -> None:
+        if header is Header.SUBMIT:
+            self._on_submit(client, identity, body)
+        elif header is Header.ABORT:
+            self._on_abort(client, body)
+        elif header is Header.RESULT_ACK:
+            self._on_result_ack(client, body)
+        elif header is Header.STATUS:
+            self.send(identity, Header.STATUS_REPLY, self.status(body))
+        elif header is Header.HEARTBEAT:
+            self.send(identity, Header.HEARTBEAT, self.heartbeat())
+        else:
+            self.verbs.request(client, identity, HEADER_VERBS[header], body)
+
+    def _engine_message(self, engine: EngineRecord, header: Header, body: Any, now: float) -> None:
+        if header is Header.ENGINE_STEP:
+            self._on_step(engine, body, now)
+        elif header is Header.HEARTBEAT:
+            self._on_heartbeat(engine, body, now)
+        elif header is Header.CONTROL_ACK:
+            self.verbs.on_ack(engine, body)
+        elif header is Header.DRAINING:
+            self._on_draining(engine, body)
+        elif header is Header.HANDBACK:
+            self._on_handback(engine, body)
+        elif header is Header.STATUS:
+            self.send(engine.identity, Header.STATUS_REPLY, self.status(Status()))
+
+    # ------------------------------------------------------------------ requests
+
+    def _on_submit(self, client: ClientRecord, identity: bytes, body: Submit) -> None:
+        crid = body.client_request_id
+        key = f"{client.client_id}/{crid}"
+        record = self.requests.get(key)
+        if record is not None:
+            # Resubmission after a reconnect: the request is already ours. Send what the client missed.
+            have = len(body.generated_tokens or ())
+            if record.stream and record.phase is not Phase.FINISHED and len(record.generated_tokens) > have:
+                self._send_tokens(record, identity, record.generated_tokens[have:],
+                                  record.generated_log_probs[have:], None, [])
+            if record.phase is Phase.FINISHED:
+                self.deliver(record)
+            return
+        held = False
+        try:
+            raw = body.sampling_params
+            params, params_wire = params_from_wire(b"" if raw is msgspec.UNSET else bytes(raw))
+            prompt = body.prompt
+            if isinstance(prompt, str):
+                prompt_text: str | None = prompt
+                held = self.tokenizer_pending and bool(prompt)
+                prompt_tokens = [] if held else self.tokenize(prompt)
+            else:
+                prompt_text, prompt_tokens = None, prompt
+                if not prompt_tokens:
+                    raise ValueError("prompt is empty")
+        except ValueError as exc:
+            self.send(identity, Header.ERROR, Error(code=ErrorCode.INVALID_REQUEST.value, message=str(exc),
+                                                    client_request_id=crid))
+            return
+        record = RequestRecord(request_id=key, client_id=client.client_id, client_request_id=crid,
+                               prompt=prompt_text, prompt_tokens=prompt_tokens, params=params,
+                               params_wire=params_wire, stream=bool(body.stream),
+                               generated_tokens=list(body.generated_tokens or ()))
+        client.requests.add(key)
+        if held:  # a record already, so that it can be aborted, resubmitted and counted as queued
+            self.requests.add(record, Phase.HELD)
+        else:
+            self.requests.add(record, Phase.QUEUED)
+            if record.exhausted():
+                self.finish_here(record, "COMPLETED", "length", "length reached before resubmission")
+
+    def _on_abort(self, client: ClientRecord, body: ClientAbort) -> None:
+        record = self.requests.get(f"{client.client_id}/{body.client_request_id}")
+        if record is not None and record.phase is not Phase.FINISHED:
+            self.abort(record, "aborted by the client")
+
+    def _on_result_ack(self, client: ClientRecord, body: ResultAck) -> None:
+        for crid in body.client_request_ids:
+            record = self.requests.get(f"{client.client_id}/{crid}")
+            if record is not None and record.phase is Phase.FINISHED:
+                self.forget_request(record)
+
+    def abort(self, record: RequestRecord, message: str) -> None:
+        if record.phase is Phase.DISPATCHED:
+            engine = self.engines.get(record.engine_id or "")
+            if engine is not None:
+                engine.assigned.discard(record.request_id)
+                self.send(engine.identity, Header.ABORT, EngineAbort(request_id=record.request_id), engine.batches)
+        self.finish_here(record, "FAILED", "abort", message, error=message)
+
+    def finish_here(self, record: RequestRecord, status: str, finish_reason: str, detail: str,
+                    error: str | None = None) -> None:
+        """Finish a request without an engine's record (aborted, or nothing left to compute)."""
+        record.add_event("FAIL" if status == "FAILED" else "FINISH", detail)
+        data = dispatch.wire_record(record)
+        data.update(status=status, finish_reason=finish_reason, error=error,
+                    generated_text=self.detokenize(record.generated_tokens), finish_time=time.time())
+        self._finish(record, data)
+
+    def _finish(self, record: RequestRecord, data: dict[str, Any]) -> None:
+        data["request_id"] = record.client_request_id  # the client's id, as it asked
+        self.requests.finish(record, _ENCODE.encode(data), data.get("status"), data.get("finish_reason"))
+        self.deliver(record)
+
+    def deliver(self, record: RequestRecord) -> None:
+        """Send a finished request's RESULT; it stays in the table until acknowledged (or the client
+        does not acknowledge at all)."""
+        client = self.clients.get(record.client_id)
+        if client is None or client.identity is None:
+            return  # kept until the client comes back (or times out)
+        self.send(client.identity, Header.RESULT,
+                  ResultOut(client_request_id=record.client_request_id, request=msgspec.Raw(record.final)),
+                  client.batches)
+        if not client.acks:
+            self.forget_request(record)
+
+    def forget_request(self, record: RequestRecord) -> None:
+        self.requests.forget(record)
+        client = self.clients.get(record.client_id)
+        if client is not None:
+            client.requests.discard(record.request_id)
+            if client.identity is None and not client.requests:
+                del self.clients[client.client_id]
+
+    def requeue(self, record: RequestRecord, reason: str) -> None:
+        """Put a request that lost its engine back at the head of the queue, keeping its tokens."""
+        record.moves += 1
+        record.add_event("EVICT", reason)
+        if record.exhausted():
+            self.finish_here(record, "COMPLETED", "length", "length reached before the move")
+        else:
+            self.requests.enqueue(record, first=True)
+
+    def _send_tokens(self, record: RequestRecord, identity: bytes, tokens: list[int], log_probs: list[float],
+                     text: str | None, top: list[list[tuple[int, float]]], batch: bool = False) -> None:
+        self.send(identity, Header.TOKENS, Tokens(
+            client_request_id=record.client_request_id, new_tokens=tokens,
+            new_text=self.detokenize(tokens) if text is None else text,
+            logprobs=log_probs if record.params.return_log_probs else None, top_logprobs=top or None), batch)
+
+    # ------------------------------------------------------------------ engines
+
+    def _on_step(self, engine: EngineRecord, body: EngineStep, now: float) -> None:
+        if body.engine_id != engine.engine_id:
+            # Output of an earlier registration of this same socket: its requests were re-queued.
+            self.drop(engine.engine_id, f"stale message for registration {body.engine_id!r}")
+            return
+        for raw in body.outputs:
+            try:
+                out = _STEP_OUTPUT.decode(raw)
+            except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+                self.drop(engine.engine_id, f"ENGINE_STEP output: {exc}")
+                continue
+            record = self.requests.get(out.request_id)
+            if record is None or record.phase is not Phase.DISPATCHED or record.engine_id != engine.engine_id:
+                self.stale_outputs += 1  # aborted, or moved to another engine: never deliver twice
+                continue
+            if out.new_tokens:
+                self._mirror(record, out)
+            if out.finished:
+                engine.assigned.discard(record.request_id)
+                engine.completed += 1
+                self._finish_from_engine(engine, record, out)
+
+    def _mirror(self, record: RequestRecord, out: StepOutput) -> None:
+        """Keep the new tokens (a request that moves continues from them) and stream them."""
+        n = len(out.new_tokens)
+        record.generated_tokens.extend(out.new_tokens)
+        if out.new_log_probs:
+            record.generated_log_probs.extend(out.new_log_probs)
+        if out.new_top_logprobs:
+            record.generated_top_n_logprobs.extend(out.new_top_logprobs)
+        epochs = out.epochs
+        if epochs is not None and len(epochs) == 2 and len(epochs[0]) == n and len(epochs[1]) == n:
+            record.policy_epochs.extend(epochs[0])
+            record.kv_epochs.extend(epochs[1])
+        else:  # -1: not reported
+            record.policy_epochs.extend([-1] * n)
+            record.kv_epochs.extend([-1] * n)
+        if record.stream:
+            client = self.clients.get(record.client_id)
+            if client is not None and client.identity is not None:
+                self._send_tokens(record, client.identity, out.new_tokens, out.new_log_probs or [],
+                                  out.new_text or "", out.new_top_logprobs or [], client.batches)
+
+    def _finish_from_engine(self, engine: EngineRecord, record: RequestRecord, out: StepOutput) -> None:
+        data: dict[str, Any] | None = None
+        if out.request is not msgspec.UNSET:
+            try:
+                data = _RECORD.decode(out.request)  # None when the engine sent nil
+            except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+                self.drop(engine.engine_id, f"unreadable final request {record.request_id}: {exc}")
+        if data is None:  # no record (or an unreadable one): the coordinator's mirror is the result
+            self.finish_here(record, "COMPLETED", "length", "finished without a record")
+            return
+        if data.get("status") not in _FINISHED:
+            data["status"] = "COMPLETED"
+        if data.get("generated_text") is None:
+            data["generated_text"] = self.detokenize(list(data.get("generated_tokens") or ()))
+        self._finish(record, data)
+
+    def _on_heartbeat(self, engine: EngineRecord, body: Heartbeat, now: float) -> None:
+        engine.last_heartbeat = time.time()
+        for name in ("running", "waiting", "kv_blocks_free", "kv_blocks_total", "cached_tokens", "computed_tokens"):
+            value = getattr(body, name)
+            if value is not None:
+                setattr(engine, name, value)
+        if body.state:
+            engine.state = body.state
+        if body.stats is not None:
+            engine.stats = body.stats
+        if body.metrics is not None:
+            engine.metrics = body.metrics  # passed through to STATUS for the servers' /metrics
+        engine.note_progress(body.progress, now)
+        self.send(engine.identity, Header.HEARTBEAT, self.heartbeat())
+
+    def _on_draining(self, engine: EngineRecord, _body: Draining) -> None:
+        if not engine.draining:
+            engine.draining = True
+            self.policy.forget(engine.engine_id)  # its prefix cache leaves with it
+            logger.info("engine %s is draining: no new requests routed to it (%d assigned)",
+                        engine.engine_id, engine.load)
+
+    def _on_handback(self, engine: EngineRecord, body: Handback) -> None:
+        if body.engine_id != engine.engine_id:
+            self.drop(engine.engine_id, f"stale message for registration {body.engine_id!r}")
+            return
+        ids = [i for i in body.request_ids if isinstance(i, str)]
+        moved = 0
+        for key in ids:
+            record = self.requests.get(key)
+            if record is not None and record.phase is Phase.DISPATCHED and record.engine_id == engine.engine_id:
+                engine.assigned.discard(key)
+                self.requeue(record, f"handed back by engine {engine.engine_id}")
+                moved += 1
+        self.send(engine.identity, Header.HANDBACK, Handback(request_ids=ids), engine.batches)
+        if body.final:
+            self.remove_engine(engine, "left after draining", expected=True)
+        elif moved:
+            logger.info("engine %s handed back %d request(s)", engine.engine_id, moved)
+
+    def remove_engine(self, engine: EngineRecord, reason: str, expected: bool = False) -> None:
+        """Take an engine out of the fleet: its requests go back to the queue (in arrival order, ahead of
+        newer ones), a verb waiting on it stops waiting."""
+        if self.engines.pop(engine.engine_id, None) is None:
+            return
+        self.peers.pop(engine.identity, None)
+        self.policy.forget(engine.engine_id)
+        orphans = sorted((r for k in engine.assigned if (r := self.requests.get(k)) is not None),
+                         key=lambda r: r.arrival_time, reverse=True)
+        engine.assigned.clear()
+        for record in orphans:  # newest first, so queueing each at the head keeps arrival order
+            self.requeue(record, f"engine {engine.engine_id} {reason}")
+        (logger.info if expected else logger.warning)(
+            "engine %s (group %d) removed: %s; %d request(s) re-queued", engine.engine_id, engine.group, reason,
+            len(orphans))
+        self.verbs.on_engine_removed(engine, reason)
+
+    # ------------------------------------------------------------------ status
+
+    def status(self, ask: Status) -> StatusReply:
+        """The ``STATUS_REPLY`` body."""
+        engines = sorted(self.engines.values(), key=lambda e: e.group)
+        return StatusReply(
+            state=self.state.value, engines=[e.describe() for e in engines],
+            queued=self.requests.count(Phase.QUEUED) + self.requests.count(Phase.HELD),
+            in_flight=self.requests.count(Phase.DISPATCHED), completed=self.requests.completed,
+            failed=self.requests.failed, aborted=self.requests.aborted, status_id=ask.status_id, epoch=self.epoch,
+            coordinator_id=self.coordinator_id, routing=self.routing_name, suspend_level=self.suspend_level,
+            clients=sum(1 for c in self.clients.values() if c.identity is not None),
+            pending_controls=[op.verb.name for op in self.verbs.queue], dropped_frames=self.drop.total,
+            weights=self.weights_source, refits=self.refits,
+            epoch_mismatch=sorted(e.engine_id for e in engines if e.epoch != self.epoch))
+

@@ -1,0 +1,65 @@
+"""Dispatch: queued requests go to engines while the fleet runs and engines have room.
+
+The routing policy (:mod:`megatron_serve.routing`) chooses among the engines that may take work
+now: registered, not draining or stopping, and below ``capacity * dispatch_factor`` requests (a
+little more than an engine runs at once, so that its next step never waits for the coordinator).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+
+from ..lifecycle import FleetState
+from ..messages import EngineSubmit
+from ..protocol import Header
+from .requests import RequestRecord
+
+if TYPE_CHECKING:
+    from .core import CoordinatorCore
+
+
+def wire_record(record: RequestRecord) -> dict[str, Any]:
+    """The request record engines read (``DynamicInferenceRequest.from_dict``), from the coordinator's mirror.
+
+    The sampling parameters are the client's bytes, spliced in unparsed (they were validated once,
+    on arrival).
+    """
+    return {
+        "request_id": record.request_id,
+        "prompt": record.prompt,
+        "prompt_tokens": record.prompt_tokens,
+        "sampling_params": msgspec.Raw(record.params_wire),
+        "generated_tokens": record.generated_tokens,
+        "generated_log_probs": record.generated_log_probs,
+        "generated_top_n_logprobs": record.generated_top_n_logprobs,
+        "policy_epochs": record.policy_epochs,
+        "kv_epochs": record.kv_epochs,
+        "status": "WAITING_IN_QUEUE",
+        "events": record.events,
+        "arrival_time": record.arrival_time,
+    }
+
+
+def dispatch(core: "CoordinatorCore", now: float) -> None:
+    """Send queued requests to engines, in queue order, until the queue or the engines' room runs out."""
+    if core.state is not FleetState.RUNNING or not core.engines:
+        return
+    factor = core.dispatch_factor
+    table = core.requests
+    while (record := table.next_queued()) is not None:
+        candidates = [e for e in core.engines.values()
+                      if not e.draining and not e.stopping and e.load < max(1, int(e.capacity * factor))]
+        if not candidates:
+            return
+        engine = core.policy.select(record, candidates)
+        if engine is None:
+            return
+        engine = core.engines[engine.engine_id]
+        table.pop_queued()
+        table.dispatched(record, engine.engine_id)
+        if not engine.assigned:  # an idle loop may wait without counting: its stall clock starts now
+            engine.stall_clock = now
+        engine.assigned.add(record.request_id)
+        core.send(engine.identity, Header.ENGINE_SUBMIT, EngineSubmit(request=wire_record(record)), engine.batches)

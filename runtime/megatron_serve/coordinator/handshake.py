@@ -1,0 +1,174 @@
+"""The handshake: HELLO with an optional shared token; engines register a group, clients their id.
+
+A peer without the right token gets nothing else served. An engine asking for a group that another
+live engine holds is refused (``group_in_use``), after a probe of the holder: a holder whose
+connection is gone (a restarted engine process) is removed first, and the new engine registers.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import uuid
+from typing import TYPE_CHECKING, Any
+
+from ..lifecycle import FleetState
+from ..messages import PROTOCOL_VERSION, Error, Hello, HelloAck
+from ..protocol import ErrorCode, Header, Role
+from .peers import ClientRecord, EngineRecord
+from .requests import Phase
+
+if TYPE_CHECKING:
+    from .core import CoordinatorCore
+
+logger = logging.getLogger("megatron_serve.coordinator")
+
+HEARTBEAT_INTERVAL = 1.0  # what engines are told to keep
+
+
+def on_hello(core: "CoordinatorCore", identity: bytes, body: Hello, now: float, probed: bool = False) -> None:
+    if core.token is not None:
+        offered = body.token
+        if offered is None or not hmac.compare_digest(offered.encode(), core.token.encode()):
+            core.drop(core.peer_name(identity), "HELLO with a missing or wrong token")
+            if identity in core.peers:
+                forget_peer(core, identity, "re-HELLO with a wrong token", now)
+            core.send(identity, Header.ERROR, Error(code=ErrorCode.UNAUTHORIZED.value,
+                                                    message="missing or wrong token: pass --token-file or "
+                                                            "MEGATRON_SERVE_TOKEN"))
+            return
+    try:
+        role = Role(body.role)
+    except ValueError:
+        core.drop(core.peer_name(identity), f"HELLO with unknown role {body.role!r}")
+        core.send(identity, Header.ERROR, Error(code=ErrorCode.INVALID_REQUEST.value,
+                                                message=f"unknown role {body.role!r} (client, engine or control)"))
+        return
+    known = core.peers.get(identity)
+    if known is not None:
+        if known[0] is role:  # a retried HELLO on the same connection: answer it again
+            _ack_again(core, identity, known)
+            return
+        forget_peer(core, identity, "re-registered with another role", now)
+    if role is Role.ENGINE:
+        _register_engine(core, identity, body, now, probed)
+    else:
+        _register_client(core, identity, role, body, now)
+
+
+def _ack_again(core: "CoordinatorCore", identity: bytes, known: tuple[Role, str]) -> None:
+    ack = HelloAck(coordinator_id=core.coordinator_id, state=core.state.value, protocol=PROTOCOL_VERSION)
+    engine = core.engines.get(known[1]) if known[0] is Role.ENGINE else None
+    if engine is not None:
+        ack.engine_id, ack.engine_group, ack.suspend_level = engine.engine_id, engine.group, core.suspend_level
+        ack.heartbeat_interval = HEARTBEAT_INTERVAL
+    core.send(identity, Header.HELLO_ACK, ack)
+
+
+def _register_engine(core: "CoordinatorCore", identity: bytes, body: Hello, now: float, probed: bool) -> None:
+    group = body.engine_group
+    in_use = {e.group: e for e in core.engines.values()}
+    if group is not None:
+        holder = in_use.get(group)
+        if holder is not None and not probed:  # is the holder still there? ask, then look again
+            core.probe(holder.identity, hello=(identity, body))
+            return
+        if holder is not None:
+            logger.warning("engine HELLO for group %d refused: held by live engine %s", group, holder.engine_id)
+            core.send(identity, Header.ERROR, Error(code=ErrorCode.GROUP_IN_USE.value,
+                                                    message=f"engine group {group} is held by live engine "
+                                                            f"{holder.engine_id}"))
+            return
+    else:
+        group = 0
+        while group in in_use:
+            group += 1
+    core.registrations += 1
+    engine_id = f"e{core.registrations}-g{group}"
+    info = dict(body.info or {})
+    blocks = info.get("kv_blocks_total")
+    blocks = blocks if isinstance(blocks, int) and not isinstance(blocks, bool) else 0
+    engine = EngineRecord(engine_id=engine_id, identity=identity, group=group, capacity=max(1, body.capacity or 16),
+                          info=info, kv_blocks_total=blocks, kv_blocks_free=blocks,
+                          batches=body.protocol >= 2, last_seen=now, stall_clock=now)
+    engine.state = (FleetState.PAUSED if core.state is FleetState.STOPPED else core.state).value
+    refit = _weights_for(core, engine)
+    core.engines[engine_id] = engine
+    core.peers[identity] = (Role.ENGINE, engine_id)
+    core.liveness.unresponsive.pop(identity, None)
+    core.send(identity, Header.HELLO_ACK, HelloAck(
+        coordinator_id=core.coordinator_id, state=core.state.value, engine_id=engine_id, engine_group=group,
+        suspend_level=core.suspend_level, heartbeat_interval=HEARTBEAT_INTERVAL, refit=refit,
+        protocol=PROTOCOL_VERSION))
+    logger.info("engine %s registered: group %d, capacity %d, adopts state %s%s", engine_id, group,
+                engine.capacity, core.state.value, "".join(f", {k} {info[k]}" for k in ("host", "pid") if k in info))
+
+
+def _weights_for(core: "CoordinatorCore", engine: EngineRecord) -> dict[str, Any] | None:
+    """At registration: the ``refit`` an engine must load before serving, if any.
+
+    A coordinator that never refitted (e.g. it restarted) adopts the weights of the first
+    registering engine of its model that reports a refit, so the fleet's epoch survives a
+    coordinator restart; engines that then register with other weights load them.
+    """
+    epoch = engine.info.get("epoch")
+    engine.epoch = epoch if isinstance(epoch, int) and not isinstance(epoch, bool) else 0
+    weights = engine.info.get("weights")
+    engine.weights = weights if isinstance(weights, str) else None
+    if not engine.same_model(core.model):
+        return None
+    if core.weights_source is None:
+        if engine.epoch > core.epoch and engine.weights is not None and \
+                all(e.epoch == core.epoch for e in core.engines.values() if e.same_model(core.model)):
+            core.epoch, core.weights_source = engine.epoch, engine.weights
+            logger.info("adopted weights epoch %d (%s) from engine %s", core.epoch, core.weights_source,
+                        engine.engine_id)
+        return None
+    if engine.epoch == core.epoch and engine.weights == core.weights_source:
+        return None
+    logger.info("engine %s serves epoch %d: it loads the fleet's epoch %d (%s) before serving",
+                engine.engine_id, engine.epoch, core.epoch, core.weights_source)
+    engine.epoch, engine.weights = core.epoch, core.weights_source  # it exits if it cannot
+    return {"source": core.weights_source, "epoch": core.epoch}
+
+
+def _register_client(core: "CoordinatorCore", identity: bytes, role: Role, body: Hello, now: float) -> None:
+    client_id = body.client_id or uuid.uuid4().hex
+    client = core.clients.get(client_id)
+    if client is None:
+        client = core.clients[client_id] = ClientRecord(client_id=client_id, role=role, identity=identity,
+                                                        acks=bool(body.acks))
+    else:
+        if client.identity is not None and client.identity != identity:
+            core.peers.pop(client.identity, None)
+        client.identity, client.acks, client.offline_since = identity, bool(body.acks), None
+    client.batches = body.protocol >= 2
+    client.last_seen = now
+    core.peers[identity] = (role, client_id)
+    core.send(identity, Header.HELLO_ACK, HelloAck(coordinator_id=core.coordinator_id, state=core.state.value,
+                                                   protocol=PROTOCOL_VERSION))
+    logger.debug("%s %s connected", role.value, client_id)
+    for key in list(client.requests):  # results that finished while the client was away
+        record = core.requests.get(key)
+        if record is not None and record.phase is Phase.FINISHED:
+            core.deliver(record)
+    # A verb that was in progress when the client lost its connection answers on the new one.
+
+
+def forget_peer(core: "CoordinatorCore", identity: bytes, reason: str, now: float) -> None:
+    """A connection is gone: an engine leaves the fleet; a client goes offline (its requests stay)."""
+    known = core.peers.pop(identity, None)
+    if known is None:
+        return
+    role, who = known
+    if role is Role.ENGINE:
+        engine = core.engines.get(who)
+        if engine is not None:
+            core.remove_engine(engine, reason)
+        return
+    client = core.clients.get(who)
+    if client is not None and client.identity == identity:
+        client.identity, client.offline_since = None, now
+        if not client.requests:
+            del core.clients[who]
+

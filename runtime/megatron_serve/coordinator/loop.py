@@ -1,0 +1,301 @@
+"""The coordinator process's socket loop: the only code here that touches ZeroMQ.
+
+One ROUTER socket plus a monitor of disconnects, one thread. Each frame is decoded (a bad one is
+logged and dropped) and handed to the core, whose effects are performed after it returns. Sends are
+gathered over a burst of received frames and flushed together: a peer that speaks protocol 2 gets
+what is due to it as one ``BATCH`` frame (a result per request costs one ZeroMQ send per client and
+burst instead of one per request). A send to a peer that is gone (``EHOSTUNREACH``, the socket is
+``ROUTER_MANDATORY``) goes back to the core as ``on_peer_gone``; one that finds the peer's queue
+full waits here and is retried on the next pass. A tokenizer may load in a background thread: its
+result reaches the loop through a future the loop polls, so the core stays single-threaded.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import logging
+import os
+import signal
+import threading
+import time
+from typing import Callable
+
+import zmq
+from zmq.utils.monitor import recv_monitor_message
+
+from ..messages import TO_COORDINATOR
+from ..protocol import MAX_MESSAGE_BYTES, ProtocolError, decode, encode_batch
+from .core import CoordinatorCore, TokenizerLike
+from .effects import Effect, Probe
+from .requests import Phase
+
+logger = logging.getLogger("megatron_serve.coordinator")
+
+_TICK_S = 0.05
+_MAX_BURST = 512  # frames handled before the gathered sends are flushed and the clock looked at
+_PROBE_DELAYS = (0.02, 0.1, 0.5, 2.0)  # after a disconnect event: when to test who is gone
+_BATCH_BYTES = 1 << 20  # a BATCH frame is cut at about this size
+
+
+class Coordinator:
+    """The coordinator process: a :class:`CoordinatorCore` behind one ROUTER. ``run()`` serves until
+    ``shutdown()`` or a signal. Keyword arguments other than the transport's go to the core."""
+
+    def __init__(self, tokenizer: TokenizerLike | None = None, *, host: str = "127.0.0.1", port: int = 5555,
+                 max_message_bytes: int = MAX_MESSAGE_BYTES,
+                 tokenizer_loader: Callable[[], TokenizerLike] | None = None, **core_options: object) -> None:
+        """``tokenizer_loader``: instead of ``tokenizer``, builds it in a background thread started by
+        ``run()``, so that peers can connect meanwhile (text prompts wait for it)."""
+        if tokenizer is not None and tokenizer_loader is not None:
+            raise ValueError("pass a tokenizer or a tokenizer_loader, not both")
+        self.core = CoordinatorCore(tokenizer, tokenizer_pending=tokenizer_loader is not None,
+                                    **core_options)  # type: ignore[arg-type]
+        self.host = host
+        self.port = port
+        self.max_message_bytes = int(max_message_bytes)
+        self._tokenizer_loader = tokenizer_loader
+        self._tokenizer_loading: concurrent.futures.Future[tuple[TokenizerLike, float]] | None = None
+        self._stop = False
+        self._fds: dict[bytes, int] = {}  # identity -> fd of its connection (for disconnect probes)
+        self._probes: list[tuple[float, int]] = []  # (due, fd) after disconnect events
+        self._backlog: collections.defaultdict[bytes, list[bytes]] = collections.defaultdict(list)  # EAGAIN
+        self.ctx = zmq.Context.instance()
+        self.sock: zmq.Socket | None = None
+        self.monitor: zmq.Socket | None = None
+        self.address: str | None = None
+
+    # ------------------------------------------------------------------ socket
+
+    def bind(self) -> str:
+        """Bind the ROUTER (port 0 = any free port) and return the address peers should connect to."""
+        sock = self.ctx.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.SNDHWM, 100_000)
+        sock.setsockopt(zmq.RCVHWM, 100_000)
+        # Transport-level guard against memory exhaustion; frames between the soft limit and this
+        # are dropped (and logged) by decode().
+        sock.setsockopt(zmq.MAXMSGSIZE, 2 * self.max_message_bytes)
+        bind_host = "*" if self.host in ("0.0.0.0", "*") else self.host
+        if self.port == 0:
+            self.port = sock.bind_to_random_port(f"tcp://{bind_host}")
+        else:
+            sock.bind(f"tcp://{bind_host}:{self.port}")
+        self.monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        self.sock = sock
+        shown = "127.0.0.1" if bind_host == "*" else self.host
+        self.address = f"tcp://{shown}:{self.port}"
+        core = self.core
+        logger.info("coordinator %s listening on %s (routing %s, token %s, heartbeat timeout %.1fs, verb timeout "
+                    "%.1fs, stall timeout %.1fs)", core.coordinator_id, self.address, core.routing_name,
+                    "required" if core.token else "not required", core.heartbeat_timeout, core.verb_timeout,
+                    core.stall_timeout)
+        return self.address
+
+    def shutdown(self) -> None:
+        """Ask ``run()`` to return after the current iteration (safe from a signal handler)."""
+        self._stop = True
+
+    def close(self) -> None:
+        if self.monitor is not None:
+            try:
+                self.sock.disable_monitor()
+            except zmq.ZMQError:
+                pass
+            self.monitor.close(linger=0)
+            self.monitor = None
+        if self.sock is not None:
+            self.sock.close(linger=0)
+            self.sock = None
+
+    def install_signal_handlers(self) -> None:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: self.shutdown())
+
+    # ------------------------------------------------------------------ loop
+
+    def run(self) -> None:
+        """Serve until :meth:`shutdown`."""
+        if self.sock is None:
+            self.bind()
+        if self._tokenizer_loader is not None and self.core.tokenizer is None and self._tokenizer_loading is None:
+            self._start_tokenizer_load(self._tokenizer_loader)
+        sock, core = self.sock, self.core
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        poller.register(self.monitor, zmq.POLLIN)
+        outbox: list[Effect] = []
+        next_tick = 0.0
+        try:
+            while not self._stop:
+                events = dict(poller.poll(int(_TICK_S * 1000)))
+                if self.monitor in events:
+                    self._drain_monitor()
+                if sock in events:
+                    for _ in range(_MAX_BURST):
+                        try:
+                            identity, frame = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                        except zmq.Again:
+                            break
+                        except ValueError:  # not two frames
+                            core.drop("a peer", "expected one frame per message")
+                            continue
+                        outbox += self._on_frame(identity, frame)
+                now = time.monotonic()
+                if now >= next_tick:
+                    next_tick = now + _TICK_S
+                    outbox += self._tick(now)
+                while outbox or self._backlog:
+                    outbox = self._perform(outbox)
+                    if self._backlog and not outbox:
+                        break  # full queues: retried on the next pass
+        finally:
+            logger.info("coordinator %s stopping (%d requests in its table)", core.coordinator_id, len(core.requests))
+            self.close()
+
+    def _on_frame(self, identity_frame: zmq.Frame, frame: zmq.Frame) -> list[Effect]:
+        identity = identity_frame.bytes
+        try:
+            message = decode(frame.buffer, TO_COORDINATOR, self.max_message_bytes)
+        except ProtocolError as exc:
+            self.core.drop(self.core.peer_name(identity), str(exc))
+            return []
+        if identity not in self._fds:
+            try:
+                self._fds[identity] = frame.get(zmq.SRCFD)
+            except zmq.ZMQError:
+                pass
+        return self.core.on_message(identity, message, time.monotonic())
+
+    def _tick(self, now: float) -> list[Effect]:
+        core = self.core
+        if core.drop.suppressed and int(now) != core.drop.window:
+            core.drop.flush()
+        effects: list[Effect] = []
+        if self._probes:  # peers whose connection closed: a send to a gone routing id fails
+            due = {fd for t, fd in self._probes if t <= now}
+            self._probes = [(t, fd) for t, fd in self._probes if t > now]
+            for identity in [i for i, fd in self._fds.items() if fd in due]:
+                core.probe(identity)
+        loading = self._tokenizer_loading
+        if loading is not None and loading.done():
+            self._tokenizer_loading = None
+            effects += self._tokenizer_loaded(loading, now)
+        return effects + core.on_tick(now)
+
+    def _perform(self, effects: list[Effect]) -> list[Effect]:
+        """Send what the core asked for (gathered per peer); returns the core's answers to failures."""
+        sock, core = self.sock, self.core
+        more: list[Effect] = []
+        gathered: dict[bytes, list[bytes]] = {}
+        for identity, frames in self._backlog.items():
+            gathered[identity] = frames
+        self._backlog = collections.defaultdict(list)
+        batching: set[bytes] = set()
+        for effect in effects:
+            if isinstance(effect, Probe):
+                if not self._send(sock, effect.identity, effect.frame):
+                    more += core.on_peer_gone(effect.identity, "probe failed", time.monotonic())
+                if effect.hello is not None:
+                    more += core.on_hello_after_probe(*effect.hello, time.monotonic())
+                continue
+            gathered.setdefault(effect.identity, []).append(effect.frame)
+            if effect.batch:
+                batching.add(effect.identity)
+        for identity, frames in gathered.items():
+            for frame in (_batches(frames) if identity in batching and len(frames) > 1 else frames):
+                sent = self._send(sock, identity, frame)
+                if sent is None:  # its queue is full: keep the rest for the next pass
+                    self._backlog[identity].append(frame)
+                elif not sent:
+                    self._fds.pop(identity, None)
+                    more += core.on_peer_gone(identity, "send failed", time.monotonic())
+                    break
+        return more
+
+    @staticmethod
+    def _send(sock: zmq.Socket, identity: bytes, frame: bytes) -> bool | None:
+        """True when sent; False when the peer is gone; None when its queue is full."""
+        try:
+            sock.send_multipart((identity, frame), zmq.NOBLOCK, copy=len(frame) < 65536)
+            return True
+        except zmq.Again:
+            return None
+        except zmq.ZMQError as exc:
+            if exc.errno != zmq.EHOSTUNREACH:
+                logger.warning("send failed: %s", exc)
+            return False
+
+    def _drain_monitor(self) -> None:
+        while True:
+            try:
+                event = recv_monitor_message(self.monitor, zmq.NOBLOCK)
+            except zmq.ZMQError:  # zmq.Again included
+                return
+            if event.get("event") == zmq.EVENT_DISCONNECTED:
+                fd, now = int(event.get("value", -1)), time.monotonic()
+                self._probes.extend((now + d, fd) for d in _PROBE_DELAYS)
+
+    # ------------------------------------------------------------------ tokenizer
+
+    def _start_tokenizer_load(self, loader: Callable[[], TokenizerLike]) -> None:
+        """Run ``loader`` in a daemon thread; its result reaches the event loop through a future only."""
+        future: concurrent.futures.Future[tuple[TokenizerLike, float]] = concurrent.futures.Future()
+
+        def load() -> None:
+            started = time.monotonic()
+            try:
+                tokenizer = loader()
+            except BaseException as exc:  # noqa: BLE001 - whatever it is, the event loop reports it
+                future.set_exception(exc)
+            else:
+                future.set_result((tokenizer, time.monotonic() - started))
+
+        self._tokenizer_loading = future
+        logger.info("loading the tokenizer in the background: token ids are served now, text prompts wait for it")
+        threading.Thread(target=load, name="tokenizer-loader", daemon=True).start()
+
+    def _tokenizer_loaded(self, future: concurrent.futures.Future, now: float) -> list[Effect]:
+        held = self.core.requests.count(Phase.HELD)
+        try:
+            tokenizer, seconds = future.result()
+        except BaseException as exc:  # noqa: BLE001 - the loader's own failure, whatever it is
+            error = (f"this coordinator could not load its tokenizer ({type(exc).__name__}: {exc}): "
+                     "send token ids, or fix the model directory's tokenizer files and restart it")
+            logger.error("%s; refusing %d waiting text prompt(s)", error, held)
+            return self.core.on_tokenizer(None, error, now)
+        logger.info("tokenizer ready (loaded in %.1fs); %d waiting text prompt(s) released", seconds, held)
+        return self.core.on_tokenizer(tokenizer, None, now)
+
+
+def _batches(frames: list[bytes]) -> list[bytes]:
+    """``frames`` as BATCH frames of about ``_BATCH_BYTES`` each (a lone frame goes as it is)."""
+    out, chunk, size = [], [], 0
+    for frame in frames:
+        if chunk and size + len(frame) > _BATCH_BYTES:
+            out.append(encode_batch(chunk) if len(chunk) > 1 else chunk[0])
+            chunk, size = [], 0
+        chunk.append(frame)
+        size += len(frame)
+    if chunk:
+        out.append(encode_batch(chunk) if len(chunk) > 1 else chunk[0])
+    return out
+
+
+def write_address_file(path: str, address: str) -> None:
+    """Atomically publish the bound address (for parents that started us with ``--port 0``)."""
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as fh:
+        fh.write(address + "\n")
+    os.replace(tmp, path)
+
+
+def serve(coordinator: Coordinator, address_file: str | None = None, install_signals: bool = True) -> None:
+    """Bind, publish the address, serve until SIGTERM/SIGINT."""
+    address = coordinator.address or coordinator.bind()
+    if address_file:
+        write_address_file(address_file, address)
+    if install_signals:
+        coordinator.install_signal_handlers()
+    coordinator.run()

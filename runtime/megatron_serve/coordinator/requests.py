@@ -1,0 +1,144 @@
+"""The request table: every request from SUBMIT until its client acknowledged the RESULT.
+
+A request's life is a :class:`Phase`, changed only here: ``HELD`` (a text prompt waiting for the
+tokenizer), ``QUEUED``, ``DISPATCHED`` (to exactly one engine), ``FINISHED`` (its final record kept
+until delivered and acknowledged). The coordinator mirrors every token an engine reports, so a
+request whose engine disappears is queued again and continues elsewhere from those tokens; only the
+engine a request is dispatched to may add to it, so each token and each result is delivered once.
+
+The final record is the engine's msgpack bytes, forwarded to the client as they came: the
+coordinator never parses it (the client validates it where it enters its process).
+"""
+
+from __future__ import annotations
+
+import collections
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import Any, Iterator
+
+from ..messages import ClientId
+from ..sampling_params import SamplingParams
+
+
+class Phase(enum.Enum):
+    HELD = "held"  # text prompt waiting for the tokenizer to load
+    QUEUED = "queued"
+    DISPATCHED = "dispatched"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False, slots=True)
+class RequestRecord:
+    """One request as the coordinator mirrors it (implements ``routing.RequestView``)."""
+
+    request_id: str  # "<client_id>/<client_request_id>": unique, also the engine-side request id
+    client_id: str
+    client_request_id: ClientId
+    prompt: str | None
+    prompt_tokens: list[int]
+    params: SamplingParams
+    params_wire: bytes  # the sampling parameters as the client sent them (forwarded to engines unchanged)
+    stream: bool
+    generated_tokens: list[int] = field(default_factory=list)
+    generated_log_probs: list[float] = field(default_factory=list)
+    generated_top_n_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)  # wire form
+    policy_epochs: list[int] = field(default_factory=list)
+    kv_epochs: list[int] = field(default_factory=list)
+    events: list[dict[str, Any]] = field(default_factory=list)  # wire form; what happened here (moves)
+    arrival_time: float = field(default_factory=time.time)
+    phase: Phase = Phase.QUEUED
+    engine_id: str | None = None
+    moves: int = 0
+    final: bytes | None = None  # the finished record's msgpack (forwarded unparsed)
+
+    def add_event(self, event_type: str, detail: str) -> None:
+        self.events.append({"type": event_type, "timestamp": time.time(), "detail": detail})
+
+    def exhausted(self) -> bool:
+        """Nothing left to compute: every token the request asked for is already generated."""
+        return len(self.generated_tokens) >= self.params.num_tokens_to_generate
+
+
+class RequestTable:
+    """Requests by key, the dispatch queue (arrival order; moved requests go first) and the counters."""
+
+    def __init__(self) -> None:
+        self.records: dict[str, RequestRecord] = {}
+        self.queue: collections.deque[str] = collections.deque()
+        self.held: list[str] = []  # text prompts waiting for the tokenizer, in arrival order
+        self.undelivered: set[str] = set()  # finished, but the client could not be reached
+        self.counts = collections.Counter({phase: 0 for phase in Phase})
+        self.completed = 0
+        self.failed = 0
+        self.aborted = 0  # by a client, or by the fleet (a pause in abort mode): neither is a failure
+
+    def __len__(self) -> int:
+        return len(self.records)
+
+    def get(self, key: str) -> RequestRecord | None:
+        return self.records.get(key)
+
+    def add(self, record: RequestRecord, phase: Phase) -> None:
+        record.phase = phase
+        self.records[record.request_id] = record
+        self.counts[phase] += 1
+        if phase is Phase.HELD:
+            self.held.append(record.request_id)
+        elif phase is Phase.QUEUED:
+            self.queue.append(record.request_id)
+
+    def _move(self, record: RequestRecord, phase: Phase) -> None:
+        self.counts[record.phase] -= 1
+        self.counts[phase] += 1
+        record.phase = phase
+
+    def enqueue(self, record: RequestRecord, first: bool = False) -> None:
+        """Queue a request for dispatch (``first``: ahead of the others, for a request that lost its engine)."""
+        self._move(record, Phase.QUEUED)
+        record.engine_id = None
+        (self.queue.appendleft if first else self.queue.append)(record.request_id)
+
+    def dispatched(self, record: RequestRecord, engine_id: str) -> None:
+        self._move(record, Phase.DISPATCHED)
+        record.engine_id = engine_id
+
+    def finish(self, record: RequestRecord, final: bytes, status: str | None, finish_reason: str | None) -> None:
+        """``final`` is the record the client gets; ``status`` and ``finish_reason`` (its fields) count it."""
+        self._move(record, Phase.FINISHED)
+        record.engine_id = None
+        record.final = final
+        if status == "COMPLETED":
+            self.completed += 1
+        elif finish_reason == "abort":
+            self.aborted += 1
+        else:
+            self.failed += 1
+
+    def forget(self, record: RequestRecord) -> None:
+        if self.records.pop(record.request_id, None) is not None:
+            self.counts[record.phase] -= 1
+        self.undelivered.discard(record.request_id)
+
+    def take_held(self) -> list[RequestRecord]:
+        held, self.held = self.held, []
+        return [r for key in held if (r := self.records.get(key)) is not None and r.phase is Phase.HELD]
+
+    def next_queued(self) -> RequestRecord | None:
+        """The request at the head of the queue (entries of aborted or moved requests are skipped)."""
+        while self.queue:
+            record = self.records.get(self.queue[0])
+            if record is not None and record.phase is Phase.QUEUED:
+                return record
+            self.queue.popleft()
+        return None
+
+    def pop_queued(self) -> None:
+        self.queue.popleft()
+
+    def count(self, phase: Phase) -> int:
+        return self.counts[phase]
+
+    def __iter__(self) -> Iterator[RequestRecord]:
+        return iter(self.records.values())

@@ -1,0 +1,277 @@
+"""The lifecycle state machine at work: verbs queue, each runs its steps, every engine acknowledges each.
+
+The rules (which verb is legal where, which steps it runs, each step's deadline) are the one table
+in :mod:`megatron_serve.lifecycle`; this module runs them. A verb is answered with ``CONTROL_ACK``
+after every connected engine acknowledged its last step; an engine that does not acknowledge a
+step within that step's deadline is removed (see :mod:`.liveness`) and the verb completes with the
+others. REFIT runs ``REFIT_VERIFY`` on every engine before any ``REFIT_LOAD``: one refusal refuses
+the whole verb and the fleet keeps its weights.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from ..lifecycle import STEPS, Deadline, FleetState, IllegalTransition, Step, Verb, transition
+from ..messages import Control, ControlAck, Error, Refit, Stop, Suspend
+from ..protocol import VERB_HEADERS, ErrorCode, Header
+from .peers import ClientRecord, EngineRecord
+
+if TYPE_CHECKING:
+    from .core import CoordinatorCore
+
+logger = logging.getLogger("megatron_serve.coordinator")
+
+_COMPLETED_KEPT = 256  # answers kept for clients that retry a verb after a reconnect
+
+
+class RefitRefused(IllegalTransition):
+    """A REFIT the table allows but the fleet cannot run (no engine to verify the weights)."""
+
+
+@dataclass
+class ControlOp:
+    """One verb in progress: its steps, each acknowledged by every engine."""
+
+    control_id: Any
+    verb: Verb
+    client_id: str
+    level: int = 1
+    drain_timeout: float | None = None
+    source: str | None = None  # REFIT: the new weights
+    epoch: int | None = None  # REFIT: the generation they become
+    steps: tuple[Step, ...] = ()
+    step_index: int = -1
+    waiting: set[str] = field(default_factory=set)
+    engines: dict[str, dict[str, Any]] = field(default_factory=dict)
+    previous_state: str = ""
+    noop: bool = False
+    step_started: float = 0.0  # when the current step was broadcast: its acknowledgement deadline starts there
+    unresponsive: list[str] = field(default_factory=list)  # engines removed for missing a step's deadline
+    failed: dict[str, str] = field(default_factory=dict)  # REFIT: engine id -> why it could not load
+
+    @property
+    def step(self) -> Step:
+        return self.steps[self.step_index]
+
+
+class VerbRunner:
+    """Queue and run the verbs of one coordinator (``core``: its state, sends and removals)."""
+
+    def __init__(self, core: "CoordinatorCore") -> None:
+        self.core = core
+        self.queue: collections.deque[ControlOp] = collections.deque()
+        self.completed: collections.OrderedDict[Any, tuple[Header, Any]] = collections.OrderedDict()
+
+    def request(self, client: ClientRecord, identity: bytes, verb: Verb, body: Control) -> None:
+        core = self.core
+        control_id = body.control_id
+        if control_id in self.completed:  # retry after a reconnect: answer again
+            core.send(identity, *self.completed[control_id])
+            return
+        if any(op.control_id == control_id for op in self.queue):
+            return  # in progress; the answer goes to the client's current connection
+        op = ControlOp(control_id=control_id, verb=verb, client_id=client.client_id)
+        problem = None
+        if isinstance(body, Refit):
+            op.source, op.epoch = body.source, body.epoch
+            if (body.epoch is not None and body.epoch < 0) or not body.source:
+                problem = "REFIT needs a non-empty source and an epoch >= 0"
+        elif isinstance(body, Suspend):
+            op.level = body.level or 1
+            if op.level not in (1, 2):
+                problem = f"suspend level must be 1 or 2, got {op.level}"
+        elif isinstance(body, Stop):
+            op.drain_timeout = body.drain_timeout
+        if problem is not None:
+            core.send(identity, Header.ERROR, Error(code=ErrorCode.INVALID_REQUEST.value, message=problem,
+                                                    control_id=control_id))
+            return
+        self.queue.append(op)
+        logger.info("%s %s: %s requested (state %s)", client.role.value, client.client_id[:8], verb.name,
+                    core.state.value)
+        core.advance_verbs()
+
+    # ------------------------------------------------------------------ running
+
+    def advance(self, now: float) -> None:
+        """Drive the verb at the head of the queue: plan it, broadcast each step, complete it."""
+        while self.queue:
+            op = self.queue[0]
+            if op.step_index < 0:
+                if not self._start(op):
+                    continue
+            elif op.waiting:
+                return
+            elif self._verify_refused(op):
+                continue
+            else:
+                op.step_index += 1
+            while op.step_index < len(op.steps):
+                self._broadcast(op, now)
+                if op.waiting:
+                    return
+                op.step_index += 1
+            self.queue.popleft()
+            self._complete(op)
+
+    def _start(self, op: ControlOp) -> bool:
+        """Plan ``op`` from the table and move the fleet's state; False when it was refused."""
+        core = self.core
+        try:
+            planned = transition(core.state, op.verb)
+            if op.verb is Verb.REFIT:
+                if not core.engines:
+                    raise RefitRefused("REFIT needs at least one connected engine to verify the new weights")
+                if op.epoch is None:
+                    op.epoch = core.epoch + 1
+        except IllegalTransition as exc:
+            self.queue.popleft()
+            logger.info("%s refused: %s", op.verb.name, exc)
+            code = ErrorCode.REFIT_FAILED if isinstance(exc, RefitRefused) else ErrorCode.ILLEGAL_TRANSITION
+            self._answer(op, Header.ERROR, Error(code=code.value, message=str(exc), control_id=op.control_id))
+            return False
+        previous_level = core.suspend_level if core.state is FleetState.SUSPENDED else 0
+        op.previous_state = core.state.value
+        op.steps = planned.steps
+        core.suspend_level = max(previous_level, op.level) if planned.target is FleetState.SUSPENDED else 0
+        op.noop = planned.target is core.state and core.suspend_level == previous_level
+        core.state = planned.target
+        op.step_index = 0
+        return True
+
+    def _broadcast(self, op: ControlOp, now: float) -> None:
+        """Send the current step to every connected engine; each one must acknowledge it."""
+        core = self.core
+        step = op.step
+        spec = STEPS[step]
+        op.step_started = now
+        control_id = f"{op.control_id}#{op.step_index}"
+        body: Control
+        if step is Step.SUSPEND:
+            body = Suspend(control_id=control_id, level=core.suspend_level)
+        elif step is Step.STOP:
+            body = Stop(control_id=control_id, drain_timeout=op.drain_timeout)
+        elif spec.verb is Verb.REFIT:
+            body = Refit(control_id=control_id, source=op.source or "", epoch=op.epoch, phase=spec.phase)
+            if step is Step.REFIT_LOAD:
+                # Every engine verified the source: from now on it is the fleet's weights, also for
+                # engines that register while (or after) the others load it.
+                core.epoch, core.weights_source = int(op.epoch or 0), op.source
+                core.refits += 1
+        else:
+            body = Control(control_id=control_id)
+        for engine in core.engines.values():
+            if step is Step.STOP:
+                engine.stopping = True
+            core.send(engine.identity, VERB_HEADERS[spec.verb], body)
+            op.waiting.add(engine.engine_id)
+            op.engines.setdefault(engine.engine_id, {"group": engine.group})
+
+    def _verify_refused(self, op: ControlOp) -> bool:
+        """After the verify step: refuse the whole REFIT if any engine refused the source."""
+        if op.step is not Step.REFIT_VERIFY:
+            return False
+        errors = {eid: f["error"] for eid, f in op.engines.items() if f.get("error")}
+        if not errors:
+            return False
+        self.queue.popleft()
+        eid, why = sorted(errors.items())[0]
+        message = (f"REFIT refused by engine {eid}" + (f" and {len(errors) - 1} more" if len(errors) > 1 else "")
+                   + f": {why}; the fleet keeps serving epoch {self.core.epoch}")
+        logger.warning("%s", message)
+        self._answer(op, Header.ERROR, Error(code=ErrorCode.REFIT_FAILED.value, message=message,
+                                             control_id=op.control_id))
+        return True
+
+    def deadline(self, op: ControlOp) -> float:
+        """Seconds an engine may take to acknowledge the current step (its kind is in the lifecycle table)."""
+        kind = STEPS[op.step].deadline
+        core = self.core
+        if kind is Deadline.DRAIN:
+            return core.verb_timeout + (op.drain_timeout or 0.0)
+        if kind is Deadline.WEIGHTS:
+            return max(core.verb_timeout, core.weights_timeout)
+        return core.verb_timeout
+
+    def overdue(self, now: float) -> list[EngineRecord]:
+        """Engines that missed the current step's deadline (noted as unresponsive in the verb's answer)."""
+        if not self.queue or not self.queue[0].waiting:
+            return []
+        op = self.queue[0]
+        if now - op.step_started <= self.deadline(op):
+            return []
+        late = [e for e in self.core.engines.values() if e.engine_id in op.waiting]
+        op.unresponsive.extend(e.engine_id for e in late)
+        return late
+
+    # ------------------------------------------------------------------ acknowledgements
+
+    def on_ack(self, engine: EngineRecord, body: ControlAck) -> None:
+        core = self.core
+        engine.state = body.state
+        if not self.queue:
+            return
+        op = self.queue[0]
+        if body.control_id != f"{op.control_id}#{op.step_index}" or engine.engine_id not in op.waiting:
+            return  # late ack of an earlier step (the engine was presumed lost): ignore
+        op.waiting.discard(engine.engine_id)
+        facts = op.engines.setdefault(engine.engine_id, {"group": engine.group})
+        facts.update(body.detail or {})
+        facts["state"] = engine.state
+        if op.step is Step.REFIT_LOAD:
+            if facts.get("error"):
+                # It verified the source but could not load it: its weights cannot be trusted. Removing it
+                # re-queues its requests; it registers again and loads the fleet's weights, or exits.
+                op.failed[engine.engine_id] = str(facts["error"])
+                core.remove_engine(engine, f"REFIT load failed: {facts['error']}")
+            else:
+                engine.epoch, engine.weights = int(op.epoch or 0), op.source
+                engine.last_refit = {k: facts[k] for k in ("verify_s", "load_s", "total_s") if k in facts}
+        elif op.step is Step.STOP:
+            core.remove_engine(engine, "stopped", expected=True)  # it exits now; not a failure
+        core.advance_verbs()
+
+    def on_engine_removed(self, engine: EngineRecord, reason: str) -> None:
+        for op in self.queue:
+            if engine.engine_id in op.waiting:
+                op.waiting.discard(engine.engine_id)
+                op.engines.setdefault(engine.engine_id, {"group": engine.group})["lost"] = reason
+        self.core.advance_verbs()
+
+    # ------------------------------------------------------------------ answers
+
+    def _complete(self, op: ControlOp) -> None:
+        core = self.core
+        detail: dict[str, Any] = {"previous_state": op.previous_state, "noop": op.noop, "engines": op.engines}
+        released = [f["released_bytes"] for f in op.engines.values() if isinstance(f.get("released_bytes"), int)]
+        if released:
+            detail["released_bytes"] = sum(released)
+        if op.verb is Verb.SUSPEND:
+            detail["level"] = core.suspend_level
+        if op.verb is Verb.REFIT:
+            detail.update(noop=False, epoch=core.epoch, source=core.weights_source)
+            if op.failed:
+                detail["failed"] = dict(op.failed)
+        if op.unresponsive:
+            detail["unresponsive"] = list(op.unresponsive)
+        logger.info("%s acknowledged: %s -> %s by %d engine(s)%s", op.verb.name, op.previous_state,
+                    core.state.value, len(op.engines), f", released {detail['released_bytes']} bytes" if released else "")
+        if core.state is FleetState.SUSPENDED or op.verb is Verb.REFIT:
+            # A suspended fleet may resume with empty prefix caches (and a refit drops them): routing starts over.
+            for engine_id in list(core.engines):
+                core.policy.forget(engine_id)
+        self._answer(op, Header.CONTROL_ACK, ControlAck(control_id=op.control_id, state=core.state.value,
+                                                        detail=detail))
+
+    def _answer(self, op: ControlOp, header: Header, body: Any) -> None:
+        self.completed[op.control_id] = (header, body)
+        while len(self.completed) > _COMPLETED_KEPT:
+            self.completed.popitem(last=False)
+        client = self.core.clients.get(op.client_id)
+        if client is not None and client.identity is not None:
+            self.core.send(client.identity, header, body)
+

@@ -1,0 +1,276 @@
+"""The bodies of the coordinator protocol's messages, as typed structs (DESIGN section 5).
+
+Each message is one msgpack frame ``[header, body]`` (see :mod:`megatron_serve.protocol`); the body
+is a map whose fields are the struct's, so these structs read and write exactly the frames older
+peers send and expect. A body is validated once, where it enters the process (types in C by
+msgspec, then the struct's own checks), and travels typed from there. Unknown fields are ignored,
+so newer peers can add optional fields; absent optional fields are left out of the frame.
+
+Two tables say which bodies each side accepts: :data:`TO_COORDINATOR` (from clients, the operator
+and engines) and :data:`FROM_COORDINATOR` (to them). The same header may carry different bodies in
+the two directions (``ABORT`` names a client's request id on the way in and the engine-side id on
+the way out).
+
+Protocol versions (``protocol`` in HELLO and HELLO_ACK; absent means 1): version 2 adds ``BATCH``,
+one frame carrying several messages, which a peer sends only to a peer that announced 2.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Union
+
+import msgspec
+
+from .protocol import Header
+
+#: The protocol version this code speaks.
+PROTOCOL_VERSION = 2
+
+TokenId = Annotated[int, msgspec.Meta(ge=0)]
+#: Ids that foreign clients chose may be ints; this project always sends strings.
+ClientId = Union[str, int]
+
+
+class Body(msgspec.Struct, omit_defaults=True, kw_only=True):
+    """Base of every message body."""
+
+
+# ----------------------------------------------------------------------------- handshake and errors
+
+
+class Hello(Body):
+    role: str
+    token: str | None = None
+    engine_group: Annotated[int, msgspec.Meta(ge=0)] | None = None
+    capacity: int | None = None
+    client_id: str | None = None  # stable across reconnects, so results find the client again
+    acks: bool | None = None  # the client sends RESULT_ACK; keep results until acknowledged
+    info: dict[str, Any] | None = None  # facts about the peer (pid, host, KV pool size, model, epoch ...)
+    protocol: int = 1
+
+
+class HelloAck(Body):
+    coordinator_id: str
+    state: str
+    engine_id: str | None = None
+    engine_group: int | None = None
+    suspend_level: int | None = None
+    heartbeat_interval: float | None = None
+    refit: dict[str, Any] | None = None  # {source, epoch}: the fleet's current weights, to load before serving
+    protocol: int = 1
+
+
+class Error(Body):
+    code: str
+    message: str
+    control_id: ClientId | None = None
+    client_request_id: ClientId | None = None
+    status_id: ClientId | None = None
+
+
+class Batch(Body):
+    """Several messages in one frame (protocol 2): each item is a whole ``[header, body]`` message."""
+
+    messages: list[msgspec.Raw]
+
+
+# ----------------------------------------------------------------------------- requests
+
+
+class Submit(Body):
+    client_request_id: ClientId
+    prompt: str | list[TokenId]
+    # Decoded by the coordinator on its own, so that bad values are answered with an ERROR naming the request.
+    sampling_params: msgspec.Raw | msgspec.UnsetType = msgspec.UNSET  # absent or nil: the defaults
+    stream: bool | None = None
+    generated_tokens: list[TokenId] | None = None  # resubmission after a coordinator restart: continue
+
+
+class Tokens(Body):
+    client_request_id: ClientId
+    new_tokens: list[int]
+    new_text: str | None = None
+    logprobs: list[float] | None = None
+    top_logprobs: list[list[tuple[int, float]]] | None = None  # per new token: [[token id, log prob], ...]
+
+
+class Result(Body):
+    """The final record of a request; the coordinator forwards the engine's record as it came (``Raw``)."""
+
+    client_request_id: ClientId
+    request: dict[str, Any]
+
+
+class ResultOut(Body):
+    """:class:`Result` as the coordinator writes it: the record is the engine's msgpack, spliced in unparsed."""
+
+    client_request_id: ClientId
+    request: msgspec.Raw
+
+
+class ClientAbort(Body):
+    client_request_id: ClientId
+
+
+class ResultAck(Body):
+    client_request_ids: list[ClientId]
+
+
+# ----------------------------------------------------------------------------- lifecycle
+
+
+class Control(Body):
+    """PAUSE, UNPAUSE, RESUME (and, with their extra fields, the verbs below)."""
+
+    control_id: ClientId
+
+
+class Suspend(Control):
+    level: int | None = None
+
+
+class Stop(Control):
+    drain_timeout: float | None = None
+
+
+class Refit(Control):
+    source: str
+    epoch: int | None = None
+    phase: str | None = None  # to engines: which step (see megatron_serve.lifecycle.STEPS)
+
+
+class ControlAck(Body):
+    control_id: ClientId
+    state: str
+    detail: dict[str, Any] | None = None
+    engine_id: str | None = None  # from engines
+
+
+# ----------------------------------------------------------------------------- status and liveness
+
+
+class Status(Body):
+    status_id: ClientId | None = None
+
+
+class StatusReply(Body):
+    state: str
+    engines: list[dict[str, Any]]
+    queued: int
+    in_flight: int
+    completed: int
+    failed: int
+    aborted: int | None = None  # not counted in failed; absent from older coordinators
+    status_id: ClientId | None = None
+    epoch: int | None = None  # generation of the weights the fleet serves (bumped by REFIT)
+    coordinator_id: str | None = None
+    routing: str | None = None
+    suspend_level: int | None = None
+    clients: int | None = None
+    pending_controls: list[str] | None = None
+    dropped_frames: int | None = None
+    weights: str | None = None
+    refits: int | None = None
+    epoch_mismatch: list[str] | None = None
+
+
+class Heartbeat(Body):
+    """Both ways: a peer's liveness (engines add their load), the coordinator's answer (its state)."""
+
+    engine_id: str | None = None
+    state: str | None = None
+    running: int | None = None
+    waiting: int | None = None
+    kv_blocks_free: int | None = None
+    kv_blocks_total: int | None = None
+    cached_tokens: int | None = None
+    computed_tokens: int | None = None
+    stats: dict[str, Any] | None = None
+    # iterations of the engine's step loop; absent from older engines (unknown, never "stalled")
+    progress: int | None = None
+    # cumulative engine counters and histogram buckets (engine_stats.EngineStats.to_wire); optional
+    metrics: dict[str, Any] | None = None
+    coordinator_id: str | None = None
+
+
+class Draining(Body):
+    engine_id: str | None = None
+
+
+# ----------------------------------------------------------------------------- engine link
+
+
+class EngineSubmit(Body):
+    request: dict[str, Any]
+
+
+class StepOutput(Body):
+    """One request's share of an engine step."""
+
+    request_id: str
+    new_tokens: list[TokenId]
+    finished: bool
+    new_text: str | None = None
+    new_log_probs: list[float] | None = None
+    new_top_logprobs: list[list[tuple[int, float]]] | None = None  # per new token: [[token id, log prob], ...]
+    epochs: list[list[int]] | None = None  # [policy epochs, KV epochs] of the new tokens
+    request: msgspec.Raw | msgspec.UnsetType = msgspec.UNSET  # the full record when finished (maybe nil)
+
+
+class EngineStep(Body):
+    engine_id: str
+    # Each item decoded on its own, so that one unreadable output does not lose the others.
+    outputs: list[msgspec.Raw]
+
+
+class EngineAbort(Body):
+    request_id: str
+
+
+class Handback(Body):
+    request_ids: list[Any]
+    engine_id: str | None = None  # from engines; absent in the coordinator's acknowledgement
+    final: bool | None = None
+
+
+#: Bodies the coordinator accepts.
+TO_COORDINATOR: dict[Header, type[Body]] = {
+    Header.HELLO: Hello,
+    Header.BATCH: Batch,
+    Header.SUBMIT: Submit,
+    Header.ABORT: ClientAbort,
+    Header.RESULT_ACK: ResultAck,
+    Header.PAUSE: Control,
+    Header.UNPAUSE: Control,
+    Header.SUSPEND: Suspend,
+    Header.RESUME: Control,
+    Header.STOP: Stop,
+    Header.REFIT: Refit,
+    Header.STATUS: Status,
+    Header.HEARTBEAT: Heartbeat,
+    Header.DRAINING: Draining,
+    Header.CONTROL_ACK: ControlAck,
+    Header.ENGINE_STEP: EngineStep,
+    Header.HANDBACK: Handback,
+}
+
+#: Bodies engines and clients accept from the coordinator.
+FROM_COORDINATOR: dict[Header, type[Body]] = {
+    Header.HELLO_ACK: HelloAck,
+    Header.BATCH: Batch,
+    Header.ERROR: Error,
+    Header.TOKENS: Tokens,
+    Header.RESULT: Result,
+    Header.CONTROL_ACK: ControlAck,
+    Header.STATUS_REPLY: StatusReply,
+    Header.HEARTBEAT: Heartbeat,
+    Header.ENGINE_SUBMIT: EngineSubmit,
+    Header.ABORT: EngineAbort,
+    Header.PAUSE: Control,
+    Header.UNPAUSE: Control,
+    Header.SUSPEND: Suspend,
+    Header.RESUME: Control,
+    Header.STOP: Stop,
+    Header.REFIT: Refit,
+    Header.HANDBACK: Handback,
+}

@@ -1,0 +1,69 @@
+"""Drive a ``CoordinatorCore`` without sockets: peers are identities, messages are structs, time is a number.
+
+What the core sends comes back decoded, per peer, exactly as a peer would read it (BATCH frames
+taken apart), so tests assert on the protocol, not on internals.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from megatron_serve.coordinator import CoordinatorCore
+from megatron_serve.coordinator.effects import Effect, Probe, Send
+from megatron_serve.messages import FROM_COORDINATOR, Hello
+from megatron_serve.protocol import Header, Message, decode, unbatch
+
+
+class CoreHarness:
+    def __init__(self, **options: Any) -> None:
+        self.core = CoordinatorCore(None, **options)
+        self.now = 1000.0
+        self.inbox: dict[bytes, list[Message]] = {}
+        self.gone: set[bytes] = set()  # peers whose sends fail (their connection closed)
+
+    # -- time and inputs
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+        self._perform(self.core.on_tick(self.now))
+
+    def send(self, identity: bytes, header: Header, body: Any = None) -> None:
+        self._perform(self.core.on_message(identity, Message(header, body), self.now))
+
+    def _perform(self, effects: list[Effect]) -> None:
+        """What the socket loop does: deliver sends, report peers that are gone, run probes."""
+        while effects:
+            more: list[Effect] = []
+            for effect in effects:
+                if effect.identity in self.gone:
+                    more += self.core.on_peer_gone(effect.identity, "send failed", self.now)
+                elif isinstance(effect, Send):
+                    self.inbox.setdefault(effect.identity, []).append(decode(effect.frame, FROM_COORDINATOR))
+                if isinstance(effect, Probe) and effect.hello is not None:
+                    more += self.core.on_hello_after_probe(*effect.hello, self.now)
+            effects = more
+
+    # -- peers
+
+    def engine(self, identity: bytes, group: int | None = None, capacity: int = 8, **info: Any) -> str:
+        """Register an engine; returns its engine id."""
+        self.send(identity, Header.HELLO, Hello(role="engine", engine_group=group, capacity=capacity,
+                                                info={"kv_blocks_total": 64, **info}, protocol=2))
+        ack = self.take(identity, Header.HELLO_ACK)[-1]
+        return ack.engine_id
+
+    def client(self, identity: bytes, client_id: str = "c1") -> None:
+        self.send(identity, Header.HELLO, Hello(role="client", client_id=client_id, acks=True, protocol=2))
+        self.take(identity, Header.HELLO_ACK)
+
+    # -- outputs
+
+    def take(self, identity: bytes, header: Header | None = None) -> list[Any]:
+        """Bodies ``identity`` received since the last take (of ``header`` only, if given); BATCHes opened."""
+        messages = []
+        for message in self.inbox.pop(identity, []):
+            messages += list(unbatch(message.body, FROM_COORDINATOR)) if message.header is Header.BATCH else [message]
+        kept = [m for m in messages if header is not None and m.header is not header]
+        if kept:
+            self.inbox[identity] = kept
+        return [m.body for m in messages if header is None or m.header is header]

@@ -1,0 +1,220 @@
+"""The coordinator's core without sockets: requests, engine loss, verb deadlines, refit, handshake."""
+
+from __future__ import annotations
+
+import msgspec
+
+from megatron_serve.messages import (ClientAbort, Control, ControlAck, EngineStep, Heartbeat, Refit, ResultAck,
+                                     Status, StepOutput, Submit)
+from megatron_serve.protocol import Header
+
+from .core_harness import CoreHarness
+
+C, E1, E2 = b"client", b"engine-1", b"engine-2"
+
+
+def submit(h: CoreHarness, crid: str, tokens: int = 3, stream: bool = False, prompt: list[int] | None = None) -> None:
+    params = msgspec.msgpack.encode({"num_tokens_to_generate": tokens})
+    h.send(C, Header.SUBMIT, Submit(client_request_id=crid, prompt=prompt or [1, 2, 3],
+                                    sampling_params=msgspec.Raw(params), stream=stream))
+
+
+def step(h: CoreHarness, identity: bytes, engine_id: str, request_id: str, tokens: list[int], finished: bool = False,
+         record: dict | None = None) -> None:
+    out = StepOutput(request_id=request_id, new_tokens=tokens, finished=finished,
+                     request=msgspec.Raw(msgspec.msgpack.encode(record)) if record is not None else msgspec.UNSET)
+    h.send(identity, Header.ENGINE_STEP, EngineStep(engine_id=engine_id,
+                                                    outputs=[msgspec.Raw(msgspec.msgpack.encode(out))]))
+
+
+def final_record(submitted: dict, tokens: list[int]) -> dict:
+    return {**submitted, "generated_tokens": tokens, "status": "COMPLETED", "finish_reason": "length",
+            "generated_text": "t"}
+
+
+def status(h: CoreHarness) -> msgspec.Struct:
+    return h.core.status(Status())
+
+
+def test_requests_are_dispatched_finished_once_and_forgotten_on_ack():
+    h = CoreHarness()
+    h.client(C)
+    e1 = h.engine(E1, group=0)
+    for i in range(3):
+        submit(h, f"r{i}")
+    submitted = [b.request for b in h.take(E1, Header.ENGINE_SUBMIT)]
+    assert [r["request_id"] for r in submitted] == ["c1/r0", "c1/r1", "c1/r2"]
+    assert submitted[0]["sampling_params"] == {"num_tokens_to_generate": 3}  # the client's bytes, forwarded
+    step(h, E1, e1, "c1/r0", [5, 6, 7], finished=True, record=final_record(submitted[0], [5, 6, 7]))
+    step(h, E1, e1, "c1/r0", [8], finished=True, record=final_record(submitted[0], [8]))  # late duplicate
+    results = h.take(C, Header.RESULT)
+    assert len(results) == 1 and results[0].client_request_id == "r0"
+    assert results[0].request["request_id"] == "r0" and results[0].request["generated_tokens"] == [5, 6, 7]
+    reply = status(h)
+    assert (reply.completed, reply.in_flight, reply.queued) == (1, 2, 0) and h.core.stale_outputs == 1
+    h.send(C, Header.RESULT_ACK, ResultAck(client_request_ids=["r0"]))
+    assert h.core.requests.get("c1/r0") is None and len(h.core.requests) == 2
+
+
+def test_a_lost_engine_hands_its_requests_to_another_which_continues_from_the_mirrored_tokens():
+    h = CoreHarness()
+    h.client(C)
+    e1 = h.engine(E1, group=0, capacity=1)
+    submit(h, "r", tokens=4, stream=True)
+    assert h.take(E1, Header.ENGINE_SUBMIT)
+    step(h, E1, e1, "c1/r", [11])
+    step(h, E1, e1, "c1/r", [12])
+    assert [t.new_tokens for t in h.take(C, Header.TOKENS)] == [[11], [12]]
+    e2 = h.engine(E2, group=1, capacity=1)
+    h.gone.add(E1)
+    h.send(C, Header.STATUS, Status(status_id=1))  # any input; the probe of the closed connection:
+    h._perform(h.core.on_peer_gone(E1, "connection closed", h.now))
+    moved = h.take(E2, Header.ENGINE_SUBMIT)[0].request
+    assert moved["generated_tokens"] == [11, 12] and moved["events"][-1]["type"] == "EVICT"
+    step(h, E1, e1, "c1/r", [99], finished=True)  # the lost engine's output never counts
+    step(h, E2, e2, "c1/r", [13])
+    step(h, E2, e2, "c1/r", [14], finished=True, record=final_record(moved, [11, 12, 13, 14]))
+    assert [t.new_tokens for t in h.take(C, Header.TOKENS)] == [[13], [14]]
+    assert [r.request["generated_tokens"] for r in h.take(C, Header.RESULT)] == [[11, 12, 13, 14]]
+
+
+def test_a_verb_step_that_an_engine_never_acknowledges_completes_without_it_after_its_deadline():
+    h = CoreHarness(verb_timeout=5.0)
+    h.client(C)
+    e1, e2 = h.engine(E1, group=0), h.engine(E2, group=1)
+    submit(h, "r")
+    hung = E1 if h.take(E1, Header.ENGINE_SUBMIT) else E2
+    hung_id, healthy, healthy_id = (e1, E2, e2) if hung == E1 else (e2, E1, e1)
+    h.send(C, Header.PAUSE, Control(control_id="p"))
+    assert [b.control_id for b in h.take(healthy, Header.PAUSE)] == ["p#0"]
+    h.send(healthy, Header.CONTROL_ACK, ControlAck(control_id="p#0", state="PAUSED"))
+    h.advance(4.0)
+    assert not h.take(C, Header.CONTROL_ACK)  # still within the deadline
+    h.send(hung, Header.HEARTBEAT, Heartbeat(engine_id=hung_id))  # its heartbeat thread lives on
+    h.advance(2.0)
+    ack = h.take(C, Header.CONTROL_ACK)[0]
+    assert ack.state == "PAUSED" and ack.detail["unresponsive"] == [hung_id]
+    assert "lost" in ack.detail["engines"][hung_id]
+    assert [e["id"] for e in status(h).engines] == [healthy_id]
+    assert status(h).queued == 1  # its request waits for the fleet to run again
+    h.send(hung, Header.HEARTBEAT, Heartbeat(engine_id=hung_id))
+    assert h.take(hung, Header.HEARTBEAT) and [e["id"] for e in status(h).engines] == [healthy_id]
+    h.send(hung, Header.CONTROL_ACK, ControlAck(control_id="p#0", state="PAUSED"))  # its step loop is back
+    assert h.take(hung, Header.ERROR)[0].code == "hello_required"
+    h.send(C, Header.UNPAUSE, Control(control_id="u"))
+    h.send(healthy, Header.CONTROL_ACK, ControlAck(control_id="u#0", state="RUNNING"))
+    assert h.take(healthy, Header.ENGINE_SUBMIT)[0].request["request_id"] == "c1/r"
+
+
+def test_refit_verifies_everywhere_before_any_engine_loads_and_the_load_gets_the_weights_deadline():
+    h = CoreHarness(verb_timeout=5.0, weights_timeout=100.0, heartbeat_timeout=1000.0)
+    h.client(C)
+    e1, e2 = h.engine(E1, group=0), h.engine(E2, group=1)
+    h.send(C, Header.REFIT, Refit(control_id="early", source="/w1"))
+    assert h.take(C, Header.ERROR)[0].code == "illegal_transition"  # RUNNING: PAUSE first
+    h.send(C, Header.PAUSE, Control(control_id="p"))
+    for peer in (E1, E2):
+        h.send(peer, Header.CONTROL_ACK, ControlAck(control_id="p#0", state="PAUSED"))
+    h.take(C, Header.CONTROL_ACK)
+
+    h.send(C, Header.REFIT, Refit(control_id="bad", source="/other-shapes"))
+    assert [b.phase for b in h.take(E1, Header.REFIT)] == ["verify"]
+    h.send(E1, Header.CONTROL_ACK, ControlAck(control_id="bad#0", state="PAUSED", detail={"error": "shape"}))
+    h.send(E2, Header.CONTROL_ACK, ControlAck(control_id="bad#0", state="PAUSED", detail={"verified_s": 0.1}))
+    error = h.take(C, Header.ERROR)[0]
+    assert error.code == "refit_failed" and e1 in error.message
+    assert [b.phase for b in h.take(E2, Header.REFIT)] == ["verify"]  # and never a load
+    assert h.core.epoch == 0
+
+    h.send(C, Header.REFIT, Refit(control_id="good", source="/w1"))
+    for peer in (E1, E2):
+        assert h.take(peer, Header.REFIT)[0].phase == "verify"
+        h.send(peer, Header.CONTROL_ACK, ControlAck(control_id="good#0", state="PAUSED"))
+    for peer in (E1, E2):
+        load = h.take(peer, Header.REFIT)[0]
+        assert (load.phase, load.epoch, load.source) == ("load", 1, "/w1")
+    h.send(E1, Header.CONTROL_ACK, ControlAck(control_id="good#1", state="PAUSED", detail={"load_s": 2.0}))
+    h.advance(50.0)  # far beyond the verb deadline, within the weights deadline: E2 is still loading
+    assert not h.take(C, Header.CONTROL_ACK) and len(status(h).engines) == 2
+    h.send(E2, Header.CONTROL_ACK, ControlAck(control_id="good#1", state="PAUSED", detail={"load_s": 40.0}))
+    ack = h.take(C, Header.CONTROL_ACK)[0]
+    assert ack.detail["epoch"] == 1 and ack.detail["source"] == "/w1" and set(ack.detail["engines"]) == {e1, e2}
+    assert status(h).epoch == 1 and status(h).epoch_mismatch == []
+
+
+def test_illegal_transitions_are_refused_by_the_table_and_noops_still_acknowledge():
+    h = CoreHarness()
+    h.client(C)
+    h.engine(E1)
+    h.send(C, Header.SUSPEND, Control(control_id="s"))  # from RUNNING: PAUSE then SUSPEND
+    assert h.take(E1, Header.PAUSE)
+    h.send(E1, Header.CONTROL_ACK, ControlAck(control_id="s#0", state="PAUSED"))
+    assert h.take(E1, Header.SUSPEND)
+    h.send(E1, Header.CONTROL_ACK, ControlAck(control_id="s#1", state="SUSPENDED"))
+    assert h.take(C, Header.CONTROL_ACK)[0].state == "SUSPENDED"
+    h.send(C, Header.UNPAUSE, Control(control_id="u"))
+    error = h.take(C, Header.ERROR)[0]
+    assert error.code == "illegal_transition" and "RESUME first" in error.message
+    h.send(C, Header.PAUSE, Control(control_id="p"))  # no engine step: already not stepping
+    ack = h.take(C, Header.CONTROL_ACK)[0]
+    assert ack.state == "SUSPENDED" and ack.detail["noop"] and not h.take(E1, Header.PAUSE)
+
+
+def test_a_group_held_by_a_live_engine_is_refused_and_one_held_by_a_gone_engine_is_taken_over():
+    h = CoreHarness()
+    first = h.engine(E1, group=0)
+    h.send(E2, Header.HELLO, msgspec.convert({"role": "engine", "engine_group": 0}, type=_hello()))
+    assert h.take(E2, Header.ERROR)[0].code == "group_in_use"
+    h.gone.add(E1)  # its process restarted: the probe finds the old connection gone
+    second = h.engine(E2, group=0)
+    assert second != first and [e["id"] for e in status(h).engines] == [second]
+
+
+def test_a_stalled_step_loop_loses_its_requests_while_a_slow_one_keeps_them():
+    h = CoreHarness(stall_timeout=30.0)
+    h.client(C)
+    e1 = h.engine(E1, group=0)
+    h.send(E1, Header.HEARTBEAT, Heartbeat(engine_id=e1, progress=1))
+    submit(h, "r")
+    for _ in range(4):  # heartbeats keep coming, the counter moves: slow, not stalled
+        h.advance(10.0)
+        h.send(E1, Header.HEARTBEAT, Heartbeat(engine_id=e1, progress=h.core.engines[e1].progress + 1))
+    assert e1 in h.core.engines
+    stuck = h.core.engines[e1].progress
+    for _ in range(3):  # the counter stops
+        h.advance(10.0)
+        h.send(E1, Header.HEARTBEAT, Heartbeat(engine_id=e1, progress=stuck))
+    assert e1 in h.core.engines  # 30 s: not yet
+    h.advance(10.0)
+    assert e1 not in h.core.engines and status(h).queued == 1
+
+
+def test_an_aborted_request_is_answered_at_once_and_its_engine_told():
+    h = CoreHarness()
+    h.client(C)
+    h.engine(E1)
+    submit(h, "r")
+    h.take(E1)
+    h.send(C, Header.ABORT, ClientAbort(client_request_id="r"))
+    assert h.take(E1, Header.ABORT)[0].request_id == "c1/r"
+    result = h.take(C, Header.RESULT)[0].request
+    assert (result["status"], result["finish_reason"]) == ("FAILED", "abort")
+
+
+def _hello() -> type:
+    from megatron_serve.messages import Hello
+
+    return Hello
+
+
+def test_mirrored_tokens_keep_their_epochs_and_unknown_ones_are_minus_one():
+    h = CoreHarness()
+    h.client(C)
+    e1 = h.engine(E1)
+    submit(h, "r", tokens=5)
+    h.take(E1)
+    out = StepOutput(request_id="c1/r", new_tokens=[4, 5], finished=False, epochs=[[3, 3], [2, 3]])
+    h.send(E1, Header.ENGINE_STEP, EngineStep(engine_id=e1, outputs=[msgspec.Raw(msgspec.msgpack.encode(out))]))
+    step(h, E1, e1, "c1/r", [6])  # an engine that does not report them
+    record = h.core.requests.get("c1/r")
+    assert record.policy_epochs == [3, 3, -1] and record.kv_epochs == [2, 3, -1]
