@@ -3,7 +3,7 @@
 Two modes behind one interface:
 
 * **direct** (``use_coordinator=False``): one engine in this process, stepped by a dedicated thread
-  (:class:`_EngineThread`) so that the event loop never blocks on the model. The engine is not
+  (:class:`~megatron_serve.local_engine.EngineThread`) so that the event loop never blocks on the model. The engine is not
   thread-safe, so every engine call — tokenization included — happens on that thread.
 * **coordinator** (``use_coordinator=True``): an :class:`~megatron_serve.client.InferenceClient`
   on the caller's loop. Without ``coordinator_address`` the object starts its own coordinator and
@@ -24,12 +24,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import queue
-import threading
 import time
-import uuid
 from pathlib import Path
-from typing import Any, AsyncIterator
+from typing import TYPE_CHECKING, Any, AsyncIterator
 
 from .client import InferenceClient, StreamPartial
 from .config import InferenceConfig
@@ -39,143 +36,10 @@ from .request import DynamicInferenceRequest
 from .sampling_params import SamplingParams
 from .streams import iterate_stream
 
+if TYPE_CHECKING:
+    from .local_engine import EngineThread
+
 logger = logging.getLogger("megatron_serve.async_llm")
-
-
-def direct_refit_answer(source: str, timings: dict[str, Any]) -> dict[str, Any]:
-    """A direct-mode refit in the shape of the coordinator's acknowledgement (one engine, ``local``)."""
-    facts = {k: v for k, v in timings.items() if k != "epoch"}
-    facts.update(epoch=int(timings["epoch"]), source=source)
-    return {"state": "RUNNING", "detail": {"epoch": int(timings["epoch"]), "source": source, "noop": False,
-                                           "engines": {"local": facts}}}
-
-
-def _settle(future: asyncio.Future, result: Any = None, exc: BaseException | None = None) -> None:
-    if future.done():
-        return
-    if exc is not None:
-        future.set_exception(exc)
-    else:
-        future.set_result(result)
-
-
-class _EngineThread:
-    """Steps a direct-mode engine on its own thread and resolves asyncio futures on their loop."""
-
-    def __init__(self, engine: Any) -> None:
-        self.engine = engine
-        self._commands: queue.Queue[tuple[Any, ...]] = queue.Queue()
-        self._waiters: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Future, asyncio.Queue | None]] = {}
-        self._thread = threading.Thread(target=self._main, name="megatron-engine", daemon=True)
-        self._started = False
-
-    def start(self) -> None:
-        if not self._started:
-            self._started = True
-            self._thread.start()
-
-    def submit(self, prompt: Prompt, params: SamplingParams, stream: bool
-               ) -> tuple[str, asyncio.Future, asyncio.Queue | None]:
-        loop = asyncio.get_running_loop()
-        request_id = uuid.uuid4().hex
-        future = loop.create_future()
-        items: asyncio.Queue | None = asyncio.Queue() if stream else None
-        self._commands.put(("add", request_id, prompt, params, loop, future, items))
-        return request_id, future, items
-
-    def abort(self, request_id: str) -> None:
-        self._commands.put(("abort", request_id))
-
-    def refit(self, source: str, epoch: int | None) -> asyncio.Future:
-        """Refit the engine between two steps; the future resolves to its timings (or its error)."""
-        loop = asyncio.get_running_loop()
-        future = loop.create_future()
-        self._commands.put(("refit", source, epoch, loop, future))
-        return future
-
-    def close(self, timeout: float = 30.0) -> None:
-        if self._started and self._thread.is_alive():
-            self._commands.put(("close",))
-            self._thread.join(timeout)
-
-    def _post(self, request_id: str, item: Any, final: bool) -> None:
-        entry = self._waiters.pop(request_id, None) if final else self._waiters.get(request_id)
-        if entry is None:
-            return
-        loop, future, items = entry
-        try:
-            if items is not None:
-                loop.call_soon_threadsafe(items.put_nowait, item)
-            if final:
-                if isinstance(item, BaseException):
-                    loop.call_soon_threadsafe(_settle, future, None, item)
-                else:
-                    loop.call_soon_threadsafe(_settle, future, item)
-        except RuntimeError:  # the caller's loop is closed: nobody is waiting any more
-            pass
-
-    def _main(self) -> None:
-        engine = self.engine
-        while True:
-            block = not engine.has_unfinished_requests()
-            while True:
-                try:
-                    command = self._commands.get(block=block)
-                except queue.Empty:
-                    break
-                block = False
-                if command[0] == "close":
-                    for request_id in list(self._waiters):
-                        self._post(request_id, ConnectionError("MegatronAsyncLLM was shut down"), final=True)
-                    engine.shutdown()  # stops tensor-parallel followers, if any
-                    return
-                self._apply(command)
-            if not engine.has_unfinished_requests():
-                continue
-            try:
-                outputs = engine.step()
-            except Exception as exc:  # fail what was running; the engine stays usable for new work
-                logger.exception("engine step failed")
-                for request in engine.take_unfinished_requests():
-                    self._post(request.request_id, RuntimeError(f"engine step failed: {exc}"), final=True)
-                continue
-            for out in outputs:
-                request_id = out.request.request_id
-                entry = self._waiters.get(request_id)
-                if entry is not None and entry[2] is not None and (out.new_tokens or out.new_text):
-                    self._post(request_id, StreamPartial(request_id, list(out.new_tokens), out.new_text,
-                                                         list(out.new_log_probs),
-                                                         new_top_logprobs=list(out.new_top_logprobs)), final=False)
-                if out.finished:
-                    self._post(request_id, out.request, final=True)
-
-    def _apply(self, command: tuple[Any, ...]) -> None:
-        if command[0] == "refit":
-            _, source, epoch, loop, future = command
-            try:
-                result, exc = self.engine.refit(source, epoch), None
-            except Exception as error:  # noqa: BLE001 - handed to the caller
-                result, exc = None, error
-            try:
-                loop.call_soon_threadsafe(_settle, future, result, exc)
-            except RuntimeError:  # the caller's loop is closed
-                pass
-            return
-        if command[0] == "abort":
-            request = self.engine.abort_request(command[1])
-            if request is not None:
-                self._post(command[1], request, final=True)
-            return
-        _, request_id, prompt, params, loop, future, items = command
-        self._waiters[request_id] = (loop, future, items)
-        try:
-            tokens = self.engine.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        except Exception as exc:
-            self._post(request_id, ValueError(f"cannot tokenize the prompt: {exc}"), final=True)
-            return
-        request = DynamicInferenceRequest(request_id=request_id, prompt=prompt if isinstance(prompt, str) else None,
-                                          prompt_tokens=tokens, sampling_params=params)
-        self.engine.add_request(request)  # a bad request fails alone and comes back from step()
 
 
 class MegatronAsyncLLM:
@@ -200,7 +64,7 @@ class MegatronAsyncLLM:
         self._tokenizer = tokenizer
         self._client: InferenceClient | None = None
         self._fleet: LocalFleet | None = None
-        self._engine_thread: _EngineThread | None = None
+        self._engine_thread: "EngineThread | None" = None
         self._start_lock: asyncio.Lock | None = None
         self._closed = False
         if self.use_coordinator:
@@ -210,11 +74,11 @@ class MegatronAsyncLLM:
             if self.num_engines < 1:
                 raise ValueError(f"num_engines must be >= 1, got {num_engines}")
         else:
-            from .llm import build_engine  # noqa: PLC0415 - torch only when an engine lives here
+            from .local_engine import EngineThread, build_engine  # noqa: PLC0415 - torch only when an engine lives here
 
             self.engine = build_engine(model, inference_config, tokenizer)
             self._tokenizer = self.engine.tokenizer
-            self._engine_thread = _EngineThread(self.engine)
+            self._engine_thread = EngineThread(self.engine)
 
     @property
     def tokenizer(self) -> Any:
@@ -388,6 +252,8 @@ class MegatronAsyncLLM:
         await self._ensure_started()
         if self.use_coordinator:
             return await self._client.refit(source, epoch)
+        from .local_engine import direct_refit_answer  # noqa: PLC0415 - torch only when an engine lives here
+
         timings = await self._engine_thread.refit(source, epoch)
         return direct_refit_answer(source, timings)
 

@@ -13,9 +13,10 @@ from pathlib import Path
 import torch
 
 from .config import InferenceConfig
+from .engine_setup import build_kv_pool, default_dtype, max_sequence_length_for
 from .detokenizer import IncrementalDetokenizer
 from .engine_stats import EngineStats
-from .kv_cache import BlockAllocator, KVCachePool, blocks_for_tokens
+from .kv_cache import BlockAllocator, blocks_for_tokens
 from .model.config import ModelConfig
 from .model.llama import LlamaForCausalLM
 from .model.loader import iterate_checkpoint, load_model, load_weights, verify_checkpoint
@@ -30,7 +31,6 @@ from .tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 
-CPU_KV_BUDGET_BYTES = 1 << 30  # host memory is shared with everything else: a fixed budget, not "free memory"
 
 
 @dataclass
@@ -43,49 +43,6 @@ class StepOutput:
     new_log_probs: list[float]
     finished: bool
     new_top_logprobs: list[dict[int, float]] = field(default_factory=list)
-
-
-def default_dtype(config: InferenceConfig, model_config: ModelConfig) -> torch.dtype:
-    """float32 on CPU (bf16 matmuls are slow there); the checkpoint's dtype, else bfloat16, on a GPU."""
-    if config.dtype is not None:
-        return config.dtype
-    if not str(config.device).startswith("cuda"):
-        return torch.float32
-    return {"float16": torch.float16, "float32": torch.float32}.get(model_config.torch_dtype or "", torch.bfloat16)
-
-
-def max_sequence_length_for(model_config: ModelConfig, config: InferenceConfig) -> int:
-    limit = model_config.max_context
-    requested = config.max_sequence_length
-    if requested is None:
-        return limit
-    if requested > limit:
-        raise ValueError(f"max_sequence_length={requested} exceeds what the model attends over ({limit})")
-    return requested
-
-
-def build_kv_pool(model: LlamaForCausalLM, config: InferenceConfig, max_sequence_length: int,
-                  device: torch.device) -> KVCachePool:
-    """The KV pool, sized by ``num_kv_blocks`` or by memory; tensor-parallel ranks agree on the smallest."""
-    from .tensor_parallel import agree_on_min  # noqa: PLC0415 - torch.distributed only when needed
-
-    mc = model.config
-    dtype = next(model.parameters()).dtype
-    block_size = config.block_size_tokens
-    num_blocks = config.num_kv_blocks
-    if num_blocks is None:
-        per_block = KVCachePool.bytes_per_block(mc.num_layers, block_size, model.num_local_kv_heads, mc.head_dim, dtype)
-        if device.type == "cuda":
-            free, total = torch.cuda.mem_get_info(device)
-            budget = int(total * config.kv_cache_memory_fraction) - (total - free)
-        else:
-            budget = int(CPU_KV_BUDGET_BYTES * config.kv_cache_memory_fraction)
-        needed = config.max_requests * blocks_for_tokens(max_sequence_length, block_size)
-        num_blocks = min(budget // per_block, needed)
-        if num_blocks < 1:
-            raise ValueError("no memory left for the KV cache: use a smaller model or raise kv_cache_memory_fraction")
-    num_blocks = agree_on_min(num_blocks, model.tp)
-    return KVCachePool(mc.num_layers, num_blocks, block_size, model.num_local_kv_heads, mc.head_dim, dtype, device)
 
 
 class DynamicInferenceEngine:

@@ -11,39 +11,12 @@ import os
 from pathlib import Path
 
 from .config import InferenceConfig
-from .engine import DynamicInferenceEngine
+from .local_engine import build_engine, direct_refit_answer, make_requests
 from .model.llama import LlamaForCausalLM
 from .prompts import PromptInput, normalize_prompts
 from .request import DynamicInferenceRequest
 from .sampling_params import SamplingParams
 from .tokenizer import Tokenizer
-
-
-def build_engine(model: str | Path | LlamaForCausalLM, inference_config: InferenceConfig | None,
-                 tokenizer: Tokenizer | str | Path | None) -> DynamicInferenceEngine:
-    """An engine from a model directory, or from an already built model plus its tokenizer."""
-    config = inference_config or InferenceConfig()
-    if isinstance(model, (str, Path)):
-        return DynamicInferenceEngine.from_model_dir(model, config)
-    if not isinstance(model, LlamaForCausalLM):
-        raise TypeError(f"model must be a model directory or a LlamaForCausalLM, got {type(model).__name__}")
-    if tokenizer is None:
-        raise ValueError("a model object needs tokenizer= (a Tokenizer or a directory holding tokenizer files)")
-    if not isinstance(tokenizer, Tokenizer):
-        tokenizer = Tokenizer.from_pretrained(tokenizer)
-    return DynamicInferenceEngine(model, tokenizer, config)
-
-
-def make_requests(prompts: list, sampling_params: SamplingParams, tokenizer: Tokenizer,
-                  ids: "itertools.count[int]") -> list[DynamicInferenceRequest]:
-    requests = []
-    for prompt in prompts:
-        tokens = tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        requests.append(DynamicInferenceRequest(
-            request_id=str(next(ids)), prompt=prompt if isinstance(prompt, str) else None,
-            prompt_tokens=tokens, sampling_params=sampling_params,
-        ))
-    return requests
 
 
 class MegatronLLM:
@@ -137,8 +110,6 @@ class MegatronLLM:
             return self._lifecycle("refit", source, epoch)
         if self.engine is None:
             raise RuntimeError("this MegatronLLM was closed")
-        from .async_llm import direct_refit_answer  # noqa: PLC0415
-
         source = os.fspath(source)
         return direct_refit_answer(source, self.engine.refit(source, epoch))
 

@@ -29,6 +29,7 @@ from .cuda_graphs import DecodeGraphs, decode_graphs_for
 from .errors import EngineGroupLost
 from .model.loader import iterate_checkpoint, load_model, load_weights, verify_checkpoint
 from .model.parallel import TensorParallel
+from .engine_setup import build_kv_pool, default_dtype, max_sequence_length_for
 from .model_runner import ModelRunner, StepPlan, plan_step
 
 logger = logging.getLogger(__name__)
@@ -93,17 +94,6 @@ def join_group(placement: Placement, rank: int, device: torch.device) -> TensorP
             f"(are all {placement.world_size} ranks started?): {exc}"
         ) from exc
     return TensorParallel(rank=rank, size=placement.world_size, group=dist.group.WORLD)
-
-
-def agree_on_min(value: int, tp: TensorParallel) -> int:
-    """The smallest ``value`` over the group: every rank must size its KV pool identically."""
-    if tp.size == 1:
-        return value
-    tensor = torch.tensor([value], dtype=torch.int64)
-    if dist.get_backend(tp.group) == "nccl":
-        tensor = tensor.cuda()
-    dist.all_reduce(tensor, op=dist.ReduceOp.MIN, group=tp.group)
-    return int(tensor.item())
 
 
 class TensorParallelRunner(ModelRunner):
@@ -177,7 +167,6 @@ def spawn_local_workers(model_dir: str, config: InferenceConfig, placement: Plac
 
 def run_worker(model_dir: str, config_dict: dict, placement: Placement, rank: int, local_index: int) -> None:
     """A rank other than 0: load its slice, mirror rank 0's KV pool, and follow its broadcasts until stop."""
-    from .engine import build_kv_pool, default_dtype, max_sequence_length_for  # noqa: PLC0415 - avoid a cycle
     from .model.config import ModelConfig  # noqa: PLC0415
 
     config = InferenceConfig(**config_dict)

@@ -32,7 +32,7 @@ def config(**overrides) -> InferenceConfig:
 
 def generate_each(llm: MegatronLLM, prompts: list[str], params: list[SamplingParams]):
     """Submit every prompt with its own parameters, step until all finish; requests in input order."""
-    from megatron_serve.llm import make_requests  # noqa: PLC0415
+    from megatron_serve.local_engine import make_requests  # noqa: PLC0415
 
     requests = [make_requests([p], sp, llm.tokenizer, llm._ids)[0] for p, sp in zip(prompts, params)]
     for request in requests:
@@ -122,7 +122,7 @@ def test_suspend_releases_graphs_and_resume_captures_them_over_the_new_pool(tiny
 
 
 def generate_each_partially(llm: MegatronLLM, steps: int):
-    from megatron_serve.llm import make_requests  # noqa: PLC0415
+    from megatron_serve.local_engine import make_requests  # noqa: PLC0415
 
     requests = make_requests(PROMPTS, GREEDY, llm.tokenizer, llm._ids)
     for request in requests:
