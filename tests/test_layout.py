@@ -79,3 +79,19 @@ def test_no_module_in_runtime_or_operator_is_oversized():
     oversized = {name: n for name, path in _modules().items()
                  if not name.startswith("megatron_kernels") and (n := len(path.read_text().splitlines())) > MAX_LINES}
     assert not oversized, f"modules over {MAX_LINES} lines (split them by job): {oversized}"
+
+
+def test_library_modules_do_not_import_cli_code():
+    """Only the command line (``cli``, ``commands``) imports the command line: the library (``LocalFleet``
+    included) works without it, and the operator package only imports what it runs (its own CLI aside)."""
+    modules = _modules()
+    cli = ("megatron_serve.cli", "megatron_serve.commands", "megatron_operator.cli", "megatron_operator.commands",
+           "megatron_operator.__main__")
+
+    def is_cli(module: str) -> bool:
+        return any(module == c or module.startswith(c + ".") for c in cli)
+
+    offenders = {name: sorted(t for t in _imports(name, path, modules) if is_cli(t))
+                 for name, path in modules.items() if not is_cli(name)}
+    offenders = {name: targets for name, targets in offenders.items() if targets}
+    assert not offenders, f"library modules importing CLI code: {offenders}"

@@ -17,8 +17,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from .commands.options import TOKEN_ENV, inference_config_to_argv
 from .config import InferenceConfig
+from .fleet_argv import TOKEN_ENV, inference_config_to_argv
 
 logger = logging.getLogger("megatron_serve.local_fleet")
 
@@ -48,7 +48,10 @@ class LocalFleet:
         drain_timeout: float = 30.0,
         log_dir: str | os.PathLike | None = None,
         python: str = sys.executable,
+        engine_args: list[str] | None = None,
     ) -> None:
+        """``engine_args``: more flags for every engine (e.g. ``--tensor-parallel 2``), after the
+        ``inference_config`` ones."""
         if num_engines < 1:
             raise ValueError(f"num_engines must be >= 1, got {num_engines}")
         self.model_dir = str(model_dir)
@@ -61,6 +64,7 @@ class LocalFleet:
         self.heartbeat_timeout = heartbeat_timeout
         self.drain_timeout = drain_timeout
         self.python = python
+        self.engine_args = [*inference_config_to_argv(inference_config), *(engine_args or [])]
         self._own_log_dir = log_dir is None
         self.log_dir = Path(log_dir or tempfile.mkdtemp(prefix="megatron-fleet-"))
         self.log_dir.mkdir(parents=True, exist_ok=True)
@@ -101,21 +105,19 @@ class LocalFleet:
                 raise TimeoutError(f"the coordinator did not start within {timeout:.0f}s (log: {self.log_dir})")
             time.sleep(0.05)
         self.address = address_file.read_text().strip()
-        engine_args = inference_config_to_argv(self.inference_config) if self.inference_config else []
         for index in range(self.num_engines):
-            self.add_engine(group=index, extra=engine_args)
+            self.add_engine(group=index)
         logger.info("local fleet: coordinator at %s, %d engine(s) starting (logs in %s)", self.address,
                     self.num_engines, self.log_dir)
         return self.address
 
     def add_engine(self, group: int | None = None, extra: list[str] | None = None) -> subprocess.Popen:
-        """Start one more engine process (used by ``start()``, and by tests that replace engines)."""
+        """Start one more engine process (used by ``start()``, and by tests that replace engines);
+        ``extra``: its flags instead of the fleet's ``engine_args``."""
         if self.address is None:
             raise RuntimeError("start() the fleet first")
-        if extra is None:
-            extra = inference_config_to_argv(self.inference_config) if self.inference_config else []
         args = ["engine", "--model", self.model_dir, "--coordinator", self.address,
-                "--drain-timeout", str(self.drain_timeout), *extra]
+                "--drain-timeout", str(self.drain_timeout), *(self.engine_args if extra is None else extra)]
         if group is not None:
             args += ["--group", str(group)]
         proc = self._spawn(args, f"engine-{len(self.engines)}.log")

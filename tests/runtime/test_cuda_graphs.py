@@ -209,7 +209,7 @@ def test_cuda_graphs_flag_round_trips_through_engine_argv():
     import argparse  # noqa: PLC0415
 
     from megatron_serve.commands.engine_options import add_engine_options, inference_config_from_args  # noqa: PLC0415
-    from megatron_serve.commands.options import inference_config_to_argv  # noqa: PLC0415
+    from megatron_serve.fleet_argv import inference_config_to_argv  # noqa: PLC0415
 
     parser = argparse.ArgumentParser()
     add_engine_options(parser)

@@ -159,22 +159,12 @@ class _Stack:
     async def _start_fleet(self) -> None:
         from ..client import InferenceClient  # noqa: PLC0415
         from ..local_fleet import LocalFleet  # noqa: PLC0415
-        from .options import inference_config_to_argv  # noqa: PLC0415
 
         args = self.args
         tp_args = ["--tensor-parallel", str(args.tensor_parallel)] if args.tensor_parallel > 1 else []
-
-        class _Fleet(LocalFleet):
-            """LocalFleet whose engines also get ``--tensor-parallel`` (not an ``InferenceConfig`` flag)."""
-
-            def add_engine(self, group: int | None = None, extra: list[str] | None = None) -> Any:
-                if extra is None:
-                    extra = inference_config_to_argv(self.inference_config) if self.inference_config else []
-                return super().add_engine(group, [*extra, *tp_args])
-
-        self.fleet = _Fleet(args.model, args.engines, self.config, host="127.0.0.1", port=args.coordinator_port,
-                            token=self.token, routing=args.routing, drain_timeout=args.drain_timeout,
-                            log_dir=args.log_dir)
+        self.fleet = LocalFleet(args.model, args.engines, self.config, host="127.0.0.1", port=args.coordinator_port,
+                                token=self.token, routing=args.routing, drain_timeout=args.drain_timeout,
+                                log_dir=args.log_dir, engine_args=tp_args)
         started = time.monotonic()
         try:
             address = await asyncio.to_thread(self.fleet.start, 60.0)

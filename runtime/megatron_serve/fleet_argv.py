@@ -1,0 +1,52 @@
+"""The command lines of fleet processes started from Python: an ``InferenceConfig`` as engine flags.
+
+``LocalFleet`` (and ``megatron-serve run`` through it) start real ``megatron-serve coordinator`` and
+``megatron-serve engine`` processes; this module is what they need to build those commands, so that
+the library never imports CLI code. :func:`inference_config_to_argv` is the inverse of
+:func:`megatron_serve.commands.engine_options.inference_config_from_args` (a test checks the round
+trip). The shared token travels in the environment (:data:`TOKEN_ENV`), never on a command line
+where ``ps`` would show it. Standard library only: the coordinator and ``control`` do not import torch.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # importing config imports torch
+    from .config import InferenceConfig
+
+TOKEN_ENV = "MEGATRON_SERVE_TOKEN"
+
+# engine option (flag dest) -> InferenceConfig field
+ENGINE_FIELDS = {
+    "dtype": "dtype",
+    "block_size": "block_size_tokens",
+    "num_kv_blocks": "num_kv_blocks",
+    "kv_cache_memory_fraction": "kv_cache_memory_fraction",
+    "max_batch_tokens": "max_batch_tokens",
+    "max_requests": "max_requests",
+    "max_sequence_length": "max_sequence_length",
+    "prefix_caching": "enable_prefix_caching",
+    "cuda_graphs": "enable_cuda_graphs",
+    "device": "device",
+    "seed": "seed",
+}
+
+
+def inference_config_to_argv(config: "InferenceConfig | None") -> list[str]:
+    """The engine flags that rebuild ``config`` in another process (none for ``None``)."""
+    argv: list[str] = []
+    if config is None:
+        return argv
+    for dest, name in ENGINE_FIELDS.items():
+        value = getattr(config, name)
+        if value is None:
+            continue
+        flag = "--" + dest.replace("_", "-")
+        if isinstance(value, bool):
+            argv.append(flag if value else "--no-" + dest.replace("_", "-"))
+        elif name == "dtype" and not isinstance(value, str):
+            argv += [flag, str(value).removeprefix("torch.")]  # torch.bfloat16 -> bfloat16
+        else:
+            argv += [flag, str(value)]
+    return argv
