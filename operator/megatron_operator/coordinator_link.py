@@ -160,3 +160,30 @@ async def open_link(address: str, token: str | None, timeout: float) -> Coordina
         raise
     except Exception as exc:
         raise CoordinatorUnavailable(f"cannot reach the coordinator at {address}: {_text(exc)}") from exc
+
+
+class LinkCache:
+    """One resource's open link, reused by the passes while its address and token stay the same."""
+
+    def __init__(self) -> None:
+        self._link: CoordinatorLink | None = None
+        self._key: tuple[str, str | None] | None = None
+
+    async def get(self, address: str, token: str | None, timeout: float) -> CoordinatorLink:
+        """The open link to ``address`` (opened now if there is none or it was for another address or
+        token); raises :class:`CoordinatorUnavailable`."""
+        if self._link is not None and self._key == (address, token):
+            return self._link
+        await self.drop()
+        self._link = await open_link(address, token, timeout)
+        self._key = (address, token)
+        return self._link
+
+    async def drop(self) -> None:
+        """Close the link (it failed, or the resource is gone): the next :meth:`get` opens a new one."""
+        link, self._link, self._key = self._link, None, None
+        if link is not None:
+            try:
+                await link.close()
+            except Exception:  # best effort
+                pass
