@@ -88,14 +88,7 @@ async def wait_for(predicate: Callable[[], Any], timeout: float = 20.0, what: st
 # --------------------------------------------------------------------------- fake coordinator
 
 class FakeCoordinator:
-    """The coordinator state machine of DESIGN section 5, behind the operator's link API."""
-
-    EDGES = {
-        "RUNNING": {"pause": "PAUSED", "stop": "STOPPED", "unpause": "RUNNING"},
-        "PAUSED": {"unpause": "RUNNING", "suspend": "SUSPENDED", "stop": "STOPPED", "pause": "PAUSED"},
-        "SUSPENDED": {"resume": "PAUSED", "stop": "STOPPED", "suspend": "SUSPENDED"},
-        "STOPPED": {"unpause": "RUNNING", "stop": "STOPPED"},
-    }
+    """The coordinator's lifecycle (the runtime's one table) behind the operator's link API."""
 
     def __init__(self, groups: Callable[[], list[int]], token: Callable[[], str | None]):
         self.state = "RUNNING"
@@ -168,12 +161,16 @@ class FakeLink:
     async def command(self, verb: str, timeout: float, drain_timeout: float | None = None) -> dict[str, Any]:
         from megatron_operator.coordinator_link import CoordinatorRejected
 
+        from megatron_serve.lifecycle import IllegalTransition, next_state
+
         self._check()
         c = self.coordinator
-        if verb not in c.EDGES[c.state]:
-            raise CoordinatorRejected(f"{verb.upper()} rejected: illegal transition from {c.state}")
+        try:
+            state = next_state(c.state, verb).value
+        except IllegalTransition as exc:
+            raise CoordinatorRejected(f"{verb.upper()} rejected: {exc}") from None
         c.commands.append(verb)
-        c.state = c.EDGES[c.state][verb]
+        c.state = state
         return {"state": c.state, "detail": {"engines": len(c.groups())}}
 
     async def close(self) -> None:

@@ -201,3 +201,59 @@ async def test_operator_command_runs_kopf_against_the_cluster(cluster):
         proc.terminate()
         out, _ = await asyncio.wait_for(proc.communicate(), 60)
     assert proc.returncode in (0, -15), out.decode()[-6000:]
+
+
+# --------------------------------------------------------------------------- the walk and the refit policy, no kopf
+
+def _fake_link():
+    from .helpers import FakeCoordinator
+
+    coordinator = FakeCoordinator(groups=lambda: [0, 1], token=lambda: "t")
+    return coordinator, asyncio.run(coordinator.open("tcp://c:5555", "t", 1.0))
+
+
+def test_walk_sends_one_acknowledged_verb_per_state_and_stops_at_a_failure():
+    from megatron_operator.lifecycle_walk import walk
+
+    coordinator, link = _fake_link()
+    done = asyncio.run(walk(link, "RUNNING", "SUSPENDED", command_timeout=5.0, drain_timeout=1.0))
+    assert coordinator.commands == ["pause", "suspend"] and done.state == "SUSPENDED" and not done.error
+    assert [e[2].split(" (")[0] for e in done.events] == ["PAUSE acknowledged: RUNNING -> PAUSED",
+                                                         "SUSPEND acknowledged: PAUSED -> SUSPENDED"]
+    coordinator.state = "STOPPED"  # stopped meanwhile (the walk goes by the state it was given): RESUME is refused
+    refused = asyncio.run(walk(link, "SUSPENDED", "RUNNING", command_timeout=5.0, drain_timeout=1.0))
+    assert refused.error and not refused.link_lost and refused.state == "SUSPENDED"
+    assert refused.events[-1][:2] == ("Warning", "LifecycleRejected")
+    coordinator.up = False
+    lost = asyncio.run(walk(link, "PAUSED", "RUNNING", command_timeout=5.0, drain_timeout=1.0))
+    assert lost.error and lost.link_lost and lost.state == "PAUSED"
+
+
+def _spec(path: str):
+    from megatron_operator.spec import parse
+
+    (resource,) = load_yaml(ROOT / "manifests" / "examples" / "single-gpu.yaml")
+    resource["metadata"] = {"name": "m", "namespace": NS}
+    resource["spec"]["model"]["path"] = path
+    return parse(resource)
+
+
+def test_refit_policy_refits_a_serving_fleet_in_place_and_rolls_pods_when_the_weights_are_refused():
+    from megatron_operator.refit_policy import recorded_model, sync_weights
+
+    coordinator, link = _fake_link()
+    old = recorded_model({}, _spec("/models/a"), None)
+    assert old == {"path": "/models/a", "epoch": 0, "templatePath": "/models/a"}
+    status_reply = asyncio.run(link.status(1.0))
+    done = asyncio.run(sync_weights(link, _spec("/models/b"), old, "RUNNING", status_reply, "RUNNING", 5.0))
+    assert coordinator.commands == ["pause", "refit", "unpause"] and coordinator.state == "RUNNING"
+    assert done.model["path"] == "/models/b" and done.model["epoch"] == 1 and done.model["templatePath"] == "/models/a"
+    assert done.events[0][1] == "Refitted"
+    coordinator.incompatible.add("/models/c")
+    refused = asyncio.run(sync_weights(link, _spec("/models/c"), done.model, "RUNNING", asyncio.run(link.status(1.0)),
+                                       "RUNNING", 5.0))
+    assert refused.model == {"path": "/models/c", "epoch": 0, "templatePath": "/models/c"}  # the pods roll
+    assert coordinator.state == "RUNNING" and refused.events[0][1] == "RefitFailed"
+    # nothing serving (no link): nothing decided until the coordinator answers
+    assert asyncio.run(sync_weights(None, _spec("/models/d"), done.model, None, None, "RUNNING", 5.0)).model == \
+        done.model
