@@ -1,45 +1,35 @@
 """``MegatronAsyncLLM``: the asyncio Python API (DESIGN section 4).
 
-Two modes behind one interface:
+Written once against the engine-client interface (:mod:`megatron_serve.engine_client`), whose
+implementation is chosen when the object is built:
 
-* **direct** (``use_coordinator=False``): one engine in this process, stepped by a dedicated thread
-  (:class:`~megatron_serve.local_engine.EngineThread`) so that the event loop never blocks on the model. The engine is not
-  thread-safe, so every engine call — tokenization included — happens on that thread.
-* **coordinator** (``use_coordinator=True``): an :class:`~megatron_serve.client.InferenceClient`
-  on the caller's loop. Without ``coordinator_address`` the object starts its own coordinator and
-  ``num_engines`` engine processes (:class:`~megatron_serve.local_fleet.LocalFleet`) and stops them
-  on :meth:`shutdown`; with an address it connects to that fleet and :meth:`shutdown` only
-  disconnects (it never stops a fleet it did not start; send :meth:`stop` for that).
+* **direct** (``use_coordinator=False``): one engine in this process, stepped by a thread of its
+  own (:class:`~megatron_serve.local_engine.LocalEngineClient`) so that the event loop never blocks
+  on the model. The lifecycle verbs raise ``RuntimeError``; ``refit`` loads new weights between
+  two steps (requests in flight continue on them and their per-token epochs show the switch).
+* **coordinator** (``use_coordinator=True``): the coordinator client
+  (:class:`~megatron_serve.fleet_client.FleetClient`). Without ``coordinator_address`` it starts
+  its own coordinator and ``num_engines`` engine processes and stops them on :meth:`shutdown`; with
+  an address it connects to that fleet and :meth:`shutdown` only disconnects (it never stops a
+  fleet it did not start; send :meth:`stop` for that).
 
-The lifecycle verbs (``pause``, ``unpause``, ``suspend``, ``resume``, ``shutdown``) exist only in
-coordinator mode and raise ``RuntimeError`` in direct mode. ``refit`` works in both: through the
-coordinator (fleet PAUSED or SUSPENDED) or, in direct mode, on the in-process engine between two
-steps (there is one replica, so nothing can disagree; requests in flight continue on the new
-weights and their per-token epochs show the switch). ``async with`` starts the object and
-on exit calls :meth:`close`, which shuts down in either mode.
+``async with`` starts the object and on exit calls :meth:`close`.
 """
 
 from __future__ import annotations
 
 import asyncio
-import logging
 import os
-import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, AsyncIterator
+from typing import Any, AsyncIterator
 
-from .client import InferenceClient, StreamPartial
 from .config import InferenceConfig
-from .local_fleet import LocalFleet
+from .engine_client import EngineClient
+from .fleet_client import FleetClient
+from .outputs import StreamItem
 from .prompts import Prompt, PromptInput, normalize_prompts
 from .request import DynamicInferenceRequest
 from .sampling_params import SamplingParams
-from .streams import iterate_stream
-
-if TYPE_CHECKING:
-    from .local_engine import EngineThread
-
-logger = logging.getLogger("megatron_serve.async_llm")
 
 
 class MegatronAsyncLLM:
@@ -57,28 +47,21 @@ class MegatronAsyncLLM:
     ) -> None:
         self.use_coordinator = bool(use_coordinator)
         self.model = model
-        self.inference_config = inference_config
-        self.coordinator_address = coordinator_address
-        self.num_engines = int(num_engines)
-        self.token = token
         self._tokenizer = tokenizer
-        self._client: InferenceClient | None = None
-        self._fleet: LocalFleet | None = None
-        self._engine_thread: "EngineThread | None" = None
-        self._start_lock: asyncio.Lock | None = None
-        self._closed = False
+        self._client: EngineClient
         if self.use_coordinator:
-            if coordinator_address is None and not isinstance(model, (str, os.PathLike)):
-                raise ValueError("coordinator mode without coordinator_address starts engine processes, "
-                                 "so model must be a model directory")
-            if self.num_engines < 1:
-                raise ValueError(f"num_engines must be >= 1, got {num_engines}")
+            self.engine = None
+            self._client = FleetClient(coordinator_address, model=model, num_engines=int(num_engines),
+                                       inference_config=inference_config, token=token)
         else:
-            from .local_engine import EngineThread, build_engine  # noqa: PLC0415 - torch only when an engine lives here
+            from .local_engine import LocalEngineClient, build_engine  # noqa: PLC0415 - torch only when an engine lives here
 
             self.engine = build_engine(model, inference_config, tokenizer)
             self._tokenizer = self.engine.tokenizer
-            self._engine_thread = EngineThread(self.engine)
+            self._client = LocalEngineClient(self.engine)
+        self._start_lock: asyncio.Lock | None = None
+        self._started = False
+        self._closed = False
 
     @property
     def tokenizer(self) -> Any:
@@ -94,8 +77,8 @@ class MegatronAsyncLLM:
         return self._tokenizer
 
     @property
-    def client(self) -> InferenceClient | None:
-        """The coordinator client (coordinator mode, once started)."""
+    def client(self) -> EngineClient:
+        """The engine client requests go through (what ``serve()`` serves)."""
         return self._client
 
     # ------------------------------------------------------------------ start / stop
@@ -104,75 +87,19 @@ class MegatronAsyncLLM:
         """Start the engine thread, or connect (starting a local fleet first when no address was given)."""
         if self._closed:
             raise RuntimeError("this MegatronAsyncLLM was shut down")
-        if not self.use_coordinator:
-            self._engine_thread.start()
-            return self
         if self._start_lock is None:
             self._start_lock = asyncio.Lock()
-        async with self._start_lock:
-            if self._client is not None:
-                return self
-            deadline = time.monotonic() + timeout
-            address = self.coordinator_address
-            try:
-                if address is None:
-                    self._fleet = LocalFleet(self.model, self.num_engines, self.inference_config, token=self.token)
-                    address = await asyncio.to_thread(self._fleet.start, timeout)
-                client = InferenceClient(address, token=self.token)
-                await client.start(timeout=max(1.0, deadline - time.monotonic()))
-                self._client = client
-                if self._fleet is not None:
-                    await self._wait_for_local_engines(deadline)
-            except BaseException:
-                await self._stop_local_fleet(send_stop=False)
-                raise
+        async with self._start_lock:  # concurrent first calls must not start two fleets
+            if not self._started:
+                await self._client.start(timeout)
+                self._started = True
         return self
-
-    async def _wait_for_local_engines(self, deadline: float) -> None:
-        logger.info("waiting for %d engine(s) to load the model ...", self.num_engines)
-        while True:
-            self._fleet.check_alive()
-            status = await self._client.status()
-            if len(status["engines"]) >= self.num_engines:
-                return
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{len(status['engines'])} of {self.num_engines} engine(s) registered in time "
-                                   f"(logs: {self._fleet.log_dir})")
-            await asyncio.sleep(0.2)
-
-    async def _ensure_started(self) -> None:
-        if self.use_coordinator:
-            if self._client is None:
-                await self.start()
-        else:
-            if self._closed:
-                raise RuntimeError("this MegatronAsyncLLM was shut down")
-            self._engine_thread.start()
-
-    async def _stop_local_fleet(self, send_stop: bool) -> None:
-        stopped = False
-        if self._client is not None and send_stop and self._fleet is not None:
-            try:
-                await self._client.stop(timeout=120.0)
-                stopped = True
-            except Exception as exc:  # engines are signalled below anyway
-                logger.warning("STOP was not acknowledged (%s): signalling the processes", exc)
-        if self._client is not None:
-            self._client.close()
-            self._client = None
-        if self._fleet is not None:
-            fleet, self._fleet = self._fleet, None
-            await asyncio.to_thread(fleet.stop, 60.0, stopped)
 
     async def close(self) -> None:
         """Release everything this object holds, in either mode (what ``async with`` calls on exit)."""
-        if self._closed:
-            return
-        self._closed = True
-        if self.use_coordinator:
-            await self._stop_local_fleet(send_stop=True)
-        elif self._engine_thread is not None:
-            await asyncio.to_thread(self._engine_thread.close)
+        if not self._closed:
+            self._closed = True
+            await self._client.aclose()
 
     async def __aenter__(self) -> "MegatronAsyncLLM":
         return await self.start()
@@ -188,57 +115,44 @@ class MegatronAsyncLLM:
         prompt_list, single = normalize_prompts(prompts)
         params = sampling_params if sampling_params is not None else SamplingParams()
         params.validate()
-        await self._ensure_started()
-        if self.use_coordinator:
-            futures = [self._client.add_request(p, params) for p in prompt_list]
-        else:
-            futures = [self._engine_thread.submit(p, params, stream=False)[1] for p in prompt_list]
-        results = list(await asyncio.gather(*futures))
+        await self.start()
+        results = list(await asyncio.gather(*(self._client.add_request(p, params) for p in prompt_list)))
         return results[0] if single else results
 
     async def generate_stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None
-                              ) -> AsyncIterator[StreamPartial | DynamicInferenceRequest]:
-        """Yield :class:`StreamPartial` items as tokens are generated, then the finished request."""
+                              ) -> AsyncIterator[StreamItem]:
+        """Yield :class:`~megatron_serve.outputs.StreamPartial` items as tokens are generated, then the
+        finished request."""
         params = sampling_params if sampling_params is not None else SamplingParams()
         params.validate()
-        await self._ensure_started()
-        if self.use_coordinator:
-            async for item in self._client.add_request_streaming(prompt, params):
-                yield item
-            return
-        request_id, _future, items = self._engine_thread.submit(prompt, params, stream=True)
-        async for item in iterate_stream(items, lambda: self._engine_thread.abort(request_id)):
+        await self.start()
+        async for item in self._client.add_request_streaming(prompt, params):
             yield item
 
     # ------------------------------------------------------------------ lifecycle (coordinator mode)
 
-    def _require_coordinator(self, verb: str) -> None:
-        if not self.use_coordinator:
-            raise RuntimeError(f"{verb}() needs coordinator mode (MegatronAsyncLLM(..., use_coordinator=True))")
-
-    async def _lifecycle(self, verb: str, **arguments: Any) -> dict[str, Any]:
-        """Send ``verb`` to the fleet (coordinator mode only); resolves on its acknowledgement."""
-        self._require_coordinator(verb)
-        await self._ensure_started()
-        return await getattr(self._client, verb)(**arguments)
-
     async def pause(self) -> dict[str, Any]:
         """Stop stepping at a step boundary, keep memory; resolves on the fleet's acknowledgement."""
-        return await self._lifecycle("pause")
+        await self.start()
+        return await self._client.pause()
 
     async def unpause(self) -> dict[str, Any]:
-        return await self._lifecycle("unpause")
+        await self.start()
+        return await self._client.unpause()
 
     async def suspend(self, level: int = 1) -> dict[str, Any]:
         """Release the KV cache (level 2: also weights); pauses first when running."""
-        return await self._lifecycle("suspend", level=level)
+        await self.start()
+        return await self._client.suspend(level=level)
 
     async def resume(self) -> dict[str, Any]:
-        return await self._lifecycle("resume")
+        await self.start()
+        return await self._client.resume()
 
     async def stop(self) -> dict[str, Any]:
         """The STOP verb for the whole fleet (also one this object did not start)."""
-        return await self._lifecycle("stop")
+        await self.start()
+        return await self._client.stop()
 
     async def refit(self, source: str | os.PathLike, epoch: int | None = None) -> dict[str, Any]:
         """Load new weights of the same shapes from model directory ``source`` in place.
@@ -248,21 +162,17 @@ class MegatronAsyncLLM:
         ``{"state", "detail": {"epoch", "source", "engines": {id: timings}}}``, and a source of other
         shapes raises (``ControlError`` / ``ValueError``) with the old weights still serving.
         """
-        source = os.fspath(source)
-        await self._ensure_started()
-        if self.use_coordinator:
-            return await self._client.refit(source, epoch)
-        from .local_engine import direct_refit_answer  # noqa: PLC0415 - torch only when an engine lives here
-
-        timings = await self._engine_thread.refit(source, epoch)
-        return direct_refit_answer(source, timings)
+        await self.start()
+        return await self._client.refit(os.fspath(source), epoch)
 
     async def status(self) -> dict[str, Any]:
-        return await self._lifecycle("status")
+        """The ``STATUS_REPLY`` fields (in direct mode, one engine's from its own counters)."""
+        await self.start()
+        return await self._client.status()
 
     async def shutdown(self) -> None:
         """Stop the local fleet this object started (STOP, then the processes), or disconnect from a remote one."""
-        self._require_coordinator("shutdown")
+        await self._client.shutdown()
         await self.close()
 
     async def serve(self, host: str = "127.0.0.1", port: int = 8000, **options: Any) -> None:

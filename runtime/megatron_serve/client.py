@@ -30,6 +30,7 @@ import msgspec
 
 from .messages import FROM_COORDINATOR, PROTOCOL_VERSION, Error
 from .protocol import ErrorCode, Header, ProtocolError, Role, decode, encode, unbatch
+from .outputs import StreamPartial, unreadable_result
 from .request import DynamicInferenceRequest, top_logprobs_from_wire
 from .streams import iterate_stream
 from .sampling_params import SamplingParams
@@ -54,18 +55,6 @@ class ControlError(CoordinatorError):
 
 
 @dataclass
-class StreamPartial:
-    """One streamed piece of a request: the tokens (and text) an engine step added."""
-
-    request_id: str
-    new_tokens: list[int]
-    new_text: str
-    new_log_probs: list[float] = field(default_factory=list)
-    new_top_logprobs: list[dict[int, float]] = field(default_factory=list)  # per new token, when asked for
-    finished: bool = False  # partials never finish; the final item is the DynamicInferenceRequest
-
-
-@dataclass
 class _Pending:
     request_id: str
     prompt: str | list[int]
@@ -75,13 +64,6 @@ class _Pending:
     queue: asyncio.Queue | None = None
     received: list[int] = field(default_factory=list)
     aborted: bool = False
-
-
-def _unreadable(request_id: str, exc: Exception) -> DynamicInferenceRequest:
-    """A result record that does not parse: the request fails, saying why (nothing is lost silently)."""
-    request = DynamicInferenceRequest(request_id=request_id, prompt=None, prompt_tokens=[])
-    request.fail(f"unreadable result from the coordinator: {exc}")
-    return request
 
 
 def _backoff(initial: float = 0.1, maximum: float = 2.0):
@@ -346,7 +328,7 @@ class InferenceClient:
             try:
                 request = DynamicInferenceRequest.from_dict(body.request)  # validated here, where it enters
             except (KeyError, ValueError, TypeError) as exc:
-                request = _unreadable(pending.request_id, exc)
+                request = unreadable_result(pending.request_id, exc)
             request.request_id = pending.request_id
             if not pending.future.done():
                 pending.future.set_result(request)

@@ -1,22 +1,32 @@
 """``MegatronLLM``: the blocking Python API (DESIGN section 4).
 
-Direct mode (``use_coordinator=False``) runs one engine in this process and steps it until the
-batch is done. Coordinator mode talks to a fleet through the coordinator protocol.
+A :class:`~megatron_serve.async_llm.MegatronAsyncLLM` on a background event-loop thread
+(:class:`~megatron_serve.loop_thread.EventLoopThread`); every call blocks on it. Direct mode
+(``use_coordinator=False``) runs one engine in this process, coordinator mode talks to a fleet:
+which one is the engine client's business (:mod:`megatron_serve.engine_client`), not this class's.
+
+Nothing it starts keeps it alive: an object that is dropped without ``close()`` is closed when it
+is collected (its threads stop and its engine, with its KV pool, is freed), as an engine built in
+the caller's thread would be.
 """
 
 from __future__ import annotations
 
-import itertools
 import os
+import weakref
 from pathlib import Path
+from typing import Any, Coroutine, TypeVar
 
+from .async_llm import MegatronAsyncLLM
 from .config import InferenceConfig
-from .local_engine import build_engine, direct_refit_answer, make_requests
+from .loop_thread import EventLoopThread
 from .model.llama import LlamaForCausalLM
 from .prompts import PromptInput, normalize_prompts
 from .request import DynamicInferenceRequest
 from .sampling_params import SamplingParams
 from .tokenizer import Tokenizer
+
+T = TypeVar("T")
 
 
 class MegatronLLM:
@@ -24,118 +34,95 @@ class MegatronLLM:
                  use_coordinator: bool = False, coordinator_address: str | None = None, num_engines: int = 1,
                  tokenizer: Tokenizer | str | Path | None = None, token: str | None = None):
         self.use_coordinator = use_coordinator
-        self._ids = itertools.count()
-        self._remote = None
-        if use_coordinator:
-            self._start_coordinator_mode(model, inference_config, coordinator_address, num_engines, tokenizer, token)
-            return
-        self.engine = build_engine(model, inference_config, tokenizer)
-        self.tokenizer = self.engine.tokenizer
+        llm = MegatronAsyncLLM(model, inference_config, use_coordinator, coordinator_address, num_engines, tokenizer,
+                               token)
+        self.engine = llm.engine  # direct mode: the engine in this process (None in coordinator mode)
+        self._llm: MegatronAsyncLLM | None = llm
+        self._loop_thread = EventLoopThread("megatron-llm-loop")
+        self._release = weakref.finalize(self, _release, llm, self._loop_thread)
+        self._release.atexit = False  # at exit, the threads (daemons) end with the process
+        try:  # a fleet that cannot be reached fails the constructor, not a later call
+            self._loop_thread.run(llm.start())
+        except BaseException:
+            self.close()
+            raise
+
+    @property
+    def tokenizer(self) -> Any:
+        if self._llm is None:
+            raise RuntimeError("this MegatronLLM was shut down")
+        return self._llm.tokenizer
+
+    def _run(self, call: Coroutine[Any, Any, T]) -> T:
+        if self._llm is None:
+            call.close()
+            raise RuntimeError("this MegatronLLM was shut down")
+        return self._loop_thread.run(call)
+
+    def _async(self) -> MegatronAsyncLLM:
+        if self._llm is None:
+            raise RuntimeError("this MegatronLLM was shut down")
+        return self._llm
 
     def generate(self, prompts: PromptInput, sampling_params: SamplingParams | None = None
                  ) -> list[DynamicInferenceRequest]:
         """Generate for every prompt; returns one finished request per prompt, in input order."""
-        if self.use_coordinator:
-            if self._remote is None:
-                raise RuntimeError("this MegatronLLM was shut down")
-            result = self._loop_thread.run(self._remote.generate(prompts, sampling_params))
-            return result if isinstance(result, list) else [result]
-        prompt_list, _ = normalize_prompts(prompts)
-        params = sampling_params if sampling_params is not None else SamplingParams()
-        params.validate()
-        requests = make_requests(prompt_list, params, self.tokenizer, self._ids)
-        for request in requests:
-            self.engine.add_request(request)
-        pending = {r.request_id for r in requests}
-        while pending:
-            for output in self.engine.step():
-                if output.finished:
-                    pending.discard(output.request.request_id)
-        return requests
-
-    def _require_coordinator(self, verb: str) -> None:
-        if not self.use_coordinator:
-            raise RuntimeError(f"{verb}() needs coordinator mode (MegatronLLM(..., use_coordinator=True))")
-
-    # Coordinator mode: a MegatronAsyncLLM on a background event-loop thread; calls block on it.
-    def _start_coordinator_mode(self, model, inference_config, coordinator_address, num_engines, tokenizer,
-                                token) -> None:
-        from .async_llm import MegatronAsyncLLM  # noqa: PLC0415
-        from .loop_thread import EventLoopThread  # noqa: PLC0415
-
-        self._loop_thread = EventLoopThread("megatron-llm-loop")
-        try:
-            self._remote = MegatronAsyncLLM(model, inference_config, True, coordinator_address, num_engines,
-                                            tokenizer, token)
-            self._loop_thread.run(self._remote.start())
-        except BaseException:
-            if self._remote is not None:
-                self._loop_thread.run(self._remote.close())
-            self._loop_thread.stop()
-            raise
-        self.engine = None
-        self.tokenizer = tokenizer
-
-    def _lifecycle(self, verb: str, *args):
-        self._require_coordinator(verb)
-        if self._remote is None:
-            raise RuntimeError("this MegatronLLM was shut down")
-        return self._loop_thread.run(getattr(self._remote, verb)(*args))
+        prompt_list, _ = normalize_prompts(prompts)  # bad prompts raise here, in the caller's thread
+        result = self._run(self._async().generate(prompt_list, sampling_params))
+        return result if isinstance(result, list) else [result]
 
     def pause(self) -> dict:
         """Stop stepping at a step boundary, keeping memory; returns the acknowledgement."""
-        return self._lifecycle("pause")
+        return self._run(self._async().pause())
 
     def unpause(self) -> dict:
-        return self._lifecycle("unpause")
+        return self._run(self._async().unpause())
 
     def suspend(self, level: int = 1) -> dict:
         """Release the KV cache (level 2: also weights to host); pauses first when running."""
-        return self._lifecycle("suspend", level)
+        return self._run(self._async().suspend(level))
 
     def resume(self) -> dict:
-        return self._lifecycle("resume")
+        return self._run(self._async().resume())
 
     def status(self) -> dict:
-        return self._lifecycle("status")
+        return self._run(self._async().status())
 
     def refit(self, source: str | os.PathLike, epoch: int | None = None) -> dict:
         """Load new weights of the same shapes from model directory ``source`` in place.
 
-        Coordinator mode: the REFIT verb (PAUSE first). Direct mode: the engine loads them at once
-        (``generate`` is not running: this object is single-threaded). A source of other shapes
-        raises with the old weights still serving. See :meth:`MegatronAsyncLLM.refit`.
+        Coordinator mode: the REFIT verb (PAUSE first). Direct mode: the engine loads them between
+        two steps. A source of other shapes raises with the old weights still serving. See
+        :meth:`MegatronAsyncLLM.refit`.
         """
-        if self.use_coordinator:
-            return self._lifecycle("refit", source, epoch)
-        if self.engine is None:
-            raise RuntimeError("this MegatronLLM was closed")
-        source = os.fspath(source)
-        return direct_refit_answer(source, self.engine.refit(source, epoch))
+        return self._run(self._async().refit(source, epoch))
 
     def shutdown(self) -> None:
         """Stop the local fleet this object started, or disconnect from a remote one (coordinator mode only)."""
-        self._require_coordinator("shutdown")
+        self._run(self._async().shutdown())
         self.close()
 
     def close(self) -> None:
         """Release everything this object holds, in either mode (what ``with`` calls on exit).
 
-        Direct mode: stops the engine's tensor-parallel followers, if any.
+        Direct mode: stops the engine thread and the engine's tensor-parallel followers, if any.
         """
-        if self.engine is not None:
-            engine, self.engine = self.engine, None
-            engine.shutdown()
-        if self._remote is None:
-            return
-        remote, self._remote = self._remote, None
-        try:
-            self._loop_thread.run(remote.close())
-        finally:
-            self._loop_thread.stop()
+        self._llm = self.engine = None
+        self._release()
 
     def __enter__(self) -> "MegatronLLM":
         return self
 
     def __exit__(self, *exc_info) -> None:
         self.close()
+
+
+def _release(llm: MegatronAsyncLLM, loop_thread: EventLoopThread) -> None:
+    """Close ``llm`` on its loop, then stop the loop (``close()``, or the collector's finalizer)."""
+    if loop_thread.in_loop_thread:  # dropped by a callback on its own loop: nothing here can wait for it
+        loop_thread.loop.call_soon(loop_thread.loop.stop)
+        return
+    try:
+        loop_thread.run(llm.close())
+    finally:
+        loop_thread.stop()

@@ -1,27 +1,33 @@
-"""An engine in this process: build it, and step it on a thread of its own for asyncio callers.
+"""The in-process engine client: an engine in this process, stepped on a thread of its own.
 
-``MegatronLLM`` and ``MegatronAsyncLLM`` in direct mode (no coordinator) use these; the engine is not
-thread-safe, so every call into it (tokenization included) happens on the engine thread.
+:class:`LocalEngineClient` is one of the two implementations of
+:class:`~megatron_serve.engine_client.EngineClient` (the other is the coordinator client): what
+``MegatronLLM``/``MegatronAsyncLLM`` use in direct mode and what the HTTP server serves from
+``MegatronAsyncLLM.serve()``. The engine is not thread-safe, so every call into it (tokenization
+included) happens on the engine thread (:class:`EngineThread`), which resolves asyncio futures on
+their loop. There is no fleet here: the lifecycle verbs raise ``RuntimeError``; ``refit`` loads new
+weights between two steps (one replica, nothing can disagree).
 """
 
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 import queue
 import threading
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import Any, AsyncIterator
 
-from .client import StreamPartial
 from .config import InferenceConfig
 from .engine import DynamicInferenceEngine
 from .model.llama import LlamaForCausalLM
+from .lifecycle import FleetState, Verb
+from .outputs import StreamItem, StreamPartial
 from .prompts import Prompt
-from .request import DynamicInferenceRequest
+from .request import DynamicInferenceRequest, FinishReason, RequestStatus
 from .sampling_params import SamplingParams
+from .streams import iterate_stream
 from .tokenizer import Tokenizer
 
 logger = logging.getLogger("megatron_serve.async_llm")
@@ -40,18 +46,6 @@ def build_engine(model: str | Path | LlamaForCausalLM, inference_config: Inferen
     if not isinstance(tokenizer, Tokenizer):
         tokenizer = Tokenizer.from_pretrained(tokenizer)
     return DynamicInferenceEngine(model, tokenizer, config)
-
-
-def make_requests(prompts: list, sampling_params: SamplingParams, tokenizer: Tokenizer,
-                  ids: "itertools.count[int]") -> list[DynamicInferenceRequest]:
-    requests = []
-    for prompt in prompts:
-        tokens = tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        requests.append(DynamicInferenceRequest(
-            request_id=str(next(ids)), prompt=prompt if isinstance(prompt, str) else None,
-            prompt_tokens=tokens, sampling_params=sampling_params,
-        ))
-    return requests
 
 
 def direct_refit_answer(source: str, timings: dict[str, Any]) -> dict[str, Any]:
@@ -80,18 +74,23 @@ class EngineThread:
         self._waiters: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Future, asyncio.Queue | None]] = {}
         self._thread = threading.Thread(target=self._main, name="megatron-engine", daemon=True)
         self._started = False
+        self.completed = 0  # finished requests, by outcome (for the STATUS-shaped answer)
+        self.failed = 0
+        self.aborted = 0  # by the caller: not a failure
 
     def start(self) -> None:
+        """Start the thread (on the first request: an engine nobody asked anything of stays unowned)."""
         if not self._started:
             self._started = True
             self._thread.start()
 
-    def submit(self, prompt: Prompt, params: SamplingParams, stream: bool
+    def submit(self, prompt: Prompt, params: SamplingParams, stream: bool, request_id: str | None = None
                ) -> tuple[str, asyncio.Future, asyncio.Queue | None]:
         loop = asyncio.get_running_loop()
-        request_id = uuid.uuid4().hex
+        request_id = request_id or uuid.uuid4().hex
         future = loop.create_future()
         items: asyncio.Queue | None = asyncio.Queue() if stream else None
+        self.start()
         self._commands.put(("add", request_id, prompt, params, loop, future, items))
         return request_id, future, items
 
@@ -102,11 +101,16 @@ class EngineThread:
         """Refit the engine between two steps; the future resolves to its timings (or its error)."""
         loop = asyncio.get_running_loop()
         future = loop.create_future()
+        self.start()
         self._commands.put(("refit", source, epoch, loop, future))
         return future
 
     def close(self, timeout: float = 30.0) -> None:
-        if self._started and self._thread.is_alive():
+        """Fail what is pending, stop the thread and shut the engine down (its tensor-parallel followers)."""
+        if not self._started:
+            self._started = True  # never again
+            self.engine.shutdown()
+        elif self._thread.is_alive():
             self._commands.put(("close",))
             self._thread.join(timeout)
 
@@ -114,6 +118,15 @@ class EngineThread:
         entry = self._waiters.pop(request_id, None) if final else self._waiters.get(request_id)
         if entry is None:
             return
+        if final:
+            if not isinstance(item, DynamicInferenceRequest):
+                self.failed += 1
+            elif item.status is RequestStatus.COMPLETED:
+                self.completed += 1
+            elif item.finish_reason is FinishReason.ABORT:
+                self.aborted += 1
+            else:
+                self.failed += 1
         loop, future, items = entry
         try:
             if items is not None:
@@ -188,3 +201,87 @@ class EngineThread:
         request = DynamicInferenceRequest(request_id=request_id, prompt=prompt if isinstance(prompt, str) else None,
                                           prompt_tokens=tokens, sampling_params=params)
         self.engine.add_request(request)  # a bad request fails alone and comes back from step()
+
+
+class LocalEngineClient:
+    """The engine-client interface over an engine in this process (see the module docstring)."""
+
+    def __init__(self, engine: DynamicInferenceEngine) -> None:
+        self.engine = engine
+        self._thread = EngineThread(engine)
+        self._closed = False
+
+    async def start(self, timeout: float | None = None) -> "LocalEngineClient":
+        """Nothing to wait for: the engine thread starts with the first request."""
+        if self._closed:
+            raise RuntimeError("this engine client was closed")
+        return self
+
+    def add_request(self, prompt: Prompt, sampling_params: SamplingParams, *,
+                    request_id: str | None = None) -> "asyncio.Future[DynamicInferenceRequest]":
+        """Submit one prompt; the future resolves to the finished request."""
+        return self._thread.submit(prompt, sampling_params, stream=False, request_id=request_id)[1]
+
+    async def add_request_streaming(self, prompt: Prompt, sampling_params: SamplingParams, *,
+                                    request_id: str | None = None) -> AsyncIterator[StreamItem]:
+        """Partials as steps add tokens, then the finished request; leaving early aborts it."""
+        request_id, _future, items = self._thread.submit(prompt, sampling_params, stream=True, request_id=request_id)
+        async for item in iterate_stream(items, lambda: self._thread.abort(request_id)):
+            yield item
+
+    def abort(self, request_id: str) -> None:
+        self._thread.abort(request_id)
+
+    async def status(self, timeout: float | None = None) -> dict[str, Any]:
+        """A ``STATUS_REPLY``-shaped answer from the engine's own counters (one engine, always RUNNING)."""
+        engine = self.engine
+        return {
+            "state": FleetState.RUNNING.value,
+            "engines": [{"id": "local", "group": 0, "state": FleetState.RUNNING.value, "running": engine.num_running,
+                         "waiting": engine.num_waiting, "kv_blocks_free": engine.kv_blocks_free,
+                         "kv_blocks_total": engine.kv_blocks_total, "cached_tokens": engine.cached_tokens,
+                         "computed_tokens": engine.computed_tokens, "epoch": engine.epoch,
+                         "last_refit": engine.last_refit, "metrics": engine.metrics_snapshot(),
+                         "info": {"max_sequence_length": engine.max_sequence_length}}],
+            "epoch": engine.epoch,
+            "refits": engine.refits,
+            "queued": 0,
+            "in_flight": engine.num_running + engine.num_waiting,
+            "completed": self._thread.completed,
+            "failed": self._thread.failed,
+            "aborted": self._thread.aborted,
+        }
+
+    async def refit(self, source: str, epoch: int | None = None, timeout: float | None = None) -> dict[str, Any]:
+        """Load new weights between two steps; the answer has the coordinator's acknowledgement's shape."""
+        timings = await self._thread.refit(source, epoch)
+        return direct_refit_answer(source, timings)
+
+    def _no_fleet(self, verb: Verb | str) -> RuntimeError:
+        name = verb.value if isinstance(verb, Verb) else verb
+        return RuntimeError(f"{name}() needs coordinator mode (use_coordinator=True): this engine runs in this "
+                            "process, with no fleet lifecycle")
+
+    async def pause(self, timeout: float | None = None) -> dict[str, Any]:
+        raise self._no_fleet(Verb.PAUSE)
+
+    async def unpause(self, timeout: float | None = None) -> dict[str, Any]:
+        raise self._no_fleet(Verb.UNPAUSE)
+
+    async def suspend(self, level: int = 1, timeout: float | None = None) -> dict[str, Any]:
+        raise self._no_fleet(Verb.SUSPEND)
+
+    async def resume(self, timeout: float | None = None) -> dict[str, Any]:
+        raise self._no_fleet(Verb.RESUME)
+
+    async def stop(self, timeout: float | None = None, drain_timeout: float | None = None) -> dict[str, Any]:
+        raise self._no_fleet(Verb.STOP)
+
+    async def shutdown(self) -> None:
+        raise self._no_fleet("shutdown")
+
+    async def aclose(self) -> None:
+        """Stop the engine thread and shut the engine down; pending requests fail."""
+        if not self._closed:
+            self._closed = True
+            await asyncio.to_thread(self._thread.close)

@@ -43,7 +43,7 @@ async def test_direct_mode(tiny_model, direct_outputs):
 async def test_coordinator_mode_starts_and_stops_its_own_fleet(tiny_model, direct_outputs):
     llm = MegatronAsyncLLM(tiny_model, CONFIG, use_coordinator=True, num_engines=2)
     async with llm:
-        fleet = llm._fleet
+        fleet = llm.client.fleet
         assert fleet is not None and len(fleet.engines) == 2
         status = await llm.status()
         assert len(status["engines"]) == 2 and status["state"] == "RUNNING"

@@ -7,10 +7,12 @@ eager path.
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 
-from megatron_serve import InferenceConfig, MegatronLLM, SamplingParams
+from megatron_serve import DynamicInferenceRequest, InferenceConfig, MegatronLLM, SamplingParams
 from megatron_serve.cuda_graphs import DecodeGraphs, graph_batch_sizes
 from megatron_serve.kv_cache import blocks_for_tokens
 from megatron_serve.model_runner import ModelRunner, plan_step
@@ -30,11 +32,16 @@ def config(**overrides) -> InferenceConfig:
     return InferenceConfig(**{"block_size_tokens": BLOCK, "max_requests": 8, **overrides})
 
 
+_ids = itertools.count()
+
+
+def make_requests(llm: MegatronLLM, prompts: list[str], params: list[SamplingParams]) -> list[DynamicInferenceRequest]:
+    return [DynamicInferenceRequest(f"r{next(_ids)}", p, llm.tokenizer.encode(p), sp) for p, sp in zip(prompts, params)]
+
+
 def generate_each(llm: MegatronLLM, prompts: list[str], params: list[SamplingParams]):
     """Submit every prompt with its own parameters, step until all finish; requests in input order."""
-    from megatron_serve.local_engine import make_requests  # noqa: PLC0415
-
-    requests = [make_requests([p], sp, llm.tokenizer, llm._ids)[0] for p, sp in zip(prompts, params)]
+    requests = make_requests(llm, prompts, params)
     for request in requests:
         llm.engine.add_request(request)
     while llm.engine.has_unfinished_requests():
@@ -122,9 +129,7 @@ def test_suspend_releases_graphs_and_resume_captures_them_over_the_new_pool(tiny
 
 
 def generate_each_partially(llm: MegatronLLM, steps: int):
-    from megatron_serve.local_engine import make_requests  # noqa: PLC0415
-
-    requests = make_requests(PROMPTS, GREEDY, llm.tokenizer, llm._ids)
+    requests = make_requests(llm, PROMPTS, [GREEDY] * len(PROMPTS))
     for request in requests:
         llm.engine.add_request(request)
     for _ in range(steps):

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import gc
+import threading
+import weakref
+
 import pytest
 
 from megatron_serve import (
@@ -153,6 +157,20 @@ def test_prompt_shapes_and_input_order(tiny_llama):
     assert batch[0].prompt == PROMPTS[0]
     with pytest.raises(TypeError, match=r"prompts\[1\]"):
         llm.generate(["ok", 3.5], params)
+
+
+def test_a_dropped_megatron_llm_stops_its_threads_and_frees_its_engine(tiny_llama):
+    threads_before = threading.active_count()
+    llm = MegatronLLM(tiny_llama)
+    params = SamplingParams(temperature=0.0, num_tokens_to_generate=2, ignore_eos=True)
+    assert llm.generate(PROMPTS[0], params)[0].status is RequestStatus.COMPLETED  # its engine thread runs
+    status = llm.status()  # direct mode: the engine's own counters
+    assert status["completed"] == 1 and status["engines"][0]["kv_blocks_total"] == llm.engine.kv_blocks_total
+    engine = weakref.ref(llm.engine)
+    del llm  # never closed
+    gc.collect()
+    assert engine() is None, "the engine (and its KV pool) outlived the MegatronLLM that owned it"
+    assert threading.active_count() == threads_before
 
 
 def test_lifecycle_verbs_raise_in_direct_mode(tiny_llama):

@@ -16,7 +16,6 @@ import pytest
 
 from megatron_serve import MegatronAsyncLLM
 from megatron_serve.server import create_app
-from megatron_serve.server.local import AsyncLLMBackend
 
 from .conftest import serving
 
@@ -45,7 +44,7 @@ def check_completion_listing(text: str, logprobs: dict, completion_tokens: int) 
 async def test_completion_offsets_and_tokens_match_the_text(tiny_model, tokenizer):
     empty = 0
     async with MegatronAsyncLLM(tiny_model) as llm:
-        app = create_app(AsyncLLMBackend(llm), tokenizer, MODEL, vocab_size=512, max_model_len=1024)
+        app = create_app(llm.client, tokenizer, MODEL, vocab_size=512, max_model_len=1024)
         async with serving(app) as url, httpx.AsyncClient(base_url=url, timeout=120) as http:
             for seed in SEEDS:
                 body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 32, "temperature": 1.0,
@@ -75,7 +74,7 @@ async def test_completion_offsets_and_tokens_match_the_text(tiny_model, tokenize
 
 async def test_chat_token_entries_concatenate_to_the_content(tiny_model, tokenizer):
     async with MegatronAsyncLLM(tiny_model) as llm:
-        app = create_app(AsyncLLMBackend(llm), tokenizer, MODEL, vocab_size=512, max_model_len=1024)
+        app = create_app(llm.client, tokenizer, MODEL, vocab_size=512, max_model_len=1024)
         async with serving(app) as url, httpx.AsyncClient(base_url=url, timeout=120) as http:
             for seed in range(0, 40, 4):
                 body = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 32,

@@ -15,7 +15,6 @@ import pytest
 
 from megatron_serve import InferenceConfig, MegatronAsyncLLM
 from megatron_serve.server import create_app
-from megatron_serve.server.local import AsyncLLMBackend
 
 from .conftest import metric, serving
 
@@ -42,7 +41,7 @@ async def metrics(http: httpx.AsyncClient) -> str:
 async def test_cached_tokens_in_usage_and_metrics(tiny_model, tokenizer):
     config = InferenceConfig(block_size_tokens=BLOCK, num_kv_blocks=128, enable_prefix_caching=True)
     async with MegatronAsyncLLM(tiny_model, config) as llm:
-        app = create_app(AsyncLLMBackend(llm), tokenizer, MODEL, vocab_size=512, max_model_len=1024,
+        app = create_app(llm.client, tokenizer, MODEL, vocab_size=512, max_model_len=1024,
                          status_interval=0.05)
         async with serving(app) as url, httpx.AsyncClient(base_url=url, timeout=60) as http:
             before = await metrics(http)

@@ -16,7 +16,6 @@ import pytest
 
 from megatron_serve import MegatronAsyncLLM
 from megatron_serve.server import create_app
-from megatron_serve.server.local import AsyncLLMBackend
 from megatron_serve.tiny_model import make_tiny_model
 
 from .conftest import metric, serving
@@ -49,7 +48,7 @@ def last_chunks(text: str) -> list[dict]:
 
 async def test_return_epochs_before_and_after_a_refit(tiny_model, tokenizer, second_checkpoint):
     async with MegatronAsyncLLM(tiny_model) as llm:
-        app = create_app(AsyncLLMBackend(llm), tokenizer, MODEL, vocab_size=512, max_model_len=1024,
+        app = create_app(llm.client, tokenizer, MODEL, vocab_size=512, max_model_len=1024,
                          status_interval=0.05)
         async with serving(app) as url, httpx.AsyncClient(base_url=url, timeout=60) as http:
             plain = (await http.post("/v1/completions", json=completion())).json()

@@ -11,6 +11,6 @@ disconnects), ``runner`` (uvicorn), ``local`` (serving a ``MegatronAsyncLLM``).
 
 from .app import API_KEY_ENV, create_app
 from .runner import bind_socket, serve_app
-from .local import AsyncLLMBackend, serve_async_llm
+from .local import serve_async_llm
 
-__all__ = ["API_KEY_ENV", "AsyncLLMBackend", "bind_socket", "create_app", "serve_app", "serve_async_llm"]
+__all__ = ["API_KEY_ENV", "bind_socket", "create_app", "serve_app", "serve_async_llm"]

@@ -9,8 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..client import StreamPartial
 from ..detokenizer import TokenTexts
+from ..outputs import StreamPartial
 from ..request import DynamicInferenceRequest
 from ..tokenizer import Tokenizer
 from .models import PromptLogprob, PromptLogprobs, PromptTokensDetails, Usage

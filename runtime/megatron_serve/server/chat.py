@@ -8,8 +8,8 @@ from typing import Any, AsyncIterator
 
 from fastapi.responses import StreamingResponse
 
-from ..client import StreamPartial
 from ..detokenizer import token_texts
+from ..outputs import StreamPartial
 from ..request import DynamicInferenceRequest
 from .answers import Delta, StreamedChoices, finish_reason, make_usage, prompt_logprobs
 from .context import ServerContext

@@ -1,0 +1,64 @@
+"""The engine-client interface: what ``MegatronAsyncLLM`` and the HTTP server need from where requests run.
+
+Two implementations, chosen once when a ``MegatronAsyncLLM`` is built:
+
+* :class:`~megatron_serve.local_engine.LocalEngineClient`: an engine in this process, stepped on a
+  thread of its own (direct mode). It has no fleet: the lifecycle verbs raise ``RuntimeError``.
+* :class:`~megatron_serve.fleet_client.FleetClient`: the coordinator client
+  (:class:`~megatron_serve.client.InferenceClient`) of a fleet at an address, or of a local fleet
+  it starts itself (coordinator mode).
+
+Everything above them (``generate``, streaming, the lifecycle, ``refit``, ``serve()``) is written
+once against this interface. Streams yield :mod:`megatron_serve.outputs` items.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any, AsyncIterator, Protocol
+
+from .outputs import StreamItem
+from .prompts import Prompt
+from .request import DynamicInferenceRequest
+from .sampling_params import SamplingParams
+
+
+class EngineClient(Protocol):
+    """See the module docstring; every method may be called once :meth:`start` returned."""
+
+    async def start(self, timeout: float = ...) -> Any:
+        """Be ready for requests (connect, start engines); idempotent."""
+
+    def add_request(self, prompt: Prompt, sampling_params: SamplingParams, *,
+                    request_id: str | None = None) -> "asyncio.Future[DynamicInferenceRequest]":
+        """Submit one prompt; the future resolves to the finished request (``status`` FAILED when it failed)."""
+
+    def add_request_streaming(self, prompt: Prompt, sampling_params: SamplingParams, *,
+                              request_id: str | None = None) -> AsyncIterator[StreamItem]:
+        """Partials as tokens are generated, then the finished request; leaving early aborts it."""
+
+    def abort(self, request_id: str) -> None:
+        """Abort a pending request: it finishes with ``finish_reason`` ``abort``."""
+
+    async def status(self, timeout: float | None = ...) -> dict[str, Any]:
+        """The ``STATUS_REPLY`` fields: state, engines, queued, in_flight, completed, failed, ..."""
+
+    async def pause(self, timeout: float | None = ...) -> dict[str, Any]: ...
+
+    async def unpause(self, timeout: float | None = ...) -> dict[str, Any]: ...
+
+    async def suspend(self, level: int = ..., timeout: float | None = ...) -> dict[str, Any]: ...
+
+    async def resume(self, timeout: float | None = ...) -> dict[str, Any]: ...
+
+    async def stop(self, timeout: float | None = ..., drain_timeout: float | None = ...) -> dict[str, Any]:
+        """The STOP verb for the whole fleet."""
+
+    async def refit(self, source: str, epoch: int | None = ..., timeout: float | None = ...) -> dict[str, Any]:
+        """New weights of the same shapes from model directory ``source``; answered like ``CONTROL_ACK``."""
+
+    async def shutdown(self) -> None:
+        """DESIGN's ``shutdown()``: stop a fleet this client started, or disconnect from one it did not."""
+
+    async def aclose(self) -> None:
+        """Release everything this client holds (what ``close``/``async with`` do)."""

@@ -1,0 +1,88 @@
+"""The coordinator engine client: requests run on a fleet, found at an address or started here.
+
+:class:`FleetClient` is the coordinator implementation of
+:class:`~megatron_serve.engine_client.EngineClient` (the other runs an engine in this process): an
+:class:`~megatron_serve.client.InferenceClient` that, given no address, first starts its own
+:class:`~megatron_serve.local_fleet.LocalFleet` (a coordinator and ``num_engines`` engine processes)
+and waits for its engines. Closing it stops a fleet it started (STOP, then the processes) and only
+disconnects from one it did not: sending STOP to someone else's fleet is :meth:`stop`'s job.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+
+from .client import InferenceClient
+from .config import InferenceConfig
+from .local_fleet import LocalFleet
+
+logger = logging.getLogger("megatron_serve.async_llm")
+
+
+class FleetClient(InferenceClient):
+    """An ``InferenceClient`` that may own its fleet (see the module docstring)."""
+
+    def __init__(self, address: str | None, *, model: str | os.PathLike | None = None, num_engines: int = 1,
+                 inference_config: InferenceConfig | None = None, token: str | None = None) -> None:
+        """``address=None`` starts a fleet of ``num_engines`` engines for the model directory ``model``."""
+        if address is None and not isinstance(model, (str, os.PathLike)):
+            raise ValueError("coordinator mode without coordinator_address starts engine processes, "
+                             "so model must be a model directory")
+        if num_engines < 1:
+            raise ValueError(f"num_engines must be >= 1, got {num_engines}")
+        super().__init__(address or "", token=token)
+        self.fleet = None if address is not None else LocalFleet(str(model), num_engines, inference_config,
+                                                                 token=token)
+        self._stopped = False
+
+    async def start(self, timeout: float = 600.0) -> "FleetClient":
+        """Connect (first starting the fleet and, then, waiting for its engines when it is ours)."""
+        deadline = time.monotonic() + timeout
+        try:
+            if self.fleet is not None and not self.address:
+                self.address = await asyncio.to_thread(self.fleet.start, timeout)
+            await super().start(timeout=max(1.0, deadline - time.monotonic()))
+            if self.fleet is not None:
+                await self._wait_for_own_engines(self.fleet, deadline)
+        except BaseException:
+            await self._stop_own_fleet(send_stop=False)
+            raise
+        return self
+
+    async def _wait_for_own_engines(self, fleet: LocalFleet, deadline: float) -> None:
+        logger.info("waiting for %d engine(s) to load the model ...", fleet.num_engines)
+        while True:
+            fleet.check_alive()
+            status = await self.status()
+            if len(status["engines"]) >= fleet.num_engines:
+                return
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{len(status['engines'])} of {fleet.num_engines} engine(s) registered in time "
+                                   f"(logs: {fleet.log_dir})")
+            await asyncio.sleep(0.2)
+
+    async def _stop_own_fleet(self, send_stop: bool) -> None:
+        fleet, self.fleet = self.fleet, None
+        if fleet is None:
+            return
+        stopped = False
+        if send_stop and self._registered and not self._closed:
+            try:
+                await self.stop(timeout=120.0)
+                stopped = True
+            except Exception as exc:  # engines are signalled below anyway
+                logger.warning("STOP was not acknowledged (%s): signalling the processes", exc)
+        self.close()
+        await asyncio.to_thread(fleet.stop, 60.0, stopped)
+
+    async def aclose(self) -> None:
+        """Stop the fleet this client started (STOP, then its processes), or disconnect from a remote one."""
+        await self._stop_own_fleet(send_stop=True)
+        await super().aclose()
+
+    async def shutdown(self) -> None:
+        """DESIGN's ``shutdown()``: what :meth:`aclose` does."""
+        await self.aclose()

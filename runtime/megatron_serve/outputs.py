@@ -1,0 +1,36 @@
+"""What generation hands back, whichever engine client ran it: streamed pieces, then the finished request.
+
+A stream yields :class:`StreamPartial` items as engine steps add tokens, then the final
+:class:`~megatron_serve.request.DynamicInferenceRequest` (the one record of the request, see
+:mod:`megatron_serve.request`). The in-process engine and the coordinator client produce the same
+items, so ``MegatronAsyncLLM`` and the HTTP server never ask which one they talk to.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .request import DynamicInferenceRequest
+
+
+@dataclass
+class StreamPartial:
+    """One streamed piece of a request: the tokens (and text) an engine step added."""
+
+    request_id: str
+    new_tokens: list[int]
+    new_text: str
+    new_log_probs: list[float] = field(default_factory=list)
+    new_top_logprobs: list[dict[int, float]] = field(default_factory=list)  # per new token, when asked for
+    finished: bool = False  # partials never finish; the final item is the DynamicInferenceRequest
+
+
+#: One item of a stream.
+StreamItem = StreamPartial | DynamicInferenceRequest
+
+
+def unreadable_result(request_id: str, problem: Exception) -> DynamicInferenceRequest:
+    """A result record that does not parse: the request fails, saying why (nothing is lost silently)."""
+    request = DynamicInferenceRequest(request_id=request_id, prompt=None, prompt_tokens=[])
+    request.fail(f"unreadable result from the coordinator: {problem}")
+    return request
