@@ -28,8 +28,9 @@ import zmq.asyncio
 
 import msgspec
 
-from .messages import FROM_COORDINATOR, PROTOCOL_VERSION, Error
-from .protocol import ErrorCode, Header, ProtocolError, Role, decode, encode, unbatch
+from .connection import Connection, CoordinatorError, Unauthorized
+from .messages import Error, HelloAck
+from .protocol import ErrorCode, Header, Role, encode
 from .outputs import StreamPartial, unreadable_result
 from .request import DynamicInferenceRequest, top_logprobs_from_wire
 from .streams import iterate_stream
@@ -38,16 +39,7 @@ from .sampling_params import SamplingParams
 logger = logging.getLogger("megatron_serve.client")
 
 
-class CoordinatorError(RuntimeError):
-    """The coordinator answered ERROR; ``code`` is the protocol's error code."""
-
-    def __init__(self, code: str, message: str) -> None:
-        super().__init__(message)
-        self.code = code
-
-
-class Unauthorized(CoordinatorError, PermissionError):
-    """The coordinator refused our token."""
+__all__ = ["InferenceClient", "CoordinatorError", "ControlError", "Unauthorized", "StreamPartial"]
 
 
 class ControlError(CoordinatorError):
@@ -64,13 +56,6 @@ class _Pending:
     queue: asyncio.Queue | None = None
     received: list[int] = field(default_factory=list)
     aborted: bool = False
-
-
-def _backoff(initial: float = 0.1, maximum: float = 2.0):
-    delay = initial
-    while True:
-        yield delay
-        delay = min(delay * 2, maximum)
 
 
 #: Messages the receive loop takes at once before it lets the event loop run. ``await sock.recv()``
@@ -115,11 +100,12 @@ class InferenceClient:
         self._status_ids = itertools.count(1)
         self._acks: list[Any] = []
         self._ack_scheduled = False
-        self._hello_waiter: asyncio.Future | None = None
-        self._registered = False
-        self._reconnecting: asyncio.Task | None = None
+        self._connection = Connection({"role": self.role.value, "token": token, "client_id": self.client_id,
+                                       "acks": True}, heartbeat_interval=heartbeat_interval,
+                                      coordinator_timeout=coordinator_timeout)
+        self._registration: asyncio.Future | None = None  # start() waits on it: HELLO_ACK, or Unauthorized
+        self._wake: asyncio.Event | None = None  # the connection has something due sooner than planned
         self._tasks: list[asyncio.Task] = []
-        self._last_rx = 0.0
         self._closed = False
         self._started = False
 
@@ -130,14 +116,19 @@ class InferenceClient:
         if self._started:
             return self
         self._loop = asyncio.get_running_loop()
-        self._open_socket()
+        self._registration = self._loop.create_future()
+        self._wake = asyncio.Event()
         self._started = True
+        self._open_socket()
+        self._tasks.append(asyncio.create_task(self._connection_loop(), name="inference-client-connection"))
         try:
-            await self._handshake(time.monotonic() + timeout)
+            await asyncio.wait_for(asyncio.shield(self._registration), timeout)
+        except asyncio.TimeoutError:
+            self.close()
+            raise TimeoutError(f"no answer from a coordinator at {self.address}") from None
         except BaseException:
             self.close()
             raise
-        self._tasks.append(asyncio.create_task(self._heartbeat_loop(), name="inference-client-heartbeat"))
         return self
 
     async def __aenter__(self) -> "InferenceClient":
@@ -155,69 +146,46 @@ class InferenceClient:
         sock.setsockopt(zmq.RECONNECT_IVL, 100)
         sock.setsockopt(zmq.RECONNECT_IVL_MAX, 2000)
         sock.connect(self.address)
-        self._sock = sock
-        self._last_rx = time.monotonic()
+        old, self._sock = self._sock, sock
+        if old is not None:
+            old.close(linger=0)
         self._tasks = [t for t in self._tasks if not t.done()]
         self._tasks.append(asyncio.create_task(self._recv_loop(sock), name="inference-client-recv"))
 
-    async def _handshake(self, deadline: float | None) -> None:
-        hello = {"role": self.role.value, "token": self.token, "client_id": self.client_id, "acks": True,
-                 "protocol": PROTOCOL_VERSION}
-        delays = _backoff()
-        while True:
-            if self._closed:
-                raise ConnectionError("client closed")
-            waiter = self._loop.create_future()
-            self._hello_waiter = waiter
-            self._send(Header.HELLO, hello)
-            wait = next(delays)
-            if deadline is not None:
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    raise TimeoutError(f"no answer from a coordinator at {self.address}")
-                wait = min(wait, remaining)
-            try:
-                body = await asyncio.wait_for(asyncio.shield(waiter), max(wait, 0.05))
-            except asyncio.TimeoutError:
+    async def _connection_loop(self) -> None:
+        """Send what the connection says is due (HELLO with backoff, heartbeats); replace a silent socket."""
+        connection, wake = self._connection, self._wake
+        assert wake is not None
+        while not self._closed:
+            frames, reconnect = connection.due(time.monotonic())
+            if reconnect:
+                self._open_socket()
                 continue
-            if isinstance(body, Exception):
-                raise body
-            break
-        self._registered = True
+            for frame in frames:
+                self._send_frame(frame)
+            wake.clear()
+            delay = max(0.0, connection.next_due() - time.monotonic())
+            try:
+                await asyncio.wait_for(wake.wait(), delay)
+            except asyncio.TimeoutError:
+                pass
+
+    def _on_registered(self, ack: HelloAck) -> None:
+        """A new session: remember who answered, resubmit everything still pending."""
         previous = self.coordinator_id
-        self.coordinator_id = body.coordinator_id
-        self.state = body.state
+        self.coordinator_id = ack.coordinator_id
+        self.state = ack.state
         if previous is not None:
             logger.info("reconnected to coordinator %s (was %s): resubmitting %d request(s)", self.coordinator_id,
                         previous, len(self._pending))
-        self._resubmit()
-
-    def _resubmit(self) -> None:
         for pending in list(self._pending.values()):
             self._send_submit(pending)
             if pending.aborted:
                 self._send(Header.ABORT, {"client_request_id": pending.request_id})
         for header, body, _future in list(self._controls.values()):
             self._send(header, body)
-
-    def _reconnect(self, replace_socket: bool) -> None:
-        if self._reconnecting is not None and not self._reconnecting.done():
-            return
-        self._reconnecting = asyncio.create_task(self._do_reconnect(replace_socket))
-
-    async def _do_reconnect(self, replace_socket: bool) -> None:
-        self._registered = False
-        if replace_socket:
-            old = self._sock
-            self._open_socket()
-            if old is not None:
-                old.close(linger=0)
-        try:
-            await self._handshake(None)
-        except Unauthorized as exc:
-            self._fail_all(exc)
-        except ConnectionError:
-            pass
+        if self._registration is not None and not self._registration.done():
+            self._registration.set_result(None)
 
     def close(self) -> None:
         """Close the connection (not the fleet: that is :meth:`stop`); pending futures fail."""
@@ -226,8 +194,6 @@ class InferenceClient:
         self._closed = True
         for task in self._tasks:
             task.cancel()
-        if self._reconnecting is not None:
-            self._reconnecting.cancel()
         if self._sock is not None:
             self._sock.close(linger=0)
             self._sock = None
@@ -254,9 +220,11 @@ class InferenceClient:
         self._status_waiters.clear()
 
     def _send(self, header: Header, body: dict[str, Any]) -> bool:
+        return self._send_frame(encode(header, body))
+
+    def _send_frame(self, frame: bytes) -> bool:
         if self._sock is None:
             return False
-        frame = encode(header, body)
         try:
             result = self._sock.send(frame, zmq.NOBLOCK)
         except zmq.ZMQError:
@@ -268,6 +236,7 @@ class InferenceClient:
     # ------------------------------------------------------------------ receiving
 
     async def _recv_loop(self, sock: zmq.asyncio.Socket) -> None:
+        connection = self._connection
         waiting = zmq.Socket.shadow(sock.underlying)  # the same socket, read without a future per message
         while not self._closed and sock is self._sock:
             try:
@@ -280,30 +249,30 @@ class InferenceClient:
                 return
             except zmq.ZMQError:
                 return
-            self._last_rx = time.monotonic()
             for frame in frames:
+                registered = connection.registered
                 try:
-                    header, body = decode(frame, FROM_COORDINATOR)
-                except ProtocolError as exc:
-                    logger.warning("dropped frame from the coordinator: %s", exc)
-                    continue
-                try:
-                    self._on_message(header, body)
-                except Exception:  # a handler bug must not kill the receive loop
-                    logger.exception("error handling %s", header.name)
+                    messages = connection.receive(frame, time.monotonic())
+                except Unauthorized as exc:
+                    if self._registration is not None and not self._registration.done():
+                        self._registration.set_exception(exc)  # start() raises it
+                    else:  # refused on a reconnect: retrying cannot help
+                        self._fail_all(exc)
+                        self.close()
+                    return
+                if registered and not connection.registered and self._wake is not None:
+                    self._wake.set()  # the coordinator forgot us (it restarted): HELLO at once
+                for header, body in messages:
+                    try:
+                        self._on_message(header, body)
+                    except Exception:  # a handler bug must not kill the receive loop
+                        logger.exception("error handling %s", header.name)
             if len(frames) == _BATCH:
                 await asyncio.sleep(0)  # more may be waiting: let the event loop run first (see _BATCH)
 
     def _on_message(self, header: Header, body: Any) -> None:
-        if header is Header.BATCH:
-            for item in unbatch(body, FROM_COORDINATOR):
-                if isinstance(item, ProtocolError):
-                    logger.warning("dropped message from the coordinator: %s", item)
-                else:
-                    self._on_message(*item)
-        elif header is Header.HELLO_ACK:
-            if self._hello_waiter is not None and not self._hello_waiter.done():
-                self._hello_waiter.set_result(body)
+        if header is Header.HELLO_ACK:
+            self._on_registered(body)
         elif header is Header.HEARTBEAT:
             if body.state:
                 self.state = body.state
@@ -349,18 +318,6 @@ class InferenceClient:
 
     def _on_error(self, body: Error) -> None:
         code, message = body.code, body.message
-        if code == ErrorCode.UNAUTHORIZED.value:
-            exc = Unauthorized(code, message)
-            if self._hello_waiter is not None and not self._hello_waiter.done():
-                self._hello_waiter.set_result(exc)
-            else:
-                self._fail_all(exc)
-            return
-        if code == ErrorCode.HELLO_REQUIRED.value:
-            if self._registered:
-                logger.warning("coordinator does not know this client (restarted?): connecting again")
-                self._reconnect(replace_socket=False)
-            return
         if body.control_id is not None:
             entry = self._controls.pop(str(body.control_id), None)
             if entry is not None and not entry[2].done():
@@ -382,17 +339,6 @@ class InferenceClient:
         if self._acks:
             acks, self._acks = self._acks, []
             self._send(Header.RESULT_ACK, {"client_request_ids": acks})
-
-    async def _heartbeat_loop(self) -> None:
-        while not self._closed:
-            await asyncio.sleep(self.heartbeat_interval)
-            if not self._registered:
-                continue
-            self._send(Header.HEARTBEAT, {})
-            silent = time.monotonic() - self._last_rx
-            if silent > self.coordinator_timeout:
-                logger.warning("coordinator silent for %.1fs: reconnecting", silent)
-                self._reconnect(replace_socket=True)
 
     # ------------------------------------------------------------------ requests
 
@@ -462,8 +408,8 @@ class InferenceClient:
     @property
     def connected(self) -> bool:
         """Registered with a coordinator that answered within ``coordinator_timeout`` (for readiness probes)."""
-        return (self._registered and not self._closed
-                and time.monotonic() - self._last_rx < self.coordinator_timeout)
+        return (self._connection.registered and not self._closed
+                and self._connection.silent_for(time.monotonic()) < self.coordinator_timeout)
 
     @property
     def num_pending(self) -> int:

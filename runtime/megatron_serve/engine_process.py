@@ -31,7 +31,7 @@ import zmq
 from .errors import EngineGroupLost
 from .lifecycle import ENGINE_DRAINING, STEPS, FleetState, Step, engine_state_after
 from .engine_link import CoordinatorLink
-from .messages import PROTOCOL_VERSION, Control, HelloAck, Refit, Stop, Suspend
+from .messages import Control, HelloAck, Refit, Stop, Suspend
 from .protocol import HEADER_VERBS, Header, ProtocolError, Role, step_of
 from .request import DynamicInferenceRequest, FinishReason, RequestStatus, top_logprobs_to_wire
 
@@ -75,7 +75,7 @@ class EngineProcess:
         facts["epoch"] = int(getattr(engine, "epoch", 0) or 0)
         facts["weights"] = self.weights_source
         hello = {"role": Role.ENGINE.value, "token": token, "engine_group": group, "capacity": capacity,
-                 "info": facts, "protocol": PROTOCOL_VERSION}
+                 "info": facts}
         self.link = CoordinatorLink(address, hello, heartbeat_interval=heartbeat_interval,
                                     coordinator_timeout=coordinator_timeout)
         self.state = FleetState.PAUSED  # until the coordinator says otherwise

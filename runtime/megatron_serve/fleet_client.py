@@ -69,7 +69,7 @@ class FleetClient(InferenceClient):
         if fleet is None:
             return
         stopped = False
-        if send_stop and self._registered and not self._closed:
+        if send_stop and self._connection.registered and not self._closed:
             try:
                 await self.stop(timeout=120.0)
                 stopped = True

@@ -1,0 +1,150 @@
+"""A peer's connection to the coordinator, without sockets: HELLO, backoff, heartbeats, reconnects.
+
+Engines (:mod:`megatron_serve.engine_link`, a thread with a blocking socket) and clients
+(:mod:`megatron_serve.client`, asyncio) keep a coordinator connection the same way, written here
+once; each owns its socket and asks a :class:`Connection` what to do:
+
+* :meth:`Connection.due` says which frames are due now (HELLO until it is answered, retried with
+  backoff 0.1, 0.2, 0.4 ... 2 s; a HEARTBEAT every ``heartbeat_interval`` once registered) and
+  whether the coordinator has been silent for ``coordinator_timeout`` (it answers every heartbeat):
+  then the owner replaces its socket and the connection registers again;
+* :meth:`Connection.receive` takes one frame apart (a bad one is logged and dropped; ``BATCH``
+  frames are opened) and handles the handshake: a ``HELLO_ACK`` starts a new *session* (the owner
+  resubmits, re-registers its state), ``ERROR hello_required`` (a restarted coordinator) makes it
+  say HELLO again, ``ERROR unauthorized`` raises :class:`Unauthorized` (retrying cannot help).
+  Everything else goes to the owner.
+
+A session number counts registrations: what an owner produced for an older session belongs to a
+coordinator (or a registration) that already gave up on it.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Iterator
+
+from .messages import FROM_COORDINATOR, PROTOCOL_VERSION, HelloAck
+from .protocol import ErrorCode, Header, Message, ProtocolError, decode, encode, unbatch
+
+logger = logging.getLogger("megatron_serve.connection")
+
+
+class CoordinatorError(RuntimeError):
+    """The coordinator answered ERROR; ``code`` is the protocol's error code."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class Unauthorized(CoordinatorError, PermissionError):
+    """The coordinator refused our token."""
+
+
+def backoff_delays(initial: float = 0.1, maximum: float = 2.0) -> Iterator[float]:
+    """0.1, 0.2, 0.4 ... capped at ``maximum``: reconnect attempts that neither hammer nor dawdle."""
+    delay = initial
+    while True:
+        yield delay
+        delay = min(delay * 2, maximum)
+
+
+class Connection:
+    """One peer's connection state (see the module docstring); ``hello`` is the HELLO body, which the
+    owner may update between registrations (an engine's weights, for example)."""
+
+    def __init__(self, hello: dict[str, Any], *, heartbeat_interval: float = 1.0,
+                 coordinator_timeout: float = 10.0, now: float = 0.0) -> None:
+        self.hello = {**hello, "protocol": PROTOCOL_VERSION}
+        self.heartbeat_interval = heartbeat_interval
+        self.coordinator_timeout = coordinator_timeout
+        self.registered = False
+        self.session = 0  # registrations so far; the current one's number
+        self.ack: HelloAck | None = None  # the current registration's HELLO_ACK
+        self.last_rx = now
+        self._delays = backoff_delays()
+        self._next_hello = 0.0
+        self._last_heartbeat = float("-inf")  # never: the first one goes at once
+
+    # ------------------------------------------------------------------ time
+
+    def due(self, now: float, heartbeat: dict[str, Any] | None = None) -> tuple[list[bytes], bool]:
+        """The frames to send now, and whether the owner must replace its socket (the coordinator is silent).
+
+        ``heartbeat``: the body of this peer's heartbeats (an engine's load); empty by default.
+        """
+        if self.registered and now - self.last_rx > self.coordinator_timeout:
+            logger.warning("coordinator silent for %.1fs: reconnecting", now - self.last_rx)
+            self.restart(now)
+            return [], True
+        frames = []
+        if not self.registered and now >= self._next_hello:
+            frames.append(encode(Header.HELLO, self.hello))
+            self._next_hello = now + next(self._delays)
+        if self.registered and now - self._last_heartbeat >= self.heartbeat_interval:
+            frames.append(encode(Header.HEARTBEAT, heartbeat or {}))
+            self._last_heartbeat = now
+        return frames, False
+
+    def next_due(self) -> float:
+        """When :meth:`due` has something to do next (monotonic seconds)."""
+        if not self.registered:
+            return self._next_hello
+        return min(self._last_heartbeat + self.heartbeat_interval, self.last_rx + self.coordinator_timeout)
+
+    def restart(self, now: float) -> None:
+        """A new socket: register again (HELLO at once, then with backoff)."""
+        self.registered = False
+        self._delays = backoff_delays()
+        self._next_hello = 0.0
+        self.last_rx = now
+
+    def silent_for(self, now: float) -> float:
+        return now - self.last_rx
+
+    # ------------------------------------------------------------------ frames
+
+    def receive(self, frame: bytes | memoryview, now: float) -> list[Message]:
+        """The messages in one frame from the coordinator that are for the owner (whether it is
+        registered or not: :attr:`registered` says).
+
+        A ``HELLO_ACK`` is among them only when it starts a new session (a retried HELLO may be
+        answered twice). Raises :class:`Unauthorized` when the token is refused.
+        """
+        try:
+            message = decode(frame, FROM_COORDINATOR)
+        except ProtocolError as exc:
+            logger.warning("dropped frame from the coordinator: %s", exc)
+            return []
+        self.last_rx = now
+        out = []
+        for item in unbatch(message.body, FROM_COORDINATOR) if message.header is Header.BATCH else (message,):
+            if isinstance(item, ProtocolError):
+                logger.warning("dropped message from the coordinator: %s", item)
+            elif self._handshake(item):
+                out.append(item)
+        return out
+
+    def _handshake(self, message: Message) -> bool:
+        """Handle the handshake's part of ``message``; True when the owner should see it."""
+        header, body = message
+        if header is Header.HELLO_ACK:
+            if self.registered:
+                return False  # a duplicate answer to a retried HELLO
+            self.registered, self.ack = True, body
+            self.session += 1
+            self._delays = backoff_delays()
+            self._last_heartbeat = float("-inf")  # never: the first one goes at once
+            return True
+        if header is Header.ERROR:
+            if body.code == ErrorCode.UNAUTHORIZED.value:
+                raise Unauthorized(body.code, f"coordinator refused the token: {body.message}")
+            if body.code == ErrorCode.HELLO_REQUIRED.value:
+                if self.registered:
+                    logger.warning("the coordinator does not know this peer (restarted?): registering again")
+                    self.registered, self._next_hello = False, 0.0
+                return False
+            if body.code == ErrorCode.GROUP_IN_USE.value:
+                logger.warning("%s; retrying", body.message)
+                return False
+        return True

@@ -1,0 +1,67 @@
+"""The connection every peer keeps to the coordinator (HELLO, backoff, heartbeats, reconnects), without sockets."""
+
+from __future__ import annotations
+
+import pytest
+
+from megatron_serve.connection import Connection, Unauthorized
+from megatron_serve.messages import Error, Heartbeat, HelloAck, Tokens
+from megatron_serve.protocol import Header, decode, encode, encode_batch
+
+HELLO = {"role": "client", "client_id": "c", "acks": True}
+
+
+def headers(frames: list[bytes]) -> list[Header]:
+    return [decode(f, {Header.HELLO: dict, Header.HEARTBEAT: dict}).header for f in frames]
+
+
+def ack(coordinator_id: str = "k1") -> bytes:
+    return encode(Header.HELLO_ACK, HelloAck(coordinator_id=coordinator_id, state="RUNNING"))
+
+
+def test_hello_is_retried_with_backoff_until_answered_and_a_duplicate_answer_is_dropped():
+    c = Connection(HELLO, heartbeat_interval=1.0, coordinator_timeout=5.0)
+    sent = [t for t in (0.0, 0.05, 0.1, 0.2, 0.31, 0.7, 0.72, 1.6) if c.due(t)[0]]
+    assert sent == [0.0, 0.1, 0.31, 0.72, 1.6]  # 0.1, 0.2, 0.4, 0.8 ... apart
+    hello = decode(encode(Header.HELLO, c.hello), {Header.HELLO: dict}).body
+    assert hello["protocol"] == 2 and hello["client_id"] == "c"
+    first = c.receive(ack(), 2.0)
+    assert [m.header for m in first] == [Header.HELLO_ACK] and c.registered and c.session == 1
+    assert c.receive(ack(), 2.1) == []  # the answer to a retried HELLO
+    assert c.session == 1
+
+
+def test_heartbeats_once_registered_and_a_silent_coordinator_means_a_new_socket():
+    c = Connection(HELLO, heartbeat_interval=1.0, coordinator_timeout=5.0)
+    c.due(0.0)
+    c.receive(ack(), 0.1)
+    frames, _ = c.due(0.2, {"engine_id": "e1"})
+    assert headers(frames) == [Header.HEARTBEAT]
+    assert c.due(0.5)[0] == [] and headers(c.due(1.3)[0]) == [Header.HEARTBEAT]
+    c.receive(encode(Header.HEARTBEAT, Heartbeat(state="RUNNING")), 1.4)  # the coordinator answers
+    assert c.due(6.0) == ([encode(Header.HEARTBEAT, {})], False)
+    assert c.due(6.5) == ([], True)  # nothing heard for more than 5 s: replace the socket
+    assert not c.registered and headers(c.due(6.5)[0]) == [Header.HELLO]  # and say HELLO again at once
+    c.receive(ack("k2"), 6.6)
+    assert c.session == 2 and c.ack.coordinator_id == "k2"
+
+
+def test_a_restarted_coordinator_is_greeted_again_and_a_refused_token_is_final():
+    c = Connection(HELLO)
+    c.due(0.0)
+    c.receive(ack(), 0.1)
+    forgot = encode(Header.ERROR, Error(code="hello_required", message="does not know this peer"))
+    assert c.receive(forgot, 1.0) == [] and not c.registered
+    assert headers(c.due(1.0)[0]) == [Header.HELLO]
+    refused = encode(Header.ERROR, Error(code="unauthorized", message="wrong token"))
+    with pytest.raises(Unauthorized, match="refused the token"):
+        c.receive(refused, 1.1)
+
+
+def test_batches_are_opened_and_bad_frames_dropped():
+    c = Connection(HELLO)
+    tokens = [encode(Header.TOKENS, Tokens(client_request_id=str(i), new_tokens=[i])) for i in range(3)]
+    messages = c.receive(encode_batch([ack(), *tokens]), 0.0)
+    assert [m.header for m in messages] == [Header.HELLO_ACK, *[Header.TOKENS] * 3]
+    assert [m.body.new_tokens for m in messages[1:]] == [[0], [1], [2]]
+    assert c.receive(b"\x93not msgpack", 0.1) == []
