@@ -138,6 +138,25 @@ def encode_batch(frames: list[bytes]) -> bytes:
     return encode(Header.BATCH, {"messages": [msgspec.Raw(frame) for frame in frames]})
 
 
+#: A BATCH frame is cut at about this size (well below :data:`MAX_MESSAGE_BYTES`).
+BATCH_BYTES = 1 << 20
+
+
+def pack_batches(frames: list[bytes]) -> list[bytes]:
+    """``frames`` (encoded messages, in order) as BATCH frames of about :data:`BATCH_BYTES` each; a lone
+    message goes as it is. Only for a peer that announced protocol 2."""
+    out, chunk, size = [], [], 0
+    for frame in frames:
+        if chunk and size + len(frame) > BATCH_BYTES:
+            out.append(encode_batch(chunk) if len(chunk) > 1 else chunk[0])
+            chunk, size = [], 0
+        chunk.append(frame)
+        size += len(frame)
+    if chunk:
+        out.append(encode_batch(chunk) if len(chunk) > 1 else chunk[0])
+    return out
+
+
 def _decoder(body_type: type) -> msgspec.msgpack.Decoder:
     decoder = _DECODERS.get(body_type)
     if decoder is None:

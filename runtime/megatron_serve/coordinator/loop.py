@@ -25,7 +25,7 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from ..messages import TO_COORDINATOR
-from ..protocol import MAX_MESSAGE_BYTES, ProtocolError, decode, encode_batch
+from ..protocol import MAX_MESSAGE_BYTES, ProtocolError, decode, pack_batches
 from .core import CoordinatorCore, TokenizerLike
 from .effects import Effect, Probe
 from .requests import Phase
@@ -35,7 +35,6 @@ logger = logging.getLogger("megatron_serve.coordinator")
 _TICK_S = 0.05
 _MAX_BURST = 512  # frames handled before the gathered sends are flushed and the clock looked at
 _PROBE_DELAYS = (0.02, 0.1, 0.5, 2.0)  # after a disconnect event: when to test who is gone
-_BATCH_BYTES = 1 << 20  # a BATCH frame is cut at about this size
 
 
 class Coordinator:
@@ -204,7 +203,7 @@ class Coordinator:
             if effect.batch:
                 batching.add(effect.identity)
         for identity, frames in gathered.items():
-            for frame in (_batches(frames) if identity in batching and len(frames) > 1 else frames):
+            for frame in (pack_batches(frames) if identity in batching and len(frames) > 1 else frames):
                 sent = self._send(sock, identity, frame)
                 if sent is None:  # its queue is full: keep the rest for the next pass
                     self._backlog[identity].append(frame)
@@ -267,20 +266,6 @@ class Coordinator:
             return self.core.on_tokenizer(None, error, now)
         logger.info("tokenizer ready (loaded in %.1fs); %d waiting text prompt(s) released", seconds, held)
         return self.core.on_tokenizer(tokenizer, None, now)
-
-
-def _batches(frames: list[bytes]) -> list[bytes]:
-    """``frames`` as BATCH frames of about ``_BATCH_BYTES`` each (a lone frame goes as it is)."""
-    out, chunk, size = [], [], 0
-    for frame in frames:
-        if chunk and size + len(frame) > _BATCH_BYTES:
-            out.append(encode_batch(chunk) if len(chunk) > 1 else chunk[0])
-            chunk, size = [], 0
-        chunk.append(frame)
-        size += len(frame)
-    if chunk:
-        out.append(encode_batch(chunk) if len(chunk) > 1 else chunk[0])
-    return out
 
 
 def write_address_file(path: str, address: str) -> None:
