@@ -230,3 +230,19 @@ def walk(current: FleetState | str, target: FleetState | str) -> list[Verb]:
             seen.add(entry.target)
             frontier.append((entry.target, [*path, verb]))
     raise IllegalTransition(f"no path from {start.value} to {goal.value}")  # pragma: no cover - connected
+
+
+def table_markdown() -> str:
+    """The table as Markdown, one row per state (the README shows it; a test keeps the two equal)."""
+    lines = ["| state | " + " | ".join(v.name for v in Verb) + " |", "|---" * (len(Verb) + 1) + "|"]
+    for state, row in TABLE.items():
+        cells = []
+        for verb in Verb:
+            entry = row[verb]
+            if isinstance(entry, str):
+                cells.append("refused")
+            else:
+                steps = " + ".join(step.value for step in entry.steps) or "no step"
+                cells.append(f"{entry.target.value} ({steps})")
+        lines.append(f"| {state.value} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)

@@ -120,3 +120,12 @@ def test_every_component_reads_the_table():
     assert set(VERBS) == {v.value for v in Verb} | {"status"}
     assert operator_lifecycle.plan("RUNNING", "SUSPENDED") == ["pause", "suspend"]
     assert operator_lifecycle.STATES == tuple(s.value for s in FleetState)
+
+
+def test_the_readme_shows_the_table():
+    from pathlib import Path
+
+    from megatron_serve.lifecycle import table_markdown
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    assert table_markdown() in readme, "README.md's lifecycle table is stale: paste lifecycle.table_markdown()"
