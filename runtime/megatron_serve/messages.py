@@ -95,7 +95,11 @@ class Tokens(Body):
 
 
 class Result(Body):
-    """The final record of a request; the coordinator forwards the engine's record as it came (``Raw``)."""
+    """The final record of a request; the coordinator forwards the engine's record as it came (``Raw``).
+
+    The record's ``request_id`` is the coordinator's key for the request (``<client id>/<client
+    request id>``, the id engines know it by); the client's own id is ``client_request_id``.
+    """
 
     client_request_id: ClientId
     request: dict[str, Any]

@@ -49,7 +49,7 @@ def test_requests_are_dispatched_finished_once_and_forgotten_on_ack():
     step(h, E1, e1, "c1/r0", [8], finished=True, record=final_record(submitted[0], [8]))  # late duplicate
     results = h.take(C, Header.RESULT)
     assert len(results) == 1 and results[0].client_request_id == "r0"
-    assert results[0].request["request_id"] == "r0" and results[0].request["generated_tokens"] == [5, 6, 7]
+    assert results[0].request["request_id"] == "c1/r0" and results[0].request["generated_tokens"] == [5, 6, 7]
     reply = status(h)
     assert (reply.completed, reply.in_flight, reply.queued) == (1, 2, 0) and h.core.stale_outputs == 1
     h.send(C, Header.RESULT_ACK, ResultAck(client_request_ids=["r0"]))

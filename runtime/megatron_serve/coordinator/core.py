@@ -80,6 +80,17 @@ _ENCODE = msgspec.msgpack.Encoder()
 _FINISHED = ("COMPLETED", "FAILED")
 
 
+class _FinalFacts(msgspec.Struct):
+    """What the coordinator reads of an engine's final record (the rest is skipped, not parsed)."""
+
+    status: str | None = None
+    finish_reason: str | None = None
+    generated_text: str | None = None
+
+
+_FINAL_FACTS = msgspec.msgpack.Decoder(_FinalFacts | None)
+
+
 class TokenizerLike(Protocol):
     def encode(self, text: str) -> list[int]: ...
 
@@ -378,7 +389,6 @@ class CoordinatorCore:
         self._finish(record, data)
 
     def _finish(self, record: RequestRecord, data: dict[str, Any]) -> None:
-        data["request_id"] = record.client_request_id  # the client's id, as it asked
         self.requests.finish(record, _ENCODE.encode(data), data.get("status"), data.get("finish_reason"))
         self.deliver(record)
 
@@ -464,15 +474,24 @@ class CoordinatorCore:
                                   out.new_text or "", out.new_top_logprobs or [], client.batches)
 
     def _finish_from_engine(self, engine: EngineRecord, record: RequestRecord, out: StepOutput) -> None:
-        data: dict[str, Any] | None = None
-        if out.request is not msgspec.UNSET:
-            try:
-                data = _RECORD.decode(out.request)  # None when the engine sent nil
-            except (msgspec.ValidationError, msgspec.DecodeError) as exc:
-                self.drop(engine.engine_id, f"unreadable final request {record.request_id}: {exc}")
-        if data is None:  # no record (or an unreadable one): the coordinator's mirror is the result
+        """Finish with the engine's record, forwarded as its bytes when it is complete (the client
+        parses it, once). Only a record without a final status or text is parsed here, and mended."""
+        if out.request is msgspec.UNSET:
             self.finish_here(record, "COMPLETED", "length", "finished without a record")
             return
+        try:
+            facts = _FINAL_FACTS.decode(out.request)  # None when the engine sent nil
+        except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+            self.drop(engine.engine_id, f"unreadable final request {record.request_id}: {exc}")
+            facts = None
+        if facts is None:  # no record (or an unreadable one): the coordinator's mirror is the result
+            self.finish_here(record, "COMPLETED", "length", "finished without a record")
+            return
+        if facts.status in _FINISHED and facts.generated_text is not None:
+            self.requests.finish(record, bytes(out.request), facts.status, facts.finish_reason)
+            self.deliver(record)
+            return
+        data = _RECORD.decode(out.request)
         if data.get("status") not in _FINISHED:
             data["status"] = "COMPLETED"
         if data.get("generated_text") is None:

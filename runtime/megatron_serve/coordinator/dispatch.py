@@ -18,6 +18,7 @@ from .requests import RequestRecord
 
 if TYPE_CHECKING:
     from .core import CoordinatorCore
+    from .peers import EngineRecord
 
 
 def wire_record(record: RequestRecord) -> dict[str, Any]:
@@ -47,19 +48,22 @@ def dispatch(core: "CoordinatorCore", now: float) -> None:
     if core.state is not FleetState.RUNNING or not core.engines:
         return
     factor = core.dispatch_factor
+
+    def room(engine: "EngineRecord") -> bool:
+        return engine.load < max(1, int(engine.capacity * factor))
+
+    candidates = [e for e in core.engines.values() if not e.draining and not e.stopping and room(e)]
     table = core.requests
-    while (record := table.next_queued()) is not None:
-        candidates = [e for e in core.engines.values()
-                      if not e.draining and not e.stopping and e.load < max(1, int(e.capacity * factor))]
-        if not candidates:
+    while candidates and (record := table.next_queued()) is not None:
+        chosen = core.policy.select(record, candidates)
+        if chosen is None:
             return
-        engine = core.policy.select(record, candidates)
-        if engine is None:
-            return
-        engine = core.engines[engine.engine_id]
+        engine = core.engines[chosen.engine_id]
         table.pop_queued()
         table.dispatched(record, engine.engine_id)
         if not engine.assigned:  # an idle loop may wait without counting: its stall clock starts now
             engine.stall_clock = now
         engine.assigned.add(record.request_id)
         core.send(engine.identity, Header.ENGINE_SUBMIT, EngineSubmit(request=wire_record(record)), engine.batches)
+        if not room(engine):
+            candidates.remove(engine)
