@@ -93,8 +93,9 @@ async def drive(submit: Callable[[int], Awaitable[Any]], requests: int, in_fligh
     return time.perf_counter() - started, latencies
 
 
-async def measure(side: str, submit: Callable[[int], Awaitable[Any]], coordinator_pid: int, args: argparse.Namespace,
-                  profile: Callable[[str], Any]) -> list[Row]:
+async def measure(side: str, submit: Callable[[int], Awaitable[Any]], coordinator_pid: int,
+                  args: argparse.Namespace) -> list[Row]:
+    profile = start_py_spy(coordinator_pid, args.profile, args.profile_seconds)
     rows = []
     await drive(submit, min(500, args.requests), 16)  # warm-up: connections, allocator, caches
     for name in args.scenarios:
@@ -111,6 +112,12 @@ async def measure(side: str, submit: Callable[[int], Awaitable[Any]], coordinato
         print(f"  {side:<8} {name:<6} {rows[-1].rps:8.0f} req/s  p50 {rows[-1].p50_ms:6.2f} ms  "
               f"cpu {rows[-1].cpu_us:6.1f} us/req", file=sys.stderr)
     return rows
+
+
+def end(*processes: Any) -> None:
+    for proc in processes:
+        proc.kill()
+        proc.join()
 
 
 def start_py_spy(pid: int, out_dir: str | None, seconds: float) -> Callable[[str], Any]:
@@ -208,13 +215,10 @@ async def run_ours(args: argparse.Namespace) -> list[Row]:
                 raise RuntimeError(f"request failed: {result.error}")
             return result
 
-        return await measure("ours", submit, coordinator.pid, args,
-                             start_py_spy(coordinator.pid, args.profile, args.profile_seconds))
+        return await measure("ours", submit, coordinator.pid, args)
     finally:
         client.close()
-        for proc in (engines, coordinator):
-            proc.kill()
-            proc.join()
+        end(engines, coordinator)
 
 
 # ----------------------------------------------------------------------------- Megatron's side
@@ -314,13 +318,10 @@ async def run_megatron(args: argparse.Namespace) -> list[Row]:
         async def submit(i: int) -> Any:
             return await client.add_request([*PROMPT, i % 30000], params)
 
-        return await measure("megatron", submit, coordinator.pid, args,
-                             start_py_spy(coordinator.pid, args.profile, args.profile_seconds))
+        return await measure("megatron", submit, coordinator.pid, args)
     finally:
         client.stop()
-        for proc in (engines, coordinator):
-            proc.kill()
-            proc.join()
+        end(engines, coordinator)
 
 
 # ----------------------------------------------------------------------------- report
@@ -345,6 +346,7 @@ def report(rows: list[Row]) -> None:
 
 
 async def main(args: argparse.Namespace) -> None:
+    load_before = os.getloadavg()[0]
     rows: list[Row] = []
     for _ in range(args.repeat):
         if args.only in (None, "megatron"):
@@ -359,7 +361,9 @@ async def main(args: argparse.Namespace) -> None:
                                       for f in ("rps", "p50_ms", "p99_ms", "cpu_us"))))
         rows = merged
     print(f"{args.engines} fake engines, {args.requests} requests per scenario "
-          f"({args.requests_c1} at 1 in flight), median of {args.repeat} run(s)")
+          f"({args.requests_c1} at 1 in flight), median of {args.repeat} run(s); load average "
+          f"{load_before:.1f} before, {os.getloadavg()[0]:.1f} after on {os.cpu_count()} CPUs "
+          "(latency at 1 in flight depends on it)")
     report(rows)
 
 
