@@ -122,10 +122,11 @@ def test_every_component_reads_the_table():
     assert operator_lifecycle.STATES == tuple(s.value for s in FleetState)
 
 
-def test_the_readme_shows_the_table():
+@pytest.mark.parametrize("page", ["README.md", "docs/kubernetes/lifecycle.md"])
+def test_the_docs_show_the_table(page):
     from pathlib import Path
 
     from megatron_serve.lifecycle import table_markdown
 
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
-    assert table_markdown() in readme, "README.md's lifecycle table is stale: paste lifecycle.table_markdown()"
+    text = (Path(__file__).resolve().parents[2] / page).read_text()
+    assert table_markdown() in text, f"{page}'s lifecycle table is stale: paste lifecycle.table_markdown()"

@@ -22,7 +22,6 @@ import transformers
 
 from megatron_serve import InferenceConfig, MegatronAsyncLLM
 from megatron_serve.server import create_app
-from megatron_serve.server.local import AsyncLLMBackend
 
 from .conftest import serving
 
@@ -52,7 +51,7 @@ ASK = [{"role": "user", "content": "What is the weather like?"}]
 async def surface(tiny_model, tokenizer, **config) -> AsyncIterator[tuple[openai.AsyncOpenAI, httpx.AsyncClient]]:
     settings = InferenceConfig(**{"block_size_tokens": 16, "num_kv_blocks": 256, **config})
     async with MegatronAsyncLLM(tiny_model, settings) as llm:
-        app = create_app(AsyncLLMBackend(llm), tokenizer, MODEL, vocab_size=512, max_model_len=1024,
+        app = create_app(llm.client, tokenizer, MODEL, vocab_size=512, max_model_len=1024,
                          status_interval=0.05)
         async with serving(app) as url, httpx.AsyncClient(base_url=url, timeout=120) as http:
             client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
