@@ -88,7 +88,7 @@ class StepSpec:
 
     verb: Verb  # the message it travels as (REFIT's two steps differ by ``phase``)
     deadline: Deadline
-    does: str  # what the engine does, for humans (README, logs)
+    does: str  # what the engine does, for humans (docs, logs)
     moves: Mapping[FleetState, FleetState] = field(default_factory=dict)  # engine state after it; absent: unchanged
     requires: frozenset[FleetState] = frozenset(FleetState)  # engine states it is legal in (else the engine refuses)
     phase: str | None = None  # REFIT's ``phase`` field
@@ -233,7 +233,7 @@ def walk(current: FleetState | str, target: FleetState | str) -> list[Verb]:
 
 
 def table_markdown() -> str:
-    """The table as Markdown, one row per state (the README shows it; a test keeps the two equal)."""
+    """The table as Markdown, one row per state (docs/kubernetes/lifecycle.md shows it; a test keeps the two equal)."""
     lines = ["| state | " + " | ".join(v.name for v in Verb) + " |", "|---" * (len(Verb) + 1) + "|"]
     for state, row in TABLE.items():
         cells = []

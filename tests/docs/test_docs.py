@@ -91,7 +91,7 @@ def operator_event_reasons() -> set[str]:
         for node in ast.walk(tree):
             if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "_event" and len(node.args) >= 3:
                 reasons.update(strings(node.args[2]))
-            elif isinstance(node, ast.Tuple) and len(node.elts) == 3 and _string(node.elts[0]) in (["Normal"], ["Warning"]):
+            elif isinstance(node, ast.Tuple) and len(node.elts) == 3 and {"Normal", "Warning"} >= set(strings(node.elts[0])) > set():
                 reasons.update(strings(node.elts[1]))
     return reasons
 

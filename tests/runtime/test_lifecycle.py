@@ -122,7 +122,7 @@ def test_every_component_reads_the_table():
     assert operator_lifecycle.STATES == tuple(s.value for s in FleetState)
 
 
-@pytest.mark.parametrize("page", ["README.md", "docs/kubernetes/lifecycle.md"])
+@pytest.mark.parametrize("page", ["docs/kubernetes/lifecycle.md"])
 def test_the_docs_show_the_table(page):
     from pathlib import Path
 
