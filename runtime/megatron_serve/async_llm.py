@@ -34,7 +34,7 @@ from typing import Any, AsyncIterator
 from .client import InferenceClient, StreamPartial
 from .config import InferenceConfig
 from .local_fleet import LocalFleet
-from .prompts import Prompt, PromptInput, normalize_prompts
+from .prompts import ImagePrompt, Prompt, PromptInput, as_prompt, normalize_prompts, tokenize_prompt
 from .request import DynamicInferenceRequest
 from .sampling_params import SamplingParams
 from .streams import iterate_stream
@@ -169,12 +169,12 @@ class _EngineThread:
         _, request_id, prompt, params, loop, future, items = command
         self._waiters[request_id] = (loop, future, items)
         try:
-            tokens = self.engine.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+            tokens, images, text = tokenize_prompt(prompt, self.engine.tokenizer)
         except Exception as exc:
             self._post(request_id, ValueError(f"cannot tokenize the prompt: {exc}"), final=True)
             return
-        request = DynamicInferenceRequest(request_id=request_id, prompt=prompt if isinstance(prompt, str) else None,
-                                          prompt_tokens=tokens, sampling_params=params)
+        request = DynamicInferenceRequest(request_id=request_id, prompt=text, prompt_tokens=tokens,
+                                          sampling_params=params, images=images)
         self.engine.add_request(request)  # a bad request fails alone and comes back from step()
 
 
@@ -320,26 +320,38 @@ class MegatronAsyncLLM:
 
     async def generate(self, prompts: PromptInput, sampling_params: SamplingParams | None = None
                        ) -> DynamicInferenceRequest | list[DynamicInferenceRequest]:
-        """One finished request for a single prompt (``str`` or ``list[int]``), a list (input order) for a batch."""
+        """One finished request for a single prompt, a list (input order) for a batch.
+
+        A prompt is text, token ids, or ``{"prompt": ..., "images": [bytes or PIL.Image, ...]}`` (see
+        :meth:`MegatronLLM.generate`).
+        """
         prompt_list, single = normalize_prompts(prompts)
         params = sampling_params if sampling_params is not None else SamplingParams()
         params.validate()
         await self._ensure_started()
         if self.use_coordinator:
-            futures = [self._client.add_request(p, params) for p in prompt_list]
+            futures = [self._submit_remote(p, params) for p in prompt_list]
         else:
             futures = [self._engine_thread.submit(p, params, stream=False)[1] for p in prompt_list]
         results = list(await asyncio.gather(*futures))
         return results[0] if single else results
 
-    async def generate_stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None
+    def _submit_remote(self, prompt: Prompt, params: SamplingParams) -> asyncio.Future:
+        if isinstance(prompt, ImagePrompt):
+            return self._client.add_request(prompt.prompt, params, images=prompt.images)
+        return self._client.add_request(prompt, params)
+
+    async def generate_stream(self, prompt: Prompt | dict, sampling_params: SamplingParams | None = None
                               ) -> AsyncIterator[StreamPartial | DynamicInferenceRequest]:
         """Yield :class:`StreamPartial` items as tokens are generated, then the finished request."""
+        prompt = as_prompt(prompt)
         params = sampling_params if sampling_params is not None else SamplingParams()
         params.validate()
         await self._ensure_started()
         if self.use_coordinator:
-            async for item in self._client.add_request_streaming(prompt, params):
+            images = prompt.images if isinstance(prompt, ImagePrompt) else None
+            text = prompt.prompt if isinstance(prompt, ImagePrompt) else prompt
+            async for item in self._client.add_request_streaming(text, params, images=images):
                 yield item
             return
         request_id, _future, items = self._engine_thread.submit(prompt, params, stream=True)

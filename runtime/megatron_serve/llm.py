@@ -13,7 +13,7 @@ from pathlib import Path
 from .config import InferenceConfig
 from .engine import DynamicInferenceEngine
 from .model.llama import LlamaForCausalLM
-from .prompts import PromptInput, normalize_prompts
+from .prompts import Prompt, PromptInput, normalize_prompts, tokenize_prompt
 from .request import DynamicInferenceRequest
 from .sampling_params import SamplingParams
 from .tokenizer import Tokenizer
@@ -34,14 +34,14 @@ def build_engine(model: str | Path | LlamaForCausalLM, inference_config: Inferen
     return DynamicInferenceEngine(model, tokenizer, config)
 
 
-def make_requests(prompts: list, sampling_params: SamplingParams, tokenizer: Tokenizer,
+def make_requests(prompts: list[Prompt], sampling_params: SamplingParams, tokenizer: Tokenizer,
                   ids: "itertools.count[int]") -> list[DynamicInferenceRequest]:
     requests = []
     for prompt in prompts:
-        tokens = tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        tokens, images, text = tokenize_prompt(prompt, tokenizer)
         requests.append(DynamicInferenceRequest(
-            request_id=str(next(ids)), prompt=prompt if isinstance(prompt, str) else None,
-            prompt_tokens=tokens, sampling_params=sampling_params,
+            request_id=str(next(ids)), prompt=text, prompt_tokens=tokens, sampling_params=sampling_params,
+            images=images,
         ))
     return requests
 
@@ -61,7 +61,11 @@ class MegatronLLM:
 
     def generate(self, prompts: PromptInput, sampling_params: SamplingParams | None = None
                  ) -> list[DynamicInferenceRequest]:
-        """Generate for every prompt; returns one finished request per prompt, in input order."""
+        """Generate for every prompt; returns one finished request per prompt, in input order.
+
+        A prompt is text, token ids, or ``{"prompt": ..., "images": [bytes or PIL.Image, ...]}`` with one
+        image placeholder of the model (e.g. ``<image>``) in the prompt where each image goes.
+        """
         if self.use_coordinator:
             if self._remote is None:
                 raise RuntimeError("this MegatronLLM was shut down")
