@@ -62,6 +62,7 @@ from .protocol import (
     encode,
     int_list,
 )
+from .multimodal import PromptImage, cache_keys
 from .request import DynamicInferenceRequest, EventType, FinishReason, RequestStatus, top_logprobs_from_wire
 from .routing import RoutingPolicy, make_routing_policy
 from .sampling_params import SamplingParams
@@ -79,6 +80,9 @@ DEFAULT_WEIGHTS_TIMEOUT = 900.0
 # An engine's step loop may not move for this long while it has requests. Generous: one step may be a
 # long prefill or JIT-compile kernels, and a false alarm moves all the engine's requests elsewhere.
 DEFAULT_STALL_TIMEOUT = 120.0
+# Image bytes one request may carry: well inside the 16 MiB frame with its prompt, and above the
+# server's 10 MiB per image, so that one large image always fits.
+DEFAULT_MAX_IMAGE_BYTES = 12 * 1024 * 1024
 _TICK_S = 0.05
 _MAX_BURST = 512  # frames handled before the periodic work runs again
 _PROBE_DELAYS = (0.02, 0.1, 0.5, 2.0)  # after a disconnect event: when to test who is gone
@@ -194,7 +198,8 @@ class RequestRecord:
 
     @property
     def prompt_tokens(self) -> list[int]:
-        return self.request.prompt_tokens
+        """As the prefix cache keys them: an image's placeholder tokens stand for its content."""
+        return cache_keys(self.request.prompt_tokens, self.request.images)
 
 
 @dataclass
@@ -289,12 +294,15 @@ class Coordinator:
         dispatch_factor: float = 2.0,
         model: str | None = None,
         tokenizer_loader: Callable[[], TokenizerLike] | None = None,
+        max_image_bytes: int = DEFAULT_MAX_IMAGE_BYTES,
     ) -> None:
         """``tokenizer_loader``: instead of ``tokenizer``, builds it in a background thread started by
-        ``run()``, so that peers can connect meanwhile (see _release_held_prompts)."""
+        ``run()``, so that peers can connect meanwhile (see _release_held_prompts).
+        ``max_image_bytes``: image file bytes one request may carry (more is refused with ERROR)."""
         if tokenizer is not None and tokenizer_loader is not None:
             raise ValueError("pass a tokenizer or a tokenizer_loader, not both")
         self.tokenizer = tokenizer
+        self.max_image_bytes = max_image_bytes
         self._tokenizer_loader = tokenizer_loader
         # The loader thread's only output: (tokenizer, seconds) or its exception, taken by _tick.
         self._tokenizer_loading: concurrent.futures.Future[tuple[TokenizerLike, float]] | None = None
@@ -763,22 +771,26 @@ class Coordinator:
         try:
             params = SamplingParams.from_dict(body.get("sampling_params"))
             prompt = body["prompt"]
+            images = self._submitted_images(body.get("images") or [])
             if isinstance(prompt, str):
                 prompt_text: str | None = prompt
-                held = self._tokenizer_loading is not None and bool(prompt)
-                prompt_tokens = [] if held else self._tokenize(prompt)
+                prompt_tokens = []
             else:
                 prompt_text = None
                 prompt_tokens = int_list(prompt, "prompt")
                 if not prompt_tokens:
                     raise ValueError("prompt is empty")
             generated = int_list(list(body.get("generated_tokens") or []), "generated_tokens")
+            request = DynamicInferenceRequest(request_id=key, prompt=prompt_text, prompt_tokens=prompt_tokens,
+                                              sampling_params=params, generated_tokens=generated, images=images)
+            # text, and images to place, need the tokenizer: such prompts wait while it loads
+            held = self._tokenizer_loading is not None and (bool(prompt_text) or any(not i.placed for i in images))
+            if not held:
+                self._prepare_prompt(request)
         except (ValueError, TypeError) as exc:
             self._send(identity, Header.ERROR, {"code": ErrorCode.INVALID_REQUEST.value, "message": str(exc),
                                                 "client_request_id": crid})
             return
-        request = DynamicInferenceRequest(request_id=key, prompt=prompt_text, prompt_tokens=prompt_tokens,
-                                          sampling_params=params, generated_tokens=generated)
         record = RequestRecord(key=key, client_id=client.client_id, client_request_id=crid, request=request,
                                stream=bool(body.get("stream")))
         self.requests[key] = record
@@ -788,6 +800,30 @@ class Coordinator:
             return
         self._enqueue(record)
         self._dispatch()
+
+    def _submitted_images(self, raw: list) -> list[PromptImage]:
+        """The SUBMIT's images, within this coordinator's limit on image bytes per request."""
+        images = [PromptImage.from_wire(image, f"images[{index}]") for index, image in enumerate(raw)]
+        total = sum(len(image.data) for image in images)
+        if total > self.max_image_bytes:
+            raise ValueError(f"the request's {len(images)} image(s) hold {total} bytes; this coordinator accepts at "
+                             f"most {self.max_image_bytes} bytes of images per request (--max-request-image-bytes)")
+        if any(image.placed for image in images) and not all(image.placed for image in images):
+            raise ValueError("either every image of a request is placed (offset and length) or none is")
+        return images
+
+    def _prepare_prompt(self, request: DynamicInferenceRequest) -> None:
+        """Tokenize a text prompt and place its images (expand their placeholders); ``ValueError`` says why not."""
+        if request.prompt is not None:
+            request.prompt_tokens = self._tokenize(request.prompt)
+        if not request.images or request.images[0].placed:
+            return  # placed images are checked by the engine, which reads them anyway
+        processor = getattr(self.tokenizer, "images", None)
+        if processor is None:
+            raise ValueError(self._tokenizer_error or "the served model takes no images (it is not a "
+                             "vision-language model, or this coordinator has no model directory)")
+        request.prompt_tokens, request.images = processor.expand(request.prompt_tokens,
+                                                                 [image.data for image in request.images])
 
     def _tokenize(self, text: str) -> list[int]:
         """Token ids of a text prompt; ``ValueError`` saying why when there are none."""
@@ -827,7 +863,7 @@ class Coordinator:
             if record is None or record.phase != "queued":
                 continue  # aborted, or its client went away
             try:
-                record.request.prompt_tokens = self._tokenize(record.request.prompt or "")
+                self._prepare_prompt(record.request)
             except (ValueError, TypeError) as exc:
                 client = self.clients.get(record.client_id)
                 self._send(client.identity if client else None, Header.ERROR,
@@ -1100,7 +1136,8 @@ class Coordinator:
             engine = self.engines.get(engine.engine_id)
             if engine is None:
                 return
-            if not self._send(engine.identity, Header.ENGINE_SUBMIT, {"request": record.request.to_dict()}):
+            request = record.request.to_dict(include_images=True)
+            if not self._send(engine.identity, Header.ENGINE_SUBMIT, {"request": request}):
                 self._remove_engine(engine, "unreachable (send failed)")
                 continue
             self.queue.popleft()

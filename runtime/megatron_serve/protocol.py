@@ -156,6 +156,8 @@ TO_COORDINATOR: dict[Header, Schema] = {
         "sampling_params": _opt(*_DICT),
         "stream": _opt(*_BOOL),
         "generated_tokens": _opt(*_LIST),  # resubmission after a coordinator restart: continue
+        # image files of a vision-language prompt: [{data: bin, offset?, length?}] (see multimodal.PromptImage)
+        "images": _opt(*_LIST),
     },
     Header.ABORT: {"client_request_id": _req(*_ID)},
     Header.RESULT_ACK: {"client_request_ids": _req(*_LIST)},
