@@ -415,7 +415,8 @@ class MegatronAsyncLLM:
         """Serve the OpenAI-compatible HTTP API for this object until cancelled (either mode).
 
         ``options``: ``model_name``, ``api_key``, ``max_concurrent_requests``, ``log_level``, ``stop``
-        (an ``asyncio.Event``), ``limits``, ``read_timeout``; see :func:`megatron_serve.server.serve_async_llm`.
+        (an ``asyncio.Event``), ``limits``, ``read_timeout``, ``image_options`` (a ``multimodal.ImageOptions``);
+        see :func:`megatron_serve.server.serve_async_llm`.
         """
         from .server.local import serve_async_llm  # noqa: PLC0415 - FastAPI only when serving
 

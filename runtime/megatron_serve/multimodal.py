@@ -29,6 +29,23 @@ logger = logging.getLogger(__name__)
 _TRANSPOSED_ORIENTATIONS = {5, 6, 7, 8}
 
 
+@dataclass(frozen=True)
+class ImageOptions:
+    """How the HTTP server fetches the ``http(s)`` image URLs of chat requests (the size and count limits
+    are request limits: ``limits.RequestLimits``).
+
+    ``fetch_timeout``: seconds for one fetch, connection to last byte; ``allow_remote``: whether
+    http(s) URLs are fetched at all (``data:`` URLs always work).
+    """
+
+    fetch_timeout: float = 10.0
+    allow_remote: bool = True
+
+    def __post_init__(self) -> None:
+        if not self.fetch_timeout > 0:
+            raise ValueError(f"fetch_timeout must be > 0, got {self.fetch_timeout}")
+
+
 class ImageError(ValueError):
     """An image that cannot be used; the message names the problem."""
 

@@ -15,10 +15,10 @@ from .multimodal import PromptImage, image_bytes
 
 @dataclass
 class ImagePrompt:
-    """A prompt with images (the files, in placeholder order)."""
+    """A prompt with images: the files in placeholder order, or images already placed in token ids."""
 
     prompt: str | list[int]
-    images: list[bytes]
+    images: list[bytes] | list[PromptImage]
 
 
 Prompt = Union[str, list[int], ImagePrompt]
@@ -92,6 +92,8 @@ def tokenize_prompt(prompt: Prompt, tokenizer: Any) -> tuple[list[int], list[Pro
     tokens = tokenizer.encode(text) if isinstance(text, str) else list(text)
     images: list[PromptImage] = []
     if isinstance(prompt, ImagePrompt) and prompt.images:
+        if isinstance(prompt.images[0], PromptImage):
+            return tokens, list(prompt.images), None  # placed by the caller (the HTTP server)
         if tokenizer.images is None:
             raise ValueError("this model takes no images (it is not a vision-language model)")
         tokens, images = tokenizer.images.expand(tokens, prompt.images)

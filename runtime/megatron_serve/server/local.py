@@ -15,6 +15,8 @@ from pathlib import Path
 from typing import Any, AsyncIterator
 
 from ..limits import RequestLimits
+from ..multimodal import ImageOptions, PromptImage
+from ..prompts import ImagePrompt
 from .app import API_KEY_ENV, create_app
 from .modelinfo import ModelFacts, default_model_name
 from .runner import serve_app
@@ -34,25 +36,27 @@ class AsyncLLMBackend:
         await self.llm.start()
         return self
 
-    def add_request(self, prompt: str | list[int], sampling_params: Any, *,
-                    request_id: str | None = None) -> "asyncio.Future[Any]":
+    def add_request(self, prompt: str | list[int], sampling_params: Any, *, request_id: str | None = None,
+                    images: list[PromptImage] | None = None) -> "asyncio.Future[Any]":
         request_id = request_id or uuid.uuid4().hex
-        task = asyncio.ensure_future(self._collect(prompt, sampling_params))
+        task = asyncio.ensure_future(self._collect(prompt, sampling_params, images))
         self._tasks[request_id] = task
         task.add_done_callback(lambda _t: self._tasks.pop(request_id, None))
         return task
 
-    async def _collect(self, prompt: str | list[int], sampling_params: Any) -> Any:
+    async def _collect(self, prompt: str | list[int], sampling_params: Any, images: list[PromptImage] | None) -> Any:
         final = None
-        async for item in self.add_request_streaming(prompt, sampling_params):
+        async for item in self.add_request_streaming(prompt, sampling_params, images=images):
             final = item
         return final
 
     async def add_request_streaming(self, prompt: str | list[int], sampling_params: Any, *,
-                                    request_id: str | None = None) -> AsyncIterator[Any]:
+                                    request_id: str | None = None, images: list[PromptImage] | None = None
+                                    ) -> AsyncIterator[Any]:
         from ..request import DynamicInferenceRequest, FinishReason, RequestStatus  # noqa: PLC0415
 
-        async for item in self.llm.generate_stream(prompt, sampling_params):
+        async for item in self.llm.generate_stream(ImagePrompt(prompt, images) if images else prompt,
+                                                   sampling_params):
             if isinstance(item, DynamicInferenceRequest):
                 if item.status is RequestStatus.COMPLETED:
                     self.completed += 1
@@ -111,11 +115,13 @@ def _model_facts(llm: Any, model_name: str | None) -> tuple[Any, ModelFacts]:
 async def serve_async_llm(llm: Any, host: str = "127.0.0.1", port: int = 8000, *, model_name: str | None = None,
                           api_key: str | None = None, max_concurrent_requests: int | None = None,
                           log_level: str = "warning", stop: asyncio.Event | None = None,
-                          limits: RequestLimits | None = None, read_timeout: float = 60.0) -> None:
+                          limits: RequestLimits | None = None, read_timeout: float = 60.0,
+                          image_options: ImageOptions | None = None) -> None:
     """Serve the OpenAI API for ``llm`` until cancelled (or ``stop`` is set); ``llm`` stays open.
 
     ``api_key=None`` reads ``$MEGATRON_SERVE_API_KEY`` (no key when unset), like the commands do.
-    ``limits`` and ``read_timeout``: as the commands' ``--max-*`` and ``--read-timeout`` flags.
+    ``limits`` and ``read_timeout``: as the commands' ``--max-*`` and ``--read-timeout`` flags;
+    ``image_options``: as ``--image-fetch-timeout`` and ``--no-remote-images``.
     """
     await llm.start()
     tokenizer, facts = await asyncio.to_thread(_model_facts, llm, model_name)
@@ -123,7 +129,8 @@ async def serve_async_llm(llm: Any, host: str = "127.0.0.1", port: int = 8000, *
     if api_key is None:
         api_key = os.environ.get(API_KEY_ENV) or None
     app = create_app(backend, tokenizer, facts.name, api_key, vocab_size=facts.vocab_size,
-                     max_model_len=facts.max_model_len, max_concurrent_requests=max_concurrent_requests, limits=limits)
+                     max_model_len=facts.max_model_len, max_concurrent_requests=max_concurrent_requests, limits=limits,
+                     image_options=image_options)
     await serve_app(app, host, port, log_level=log_level, stop=stop, read_timeout=read_timeout)
 
 
