@@ -7,9 +7,7 @@ that record the images they receive; the last one serves a tiny LLaVA with real 
 from __future__ import annotations
 
 import asyncio
-import io
 
-import numpy as np
 import pytest
 from PIL import Image
 
@@ -20,19 +18,13 @@ from megatron_serve.protocol import MAX_MESSAGE_BYTES
 from megatron_serve.request import DynamicInferenceRequest
 from megatron_serve.tokenizer import Tokenizer
 
+from ..images import png
 from .fakes import FakeEngine, expected_tokens
 from .helpers import until
 
 pytestmark = pytest.mark.timeout(300)
 
 GREEDY = SamplingParams(temperature=0.0, num_tokens_to_generate=6, ignore_eos=True)
-
-
-def png(height: int, width: int, seed: int) -> bytes:
-    pixels = np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8)
-    buffer = io.BytesIO()
-    Image.fromarray(pixels).save(buffer, format="PNG")
-    return buffer.getvalue()
 
 
 class RecordingEngine(FakeEngine):

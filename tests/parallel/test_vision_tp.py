@@ -6,24 +6,16 @@ tower and gets the multimodal rotary positions with the step plan. Qwen2-VL exer
 
 from __future__ import annotations
 
-import io
 
-import numpy as np
 import pytest
-from PIL import Image
 
 from megatron_serve import InferenceConfig, MegatronLLM, SamplingParams
 from megatron_serve.tiny_model import make_tiny_model
 
+from ..images import png
+
 GREEDY = SamplingParams(temperature=0.0, num_tokens_to_generate=8, ignore_eos=True, return_log_probs=True)
 IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"
-
-
-def png(height: int, width: int, seed: int) -> bytes:
-    pixels = np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8)
-    buffer = io.BytesIO()
-    Image.fromarray(pixels).save(buffer, format="PNG")
-    return buffer.getvalue()
 
 
 @pytest.mark.slow

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import io
 
-import numpy as np
 import pytest
 import torch
 import transformers
@@ -22,22 +21,17 @@ from megatron_serve import InferenceConfig, MegatronLLM, SamplingParams
 from megatron_serve.request import EventType
 from megatron_serve.tiny_model import make_tiny_model
 
+from ..images import png
+
 NEW_TOKENS = 12
 SIZES = [(84, 112), (56, 56), (140, 70)]  # (height, width): Qwen-VL makes 12, 4 and 10 tokens of them
-
-
-def png(height: int, width: int, seed: int) -> bytes:
-    pixels = np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8)
-    buffer = io.BytesIO()
-    Image.fromarray(pixels).save(buffer, format="PNG")
-    return buffer.getvalue()
 
 
 def conversations(placeholder: str) -> list[tuple[str, list[bytes]]]:
     """Chat-rendered prompts with 0, 1 and 2 images (different sizes), as the chat template writes them."""
     one, two, three = (png(h, w, seed) for seed, (h, w) in enumerate(SIZES))
     return [
-        (f"<|begin_of_text|><|im_start|>user\nHello there<|im_end|>\n<|im_start|>assistant\n", []),
+        ("<|begin_of_text|><|im_start|>user\nHello there<|im_end|>\n<|im_start|>assistant\n", []),
         (f"<|begin_of_text|><|im_start|>user\n{placeholder}\nWhat is this?<|im_end|>\n<|im_start|>assistant\n",
          [one]),
         (f"<|begin_of_text|><|im_start|>user\nCompare {placeholder} and {placeholder} please<|im_end|>\n"

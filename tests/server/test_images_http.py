@@ -9,7 +9,6 @@ remote-switch tests serve the same model in-process (direct mode) for speed.
 from __future__ import annotations
 
 import base64
-import io
 import os
 import signal
 import subprocess
@@ -20,10 +19,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from types import SimpleNamespace
 
 import httpx
-import numpy as np
 import openai
 import pytest
-from PIL import Image
 
 from megatron_serve import InferenceConfig, MegatronAsyncLLM, MegatronLLM, SamplingParams
 from megatron_serve.limits import RequestLimits
@@ -33,6 +30,7 @@ from megatron_serve.server.local import AsyncLLMBackend
 from megatron_serve.tiny_model import make_tiny_model
 from megatron_serve.tokenizer import Tokenizer
 
+from ..images import png
 from .conftest import serving
 
 pytestmark = pytest.mark.timeout(300)
@@ -41,13 +39,6 @@ MAX_IMAGE_BYTES = 200_000
 FETCH_TIMEOUT = 5  # seconds; generous on a loaded machine, and what the never-answered fetch costs
 MAX_TOKENS = 8
 QUESTION = "What do you see in this picture? Describe the colours, the shapes and where things are."
-
-
-def png(height: int, width: int, seed: int) -> bytes:
-    pixels = np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8)
-    buffer = io.BytesIO()
-    Image.fromarray(pixels).save(buffer, format="PNG")
-    return buffer.getvalue()
 
 
 def data_url(data: bytes, media_type: str = "image/png") -> str:
