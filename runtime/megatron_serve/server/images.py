@@ -31,8 +31,11 @@ if TYPE_CHECKING:
 
 _MAX_REDIRECTS = 5
 
+
 @dataclass(frozen=True)
 class _Fetch:
+    """The fetch settings and the per-image size limit of one request."""
+
     options: ImageOptions
     max_bytes: int
 
@@ -65,7 +68,12 @@ async def load_images(req: Any, ctx: ServerContext) -> None:
     fetch = _Fetch(ctx.images, ctx.limits.max_image_bytes)
     async with httpx.AsyncClient(follow_redirects=True, max_redirects=_MAX_REDIRECTS,
                                  timeout=fetch.options.fetch_timeout) as client:
-        files = await asyncio.gather(*(_load(client, where, part.image_url.url, fetch) for where, part in parts))
+        loads = [asyncio.ensure_future(_load(client, where, part.image_url.url, fetch)) for where, part in parts]
+        try:
+            files = await asyncio.gather(*loads)
+        finally:  # the first failure answers the request: the other fetches stop
+            for load in loads:
+                load.cancel()
     for (_, part), data in zip(parts, files):
         part.attach(data)
 
