@@ -178,6 +178,8 @@ def test_data_url_and_fetched_url_answer_as_direct_mode(stack, web, direct):
     answer = ask(stack, data_url(PICTURE))
     assert answer.choices[0].message.content == expected
     assert answer.usage.prompt_tokens > 16  # the image's 16 placeholder tokens are counted
+    counted = httpx.post(f"{stack.url}/tokenize", json={"model": stack.model, "messages": chat(data_url(PICTURE))})
+    assert counted.json()["count"] == answer.usage.prompt_tokens  # /tokenize counts the image's tokens too
     assert ask(stack, f"{web}/picture.png").choices[0].message.content == expected
     streamed = ask(stack, data_url(PICTURE), stream=True)
     assert "".join(chunk.choices[0].delta.content or "" for chunk in streamed if chunk.choices) == expected
