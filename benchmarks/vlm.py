@@ -58,12 +58,11 @@ def run_megatron(model_dir: str, chats, new_tokens: int, max_requests: int) -> t
     params = SamplingParams(temperature=0.0, num_tokens_to_generate=new_tokens, ignore_eos=True)
     llm.generate([{"prompt": chats[0][0], "images": chats[0][1]}], params)  # warm-up
     engine = llm.engine
-    started = time.perf_counter()
+    started, arrival = time.perf_counter(), time.time()  # every chat arrives now: tokenizing counts too
     requests = []
     for index, (text, files) in enumerate(chats):
         tokens, images, _ = tokenize_prompt(ImagePrompt(text, files), llm.tokenizer)
         requests.append(DynamicInferenceRequest(str(index), text, tokens, params, images=images))
-    arrival = time.time()
     for request in requests:
         request.arrival_time = arrival
         engine.add_request(request)

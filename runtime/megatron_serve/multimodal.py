@@ -141,8 +141,9 @@ def open_image(data: bytes) -> Any:
 
 
 def _reason(exc: BaseException) -> str:
-    text = str(exc).split(" (")[0] if "cannot identify image file" in str(exc) else str(exc)
-    return text or type(exc).__name__
+    if "cannot identify image file" in str(exc):  # PIL names the buffer object, which says nothing
+        return "unknown image format"
+    return str(exc) or type(exc).__name__
 
 
 def cache_keys(tokens: list[int], images: list[PromptImage], start: int = 0) -> list[int]:
