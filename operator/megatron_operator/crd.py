@@ -229,6 +229,10 @@ def spec_schema() -> dict[str, Any]:
                 required=["name", "key"],
             ),
             "resources": _resources("Resources of the server container."),
+            "remoteImages": {"type": "boolean", "default": True,
+                             "description": "Fetch http(s) image URLs of chat requests (vision-language models); "
+                                            "false: only data: URLs, so the server never reaches into the cluster "
+                                            "network on a client's behalf."},
         },
         default={},
     )

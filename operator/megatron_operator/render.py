@@ -285,7 +285,9 @@ def render_coordinator_deployment(spec: InferenceSpec, config: OperatorConfig) -
         "name": "server",
         **image,
         "args": ["server", *_model_flags(spec), "--coordinator", f"tcp://127.0.0.1:{COORDINATOR_PORT}",
-                 "--host", "0.0.0.0", "--port", str(spec.server_port)],
+                 "--host", "0.0.0.0", "--port", str(spec.server_port)]
+                # on by default; the flag only when off, so existing pod templates stay unchanged
+                + ([] if spec.remote_images else ["--no-remote-images"]),
         "env": server_env,
         "ports": [{"name": "http", "containerPort": spec.server_port, "protocol": "TCP"}],
         # /ready: coordinator reachable and not stopped; /health: the process answers.

@@ -216,6 +216,7 @@ class InferenceSpec:
     server_port: int
     api_key_secret_ref: dict[str, str] | None
     server_resources: dict[str, Any]
+    remote_images: bool
     lifecycle: str
     drain_timeout_seconds: int
     raw: dict[str, Any] = field(repr=False, compare=False, default_factory=dict)
@@ -276,6 +277,7 @@ def parse(resource: dict[str, Any], default_namespace: str = "default") -> Infer
         server_port=server["port"],
         api_key_secret_ref=server.get("apiKeySecretRef"),
         server_resources=dict(server.get("resources", {})),
+        remote_images=server["remoteImages"],
         lifecycle=spec["lifecycle"],
         drain_timeout_seconds=spec["drainTimeoutSeconds"],
         raw=obj,

@@ -27,7 +27,7 @@ from .config import InferenceConfig
 from .engine_client import EngineClient
 from .fleet_client import FleetClient
 from .outputs import StreamItem
-from .prompts import Prompt, PromptInput, normalize_prompts
+from .prompts import Prompt, PromptInput, as_prompt, normalize_prompts
 from .request import DynamicInferenceRequest
 from .sampling_params import SamplingParams
 
@@ -111,7 +111,11 @@ class MegatronAsyncLLM:
 
     async def generate(self, prompts: PromptInput, sampling_params: SamplingParams | None = None
                        ) -> DynamicInferenceRequest | list[DynamicInferenceRequest]:
-        """One finished request for a single prompt (``str`` or ``list[int]``), a list (input order) for a batch."""
+        """One finished request for a single prompt, a list (input order) for a batch.
+
+        A prompt is text, token ids, or ``{"prompt": ..., "images": [bytes or PIL.Image, ...]}`` (see
+        :meth:`MegatronLLM.generate`).
+        """
         prompt_list, single = normalize_prompts(prompts)
         params = sampling_params if sampling_params is not None else SamplingParams()
         params.validate()
@@ -119,10 +123,11 @@ class MegatronAsyncLLM:
         results = list(await asyncio.gather(*(self._client.add_request(p, params) for p in prompt_list)))
         return results[0] if single else results
 
-    async def generate_stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None
+    async def generate_stream(self, prompt: Prompt | dict, sampling_params: SamplingParams | None = None
                               ) -> AsyncIterator[StreamItem]:
         """Yield :class:`~megatron_serve.outputs.StreamPartial` items as tokens are generated, then the
-        finished request."""
+        finished request. ``prompt``: one prompt of any shape :meth:`generate` takes."""
+        prompt = as_prompt(prompt)
         params = sampling_params if sampling_params is not None else SamplingParams()
         params.validate()
         await self.start()
@@ -179,7 +184,8 @@ class MegatronAsyncLLM:
         """Serve the OpenAI-compatible HTTP API for this object until cancelled (either mode).
 
         ``options``: ``model_name``, ``api_key``, ``max_concurrent_requests``, ``log_level``, ``stop``
-        (an ``asyncio.Event``), ``limits``, ``read_timeout``; see :func:`megatron_serve.server.serve_async_llm`.
+        (an ``asyncio.Event``), ``limits``, ``read_timeout``, ``image_options`` (a ``multimodal.ImageOptions``);
+        see :func:`megatron_serve.server.serve_async_llm`.
         """
         from .server.local import serve_async_llm  # noqa: PLC0415 - FastAPI only when serving
 

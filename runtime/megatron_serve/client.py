@@ -30,6 +30,8 @@ import msgspec
 
 from .connection import Connection, CoordinatorError, Unauthorized
 from .messages import Error, HelloAck
+from .multimodal import PromptImage
+from .prompts import ImagePrompt, Prompt
 from .protocol import ErrorCode, Header, Role, encode, pack_batches
 from .outputs import StreamPartial, unreadable_result
 from .request import DynamicInferenceRequest, top_logprobs_from_wire
@@ -56,6 +58,7 @@ class _Pending:
     queue: asyncio.Queue | None = None
     received: list[int] = field(default_factory=list)
     aborted: bool = False
+    images: list[dict[str, Any]] = field(default_factory=list)  # wire form (PromptImage.to_wire)
 
 
 #: Messages the receive loop takes at once before it lets the event loop run. ``await sock.recv()``
@@ -364,9 +367,11 @@ class InferenceClient:
         if not self._started or self._closed:
             raise RuntimeError("InferenceClient is not started (await client.start()) or was closed")
 
-    def _new_pending(self, prompt: str | list[int], sampling_params: SamplingParams | dict | None,
-                     request_id: str | None, stream: bool) -> _Pending:
+    def _new_pending(self, prompt: Prompt, sampling_params: SamplingParams | dict | None,
+                     request_id: str | None, stream: bool, images: list[bytes | PromptImage] | None) -> _Pending:
         self._require_started()
+        if isinstance(prompt, ImagePrompt):  # what MegatronAsyncLLM hands on for a prompt dict with images
+            prompt, images = prompt.prompt, [*prompt.images, *(images or ())]
         if isinstance(sampling_params, SamplingParams):
             params = sampling_params
         else:
@@ -378,35 +383,48 @@ class InferenceClient:
             raise ValueError(f"request id {request_id!r} is already pending")
         pending = _Pending(request_id, prompt, params, stream, self._loop.create_future(),
                            asyncio.Queue() if stream else None)
+        if images:
+            pending.images = [(image if isinstance(image, PromptImage) else PromptImage(bytes(image))).to_wire()
+                              for image in images]
+            encode(Header.SUBMIT, self._submit_body(pending))  # too large a frame: ValueError here, nothing sent
         self._pending[request_id] = pending
         self._send_submit(pending)
         return pending
 
-    def _send_submit(self, pending: _Pending) -> None:
+    @staticmethod
+    def _submit_body(pending: _Pending) -> dict[str, Any]:
         body: dict[str, Any] = {"client_request_id": pending.request_id, "prompt": pending.prompt,
                                 "sampling_params": pending.sampling_params, "stream": pending.stream}
         if pending.received:
             body["generated_tokens"] = pending.received
-        self._send(Header.SUBMIT, body)
+        if pending.images:
+            body["images"] = pending.images
+        return body
 
-    def add_request(self, prompt: str | list[int], sampling_params: SamplingParams | dict | None = None, *,
-                    request_id: str | None = None) -> "asyncio.Future[DynamicInferenceRequest]":
+    def _send_submit(self, pending: _Pending) -> None:
+        self._send(Header.SUBMIT, self._submit_body(pending))
+
+    def add_request(self, prompt: Prompt, sampling_params: SamplingParams | dict | None = None, *,
+                    request_id: str | None = None, images: list[bytes | PromptImage] | None = None
+                    ) -> "asyncio.Future[DynamicInferenceRequest]":
         """Submit one prompt; the future resolves to the finished ``DynamicInferenceRequest``.
 
         Failed requests (too long, aborted) resolve normally with ``status`` FAILED; a request the
         coordinator cannot accept at all (bad sampling values, empty prompt) raises ``ValueError``.
+        ``images`` (vision-language models): image files, one per image placeholder of the prompt
+        (the coordinator expands them), or ``PromptImage``s already placed in token-id prompts.
         """
-        return self._new_pending(prompt, sampling_params, request_id, stream=False).future
+        return self._new_pending(prompt, sampling_params, request_id, False, images).future
 
-    async def add_request_streaming(self, prompt: str | list[int],
+    async def add_request_streaming(self, prompt: Prompt,
                                     sampling_params: SamplingParams | dict | None = None, *,
-                                    request_id: str | None = None
+                                    request_id: str | None = None, images: list[bytes | PromptImage] | None = None
                                     ) -> AsyncIterator[StreamPartial | DynamicInferenceRequest]:
         """Yield a :class:`StreamPartial` per engine step, then the final request.
 
-        Leaving the loop early (``break``, cancellation) aborts the request.
+        Leaving the loop early (``break``, cancellation) aborts the request. ``images``: as :meth:`add_request`.
         """
-        pending = self._new_pending(prompt, sampling_params, request_id, stream=True)
+        pending = self._new_pending(prompt, sampling_params, request_id, True, images)
 
         def abandon() -> None:
             if not self._closed:

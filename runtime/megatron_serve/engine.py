@@ -15,6 +15,7 @@ import torch
 from .config import InferenceConfig
 from .engine_setup import build_kv_pool, default_dtype, max_sequence_length_for
 from .detokenizer import IncrementalDetokenizer
+from .encoder_cache import EncoderCache
 from .engine_stats import EngineStats
 from .kv_cache import BlockAllocator, blocks_for_tokens
 from .model.config import ModelConfig
@@ -32,7 +33,6 @@ from .tokenizer import Tokenizer
 logger = logging.getLogger(__name__)
 
 
-
 @dataclass
 class StepOutput:
     """What one step did for one request: the tokens it added and whether it is done."""
@@ -43,6 +43,16 @@ class StepOutput:
     new_log_probs: list[float]
     finished: bool
     new_top_logprobs: list[dict[int, float]] = field(default_factory=list)
+
+
+def _encoder_cache_for(model: LlamaForCausalLM, tokenizer: Tokenizer) -> EncoderCache | None:
+    """The image side of a vision-language model (None for a text model)."""
+    if model.config.vision is None:
+        return None
+    if tokenizer.images is None:
+        raise ValueError(f"{model.config.architecture} needs its image processor: the tokenizer was loaded "
+                         "without one (load it from the model directory)")
+    return EncoderCache(model, tokenizer.images)
 
 
 class DynamicInferenceEngine:
@@ -62,6 +72,7 @@ class DynamicInferenceEngine:
         self.runner.capture_graphs(self.kv_cache.layer_caches)
         self.sampler = Sampler(config.seed, self.device)
         self.structured = StructuredOutputs(tokenizer, model.config.vocab_size)
+        self.encoder_cache = _encoder_cache_for(model, tokenizer)
         self._sequences: dict[str, Sequence] = {}
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._pending: list[StepOutput] = []
@@ -167,6 +178,12 @@ class DynamicInferenceEngine:
         outside = [t for t in request.sampling_params.logit_bias or {} if t >= vocab]
         if outside:
             return f"logit_bias names token id {outside[0]}, outside the vocabulary [0, {vocab})"
+        if self.encoder_cache is not None:
+            problem = self.encoder_cache.admission_problem(request)
+            if problem is not None:
+                return problem
+        elif request.images:
+            return f"this model ({self.model.config.architecture}) takes no images"
         if prompt_len >= self.max_sequence_length:
             return (f"prompt has {prompt_len} tokens but max_sequence_length is {self.max_sequence_length} "
                     "(prompt plus at least one generated token must fit)")
@@ -181,13 +198,20 @@ class DynamicInferenceEngine:
         sequence = self._sequences.pop(request_id, None)
         if sequence is None:
             return None
-        self.scheduler.finish(sequence)
-        self._detokenizers.pop(request_id, None)
-        self.structured.remove(request_id)
+        self._forget(sequence)
         request = sequence.request
         request.fail("aborted", FinishReason.ABORT)
         self.stats.finish(request)
         return request
+
+    def _forget(self, sequence: Sequence) -> None:
+        """Free what the engine holds for a request that leaves (finished, aborted, failed)."""
+        self.scheduler.finish(sequence)
+        self._sequences.pop(sequence.request_id, None)
+        self._detokenizers.pop(sequence.request_id, None)
+        self.structured.remove(sequence.request_id)
+        if self.encoder_cache is not None:
+            self.encoder_cache.release(sequence.request_id)
 
     def take_unfinished_requests(self) -> list[DynamicInferenceRequest]:
         """Hand back every unfinished request (draining): blocks freed, tokens generated so far kept."""
@@ -195,6 +219,8 @@ class DynamicInferenceEngine:
         self._sequences.clear()
         self._detokenizers.clear()
         self.structured.clear()  # rebuilt from the generated tokens wherever the requests run next
+        if self.encoder_cache is not None:
+            self.encoder_cache.clear()
         for sequence in sequences:
             sequence.request.status = RequestStatus.WAITING_IN_QUEUE
         return [s.request for s in sequences]
@@ -211,6 +237,8 @@ class DynamicInferenceEngine:
         if not self.suspended:
             self.scheduler.evict_all()
             self.allocator.clear_cache()  # the cached contents die with the pool
+            if self.encoder_cache is not None:
+                self.encoder_cache.clear()  # image embeddings are device memory too
             released += self.kv_cache.release()
             self.suspended = True
         if offload:
@@ -237,6 +265,8 @@ class DynamicInferenceEngine:
             self.epoch = -1  # a mix of two checkpoints (e.g. a read error midway): no epoch describes it
             raise
         self.allocator.clear_cache()
+        if self.encoder_cache is not None:
+            self.encoder_cache.clear()  # embeddings of the old vision weights
         self.epoch = self.epoch + 1 if epoch is None else int(epoch)
         finished = time.perf_counter()
         self.refits += 1
@@ -274,16 +304,26 @@ class DynamicInferenceEngine:
         self.stats.preempted(len(batch.preempted))
         if not batch:
             return outputs
-        sampling = [(s, count) for s, count in batch.entries if s.num_computed + count == len(s.token_ids)]
-        logits = self.runner.execute(batch.entries, self.kv_cache.layer_caches)
-        self._record_prompt_scores(batch.entries, logits[len(sampling):])
+        entries, images = batch.entries, None
+        if self.encoder_cache is not None:
+            images, entries, failed = self.encoder_cache.prepare(entries)
+            for sequence, message in failed:
+                sequence.request.fail(message)
+                self._forget(sequence)
+                self.stats.finish(sequence.request)
+                outputs.append(StepOutput(sequence.request, [], "", [], True))
+            if not entries:
+                return outputs
+        sampling = [(s, count) for s, count in entries if s.num_computed + count == len(s.token_ids)]
+        logits = self.runner.execute(entries, self.kv_cache.layer_caches, images)
+        self._record_prompt_scores(entries, logits[len(sampling):])
         logits = logits[: len(sampling)]
-        for sequence, count in batch.entries:
+        for sequence, count in entries:
             if sequence.kv_epoch is None:
                 sequence.kv_epoch = self.epoch
             sequence.num_computed += count
             self.scheduler.register_computed_blocks(sequence)
-        self.computed_tokens += batch.num_tokens
+        self.computed_tokens += sum(count for _, count in entries)
         sequences = [s for s, _ in sampling]
         processed = self._controlled_logits(logits, sequences)
         result = self.sampler.sample(processed, [s.request.sampling_params for s in sequences],
@@ -370,8 +410,5 @@ class DynamicInferenceEngine:
                 request.status = RequestStatus.COMPLETED
                 request.finish_reason = finish
                 request.add_event(EventType.FINISH, finish.value)
-            self.scheduler.finish(sequence)
-            del self._sequences[request.request_id]
-            del self._detokenizers[request.request_id]
-            self.structured.remove(request.request_id)
+            self._forget(sequence)
         return StepOutput(request, new_tokens, new_text, new_log_probs, finish is not None, new_top)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any, AsyncIterator, Protocol
 
+from .multimodal import PromptImage
 from .outputs import StreamItem
 from .prompts import Prompt
 from .request import DynamicInferenceRequest
@@ -29,12 +30,18 @@ class EngineClient(Protocol):
     async def start(self, timeout: float = ...) -> Any:
         """Be ready for requests (connect, start engines); idempotent."""
 
-    def add_request(self, prompt: Prompt, sampling_params: SamplingParams, *,
-                    request_id: str | None = None) -> "asyncio.Future[DynamicInferenceRequest]":
-        """Submit one prompt; the future resolves to the finished request (``status`` FAILED when it failed)."""
+    def add_request(self, prompt: Prompt, sampling_params: SamplingParams, *, request_id: str | None = None,
+                    images: list[bytes | PromptImage] | None = None) -> "asyncio.Future[DynamicInferenceRequest]":
+        """Submit one prompt; the future resolves to the finished request (``status`` FAILED when it failed).
+
+        ``images`` (vision-language models): image files, one per image placeholder of the prompt, or
+        ``PromptImage``s already placed in token ids (what the HTTP server sends); or pass an
+        ``ImagePrompt`` as ``prompt``.
+        """
 
     def add_request_streaming(self, prompt: Prompt, sampling_params: SamplingParams, *,
-                              request_id: str | None = None) -> AsyncIterator[StreamItem]:
+                              request_id: str | None = None, images: list[bytes | PromptImage] | None = None
+                              ) -> AsyncIterator[StreamItem]:
         """Partials as tokens are generated, then the finished request; leaving early aborts it."""
 
     def abort(self, request_id: str) -> None:

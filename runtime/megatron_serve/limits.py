@@ -43,6 +43,10 @@ class RequestLimits:
       for each in the new text of every step and holds back ``longest - 1`` characters of a stream.
     * ``max_logit_bias`` 1024 entries: every entry is applied at every step of the request.
     * ``max_messages`` 1024 messages per chat: the chat template renders each (in Python).
+    * ``max_images`` 8 images per chat and ``max_image_bytes`` 10 MiB per image file (data: or
+      fetched; vision-language models): every image is decoded by the server and preprocessed and
+      encoded by an engine. 10 MiB rather than OpenAI's 20 MB: a request travels to its engine in
+      one 16 MiB frame. A data: URL counts against ``max_body_bytes`` too.
     """
 
     max_body_bytes: int = field(default=2 * MiB, metadata={
@@ -59,6 +63,10 @@ class RequestLimits:
         "flag": "--max-logit-bias", "help": "most logit_bias entries per request"})
     max_messages: int = field(default=1024, metadata={
         "flag": "--max-messages", "help": "most messages per chat request"})
+    max_images: int = field(default=8, metadata={
+        "flag": "--max-images-per-request", "help": "most image_url parts per chat request (vision-language models)"})
+    max_image_bytes: int = field(default=10 * MiB, metadata={
+        "flag": "--max-image-bytes", "help": "largest image file of a chat request, data: or fetched, in bytes"})
 
     def __post_init__(self) -> None:
         for f in fields(self):

@@ -66,7 +66,11 @@ class MegatronLLM:
 
     def generate(self, prompts: PromptInput, sampling_params: SamplingParams | None = None
                  ) -> list[DynamicInferenceRequest]:
-        """Generate for every prompt; returns one finished request per prompt, in input order."""
+        """Generate for every prompt; returns one finished request per prompt, in input order.
+
+        A prompt is text, token ids, or ``{"prompt": ..., "images": [bytes or PIL.Image, ...]}`` with one
+        image placeholder of the model (e.g. ``<image>``) in the prompt where each image goes.
+        """
         prompt_list, _ = normalize_prompts(prompts)  # bad prompts raise here, in the caller's thread
         result = self._run(self._async().generate(prompt_list, sampling_params))
         return result if isinstance(result, list) else [result]

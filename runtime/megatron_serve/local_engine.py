@@ -24,7 +24,8 @@ from .engine import DynamicInferenceEngine
 from .model.llama import LlamaForCausalLM
 from .lifecycle import FleetState, Verb
 from .outputs import StreamItem, StreamPartial
-from .prompts import Prompt
+from .multimodal import PromptImage
+from .prompts import ImagePrompt, Prompt, tokenize_prompt
 from .request import DynamicInferenceRequest, FinishReason, RequestStatus
 from .sampling_params import SamplingParams
 from .streams import iterate_stream
@@ -230,12 +231,12 @@ class EngineThread:
              future: asyncio.Future, items: asyncio.Queue | None) -> None:
         self._waiters[request_id] = (loop, future, items)
         try:
-            tokens = self.engine.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+            tokens, images, text = tokenize_prompt(prompt, self.engine.tokenizer)
         except Exception as exc:
             self._post(request_id, ValueError(f"cannot tokenize the prompt: {exc}"), final=True)
             return
-        request = DynamicInferenceRequest(request_id=request_id, prompt=prompt if isinstance(prompt, str) else None,
-                                          prompt_tokens=tokens, sampling_params=params)
+        request = DynamicInferenceRequest(request_id=request_id, prompt=text, prompt_tokens=tokens,
+                                          sampling_params=params, images=images)
         self.engine.add_request(request)  # a bad request fails alone and comes back from step()
 
 
@@ -253,14 +254,17 @@ class LocalEngineClient:
             raise RuntimeError("this engine client was closed")
         return self
 
-    def add_request(self, prompt: Prompt, sampling_params: SamplingParams, *,
-                    request_id: str | None = None) -> "asyncio.Future[DynamicInferenceRequest]":
+    def add_request(self, prompt: Prompt, sampling_params: SamplingParams, *, request_id: str | None = None,
+                    images: list[bytes | PromptImage] | None = None) -> "asyncio.Future[DynamicInferenceRequest]":
         """Submit one prompt; the future resolves to the finished request."""
+        prompt = ImagePrompt(prompt, images) if images else prompt
         return self._thread.submit(prompt, sampling_params, stream=False, request_id=request_id)[1]
 
     async def add_request_streaming(self, prompt: Prompt, sampling_params: SamplingParams, *,
-                                    request_id: str | None = None) -> AsyncIterator[StreamItem]:
+                                    request_id: str | None = None, images: list[bytes | PromptImage] | None = None
+                                    ) -> AsyncIterator[StreamItem]:
         """Partials as steps add tokens, then the finished request; leaving early aborts it."""
+        prompt = ImagePrompt(prompt, images) if images else prompt
         request_id, _future, items = self._thread.submit(prompt, sampling_params, stream=True, request_id=request_id)
         async for item in iterate_stream(items, lambda: self._thread.abort(request_id)):
             yield item

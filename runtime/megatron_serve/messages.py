@@ -77,6 +77,15 @@ class Batch(Body):
 # ----------------------------------------------------------------------------- requests
 
 
+class WireImage(Body):
+    """An image file of a vision-language prompt (see ``multimodal.PromptImage``); ``offset`` and
+    ``length`` say which run of placeholder tokens it fills once placed."""
+
+    data: bytes
+    offset: Annotated[int, msgspec.Meta(ge=0)] | None = None
+    length: Annotated[int, msgspec.Meta(ge=0)] = 0
+
+
 class Submit(Body):
     client_request_id: ClientId
     prompt: str | list[TokenId]
@@ -84,6 +93,7 @@ class Submit(Body):
     sampling_params: msgspec.Raw | msgspec.UnsetType = msgspec.UNSET  # absent or nil: the defaults
     stream: bool | None = None
     generated_tokens: list[TokenId] | None = None  # resubmission after a coordinator restart: continue
+    images: list[WireImage] | None = None  # one per image placeholder of the prompt, in order
 
 
 class Tokens(Body):

@@ -12,13 +12,17 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from .cuda_graphs import DecodeGraphs
-from .model.attention import AttentionMetadata, ForwardContext
+from .model.attention import AttentionMetadata, ForwardContext, MultimodalStep
 from .model.llama import LlamaForCausalLM
 from .scheduler import Sequence
+
+if TYPE_CHECKING:
+    from .encoder_cache import StepImages
 
 logger = logging.getLogger(__name__)
 
@@ -35,6 +39,12 @@ class StepPlan:
     prefill_context_lens: list[int]
     sample_rows: list[int]
     score_rows: list[int] = field(default_factory=list)
+    image_rows: list[int] = field(default_factory=list)  # rows whose embeddings come with the step
+    mrope_positions: list[list[int]] | None = None  # [3][T] multimodal rotary positions
+
+    @property
+    def multimodal(self) -> bool:
+        return bool(self.image_rows) or self.mrope_positions is not None
 
 
 def prompt_positions_to_score(sequence: Sequence, count: int) -> range:
@@ -55,8 +65,11 @@ def _padded(tables: list[list[int]]) -> list[list[int]]:
     return [t + [0] * (width - len(t)) for t in tables]
 
 
-def plan_step(entries: list[tuple[Sequence, int]], block_size: int) -> StepPlan:
-    """Describe one step; ``entries`` come decode-shaped (one token) first, as the scheduler orders them."""
+def plan_step(entries: list[tuple[Sequence, int]], block_size: int, images: StepImages | None = None) -> StepPlan:
+    """Describe one step; ``entries`` come decode-shaped (one token) first, as the scheduler orders them.
+
+    ``images``: the step's image inputs (vision-language models), which also set the rotary positions.
+    """
     plan = StepPlan([], [], [], [], [], [], [0], [], [])
     for sequence, count in entries:
         start = sequence.num_computed
@@ -80,6 +93,11 @@ def plan_step(entries: list[tuple[Sequence, int]], block_size: int) -> StepPlan:
         plan.decode_block_tables = _padded(plan.decode_block_tables)
     if plan.prefill_block_tables:
         plan.prefill_block_tables = _padded(plan.prefill_block_tables)
+    if images is not None:
+        plan.image_rows = images.rows
+        plan.mrope_positions = images.mrope_positions
+        if images.positions is not None:
+            plan.positions = images.positions
     return plan
 
 
@@ -106,12 +124,23 @@ class ModelRunner:
             prefill_context_lens=self._tensor(plan.prefill_context_lens, torch.int32),
         )
 
+    def multimodal_step(self, plan: StepPlan, image_embeddings: torch.Tensor | None) -> MultimodalStep | None:
+        if not plan.multimodal:
+            return None
+        return MultimodalStep(self._tensor(plan.image_rows, torch.int64), image_embeddings,
+                              self._tensor(plan.mrope_positions, torch.int64))
+
     @torch.inference_mode()
-    def run_plan(self, plan: StepPlan, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-        """Run one step; returns float32 logits ``[sampling rows + score rows, vocab]`` in entry order."""
-        if self.decode_graphs is not None and not plan.score_rows and self.decode_graphs.covers(plan):
+    def run_plan(self, plan: StepPlan, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+                 image_embeddings: torch.Tensor | None = None) -> torch.Tensor:
+        """Run one step; returns float32 logits ``[sampling rows + score rows, vocab]`` in entry order.
+
+        ``image_embeddings``: one row per ``plan.image_rows`` (vision-language models).
+        """
+        if (self.decode_graphs is not None and not plan.score_rows and not plan.multimodal
+                and self.decode_graphs.covers(plan)):
             return self.decode_graphs.run(plan)
-        context = ForwardContext(self.metadata(plan), kv_caches)
+        context = ForwardContext(self.metadata(plan), kv_caches, self.multimodal_step(plan, image_embeddings))
         hidden = self.model(self._tensor(plan.token_ids, torch.int64), self._tensor(plan.positions, torch.int64),
                             context)
         rows = plan.sample_rows + plan.score_rows
@@ -119,9 +148,10 @@ class ModelRunner:
             return hidden.new_empty((0, self.model.config.vocab_size), dtype=torch.float32)
         return self.model.compute_logits(hidden[self._tensor(rows, torch.int64)])
 
-    def execute(self, entries: list[tuple[Sequence, int]], kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
-                ) -> torch.Tensor:
-        return self.run_plan(plan_step(entries, self.block_size), kv_caches)
+    def execute(self, entries: list[tuple[Sequence, int]], kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+                images: StepImages | None = None) -> torch.Tensor:
+        return self.run_plan(plan_step(entries, self.block_size, images), kv_caches,
+                             None if images is None else images.embeddings)
 
     def capture_graphs(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Capture the decode graphs over a newly allocated KV pool (engine start, resume).

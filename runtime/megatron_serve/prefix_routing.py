@@ -90,7 +90,7 @@ class PrefixAffinity:
         return min_load + max(self.max_load_gap, (self.max_load_ratio - 1.0) * min_load)
 
     def select(self, request: RequestView, candidates: Sequence[EngineView]) -> EngineView | None:
-        tokens = list(request.prompt_tokens)
+        tokens = list(request.prefix_keys)
         limit = self.load_limit(min(e.load for e in candidates))
         hashes_by_size: dict[int, list[int]] = {}
         matched: dict[str, int] = {}

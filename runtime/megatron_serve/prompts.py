@@ -1,29 +1,102 @@
-"""Normalising the prompt shapes the public API accepts into one list of prompts."""
+"""Normalising the prompt shapes the public API accepts into one list of prompts.
+
+A prompt is text, token ids, or, for vision-language models, a dict ``{"prompt": text or token ids,
+"images": [...]}`` whose prompt holds one image placeholder (the model's, e.g. ``<image>``) where each
+image goes; images are ``bytes`` of an image file or ``PIL.Image`` objects.
+"""
 
 from __future__ import annotations
 
-from typing import Union
+from dataclasses import dataclass
+from typing import Any, Union
 
-Prompt = Union[str, list[int]]
-PromptInput = Union[str, list[int], list[str], list[list[int]]]
+from .multimodal import PromptImage, image_bytes
+
+
+@dataclass
+class ImagePrompt:
+    """A prompt with images: the files in placeholder order, or images already placed in token ids."""
+
+    prompt: str | list[int]
+    images: list[bytes] | list[PromptImage]
+
+
+Prompt = Union[str, list[int], ImagePrompt]
+PromptInput = Union[str, list[int], dict, list[Union[str, list[int], dict]]]
+
+
+def _is_token_ids(value: Any) -> bool:
+    return isinstance(value, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
+
+
+def image_prompt(value: dict, what: str = "prompt") -> ImagePrompt:
+    """``{"prompt": ..., "images": [...]}`` checked: a ``ValueError``/``TypeError`` names the bad part."""
+    unknown = sorted(set(value) - {"prompt", "images"})
+    if unknown:
+        raise ValueError(f"{what} has unknown key(s) {', '.join(map(repr, unknown))}: expected 'prompt' and 'images'")
+    text = value.get("prompt")
+    if not isinstance(text, str) and not (_is_token_ids(text) and text):
+        raise TypeError(f"{what}['prompt'] must be a str or a non-empty list of token ids")
+    images = value.get("images", [])
+    if not isinstance(images, (list, tuple)):
+        raise TypeError(f"{what}['images'] must be a list of images (bytes or PIL.Image)")
+    files = []
+    for index, image in enumerate(images):
+        try:
+            files.append(image_bytes(image))
+        except TypeError as exc:
+            raise TypeError(f"{what}['images'][{index}]: {exc}") from None
+    return ImagePrompt(text if isinstance(text, str) else list(text), files)
 
 
 def normalize_prompts(prompts: PromptInput) -> tuple[list[Prompt], bool]:
     """Return ``(prompts as a list, whether a single prompt was given)``; reject anything else clearly."""
     if isinstance(prompts, str):
         return [prompts], True
+    if isinstance(prompts, dict):
+        return [image_prompt(prompts)], True
+    if isinstance(prompts, ImagePrompt):
+        return [prompts], True
     if not isinstance(prompts, (list, tuple)):
-        raise TypeError(f"prompts must be a str, list[int], list[str] or list[list[int]], got {type(prompts).__name__}")
+        raise TypeError("prompts must be a str, list[int], a dict with 'prompt' and 'images', or a list of those, "
+                        f"got {type(prompts).__name__}")
     if not prompts:
         raise ValueError("prompts is empty")
-    if all(isinstance(p, int) and not isinstance(p, bool) for p in prompts):
+    if _is_token_ids(prompts):
         return [list(prompts)], True
     normalized: list[Prompt] = []
     for index, prompt in enumerate(prompts):
         if isinstance(prompt, str):
             normalized.append(prompt)
-        elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        elif isinstance(prompt, dict):
+            normalized.append(image_prompt(prompt, f"prompts[{index}]"))
+        elif isinstance(prompt, ImagePrompt):  # normalized already (MegatronLLM hands its list on)
+            normalized.append(prompt)
+        elif _is_token_ids(prompt):
             normalized.append(list(prompt))
         else:
-            raise TypeError(f"prompts[{index}] must be a str or a list of token ids, got {prompt!r:.60}")
+            raise TypeError(f"prompts[{index}] must be a str, a list of token ids or a dict with 'prompt' and "
+                            f"'images', got {prompt!r:.60}")
     return normalized, False
+
+
+def as_prompt(value: Prompt | dict) -> Prompt:
+    """One prompt in any accepted shape (what ``generate_stream`` takes)."""
+    (prompt,), single = normalize_prompts(value)
+    if not single:
+        raise TypeError("expected one prompt, got a list of prompts")
+    return prompt
+
+
+def tokenize_prompt(prompt: Prompt, tokenizer: Any) -> tuple[list[int], list[PromptImage], str | None]:
+    """``(token ids, placed images, prompt text)``: image placeholders expanded by the model's processor."""
+    text = prompt.prompt if isinstance(prompt, ImagePrompt) else prompt
+    tokens = tokenizer.encode(text) if isinstance(text, str) else list(text)
+    images: list[PromptImage] = []
+    if isinstance(prompt, ImagePrompt) and prompt.images:
+        if isinstance(prompt.images[0], PromptImage):
+            return tokens, list(prompt.images), None  # placed by the caller (the HTTP server)
+        if tokenizer.images is None:
+            raise ValueError("this model takes no images (it is not a vision-language model)")
+        tokens, images = tokenizer.images.expand(tokens, prompt.images)
+    return tokens, images, text if isinstance(text, str) else None

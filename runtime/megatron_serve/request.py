@@ -13,6 +13,7 @@ from typing import Any
 
 import msgpack
 
+from .multimodal import PromptImage
 from .sampling_params import SamplingParams
 
 
@@ -89,6 +90,7 @@ class DynamicInferenceRequest:
     arrival_time: float = field(default_factory=time.time)
     first_token_time: float | None = None
     finish_time: float | None = None
+    images: list[PromptImage] = field(default_factory=list)  # placed in prompt_tokens (vision-language models)
 
     @property
     def ttft(self) -> float | None:
@@ -125,8 +127,10 @@ class DynamicInferenceRequest:
         self.error = message
         self.add_event(EventType.FAIL, message)
 
-    def to_dict(self) -> dict[str, Any]:
-        return {
+    def to_dict(self, include_images: bool = False) -> dict[str, Any]:
+        """Plain values for msgpack. Images (the files themselves) only with ``include_images``: an engine
+        needs them, a result does not carry them back."""
+        data = {
             "request_id": self.request_id,
             "prompt": self.prompt,
             "prompt_tokens": list(self.prompt_tokens),
@@ -148,6 +152,9 @@ class DynamicInferenceRequest:
             "first_token_time": self.first_token_time,
             "finish_time": self.finish_time,
         }
+        if include_images and self.images:
+            data["images"] = [image.to_wire() for image in self.images]
+        return data
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "DynamicInferenceRequest":
@@ -172,6 +179,7 @@ class DynamicInferenceRequest:
             arrival_time=data.get("arrival_time", time.time()),
             first_token_time=data.get("first_token_time"),
             finish_time=data.get("finish_time"),
+            images=[PromptImage.from_wire(image, f"images[{i}]") for i, image in enumerate(data.get("images") or [])],
         )
 
     def serialize(self) -> bytes:

@@ -33,7 +33,9 @@ class EngineView(Protocol):
 
 class RequestView(Protocol):
     request_id: str
-    prompt_tokens: list[int]
+    #: the prompt's token ids as the prefix cache keys them (an image's placeholder tokens stand for
+    #: its content: ``multimodal.cache_keys``)
+    prefix_keys: list[int]
 
 
 class RoutingPolicy(Protocol):

@@ -13,6 +13,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from .kv_cache import BlockAllocator, blocks_for_tokens
+from .multimodal import cache_keys
 from .prefix_hash import ROOT_HASH, block_hashes, chain_hash
 from .request import DynamicInferenceRequest, EventType, RequestStatus
 
@@ -43,6 +44,10 @@ class Sequence:
     @property
     def num_uncomputed(self) -> int:
         return len(self.token_ids) - self.num_computed
+
+    def cache_tokens(self, start: int, end: int) -> list[int]:
+        """Tokens ``start .. end - 1`` as the prefix cache keys them (an image's placeholders by its content)."""
+        return cache_keys(self.token_ids[start:end], self.request.images, start)
 
 
 @dataclass
@@ -105,7 +110,7 @@ class Scheduler:
         if not self.allocator.enable_prefix_caching or sequence.num_computed or sequence.request.prompt_scores_missing:
             return None
         cacheable = (len(sequence.token_ids) - 1) // self.block_size
-        sequence.prompt_hashes = block_hashes(sequence.token_ids[: cacheable * self.block_size], self.block_size)
+        sequence.prompt_hashes = block_hashes(sequence.cache_tokens(0, cacheable * self.block_size), self.block_size)
         blocks = self.allocator.lookup(sequence.prompt_hashes)
         if blocks:
             self.allocator.acquire(blocks)
@@ -132,7 +137,7 @@ class Scheduler:
         size = self.block_size
         for index in range(len(sequence.block_hashes), sequence.num_computed // size):
             parent = sequence.block_hashes[-1] if sequence.block_hashes else ROOT_HASH
-            block_hash = chain_hash(parent, sequence.token_ids[index * size : (index + 1) * size])
+            block_hash = chain_hash(parent, sequence.cache_tokens(index * size, (index + 1) * size))
             sequence.block_hashes.append(block_hash)
             self.allocator.register(sequence.block_table[index], block_hash)
 

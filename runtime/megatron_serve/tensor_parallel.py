@@ -118,11 +118,14 @@ class TensorParallelRunner(ModelRunner):
         if dead:
             raise EngineGroupLost(f"tensor-parallel group lost {', '.join(dead)}; this engine group must restart")
 
-    def execute(self, entries, kv_caches) -> torch.Tensor:
-        plan = plan_step(entries, self.block_size)
+    def execute(self, entries, kv_caches, images=None) -> torch.Tensor:
+        plan = plan_step(entries, self.block_size, images)
         self._broadcast("step", plan)
+        embeddings = None if images is None else images.embeddings
         try:
-            return self.run_plan(plan, kv_caches)
+            if plan.image_rows:  # the tower runs on rank 0 only: its output goes with the step
+                dist.broadcast(embeddings.contiguous(), src=0, group=self.tp.group)
+            return self.run_plan(plan, kv_caches, embeddings)
         except Exception as exc:  # noqa: BLE001 - the forward's all-reduces fail when a peer died mid-step
             self._check_workers()
             raise EngineGroupLost(f"tensor-parallel forward failed: {exc}") from exc
@@ -186,7 +189,12 @@ def run_worker(model_dir: str, config_dict: dict, placement: Placement, rank: in
         kind, payload = message[0]
         if kind == "step":
             plan: StepPlan = payload
-            runner.run_plan(plan, pool.layer_caches)
+            embeddings = None
+            if plan.image_rows:
+                embeddings = torch.empty(len(plan.image_rows), model.config.hidden_size, device=device,
+                                         dtype=next(model.parameters()).dtype)
+                dist.broadcast(embeddings, src=0, group=tp.group)
+            runner.run_plan(plan, pool.layer_caches, embeddings)
         elif kind == "suspend":
             runner.on_suspend(payload)
             pool.release()

@@ -16,6 +16,10 @@ ARCHITECTURES = {
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
 }
 
+#: vision-language architectures, written by :mod:`megatron_serve.tiny_vision_model`
+VISION_ARCHITECTURES = ("llava", "qwen2_vl", "qwen2_5_vl")
+ARCHITECTURE_NAMES = (*ARCHITECTURES, *VISION_ARCHITECTURES)
+
 SPECIAL_TOKENS = ["<|begin_of_text|>", "<|end_of_text|>", "<|im_start|>", "<|im_end|>", "<|pad|>"]
 BOS, EOS = SPECIAL_TOKENS[0], SPECIAL_TOKENS[1]
 
@@ -88,8 +92,8 @@ def make_tiny_model(
     import transformers  # noqa: PLC0415
     from transformers import PreTrainedTokenizerFast  # noqa: PLC0415
 
-    if arch not in ARCHITECTURES:
-        raise ValueError(f"unknown arch {arch!r}: expected one of {', '.join(ARCHITECTURES)}")
+    if arch not in ARCHITECTURE_NAMES:
+        raise ValueError(f"unknown arch {arch!r}: expected one of {', '.join(ARCHITECTURE_NAMES)}")
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
 
@@ -98,6 +102,11 @@ def make_tiny_model(
         bos_token=BOS, eos_token=EOS, pad_token="<|pad|>",
     )
     fast.chat_template = CHAT_TEMPLATE
+    if arch in VISION_ARCHITECTURES:
+        from .tiny_vision_model import make_tiny_vision_model  # noqa: PLC0415
+
+        return make_tiny_vision_model(path, arch, seed, hidden_size, num_layers, num_heads, num_kv_heads,
+                                      intermediate_size, fast)
     vocab_size = len(fast)  # the full size, special tokens included
 
     config_class_name, model_class_name = ARCHITECTURES[arch]

@@ -5,7 +5,10 @@ from __future__ import annotations
 import functools
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .multimodal import ImageProcessor
 
 
 class PromptTooLong(ValueError):
@@ -20,17 +23,20 @@ class PromptTooLong(ValueError):
 class Tokenizer:
     """A thin adapter that fixes the few calls the engine, coordinator and server make."""
 
-    def __init__(self, hf_tokenizer: Any, eos_token_ids: list[int]):
+    def __init__(self, hf_tokenizer: Any, eos_token_ids: list[int], images: ImageProcessor | None = None):
         self._tok = hf_tokenizer
         self.eos_token_ids = eos_token_ids
+        self.images = images  # the image processor of a vision-language model (None: text only)
 
     @classmethod
     def from_pretrained(cls, model_dir: str | Path) -> "Tokenizer":
         from transformers import AutoTokenizer  # noqa: PLC0415 - heavy import, only when a tokenizer is needed
 
+        from .multimodal import load_image_processor  # noqa: PLC0415
+
         model_dir = check_tokenizer_files(model_dir)
         hf_tokenizer = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
-        return cls(hf_tokenizer, _eos_ids(model_dir, hf_tokenizer))
+        return cls(hf_tokenizer, _eos_ids(model_dir, hf_tokenizer), load_image_processor(model_dir))
 
     @property
     def hf_tokenizer(self) -> Any:

@@ -37,7 +37,7 @@ def engine(group: int, load: int = 0, block_size: int | None = BS, caching: bool
 
 
 def request(tokens: list[int]):
-    return SimpleNamespace(request_id="r", prompt_tokens=list(tokens))
+    return SimpleNamespace(request_id="r", prefix_keys=list(tokens))
 
 
 def seq(start: int, blocks: int, tail: int = 1) -> list[int]:

@@ -146,6 +146,14 @@ def test_readme_is_short_and_points_into_docs():
     assert "../" not in readme and "DESIGN" not in readme and "shared/" not in readme
 
 
+def test_readme_quick_start_is_two_commands_and_the_image():
+    readme = (ROOT / "README.md").read_text()
+    block = re.search(r"## Quick start\n+```bash\n(.*?)```", readme, re.S)
+    assert block, "README has no quick start block"
+    commands = [line.split("#")[0].strip() for line in block.group(1).splitlines() if line.strip()]
+    assert commands == ["make run", "make test", "make image"], commands
+
+
 @pytest.mark.parametrize("page", sorted(p.relative_to(DOCS).as_posix() for p in DOCS.rglob("*.md")))
 def test_pages_name_nothing_outside_the_repository(page):
     text = (DOCS / page).read_text()

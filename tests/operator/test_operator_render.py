@@ -369,3 +369,17 @@ def test_engine_cuda_graphs_switch_reaches_the_engine_command(cuda_graphs):
     assert not any(a == "--cuda-graphs" for a in args)
     parsed, _ = _parser_for(command).parse_known_args(args)
     assert parsed.cuda_graphs is (cuda_graphs is not False)
+
+
+@pytest.mark.parametrize("remote_images", [None, True, False])
+def test_server_remote_images_switch_reaches_the_server_command(remote_images):
+    (resource,) = load_yaml(ROOT / "manifests" / "examples" / "tp2-dp4.yaml")
+    if remote_images is not None:
+        resource["spec"].setdefault("server", {})["remoteImages"] = remote_images
+    deployment = by_key(render(identified(resource), CONFIG))[("Deployment", "qwen-14b-coordinator")]
+    (server,) = [c for c in _containers(deployment) if c["name"] == "server"]
+    command, *args = server["args"]
+    # Off only when asked: the default adds no flag, so pod templates rendered before the field existed still match.
+    assert ("--no-remote-images" in args) is (remote_images is False)
+    parsed, _ = _parser_for(command).parse_known_args(args)
+    assert parsed.remote_images is (remote_images is not False)

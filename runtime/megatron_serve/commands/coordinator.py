@@ -33,6 +33,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--client-timeout", type=float, default=600.0, metavar="S",
                         help="forget requests of a client disconnected for this long")
     parser.add_argument("--max-message-bytes", type=int, default=MAX_MESSAGE_BYTES, metavar="N")
+    parser.add_argument("--max-request-image-bytes", type=int, default=12 * 1024 * 1024, metavar="N",
+                        help="image file bytes one request may carry (vision-language models; default 12 MiB); "
+                             "larger requests are refused with an error naming the limit")
     parser.add_argument("--address-file", metavar="PATH", help="write the bound address here once listening")
     add_token_option(parser)
     add_log_option(parser)
@@ -47,6 +50,8 @@ def run(args: argparse.Namespace) -> int:
     parse_port(args.port, "--port")
     if args.heartbeat_timeout <= 0:
         raise ValueError(f"--heartbeat-timeout must be > 0, got {args.heartbeat_timeout}")
+    if args.max_request_image_bytes < 1:
+        raise ValueError(f"--max-request-image-bytes must be >= 1, got {args.max_request_image_bytes}")
     for flag in ("verb_timeout", "weights_timeout", "stall_timeout"):
         if getattr(args, flag) <= 0:
             raise ValueError(f"--{flag.replace('_', '-')} must be > 0, got {getattr(args, flag)}")
@@ -60,7 +65,7 @@ def run(args: argparse.Namespace) -> int:
         host=args.host, port=args.port, token=token, routing=args.routing,
         heartbeat_timeout=args.heartbeat_timeout, client_timeout=args.client_timeout,
         verb_timeout=args.verb_timeout, weights_timeout=args.weights_timeout, stall_timeout=args.stall_timeout,
-        max_message_bytes=args.max_message_bytes, model=args.model,
+        max_message_bytes=args.max_message_bytes, model=args.model, max_image_bytes=args.max_request_image_bytes,
     )
     import zmq  # noqa: PLC0415
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from pathlib import Path
 
 from .engine_options import add_engine_options, inference_config_from_args
 from .inputs import check_model_dir
@@ -18,6 +19,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--top-k", type=int, default=0)
     parser.add_argument("--ignore-eos", action="store_true")
+    parser.add_argument("--image", action="append", default=[], metavar="FILE",
+                        help="an image for every prompt (vision-language models): each prompt holds one image "
+                             "placeholder of the model per --image, in order")
     add_engine_options(parser)
 
 
@@ -28,12 +32,14 @@ def run(args: argparse.Namespace) -> int:
     check_model_dir(args.model)
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                             num_tokens_to_generate=args.max_tokens, ignore_eos=args.ignore_eos)
+    images = [Path(path).read_bytes() for path in args.image]  # a missing file fails before the model loads
+    prompts = [{"prompt": p, "images": images} for p in args.prompts] if images else args.prompts
     started = time.perf_counter()
     print(f"loading model from {args.model} ...", file=sys.stderr, flush=True)
     llm = MegatronLLM(args.model, inference_config_from_args(args))
     print(f"loaded in {time.perf_counter() - started:.1f}s; generating", file=sys.stderr, flush=True)
     started = time.perf_counter()
-    outputs = llm.generate(args.prompts, params)
+    outputs = llm.generate(prompts, params)
     elapsed = time.perf_counter() - started
     for output in outputs:
         print(f"--- {output.prompt!r}")

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import argparse
 
-from ..tiny_model import ARCHITECTURES, make_tiny_model
+from ..tiny_model import ARCHITECTURE_NAMES, make_tiny_model
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("directory", help="where to write the model (created if missing)")
     parser.add_argument("--seed", type=int, default=0, help="weights are a function of the seed")
-    parser.add_argument("--arch", choices=sorted(ARCHITECTURES), default="llama")
+    parser.add_argument("--arch", choices=sorted(ARCHITECTURE_NAMES), default="llama",
+                        help="llava, qwen2_vl and qwen2_5_vl also write an image processor")
     parser.add_argument("--hidden-size", type=int, default=64)
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--heads", type=int, default=4)

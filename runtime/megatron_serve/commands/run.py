@@ -22,7 +22,7 @@ from typing import Any
 from .engine_options import add_engine_options, inference_config_from_args
 from .inputs import check_model_dir, check_port_free, parse_port
 from .options import add_log_option, add_token_option, read_token, setup_logging
-from .server import add_server_options, check_server_options, read_api_key, read_limits
+from .server import add_server_options, check_server_options, image_options, read_api_key, read_limits
 
 logger = logging.getLogger("megatron_serve.run")
 
@@ -208,7 +208,8 @@ class _Stack:
         args = self.args
         app = create_app(self.client, tokenizer, facts.name, self.api_key, vocab_size=facts.vocab_size,
                          max_model_len=facts.max_model_len, max_concurrent_requests=args.max_concurrent_requests,
-                         limits=read_limits(args), tokenizer_threads=args.tokenizer_threads)
+                         limits=read_limits(args), tokenizer_threads=args.tokenizer_threads,
+                         image_options=image_options(args))
 
         def started(url: str) -> None:
             progress(4, f"HTTP server listening on {url}{' (API key required)' if self.api_key else ''}")

@@ -14,6 +14,7 @@ import signal
 import sys
 
 from ..limits import RequestLimits
+from ..multimodal import ImageOptions
 from .inputs import check_model_dir, coordinator_address, parse_port
 from .options import add_log_option, add_token_option, read_secret, read_token, setup_logging
 
@@ -49,6 +50,21 @@ def add_server_options(parser: argparse.ArgumentParser, default_host: str) -> No
         limits.add_argument(flag, dest=name, type=int, default=None, metavar="N", help=text + shown)
 
 
+    images = parser.add_argument_group("images (vision-language models)")
+    images.add_argument("--image-fetch-timeout", type=float, default=ImageOptions.fetch_timeout, metavar="S",
+                        help=f"seconds to fetch one http(s) image URL (default {ImageOptions.fetch_timeout:g})")
+    images.add_argument("--no-remote-images", dest="remote_images", action="store_false",
+                        help="do not fetch http(s) image URLs (data: URLs only), e.g. where the server must not "
+                             "reach into its network")
+
+
+def image_options(args: argparse.Namespace) -> ImageOptions:
+    """How chat images are fetched, from the flags (``ValueError`` names a bad one)."""
+    if not args.image_fetch_timeout > 0:
+        raise ValueError(f"--image-fetch-timeout must be > 0, got {args.image_fetch_timeout}")
+    return ImageOptions(fetch_timeout=args.image_fetch_timeout, allow_remote=args.remote_images)
+
+
 def read_limits(args: argparse.Namespace) -> RequestLimits:
     """The request limits from the flags (``ValueError`` names a bad one)."""
     return RequestLimits.from_options(vars(args))
@@ -68,6 +84,7 @@ def check_server_options(args: argparse.Namespace) -> None:
     if args.tokenizer_threads is not None and args.tokenizer_threads < 1:
         raise ValueError(f"--tokenizer-threads must be >= 1, got {args.tokenizer_threads}")
     read_limits(args)
+    image_options(args)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -105,7 +122,8 @@ async def _serve(args: argparse.Namespace, facts, tokenizer, sock, api_key: str 
     client = InferenceClient(args.coordinator, token=token)
     app = create_app(client, tokenizer, facts.name, api_key, vocab_size=facts.vocab_size,
                      max_model_len=facts.max_model_len, max_concurrent_requests=args.max_concurrent_requests,
-                     limits=read_limits(args), tokenizer_threads=args.tokenizer_threads)
+                     limits=read_limits(args), tokenizer_threads=args.tokenizer_threads,
+                     image_options=image_options(args))
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):

@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from typing import Any, Protocol
+from typing import Any
 
 import msgspec
 
@@ -44,10 +44,11 @@ from ..messages import (
 from ..protocol import HEADER_VERBS, ErrorCode, Header, Message, ProtocolError, Role, encode, unbatch
 from ..routing import RoutingPolicy, make_routing_policy
 from ..sampling_params import params_from_wire
-from . import dispatch, handshake, liveness
+from . import dispatch, handshake, liveness, prompts
 from .droplog import DropLog
 from .effects import Effect, Probe, Send
 from .peers import ClientRecord, EngineRecord
+from .prompts import DEFAULT_MAX_IMAGE_BYTES, TokenizerLike
 from .requests import Phase, RequestRecord, RequestTable
 from .verbs import VerbRunner
 
@@ -91,12 +92,6 @@ class _FinalFacts(msgspec.Struct):
 _FINAL_FACTS = msgspec.msgpack.Decoder(_FinalFacts | None)
 
 
-class TokenizerLike(Protocol):
-    def encode(self, text: str) -> list[int]: ...
-
-    def decode(self, ids: list[int]) -> str: ...
-
-
 class CoordinatorCore:
     """State and decisions of one coordinator (see the module docstring)."""
 
@@ -114,10 +109,13 @@ class CoordinatorCore:
         dispatch_factor: float = 2.0,
         model: str | None = None,
         tokenizer_pending: bool = False,
+        max_image_bytes: int = DEFAULT_MAX_IMAGE_BYTES,
     ) -> None:
-        """``tokenizer_pending``: a tokenizer is loading elsewhere; text prompts are held until
-        :meth:`on_tokenizer` says how it went."""
+        """``tokenizer_pending``: a tokenizer is loading elsewhere; text prompts (and images to place)
+        are held until :meth:`on_tokenizer` says how it went. ``max_image_bytes``: image file bytes
+        one request may carry (more is refused with ERROR)."""
         self.tokenizer = tokenizer
+        self.max_image_bytes = int(max_image_bytes)
         self.tokenizer_pending = tokenizer_pending
         self.tokenizer_error: str | None = None  # why text prompts cannot be tokenized (the load failed)
         self.token = token or None
@@ -181,7 +179,7 @@ class CoordinatorCore:
         return self._settle(now)
 
     def on_tokenizer(self, tokenizer: TokenizerLike | None, error: str | None, now: float) -> list[Effect]:
-        """The background load finished: adopt the tokenizer (or its failure) and release held text prompts.
+        """The background load finished: adopt the tokenizer (or its failure) and release held prompts.
 
         They are tokenized in arrival order; when the load failed they are refused like any text
         prompt from now on (``ERROR`` naming the problem) while token ids keep being served.
@@ -190,7 +188,7 @@ class CoordinatorCore:
         self.tokenizer, self.tokenizer_error = tokenizer, error
         for record in self.requests.take_held():
             try:
-                record.prompt_tokens = self.tokenize(record.prompt or "")
+                prompts.prepare(record, self.tokenizer, self.tokenizer_error)
             except ValueError as exc:
                 client = self.clients.get(record.client_id)
                 if client is not None and client.identity is not None:
@@ -234,17 +232,6 @@ class CoordinatorCore:
     def peer_name(self, identity: bytes) -> str:
         known = self.peers.get(identity)
         return f"{known[0].value} {known[1]}" if known else f"peer {identity.hex()}"
-
-    def tokenize(self, text: str) -> list[int]:
-        """Token ids of a text prompt; ``ValueError`` saying why when there are none."""
-        if not text:
-            raise ValueError("prompt is empty")
-        if self.tokenizer is None:
-            raise ValueError(self.tokenizer_error or "this coordinator has no tokenizer: send token ids")
-        tokens = list(self.tokenizer.encode(text))
-        if not tokens:
-            raise ValueError("prompt is empty")
-        return tokens
 
     def detokenize(self, tokens: list[int]) -> str:
         if self.tokenizer is None or not tokens:
@@ -331,27 +318,25 @@ class CoordinatorCore:
             if record.phase is Phase.FINISHED:
                 self.deliver(record)
             return
-        held = False
         try:
             raw = body.sampling_params
             params, params_wire = params_from_wire(b"" if raw is msgspec.UNSET else bytes(raw))
             prompt = body.prompt
-            if isinstance(prompt, str):
-                prompt_text: str | None = prompt
-                held = self.tokenizer_pending and bool(prompt)
-                prompt_tokens = [] if held else self.tokenize(prompt)
-            else:
-                prompt_text, prompt_tokens = None, prompt
-                if not prompt_tokens:
-                    raise ValueError("prompt is empty")
+            if not prompt:
+                raise ValueError("prompt is empty")
+            text = prompt if isinstance(prompt, str) else None
+            record = RequestRecord(request_id=key, client_id=client.client_id, client_request_id=crid,
+                                   prompt=text, prompt_tokens=[] if text is not None else prompt, params=params,
+                                   params_wire=params_wire, stream=bool(body.stream),
+                                   generated_tokens=list(body.generated_tokens or ()),
+                                   images=prompts.submitted_images(body.images, self.max_image_bytes))
+            held = self.tokenizer_pending and prompts.needs_tokenizer(record)
+            if not held:
+                prompts.prepare(record, self.tokenizer, self.tokenizer_error)
         except ValueError as exc:
             self.send(identity, Header.ERROR, Error(code=ErrorCode.INVALID_REQUEST.value, message=str(exc),
                                                     client_request_id=crid))
             return
-        record = RequestRecord(request_id=key, client_id=client.client_id, client_request_id=crid,
-                               prompt=prompt_text, prompt_tokens=prompt_tokens, params=params,
-                               params_wire=params_wire, stream=bool(body.stream),
-                               generated_tokens=list(body.generated_tokens or ()))
         client.requests.add(key)
         if held:  # a record already, so that it can be aborted, resubmitted and counted as queued
             self.requests.add(record, Phase.HELD)
@@ -383,7 +368,7 @@ class CoordinatorCore:
                     error: str | None = None) -> None:
         """Finish a request without an engine's record (aborted, or nothing left to compute)."""
         record.add_event("FAIL" if status == "FAILED" else "FINISH", detail)
-        data = dispatch.wire_record(record)
+        data = dispatch.wire_record(record, images=False)
         data.update(status=status, finish_reason=finish_reason, error=error,
                     generated_text=self.detokenize(record.generated_tokens), finish_time=time.time())
         self._finish(record, data)

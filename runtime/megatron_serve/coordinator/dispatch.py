@@ -21,13 +21,14 @@ if TYPE_CHECKING:
     from .peers import EngineRecord
 
 
-def wire_record(record: RequestRecord) -> dict[str, Any]:
+def wire_record(record: RequestRecord, images: bool = True) -> dict[str, Any]:
     """The request record engines read (``DynamicInferenceRequest.from_dict``), from the coordinator's mirror.
 
     The sampling parameters are the client's bytes, spliced in unparsed (they were validated once,
-    on arrival).
+    on arrival). Image files go with every dispatch, so that a request moved to another engine keeps
+    them; a result does not carry them back (``images=False``).
     """
-    return {
+    wire = {
         "request_id": record.request_id,
         "prompt": record.prompt,
         "prompt_tokens": record.prompt_tokens,
@@ -41,6 +42,9 @@ def wire_record(record: RequestRecord) -> dict[str, Any]:
         "events": record.events,
         "arrival_time": record.arrival_time,
     }
+    if images and record.images:
+        wire["images"] = [image.to_wire() for image in record.images]
+    return wire
 
 
 def dispatch(core: "CoordinatorCore", now: float) -> None:

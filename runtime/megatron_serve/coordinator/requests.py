@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterator
 
 from ..messages import ClientId
+from ..multimodal import PromptImage, cache_keys
 from ..sampling_params import SamplingParams
 
 
@@ -52,6 +53,12 @@ class RequestRecord:
     engine_id: str | None = None
     moves: int = 0
     final: bytes | None = None  # the finished record's msgpack (forwarded unparsed)
+    images: list[PromptImage] = field(default_factory=list)  # placed in prompt_tokens once prepared
+
+    @property
+    def prefix_keys(self) -> list[int]:
+        """The prompt as the prefix cache keys it: an image's placeholder tokens stand for its content."""
+        return cache_keys(self.prompt_tokens, self.images) if self.images else self.prompt_tokens
 
     def add_event(self, event_type: str, detail: str) -> None:
         self.events.append({"type": event_type, "timestamp": time.time(), "detail": detail})

@@ -26,11 +26,22 @@ class AttentionMetadata:
 
 
 @dataclass
+class MultimodalStep:
+    """A step's image inputs (vision-language models): embeddings that replace the placeholder tokens'
+    and, for multimodal rotary models, three positions per token."""
+
+    image_rows: torch.Tensor | None  # [N] int64 rows of the step's tokens that are image placeholders
+    image_embeddings: torch.Tensor | None  # [N, hidden]
+    mrope_positions: torch.Tensor | None  # [3, T] int64 (temporal, height, width)
+
+
+@dataclass
 class ForwardContext:
     """What every layer needs besides hidden states: the batch layout and its own cache pages."""
 
     metadata: AttentionMetadata
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
+    multimodal: MultimodalStep | None = None
 
 
 class PagedAttention(nn.Module):

@@ -7,9 +7,12 @@ names it; silently running a different model is the worst failure an inference e
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
+
+from .errors import UnsupportedModelError
+from .vision_config import VISION_LANGUAGE_ARCHITECTURES, VisionConfig, is_vision_language, split_vision_language
 
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
@@ -19,10 +22,6 @@ SUPPORTED_ARCHITECTURES = {
 }
 SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear")
 SUPPORTED_ACTIVATIONS = ("silu",)
-
-
-class UnsupportedModelError(ValueError):
-    """The model directory holds something this engine cannot run exactly."""
 
 
 @dataclass(frozen=True)
@@ -55,6 +54,7 @@ class ModelConfig:
     sliding_window: int | None = None
     torch_dtype: str | None = None
     eos_token_ids: tuple[int, ...] = ()
+    vision: VisionConfig | None = None  # the vision side of a vision-language model (see vision_config)
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> "ModelConfig":
@@ -66,10 +66,12 @@ class ModelConfig:
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> "ModelConfig":
         architectures = raw.get("architectures") or []
+        if is_vision_language(raw):
+            text, vision = split_vision_language(raw)
+            return replace(cls.from_dict(text), architecture=architectures[0], vision=vision)
         if len(architectures) != 1 or architectures[0] not in SUPPORTED_ARCHITECTURES:
-            raise UnsupportedModelError(
-                f"unsupported architecture {architectures!r}: expected one of {', '.join(SUPPORTED_ARCHITECTURES)}"
-            )
+            known = [*SUPPORTED_ARCHITECTURES, *VISION_LANGUAGE_ARCHITECTURES]
+            raise UnsupportedModelError(f"unsupported architecture {architectures!r}: expected one of {', '.join(known)}")
         architecture = architectures[0]
         family = SUPPORTED_ARCHITECTURES[architecture]
         activation = raw.get("hidden_act", "silu")

@@ -107,8 +107,8 @@ class LlamaModel(nn.Module):
         )
         self.norm = ops.norm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, token_ids, positions, context, cos, sin) -> torch.Tensor:
-        hidden = self.embed_tokens(token_ids)
+    def forward(self, token_ids, positions, context, cos, sin, input_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        hidden = self.embed_tokens(token_ids) if input_embeds is None else input_embeds
         residual = None
         for layer in self.layers:
             hidden, residual = layer(positions, hidden, residual, context, cos, sin)
@@ -136,6 +136,10 @@ class LlamaForCausalLM(nn.Module):
     @property
     def num_local_kv_heads(self) -> int:
         return self.model.layers[0].self_attn.kv_size // self.config.head_dim
+
+    def checkpoint_name(self, name: str) -> str | None:
+        """Where checkpoint tensor ``name`` goes in this module tree (None: not held here)."""
+        return name
 
     def forward(self, token_ids: torch.Tensor, positions: torch.Tensor, context: ForwardContext) -> torch.Tensor:
         return self.model(token_ids, positions, context, self.rotary_cos, self.rotary_sin)

@@ -54,22 +54,32 @@ def iterate_checkpoint(model_dir: str | Path) -> Iterator[tuple[str, object]]:
                 yield name, handle.get_slice(name)
 
 
+def _parameter(model: LlamaForCausalLM, module_path: str, param_name: str) -> tuple[torch.nn.Module, torch.nn.Parameter] | None:
+    try:
+        module = model.get_submodule(module_path)
+    except AttributeError:
+        return None
+    param = getattr(module, param_name, None)
+    return (module, param) if isinstance(param, torch.nn.Parameter) else None
+
+
 def _target(model: LlamaForCausalLM, name: str) -> tuple[torch.nn.Parameter, Callable | None, str | None] | None:
-    """Map a checkpoint tensor name to the parameter that holds it (and its loader and shard)."""
+    """Map a checkpoint tensor name to the parameter that holds it (and its loader and shard).
+
+    A module of that exact name wins (a vision tower keeps its own ``q_proj``); otherwise the
+    decoder's projections are fused (``q_proj`` -> ``qkv_proj`` shard ``q``).
+    """
     if name.endswith(IGNORED_SUFFIXES):
         return None
     module_path, _, param_name = name.rpartition(".")
+    found, shard = _parameter(model, module_path, param_name), None
     parts = module_path.split(".")
-    shard = None
-    if parts and parts[-1] in FUSED_PROJECTIONS:
+    if found is None and parts[-1] in FUSED_PROJECTIONS:
         parts[-1], shard = FUSED_PROJECTIONS[parts[-1]]
-    try:
-        module = model.get_submodule(".".join(parts))
-    except AttributeError:
-        raise ValueError(f"checkpoint tensor {name!r} has no place in {model.config.architecture}") from None
-    param = getattr(module, param_name, None)
-    if not isinstance(param, torch.nn.Parameter):
+        found = _parameter(model, ".".join(parts), param_name)
+    if found is None:
         raise ValueError(f"checkpoint tensor {name!r} has no place in {model.config.architecture}")
+    module, param = found
     return param, getattr(module, "weight_loader", None), shard
 
 
@@ -82,7 +92,10 @@ def load_weights(model: LlamaForCausalLM, tensors: Iterator[tuple[str, object]],
     expected = {id(p): n for n, p in model.named_parameters()}
     seen: set[int] = set()
     with torch.no_grad():
-        for name, source in tensors:
+        for checkpoint_name, source in tensors:
+            name = model.checkpoint_name(checkpoint_name)
+            if name is None:
+                continue  # held by another rank (a vision tower lives on tensor-parallel rank 0)
             if name == "lm_head.weight" and model.config.tie_word_embeddings:
                 continue  # tied: the embedding already fills it
             target = _target(model, name)
@@ -98,7 +111,7 @@ def load_weights(model: LlamaForCausalLM, tensors: Iterator[tuple[str, object]],
                 param.data.copy_(loaded)
             seen.add(id(param))
             if progress is not None:
-                progress(name)
+                progress(checkpoint_name)
     missing = [n for pid, n in expected.items() if pid not in seen]
     if missing:
         raise ValueError(f"checkpoint is missing weights: {', '.join(sorted(missing)[:8])}")
@@ -145,8 +158,11 @@ def _default_dtype(dtype: torch.dtype):
 def build_model(config: ModelConfig, dtype: torch.dtype, device: torch.device | str,
                 tp: TensorParallel = SINGLE) -> LlamaForCausalLM:
     """An uninitialised model with parameters allocated directly on ``device`` in ``dtype``."""
+    model_class = LlamaForCausalLM
+    if config.vision is not None:
+        from .vision import VisionLanguageModel as model_class  # noqa: PLC0415 - transformers only when needed
     with _default_dtype(dtype), torch.device(device):
-        model = LlamaForCausalLM(config, tp=tp, device=device)
+        model = model_class(config, tp=tp, device=device)
     return model.eval()
 
 

@@ -26,6 +26,7 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from pydantic.json_schema import models_json_schema
 
 from ..limits import RequestLimits
+from ..multimodal import ImageOptions
 
 from .. import __version__
 from .chat import ChatHandler
@@ -34,6 +35,7 @@ from .context import ServerContext
 from .errors import APIError, install_error_handlers
 from .fleet import FleetMonitor, InferenceBackend
 from .generation import PendingCounter
+from .images import load_images
 from .intake import SELF_PARSED, BodySizeLimit, Workers, check_limits, parse_body, request_body_doc
 from .metrics import ServerMetrics
 from .models import (
@@ -93,6 +95,7 @@ def create_app(
     status_interval: float = 0.5,
     limits: RequestLimits | None = None,
     tokenizer_threads: int | None = None,
+    image_options: ImageOptions | None = None,
 ) -> FastAPI:
     """An OpenAI-compatible app in front of ``backend`` (an ``InferenceClient`` or the same interface).
 
@@ -100,7 +103,8 @@ def create_app(
     report a tighter ``max_sequence_length`` once connected, which then wins).
     ``max_concurrent_requests``: engine requests this server holds at once; beyond it, 429.
     ``limits``: what one request may carry (default :class:`~megatron_serve.limits.RequestLimits()`);
-    ``tokenizer_threads``: worker threads for tokenization and chat templates (default up to 4).
+    ``tokenizer_threads``: worker threads for tokenization and chat templates (default up to 4);
+    ``image_options``: how the ``image_url`` parts of chats are fetched (vision-language models).
     The backend is started by the app (in the background) if it is not started yet, but never
     closed by it: whoever made the backend closes it.
     """
@@ -110,7 +114,7 @@ def create_app(
     limits = limits or RequestLimits()
     ctx = ServerContext(backend=backend, tokenizer=tokenizer, model_name=model_name, monitor=monitor, metrics=metrics,
                         pending=pending, limits=limits, workers=Workers(tokenizer_threads), vocab_size=vocab_size,
-                        default_max_model_len=max_model_len,
+                        default_max_model_len=max_model_len, images=image_options or ImageOptions(),
                         tool_parser=parser_for_template(getattr(tokenizer, "chat_template", None)))
 
     @asynccontextmanager
@@ -149,11 +153,11 @@ def create_app(
         api_dependencies.append(Depends(require_api_key))
         error_codes.insert(1, 401)
 
-    def prepare(handler_type: type[CompletionHandler] | type[ChatHandler], body: bytes) -> Any:
-        """On a worker thread: parse, check the limits, tokenize or render; the handler that will answer."""
+    def parse(handler_type: type[CompletionHandler] | type[ChatHandler], body: bytes) -> Any:
+        """On a worker thread: parse and check the limits."""
         req = parse_body(handler_type.request_model, body)
         check_limits(req, limits, ctx.max_model_len())
-        return handler_type(ctx, req)
+        return req
 
     async def answer(handler_type: type[CompletionHandler] | type[ChatHandler], request: Request) -> Any:
         """Either endpoint's answer, whole or streamed, given up (its engine requests aborted) if the client leaves."""
@@ -163,7 +167,9 @@ def create_app(
 
         async def work() -> Any:
             await monitor.wait_first_poll()
-            handler = await ctx.workers.run(prepare, handler_type, body)
+            req = await ctx.workers.run(parse, handler_type, body)
+            await load_images(req, ctx)  # a chat's image parts, fetched and checked (none: nothing to do)
+            handler = await ctx.workers.run(handler_type, ctx, req)  # tokenize or render
             return await (handler.stream() if handler.req.stream else handler.complete())
 
         return await cancel_on_disconnect(request, work(), ctx.stopping)
@@ -185,7 +191,8 @@ def create_app(
         return await answer(ChatHandler, request)
 
     def model_card() -> ModelCard:
-        return ModelCard(id=model_name, created=ctx.created, max_model_len=ctx.max_model_len())
+        return ModelCard(id=model_name, created=ctx.created, max_model_len=ctx.max_model_len(),
+                         input_modalities=["text", "image"] if ctx.accepts_images else ["text"])
 
     @app.get("/v1/models", response_model=ModelList, dependencies=api_dependencies, tags=["OpenAI"],
              responses=_error_responses([401] if api_key else []))

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..limits import RequestLimits
+from ..multimodal import ImageOptions
 from .errors import shutting_down
 from .fleet import FleetMonitor, InferenceBackend
 from .generation import PendingCounter, Submission
@@ -32,6 +33,12 @@ class ServerContext:
     created: int = field(default_factory=lambda: int(time.time()))
     #: Set when the server stops: what it holds is answered with 503 at once, new requests get 503.
     stopping: asyncio.Event = field(default_factory=asyncio.Event)
+    images: ImageOptions = field(default_factory=ImageOptions)  # how chat images are fetched
+
+    @property
+    def accepts_images(self) -> bool:
+        """A vision-language model: its tokenizer came with an image processor."""
+        return self.tokenizer.images is not None
 
     @property
     def served_names(self) -> list[str]:

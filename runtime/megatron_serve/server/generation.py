@@ -71,6 +71,11 @@ def _submission_error(exc: Exception) -> APIError:
     return APIError(500, f"{type(exc).__name__}: {exc}", code="internal_error")
 
 
+def _images(job: EngineJob) -> dict[str, Any]:
+    """The backend's ``images`` argument, for prompts that have images only."""
+    return {"images": job.prompt.images} if job.prompt.images else {}
+
+
 @dataclass
 class Submission:
     """The engine requests of one HTTP request, with the bookkeeping to abort what is unfinished."""
@@ -117,7 +122,8 @@ class Submission:
         """Every job's finished request, in job order; errors and cancellation abort the rest."""
         try:
             try:
-                futures = [self.backend.add_request(job.prompt.tokens, job.params, request_id=request_id)
+                futures = [self.backend.add_request(job.prompt.tokens, job.params, request_id=request_id,
+                                                    **_images(job))
                            for job, request_id in zip(self.jobs, self.ids)]
             except Exception as exc:  # refused synchronously (e.g. a closed client): nothing to abort
                 for request_id in self.ids:
@@ -155,7 +161,7 @@ class Submission:
         async def pump(job: EngineJob, request_id: str) -> None:
             try:
                 async for item in self.backend.add_request_streaming(job.prompt.tokens, job.params,
-                                                                     request_id=request_id):
+                                                                     request_id=request_id, **_images(job)):
                     queue.put_nowait((job, request_id, item))
             except asyncio.CancelledError:
                 raise

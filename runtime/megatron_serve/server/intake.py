@@ -31,6 +31,7 @@ from .models import (
     ChatMessage,
     CompletionRequest,
     DetokenizeRequest,
+    TextContentPart,
     TokenizeChatRequest,
     TokenizeCompletionRequest,
     _SamplingRequest,
@@ -161,7 +162,7 @@ def _content_chars(content: Any) -> int:
         return 0
     if isinstance(content, str):
         return len(content)
-    return sum(len(part.text) for part in content)
+    return sum(len(part.text) for part in content if isinstance(part, TextContentPart))
 
 
 def request_body_doc(*models: type[BaseModel]) -> dict[str, Any]:

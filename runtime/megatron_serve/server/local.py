@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..limits import RequestLimits
+from ..multimodal import ImageOptions
 from .app import API_KEY_ENV, create_app
 from .modelinfo import ModelFacts, default_model_name
 from .runner import serve_app
@@ -36,11 +37,13 @@ def _model_facts(llm: "MegatronAsyncLLM", model_name: str | None) -> tuple[Any, 
 async def serve_async_llm(llm: "MegatronAsyncLLM", host: str = "127.0.0.1", port: int = 8000, *,
                           model_name: str | None = None, api_key: str | None = None, max_concurrent_requests: int | None = None,
                           log_level: str = "warning", stop: asyncio.Event | None = None,
-                          limits: RequestLimits | None = None, read_timeout: float = 60.0) -> None:
+                          limits: RequestLimits | None = None, read_timeout: float = 60.0,
+                          image_options: ImageOptions | None = None) -> None:
     """Serve the OpenAI API for ``llm`` until cancelled (or ``stop`` is set); ``llm`` stays open.
 
     ``api_key=None`` reads ``$MEGATRON_SERVE_API_KEY`` (no key when unset), like the commands do.
-    ``limits`` and ``read_timeout``: as the commands' ``--max-*`` and ``--read-timeout`` flags.
+    ``limits`` and ``read_timeout``: as the commands' ``--max-*`` and ``--read-timeout`` flags;
+    ``image_options``: as ``--image-fetch-timeout`` and ``--no-remote-images``.
     """
     await llm.start()
     tokenizer, facts = await asyncio.to_thread(_model_facts, llm, model_name)
@@ -48,7 +51,8 @@ async def serve_async_llm(llm: "MegatronAsyncLLM", host: str = "127.0.0.1", port
     if api_key is None:
         api_key = os.environ.get(API_KEY_ENV) or None
     app = create_app(backend, tokenizer, facts.name, api_key, vocab_size=facts.vocab_size,
-                     max_model_len=facts.max_model_len, max_concurrent_requests=max_concurrent_requests, limits=limits)
+                     max_model_len=facts.max_model_len, max_concurrent_requests=max_concurrent_requests, limits=limits,
+                     image_options=image_options)
     await serve_app(app, host, port, log_level=log_level, stop=stop, read_timeout=read_timeout)
 
 

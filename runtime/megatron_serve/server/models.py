@@ -20,6 +20,7 @@ from pydantic import (
     ConfigDict,
     Discriminator,
     Field,
+    PrivateAttr,
     SerializerFunctionWrapHandler,
     Tag,
     TypeAdapter,
@@ -139,6 +140,32 @@ class TextContentPart(_Request):
     text: str
 
 
+class ImageURL(_Request):
+    url: str = Field(description="a data: URL (base64) or an http(s) URL the server fetches")
+    detail: Literal["auto", "low", "high"] | None = Field(None, description="accepted; the model's processor "
+                                                                          "decides the resolution")
+
+
+class ImageContentPart(_Request):
+    """An image of a message (vision-language models); once loaded it holds the image file."""
+
+    type: Literal["image_url"]
+    image_url: ImageURL
+    _file: bytes | None = PrivateAttr(default=None)
+
+    @property
+    def file(self) -> bytes:
+        if self._file is None:
+            raise RuntimeError("image part read before it was loaded (server.images.load_images)")
+        return self._file
+
+    def attach(self, data: bytes) -> None:
+        self._file = data
+
+
+ContentPart = Annotated[Union[TextContentPart, ImageContentPart], Field(discriminator="type")]
+
+
 class FunctionDefinition(_Request):
     name: str = Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")
     description: str | None = None
@@ -173,7 +200,7 @@ class ToolCall(_Request):
 
 class ChatMessage(_Request):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextContentPart] | None = None
+    content: str | list[ContentPart] | None = None
     name: str | None = None
     tool_call_id: str | None = None
     tool_calls: list[ToolCall] | None = None
@@ -400,6 +427,9 @@ class ModelCard(BaseModel):
     created: int
     owned_by: str = "megatron-serve"
     max_model_len: int | None = None
+    input_modalities: list[Literal["text", "image"]] = Field(
+        default_factory=lambda: ["text"], description="extension: what prompts may hold; 'image' for "
+                                                      "vision-language models (image_url content parts)")
 
 
 class ModelList(BaseModel):

@@ -13,6 +13,7 @@ from fastapi import FastAPI, Request
 
 from .context import ServerContext
 from .errors import bad_request
+from .images import load_images
 from .intake import check_prompt_size, parse_body, request_body_doc
 from .models import (
     DetokenizeRequest,
@@ -23,7 +24,7 @@ from .models import (
     TokenizeResponse,
 )
 from .streaming import client_closed, read_body
-from .translate import check_model, check_tokens, render_chat
+from .translate import check_model, check_tokens, place_images, render_chat
 
 
 def _check_model(ctx: ServerContext, model: str | None) -> None:
@@ -31,14 +32,19 @@ def _check_model(ctx: ServerContext, model: str | None) -> None:
         check_model(model, ctx.served_names)
 
 
-def _tokenize(ctx: ServerContext, raw: bytes) -> TokenizeResponse:
-    """On a worker thread: parse, check the model and the limits, render and encode."""
+def _parse_tokenize(ctx: ServerContext, raw: bytes) -> TokenizeCompletionRequest | TokenizeChatRequest:
+    """On a worker thread: parse, check the model and the limits."""
     body = parse_body(TokenizeRequest, raw)
     _check_model(ctx, body.model)
     if isinstance(body, TokenizeChatRequest):
         check_prompt_size(ctx.limits, ctx.max_model_len(), messages=body.messages)
     else:
         check_prompt_size(ctx.limits, ctx.max_model_len(), prompt=body.prompt)
+    return body
+
+
+def _tokenize(ctx: ServerContext, body: TokenizeCompletionRequest | TokenizeChatRequest) -> TokenizeResponse:
+    """On a worker thread: render and encode (after the chat's images were loaded)."""
     tokenizer = ctx.tokenizer
     if isinstance(body, TokenizeChatRequest):
         tools = [tool.model_dump(exclude_none=True) for tool in body.tools] if body.tools else None
@@ -46,6 +52,8 @@ def _tokenize(ctx: ServerContext, raw: bytes) -> TokenizeResponse:
     else:
         text = body.prompt
     tokens = list(tokenizer.encode(text, add_special_tokens=body.add_special_tokens))
+    if isinstance(body, TokenizeChatRequest):
+        tokens, _ = place_images(tokens, body.messages, tokenizer)  # each image counts its placeholder tokens
     strs = [tokenizer.token_text(t) for t in tokens] if body.return_token_strs else None
     return TokenizeResponse(count=len(tokens), max_model_len=ctx.max_model_len(), tokens=tokens, token_strs=strs)
 
@@ -58,7 +66,11 @@ def add_tokenize_routes(app: FastAPI, ctx: ServerContext, dependencies: list[Any
               description="Token ids of a prompt, or of messages rendered with the chat template.")
     async def tokenize(request: Request) -> Any:
         raw = await read_body(request)
-        return client_closed() if raw is None else await ctx.workers.run(_tokenize, ctx, raw)
+        if raw is None:
+            return client_closed()
+        body = await ctx.workers.run(_parse_tokenize, ctx, raw)
+        await load_images(body, ctx)  # a chat's image parts, fetched and checked (none: nothing to do)
+        return await ctx.workers.run(_tokenize, ctx, body)
 
     @app.post("/detokenize", response_model=DetokenizeResponse, dependencies=dependencies, responses=responses,
               tags=["tokenizer"], openapi_extra=request_body_doc(DetokenizeRequest),

@@ -12,14 +12,23 @@ counts see exactly the tokens the engine will run.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
+from ..multimodal import PromptImage
 from ..sampling_params import SamplingParams, StructuredOutputsParams
 from ..structured_output import grammar_error
 from ..tokenizer import PromptTooLong
 from .errors import APIError, bad_request
-from .models import ChatCompletionRequest, ChatMessage, CompletionRequest, _SamplingRequest
+from .images import files_of
+from .models import (
+    ChatCompletionRequest,
+    ChatMessage,
+    CompletionRequest,
+    ImageContentPart,
+    TextContentPart,
+    _SamplingRequest,
+)
 
 def epoch_fields(req: _SamplingRequest, result: Any) -> dict[str, list[int]]:
     """The ``return_epochs`` extension of one choice: per-token weight epochs, when asked for."""
@@ -39,6 +48,7 @@ class Prompt:
 
     tokens: list[int]
     text: str | None = None
+    images: list[PromptImage] = field(default_factory=list)  # placed in ``tokens`` (vision-language models)
 
 
 @dataclass
@@ -174,12 +184,26 @@ def _message_text(content: Any) -> str:
         return ""
     if isinstance(content, str):
         return content
-    return "\n".join(part.text for part in content)
+    return "\n".join(part.text for part in content if isinstance(part, TextContentPart))
 
 
-def _message_dict(message: ChatMessage) -> dict[str, Any]:
-    """One message as chat templates read it; a call's arguments as an object (templates ``tojson`` them)."""
-    item: dict[str, Any] = {"role": message.role, "content": _message_text(message.content)}
+def _content_parts(content: Any) -> list[dict[str, str]]:
+    """A message's content as the chat templates of vision-language processors take it: a list of parts."""
+    if content is None:
+        return []
+    if isinstance(content, str):
+        return [{"type": "text", "text": content}]
+    return [{"type": "image"} if isinstance(part, ImageContentPart) else {"type": "text", "text": part.text}
+            for part in content]
+
+
+def _message_dict(message: ChatMessage, parts: bool) -> dict[str, Any]:
+    """One message as chat templates read it; a call's arguments as an object (templates ``tojson`` them).
+
+    ``parts``: content as a list of parts, as vision-language processors' templates read it.
+    """
+    content = _content_parts(message.content) if parts else _message_text(message.content)
+    item: dict[str, Any] = {"role": message.role, "content": content}
     if message.name is not None:
         item["name"] = message.name
     if message.tool_call_id is not None:
@@ -204,7 +228,8 @@ def render_chat(messages: list[ChatMessage], tokenizer: Any, *, tools: list[dict
         raise bad_request("this model has no chat template: use /v1/completions", param="messages",
                           code="chat_template_missing")
     try:
-        return tokenizer.apply_chat_template([_message_dict(m) for m in messages],
+        parts = tokenizer.images is not None  # a vision-language model
+        return tokenizer.apply_chat_template([_message_dict(m, parts) for m in messages],
                                              add_generation_prompt=add_generation_prompt, tools=tools)
     except Exception as exc:  # the template may raise on conversations it does not support (jinja errors)
         raise bad_request(f"the model's chat template cannot render these messages: {exc}", param="messages",
@@ -217,9 +242,24 @@ def chat_prompt(req: ChatCompletionRequest, tokenizer: Any, vocab_size: int | No
     if req.top_logprobs and not req.logprobs:
         raise bad_request("top_logprobs needs logprobs=true", param="top_logprobs")
     text = render_chat(req.messages, tokenizer, tools=tools)
-    prompt = Prompt(tokenize(tokenizer, text, max_model_len, "messages", add_special_tokens=False), text)
+    tokens = tokenize(tokenizer, text, max_model_len, "messages", add_special_tokens=False)
+    tokens, images = place_images(tokens, req.messages, tokenizer)
+    prompt = Prompt(tokens, text, images)
     check_tokens(prompt.tokens, vocab_size, "messages")
     return prompt
+
+
+def place_images(tokens: list[int], messages: list[ChatMessage], tokenizer: Any) -> tuple[list[int], list[PromptImage]]:
+    """A rendered chat's image placeholders expanded for its images (loaded by ``server.images.load_images``,
+    which refuses them for text models)."""
+    files = [data for message in messages for data in files_of(message.content)]
+    if not files:
+        return tokens, []
+    try:
+        return tokenizer.images.expand(tokens, files)
+    except ValueError as exc:
+        raise bad_request(f"cannot place the images in the rendered chat: {exc}", param="messages",
+                          code="invalid_image") from None
 
 
 def resolve_max_tokens(prompt_len: int, requested: int | None, default: int | None, max_model_len: int | None,
