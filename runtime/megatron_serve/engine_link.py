@@ -62,6 +62,15 @@ class CoordinatorLink:
     def session(self) -> int:
         return self.connection.session
 
+    @property
+    def heartbeat_interval(self) -> float:
+        """Seconds between heartbeats once registered (the link thread reads it before each one)."""
+        return self.connection.heartbeat_interval
+
+    @heartbeat_interval.setter
+    def heartbeat_interval(self, seconds: float) -> None:
+        self.connection.heartbeat_interval = seconds
+
     # -- main-thread API
 
     def start(self) -> None:
