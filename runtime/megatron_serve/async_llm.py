@@ -21,7 +21,7 @@ from __future__ import annotations
 import asyncio
 import os
 from pathlib import Path
-from typing import Any, AsyncIterator
+from typing import TYPE_CHECKING, Any, AsyncIterator, Iterable
 
 from .config import InferenceConfig
 from .engine_client import EngineClient
@@ -30,6 +30,9 @@ from .outputs import StreamItem
 from .prompts import Prompt, PromptInput, as_prompt, normalize_prompts
 from .request import DynamicInferenceRequest
 from .sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    import torch
 
 
 class MegatronAsyncLLM:
@@ -159,16 +162,22 @@ class MegatronAsyncLLM:
         await self.start()
         return await self._client.stop()
 
-    async def refit(self, source: str | os.PathLike, epoch: int | None = None) -> dict[str, Any]:
-        """Load new weights of the same shapes from model directory ``source`` in place.
+    async def refit(self, weights: "str | os.PathLike | Iterable[tuple[str, torch.Tensor]]",
+                    epoch: int | None = None) -> dict[str, Any]:
+        """Load new weights in place: a model directory of the served model's shapes, or ``(name,
+        tensor)`` pairs with Hugging Face checkpoint names and full (unsharded) shapes, any subset.
 
-        Coordinator mode: the REFIT verb (the fleet must be PAUSED or SUSPENDED); resolves on the
-        acknowledgement. Direct mode: the engine refits between two steps. Either way the answer is
-        ``{"state", "detail": {"epoch", "source", "engines": {id: timings}}}``, and a source of other
-        shapes raises (``ControlError`` / ``ValueError``) with the old weights still serving.
+        Coordinator mode: the REFIT verb (the fleet must be PAUSED or SUSPENDED); tensors travel
+        from this process over a collective (:class:`~megatron_serve.weights.WeightSender`).
+        Direct mode: the engine refits between two steps (tensors are copied in, every
+        tensor-parallel rank taking its slice). Either way the answer is ``{"state", "detail":
+        {"epoch", "source", "engines": {id: timings}}}``, and names or shapes that do not fit raise
+        (``ControlError`` / ``ValueError``) with the old weights still serving.
         """
         await self.start()
-        return await self._client.refit(os.fspath(source), epoch)
+        if isinstance(weights, (str, os.PathLike)):
+            return await self._client.refit(os.fspath(weights), epoch)
+        return await self._client.refit_tensors(weights, epoch)
 
     async def status(self) -> dict[str, Any]:
         """The ``STATUS_REPLY`` fields (in direct mode, one engine's from its own counters)."""

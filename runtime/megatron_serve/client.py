@@ -29,7 +29,7 @@ import zmq.asyncio
 import msgspec
 
 from .connection import Connection, CoordinatorError, Unauthorized
-from .messages import Error, HelloAck
+from .messages import Error, HelloAck, Rendezvous
 from .multimodal import PromptImage
 from .prompts import ImagePrompt, Prompt
 from .protocol import ErrorCode, Header, Role, encode, pack_batches
@@ -45,7 +45,12 @@ __all__ = ["InferenceClient", "CoordinatorError", "ControlError", "Unauthorized"
 
 
 class ControlError(CoordinatorError):
-    """A lifecycle verb was refused (e.g. an illegal transition)."""
+    """A lifecycle verb was refused (e.g. an illegal transition); ``detail`` holds the facts the
+    coordinator gave with it (a failed REFIT: each engine's weights now), or ``{}``."""
+
+    def __init__(self, code: str, message: str, detail: dict[str, Any] | None = None) -> None:
+        super().__init__(code, message)
+        self.detail = detail or {}
 
 
 @dataclass
@@ -348,7 +353,7 @@ class InferenceClient:
         if body.control_id is not None:
             entry = self._controls.pop(str(body.control_id), None)
             if entry is not None and not entry[2].done():
-                entry[2].set_exception(ControlError(code, message))
+                entry[2].set_exception(ControlError(code, message, body.detail))
             return
         if body.client_request_id is not None:
             pending = self._pending.pop(str(body.client_request_id), None)
@@ -485,7 +490,8 @@ class InferenceClient:
         """The STOP verb: every engine drains and exits. (To close this client, use :meth:`close`.)"""
         return await self._control(Header.STOP, timeout, drain_timeout=drain_timeout)
 
-    async def refit(self, source: str, epoch: int | None = None, timeout: float | None = None) -> dict[str, Any]:
+    async def refit(self, source: str, epoch: int | None = None, timeout: float | None = None, *,
+                    rendezvous: Rendezvous | None = None) -> dict[str, Any]:
         """REFIT (fleet PAUSED or SUSPENDED): every engine loads the weights in model directory ``source``.
 
         ``source`` is a path as the engines see it; its shapes must equal the served model's.
@@ -495,12 +501,15 @@ class InferenceClient:
         ``refit_failed``) naming the engine and the problem, and the fleet keeps its old weights.
         The acknowledgement's ``detail`` holds ``epoch``, ``source`` and per-engine timings
         (``verify_s``, ``load_s``, ``total_s``).
+
+        ``rendezvous``: the weights come from a trainer instead (``source`` is then its label); this
+        is what :class:`megatron_serve.weights.WeightSender` sends, and what it should be used through.
         """
         if not isinstance(source, str) or not source:
             raise ValueError("source must be a non-empty model directory path")
         if epoch is not None and (isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0):
             raise ValueError(f"epoch must be an integer >= 0, got {epoch!r}")
-        return await self._control(Header.REFIT, timeout, source=source, epoch=epoch)
+        return await self._control(Header.REFIT, timeout, source=source, epoch=epoch, rendezvous=rendezvous)
 
     async def status(self, timeout: float | None = 10.0) -> dict[str, Any]:
         """The ``STATUS_REPLY`` fields: state, engines, queued, in_flight, completed, failed, ..."""

@@ -17,10 +17,11 @@ from .engine_setup import build_kv_pool, default_dtype, max_sequence_length_for
 from .detokenizer import IncrementalDetokenizer
 from .encoder_cache import EncoderCache
 from .engine_stats import EngineStats
+from .errors import RefitFailed
 from .kv_cache import BlockAllocator, blocks_for_tokens
 from .model.config import ModelConfig
 from .model.llama import LlamaForCausalLM
-from .model.loader import iterate_checkpoint, load_model, load_weights, verify_checkpoint
+from .model.loader import load_model, load_weights
 from .cuda_graphs import decode_graphs_for
 from .logits_processors import RowContext, apply_controls, apply_token_bitmask
 from .model_runner import ModelRunner, prompt_positions_to_score
@@ -29,6 +30,7 @@ from .sampler import Sampler, score_tokens
 from .scheduler import Scheduler, Sequence
 from .structured_output import StructuredOutputs
 from .tokenizer import Tokenizer
+from .weights.sources import WeightSource, weight_source
 
 logger = logging.getLogger(__name__)
 
@@ -82,6 +84,7 @@ class DynamicInferenceEngine:
         self.epoch = 0  # generation of the weights being served; bumped by every refit
         self.refits = 0
         self.last_refit: dict[str, float] | None = None  # timings of the last refit (for /metrics)
+        self.incomplete: set[str] = set()  # tensors a failed refit overwrote (see RefitFailed)
         self.stats = EngineStats()  # vLLM-style counters and histograms, shipped in heartbeats
 
     @property
@@ -248,22 +251,45 @@ class DynamicInferenceEngine:
             self.weights_offloaded = True
         return released
 
-    def refit(self, source: str | Path, epoch: int | None = None) -> dict[str, float]:
-        """Load new weights of the same shapes from ``source`` in place; returns timings and the new epoch.
+    def refit(self, source: "str | Path | WeightSource", epoch: int | None = None) -> dict[str, float]:
+        """Load new weights of the same shapes in place; returns timings and the new epoch.
 
-        Shapes are verified before any live weight is touched, so a bad source leaves the old
+        ``source``: a model directory (every weight), or a :mod:`megatron_serve.weights.sources`
+        source (tensors in this process, a trainer's broadcast: any subset of the weights). Names
+        and shapes are verified before any live weight is touched, so a bad source leaves the old
         weights serving. Cached prefix blocks of the old weights are forgotten; requests in flight
         keep their KV and continue, and their per-token epochs show the switch.
+
+        A load that fails midway (a read error, a trainer that died) raises
+        :class:`~megatron_serve.errors.RefitFailed` saying which weights this engine now holds;
+        when some were overwritten the epoch becomes -1 until a refit covers them again.
         """
+        source = weight_source(source)
         started = time.perf_counter()
-        verify_checkpoint(self.model, source)
+        source.check(self.model)
         verified = time.perf_counter()
+        self.runner.on_refit(source)
+        replaced: set[str] = set()
+        error: BaseException | None = None
         try:
-            self.runner.on_refit(str(source))
-            load_weights(self.model, iterate_checkpoint(source))
-        except BaseException:
-            self.epoch = -1  # a mix of two checkpoints (e.g. a read error midway): no epoch describes it
-            raise
+            load_weights(self.model, source.tensors(self.model), progress=replaced.add, partial=source.partial)
+        except BaseException as exc:  # noqa: BLE001 - reported below, with what the other ranks did
+            error = exc
+        for names, follower_error in self.runner.refit_outcomes():
+            replaced.update(names)
+            if error is None and follower_error:
+                error = RuntimeError(f"a tensor-parallel rank failed: {follower_error}")
+        self.incomplete = set() if error is None and not source.partial else self.incomplete
+        if error is None:
+            self.incomplete -= replaced
+        else:
+            self.incomplete |= replaced
+        if self.incomplete:
+            self.epoch = -1  # a mix of two generations: no epoch describes it
+        if error is not None or self.incomplete:
+            message = str(error) if error is not None else (
+                f"{len(self.incomplete)} tensor(s) overwritten by an earlier failed refit were not sent again")
+            raise RefitFailed(message, len(replaced), sorted(self.incomplete), self.epoch) from error
         self.allocator.clear_cache()
         if self.encoder_cache is not None:
             self.encoder_cache.clear()  # embeddings of the old vision weights
@@ -273,13 +299,12 @@ class DynamicInferenceEngine:
         self.last_refit = {"verify_s": verified - started, "load_s": finished - verified, "total_s": finished - started}
         return {"epoch": self.epoch, **self.last_refit}
 
-    def verify_refit(self, source: str | Path) -> float:
-        """Check that ``source`` holds weights of this model's shapes (no tensor data read); returns seconds.
-
-        Raises ``ValueError`` naming the first mismatch; nothing live is touched either way.
+    def verify_refit(self, source: "str | Path | WeightSource") -> float:
+        """Check that ``source`` holds weights of this model's names and shapes (no tensor data read);
+        returns seconds. Raises ``ValueError`` naming the first mismatch; nothing live is touched.
         """
         started = time.perf_counter()
-        verify_checkpoint(self.model, source)
+        weight_source(source).check(self.model)
         return time.perf_counter() - started
 
     def resume(self) -> None:

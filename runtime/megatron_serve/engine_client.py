@@ -15,13 +15,16 @@ once against this interface. Streams yield :mod:`megatron_serve.outputs` items.
 from __future__ import annotations
 
 import asyncio
-from typing import Any, AsyncIterator, Protocol
+from typing import TYPE_CHECKING, Any, AsyncIterator, Iterable, Protocol
 
 from .multimodal import PromptImage
 from .outputs import StreamItem
 from .prompts import Prompt
 from .request import DynamicInferenceRequest
 from .sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    import torch
 
 
 class EngineClient(Protocol):
@@ -63,6 +66,10 @@ class EngineClient(Protocol):
 
     async def refit(self, source: str, epoch: int | None = ..., timeout: float | None = ...) -> dict[str, Any]:
         """New weights of the same shapes from model directory ``source``; answered like ``CONTROL_ACK``."""
+
+    async def refit_tensors(self, named_tensors: Iterable[tuple[str, "torch.Tensor"]],
+                            epoch: int | None = ...) -> dict[str, Any]:
+        """New values for these weights (Hugging Face names, full shapes, any subset); answered like ``refit``."""
 
     async def shutdown(self) -> None:
         """DESIGN's ``shutdown()``: stop a fleet this client started, or disconnect from one it did not."""

@@ -24,16 +24,19 @@ import queue
 import signal
 import socket
 import time
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import zmq
 
-from .errors import EngineGroupLost
+from .errors import EngineGroupLost, RefitFailed
 from .lifecycle import ENGINE_DRAINING, STEPS, FleetState, Step, engine_state_after
 from .engine_link import CoordinatorLink
 from .messages import Control, HelloAck, Refit, Stop, Suspend
 from .protocol import HEADER_VERBS, Header, ProtocolError, Role, step_of
 from .request import DynamicInferenceRequest, FinishReason, RequestStatus, top_logprobs_to_wire
+
+if TYPE_CHECKING:
+    from .weights.sources import WeightSource
 
 logger = logging.getLogger("megatron_serve.engine_process")
 
@@ -70,6 +73,7 @@ class EngineProcess:
         if isinstance(block_size, int):  # prefix_affinity routing hashes prompts with the engines' block size
             facts["block_size"] = block_size
             facts["prefix_caching"] = bool(getattr(engine.config, "enable_prefix_caching", False))
+        facts["tensor_parallel_size"] = int(getattr(engine.config, "tensor_parallel_size", 1) or 1)  # transfer ranks
         facts.update(info or {})
         self.weights_source: str | None = facts.get("model")  # where the served weights came from (REFIT replaces it)
         facts["epoch"] = int(getattr(engine, "epoch", 0) or 0)
@@ -343,14 +347,20 @@ class EngineProcess:
         info["weights"] = self.weights_source
 
     def _refit_action(self, body: Refit) -> dict[str, Any]:
-        """REFIT at a step boundary: phase ``verify`` checks shapes only; ``load`` swaps the weights in place.
+        """REFIT at a step boundary: phase ``verify`` checks names and shapes only; ``load`` swaps the
+        weights in place (read from a directory, or received from a trainer with ``rendezvous``).
 
         The coordinator verifies on every engine before any engine loads, so a bad source leaves
-        the whole fleet on its old weights. A load that fails after verification (a read error)
-        leaves this engine's weights mixed: its epoch becomes -1 and the coordinator makes it
-        register again, which loads the fleet's current weights or exits.
+        the whole fleet on its old weights. A load that fails after verification (a read error, a
+        trainer that died mid-transfer) reports which weights this engine holds now
+        (:meth:`RefitFailed.facts`): intact, or a mix (epoch -1) that a later refit must complete.
         """
-        source, phase = body.source, body.phase or "load"
+        phase = body.phase or "load"
+        source: WeightSource | str = body.source
+        if body.rendezvous is not None:
+            from .weights.sources import RendezvousSource  # noqa: PLC0415 - torch only where an engine lives
+
+            source = RendezvousSource(body.rendezvous, body.source)
         if not callable(getattr(self.engine, "refit", None)):
             return {"error": "this engine cannot refit its weights"}
         try:
@@ -359,16 +369,16 @@ class EngineProcess:
             timings = self.engine.refit(source, body.epoch)
         except Exception as exc:  # noqa: BLE001 - any failure is reported; the fleet decides
             epoch = int(getattr(self.engine, "epoch", 0) or 0)
-            logger.error("REFIT (%s) from %s failed: %s", phase, source, exc)
+            logger.error("REFIT (%s) from %s failed: %s", phase, body.source, exc)
             self._note_weights()
-            return {"error": str(exc) or type(exc).__name__, "phase": phase, "epoch": epoch,
-                    "weights_intact": epoch != -1}
-        self.weights_source = source
+            facts = exc.facts() if isinstance(exc, RefitFailed) else {"epoch": epoch, "weights_intact": epoch != -1}
+            return {"error": str(exc) or type(exc).__name__, "phase": phase, **facts}
+        self.weights_source = body.source
         self._note_weights()
-        logger.info("refit: epoch %d from %s in %.2fs (verify %.2fs, load %.2fs)", timings["epoch"], source,
+        logger.info("refit: epoch %d from %s in %.2fs (verify %.2fs, load %.2fs)", timings["epoch"], body.source,
                     timings["total_s"], timings["verify_s"], timings["load_s"])
         return {**{k: round(float(v), 6) for k, v in timings.items() if k != "epoch"},
-                "epoch": int(timings["epoch"]), "source": source}
+                "epoch": int(timings["epoch"]), "source": body.source}
 
     #: What each step of the lifecycle table does here (a test checks that every step has one).
     _STEP_ACTIONS: dict[Step, Callable[["EngineProcess", Any], dict[str, Any] | None]] = {

@@ -9,3 +9,24 @@ class EngineGroupLost(RuntimeError):
     The engine process exits on it, so that the coordinator removes the group from routing and
     re-queues its requests (they continue elsewhere from the tokens already generated).
     """
+
+
+class RefitFailed(RuntimeError):
+    """A refit that did not complete; says which weights the engine holds now.
+
+    ``replaced``: tensors that were overwritten before it failed (0: the old weights are intact).
+    ``incomplete``: names whose new values this engine holds while others are older, left by this
+    or an earlier failed refit; while it is non-empty the engine's epoch is -1 (no generation
+    describes its weights) and a refit that covers those names makes it whole again.
+    """
+
+    def __init__(self, message: str, replaced: int, incomplete: list[str], epoch: int) -> None:
+        super().__init__(message)
+        self.replaced = replaced
+        self.incomplete = incomplete
+        self.epoch = epoch
+
+    def facts(self) -> dict[str, object]:
+        """The engine's weights after the failure, as the REFIT acknowledgement reports them."""
+        return {"epoch": self.epoch, "weights_intact": not self.incomplete, "replaced": self.replaced,
+                "incomplete": len(self.incomplete), "incomplete_tensors": self.incomplete[:8]}

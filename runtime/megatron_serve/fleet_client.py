@@ -14,10 +14,14 @@ import asyncio
 import logging
 import os
 import time
+from typing import TYPE_CHECKING, Any, Iterable
 
 from .client import InferenceClient
 from .config import InferenceConfig
 from .local_fleet import LocalFleet
+
+if TYPE_CHECKING:
+    import torch
 
 logger = logging.getLogger("megatron_serve.async_llm")
 
@@ -82,6 +86,13 @@ class FleetClient(InferenceClient):
         """Stop the fleet this client started (STOP, then its processes), or disconnect from a remote one."""
         await self._stop_own_fleet(send_stop=True)
         await super().aclose()
+
+    async def refit_tensors(self, named_tensors: Iterable[tuple[str, "torch.Tensor"]],
+                            epoch: int | None = None) -> dict[str, Any]:
+        """REFIT with tensors from this process, sent over a collective (gloo here; see ``WeightSender``)."""
+        from .weights import WeightSender  # noqa: PLC0415 - torch only when tensors are sent
+
+        return await WeightSender(self).send(named_tensors, epoch=epoch)
 
     async def shutdown(self) -> None:
         """DESIGN's ``shutdown()``: what :meth:`aclose` does."""

@@ -25,6 +25,10 @@ be encoded twice, and the two copies disagreed):
   ``REFIT_VERIFY`` (every engine checks the source, none loads) and ``REFIT_LOAD``, each with its
   own deadline. A refit whose source is a rendezvous instead of a directory, or pause modes, add
   arguments to these steps, not rows to this table.
+* ``UNPAUSE`` is refused (whatever the state) while an engine holds *incomplete* weights: a refit
+  that failed midway (a trainer that died mid-transfer) overwrote some of its tensors and not
+  others, so no epoch describes them. The fleet stays paused until a refit completes; see
+  :data:`NEEDS_WHOLE_WEIGHTS`. This is a guard on a verb, not a state: the table is unchanged.
 * Repeating the current state (PAUSE while PAUSED, STOP while STOPPED ...) re-sends its step, so
   that engines that drifted are put right, and acknowledges with ``noop``.
 """
@@ -172,6 +176,12 @@ TABLE: dict[FleetState, dict[Verb, Transition | Refusal]] = {
         Verb.REFIT: _REFIT_NEEDS_PAUSE,
     },
 }
+
+
+#: Verbs refused while any engine holds incomplete weights (a refit failed midway on it).
+NEEDS_WHOLE_WEIGHTS = frozenset({Verb.UNPAUSE})
+WEIGHTS_INCOMPLETE = ("{verb} refused: engine(s) {engines} hold incomplete weights (a refit failed midway, e.g. the "
+                      "trainer died mid-transfer); REFIT first (a directory, or send the weights again)")
 
 
 class IllegalTransition(ValueError):

@@ -92,14 +92,17 @@ class MegatronLLM:
     def status(self) -> dict:
         return self._run(self._async().status())
 
-    def refit(self, source: str | os.PathLike, epoch: int | None = None) -> dict:
-        """Load new weights of the same shapes from model directory ``source`` in place.
+    def refit(self, weights: "str | os.PathLike | Iterable[tuple[str, torch.Tensor]]",
+              epoch: int | None = None) -> dict:
+        """Load new weights in place: a model directory of the same shapes, or ``(name, tensor)`` pairs
+        with Hugging Face names and full shapes (any subset, e.g. a trainer's ``named_parameters()``).
 
-        Coordinator mode: the REFIT verb (PAUSE first). Direct mode: the engine loads them between
-        two steps. A source of other shapes raises with the old weights still serving. See
+        Coordinator mode: the REFIT verb (PAUSE first; tensors travel with a
+        :class:`~megatron_serve.weights.WeightSender`). Direct mode: the engine loads them between
+        two steps. Names and shapes that do not fit raise with the old weights still serving. See
         :meth:`MegatronAsyncLLM.refit`.
         """
-        return self._run(self._async().refit(source, epoch))
+        return self._run(self._async().refit(weights, epoch))
 
     def shutdown(self) -> None:
         """Stop the local fleet this object started, or disconnect from a remote one (coordinator mode only)."""

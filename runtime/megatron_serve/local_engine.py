@@ -17,7 +17,9 @@ import queue
 import threading
 import uuid
 from pathlib import Path
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Iterable
+
+import torch
 
 from .config import InferenceConfig
 from .engine import DynamicInferenceEngine
@@ -30,6 +32,7 @@ from .request import DynamicInferenceRequest, FinishReason, RequestStatus
 from .sampling_params import SamplingParams
 from .streams import iterate_stream
 from .tokenizer import Tokenizer
+from .weights.sources import TensorSource, WeightSource
 
 logger = logging.getLogger("megatron_serve.async_llm")
 
@@ -124,7 +127,7 @@ class EngineThread:
         self._flush()
         self._commands.put(("abort", request_id))
 
-    def refit(self, source: str, epoch: int | None) -> asyncio.Future:
+    def refit(self, source: str | WeightSource, epoch: int | None) -> asyncio.Future:
         """Refit the engine between two steps; the future resolves to its timings (or its error)."""
         loop = asyncio.get_running_loop()
         future = loop.create_future()
@@ -296,6 +299,13 @@ class LocalEngineClient:
         """Load new weights between two steps; the answer has the coordinator's acknowledgement's shape."""
         timings = await self._thread.refit(source, epoch)
         return direct_refit_answer(source, timings)
+
+    async def refit_tensors(self, named_tensors: Iterable[tuple[str, torch.Tensor]],
+                            epoch: int | None = None) -> dict[str, Any]:
+        """Copy these tensors into the live weights between two steps (names and shapes checked first)."""
+        source = TensorSource.of(named_tensors)
+        timings = await self._thread.refit(source, epoch)
+        return direct_refit_answer(source.label, timings)
 
     def _no_fleet(self, verb: Verb | str) -> RuntimeError:
         name = verb.value if isinstance(verb, Verb) else verb

@@ -66,6 +66,7 @@ class Error(Body):
     control_id: ClientId | None = None
     client_request_id: ClientId | None = None
     status_id: ClientId | None = None
+    detail: dict[str, Any] | None = None  # a refused verb's facts (e.g. each engine's weights after a failed REFIT)
 
 
 class Batch(Body):
@@ -147,10 +148,61 @@ class Stop(Control):
     drain_timeout: float | None = None
 
 
+class TensorSpec(msgspec.Struct, array_like=True, frozen=True):
+    """One tensor a trainer sends: its Hugging Face checkpoint name, full (unsharded) shape and dtype."""
+
+    name: str
+    shape: tuple[Annotated[int, msgspec.Meta(ge=0)], ...]
+    dtype: str  # a key of TRANSFER_DTYPES
+
+
+#: The ``source`` of a REFIT whose weights come from a trainer (``rendezvous://host:port``): a label, not a path.
+RENDEZVOUS_SCHEME = "rendezvous://"
+
+#: Floating dtypes a trainer may send, by wire name, with their size in bytes.
+TRANSFER_DTYPES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
+TRANSFER_BACKENDS = ("gloo", "nccl")
+
+
+class Rendezvous(Body):
+    """A REFIT source that is a trainer process, not a directory: where and how the weights travel.
+
+    The sender (rank 0) serves a ``torch.distributed`` TCP store at ``address``; every rank of every
+    engine group joins one process group with it (``backend``) and receives the tensors of
+    ``manifest``, in that order, packed into buckets of up to ``bucket_bytes`` bytes
+    (:func:`megatron_serve.weights.manifest.plan_buckets` cuts them the same way on both sides).
+    The coordinator adds ``world_size`` and this engine's ``rank_offset`` to the load step.
+    """
+
+    address: str  # host:port of the sender's TCP store
+    backend: str
+    bucket_bytes: Annotated[int, msgspec.Meta(ge=1)]
+    manifest: list[TensorSpec]
+    timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 120.0  # for joining, and for each bucket
+    world_size: int | None = None
+    rank_offset: int | None = None
+
+    def problem(self) -> str | None:
+        """Why this rendezvous cannot be used (the coordinator refuses the REFIT with it), or None."""
+        host, _, port = self.address.rpartition(":")
+        if not host or not port.isdigit():
+            return f"rendezvous address must be host:port, got {self.address!r}"
+        if self.backend not in TRANSFER_BACKENDS:
+            return f"rendezvous backend must be one of {', '.join(TRANSFER_BACKENDS)}, got {self.backend!r}"
+        if not self.manifest:
+            return "rendezvous manifest is empty: send at least one tensor"
+        for spec in self.manifest:
+            if spec.dtype not in TRANSFER_DTYPES:
+                return (f"tensor {spec.name!r} has dtype {spec.dtype!r}; weights travel as one of "
+                        f"{', '.join(TRANSFER_DTYPES)}")
+        return None
+
+
 class Refit(Control):
-    source: str
+    source: str  # a model directory, or (with ``rendezvous``) the sender's label, ``rendezvous://host:port``
     epoch: int | None = None
     phase: str | None = None  # to engines: which step (see megatron_serve.lifecycle.STEPS)
+    rendezvous: Rendezvous | None = None  # the weights come from a trainer over a collective
 
 
 class ControlAck(Body):
@@ -186,6 +238,7 @@ class StatusReply(Body):
     weights: str | None = None
     refits: int | None = None
     epoch_mismatch: list[str] | None = None
+    incomplete_weights: list[str] | None = None  # engines left with a mix by a failed refit (UNPAUSE refused)
 
 
 class Heartbeat(Body):

@@ -23,6 +23,7 @@ from .scheduler import Sequence
 
 if TYPE_CHECKING:
     from .encoder_cache import StepImages
+    from .weights.sources import WeightSource
 
 logger = logging.getLogger(__name__)
 
@@ -181,8 +182,12 @@ class ModelRunner:
     def on_resume(self) -> None:
         pass
 
-    def on_refit(self, source: str) -> None:
+    def on_refit(self, source: "WeightSource") -> None:
         pass
+
+    def refit_outcomes(self) -> list[tuple[list[str], str | None]]:
+        """Each other rank's part of the refit just run: the names it loaded, and its error if any."""
+        return []
 
     def shutdown(self) -> None:
         pass

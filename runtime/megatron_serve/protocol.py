@@ -104,6 +104,7 @@ class ErrorCode(str, enum.Enum):
     UNSUPPORTED = "unsupported"  # header known but not implemented by this peer
     REFIT_FAILED = "refit_failed"  # an engine could not verify or load the new weights
     FORBIDDEN = "forbidden"  # role may not send this header
+    WEIGHTS_INCOMPLETE = "weights_incomplete"  # UNPAUSE while a failed refit left an engine with mixed weights
 
 
 class ProtocolError(ValueError):

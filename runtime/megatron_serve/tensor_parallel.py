@@ -27,10 +27,11 @@ import torch.distributed as dist
 from .config import InferenceConfig
 from .cuda_graphs import DecodeGraphs, decode_graphs_for
 from .errors import EngineGroupLost
-from .model.loader import iterate_checkpoint, load_model, load_weights, verify_checkpoint
+from .model.loader import load_model, load_weights
 from .model.parallel import TensorParallel
 from .engine_setup import build_kv_pool, default_dtype, max_sequence_length_for
 from .model_runner import ModelRunner, StepPlan, plan_step
+from .weights.sources import WeightSource
 
 logger = logging.getLogger(__name__)
 
@@ -137,8 +138,16 @@ class TensorParallelRunner(ModelRunner):
     def on_resume(self) -> None:
         self._broadcast("resume")
 
-    def on_refit(self, source: str) -> None:
+    def on_refit(self, source: WeightSource) -> None:
         self._broadcast("refit", source)
+
+    def refit_outcomes(self) -> list[tuple[list[str], str | None]]:
+        outcomes: list = [None] * self.tp.size
+        try:
+            dist.gather_object(None, outcomes, dst=0, group=self.tp.group)
+        except Exception as exc:  # noqa: BLE001 - a collective fails only when the group broke
+            raise EngineGroupLost(f"tensor-parallel group broke during a refit: {exc}") from exc
+        return outcomes[1:]
 
     def shutdown(self) -> None:
         if not dist.is_initialized():
@@ -206,11 +215,22 @@ def run_worker(model_dir: str, config_dict: dict, placement: Placement, rank: in
             pool.allocate()
             runner.capture_graphs(pool.layer_caches)
         elif kind == "refit":
-            verify_checkpoint(model, payload)
-            load_weights(model, iterate_checkpoint(payload))
+            dist.gather_object(_follow_refit(model, payload), None, dst=0, group=tp.group)
         elif kind == "stop":
             break
     dist.destroy_process_group()
+
+
+def _follow_refit(model, source: WeightSource) -> tuple[list[str], str | None]:
+    """A follower's part of a refit that rank 0 verified: load its slices; report, never raise (the
+    group must stay in lockstep, and rank 0 decides what a failure means)."""
+    loaded: list[str] = []
+    try:
+        load_weights(model, source.tensors(model), progress=loaded.append, partial=source.partial)
+    except Exception as exc:  # noqa: BLE001 - reported to rank 0
+        logger.error("refit on this tensor-parallel rank failed: %s", exc)
+        return loaded, str(exc) or type(exc).__name__
+    return loaded, None
 
 
 def start_rank_zero(model_dir: str, config: InferenceConfig) -> tuple[TensorParallel, torch.device, list]:

@@ -24,6 +24,7 @@ import msgspec
 
 from ..lifecycle import FleetState
 from ..messages import (
+    RENDEZVOUS_SCHEME,
     TO_COORDINATOR,
     ClientAbort,
     Draining,
@@ -228,6 +229,15 @@ class CoordinatorCore:
     def advance_verbs(self) -> None:
         """Have the lifecycle runner look at the verb in progress once this input is handled."""
         self._advance = True
+
+    def incomplete_weights(self) -> list[str]:
+        """Engines a failed refit left with a mix of two generations (epoch -1): UNPAUSE waits for a refit."""
+        return sorted(e.engine_id for e in self.engines.values() if e.epoch == -1)
+
+    def serves_fleet_weights(self, engine: EngineRecord) -> bool:
+        """Whether requests may go to ``engine``: when the fleet's weights came from a trainer, only engines
+        that received them do (one that joined later waits, unrouted, for the next refit to include it)."""
+        return not (self.weights_source or "").startswith(RENDEZVOUS_SCHEME) or engine.epoch == self.epoch
 
     def peer_name(self, identity: bytes) -> str:
         known = self.peers.get(identity)
@@ -554,5 +564,6 @@ class CoordinatorCore:
             clients=sum(1 for c in self.clients.values() if c.identity is not None),
             pending_controls=[op.verb.name for op in self.verbs.queue], dropped_frames=self.drop.total,
             weights=self.weights_source, refits=self.refits,
-            epoch_mismatch=sorted(e.engine_id for e in engines if e.epoch != self.epoch))
+            epoch_mismatch=sorted(e.engine_id for e in engines if e.epoch != self.epoch),
+            incomplete_weights=self.incomplete_weights())
 

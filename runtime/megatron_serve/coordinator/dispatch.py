@@ -1,7 +1,8 @@
 """Dispatch: queued requests go to engines while the fleet runs and engines have room.
 
 The routing policy (:mod:`megatron_serve.routing`) chooses among the engines that may take work
-now: registered, not draining or stopping, and below ``capacity * dispatch_factor`` requests (a
+now: registered, not draining or stopping, serving the fleet's weights (see
+``CoordinatorCore.serves_fleet_weights``), and below ``capacity * dispatch_factor`` requests (a
 little more than an engine runs at once, so that its next step never waits for the coordinator).
 """
 
@@ -56,7 +57,8 @@ def dispatch(core: "CoordinatorCore", now: float) -> None:
     def room(engine: "EngineRecord") -> bool:
         return engine.load < max(1, int(engine.capacity * factor))
 
-    candidates = [e for e in core.engines.values() if not e.draining and not e.stopping and room(e)]
+    candidates = [e for e in core.engines.values()
+                  if not e.draining and not e.stopping and room(e) and core.serves_fleet_weights(e)]
     table = core.requests
     while candidates and (record := table.next_queued()) is not None:
         chosen = core.policy.select(record, candidates)

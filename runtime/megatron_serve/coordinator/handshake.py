@@ -13,7 +13,7 @@ import uuid
 from typing import TYPE_CHECKING, Any
 
 from ..lifecycle import FleetState
-from ..messages import PROTOCOL_VERSION, Error, Hello, HelloAck
+from ..messages import PROTOCOL_VERSION, RENDEZVOUS_SCHEME, Error, Hello, HelloAck
 from ..protocol import ErrorCode, Header, Role
 from .peers import ClientRecord, EngineRecord
 from .requests import Phase
@@ -107,6 +107,8 @@ def _register_engine(core: "CoordinatorCore", identity: bytes, body: Hello, now:
 def _weights_for(core: "CoordinatorCore", engine: EngineRecord) -> dict[str, Any] | None:
     """At registration: the ``refit`` an engine must load before serving, if any.
 
+    Weights a trainer sent cannot be reloaded: an engine that lacks them is admitted but receives no
+    requests (``serves_fleet_weights``) until the next refit, which includes it.
     A coordinator that never refitted (e.g. it restarted) adopts the weights of the first
     registering engine of its model that reports a refit, so the fleet's epoch survives a
     coordinator restart; engines that then register with other weights load them.
@@ -125,6 +127,10 @@ def _weights_for(core: "CoordinatorCore", engine: EngineRecord) -> dict[str, Any
                         engine.engine_id)
         return None
     if engine.epoch == core.epoch and engine.weights == core.weights_source:
+        return None
+    if core.weights_source.startswith(RENDEZVOUS_SCHEME):
+        logger.info("engine %s serves epoch %d; the fleet's epoch %d came from a trainer: it gets no requests "
+                    "until the next refit includes it", engine.engine_id, engine.epoch, core.epoch)
         return None
     logger.info("engine %s serves epoch %d: it loads the fleet's epoch %d (%s) before serving",
                 engine.engine_id, engine.epoch, core.epoch, core.weights_source)

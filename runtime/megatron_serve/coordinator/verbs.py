@@ -6,6 +6,14 @@ after every connected engine acknowledged its last step; an engine that does not
 step within that step's deadline is removed (see :mod:`.liveness`) and the verb completes with the
 others. REFIT runs ``REFIT_VERIFY`` on every engine before any ``REFIT_LOAD``: one refusal refuses
 the whole verb and the fleet keeps its weights.
+
+A REFIT whose weights come from a trainer (a ``rendezvous``) differs in three ways: its load step
+goes to the engines that verified, each told its first rank in the transfer group (the sender is
+rank 0; groups in order, each taking as many ranks as it has tensor-parallel ranks); the fleet's
+epoch changes only once every engine loaded; and an engine whose load fails stays (there is no
+directory it could reload from): its acknowledgement says which weights it holds, the verb is
+refused with those facts, and while any engine holds incomplete weights UNPAUSE is refused
+(:data:`~megatron_serve.lifecycle.NEEDS_WHOLE_WEIGHTS`).
 """
 
 from __future__ import annotations
@@ -15,8 +23,20 @@ import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from ..lifecycle import STEPS, Deadline, FleetState, IllegalTransition, Step, Verb, transition
-from ..messages import Control, ControlAck, Error, Refit, Stop, Suspend
+import msgspec
+
+from ..lifecycle import (
+    NEEDS_WHOLE_WEIGHTS,
+    STEPS,
+    WEIGHTS_INCOMPLETE,
+    Deadline,
+    FleetState,
+    IllegalTransition,
+    Step,
+    Verb,
+    transition,
+)
+from ..messages import Control, ControlAck, Error, Refit, Rendezvous, Stop, Suspend
 from ..protocol import VERB_HEADERS, ErrorCode, Header
 from .peers import ClientRecord, EngineRecord
 
@@ -32,6 +52,10 @@ class RefitRefused(IllegalTransition):
     """A REFIT the table allows but the fleet cannot run (no engine to verify the weights)."""
 
 
+class WeightsIncomplete(IllegalTransition):
+    """A verb the table allows, refused while an engine holds incomplete weights."""
+
+
 @dataclass
 class ControlOp:
     """One verb in progress: its steps, each acknowledged by every engine."""
@@ -43,6 +67,7 @@ class ControlOp:
     drain_timeout: float | None = None
     source: str | None = None  # REFIT: the new weights
     epoch: int | None = None  # REFIT: the generation they become
+    rendezvous: Rendezvous | None = None  # REFIT: the weights come from a trainer
     steps: tuple[Step, ...] = ()
     step_index: int = -1
     waiting: set[str] = field(default_factory=set)
@@ -77,9 +102,11 @@ class VerbRunner:
         op = ControlOp(control_id=control_id, verb=verb, client_id=client.client_id)
         problem = None
         if isinstance(body, Refit):
-            op.source, op.epoch = body.source, body.epoch
+            op.source, op.epoch, op.rendezvous = body.source, body.epoch, body.rendezvous
             if (body.epoch is not None and body.epoch < 0) or not body.source:
                 problem = "REFIT needs a non-empty source and an epoch >= 0"
+            elif body.rendezvous is not None:
+                problem = body.rendezvous.problem()
         elif isinstance(body, Suspend):
             op.level = body.level or 1
             if op.level not in (1, 2):
@@ -123,6 +150,9 @@ class VerbRunner:
         core = self.core
         try:
             planned = transition(core.state, op.verb)
+            incomplete = core.incomplete_weights()
+            if op.verb in NEEDS_WHOLE_WEIGHTS and incomplete:
+                raise WeightsIncomplete(WEIGHTS_INCOMPLETE.format(verb=op.verb.name, engines=", ".join(incomplete)))
             if op.verb is Verb.REFIT:
                 if not core.engines:
                     raise RefitRefused("REFIT needs at least one connected engine to verify the new weights")
@@ -131,7 +161,8 @@ class VerbRunner:
         except IllegalTransition as exc:
             self.queue.popleft()
             logger.info("%s refused: %s", op.verb.name, exc)
-            code = ErrorCode.REFIT_FAILED if isinstance(exc, RefitRefused) else ErrorCode.ILLEGAL_TRANSITION
+            code = (ErrorCode.REFIT_FAILED if isinstance(exc, RefitRefused) else ErrorCode.WEIGHTS_INCOMPLETE
+                    if isinstance(exc, WeightsIncomplete) else ErrorCode.ILLEGAL_TRANSITION)
             self._answer(op, Header.ERROR, Error(code=code.value, message=str(exc), control_id=op.control_id))
             return False
         previous_level = core.suspend_level if core.state is FleetState.SUSPENDED else 0
@@ -156,20 +187,45 @@ class VerbRunner:
         elif step is Step.STOP:
             body = Stop(control_id=control_id, drain_timeout=op.drain_timeout)
         elif spec.verb is Verb.REFIT:
-            body = Refit(control_id=control_id, source=op.source or "", epoch=op.epoch, phase=spec.phase)
-            if step is Step.REFIT_LOAD:
+            body = Refit(control_id=control_id, source=op.source or "", epoch=op.epoch, phase=spec.phase,
+                         rendezvous=op.rendezvous)
+            if step is Step.REFIT_LOAD and op.rendezvous is None:
                 # Every engine verified the source: from now on it is the fleet's weights, also for
                 # engines that register while (or after) the others load it.
                 core.epoch, core.weights_source = int(op.epoch or 0), op.source
                 core.refits += 1
         else:
             body = Control(control_id=control_id)
-        for engine in core.engines.values():
+        targets = list(core.engines.values())
+        bodies: dict[str, Control] = {}
+        if step is Step.REFIT_LOAD and op.rendezvous is not None:
+            targets, bodies = self._transfer_ranks(op, op.rendezvous, targets, body)
+        for engine in targets:
             if step is Step.STOP:
                 engine.stopping = True
-            core.send(engine.identity, VERB_HEADERS[spec.verb], body)
+            core.send(engine.identity, VERB_HEADERS[spec.verb], bodies.get(engine.engine_id, body))
             op.waiting.add(engine.engine_id)
             op.engines.setdefault(engine.engine_id, {"group": engine.group})
+
+    @staticmethod
+    def _transfer_ranks(op: ControlOp, rendezvous: Rendezvous, engines: list[EngineRecord], body: Refit
+                        ) -> tuple[list[EngineRecord], dict[str, Control]]:
+        """The load step of a trainer's refit: to the engines that verified, each with its first rank.
+
+        Rank 0 is the sender; then each group in order takes one rank per tensor-parallel rank (an
+        engine says how many in its HELLO ``info``; absent means 1).
+        """
+        verified = sorted((e for e in engines if e.engine_id in op.engines), key=lambda e: e.group)
+        sizes = {e.engine_id: max(1, int(e.info.get("tensor_parallel_size") or 1)) for e in verified}
+        world_size = 1 + sum(sizes.values())
+        bodies: dict[str, Control] = {}
+        offset = 1
+        for engine in verified:
+            ranks = msgspec.structs.replace(rendezvous, world_size=world_size, rank_offset=offset)
+            bodies[engine.engine_id] = msgspec.structs.replace(body, rendezvous=ranks)
+            op.engines[engine.engine_id]["ranks"] = [offset, offset + sizes[engine.engine_id] - 1]
+            offset += sizes[engine.engine_id]
+        return verified, bodies
 
     def _verify_refused(self, op: ControlOp) -> bool:
         """After the verify step: refuse the whole REFIT if any engine refused the source."""
@@ -223,7 +279,12 @@ class VerbRunner:
         facts.update(body.detail or {})
         facts["state"] = engine.state
         if op.step is Step.REFIT_LOAD:
-            if facts.get("error"):
+            if facts.get("error") and op.rendezvous is not None:
+                # No directory to reload from: it stays, saying which weights it holds (-1: a mix).
+                op.failed[engine.engine_id] = str(facts["error"])
+                epoch = facts.get("epoch")
+                engine.epoch = epoch if isinstance(epoch, int) and not isinstance(epoch, bool) else -1
+            elif facts.get("error"):
                 # It verified the source but could not load it: its weights cannot be trusted. Removing it
                 # re-queues its requests; it registers again and loads the fleet's weights, or exits.
                 op.failed[engine.engine_id] = str(facts["error"])
@@ -252,6 +313,12 @@ class VerbRunner:
             detail["released_bytes"] = sum(released)
         if op.verb is Verb.SUSPEND:
             detail["level"] = core.suspend_level
+        if op.verb is Verb.REFIT and op.rendezvous is not None:
+            if op.failed:
+                self._transfer_failed(op, detail)
+                return
+            core.epoch, core.weights_source = int(op.epoch or 0), op.source
+            core.refits += 1
         if op.verb is Verb.REFIT:
             detail.update(noop=False, epoch=core.epoch, source=core.weights_source)
             if op.failed:
@@ -266,6 +333,25 @@ class VerbRunner:
                 core.policy.forget(engine_id)
         self._answer(op, Header.CONTROL_ACK, ControlAck(control_id=op.control_id, state=core.state.value,
                                                         detail=detail))
+
+    def _transfer_failed(self, op: ControlOp, detail: dict[str, Any]) -> None:
+        """A trainer's refit that failed on some engine: refuse it, with what every engine holds now."""
+        core = self.core
+        eid, why = sorted(op.failed.items())[0]
+        incomplete = core.incomplete_weights()
+        message = (f"REFIT from {op.source} failed on engine {eid}"
+                   + (f" and {len(op.failed) - 1} more" if len(op.failed) > 1 else "") + f": {why}; ")
+        if incomplete:
+            message += (f"engine(s) {', '.join(incomplete)} hold incomplete weights: the fleet stays "
+                        f"{core.state.value} and UNPAUSE is refused until a refit completes")
+        else:
+            message += f"no weights were changed: the fleet keeps serving epoch {core.epoch}"
+        detail.update(epoch=core.epoch, source=op.source, failed=dict(op.failed), incomplete_weights=incomplete)
+        logger.warning("%s", message)
+        for engine_id in list(core.engines):
+            core.policy.forget(engine_id)
+        self._answer(op, Header.ERROR, Error(code=ErrorCode.REFIT_FAILED.value, message=message,
+                                             control_id=op.control_id, detail=detail))
 
     def _answer(self, op: ControlOp, header: Header, body: Any) -> None:
         self.completed[op.control_id] = (header, body)

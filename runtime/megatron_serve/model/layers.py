@@ -32,9 +32,17 @@ def _read_all(source: TensorSource) -> torch.Tensor:
     return source if isinstance(source, torch.Tensor) else source[:]
 
 
-def _copy_checked(param: torch.Tensor, loaded: torch.Tensor, name: str) -> None:
+def _check_full(source: TensorSource, dim: int, size: int) -> None:
+    """A rank reads only its slice, so the full size of the split dimension is checked here: a larger
+    tensor would otherwise give a slice that fits."""
+    shape = tuple(source.shape) if isinstance(source, torch.Tensor) else tuple(source.get_shape())
+    if len(shape) <= dim or shape[dim] != size:
+        raise ValueError(f"shape {shape} does not fit: dimension {dim} must be {size}")
+
+
+def _copy_checked(param: torch.Tensor, loaded: torch.Tensor) -> None:
     if tuple(param.shape) != tuple(loaded.shape):
-        raise ValueError(f"weight {name}: checkpoint shape {tuple(loaded.shape)} does not fit {tuple(param.shape)}")
+        raise ValueError(f"shape {tuple(loaded.shape)} does not fit {tuple(param.shape)}")
     param.data.copy_(loaded)
 
 
@@ -52,6 +60,7 @@ class ColumnParallelLinear(nn.Module):
         super().__init__()
         self.tp = tp
         self.slices: dict[str, tuple[int, int, int]] = {}  # name -> (offset here, start in checkpoint, length)
+        self.features = {name: features for name, (features, _unit) in shards.items()}  # full, per part
         offset = 0
         for name, (features, unit) in shards.items():
             start, length = self._rank_slice(name, features, unit)
@@ -75,7 +84,8 @@ class ColumnParallelLinear(nn.Module):
     def weight_loader(self, param: nn.Parameter, source: TensorSource, shard: str | None = None) -> None:
         name = shard if shard is not None else next(iter(self.slices))
         offset, start, length = self.slices[name]
-        _copy_checked(param.data.narrow(0, offset, length), _narrow(source, 0, start, length), name)
+        _check_full(source, 0, self.features[name])
+        _copy_checked(param.data.narrow(0, offset, length), _narrow(source, 0, start, length))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return nn.functional.linear(x, self.weight, self.bias)
@@ -93,7 +103,8 @@ class RowParallelLinear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_features, self.local_in), requires_grad=False)
 
     def weight_loader(self, param: nn.Parameter, source: TensorSource, shard: str | None = None) -> None:
-        _copy_checked(param, _narrow(source, 1, self.tp.rank * self.local_in, self.local_in), "row-parallel")
+        _check_full(source, 1, self.local_in * self.tp.size)
+        _copy_checked(param, _narrow(source, 1, self.tp.rank * self.local_in, self.local_in))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.tp.all_reduce(nn.functional.linear(x, self.weight))
@@ -112,8 +123,9 @@ class VocabParallelEmbedding(nn.Module):
         self.weight = nn.Parameter(torch.zeros(self.rows_per_rank, hidden_size), requires_grad=False)
 
     def weight_loader(self, param: nn.Parameter, source: TensorSource, shard: str | None = None) -> None:
+        _check_full(source, 0, self.vocab_size)
         piece = _narrow(source, 0, self.start, self.local_rows)
-        _copy_checked(param.data.narrow(0, 0, self.local_rows), piece, "embedding")
+        _copy_checked(param.data.narrow(0, 0, self.local_rows), piece)
 
     def forward(self, token_ids: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:

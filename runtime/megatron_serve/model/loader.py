@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 import json
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable, Iterable, Iterator
 
 import torch
 from safetensors import safe_open
@@ -83,11 +83,13 @@ def _target(model: LlamaForCausalLM, name: str) -> tuple[torch.nn.Parameter, Cal
     return param, getattr(module, "weight_loader", None), shard
 
 
-def load_weights(model: LlamaForCausalLM, tensors: Iterator[tuple[str, object]],
-                 progress: Callable[[str], None] | None = None) -> None:
-    """Copy checkpoint tensors into ``model``; every parameter must be covered exactly.
+def load_weights(model: LlamaForCausalLM, tensors: Iterable[tuple[str, object]],
+                 progress: Callable[[str], None] | None = None, partial: bool = False) -> None:
+    """Copy checkpoint tensors into ``model``; every parameter must be covered exactly (``partial``:
+    any subset, e.g. the weights a trainer changed).
 
-    ``progress`` is called with each tensor's name once it is loaded (load progress reporting).
+    ``progress`` is called with each tensor's name once it is loaded (load progress reporting, and
+    what a refit that fails midway reports as replaced).
     """
     expected = {id(p): n for n, p in model.named_parameters()}
     seen: set[int] = set()
@@ -102,18 +104,21 @@ def load_weights(model: LlamaForCausalLM, tensors: Iterator[tuple[str, object]],
             if target is None:
                 continue
             param, loader, shard = target
-            if loader is not None:
-                loader(param, source, shard)
-            else:
-                loaded = source if isinstance(source, torch.Tensor) else source[:]
-                if tuple(loaded.shape) != tuple(param.shape):
-                    raise ValueError(f"weight {name}: checkpoint shape {tuple(loaded.shape)} does not fit {tuple(param.shape)}")
-                param.data.copy_(loaded)
+            try:
+                if loader is not None:
+                    loader(param, source, shard)
+                else:
+                    loaded = source if isinstance(source, torch.Tensor) else source[:]
+                    if tuple(loaded.shape) != tuple(param.shape):
+                        raise ValueError(f"shape {tuple(loaded.shape)} does not fit {tuple(param.shape)}")
+                    param.data.copy_(loaded)
+            except ValueError as exc:
+                raise ValueError(f"weight {name}: {exc}") from None
             seen.add(id(param))
             if progress is not None:
                 progress(checkpoint_name)
     missing = [n for pid, n in expected.items() if pid not in seen]
-    if missing:
+    if missing and not partial:
         raise ValueError(f"checkpoint is missing weights: {', '.join(sorted(missing)[:8])}")
 
 
@@ -134,15 +139,35 @@ def verify_checkpoint(model: LlamaForCausalLM, model_dir: str | Path) -> None:
         new, old = getattr(new_config, name), getattr(model.config, name)
         if new != old:
             raise ValueError(f"{model_dir}: {name} is {new!r} but the serving model has {old!r}")
-    shadow = build_model(model.config, torch.float32, "meta", model.tp)
-
     def shapes_only():
         for name, source in iterate_checkpoint(model_dir):
             if source.get_dtype() not in FLOAT_DTYPES:
                 raise ValueError(f"{model_dir}: tensor {name} has dtype {source.get_dtype()}, expected floating point")
-            yield name, torch.empty(source.get_shape(), device="meta")
+            yield name, tuple(source.get_shape())
 
-    load_weights(shadow, shapes_only())
+    verify_shapes(model, shapes_only())
+
+
+def verify_shapes(model: LlamaForCausalLM, shapes: Iterable[tuple[str, tuple[int, ...]]], partial: bool = False
+                  ) -> None:
+    """Check that tensors of these names and full (unsharded) shapes load into ``model``, touching nothing.
+
+    The real loading path runs against a shape-only (meta) copy of the model with this rank's
+    tensor-parallel layout, so it accepts exactly what :func:`load_weights` would (fused QKV and
+    gate-up parts, slices included) and raises ``ValueError`` naming the first tensor that does not
+    fit. A name given twice is refused too (the second copy would silently win).
+    """
+    shadow = build_model(model.config, torch.float32, "meta", model.tp)
+    seen: set[str] = set()
+
+    def meta_tensors():
+        for name, shape in shapes:
+            if name in seen:
+                raise ValueError(f"tensor {name!r} is given twice")
+            seen.add(name)
+            yield name, torch.empty(shape, device="meta")
+
+    load_weights(shadow, meta_tensors(), partial=partial)
 
 
 @contextlib.contextmanager

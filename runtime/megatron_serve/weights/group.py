@@ -1,0 +1,109 @@
+"""The transfer group: the sender and every engine rank in one ``torch.distributed`` process group.
+
+It is built beside, not inside, the default process group that tensor-parallel ranks already
+belong to: a TCP store served by the sender (rank 0) and a process-group object made from it
+directly (``ProcessGroupGloo`` / ``ProcessGroupNCCL``), as vLLM's stateless groups and SGLang's
+weight-update groups do, so joining it touches nothing else in any process.
+
+Joining is two-phase, so that the sender can give up cleanly: each engine rank writes the world
+size and ``joined/<rank>`` into the store, and the sender polls for those keys (watching for a
+refused verb in between) before it builds its side of the group; once everybody is in the store,
+building the group is quick. The store and the group answer within ``timeout``: a rank that never
+comes, or a peer that dies mid-transfer, fails the collective (gloo notices a dead peer's closed
+connection within milliseconds) instead of hanging.
+"""
+
+from __future__ import annotations
+
+import datetime
+import socket
+import threading
+import time
+
+import torch
+import torch.distributed as dist
+
+_WORLD_SIZE = "world_size"
+_POLL_S = 0.01
+
+
+def local_address_towards(host: str) -> str:
+    """This machine's address on the route to ``host`` (what peers there can reach us at)."""
+    if host in ("localhost", "127.0.0.1", "::1"):
+        return "127.0.0.1"
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            probe.connect((host, 9))  # no packet is sent: this only picks the route
+            return probe.getsockname()[0]
+    except OSError:
+        return socket.gethostbyname(socket.gethostname())
+
+
+def serve_store(host: str, timeout: float) -> dist.TCPStore:
+    """The sender's store, on a free port (``store.port``)."""
+    return dist.TCPStore(host, 0, is_master=True, wait_for_workers=False,
+                         timeout=datetime.timedelta(seconds=timeout))
+
+
+class Cancelled(Exception):
+    """The sender stopped waiting for the engines (the verb was refused or timed out)."""
+
+
+def wait_for_ranks(store: dist.TCPStore, deadline: float, cancelled: threading.Event) -> int:
+    """Sender side: wait until every engine rank announced itself; returns the world size."""
+    world_size = None
+    missing: list[str] = [_WORLD_SIZE]
+    while missing:
+        if cancelled.is_set():
+            raise Cancelled()
+        if time.monotonic() > deadline:
+            joined = world_size - 1 - len(missing) if world_size else 0
+            raise TimeoutError(f"only {joined} engine rank(s) joined the transfer group in time"
+                               + (f" (of {world_size - 1}; missing ranks {', '.join(k.split('/')[1] for k in missing)})"
+                                  if world_size else " (no engine reached the sender's store)"))
+        missing = [key for key in missing if not store.check([key])]
+        if world_size is None and not missing:
+            world_size = int(store.get(_WORLD_SIZE))
+            missing = [f"joined/{rank}" for rank in range(1, world_size)]
+            continue
+        time.sleep(_POLL_S)
+    return int(world_size)
+
+
+def announce(address: str, rank: int, world_size: int, timeout: float) -> dist.TCPStore:
+    """Engine side: reach the sender's store and say that ``rank`` of ``world_size`` is here."""
+    host, _, port = address.rpartition(":")
+    store = dist.TCPStore(host, int(port), is_master=False, timeout=datetime.timedelta(seconds=timeout))
+    store.set(_WORLD_SIZE, str(world_size))
+    store.set(f"joined/{rank}", "1")
+    return store
+
+
+def process_group(store: dist.Store, rank: int, world_size: int, backend: str, timeout: float,
+                  host: str) -> dist.ProcessGroup:
+    """Build this process's side of the group (every rank calls it; it returns once all have)."""
+    prefixed = dist.PrefixStore("transfer", store)
+    span = datetime.timedelta(seconds=timeout)
+    if backend == "nccl":
+        options = dist.ProcessGroupNCCL.Options()
+        options._timeout = span
+        return dist.ProcessGroupNCCL(prefixed, rank, world_size, options)
+    options = dist.ProcessGroupGloo._Options()
+    options._timeout = span
+    options._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
+    return dist.ProcessGroupGloo(prefixed, rank, world_size, options)
+
+
+def broadcast(group: dist.ProcessGroup, buffer: torch.Tensor) -> None:
+    """Rank 0's ``buffer`` into everybody's (blocking)."""
+    options = dist.BroadcastOptions()
+    options.rootRank = 0
+    group.broadcast([buffer], options).wait()
+    if buffer.is_cuda:
+        torch.cuda.current_stream().synchronize()
+
+
+def close(group: dist.ProcessGroup | None) -> None:
+    """Release the group's connections (NCCL communicators need an explicit shutdown)."""
+    if group is not None and isinstance(group, getattr(dist, "ProcessGroupNCCL", ())):
+        group.shutdown()

@@ -1,0 +1,130 @@
+"""Where a refit's weights come from: a model directory, tensors in this process, or a trainer.
+
+``DynamicInferenceEngine.refit`` runs one path for all three: ``check`` (names and shapes against
+the served model, reading no data; what ``REFIT_VERIFY`` runs on every engine before any weight
+changes), then ``tensors`` streamed into the live parameters by the loader, on every
+tensor-parallel rank (each copies its slice, fused QKV and gate-up parts included). A source is
+picklable: rank 0 hands it to its tensor-parallel followers as it is.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable, Iterator, Protocol
+
+import torch
+import torch.distributed as dist
+
+from ..messages import Rendezvous, TensorSpec
+from ..model.llama import LlamaForCausalLM
+from ..model.loader import iterate_checkpoint, verify_checkpoint, verify_shapes
+from . import group as transfer
+from .manifest import plan_buckets, spec_of, unpack
+
+logger = logging.getLogger("megatron_serve.weights")
+
+
+class WeightSource(Protocol):
+    label: str  # where the weights came from, as STATUS and the acknowledgement show it
+    partial: bool  # may cover a subset of the weights
+
+    def check(self, model: LlamaForCausalLM) -> None:
+        """``ValueError`` naming the first tensor that does not fit ``model``; touches nothing."""
+
+    def tensors(self, model: LlamaForCausalLM) -> Iterable[tuple[str, object]]:
+        """``(checkpoint name, full tensor or safetensors slice)`` pairs, on every rank."""
+
+
+@dataclass(frozen=True)
+class DirectorySource:
+    """A Hugging Face model directory of the served model's shapes (every weight)."""
+
+    path: str
+    partial: bool = False
+
+    @property
+    def label(self) -> str:
+        return self.path
+
+    def check(self, model: LlamaForCausalLM) -> None:
+        verify_checkpoint(model, self.path)
+
+    def tensors(self, model: LlamaForCausalLM) -> Iterator[tuple[str, object]]:
+        return iterate_checkpoint(self.path)
+
+
+@dataclass(frozen=True)
+class TensorSource:
+    """Tensors handed over in this process (trainer and engine colocated): any subset of the weights."""
+
+    named: tuple[tuple[str, torch.Tensor], ...]
+    label: str = "tensors"
+    partial: bool = True
+
+    @classmethod
+    def of(cls, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> "TensorSource":
+        named = []
+        for item in named_tensors:
+            if not (isinstance(item, tuple) and len(item) == 2):
+                raise ValueError(f"weights must be (name, tensor) pairs, got {type(item).__name__}")
+            spec_of(*item)  # names and dtypes that can be loaded
+            named.append((item[0], item[1].detach()))
+        if not named:
+            raise ValueError("no weights given: pass (name, tensor) pairs, e.g. model.named_parameters()")
+        return cls(tuple(named))
+
+    def check(self, model: LlamaForCausalLM) -> None:
+        verify_shapes(model, ((name, tuple(t.shape)) for name, t in self.named), partial=True)
+
+    def tensors(self, model: LlamaForCausalLM) -> Iterable[tuple[str, object]]:
+        return self.named
+
+    def __reduce__(self):  # to tensor-parallel followers: host copies (a CUDA tensor pickles to its device)
+        return (TensorSource, (tuple((n, t.cpu()) for n, t in self.named), self.label, self.partial))
+
+
+@dataclass(frozen=True)
+class RendezvousSource:
+    """Weights a trainer broadcasts in buckets (:class:`~megatron_serve.messages.Rendezvous`)."""
+
+    rendezvous: Rendezvous
+    label: str
+    partial: bool = True
+
+    def check(self, model: LlamaForCausalLM) -> None:
+        rv = self.rendezvous
+        if rv.backend == "nccl" and not (dist.is_nccl_available() and next(model.parameters()).is_cuda):
+            raise ValueError("the sender chose backend nccl, but this engine's weights are not on a CUDA device "
+                             "(send with backend='gloo')")
+        verify_shapes(model, ((spec.name, spec.shape) for spec in rv.manifest), partial=True)
+
+    def tensors(self, model: LlamaForCausalLM) -> Iterator[tuple[str, torch.Tensor]]:
+        """Join the transfer group as this rank and yield every tensor as its bucket arrives."""
+        rv = self.rendezvous
+        if rv.world_size is None or rv.rank_offset is None:
+            raise ValueError("the load step of a rendezvous refit needs world_size and rank_offset")
+        rank = rv.rank_offset + model.tp.rank
+        device = next(model.parameters()).device if rv.backend == "nccl" else torch.device("cpu")
+        store = transfer.announce(rv.address, rank, rv.world_size, rv.timeout_s)
+        host = transfer.local_address_towards(rv.address.rpartition(":")[0])
+        pg = transfer.process_group(store, rank, rv.world_size, rv.backend, rv.timeout_s, host)
+        manifest: list[TensorSpec] = list(rv.manifest)
+        try:
+            for index, bucket in enumerate(plan_buckets(manifest, rv.bucket_bytes)):
+                buffer = torch.empty(bucket.nbytes, dtype=torch.uint8, device=device)
+                try:
+                    transfer.broadcast(pg, buffer)
+                except RuntimeError as exc:
+                    raise RuntimeError(f"the transfer from {self.label} broke at bucket {index + 1}: {exc}") from exc
+                yield from unpack(bucket, manifest, buffer)
+        finally:
+            transfer.close(pg)
+
+
+def weight_source(source: "str | Path | WeightSource") -> WeightSource:
+    """A directory path becomes a :class:`DirectorySource`; sources pass through."""
+    if isinstance(source, (str, Path)):
+        return DirectorySource(str(source))
+    return source
