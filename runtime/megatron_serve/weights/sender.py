@@ -26,7 +26,7 @@ import torch
 from ..client import ControlError, InferenceClient
 from ..messages import RENDEZVOUS_SCHEME, Rendezvous
 from . import group as transfer
-from .manifest import pack, plan_buckets, spec_of
+from .manifest import nbytes, pack, plan_buckets, spec_of
 
 logger = logging.getLogger("megatron_serve.weights")
 
@@ -149,11 +149,10 @@ class WeightSender:
         joined = time.perf_counter()
         device = torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else torch.device("cpu")
         buckets = plan_buckets(rendezvous.manifest, rendezvous.bucket_bytes)
-        sent = 0
+        sent = sum(nbytes(spec) for spec in rendezvous.manifest)  # the tensors' bytes (buckets add alignment)
         try:
             for index, bucket in enumerate(buckets):
                 transfer.broadcast(group, pack(bucket, tensors, device))
-                sent += bucket.nbytes
                 if self.on_bucket is not None:
                     self.on_bucket(index, len(buckets), bucket.nbytes)
         finally:

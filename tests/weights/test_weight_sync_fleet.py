@@ -1,0 +1,174 @@
+"""Weights straight from a trainer process into a real fleet (issue 15's acceptance), gloo on CPU.
+
+A coordinator and two engine groups (one of them tensor-parallel 2) serve model A; a separate
+trainer process (``trainer.py``: a ``transformers`` model of B, a ``WeightSender``) pushes B's
+weights in buckets. Afterwards greedy outputs equal a fresh direct-mode ``MegatronLLM`` on B,
+token for token, with the new epoch on every token. A wrong name or shape is refused before any
+engine changes; a trainer killed mid-transfer leaves the fleet paused with UNPAUSE refused until
+a refit completes; an engine that joins later gets no requests until a refit includes it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from megatron_serve.client import ControlError, InferenceClient
+from megatron_serve.config import InferenceConfig
+from megatron_serve.llm import MegatronLLM
+from megatron_serve.sampling_params import SamplingParams
+from megatron_serve.tiny_model import make_tiny_model
+from megatron_serve.weights import WeightSender
+
+from ..coordinator.helpers import Children, free_port, until
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+
+PROMPTS = ["Hello there", "The quick brown fox jumps over the lazy dog", "1 2 3 4", "def add(a, b):",
+           "Once upon a time", "Kubernetes runs containers in pods"]
+GREEDY = SamplingParams(temperature=0.0, num_tokens_to_generate=8, ignore_eos=True)
+TRAINER = Path(__file__).with_name("trainer.py")
+BUCKET = 64 << 10  # a few buckets for a tiny model, so that a trainer can die between two
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("weight-sync")
+    a, b = str(make_tiny_model(root / "a", seed=0)), str(make_tiny_model(root / "b", seed=1))
+
+    def outputs(model_dir):
+        with MegatronLLM(model_dir, InferenceConfig(num_kv_blocks=64)) as llm:
+            return [r.generated_tokens for r in llm.generate(PROMPTS, GREEDY)]
+
+    expected = SimpleNamespace(a=outputs(a), b=outputs(b))
+    assert expected.a != expected.b
+    return SimpleNamespace(a=a, b=b, expected=expected)
+
+
+@pytest.fixture(scope="module")
+def fleet(models, tmp_path_factory):
+    children = Children(tmp_path_factory.mktemp("weight-sync-logs"))
+    port = free_port()
+    children.coordinator(models.a, port)
+    engines = [children.engine(models.a, port, "--group", "0"),
+               children.engine(models.a, port, "--group", "1", "--tensor-parallel", "2")]
+    try:
+        yield SimpleNamespace(address=f"tcp://127.0.0.1:{port}", port=port, children=children, engines=engines)
+    finally:
+        children.kill_all()
+
+
+def run_trainer(address: str, model: str, epoch: int, *extra: str) -> tuple[int, list[dict]]:
+    """The trainer as its own process; returns its exit code and the JSON lines it printed."""
+    done = subprocess.run([sys.executable, str(TRAINER), address, model, str(epoch), str(BUCKET), *extra],
+                          capture_output=True, text=True, timeout=600)
+    lines = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    assert lines or done.returncode < 0, done.stderr[-3000:]
+    return done.returncode, lines
+
+
+async def generate(client: InferenceClient) -> list:
+    return list(await asyncio.gather(*(client.add_request(p, GREEDY) for p in PROMPTS)))
+
+
+async def test_a_trainer_process_pushes_weights_into_a_fleet_with_a_tensor_parallel_group(fleet, models):
+    async with InferenceClient(fleet.address) as client:
+        await client.wait_for_engines(2, timeout=300)
+        assert [r.generated_tokens for r in await generate(client)] == models.expected.a
+
+        # REFIT only while paused: refused at once, and the sender does not wait for engines
+        sender = WeightSender(client, backend="gloo", bucket_bytes=BUCKET, timeout=60)
+        trainer_b = _trainer_tensors(models.b)
+        with pytest.raises(ControlError, match="PAUSE first"):
+            await asyncio.wait_for(sender.send(trainer_b, epoch=7), 60)
+
+        await client.pause()
+        # a wrong shape or name is refused before any engine changes
+        wrong = [*trainer_b[:-1], (trainer_b[-1][0], torch.zeros(3, 3))]
+        with pytest.raises(ControlError, match=f"weight {trainer_b[-1][0]}: shape \\(3, 3\\) does not fit") as err:
+            await asyncio.wait_for(sender.send(wrong, epoch=7), 120)
+        assert err.value.code == "refit_failed"
+        with pytest.raises(ControlError, match="'model.layers.0.mlp.gate.weight' has no place"):
+            await asyncio.wait_for(sender.send([("model.layers.0.mlp.gate.weight", torch.zeros(4, 64))]), 120)
+        status = await client.status()
+        assert status["epoch"] == 0 and all(e["epoch"] == 0 for e in status["engines"])
+
+        code, lines = await asyncio.to_thread(run_trainer, fleet.address, models.b, 7)
+        ack = lines[-1]
+        assert code == 0, lines
+        assert ack["state"] == "PAUSED" and ack["detail"]["epoch"] == 7
+        assert ack["detail"]["source"].startswith("rendezvous://127.0.0.1:")
+        sent = ack["detail"]["sender"]
+        assert sent["world_size"] == 4 and sent["buckets"] > 2 and sent["bytes"] == _nbytes(trainer_b)
+        engines = ack["detail"]["engines"]
+        assert sorted(f["ranks"] for f in engines.values()) == [[1, 1], [2, 3]]
+        assert all(f["epoch"] == 7 and f["load_s"] > 0 for f in engines.values())
+        await client.unpause()
+        results = await generate(client)
+        assert [r.generated_tokens for r in results] == models.expected.b
+        assert all(set(r.policy_epochs) == {7} for r in results)
+
+
+async def test_a_trainer_killed_mid_transfer_leaves_the_fleet_paused_until_a_refit_completes(fleet, models):
+    async with InferenceClient(fleet.address) as client:
+        await client.pause()
+        code, lines = await asyncio.to_thread(run_trainer, fleet.address, models.a, 8, "--die-after-bucket", "2")
+        assert code == -9 and lines[-1] == {"bucket": 2, "of": lines[0]["of"]}
+
+        async def settled():
+            status = await client.status()
+            return status if not status["pending_controls"] else None
+
+        status = await until(settled, 120, "the broken REFIT to be answered")
+        assert sorted(status["incomplete_weights"]) == sorted(e["id"] for e in status["engines"])
+        assert all(e["epoch"] == -1 for e in status["engines"]) and status["epoch"] == 7
+        with pytest.raises(ControlError, match="hold incomplete weights .* REFIT first") as err:
+            await client.unpause()
+        assert err.value.code == "weights_incomplete"
+
+        code, lines = await asyncio.to_thread(run_trainer, fleet.address, models.b, 9)
+        assert code == 0 and lines[-1]["detail"]["epoch"] == 9, lines
+        await client.unpause()
+        results = await generate(client)
+        assert [r.generated_tokens for r in results] == models.expected.b
+        assert all(set(r.policy_epochs) == {9} for r in results)
+
+
+async def test_an_engine_that_joins_later_serves_only_once_a_refit_included_it(fleet, models):
+    async with InferenceClient(fleet.address) as client:
+        late = fleet.children.engine(models.a, fleet.port, "--group", "5")
+        status = await client.wait_for_engines(3, timeout=300)
+        joined = next(e for e in status["engines"] if e["group"] == 5)
+        assert joined["epoch"] == 0 and status["epoch_mismatch"] == [joined["id"]]
+        assert [r.generated_tokens for r in await generate(client)] == models.expected.b  # not from A's weights
+        assert next(e for e in (await client.status())["engines"] if e["group"] == 5)["completed"] == 0
+
+        await client.pause()
+        code, lines = await asyncio.to_thread(run_trainer, fleet.address, models.b, 10)
+        assert code == 0 and len(lines[-1]["detail"]["engines"]) == 3 and lines[-1]["detail"]["sender"]["world_size"] == 5
+        await client.unpause()
+        for engine in fleet.engines:  # only the late engine is left: it serves B
+            engine.terminate()
+        for engine in fleet.engines:
+            await asyncio.to_thread(engine.wait, 60)
+        results = await generate(client)
+        assert [r.generated_tokens for r in results] == models.expected.b
+        assert all(set(r.policy_epochs) == {10} for r in results) and late.poll() is None
+
+
+def _trainer_tensors(model_dir: str) -> list[tuple[str, torch.Tensor]]:
+    from transformers import AutoModelForCausalLM
+
+    return [(n, p.detach()) for n, p in AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+            .named_parameters()]
+
+
+def _nbytes(named: list[tuple[str, torch.Tensor]]) -> int:
+    return sum(t.numel() * t.element_size() for _, t in named)

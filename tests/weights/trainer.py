@@ -1,0 +1,49 @@
+"""A trainer process for the weight-sync tests: push a Hugging Face model's weights into a fleet.
+
+``python trainer.py ADDRESS MODEL_DIR EPOCH BUCKET_BYTES [--die-after-bucket N]`` prints one JSON
+line (the acknowledgement, or the error) and exits 0 when the fleet acknowledged. With
+``--die-after-bucket N`` it kills itself (SIGKILL, like a crashed trainer) right after bucket N left.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+
+import torch
+from transformers import AutoModelForCausalLM
+
+from megatron_serve.client import ControlError, InferenceClient
+from megatron_serve.weights import WeightSender, WeightTransferError
+
+
+async def main(args: argparse.Namespace) -> int:
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
+
+    def on_bucket(index: int, count: int, nbytes: int) -> None:
+        print(json.dumps({"bucket": index + 1, "of": count}), flush=True)
+        if args.die_after_bucket is not None and index + 1 >= args.die_after_bucket:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    async with InferenceClient(args.address) as client:
+        sender = WeightSender(client, backend="gloo", bucket_bytes=args.bucket_bytes, on_bucket=on_bucket)
+        try:
+            ack = await sender.send(model.named_parameters(), epoch=args.epoch)
+        except (ControlError, WeightTransferError) as exc:
+            print(json.dumps({"error": str(exc)}), flush=True)
+            return 1
+    print(json.dumps(ack), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser()
+    parser.add_argument("address")
+    parser.add_argument("model")
+    parser.add_argument("epoch", type=int)
+    parser.add_argument("bucket_bytes", type=int)
+    parser.add_argument("--die-after-bucket", type=int, default=None)
+    raise SystemExit(asyncio.run(main(parser.parse_args())))
