@@ -112,6 +112,9 @@ def format_status(status: dict[str, Any]) -> str:
         lines[0] += f"   epoch: {status['epoch']}"
         if status.get("epoch_mismatch"):
             lines.append(f"engines on other weights: {', '.join(status['epoch_mismatch'])}")
+        if status.get("incomplete_weights"):
+            lines.append(f"engines holding incomplete weights (a refit failed midway; UNPAUSE refused until a "
+                         f"refit completes): {', '.join(status['incomplete_weights'])}")
     engines = status.get("engines") or []
     if not engines:
         lines.append("no engines connected")

@@ -1,0 +1,162 @@
+"""New weights from a trainer: collective transfer vs directory refit vs restarting the engine.
+
+Two random checkpoints of the same architecture (a few hundred MB, fp32) are written once; a
+local fleet (coordinator + one engine process) serves the first. Then, alternating between them,
+the time until the new weights answer a request:
+
+* **restart**: SIGTERM the engine, start one on the other checkpoint, wait for it to register
+  (what rolling a pod costs at best);
+* **directory refit**: PAUSE, REFIT from the other checkpoint's directory (every engine verifies,
+  then loads from disk), UNPAUSE (a trainer would first have to write that checkpoint: not timed);
+* **collective refit**: PAUSE, :class:`~megatron_serve.weights.WeightSender` from this process
+  (the "trainer", holding the tensors in memory) over gloo, UNPAUSE.
+
+Beside the collective's bytes/s: this machine's memory copy bandwidth (``torch`` copying a buffer
+of the checkpoint's size), measured in the same run, which bounds what any in-host transfer can
+reach. Medians of ``--rounds``; restarts first, then directory refits, then collective ones (after a
+collective refit a new engine waits for the next refit, so restarts cannot follow it).
+
+    python benchmarks/weight_sync.py                      # ~360 MB fp32 checkpoints on CPU
+    python benchmarks/weight_sync.py --bucket-mib 64 --rounds 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+from megatron_serve import InferenceConfig
+from megatron_serve.client import InferenceClient
+from megatron_serve.local_fleet import LocalFleet
+from megatron_serve.tiny_model import make_tiny_model
+from megatron_serve.weights import WeightSender
+
+sys.path.insert(0, str(Path(__file__).parent))
+from refit import checkpoint_bytes, first_request, refit_round, restart_round  # noqa: E402
+
+
+def memory_copy_bandwidth(nbytes: int, repeats: int = 5) -> float:
+    """Bytes/s of one ``copy_`` between two host buffers of ``nbytes`` (median of ``repeats``)."""
+    source = torch.ones(nbytes // 4, dtype=torch.float32)
+    target = torch.empty_like(source)
+    target.copy_(source)  # touch every page first
+    times = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        target.copy_(source)
+        times.append(time.perf_counter() - started)
+    return nbytes / statistics.median(times)
+
+
+def trainer_tensors(path: str) -> list[tuple[str, torch.Tensor]]:
+    """The "trainer's" weights, in memory (read once, not timed)."""
+    return list(load_file(str(Path(path) / "model.safetensors")).items())
+
+
+async def collective_round(client: InferenceClient, named: list[tuple[str, torch.Tensor]], bucket_bytes: int
+                           ) -> dict[str, float]:
+    t0 = time.perf_counter()
+    await client.pause()
+    t1 = time.perf_counter()
+    ack = await WeightSender(client, backend="gloo", bucket_bytes=bucket_bytes).send(named)
+    t2 = time.perf_counter()
+    await client.unpause()
+    t3 = time.perf_counter()
+    first = await first_request(client)
+    (facts,) = ack["detail"]["engines"].values()
+    sender = ack["detail"]["sender"]
+    return {"pause": t1 - t0, "send": t2 - t1, "  sender: engines join": sender["rendezvous_s"],
+            "  sender: broadcast buckets": sender["transfer_s"], "  engine: verify manifest": facts["verified_s"],
+            "  engine: receive and load": facts["load_s"], "unpause": t3 - t2, "first request": first,
+            "total": t3 - t0 + first}
+
+
+def table(title: str, rows: list[dict]) -> None:
+    print(f"\n| {title:<36} | {'seconds':>8} |")
+    print(f"|{'-' * 38}|{'-' * 10}|")
+    for key in rows[0]:
+        print(f"| {key:<36} | {statistics.median(r[key] for r in rows):>8.3f} |")
+
+
+async def main_async(args: argparse.Namespace) -> None:
+    root = Path(args.dir or tempfile.mkdtemp(prefix="megatron-weight-sync-bench-"))
+    shape = dict(hidden_size=args.hidden_size, num_layers=args.layers, num_heads=args.heads, num_kv_heads=args.kv_heads,
+                 intermediate_size=args.intermediate_size)
+    paths = []
+    for seed in (0, 1):
+        path = root / f"ckpt{seed}"
+        if not (path / "config.json").exists():
+            print(f"writing checkpoint {path} ...", file=sys.stderr)
+            make_tiny_model(path, seed=seed, **shape)
+        paths.append(str(path))
+    size = checkpoint_bytes(Path(paths[0]))
+    bandwidth = memory_copy_bandwidth(size)
+    tensors = [trainer_tensors(p) for p in paths]
+    config_args = ["--num-kv-blocks", "64", "--max-sequence-length", "256"]
+    fleet = LocalFleet(paths[0], 1, InferenceConfig(num_kv_blocks=64, max_sequence_length=256))
+    address = await asyncio.to_thread(fleet.start, 300)
+    client = InferenceClient(address)
+    await client.start(timeout=60)
+    restarts: list[dict] = []
+    refits: list[dict] = []
+    sends: list[dict] = []
+    load = os.getloadavg()[0]
+    try:
+        await client.wait_for_engines(1, timeout=600)
+        await first_request(client)  # warm-up
+        serving = 0
+        for _ in range(args.rounds):
+            serving = 1 - serving
+            restarts.append(await restart_round(client, fleet, paths[serving], config_args))
+        for _ in range(args.rounds):
+            serving = 1 - serving
+            refits.append(await refit_round(client, paths[serving]))
+        for _ in range(args.rounds):
+            serving = 1 - serving
+            sends.append(await collective_round(client, tensors[serving], args.bucket_mib << 20))
+    finally:
+        client.close()
+        await asyncio.to_thread(fleet.stop, 60)
+
+    def median(rows: list[dict], key: str) -> float:
+        return statistics.median(r[key] for r in rows)
+
+    print(f"\nweight sync, {size / 2**20:.0f} MiB fp32 ({args.layers} layers, hidden {args.hidden_size}), CPU, "
+          f"{os.cpu_count()} cores, gloo, {args.bucket_mib} MiB buckets, median of {args.rounds}, "
+          f"load average {load:.1f} -> {os.getloadavg()[0]:.1f}")
+    table("collective refit phase", sends)
+    table("directory refit phase", refits)
+    table("engine restart phase", restarts)
+    broadcast = median(sends, "  sender: broadcast buckets")
+    print(f"\n| {'new weights serving by':<24} | {'seconds':>8} | {'vs collective':>13} |")
+    print(f"|{'-' * 26}|{'-' * 10}|{'-' * 15}|")
+    for name, rows in (("collective refit", sends), ("directory refit", refits), ("engine restart", restarts)):
+        print(f"| {name:<24} | {median(rows, 'total'):>8.3f} | {median(rows, 'total') / median(sends, 'total'):>12.1f}x |")
+    print(f"\ncollective broadcast: {size / broadcast / 1e9:.2f} GB/s; this machine's memory copy: "
+          f"{bandwidth / 1e9:.2f} GB/s (broadcast at {size / broadcast / bandwidth:.0%} of it)")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--dir", help="where to write (or find) the checkpoints (default: a temporary directory)")
+    parser.add_argument("--hidden-size", type=int, default=1024)
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--heads", type=int, default=16)
+    parser.add_argument("--kv-heads", type=int, default=4)
+    parser.add_argument("--intermediate-size", type=int, default=2816)
+    parser.add_argument("--bucket-mib", type=int, default=512)
+    parser.add_argument("--rounds", type=int, default=3)
+    asyncio.run(main_async(parser.parse_args()))
+
+
+if __name__ == "__main__":
+    main()
