@@ -82,8 +82,9 @@ async def restart_round(client: InferenceClient, fleet: LocalFleet, source: str,
             "first request": first, "total": t2 - t0 + first}
 
 
-async def main_async(args: argparse.Namespace) -> None:
-    root = Path(args.dir or tempfile.mkdtemp(prefix="megatron-refit-bench-"))
+def write_checkpoints(args: argparse.Namespace, prefix: str) -> list[str]:
+    """Two random checkpoints of the shape ``args`` asks for (kept in ``--dir`` when given)."""
+    root = Path(args.dir or tempfile.mkdtemp(prefix=prefix))
     shape = dict(hidden_size=args.hidden_size, num_layers=args.layers, num_heads=args.heads, num_kv_heads=args.kv_heads,
                  intermediate_size=args.intermediate_size)
     paths = []
@@ -93,6 +94,23 @@ async def main_async(args: argparse.Namespace) -> None:
             print(f"writing checkpoint {path} ...", file=sys.stderr)
             make_tiny_model(path, seed=seed, **shape)
         paths.append(str(path))
+    return paths
+
+
+def median(rows: list[dict], key: str) -> float:
+    return statistics.median(r[key] for r in rows)
+
+
+def phase_table(title: str, rows: list[dict]) -> None:
+    """One Markdown table: each phase's median seconds."""
+    print(f"\n| {title:<36} | {'seconds':>8} |")
+    print(f"|{'-' * 38}|{'-' * 10}|")
+    for key in rows[0]:
+        print(f"| {key:<36} | {median(rows, key):>8.3f} |")
+
+
+async def main_async(args: argparse.Namespace) -> None:
+    paths = write_checkpoints(args, "megatron-refit-bench-")
     size = checkpoint_bytes(Path(paths[0]))
     config = InferenceConfig(num_kv_blocks=64, max_sequence_length=256)
     config_args = ["--num-kv-blocks", "64", "--max-sequence-length", "256"]
@@ -115,26 +133,17 @@ async def main_async(args: argparse.Namespace) -> None:
         client.close()
         await asyncio.to_thread(fleet.stop, 60)
 
-    def median(rows: list[dict], key: str) -> float:
-        return statistics.median(r[key] for r in rows)
-
     print(f"\nrefit vs restart, {size / 2**20:.0f} MiB fp32 checkpoint ({args.layers} layers, hidden "
-          f"{args.hidden_size}), CPU, {os.cpu_count()} cores, median of {args.rounds}\n")
-    print(f"| {'in-place refit phase':<36} | {'seconds':>8} |")
-    print(f"|{'-' * 38}|{'-' * 10}|")
-    for key in refits[0]:
-        print(f"| {key:<36} | {median(refits, key):>8.3f} |")
-    print(f"\n| {'engine restart phase':<36} | {'seconds':>8} |")
-    print(f"|{'-' * 38}|{'-' * 10}|")
-    for key in restarts[0]:
-        print(f"| {key:<36} | {median(restarts, key):>8.3f} |")
+          f"{args.hidden_size}), CPU, {os.cpu_count()} cores, median of {args.rounds}")
+    phase_table("in-place refit phase", refits)
+    phase_table("engine restart phase", restarts)
     speedup = median(restarts, "total") / median(refits, "total")
     print(f"\nnew weights serving after {median(refits, 'total'):.2f} s in place vs {median(restarts, 'total'):.2f} s "
           f"by restart ({speedup:.1f}x)")
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_checkpoint_options(parser: argparse.ArgumentParser) -> None:
+    """The checkpoint's shape (default ~360 MB in fp32), where it lives, and how many rounds to time."""
     parser.add_argument("--dir", help="where to write (or find) the checkpoints (default: a temporary directory)")
     parser.add_argument("--hidden-size", type=int, default=1024)
     parser.add_argument("--layers", type=int, default=8)
@@ -142,6 +151,11 @@ def main() -> None:
     parser.add_argument("--kv-heads", type=int, default=4)
     parser.add_argument("--intermediate-size", type=int, default=2816)
     parser.add_argument("--rounds", type=int, default=3)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_checkpoint_options(parser)
     asyncio.run(main_async(parser.parse_args()))
 
 

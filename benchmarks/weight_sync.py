@@ -6,8 +6,9 @@ the time until the new weights answer a request:
 
 * **restart**: SIGTERM the engine, start one on the other checkpoint, wait for it to register
   (what rolling a pod costs at best);
-* **directory refit**: PAUSE, REFIT from the other checkpoint's directory (every engine verifies,
-  then loads from disk), UNPAUSE (a trainer would first have to write that checkpoint: not timed);
+* **directory refit**: the trainer writes its tensors as a checkpoint (safetensors, to local disk,
+  no fsync: the best case), then PAUSE, REFIT from that directory (every engine verifies, then
+  loads it), UNPAUSE;
 * **collective refit**: PAUSE, :class:`~megatron_serve.weights.WeightSender` from this process
   (the "trainer", holding the tensors in memory) over gloo, UNPAUSE.
 
@@ -25,23 +26,31 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import shutil
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from megatron_serve import InferenceConfig
 from megatron_serve.client import InferenceClient
 from megatron_serve.local_fleet import LocalFleet
-from megatron_serve.tiny_model import make_tiny_model
 from megatron_serve.weights import WeightSender
 
 sys.path.insert(0, str(Path(__file__).parent))
-from refit import checkpoint_bytes, first_request, refit_round, restart_round  # noqa: E402
+from refit import (  # noqa: E402
+    add_checkpoint_options,
+    checkpoint_bytes,
+    first_request,
+    median,
+    phase_table,
+    refit_round,
+    restart_round,
+    write_checkpoints,
+)
 
 
 def memory_copy_bandwidth(nbytes: int, repeats: int = 5) -> float:
@@ -62,6 +71,24 @@ def trainer_tensors(path: str) -> list[tuple[str, torch.Tensor]]:
     return list(load_file(str(Path(path) / "model.safetensors")).items())
 
 
+def checkpoint_dir(model: str, target: Path) -> str:
+    """A directory holding ``model``'s config and tokenizer, where the trainer writes its weights."""
+    target.mkdir(parents=True, exist_ok=True)
+    for item in Path(model).iterdir():
+        if item.suffix != ".safetensors":
+            shutil.copy(item, target / item.name)
+    return str(target)
+
+
+async def directory_round(client: InferenceClient, named: list[tuple[str, torch.Tensor]], target: str
+                          ) -> dict[str, float]:
+    started = time.perf_counter()
+    await asyncio.to_thread(save_file, dict(named), str(Path(target) / "model.safetensors"))
+    written = time.perf_counter() - started
+    phases = await refit_round(client, target)
+    return {"trainer writes the checkpoint": written, **phases, "total": written + phases["total"]}
+
+
 async def collective_round(client: InferenceClient, named: list[tuple[str, torch.Tensor]], bucket_bytes: int
                            ) -> dict[str, float]:
     t0 = time.perf_counter()
@@ -80,27 +107,12 @@ async def collective_round(client: InferenceClient, named: list[tuple[str, torch
             "total": t3 - t0 + first}
 
 
-def table(title: str, rows: list[dict]) -> None:
-    print(f"\n| {title:<36} | {'seconds':>8} |")
-    print(f"|{'-' * 38}|{'-' * 10}|")
-    for key in rows[0]:
-        print(f"| {key:<36} | {statistics.median(r[key] for r in rows):>8.3f} |")
-
-
 async def main_async(args: argparse.Namespace) -> None:
-    root = Path(args.dir or tempfile.mkdtemp(prefix="megatron-weight-sync-bench-"))
-    shape = dict(hidden_size=args.hidden_size, num_layers=args.layers, num_heads=args.heads, num_kv_heads=args.kv_heads,
-                 intermediate_size=args.intermediate_size)
-    paths = []
-    for seed in (0, 1):
-        path = root / f"ckpt{seed}"
-        if not (path / "config.json").exists():
-            print(f"writing checkpoint {path} ...", file=sys.stderr)
-            make_tiny_model(path, seed=seed, **shape)
-        paths.append(str(path))
+    paths = write_checkpoints(args, "megatron-weight-sync-bench-")
     size = checkpoint_bytes(Path(paths[0]))
     bandwidth = memory_copy_bandwidth(size)
     tensors = [trainer_tensors(p) for p in paths]
+    written = [checkpoint_dir(paths[0], Path(paths[0]).parent / f"written{i}") for i in (0, 1)]
     config_args = ["--num-kv-blocks", "64", "--max-sequence-length", "256"]
     fleet = LocalFleet(paths[0], 1, InferenceConfig(num_kv_blocks=64, max_sequence_length=256))
     address = await asyncio.to_thread(fleet.start, 300)
@@ -119,7 +131,7 @@ async def main_async(args: argparse.Namespace) -> None:
             restarts.append(await restart_round(client, fleet, paths[serving], config_args))
         for _ in range(args.rounds):
             serving = 1 - serving
-            refits.append(await refit_round(client, paths[serving]))
+            refits.append(await directory_round(client, tensors[serving], written[serving]))
         for _ in range(args.rounds):
             serving = 1 - serving
             sends.append(await collective_round(client, tensors[serving], args.bucket_mib << 20))
@@ -127,19 +139,16 @@ async def main_async(args: argparse.Namespace) -> None:
         client.close()
         await asyncio.to_thread(fleet.stop, 60)
 
-    def median(rows: list[dict], key: str) -> float:
-        return statistics.median(r[key] for r in rows)
-
     print(f"\nweight sync, {size / 2**20:.0f} MiB fp32 ({args.layers} layers, hidden {args.hidden_size}), CPU, "
           f"{os.cpu_count()} cores, gloo, {args.bucket_mib} MiB buckets, median of {args.rounds}, "
           f"load average {load:.1f} -> {os.getloadavg()[0]:.1f}")
-    table("collective refit phase", sends)
-    table("directory refit phase", refits)
-    table("engine restart phase", restarts)
+    phase_table("collective refit phase", sends)
+    phase_table("directory refit phase", refits)
+    phase_table("engine restart phase", restarts)
     broadcast = median(sends, "  sender: broadcast buckets")
     print(f"\n| {'new weights serving by':<24} | {'seconds':>8} | {'vs collective':>13} |")
     print(f"|{'-' * 26}|{'-' * 10}|{'-' * 15}|")
-    for name, rows in (("collective refit", sends), ("directory refit", refits), ("engine restart", restarts)):
+    for name, rows in (("collective refit", sends), ("write + directory refit", refits), ("engine restart", restarts)):
         print(f"| {name:<24} | {median(rows, 'total'):>8.3f} | {median(rows, 'total') / median(sends, 'total'):>12.1f}x |")
     print(f"\ncollective broadcast: {size / broadcast / 1e9:.2f} GB/s; this machine's memory copy: "
           f"{bandwidth / 1e9:.2f} GB/s (broadcast at {size / broadcast / bandwidth:.0%} of it)")
@@ -147,14 +156,8 @@ async def main_async(args: argparse.Namespace) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--dir", help="where to write (or find) the checkpoints (default: a temporary directory)")
-    parser.add_argument("--hidden-size", type=int, default=1024)
-    parser.add_argument("--layers", type=int, default=8)
-    parser.add_argument("--heads", type=int, default=16)
-    parser.add_argument("--kv-heads", type=int, default=4)
-    parser.add_argument("--intermediate-size", type=int, default=2816)
+    add_checkpoint_options(parser)
     parser.add_argument("--bucket-mib", type=int, default=512)
-    parser.add_argument("--rounds", type=int, default=3)
     asyncio.run(main_async(parser.parse_args()))
 
 
