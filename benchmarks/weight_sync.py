@@ -149,7 +149,8 @@ async def main_async(args: argparse.Namespace) -> None:
     print(f"\n| {'new weights serving by':<24} | {'seconds':>8} | {'vs collective':>13} |")
     print(f"|{'-' * 26}|{'-' * 10}|{'-' * 15}|")
     for name, rows in (("collective refit", sends), ("write + directory refit", refits), ("engine restart", restarts)):
-        print(f"| {name:<24} | {median(rows, 'total'):>8.3f} | {median(rows, 'total') / median(sends, 'total'):>12.1f}x |")
+        total = median(rows, "total")
+        print(f"| {name:<24} | {total:>8.3f} | {total / median(sends, 'total'):>12.1f}x |")
     print(f"\ncollective broadcast: {size / broadcast / 1e9:.2f} GB/s; this machine's memory copy: "
           f"{bandwidth / 1e9:.2f} GB/s (broadcast at {size / broadcast / bandwidth:.0%} of it)")
 

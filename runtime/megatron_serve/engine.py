@@ -273,17 +273,18 @@ class DynamicInferenceEngine:
         error: BaseException | None = None
         try:
             load_weights(self.model, source.tensors(self.model), progress=replaced.add, partial=source.partial)
-        except BaseException as exc:  # noqa: BLE001 - reported below, with what the other ranks did
+        except Exception as exc:  # noqa: BLE001 - reported below, with what the other ranks did
             error = exc
         for names, follower_error in self.runner.refit_outcomes():
             replaced.update(names)
             if error is None and follower_error:
                 error = RuntimeError(f"a tensor-parallel rank failed: {follower_error}")
-        self.incomplete = set() if error is None and not source.partial else self.incomplete
-        if error is None:
+        if error is not None:
+            self.incomplete |= replaced
+        elif source.partial:
             self.incomplete -= replaced
         else:
-            self.incomplete |= replaced
+            self.incomplete = set()
         if self.incomplete:
             self.epoch = -1  # a mix of two generations: no epoch describes it
         if error is not None or self.incomplete:

@@ -151,7 +151,8 @@ async def test_an_engine_that_joins_later_serves_only_once_a_refit_included_it(f
 
         await client.pause()
         code, lines = await asyncio.to_thread(run_trainer, fleet.address, models.b, 10)
-        assert code == 0 and len(lines[-1]["detail"]["engines"]) == 3 and lines[-1]["detail"]["sender"]["world_size"] == 5
+        detail = lines[-1]["detail"]
+        assert code == 0 and len(detail["engines"]) == 3 and detail["sender"]["world_size"] == 5
         await client.unpause()
         for engine in fleet.engines:  # only the late engine is left: it serves B
             engine.terminate()

@@ -235,9 +235,12 @@ class CoordinatorCore:
         return sorted(e.engine_id for e in self.engines.values() if e.epoch == -1)
 
     def serves_fleet_weights(self, engine: EngineRecord) -> bool:
-        """Whether requests may go to ``engine``: when the fleet's weights came from a trainer, only engines
-        that received them do (one that joined later waits, unrouted, for the next refit to include it)."""
-        return not (self.weights_source or "").startswith(RENDEZVOUS_SCHEME) or engine.epoch == self.epoch
+        """Whether requests may go to ``engine``: when the fleet's weights, or the engine's, came from a
+        trainer, only if it holds the fleet's epoch (one that joined later, or that a failed transfer
+        left on other weights, waits unrouted for the next refit to include it)."""
+        sources = (self.weights_source, engine.weights)
+        trainer = any((weights or "").startswith(RENDEZVOUS_SCHEME) for weights in sources)
+        return not trainer or engine.epoch == self.epoch
 
     def peer_name(self, identity: bytes) -> str:
         known = self.peers.get(identity)

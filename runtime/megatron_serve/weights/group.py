@@ -94,13 +94,15 @@ def process_group(store: dist.Store, rank: int, world_size: int, backend: str, t
     return dist.ProcessGroupGloo(prefixed, rank, world_size, options)
 
 
-def broadcast(group: dist.ProcessGroup, buffer: torch.Tensor) -> None:
-    """Rank 0's ``buffer`` into everybody's (blocking)."""
+def broadcast(group: dist.ProcessGroup, buffer: torch.Tensor) -> dist.Work:
+    """Start sending rank 0's ``buffer`` into everybody's; ``wait()`` on the answer before touching it.
+
+    Asynchronous so that both sides overlap a bucket on the wire with their copy of the next (the
+    sender packing it) or of the previous one (a receiver loading it into its weights).
+    """
     options = dist.BroadcastOptions()
     options.rootRank = 0
-    group.broadcast([buffer], options).wait()
-    if buffer.is_cuda:
-        torch.cuda.current_stream().synchronize()
+    return group.broadcast([buffer], options)
 
 
 def close(group: dist.ProcessGroup | None) -> None:

@@ -150,11 +150,19 @@ class WeightSender:
         device = torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else torch.device("cpu")
         buckets = plan_buckets(rendezvous.manifest, rendezvous.bucket_bytes)
         sent = sum(nbytes(spec) for spec in rendezvous.manifest)  # the tensors' bytes (buckets add alignment)
+        def landed(index: int, flight: tuple[torch.Tensor, Any]) -> None:
+            flight[1].wait()
+            if self.on_bucket is not None:
+                self.on_bucket(index, len(buckets), flight[0].numel())
+
         try:
+            in_flight = None  # the bucket on the wire while the next one is packed
             for index, bucket in enumerate(buckets):
-                transfer.broadcast(group, pack(bucket, tensors, device))
-                if self.on_bucket is not None:
-                    self.on_bucket(index, len(buckets), bucket.nbytes)
+                buffer = pack(bucket, tensors, device)
+                if in_flight is not None:
+                    landed(index - 1, in_flight)
+                in_flight = (buffer, transfer.broadcast(group, buffer))
+            landed(len(buckets) - 1, in_flight)
         finally:
             transfer.close(group)
         finished = time.perf_counter()

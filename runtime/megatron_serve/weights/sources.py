@@ -9,7 +9,7 @@ picklable: rank 0 hands it to its tensor-parallel followers as it is.
 
 from __future__ import annotations
 
-import logging
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Iterator, Protocol
@@ -22,8 +22,6 @@ from ..model.llama import LlamaForCausalLM
 from ..model.loader import iterate_checkpoint, verify_checkpoint, verify_shapes
 from . import group as transfer
 from .manifest import plan_buckets, spec_of, unpack
-
-logger = logging.getLogger("megatron_serve.weights")
 
 
 class WeightSource(Protocol):
@@ -107,20 +105,38 @@ class RendezvousSource:
             raise ValueError("the load step of a rendezvous refit needs world_size and rank_offset")
         rank = rv.rank_offset + model.tp.rank
         device = next(model.parameters()).device if rv.backend == "nccl" else torch.device("cpu")
-        store = transfer.announce(rv.address, rank, rv.world_size, rv.timeout_s)
-        host = transfer.local_address_towards(rv.address.rpartition(":")[0])
-        pg = transfer.process_group(store, rank, rv.world_size, rv.backend, rv.timeout_s, host)
-        manifest: list[TensorSpec] = list(rv.manifest)
         try:
-            for index, bucket in enumerate(plan_buckets(manifest, rv.bucket_bytes)):
-                buffer = torch.empty(bucket.nbytes, dtype=torch.uint8, device=device)
+            store = transfer.announce(rv.address, rank, rv.world_size, rv.timeout_s)
+            host = transfer.local_address_towards(rv.address.rpartition(":")[0])
+            pg = transfer.process_group(store, rank, rv.world_size, rv.backend, rv.timeout_s, host)
+        except RuntimeError as exc:
+            raise RuntimeError(f"rank {rank} could not join the transfer group of {self.label}: {_reason(exc)}") from exc
+        manifest: list[TensorSpec] = list(rv.manifest)
+        buckets = plan_buckets(manifest, rv.bucket_bytes)
+
+        def receive(index: int) -> tuple[torch.Tensor, dist.Work]:
+            buffer = torch.empty(buckets[index].nbytes, dtype=torch.uint8, device=device)
+            return buffer, transfer.broadcast(pg, buffer)
+
+        try:
+            pending = receive(0)
+            for index, bucket in enumerate(buckets):
+                buffer, work = pending
                 try:
-                    transfer.broadcast(pg, buffer)
+                    work.wait()
+                    if index + 1 < len(buckets):  # the next bucket arrives while this one is loaded
+                        pending = receive(index + 1)
                 except RuntimeError as exc:
-                    raise RuntimeError(f"the transfer from {self.label} broke at bucket {index + 1}: {exc}") from exc
+                    raise RuntimeError(f"the transfer from {self.label} broke at bucket {index + 1} of {len(buckets)}: "
+                                       f"{_reason(exc)}") from exc
                 yield from unpack(bucket, manifest, buffer)
         finally:
             transfer.close(pg)
+
+
+def _reason(exc: Exception) -> str:
+    """A collective's error without its source location and boilerplate (gloo adds both)."""
+    return re.sub(r"^\[[^\]]*\]\s*", "", str(exc).split(". This is typically")[0]).strip()
 
 
 def weight_source(source: "str | Path | WeightSource") -> WeightSource:
