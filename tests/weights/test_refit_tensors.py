@@ -12,7 +12,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from megatron_serve import InferenceConfig, MegatronLLM, SamplingParams
+from megatron_serve import InferenceConfig, MegatronAsyncLLM, MegatronLLM, SamplingParams
 from megatron_serve.tiny_model import make_tiny_model
 
 PROMPTS = ["Hello there", "The quick brown fox jumps over the lazy dog", "def add(a, b):", "1 2 3 4"]
@@ -88,3 +88,16 @@ def test_tensor_parallel_ranks_take_their_slices_of_in_process_tensors(models):
     with MegatronLLM(a, InferenceConfig(tensor_parallel_size=2)) as llm:
         llm.refit(trainer.named_parameters(), epoch=2)
         assert tokens(llm) == expected_b
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+async def test_coordinator_mode_sends_in_process_tensors_over_a_collective(models):
+    a, _, trainer, expected_b = models
+    async with MegatronAsyncLLM(a, InferenceConfig(num_kv_blocks=64), use_coordinator=True) as llm:
+        await llm.pause()
+        ack = await llm.refit(trainer.named_parameters(), epoch=5)
+        assert ack["detail"]["epoch"] == 5 and ack["detail"]["sender"]["world_size"] == 2
+        await llm.unpause()
+        results = await llm.generate(PROMPTS, GREEDY)
+        assert [r.generated_tokens for r in results] == expected_b and all(r.policy_epochs[0] == 5 for r in results)
