@@ -8,8 +8,11 @@ shapes on every engine before any of them joins, so a wrong name or shape is ref
 sender is still waiting, and no weight changed anywhere. Once every engine loaded, the verb is
 acknowledged and ``send`` returns that acknowledgement plus the sender's own figures.
 
-Measured on the 2-core CPU box that runs the tests (gloo, 1 sender and 3 engine ranks on one host,
-``benchmarks/weight_sync.py``): see the table in docs/guides/rl-fleets.md.
+Packing the next bucket overlaps the broadcast of the current one (and engines load one bucket
+while the next arrives). Measured with ``benchmarks/weight_sync.py`` on the 2 shared CPU cores of
+the test machine (348 MiB fp32, gloo, one engine): 32 MiB buckets broadcast at 0.70 GB/s, 79 % of
+that machine's memory copy bandwidth, new weights serving 2.1x sooner than writing a checkpoint
+and refitting from it; one 512 MiB bucket (no overlap) reached 0.21 GB/s (docs: RL fleets).
 """
 
 from __future__ import annotations
@@ -60,7 +63,8 @@ class WeightSender:
     coordinator (the fleet must be PAUSED or SUSPENDED, as for any REFIT). ``backend``: ``"gloo"``
     (CPU tensors; engines on CPU or GPU) or ``"nccl"`` (GPU to GPU); default ``nccl`` when CUDA is
     available, else ``gloo``. ``bucket_bytes``: the size of one broadcast (larger buckets mean
-    fewer collectives, more staging memory on each side). ``host``: the address engines reach this
+    fewer collectives; each side stages two at a time; a model cut into several overlaps copies
+    with the transfer). ``host``: the address engines reach this
     process at (default: this machine's address on the route to the coordinator). ``timeout``:
     seconds for every engine rank to join, and for each bucket.
     """
