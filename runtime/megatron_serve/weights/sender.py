@@ -64,9 +64,10 @@ class WeightSender:
     (CPU tensors; engines on CPU or GPU) or ``"nccl"`` (GPU to GPU); default ``nccl`` when CUDA is
     available, else ``gloo``. ``bucket_bytes``: the size of one broadcast (larger buckets mean
     fewer collectives; each side stages two at a time; a model cut into several overlaps copies
-    with the transfer). ``host``: the address engines reach this
-    process at (default: this machine's address on the route to the coordinator). ``timeout``:
-    seconds for every engine rank to join, and for each bucket.
+    with the transfer). ``host``: the address engines reach this process at (default: this
+    machine's address on the route to the coordinator). ``timeout``: seconds for every engine
+    rank to join, and for each bucket. ``on_bucket(index, count, nbytes)``: progress, called on
+    the transfer thread once each bucket has left.
     """
 
     def __init__(self, client: InferenceClient, backend: str | None = None,
@@ -154,6 +155,7 @@ class WeightSender:
         device = torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else torch.device("cpu")
         buckets = plan_buckets(rendezvous.manifest, rendezvous.bucket_bytes)
         sent = sum(nbytes(spec) for spec in rendezvous.manifest)  # the tensors' bytes (buckets add alignment)
+
         def landed(index: int, flight: tuple[torch.Tensor, Any]) -> None:
             flight[1].wait()
             if self.on_bucket is not None:
