@@ -139,6 +139,7 @@ def verify_checkpoint(model: LlamaForCausalLM, model_dir: str | Path) -> None:
         new, old = getattr(new_config, name), getattr(model.config, name)
         if new != old:
             raise ValueError(f"{model_dir}: {name} is {new!r} but the serving model has {old!r}")
+
     def shapes_only():
         for name, source in iterate_checkpoint(model_dir):
             if source.get_dtype() not in FLOAT_DTYPES:
