@@ -157,12 +157,16 @@ class DynamicInferenceRequest:
         return data
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "DynamicInferenceRequest":
+    def from_dict(cls, data: dict[str, Any], sampling_params: SamplingParams | None = None
+                  ) -> "DynamicInferenceRequest":
+        """``sampling_params``: the caller's own copy (a client reading the result of what it submitted),
+        used instead of parsing and validating the record's again."""
         return cls(
             request_id=data["request_id"],
             prompt=data.get("prompt"),
             prompt_tokens=list(data["prompt_tokens"]),
-            sampling_params=SamplingParams.from_dict(data.get("sampling_params")),
+            sampling_params=sampling_params if sampling_params is not None else SamplingParams.from_dict(
+                data.get("sampling_params")),
             generated_tokens=list(data.get("generated_tokens", [])),
             generated_text=data.get("generated_text"),
             generated_log_probs=list(data.get("generated_log_probs", [])),
