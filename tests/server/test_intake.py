@@ -189,9 +189,9 @@ async def probe_health(url: str, stop: asyncio.Event, latencies: list[float]) ->
 
 
 async def test_health_answers_while_a_huge_prompt_is_tokenized(tokenizer, backend):
-    # 1 M characters take seconds to tokenize here; the probe must not wait for them.
+    # 2 M characters take 1-4 s to tokenize here; the probe must not wait for them.
     limits = RequestLimits(max_body_bytes=8 << 20, max_prompt_chars=2_000_000)
-    prompt = "the quick brown fox jumps over the lazy dog; " * 22_000
+    prompt = "the quick brown fox jumps over the lazy dog; " * 44_000
     latencies: list[float] = []
     stop = asyncio.Event()
     async with serving(make_app(tokenizer, backend, limits=limits)) as url, \
@@ -204,7 +204,9 @@ async def test_health_answers_while_a_huge_prompt_is_tokenized(tokenizer, backen
         await prober
     error = assert_error(response, 400, "prompt", "context_length_exceeded")  # tokenized, then too long
     assert "tokens" in error["message"]
-    assert took > 1.0 and len(latencies) >= 5, (took, latencies)  # the probe ran all along
+    # The request outlasted the latency bound (a tokenizer holding the loop would have shown), and the
+    # probe ran all along.
+    assert took > 0.6 and len(latencies) >= 5, (took, latencies)
     assert max(latencies) < 0.5, f"/health took {max(latencies):.3f}s while a prompt was tokenized"
 
 
