@@ -1,10 +1,17 @@
 # Two entry points that work on a fresh clone: `make run` (tiny model, full stack) and `make test`.
+#   make run ARGS="--engines 2 --port 8001"    # options pass through to `megatron-serve run`
+#   make run TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu    # a CPU-only torch (see README)
+# `make run` installs only the runtime (pip's progress shows); `make test` adds the test and docs extras.
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 TINY_MODEL := .models/tiny-llama
-STAMP := $(VENV)/.installed
+RUNTIME := $(VENV)/.installed-runtime
+TESTING := $(VENV)/.installed-test
+TORCH ?= torch==2.13.0
+TORCH_INDEX_URL ?=
+ARGS ?=
 
 # The image: docker when its engine answers, else podman. Tagged with the package version (one source:
 # megatron_serve.__version__), which the chart's appVersion and the manifests also carry.
@@ -20,28 +27,32 @@ $(PY):
 	$(PIP) install -q --upgrade pip
 
 # torch first and pinned: an unpinned torch drags in gigabytes of CUDA wheels.
-$(STAMP): $(PY) pyproject.toml
-	$(PIP) install -q torch==2.13.0
+$(RUNTIME): $(PY) pyproject.toml
+	$(PIP) install $(TORCH) $(if $(TORCH_INDEX_URL),--index-url $(TORCH_INDEX_URL))
+	$(PIP) install -e .
+	touch $(RUNTIME)
+
+$(TESTING): $(RUNTIME)
 	$(PIP) install -q -e '.[test,docs]'
-	touch $(STAMP)
+	touch $(TESTING)
 
-setup: $(STAMP)
+setup: $(TESTING)
 
-$(TINY_MODEL)/config.json: $(STAMP)
+$(TINY_MODEL)/config.json: $(RUNTIME)
 	$(VENV)/bin/megatron-serve make-tiny-model $(TINY_MODEL)
 
 run: $(TINY_MODEL)/config.json
-	$(VENV)/bin/megatron-serve run --model $(TINY_MODEL)
+	$(VENV)/bin/megatron-serve run --model $(TINY_MODEL) $(ARGS)
 
-test: $(STAMP)
+test: $(TESTING)
 	TRITON_INTERPRET=1 $(PY) -m pytest -q -p no:cacheprovider
 
-test-fast: $(STAMP)
+test-fast: $(TESTING)
 	TRITON_INTERPRET=1 $(PY) -m pytest -q -m "not slow"
 
 # Regenerate the reference pages (CLI, HTTP API, resource schema, metrics, vLLM mapping, dashboard)
 # from the code, then build the site into site/ (tests fail while a generated page is stale).
-docs: $(STAMP)
+docs: $(TESTING)
 	$(PY) tools/generate_docs.py
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
 

@@ -26,6 +26,8 @@ from typing import TYPE_CHECKING, Any, AsyncIterator, Iterable
 from .config import InferenceConfig
 from .engine_client import EngineClient
 from .fleet_client import FleetClient
+from .generation_config import GenerationDefaults
+from .hub import resolve_model
 from .outputs import StreamItem
 from .prompts import Prompt, PromptInput, as_prompt, normalize_prompts
 from .request import DynamicInferenceRequest
@@ -47,15 +49,23 @@ class MegatronAsyncLLM:
         num_engines: int = 1,
         tokenizer: Any = None,
         token: str | None = None,
+        *,
+        generation_config: str | os.PathLike | None = "auto",
     ) -> None:
+        """``model`` and ``generation_config`` as in :class:`~megatron_serve.llm.MegatronLLM`."""
         self.use_coordinator = bool(use_coordinator)
+        if isinstance(model, (str, os.PathLike)):
+            model = resolve_model(model)
+        self.generation_defaults = GenerationDefaults.load(
+            generation_config, model if isinstance(model, Path) else None)
         self.model = model
         self._tokenizer = tokenizer
         self._client: EngineClient
         if self.use_coordinator:
             self.engine = None
             self._client = FleetClient(coordinator_address, model=model, num_engines=int(num_engines),
-                                       inference_config=inference_config, token=token)
+                                       inference_config=inference_config, token=token,
+                                       tokenizer_dir=tokenizer if isinstance(tokenizer, (str, os.PathLike)) else None)
         else:
             from .local_engine import LocalEngineClient, build_engine  # noqa: PLC0415 - torch only when an engine lives here
 
@@ -120,7 +130,7 @@ class MegatronAsyncLLM:
         :meth:`MegatronLLM.generate`).
         """
         prompt_list, single = normalize_prompts(prompts)
-        params = sampling_params if sampling_params is not None else SamplingParams()
+        params = sampling_params if sampling_params is not None else self.generation_defaults.sampling_params()
         params.validate()
         await self.start()
         results = list(await asyncio.gather(*(self._client.add_request(p, params) for p in prompt_list)))
@@ -131,7 +141,7 @@ class MegatronAsyncLLM:
         """Yield :class:`~megatron_serve.outputs.StreamPartial` items as tokens are generated, then the
         finished request. ``prompt``: one prompt of any shape :meth:`generate` takes."""
         prompt = as_prompt(prompt)
-        params = sampling_params if sampling_params is not None else SamplingParams()
+        params = sampling_params if sampling_params is not None else self.generation_defaults.sampling_params()
         params.validate()
         await self.start()
         async for item in self._client.add_request_streaming(prompt, params):

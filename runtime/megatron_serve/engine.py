@@ -97,11 +97,13 @@ class DynamicInferenceEngine:
         return self.stats.to_wire(self.scheduler.queried_tokens, self.scheduler.cached_tokens)
 
     @classmethod
-    def from_model_dir(cls, model_dir: str | Path, config: InferenceConfig | None = None) -> "DynamicInferenceEngine":
-        """Load model and tokenizer; with ``tensor_parallel_size > 1`` also start and join the other ranks."""
+    def from_model_dir(cls, model_dir: str | Path, config: InferenceConfig | None = None,
+                       tokenizer_dir: str | Path | None = None) -> "DynamicInferenceEngine":
+        """Load model and tokenizer (from ``tokenizer_dir`` when given, else ``model_dir``); with
+        ``tensor_parallel_size > 1`` also start and join the other ranks."""
         config = config or InferenceConfig()
         model_config = ModelConfig.from_dir(model_dir)
-        tokenizer = Tokenizer.from_pretrained(model_dir)
+        tokenizer = Tokenizer.from_pretrained(tokenizer_dir or model_dir)
         dtype = default_dtype(config, model_config)
         if config.tensor_parallel_size == 1:
             return cls(load_model(model_dir, dtype, config.device), tokenizer, config)

@@ -88,10 +88,7 @@ class CoordinatorLink:
     def close(self, timeout: float = 2.0) -> None:
         """Flush what was queued (up to ``timeout``) and stop the thread."""
         if self._thread.is_alive():
-            try:  # never blocking: a thread that just ended (a refused token) has closed its end of the pipe
-                self._tx.send_multipart([b"close", b""], zmq.NOBLOCK)
-            except zmq.Again:
-                pass
+            self._tx.send_multipart([b"close", b""])
             self._thread.join(timeout + 1.0)
         self._tx.close(linger=0)
 

@@ -30,8 +30,10 @@ class FleetClient(InferenceClient):
     """An ``InferenceClient`` that may own its fleet (see the module docstring)."""
 
     def __init__(self, address: str | None, *, model: str | os.PathLike | None = None, num_engines: int = 1,
-                 inference_config: InferenceConfig | None = None, token: str | None = None) -> None:
-        """``address=None`` starts a fleet of ``num_engines`` engines for the model directory ``model``."""
+                 inference_config: InferenceConfig | None = None, token: str | None = None,
+                 tokenizer_dir: str | os.PathLike | None = None) -> None:
+        """``address=None`` starts a fleet of ``num_engines`` engines for the model directory ``model``
+        (with the tokenizer files of ``tokenizer_dir``, when given)."""
         if address is None and not isinstance(model, (str, os.PathLike)):
             raise ValueError("coordinator mode without coordinator_address starts engine processes, "
                              "so model must be a model directory")
@@ -39,7 +41,7 @@ class FleetClient(InferenceClient):
             raise ValueError(f"num_engines must be >= 1, got {num_engines}")
         super().__init__(address or "", token=token)
         self.fleet = None if address is not None else LocalFleet(str(model), num_engines, inference_config,
-                                                                 token=token)
+                                                                 token=token, tokenizer_dir=tokenizer_dir)
         self._stopped = False
 
     async def start(self, timeout: float = 600.0) -> "FleetClient":

@@ -19,6 +19,7 @@ from typing import Any, Coroutine, TypeVar
 
 from .async_llm import MegatronAsyncLLM
 from .config import InferenceConfig
+from .generation_config import GenerationDefaults
 from .loop_thread import EventLoopThread
 from .model.llama import LlamaForCausalLM
 from .prompts import PromptInput, normalize_prompts
@@ -30,12 +31,19 @@ T = TypeVar("T")
 
 
 class MegatronLLM:
+    """``model``: a model directory, a Hub id (``org/name[@revision]``, see :mod:`megatron_serve.hub`) or a
+    built model (with ``tokenizer=``). ``generation_config``: ``"auto"`` applies the model's
+    ``generation_config.json`` sampling defaults when ``generate`` gets no ``SamplingParams`` (as vLLM's
+    ``LLM`` does), ``"none"`` ignores them, a directory reads its file (:mod:`megatron_serve.generation_config`).
+    """
+
     def __init__(self, model: str | Path | LlamaForCausalLM, inference_config: InferenceConfig | None = None,
                  use_coordinator: bool = False, coordinator_address: str | None = None, num_engines: int = 1,
-                 tokenizer: Tokenizer | str | Path | None = None, token: str | None = None):
+                 tokenizer: Tokenizer | str | Path | None = None, token: str | None = None, *,
+                 generation_config: str | os.PathLike | None = "auto"):
         self.use_coordinator = use_coordinator
         llm = MegatronAsyncLLM(model, inference_config, use_coordinator, coordinator_address, num_engines, tokenizer,
-                               token)
+                               token, generation_config=generation_config)
         self.engine = llm.engine  # direct mode: the engine in this process (None in coordinator mode)
         self._llm: MegatronAsyncLLM | None = llm
         self._loop_thread = EventLoopThread("megatron-llm-loop")
@@ -52,6 +60,11 @@ class MegatronLLM:
         if self._llm is None:
             raise RuntimeError("this MegatronLLM was shut down")
         return self._llm.tokenizer
+
+    @property
+    def generation_defaults(self) -> GenerationDefaults:
+        """The sampling defaults ``generate`` applies when it gets no ``SamplingParams``."""
+        return self._async().generation_defaults
 
     def _run(self, call: Coroutine[Any, Any, T]) -> T:
         if self._llm is None:

@@ -42,7 +42,8 @@ def build_engine(model: str | Path | LlamaForCausalLM, inference_config: Inferen
     """An engine from a model directory, or from an already built model plus its tokenizer."""
     config = inference_config or InferenceConfig()
     if isinstance(model, (str, Path)):
-        return DynamicInferenceEngine.from_model_dir(model, config)
+        tokenizer_dir = tokenizer if isinstance(tokenizer, (str, Path)) else None
+        return DynamicInferenceEngine.from_model_dir(model, config, tokenizer_dir=tokenizer_dir)
     if not isinstance(model, LlamaForCausalLM):
         raise TypeError(f"model must be a model directory or a LlamaForCausalLM, got {type(model).__name__}")
     if tokenizer is None:

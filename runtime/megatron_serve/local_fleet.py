@@ -49,9 +49,11 @@ class LocalFleet:
         log_dir: str | os.PathLike | None = None,
         python: str = sys.executable,
         engine_args: list[str] | None = None,
+        tokenizer_dir: str | os.PathLike | None = None,
     ) -> None:
         """``engine_args``: more flags for every engine (e.g. ``--tensor-parallel 2``), after the
-        ``inference_config`` ones."""
+        ``inference_config`` ones; ``tokenizer_dir``: tokenizer files for the coordinator and every
+        engine (default: the model's)."""
         if num_engines < 1:
             raise ValueError(f"num_engines must be >= 1, got {num_engines}")
         self.model_dir = str(model_dir)
@@ -65,6 +67,7 @@ class LocalFleet:
         self.drain_timeout = drain_timeout
         self.python = python
         self.engine_args = [*inference_config_to_argv(inference_config), *(engine_args or [])]
+        self.tokenizer_args = ["--tokenizer", str(tokenizer_dir)] if tokenizer_dir is not None else []
         self._own_log_dir = log_dir is None
         self.log_dir = Path(log_dir or tempfile.mkdtemp(prefix="megatron-fleet-"))
         self.log_dir.mkdir(parents=True, exist_ok=True)
@@ -94,7 +97,7 @@ class LocalFleet:
         self.coordinator = self._spawn(
             ["coordinator", "--model", self.model_dir, "--host", self.host, "--port", str(self.port),
              "--routing", self.routing, "--heartbeat-timeout", str(self.heartbeat_timeout),
-             "--address-file", str(address_file)], "coordinator.log")
+             "--address-file", str(address_file), *self.tokenizer_args], "coordinator.log")
         deadline = time.monotonic() + timeout
         while not address_file.exists():
             if self.coordinator.poll() is not None:
@@ -117,7 +120,8 @@ class LocalFleet:
         if self.address is None:
             raise RuntimeError("start() the fleet first")
         args = ["engine", "--model", self.model_dir, "--coordinator", self.address,
-                "--drain-timeout", str(self.drain_timeout), *(self.engine_args if extra is None else extra)]
+                "--drain-timeout", str(self.drain_timeout), *self.tokenizer_args,
+                *(self.engine_args if extra is None else extra)]
         if group is not None:
             args += ["--group", str(group)]
         proc = self._spawn(args, f"engine-{len(self.engines)}.log")

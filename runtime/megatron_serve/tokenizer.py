@@ -29,13 +29,16 @@ class Tokenizer:
         self.images = images  # the image processor of a vision-language model (None: text only)
 
     @classmethod
-    def from_pretrained(cls, model_dir: str | Path) -> "Tokenizer":
+    def from_pretrained(cls, model_dir: str | Path, chat_template: str | None = None) -> "Tokenizer":
+        """The tokenizer files of ``model_dir``; ``chat_template`` (Jinja text) replaces the model's own."""
         from transformers import AutoTokenizer  # noqa: PLC0415 - heavy import, only when a tokenizer is needed
 
         from .multimodal import load_image_processor  # noqa: PLC0415
 
         model_dir = check_tokenizer_files(model_dir)
         hf_tokenizer = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
+        if chat_template is not None:
+            hf_tokenizer.chat_template = chat_template
         return cls(hf_tokenizer, _eos_ids(model_dir, hf_tokenizer), load_image_processor(model_dir))
 
     @property
@@ -93,6 +96,29 @@ class Tokenizer:
             raise ValueError("this model has no chat template (tokenizer_config.json has no 'chat_template')")
         return self._tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
                                              tools=tools)
+
+
+def load_chat_template(value: str) -> str:
+    """``--chat-template``: a file's text, or the template itself when it is inline Jinja (as in vLLM).
+
+    Text with ``{`` or a newline is a template; anything else must be a readable file. Either is
+    compiled here, so that a broken template fails the start instead of the first chat request.
+    """
+    import jinja2  # noqa: PLC0415
+
+    if "{" in value or "\n" in value:
+        text = value
+    else:
+        try:
+            text = Path(value).expanduser().read_text()
+        except OSError as exc:
+            raise FileNotFoundError(f"--chat-template {value}: cannot read it ({exc.strerror}); an inline template "
+                                    "must hold Jinja such as '{{ messages }}' or '{% for ... %}'") from None
+    try:
+        jinja2.Environment().parse(text)
+    except jinja2.TemplateSyntaxError as exc:
+        raise ValueError(f"--chat-template: not a valid Jinja template (line {exc.lineno}: {exc.message})") from None
+    return text
 
 
 def check_tokenizer_files(model_dir: str | Path) -> Path:

@@ -294,9 +294,9 @@ def test_errors_have_status_and_openai_shape(stack, client):
     with pytest.raises(openai.AuthenticationError) as info:
         openai.OpenAI(base_url=f"{stack.url}/v1", api_key="wrong", max_retries=0).models.list()
     assert info.value.status_code == 401
-    with pytest.raises(openai.BadRequestError) as info:
+    with pytest.raises(openai.NotFoundError) as info:
         client.completions.create(model="gpt-4o", prompt="Hi", max_tokens=2)
-    assert info.value.code == "model_not_found"
+    assert info.value.status_code == 404 and info.value.code == "model_not_found"
     with pytest.raises(openai.BadRequestError) as info:
         client.completions.create(model=stack.model, prompt=[9] * 1024, max_tokens=2)
     assert info.value.code == "context_length_exceeded"

@@ -1,7 +1,10 @@
 """``megatron-serve control VERB``: lifecycle verbs and status for humans and scripts.
 
-Prints the acknowledged state (one line, plus per-engine facts) or, for ``status``, a table;
-``--json`` prints the coordinator's answer as one JSON object instead.
+Prints the acknowledged state (one line, plus per-engine facts) or, for ``status``, a table, and
+then what the state means and which verb comes next (:func:`next_step`); ``--json`` prints the
+coordinator's answer as one JSON object instead. Without ``--coordinator`` it talks to
+``$MEGATRON_SERVE_COORDINATOR``, else to the ``megatron-serve run`` on this machine
+(:mod:`~megatron_serve.commands.local_runs`).
 """
 
 from __future__ import annotations
@@ -9,19 +12,21 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import time
 from typing import Any
 
-from ..lifecycle import Verb
+from ..lifecycle import FleetState, Verb, walk
+from . import local_runs
 from .inputs import coordinator_address
-from .options import add_token_option, read_token
+from .options import COORDINATOR_ENV, TOKEN_ENV, add_coordinator_option, add_token_option, read_token
 
 VERBS = (*(verb.value for verb in Verb), "status")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("verb", choices=VERBS)
-    parser.add_argument("--coordinator", required=True, metavar="ADDRESS", help="e.g. tcp://127.0.0.1:5555")
+    parser.add_argument("verb", choices=VERBS, help="what to do: " + ", ".join(VERBS))
+    add_coordinator_option(parser, required=False)
     parser.add_argument("--json", action="store_true", help="print the answer as one JSON object")
     parser.add_argument("--level", type=int, choices=(1, 2), default=1,
                         help="suspend level: 1 frees the KV cache, 2 also moves weights to host memory")
@@ -33,7 +38,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="refit: generation to record for the new weights (default: current + 1)")
     parser.add_argument("--timeout", type=float, default=120.0, metavar="S",
                         help="give up waiting for the acknowledgement after this long")
-    parser.add_argument("--connect-timeout", type=float, default=10.0, metavar="S")
+    parser.add_argument("--connect-timeout", type=float, default=10.0, metavar="S",
+                        help="give up when no coordinator answers within this long")
     add_token_option(parser)
 
 
@@ -60,15 +66,33 @@ async def _execute(args: argparse.Namespace, token: str | None) -> dict[str, Any
         client.close()
 
 
+def find_coordinator(args: argparse.Namespace) -> tuple[str, bool]:
+    """The address to talk to, and whether it was found (the local run's) rather than given."""
+    if args.coordinator:
+        return coordinator_address(args.coordinator), False
+    if os.environ.get(COORDINATOR_ENV):
+        return coordinator_address(os.environ[COORDINATOR_ENV], f"${COORDINATOR_ENV}"), False
+    try:
+        local = local_runs.find_local_run()
+    except LookupError as exc:
+        raise RuntimeError(str(exc)) from None
+    if local.token_required and not (args.token_file or os.environ.get(TOKEN_ENV)):
+        raise RuntimeError(f"the local run at {local.coordinator} needs its coordinator token: pass --token-file or "
+                           f"set ${TOKEN_ENV}")
+    return local.coordinator, True
+
+
 def run(args: argparse.Namespace) -> int:
     from ..client import ControlError, CoordinatorError  # noqa: PLC0415
 
-    args.coordinator = coordinator_address(args.coordinator)
     if args.verb == "refit" and not args.source:
         raise ValueError("refit needs --source DIR (the model directory with the new weights)")
     if args.verb == "refit" and args.epoch is not None and args.epoch < 0:
         raise ValueError(f"--epoch must be >= 0, got {args.epoch}")
     token = read_token(args)
+    args.coordinator, found = find_coordinator(args)
+    if found and not args.json:
+        print(f"(the local `megatron-serve run`'s coordinator, {args.coordinator})")
     try:
         answer = asyncio.run(_execute(args, token))
     except ControlError as exc:
@@ -79,11 +103,34 @@ def run(args: argparse.Namespace) -> int:
         raise RuntimeError(f"{args.verb}: no acknowledgement within {args.timeout:.0f}s") from None
     if args.json:
         print(json.dumps(answer, sort_keys=True, default=str))
-    elif args.verb == "status":
-        print(format_status(answer))
-    else:
-        print(format_ack(args.verb, answer))
+        return 0
+    print(format_status(answer) if args.verb == "status" else format_ack(args.verb, answer))
+    print(next_step(answer["state"], "" if found else f" --coordinator {args.coordinator}"))
     return 0
+
+
+# What each state means for a person at the terminal; the verbs back to serving come from the lifecycle table.
+_STATE_MEANING = {
+    FleetState.RUNNING: "serving requests",
+    FleetState.PAUSED: "not stepping; requests wait, device memory kept",
+    FleetState.SUSPENDED: "device memory released; requests wait",
+    FleetState.STOPPED: "engines stopped; requests are refused",
+}
+
+
+def next_step(state: str, coordinator_flag: str = "") -> str:
+    """One line: what ``state`` means and the command(s) that come next to serve again (the shortest
+    walk to RUNNING over the lifecycle table's one-step edges, as the operator walks it)."""
+    try:
+        known = FleetState(state)
+    except ValueError:
+        return f"{state}: a state this client does not know"
+    verbs = walk(known, FleetState.RUNNING)
+    if not verbs:
+        return f"{state}: {_STATE_MEANING[known]} (`megatron-serve control pause|suspend|stop` to change that)"
+    commands = ", then ".join(f"`megatron-serve control {verb.value}{coordinator_flag}`" for verb in verbs)
+    restart = " (once its engines have joined again)" if known is FleetState.STOPPED else ""
+    return f"{state}: {_STATE_MEANING[known]}; next: {commands} to serve again{restart}"
 
 
 def format_ack(verb: str, answer: dict[str, Any]) -> str:

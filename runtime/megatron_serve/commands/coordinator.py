@@ -8,15 +8,17 @@ import functools
 from ..protocol import DEFAULT_PORT, MAX_MESSAGE_BYTES
 from ..routing import KNOWN_POLICIES
 from .inputs import parse_port
+from .model_options import add_model_options, resolve_model_args
 from .options import add_log_option, add_token_option, read_token, setup_logging
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", required=True, metavar="DIR",
-                        help="model directory (only its tokenizer is loaded: prompts are tokenized here)")
-    parser.add_argument("--host", default="0.0.0.0", help="interface to bind (default: all)")
+    add_model_options(parser, what="the model: a directory or a Hub id (only its tokenizer is loaded: prompts are "
+                                   "tokenized here)")
+    parser.add_argument("--host", default="0.0.0.0", help="interface to bind (0.0.0.0 = all)")
     parser.add_argument("--port", type=int, default=DEFAULT_PORT, help="ROUTER port (0 = any free port)")
-    parser.add_argument("--routing", choices=KNOWN_POLICIES, default="least_loaded")
+    parser.add_argument("--routing", choices=KNOWN_POLICIES, default="least_loaded",
+                        help="which engine group gets a request")
     parser.add_argument("--heartbeat-timeout", type=float, default=10.0, metavar="S",
                         help="remove an engine silent for this long and re-queue its requests")
     parser.add_argument("--verb-timeout", type=float, default=60.0, metavar="S",
@@ -32,11 +34,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "requests; generous, since one step may be a long prefill")
     parser.add_argument("--client-timeout", type=float, default=600.0, metavar="S",
                         help="forget requests of a client disconnected for this long")
-    parser.add_argument("--max-message-bytes", type=int, default=MAX_MESSAGE_BYTES, metavar="N")
+    parser.add_argument("--max-message-bytes", type=int, default=MAX_MESSAGE_BYTES, metavar="N",
+                        help="drop frames larger than this")
     parser.add_argument("--max-request-image-bytes", type=int, default=12 * 1024 * 1024, metavar="N",
-                        help="image file bytes one request may carry (vision-language models; default 12 MiB); "
+                        help="image file bytes one request may carry (vision-language models); "
                              "larger requests are refused with an error naming the limit")
-    parser.add_argument("--address-file", metavar="PATH", help="write the bound address here once listening")
+    parser.add_argument("--address-file", metavar="PATH",
+                        help="write the bound address here once listening (default: nowhere)")
     add_token_option(parser)
     add_log_option(parser)
 
@@ -56,12 +60,14 @@ def run(args: argparse.Namespace) -> int:
         if getattr(args, flag) <= 0:
             raise ValueError(f"--{flag.replace('_', '-')} must be > 0, got {getattr(args, flag)}")
     make_routing_policy(args.routing)  # fail before loading anything
-    check_tokenizer_files(args.model)  # a wrong path fails the start; only the slow load happens later
+    resolve_model_args(args)
+    tokenizer_dir = args.tokenizer or args.model
+    check_tokenizer_files(tokenizer_dir)  # a wrong path fails the start; only the slow load happens later
     token = read_token(args)
     coordinator = Coordinator(
         # Loaded in the background (importing transformers takes long): engines and clients can
         # connect at once after a (re)start; text prompts wait for it.
-        tokenizer_loader=functools.partial(Tokenizer.from_pretrained, args.model),
+        tokenizer_loader=functools.partial(Tokenizer.from_pretrained, tokenizer_dir),
         host=args.host, port=args.port, token=token, routing=args.routing,
         heartbeat_timeout=args.heartbeat_timeout, client_timeout=args.client_timeout,
         verb_timeout=args.verb_timeout, weights_timeout=args.weights_timeout, stall_timeout=args.stall_timeout,

@@ -14,20 +14,22 @@ import time
 # setdefault: an explicit OMP_WAIT_POLICY from the user wins.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
+from .aliases import add_option  # noqa: E402
 from .engine_options import add_engine_options, inference_config_from_args  # noqa: E402
 from .inputs import check_model_dir, coordinator_address  # noqa: E402
-from .options import add_log_option, add_token_option, read_token, setup_logging  # noqa: E402
+from .model_options import add_model_options, resolve_model_args  # noqa: E402
+from .options import add_coordinator_option, add_log_option, add_token_option, read_token, setup_logging  # noqa: E402
 
 logger = logging.getLogger("megatron_serve.engine_process")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", required=True, metavar="DIR", help="Hugging Face model directory")
-    parser.add_argument("--coordinator", required=True, metavar="ADDRESS", help="e.g. tcp://127.0.0.1:5555")
+    add_model_options(parser)
+    add_coordinator_option(parser)
     parser.add_argument("--group", type=int, default=None, metavar="G",
                         help="engine group id (default: the coordinator assigns the next free one)")
-    parser.add_argument("--tensor-parallel", type=int, default=1, metavar="N",
-                        help="ranks (GPUs) in this engine group; the local ones are started by this command")
+    add_option(parser, "--tensor-parallel", type=int, default=1, metavar="N",
+               help="ranks (GPUs) in this engine group; the local ones are started by this command")
     parser.add_argument("--drain-timeout", type=float, default=30.0, metavar="S",
                         help="on SIGTERM or STOP, finish work for at most this long, then hand the rest back")
     parser.add_argument("--coordinator-timeout", type=float, default=10.0, metavar="S",
@@ -45,7 +47,8 @@ def run(args: argparse.Namespace) -> int:
     if args.tensor_parallel < 1:
         raise ValueError(f"--tensor-parallel must be >= 1, got {args.tensor_parallel}")
     config = inference_config_from_args(args, tensor_parallel_size=args.tensor_parallel)
-    check_model_dir(args.model)
+    resolve_model_args(args)  # a Hub id becomes its local directory before the directory is checked
+    check_model_dir(args.model, tokenizer=args.tokenizer is None)
     token = read_token(args)
     from ..engine import DynamicInferenceEngine  # noqa: PLC0415 - torch import is slow
     from ..engine_process import run_engine_process  # noqa: PLC0415
@@ -53,7 +56,7 @@ def run(args: argparse.Namespace) -> int:
     def make_engine() -> DynamicInferenceEngine:
         started = time.monotonic()
         logger.info("loading model from %s (device %s)", args.model, config.device)
-        engine = DynamicInferenceEngine.from_model_dir(args.model, config)
+        engine = DynamicInferenceEngine.from_model_dir(args.model, config, tokenizer_dir=args.tokenizer)
         logger.info("model loaded in %.1fs: %d KV blocks of %d tokens, up to %d requests at once",
                     time.monotonic() - started, engine.kv_blocks_total, config.block_size_tokens, config.max_requests)
         return engine

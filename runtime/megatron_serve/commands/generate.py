@@ -9,16 +9,22 @@ from pathlib import Path
 
 from .engine_options import add_engine_options, inference_config_from_args
 from .inputs import check_model_dir
+from .model_options import add_model_options, resolve_model_args
+
+_MODEL_DEFAULT = "default: the model's generation_config.json, else {}"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", required=True, help="Hugging Face model directory")
+    add_model_options(parser)
     parser.add_argument("prompts", nargs="+", help="one or more prompts")
-    parser.add_argument("--max-tokens", type=int, default=32)
-    parser.add_argument("--temperature", type=float, default=0.0)
-    parser.add_argument("--top-p", type=float, default=1.0)
-    parser.add_argument("--top-k", type=int, default=0)
-    parser.add_argument("--ignore-eos", action="store_true")
+    parser.add_argument("--max-tokens", type=int, default=None, help=f"tokens to generate ({_MODEL_DEFAULT.format(32)})")
+    parser.add_argument("--temperature", type=float, default=None, help=_MODEL_DEFAULT.format("0 = greedy"))
+    parser.add_argument("--top-p", type=float, default=None, help=_MODEL_DEFAULT.format("1 = off"))
+    parser.add_argument("--top-k", type=int, default=None, help=_MODEL_DEFAULT.format("0 = off"))
+    parser.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence tokens")
+    parser.add_argument("--generation-config", metavar="auto|none|DIR", default="auto",
+                        help="sampling defaults: auto = the model's generation_config.json, none = ignore it, "
+                             "DIR = that directory's file")
     parser.add_argument("--image", action="append", default=[], metavar="FILE",
                         help="an image for every prompt (vision-language models): each prompt holds one image "
                              "placeholder of the model per --image, in order")
@@ -26,17 +32,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from ..generation_config import GenerationDefaults  # noqa: PLC0415
     from ..llm import MegatronLLM  # noqa: PLC0415 - torch import only when generating
-    from ..sampling_params import SamplingParams  # noqa: PLC0415
 
-    check_model_dir(args.model)
-    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                            num_tokens_to_generate=args.max_tokens, ignore_eos=args.ignore_eos)
+    resolve_model_args(args)
+    check_model_dir(args.model, tokenizer=args.tokenizer is None)
+    defaults = GenerationDefaults.load(args.generation_config, args.model)
+    # This command's own fallbacks (greedy, 32 tokens) sit under the model's defaults and the flags.
+    fallback = GenerationDefaults({"temperature": 0.0, "num_tokens_to_generate": 32, **defaults.values})
+    params = fallback.sampling_params(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                                      num_tokens_to_generate=args.max_tokens, ignore_eos=args.ignore_eos)
+    if defaults.values:
+        print(defaults.describe(), file=sys.stderr)
     images = [Path(path).read_bytes() for path in args.image]  # a missing file fails before the model loads
     prompts = [{"prompt": p, "images": images} for p in args.prompts] if images else args.prompts
     started = time.perf_counter()
     print(f"loading model from {args.model} ...", file=sys.stderr, flush=True)
-    llm = MegatronLLM(args.model, inference_config_from_args(args))
+    llm = MegatronLLM(args.model, inference_config_from_args(args), tokenizer=args.tokenizer,
+                      generation_config=args.generation_config)
     print(f"loaded in {time.perf_counter() - started:.1f}s; generating", file=sys.stderr, flush=True)
     started = time.perf_counter()
     outputs = llm.generate(prompts, params)

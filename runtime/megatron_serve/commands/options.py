@@ -16,7 +16,7 @@ from ..fleet_argv import TOKEN_ENV
 
 def add_token_option(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--token-file", metavar="PATH",
-                        help=f"file holding the shared coordinator token (else ${TOKEN_ENV}; none = no token)")
+                        help=f"file holding the shared coordinator token (default: ${TOKEN_ENV}, else no token)")
 
 
 def read_secret(args: argparse.Namespace, attribute: str, flag: str, env: str) -> str | None:
@@ -39,8 +39,24 @@ def read_token(args: argparse.Namespace) -> str | None:
     return read_secret(args, "token_file", "--token-file", TOKEN_ENV)
 
 
+COORDINATOR_ENV = "MEGATRON_SERVE_COORDINATOR"
+
+
+def add_coordinator_option(parser: argparse.ArgumentParser, *, required: bool = True) -> None:
+    """``--coordinator ADDRESS`` (checked by :func:`~megatron_serve.commands.inputs.coordinator_address`);
+    optional for ``control``, which finds a local ``run`` on its own."""
+    if required:
+        parser.add_argument("--coordinator", required=True, metavar="ADDRESS",
+                            help="e.g. tcp://127.0.0.1:5555 or HOST:PORT")
+    else:
+        parser.add_argument("--coordinator", metavar="ADDRESS", default=None,
+                            help=f"e.g. tcp://10.0.0.5:5555 or HOST:PORT (default: ${COORDINATOR_ENV}, else the "
+                                 "coordinator of the `megatron-serve run` on this machine)")
+
+
 def add_log_option(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+                        help="log messages from this level up go to stderr")
 
 
 def setup_logging(level: str = "INFO") -> None:

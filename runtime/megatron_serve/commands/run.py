@@ -14,29 +14,36 @@ import argparse
 import asyncio
 import json
 import logging
+import os
 import shlex
 import signal
 import time
 from typing import Any
 
+from ..protocol import DEFAULT_PORT
+from . import local_runs
+from .aliases import add_option
 from .engine_options import add_engine_options, inference_config_from_args
 from .inputs import check_model_dir, check_port_free, parse_port
+from .model_options import add_model_options, resolve_model_args
 from .options import add_log_option, add_token_option, read_token, setup_logging
-from .server import add_server_options, check_server_options, image_options, read_api_key, read_limits
+from .server import ServingFiles, add_server_options, check_server_options, image_options, read_api_key, read_limits
 
 logger = logging.getLogger("megatron_serve.run")
 
 STAGES = 4
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", required=True, metavar="DIR", help="Hugging Face model directory")
-    parser.add_argument("--engines", type=int, default=1, metavar="N", help="engine groups (data parallel)")
-    parser.add_argument("--tensor-parallel", type=int, default=1, metavar="N", help="GPUs (ranks) per engine group")
-    parser.add_argument("--coordinator-port", type=int, default=5555, metavar="PORT",
-                        help="coordinator port on 127.0.0.1, for `megatron-serve control` (0 = any free port)")
-    parser.add_argument("--routing", default="least_loaded",
-                        choices=["least_loaded", "round_robin", "prefix_affinity"])
+def add_arguments(parser: argparse.ArgumentParser, *, positional_model: bool = False) -> None:
+    """``run``'s options; ``positional_model``: the model is the first argument (``serve MODEL``, as in vLLM)."""
+    add_model_options(parser, positional=positional_model)
+    add_option(parser, "--engines", type=int, default=1, metavar="N", help="engine groups (data parallel)")
+    add_option(parser, "--tensor-parallel", type=int, default=1, metavar="N", help="GPUs (ranks) per engine group")
+    parser.add_argument("--coordinator-port", type=int, default=None, metavar="PORT",
+                        help=f"coordinator port on 127.0.0.1, for `megatron-serve control` (default: {DEFAULT_PORT}, "
+                             "or a free port when it is taken; 0 = any free port)")
+    parser.add_argument("--routing", default="least_loaded", choices=["least_loaded", "round_robin", "prefix_affinity"],
+                        help="which engine group gets a request")
     parser.add_argument("--log-dir", metavar="DIR", help="where coordinator and engine logs go (default: a new "
                                                          "temporary directory)")
     parser.add_argument("--startup-timeout", type=float, default=600.0, metavar="S",
@@ -62,20 +69,43 @@ def run(args: argparse.Namespace) -> int:
     if args.tensor_parallel < 1:
         raise ValueError(f"--tensor-parallel must be >= 1, got {args.tensor_parallel}")
     check_server_options(args)
-    parse_port(args.coordinator_port, "--coordinator-port")
+    if args.coordinator_port is not None:
+        parse_port(args.coordinator_port, "--coordinator-port")
     config = inference_config_from_args(args, tensor_parallel_size=args.tensor_parallel)  # fails before any start
     api_key = read_api_key(args)
     token = read_token(args)
-    check_model_dir(args.model)
-    check_port_free("127.0.0.1", args.coordinator_port, "--coordinator-port")
-    return asyncio.run(_Stack(args, config, api_key, token).main())
+    resolve_model_args(args)  # a Hub id becomes its local directory before the directory is checked
+    check_model_dir(args.model, tokenizer=args.tokenizer is None)
+    if args.tokenizer is not None:
+        from ..tokenizer import check_tokenizer_files  # noqa: PLC0415
+
+        check_tokenizer_files(args.tokenizer)
+    files = ServingFiles.from_args(args)  # --chat-template and --generation-config, checked now
+    port, port_note = coordinator_port(args.coordinator_port)
+    return asyncio.run(_Stack(args, config, api_key, token, files, port, port_note).main())
 
 
-def _load_tokenizer(model_dir: str, served_name: str | None) -> tuple[Any, Any]:
+def coordinator_port(requested: int | None, host: str = "127.0.0.1") -> tuple[int, str]:
+    """The port to start the coordinator on, and a note for the user when it is not the one they would expect.
+
+    An explicit ``--coordinator-port`` is used as given (taken, it fails the start, as asked); the
+    default, 5555, gives way to a free port when something already listens there (another ``run``,
+    a deployment's coordinator), so that a first ``make run`` cannot trip over it.
+    """
+    if requested is not None:
+        check_port_free(host, requested, "--coordinator-port")
+        return requested, ""
+    try:
+        check_port_free(host, DEFAULT_PORT, "--coordinator-port")
+    except ValueError:
+        return 0, f" ({DEFAULT_PORT} is taken: using a free port)"
+    return DEFAULT_PORT, ""
+
+
+def _load_serving(args: argparse.Namespace, files: ServingFiles) -> tuple[Any, Any]:
     from ..server.modelinfo import ModelFacts  # noqa: PLC0415
-    from ..tokenizer import Tokenizer  # noqa: PLC0415
 
-    return ModelFacts.from_dir(model_dir, served_name), Tokenizer.from_pretrained(model_dir)
+    return ModelFacts.from_dir(args.model, args.served_model_name), files.load_tokenizer()
 
 
 def curl_example(url: str, model: str, api_key: bool) -> str:
@@ -87,17 +117,23 @@ def curl_example(url: str, model: str, api_key: bool) -> str:
 class _Stack:
     """One run of the whole stack; ``main()`` returns the exit code."""
 
-    def __init__(self, args: argparse.Namespace, config: Any, api_key: str | None, token: str | None) -> None:
+    def __init__(self, args: argparse.Namespace, config: Any, api_key: str | None, token: str | None,
+                 files: ServingFiles, coordinator_port: int, port_note: str) -> None:
         self.args = args
         self.config = config
         self.api_key = api_key
         self.token = token
+        self.files = files
+        self.coordinator_port = coordinator_port
+        self.port_note = port_note  # why the coordinator does not listen on 5555
         self.fleet: Any = None
         self.client: Any = None
         self.stop = asyncio.Event()
         self.signals = 0
         self.forced = False
         self.task: asyncio.Task | None = None
+        self.published: Path | None = None  # this run's file for `megatron-serve control`
+        self.endpoint = ""  # http://host:port/v1, once bound
 
     def _on_signal(self, signum: int) -> None:
         self.signals += 1
@@ -125,16 +161,20 @@ class _Stack:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, self._on_signal, sig)
-        from ..server.runner import bind_socket  # noqa: PLC0415
+        from ..server.runner import bind_socket, endpoint_url  # noqa: PLC0415
 
         from ..server.modelinfo import default_model_name  # noqa: PLC0415
 
         args = self.args
         name = args.served_model_name or default_model_name(args.model)
         sock = bind_socket(args.host, args.port)  # before any child starts: a busy port fails fast
+        self.endpoint = endpoint_url(sock) + "/v1"
         progress(1, f"model '{name}' from {args.model}")
+        defaults = self.files.generation_defaults
+        if defaults.values:
+            progress(None, defaults.describe())
         # The tokenizer loads here while the children load theirs: start-up is bounded by the slowest.
-        loading = asyncio.ensure_future(asyncio.to_thread(_load_tokenizer, args.model, args.served_model_name))
+        loading = asyncio.ensure_future(asyncio.to_thread(_load_serving, args, self.files))
         loading.add_done_callback(lambda f: f.cancelled() or f.exception())  # a failed start reports its own error
         try:
             startup = asyncio.ensure_future(self._start_fleet())
@@ -154,6 +194,8 @@ class _Stack:
             return 0
         finally:
             sock.close()
+            if self.published is not None:
+                local_runs.withdraw(self.published)
             await self._shutdown()
 
     async def _start_fleet(self) -> None:
@@ -162,18 +204,15 @@ class _Stack:
 
         args = self.args
         tp_args = ["--tensor-parallel", str(args.tensor_parallel)] if args.tensor_parallel > 1 else []
-        self.fleet = LocalFleet(args.model, args.engines, self.config, host="127.0.0.1", port=args.coordinator_port,
+        self.fleet = LocalFleet(args.model, args.engines, self.config, host="127.0.0.1", port=self.coordinator_port,
                                 token=self.token, routing=args.routing, drain_timeout=args.drain_timeout,
-                                log_dir=args.log_dir, engine_args=tp_args)
+                                log_dir=args.log_dir, engine_args=tp_args, tokenizer_dir=args.tokenizer)
         started = time.monotonic()
-        try:
-            address = await asyncio.to_thread(self.fleet.start, 60.0)
-        except RuntimeError as exc:
-            if "in use" in str(exc):
-                raise RuntimeError(f"{exc}\n(for `run`: pass another --coordinator-port, or 0 for any free port)") \
-                    from None
-            raise
-        progress(2, f"coordinator listening on {address} (logs in {self.fleet.log_dir})")
+        address = await asyncio.to_thread(self.fleet.start, 60.0)
+        progress(2, f"coordinator listening on {address}{self.port_note} (logs in {self.fleet.log_dir})")
+        self.published = local_runs.publish(local_runs.LocalRun(
+            pid=os.getpid(), coordinator=address, endpoint=self.endpoint, model=args.served_model_name or args.model,
+            token_required=self.token is not None))
         self.client = InferenceClient(address, token=self.token)
         await self.client.start(timeout=30.0)
         tp = f", tensor parallel {args.tensor_parallel}" if args.tensor_parallel > 1 else ""
@@ -209,7 +248,7 @@ class _Stack:
         app = create_app(self.client, tokenizer, facts.name, self.api_key, vocab_size=facts.vocab_size,
                          max_model_len=facts.max_model_len, max_concurrent_requests=args.max_concurrent_requests,
                          limits=read_limits(args), tokenizer_threads=args.tokenizer_threads,
-                         image_options=image_options(args))
+                         image_options=image_options(args), generation_defaults=self.files.generation_defaults)
 
         def started(url: str) -> None:
             progress(4, f"HTTP server listening on {url}{' (API key required)' if self.api_key else ''}")

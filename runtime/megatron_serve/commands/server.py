@@ -12,11 +12,15 @@ import asyncio
 import logging
 import signal
 import sys
+from dataclasses import dataclass
+from typing import Any
 
+from ..generation_config import GenerationDefaults
 from ..limits import RequestLimits
 from ..multimodal import ImageOptions
 from .inputs import check_model_dir, coordinator_address, parse_port
-from .options import add_log_option, add_token_option, read_secret, read_token, setup_logging
+from .model_options import add_model_options, resolve_model_args
+from .options import add_coordinator_option, add_log_option, add_token_option, read_secret, read_token, setup_logging
 
 logger = logging.getLogger("megatron_serve.server")
 
@@ -26,21 +30,32 @@ API_KEY_ENV = "MEGATRON_SERVE_API_KEY"  # the same name as megatron_serve.server
 def add_server_options(parser: argparse.ArgumentParser, default_host: str) -> None:
     """HTTP options shared by ``server`` and ``run``."""
     group = parser.add_argument_group("HTTP server")
-    group.add_argument("--host", default=default_host, help=f"interface to listen on (default: {default_host})")
-    group.add_argument("--port", type=int, default=8000, help="HTTP port (default: 8000; 0 = any free port)")
+    group.add_argument("--host", default=default_host, help="interface to listen on")
+    group.add_argument("--port", type=int, default=8000, help="HTTP port (0 = any free port)")
     group.add_argument("--served-model-name", metavar="NAME",
-                       help="the model name clients send (default: the model directory's name)")
-    group.add_argument("--api-key-file", metavar="PATH",
-                       help=f"require this key as 'Authorization: Bearer KEY' on /v1 (else ${API_KEY_ENV}; "
-                            "none = open)")
+                       help="the model name clients send (default: the Hub id, or the model directory's name)")
+    keys = group.add_mutually_exclusive_group()
+    keys.add_argument("--api-key-file", metavar="PATH",
+                      help=f"require the key in this file as 'Authorization: Bearer KEY' on /v1 (default: "
+                           f"${API_KEY_ENV}, else no key)")
+    keys.add_argument("--api-key", metavar="KEY",
+                      help="the same, with the key itself on the command line, as in vLLM (visible to `ps`: "
+                           "prefer --api-key-file)")
     group.add_argument("--max-concurrent-requests", type=int, default=None, metavar="N",
-                       help="queue limit: engine requests this server holds at once; more are answered 429")
+                       help="queue limit: engine requests this server holds at once; more are answered 429 "
+                            "(default: no limit)")
     group.add_argument("--read-timeout", type=float, default=60.0, metavar="S",
                        help="a request (headers and body) must arrive within this many seconds of its first byte, "
                             "else 408 and the connection is closed (slow clients cannot hold connections)")
     group.add_argument("--tokenizer-threads", type=int, default=None, metavar="N",
                        help="threads that tokenize prompts and render chat templates, off the event loop "
                             "(default: up to 4)")
+    group.add_argument("--chat-template", metavar="FILE|TEMPLATE", default=None,
+                       help="Jinja chat template for /v1/chat/completions, as a file or inline (default: the "
+                            "tokenizer's own)")
+    group.add_argument("--generation-config", metavar="auto|none|DIR", default="auto",
+                       help="sampling defaults for fields a request leaves out: auto = the model's "
+                            "generation_config.json, none = ignore it, DIR = that directory's file")
     limits = parser.add_argument_group("request limits", "what one request may carry; beyond it, 400 or 413 "
                                                          "before any work is done")
     defaults = RequestLimits()
@@ -71,7 +86,11 @@ def read_limits(args: argparse.Namespace) -> RequestLimits:
 
 
 def read_api_key(args: argparse.Namespace) -> str | None:
-    """The API key from ``--api-key-file``, else ``$MEGATRON_SERVE_API_KEY``, else ``None`` (no key)."""
+    """The API key from ``--api-key``, else ``--api-key-file``, else ``$MEGATRON_SERVE_API_KEY``, else ``None``."""
+    if args.api_key is not None:
+        if not args.api_key.strip():
+            raise ValueError("--api-key is empty")
+        return args.api_key.strip()
     return read_secret(args, "api_key_file", "--api-key-file", API_KEY_ENV)
 
 
@@ -87,10 +106,35 @@ def check_server_options(args: argparse.Namespace) -> None:
     image_options(args)
 
 
+@dataclass(frozen=True)
+class ServingFiles:
+    """What the HTTP server reads besides the model's limits, checked before any process starts:
+    the tokenizer's directory, ``--chat-template`` and the ``--generation-config`` defaults."""
+
+    tokenizer_dir: str
+    chat_template: str | None
+    generation_defaults: GenerationDefaults
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> "ServingFiles":
+        """Read and check the template and the defaults (fast: no tokenizer is loaded yet); logs what applies."""
+        from ..tokenizer import load_chat_template  # noqa: PLC0415
+
+        template = load_chat_template(args.chat_template) if args.chat_template is not None else None
+        defaults = GenerationDefaults.load(args.generation_config, args.model)
+        logger.info("%s", defaults.describe())
+        return cls(args.tokenizer or args.model, template, defaults)
+
+    def load_tokenizer(self) -> Any:
+        from ..tokenizer import Tokenizer  # noqa: PLC0415 - transformers: only when serving
+
+        return Tokenizer.from_pretrained(self.tokenizer_dir, chat_template=self.chat_template)
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", required=True, metavar="DIR",
-                        help="model directory (its tokenizer and config.json are read; no weights are loaded)")
-    parser.add_argument("--coordinator", required=True, metavar="ADDRESS", help="e.g. tcp://127.0.0.1:5555")
+    add_model_options(parser, what="the model: a directory or a Hub id (its tokenizer and config.json are read; no "
+                                   "weights are loaded)")
+    add_coordinator_option(parser)
     add_server_options(parser, default_host="0.0.0.0")
     add_token_option(parser)
     add_log_option(parser)
@@ -100,21 +144,23 @@ def run(args: argparse.Namespace) -> int:
     setup_logging(args.log_level)
     args.coordinator = coordinator_address(args.coordinator)
     check_server_options(args)
-    check_model_dir(args.model, weights=False)
     api_key = read_api_key(args)
     token = read_token(args)
+    resolve_model_args(args)  # a Hub id becomes its local directory before the directory is checked
+    check_model_dir(args.model, weights=False, tokenizer=args.tokenizer is None)
     from ..server.modelinfo import ModelFacts  # noqa: PLC0415 - keep --help fast
     from ..server.runner import bind_socket  # noqa: PLC0415
-    from ..tokenizer import Tokenizer  # noqa: PLC0415
 
+    files = ServingFiles.from_args(args)
     facts = ModelFacts.from_dir(args.model, args.served_model_name)
-    tokenizer = Tokenizer.from_pretrained(args.model)
+    tokenizer = files.load_tokenizer()
     sock = bind_socket(args.host, args.port)
-    asyncio.run(_serve(args, facts, tokenizer, sock, api_key, token))
+    asyncio.run(_serve(args, facts, files, tokenizer, sock, api_key, token))
     return 0
 
 
-async def _serve(args: argparse.Namespace, facts, tokenizer, sock, api_key: str | None, token: str | None) -> None:
+async def _serve(args: argparse.Namespace, facts: Any, files: ServingFiles, tokenizer: Any, sock: Any,
+                 api_key: str | None, token: str | None) -> None:
     from ..client import InferenceClient  # noqa: PLC0415
     from ..server.app import create_app  # noqa: PLC0415
     from ..server.runner import freeze_startup_heap, serve_app  # noqa: PLC0415
@@ -123,7 +169,7 @@ async def _serve(args: argparse.Namespace, facts, tokenizer, sock, api_key: str 
     app = create_app(client, tokenizer, facts.name, api_key, vocab_size=facts.vocab_size,
                      max_model_len=facts.max_model_len, max_concurrent_requests=args.max_concurrent_requests,
                      limits=read_limits(args), tokenizer_threads=args.tokenizer_threads,
-                     image_options=image_options(args))
+                     image_options=image_options(args), generation_defaults=files.generation_defaults)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):

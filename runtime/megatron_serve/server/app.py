@@ -29,6 +29,7 @@ from ..limits import RequestLimits
 from ..multimodal import ImageOptions
 
 from .. import __version__
+from ..generation_config import GenerationDefaults
 from .chat import ChatHandler
 from .completions import CompletionHandler
 from .context import ServerContext
@@ -75,8 +76,8 @@ _SSE_EVENT_SCHEMA = {
 
 
 def _error_responses(codes: list[int]) -> dict[int | str, dict[str, Any]]:
-    meaning = {400: "invalid request (bad parameter, unknown parameter, unknown model, prompt longer than the "
-                    "context, over a request limit)",
+    meaning = {400: "invalid request (bad parameter, unknown parameter, prompt longer than the context, over a "
+                    "request limit)",
                401: "missing or wrong API key", 404: "no such model", 429: "the server's queue is full",
                413: "the request body is larger than the server accepts (--max-request-bytes)",
                500: "the engine failed", 503: "the fleet is stopped or the coordinator is unreachable"}
@@ -92,6 +93,7 @@ def create_app(
     vocab_size: int | None = None,
     max_model_len: int | None = None,
     max_concurrent_requests: int | None = None,
+    generation_defaults: GenerationDefaults | None = None,
     status_interval: float = 0.5,
     limits: RequestLimits | None = None,
     tokenizer_threads: int | None = None,
@@ -105,6 +107,8 @@ def create_app(
     ``limits``: what one request may carry (default :class:`~megatron_serve.limits.RequestLimits()`);
     ``tokenizer_threads``: worker threads for tokenization and chat templates (default up to 4);
     ``image_options``: how the ``image_url`` parts of chats are fetched (vision-language models).
+    ``generation_defaults``: sampling values for fields a request leaves out (the model's
+    ``generation_config.json``; see :mod:`megatron_serve.generation_config`).
     The backend is started by the app (in the background) if it is not started yet, but never
     closed by it: whoever made the backend closes it.
     """
@@ -115,7 +119,8 @@ def create_app(
     ctx = ServerContext(backend=backend, tokenizer=tokenizer, model_name=model_name, monitor=monitor, metrics=metrics,
                         pending=pending, limits=limits, workers=Workers(tokenizer_threads), vocab_size=vocab_size,
                         default_max_model_len=max_model_len, images=image_options or ImageOptions(),
-                        tool_parser=parser_for_template(getattr(tokenizer, "chat_template", None)))
+                        tool_parser=parser_for_template(getattr(tokenizer, "chat_template", None)),
+                        generation_defaults=generation_defaults or GenerationDefaults())
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
@@ -139,7 +144,7 @@ def create_app(
     app.add_middleware(_HTTPMetricsMiddleware, metrics=metrics)
 
     api_dependencies = []
-    error_codes = [400, 413, 429, 500, 503]
+    error_codes = [400, 404, 413, 429, 500, 503]
     if api_key:
         bearer = HTTPBearer(auto_error=False, description="the server's API key, as `Authorization: Bearer KEY`")
         expected = api_key.encode()

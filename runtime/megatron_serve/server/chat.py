@@ -93,12 +93,13 @@ class ChatHandler:
         top_n = max(self.top, req.prompt_logprobs or 0)
         requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         tokens_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
-        max_tokens = resolve_max_tokens(len(self.prompt.tokens), requested, None, max_len,
+        default_tokens = ctx.generation_defaults.get("num_tokens_to_generate", None)  # None: the rest of the context
+        max_tokens = resolve_max_tokens(len(self.prompt.tokens), requested, default_tokens, max_len,
                                         prompt_param="messages", tokens_param=tokens_param)
 
         def params_for(_prompt: Prompt, choice: int):
             return sampling_params(req, max_tokens=max_tokens, logprobs=self.want_logprobs, top_logprobs=top_n,
-                                   choice=choice, extra=extra)
+                                   choice=choice, defaults=ctx.generation_defaults, extra=extra)
 
         self.jobs = make_jobs([self.prompt], self.n, params_for)
 

@@ -90,12 +90,13 @@ class CompletionHandler:
                          prompt_log_probs=self.echo_logprobs or req.prompt_logprobs is not None)
         self.prompts = completion_prompts(req, ctx.tokenizer, ctx.vocab_size, max_len)
         top_n = max(self.top, req.prompt_logprobs or 0)
+        default_tokens = ctx.generation_defaults.get("num_tokens_to_generate", DEFAULT_COMPLETION_TOKENS)
 
         def params_for(prompt: Prompt, choice: int):
-            max_tokens = resolve_max_tokens(len(prompt.tokens), req.max_tokens, DEFAULT_COMPLETION_TOKENS, max_len,
+            max_tokens = resolve_max_tokens(len(prompt.tokens), req.max_tokens, default_tokens, max_len,
                                             prompt_param="prompt", tokens_param="max_tokens")
             return sampling_params(req, max_tokens=max_tokens, logprobs=self.want_logprobs, top_logprobs=top_n,
-                                   choice=choice, extra=extra)
+                                   choice=choice, defaults=ctx.generation_defaults, extra=extra)
 
         self.jobs = make_jobs(self.prompts, self.n, params_for)
 

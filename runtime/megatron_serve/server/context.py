@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..generation_config import GenerationDefaults
 from ..limits import RequestLimits
 from ..multimodal import ImageOptions
 from .errors import shutting_down
@@ -30,6 +31,7 @@ class ServerContext:
     vocab_size: int | None = None
     default_max_model_len: int | None = None  # from config.json, until engines report theirs
     tool_parser: str | None = None  # tool-call format read from outputs with tool_choice "auto"
+    generation_defaults: GenerationDefaults = field(default_factory=GenerationDefaults)  # generation_config.json
     created: int = field(default_factory=lambda: int(time.time()))
     #: Set when the server stops: what it holds is answered with 503 at once, new requests get 503.
     stopping: asyncio.Event = field(default_factory=asyncio.Event)

@@ -1,7 +1,8 @@
 """From an OpenAI request body to engine requests: prompts as token ids and ``SamplingParams``.
 
 Everything a request can get wrong is found here, before anything is submitted, and answered
-with a 400 that names the parameter: an unknown model, a prompt that does not fit the context,
+with a 400 that names the parameter (a 404 for an unknown model, as OpenAI and vLLM answer): a prompt
+that does not fit the context,
 token ids outside the vocabulary, parameters this server cannot honour. The engine would refuse
 some of these too, but only after a round trip through the coordinator and without a status code.
 
@@ -15,6 +16,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..generation_config import GenerationDefaults
 from ..multimodal import PromptImage
 from ..sampling_params import SamplingParams, StructuredOutputsParams
 from ..structured_output import grammar_error
@@ -63,7 +65,7 @@ class EngineJob:
 
 def check_model(requested: str, served: list[str]) -> None:
     if requested not in served:
-        raise APIError(400, f"the model '{requested}' does not exist here; this server serves "
+        raise APIError(404, f"The model '{requested}' does not exist here; this server serves "
                             f"{', '.join(repr(n) for n in served)} (see GET /v1/models)",
                        param="model", code="model_not_found")
 
@@ -290,13 +292,17 @@ _PARAM_NAMES = {"num_tokens_to_generate": "max_tokens", "stop_words": "stop", "t
 
 def controls(req: _SamplingRequest, vocab_size: int | None, constraint: StructuredOutputsParams | None,
              prompt_log_probs: bool = False) -> dict[str, object]:
-    """The ``SamplingParams`` fields of the logit controls, output constraint and prompt scoring of a request."""
+    """The ``SamplingParams`` fields of the logit controls, output constraint and prompt scoring of a request.
+
+    ``min_p`` and ``repetition_penalty`` stay ``None`` when the request leaves them out, so that the
+    model's ``generation_config.json`` values (see ``sampling_params``) can apply.
+    """
     return {
         "presence_penalty": req.presence_penalty or 0.0,
         "frequency_penalty": req.frequency_penalty or 0.0,
-        "repetition_penalty": 1.0 if req.repetition_penalty is None else req.repetition_penalty,
+        "repetition_penalty": req.repetition_penalty,
         "logit_bias": _logit_bias(req, vocab_size),
-        "min_p": req.min_p or 0.0,
+        "min_p": req.min_p,
         "min_tokens": req.min_tokens or 0,
         "stop_token_ids": list(req.stop_token_ids or []),
         "structured_outputs": constraint,
@@ -305,19 +311,23 @@ def controls(req: _SamplingRequest, vocab_size: int | None, constraint: Structur
 
 
 def sampling_params(req: _SamplingRequest, *, max_tokens: int, logprobs: bool, top_logprobs: int,
-                    choice: int, extra: dict[str, object] | None = None) -> SamplingParams:
-    """The engine's ``SamplingParams`` for choice number ``choice`` (seeds differ per choice)."""
+                    choice: int, defaults: GenerationDefaults,
+                    extra: dict[str, object] | None = None) -> SamplingParams:
+    """The engine's ``SamplingParams`` for choice number ``choice`` (seeds differ per choice).
+
+    A field the request leaves out takes the model's default (``defaults``, from its
+    ``generation_config.json``), else ``SamplingParams``' own, which are OpenAI's.
+    ``extra``: the logit controls and output constraint (see ``controls``).
+    """
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     seed = None
     if req.seed is not None:
         seed = (req.seed + choice) % 2**63  # n seeded choices must still differ from each other
-    top_k = req.top_k if req.top_k is not None and req.top_k > 0 else 0
-    temperature = 1.0 if req.temperature is None else float(req.temperature)
-    top_p = 1.0 if req.top_p is None else float(req.top_p)
+    top_k = None if req.top_k is None else max(req.top_k, 0)  # -1 and 0 both mean off
     try:
-        return SamplingParams(
-            temperature=temperature,
-            top_p=top_p,
+        return defaults.sampling_params(
+            temperature=None if req.temperature is None else float(req.temperature),
+            top_p=None if req.top_p is None else float(req.top_p),
             top_k=top_k,
             num_tokens_to_generate=max_tokens,
             stop_words=stop,

@@ -1,0 +1,46 @@
+"""Where a command's model comes from: ``--model`` (a directory or a Hub id), ``--tokenizer``, ``--revision``.
+
+:func:`resolve_model_args` turns Hub ids into local directories (cache first, then a download
+with progress; :mod:`megatron_serve.hub`) and runs before anything checks the model directory or
+starts a process, so that every later step, and every child process, sees plain directories.
+A model served from a Hub id is named by the id (``Qwen/Qwen3-0.6B``), as in vLLM, not by the
+snapshot directory.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+MODEL_METAVAR = "DIR|ORG/NAME[@REV]"
+
+
+def add_model_options(parser: argparse.ArgumentParser, *, positional: bool = False,
+                      what: str = "the model: a Hugging Face model directory, or a Hub id (cached, else downloaded)",
+                      tokenizer: bool = True) -> None:
+    """``--model`` (or a positional ``model`` for ``serve``), ``--revision`` and, with ``tokenizer``, ``--tokenizer``."""
+    if positional:
+        parser.add_argument("model", metavar=MODEL_METAVAR, help=what)
+    else:
+        parser.add_argument("--model", required=True, metavar=MODEL_METAVAR, help=what)
+    parser.add_argument("--revision", metavar="REV", default=None,
+                        help="Hub branch, tag or commit of a Hub id (default: main; same as ORG/NAME@REV)")
+    if tokenizer:
+        parser.add_argument("--tokenizer", metavar=MODEL_METAVAR, default=None,
+                            help="take the tokenizer files from here instead (default: the model's own)")
+
+
+def resolve_model_args(args: argparse.Namespace) -> None:
+    """Replace Hub ids in ``args.model`` / ``args.tokenizer`` by their local directories (in place).
+
+    When the model was a Hub id and the command serves a name (``--served-model-name``), the id
+    becomes the default name.
+    """
+    from ..hub import parse_hub_id, resolve_model  # noqa: PLC0415
+
+    given = args.model
+    args.model = str(resolve_model(given, revision=args.revision))
+    hub = parse_hub_id(given)
+    if hub is not None and args.model != given and getattr(args, "served_model_name", "") is None:
+        args.served_model_name = hub.repo_id
+    if getattr(args, "tokenizer", None) is not None:
+        args.tokenizer = str(resolve_model(args.tokenizer))
