@@ -91,8 +91,12 @@ def _gpus_rule(spec: dict[str, Any]) -> bool:
     return ranks % gpus == 0 or gpus % ranks == 0
 
 
+#: A Hugging Face Hub id with an optional revision (``megatron_serve.hub`` reads the same shape).
+HUB_ID_PATTERN = r"^[A-Za-z0-9]([A-Za-z0-9_.-]*[A-Za-z0-9])?/[A-Za-z0-9_.-]*[A-Za-z0-9_](@[A-Za-z0-9_./-]+)?$"
+
+
 def _model_path_rule(model: dict[str, Any]) -> bool:
-    if "volume" not in model:
+    if "path" not in model or ("volume" not in model and "hub" not in model):
         return True
     mount = model.get("mountPath", "/models")
     path = model["path"]
@@ -128,9 +132,22 @@ CEL_RULES: list[tuple[str, str, str, CelCheck]] = [
     ),
     (
         "spec.model",
-        "!has(self.volume) || self.path == self.mountPath || self.path.startsWith(self.mountPath + '/')",
-        "model.path must lie inside model.mountPath when model.volume is set",
+        "!has(self.path) || (!has(self.volume) && !has(self.hub)) || self.path == self.mountPath"
+        " || self.path.startsWith(self.mountPath + '/')",
+        "model.path must lie inside model.mountPath when model.volume or model.hub is set",
         _model_path_rule,
+    ),
+    (
+        "spec.model",
+        "has(self.path) || has(self.hub)",
+        "model needs path (a model directory in the pods) or hub (a Hugging Face Hub id to fetch)",
+        lambda model: "path" in model or "hub" in model,
+    ),
+    (
+        "spec.model",
+        "!has(self.hubTokenSecretRef) || has(self.hub)",
+        "model.hubTokenSecretRef applies to model.hub only",
+        lambda model: "hubTokenSecretRef" not in model or "hub" in model,
     ),
     (
         "spec.model",
@@ -152,12 +169,27 @@ def _rules_for(path: str) -> list[dict[str, str]]:
 
 def spec_schema() -> dict[str, Any]:
     model = _obj(
-        "The Hugging Face model directory the engines serve.",
+        "The Hugging Face model the engines serve: a directory in the pods (path), or a Hub id (hub) that an init "
+        "container of every pod fetches into the model volume.",
         {
-            "path": _str("Absolute path of the HF model directory inside the pods (inside mountPath when volume is set).",
+            "path": _str("Absolute path of the HF model directory inside the pods (inside mountPath when volume or "
+                         "hub is set). With hub, where the files are fetched to (default: "
+                         "<mountPath>/<org>/<name>[@<revision>]).",
                          minLength=1, maxLength=4096, pattern="^/"),
+            "hub": _str("Hugging Face Hub id, org/name or org/name@revision (branch, tag or commit): an init "
+                        "container (`megatron-serve download`) fetches it into the model volume before the "
+                        "coordinator and engines start. Without volume, each pod fetches into its own emptyDir; "
+                        "a writable shared volume (e.g. a ReadWriteMany PVC) fetches once.",
+                        maxLength=300, pattern=HUB_ID_PATTERN),
+            "hubTokenSecretRef": _obj(
+                "Secret key holding an HF_TOKEN for gated or private Hub models.",
+                {"name": _str("Secret name.", minLength=1, maxLength=253),
+                 "key": _str("Key in the Secret.", minLength=1, maxLength=253)},
+                required=["name", "key"],
+            ),
             "volume": _free("Any Kubernetes volume source holding the model, e.g. "
-                            "{persistentVolumeClaim: {claimName: models}}; mounted read-only at mountPath."),
+                            "{persistentVolumeClaim: {claimName: models}}; mounted read-only at mountPath (the "
+                            "hub init container mounts it writable)."),
             "mountPath": _str("Where the model volume is mounted.", default="/models",
                               minLength=1, maxLength=1024, pattern="^/"),
             "dtype": _str("Weight and activation dtype.", enum=list(DTYPES), default="bfloat16"),
@@ -167,7 +199,6 @@ def spec_schema() -> dict[str, Any]:
                              "UNPAUSE) when the architecture is unchanged, else rolls the pods.",
                              maxLength=253),
         },
-        required=["path"],
     )
     model["x-kubernetes-validations"] = _rules_for("spec.model")
     parallelism = _obj(
@@ -293,11 +324,13 @@ def status_schema() -> dict[str, Any]:
             "model": _obj("The weights being served.", {
                 "path": _str("spec.model.path of the weights the engines serve."),
                 "revision": _str("spec.model.revision of those weights."),
+                "hub": _str("spec.model.hub the weights were fetched from (absent: none)."),
                 "epoch": {"type": "integer", "format": "int64", "minimum": 0,
                           "description": "Weights generation set by the last in-place refit (0: as started)."},
                 "refittedAt": _str("When the last in-place refit was acknowledged.", format="date-time"),
                 "templatePath": _str("Model path in the pod templates: engines that start load it, then the "
                                      "coordinator's current weights. Changes only when pods must roll."),
+                "templateHub": _str("spec.model.hub the pod templates fetch into templatePath (absent: none)."),
             }),
             "endpoint": _str("OpenAI base URL inside the cluster."),
             "selector": _str("Label selector of engine pods (for the scale subresource)."),

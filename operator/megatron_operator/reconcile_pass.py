@@ -126,7 +126,8 @@ async def _pass(resource: Mapping[str, Any], state: ResourceState, kube: Kube, c
         await state.links.drop()
         link = None
     obs.model = state.model = weights.model
-    rendered = dataclasses.replace(spec, model_path=weights.model["templatePath"])
+    rendered = dataclasses.replace(spec, model_path=weights.model["templatePath"],
+                                   model_hub=weights.model.get("templateHub"))
     desired = render.render_spec(rendered, config, token=token, engines_stopped=engines_stopped)
     children = await Reconciler(kube).children(desired, name=name, namespace=namespace, uid=uid, data=spec.data)
     events.extend(children.events)

@@ -7,6 +7,8 @@ coordinator's current ones.
 
 * A changed ``spec.model.path``/``revision`` on a fleet that serves (coordinator reachable, an
   engine connected, not shutting down) is refitted in place: PAUSE (if running), REFIT, UNPAUSE.
+* A new ``spec.model.hub`` is not: its files exist only in pods whose init container fetched them,
+  so the template takes it (``templateHub``) and the pods roll.
 * If an engine refuses the weights (another architecture), the fleet keeps the old ones and the
   template takes the new path instead: the usual drain-first rolling replacement.
 * With nothing serving, the template takes the new path at once.
@@ -49,18 +51,21 @@ def recorded_model(previous_status: dict[str, Any], spec: InferenceSpec,
 
 
 def started_with(spec: InferenceSpec) -> dict[str, Any]:
-    """``status.model`` of pods (re)started from the spec's model: the template carries its path."""
+    """``status.model`` of pods (re)started from the spec's model: the template carries its path (and the Hub
+    id its init container fetches there)."""
     model: dict[str, Any] = {"path": spec.model_path, "epoch": 0, "templatePath": spec.model_path}
     if spec.model_revision is not None:
         model["revision"] = spec.model_revision
+    if spec.model_hub is not None:
+        model["hub"] = model["templateHub"] = spec.model_hub
     return model
 
 
 async def sync_weights(link: CoordinatorLink | None, spec: InferenceSpec, model: dict[str, Any], state: str | None,
                        coordinator_status: dict[str, Any] | None, target: str, command_timeout: float) -> Weights:
     """Serve the spec's weights (see the module docstring); ``model`` is the recorded ``status.model``."""
-    wanted = (spec.model_path, spec.model_revision)
-    changed = (model.get("path"), model.get("revision")) != wanted
+    wanted = (spec.model_path, spec.model_revision, spec.model_hub)
+    changed = (model.get("path"), model.get("revision"), model.get("hub")) != wanted
     reply = coordinator_status or {}
     fleet_epoch = reply.get("epoch")
     serving = (link is not None and target != lifecycle.STOPPED
@@ -81,7 +86,7 @@ async def sync_weights(link: CoordinatorLink | None, spec: InferenceSpec, model:
         return result
     if link is None:
         return result  # the coordinator is unreachable: decide once it answers
-    if not serving:
+    if not serving or spec.model_hub:  # new Hub files reach only pods that start (their init container fetches)
         return Weights(started_with(spec))
     epoch = max(epoch, fleet_epoch if isinstance(fleet_epoch, int) else 0) + 1
     try:
@@ -96,6 +101,8 @@ async def sync_weights(link: CoordinatorLink | None, spec: InferenceSpec, model:
     detail = ack.get("detail") or {}
     new = {**started_with(spec), "epoch": int(detail.get("epoch", epoch)), "refittedAt": status.now_iso(),
            "templatePath": model["templatePath"]}
+    if model.get("templateHub"):  # the pods keep fetching what their template fetches
+        new["templateHub"] = model["templateHub"]
     engines = detail.get("engines") or {}
     slowest = max((float(f.get("total_s") or 0.0) for f in engines.values() if isinstance(f, dict)), default=0.0)
     revision = f" (revision {spec.model_revision})" if spec.model_revision else ""

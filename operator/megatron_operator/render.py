@@ -149,10 +149,39 @@ def _base_env(spec: InferenceSpec) -> list[dict[str, Any]]:
 def _volumes(spec: InferenceSpec) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     volumes: list[dict[str, Any]] = [{"name": "tmp", "emptyDir": {}}]
     mounts: list[dict[str, Any]] = [{"name": "tmp", "mountPath": "/tmp"}]
-    if spec.model_volume:
-        volumes.append({"name": "model", **spec.model_volume})
+    if spec.model_volume or spec.model_hub:
+        # A Hub model without a volume of its own is fetched into each pod's emptyDir.
+        volumes.append({"name": "model", **(spec.model_volume or {"emptyDir": {}})})
         mounts.append({"name": "model", "mountPath": spec.model_mount_path, "readOnly": True})
     return volumes, mounts
+
+
+def _init(spec: InferenceSpec, config: OperatorConfig, weights: bool = True) -> dict[str, Any]:
+    """The pod's ``initContainers``: ``fetch-model`` when ``spec.model.hub`` is set, else none (the field is absent,
+    so templates without a hub stay unchanged). The same image runs ``megatron-serve download`` into the model
+    volume (writable here only), online (the image is offline otherwise), with ``HF_TOKEN`` when given; without
+    ``weights`` (the coordinator pod reads only config and tokenizer) it skips the safetensors."""
+    if not spec.model_hub:
+        return {}
+    env = [
+        {"name": "HOME", "value": "/tmp"},
+        {"name": "HF_HOME", "value": "/tmp/.cache/huggingface"},
+        {"name": "HF_HUB_OFFLINE", "value": "0"},
+        {"name": "PYTHONUNBUFFERED", "value": "1"},
+    ]
+    if spec.hub_token_secret_ref:
+        env.append({"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {
+            "name": spec.hub_token_secret_ref["name"], "key": spec.hub_token_secret_ref["key"]}}})
+    return {"initContainers": [{
+        "name": "fetch-model",
+        **_image_fields(spec, config),
+        "args": ["download", spec.model_hub, "--local-dir", spec.model_path, *([] if weights else ["--skip-weights"])],
+        "env": env,
+        "resources": DEFAULT_SIDE_RESOURCES,
+        "securityContext": _container_security(),
+        "volumeMounts": [{"name": "tmp", "mountPath": "/tmp"},
+                         {"name": "model", "mountPath": spec.model_mount_path}],
+    }]}
 
 
 def _image_fields(spec: InferenceSpec, config: OperatorConfig) -> dict[str, Any]:
@@ -177,6 +206,11 @@ def _pod_common(spec: InferenceSpec) -> dict[str, Any]:
 def _model_flags(spec: InferenceSpec) -> list[str]:
     flags = ["--model", spec.model_path]
     return flags
+
+
+def _served_name(spec: InferenceSpec) -> list[str]:
+    """A Hub model is served under its id (``Qwen/Qwen3-0.6B``), as vLLM does, not its directory's name."""
+    return ["--served-model-name", spec.model_hub.split("@", 1)[0]] if spec.model_hub else []
 
 
 def _engine_flags(spec: InferenceSpec) -> list[str]:
@@ -285,7 +319,7 @@ def render_coordinator_deployment(spec: InferenceSpec, config: OperatorConfig) -
         "name": "server",
         **image,
         "args": ["server", *_model_flags(spec), "--coordinator", f"tcp://127.0.0.1:{COORDINATOR_PORT}",
-                 "--host", "0.0.0.0", "--port", str(spec.server_port)]
+                 "--host", "0.0.0.0", "--port", str(spec.server_port), *_served_name(spec)]
                 # on by default; the flag only when off, so existing pod templates stay unchanged
                 + ([] if spec.remote_images else ["--no-remote-images"]),
         "env": server_env,
@@ -311,7 +345,8 @@ def render_coordinator_deployment(spec: InferenceSpec, config: OperatorConfig) -
             "selector": {"matchLabels": selector_labels(spec.name, "coordinator")},
             "template": {
                 "metadata": {"labels": labels(spec.name, "coordinator")},
-                "spec": {**_pod_common(spec), "containers": [coordinator, server], "volumes": volumes},
+                "spec": {**_pod_common(spec), **_init(spec, config, weights=False), "containers": [coordinator, server],
+                         "volumes": volumes},
             },
         },
     }
@@ -405,7 +440,8 @@ def render_engine_statefulset(spec: InferenceSpec, group: int, config: OperatorC
         "securityContext": _container_security(),
         "volumeMounts": mounts,
     })
-    pod_spec: dict[str, Any] = {**_pod_common(spec), "containers": [container], "volumes": volumes}
+    pod_spec: dict[str, Any] = {**_pod_common(spec), **_init(spec, config), "containers": [container],
+                                "volumes": volumes}
     if spec.node_selector:
         pod_spec["nodeSelector"] = dict(spec.node_selector)
     if spec.tolerations:

@@ -192,6 +192,8 @@ class InferenceSpec:
     image_pull_policy: str | None
     image_pull_secrets: list[dict[str, Any]]
     model_path: str
+    model_hub: str | None  # a Hub id an init container fetches into model_path
+    hub_token_secret_ref: dict[str, str] | None
     model_volume: dict[str, Any] | None
     model_mount_path: str
     model_revision: str | None
@@ -236,6 +238,11 @@ class InferenceSpec:
         return math.ceil(self.ranks_per_group / self.gpus_per_pod)
 
 
+def hub_model_path(mount_path: str, hub: str) -> str:
+    """Where a Hub model is fetched when ``spec.model.path`` is not given: ``<mount>/<org>/<name>[@<revision>]``."""
+    return f"{mount_path.rstrip('/')}/{hub}"
+
+
 def parse(resource: dict[str, Any], default_namespace: str = "default") -> InferenceSpec:
     """Validate and default ``resource``; raise :class:`SpecError` listing every problem."""
     obj = validate(resource)
@@ -252,7 +259,9 @@ def parse(resource: dict[str, Any], default_namespace: str = "default") -> Infer
         image=spec.get("image"),
         image_pull_policy=spec.get("imagePullPolicy"),
         image_pull_secrets=list(spec.get("imagePullSecrets", [])),
-        model_path=model["path"],
+        model_path=model.get("path") or hub_model_path(model["mountPath"], model["hub"]),
+        model_hub=model.get("hub"),
+        hub_token_secret_ref=model.get("hubTokenSecretRef"),
         model_volume=model.get("volume"),
         model_mount_path=model["mountPath"],
         model_revision=model.get("revision"),

@@ -24,7 +24,9 @@ from pathlib import Path
 from typing import NoReturn
 
 #: What a served model needs from a repository: no ``*.bin``/``*.pth`` duplicates, no GGUF/ONNX.
-ALLOW_PATTERNS = ("*.json", "*.safetensors", "*.model", "*.tiktoken", "*.txt", "*.jinja")
+#: The weights are the ``*.safetensors``; the rest is what the coordinator and the server read.
+WEIGHT_PATTERNS = ("*.safetensors",)
+ALLOW_PATTERNS = ("*.json", "*.model", "*.tiktoken", "*.txt", "*.jinja", *WEIGHT_PATTERNS)
 
 # org/name as the Hub accepts them (no "--" or ".." inside, which the Hub refuses too), then an
 # optional @revision: a branch, a tag or a commit hash.
@@ -87,8 +89,12 @@ def resolve_model(model: str | os.PathLike, *, revision: str | None = None, cach
     return fetch(hub, cache_dir=cache_dir) if download else _missing(hub, cache_dir, "it is not downloaded here")
 
 
-def fetch(hub: HubId, *, cache_dir: str | os.PathLike | None = None, local_dir: str | os.PathLike | None = None) -> Path:
-    """Download ``hub`` (with progress bars) into the cache, or into ``local_dir``; returns its directory."""
+def fetch(hub: HubId, *, cache_dir: str | os.PathLike | None = None, local_dir: str | os.PathLike | None = None,
+          weights: bool = True) -> Path:
+    """Download ``hub`` (with progress bars) into the cache, or into ``local_dir``; returns its directory.
+
+    ``weights=False`` leaves out the safetensors (a coordinator pod reads only config and tokenizer).
+    """
     from huggingface_hub import constants, snapshot_download  # noqa: PLC0415 - only when a Hub id is used
     from huggingface_hub.errors import (  # noqa: PLC0415
         GatedRepoError,
@@ -100,9 +106,10 @@ def fetch(hub: HubId, *, cache_dir: str | os.PathLike | None = None, local_dir: 
 
     if constants.HF_HUB_OFFLINE:
         return _missing(hub, cache_dir, "HF_HUB_OFFLINE is set")
+    patterns = [p for p in ALLOW_PATTERNS if weights or p not in WEIGHT_PATTERNS]
     try:
         return Path(snapshot_download(hub.repo_id, revision=hub.revision, cache_dir=cache_dir, local_dir=local_dir,
-                                      allow_patterns=list(ALLOW_PATTERNS)))
+                                      allow_patterns=patterns))
     except GatedRepoError:
         raise ModelNotFoundError(f"{hub} is gated on the Hugging Face Hub: accept its terms on https://huggingface.co/"
                                  f"{hub.repo_id} and set HF_TOKEN (or run `hf auth login`)") from None

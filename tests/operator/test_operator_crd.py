@@ -152,7 +152,15 @@ BAD = {
     "relative model path": (lambda d: d["spec"]["model"].update(path="models/x"),
                             "spec.model.path: must be an absolute path, got 'models/x'"),
     "model outside the volume": (lambda d: d["spec"]["model"].update(path="/data/x"),
-                                 "spec.model: model.path must lie inside model.mountPath when model.volume is set"),
+                                 "spec.model: model.path must lie inside model.mountPath when model.volume or "
+                                 "model.hub is set"),
+    "neither path nor hub": (lambda d: d["spec"]["model"].pop("path"),
+                             "spec.model: model needs path (a model directory in the pods) or hub"),
+    "hub token without hub": (lambda d: d["spec"]["model"].update(hubTokenSecretRef={"name": "a", "key": "b"}),
+                              "spec.model: model.hubTokenSecretRef applies to model.hub only"),
+    "hub id that is a path": (lambda d: d["spec"]["model"].update(hub="/models/x"), "spec.model.hub: must match"),
+    "hub fetched outside the volume": (lambda d: d["spec"]["model"].update(hub="org/x", path="/tmp/x"),
+                                       "spec.model: model.path must lie inside model.mountPath"),
     "two volume sources": (lambda d: d["spec"]["model"]["volume"].update(hostPath={"path": "/x"}),
                            "spec.model: model.volume must name exactly one volume source"),
     "bad dtype": (lambda d: d["spec"]["model"].update(dtype="int8"),
@@ -208,10 +216,13 @@ def test_python_twins_agree_with_cel():
         "": [{"metadata": {"name": n}} for n in ("a", "a" * 40, "a" * 41, "7b", "x-1", "Bad")],
         "spec": [{"parallelism": {"tensor": t, "pipeline": p}, "engine": {"gpusPerPod": g}, "server": {"port": port}}
                  for t in (1, 2, 3, 8, 16) for p in (1, 2) for g in (1, 4, 8) for port in (8000, 5555)],
-        "spec.model": [{"path": path, "mountPath": mount, **({"volume": vol} if vol is not None else {})}
-                       for path in ("/models/x", "/models", "/modelsx/y", "/data/x")
+        "spec.model": [{**({"path": path} if path is not None else {}), "mountPath": mount,
+                        **({"volume": vol} if vol is not None else {}), **({"hub": hub} if hub else {}),
+                        **({"hubTokenSecretRef": {"name": "a", "key": "b"}} if token else {})}
+                       for path in ("/models/x", "/models", "/modelsx/y", "/data/x", None)
                        for mount in ("/models", "/")
-                       for vol in (None, {"emptyDir": {}}, {"emptyDir": {}, "hostPath": {"path": "/"}})],
+                       for vol in (None, {"emptyDir": {}}, {"emptyDir": {}, "hostPath": {"path": "/"}})
+                       for hub in (None, "org/name") for token in (False, True)],
     }
     for where, rule, _, check in crd.CEL_RULES:
         program = env.program(env.compile(rule))

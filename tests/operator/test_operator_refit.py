@@ -99,3 +99,30 @@ async def test_new_weights_refit_in_place_and_incompatible_ones_roll(cluster):
     assert WIDE in deploy["spec"]["template"]["spec"]["containers"][0]["args"]
     assert "hidden_size is 96" in events(cluster, "RefitFailed")[-1]
     await wait_for(lambda: cluster.status(NS, "demo").get("phase") == "Ready", what="Ready after the roll")
+
+
+def init_args(cluster, plural: str, name: str) -> list[list[str]]:
+    pod = cluster.emu.find(plural, NS, name)["spec"]["template"]["spec"]
+    return [c["args"] for c in pod.get("initContainers", [])]
+
+
+async def test_a_new_hub_model_rolls_the_pods_and_a_later_refit_keeps_their_fetch(cluster):
+    """Files of a new ``spec.model.hub`` exist only in pods whose init container fetched them: no refit, a roll."""
+    fake = await start(cluster)
+    hub, fetched = "org/new-model@v2", "/models/org/new-model@v2"
+    await cluster.patch_mi(NS, "demo", {"spec": {"model": {"hub": hub, "path": None}}})
+    st = await wait_for(lambda: (s := cluster.status(NS, "demo"))["model"]["templatePath"] == fetched and s,
+                        what="the template takes the Hub model")
+    assert st["model"] == {"path": fetched, "epoch": 0, "templatePath": fetched, "hub": hub, "templateHub": hub}
+    assert "refit" not in fake.commands
+    await wait_for(lambda: fetched in args_of(cluster, "demo-engine-1"), what="both groups rolled")
+    assert init_args(cluster, "statefulsets", "demo-engine-0") == [["download", hub, "--local-dir", fetched]]
+    assert init_args(cluster, "deployments", "demo-coordinator") == [
+        ["download", hub, "--local-dir", fetched, "--skip-weights"]]
+
+    # back to a directory on the volume: refitted in place; the pods keep fetching what their template fetches
+    before = templates(cluster)
+    await cluster.patch_mi(NS, "demo", {"spec": {"model": {"hub": None, "path": NEW}}})
+    st = await wait_for(lambda: (s := cluster.status(NS, "demo"))["model"]["epoch"] == 1 and s, what="refitted")
+    assert fake.weights == NEW and st["model"]["templateHub"] == hub and "hub" not in st["model"]
+    assert templates(cluster) == before

@@ -22,7 +22,7 @@ import yaml
 
 from .helpers import ROOT, load_yaml
 
-from megatron_operator import cli, render as rendering
+from megatron_operator import cli, render as rendering, spec
 from megatron_operator.config import OperatorConfig
 from megatron_operator.render import render
 
@@ -91,6 +91,10 @@ def test_pods_are_hardened_and_probed(example):
         assert pod["automountServiceAccountToken"] is False
         assert pod["terminationGracePeriodSeconds"] == example["spec"].get("drainTimeoutSeconds", 60) + 30
         mounts_tmp = True
+        for c in pod.get("initContainers", []):
+            sc = c["securityContext"]
+            assert sc["allowPrivilegeEscalation"] is False and sc["readOnlyRootFilesystem"] is True
+            mounts_tmp &= any(m["mountPath"] == "/tmp" for m in c["volumeMounts"])
         for c in pod["containers"]:
             sc = c["securityContext"]
             assert sc["allowPrivilegeEscalation"] is False and sc["readOnlyRootFilesystem"] is True
@@ -325,10 +329,11 @@ def _parser_for(command: str) -> argparse.ArgumentParser | None:
 
 def test_rendered_commands_parse_with_the_runtime_cli(example):
     """The containers' argument lists are accepted by the runtime's own subcommand parsers."""
+    model_path = spec.parse(example).model_path
     for obj in render(example, CONFIG):
         if obj["kind"] not in ("Deployment", "StatefulSet"):
             continue
-        for container in _containers(obj):
+        for container in [*obj["spec"]["template"]["spec"].get("initContainers", []), *_containers(obj)]:
             command, *args = container["args"]
             parser = _parser_for(command)
             assert parser is not None, f"megatron-serve {command} is not a registered command"
@@ -337,7 +342,7 @@ def test_rendered_commands_parse_with_the_runtime_cli(example):
             except (argparse.ArgumentError, SystemExit) as exc:
                 raise AssertionError(f"{container['name']}: {args}: {exc}") from None
             assert unknown == [], f"{container['name']}: unknown arguments {unknown}"
-            assert parsed.model == example["spec"]["model"]["path"]
+            assert parsed.model == (model_path if command != "download" else example["spec"]["model"]["hub"])
 
 
 def test_wiring_into_the_megatron_serve_cli(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]):
@@ -383,3 +388,33 @@ def test_server_remote_images_switch_reaches_the_server_command(remote_images):
     assert ("--no-remote-images" in args) is (remote_images is False)
     parsed, _ = _parser_for(command).parse_known_args(args)
     assert parsed.remote_images is (remote_images is not False)
+
+
+@pytest.mark.parametrize("volume", [None, {"persistentVolumeClaim": {"claimName": "models"}}])
+def test_a_hub_model_is_fetched_by_an_init_container_into_the_model_volume(volume):
+    (resource,) = load_yaml(ROOT / "manifests" / "examples" / "hub-model.yaml")
+    resource["spec"]["model"]["hubTokenSecretRef"] = {"name": "hf", "key": "token"}
+    if volume is not None:
+        resource["spec"]["model"].update(volume=volume, path="/models/qwen3")
+    objs = by_key(render(identified(resource), CONFIG))
+    fetched = "/models/qwen3" if volume else "/models/Qwen/Qwen3-0.6B"
+    for (kind, name), weights in ((("Deployment", "qwen3-small-coordinator"), False),
+                                  (("StatefulSet", "qwen3-small-engine-0"), True)):
+        pod = objs[(kind, name)]["spec"]["template"]["spec"]
+        (fetch,) = pod["initContainers"]
+        assert fetch["args"] == ["download", "Qwen/Qwen3-0.6B", "--local-dir", fetched,
+                                 *([] if weights else ["--skip-weights"])]
+        assert fetch["image"] == pod["containers"][0]["image"]
+        env = {e["name"]: e for e in fetch["env"]}
+        assert env["HF_HUB_OFFLINE"]["value"] == "0"  # the image is offline; the fetch is not
+        assert env["HF_TOKEN"]["valueFrom"]["secretKeyRef"] == {"name": "hf", "key": "token"}
+        assert {"name": "model", "mountPath": "/models"} in fetch["volumeMounts"]  # writable here only
+        assert {"name": "model", **(volume or {"emptyDir": {}})} in pod["volumes"]
+        for container in pod["containers"]:
+            assert {"name": "model", "mountPath": "/models", "readOnly": True} in container["volumeMounts"]
+            assert container["args"][container["args"].index("--model") + 1] == fetched
+    server = _containers(objs[("Deployment", "qwen3-small-coordinator")])[1]
+    assert server["args"][-2:] == ["--served-model-name", "Qwen/Qwen3-0.6B"]  # named by its id, as in vLLM
+    no_hub = by_key(render(identified(load_yaml(ROOT / "manifests" / "examples" / "single-gpu.yaml")[0]), CONFIG))
+    assert all("initContainers" not in o["spec"]["template"]["spec"] for o in no_hub.values() if "template" in
+               o.get("spec", {}))

@@ -2,7 +2,8 @@
 
 Without ``--local-dir`` the files go to the Hugging Face cache, where ``--model ORG/NAME`` finds
 them later, also offline. With it they go to a plain directory: what the operator's init
-container does to fill a model volume from ``spec.model.hub``. Served files only (safetensors,
+container does to fill a model volume from ``spec.model.hub`` (``--skip-weights`` in the coordinator
+pod, which reads only config and tokenizer). Served files only (safetensors,
 config, tokenizer, generation config; :data:`megatron_serve.hub.ALLOW_PATTERNS`), with
 ``huggingface_hub``'s progress bars; ``HF_TOKEN`` is honoured for gated and private models.
 """
@@ -17,6 +18,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--revision", metavar="REV", default=None, help="same as @REV (default: main)")
     parser.add_argument("--local-dir", metavar="DIR", default=None,
                         help="write the files to this directory (default: the Hugging Face cache)")
+    parser.add_argument("--skip-weights", action="store_true",
+                        help="only config, tokenizer and generation files: what the coordinator and server read")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -26,6 +29,6 @@ def run(args: argparse.Namespace) -> int:
     if hub is None:
         raise ValueError(f"{args.model!r} is not a Hub id: expected ORG/NAME or ORG/NAME@REVISION")
     hub = hub.with_revision(args.revision)
-    path = fetch(hub, local_dir=args.local_dir)
+    path = fetch(hub, local_dir=args.local_dir, weights=not args.skip_weights)
     print(f"{hub} is in {path}")
     return 0

@@ -17,7 +17,8 @@ _MODEL_DEFAULT = "default: the model's generation_config.json, else {}"
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_model_options(parser)
     parser.add_argument("prompts", nargs="+", help="one or more prompts")
-    parser.add_argument("--max-tokens", type=int, default=None, help=f"tokens to generate ({_MODEL_DEFAULT.format(32)})")
+    parser.add_argument("--max-tokens", type=int, default=None,
+                        help=f"tokens to generate ({_MODEL_DEFAULT.format(32)})")
     parser.add_argument("--temperature", type=float, default=None, help=_MODEL_DEFAULT.format("0 = greedy"))
     parser.add_argument("--top-p", type=float, default=None, help=_MODEL_DEFAULT.format("1 = off"))
     parser.add_argument("--top-k", type=int, default=None, help=_MODEL_DEFAULT.format("0 = off"))

@@ -17,7 +17,7 @@ MODEL_METAVAR = "DIR|ORG/NAME[@REV]"
 def add_model_options(parser: argparse.ArgumentParser, *, positional: bool = False,
                       what: str = "the model: a Hugging Face model directory, or a Hub id (cached, else downloaded)",
                       tokenizer: bool = True) -> None:
-    """``--model`` (or a positional ``model`` for ``serve``), ``--revision`` and, with ``tokenizer``, ``--tokenizer``."""
+    """``--model`` (or a positional ``model`` for ``serve``), ``--revision`` and (``tokenizer``) ``--tokenizer``."""
     if positional:
         parser.add_argument("model", metavar=MODEL_METAVAR, help=what)
     else:

@@ -1,0 +1,124 @@
+"""``make run`` as a first-time user meets it, and ``control`` finding that run on its own.
+
+The process test runs the real entry point (``make run ARGS=...``, the Makefile's own recipe, in
+this interpreter's environment) while port 5555 is taken, then talks to it with ``control`` without
+``--coordinator`` (the run's published address, in a private ``XDG_RUNTIME_DIR``) and over HTTP.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+
+from megatron_serve.commands import local_runs
+from megatron_serve.commands.control import next_step
+from megatron_serve.protocol import DEFAULT_PORT
+from tests.server.fakes import wait_until
+from tests.server.test_openai_e2e import free_port
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_each_state_says_what_it_means_and_which_verb_comes_next():
+    assert "next: `megatron-serve control unpause`" in next_step("PAUSED")  # e.g. after resume
+    suspended = next_step("SUSPENDED", " --coordinator tcp://h:1")
+    assert "`megatron-serve control resume --coordinator tcp://h:1`, then `megatron-serve control unpause" in suspended
+    assert "unpause" in next_step("STOPPED") and "joined again" in next_step("STOPPED")
+    assert next_step("RUNNING").startswith("RUNNING: serving requests") and "next:" not in next_step("RUNNING")
+
+
+def test_published_runs_are_found_and_stale_ones_dropped(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
+    with pytest.raises(LookupError, match="no `megatron-serve run` is running"):
+        local_runs.find_local_run()
+    mine = local_runs.LocalRun(pid=os.getpid(), coordinator="tcp://127.0.0.1:5556", endpoint="http://x/v1", model="m")
+    path = local_runs.publish(mine)
+    assert path.parent == tmp_path / "megatron-serve" and oct(path.stat().st_mode & 0o777) == "0o600"
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    stale = local_runs.publish(local_runs.LocalRun(pid=int(dead.stdout), coordinator="tcp://127.0.0.1:1",
+                                                   endpoint="", model="gone"))
+    assert local_runs.find_local_run() == mine and not stale.exists()
+    local_runs.publish(local_runs.LocalRun(pid=os.getppid(), coordinator="tcp://127.0.0.1:5557", endpoint="",
+                                           model="other"))
+    with pytest.raises(LookupError, match="2 `megatron-serve run` processes.*pass --coordinator"):
+        local_runs.find_local_run()
+    local_runs.withdraw(path)
+    assert [r.model for r in local_runs.live_runs()] == ["other"]
+
+
+def hold_port(port: int) -> socket.socket | None:
+    """Listen on ``port`` so that it is taken; ``None`` when something else already has it (taken anyway)."""
+    sock = socket.socket()
+    try:
+        sock.bind(("127.0.0.1", port))
+    except OSError as exc:
+        sock.close()
+        assert exc.errno == errno.EADDRINUSE
+        return None
+    sock.listen()
+    return sock
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_make_run_with_5555_taken_picks_a_free_port_that_control_finds(tmp_path):
+    holder = hold_port(DEFAULT_PORT)
+    http_port = free_port()
+    env = {**os.environ, "XDG_RUNTIME_DIR": str(tmp_path / "runtime")}
+    env.pop("MEGATRON_SERVE_COORDINATOR", None)
+    log = tmp_path / "make-run.log"
+    make = ["make", "-C", str(ROOT), "--no-print-directory", "run", f"VENV={sys.prefix}",
+            f"TINY_MODEL={tmp_path / 'tiny-llama'}", f"ARGS=--port {http_port} --log-dir {tmp_path / 'logs'}"]
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(make, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
+                                start_new_session=True)
+    try:
+        def ready() -> bool:
+            assert proc.poll() is None, log.read_text()
+            return "megatron-serve is ready" in log.read_text()
+
+        wait_until(ready, 480, "`make run` to serve", interval=0.5)
+        text = log.read_text()
+        assert f"{DEFAULT_PORT} is taken: using a free port" in text, text
+        (published,) = local_runs_in(tmp_path / "runtime")
+        port = int(published["coordinator"].rsplit(":", 1)[1])
+        assert port != DEFAULT_PORT and f"coordinator listening on tcp://127.0.0.1:{port}" in text
+
+        def control(*argv: str) -> str:
+            done = subprocess.run([sys.executable, "-m", "megatron_serve.cli", "control", *argv], env=env,
+                                  capture_output=True, text=True, timeout=120)
+            assert done.returncode == 0, done.stderr
+            return done.stdout
+
+        status = control("status")
+        assert f"tcp://127.0.0.1:{port}" in status and "state: RUNNING" in status
+        assert "RUNNING: serving requests" in status
+        assert "next: `megatron-serve control unpause` to serve again" in control("pause")
+        assert json.loads(control("status", "--json"))["state"] == "PAUSED"
+        assert "RUNNING" in control("unpause")
+        body = {"model": "tiny-llama", "prompt": "Hello", "max_tokens": 3}
+        answer = httpx.post(f"http://127.0.0.1:{http_port}/v1/completions", json=body, timeout=120)
+        assert answer.status_code == 200, answer.text
+        os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C in the terminal
+        proc.wait(timeout=120)
+        assert "stopped" in log.read_text() and "Traceback" not in log.read_text()
+        assert local_runs_in(tmp_path / "runtime") == []  # the run withdrew its address
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        if holder is not None:
+            holder.close()
+
+
+def local_runs_in(runtime: Path) -> list[dict]:
+    return [json.loads(p.read_text()) for p in sorted((runtime / "megatron-serve").glob("*.json"))]
