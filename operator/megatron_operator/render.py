@@ -30,6 +30,7 @@ from typing import Any
 
 from . import crd
 from .config import ENV_TOKEN_KEY, ENV_TOKEN_KEY_FILE, OperatorConfig, read_token_key, token_key_from_env
+from .model_fetch import fetch_container
 from .spec import InferenceSpec, SpecError, parse
 
 COORDINATOR_PORT = crd.COORDINATOR_PORT
@@ -157,31 +158,13 @@ def _volumes(spec: InferenceSpec) -> tuple[list[dict[str, Any]], list[dict[str, 
 
 
 def _init(spec: InferenceSpec, config: OperatorConfig, weights: bool = True) -> dict[str, Any]:
-    """The pod's ``initContainers``: ``fetch-model`` when ``spec.model.hub`` is set, else none (the field is absent,
-    so templates without a hub stay unchanged). The same image runs ``megatron-serve download`` into the model
-    volume (writable here only), online (the image is offline otherwise), with ``HF_TOKEN`` when given; without
-    ``weights`` (the coordinator pod reads only config and tokenizer) it skips the safetensors."""
+    """The pod's ``initContainers``: ``fetch-model`` when ``spec.model.hub`` is set (:mod:`.model_fetch`), else
+    none (the field is absent, so templates without a hub stay unchanged)."""
     if not spec.model_hub:
         return {}
-    env = [
-        {"name": "HOME", "value": "/tmp"},
-        {"name": "HF_HOME", "value": "/tmp/.cache/huggingface"},
-        {"name": "HF_HUB_OFFLINE", "value": "0"},
-        {"name": "PYTHONUNBUFFERED", "value": "1"},
-    ]
-    if spec.hub_token_secret_ref:
-        env.append({"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {
-            "name": spec.hub_token_secret_ref["name"], "key": spec.hub_token_secret_ref["key"]}}})
-    return {"initContainers": [{
-        "name": "fetch-model",
-        **_image_fields(spec, config),
-        "args": ["download", spec.model_hub, "--local-dir", spec.model_path, *([] if weights else ["--skip-weights"])],
-        "env": env,
-        "resources": DEFAULT_SIDE_RESOURCES,
-        "securityContext": _container_security(),
-        "volumeMounts": [{"name": "tmp", "mountPath": "/tmp"},
-                         {"name": "model", "mountPath": spec.model_mount_path}],
-    }]}
+    return {"initContainers": [fetch_container(spec, spec.model_hub, image=_image_fields(spec, config),
+                                               weights=weights, resources=DEFAULT_SIDE_RESOURCES,
+                                               security_context=_container_security())]}
 
 
 def _image_fields(spec: InferenceSpec, config: OperatorConfig) -> dict[str, Any]:
