@@ -21,6 +21,7 @@ import pytest
 
 from megatron_serve.commands.model_options import resolve_model_args
 from megatron_serve.hub import HubId, ModelNotFoundError, parse_hub_id, resolve_model
+from megatron_serve.server.modelinfo import default_model_name
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
 OTHER_COMMIT = "fedcba9876543210fedcba9876543210fedcba98"
@@ -88,24 +89,28 @@ def test_resolves_from_the_cache_by_branch_tag_and_commit_without_network(tmp_pa
 
 def test_a_served_hub_model_is_named_by_its_id(tmp_path, monkeypatch):
     cache = tmp_path / "hub"
-    snapshot = hub_cache(cache, "org/tiny", None)
+    snapshot = hub_cache(cache, "my-org/tiny.v2", None)
     monkeypatch.setattr("huggingface_hub.constants.HF_HUB_CACHE", str(cache))
-    args = argparse.Namespace(model="org/tiny", revision=None, tokenizer="org/tiny", served_model_name=None)
+    args = argparse.Namespace(model="my-org/tiny.v2", revision=None, tokenizer="my-org/tiny.v2")
     resolve_model_args(args)
-    assert (args.model, args.tokenizer, args.served_model_name) == (str(snapshot), str(snapshot), "org/tiny")
-    args = argparse.Namespace(model="org/tiny", revision=None, tokenizer=None, served_model_name="mine")
-    resolve_model_args(args)
-    assert args.served_model_name == "mine"
+    assert (args.model, args.tokenizer) == (str(snapshot), str(snapshot))
+    assert default_model_name(args.model) == "my-org/tiny.v2"
+    assert default_model_name(tmp_path / "models" / "llama-3.2-1b") == "llama-3.2-1b"
 
 
 @pytest.mark.slow
-def test_generate_serves_a_hub_id_from_the_cache_offline(tiny_llama, tmp_path):
+def test_generate_serves_a_hub_id_from_the_cache_offline_with_the_tokenizer_from_elsewhere(tiny_llama, tmp_path):
     cache = tmp_path / "hub"
-    hub_cache(cache, "org/tiny-llama", tiny_llama)
-    done = cli("generate", "--model", "org/tiny-llama", "--max-tokens", "3", "Hello",
-               env={"HF_HUB_CACHE": str(cache), "HF_HUB_OFFLINE": "1"})
+    snapshot = hub_cache(cache, "org/tiny-llama", tiny_llama)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        (snapshot / name).unlink(missing_ok=True)  # --tokenizer supplies them
+    env = {"HF_HUB_CACHE": str(cache), "HF_HUB_OFFLINE": "1"}
+    done = cli("generate", "--model", "org/tiny-llama", "--tokenizer", tiny_llama, "--max-tokens", "3",
+               "--ignore-eos", "Hello", env=env)
     assert done.returncode == 0, done.stderr
-    assert f"loading model from {cache}" in done.stderr and "3 tokens in" in done.stderr
+    assert f"loading model from {snapshot}" in done.stderr and "3 tokens in" in done.stderr
+    without = cli("generate", "--model", "org/tiny-llama", "--max-tokens", "3", "Hello", env=env)
+    assert without.returncode == 1 and "no tokenizer.json or tokenizer_config.json" in without.stderr
 
 
 @pytest.mark.slow

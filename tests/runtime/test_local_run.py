@@ -55,6 +55,16 @@ def test_published_runs_are_found_and_stale_ones_dropped(tmp_path, monkeypatch):
     assert [r.model for r in local_runs.live_runs()] == ["other"]
 
 
+def test_control_without_a_coordinator_or_a_local_run_says_what_to_pass(tmp_path):
+    env = {**os.environ, "XDG_RUNTIME_DIR": str(tmp_path)}
+    env.pop("MEGATRON_SERVE_COORDINATOR", None)
+    done = subprocess.run([sys.executable, "-m", "megatron_serve.cli", "control", "status"], env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1
+    assert done.stderr.strip() == ("megatron-serve control: error: no --coordinator given and no `megatron-serve run` "
+                                   "is running on this machine: start one, or pass --coordinator tcp://HOST:5555")
+
+
 def hold_port(port: int) -> socket.socket | None:
     """Listen on ``port`` so that it is taken; ``None`` when something else already has it (taken anyway)."""
     sock = socket.socket()

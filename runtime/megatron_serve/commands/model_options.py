@@ -4,7 +4,8 @@
 with progress; :mod:`megatron_serve.hub`) and runs before anything checks the model directory or
 starts a process, so that every later step, and every child process, sees plain directories.
 A model served from a Hub id is named by the id (``Qwen/Qwen3-0.6B``), as in vLLM, not by the
-snapshot directory.
+snapshot directory (:func:`megatron_serve.server.modelinfo.default_model_name` reads it from the
+cache layout).
 """
 
 from __future__ import annotations
@@ -30,17 +31,9 @@ def add_model_options(parser: argparse.ArgumentParser, *, positional: bool = Fal
 
 
 def resolve_model_args(args: argparse.Namespace) -> None:
-    """Replace Hub ids in ``args.model`` / ``args.tokenizer`` by their local directories (in place).
+    """Replace Hub ids in ``args.model`` / ``args.tokenizer`` by their local directories (in place)."""
+    from ..hub import resolve_model  # noqa: PLC0415
 
-    When the model was a Hub id and the command serves a name (``--served-model-name``), the id
-    becomes the default name.
-    """
-    from ..hub import parse_hub_id, resolve_model  # noqa: PLC0415
-
-    given = args.model
-    args.model = str(resolve_model(given, revision=args.revision))
-    hub = parse_hub_id(given)
-    if hub is not None and args.model != given and getattr(args, "served_model_name", "") is None:
-        args.served_model_name = hub.repo_id
+    args.model = str(resolve_model(args.model, revision=args.revision))
     if getattr(args, "tokenizer", None) is not None:
         args.tokenizer = str(resolve_model(args.tokenizer))

@@ -21,13 +21,18 @@ if TYPE_CHECKING:
     from ..async_llm import MegatronAsyncLLM
 
 
-def _model_facts(llm: "MegatronAsyncLLM", model_name: str | None) -> tuple[Any, ModelFacts]:
+def _model_facts(llm: "MegatronAsyncLLM", model_name: str | None, chat_template: str | None) -> tuple[Any, ModelFacts]:
     """A tokenizer for the server's own use, and the model's limits."""
-    from ..tokenizer import Tokenizer  # noqa: PLC0415
+    from ..tokenizer import Tokenizer, load_chat_template  # noqa: PLC0415
 
+    template = load_chat_template(chat_template) if chat_template is not None else None
     if isinstance(llm.model, (str, os.PathLike)):
         # A tokenizer of our own: the direct-mode engine thread uses its tokenizer concurrently.
-        return Tokenizer.from_pretrained(Path(llm.model)), ModelFacts.from_dir(llm.model, model_name)
+        return (Tokenizer.from_pretrained(Path(llm.model), chat_template=template),
+                ModelFacts.from_dir(llm.model, model_name))
+    if template is not None:  # the tokenizer passed with a model object is the caller's: not changed behind its back
+        raise ValueError("chat_template applies to a model given as a directory or Hub id; with a model object, "
+                         "set the chat template on the tokenizer you pass")
     engine = llm.engine  # a model object is served in direct mode: the engine is here
     if engine is None:
         return llm.tokenizer, ModelFacts(model_name or "model", None, None)
@@ -35,7 +40,8 @@ def _model_facts(llm: "MegatronAsyncLLM", model_name: str | None) -> tuple[Any, 
 
 
 async def serve_async_llm(llm: "MegatronAsyncLLM", host: str = "127.0.0.1", port: int = 8000, *,
-                          model_name: str | None = None, api_key: str | None = None, max_concurrent_requests: int | None = None,
+                          model_name: str | None = None, api_key: str | None = None,
+                          max_concurrent_requests: int | None = None, chat_template: str | None = None,
                           log_level: str = "warning", stop: asyncio.Event | None = None,
                           limits: RequestLimits | None = None, read_timeout: float = 60.0,
                           image_options: ImageOptions | None = None) -> None:
@@ -44,15 +50,17 @@ async def serve_async_llm(llm: "MegatronAsyncLLM", host: str = "127.0.0.1", port
     ``api_key=None`` reads ``$MEGATRON_SERVE_API_KEY`` (no key when unset), like the commands do.
     ``limits`` and ``read_timeout``: as the commands' ``--max-*`` and ``--read-timeout`` flags;
     ``image_options``: as ``--image-fetch-timeout`` and ``--no-remote-images``.
+    ``chat_template``: as ``--chat-template`` (a file or the Jinja text). Requests that leave sampling
+    fields out take ``llm.generation_defaults`` (the model's ``generation_config.json``).
     """
     await llm.start()
-    tokenizer, facts = await asyncio.to_thread(_model_facts, llm, model_name)
+    tokenizer, facts = await asyncio.to_thread(_model_facts, llm, model_name, chat_template)
     backend = llm.client
     if api_key is None:
         api_key = os.environ.get(API_KEY_ENV) or None
     app = create_app(backend, tokenizer, facts.name, api_key, vocab_size=facts.vocab_size,
                      max_model_len=facts.max_model_len, max_concurrent_requests=max_concurrent_requests, limits=limits,
-                     image_options=image_options)
+                     image_options=image_options, generation_defaults=llm.generation_defaults)
     await serve_app(app, host, port, log_level=log_level, stop=stop, read_timeout=read_timeout)
 
 

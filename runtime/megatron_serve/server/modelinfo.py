@@ -25,6 +25,11 @@ class ModelFacts:
 
 
 def default_model_name(model_dir: str | Path) -> str:
-    """The directory's name, as vLLM and SGLang name a model served from a path."""
-    path = Path(model_dir).expanduser()
-    return path.resolve().name or str(path)
+    """The directory's name, as vLLM and SGLang name a model served from a path; for a snapshot in the
+    Hugging Face cache (``models--org--name/snapshots/<commit>``), the Hub id ``org/name``, as vLLM names
+    a model served by its id."""
+    path = Path(model_dir).expanduser().resolve()
+    repo = path.parent.parent.name
+    if path.parent.name == "snapshots" and repo.startswith("models--"):
+        return repo.removeprefix("models--").replace("--", "/")  # Hub ids cannot hold "--" themselves
+    return path.name or str(model_dir)
