@@ -324,15 +324,19 @@ def metrics_page() -> str:
 
 # (vLLM option, the option here with the same effect or None, what differs)
 VLLM_OPTIONS: list[tuple[str, str | None, str]] = [
-    ("--model", "--model", "a model directory; `--served-model-name` sets the name clients send"),
+    ("--model", "--model", "a model directory or a Hub id (`org/name[@revision]`): the Hugging Face cache first "
+                           "(offline works), else a download with progress; served under the Hub id"),
+    ("--revision", "--revision", ""),
+    ("--tokenizer", "--tokenizer", ""),
     ("--served-model-name", "--served-model-name", ""),
-    ("--host", "--host", ""),
+    ("--host", "--host", "default `127.0.0.1` (vLLM: all interfaces)"),
     ("--port", "--port", ""),
-    ("--api-key", "--api-key-file", "the key is read from a file or `$MEGATRON_SERVE_API_KEY`"),
-    ("--dtype", "--dtype", "`float32`, `bfloat16` or `float16`"),
+    ("--api-key", "--api-key", "or `--api-key-file` / `$MEGATRON_SERVE_API_KEY`, which `ps` does not show"),
+    ("--dtype", "--dtype", "`auto`, `float32`/`float`, `bfloat16`, `float16`/`half`"),
     ("--seed", "--seed", ""),
-    ("--tensor-parallel-size", "--tensor-parallel", ""),
-    ("--data-parallel-size", "--engines", "each engine group is one data-parallel replica behind the coordinator"),
+    ("--tensor-parallel-size", "--tensor-parallel", "also `-tp`"),
+    ("--data-parallel-size", "--engines", "also `-dp`; each engine group is one data-parallel replica behind the "
+                                          "coordinator"),
     ("--pipeline-parallel-size", None, "pipeline parallelism is not implemented"),
     ("--max-model-len", "--max-sequence-length", ""),
     ("--gpu-memory-utilization", "--kv-cache-memory-fraction",
@@ -341,9 +345,12 @@ VLLM_OPTIONS: list[tuple[str, str | None, str]] = [
     ("--block-size", "--block-size", ""),
     ("--max-num-seqs", "--max-requests", ""),
     ("--max-num-batched-tokens", "--max-batch-tokens", "chunked prefill is always on"),
-    ("--enable-prefix-caching", "--prefix-caching", "on by default; `--no-prefix-caching` turns it off"),
+    ("--enable-prefix-caching", "--prefix-caching", "on by default; `--no-enable-prefix-caching` turns it off"),
     ("--enforce-eager", "--no-cuda-graphs", ""),
-    ("--chat-template", None, "default: the chat template in the model's tokenizer files"),
+    ("--chat-template", "--chat-template", "a file or the template inline; default: the tokenizer's own"),
+    ("--generation-config", "--generation-config", "`auto` (default): the model's `generation_config.json` "
+                                                   "sampling values for fields a request leaves out; `none` "
+                                                   "(vLLM: `vllm`, also accepted) ignores them; or a directory"),
     ("--uvicorn-log-level", "--log-level", ""),
 ]
 
@@ -372,20 +379,19 @@ def vllm_page(document: dict[str, Any]) -> str:
     from megatron_serve.cli import COMMANDS
     from megatron_serve.server.metric_catalog import SERIES
 
-    name = "serve" if "serve" in COMMANDS else "run"
-    options = _option_strings(_parser_for(name, COMMANDS[name][0], COMMANDS[name][1]))
+    serve = "`megatron-serve serve MODEL` (the same as `megatron-serve run --model MODEL`)" if "serve" in COMMANDS \
+        else "`megatron-serve run --model MODEL`"
+    options = _option_strings(_parser_for("run", COMMANDS["run"][0], COMMANDS["run"][1]))
     out = [HEADER.format(source="the CLI parsers, the OpenAPI document and the metric catalogue"),
            "# Coming from vLLM\n\n",
-           f"`vllm serve MODEL` corresponds to `megatron-serve {name}"
-           f"{' MODEL' if name == 'serve' else ' --model DIR'}`: one command that starts the coordinator, the "
+           f"`vllm serve MODEL` corresponds to {serve}: one command that starts the coordinator, the "
            "engines and the OpenAI server. On Kubernetes a `MegatronInference` resource replaces the "
            "Deployment you wrote for vLLM. This page is generated, so every row says what the code accepts "
            "today.\n\n## Options\n\n",
-           f"| vLLM | `megatron-serve {name}` | notes |\n|---|---|---|\n"]
+           "| vLLM | `megatron-serve run` / `serve` | notes |\n|---|---|---|\n"]
     for flag, ours, note in VLLM_OPTIONS:
         if flag in options:
-            same = options[flag] is options.get(ours) or ours in (None, flag)
-            here = "accepted as is" if same else f"accepted, same as {_code(ours)}"
+            here = "accepted as is" if ours in (None, flag) else f"accepted, same as {_code(ours)}"
         elif ours is not None and ours in options:
             here = _code(ours)
         else:
