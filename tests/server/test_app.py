@@ -102,6 +102,19 @@ async def test_invalid_bodies_are_openai_400s(tokenizer, backend):
     assert backend.submitted == []  # nothing reached the fleet
 
 
+async def test_unknown_model_is_a_404_with_the_openai_error_body(tokenizer, backend):
+    user = [{"role": "user", "content": "hi"}]
+    async with serving(make_app(tokenizer, backend)) as url, httpx.AsyncClient(base_url=url) as http:
+        for path, body in [("/v1/completions", {"model": "gpt-4", "prompt": "x"}),
+                           ("/v1/chat/completions", {"model": "gpt-4", "messages": user}),
+                           ("/v1/completions", {"model": "gpt-4", "prompt": "x", "stream": True}),
+                           ("/tokenize", {"model": "gpt-4", "prompt": "x"}),
+                           ("/detokenize", {"model": "gpt-4", "tokens": [5]})]:
+            error = assert_error(await http.post(path, json=body), 404, "model", "model_not_found")
+            assert error["type"] == "invalid_request_error" and "'gpt-4' does not exist" in error["message"]
+    assert backend.submitted == []
+
+
 TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
 
 

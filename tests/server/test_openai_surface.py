@@ -231,4 +231,4 @@ async def test_tokenize_and_detokenize_in_vllms_shapes(tiny_model, tokenizer):
         assert back == {"prompt": "Hello world"}
         bad = await http.post("/detokenize", json={"model": MODEL, "tokens": [600]})
         assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
-        assert (await http.post("/tokenize", json={"model": "gpt-4", "prompt": "x"})).status_code == 400
+        assert (await http.post("/tokenize", json={"model": "gpt-4", "prompt": "x"})).status_code == 404

@@ -241,7 +241,7 @@ def create_app(
         data, content_type = metrics.render()
         return Response(content=data, media_type=content_type)
 
-    add_tokenize_routes(app, ctx, api_dependencies, _error_responses([400, 401] if api_key else [400]))
+    add_tokenize_routes(app, ctx, api_dependencies, _error_responses([400, 401, 404] if api_key else [400, 404]))
 
     def openapi() -> dict[str, Any]:
         """FastAPI's document, minus the 422 answers it assumes (validation errors are 400 here), plus the
