@@ -20,12 +20,13 @@ class ReplayByRerun:
         self.replayed_sizes: list[int] = []
 
     def __call__(self, forward):
-        self.captured_sizes.append(forward().shape[0])
+        logits, _ = forward()
+        self.captured_sizes.append(logits.shape[0])
 
         def replay():
-            logits = forward()
-            self.replayed_sizes.append(logits.shape[0])
-            return logits
+            outputs = forward()
+            self.replayed_sizes.append(outputs[0].shape[0])
+            return outputs
 
         return replay
 

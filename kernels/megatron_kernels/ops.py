@@ -21,6 +21,7 @@ OP_NAMES = (
     "write_kv_cache",
     "paged_attention_decode",
     "paged_attention_prefill",
+    "fused_moe",
 )
 
 

@@ -151,3 +151,35 @@ def paged_attention_prefill(
         )
         out[q_start:q_end] = attended.transpose(0, 1).to(q.dtype)
     return out
+
+
+def fused_moe(
+    hidden: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+) -> torch.Tensor:
+    """Mixture-of-experts SwiGLU MLP: every token through its ``k`` experts, outputs summed by router weight.
+
+    ``hidden`` ``[T, H]``; ``w13`` ``[E, 2I, H]`` (each expert's gate rows, then its up rows); ``w2``
+    ``[E, H, I]``; ``topk_weights`` ``[T, k]`` (float32 router weights); ``topk_ids`` ``[T, k]`` expert ids.
+    The ``T * k`` (token, expert) pairs are sorted by expert, so each expert's rows go through one
+    matmul per projection; experts that received no token cost nothing. Each expert's output is
+    rounded to the input dtype, then weighted and summed over ``k`` in float32.
+    """
+    num_tokens, top_k = topk_ids.shape
+    flat = topk_ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=w13.shape[0]).tolist()
+    rows = hidden[order // top_k]
+    out = hidden.new_empty((num_tokens * top_k, hidden.shape[1]))
+    start = 0
+    for expert, count in enumerate(counts):
+        if count:
+            end = start + count
+            activated = silu_and_mul(F.linear(rows[start:end], w13[expert]))
+            out[order[start:end]] = F.linear(activated, w2[expert])
+            start = end
+    weighted = out.float().view(num_tokens, top_k, hidden.shape[1]) * topk_weights.float().unsqueeze(-1)
+    return weighted.sum(1).to(hidden.dtype)

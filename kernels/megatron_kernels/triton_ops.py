@@ -10,6 +10,7 @@ from __future__ import annotations
 from .triton_activation import silu_and_mul
 from .triton_decode_attention import paged_attention_decode
 from .triton_kv_cache import write_kv_cache
+from .triton_moe import fused_moe
 from .triton_norm import fused_add_rms_norm, rms_norm
 from .triton_prefill_attention import paged_attention_prefill
 from .triton_rotary import apply_rotary, apply_rotary_write_kv_cache
@@ -18,6 +19,7 @@ __all__ = [
     "apply_rotary",
     "apply_rotary_write_kv_cache",
     "fused_add_rms_norm",
+    "fused_moe",
     "paged_attention_decode",
     "paged_attention_prefill",
     "rms_norm",

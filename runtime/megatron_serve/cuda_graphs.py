@@ -21,6 +21,7 @@ import torch
 from megatron_kernels.ops import backend_for
 
 from .config import InferenceConfig
+from .expert_routing import stack_routing
 from .kv_cache import blocks_for_tokens
 from .model.attention import AttentionMetadata, ForwardContext
 from .model.llama import LlamaForCausalLM
@@ -31,8 +32,10 @@ if TYPE_CHECKING:  # model_runner imports this module
 MAX_GRAPH_BATCH = 512  # larger decode batches are compute-bound: launch overhead no longer matters
 WARMUP_RUNS = 2  # eager runs before capture: compile every Triton variant, settle the allocator
 
-# Turns a zero-argument forward into a replay function that returns the forward's output tensor.
-GraphCapture = Callable[[Callable[[], torch.Tensor]], Callable[[], torch.Tensor]]
+# The outputs of one decode step: logits, and the expert ids of MoE models (routing replay).
+GraphOutputs = tuple[torch.Tensor, torch.Tensor | None]
+# Turns a zero-argument forward into a replay function that returns the forward's outputs.
+GraphCapture = Callable[[Callable[[], GraphOutputs]], Callable[[], GraphOutputs]]
 
 
 def graph_batch_sizes(max_requests: int) -> list[int]:
@@ -55,7 +58,7 @@ class CudaGraphCapture:
         self.device = device
         self.pool = torch.cuda.graph_pool_handle()
 
-    def __call__(self, forward: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
+    def __call__(self, forward: Callable[[], GraphOutputs]) -> Callable[[], GraphOutputs]:
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):
@@ -67,7 +70,7 @@ class CudaGraphCapture:
         with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
             output = forward()
 
-        def replay() -> torch.Tensor:
+        def replay() -> GraphOutputs:
             graph.replay()
             return output
 
@@ -92,7 +95,7 @@ class DecodeGraphs:
         self.slots = torch.full((size,), -1, dtype=torch.int64, device=device)
         self.block_tables = torch.zeros((size, max_blocks_per_sequence), dtype=torch.int32, device=device)
         self.context_lens = torch.zeros(size, dtype=torch.int32, device=device)
-        self._replays: dict[int, Callable[[], torch.Tensor]] = {}
+        self._replays: dict[int, Callable[[], GraphOutputs]] = {}
 
     @property
     def captured(self) -> bool:
@@ -115,8 +118,12 @@ class DecodeGraphs:
         return (self.captured and not plan.prefill_block_tables and 0 < len(plan.token_ids) <= self.max_batch
                 and len(plan.decode_block_tables[0]) <= self.max_blocks_per_sequence)
 
-    def run(self, plan: StepPlan) -> torch.Tensor:
-        """Copy ``plan`` into the static buffers, replay the smallest graph that fits; logits of sampling rows."""
+    def run(self, plan: StepPlan) -> GraphOutputs:
+        """Copy ``plan`` into the static buffers, replay the smallest graph that fits.
+
+        Returns the logits of the sampling rows, and the step's expert ids when the plan records them
+        (MoE graphs always compute them: a few bytes per token).
+        """
         count = len(plan.token_ids)
         size = self.batch_sizes[bisect.bisect_left(self.batch_sizes, count)]
         padding = size - count
@@ -127,10 +134,11 @@ class DecodeGraphs:
         width = len(plan.decode_block_tables[0])
         self.block_tables[:count, :width].copy_(torch.tensor(plan.decode_block_tables, dtype=torch.int32),
                                                 non_blocking=True)
-        logits = self._replays[size]()
+        logits, routing = self._replays[size]()
+        routing = routing[:count] if plan.record_routing and routing is not None else None
         if len(plan.sample_rows) == count:  # every row samples (the usual decode step)
-            return logits[:count]
-        return logits[torch.tensor(plan.sample_rows, dtype=torch.int64, device=logits.device)]
+            return logits[:count], routing
+        return logits[torch.tensor(plan.sample_rows, dtype=torch.int64, device=logits.device)], routing
 
     @staticmethod
     def _fill(buffer: torch.Tensor, values: list[int]) -> None:
@@ -144,18 +152,20 @@ class DecodeGraphs:
         self.block_tables.zero_()
 
     def _forward_for(self, size: int, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
-                     ) -> Callable[[], torch.Tensor]:
+                     ) -> Callable[[], GraphOutputs]:
         metadata = AttentionMetadata(
             slot_mapping=self.slots[:size], num_decode_tokens=size,
             decode_block_tables=self.block_tables[:size], decode_context_lens=self.context_lens[:size],
             prefill_block_tables=None, prefill_query_start_loc=None, prefill_context_lens=None,
         )
-        context = ForwardContext(metadata, kv_caches)
         token_ids, positions = self.token_ids[:size], self.positions[:size]
+        moe = self.model.config.moe is not None
 
         @torch.inference_mode()
-        def forward() -> torch.Tensor:
-            return self.model.compute_logits(self.model(token_ids, positions, context))
+        def forward() -> GraphOutputs:
+            context = ForwardContext(metadata, kv_caches, routing=[] if moe else None)
+            logits = self.model.compute_logits(self.model(token_ids, positions, context))
+            return logits, stack_routing(context.routing, self.model.config) if moe else None
 
         return forward
 

@@ -10,6 +10,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from .config import InferenceConfig
@@ -18,6 +19,7 @@ from .detokenizer import IncrementalDetokenizer
 from .encoder_cache import EncoderCache
 from .engine_stats import EngineStats
 from .errors import RefitFailed
+from .expert_routing import RoutingRecord, record_step, routing_dtype
 from .kv_cache import BlockAllocator, blocks_for_tokens
 from .model.config import ModelConfig
 from .model.llama import LlamaForCausalLM
@@ -45,6 +47,7 @@ class StepOutput:
     new_log_probs: list[float]
     finished: bool
     new_top_logprobs: list[dict[int, float]] = field(default_factory=list)
+    new_routing: tuple[int, np.ndarray] | None = None  # (first position, rows) recorded since the last output
 
 
 def _encoder_cache_for(model: LlamaForCausalLM, tokenizer: Tokenizer) -> EncoderCache | None:
@@ -159,6 +162,11 @@ class DynamicInferenceEngine:
                 return
         max_total = min(len(request.prompt_tokens) + sp.num_tokens_to_generate, self.max_sequence_length)
         sequence = Sequence(request, max_total, stop_ids)
+        if sp.return_routing_indices:
+            moe = self.model.config.moe
+            sequence.routing = RoutingRecord(len(moe.sparse_layers), moe.top_k, routing_dtype(moe.num_experts),
+                                             request.routing_indices)
+            sequence.reads_prefix_cache = False
         request.status = RequestStatus.WAITING_IN_QUEUE
         self._sequences[request.request_id] = sequence
         detokenizer = IncrementalDetokenizer(self.tokenizer, sp.stop_words)
@@ -192,6 +200,9 @@ class DynamicInferenceEngine:
         if prompt_len >= self.max_sequence_length:
             return (f"prompt has {prompt_len} tokens but max_sequence_length is {self.max_sequence_length} "
                     "(prompt plus at least one generated token must fit)")
+        if request.sampling_params.return_routing_indices and not self.model.num_moe_layers:
+            return (f"return_routing_indices needs a mixture-of-experts model; {self.model.config.architecture} "
+                    "has no expert layers")
         total = min(prompt_len + request.sampling_params.num_tokens_to_generate, self.max_sequence_length)
         needed = blocks_for_tokens(total, self.config.block_size_tokens)
         if needed > self.kv_blocks_total:
@@ -211,6 +222,7 @@ class DynamicInferenceEngine:
 
     def _forget(self, sequence: Sequence) -> None:
         """Free what the engine holds for a request that leaves (finished, aborted, failed)."""
+        self._keep_routing(sequence)
         self.scheduler.finish(sequence)
         self._sequences.pop(sequence.request_id, None)
         self._detokenizers.pop(sequence.request_id, None)
@@ -227,8 +239,15 @@ class DynamicInferenceEngine:
         if self.encoder_cache is not None:
             self.encoder_cache.clear()
         for sequence in sequences:
+            self._keep_routing(sequence)
             sequence.request.status = RequestStatus.WAITING_IN_QUEUE
         return [s.request for s in sequences]
+
+    @staticmethod
+    def _keep_routing(sequence: Sequence) -> None:
+        """Put the rows recorded so far on the request, which leaves the engine now."""
+        if sequence.routing is not None:
+            sequence.request.routing_indices = sequence.routing.array()
 
     def suspend(self, level: int = 1) -> int:
         """Release the KV pool (and at level 2 move weights to host); returns device bytes released."""
@@ -343,9 +362,11 @@ class DynamicInferenceEngine:
             if not entries:
                 return outputs
         sampling = [(s, count) for s, count in entries if s.num_computed + count == len(s.token_ids)]
-        logits = self.runner.execute(entries, self.kv_cache.layer_caches, images)
-        self._record_prompt_scores(entries, logits[len(sampling):])
-        logits = logits[: len(sampling)]
+        forward = self.runner.execute(entries, self.kv_cache.layer_caches, images)
+        if forward.routing is not None:
+            record_step(entries, forward.routing)
+        self._record_prompt_scores(entries, forward.logits[len(sampling):])
+        logits = forward.logits[: len(sampling)]
         for sequence, count in entries:
             if sequence.kv_epoch is None:
                 sequence.kv_epoch = self.epoch
@@ -430,6 +451,7 @@ class DynamicInferenceEngine:
             elif len(sequence.token_ids) >= sequence.max_total_tokens:
                 finish = FinishReason.LENGTH
         new_text = detokenizer.take_new_text(final=finish is not None)
+        new_routing = None
         if finish is not None:
             request.generated_text = detokenizer.text
             if finish is FinishReason.ERROR:
@@ -439,4 +461,6 @@ class DynamicInferenceEngine:
                 request.finish_reason = finish
                 request.add_event(EventType.FINISH, finish.value)
             self._forget(sequence)
-        return StepOutput(request, new_tokens, new_text, new_log_probs, finish is not None, new_top)
+        elif sequence.routing is not None:
+            new_routing = sequence.routing.take_undelivered()
+        return StepOutput(request, new_tokens, new_text, new_log_probs, finish is not None, new_top, new_routing)

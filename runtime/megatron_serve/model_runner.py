@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from .cuda_graphs import DecodeGraphs
+from .expert_routing import stack_routing
 from .model.attention import AttentionMetadata, ForwardContext, MultimodalStep
 from .model.llama import LlamaForCausalLM
 from .scheduler import Sequence
@@ -42,10 +43,20 @@ class StepPlan:
     score_rows: list[int] = field(default_factory=list)
     image_rows: list[int] = field(default_factory=list)  # rows whose embeddings come with the step
     mrope_positions: list[list[int]] | None = None  # [3][T] multimodal rotary positions
+    record_routing: bool = False  # some sequence records its expert routing (routing replay)
 
     @property
     def multimodal(self) -> bool:
         return bool(self.image_rows) or self.mrope_positions is not None
+
+
+@dataclass
+class StepResult:
+    """float32 logits ``[sampling rows + score rows, vocab]`` in entry order; with ``record_routing``
+    also the expert ids ``[step tokens, moe layers, top_k]`` of every token of the step (small integer dtype)."""
+
+    logits: torch.Tensor
+    routing: torch.Tensor | None = None
 
 
 def prompt_positions_to_score(sequence: Sequence, count: int) -> range:
@@ -73,6 +84,7 @@ def plan_step(entries: list[tuple[Sequence, int]], block_size: int, images: Step
     """
     plan = StepPlan([], [], [], [], [], [], [0], [], [])
     for sequence, count in entries:
+        plan.record_routing = plan.record_routing or sequence.routing is not None
         start = sequence.num_computed
         first_row = len(plan.token_ids)
         plan.token_ids.extend(sequence.token_ids[start : start + count])
@@ -133,24 +145,27 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run_plan(self, plan: StepPlan, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-                 image_embeddings: torch.Tensor | None = None) -> torch.Tensor:
-        """Run one step; returns float32 logits ``[sampling rows + score rows, vocab]`` in entry order.
+                 image_embeddings: torch.Tensor | None = None) -> StepResult:
+        """Run one step: float32 logits of the sampling and score rows, and the expert routing when the plan
+        records it.
 
         ``image_embeddings``: one row per ``plan.image_rows`` (vision-language models).
         """
         if (self.decode_graphs is not None and not plan.score_rows and not plan.multimodal
                 and self.decode_graphs.covers(plan)):
-            return self.decode_graphs.run(plan)
-        context = ForwardContext(self.metadata(plan), kv_caches, self.multimodal_step(plan, image_embeddings))
+            return StepResult(*self.decode_graphs.run(plan))
+        context = ForwardContext(self.metadata(plan), kv_caches, self.multimodal_step(plan, image_embeddings),
+                                 [] if plan.record_routing else None)
         hidden = self.model(self._tensor(plan.token_ids, torch.int64), self._tensor(plan.positions, torch.int64),
                             context)
+        routing = stack_routing(context.routing, self.model.config) if plan.record_routing else None
         rows = plan.sample_rows + plan.score_rows
         if not rows:  # only partial prefill chunks this step: nothing to sample
-            return hidden.new_empty((0, self.model.config.vocab_size), dtype=torch.float32)
-        return self.model.compute_logits(hidden[self._tensor(rows, torch.int64)])
+            return StepResult(hidden.new_empty((0, self.model.config.vocab_size), dtype=torch.float32), routing)
+        return StepResult(self.model.compute_logits(hidden[self._tensor(rows, torch.int64)]), routing)
 
     def execute(self, entries: list[tuple[Sequence, int]], kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-                images: StepImages | None = None) -> torch.Tensor:
+                images: StepImages | None = None) -> StepResult:
         return self.run_plan(plan_step(entries, self.block_size, images), kv_caches,
                              None if images is None else images.embeddings)
 

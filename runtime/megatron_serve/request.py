@@ -12,7 +12,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import msgpack
+import numpy as np
 
+from .expert_routing import routing_from_wire, routing_to_wire
 from .multimodal import PromptImage
 from .sampling_params import SamplingParams
 
@@ -83,6 +85,8 @@ class DynamicInferenceRequest:
     policy_epochs: list[int] = field(default_factory=list)  # weights generation that produced each token
     kv_epochs: list[int] = field(default_factory=list)  # oldest generation of the KV cache each token attended to
     cached_tokens: int = 0  # prompt tokens served from the prefix cache at the last admission
+    # Asked with return_routing_indices: [processed tokens, MoE layers, top_k] expert ids (see expert_routing)
+    routing_indices: np.ndarray | None = field(default=None, compare=False)
     status: RequestStatus = RequestStatus.WAITING_IN_QUEUE
     finish_reason: FinishReason | None = None
     error: str | None = None
@@ -154,6 +158,8 @@ class DynamicInferenceRequest:
         }
         if include_images and self.images:
             data["images"] = [image.to_wire() for image in self.images]
+        if self.routing_indices is not None:  # absent unless asked for: older peers never see it
+            data["routing_indices"] = routing_to_wire(self.routing_indices)
         return data
 
     @classmethod
@@ -176,6 +182,7 @@ class DynamicInferenceRequest:
             policy_epochs=list(data.get("policy_epochs", [])),
             kv_epochs=list(data.get("kv_epochs", [])),
             cached_tokens=int(data.get("cached_tokens", 0)),
+            routing_indices=None if data.get("routing_indices") is None else routing_from_wire(data["routing_indices"]),
             status=RequestStatus(data.get("status", RequestStatus.WAITING_IN_QUEUE.value)),
             finish_reason=None if data.get("finish_reason") is None else FinishReason(data["finish_reason"]),
             error=data.get("error"),

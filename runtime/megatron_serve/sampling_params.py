@@ -95,6 +95,7 @@ class SamplingParams(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=T
     stop_token_ids: list[int] = field(default_factory=list)
     return_prompt_log_probs: bool = False
     structured_outputs: StructuredOutputsParams | None = None
+    return_routing_indices: bool = False  # MoE models: the experts of every processed token (routing replay)
 
     def __post_init__(self) -> None:
         self.validate()
@@ -125,6 +126,8 @@ class SamplingParams(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=T
         if self.return_log_probs is not True and self.return_log_probs is not False:
             raise ValueError(f"return_log_probs must be a bool, got {self.return_log_probs!r}")
         _check_int("top_n_logprobs", self.top_n_logprobs, minimum=0, maximum=20)
+        if self.return_routing_indices is not True and self.return_routing_indices is not False:
+            raise ValueError(f"return_routing_indices must be a bool, got {self.return_routing_indices!r}")
         if self.seed is not None:
             _check_int("seed", self.seed, minimum=0)
         if self.ignore_eos and self.termination_id is not None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+from .expert_routing import RoutingRecord
 from .kv_cache import BlockAllocator, blocks_for_tokens
 from .multimodal import cache_keys
 from .prefix_hash import ROOT_HASH, block_hashes, chain_hash
@@ -32,6 +33,8 @@ class Sequence:
     kv_epoch: int | None = None  # weights generation its cached KV was computed under (None: no KV yet)
     prompt_hashes: list[int] = field(default_factory=list)  # hashes of every complete block it can share
     last_token_at: float | None = None  # monotonic time of its last sampled token here (inter-token latency)
+    routing: RoutingRecord | None = None  # expert ids of its processed tokens, when the request asked for them
+    reads_prefix_cache: bool = True  # False: computes every token itself (its routing must be its own)
 
     def __post_init__(self) -> None:
         if not self.token_ids:
@@ -106,8 +109,10 @@ class Scheduler:
         are). The last token is always computed (its logits are needed), so it is never matched.
         A request that still needs prompt log probs reads nothing from the cache: the positions it
         would skip must be scored (vLLM's choice too); it still publishes its blocks for others.
+        A request that records its expert routing reads nothing either (its routing must be its own).
         """
-        if not self.allocator.enable_prefix_caching or sequence.num_computed or sequence.request.prompt_scores_missing:
+        if (not self.allocator.enable_prefix_caching or sequence.num_computed or not sequence.reads_prefix_cache
+                or sequence.request.prompt_scores_missing):
             return None
         cacheable = (len(sequence.token_ids) - 1) // self.block_size
         sequence.prompt_hashes = block_hashes(sequence.cache_tokens(0, cacheable * self.block_size), self.block_size)

@@ -30,7 +30,7 @@ from .errors import EngineGroupLost
 from .model.loader import load_model, load_weights
 from .model.parallel import TensorParallel
 from .engine_setup import build_kv_pool, default_dtype, max_sequence_length_for
-from .model_runner import ModelRunner, StepPlan, plan_step
+from .model_runner import ModelRunner, StepPlan, StepResult, plan_step
 from .weights.sources import WeightSource
 
 logger = logging.getLogger(__name__)
@@ -119,7 +119,7 @@ class TensorParallelRunner(ModelRunner):
         if dead:
             raise EngineGroupLost(f"tensor-parallel group lost {', '.join(dead)}; this engine group must restart")
 
-    def execute(self, entries, kv_caches, images=None) -> torch.Tensor:
+    def execute(self, entries, kv_caches, images=None) -> StepResult:
         plan = plan_step(entries, self.block_size, images)
         self._broadcast("step", plan)
         embeddings = None if images is None else images.embeddings

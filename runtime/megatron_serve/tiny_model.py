@@ -14,6 +14,17 @@ ARCHITECTURES = {
     "mistral": ("MistralConfig", "MistralForCausalLM"),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM"),
+    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM"),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
+}
+
+# Experts of the mixture-of-experts architectures: 8 experts, 2 per token; overridable like any config key.
+MOE_DEFAULTS = {
+    "mixtral": dict(num_local_experts=8, num_experts_per_tok=2),
+    "qwen2_moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64,
+                      shared_expert_intermediate_size=128),
+    "qwen3_moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64, norm_topk_prob=True),
 }
 
 #: vision-language architectures, written by :mod:`megatron_serve.tiny_vision_model`
@@ -122,7 +133,7 @@ def make_tiny_model(
         bos_token_id=fast.bos_token_id,
         eos_token_id=fast.eos_token_id,
         pad_token_id=fast.pad_token_id,
-        **config_overrides,
+        **{**MOE_DEFAULTS.get(arch, {}), **config_overrides},
     )
     torch.manual_seed(seed)
     model = getattr(transformers, model_class_name)(config).eval()

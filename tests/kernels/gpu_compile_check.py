@@ -69,9 +69,9 @@ def main(capability: int, quick: bool = False) -> int:
 
     from megatron_kernels import _triton_utils  # noqa: PLC0415
     from megatron_kernels import triton_activation, triton_decode_attention, triton_kv_cache  # noqa: PLC0415
-    from megatron_kernels import triton_norm, triton_prefill_attention, triton_rotary  # noqa: PLC0415
+    from megatron_kernels import triton_moe, triton_norm, triton_prefill_attention, triton_rotary  # noqa: PLC0415
 
-    modules = (triton_activation, triton_decode_attention, triton_kv_cache, triton_norm,
+    modules = (triton_activation, triton_decode_attention, triton_kv_cache, triton_moe, triton_norm,
                triton_prefill_attention, triton_rotary)
     for module in modules:  # GPU launch heuristics on CPU tensors
         if hasattr(module, "interpreted"):
@@ -110,6 +110,10 @@ def main(capability: int, quick: bool = False) -> int:
         ops.rms_norm(x, torch.ones(2048, dtype=dtype), 1e-5)
         ops.fused_add_rms_norm(x, x, torch.ones(2048, dtype=dtype), 1e-5)
         ops.silu_and_mul(torch.randn(3, 2 * 1024, dtype=dtype))
+        w13, w2 = torch.randn(8, 2 * 768, 2048, dtype=dtype), torch.randn(8, 2048, 768, dtype=dtype)
+        for moe_tokens in (4, 512):  # decode (16-row blocks) and prefill (64-row blocks)
+            ids = torch.randint(0, 8, (moe_tokens, 2))
+            ops.fused_moe(torch.randn(moe_tokens, 2048, dtype=dtype), w13, w2, torch.rand(moe_tokens, 2), ids)
     print(f"{len(compiled)} launches compiled for sm_{capability}, {len(failures)} failed")
     return 1 if failures else 0
 

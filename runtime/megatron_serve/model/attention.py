@@ -37,11 +37,16 @@ class MultimodalStep:
 
 @dataclass
 class ForwardContext:
-    """What every layer needs besides hidden states: the batch layout and its own cache pages."""
+    """What every layer needs besides hidden states: the batch layout and its own cache pages.
+
+    ``routing``, when a list, collects the expert ids ``[T, top_k]`` of every mixture-of-experts
+    layer in layer order (routing replay).
+    """
 
     metadata: AttentionMetadata
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
     multimodal: MultimodalStep | None = None
+    routing: list[torch.Tensor] | None = None
 
 
 class PagedAttention(nn.Module):

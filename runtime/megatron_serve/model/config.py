@@ -12,14 +12,9 @@ from pathlib import Path
 from typing import Any
 
 from .errors import UnsupportedModelError
+from .families import ARCHITECTURES, Family, MoEConfig
 from .vision_config import VISION_LANGUAGE_ARCHITECTURES, VisionConfig, is_vision_language, split_vision_language
 
-SUPPORTED_ARCHITECTURES = {
-    "LlamaForCausalLM": "llama",
-    "MistralForCausalLM": "mistral",
-    "Qwen2ForCausalLM": "qwen2",
-    "Qwen3ForCausalLM": "qwen3",
-}
 SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear")
 SUPPORTED_ACTIVATIONS = ("silu",)
 
@@ -55,6 +50,7 @@ class ModelConfig:
     torch_dtype: str | None = None
     eos_token_ids: tuple[int, ...] = ()
     vision: VisionConfig | None = None  # the vision side of a vision-language model (see vision_config)
+    moe: MoEConfig | None = None  # the experts of a mixture-of-experts model
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> "ModelConfig":
@@ -69,15 +65,15 @@ class ModelConfig:
         if is_vision_language(raw):
             text, vision = split_vision_language(raw)
             return replace(cls.from_dict(text), architecture=architectures[0], vision=vision)
-        if len(architectures) != 1 or architectures[0] not in SUPPORTED_ARCHITECTURES:
-            known = [*SUPPORTED_ARCHITECTURES, *VISION_LANGUAGE_ARCHITECTURES]
+        if len(architectures) != 1 or architectures[0] not in ARCHITECTURES:
+            known = [*ARCHITECTURES, *VISION_LANGUAGE_ARCHITECTURES]
             raise UnsupportedModelError(f"unsupported architecture {architectures!r}: expected one of {', '.join(known)}")
         architecture = architectures[0]
-        family = SUPPORTED_ARCHITECTURES[architecture]
+        family = ARCHITECTURES[architecture]
         activation = raw.get("hidden_act", "silu")
         if activation not in SUPPORTED_ACTIVATIONS:
             raise UnsupportedModelError(f"unsupported hidden_act {activation!r}: only 'silu' (SwiGLU) is implemented")
-        if raw.get("attention_bias") and family != "qwen2":
+        if raw.get("attention_bias") and not family.qkv_bias:
             raise UnsupportedModelError("attention_bias=true is only supported for Qwen2 models")
         if raw.get("mlp_bias"):
             raise UnsupportedModelError("mlp_bias=true is not supported")
@@ -94,7 +90,7 @@ class ModelConfig:
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
         return cls(
             architecture=architecture,
-            family=family,
+            family=family.name,
             vocab_size=int(raw["vocab_size"]),
             hidden_size=hidden_size,
             intermediate_size=int(raw["intermediate_size"]),
@@ -105,12 +101,13 @@ class ModelConfig:
             rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
             max_position_embeddings=int(raw.get("max_position_embeddings", 4096)),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-            qkv_bias=family == "qwen2",
-            qk_norm=family == "qwen3",
+            qkv_bias=family.qkv_bias and bool(raw.get("qkv_bias", True)),
+            qk_norm=family.qk_norm,
             rope=_rope_config(raw),
             sliding_window=sliding_window,
             torch_dtype=raw.get("torch_dtype") or raw.get("dtype"),
             eos_token_ids=eos_ids,
+            moe=None if family.experts is None else family.experts(raw),
         )
 
     @property
@@ -121,11 +118,11 @@ class ModelConfig:
         return self.max_position_embeddings
 
 
-def _sliding_window(raw: dict[str, Any], family: str) -> int | None:
+def _sliding_window(raw: dict[str, Any], family: Family) -> int | None:
     window = raw.get("sliding_window")
     if window is None:
         return None
-    if family == "qwen2" or family == "qwen3":
+    if family.window_needs_flag:
         return int(window) if raw.get("use_sliding_window") else None
     return int(window)
 

@@ -81,6 +81,10 @@ class ColumnParallelLinear(nn.Module):
             raise ValueError(f"{name}: {units} units cannot be replicated evenly over {ranks} ranks")
         return (self.tp.rank * units // ranks) * unit, unit
 
+    def weight_pieces(self, param_name: str) -> frozenset:
+        """The fused parts a checkpoint fills separately (q, k, v / gate, up)."""
+        return frozenset((name, None) for name in self.slices)
+
     def weight_loader(self, param: nn.Parameter, source: TensorSource, shard: str | None = None) -> None:
         name = shard if shard is not None else next(iter(self.slices))
         offset, start, length = self.slices[name]
@@ -92,13 +96,18 @@ class ColumnParallelLinear(nn.Module):
 
 
 class RowParallelLinear(nn.Module):
-    """Input features split across ranks; partial outputs are summed with an all-reduce."""
+    """Input features split across ranks; partial outputs are summed with an all-reduce.
 
-    def __init__(self, in_features: int, out_features: int, tp: TensorParallel = SINGLE):
+    ``reduce=False`` leaves the partial sums to the caller, which adds more partial sums (a
+    mixture-of-experts block: shared expert plus routed experts) before one all-reduce.
+    """
+
+    def __init__(self, in_features: int, out_features: int, tp: TensorParallel = SINGLE, reduce: bool = True):
         super().__init__()
         if in_features % tp.size:
             raise ValueError(f"{in_features} input features do not split over {tp.size} ranks")
         self.tp = tp
+        self.reduce = reduce
         self.local_in = in_features // tp.size
         self.weight = nn.Parameter(torch.empty(out_features, self.local_in), requires_grad=False)
 
@@ -107,7 +116,34 @@ class RowParallelLinear(nn.Module):
         _copy_checked(param, _narrow(source, 1, self.tp.rank * self.local_in, self.local_in))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.tp.all_reduce(nn.functional.linear(x, self.weight))
+        out = nn.functional.linear(x, self.weight)
+        return self.tp.all_reduce(out) if self.reduce else out
+
+
+class ReplicatedLinear(nn.Module):
+    """A small projection every rank holds whole (a router, a gate)."""
+
+    def __init__(self, in_features: int, out_features: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return nn.functional.linear(x, self.weight)
+
+
+class GatedMLP(nn.Module):
+    """SwiGLU MLP: fused gate/up projection split by columns, down projection by rows."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, silu_and_mul: Callable, tp: TensorParallel = SINGLE,
+                 reduce: bool = True):
+        super().__init__()
+        size = intermediate_size
+        self.gate_up_proj = ColumnParallelLinear(hidden_size, {"gate": (size, 1), "up": (size, 1)}, tp=tp)
+        self.down_proj = RowParallelLinear(size, hidden_size, tp=tp, reduce=reduce)
+        self.silu_and_mul = silu_and_mul
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.silu_and_mul(self.gate_up_proj(hidden)))
 
 
 class VocabParallelEmbedding(nn.Module):

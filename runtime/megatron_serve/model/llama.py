@@ -1,7 +1,8 @@
-"""The Llama-family decoder (Llama, Mistral, Qwen2 with qkv bias, Qwen3 with q/k norm).
+"""The Llama-family decoder (Llama, Mistral, Qwen2 with qkv bias, Qwen3 with q/k norm), dense or with
+mixture-of-experts layers (Mixtral, Qwen2-MoE, Qwen3-MoE: see ``moe``).
 
 Module names mirror the Hugging Face checkpoints (``model.layers.N.self_attn...``) except where
-projections are fused (``qkv_proj``, ``gate_up_proj``); the loader maps between the two.
+projections are fused (``qkv_proj``, ``gate_up_proj``, stacked experts); the loader maps between the two.
 """
 
 from __future__ import annotations
@@ -15,12 +16,14 @@ from .attention import ForwardContext, PagedAttention
 from .config import ModelConfig
 from .layers import (
     ColumnParallelLinear,
+    GatedMLP,
     ParallelLMHead,
     RMSNorm,
     RowParallelLinear,
     VocabParallelEmbedding,
     rotary_cos_sin,
 )
+from .moe import SparseMoeBlock
 from .parallel import SINGLE, TensorParallel
 
 
@@ -67,23 +70,15 @@ class LlamaAttention(nn.Module):
         return self.o_proj(out.flatten(1))
 
 
-class LlamaMLP(nn.Module):
-    def __init__(self, config: ModelConfig, ops: _Ops, tp: TensorParallel):
-        super().__init__()
-        size = config.intermediate_size
-        self.gate_up_proj = ColumnParallelLinear(config.hidden_size, {"gate": (size, 1), "up": (size, 1)}, tp=tp)
-        self.down_proj = RowParallelLinear(size, config.hidden_size, tp=tp)
-        self.silu_and_mul = ops.silu_and_mul
-
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.silu_and_mul(self.gate_up_proj(hidden)))
-
-
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, layer_index: int, ops: _Ops, tp: TensorParallel, device: torch.device):
         super().__init__()
         self.self_attn = LlamaAttention(config, layer_index, ops, tp, device)
-        self.mlp = LlamaMLP(config, ops, tp)
+        self.sparse = config.moe is not None and config.moe.is_sparse(layer_index)
+        if self.sparse:
+            self.mlp: nn.Module = SparseMoeBlock(config.hidden_size, config.moe, ops.silu_and_mul, tp, device)
+        else:
+            self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, ops.silu_and_mul, tp)
         self.input_layernorm = ops.norm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = ops.norm(config.hidden_size, config.rms_norm_eps)
 
@@ -95,6 +90,8 @@ class LlamaDecoderLayer(nn.Module):
             hidden, residual = self.input_layernorm(hidden, residual)
         hidden = self.self_attn(positions, hidden, context, cos, sin)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
+        if self.sparse:
+            return self.mlp(hidden, context.routing), residual
         return self.mlp(hidden), residual
 
 
@@ -132,6 +129,10 @@ class LlamaForCausalLM(nn.Module):
         cos, sin = rotary_cos_sin(config.head_dim, config.max_position_embeddings, config.rope)
         self.register_buffer("rotary_cos", cos, persistent=False)
         self.register_buffer("rotary_sin", sin, persistent=False)
+
+    @property
+    def num_moe_layers(self) -> int:
+        return len(self.config.moe.sparse_layers) if self.config.moe is not None else 0
 
     @property
     def num_local_kv_heads(self) -> int:

@@ -7,7 +7,9 @@ so a tensor-parallel rank reads only its slice from disk.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable, Iterator
 
@@ -15,7 +17,9 @@ import torch
 from safetensors import safe_open
 
 from .config import ModelConfig
+from .layers import TensorSource
 from .llama import LlamaForCausalLM
+from .moe import expert_weight_name
 from .parallel import SINGLE, TensorParallel
 
 # checkpoint projection name -> (fused module name, shard id)
@@ -63,36 +67,80 @@ def _parameter(model: LlamaForCausalLM, module_path: str, param_name: str) -> tu
     return (module, param) if isinstance(param, torch.nn.Parameter) else None
 
 
-def _target(model: LlamaForCausalLM, name: str) -> tuple[torch.nn.Parameter, Callable | None, str | None] | None:
-    """Map a checkpoint tensor name to the parameter that holds it (and its loader and shard).
+@dataclass(frozen=True)
+class WeightTarget:
+    """Where one checkpoint tensor goes: a parameter (by its name in the model), and which of its pieces."""
 
-    A module of that exact name wins (a vision tower keeps its own ``q_proj``); otherwise the
-    decoder's projections are fused (``q_proj`` -> ``qkv_proj`` shard ``q``).
+    param_name: str
+    param: torch.nn.Parameter
+    load: Callable[[TensorSource], None]
+    pieces: frozenset  # (part, expert) pairs this tensor fills; (None, None) = the whole parameter
+
+
+def _pieces(module: torch.nn.Module, param_name: str) -> frozenset:
+    """Every piece of a parameter that checkpoints fill separately (one, unless the module fuses several)."""
+    if hasattr(module, "weight_pieces"):
+        return module.weight_pieces(param_name)
+    return frozenset({(None, None)})
+
+
+def weight_target(model: LlamaForCausalLM, name: str) -> WeightTarget | None:
+    """Map a Hugging Face tensor name to the parameter that holds it (None: a tensor with no weight to load).
+
+    Works on names alone, so it serves a loader that reads files and one that receives tensors. A
+    module of that exact name wins (a vision tower keeps its own ``q_proj``); otherwise the decoder's
+    projections are fused (``q_proj`` -> ``qkv_proj`` part ``q``), and per-expert names go to their
+    layer's stacked experts (:func:`.moe.expert_weight_name`).
     """
     if name.endswith(IGNORED_SUFFIXES):
         return None
-    module_path, _, param_name = name.rpartition(".")
-    found, shard = _parameter(model, module_path, param_name), None
+    module_path, param_name, part, expert = expert_weight_name(name)
+    found = _parameter(model, module_path, param_name)
     parts = module_path.split(".")
-    if found is None and parts[-1] in FUSED_PROJECTIONS:
-        parts[-1], shard = FUSED_PROJECTIONS[parts[-1]]
-        found = _parameter(model, ".".join(parts), param_name)
+    if found is None and part is None and parts[-1] in FUSED_PROJECTIONS:
+        parts[-1], part = FUSED_PROJECTIONS[parts[-1]]
+        module_path = ".".join(parts)
+        found = _parameter(model, module_path, param_name)
     if found is None:
         raise ValueError(f"checkpoint tensor {name!r} has no place in {model.config.architecture}")
     module, param = found
-    return param, getattr(module, "weight_loader", None), shard
+    pieces = frozenset(p for p in _pieces(module, param_name)
+                       if (part is None or p[0] == part) and (expert is None or p[1] == expert))
+    if not pieces:
+        raise ValueError(f"checkpoint tensor {name!r} has no place in {model.config.architecture}")
+    loader = getattr(module, "weight_loader", None)
+    if loader is None:
+        load = functools.partial(_copy_whole, param)
+    elif expert is None:
+        load = functools.partial(loader, param, shard=part) if part is not None else functools.partial(loader, param)
+    else:
+        load = functools.partial(loader, param, part=part, expert=expert)
+    return WeightTarget(f"{module_path}.{param_name}", param, load, pieces)
 
 
-def load_weights(model: LlamaForCausalLM, tensors: Iterable[tuple[str, object]],
+def _copy_whole(param: torch.nn.Parameter, source: TensorSource) -> None:
+    loaded = source if isinstance(source, torch.Tensor) else source[:]
+    if tuple(loaded.shape) != tuple(param.shape):
+        raise ValueError(f"shape {tuple(loaded.shape)} does not fit {tuple(param.shape)}")
+    param.data.copy_(loaded)
+
+
+def load_weights(model: LlamaForCausalLM, tensors: Iterable[tuple[str, TensorSource]],
                  progress: Callable[[str], None] | None = None, partial: bool = False) -> None:
-    """Copy checkpoint tensors into ``model``; every parameter must be covered exactly (``partial``:
+    """Copy checkpoint tensors into ``model``; every piece of every parameter must be covered (``partial``:
     any subset, e.g. the weights a trainer changed).
 
-    ``progress`` is called with each tensor's name once it is loaded (load progress reporting, and
-    what a refit that fails midway reports as replaced).
+    ``tensors`` yields ``(Hugging Face name, safetensors slice or tensor)``. ``progress`` is called
+    with each tensor's name once it is loaded (load progress reporting, and what a refit that fails
+    midway reports as replaced).
     """
-    expected = {id(p): n for n, p in model.named_parameters()}
-    seen: set[int] = set()
+    missing: dict[str, set] = {}
+    owners = {id(p): n for n, p in model.named_parameters()}  # a tied parameter counts once, by its first name
+    for module_name, module in model.named_modules():
+        for param_name, param in module.named_parameters(recurse=False):
+            full = f"{module_name}.{param_name}" if module_name else param_name
+            if owners[id(param)] == full:
+                missing[full] = set(_pieces(module, param_name))
     with torch.no_grad():
         for checkpoint_name, source in tensors:
             name = model.checkpoint_name(checkpoint_name)
@@ -100,31 +148,31 @@ def load_weights(model: LlamaForCausalLM, tensors: Iterable[tuple[str, object]],
                 continue  # held by another rank (a vision tower lives on tensor-parallel rank 0)
             if name == "lm_head.weight" and model.config.tie_word_embeddings:
                 continue  # tied: the embedding already fills it
-            target = _target(model, name)
+            target = weight_target(model, name)
             if target is None:
                 continue
-            param, loader, shard = target
             try:
-                if loader is not None:
-                    loader(param, source, shard)
-                else:
-                    loaded = source if isinstance(source, torch.Tensor) else source[:]
-                    if tuple(loaded.shape) != tuple(param.shape):
-                        raise ValueError(f"shape {tuple(loaded.shape)} does not fit {tuple(param.shape)}")
-                    param.data.copy_(loaded)
+                target.load(source)
             except ValueError as exc:
                 raise ValueError(f"weight {name}: {exc}") from None
-            seen.add(id(param))
+            if target.param_name in missing:
+                missing[target.param_name] -= target.pieces
             if progress is not None:
                 progress(checkpoint_name)
-    missing = [n for pid, n in expected.items() if pid not in seen]
-    if missing and not partial:
-        raise ValueError(f"checkpoint is missing weights: {', '.join(sorted(missing)[:8])}")
+    gaps = sorted(_describe(name, pieces) for name, pieces in missing.items() if pieces)
+    if gaps and not partial:
+        raise ValueError(f"checkpoint is missing weights: {', '.join(gaps[:8])}")
+
+
+def _describe(param_name: str, pieces: set) -> str:
+    parts = sorted(f"{part}" + ("" if expert is None else f" of expert {expert}")
+                   for part, expert in pieces if part is not None)
+    return param_name if not parts else f"{param_name} ({', '.join(parts[:4])}{', ...' if len(parts) > 4 else ''})"
 
 
 # Fields that fix every weight's shape: a refit source must agree on all of them.
 STRUCTURAL_FIELDS = ("architecture", "vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
-                     "num_kv_heads", "head_dim", "tie_word_embeddings", "qkv_bias", "qk_norm")
+                     "num_kv_heads", "head_dim", "tie_word_embeddings", "qkv_bias", "qk_norm", "moe")
 FLOAT_DTYPES = {"F32", "F16", "BF16", "F64"}
 
 

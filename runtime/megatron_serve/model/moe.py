@@ -1,0 +1,142 @@
+"""Mixture-of-experts layer: router, fused experts, optional shared expert; and its checkpoint names.
+
+Experts are held as two stacked weights per layer, ``experts.gate_up_proj`` ``[E, 2 * I/tp, H]`` (each
+expert's gate rows, then its up rows) and ``experts.down_proj`` ``[E, H, I/tp]``: these are the names and
+layouts of ``transformers`` 5 modules, so a trainer's ``named_parameters()`` loads as they are, and the
+per-expert names of Hub checkpoints (``experts.N.w1`` of Mixtral, ``experts.N.gate_proj`` of Qwen) are
+mapped onto them by :func:`expert_weight_name`.
+
+Tensor parallelism splits every expert's intermediate dimension across the ranks, as the dense MLP
+is split: each rank runs all experts on all tokens with its slice and the partial sums (routed and
+shared expert together) are reduced once. The router is replicated, so every rank routes alike.
+
+Expert parallelism later: give each rank ``E / ep`` whole experts instead of a slice of all of them.
+The weight loader then keeps expert ``e`` only on its owner, stored at ``e - first_local`` (the
+stacked layout is already indexed by expert); the router keeps computing all ``E`` logits; ids of
+experts held elsewhere are mapped to -1 and dropped by ``align_by_expert`` (one ``torch.where``
+before the sort), the kernel itself is unchanged; the output is then summed over the EP x TP group.
+That all-reduce version needs no new communication pattern; the faster one replaces it by an
+all-to-all that sends each token only to its experts' ranks (dispatch) and back (combine), around
+the same grouped GEMM.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Callable
+
+import torch
+from torch import nn
+
+from megatron_kernels import get_op
+
+from .families import MoEConfig
+from .layers import GatedMLP, ReplicatedLinear, TensorSource, _copy_checked, _narrow
+from .parallel import SINGLE, TensorParallel
+
+# Hub names of one expert's projections: (stacked parameter, part of it)
+_EXPERT_PROJECTIONS = {
+    "w1": ("gate_up_proj", "gate"), "gate_proj": ("gate_up_proj", "gate"),
+    "w3": ("gate_up_proj", "up"), "up_proj": ("gate_up_proj", "up"),
+    "w2": ("down_proj", "down"), "down_proj": ("down_proj", "down"),
+}
+_PER_EXPERT = re.compile(r"^(?P<layer>.+)\.(?:block_sparse_moe|mlp)\.experts\.(?P<expert>\d+)\."
+                         r"(?P<proj>w1|w2|w3|gate_proj|up_proj|down_proj)\.weight$")
+
+
+def expert_weight_name(name: str) -> tuple[str, str, str | None, int | None]:
+    """``(module path, parameter, part, expert)`` of an MoE checkpoint tensor in this model.
+
+    ``part``/``expert`` are None when the tensor fills the whole parameter (the stacked layout of
+    ``transformers`` 5, or a router). Mixtral's ``block_sparse_moe`` is this model's ``mlp``.
+    """
+    match = _PER_EXPERT.match(name)
+    if match:
+        param, part = _EXPERT_PROJECTIONS[match["proj"]]
+        return f"{match['layer']}.mlp.experts", param, part, int(match["expert"])
+    module_path, _, param = name.replace(".block_sparse_moe.", ".mlp.").rpartition(".")
+    return module_path, param, None, None
+
+
+class FusedExperts(nn.Module):
+    """Every expert of one layer; each rank holds the same slice of every expert's intermediate dimension."""
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, tp: TensorParallel,
+                 device: torch.device):
+        super().__init__()
+        if intermediate_size % tp.size:
+            raise ValueError(f"expert intermediate size {intermediate_size} does not split over {tp.size} ranks")
+        self.tp = tp
+        self.num_experts = num_experts
+        self.intermediate_size = intermediate_size
+        self.local = intermediate_size // tp.size
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * self.local, hidden_size), requires_grad=False)
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, self.local), requires_grad=False)
+        self._fused_moe = get_op("fused_moe", device)
+
+    def weight_pieces(self, param_name: str) -> frozenset:
+        """The parts a checkpoint fills separately: ``(part, expert)`` for every expert."""
+        parts = ("gate", "up") if param_name == "gate_up_proj" else ("down",)
+        return frozenset((part, expert) for part in parts for expert in range(self.num_experts))
+
+    def weight_loader(self, param: nn.Parameter, source: TensorSource, part: str | None = None,
+                      expert: int | None = None) -> None:
+        """Copy this rank's slice of one expert's projection (``part``/``expert``) or of the whole stack."""
+        start, length, size = self.tp.rank * self.local, self.local, self.intermediate_size
+        if expert is not None and not 0 <= expert < self.num_experts:
+            raise ValueError(f"expert {expert} does not exist: this layer has {self.num_experts}")
+        if param is self.down_proj:
+            target = param.data if expert is None else param.data[expert]
+            _copy_checked(target, _narrow(source, target.dim() - 1, start, length))
+            return
+        parts = ("gate", "up") if part is None else (part,)
+        for name in parts:
+            offset = 0 if name == "gate" else length
+            target = param.data.narrow(-2, offset, length)
+            if expert is None:  # stacked [E, 2 * I, H]: gate rows first, then up rows
+                piece = _narrow(source, 1, start + (0 if name == "gate" else size), length)
+            else:
+                target, piece = target[expert], _narrow(source, 0, start, length)
+            _copy_checked(target, piece)
+
+    def forward(self, hidden: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """This rank's partial sum of the routed experts' outputs."""
+        return self._fused_moe(hidden, self.gate_up_proj, self.down_proj, weights, ids)
+
+
+class SparseMoeBlock(nn.Module):
+    """Router, top-k experts and (Qwen2-MoE) a gated shared expert, in place of a dense MLP."""
+
+    def __init__(self, hidden_size: int, moe: MoEConfig, silu_and_mul: Callable, tp: TensorParallel = SINGLE,
+                 device: torch.device | str = "cpu"):
+        super().__init__()
+        self.tp = tp
+        self.top_k = moe.top_k
+        self.norm_topk_prob = moe.norm_topk_prob
+        self.gate = ReplicatedLinear(hidden_size, moe.num_experts)
+        self.experts = FusedExperts(moe.num_experts, hidden_size, moe.expert_intermediate_size, tp,
+                                    torch.device(device))
+        self.shared_expert: GatedMLP | None = None
+        self.shared_expert_gate: ReplicatedLinear | None = None
+        if moe.shared_expert_intermediate_size:
+            self.shared_expert = GatedMLP(hidden_size, moe.shared_expert_intermediate_size, silu_and_mul, tp,
+                                          reduce=False)
+            self.shared_expert_gate = ReplicatedLinear(hidden_size, 1)
+
+    def route(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """float32 weights and expert ids ``[T, top_k]``, most probable expert first (softmax over all experts)."""
+        probs = torch.softmax(self.gate(hidden), dim=-1, dtype=torch.float32)
+        weights, ids = torch.topk(probs, self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights, ids
+
+    def forward(self, hidden: torch.Tensor, routing: list[torch.Tensor] | None = None) -> torch.Tensor:
+        """Mix the experts for every token; ``routing`` (when given) receives this layer's expert ids."""
+        weights, ids = self.route(hidden)
+        if routing is not None:
+            routing.append(ids)
+        out = self.experts(hidden, weights, ids)
+        if self.shared_expert is not None:
+            out = out + torch.sigmoid(self.shared_expert_gate(hidden)) * self.shared_expert(hidden)
+        return self.tp.all_reduce(out)
