@@ -21,7 +21,7 @@ import torch
 from megatron_kernels.ops import backend_for
 
 from .config import InferenceConfig
-from .expert_routing import stack_routing
+from .model.moe import stack_routing
 from .kv_cache import blocks_for_tokens
 from .model.attention import AttentionMetadata, ForwardContext
 from .model.llama import LlamaForCausalLM

@@ -47,7 +47,7 @@ class StepOutput:
     new_log_probs: list[float]
     finished: bool
     new_top_logprobs: list[dict[int, float]] = field(default_factory=list)
-    new_routing: tuple[int, np.ndarray] | None = None  # (first position, rows) recorded since the last output
+    new_routing: tuple[int, np.ndarray] | None = None  # (first position, routing rows) since the last output
 
 
 def _encoder_cache_for(model: LlamaForCausalLM, tokenizer: Tokenizer) -> EncoderCache | None:

@@ -31,6 +31,7 @@ import zmq
 from .errors import EngineGroupLost, RefitFailed
 from .lifecycle import ENGINE_DRAINING, STEPS, FleetState, Step, engine_state_after
 from .engine_link import CoordinatorLink
+from .expert_routing import routing_to_wire
 from .messages import Control, HelloAck, Refit, Stop, Suspend
 from .protocol import HEADER_VERBS, Header, ProtocolError, Role, step_of
 from .request import DynamicInferenceRequest, FinishReason, RequestStatus, top_logprobs_to_wire
@@ -231,6 +232,9 @@ class EngineProcess:
             if out.new_tokens and not out.finished:  # the coordinator mirrors them for a request that moves
                 n = len(out.new_tokens)
                 item["epochs"] = [list(out.request.policy_epochs[-n:]), list(out.request.kv_epochs[-n:])]
+                if out.new_routing is not None:  # the rows of the tokens processed since the last output
+                    start, rows = out.new_routing
+                    item["routing"] = {"start": start, **routing_to_wire(rows)}
             if out.finished:
                 item["request"] = out.request.to_dict()
             payload.append(item)

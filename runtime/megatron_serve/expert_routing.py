@@ -22,12 +22,12 @@ builds 25 MB of Python objects in seconds (measured on this 2-core machine).
 
 from __future__ import annotations
 
-from typing import Any, Sequence as SequenceType
+from typing import TYPE_CHECKING, Any, Sequence as SequenceType
 
 import numpy as np
-import torch
 
-from .model.config import ModelConfig
+if TYPE_CHECKING:  # this module travels with the request record into torch-free processes (client, coordinator)
+    import torch
 
 DTYPES = {"uint8": np.uint8, "uint16": np.uint16}
 
@@ -35,14 +35,6 @@ DTYPES = {"uint8": np.uint8, "uint16": np.uint16}
 def routing_dtype(num_experts: int) -> np.dtype:
     """The smallest unsigned type that holds every expert id."""
     return np.dtype(np.uint8 if num_experts <= 256 else np.uint16)
-
-
-def stack_routing(routing: list[torch.Tensor], config: ModelConfig) -> torch.Tensor:
-    """The MoE layers' expert ids as one ``[tokens, layers, top_k]`` tensor, small before the copy to host
-    (uint8 up to 256 experts, else int32: uint16 is no device type)."""
-    if config.moe is None or not routing:
-        raise ValueError(f"{config.architecture} has no mixture-of-experts layers to record the routing of")
-    return torch.stack(routing, dim=1).to(torch.uint8 if config.moe.num_experts <= 256 else torch.int32)
 
 
 class RoutingRecord:
@@ -76,16 +68,15 @@ class RoutingRecord:
             self._chunks = [np.concatenate(self._chunks)]
         return self._chunks[0] if self._chunks else np.empty((0, *self.shape), dtype=self.dtype)
 
-    def take_undelivered(self) -> np.ndarray | None:
-        """Rows recorded since the last call (the coordinator mirrors them), or None."""
+    def take_undelivered(self) -> tuple[int, np.ndarray] | None:
+        """``(first position, rows)`` recorded since the last call (the coordinator mirrors them), or None."""
         if self.delivered == self.count:
             return None
-        rows = self.array()[self.delivered:]
-        self.delivered = self.count
-        return rows
+        start, self.delivered = self.delivered, self.count
+        return start, self.array()[start:]
 
 
-def record_step(entries: SequenceType[tuple[Any, int]], routing: torch.Tensor) -> None:
+def record_step(entries: SequenceType[tuple[Any, int]], routing: "torch.Tensor") -> None:
     """Hand one step's rows ``[step tokens, layers, top_k]`` (entry order) to the sequences that record.
 
     Call before the entries' ``num_computed`` advances: it is the position of each entry's first token.
@@ -100,6 +91,24 @@ def record_step(entries: SequenceType[tuple[Any, int]], routing: torch.Tensor) -
 
 def routing_to_wire(rows: np.ndarray) -> dict[str, Any]:
     return {"shape": list(rows.shape), "dtype": rows.dtype.name, "data": rows.tobytes()}
+
+
+def mirror_rows(mirror: RoutingRecord | None, wire: dict[str, Any]) -> RoutingRecord:
+    """The coordinator's copy of a request's rows, extended by one step's ``{"start", ...wire form}``.
+
+    ``ValueError`` on a malformed or out-of-order delivery.
+    """
+    rows = routing_from_wire(wire)
+    start = wire.get("start")
+    if not isinstance(start, int) or isinstance(start, bool) or start < 0:
+        raise ValueError(f"routing start must be a non-negative integer, got {start!r}")
+    if mirror is None:
+        mirror = RoutingRecord(rows.shape[1], rows.shape[2], rows.dtype)
+    if start > mirror.count or rows.shape[1:] != mirror.shape:
+        raise ValueError(f"routing rows {rows.shape} from position {start} do not continue the {mirror.count} "
+                         f"rows of shape {mirror.shape} recorded")
+    mirror.record(start, rows)
+    return mirror
 
 
 def routing_from_wire(data: Any) -> np.ndarray:

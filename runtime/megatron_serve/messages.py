@@ -271,6 +271,16 @@ class EngineSubmit(Body):
     request: dict[str, Any]
 
 
+class RoutingRows(Body):
+    """Routing replay: the expert-routing rows of a request's positions ``start, start + 1, ...``
+    (``expert_routing``: ``shape`` [rows, MoE layers, top_k], ``dtype`` uint8/uint16, ``data`` the raw ids)."""
+
+    start: Annotated[int, msgspec.Meta(ge=0)]
+    shape: list[Annotated[int, msgspec.Meta(ge=0)]]
+    dtype: str
+    data: bytes
+
+
 class StepOutput(Body):
     """One request's share of an engine step."""
 
@@ -281,6 +291,7 @@ class StepOutput(Body):
     new_log_probs: list[float] | None = None
     new_top_logprobs: list[list[tuple[int, float]]] | None = None  # per new token: [[token id, log prob], ...]
     epochs: list[list[int]] | None = None  # [policy epochs, KV epochs] of the new tokens
+    routing: RoutingRows | None = None  # return_routing_indices: the rows processed since the last output
     request: msgspec.Raw | msgspec.UnsetType = msgspec.UNSET  # the full record when finished (maybe nil)
 
 

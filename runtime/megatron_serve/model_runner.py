@@ -17,8 +17,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from .cuda_graphs import DecodeGraphs
-from .expert_routing import stack_routing
 from .model.attention import AttentionMetadata, ForwardContext, MultimodalStep
+from .model.moe import stack_routing
 from .model.llama import LlamaForCausalLM
 from .scheduler import Sequence
 

@@ -39,6 +39,7 @@ class FakeStepOutput:
     new_log_probs: list[float]
     finished: bool
     new_top_logprobs: list[dict[int, float]] = field(default_factory=list)
+    new_routing: tuple[int, object] | None = None  # fake engines route no experts
 
 
 class FakeEngine:

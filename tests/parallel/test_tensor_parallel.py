@@ -28,23 +28,34 @@ def mqa_tied_model(tmp_path_factory) -> str:
                                tie_word_embeddings=True))
 
 
-def generate(model_dir: str, tp: int):
+@pytest.fixture(scope="module")
+def moe_model(tmp_path_factory) -> str:
+    # A shared expert (its partial sums join the routed experts' before the one all-reduce) and 8 experts
+    # whose intermediate size 64 splits into 32 / 16 columns per rank.
+    return str(make_tiny_model(tmp_path_factory.mktemp("moe"), seed=5, arch="qwen2_moe", num_heads=4,
+                               num_kv_heads=2))
+
+
+def generate(model_dir: str, tp: int, routing: bool = False):
     llm = MegatronLLM(model_dir, InferenceConfig(tensor_parallel_size=tp, block_size_tokens=8))
     try:
-        outs = llm.generate(PROMPTS, GREEDY)
-        return [o.generated_tokens for o in outs], [o.generated_log_probs for o in outs]
+        outs = llm.generate(PROMPTS, SamplingParams(**{**GREEDY.to_dict(), "return_routing_indices": routing}))
+        return ([o.generated_tokens for o in outs], [o.generated_log_probs for o in outs],
+                [o.routing_indices.tolist() if routing else None for o in outs])
     finally:
         llm.close()
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("model_fixture", ["gqa_model", "mqa_tied_model"])
+@pytest.mark.parametrize("model_fixture", ["gqa_model", "mqa_tied_model", "moe_model"])
 def test_tp2_and_tp4_equal_tp1(model_fixture, request):
     model_dir = request.getfixturevalue(model_fixture)
-    tokens_1, log_probs_1 = generate(model_dir, 1)
+    routing = model_fixture == "moe_model"
+    tokens_1, log_probs_1, routing_1 = generate(model_dir, 1, routing)
     for tp in (2, 4):
-        tokens, log_probs = generate(model_dir, tp)
+        tokens, log_probs, routing_tp = generate(model_dir, tp, routing)
         assert tokens == tokens_1, f"TP={tp} diverged"
+        assert routing_tp == routing_1, f"TP={tp} routed differently"
         for row, expected in zip(log_probs, log_probs_1):
             assert row == pytest.approx(expected, abs=1e-4)
 

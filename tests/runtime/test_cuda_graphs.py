@@ -16,6 +16,7 @@ from megatron_serve import DynamicInferenceRequest, InferenceConfig, MegatronLLM
 from megatron_serve.cuda_graphs import DecodeGraphs, graph_batch_sizes
 from megatron_serve.kv_cache import blocks_for_tokens
 from megatron_serve.model_runner import ModelRunner, plan_step
+from megatron_serve.tiny_model import make_tiny_model
 
 from ..graph_replay import install_graphs
 from .conftest import PROMPTS
@@ -176,6 +177,20 @@ def test_a_replay_pads_rows_to_write_nothing_and_returns_only_sampling_rows(tiny
     for before, (after, _) in zip(untouched, engine.kv_cache.layer_caches):
         changed = (before != after).flatten(2).any(-1).nonzero().tolist()
         assert changed == [[5, 2], [6, 3], [7, 4]]  # [block, offset] of the three real rows, nothing else
+
+
+def test_moe_decode_graphs_return_the_routing_of_their_rows(tmp_path):
+    """MoE graphs output the step's expert ids too; a replayed decode step records the same rows as eager."""
+    model_dir = str(make_tiny_model(tmp_path / "moe", seed=3, arch="mixtral"))
+    params = SamplingParams(temperature=0.0, num_tokens_to_generate=8, ignore_eos=True, return_routing_indices=True)
+    eager = MegatronLLM(model_dir, config()).generate(PROMPTS[:3], params)
+    llm = MegatronLLM(model_dir, config())
+    capture = install_graphs(llm.engine, [1, 2, 4])
+    replayed = llm.generate(PROMPTS[:3], params)
+    assert capture.replayed_sizes.count(4) >= params.num_tokens_to_generate - 2  # 3 rows padded to 4
+    for ours, theirs in zip(replayed, eager):
+        assert ours.generated_tokens == theirs.generated_tokens
+        assert ours.routing_indices.tolist() == theirs.routing_indices.tolist()
 
 
 def test_a_failed_capture_leaves_a_working_eager_engine(tiny_llama, eager_outputs, caplog):

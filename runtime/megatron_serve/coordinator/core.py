@@ -22,6 +22,7 @@ from typing import Any
 
 import msgspec
 
+from ..expert_routing import mirror_rows
 from ..lifecycle import FleetState
 from ..messages import (
     RENDEZVOUS_SCHEME,
@@ -451,7 +452,8 @@ class CoordinatorCore:
                 self._finish_from_engine(engine, record, out)
 
     def _mirror(self, record: RequestRecord, out: StepOutput) -> None:
-        """Keep the new tokens (a request that moves continues from them) and stream them."""
+        """Keep the new tokens, their epochs and expert routing (a request that moves continues from them)
+        and stream them."""
         n = len(out.new_tokens)
         record.generated_tokens.extend(out.new_tokens)
         if out.new_log_probs:
@@ -465,6 +467,11 @@ class CoordinatorCore:
         else:  # -1: not reported
             record.policy_epochs.extend([-1] * n)
             record.kv_epochs.extend([-1] * n)
+        if out.routing is not None:
+            try:
+                record.routing = mirror_rows(record.routing, msgspec.structs.asdict(out.routing))
+            except ValueError as exc:  # not mirrored: a next engine recomputes those positions' rows
+                logger.warning("request %s: routing rows not mirrored: %s", record.request_id, exc)
         if record.stream:
             client = self.clients.get(record.client_id)
             if client is not None and client.identity is not None:

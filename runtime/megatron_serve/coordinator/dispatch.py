@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
+from ..expert_routing import routing_to_wire
 from ..lifecycle import FleetState
 from ..messages import EngineSubmit
 from ..protocol import Header
@@ -27,7 +28,8 @@ def wire_record(record: RequestRecord, images: bool = True) -> dict[str, Any]:
 
     The sampling parameters are the client's bytes, spliced in unparsed (they were validated once,
     on arrival). Image files go with every dispatch, so that a request moved to another engine keeps
-    them; a result does not carry them back (``images=False``).
+    them; a result does not carry them back (``images=False``). The expert routing mirrored so far
+    goes with both: a continuation records only the positions after it, a result returns it.
     """
     wire = {
         "request_id": record.request_id,
@@ -45,6 +47,8 @@ def wire_record(record: RequestRecord, images: bool = True) -> dict[str, Any]:
     }
     if images and record.images:
         wire["images"] = [image.to_wire() for image in record.images]
+    if record.routing is not None:
+        wire["routing_indices"] = routing_to_wire(record.routing.array())
     return wire
 
 

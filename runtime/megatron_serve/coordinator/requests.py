@@ -18,6 +18,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
+from ..expert_routing import RoutingRecord
 from ..messages import ClientId
 from ..multimodal import PromptImage, cache_keys
 from ..sampling_params import SamplingParams
@@ -54,6 +55,7 @@ class RequestRecord:
     moves: int = 0
     final: bytes | None = None  # the finished record's msgpack (forwarded unparsed)
     images: list[PromptImage] = field(default_factory=list)  # placed in prompt_tokens once prepared
+    routing: RoutingRecord | None = None  # return_routing_indices: expert rows mirrored with the tokens
 
     @property
     def prefix_keys(self) -> list[int]:

@@ -30,6 +30,7 @@ from torch import nn
 
 from megatron_kernels import get_op
 
+from .config import ModelConfig
 from .families import MoEConfig
 from .layers import GatedMLP, ReplicatedLinear, TensorSource, _copy_checked, _narrow
 from .parallel import SINGLE, TensorParallel
@@ -56,6 +57,14 @@ def expert_weight_name(name: str) -> tuple[str, str, str | None, int | None]:
         return f"{match['layer']}.mlp.experts", param, part, int(match["expert"])
     module_path, _, param = name.replace(".block_sparse_moe.", ".mlp.").rpartition(".")
     return module_path, param, None, None
+
+
+def stack_routing(routing: list[torch.Tensor], config: ModelConfig) -> torch.Tensor:
+    """The MoE layers' expert ids of one forward as ``[tokens, layers, top_k]``, small before the copy to host
+    (uint8 up to 256 experts, else int32: uint16 is no device type)."""
+    if config.moe is None or not routing:
+        raise ValueError(f"{config.architecture} has no mixture-of-experts layers to record the routing of")
+    return torch.stack(routing, dim=1).to(torch.uint8 if config.moe.num_experts <= 256 else torch.int32)
 
 
 class FusedExperts(nn.Module):

@@ -40,7 +40,7 @@ from .translate import (
     check_common,
     check_model,
     controls,
-    epoch_fields,
+    extension_fields,
     make_jobs,
     resolve_max_tokens,
     sampling_params,
@@ -149,7 +149,7 @@ class ChatHandler:
                                           result.generated_log_probs, result.generated_top_n_logprobs)
             choices.append(ChatChoice(index=job.index, message=message, logprobs=logprobs,
                                       finish_reason=self._finish_reason(result, bool(message.tool_calls)),
-                                      **epoch_fields(self.req, result)))
+                                      **extension_fields(self.req, result)))
         scored = None
         if self.req.prompt_logprobs is not None:
             scored = prompt_logprobs(self.ctx.tokenizer, results[0], self.req.prompt_logprobs)
@@ -196,7 +196,7 @@ class ChatHandler:
             results.append((job, result))
             yield self._chunk([ChatChunkChoice(index=job.index, delta=ChatDelta(),
                                                finish_reason=self._finish_reason(result, job.index in called),
-                                               **epoch_fields(self.req, result))])
+                                               **extension_fields(self.req, result))])
         if self.req.stream_options is not None and self.req.stream_options.include_usage:
             yield self._chunk([], usage=self.usage(results))
 

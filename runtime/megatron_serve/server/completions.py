@@ -31,7 +31,7 @@ from .translate import (
     check_model,
     completion_prompts,
     controls,
-    epoch_fields,
+    extension_fields,
     make_jobs,
     resolve_max_tokens,
     sampling_params,
@@ -131,7 +131,7 @@ class CompletionHandler:
                 scored = prompt_logprobs(self.ctx.tokenizer, result, self.req.prompt_logprobs)
             choices.append(CompletionChoice(index=job.index, text=prefix + text, logprobs=logprobs,
                                             finish_reason=finish_reason(result), prompt_logprobs=scored,
-                                            **epoch_fields(self.req, result)))
+                                            **extension_fields(self.req, result)))
         return CompletionResponse(id=self.id, created=self.created, model=self.req.model, choices=choices,
                                   usage=self.usage(list(zip(self.jobs, results))))
 
@@ -139,9 +139,9 @@ class CompletionHandler:
 
     def _chunk(self, job: EngineJob, text: str, logprobs: CompletionLogprobs | None = None,
                finish_reason: str | None = None, result: DynamicInferenceRequest | None = None) -> str:
-        epochs = epoch_fields(self.req, result) if result is not None else {}
+        extensions = extension_fields(self.req, result) if result is not None else {}
         return sse(CompletionChunk(id=self.id, created=self.created, model=self.req.model, choices=[
-            CompletionChoice(index=job.index, text=text, logprobs=logprobs, finish_reason=finish_reason, **epochs)]))
+            CompletionChoice(index=job.index, text=text, logprobs=logprobs, finish_reason=finish_reason, **extensions)]))
 
     def _logprobs(self, delta: Delta, offset: int) -> CompletionLogprobs | None:
         """The log-prob block of a streamed chunk; None when not asked for or the chunk adds no token."""

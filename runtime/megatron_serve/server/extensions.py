@@ -34,6 +34,8 @@ EXTENSIONS: dict[str, str] = {
     "prompt_logprobs": "log-prob of every prompt token and this many alternatives at each position (vLLM's name "
                        "and shape; not with stream)",
     "response_format": "on /v1/completions too (as vLLM): 'json_object' or 'json_schema' constrains the output",
+    "return_routing_indices": "mixture-of-experts models: add routing_indices (the experts every processed token of "
+                              "prompt and answer was routed to) to each choice",
 }
 
 #: Well-known fields this server does not implement, OpenAI's and other servers' (vLLM, SGLang):

@@ -94,6 +94,7 @@ class _SamplingRequest(_Request):
     user: str | None = Field(None, description="accepted and ignored")
     ignore_eos: bool | None = extension("ignore_eos")
     return_epochs: bool | None = extension("return_epochs")
+    return_routing_indices: bool | None = extension("return_routing_indices")
 
 
 def _prompt_shape(value: Any) -> str:
@@ -266,13 +267,14 @@ PromptLogprobs = list[dict[str, PromptLogprob] | None]
 _PROMPT_LOGPROBS = "extension (prompt_logprobs): log probs of the prompt tokens, vLLM's shape"
 
 
-class _Epochs(BaseModel):
-    """Serializer of extension fields (``return_epochs``, ``prompt_logprobs``): left out unless asked for."""
+class _Extensions(BaseModel):
+    """Serializer of extension fields (``return_epochs``, ``prompt_logprobs``, ``return_routing_indices``):
+    left out unless asked for."""
 
     @model_serializer(mode="wrap")
-    def _drop_absent_epochs(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+    def _drop_absent_extensions(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
         data = handler(self)
-        for key in ("policy_epochs", "kv_epochs", "prompt_logprobs"):
+        for key in ("policy_epochs", "kv_epochs", "prompt_logprobs", "routing_indices"):
             if data.get(key) is None:
                 data.pop(key, None)
         return data
@@ -280,9 +282,13 @@ class _Epochs(BaseModel):
 
 _POLICY_EPOCHS = "extension (return_epochs): the weights generation (REFIT epoch) that produced each generated token"
 _KV_EPOCHS = "extension (return_epochs): the weights generation of the KV cache each generated token attended to"
+_ROUTING = ("extension (return_routing_indices): for every processed token of prompt and answer (the last answer "
+            "token when generation stopped at its length limit was never processed), for every mixture-of-experts "
+            "layer, the ids of the experts it was routed to, most probable first")
+RoutingIndices = list[list[list[int]]]
 
 
-class CompletionChoice(_Epochs):
+class CompletionChoice(_Extensions):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
@@ -290,6 +296,7 @@ class CompletionChoice(_Epochs):
     prompt_logprobs: PromptLogprobs | None = Field(None, description=_PROMPT_LOGPROBS)
     policy_epochs: list[int] | None = Field(None, description=_POLICY_EPOCHS)
     kv_epochs: list[int] | None = Field(None, description=_KV_EPOCHS)
+    routing_indices: RoutingIndices | None = Field(None, description=_ROUTING + " (streamed: on the choice's last chunk)")
 
 
 class CompletionResponse(BaseModel):
@@ -342,16 +349,17 @@ class ChatResponseMessage(BaseModel):
         return data
 
 
-class ChatChoice(_Epochs):
+class ChatChoice(_Extensions):
     index: int
     message: ChatResponseMessage
     logprobs: ChatChoiceLogprobs | None = None
     finish_reason: FinishReasonName | None = None
     policy_epochs: list[int] | None = Field(None, description=_POLICY_EPOCHS)
     kv_epochs: list[int] | None = Field(None, description=_KV_EPOCHS)
+    routing_indices: RoutingIndices | None = Field(None, description=_ROUTING)
 
 
-class ChatCompletionResponse(_Epochs):
+class ChatCompletionResponse(_Extensions):
     id: str
     object: Literal["chat.completion"] = "chat.completion"
     created: int
@@ -388,13 +396,14 @@ class ChatDelta(BaseModel):
         return {k: v for k, v in handler(self).items() if v is not None}
 
 
-class ChatChunkChoice(_Epochs):
+class ChatChunkChoice(_Extensions):
     index: int
     delta: ChatDelta
     logprobs: ChatChoiceLogprobs | None = None
     finish_reason: FinishReasonName | None = None
     policy_epochs: list[int] | None = Field(None, description=_POLICY_EPOCHS + " (on the choice's last chunk)")
     kv_epochs: list[int] | None = Field(None, description=_KV_EPOCHS + " (on the choice's last chunk)")
+    routing_indices: RoutingIndices | None = Field(None, description=_ROUTING + " (on the choice's last chunk)")
 
 
 class ChatCompletionChunk(BaseModel):

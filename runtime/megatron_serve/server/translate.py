@@ -32,12 +32,16 @@ from .models import (
     _SamplingRequest,
 )
 
-def epoch_fields(req: _SamplingRequest, result: Any) -> dict[str, list[int]]:
-    """The ``return_epochs`` extension of one choice: per-token weight epochs, when asked for."""
-    if not req.return_epochs:
-        return {}
-    return {"policy_epochs": list(getattr(result, "policy_epochs", None) or []),
-            "kv_epochs": list(getattr(result, "kv_epochs", None) or [])}
+def extension_fields(req: _SamplingRequest, result: Any) -> dict[str, list]:
+    """The extensions one choice was asked for: per-token weight epochs, per-token expert routing."""
+    fields: dict[str, list] = {}
+    if req.return_epochs:
+        fields["policy_epochs"] = list(getattr(result, "policy_epochs", None) or [])
+        fields["kv_epochs"] = list(getattr(result, "kv_epochs", None) or [])
+    if req.return_routing_indices:
+        routing = getattr(result, "routing_indices", None)
+        fields["routing_indices"] = [] if routing is None else routing.tolist()
+    return fields
 
 
 #: OpenAI's default ``max_tokens`` of the completions endpoint.
@@ -335,6 +339,7 @@ def sampling_params(req: _SamplingRequest, *, max_tokens: int, logprobs: bool, t
             return_log_probs=logprobs,
             top_n_logprobs=top_logprobs,
             seed=seed,
+            return_routing_indices=bool(req.return_routing_indices),
             **(extra or {}),
         )
     except ValueError as exc:  # SamplingParams names its own field; translate the name back

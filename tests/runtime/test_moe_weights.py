@@ -1,0 +1,90 @@
+"""MoE weights: directory refit, tensors handed over by name (a trainer's state), and incomplete checkpoints."""
+
+from __future__ import annotations
+
+import shutil
+
+import numpy as np
+import pytest
+import torch
+import transformers
+from safetensors.torch import load_file, save_file
+
+from megatron_serve import InferenceConfig, MegatronLLM, SamplingParams
+from megatron_serve.model.loader import build_model, load_model, load_weights
+from megatron_serve.model.parallel import TensorParallel
+from megatron_serve.tiny_model import make_tiny_model
+
+from .conftest import PROMPTS
+
+GREEDY = SamplingParams(temperature=0.0, num_tokens_to_generate=12, ignore_eos=True, return_routing_indices=True)
+CONFIG = InferenceConfig(dtype="float32")
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    root = tmp_path_factory.mktemp("moe-weights")
+    return (str(make_tiny_model(root / "a", seed=0, arch="qwen3_moe")),
+            str(make_tiny_model(root / "b", seed=1, arch="qwen3_moe")),
+            str(make_tiny_model(root / "four", seed=2, arch="qwen3_moe", num_experts=4)))
+
+
+def answers(llm: MegatronLLM):
+    outs = llm.generate(PROMPTS[:3], GREEDY)
+    return [o.generated_tokens for o in outs], [o.routing_indices.tolist() for o in outs]
+
+
+def without(model_dir: str, target, drop: str) -> str:
+    """A copy of ``model_dir`` whose checkpoint lacks tensor ``drop``."""
+    shutil.copytree(model_dir, target)
+    tensors = load_file(f"{target}/model.safetensors")
+    del tensors[drop]
+    save_file(tensors, f"{target}/model.safetensors", metadata={"format": "pt"})
+    return str(target)
+
+
+def test_directory_refit_of_moe_weights(checkpoints):
+    a, b, four = checkpoints
+    expected_b = answers(MegatronLLM(b, CONFIG))
+    llm = MegatronLLM(a, CONFIG)
+    before = answers(llm)
+    assert before != expected_b
+    with pytest.raises(ValueError, match="moe is .*num_experts=4.* but the serving model has .*num_experts=8"):
+        llm.engine.refit(four)
+    assert answers(llm) == before  # a refused source leaves the old experts serving
+    llm.engine.refit(b)
+    assert answers(llm) == expected_b
+
+
+def test_tensors_by_name_load_like_the_directory(checkpoints):
+    """A trainer's ``named_parameters()`` (transformers 5 stacks each layer's experts) fills every piece,
+    on every rank, exactly as the Hub layout of the directory does."""
+    a = checkpoints[0]
+    trainer = transformers.AutoModelForCausalLM.from_pretrained(a, dtype=torch.float32)
+    assert any(name.endswith("mlp.experts.gate_up_proj") for name, _ in trainer.named_parameters())
+    for tp in (TensorParallel(0, 1), TensorParallel(1, 2)):
+        from_dir = load_model(a, torch.float32, "cpu", tp)
+        from_tensors = build_model(from_dir.config, torch.float32, "cpu", tp)
+        load_weights(from_tensors, ((n, p.detach()) for n, p in trainer.named_parameters()))
+        for (name, expected), (_, actual) in zip(from_dir.named_parameters(), from_tensors.named_parameters()):
+            torch.testing.assert_close(actual, expected, rtol=0, atol=0, msg=name)
+
+
+def test_a_missing_expert_is_named(checkpoints, tmp_path):
+    broken = without(checkpoints[0], tmp_path / "no-expert", "model.layers.1.mlp.experts.5.up_proj.weight")
+    with pytest.raises(ValueError, match=r"missing weights: model\.layers\.1\.mlp\.experts\.gate_up_proj "
+                                         r"\(up of expert 5\)"):
+        load_model(broken, torch.float32, "cpu")
+
+
+def test_a_missing_fused_part_is_named(tiny_llama, tmp_path):
+    broken = without(tiny_llama, tmp_path / "no-k", "model.layers.0.self_attn.k_proj.weight")
+    with pytest.raises(ValueError, match=r"missing weights: model\.layers\.0\.self_attn\.qkv_proj\.weight \(k\)"):
+        load_model(broken, torch.float32, "cpu")
+
+
+def test_routing_survives_msgpack(checkpoints):
+    out = MegatronLLM(checkpoints[0], CONFIG).generate(PROMPTS[:1], GREEDY)[0]
+    copy = type(out).deserialize(out.serialize())
+    assert copy.routing_indices.dtype == np.uint8
+    np.testing.assert_array_equal(copy.routing_indices, out.routing_indices)
