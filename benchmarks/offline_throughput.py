@@ -2,8 +2,11 @@
 
 Same random weights, same 64 requests of mixed prompt/output lengths, greedy, EOS ignored. Only the
 tokens each request asked for count as useful output for both (static batches also compute padding).
+``--arch`` picks the family; the mixture-of-experts ones get ``--experts`` experts of 3/8 of the hidden
+size (rounded to 64: ``transformers``' grouped GEMM needs 16-byte strides), ``--experts-per-token``
+per token (Qwen3-30B-A3B's proportions, scaled down).
 
-    python benchmarks/offline_throughput.py [--hidden-size 512 --layers 8] [--hf-batch-size 16]
+    python benchmarks/offline_throughput.py [--arch qwen3_moe] [--hidden-size 512 --layers 8] [--hf-batch-size 16]
 """
 
 from __future__ import annotations
@@ -17,7 +20,22 @@ import torch
 import transformers
 
 from megatron_serve import DynamicInferenceRequest, InferenceConfig, MegatronLLM, SamplingParams
-from megatron_serve.tiny_model import make_tiny_model
+from megatron_serve.tiny_model import ARCHITECTURES, MOE_DEFAULTS, make_tiny_model
+
+
+def model_shape(args: argparse.Namespace) -> dict:
+    """``make_tiny_model`` arguments for the chosen family and size."""
+    dense = args.hidden_size * 8 // 3
+    expert = max(64, args.hidden_size * 3 // 8 // 64 * 64)
+    shape = dict(arch=args.arch, hidden_size=args.hidden_size, num_layers=args.layers, num_heads=8, num_kv_heads=4,
+                 intermediate_size=dense, max_position_embeddings=1024)
+    if args.arch == "mixtral":
+        shape.update(num_local_experts=args.experts, num_experts_per_tok=args.experts_per_token,
+                     intermediate_size=expert)
+    elif args.arch in MOE_DEFAULTS:
+        shape.update(num_experts=args.experts, num_experts_per_tok=args.experts_per_token,
+                     moe_intermediate_size=expert)
+    return shape
 
 
 def workload(vocab_size: int, count: int, seed: int) -> list[tuple[list[int], int]]:
@@ -64,6 +82,9 @@ def run_transformers(model_dir: str, requests, batch_size: int) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--arch", choices=sorted(ARCHITECTURES), default="llama")
+    parser.add_argument("--experts", type=int, default=32, help="experts per layer (MoE archs)")
+    parser.add_argument("--experts-per-token", type=int, default=4, help="experts per token (MoE archs)")
     parser.add_argument("--hidden-size", type=int, default=512)
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--requests", type=int, default=64)
@@ -71,15 +92,13 @@ def main() -> None:
     parser.add_argument("--max-requests", type=int, default=64)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir = str(make_tiny_model(tmp, seed=0, hidden_size=args.hidden_size, num_layers=args.layers,
-                                        num_heads=8, num_kv_heads=4, intermediate_size=args.hidden_size * 8 // 3,
-                                        max_position_embeddings=1024))
+        model_dir = str(make_tiny_model(tmp, seed=0, **model_shape(args)))
         params = sum(p.numel() for p in transformers.AutoModelForCausalLM.from_pretrained(model_dir).parameters())
         requests = workload(512, args.requests, seed=0)
         useful = sum(n for _, n in requests)
         ours = run_megatron(model_dir, requests, args.max_requests)
         theirs = run_transformers(model_dir, requests, args.hf_batch_size)
-    print(f"model: {params / 1e6:.1f}M parameters, {args.requests} requests, {useful} generated tokens, "
+    print(f"model: {args.arch}, {params / 1e6:.1f}M parameters, {args.requests} requests, {useful} generated tokens, "
           f"torch threads {torch.get_num_threads()}")
     print(f"{'engine':<40}{'seconds':>10}{'tokens/s':>12}")
     print(f"{'megatron-serve (continuous batching)':<40}{ours:>10.2f}{useful / ours:>12.1f}")
