@@ -200,14 +200,30 @@ class DynamicInferenceEngine:
         if prompt_len >= self.max_sequence_length:
             return (f"prompt has {prompt_len} tokens but max_sequence_length is {self.max_sequence_length} "
                     "(prompt plus at least one generated token must fit)")
-        if request.sampling_params.return_routing_indices and not self.model.num_moe_layers:
-            return (f"return_routing_indices needs a mixture-of-experts model; {self.model.config.architecture} "
-                    "has no expert layers")
+        if request.sampling_params.return_routing_indices:
+            problem = self._routing_problem(request)
+            if problem is not None:
+                return problem
         total = min(prompt_len + request.sampling_params.num_tokens_to_generate, self.max_sequence_length)
         needed = blocks_for_tokens(total, self.config.block_size_tokens)
         if needed > self.kv_blocks_total:
             return (f"request needs {needed} KV blocks ({total} tokens) but the pool holds {self.kv_blocks_total}: "
                     "raise num_kv_blocks or lower num_tokens_to_generate")
+        return None
+
+    def _routing_problem(self, request: DynamicInferenceRequest) -> str | None:
+        moe = self.model.config.moe
+        if moe is None or not moe.sparse_layers:
+            return (f"return_routing_indices needs a mixture-of-experts model; {self.model.config.architecture} "
+                    "has no expert layers")
+        rows = request.routing_indices
+        if rows is None:
+            return None
+        if rows.shape[1:] != (len(moe.sparse_layers), moe.top_k):
+            return (f"the request carries routing_indices of shape {rows.shape}, which do not fit this model's "
+                    f"{len(moe.sparse_layers)} MoE layers x top-{moe.top_k}")
+        if rows.shape[0] > len(request.prompt_tokens) + len(request.generated_tokens):
+            return f"the request carries {rows.shape[0]} routing rows, more than its tokens"
         return None
 
     def abort_request(self, request_id: str) -> DynamicInferenceRequest | None:

@@ -18,8 +18,8 @@ import torch
 
 from .cuda_graphs import DecodeGraphs
 from .model.attention import AttentionMetadata, ForwardContext, MultimodalStep
-from .model.moe import stack_routing
 from .model.llama import LlamaForCausalLM
+from .model.moe import stack_routing
 from .scheduler import Sequence
 
 if TYPE_CHECKING:

@@ -10,7 +10,7 @@ import torch
 import transformers
 from safetensors.torch import load_file, save_file
 
-from megatron_serve import InferenceConfig, MegatronLLM, SamplingParams
+from megatron_serve import DynamicInferenceRequest, InferenceConfig, MegatronLLM, SamplingParams
 from megatron_serve.model.loader import build_model, load_model, load_weights
 from megatron_serve.model.parallel import TensorParallel
 from megatron_serve.tiny_model import make_tiny_model
@@ -88,3 +88,14 @@ def test_routing_survives_msgpack(checkpoints):
     copy = type(out).deserialize(out.serialize())
     assert copy.routing_indices.dtype == np.uint8
     np.testing.assert_array_equal(copy.routing_indices, out.routing_indices)
+
+
+@pytest.mark.parametrize(("rows", "message"), [((2, 3, 2), "do not fit this model's 2 MoE layers x top-2"),
+                                               ((9, 2, 2), "carries 9 routing rows, more than its tokens")])
+def test_a_continuation_with_foreign_routing_rows_fails_alone(checkpoints, rows, message):
+    llm = MegatronLLM(checkpoints[0], CONFIG)
+    request = DynamicInferenceRequest("continued", None, [5, 6, 7], GREEDY)
+    request.routing_indices = np.zeros(rows, dtype=np.uint8)
+    llm.engine.add_request(request)
+    [output] = llm.engine.step()
+    assert output.finished and request.status.value == "FAILED" and message in request.error

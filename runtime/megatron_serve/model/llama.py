@@ -131,10 +131,6 @@ class LlamaForCausalLM(nn.Module):
         self.register_buffer("rotary_sin", sin, persistent=False)
 
     @property
-    def num_moe_layers(self) -> int:
-        return len(self.config.moe.sparse_layers) if self.config.moe is not None else 0
-
-    @property
     def num_local_kv_heads(self) -> int:
         return self.model.layers[0].self_attn.kv_size // self.config.head_dim
 

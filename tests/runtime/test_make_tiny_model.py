@@ -1,0 +1,27 @@
+"""``megatron-serve make-tiny-model``: mixture-of-experts architectures and their expert options."""
+
+from __future__ import annotations
+
+from megatron_serve import cli
+from megatron_serve.model.config import ModelConfig
+
+
+def test_qwen3_moe_with_chosen_experts(tmp_path, capsys):
+    assert cli.main(["make-tiny-model", str(tmp_path / "m"), "--arch", "qwen3_moe", "--experts", "4",
+                     "--experts-per-token", "1"]) == 0
+    config = ModelConfig.from_dir(tmp_path / "m")
+    assert config.architecture == "Qwen3MoeForCausalLM"
+    assert (config.moe.num_experts, config.moe.top_k, config.moe.sparse_layers) == (4, 1, (0, 1))
+    assert "wrote a tiny qwen3_moe model" in capsys.readouterr().out
+
+
+def test_mixtral_defaults_to_eight_experts_two_per_token(tmp_path):
+    assert cli.main(["make-tiny-model", str(tmp_path / "m"), "--arch", "mixtral"]) == 0
+    moe = ModelConfig.from_dir(tmp_path / "m").moe
+    assert (moe.num_experts, moe.top_k, moe.norm_topk_prob) == (8, 2, True)
+
+
+def test_expert_options_need_an_moe_arch(tmp_path, capsys):
+    assert cli.main(["make-tiny-model", str(tmp_path / "m"), "--arch", "llama", "--experts", "4"]) == 2
+    assert "--experts and --experts-per-token need a mixture-of-experts arch" in capsys.readouterr().err
+    assert not (tmp_path / "m").exists()
