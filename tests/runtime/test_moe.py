@@ -5,7 +5,8 @@ The reference is a greedy loop over ``transformers``' own forward with its KV ca
 model processed, the top-k experts of its router (no EOS handling, so a tiny model that prefers EOS
 still generates 32 tokens). Our engine runs the prompts together, half of them asking for
 ``routing_indices``; every answer must equal the reference, also when a small KV pool forces
-preemptions and recomputation, and when the prefix cache already holds the prompt.
+preemptions and recomputation, when the prefix cache already holds the prompt, and at TP=2
+(every expert's intermediate dimension split over two gloo ranks).
 """
 
 from __future__ import annotations
@@ -113,6 +114,17 @@ def test_routing_requests_compute_the_prompt_the_prefix_cache_holds(moe_case):
     assert first.cached_tokens == 0 and cached.cached_tokens >= 8  # the cache holds the prompt...
     assert recorded.cached_tokens == 0  # ...but a request that records its routing computes every token itself
     check_against_reference([recorded], tokens, [reference[longest]], [True])
+
+
+@pytest.mark.slow
+def test_tp2_equals_transformers(moe_case):
+    model_dir, token_lists, reference = moe_case
+    llm = MegatronLLM(model_dir, InferenceConfig(dtype="float32", block_size_tokens=8, tensor_parallel_size=2))
+    try:
+        with_routing = [True] * len(token_lists)
+        check_against_reference(run_together(llm, token_lists, with_routing), token_lists, reference, with_routing)
+    finally:
+        llm.close()
 
 
 def test_dense_model_refuses_routing_indices(tiny_llama):
