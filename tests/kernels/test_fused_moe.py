@@ -7,6 +7,11 @@ and more experts than (token, expert) pairs.
 
 from __future__ import annotations
 
+import re
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -104,3 +109,17 @@ def test_align_by_expert_sorts_and_pads_every_pair_once():
         seen.extend(real)
     assert sorted(seen) == list(range(pairs))  # every pair exactly once
     assert block_experts.tolist()[:4] == [0, 1, 3, 3]  # expert order, idle expert 2 takes no block
+
+
+BENCHMARK = Path(__file__).resolve().parents[2] / "benchmarks" / "fused_moe.py"
+
+
+def test_benchmark_runs_and_the_reference_equals_transformers_experts():
+    """``benchmarks/fused_moe.py`` checks every implementation against ``transformers``' experts before
+    timing it: run tiny, it must print a row per token count (so it cannot rot unnoticed)."""
+    result = subprocess.run([sys.executable, str(BENCHMARK), "--hidden", "64", "--intermediate", "32", "--experts",
+                             "6", "--top-k", "2", "--tokens", "1", "5", "--iters", "1"],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    rows = re.findall(r"^\s+(\d+)\s+[\d.]+\s.*\(\s*[\d.]+x\)", result.stdout, re.M)
+    assert [int(tokens) for tokens in rows] == [1, 5], result.stdout
