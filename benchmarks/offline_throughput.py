@@ -93,13 +93,16 @@ def main() -> None:
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = str(make_tiny_model(tmp, seed=0, **model_shape(args)))
-        params = sum(p.numel() for p in transformers.AutoModelForCausalLM.from_pretrained(model_dir).parameters())
+        hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir)
+        params = sum(p.numel() for p in hf.parameters())
+        experts = getattr(hf.config, "_experts_implementation", None)  # transformers' MoE path (grouped_mm or eager)
+        del hf
         requests = workload(512, args.requests, seed=0)
         useful = sum(n for _, n in requests)
         ours = run_megatron(model_dir, requests, args.max_requests)
         theirs = run_transformers(model_dir, requests, args.hf_batch_size)
     print(f"model: {args.arch}, {params / 1e6:.1f}M parameters, {args.requests} requests, {useful} generated tokens, "
-          f"torch threads {torch.get_num_threads()}")
+          f"torch threads {torch.get_num_threads()}" + (f", transformers experts: {experts}" if experts else ""))
     print(f"{'engine':<40}{'seconds':>10}{'tokens/s':>12}")
     print(f"{'megatron-serve (continuous batching)':<40}{ours:>10.2f}{useful / ours:>12.1f}")
     print(f"{'transformers generate (batch ' + str(args.hf_batch_size) + ')':<40}{theirs:>10.2f}{useful / theirs:>12.1f}")
