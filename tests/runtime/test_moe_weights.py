@@ -1,4 +1,5 @@
-"""MoE weights: directory refit, tensors handed over by name (a trainer's state), and incomplete checkpoints."""
+"""MoE weights: directory refit, a trainer's tensors (in process and over the collective weight sync), and
+incomplete checkpoints."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import torch
 import transformers
 from safetensors.torch import load_file, save_file
 
-from megatron_serve import DynamicInferenceRequest, InferenceConfig, MegatronLLM, SamplingParams
+from megatron_serve import DynamicInferenceRequest, InferenceConfig, MegatronAsyncLLM, MegatronLLM, SamplingParams
 from megatron_serve.model.loader import build_model, load_model, load_weights
 from megatron_serve.model.parallel import TensorParallel
 from megatron_serve.tiny_model import make_tiny_model
@@ -68,6 +69,38 @@ def test_tensors_by_name_load_like_the_directory(checkpoints):
         load_weights(from_tensors, ((n, p.detach()) for n, p in trainer.named_parameters()))
         for (name, expected), (_, actual) in zip(from_dir.named_parameters(), from_tensors.named_parameters()):
             torch.testing.assert_close(actual, expected, rtol=0, atol=0, msg=name)
+
+
+def test_a_trainer_refits_the_experts_in_process(checkpoints):
+    """``refit(named_parameters())`` of a trainer holding other weights: the stacked experts are checked
+    (a wrong shape is refused before anything changes), then replaced, and the answers and routing follow."""
+    a, b, _ = checkpoints
+    expected_b = answers(MegatronLLM(b, CONFIG))
+    trainer = transformers.AutoModelForCausalLM.from_pretrained(b, dtype=torch.float32)
+    with MegatronLLM(a, CONFIG) as llm:
+        before = answers(llm)
+        stacked = "model.layers.1.mlp.experts.gate_up_proj"
+        with pytest.raises(ValueError, match=f"weight {stacked}: .*does not fit"):
+            llm.refit([(stacked, torch.zeros(8, 64, 64))])
+        assert answers(llm) == before
+        llm.refit(trainer.named_parameters(), epoch=2)
+        assert answers(llm) == expected_b
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+async def test_experts_over_the_collective_weight_sync(checkpoints):
+    a, b, _ = checkpoints
+    tokens_b, routing_b = answers(MegatronLLM(b, CONFIG))
+    trainer = transformers.AutoModelForCausalLM.from_pretrained(b, dtype=torch.float32)
+    async with MegatronAsyncLLM(a, InferenceConfig(dtype="float32", num_kv_blocks=64), use_coordinator=True) as llm:
+        await llm.pause()
+        ack = await llm.refit(trainer.named_parameters(), epoch=4)
+        assert ack["detail"]["epoch"] == 4 and ack["detail"]["sender"]["world_size"] == 2
+        await llm.unpause()
+        results = await llm.generate(PROMPTS[:3], GREEDY)
+    assert [r.generated_tokens for r in results] == tokens_b
+    assert [r.routing_indices.tolist() for r in results] == routing_b
 
 
 def test_a_missing_expert_is_named(checkpoints, tmp_path):

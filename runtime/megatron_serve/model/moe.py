@@ -32,7 +32,7 @@ from megatron_kernels import get_op
 
 from .config import ModelConfig
 from .families import MoEConfig
-from .layers import GatedMLP, ReplicatedLinear, TensorSource, _copy_checked, _narrow
+from .layers import GatedMLP, ReplicatedLinear, TensorSource, _check_full, _copy_checked, _narrow
 from .parallel import SINGLE, TensorParallel
 
 # Hub names of one expert's projections: (stacked parameter, part of it)
@@ -96,8 +96,10 @@ class FusedExperts(nn.Module):
             raise ValueError(f"expert {expert} does not exist: this layer has {self.num_experts}")
         if param is self.down_proj:
             target = param.data if expert is None else param.data[expert]
+            _check_full(source, target.dim() - 1, size)
             _copy_checked(target, _narrow(source, target.dim() - 1, start, length))
             return
+        _check_full(source, 1 if expert is None else 0, 2 * size if expert is None else size)
         parts = ("gate", "up") if part is None else (part,)
         for name in parts:
             offset = 0 if name == "gate" else length
