@@ -1,10 +1,12 @@
-"""Routing replay across a move: a request that leaves a hung engine keeps the routing its tokens were made with.
+"""Routing replay across a move: a request that leaves its engine keeps the routing its tokens were made with.
 
-Real engines on a tiny Qwen3-MoE model behind a real coordinator (in threads, over real sockets).
-The first engine hangs mid-generation; the stall timeout moves the request to a second engine,
-which must continue from the rows the coordinator mirrored: it receives them with the request,
-computes only the positions after them, and the final ``routing_indices`` equal a run on one
-engine, with no row missing or repeated.
+The coordinator's core alone (no sockets) first: rows mirrored with the tokens, carried by the next
+dispatch and by a result the coordinator writes itself. Then end to end: real engines on a tiny
+Qwen3-MoE model behind a real coordinator (in threads, over real sockets). The first engine hangs
+mid-generation; the stall timeout moves the request to a second engine, which must continue from
+the rows the coordinator mirrored: it receives them with the request, computes only the positions
+after them, and the final ``routing_indices`` equal a run on one engine, with no row missing or
+repeated.
 """
 
 from __future__ import annotations
@@ -12,15 +14,21 @@ from __future__ import annotations
 import asyncio
 import threading
 
+import msgspec
 import numpy as np
 import pytest
 
 from megatron_serve import InferenceConfig, MegatronLLM
 from megatron_serve.client import InferenceClient, StreamPartial
 from megatron_serve.engine import DynamicInferenceEngine
+from megatron_serve.expert_routing import routing_from_wire, routing_to_wire
+from megatron_serve.messages import ClientAbort, EngineStep, RoutingRows, StepOutput, Submit
+from megatron_serve.protocol import Header
 from megatron_serve.request import EventType, RequestStatus
 from megatron_serve.sampling_params import SamplingParams
 from megatron_serve.tiny_model import make_tiny_model
+
+from .core_harness import CoreHarness
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -100,3 +108,36 @@ async def test_moved_request_keeps_its_mirrored_routing(fleet_factory, moe_model
     # the rows of every token the first engine processed came along, and the final record starts with them
     assert mirrored.shape[0] == len(PROMPT) + len(generated_at_move) - 1
     np.testing.assert_array_equal(final.routing_indices[: len(mirrored)], mirrored)
+
+
+def _routing_step(h: CoreHarness, engine_id: str, tokens: list[int], start: int, rows: np.ndarray) -> None:
+    out = StepOutput(request_id="c1/r", new_tokens=tokens, finished=False,
+                     routing=RoutingRows(start=start, **routing_to_wire(rows)))
+    h.send(b"e1", Header.ENGINE_STEP,
+           EngineStep(engine_id=engine_id, outputs=[msgspec.Raw(msgspec.msgpack.encode(out))]))
+
+
+def test_core_mirrors_rows_into_the_next_dispatch_and_a_result_it_finishes():
+    """The pure core: rows arrive with the tokens, an out-of-order delivery is dropped (tokens kept), a
+    moved request's ENGINE_SUBMIT carries every mirrored row, and so does a RESULT the coordinator
+    writes itself (an abort)."""
+    rows = (np.arange(12, dtype=np.uint8) % 8).reshape(6, 1, 2)  # 6 positions, 1 MoE layer, top-2
+    h = CoreHarness()
+    h.client(b"client")
+    e1 = h.engine(b"e1", group=0, capacity=1)
+    params = msgspec.msgpack.encode({"num_tokens_to_generate": 8, "return_routing_indices": True})
+    h.send(b"client", Header.SUBMIT,
+           Submit(client_request_id="r", prompt=[1, 2, 3, 4], sampling_params=msgspec.Raw(params)))
+    assert "routing_indices" not in h.take(b"e1", Header.ENGINE_SUBMIT)[0].request
+    _routing_step(h, e1, [7], 0, rows[:4])  # the prompt's four positions
+    _routing_step(h, e1, [8], 9, rows[4:5])  # a gap: not mirrored
+    _routing_step(h, e1, [9], 4, rows[4:6])
+    assert h.core.requests.get("c1/r").generated_tokens == [7, 8, 9]
+    h.engine(b"e2", group=1, capacity=1)
+    h._perform(h.core.on_peer_gone(b"e1", "connection closed", h.now))
+    moved = h.take(b"e2", Header.ENGINE_SUBMIT)[0].request
+    np.testing.assert_array_equal(routing_from_wire(moved["routing_indices"]), rows)
+    h.send(b"client", Header.ABORT, ClientAbort(client_request_id="r"))
+    result = h.take(b"client", Header.RESULT)[0].request
+    assert result["finish_reason"] == "abort"
+    np.testing.assert_array_equal(routing_from_wire(result["routing_indices"]), rows)
