@@ -179,8 +179,11 @@ def http_page(document: dict[str, Any]) -> str:
            "[openapi.json](openapi.json); a running server also serves it at `/openapi.json` and "
            "renders it at `/docs`.\n\n",
            "Routes under `/v1` need `Authorization: Bearer KEY` when the server has an API key "
-           "(`--api-key-file` or `$MEGATRON_SERVE_API_KEY`); the probes and `/metrics` never do. Errors "
-           "have the shape of [ErrorResponse](#errorresponse).\n\n",
+           "(`--api-key-file` or `$MEGATRON_SERVE_API_KEY`); the probes and `/metrics` never do. The admin "
+           "routes (`/v1/admin/*`, the fleet's lifecycle) need the admin key instead (`--admin-key-file` or "
+           "`$MEGATRON_SERVE_ADMIN_KEY`; without one they answer 403), which must differ from the API key: "
+           "see [RL fleets](../rl-fleets.md#lifecycle-over-http). Errors have the shape of "
+           "[ErrorResponse](#errorresponse).\n\n",
            "| method | path | summary |\n|---|---|---|\n"]
     operations = []
     for path, methods in document["paths"].items():

@@ -33,10 +33,12 @@ class CoordinatorLink(Protocol):
     async def status(self, timeout: float) -> dict[str, Any]:
         """The coordinator's STATUS_REPLY: state, engines, queued, in_flight, completed, failed."""
 
-    async def command(self, verb: str, timeout: float, drain_timeout: float | None = None) -> dict[str, Any]:
+    async def command(self, verb: str, timeout: float, drain_timeout: float | None = None,
+                      pause_mode: str | None = None) -> dict[str, Any]:
         """Send pause|unpause|suspend|resume|stop; resolves to the CONTROL_ACK {state, detail}.
 
-        ``drain_timeout`` bounds how long engines may drain on STOP (where the client supports it).
+        ``drain_timeout`` bounds how long engines may drain on STOP, and how long running requests
+        may take on PAUSE in ``wait`` mode; ``pause_mode`` is PAUSE's mode (keep, wait, abort).
         """
 
     async def refit(self, source: str, epoch: int | None, timeout: float) -> dict[str, Any]:
@@ -85,7 +87,8 @@ class ClientLink:
             raise CoordinatorUnavailable(f"no STATUS reply from {self.address}: {_text(exc)}") from exc
         return _as_dict(reply)
 
-    async def command(self, verb: str, timeout: float, drain_timeout: float | None = None) -> dict[str, Any]:
+    async def command(self, verb: str, timeout: float, drain_timeout: float | None = None,
+                      pause_mode: str | None = None) -> dict[str, Any]:
         if parse_verb(verb) is Verb.REFIT:
             raise ValueError("REFIT takes a source: use refit()")
         method = getattr(self.client, verb)
@@ -93,6 +96,9 @@ class ClientLink:
             call = method(level=1, timeout=timeout)
         elif verb == "stop":
             call = method(timeout=timeout, drain_timeout=drain_timeout)
+        elif verb == "pause":
+            call = method(pause_mode or "keep", drain_timeout=drain_timeout if pause_mode == "wait" else None,
+                          timeout=timeout)
         else:
             call = method(timeout=timeout)
         try:

@@ -27,6 +27,7 @@ SHORT_NAMES = ["mi"]
 CRD_NAME = f"{PLURAL}.{GROUP}"
 
 LIFECYCLES = ["Running", "Paused", "Suspended", "Shutdown"]
+PAUSE_MODES = ["Keep", "Wait", "Abort"]  # megatron_serve.lifecycle.PauseMode, named the resource's way
 PHASES = ["Pending", "Progressing", "Ready", "Paused", "Suspended", "Shutdown", "Degraded", "Failed"]
 DTYPES = ["bfloat16", "float16", "float32"]
 ROUTINGS = ["least_loaded", "round_robin", "prefix_affinity"]
@@ -283,7 +284,13 @@ def spec_schema() -> dict[str, Any]:
             "server": server,
             "lifecycle": _str("Running | Paused (stop stepping, keep memory) | Suspended (release GPU memory) | "
                               "Shutdown (stop engines, scale them to zero).", enum=list(LIFECYCLES), default="Running"),
-            "drainTimeoutSeconds": _int("How long engines may drain on shutdown, scale-down or deletion.",
+            "pauseMode": _str("What every PAUSE the lifecycle walk sends (towards Paused or Suspended) does with "
+                              "the requests in flight: Keep (pause them in place; they continue after Running), "
+                              "Wait (let running requests finish first, for at most drainTimeoutSeconds; queued "
+                              "ones wait) or Abort (end them at once with finish_reason abort and the tokens so "
+                              "far, for a trainer to resubmit).", enum=list(PAUSE_MODES), default="Keep"),
+            "drainTimeoutSeconds": _int("How long engines may drain on shutdown, scale-down or deletion, and how long "
+                                        "a PAUSE with pauseMode Wait lets running requests finish.",
                                         minimum=0, maximum=3600, default=60),
         },
         required=["model"],

@@ -28,11 +28,12 @@ class Walk:
 
 
 async def walk(link: CoordinatorLink, current: str | None, target: str, *, command_timeout: float,
-               drain_timeout: float) -> Walk:
+               drain_timeout: float, pause_mode: str = "keep") -> Walk:
     """Send the verbs from ``current`` to ``target``, each acknowledged before the next.
 
     STOP gets ``drain_timeout`` for the engines to finish their work, and that much more time for
-    its acknowledgement.
+    its acknowledgement. PAUSE goes in ``pause_mode`` (``spec.pauseMode``); in ``wait`` mode running
+    requests get ``drain_timeout`` to finish, and the acknowledgement that much more time too.
     """
     result = Walk(current)
     if current is None:
@@ -45,6 +46,10 @@ async def walk(link: CoordinatorLink, current: str | None, target: str, *, comma
     for verb in verbs:
         if verb == "stop":
             call = link.command(verb, command_timeout + drain_timeout, drain_timeout=drain_timeout)
+        elif verb == "pause":
+            waits = pause_mode == "wait"
+            call = link.command(verb, command_timeout + (drain_timeout if waits else 0.0),
+                                drain_timeout=drain_timeout if waits else None, pause_mode=pause_mode)
         else:
             call = link.command(verb, command_timeout)
         try:
@@ -58,7 +63,8 @@ async def walk(link: CoordinatorLink, current: str | None, target: str, *, comma
             result.events.append(("Warning", "LifecycleTimeout", str(exc)))
             return result
         state = str(ack.get("state") or lifecycle.next_state(result.state or current, verb)).upper()
-        message = f"{verb.upper()} acknowledged: {result.state} -> {state}"
+        name = f"PAUSE ({pause_mode})" if verb == "pause" else verb.upper()
+        message = f"{name} acknowledged: {result.state} -> {state}"
         detail = ack.get("detail")
         if detail:
             message += f" ({short(detail)})"

@@ -220,6 +220,7 @@ class InferenceSpec:
     server_resources: dict[str, Any]
     remote_images: bool
     lifecycle: str
+    pause_mode: str  # megatron_serve.lifecycle.PauseMode's value: keep, wait, abort
     drain_timeout_seconds: int
     raw: dict[str, Any] = field(repr=False, compare=False, default_factory=dict)
 
@@ -288,6 +289,7 @@ def parse(resource: dict[str, Any], default_namespace: str = "default") -> Infer
         server_resources=dict(server.get("resources", {})),
         remote_images=server["remoteImages"],
         lifecycle=spec["lifecycle"],
+        pause_mode=spec["pauseMode"].lower(),
         drain_timeout_seconds=spec["drainTimeoutSeconds"],
         raw=obj,
     )

@@ -28,6 +28,7 @@ from .engine_client import EngineClient
 from .fleet_client import FleetClient
 from .generation_config import GenerationDefaults
 from .hub import resolve_model
+from .lifecycle import PauseMode, parse_pause_mode
 from .outputs import StreamItem
 from .prompts import Prompt, PromptInput, as_prompt, normalize_prompts
 from .request import DynamicInferenceRequest
@@ -149,10 +150,17 @@ class MegatronAsyncLLM:
 
     # ------------------------------------------------------------------ lifecycle (coordinator mode)
 
-    async def pause(self) -> dict[str, Any]:
-        """Stop stepping at a step boundary, keep memory; resolves on the fleet's acknowledgement."""
+    async def pause(self, mode: PauseMode | str = PauseMode.KEEP, *, drain_timeout: float | None = None
+                    ) -> dict[str, Any]:
+        """Stop stepping at a step boundary, keep memory; resolves on the fleet's acknowledgement.
+
+        ``mode``: ``"keep"`` (default: requests pause in place), ``"wait"`` (running requests finish
+        first, for at most ``drain_timeout`` seconds), ``"abort"`` (unfinished requests end at once
+        with ``finish_reason`` ``"abort"`` and their tokens so far); see :meth:`InferenceClient.pause`.
+        """
+        chosen = parse_pause_mode(mode)  # a bad mode is refused in either mode of this object
         await self.start()
-        return await self._client.pause()
+        return await self._client.pause(chosen, drain_timeout=drain_timeout)
 
     async def unpause(self) -> dict[str, Any]:
         await self.start()
@@ -202,9 +210,10 @@ class MegatronAsyncLLM:
     async def serve(self, host: str = "127.0.0.1", port: int = 8000, **options: Any) -> None:
         """Serve the OpenAI-compatible HTTP API for this object until cancelled (either mode).
 
-        ``options``: ``model_name``, ``api_key``, ``max_concurrent_requests``, ``log_level``, ``stop``
-        (an ``asyncio.Event``), ``limits``, ``read_timeout``, ``image_options`` (a ``multimodal.ImageOptions``);
-        see :func:`megatron_serve.server.serve_async_llm`.
+        ``options``: ``model_name``, ``api_key``, ``admin_key`` (opens ``/v1/admin/*``, the lifecycle over
+        HTTP), ``max_concurrent_requests``, ``log_level``, ``stop`` (an ``asyncio.Event``), ``limits``,
+        ``read_timeout``, ``image_options`` (a ``multimodal.ImageOptions``); see
+        :func:`megatron_serve.server.serve_async_llm`.
         """
         from .server.local import serve_async_llm  # noqa: PLC0415 - FastAPI only when serving
 

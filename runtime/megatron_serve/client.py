@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import math
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -29,6 +30,7 @@ import zmq.asyncio
 import msgspec
 
 from .connection import Connection, CoordinatorError, Unauthorized
+from .lifecycle import PauseMode, parse_pause_mode
 from .messages import Error, HelloAck, Rendezvous
 from .multimodal import PromptImage
 from .prompts import ImagePrompt, Prompt
@@ -475,9 +477,31 @@ class InferenceClient:
         finally:
             self._controls.pop(control_id, None)
 
-    async def pause(self, timeout: float | None = None) -> dict[str, Any]:
-        """PAUSE: engines stop stepping at a step boundary and keep their memory."""
-        return await self._control(Header.PAUSE, timeout)
+    async def pause(self, mode: PauseMode | str = PauseMode.KEEP, *, drain_timeout: float | None = None,
+                    timeout: float | None = None) -> dict[str, Any]:
+        """PAUSE: engines stop stepping at a step boundary and keep their memory; requests wait for UNPAUSE.
+
+        ``mode`` (:class:`~megatron_serve.lifecycle.PauseMode`) says what happens to the requests the
+        fleet holds: ``"keep"`` (default) pauses them in place; ``"wait"`` lets the running ones
+        finish first (at most ``drain_timeout`` seconds, default 30; what still runs then is kept)
+        while queued ones wait; ``"abort"`` ends all of them at once with ``finish_reason`` ``"abort"``
+        and the tokens generated so far. The acknowledgement's ``detail`` says what the mode did
+        (``mode``, ``aborted``; ``waited_s``, ``unfinished``, ``timed_out``).
+        """
+        chosen = parse_pause_mode(mode)
+        if drain_timeout is not None:
+            if chosen is not PauseMode.WAIT:
+                raise ValueError(f"drain_timeout applies to mode wait only, not {chosen.value}")
+            if isinstance(drain_timeout, bool) or not isinstance(drain_timeout, (int, float)) \
+                    or not math.isfinite(drain_timeout) or drain_timeout < 0:
+                raise ValueError(f"drain_timeout must be a number of seconds >= 0, got {drain_timeout!r}")
+        ack = self._connection.ack
+        if chosen is not PauseMode.KEEP and ack is not None and ack.protocol < 3:
+            raise ControlError(ErrorCode.UNSUPPORTED.value,
+                               f"the coordinator speaks protocol {ack.protocol}, which has no pause modes (it would "
+                               f"keep the requests instead of mode {chosen.value!r}): upgrade the coordinator")
+        return await self._control(Header.PAUSE, timeout, mode=None if chosen is PauseMode.KEEP else chosen.value,
+                                   drain_timeout=drain_timeout)
 
     async def unpause(self, timeout: float | None = None) -> dict[str, Any]:
         """UNPAUSE: back to RUNNING (also restarts a STOPPED fleet once engines joined again)."""

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 from typing import TYPE_CHECKING, Any, AsyncIterator, Iterable, Protocol
 
+from .lifecycle import PauseMode
 from .multimodal import PromptImage
 from .outputs import StreamItem
 from .prompts import Prompt
@@ -53,7 +54,9 @@ class EngineClient(Protocol):
     async def status(self, timeout: float | None = ...) -> dict[str, Any]:
         """The ``STATUS_REPLY`` fields: state, engines, queued, in_flight, completed, failed, ..."""
 
-    async def pause(self, timeout: float | None = ...) -> dict[str, Any]: ...
+    async def pause(self, mode: PauseMode | str = ..., *, drain_timeout: float | None = ...,
+                    timeout: float | None = ...) -> dict[str, Any]:
+        """PAUSE in one of the :class:`~megatron_serve.lifecycle.PauseMode` modes (keep, wait, abort)."""
 
     async def unpause(self, timeout: float | None = ...) -> dict[str, Any]: ...
 

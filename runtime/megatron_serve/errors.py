@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 
+class NoFleet(RuntimeError):
+    """A lifecycle verb asked of an engine that runs in this process (direct mode): there is no fleet."""
+
+
 class EngineGroupLost(RuntimeError):
     """A tensor-parallel rank of this engine group is gone: the group cannot step again.
 

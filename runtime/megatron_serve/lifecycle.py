@@ -31,6 +31,11 @@ be encoded twice, and the two copies disagreed):
   :data:`NEEDS_WHOLE_WEIGHTS`. This is a guard on a verb, not a state: the table is unchanged.
 * Repeating the current state (PAUSE while PAUSED, STOP while STOPPED ...) re-sends its step, so
   that engines that drifted are put right, and acknowledges with ``noop``.
+* PAUSE's :class:`PauseMode` (what happens to the requests the fleet holds) is an argument of the
+  verb, not a state: every mode ends in the same PAUSED, with the same engine step, and the fleet
+  behaves the same afterwards (it holds what is left and what arrives, until UNPAUSE). The modes
+  differ only in what the coordinator does *before* it broadcasts the step (see :class:`PauseMode`),
+  so they add no row or column here; the operator's walk, the metrics and the engines are unchanged.
 """
 
 from __future__ import annotations
@@ -64,6 +69,45 @@ class Verb(str, enum.Enum):
     RESUME = "resume"
     STOP = "stop"
     REFIT = "refit"
+
+
+class PauseMode(str, enum.Enum):
+    """What PAUSE does with the requests the fleet holds when the verb starts (as vLLM's and SGLang's
+    ``pause_generation``). In every mode the coordinator stops dispatching at once, and requests that
+    arrive later are queued until UNPAUSE; nothing is dropped.
+
+    * ``keep`` (the default, and what a PAUSE without a mode means): engines stop at the next step
+      boundary; running requests keep their KV cache and continue after UNPAUSE.
+    * ``wait``: running requests (every request on an engine) run to their end, then engines pause;
+      requests still queued at the coordinator are held. The wait is bounded by the verb's
+      ``drain_timeout`` (default :data:`DEFAULT_PAUSE_DRAIN_TIMEOUT`): what is still running then is
+      paused in place as with ``keep``, and the acknowledgement counts it (``unfinished``).
+    * ``abort``: every unfinished request (queued or running) ends at once with ``finish_reason``
+      ``abort``, status ``COMPLETED``, and the tokens generated so far (epochs included), so that a
+      trainer can resubmit it; then engines pause with nothing left to run.
+
+    In PAUSED a repeated PAUSE applies its mode again (``abort`` ends what ``keep`` held; ``wait`` has
+    nothing to wait for: paused engines do not step); in SUSPENDED only ``abort`` does anything.
+    """
+
+    KEEP = "keep"
+    WAIT = "wait"
+    ABORT = "abort"
+
+
+#: How long PAUSE in ``wait`` mode lets running requests finish when the caller gives no deadline
+#: (STOP's drain default, the engine's ``--drain-timeout``, is the same).
+DEFAULT_PAUSE_DRAIN_TIMEOUT = 30.0
+
+
+def parse_pause_mode(name: PauseMode | str | None, field: str = "mode") -> PauseMode:
+    """The pause mode named ``name`` (None: ``keep``); ``ValueError`` naming ``field`` otherwise."""
+    if name is None:
+        return PauseMode.KEEP
+    try:
+        return PauseMode(name.lower() if isinstance(name, str) else name)
+    except ValueError:
+        raise ValueError(f"{field} must be one of {', '.join(m.value for m in PauseMode)}; got {name!r}") from None
 
 
 class Deadline(enum.Enum):

@@ -20,6 +20,7 @@ from typing import Any, Coroutine, TypeVar
 from .async_llm import MegatronAsyncLLM
 from .config import InferenceConfig
 from .generation_config import GenerationDefaults
+from .lifecycle import PauseMode
 from .loop_thread import EventLoopThread
 from .model.llama import LlamaForCausalLM
 from .prompts import PromptInput, normalize_prompts
@@ -88,9 +89,12 @@ class MegatronLLM:
         result = self._run(self._async().generate(prompt_list, sampling_params))
         return result if isinstance(result, list) else [result]
 
-    def pause(self) -> dict:
-        """Stop stepping at a step boundary, keeping memory; returns the acknowledgement."""
-        return self._run(self._async().pause())
+    def pause(self, mode: PauseMode | str = PauseMode.KEEP, *, drain_timeout: float | None = None) -> dict:
+        """Stop stepping at a step boundary, keeping memory; returns the acknowledgement.
+
+        ``mode`` ``"keep"`` (default), ``"wait"`` or ``"abort"``: see :meth:`MegatronAsyncLLM.pause`.
+        """
+        return self._run(self._async().pause(mode, drain_timeout=drain_timeout))
 
     def unpause(self) -> dict:
         return self._run(self._async().unpause())

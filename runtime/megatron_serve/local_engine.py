@@ -23,8 +23,9 @@ import torch
 
 from .config import InferenceConfig
 from .engine import DynamicInferenceEngine
+from .errors import NoFleet
 from .model.llama import LlamaForCausalLM
-from .lifecycle import FleetState, Verb
+from .lifecycle import FleetState, PauseMode, Verb
 from .outputs import StreamItem, StreamPartial
 from .multimodal import PromptImage
 from .prompts import ImagePrompt, Prompt, tokenize_prompt
@@ -308,12 +309,13 @@ class LocalEngineClient:
         timings = await self._thread.refit(source, epoch)
         return direct_refit_answer(source.label, timings)
 
-    def _no_fleet(self, verb: Verb | str) -> RuntimeError:
+    def _no_fleet(self, verb: Verb | str) -> NoFleet:
         name = verb.value if isinstance(verb, Verb) else verb
-        return RuntimeError(f"{name}() needs coordinator mode (use_coordinator=True): this engine runs in this "
+        return NoFleet(f"{name}() needs coordinator mode (use_coordinator=True): this engine runs in this "
                             "process, with no fleet lifecycle")
 
-    async def pause(self, timeout: float | None = None) -> dict[str, Any]:
+    async def pause(self, mode: PauseMode | str = PauseMode.KEEP, *, drain_timeout: float | None = None,
+                    timeout: float | None = None) -> dict[str, Any]:
         raise self._no_fleet(Verb.PAUSE)
 
     async def unpause(self, timeout: float | None = None) -> dict[str, Any]:

@@ -12,7 +12,9 @@ the two directions (``ABORT`` names a client's request id on the way in and the 
 the way out).
 
 Protocol versions (``protocol`` in HELLO and HELLO_ACK; absent means 1): version 2 adds ``BATCH``,
-one frame carrying several messages, which a peer sends only to a peer that announced 2.
+one frame carrying several messages, which a peer sends only to a peer that announced 2. Version 3
+adds PAUSE's ``mode`` and ``drain_timeout``: an older coordinator would ignore them (and keep), so a
+client asks for a mode other than ``keep`` only of a coordinator that announced 3.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import msgspec
 from .protocol import Header
 
 #: The protocol version this code speaks.
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 
 TokenId = Annotated[int, msgspec.Meta(ge=0)]
 #: Ids that foreign clients chose may be ints; this project always sends strings.
@@ -138,6 +140,17 @@ class Control(Body):
     """PAUSE, UNPAUSE, RESUME (and, with their extra fields, the verbs below)."""
 
     control_id: ClientId
+
+
+class Pause(Control):
+    """PAUSE from a client (engines get a plain :class:`Control`: the mode is the coordinator's work).
+
+    ``mode`` is checked by the coordinator (an ``ERROR invalid_request`` naming it, never a dropped
+    frame); absent means ``keep``.
+    """
+
+    mode: str | None = None  # megatron_serve.lifecycle.PauseMode: keep, wait, abort
+    drain_timeout: float | None = None  # mode wait: seconds running requests may take before the fleet pauses anyway
 
 
 class Suspend(Control):
@@ -318,7 +331,7 @@ TO_COORDINATOR: dict[Header, type[Body]] = {
     Header.SUBMIT: Submit,
     Header.ABORT: ClientAbort,
     Header.RESULT_ACK: ResultAck,
-    Header.PAUSE: Control,
+    Header.PAUSE: Pause,
     Header.UNPAUSE: Control,
     Header.SUSPEND: Suspend,
     Header.RESUME: Control,

@@ -299,3 +299,17 @@ async def test_client_and_engine_rejoin_restarted_coordinator(fleet_factory):
         assert more.status is RequestStatus.COMPLETED
     finally:
         client.close()
+
+
+async def test_a_pause_mode_is_refused_before_sending_to_a_coordinator_without_pause_modes(fleet_factory, monkeypatch):
+    from megatron_serve.coordinator import handshake
+
+    monkeypatch.setattr(handshake, "PROTOCOL_VERSION", 2)  # a coordinator from before pause modes
+    fleet = fleet_factory()
+    fleet.add_engine()
+    async with InferenceClient(fleet.address) as client:
+        await wait_engines(client, 1)
+        with pytest.raises(ControlError, match="protocol 2, which has no pause modes") as info:
+            await client.pause("abort")
+        assert info.value.code == "unsupported" and (await client.status())["state"] == "RUNNING"
+        assert (await client.pause())["state"] == "PAUSED"  # keep needs no mode on the wire

@@ -94,6 +94,8 @@ class FakeCoordinator:
         self.state = "RUNNING"
         self.up = True
         self.commands: list[str] = []
+        self.pause_modes: list[str | None] = []  # the mode of each PAUSE received
+        self.pause_drains: list[float | None] = []  # and its drain_timeout
         self.opened: list[str] = []
         self.groups = groups
         self.token = token
@@ -158,20 +160,27 @@ class FakeLink:
         engines = {f"engine-{g}": {"group": g, "epoch": c.epoch, "total_s": 0.5} for g in c.groups()}
         return {"state": c.state, "detail": {"epoch": c.epoch, "source": source, "engines": engines}}
 
-    async def command(self, verb: str, timeout: float, drain_timeout: float | None = None) -> dict[str, Any]:
+    async def command(self, verb: str, timeout: float, drain_timeout: float | None = None,
+                      pause_mode: str | None = None) -> dict[str, Any]:
         from megatron_operator.coordinator_link import CoordinatorRejected
 
-        from megatron_serve.lifecycle import IllegalTransition, next_state
+        from megatron_serve.lifecycle import IllegalTransition, next_state, parse_pause_mode
 
         self._check()
         c = self.coordinator
         try:
             state = next_state(c.state, verb).value
-        except IllegalTransition as exc:
+            mode = parse_pause_mode(pause_mode).value if verb == "pause" else None
+        except (IllegalTransition, ValueError) as exc:
             raise CoordinatorRejected(f"{verb.upper()} rejected: {exc}") from None
         c.commands.append(verb)
+        detail: dict[str, Any] = {"engines": len(c.groups())}
+        if mode is not None:
+            c.pause_modes.append(mode)
+            c.pause_drains.append(drain_timeout)
+            detail["mode"] = mode
         c.state = state
-        return {"state": c.state, "detail": {"engines": len(c.groups())}}
+        return {"state": c.state, "detail": detail}
 
     async def close(self) -> None:
         pass

@@ -98,8 +98,9 @@ async def test_lifecycle_with_a_real_coordinator(cluster, tiny_model: str, tmp_p
         st = cluster.status(NS, "tiny")
         assert st["engines"] == {"desired": 1, "ready": 1, "connected": 1}
 
-        await cluster.patch_mi(NS, "tiny", {"spec": {"lifecycle": "Paused"}})
+        await cluster.patch_mi(NS, "tiny", {"spec": {"lifecycle": "Paused", "pauseMode": "Wait"}})
         await expect("Paused", "Paused", "PAUSED")
+        assert cluster.status(NS, "tiny")["lifecycle"]["message"].startswith("PAUSE (wait) acknowledged")
         await cluster.patch_mi(NS, "tiny", {"spec": {"lifecycle": "Suspended"}})
         await expect("Suspended", "Suspended", "SUSPENDED")
         await cluster.patch_mi(NS, "tiny", {"spec": {"lifecycle": "Running"}})

@@ -176,6 +176,8 @@ BAD = {
                                 "spec.server.apiKeySecretRef.key: required field is missing"),
     "drain timeout too long": (lambda d: d["spec"].update(drainTimeoutSeconds=99999),
                                "spec.drainTimeoutSeconds: must be at most 3600, got 99999"),
+    "unknown pause mode": (lambda d: d["spec"].update(pauseMode="keep"),
+                           "spec.pauseMode: unsupported value 'keep'; must be one of: Keep, Wait, Abort"),
     "unknown routing": (lambda d: d["spec"]["coordinator"].update(routing="random"),
                         "spec.coordinator.routing: unsupported value 'random'"),
     "name too long": (lambda d: d["metadata"].update(name="a" * 41),

@@ -150,6 +150,34 @@ async def test_lifecycle_walks_the_coordinator(cluster):
     assert fake.rejected_tokens == 0
 
 
+async def test_pause_mode_goes_with_every_pause_of_the_walk_and_a_bad_one_is_refused(cluster):
+    _, _, fake = await start(cluster)
+
+    async def go(patch: dict[str, Any], phase: str) -> dict[str, Any]:
+        await cluster.patch_mi(NS, "demo", {"spec": patch})
+        lifecycle = patch.get("lifecycle")
+        return await wait_for(lambda: (st := cluster.status(NS, "demo")).get("phase") == phase
+                              and (lifecycle is None or st["lifecycle"]["observed"] == lifecycle) and st,
+                              what=f"{patch} -> {phase}")
+
+    await go({"lifecycle": "Paused"}, "Paused")
+    assert (fake.pause_modes, fake.pause_drains) == (["keep"], [None])  # the default: Keep
+    await go({"lifecycle": "Running"}, "Ready")
+    st = await go({"lifecycle": "Paused", "pauseMode": "Abort"}, "Paused")
+    assert fake.pause_modes[-1] == "abort" and st["lifecycle"]["message"].startswith("PAUSE (abort) acknowledged")
+    await go({"lifecycle": "Running", "pauseMode": "Wait", "drainTimeoutSeconds": 45}, "Ready")
+    await go({"lifecycle": "Suspended"}, "Suspended")  # Running -> Suspended: its PAUSE waits too
+    assert fake.commands[-2:] == ["pause", "suspend"]
+    assert (fake.pause_modes[-1], fake.pause_drains[-1]) == ("wait", 45.0)
+    sent = len(fake.commands)
+    # the emulator does not check the schema's enum: the operator's own validation names the field
+    await cluster.patch_mi(NS, "demo", {"spec": {"pauseMode": "Later", "lifecycle": "Running"}})
+    st = await wait_for(lambda: (s := cluster.status(NS, "demo")).get("phase") == "Failed" and s, what="Failed")
+    spec_valid = next(c for c in st["conditions"] if c["type"] == "SpecValid")
+    assert spec_valid["status"] == "False" and "spec.pauseMode: unsupported value 'Later'" in spec_valid["message"]
+    assert len(fake.commands) == sent and fake.state == "SUSPENDED"  # nothing was sent
+
+
 async def test_invalid_spec_sets_specvalid_false_and_leaves_children(cluster):
     await start(cluster)
     before = cluster.children(NS, "demo")

@@ -218,8 +218,14 @@ def test_walk_sends_one_acknowledged_verb_per_state_and_stops_at_a_failure():
     coordinator, link = _fake_link()
     done = asyncio.run(walk(link, "RUNNING", "SUSPENDED", command_timeout=5.0, drain_timeout=1.0))
     assert coordinator.commands == ["pause", "suspend"] and done.state == "SUSPENDED" and not done.error
-    assert [e[2].split(" (")[0] for e in done.events] == ["PAUSE acknowledged: RUNNING -> PAUSED",
-                                                         "SUSPEND acknowledged: PAUSED -> SUSPENDED"]
+    assert [e[2].split(" ({")[0] for e in done.events] == ["PAUSE (keep) acknowledged: RUNNING -> PAUSED",
+                                                          "SUSPEND acknowledged: PAUSED -> SUSPENDED"]
+    assert (coordinator.pause_modes, coordinator.pause_drains) == (["keep"], [None])
+    waited = asyncio.run(walk(link, "SUSPENDED", "RUNNING", command_timeout=5.0, drain_timeout=1.0))
+    assert not waited.error
+    asyncio.run(walk(link, "RUNNING", "PAUSED", command_timeout=5.0, drain_timeout=7.0, pause_mode="wait"))
+    assert (coordinator.pause_modes[-1], coordinator.pause_drains[-1]) == ("wait", 7.0)  # wait gets the drain time
+    coordinator.state = "RUNNING"
     coordinator.state = "STOPPED"  # stopped meanwhile (the walk goes by the state it was given): RESUME is refused
     refused = asyncio.run(walk(link, "SUSPENDED", "RUNNING", command_timeout=5.0, drain_timeout=1.0))
     assert refused.error and not refused.link_lost and refused.state == "SUSPENDED"

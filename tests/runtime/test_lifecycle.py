@@ -10,11 +10,13 @@ from megatron_serve.lifecycle import (
     Deadline,
     FleetState,
     IllegalTransition,
+    PauseMode,
     Step,
     Transition,
     Verb,
     engine_state_after,
     next_state,
+    parse_pause_mode,
     transition,
     walk,
 )
@@ -107,9 +109,20 @@ def test_names_parse_in_any_case_and_bad_names_are_named():
         walk("NAPPING", "RUNNING")
 
 
+def test_pause_modes_parse_and_a_bad_one_names_the_field():
+    assert parse_pause_mode(None) is PauseMode.KEEP  # a PAUSE without a mode (older peers)
+    assert [parse_pause_mode(name) for name in ("keep", "WAIT", PauseMode.ABORT)] == list(PauseMode)
+    with pytest.raises(ValueError, match=r"^spec.pauseMode must be one of keep, wait, abort; got 'halt'$"):
+        parse_pause_mode("halt", field="spec.pauseMode")
+
+
 def test_every_component_reads_the_table():
+    import argparse
+
     from megatron_operator import lifecycle as operator_lifecycle
-    from megatron_serve.commands.control import VERBS
+    from megatron_operator.crd import PAUSE_MODES
+    from megatron_serve.commands.control import VERBS, add_arguments
+    from megatron_serve.server.admin import PauseRequest
     from megatron_serve.engine_process import EngineProcess
     from megatron_serve.protocol import HEADER_VERBS, VERB_HEADERS, step_of
 
@@ -120,6 +133,13 @@ def test_every_component_reads_the_table():
     assert set(VERBS) == {v.value for v in Verb} | {"status"}
     assert operator_lifecycle.plan("RUNNING", "SUSPENDED") == ["pause", "suspend"]
     assert operator_lifecycle.STATES == tuple(s.value for s in FleetState)
+
+    modes = [m.value for m in PauseMode]  # the pause modes are the same everywhere they are offered
+    assert [m.lower() for m in PAUSE_MODES] == modes
+    assert list(PauseRequest.model_json_schema()["properties"]["mode"]["enum"]) == modes
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    assert next(a.choices for a in parser._actions if a.dest == "mode") == modes
 
 
 @pytest.mark.parametrize("page", ["docs/kubernetes/lifecycle.md"])

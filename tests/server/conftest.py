@@ -5,7 +5,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import re
+import subprocess
+import time
+from pathlib import Path
 from typing import AsyncIterator
+
+import httpx
 
 import pytest
 
@@ -41,6 +46,22 @@ async def serving(app) -> AsyncIterator[str]:
     finally:
         stop.set()
         await asyncio.wait_for(task, 30)
+
+
+def wait_ready(proc: subprocess.Popen, url: str, output: Path, timeout: float = 240.0) -> None:
+    """Poll ``url``/ready until 200; fail with the process's output if it exits or the time runs out."""
+    deadline = time.monotonic() + timeout
+    while True:
+        if proc.poll() is not None:
+            pytest.fail(f"{proc.args} exited with {proc.returncode}:\n{output.read_text()}")
+        try:
+            if httpx.get(f"{url}/ready", timeout=2).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        if time.monotonic() > deadline:
+            pytest.fail(f"{proc.args} not ready in time:\n{output.read_text()}")
+        time.sleep(0.2)
 
 
 def metric(text: str, name: str, labels: str = "") -> float:

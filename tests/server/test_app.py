@@ -56,14 +56,17 @@ async def test_openapi_documents_every_route_and_no_422(tokenizer, backend):
     async with serving(make_app(tokenizer, backend)) as url, httpx.AsyncClient(base_url=url) as http:
         doc = (await http.get("/openapi.json")).json()
     assert set(doc["paths"]) == {"/v1/completions", "/v1/chat/completions", "/v1/models", "/v1/models/{model}",
-                                 "/health", "/ready", "/metrics", "/tokenize", "/detokenize"}
+                                 "/health", "/ready", "/metrics", "/tokenize", "/detokenize",
+                                 *(f"/v1/admin/{verb}" for verb in ("pause", "unpause", "suspend", "resume", "refit",
+                                                                    "status"))}
     assert "422" not in json.dumps(doc["paths"])
     post = doc["paths"]["/v1/completions"]["post"]
     assert {"200", "400", "429", "500", "503"} <= set(post["responses"])
     assert "text/event-stream" in post["responses"]["200"]["content"]
-    assert "securitySchemes" not in doc.get("components", {})  # no key configured: no auth documented
+    schemes = doc["components"]["securitySchemes"]
+    assert set(schemes) == {"AdminKey"}  # no API key configured: only the admin routes' key is documented
     keyed = make_app(tokenizer, backend, api_key="k").openapi()
-    assert "HTTPBearer" in keyed["components"]["securitySchemes"]
+    assert set(keyed["components"]["securitySchemes"]) == {"HTTPBearer", "AdminKey"}
     assert "401" in keyed["paths"]["/v1/chat/completions"]["post"]["responses"]
 
 

@@ -26,7 +26,7 @@ from megatron_serve.client import InferenceClient
 from megatron_serve.config import InferenceConfig
 from megatron_serve.sampling_params import SamplingParams
 
-from .conftest import metric
+from .conftest import metric, wait_ready
 from .fakes import wait_until
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
@@ -88,18 +88,7 @@ def stack(tiny_model, tmp_path_factory):
     url = f"http://127.0.0.1:{port}"
     children: list[int] = []
     try:
-        deadline = time.monotonic() + 240
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"megatron-serve run exited with {proc.returncode}:\n{output.read_text()}")
-            try:
-                if httpx.get(f"{url}/ready", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if time.monotonic() > deadline:
-                pytest.fail(f"megatron-serve run not ready in time:\n{output.read_text()}")
-            time.sleep(0.2)
+        wait_ready(proc, url, output)
         text = output.read_text()
         address = re.search(r"coordinator listening on (tcp://\S+)", text).group(1)
         children = child_pids(proc.pid)

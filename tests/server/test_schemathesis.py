@@ -82,7 +82,8 @@ def served_url(tiny_model):
 
 @pytest.mark.parametrize("mode, examples", [(GenerationMode.POSITIVE, 330), (GenerationMode.NEGATIVE, 220)])
 def test_api_keeps_its_openapi_promises(served_url, mode, examples):
-    schema = schemathesis.openapi.from_url(f"{served_url}/openapi.json")
+    # The admin routes are off here (no admin key: 403 before any body is read); test_admin_http.py checks them.
+    schema = schemathesis.openapi.from_url(f"{served_url}/openapi.json").exclude(tag="admin")
     seen: dict[str, int] = {}
     statuses: dict[int, int] = {}
 

@@ -16,7 +16,7 @@ import os
 import time
 from typing import Any
 
-from ..lifecycle import FleetState, Verb, walk
+from ..lifecycle import FleetState, PauseMode, Verb, walk
 from . import local_runs
 from .inputs import coordinator_address
 from .options import COORDINATOR_ENV, TOKEN_ENV, add_coordinator_option, add_token_option, read_token
@@ -30,8 +30,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print the answer as one JSON object")
     parser.add_argument("--level", type=int, choices=(1, 2), default=1,
                         help="suspend level: 1 frees the KV cache, 2 also moves weights to host memory")
+    parser.add_argument("--mode", choices=[m.value for m in PauseMode], default=None,
+                        help="pause: what happens to the requests the fleet holds: keep them in place (default), "
+                             "wait for the running ones to finish, or abort them (finish_reason abort, tokens so far)")
     parser.add_argument("--drain-timeout", type=float, default=None, metavar="S",
-                        help="stop: how long engines may keep working before handing requests back")
+                        help="stop: how long engines may keep working before handing requests back; "
+                             "pause --mode wait: how long running requests may take before the fleet pauses anyway")
     parser.add_argument("--source", metavar="DIR",
                         help="refit: model directory (as the engines see it) holding the new weights")
     parser.add_argument("--epoch", type=int, default=None, metavar="N",
@@ -61,6 +65,9 @@ async def _execute(args: argparse.Namespace, token: str | None) -> dict[str, Any
             return await client.stop(timeout=args.timeout, drain_timeout=args.drain_timeout)
         if args.verb == "refit":
             return await client.refit(args.source, args.epoch, timeout=args.timeout)
+        if args.verb == "pause":
+            return await client.pause(args.mode or PauseMode.KEEP, drain_timeout=args.drain_timeout,
+                                      timeout=args.timeout)
         return await getattr(client, args.verb)(timeout=args.timeout)
     finally:
         client.close()
@@ -89,6 +96,10 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("refit needs --source DIR (the model directory with the new weights)")
     if args.verb == "refit" and args.epoch is not None and args.epoch < 0:
         raise ValueError(f"--epoch must be >= 0, got {args.epoch}")
+    if args.mode is not None and args.verb != "pause":
+        raise ValueError(f"--mode applies to pause only, not {args.verb}")
+    if args.drain_timeout is not None and not (args.verb == "stop" or args.mode == PauseMode.WAIT.value):
+        raise ValueError("--drain-timeout applies to stop and to pause --mode wait only")
     token = read_token(args)
     args.coordinator, found = find_coordinator(args)
     if found and not args.json:
@@ -142,6 +153,12 @@ def format_ack(verb: str, answer: dict[str, Any]) -> str:
     head += f", acknowledged by {len(engines)} engine(s)"
     if "released_bytes" in detail:
         head += f", released {_bytes(detail['released_bytes'])}"
+    if "mode" in detail:  # PAUSE: what its mode did
+        head += f", mode {detail['mode']}"
+        if "aborted" in detail:
+            head += f": {detail['aborted']} request(s) aborted"
+        if "waited_s" in detail:
+            head += f": waited {detail['waited_s']:.1f}s, {detail.get('unfinished', 0)} request(s) paused unfinished"
     if verb == "refit" and "epoch" in detail:
         head += f", now serving epoch {detail['epoch']} from {detail.get('source')}"
     lines = [head]

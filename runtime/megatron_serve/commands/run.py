@@ -27,7 +27,8 @@ from .engine_options import add_engine_options, inference_config_from_args
 from .inputs import check_model_dir, check_port_free, parse_port
 from .model_options import add_model_options, resolve_model_args
 from .options import add_log_option, add_token_option, read_token, setup_logging
-from .server import ServingFiles, add_server_options, check_server_options, image_options, read_api_key, read_limits
+from .server import (ServingFiles, add_server_options, check_server_options, image_options, read_admin_key, read_api_key,
+                     read_limits)
 
 logger = logging.getLogger("megatron_serve.run")
 
@@ -245,7 +246,8 @@ class _Stack:
         from ..server.runner import freeze_startup_heap, serve_app  # noqa: PLC0415
 
         args = self.args
-        app = create_app(self.client, tokenizer, facts.name, self.api_key, vocab_size=facts.vocab_size,
+        app = create_app(self.client, tokenizer, facts.name, self.api_key, admin_key=read_admin_key(args),
+                         vocab_size=facts.vocab_size,
                          max_model_len=facts.max_model_len, max_concurrent_requests=args.max_concurrent_requests,
                          limits=read_limits(args), tokenizer_threads=args.tokenizer_threads,
                          image_options=image_options(args), generation_defaults=self.files.generation_defaults)

@@ -25,6 +25,7 @@ from .options import add_coordinator_option, add_log_option, add_token_option, r
 logger = logging.getLogger("megatron_serve.server")
 
 API_KEY_ENV = "MEGATRON_SERVE_API_KEY"  # the same name as megatron_serve.server.API_KEY_ENV (kept light here)
+ADMIN_KEY_ENV = "MEGATRON_SERVE_ADMIN_KEY"  # the same as megatron_serve.server.admin.ADMIN_KEY_ENV
 
 
 def add_server_options(parser: argparse.ArgumentParser, default_host: str) -> None:
@@ -41,6 +42,14 @@ def add_server_options(parser: argparse.ArgumentParser, default_host: str) -> No
     keys.add_argument("--api-key", metavar="KEY",
                       help="the same, with the key itself on the command line, as in vLLM (visible to `ps`: "
                            "prefer --api-key-file)")
+    admin = group.add_mutually_exclusive_group()
+    admin.add_argument("--admin-key-file", metavar="PATH",
+                       help=f"open the admin API (/v1/admin: pause, unpause, suspend, resume, refit, status) to "
+                            f"this key as 'Authorization: Bearer KEY' (else ${ADMIN_KEY_ENV}; none = admin API off). "
+                            "It must differ from the API key")
+    admin.add_argument("--admin-key", metavar="KEY",
+                       help="the same, with the admin key itself on the command line (visible to `ps`: prefer "
+                            "--admin-key-file)")
     group.add_argument("--max-concurrent-requests", type=int, default=None, metavar="N",
                        help="queue limit: engine requests this server holds at once; more are answered 429 "
                             "(default: no limit)")
@@ -94,8 +103,21 @@ def read_api_key(args: argparse.Namespace) -> str | None:
     return read_secret(args, "api_key_file", "--api-key-file", API_KEY_ENV)
 
 
+def read_admin_key(args: argparse.Namespace) -> str | None:
+    """The admin key from ``--admin-key-file`` or ``--admin-key``, else ``$MEGATRON_SERVE_ADMIN_KEY``, else ``None``."""
+    if args.admin_key is not None:
+        if not args.admin_key.strip():
+            raise ValueError("--admin-key is empty")
+        return args.admin_key.strip()
+    return read_secret(args, "admin_key_file", "--admin-key-file", ADMIN_KEY_ENV)
+
+
 def check_server_options(args: argparse.Namespace) -> None:
     parse_port(args.port, "--port")
+    admin_key = read_admin_key(args)
+    if admin_key is not None and admin_key == read_api_key(args):
+        raise ValueError("the admin key (--admin-key-file, --admin-key or $MEGATRON_SERVE_ADMIN_KEY) must differ "
+                         "from the API key: the API key must not open the admin API")
     if args.max_concurrent_requests is not None and args.max_concurrent_requests < 1:
         raise ValueError(f"--max-concurrent-requests must be >= 1, got {args.max_concurrent_requests}")
     if not args.read_timeout > 0:
@@ -166,10 +188,11 @@ async def _serve(args: argparse.Namespace, facts: Any, files: ServingFiles, toke
     from ..server.runner import freeze_startup_heap, serve_app  # noqa: PLC0415
 
     client = InferenceClient(args.coordinator, token=token)
-    app = create_app(client, tokenizer, facts.name, api_key, vocab_size=facts.vocab_size,
-                     max_model_len=facts.max_model_len, max_concurrent_requests=args.max_concurrent_requests,
-                     limits=read_limits(args), tokenizer_threads=args.tokenizer_threads,
-                     image_options=image_options(args), generation_defaults=files.generation_defaults)
+    app = create_app(client, tokenizer, facts.name, api_key, admin_key=read_admin_key(args),
+                     vocab_size=facts.vocab_size, max_model_len=facts.max_model_len,
+                     max_concurrent_requests=args.max_concurrent_requests, limits=read_limits(args),
+                     tokenizer_threads=args.tokenizer_threads, image_options=image_options(args),
+                     generation_defaults=files.generation_defaults)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):

@@ -204,6 +204,8 @@ class CoordinatorCore:
 
     def _settle(self, now: float) -> list[Effect]:
         """Run what the input left to do (advance the lifecycle, dispatch), then hand over the effects."""
+        if self.verbs.draining:  # a PAUSE waits for running requests: this input may have ended the last
+            self._advance = True
         while self._advance:
             self._advance = False
             self.verbs.advance(now)
@@ -370,13 +372,28 @@ class CoordinatorCore:
             if record is not None and record.phase is Phase.FINISHED:
                 self.forget_request(record)
 
-    def abort(self, record: RequestRecord, message: str) -> None:
+    def abort(self, record: RequestRecord, message: str, by_client: bool = True) -> None:
+        """End an unfinished request now with the tokens mirrored so far (its engine is told to drop it).
+
+        A client's abort is ``FAILED``; the fleet's (PAUSE in abort mode) is ``COMPLETED``: the
+        partial output is a valid answer that the caller may resubmit to continue.
+        """
         if record.phase is Phase.DISPATCHED:
             engine = self.engines.get(record.engine_id or "")
             if engine is not None:
                 engine.assigned.discard(record.request_id)
                 self.send(engine.identity, Header.ABORT, EngineAbort(request_id=record.request_id), engine.batches)
-        self.finish_here(record, "FAILED", "abort", message, error=message)
+        if by_client:
+            self.finish_here(record, "FAILED", "abort", message, error=message)
+        else:
+            self.finish_here(record, "COMPLETED", "abort", message)
+
+    def abort_unfinished(self, message: str) -> int:
+        """PAUSE in abort mode: end every unfinished request (held, queued, on an engine); how many."""
+        unfinished = [r for r in self.requests if r.phase is not Phase.FINISHED]
+        for record in unfinished:
+            self.abort(record, message, by_client=False)
+        return len(unfinished)
 
     def finish_here(self, record: RequestRecord, status: str, finish_reason: str, detail: str,
                     error: str | None = None) -> None:

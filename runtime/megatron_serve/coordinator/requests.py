@@ -118,10 +118,10 @@ class RequestTable:
         self._move(record, Phase.FINISHED)
         record.engine_id = None
         record.final = final
-        if status == "COMPLETED":
-            self.completed += 1
-        elif finish_reason == "abort":
+        if finish_reason == "abort":
             self.aborted += 1
+        elif status == "COMPLETED":
+            self.completed += 1
         else:
             self.failed += 1
 

@@ -14,31 +14,42 @@ epoch changes only once every engine loaded; and an engine whose load fails stay
 directory it could reload from): its acknowledgement says which weights it holds, the verb is
 refused with those facts, and while any engine holds incomplete weights UNPAUSE is refused
 (:data:`~megatron_serve.lifecycle.NEEDS_WHOLE_WEIGHTS`).
+
+PAUSE's mode (:class:`~megatron_serve.lifecycle.PauseMode`) is work done here before the step is
+broadcast: ``abort`` ends every unfinished request at once (the engines are told to drop theirs,
+ahead of the PAUSE step on the same socket); ``wait`` holds the step back until no request is on an
+engine any more, or its ``drain_timeout`` passed. Dispatch stops as soon as the verb starts (the
+fleet's state is already PAUSED), so nothing new reaches an engine meanwhile.
 """
 
 from __future__ import annotations
 
 import collections
 import logging
+import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import msgspec
 
 from ..lifecycle import (
+    DEFAULT_PAUSE_DRAIN_TIMEOUT,
     NEEDS_WHOLE_WEIGHTS,
     STEPS,
     WEIGHTS_INCOMPLETE,
     Deadline,
     FleetState,
     IllegalTransition,
+    PauseMode,
     Step,
     Verb,
+    parse_pause_mode,
     transition,
 )
-from ..messages import Control, ControlAck, Error, Refit, Rendezvous, Stop, Suspend
+from ..messages import Control, ControlAck, Error, Pause, Refit, Rendezvous, Stop, Suspend
 from ..protocol import VERB_HEADERS, ErrorCode, Header
 from .peers import ClientRecord, EngineRecord
+from .requests import Phase
 
 if TYPE_CHECKING:
     from .core import CoordinatorCore
@@ -64,7 +75,10 @@ class ControlOp:
     verb: Verb
     client_id: str
     level: int = 1
-    drain_timeout: float | None = None
+    drain_timeout: float | None = None  # STOP: the engines' drain; PAUSE (mode wait): the coordinator's
+    mode: PauseMode = PauseMode.KEEP  # PAUSE
+    drain_until: float | None = None  # PAUSE (mode wait): the step waits for running requests until then
+    pause_facts: dict[str, Any] = field(default_factory=dict)  # PAUSE: what its mode did (in the answer)
     source: str | None = None  # REFIT: the new weights
     epoch: int | None = None  # REFIT: the generation they become
     rendezvous: Rendezvous | None = None  # REFIT: the weights come from a trainer
@@ -113,6 +127,8 @@ class VerbRunner:
                 problem = f"suspend level must be 1 or 2, got {op.level}"
         elif isinstance(body, Stop):
             op.drain_timeout = body.drain_timeout
+        elif isinstance(body, Pause):
+            problem = self._pause_problem(op, body)
         if problem is not None:
             core.send(identity, Header.ERROR, Error(code=ErrorCode.INVALID_REQUEST.value, message=problem,
                                                     control_id=control_id))
@@ -122,6 +138,23 @@ class VerbRunner:
                     core.state.value)
         core.advance_verbs()
 
+    @staticmethod
+    def _pause_problem(op: ControlOp, body: Pause) -> str | None:
+        """Read PAUSE's mode and drain time into ``op``; why they are refused, if they are."""
+        try:
+            op.mode = parse_pause_mode(body.mode)
+        except ValueError as exc:
+            return f"PAUSE: {exc}"
+        timeout = body.drain_timeout
+        if timeout is None:
+            return None
+        if op.mode is not PauseMode.WAIT:
+            return f"PAUSE: drain_timeout applies to mode wait only, not {op.mode.value}"
+        if not math.isfinite(timeout) or timeout < 0:
+            return f"PAUSE: drain_timeout must be a number of seconds >= 0, got {timeout!r}"
+        op.drain_timeout = float(timeout)
+        return None
+
     # ------------------------------------------------------------------ running
 
     def advance(self, now: float) -> None:
@@ -129,14 +162,16 @@ class VerbRunner:
         while self.queue:
             op = self.queue[0]
             if op.step_index < 0:
-                if not self._start(op):
+                if not self._start(op, now):
                     continue
-            elif op.waiting:
-                return
-            elif self._verify_refused(op):
-                continue
-            else:
+            elif op.drain_until is None:
+                if op.waiting:
+                    return
+                if self._verify_refused(op):
+                    continue
                 op.step_index += 1
+            if self._draining(op, now):
+                return
             while op.step_index < len(op.steps):
                 self._broadcast(op, now)
                 if op.waiting:
@@ -145,7 +180,27 @@ class VerbRunner:
             self.queue.popleft()
             self._complete(op)
 
-    def _start(self, op: ControlOp) -> bool:
+    @property
+    def draining(self) -> bool:
+        """A PAUSE in wait mode holds its step back for running requests (any input may end that)."""
+        return bool(self.queue) and self.queue[0].drain_until is not None
+
+    def _draining(self, op: ControlOp, now: float) -> bool:
+        """True while ``op`` (PAUSE, mode wait) must still wait before its step; counts what it waited for."""
+        if op.drain_until is None:
+            return False
+        running = self.core.requests.count(Phase.DISPATCHED)
+        if running and now < op.drain_until:
+            return True
+        waited = now - op.step_started  # the verb started then; its step is broadcast only now
+        op.pause_facts.update(waited_s=round(waited, 3), unfinished=running, timed_out=bool(running))
+        if running:
+            logger.warning("PAUSE (wait): %d request(s) still running after %.1fs; pausing them in place",
+                           running, waited)
+        op.drain_until = None
+        return False
+
+    def _start(self, op: ControlOp, now: float) -> bool:
         """Plan ``op`` from the table and move the fleet's state; False when it was refused."""
         core = self.core
         try:
@@ -172,7 +227,24 @@ class VerbRunner:
         op.noop = planned.target is core.state and core.suspend_level == previous_level
         core.state = planned.target
         op.step_index = 0
+        if op.verb is Verb.PAUSE:
+            self._start_pause_mode(op, now)
         return True
+
+    def _start_pause_mode(self, op: ControlOp, now: float) -> None:
+        """What PAUSE's mode does before its step (the fleet's state is already the target: no dispatch)."""
+        op.pause_facts["mode"] = op.mode.value
+        if op.mode is PauseMode.ABORT:
+            why = f"aborted by PAUSE (mode abort) in {op.previous_state}"
+            op.pause_facts["aborted"] = self.core.abort_unfinished(why)
+        elif op.mode is PauseMode.WAIT:
+            if op.drain_timeout is None:
+                op.drain_timeout = DEFAULT_PAUSE_DRAIN_TIMEOUT
+            if op.previous_state == FleetState.RUNNING.value:
+                op.step_started, op.drain_until = now, now + op.drain_timeout
+            else:  # paused engines do not step: what they hold cannot finish, there is nothing to wait for
+                op.pause_facts.update(waited_s=0.0, unfinished=self.core.requests.count(Phase.DISPATCHED),
+                                      timed_out=False)
 
     def _broadcast(self, op: ControlOp, now: float) -> None:
         """Send the current step to every connected engine; each one must acknowledge it."""
@@ -313,6 +385,7 @@ class VerbRunner:
             detail["released_bytes"] = sum(released)
         if op.verb is Verb.SUSPEND:
             detail["level"] = core.suspend_level
+        detail.update(op.pause_facts)
         if op.verb is Verb.REFIT and op.rendezvous is not None:
             if op.failed:
                 self._transfer_failed(op, detail)

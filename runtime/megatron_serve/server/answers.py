@@ -18,9 +18,10 @@ from .translate import EngineJob
 
 
 def finish_reason(result: DynamicInferenceRequest) -> str | None:
-    """The OpenAI finish reason of a finished request; the engine's others have no OpenAI name."""
+    """The finish reason of a finished request: OpenAI's ``stop`` and ``length``, and vLLM's ``abort``
+    for a request the fleet ended early (PAUSE in abort mode: the partial answer, to resubmit)."""
     reason = result.finish_reason.value if result.finish_reason is not None else None
-    return reason if reason in ("stop", "length") else None
+    return reason if reason in ("stop", "length", "abort") else None
 
 
 def cached_prompt_tokens(finished: list[tuple[EngineJob, DynamicInferenceRequest]]) -> int:

@@ -32,6 +32,7 @@ from .. import __version__
 from ..generation_config import GenerationDefaults
 from .chat import ChatHandler
 from .completions import CompletionHandler
+from .admin import ADMIN_BODIES, add_admin_routes
 from .context import ServerContext
 from .errors import APIError, install_error_handlers
 from .fleet import FleetMonitor, InferenceBackend
@@ -90,6 +91,7 @@ def create_app(
     model_name: str,
     api_key: str | None = None,
     *,
+    admin_key: str | None = None,
     vocab_size: int | None = None,
     max_model_len: int | None = None,
     max_concurrent_requests: int | None = None,
@@ -109,9 +111,13 @@ def create_app(
     ``image_options``: how the ``image_url`` parts of chats are fetched (vision-language models).
     ``generation_defaults``: sampling values for fields a request leaves out (the model's
     ``generation_config.json``; see :mod:`megatron_serve.generation_config`).
+    ``admin_key``: opens ``/v1/admin/*`` (the lifecycle over HTTP; :mod:`.admin`); it must differ from
+    ``api_key``. Without it those routes answer 403.
     The backend is started by the app (in the background) if it is not started yet, but never
     closed by it: whoever made the backend closes it.
     """
+    if admin_key and admin_key == api_key:
+        raise ValueError("the admin key must differ from the API key: the API key must not open the admin API")
     monitor = FleetMonitor(backend, interval=status_interval)
     pending = PendingCounter(max_concurrent_requests)
     metrics = ServerMetrics(monitor, lambda: pending.value, model_name)
@@ -242,6 +248,7 @@ def create_app(
         return Response(content=data, media_type=content_type)
 
     add_tokenize_routes(app, ctx, api_dependencies, _error_responses([400, 401, 404] if api_key else [400, 404]))
+    add_admin_routes(app, backend, monitor, admin_key)  # type: ignore[arg-type]  # the clients have the verbs
 
     def openapi() -> dict[str, Any]:
         """FastAPI's document, minus the 422 answers it assumes (validation errors are 400 here), plus the
@@ -255,7 +262,7 @@ def create_app(
             components = schema.setdefault("components", {}).setdefault("schemas", {})
             for name in ("HTTPValidationError", "ValidationError"):
                 components.pop(name, None)
-            _, request_schemas = models_json_schema([(model, "validation") for model in SELF_PARSED],
+            _, request_schemas = models_json_schema([(model, "validation") for model in (*SELF_PARSED, *ADMIN_BODIES)],
                                                     ref_template="#/components/schemas/{model}")
             components.update(request_schemas.get("$defs", {}))
             app.openapi_schema = schema

@@ -165,12 +165,12 @@ def _content_chars(content: Any) -> int:
     return sum(len(part.text) for part in content if isinstance(part, TextContentPart))
 
 
-def request_body_doc(*models: type[BaseModel]) -> dict[str, Any]:
+def request_body_doc(*models: type[BaseModel], required: bool = True) -> dict[str, Any]:
     """The OpenAPI ``requestBody`` of a route that parses one of ``models`` itself (``openapi()`` adds
-    their schemas, see :data:`SELF_PARSED`)."""
+    their schemas, see :data:`SELF_PARSED`); ``required=False``: an empty body takes the defaults."""
     refs = [{"$ref": f"#/components/schemas/{model.__name__}"} for model in models]
     schema = refs[0] if len(refs) == 1 else {"oneOf": refs}
-    return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}
+    return {"requestBody": {"required": required, "content": {"application/json": {"schema": schema}}}}
 
 
 #: The request bodies that routes parse themselves (through :func:`parse_body`), for the OpenAPI document.

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..limits import RequestLimits
 from ..multimodal import ImageOptions
+from .admin import ADMIN_KEY_ENV
 from .app import API_KEY_ENV, create_app
 from .modelinfo import ModelFacts, default_model_name
 from .runner import serve_app
@@ -40,14 +41,15 @@ def _model_facts(llm: "MegatronAsyncLLM", model_name: str | None, chat_template:
 
 
 async def serve_async_llm(llm: "MegatronAsyncLLM", host: str = "127.0.0.1", port: int = 8000, *,
-                          model_name: str | None = None, api_key: str | None = None,
+                          model_name: str | None = None, api_key: str | None = None, admin_key: str | None = None,
                           max_concurrent_requests: int | None = None, chat_template: str | None = None,
                           log_level: str = "warning", stop: asyncio.Event | None = None,
                           limits: RequestLimits | None = None, read_timeout: float = 60.0,
                           image_options: ImageOptions | None = None) -> None:
     """Serve the OpenAI API for ``llm`` until cancelled (or ``stop`` is set); ``llm`` stays open.
 
-    ``api_key=None`` reads ``$MEGATRON_SERVE_API_KEY`` (no key when unset), like the commands do.
+    ``api_key=None`` reads ``$MEGATRON_SERVE_API_KEY`` (no key when unset), like the commands do;
+    ``admin_key=None`` reads ``$MEGATRON_SERVE_ADMIN_KEY`` (unset: the admin API answers 403).
     ``limits`` and ``read_timeout``: as the commands' ``--max-*`` and ``--read-timeout`` flags;
     ``image_options``: as ``--image-fetch-timeout`` and ``--no-remote-images``.
     ``chat_template``: as ``--chat-template`` (a file or the Jinja text). Requests that leave sampling
@@ -58,7 +60,9 @@ async def serve_async_llm(llm: "MegatronAsyncLLM", host: str = "127.0.0.1", port
     backend = llm.client
     if api_key is None:
         api_key = os.environ.get(API_KEY_ENV) or None
-    app = create_app(backend, tokenizer, facts.name, api_key, vocab_size=facts.vocab_size,
+    if admin_key is None:
+        admin_key = os.environ.get(ADMIN_KEY_ENV) or None
+    app = create_app(backend, tokenizer, facts.name, api_key, admin_key=admin_key, vocab_size=facts.vocab_size,
                      max_model_len=facts.max_model_len, max_concurrent_requests=max_concurrent_requests, limits=limits,
                      image_options=image_options, generation_defaults=llm.generation_defaults)
     await serve_app(app, host, port, log_level=log_level, stop=stop, read_timeout=read_timeout)

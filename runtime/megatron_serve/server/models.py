@@ -241,7 +241,8 @@ class Usage(BaseModel):
     prompt_tokens_details: PromptTokensDetails | None = None
 
 
-FinishReasonName = Literal["stop", "length", "tool_calls"]
+#: ``abort``: vLLM's name for a choice the fleet ended early (a pause in abort mode); it carries the tokens so far.
+FinishReasonName = Literal["stop", "length", "tool_calls", "abort"]
 
 
 class CompletionLogprobs(BaseModel):
