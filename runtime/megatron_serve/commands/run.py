@@ -27,8 +27,8 @@ from .engine_options import add_engine_options, inference_config_from_args
 from .inputs import check_model_dir, check_port_free, parse_port
 from .model_options import add_model_options, resolve_model_args
 from .options import add_log_option, add_token_option, read_token, setup_logging
-from .server import (ServingFiles, add_server_options, check_server_options, image_options, read_admin_key, read_api_key,
-                     read_limits)
+from .server import (ServingFiles, add_server_options, check_server_options, image_options, read_admin_key,
+                     read_api_key, read_limits)
 
 logger = logging.getLogger("megatron_serve.run")
 

@@ -94,22 +94,25 @@ def read_limits(args: argparse.Namespace) -> RequestLimits:
     return RequestLimits.from_options(vars(args))
 
 
+def _read_key(args: argparse.Namespace, name: str, env: str) -> str | None:
+    """A key from ``--NAME``, else ``--NAME-file``, else ``$env``, else ``None`` (``name``: api_key, admin_key)."""
+    flag = "--" + name.replace("_", "-")
+    value = getattr(args, name)
+    if value is not None:
+        if not value.strip():
+            raise ValueError(f"{flag} is empty")
+        return value.strip()
+    return read_secret(args, f"{name}_file", f"{flag}-file", env)
+
+
 def read_api_key(args: argparse.Namespace) -> str | None:
     """The API key from ``--api-key``, else ``--api-key-file``, else ``$MEGATRON_SERVE_API_KEY``, else ``None``."""
-    if args.api_key is not None:
-        if not args.api_key.strip():
-            raise ValueError("--api-key is empty")
-        return args.api_key.strip()
-    return read_secret(args, "api_key_file", "--api-key-file", API_KEY_ENV)
+    return _read_key(args, "api_key", API_KEY_ENV)
 
 
 def read_admin_key(args: argparse.Namespace) -> str | None:
-    """The admin key from ``--admin-key-file`` or ``--admin-key``, else ``$MEGATRON_SERVE_ADMIN_KEY``, else ``None``."""
-    if args.admin_key is not None:
-        if not args.admin_key.strip():
-            raise ValueError("--admin-key is empty")
-        return args.admin_key.strip()
-    return read_secret(args, "admin_key_file", "--admin-key-file", ADMIN_KEY_ENV)
+    """The admin key from ``--admin-key``, else ``--admin-key-file``, else ``$MEGATRON_SERVE_ADMIN_KEY``, else None."""
+    return _read_key(args, "admin_key", ADMIN_KEY_ENV)
 
 
 def check_server_options(args: argparse.Namespace) -> None:
