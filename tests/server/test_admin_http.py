@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import threading
@@ -23,6 +22,7 @@ import pytest
 
 from megatron_serve.server import create_app
 
+from ..processes import stop_process_group
 from .conftest import serving, wait_ready
 from .fakes import FakeBackend
 from .test_openai_e2e import free_port
@@ -53,13 +53,7 @@ def stack(tiny_model, tmp_path_factory):
         wait_ready(proc, url, output)
         yield SimpleNamespace(url=url, model=Path(tiny_model).name, path=tiny_model)
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGINT)  # the run command stops its fleet on SIGINT
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+        stop_process_group(proc)  # the run command stops its fleet on SIGINT
 
 
 @pytest.fixture(scope="module")

@@ -21,7 +21,6 @@ import asyncio
 import json
 import os
 import re
-import signal
 import subprocess
 import sys
 import time
@@ -33,6 +32,7 @@ import pytest
 
 from megatron_serve.limits import RequestLimits
 
+from ..processes import stop_process_group
 from .test_openai_e2e import free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
@@ -123,13 +123,7 @@ def stack(tiny_model, tmp_path_factory):
         for helper in (probe, reference):
             helper.kill()
             helper.wait()
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGINT)
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+        stop_process_group(proc)
         out.close()
 
 

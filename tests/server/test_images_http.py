@@ -9,7 +9,6 @@ remote-switch tests serve the same model in-process (direct mode) for speed.
 from __future__ import annotations
 
 import base64
-import os
 import signal
 import subprocess
 import sys
@@ -30,6 +29,7 @@ from megatron_serve.tiny_model import make_tiny_model
 from megatron_serve.tokenizer import Tokenizer
 
 from ..images import png
+from ..processes import stop_process_group
 from .conftest import serving
 
 pytestmark = pytest.mark.timeout(300)
@@ -125,12 +125,7 @@ def stack(tiny_llava, tmp_path_factory):
         yield SimpleNamespace(url=url, client=openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0,
                                                            timeout=120), model="tiny-llava")
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        stop_process_group(proc, signal.SIGTERM)
 
 
 class socket_port:
