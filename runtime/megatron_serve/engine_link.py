@@ -86,10 +86,23 @@ class CoordinatorLink:
         self._tx.send_multipart([session.to_bytes(8, "little"), frame])
 
     def close(self, timeout: float = 2.0) -> None:
-        """Flush what was queued (up to ``timeout``) and stop the thread."""
-        if self._thread.is_alive():
-            self._tx.send_multipart([b"close", b""])
+        """Flush what was queued (up to ``timeout``) and stop the thread.
+
+        The close request is sent without blocking: the thread may end between ``is_alive()``
+        and the send (an engine refused for a bad token stops its link thread on its own), and a
+        PAIR socket whose peer is gone blocks a plain send forever (seen as an engine that logged
+        the refusal and never exited).
+        """
+        deadline = time.monotonic() + timeout
+        while self._thread.is_alive():
+            try:
+                self._tx.send_multipart([b"close", b""], flags=zmq.NOBLOCK)
+            except zmq.Again:
+                if time.monotonic() < deadline:
+                    time.sleep(0.01)
+                    continue
             self._thread.join(timeout + 1.0)
+            break
         self._tx.close(linger=0)
 
     # -- link thread
