@@ -131,7 +131,13 @@ class RendezvousSource:
                                        f"{_reason(exc)}") from exc
                 yield from unpack(bucket, manifest, buffer)
         finally:
+            # In gloo's broadcast tree a rank hears of a dead sender only from its parent rank, and
+            # a parent's connections close only once its group and pending work are released: kept
+            # alive here, a tensor-parallel follower waited out the whole timeout (120 s) after
+            # the trainer died, while its leader had failed within milliseconds.
+            pending = work = None
             transfer.close(pg)
+            del pg
 
 
 def _reason(exc: Exception) -> str:
