@@ -85,6 +85,23 @@ async def wait_for(predicate: Callable[[], Any], timeout: float = 20.0, what: st
         await asyncio.sleep(interval)
 
 
+
+def event_messages(cluster: Any, namespace: str, reason: str) -> list[str]:
+    """Messages of the Events with ``reason``, oldest first."""
+    return [e["message"] for e in sorted(cluster.emu.objects_of("events", namespace),
+                                         key=lambda e: int(e["metadata"]["resourceVersion"]))
+            if e.get("reason") == reason]
+
+
+async def posted(cluster: Any, namespace: str, reason: str, count: int = 1, timeout: float = 20.0) -> list[str]:
+    """Wait for ``count`` Events with ``reason``; their messages, oldest first.
+
+    kopf posts Events from a background task, after the handler's status patch: a test that saw
+    the status change cannot expect the Event in the same instant.
+    """
+    return await wait_for(lambda: (found := event_messages(cluster, namespace, reason)) and len(found) >= count
+                          and found, timeout=timeout, what=f"{count} {reason} Event(s)")
+
 # --------------------------------------------------------------------------- fake coordinator
 
 class FakeCoordinator:

@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from .helpers import NS, ROOT, load_yaml, wait_for
+from .helpers import NS, ROOT, load_yaml, posted, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -105,9 +105,7 @@ async def test_lifecycle_with_a_real_coordinator(cluster, tiny_model: str, tmp_p
         await expect("Suspended", "Suspended", "SUSPENDED")
         await cluster.patch_mi(NS, "tiny", {"spec": {"lifecycle": "Running"}})
         await expect("Running", "Ready", "RUNNING")
-        events = [e["message"] for e in sorted(cluster.emu.objects_of("events", NS),
-                                               key=lambda e: int(e["metadata"]["resourceVersion"]))
-                  if e.get("reason") == "Lifecycle"]
+        events = await posted(cluster, NS, "Lifecycle", count=4)
         assert [m.split(" ")[0] for m in events] == ["PAUSE", "SUSPEND", "RESUME", "UNPAUSE"]
 
         # the operator restarts while the desired state changes: it converges when it is back
@@ -207,8 +205,8 @@ async def test_model_path_change_refits_a_real_fleet_in_place(cluster, tiny_mode
                             timeout=120, what="the pods roll onto the refused path")
         assert st["model"]["epoch"] == 0
         assert wide in template_args()["tiny-engine-0"]
-        refused = [e["message"] for e in cluster.emu.objects_of("events", NS) if e.get("reason") == "RefitFailed"]
-        assert refused and "hidden_size is 96 but the serving model has 64" in refused[-1]
+        refused = await posted(cluster, NS, "RefitFailed")
+        assert "hidden_size is 96 but the serving model has 64" in refused[-1]
         fleet = await coordinator_state(address, token)  # the old pods serve the old weights until replaced
         assert fleet["state"] == "RUNNING" and fleet["epoch"] == 1
     finally:

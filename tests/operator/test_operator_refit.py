@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from .helpers import ROOT, fake_coordinator_for, load_yaml, wait_for
+from .helpers import ROOT, fake_coordinator_for, load_yaml, posted, wait_for
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -48,12 +48,6 @@ def args_of(cluster, name: str) -> list[str]:
     return cluster.emu.find("statefulsets", NS, name)["spec"]["template"]["spec"]["containers"][0]["args"]
 
 
-def events(cluster, reason: str) -> list[str]:
-    return [e["message"] for e in sorted(cluster.emu.objects_of("events", NS),
-                                         key=lambda e: int(e["metadata"]["resourceVersion"]))
-            if e.get("reason") == reason]
-
-
 async def test_new_weights_refit_in_place_and_incompatible_ones_roll(cluster):
     fake = await start(cluster)
     assert cluster.status(NS, "demo")["model"] == {"path": OLD, "epoch": 0, "templatePath": OLD}
@@ -67,7 +61,8 @@ async def test_new_weights_refit_in_place_and_incompatible_ones_roll(cluster):
     assert st["model"]["path"] == NEW and st["model"]["templatePath"] == OLD and st["model"]["refittedAt"]
     assert templates(cluster) == before  # no pod rolled
     assert OLD in args_of(cluster, "demo-engine-0")
-    assert len(events(cluster, "Refitted")) == 1 and "epoch 1" in events(cluster, "Refitted")[0]
+    refitted = await posted(cluster, NS, "Refitted")
+    assert len(refitted) == 1 and "epoch 1" in refitted[0]
     await wait_for(lambda: cluster.status(NS, "demo").get("phase") == "Ready", what="Ready after the refit")
 
     # a new revision of the same path refits again; on a paused fleet without pausing or unpausing
@@ -97,7 +92,7 @@ async def test_new_weights_refit_in_place_and_incompatible_ones_roll(cluster):
                    what="both groups rolled")
     deploy = cluster.emu.find("deployments", NS, "demo-coordinator")
     assert WIDE in deploy["spec"]["template"]["spec"]["containers"][0]["args"]
-    assert "hidden_size is 96" in events(cluster, "RefitFailed")[-1]
+    assert "hidden_size is 96" in (await posted(cluster, NS, "RefitFailed"))[-1]
     await wait_for(lambda: cluster.status(NS, "demo").get("phase") == "Ready", what="Ready after the roll")
 
 
