@@ -110,13 +110,17 @@ class DynamicInferenceEngine:
         dtype = default_dtype(config, model_config)
         if config.tensor_parallel_size == 1:
             return cls(load_model(model_dir, dtype, config.device), tokenizer, config)
-        from .tensor_parallel import TensorParallelRunner, start_rank_zero  # noqa: PLC0415
+        from .tensor_parallel import TensorParallelRunner, abandon_group, start_rank_zero  # noqa: PLC0415
 
         tp, device, workers = start_rank_zero(str(model_dir), config)
-        model = load_model(model_dir, dtype, device, tp)
-        graphs = decode_graphs_for(model, config, max_sequence_length_for(model_config, config), device)
-        runner = TensorParallelRunner(model, config.block_size_tokens, device, tp, workers, graphs)
-        return cls(model, tokenizer, config, runner)
+        try:
+            model = load_model(model_dir, dtype, device, tp)
+            graphs = decode_graphs_for(model, config, max_sequence_length_for(model_config, config), device)
+            runner = TensorParallelRunner(model, config.block_size_tokens, device, tp, workers, graphs)
+            return cls(model, tokenizer, config, runner)
+        except BaseException:
+            abandon_group(workers)
+            raise
 
     def shutdown(self) -> None:
         """Stop the other tensor-parallel ranks, if any; the engine is unusable afterwards."""

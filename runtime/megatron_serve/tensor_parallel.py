@@ -74,8 +74,22 @@ def placement_for(world_size: int) -> Placement:
 def rank_device(local_index: int, config: InferenceConfig) -> torch.device:
     device = torch.device(config.device)
     if device.type == "cuda":
-        return torch.device("cuda", local_index % max(torch.cuda.device_count(), 1))
+        return torch.device("cuda", local_index)
     return device
+
+
+def check_local_devices(placement: Placement, device_type: str) -> None:
+    """One GPU per local rank, refused before any rank starts.
+
+    NCCL rejects two ranks on one GPU only at the first collective ("Duplicate GPU detected"),
+    after every rank loaded its weights; seen on a one-GPU H100 with ``tensor_parallel_size=2``.
+    """
+    visible = torch.cuda.device_count()
+    if device_type == "cuda" and placement.local_count > visible:
+        raise ValueError(
+            f"tensor_parallel_size {placement.world_size} puts {placement.local_count} ranks on this machine, but "
+            f"{visible} CUDA device(s) are visible: each rank needs a GPU of its own (lower --tensor-parallel, "
+            f"make more GPUs visible, or serve on --device cpu)")
 
 
 def join_group(placement: Placement, rank: int, device: torch.device) -> TensorParallel:
@@ -162,6 +176,19 @@ class TensorParallelRunner(ModelRunner):
                 worker.join(timeout=30)
 
 
+def abandon_group(workers: list[multiprocessing.Process]) -> None:
+    """Rank 0 failed after the group formed: leave it and stop this machine's other ranks.
+
+    Without this a failed start left the process's default group behind, and every later engine
+    in the process failed with "trying to initialize the default process group twice".
+    """
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    for worker in workers:
+        worker.terminate()
+        worker.join(timeout=30)
+
+
 def spawn_local_workers(model_dir: str, config: InferenceConfig, placement: Placement) -> list[multiprocessing.Process]:
     """Start this machine's ranks other than rank 0 as child processes."""
     context = multiprocessing.get_context("spawn")
@@ -236,6 +263,7 @@ def _follow_refit(model, source: WeightSource) -> tuple[list[str], str | None]:
 def start_rank_zero(model_dir: str, config: InferenceConfig) -> tuple[TensorParallel, torch.device, list]:
     """Start this machine's other ranks and join the group as rank 0 (when this machine holds it)."""
     placement = placement_for(config.tensor_parallel_size)
+    check_local_devices(placement, torch.device(config.device).type)
     workers = spawn_local_workers(model_dir, config, placement)
     if not placement.hosts_rank_zero:
         # This machine holds only followers: serve them until they exit; rank 0 lives in another pod.

@@ -1,19 +1,26 @@
-"""Tensor parallelism on CPU with gloo: outputs equal TP=1, and each rank loads only its slice."""
+"""Tensor parallelism with gloo on CPU (NCCL where each rank has a GPU): outputs equal TP=1, each rank loads its slice."""
 
 from __future__ import annotations
 
 import json
+import multiprocessing
+import shutil
 import subprocess
 import sys
 import textwrap
 
 import pytest
+import torch
+import torch.distributed as dist
 
 from megatron_serve import InferenceConfig, MegatronLLM, SamplingParams
 from megatron_serve.tiny_model import make_tiny_model
 
+from ..devices import tensor_parallel_device
+
 PROMPTS = ["Hello", "The quick brown fox jumps over the lazy dog.", "1 2 3 4", "def add(a, b): return a + b"]
 GREEDY = SamplingParams(temperature=0.0, num_tokens_to_generate=16, ignore_eos=True, return_log_probs=True)
+DEVICE = tensor_parallel_device(4)  # TP=1, 2 and 4 on one device type, so that their outputs compare
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +44,7 @@ def moe_model(tmp_path_factory) -> str:
 
 
 def generate(model_dir: str, tp: int, routing: bool = False):
-    llm = MegatronLLM(model_dir, InferenceConfig(tensor_parallel_size=tp, block_size_tokens=8))
+    llm = MegatronLLM(model_dir, InferenceConfig(tensor_parallel_size=tp, block_size_tokens=8, device=DEVICE))
     try:
         outs = llm.generate(PROMPTS, SamplingParams(**{**GREEDY.to_dict(), "return_routing_indices": routing}))
         return ([o.generated_tokens for o in outs], [o.generated_log_probs for o in outs],
@@ -96,3 +103,25 @@ def test_each_rank_loads_about_one_nth_of_the_weights(tmp_path):
         assert measured["local_bytes"] <= full / size * 1.1
         # allocator slack aside, a rank's peak is its slice plus at most one tensor being read
         assert measured["peak"] <= full / size + largest_tensor + (1 << 20), (size, measured, full)
+
+
+def test_more_local_ranks_than_gpus_are_refused_before_any_rank_starts(gqa_model):
+    gpus = torch.cuda.device_count()
+    ranks = max(2, gpus + 1)
+    with pytest.raises(ValueError, match=f"tensor_parallel_size {ranks} puts {ranks} ranks on this machine, but "
+                                         f"{gpus} CUDA device\\(s\\) are visible"):
+        MegatronLLM(gqa_model, InferenceConfig(tensor_parallel_size=ranks, device="cuda"))
+    assert multiprocessing.active_children() == []
+
+
+@pytest.mark.slow
+def test_a_start_that_fails_after_the_group_formed_leaves_no_group_behind(gqa_model, tmp_path):
+    broken = shutil.copytree(gqa_model, tmp_path / "broken")
+    (broken / "model.safetensors").write_bytes(b"not a safetensors file")
+    with pytest.raises(Exception, match="safetensors|header"):
+        MegatronLLM(str(broken), InferenceConfig(tensor_parallel_size=2, block_size_tokens=8, device=DEVICE))
+    assert not dist.is_initialized() and multiprocessing.active_children() == []
+    # the next engine in the same process forms its own group (it failed with "initialize the default
+    # process group twice" before the failed start left its group)
+    with MegatronLLM(gqa_model, InferenceConfig(tensor_parallel_size=2, block_size_tokens=8, device=DEVICE)) as llm:
+        assert llm.generate(PROMPTS[:1], GREEDY)[0].generated_tokens

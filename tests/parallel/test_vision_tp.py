@@ -12,6 +12,7 @@ import pytest
 from megatron_serve import InferenceConfig, MegatronLLM, SamplingParams
 from megatron_serve.tiny_model import make_tiny_model
 
+from ..devices import tensor_parallel_device
 from ..images import png
 
 GREEDY = SamplingParams(temperature=0.0, num_tokens_to_generate=8, ignore_eos=True, return_log_probs=True)
@@ -26,7 +27,7 @@ def test_qwen2_vl_tp2_equals_tp1(tmp_path):
                "text only"]
     results = {}
     for tp in (1, 2):
-        llm = MegatronLLM(model_dir, InferenceConfig(tensor_parallel_size=tp, block_size_tokens=8,
+        llm = MegatronLLM(model_dir, InferenceConfig(tensor_parallel_size=tp, block_size_tokens=8, device=tensor_parallel_device(2),
                                                      max_batch_tokens=16))
         try:
             results[tp] = llm.generate(prompts, GREEDY)

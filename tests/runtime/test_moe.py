@@ -20,6 +20,7 @@ from megatron_serve import InferenceConfig, MegatronLLM, SamplingParams
 from megatron_serve.request import DynamicInferenceRequest, EventType
 from megatron_serve.tiny_model import make_tiny_model
 
+from ..devices import tensor_parallel_device
 from .conftest import PROMPTS
 
 NEW_TOKENS = 32
@@ -119,7 +120,8 @@ def test_routing_requests_compute_the_prompt_the_prefix_cache_holds(moe_case):
 @pytest.mark.slow
 def test_tp2_equals_transformers(moe_case):
     model_dir, token_lists, reference = moe_case
-    llm = MegatronLLM(model_dir, InferenceConfig(dtype="float32", block_size_tokens=8, tensor_parallel_size=2))
+    llm = MegatronLLM(model_dir, InferenceConfig(dtype="float32", block_size_tokens=8, tensor_parallel_size=2,
+                                                 device=tensor_parallel_device(2)))
     try:
         with_routing = [True] * len(token_lists)
         check_against_reference(run_together(llm, token_lists, with_routing), token_lists, reference, with_routing)

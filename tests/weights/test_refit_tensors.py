@@ -15,6 +15,8 @@ from transformers import AutoModelForCausalLM
 from megatron_serve import InferenceConfig, MegatronAsyncLLM, MegatronLLM, SamplingParams
 from megatron_serve.tiny_model import make_tiny_model
 
+from ..devices import tensor_parallel_device
+
 PROMPTS = ["Hello there", "The quick brown fox jumps over the lazy dog", "def add(a, b):", "1 2 3 4"]
 GREEDY = SamplingParams(temperature=0.0, num_tokens_to_generate=10, ignore_eos=True)
 
@@ -85,7 +87,7 @@ def test_a_subset_replaces_only_what_it_names(models):
 @pytest.mark.slow
 def test_tensor_parallel_ranks_take_their_slices_of_in_process_tensors(models):
     a, _, trainer, expected_b = models
-    with MegatronLLM(a, InferenceConfig(tensor_parallel_size=2)) as llm:
+    with MegatronLLM(a, InferenceConfig(tensor_parallel_size=2, device=tensor_parallel_device(2))) as llm:
         llm.refit(trainer.named_parameters(), epoch=2)
         assert tokens(llm) == expected_b
 

@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# One device call's worth of GPU checks, tables and logs under $OUT (default ./gpu-out).
+#
+#   bash benchmarks/gpu_session.sh tests   # the kernel, CUDA-graph, parity, MoE and VLM tests natively
+#   bash benchmarks/gpu_session.sh bench   # decode roofline (1B), fused MoE, MoE/VLM throughput, weight sync
+#
+# The device image has torch, triton and transformers; packages it lacks travel as wheels in .whl
+# (`pip download --python-version 3.12 --only-binary=:all: -d .whl ...`) and install into /tmp/site. Each step has its own time limit, so one
+# that hangs still leaves the others' tables.
+set -uo pipefail
+OUT=${OUT:-gpu-out}
+mkdir -p "$OUT"
+if compgen -G ".whl/*.whl" >/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+  export PYTHONPATH=/tmp/site
+fi
+export PYTHONPATH="runtime:kernels:operator:.${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+
+step() {  # step NAME SECONDS COMMAND...: run with a limit, keep the log, report the exit code
+  local name=$1 limit=$2
+  shift 2
+  echo "=== $name: $*"
+  local start=$SECONDS
+  timeout "$limit" "$@" 2>&1 | tee "$OUT/$name.log"
+  echo "=== $name: exit ${PIPESTATUS[0]} after $((SECONDS - start)) s"
+}
+
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/device.txt"
+python3 -c "import sys, torch, triton, transformers; print('python', sys.version.split()[0], 'torch', torch.__version__,
+'cuda', torch.version.cuda, 'triton', triton.__version__, 'transformers', transformers.__version__)" | tee -a "$OUT/device.txt"
+
+case ${1:-tests} in
+  tests)
+    step pytest 540 python3 -m pytest -q -p no:cacheprovider --timeout 180 -rfE --durations 10 \
+      tests/kernels tests/runtime/test_cuda_graphs.py tests/runtime/test_hf_parity.py tests/runtime/test_moe.py \
+      tests/runtime/test_vision_parity.py tests/runtime/test_expert_routing.py tests/runtime/test_engine.py \
+      tests/runtime/test_sampler.py tests/runtime/test_refit.py tests/parallel/test_tensor_parallel.py tests/runtime/test_structured_output.py
+    ;;
+  bench)
+    step decode_roofline 260 python3 benchmarks/decode_roofline.py --models 1b --batches 1,8,64,256
+    step fused_moe 60 python3 benchmarks/fused_moe.py
+    step moe_throughput 90 python3 benchmarks/offline_throughput.py --arch qwen3_moe --requests 128
+    step vlm 90 python3 benchmarks/vlm.py --requests 64
+    step weight_sync 80 python3 benchmarks/weight_sync.py --bucket-mib 64 --rounds 2
+    ;;
+  *) echo "usage: $0 tests|bench" >&2; exit 2 ;;
+esac
