@@ -39,9 +39,10 @@ case ${1:-tests} in
   bench)
     step decode_roofline 260 python3 benchmarks/decode_roofline.py --models 1b --batches 1,8,64,256
     step fused_moe 60 python3 benchmarks/fused_moe.py
-    step moe_throughput 90 python3 benchmarks/offline_throughput.py --arch qwen3_moe --requests 128
+    step moe_throughput 150 python3 benchmarks/offline_throughput.py --arch qwen3_moe
+    step vlm_qwen2_vl 100 python3 benchmarks/vlm.py --arch qwen2_vl --requests 64
     step vlm 90 python3 benchmarks/vlm.py --requests 64
-    step weight_sync 80 python3 benchmarks/weight_sync.py --bucket-mib 64 --rounds 2
+    step weight_sync 200 python3 benchmarks/weight_sync.py --bucket-mib 64 --rounds 2
     ;;
   *) echo "usage: $0 tests|bench" >&2; exit 2 ;;
 esac
