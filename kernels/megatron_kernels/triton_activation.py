@@ -9,7 +9,7 @@ import triton.language as tl
 from ._triton_utils import interpreted, last_dim_contiguous, next_pow2, num_warps_for, tile_budget
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_rows"])
 def _silu_and_mul_kernel(
     x_ptr, out_ptr, n_rows, n_cols, stride_x, stride_o,
     BLOCK_M: tl.constexpr,

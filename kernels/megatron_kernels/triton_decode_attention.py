@@ -20,7 +20,7 @@ _MIN_TOKENS_PER_SPLIT = 256
 _MAX_SPLITS = 32
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_bt"])
 def _decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr,
     out_ptr, part_out_ptr, part_lse_ptr,

@@ -33,7 +33,7 @@ def store_to_cache(
     tl.store(ptrs, vals.to(cache_ptr.dtype.element_ty), mask=mask & valid[:, None, None])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_tokens"])
 def _write_kv_kernel(
     key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
     n_tokens, n_heads, head_dim,

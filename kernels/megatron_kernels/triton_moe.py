@@ -25,7 +25,7 @@ from ._triton_utils import interpreted, next_pow2
 from .triton_activation import silu_and_mul
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs"])
 def _grouped_gemm_kernel(
     a_ptr, b_ptr, c_ptr, weights_ptr, sorted_ids_ptr, block_experts_ptr,
     num_pairs, N, K,

@@ -9,7 +9,7 @@ import triton.language as tl
 from ._triton_utils import last_dim_contiguous, next_pow2, num_warps_for, rows_per_program, tl_dtype
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_rows"])
 def _rms_norm_kernel(
     x_ptr, res_ptr, w_ptr, out_ptr, sum_ptr,
     n_rows, n_cols, eps,

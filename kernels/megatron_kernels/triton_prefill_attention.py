@@ -57,7 +57,7 @@ def _attend(
     return acc, l_i, m_i
 
 
-@triton.jit(do_not_specialize=["num_seqs", "search_steps"])
+@triton.jit(do_not_specialize=["num_seqs", "search_steps", "stride_bt"])
 def _prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, query_start_loc_ptr, context_lens_ptr, out_ptr,
     qk_scale, num_seqs, search_steps,

@@ -57,7 +57,7 @@ def _rotate_heads(
             store_to_cache(cache_ptr, rest, slots, heads, r, rmask, stride_cb, stride_co, stride_ch, BLOCK_SIZE)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_tokens"])
 def _rotary_kernel(
     q_ptr, k_ptr, v_ptr, pos_ptr, cos_ptr, sin_ptr, q_out_ptr, k_out_ptr,
     k_cache_ptr, v_cache_ptr, slot_ptr,
