@@ -6,15 +6,32 @@ Finish reasons, usage, and the bookkeeping of a streamed choice are the same for
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from ..detokenizer import TokenTexts
 from ..outputs import StreamPartial
 from ..request import DynamicInferenceRequest
 from ..tokenizer import Tokenizer
+from .context import ServerContext
 from .models import PromptLogprob, PromptLogprobs, PromptTokensDetails, Usage
 from .translate import EngineJob
+
+Answer = TypeVar("Answer")
+
+
+async def whole_answer(ctx: ServerContext, jobs: list[EngineJob],
+                       build: Callable[[list[DynamicInferenceRequest]], Answer], decodes_every_token: bool) -> Answer:
+    """Submit ``jobs``, wait for all of them, and ``build`` the answer from the finished requests.
+
+    An answer with log probs decodes every token, which would hold the event loop (and every other
+    request's stream) for as long: it is built on the worker threads instead.
+    """
+    results = await ctx.submit(jobs).results()
+    if decodes_every_token:
+        return await ctx.workers.run(build, results)
+    return build(results)
 
 
 def finish_reason(result: DynamicInferenceRequest) -> str | None:

@@ -11,7 +11,7 @@ from fastapi.responses import StreamingResponse
 from ..detokenizer import token_texts
 from ..outputs import StreamPartial
 from ..request import DynamicInferenceRequest
-from .answers import Delta, StreamedChoices, finish_reason, make_usage, prompt_logprobs
+from .answers import Delta, StreamedChoices, finish_reason, make_usage, prompt_logprobs, whole_answer
 from .context import ServerContext
 from .errors import unsupported
 from .models import (
@@ -133,10 +133,8 @@ class ChatHandler:
         return ChatResponseMessage(content=content if content.strip() or not calls else None, tool_calls=calls or None)
 
     async def complete(self) -> ChatCompletionResponse:
-        results = await self.ctx.submit(self.jobs).results()
-        if self.want_logprobs or self.req.prompt_logprobs is not None:  # decodes every token: off the event loop
-            return await self.ctx.workers.run(self._response, results)
-        return self._response(results)
+        return await whole_answer(self.ctx, self.jobs, self._response,
+                                  self.want_logprobs or self.req.prompt_logprobs is not None)
 
     def _response(self, results: list[DynamicInferenceRequest]) -> ChatCompletionResponse:
         choices = []
