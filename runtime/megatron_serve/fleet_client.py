@@ -91,10 +91,16 @@ class FleetClient(InferenceClient):
 
     async def refit_tensors(self, named_tensors: Iterable[tuple[str, "torch.Tensor"]],
                             epoch: int | None = None) -> dict[str, Any]:
-        """REFIT with tensors from this process, sent over a collective (gloo here; see ``WeightSender``)."""
+        """REFIT with tensors from this process, sent over a collective (see ``WeightSender``).
+
+        To a fleet this client started, over gloo: its engines share this machine's GPUs with this
+        process, and NCCL refuses two ranks on one GPU ("Duplicate GPU detected", seen on a one-GPU
+        H100). To a remote fleet, ``WeightSender``'s default (NCCL where this process has a GPU).
+        """
         from .weights import WeightSender  # noqa: PLC0415 - torch only when tensors are sent
 
-        return await WeightSender(self).send(named_tensors, epoch=epoch)
+        backend = "gloo" if self.fleet is not None else None
+        return await WeightSender(self, backend=backend).send(named_tensors, epoch=epoch)
 
     async def shutdown(self) -> None:
         """DESIGN's ``shutdown()``: what :meth:`aclose` does."""

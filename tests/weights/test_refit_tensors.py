@@ -14,6 +14,7 @@ from transformers import AutoModelForCausalLM
 
 from megatron_serve import InferenceConfig, MegatronAsyncLLM, MegatronLLM, SamplingParams
 from megatron_serve.tiny_model import make_tiny_model
+from megatron_serve.weights import sender as weight_sender
 
 from ..devices import tensor_parallel_device
 
@@ -78,7 +79,8 @@ def test_a_subset_replaces_only_what_it_names(models):
         llm.refit([("model.layers.0.self_attn.k_proj.weight", params["model.layers.0.self_attn.k_proj.weight"])])
         q_rows, k_rows = 64, params["model.layers.0.self_attn.k_proj.weight"].shape[0]
         assert torch.equal(attention[:q_rows], old[:q_rows])  # q untouched
-        assert torch.equal(attention[q_rows:q_rows + k_rows], params["model.layers.0.self_attn.k_proj.weight"])
+        assert torch.equal(attention[q_rows:q_rows + k_rows],
+                           params["model.layers.0.self_attn.k_proj.weight"].to(attention.device))
         assert torch.equal(attention[q_rows + k_rows:], old[q_rows + k_rows:])  # v untouched
         assert torch.equal(model.model.layers[1].mlp.down_proj.weight, down)
         assert llm.engine.epoch == 1
@@ -94,12 +96,15 @@ def test_tensor_parallel_ranks_take_their_slices_of_in_process_tensors(models):
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-async def test_coordinator_mode_sends_in_process_tensors_over_a_collective(models):
+async def test_coordinator_mode_sends_in_process_tensors_over_a_collective(models, monkeypatch):
     a, _, trainer, expected_b = models
+    # as on a GPU machine: a remote fleet would get NCCL, but this one's engine shares the machine's GPUs
+    monkeypatch.setattr(weight_sender, "default_backend", lambda: "nccl")
     async with MegatronAsyncLLM(a, InferenceConfig(num_kv_blocks=64), use_coordinator=True) as llm:
         await llm.pause()
         ack = await llm.refit(trainer.named_parameters(), epoch=5)
         assert ack["detail"]["epoch"] == 5 and ack["detail"]["sender"]["world_size"] == 2
+        assert ack["detail"]["sender"]["backend"] == "gloo"  # the engine shares this machine's GPUs
         await llm.unpause()
         results = await llm.generate(PROMPTS, GREEDY)
         assert [r.generated_tokens for r in results] == expected_b and all(r.policy_epochs[0] == 5 for r in results)
