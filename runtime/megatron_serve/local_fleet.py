@@ -23,6 +23,31 @@ from .fleet_argv import TOKEN_ENV, inference_config_to_argv
 logger = logging.getLogger("megatron_serve.local_fleet")
 
 
+def visible_gpus() -> list[str]:
+    """This machine's GPUs as ``CUDA_VISIBLE_DEVICES`` names them (all of them when it is unset)."""
+    listed = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if listed is not None:
+        return [name.strip() for name in listed.split(",") if name.strip()]
+    import torch  # noqa: PLC0415 - only for a fleet on GPUs
+
+    return [str(index) for index in range(torch.cuda.device_count())]
+
+
+def gpu_slices(visible: list[str], num_engines: int, ranks: int) -> list[str]:
+    """Each engine group's ``CUDA_VISIBLE_DEVICES``: ``ranks`` GPUs of its own, in order.
+
+    Without it every engine process took GPU 0 (and its tensor-parallel ranks GPUs 0..ranks-1), so
+    ``run --engines 2`` served two engines from one GPU while the others idled.
+    """
+    needed = num_engines * ranks
+    if needed > len(visible):
+        raise ValueError(
+            f"{num_engines} engine(s) of {ranks} GPU(s) each need {needed} GPUs, but {len(visible)} "
+            f"{'is' if len(visible) == 1 else 'are'} visible ({','.join(visible) or 'none'}): lower --engines or "
+            f"--tensor-parallel, or serve on --device cpu")
+    return [",".join(visible[index * ranks:(index + 1) * ranks]) for index in range(num_engines)]
+
+
 def _tail(path: Path, lines: int = 15) -> str:
     try:
         text = path.read_text(errors="replace").strip().splitlines()
@@ -51,9 +76,9 @@ class LocalFleet:
         engine_args: list[str] | None = None,
         tokenizer_dir: str | os.PathLike | None = None,
     ) -> None:
-        """``engine_args``: more flags for every engine (e.g. ``--tensor-parallel 2``), after the
-        ``inference_config`` ones; ``tokenizer_dir``: tokenizer files for the coordinator and every
-        engine (default: the model's)."""
+        """``engine_args``: more flags for every engine, after the ``inference_config`` ones (which
+        carry tensor parallelism too); ``tokenizer_dir``: tokenizer files for the coordinator and
+        every engine (default: the model's). On GPUs each engine group gets GPUs of its own."""
         if num_engines < 1:
             raise ValueError(f"num_engines must be >= 1, got {num_engines}")
         self.model_dir = str(model_dir)
@@ -66,7 +91,11 @@ class LocalFleet:
         self.heartbeat_timeout = heartbeat_timeout
         self.drain_timeout = drain_timeout
         self.python = python
-        self.engine_args = [*inference_config_to_argv(inference_config), *(engine_args or [])]
+        ranks = inference_config.tensor_parallel_size if inference_config is not None else 1
+        tensor_parallel = ["--tensor-parallel", str(ranks)] if ranks > 1 else []
+        self.engine_args = [*inference_config_to_argv(inference_config), *tensor_parallel, *(engine_args or [])]
+        device = inference_config.device if inference_config is not None else InferenceConfig().device
+        self.gpus = gpu_slices(visible_gpus(), num_engines, ranks) if str(device).startswith("cuda") else None
         self.tokenizer_args = ["--tokenizer", str(tokenizer_dir)] if tokenizer_dir is not None else []
         self._own_log_dir = log_dir is None
         self.log_dir = Path(log_dir or tempfile.mkdtemp(prefix="megatron-fleet-"))
@@ -82,11 +111,14 @@ class LocalFleet:
             env[TOKEN_ENV] = self.token  # not on the command line, where `ps` would show it
         return env
 
-    def _spawn(self, args: list[str], log_name: str) -> subprocess.Popen:
+    def _spawn(self, args: list[str], log_name: str, gpus: str | None = None) -> subprocess.Popen:
+        env = self._env()
+        if gpus is not None:
+            env["CUDA_VISIBLE_DEVICES"] = gpus
         log = open(self.log_dir / log_name, "ab")
         try:
             return subprocess.Popen([self.python, "-m", "megatron_serve.cli", *args], stdin=subprocess.DEVNULL,
-                                    stdout=log, stderr=subprocess.STDOUT, env=self._env(), start_new_session=True)
+                                    stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         finally:
             log.close()
 
@@ -124,7 +156,9 @@ class LocalFleet:
                 *(self.engine_args if extra is None else extra)]
         if group is not None:
             args += ["--group", str(group)]
-        proc = self._spawn(args, f"engine-{len(self.engines)}.log")
+        slot = len(self.engines) if group is None else group  # a replacement engine takes its group's GPUs
+        gpus = self.gpus[slot % len(self.gpus)] if self.gpus else None
+        proc = self._spawn(args, f"engine-{len(self.engines)}.log", gpus)
         self.engines.append(proc)
         return proc
 

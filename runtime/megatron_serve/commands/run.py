@@ -204,10 +204,9 @@ class _Stack:
         from ..local_fleet import LocalFleet  # noqa: PLC0415
 
         args = self.args
-        tp_args = ["--tensor-parallel", str(args.tensor_parallel)] if args.tensor_parallel > 1 else []
         self.fleet = LocalFleet(args.model, args.engines, self.config, host="127.0.0.1", port=self.coordinator_port,
                                 token=self.token, routing=args.routing, drain_timeout=args.drain_timeout,
-                                log_dir=args.log_dir, engine_args=tp_args, tokenizer_dir=args.tokenizer)
+                                log_dir=args.log_dir, tokenizer_dir=args.tokenizer)
         started = time.monotonic()
         address = await asyncio.to_thread(self.fleet.start, 60.0)
         progress(2, f"coordinator listening on {address}{self.port_note} (logs in {self.fleet.log_dir})")
