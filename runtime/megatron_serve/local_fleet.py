@@ -73,12 +73,11 @@ class LocalFleet:
         drain_timeout: float = 30.0,
         log_dir: str | os.PathLike | None = None,
         python: str = sys.executable,
-        engine_args: list[str] | None = None,
         tokenizer_dir: str | os.PathLike | None = None,
     ) -> None:
-        """``engine_args``: more flags for every engine, after the ``inference_config`` ones (which
-        carry tensor parallelism too); ``tokenizer_dir``: tokenizer files for the coordinator and
-        every engine (default: the model's). On GPUs each engine group gets GPUs of its own."""
+        """``inference_config``: the engines' settings, tensor parallelism included; ``tokenizer_dir``:
+        tokenizer files for the coordinator and every engine (default: the model's). On GPUs each
+        engine group gets GPUs of its own."""
         if num_engines < 1:
             raise ValueError(f"num_engines must be >= 1, got {num_engines}")
         self.model_dir = str(model_dir)
@@ -93,7 +92,7 @@ class LocalFleet:
         self.python = python
         ranks = inference_config.tensor_parallel_size if inference_config is not None else 1
         tensor_parallel = ["--tensor-parallel", str(ranks)] if ranks > 1 else []
-        self.engine_args = [*inference_config_to_argv(inference_config), *tensor_parallel, *(engine_args or [])]
+        self.engine_args = [*inference_config_to_argv(inference_config), *tensor_parallel]
         device = inference_config.device if inference_config is not None else InferenceConfig().device
         self.gpus = gpu_slices(visible_gpus(), num_engines, ranks) if str(device).startswith("cuda") else None
         self.tokenizer_args = ["--tokenizer", str(tokenizer_dir)] if tokenizer_dir is not None else []
