@@ -74,6 +74,11 @@ class _Pending:
 #: included. The rest of a batch is read without a future per message: 1.4 us instead of 22.6 us.
 _BATCH = 32
 
+#: How long a RESULT's acknowledgement waits for another message to ride with. Sent alone, it cost the
+#: coordinator a third receive per request at one request in flight (SUBMIT, the engine's step, the
+#: ack); the coordinator keeps a result until it is acknowledged, so waiting a little loses nothing.
+ACK_DELAY_S = 0.05
+
 
 class InferenceClient:
     """Asyncio client of a coordinator at ``address`` (``tcp://host:port``).
@@ -113,8 +118,9 @@ class InferenceClient:
         self._auto_ids = f"{uuid.uuid4().hex[:12]}-"
         self._request_numbers = itertools.count()
         self._outbox: list[bytes] = []  # messages of this turn of the event loop, in order
-        self._acks: list[Any] = []  # RESULTs of this turn, acknowledged together
+        self._acks: list[Any] = []  # RESULTs not yet acknowledged: they ride with the next message
         self._flush_scheduled = False
+        self._ack_timer: asyncio.TimerHandle | None = None  # sends them alone when nothing else goes
         self._connection = Connection({"role": self.role.value, "token": token, "client_id": self.client_id,
                                        "acks": True}, heartbeat_interval=heartbeat_interval,
                                       coordinator_timeout=coordinator_timeout)
@@ -254,6 +260,9 @@ class InferenceClient:
         self._flush_scheduled = False
         if self._acks:
             acks, self._acks = self._acks, []
+            if self._ack_timer is not None:
+                self._ack_timer.cancel()
+                self._ack_timer = None
             self._outbox.append(encode(Header.RESULT_ACK, {"client_request_ids": acks}))
         frames, self._outbox = self._outbox, []
         ack = self._connection.ack
@@ -261,6 +270,12 @@ class InferenceClient:
             frames = pack_batches(frames)
         for frame in frames:
             self._send_frame(frame)
+
+    def _flush_acks(self) -> None:
+        """The acknowledgements no other message carried within :data:`ACK_DELAY_S`."""
+        self._ack_timer = None
+        if self._acks and not self._closed:
+            self._flush()
 
     def _send_frame(self, frame: bytes) -> bool:
         if self._sock is None:
@@ -328,7 +343,8 @@ class InferenceClient:
         elif header is Header.RESULT:
             crid = body.client_request_id
             self._acks.append(crid)
-            self._schedule_flush()
+            if self._ack_timer is None:
+                self._ack_timer = self._loop.call_later(ACK_DELAY_S, self._flush_acks)
             pending = self._pending.pop(str(crid), None)
             if pending is None:
                 return  # a duplicate after a reconnect: already delivered

@@ -14,7 +14,7 @@ instead of crashing. Unknown *extra* fields are ignored so that newer peers can 
 from __future__ import annotations
 
 import enum
-from typing import TYPE_CHECKING, Any, Iterator, Mapping, NamedTuple
+from typing import TYPE_CHECKING, Any, Iterator, Mapping, NamedTuple, Union
 
 import msgspec
 
@@ -165,6 +165,22 @@ def _decoder(body_type: type) -> msgspec.msgpack.Decoder:
     return decoder
 
 
+_FAST: dict[int, tuple[msgspec.msgpack.Decoder, dict[type, Header]]] = {}
+
+
+def _fast_decoder(table: Mapping[Header, type]) -> tuple[msgspec.msgpack.Decoder, dict[type, Header]]:
+    """One decoder for a whole well-formed frame of ``table``: each ``[header, body]`` is a struct tagged
+    by its header, so msgspec checks the list, the header and the body in one C call (three decodes
+    and an enum lookup in Python before: 3.5 us of the coordinator's 30 us per request)."""
+    fast = _FAST.get(id(table))
+    if fast is None:
+        frames = {msgspec.defstruct(f"{header.name.title()}Frame", [("body", body_type)], array_like=True,
+                                    tag=int(header), forbid_unknown_fields=True): header
+                  for header, body_type in table.items()}
+        fast = _FAST[id(table)] = (msgspec.msgpack.Decoder(Union[tuple(frames)]), frames)  # type: ignore[arg-type]
+    return fast
+
+
 def decode(frame: bytes | msgspec.Raw, table: Mapping[Header, type], max_bytes: int = MAX_MESSAGE_BYTES) -> Message:
     """Parse and validate one frame against ``table`` (the bodies accepted in this direction,
     :data:`megatron_serve.messages.TO_COORDINATOR` or ``FROM_COORDINATOR``).
@@ -176,6 +192,17 @@ def decode(frame: bytes | msgspec.Raw, table: Mapping[Header, type], max_bytes: 
         raise ProtocolError(f"oversize frame: {size} bytes > limit {max_bytes}")
     if size == 0:
         raise ProtocolError("empty frame")
+    decoder, headers = _fast_decoder(table)
+    try:
+        whole = decoder.decode(frame)
+        return Message(headers[type(whole)], whole.body)
+    except (msgspec.DecodeError, RecursionError):
+        pass  # not well-formed: the checks below say exactly what is wrong ([header] and nil bodies pass)
+    return _decode_checked(frame, table)
+
+
+def _decode_checked(frame: bytes | msgspec.Raw, table: Mapping[Header, type]) -> Message:
+    """:func:`decode` one step at a time, for a frame the one-call decoder refused: the reason names the part."""
     try:
         parts = _FRAME.decode(frame)
     except msgspec.ValidationError as exc:

@@ -135,3 +135,36 @@ def test_resubmission_that_already_reached_its_length_finishes_at_once(fleet_fac
         assert answer.body.request["status"] == "COMPLETED"
     finally:
         sock.close()
+
+
+RICH = [
+    (TO_COORDINATOR, Header.SUBMIT, {"client_request_id": 3, "prompt": "hi", "sampling_params": {"top_k": 2},
+                                     "generated_tokens": [4], "images": [{"data": b"\x89PNG", "length": 4}]}),
+    (TO_COORDINATOR, Header.ENGINE_STEP, {"engine_id": "e", "outputs": [{"request_id": "c/r", "new_tokens": [1],
+                                                                           "finished": True, "request": {"a": 1}}]}),
+    (TO_COORDINATOR, Header.HELLO, {"role": "engine", "engine_group": 1, "capacity": 8, "info": {"x": [1]},
+                                    "protocol": 3}),
+    (TO_COORDINATOR, Header.RESULT_ACK, {"client_request_ids": ["a", 2]}),
+    (FROM_COORDINATOR, Header.RESULT, {"client_request_id": "r", "request": {"status": "COMPLETED"}}),
+    (FROM_COORDINATOR, Header.TOKENS, {"client_request_id": "r", "new_tokens": [1, 2], "top_logprobs": [[[1, -0.5]]]}),
+    (FROM_COORDINATOR, Header.HELLO_ACK, {"coordinator_id": "c", "state": "PAUSED", "protocol": 3}),
+]
+
+
+@pytest.mark.parametrize("table", [TO_COORDINATOR, FROM_COORDINATOR], ids=["to", "from"])
+def test_the_one_call_decoder_reads_every_body_as_the_checked_one_does(table):
+    """decode() reads a well-formed frame in one msgspec call and falls back to the step-by-step
+    checks only to explain a bad one: both must give the same message for every header."""
+    from megatron_serve.protocol import _decode_checked
+    rich = [(header, body) for t, header, body in RICH if t is table]
+    empty = []
+    for header in table:
+        try:
+            _decode_checked(encode(header, {}), table)
+        except ProtocolError:
+            continue  # a body with required fields: {} is a bad frame, explained by the checked path
+        empty.append((header, {}))
+    assert empty  # HEARTBEAT at least
+    for header, body in rich + empty:
+        frame = encode(header, body)
+        assert decode(frame, table) == _decode_checked(frame, table), header

@@ -41,3 +41,22 @@ def test_inference_config_validation():
     with pytest.raises(ValueError, match="max_batch_tokens"):
         InferenceConfig(max_batch_tokens=0)
     assert InferenceConfig(dtype="bfloat16").to_dict()["dtype"] == "bfloat16"
+
+
+def test_shared_params_read_each_distinct_set_once_and_never_keep_bad_bytes():
+    import msgspec
+
+    from megatron_serve.sampling_params import SharedParams
+
+    shared = SharedParams(size=2)
+    greedy = msgspec.msgpack.encode({"temperature": 0.0, "num_tokens_to_generate": 4})
+    first, wire = shared.read(greedy)
+    assert (first.temperature, first.num_tokens_to_generate, wire) == (0.0, 4, greedy)
+    assert shared.read(greedy)[0] is first  # decoded and checked once, then shared
+    assert shared.read(b"")[0] == SamplingParams()
+    bad = msgspec.msgpack.encode({"top_k": -3})
+    for _ in range(2):  # refused every time: a refusal is never remembered as parameters
+        with pytest.raises(ValueError, match="top_k"):
+            shared.read(bad)
+    shared.read(msgspec.msgpack.encode({"top_k": 5}))  # a third set: the memory (size 2) starts over
+    assert shared.read(greedy)[0] is not first and shared.read(greedy)[0] == first

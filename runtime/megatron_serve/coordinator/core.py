@@ -45,7 +45,7 @@ from ..messages import (
 )
 from ..protocol import HEADER_VERBS, ErrorCode, Header, Message, ProtocolError, Role, encode, unbatch
 from ..routing import RoutingPolicy, make_routing_policy
-from ..sampling_params import params_from_wire
+from ..sampling_params import SharedParams
 from . import dispatch, handshake, liveness, prompts
 from .droplog import DropLog
 from .effects import Effect, Probe, Send
@@ -143,6 +143,7 @@ class CoordinatorCore:
         self.engines: dict[str, EngineRecord] = {}
         self.clients: dict[str, ClientRecord] = {}
         self.requests = RequestTable()
+        self._params = SharedParams()
         self.verbs = VerbRunner(self)
         self.liveness = liveness.Liveness()
         self.registrations = 0
@@ -336,7 +337,7 @@ class CoordinatorCore:
             return
         try:
             raw = body.sampling_params
-            params, params_wire = params_from_wire(b"" if raw is msgspec.UNSET else bytes(raw))
+            params, params_wire = self._params.read(b"" if raw is msgspec.UNSET else bytes(raw))
             prompt = body.prompt
             if not prompt:
                 raise ValueError("prompt is empty")

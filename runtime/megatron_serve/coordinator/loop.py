@@ -1,6 +1,6 @@
 """The coordinator process's socket loop: the only code here that touches ZeroMQ.
 
-One ROUTER socket plus a monitor of disconnects, one thread. Each frame is decoded (a bad one is
+One ROUTER socket, one thread; a monitor of disconnects is read every tick. Each frame is decoded (a bad one is
 logged and dropped) and handed to the core, whose effects are performed after it returns. Sends are
 gathered over a burst of received frames and flushed together: a peer that speaks protocol 2 gets
 what is due to it as one ``BATCH`` frame (a result per request costs one ZeroMQ send per client and
@@ -73,6 +73,7 @@ class Coordinator:
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.SNDHWM, 100_000)
         sock.setsockopt(zmq.RCVHWM, 100_000)
+        sock.setsockopt(zmq.RCVTIMEO, int(_TICK_S * 1000))  # the loop's idle wait (see run)
         # Transport-level guard against memory exhaustion; frames between the soft limit and this
         # are dropped (and logged) by decode().
         sock.setsockopt(zmq.MAXMSGSIZE, 2 * self.max_message_bytes)
@@ -121,29 +122,33 @@ class Coordinator:
         if self._tokenizer_loader is not None and self.core.tokenizer is None and self._tokenizer_loading is None:
             self._start_tokenizer_load(self._tokenizer_loader)
         sock, core = self.sock, self.core
-        poller = zmq.Poller()
-        poller.register(sock, zmq.POLLIN)
-        poller.register(self.monitor, zmq.POLLIN)
         outbox: list[Effect] = []
         next_tick = 0.0
+        received = 0
         try:
             while not self._stop:
-                events = dict(poller.poll(int(_TICK_S * 1000)))
-                if self.monitor in events:
-                    self._drain_monitor()
-                if sock in events:
-                    for _ in range(_MAX_BURST):
-                        try:
-                            identity, frame = sock.recv_multipart(zmq.NOBLOCK, copy=False)
-                        except zmq.Again:
-                            break
-                        except ValueError:  # not two frames
-                            core.drop("a peer", "expected one frame per message")
-                            continue
-                        outbox += self._on_frame(identity, frame)
+                # Idle, the first receive blocks (up to a tick: RCVTIMEO); busy, frames that arrived while
+                # the last ones were handled are read at once. A blocking receive on the one socket, instead
+                # of a poll over it and the monitor, cut the coordinator's CPU per request at one in flight
+                # from 432 to 340 us (benchmarks/coordinator_peer.py, medians of 3 interleaved runs).
+                flags = zmq.NOBLOCK if received else 0
+                received = 0
+                while received < _MAX_BURST:
+                    try:
+                        identity, frame = sock.recv_multipart(flags, copy=False)
+                    except zmq.Again:
+                        break
+                    except ValueError:  # not two frames
+                        core.drop("a peer", "expected one frame per message")
+                        continue
+                    finally:
+                        flags = zmq.NOBLOCK
+                    received += 1
+                    outbox += self._on_frame(identity, frame)
                 now = time.monotonic()
                 if now >= next_tick:
                     next_tick = now + _TICK_S
+                    self._drain_monitor()
                     outbox += self._tick(now)
                 while outbox or self._backlog:
                     outbox = self._perform(outbox)
