@@ -9,7 +9,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import msgpack
 import numpy as np
@@ -41,6 +41,20 @@ class EventType(str, enum.Enum):
     EVICT = "EVICT"
     FINISH = "FINISH"
     FAIL = "FAIL"
+
+
+_STATUSES: dict[str, RequestStatus] = {status.value: status for status in RequestStatus}
+_FINISH_REASONS: dict[str, FinishReason] = {reason.value: reason for reason in FinishReason}
+_E = TypeVar("_E")
+
+
+def _member(members: dict[str, _E], value: Any, field: str) -> _E:
+    """A dict lookup instead of the enum's own call, which costs 0.75 us in Python (a client reads two
+    per result: from_dict went from 7.0 to 3.0 us with these and fewer needless conversions)."""
+    try:
+        return members[value]
+    except (KeyError, TypeError):
+        raise ValueError(f"{field}: {value!r} is not one of {', '.join(members)}") from None
 
 
 def top_logprobs_to_wire(top: list[dict[int, float]]) -> list[list[list]]:
@@ -167,30 +181,34 @@ class DynamicInferenceRequest:
                   ) -> "DynamicInferenceRequest":
         """``sampling_params``: the caller's own copy (a client reading the result of what it submitted),
         used instead of parsing and validating the record's again."""
+        get = data.get
+        status, finish_reason, events, images = get("status"), get("finish_reason"), get("events"), get("images")
+        top, prompt_top, routing = get("generated_top_n_logprobs"), get("prompt_top_n_logprobs"), get("routing_indices")
+        arrival_time = get("arrival_time")
         return cls(
             request_id=data["request_id"],
-            prompt=data.get("prompt"),
+            prompt=get("prompt"),
             prompt_tokens=list(data["prompt_tokens"]),
             sampling_params=sampling_params if sampling_params is not None else SamplingParams.from_dict(
-                data.get("sampling_params")),
-            generated_tokens=list(data.get("generated_tokens", [])),
-            generated_text=data.get("generated_text"),
-            generated_log_probs=list(data.get("generated_log_probs", [])),
-            generated_top_n_logprobs=top_logprobs_from_wire(data.get("generated_top_n_logprobs", [])),
-            prompt_log_probs=list(data.get("prompt_log_probs", [])),
-            prompt_top_n_logprobs=top_logprobs_from_wire(data.get("prompt_top_n_logprobs", [])),
-            policy_epochs=list(data.get("policy_epochs", [])),
-            kv_epochs=list(data.get("kv_epochs", [])),
-            cached_tokens=int(data.get("cached_tokens", 0)),
-            routing_indices=None if data.get("routing_indices") is None else routing_from_wire(data["routing_indices"]),
-            status=RequestStatus(data.get("status", RequestStatus.WAITING_IN_QUEUE.value)),
-            finish_reason=None if data.get("finish_reason") is None else FinishReason(data["finish_reason"]),
-            error=data.get("error"),
-            events=[RequestEvent.from_dict(e) for e in data.get("events", [])],
-            arrival_time=data.get("arrival_time", time.time()),
-            first_token_time=data.get("first_token_time"),
-            finish_time=data.get("finish_time"),
-            images=[PromptImage.from_wire(image, f"images[{i}]") for i, image in enumerate(data.get("images") or [])],
+                get("sampling_params")),
+            generated_tokens=list(get("generated_tokens") or ()),
+            generated_text=get("generated_text"),
+            generated_log_probs=list(get("generated_log_probs") or ()),
+            generated_top_n_logprobs=top_logprobs_from_wire(top) if top else [],
+            prompt_log_probs=list(get("prompt_log_probs") or ()),
+            prompt_top_n_logprobs=top_logprobs_from_wire(prompt_top) if prompt_top else [],
+            policy_epochs=list(get("policy_epochs") or ()),
+            kv_epochs=list(get("kv_epochs") or ()),
+            cached_tokens=int(get("cached_tokens") or 0),
+            routing_indices=None if routing is None else routing_from_wire(routing),
+            status=RequestStatus.WAITING_IN_QUEUE if status is None else _member(_STATUSES, status, "status"),
+            finish_reason=None if finish_reason is None else _member(_FINISH_REASONS, finish_reason, "finish_reason"),
+            error=get("error"),
+            events=[RequestEvent.from_dict(e) for e in events] if events else [],
+            arrival_time=time.time() if arrival_time is None else arrival_time,
+            first_token_time=get("first_token_time"),
+            finish_time=get("finish_time"),
+            images=[PromptImage.from_wire(image, f"images[{i}]") for i, image in enumerate(images)] if images else [],
         )
 
     def serialize(self) -> bytes:

@@ -146,6 +146,15 @@ def test_events_timing_and_msgpack_round_trip(tiny_llama):
     assert copy.ttft == out.ttft and copy.generated_top_n_logprobs == out.generated_top_n_logprobs
 
 
+def test_a_record_with_an_unknown_status_is_refused_naming_the_field():
+    record = {"request_id": "r", "prompt_tokens": [1], "status": "COMPLETED", "finish_reason": "length"}
+    assert DynamicInferenceRequest.from_dict(record).finish_reason.value == "length"
+    with pytest.raises(ValueError, match="status: 'DONE' is not one of WAITING_IN_QUEUE"):
+        DynamicInferenceRequest.from_dict({**record, "status": "DONE"})
+    with pytest.raises(ValueError, match="finish_reason: 7 is not one of stop"):
+        DynamicInferenceRequest.from_dict({**record, "finish_reason": 7})
+
+
 def test_prompt_shapes_and_input_order(tiny_llama):
     llm = MegatronLLM(tiny_llama)
     params = SamplingParams(temperature=0.0, num_tokens_to_generate=4, ignore_eos=True)
