@@ -215,6 +215,8 @@ class InferenceClient:
         self._closed = True
         for task in self._tasks:
             task.cancel()
+        if self._ack_timer is not None:
+            self._ack_timer.cancel()
         if self._sock is not None:
             self._flush()  # what this turn queued (an abort, acknowledgements) still goes, best effort
             self._sock.close(linger=0)
@@ -260,9 +262,6 @@ class InferenceClient:
         self._flush_scheduled = False
         if self._acks:
             acks, self._acks = self._acks, []
-            if self._ack_timer is not None:
-                self._ack_timer.cancel()
-                self._ack_timer = None
             self._outbox.append(encode(Header.RESULT_ACK, {"client_request_ids": acks}))
         frames, self._outbox = self._outbox, []
         ack = self._connection.ack
@@ -272,7 +271,9 @@ class InferenceClient:
             self._send_frame(frame)
 
     def _flush_acks(self) -> None:
-        """The acknowledgements no other message carried within :data:`ACK_DELAY_S`."""
+        """The acknowledgements no other message carried within :data:`ACK_DELAY_S`. The timer is not
+        cancelled when they ride with something else (a timer per request at one in flight): it finds
+        nothing to send, or acknowledgements younger than itself."""
         self._ack_timer = None
         if self._acks and not self._closed:
             self._flush()
