@@ -17,7 +17,8 @@ cheap as the text our fake engines attach.
 Scenarios, each ``--requests`` requests: ``burst`` (all submitted at once), ``c64`` (64 in flight,
 closed loop), ``c1`` (one at a time). Reported per coordinator and scenario: requests per second,
 latency p50/p99 (submission to result, at the client) and the coordinator process's CPU time per
-request (user + system, from /proc), then our/Megatron ratios.
+request (user + system, from /proc), then our/Megatron ratios; with ``--repeat`` also each run's
+ratios and their median (this shared machine has slow spells that move one run's pair together).
 
     python benchmarks/coordinator_peer.py                  # 5,000 requests, 4 engines, all scenarios
     python benchmarks/coordinator_peer.py --only ours --scenarios c64 --profile /tmp/prof  # py-spy the coordinator
@@ -327,6 +328,27 @@ async def run_megatron(args: argparse.Namespace) -> list[Row]:
 # ----------------------------------------------------------------------------- report
 
 
+def paired_ratios(rows: list[Row]) -> None:
+    """Each run's ours/Megatron ratios (the two sides of a run ran back to back) and their median:
+    a slow spell of this shared machine moves one run's pair together, not the whole comparison."""
+    scenarios = [s for s in SCENARIOS if any(r.scenario == s for r in rows)]
+    runs: dict[str, list[tuple[float, float, float]]] = {s: [] for s in scenarios}
+    for s in scenarios:
+        ours = [r for r in rows if r.side == "ours" and r.scenario == s]
+        theirs = [r for r in rows if r.side == "megatron" and r.scenario == s]
+        runs[s] = [(o.rps / t.rps, o.p50_ms / t.p50_ms, o.cpu_us / t.cpu_us) for o, t in zip(ours, theirs)]
+    if not any(runs.values()):
+        return
+    print()
+    print("ours / megatron within each run: the median, then each run's")
+    for s, ratios in runs.items():
+        if ratios:
+            rps = " ".join(f"{r[0]:.2f}" for r in ratios)
+            cpu = " ".join(f"{r[2]:.2f}" for r in ratios)
+            print(f"{s:<8} req/s {statistics.median(r[0] for r in ratios):.2f}x ({rps})   "
+                  f"CPU/req {statistics.median(r[2] for r in ratios):.2f}x ({cpu})")
+
+
 def report(rows: list[Row]) -> None:
     header = f"{'coordinator':<12} {'scenario':<8} {'req/s':>8} {'p50 ms':>8} {'p99 ms':>8} {'CPU us/req':>11}"
     print(header)
@@ -353,6 +375,7 @@ async def main(args: argparse.Namespace) -> None:
             rows += await run_megatron(args)
         if args.only in (None, "ours"):
             rows += await run_ours(args)
+    runs = rows
     if args.repeat > 1:  # the median of each measurement over the repeats
         merged = []
         for key in dict.fromkeys((r.side, r.scenario) for r in rows):
@@ -365,6 +388,8 @@ async def main(args: argparse.Namespace) -> None:
           f"{load_before:.1f} before, {os.getloadavg()[0]:.1f} after on {os.cpu_count()} CPUs "
           "(latency at 1 in flight depends on it)")
     report(rows)
+    if args.repeat > 1:
+        paired_ratios(runs)
 
 
 def parse_args() -> argparse.Namespace:
