@@ -1,13 +1,14 @@
 """The coordinator process's socket loop: the only code here that touches ZeroMQ.
 
-One ROUTER socket, one thread; a monitor of disconnects is read every tick. Each frame is decoded (a bad one is
-logged and dropped) and handed to the core, whose effects are performed after it returns. Sends are
-gathered over a burst of received frames and flushed together: a peer that speaks protocol 2 gets
-what is due to it as one ``BATCH`` frame (a result per request costs one ZeroMQ send per client and
-burst instead of one per request). A send to a peer that is gone (``EHOSTUNREACH``, the socket is
-``ROUTER_MANDATORY``) goes back to the core as ``on_peer_gone``; one that finds the peer's queue
-full waits here and is retried on the next pass. A tokenizer may load in a background thread: its
-result reaches the loop through a future the loop polls, so the core stays single-threaded.
+One ROUTER socket, one thread; a monitor of disconnects is read every tick. Each frame is decoded
+(a bad one is logged and dropped) and handed to the core, whose effects are performed after it
+returns. Sends are gathered over a burst of received frames and flushed together: a peer that speaks
+protocol 2 gets what is due to it as one ``BATCH`` frame (a result per request costs one ZeroMQ send
+per client and burst instead of one per request). A send to a peer that is gone (``EHOSTUNREACH``,
+the socket is ``ROUTER_MANDATORY``) goes back to the core as ``on_peer_gone``; one that finds the
+peer's queue full waits here and is retried on the next pass. A tokenizer may load in a background
+thread: its result reaches the loop through a future the loop polls, so the core stays
+single-threaded.
 """
 
 from __future__ import annotations
