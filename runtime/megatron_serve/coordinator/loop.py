@@ -125,16 +125,14 @@ class Coordinator:
         sock, core = self.sock, self.core
         outbox: list[Effect] = []
         next_tick = 0.0
-        received = 0
         try:
             while not self._stop:
-                # Idle, the first receive blocks (up to a tick: RCVTIMEO); busy, frames that arrived while
-                # the last ones were handled are read at once. A blocking receive on the one socket, instead
-                # of a poll over it and the monitor, cut the coordinator's CPU per request at one in flight
-                # from 432 to 340 us (benchmarks/coordinator_peer.py, medians of 3 interleaved runs).
-                flags = zmq.NOBLOCK if received else 0
-                received = 0
-                while received < _MAX_BURST:
+                # The first receive of a pass blocks (up to a tick: RCVTIMEO) unless a frame is waiting;
+                # the rest of the burst is read without blocking. A blocking receive on the one socket,
+                # instead of a poll over it and the monitor, cut the coordinator's CPU per request at one
+                # in flight from 432 to 340 us (benchmarks/coordinator_peer.py, medians of 3 A/B runs).
+                flags = 0
+                for _ in range(_MAX_BURST):
                     try:
                         identity, frame = sock.recv_multipart(flags, copy=False)
                     except zmq.Again:
@@ -144,7 +142,6 @@ class Coordinator:
                         continue
                     finally:
                         flags = zmq.NOBLOCK
-                    received += 1
                     outbox += self._on_frame(identity, frame)
                 now = time.monotonic()
                 if now >= next_tick:
