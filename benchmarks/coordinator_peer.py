@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import multiprocessing as mp
 import os
 import shutil
@@ -97,6 +98,11 @@ async def drive(submit: Callable[[int], Awaitable[Any]], requests: int, in_fligh
 async def measure(side: str, submit: Callable[[int], Awaitable[Any]], coordinator_pid: int,
                   args: argparse.Namespace) -> list[Row]:
     profile = start_py_spy(coordinator_pid, args.profile, args.profile_seconds)
+    # Both clients share this process, and megatron-core imports torch: a million objects that every full
+    # collection walks. Frozen, neither side's client pays for them (unfrozen, whichever side ran second
+    # had its burst at 7,000 req/s instead of 15,000, and the first burst is always the second side's).
+    gc.collect()
+    gc.freeze()
     rows = []
     await drive(submit, min(500, args.requests), 16)  # warm-up: connections, allocator, caches
     for name in args.scenarios:
