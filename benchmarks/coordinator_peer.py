@@ -142,13 +142,16 @@ def start_py_spy(pid: int, out_dir: str | None, seconds: float) -> Callable[[str
 # ----------------------------------------------------------------------------- this project's side
 
 
-def ours_coordinator(pipe: Any) -> None:
+def ours_coordinator(pipe: Any, tokenizer_dir: str | None) -> None:
+    import functools
     import logging
 
     from megatron_serve.coordinator import Coordinator, serve
+    from megatron_serve.tokenizer import Tokenizer
 
     logging.basicConfig(level=logging.WARNING)
-    coordinator = Coordinator(None, host="127.0.0.1", port=0)
+    loader = None if tokenizer_dir is None else functools.partial(Tokenizer.from_pretrained, tokenizer_dir)
+    coordinator = Coordinator(None, host="127.0.0.1", port=0, tokenizer_loader=loader)
     pipe.send(coordinator.bind())
     serve(coordinator)
 
@@ -205,7 +208,7 @@ async def run_ours(args: argparse.Namespace) -> list[Row]:
 
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
-    coordinator = ctx.Process(target=ours_coordinator, args=(child,), daemon=True)
+    coordinator = ctx.Process(target=ours_coordinator, args=(child, args.tokenizer), daemon=True)
     coordinator.start()
     address = parent.recv()
     engines = ctx.Process(target=ours_engines, args=(address, args.engines), daemon=True)
@@ -215,6 +218,8 @@ async def run_ours(args: argparse.Namespace) -> list[Row]:
         await client.start(timeout=60)
         await client.wait_for_engines(args.engines, timeout=60, poll=0.05)
         params = SamplingParams(temperature=0.0, num_tokens_to_generate=1, ignore_eos=True)
+        if args.tokenizer:  # a text prompt waits for the tokenizer: measure once it has loaded
+            await asyncio.wait_for(client.add_request("warm up", params), 120)
 
         async def submit(i: int) -> Any:
             result = await client.add_request([*PROMPT, i % 30000], params)
@@ -406,6 +411,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--scenarios", default="burst,c64,c1", type=lambda s: s.split(","))
     parser.add_argument("--repeat", type=int, default=1, help="runs of everything; the table shows medians")
     parser.add_argument("--only", choices=("ours", "megatron"), default=None)
+    parser.add_argument("--tokenizer", metavar="DIR", default=None,
+                        help="our coordinator loads this model directory's tokenizer, as `megatron-serve "
+                             "coordinator` does (transformers and torch in its heap); prompts stay token ids")
     parser.add_argument("--profile", metavar="DIR", default=None,
                         help="py-spy the coordinator during each scenario (raw collapsed stacks in DIR)")
     parser.add_argument("--profile-seconds", type=float, default=3.0)

@@ -31,6 +31,7 @@ import zmq
 from .errors import EngineGroupLost, RefitFailed
 from .lifecycle import ENGINE_DRAINING, STEPS, FleetState, Step, engine_state_after
 from .engine_link import CoordinatorLink
+from .heap import freeze_startup_heap
 from .expert_routing import routing_to_wire
 from .messages import Control, HelloAck, Refit, Stop, Suspend
 from .protocol import HEADER_VERBS, Header, ProtocolError, Role, step_of
@@ -461,6 +462,7 @@ def run_engine_process(
 ) -> int:
     """Build the engine (slow: model load) and serve; the CLI entry point's body."""
     engine = make_engine()
+    freeze_startup_heap()  # torch and the model: out of every later collection's walk (see heap)
     proc = EngineProcess(engine, address, **kwargs)
     proc.install_signal_handlers()
     try:

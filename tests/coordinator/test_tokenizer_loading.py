@@ -111,3 +111,28 @@ async def test_coordinator_command_listens_before_its_tokenizer_is_loaded(tmp_pa
 def test_coordinator_command_refuses_a_model_directory_without_tokenizer_files(tmp_path, capsys):
     assert cli.main(["coordinator", "--model", str(tmp_path / "no-model"), "--port", "0"]) == 1
     assert "no tokenizer.json or tokenizer_config.json in model directory" in capsys.readouterr().err
+
+
+def test_a_coordinator_process_freezes_its_heap_once_the_tokenizer_has_loaded():
+    """``serve()`` runs a coordinator as a process of its own: what start-up and the tokenizer's load left
+    alive (transformers, torch: a full collection of them took 184 ms) is kept out of later collections."""
+    import gc
+
+    from megatron_serve.coordinator import Coordinator
+
+    release = threading.Event()
+    coordinator = Coordinator(tokenizer_loader=gated_loader(release), port=free_port())
+    coordinator.freeze_heap = True  # what serve() sets (serve() itself would also install signal handlers)
+    serving = threading.Thread(target=coordinator.run, daemon=True)
+    gc.unfreeze()
+    try:
+        serving.start()
+        wait_until(lambda: coordinator._tokenizer_loading is not None, 10, "the load to start")
+        assert gc.get_freeze_count() == 0  # still loading
+        release.set()
+        wait_until(lambda: coordinator.core.tokenizer is not None and gc.get_freeze_count() > 0, 10,
+                   "the tokenizer and a frozen heap")
+    finally:
+        coordinator.shutdown()
+        serving.join(10)
+        gc.unfreeze()

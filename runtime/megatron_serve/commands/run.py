@@ -242,7 +242,8 @@ class _Stack:
 
     async def _serve(self, facts: Any, tokenizer: Any, sock: Any) -> None:
         from ..server.app import create_app  # noqa: PLC0415
-        from ..server.runner import freeze_startup_heap, serve_app  # noqa: PLC0415
+        from ..heap import freeze_startup_heap  # noqa: PLC0415
+        from ..server.runner import serve_app  # noqa: PLC0415
 
         args = self.args
         app = create_app(self.client, tokenizer, facts.name, self.api_key, admin_key=read_admin_key(args),

@@ -188,7 +188,8 @@ async def _serve(args: argparse.Namespace, facts: Any, files: ServingFiles, toke
                  api_key: str | None, token: str | None) -> None:
     from ..client import InferenceClient  # noqa: PLC0415
     from ..server.app import create_app  # noqa: PLC0415
-    from ..server.runner import freeze_startup_heap, serve_app  # noqa: PLC0415
+    from ..heap import freeze_startup_heap  # noqa: PLC0415
+    from ..server.runner import serve_app  # noqa: PLC0415
 
     client = InferenceClient(args.coordinator, token=token)
     app = create_app(client, tokenizer, facts.name, api_key, admin_key=read_admin_key(args),

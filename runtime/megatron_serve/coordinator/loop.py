@@ -25,6 +25,7 @@ from typing import Callable
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
+from ..heap import freeze_startup_heap
 from ..messages import TO_COORDINATOR
 from ..protocol import MAX_MESSAGE_BYTES, ProtocolError, decode, pack_batches
 from .core import CoordinatorCore, TokenizerLike
@@ -57,6 +58,7 @@ class Coordinator:
         self._tokenizer_loader = tokenizer_loader
         self._tokenizer_loading: concurrent.futures.Future[tuple[TokenizerLike, float]] | None = None
         self._stop = False
+        self.freeze_heap = False  # a process of its own (serve()): keep its start-up heap out of collections
         self._fds: dict[bytes, int] = {}  # identity -> fd of its connection (for disconnect probes)
         self._probes: list[tuple[float, int]] = []  # (due, fd) after disconnect events
         self._backlog: collections.defaultdict[bytes, list[bytes]] = collections.defaultdict(list)  # EAGAIN
@@ -268,6 +270,8 @@ class Coordinator:
             logger.error("%s; refusing %d waiting text prompt(s)", error, held)
             return self.core.on_tokenizer(None, error, now)
         logger.info("tokenizer ready (loaded in %.1fs); %d waiting text prompt(s) released", seconds, held)
+        if self.freeze_heap:  # transformers and the tokenizer: 310,000 objects a full collection would walk
+            freeze_startup_heap()
         return self.core.on_tokenizer(tokenizer, None, now)
 
 
@@ -286,4 +290,6 @@ def serve(coordinator: Coordinator, address_file: str | None = None, install_sig
         write_address_file(address_file, address)
     if install_signals:
         coordinator.install_signal_handlers()
+    coordinator.freeze_heap = True
+    freeze_startup_heap()
     coordinator.run()

@@ -13,10 +13,8 @@ or an error event and ``[DONE]`` mid-stream) before uvicorn closes the connectio
 from __future__ import annotations
 
 import asyncio
-import atexit
 import contextlib
 import functools
-import gc
 import json
 import logging
 import socket
@@ -56,21 +54,6 @@ def endpoint_url(sock: socket.socket) -> str:
     if ":" in host:
         host = f"[{host}]"
     return f"http://{host}:{port}"
-
-
-def freeze_startup_heap() -> None:
-    """Exempt everything alive after start-up (torch, transformers, the tokenizer) from garbage collection.
-
-    A full collection walks every tracked object: with the ~370,000 a serving process holds once
-    its imports are done, each one held the event loop for 0.3 to 2.4 s on 2 loaded cores, so
-    /health stalled every few seconds under streaming load. Frozen, collections only walk what was
-    created since (the same step vLLM's server takes). For processes, not libraries: it is global.
-    The heap is thawed at exit: frozen objects are never finalized, and Triton's nanobind
-    extension then prints a leak report as the interpreter ends (after the last "stopped" line).
-    """
-    gc.collect()
-    gc.freeze()
-    atexit.register(gc.unfreeze)
 
 
 class _Server(uvicorn.Server):
