@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import gc
 import multiprocessing as mp
 import os
 import shutil
@@ -40,6 +39,8 @@ from dataclasses import dataclass
 from typing import Any, Awaitable, Callable
 
 import zmq
+
+from megatron_serve.heap import freeze_startup_heap
 
 CAPACITY = 128  # requests each of our fake engines accepts at once (a GPU engine's --max-num-seqs)
 SCENARIOS = {"burst": None, "c64": 64, "c1": 1}
@@ -101,8 +102,7 @@ async def measure(side: str, submit: Callable[[int], Awaitable[Any]], coordinato
     # Both clients share this process, and megatron-core imports torch: a million objects that every full
     # collection walks. Frozen, neither side's client pays for them (unfrozen, whichever side ran second
     # had its burst at 7,000 req/s instead of 15,000, and the first burst is always the second side's).
-    gc.collect()
-    gc.freeze()
+    freeze_startup_heap()
     rows = []
     await drive(submit, min(500, args.requests), 16)  # warm-up: connections, allocator, caches
     for name in args.scenarios:
