@@ -9,7 +9,9 @@ every delivered result. A raw ROUTER plays the coordinator, so the test sees the
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
+from typing import AsyncIterator
 
 import pytest
 import zmq
@@ -49,51 +51,43 @@ class RawCoordinator:
             "finish_reason": "length", "generated_text": " 7"}})
 
 
-async def started(coordinator: RawCoordinator) -> InferenceClient:
-    client = InferenceClient(coordinator.address)
-    starting = asyncio.ensure_future(client.start(timeout=30))
-    hello = await asyncio.to_thread(coordinator.frame)
-    assert [m.header for m in hello] == [Header.HELLO]
-    coordinator.send(Header.HELLO_ACK, {"coordinator_id": "c", "state": "RUNNING", "protocol": PROTOCOL_VERSION})
-    await starting
-    return client
-
-
 PARAMS = SamplingParams(num_tokens_to_generate=1)
 
 
-async def test_the_acknowledgement_rides_with_the_next_submit():
+@contextlib.asynccontextmanager
+async def answered_once() -> AsyncIterator[tuple[RawCoordinator, InferenceClient]]:
+    """A client registered with a raw coordinator, whose request ``r1`` was submitted and answered."""
     coordinator = RawCoordinator()
-    client = await started(coordinator)
+    client = InferenceClient(coordinator.address)
     try:
-        first = asyncio.ensure_future(client.add_request([1, 2, 3], PARAMS, request_id="r1"))
+        starting = asyncio.ensure_future(client.start(timeout=30))
+        assert [m.header for m in await asyncio.to_thread(coordinator.frame)] == [Header.HELLO]
+        coordinator.send(Header.HELLO_ACK, {"coordinator_id": "c", "state": "RUNNING", "protocol": PROTOCOL_VERSION})
+        await starting
+        request = asyncio.ensure_future(client.add_request([1, 2, 3], PARAMS, request_id="r1"))
         assert [m.header for m in await asyncio.to_thread(coordinator.frame)] == [Header.SUBMIT]
         coordinator.result("r1")
-        assert (await asyncio.wait_for(first, 10)).generated_tokens == [7]
+        assert (await asyncio.wait_for(request, 10)).generated_tokens == [7]
+        yield coordinator, client
+    finally:
+        client.close()
+        coordinator.router.close(linger=0)
+
+
+async def test_the_acknowledgement_rides_with_the_next_submit():
+    async with answered_once() as (coordinator, client):
         second = asyncio.ensure_future(client.add_request([1, 2, 3], PARAMS, request_id="r2"))
         together = await asyncio.to_thread(coordinator.frame)
         assert [m.header for m in together] == [Header.SUBMIT, Header.RESULT_ACK]
         assert together[0].body.client_request_id == "r2"
         assert together[1].body.client_request_ids == ["r1"]
         second.cancel()
-    finally:
-        client.close()
-        coordinator.router.close(linger=0)
 
 
 async def test_an_acknowledgement_with_nothing_to_ride_with_goes_alone_soon():
-    coordinator = RawCoordinator()
-    client = await started(coordinator)
-    try:
-        request = asyncio.ensure_future(client.add_request([1, 2, 3], PARAMS, request_id="r1"))
-        assert [m.header for m in await asyncio.to_thread(coordinator.frame)] == [Header.SUBMIT]
-        coordinator.result("r1")
-        await asyncio.wait_for(request, 10)
+    async with answered_once() as (coordinator, _client):
         delivered = time.monotonic()
         alone = await asyncio.to_thread(coordinator.frame, 10.0)
         waited = time.monotonic() - delivered
         assert [(m.header, m.body.client_request_ids) for m in alone] == [(Header.RESULT_ACK, ["r1"])]
         assert waited < ACK_DELAY_S + 2.0, waited  # a timer sends it, not the next heartbeat or nothing
-    finally:
-        client.close()
-        coordinator.router.close(linger=0)
