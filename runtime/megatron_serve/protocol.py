@@ -165,7 +165,9 @@ def _decoder(body_type: type) -> msgspec.msgpack.Decoder:
     return decoder
 
 
-_FAST: dict[int, tuple[msgspec.msgpack.Decoder, dict[type, Header]]] = {}
+#: id(table) -> (table, its one-call decoder, frame struct -> header). The table is held so that its id
+#: cannot be reused by another table (tests decode with tables of their own).
+_FAST: dict[int, tuple[Mapping[Header, type], msgspec.msgpack.Decoder, dict[type, Header]]] = {}
 
 
 def _fast_decoder(table: Mapping[Header, type]) -> tuple[msgspec.msgpack.Decoder, dict[type, Header]]:
@@ -178,8 +180,9 @@ def _fast_decoder(table: Mapping[Header, type]) -> tuple[msgspec.msgpack.Decoder
         frames = {msgspec.defstruct(f"{header.name.title()}Frame", [("body", body_type)], array_like=True,
                                     tag=int(header), forbid_unknown_fields=True): header
                   for header, body_type in table.items()}
-        fast = _FAST[id(table)] = (msgspec.msgpack.Decoder(Union[tuple(frames)]), frames)  # type: ignore[arg-type]
-    return fast
+        decoder = msgspec.msgpack.Decoder(Union[tuple(frames)])  # type: ignore[arg-type]
+        fast = _FAST[id(table)] = (table, decoder, frames)
+    return fast[1], fast[2]
 
 
 def decode(frame: bytes | msgspec.Raw, table: Mapping[Header, type], max_bytes: int = MAX_MESSAGE_BYTES) -> Message:

@@ -168,3 +168,14 @@ def test_the_one_call_decoder_reads_every_body_as_the_checked_one_does(table):
     for header, body in rich + empty:
         frame = encode(header, body)
         assert decode(frame, table) == _decode_checked(frame, table), header
+
+
+def test_a_table_gets_its_own_decoder_even_where_a_dropped_table_had_the_same_id():
+    """The one-call decoders are cached by the table's id: a table made and dropped must not leave its
+    decoder to a later table at the same address (that one accepted headers outside its own table)."""
+    for _ in range(50):
+        wider = {Header.HELLO: dict, Header.HEARTBEAT: dict}
+        assert decode(encode(Header.HEARTBEAT, {}), wider).header is Header.HEARTBEAT
+        del wider
+        with pytest.raises(ProtocolError, match="HEARTBEAT is not accepted in this direction"):
+            decode(encode(Header.HEARTBEAT, {}), {Header.HELLO: dict})
