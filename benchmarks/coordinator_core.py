@@ -25,6 +25,8 @@ from typing import Any
 import msgspec
 
 from megatron_serve.coordinator import CoordinatorCore
+from megatron_serve.coordinator.effects import Send
+from megatron_serve.coordinator.loop import frames_by_peer
 from megatron_serve.messages import FROM_COORDINATOR, PROTOCOL_VERSION, TO_COORDINATOR
 from megatron_serve.protocol import Header, Message, decode, encode, pack_batches, unbatch
 
@@ -58,15 +60,8 @@ class Replay:
         """What the coordinator process does with one frame (``loop.Coordinator``, sockets aside)."""
         started = time.perf_counter()
         effects = self.core.on_message(identity, decode(frame, TO_COORDINATOR), 1000.0)
-        gathered: dict[bytes, list[bytes]] = {}
-        batching = set()
-        for effect in effects:
-            gathered.setdefault(effect.identity, []).append(effect.frame)
-            if effect.batch:
-                batching.add(effect.identity)
-        for peer, frames in gathered.items():
-            self.inbox.setdefault(peer, []).extend(
-                pack_batches(frames) if peer in batching and len(frames) > 1 else frames)
+        for peer, frames in frames_by_peer([e for e in effects if isinstance(e, Send)]).items():
+            self.inbox.setdefault(peer, []).extend(frames)
         self.seconds += time.perf_counter() - started
 
     def received(self, peer: bytes) -> list[Message]:

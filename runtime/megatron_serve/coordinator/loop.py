@@ -13,7 +13,6 @@ single-threaded.
 
 from __future__ import annotations
 
-import collections
 import concurrent.futures
 import logging
 import os
@@ -29,7 +28,7 @@ from ..heap import freeze_startup_heap
 from ..messages import TO_COORDINATOR
 from ..protocol import MAX_MESSAGE_BYTES, ProtocolError, decode, pack_batches
 from .core import CoordinatorCore, TokenizerLike
-from .effects import Effect, Probe
+from .effects import Effect, Probe, Send
 from .requests import Phase
 
 logger = logging.getLogger("megatron_serve.coordinator")
@@ -61,7 +60,7 @@ class Coordinator:
         self.freeze_heap = False  # a process of its own (serve()): keep its start-up heap out of collections
         self._fds: dict[bytes, int] = {}  # identity -> fd of its connection (for disconnect probes)
         self._probes: list[tuple[float, int]] = []  # (due, fd) after disconnect events
-        self._backlog: collections.defaultdict[bytes, list[bytes]] = collections.defaultdict(list)  # EAGAIN
+        self._backlog: dict[bytes, list[bytes]] = {}  # frames a full queue refused (EAGAIN), in order
         self.ctx = zmq.Context.instance()
         self.sock: zmq.Socket | None = None
         self.monitor: zmq.Socket | None = None
@@ -192,27 +191,27 @@ class Coordinator:
         """Send what the core asked for (gathered per peer); returns the core's answers to failures."""
         sock, core = self.sock, self.core
         more: list[Effect] = []
-        gathered: dict[bytes, list[bytes]] = {}
-        for identity, frames in self._backlog.items():
-            gathered[identity] = frames
-        self._backlog = collections.defaultdict(list)
-        batching: set[bytes] = set()
+        sends: list[Send] = []
         for effect in effects:
             if isinstance(effect, Probe):
                 if not self._send(sock, effect.identity, effect.frame):
                     more += core.on_peer_gone(effect.identity, "probe failed", time.monotonic())
                 if effect.hello is not None:
                     more += core.on_hello_after_probe(*effect.hello, time.monotonic())
-                continue
-            gathered.setdefault(effect.identity, []).append(effect.frame)
-            if effect.batch:
-                batching.add(effect.identity)
-        for identity, frames in gathered.items():
-            for frame in (pack_batches(frames) if identity in batching and len(frames) > 1 else frames):
+            else:
+                sends.append(effect)
+        # Frames a full queue left over go first and as they are: packed again, a BATCH would travel
+        # inside a BATCH, which peers drop.
+        outgoing, self._backlog = self._backlog, {}
+        for identity, frames in frames_by_peer(sends).items():
+            outgoing.setdefault(identity, []).extend(frames)
+        for identity, frames in outgoing.items():
+            for i, frame in enumerate(frames):
                 sent = self._send(sock, identity, frame)
-                if sent is None:  # its queue is full: keep the rest for the next pass
-                    self._backlog[identity].append(frame)
-                elif not sent:
+                if sent is None:  # its queue is full: the rest waits, in order, for the next pass
+                    self._backlog[identity] = frames[i:]
+                    break
+                if not sent:
                     self._fds.pop(identity, None)
                     more += core.on_peer_gone(identity, "send failed", time.monotonic())
                     break
@@ -273,6 +272,18 @@ class Coordinator:
         if self.freeze_heap:  # transformers and the tokenizer: 310,000 objects a full collection would walk
             freeze_startup_heap()
         return self.core.on_tokenizer(tokenizer, None, now)
+
+
+def frames_by_peer(sends: list[Send]) -> dict[bytes, list[bytes]]:
+    """Each peer's frames, in order; a peer that reads BATCH frames gets its messages in as few as fit."""
+    gathered: dict[bytes, list[bytes]] = {}
+    batching: set[bytes] = set()
+    for send in sends:
+        gathered.setdefault(send.identity, []).append(send.frame)
+        if send.batch:
+            batching.add(send.identity)
+    return {identity: pack_batches(frames) if identity in batching and len(frames) > 1 else frames
+            for identity, frames in gathered.items()}
 
 
 def write_address_file(path: str, address: str) -> None:
