@@ -13,16 +13,12 @@ from __future__ import annotations
 import atexit
 import gc
 
-_thaw_registered = False
-
 
 def freeze_startup_heap() -> None:
     """Exempt everything alive now from garbage collection (call again after a late load: what was
     created since is frozen too). The heap is thawed at exit: frozen objects are never finalized, and
     Triton's nanobind extension then prints a leak report as the interpreter ends."""
-    global _thaw_registered
     gc.collect()
     gc.freeze()
-    if not _thaw_registered:
-        _thaw_registered = True
-        atexit.register(gc.unfreeze)
+    atexit.unregister(gc.unfreeze)  # once, however many calls
+    atexit.register(gc.unfreeze)
