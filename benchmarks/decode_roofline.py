@@ -264,9 +264,9 @@ def engine_decode_tokens_per_s(model, shape: dict, batch: int, prompt_len: int, 
 def replay_decode_tokens_per_s(model, shape: dict, batch: int, context: int, block_size: int,
                                device: torch.device, iters: int = 20) -> float:
     """The engine's decode graph for ``batch`` sequences at ``context`` tokens, replayed alone (eager on CPU)."""
-    from megatron_serve.cuda_graphs import CudaGraphCapture, DecodeGraphs  # noqa: PLC0415
-    from megatron_serve.kv_cache import KVCachePool  # noqa: PLC0415
-    from megatron_serve.model_runner import StepPlan  # noqa: PLC0415
+    from megatron_serve.engine.graphs import CudaGraphCapture, DecodeGraphs  # noqa: PLC0415
+    from megatron_serve.engine.kv_cache import KVCachePool  # noqa: PLC0415
+    from megatron_serve.engine.runner import StepPlan  # noqa: PLC0415
 
     blocks_per_seq = -(-context // block_size)
     pool = KVCachePool(shape["num_hidden_layers"], batch * blocks_per_seq, block_size,

@@ -15,7 +15,7 @@ import time
 
 import torch
 
-from megatron_serve.sampler import Sampler
+from megatron_serve.engine.sampler import Sampler
 from megatron_serve.sampling_params import SamplingParams
 
 MIXES = {

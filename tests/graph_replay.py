@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from megatron_serve.cuda_graphs import DecodeGraphs
+from megatron_serve.engine.graphs import DecodeGraphs
 from megatron_serve.engine import DynamicInferenceEngine
-from megatron_serve.kv_cache import blocks_for_tokens
-from megatron_serve.model_runner import ModelRunner
+from megatron_serve.engine.kv_cache import blocks_for_tokens
+from megatron_serve.engine.runner import ModelRunner
 
 
 class ReplayByRerun:

@@ -95,3 +95,16 @@ def test_library_modules_do_not_import_cli_code():
                  for name, path in modules.items() if not is_cli(name)}
     offenders = {name: targets for name, targets in offenders.items() if targets}
     assert not offenders, f"library modules importing CLI code: {offenders}"
+
+
+def test_http_server_imports_no_torch():
+    """The server process tokenizes and checks requests; it never runs a model, so it must not pay torch's
+    import (about 1.1 s and 300 MB here) or drag it into a front-end image. Helpers it shares with the engine
+    (grammar checks, token texts, stats names) live in torch-free modules outside ``megatron_serve.engine``."""
+    import subprocess  # noqa: PLC0415
+    import sys  # noqa: PLC0415
+
+    probe = ("import sys, megatron_serve.server.app, megatron_serve.server.runner, megatron_serve.client; "
+             "print(sorted(m for m in sys.modules if m == 'torch' or m.split('.')[:2] == ['megatron_serve', 'engine']))")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout.strip()
+    assert out == "[]", f"the HTTP server imported {out}"

@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from megatron_serve import DynamicInferenceRequest, InferenceConfig, MegatronLLM, SamplingParams
-from megatron_serve.cuda_graphs import DecodeGraphs, graph_batch_sizes
-from megatron_serve.kv_cache import blocks_for_tokens
-from megatron_serve.model_runner import ModelRunner, plan_step
+from megatron_serve.engine.graphs import DecodeGraphs, graph_batch_sizes
+from megatron_serve.engine.kv_cache import blocks_for_tokens
+from megatron_serve.engine.runner import ModelRunner, plan_step
 from megatron_serve.tiny_model import make_tiny_model
 
 from ..graph_replay import install_graphs

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from megatron_serve import InferenceConfig, MegatronLLM, SamplingParams
-from megatron_serve.sampler import _filtered_probs
-from megatron_serve.logits_processors import RowContext, apply_controls, apply_token_bitmask, unpack_bitmask
+from megatron_serve.engine.sampler import _filtered_probs
+from megatron_serve.engine.logits_processors import RowContext, apply_controls, apply_token_bitmask, unpack_bitmask
 
 from .conftest import PROMPTS, run_requests
 

@@ -7,7 +7,7 @@ import random
 import pytest
 
 from megatron_serve import DynamicInferenceRequest, InferenceConfig, MegatronLLM, SamplingParams
-from megatron_serve.kv_cache import BlockAllocator
+from megatron_serve.engine.kv_cache import BlockAllocator
 from megatron_serve.prefix_hash import block_hashes
 
 BLOCK = 16

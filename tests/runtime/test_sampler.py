@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_serve.sampler import Sampler
+from megatron_serve.engine.sampler import Sampler
 from megatron_serve.sampling_params import SamplingParams
 
 VOCAB = 12

@@ -19,7 +19,7 @@ from typing import Any
 from ..generation_config import GenerationDefaults
 from ..multimodal import PromptImage
 from ..sampling_params import SamplingParams, StructuredOutputsParams
-from ..structured_output import grammar_error
+from ..grammar import grammar_error
 from ..tokenizer import PromptTooLong
 from .errors import APIError, bad_request
 from .images import files_of

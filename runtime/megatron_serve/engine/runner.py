@@ -16,15 +16,15 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .cuda_graphs import DecodeGraphs
-from .model.attention import AttentionMetadata, ForwardContext, MultimodalStep
-from .model.llama import LlamaForCausalLM
-from .model.moe import stack_routing
+from .graphs import DecodeGraphs
+from ..model.attention import AttentionMetadata, ForwardContext, MultimodalStep
+from ..model.llama import LlamaForCausalLM
+from ..model.moe import stack_routing
 from .scheduler import Sequence
 
 if TYPE_CHECKING:
     from .encoder_cache import StepImages
-    from .weights.sources import WeightSource
+    from ..weights.sources import WeightSource
 
 logger = logging.getLogger(__name__)
 

@@ -9,11 +9,11 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .config import InferenceConfig
+from ..config import InferenceConfig
 from .kv_cache import KVCachePool, blocks_for_tokens
-from .model.config import ModelConfig
-from .model.llama import LlamaForCausalLM
-from .model.parallel import TensorParallel
+from ..model.config import ModelConfig
+from ..model.llama import LlamaForCausalLM
+from ..model.parallel import TensorParallel
 
 CPU_KV_BUDGET_BYTES = 1 << 30  # host memory is shared with everything else: a fixed budget, not "free memory"
 

@@ -13,26 +13,26 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .config import InferenceConfig
-from .engine_setup import build_kv_pool, default_dtype, max_sequence_length_for
-from .detokenizer import IncrementalDetokenizer
+from ..config import InferenceConfig
+from .sizing import build_kv_pool, default_dtype, max_sequence_length_for
+from ..detokenizer import IncrementalDetokenizer
 from .encoder_cache import EncoderCache
-from .engine_stats import EngineStats
-from .errors import RefitFailed
-from .expert_routing import RoutingRecord, record_step, routing_dtype
+from ..engine_stats import EngineStats
+from ..errors import RefitFailed
+from ..expert_routing import RoutingRecord, record_step, routing_dtype
 from .kv_cache import BlockAllocator, blocks_for_tokens
-from .model.config import ModelConfig
-from .model.llama import LlamaForCausalLM
-from .model.loader import load_model, load_weights
-from .cuda_graphs import decode_graphs_for
+from ..model.config import ModelConfig
+from ..model.llama import LlamaForCausalLM
+from ..model.loader import load_model, load_weights
+from .graphs import decode_graphs_for
 from .logits_processors import RowContext, apply_controls, apply_token_bitmask
-from .model_runner import ModelRunner, prompt_positions_to_score
-from .request import DynamicInferenceRequest, EventType, FinishReason, RequestStatus
+from .runner import ModelRunner, prompt_positions_to_score
+from ..request import DynamicInferenceRequest, EventType, FinishReason, RequestStatus
 from .sampler import Sampler, score_tokens
 from .scheduler import Scheduler, Sequence
 from .structured_output import StructuredOutputs
-from .tokenizer import Tokenizer
-from .weights.sources import WeightSource, weight_source
+from ..tokenizer import Tokenizer
+from ..weights.sources import WeightSource, weight_source
 
 logger = logging.getLogger(__name__)
 

@@ -12,11 +12,11 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from .expert_routing import RoutingRecord
+from ..expert_routing import RoutingRecord
 from .kv_cache import BlockAllocator, blocks_for_tokens
-from .multimodal import cache_keys
-from .prefix_hash import ROOT_HASH, block_hashes, chain_hash
-from .request import DynamicInferenceRequest, EventType, RequestStatus
+from ..multimodal import cache_keys
+from ..prefix_hash import ROOT_HASH, block_hashes, chain_hash
+from ..request import DynamicInferenceRequest, EventType, RequestStatus
 
 
 @dataclass

@@ -24,14 +24,14 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from .config import InferenceConfig
-from .cuda_graphs import DecodeGraphs, decode_graphs_for
-from .errors import EngineGroupLost
-from .model.loader import load_model, load_weights
-from .model.parallel import TensorParallel
-from .engine_setup import build_kv_pool, default_dtype, max_sequence_length_for
-from .model_runner import ModelRunner, StepPlan, StepResult, plan_step
-from .weights.sources import WeightSource
+from ..config import InferenceConfig
+from .graphs import DecodeGraphs, decode_graphs_for
+from ..errors import EngineGroupLost
+from ..model.loader import load_model, load_weights
+from ..model.parallel import TensorParallel
+from .sizing import build_kv_pool, default_dtype, max_sequence_length_for
+from .runner import ModelRunner, StepPlan, StepResult, plan_step
+from ..weights.sources import WeightSource
 
 logger = logging.getLogger(__name__)
 
@@ -206,7 +206,7 @@ def spawn_local_workers(model_dir: str, config: InferenceConfig, placement: Plac
 
 def run_worker(model_dir: str, config_dict: dict, placement: Placement, rank: int, local_index: int) -> None:
     """A rank other than 0: load its slice, mirror rank 0's KV pool, and follow its broadcasts until stop."""
-    from .model.config import ModelConfig  # noqa: PLC0415
+    from ..model.config import ModelConfig  # noqa: PLC0415
 
     config = InferenceConfig(**config_dict)
     device = rank_device(local_index, config)

@@ -20,14 +20,14 @@ import torch
 
 from megatron_kernels.ops import backend_for
 
-from .config import InferenceConfig
-from .model.moe import stack_routing
+from ..config import InferenceConfig
+from ..model.moe import stack_routing
 from .kv_cache import blocks_for_tokens
-from .model.attention import AttentionMetadata, ForwardContext
-from .model.llama import LlamaForCausalLM
+from ..model.attention import AttentionMetadata, ForwardContext
+from ..model.llama import LlamaForCausalLM
 
 if TYPE_CHECKING:  # model_runner imports this module
-    from .model_runner import StepPlan
+    from .runner import StepPlan
 
 MAX_GRAPH_BATCH = 512  # larger decode batches are compute-bound: launch overhead no longer matters
 WARMUP_RUNS = 2  # eager runs before capture: compile every Triton variant, settle the allocator

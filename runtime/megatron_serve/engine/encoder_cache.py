@@ -20,9 +20,9 @@ from typing import Any
 
 import torch
 
-from .model.mrope import MropePositions, mrope_positions
-from .multimodal import ImageError, ImageProcessor, PromptImage
-from .request import DynamicInferenceRequest
+from ..model.mrope import MropePositions, mrope_positions
+from ..multimodal import ImageError, ImageProcessor, PromptImage
+from ..request import DynamicInferenceRequest
 from .scheduler import Sequence
 
 logger = logging.getLogger(__name__)

@@ -1,0 +1,11 @@
+"""The engine: one model replica, its paged KV cache, and the step loop over requests.
+
+One module per job (see ``docs/architecture.md``): ``core`` (the step), ``scheduler``, ``kv_cache``,
+``step_plan``, ``runner``, ``graphs``, ``sampler``, ``logits_processors``, ``structured_output``,
+``encoder_cache``, ``tensor_parallel`` and ``sizing``. Everything here needs torch; modules outside the
+engine that only need a helper (token texts, grammar checks, stats names) import torch-free modules.
+"""
+
+from .core import DynamicInferenceEngine, StepOutput
+
+__all__ = ["DynamicInferenceEngine", "StepOutput"]
