@@ -266,26 +266,31 @@ def replay_decode_tokens_per_s(model, shape: dict, batch: int, context: int, blo
     """The engine's decode graph for ``batch`` sequences at ``context`` tokens, replayed alone (eager on CPU)."""
     from megatron_serve.engine.graphs import CudaGraphCapture, DecodeGraphs  # noqa: PLC0415
     from megatron_serve.engine.kv_cache import KVCachePool  # noqa: PLC0415
-    from megatron_serve.engine.runner import StepPlan  # noqa: PLC0415
+    from megatron_serve.engine.step_plan import StepBuffers, StepPlan  # noqa: PLC0415
 
     blocks_per_seq = -(-context // block_size)
     pool = KVCachePool(shape["num_hidden_layers"], batch * blocks_per_seq, block_size,
                        model.num_local_kv_heads, shape["head_dim"], torch.bfloat16, device)
-    tables = torch.randperm(batch * blocks_per_seq).view(batch, blocks_per_seq).tolist()
+    buffers = StepBuffers(batch, batch, blocks_per_seq, device)
+    tables = torch.randperm(batch * blocks_per_seq).view(batch, blocks_per_seq)
     last = context - 1
-    plan = StepPlan(
-        token_ids=torch.randint(2, shape["vocab_size"], (batch,)).tolist(), positions=[last] * batch,
-        slots=[table[last // block_size] * block_size + last % block_size for table in tables],
-        decode_block_tables=tables, decode_context_lens=[context] * batch,
-        prefill_block_tables=[], prefill_query_start=[0], prefill_context_lens=[], sample_rows=list(range(batch)),
-    )
 
     def rerun(forward):  # CPU: no graphs; "replay" runs the forward again over the same buffers
         return forward
 
     capture = (lambda: CudaGraphCapture(device)) if device.type == "cuda" else (lambda: rerun)
-    graphs = DecodeGraphs(model, [batch], blocks_per_seq, device, capture)
+    graphs = DecodeGraphs(model, [batch], buffers, capture)
     graphs.capture(pool.layer_caches)
+    out = buffers.np
+    out["token_ids"][:batch] = torch.randint(2, shape["vocab_size"], (batch,)).numpy()
+    out["positions"][:batch] = last
+    out["slots"][:batch] = tables[:, last // block_size].numpy() * block_size + last % block_size
+    out["block_tables"][:batch, :blocks_per_seq] = tables.numpy()
+    out["seq_lens"][:batch] = context
+    out["lm_rows"][:batch] = range(batch)
+    plan = StepPlan(num_tokens=batch, num_decode=batch, num_prefill=0, block_width=blocks_per_seq,
+                    num_sample=batch, num_score=0)
+    graphs.prepare(plan)
     elapsed = seconds_for(lambda: graphs.run(plan), iters, device)
     graphs.release()
     del graphs, pool

@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-from megatron_serve.engine.graphs import DecodeGraphs
 from megatron_serve.engine import DynamicInferenceEngine
-from megatron_serve.engine.kv_cache import blocks_for_tokens
+from megatron_serve.engine.graphs import DecodeGraphs, MixedGraphs, StepGraphs
 from megatron_serve.engine.runner import ModelRunner
 
 
@@ -31,12 +30,15 @@ class ReplayByRerun:
         return replay
 
 
-def install_graphs(engine: DynamicInferenceEngine, batch_sizes: list[int]) -> ReplayByRerun:
-    """Give ``engine`` a runner with decode graphs over the stand-in capture, captured now."""
+def install_graphs(engine: DynamicInferenceEngine, batch_sizes: list[int],
+                   mixed_sizes: list[int] | None = None) -> ReplayByRerun:
+    """Give ``engine`` a runner with decode graphs (and mixed graphs of ``mixed_sizes`` tokens, when given)
+    over the stand-in capture, captured now."""
     capture = ReplayByRerun()
-    block_size = engine.config.block_size_tokens
-    graphs = DecodeGraphs(engine.model, batch_sizes, blocks_for_tokens(engine.max_sequence_length, block_size),
-                          engine.device, lambda: capture)
-    engine.runner = ModelRunner(engine.model, block_size, engine.device, graphs)
+    buffers = engine.runner.buffers
+    decode = DecodeGraphs(engine.model, batch_sizes, buffers, lambda: capture)
+    mixed = MixedGraphs(engine.model, mixed_sizes, buffers, lambda: capture) if mixed_sizes else None
+    graphs = StepGraphs(decode, mixed, lambda: capture, engine.device)
+    engine.runner = ModelRunner(engine.model, engine.config.block_size_tokens, engine.device, buffers, graphs)
     engine.runner.capture_graphs(engine.kv_cache.layer_caches)
     return capture

@@ -100,8 +100,14 @@ def paged_attention_decode(
     block_tables: torch.Tensor,
     context_lens: torch.Tensor,
     scale: float,
+    *,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """One query token per sequence (``q`` ``[S, Hq, D]``) attending to its whole cached context."""
+    """One query token per sequence (``q`` ``[S, Hq, D]``) attending to its whole cached context.
+
+    ``out``: where to write the result (a view of a persistent buffer); a new tensor when None.
+    A sequence of context 0 (a padding row) gets zeros.
+    """
     block_size = k_cache.shape[1]
     max_len = int(context_lens.max())
     num_blocks = -(-max_len // block_size)
@@ -109,11 +115,14 @@ def paged_attention_decode(
     values = _gather_sequence_kv(v_cache, block_tables, num_blocks).transpose(1, 2)
     positions = torch.arange(keys.shape[2], device=q.device)
     mask = (positions[None, :] < context_lens[:, None].to(q.device))[:, None, None, :]  # [S, 1, 1, L]
-    out = F.scaled_dot_product_attention(
+    attended = F.scaled_dot_product_attention(
         q.unsqueeze(2).float(), keys.float(), values.float(), attn_mask=mask, scale=scale,
         enable_gqa=q.shape[1] != keys.shape[1],
-    )
-    return out.squeeze(2).to(q.dtype)
+    ).squeeze(2).nan_to_num_(0.0)  # a fully masked row (context 0) is NaN in SDPA
+    if out is None:
+        return attended.to(q.dtype)
+    out.copy_(attended)
+    return out
 
 
 def paged_attention_prefill(
@@ -124,6 +133,8 @@ def paged_attention_prefill(
     query_start_loc: torch.Tensor,
     context_lens: torch.Tensor,
     scale: float,
+    *,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention for packed query chunks (``q`` ``[T, Hq, D]``) over their cached prefixes.
 
@@ -131,7 +142,7 @@ def paged_attention_prefill(
     positions of its ``context_lens[i]`` cached tokens (chunked prefill over cached blocks).
     """
     block_size = k_cache.shape[1]
-    out = torch.empty_like(q)
+    out = torch.empty_like(q) if out is None else out
     starts = query_start_loc.tolist()
     lens = context_lens.tolist()
     for i, context_len in enumerate(lens):

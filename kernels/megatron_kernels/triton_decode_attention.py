@@ -156,10 +156,12 @@ def paged_attention_decode(
     *,
     num_splits: int | None = None,
     block_n: int | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Triton twin of :func:`megatron_kernels.reference.paged_attention_decode`.
 
-    ``num_splits`` / ``block_n`` override the launch heuristics (tests use them to cover split-K).
+    ``num_splits`` / ``block_n`` override the launch heuristics (tests use them to cover split-K);
+    ``out``: where to write the result (rows of a persistent buffer), a new tensor when None.
     """
     num_seqs, num_q_heads, head_dim = q.shape
     _, block_size, num_kv_heads, cache_head_dim = k_cache.shape
@@ -171,7 +173,10 @@ def paged_attention_decode(
         raise ValueError("KV cache head_dim must be contiguous")
     block_tables = block_tables if block_tables.stride(-1) == 1 else block_tables.contiguous()
     context_lens = context_lens.contiguous()
-    out = torch.empty((num_seqs, num_q_heads, head_dim), dtype=q.dtype, device=q.device)
+    if out is None:
+        out = torch.empty((num_seqs, num_q_heads, head_dim), dtype=q.dtype, device=q.device)
+    elif out.shape != q.shape or out.stride(-1) != 1:
+        raise ValueError(f"out {tuple(out.shape)} must have q's shape {tuple(q.shape)} and a contiguous last dimension")
     if num_seqs == 0:
         return out
     group = num_q_heads // num_kv_heads

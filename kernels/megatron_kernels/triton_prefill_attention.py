@@ -144,10 +144,12 @@ def paged_attention_prefill(
     *,
     block_m: int | None = None,
     block_n: int | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Triton twin of :func:`megatron_kernels.reference.paged_attention_prefill`.
 
-    ``block_m`` (rows = queries x padded group heads) and ``block_n`` (keys) override the tile heuristics.
+    ``block_m`` (rows = queries x padded group heads) and ``block_n`` (keys) override the tile heuristics;
+    ``out``: where to write the result (rows of a persistent buffer), a new tensor when None.
     """
     num_tokens, num_q_heads, head_dim = q.shape
     _, block_size, num_kv_heads, cache_head_dim = k_cache.shape
@@ -161,7 +163,10 @@ def paged_attention_prefill(
     query_start_loc = query_start_loc.contiguous()
     context_lens = context_lens.contiguous()
     num_seqs = context_lens.shape[0]
-    out = torch.empty_like(q)
+    if out is None:
+        out = torch.empty_like(q)
+    elif out.shape != q.shape or out.stride(-1) != 1:
+        raise ValueError(f"out {tuple(out.shape)} must have q's shape {tuple(q.shape)} and a contiguous last dimension")
     if num_seqs == 0 or num_tokens == 0:
         return out
     group = num_q_heads // num_kv_heads

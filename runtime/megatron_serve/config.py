@@ -44,6 +44,8 @@ class InferenceConfig:
     max_sequence_length: int | None = None
     enable_prefix_caching: bool = True
     enable_cuda_graphs: bool = True  # replay decode steps from CUDA graphs (GPU with Triton kernels only)
+    cuda_graph_sizes: list[int] | None = None  # token counts captured (vLLM's --cuda-graph-sizes; engine.graphs)
+    async_scheduling: bool = True  # prepare and launch step N+1 while step N runs (see engine.core)
     tensor_parallel_size: int = 1
     seed: int = 0
 
@@ -58,9 +60,15 @@ class InferenceConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        for name in ("enable_prefix_caching", "enable_cuda_graphs"):
+        for name in ("enable_prefix_caching", "enable_cuda_graphs", "async_scheduling"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
+        if self.cuda_graph_sizes is not None:
+            sizes = self.cuda_graph_sizes
+            if (not isinstance(sizes, (list, tuple)) or not sizes
+                    or any(isinstance(s, bool) or not isinstance(s, int) or s < 1 for s in sizes)):
+                raise ValueError(f"cuda_graph_sizes must be a non-empty list of positive integers, got {sizes!r}")
+            self.cuda_graph_sizes = list(sizes)
         if self.num_kv_blocks is not None and (not isinstance(self.num_kv_blocks, int) or self.num_kv_blocks < 1):
             raise ValueError(f"num_kv_blocks must be a positive integer, got {self.num_kv_blocks!r}")
         if not 0.0 < float(self.kv_cache_memory_fraction) <= 1.0:

@@ -203,9 +203,11 @@ class EngineProcess:
             return
         self.engine.add_request(request)
 
-    def _step(self) -> None:
+    def _step(self, settle: bool = False) -> None:
+        """One engine step, or with ``settle`` only the finishing of the step in flight (overlapped scheduling:
+        called before a verb or a hand-back acts, so the tokens the device already sampled are delivered)."""
         try:
-            outputs = self.engine.step()
+            outputs = self.engine.sync() if settle else self.engine.step()
         except EngineGroupLost:
             # Stepping again is impossible: exit, so the coordinator re-queues this group's requests.
             logger.exception("engine group lost a rank; exiting so its requests move to other groups")
@@ -219,7 +221,11 @@ class EngineProcess:
                        for r in failed]
             self._send(Header.ENGINE_STEP, {"engine_id": self.engine_id, "outputs": payload})
             return
-        self.steps += 1
+        self.steps += 0 if settle else 1
+        self._report(outputs)
+
+    def _report(self, outputs: list[Any]) -> None:
+        """Send one step's outputs to the coordinator."""
         if not outputs:
             return
         payload = []
@@ -307,6 +313,7 @@ class EngineProcess:
             self._ack(control_id, {"error": str(exc)})
             return
         spec = STEPS[step]
+        self._step(settle=True)
         if self.state not in spec.requires:
             self._ack(control_id, {"error": f"{step.value} needs an engine that is "
                                             f"{' or '.join(sorted(s.value for s in spec.requires))}; "
@@ -429,6 +436,7 @@ class EngineProcess:
         stepping = self.state is FleetState.RUNNING
         if self.engine.has_unfinished_requests() and stepping and time.monotonic() < self.drain_deadline:
             return False
+        self._step(settle=True)
         rest = self.engine.take_unfinished_requests()
         ids = [r.request_id for r in rest]
         if not self.session:

@@ -76,16 +76,15 @@ class RoutingRecord:
         return start, self.array()[start:]
 
 
-def record_step(entries: SequenceType[tuple[Any, int]], routing: "torch.Tensor") -> None:
-    """Hand one step's rows ``[step tokens, layers, top_k]`` (entry order) to the sequences that record.
+def record_step(entries: SequenceType[tuple[Any, int, int]], rows: np.ndarray) -> None:
+    """Hand one step's rows ``[step tokens, layers, top_k]`` to the sequences that record them.
 
-    Call before the entries' ``num_computed`` advances: it is the position of each entry's first token.
+    ``entries``: ``(sequence, first position, token count)`` in the step's row order.
     """
-    rows = routing.cpu().numpy()
     offset = 0
-    for sequence, count in entries:
+    for sequence, start, count in entries:
         if sequence.routing is not None:
-            sequence.routing.record(sequence.num_computed, rows[offset:offset + count])
+            sequence.routing.record(start, rows[offset:offset + count])
         offset += count
 
 

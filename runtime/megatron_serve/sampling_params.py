@@ -171,6 +171,11 @@ class SamplingParams(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=T
             raise ValueError(f"structured_outputs must be StructuredOutputsParams, got {self.structured_outputs!r}")
 
     @property
+    def has_penalties(self) -> bool:
+        """Whether a penalty reads the tokens generated so far (presence, frequency, repetition)."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
+
+    @property
     def has_logits_controls(self) -> bool:
         """Whether any control changes the logits before sampling (all neutral: the step skips that work)."""
         return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0

@@ -106,6 +106,9 @@ class FakeEngine:
             outputs.append(FakeStepOutput(request, [token], f" {token}", [], done))
         return outputs
 
+    def sync(self) -> list[FakeStepOutput]:
+        return []  # nothing in flight: every step finishes when it returns
+
     def abort_request(self, request_id: str) -> DynamicInferenceRequest | None:
         request = self.requests.pop(request_id, None)
         if request is not None:

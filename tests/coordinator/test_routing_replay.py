@@ -104,7 +104,9 @@ async def test_moved_request_keeps_its_mirrored_routing(fleet_factory, moe_model
     np.testing.assert_array_equal(final.routing_indices, expected.routing_indices)
     assert final.routing_indices.shape[0] == len(PROMPT) + PARAMS.num_tokens_to_generate - 1
     [(generated_at_move, mirrored)] = received
-    assert len(generated_at_move) == 8  # the tokens of the eight steps the first engine ran
+    # the tokens the first engine delivered in its eight steps: with overlapped scheduling the eighth step's
+    # token was still on the device when the engine hung, and the next engine computes it again
+    assert len(generated_at_move) == (7 if CONFIG.async_scheduling else 8)
     # the rows of every token the first engine processed came along, and the final record starts with them
     assert mirrored.shape[0] == len(PROMPT) + len(generated_at_move) - 1
     np.testing.assert_array_equal(final.routing_indices[: len(mirrored)], mirrored)

@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from megatron_serve import DynamicInferenceRequest, InferenceConfig, MegatronLLM, SamplingParams
-from megatron_serve.engine.graphs import DecodeGraphs, graph_batch_sizes
-from megatron_serve.engine.kv_cache import blocks_for_tokens
-from megatron_serve.engine.runner import ModelRunner, plan_step
+from megatron_serve.engine.graphs import DecodeGraphs, StepGraphs, capture_sizes, graph_batch_sizes
+from megatron_serve.engine.runner import ModelRunner
+from megatron_serve.engine.step_plan import StepBuffers, StepPlan
 from megatron_serve.tiny_model import make_tiny_model
 
 from ..graph_replay import install_graphs
@@ -59,12 +59,19 @@ def eager_outputs(tiny_llama):
             [o.generated_tokens for o in staggered])
 
 
+def test_capture_sizes_follow_vllms_cuda_graph_sizes():
+    assert capture_sizes(None, 64) == [1, 2, 4] + list(range(8, 129, 8))  # up to min(2 * max_num_seqs, 512)
+    assert capture_sizes(None, 4096)[-1] == 512
+    assert capture_sizes([20], 64) == [1, 2, 4, 8, 16]
+    assert capture_sizes([3, 1, 3, 40], 64) == [1, 3, 40]  # several values: exactly those
+
+
 def test_batch_sizes_cover_every_decode_batch_up_to_max_requests():
-    assert graph_batch_sizes(1) == [1]
-    assert graph_batch_sizes(6) == [1, 2, 4, 6]
-    assert graph_batch_sizes(64) == [1, 2, 4, 8, 16, 32, 48, 64]
-    assert graph_batch_sizes(100) == [1, 2, 4, 8, 16, 32, 48, 64, 80, 96, 100]
-    assert graph_batch_sizes(4096)[-1] == 512
+    assert graph_batch_sizes([1, 2, 4, 8], 1) == [1]
+    assert graph_batch_sizes([1, 2, 4, 8], 6) == [1, 2, 4, 6]
+    assert graph_batch_sizes(capture_sizes(None, 64), 64)[-1] == 64
+    assert graph_batch_sizes(capture_sizes(None, 100), 100) == [1, 2, 4] + list(range(8, 97, 8)) + [100]
+    assert graph_batch_sizes(capture_sizes(None, 4096), 4096)[-1] == 512
 
 
 def test_replayed_decode_steps_equal_eager_steps(tiny_llama, eager_outputs):
@@ -114,7 +121,7 @@ def test_suspend_releases_graphs_and_resume_captures_them_over_the_new_pool(tiny
     tokens, _, _ = eager_outputs
     llm = MegatronLLM(tiny_llama, config())
     capture = install_graphs(llm.engine, [1, 2, 4, 8])
-    graphs = llm.engine.runner.decode_graphs
+    graphs = llm.engine.runner.graphs.decode
     engine = llm.engine
 
     requests = generate_each_partially(llm, steps=6)
@@ -147,33 +154,42 @@ def test_graphs_survive_refit_and_serve_the_new_weights(tiny_llama, tmp_path):
     llm = MegatronLLM(tiny_llama, config())
     capture = install_graphs(llm.engine, [1, 2, 4, 8])
     llm.engine.refit(other)
-    assert llm.engine.runner.decode_graphs.captured  # weights were copied in place: same addresses
+    assert llm.engine.runner.graphs.decode.captured  # weights were copied in place: same addresses
     outs = llm.generate(PROMPTS, GREEDY)
     assert [o.generated_tokens for o in outs] == want
     assert capture.replayed_sizes
 
 
+def three_decode_rows(buffers: StepBuffers) -> StepPlan:
+    """Three decode-shaped rows over blocks 5, 6 and 7; the middle one is a prefill chunk that does not sample."""
+    out = buffers.np
+    out["token_ids"][:3], out["positions"][:3] = [11, 12, 13], [2, 3, 4]
+    out["slots"][:3] = [5 * BLOCK + 2, 6 * BLOCK + 3, 7 * BLOCK + 4]
+    out["block_tables"][:3, 0], out["seq_lens"][:3], out["lm_rows"][:2] = [5, 6, 7], [3, 4, 5], [0, 2]
+    return StepPlan(num_tokens=3, num_decode=3, num_prefill=0, block_width=1, num_sample=2, num_score=0)
+
+
 def test_a_replay_pads_rows_to_write_nothing_and_returns_only_sampling_rows(tiny_llama):
     llm = MegatronLLM(tiny_llama, config())
     install_graphs(llm.engine, [4])
-    engine, graphs = llm.engine, llm.engine.runner.decode_graphs
-    # Three decode-shaped rows over blocks 5, 6 and 7; the middle one is a prefill chunk that does not sample.
-    plan = plan_step([], BLOCK)
-    plan.token_ids, plan.positions, plan.slots = [11, 12, 13], [2, 3, 4], [5 * BLOCK + 2, 6 * BLOCK + 3, 7 * BLOCK + 4]
-    plan.decode_block_tables, plan.decode_context_lens, plan.sample_rows = [[5], [6], [7]], [3, 4, 5], [0, 2]
+    engine, graphs = llm.engine, llm.engine.runner.graphs.decode
+    buffers = engine.runner.buffers
     for layer_k, layer_v in engine.kv_cache.layer_caches:
         torch.manual_seed(0)
         layer_k.normal_()
         layer_v.normal_()
     untouched = [k.clone() for k, _ in engine.kv_cache.layer_caches]
 
-    eager = ModelRunner(engine.model, BLOCK, engine.device).run_plan(plan, engine.kv_cache.layer_caches).logits
+    plan = three_decode_rows(buffers)
+    eager = ModelRunner(engine.model, BLOCK, engine.device, buffers).run_plan(plan, engine.kv_cache.layer_caches)
+    assert graphs.covers(plan)
+    graphs.prepare(plan)
     replayed, routing = graphs.run(plan)
     assert routing is None  # a dense model
 
-    assert replayed.shape == eager.shape == (2, engine.model.config.vocab_size)
-    torch.testing.assert_close(replayed, eager)
-    assert graphs.slots[3].item() == -1 and graphs.context_lens[3].item() == 0  # the padding row
+    assert replayed.shape == eager.logits.shape == (2, engine.model.config.vocab_size)
+    torch.testing.assert_close(replayed, eager.logits)
+    assert buffers.dev["slots"][3].item() == -1 and buffers.dev["seq_lens"][3].item() == 0  # the padding row
     for before, (after, _) in zip(untouched, engine.kv_cache.layer_caches):
         changed = (before != after).flatten(2).any(-1).nonzero().tolist()
         assert changed == [[5, 2], [6, 3], [7, 4]]  # [block, offset] of the three real rows, nothing else
@@ -201,29 +217,25 @@ def test_a_failed_capture_leaves_a_working_eager_engine(tiny_llama, eager_output
     def broken_capture(forward):
         raise RuntimeError("operation not permitted when stream is capturing")
 
-    graphs = DecodeGraphs(engine.model, [1, 2, 4, 8], blocks_for_tokens(engine.max_sequence_length, BLOCK),
-                          engine.device, lambda: broken_capture)
-    engine.runner = ModelRunner(engine.model, BLOCK, engine.device, graphs)
+    graphs = DecodeGraphs(engine.model, [1, 2, 4, 8], engine.runner.buffers, lambda: broken_capture)
+    engine.runner = ModelRunner(engine.model, BLOCK, engine.device, engine.runner.buffers,
+                                StepGraphs(graphs, None, lambda: broken_capture, engine.device))
     engine.runner.capture_graphs(engine.kv_cache.layer_caches)
-    assert engine.runner.decode_graphs is None
-    assert "capturing decode CUDA graphs failed" in caplog.text
+    assert engine.runner.graphs is None
+    assert "capturing CUDA graphs failed" in caplog.text
     assert [o.generated_tokens for o in llm.generate(PROMPTS, GREEDY)] == tokens
     engine.suspend()
     engine.resume()  # no graphs to capture again: still serves
     assert [o.generated_tokens for o in llm.generate(PROMPTS, GREEDY)] == tokens
 
 
-def test_plan_over_the_static_block_table_width_runs_eagerly(tiny_llama):
+def test_graphs_cover_decode_only_plans_up_to_the_largest_size(tiny_llama):
     llm = MegatronLLM(tiny_llama, config())
     install_graphs(llm.engine, [1, 2])
-    graphs = llm.engine.runner.decode_graphs
-    sequence_blocks = graphs.max_blocks_per_sequence
-    plan = plan_step([], BLOCK)
-    plan.token_ids, plan.positions, plan.slots = [1], [0], [0]
-    plan.decode_block_tables, plan.decode_context_lens, plan.sample_rows = [[0] * sequence_blocks], [1], [0]
-    assert graphs.covers(plan)
-    plan.decode_block_tables = [[0] * (sequence_blocks + 1)]
-    assert not graphs.covers(plan)
+    graphs = llm.engine.runner.graphs.decode
+    assert graphs.covers(StepPlan(2, 2, 0, 1, 2, 0))
+    assert not graphs.covers(StepPlan(3, 3, 0, 1, 3, 0))  # over the largest graph
+    assert not graphs.covers(StepPlan(5, 1, 1, 1, 2, 0))  # a prefill chunk
 
 
 def test_cuda_graphs_flag_round_trips_through_engine_argv():
@@ -247,13 +259,13 @@ def test_cuda_graphs_flag_round_trips_through_engine_argv():
 def test_real_cuda_graphs_equal_the_eager_engine(tiny_llama):
     eager = MegatronLLM(tiny_llama, config(device="cuda", enable_cuda_graphs=False, dtype="float32"))
     graphed = MegatronLLM(tiny_llama, config(device="cuda", dtype="float32"))
-    assert graphed.engine.runner.decode_graphs.captured
+    assert graphed.engine.runner.graphs.decode.captured
     want = [o.generated_tokens for o in eager.generate(PROMPTS, GREEDY)]
     assert [o.generated_tokens for o in graphed.generate(PROMPTS, GREEDY)] == want
     assert [o.generated_tokens for o in generate_each(graphed, PROMPTS, STAGGERED)] == \
         [o.generated_tokens for o in generate_each(eager, PROMPTS, STAGGERED)]
     graphed.engine.suspend()
-    assert not graphed.engine.runner.decode_graphs.captured
+    assert not graphed.engine.runner.graphs.decode.captured
     graphed.engine.resume()
-    assert graphed.engine.runner.decode_graphs.captured
+    assert graphed.engine.runner.graphs.decode.captured
     assert [o.generated_tokens for o in graphed.generate(PROMPTS, GREEDY)] == want

@@ -62,10 +62,10 @@ def test_min_tokens_holds_off_the_stop_token_and_stop_token_ids_end_generation(l
 def test_controls_match_a_row_by_row_reference():
     torch.manual_seed(0)
     logits = torch.randn(3, 50)
-    rows = [RowContext(SamplingParams(presence_penalty=0.5, frequency_penalty=0.25), [1, 2], [3, 3, 4], frozenset()),
-            RowContext(SamplingParams(), [1], [5], frozenset({7})),
+    rows = [RowContext(SamplingParams(presence_penalty=0.5, frequency_penalty=0.25), [1, 2], [3, 3, 4], frozenset(), 3),
+            RowContext(SamplingParams(), [1], [5], frozenset({7}), 1),
             RowContext(SamplingParams(repetition_penalty=1.5, logit_bias={9: -3.0}, min_tokens=2), [2, 8], [6],
-                       frozenset({0, 7}))]
+                       frozenset({0, 7}), 1)]
     out = apply_controls(logits, rows)
     expected = logits.clone()
     expected[0, 3] -= 0.5 + 2 * 0.25
@@ -76,7 +76,7 @@ def test_controls_match_a_row_by_row_reference():
         value = expected[2, token]
         expected[2, token] = value / 1.5 if value > 0 else value * 1.5
     torch.testing.assert_close(out, expected)
-    assert apply_controls(logits, [RowContext(SamplingParams(), [], [], frozenset())] * 3) is logits
+    assert apply_controls(logits, [RowContext(SamplingParams(), [], [], frozenset(), 0)] * 3) is logits
 
 
 def test_bitmask_unpacks_every_bit_including_the_sign_bit():

@@ -1,5 +1,17 @@
 """``DynamicInferenceEngine``: one model replica, its paged KV cache, and the step loop over requests.
 
+A step is three calls with one job each: ``schedule()`` picks what runs (the scheduler), ``launch()``
+writes the plan into the persistent step buffers, runs the forward and samples on the device without
+waiting for it, and ``finish()`` reads the sampled tokens back and updates the requests. With
+``async_scheduling`` (the default), ``step()`` schedules and launches step N+1 before it finishes step
+N, so on a GPU the host's work for the next step (scheduling, the plan, kernel launches, reading
+results, building outputs) overlaps the device's work on the current one; a request's next input token
+then stays on the device (the plan gathers it there) and the host reads it one step later. A request
+whose logits controls need its tokens on the host (a grammar mask, penalties) sits out the step after
+each of its tokens, alone: the rest of the batch goes on. Stop conditions are seen one step late, so a
+finished request may have computed one more row, which is dropped: the outputs are those of the serial
+loop, token for token.
+
 The engine never raises for a bad request: the request fails alone and comes back from ``step()``.
 """
 
@@ -14,7 +26,7 @@ import numpy as np
 import torch
 
 from ..config import InferenceConfig
-from .sizing import build_kv_pool, default_dtype, max_sequence_length_for
+from .sizing import build_kv_pool, default_dtype, engine_buffers, max_sequence_length_for
 from ..detokenizer import IncrementalDetokenizer
 from .encoder_cache import EncoderCache
 from ..engine_stats import EngineStats
@@ -24,12 +36,13 @@ from .kv_cache import BlockAllocator, blocks_for_tokens
 from ..model.config import ModelConfig
 from ..model.llama import LlamaForCausalLM
 from ..model.loader import load_model, load_weights
-from .graphs import decode_graphs_for
+from .graphs import graphs_for
 from .logits_processors import RowContext, apply_controls, apply_token_bitmask
-from .runner import ModelRunner, prompt_positions_to_score
+from .runner import ModelRunner
+from .step_plan import prompt_positions_to_score, write_plan
 from ..request import DynamicInferenceRequest, EventType, FinishReason, RequestStatus
-from .sampler import Sampler, score_tokens
-from .scheduler import Scheduler, Sequence
+from .sampler import DeviceSample, DeviceScores, Readback, Sampler, score_tokens
+from .scheduler import ScheduledBatch, Scheduler, Sequence
 from .structured_output import StructuredOutputs
 from ..tokenizer import Tokenizer
 from ..weights.sources import WeightSource, weight_source
@@ -48,6 +61,18 @@ class StepOutput:
     finished: bool
     new_top_logprobs: list[dict[int, float]] = field(default_factory=list)
     new_routing: tuple[int, np.ndarray] | None = None  # (first position, routing rows) since the last output
+
+
+@dataclass
+class InFlightStep:
+    """A launched step whose results are still on the device: what ``finish`` needs to read them."""
+
+    entries: list[tuple[Sequence, int]]
+    starts: list[int]  # each entry's first position (its num_computed before the step)
+    sampling: list[Sequence]  # in the order of the sampled rows
+    sample: DeviceSample
+    scores: tuple[list[tuple[Sequence, range]], DeviceScores] | None  # prompt positions scored, and their scores
+    routing: Readback | None  # expert ids of the step's tokens, when some entry records them
 
 
 def _encoder_cache_for(model: LlamaForCausalLM, tokenizer: Tokenizer) -> EncoderCache | None:
@@ -72,8 +97,10 @@ class DynamicInferenceEngine:
         self.allocator = BlockAllocator(self.kv_cache.shape[2], config.enable_prefix_caching)
         block_size = config.block_size_tokens
         self.scheduler = Scheduler(self.allocator, block_size, config.max_batch_tokens, config.max_requests)
-        self.runner = runner or ModelRunner(model, block_size, self.device,
-                                            decode_graphs_for(model, config, self.max_sequence_length, self.device))
+        if runner is None:
+            buffers = engine_buffers(config, self.max_sequence_length, self.device)
+            runner = ModelRunner(model, block_size, self.device, buffers, graphs_for(model, config, buffers))
+        self.runner = runner
         self.runner.capture_graphs(self.kv_cache.layer_caches)
         self.sampler = Sampler(config.seed, self.device)
         self.structured = StructuredOutputs(tokenizer, model.config.vocab_size)
@@ -81,6 +108,7 @@ class DynamicInferenceEngine:
         self._sequences: dict[str, Sequence] = {}
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._pending: list[StepOutput] = []
+        self._in_flight: InFlightStep | None = None  # launched, not finished (overlapped scheduling)
         self.suspended = False
         self.weights_offloaded = False
         self.computed_tokens = 0  # tokens run through the model (prefill and decode), for counters
@@ -112,11 +140,12 @@ class DynamicInferenceEngine:
             return cls(load_model(model_dir, dtype, config.device), tokenizer, config)
         from .tensor_parallel import TensorParallelRunner, abandon_group, start_rank_zero  # noqa: PLC0415
 
-        tp, device, workers = start_rank_zero(str(model_dir), config)
+        tp, channel, device, workers = start_rank_zero(str(model_dir), config)
         try:
             model = load_model(model_dir, dtype, device, tp)
-            graphs = decode_graphs_for(model, config, max_sequence_length_for(model_config, config), device)
-            runner = TensorParallelRunner(model, config.block_size_tokens, device, tp, workers, graphs)
+            buffers = engine_buffers(config, max_sequence_length_for(model_config, config), device)
+            runner = TensorParallelRunner(model, config.block_size_tokens, device, buffers, tp, channel, workers,
+                                          graphs_for(model, config, buffers))
             return cls(model, tokenizer, config, runner)
         except BaseException:
             abandon_group(workers)
@@ -144,7 +173,10 @@ class DynamicInferenceEngine:
         return self.allocator.num_free
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self._pending) or self.scheduler.has_work()
+        """Outputs to hand out, requests to run, or a step in flight that still samples for a live request
+        (one whose requests were all aborted meanwhile has nothing left to give: the next step drops it)."""
+        in_flight = self._in_flight is not None and not all(s.finished for s in self._in_flight.sampling)
+        return bool(self._pending) or in_flight or self.scheduler.has_work()
 
     def add_request(self, request: DynamicInferenceRequest) -> None:
         """Queue a request; one that can never run fails alone (reported by the next ``step``)."""
@@ -166,6 +198,7 @@ class DynamicInferenceEngine:
                 return
         max_total = min(len(request.prompt_tokens) + sp.num_tokens_to_generate, self.max_sequence_length)
         sequence = Sequence(request, max_total, stop_ids)
+        sequence.needs_host_tokens = sp.structured_outputs is not None or sp.has_penalties
         if sp.return_routing_indices:
             moe = self.model.config.moe
             sequence.routing = RoutingRecord(len(moe.sparse_layers), moe.top_k, routing_dtype(moe.num_experts),
@@ -242,6 +275,7 @@ class DynamicInferenceEngine:
 
     def _forget(self, sequence: Sequence) -> None:
         """Free what the engine holds for a request that leaves (finished, aborted, failed)."""
+        sequence.finished = True
         self._keep_routing(sequence)
         self.scheduler.finish(sequence)
         self._sequences.pop(sequence.request_id, None)
@@ -251,8 +285,19 @@ class DynamicInferenceEngine:
             self.encoder_cache.release(sequence.request_id)
 
     def take_unfinished_requests(self) -> list[DynamicInferenceRequest]:
-        """Hand back every unfinished request (draining): blocks freed, tokens generated so far kept."""
+        """Hand back every unfinished request (draining): blocks freed, tokens generated so far kept.
+
+        The step in flight is finished first: its tokens stay on the requests handed back (a caller that
+        must deliver them as outputs calls ``sync()`` first); outputs of requests it finished stay for ``step()``.
+        After a failed step (the caller fails what it hands back), a step in flight that fails too is dropped.
+        """
+        try:
+            self._settle()
+        except Exception:  # noqa: BLE001 - the failure that brought us here is being handled
+            logger.exception("finishing the step in flight failed; its tokens are dropped")
         sequences = self.scheduler.take_all()
+        handed = {id(s.request) for s in sequences}
+        self._pending = [out for out in self._pending if id(out.request) not in handed]
         self._sequences.clear()
         self._detokenizers.clear()
         self.structured.clear()  # rebuilt from the generated tokens wherever the requests run next
@@ -276,6 +321,7 @@ class DynamicInferenceEngine:
         offload = level == 2 and not self.weights_offloaded and self.device.type == "cuda"
         if self.suspended and not offload:
             return 0
+        self._settle()
         self.runner.on_suspend(level)
         released = 0
         if not self.suspended:
@@ -306,6 +352,7 @@ class DynamicInferenceEngine:
         when some were overwritten the epoch becomes -1 until a refit covers them again.
         """
         source = weight_source(source)
+        self._settle()  # the step in flight was computed with the old weights: its tokens carry the old epoch
         started = time.perf_counter()
         source.check(self.model)
         verified = time.perf_counter()
@@ -364,13 +411,43 @@ class DynamicInferenceEngine:
 
     # ------------------------------------------------------------------ step
     def step(self) -> list[StepOutput]:
+        """Run one step: schedule, launch, finish. With ``async_scheduling`` the step finished is the one
+        launched by the previous call, after this call launched the next (its outputs come one call later)."""
         outputs, self._pending = self._pending, []
+        batch = self.schedule()
+        launched = self.launch(batch) if batch is not None else None
+        if self.config.async_scheduling:
+            launched, self._in_flight = self._in_flight, launched
+        if launched is not None:
+            outputs += self.finish(launched)
+        return outputs + self._take_pending()
+
+    def sync(self) -> list[StepOutput]:
+        """Finish the step in flight, if any, and return every output not handed out yet (call before a
+        lifecycle verb or a hand-back, so that tokens the device already sampled are delivered first)."""
+        self._settle()
+        return self._take_pending()
+
+    def _settle(self) -> None:
+        """Finish the step in flight now; its outputs wait for the next ``step()`` or ``sync()``."""
+        if self._in_flight is not None:
+            in_flight, self._in_flight = self._in_flight, None
+            self._pending.extend(self.finish(in_flight))
+
+    def _take_pending(self) -> list[StepOutput]:
+        outputs, self._pending = self._pending, []
+        return outputs
+
+    def schedule(self) -> ScheduledBatch | None:
+        """What the next step computes, or None when nothing can run now."""
         if self.suspended or not self.scheduler.has_work():
-            return outputs
+            return None
         batch = self.scheduler.schedule()
         self.stats.preempted(len(batch.preempted))
-        if not batch:
-            return outputs
+        return batch or None
+
+    def launch(self, batch: ScheduledBatch) -> InFlightStep | None:
+        """Write the plan, run the forward and sample on the device; nothing waits for the device here."""
         entries, images = batch.entries, None
         if self.encoder_cache is not None:
             images, entries, failed = self.encoder_cache.prepare(entries)
@@ -378,40 +455,63 @@ class DynamicInferenceEngine:
                 sequence.request.fail(message)
                 self._forget(sequence)
                 self.stats.finish(sequence.request)
-                outputs.append(StepOutput(sequence.request, [], "", [], True))
+                self._pending.append(StepOutput(sequence.request, [], "", [], True))
             if not entries:
-                return outputs
-        sampling = [(s, count) for s, count in entries if s.num_computed + count == len(s.token_ids)]
-        forward = self.runner.execute(entries, self.kv_cache.layer_caches, images)
-        if forward.routing is not None:
-            record_step(entries, forward.routing)
-        self._record_prompt_scores(entries, forward.logits[len(sampling):])
-        logits = forward.logits[: len(sampling)]
+                return None
+        plan = write_plan(entries, self.config.block_size_tokens, self.runner.buffers, images)
+        previous = self._in_flight.sample.tokens if plan.num_gather else None
+        forward = self.runner.run_plan(plan, self.kv_cache.layer_caches,
+                                       None if images is None else images.embeddings, previous)
+        sampling = [s for s, count in entries if s.num_computed + count == len(s.token_ids) + s.pending_tokens]
+        starts = [s.num_computed for s, _ in entries]
+        scores = self._score_prompts(entries, forward.logits[len(sampling):])
         for sequence, count in entries:
             if sequence.kv_epoch is None:
                 sequence.kv_epoch = self.epoch
             sequence.num_computed += count
             self.scheduler.register_computed_blocks(sequence)
-        self.computed_tokens += sum(count for _, count in entries)
-        sequences = [s for s, _ in sampling]
-        processed = self._controlled_logits(logits, sequences)
-        result = self.sampler.sample(processed, [s.request.sampling_params for s in sequences],
-                                     [len(s.request.generated_tokens) for s in sequences],
+        self.computed_tokens += plan.num_tokens
+        logits = forward.logits[: len(sampling)]
+        processed = self._controlled_logits(logits, sampling)
+        sample = self.sampler.launch(processed, [s.request.sampling_params for s in sampling],
+                                     [len(s.request.generated_tokens) + s.pending_tokens for s in sampling],
                                      model_logits=None if processed is logits else logits)
+        for row, sequence in enumerate(sampling):
+            sequence.pending_tokens += 1
+            sequence.pending_row = row
+        routing = Readback([forward.routing]) if forward.routing is not None else None  # graphs reuse their outputs
+        return InFlightStep(entries, starts, sampling, sample, scores, routing)
+
+    def finish(self, step: InFlightStep) -> list[StepOutput]:
+        """Read a launched step's results (waits for the device) and hand each request its token."""
+        result = step.sample.read()
+        if step.routing is not None:
+            record_step([(s, start, count) for (s, count), start in zip(step.entries, step.starts)],
+                        np.asarray(step.routing.wait()[0]))
+        if step.scores is not None:
+            self._record_prompt_scores(*step.scores)
         now = time.monotonic()
-        sampled = [self._append_token(sequence, result.token_ids[i], result.log_probs[i], result.top_n[i])
-                   for i, sequence in enumerate(sequences)]
-        self.stats.observe_step(sequences, sampled, now)
-        return outputs + sampled
+        sequences, outputs = [], []
+        for row, sequence in enumerate(step.sampling):
+            sequence.pending_tokens -= 1
+            if sequence.finished:  # aborted or finished while the step ran: its row is dropped
+                continue
+            outputs.append(self._append_token(sequence, result.token_ids[row], result.log_probs[row],
+                                              result.top_n[row]))
+            sequences.append(sequence)
+            if not sequence.finished:
+                self.scheduler.register_computed_blocks(sequence)
+        self.stats.observe_step(sequences, outputs, now)
+        return outputs
 
     def _controlled_logits(self, logits: torch.Tensor, sequences: list[Sequence]) -> torch.Tensor:
         """The logits to sample from: logit controls, then grammar masks (``logits`` itself when none apply).
 
         The grammar masks are filled on the host after the forward pass was launched, so on a GPU
-        they overlap with it.
+        they overlap with it. Rows that read their tokens here never have one in flight (``needs_host_tokens``).
         """
         rows = [RowContext(s.request.sampling_params, s.request.prompt_tokens, s.request.generated_tokens,
-                           s.stop_token_ids) for s in sequences]
+                           s.stop_token_ids, len(s.request.generated_tokens) + s.pending_tokens) for s in sequences]
         processed = apply_controls(logits, rows)
         masks = self.structured.bitmask([s.request_id for s in sequences], [s.stop_token_ids for s in sequences])
         if masks is not None:
@@ -419,13 +519,20 @@ class DynamicInferenceEngine:
             apply_token_bitmask(processed, *masks)
         return processed
 
-    def _record_prompt_scores(self, entries: list[tuple[Sequence, int]], logits: torch.Tensor) -> None:
-        """Prompt log probs (and top-n) of the positions this step scored (``model_runner.plan_step``'s order)."""
+    @staticmethod
+    def _score_prompts(entries: list[tuple[Sequence, int]], logits: torch.Tensor
+                       ) -> tuple[list[tuple[Sequence, range]], DeviceScores] | None:
+        """Prompt log probs (and top-n) of the positions this step scores, on the device (``step_plan``'s order)."""
         if not logits.shape[0]:
-            return
+            return None
         spans = [(s, positions) for s, count in entries if (positions := prompt_positions_to_score(s, count))]
         targets = torch.tensor([s.token_ids[p + 1] for s, positions in spans for p in positions], device=logits.device)
-        scores = score_tokens(logits, targets, max(s.request.sampling_params.top_n_logprobs for s, _ in spans))
+        top_n = max(s.request.sampling_params.top_n_logprobs for s, _ in spans)
+        return spans, score_tokens(logits, targets, top_n)
+
+    @staticmethod
+    def _record_prompt_scores(spans: list[tuple[Sequence, range]], device_scores: DeviceScores) -> None:
+        scores = device_scores.read()
         row = 0
         for sequence, positions in spans:
             request = sequence.request

@@ -2,8 +2,8 @@
 
 A decode step launches a few hundred small kernels; at small batches those launches, not the GPU,
 set the pace. Capturing the whole step (forward pass and LM head) once per batch size and replaying
-it removes that cost. A graph reads its inputs from fixed buffers (token ids, positions, cache
-slots, block tables, context lengths), so a step only copies its values in and replays. Rows past
+it removes that cost. A graph reads its inputs from the runner's persistent step buffers (token ids,
+positions, cache slots, block tables, context lengths), so a step only writes its values there and replays. Rows past
 the real batch are padding: they write no cache slot (slot -1) and attend to nothing (context 0).
 
 A graph holds the addresses of the KV cache and the weights it was captured with. It is released
@@ -14,7 +14,9 @@ Refit copies weights in place, so graphs survive it.
 from __future__ import annotations
 
 import bisect
-from typing import TYPE_CHECKING, Callable
+import logging
+import time
+from typing import Callable
 
 import torch
 
@@ -22,12 +24,11 @@ from megatron_kernels.ops import backend_for
 
 from ..config import InferenceConfig
 from ..model.moe import stack_routing
-from .kv_cache import blocks_for_tokens
 from ..model.attention import AttentionMetadata, ForwardContext
 from ..model.llama import LlamaForCausalLM
+from .step_plan import StepBuffers, StepPlan
 
-if TYPE_CHECKING:  # model_runner imports this module
-    from .runner import StepPlan
+logger = logging.getLogger(__name__)
 
 MAX_GRAPH_BATCH = 512  # larger decode batches are compute-bound: launch overhead no longer matters
 WARMUP_RUNS = 2  # eager runs before capture: compile every Triton variant, settle the allocator
@@ -38,13 +39,20 @@ GraphOutputs = tuple[torch.Tensor, torch.Tensor | None]
 GraphCapture = Callable[[Callable[[], GraphOutputs]], Callable[[], GraphOutputs]]
 
 
-def graph_batch_sizes(max_requests: int) -> list[int]:
-    """1, 2, 4, 8, then every 16 up to ``max_requests`` (itself included, so every decode batch fits)."""
+def capture_sizes(requested: list[int] | None, max_requests: int) -> list[int]:
+    """Token counts to capture, with vLLM's meaning of ``--cuda-graph-sizes``: none given, up to
+    ``min(2 * max_requests, 512)``; one value N, ``1, 2, 4`` then every 8 up to N; several, exactly those."""
+    if requested is not None and len(requested) > 1:
+        return sorted(set(requested))
+    limit = requested[0] if requested else min(2 * max_requests, MAX_GRAPH_BATCH)
+    return sorted({size for size in (1, 2, 4) if size <= limit} | set(range(8, limit + 1, 8)))
+
+
+def graph_batch_sizes(sizes: list[int], max_requests: int) -> list[int]:
+    """The decode graphs' batch sizes: the capture sizes up to ``max_requests``, and ``max_requests`` itself
+    (capped at 512), so that every decode batch fits one."""
     limit = min(max_requests, MAX_GRAPH_BATCH)
-    sizes = {size for size in (1, 2, 4, 8) if size <= limit}
-    sizes.update(range(16, limit + 1, 16))
-    sizes.add(limit)
-    return sorted(sizes)
+    return sorted({size for size in sizes if size <= limit} | {limit})
 
 
 class CudaGraphCapture:
@@ -78,34 +86,29 @@ class CudaGraphCapture:
 
 
 class DecodeGraphs:
-    """Static input buffers and one captured decode step per batch size."""
+    """One captured decode step per batch size, over the runner's persistent step buffers."""
 
-    def __init__(self, model: LlamaForCausalLM, batch_sizes: list[int], max_blocks_per_sequence: int,
-                 device: torch.device, capture_factory: Callable[[], GraphCapture]):
+    def __init__(self, model: LlamaForCausalLM, batch_sizes: list[int], buffers: StepBuffers,
+                 capture_factory: Callable[[], GraphCapture]):
         if not batch_sizes:
             raise ValueError("decode graphs need at least one batch size")
         self.model = model
-        self.batch_sizes = sorted(batch_sizes)
+        self.batch_sizes = sorted(size for size in batch_sizes if size <= buffers.max_requests)
         self.max_batch = self.batch_sizes[-1]
-        self.max_blocks_per_sequence = max_blocks_per_sequence
+        self.buffers = buffers
         self._capture_factory = capture_factory
-        size = self.max_batch
-        self.token_ids = torch.zeros(size, dtype=torch.int64, device=device)
-        self.positions = torch.zeros(size, dtype=torch.int64, device=device)
-        self.slots = torch.full((size,), -1, dtype=torch.int64, device=device)
-        self.block_tables = torch.zeros((size, max_blocks_per_sequence), dtype=torch.int32, device=device)
-        self.context_lens = torch.zeros(size, dtype=torch.int32, device=device)
         self._replays: dict[int, Callable[[], GraphOutputs]] = {}
+        self._size = 0  # the size the last ``prepare`` chose
 
     @property
     def captured(self) -> bool:
         return bool(self._replays)
 
-    def capture(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    def capture(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], capture: GraphCapture | None = None) -> None:
         """Capture every batch size over ``kv_caches`` (replacing earlier graphs)."""
         self.release()
         self._reset_to_padding()  # warm-up and capture runs then write no cache slot
-        capture = self._capture_factory()
+        capture = capture or self._capture_factory()
         for size in reversed(self.batch_sizes):
             self._replays[size] = capture(self._forward_for(size, kv_caches))
 
@@ -115,50 +118,41 @@ class DecodeGraphs:
 
     def covers(self, plan: StepPlan) -> bool:
         """Whether ``plan`` is a decode-only step that a captured graph can run."""
-        return (self.captured and not plan.prefill_block_tables and 0 < len(plan.token_ids) <= self.max_batch
-                and len(plan.decode_block_tables[0]) <= self.max_blocks_per_sequence)
+        return self.captured and plan.decode_only and 0 < plan.num_tokens <= self.max_batch
+
+    def prepare(self, plan: StepPlan) -> None:
+        """Pad the plan to the smallest captured size that fits and copy it to the device buffers."""
+        self._size = self.batch_sizes[bisect.bisect_left(self.batch_sizes, plan.num_tokens)]
+        self.buffers.pad(plan, self._size, self._size)
+        self.buffers.upload(plan, self._size, self._size)
 
     def run(self, plan: StepPlan) -> GraphOutputs:
-        """Copy ``plan`` into the static buffers, replay the smallest graph that fits.
-
-        Returns the logits of the sampling rows, and the step's expert ids when the plan records them
-        (MoE graphs always compute them: a few bytes per token).
-        """
-        count = len(plan.token_ids)
-        size = self.batch_sizes[bisect.bisect_left(self.batch_sizes, count)]
-        padding = size - count
-        self._fill(self.token_ids, plan.token_ids + [0] * padding)
-        self._fill(self.positions, plan.positions + [0] * padding)
-        self._fill(self.slots, plan.slots + [-1] * padding)
-        self._fill(self.context_lens, plan.decode_context_lens + [0] * padding)
-        width = len(plan.decode_block_tables[0])
-        self.block_tables[:count, :width].copy_(torch.tensor(plan.decode_block_tables, dtype=torch.int32),
-                                                non_blocking=True)
-        logits, routing = self._replays[size]()
+        """Replay the graph ``prepare`` chose. Returns the logits of the sampling rows, and the step's expert
+        ids when the plan records them (MoE graphs always compute them: a few bytes per token)."""
+        count = plan.num_tokens
+        logits, routing = self._replays[self._size]()
         routing = routing[:count] if plan.record_routing and routing is not None else None
-        if len(plan.sample_rows) == count:  # every row samples (the usual decode step)
+        if plan.num_sample == count:  # every row samples (the usual decode step)
             return logits[:count], routing
-        return logits[torch.tensor(plan.sample_rows, dtype=torch.int64, device=logits.device)], routing
-
-    @staticmethod
-    def _fill(buffer: torch.Tensor, values: list[int]) -> None:
-        buffer[: len(values)].copy_(torch.tensor(values, dtype=buffer.dtype), non_blocking=True)
+        return logits[self.buffers.dev["lm_rows"][: plan.num_sample]], routing
 
     def _reset_to_padding(self) -> None:
-        self.token_ids.zero_()
-        self.positions.zero_()
-        self.slots.fill_(-1)
-        self.context_lens.zero_()
-        self.block_tables.zero_()
+        dev = self.buffers.dev
+        dev["token_ids"].zero_()
+        dev["positions"].zero_()
+        dev["slots"].fill_(-1)
+        dev["seq_lens"].zero_()
+        dev["block_tables"].zero_()
 
     def _forward_for(self, size: int, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
                      ) -> Callable[[], GraphOutputs]:
+        dev = self.buffers.dev
         metadata = AttentionMetadata(
-            slot_mapping=self.slots[:size], num_decode_tokens=size,
-            decode_block_tables=self.block_tables[:size], decode_context_lens=self.context_lens[:size],
+            slot_mapping=dev["slots"][:size], num_decode_tokens=size,
+            decode_block_tables=dev["block_tables"][:size], decode_context_lens=dev["seq_lens"][:size],
             prefill_block_tables=None, prefill_query_start_loc=None, prefill_context_lens=None,
         )
-        token_ids, positions = self.token_ids[:size], self.positions[:size]
+        token_ids, positions = dev["token_ids"][:size], dev["positions"][:size]
         moe = self.model.config.moe is not None
 
         @torch.inference_mode()
@@ -170,15 +164,174 @@ class DecodeGraphs:
         return forward
 
 
-def decode_graphs_for(model: LlamaForCausalLM, config: InferenceConfig, max_sequence_length: int,
-                      device: torch.device) -> DecodeGraphs | None:
-    """Decode graphs for this engine, or ``None`` where they cannot or should not be used.
+class MixedGraphs:
+    """Steps of any mix up to the largest captured token count, replayed piecewise (see the module docstring).
 
-    Only on CUDA with the Triton kernels: the reference ops read lengths back to the host
-    (``int(context_lens.max())``), which a capture forbids.
+    Piece 0 embeds the tokens and runs layer 0 up to its cache write; piece ``i`` runs layer ``i - 1``
+    from its output projection through the MLP, then layer ``i`` up to its cache write; the last piece
+    ends with the final norm. Pieces hand over through persistent buffers (rotated queries, attention
+    outputs, the residual stream), so a piece's own temporaries are freed once captured: every piece of
+    every size shares the capture round's memory pool.
     """
-    if not config.enable_cuda_graphs or device.type != "cuda" or backend_for(device) != "triton":
+
+    def __init__(self, model: LlamaForCausalLM, sizes: list[int], buffers: StepBuffers,
+                 capture_factory: Callable[[], GraphCapture]):
+        self.model = model
+        self.sizes = sorted(size for size in sizes if size <= buffers.max_tokens)
+        if not self.sizes:
+            raise ValueError("mixed graphs need at least one token count within the step's token budget")
+        self.buffers = buffers
+        self._capture_factory = capture_factory
+        config, layers = model.config, model.model.layers
+        attention = layers[0].self_attn
+        rows, dtype, device = self.sizes[-1], next(model.parameters()).dtype, buffers.device
+        heads = attention.q_size // attention.head_dim
+        self.queries = torch.zeros(rows, heads, attention.head_dim, dtype=dtype, device=device)
+        self.attended = torch.zeros_like(self.queries)
+        self.residual = torch.zeros(rows, config.hidden_size, dtype=dtype, device=device)
+        self.hidden = torch.zeros_like(self.residual)
+        self._moe_slot = {i: n for n, i in enumerate(i for i, layer in enumerate(layers) if layer.sparse)}
+        self.routing = (torch.zeros(rows, len(self._moe_slot), config.moe.top_k, dtype=torch.int64, device=device)
+                        if self._moe_slot else None)
+        self._replays: dict[int, list[Callable[[], GraphOutputs]]] = {}
+        self._size = 0
+
+    @property
+    def captured(self) -> bool:
+        return bool(self._replays)
+
+    @property
+    def count(self) -> int:
+        return sum(len(pieces) for pieces in self._replays.values())
+
+    def capture(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], capture: GraphCapture | None = None) -> None:
+        """Capture every piece of every size over ``kv_caches`` (replacing earlier graphs)."""
+        self.release()
+        capture = capture or self._capture_factory()
+        for size in reversed(self.sizes):
+            self._replays[size] = [capture(piece) for piece in self._pieces_for(size, kv_caches)]
+
+    def release(self) -> None:
+        self._replays.clear()
+
+    def covers(self, plan: StepPlan) -> bool:
+        """Whether ``plan`` fits a captured size (steps with images embed them outside any graph: eager)."""
+        return self.captured and plan.num_tokens <= self.sizes[-1] and not plan.multimodal
+
+    def prepare(self, plan: StepPlan) -> None:
+        """Pad the plan's rows to the smallest captured size that fits and copy it to the device buffers."""
+        self._size = self.sizes[bisect.bisect_left(self.sizes, plan.num_tokens)]
+        self.buffers.pad(plan, self._size, plan.num_requests)
+        self.buffers.upload(plan, self._size, plan.num_requests)
+
+    def run(self, plan: StepPlan, context: ForwardContext) -> GraphOutputs:
+        """Replay the pieces ``prepare`` chose, attention in between; returns the final hidden states of the
+        step's rows and, when the plan records them, their expert ids."""
+        count = plan.num_tokens
+        pieces = self._replays[self._size]
+        pieces[0]()
+        for layer, piece in zip(self.model.model.layers, pieces[1:]):
+            layer.self_attn.attn.attend(self.queries[:count], context, out=self.attended[:count])
+            piece()
+        routing = None
+        if plan.record_routing and self.routing is not None:
+            routing = self.routing[:count].to(torch.uint8 if self.model.config.moe.num_experts <= 256 else torch.int32)
+        return self.hidden[:count], routing
+
+    def _pieces_for(self, size: int, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
+                    ) -> list[Callable[[], GraphOutputs]]:
+        dev = self.buffers.dev
+        metadata = AttentionMetadata(slot_mapping=dev["slots"][:size], num_decode_tokens=0, decode_block_tables=None,
+                                     decode_context_lens=None, prefill_block_tables=None,
+                                     prefill_query_start_loc=None, prefill_context_lens=None)
+        token_ids, positions = dev["token_ids"][:size], dev["positions"][:size]
+        model, layers = self.model, self.model.model.layers
+        cos, sin = model.rotary_cos, model.rotary_sin
+        queries, attended, residual_rows = self.queries[:size], self.attended[:size], self.residual[:size]
+
+        def piece(index: int) -> Callable[[], GraphOutputs]:
+            @torch.inference_mode()
+            def forward() -> GraphOutputs:
+                context = ForwardContext(metadata, kv_caches, routing=[] if index - 1 in self._moe_slot else None)
+                if index == 0:
+                    hidden, residual = model.model.embed_tokens(token_ids), None
+                else:
+                    hidden, residual = layers[index - 1].after_attention(attended, residual_rows, context)
+                    if context.routing:
+                        self.routing[:size, self._moe_slot[index - 1]].copy_(context.routing[0])
+                if index == len(layers):
+                    self.hidden[:size].copy_(model.model.norm(hidden, residual)[0])
+                    return self.hidden[:size], None
+                q, residual = layers[index].before_attention(positions, hidden, residual, context, cos, sin)
+                queries.copy_(q)
+                residual_rows.copy_(residual)
+                return queries, None
+
+            return forward
+
+        return [piece(index) for index in range(len(layers) + 1)]
+
+
+class StepGraphs:
+    """An engine's graphs: decode graphs and mixed graphs, captured in one round over one memory pool."""
+
+    def __init__(self, decode: DecodeGraphs, mixed: MixedGraphs | None, capture_factory: Callable[[], GraphCapture],
+                 device: torch.device):
+        self.decode, self.mixed = decode, mixed
+        self._capture_factory = capture_factory
+        self.device = device
+
+    @property
+    def captured(self) -> bool:
+        return self.decode.captured
+
+    def capture(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Capture every graph over ``kv_caches``; logs how many, how long it took and the memory they hold."""
+        started = time.perf_counter()
+        free_before = _free_memory(self.device)
+        capture = self._capture_factory()
+        self.decode.capture(kv_caches, capture)
+        if self.mixed is not None:
+            self.mixed.capture(kv_caches, capture)
+        used = free_before - _free_memory(self.device)
+        logger.info("captured %d CUDA graphs (decode batches %s; mixed steps of up to %s tokens, piecewise) in "
+                    "%.1fs, holding %.0f MiB", len(self.decode.batch_sizes) + (self.mixed.count if self.mixed else 0),
+                    _span(self.decode.batch_sizes), self.mixed.sizes[-1] if self.mixed else "-",
+                    time.perf_counter() - started, used / 2**20)
+
+    def release(self) -> None:
+        self.decode.release()
+        if self.mixed is not None:
+            self.mixed.release()
+
+
+def _free_memory(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 0
+    torch.cuda.synchronize(device)
+    return torch.cuda.mem_get_info(device)[0]
+
+
+def _span(sizes: list[int]) -> str:
+    return f"{sizes[0]}-{sizes[-1]}" if len(sizes) > 1 else str(sizes[0])
+
+
+def graphs_for(model: LlamaForCausalLM, config: InferenceConfig, buffers: StepBuffers,
+               capture_factory: Callable[[], GraphCapture] | None = None) -> StepGraphs | None:
+    """The graphs of this engine, or ``None`` where they cannot or should not be used.
+
+    Only on CUDA with the Triton kernels (the reference ops read lengths back to the host:
+    ``int(context_lens.max())``, which a capture forbids), unless ``capture_factory`` stands in for the
+    capture (tests run the same buffers and pieces eagerly on CPU).
+    """
+    device = buffers.device
+    if not config.enable_cuda_graphs:
         return None
-    return DecodeGraphs(model, graph_batch_sizes(config.max_requests),
-                        blocks_for_tokens(max_sequence_length, config.block_size_tokens), device,
-                        lambda: CudaGraphCapture(device))
+    if capture_factory is None:
+        if device.type != "cuda" or backend_for(device) != "triton":
+            return None
+        capture_factory = lambda: CudaGraphCapture(device)  # noqa: E731
+    sizes = capture_sizes(config.cuda_graph_sizes, config.max_requests)
+    decode = DecodeGraphs(model, graph_batch_sizes(sizes, config.max_requests), buffers, capture_factory)
+    mixed = MixedGraphs(model, sizes, buffers, capture_factory) if min(sizes) <= buffers.max_tokens else None
+    return StepGraphs(decode, mixed, capture_factory, device)

@@ -33,8 +33,9 @@ class RowContext:
 
     params: SamplingParams
     prompt_tokens: Seq[int]
-    output_tokens: Seq[int]
+    output_tokens: Seq[int]  # read by the penalties only (their rows never have a token in flight)
     stop_token_ids: frozenset[int]  # what min_tokens holds back
+    num_output: int  # tokens generated so far, those in flight included
 
 
 def _flat_index(rows: list[int], lists: list[Seq[int]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -55,7 +56,7 @@ def _apply_bias_and_min_tokens(logits: torch.Tensor, rows: list[RowContext]) -> 
                 bias_rows.append(i)
                 bias_ids.append(token)
                 bias_values.append(bias)
-        if len(row.output_tokens) < row.params.min_tokens:
+        if row.num_output < row.params.min_tokens:
             blocked = [t for t in row.stop_token_ids if t < vocab]
             blocked_rows.extend([i] * len(blocked))
             blocked_ids.extend(blocked)

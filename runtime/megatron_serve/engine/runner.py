@@ -1,53 +1,33 @@
-"""Turns a scheduled batch into model inputs, runs the forward pass, and returns logits to sample.
+"""Runs one step's forward pass from the persistent step buffers and returns the logits to sample.
 
-A step is first described as a ``StepPlan`` of plain integer lists (cheap to send to the other
-tensor-parallel ranks), then turned into tensors on each rank's device. Only rows that sample
-(decode tokens, and prefill chunks that reach the end of their sequence) go through the LM head,
-plus, for requests that asked for prompt log probs, the prompt positions that predict the next
-prompt token (``score_rows``; their logits follow the sampling rows').
-Decode-only steps replay a captured CUDA graph when the runner has them (see ``cuda_graphs``).
+The step is described by a :class:`~megatron_serve.engine.step_plan.StepPlan` whose values sit in
+the runner's :class:`~megatron_serve.engine.step_plan.StepBuffers`; the forward reads the device
+buffers only. Only rows that sample (decode tokens, and prefill chunks that reach the end of their
+sequence) go through the LM head, plus, for requests that asked for prompt log probs, the prompt
+positions that predict the next prompt token (their logits follow the sampling rows').
+
+Decode-only steps replay a captured CUDA graph when the runner has them (see ``graphs``); so do
+mixed steps up to the largest captured token count, piecewise (``graphs.MixedGraphs``).
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
-from .graphs import DecodeGraphs
 from ..model.attention import AttentionMetadata, ForwardContext, MultimodalStep
 from ..model.llama import LlamaForCausalLM
 from ..model.moe import stack_routing
-from .scheduler import Sequence
+from .graphs import DecodeGraphs, MixedGraphs, StepGraphs
+from .step_plan import StepBuffers, StepPlan
 
 if TYPE_CHECKING:
-    from .encoder_cache import StepImages
     from ..weights.sources import WeightSource
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class StepPlan:
-    token_ids: list[int]
-    positions: list[int]
-    slots: list[int]
-    decode_block_tables: list[list[int]]
-    decode_context_lens: list[int]
-    prefill_block_tables: list[list[int]]
-    prefill_query_start: list[int]
-    prefill_context_lens: list[int]
-    sample_rows: list[int]
-    score_rows: list[int] = field(default_factory=list)
-    image_rows: list[int] = field(default_factory=list)  # rows whose embeddings come with the step
-    mrope_positions: list[list[int]] | None = None  # [3][T] multimodal rotary positions
-    record_routing: bool = False  # some sequence records its expert routing (routing replay)
-
-    @property
-    def multimodal(self) -> bool:
-        return bool(self.image_rows) or self.mrope_positions is not None
 
 
 @dataclass
@@ -59,138 +39,103 @@ class StepResult:
     routing: torch.Tensor | None = None
 
 
-def prompt_positions_to_score(sequence: Sequence, count: int) -> range:
-    """Positions of this step's chunk whose logits score the next prompt token and are not scored yet.
-
-    Position ``p`` predicts prompt token ``p + 1``; positions scored before a preemption are not
-    scored again when the request is recomputed.
-    """
-    request = sequence.request
-    if not request.prompt_scores_missing:
-        return range(0)
-    start = sequence.num_computed
-    return range(max(start, len(request.prompt_log_probs)), min(start + count, len(request.prompt_tokens) - 1))
-
-
-def _padded(tables: list[list[int]]) -> list[list[int]]:
-    width = max(len(t) for t in tables)
-    return [t + [0] * (width - len(t)) for t in tables]
-
-
-def plan_step(entries: list[tuple[Sequence, int]], block_size: int, images: StepImages | None = None) -> StepPlan:
-    """Describe one step; ``entries`` come decode-shaped (one token) first, as the scheduler orders them.
-
-    ``images``: the step's image inputs (vision-language models), which also set the rotary positions.
-    """
-    plan = StepPlan([], [], [], [], [], [], [0], [], [])
-    for sequence, count in entries:
-        plan.record_routing = plan.record_routing or sequence.routing is not None
-        start = sequence.num_computed
-        first_row = len(plan.token_ids)
-        plan.token_ids.extend(sequence.token_ids[start : start + count])
-        plan.score_rows.extend(first_row + p - start for p in prompt_positions_to_score(sequence, count))
-        table = sequence.block_table
-        for position in range(start, start + count):
-            plan.positions.append(position)
-            plan.slots.append(table[position // block_size] * block_size + position % block_size)
-        if start + count == len(sequence.token_ids):
-            plan.sample_rows.append(len(plan.token_ids) - 1)
-        if count == 1:
-            plan.decode_block_tables.append(table)
-            plan.decode_context_lens.append(start + 1)
-        else:
-            plan.prefill_block_tables.append(table)
-            plan.prefill_query_start.append(plan.prefill_query_start[-1] + count)
-            plan.prefill_context_lens.append(start + count)
-    if plan.decode_block_tables:
-        plan.decode_block_tables = _padded(plan.decode_block_tables)
-    if plan.prefill_block_tables:
-        plan.prefill_block_tables = _padded(plan.prefill_block_tables)
-    if images is not None:
-        plan.image_rows = images.rows
-        plan.mrope_positions = images.mrope_positions
-        if images.positions is not None:
-            plan.positions = images.positions
-    return plan
+def attention_metadata(buffers: StepBuffers, plan: StepPlan) -> AttentionMetadata:
+    """Views of the device buffers that describe the plan's batch to the attention layers."""
+    dev, decode, requests = buffers.dev, plan.num_decode, plan.num_requests
+    tables = dev["block_tables"][:requests, : plan.block_width]
+    has_prefill = plan.num_prefill > 0
+    return AttentionMetadata(
+        slot_mapping=dev["slots"][: plan.num_tokens],
+        num_decode_tokens=decode,
+        decode_block_tables=tables[:decode] if decode else None,
+        decode_context_lens=dev["seq_lens"][:decode] if decode else None,
+        prefill_block_tables=tables[decode:] if has_prefill else None,
+        prefill_query_start_loc=dev["query_start"][: plan.num_prefill + 1] if has_prefill else None,
+        prefill_context_lens=dev["seq_lens"][decode:requests] if has_prefill else None,
+    )
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaForCausalLM, block_size: int, device: torch.device,
-                 decode_graphs: DecodeGraphs | None = None):
+    def __init__(self, model: LlamaForCausalLM, block_size: int, device: torch.device, buffers: StepBuffers,
+                 graphs: StepGraphs | None = None):
         self.model = model
         self.block_size = block_size
         self.device = device
-        self.decode_graphs = decode_graphs
+        self.buffers = buffers
+        self.graphs = graphs
 
-    def _tensor(self, values: list, dtype: torch.dtype) -> torch.Tensor | None:
-        return torch.tensor(values, dtype=dtype, device=self.device) if values else None
-
-    def metadata(self, plan: StepPlan) -> AttentionMetadata:
-        has_prefill = bool(plan.prefill_block_tables)
-        return AttentionMetadata(
-            slot_mapping=self._tensor(plan.slots, torch.int64),
-            num_decode_tokens=len(plan.decode_context_lens),
-            decode_block_tables=self._tensor(plan.decode_block_tables, torch.int32),
-            decode_context_lens=self._tensor(plan.decode_context_lens, torch.int32),
-            prefill_block_tables=self._tensor(plan.prefill_block_tables, torch.int32),
-            prefill_query_start_loc=self._tensor(plan.prefill_query_start, torch.int32) if has_prefill else None,
-            prefill_context_lens=self._tensor(plan.prefill_context_lens, torch.int32),
-        )
+    def _graphs_for(self, plan: StepPlan) -> DecodeGraphs | MixedGraphs | None:
+        """The graphs that replay ``plan``: a whole decode step, or a mixed step piecewise; None: eager."""
+        graphs = self.graphs
+        if graphs is None:
+            return None
+        if not plan.num_score and not plan.multimodal and graphs.decode.covers(plan):
+            return graphs.decode
+        if graphs.mixed is not None and graphs.mixed.covers(plan):
+            return graphs.mixed
+        return None
 
     def multimodal_step(self, plan: StepPlan, image_embeddings: torch.Tensor | None) -> MultimodalStep | None:
         if not plan.multimodal:
             return None
-        return MultimodalStep(self._tensor(plan.image_rows, torch.int64), image_embeddings,
-                              self._tensor(plan.mrope_positions, torch.int64))
+        dev = self.buffers.dev
+        return MultimodalStep(dev["image_rows"][: plan.num_images] if plan.num_images else None, image_embeddings,
+                              dev["mrope_positions"][:, : plan.num_tokens] if plan.mrope else None)
 
     @torch.inference_mode()
     def run_plan(self, plan: StepPlan, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-                 image_embeddings: torch.Tensor | None = None) -> StepResult:
-        """Run one step: float32 logits of the sampling and score rows, and the expert routing when the plan
-        records it.
+                 image_embeddings: torch.Tensor | None = None,
+                 previous_tokens: torch.Tensor | None = None) -> StepResult:
+        """Run one step whose values are in the host buffers: float32 logits of the sampling and score rows,
+        and the expert routing when the plan records it.
 
-        ``image_embeddings``: one row per ``plan.image_rows`` (vision-language models).
+        ``image_embeddings``: one row per image row (vision-language models). ``previous_tokens``: the
+        sampled tokens of the step in flight, which the plan's gather rows take as their input.
         """
-        if (self.decode_graphs is not None and not plan.score_rows and not plan.multimodal
-                and self.decode_graphs.covers(plan)):
-            return StepResult(*self.decode_graphs.run(plan))
-        context = ForwardContext(self.metadata(plan), kv_caches, self.multimodal_step(plan, image_embeddings),
-                                 [] if plan.record_routing else None)
-        hidden = self.model(self._tensor(plan.token_ids, torch.int64), self._tensor(plan.positions, torch.int64),
-                            context)
-        routing = stack_routing(context.routing, self.model.config) if plan.record_routing else None
-        rows = plan.sample_rows + plan.score_rows
+        dev = self.buffers.dev
+        graphs = self._graphs_for(plan)
+        if graphs is not None:
+            graphs.prepare(plan)
+        else:
+            self.buffers.upload(plan)
+        if plan.num_gather:
+            rows = dev["gather_rows"][: plan.num_gather]
+            dev["token_ids"].index_copy_(0, rows, previous_tokens[dev["gather_from"][: plan.num_gather]])
+        if isinstance(graphs, DecodeGraphs):
+            return StepResult(*graphs.run(plan))
+        context = ForwardContext(attention_metadata(self.buffers, plan), kv_caches,
+                                 self.multimodal_step(plan, image_embeddings), [] if plan.record_routing else None)
+        if isinstance(graphs, MixedGraphs):
+            hidden, routing = graphs.run(plan, context)
+        else:
+            hidden = self.model(dev["token_ids"][: plan.num_tokens], dev["positions"][: plan.num_tokens], context)
+            routing = stack_routing(context.routing, self.model.config) if plan.record_routing else None
+        rows = plan.num_sample + plan.num_score
         if not rows:  # only partial prefill chunks this step: nothing to sample
             return StepResult(hidden.new_empty((0, self.model.config.vocab_size), dtype=torch.float32), routing)
-        return StepResult(self.model.compute_logits(hidden[self._tensor(rows, torch.int64)]), routing)
-
-    def execute(self, entries: list[tuple[Sequence, int]], kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-                images: StepImages | None = None) -> StepResult:
-        return self.run_plan(plan_step(entries, self.block_size, images), kv_caches,
-                             None if images is None else images.embeddings)
+        return StepResult(self.model.compute_logits(hidden[dev["lm_rows"][:rows]]), routing)
 
     def capture_graphs(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """Capture the decode graphs over a newly allocated KV pool (engine start, resume).
+        """Capture the graphs over a newly allocated KV pool (engine start, resume).
 
         A failed capture costs speed, not service: a single rank goes on without graphs. Tensor-parallel
         ranks must capture in lockstep (their warm-up runs all-reduce), so there it is an error.
         """
-        if self.decode_graphs is None:
+        if self.graphs is None:
             return
         try:
-            self.decode_graphs.capture(kv_caches)
+            self.graphs.capture(kv_caches)
         except Exception as exc:  # noqa: BLE001 - any capture failure has the same remedy
-            self.decode_graphs.release()
+            self.graphs.release()
             if self.model.tp.size > 1:
-                raise RuntimeError(f"capturing decode CUDA graphs failed ({exc}); "
-                                   "start the engine with --no-cuda-graphs") from exc
-            logger.warning("capturing decode CUDA graphs failed, decoding eagerly from now on: %s", exc)
-            self.decode_graphs = None
+                raise RuntimeError(f"capturing CUDA graphs failed ({exc}); start the engine with --enforce-eager") from exc
+            logger.warning("capturing CUDA graphs failed, running every step eagerly from now on: %s", exc)
+            self.graphs = None
 
     def on_suspend(self, level: int) -> None:
-        """Release the decode graphs before the pool they point into is freed."""
-        if self.decode_graphs is not None:
-            self.decode_graphs.release()
+        """Release the graphs before the pool they point into is freed."""
+        if self.graphs is not None:
+            self.graphs.release()
 
     # Hooks for runners that drive other ranks; a single-rank runner has nothing to tell anyone.
 

@@ -32,14 +32,74 @@ class TokenScores:
         return dict(zip(self.top_ids[row][:n], self.top_log_probs[row][:n]))
 
 
-def score_tokens(logits: torch.Tensor, targets: torch.Tensor, top_n: int) -> TokenScores:
+class Readback:
+    """Device tensors on their way to the host: copied without blocking when launched, read by ``wait``.
+
+    The step that produced them is not waited for at launch, so the host can prepare and launch the
+    next step meanwhile (overlapped scheduling); on a GPU the copies land in pinned memory and an
+    event says when they are there. Off CUDA the tensors are already on the host.
+    """
+
+    def __init__(self, tensors: list[torch.Tensor]):
+        if tensors and tensors[0].device.type == "cuda":
+            self._host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors]
+            for host, tensor in zip(self._host, tensors):
+                host.copy_(tensor, non_blocking=True)
+            self._ready: torch.cuda.Event | None = torch.cuda.Event()
+            self._ready.record()
+        else:
+            self._host, self._ready = tensors, None
+
+    def wait(self) -> list[list]:
+        """The tensors' values as nested lists (blocks until the device has produced them)."""
+        if self._ready is not None:
+            self._ready.synchronize()
+        return [t.tolist() for t in self._host]
+
+
+@dataclass
+class DeviceScores:
+    """``score_tokens``' results still on the device; ``read`` brings them to the host."""
+
+    readback: Readback
+    top_n: int
+
+    def read(self) -> TokenScores:
+        values = self.readback.wait()
+        return TokenScores(values[0], *(values[1:] if self.top_n else ([], [])))
+
+
+def score_tokens(logits: torch.Tensor, targets: torch.Tensor, top_n: int) -> DeviceScores:
     """Log-softmax of each row of ``logits``, read at ``targets`` (one token per row) and at its top ``top_n``."""
     log_probs = torch.log_softmax(logits, dim=-1)
-    chosen = log_probs.gather(1, targets[:, None]).squeeze(1).tolist()
+    chosen = log_probs.gather(1, targets[:, None]).squeeze(1)
     if not top_n:
-        return TokenScores(chosen, [], [])
+        return DeviceScores(Readback([chosen]), 0)
     values, ids = torch.topk(log_probs, min(top_n, log_probs.shape[-1]))
-    return TokenScores(chosen, ids.tolist(), values.tolist())
+    return DeviceScores(Readback([chosen, ids, values]), top_n)
+
+
+@dataclass
+class DeviceSample:
+    """A step's sampled tokens on the device (the next step reads them there) and their way to the host."""
+
+    tokens: torch.Tensor  # [rows] int64
+    readback: Readback
+    scores: DeviceScores | None  # log probs of the rows in ``wanted``
+    wanted: list[int]
+    top_n: list[int]  # per row, how many top log probs it asked for
+
+    def read(self) -> SampleResult:
+        token_ids = self.readback.wait()[0]
+        log_probs: list[float | None] = [None] * len(token_ids)
+        top_n: list[dict[int, float] | None] = [None] * len(token_ids)
+        if self.scores is not None:
+            scores = self.scores.read()
+            for position, row in enumerate(self.wanted):
+                log_probs[row] = scores.log_probs[position]
+                if self.top_n[row]:
+                    top_n[row] = scores.top(position, self.top_n[row])
+        return SampleResult(token_ids, log_probs, top_n)
 
 
 def _seeded_generator(seed: int, token_index: int, device: torch.device) -> torch.Generator:
@@ -94,31 +154,31 @@ class Sampler:
         self._generator = torch.Generator(device=device)
         self._generator.manual_seed(seed)
 
-    def sample(self, logits: torch.Tensor, params: list[SamplingParams], token_indices: list[int],
-               model_logits: torch.Tensor | None = None) -> SampleResult:
-        """``logits`` ``[n, vocab]`` float32; ``token_indices[i]``: how many tokens request ``i`` generated so far.
+    def launch(self, logits: torch.Tensor, params: list[SamplingParams], token_indices: list[int],
+               model_logits: torch.Tensor | None = None) -> DeviceSample:
+        """Sample every row on the device and start copying the results to the host (nothing waits).
 
-        ``model_logits``: the model's own logits when ``logits`` were changed by logit controls or a
-        grammar (``logits_processors``); log probs are reported from them, the model's distribution,
-        as vLLM reports raw log probs by default.
+        ``logits`` ``[n, vocab]`` float32; ``token_indices[i]``: how many tokens request ``i`` generated
+        before this one. ``model_logits``: the model's own logits when ``logits`` were changed by logit
+        controls or a grammar (``logits_processors``); log probs are reported from them, the model's
+        distribution, as vLLM reports raw log probs by default.
         """
         tokens = torch.argmax(logits, dim=-1)
         sampled = [row for row, sp in enumerate(params) if not sp.is_greedy]
         if sampled:
             tokens[sampled] = self._draw(logits[sampled], tokens[sampled], [params[r] for r in sampled],
                                          [token_indices[r] for r in sampled])
-        token_list = tokens.tolist()
-        log_probs: list[float | None] = [None] * len(params)
-        top_n: list[dict[int, float] | None] = [None] * len(params)
         wanted = [row for row, sp in enumerate(params) if sp.return_log_probs or sp.top_n_logprobs]
+        scores = None
         if wanted:
             source = logits if model_logits is None else model_logits
             scores = score_tokens(source[wanted], tokens[wanted], max(params[row].top_n_logprobs for row in wanted))
-            for position, row in enumerate(wanted):
-                log_probs[row] = scores.log_probs[position]
-                if params[row].top_n_logprobs:
-                    top_n[row] = scores.top(position, params[row].top_n_logprobs)
-        return SampleResult(token_list, log_probs, top_n)
+        return DeviceSample(tokens, Readback([tokens]), scores, wanted, [sp.top_n_logprobs for sp in params])
+
+    def sample(self, logits: torch.Tensor, params: list[SamplingParams], token_indices: list[int],
+               model_logits: torch.Tensor | None = None) -> SampleResult:
+        """``launch``, then wait for the results on the host."""
+        return self.launch(logits, params, token_indices, model_logits).read()
 
     def _draw(self, logits: torch.Tensor, greedy: torch.Tensor, params: list[SamplingParams],
               token_indices: list[int]) -> torch.Tensor:

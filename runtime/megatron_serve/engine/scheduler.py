@@ -35,6 +35,10 @@ class Sequence:
     last_token_at: float | None = None  # monotonic time of its last sampled token here (inter-token latency)
     routing: RoutingRecord | None = None  # expert ids of its processed tokens, when the request asked for them
     reads_prefix_cache: bool = True  # False: computes every token itself (its routing must be its own)
+    pending_tokens: int = 0  # tokens launched steps sampled that the host has not read yet (overlapped steps)
+    pending_row: int = -1  # the row of the last of them in its step's sampled tokens (the next input's source)
+    needs_host_tokens: bool = False  # its logits controls read its tokens (grammar, penalties): no pending ones
+    finished: bool = False  # left the engine (finished, aborted, failed): rows of steps in flight are dropped
 
     def __post_init__(self) -> None:
         if not self.token_ids:
@@ -46,7 +50,16 @@ class Sequence:
 
     @property
     def num_uncomputed(self) -> int:
-        return len(self.token_ids) - self.num_computed
+        """Tokens to compute before it samples again: known ones, and the pending one as the last input."""
+        return len(self.token_ids) + self.pending_tokens - self.num_computed
+
+    @property
+    def schedulable(self) -> bool:
+        """Whether a step may compute for it now: a request whose controls need its last token on the host
+        sits out while that token is in flight, and one at its length limit waits for its last token."""
+        if self.pending_tokens and self.needs_host_tokens:
+            return False
+        return len(self.token_ids) + self.pending_tokens < self.max_total_tokens
 
     def cache_tokens(self, start: int, end: int) -> list[int]:
         """Tokens ``start .. end - 1`` as the prefix cache keys them (an image's placeholders by its content)."""
@@ -136,11 +149,11 @@ class Scheduler:
         return pending
 
     def register_computed_blocks(self, sequence: Sequence) -> None:
-        """Publish the sequence's newly completed blocks to the prefix cache."""
+        """Publish the sequence's newly completed blocks whose tokens the host knows to the prefix cache."""
         if not self.allocator.enable_prefix_caching:
             return
         size = self.block_size
-        for index in range(len(sequence.block_hashes), sequence.num_computed // size):
+        for index in range(len(sequence.block_hashes), min(sequence.num_computed, len(sequence.token_ids)) // size):
             parent = sequence.block_hashes[-1] if sequence.block_hashes else ROOT_HASH
             block_hash = chain_hash(parent, sequence.cache_tokens(index * size, (index + 1) * size))
             sequence.block_hashes.append(block_hash)
@@ -162,6 +175,9 @@ class Scheduler:
         index = 0
         while index < len(self.running) and budget > 0:
             sequence = self.running[index]
+            if not sequence.schedulable:
+                index += 1
+                continue
             count = min(sequence.num_uncomputed, budget)
             while self._blocks_needed(sequence, count) > self.allocator.num_free:
                 if self._preempt_newest(preempted) is sequence:
@@ -176,6 +192,8 @@ class Scheduler:
         pending = self._blocks_being_computed()
         deferred: list[Sequence] = []
         while self.waiting and budget > 0 and not preempted and len(self.running) < self.max_requests:
+            if self.waiting[0].pending_tokens:  # preempted while a step samples for it: admitted once it lands
+                break
             sequence = self.waiting.popleft()
             next_hash = self._attach_cached_prefix(sequence)
             if next_hash is not None and next_hash in pending:

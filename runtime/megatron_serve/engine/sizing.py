@@ -11,6 +11,7 @@ import torch.distributed as dist
 
 from ..config import InferenceConfig
 from .kv_cache import KVCachePool, blocks_for_tokens
+from .step_plan import StepBuffers
 from ..model.config import ModelConfig
 from ..model.llama import LlamaForCausalLM
 from ..model.parallel import TensorParallel
@@ -68,3 +69,9 @@ def build_kv_pool(model: LlamaForCausalLM, config: InferenceConfig, max_sequence
             raise ValueError("no memory left for the KV cache: use a smaller model or raise kv_cache_memory_fraction")
     num_blocks = agree_on_min(num_blocks, model.tp)
     return KVCachePool(mc.num_layers, num_blocks, block_size, model.num_local_kv_heads, mc.head_dim, dtype, device)
+
+
+def engine_buffers(config: InferenceConfig, max_sequence_length: int, device: torch.device) -> StepBuffers:
+    """The persistent step buffers of an engine built with ``config`` (every rank sizes them alike)."""
+    return StepBuffers(config.max_batch_tokens, config.max_requests,
+                       blocks_for_tokens(max_sequence_length, config.block_size_tokens), device)

@@ -1,9 +1,12 @@
 """Tensor-parallel engine groups: one process per GPU, ranks in lockstep.
 
-Rank 0 of a group owns the scheduler and talks to the coordinator. Each step it describes the
-batch as a ``StepPlan`` and broadcasts it; every rank runs the forward pass on its weight slice
-and its share of the KV heads; rank 0 samples from the gathered logits. Suspend, resume and stop
-are broadcast the same way, so a verb always acts on the whole group.
+Rank 0 of a group owns the scheduler and talks to the coordinator. Each step it writes the batch
+into its step buffers and broadcasts their used part as one packed integer array (``PlanChannel``:
+a two-integer header, then the plan, over a gloo group; no pickled object per step); every rank
+runs the forward pass on its weight slice and its share of the KV heads; rank 0 samples from the
+gathered logits. With overlapped scheduling a step's gathered rows take the previous step's
+sampled tokens, which rank 0 broadcasts on the device group first. Suspend, resume, refit and stop
+go through the same channel, so a verb always acts on the whole group.
 
 Placement: a group of ``WORLD_SIZE`` ranks may span pods. Each pod starts its local ranks
 ``RANK .. RANK + NPROC_PER_NODE - 1`` (the operator sets these, with ``MASTER_ADDR`` naming pod 0
@@ -21,16 +24,18 @@ import os
 import socket
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
 from ..config import InferenceConfig
-from .graphs import DecodeGraphs, decode_graphs_for
+from .graphs import StepGraphs, graphs_for
 from ..errors import EngineGroupLost
 from ..model.loader import load_model, load_weights
 from ..model.parallel import TensorParallel
-from .sizing import build_kv_pool, default_dtype, max_sequence_length_for
-from .runner import ModelRunner, StepPlan, StepResult, plan_step
+from .sizing import build_kv_pool, default_dtype, engine_buffers, max_sequence_length_for
+from .runner import ModelRunner, StepResult
+from .step_plan import StepBuffers, StepPlan
 from ..weights.sources import WeightSource
 
 logger = logging.getLogger(__name__)
@@ -92,7 +97,42 @@ def check_local_devices(placement: Placement, device_type: str) -> None:
             f"make more GPUs visible, or serve on --device cpu)")
 
 
-def join_group(placement: Placement, rank: int, device: torch.device) -> TensorParallel:
+class PlanChannel:
+    """Rank 0's messages to the other ranks, over a gloo group (host integers; NCCL carries device tensors).
+
+    Each message is a header ``[kind, length]``; a step follows as ``length`` packed integers
+    (:meth:`StepBuffers.pack`), the other kinds as one small pickled payload (a suspend level, a
+    weight source): those are rare, steps are not.
+    """
+
+    KINDS = ("step", "suspend", "resume", "refit", "stop")
+
+    def __init__(self, group: dist.ProcessGroup):
+        self.group = group
+
+    def send(self, kind: str, packed: np.ndarray | None = None, payload: object = None) -> None:
+        length = 0 if packed is None else len(packed)
+        dist.broadcast(torch.tensor([self.KINDS.index(kind), length], dtype=torch.int64), src=0, group=self.group)
+        if packed is not None:
+            dist.broadcast(torch.from_numpy(packed), src=0, group=self.group)
+        elif kind != "step":
+            dist.broadcast_object_list([payload], src=0, group=self.group)
+
+    def receive(self) -> tuple[str, np.ndarray | object]:
+        header = torch.empty(2, dtype=torch.int64)
+        dist.broadcast(header, src=0, group=self.group)
+        code, length = header.tolist()
+        kind = self.KINDS[code]
+        if kind == "step":
+            packed = torch.empty(length, dtype=torch.int64)
+            dist.broadcast(packed, src=0, group=self.group)
+            return kind, packed.numpy()
+        message: list = [None]
+        dist.broadcast_object_list(message, src=0, group=self.group)
+        return kind, message[0]
+
+
+def join_group(placement: Placement, rank: int, device: torch.device) -> tuple[TensorParallel, PlanChannel]:
     """Rendezvous with the other ranks; waits for late peers up to the timeout, then says what is missing."""
     backend = "nccl" if device.type == "cuda" else "gloo"
     if device.type == "cuda":
@@ -108,22 +148,36 @@ def join_group(placement: Placement, rank: int, device: torch.device) -> TensorP
             f"{placement.master_addr}:{placement.master_port} within {RENDEZVOUS_TIMEOUT_S:.0f}s "
             f"(are all {placement.world_size} ranks started?): {exc}"
         ) from exc
-    return TensorParallel(rank=rank, size=placement.world_size, group=dist.group.WORLD)
+    plans = dist.group.WORLD if backend == "gloo" else dist.new_group(backend="gloo")
+    return TensorParallel(rank=rank, size=placement.world_size, group=dist.group.WORLD), PlanChannel(plans)
+
+
+def broadcast_previous_tokens(plan: StepPlan, tokens: torch.Tensor | None, count: int, tp: TensorParallel,
+                              device: torch.device) -> torch.Tensor | None:
+    """The previous step's sampled tokens on every rank, when the plan gathers some (rank 0 passes them)."""
+    if not plan.num_gather:
+        return None
+    if tokens is None:
+        tokens = torch.empty(count, dtype=torch.int64, device=device)
+    dist.broadcast(tokens, src=0, group=tp.group)
+    return tokens
 
 
 class TensorParallelRunner(ModelRunner):
     """Rank 0's runner: broadcasts every step and lifecycle change before acting on it itself."""
 
-    def __init__(self, model, block_size: int, device: torch.device, tp: TensorParallel,
-                 workers: list[multiprocessing.Process], decode_graphs: DecodeGraphs | None = None):
-        super().__init__(model, block_size, device, decode_graphs)
+    def __init__(self, model, block_size: int, device: torch.device, buffers: StepBuffers, tp: TensorParallel,
+                 channel: PlanChannel, workers: list[multiprocessing.Process],
+                 graphs: StepGraphs | None = None):
+        super().__init__(model, block_size, device, buffers, graphs)
         self.tp = tp
+        self.channel = channel
         self.workers = workers
 
-    def _broadcast(self, kind: str, payload: object = None) -> None:
+    def _broadcast(self, kind: str, payload: object = None, packed: np.ndarray | None = None) -> None:
         self._check_workers()
         try:
-            dist.broadcast_object_list([(kind, payload)], src=0, group=self.tp.group)
+            self.channel.send(kind, packed, payload)
         except Exception as exc:  # noqa: BLE001 - a collective fails only when the group broke
             raise EngineGroupLost(f"tensor-parallel group broke during {kind!r}: {exc}") from exc
 
@@ -133,14 +187,13 @@ class TensorParallelRunner(ModelRunner):
         if dead:
             raise EngineGroupLost(f"tensor-parallel group lost {', '.join(dead)}; this engine group must restart")
 
-    def execute(self, entries, kv_caches, images=None) -> StepResult:
-        plan = plan_step(entries, self.block_size, images)
-        self._broadcast("step", plan)
-        embeddings = None if images is None else images.embeddings
+    def run_plan(self, plan: StepPlan, kv_caches, image_embeddings=None, previous_tokens=None) -> StepResult:
+        self._broadcast("step", packed=self.buffers.pack(plan))
         try:
-            if plan.image_rows:  # the tower runs on rank 0 only: its output goes with the step
-                dist.broadcast(embeddings.contiguous(), src=0, group=self.tp.group)
-            return self.run_plan(plan, kv_caches, embeddings)
+            broadcast_previous_tokens(plan, previous_tokens, 0, self.tp, self.device)
+            if plan.num_images:  # the tower runs on rank 0 only: its output goes with the step
+                dist.broadcast(image_embeddings.contiguous(), src=0, group=self.tp.group)
+            return super().run_plan(plan, kv_caches, image_embeddings, previous_tokens)
         except Exception as exc:  # noqa: BLE001 - the forward's all-reduces fail when a peer died mid-step
             self._check_workers()
             raise EngineGroupLost(f"tensor-parallel forward failed: {exc}") from exc
@@ -210,27 +263,28 @@ def run_worker(model_dir: str, config_dict: dict, placement: Placement, rank: in
 
     config = InferenceConfig(**config_dict)
     device = rank_device(local_index, config)
-    tp = join_group(placement, rank, device)
+    tp, channel = join_group(placement, rank, device)
     model_config = ModelConfig.from_dir(model_dir)
     model = load_model(model_dir, default_dtype(config, model_config), device, tp)
     max_sequence_length = max_sequence_length_for(model_config, config)
     pool = build_kv_pool(model, config, max_sequence_length, device)
+    buffers = engine_buffers(config, max_sequence_length, device)
     # Same graphs, captured in the same order as rank 0's: their collectives must pair up.
-    runner = ModelRunner(model, config.block_size_tokens, device,
-                         decode_graphs_for(model, config, max_sequence_length, device))
+    runner = ModelRunner(model, config.block_size_tokens, device, buffers, graphs_for(model, config, buffers))
     runner.capture_graphs(pool.layer_caches)
+    sampled = 0  # rows the last step sampled: the length of the tokens a gathering step receives
     while True:
-        message: list = [None]
-        dist.broadcast_object_list(message, src=0, group=tp.group)
-        kind, payload = message[0]
+        kind, payload = channel.receive()
         if kind == "step":
-            plan: StepPlan = payload
+            plan = buffers.unpack(payload)
+            previous = broadcast_previous_tokens(plan, None, sampled, tp, device)
             embeddings = None
-            if plan.image_rows:
-                embeddings = torch.empty(len(plan.image_rows), model.config.hidden_size, device=device,
+            if plan.num_images:
+                embeddings = torch.empty(plan.num_images, model.config.hidden_size, device=device,
                                          dtype=next(model.parameters()).dtype)
                 dist.broadcast(embeddings, src=0, group=tp.group)
-            runner.run_plan(plan, pool.layer_caches, embeddings)
+            runner.run_plan(plan, pool.layer_caches, embeddings, previous)
+            sampled = plan.num_sample
         elif kind == "suspend":
             runner.on_suspend(payload)
             pool.release()
@@ -260,7 +314,8 @@ def _follow_refit(model, source: WeightSource) -> tuple[list[str], str | None]:
     return loaded, None
 
 
-def start_rank_zero(model_dir: str, config: InferenceConfig) -> tuple[TensorParallel, torch.device, list]:
+def start_rank_zero(model_dir: str, config: InferenceConfig
+                    ) -> tuple[TensorParallel, PlanChannel, torch.device, list[multiprocessing.Process]]:
     """Start this machine's other ranks and join the group as rank 0 (when this machine holds it)."""
     placement = placement_for(config.tensor_parallel_size)
     check_local_devices(placement, torch.device(config.device).type)
@@ -271,4 +326,5 @@ def start_rank_zero(model_dir: str, config: InferenceConfig) -> tuple[TensorPara
             worker.join()
         raise SystemExit(max((w.exitcode or 0) for w in workers) if workers else 0)
     device = rank_device(0, config)
-    return join_group(placement, 0, device), device, workers
+    tp, channel = join_group(placement, 0, device)
+    return tp, channel, device, workers

@@ -1,7 +1,13 @@
 """Paged attention over the KV cache, and the per-step metadata that describes the packed batch.
 
 A step packs decode tokens first (one per sequence) and prefill chunks after them; decode and
-prefill run through different kernels because their shapes differ so much.
+prefill run through different kernels because their shapes differ so much. Attention is two calls:
+``store`` (rotate q and k by position, write k and v into the cache: one fused kernel, shapes only)
+and ``attend`` (read the cache with the step's lengths). Piecewise CUDA graphs capture everything
+but ``attend``, which then runs eagerly between them with the step's real lengths.
+
+A step may be padded (``metadata.num_tokens`` real rows of more): padding rows write no cache slot
+(slot -1) and attend to nothing (their output rows are left as they are, or zero).
 """
 
 from __future__ import annotations
@@ -16,13 +22,14 @@ from megatron_kernels import get_op
 
 @dataclass
 class AttentionMetadata:
-    slot_mapping: torch.Tensor  # [T] int64 cache slot of every token of the step
+    slot_mapping: torch.Tensor  # [T] int64 cache slot of every token of the step (-1: a padding row)
     num_decode_tokens: int
     decode_block_tables: torch.Tensor | None  # [D, max_blocks] int32
     decode_context_lens: torch.Tensor | None  # [D] int32, including this step's token
     prefill_block_tables: torch.Tensor | None  # [P, max_blocks] int32
     prefill_query_start_loc: torch.Tensor | None  # [P + 1] int32, offsets into the prefill tokens
     prefill_context_lens: torch.Tensor | None  # [P] int32, including this step's chunk
+    num_tokens: int | None = None  # real rows (decode plus prefill); None: every row of the step
 
 
 @dataclass
@@ -58,21 +65,30 @@ class PagedAttention(nn.Module):
         self._decode = get_op("paged_attention_decode", device)
         self._prefill = get_op("paged_attention_prefill", device)
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
-                cos: torch.Tensor, sin: torch.Tensor, context: ForwardContext) -> torch.Tensor:
-        """Rotate ``q``/``k`` by position, store ``k``/``v`` in the cache (one fused kernel), then attend."""
+    def store(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+              cos: torch.Tensor, sin: torch.Tensor, context: ForwardContext) -> torch.Tensor:
+        """Rotate ``q``/``k`` by position and store ``k``/``v`` in the cache (one fused kernel); returns rotated ``q``."""
+        k_cache, v_cache = context.kv_caches[self.layer_index]
+        q, _ = self._rotate_and_store(q, k, v, positions, cos, sin, k_cache, v_cache, context.metadata.slot_mapping)
+        return q
+
+    def attend(self, q: torch.Tensor, context: ForwardContext, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Attention of the step's rows over the cache, into ``out`` when given (rows past the real ones untouched)."""
         meta = context.metadata
         k_cache, v_cache = context.kv_caches[self.layer_index]
-        q, _ = self._rotate_and_store(q, k, v, positions, cos, sin, k_cache, v_cache, meta.slot_mapping)
+        rows = q.shape[0] if meta.num_tokens is None else meta.num_tokens
+        if out is None:
+            out = torch.empty_like(q) if rows == q.shape[0] else torch.zeros_like(q)
         num_decode = meta.num_decode_tokens
-        if num_decode == q.shape[0]:
-            return self._decode(q, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, self.scale)
-        if num_decode == 0:
-            return self._prefill(q, k_cache, v_cache, meta.prefill_block_tables, meta.prefill_query_start_loc,
-                                 meta.prefill_context_lens, self.scale)
-        out = torch.empty_like(q)
-        out[:num_decode] = self._decode(q[:num_decode], k_cache, v_cache, meta.decode_block_tables,
-                                        meta.decode_context_lens, self.scale)
-        out[num_decode:] = self._prefill(q[num_decode:], k_cache, v_cache, meta.prefill_block_tables,
-                                         meta.prefill_query_start_loc, meta.prefill_context_lens, self.scale)
+        if num_decode:
+            self._decode(q[:num_decode], k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens,
+                         self.scale, out=out[:num_decode])
+        if num_decode < rows:
+            self._prefill(q[num_decode:rows], k_cache, v_cache, meta.prefill_block_tables,
+                          meta.prefill_query_start_loc, meta.prefill_context_lens, self.scale, out=out[num_decode:rows])
         return out
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+                cos: torch.Tensor, sin: torch.Tensor, context: ForwardContext) -> torch.Tensor:
+        """``store``, then ``attend``."""
+        return self.attend(self.store(q, k, v, positions, cos, sin, context), context)

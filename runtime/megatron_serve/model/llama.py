@@ -58,15 +58,20 @@ class LlamaAttention(nn.Module):
         self.k_norm = ops.norm(head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.attn = PagedAttention(layer_index, head_dim**-0.5, device)
 
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, context: ForwardContext,
+    def project(self, positions: torch.Tensor, hidden: torch.Tensor, context: ForwardContext,
                 cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """q, k, v of the normed hidden states; k and v go to the cache; returns the rotated q ``[T, heads, D]``."""
         q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.q_size // self.head_dim, self.head_dim)
         k = k.view(-1, self.kv_size // self.head_dim, self.head_dim)
         v = v.view(-1, self.kv_size // self.head_dim, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        out = self.attn(q, k, v, positions, cos, sin, context)
+        return self.attn.store(q, k, v, positions, cos, sin, context)
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, context: ForwardContext,
+                cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        out = self.attn.attend(self.project(positions, hidden, context, cos, sin), context)
         return self.o_proj(out.flatten(1))
 
 
@@ -82,17 +87,29 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = ops.norm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = ops.norm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, positions, hidden, residual, context, cos, sin):
+    def before_attention(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None,
+                         context: ForwardContext, cos: torch.Tensor, sin: torch.Tensor
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Input norm and attention's projections up to the cache write: ``(rotated q, residual)``."""
         if residual is None:
             residual = hidden
             hidden = self.input_layernorm(hidden)
         else:
             hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(positions, hidden, context, cos, sin)
+        return self.self_attn.project(positions, hidden, context, cos, sin), residual
+
+    def after_attention(self, attended: torch.Tensor, residual: torch.Tensor, context: ForwardContext
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Output projection, post-attention norm and MLP: ``(hidden, residual)`` for the next layer."""
+        hidden = self.self_attn.o_proj(attended.flatten(1))
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         if self.sparse:
             return self.mlp(hidden, context.routing), residual
         return self.mlp(hidden), residual
+
+    def forward(self, positions, hidden, residual, context, cos, sin):
+        q, residual = self.before_attention(positions, hidden, residual, context, cos, sin)
+        return self.after_attention(self.self_attn.attn.attend(q, context), residual, context)
 
 
 class LlamaModel(nn.Module):
