@@ -28,6 +28,8 @@ ENGINE_FIELDS = {
     "max_sequence_length": "max_sequence_length",
     "prefix_caching": "enable_prefix_caching",
     "cuda_graphs": "enable_cuda_graphs",
+    "cuda_graph_sizes": "cuda_graph_sizes",
+    "async_scheduling": "async_scheduling",
     "device": "device",
     "seed": "seed",
 }
@@ -45,6 +47,8 @@ def inference_config_to_argv(config: "InferenceConfig | None") -> list[str]:
         flag = "--" + dest.replace("_", "-")
         if isinstance(value, bool):
             argv.append(flag if value else "--no-" + dest.replace("_", "-"))
+        elif isinstance(value, list):
+            argv += [flag, *map(str, value)]
         elif name == "dtype" and not isinstance(value, str):
             argv += [flag, str(value).removeprefix("torch.")]  # torch.bfloat16 -> bfloat16
         else:

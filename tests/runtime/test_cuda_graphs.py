@@ -248,11 +248,14 @@ def test_cuda_graphs_flag_round_trips_through_engine_argv():
     add_engine_options(parser)
     for value in (True, False):
         original = InferenceConfig(device="cpu", enable_cuda_graphs=value, enable_prefix_caching=not value,
-                                   max_requests=5, block_size_tokens=4, dtype="float32")
+                                   max_requests=5, block_size_tokens=4, dtype="float32", async_scheduling=value,
+                                   cuda_graph_sizes=[1, 8, 24] if value else None)
         rebuilt = inference_config_from_args(parser.parse_args(inference_config_to_argv(original)))
         assert rebuilt.to_dict() == original.to_dict()
     with pytest.raises(ValueError, match="enable_cuda_graphs must be true or false"):
         InferenceConfig(enable_cuda_graphs="yes")
+    with pytest.raises(ValueError, match="cuda_graph_sizes must be a non-empty list of positive integers"):
+        InferenceConfig(cuda_graph_sizes=[8, 0])
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

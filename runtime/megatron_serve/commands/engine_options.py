@@ -39,7 +39,15 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
     add_option(group, "--prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                help="reuse KV blocks of shared prompt prefixes")
     add_option(group, "--cuda-graphs", action=argparse.BooleanOptionalAction, default=True,
-               help="replay decode steps from CUDA graphs on a GPU (--no-cuda-graphs: always eager)")
+               help="replay steps from CUDA graphs on a GPU: decode steps whole, mixed steps piecewise "
+                    "(--no-cuda-graphs, vLLM's --enforce-eager: always eager)")
+    group.add_argument("--cuda-graph-sizes", type=int, nargs="+", default=None, metavar="N",
+                       help="token counts to capture, with vLLM's meaning: one value N captures 1, 2, 4 and every "
+                            "8 up to N; several values capture exactly those (default: up to "
+                            "min(2 x --max-num-seqs, 512))")
+    group.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
+                       help="schedule and launch the next step while the current one runs (the host's work "
+                            "overlaps the GPU's; --no-async-scheduling: one step at a time)")
     group.add_argument("--seed", type=int, default=0, help="seed of sampling without a per-request seed")
 
 
@@ -51,5 +59,6 @@ def inference_config_from_args(args: argparse.Namespace, tensor_parallel_size: i
         num_kv_blocks=args.num_kv_blocks, kv_cache_memory_fraction=args.kv_cache_memory_fraction,
         max_batch_tokens=args.max_batch_tokens, max_requests=args.max_requests,
         max_sequence_length=args.max_sequence_length, enable_prefix_caching=args.prefix_caching,
-        enable_cuda_graphs=args.cuda_graphs, tensor_parallel_size=tensor_parallel_size, seed=args.seed,
+        enable_cuda_graphs=args.cuda_graphs, cuda_graph_sizes=args.cuda_graph_sizes,
+        async_scheduling=args.async_scheduling, tensor_parallel_size=tensor_parallel_size, seed=args.seed,
     )
