@@ -135,15 +135,18 @@ def _combine_kernel(
     tl.store(out_ptr + seq * stride_os + head * stride_oh + d, out.to(out_ptr.dtype.element_ty), mask=d_mask)
 
 
-def _choose_splits(q: torch.Tensor, num_seqs: int, num_kv_heads: int, max_context: int, block_n: int) -> int:
-    """Split count from shapes alone: fill the GPU when sequences x KV heads are too few to."""
-    if interpreted(q):
-        return 1
+def split_count(num_seqs: int, num_kv_heads: int, max_context: int, block_n: int, sms: int) -> int:
+    """Split count from shapes alone: fill the GPU (``sms`` multiprocessors) when sequences x KV heads are too
+    few to. A power of two: few kernel variants to compile (the engine compiles each at start-up)."""
     programs = num_seqs * num_kv_heads
-    want = triton.cdiv(2 * sm_count(q.device), max(programs, 1))
+    want = triton.cdiv(2 * sms, max(programs, 1))
     worth = triton.cdiv(max_context, max(_MIN_TOKENS_PER_SPLIT, block_n))
     splits = max(1, min(want, worth, _MAX_SPLITS))
-    return 1 << (splits.bit_length() - 1)  # a power of two: few kernel variants to compile
+    return 1 << (splits.bit_length() - 1)
+
+
+def decode_block_n(q: torch.Tensor) -> int:
+    return 128 if interpreted(q) else 64
 
 
 def paged_attention_decode(
@@ -182,10 +185,10 @@ def paged_attention_decode(
     group = num_q_heads // num_kv_heads
     cpu = interpreted(q)
     if block_n is None:
-        block_n = 128 if cpu else 64
+        block_n = decode_block_n(q)
     max_context = block_tables.shape[1] * block_size
     if num_splits is None:
-        num_splits = _choose_splits(q, num_seqs, num_kv_heads, max_context, block_n)
+        num_splits = 1 if cpu else split_count(num_seqs, num_kv_heads, max_context, block_n, sm_count(q.device))
     block_d = next_pow2(head_dim)
     if num_splits > 1:
         part_out = torch.empty((num_seqs, num_q_heads, num_splits, head_dim), dtype=torch.float32, device=q.device)

@@ -43,16 +43,15 @@ def test_rows_per_program_fits_budget():
             assert n == 1 or n * _triton_utils.next_pow2(row_elems) <= _triton_utils.tile_budget(x)
 
 
-def test_decode_split_heuristic(monkeypatch):
-    monkeypatch.setattr(triton_decode_attention, "interpreted", lambda t: False)
-    monkeypatch.setattr(triton_decode_attention, "sm_count", lambda device: 132)
-    q = torch.empty(0)
-    choose = triton_decode_attention._choose_splits
-    assert choose(q, 1, 8, 8192, 64) == 32  # one sequence, long context: fill the GPU
-    assert choose(q, 1, 8, 256, 64) == 1  # short context: not worth a second kernel
-    assert choose(q, 64, 8, 8192, 64) == 1  # enough programs already
+def test_decode_split_heuristic():
+    def choose(seqs: int, kv_heads: int, context: int, block_n: int) -> int:
+        return triton_decode_attention.split_count(seqs, kv_heads, context, block_n, sms=132)
+
+    assert choose(1, 8, 8192, 64) == 32  # one sequence, long context: fill the GPU
+    assert choose(1, 8, 256, 64) == 1  # short context: not worth a second kernel
+    assert choose(64, 8, 8192, 64) == 1  # enough programs already
     for seqs in range(1, 40):
-        splits = choose(q, seqs, 4, 4096, 64)
+        splits = choose(seqs, 4, 4096, 64)
         assert splits & (splits - 1) == 0 and 1 <= splits <= 16
 
 

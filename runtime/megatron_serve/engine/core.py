@@ -101,6 +101,7 @@ class DynamicInferenceEngine:
             buffers = engine_buffers(config, self.max_sequence_length, self.device)
             runner = ModelRunner(model, block_size, self.device, buffers, graphs_for(model, config, buffers))
         self.runner = runner
+        self.runner.compile_kernels(self.kv_cache.layer_caches)
         self.runner.capture_graphs(self.kv_cache.layer_caches)
         self.sampler = Sampler(config.seed, self.device)
         self.structured = StructuredOutputs(tokenizer, model.config.vocab_size)

@@ -23,6 +23,7 @@ from ..model.llama import LlamaForCausalLM
 from ..model.moe import stack_routing
 from .graphs import DecodeGraphs, MixedGraphs, StepGraphs
 from .step_plan import StepBuffers, StepPlan
+from .warmup import compile_kernels
 
 if TYPE_CHECKING:
     from ..weights.sources import WeightSource
@@ -114,6 +115,15 @@ class ModelRunner:
         if not rows:  # only partial prefill chunks this step: nothing to sample
             return StepResult(hidden.new_empty((0, self.model.config.vocab_size), dtype=torch.float32), routing)
         return StepResult(self.model.compute_logits(hidden[dev["lm_rows"][:rows]]), routing)
+
+    def compile_kernels(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
+        """Compile every kernel variant a step can meet (see ``warmup``), eagerly and on this rank alone
+        (every rank runs the same sweep); returns the seconds it took. Only a GPU compiles: off CUDA the
+        kernels are the reference ops or the Triton interpreter (where the sweep took 92 s for nothing)."""
+        if self.device.type != "cuda":
+            return 0.0
+        return compile_kernels(lambda plan, caches: ModelRunner.run_plan(self, plan, caches), self.buffers, kv_caches,
+                               self.block_size)
 
     def capture_graphs(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Capture the graphs over a newly allocated KV pool (engine start, resume).

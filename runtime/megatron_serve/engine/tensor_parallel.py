@@ -271,6 +271,7 @@ def run_worker(model_dir: str, config_dict: dict, placement: Placement, rank: in
     buffers = engine_buffers(config, max_sequence_length, device)
     # Same graphs, captured in the same order as rank 0's: their collectives must pair up.
     runner = ModelRunner(model, config.block_size_tokens, device, buffers, graphs_for(model, config, buffers))
+    runner.compile_kernels(pool.layer_caches)
     runner.capture_graphs(pool.layer_caches)
     sampled = 0  # rows the last step sampled: the length of the tokens a gathering step receives
     while True:
