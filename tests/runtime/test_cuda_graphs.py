@@ -171,7 +171,7 @@ def three_decode_rows(buffers: StepBuffers) -> StepPlan:
 
 def test_a_replay_pads_rows_to_write_nothing_and_returns_only_sampling_rows(tiny_llama):
     llm = MegatronLLM(tiny_llama, config())
-    install_graphs(llm.engine, [4])
+    capture = install_graphs(llm.engine, [4])
     engine, graphs = llm.engine, llm.engine.runner.graphs.decode
     buffers = engine.runner.buffers
     for layer_k, layer_v in engine.kv_cache.layer_caches:
@@ -183,12 +183,12 @@ def test_a_replay_pads_rows_to_write_nothing_and_returns_only_sampling_rows(tiny
     plan = three_decode_rows(buffers)
     eager = ModelRunner(engine.model, BLOCK, engine.device, buffers).run_plan(plan, engine.kv_cache.layer_caches)
     assert graphs.covers(plan)
-    graphs.prepare(plan)
-    replayed, routing = graphs.run(plan)
-    assert routing is None  # a dense model
+    capture.replayed_sizes.clear()
+    replayed = engine.runner.run_plan(plan, engine.kv_cache.layer_caches)
+    assert capture.replayed_sizes == [4] and replayed.routing is None  # one padded replay; a dense model
 
-    assert replayed.shape == eager.logits.shape == (2, engine.model.config.vocab_size)
-    torch.testing.assert_close(replayed, eager.logits)
+    assert replayed.logits.shape == eager.logits.shape == (2, engine.model.config.vocab_size)
+    torch.testing.assert_close(replayed.logits, eager.logits)
     assert buffers.dev["slots"][3].item() == -1 and buffers.dev["seq_lens"][3].item() == 0  # the padding row
     for before, (after, _) in zip(untouched, engine.kv_cache.layer_caches):
         changed = (before != after).flatten(2).any(-1).nonzero().tolist()

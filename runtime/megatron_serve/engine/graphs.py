@@ -33,7 +33,7 @@ logger = logging.getLogger(__name__)
 MAX_GRAPH_BATCH = 512  # larger decode batches are compute-bound: launch overhead no longer matters
 WARMUP_RUNS = 2  # eager runs before capture: compile every Triton variant, settle the allocator
 
-# The outputs of one decode step: logits, and the expert ids of MoE models (routing replay).
+# The outputs of a replayed forward: final hidden states, and the expert ids of MoE models (routing replay).
 GraphOutputs = tuple[torch.Tensor, torch.Tensor | None]
 # Turns a zero-argument forward into a replay function that returns the forward's outputs.
 GraphCapture = Callable[[Callable[[], GraphOutputs]], Callable[[], GraphOutputs]]
@@ -97,6 +97,8 @@ class DecodeGraphs:
         self.max_batch = self.batch_sizes[-1]
         self.buffers = buffers
         self._capture_factory = capture_factory
+        self.hidden = torch.zeros(self.max_batch, model.config.hidden_size, dtype=next(model.parameters()).dtype,
+                                  device=buffers.device)
         self._replays: dict[int, Callable[[], GraphOutputs]] = {}
         self._size = 0  # the size the last ``prepare`` chose
 
@@ -127,14 +129,11 @@ class DecodeGraphs:
         self.buffers.upload(plan, self._size, self._size)
 
     def run(self, plan: StepPlan) -> GraphOutputs:
-        """Replay the graph ``prepare`` chose. Returns the logits of the sampling rows, and the step's expert
+        """Replay the graph ``prepare`` chose. Returns the final hidden states of the step's rows, and their expert
         ids when the plan records them (MoE graphs always compute them: a few bytes per token)."""
         count = plan.num_tokens
-        logits, routing = self._replays[self._size]()
-        routing = routing[:count] if plan.record_routing and routing is not None else None
-        if plan.num_sample == count:  # every row samples (the usual decode step)
-            return logits[:count], routing
-        return logits[self.buffers.dev["lm_rows"][: plan.num_sample]], routing
+        hidden, routing = self._replays[self._size]()
+        return hidden[:count], routing[:count] if plan.record_routing and routing is not None else None
 
     def _reset_to_padding(self) -> None:
         dev = self.buffers.dev
@@ -158,8 +157,8 @@ class DecodeGraphs:
         @torch.inference_mode()
         def forward() -> GraphOutputs:
             context = ForwardContext(metadata, kv_caches, routing=[] if moe else None)
-            logits = self.model.compute_logits(self.model(token_ids, positions, context))
-            return logits, stack_routing(context.routing, self.model.config) if moe else None
+            self.hidden[:size].copy_(self.model(token_ids, positions, context))
+            return self.hidden[:size], stack_routing(context.routing, self.model.config) if moe else None
 
         return forward
 

@@ -7,7 +7,8 @@ sequence) go through the LM head, plus, for requests that asked for prompt log p
 positions that predict the next prompt token (their logits follow the sampling rows').
 
 Decode-only steps replay a captured CUDA graph when the runner has them (see ``graphs``); so do
-mixed steps up to the largest captured token count, piecewise (``graphs.MixedGraphs``).
+mixed steps up to the largest captured token count, piecewise (``graphs.MixedGraphs``). Either way the
+LM head runs here, eagerly, on the rows that need logits.
 """
 
 from __future__ import annotations
@@ -70,7 +71,7 @@ class ModelRunner:
         graphs = self.graphs
         if graphs is None:
             return None
-        if not plan.num_score and not plan.multimodal and graphs.decode.covers(plan):
+        if not plan.multimodal and graphs.decode.covers(plan):
             return graphs.decode
         if graphs.mixed is not None and graphs.mixed.covers(plan):
             return graphs.mixed
@@ -102,11 +103,11 @@ class ModelRunner:
         if plan.num_gather:
             rows = dev["gather_rows"][: plan.num_gather]
             dev["token_ids"].index_copy_(0, rows, previous_tokens[dev["gather_from"][: plan.num_gather]])
-        if isinstance(graphs, DecodeGraphs):
-            return StepResult(*graphs.run(plan))
         context = ForwardContext(attention_metadata(self.buffers, plan), kv_caches,
                                  self.multimodal_step(plan, image_embeddings), [] if plan.record_routing else None)
-        if isinstance(graphs, MixedGraphs):
+        if isinstance(graphs, DecodeGraphs):
+            hidden, routing = graphs.run(plan)
+        elif isinstance(graphs, MixedGraphs):
             hidden, routing = graphs.run(plan, context)
         else:
             hidden = self.model(dev["token_ids"][: plan.num_tokens], dev["positions"][: plan.num_tokens], context)
