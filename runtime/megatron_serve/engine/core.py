@@ -36,7 +36,7 @@ from .kv_cache import BlockAllocator, blocks_for_tokens
 from ..model.config import ModelConfig
 from ..model.llama import LlamaForCausalLM
 from ..model.loader import load_model, load_weights
-from .graphs import graphs_for
+from .graphs import graphs_for, largest_graph
 from .logits_processors import RowContext, apply_controls, apply_token_bitmask
 from .runner import ModelRunner
 from .step_plan import prompt_positions_to_score, write_plan
@@ -93,7 +93,8 @@ class DynamicInferenceEngine:
         self.config = config
         self.device = next(model.parameters()).device
         self.max_sequence_length = max_sequence_length_for(model.config, config)
-        self.kv_cache = build_kv_pool(model, config, self.max_sequence_length, self.device)
+        self.kv_cache = build_kv_pool(model, config, self.max_sequence_length, self.device,
+                                      largest_graph(config, self.device))
         self.allocator = BlockAllocator(self.kv_cache.shape[2], config.enable_prefix_caching)
         block_size = config.block_size_tokens
         self.scheduler = Scheduler(self.allocator, block_size, config.max_batch_tokens, config.max_requests)

@@ -315,19 +315,29 @@ def _span(sizes: list[int]) -> str:
     return f"{sizes[0]}-{sizes[-1]}" if len(sizes) > 1 else str(sizes[0])
 
 
+def graphs_wanted(config: InferenceConfig, device: torch.device) -> bool:
+    """Whether an engine on ``device`` captures graphs: CUDA with the Triton kernels (the reference ops read
+    lengths back to the host, ``int(context_lens.max())``, which a capture forbids), unless turned off."""
+    return config.enable_cuda_graphs and device.type == "cuda" and backend_for(device) == "triton"
+
+
+def largest_graph(config: InferenceConfig, device: torch.device) -> int:
+    """Rows of the largest step an engine on ``device`` replays from graphs (0: none)."""
+    if not graphs_wanted(config, device):
+        return 0
+    return min(max(capture_sizes(config.cuda_graph_sizes, config.max_requests)), config.max_batch_tokens)
+
+
 def graphs_for(model: LlamaForCausalLM, config: InferenceConfig, buffers: StepBuffers,
                capture_factory: Callable[[], GraphCapture] | None = None) -> StepGraphs | None:
-    """The graphs of this engine, or ``None`` where they cannot or should not be used.
-
-    Only on CUDA with the Triton kernels (the reference ops read lengths back to the host:
-    ``int(context_lens.max())``, which a capture forbids), unless ``capture_factory`` stands in for the
-    capture (tests run the same buffers and pieces eagerly on CPU).
+    """The graphs of this engine, or ``None`` where they are not wanted (``graphs_wanted``), unless
+    ``capture_factory`` stands in for the capture (tests run the same buffers and pieces eagerly on CPU).
     """
     device = buffers.device
     if not config.enable_cuda_graphs:
         return None
     if capture_factory is None:
-        if device.type != "cuda" or backend_for(device) != "triton":
+        if not graphs_wanted(config, device):
             return None
         capture_factory = lambda: CudaGraphCapture(device)  # noqa: E731
     sizes = capture_sizes(config.cuda_graph_sizes, config.max_requests)

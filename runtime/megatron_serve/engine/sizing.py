@@ -2,9 +2,19 @@
 
 The engine (rank 0) and the tensor-parallel followers both size themselves here, so neither imports
 the other.
+
+On a GPU the KV pool takes ``kv_cache_memory_fraction`` of the device's memory, less what is in use once
+the weights are loaded, less a reserve for what serving allocates later: a step's activations (the
+largest eager step: ``max_batch_tokens`` rows through one layer, and the logits and sampler temporaries
+of ``max_requests`` rows) and the CUDA graphs' memory pool (the largest captured step's temporaries and
+the graphs' persistent buffers). Without the reserve the pool took all of it and the first long prefill
+or the graph capture could run out of memory. The reserve is an estimate from the shapes; the engine
+logs it beside what the capture really took.
 """
 
 from __future__ import annotations
+
+import logging
 
 import torch
 import torch.distributed as dist
@@ -15,6 +25,8 @@ from .step_plan import StepBuffers
 from ..model.config import ModelConfig
 from ..model.llama import LlamaForCausalLM
 from ..model.parallel import TensorParallel
+
+logger = logging.getLogger(__name__)
 
 CPU_KV_BUDGET_BYTES = 1 << 30  # host memory is shared with everything else: a fixed budget, not "free memory"
 
@@ -49,8 +61,32 @@ def max_sequence_length_for(model_config: ModelConfig, config: InferenceConfig) 
     return requested
 
 
+def activation_bytes(config: ModelConfig, tokens: int, element_size: int, tp_size: int) -> int:
+    """Peak temporaries of ``tokens`` rows through one decoder layer (this rank's share of the sharded ones)."""
+    mlp = config.intermediate_size
+    if config.moe is not None:  # routed experts see top_k rows per token
+        mlp = max(mlp, config.moe.top_k * config.moe.expert_intermediate_size)
+    qkv = (config.num_heads + 2 * config.num_kv_heads) * config.head_dim
+    per_row = 4 * config.hidden_size + (qkv + 3 * mlp + config.num_heads * config.head_dim) // tp_size
+    return tokens * per_row * element_size
+
+
+def serving_reserve_bytes(config: ModelConfig, inference: InferenceConfig, element_size: int, tp_size: int,
+                          graph_tokens: int) -> int:
+    """What serving allocates beyond weights and KV pool (see the module docstring): eager step activations,
+    float32 logits with the sampler's temporaries (about four copies) for ``max_requests`` rows, and for
+    CUDA graphs of up to ``graph_tokens`` rows their pool and persistent buffers."""
+    eager = activation_bytes(config, inference.max_batch_tokens, element_size, tp_size)
+    sampling = 4 * inference.max_requests * config.vocab_size * 4
+    graphs = 0
+    if graph_tokens:
+        persistent = graph_tokens * (2 * config.num_heads * config.head_dim // tp_size + 3 * config.hidden_size)
+        graphs = activation_bytes(config, graph_tokens, element_size, tp_size) + persistent * element_size
+    return eager + sampling + graphs
+
+
 def build_kv_pool(model: LlamaForCausalLM, config: InferenceConfig, max_sequence_length: int,
-                  device: torch.device) -> KVCachePool:
+                  device: torch.device, graph_tokens: int = 0) -> KVCachePool:
     """The KV pool, sized by ``num_kv_blocks`` or by memory; tensor-parallel ranks agree on the smallest."""
     mc = model.config
     dtype = next(model.parameters()).dtype
@@ -60,7 +96,12 @@ def build_kv_pool(model: LlamaForCausalLM, config: InferenceConfig, max_sequence
         per_block = KVCachePool.bytes_per_block(mc.num_layers, block_size, model.num_local_kv_heads, mc.head_dim, dtype)
         if device.type == "cuda":
             free, total = torch.cuda.mem_get_info(device)
-            budget = int(total * config.kv_cache_memory_fraction) - (total - free)
+            reserve = serving_reserve_bytes(mc, config, torch.empty((), dtype=dtype).element_size(), model.tp.size,
+                                            graph_tokens)
+            budget = int(total * config.kv_cache_memory_fraction) - (total - free) - reserve
+            logger.info("KV pool budget: %.2f GiB (%.0f%% of %.1f GiB, less %.2f GiB in use and %.2f GiB reserved for "
+                        "activations and CUDA graphs)", max(budget, 0) / 2**30, 100 * config.kv_cache_memory_fraction,
+                        total / 2**30, (total - free) / 2**30, reserve / 2**30)
         else:
             budget = int(CPU_KV_BUDGET_BYTES * config.kv_cache_memory_fraction)
         needed = config.max_requests * blocks_for_tokens(max_sequence_length, block_size)

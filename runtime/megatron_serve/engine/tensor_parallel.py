@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from ..config import InferenceConfig
-from .graphs import StepGraphs, graphs_for
+from .graphs import StepGraphs, graphs_for, largest_graph
 from ..errors import EngineGroupLost
 from ..model.loader import load_model, load_weights
 from ..model.parallel import TensorParallel
@@ -267,7 +267,7 @@ def run_worker(model_dir: str, config_dict: dict, placement: Placement, rank: in
     model_config = ModelConfig.from_dir(model_dir)
     model = load_model(model_dir, default_dtype(config, model_config), device, tp)
     max_sequence_length = max_sequence_length_for(model_config, config)
-    pool = build_kv_pool(model, config, max_sequence_length, device)
+    pool = build_kv_pool(model, config, max_sequence_length, device, largest_graph(config, device))
     buffers = engine_buffers(config, max_sequence_length, device)
     # Same graphs, captured in the same order as rank 0's: their collectives must pair up.
     runner = ModelRunner(model, config.block_size_tokens, device, buffers, graphs_for(model, config, buffers))
