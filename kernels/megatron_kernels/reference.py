@@ -106,7 +106,8 @@ def paged_attention_decode(
     """One query token per sequence (``q`` ``[S, Hq, D]``) attending to its whole cached context.
 
     ``out``: where to write the result (a view of a persistent buffer); a new tensor when None.
-    A sequence of context 0 (a padding row) gets zeros.
+    A sequence of context 0 (a padding row of a replayed step) attends to nothing: its row is NaN, and
+    never read (rows stay apart through every later layer).
     """
     block_size = k_cache.shape[1]
     max_len = int(context_lens.max())
@@ -118,7 +119,7 @@ def paged_attention_decode(
     attended = F.scaled_dot_product_attention(
         q.unsqueeze(2).float(), keys.float(), values.float(), attn_mask=mask, scale=scale,
         enable_gqa=q.shape[1] != keys.shape[1],
-    ).squeeze(2).nan_to_num_(0.0)  # a fully masked row (context 0) is NaN in SDPA
+    ).squeeze(2)
     if out is None:
         return attended.to(q.dtype)
     out.copy_(attended)
