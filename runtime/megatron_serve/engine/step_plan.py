@@ -138,57 +138,43 @@ class StepBuffers:
         """Copy the plan's values (and padding up to ``tokens`` rows / ``requests`` requests) to the device."""
         if self.device.type != "cuda":
             return  # the host buffers are the device buffers
-        tokens = plan.num_tokens if tokens is None else tokens
-        requests = plan.num_requests if requests is None else requests
-        rows = {"T": tokens, "R": requests, "R+1": requests + 1}
-        for name, (_dtype, shape) in _BUFFERS.items():
-            if name == "block_tables":
-                self.dev[name][:requests, : plan.block_width].copy_(
-                    self.host[name][:requests, : plan.block_width], non_blocking=True)
-            elif name == "mrope_positions":
-                if plan.mrope:
-                    self.dev[name][:, :tokens].copy_(self.host[name][:, :tokens], non_blocking=True)
-            elif name == "gather_rows" or name == "gather_from":
-                if plan.num_gather:
-                    self.dev[name][: plan.num_gather].copy_(self.host[name][: plan.num_gather], non_blocking=True)
-            elif name == "image_rows":
-                if plan.num_images:
-                    self.dev[name][: plan.num_images].copy_(self.host[name][: plan.num_images], non_blocking=True)
-            elif name == "lm_rows":
-                used = plan.num_sample + plan.num_score
-                self.dev[name][:used].copy_(self.host[name][:used], non_blocking=True)
-            else:
-                count = rows[shape]
-                self.dev[name][:count].copy_(self.host[name][:count], non_blocking=True)
+        for name, region in self._regions(plan, tokens, requests):
+            self.dev[name][region].copy_(self.host[name][region], non_blocking=True)
         self._copied = torch.cuda.Event()
         self._copied.record()
 
     def pack(self, plan: StepPlan) -> np.ndarray:
         """The plan and its used values as one int64 array (what tensor-parallel followers receive)."""
         parts = [np.asarray(plan.header(), dtype=np.int64)]
-        parts.extend(view.reshape(-1).astype(np.int64, copy=False) for view in self._used(plan))
+        parts.extend(self.np[name][region].reshape(-1).astype(np.int64, copy=False)
+                     for name, region in self._regions(plan))
         return np.concatenate(parts)
 
     def unpack(self, packed: np.ndarray) -> StepPlan:
         """Write a packed plan into these host buffers; returns the plan."""
         plan = StepPlan.from_header(packed[:_HEADER_SIZE].tolist())
         offset = _HEADER_SIZE
-        for view in self._used(plan):
+        for name, region in self._regions(plan):
+            view = self.np[name][region]
             view[...] = packed[offset : offset + view.size].reshape(view.shape)
             offset += view.size
         return plan
 
-    def _used(self, plan: StepPlan) -> list[np.ndarray]:
-        """Views of the host values a plan uses, in packing order."""
-        out, tokens = self.np, plan.num_tokens
-        used = [out["token_ids"][:tokens], out["positions"][:tokens], out["slots"][:tokens],
-                out["seq_lens"][: plan.num_requests], out["query_start"][: plan.num_prefill + 1],
-                out["lm_rows"][: plan.num_sample + plan.num_score], out["gather_rows"][: plan.num_gather],
-                out["gather_from"][: plan.num_gather], out["image_rows"][: plan.num_images],
-                out["block_tables"][: plan.num_requests, : plan.block_width]]
+    @staticmethod
+    def _regions(plan: StepPlan, tokens: int | None = None, requests: int | None = None
+                 ) -> list[tuple[str, tuple[slice, ...]]]:
+        """The part of each buffer a plan uses (padded to ``tokens`` rows and ``requests`` requests when given)."""
+        tokens = plan.num_tokens if tokens is None else tokens
+        requests = plan.num_requests if requests is None else requests
+        rows, per_request = (slice(tokens),), (slice(requests),)
+        regions = [("token_ids", rows), ("positions", rows), ("slots", rows), ("seq_lens", per_request),
+                   ("query_start", (slice(requests + 1),)), ("lm_rows", (slice(plan.num_sample + plan.num_score),)),
+                   ("gather_rows", (slice(plan.num_gather),)), ("gather_from", (slice(plan.num_gather),)),
+                   ("image_rows", (slice(plan.num_images),)),
+                   ("block_tables", (slice(requests), slice(plan.block_width)))]
         if plan.mrope:
-            used.append(out["mrope_positions"][:, :tokens])
-        return used
+            regions.append(("mrope_positions", (slice(None), slice(tokens))))
+        return regions
 
 
 def prompt_positions_to_score(sequence: "Sequence", count: int) -> range:
