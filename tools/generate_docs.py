@@ -356,6 +356,7 @@ def _option_strings(parser: argparse.ArgumentParser) -> dict[str, argparse.Actio
 def vllm_page(document: dict[str, Any]) -> str:
     from megatron_serve.cli import COMMANDS
     from megatron_serve.commands.vllm_options import VLLM_OPTIONS, Status
+    from megatron_serve.server.extensions import EXTENSIONS, NOT_IMPLEMENTED
     from megatron_serve.server.metric_catalog import SERIES, VLLM_SERIES
 
     serve = "`megatron-serve serve MODEL` (the same as `megatron-serve run --model MODEL`)" if "serve" in COMMANDS \
@@ -387,6 +388,19 @@ def vllm_page(document: dict[str, Any]) -> str:
         if missing:  # the table says what the parsers must take: a row they do not is a bug, not a doc
             raise RuntimeError(f"{', '.join(missing)} is in the vLLM option table but `run` does not take it")
         out.append(f"| {flags} | {here} | {_cell(row.reason)} |\n")
+    out.append("\n## Request fields\n\nBeyond the OpenAI API, the request bodies take vLLM's fields below (in the "
+               "`openai` client, through `extra_body`), with vLLM's meaning; a number sent as a string "
+               "(`\"max_tokens\": \"10\"`) is read as a number, as vLLM does. Any other field is a 400 that names "
+               "it, never ignored.\n\n| field | what it does here |\n|---|---|\n")
+    for name, text in sorted(EXTENSIONS.items()):
+        if "vLLM" in text:
+            out.append(f"| {_code(name)} | {_cell(text.replace(' (vLLM' + chr(39) + 's name)', ''))} |\n")
+    out.append(f"| {_code('stream_options.continuous_usage_stats')} | every streamed chunk carries the usage so far "
+               "(with `include_usage`) |\n")
+    out.append("\nRefused with a 400 that says why (fields of OpenAI, vLLM and SGLang this server does not "
+               "implement):\n\n| field | not supported |\n|---|---|\n")
+    for name, what in sorted(NOT_IMPLEMENTED.items()):
+        out.append(f"| {_code(name)} | {_cell(what)} |\n")
     out.append("\n## Endpoints\n\n| vLLM route | here |\n|---|---|\n")
     paths = document["paths"]
     for route in VLLM_ROUTES:

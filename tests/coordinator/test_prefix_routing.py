@@ -14,7 +14,7 @@ import pytest
 from megatron_serve.client import InferenceClient
 from megatron_serve.messages import Control, ControlAck, Draining, Heartbeat, Refit, Status, Suspend
 from megatron_serve.engine_process import EngineProcess
-from megatron_serve.prefix_hash import ROOT_HASH, block_hashes, salted_root
+from megatron_serve.prefix_hash import ROOT_HASH, block_hashes
 from megatron_serve.prefix_routing import DEFAULT_MAX_LOAD_GAP, DEFAULT_MAX_LOAD_RATIO, PrefixAffinity
 from megatron_serve.protocol import Header
 from megatron_serve.routing import make_routing_policy

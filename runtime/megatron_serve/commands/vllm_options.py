@@ -175,17 +175,17 @@ VLLM_OPTIONS: tuple[VllmOption, ...] = (
     VllmOption(("--disable-uvicorn-access-log",), _IMPLEMENTED, "no access log line per HTTP request",
                spec=_spec(action="store_true", help="no uvicorn access log, whatever --uvicorn-log-level"),
                scope=_SERVER, example=("--disable-uvicorn-access-log",)),
+    VllmOption(("--disable-log-requests",), _IMPLEMENTED, "vLLM's older spelling: requests are not logged (the "
+               "default)",
+               spec=_spec(action="store_false", dest="log_requests", default=argparse.SUPPRESS,
+                          help="do not log requests (the default; vLLM's older spelling)"),
+               scope=_SERVER, example=("--disable-log-requests",)),
     VllmOption(("--enable-log-requests",), _IMPLEMENTED, "one log line when a request arrives (its request_id, "
                "sizes, sampling values and prompt, cut to `--max-log-len`) and one when it ends; off by default, "
                "as in vLLM",
                spec=_spec(action="store_true", dest="log_requests", default=False,
                           help="log each request's arrival (request_id, sizes, sampling values, prompt) and its end"),
                scope=_SERVER, example=("--enable-log-requests",)),
-    VllmOption(("--disable-log-requests",), _IMPLEMENTED, "vLLM's older spelling: requests are not logged (the "
-               "default)",
-               spec=_spec(action="store_false", dest="log_requests", default=argparse.SUPPRESS,
-                          help="do not log requests (the default; vLLM's older spelling)"),
-               scope=_SERVER, example=("--disable-log-requests",)),
     VllmOption(("--max-log-len",), _IMPLEMENTED, "prompt characters a request log line shows (default: all)",
                spec=_spec(type=int, default=None, metavar="N",
                           help="prompt characters a request log line shows (default: all)"),
