@@ -367,8 +367,11 @@ def vllm_page(document: dict[str, Any]) -> str:
            "# Coming from vLLM\n\n",
            f"`vllm serve MODEL` corresponds to {serve}: one command that starts the coordinator, the "
            "engines and the OpenAI server. On Kubernetes a `MegatronInference` resource replaces the "
-           "Deployment you wrote for vLLM. This page is generated, so every row says what the code accepts "
-           "today.\n\n## Options\n\n",
+           "Deployment you wrote for vLLM. From Python, `MegatronLLM` takes the calls of vLLM's `LLM` and "
+           "`SamplingParams` takes vLLM's names: see [Python API](python-api.md#coming-from-vllms-llm). Gateways "
+           "and routers that balance vLLM pools read the same series here: see "
+           "[Gateways and routers](kubernetes/gateways.md). This page is generated, so every row says what the code "
+           "accepts today.\n\n## Options\n\n",
            "Every option below is parsed by `serve` and `run` (the HTTP options by `server` too, the engine options "
            "by `engine`). An *accepted* option changes nothing here: `serve` says so in one warning line at start-up. "
            "A *refused* option stops `serve` with the reason. vLLM options not listed are unknown here, and `serve` "

@@ -32,9 +32,9 @@ class CORS:
 
 @dataclass(frozen=True)
 class HTTPOptions:
-    """``tool_call_parser``: the format ``tool_choice: auto`` reads calls in (None: the one the chat
-    template shows); ``auto_tool_choice``: that parser applies whatever the template (vLLM's
-    ``--enable-auto-tool-choice``). ``cors``: None = no cross-origin access. ``log_requests``: one
+    """``auto_tool_choice`` with ``tool_call_parser`` (vLLM's ``--enable-auto-tool-choice --tool-call-parser``,
+    given together): ``tool_choice: auto`` reads calls in that format whatever the chat template;
+    without them, in the format the template shows (when it shows one). ``cors``: None = no cross-origin access. ``log_requests``: one
     log line per request arriving and ending, its prompt cut to ``max_log_len`` characters.
     ``log_stats``: a throughput / queue / KV-cache line every ``stats_interval`` seconds while busy.
     ``uvicorn_log_level`` (None: the server's log level) and ``access_log``: uvicorn's own log.
@@ -58,9 +58,12 @@ class HTTPOptions:
         if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_CALL_PARSERS:
             raise ValueError(f"--tool-call-parser {self.tool_call_parser!r} is not one of "
                              f"{', '.join(TOOL_CALL_PARSERS)}")
-        if self.auto_tool_choice and self.tool_call_parser is None:
-            raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (one of "
-                             f"{', '.join(TOOL_CALL_PARSERS)}): the format the model writes its calls in")
+        if self.auto_tool_choice != (self.tool_call_parser is not None):  # vLLM's pairing: both or neither
+            if self.auto_tool_choice:
+                raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (one of "
+                                 f"{', '.join(TOOL_CALL_PARSERS)}): the format the model writes its calls in")
+            raise ValueError(f"--tool-call-parser {self.tool_call_parser} takes effect with --enable-auto-tool-choice "
+                             "(as in vLLM): add it")
         if self.max_log_len is not None and self.max_log_len < 0:
             raise ValueError(f"--max-log-len must be >= 0, got {self.max_log_len}")
         if not self.stats_interval > 0:

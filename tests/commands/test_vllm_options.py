@@ -76,6 +76,8 @@ def test_a_bad_combination_found_by_serve_prints_its_usage(capsys, tmp_path):
     assert main(["serve", str(tmp_path), "--enable-auto-tool-choice"]) == 1
     err = capsys.readouterr().err
     assert SERVE_USAGE in err and "--enable-auto-tool-choice needs --tool-call-parser" in err
+    assert main(["serve", str(tmp_path), "--tool-call-parser", "mistral"]) == 1
+    assert "takes effect with --enable-auto-tool-choice" in capsys.readouterr().err
     assert main(["serve", str(tmp_path), "--allow-credentials"]) == 1
     assert "need --allowed-origins" in capsys.readouterr().err
 

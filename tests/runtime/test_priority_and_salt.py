@@ -41,8 +41,9 @@ def test_coordinator_queue_dispatches_by_priority_and_moved_requests_first():
     def record(key: str, priority: int = 0) -> RequestRecord:
         return RequestRecord(key, "client", key, None, [1], SamplingParams(priority=priority), b"", False)
 
-    for key, priority in (("a", 0), ("b", 3), ("c", -2), ("d", 0), ("e", -2)):
+    for key, priority in (("a", 0), ("b", 3), ("c", -2), ("d", 0), ("e", -2), ("gone", -5)):
         table.add(record(key, priority), Phase.QUEUED)
+    table.forget(table.get("gone"))  # aborted while queued: its heap entry is skipped
     order = []
     while (head := table.next_queued()) is not None:
         order.append(head.request_id)

@@ -9,6 +9,9 @@ of the right type, one series each for the whole fleet, with vLLM's labels; and 
 
 from __future__ import annotations
 
+import asyncio
+import logging
+
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -106,3 +109,33 @@ async def test_metrics_compat_over_http_with_a_real_engine(tiny_model, tokenizer
             assert samples(found["vllm:generation_tokens"], "_total")[0].value >= 3
             assert samples(found["vllm:request_success"], "_total")  # labelled by finished_reason
             assert samples(found["vllm:request_time_per_output_token_seconds"], "_count")[0].value >= 1
+
+
+async def test_stats_lines_while_busy_and_none_with_disable_log_stats(tiny_model, tokenizer, caplog):
+    """vLLM's periodic stats line (here every ``stats_interval``; 10 s by default) and ``--disable-log-stats``."""
+    caplog.set_level(logging.INFO, logger="megatron_serve.stats")
+    settings = InferenceConfig(block_size_tokens=16, num_kv_blocks=64)
+    async with MegatronAsyncLLM(tiny_model, settings) as llm:
+        for enabled in (True, False):
+            caplog.clear()
+            app = create_app(llm.client, tokenizer, "tiny-llama", status_interval=0.02,
+                             options=HTTPOptions(log_stats=enabled, stats_interval=0.05))
+            async with serving(app) as url, httpx.AsyncClient(base_url=url, timeout=120) as http:
+                answer = await http.post("/v1/completions", json={"model": "tiny-llama", "prompt": "Hello there",
+                                                                   "max_tokens": 4, "temperature": 0})
+                assert answer.status_code == 200
+                monitor = app.state.ctx.monitor
+                polls, last = 0, monitor.updated
+                deadline = asyncio.get_running_loop().time() + 60
+                while polls < 20:  # twenty fresh statuses: several stats intervals went by
+                    assert asyncio.get_running_loop().time() < deadline
+                    await asyncio.sleep(0.01)
+                    if monitor.updated != last:
+                        polls, last = polls + 1, monitor.updated
+            lines = [r.getMessage() for r in caplog.records if r.name == "megatron_serve.stats"]
+            if not enabled:
+                assert lines == []
+                continue
+            assert any("avg generation throughput" in line and "generation throughput 0.0" not in line
+                       for line in lines), lines  # the interval with the request in it
+            assert "running 0 reqs, waiting 0 reqs" in lines[-1]  # one last line once idle, then none

@@ -69,7 +69,7 @@ class RequestRecord:
     final: bytes | None = None  # the finished record's msgpack (forwarded unparsed)
     images: list[PromptImage] = field(default_factory=list)  # placed in prompt_tokens once prepared
     routing: RoutingRecord | None = None  # return_routing_indices: expert rows mirrored with the tokens
-    queue_order: int = 0  # when it was queued (negative: a moved request, ahead of all)
+    queue_order: int = 0  # in the priority heap: when it was queued; in the deque: 0, or -1 moved (ahead of all)
 
     @property
     def prefix_keys(self) -> list[int]:
@@ -118,16 +118,16 @@ class RequestTable:
         if phase is Phase.HELD:
             self.held.append(record.request_id)
         elif phase is Phase.QUEUED:
-            self._queue(record, first=False)
+            if record.params.priority:
+                self._rank(record)
+            else:
+                self.queue.append(record.request_id)
 
-    def _queue(self, record: RequestRecord, first: bool) -> None:
+    def _rank(self, record: RequestRecord) -> None:
+        """Queue a request with a priority in the heap (its order tells a live entry from a stale one)."""
         order = next(self._order)
-        record.queue_order = -order if first else order
-        priority = record.params.priority
-        if first or not priority:
-            (self.queue.appendleft if first else self.queue.append)(record.request_id)
-        else:
-            heapq.heappush(self.ranked, (priority, order, record.request_id))
+        record.queue_order = order
+        heapq.heappush(self.ranked, (record.params.priority, order, record.request_id))
 
     def _move(self, record: RequestRecord, phase: Phase) -> None:
         self.counts[record.phase] -= 1
@@ -138,7 +138,14 @@ class RequestTable:
         """Queue a request for dispatch (``first``: ahead of the others, for a request that lost its engine)."""
         self._move(record, Phase.QUEUED)
         record.engine_id = None
-        self._queue(record, first)
+        if first:
+            record.queue_order = -1
+            self.queue.appendleft(record.request_id)
+        elif record.params.priority:
+            self._rank(record)
+        else:
+            record.queue_order = 0
+            self.queue.append(record.request_id)
 
     def dispatched(self, record: RequestRecord, engine_id: str) -> None:
         self._move(record, Phase.DISPATCHED)
@@ -167,9 +174,15 @@ class RequestTable:
 
     def next_queued(self) -> RequestRecord | None:
         """The request at the head of the queue (entries of aborted or moved requests are skipped)."""
-        head = self._head(self.queue)
+        queue = self.queue
+        head = None
+        while queue:
+            record = self.records.get(queue[0])
+            if record is not None and record.phase is Phase.QUEUED:
+                head = record
+                break
+            queue.popleft()
         if not self.ranked:  # no priorities queued: the deque alone, as fast as ever
-            self._head_ranked = False
             return head
         ranked = None
         while self.ranked:
@@ -178,20 +191,10 @@ class RequestTable:
             if ranked is not None:
                 break
             heapq.heappop(self.ranked)
-        if ranked is None:
-            self._head_ranked = False
-            return head
-        # the deque's head has priority 0, or was moved (ahead of all); the heap holds priorities other than 0
-        self._head_ranked = head is None or (head.queue_order > 0 and ranked.params.priority < 0)
+        # the deque holds priority 0 (order 0) and moved requests (order -1, ahead of all); the heap the others
+        self._head_ranked = ranked is not None and (head is None or (head.queue_order == 0
+                                                                     and ranked.params.priority < 0))
         return ranked if self._head_ranked else head
-
-    def _head(self, queue: collections.deque[str]) -> RequestRecord | None:
-        while queue:
-            record = self.records.get(queue[0])
-            if record is not None and record.phase is Phase.QUEUED:
-                return record
-            queue.popleft()
-        return None
 
     def _live(self, key: str, order: int) -> RequestRecord | None:
         """The queued record of a heap entry, unless the entry is stale (finished, or queued again since)."""
@@ -200,7 +203,7 @@ class RequestTable:
 
     def pop_queued(self) -> None:
         """Remove the request :meth:`next_queued` returned."""
-        if self._head_ranked:
+        if self.ranked and self._head_ranked:
             heapq.heappop(self.ranked)
         else:
             self.queue.popleft()

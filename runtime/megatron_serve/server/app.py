@@ -137,8 +137,8 @@ def create_app(
     ctx = ServerContext(backend=backend, tokenizer=tokenizer, model_name=model_name, monitor=monitor, metrics=metrics,
                         pending=pending, limits=limits, workers=Workers(tokenizer_threads), vocab_size=vocab_size,
                         default_max_model_len=max_model_len, images=image_options or ImageOptions(),
-                        tool_parser=options.tool_call_parser or parser_for_template(getattr(tokenizer, "chat_template",
-                                                                                            None)),
+                        tool_parser=options.tool_call_parser if options.auto_tool_choice else parser_for_template(
+                            getattr(tokenizer, "chat_template", None)),
                         generation_defaults=generation_defaults or GenerationDefaults(), options=options,
                         request_log=RequestLog(options.log_requests, options.max_log_len))
 
