@@ -74,7 +74,7 @@ class StructuredOutputsParams(msgspec.Struct, forbid_unknown_fields=True, omit_d
 _CONSTRAINT_KINDS = ("json", "json_object", "regex", "choice", "grammar")
 
 
-#: Priorities fit a signed 32-bit integer (lower is admitted first).
+#: Priorities fit a signed 32-bit integer (lower is admitted first; vLLM takes any int, no one needs more).
 PRIORITY_MIN, PRIORITY_MAX = -(2**31), 2**31 - 1
 
 

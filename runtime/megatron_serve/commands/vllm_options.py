@@ -277,9 +277,6 @@ VLLM_OPTIONS: tuple[VllmOption, ...] = (
     VllmOption(("--speculative-config",), _REFUSED, "speculative decoding is not implemented", scope=_ENGINE),
 )
 
-BY_FLAG: dict[str, VllmOption] = {flag: row for row in VLLM_OPTIONS for flag in row.flags}
-
-
 class _Refuse(argparse.Action):
     """A vLLM option that is not served here: the command stops with its usage and the reason."""
 

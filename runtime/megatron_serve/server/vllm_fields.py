@@ -22,13 +22,12 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from ..sampling_params import PRIORITY_MAX, PRIORITY_MIN
 from .extensions import extension
 
 #: What a client-chosen request id may hold: printable ASCII (it is logged), 1 to 256 characters.
 REQUEST_ID_PATTERN = r"^[ -~]{1,256}$"
 REQUEST_ID = re.compile(REQUEST_ID_PATTERN)
-#: Priorities fit a signed 32-bit integer (vLLM takes any int; the bound keeps them comparable cheaply).
-PRIORITY_MIN, PRIORITY_MAX = -(2**31), 2**31 - 1
 #: Backends vLLM lets a request name; every constraint is decoded with llguidance here, whichever is named.
 GUIDED_BACKENDS = Literal["auto", "xgrammar", "guidance", "llguidance", "outlines", "lm-format-enforcer"]
 #: ``apply_chat_template`` arguments that this server sets itself: a request's template kwargs may not.
