@@ -7,10 +7,10 @@ FastAPI before its ``run``: ``megatron-serve run --help`` answers in about 0.1 s
 1.5 s in a subprocess on the loaded test machine).
 
 Every parser refuses abbreviations (``allow_abbrev=False``: ``--api-key abc`` once silently meant
-``--api-key-file abc``) and prints every option's default in ``--help``. A mistake on a subcommand's
-line (an unknown option, a bad value, a ``ValueError`` from its checks) prints that subcommand's usage,
-not the top-level one. vLLM options that change nothing here are warned about, one line each, before
-the command runs (:mod:`megatron_serve.commands.vllm_options`).
+``--api-key-file abc``) and prints every option's default in ``--help``. An argument a subcommand
+cannot parse (an unknown option, a bad value) prints that subcommand's usage, not the top-level one;
+a failed check once parsed is one line that says what to fix. vLLM options that change nothing here
+are warned about, one line each, before the command runs (:mod:`megatron_serve.commands.vllm_options`).
 """
 
 from __future__ import annotations
@@ -61,7 +61,6 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
     Only the chosen subcommand's module is imported. The release check runs this in the installed
     wheel on every container command the operator renders, so a renamed flag cannot ship.
-    ``args._usage`` is the subcommand's usage line (it goes with its errors).
     """
     parser = argparse.ArgumentParser(prog="megatron-serve", description="Megatron-style LLM inference stack.",
                                      allow_abbrev=False, formatter_class=HelpFormatter)
@@ -82,7 +81,6 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     if extra and not getattr(importlib.import_module(args._module), "ACCEPTS_EXTRA_ARGS", False):
         subs[args.command].error(f"unrecognized arguments: {' '.join(extra)}")
     args.extra_args = extra
-    args._usage = subs[args.command].format_usage()
     return args
 
 
@@ -95,11 +93,7 @@ def main(argv: list[str] | None = None) -> int:
         return int(module.run(args) or 0)
     except KeyboardInterrupt:
         return 130
-    except ValueError as exc:  # a bad input: what to fix, under the command's usage
-        print(args._usage, end="", file=sys.stderr)
-        print(f"megatron-serve {args.command}: error: {exc}", file=sys.stderr)
-        return 1
-    except (FileNotFoundError, RuntimeError) as exc:
+    except (ValueError, FileNotFoundError, RuntimeError) as exc:  # one line that says what to fix
         print(f"megatron-serve {args.command}: error: {exc}", file=sys.stderr)
         return 1
 

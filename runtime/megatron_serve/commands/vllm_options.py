@@ -227,15 +227,15 @@ VLLM_OPTIONS: tuple[VllmOption, ...] = (
     # ---- defined here: the engines
     VllmOption(("--quantization", "-q"), _IMPLEMENTED, "the weights' quantization: `auto`/`none` serve the "
                "checkpoint's weights as they are; other schemes are refused, naming the scheme",
-               spec=_spec(type=_supported("--quantization", QUANTIZATION_SCHEMES, "quantized weights are not "
-                                          "implemented yet"),
+               spec=_spec(type=_supported("--quantization", QUANTIZATION_SCHEMES, "this build implements no "
+                                          "other scheme"),
                           default=None, metavar="|".join(QUANTIZATION_SCHEMES),
                           help="weight quantization (default: the checkpoint's own)"),
                scope=_ENGINE, example=("--quantization", "none")),
     VllmOption(("--kv-cache-dtype",), _IMPLEMENTED, "the KV cache's dtype: `auto` = the model's dtype; others are "
                "refused, naming the dtype",
-               spec=_spec(type=_supported("--kv-cache-dtype", KV_CACHE_DTYPES, "the KV cache is kept in the "
-                                          "model's dtype"),
+               spec=_spec(type=_supported("--kv-cache-dtype", KV_CACHE_DTYPES, "this build keeps the KV cache "
+                                          "in no other dtype"),
                           default="auto", metavar="|".join(KV_CACHE_DTYPES), help="KV cache dtype"),
                scope=_ENGINE, example=("--kv-cache-dtype", "auto")),
     VllmOption(("--pipeline-parallel-size", "-pp"), _IMPLEMENTED, "1 only: pipeline parallelism is not "
