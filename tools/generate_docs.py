@@ -5,8 +5,9 @@
   OpenAPI document (``create_app(...).openapi()``);
 * ``docs/reference/megatroninference.md``: from the CRD schema in ``megatron_operator/crd.py``;
 * ``docs/reference/metrics.md``: from the metric catalogue (``megatron_serve.server.metric_catalog``);
-* ``docs/vllm-mapping.md``: vLLM's options, routes and series beside what the parsers, the OpenAPI
-  document and the catalogue offer here;
+* ``docs/vllm-mapping.md``: vLLM's options (from the table of ``megatron_serve.commands.vllm_options``,
+  checked against the parsers), routes and series beside what the OpenAPI document and the catalogue
+  offer here;
 * the Grafana dashboard (chart file and example ConfigMap): from :mod:`dashboard`.
 
 ``python tools/generate_docs.py`` writes them; ``--check`` writes nothing and exits 1 naming the
@@ -294,7 +295,7 @@ def crd_page() -> str:
 # --------------------------------------------------------------------------- metrics
 
 def metrics_page() -> str:
-    from megatron_serve.server.metric_catalog import PREFIX, SERIES
+    from megatron_serve.server.metric_catalog import PREFIX, SERIES, VLLM_SERIES
 
     sources = {
         "engine": ("Engine series (vLLM's)", "Kept by every engine, shipped in its heartbeat, read from the "
@@ -320,42 +321,17 @@ def metrics_page() -> str:
             labels = ", ".join(_code(label) for label in s.labels)
             vllm = _code(s.vllm) if s.vllm else "—"
             out.append(f"| {_code(s.full_name)} | {s.kind} | {labels} | {s.unit} | {_cell(s.help)} | {vllm} |\n")
+    out.append("\n## vLLM's series (`--metrics-compat vllm`)\n\nOn by default: the series that routers and "
+               "autoscalers written for vLLM read, under vLLM's names, labels and units, for the fleet behind the "
+               "server as one vLLM engine (`engine=\"0\"`; see [Coming from vLLM](../vllm-mapping.md#metrics)). "
+               "`--metrics-compat none` leaves them out.\n\n| series | type | labels | meaning |\n|---|---|---|---|\n")
+    for v in VLLM_SERIES:
+        labels = ", ".join(_code(label) for label in v.labels)
+        out.append(f"| {_code(v.name)} | {v.kind} | {labels} | {_cell(v.help)} |\n")
     return "".join(out)
 
 
 # --------------------------------------------------------------------------- coming from vLLM
-
-# (vLLM option, the option here with the same effect or None, what differs)
-VLLM_OPTIONS: list[tuple[str, str | None, str]] = [
-    ("--model", "--model", "a model directory or a Hub id (`org/name[@revision]`): the Hugging Face cache first "
-                           "(offline works), else a download with progress; served under the Hub id"),
-    ("--revision", "--revision", ""),
-    ("--tokenizer", "--tokenizer", ""),
-    ("--served-model-name", "--served-model-name", ""),
-    ("--host", "--host", "default `127.0.0.1` (vLLM: all interfaces)"),
-    ("--port", "--port", ""),
-    ("--api-key", "--api-key", "or `--api-key-file` / `$MEGATRON_SERVE_API_KEY`, which `ps` does not show"),
-    ("--dtype", "--dtype", "`auto`, `float32`/`float`, `bfloat16`, `float16`/`half`"),
-    ("--seed", "--seed", ""),
-    ("--tensor-parallel-size", "--tensor-parallel", "also `-tp`"),
-    ("--data-parallel-size", "--engines", "also `-dp`; each engine group is one data-parallel replica behind the "
-                                          "coordinator"),
-    ("--pipeline-parallel-size", None, "pipeline parallelism is not implemented"),
-    ("--max-model-len", "--max-sequence-length", ""),
-    ("--gpu-memory-utilization", "--kv-cache-memory-fraction",
-     "a fraction of the memory left after the weights, given to the KV cache (vLLM: of the whole GPU)"),
-    ("--num-gpu-blocks-override", "--num-kv-blocks", ""),
-    ("--block-size", "--block-size", ""),
-    ("--max-num-seqs", "--max-requests", ""),
-    ("--max-num-batched-tokens", "--max-batch-tokens", "chunked prefill is always on"),
-    ("--enable-prefix-caching", "--prefix-caching", "on by default; `--no-enable-prefix-caching` turns it off"),
-    ("--enforce-eager", "--no-cuda-graphs", ""),
-    ("--chat-template", "--chat-template", "a file or the template inline; default: the tokenizer's own"),
-    ("--generation-config", "--generation-config", "`auto` (default): the model's `generation_config.json` "
-                                                   "sampling values for fields a request leaves out; `none` "
-                                                   "(vLLM: `vllm`, also accepted) ignores them; or a directory"),
-    ("--uvicorn-log-level", "--log-level", ""),
-]
 
 # vLLM routes, in the order its docs list them
 VLLM_ROUTES = ["/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics", "/tokenize",
@@ -369,8 +345,7 @@ VLLM_ONLY_SERIES: list[tuple[str, str]] = [
     ("vllm:request_prefill_time_seconds, vllm:request_decode_time_seconds, vllm:request_inference_time_seconds",
      "the phases are covered by TTFT, inter-token latency and end-to-end latency"),
     ("vllm:iteration_tokens_total", "`megatron_serve_engine_computed_tokens` counts tokens through the model"),
-    ("vllm:cache_config_info, vllm:lora_requests_info, speculative decoding series",
-     "no LoRA or speculative decoding; the KV pool size is `megatron_serve_kv_blocks_total`"),
+    ("vllm:lora_requests_info, speculative decoding series", "no LoRA or speculative decoding"),
 ]
 
 
@@ -380,26 +355,55 @@ def _option_strings(parser: argparse.ArgumentParser) -> dict[str, argparse.Actio
 
 def vllm_page(document: dict[str, Any]) -> str:
     from megatron_serve.cli import COMMANDS
-    from megatron_serve.server.metric_catalog import SERIES
+    from megatron_serve.commands.vllm_options import VLLM_OPTIONS, Status
+    from megatron_serve.server.extensions import EXTENSIONS, NOT_IMPLEMENTED
+    from megatron_serve.server.metric_catalog import SERIES, VLLM_SERIES
 
     serve = "`megatron-serve serve MODEL` (the same as `megatron-serve run --model MODEL`)" if "serve" in COMMANDS \
         else "`megatron-serve run --model MODEL`"
     options = _option_strings(_parser_for("run", COMMANDS["run"][0], COMMANDS["run"][1]))
-    out = [HEADER.format(source="the CLI parsers, the OpenAPI document and the metric catalogue"),
+    out = [HEADER.format(source="the vLLM option table (`megatron_serve/commands/vllm_options.py`), the CLI parsers, "
+                                "the OpenAPI document and the metric catalogue"),
            "# Coming from vLLM\n\n",
            f"`vllm serve MODEL` corresponds to {serve}: one command that starts the coordinator, the "
            "engines and the OpenAI server. On Kubernetes a `MegatronInference` resource replaces the "
-           "Deployment you wrote for vLLM. This page is generated, so every row says what the code accepts "
-           "today.\n\n## Options\n\n",
+           "Deployment you wrote for vLLM. From Python, `MegatronLLM` takes the calls of vLLM's `LLM` and "
+           "`SamplingParams` takes vLLM's names: see [Python API](python-api.md#coming-from-vllms-llm). Gateways "
+           "and routers that balance vLLM pools read the same series here: see "
+           "[Gateways and routers](kubernetes/gateways.md). This page is generated, so every row says what the code "
+           "accepts today.\n\n## Options\n\n",
+           "Every option below is parsed by `serve` and `run` (the HTTP options by `server` too, the engine options "
+           "by `engine`). An *accepted* option changes nothing here: `serve` says so in one warning line at start-up. "
+           "A *refused* option stops `serve` with the reason. vLLM options not listed are unknown here, and `serve` "
+           "stops naming them.\n\n",
            "| vLLM | `megatron-serve run` / `serve` | notes |\n|---|---|---|\n"]
-    for flag, ours, note in VLLM_OPTIONS:
-        if flag in options:
-            here = "accepted as is" if ours in (None, flag) else f"accepted, same as {_code(ours)}"
-        elif ours is not None and ours in options:
-            here = _code(ours)
+    for row in VLLM_OPTIONS:
+        flags = " / ".join(_code(flag) for flag in row.flags)
+        if row.status is Status.REFUSED:
+            here = "refused"
+        elif row.status is Status.ACCEPTED:
+            here = "accepted, changes nothing"
+        elif row.ours is not None:
+            here = f"same as {_code(row.ours)}"
         else:
-            here = "—"
-        out.append(f"| {_code(flag)} | {here} | {_cell(note)} |\n")
+            here = "implemented" if row.spec is not None else "same"
+        missing = [flag for flag in row.flags if flag not in options]
+        if missing:  # the table says what the parsers must take: a row they do not is a bug, not a doc
+            raise RuntimeError(f"{', '.join(missing)} is in the vLLM option table but `run` does not take it")
+        out.append(f"| {flags} | {here} | {_cell(row.reason)} |\n")
+    out.append("\n## Request fields\n\nBeyond the OpenAI API, the request bodies take vLLM's fields below (in the "
+               "`openai` client, through `extra_body`), with vLLM's meaning; a number sent as a string "
+               "(`\"max_tokens\": \"10\"`) is read as a number, as vLLM does. Any other field is a 400 that names "
+               "it, never ignored.\n\n| field | what it does here |\n|---|---|\n")
+    for name, text in sorted(EXTENSIONS.items()):
+        if "vLLM" in text:
+            out.append(f"| {_code(name)} | {_cell(text.replace(' (vLLM' + chr(39) + 's name)', ''))} |\n")
+    out.append(f"| {_code('stream_options.continuous_usage_stats')} | every streamed chunk carries the usage so far "
+               "(with `include_usage`) |\n")
+    out.append("\nRefused with a 400 that says why (fields of OpenAI, vLLM and SGLang this server does not "
+               "implement):\n\n| field | not supported |\n|---|---|\n")
+    for name, what in sorted(NOT_IMPLEMENTED.items()):
+        out.append(f"| {_code(name)} | {_cell(what)} |\n")
     out.append("\n## Endpoints\n\n| vLLM route | here |\n|---|---|\n")
     paths = document["paths"]
     for route in VLLM_ROUTES:
@@ -407,10 +411,19 @@ def vllm_page(document: dict[str, Any]) -> str:
     extra = [p for p in paths if p not in VLLM_ROUTES]
     if extra:
         out.append("\nOnly here: " + ", ".join(_code(p) for p in extra) + " (see the [HTTP API](reference/http-api.md)).\n")
-    out.append("\n## Metrics\n\nEach vLLM series below has a twin here with the same meaning and unit; most "
-               "differ only in the prefix (`vllm:` becomes `megatron_serve_`). Engine series carry `model_name` as "
-               "in vLLM, and `engine_group` where vLLM has `engine`. The "
-               "[metrics reference](reference/metrics.md) lists every series.\n\n| vLLM | here |\n|---|---|\n")
+    out.append("\n## Metrics\n\nWith `--metrics-compat vllm` (the default) `/metrics` also exports vLLM's own "
+               "series, under vLLM's names, labels (`model_name`, `engine`) and units, so that routers and "
+               "autoscalers written for vLLM (the Gateway API Inference Extension's endpoint picker, llm-d, KServe, "
+               "the vLLM production-stack router, KEDA triggers from vLLM guides) read them unchanged. The fleet "
+               "behind a server is one vLLM engine to them (`engine=\"0\"`): engine groups are summed, and "
+               "`vllm:num_requests_waiting` counts the coordinator's queue too. `--metrics-compat none` leaves them "
+               "out.\n\n| vLLM series | type | made from |\n|---|---|---|\n")
+    for entry in VLLM_SERIES:
+        twin = _code(f"megatron_serve_{entry.twin}") if entry.twin else "the engines' block size and KV blocks"
+        out.append(f"| {_code(entry.name)} | {entry.kind} | {twin} |\n")
+    out.append("\nEvery vLLM series below also has a twin under this project's prefix, one series per engine group "
+               "(`engine_group` where vLLM has `engine`). The [metrics reference](reference/metrics.md) lists every "
+               "series.\n\n| vLLM | here |\n|---|---|\n")
     for entry in SERIES:
         if entry.vllm:
             out.append(f"| {_code(entry.vllm)} | {_code(entry.full_name)} |\n")

@@ -1,6 +1,6 @@
 """The operator's only contact with a coordinator: a small link over the project's client.
 
-The real link wraps ``megatron_serve.InferenceClient`` (DESIGN section 5), imported lazily so the
+The real link wraps ``megatron_serve.InferenceClient`` (docs/wire-protocol.md), imported lazily so the
 operator imports fine without it. Tests swap the whole link with :func:`set_link_factory`
 (an in-process fake coordinator) or point the real one at 127.0.0.1 with the environment
 variable ``MEGATRON_OPERATOR_COORDINATOR_ADDRESS`` (see :mod:`megatron_operator.config`).

@@ -1,4 +1,4 @@
-"""The ``MegatronInference`` CustomResourceDefinition (DESIGN section 8), as data.
+"""The ``MegatronInference`` CustomResourceDefinition (docs/reference/megatroninference.md), as data.
 
 This module is the single source of the CRD: ``manifests/crds/`` and the chart's ``crds/``
 folder hold its YAML form (``python -m megatron_operator.crd`` prints it; a test keeps the files

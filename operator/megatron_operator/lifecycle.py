@@ -3,7 +3,7 @@
 The state machine itself is the runtime's one table (:mod:`megatron_serve.lifecycle`); this module
 only names its states the way the resource does and walks it: one acknowledged verb at a time,
 over one-step edges, so Running -> Suspended is PAUSE then SUSPEND and Suspended -> Running is
-RESUME then UNPAUSE (DESIGN sections 5 and 8).
+RESUME then UNPAUSE (docs/kubernetes/lifecycle.md).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Rendering: a ``MegatronInference`` resource -> the child objects the operator creates.
 
 :func:`render` is a pure function: the same resource and configuration always give the same
-objects in the same order (DESIGN section 8):
+objects in the same order (docs/reference/megatroninference.md):
 
 1. Secret ``<name>-coordinator-token`` (the coordinator's shared token),
 2. Service ``<name>`` (OpenAI port; the endpoint ``http://<name>.<namespace>.svc:<port>/v1``),
@@ -197,7 +197,7 @@ def _served_name(spec: InferenceSpec) -> list[str]:
 
 
 def _engine_flags(spec: InferenceSpec) -> list[str]:
-    """Flags shared by the commands that build engines (DESIGN section 7)."""
+    """Flags shared by the commands that build engines (docs/reference/cli.md)."""
     flags = ["--dtype", spec.dtype]
     if spec.max_sequence_length is not None:
         flags += ["--max-sequence-length", str(spec.max_sequence_length)]

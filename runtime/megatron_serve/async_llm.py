@@ -1,4 +1,4 @@
-"""``MegatronAsyncLLM``: the asyncio Python API (DESIGN section 4).
+"""``MegatronAsyncLLM``: the asyncio Python API (docs/python-api.md).
 
 Written once against the engine-client interface (:mod:`megatron_serve.engine_client`), whose
 implementation is chosen when the object is built:
@@ -21,7 +21,7 @@ from __future__ import annotations
 import asyncio
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, AsyncIterator, Iterable
+from typing import TYPE_CHECKING, Any, AsyncIterator, Iterable, Sequence
 
 from .config import InferenceConfig
 from .engine_client import EngineClient
@@ -30,7 +30,8 @@ from .generation_config import GenerationDefaults
 from .hub import resolve_model
 from .lifecycle import PauseMode, parse_pause_mode
 from .outputs import StreamItem
-from .prompts import Prompt, PromptInput, as_prompt, normalize_prompts
+from .chat_messages import Conversation, render_conversations
+from .prompts import ImagePrompt, Prompt, PromptInput, as_prompt, normalize_prompts
 from .request import DynamicInferenceRequest
 from .sampling_params import SamplingParams
 
@@ -123,29 +124,89 @@ class MegatronAsyncLLM:
 
     # ------------------------------------------------------------------ generation
 
-    async def generate(self, prompts: PromptInput, sampling_params: SamplingParams | None = None
+    async def generate(self, prompts: PromptInput,
+                       sampling_params: SamplingParams | Sequence[SamplingParams] | None = None
                        ) -> DynamicInferenceRequest | list[DynamicInferenceRequest]:
         """One finished request for a single prompt, a list (input order) for a batch.
 
         A prompt is text, token ids, or ``{"prompt": ..., "images": [bytes or PIL.Image, ...]}`` (see
-        :meth:`MegatronLLM.generate`).
+        :meth:`MegatronLLM.generate`). ``sampling_params``: one for every prompt, or a list of one per
+        prompt (as vLLM's ``LLM.generate``). With ``n`` > 1 each prompt gives ``n`` requests, prompt by
+        prompt (``[p0 c0, p0 c1, p1 c0, ...]``: a list even for a single prompt).
         """
         prompt_list, single = normalize_prompts(prompts)
-        params = sampling_params if sampling_params is not None else self.generation_defaults.sampling_params()
-        params.validate()
+        jobs = self._jobs(prompt_list, sampling_params)
+        results = await self._run(jobs)
+        return results[0] if single and len(results) == 1 else results
+
+    async def chat(self, messages: Conversation | Sequence[Conversation],
+                   sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
+                   tools: list[dict[str, Any]] | None = None, add_generation_prompt: bool = True,
+                   continue_final_message: bool = False, chat_template_kwargs: dict[str, Any] | None = None
+                   ) -> list[DynamicInferenceRequest]:
+        """vLLM's ``LLM.chat``: conversations rendered with the model's chat template, then generated.
+
+        ``messages``: one conversation (a list of ``{"role", "content"}`` dicts) or a list of them;
+        ``tools`` (OpenAI function definitions), ``add_generation_prompt``, ``continue_final_message``
+        and ``chat_template_kwargs`` (template variables, e.g. ``{"enable_thinking": False}``) reach the
+        template. Always a list, one request per conversation (``n`` per conversation with ``n`` > 1),
+        each with the rendered text as its ``prompt``. Tool calls are not parsed out of the text.
+        The template writes the special tokens (BOS): the text is tokenized without adding them.
+        """
+        texts = render_conversations(self.tokenizer, messages, tools=tools,
+                                     add_generation_prompt=add_generation_prompt,
+                                     continue_final_message=continue_final_message,
+                                     template_kwargs=chat_template_kwargs)
+        prompts: list[Prompt] = [self.tokenizer.encode(text, add_special_tokens=False) for text in texts]
+        jobs = self._jobs(prompts, sampling_params)
+        results = await self._run(jobs)
+        for (index, _, _), result in zip(jobs, results):
+            result.prompt = texts[index]
+        return results
+
+    async def _run(self, jobs: list[tuple[int, Prompt, SamplingParams]]) -> list[DynamicInferenceRequest]:
         await self.start()
-        results = list(await asyncio.gather(*(self._client.add_request(p, params) for p in prompt_list)))
-        return results[0] if single else results
+        return list(await asyncio.gather(*(self._client.add_request(prompt, params) for _, prompt, params in jobs)))
+
+    def _jobs(self, prompts: list[Prompt], sampling_params: SamplingParams | Sequence[SamplingParams] | None
+              ) -> list[tuple[int, Prompt, SamplingParams]]:
+        """``(prompt index, prompt, parameters)`` of every request: one set of parameters per prompt, ``n``
+        requests per prompt, each prompt cut to its ``truncate_prompt_tokens`` last tokens."""
+        if isinstance(sampling_params, (list, tuple)):
+            if len(sampling_params) != len(prompts):
+                raise ValueError(f"sampling_params holds {len(sampling_params)} SamplingParams for {len(prompts)} "
+                                 "prompts: give one, or one per prompt")
+            per_prompt = list(sampling_params)
+        else:
+            default = sampling_params if sampling_params is not None else self.generation_defaults.sampling_params()
+            per_prompt = [default] * len(prompts)
+        jobs = []
+        for index, (prompt, params) in enumerate(zip(prompts, per_prompt)):
+            params.validate()
+            prompt = self._truncated(prompt, params.truncate_prompt_tokens)
+            jobs.extend((index, prompt, choice) for choice in params.choices())
+        return jobs
+
+    def _truncated(self, prompt: Prompt, keep: int | None) -> Prompt:
+        """``prompt``'s last ``keep`` tokens (text is tokenized here, with the tokenizer's special tokens)."""
+        if keep is None:
+            return prompt
+        if isinstance(prompt, ImagePrompt):
+            raise ValueError("truncate_prompt_tokens cannot cut a prompt with images (it would cut their "
+                             "placeholders): shorten the prompt instead")
+        tokens = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        return tokens[-keep:]
 
     async def generate_stream(self, prompt: Prompt | dict, sampling_params: SamplingParams | None = None
                               ) -> AsyncIterator[StreamItem]:
         """Yield :class:`~megatron_serve.outputs.StreamPartial` items as tokens are generated, then the
-        finished request. ``prompt``: one prompt of any shape :meth:`generate` takes."""
-        prompt = as_prompt(prompt)
-        params = sampling_params if sampling_params is not None else self.generation_defaults.sampling_params()
-        params.validate()
+        finished request. ``prompt``: one prompt of any shape :meth:`generate` takes; one sequence (``n`` 1)."""
+        jobs = self._jobs([as_prompt(prompt)], sampling_params)
+        if len(jobs) != 1:
+            raise ValueError("generate_stream runs one sequence: n must be 1 (generate takes n)")
+        ((_, one, params),) = jobs
         await self.start()
-        async for item in self._client.add_request_streaming(prompt, params):
+        async for item in self._client.add_request_streaming(one, params):
             yield item
 
     # ------------------------------------------------------------------ lifecycle (coordinator mode)
@@ -212,7 +273,8 @@ class MegatronAsyncLLM:
 
         ``options``: ``model_name``, ``api_key``, ``admin_key`` (opens ``/v1/admin/*``, the lifecycle over
         HTTP), ``max_concurrent_requests``, ``log_level``, ``stop`` (an ``asyncio.Event``), ``limits``,
-        ``read_timeout``, ``image_options`` (a ``multimodal.ImageOptions``); see
+        ``read_timeout``, ``image_options`` (a ``multimodal.ImageOptions``), ``options`` (an
+        ``http_options.HTTPOptions``: tool-call parser, CORS, request and stats logs, ``vllm:`` metrics); see
         :func:`megatron_serve.server.serve_async_llm`.
         """
         from .server.local import serve_async_llm  # noqa: PLC0415 - FastAPI only when serving

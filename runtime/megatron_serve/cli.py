@@ -1,4 +1,4 @@
-"""The ``megatron-serve`` command: one subcommand per process role (DESIGN section 7).
+"""The ``megatron-serve`` command: one subcommand per process role (docs/reference/cli.md).
 
 Each subcommand lives in its own module exposing ``add_arguments(parser)`` and ``run(args) -> int``;
 modules are imported only when their command runs, and none of them imports torch, transformers or
@@ -7,7 +7,10 @@ FastAPI before its ``run``: ``megatron-serve run --help`` answers in about 0.1 s
 1.5 s in a subprocess on the loaded test machine).
 
 Every parser refuses abbreviations (``allow_abbrev=False``: ``--api-key abc`` once silently meant
-``--api-key-file abc``) and prints every option's default in ``--help``.
+``--api-key-file abc``) and prints every option's default in ``--help``. An argument a subcommand
+cannot parse (an unknown option, a bad value) prints that subcommand's usage, not the top-level one;
+a failed check once parsed is one line that says what to fix. vLLM options that change nothing here
+are warned about, one line each, before the command runs (:mod:`megatron_serve.commands.vllm_options`).
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import importlib
 import sys
 
 from . import __version__
+from .commands.vllm_options import accepted_warnings
 
 # name -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -63,9 +67,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--version", action="version", version=f"megatron-serve {__version__}")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     chosen = argv[0] if argv else None
+    subs: dict[str, argparse.ArgumentParser] = {}
     for name, (module_name, help_text) in COMMANDS.items():
-        sub = subparsers.add_parser(name, help=help_text, description=help_text, allow_abbrev=False,
-                                    formatter_class=HelpFormatter)
+        subs[name] = sub = subparsers.add_parser(name, help=help_text, description=help_text, allow_abbrev=False,
+                                                 formatter_class=HelpFormatter)
         sub.set_defaults(_module=module_name)
         if name == chosen:
             importlib.import_module(module_name).add_arguments(sub)
@@ -74,7 +79,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         parser.print_help()
         parser.exit(2)
     if extra and not getattr(importlib.import_module(args._module), "ACCEPTS_EXTRA_ARGS", False):
-        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        subs[args.command].error(f"unrecognized arguments: {' '.join(extra)}")
     args.extra_args = extra
     return args
 
@@ -82,11 +87,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(list(sys.argv[1:] if argv is None else argv))
     module = importlib.import_module(args._module)
+    for line in accepted_warnings(args):
+        print(f"megatron-serve {args.command}: warning: {line}", file=sys.stderr, flush=True)
     try:
         return int(module.run(args) or 0)
     except KeyboardInterrupt:
         return 130
-    except (ValueError, FileNotFoundError, RuntimeError) as exc:
+    except (ValueError, FileNotFoundError, RuntimeError) as exc:  # one line that says what to fix
         print(f"megatron-serve {args.command}: error: {exc}", file=sys.stderr)
         return 1
 

@@ -1,4 +1,4 @@
-"""``InferenceClient``: the asyncio client of the coordinator protocol (DESIGN section 5).
+"""``InferenceClient``: the asyncio client of the coordinator protocol (docs/wire-protocol.md).
 
 One DEALER socket, one receive task and one heartbeat task, all on the event loop that called
 :meth:`InferenceClient.start`. The client keeps every request it submitted until its final

@@ -75,7 +75,7 @@ class EngineClient(Protocol):
         """New values for these weights (Hugging Face names, full shapes, any subset); answered like ``refit``."""
 
     async def shutdown(self) -> None:
-        """DESIGN's ``shutdown()``: stop a fleet this client started, or disconnect from one it did not."""
+        """The Python API's ``shutdown()`` (docs/python-api.md): stop a fleet this client started, or disconnect from one it did not."""
 
     async def aclose(self) -> None:
         """Release everything this client holds (what ``close``/``async with`` do)."""

@@ -103,5 +103,5 @@ class FleetClient(InferenceClient):
         return await WeightSender(self, backend=backend).send(named_tensors, epoch=epoch)
 
     async def shutdown(self) -> None:
-        """DESIGN's ``shutdown()``: what :meth:`aclose` does."""
+        """The Python API's ``shutdown()`` (docs/python-api.md): what :meth:`aclose` does."""
         await self.aclose()

@@ -10,10 +10,11 @@ A verb (what a client asks for) runs as a list of *steps* (what every engine is 
 acknowledged by every engine before the next one is sent). Decisions this table makes (they used to
 be encoded twice, and the two copies disagreed):
 
-* ``SUSPEND`` from ``RUNNING`` is legal and runs two steps, ``PAUSE`` then ``SUSPEND`` (DESIGN 4:
-  ``suspend()`` from RUNNING pauses first, never hangs). It is a *compound* edge: the operator's
-  walk (:func:`walk`) uses only one-step edges, so it still sends PAUSE, then SUSPEND, each
-  acknowledged (DESIGN 8) -- the same table, read at a finer grain.
+* ``SUSPEND`` from ``RUNNING`` is legal and runs two steps, ``PAUSE`` then ``SUSPEND`` (the Python
+  API's ``suspend()`` from RUNNING pauses first, never hangs: docs/python-api.md). It is a
+  *compound* edge: the operator's walk (:func:`walk`) uses only one-step edges, so it still sends
+  PAUSE, then SUSPEND, each acknowledged (docs/kubernetes/lifecycle.md) -- the same table, read at
+  a finer grain.
 * ``RESUME`` means "device memory resident again". From ``SUSPENDED`` it leads to ``PAUSED``; from
   ``RUNNING`` or ``PAUSED`` memory already is resident, so it is a no-op that still acknowledges and
   leaves the state alone (it never pauses a running fleet). The operator's table used to call it

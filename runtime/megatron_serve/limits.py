@@ -14,6 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from .sampling_params import MAX_TOP_N_LOGPROBS
+
 MiB = 1 << 20
 
 #: Characters per token of context beyond which a prompt cannot fit with any common tokenizer:
@@ -43,6 +45,7 @@ class RequestLimits:
       for each in the new text of every step and holds back ``longest - 1`` characters of a stream.
     * ``max_logit_bias`` 1024 entries: every entry is applied at every step of the request.
     * ``max_messages`` 1024 messages per chat: the chat template renders each (in Python).
+    * ``max_logprobs`` 20: vLLM's default, and the most the engine returns per token.
     * ``max_images`` 8 images per chat and ``max_image_bytes`` 10 MiB per image file (data: or
       fetched; vision-language models): every image is decoded by the server and preprocessed and
       encoded by an engine. 10 MiB rather than OpenAI's 20 MB: a request travels to its engine in
@@ -67,11 +70,19 @@ class RequestLimits:
         "flag": "--max-images-per-request", "help": "most image_url parts per chat request (vision-language models)"})
     max_image_bytes: int = field(default=10 * MiB, metadata={
         "flag": "--max-image-bytes", "help": "largest image file of a chat request, data: or fetched, in bytes"})
+    max_logprobs: int = field(default=MAX_TOP_N_LOGPROBS, metadata={
+        "flag": "--max-logprobs", "help": f"most log probs per token a request may ask for (logprobs, top_logprobs, "
+                                          f"prompt_logprobs), 0 to {MAX_TOP_N_LOGPROBS} (vLLM's option)"})
 
     def __post_init__(self) -> None:
         for f in fields(self):
             value = getattr(self, f.name)
             if value is None and f.name == "max_prompt_chars":
+                continue
+            if f.name == "max_logprobs":
+                if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_TOP_N_LOGPROBS:
+                    raise ValueError(f"--max-logprobs must be an integer from 0 to {MAX_TOP_N_LOGPROBS} (the most "
+                                     f"the engine returns), got {value!r}")
                 continue
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{f.metadata['flag']} must be an integer >= 1, got {value!r}")

@@ -1,4 +1,4 @@
-"""``MegatronLLM``: the blocking Python API (DESIGN section 4).
+"""``MegatronLLM``: the blocking Python API (docs/python-api.md; vLLM's ``LLM``: docs/vllm-mapping.md).
 
 A :class:`~megatron_serve.async_llm.MegatronAsyncLLM` on a background event-loop thread
 (:class:`~megatron_serve.loop_thread.EventLoopThread`); every call blocks on it. Direct mode
@@ -15,9 +15,10 @@ from __future__ import annotations
 import os
 import weakref
 from pathlib import Path
-from typing import Any, Coroutine, TypeVar
+from typing import Any, Coroutine, Sequence, TypeVar
 
 from .async_llm import MegatronAsyncLLM
+from .chat_messages import Conversation
 from .config import InferenceConfig
 from .generation_config import GenerationDefaults
 from .lifecycle import PauseMode
@@ -78,16 +79,30 @@ class MegatronLLM:
             raise RuntimeError("this MegatronLLM was shut down")
         return self._llm
 
-    def generate(self, prompts: PromptInput, sampling_params: SamplingParams | None = None
+    def generate(self, prompts: PromptInput, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None
                  ) -> list[DynamicInferenceRequest]:
         """Generate for every prompt; returns one finished request per prompt, in input order.
 
         A prompt is text, token ids, or ``{"prompt": ..., "images": [bytes or PIL.Image, ...]}`` with one
         image placeholder of the model (e.g. ``<image>``) in the prompt where each image goes.
+        ``sampling_params``: one for all prompts, or a list of one per prompt (as vLLM's ``LLM.generate``);
+        with ``n`` > 1, ``n`` requests per prompt, prompt by prompt.
         """
         prompt_list, _ = normalize_prompts(prompts)  # bad prompts raise here, in the caller's thread
         result = self._run(self._async().generate(prompt_list, sampling_params))
         return result if isinstance(result, list) else [result]
+
+    def chat(self, messages: Conversation | Sequence[Conversation],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
+             tools: list[dict[str, Any]] | None = None, add_generation_prompt: bool = True,
+             continue_final_message: bool = False, chat_template_kwargs: dict[str, Any] | None = None
+             ) -> list[DynamicInferenceRequest]:
+        """vLLM's ``LLM.chat``: one conversation (a list of ``{"role", "content"}`` dicts) or a list of them,
+        rendered with the model's chat template and generated; see :meth:`MegatronAsyncLLM.chat`."""
+        return self._run(self._async().chat(messages, sampling_params, tools=tools,
+                                            add_generation_prompt=add_generation_prompt,
+                                            continue_final_message=continue_final_message,
+                                            chat_template_kwargs=chat_template_kwargs))
 
     def pause(self, mode: PauseMode | str = PauseMode.KEEP, *, drain_timeout: float | None = None) -> dict:
         """Stop stepping at a step boundary, keeping memory; returns the acknowledgement.

@@ -1,4 +1,4 @@
-"""The bodies of the coordinator protocol's messages, as typed structs (DESIGN section 5).
+"""The bodies of the coordinator protocol's messages, as typed structs (docs/wire-protocol.md).
 
 Each message is one msgpack frame ``[header, body]`` (see :mod:`megatron_serve.protocol`); the body
 is a map whose fields are the struct's, so these structs read and write exactly the frames older

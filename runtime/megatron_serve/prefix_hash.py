@@ -3,6 +3,12 @@
 The same function runs in engines (to find cached blocks) and in the coordinator (to route a
 prompt to the group that already holds its prefix), so it must be stable across processes:
 a keyed BLAKE2 digest, never Python's ``hash``.
+
+A chain starts from :func:`salted_root`: :data:`ROOT_HASH` for a request without a ``cache_salt``,
+else a digest of the salt. The salt so enters the first block's hash and through it every later
+one: two requests share cached blocks only when their salts are equal (vLLM's ``cache_salt``), so
+one tenant cannot learn from cache timing whether another sent a prompt. Engines and the
+coordinator's ``prefix_affinity`` routing both start their chains here, so they agree.
 """
 
 from __future__ import annotations
@@ -11,6 +17,14 @@ import hashlib
 from array import array
 
 ROOT_HASH = 0
+
+
+def salted_root(salt: str | None) -> int:
+    """The hash a request's chain of block hashes starts from (see the module docstring)."""
+    if not salt:
+        return ROOT_HASH
+    digest = hashlib.blake2b(salt.encode("utf-8"), digest_size=8, person=b"cache_salt")
+    return int.from_bytes(digest.digest(), "little")
 
 
 def chain_hash(parent: int, tokens: list[int]) -> int:

@@ -99,7 +99,7 @@ class PrefixAffinity:
             size = engine_block_size(engine)
             tokens_matched = 0
             if size is not None:
-                hashes = self._hashes(tokens, size, hashes_by_size)
+                hashes = self._hashes(tokens, size, hashes_by_size, request.prefix_root)
                 usable = (len(tokens) - 1) // size  # the last prompt token is always computed by the engine
                 tokens_matched = self.match(engine.engine_id, hashes[:usable]) * size
             if engine.load > limit:
@@ -118,7 +118,7 @@ class PrefixAffinity:
             self.affinity_hits += 1
         size = engine_block_size(chosen)
         if size is not None:
-            self._remember(chosen, self._hashes(tokens, size, hashes_by_size))
+            self._remember(chosen, self._hashes(tokens, size, hashes_by_size, request.prefix_root))
         return chosen
 
     def forget(self, engine_id: str) -> None:
@@ -145,10 +145,11 @@ class PrefixAffinity:
         total = int(getattr(engine, "kv_blocks_total", 0) or 0)
         return min(total, self.max_hashes_per_group) if total > 0 else self.max_hashes_per_group
 
-    def _hashes(self, tokens: list[int], size: int, cache: dict[int, list[int]]) -> list[int]:
+    def _hashes(self, tokens: list[int], size: int, cache: dict[int, list[int]], root: int) -> list[int]:
+        """The prompt's chain of block hashes for ``size``, from ``root`` (its cache salt's: engines start there)."""
         hashes = cache.get(size)
         if hashes is None:
-            hashes = block_hashes(tokens[: size * self.max_prompt_blocks], size)
+            hashes = block_hashes(tokens[: size * self.max_prompt_blocks], size, root)
             cache[size] = hashes
         return hashes
 

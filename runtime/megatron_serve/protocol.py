@@ -1,4 +1,4 @@
-"""Wire protocol between the coordinator, engine processes and clients (DESIGN section 5): frames.
+"""Wire protocol between the coordinator, engine processes and clients (docs/wire-protocol.md): frames.
 
 Every message is ONE ZeroMQ frame holding a msgpack list ``[header, body]`` where ``header`` is
 an integer :class:`Header` and ``body`` a map with string keys (``[header]`` alone means an empty

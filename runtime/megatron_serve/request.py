@@ -27,10 +27,24 @@ class RequestStatus(str, enum.Enum):
 
 
 class FinishReason(str, enum.Enum):
+    """Why a request ended: a ``str`` whose value is vLLM's and OpenAI's word, so ``reason == "stop"``,
+    ``json.dumps`` and msgpack give the plain string, as vLLM's ``finish_reason`` is one.
+
+    ``str()``, ``format()`` and f-strings give the value too: Python 3.11 changed a ``str`` enum's
+    ``format()`` to the member's name (``FinishReason.STOP``), so both are fixed here, the same on
+    every supported version (``enum.StrEnum`` would need 3.11).
+    """
+
     STOP = "stop"
     LENGTH = "length"
     ABORT = "abort"
     ERROR = "error"
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __format__(self, spec: str) -> str:
+        return format(self.value, spec)
 
 
 class EventType(str, enum.Enum):

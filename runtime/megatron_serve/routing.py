@@ -36,6 +36,8 @@ class RequestView(Protocol):
     #: the prompt's token ids as the prefix cache keys them (an image's placeholder tokens stand for
     #: its content: ``multimodal.cache_keys``)
     prefix_keys: list[int]
+    #: where its chain of block hashes starts (``prefix_hash.salted_root`` of its cache_salt)
+    prefix_root: int
 
 
 class RoutingPolicy(Protocol):

@@ -5,6 +5,11 @@ msgpack map of its fields, defaults left out), so a new field is added in one pl
 check in :meth:`SamplingParams.validate`). Decoding checks the types in C and then runs
 ``__post_init__``; building one in Python runs the same checks. Unknown fields are an error, not
 silently ignored.
+
+Building one in Python also takes vLLM's names (``max_tokens``, ``stop``, ``logprobs``,
+``prompt_logprobs``, ``guided_decoding``, ``top_k=-1``) beside ours, so that code written for vLLM's
+``SamplingParams`` runs unchanged (:data:`VLLM_NAMES`); giving both names of one setting with
+different values is a ``ValueError`` naming both. The wire knows only our names.
 """
 
 from __future__ import annotations
@@ -18,6 +23,8 @@ GREEDY_TEMPERATURE = 1e-5
 #: OpenAI's range for ``logit_bias`` values, and for presence and frequency penalties.
 MAX_LOGIT_BIAS = 100.0
 MAX_PENALTY = 2.0
+#: Most alternatives per token the engine returns (``top_n_logprobs``), as vLLM's default ``--max-logprobs``.
+MAX_TOP_N_LOGPROBS = 20
 
 
 class StructuredOutputsParams(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
@@ -67,10 +74,72 @@ class StructuredOutputsParams(msgspec.Struct, forbid_unknown_fields=True, omit_d
 _CONSTRAINT_KINDS = ("json", "json_object", "regex", "choice", "grammar")
 
 
-class SamplingParams(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
+#: Priorities fit a signed 32-bit integer (lower is admitted first; vLLM takes any int, no one needs more).
+PRIORITY_MIN, PRIORITY_MAX = -(2**31), 2**31 - 1
+
+
+class _VllmNames(type(msgspec.Struct)):  # type: ignore[misc]
+    """The metaclass that lets ``SamplingParams(...)`` take vLLM's keyword names (decoding never sees them)."""
+
+    def __call__(cls, *args: Any, **kwargs: Any) -> Any:
+        if kwargs:
+            kwargs = _ours(kwargs, set(cls.__struct_fields__))
+        return super().__call__(*args, **kwargs)
+
+
+def _merge(ours: dict[str, Any], name: str, value: Any, vllm_name: str) -> None:
+    """Set ``ours[name] = value`` from vLLM's ``vllm_name``, unless ``name`` was also given with another value."""
+    if name in ours and ours[name] != value:
+        raise ValueError(f"{vllm_name} (vLLM's name) and {name} are the same setting and differ ({value!r} vs "
+                         f"{ours[name]!r}): give one")
+    ours[name] = value
+
+
+def _ours(kwargs: dict[str, Any], fields: set[str]) -> dict[str, Any]:
+    """Keyword arguments with vLLM's names turned into ours; unknown names are a ``ValueError`` naming them."""
+    ours = {k: v for k, v in kwargs.items() if k in fields}
+    unknown = sorted(set(kwargs) - fields - set(VLLM_NAMES))
+    if unknown:
+        raise ValueError(f"unknown sampling parameter(s): {', '.join(unknown)}")
+    if "max_tokens" in kwargs:
+        _merge(ours, "num_tokens_to_generate", kwargs["max_tokens"], "max_tokens")
+    if "stop" in kwargs:
+        stop = kwargs["stop"]
+        _merge(ours, "stop_words", [stop] if isinstance(stop, str) else list(stop or []), "stop")
+    if kwargs.get("logprobs") is not None:
+        _merge(ours, "return_log_probs", True, "logprobs")
+        _merge(ours, "top_n_logprobs", max(kwargs["logprobs"], ours.get("top_n_logprobs", 0)), "logprobs")
+    if kwargs.get("prompt_logprobs") is not None:
+        _merge(ours, "return_prompt_log_probs", True, "prompt_logprobs")
+        ours["top_n_logprobs"] = max(kwargs["prompt_logprobs"], ours.get("top_n_logprobs", 0))
+    if kwargs.get("guided_decoding") is not None:
+        _merge(ours, "structured_outputs", kwargs["guided_decoding"], "guided_decoding")
+    if ours.get("top_k") == -1:  # vLLM's "off"
+        ours["top_k"] = 0
+    return ours
+
+
+#: vLLM's keyword names that ``SamplingParams(...)`` takes -> what each sets here.
+VLLM_NAMES: dict[str, str] = {
+    "max_tokens": "num_tokens_to_generate",
+    "stop": "stop_words (a string or a list of strings)",
+    "logprobs": "return_log_probs=True and top_n_logprobs (the alternatives per generated token)",
+    "prompt_logprobs": "return_prompt_log_probs=True and top_n_logprobs (one count serves prompt and output: the "
+                       "larger of logprobs and prompt_logprobs)",
+    "guided_decoding": "structured_outputs (vLLM's older name)",
+}
+
+
+class SamplingParams(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True, metaclass=_VllmNames):
     """How one request samples and when it stops.
 
     ``termination_id`` of ``None`` means "the tokenizer's EOS ids"; the engine fills them in.
+    vLLM's names are taken too (module docstring); ``max_tokens``, ``stop``, ``logprobs`` and
+    ``prompt_logprobs`` also read back as in vLLM. ``n``, ``truncate_prompt_tokens``: applied by
+    ``MegatronLLM``/``MegatronAsyncLLM`` (``n`` requests per prompt, the prompt's last tokens); one
+    request on the wire runs one sequence of its whole prompt, so a ``SUBMIT`` carrying either is
+    refused. ``priority``: lower is admitted first when the engines are full (then arrival);
+    ``cache_salt``: prefix-cache entries are shared only between requests with the same salt.
     """
 
     temperature: float = 1.0
@@ -96,6 +165,10 @@ class SamplingParams(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=T
     return_prompt_log_probs: bool = False
     structured_outputs: StructuredOutputsParams | None = None
     return_routing_indices: bool = False  # MoE models: the experts of every processed token (routing replay)
+    n: int = 1  # sequences per prompt (expanded by the Python API; a wire request runs one)
+    truncate_prompt_tokens: int | None = None  # keep the prompt's last N tokens (applied by the Python API)
+    priority: int = 0  # admission order when the engines are full: lower first, then arrival
+    cache_salt: str | None = None  # prefix-cache entries are shared only within one salt
 
     def __post_init__(self) -> None:
         self.validate()
@@ -125,7 +198,7 @@ class SamplingParams(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=T
             raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
         if self.return_log_probs is not True and self.return_log_probs is not False:
             raise ValueError(f"return_log_probs must be a bool, got {self.return_log_probs!r}")
-        _check_int("top_n_logprobs", self.top_n_logprobs, minimum=0, maximum=20)
+        _check_int("top_n_logprobs", self.top_n_logprobs, minimum=0, maximum=MAX_TOP_N_LOGPROBS)
         if self.return_routing_indices is not True and self.return_routing_indices is not False:
             raise ValueError(f"return_routing_indices must be a bool, got {self.return_routing_indices!r}")
         if self.seed is not None:
@@ -169,6 +242,36 @@ class SamplingParams(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=T
             self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
             raise ValueError(f"structured_outputs must be StructuredOutputsParams, got {self.structured_outputs!r}")
+        _check_int("n", self.n, minimum=1)
+        if self.truncate_prompt_tokens is not None:
+            _check_int("truncate_prompt_tokens", self.truncate_prompt_tokens, minimum=1)
+        _check_int("priority", self.priority, minimum=PRIORITY_MIN, maximum=PRIORITY_MAX)
+        if self.cache_salt is not None and (not isinstance(self.cache_salt, str) or not self.cache_salt):
+            raise ValueError(f"cache_salt must be a non-empty string, got {self.cache_salt!r}")
+
+    def choices(self) -> list["SamplingParams"]:
+        """The parameters of the ``n`` requests these stand for: ``n`` 1, no truncation left to apply, and
+        seeds ``seed``, ``seed + 1``, ... so that seeded choices differ (as the HTTP server seeds ``n``)."""
+        return [msgspec.structs.replace(self, n=1, truncate_prompt_tokens=None,
+                                        seed=None if self.seed is None else (self.seed + choice) % 2**63)
+                for choice in range(self.n)]
+
+    # vLLM's names, read back
+    @property
+    def max_tokens(self) -> int:
+        return self.num_tokens_to_generate
+
+    @property
+    def stop(self) -> list[str]:
+        return list(self.stop_words)
+
+    @property
+    def logprobs(self) -> int | None:
+        return self.top_n_logprobs if self.return_log_probs else None
+
+    @property
+    def prompt_logprobs(self) -> int | None:
+        return self.top_n_logprobs if self.return_prompt_log_probs else None
 
     @property
     def has_penalties(self) -> bool:
@@ -214,16 +317,22 @@ _DEFAULTS_WIRE = b"\x80"  # an empty msgpack map
 def params_from_wire(data: bytes) -> tuple[SamplingParams, bytes]:
     """Sampling parameters from their msgpack (empty or nil: the defaults), and the bytes to forward.
 
-    ``ValueError`` naming the field when they are unusable.
+    ``ValueError`` naming the field when they are unusable, or when they ask for what one request
+    cannot do (``n`` > 1, ``truncate_prompt_tokens``: the Python API and the HTTP server apply those).
     """
     if not data or data == b"\xc0":
         return SamplingParams(), _DEFAULTS_WIRE
     try:
-        return _WIRE.decode(data), data
+        params = _WIRE.decode(data)
     except msgspec.ValidationError as exc:
         raise ValueError(_field_error(exc)) from None
     except msgspec.DecodeError as exc:
         raise ValueError(f"sampling_params: {exc}") from None
+    if params.n != 1 or params.truncate_prompt_tokens is not None:
+        field = "n" if params.n != 1 else "truncate_prompt_tokens"
+        raise ValueError(f"sampling_params.{field}: one request runs one sequence of its whole prompt; "
+                         "MegatronLLM.generate and the HTTP server apply n and truncate_prompt_tokens")
+    return params, data
 
 
 class SharedParams:

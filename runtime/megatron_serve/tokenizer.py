@@ -91,11 +91,15 @@ class Tokenizer:
         return bool(getattr(self._tok, "chat_template", None))
 
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                            tools: list[dict[str, Any]] | None = None) -> str:
+                            tools: list[dict[str, Any]] | None = None, continue_final_message: bool = False,
+                            **template_kwargs: Any) -> str:
+        """The conversation as the template renders it; ``template_kwargs`` become template variables
+        (vLLM's ``chat_template_kwargs``, e.g. Qwen3's ``enable_thinking``)."""
         if not self.has_chat_template:
             raise ValueError("this model has no chat template (tokenizer_config.json has no 'chat_template')")
         return self._tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
-                                             tools=tools)
+                                             tools=tools, continue_final_message=continue_final_message,
+                                             **template_kwargs)
 
 
 def load_chat_template(value: str) -> str:

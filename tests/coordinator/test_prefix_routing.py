@@ -14,7 +14,7 @@ import pytest
 from megatron_serve.client import InferenceClient
 from megatron_serve.messages import Control, ControlAck, Draining, Heartbeat, Refit, Status, Suspend
 from megatron_serve.engine_process import EngineProcess
-from megatron_serve.prefix_hash import block_hashes
+from megatron_serve.prefix_hash import ROOT_HASH, block_hashes
 from megatron_serve.prefix_routing import DEFAULT_MAX_LOAD_GAP, DEFAULT_MAX_LOAD_RATIO, PrefixAffinity
 from megatron_serve.protocol import Header
 from megatron_serve.routing import make_routing_policy
@@ -36,8 +36,8 @@ def engine(group: int, load: int = 0, block_size: int | None = BS, caching: bool
                            kv_blocks_total=kv_blocks, stats={}, info=info, load=load)
 
 
-def request(tokens: list[int]):
-    return SimpleNamespace(request_id="r", prefix_keys=list(tokens))
+def request(tokens: list[int], root: int = ROOT_HASH):
+    return SimpleNamespace(request_id="r", prefix_keys=list(tokens), prefix_root=root)
 
 
 def seq(start: int, blocks: int, tail: int = 1) -> list[int]:

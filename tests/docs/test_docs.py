@@ -154,6 +154,20 @@ def test_readme_quick_start_is_two_commands_and_the_image():
     assert commands == ["make run", "make test", "make image"], commands
 
 
+def test_code_cites_docs_pages_never_the_contract_outside_the_repository():
+    """Docstrings and comments point contributors at ``docs/`` pages (the architecture page holds what they
+    need of the engineering contract), not at a design file that is not in the repository."""
+    cited = re.compile(r"\bDESIGN(?:\.md|'s|\s+(?:section|sections)?\s*\d)")
+    found = []
+    for folder in ("runtime", "kernels", "operator", "tests", "docs", "tools", "benchmarks"):
+        for path in (ROOT / folder).rglob("*"):
+            if path.suffix in (".py", ".md", ".yaml", ".sh") and path != Path(__file__):
+                found += [f"{path.relative_to(ROOT)}: {m.group(0)}" for m in cited.finditer(path.read_text())]
+    assert found == []
+    for page in re.findall(r"`(docs/[\w./-]+\.md)`|\((docs/[\w./-]+\.md)", (ROOT / "docs" / "architecture.md").read_text()):
+        assert (ROOT / "".join(page)).exists()
+
+
 @pytest.mark.parametrize("page", sorted(p.relative_to(DOCS).as_posix() for p in DOCS.rglob("*.md")))
 def test_pages_name_nothing_outside_the_repository(page):
     text = (DOCS / page).read_text()

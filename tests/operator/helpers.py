@@ -2,7 +2,7 @@
 a fake coordinator behind the operator's coordinator link, and fake workload controllers.
 
 The fake coordinator replaces ``megatron_operator.coordinator_link`` in-process (it implements
-the coordinator state machine of DESIGN section 5 and checks the token) so the lifecycle logic
+the coordinator state machine of docs/architecture.md (Lifecycle) and checks the token) so the lifecycle logic
 is tested without the runtime; ``test_operator_coordinator.py`` drives a real coordinator
 process instead when the runtime provides one.
 """

@@ -1,4 +1,4 @@
-"""A stricter Kubernetes API emulator on top of KMock (DESIGN section 9).
+"""A stricter Kubernetes API emulator on top of KMock (docs/architecture.md, Tests).
 
 KMock's ``KubernetesEmulator`` serves discovery and an in-memory object store, but it does not
 stamp ``resourceVersion``/``generation``/``uid``, answers creates with 200, treats ``/status``

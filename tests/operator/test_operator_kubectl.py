@@ -28,7 +28,7 @@ async def kubectl(cluster, *args: str) -> str:
 
 
 async def test_kubectl_apply_patch_scale_delete(cluster):
-    # The emulator serves no OpenAPI documents: --validate=false (DESIGN section 9).
+    # The emulator serves no OpenAPI documents: --validate=false (docs/architecture.md, Tests).
     await kubectl(cluster, "apply", "--validate=false", "-f", str(CRD_PATH))
     cluster.start_controllers()
     example = ROOT / "manifests" / "examples" / "rl-rollout-paused.yaml"

@@ -1,5 +1,5 @@
 """Rendering: every example's children pass `kubernetes-validate --strict`, in a stable order,
-with the names, labels, ranks, GPUs, probes and hardening of DESIGN section 8; and the
+with the names, labels, ranks, GPUs, probes and hardening of docs/reference/megatroninference.md; and the
 `megatron-serve render -f FILE` entry point."""
 
 from __future__ import annotations

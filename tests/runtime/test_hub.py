@@ -91,7 +91,7 @@ def test_a_served_hub_model_is_named_by_its_id(tmp_path, monkeypatch):
     cache = tmp_path / "hub"
     snapshot = hub_cache(cache, "my-org/tiny.v2", None)
     monkeypatch.setattr("huggingface_hub.constants.HF_HUB_CACHE", str(cache))
-    args = argparse.Namespace(model="my-org/tiny.v2", revision=None, tokenizer="my-org/tiny.v2")
+    args = argparse.Namespace(model="my-org/tiny.v2", revision=None, tokenizer="my-org/tiny.v2", download_dir=None)
     resolve_model_args(args)
     assert (args.model, args.tokenizer) == (str(snapshot), str(snapshot))
     assert default_model_name(args.model) == "my-org/tiny.v2"

@@ -142,7 +142,7 @@ def test_every_component_reads_the_table():
     assert next(a.choices for a in parser._actions if a.dest == "mode") == modes
 
 
-@pytest.mark.parametrize("page", ["docs/kubernetes/lifecycle.md"])
+@pytest.mark.parametrize("page", ["docs/kubernetes/lifecycle.md", "docs/architecture.md"])
 def test_the_docs_show_the_table(page):
     from pathlib import Path
 

@@ -73,7 +73,9 @@ async def test_openapi_documents_every_route_and_no_422(tokenizer, backend):
 BAD_BODIES = [
     ({"model": MODEL}, "prompt", "missing_required_parameter"),
     ({"model": MODEL, "prompt": "x", "temperature": 2.5}, "temperature", None),
-    ({"model": MODEL, "prompt": "x", "temperature": "1"}, "temperature", None),
+    ({"model": MODEL, "prompt": "x", "temperature": "warm"}, "temperature", None),  # "1" is read as 1, as in vLLM
+    ({"model": MODEL, "prompt": "x", "max_tokens": "1.5"}, "max_tokens", None),
+    ({"model": MODEL, "prompt": "x", "temperature": "2.5"}, "temperature", None),  # a number, out of range
     ({"model": MODEL, "prompt": "x", "top_p": 0}, "top_p", None),
     ({"model": MODEL, "prompt": "x", "n": 0}, "n", None),
     ({"model": MODEL, "prompt": "x", "max_tokens": 0}, "max_tokens", None),

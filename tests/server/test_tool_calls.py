@@ -13,10 +13,14 @@ from megatron_serve.server.tool_calls import (
     Content,
     HermesReader,
     Llama3JsonReader,
+    MistralReader,
     NamedReader,
+    Qwen3XmlReader,
     RequiredReader,
     parser_for_template,
 )
+
+WEATHER = {"properties": {"city": {"type": "string"}, "days": {"type": "integer"}, "zip": {"type": "string"}}}
 
 
 def read(reader, pieces: list[str]) -> tuple[str, list[tuple[str, dict]]]:
@@ -52,6 +56,18 @@ CASES = [
     (Llama3JsonReader, '{"name": "f", "parameters": {"x"', ('{"name": "f", "parameters": {"x"', [])),
     (RequiredReader, '[{"name": "f", "parameters": {"a": 1}}, {"name": "g", "parameters": {"b": [2, 3]}}]',
      ("", [("f", {"a": 1}), ("g", {"b": [2, 3]})])),
+    (MistralReader, 'Checking. [TOOL_CALLS][{"name": "f", "arguments": {"x": 1}}, {"name": "g", "arguments": {}}]',
+     ("Checking. ", [("f", {"x": 1}), ("g", {})])),
+    (MistralReader, '[TOOL_CALLS]f[ARGS]{"x": [1, 2]}[TOOL_CALLS]g[ARGS]{}', ("", [("f", {"x": [1, 2]}), ("g", {})])),
+    (MistralReader, "no calls, only [TOOL text", ("no calls, only [TOOL text", [])),
+    (MistralReader, "[TOOL_CALLS] not json", ("[TOOL_CALLS] not json", [])),
+    (lambda: Qwen3XmlReader(schemas={"weather": WEATHER}),
+     "Let me look.\n<tool_call>\n<function=weather>\n<parameter=city>\nNew York\n</parameter>\n<parameter=days>\n"
+     "3\n</parameter>\n<parameter=zip>\n10001\n</parameter>\n</function>\n</tool_call>",
+     ("Let me look.\n", [("weather", {"city": "New York", "days": 3, "zip": "10001"})])),
+    (Qwen3XmlReader, "<tool_call><function=f><parameter=a>{\"b\": 1}</parameter></function></tool_call>",
+     ("", [("f", {"a": {"b": 1}})])),
+    (Qwen3XmlReader, "<tool_call>{\"name\": \"f\"}</tool_call>", ("<tool_call>{\"name\": \"f\"}</tool_call>", [])),
 ]
 
 
@@ -81,4 +97,6 @@ def test_named_reader_streams_arguments_as_they_come():
 def test_parser_is_chosen_from_the_chat_template():
     assert parser_for_template("... <tool_call> ...") == "hermes"
     assert parser_for_template("{{ '<|python_tag|>' }}") == "llama3_json"
+    assert parser_for_template("{{ '[TOOL_CALLS]' }}") == "mistral"
+    assert parser_for_template("<tool_call>\n<function=example_function_name>") == "qwen3_coder"
     assert parser_for_template("{{ messages }}") is None and parser_for_template(None) is None

@@ -8,7 +8,8 @@ checks, command by command, that every command with one of our names also takes 
 that both parse to the same setting.
 
 ``--api-key KEY`` is not in the table: it is vLLM's option, ours takes a file
-(``--api-key-file``), and both exist side by side (``commands.server``).
+(``--api-key-file``), and both exist side by side (``commands.server``). Every other vLLM option,
+implemented, accepted or refused, is listed in :mod:`.vllm_options`.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ VLLM_ALIASES: tuple[Alias, ...] = (
     # that is free once the weights are loaded. The same intent ("how much of the GPU to take").
     Alias("--gpu-memory-utilization", "--kv-cache-memory-fraction"),
     Alias("--max-num-seqs", "--max-requests"),
+    Alias("--num-gpu-blocks-override", "--num-kv-blocks"),
     Alias("--max-num-batched-tokens", "--max-batch-tokens"),
     Alias("--enforce-eager", "--cuda-graphs", negates=True),
     Alias("--enable-prefix-caching", "--prefix-caching"),  # also gives --no-enable-prefix-caching

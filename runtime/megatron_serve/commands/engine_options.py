@@ -1,8 +1,10 @@
-"""Engine sizing options shared by every command that builds an engine (DESIGN section 7).
+"""Engine sizing options shared by every command that builds an engine (docs/reference/cli.md).
 
 vLLM's names for these options (``--max-model-len``, ``--max-num-seqs`` ...) come from the one
-table in :mod:`~megatron_serve.commands.aliases`. Nothing heavy is imported here: ``--help`` must
-not wait for torch (``InferenceConfig`` is imported when the config is built).
+table in :mod:`~megatron_serve.commands.aliases`; vLLM's other engine options (``--quantization``,
+``--kv-cache-dtype``, ``--trust-remote-code`` ...) from :mod:`~megatron_serve.commands.vllm_options`.
+Nothing heavy is imported here: ``--help`` must not wait for torch (``InferenceConfig`` is imported
+when the config is built).
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import argparse
 from typing import TYPE_CHECKING
 
 from .aliases import add_option
+from .vllm_options import Scope, add_vllm_options
 
 if TYPE_CHECKING:
     from ..config import InferenceConfig
@@ -27,8 +30,8 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda if available, else cpu)")
     group.add_argument("--block-size", type=int, default=None, metavar="TOKENS",
                        help="KV cache block size in tokens (default: 16 on CPU, 64 on GPU)")
-    group.add_argument("--num-kv-blocks", type=int, default=None, metavar="N",
-                       help="KV pool size in blocks (default: sized by --kv-cache-memory-fraction)")
+    add_option(group, "--num-kv-blocks", type=int, default=None, metavar="N",
+               help="KV pool size in blocks (default: sized by --kv-cache-memory-fraction)")
     add_option(group, "--kv-cache-memory-fraction", type=float, default=0.9, metavar="F",
                help="fraction of the device memory free after loading the weights that the KV pool takes "
                     "(on CPU: of a 1 GiB budget)")
@@ -49,6 +52,7 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
                        help="schedule and launch the next step while the current one runs (the host's work "
                             "overlaps the GPU's; --no-async-scheduling: one step at a time)")
     group.add_argument("--seed", type=int, default=0, help="seed of sampling without a per-request seed")
+    add_vllm_options(parser, Scope.ENGINE)
 
 
 def inference_config_from_args(args: argparse.Namespace, tensor_parallel_size: int = 1) -> "InferenceConfig":

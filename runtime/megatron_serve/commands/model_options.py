@@ -25,6 +25,9 @@ def add_model_options(parser: argparse.ArgumentParser, *, positional: bool = Fal
         parser.add_argument("--model", required=True, metavar=MODEL_METAVAR, help=what)
     parser.add_argument("--revision", metavar="REV", default=None,
                         help="Hub branch, tag or commit of a Hub id (default: main; same as ORG/NAME@REV)")
+    parser.add_argument("--download-dir", metavar="DIR", default=None,
+                        help="the Hugging Face cache Hub ids are read from and downloaded to (default: "
+                             "$HF_HUB_CACHE, usually ~/.cache/huggingface/hub)")
     if tokenizer:
         parser.add_argument("--tokenizer", metavar=MODEL_METAVAR, default=None,
                             help="take the tokenizer files from here instead (default: the model's own)")
@@ -34,6 +37,6 @@ def resolve_model_args(args: argparse.Namespace) -> None:
     """Replace Hub ids in ``args.model`` / ``args.tokenizer`` by their local directories (in place)."""
     from ..hub import resolve_model  # noqa: PLC0415
 
-    args.model = str(resolve_model(args.model, revision=args.revision))
+    args.model = str(resolve_model(args.model, revision=args.revision, cache_dir=args.download_dir))
     if getattr(args, "tokenizer", None) is not None:
-        args.tokenizer = str(resolve_model(args.tokenizer))
+        args.tokenizer = str(resolve_model(args.tokenizer, cache_dir=args.download_dir))

@@ -1,6 +1,6 @@
 """Options shared by the fleet commands (``coordinator``, ``engine``, ``control``, ``run``).
 
-* the shared token: ``--token-file`` or ``$MEGATRON_SERVE_TOKEN`` (DESIGN section 7);
+* the shared token: ``--token-file`` or ``$MEGATRON_SERVE_TOKEN`` (docs/reference/cli.md);
 * one logging format for every long-running process.
 """
 

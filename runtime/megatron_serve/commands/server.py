@@ -16,11 +16,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..generation_config import GenerationDefaults
+from ..http_options import METRICS_COMPAT, HTTPOptions
 from ..limits import RequestLimits
 from ..multimodal import ImageOptions
 from .inputs import check_model_dir, coordinator_address, parse_port
 from .model_options import add_model_options, resolve_model_args
 from .options import add_coordinator_option, add_log_option, add_token_option, read_secret, read_token, setup_logging
+from .vllm_options import Scope, add_vllm_options
 
 logger = logging.getLogger("megatron_serve.server")
 
@@ -65,6 +67,9 @@ def add_server_options(parser: argparse.ArgumentParser, default_host: str) -> No
     group.add_argument("--generation-config", metavar="auto|none|DIR", default="auto",
                        help="sampling defaults for fields a request leaves out: auto = the model's "
                             "generation_config.json, none = ignore it, DIR = that directory's file")
+    group.add_argument("--metrics-compat", choices=METRICS_COMPAT, default="vllm",
+                       help="vllm: /metrics also exports vLLM's series (vllm:num_requests_waiting, "
+                            "vllm:kv_cache_usage_perc ...) for gateways and autoscalers written for vLLM")
     limits = parser.add_argument_group("request limits", "what one request may carry; beyond it, 400 or 413 "
                                                          "before any work is done")
     defaults = RequestLimits()
@@ -80,6 +85,7 @@ def add_server_options(parser: argparse.ArgumentParser, default_host: str) -> No
     images.add_argument("--no-remote-images", dest="remote_images", action="store_false",
                         help="do not fetch http(s) image URLs (data: URLs only), e.g. where the server must not "
                              "reach into its network")
+    add_vllm_options(parser, Scope.SERVER)
 
 
 def image_options(args: argparse.Namespace) -> ImageOptions:
@@ -129,6 +135,7 @@ def check_server_options(args: argparse.Namespace) -> None:
         raise ValueError(f"--tokenizer-threads must be >= 1, got {args.tokenizer_threads}")
     read_limits(args)
     image_options(args)
+    HTTPOptions.from_args(args)
 
 
 @dataclass(frozen=True)
@@ -196,7 +203,7 @@ async def _serve(args: argparse.Namespace, facts: Any, files: ServingFiles, toke
                      vocab_size=facts.vocab_size, max_model_len=facts.max_model_len,
                      max_concurrent_requests=args.max_concurrent_requests, limits=read_limits(args),
                      tokenizer_threads=args.tokenizer_threads, image_options=image_options(args),
-                     generation_defaults=files.generation_defaults)
+                     generation_defaults=files.generation_defaults, options=HTTPOptions.from_args(args))
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):

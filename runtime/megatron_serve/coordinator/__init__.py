@@ -1,6 +1,6 @@
 """The coordinator: one process per deployment that owns routing, the request table and the lifecycle.
 
-Engines and clients connect DEALER sockets to the coordinator's ROUTER (DESIGN sections 3 and 5).
+Engines and clients connect DEALER sockets to the coordinator's ROUTER (docs/architecture.md, docs/wire-protocol.md).
 The package is split by the question a reader has:
 
 * :mod:`.core` -- all state and decisions, no sockets: inputs in, effects out (:mod:`.effects`);

@@ -1,5 +1,10 @@
 """The request table: every request from SUBMIT until its client acknowledged the RESULT.
 
+Queued requests are dispatched in arrival order, except that a request with a ``priority`` goes
+ahead of every queued request with a larger value (lower first, as in the engines' schedulers), and
+a request that lost its engine goes ahead of all. Requests without a priority (0) never pay for
+the ordering: they wait in a plain deque, the others in a heap beside it.
+
 A request's life is a :class:`Phase`, changed only here: ``HELD`` (a text prompt waiting for the
 tokenizer), ``QUEUED``, ``DISPATCHED`` (to exactly one engine), ``FINISHED`` (its final record kept
 until delivered and acknowledged). The coordinator mirrors every token an engine reports, so a
@@ -14,6 +19,8 @@ from __future__ import annotations
 
 import collections
 import enum
+import heapq
+import itertools
 import time
 from dataclasses import dataclass, field
 from typing import Any, Iterator
@@ -21,6 +28,7 @@ from typing import Any, Iterator
 from ..expert_routing import RoutingRecord
 from ..messages import ClientId
 from ..multimodal import PromptImage, cache_keys
+from ..prefix_hash import salted_root
 from ..sampling_params import SamplingParams
 
 
@@ -61,11 +69,17 @@ class RequestRecord:
     final: bytes | None = None  # the finished record's msgpack (forwarded unparsed)
     images: list[PromptImage] = field(default_factory=list)  # placed in prompt_tokens once prepared
     routing: RoutingRecord | None = None  # return_routing_indices: expert rows mirrored with the tokens
+    queue_order: int = 0  # in the priority heap: when it was queued; in the deque: 0, or -1 moved (ahead of all)
 
     @property
     def prefix_keys(self) -> list[int]:
         """The prompt as the prefix cache keys it: an image's placeholder tokens stand for its content."""
         return cache_keys(self.prompt_tokens, self.images) if self.images else self.prompt_tokens
+
+    @property
+    def prefix_root(self) -> int:
+        """Where the prompt's chain of block hashes starts (its cache salt's root), as the engines start it."""
+        return salted_root(self.params.cache_salt)
 
     def add_event(self, event_type: str, detail: str) -> None:
         self.events.append({"type": event_type, "timestamp": time.time(), "detail": detail})
@@ -80,7 +94,10 @@ class RequestTable:
 
     def __init__(self) -> None:
         self.records: dict[str, RequestRecord] = {}
-        self.queue: collections.deque[str] = collections.deque()
+        self.queue: collections.deque[str] = collections.deque()  # priority 0, and moved requests (first)
+        self.ranked: list[tuple[int, int, str]] = []  # heap of (priority, order, key): priorities other than 0
+        self._order = itertools.count(1)
+        self._head_ranked = False  # whether next_queued's answer came from the heap
         self.held: list[str] = []  # text prompts waiting for the tokenizer, in arrival order
         self.undelivered: set[str] = set()  # finished, but the client could not be reached
         self.counts = collections.Counter({phase: 0 for phase in Phase})
@@ -101,7 +118,16 @@ class RequestTable:
         if phase is Phase.HELD:
             self.held.append(record.request_id)
         elif phase is Phase.QUEUED:
-            self.queue.append(record.request_id)
+            if record.params.priority:
+                self._rank(record)
+            else:
+                self.queue.append(record.request_id)
+
+    def _rank(self, record: RequestRecord) -> None:
+        """Queue a request with a priority in the heap (its order tells a live entry from a stale one)."""
+        order = next(self._order)
+        record.queue_order = order
+        heapq.heappush(self.ranked, (record.params.priority, order, record.request_id))
 
     def _move(self, record: RequestRecord, phase: Phase) -> None:
         self.counts[record.phase] -= 1
@@ -112,7 +138,14 @@ class RequestTable:
         """Queue a request for dispatch (``first``: ahead of the others, for a request that lost its engine)."""
         self._move(record, Phase.QUEUED)
         record.engine_id = None
-        (self.queue.appendleft if first else self.queue.append)(record.request_id)
+        if first:
+            record.queue_order = -1
+            self.queue.appendleft(record.request_id)
+        elif record.params.priority:
+            self._rank(record)
+        else:
+            record.queue_order = 0
+            self.queue.append(record.request_id)
 
     def dispatched(self, record: RequestRecord, engine_id: str) -> None:
         self._move(record, Phase.DISPATCHED)
@@ -141,15 +174,39 @@ class RequestTable:
 
     def next_queued(self) -> RequestRecord | None:
         """The request at the head of the queue (entries of aborted or moved requests are skipped)."""
-        while self.queue:
-            record = self.records.get(self.queue[0])
+        queue = self.queue
+        head = None
+        while queue:
+            record = self.records.get(queue[0])
             if record is not None and record.phase is Phase.QUEUED:
-                return record
-            self.queue.popleft()
-        return None
+                head = record
+                break
+            queue.popleft()
+        if not self.ranked:  # no priorities queued: the deque alone, as fast as ever
+            return head
+        ranked = None
+        while self.ranked:
+            _, order, key = self.ranked[0]
+            ranked = self._live(key, order)
+            if ranked is not None:
+                break
+            heapq.heappop(self.ranked)
+        # the deque holds priority 0 (order 0) and moved requests (order -1, ahead of all); the heap the others
+        self._head_ranked = ranked is not None and (head is None or (head.queue_order == 0
+                                                                     and ranked.params.priority < 0))
+        return ranked if self._head_ranked else head
+
+    def _live(self, key: str, order: int) -> RequestRecord | None:
+        """The queued record of a heap entry, unless the entry is stale (finished, or queued again since)."""
+        record = self.records.get(key)
+        return record if record is not None and record.phase is Phase.QUEUED and record.queue_order == order else None
 
     def pop_queued(self) -> None:
-        self.queue.popleft()
+        """Remove the request :meth:`next_queued` returned."""
+        if self.ranked and self._head_ranked:
+            heapq.heappop(self.ranked)
+        else:
+            self.queue.popleft()
 
     def count(self, phase: Phase) -> int:
         return self.counts[phase]

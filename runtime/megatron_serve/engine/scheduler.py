@@ -2,9 +2,11 @@
 
 Every step mixes one decode token per running request with chunks of prompts (chunked prefill)
 up to ``max_batch_tokens``. Running requests are served first, oldest first; waiting ones are
-admitted while tokens, request slots and KV blocks remain. When blocks run out, the newest
-running request is preempted: its blocks are freed and it waits to be recomputed from its prompt
-plus the tokens it already generated, which leaves its output unchanged.
+admitted while tokens, request slots and KV blocks remain, in the order of their ``priority``
+(lower first, vLLM's priority policy), then of arrival. When blocks run out, the newest running
+request is preempted: its blocks are freed and it waits to be recomputed from its prompt plus the
+tokens it already generated, which leaves its output unchanged. A request's prefix-cache chain
+starts from its ``cache_salt`` (:func:`~megatron_serve.prefix_hash.salted_root`).
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from dataclasses import dataclass, field
 from ..expert_routing import RoutingRecord
 from .kv_cache import BlockAllocator, blocks_for_tokens
 from ..multimodal import cache_keys
-from ..prefix_hash import ROOT_HASH, block_hashes, chain_hash
+from ..prefix_hash import ROOT_HASH, block_hashes, chain_hash, salted_root
 from ..request import DynamicInferenceRequest, EventType, RequestStatus
 
 
@@ -39,10 +41,16 @@ class Sequence:
     pending_row: int = -1  # the row of the last of them in its step's sampled tokens (the next input's source)
     needs_host_tokens: bool = False  # its logits controls read its tokens (grammar, penalties): no pending ones
     finished: bool = False  # left the engine (finished, aborted, failed): rows of steps in flight are dropped
+    prefix_root: int = ROOT_HASH  # where its chain of block hashes starts: its cache_salt's root
 
     def __post_init__(self) -> None:
         if not self.token_ids:
             self.token_ids = list(self.request.prompt_tokens) + list(self.request.generated_tokens)
+        self.prefix_root = salted_root(self.request.sampling_params.cache_salt)
+
+    @property
+    def priority(self) -> int:
+        return self.request.sampling_params.priority
 
     @property
     def request_id(self) -> str:
@@ -93,7 +101,16 @@ class Scheduler:
         self.queried_tokens = 0  # tokens admitted sequences looked up in the prefix cache (vLLM's "queries")
 
     def add(self, sequence: Sequence) -> None:
-        self.waiting.append(sequence)
+        """Queue ``sequence`` behind every waiting one whose priority value is not larger (arrival order within
+        a priority); without priorities, at the end."""
+        waiting = self.waiting
+        if not waiting or waiting[-1].priority <= sequence.priority:
+            waiting.append(sequence)
+            return
+        index = len(waiting) - 1
+        while index and waiting[index - 1].priority > sequence.priority:
+            index -= 1
+        waiting.insert(index, sequence)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -128,7 +145,8 @@ class Scheduler:
                 or sequence.request.prompt_scores_missing):
             return None
         cacheable = (len(sequence.token_ids) - 1) // self.block_size
-        sequence.prompt_hashes = block_hashes(sequence.cache_tokens(0, cacheable * self.block_size), self.block_size)
+        sequence.prompt_hashes = block_hashes(sequence.cache_tokens(0, cacheable * self.block_size), self.block_size,
+                                              sequence.prefix_root)
         blocks = self.allocator.lookup(sequence.prompt_hashes)
         if blocks:
             self.allocator.acquire(blocks)
@@ -154,7 +172,7 @@ class Scheduler:
             return
         size = self.block_size
         for index in range(len(sequence.block_hashes), min(sequence.num_computed, len(sequence.token_ids)) // size):
-            parent = sequence.block_hashes[-1] if sequence.block_hashes else ROOT_HASH
+            parent = sequence.block_hashes[-1] if sequence.block_hashes else sequence.prefix_root
             block_hash = chain_hash(parent, sequence.cache_tokens(index * size, (index + 1) * size))
             sequence.block_hashes.append(block_hash)
             self.allocator.register(sequence.block_table[index], block_hash)

@@ -1,4 +1,4 @@
-"""The OpenAI-compatible HTTP server (DESIGN section 6).
+"""The OpenAI-compatible HTTP server (docs/reference/http-api.md).
 
 ``create_app`` builds the FastAPI app over an ``InferenceClient`` (or anything with its
 interface); ``serve_app`` runs an app on uvicorn; ``serve_async_llm`` is what

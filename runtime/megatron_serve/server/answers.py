@@ -22,13 +22,15 @@ Answer = TypeVar("Answer")
 
 
 async def whole_answer(ctx: ServerContext, jobs: list[EngineJob],
-                       build: Callable[[list[DynamicInferenceRequest]], Answer], decodes_every_token: bool) -> Answer:
-    """Submit ``jobs``, wait for all of them, and ``build`` the answer from the finished requests.
+                       build: Callable[[list[DynamicInferenceRequest]], Answer], decodes_every_token: bool,
+                       label: str = "") -> Answer:
+    """Submit ``jobs``, wait for all of them, and ``build`` the answer from the finished requests
+    (``label``: the response id, for the request log).
 
     An answer with log probs decodes every token, which would hold the event loop (and every other
     request's stream) for as long: it is built on the worker threads instead.
     """
-    results = await ctx.submit(jobs).results()
+    results = await ctx.submit(jobs, label).results()
     if decodes_every_token:
         return await ctx.workers.run(build, results)
     return build(results)
@@ -55,6 +57,16 @@ def cached_prompt_tokens(finished: list[tuple[EngineJob, DynamicInferenceRequest
         if known is None or job.index < known[0]:
             first[job.prompt_index] = (job.index, min(int(result.cached_tokens or 0), len(job.prompt.tokens)))
     return sum(cached for _, cached in first.values())
+
+
+def running_usage(req: Any, prompt_tokens: int, choices: StreamedChoices) -> Usage | None:
+    """The usage so far that every chunk carries with ``stream_options.continuous_usage_stats`` (vLLM's; it
+    needs ``include_usage`` too), else None."""
+    options = req.stream_options
+    if options is None or not (options.include_usage and options.continuous_usage_stats):
+        return None
+    generated = choices.generated()
+    return Usage(prompt_tokens=prompt_tokens, completion_tokens=generated, total_tokens=prompt_tokens + generated)
 
 
 def make_usage(prompt_tokens: int, finished: list[tuple[EngineJob, DynamicInferenceRequest]]) -> Usage:
@@ -118,6 +130,10 @@ class StreamedChoices:
     def __init__(self, tokenizer: Tokenizer | None = None) -> None:
         self.tokenizer = tokenizer
         self._choices: dict[int, _Choice] = {}
+
+    def generated(self) -> int:
+        """Tokens generated so far, all choices together (the running usage of ``continuous_usage_stats``)."""
+        return sum(len(choice.tokens) for choice in self._choices.values())
 
     def first_seen(self, index: int) -> bool:
         """True once per choice, for its first item (when its opening chunk is due)."""

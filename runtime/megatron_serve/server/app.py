@@ -14,12 +14,14 @@ rendering run as one job on the app's worker threads, never on the event loop th
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import logging
 from contextlib import asynccontextmanager
 from typing import Any, AsyncIterator
 
 from fastapi import Depends, FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
@@ -30,6 +32,7 @@ from ..multimodal import ImageOptions
 
 from .. import __version__
 from ..generation_config import GenerationDefaults
+from ..http_options import HTTPOptions
 from .chat import ChatHandler
 from .completions import CompletionHandler
 from .admin import ADMIN_BODIES, add_admin_routes
@@ -40,6 +43,8 @@ from .generation import PendingCounter
 from .images import load_images
 from .intake import SELF_PARSED, BodySizeLimit, Workers, check_limits, parse_body, request_body_doc
 from .metrics import ServerMetrics
+from .request_log import RequestLog, request_id_header
+from .stats_log import log_stats
 from .models import (
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -54,6 +59,7 @@ from .models import (
 from .streaming import cancel_on_disconnect, client_closed, read_body
 from .tokenize import add_tokenize_routes
 from .tool_calls import parser_for_template
+from .vllm_metrics import VllmCollector
 
 logger = logging.getLogger("megatron_serve.server")
 
@@ -100,6 +106,7 @@ def create_app(
     limits: RequestLimits | None = None,
     tokenizer_threads: int | None = None,
     image_options: ImageOptions | None = None,
+    options: HTTPOptions | None = None,
 ) -> FastAPI:
     """An OpenAI-compatible app in front of ``backend`` (an ``InferenceClient`` or the same interface).
 
@@ -113,41 +120,57 @@ def create_app(
     ``generation_config.json``; see :mod:`megatron_serve.generation_config`).
     ``admin_key``: opens ``/v1/admin/*`` (the lifecycle over HTTP; :mod:`.admin`); it must differ from
     ``api_key``. Without it those routes answer 403.
+    ``options``: tool-call parser, CORS, request and stats logs, ``vllm:`` metrics, uvicorn's log
+    (:class:`~megatron_serve.http_options.HTTPOptions`; vLLM's flags of the same names).
     The backend is started by the app (in the background) if it is not started yet, but never
     closed by it: whoever made the backend closes it.
     """
     if admin_key and admin_key == api_key:
         raise ValueError("the admin key must differ from the API key: the API key must not open the admin API")
+    options = options or HTTPOptions()
     monitor = FleetMonitor(backend, interval=status_interval)
     pending = PendingCounter(max_concurrent_requests)
     metrics = ServerMetrics(monitor, lambda: pending.value, model_name)
+    if options.metrics_compat == "vllm":
+        metrics.registry.register(VllmCollector(monitor, metrics, model_name))
     limits = limits or RequestLimits()
     ctx = ServerContext(backend=backend, tokenizer=tokenizer, model_name=model_name, monitor=monitor, metrics=metrics,
                         pending=pending, limits=limits, workers=Workers(tokenizer_threads), vocab_size=vocab_size,
                         default_max_model_len=max_model_len, images=image_options or ImageOptions(),
-                        tool_parser=parser_for_template(getattr(tokenizer, "chat_template", None)),
-                        generation_defaults=generation_defaults or GenerationDefaults())
+                        tool_parser=options.tool_call_parser if options.auto_tool_choice else parser_for_template(
+                            getattr(tokenizer, "chat_template", None)),
+                        generation_defaults=generation_defaults or GenerationDefaults(), options=options,
+                        request_log=RequestLog(options.log_requests, options.max_log_len))
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
         monitor.ensure_running()
         await monitor.wait_first_poll(timeout=5.0)
+        stats = asyncio.create_task(log_stats(monitor, options.stats_interval)) if options.log_stats else None
         try:
             yield
         finally:
+            if stats is not None:
+                stats.cancel()
             await monitor.stop()
             ctx.workers.close()
 
+    docs = {} if options.docs else {"docs_url": None, "redoc_url": None, "openapi_url": None}
     app = FastAPI(
         title="megatron-serve",
         version=__version__,
         summary="OpenAI-compatible inference API of a megatron-serve fleet",
         lifespan=lifespan,
+        **docs,
     )
     app.state.ctx = ctx
     install_error_handlers(app)
     app.add_middleware(BodySizeLimit, limit=limits.max_body_bytes)
     app.add_middleware(_HTTPMetricsMiddleware, metrics=metrics)
+    if options.cors is not None:  # outermost: preflight requests are answered before any other check
+        app.add_middleware(CORSMiddleware, allow_origins=list(options.cors.origins),
+                           allow_methods=list(options.cors.methods), allow_headers=list(options.cors.headers),
+                           allow_credentials=options.cors.credentials)
 
     api_dependencies = []
     error_codes = [400, 404, 413, 429, 500, 503]
@@ -176,11 +199,16 @@ def create_app(
         if body is None:
             return client_closed()
 
+        header_id = request_id_header(request)  # checked before any work: a bad one is a 400
+
         async def work() -> Any:
             await monitor.wait_first_poll()
             req = await ctx.workers.run(parse, handler_type, body)
+            if header_id is not None:  # vLLM: the X-Request-Id header wins over the body's request_id
+                req.request_id = header_id
             await load_images(req, ctx)  # a chat's image parts, fetched and checked (none: nothing to do)
             handler = await ctx.workers.run(handler_type, ctx, req)  # tokenize or render
+            ctx.request_log.received(handler)
             return await (handler.stream() if handler.req.stream else handler.complete())
 
         return await cancel_on_disconnect(request, work(), ctx.stopping)

@@ -11,7 +11,8 @@ from fastapi.responses import StreamingResponse
 from ..detokenizer import token_texts
 from ..outputs import StreamPartial
 from ..request import DynamicInferenceRequest
-from .answers import Delta, StreamedChoices, finish_reason, make_usage, prompt_logprobs, whole_answer
+from .answers import (Delta, StreamedChoices, finish_reason, make_usage, prompt_logprobs, running_usage,
+                      whole_answer)
 from .context import ServerContext
 from .errors import unsupported
 from .models import (
@@ -75,7 +76,7 @@ class ChatHandler:
     def __init__(self, ctx: ServerContext, req: ChatCompletionRequest) -> None:
         self.ctx = ctx
         self.req = req
-        self.id = f"chatcmpl-{uuid.uuid4().hex}"
+        self.id = f"chatcmpl-{req.request_id or uuid.uuid4().hex}"  # vLLM: the client's request_id names it
         self.created = int(time.time())
         self.n = req.n or 1
         self.want_logprobs = bool(req.logprobs)
@@ -102,6 +103,7 @@ class ChatHandler:
                                    choice=choice, defaults=ctx.generation_defaults, extra=extra)
 
         self.jobs = make_jobs([self.prompt], self.n, params_for)
+        self._streamed: StreamedChoices | None = None  # while streaming: what was sent (running usage)
 
     def usage(self, finished: list[tuple[EngineJob, DynamicInferenceRequest]]) -> Usage:
         """One prompt, counted once: with ``n > 1``, the cached tokens of choice 0 (see ``cached_prompt_tokens``)."""
@@ -134,7 +136,7 @@ class ChatHandler:
 
     async def complete(self) -> ChatCompletionResponse:
         return await whole_answer(self.ctx, self.jobs, self._response,
-                                  self.want_logprobs or self.req.prompt_logprobs is not None)
+                                  self.want_logprobs or self.req.prompt_logprobs is not None, self.id)
 
     def _response(self, results: list[DynamicInferenceRequest]) -> ChatCompletionResponse:
         choices = []
@@ -155,6 +157,8 @@ class ChatHandler:
                                       usage=self.usage(list(zip(self.jobs, results))), prompt_logprobs=scored)
 
     def _chunk(self, choices: list[ChatChunkChoice], usage: Usage | None = None) -> str:
+        if usage is None and self._streamed is not None:
+            usage = running_usage(self.req, len(self.prompt.tokens), self._streamed)
         return sse(ChatCompletionChunk(id=self.id, created=self.created, model=self.req.model, choices=choices,
                                        usage=usage))
 
@@ -172,7 +176,7 @@ class ChatHandler:
 
     async def _events(self, items: AsyncIterator[tuple[EngineJob, Any]]) -> AsyncIterator[str]:
         """The chunks of the answer as the submission's ``items`` arrive (framing: ``openai_events``)."""
-        choices = StreamedChoices(self.ctx.tokenizer if self.want_logprobs else None)
+        choices = self._streamed = StreamedChoices(self.ctx.tokenizer if self.want_logprobs else None)
         readers: dict[int, CallReader | None] = {}
         called: set[int] = set()
         results: list[tuple[EngineJob, DynamicInferenceRequest]] = []
@@ -199,7 +203,8 @@ class ChatHandler:
             yield self._chunk([], usage=self.usage(results))
 
     async def stream(self) -> StreamingResponse:
-        return await event_stream_response(openai_events(self.ctx.submit(self.jobs).stream(), self._events), self.id)
+        submission = self.ctx.submit(self.jobs, self.id)
+        return await event_stream_response(openai_events(submission.stream(), self._events), self.id)
 
 
 def _delta(events: list[Event]) -> ChatDelta:

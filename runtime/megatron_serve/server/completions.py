@@ -11,7 +11,8 @@ from fastapi.responses import StreamingResponse
 from ..detokenizer import token_texts
 from ..outputs import StreamPartial
 from ..request import DynamicInferenceRequest
-from .answers import Delta, StreamedChoices, finish_reason, make_usage, prompt_logprobs, whole_answer
+from .answers import (Delta, StreamedChoices, finish_reason, make_usage, prompt_logprobs, running_usage,
+                      whole_answer)
 from .context import ServerContext
 from .errors import unsupported
 from .models import (
@@ -69,7 +70,7 @@ class CompletionHandler:
     def __init__(self, ctx: ServerContext, req: CompletionRequest) -> None:
         self.ctx = ctx
         self.req = req
-        self.id = f"cmpl-{uuid.uuid4().hex}"
+        self.id = f"cmpl-{req.request_id or uuid.uuid4().hex}"  # vLLM: the client's request_id names it
         self.created = int(time.time())
         self.n = req.n or 1
         self.want_logprobs = req.logprobs is not None
@@ -99,6 +100,7 @@ class CompletionHandler:
                                    choice=choice, defaults=ctx.generation_defaults, extra=extra)
 
         self.jobs = make_jobs(self.prompts, self.n, params_for)
+        self._streamed: StreamedChoices | None = None  # while streaming: what was sent (running usage)
 
     def usage(self, finished: list[tuple[EngineJob, DynamicInferenceRequest]]) -> Usage:
         return make_usage(sum(len(p.tokens) for p in self.prompts), finished)
@@ -107,7 +109,7 @@ class CompletionHandler:
 
     async def complete(self) -> CompletionResponse:
         return await whole_answer(self.ctx, self.jobs, self._response,
-                                  self.want_logprobs or self.req.prompt_logprobs is not None)
+                                  self.want_logprobs or self.req.prompt_logprobs is not None, self.id)
 
     def _response(self, results: list[DynamicInferenceRequest]) -> CompletionResponse:
         choices = []
@@ -138,8 +140,12 @@ class CompletionHandler:
     def _chunk(self, job: EngineJob, text: str, logprobs: CompletionLogprobs | None = None,
                finish_reason: str | None = None, result: DynamicInferenceRequest | None = None) -> str:
         extensions = extension_fields(self.req, result) if result is not None else {}
+        usage = None
+        if self._streamed is not None:
+            usage = running_usage(self.req, sum(len(p.tokens) for p in self.prompts), self._streamed)
         return sse(CompletionChunk(id=self.id, created=self.created, model=self.req.model, choices=[
-            CompletionChoice(index=job.index, text=text, logprobs=logprobs, finish_reason=finish_reason, **extensions)]))
+            CompletionChoice(index=job.index, text=text, logprobs=logprobs, finish_reason=finish_reason, **extensions)],
+            usage=usage))
 
     def _logprobs(self, delta: Delta, offset: int) -> CompletionLogprobs | None:
         """The log-prob block of a streamed chunk; None when not asked for or the chunk adds no token."""
@@ -150,7 +156,7 @@ class CompletionHandler:
 
     async def _events(self, items: AsyncIterator[tuple[EngineJob, Any]]) -> AsyncIterator[str]:
         """The chunks of the answer as the submission's ``items`` arrive (framing: ``openai_events``)."""
-        choices = StreamedChoices(self.ctx.tokenizer if self.want_logprobs else None)
+        choices = self._streamed = StreamedChoices(self.ctx.tokenizer if self.want_logprobs else None)
         offsets: dict[int, int] = {}  # job index -> text offset for the next log-prob token
         results: list[tuple[EngineJob, DynamicInferenceRequest]] = []
         async for job, item in items:
@@ -176,4 +182,5 @@ class CompletionHandler:
                                       usage=self.usage(results)))
 
     async def stream(self) -> StreamingResponse:
-        return await event_stream_response(openai_events(self.ctx.submit(self.jobs).stream(), self._events), self.id)
+        submission = self.ctx.submit(self.jobs, self.id)
+        return await event_stream_response(openai_events(submission.stream(), self._events), self.id)

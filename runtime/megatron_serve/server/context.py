@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..generation_config import GenerationDefaults
+from ..http_options import HTTPOptions
 from ..limits import RequestLimits
 from ..multimodal import ImageOptions
 from .errors import shutting_down
@@ -15,6 +16,7 @@ from .fleet import FleetMonitor, InferenceBackend
 from .generation import PendingCounter, Submission
 from .intake import Workers
 from .metrics import ServerMetrics
+from .request_log import RequestLog
 from .translate import EngineJob
 
 
@@ -36,6 +38,8 @@ class ServerContext:
     #: Set when the server stops: what it holds is answered with 503 at once, new requests get 503.
     stopping: asyncio.Event = field(default_factory=asyncio.Event)
     images: ImageOptions = field(default_factory=ImageOptions)  # how chat images are fetched
+    options: HTTPOptions = field(default_factory=HTTPOptions)
+    request_log: RequestLog = field(default_factory=RequestLog)  # --enable-log-requests
 
     @property
     def accepts_images(self) -> bool:
@@ -50,8 +54,10 @@ class ServerContext:
         """Prompt + generation limit: what the engines report (the tightest), else the model's own."""
         return self.monitor.max_sequence_length() or self.default_max_model_len
 
-    def submit(self, jobs: list[EngineJob]) -> Submission:
-        """Reserve queue room for ``jobs`` (429 when full); the caller awaits or streams the result."""
+    def submit(self, jobs: list[EngineJob], label: str = "") -> Submission:
+        """Reserve queue room for ``jobs`` (429 when full); the caller awaits or streams the result.
+
+        ``label``: the response id (``cmpl-...``, ``chatcmpl-...``), which the request log names."""
         if self.stopping.is_set():
             raise shutting_down()
-        return Submission(self.backend, self.metrics, self.pending, self.stopping, jobs)
+        return Submission(self.backend, self.metrics, self.pending, self.stopping, jobs, label, self.request_log)

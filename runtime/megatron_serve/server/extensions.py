@@ -36,6 +36,27 @@ EXTENSIONS: dict[str, str] = {
     "response_format": "on /v1/completions too (as vLLM): 'json_object' or 'json_schema' constrains the output",
     "return_routing_indices": "mixture-of-experts models: add routing_indices (the experts every processed token of "
                               "prompt and answer was routed to) to each choice",
+    # vLLM's request fields (server/vllm_fields.py), with vLLM's meaning
+    "request_id": "names the request: the response id becomes cmpl-/chatcmpl-<request_id> and the request log "
+                  "shows it; the X-Request-Id header wins (vLLM's name)",
+    "priority": "admission order when the engines are full: lower values first, then arrival; default 0 (vLLM's "
+                "name, as with --scheduling-policy priority)",
+    "cache_salt": "isolates prefix-cache entries: a request reuses cached KV blocks only of requests with the same "
+                  "salt (or, without one, of unsalted requests), so tenants cannot probe each other's prompts through "
+                  "cache timing; use a long random secret per tenant (vLLM's name)",
+    "truncate_prompt_tokens": "keep only the last N tokens of the prompt (of each prompt; of the rendered chat); "
+                              "-1 = the model's context length (vLLM's name)",
+    "structured_outputs": "constrain the output: exactly one of json (a schema), regex, choice, grammar, "
+                          "json_object; the same as the guided_* fields (vLLM's current name)",
+    "guided_decoding_backend": "accepted: every constraint is decoded with llguidance, whichever backend is named "
+                               "(vLLM's name)",
+    "chat_template_kwargs": "extra variables for the chat template, e.g. {\"enable_thinking\": false} for Qwen3 "
+                            "(vLLM's name)",
+    "add_generation_prompt": "end the rendered chat with the assistant's turn opening; default true (vLLM's name)",
+    "continue_final_message": "render the last (assistant) message open, so the answer continues it; needs "
+                              "add_generation_prompt=false (vLLM's name)",
+    "add_special_tokens": "add the tokenizer's special tokens (BOS) to the prompt: on completions by default; on "
+                          "chats off by default, on top of what the template writes (vLLM's name)",
 }
 
 #: Well-known fields this server does not implement, OpenAI's and other servers' (vLLM, SGLang):
@@ -59,25 +80,17 @@ NOT_IMPLEMENTED: dict[str, str] = {
     "early_stopping": "beam search",
     "bad_words": "bad words",
     "allowed_token_ids": "restricting the vocabulary",
-    "truncate_prompt_tokens": "prompt truncation",
-    "guided_decoding_backend": "guided decoding",
-    "guided_whitespace_pattern": "guided decoding",
-    "structural_tag": "guided decoding (structural tags)",
-    "add_generation_prompt": "chat template options",
-    "continue_final_message": "chat template options",
-    "add_special_tokens": "chat template options",
+    "guided_whitespace_pattern": "a custom whitespace pattern for guided decoding (the guided_* fields themselves work)",
+    "structural_tag": "structural tags (guided_json, guided_regex, guided_choice and guided_grammar work)",
     "chat_template": "a per-request chat template",
-    "chat_template_kwargs": "chat template options",
     "documents": "retrieval documents in the chat template",
     "mm_processor_kwargs": "multimodal inputs",
-    "priority": "request priorities",
-    "request_id": "client-chosen request ids",
     "logits_processors": "logits processors",
     "return_tokens_as_token_ids": "token ids in log-prob listings",
     "lora_request": "LoRA adapters",
-    "regex": "guided decoding (regular expression)",
-    "json_schema": "guided decoding (JSON schema)",
-    "ebnf": "guided decoding (grammar)",
+    "regex": "SGLang's spelling (send guided_regex or structured_outputs.regex)",
+    "json_schema": "SGLang's spelling (send guided_json, response_format or structured_outputs.json)",
+    "ebnf": "SGLang's spelling (send guided_grammar or structured_outputs.grammar)",
     "no_stop_trim": "returning the stop string",
 }
 

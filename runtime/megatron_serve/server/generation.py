@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 import uuid
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
@@ -23,6 +24,7 @@ from ..request import DynamicInferenceRequest, EventType, FinishReason, RequestS
 from .errors import APIError, shutting_down
 from .fleet import InferenceBackend
 from .metrics import ServerMetrics
+from .request_log import RequestLog
 from .translate import EngineJob
 
 logger = logging.getLogger("megatron_serve.server")
@@ -85,8 +87,12 @@ class Submission:
     pending: PendingCounter
     stopping: asyncio.Event  # the server stops: give up at once with a 503 (what is unfinished is aborted)
     jobs: list[EngineJob]
+    label: str = ""  # the response id, for the request log
+    log: RequestLog = field(default_factory=RequestLog)
     ids: list[str] = field(default_factory=list)
     unfinished: set[str] = field(default_factory=set)
+    done: list[DynamicInferenceRequest] = field(default_factory=list)
+    started: float = field(default_factory=time.monotonic)
 
     def __post_init__(self) -> None:
         self.pending.acquire(len(self.jobs))
@@ -99,14 +105,18 @@ class Submission:
             self.pending.release()
             if request is not None:
                 self.metrics.observe_finished(request)
+                self.done.append(request)
             else:  # refused or lost on the way: no record came back
                 self.metrics.requests.labels("failed").inc()
+            if not self.unfinished:
+                self.log.finished(self.label, self.done, self.started)
 
     def close(self) -> None:
         """Abort every engine request that has not finished (idempotent)."""
         if not self.unfinished:
             return
         count = len(self.unfinished)
+        self.log.aborted(self.label, count, self.started)
         for request_id in list(self.unfinished):
             try:
                 self.backend.abort(request_id)

@@ -118,6 +118,7 @@ def check_limits(req: _SamplingRequest, limits: RequestLimits, max_model_len: in
     if req.logit_bias is not None and len(req.logit_bias) > limits.max_logit_bias:
         raise bad_request(f"logit_bias has {len(req.logit_bias)} entries; this server allows at most "
                           f"{limits.max_logit_bias}", param="logit_bias")
+    check_logprobs(req, limits.max_logprobs)
     if isinstance(req, ChatCompletionRequest):
         check_prompt_size(limits, max_model_len, messages=req.messages)
         requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
@@ -131,6 +132,19 @@ def check_limits(req: _SamplingRequest, limits: RequestLimits, max_model_len: in
         raise APIError(400, f"This model's maximum context length is {max_model_len} tokens, and {tokens_param} asks "
                             f"for {requested} (the prompt needs at least one token too). Please reduce {tokens_param}.",
                        param=tokens_param, code="context_length_exceeded")
+
+
+def check_logprobs(req: _SamplingRequest, limit: int) -> None:
+    """Log probs per token beyond ``--max-logprobs`` are a 400 naming the field (vLLM's check)."""
+    asked = [("prompt_logprobs", req.prompt_logprobs)]
+    if isinstance(req, ChatCompletionRequest):
+        asked.append(("top_logprobs", req.top_logprobs))
+    elif isinstance(req, CompletionRequest):
+        asked.append(("logprobs", req.logprobs))
+    for param, value in asked:
+        if value is not None and value > limit:
+            raise bad_request(f"{param} asks for {value} log probs per token; this server returns at most {limit} "
+                              "(--max-logprobs)", param=param)
 
 
 def check_prompt_size(limits: RequestLimits, max_model_len: int | None, *, prompt: Any = None,

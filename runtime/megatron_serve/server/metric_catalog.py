@@ -120,6 +120,40 @@ SERIES: tuple[Series, ...] = (
 
 BY_NAME: dict[str, Series] = {s.name: s for s in SERIES}
 
+#: Labels of every ``vllm:`` series (vLLM's own: the served model, and the engine index).
+VLLM_LABELS = ("model_name", "engine")
+
+
+@dataclass(frozen=True)
+class VllmSeries:
+    """A series ``--metrics-compat vllm`` exports under vLLM's name, labels and unit.
+
+    The fleet behind one server is one vLLM engine (``engine="0"``) to a router: gauges and
+    counters are summed over the engine groups, histograms bucket by bucket, and the queue counts
+    the coordinator's too. ``twin``: the catalogue series it is made from (None: made here).
+    """
+
+    name: str  # as exposed (counters end in ``_total``)
+    kind: Kind
+    help: str
+    twin: str | None
+    labels: tuple[str, ...] = VLLM_LABELS
+
+
+VLLM_SERIES: tuple[VllmSeries, ...] = (
+    VllmSeries("vllm:num_requests_waiting", "gauge", "requests waiting to be scheduled: queued at the coordinator "
+               "plus waiting inside the engines", "num_requests_waiting"),
+    *(VllmSeries(s.vllm, s.kind, s.help + (" (all engine groups together)" if s.source == "engine" else ""), s.name,
+                 (*VLLM_LABELS, *(label for label in s.labels if label not in ENGINE_LABELS)))
+      for s in SERIES if s.vllm is not None and s.name != "num_requests_waiting"),
+    VllmSeries("vllm:gpu_cache_usage_perc", "gauge", "the same as vllm:kv_cache_usage_perc, under the name older "
+               "routers read (vLLM before 0.10)", "kv_cache_usage_perc"),
+    VllmSeries("vllm:cache_config_info", "gauge", "1, labelled with the KV cache's configuration: block_size "
+               "(tokens per block) and num_gpu_blocks (blocks, all engine groups), as the Gateway API Inference "
+               "Extension's prefix-cache scorer reads them", None,
+               (*VLLM_LABELS, "block_size", "num_gpu_blocks")),
+)
+
 
 def series(name: str) -> Series:
     """The catalogue entry called ``name`` (without the prefix); ``KeyError`` names what is missing."""

@@ -15,6 +15,7 @@ Each app gets its own ``CollectorRegistry`` so that several apps (tests, ``serve
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
@@ -84,7 +85,7 @@ def _refit_metrics(monitor: FleetMonitor) -> Iterable[Metric]:
     yield seconds
 
 
-def _number(value: Any) -> float | None:
+def reported_number(value: Any) -> float | None:
     """A finite, non-negative number from an engine's report (None for anything else: never a broken scrape)."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return None
@@ -92,12 +93,12 @@ def _number(value: Any) -> float | None:
     return value if math.isfinite(value) and value >= 0 else None
 
 
-def _buckets(report: Any, bounds: tuple[float, ...]) -> tuple[list[tuple[str, float]], float] | None:
+def reported_buckets(report: Any, bounds: tuple[float, ...]) -> tuple[list[tuple[str, float]], float] | None:
     """Cumulative ``(le, count)`` pairs and the sum of one reported histogram, if it is well formed."""
     if not isinstance(report, dict) or not isinstance(report.get("counts"), list):
         return None
-    counts = [_number(c) for c in report["counts"]]
-    total = _number(report.get("sum"))
+    counts = [reported_number(c) for c in report["counts"]]
+    total = reported_number(report.get("sum"))
     if report.get("le") != list(bounds) or len(counts) != len(bounds) + 1 or None in counts or total is None:
         return None  # another version's bounds, or garbage: leave this engine's histogram out
     pairs, running = [], 0.0
@@ -105,6 +106,48 @@ def _buckets(report: Any, bounds: tuple[float, ...]) -> tuple[list[tuple[str, fl
         running += count  # type: ignore[operator]
         pairs.append((bound, running))
     return pairs, total
+
+
+@dataclass
+class EngineReading:
+    """One engine's series from its last report (a ``STATUS_REPLY`` engine entry), before any labels.
+
+    ``values``: gauge and counter series by catalogue name -> (their labels beyond the engine's, e.g.
+    a finish reason) -> value; ``histograms``: by name -> (cumulative ``(le, count)`` pairs, sum).
+    Anything missing or malformed is left out: an engine of another version never breaks a scrape.
+    """
+
+    values: dict[str, dict[tuple[str, ...], float]] = field(default_factory=dict)
+    histograms: dict[str, tuple[list[tuple[str, float]], float]] = field(default_factory=dict)
+
+    def put(self, name: str, value: float | None, *labels: str) -> None:
+        if value is not None:
+            self.values.setdefault(name, {})[labels] = value
+
+
+def read_engine(engine: dict[str, Any]) -> EngineReading:
+    """The engine series of one engine entry of ``STATUS_REPLY``."""
+    reading = EngineReading()
+    reading.put("num_requests_running", reported_number(engine.get("running")))
+    reading.put("num_requests_waiting", reported_number(engine.get("waiting")))
+    free, total = reported_number(engine.get("kv_blocks_free")), reported_number(engine.get("kv_blocks_total"))
+    if free is not None and total:
+        reading.put("kv_cache_usage_perc", min(max(1.0 - free / total, 0.0), 1.0))
+    report = engine.get("metrics")
+    if not isinstance(report, dict):
+        return reading  # an engine that reports no metrics (an older version, or not yet)
+    counters = report.get("counters") if isinstance(report.get("counters"), dict) else {}
+    for name in COUNTERS:
+        reading.put(f"{name}_total", reported_number(counters.get(name)))
+    finished = report.get("request_success") if isinstance(report.get("request_success"), dict) else {}
+    for reason in FINISH_REASONS:
+        reading.put("request_success_total", reported_number(finished.get(reason)), reason)
+    histograms = report.get("histograms") if isinstance(report.get("histograms"), dict) else {}
+    for name, bounds in HISTOGRAMS.items():
+        parsed = reported_buckets(histograms.get(name), bounds)
+        if parsed is not None:
+            reading.histograms[name] = parsed
+    return reading
 
 
 class _EngineCollector(Collector):
@@ -119,32 +162,12 @@ class _EngineCollector(Collector):
         families = {s.name: _family(s.name) for s in SERIES if s.source == "engine"}
         for engine in engines:
             labels = [str(engine.get("group")), self.model_name]
-            running, waiting = _number(engine.get("running")), _number(engine.get("waiting"))
-            free, total = _number(engine.get("kv_blocks_free")), _number(engine.get("kv_blocks_total"))
-            if running is not None:
-                families["num_requests_running"].add_metric(labels, running)
-            if waiting is not None:
-                families["num_requests_waiting"].add_metric(labels, waiting)
-            if free is not None and total:
-                families["kv_cache_usage_perc"].add_metric(labels, min(max(1.0 - free / total, 0.0), 1.0))
-            report = engine.get("metrics")
-            if not isinstance(report, dict):
-                continue  # an engine that reports no metrics (an older version, or not yet)
-            counters = report.get("counters") if isinstance(report.get("counters"), dict) else {}
-            for name in COUNTERS:
-                value = _number(counters.get(name))
-                if value is not None:
-                    families[f"{name}_total"].add_metric(labels, value)
-            finished = report.get("request_success") if isinstance(report.get("request_success"), dict) else {}
-            for reason in FINISH_REASONS:
-                value = _number(finished.get(reason))
-                if value is not None:
-                    families["request_success_total"].add_metric([*labels, reason], value)
-            histograms = report.get("histograms") if isinstance(report.get("histograms"), dict) else {}
-            for name, bounds in HISTOGRAMS.items():
-                parsed = _buckets(histograms.get(name), bounds)
-                if parsed is not None:
-                    families[name].add_metric(labels, parsed[0], parsed[1])
+            reading = read_engine(engine)
+            for name, by_labels in reading.values.items():
+                for extra, value in by_labels.items():
+                    families[name].add_metric([*labels, *extra], value)
+            for name, (buckets, total) in reading.histograms.items():
+                families[name].add_metric(labels, buckets, total)
         yield from families.values()
 
 

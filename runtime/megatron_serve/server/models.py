@@ -27,10 +27,12 @@ from pydantic import (
     model_serializer,
 )
 
+from ..sampling_params import MAX_TOP_N_LOGPROBS
 from .extensions import extension
+from .vllm_fields import VllmChatFields, VllmCompletionFields, VllmSamplingFields
 
 #: Top log-probabilities per token the engine can return (``SamplingParams.top_n_logprobs``).
-MAX_TOP_LOGPROBS = 20
+MAX_TOP_LOGPROBS = MAX_TOP_N_LOGPROBS
 #: Seeds are 64-bit signed integers in the OpenAI API.
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
 
@@ -46,6 +48,8 @@ class _Request(BaseModel):
 
 class StreamOptions(_Request):
     include_usage: bool = Field(False, description="send one last chunk with the usage of the whole request")
+    continuous_usage_stats: bool = Field(False, description="extension (vLLM's): every chunk carries the usage so "
+                                                            "far (with include_usage)")
 
 
 class JsonSchemaFormat(_Request):
@@ -60,8 +64,8 @@ class ResponseFormat(_Request):
     json_schema: JsonSchemaFormat | None = None
 
 
-class _SamplingRequest(_Request):
-    """Fields shared by ``/v1/completions`` and ``/v1/chat/completions``."""
+class _SamplingRequest(_Request, VllmSamplingFields):
+    """Fields shared by ``/v1/completions`` and ``/v1/chat/completions`` (vLLM's: ``vllm_fields.py``)."""
 
     model: str = Field(description="the served model name (see GET /v1/models)")
     temperature: float | None = Field(None, ge=0.0, le=2.0, description="0 = greedy; default 1")
@@ -124,7 +128,7 @@ PromptInput = Annotated[
 ]
 
 
-class CompletionRequest(_SamplingRequest):
+class CompletionRequest(_SamplingRequest, VllmCompletionFields):
     """Body of ``POST /v1/completions``."""
 
     prompt: PromptInput = Field(description="a string, a list of strings, token ids, or a list of token id lists")
@@ -207,7 +211,7 @@ class ChatMessage(_Request):
     tool_calls: list[ToolCall] | None = None
 
 
-class ChatCompletionRequest(_SamplingRequest):
+class ChatCompletionRequest(_SamplingRequest, VllmChatFields):
     """Body of ``POST /v1/chat/completions``; messages are rendered with the model's chat template."""
 
     messages: Annotated[list[ChatMessage], Field(min_length=1)]

@@ -138,12 +138,16 @@ async def serve_app(app: FastAPI, host: str = "127.0.0.1", port: int = 8000, *, 
     event and ``[DONE]``) before the connections close.
 
     ``on_started(url)`` runs once the socket accepts connections and the app's startup finished.
+    uvicorn logs at ``log_level``, or the app's ``--uvicorn-log-level`` (``HTTPOptions``) when it has one.
     ``read_timeout``: see :class:`ReadTimeoutProtocol`.
     """
     if sock is None:
         sock = bind_socket(host, port)
     protocol = functools.partial(ReadTimeoutProtocol, read_timeout=read_timeout)
-    config = uvicorn.Config(app, log_level=log_level.lower(), lifespan="on", access_log=log_level.lower() == "debug",
+    options = app.state.ctx.options  # --uvicorn-log-level wins over log_level; an access log at its request
+    level = (options.uvicorn_log_level or log_level).lower()
+    access_log = options.access_log and (options.uvicorn_log_level is not None or level == "debug")
+    config = uvicorn.Config(app, log_level=level, lifespan="on", access_log=access_log,
                             timeout_graceful_shutdown=graceful_timeout, http=protocol)  # type: ignore[arg-type]
     server = _Server(config)
     serving = asyncio.ensure_future(_run(server, sock))

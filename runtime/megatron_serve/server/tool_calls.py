@@ -5,10 +5,13 @@
   model writes valid calls.
 * a named function: the output is constrained to that function's parameter schema; the whole
   output is its arguments.
-* ``auto``: the model decides; its output is read by the parser of its family's format: Hermes /
-  Qwen (``<tool_call>{"name": ..., "arguments": ...}</tool_call>``) or Llama 3 JSON
-  (``{"name": ..., "parameters": ...}``, several joined by ``;``, optionally after
-  ``<|python_tag|>``). The parser is chosen from the chat template's own markers.
+* ``auto``: the model decides; its output is read by the parser of its family's format (vLLM's
+  ``--tool-call-parser`` names): ``hermes`` / Qwen 2.5-3 (``<tool_call>{"name": ..., "arguments":
+  ...}</tool_call>``), ``llama3_json`` (``{"name": ..., "parameters": ...}``, several joined by
+  ``;``, optionally after ``<|python_tag|>``), ``mistral`` (``[TOOL_CALLS]`` then a JSON list of
+  calls, or ``name[ARGS]{...}`` per call), ``qwen3_coder`` / ``qwen3_xml`` (``<tool_call><function=
+  name><parameter=key>value</parameter></function></tool_call>``, values typed by the tool's
+  schema). The parser is ``--tool-call-parser``'s, else chosen from the chat template's markers.
 
 Every reader has one incremental interface, ``feed(text)`` then ``finish()``, each returning
 events (content text, the start of a call, a piece of its arguments). A whole answer and a stream
@@ -19,17 +22,22 @@ given back as content, never dropped.
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from ..http_options import TOOL_CALL_PARSERS
 from ..sampling_params import StructuredOutputsParams
 from .errors import bad_request
 from .models import ChatCompletionRequest, ToolDefinition
 
 HERMES = "hermes"
 LLAMA3_JSON = "llama3_json"
-PARSERS = (HERMES, LLAMA3_JSON)
+MISTRAL = "mistral"
+QWEN3_CODER = "qwen3_coder"
+#: Every format read here, by vLLM's parser names (``qwen3_xml`` is vLLM's second parser of Qwen3-Coder's format).
+PARSERS = TOOL_CALL_PARSERS
 
 
 @dataclass
@@ -110,11 +118,15 @@ class HermesReader:
             self._buffer = self._buffer[end + len(self.CLOSE):]
             events.extend(self._call(body))
 
-    def _call(self, body: str) -> list[Event]:
+    def parse(self, body: str) -> tuple[str, Any] | None:
+        """``(name, arguments)`` of one block's body, or None when it is not a call."""
         try:
-            call = _as_call(json.loads(body), ("arguments", "parameters"))
+            return _as_call(json.loads(body), ("arguments", "parameters"))
         except ValueError:
-            call = None
+            return None
+
+    def _call(self, body: str) -> list[Event]:
+        call = self.parse(body)
         if call is None:
             return [Content(self.OPEN + body + self.CLOSE)]
         self._calls += 1
@@ -122,16 +134,110 @@ class HermesReader:
 
     def finish(self) -> list[Event]:
         rest, self._buffer = self._buffer, ""
-        if rest.startswith(self.OPEN):  # an unclosed block: a call if its JSON is complete
-            body = rest[len(self.OPEN):]
-            try:
-                call = _as_call(json.loads(body), ("arguments", "parameters"))
-            except ValueError:
-                call = None
+        if rest.startswith(self.OPEN):  # an unclosed block: a call if its body is complete
+            call = self.parse(rest[len(self.OPEN):])
             if call is not None:
                 self._calls += 1
                 return _call_events(self._calls - 1, *call)
         return [Content(rest)] if rest else []
+
+
+_FUNCTION = re.compile(r"^\s*<function=([^>\n]+)>(.*?)</function>\s*$", re.S)
+_PARAMETER = re.compile(r"<parameter=([^>\n]+)>(.*?)</parameter>", re.S)
+
+
+@dataclass
+class Qwen3XmlReader(HermesReader):
+    """Qwen3-Coder's calls: ``<tool_call><function=NAME><parameter=KEY>VALUE</parameter>...</function></tool_call>``.
+
+    Values are raw text (one newline around each is layout); a parameter the tool's schema types as
+    anything but a string is read as JSON when it parses (``5`` -> 5, ``true`` -> true), else kept as text.
+    """
+
+    schemas: dict[str, dict[str, Any]] = field(default_factory=dict)  # tool name -> its parameters' JSON schema
+
+    def parse(self, body: str) -> tuple[str, Any] | None:
+        match = _FUNCTION.match(body)
+        if match is None:
+            return None
+        name = match.group(1).strip()
+        properties = self.schemas.get(name, {}).get("properties") or {}
+        arguments: dict[str, Any] = {}
+        for key, raw in _PARAMETER.findall(match.group(2)):
+            key = key.strip()
+            value = raw.removeprefix("\n").removesuffix("\n")
+            arguments[key] = _typed(value, (properties.get(key) or {}).get("type"))
+        return name, arguments
+
+
+def _typed(value: str, kind: Any) -> Any:
+    if kind == "string":
+        return value
+    try:
+        return json.loads(value)
+    except ValueError:
+        return value
+
+
+@dataclass
+class MistralReader:
+    """Mistral's calls: text, then ``[TOOL_CALLS]`` and either a JSON list of ``{"name", "arguments"}``
+    (tokenizers before v11) or ``name[ARGS]{json}`` per call, each after its own ``[TOOL_CALLS]`` (v11 on).
+
+    Text before the marker streams as content; what follows is held and read at the end (text that is
+    no call is given back as content).
+    """
+
+    TAG = "[TOOL_CALLS]"
+    ARGS = "[ARGS]"
+    _buffer: str = ""
+    _calls_started: bool = False
+
+    def feed(self, text: str) -> list[Event]:
+        self._buffer += text
+        if self._calls_started:
+            return []
+        start = self._buffer.find(self.TAG)
+        if start >= 0:
+            self._calls_started = True
+            content, self._buffer = self._buffer[:start], self._buffer[start:]
+            return [Content(content)] if content else []
+        keep = next((n for n in range(min(len(self.TAG) - 1, len(self._buffer)), 0, -1)
+                     if self.TAG.startswith(self._buffer[-n:])), 0)
+        cut = len(self._buffer) - keep
+        content, self._buffer = self._buffer[:cut], self._buffer[cut:]
+        return [Content(content)] if content else []
+
+    def finish(self) -> list[Event]:
+        rest, self._buffer = self._buffer, ""
+        if not self._calls_started:
+            return [Content(rest)] if rest else []
+        calls = self._parse(rest)
+        if calls is None:
+            return [Content(rest)]
+        return [event for index, call in enumerate(calls) for event in _call_events(index, *call)]
+
+    def _parse(self, text: str) -> list[tuple[str, Any]] | None:
+        parts = [part.strip() for part in text.split(self.TAG) if part.strip()]
+        calls: list[tuple[str, Any]] = []
+        try:
+            for part in parts:
+                if self.ARGS in part:  # v11: name[ARGS]{json}
+                    name, arguments = part.split(self.ARGS, 1)
+                    call = _as_call({"name": name.strip(), "arguments": json.loads(arguments)}, ("arguments",))
+                    found = [call] if call is not None else []
+                else:  # a JSON list of calls (or one call object)
+                    decoded = json.loads(part)
+                    objects = decoded if isinstance(decoded, list) else [decoded]
+                    found = [c for obj in objects if (c := _as_call(obj, ("arguments", "parameters"))) is not None]
+                    if len(found) != len(objects):
+                        return None
+                if not found:
+                    return None
+                calls.extend(found)
+        except ValueError:
+            return None
+        return calls or None
 
 
 @dataclass
@@ -254,6 +360,12 @@ class ToolPlan:
             return HermesReader()
         if self.reader_kind == LLAMA3_JSON:
             return Llama3JsonReader()
+        if self.reader_kind == MISTRAL:
+            return MistralReader()
+        if self.reader_kind in (QWEN3_CODER, "qwen3_xml"):
+            schemas = {tool["function"]["name"]: tool["function"].get("parameters") or {}
+                       for tool in self.template_tools or []}
+            return Qwen3XmlReader(schemas=schemas)
         return None
 
 
@@ -262,7 +374,9 @@ def parser_for_template(chat_template: str | None) -> str | None:
     if not chat_template:
         return None
     if "<tool_call>" in chat_template:
-        return HERMES
+        return QWEN3_CODER if "<function=" in chat_template else HERMES
+    if "[TOOL_CALLS]" in chat_template:
+        return MISTRAL
     if "<|python_tag|>" in chat_template or "ipython" in chat_template:
         return LLAMA3_JSON
     return None

@@ -23,6 +23,7 @@ from ..grammar import grammar_error
 from ..tokenizer import PromptTooLong
 from .errors import APIError, bad_request
 from .images import files_of
+from .vllm_fields import RESERVED_TEMPLATE_KWARGS
 from .models import (
     ChatCompletionRequest,
     ChatMessage,
@@ -109,6 +110,8 @@ def structured_outputs(req: _SamplingRequest, tool_constraint: tuple[str, Struct
         given.append(("guided_choice", {"choice": req.guided_choice}))
     if req.guided_grammar is not None:
         given.append(("guided_grammar", {"grammar": req.guided_grammar}))
+    if req.structured_outputs is not None:
+        given.append(("structured_outputs", req.structured_outputs.given()))
     response_format = req.response_format
     if response_format is not None and response_format.type == "json_object":
         given.append(("response_format", {"json_object": True}))
@@ -161,9 +164,28 @@ def tokenize(tokenizer: Any, text: str, max_model_len: int | None, param: str, a
         raise context_exceeded(max_model_len or 0, exc.tokens, param) from None
 
 
+def truncation(req: _SamplingRequest, max_model_len: int | None) -> int | None:
+    """How many prompt tokens ``truncate_prompt_tokens`` keeps (None: all); -1 is the context length."""
+    keep = req.truncate_prompt_tokens
+    if keep is None:
+        return None
+    if keep == 0:
+        raise bad_request("truncate_prompt_tokens must be -1 (the context length) or >= 1, got 0",
+                          param="truncate_prompt_tokens")
+    if keep == -1:
+        if max_model_len is None:
+            raise bad_request("truncate_prompt_tokens -1 needs a known context length", param="truncate_prompt_tokens")
+        return max_model_len
+    if max_model_len is not None and keep > max_model_len:
+        raise bad_request(f"truncate_prompt_tokens ({keep}) is larger than this model's context length "
+                          f"({max_model_len})", param="truncate_prompt_tokens")
+    return keep
+
+
 def completion_prompts(req: CompletionRequest, tokenizer: Any, vocab_size: int | None,
                        max_model_len: int | None) -> list[Prompt]:
-    """The prompt field in any of its four shapes, as a list of tokenized prompts."""
+    """The prompt field in any of its four shapes, as a list of tokenized prompts (each cut to its last
+    ``truncate_prompt_tokens`` tokens when asked)."""
     raw = req.prompt
     if isinstance(raw, str):
         items: list[str | list[int]] = [raw]
@@ -171,15 +193,19 @@ def completion_prompts(req: CompletionRequest, tokenizer: Any, vocab_size: int |
         items = [list(raw)]  # one prompt of token ids
     else:
         items = list(raw)
+    keep = truncation(req, max_model_len)
+    limit = None if keep is not None else max_model_len  # a prompt to be cut may be longer than the context
     prompts = []
     for i, item in enumerate(items):
         param = "prompt" if len(items) == 1 else f"prompt[{i}]"
         if isinstance(item, str):
-            prompt = Prompt(tokenize(tokenizer, item, max_model_len, param), item)
+            prompt = Prompt(tokenize(tokenizer, item, limit, param, req.add_special_tokens), item)
         else:
-            if max_model_len is not None and len(item) >= max_model_len:
-                raise context_exceeded(max_model_len, len(item), param)  # before looking at every id
+            if limit is not None and len(item) >= limit:
+                raise context_exceeded(limit, len(item), param)  # before looking at every id
             prompt = Prompt(list(item), None)
+        if keep is not None and len(prompt.tokens) > keep:
+            prompt = Prompt(prompt.tokens[-keep:], None)  # echo shows the tokens kept, decoded
         check_tokens(prompt.tokens, vocab_size, param)
         prompts.append(prompt)
     return prompts
@@ -228,15 +254,28 @@ def _message_dict(message: ChatMessage, parts: bool) -> dict[str, Any]:
 
 
 def render_chat(messages: list[ChatMessage], tokenizer: Any, *, tools: list[dict[str, Any]] | None = None,
-                add_generation_prompt: bool = True) -> str:
-    """Messages rendered with the model's chat template (400 when it has none or cannot render them)."""
+                add_generation_prompt: bool = True, continue_final_message: bool = False,
+                template_kwargs: dict[str, Any] | None = None) -> str:
+    """Messages rendered with the model's chat template (400 when it has none or cannot render them).
+
+    ``template_kwargs``: a request's ``chat_template_kwargs``, template variables beside the messages;
+    the arguments this server sets itself cannot be among them.
+    """
     if not getattr(tokenizer, "has_chat_template", True):
         raise bad_request("this model has no chat template: use /v1/completions", param="messages",
                           code="chat_template_missing")
+    reserved = sorted(RESERVED_TEMPLATE_KWARGS & set(template_kwargs or ()))
+    if reserved:
+        raise bad_request(f"chat_template_kwargs may not set {', '.join(reserved)}: the server sets it (use the "
+                          "request's own fields)", param=f"chat_template_kwargs.{reserved[0]}")
+    if continue_final_message and add_generation_prompt:
+        raise bad_request("continue_final_message needs add_generation_prompt=false (the answer continues the last "
+                          "message instead of opening a new turn)", param="continue_final_message")
     try:
         parts = tokenizer.images is not None  # a vision-language model
         return tokenizer.apply_chat_template([_message_dict(m, parts) for m in messages],
-                                             add_generation_prompt=add_generation_prompt, tools=tools)
+                                             add_generation_prompt=add_generation_prompt, tools=tools,
+                                             continue_final_message=continue_final_message, **(template_kwargs or {}))
     except Exception as exc:  # the template may raise on conversations it does not support (jinja errors)
         raise bad_request(f"the model's chat template cannot render these messages: {exc}", param="messages",
                           code="chat_template_error") from None
@@ -244,12 +283,21 @@ def render_chat(messages: list[ChatMessage], tokenizer: Any, *, tools: list[dict
 
 def chat_prompt(req: ChatCompletionRequest, tokenizer: Any, vocab_size: int | None, max_model_len: int | None,
                 tools: list[dict[str, Any]] | None = None) -> Prompt:
-    """Messages (and tools) rendered with the model's chat template, then tokenized (the template adds BOS)."""
+    """Messages (and tools) rendered with the model's chat template, then tokenized (the template adds BOS;
+    ``add_special_tokens`` adds the tokenizer's on top), cut to its last ``truncate_prompt_tokens`` tokens."""
     if req.top_logprobs and not req.logprobs:
         raise bad_request("top_logprobs needs logprobs=true", param="top_logprobs")
-    text = render_chat(req.messages, tokenizer, tools=tools)
-    tokens = tokenize(tokenizer, text, max_model_len, "messages", add_special_tokens=False)
+    keep = truncation(req, max_model_len)
+    text = render_chat(req.messages, tokenizer, tools=tools, add_generation_prompt=req.add_generation_prompt,
+                       continue_final_message=req.continue_final_message, template_kwargs=req.chat_template_kwargs)
+    tokens = tokenize(tokenizer, text, None if keep is not None else max_model_len, "messages",
+                      add_special_tokens=req.add_special_tokens)
     tokens, images = place_images(tokens, req.messages, tokenizer)
+    if keep is not None and len(tokens) > keep:
+        if images:
+            raise bad_request("truncate_prompt_tokens would cut the images out of this chat: send fewer messages",
+                              param="truncate_prompt_tokens")
+        tokens, text = tokens[-keep:], None
     prompt = Prompt(tokens, text, images)
     check_tokens(prompt.tokens, vocab_size, "messages")
     return prompt
@@ -340,6 +388,8 @@ def sampling_params(req: _SamplingRequest, *, max_tokens: int, logprobs: bool, t
             top_n_logprobs=top_logprobs,
             seed=seed,
             return_routing_indices=bool(req.return_routing_indices),
+            priority=req.priority or 0,
+            cache_salt=req.cache_salt,
             **(extra or {}),
         )
     except ValueError as exc:  # SamplingParams names its own field; translate the name back

@@ -1,0 +1,319 @@
+"""``vllm serve``'s options, as one table: implemented here, accepted and changing nothing, or refused.
+
+Every row is (vLLM's option, status, reason). The table drives:
+
+* the parsers: :func:`add_vllm_options` adds the rows that carry a ``spec`` to the commands of their
+  scope (HTTP-server options to ``run``, ``serve`` and ``server``; engine options to ``run``,
+  ``serve``, ``engine`` and ``generate``). Rows without a spec name an option the commands define
+  themselves, under vLLM's name or as an alias (:mod:`.aliases`);
+* the start-up warnings: :func:`accepted_warnings` gives one line per accepted option given, saying
+  why it changes nothing here (never silently ignored; the CLI prints them before the command runs);
+* the flag table of ``docs/vllm-mapping.md`` (``tools/generate_docs.py``).
+
+A refused option is parsed too, so that its error says why (with the command's usage) instead of
+"unrecognized arguments". ``tests/commands/test_vllm_options.py`` parses every row and starts
+``serve`` once with the implemented options and once with the accepted ones.
+
+Options other work adds (``--stream-interval``, the CUDA-graph capture sizes) become rows here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import enum
+import json
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Any, Callable, Mapping
+
+from ..http_options import TOOL_CALL_PARSERS
+
+class Status(enum.Enum):
+    IMPLEMENTED = "implemented"  # with vLLM's meaning (under its name, or as an alias of ours)
+    ACCEPTED = "accepted"  # parsed, changes nothing here; a start-up warning says why
+    REFUSED = "refused"  # parsed and refused with the reason
+
+
+class Scope(enum.Enum):
+    SERVER = "server"  # the OpenAI server's options: run, serve, server
+    ENGINE = "engine"  # the engines' options: run, serve, engine, generate
+
+
+#: ``--quantization`` values this build implements ("auto"/"none": the checkpoint's weights as they are).
+QUANTIZATION_SCHEMES: tuple[str, ...] = ("auto", "none")
+#: ``--kv-cache-dtype`` values this build implements ("auto": the model's dtype).
+KV_CACHE_DTYPES: tuple[str, ...] = ("auto",)
+
+
+def _supported(flag: str, values: tuple[str, ...], why: str) -> Callable[[str], str]:
+    """An argparse ``type`` accepting ``values`` only; others are refused naming the flag and why."""
+    def parse(value: str) -> str:
+        if value not in values:
+            raise argparse.ArgumentTypeError(f"{value!r} is not supported by this build (supported: "
+                                             f"{', '.join(values)}): {why}")
+        return value
+
+    parse.__name__ = flag.removeprefix("--").replace("-", "_")
+    return parse
+
+
+def _only_one(value: str) -> int:
+    """``--pipeline-parallel-size``: 1 (no pipeline parallelism) is the only size served here."""
+    try:
+        size = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r} is not an integer") from None
+    if size != 1:
+        raise argparse.ArgumentTypeError(f"{size}: pipeline parallelism is not implemented; split a model over "
+                                         "GPUs with --tensor-parallel-size, replicate it with --data-parallel-size")
+    return size
+
+
+def _json_list(value: str) -> list[str]:
+    """vLLM's CORS lists: a JSON list of strings (``'["https://a.example"]'``), or one bare item."""
+    text = value.strip()
+    if not text.startswith("["):
+        return [text]
+    try:
+        items = json.loads(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"not a JSON list: {exc}") from None
+    if not isinstance(items, list) or not all(isinstance(item, str) and item for item in items):
+        raise argparse.ArgumentTypeError("must be a JSON list of non-empty strings")
+    return items
+
+
+def _spec(**kwargs: Any) -> Mapping[str, Any]:
+    return MappingProxyType(kwargs)
+
+
+@dataclass(frozen=True)
+class VllmOption:
+    """One option of ``vllm serve`` and what it does here."""
+
+    flags: tuple[str, ...]  # vLLM's spellings, its name first
+    status: Status
+    reason: str  # what it does here, or why it changes nothing, or why it is refused
+    ours: str | None = None  # our option with the same effect, when it has another name
+    spec: Mapping[str, Any] | None = None  # argparse keywords, when this table defines the option
+    scope: Scope | None = None  # the commands a defined option is added to
+    example: tuple[str, ...] = ()  # arguments a test passes ({model}, {port}, {tmp}: filled in by the test)
+
+    @property
+    def name(self) -> str:
+        return self.flags[0]
+
+    @property
+    def dest(self) -> str:
+        return (self.spec or {}).get("dest") or self.name.removeprefix("--").replace("-", "_")
+
+
+_IMPLEMENTED, _ACCEPTED, _REFUSED = Status.IMPLEMENTED, Status.ACCEPTED, Status.REFUSED
+_SERVER, _ENGINE = Scope.SERVER, Scope.ENGINE
+
+VLLM_OPTIONS: tuple[VllmOption, ...] = (
+    # ---- the commands' own options, under vLLM's name or as an alias (commands.aliases)
+    VllmOption(("--model",), _IMPLEMENTED, "a model directory or a Hub id (`org/name[@revision]`): the Hugging "
+               "Face cache first (offline works), else a download with progress; served under the Hub id; "
+               "`serve MODEL` takes it as its first argument, as `vllm serve` does"),
+    VllmOption(("--revision",), _IMPLEMENTED, "", example=("--revision", "main")),
+    VllmOption(("--tokenizer",), _IMPLEMENTED, "", example=("--tokenizer", "{model}")),
+    VllmOption(("--download-dir",), _IMPLEMENTED, "the Hugging Face cache that Hub ids are read from and "
+               "downloaded to", example=("--download-dir", "{tmp}/hub")),
+    VllmOption(("--served-model-name",), _IMPLEMENTED, "", example=("--served-model-name", "tiny")),
+    VllmOption(("--host",), _IMPLEMENTED, "default `127.0.0.1` for `run`/`serve` (vLLM: all interfaces)",
+               example=("--host", "127.0.0.1")),
+    VllmOption(("--port",), _IMPLEMENTED, "", example=("--port", "{port}")),
+    VllmOption(("--api-key",), _IMPLEMENTED, "or `--api-key-file` / `$MEGATRON_SERVE_API_KEY`, which `ps` does "
+               "not show", example=("--api-key", "sk-vllm-test")),
+    VllmOption(("--dtype",), _IMPLEMENTED, "`auto`, `float32`/`float`, `bfloat16`, `float16`/`half`",
+               example=("--dtype", "auto")),
+    VllmOption(("--seed",), _IMPLEMENTED, "", example=("--seed", "0")),
+    VllmOption(("--tensor-parallel-size", "-tp"), _IMPLEMENTED, "", ours="--tensor-parallel",
+               example=("--tensor-parallel-size", "1")),
+    VllmOption(("--data-parallel-size", "-dp"), _IMPLEMENTED, "each engine group is one data-parallel replica "
+               "behind the coordinator", ours="--engines", example=("--data-parallel-size", "1")),
+    VllmOption(("--max-model-len",), _IMPLEMENTED, "", ours="--max-sequence-length",
+               example=("--max-model-len", "256")),
+    VllmOption(("--gpu-memory-utilization",), _IMPLEMENTED, "a fraction of the memory left after the weights, "
+               "given to the KV cache (vLLM: of the whole GPU)", ours="--kv-cache-memory-fraction",
+               example=("--gpu-memory-utilization", "0.5")),
+    VllmOption(("--num-gpu-blocks-override",), _IMPLEMENTED, "", ours="--num-kv-blocks",
+               example=("--num-gpu-blocks-override", "128")),
+    VllmOption(("--block-size",), _IMPLEMENTED, "", example=("--block-size", "16")),
+    VllmOption(("--max-num-seqs",), _IMPLEMENTED, "", ours="--max-requests", example=("--max-num-seqs", "8")),
+    VllmOption(("--max-num-batched-tokens",), _IMPLEMENTED, "chunked prefill is always on", ours="--max-batch-tokens",
+               example=("--max-num-batched-tokens", "512")),
+    VllmOption(("--enable-prefix-caching",), _IMPLEMENTED, "on by default; `--no-enable-prefix-caching` turns it "
+               "off", ours="--prefix-caching", example=("--enable-prefix-caching",)),
+    VllmOption(("--enforce-eager",), _IMPLEMENTED, "", ours="--no-cuda-graphs", example=("--enforce-eager",)),
+    VllmOption(("--cuda-graph-sizes",), _IMPLEMENTED, "token counts captured as CUDA graphs: one value N captures 1, 2, "
+               "4 and every 8 up to N, several values exactly those; decode steps replay whole, steps that mix "
+               "prefill and decode replay piecewise", example=("--cuda-graph-sizes", "16")),
+    VllmOption(("--async-scheduling",), _IMPLEMENTED, "on by default here: the next step is scheduled and launched "
+               "while the current one runs; `--no-async-scheduling` turns it off", example=("--async-scheduling",)),
+    VllmOption(("--chat-template",), _IMPLEMENTED, "a file or the template inline; default: the tokenizer's own",
+               example=("--chat-template", "{tmp}/template.jinja")),
+    VllmOption(("--generation-config",), _IMPLEMENTED, "`auto` (default): the model's `generation_config.json` "
+               "sampling values for fields a request leaves out; `none` (vLLM: `vllm`, also accepted) ignores them; "
+               "or a directory", example=("--generation-config", "auto")),
+    VllmOption(("--max-logprobs",), _IMPLEMENTED, "most log probs per token a request may ask for (logprobs, "
+               "top_logprobs, prompt_logprobs); at most 20 here", example=("--max-logprobs", "5")),
+    # ---- defined here: the OpenAI server
+    VllmOption(("--enable-auto-tool-choice",), _IMPLEMENTED, "`tool_choice: auto` reads calls in the "
+               "`--tool-call-parser` format, whatever the chat template (without it, `auto` reads the format the "
+               "template shows, when it shows one)",
+               spec=_spec(action="store_true", help="tool_choice 'auto' reads calls in the --tool-call-parser format, "
+                                                    "whatever the chat template"),
+               scope=_SERVER, example=("--enable-auto-tool-choice",)),
+    VllmOption(("--tool-call-parser",), _IMPLEMENTED, "the format tool calls are read in: " +
+               ", ".join(f"`{name}`" for name in TOOL_CALL_PARSERS) + " (`qwen3_xml` is the same format as "
+               "`qwen3_coder`)",
+               spec=_spec(choices=TOOL_CALL_PARSERS, default=None,
+                          help="tool-call format of the model's output (default: the one its chat template shows)"),
+               scope=_SERVER, example=("--tool-call-parser", "hermes")),
+    VllmOption(("--uvicorn-log-level",), _IMPLEMENTED, "the HTTP server's own log (uvicorn); `info` and below "
+               "include its access log",
+               spec=_spec(choices=("critical", "error", "warning", "info", "debug", "trace"), default=None,
+                          help="log level of uvicorn (default: --log-level); info and below add its access log"),
+               scope=_SERVER, example=("--uvicorn-log-level", "info")),
+    VllmOption(("--disable-uvicorn-access-log",), _IMPLEMENTED, "no access log line per HTTP request",
+               spec=_spec(action="store_true", help="no uvicorn access log, whatever --uvicorn-log-level"),
+               scope=_SERVER, example=("--disable-uvicorn-access-log",)),
+    VllmOption(("--disable-log-requests",), _IMPLEMENTED, "vLLM's older spelling: requests are not logged (the "
+               "default)",
+               spec=_spec(action="store_false", dest="log_requests", default=argparse.SUPPRESS,
+                          help="do not log requests (the default; vLLM's older spelling)"),
+               scope=_SERVER, example=("--disable-log-requests",)),
+    VllmOption(("--enable-log-requests",), _IMPLEMENTED, "one log line when a request arrives (its request_id, "
+               "sizes, sampling values and prompt, cut to `--max-log-len`) and one when it ends; off by default, "
+               "as in vLLM",
+               spec=_spec(action="store_true", dest="log_requests", default=False,
+                          help="log each request's arrival (request_id, sizes, sampling values, prompt) and its end"),
+               scope=_SERVER, example=("--enable-log-requests",)),
+    VllmOption(("--max-log-len",), _IMPLEMENTED, "prompt characters a request log line shows (default: all)",
+               spec=_spec(type=int, default=None, metavar="N",
+                          help="prompt characters a request log line shows (default: all)"),
+               scope=_SERVER, example=("--max-log-len", "80")),
+    VllmOption(("--disable-log-stats",), _IMPLEMENTED, "no periodic throughput / queue / KV-cache log line "
+               "(logged every 10 s while the fleet is busy)",
+               spec=_spec(action="store_true", help="no periodic log line of throughput, queue and KV-cache usage"),
+               scope=_SERVER, example=("--disable-log-stats",)),
+    VllmOption(("--allowed-origins",), _IMPLEMENTED, "CORS: browser pages from these origins may call the API "
+               "(default: none, where vLLM allows all)",
+               spec=_spec(type=_json_list, default=None, metavar="JSON",
+                          help="CORS: origins whose browser pages may call the API, as a JSON list (default: none)"),
+               scope=_SERVER, example=("--allowed-origins", '["https://app.example"]')),
+    VllmOption(("--allowed-methods",), _IMPLEMENTED, "CORS: methods allowed (default: all)",
+               spec=_spec(type=_json_list, default=None, metavar="JSON",
+                          help="CORS: allowed methods, as a JSON list (default: all)"),
+               scope=_SERVER, example=("--allowed-methods", '["GET", "POST"]')),
+    VllmOption(("--allowed-headers",), _IMPLEMENTED, "CORS: request headers allowed (default: all)",
+               spec=_spec(type=_json_list, default=None, metavar="JSON",
+                          help="CORS: allowed request headers, as a JSON list (default: all)"),
+               scope=_SERVER, example=("--allowed-headers", '["Authorization", "Content-Type"]')),
+    VllmOption(("--allow-credentials",), _IMPLEMENTED, "CORS: allow credentials (cookies, authorization headers)",
+               spec=_spec(action="store_true", help="CORS: allow credentials"),
+               scope=_SERVER, example=("--allow-credentials",)),
+    VllmOption(("--disable-fastapi-docs",), _IMPLEMENTED, "no `/docs`, `/redoc` and `/openapi.json`",
+               spec=_spec(action="store_true", help="serve no /docs, /redoc or /openapi.json"),
+               scope=_SERVER, example=("--disable-fastapi-docs",)),
+    VllmOption(("--enable-prompt-tokens-details",), _ACCEPTED, "`usage.prompt_tokens_details.cached_tokens` is "
+               "always reported", spec=_spec(action="store_true"), scope=_SERVER,
+               example=("--enable-prompt-tokens-details",)),
+    VllmOption(("--disable-frontend-multiprocessing",), _ACCEPTED, "the HTTP server is always one process of its "
+               "own, apart from the coordinator and the engines", spec=_spec(action="store_true"), scope=_SERVER,
+               example=("--disable-frontend-multiprocessing",)),
+    VllmOption(("--ssl-keyfile", "--ssl-certfile"), _REFUSED, "TLS is not served here: terminate it at the "
+               "ingress, gateway or service mesh in front of the server", scope=_SERVER),
+    VllmOption(("--reasoning-parser",), _REFUSED, "reasoning content is not split from the answer; a model's "
+               "thinking stays in `content`", scope=_SERVER),
+    VllmOption(("--enable-lora", "--lora-modules"), _REFUSED, "LoRA adapters are not implemented", scope=_SERVER),
+    # ---- defined here: the engines
+    VllmOption(("--quantization", "-q"), _IMPLEMENTED, "the weights' quantization: `auto`/`none` serve the "
+               "checkpoint's weights as they are; other schemes are refused, naming the scheme",
+               spec=_spec(type=_supported("--quantization", QUANTIZATION_SCHEMES, "this build implements no "
+                                          "other scheme"),
+                          default=None, metavar="|".join(QUANTIZATION_SCHEMES),
+                          help="weight quantization (default: the checkpoint's own)"),
+               scope=_ENGINE, example=("--quantization", "none")),
+    VllmOption(("--kv-cache-dtype",), _IMPLEMENTED, "the KV cache's dtype: `auto` = the model's dtype; others are "
+               "refused, naming the dtype",
+               spec=_spec(type=_supported("--kv-cache-dtype", KV_CACHE_DTYPES, "this build keeps the KV cache "
+                                          "in no other dtype"),
+                          default="auto", metavar="|".join(KV_CACHE_DTYPES), help="KV cache dtype"),
+               scope=_ENGINE, example=("--kv-cache-dtype", "auto")),
+    VllmOption(("--pipeline-parallel-size", "-pp"), _IMPLEMENTED, "1 only: pipeline parallelism is not "
+               "implemented (larger sizes are refused)",
+               spec=_spec(type=_only_one, default=1, metavar="1", help="pipeline stages; only 1 is served here"),
+               scope=_ENGINE, example=("--pipeline-parallel-size", "1")),
+    VllmOption(("--trust-remote-code",), _ACCEPTED, "this project never runs model code from a checkpoint: "
+               "every architecture it serves is implemented here", spec=_spec(action="store_true"), scope=_ENGINE,
+               example=("--trust-remote-code",)),
+    VllmOption(("--swap-space",), _ACCEPTED, "preempted requests are recomputed, never swapped to host memory",
+               spec=_spec(type=float, metavar="GIB"), scope=_ENGINE, example=("--swap-space", "4")),
+    VllmOption(("--disable-custom-all-reduce",), _ACCEPTED, "tensor parallelism uses torch.distributed's own "
+               "all-reduce", spec=_spec(action="store_true"), scope=_ENGINE,
+               example=("--disable-custom-all-reduce",)),
+    VllmOption(("--enable-chunked-prefill",), _ACCEPTED, "chunked prefill is always on (a step mixes decode "
+               "tokens with prompt chunks up to --max-num-batched-tokens)",
+               spec=_spec(action=argparse.BooleanOptionalAction), scope=_ENGINE, example=("--enable-chunked-prefill",)),
+    VllmOption(("--load-format",), _ACCEPTED, "checkpoints are read from safetensors files (`auto` and "
+               "`safetensors` are accepted; other formats are refused)",
+               spec=_spec(choices=("auto", "safetensors")), scope=_ENGINE, example=("--load-format", "auto")),
+    VllmOption(("--tokenizer-mode",), _ACCEPTED, "the Hugging Face tokenizer is always used (`auto` and `hf` "
+               "are accepted)", spec=_spec(choices=("auto", "hf")), scope=_ENGINE,
+               example=("--tokenizer-mode", "auto")),
+    VllmOption(("--distributed-executor-backend",), _ACCEPTED, "engines are always processes (`mp`); "
+               "`megatron-serve engine` runs them on other machines",
+               spec=_spec(choices=("mp", "uni", "ray", "external_launcher")), scope=_ENGINE,
+               example=("--distributed-executor-backend", "mp")),
+    VllmOption(("--max-parallel-loading-workers",), _ACCEPTED, "each rank reads only its own slice of the "
+               "safetensors files", spec=_spec(type=int, metavar="N"), scope=_ENGINE,
+               example=("--max-parallel-loading-workers", "2")),
+    VllmOption(("--enable-sleep-mode",), _ACCEPTED, "suspend and resume (releasing and restoring GPU memory) are "
+               "always available: `megatron-serve control suspend`", spec=_spec(action="store_true"),
+               scope=_ENGINE, example=("--enable-sleep-mode",)),
+    VllmOption(("--scheduling-policy",), _ACCEPTED, "admission is always ordered by a request's `priority` "
+               "(lower first), then arrival: requests that send none are first come, first served",
+               spec=_spec(choices=("fcfs", "priority")), scope=_ENGINE, example=("--scheduling-policy", "priority")),
+    VllmOption(("--guided-decoding-backend",), _ACCEPTED, "every output constraint is decoded with llguidance",
+               spec=_spec(metavar="NAME"), scope=_ENGINE, example=("--guided-decoding-backend", "xgrammar")),
+    VllmOption(("--speculative-config",), _REFUSED, "speculative decoding is not implemented", scope=_ENGINE),
+)
+
+class _Refuse(argparse.Action):
+    """A vLLM option that is not served here: the command stops with its usage and the reason."""
+
+    def __init__(self, option_strings: list[str], dest: str, reason: str, **kwargs: Any) -> None:
+        super().__init__(option_strings, dest, nargs="*", default=argparse.SUPPRESS,
+                         help=f"refused: {reason}", **kwargs)
+        self.reason = reason
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: str | None = None) -> None:
+        parser.error(f"{option_string}: {self.reason}")
+
+
+def add_vllm_options(parser: argparse.ArgumentParser, scope: Scope) -> None:
+    """Add the rows of ``scope`` that this table defines (implemented, accepted, refused) to ``parser``."""
+    group = parser.add_argument_group(f"vLLM options ({scope.value})", "accepted under vLLM's names; see "
+                                      "docs/vllm-mapping.md")
+    for row in VLLM_OPTIONS:
+        if row.scope is not scope:
+            continue
+        if row.status is Status.REFUSED:
+            for flag in row.flags:
+                group.add_argument(flag, action=_Refuse, reason=row.reason, metavar="...")
+            continue
+        kwargs = dict(row.spec or {})
+        if row.status is Status.ACCEPTED:
+            kwargs.setdefault("default", argparse.SUPPRESS)  # present only when given: accepted_warnings reads that
+            kwargs["help"] = f"accepted; changes nothing here: {row.reason}"
+        group.add_argument(*row.flags, **kwargs)
+
+
+def accepted_warnings(args: argparse.Namespace) -> list[str]:
+    """One line per accepted-unchanged option given on the command line, saying why it changes nothing."""
+    return [f"{row.name} is accepted for vLLM compatibility and changes nothing: {row.reason}"
+            for row in VLLM_OPTIONS if row.status is Status.ACCEPTED and hasattr(args, row.dest)]

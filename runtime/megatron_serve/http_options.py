@@ -1,0 +1,88 @@
+"""How the OpenAI server behaves beyond its request limits: tool calls, CORS, logs, metric names.
+
+:class:`HTTPOptions` is built once from the command line (:meth:`HTTPOptions.from_args`, vLLM's
+flags among them: ``--tool-call-parser``, ``--allowed-origins``, ``--enable-log-requests`` ...) or
+given to ``create_app`` / ``MegatronAsyncLLM.serve`` directly. It is light (no FastAPI) so that the
+commands can build and check it before anything starts.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+from typing import Literal
+
+#: Tool-call formats the server reads (``--tool-call-parser``); ``qwen3_xml`` is ``qwen3_coder``'s format.
+TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral", "qwen3_coder", "qwen3_xml")
+#: ``--metrics-compat``: ``vllm`` also exports the ``vllm:``-named series (megatron_serve.server.vllm_metrics).
+METRICS_COMPAT = ("vllm", "none")
+#: Seconds between two stats log lines (vLLM's ``VLLM_LOG_STATS_INTERVAL`` default).
+STATS_INTERVAL = 10.0
+
+
+@dataclass(frozen=True)
+class CORS:
+    """Cross-origin access for browser pages (Starlette's ``CORSMiddleware`` settings)."""
+
+    origins: tuple[str, ...]
+    methods: tuple[str, ...] = ("*",)
+    headers: tuple[str, ...] = ("*",)
+    credentials: bool = False
+
+
+@dataclass(frozen=True)
+class HTTPOptions:
+    """``auto_tool_choice`` with ``tool_call_parser`` (vLLM's ``--enable-auto-tool-choice --tool-call-parser``,
+    given together): ``tool_choice: auto`` reads calls in that format whatever the chat template;
+    without them, in the format the template shows (when it shows one). ``cors``: None = no cross-origin access. ``log_requests``: one
+    log line per request arriving and ending, its prompt cut to ``max_log_len`` characters.
+    ``log_stats``: a throughput / queue / KV-cache line every ``stats_interval`` seconds while busy.
+    ``uvicorn_log_level`` (None: the server's log level) and ``access_log``: uvicorn's own log.
+    ``metrics_compat``: ``"vllm"`` adds the ``vllm:`` series to ``/metrics``. ``docs``: serve
+    ``/docs``, ``/redoc`` and ``/openapi.json``.
+    """
+
+    tool_call_parser: str | None = None
+    auto_tool_choice: bool = False
+    cors: CORS | None = None
+    log_requests: bool = False
+    max_log_len: int | None = None
+    log_stats: bool = True
+    stats_interval: float = STATS_INTERVAL
+    uvicorn_log_level: str | None = None
+    access_log: bool = True
+    metrics_compat: Literal["vllm", "none"] = "vllm"
+    docs: bool = True
+
+    def __post_init__(self) -> None:
+        if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_CALL_PARSERS:
+            raise ValueError(f"--tool-call-parser {self.tool_call_parser!r} is not one of "
+                             f"{', '.join(TOOL_CALL_PARSERS)}")
+        if self.auto_tool_choice != (self.tool_call_parser is not None):  # vLLM's pairing: both or neither
+            if self.auto_tool_choice:
+                raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (one of "
+                                 f"{', '.join(TOOL_CALL_PARSERS)}): the format the model writes its calls in")
+            raise ValueError(f"--tool-call-parser {self.tool_call_parser} takes effect with --enable-auto-tool-choice "
+                             "(as in vLLM): add it")
+        if self.max_log_len is not None and self.max_log_len < 0:
+            raise ValueError(f"--max-log-len must be >= 0, got {self.max_log_len}")
+        if not self.stats_interval > 0:
+            raise ValueError(f"the stats interval must be > 0, got {self.stats_interval}")
+        if self.metrics_compat not in METRICS_COMPAT:
+            raise ValueError(f"--metrics-compat must be one of {', '.join(METRICS_COMPAT)}, got {self.metrics_compat!r}")
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> "HTTPOptions":
+        """From the flags of ``run``, ``serve`` and ``server`` (``ValueError`` names a bad one)."""
+        cors = None
+        if args.allowed_origins:
+            cors = CORS(tuple(args.allowed_origins), tuple(args.allowed_methods or ("*",)),
+                        tuple(args.allowed_headers or ("*",)), bool(args.allow_credentials))
+        elif args.allowed_methods or args.allowed_headers or args.allow_credentials:
+            raise ValueError("--allowed-methods, --allowed-headers and --allow-credentials need --allowed-origins "
+                             "(no origin may call the API cross-origin without it)")
+        return cls(tool_call_parser=args.tool_call_parser, auto_tool_choice=args.enable_auto_tool_choice, cors=cors,
+                   log_requests=args.log_requests, max_log_len=args.max_log_len,
+                   log_stats=not args.disable_log_stats, uvicorn_log_level=args.uvicorn_log_level,
+                   access_log=not args.disable_uvicorn_access_log, metrics_compat=args.metrics_compat,
+                   docs=not args.disable_fastapi_docs)

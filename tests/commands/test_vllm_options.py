@@ -1,0 +1,173 @@
+"""``vllm serve``'s options, from the one table (``commands/vllm_options.py``): every row parses, accepted
+options warn naming themselves, refused ones say why, and every argument ``serve`` cannot parse prints
+``serve``'s usage (a combination refused once parsed is one line, as every check of the commands).
+
+Two real ``serve`` processes close the loop: one with every implemented option (their effects
+checked over HTTP), one with every accepted option (it comes up, and warns once per option).
+Before this work ``--trust-remote-code``, ``--enable-auto-tool-choice``, ``--kv-cache-dtype`` ...
+stopped ``serve`` with ``unrecognized arguments`` under the top-level usage.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+
+from megatron_serve.cli import main, parse_args
+from megatron_serve.commands.vllm_options import VLLM_OPTIONS, Status, accepted_warnings
+from megatron_serve.tiny_model import CHAT_TEMPLATE, make_tiny_model
+
+from ..runtime.test_hub import hub_cache
+from ..server.conftest import wait_ready
+from ..server.test_openai_e2e import free_port
+
+HUB_ID = "test-org/tiny"
+SERVE_USAGE = "usage: megatron-serve serve "
+
+
+def arguments(rows, **places: str) -> list[str]:
+    return [arg.format(**places) for row in rows for arg in row.example]
+
+
+def rows(status: Status) -> list:
+    return [row for row in VLLM_OPTIONS if row.status is status]
+
+
+def test_every_row_parses_under_every_spelling():
+    places = {"model": "/m", "port": "8000", "tmp": "/tmp/x"}
+    for row in rows(Status.IMPLEMENTED) + rows(Status.ACCEPTED):
+        if not row.example:
+            assert row.name == "--model"  # serve takes it as its first argument
+            continue
+        for flag in row.flags:
+            argv = [flag, *arguments([row], **places)[1:]]
+            args = parse_args(["run", "--model", "/m", *argv])
+            assert args.command == "run", row.name
+            warned = accepted_warnings(args)
+            assert (len(warned) == 1 and row.name in warned[0]) if row.status is Status.ACCEPTED else not warned
+
+
+def test_refused_options_and_unknown_ones_stop_serve_with_its_usage(capsys):
+    for row in rows(Status.REFUSED):
+        for flag in row.flags:
+            with pytest.raises(SystemExit) as stopped:
+                parse_args(["serve", "/m", flag, "value"])
+            assert stopped.value.code == 2
+            err = capsys.readouterr().err
+            assert SERVE_USAGE in err and f"{flag}: {row.reason}" in err
+    for argv, message in ((["--not-a-vllm-option"], "unrecognized arguments: --not-a-vllm-option"),
+                          (["--quantization", "fp8"], "'fp8' is not supported by this build (supported: auto, none)"),
+                          (["--kv-cache-dtype", "fp8"], "'fp8' is not supported by this build (supported: auto)"),
+                          (["-pp", "2"], "pipeline parallelism is not implemented"),
+                          (["--tool-call-parser", "pythonic"], "invalid choice: 'pythonic'")):
+        with pytest.raises(SystemExit):
+            parse_args(["serve", "/m", *argv])
+        err = capsys.readouterr().err
+        assert SERVE_USAGE in err and message in err and "usage: megatron-serve [-h]" not in err, argv
+
+
+def test_a_bad_combination_is_one_line_naming_the_options(capsys, tmp_path):
+    assert main(["serve", str(tmp_path), "--enable-auto-tool-choice"]) == 1
+    err = capsys.readouterr().err
+    assert err.splitlines() == [f"megatron-serve serve: error: --enable-auto-tool-choice needs --tool-call-parser "
+                                "(one of hermes, llama3_json, mistral, qwen3_coder, qwen3_xml): the format the model "
+                                "writes its calls in"]
+    assert main(["serve", str(tmp_path), "--tool-call-parser", "mistral"]) == 1
+    assert "takes effect with --enable-auto-tool-choice" in capsys.readouterr().err
+    assert main(["serve", str(tmp_path), "--allow-credentials"]) == 1
+    assert "need --allowed-origins" in capsys.readouterr().err
+
+
+@pytest.fixture(scope="module")
+def hub(tmp_path_factory) -> Path:
+    """A Hugging Face cache holding the tiny model as ``test-org/tiny`` (for --download-dir and --revision)."""
+    root = tmp_path_factory.mktemp("vllm-options")
+    model = make_tiny_model(root / "tiny", seed=0)
+    hub_cache(root / "hub", HUB_ID, str(model))
+    (root / "template.jinja").write_text(CHAT_TEMPLATE)  # --chat-template {tmp}/template.jinja
+    return root
+
+
+def start_serve(root: Path, extra: list[str], log: Path) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    argv = ["serve", HUB_ID, "--download-dir", str(root / "hub"), "--host", "127.0.0.1", "--port", str(port),
+            "--coordinator-port", "0", "--log-dir", str(root / f"logs-{port}"), "--num-kv-blocks", "128",
+            "--drain-timeout", "5", *extra]
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "megatron_serve.cli", *argv], stdout=out,
+                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_ready(proc, url, log)
+    except BaseException:
+        stop(proc)
+        raise
+    return proc, url
+
+
+def stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGINT)  # run stops its fleet on SIGINT
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_serve_comes_up_with_every_implemented_option_and_they_act(hub, tmp_path):
+    implemented = [row for row in rows(Status.IMPLEMENTED)
+                   if row.example and row.name not in ("--host", "--port", "--download-dir")]
+    extra = arguments(implemented, model=HUB_ID, tmp=str(hub), port="unused")
+    log = tmp_path / "serve.out"
+    proc, url = start_serve(hub, extra, log)
+    try:
+        key = {"Authorization": "Bearer sk-vllm-test"}  # --api-key
+        with httpx.Client(base_url=url, timeout=120) as http:
+            assert http.get("/v1/models").status_code == 401
+            assert [m["id"] for m in http.get("/v1/models", headers=key).json()["data"]] == ["tiny"]
+            body = {"model": "tiny", "prompt": "Hello", "max_tokens": 2, "request_id": "vllm-flags-1"}
+            cors = http.post("/v1/completions", json=body, headers={**key, "Origin": "https://app.example"})
+            assert cors.status_code == 200 and cors.json()["id"] == "cmpl-vllm-flags-1"
+            assert cors.headers["access-control-allow-origin"] == "https://app.example"  # --allowed-origins
+            other = http.post("/v1/completions", json=body, headers={**key, "Origin": "https://evil.example"})
+            assert "access-control-allow-origin" not in other.headers
+            too_many = http.post("/v1/completions", json={**body, "logprobs": 6}, headers=key)  # --max-logprobs 5
+            assert too_many.status_code == 400 and too_many.json()["error"]["param"] == "logprobs"
+            assert http.get("/docs").status_code == 404 and http.get("/openapi.json").status_code == 404
+            tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+            chat = http.post("/v1/chat/completions", headers=key, json={
+                "model": "tiny", "messages": [{"role": "user", "content": "hi"}], "tools": tools, "max_tokens": 2})
+            assert chat.status_code == 200  # tool_choice auto, read by --tool-call-parser hermes
+    finally:
+        stop(proc)
+    output = log.read_text()
+    assert "request cmpl-vllm-flags-1 received" in output and "'Hello'" in output  # --enable-log-requests
+    assert "POST /v1/completions" not in output  # --disable-uvicorn-access-log, despite --uvicorn-log-level info
+    assert "warning:" not in output, output
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_serve_comes_up_with_every_accepted_option_and_warns_once_each(hub, tmp_path):
+    accepted = rows(Status.ACCEPTED)
+    log = tmp_path / "serve.out"
+    proc, url = start_serve(hub, arguments(accepted), log)
+    try:
+        answer = httpx.post(f"{url}/v1/completions", json={"model": HUB_ID, "prompt": "Hello", "max_tokens": 2},
+                            timeout=120)
+        assert answer.status_code == 200
+    finally:
+        stop(proc)
+    warnings = re.findall(r"megatron-serve serve: warning: (\S+) is accepted for vLLM compatibility and changes "
+                          r"nothing: (.*)", log.read_text())
+    assert sorted(warnings) == sorted((row.name, row.reason) for row in accepted)
