@@ -227,6 +227,31 @@ async def test_a_big_prompt_and_a_worst_case_body(stack):
     assert openai_error(dense, 400)["code"] == "context_length_exceeded"
 
 
+async def test_fifty_thousand_choices_and_a_grammar_of_a_megabyte(stack):
+    """Refused by their size before anything compiles them: 50,000 choices (589 KB; were accepted, then a
+    500 after 6-7 s and 159 MB more in the engine), and a Lark grammar of 150,000 alternatives (1.2 MB,
+    36 s to check)."""
+    choices = [f"option {i}" for i in range(50_000)]
+    grammar = "start: " + " | ".join(f'"c{i}"' for i in range(150_000))
+    limits = RequestLimits()
+    async with httpx.AsyncClient(base_url=stack.url, timeout=60) as http:
+        began = time.perf_counter()
+        many = await http.post("/v1/completions", json={"model": stack.model, "prompt": "pick",
+                                                        "guided_choice": choices})
+        took = time.perf_counter() - began
+        big = await http.post("/v1/chat/completions", json={"model": stack.model, "guided_grammar": grammar,
+                                                            "messages": [{"role": "user", "content": "say"}]})
+        fine = await http.post("/v1/completions", json={"model": stack.model, "prompt": "pick", "max_tokens": 8,
+                                                        "guided_choice": ["yes", "no"]})
+    record(stack, many, big, fine)
+    error = openai_error(many, 400)
+    assert error["param"] == "guided_choice" and f"at most {limits.max_guided_choices}" in error["message"]
+    assert took < 1.0, took
+    error = openai_error(big, 400)
+    assert error["param"] == "guided_grammar" and f"at most {limits.max_constraint_bytes} bytes" in error["message"]
+    assert fine.status_code == 200 and fine.json()["choices"][0]["text"] in ("yes", "no"), fine.text
+
+
 async def test_slow_clients_sending_a_byte_at_a_time(stack):
     request = (f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                f"Content-Length: 200\r\n\r\n").encode() + b'{"model": "' + b"m" * 189

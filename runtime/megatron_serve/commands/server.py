@@ -70,8 +70,10 @@ def add_server_options(parser: argparse.ArgumentParser, default_host: str) -> No
     defaults = RequestLimits()
     for name, flag, text in RequestLimits.flags():
         default = getattr(defaults, name)
-        shown = f" (default: {default})" if default is not None else ""
-        limits.add_argument(flag, dest=name, type=int, default=None, metavar="N", help=text + shown)
+        kind = RequestLimits.flag_type(name)
+        shown = f" (default: {kind(default)!r})" if default is not None else ""
+        limits.add_argument(flag, dest=name, type=kind, default=None, metavar="S" if kind is float else "N",
+                            help=text + shown)
 
 
     images = parser.add_argument_group("images (vision-language models)")
