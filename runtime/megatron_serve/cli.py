@@ -17,6 +17,7 @@ import importlib
 import sys
 
 from . import __version__
+from .lifeline import hold_lifeline
 
 # name -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -80,6 +81,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
+    hold_lifeline()  # a child of a local fleet dies with it
     args = parse_args(list(sys.argv[1:] if argv is None else argv))
     module = importlib.import_module(args._module)
     try:

@@ -29,8 +29,9 @@ import zmq.asyncio
 
 import msgspec
 
-from .connection import Connection, CoordinatorError, Unauthorized
+from .connection import Connection, CoordinatorError, CoordinatorLost, Unauthorized
 from .lifecycle import PauseMode, parse_pause_mode
+from .limits import DEFAULT_COORDINATOR_GRACE
 from .messages import Error, HelloAck, Rendezvous
 from .multimodal import PromptImage
 from .prompts import ImagePrompt, Prompt
@@ -43,7 +44,7 @@ from .sampling_params import SamplingParams
 logger = logging.getLogger("megatron_serve.client")
 
 
-__all__ = ["InferenceClient", "CoordinatorError", "ControlError", "Unauthorized", "StreamPartial"]
+__all__ = ["InferenceClient", "CoordinatorError", "CoordinatorLost", "ControlError", "Unauthorized", "StreamPartial"]
 
 
 class ControlError(CoordinatorError):
@@ -86,6 +87,10 @@ class InferenceClient:
     ``token``: the shared token when the coordinator requires one. ``role``: ``"client"`` (submit
     and control) or ``"control"`` (control and status only). ``coordinator_timeout``: with no
     message from the coordinator for that long (it answers every heartbeat), reconnect.
+    ``coordinator_grace``: a lost coordinator (or its replacement) back within that many seconds
+    gets every pending request again; past it, each pending request and verb (and any new one until
+    a coordinator answers) fails with :class:`CoordinatorLost` (before, 41 of 43 streams got no byte
+    and no error for 90 s).
     """
 
     def __init__(
@@ -97,6 +102,7 @@ class InferenceClient:
         client_id: str | None = None,
         heartbeat_interval: float = 1.0,
         coordinator_timeout: float = 5.0,
+        coordinator_grace: float = DEFAULT_COORDINATOR_GRACE,
     ) -> None:
         self.address = address
         self.token = token
@@ -123,7 +129,7 @@ class InferenceClient:
         self._ack_timer: asyncio.TimerHandle | None = None  # sends them alone when nothing else goes
         self._connection = Connection({"role": self.role.value, "token": token, "client_id": self.client_id,
                                        "acks": True}, heartbeat_interval=heartbeat_interval,
-                                      coordinator_timeout=coordinator_timeout)
+                                      coordinator_timeout=coordinator_timeout, grace=coordinator_grace)
         self._registration: asyncio.Future | None = None  # start() waits on it: HELLO_ACK, or Unauthorized
         self._wake: asyncio.Event | None = None  # the connection has something due sooner than planned
         self._tasks: list[asyncio.Task] = []
@@ -178,12 +184,17 @@ class InferenceClient:
         connection, wake = self._connection, self._wake
         assert wake is not None
         while not self._closed:
-            frames, reconnect = connection.due(time.monotonic())
+            now = time.monotonic()
+            frames, reconnect = connection.due(now)
             if reconnect:
                 self._open_socket()
                 continue
             for frame in frames:
                 self._send_frame(frame)
+            lost = connection.lost(now, self.address)
+            if lost is not None and (self._pending or self._controls):
+                logger.error("%s: %d request(s) and %d verb(s) end", lost, len(self._pending), len(self._controls))
+                self._fail_all(lost)
             wake.clear()
             delay = max(0.0, connection.next_due() - time.monotonic())
             try:
@@ -396,9 +407,16 @@ class InferenceClient:
         if not self._started or self._closed:
             raise RuntimeError("InferenceClient is not started (await client.start()) or was closed")
 
+    def _require_coordinator(self) -> None:
+        """Refuse new work while the coordinator has been lost for longer than the grace period."""
+        lost = self._connection.lost(time.monotonic(), self.address)
+        if lost is not None:
+            raise lost
+
     def _new_pending(self, prompt: Prompt, sampling_params: SamplingParams | dict | None,
                      request_id: str | None, stream: bool, images: list[bytes | PromptImage] | None) -> _Pending:
         self._require_started()
+        self._require_coordinator()
         if isinstance(prompt, ImagePrompt):  # what MegatronAsyncLLM hands on for a prompt dict with images
             prompt, images = prompt.prompt, [*prompt.images, *(images or ())]
         if isinstance(sampling_params, SamplingParams):
@@ -484,6 +502,7 @@ class InferenceClient:
 
     async def _control(self, header: Header, timeout: float | None, **extra: Any) -> dict[str, Any]:
         self._require_started()
+        self._require_coordinator()
         control_id = uuid.uuid4().hex
         body = {"control_id": control_id, **{k: v for k, v in extra.items() if v is not None}}
         future = self._loop.create_future()

@@ -16,6 +16,13 @@ from typing import Any
 
 MiB = 1 << 20
 
+#: Seconds an HTTP connection may stay idle, before its first request or between two (uvicorn's and
+#: vLLM's default; ``--timeout-keep-alive``).
+DEFAULT_KEEP_ALIVE = 5.0
+#: Seconds a lost coordinator has to come back before what is pending on it fails (``--coordinator-grace``;
+#: see :class:`megatron_serve.client.InferenceClient`).
+DEFAULT_COORDINATOR_GRACE = 30.0
+
 #: Characters per token of context beyond which a prompt cannot fit with any common tokenizer:
 #: English averages about 4 characters per token and code about 3; 32 leaves room for prompts
 #: full of long whitespace-run tokens. Used when ``max_prompt_chars`` is not given.
