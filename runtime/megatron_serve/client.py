@@ -43,13 +43,12 @@ from .sampling_params import SamplingParams
 
 logger = logging.getLogger("megatron_serve.client")
 
-
 __all__ = ["InferenceClient", "CoordinatorError", "CoordinatorLost", "ControlError", "Unauthorized", "StreamPartial"]
 
 
 class ControlError(CoordinatorError):
-    """A lifecycle verb was refused (e.g. an illegal transition); ``detail`` holds the facts the
-    coordinator gave with it (a failed REFIT: each engine's weights now), or ``{}``."""
+    """A lifecycle verb was refused (e.g. an illegal transition); ``detail``: the coordinator's facts (a failed
+    REFIT: each engine's weights now), or ``{}``."""
 
     def __init__(self, code: str, message: str, detail: dict[str, Any] | None = None) -> None:
         super().__init__(code, message)
@@ -87,10 +86,9 @@ class InferenceClient:
     ``token``: the shared token when the coordinator requires one. ``role``: ``"client"`` (submit
     and control) or ``"control"`` (control and status only). ``coordinator_timeout``: with no
     message from the coordinator for that long (it answers every heartbeat), reconnect.
-    ``coordinator_grace``: a lost coordinator (or its replacement) back within that many seconds
-    gets every pending request again; past it, each pending request and verb (and any new one until
-    a coordinator answers) fails with :class:`CoordinatorLost` (before, 41 of 43 streams got no byte
-    and no error for 90 s).
+    ``coordinator_grace``: a lost coordinator (or its replacement) back within that many seconds gets
+    every pending request again; past it, each pending request and verb (and any new one until a
+    coordinator answers) fails with :class:`CoordinatorLost` (41 of 43 streams hung 90 s before).
     """
 
     def __init__(
@@ -216,6 +214,8 @@ class InferenceClient:
                 self._send(Header.ABORT, {"client_request_id": pending.request_id})
         for header, body, _future in list(self._controls.values()):
             self._send(header, body)
+        for status_id in self._status_waiters:  # asked while no coordinator listened
+            self._send(Header.STATUS, {"status_id": status_id})
         if self._registration is not None and not self._registration.done():
             self._registration.set_result(None)
 
