@@ -4,7 +4,8 @@
 (``MEGATRON_CHAOS_SEED``, default below) hurts the fleet every 1.5-4 s for ``MEGATRON_CHAOS_SECONDS``
 (default 45): SIGKILL of an engine or of the coordinator, SIGSTOP of either for a few seconds, and
 the verbs PAUSE/UNPAUSE and SUSPEND/RESUME/UNPAUSE through a client of its own. Meanwhile 100
-requests with seeded lengths stream, 25 at a time, through a client of the coordinator. Then the
+requests with seeded lengths and start times (spread over the chaos) stream, at most 25 at a time,
+through a client of the coordinator. Then the
 fleet is left alone and every request must end by a deadline: completed with exactly the greedy
 token ids of a quiet run (each token once), or failed with an error that says what happened;
 none twice, none hung. The counts are printed (``-s``) for the record.
@@ -147,6 +148,7 @@ async def test_chaos(stack):
     prompts = [f"Chaos {i}: {' '.join(rng.choice(['red', 'fox', 'sky', 'river', 'stone']) for _ in range(6))}"
                for i in range(REQUESTS)]
     lengths = [rng.randint(16, LONGEST) for _ in range(REQUESTS)]
+    starts = sorted(rng.uniform(0, CHAOS_SECONDS * 0.8) for _ in range(REQUESTS))  # spread over the chaos
     async with InferenceClient(stack.coordinator(), coordinator_timeout=3.0) as client:
         quiet = await asyncio.gather(*(client.add_request(p, SamplingParams(
             temperature=0.0, num_tokens_to_generate=LONGEST, ignore_eos=True)) for p in prompts))
@@ -156,12 +158,13 @@ async def test_chaos(stack):
             InferenceClient(stack.coordinator(), coordinator_timeout=3.0, role="control") as verbs:
         slots = asyncio.Semaphore(AT_ONCE)
 
-        async def one(prompt: str, length: int):
+        async def one(prompt: str, length: int, start: float):
+            await asyncio.sleep(start)
             async with slots:
                 return await client_stream(client, prompt, length)
 
         began = time.monotonic()
-        requests = [asyncio.create_task(one(p, n)) for p, n in zip(prompts, lengths)]
+        requests = [asyncio.create_task(one(p, n, t)) for p, n, t in zip(prompts, lengths, starts)]
         chaos = Chaos(stack, verbs, rng)
         await chaos.run(until=began + CHAOS_SECONDS)
         calm = time.monotonic()
