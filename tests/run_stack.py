@@ -12,6 +12,7 @@ import asyncio
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -69,6 +70,22 @@ class RunStack:
                               capture_output=True, text=True, timeout=120)
         assert done.returncode == 0, done.stderr
         return done.stdout
+
+    def pids(self) -> list[int]:
+        return [pid for pids in self.children().values() for pid in pids]
+
+    def kill(self) -> None:
+        """Teardown, whatever state the tests left: the run and every child are gone (stopped ones too)."""
+        pids = self.pids()
+        for pid in pids:
+            if alive(pid):
+                os.kill(pid, signal.SIGCONT)
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        for pid in pids:
+            if alive(pid):
+                os.kill(pid, signal.SIGKILL)
 
     def coordinator(self) -> str:
         """The coordinator's address, from the file the run published for ``control``."""

@@ -29,7 +29,7 @@ import zmq.asyncio
 
 import msgspec
 
-from .connection import Connection, CoordinatorError, CoordinatorLost, Unauthorized
+from .connection import Connection, ControlError, CoordinatorError, CoordinatorLost, Unauthorized
 from .lifecycle import PauseMode, parse_pause_mode
 from .limits import DEFAULT_COORDINATOR_GRACE
 from .messages import Error, HelloAck, Rendezvous
@@ -44,15 +44,6 @@ from .sampling_params import SamplingParams
 logger = logging.getLogger("megatron_serve.client")
 
 __all__ = ["InferenceClient", "CoordinatorError", "CoordinatorLost", "ControlError", "Unauthorized", "StreamPartial"]
-
-
-class ControlError(CoordinatorError):
-    """A lifecycle verb was refused (e.g. an illegal transition); ``detail``: the coordinator's facts (a failed
-    REFIT: each engine's weights now), or ``{}``."""
-
-    def __init__(self, code: str, message: str, detail: dict[str, Any] | None = None) -> None:
-        super().__init__(code, message)
-        self.detail = detail or {}
 
 
 @dataclass
@@ -238,12 +229,17 @@ class InferenceClient:
         self.close()
         await asyncio.sleep(0)
 
+    @staticmethod
+    def _fail(pending: _Pending, exc: BaseException) -> None:
+        """A stream fails through its queue only: its future is never awaited (asyncio would log its exception)."""
+        if pending.queue is not None:
+            pending.queue.put_nowait(exc)
+        elif not pending.future.done():
+            pending.future.set_exception(exc)
+
     def _fail_all(self, exc: BaseException) -> None:
         for pending in self._pending.values():
-            if not pending.future.done():
-                pending.future.set_exception(exc)
-            if pending.queue is not None:
-                pending.queue.put_nowait(exc)
+            self._fail(pending, exc)
         self._pending.clear()
         for _h, _b, future in self._controls.values():
             if not future.done():
@@ -393,11 +389,8 @@ class InferenceClient:
         if body.client_request_id is not None:
             pending = self._pending.pop(str(body.client_request_id), None)
             if pending is not None:
-                exc = ValueError(message) if code == ErrorCode.INVALID_REQUEST.value else CoordinatorError(code, message)
-                if not pending.future.done():
-                    pending.future.set_exception(exc)
-                if pending.queue is not None:
-                    pending.queue.put_nowait(exc)
+                self._fail(pending, ValueError(message) if code == ErrorCode.INVALID_REQUEST.value
+                           else CoordinatorError(code, message))
             return
         logger.warning("coordinator error %s: %s", code, message)
 

@@ -45,6 +45,15 @@ class Unauthorized(CoordinatorError, PermissionError):
     """The coordinator refused our token."""
 
 
+class ControlError(CoordinatorError):
+    """A lifecycle verb was refused (e.g. an illegal transition); ``detail`` holds the facts the
+    coordinator gave with it (a failed REFIT: each engine's weights now), or ``{}``."""
+
+    def __init__(self, code: str, message: str, detail: dict[str, Any] | None = None) -> None:
+        super().__init__(code, message)
+        self.detail = detail or {}
+
+
 class CoordinatorLost(CoordinatorError, ConnectionError):
     """No coordinator answered for longer than the peer's grace period: what was pending on it failed."""
 

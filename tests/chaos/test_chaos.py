@@ -44,16 +44,7 @@ def stack(tiny_model, tmp_path_factory):
     try:
         yield stack
     finally:
-        pids = [pid for pids in stack.children().values() for pid in pids]
-        for pid in pids:
-            if alive(pid):
-                os.kill(pid, signal.SIGCONT)
-        if stack.proc.poll() is None:
-            stack.proc.kill()
-            stack.proc.wait()
-        for pid in pids:
-            if alive(pid):
-                os.kill(pid, signal.SIGKILL)
+        stack.kill()
 
 
 class Chaos:

@@ -27,6 +27,17 @@ PROMPTS = [[1 + i, 2, 3 + i] for i in range(6)]
 LONG = SamplingParams(num_tokens_to_generate=400)
 
 
+async def client_with_work_in_flight(fleet, grace: float) -> tuple[InferenceClient, list[asyncio.Task],
+                                                                    list[list[int]], asyncio.Future]:
+    """A client (0.5 s coordinator timeout) of a one-engine fleet with 6 streams under way and one whole request."""
+    fleet.add_engine(step_delay=0.01)
+    client = InferenceClient(fleet.address, coordinator_timeout=0.5, coordinator_grace=grace)
+    await client.start()
+    await client.wait_for_engines(1, timeout=20, poll=0.02)
+    tasks, streamed = await start_streams(client)
+    return client, tasks, streamed, client.add_request([7, 7, 7], LONG)
+
+
 async def start_streams(client: InferenceClient) -> tuple[list[asyncio.Task], list[list[int]]]:
     streamed: list[list[int]] = [[] for _ in PROMPTS]
 
@@ -46,13 +57,8 @@ async def start_streams(client: InferenceClient) -> tuple[list[asyncio.Task], li
 
 async def test_a_coordinator_back_within_the_grace_period_gets_every_request_again(fleet_factory):
     fleet = fleet_factory()
-    fleet.add_engine(step_delay=0.01)
-    client = InferenceClient(fleet.address, coordinator_timeout=0.5, coordinator_grace=20.0)
-    await client.start()
+    client, tasks, streamed, whole = await client_with_work_in_flight(fleet, grace=20.0)
     try:
-        await client.wait_for_engines(1, timeout=20, poll=0.02)
-        tasks, streamed = await start_streams(client)
-        whole = client.add_request([7, 7, 7], LONG)
         fleet.stop_coordinator()
         await until(lambda: client._connection.lost_since is not None, 10, "the client to find it lost")
         fleet.start_coordinator()
@@ -67,13 +73,8 @@ async def test_a_coordinator_back_within_the_grace_period_gets_every_request_aga
 
 async def test_a_coordinator_gone_past_the_grace_period_ends_what_is_in_flight_with_its_cause(fleet_factory):
     fleet = fleet_factory()
-    fleet.add_engine(step_delay=0.01)
-    client = InferenceClient(fleet.address, coordinator_timeout=0.5, coordinator_grace=1.0)
-    await client.start()
+    client, tasks, _, whole = await client_with_work_in_flight(fleet, grace=1.0)
     try:
-        await client.wait_for_engines(1, timeout=20, poll=0.02)
-        tasks, _ = await start_streams(client)
-        whole = client.add_request([7, 7, 7], LONG)
         fleet.stop_coordinator()
         began = time.monotonic()
         outcomes = await asyncio.wait_for(asyncio.gather(*tasks, whole, return_exceptions=True), 30)

@@ -42,13 +42,7 @@ def stack(tiny_llama, tmp_path_factory):
     try:
         yield stack
     finally:
-        pids = [pid for pids in stack.children().values() for pid in pids]
-        if stack.proc.poll() is None:
-            stack.proc.kill()
-            stack.proc.wait()
-        for pid in pids:
-            if alive(pid):
-                os.kill(pid, signal.SIGKILL)
+        stack.kill()
 
 
 @pytest.fixture(scope="module")
@@ -154,7 +148,7 @@ async def test_ready_is_503_while_paused_and_requests_wait(stack, quiet):
 
 async def test_ctrl_c_drains_four_long_requests_then_stops_and_leaves_nothing_behind(stack, quiet):
     """Last: it stops the module's run. New requests get 503 with Retry-After meanwhile."""
-    children = [pid for pids in stack.children().values() for pid in pids]
+    children = stack.pids()
     run_dirs = list(stack.tmp.glob("megatron-fleet-*"))
     assert len(run_dirs) == 1
     async with httpx.AsyncClient(base_url=stack.url, timeout=300) as http:
@@ -185,7 +179,7 @@ async def test_ctrl_c_drains_four_long_requests_then_stops_and_leaves_nothing_be
 
 async def test_kill_9_of_run_takes_its_children_and_the_next_start_removes_its_directory(tiny_llama, tmp_path):
     stack = start_run(tiny_llama, tmp_path, engines=1)
-    children = [pid for pids in stack.children().values() for pid in pids]
+    children = stack.pids()
     assert len(children) == 2
     (run_dir,) = tmp_path.glob("megatron-fleet-*")
     stack.proc.kill()
