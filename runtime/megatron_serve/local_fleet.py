@@ -203,8 +203,9 @@ class LocalFleet:
                 raise RuntimeError(f"the coordinator exited with code {coordinator.returncode}:\n"
                                    f"{_tail(self.log_dir / 'coordinator.log')}")
             if time.monotonic() > deadline:
-                self.stop()
-                raise TimeoutError(f"the coordinator did not start within {timeout:.0f}s (log: {self.log_dir})")
+                tail = _tail(self._coordinator.log)
+                self.stop()  # (its directory goes too: the log's tail is in the error)
+                raise TimeoutError(f"the coordinator did not start within {timeout:.0f}s; its log ends:\n{tail}")
             time.sleep(0.05)
         self.address = address_file.read_text().strip()
         # A restarted coordinator binds the port this one got (the engines and clients reconnect to it).

@@ -60,9 +60,13 @@ def add_arguments(parser: argparse.ArgumentParser, *, positional_model: bool = F
 
 
 def progress(stage: int | None, message: str) -> None:
-    prefix = f"[{stage}/{STAGES}] " if stage is not None else "      "
+    say((f"[{stage}/{STAGES}] " if stage is not None else "      ") + message)
+
+
+def say(line: str) -> None:
+    """Print one line of ``run``'s output."""
     try:
-        print(prefix + message, flush=True)
+        print(line, flush=True)
     except BrokenPipeError:
         # Whoever read our output left (`run | head -2`): keep serving, with the output going nowhere.
         # (Raised here, it ended `run` without stopping its children.)
@@ -265,8 +269,8 @@ class _Stack:
 
         def started(url: str) -> None:
             progress(4, f"HTTP server listening on {url}{' (API key required)' if self.api_key else ''}")
-            print(f"megatron-serve is ready: {url}/v1 (model '{facts.name}', {args.engines} engine(s)); try: "
-                  f"{curl_example(url, facts.name, bool(self.api_key))}", flush=True)
+            say(f"megatron-serve is ready: {url}/v1 (model '{facts.name}', {args.engines} engine(s)); try: "
+                f"{curl_example(url, facts.name, bool(self.api_key))}")
 
         freeze_startup_heap()
         await serve_app(app, sock=sock, log_level=args.log_level, on_started=started, stop=self.stop,
