@@ -48,8 +48,8 @@ def add_arguments(parser: argparse.ArgumentParser, *, positional_model: bool = F
                              "or a free port when it is taken; 0 = any free port)")
     parser.add_argument("--routing", default="least_loaded", choices=["least_loaded", "round_robin", "prefix_affinity"],
                         help="which engine group gets a request")
-    parser.add_argument("--log-dir", metavar="DIR", help="where coordinator and engine logs go (default: a new "
-                                                         "temporary directory)")
+    parser.add_argument("--log-dir", metavar="DIR", help="where coordinator and engine logs go and stay (default: "
+                                                         "the run's own temporary directory, removed when it ends)")
     parser.add_argument("--startup-timeout", type=float, default=600.0, metavar="S",
                         help="give up if the engines have not loaded the model after this long")
     add_server_options(parser, default_host="127.0.0.1")

@@ -149,11 +149,6 @@ class FleetMonitor:
     def engines(self) -> list[dict[str, Any]]:
         return list((self.status or {}).get("engines") or [])
 
-    @property
-    def ready(self) -> bool:
-        """Requests are served now: the coordinator answers and the fleet is RUNNING."""
-        return self.not_ready_reason() is None
-
     def refusal_reason(self) -> str | None:
         """Why new requests cannot even wait for the fleet (unreachable or stopped), or None."""
         if not self.reachable:
