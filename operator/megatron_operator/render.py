@@ -302,16 +302,19 @@ def render_coordinator_deployment(spec: InferenceSpec, config: OperatorConfig) -
         "name": "server",
         **image,
         "args": ["server", *_model_flags(spec), "--coordinator", f"tcp://127.0.0.1:{COORDINATOR_PORT}",
-                 "--host", "0.0.0.0", "--port", str(spec.server_port), *_served_name(spec)]
+                 "--host", "0.0.0.0", "--port", str(spec.server_port), "--drain-timeout",
+                 str(spec.drain_timeout_seconds), *_served_name(spec)]
                 # on by default; the flag only when off, so existing pod templates stay unchanged
                 + ([] if spec.remote_images else ["--no-remote-images"]),
         "env": server_env,
         "ports": [{"name": "http", "containerPort": spec.server_port, "protocol": "TCP"}],
-        # /ready: coordinator reachable and not stopped; /health: the process answers.
+        # /ready: requests are served now (coordinator reachable, fleet RUNNING, not draining); /health: the
+        # process answers. A fleet paused for longer than 15 s takes this pod out of its Service until it runs.
         "readinessProbe": {"httpGet": {"path": "/ready", "port": "http"}, "periodSeconds": 5, "failureThreshold": 3},
         "livenessProbe": {"httpGet": {"path": "/health", "port": "http"}, "initialDelaySeconds": 10,
                           "periodSeconds": 10, "failureThreshold": 6},
-        # Let Service endpoints drop this pod before the server stops accepting connections.
+        # Let Service endpoints drop this pod before SIGTERM; then the server drains: new requests get 503,
+        # admitted ones finish for up to drainTimeoutSeconds (within terminationGracePeriodSeconds).
         "lifecycle": {"preStop": {"exec": {"command": ["sleep", "5"]}}},
         "resources": spec.server_resources or DEFAULT_SIDE_RESOURCES,
         "securityContext": _container_security(),

@@ -21,6 +21,7 @@ import sys
 
 from . import __version__
 from .commands.vllm_options import accepted_warnings
+from .lifeline import hold_lifeline
 
 # name -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -85,6 +86,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
+    hold_lifeline()  # a child of a local fleet dies with it
     args = parse_args(list(sys.argv[1:] if argv is None else argv))
     module = importlib.import_module(args._module)
     for line in accepted_warnings(args):

@@ -29,8 +29,9 @@ import zmq.asyncio
 
 import msgspec
 
-from .connection import Connection, CoordinatorError, Unauthorized
+from .connection import Connection, ControlError, CoordinatorError, CoordinatorLost, Unauthorized
 from .lifecycle import PauseMode, parse_pause_mode
+from .limits import DEFAULT_COORDINATOR_GRACE
 from .messages import Error, HelloAck, Rendezvous
 from .multimodal import PromptImage
 from .prompts import ImagePrompt, Prompt
@@ -42,17 +43,7 @@ from .sampling_params import SamplingParams
 
 logger = logging.getLogger("megatron_serve.client")
 
-
-__all__ = ["InferenceClient", "CoordinatorError", "ControlError", "Unauthorized", "StreamPartial"]
-
-
-class ControlError(CoordinatorError):
-    """A lifecycle verb was refused (e.g. an illegal transition); ``detail`` holds the facts the
-    coordinator gave with it (a failed REFIT: each engine's weights now), or ``{}``."""
-
-    def __init__(self, code: str, message: str, detail: dict[str, Any] | None = None) -> None:
-        super().__init__(code, message)
-        self.detail = detail or {}
+__all__ = ["InferenceClient", "CoordinatorError", "CoordinatorLost", "ControlError", "Unauthorized", "StreamPartial"]
 
 
 @dataclass
@@ -86,6 +77,9 @@ class InferenceClient:
     ``token``: the shared token when the coordinator requires one. ``role``: ``"client"`` (submit
     and control) or ``"control"`` (control and status only). ``coordinator_timeout``: with no
     message from the coordinator for that long (it answers every heartbeat), reconnect.
+    ``coordinator_grace``: a lost coordinator (or its replacement) back within that many seconds gets
+    every pending request again; past it, each pending request and verb (and any new one until a
+    coordinator answers) fails with :class:`CoordinatorLost` (41 of 43 streams hung 90 s before).
     """
 
     def __init__(
@@ -97,6 +91,7 @@ class InferenceClient:
         client_id: str | None = None,
         heartbeat_interval: float = 1.0,
         coordinator_timeout: float = 5.0,
+        coordinator_grace: float = DEFAULT_COORDINATOR_GRACE,
     ) -> None:
         self.address = address
         self.token = token
@@ -123,7 +118,7 @@ class InferenceClient:
         self._ack_timer: asyncio.TimerHandle | None = None  # sends them alone when nothing else goes
         self._connection = Connection({"role": self.role.value, "token": token, "client_id": self.client_id,
                                        "acks": True}, heartbeat_interval=heartbeat_interval,
-                                      coordinator_timeout=coordinator_timeout)
+                                      coordinator_timeout=coordinator_timeout, grace=coordinator_grace)
         self._registration: asyncio.Future | None = None  # start() waits on it: HELLO_ACK, or Unauthorized
         self._wake: asyncio.Event | None = None  # the connection has something due sooner than planned
         self._tasks: list[asyncio.Task] = []
@@ -178,12 +173,17 @@ class InferenceClient:
         connection, wake = self._connection, self._wake
         assert wake is not None
         while not self._closed:
-            frames, reconnect = connection.due(time.monotonic())
+            now = time.monotonic()
+            frames, reconnect = connection.due(now)
             if reconnect:
                 self._open_socket()
                 continue
             for frame in frames:
                 self._send_frame(frame)
+            lost = connection.lost(now, self.address)
+            if lost is not None and (self._pending or self._controls):
+                logger.error("%s: %d request(s) and %d verb(s) end", lost, len(self._pending), len(self._controls))
+                self._fail_all(lost)
             wake.clear()
             delay = max(0.0, connection.next_due() - time.monotonic())
             try:
@@ -205,6 +205,8 @@ class InferenceClient:
                 self._send(Header.ABORT, {"client_request_id": pending.request_id})
         for header, body, _future in list(self._controls.values()):
             self._send(header, body)
+        for status_id in self._status_waiters:  # asked while no coordinator listened
+            self._send(Header.STATUS, {"status_id": status_id})
         if self._registration is not None and not self._registration.done():
             self._registration.set_result(None)
 
@@ -227,12 +229,17 @@ class InferenceClient:
         self.close()
         await asyncio.sleep(0)
 
+    @staticmethod
+    def _fail(pending: _Pending, exc: BaseException) -> None:
+        """A stream fails through its queue only: its future is never awaited (asyncio would log its exception)."""
+        if pending.queue is not None:
+            pending.queue.put_nowait(exc)
+        elif not pending.future.done():
+            pending.future.set_exception(exc)
+
     def _fail_all(self, exc: BaseException) -> None:
         for pending in self._pending.values():
-            if not pending.future.done():
-                pending.future.set_exception(exc)
-            if pending.queue is not None:
-                pending.queue.put_nowait(exc)
+            self._fail(pending, exc)
         self._pending.clear()
         for _h, _b, future in self._controls.values():
             if not future.done():
@@ -382,11 +389,8 @@ class InferenceClient:
         if body.client_request_id is not None:
             pending = self._pending.pop(str(body.client_request_id), None)
             if pending is not None:
-                exc = ValueError(message) if code == ErrorCode.INVALID_REQUEST.value else CoordinatorError(code, message)
-                if not pending.future.done():
-                    pending.future.set_exception(exc)
-                if pending.queue is not None:
-                    pending.queue.put_nowait(exc)
+                self._fail(pending, ValueError(message) if code == ErrorCode.INVALID_REQUEST.value
+                           else CoordinatorError(code, message))
             return
         logger.warning("coordinator error %s: %s", code, message)
 
@@ -396,9 +400,16 @@ class InferenceClient:
         if not self._started or self._closed:
             raise RuntimeError("InferenceClient is not started (await client.start()) or was closed")
 
+    def _require_coordinator(self) -> None:
+        """Refuse new work while the coordinator has been lost for longer than the grace period."""
+        lost = self._connection.lost(time.monotonic(), self.address)
+        if lost is not None:
+            raise lost
+
     def _new_pending(self, prompt: Prompt, sampling_params: SamplingParams | dict | None,
                      request_id: str | None, stream: bool, images: list[bytes | PromptImage] | None) -> _Pending:
         self._require_started()
+        self._require_coordinator()
         if isinstance(prompt, ImagePrompt):  # what MegatronAsyncLLM hands on for a prompt dict with images
             prompt, images = prompt.prompt, [*prompt.images, *(images or ())]
         if isinstance(sampling_params, SamplingParams):
@@ -484,6 +495,7 @@ class InferenceClient:
 
     async def _control(self, header: Header, timeout: float | None, **extra: Any) -> dict[str, Any]:
         self._require_started()
+        self._require_coordinator()
         control_id = uuid.uuid4().hex
         body = {"control_id": control_id, **{k: v for k, v in extra.items() if v is not None}}
         future = self._loop.create_future()

@@ -16,6 +16,10 @@ once; each owns its socket and asks a :class:`Connection` what to do:
 
 A session number counts registrations: what an owner produced for an older session belongs to a
 coordinator (or a registration) that already gave up on it.
+
+A coordinator found silent is *lost* from then on until a coordinator registers this peer again;
+past the owner's ``grace`` seconds, :meth:`Connection.lost` returns the :class:`CoordinatorLost`
+error that what is pending on it should end with (a client's requests and verbs).
 """
 
 from __future__ import annotations
@@ -41,6 +45,22 @@ class Unauthorized(CoordinatorError, PermissionError):
     """The coordinator refused our token."""
 
 
+class ControlError(CoordinatorError):
+    """A lifecycle verb was refused (e.g. an illegal transition); ``detail`` holds the facts the
+    coordinator gave with it (a failed REFIT: each engine's weights now), or ``{}``."""
+
+    def __init__(self, code: str, message: str, detail: dict[str, Any] | None = None) -> None:
+        super().__init__(code, message)
+        self.detail = detail or {}
+
+
+class CoordinatorLost(CoordinatorError, ConnectionError):
+    """No coordinator answered for longer than the peer's grace period: what was pending on it failed."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__("coordinator_lost", message)
+
+
 def backoff_delays(initial: float = 0.1, maximum: float = 2.0) -> Iterator[float]:
     """0.1, 0.2, 0.4 ... capped at ``maximum``: reconnect attempts that neither hammer nor dawdle."""
     delay = initial
@@ -54,10 +74,14 @@ class Connection:
     owner may update between registrations (an engine's weights, for example)."""
 
     def __init__(self, hello: dict[str, Any], *, heartbeat_interval: float = 1.0,
-                 coordinator_timeout: float = 10.0, now: float = 0.0) -> None:
+                 coordinator_timeout: float = 10.0, grace: float = float("inf"), now: float = 0.0) -> None:
+        if not grace >= 0:
+            raise ValueError(f"the coordinator grace period must be a number of seconds >= 0, got {grace!r}")
         self.hello = {**hello, "protocol": PROTOCOL_VERSION}
         self.heartbeat_interval = heartbeat_interval
         self.coordinator_timeout = coordinator_timeout
+        self.grace = grace
+        self.lost_since: float | None = None  # when the coordinator was found silent; None while it answers
         self.registered = False
         self.session = 0  # registrations so far; the current one's number
         self.ack: HelloAck | None = None  # the current registration's HELLO_ACK
@@ -74,8 +98,11 @@ class Connection:
         ``heartbeat``: the body of this peer's heartbeats (an engine's load); empty by default.
         """
         if self.registered and now - self.last_rx > self.coordinator_timeout:
-            logger.warning("coordinator silent for %.1fs: reconnecting", now - self.last_rx)
+            logger.warning("coordinator silent for %.1fs: reconnecting%s", now - self.last_rx,
+                           f" (what is pending waits up to {self.grace:g}s for it)" if self.grace < float("inf") else "")
             self.restart(now)
+            if self.lost_since is None:
+                self.lost_since = now
             return [], True
         frames = []
         if not self.registered and now >= self._next_hello:
@@ -87,10 +114,21 @@ class Connection:
         return frames, False
 
     def next_due(self) -> float:
-        """When :meth:`due` has something to do next (monotonic seconds)."""
+        """When :meth:`due` (or :meth:`lost`) has something to do next (monotonic seconds)."""
         if not self.registered:
+            if self.lost_since is not None and self.lost_since + self.grace > self._next_hello:
+                return min(self._next_hello, self.lost_since + self.grace)
             return self._next_hello
         return min(self._last_heartbeat + self.heartbeat_interval, self.last_rx + self.coordinator_timeout)
+
+    def lost(self, now: float, address: str) -> CoordinatorLost | None:
+        """The error for what is pending, once the coordinator at ``address`` has been lost past the grace period."""
+        if self.lost_since is None or now - self.lost_since < self.grace:
+            return None
+        return CoordinatorLost(f"lost the coordinator at {address}: no answer for "
+                               f"{now - self.lost_since + self.coordinator_timeout:.0f}s (a grace period of "
+                               f"{self.grace:g}s after {self.coordinator_timeout:g}s of silence); the request did "
+                               "not finish")
 
     def restart(self, now: float) -> None:
         """A new socket: register again (HELLO at once, then with backoff)."""
@@ -132,6 +170,7 @@ class Connection:
             if self.registered:
                 return False  # a duplicate answer to a retried HELLO
             self.registered, self.ack = True, body
+            self.lost_since = None
             self.session += 1
             self._delays = backoff_delays()
             self._last_heartbeat = float("-inf")  # never: the first one goes at once

@@ -6,7 +6,9 @@ problem) without importing the engine; the engine builds its matchers from :func
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
+import threading
 from typing import Any
 
 from .sampling_params import StructuredOutputsParams
@@ -34,8 +36,47 @@ def grammar_for(spec: StructuredOutputsParams) -> str:
     return llguidance.grammar_from("grammar", spec.grammar)
 
 
-def grammar_error(spec: StructuredOutputsParams, tokenizer: Any = None) -> str | None:
-    """Why the constraint cannot be used (a bad schema, regex or grammar), or None when it can."""
+def constraint_bytes(spec: StructuredOutputsParams) -> int:
+    """The size of a constraint as the client wrote it (UTF-8): what its grammar's cost grows with."""
+    if spec.choice is not None:
+        return sum(len(choice.encode()) for choice in spec.choice)
+    text = spec.regex or spec.grammar or spec.json or ""
+    return len((json.dumps(text) if isinstance(text, dict) else text).encode())
+
+
+def grammar_error(spec: StructuredOutputsParams, tokenizer: Any = None, timeout: float | None = None) -> str | None:
+    """Why the constraint cannot be used (a bad schema, regex or grammar), or None when it can.
+
+    ``timeout``: seconds the check may take, waiting for a checker thread included; a constraint
+    that takes longer cannot be used either. The checks run on :data:`CHECKER_THREADS` threads of
+    their own: llguidance cannot be interrupted, but it releases the GIL, so a slow check costs one
+    of those threads until it ends and no more (checks that waited past their deadline never start).
+    """
+    if timeout is None:
+        return _check(spec, tokenizer)
+    future = _checkers().submit(_check, spec, tokenizer)
+    try:
+        return future.result(timeout)
+    except concurrent.futures.TimeoutError:
+        future.cancel()
+        return f"it could not be checked within {timeout:g}s (the server's --grammar-compile-timeout)"
+
+
+#: Threads that check constraints for :func:`grammar_error` with a timeout, per process.
+CHECKER_THREADS = 2
+_pool: concurrent.futures.ThreadPoolExecutor | None = None
+_pool_lock = threading.Lock()
+
+
+def _checkers() -> concurrent.futures.ThreadPoolExecutor:
+    global _pool
+    with _pool_lock:
+        if _pool is None:
+            _pool = concurrent.futures.ThreadPoolExecutor(CHECKER_THREADS, thread_name_prefix="megatron-serve-grammar")
+        return _pool
+
+
+def _check(spec: StructuredOutputsParams, tokenizer: Any) -> str | None:
     import llguidance  # noqa: PLC0415
 
     try:

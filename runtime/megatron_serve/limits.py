@@ -18,6 +18,13 @@ from .sampling_params import MAX_TOP_N_LOGPROBS
 
 MiB = 1 << 20
 
+#: Seconds an HTTP connection may stay idle, before its first request or between two (uvicorn's and
+#: vLLM's default; ``--timeout-keep-alive``).
+DEFAULT_KEEP_ALIVE = 5.0
+#: Seconds a lost coordinator has to come back before what is pending on it fails (``--coordinator-grace``;
+#: see :class:`megatron_serve.client.InferenceClient`).
+DEFAULT_COORDINATOR_GRACE = 30.0
+
 #: Characters per token of context beyond which a prompt cannot fit with any common tokenizer:
 #: English averages about 4 characters per token and code about 3; 32 leaves room for prompts
 #: full of long whitespace-run tokens. Used when ``max_prompt_chars`` is not given.
@@ -50,6 +57,17 @@ class RequestLimits:
       fetched; vision-language models): every image is decoded by the server and preprocessed and
       encoded by an engine. 10 MiB rather than OpenAI's 20 MB: a request travels to its engine in
       one 16 MiB frame. A data: URL counts against ``max_body_bytes`` too.
+    * ``max_guided_choices`` 1024 strings of ``guided_choice``, and ``max_constraint_bytes`` 128 KiB
+      for any output constraint (a JSON schema as JSON, a regex, a grammar, all choices together):
+      a constraint becomes a grammar that the server checks and the engine compiles (once per
+      request, on its step loop, where every other request's next token waits for it). Checking
+      grows faster than the size: measured, a Lark grammar of 9,000 alternatives (89 KB) 0.1 s,
+      20,000 (209 KB) 0.4 s, 150,000 (1.2 MB, under the body limit) 36 s; 50,000 choices were
+      accepted and cost an engine 3.2 s.
+    * ``grammar_compile_timeout`` 1 s: a constraint that the server cannot check within it is
+      refused with a 400 instead of reaching an engine. Checks run on two threads of their own
+      (llguidance releases the GIL but cannot be interrupted: a check past its deadline finishes
+      on its thread, which the size limit bounds), so the event loop keeps answering meanwhile.
     """
 
     max_body_bytes: int = field(default=2 * MiB, metadata={
@@ -73,6 +91,16 @@ class RequestLimits:
     max_logprobs: int = field(default=MAX_TOP_N_LOGPROBS, metadata={
         "flag": "--max-logprobs", "help": f"most log probs per token a request may ask for (logprobs, top_logprobs, "
                                           f"prompt_logprobs), 0 to {MAX_TOP_N_LOGPROBS} (vLLM's option)"})
+    max_guided_choices: int = field(default=1024, metadata={
+        "flag": "--max-guided-choices", "help": "most strings in guided_choice"})
+    max_constraint_bytes: int = field(default=128 * 1024, metadata={
+        "flag": "--max-constraint-bytes",
+        "help": "largest output constraint in bytes: a JSON schema (as JSON), a regex, a grammar, or all choices "
+                "together"})
+    grammar_compile_timeout: float = field(default=1.0, metadata={
+        "flag": "--grammar-compile-timeout", "type": float,
+        "help": "seconds the server may take to check an output constraint (JSON schema, regex, grammar, "
+                "choices); slower ones are refused with 400"})
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -84,7 +112,10 @@ class RequestLimits:
                     raise ValueError(f"--max-logprobs must be an integer from 0 to {MAX_TOP_N_LOGPROBS} (the most "
                                      f"the engine returns), got {value!r}")
                 continue
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            if f.metadata.get("type") is float:
+                if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
+                    raise ValueError(f"{f.metadata['flag']} must be a number of seconds > 0, got {value!r}")
+            elif isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{f.metadata['flag']} must be an integer >= 1, got {value!r}")
 
     def prompt_chars(self, max_model_len: int | None) -> int | None:
@@ -97,6 +128,11 @@ class RequestLimits:
     def flags() -> list[tuple[str, str, str]]:
         """``(field name, flag, help)`` of every limit, for the commands' option group."""
         return [(f.name, f.metadata["flag"], f.metadata["help"]) for f in fields(RequestLimits)]
+
+    @staticmethod
+    def flag_type(name: str) -> type:
+        """The type of a limit's flag value (``int``, or ``float`` for seconds)."""
+        return next(f.metadata.get("type", int) for f in fields(RequestLimits) if f.name == name)
 
     @classmethod
     def from_options(cls, options: dict[str, Any]) -> "RequestLimits":

@@ -1,15 +1,24 @@
 """A coordinator and N engine processes on this machine, started and stopped as one unit.
 
-Used by ``MegatronLLM`` / ``MegatronAsyncLLM`` in coordinator mode when no coordinator address is
-given, and by tests and benchmarks. Children are real ``megatron-serve`` processes (the same code
-paths as a deployment); their logs go to files so that a full pipe can never block them, and a
-child that dies during start-up is reported with the tail of its log.
+Used by ``megatron-serve run``, by ``MegatronLLM`` / ``MegatronAsyncLLM`` in coordinator mode when no
+coordinator address is given, and by tests and benchmarks. Children are real ``megatron-serve``
+processes (the same code paths as a deployment); their logs go to files so that a full pipe can
+never block them, and a child that dies during start-up is reported with the tail of its log.
+
+No child outlives the fleet's process, whatever ends it (:mod:`megatron_serve.lifeline`); once
+:meth:`LocalFleet.supervise` is called, a child that dies is restarted with back-off
+(:mod:`megatron_serve.supervisor`). The fleet's own directory (its logs, when no ``log_dir`` is
+given: ``$TMPDIR/megatron-fleet-*``) is removed when the fleet stops; one whose process was killed
+before it could is removed by the next fleet of the same user that starts (a lock held for the
+fleet's life tells a live directory from a stale one). 17 of them were found on one machine.
 """
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -19,6 +28,8 @@ from pathlib import Path
 
 from .config import InferenceConfig
 from .fleet_argv import TOKEN_ENV, inference_config_to_argv
+from .lifeline import Lifeline
+from .supervisor import Child, Supervisor, exit_cause
 
 logger = logging.getLogger("megatron_serve.local_fleet")
 
@@ -48,12 +59,53 @@ def gpu_slices(visible: list[str], num_engines: int, ranks: int) -> list[str]:
     return [",".join(visible[index * ranks:(index + 1) * ranks]) for index in range(num_engines)]
 
 
+RUN_DIR_PREFIX = "megatron-fleet-"
+_LOCK = ".lock"
+
+
 def _tail(path: Path, lines: int = 15) -> str:
     try:
         text = path.read_text(errors="replace").strip().splitlines()
     except OSError:
         return "(no log)"
     return "\n".join(text[-lines:])
+
+
+def make_run_dir() -> tuple[Path, int]:
+    """A new private directory for one fleet, and the descriptor of the lock held on it for the fleet's life.
+
+    Stale directories of this user (their lock free: the fleet that made them is gone) are removed first.
+    """
+    remove_stale_run_dirs()
+    path = Path(tempfile.mkdtemp(prefix=RUN_DIR_PREFIX))  # mode 0700
+    fd = os.open(path / _LOCK, os.O_RDWR | os.O_CREAT, 0o600)
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    return path, fd
+
+
+def remove_stale_run_dirs(root: str | os.PathLike | None = None) -> list[Path]:
+    """Remove this user's fleet directories under ``root`` (default: the temporary directory) whose fleet is
+    gone; returns them. A directory without a lock file (being created, or not a fleet's) is left alone."""
+    removed = []
+    for path in Path(root or tempfile.gettempdir()).glob(RUN_DIR_PREFIX + "*"):
+        try:
+            if path.is_symlink() or not path.is_dir() or path.stat().st_uid != os.getuid():
+                continue
+            fd = os.open(path / _LOCK, os.O_RDWR)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            continue  # held: its fleet lives
+        finally:
+            os.close(fd)
+        shutil.rmtree(path, ignore_errors=True)
+        removed.append(path)
+    if removed:
+        logger.info("removed %d directory(ies) of local fleets that were killed: %s", len(removed),
+                    ", ".join(map(str, removed)))
+    return removed
 
 
 class LocalFleet:
@@ -77,7 +129,8 @@ class LocalFleet:
     ) -> None:
         """``inference_config``: the engines' settings, tensor parallelism included; ``tokenizer_dir``:
         tokenizer files for the coordinator and every engine (default: the model's). On GPUs each
-        engine group gets GPUs of its own."""
+        engine group gets GPUs of its own. ``log_dir``: where the logs go and stay (default: the
+        fleet's own directory, removed when it stops)."""
         if num_engines < 1:
             raise ValueError(f"num_engines must be >= 1, got {num_engines}")
         self.model_dir = str(model_dir)
@@ -96,54 +149,77 @@ class LocalFleet:
         device = inference_config.device if inference_config is not None else InferenceConfig().device
         self.gpus = gpu_slices(visible_gpus(), num_engines, ranks) if str(device).startswith("cuda") else None
         self.tokenizer_args = ["--tokenizer", str(tokenizer_dir)] if tokenizer_dir is not None else []
-        self._own_log_dir = log_dir is None
-        self.log_dir = Path(log_dir or tempfile.mkdtemp(prefix="megatron-fleet-"))
-        self.log_dir.mkdir(parents=True, exist_ok=True)
-        self.coordinator: subprocess.Popen | None = None
-        self.engines: list[subprocess.Popen] = []
+        self._lock_fd: int | None = None
+        if log_dir is None:
+            self.log_dir, self._lock_fd = make_run_dir()
+        else:
+            self.log_dir = Path(log_dir)
+            self.log_dir.mkdir(parents=True, exist_ok=True)
+        self._coordinator: Child | None = None
+        self._engines: list[Child] = []
         self.address: str | None = None
+        self._lifeline = Lifeline()
+        self._supervisor = Supervisor(self._lifeline)
+        self._ended = False
 
-    def _env(self) -> dict[str, str]:
+    @property
+    def coordinator(self) -> subprocess.Popen | None:
+        """The coordinator's current process."""
+        return self._coordinator.proc if self._coordinator is not None else None
+
+    @property
+    def engines(self) -> list[subprocess.Popen]:
+        """Each engine's current process, in the order they were added."""
+        return [child.proc for child in self._engines if child.proc is not None]
+
+    @property
+    def restarts(self) -> dict[str, list[str]]:
+        """Why each child was restarted so far (child name -> causes), for tests and status lines."""
+        return {child.name: list(child.causes) for child in [self._coordinator, *self._engines]
+                if child is not None and child.causes}
+
+    def _env(self, gpus: str | None = None) -> dict[str, str]:
         env = dict(os.environ)
         env.pop(TOKEN_ENV, None)
         if self.token:
             env[TOKEN_ENV] = self.token  # not on the command line, where `ps` would show it
-        return env
-
-    def _spawn(self, args: list[str], log_name: str, gpus: str | None = None) -> subprocess.Popen:
-        env = self._env()
         if gpus is not None:
             env["CUDA_VISIBLE_DEVICES"] = gpus
-        log = open(self.log_dir / log_name, "ab")
-        try:
-            return subprocess.Popen([self.python, "-m", "megatron_serve.cli", *args], stdin=subprocess.DEVNULL,
-                                    stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-        finally:
-            log.close()
+        return env
+
+    def _command(self, args: list[str]) -> list[str]:
+        return [self.python, "-m", "megatron_serve.cli", *args]
 
     def start(self, timeout: float = 120.0) -> str:
         """Start the coordinator, wait until it listens, start the engines; returns the address."""
         address_file = self.log_dir / "coordinator.address"
         address_file.unlink(missing_ok=True)
-        self.coordinator = self._spawn(
-            ["coordinator", "--model", self.model_dir, "--host", self.host, "--port", str(self.port),
-             "--routing", self.routing, "--heartbeat-timeout", str(self.heartbeat_timeout),
-             "--address-file", str(address_file), *self.tokenizer_args], "coordinator.log")
+        self._coordinator = Child("coordinator", self._coordinator_argv(self.port, address_file),
+                                  self.log_dir / "coordinator.log", self._env())
+        coordinator = self._supervisor.start_child(self._coordinator)
         deadline = time.monotonic() + timeout
         while not address_file.exists():
-            if self.coordinator.poll() is not None:
-                raise RuntimeError(f"the coordinator exited with code {self.coordinator.returncode}:\n"
+            if coordinator.poll() is not None:
+                raise RuntimeError(f"the coordinator exited with code {coordinator.returncode}:\n"
                                    f"{_tail(self.log_dir / 'coordinator.log')}")
             if time.monotonic() > deadline:
-                self.stop()
-                raise TimeoutError(f"the coordinator did not start within {timeout:.0f}s (log: {self.log_dir})")
+                tail = _tail(self._coordinator.log)
+                self.stop()  # (its directory goes too: the log's tail is in the error)
+                raise TimeoutError(f"the coordinator did not start within {timeout:.0f}s; its log ends:\n{tail}")
             time.sleep(0.05)
         self.address = address_file.read_text().strip()
+        # A restarted coordinator binds the port this one got (the engines and clients reconnect to it).
+        self._coordinator.argv = self._coordinator_argv(int(self.address.rsplit(":", 1)[1]), address_file)
         for index in range(self.num_engines):
             self.add_engine(group=index)
         logger.info("local fleet: coordinator at %s, %d engine(s) starting (logs in %s)", self.address,
                     self.num_engines, self.log_dir)
         return self.address
+
+    def _coordinator_argv(self, port: int, address_file: Path) -> list[str]:
+        return self._command(["coordinator", "--model", self.model_dir, "--host", self.host, "--port", str(port),
+                              "--routing", self.routing, "--heartbeat-timeout", str(self.heartbeat_timeout),
+                              "--address-file", str(address_file), *self.tokenizer_args])
 
     def add_engine(self, group: int | None = None, extra: list[str] | None = None) -> subprocess.Popen:
         """Start one more engine process (used by ``start()``, and by tests that replace engines);
@@ -155,33 +231,44 @@ class LocalFleet:
                 *(self.engine_args if extra is None else extra)]
         if group is not None:
             args += ["--group", str(group)]
-        slot = len(self.engines) if group is None else group  # a replacement engine takes its group's GPUs
+        slot = len(self._engines) if group is None else group  # a replacement engine takes its group's GPUs
         gpus = self.gpus[slot % len(self.gpus)] if self.gpus else None
-        proc = self._spawn(args, f"engine-{len(self.engines)}.log", gpus)
-        self.engines.append(proc)
-        return proc
+        index = len(self._engines)
+        name = f"engine {index}" + (f" (group {group})" if group is not None else "")
+        child = Child(name, self._command(args), self.log_dir / f"engine-{index}.log", self._env(gpus))
+        self._engines.append(child)
+        return self._supervisor.start_child(child)
+
+    def supervise(self, on: bool = True) -> None:
+        """From now on, restart a child that dies (signal or non-zero exit) with back-off, logging the cause
+        (``on=False``: no more restarts, e.g. before a STOP that ends the engines)."""
+        self._supervisor.restart_dead(on)
 
     def check_alive(self) -> None:
         """Raise with the child's log tail if the coordinator or an engine died unexpectedly."""
-        if self.coordinator is not None and self.coordinator.poll() is not None:
-            raise RuntimeError(f"the coordinator exited with code {self.coordinator.returncode}:\n"
+        coordinator = self.coordinator
+        if coordinator is not None and coordinator.poll() is not None:
+            raise RuntimeError(f"the coordinator exited with {exit_cause(coordinator.returncode)}:\n"
                                f"{_tail(self.log_dir / 'coordinator.log')}")
-        for index, proc in enumerate(self.engines):
-            if proc.poll() is not None and proc.returncode != 0:
-                raise RuntimeError(f"engine {index} exited with code {proc.returncode}:\n"
-                                   f"{_tail(self.log_dir / f'engine-{index}.log')}")
+        for index, child in enumerate(self._engines):
+            proc = child.proc
+            if proc is not None and proc.poll() is not None and proc.returncode != 0:
+                raise RuntimeError(f"engine {index} exited with {exit_cause(proc.returncode)}:\n"
+                                   f"{_tail(child.log)}")
 
     def stop(self, timeout: float = 30.0, stop_acknowledged: bool = False) -> None:
         """End every child: SIGTERM (engines drain, hand back and exit 0), SIGKILL after ``timeout``.
 
         ``stop_acknowledged``: the fleet already acknowledged STOP, so the engines are exiting on
-        their own; give them until the deadline before signalling.
+        their own; give them until the deadline before signalling. The fleet's own directory goes too.
         """
+        self._supervisor.restart_dead(False)
         deadline = time.monotonic() + timeout
         for proc in self.engines:
             self._end(proc, deadline, wait_first=stop_acknowledged)
         if self.coordinator is not None:
             self._end(self.coordinator, time.monotonic() + 10.0, wait_first=False)
+        self._release()
 
     @staticmethod
     def _end(proc: subprocess.Popen, deadline: float, wait_first: bool) -> None:
@@ -204,7 +291,21 @@ class LocalFleet:
 
     def kill(self) -> None:
         """SIGKILL every child at once (test teardown, or after a failed start)."""
+        self._supervisor.restart_dead(False)
         for proc in [*self.engines, self.coordinator]:
             if proc is not None and proc.poll() is None:
                 proc.kill()
                 proc.wait()
+        self._release()
+
+    def _release(self) -> None:
+        """After the children ended: the supervisor's thread, the lifeline and the fleet's own directory."""
+        if self._ended:
+            return
+        self._ended = True
+        self._supervisor.close()
+        self._lifeline.close()
+        if self._lock_fd is not None:
+            shutil.rmtree(self.log_dir, ignore_errors=True)
+            os.close(self._lock_fd)
+            self._lock_fd = None

@@ -105,6 +105,7 @@ class ErrorCode(str, enum.Enum):
     REFIT_FAILED = "refit_failed"  # an engine could not verify or load the new weights
     FORBIDDEN = "forbidden"  # role may not send this header
     WEIGHTS_INCOMPLETE = "weights_incomplete"  # UNPAUSE while a failed refit left an engine with mixed weights
+    CONTROL_ID_REUSED = "control_id_reused"  # a control id already used for another verb or other arguments
 
 
 class ProtocolError(ValueError):

@@ -46,6 +46,22 @@ def test_heartbeats_once_registered_and_a_silent_coordinator_means_a_new_socket(
     assert c.session == 2 and c.ack.coordinator_id == "k2"
 
 
+def test_a_silent_coordinator_is_lost_until_one_registers_this_peer_and_past_the_grace_the_error_says_so():
+    c = Connection(HELLO, heartbeat_interval=1.0, coordinator_timeout=5.0, grace=10.0)
+    c.due(0.0)
+    c.receive(ack(), 0.1)
+    assert c.due(5.2) == ([], True) and c.lost_since == 5.2  # found silent: lost from now on
+    assert c.lost(15.1, "tcp://h:1") is None  # within the grace: what is pending waits
+    assert c.next_due() <= 15.2  # the owner looks again when the grace ends
+    error = c.lost(15.2, "tcp://h:1")
+    assert error is not None and error.code == "coordinator_lost" and isinstance(error, ConnectionError)
+    assert "lost the coordinator at tcp://h:1: no answer for 15s" in str(error)
+    c.receive(ack("k2"), 16.0)  # a coordinator (the same, or its replacement) registers us again
+    assert c.lost_since is None and c.lost(30.0, "tcp://h:1") is None
+    with pytest.raises(ValueError, match="grace period"):
+        Connection(HELLO, grace=-1.0)
+
+
 def test_a_restarted_coordinator_is_greeted_again_and_a_refused_token_is_final():
     c = Connection(HELLO)
     c.due(0.0)

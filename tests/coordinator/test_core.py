@@ -161,6 +161,35 @@ def test_illegal_transitions_are_refused_by_the_table_and_noops_still_acknowledg
     assert ack.state == "SUSPENDED" and ack.detail["noop"] and not h.take(E1, Header.PAUSE)
 
 
+def test_a_control_id_stands_for_one_verb_with_its_arguments():
+    """A retry (same id, verb and arguments) is answered again; the same id for anything else is refused,
+    naming the id and the verb it was used for, and nothing runs (an UNPAUSE that reused a PAUSE's id got
+    the PAUSE's acknowledgement and the fleet stayed paused)."""
+    from megatron_serve.messages import Pause
+
+    h = CoreHarness()
+    h.client(C)
+    h.engine(E1)
+    h.send(C, Header.PAUSE, Pause(control_id="x", mode="wait"))
+    h.send(C, Header.UNPAUSE, Control(control_id="x"))  # while the PAUSE waits for its engine
+    refused = h.take(C, Header.ERROR)[0]
+    assert refused.code == "control_id_reused" and refused.control_id == "x"
+    assert "'x' was already used for PAUSE" in refused.message
+    assert len(h.take(E1, Header.PAUSE)) == 1 and not h.take(E1, Header.UNPAUSE)
+    h.send(E1, Header.CONTROL_ACK, ControlAck(control_id="x#0", state="PAUSED"))
+    assert h.take(C, Header.CONTROL_ACK)[0].state == "PAUSED"
+    h.send(C, Header.PAUSE, Pause(control_id="x", mode="wait"))  # a retry after a reconnect: the kept answer
+    assert h.take(C, Header.CONTROL_ACK)[0].state == "PAUSED" and not h.take(E1)
+    h.send(C, Header.PAUSE, Pause(control_id="x", mode="abort"))  # the same verb, other arguments
+    assert "for a PAUSE with other arguments" in h.take(C, Header.ERROR)[0].message
+    h.send(C, Header.UNPAUSE, Control(control_id="x"))
+    assert h.take(C, Header.ERROR)[0].code == "control_id_reused" and not h.take(E1)
+    assert status(h).state == "PAUSED"
+    h.send(C, Header.UNPAUSE, Control(control_id="y"))
+    h.send(E1, Header.CONTROL_ACK, ControlAck(control_id="y#0", state="RUNNING"))
+    assert h.take(C, Header.CONTROL_ACK)[0].state == "RUNNING" and status(h).state == "RUNNING"
+
+
 def test_a_group_held_by_a_live_engine_is_refused_and_one_held_by_a_gone_engine_is_taken_over():
     h = CoreHarness()
     first = h.engine(E1, group=0)

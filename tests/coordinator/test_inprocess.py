@@ -313,3 +313,25 @@ async def test_a_pause_mode_is_refused_before_sending_to_a_coordinator_without_p
             await client.pause("abort")
         assert info.value.code == "unsupported" and (await client.status())["state"] == "RUNNING"
         assert (await client.pause())["state"] == "PAUSED"  # keep needs no mode on the wire
+
+
+async def test_a_control_id_used_for_a_pause_is_refused_for_an_unpause_and_the_fleet_does_not_stay_paused(
+        fleet_factory, monkeypatch):
+    """Over real sockets: the UNPAUSE that reused a PAUSE's control id is refused naming it (it was answered
+    with the PAUSE's acknowledgement and never ran), and one with an id of its own runs."""
+    import uuid
+
+    from megatron_serve import client as client_module
+
+    fleet = fleet_factory()
+    fleet.add_engine()
+    async with InferenceClient(fleet.address) as client:
+        await wait_engines(client, 1)
+        reused = uuid.uuid4()
+        monkeypatch.setattr(client_module.uuid, "uuid4", lambda: reused)
+        assert (await client.pause())["state"] == "PAUSED"
+        with pytest.raises(ControlError, match=f"control id '{reused.hex}' was already used for PAUSE") as info:
+            await client.unpause()
+        assert info.value.code == "control_id_reused" and (await client.status())["state"] == "PAUSED"
+        monkeypatch.undo()
+        assert (await client.unpause())["state"] == "RUNNING"

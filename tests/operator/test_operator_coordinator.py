@@ -212,3 +212,63 @@ async def test_model_path_change_refits_a_real_fleet_in_place(cluster, tiny_mode
     finally:
         await cluster.stop_operator()
         children.kill_all()
+
+
+async def test_a_coordinator_container_restart_under_load_loses_no_request_of_the_pods_server(
+        cluster, tiny_model: str, tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch):
+    """The coordinator pod's two containers as the operator renders them: the coordinator is killed while 20
+    streams run through the server container, and comes back as the kubelet restarts it. The server says
+    it is not ready meanwhile (``/health`` stays 200), every stream ends with all its tokens, and the
+    resource is Ready again."""
+    import httpx
+
+    from tests.coordinator.helpers import Children, free_port
+    from tests.run_stack import stream
+
+    port, address, token = await operate_tiny_resource(cluster, tiny_model, monkeypatch)
+    children = Children(tmp_path)
+    env = {"MEGATRON_SERVE_TOKEN": token, "MEGATRON_KERNELS": "reference"}
+    deploy = await wait_for(lambda: cluster.emu.find("deployments", NS, "tiny-coordinator"), what="the Deployment")
+    (server_container,) = [c for c in deploy["spec"]["template"]["spec"]["containers"] if c["name"] == "server"]
+    http_port = free_port()
+    args = list(server_container["args"])  # as rendered, but on this machine's free ports
+    for flag, value in (("--coordinator", address), ("--host", "127.0.0.1"), ("--port", str(http_port))):
+        args[args.index(flag) + 1] = value
+    assert args[args.index("--drain-timeout") + 1] == "5"  # the resource's drainTimeoutSeconds
+    url = f"http://127.0.0.1:{http_port}"
+
+    async def ready() -> int:
+        try:
+            async with httpx.AsyncClient(timeout=5) as http:
+                return (await http.get(f"{url}/ready")).status_code
+        except httpx.TransportError:
+            return 0
+
+    try:
+        coordinator = children.coordinator(tiny_model, port, env=env)
+        children.engine(tiny_model, port, "--group", "0", "--device", "cpu", "--dtype", "float32", env=env)
+        children.spawn(args, "server", env)
+        await wait_for(lambda: cluster.status(NS, "tiny").get("phase") == "Ready", timeout=180, what="Ready")
+        await wait_for(lambda: ready_is(ready, 200), timeout=120, what="the server ready")
+        async with httpx.AsyncClient(base_url=url, timeout=300) as http:
+            model = (await http.get("/v1/models")).json()["data"][0]["id"]
+            firsts = [asyncio.Event() for _ in range(20)]
+            streams = [asyncio.create_task(stream(http, model, f"Pod {i}: the river and the stone", 48, first))
+                       for i, first in enumerate(firsts)]
+            await asyncio.wait_for(asyncio.gather(*(f.wait() for f in firsts)), 120)
+            coordinator.send_signal(signal.SIGKILL)
+            coordinator.wait(timeout=30)
+            await wait_for(lambda: ready_is(ready, 503), timeout=15, what="the server not ready without a coordinator")
+            assert (await http.get("/health")).status_code == 200
+            coordinator = children.coordinator(tiny_model, port, env=env)  # what the kubelet does
+            outcomes = await asyncio.wait_for(asyncio.gather(*streams), 300)
+        assert all(o.completed and o.finish_reason == "length" and len(o.tokens) == 48 for o in outcomes), outcomes
+        await wait_for(lambda: ready_is(ready, 200), timeout=60, what="the server ready again")
+        await wait_for(lambda: cluster.status(NS, "tiny").get("phase") == "Ready", timeout=120, what="Ready again")
+    finally:
+        await cluster.stop_operator()
+        children.kill_all()
+
+
+async def ready_is(ready, status: int) -> bool:
+    return await ready() == status

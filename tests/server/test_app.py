@@ -231,7 +231,9 @@ async def test_paused_fleet_holds_requests_and_queue_limit_is_429(tokenizer, bac
     body = {"model": MODEL, "prompt": "Hello", "max_tokens": 3}
     async with serving(make_app(tokenizer, backend, max_concurrent_requests=3)) as url, \
             httpx.AsyncClient(base_url=url, timeout=30) as http:
-        assert (await http.get("/ready")).status_code == 200  # paused is ready: requests wait
+        ready = await http.get("/ready")  # paused is not ready (requests wait): a balancer should look elsewhere
+        assert ready.status_code == 503 and ready.json()["state"] == "PAUSED", ready.text
+        assert "the fleet is PAUSED: requests wait until it runs again" in ready.json()["detail"]
         held = [asyncio.create_task(http.post("/v1/completions", json=body)) for _ in range(3)]
         await async_wait_until(lambda: len(backend.submitted) == 3, 10, "3 held requests")
         metrics = (await http.get("/metrics")).text
@@ -243,6 +245,7 @@ async def test_paused_fleet_holds_requests_and_queue_limit_is_429(tokenizer, bac
         assert not any(task.done() for task in held)
         backend.state = "RUNNING"
         backend.gate.set()
+        assert (await http.get("/ready")).status_code == 200  # the state as of now, not as of the last poll
         answers = await asyncio.gather(*held)
         assert [a.status_code for a in answers] == [200, 200, 200]
         assert_error(await http.post("/v1/completions", json={**body, "n": 4}), 429)  # n=4 never fits in 3

@@ -227,6 +227,31 @@ async def test_a_big_prompt_and_a_worst_case_body(stack):
     assert openai_error(dense, 400)["code"] == "context_length_exceeded"
 
 
+async def test_fifty_thousand_choices_and_a_grammar_of_a_megabyte(stack):
+    """Refused by their size before anything compiles them: 50,000 choices (589 KB; were accepted, then a
+    500 after 6-7 s and 159 MB more in the engine), and a Lark grammar of 150,000 alternatives (1.2 MB,
+    36 s to check)."""
+    choices = [f"option {i}" for i in range(50_000)]
+    grammar = "start: " + " | ".join(f'"c{i}"' for i in range(150_000))
+    limits = RequestLimits()
+    async with httpx.AsyncClient(base_url=stack.url, timeout=60) as http:
+        began = time.perf_counter()
+        many = await http.post("/v1/completions", json={"model": stack.model, "prompt": "pick",
+                                                        "guided_choice": choices})
+        took = time.perf_counter() - began
+        big = await http.post("/v1/chat/completions", json={"model": stack.model, "guided_grammar": grammar,
+                                                            "messages": [{"role": "user", "content": "say"}]})
+        fine = await http.post("/v1/completions", json={"model": stack.model, "prompt": "pick", "max_tokens": 8,
+                                                        "guided_choice": ["yes", "no"]})
+    record(stack, many, big, fine)
+    error = openai_error(many, 400)
+    assert error["param"] == "guided_choice" and f"at most {limits.max_guided_choices}" in error["message"]
+    assert took < 1.0, took
+    error = openai_error(big, 400)
+    assert error["param"] == "guided_grammar" and f"at most {limits.max_constraint_bytes} bytes" in error["message"]
+    assert fine.status_code == 200 and fine.json()["choices"][0]["text"] in ("yes", "no"), fine.text
+
+
 async def test_slow_clients_sending_a_byte_at_a_time(stack):
     request = (f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                f"Content-Length: 200\r\n\r\n").encode() + b'{"model": "' + b"m" * 189
@@ -279,6 +304,31 @@ async def test_500_connections_opening_and_dropping(stack):
             response = await http.get("/ready")
             record(stack, response)
             assert response.status_code == 200
+
+
+async def test_2000_idle_connections_are_closed_after_the_keep_alive_timeout(stack):
+    """Connections that never send a byte (and one that went idle after its request) are closed by the
+    server after --timeout-keep-alive (5 s by default): 1,000 were never closed before, and 20,400 used
+    up the open-file limit. The /health probe keeps answering throughout (checked at the end)."""
+    began = time.perf_counter()
+    idle = []
+    for _ in range(2000):
+        idle.append(await asyncio.open_connection(stack.host, stack.port))
+    used_reader, used_writer = await asyncio.open_connection(stack.host, stack.port)
+    used_writer.write(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+    opened = time.perf_counter() - began
+    closed = await asyncio.wait_for(asyncio.gather(*(reader.read() for reader, _ in idle)), 60)
+    took = time.perf_counter() - began
+    after_request = await asyncio.wait_for(used_reader.read(), 30)
+    for _, writer in [*idle, (used_reader, used_writer)]:
+        writer.close()
+    assert closed == [b""] * 2000  # closed by the server, nothing answered
+    assert after_request.startswith(b"HTTP/1.1 200")  # answered, then closed once idle
+    assert took < opened + 5.0 + 15, (opened, took)  # the keep-alive timeout, not the client's patience
+    async with httpx.AsyncClient(base_url=stack.url, timeout=30) as http:
+        response = await http.get("/ready")
+    record(stack, response)
+    assert response.status_code == 200
 
 
 async def test_abort_storm_while_streaming(stack):

@@ -135,6 +135,11 @@ OVER_LIMITS = [
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x" * 101}]}, "messages"),
     ("/v1/completions", {"prompt": "x", "max_tokens": 1024}, "max_tokens"),
     ("/v1/chat/completions", {"messages": USER, "max_completion_tokens": 5000}, "max_completion_tokens"),
+    ("/v1/completions", {"prompt": "x", "guided_choice": ["a", "b", "c", "d"]}, "guided_choice"),
+    ("/v1/completions", {"prompt": "x", "guided_choice": ["a" * 30, "b" * 30]}, "guided_choice"),
+    ("/v1/chat/completions", {"messages": USER, "guided_regex": "x" * 51}, "guided_regex"),
+    ("/v1/chat/completions", {"messages": USER, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "s", "schema": {"enum": ["v" * 50]}}}}, "response_format"),
 ]
 
 
@@ -142,12 +147,25 @@ OVER_LIMITS = [
                                                                    zip(range(len(OVER_LIMITS)), OVER_LIMITS)])
 async def test_requests_over_a_limit_are_refused_before_tokenization(tokenizer, backend, path, fields, param):
     limits = RequestLimits(max_n=4, max_stop=3, max_stop_chars=10, max_logit_bias=2, max_messages=3,
-                           max_prompt_chars=100)
+                           max_prompt_chars=100, max_guided_choices=3, max_constraint_bytes=50)
     counting = CountingTokenizer(tokenizer)
     async with serving(make_app(counting, backend, limits=limits)) as url, httpx.AsyncClient(base_url=url) as http:
         error = assert_error(await http.post(path, json={"model": MODEL, **fields}), 400, param)
         assert "at most" in error["message"] or "maximum context length" in error["message"]
     assert counting.calls == 0 and backend.submitted == []
+
+
+async def test_a_constraint_that_takes_too_long_to_check_is_a_400_that_says_so(tokenizer, backend):
+    """The check has a deadline: past it the request is refused and nothing reaches an engine."""
+    grammar = "start: " + " | ".join(f'"c{i}"' for i in range(20_000))  # checked in 0.4 s on an idle core
+    limits = RequestLimits(grammar_compile_timeout=0.05, max_constraint_bytes=1 << 20)
+    async with serving(make_app(tokenizer, backend, limits=limits)) as url, httpx.AsyncClient(base_url=url) as http:
+        response = await http.post("/v1/completions", json={"model": MODEL, "prompt": "x", "guided_grammar": grammar})
+        fine = await http.post("/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 2,
+                                                        "guided_regex": "[ab]+"})
+    error = assert_error(response, 400, "guided_grammar", "invalid_constraint")
+    assert "could not be checked within 0.05s" in error["message"], error
+    assert fine.status_code == 200 and len(backend.submitted) == 1
 
 
 def test_prompt_character_limit_follows_the_context_unless_given():

@@ -310,7 +310,8 @@ def test_paused_and_suspended_fleets_hold_requests_and_queue_limit_is_429(stack,
         with pytest.raises(openai.RateLimitError) as info:
             client.completions.create(model=stack.model, prompt="Hi", max_tokens=2)
         assert info.value.code == "queue_full"
-        assert httpx.get(f"{stack.url}/ready").status_code == 200  # paused is still ready
+        ready = httpx.get(f"{stack.url}/ready")  # paused: not ready (requests wait), right after the pause
+        assert ready.status_code == 503 and ready.json()["state"] == "PAUSED", ready.text
         assert not any(f.done() for f in held)
         control(stack.address, "unpause")
         for future in held:

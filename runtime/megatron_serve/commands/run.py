@@ -1,11 +1,13 @@
 """``megatron-serve run --model DIR``: coordinator, N engine processes and the HTTP server, as one command.
 
 The coordinator and engines are real child processes (the same code as a deployment, via
-``LocalFleet``; their logs go to ``--log-dir``); the HTTP server runs in this process. Each
-start-up stage prints one progress line, and the last line prints the endpoint and a ``curl``
-example. SIGINT/SIGTERM stop everything in order: the HTTP server stops taking requests, the
-fleet gets STOP (engines drain and exit), then the processes are reaped. A second signal stops
-at once.
+``LocalFleet``; their logs go to ``--log-dir``, else to the run's own directory, removed when it
+ends); the HTTP server runs in this process. Each start-up stage prints one progress line, and the
+last line prints the endpoint and a ``curl`` example. Once serving, a coordinator or engine that
+dies is restarted with back-off (the log says why), and no child outlives this process, whatever
+ends it. SIGINT/SIGTERM/SIGHUP stop everything in order: the HTTP server drains (new requests get
+503, admitted ones finish for up to ``--drain-timeout``), the fleet gets STOP (engines drain and
+exit), then the processes are reaped. A second signal stops at once.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import logging
 import os
 import shlex
 import signal
+import sys
 import time
 from typing import Any
 
@@ -28,8 +31,8 @@ from .engine_options import add_engine_options, inference_config_from_args
 from .inputs import check_model_dir, check_port_free, parse_port
 from .model_options import add_model_options, resolve_model_args
 from .options import add_log_option, add_token_option, read_token, setup_logging
-from .server import (ServingFiles, add_server_options, check_server_options, image_options, read_admin_key,
-                     read_api_key, read_limits)
+from .server import (ServingFiles, add_server_options, check_server_options, connection_options, image_options,
+                     read_admin_key, read_api_key, read_limits)
 
 logger = logging.getLogger("megatron_serve.run")
 
@@ -46,12 +49,10 @@ def add_arguments(parser: argparse.ArgumentParser, *, positional_model: bool = F
                              "or a free port when it is taken; 0 = any free port)")
     parser.add_argument("--routing", default="least_loaded", choices=["least_loaded", "round_robin", "prefix_affinity"],
                         help="which engine group gets a request")
-    parser.add_argument("--log-dir", metavar="DIR", help="where coordinator and engine logs go (default: a new "
-                                                         "temporary directory)")
+    parser.add_argument("--log-dir", metavar="DIR", help="where coordinator and engine logs go and stay (default: "
+                                                         "the run's own temporary directory, removed when it ends)")
     parser.add_argument("--startup-timeout", type=float, default=600.0, metavar="S",
                         help="give up if the engines have not loaded the model after this long")
-    parser.add_argument("--drain-timeout", type=float, default=30.0, metavar="S",
-                        help="on Ctrl-C, how long engines may finish running requests")
     add_server_options(parser, default_host="127.0.0.1")
     add_engine_options(parser)
     add_token_option(parser)
@@ -60,8 +61,19 @@ def add_arguments(parser: argparse.ArgumentParser, *, positional_model: bool = F
 
 
 def progress(stage: int | None, message: str) -> None:
-    prefix = f"[{stage}/{STAGES}] " if stage is not None else "      "
-    print(prefix + message, flush=True)
+    say((f"[{stage}/{STAGES}] " if stage is not None else "      ") + message)
+
+
+def say(line: str) -> None:
+    """Print one line of ``run``'s output."""
+    try:
+        print(line, flush=True)
+    except BrokenPipeError:
+        # Whoever read our output left (`run | head -2`): keep serving, with the output going nowhere.
+        # (Raised here, it ended `run` without stopping its children.)
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -140,7 +152,8 @@ class _Stack:
     def _on_signal(self, signum: int) -> None:
         self.signals += 1
         if self.signals == 1:
-            progress(None, f"{signal.Signals(signum).name}: stopping (again to stop at once)")
+            progress(None, f"{signal.Signals(signum).name}: stopping: new requests get 503, those in flight may finish "
+                           f"for up to {self.args.drain_timeout:g}s (again to stop at once)")
             self.stop.set()
             return
         progress(None, "stopping at once")
@@ -161,7 +174,7 @@ class _Stack:
 
     async def _main(self) -> int:
         loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
             loop.add_signal_handler(sig, self._on_signal, sig)
         from ..server.runner import bind_socket, endpoint_url  # noqa: PLC0415
 
@@ -210,11 +223,12 @@ class _Stack:
                                 log_dir=args.log_dir, tokenizer_dir=args.tokenizer)
         started = time.monotonic()
         address = await asyncio.to_thread(self.fleet.start, 60.0)
-        progress(2, f"coordinator listening on {address}{self.port_note} (logs in {self.fleet.log_dir})")
+        kept = "" if args.log_dir is not None else "; removed at exit, --log-dir keeps them"
+        progress(2, f"coordinator listening on {address}{self.port_note} (logs in {self.fleet.log_dir}{kept})")
         self.published = local_runs.publish(local_runs.LocalRun(
             pid=os.getpid(), coordinator=address, endpoint=self.endpoint, model=args.served_model_name or args.model,
             token_required=self.token is not None))
-        self.client = InferenceClient(address, token=self.token)
+        self.client = InferenceClient(address, token=self.token, coordinator_grace=args.coordinator_grace)
         await self.client.start(timeout=30.0)
         tp = f", tensor parallel {args.tensor_parallel}" if args.tensor_parallel > 1 else ""
         progress(3, f"starting {args.engines} engine process(es){tp}: loading the model ...")
@@ -240,6 +254,7 @@ class _Stack:
                 await asyncio.sleep(0.2)
         if status["state"] != "RUNNING":
             await self.client.unpause(timeout=30.0)  # e.g. a coordinator left STOPPED by an earlier run
+        self.fleet.supervise()  # from now on a child that dies is started again
 
     async def _serve(self, facts: Any, tokenizer: Any, sock: Any) -> None:
         from ..server.app import create_app  # noqa: PLC0415
@@ -256,17 +271,18 @@ class _Stack:
 
         def started(url: str) -> None:
             progress(4, f"HTTP server listening on {url}{' (API key required)' if self.api_key else ''}")
-            print(f"megatron-serve is ready: {url}/v1 (model '{facts.name}', {args.engines} engine(s)); try: "
-                  f"{curl_example(url, facts.name, bool(self.api_key))}", flush=True)
+            say(f"megatron-serve is ready: {url}/v1 (model '{facts.name}', {args.engines} engine(s)); try: "
+                f"{curl_example(url, facts.name, bool(self.api_key))}")
 
         freeze_startup_heap()
         await serve_app(app, sock=sock, log_level=args.log_level, on_started=started, stop=self.stop,
-                        read_timeout=args.read_timeout)
+                        **connection_options(args))
 
     async def _shutdown(self) -> None:
         """Server already stopped; now STOP the fleet (engines drain) and reap the processes."""
         if self.fleet is None:
             return
+        self.fleet.supervise(False)  # what exits now is meant to
         if self.forced:
             self.fleet.kill()
             return
@@ -279,6 +295,4 @@ class _Stack:
             self.client.close()
         await asyncio.to_thread(self.fleet.stop)
         progress(None, "stopped")
-        if self.args.log_dir is None:
-            logger.info("logs kept in %s", self.fleet.log_dir)
 

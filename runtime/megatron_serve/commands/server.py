@@ -17,7 +17,7 @@ from typing import Any
 
 from ..generation_config import GenerationDefaults
 from ..http_options import METRICS_COMPAT, HTTPOptions
-from ..limits import RequestLimits
+from ..limits import DEFAULT_COORDINATOR_GRACE, DEFAULT_KEEP_ALIVE, RequestLimits
 from ..multimodal import ImageOptions
 from .inputs import check_model_dir, coordinator_address, parse_port
 from .model_options import add_model_options, resolve_model_args
@@ -58,6 +58,18 @@ def add_server_options(parser: argparse.ArgumentParser, default_host: str) -> No
     group.add_argument("--read-timeout", type=float, default=60.0, metavar="S",
                        help="a request (headers and body) must arrive within this many seconds of its first byte, "
                             "else 408 and the connection is closed (slow clients cannot hold connections)")
+    group.add_argument("--timeout-keep-alive", type=float, default=DEFAULT_KEEP_ALIVE, metavar="S",
+                       help="close a connection idle for this many seconds, before its first request or between "
+                            "two (uvicorn's option)")
+    group.add_argument("--max-connections", type=int, default=None, metavar="N",
+                       help="open connections at most; past it a new one gets 503 and is closed (default: the "
+                            "open-file limit, raised to its maximum, less a reserve)")
+    group.add_argument("--drain-timeout", type=float, default=30.0, metavar="S",
+                       help="on the first SIGINT/SIGTERM, new requests get 503 and those admitted may finish for "
+                            "this long; then the rest end with an error (a second signal stops at once)")
+    group.add_argument("--coordinator-grace", type=float, default=DEFAULT_COORDINATOR_GRACE, metavar="S",
+                       help="a lost coordinator has this long to come back before the requests in flight end with "
+                            "an error (503, or an error event in a stream); back in time, they go on")
     group.add_argument("--tokenizer-threads", type=int, default=None, metavar="N",
                        help="threads that tokenize prompts and render chat templates, off the event loop "
                             "(default: up to 4)")
@@ -75,8 +87,10 @@ def add_server_options(parser: argparse.ArgumentParser, default_host: str) -> No
     defaults = RequestLimits()
     for name, flag, text in RequestLimits.flags():
         default = getattr(defaults, name)
-        shown = f" (default: {default})" if default is not None else ""
-        limits.add_argument(flag, dest=name, type=int, default=None, metavar="N", help=text + shown)
+        kind = RequestLimits.flag_type(name)
+        shown = f" (default: {kind(default)!r})" if default is not None else ""
+        limits.add_argument(flag, dest=name, type=kind, default=None, metavar="S" if kind is float else "N",
+                            help=text + shown)
 
 
     images = parser.add_argument_group("images (vision-language models)")
@@ -131,6 +145,14 @@ def check_server_options(args: argparse.Namespace) -> None:
         raise ValueError(f"--max-concurrent-requests must be >= 1, got {args.max_concurrent_requests}")
     if not args.read_timeout > 0:
         raise ValueError(f"--read-timeout must be > 0, got {args.read_timeout}")
+    if not args.timeout_keep_alive > 0:
+        raise ValueError(f"--timeout-keep-alive must be > 0, got {args.timeout_keep_alive}")
+    if args.max_connections is not None and args.max_connections < 1:
+        raise ValueError(f"--max-connections must be >= 1, got {args.max_connections}")
+    if not args.drain_timeout >= 0:
+        raise ValueError(f"--drain-timeout must be >= 0, got {args.drain_timeout}")
+    if not args.coordinator_grace >= 0:
+        raise ValueError(f"--coordinator-grace must be >= 0, got {args.coordinator_grace}")
     if args.tokenizer_threads is not None and args.tokenizer_threads < 1:
         raise ValueError(f"--tokenizer-threads must be >= 1, got {args.tokenizer_threads}")
     read_limits(args)
@@ -198,16 +220,28 @@ async def _serve(args: argparse.Namespace, facts: Any, files: ServingFiles, toke
     from ..heap import freeze_startup_heap  # noqa: PLC0415
     from ..server.runner import serve_app  # noqa: PLC0415
 
-    client = InferenceClient(args.coordinator, token=token)
+    client = InferenceClient(args.coordinator, token=token, coordinator_grace=args.coordinator_grace)
     app = create_app(client, tokenizer, facts.name, api_key, admin_key=read_admin_key(args),
                      vocab_size=facts.vocab_size, max_model_len=facts.max_model_len,
                      max_concurrent_requests=args.max_concurrent_requests, limits=read_limits(args),
                      tokenizer_threads=args.tokenizer_threads, image_options=image_options(args),
                      generation_defaults=files.generation_defaults, options=HTTPOptions.from_args(args))
     stop = asyncio.Event()
+    serving = asyncio.current_task()
     loop = asyncio.get_running_loop()
+
+    def on_signal(signum: int) -> None:
+        """The first signal drains (a pod's stop, after its preStop); a second one stops at once."""
+        if not stop.is_set():
+            logger.warning("%s: draining for up to %gs (again to stop at once)", signal.Signals(signum).name,
+                           args.drain_timeout)
+            stop.set()
+        elif serving is not None:
+            logger.warning("%s again: stopping at once", signal.Signals(signum).name)
+            serving.cancel()
+
     for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(sig, on_signal, sig)
 
     def started(url: str) -> None:
         print(f"megatron-serve server: {url}/v1 serving model '{facts.name}' through {args.coordinator}"
@@ -216,6 +250,15 @@ async def _serve(args: argparse.Namespace, facts: Any, files: ServingFiles, toke
     freeze_startup_heap()
     try:
         await serve_app(app, sock=sock, log_level=args.log_level, on_started=started, stop=stop,
-                        read_timeout=args.read_timeout)
+                        **connection_options(args))
+    except asyncio.CancelledError:
+        if not stop.is_set():
+            raise
     finally:
         client.close()
+
+
+def connection_options(args: argparse.Namespace) -> dict[str, Any]:
+    """``serve_app``'s connection and drain options, from the flags of :func:`add_server_options`."""
+    return {"read_timeout": args.read_timeout, "timeout_keep_alive": args.timeout_keep_alive,
+            "max_connections": args.max_connections, "drain_timeout": args.drain_timeout}

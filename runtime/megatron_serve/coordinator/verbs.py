@@ -58,6 +58,12 @@ logger = logging.getLogger("megatron_serve.coordinator")
 
 _COMPLETED_KEPT = 256  # answers kept for clients that retry a verb after a reconnect
 
+#: What a control id stands for: the verb and its arguments, exactly as sent (msgpack of the body).
+#: A retry after a reconnect repeats both and gets the kept answer again; the same id with another
+#: verb or other arguments is refused. Keyed by the id alone, an UNPAUSE that reused a PAUSE's id
+#: was answered with the PAUSE's acknowledgement and never ran: the fleet stayed paused.
+RequestKey = tuple[Verb, bytes]
+
 
 class RefitRefused(IllegalTransition):
     """A REFIT the table allows but the fleet cannot run (no engine to verify the weights)."""
@@ -74,6 +80,7 @@ class ControlOp:
     control_id: Any
     verb: Verb
     client_id: str
+    key: RequestKey  # what the control id asked for (see RequestKey)
     level: int = 1
     drain_timeout: float | None = None  # STOP: the engines' drain; PAUSE (mode wait): the coordinator's
     mode: PauseMode = PauseMode.KEEP  # PAUSE
@@ -103,17 +110,25 @@ class VerbRunner:
     def __init__(self, core: "CoordinatorCore") -> None:
         self.core = core
         self.queue: collections.deque[ControlOp] = collections.deque()
-        self.completed: collections.OrderedDict[Any, tuple[Header, Any]] = collections.OrderedDict()
+        # control id -> (what it asked, the answer)
+        self.completed: collections.OrderedDict[Any, tuple[RequestKey, Header, Any]] = collections.OrderedDict()
 
     def request(self, client: ClientRecord, identity: bytes, verb: Verb, body: Control) -> None:
         core = self.core
         control_id = body.control_id
-        if control_id in self.completed:  # retry after a reconnect: answer again
-            core.send(identity, *self.completed[control_id])
+        key: RequestKey = (verb, msgspec.msgpack.encode(body))
+        answered = self.completed.get(control_id)
+        running = next((op for op in self.queue if op.control_id == control_id), None)
+        first = answered[0] if answered is not None else running.key if running is not None else None
+        if first is not None and first != key:
+            self._refuse_reuse(identity, control_id, verb, first[0])
             return
-        if any(op.control_id == control_id for op in self.queue):
+        if answered is not None:  # a retry after a reconnect: answer again
+            core.send(identity, answered[1], answered[2])
+            return
+        if running is not None:
             return  # in progress; the answer goes to the client's current connection
-        op = ControlOp(control_id=control_id, verb=verb, client_id=client.client_id)
+        op = ControlOp(control_id=control_id, verb=verb, client_id=client.client_id, key=key)
         problem = None
         if isinstance(body, Refit):
             op.source, op.epoch, op.rendezvous = body.source, body.epoch, body.rendezvous
@@ -137,6 +152,13 @@ class VerbRunner:
         logger.info("%s %s: %s requested (state %s)", client.role.value, client.client_id[:8], verb.name,
                     core.state.value)
         core.advance_verbs()
+
+    def _refuse_reuse(self, identity: bytes, control_id: Any, verb: Verb, first: Verb) -> None:
+        what = f"for {first.name}" if first is not verb else f"for a {verb.name} with other arguments"
+        message = f"control id {control_id!r} was already used {what}: each {verb.name} needs a control id of its own"
+        logger.warning("%s refused: %s", verb.name, message)
+        self.core.send(identity, Header.ERROR, Error(code=ErrorCode.CONTROL_ID_REUSED.value, message=message,
+                                                     control_id=control_id))
 
     @staticmethod
     def _pause_problem(op: ControlOp, body: Pause) -> str | None:
@@ -427,7 +449,7 @@ class VerbRunner:
                                              control_id=op.control_id, detail=detail))
 
     def _answer(self, op: ControlOp, header: Header, body: Any) -> None:
-        self.completed[op.control_id] = (header, body)
+        self.completed[op.control_id] = (op.key, header, body)
         while len(self.completed) > _COMPLETED_KEPT:
             self.completed.popitem(last=False)
         client = self.core.clients.get(op.client_id)

@@ -182,7 +182,7 @@ def add_admin_routes(app: FastAPI, backend: LifecycleBackend, monitor: FleetMoni
         if not monitor.reachable:
             await monitor.refresh()
         if not monitor.reachable:  # at once, instead of a verb queued until the coordinator is back
-            raise APIError(503, f"{verb}: {monitor.not_ready_reason()}", code="coordinator_unreachable",
+            raise APIError(503, f"{verb}: {monitor.refusal_reason()}", code="coordinator_unreachable",
                            headers={"Retry-After": "5"})
         try:
             ack = await call()

@@ -37,6 +37,7 @@ from .chat import ChatHandler
 from .completions import CompletionHandler
 from .admin import ADMIN_BODIES, add_admin_routes
 from .context import ServerContext
+from .drain import Admission
 from .errors import APIError, install_error_handlers
 from .fleet import FleetMonitor, InferenceBackend
 from .generation import PendingCounter
@@ -87,7 +88,8 @@ def _error_responses(codes: list[int]) -> dict[int | str, dict[str, Any]]:
                     "request limit)",
                401: "missing or wrong API key", 404: "no such model", 429: "the server's queue is full",
                413: "the request body is larger than the server accepts (--max-request-bytes)",
-               500: "the engine failed", 503: "the fleet is stopped or the coordinator is unreachable"}
+               500: "the engine failed", 503: "the fleet is stopped, the coordinator is unreachable or lost, or the "
+                                              "server is shutting down (Retry-After says when to retry)"}
     return {code: {"model": ErrorResponse, "description": meaning[code]} for code in codes}
 
 
@@ -166,6 +168,7 @@ def create_app(
     app.state.ctx = ctx
     install_error_handlers(app)
     app.add_middleware(BodySizeLimit, limit=limits.max_body_bytes)
+    app.add_middleware(Admission, state=ctx.drain)
     app.add_middleware(_HTTPMetricsMiddleware, metrics=metrics)
     if options.cors is not None:  # outermost: preflight requests are answered before any other check
         app.add_middleware(CORSMiddleware, allow_origins=list(options.cors.origins),
@@ -251,14 +254,20 @@ def create_app(
         return HealthResponse()
 
     @app.get("/ready", response_model=ReadyResponse, tags=["probes"],
-             responses={503: {"model": ReadyResponse, "description": "the fleet is stopped or unreachable"}},
-             description="200 while the coordinator answers and the fleet is not stopped: requests are "
-                         "accepted, even if a paused fleet makes them wait (readiness).")
+             responses={503: {"model": ReadyResponse, "description": "not serving now: the coordinator is "
+                                                                    "unreachable, the fleet is not RUNNING, or this "
+                                                                    "server is shutting down"}},
+             description="200 while requests are served now: the coordinator answers, the fleet is RUNNING and "
+                         "this server is not draining (readiness). A PAUSED or SUSPENDED fleet still accepts requests "
+                         "(they wait), but is not ready. `/health` is the liveness answer.")
     async def ready() -> Response:
         await monitor.wait_first_poll()
-        body = ReadyResponse(ready=monitor.ready, state=monitor.state if monitor.reachable else None,
-                             coordinator_reachable=monitor.reachable, engines=len(monitor.engines),
-                             detail=monitor.not_ready_reason())
+        if monitor.reachable:
+            await monitor.refresh()  # the state as of now: a fleet paused a moment ago is not ready
+        draining = "this server is shutting down (draining)" if ctx.drain.draining.is_set() else None
+        detail = draining or monitor.not_ready_reason()
+        body = ReadyResponse(ready=detail is None, state=monitor.state if monitor.reachable else None,
+                             coordinator_reachable=monitor.reachable, engines=len(monitor.engines), detail=detail)
         return JSONResponse(body.model_dump(), status_code=200 if body.ready else 503)
 
     @app.get("/metrics", tags=["probes"], response_class=Response,

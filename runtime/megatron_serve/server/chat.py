@@ -88,7 +88,7 @@ class ChatHandler:
         ctx.monitor.check_accepting()
         max_len = ctx.max_model_len()
         self.tools = plan_tools(req, ctx.tool_parser)
-        extra = controls(req, ctx.vocab_size, structured_outputs(req, self.tools.constraint),
+        extra = controls(req, ctx.vocab_size, structured_outputs(req, ctx.limits, self.tools.constraint),
                          prompt_log_probs=req.prompt_logprobs is not None)  # checked before the costlier rendering
         self.prompt = chat_prompt(req, ctx.tokenizer, ctx.vocab_size, max_len, tools=self.tools.template_tools)
         top_n = max(self.top, req.prompt_logprobs or 0)

@@ -87,7 +87,7 @@ class CompletionHandler:
                               "log probs of prompt tokens with stream=true")
         ctx.monitor.check_accepting()
         max_len = ctx.max_model_len()
-        extra = controls(req, ctx.vocab_size, structured_outputs(req),
+        extra = controls(req, ctx.vocab_size, structured_outputs(req, ctx.limits),
                          prompt_log_probs=self.echo_logprobs or req.prompt_logprobs is not None)
         self.prompts = completion_prompts(req, ctx.tokenizer, ctx.vocab_size, max_len)
         top_n = max(self.top, req.prompt_logprobs or 0)

@@ -11,6 +11,7 @@ from ..generation_config import GenerationDefaults
 from ..http_options import HTTPOptions
 from ..limits import RequestLimits
 from ..multimodal import ImageOptions
+from .drain import DrainState
 from .errors import shutting_down
 from .fleet import FleetMonitor, InferenceBackend
 from .generation import PendingCounter, Submission
@@ -37,6 +38,8 @@ class ServerContext:
     created: int = field(default_factory=lambda: int(time.time()))
     #: Set when the server stops: what it holds is answered with 503 at once, new requests get 503.
     stopping: asyncio.Event = field(default_factory=asyncio.Event)
+    #: Admission and the requests admitted, for a drain before the server stops (see :mod:`.drain`).
+    drain: DrainState = field(default_factory=DrainState)
     images: ImageOptions = field(default_factory=ImageOptions)  # how chat images are fetched
     options: HTTPOptions = field(default_factory=HTTPOptions)
     request_log: RequestLog = field(default_factory=RequestLog)  # --enable-log-requests

@@ -4,7 +4,12 @@ Readiness, the 503 decision, the context length that prompts are checked against
 gauges of ``/metrics`` all come from the coordinator's ``STATUS_REPLY``. Polling it in one
 background task (instead of per request) keeps the coordinator's load independent of the HTTP
 request rate, and lets a request be refused at once, without a round trip, when the fleet is
-stopped or the coordinator cannot be reached.
+stopped or the coordinator cannot be reached (found within ``interval + timeout``, 2.5 s).
+
+Two answers differ on purpose: a PAUSED or SUSPENDED fleet *accepts* requests (they wait for it to
+run again) but is not *ready* (``/ready`` 503), so that a load balancer sends new traffic to a
+replica that serves now, and a pod's readiness says what its clients will see. Before, ``/ready``
+was 200 while every chat hung on a paused fleet.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from .errors import APIError
 logger = logging.getLogger("megatron_serve.server")
 
 STOPPED = FleetState.STOPPED.value
+RUNNING = FleetState.RUNNING.value
 
 
 class InferenceBackend(Protocol):
@@ -120,7 +126,7 @@ class FleetMonitor:
             raise
         except Exception as exc:  # timeout, closed client, coordinator error: all mean "cannot serve now"
             if self.reachable:
-                logger.warning("coordinator unreachable: %s", exc or type(exc).__name__)
+                logger.warning("coordinator unreachable: %s", str(exc) or type(exc).__name__)
             self.reachable = False
             self.problem = f"the coordinator does not answer ({type(exc).__name__}{': ' + str(exc) if str(exc) else ''})"
             return None
@@ -143,21 +149,25 @@ class FleetMonitor:
     def engines(self) -> list[dict[str, Any]]:
         return list((self.status or {}).get("engines") or [])
 
-    @property
-    def ready(self) -> bool:
-        """Requests are accepted (maybe to wait): the coordinator answers and the fleet is not stopped."""
-        return self.reachable and self.state != STOPPED
-
-    def not_ready_reason(self) -> str | None:
+    def refusal_reason(self) -> str | None:
+        """Why new requests cannot even wait for the fleet (unreachable or stopped), or None."""
         if not self.reachable:
             return self.problem or "the coordinator does not answer"
         if self.state == STOPPED:
             return "the fleet is stopped (megatron-serve control unpause restarts it)"
         return None
 
+    def not_ready_reason(self) -> str | None:
+        """Why requests are not served now (including a fleet that holds them: paused, suspended), or None."""
+        reason = self.refusal_reason()
+        if reason is None and self.state != RUNNING:
+            reason = (f"the fleet is {self.state}: requests wait until it runs again (megatron-serve control "
+                      f"{'resume, then unpause' if self.state == FleetState.SUSPENDED.value else 'unpause'})")
+        return reason
+
     def check_accepting(self) -> None:
         """Raise 503 unless new requests can be accepted (PAUSED and SUSPENDED fleets accept and hold them)."""
-        reason = self.not_ready_reason()
+        reason = self.refusal_reason()
         if reason is not None:
             code = "coordinator_unreachable" if not self.reachable else "fleet_stopped"
             raise APIError(503, f"service unavailable: {reason}", code=code, headers={"Retry-After": "5"})

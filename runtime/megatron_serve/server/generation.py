@@ -19,7 +19,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
-from ..client import CoordinatorError
+from ..client import CoordinatorError, CoordinatorLost
 from ..request import DynamicInferenceRequest, EventType, FinishReason, RequestStatus
 from .errors import APIError, shutting_down
 from .fleet import InferenceBackend
@@ -64,6 +64,8 @@ def _submission_error(exc: Exception) -> APIError:
         return exc
     if isinstance(exc, ValueError):  # the coordinator's INVALID_REQUEST
         return APIError(400, str(exc), code="invalid_request")
+    if isinstance(exc, CoordinatorLost):
+        return APIError(503, f"service unavailable: {exc}", code=exc.code, headers={"Retry-After": "5"})
     if isinstance(exc, ConnectionError) or (isinstance(exc, RuntimeError) and "not started" in str(exc)):
         return APIError(503, f"service unavailable: {exc}", code="coordinator_unreachable")
     if isinstance(exc, CoordinatorError):

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..http_options import HTTPOptions
-from ..limits import RequestLimits
+from ..limits import DEFAULT_KEEP_ALIVE, RequestLimits
 from ..multimodal import ImageOptions
 from .admin import ADMIN_KEY_ENV
 from .app import API_KEY_ENV, create_app
@@ -46,12 +46,15 @@ async def serve_async_llm(llm: "MegatronAsyncLLM", host: str = "127.0.0.1", port
                           max_concurrent_requests: int | None = None, chat_template: str | None = None,
                           log_level: str = "warning", stop: asyncio.Event | None = None,
                           limits: RequestLimits | None = None, read_timeout: float = 60.0,
-                          image_options: ImageOptions | None = None, options: HTTPOptions | None = None) -> None:
+                          timeout_keep_alive: float = DEFAULT_KEEP_ALIVE, max_connections: int | None = None,
+                          drain_timeout: float = 0.0, image_options: ImageOptions | None = None,
+                          options: HTTPOptions | None = None) -> None:
     """Serve the OpenAI API for ``llm`` until cancelled (or ``stop`` is set); ``llm`` stays open.
 
     ``api_key=None`` reads ``$MEGATRON_SERVE_API_KEY`` (no key when unset), like the commands do;
     ``admin_key=None`` reads ``$MEGATRON_SERVE_ADMIN_KEY`` (unset: the admin API answers 403).
-    ``limits`` and ``read_timeout``: as the commands' ``--max-*`` and ``--read-timeout`` flags;
+    ``limits``, ``read_timeout``, ``timeout_keep_alive``, ``max_connections`` and ``drain_timeout`` (how long
+    admitted requests may finish once ``stop`` is set): as the commands' flags of the same names;
     ``image_options``: as ``--image-fetch-timeout`` and ``--no-remote-images``; ``options``: vLLM's HTTP flags
     and the like (tool-call parser, CORS, request and stats logs, ``vllm:`` metrics; ``HTTPOptions``).
     ``chat_template``: as ``--chat-template`` (a file or the Jinja text). Requests that leave sampling
@@ -67,7 +70,8 @@ async def serve_async_llm(llm: "MegatronAsyncLLM", host: str = "127.0.0.1", port
     app = create_app(backend, tokenizer, facts.name, api_key, admin_key=admin_key, vocab_size=facts.vocab_size,
                      max_model_len=facts.max_model_len, max_concurrent_requests=max_concurrent_requests, limits=limits,
                      image_options=image_options, generation_defaults=llm.generation_defaults, options=options)
-    await serve_app(app, host, port, log_level=log_level, stop=stop, read_timeout=read_timeout)
+    await serve_app(app, host, port, log_level=log_level, stop=stop, read_timeout=read_timeout,
+                    timeout_keep_alive=timeout_keep_alive, max_connections=max_connections, drain_timeout=drain_timeout)
 
 
 __all__ = ["default_model_name", "serve_async_llm"]

@@ -17,9 +17,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..generation_config import GenerationDefaults
+from ..limits import RequestLimits
 from ..multimodal import PromptImage
 from ..sampling_params import SamplingParams, StructuredOutputsParams
-from ..grammar import grammar_error
+from ..grammar import constraint_bytes, grammar_error
 from ..tokenizer import PromptTooLong
 from .errors import APIError, bad_request
 from .images import files_of
@@ -94,12 +95,15 @@ def _logit_bias(req: _SamplingRequest, vocab_size: int | None) -> dict[int, floa
     return bias
 
 
-def structured_outputs(req: _SamplingRequest, tool_constraint: tuple[str, StructuredOutputsParams] | None = None
+def structured_outputs(req: _SamplingRequest, limits: RequestLimits,
+                       tool_constraint: tuple[str, StructuredOutputsParams] | None = None
                        ) -> StructuredOutputsParams | None:
     """The one output constraint of a request (``response_format``, ``guided_*`` or tools), checked.
 
     A schema, regex or grammar that cannot be used is a 400 naming its parameter; two constraints
-    at once are a 400 too (one would be silently ignored otherwise).
+    at once are a 400 too (one would be silently ignored otherwise). Choices over the ``limits``
+    are refused before they are compiled, and a constraint that takes longer than the limit's
+    compile timeout to check is refused.
     """
     given: list[tuple[str, dict]] = []
     if req.guided_json is not None:
@@ -132,11 +136,23 @@ def structured_outputs(req: _SamplingRequest, tool_constraint: tuple[str, Struct
         constraint = StructuredOutputsParams(**spec)
     except ValueError as exc:
         raise bad_request(f"{param}: {exc}", param=param) from None
-    problem = grammar_error(constraint)
+    check_constraint_size(constraint, limits, param)
+    problem = grammar_error(constraint, timeout=limits.grammar_compile_timeout)
     if problem is not None:
         raise bad_request(f"{param}: this constraint cannot be used: {problem}", param=param,
                           code="invalid_constraint")
     return constraint
+
+
+def check_constraint_size(constraint: StructuredOutputsParams, limits: RequestLimits, param: str) -> None:
+    """The limits on an output constraint, before it is compiled (see :class:`~megatron_serve.limits.RequestLimits`)."""
+    if constraint.choice is not None and len(constraint.choice) > limits.max_guided_choices:
+        raise bad_request(f"{param} holds {len(constraint.choice)} choices; this server allows at most "
+                          f"{limits.max_guided_choices}", param=param)
+    size = constraint_bytes(constraint)
+    if size > limits.max_constraint_bytes:
+        raise bad_request(f"{param} is {size} bytes long; this server allows output constraints of at most "
+                          f"{limits.max_constraint_bytes} bytes", param=param)
 
 
 def check_tokens(tokens: list[int], vocab_size: int | None, param: str) -> None:

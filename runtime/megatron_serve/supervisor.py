@@ -1,0 +1,166 @@
+"""The local fleet's process supervisor: one thread starts, watches and restarts its children.
+
+Like a StatefulSet's pods (or systemd's ``Restart=on-failure``): a child that dies of a signal or
+with a non-zero exit code is started again with the same command line, after a back-off that
+doubles from ``initial`` to ``maximum`` and starts over once a child has run for ``stable``
+seconds, and each restart is logged with its cause. A child that exits 0 did what it was asked
+(STOP, or a drain after SIGTERM) and is left alone. Before, a killed engine left the fleet at half
+its capacity with nothing in any log, and a killed coordinator was never replaced.
+
+Every child is started on the supervisor's own thread, never the caller's: the parent-death signal
+(:mod:`megatron_serve.lifeline`) follows the thread that started a child, and a caller's worker
+thread may end long before the fleet does.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import os
+import queue
+import signal
+import subprocess
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from .lifeline import Lifeline
+
+logger = logging.getLogger("megatron_serve.local_fleet")
+
+
+@dataclass
+class Child:
+    """One supervised process: how to start it, and what became of it."""
+
+    name: str  # for the log: "coordinator", "engine 1 (group 1)"
+    argv: list[str]
+    log: Path
+    env: dict[str, str]
+    proc: subprocess.Popen | None = None
+    started: float = 0.0
+    restarts: int = 0
+    delay: float = 0.0  # the back-off before its next restart
+    restart_at: float | None = None  # when it is due to start again (it died)
+    retired: bool = False  # exited 0, or its fleet stops: never started again
+    causes: list[str] = field(default_factory=list)  # why it was restarted, in order
+
+
+def exit_cause(returncode: int) -> str:
+    """``-9`` -> ``killed by SIGKILL``; ``1`` -> ``exit code 1``."""
+    if returncode < 0:
+        try:
+            return f"killed by {signal.Signals(-returncode).name}"
+        except ValueError:
+            return f"killed by signal {-returncode}"
+    return f"exit code {returncode}"
+
+
+def last_line(path: Path) -> str:
+    try:
+        with open(path, "rb") as fh:
+            fh.seek(max(0, os.path.getsize(path) - 4096))
+            lines = fh.read().decode(errors="replace").strip().splitlines()
+    except OSError:
+        return ""
+    return lines[-1].strip() if lines else ""
+
+
+class Supervisor:
+    """Starts children on its thread (:meth:`start_child`); restarts dead ones once :meth:`restart_dead` is on."""
+
+    def __init__(self, lifeline: Lifeline, *, initial: float = 0.5, maximum: float = 30.0, stable: float = 60.0,
+                 poll: float = 0.1) -> None:
+        self.lifeline = lifeline
+        self.initial, self.maximum, self.stable, self.poll = initial, maximum, stable, poll
+        self.children: list[Child] = []
+        self.restarting = False
+        self._calls: queue.Queue[tuple[Callable[..., Any], tuple[Any, ...], concurrent.futures.Future]] = queue.Queue()
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name="megatron-serve-supervisor", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------ from any thread
+
+    def call(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """Run ``fn(*args)`` on the supervisor's thread and return what it returns (or raise what it raises)."""
+        if self._closed or threading.current_thread() is self._thread:
+            return fn(*args)
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._calls.put((fn, args, future))
+        return future.result()
+
+    def start_child(self, child: Child) -> subprocess.Popen:
+        """Start ``child`` (on the supervisor's thread) and watch it from now on."""
+        return self.call(self._start, child)
+
+    def restart_dead(self, on: bool) -> None:
+        """Turn restarts on or off; once this returns with ``on=False``, nothing is started again."""
+        self.call(setattr, self, "restarting", on)
+
+    def close(self) -> None:
+        """Stop the thread (children are left as they are: end them first)."""
+        if not self._closed:
+            self.restart_dead(False)
+            self._closed = True
+            self._calls.put((lambda: None, (), concurrent.futures.Future()))
+            self._thread.join(10)
+
+    # ------------------------------------------------------------------ the thread
+
+    def _run(self) -> None:
+        while not self._closed:
+            try:
+                fn, args, future = self._calls.get(timeout=self.poll)
+            except queue.Empty:
+                pass
+            else:
+                if future.set_running_or_notify_cancel():
+                    try:
+                        future.set_result(fn(*args))
+                    except BaseException as exc:  # noqa: BLE001 - handed to the caller
+                        future.set_exception(exc)
+            if self.restarting:
+                self._check(time.monotonic())
+
+    def _start(self, child: Child) -> subprocess.Popen:
+        log = open(child.log, "ab")
+        try:
+            child.proc = subprocess.Popen(child.argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                                          env={**child.env, **self.lifeline.env()}, start_new_session=True,
+                                          pass_fds=self.lifeline.pass_fds())
+        finally:
+            log.close()
+        child.started, child.restart_at = time.monotonic(), None
+        if child not in self.children:
+            self.children.append(child)
+        return child.proc
+
+    def _check(self, now: float) -> None:
+        for child in self.children:
+            if child.retired or child.proc is None:
+                continue
+            if child.restart_at is not None:
+                if now >= child.restart_at:
+                    child.restarts += 1
+                    self._start(child)
+                continue
+            code = child.proc.poll()
+            if code is None:
+                continue
+            if code == 0:
+                child.retired = True
+                logger.warning("%s exited normally (exit code 0): it is not restarted", child.name)
+                continue
+            uptime = now - child.started
+            child.delay = self.initial if uptime >= self.stable or not child.delay else min(child.delay * 2,
+                                                                                             self.maximum)
+            child.restart_at = now + child.delay
+            cause = exit_cause(code)
+            child.causes.append(cause)
+            said = last_line(child.log) if code > 0 else ""
+            logger.warning("%s died (%s after %.0fs%s): restarting it in %.1fs (restart %d; log: %s)", child.name,
+                           cause, uptime, f"; its last line: {said}" if said else "", child.delay,
+                           child.restarts + 1, child.log)
