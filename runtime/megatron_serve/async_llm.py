@@ -64,9 +64,11 @@ class MegatronAsyncLLM:
         self._client: EngineClient
         if self.use_coordinator:
             self.engine = None
+            by_path = isinstance(tokenizer, (str, os.PathLike))
             self._client = FleetClient(coordinator_address, model=model, num_engines=int(num_engines),
                                        inference_config=inference_config, token=token,
-                                       tokenizer_dir=tokenizer if isinstance(tokenizer, (str, os.PathLike)) else None)
+                                       tokenizer_dir=tokenizer if by_path else None,
+                                       tokenizer=None if by_path else tokenizer)
         else:
             from .local_engine import LocalEngineClient, build_engine  # noqa: PLC0415 - torch only when an engine lives here
 
@@ -79,7 +81,10 @@ class MegatronAsyncLLM:
 
     @property
     def tokenizer(self) -> Any:
-        """The model's tokenizer (loaded on first use in coordinator mode)."""
+        """The model's tokenizer (in coordinator mode the one the client makes the text with, once started;
+        else loaded on first use)."""
+        if self._tokenizer is None or isinstance(self._tokenizer, (str, os.PathLike)):
+            self._tokenizer = getattr(self._client, "tokenizer", None) or self._tokenizer
         if self._tokenizer is None and isinstance(self.model, (str, os.PathLike)):
             from .tokenizer import Tokenizer  # noqa: PLC0415
 

@@ -176,6 +176,24 @@ class DynamicInferenceRequest:
             data["routing_indices"] = routing_to_wire(self.routing_indices)
         return data
 
+    def to_final_dict(self) -> dict[str, Any]:
+        """The finished record without what travelled step by step with the tokens (the generated
+        tokens, their log probs, epochs and expert rows, the prompt scores): a receiver that
+        accumulated the steps (:mod:`megatron_serve.output_processor`) completes it."""
+        return {
+            "request_id": self.request_id,
+            "prompt": self.prompt,
+            "prompt_tokens": list(self.prompt_tokens),
+            "cached_tokens": self.cached_tokens,
+            "status": self.status.value,
+            "finish_reason": None if self.finish_reason is None else self.finish_reason.value,
+            "error": self.error,
+            "events": [e.to_dict() for e in self.events],
+            "arrival_time": self.arrival_time,
+            "first_token_time": self.first_token_time,
+            "finish_time": self.finish_time,
+        }
+
     @classmethod
     def from_dict(cls, data: dict[str, Any], sampling_params: SamplingParams | None = None
                   ) -> "DynamicInferenceRequest":

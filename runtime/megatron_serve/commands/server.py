@@ -191,7 +191,7 @@ async def _serve(args: argparse.Namespace, facts: Any, files: ServingFiles, toke
     from ..heap import freeze_startup_heap  # noqa: PLC0415
     from ..server.runner import serve_app  # noqa: PLC0415
 
-    client = InferenceClient(args.coordinator, token=token)
+    client = InferenceClient(args.coordinator, token=token, tokenizer=tokenizer)  # it makes the text
     app = create_app(client, tokenizer, facts.name, api_key, admin_key=read_admin_key(args),
                      vocab_size=facts.vocab_size, max_model_len=facts.max_model_len,
                      max_concurrent_requests=args.max_concurrent_requests, limits=read_limits(args),

@@ -5,6 +5,8 @@ tokenizer), ``QUEUED``, ``DISPATCHED`` (to exactly one engine), ``FINISHED`` (it
 until delivered and acknowledged). The coordinator mirrors every token an engine reports, so a
 request whose engine disappears is queued again and continues elsewhere from those tokens; only the
 engine a request is dispatched to may add to it, so each token and each result is delivered once.
+What goes with the tokens (log probs, epochs, prompt scores) is mirrored too, for one reason only:
+a client that reconnects gets the ``TOKENS`` it missed again, whole.
 
 The final record is the engine's msgpack bytes, forwarded to the client as they came: the
 coordinator never parses it (the client validates it where it enters its process).
@@ -19,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterator
 
 from ..expert_routing import RoutingRecord
-from ..messages import ClientId
+from ..messages import ClientId, PromptScores
 from ..multimodal import PromptImage, cache_keys
 from ..sampling_params import SamplingParams
 
@@ -49,10 +51,16 @@ class RequestRecord:
     params_wire: bytes  # the sampling parameters as the client sent them (forwarded to engines unchanged)
     stream: bool
     generated_tokens: list[int] = field(default_factory=list)
+    # What went with the tokens after the first ``resumed`` (those came with a resubmission, without it):
+    resumed: int = 0
     generated_log_probs: list[float] = field(default_factory=list)
-    generated_top_n_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)  # wire form
+    top_ids: list[list[int]] = field(default_factory=list)
+    top_log_probs: list[list[float]] = field(default_factory=list)
     policy_epochs: list[int] = field(default_factory=list)
     kv_epochs: list[int] = field(default_factory=list)
+    cached_tokens: int | None = None
+    prompt_scores: PromptScores | None = None
+    prompt_sent: bool = False  # a text prompt's token ids went to the client (with its first TOKENS)
     events: list[dict[str, Any]] = field(default_factory=list)  # wire form; what happened here (moves)
     arrival_time: float = field(default_factory=time.time)
     phase: Phase = Phase.QUEUED

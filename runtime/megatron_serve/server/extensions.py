@@ -36,6 +36,9 @@ EXTENSIONS: dict[str, str] = {
     "response_format": "on /v1/completions too (as vLLM): 'json_object' or 'json_schema' constrains the output",
     "return_routing_indices": "mixture-of-experts models: add routing_indices (the experts every processed token of "
                               "prompt and answer was routed to) to each choice",
+    "skip_special_tokens": "leave special tokens' text out of the output; default true (vLLM's name)",
+    "include_stop_str_in_output": "end the text after the stop string that ended it instead of before; default false "
+                                  "(vLLM's name)",
 }
 
 #: Well-known fields this server does not implement, OpenAI's and other servers' (vLLM, SGLang):
@@ -51,8 +54,6 @@ NOT_IMPLEMENTED: dict[str, str] = {
     "service_tier": "service tiers",
     "store": "stored completions",
     "metadata": "stored completions",
-    "include_stop_str_in_output": "returning the stop string",
-    "skip_special_tokens": "choosing whether special tokens are skipped",
     "spaces_between_special_tokens": "choosing how special tokens are joined",
     "length_penalty": "beam search",
     "use_beam_search": "beam search",

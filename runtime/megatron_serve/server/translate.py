@@ -340,6 +340,8 @@ def sampling_params(req: _SamplingRequest, *, max_tokens: int, logprobs: bool, t
             top_n_logprobs=top_logprobs,
             seed=seed,
             return_routing_indices=bool(req.return_routing_indices),
+            skip_special_tokens=req.skip_special_tokens is not False,
+            include_stop_str_in_output=bool(req.include_stop_str_in_output),
             **(extra or {}),
         )
     except ValueError as exc:  # SamplingParams names its own field; translate the name back
