@@ -346,7 +346,8 @@ VLLM_OPTIONS: list[tuple[str, str | None, str]] = [
      "a fraction of the memory left after the weights, given to the KV cache (vLLM: of the whole GPU)"),
     ("--num-gpu-blocks-override", "--num-kv-blocks", ""),
     ("--block-size", "--block-size", ""),
-    ("--max-num-seqs", "--max-requests", ""),
+    ("--max-num-seqs", "--max-requests", "default 256, as in vLLM; the engine's log says how many full-length "
+                                         "requests its KV pool holds"),
     ("--max-num-batched-tokens", "--max-batch-tokens", "chunked prefill is always on"),
     ("--enable-prefix-caching", "--prefix-caching", "on by default; `--no-enable-prefix-caching` turns it off"),
     ("--enforce-eager", "--no-cuda-graphs", ""),
@@ -355,6 +356,7 @@ VLLM_OPTIONS: list[tuple[str, str | None, str]] = [
                                                    "sampling values for fields a request leaves out; `none` "
                                                    "(vLLM: `vllm`, also accepted) ignores them; or a directory"),
     ("--uvicorn-log-level", "--log-level", ""),
+    ("--stream-interval", "--stream-interval", "tokens per streamed chunk; a choice's first token goes at once"),
 ]
 
 # vLLM routes, in the order its docs list them

@@ -217,7 +217,7 @@ class MegatronAsyncLLM:
 
         ``options``: ``model_name``, ``api_key``, ``admin_key`` (opens ``/v1/admin/*``, the lifecycle over
         HTTP), ``max_concurrent_requests``, ``log_level``, ``stop`` (an ``asyncio.Event``), ``limits``,
-        ``read_timeout``, ``image_options`` (a ``multimodal.ImageOptions``); see
+        ``read_timeout``, ``image_options`` (a ``multimodal.ImageOptions``), ``stream_interval``; see
         :func:`megatron_serve.server.serve_async_llm`.
         """
         from .server.local import serve_async_llm  # noqa: PLC0415 - FastAPI only when serving

@@ -132,7 +132,10 @@ class OutputCollector:
             self.policy_epochs += [-1] * kept
             self.kv_epochs += [-1] * kept
         if delta.routing is not None:
-            self.routing = mirror_rows(self.routing, msgspec.structs.asdict(delta.routing))
+            try:
+                self.routing = mirror_rows(self.routing, msgspec.structs.asdict(delta.routing))
+            except ValueError as exc:  # kept out, never fatal: the text and tokens still go on
+                logger.warning("request %s: expert rows not kept: %s", self.request_id, exc)
         text = "" if self.detokenizer is None else self.detokenizer.take_new_text(final=self.stopped)
         return StreamPartial(self.request_id, tokens[:kept], text, log_probs, new_top_logprobs=top)
 

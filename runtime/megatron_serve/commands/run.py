@@ -251,7 +251,8 @@ class _Stack:
                          vocab_size=facts.vocab_size,
                          max_model_len=facts.max_model_len, max_concurrent_requests=args.max_concurrent_requests,
                          limits=read_limits(args), tokenizer_threads=args.tokenizer_threads,
-                         image_options=image_options(args), generation_defaults=self.files.generation_defaults)
+                         image_options=image_options(args), generation_defaults=self.files.generation_defaults,
+                         stream_interval=args.stream_interval)
 
         def started(url: str) -> None:
             progress(4, f"HTTP server listening on {url}{' (API key required)' if self.api_key else ''}")

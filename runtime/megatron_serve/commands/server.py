@@ -56,6 +56,9 @@ def add_server_options(parser: argparse.ArgumentParser, default_host: str) -> No
     group.add_argument("--read-timeout", type=float, default=60.0, metavar="S",
                        help="a request (headers and body) must arrive within this many seconds of its first byte, "
                             "else 408 and the connection is closed (slow clients cannot hold connections)")
+    group.add_argument("--stream-interval", type=int, default=1, metavar="N",
+                       help="streamed tokens per chunk, as in vLLM: a larger value sends fewer, larger chunks "
+                            "(less work per token for server and client); a choice's first token goes at once")
     group.add_argument("--tokenizer-threads", type=int, default=None, metavar="N",
                        help="threads that tokenize prompts and render chat templates, off the event loop "
                             "(default: up to 4)")
@@ -125,6 +128,8 @@ def check_server_options(args: argparse.Namespace) -> None:
         raise ValueError(f"--max-concurrent-requests must be >= 1, got {args.max_concurrent_requests}")
     if not args.read_timeout > 0:
         raise ValueError(f"--read-timeout must be > 0, got {args.read_timeout}")
+    if args.stream_interval < 1:
+        raise ValueError(f"--stream-interval must be >= 1, got {args.stream_interval}")
     if args.tokenizer_threads is not None and args.tokenizer_threads < 1:
         raise ValueError(f"--tokenizer-threads must be >= 1, got {args.tokenizer_threads}")
     read_limits(args)
@@ -196,7 +201,7 @@ async def _serve(args: argparse.Namespace, facts: Any, files: ServingFiles, toke
                      vocab_size=facts.vocab_size, max_model_len=facts.max_model_len,
                      max_concurrent_requests=args.max_concurrent_requests, limits=read_limits(args),
                      tokenizer_threads=args.tokenizer_threads, image_options=image_options(args),
-                     generation_defaults=files.generation_defaults)
+                     generation_defaults=files.generation_defaults, stream_interval=args.stream_interval)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):

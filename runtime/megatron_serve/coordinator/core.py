@@ -22,7 +22,6 @@ from typing import Any
 
 import msgspec
 
-from ..expert_routing import mirror_rows, routing_to_wire
 from ..lifecycle import FleetState
 from ..messages import (
     PROTOCOL_VERSION,
@@ -38,12 +37,10 @@ from ..messages import (
     Hello,
     ResultAck,
     ResultOut,
-    RoutingRows,
     Status,
     StatusReply,
     StepOutput,
     Submit,
-    Tokens,
 )
 from ..protocol import HEADER_VERBS, ErrorCode, Header, Message, ProtocolError, Role, encode, unbatch
 from ..routing import RoutingPolicy, make_routing_policy
@@ -323,7 +320,9 @@ class CoordinatorCore:
         record = self.requests.get(key)
         if record is not None:
             # Resubmission after a reconnect: the request is already ours. Send what the client missed.
-            self._resend_tokens(record, identity, len(body.generated_tokens or ()))
+            missed = record.tokens_after(len(body.generated_tokens or ()))
+            if missed is not None:
+                self.send(identity, Header.TOKENS, missed)
             if record.phase is Phase.FINISHED:
                 self.deliver(record)
             return
@@ -438,22 +437,6 @@ class CoordinatorCore:
         else:
             self.requests.enqueue(record, first=True)
 
-    def _resend_tokens(self, record: RequestRecord, identity: bytes, have: int) -> None:
-        """The tokens a reconnected client lacks (it has ``have``), with all that went with them."""
-        if len(record.generated_tokens) <= have:
-            return
-        skip = max(have - record.resumed, 0)  # into the lists mirrored since the resubmission
-        tokens = Tokens(client_request_id=record.client_request_id, new_tokens=record.generated_tokens[have:],
-                        new_log_probs=record.generated_log_probs[skip:] or None,
-                        top_ids=record.top_ids[skip:] or None, top_log_probs=record.top_log_probs[skip:] or None,
-                        cached_tokens=record.cached_tokens, prompt_scores=record.prompt_scores,
-                        prompt_tokens=record.prompt_tokens if record.prompt is not None else None)
-        if have >= record.resumed:
-            tokens.epochs = [record.policy_epochs[skip:], record.kv_epochs[skip:]]
-        if record.routing is not None:  # every row: the client keeps those it has
-            tokens.routing = RoutingRows(start=0, **routing_to_wire(record.routing.array()))
-        self.send(identity, Header.TOKENS, tokens)
-
     # ------------------------------------------------------------------ engines
 
     def _on_step(self, engine: EngineRecord, body: EngineStep, now: float) -> None:
@@ -479,39 +462,11 @@ class CoordinatorCore:
                 self._finish_from_engine(engine, record, out)
 
     def _mirror(self, record: RequestRecord, out: StepOutput) -> None:
-        """Keep the new tokens, their epochs and expert routing (a request that moves continues from them)
-        and send them on to the client, which makes the text (for every request: stop strings are its job)."""
-        n = len(out.new_tokens)
-        record.generated_tokens.extend(out.new_tokens)
-        if out.new_log_probs:
-            record.generated_log_probs.extend(out.new_log_probs)
-        if out.top_ids is not None and out.top_log_probs is not None:
-            record.top_ids.extend(out.top_ids)
-            record.top_log_probs.extend(out.top_log_probs)
-        epochs = out.epochs
-        if epochs is not None and len(epochs) == 2 and len(epochs[0]) == n and len(epochs[1]) == n:
-            record.policy_epochs.extend(epochs[0])
-            record.kv_epochs.extend(epochs[1])
-        else:  # -1: not reported
-            record.policy_epochs.extend([-1] * n)
-            record.kv_epochs.extend([-1] * n)
-        if out.cached_tokens is not None:
-            record.cached_tokens = out.cached_tokens
-        if out.prompt_scores is not None and record.prompt_scores is None:
-            record.prompt_scores = out.prompt_scores
-        if out.routing is not None:
-            try:
-                record.routing = mirror_rows(record.routing, msgspec.structs.asdict(out.routing))
-            except ValueError as exc:  # not mirrored: a next engine recomputes those positions' rows
-                logger.warning("request %s: routing rows not mirrored: %s", record.request_id, exc)
+        """Keep the step's share (a request that moves continues from its tokens) and send it on to the
+        client, which makes the text (for every request: stop strings are its job)."""
+        tokens = record.mirror(out)
         client = self.clients.get(record.client_id)
         if client is not None and client.identity is not None:
-            tokens = Tokens(client_request_id=record.client_request_id, new_tokens=out.new_tokens,
-                            new_log_probs=out.new_log_probs, top_ids=out.top_ids, top_log_probs=out.top_log_probs,
-                            epochs=out.epochs, routing=out.routing, cached_tokens=out.cached_tokens,
-                            prompt_scores=out.prompt_scores)
-            if record.prompt is not None and not record.prompt_sent:
-                tokens.prompt_tokens, record.prompt_sent = record.prompt_tokens, True
             self.send(client.identity, Header.TOKENS, tokens, client.batches)
 
     def _finish_from_engine(self, engine: EngineRecord, record: RequestRecord, out: StepOutput) -> None:

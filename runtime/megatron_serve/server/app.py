@@ -100,6 +100,7 @@ def create_app(
     limits: RequestLimits | None = None,
     tokenizer_threads: int | None = None,
     image_options: ImageOptions | None = None,
+    stream_interval: int = 1,
 ) -> FastAPI:
     """An OpenAI-compatible app in front of ``backend`` (an ``InferenceClient`` or the same interface).
 
@@ -111,6 +112,8 @@ def create_app(
     ``image_options``: how the ``image_url`` parts of chats are fetched (vision-language models).
     ``generation_defaults``: sampling values for fields a request leaves out (the model's
     ``generation_config.json``; see :mod:`megatron_serve.generation_config`).
+    ``stream_interval``: streamed tokens per chunk (vLLM's ``--stream-interval``; a choice's first token
+    goes at once).
     ``admin_key``: opens ``/v1/admin/*`` (the lifecycle over HTTP; :mod:`.admin`); it must differ from
     ``api_key``. Without it those routes answer 403.
     The backend is started by the app (in the background) if it is not started yet, but never
@@ -118,6 +121,8 @@ def create_app(
     """
     if admin_key and admin_key == api_key:
         raise ValueError("the admin key must differ from the API key: the API key must not open the admin API")
+    if isinstance(stream_interval, bool) or not isinstance(stream_interval, int) or stream_interval < 1:
+        raise ValueError(f"stream_interval must be an integer >= 1, got {stream_interval!r}")
     monitor = FleetMonitor(backend, interval=status_interval)
     pending = PendingCounter(max_concurrent_requests)
     metrics = ServerMetrics(monitor, lambda: pending.value, model_name)
@@ -126,7 +131,7 @@ def create_app(
                         pending=pending, limits=limits, workers=Workers(tokenizer_threads), vocab_size=vocab_size,
                         default_max_model_len=max_model_len, images=image_options or ImageOptions(),
                         tool_parser=parser_for_template(getattr(tokenizer, "chat_template", None)),
-                        generation_defaults=generation_defaults or GenerationDefaults())
+                        generation_defaults=generation_defaults or GenerationDefaults(), stream_interval=stream_interval)
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:

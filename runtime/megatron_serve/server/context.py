@@ -36,6 +36,7 @@ class ServerContext:
     #: Set when the server stops: what it holds is answered with 503 at once, new requests get 503.
     stopping: asyncio.Event = field(default_factory=asyncio.Event)
     images: ImageOptions = field(default_factory=ImageOptions)  # how chat images are fetched
+    stream_interval: int = 1  # streamed tokens per chunk (--stream-interval)
 
     @property
     def accepts_images(self) -> bool:
@@ -54,4 +55,4 @@ class ServerContext:
         """Reserve queue room for ``jobs`` (429 when full); the caller awaits or streams the result."""
         if self.stopping.is_set():
             raise shutting_down()
-        return Submission(self.backend, self.metrics, self.pending, self.stopping, jobs)
+        return Submission(self.backend, self.metrics, self.pending, self.stopping, jobs, self.stream_interval)

@@ -45,13 +45,14 @@ async def serve_async_llm(llm: "MegatronAsyncLLM", host: str = "127.0.0.1", port
                           max_concurrent_requests: int | None = None, chat_template: str | None = None,
                           log_level: str = "warning", stop: asyncio.Event | None = None,
                           limits: RequestLimits | None = None, read_timeout: float = 60.0,
-                          image_options: ImageOptions | None = None) -> None:
+                          image_options: ImageOptions | None = None, stream_interval: int = 1) -> None:
     """Serve the OpenAI API for ``llm`` until cancelled (or ``stop`` is set); ``llm`` stays open.
 
     ``api_key=None`` reads ``$MEGATRON_SERVE_API_KEY`` (no key when unset), like the commands do;
     ``admin_key=None`` reads ``$MEGATRON_SERVE_ADMIN_KEY`` (unset: the admin API answers 403).
     ``limits`` and ``read_timeout``: as the commands' ``--max-*`` and ``--read-timeout`` flags;
-    ``image_options``: as ``--image-fetch-timeout`` and ``--no-remote-images``.
+    ``image_options``: as ``--image-fetch-timeout`` and ``--no-remote-images``; ``stream_interval``: as
+    ``--stream-interval``.
     ``chat_template``: as ``--chat-template`` (a file or the Jinja text). Requests that leave sampling
     fields out take ``llm.generation_defaults`` (the model's ``generation_config.json``).
     """
@@ -64,7 +65,8 @@ async def serve_async_llm(llm: "MegatronAsyncLLM", host: str = "127.0.0.1", port
         admin_key = os.environ.get(ADMIN_KEY_ENV) or None
     app = create_app(backend, tokenizer, facts.name, api_key, admin_key=admin_key, vocab_size=facts.vocab_size,
                      max_model_len=facts.max_model_len, max_concurrent_requests=max_concurrent_requests, limits=limits,
-                     image_options=image_options, generation_defaults=llm.generation_defaults)
+                     image_options=image_options, generation_defaults=llm.generation_defaults,
+                     stream_interval=stream_interval)
     await serve_app(app, host, port, log_level=log_level, stop=stop, read_timeout=read_timeout)
 
 
