@@ -8,19 +8,15 @@ raw Unicode line break.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
-from typing import AsyncIterator
 
 import httpx
-import openai
 import pytest
 
-from megatron_serve import InferenceConfig, MegatronAsyncLLM
 from megatron_serve.server import create_app
 from megatron_serve.server.chunks import event
 
-from .conftest import serving
+from .conftest import serving, surface
 from .fakes import FakeBackend
 
 pytestmark = pytest.mark.timeout(300)
@@ -30,18 +26,8 @@ PROMPTS = [f"Stream {i}: the quick brown fox jumps over {i} lazy dogs" for i in 
 IGNORE_EOS = {"ignore_eos": True}
 
 
-@contextlib.asynccontextmanager
-async def served(tiny_model, tokenizer, **options) -> AsyncIterator[tuple[openai.AsyncOpenAI, httpx.AsyncClient]]:
-    config = InferenceConfig(block_size_tokens=16, num_kv_blocks=1024, max_requests=64)
-    async with MegatronAsyncLLM(tiny_model, config) as llm:
-        app = create_app(llm.client, tokenizer, MODEL, vocab_size=512, max_model_len=1024, status_interval=0.05,
-                         **options)
-        async with serving(app) as url, httpx.AsyncClient(base_url=url, timeout=120) as http:
-            client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=120)
-            try:
-                yield client, http
-            finally:
-                await client.close()
+def served(tiny_model: str, tokenizer, **app_options):
+    return surface(tiny_model, tokenizer, app_options, num_kv_blocks=1024, max_requests=64)
 
 
 async def test_fifty_concurrent_streams_equal_their_whole_answers(tiny_model, tokenizer):
