@@ -95,12 +95,12 @@ class EventStream:
         """The data of every event that ``chunk`` completes."""
         if self._cr and chunk.startswith(b"\n"):
             chunk = chunk[1:]
+        self._cr = False
         self._buffer += chunk
         events: list[str] = []
         while True:
             cut = min((i for i in (self._buffer.find(b"\r"), self._buffer.find(b"\n")) if i >= 0), default=-1)
             if cut < 0:
-                self._cr = False
                 return events
             line, rest = self._buffer[:cut], self._buffer[cut + 1:]
             if self._buffer[cut:cut + 1] == b"\r":

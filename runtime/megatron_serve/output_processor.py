@@ -41,15 +41,21 @@ logger = logging.getLogger("megatron_serve.client")
 def load_tokenizer(given_dir: str | None, offered_dir: str | None) -> "Tokenizer | None":
     """A reader's tokenizer: from the directory it was given (a bad one raises), else from the one the
     coordinator announced when this machine can read it (else None: no text, no stop strings)."""
-    from .tokenizer import Tokenizer  # noqa: PLC0415 - transformers: only where text is made
+    from .tokenizer import Tokenizer, check_tokenizer_files  # noqa: PLC0415 - transformers: only where text is made
 
     if given_dir is not None:
         return Tokenizer.from_pretrained(given_dir)
     if offered_dir is None:
         return None
     try:
+        check_tokenizer_files(offered_dir)  # fast: most often another machine's path
+    except OSError:
+        logger.info("the coordinator's tokenizer directory %s is not on this machine: results carry no text and "
+                    "stop strings are refused (pass tokenizer= to InferenceClient to have them)", offered_dir)
+        return None
+    try:
         return Tokenizer.from_pretrained(offered_dir)
-    except Exception as exc:  # noqa: BLE001 - another machine's path: this client then makes no text
+    except Exception as exc:  # noqa: BLE001 - a client that makes no text still serves token ids
         logger.warning("the coordinator's tokenizer (%s) cannot be loaded here (%s): results carry no text and "
                        "stop strings are refused; pass tokenizer= to InferenceClient", offered_dir, exc)
         return None
