@@ -9,7 +9,10 @@ largest id its ``/detokenize`` accepts); outputs are greedy with EOS ignored, of
 finish and start nearly every step, as online). The same prompts and lengths then run offline: an
 engine in this process, the requests added at once with ``C`` running at most, stepped until done
 (what ``MegatronLLM.generate`` does, without its event loop). Per level: output tokens/s served and
-offline and their ratio, TTFT and TPOT percentiles, end-to-end latency.
+offline and their ratio, TTFT and TPOT percentiles, end-to-end latency, and (for a stack it started,
+on Linux) the CPU time each of its processes spent per 1,000 output tokens, beside the offline
+engine's: on a machine shared with other work, throughput moves with everyone's load, CPU time per
+token much less (there, ``OMP_NUM_THREADS=1`` also keeps torch's threads from waiting on each other).
 
 Server-sent events are parsed as the specification says (lines end at CR, LF or CRLF only; an empty
 line ends an event; ``data:`` lines join with newlines), so text holding U+2028 or other Unicode line
@@ -48,6 +51,15 @@ class Sample:
     tpot: float | None
     latency: float
     tokens: int
+
+
+@dataclass
+class Cost:
+    """CPU milliseconds per 1,000 output tokens, by process."""
+
+    server: float
+    coordinator: float
+    engines: float
 
 
 @dataclass
@@ -190,8 +202,10 @@ def engine_config(run_args: str, max_requests: int):
     return inference_config_from_args(args)
 
 
-def offline_tokens_per_s(model_dir: str, run_args: str, work: Workload, concurrency: int, warmup: Workload) -> float:
-    """Output tokens/s of an engine in this process given the whole workload at once, ``concurrency`` running."""
+def offline_tokens_per_s(model_dir: str, run_args: str, work: Workload, concurrency: int,
+                         warmup: Workload) -> tuple[float, float]:
+    """Output tokens/s of an engine in this process given the whole workload at once, ``concurrency`` running,
+    and its CPU milliseconds per 1,000 tokens."""
     import gc  # noqa: PLC0415
 
     from megatron_serve import DynamicInferenceRequest, SamplingParams  # noqa: PLC0415
@@ -199,20 +213,20 @@ def offline_tokens_per_s(model_dir: str, run_args: str, work: Workload, concurre
 
     engine = DynamicInferenceEngine.from_model_dir(model_dir, engine_config(run_args, concurrency))
     try:
-        elapsed = 0.0
+        elapsed = cpu = 0.0
         for timed, part in ((False, warmup), (True, work)):
             requests = [DynamicInferenceRequest(f"{timed}-{i}", None, prompt, SamplingParams(
                 temperature=0.0, num_tokens_to_generate=length, ignore_eos=True))
                 for i, (prompt, length) in enumerate(zip(part.prompts, part.lengths))]
-            started = time.perf_counter()
+            started, cpu_started = time.perf_counter(), time.process_time()
             for request in requests:
                 engine.add_request(request)
             while engine.has_unfinished_requests():
                 engine.step()
-            elapsed = time.perf_counter() - started
+            elapsed, cpu = time.perf_counter() - started, time.process_time() - cpu_started
         produced = sum(len(r.generated_tokens) for r in requests)
         assert produced == work.tokens, f"offline produced {produced} tokens, expected {work.tokens}"
-        return produced / elapsed
+        return produced / elapsed, cpu * 1e6 / produced
     finally:
         engine.shutdown()
         del engine
@@ -265,6 +279,32 @@ def stop_stack(proc: subprocess.Popen) -> None:
         proc.wait()
 
 
+def stack_cpu_seconds(run_pid: int) -> dict[str, float] | None:
+    """CPU seconds (user + system) the started stack used so far: the ``run`` process (the HTTP server), its
+    coordinator and its engines (Linux ``/proc``; None elsewhere)."""
+    ticks = os.sysconf("SC_CLK_TCK")
+
+    def fields(pid: str) -> list[str]:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+
+    try:
+        own = fields(str(run_pid))
+    except OSError:
+        return None
+    used = {"server": (int(own[11]) + int(own[12])) / ticks, "coordinator": 0.0, "engines": 0.0}
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            stat = fields(pid)
+            if int(stat[1]) != run_pid:
+                continue
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")  # `... cli engine --coordinator ...`
+            role = "engines" if b"engine" in argv else "coordinator"
+        except OSError:  # gone meanwhile
+            continue
+        used[role] += (int(stat[11]) + int(stat[12])) / ticks
+    return used
+
+
 def served_vocab_size(url: str, model: str, headers: dict[str, str]) -> int:
     """One past the largest token id the server's ``/detokenize`` accepts (it refuses ids outside the vocabulary)."""
     def accepted(token: int) -> bool:
@@ -285,20 +325,23 @@ def served_vocab_size(url: str, model: str, headers: dict[str, str]) -> int:
 # ----------------------------------------------------------------------------- report
 
 
-def row(lengths: str, concurrency: int, samples: list[Sample], elapsed: float, offline: float | None) -> list[str]:
+def row(lengths: str, concurrency: int, samples: list[Sample], elapsed: float, offline: tuple[float, float] | None,
+        cost: Cost | None) -> list[str]:
     ttft = [s.ttft * 1000 for s in samples]
     tpot = [s.tpot * 1000 for s in samples if s.tpot is not None]
     served = sum(s.tokens for s in samples) / elapsed
-    ratio = f"{served / offline:.2f}" if offline else "-"
+    rate, offline_cpu = offline or (None, None)
+    cpu = "-" if cost is None else f"{cost.server:.0f} / {cost.coordinator:.0f} / {cost.engines:.0f}"
     return [lengths, str(concurrency), str(len(samples)), f"{len(samples) / elapsed:.2f}", f"{served:.1f}",
-            f"{offline:.1f}" if offline else "-", ratio, f"{percentile(ttft, 50):.1f}", f"{percentile(ttft, 99):.1f}",
-            f"{percentile(tpot, 50):.2f}", f"{percentile(tpot, 99):.2f}",
-            f"{percentile([s.latency for s in samples], 50):.2f}"]
+            f"{rate:.1f}" if rate else "-", f"{served / rate:.2f}" if rate else "-", f"{percentile(ttft, 50):.1f}",
+            f"{percentile(ttft, 99):.1f}", f"{percentile(tpot, 50):.2f}", f"{percentile(tpot, 99):.2f}",
+            f"{percentile([s.latency for s in samples], 50):.2f}", cpu, f"{offline_cpu:.0f}" if offline_cpu else "-"]
 
 
 def print_table(rows: list[list[str]]) -> None:
     header = ["lengths", "concurrency", "requests", "req/s", "served tok/s", "offline tok/s", "served/offline",
-              "TTFT p50 ms", "TTFT p99 ms", "TPOT p50 ms", "TPOT p99 ms", "e2e p50 s"]
+              "TTFT p50 ms", "TTFT p99 ms", "TPOT p50 ms", "TPOT p99 ms", "e2e p50 s",
+              "CPU ms/1k tok: server / coord. / engines", "offline CPU ms/1k tok"]
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
     print("| " + " | ".join(h.ljust(w) for h, w in zip(header, widths)) + " |")
     print("|" + "|".join("-" * (w + 2) for w in widths) + "|")
@@ -346,12 +389,12 @@ def main() -> None:
 
     works = make_works(vocab) if vocab else {}
 
-    offline: dict[tuple[str, int], float] = {}
+    offline: dict[tuple[str, int], tuple[float, float]] = {}
     if model_dir and not args.no_offline:  # first, alone on the machine: the serving stack is not up yet
         warmup = workload(4, args.prompt_tokens, args.output_tokens, vocab, "staggered", args.seed + 99)
         for (mix, c), work in works.items():
             offline[(mix, c)] = offline_tokens_per_s(model_dir, args.run_args, work, c, warmup)
-            print(f"offline {mix} concurrency {c}: {offline[(mix, c)]:.1f} tok/s", file=sys.stderr, flush=True)
+            print(f"offline {mix} concurrency {c}: {offline[(mix, c)][0]:.1f} tok/s", file=sys.stderr, flush=True)
 
     proc = None
     url = args.url
@@ -367,8 +410,12 @@ def main() -> None:
                                                               "uniform", args.seed + 99), 2))  # warm-up
         rows = []
         for (mix, c), work in works.items():
+            before = stack_cpu_seconds(proc.pid) if proc is not None else None
             samples, elapsed = asyncio.run(serve_level(url, model, headers, work, c))
-            rows.append(row(mix, c, samples, elapsed, offline.get((mix, c))))
+            after = stack_cpu_seconds(proc.pid) if proc is not None else None
+            cost = None if before is None or after is None else Cost(
+                **{k: (after[k] - before[k]) * 1e6 / work.tokens for k in before})
+            rows.append(row(mix, c, samples, elapsed, offline.get((mix, c)), cost))
             print(f"served {mix} concurrency {c}: {len(samples)} requests in {elapsed:.1f}s", file=sys.stderr,
                   flush=True)
         print(f"\nmodel {model}: prompt {args.prompt_tokens} tokens, output {args.output_tokens} tokens (staggered: "
@@ -377,7 +424,8 @@ def main() -> None:
         print_table(rows)
         for c in levels:
             if ("uniform", c) in offline and ("staggered", c) in offline:
-                print(f"concurrency {c}: staggered/uniform offline {offline[('staggered', c)] / offline[('uniform', c)]:.2f}")
+                ratio = offline[("staggered", c)][0] / offline[("uniform", c)][0]
+                print(f"concurrency {c}: staggered/uniform offline {ratio:.2f}")
     finally:
         if proc is not None:
             stop_stack(proc)
