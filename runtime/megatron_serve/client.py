@@ -37,13 +37,13 @@ import msgspec
 
 from .connection import Connection, CoordinatorError, Unauthorized
 from .lifecycle import PauseMode, parse_pause_mode
-from .pending_requests import PendingRequest, PendingRequests
 from .messages import PROTOCOL_VERSION, Error, HelloAck, Rendezvous
 from .multimodal import PromptImage
 from .output_processor import OutputCollector, check_params, load_tokenizer
 from .prompts import ImagePrompt, Prompt
 from .protocol import ErrorCode, Header, Role, encode, pack_batches
 from .outputs import StreamPartial
+from .pending_requests import PendingRequest, PendingRequests
 from .request import DynamicInferenceRequest
 from .streams import iterate_stream
 from .sampling_params import SamplingParams

@@ -4,8 +4,9 @@
 :class:`~megatron_serve.engine_client.EngineClient` (the other is the coordinator client): what
 ``MegatronLLM``/``MegatronAsyncLLM`` use in direct mode and what the HTTP server serves from
 ``MegatronAsyncLLM.serve()``. The engine is not thread-safe, so every call into it (tokenization
-included) happens on the engine thread (:class:`EngineThread`), which resolves asyncio futures on
-their loop. There is no fleet here: the lifecycle verbs raise ``RuntimeError``; ``refit`` loads new
+included) happens on the engine thread (:class:`EngineThread`), which hands each step's token ids
+to the callers' event loops; the text is made there (decoding only reads the tokenizer, which its
+Rust core allows from any thread). There is no fleet here: the lifecycle verbs raise ``RuntimeError``; ``refit`` loads new
 weights between two steps (one replica, nothing can disagree).
 """
 
