@@ -1,14 +1,26 @@
-"""Serving benchmark: a concurrency sweep over the OpenAI HTTP API with a fixed synthetic workload.
+"""Serving benchmark, ``vllm bench serve``'s equivalent: the OpenAI HTTP API under a concurrency sweep, against
+the same workload run offline in the same run.
 
 Each level keeps ``C`` streamed completions in flight (closed loop: a client sends its next request
-when the previous one ends) until ``--requests`` have finished. Prompts are fixed-length random
-token ids and every request generates exactly ``--output-tokens`` (greedy, EOS ignored), so levels
-differ only in concurrency. Per level: p50/p99 time to first token, p50/p99 time per output token
-(after the first), p50 end-to-end latency, requests/s and output tokens/s.
+when the previous one ends) until its requests have finished. Prompts are random token ids drawn
+from the served model's vocabulary (its ``config.json``, or with ``--url`` and no ``--model``, the
+largest id its ``/detokenize`` accepts); outputs are greedy with EOS ignored, of the same length
+(``uniform``) or spread over half to one and a half times ``--output-tokens`` (``staggered``: requests
+finish and start nearly every step, as online). The same prompts and lengths then run offline: an
+engine in this process, the requests added at once with ``C`` running at most, stepped until done
+(what ``MegatronLLM.generate`` does, without its event loop). Per level: output tokens/s served and
+offline and their ratio, TTFT and TPOT percentiles, end-to-end latency, and (for a stack it started,
+on Linux) the CPU time each of its processes spent per 1,000 output tokens, beside the offline
+engine's: on a machine shared with other work, throughput moves with everyone's load, CPU time per
+token much less (there, ``OMP_NUM_THREADS=1`` also keeps torch's threads from waiting on each other).
 
-    python benchmarks/serving.py                                  # starts `megatron-serve run` on a tiny model
-    python benchmarks/serving.py --model DIR --run-args "--dtype bfloat16 --num-kv-blocks 4096"
-    python benchmarks/serving.py --url http://127.0.0.1:8000 --model-name NAME   # an existing server
+Server-sent events are parsed as the specification says (lines end at CR, LF or CRLF only; an empty
+line ends an event; ``data:`` lines join with newlines), so text holding U+2028 or other Unicode line
+breaks does not cut an event.
+
+    python benchmarks/serving.py                                   # starts `megatron-serve run` on a tiny model
+    python benchmarks/serving.py --model DIR --run-args "--dtype bfloat16 --num-kv-blocks 4096" --concurrency 64
+    python benchmarks/serving.py --url http://127.0.0.1:8000 --model DIR    # a running server (offline from DIR)
 """
 
 from __future__ import annotations
@@ -30,6 +42,8 @@ from pathlib import Path
 
 import httpx
 
+LENGTHS = ("uniform", "staggered")
+
 
 @dataclass
 class Sample:
@@ -39,53 +53,124 @@ class Sample:
     tokens: int
 
 
+@dataclass
+class Cost:
+    """CPU milliseconds per 1,000 output tokens, by process."""
+
+    server: float
+    coordinator: float
+    engines: float
+
+
+@dataclass
+class Workload:
+    prompts: list[list[int]]
+    lengths: list[int]  # output tokens of each request
+
+    @property
+    def tokens(self) -> int:
+        return sum(self.lengths)
+
+
 def percentile(values: list[float], q: float) -> float:
     if not values:
         return float("nan")
     ordered = sorted(values)
-    index = min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))
-    return ordered[index]
+    return ordered[min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))]
 
 
-def workload(count: int, prompt_tokens: int, vocab_size: int, seed: int) -> list[list[int]]:
+def workload(count: int, prompt_tokens: int, output_tokens: int, vocab_size: int, lengths: str, seed: int) -> Workload:
     rng = random.Random(seed)
-    return [[rng.randrange(10, vocab_size) for _ in range(prompt_tokens)] for _ in range(count)]
+    prompts = [[rng.randrange(min(10, vocab_size - 1), vocab_size) for _ in range(prompt_tokens)] for _ in range(count)]
+    if lengths == "uniform":
+        outputs = [output_tokens] * count
+    else:  # spread evenly over [n/2, 3n/2] in a shuffled order: the mean is n, finishes fall on every step
+        spread = [max(1, output_tokens // 2 + (output_tokens * i) // max(count - 1, 1)) for i in range(count)]
+        outputs = rng.sample(spread, count)
+    return Workload(prompts, outputs)
+
+
+# ----------------------------------------------------------------------------- server-sent events
+
+
+class EventStream:
+    """Server-sent events from a byte stream, as the HTML specification parses them: only CR, LF and CRLF
+    end a line (so a U+2028 inside JSON does not), ``data:`` lines of one event join with LF, an empty
+    line dispatches the event, comments (``:``) and other fields are ignored."""
+
+    def __init__(self) -> None:
+        self._buffer = b""
+        self._data: list[str] = []
+        self._cr = False  # the last chunk ended in CR: a LF starting the next one belongs to it
+
+    def feed(self, chunk: bytes) -> list[str]:
+        """The data of every event that ``chunk`` completes."""
+        if self._cr and chunk.startswith(b"\n"):
+            chunk = chunk[1:]
+        self._cr = False
+        self._buffer += chunk
+        events: list[str] = []
+        while True:
+            cut = min((i for i in (self._buffer.find(b"\r"), self._buffer.find(b"\n")) if i >= 0), default=-1)
+            if cut < 0:
+                return events
+            line, rest = self._buffer[:cut], self._buffer[cut + 1:]
+            if self._buffer[cut:cut + 1] == b"\r":
+                if rest.startswith(b"\n"):
+                    rest = rest[1:]
+                elif not rest:
+                    self._cr = True
+            self._buffer = rest
+            self._line(line.decode("utf-8"), events)
+
+    def _line(self, line: str, events: list[str]) -> None:
+        if not line:
+            if self._data:
+                events.append("\n".join(self._data))
+                self._data = []
+            return
+        name, _, value = line.partition(":")
+        if name == "data":
+            self._data.append(value[1:] if value.startswith(" ") else value)
+
+
+# ----------------------------------------------------------------------------- serving
 
 
 async def one_request(http: httpx.AsyncClient, model: str, prompt: list[int], output_tokens: int) -> Sample:
     body = {"model": model, "prompt": prompt, "max_tokens": output_tokens, "temperature": 0, "stream": True,
-            "ignore_eos": True, "logprobs": 0}  # logprobs: every chunk lists its tokens, so they can be counted
+            "ignore_eos": True, "stream_options": {"include_usage": True}}
     started = time.perf_counter()
     first = last = None
     tokens = 0
+    events = EventStream()
     async with http.stream("POST", "/v1/completions", json=body) as response:
         if response.status_code != 200:
             raise RuntimeError(f"HTTP {response.status_code}: {(await response.aread()).decode()[:300]}")
-        async for line in response.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            if "error" in chunk:
-                raise RuntimeError(chunk["error"]["message"])
-            for choice in chunk["choices"]:
-                count = len((choice.get("logprobs") or {}).get("tokens") or [])
-                if count:
-                    now = time.perf_counter()
-                    first = now if first is None else first
-                    last = now
-                    tokens += count
+        async for chunk in response.aiter_bytes():
+            for data in events.feed(chunk):
+                if data == "[DONE]":
+                    continue
+                message = json.loads(data)
+                if "error" in message:
+                    raise RuntimeError(message["error"]["message"])
+                if message.get("usage"):
+                    tokens = message["usage"]["completion_tokens"]
+                if any(choice.get("text") for choice in message["choices"]):
+                    last = time.perf_counter()
+                    first = first or last
     end = time.perf_counter()
-    if first is None:
+    if first is None or tokens == 0:
         raise RuntimeError("no tokens streamed")
     tpot = (last - first) / (tokens - 1) if tokens > 1 else None
     return Sample(first - started, tpot, end - started, tokens)
 
 
-async def run_level(url: str, model: str, headers: dict[str, str], prompts: list[list[int]], concurrency: int,
-                    output_tokens: int) -> tuple[list[Sample], float]:
-    queue: asyncio.Queue[list[int]] = asyncio.Queue()
-    for prompt in prompts:
-        queue.put_nowait(prompt)
+async def serve_level(url: str, model: str, headers: dict[str, str], work: Workload,
+                      concurrency: int) -> tuple[list[Sample], float]:
+    queue: asyncio.Queue[tuple[list[int], int]] = asyncio.Queue()
+    for item in zip(work.prompts, work.lengths):
+        queue.put_nowait(item)
     samples: list[Sample] = []
     limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency + 4)
     # TCP_NODELAY: a request's headers and body are separate writes; with Nagle's algorithm the body
@@ -93,12 +178,9 @@ async def run_level(url: str, model: str, headers: dict[str, str], prompts: list
     transport = httpx.AsyncHTTPTransport(limits=limits, socket_options=[(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)])
     async with httpx.AsyncClient(base_url=url, headers=headers, timeout=600, transport=transport) as http:
         async def worker() -> None:
-            while True:
-                try:
-                    prompt = queue.get_nowait()
-                except asyncio.QueueEmpty:
-                    return
-                samples.append(await one_request(http, model, prompt, output_tokens))
+            while not queue.empty():
+                prompt, length = queue.get_nowait()
+                samples.append(await one_request(http, model, prompt, length))
 
         started = time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(concurrency)))
@@ -106,28 +188,52 @@ async def run_level(url: str, model: str, headers: dict[str, str], prompts: list
     return samples, elapsed
 
 
-def row(concurrency: int, samples: list[Sample], elapsed: float) -> list[str]:
-    ttft = [s.ttft * 1000 for s in samples]
-    tpot = [s.tpot * 1000 for s in samples if s.tpot is not None]
-    latency = [s.latency for s in samples]
-    tokens = sum(s.tokens for s in samples)
-    return [str(concurrency), str(len(samples)), f"{len(samples) / elapsed:.2f}", f"{tokens / elapsed:.1f}",
-            f"{percentile(ttft, 50):.1f}", f"{percentile(ttft, 99):.1f}", f"{percentile(tpot, 50):.2f}",
-            f"{percentile(tpot, 99):.2f}", f"{percentile(latency, 50):.2f}"]
+# ----------------------------------------------------------------------------- offline
 
 
-def print_table(rows: list[list[str]]) -> None:
-    header = ["concurrency", "requests", "req/s", "out tok/s", "TTFT p50 ms", "TTFT p99 ms", "TPOT p50 ms",
-              "TPOT p99 ms", "e2e p50 s"]
-    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
-    line = "| " + " | ".join(h.ljust(w) for h, w in zip(header, widths)) + " |"
-    print(line)
-    print("|" + "|".join("-" * (w + 2) for w in widths) + "|")
-    for r in rows:
-        print("| " + " | ".join(c.rjust(w) for c, w in zip(r, widths)) + " |")
+def engine_config(run_args: str, max_requests: int):
+    """The served engines' ``InferenceConfig`` (from the same ``--run-args``), running ``max_requests`` at most."""
+    from megatron_serve.commands.engine_options import add_engine_options, inference_config_from_args  # noqa: PLC0415
+
+    parser = argparse.ArgumentParser(add_help=False)
+    add_engine_options(parser)
+    args, _ = parser.parse_known_args(shlex.split(run_args))
+    args.max_requests = max_requests
+    return inference_config_from_args(args)
 
 
-# ----------------------------------------------------------------------------- a server to measure
+def offline_tokens_per_s(model_dir: str, run_args: str, work: Workload, concurrency: int,
+                         warmup: Workload) -> tuple[float, float]:
+    """Output tokens/s of an engine in this process given the whole workload at once, ``concurrency`` running,
+    and its CPU milliseconds per 1,000 tokens."""
+    import gc  # noqa: PLC0415
+
+    from megatron_serve import DynamicInferenceRequest, SamplingParams  # noqa: PLC0415
+    from megatron_serve.engine import DynamicInferenceEngine  # noqa: PLC0415
+
+    engine = DynamicInferenceEngine.from_model_dir(model_dir, engine_config(run_args, concurrency))
+    try:
+        elapsed = cpu = 0.0
+        for timed, part in ((False, warmup), (True, work)):
+            requests = [DynamicInferenceRequest(f"{timed}-{i}", None, prompt, SamplingParams(
+                temperature=0.0, num_tokens_to_generate=length, ignore_eos=True))
+                for i, (prompt, length) in enumerate(zip(part.prompts, part.lengths))]
+            started, cpu_started = time.perf_counter(), time.process_time()
+            for request in requests:
+                engine.add_request(request)
+            while engine.has_unfinished_requests():
+                engine.step()
+            elapsed, cpu = time.perf_counter() - started, time.process_time() - cpu_started
+        produced = sum(len(r.generated_tokens) for r in requests)
+        assert produced == work.tokens, f"offline produced {produced} tokens, expected {work.tokens}"
+        return produced / elapsed, cpu * 1e6 / produced
+    finally:
+        engine.shutdown()
+        del engine
+        gc.collect()
+
+
+# ----------------------------------------------------------------------------- the stack, the model
 
 
 def free_port() -> int:
@@ -173,55 +279,153 @@ def stop_stack(proc: subprocess.Popen) -> None:
         proc.wait()
 
 
+def stack_cpu_seconds(run_pid: int) -> dict[str, float] | None:
+    """CPU seconds (user + system) the started stack used so far: the ``run`` process (the HTTP server), its
+    coordinator and its engines (Linux ``/proc``; None elsewhere)."""
+    ticks = os.sysconf("SC_CLK_TCK")
+
+    def fields(pid: str) -> list[str]:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+
+    try:
+        own = fields(str(run_pid))
+    except OSError:
+        return None
+    used = {"server": (int(own[11]) + int(own[12])) / ticks, "coordinator": 0.0, "engines": 0.0}
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            stat = fields(pid)
+            if int(stat[1]) != run_pid:
+                continue
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")  # `... cli engine --coordinator ...`
+            role = "engines" if b"engine" in argv else "coordinator"
+        except OSError:  # gone meanwhile
+            continue
+        used[role] += (int(stat[11]) + int(stat[12])) / ticks
+    return used
+
+
+def served_vocab_size(url: str, model: str, headers: dict[str, str]) -> int:
+    """One past the largest token id the server's ``/detokenize`` accepts (it refuses ids outside the vocabulary)."""
+    def accepted(token: int) -> bool:
+        answer = httpx.post(f"{url}/detokenize", json={"model": model, "tokens": [token]}, headers=headers, timeout=30)
+        if answer.status_code not in (200, 400):
+            raise SystemExit(f"/detokenize answered {answer.status_code}: pass --vocab-size or --model")
+        return answer.status_code == 200
+
+    low, high = 0, 1024
+    while accepted(high):
+        low, high = high, high * 2
+    while high - low > 1:
+        middle = (low + high) // 2
+        low, high = (middle, high) if accepted(middle) else (low, middle)
+    return high
+
+
+# ----------------------------------------------------------------------------- report
+
+
+def row(lengths: str, concurrency: int, samples: list[Sample], elapsed: float, offline: tuple[float, float] | None,
+        cost: Cost | None) -> list[str]:
+    ttft = [s.ttft * 1000 for s in samples]
+    tpot = [s.tpot * 1000 for s in samples if s.tpot is not None]
+    served = sum(s.tokens for s in samples) / elapsed
+    rate, offline_cpu = offline or (None, None)
+    cpu = "-" if cost is None else f"{cost.server:.0f} / {cost.coordinator:.0f} / {cost.engines:.0f}"
+    return [lengths, str(concurrency), str(len(samples)), f"{len(samples) / elapsed:.2f}", f"{served:.1f}",
+            f"{rate:.1f}" if rate else "-", f"{served / rate:.2f}" if rate else "-", f"{percentile(ttft, 50):.1f}",
+            f"{percentile(ttft, 99):.1f}", f"{percentile(tpot, 50):.2f}", f"{percentile(tpot, 99):.2f}",
+            f"{percentile([s.latency for s in samples], 50):.2f}", cpu, f"{offline_cpu:.0f}" if offline_cpu else "-"]
+
+
+def print_table(rows: list[list[str]]) -> None:
+    header = ["lengths", "concurrency", "requests", "req/s", "served tok/s", "offline tok/s", "served/offline",
+              "TTFT p50 ms", "TTFT p99 ms", "TPOT p50 ms", "TPOT p99 ms", "e2e p50 s",
+              "CPU ms/1k tok: server / coord. / engines", "offline CPU ms/1k tok"]
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+    print("| " + " | ".join(h.ljust(w) for h, w in zip(header, widths)) + " |")
+    print("|" + "|".join("-" * (w + 2) for w in widths) + "|")
+    for r in rows:
+        print("| " + " | ".join(c.rjust(w) for c, w in zip(r, widths)) + " |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--url", help="an already running server (default: start `megatron-serve run`)")
-    parser.add_argument("--model", help="model directory for the started stack (default: a new tiny model)")
+    parser.add_argument("--model", help="model directory: of the started stack, and of the offline runs (default: a "
+                                        "new tiny model; with --url, no offline runs)")
     parser.add_argument("--model-name", help="served model name (default: asked from GET /v1/models)")
     parser.add_argument("--api-key", default=os.environ.get("MEGATRON_SERVE_API_KEY"))
     parser.add_argument("--engines", type=int, default=1)
-    parser.add_argument("--run-args", default="", help="extra `megatron-serve run` options, e.g. engine sizing")
-    parser.add_argument("--concurrency", default="1,2,4,8,16", help="comma-separated levels")
+    parser.add_argument("--run-args", default="", help="extra `megatron-serve run` options, e.g. engine sizing (the "
+                                                       "offline engine is built with the same engine options)")
+    parser.add_argument("--concurrency", default="1,4,16,64", help="comma-separated levels")
     parser.add_argument("--requests", type=int, default=0, help="requests per level (default: 4 x concurrency, "
                                                                "at least 16)")
     parser.add_argument("--prompt-tokens", type=int, default=128)
     parser.add_argument("--output-tokens", type=int, default=64)
-    parser.add_argument("--vocab-size", type=int, default=0, help="prompt ids are drawn below this (default: "
-                                                                 "the model's, capped at 32000)")
+    parser.add_argument("--lengths", choices=[*LENGTHS, "both"], default="both",
+                        help="output lengths: all --output-tokens, or staggered around it")
+    parser.add_argument("--vocab-size", type=int, default=0, help="prompt ids are drawn below this (default: the "
+                                                                 "served model's)")
+    parser.add_argument("--no-offline", action="store_true", help="serving only")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     levels = [int(x) for x in args.concurrency.split(",") if x.strip()]
+    mixes = list(LENGTHS) if args.lengths == "both" else [args.lengths]
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+
+    model_dir = args.model
+    if model_dir is None and args.url is None:
+        from megatron_serve.tiny_model import make_tiny_model  # noqa: PLC0415
+
+        model_dir = str(make_tiny_model(Path(tempfile.mkdtemp(prefix="bench-tiny-")) / "tiny-llama"))
+    vocab = args.vocab_size or (int(json.loads(Path(model_dir, "config.json").read_text())["vocab_size"])
+                                if model_dir else 0)
+
+    def make_works(vocab: int) -> dict[tuple[str, int], Workload]:
+        return {(mix, c): workload(args.requests or max(16, 4 * c), args.prompt_tokens, args.output_tokens, vocab,
+                                   mix, args.seed + c) for mix in mixes for c in levels}
+
+    works = make_works(vocab) if vocab else {}
+
+    offline: dict[tuple[str, int], tuple[float, float]] = {}
+    if model_dir and not args.no_offline:  # first, alone on the machine: the serving stack is not up yet
+        warmup = workload(4, args.prompt_tokens, args.output_tokens, vocab, "staggered", args.seed + 99)
+        for (mix, c), work in works.items():
+            offline[(mix, c)] = offline_tokens_per_s(model_dir, args.run_args, work, c, warmup)
+            print(f"offline {mix} concurrency {c}: {offline[(mix, c)][0]:.1f} tok/s", file=sys.stderr, flush=True)
 
     proc = None
     url = args.url
-    vocab = args.vocab_size
     if url is None:
-        model_dir = args.model
-        if model_dir is None:
-            from megatron_serve.tiny_model import make_tiny_model  # noqa: PLC0415
-
-            model_dir = str(make_tiny_model(Path(tempfile.mkdtemp(prefix="bench-tiny-")) / "tiny-llama"))
-        if not vocab:
-            vocab = int(json.loads(Path(model_dir, "config.json").read_text())["vocab_size"])
         print(f"starting megatron-serve run --model {model_dir} ...", file=sys.stderr, flush=True)
         proc, url, _output = start_stack(model_dir, args.engines, args.run_args)
-    vocab = min(vocab or 32000, 32000)
-    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     try:
         model = args.model_name or httpx.get(f"{url}/v1/models", headers=headers).json()["data"][0]["id"]
-        asyncio.run(run_level(url, model, headers, workload(2, args.prompt_tokens, vocab, args.seed + 99), 2,
-                              args.output_tokens))  # warm-up
+        if not vocab:
+            vocab = served_vocab_size(url, model, headers)
+            works = make_works(vocab)
+        asyncio.run(serve_level(url, model, headers, workload(2, args.prompt_tokens, args.output_tokens, vocab,
+                                                              "uniform", args.seed + 99), 2))  # warm-up
         rows = []
-        for concurrency in levels:
-            count = args.requests or max(16, 4 * concurrency)
-            prompts = workload(count, args.prompt_tokens, vocab, args.seed + concurrency)
-            samples, elapsed = asyncio.run(run_level(url, model, headers, prompts, concurrency, args.output_tokens))
-            rows.append(row(concurrency, samples, elapsed))
-            print(f"concurrency {concurrency}: {len(samples)} requests in {elapsed:.1f}s", file=sys.stderr,
+        for (mix, c), work in works.items():
+            before = stack_cpu_seconds(proc.pid) if proc is not None else None
+            samples, elapsed = asyncio.run(serve_level(url, model, headers, work, c))
+            after = stack_cpu_seconds(proc.pid) if proc is not None else None
+            cost = None if before is None or after is None else Cost(
+                **{k: (after[k] - before[k]) * 1e6 / work.tokens for k in before})
+            rows.append(row(mix, c, samples, elapsed, offline.get((mix, c)), cost))
+            print(f"served {mix} concurrency {c}: {len(samples)} requests in {elapsed:.1f}s", file=sys.stderr,
                   flush=True)
-        print(f"\nmodel {model}: prompt {args.prompt_tokens} tokens, output {args.output_tokens} tokens "
-              f"(greedy, EOS ignored), streamed over {url}\n")
+        print(f"\nmodel {model}: prompt {args.prompt_tokens} tokens, output {args.output_tokens} tokens (staggered: "
+              f"{args.output_tokens // 2}-{args.output_tokens * 3 // 2}), greedy, EOS ignored, streamed over {url}; "
+              f"offline: an engine in this process with the same engine options\n")
         print_table(rows)
+        for c in levels:
+            if ("uniform", c) in offline and ("staggered", c) in offline:
+                ratio = offline[("staggered", c)][0] / offline[("uniform", c)][0]
+                print(f"concurrency {c}: staggered/uniform offline {ratio:.2f}")
     finally:
         if proc is not None:
             stop_stack(proc)

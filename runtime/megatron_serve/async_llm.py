@@ -65,9 +65,11 @@ class MegatronAsyncLLM:
         self._client: EngineClient
         if self.use_coordinator:
             self.engine = None
+            by_path = isinstance(tokenizer, (str, os.PathLike))
             self._client = FleetClient(coordinator_address, model=model, num_engines=int(num_engines),
                                        inference_config=inference_config, token=token,
-                                       tokenizer_dir=tokenizer if isinstance(tokenizer, (str, os.PathLike)) else None)
+                                       tokenizer_dir=tokenizer if by_path else None,
+                                       tokenizer=None if by_path else tokenizer)
         else:
             from .local_engine import LocalEngineClient, build_engine  # noqa: PLC0415 - torch only when an engine lives here
 
@@ -80,7 +82,10 @@ class MegatronAsyncLLM:
 
     @property
     def tokenizer(self) -> Any:
-        """The model's tokenizer (loaded on first use in coordinator mode)."""
+        """The model's tokenizer (in coordinator mode the one the client makes the text with, once started;
+        else loaded on first use)."""
+        if self._tokenizer is None or isinstance(self._tokenizer, (str, os.PathLike)):
+            self._tokenizer = getattr(self._client, "tokenizer", None) or self._tokenizer
         if self._tokenizer is None and isinstance(self.model, (str, os.PathLike)):
             from .tokenizer import Tokenizer  # noqa: PLC0415
 
@@ -275,7 +280,7 @@ class MegatronAsyncLLM:
         HTTP), ``max_concurrent_requests``, ``log_level``, ``stop`` (an ``asyncio.Event``), ``limits``,
         ``read_timeout``, ``timeout_keep_alive``, ``max_connections``, ``drain_timeout``, ``image_options``
         (a ``multimodal.ImageOptions``), ``options`` (an ``http_options.HTTPOptions``: tool-call parser, CORS,
-        request and stats logs, ``vllm:`` metrics); see
+        request and stats logs, ``vllm:`` metrics), ``stream_interval``; see
         :func:`megatron_serve.server.serve_async_llm`.
         """
         from .server.local import serve_async_llm  # noqa: PLC0415 - FastAPI only when serving

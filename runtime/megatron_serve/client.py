@@ -8,6 +8,12 @@ undelivered results to the new connection) and resubmits what is still pending â
 request continues from the tokens already received, so no token is delivered twice. Results are
 acknowledged (``RESULT_ACK``) so that the coordinator can forget them.
 
+The client makes the text (:mod:`megatron_serve.output_processor`): the coordinator sends token ids
+for every request, and stop strings end a request here, which then aborts it in the fleet. It needs
+a tokenizer for that: ``tokenizer=`` (a ``Tokenizer`` or a directory of tokenizer files), else the
+coordinator's tokenizer directory (announced in ``HELLO_ACK``) when this machine can read it; with
+neither, texts stay empty and a request with stop strings is refused (``ValueError``).
+
 Naming: ``stop()`` is the lifecycle verb STOP (the fleet drains and its engines exit);
 ``close()`` / ``aclose()`` close this client's connection. The design document lists both under
 ``stop()``; here they are distinct so neither shadows the other.
@@ -19,10 +25,10 @@ import asyncio
 import itertools
 import logging
 import math
+import os
 import time
 import uuid
-from dataclasses import dataclass, field
-from typing import Any, AsyncIterator
+from typing import TYPE_CHECKING, Any, AsyncIterator
 
 import zmq
 import zmq.asyncio
@@ -32,31 +38,23 @@ import msgspec
 from .connection import Connection, ControlError, CoordinatorError, CoordinatorLost, Unauthorized
 from .lifecycle import PauseMode, parse_pause_mode
 from .limits import DEFAULT_COORDINATOR_GRACE
-from .messages import Error, HelloAck, Rendezvous
+from .messages import PROTOCOL_VERSION, Error, HelloAck, Rendezvous
 from .multimodal import PromptImage
+from .output_processor import OutputCollector, check_params, load_tokenizer
 from .prompts import ImagePrompt, Prompt
 from .protocol import ErrorCode, Header, Role, encode, pack_batches
-from .outputs import StreamPartial, unreadable_result
-from .request import DynamicInferenceRequest, top_logprobs_from_wire
+from .outputs import StreamPartial
+from .pending_requests import PendingRequest, PendingRequests
+from .request import DynamicInferenceRequest
 from .streams import iterate_stream
 from .sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from .tokenizer import Tokenizer
 
 logger = logging.getLogger("megatron_serve.client")
 
 __all__ = ["InferenceClient", "CoordinatorError", "CoordinatorLost", "ControlError", "Unauthorized", "StreamPartial"]
-
-
-@dataclass
-class _Pending:
-    request_id: str
-    prompt: str | list[int]
-    sampling_params: SamplingParams
-    stream: bool
-    future: asyncio.Future
-    queue: asyncio.Queue | None = None
-    received: list[int] = field(default_factory=list)
-    aborted: bool = False
-    images: list[dict[str, Any]] = field(default_factory=list)  # wire form (PromptImage.to_wire)
 
 
 #: Messages the receive loop takes at once before it lets the event loop run. ``await sock.recv()``
@@ -64,6 +62,10 @@ class _Pending:
 #: one go: measured 7.4 s during which the HTTP server in the same loop answered nothing, /health
 #: included. The rest of a batch is read without a future per message: 1.4 us instead of 22.6 us.
 _BATCH = 32
+#: Messages handled in one turn of the event loop before it runs again. A frame may be a BATCH of one
+#: message per request in flight (every request's tokens of one engine step), and each TOKENS makes
+#: text here: 32 such frames at 64 streams were 2,048 messages in one turn.
+_MESSAGES_PER_TURN = 256
 
 #: How long a RESULT's acknowledgement waits for another message to ride with. Sent alone, it cost the
 #: coordinator a third receive per request at one request in flight (SUBMIT, the engine's step, the
@@ -80,6 +82,7 @@ class InferenceClient:
     ``coordinator_grace``: a lost coordinator (or its replacement) back within that many seconds gets
     every pending request again; past it, each pending request and verb (and any new one until a
     coordinator answers) fails with :class:`CoordinatorLost` (41 of 43 streams hung 90 s before).
+    ``tokenizer``: what makes the text of results (see the module docstring).
     """
 
     def __init__(
@@ -92,8 +95,11 @@ class InferenceClient:
         heartbeat_interval: float = 1.0,
         coordinator_timeout: float = 5.0,
         coordinator_grace: float = DEFAULT_COORDINATOR_GRACE,
+        tokenizer: "Tokenizer | str | os.PathLike | None" = None,
     ) -> None:
         self.address = address
+        self.tokenizer: Tokenizer | None = None if isinstance(tokenizer, (str, os.PathLike)) else tokenizer
+        self._tokenizer_dir = os.fspath(tokenizer) if isinstance(tokenizer, (str, os.PathLike)) else None
         self.token = token
         self.role = Role(role)
         self.client_id = client_id or uuid.uuid4().hex
@@ -104,7 +110,7 @@ class InferenceClient:
         self._ctx = zmq.asyncio.Context.instance()
         self._sock: zmq.asyncio.Socket | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._pending: dict[str, _Pending] = {}
+        self._pending = PendingRequests()
         self._controls: dict[str, tuple[Header, dict[str, Any], asyncio.Future]] = {}
         self._status_waiters: dict[int, asyncio.Future] = {}
         self._status_ids = itertools.count(1)
@@ -139,6 +145,8 @@ class InferenceClient:
         self._tasks.append(asyncio.create_task(self._connection_loop(), name="inference-client-connection"))
         try:
             await asyncio.wait_for(asyncio.shield(self._registration), timeout)
+            if self.tokenizer is None and self.role is Role.CLIENT:
+                self.tokenizer = await asyncio.to_thread(load_tokenizer, self._tokenizer_dir, self._offered_tokenizer())
         except asyncio.TimeoutError:
             self.close()
             raise TimeoutError(f"no answer from a coordinator at {self.address}") from None
@@ -146,6 +154,10 @@ class InferenceClient:
             self.close()
             raise
         return self
+
+    def _offered_tokenizer(self) -> str | None:
+        ack = self._connection.ack
+        return None if ack is None else ack.tokenizer
 
     async def __aenter__(self) -> "InferenceClient":
         return await self.start()
@@ -199,7 +211,9 @@ class InferenceClient:
         if previous is not None:
             logger.info("reconnected to coordinator %s (was %s): resubmitting %d request(s)", self.coordinator_id,
                         previous, len(self._pending))
-        for pending in list(self._pending.values()):
+        if ack.protocol < PROTOCOL_VERSION and self.role is Role.CLIENT:
+            self._pending.fail_all(CoordinatorError(ErrorCode.UNSUPPORTED.value, self._old_coordinator(ack)))
+        for pending in self._pending:
             self._send_submit(pending)
             if pending.aborted:
                 self._send(Header.ABORT, {"client_request_id": pending.request_id})
@@ -209,6 +223,11 @@ class InferenceClient:
             self._send(Header.STATUS, {"status_id": status_id})
         if self._registration is not None and not self._registration.done():
             self._registration.set_result(None)
+
+    @staticmethod
+    def _old_coordinator(ack: HelloAck) -> str:
+        return (f"coordinator {ack.coordinator_id} speaks protocol {ack.protocol}; submitting needs "
+                f"{PROTOCOL_VERSION} (its results carry no text for this client to continue): upgrade it")
 
     def close(self) -> None:
         """Close the connection (not the fleet: that is :meth:`stop`); pending futures fail."""
@@ -229,18 +248,8 @@ class InferenceClient:
         self.close()
         await asyncio.sleep(0)
 
-    @staticmethod
-    def _fail(pending: _Pending, exc: BaseException) -> None:
-        """A stream fails through its queue only: its future is never awaited (asyncio would log its exception)."""
-        if pending.queue is not None:
-            pending.queue.put_nowait(exc)
-        elif not pending.future.done():
-            pending.future.set_exception(exc)
-
     def _fail_all(self, exc: BaseException) -> None:
-        for pending in self._pending.values():
-            self._fail(pending, exc)
-        self._pending.clear()
+        self._pending.fail_all(exc)
         for _h, _b, future in self._controls.values():
             if not future.done():
                 future.set_exception(exc)
@@ -312,7 +321,10 @@ class InferenceClient:
                 return
             except zmq.ZMQError:
                 return
+            handled = 0
             for frame in frames:
+                if sock is not self._sock:  # replaced while this turn let the loop run
+                    return
                 registered = connection.registered
                 try:
                     messages = connection.receive(frame, time.monotonic())
@@ -330,6 +342,10 @@ class InferenceClient:
                         self._on_message(header, body)
                     except Exception:  # a handler bug must not kill the receive loop
                         logger.exception("error handling %s", header.name)
+                handled += len(messages)
+                if handled >= _MESSAGES_PER_TURN:
+                    handled = 0
+                    await asyncio.sleep(0)
             if len(frames) == _BATCH:
                 await asyncio.sleep(0)  # more may be waiting: let the event loop run first (see _BATCH)
 
@@ -340,32 +356,14 @@ class InferenceClient:
             if body.state:
                 self.state = body.state
         elif header is Header.TOKENS:
-            pending = self._pending.get(str(body.client_request_id))
-            if pending is not None and pending.queue is not None:
-                tokens = body.new_tokens
-                pending.received.extend(tokens)
-                pending.queue.put_nowait(StreamPartial(pending.request_id, tokens, body.new_text or "",
-                                                       body.logprobs or [],
-                                                       new_top_logprobs=top_logprobs_from_wire(
-                                                           body.top_logprobs or [])))
+            stopped = self._pending.on_delta(body.client_request_id, body, body.prompt_tokens)
+            if stopped is not None:  # a stop string ended it here: its engine drops it
+                self._send(Header.ABORT, {"client_request_id": stopped.request_id})
         elif header is Header.RESULT:
-            crid = body.client_request_id
-            self._acks.append(crid)
+            self._acks.append(body.client_request_id)
             if self._ack_timer is None:
                 self._ack_timer = self._loop.call_later(ACK_DELAY_S, self._flush_acks)
-            pending = self._pending.pop(str(crid), None)
-            if pending is None:
-                return  # a duplicate after a reconnect: already delivered
-            try:
-                # validated here, where it enters; its sampling parameters are the ones this client sent
-                request = DynamicInferenceRequest.from_dict(body.request, pending.sampling_params)
-            except (KeyError, ValueError, TypeError) as exc:
-                request = unreadable_result(pending.request_id, exc)
-            request.request_id = pending.request_id
-            if not pending.future.done():
-                pending.future.set_result(request)
-            if pending.queue is not None:
-                pending.queue.put_nowait(request)
+            self._pending.on_final(body.client_request_id, body.request)
         elif header is Header.CONTROL_ACK:
             entry = self._controls.pop(str(body.control_id), None)
             self.state = body.state
@@ -387,10 +385,8 @@ class InferenceClient:
                 entry[2].set_exception(ControlError(code, message, body.detail))
             return
         if body.client_request_id is not None:
-            pending = self._pending.pop(str(body.client_request_id), None)
-            if pending is not None:
-                self._fail(pending, ValueError(message) if code == ErrorCode.INVALID_REQUEST.value
-                           else CoordinatorError(code, message))
+            exc = ValueError(message) if code == ErrorCode.INVALID_REQUEST.value else CoordinatorError(code, message)
+            self._pending.fail(body.client_request_id, exc)
             return
         logger.warning("coordinator error %s: %s", code, message)
 
@@ -407,7 +403,7 @@ class InferenceClient:
             raise lost
 
     def _new_pending(self, prompt: Prompt, sampling_params: SamplingParams | dict | None,
-                     request_id: str | None, stream: bool, images: list[bytes | PromptImage] | None) -> _Pending:
+                     request_id: str | None, stream: bool, images: list[bytes | PromptImage] | None) -> PendingRequest:
         self._require_started()
         self._require_coordinator()
         if isinstance(prompt, ImagePrompt):  # what MegatronAsyncLLM hands on for a prompt dict with images
@@ -416,32 +412,37 @@ class InferenceClient:
             params = sampling_params
         else:
             params = SamplingParams.from_dict(sampling_params)  # validates: ValueError naming the field
+        check_params(params, self.tokenizer)
+        ack = self._connection.ack
+        if ack is not None and ack.protocol < PROTOCOL_VERSION:
+            raise CoordinatorError(ErrorCode.UNSUPPORTED.value, self._old_coordinator(ack))
         if not isinstance(prompt, str):
             prompt = [int(t) for t in prompt]
         request_id = str(request_id) if request_id is not None else f"{self._auto_ids}{next(self._request_numbers)}"
         if request_id in self._pending:
             raise ValueError(f"request id {request_id!r} is already pending")
-        pending = _Pending(request_id, prompt, params, stream, self._loop.create_future(),
-                           asyncio.Queue() if stream else None)
+        pending = PendingRequest(request_id, prompt, params, stream, self._loop.create_future(),
+                                 OutputCollector(request_id, prompt, params, self.tokenizer),
+                                 asyncio.Queue() if stream else None)
         if images:
             pending.images = [(image if isinstance(image, PromptImage) else PromptImage(bytes(image))).to_wire()
                               for image in images]
             encode(Header.SUBMIT, self._submit_body(pending))  # too large a frame: ValueError here, nothing sent
-        self._pending[request_id] = pending
+        self._pending.add(pending)
         self._send_submit(pending)
         return pending
 
     @staticmethod
-    def _submit_body(pending: _Pending) -> dict[str, Any]:
+    def _submit_body(pending: PendingRequest) -> dict[str, Any]:
         body: dict[str, Any] = {"client_request_id": pending.request_id, "prompt": pending.prompt,
                                 "sampling_params": pending.sampling_params, "stream": pending.stream}
-        if pending.received:
-            body["generated_tokens"] = pending.received
+        if pending.collector.tokens:  # a resubmission: the request goes on from the tokens it has
+            body["generated_tokens"] = pending.collector.tokens
         if pending.images:
             body["images"] = pending.images
         return body
 
-    def _send_submit(self, pending: _Pending) -> None:
+    def _send_submit(self, pending: PendingRequest) -> None:
         self._send(Header.SUBMIT, self._submit_body(pending))
 
     def add_request(self, prompt: Prompt, sampling_params: SamplingParams | dict | None = None, *,
@@ -475,7 +476,7 @@ class InferenceClient:
 
     def abort(self, request_id: str) -> None:
         """Abort a pending request; its future resolves with ``finish_reason`` ``abort``."""
-        pending = self._pending.get(str(request_id))
+        pending = self._pending.get(request_id)
         if pending is None:
             return
         pending.aborted = True

@@ -40,7 +40,8 @@ class InferenceConfig:
     num_kv_blocks: int | None = None
     kv_cache_memory_fraction: float = 0.9
     max_batch_tokens: int = 2048
-    max_requests: int = 64
+    max_requests: int = 256  # vLLM's max_num_seqs; the KV pool is sized to hold that many full-length requests
+    # where memory allows (the engine's start-up log says how many fit)
     max_sequence_length: int | None = None
     enable_prefix_caching: bool = True
     enable_cuda_graphs: bool = True  # replay decode steps from CUDA graphs (GPU with Triton kernels only)

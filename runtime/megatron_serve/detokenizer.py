@@ -1,9 +1,13 @@
-"""Incremental detokenization with stop words, so streamed text never shows what the final text trims."""
+"""Incremental detokenization with stop strings, so streamed text never shows what the final text trims.
+
+It runs where the text is wanted (the client side: :mod:`megatron_serve.output_processor`), never on
+an engine's step thread.
+"""
 
 from __future__ import annotations
 
 from bisect import bisect_right
-from typing import Iterable
+from typing import Iterable, Sequence
 
 from .tokenizer import Tokenizer
 
@@ -15,32 +19,43 @@ class IncrementalDetokenizer:
     the window's text past that token's (decoding the whole output every step would cost O(length)
     per token). The window keeps what depends on neighbours right: a word-start marker becomes a
     space after the first token, and bytes of one UTF-8 character split over tokens join up; until
-    they do, the pending text ends in U+FFFD and the window stays open. Special tokens render as
-    nothing, so they never enter a window (a window starting at one would lose a leading space).
+    they do, the pending text ends in U+FFFD and the window stays open. With
+    ``skip_special_tokens`` (vLLM's default) special tokens render as nothing, so they never enter a
+    window (a window starting at one would lose a leading space); without it they render as their
+    text, like any other token.
 
-    Text that may still turn into a stop word (the last ``len(longest stop word) - 1`` characters)
-    or that ends in an incomplete UTF-8 sequence is held back until it is safe.
+    Stop strings: the text ends where the first of them (the one that ends first) appears, before it
+    or, with ``include_stop_str_in_output``, after it. Text that may still turn into a stop string
+    (the last ``len(longest) - 1`` characters, when stop strings are cut off) or that ends in an
+    incomplete UTF-8 sequence is held back until it is safe, so streamed text never shows what the
+    final text trims.
     """
 
-    def __init__(self, tokenizer: Tokenizer, stop_words: list[str]):
+    def __init__(self, tokenizer: Tokenizer, stop_words: Sequence[str] = (), *, skip_special_tokens: bool = True,
+                 include_stop_str_in_output: bool = False):
         self.tokenizer = tokenizer
-        self.stop_words = stop_words
-        self.holdback = max((len(word) for word in stop_words), default=1) - 1
+        self.stop_words = list(stop_words)
+        self.include_stop = include_stop_str_in_output
+        longest = max((len(word) for word in self.stop_words), default=1)
+        self.holdback = 0 if include_stop_str_in_output else longest - 1
         self.emitted = 0
         self.text = ""
-        self._special = tokenizer.special_token_ids
+        self._skip_special = skip_special_tokens
+        self._special = tokenizer.special_token_ids if skip_special_tokens else frozenset()
         self._seen = 0  # generated tokens looked at so far
-        self._visible: list[int] = []  # the generated tokens that are not special
+        self._visible: list[int] = []  # the generated tokens that render (special ones too without skipping)
         self._committed = ""  # text of visible[:read_offset], final
         self._prefix_offset = 0  # window start: the visible token before read_offset, decoded for context
         self._read_offset = 0
+        self._checked = 0  # committed characters already searched for stop strings
         self._stop_floor = 0  # stop words must end past this (text made while min_tokens held them off)
 
     def append(self, new_tokens: Iterable[int]) -> str:
         """The whole text after ``new_tokens``: committed text plus what the tokens past ``read_offset`` add."""
         self._visible.extend(t for t in new_tokens if t not in self._special)
-        prefix = self.tokenizer.decode(self._visible[self._prefix_offset : self._read_offset])
-        pending = self.tokenizer.decode(self._visible[self._prefix_offset :])[len(prefix) :]
+        skip = self._skip_special
+        prefix = self.tokenizer.decode(self._visible[self._prefix_offset : self._read_offset], skip)
+        pending = self.tokenizer.decode(self._visible[self._prefix_offset :], skip)[len(prefix) :]
         if pending and not pending.endswith("\ufffd"):
             self._committed += pending
             self._prefix_offset, self._read_offset = self._read_offset, len(self._visible)
@@ -58,24 +73,27 @@ class IncrementalDetokenizer:
         ``check_stop=False`` (before ``min_tokens``): stop words are not looked for, and one that
         ends in the text made meanwhile never counts later.
         """
+        checked = self._checked
         text = self.append(generated_tokens[self._seen :])
         self._seen = len(generated_tokens)
+        self._checked = len(self._committed)
         if not check_stop:
             self._stop_floor = len(text)
         elif self.stop_words:
-            search_from = max(0, self.emitted - self.holdback)
-            hits = [i for i in (self._find_stop(text, w, search_from) for w in self.stop_words) if i >= 0]
+            hits = [(i + len(w), i, w) for w in self.stop_words if (i := self._find_stop(text, w, checked)) >= 0]
             if hits:
-                self.text = text[: min(hits)]
+                end, start, _ = min(hits)
+                self.text = text[: end if self.include_stop else start]
                 return True
         self.text = text
         return False
 
-    def _find_stop(self, text: str, word: str, start: int) -> int:
-        """The first occurrence of ``word`` from ``start`` that ends past the stop floor, or -1."""
-        return text.find(word, max(start, self._stop_floor - len(word) + 1))
+    def _find_stop(self, text: str, word: str, checked: int) -> int:
+        """The first occurrence of ``word`` that ends past the text searched before and the stop floor, or -1."""
+        return text.find(word, max(0, max(checked, self._stop_floor) - len(word) + 1))
 
     def take_new_text(self, final: bool) -> str:
+        """The text not emitted yet that is safe to show (all of it when ``final``), counted as emitted."""
         end = len(self.text)
         if not final:
             end -= self.holdback if self.stop_words else 0
@@ -101,8 +119,8 @@ class TokenTexts:
     concatenate to the text, and no offset passes its end.
     """
 
-    def __init__(self, tokenizer: Tokenizer) -> None:
-        self._decoder = IncrementalDetokenizer(tokenizer, [])
+    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True) -> None:
+        self._decoder = IncrementalDetokenizer(tokenizer, skip_special_tokens=skip_special_tokens)
         self._ends: list[int] = []  # per token: length of the text that is final once it is decoded
         self._pending = False  # the last token leaves an incomplete character (it takes it if it stays last)
 
@@ -133,8 +151,8 @@ class TokenTexts:
         return out
 
 
-def token_texts(tokenizer: Tokenizer, tokens: list[int], text: str) -> list[str]:
+def token_texts(tokenizer: Tokenizer, tokens: list[int], text: str, skip_special_tokens: bool = True) -> list[str]:
     """The text each of ``tokens`` adds to ``text``, their finished decoding (see :class:`TokenTexts`)."""
-    texts = TokenTexts(tokenizer)
+    texts = TokenTexts(tokenizer, skip_special_tokens)
     texts.add(tokens)
     return texts.texts(text, 0, len(tokens), final=True)

@@ -15,12 +15,15 @@ import queue
 import threading
 import time
 import uuid
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import zmq
 
 from .connection import Connection, Unauthorized
 from .protocol import Header, ProtocolError, encode
+
+if TYPE_CHECKING:
+    from .messages import Body
 
 logger = logging.getLogger("megatron_serve.engine_process")
 
@@ -76,7 +79,7 @@ class CoordinatorLink:
     def start(self) -> None:
         self._thread.start()
 
-    def send(self, header: Header, body: dict[str, Any], session: int) -> None:
+    def send(self, header: Header, body: "Body | dict[str, Any]", session: int) -> None:
         """Queue a message for the coordinator; dropped if ``session`` is no longer current."""
         try:
             frame = encode(header, body)

@@ -32,10 +32,10 @@ from .errors import EngineGroupLost, RefitFailed
 from .lifecycle import ENGINE_DRAINING, STEPS, FleetState, Step, engine_state_after
 from .engine_link import CoordinatorLink
 from .heap import freeze_startup_heap
-from .expert_routing import routing_to_wire
-from .messages import Control, HelloAck, Refit, Stop, Suspend
+from .engine_output import step_delta
+from .messages import Body, Control, EngineStepOut, HelloAck, Refit, Stop, Suspend
 from .protocol import HEADER_VERBS, Header, ProtocolError, Role, step_of
-from .request import DynamicInferenceRequest, FinishReason, RequestStatus, top_logprobs_to_wire
+from .request import DynamicInferenceRequest, FinishReason, RequestStatus
 
 if TYPE_CHECKING:
     from .weights.sources import WeightSource
@@ -149,7 +149,7 @@ class EngineProcess:
             except queue.Empty:
                 return
 
-    def _send(self, header: Header, body: dict[str, Any]) -> None:
+    def _send(self, header: Header, body: Body | dict[str, Any]) -> None:
         if self.session:
             self.link.send(header, body, self.session)
 
@@ -217,7 +217,7 @@ class EngineProcess:
             failed = self.engine.take_unfinished_requests()
             for request in failed:
                 request.fail(f"engine step failed: {type(exc).__name__}: {exc}")
-            payload = [{"request_id": r.request_id, "new_tokens": [], "finished": True, "request": r.to_dict()}
+            payload = [{"request_id": r.request_id, "new_tokens": [], "finished": True, "request": r.to_final_dict()}
                        for r in failed]
             self._send(Header.ENGINE_STEP, {"engine_id": self.engine_id, "outputs": payload})
             return
@@ -225,27 +225,10 @@ class EngineProcess:
         self._report(outputs)
 
     def _report(self, outputs: list[Any]) -> None:
-        """Send one step's outputs to the coordinator."""
-        if not outputs:
-            return
-        payload = []
-        for out in outputs:
-            item: dict[str, Any] = {"request_id": out.request.request_id, "new_tokens": list(out.new_tokens),
-                                    "new_text": out.new_text or "", "finished": bool(out.finished)}
-            if out.new_log_probs:
-                item["new_log_probs"] = [float(x) for x in out.new_log_probs]
-            if out.new_top_logprobs:
-                item["new_top_logprobs"] = top_logprobs_to_wire(out.new_top_logprobs)
-            if out.new_tokens and not out.finished:  # the coordinator mirrors them for a request that moves
-                n = len(out.new_tokens)
-                item["epochs"] = [list(out.request.policy_epochs[-n:]), list(out.request.kv_epochs[-n:])]
-                if out.new_routing is not None:  # the rows of the tokens processed since the last output
-                    start, rows = out.new_routing
-                    item["routing"] = {"start": start, **routing_to_wire(rows)}
-            if out.finished:
-                item["request"] = out.request.to_dict()
-            payload.append(item)
-        self._send(Header.ENGINE_STEP, {"engine_id": self.engine_id, "outputs": payload})
+        """Send one step's outputs to the coordinator: one message, a delta per request."""
+        if outputs:
+            self._send(Header.ENGINE_STEP, EngineStepOut(engine_id=self.engine_id,
+                                                         outputs=[step_delta(out) for out in outputs]))
 
     def _publish_stats(self, force: bool = False) -> None:
         """Refresh what the next heartbeat reports (at most every 0.2 s: heartbeats go once a second).

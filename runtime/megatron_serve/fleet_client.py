@@ -23,6 +23,8 @@ from .local_fleet import LocalFleet
 if TYPE_CHECKING:
     import torch
 
+    from .tokenizer import Tokenizer
+
 logger = logging.getLogger("megatron_serve.async_llm")
 
 
@@ -31,15 +33,17 @@ class FleetClient(InferenceClient):
 
     def __init__(self, address: str | None, *, model: str | os.PathLike | None = None, num_engines: int = 1,
                  inference_config: InferenceConfig | None = None, token: str | None = None,
-                 tokenizer_dir: str | os.PathLike | None = None) -> None:
+                 tokenizer_dir: str | os.PathLike | None = None, tokenizer: "Tokenizer | None" = None) -> None:
         """``address=None`` starts a fleet of ``num_engines`` engines for the model directory ``model``
-        (with the tokenizer files of ``tokenizer_dir``, when given)."""
+        (with the tokenizer files of ``tokenizer_dir``, when given). The results' text is made here,
+        with ``tokenizer``, else the files of ``tokenizer_dir``, else those of the model directory."""
         if address is None and not isinstance(model, (str, os.PathLike)):
             raise ValueError("coordinator mode without coordinator_address starts engine processes, "
                              "so model must be a model directory")
         if num_engines < 1:
             raise ValueError(f"num_engines must be >= 1, got {num_engines}")
-        super().__init__(address or "", token=token)
+        text_tokenizer = tokenizer or tokenizer_dir or (model if isinstance(model, (str, os.PathLike)) else None)
+        super().__init__(address or "", token=token, tokenizer=text_tokenizer)
         self.fleet = None if address is not None else LocalFleet(str(model), num_engines, inference_config,
                                                                  token=token, tokenizer_dir=tokenizer_dir)
         self._stopped = False

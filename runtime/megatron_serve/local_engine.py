@@ -4,8 +4,9 @@
 :class:`~megatron_serve.engine_client.EngineClient` (the other is the coordinator client): what
 ``MegatronLLM``/``MegatronAsyncLLM`` use in direct mode and what the HTTP server serves from
 ``MegatronAsyncLLM.serve()``. The engine is not thread-safe, so every call into it (tokenization
-included) happens on the engine thread (:class:`EngineThread`), which resolves asyncio futures on
-their loop. There is no fleet here: the lifecycle verbs raise ``RuntimeError``; ``refit`` loads new
+included) happens on the engine thread (:class:`EngineThread`), which hands each step's token ids
+to the callers' event loops; the text is made there (decoding only reads the tokenizer, which its
+Rust core allows from any thread). There is no fleet here: the lifecycle verbs raise ``RuntimeError``; ``refit`` loads new
 weights between two steps (one replica, nothing can disagree).
 """
 
@@ -26,7 +27,11 @@ from .engine import DynamicInferenceEngine
 from .errors import NoFleet
 from .model.llama import LlamaForCausalLM
 from .lifecycle import FleetState, PauseMode, Verb
-from .outputs import StreamItem, StreamPartial
+from .engine_output import step_delta
+from .messages import StepOutputOut
+from .output_processor import OutputCollector
+from .outputs import StreamItem
+from .pending_requests import PendingRequest, PendingRequests
 from .multimodal import PromptImage
 from .prompts import ImagePrompt, Prompt, tokenize_prompt
 from .request import DynamicInferenceRequest, FinishReason, RequestStatus
@@ -72,7 +77,13 @@ def _settle(future: asyncio.Future, result: Any = None, exc: BaseException | Non
 
 
 class EngineThread:
-    """Steps a direct-mode engine on its own thread and resolves asyncio futures on their loop.
+    """Steps a direct-mode engine on its own thread; its callers' event loops make the outputs.
+
+    The thread only steps: each step's deltas (:func:`~megatron_serve.engine_output.step_delta`,
+    token ids) go to the event loop of each request's caller in one call, and that loop makes the
+    text and finds stop strings (:class:`~megatron_serve.pending_requests.PendingRequests`), as an
+    ``InferenceClient`` does with a fleet's ``TOKENS``. A request a stop string ends is resolved
+    there at once and aborted here.
 
     Requests submitted in one turn of the caller's event loop reach the engine together, before its
     next step (as one command): ``generate`` of a list is one batch from its first step, as in vLLM's
@@ -90,7 +101,8 @@ class EngineThread:
         self._commands: queue.Queue[tuple[Any, ...]] = queue.Queue()
         self._arriving: list[tuple[Any, ...]] = []  # submissions of this event-loop turn (see _flush)
         self._arriving_lock = threading.Lock()
-        self._waiters: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Future, asyncio.Queue | None]] = {}
+        self._pending = PendingRequests()  # touched on the callers' loops only
+        self._loops: dict[str, asyncio.AbstractEventLoop] = {}  # the engine thread's: where each request's output goes
         self._thread = threading.Thread(target=self._main, name="megatron-engine", daemon=True)
         self._started = False
         self.completed = 0  # finished requests, by outcome (for the STATUS-shaped answer)
@@ -107,11 +119,16 @@ class EngineThread:
                ) -> tuple[str, asyncio.Future, asyncio.Queue | None]:
         loop = asyncio.get_running_loop()
         request_id = request_id or uuid.uuid4().hex
+        if request_id in self._pending:
+            raise ValueError(f"request id {request_id!r} is already pending")
         future = loop.create_future()
         items: asyncio.Queue | None = asyncio.Queue() if stream else None
+        text_prompt = prompt.prompt if isinstance(prompt, ImagePrompt) else prompt
+        collector = OutputCollector(request_id, text_prompt, params, self.engine.tokenizer)
+        self._pending.add(PendingRequest(request_id, text_prompt, params, stream, future, collector, items))
         self.start()
         with self._arriving_lock:
-            self._arriving.append((request_id, prompt, params, loop, future, items))
+            self._arriving.append((request_id, prompt, params, loop))
             first = len(self._arriving) == 1
         if first:
             loop.call_soon(self._flush)
@@ -148,30 +165,63 @@ class EngineThread:
             self._commands.put(("close",))
             self._thread.join(timeout)
 
-    def _post(self, request_id: str, item: Any, final: bool) -> None:
-        entry = self._waiters.pop(request_id, None) if final else self._waiters.get(request_id)
-        if entry is None:
-            return
-        if final:
-            if not isinstance(item, DynamicInferenceRequest):
-                self.failed += 1
-            elif item.status is RequestStatus.COMPLETED:
-                self.completed += 1
-            elif item.finish_reason is FinishReason.ABORT:
-                self.aborted += 1
-            else:
-                self.failed += 1
-        loop, future, items = entry
-        try:
-            if items is not None:
-                loop.call_soon_threadsafe(items.put_nowait, item)
-            if final:
-                if isinstance(item, BaseException):
-                    loop.call_soon_threadsafe(_settle, future, None, item)
+    # -- the callers' loops
+
+    def _deliver(self, items: list[StepOutputOut | tuple[str, BaseException | list[int]]]) -> None:
+        """Outputs for requests of this loop, in order (on the loop): deltas, failures, the token ids of
+        a text prompt (which a stop string's record of the request needs)."""
+        for item in items:
+            if isinstance(item, tuple):
+                request_id, value = item
+                pending = self._pending.get(request_id)
+                if pending is None:
+                    continue
+                if isinstance(value, list):
+                    pending.collector.prompt_tokens = value
                 else:
-                    loop.call_soon_threadsafe(_settle, future, item)
-        except RuntimeError:  # the caller's loop is closed: nobody is waiting any more
-            pass
+                    self.failed += 1
+                    self._pending.fail(request_id, value)
+                continue
+            stopped = self._pending.on_delta(item.request_id, item)
+            if stopped is not None:
+                self.completed += 1
+                if not item.finished:
+                    self.abort(item.request_id)
+            elif item.finished:
+                self._count(self._pending.on_final(item.request_id, item.request))
+
+    def _count(self, request: DynamicInferenceRequest | None) -> None:
+        if request is None:
+            return
+        if request.status is RequestStatus.COMPLETED:
+            self.completed += 1
+        elif request.finish_reason is FinishReason.ABORT:
+            self.aborted += 1
+        else:
+            self.failed += 1
+
+    # -- the engine thread
+
+    def _post(self, outputs: list[tuple[str, StepOutputOut | BaseException | list[int]]]) -> None:
+        """Send each output to its request's loop: one call per loop (requests that finish leave the map)."""
+        by_loop: dict[asyncio.AbstractEventLoop, list[Any]] = {}
+        for request_id, output in outputs:
+            loop = self._loops.get(request_id)
+            if loop is None:
+                continue
+            if isinstance(output, StepOutputOut):
+                if output.finished:
+                    del self._loops[request_id]
+                by_loop.setdefault(loop, []).append(output)
+                continue
+            if isinstance(output, BaseException):
+                del self._loops[request_id]
+            by_loop.setdefault(loop, []).append((request_id, output))
+        for loop, items in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(self._deliver, items)
+            except RuntimeError:  # the caller's loop is closed: nobody is waiting any more
+                pass
 
     def _main(self) -> None:
         engine = self.engine
@@ -184,8 +234,8 @@ class EngineThread:
                     break
                 block = False
                 if command[0] == "close":
-                    for request_id in list(self._waiters):
-                        self._post(request_id, ConnectionError("MegatronAsyncLLM was shut down"), final=True)
+                    self._post([(request_id, ConnectionError("MegatronAsyncLLM was shut down"))
+                                for request_id in list(self._loops)])
                     engine.shutdown()  # stops tensor-parallel followers, if any
                     return
                 self._apply(command)
@@ -198,19 +248,11 @@ class EngineThread:
                 logger.exception("engine step failed")
                 failed = engine.take_unfinished_requests()
                 block = True
-                for request in failed:
-                    self._post(request.request_id, RuntimeError(f"engine step failed: {exc}"), final=True)
+                self._post([(request.request_id, RuntimeError(f"engine step failed: {exc}")) for request in failed])
                 continue
             block = not engine.has_unfinished_requests()  # decided before the results go out (see class doc)
-            for out in outputs:
-                request_id = out.request.request_id
-                entry = self._waiters.get(request_id)
-                if entry is not None and entry[2] is not None and (out.new_tokens or out.new_text):
-                    self._post(request_id, StreamPartial(request_id, list(out.new_tokens), out.new_text,
-                                                         list(out.new_log_probs),
-                                                         new_top_logprobs=list(out.new_top_logprobs)), final=False)
-                if out.finished:
-                    self._post(request_id, out.request, final=True)
+            if outputs:
+                self._post([(out.request.request_id, step_delta(out)) for out in outputs])
 
     def _apply(self, command: tuple[Any, ...]) -> None:
         if command[0] == "refit":
@@ -227,22 +269,23 @@ class EngineThread:
         if command[0] == "abort":
             request = self.engine.abort_request(command[1])
             if request is not None:
-                self._post(command[1], request, final=True)
+                self._post([(command[1], StepOutputOut(request_id=command[1], new_tokens=[], finished=True,
+                                                        request=request.to_final_dict()))])
             return
-        for request_id, prompt, params, loop, future, items in command[1]:
-            self._add(request_id, prompt, params, loop, future, items)
-
-    def _add(self, request_id: str, prompt: Prompt, params: SamplingParams, loop: asyncio.AbstractEventLoop,
-             future: asyncio.Future, items: asyncio.Queue | None) -> None:
-        self._waiters[request_id] = (loop, future, items)
-        try:
-            tokens, images, text = tokenize_prompt(prompt, self.engine.tokenizer)
-        except Exception as exc:
-            self._post(request_id, ValueError(f"cannot tokenize the prompt: {exc}"), final=True)
-            return
-        request = DynamicInferenceRequest(request_id=request_id, prompt=text, prompt_tokens=tokens,
-                                          sampling_params=params, images=images)
-        self.engine.add_request(request)  # a bad request fails alone and comes back from step()
+        told: list[tuple[str, BaseException | list[int]]] = []
+        for request_id, prompt, params, loop in command[1]:
+            self._loops[request_id] = loop
+            try:
+                tokens, images, text = tokenize_prompt(prompt, self.engine.tokenizer)
+            except Exception as exc:
+                told.append((request_id, ValueError(f"cannot tokenize the prompt: {exc}")))
+                continue
+            if text is not None:
+                told.append((request_id, list(tokens)))
+            self.engine.add_request(DynamicInferenceRequest(request_id=request_id, prompt=text, prompt_tokens=tokens,
+                                                            sampling_params=params, images=images))
+            # (a bad request fails alone and comes back from step())
+        self._post(told)
 
 
 class LocalEngineClient:

@@ -14,7 +14,12 @@ the way out).
 Protocol versions (``protocol`` in HELLO and HELLO_ACK; absent means 1): version 2 adds ``BATCH``,
 one frame carrying several messages, which a peer sends only to a peer that announced 2. Version 3
 adds PAUSE's ``mode`` and ``drain_timeout``: an older coordinator would ignore them (and keep), so a
-client asks for a mode other than ``keep`` only of a coordinator that announced 3.
+client asks for a mode other than ``keep`` only of a coordinator that announced 3. Version 4 moves
+the text out of engines and coordinator (see :class:`TokenDelta`): engines send token ids only and
+a final record without what their deltas carried; the coordinator sends ``TOKENS`` for every
+request and ``RESULT`` records without the generated fields, so the client makes the text. A
+coordinator refuses ``SUBMIT`` from a client below 4 (its results would have no text), and a
+client refuses to submit to a coordinator below 4.
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ import msgspec
 from .protocol import Header
 
 #: The protocol version this code speaks.
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 
 TokenId = Annotated[int, msgspec.Meta(ge=0)]
 #: Ids that foreign clients chose may be ints; this project always sends strings.
@@ -60,6 +65,7 @@ class HelloAck(Body):
     heartbeat_interval: float | None = None
     refit: dict[str, Any] | None = None  # {source, epoch}: the fleet's current weights, to load before serving
     protocol: int = 1
+    tokenizer: str | None = None  # to clients: the directory of the coordinator's tokenizer files
 
 
 class Error(Body):
@@ -97,14 +103,6 @@ class Submit(Body):
     stream: bool | None = None
     generated_tokens: list[TokenId] | None = None  # resubmission after a coordinator restart: continue
     images: list[WireImage] | None = None  # one per image placeholder of the prompt, in order
-
-
-class Tokens(Body):
-    client_request_id: ClientId
-    new_tokens: list[int]
-    new_text: str | None = None
-    logprobs: list[float] | None = None
-    top_logprobs: list[list[tuple[int, float]]] | None = None  # per new token: [[token id, log prob], ...]
 
 
 class Result(Body):
@@ -294,24 +292,70 @@ class RoutingRows(Body):
     data: bytes
 
 
-class StepOutput(Body):
-    """One request's share of an engine step."""
+class PromptScores(Body):
+    """``return_prompt_log_probs``: the log probs of prompt tokens 1.. and, with ``top_n_logprobs``, the
+    n most likely tokens at each of those positions, as parallel lists."""
+
+    log_probs: list[float]
+    top_ids: list[list[int]] | None = None
+    top_log_probs: list[list[float]] | None = None
+
+
+class TokenDelta(Body):
+    """What one engine step added to one request: its new token ids and, when asked, what goes with them.
+
+    Only ids travel: the text is made where it is read (the client side,
+    :mod:`megatron_serve.output_processor`), which keeps detokenization and stop strings off the
+    engine's step thread. Top-n log probs are parallel lists (``top_ids[i]`` and
+    ``top_log_probs[i]`` for new token ``i``), not a map per token.
+    """
+
+    new_tokens: list[TokenId]
+    new_log_probs: list[float] | None = None
+    top_ids: list[list[int]] | None = None
+    top_log_probs: list[list[float]] | None = None
+    epochs: list[list[int]] | None = None  # [policy epochs, KV epochs] of the new tokens
+    routing: RoutingRows | None = None  # return_routing_indices: the rows processed since the last delta
+    # With the request's first tokens (an engine that stops at the first token sends them with none):
+    cached_tokens: int | None = None  # prompt tokens its engine found in the prefix cache
+    prompt_scores: PromptScores | None = None  # return_prompt_log_probs
+
+
+class StepOutput(TokenDelta, kw_only=True):
+    """One request's share of an engine step; the final one carries the record's remaining fields."""
 
     request_id: str
-    new_tokens: list[TokenId]
     finished: bool
-    new_text: str | None = None
-    new_log_probs: list[float] | None = None
-    new_top_logprobs: list[list[tuple[int, float]]] | None = None  # per new token: [[token id, log prob], ...]
-    epochs: list[list[int]] | None = None  # [policy epochs, KV epochs] of the new tokens
-    routing: RoutingRows | None = None  # return_routing_indices: the rows processed since the last output
-    request: msgspec.Raw | msgspec.UnsetType = msgspec.UNSET  # the full record when finished (maybe nil)
+    # When finished: the record without what already travelled in deltas (the receivers accumulate them;
+    # see ``DynamicInferenceRequest.to_final_dict``). Maybe nil.
+    request: msgspec.Raw | msgspec.UnsetType = msgspec.UNSET
+
+
+class StepOutputOut(StepOutput, kw_only=True):
+    """:class:`StepOutput` as an engine writes it (its final record as a map, encoded with the step)."""
+
+    request: dict[str, Any] | msgspec.UnsetType = msgspec.UNSET
 
 
 class EngineStep(Body):
     engine_id: str
     # Each item decoded on its own, so that one unreadable output does not lose the others.
     outputs: list[msgspec.Raw]
+
+
+class EngineStepOut(Body):
+    """:class:`EngineStep` as an engine writes it: every request's delta of one step, one message."""
+
+    engine_id: str
+    outputs: list[StepOutputOut]
+
+
+class Tokens(TokenDelta, kw_only=True):
+    """A request's new tokens, to its client (for every request: the client makes the text and holds the
+    stop strings, and the ``RESULT`` record does not repeat them)."""
+
+    client_request_id: ClientId
+    prompt_tokens: list[TokenId] | None = None  # a text prompt's token ids, with its first TOKENS
 
 
 class EngineAbort(Body):

@@ -162,10 +162,8 @@ class DynamicInferenceRequest:
     def to_dict(self, include_images: bool = False) -> dict[str, Any]:
         """Plain values for msgpack. Images (the files themselves) only with ``include_images``: an engine
         needs them, a result does not carry them back."""
-        data = {
-            "request_id": self.request_id,
-            "prompt": self.prompt,
-            "prompt_tokens": list(self.prompt_tokens),
+        data = self.to_final_dict()
+        data.update({
             "sampling_params": self.sampling_params.to_dict(),
             "generated_tokens": list(self.generated_tokens),
             "generated_text": self.generated_text,
@@ -175,6 +173,21 @@ class DynamicInferenceRequest:
             "prompt_top_n_logprobs": top_logprobs_to_wire(self.prompt_top_n_logprobs),
             "policy_epochs": list(self.policy_epochs),
             "kv_epochs": list(self.kv_epochs),
+        })
+        if include_images and self.images:
+            data["images"] = [image.to_wire() for image in self.images]
+        if self.routing_indices is not None:  # absent unless asked for: older peers never see it
+            data["routing_indices"] = routing_to_wire(self.routing_indices)
+        return data
+
+    def to_final_dict(self) -> dict[str, Any]:
+        """The finished record without what travelled step by step with the tokens (the generated
+        tokens, their log probs, epochs and expert rows, the prompt scores): a receiver that
+        accumulated the steps (:mod:`megatron_serve.output_processor`) completes it."""
+        return {
+            "request_id": self.request_id,
+            "prompt": self.prompt,
+            "prompt_tokens": list(self.prompt_tokens),
             "cached_tokens": self.cached_tokens,
             "status": self.status.value,
             "finish_reason": None if self.finish_reason is None else self.finish_reason.value,
@@ -184,11 +197,6 @@ class DynamicInferenceRequest:
             "first_token_time": self.first_token_time,
             "finish_time": self.finish_time,
         }
-        if include_images and self.images:
-            data["images"] = [image.to_wire() for image in self.images]
-        if self.routing_indices is not None:  # absent unless asked for: older peers never see it
-            data["routing_indices"] = routing_to_wire(self.routing_indices)
-        return data
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], sampling_params: SamplingParams | None = None

@@ -169,6 +169,10 @@ class SamplingParams(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=T
     truncate_prompt_tokens: int | None = None  # keep the prompt's last N tokens (applied by the Python API)
     priority: int = 0  # admission order when the engines are full: lower first, then arrival
     cache_salt: str | None = None  # prefix-cache entries are shared only within one salt
+    # Detokenizer options (vLLM's names and defaults), applied where the text is made (the client side):
+    # special tokens' text left out of ``generated_text``; a stop string kept at the end of the text.
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
 
     def __post_init__(self) -> None:
         self.validate()
@@ -236,8 +240,10 @@ class SamplingParams(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=T
             _check_int("stop_token_ids", token_id, minimum=0)
         if isinstance(self.stop_token_ids, tuple):
             self.stop_token_ids = list(self.stop_token_ids)
-        if self.return_prompt_log_probs is not True and self.return_prompt_log_probs is not False:
-            raise ValueError(f"return_prompt_log_probs must be a bool, got {self.return_prompt_log_probs!r}")
+        for name in ("return_prompt_log_probs", "skip_special_tokens", "include_stop_str_in_output"):
+            value = getattr(self, name)
+            if value is not True and value is not False:
+                raise ValueError(f"{name} must be a bool, got {value!r}")
         if isinstance(self.structured_outputs, dict):
             self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):

@@ -11,6 +11,10 @@ if TYPE_CHECKING:
     from .multimodal import ImageProcessor
 
 
+#: Text whose decoding ``clean_up_tokenization_spaces`` changes (see ``Tokenizer._rust``).
+_CLEAN_UP_PROBE = "a . b , c ! d ? e 's f n't g"
+
+
 class PromptTooLong(ValueError):
     """A text holds more tokens than the caller can use; ``tokens`` says how many."""
 
@@ -69,7 +73,35 @@ class Tokenizer:
         return encoding.ids
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        """The text of ``token_ids``, as ``transformers`` decodes it.
+
+        Straight from the Rust tokenizer where that gives the same text (see :attr:`_rust`): the
+        ``transformers`` wrapper cost 6.7 us a call against 1.9 us, and the client side decodes two
+        short windows per generated token (:mod:`megatron_serve.detokenizer`).
+        """
+        rust = self._rust
+        if rust is not None:
+            return rust.decode(token_ids, skip_special_tokens=skip_special_tokens)
         return self._tok.decode(token_ids, skip_special_tokens=skip_special_tokens)
+
+    @functools.cached_property
+    def _rust(self) -> Any:
+        """The fast tokenizer's Rust object when calling it decodes exactly as ``transformers`` does, else None.
+
+        ``transformers`` adds one step of its own, ``clean_up_tokenization_spaces`` (" ." becomes ".",
+        ...), which its versions apply or skip differently (recent ones skip it for BPE models even
+        where the config asks for it): so where the config asks for it, a probe that the clean-up would
+        change decides whether this version applies it.
+        """
+        if not self._tok.is_fast:
+            return None
+        rust = self._tok.backend_tokenizer
+        if getattr(self._tok, "clean_up_tokenization_spaces", False):
+            ids = self._tok.encode(_CLEAN_UP_PROBE, add_special_tokens=False)
+            raw = rust.decode(ids, skip_special_tokens=True)
+            if " ." not in raw or self._tok.decode(ids, skip_special_tokens=True) != raw:
+                return None
+        return rust
 
     @functools.cached_property
     def special_token_ids(self) -> frozenset[int]:

@@ -10,7 +10,7 @@ from typing import Any
 
 from megatron_serve.coordinator import CoordinatorCore
 from megatron_serve.coordinator.effects import Effect, Probe, Send
-from megatron_serve.messages import FROM_COORDINATOR, Hello
+from megatron_serve.messages import FROM_COORDINATOR, PROTOCOL_VERSION, Hello
 from megatron_serve.protocol import Header, Message, decode, unbatch
 
 
@@ -53,7 +53,7 @@ class CoreHarness:
         return ack.engine_id
 
     def client(self, identity: bytes, client_id: str = "c1") -> None:
-        self.send(identity, Header.HELLO, Hello(role="client", client_id=client_id, acks=True, protocol=2))
+        self.send(identity, Header.HELLO, Hello(role="client", client_id=client_id, acks=True, protocol=PROTOCOL_VERSION))
         self.take(identity, Header.HELLO_ACK)
 
     # -- outputs

@@ -35,7 +35,6 @@ def expected_tokens(prompt_tokens: list[int], n: int) -> list[int]:
 class FakeStepOutput:
     request: DynamicInferenceRequest
     new_tokens: list[int]
-    new_text: str
     new_log_probs: list[float]
     finished: bool
     new_top_logprobs: list[dict[int, float]] = field(default_factory=list)
@@ -100,10 +99,9 @@ class FakeEngine:
             if done:
                 request.status = RequestStatus.COMPLETED
                 request.finish_reason = FinishReason.LENGTH
-                request.generated_text = " ".join(map(str, request.generated_tokens))
                 request.add_event(EventType.FINISH, "length")
                 del self.requests[request.request_id]
-            outputs.append(FakeStepOutput(request, [token], f" {token}", [], done))
+            outputs.append(FakeStepOutput(request, [token], [], done))
         return outputs
 
     def sync(self) -> list[FakeStepOutput]:

@@ -46,9 +46,10 @@ class RawCoordinator:
         self.router.send_multipart([self.identity, encode(header, body)])
 
     def result(self, crid: str) -> None:
+        """The request's token, then its record (which does not repeat the tokens: the client has them)."""
+        self.send(Header.TOKENS, {"client_request_id": crid, "new_tokens": [7]})
         self.send(Header.RESULT, {"client_request_id": crid, "request": {
-            "request_id": f"c/{crid}", "prompt_tokens": [1, 2, 3], "generated_tokens": [7], "status": "COMPLETED",
-            "finish_reason": "length", "generated_text": " 7"}})
+            "request_id": f"c/{crid}", "prompt_tokens": [1, 2, 3], "status": "COMPLETED", "finish_reason": "length"}})
 
 
 PARAMS = SamplingParams(num_tokens_to_generate=1)

@@ -16,7 +16,7 @@ import pytest
 import zmq
 
 from megatron_serve.client import InferenceClient, StreamPartial
-from megatron_serve.messages import TO_COORDINATOR
+from megatron_serve.messages import PROTOCOL_VERSION, TO_COORDINATOR
 from megatron_serve.protocol import Header, decode, encode
 from megatron_serve.sampling_params import SamplingParams
 
@@ -38,7 +38,8 @@ async def test_a_backlog_of_tokens_lets_other_tasks_run(monkeypatch):
         identity, frame = router.recv_multipart()
         header, _ = decode(frame, TO_COORDINATOR)
         assert header is Header.HELLO
-        router.send_multipart([identity, encode(Header.HELLO_ACK, {"coordinator_id": "c", "state": "RUNNING"})])
+        router.send_multipart([identity, encode(Header.HELLO_ACK, {"coordinator_id": "c", "state": "RUNNING",
+                                                                      "protocol": PROTOCOL_VERSION})])
         return identity
 
     client = InferenceClient(address)
@@ -52,7 +53,7 @@ async def test_a_backlog_of_tokens_lets_other_tasks_run(monkeypatch):
         _, frame = await asyncio.to_thread(router.recv_multipart)
         assert decode(frame, TO_COORDINATOR)[0] is Header.SUBMIT
 
-        tokens = encode(Header.TOKENS, {"client_request_id": "r", "new_tokens": [7], "new_text": "x"})
+        tokens = encode(Header.TOKENS, {"client_request_id": "r", "new_tokens": [7]})
         for _ in range(BACKLOG):
             router.send_multipart([identity, tokens])
         time.sleep(1.0)  # the loop is blocked: the whole backlog reaches the client's socket meanwhile
@@ -67,7 +68,7 @@ async def test_a_backlog_of_tokens_lets_other_tasks_run(monkeypatch):
                 await asyncio.sleep(0)
 
         def stream_queue_length() -> int:
-            return len(client._pending["r"].received)
+            return len(client._pending.get("r").collector.tokens)
 
         ticking = asyncio.create_task(ticker())
         assert isinstance(await asyncio.wait_for(first, 30), StreamPartial)

@@ -36,11 +36,23 @@ TOKEN_ENV = {"MEGATRON_SERVE_TOKEN": TOKEN}
 
 
 @pytest.fixture(scope="module")
-def direct(tiny_model):
+def direct_results(tiny_model):
     from megatron_serve.llm import MegatronLLM
 
     llm = MegatronLLM(tiny_model, InferenceConfig(num_kv_blocks=64))
-    return {p: r.generated_tokens for p, r in zip(PROMPTS, llm.generate(PROMPTS, LONG))}
+    return dict(zip(PROMPTS, llm.generate(PROMPTS, LONG)))
+
+
+@pytest.fixture(scope="module")
+def direct(direct_results):
+    """Direct mode's tokens for every prompt."""
+    return {p: r.generated_tokens for p, r in direct_results.items()}
+
+
+@pytest.fixture(scope="module")
+def direct_text(direct_results):
+    """Direct mode's text for every prompt."""
+    return {p: r.generated_text for p, r in direct_results.items()}
 
 
 @pytest.fixture(scope="module")
@@ -86,16 +98,20 @@ class Recorder:
         client._on_message = spy
 
 
-async def _stream_all(client, prompts):
+async def _stream_all(client, prompts, texts):
+    """Stream every prompt; each stream's text must add up to its result's and to direct mode's ``texts``."""
     streamed = {p: [] for p in prompts}
+    streamed_text = dict.fromkeys(prompts, "")
 
     async def one(p):
         final = None
         async for item in client.add_request_streaming(p, LONG, request_id=p):
             if isinstance(item, StreamPartial):
                 streamed[p].extend(item.new_tokens)
+                streamed_text[p] += item.new_text
             else:
                 final = item
+        assert streamed_text[p] == final.generated_text == texts[p], p  # not a character lost where it moved
         return final
 
     tasks = [asyncio.create_task(one(p)) for p in prompts]
@@ -118,9 +134,9 @@ def _pid_of(status_engine) -> int:
     return int(status_engine["info"]["pid"])
 
 
-async def test_sigkill_one_of_two_engines_with_100_in_flight(client, fleet, direct):
+async def test_sigkill_one_of_two_engines_with_100_in_flight(client, fleet, direct, direct_text):
     recorder = Recorder(client)
-    tasks, streamed = await _stream_all(client, PROMPTS)
+    tasks, streamed = await _stream_all(client, PROMPTS, direct_text)
     status = await _wait_both_busy(client, streamed)
     victim = status["engines"][0]
     os.kill(_pid_of(victim), signal.SIGKILL)
@@ -137,9 +153,9 @@ async def test_sigkill_one_of_two_engines_with_100_in_flight(client, fleet, dire
     assert after["in_flight"] == 0 and after["queued"] == 0
 
 
-async def test_sigterm_engine_under_load_loses_nothing(client, fleet, direct):
+async def test_sigterm_engine_under_load_loses_nothing(client, fleet, direct, direct_text):
     recorder = Recorder(client)
-    tasks, streamed = await _stream_all(client, PROMPTS)
+    tasks, streamed = await _stream_all(client, PROMPTS, direct_text)
     status = await _wait_both_busy(client, streamed)
     victim = status["engines"][1]
     proc = next(p for p in fleet.engines if p.pid == _pid_of(victim))
@@ -154,9 +170,9 @@ async def test_sigterm_engine_under_load_loses_nothing(client, fleet, direct):
     assert "draining" in log and "handed back" in log
 
 
-async def test_restarted_coordinator_is_rejoined(client, fleet, direct):
-    prompts = PROMPTS[:30]
-    tasks, streamed = await _stream_all(client, prompts)
+async def test_restarted_coordinator_is_rejoined(client, fleet, direct, direct_text):
+    prompts = PROMPTS[:50]
+    tasks, streamed = await _stream_all(client, prompts, direct_text)
     await _wait_both_busy(client, streamed)
     fleet.coordinator.send_signal(signal.SIGKILL)
     fleet.coordinator.wait(10)
@@ -168,8 +184,8 @@ async def test_restarted_coordinator_is_rejoined(client, fleet, direct):
         assert r.generated_tokens == direct[p] and streamed[p] == r.generated_tokens, p
     status = await client.wait_for_engines(2, timeout=60)
     assert sorted(e["group"] for e in status["engines"]) == [0, 1]
-    again = await asyncio.gather(*(client.add_request(p, LONG) for p in PROMPTS[30:40]))
-    assert [r.generated_tokens for r in again] == [direct[p] for p in PROMPTS[30:40]]
+    again = await asyncio.gather(*(client.add_request(p, LONG) for p in PROMPTS[50:60]))
+    assert [r.generated_tokens for r in again] == [direct[p] for p in PROMPTS[50:60]]
     for proc in fleet.engines:
         assert "registering again" in fleet.children.log_of(proc) or "registered with coordinator" in \
             fleet.children.log_of(proc)

@@ -121,8 +121,8 @@ def _routing_step(h: CoreHarness, engine_id: str, tokens: list[int], start: int,
 
 def test_core_mirrors_rows_into_the_next_dispatch_and_a_result_it_finishes():
     """The pure core: rows arrive with the tokens, an out-of-order delivery is dropped (tokens kept), a
-    moved request's ENGINE_SUBMIT carries every mirrored row, and so does a RESULT the coordinator
-    writes itself (an abort)."""
+    moved request's ENGINE_SUBMIT carries every mirrored row, and the client gets every step's rows
+    with its tokens (a RESULT the coordinator writes itself, an abort, does not repeat them)."""
     rows = (np.arange(12, dtype=np.uint8) % 8).reshape(6, 1, 2)  # 6 positions, 1 MoE layer, top-2
     h = CoreHarness()
     h.client(b"client")
@@ -139,7 +139,8 @@ def test_core_mirrors_rows_into_the_next_dispatch_and_a_result_it_finishes():
     h._perform(h.core.on_peer_gone(b"e1", "connection closed", h.now))
     moved = h.take(b"e2", Header.ENGINE_SUBMIT)[0].request
     np.testing.assert_array_equal(routing_from_wire(moved["routing_indices"]), rows)
+    sent = [t.routing for t in h.take(b"client", Header.TOKENS)]
+    assert [r.start for r in sent] == [0, 9, 4]  # as the engine sent them: the client keeps what continues
     h.send(b"client", Header.ABORT, ClientAbort(client_request_id="r"))
     result = h.take(b"client", Header.RESULT)[0].request
-    assert result["finish_reason"] == "abort"
-    np.testing.assert_array_equal(routing_from_wire(result["routing_indices"]), rows)
+    assert result["finish_reason"] == "abort" and "routing_indices" not in result

@@ -97,3 +97,42 @@ def test_a_split_character_is_listed_with_the_token_that_completes_it():
     partial = TokenTexts(tokenizer)
     partial.add(tokens[:-1])
     assert partial.complete_within(0) == len(tokens) - 2  # the last one may still take the character
+
+
+@pytest.mark.parametrize("text", [TEXTS[0], TEXTS[2]])  # (the Metaspace one's byte tokens are special here)
+def test_without_skipping_special_tokens_their_text_is_in_the_output(tokenizer, text):
+    special = min(tokenizer.special_token_ids)
+    tokens = tokenizer.encode(text, add_special_tokens=False)
+    tokens = [special, *tokens[:4], special, *tokens[4:], special]
+    for skip in (True, False):
+        detokenizer = IncrementalDetokenizer(tokenizer, skip_special_tokens=skip)
+        for count in range(1, len(tokens) + 1):
+            detokenizer.update(tokens[:count])
+            assert detokenizer.text == tokenizer.decode(tokens[:count], skip_special_tokens=skip)
+    assert tokenizer.token_text(special) in detokenizer.text  # the last run did not skip them
+
+
+def test_include_stop_str_ends_the_text_after_it_and_holds_nothing_back(tokenizer):
+    tokens = tokenizer.encode(TEXTS[0], add_special_tokens=False)
+    kept = IncrementalDetokenizer(tokenizer, ["brown"], include_stop_str_in_output=True)
+    cut = IncrementalDetokenizer(tokenizer, ["brown"])
+    streamed = ""
+    for count in range(1, len(tokens) + 1):
+        stopped = kept.update(tokens[:count])
+        assert cut.update(tokens[:count]) == stopped
+        if stopped:
+            break
+        streamed += kept.take_new_text(final=False)
+        assert streamed == kept.text.rstrip("\ufffd")  # nothing held back for a possible stop string
+    assert kept.text == "Hello world, the quick brown" and cut.text == "Hello world, the quick "
+    assert streamed + kept.take_new_text(final=True) == kept.text
+
+
+def test_the_stop_string_that_ends_first_ends_the_text(tokenizer):
+    tokens = tokenizer.encode(TEXTS[0], add_special_tokens=False)
+    detokenizer = IncrementalDetokenizer(tokenizer, ["quick brown fox", "brown"])
+    assert any(detokenizer.update(tokens[:count]) for count in range(1, len(tokens) + 1))
+    assert detokenizer.text == "Hello world, the quick "  # "brown" ends first (both may end in one token)
+    detokenizer = IncrementalDetokenizer(tokenizer, ["wn", "own fox"], include_stop_str_in_output=True)
+    assert any(detokenizer.update(tokens[:count]) for count in range(1, len(tokens) + 1))
+    assert detokenizer.text == "Hello world, the quick brown"

@@ -83,7 +83,26 @@ def test_stop_word_ends_generation_and_is_trimmed(tiny_llama):
     assert out.finish_reason is FinishReason.STOP
     assert out.generated_text == text[: text.find(stop)]
     assert stop not in out.generated_text
-    assert len(out.generated_tokens) < len(free.generated_tokens)
+    tokenizer = llm.tokenizer  # ends at the token that completed the stop string, which the text leaves out
+    keep = next(k for k in range(1, 41) if stop in tokenizer.decode(free.generated_tokens[:k]))
+    assert out.generated_tokens == free.generated_tokens[:keep]
+    deadline = time.monotonic() + 30  # the engine thread drops it after the caller has its answer
+    while llm.engine.has_unfinished_requests() or llm.engine.kv_blocks_free != llm.engine.kv_blocks_total:
+        assert time.monotonic() < deadline, "the engine kept a request that a stop string ended"
+        time.sleep(0.01)
+    kept = llm.generate(PROMPTS[2], SamplingParams(temperature=0.0, num_tokens_to_generate=40, ignore_eos=True,
+                                                   stop_words=[stop], include_stop_str_in_output=True))[0]
+    assert kept.generated_text == text[: text.find(stop) + len(stop)] and kept.generated_tokens == out.generated_tokens
+
+
+def test_special_tokens_are_skipped_unless_asked_not_to(tiny_llama):
+    llm = MegatronLLM(tiny_llama)
+    eos = llm.tokenizer.eos_token_ids[0]
+    forced = dict(temperature=0.0, num_tokens_to_generate=3, ignore_eos=True, logit_bias={eos: 100.0})
+    skipped = llm.generate(PROMPTS[0], SamplingParams(**forced))[0]
+    shown = llm.generate(PROMPTS[0], SamplingParams(**forced, skip_special_tokens=False))[0]
+    assert skipped.generated_tokens == shown.generated_tokens == [eos] * 3
+    assert skipped.generated_text == "" and shown.generated_text == llm.tokenizer.token_text(eos) * 3
 
 
 def test_termination_id_stops_and_ignore_eos_keeps_it(tiny_llama, reference_outputs):

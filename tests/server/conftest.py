@@ -8,12 +8,14 @@ import re
 import subprocess
 import time
 from pathlib import Path
-from typing import AsyncIterator
+from typing import Any, AsyncIterator
 
 import httpx
-
+import openai
 import pytest
 
+from megatron_serve import InferenceConfig, MegatronAsyncLLM
+from megatron_serve.server import create_app
 from megatron_serve.server.runner import bind_socket, serve_app
 from megatron_serve.tiny_model import make_tiny_model
 from megatron_serve.tokenizer import Tokenizer
@@ -46,6 +48,24 @@ async def serving(app) -> AsyncIterator[str]:
     finally:
         stop.set()
         await asyncio.wait_for(task, 30)
+
+
+@contextlib.asynccontextmanager
+async def surface(tiny_model: str, tokenizer: Tokenizer, app_options: dict[str, Any] | None = None,
+                  **config: Any) -> AsyncIterator[tuple[openai.AsyncOpenAI, httpx.AsyncClient]]:
+    """The app over a ``MegatronAsyncLLM`` in direct mode (a real engine in this process), served; the official
+    ``openai`` client and an HTTP client for it. ``config``: ``InferenceConfig`` fields; ``app_options``:
+    ``create_app``'s."""
+    settings = InferenceConfig(**{"block_size_tokens": 16, "num_kv_blocks": 256, **config})
+    async with MegatronAsyncLLM(tiny_model, settings) as llm:
+        app = create_app(llm.client, tokenizer, "tiny-llama", vocab_size=512, max_model_len=1024,
+                         status_interval=0.05, **(app_options or {}))
+        async with serving(app) as url, httpx.AsyncClient(base_url=url, timeout=120) as http:
+            client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=120)
+            try:
+                yield client, http
+            finally:
+                await client.close()
 
 
 def wait_ready(proc: subprocess.Popen, url: str, output: Path, timeout: float = 240.0) -> None:

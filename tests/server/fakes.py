@@ -11,7 +11,8 @@ import time
 from typing import Any, AsyncIterator
 
 from megatron_serve.client import StreamPartial
-from megatron_serve.detokenizer import IncrementalDetokenizer
+from megatron_serve.messages import TokenDelta
+from megatron_serve.output_processor import OutputCollector
 from megatron_serve.request import DynamicInferenceRequest, EventType, FinishReason, RequestStatus
 from megatron_serve.sampling_params import SamplingParams
 
@@ -55,7 +56,7 @@ class FakeBackend:
         self.running.add(request_id)
         try:
             request.add_event(EventType.PREFILL)
-            detokenizer = IncrementalDetokenizer(self.tokenizer, params.stop_words)  # holds back like the engine
+            collector = OutputCollector(request_id, list(prompt), params, self.tokenizer)  # the client's side, real
             limit = min(params.num_tokens_to_generate, self.max_sequence_length - len(prompt))
             for i in range(limit):
                 if self.token_delay:
@@ -64,25 +65,28 @@ class FakeBackend:
                 token = self.next_token(prompt, i, params.seed)
                 if i == 0:
                     request.add_event(EventType.FIRST_TOKEN)
-                request.generated_tokens.append(token)
                 logprob = -0.5 - i / 100
+                delta = TokenDelta(new_tokens=[token])
                 if params.return_log_probs or params.top_n_logprobs:
-                    request.generated_log_probs.append(logprob)
+                    delta.new_log_probs = [logprob]
                 if params.top_n_logprobs:
-                    others = range(10, 10 + params.top_n_logprobs - 1)
-                    request.generated_top_n_logprobs.append(
-                        {token: logprob, **{t: logprob - 1 - k for k, t in enumerate(others)}})
-                stopped = detokenizer.update(request.generated_tokens)
-                last = stopped or i == limit - 1
-                new_text = detokenizer.take_new_text(final=last)
-                request.finish_reason = FinishReason.STOP if stopped else FinishReason.LENGTH
-                if last:
-                    request.generated_text = detokenizer.text
-                    break
-                yield StreamPartial(request_id, [token], new_text, [logprob] if params.return_log_probs else [])
+                    others = list(range(10, 10 + params.top_n_logprobs - 1))
+                    delta.top_ids = [[token, *others]]
+                    delta.top_log_probs = [[logprob, *(logprob - 1 - k for k in range(len(others)))]]
+                partial = collector.add(delta)
+                if collector.stopped:
+                    yield partial
+                    yield collector.finish_stopped()
+                    return
+                if partial.new_tokens or partial.new_text:
+                    yield partial
             request.status = RequestStatus.COMPLETED
+            request.finish_reason = FinishReason.LENGTH
             request.add_event(EventType.FINISH)
-            yield request
+            rest = collector.tail()
+            if rest is not None:
+                yield rest
+            yield collector.finish(request)
         finally:
             self.running.discard(request_id)
 

@@ -71,8 +71,7 @@ async def test_unknown_fields_are_400s_that_name_them(tokenizer, backend, path, 
     assert backend.submitted == []
 
 
-VLLM_EXTRAS = [("include_stop_str_in_output", True), ("bad_words", ["x"]), ("allowed_token_ids", [5]),
-               ("spaces_between_special_tokens", False), ("skip_special_tokens", False)]
+VLLM_EXTRAS = [("bad_words", ["x"]), ("allowed_token_ids", [5]), ("spaces_between_special_tokens", False)]
 
 
 @pytest.mark.parametrize("field,value", VLLM_EXTRAS, ids=[f for f, _ in VLLM_EXTRAS])

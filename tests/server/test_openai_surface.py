@@ -9,21 +9,14 @@ and ``/tokenize`` / ``/detokenize``.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
-from typing import AsyncIterator
 
-import httpx
 import jsonschema
-import openai
 import pytest
 import torch
 import transformers
 
-from megatron_serve import InferenceConfig, MegatronAsyncLLM
-from megatron_serve.server import create_app
-
-from .conftest import serving
+from .conftest import surface
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -45,20 +38,6 @@ TOOLS = [
 ]
 PARAMETERS = {tool["function"]["name"]: tool["function"]["parameters"] for tool in TOOLS}
 ASK = [{"role": "user", "content": "What is the weather like?"}]
-
-
-@contextlib.asynccontextmanager
-async def surface(tiny_model, tokenizer, **config) -> AsyncIterator[tuple[openai.AsyncOpenAI, httpx.AsyncClient]]:
-    settings = InferenceConfig(**{"block_size_tokens": 16, "num_kv_blocks": 256, **config})
-    async with MegatronAsyncLLM(tiny_model, settings) as llm:
-        app = create_app(llm.client, tokenizer, MODEL, vocab_size=512, max_model_len=1024,
-                         status_interval=0.05)
-        async with serving(app) as url, httpx.AsyncClient(base_url=url, timeout=120) as http:
-            client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
-            try:
-                yield client, http
-            finally:
-                await client.close()
 
 
 async def test_json_schema_output_validates_for_twenty_seeds(tiny_model, tokenizer):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import os
 
 from ..protocol import DEFAULT_PORT, MAX_MESSAGE_BYTES
 from ..routing import KNOWN_POLICIES
@@ -72,6 +73,7 @@ def run(args: argparse.Namespace) -> int:
         heartbeat_timeout=args.heartbeat_timeout, client_timeout=args.client_timeout,
         verb_timeout=args.verb_timeout, weights_timeout=args.weights_timeout, stall_timeout=args.stall_timeout,
         max_message_bytes=args.max_message_bytes, model=args.model, max_image_bytes=args.max_request_image_bytes,
+        tokenizer_dir=os.path.abspath(tokenizer_dir),
     )
     import zmq  # noqa: PLC0415
 

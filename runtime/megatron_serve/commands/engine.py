@@ -15,7 +15,7 @@ import time
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 from .aliases import add_option  # noqa: E402
-from .engine_options import add_engine_options, inference_config_from_args  # noqa: E402
+from .engine_options import add_engine_options, capacity_line, inference_config_from_args  # noqa: E402
 from .inputs import check_model_dir, coordinator_address  # noqa: E402
 from .model_options import add_model_options, resolve_model_args  # noqa: E402
 from .options import add_coordinator_option, add_log_option, add_token_option, read_token, setup_logging  # noqa: E402
@@ -57,8 +57,7 @@ def run(args: argparse.Namespace) -> int:
         started = time.monotonic()
         logger.info("loading model from %s (device %s)", args.model, config.device)
         engine = DynamicInferenceEngine.from_model_dir(args.model, config, tokenizer_dir=args.tokenizer)
-        logger.info("model loaded in %.1fs: %d KV blocks of %d tokens, up to %d requests at once",
-                    time.monotonic() - started, engine.kv_blocks_total, config.block_size_tokens, config.max_requests)
+        logger.info("model loaded in %.1fs: %s", time.monotonic() - started, capacity_line(engine))
         return engine
 
     rc = run_engine_process(make_engine, address, token=token, group=args.group,

@@ -17,6 +17,7 @@ from .vllm_options import Scope, add_vllm_options
 
 if TYPE_CHECKING:
     from ..config import InferenceConfig
+    from ..engine import DynamicInferenceEngine
 
 #: vLLM's ``--dtype`` spellings of ours (``auto`` = the default: float32 on CPU, the checkpoint's on GPU).
 DTYPE_NAMES = {"auto": None, "float32": "float32", "float": "float32", "bfloat16": "bfloat16",
@@ -36,7 +37,9 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
                help="fraction of the device memory free after loading the weights that the KV pool takes "
                     "(on CPU: of a 1 GiB budget)")
     add_option(group, "--max-batch-tokens", type=int, default=2048, metavar="N", help="token budget of one step")
-    add_option(group, "--max-requests", type=int, default=64, metavar="N", help="requests running at once")
+    add_option(group, "--max-requests", type=int, default=256, metavar="N",
+               help="requests running at once (vLLM's default); the KV pool is sized for this many of full length "
+                    "where memory allows, and the start-up log says how many fit")
     add_option(group, "--max-sequence-length", type=int, default=None, metavar="N",
                help="prompt + generation limit (default: the model's context length)")
     add_option(group, "--prefix-caching", action=argparse.BooleanOptionalAction, default=True,
@@ -66,3 +69,18 @@ def inference_config_from_args(args: argparse.Namespace, tensor_parallel_size: i
         enable_cuda_graphs=args.cuda_graphs, cuda_graph_sizes=args.cuda_graph_sizes,
         async_scheduling=args.async_scheduling, tensor_parallel_size=tensor_parallel_size, seed=args.seed,
     )
+
+
+def capacity_line(engine: "DynamicInferenceEngine") -> str:
+    """The start-up log's account of an engine's room: its KV pool, and how many requests of full length fit
+    (vLLM's "maximum concurrency" line), against how many may run at once."""
+    block = engine.config.block_size_tokens
+    blocks = engine.kv_blocks_total
+    full = engine.max_sequence_length
+    fit = blocks // -(-full // block)
+    running = engine.config.max_requests
+    line = (f"{blocks} KV blocks of {block} tokens ({blocks * block} tokens): {fit} request(s) of full length "
+            f"({full} tokens) fit at once; up to {running} run at once")
+    if fit < running:
+        line += " (shorter ones share the pool; when it fills, the newest running request waits and is recomputed)"
+    return line

@@ -192,7 +192,7 @@ class _Stack:
         loading = asyncio.ensure_future(asyncio.to_thread(_load_serving, args, self.files))
         loading.add_done_callback(lambda f: f.cancelled() or f.exception())  # a failed start reports its own error
         try:
-            startup = asyncio.ensure_future(self._start_fleet())
+            startup = asyncio.ensure_future(self._start_fleet(loading))
             stopper = asyncio.ensure_future(self.stop.wait())
             await asyncio.wait({startup, stopper}, return_when=asyncio.FIRST_COMPLETED)
             stopper.cancel()
@@ -213,7 +213,7 @@ class _Stack:
                 local_runs.withdraw(self.published)
             await self._shutdown()
 
-    async def _start_fleet(self) -> None:
+    async def _start_fleet(self, loading: "asyncio.Future[tuple[Any, Any]]") -> None:
         from ..client import InferenceClient  # noqa: PLC0415
         from ..local_fleet import LocalFleet  # noqa: PLC0415
 
@@ -228,7 +228,9 @@ class _Stack:
         self.published = local_runs.publish(local_runs.LocalRun(
             pid=os.getpid(), coordinator=address, endpoint=self.endpoint, model=args.served_model_name or args.model,
             token_required=self.token is not None))
-        self.client = InferenceClient(address, token=self.token, coordinator_grace=args.coordinator_grace)
+        _facts, tokenizer = await loading  # the client makes the text with it (the children load meanwhile)
+        self.client = InferenceClient(address, token=self.token, tokenizer=tokenizer,
+                                      coordinator_grace=args.coordinator_grace)
         await self.client.start(timeout=30.0)
         tp = f", tensor parallel {args.tensor_parallel}" if args.tensor_parallel > 1 else ""
         progress(3, f"starting {args.engines} engine process(es){tp}: loading the model ...")
@@ -267,7 +269,7 @@ class _Stack:
                          max_model_len=facts.max_model_len, max_concurrent_requests=args.max_concurrent_requests,
                          limits=read_limits(args), tokenizer_threads=args.tokenizer_threads,
                          image_options=image_options(args), generation_defaults=self.files.generation_defaults,
-                         options=HTTPOptions.from_args(args))
+                         options=HTTPOptions.from_args(args), stream_interval=args.stream_interval)
 
         def started(url: str) -> None:
             progress(4, f"HTTP server listening on {url}{' (API key required)' if self.api_key else ''}")

@@ -141,7 +141,8 @@ VLLM_OPTIONS: tuple[VllmOption, ...] = (
     VllmOption(("--num-gpu-blocks-override",), _IMPLEMENTED, "", ours="--num-kv-blocks",
                example=("--num-gpu-blocks-override", "128")),
     VllmOption(("--block-size",), _IMPLEMENTED, "", example=("--block-size", "16")),
-    VllmOption(("--max-num-seqs",), _IMPLEMENTED, "", ours="--max-requests", example=("--max-num-seqs", "8")),
+    VllmOption(("--max-num-seqs",), _IMPLEMENTED, "default 256, as in vLLM; the engine's start-up log says how many "
+               "full-length requests its KV pool holds", ours="--max-requests", example=("--max-num-seqs", "8")),
     VllmOption(("--max-num-batched-tokens",), _IMPLEMENTED, "chunked prefill is always on", ours="--max-batch-tokens",
                example=("--max-num-batched-tokens", "512")),
     VllmOption(("--enable-prefix-caching",), _IMPLEMENTED, "on by default; `--no-enable-prefix-caching` turns it "
@@ -157,6 +158,8 @@ VLLM_OPTIONS: tuple[VllmOption, ...] = (
     VllmOption(("--generation-config",), _IMPLEMENTED, "`auto` (default): the model's `generation_config.json` "
                "sampling values for fields a request leaves out; `none` (vLLM: `vllm`, also accepted) ignores them; "
                "or a directory", example=("--generation-config", "auto")),
+    VllmOption(("--stream-interval",), _IMPLEMENTED, "tokens per streamed chunk; a choice's first token goes at once",
+               example=("--stream-interval", "2")),
     VllmOption(("--max-logprobs",), _IMPLEMENTED, "most log probs per token a request may ask for (logprobs, "
                "top_logprobs, prompt_logprobs); at most 20 here", example=("--max-logprobs", "5")),
     # ---- defined here: the OpenAI server

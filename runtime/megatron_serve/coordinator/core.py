@@ -22,9 +22,9 @@ from typing import Any
 
 import msgspec
 
-from ..expert_routing import mirror_rows
 from ..lifecycle import FleetState
 from ..messages import (
+    PROTOCOL_VERSION,
     RENDEZVOUS_SCHEME,
     TO_COORDINATOR,
     ClientAbort,
@@ -41,7 +41,6 @@ from ..messages import (
     StatusReply,
     StepOutput,
     Submit,
-    Tokens,
 )
 from ..protocol import HEADER_VERBS, ErrorCode, Header, Message, ProtocolError, Role, encode, unbatch
 from ..routing import RoutingPolicy, make_routing_policy
@@ -88,7 +87,6 @@ class _FinalFacts(msgspec.Struct):
 
     status: str | None = None
     finish_reason: str | None = None
-    generated_text: str | None = None
 
 
 _FINAL_FACTS = msgspec.msgpack.Decoder(_FinalFacts | None)
@@ -110,6 +108,7 @@ class CoordinatorCore:
         stall_timeout: float = DEFAULT_STALL_TIMEOUT,
         dispatch_factor: float = 2.0,
         model: str | None = None,
+        tokenizer_dir: str | None = None,
         tokenizer_pending: bool = False,
         max_image_bytes: int = DEFAULT_MAX_IMAGE_BYTES,
     ) -> None:
@@ -133,6 +132,7 @@ class CoordinatorCore:
         # Weights generation: engines started from ``model`` that register with another epoch load
         # ``weights_source`` first (None: nothing was refitted, the model directory itself is current).
         self.model = model
+        self.tokenizer_dir = tokenizer_dir  # announced to clients, which make the text (HELLO_ACK)
         self.epoch = 0
         self.weights_source: str | None = None
         self.refits = 0
@@ -250,14 +250,6 @@ class CoordinatorCore:
         known = self.peers.get(identity)
         return f"{known[0].value} {known[1]}" if known else f"peer {identity.hex()}"
 
-    def detokenize(self, tokens: list[int]) -> str:
-        if self.tokenizer is None or not tokens:
-            return ""
-        try:
-            return self.tokenizer.decode(list(tokens))
-        except Exception:  # a foreign engine may report ids the tokenizer rejects
-            return ""
-
     # ------------------------------------------------------------------ messages
 
     def _handle(self, identity: bytes, message: Message, now: float) -> None:
@@ -328,12 +320,17 @@ class CoordinatorCore:
         record = self.requests.get(key)
         if record is not None:
             # Resubmission after a reconnect: the request is already ours. Send what the client missed.
-            have = len(body.generated_tokens or ())
-            if record.stream and record.phase is not Phase.FINISHED and len(record.generated_tokens) > have:
-                self._send_tokens(record, identity, record.generated_tokens[have:],
-                                  record.generated_log_probs[have:], None, [])
+            missed = record.tokens_after(len(body.generated_tokens or ()))
+            if missed is not None:
+                self.send(identity, Header.TOKENS, missed)
             if record.phase is Phase.FINISHED:
                 self.deliver(record)
+            return
+        if client.protocol < PROTOCOL_VERSION:
+            self.send(identity, Header.ERROR, Error(
+                code=ErrorCode.UNSUPPORTED.value, client_request_id=crid,
+                message=f"this client speaks protocol {client.protocol}; this coordinator sends token ids only "
+                        f"(protocol {PROTOCOL_VERSION}: the client makes the text): upgrade the client"))
             return
         try:
             raw = body.sampling_params
@@ -346,6 +343,7 @@ class CoordinatorCore:
                                    prompt=text, prompt_tokens=[] if text is not None else prompt, params=params,
                                    params_wire=params_wire, stream=bool(body.stream),
                                    generated_tokens=list(body.generated_tokens or ()),
+                                   resumed=len(body.generated_tokens or ()),
                                    images=prompts.submitted_images(body.images, self.max_image_bytes))
             held = self.tokenizer_pending and prompts.needs_tokenizer(record)
             if not held:
@@ -398,12 +396,13 @@ class CoordinatorCore:
 
     def finish_here(self, record: RequestRecord, status: str, finish_reason: str, detail: str,
                     error: str | None = None) -> None:
-        """Finish a request without an engine's record (aborted, or nothing left to compute)."""
+        """Finish a request without an engine's record (aborted, or nothing left to compute): the record
+        has what an engine's final one has (the client got the tokens in ``TOKENS``)."""
         record.add_event("FAIL" if status == "FAILED" else "FINISH", detail)
-        data = dispatch.wire_record(record, images=False)
-        data.update(status=status, finish_reason=finish_reason, error=error,
-                    generated_text=self.detokenize(record.generated_tokens), finish_time=time.time())
-        self._finish(record, data)
+        self._finish(record, {
+            "request_id": record.request_id, "prompt": record.prompt, "prompt_tokens": record.prompt_tokens,
+            "status": status, "finish_reason": finish_reason, "error": error, "events": record.events,
+            "arrival_time": record.arrival_time, "finish_time": time.time(), "cached_tokens": record.cached_tokens or 0})
 
     def _finish(self, record: RequestRecord, data: dict[str, Any]) -> None:
         self.requests.finish(record, _ENCODE.encode(data), data.get("status"), data.get("finish_reason"))
@@ -438,13 +437,6 @@ class CoordinatorCore:
         else:
             self.requests.enqueue(record, first=True)
 
-    def _send_tokens(self, record: RequestRecord, identity: bytes, tokens: list[int], log_probs: list[float],
-                     text: str | None, top: list[list[tuple[int, float]]], batch: bool = False) -> None:
-        self.send(identity, Header.TOKENS, Tokens(
-            client_request_id=record.client_request_id, new_tokens=tokens,
-            new_text=self.detokenize(tokens) if text is None else text,
-            logprobs=log_probs if record.params.return_log_probs else None, top_logprobs=top or None), batch)
-
     # ------------------------------------------------------------------ engines
 
     def _on_step(self, engine: EngineRecord, body: EngineStep, now: float) -> None:
@@ -462,7 +454,7 @@ class CoordinatorCore:
             if record is None or record.phase is not Phase.DISPATCHED or record.engine_id != engine.engine_id:
                 self.stale_outputs += 1  # aborted, or moved to another engine: never deliver twice
                 continue
-            if out.new_tokens:
+            if out.new_tokens or out.routing is not None or out.prompt_scores is not None:
                 self._mirror(record, out)
             if out.finished:
                 engine.assigned.discard(record.request_id)
@@ -470,35 +462,16 @@ class CoordinatorCore:
                 self._finish_from_engine(engine, record, out)
 
     def _mirror(self, record: RequestRecord, out: StepOutput) -> None:
-        """Keep the new tokens, their epochs and expert routing (a request that moves continues from them)
-        and stream them."""
-        n = len(out.new_tokens)
-        record.generated_tokens.extend(out.new_tokens)
-        if out.new_log_probs:
-            record.generated_log_probs.extend(out.new_log_probs)
-        if out.new_top_logprobs:
-            record.generated_top_n_logprobs.extend(out.new_top_logprobs)
-        epochs = out.epochs
-        if epochs is not None and len(epochs) == 2 and len(epochs[0]) == n and len(epochs[1]) == n:
-            record.policy_epochs.extend(epochs[0])
-            record.kv_epochs.extend(epochs[1])
-        else:  # -1: not reported
-            record.policy_epochs.extend([-1] * n)
-            record.kv_epochs.extend([-1] * n)
-        if out.routing is not None:
-            try:
-                record.routing = mirror_rows(record.routing, msgspec.structs.asdict(out.routing))
-            except ValueError as exc:  # not mirrored: a next engine recomputes those positions' rows
-                logger.warning("request %s: routing rows not mirrored: %s", record.request_id, exc)
-        if record.stream:
-            client = self.clients.get(record.client_id)
-            if client is not None and client.identity is not None:
-                self._send_tokens(record, client.identity, out.new_tokens, out.new_log_probs or [],
-                                  out.new_text or "", out.new_top_logprobs or [], client.batches)
+        """Keep the step's share (a request that moves continues from its tokens) and send it on to the
+        client, which makes the text (for every request: stop strings are its job)."""
+        tokens = record.mirror(out)
+        client = self.clients.get(record.client_id)
+        if client is not None and client.identity is not None:
+            self.send(client.identity, Header.TOKENS, tokens, client.batches)
 
     def _finish_from_engine(self, engine: EngineRecord, record: RequestRecord, out: StepOutput) -> None:
         """Finish with the engine's record, forwarded as its bytes when it is complete (the client
-        parses it, once). Only a record without a final status or text is parsed here, and mended."""
+        parses it, once). Only a record without a final status is parsed here, and mended."""
         if out.request is msgspec.UNSET:
             self.finish_here(record, "COMPLETED", "length", "finished without a record")
             return
@@ -510,15 +483,12 @@ class CoordinatorCore:
         if facts is None:  # no record (or an unreadable one): the coordinator's mirror is the result
             self.finish_here(record, "COMPLETED", "length", "finished without a record")
             return
-        if facts.status in _FINISHED and facts.generated_text is not None:
+        if facts.status in _FINISHED:
             self.requests.finish(record, bytes(out.request), facts.status, facts.finish_reason)
             self.deliver(record)
             return
         data = _RECORD.decode(out.request)
-        if data.get("status") not in _FINISHED:
-            data["status"] = "COMPLETED"
-        if data.get("generated_text") is None:
-            data["generated_text"] = self.detokenize(list(data.get("generated_tokens") or ()))
+        data["status"] = "COMPLETED"
         self._finish(record, data)
 
     def _on_heartbeat(self, engine: EngineRecord, body: Heartbeat, now: float) -> None:

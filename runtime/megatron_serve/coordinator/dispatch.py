@@ -23,13 +23,13 @@ if TYPE_CHECKING:
     from .peers import EngineRecord
 
 
-def wire_record(record: RequestRecord, images: bool = True) -> dict[str, Any]:
+def wire_record(record: RequestRecord) -> dict[str, Any]:
     """The request record engines read (``DynamicInferenceRequest.from_dict``), from the coordinator's mirror.
 
     The sampling parameters are the client's bytes, spliced in unparsed (they were validated once,
     on arrival). Image files go with every dispatch, so that a request moved to another engine keeps
-    them; a result does not carry them back (``images=False``). The expert routing mirrored so far
-    goes with both: a continuation records only the positions after it, a result returns it.
+    them, and so do the tokens and expert rows mirrored so far: a continuation generates and records
+    only what comes after them.
     """
     wire = {
         "request_id": record.request_id,
@@ -37,15 +37,11 @@ def wire_record(record: RequestRecord, images: bool = True) -> dict[str, Any]:
         "prompt_tokens": record.prompt_tokens,
         "sampling_params": msgspec.Raw(record.params_wire),
         "generated_tokens": record.generated_tokens,
-        "generated_log_probs": record.generated_log_probs,
-        "generated_top_n_logprobs": record.generated_top_n_logprobs,
-        "policy_epochs": record.policy_epochs,
-        "kv_epochs": record.kv_epochs,
         "status": "WAITING_IN_QUEUE",
         "events": record.events,
         "arrival_time": record.arrival_time,
     }
-    if images and record.images:
+    if record.images:
         wire["images"] = [image.to_wire() for image in record.images]
     if record.routing is not None:
         wire["routing_indices"] = routing_to_wire(record.routing.array())

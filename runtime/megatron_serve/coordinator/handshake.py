@@ -57,7 +57,8 @@ def on_hello(core: "CoordinatorCore", identity: bytes, body: Hello, now: float, 
 
 
 def _ack_again(core: "CoordinatorCore", identity: bytes, known: tuple[Role, str]) -> None:
-    ack = HelloAck(coordinator_id=core.coordinator_id, state=core.state.value, protocol=PROTOCOL_VERSION)
+    ack = HelloAck(coordinator_id=core.coordinator_id, state=core.state.value, protocol=PROTOCOL_VERSION,
+                   tokenizer=None if known[0] is Role.ENGINE else core.tokenizer_dir)
     engine = core.engines.get(known[1]) if known[0] is Role.ENGINE else None
     if engine is not None:
         ack.engine_id, ack.engine_group, ack.suspend_level = engine.engine_id, engine.group, core.suspend_level
@@ -148,11 +149,11 @@ def _register_client(core: "CoordinatorCore", identity: bytes, role: Role, body:
         if client.identity is not None and client.identity != identity:
             core.peers.pop(client.identity, None)
         client.identity, client.acks, client.offline_since = identity, bool(body.acks), None
-    client.batches = body.protocol >= 2
+    client.batches, client.protocol = body.protocol >= 2, body.protocol
     client.last_seen = now
     core.peers[identity] = (role, client_id)
     core.send(identity, Header.HELLO_ACK, HelloAck(coordinator_id=core.coordinator_id, state=core.state.value,
-                                                   protocol=PROTOCOL_VERSION))
+                                                   protocol=PROTOCOL_VERSION, tokenizer=core.tokenizer_dir))
     logger.debug("%s %s connected", role.value, client_id)
     for key in list(client.requests):  # results that finished while the client was away
         record = core.requests.get(key)

@@ -96,6 +96,7 @@ class ClientRecord:
     identity: bytes | None
     acks: bool
     batches: bool = False  # it understands BATCH frames (protocol 2)
+    protocol: int = 1  # what its HELLO announced (SUBMIT needs 4: it makes the text)
     last_seen: float = field(default_factory=time.monotonic)
     offline_since: float | None = None
     requests: set[str] = field(default_factory=set)

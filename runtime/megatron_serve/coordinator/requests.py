@@ -10,6 +10,8 @@ tokenizer), ``QUEUED``, ``DISPATCHED`` (to exactly one engine), ``FINISHED`` (it
 until delivered and acknowledged). The coordinator mirrors every token an engine reports, so a
 request whose engine disappears is queued again and continues elsewhere from those tokens; only the
 engine a request is dispatched to may add to it, so each token and each result is delivered once.
+What goes with the tokens (log probs, epochs, prompt scores) is mirrored too, for one reason only:
+a client that reconnects gets the ``TOKENS`` it missed again, whole.
 
 The final record is the engine's msgpack bytes, forwarded to the client as they came: the
 coordinator never parses it (the client validates it where it enters its process).
@@ -21,15 +23,21 @@ import collections
 import enum
 import heapq
 import itertools
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
-from ..expert_routing import RoutingRecord
-from ..messages import ClientId
+import msgspec
+
+from ..expert_routing import RoutingRecord, mirror_rows, routing_to_wire
+from ..messages import ClientId, PromptScores, RoutingRows, StepOutput, Tokens
 from ..multimodal import PromptImage, cache_keys
 from ..prefix_hash import salted_root
 from ..sampling_params import SamplingParams
+
+
+logger = logging.getLogger("megatron_serve.coordinator")
 
 
 class Phase(enum.Enum):
@@ -57,10 +65,16 @@ class RequestRecord:
     params_wire: bytes  # the sampling parameters as the client sent them (forwarded to engines unchanged)
     stream: bool
     generated_tokens: list[int] = field(default_factory=list)
+    # What went with the tokens after the first ``resumed`` (those came with a resubmission, without it):
+    resumed: int = 0
     generated_log_probs: list[float] = field(default_factory=list)
-    generated_top_n_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)  # wire form
+    top_ids: list[list[int]] = field(default_factory=list)
+    top_log_probs: list[list[float]] = field(default_factory=list)
     policy_epochs: list[int] = field(default_factory=list)
     kv_epochs: list[int] = field(default_factory=list)
+    cached_tokens: int | None = None
+    prompt_scores: PromptScores | None = None
+    prompt_sent: bool = False  # a text prompt's token ids went to the client (with its first TOKENS)
     events: list[dict[str, Any]] = field(default_factory=list)  # wire form; what happened here (moves)
     arrival_time: float = field(default_factory=time.time)
     phase: Phase = Phase.QUEUED
@@ -87,6 +101,55 @@ class RequestRecord:
     def exhausted(self) -> bool:
         """Nothing left to compute: every token the request asked for is already generated."""
         return len(self.generated_tokens) >= self.params.num_tokens_to_generate
+
+    def mirror(self, out: StepOutput) -> Tokens:
+        """Keep what one engine step added; the ``TOKENS`` that carry it to the client."""
+        n = len(out.new_tokens)
+        self.generated_tokens.extend(out.new_tokens)
+        if out.new_log_probs:
+            self.generated_log_probs.extend(out.new_log_probs)
+        if out.top_ids is not None and out.top_log_probs is not None:
+            self.top_ids.extend(out.top_ids)
+            self.top_log_probs.extend(out.top_log_probs)
+        epochs = out.epochs
+        if epochs is not None and len(epochs) == 2 and len(epochs[0]) == n and len(epochs[1]) == n:
+            self.policy_epochs.extend(epochs[0])
+            self.kv_epochs.extend(epochs[1])
+        else:  # -1: not reported
+            self.policy_epochs.extend([-1] * n)
+            self.kv_epochs.extend([-1] * n)
+        if out.cached_tokens is not None:
+            self.cached_tokens = out.cached_tokens
+        if out.prompt_scores is not None and self.prompt_scores is None:
+            self.prompt_scores = out.prompt_scores
+        if out.routing is not None:
+            try:
+                self.routing = mirror_rows(self.routing, msgspec.structs.asdict(out.routing))
+            except ValueError as exc:  # not mirrored: a next engine recomputes those positions' rows
+                logger.warning("request %s: routing rows not mirrored: %s", self.request_id, exc)
+        tokens = Tokens(client_request_id=self.client_request_id, new_tokens=out.new_tokens,
+                        new_log_probs=out.new_log_probs, top_ids=out.top_ids, top_log_probs=out.top_log_probs,
+                        epochs=out.epochs, routing=out.routing, cached_tokens=out.cached_tokens,
+                        prompt_scores=out.prompt_scores)
+        if self.prompt is not None and not self.prompt_sent:
+            tokens.prompt_tokens, self.prompt_sent = self.prompt_tokens, True
+        return tokens
+
+    def tokens_after(self, have: int) -> Tokens | None:
+        """What a reconnected client that has ``have`` tokens lacks, whole (None: nothing)."""
+        if len(self.generated_tokens) <= have:
+            return None
+        skip = max(have - self.resumed, 0)  # into the lists mirrored since the resubmission
+        tokens = Tokens(client_request_id=self.client_request_id, new_tokens=self.generated_tokens[have:],
+                        new_log_probs=self.generated_log_probs[skip:] or None,
+                        top_ids=self.top_ids[skip:] or None, top_log_probs=self.top_log_probs[skip:] or None,
+                        cached_tokens=self.cached_tokens, prompt_scores=self.prompt_scores,
+                        prompt_tokens=self.prompt_tokens if self.prompt is not None else None)
+        if have >= self.resumed:
+            tokens.epochs = [self.policy_epochs[skip:], self.kv_epochs[skip:]]
+        if self.routing is not None:  # every row: the client keeps those it has
+            tokens.routing = RoutingRows(start=0, **routing_to_wire(self.routing.array()))
+        return tokens
 
 
 class RequestTable:

@@ -13,6 +13,9 @@ finished request may have computed one more row, which is dropped: the outputs a
 loop, token for token.
 
 The engine never raises for a bad request: the request fails alone and comes back from ``step()``.
+It deals in token ids only: EOS, stop token ids, length and grammar completion end a request here;
+text and stop strings are made by whoever reads the tokens (:mod:`megatron_serve.output_processor`),
+off the step thread.
 """
 
 from __future__ import annotations
@@ -27,7 +30,6 @@ import torch
 
 from ..config import InferenceConfig
 from .sizing import build_kv_pool, default_dtype, engine_buffers, max_sequence_length_for
-from ..detokenizer import IncrementalDetokenizer
 from .encoder_cache import EncoderCache
 from ..engine_stats import EngineStats
 from ..errors import RefitFailed
@@ -56,7 +58,6 @@ class StepOutput:
 
     request: DynamicInferenceRequest
     new_tokens: list[int]
-    new_text: str
     new_log_probs: list[float]
     finished: bool
     new_top_logprobs: list[dict[int, float]] = field(default_factory=list)
@@ -108,7 +109,6 @@ class DynamicInferenceEngine:
         self.structured = StructuredOutputs(tokenizer, model.config.vocab_size)
         self.encoder_cache = _encoder_cache_for(model, tokenizer)
         self._sequences: dict[str, Sequence] = {}
-        self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._pending: list[StepOutput] = []
         self._in_flight: InFlightStep | None = None  # launched, not finished (overlapped scheduling)
         self.suspended = False
@@ -186,7 +186,7 @@ class DynamicInferenceEngine:
         problem = self._admission_problem(request)
         if problem is not None:
             request.fail(problem)
-            self._pending.append(StepOutput(request, [], "", [], True))
+            self._pending.append(StepOutput(request, [], [], True))
             return
         sp = request.sampling_params
         stop_ids = frozenset(sp.stop_token_ids) | (frozenset() if sp.ignore_eos else frozenset(
@@ -196,7 +196,7 @@ class DynamicInferenceEngine:
             problem = self.structured.add(request.request_id, sp.structured_outputs, request.generated_tokens)
             if problem is not None:
                 request.fail(problem)
-                self._pending.append(StepOutput(request, [], "", [], True))
+                self._pending.append(StepOutput(request, [], [], True))
                 return
         max_total = min(len(request.prompt_tokens) + sp.num_tokens_to_generate, self.max_sequence_length)
         sequence = Sequence(request, max_total, stop_ids)
@@ -208,14 +208,8 @@ class DynamicInferenceEngine:
             sequence.reads_prefix_cache = False
         request.status = RequestStatus.WAITING_IN_QUEUE
         self._sequences[request.request_id] = sequence
-        detokenizer = IncrementalDetokenizer(self.tokenizer, sp.stop_words)
         for epochs in (request.policy_epochs, request.kv_epochs):  # a continuation whose epochs were not kept
             epochs[:0] = [-1] * max(len(request.generated_tokens) - len(epochs), 0)  # -1: unknown
-        if request.generated_tokens:  # a continuation: its earlier text was already delivered
-            detokenizer.update(request.generated_tokens)
-            detokenizer.emitted = len(detokenizer.text) - (detokenizer.holdback if sp.stop_words else 0)
-            detokenizer.emitted = max(detokenizer.emitted, 0)
-        self._detokenizers[request.request_id] = detokenizer
         self.scheduler.add(sequence)
 
     def _admission_problem(self, request: DynamicInferenceRequest) -> str | None:
@@ -281,7 +275,6 @@ class DynamicInferenceEngine:
         self._keep_routing(sequence)
         self.scheduler.finish(sequence)
         self._sequences.pop(sequence.request_id, None)
-        self._detokenizers.pop(sequence.request_id, None)
         self.structured.remove(sequence.request_id)
         if self.encoder_cache is not None:
             self.encoder_cache.release(sequence.request_id)
@@ -301,7 +294,6 @@ class DynamicInferenceEngine:
         handed = {id(s.request) for s in sequences}
         self._pending = [out for out in self._pending if id(out.request) not in handed]
         self._sequences.clear()
-        self._detokenizers.clear()
         self.structured.clear()  # rebuilt from the generated tokens wherever the requests run next
         if self.encoder_cache is not None:
             self.encoder_cache.clear()
@@ -457,7 +449,7 @@ class DynamicInferenceEngine:
                 sequence.request.fail(message)
                 self._forget(sequence)
                 self.stats.finish(sequence.request)
-                self._pending.append(StepOutput(sequence.request, [], "", [], True))
+                self._pending.append(StepOutput(sequence.request, [], [], True))
             if not entries:
                 return None
         plan = write_plan(entries, self.config.block_size_tokens, self.runner.buffers, images)
@@ -549,7 +541,6 @@ class DynamicInferenceEngine:
         request = sequence.request
         if not request.generated_tokens:
             request.add_event(EventType.FIRST_TOKEN)
-        detokenizer = self._detokenizers[request.request_id]
         finish: FinishReason | None = None
         new_tokens: list[int] = []
         new_log_probs: list[float] = []
@@ -572,17 +563,12 @@ class DynamicInferenceEngine:
                                      if request.request_id in self.structured else (False, None))
             if problem is not None:
                 finish = FinishReason.ERROR
-            elif detokenizer.update(request.generated_tokens,
-                                    check_stop=len(request.generated_tokens) >= request.sampling_params.min_tokens):
-                finish = FinishReason.STOP
             elif grammar_done:
                 finish = FinishReason.STOP
             elif len(sequence.token_ids) >= sequence.max_total_tokens:
                 finish = FinishReason.LENGTH
-        new_text = detokenizer.take_new_text(final=finish is not None)
-        new_routing = None
+        new_routing = sequence.routing.take_undelivered() if sequence.routing is not None else None
         if finish is not None:
-            request.generated_text = detokenizer.text
             if finish is FinishReason.ERROR:
                 request.fail(problem or "failed")
             else:
@@ -590,6 +576,4 @@ class DynamicInferenceEngine:
                 request.finish_reason = finish
                 request.add_event(EventType.FINISH, finish.value)
             self._forget(sequence)
-        elif sequence.routing is not None:
-            new_routing = sequence.routing.take_undelivered()
-        return StepOutput(request, new_tokens, new_text, new_log_probs, finish is not None, new_top, new_routing)
+        return StepOutput(request, new_tokens, new_log_probs, finish is not None, new_top, new_routing)

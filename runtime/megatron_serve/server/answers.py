@@ -122,13 +122,15 @@ class _Choice:
 class StreamedChoices:
     """What each choice of a streamed answer has sent so far, so that its final record adds only the rest.
 
-    The final record repeats the whole generation, and the engine may have held text back until
-    then (a possible stop word): the choice's last chunk carries the text and tokens that its
-    pieces did not. ``tokenizer`` (when log-probs are listed) gives each token its text.
+    The final record holds the whole generation; the pieces normally carried all of it (the client
+    sends the text it held back, a possible stop string's start, as a last piece), and the
+    choice's last chunk carries whatever they did not. ``tokenizer`` (when log-probs are listed)
+    gives each token its text.
     """
 
-    def __init__(self, tokenizer: Tokenizer | None = None) -> None:
+    def __init__(self, tokenizer: Tokenizer | None = None, skip_special_tokens: bool = True) -> None:
         self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
         self._choices: dict[int, _Choice] = {}
 
     def generated(self) -> int:
@@ -139,7 +141,8 @@ class StreamedChoices:
         """True once per choice, for its first item (when its opening chunk is due)."""
         if index in self._choices:
             return False
-        self._choices[index] = _Choice(texts=TokenTexts(self.tokenizer) if self.tokenizer is not None else None)
+        texts = TokenTexts(self.tokenizer, self.skip_special_tokens) if self.tokenizer is not None else None
+        self._choices[index] = _Choice(texts=texts)
         return True
 
     def piece(self, index: int, item: StreamPartial) -> Delta:

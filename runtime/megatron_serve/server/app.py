@@ -109,6 +109,7 @@ def create_app(
     tokenizer_threads: int | None = None,
     image_options: ImageOptions | None = None,
     options: HTTPOptions | None = None,
+    stream_interval: int = 1,
 ) -> FastAPI:
     """An OpenAI-compatible app in front of ``backend`` (an ``InferenceClient`` or the same interface).
 
@@ -120,6 +121,8 @@ def create_app(
     ``image_options``: how the ``image_url`` parts of chats are fetched (vision-language models).
     ``generation_defaults``: sampling values for fields a request leaves out (the model's
     ``generation_config.json``; see :mod:`megatron_serve.generation_config`).
+    ``stream_interval``: streamed tokens per chunk (vLLM's ``--stream-interval``; a choice's first token
+    goes at once).
     ``admin_key``: opens ``/v1/admin/*`` (the lifecycle over HTTP; :mod:`.admin`); it must differ from
     ``api_key``. Without it those routes answer 403.
     ``options``: tool-call parser, CORS, request and stats logs, ``vllm:`` metrics, uvicorn's log
@@ -130,6 +133,8 @@ def create_app(
     if admin_key and admin_key == api_key:
         raise ValueError("the admin key must differ from the API key: the API key must not open the admin API")
     options = options or HTTPOptions()
+    if isinstance(stream_interval, bool) or not isinstance(stream_interval, int) or stream_interval < 1:
+        raise ValueError(f"stream_interval must be an integer >= 1, got {stream_interval!r}")
     monitor = FleetMonitor(backend, interval=status_interval)
     pending = PendingCounter(max_concurrent_requests)
     metrics = ServerMetrics(monitor, lambda: pending.value, model_name)
@@ -142,7 +147,8 @@ def create_app(
                         tool_parser=options.tool_call_parser if options.auto_tool_choice else parser_for_template(
                             getattr(tokenizer, "chat_template", None)),
                         generation_defaults=generation_defaults or GenerationDefaults(), options=options,
-                        request_log=RequestLog(options.log_requests, options.max_log_len))
+                        request_log=RequestLog(options.log_requests, options.max_log_len),
+                        stream_interval=stream_interval)
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:

@@ -17,22 +17,15 @@ from .context import ServerContext
 from .errors import unsupported
 from .models import (
     ChatChoice,
-    ChatChoiceLogprobs,
-    ChatChunkChoice,
-    ChatCompletionChunk,
     ChatCompletionRequest,
     ChatCompletionResponse,
-    ChatDelta,
     ChatResponseMessage,
-    ChatTokenLogprob,
     ChatToolCall,
-    DeltaFunctionCall,
-    DeltaToolCall,
     FunctionCall,
-    TopLogprob,
     Usage,
 )
-from .streaming import event_stream_response, openai_events, sse
+from .chunks import ChunkWriter
+from .streaming import event_stream_response, openai_events
 from .tool_calls import Arguments, CallReader, CallStart, Content, Event, plan_tools
 from .translate import (
     EngineJob,
@@ -49,14 +42,14 @@ from .translate import (
 )
 
 
-def _entry(text: str, logprob: float) -> TopLogprob:
-    return TopLogprob(token=text, logprob=float(logprob), bytes=list(text.encode("utf-8")))
+def _entry(text: str, logprob: float) -> dict[str, Any]:
+    return {"token": text, "logprob": float(logprob), "bytes": list(text.encode("utf-8"))}
 
 
 def chat_logprobs(tokenizer: Any, texts: list[str], log_probs: list[float],
-                  top_n: list[dict[int, float]] | None, n: int = 20) -> ChatChoiceLogprobs:
-    """Log-probs of tokens whose texts (what each adds to the generated text) are ``texts``; the ``n``
-    best alternatives are named by their own text."""
+                  top_n: list[dict[int, float]] | None, n: int = 20) -> dict[str, Any]:
+    """Log-probs (``ChatChoiceLogprobs``' fields, plain data) of tokens whose texts (what each adds to the
+    generated text) are ``texts``; the ``n`` best alternatives are named by their own text."""
     content = []
     for i, text in enumerate(texts):
         entry = _entry(text, log_probs[i] if i < len(log_probs) else -9999.0)  # OpenAI's "unknown"
@@ -64,8 +57,9 @@ def chat_logprobs(tokenizer: Any, texts: list[str], log_probs: list[float],
         if top_n is not None and i < len(top_n) and top_n[i]:
             ranked = sorted(top_n[i].items(), key=lambda kv: -kv[1])[:n]
             alternatives = [_entry(tokenizer.token_text(t), lp) for t, lp in ranked]
-        content.append(ChatTokenLogprob(**entry.model_dump(), top_logprobs=alternatives))
-    return ChatChoiceLogprobs(content=content)
+        entry["top_logprobs"] = alternatives
+        content.append(entry)
+    return {"content": content, "refusal": None}
 
 
 class ChatHandler:
@@ -103,14 +97,13 @@ class ChatHandler:
                                    choice=choice, defaults=ctx.generation_defaults, extra=extra)
 
         self.jobs = make_jobs([self.prompt], self.n, params_for)
-        self._streamed: StreamedChoices | None = None  # while streaming: what was sent (running usage)
 
     def usage(self, finished: list[tuple[EngineJob, DynamicInferenceRequest]]) -> Usage:
         """One prompt, counted once: with ``n > 1``, the cached tokens of choice 0 (see ``cached_prompt_tokens``)."""
         return make_usage(len(self.prompt.tokens), finished)
 
     def _logprobs(self, texts: list[str], log_probs: list[float],
-                  top_n: list[dict[int, float]] | None) -> ChatChoiceLogprobs | None:
+                  top_n: list[dict[int, float]] | None) -> dict[str, Any] | None:
         if not self.want_logprobs:
             return None
         return chat_logprobs(self.ctx.tokenizer, texts, log_probs, top_n if self.top else None, self.top)
@@ -145,8 +138,9 @@ class ChatHandler:
             message = self._message(text)
             logprobs = None
             if self.want_logprobs:
-                logprobs = self._logprobs(token_texts(self.ctx.tokenizer, result.generated_tokens, text),
-                                          result.generated_log_probs, result.generated_top_n_logprobs)
+                texts = token_texts(self.ctx.tokenizer, result.generated_tokens, text, self.req.skip_special_tokens
+                                    is not False)
+                logprobs = self._logprobs(texts, result.generated_log_probs, result.generated_top_n_logprobs)
             choices.append(ChatChoice(index=job.index, message=message, logprobs=logprobs,
                                       finish_reason=self._finish_reason(result, bool(message.tool_calls)),
                                       **extension_fields(self.req, result)))
@@ -156,68 +150,76 @@ class ChatHandler:
         return ChatCompletionResponse(id=self.id, created=self.created, model=self.req.model, choices=choices,
                                       usage=self.usage(list(zip(self.jobs, results))), prompt_logprobs=scored)
 
-    def _chunk(self, choices: list[ChatChunkChoice], usage: Usage | None = None) -> str:
-        if usage is None and self._streamed is not None:
-            usage = running_usage(self.req, len(self.prompt.tokens), self._streamed)
-        return sse(ChatCompletionChunk(id=self.id, created=self.created, model=self.req.model, choices=choices,
-                                       usage=usage))
+    @staticmethod
+    def _choice(index: int, delta: dict[str, Any], logprobs: dict[str, Any] | None = None,
+                finish_reason: str | None = None) -> dict[str, Any]:
+        """A ``ChatChunkChoice`` as plain data (see :mod:`.chunks`)."""
+        return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
 
-    def _content(self, index: int, delta: Delta, reader: CallReader | None, final: bool = False
-                 ) -> tuple[str | None, bool]:
+    def _content(self, writer: ChunkWriter, index: int, delta: Delta, reader: CallReader | None,
+                 final: bool = False) -> tuple[bytes | None, bool]:
         """A chunk adding ``delta`` to choice ``index`` (None if nothing), and whether it carries tool calls."""
         logprobs = self._logprobs(delta.token_texts, delta.log_probs, delta.top_n) if delta.tokens else None
         if reader is None:
-            message = ChatDelta(content=delta.text) if delta.text else ChatDelta()
+            message = {"content": delta.text} if delta.text else {}
         else:
             message = _delta(reader.feed(delta.text) + (reader.finish() if final else []))
-        if message.content is None and message.tool_calls is None and logprobs is None:
+        if not message and logprobs is None:
             return None, False
-        return self._chunk([ChatChunkChoice(index=index, delta=message, logprobs=logprobs)]), bool(message.tool_calls)
+        return writer.chunk([self._choice(index, message, logprobs)]), "tool_calls" in message
 
-    async def _events(self, items: AsyncIterator[tuple[EngineJob, Any]]) -> AsyncIterator[str]:
+    async def _events(self, items: AsyncIterator[tuple[EngineJob, Any]]) -> AsyncIterator[bytes]:
         """The chunks of the answer as the submission's ``items`` arrive (framing: ``openai_events``)."""
-        choices = self._streamed = StreamedChoices(self.ctx.tokenizer if self.want_logprobs else None)
+        choices = StreamedChoices(self.ctx.tokenizer if self.want_logprobs else None,
+                                  self.req.skip_special_tokens is not False)
+        writer = ChunkWriter(self.id, "chat.completion.chunk", self.created, self.req.model,
+                             lambda: running_usage(self.req, len(self.prompt.tokens), choices))
         readers: dict[int, CallReader | None] = {}
         called: set[int] = set()
         results: list[tuple[EngineJob, DynamicInferenceRequest]] = []
         async for job, item in items:
             if choices.first_seen(job.index):
                 readers[job.index] = self.tools.reader()
-                yield self._chunk([ChatChunkChoice(index=job.index, delta=ChatDelta(role="assistant", content=""))])
+                yield writer.chunk([self._choice(job.index, {"role": "assistant", "content": ""})])
             reader = readers[job.index]
             final = not isinstance(item, StreamPartial)
             delta = choices.rest(job.index, item) if final else choices.piece(job.index, item)
-            chunk, calls = self._content(job.index, delta, reader, final)
+            chunk, calls = self._content(writer, job.index, delta, reader, final)
             if calls:
                 called.add(job.index)
-            if chunk is not None:  # for the final record: text the engine held back (a possible stop word)
+            if chunk is not None:  # for the final record: what the pieces did not carry
                 yield chunk
             if not final:
                 continue
             result: DynamicInferenceRequest = item
             results.append((job, result))
-            yield self._chunk([ChatChunkChoice(index=job.index, delta=ChatDelta(),
-                                               finish_reason=self._finish_reason(result, job.index in called),
-                                               **extension_fields(self.req, result))])
+            last = self._choice(job.index, {}, finish_reason=self._finish_reason(result, job.index in called))
+            last.update(extension_fields(self.req, result))
+            yield writer.chunk([last])
         if self.req.stream_options is not None and self.req.stream_options.include_usage:
-            yield self._chunk([], usage=self.usage(results))
+            yield writer.chunk([], usage=self.usage(results))
 
     async def stream(self) -> StreamingResponse:
         submission = self.ctx.submit(self.jobs, self.id)
         return await event_stream_response(openai_events(submission.stream(), self._events), self.id)
 
 
-def _delta(events: list[Event]) -> ChatDelta:
-    """One chunk's delta from a call reader's events: its content text and its pieces of calls."""
+def _delta(events: list[Event]) -> dict[str, Any]:
+    """One chunk's delta (``ChatDelta``'s fields that it sets, plain data) from a call reader's events:
+    its content text and its pieces of calls (``DeltaToolCall``s)."""
     text = "".join(e.text for e in events if isinstance(e, Content))
-    calls: list[DeltaToolCall] = []
+    calls: list[dict[str, Any]] = []
     for event in events:
         if isinstance(event, CallStart):
-            calls.append(DeltaToolCall(index=event.index, id=event.id, type="function",
-                                       function=DeltaFunctionCall(name=event.name, arguments="")))
+            calls.append({"index": event.index, "id": event.id, "type": "function",
+                          "function": {"name": event.name, "arguments": ""}})
         elif isinstance(event, Arguments):
-            if calls and calls[-1].index == event.index:
-                calls[-1].function.arguments = (calls[-1].function.arguments or "") + event.text
+            if calls and calls[-1]["index"] == event.index:
+                calls[-1]["function"]["arguments"] += event.text
             else:
-                calls.append(DeltaToolCall(index=event.index, function=DeltaFunctionCall(arguments=event.text)))
-    return ChatDelta(content=text or None, tool_calls=calls or None)
+                calls.append({"index": event.index, "id": None, "type": None,
+                              "function": {"name": None, "arguments": event.text}})
+    delta: dict[str, Any] = {"content": text} if text else {}
+    if calls:
+        delta["tool_calls"] = calls
+    return delta

@@ -17,13 +17,12 @@ from .context import ServerContext
 from .errors import unsupported
 from .models import (
     CompletionChoice,
-    CompletionChunk,
-    CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
     Usage,
 )
-from .streaming import event_stream_response, openai_events, sse
+from .chunks import ChunkWriter
+from .streaming import event_stream_response, openai_events
 from .translate import (
     DEFAULT_COMPLETION_TOKENS,
     EngineJob,
@@ -41,9 +40,10 @@ from .translate import (
 
 
 def completion_logprobs(tokenizer: Any, texts: list[str], log_probs: list[float | None],
-                        top_n: list[dict[int, float] | None] | None, offset: int, n: int = 20) -> CompletionLogprobs:
-    """The legacy completions log-prob block of tokens whose texts (what each adds to ``text``) are
-    ``texts``; ``offset`` is where the first one starts. The ``n`` best alternatives are named by their own text."""
+                        top_n: list[dict[int, float] | None] | None, offset: int, n: int = 20) -> dict[str, Any]:
+    """The legacy completions log-prob block (``CompletionLogprobs``' fields, plain data) of tokens whose
+    texts (what each adds to ``text``) are ``texts``; ``offset`` is where the first one starts. The ``n``
+    best alternatives are named by their own text."""
     offsets = []
     for text in texts:
         offsets.append(offset)
@@ -55,7 +55,7 @@ def completion_logprobs(tokenizer: Any, texts: list[str], log_probs: list[float 
         top = [{tokenizer.token_text(t): float(lp) for t, lp in sorted(d.items(), key=lambda kv: -kv[1])[:n]}
                if d is not None else None for d in top_n[: len(texts)]]
         top += [None] * (len(texts) - len(top))
-    return CompletionLogprobs(tokens=texts, token_logprobs=token_logprobs, top_logprobs=top, text_offset=offsets)
+    return {"tokens": texts, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
 
 
 def _echo_text(ctx: ServerContext, prompt: Prompt) -> str:
@@ -100,7 +100,6 @@ class CompletionHandler:
                                    choice=choice, defaults=ctx.generation_defaults, extra=extra)
 
         self.jobs = make_jobs(self.prompts, self.n, params_for)
-        self._streamed: StreamedChoices | None = None  # while streaming: what was sent (running usage)
 
     def usage(self, finished: list[tuple[EngineJob, DynamicInferenceRequest]]) -> Usage:
         return make_usage(sum(len(p.tokens) for p in self.prompts), finished)
@@ -118,10 +117,11 @@ class CompletionHandler:
             text = result.generated_text or ""
             logprobs = None
             if self.want_logprobs:
-                texts = token_texts(self.ctx.tokenizer, result.generated_tokens, text)
+                skip = self.req.skip_special_tokens is not False
+                texts = token_texts(self.ctx.tokenizer, result.generated_tokens, text, skip)
                 log_probs, top = list(result.generated_log_probs), list(result.generated_top_n_logprobs)
                 if self.echo_logprobs:  # the prompt's tokens first; its first token has no log prob
-                    texts = token_texts(self.ctx.tokenizer, result.prompt_tokens, prefix) + texts
+                    texts = token_texts(self.ctx.tokenizer, result.prompt_tokens, prefix, skip) + texts
                     log_probs = [None, *result.prompt_log_probs, *log_probs]
                     top = [None, *result.prompt_top_n_logprobs, *top]
                 logprobs = completion_logprobs(self.ctx.tokenizer, texts, log_probs, top if self.top else None,
@@ -137,26 +137,28 @@ class CompletionHandler:
 
     # ------------------------------------------------------------------ streamed answer
 
-    def _chunk(self, job: EngineJob, text: str, logprobs: CompletionLogprobs | None = None,
-               finish_reason: str | None = None, result: DynamicInferenceRequest | None = None) -> str:
-        extensions = extension_fields(self.req, result) if result is not None else {}
-        usage = None
-        if self._streamed is not None:
-            usage = running_usage(self.req, sum(len(p.tokens) for p in self.prompts), self._streamed)
-        return sse(CompletionChunk(id=self.id, created=self.created, model=self.req.model, choices=[
-            CompletionChoice(index=job.index, text=text, logprobs=logprobs, finish_reason=finish_reason, **extensions)],
-            usage=usage))
+    def _chunk(self, writer: ChunkWriter, job: EngineJob, text: str, logprobs: dict[str, Any] | None = None,
+               finish_reason: str | None = None, result: DynamicInferenceRequest | None = None) -> bytes:
+        """A ``CompletionChunk`` of one choice (see :mod:`.chunks`)."""
+        choice = {"index": job.index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+        if result is not None:
+            choice.update(extension_fields(self.req, result))
+        return writer.chunk([choice])
 
-    def _logprobs(self, delta: Delta, offset: int) -> CompletionLogprobs | None:
+    def _logprobs(self, delta: Delta, offset: int) -> dict[str, Any] | None:
         """The log-prob block of a streamed chunk; None when not asked for or the chunk adds no token."""
         if not (self.want_logprobs and delta.tokens):
             return None
         return completion_logprobs(self.ctx.tokenizer, delta.token_texts, delta.log_probs,
                                    delta.top_n if self.top else None, offset, self.top)
 
-    async def _events(self, items: AsyncIterator[tuple[EngineJob, Any]]) -> AsyncIterator[str]:
+    async def _events(self, items: AsyncIterator[tuple[EngineJob, Any]]) -> AsyncIterator[bytes]:
         """The chunks of the answer as the submission's ``items`` arrive (framing: ``openai_events``)."""
-        choices = self._streamed = StreamedChoices(self.ctx.tokenizer if self.want_logprobs else None)
+        choices = StreamedChoices(self.ctx.tokenizer if self.want_logprobs else None,
+                                  self.req.skip_special_tokens is not False)
+        prompt_tokens = sum(len(p.tokens) for p in self.prompts)
+        writer = ChunkWriter(self.id, "text_completion", self.created, self.req.model,
+                             lambda: running_usage(self.req, prompt_tokens, choices))
         offsets: dict[int, int] = {}  # job index -> text offset for the next log-prob token
         results: list[tuple[EngineJob, DynamicInferenceRequest]] = []
         async for job, item in items:
@@ -168,18 +170,17 @@ class CompletionHandler:
                 delta = choices.piece(job.index, item)
                 logprobs = self._logprobs(delta, offsets[job.index])
                 if logprobs is not None:
-                    offsets[job.index] += sum(len(t) for t in logprobs.tokens)
+                    offsets[job.index] += sum(len(t) for t in logprobs["tokens"])
                 if prefix or delta.text or logprobs:
-                    yield self._chunk(job, prefix + delta.text, logprobs)
+                    yield self._chunk(writer, job, prefix + delta.text, logprobs)
                 continue
             result: DynamicInferenceRequest = item
             results.append((job, result))
             delta = choices.rest(job.index, result)
-            yield self._chunk(job, prefix + delta.text, self._logprobs(delta, offsets[job.index]),
+            yield self._chunk(writer, job, prefix + delta.text, self._logprobs(delta, offsets[job.index]),
                               finish_reason(result), result)
         if self.req.stream_options is not None and self.req.stream_options.include_usage:
-            yield sse(CompletionChunk(id=self.id, created=self.created, model=self.req.model, choices=[],
-                                      usage=self.usage(results)))
+            yield writer.chunk([], usage=self.usage(results))
 
     async def stream(self) -> StreamingResponse:
         submission = self.ctx.submit(self.jobs, self.id)

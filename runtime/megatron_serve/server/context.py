@@ -43,6 +43,7 @@ class ServerContext:
     images: ImageOptions = field(default_factory=ImageOptions)  # how chat images are fetched
     options: HTTPOptions = field(default_factory=HTTPOptions)
     request_log: RequestLog = field(default_factory=RequestLog)  # --enable-log-requests
+    stream_interval: int = 1  # streamed tokens per chunk (--stream-interval)
 
     @property
     def accepts_images(self) -> bool:
@@ -63,4 +64,5 @@ class ServerContext:
         ``label``: the response id (``cmpl-...``, ``chatcmpl-...``), which the request log names."""
         if self.stopping.is_set():
             raise shutting_down()
-        return Submission(self.backend, self.metrics, self.pending, self.stopping, jobs, label, self.request_log)
+        return Submission(self.backend, self.metrics, self.pending, self.stopping, jobs, label, self.request_log,
+                          self.stream_interval)

@@ -57,6 +57,9 @@ EXTENSIONS: dict[str, str] = {
                               "add_generation_prompt=false (vLLM's name)",
     "add_special_tokens": "add the tokenizer's special tokens (BOS) to the prompt: on completions by default; on "
                           "chats off by default, on top of what the template writes (vLLM's name)",
+    "skip_special_tokens": "leave special tokens' text out of the output; default true (vLLM's name)",
+    "include_stop_str_in_output": "end the text after the stop string that ended it instead of before; default false "
+                                  "(vLLM's name)",
 }
 
 #: Well-known fields this server does not implement, OpenAI's and other servers' (vLLM, SGLang):
@@ -72,8 +75,6 @@ NOT_IMPLEMENTED: dict[str, str] = {
     "service_tier": "service tiers",
     "store": "stored completions",
     "metadata": "stored completions",
-    "include_stop_str_in_output": "returning the stop string",
-    "skip_special_tokens": "choosing whether special tokens are skipped",
     "spaces_between_special_tokens": "choosing how special tokens are joined",
     "length_penalty": "beam search",
     "use_beam_search": "beam search",

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
 from ..client import CoordinatorError, CoordinatorLost
+from ..outputs import StreamPartial
 from ..request import DynamicInferenceRequest, EventType, FinishReason, RequestStatus
 from .errors import APIError, shutting_down
 from .fleet import InferenceBackend
@@ -75,6 +76,15 @@ def _submission_error(exc: Exception) -> APIError:
     return APIError(500, f"{type(exc).__name__}: {exc}", code="internal_error")
 
 
+def merge_pieces(first: StreamPartial | None, then: StreamPartial) -> StreamPartial:
+    """Two consecutive pieces of one stream as one."""
+    if first is None:
+        return then
+    return StreamPartial(then.request_id, first.new_tokens + then.new_tokens, first.new_text + then.new_text,
+                         first.new_log_probs + then.new_log_probs,
+                         new_top_logprobs=first.new_top_logprobs + then.new_top_logprobs)
+
+
 def _images(job: EngineJob) -> dict[str, Any]:
     """The backend's ``images`` argument, for prompts that have images only."""
     return {"images": job.prompt.images} if job.prompt.images else {}
@@ -91,6 +101,7 @@ class Submission:
     jobs: list[EngineJob]
     label: str = ""  # the response id, for the request log
     log: RequestLog = field(default_factory=RequestLog)
+    stream_interval: int = 1  # streamed tokens go in groups of this many (a choice's first token at once)
     ids: list[str] = field(default_factory=list)
     unfinished: set[str] = field(default_factory=set)
     done: list[DynamicInferenceRequest] = field(default_factory=list)
@@ -166,6 +177,9 @@ class Submission:
     async def stream(self) -> AsyncIterator[tuple[EngineJob, Any]]:
         """``(job, item)`` pairs as they arrive: ``StreamPartial``s, then each job's final request.
 
+        With ``stream_interval`` N > 1 (vLLM's ``--stream-interval``), a job's pieces are merged until
+        they hold N tokens (its first piece goes at once, for the time to first token; what is held goes
+        before the final request), so the answer has a chunk per N tokens instead of per step.
         Closing the iterator (the response ended or the client left) aborts what is unfinished.
         """
         queue: asyncio.Queue[tuple[EngineJob | None, str, Any]] = asyncio.Queue()
@@ -184,6 +198,8 @@ class Submission:
         stopped = asyncio.ensure_future(self.stopping.wait())
         stopped.add_done_callback(lambda f: f.cancelled() or queue.put_nowait((None, "", shutting_down())))
         remaining = len(self.jobs)
+        held: dict[str, StreamPartial] = {}  # pieces merged while shorter than the interval
+        opened: set[str] = set()  # jobs whose first piece went
         try:
             while remaining:
                 job, request_id, item = await queue.get()
@@ -195,9 +211,18 @@ class Submission:
                 if isinstance(item, DynamicInferenceRequest):
                     remaining -= 1
                     self._finished(request_id, item)
-                    yield job, check_result(item)
-                else:
-                    yield job, item
+                    result = check_result(item)
+                    if request_id in held:
+                        yield job, held.pop(request_id)
+                    yield job, result
+                    continue
+                if self.stream_interval > 1 and request_id in opened:
+                    item = merge_pieces(held.pop(request_id, None), item)
+                    if len(item.new_tokens) < self.stream_interval:
+                        held[request_id] = item
+                        continue
+                opened.add(request_id)
+                yield job, item
         finally:
             stopped.cancel()
             for task in tasks:

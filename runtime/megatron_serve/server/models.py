@@ -73,7 +73,8 @@ class _SamplingRequest(_Request, VllmSamplingFields):
     top_k: int | None = extension("top_k", ge=-1)
     n: int | None = Field(None, ge=1, description="choices to generate for each prompt")
     stop: StopSequence | list[StopSequence] | None = Field(
-        None, description="generation stops before the first of these strings; it is not returned")
+        None, description="generation stops at the first of these strings; it is not returned (unless "
+                          "include_stop_str_in_output)")
     seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX, description="makes sampling repeatable")
     stream: bool | None = Field(None, description="answer with server-sent events ending in 'data: [DONE]'")
     stream_options: StreamOptions | None = None
@@ -99,6 +100,8 @@ class _SamplingRequest(_Request, VllmSamplingFields):
     ignore_eos: bool | None = extension("ignore_eos")
     return_epochs: bool | None = extension("return_epochs")
     return_routing_indices: bool | None = extension("return_routing_indices")
+    skip_special_tokens: bool | None = extension("skip_special_tokens")
+    include_stop_str_in_output: bool | None = extension("include_stop_str_in_output")
 
 
 def _prompt_shape(value: Any) -> str:

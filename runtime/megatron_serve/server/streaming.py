@@ -19,30 +19,24 @@ Two problems that both routes share:
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 from contextlib import aclosing
-from typing import Any, AsyncGenerator, AsyncIterator, Awaitable, Callable, TypeVar
+from typing import AsyncGenerator, AsyncIterator, Awaitable, Callable, TypeVar
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel
 from starlette.requests import ClientDisconnect
 
+from .chunks import sse
 from .errors import APIError, shutting_down
 
 logger = logging.getLogger("megatron_serve.server")
 
 T = TypeVar("T")
 
-DONE = "data: [DONE]\n\n"
+DONE = b"data: [DONE]\n\n"
 #: Status logged for requests whose client left before the answer (nginx's convention; nobody receives it).
 CLIENT_CLOSED = 499
-
-
-def sse(payload: BaseModel | dict[str, Any]) -> str:
-    data = payload.model_dump_json() if isinstance(payload, BaseModel) else json.dumps(payload)
-    return f"data: {data}\n\n"
 
 
 def client_closed() -> JSONResponse:
@@ -98,7 +92,7 @@ def _peer(request: Request) -> str:
 
 
 async def openai_events(items: AsyncGenerator[T, None],
-                        render: Callable[[AsyncIterator[T]], AsyncIterator[str]]) -> AsyncIterator[str]:
+                        render: Callable[[AsyncIterator[T]], AsyncIterator[bytes]]) -> AsyncIterator[bytes]:
     """The events ``render`` makes of ``items``, framed as an OpenAI stream; closing it closes ``items``.
 
     An :class:`APIError` before the first event is raised, so that the answer can still be that
@@ -123,7 +117,7 @@ async def openai_events(items: AsyncGenerator[T, None],
         await items.aclose()
 
 
-async def event_stream_response(events: AsyncIterator[str], answer_id: str) -> StreamingResponse:
+async def event_stream_response(events: AsyncIterator[bytes], answer_id: str) -> StreamingResponse:
     """A ``text/event-stream`` response whose first event already exists (see the module docstring).
 
     ``events`` must raise :class:`APIError` for problems before its first event and turn later
@@ -134,7 +128,7 @@ async def event_stream_response(events: AsyncIterator[str], answer_id: str) -> S
     except StopAsyncIteration:
         first = None
 
-    async def body() -> AsyncIterator[str]:
+    async def body() -> AsyncIterator[bytes]:
         ended = False
         try:
             if first is not None:

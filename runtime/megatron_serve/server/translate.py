@@ -406,6 +406,8 @@ def sampling_params(req: _SamplingRequest, *, max_tokens: int, logprobs: bool, t
             return_routing_indices=bool(req.return_routing_indices),
             priority=req.priority or 0,
             cache_salt=req.cache_salt,
+            skip_special_tokens=req.skip_special_tokens is not False,
+            include_stop_str_in_output=bool(req.include_stop_str_in_output),
             **(extra or {}),
         )
     except ValueError as exc:  # SamplingParams names its own field; translate the name back

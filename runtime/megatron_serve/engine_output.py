@@ -1,0 +1,56 @@
+"""What an engine step sends about each request: its new token ids and what was asked to go with them.
+
+The step thread builds one struct per request here and nothing else: no text, no stop strings
+(:mod:`megatron_serve.output_processor` makes those where the tokens are read), and the final
+record leaves out what the deltas already carried. The engine process sends a step's structs as
+one message (``ENGINE_STEP``); the in-process client hands the same structs to its event loop.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from .expert_routing import routing_to_wire
+from .messages import PromptScores, RoutingRows, StepOutputOut
+from .request import DynamicInferenceRequest
+
+if TYPE_CHECKING:
+    from .engine.core import StepOutput
+
+
+def _top_lists(top: list[dict[int, float]]) -> tuple[list[list[int]], list[list[float]]]:
+    """Per-token ``{id: log prob}`` maps as the two parallel lists the wire carries."""
+    return [list(entry) for entry in top], [list(entry.values()) for entry in top]
+
+
+def prompt_scores(request: DynamicInferenceRequest) -> PromptScores | None:
+    """The prompt's log probs (and top-n) when the request asked for them and has them."""
+    if not request.sampling_params.return_prompt_log_probs or not request.prompt_log_probs:
+        return None
+    scores = PromptScores(log_probs=list(request.prompt_log_probs))
+    if request.prompt_top_n_logprobs:
+        scores.top_ids, scores.top_log_probs = _top_lists(request.prompt_top_n_logprobs)
+    return scores
+
+
+def step_delta(out: "StepOutput") -> StepOutputOut:
+    """One request's share of a step as it travels (copies: the engine goes on changing the request)."""
+    request = out.request
+    tokens = out.new_tokens
+    delta = StepOutputOut(request_id=request.request_id, new_tokens=list(tokens), finished=out.finished)
+    if out.new_log_probs:
+        delta.new_log_probs = list(out.new_log_probs)
+    if out.new_top_logprobs:
+        delta.top_ids, delta.top_log_probs = _top_lists(out.new_top_logprobs)
+    n = len(tokens)
+    if n:
+        delta.epochs = [request.policy_epochs[-n:], request.kv_epochs[-n:]]
+    if out.new_routing is not None:
+        start, rows = out.new_routing
+        delta.routing = RoutingRows(start=start, **routing_to_wire(rows))
+    if len(request.generated_tokens) == n:  # the request's first tokens (or none at all: it ends here)
+        delta.cached_tokens = request.cached_tokens
+        delta.prompt_scores = prompt_scores(request)
+    if out.finished:
+        delta.request = request.to_final_dict()
+    return delta

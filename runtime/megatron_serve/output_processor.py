@@ -1,0 +1,203 @@
+"""Where token ids become a request's text: detokenization, stop strings and the finished record.
+
+Engines send token ids only (:class:`~megatron_serve.messages.TokenDelta`); whoever reads them
+makes the text, as vLLM's frontend ``OutputProcessor`` does: the HTTP server's and
+``MegatronLLM``'s :class:`~megatron_serve.client.InferenceClient`, and in direct mode the caller's
+event loop (:mod:`megatron_serve.local_engine`), never the engine's step thread. One
+:class:`OutputCollector` per request accumulates what the deltas carry (tokens, log probs, epochs,
+expert rows, prompt scores) and the text; the final record from the engine or coordinator carries
+only the rest (``DynamicInferenceRequest.to_final_dict``), and :meth:`OutputCollector.finish`
+completes it.
+
+Stop strings are found here, token by token: when one appears the request ends at the token that
+completed it (:meth:`OutputCollector.finish_stopped`, ``finish_reason`` ``stop``), whoever holds
+the collector aborts it where it runs, and tokens generated past it are dropped. Because the text
+is made where it is read, a request that moves to another engine (an engine lost, a coordinator
+restart) simply goes on from the tokens the collector has: the stream continues at the exact
+character it reached.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING
+
+import msgspec
+
+from .detokenizer import IncrementalDetokenizer
+from .expert_routing import RoutingRecord, mirror_rows
+from .messages import TokenDelta
+from .outputs import StreamPartial
+from .request import DynamicInferenceRequest, EventType, FinishReason, RequestEvent, RequestStatus
+from .sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from .tokenizer import Tokenizer
+
+logger = logging.getLogger("megatron_serve.client")
+
+
+def load_tokenizer(given_dir: str | None, offered_dir: str | None) -> "Tokenizer | None":
+    """A reader's tokenizer: from the directory it was given (a bad one raises), else from the one the
+    coordinator announced when this machine can read it (else None: no text, no stop strings)."""
+    from .tokenizer import Tokenizer, check_tokenizer_files  # noqa: PLC0415 - transformers: only where text is made
+
+    if given_dir is not None:
+        return Tokenizer.from_pretrained(given_dir)
+    if offered_dir is None:
+        return None
+    try:
+        check_tokenizer_files(offered_dir)  # fast: most often another machine's path
+    except OSError:
+        logger.info("the coordinator's tokenizer directory %s is not on this machine: results carry no text and "
+                    "stop strings are refused (pass tokenizer= to InferenceClient to have them)", offered_dir)
+        return None
+    try:
+        return Tokenizer.from_pretrained(offered_dir)
+    except Exception as exc:  # noqa: BLE001 - a client that makes no text still serves token ids
+        logger.warning("the coordinator's tokenizer (%s) cannot be loaded here (%s): results carry no text and "
+                       "stop strings are refused; pass tokenizer= to InferenceClient", offered_dir, exc)
+        return None
+
+
+class NoTokenizer(ValueError):
+    """Stop strings asked of a reader that has no tokenizer to make text with."""
+
+
+def check_params(params: SamplingParams, tokenizer: "Tokenizer | None") -> None:
+    """Refuse what needs text when there is no tokenizer (``add_request`` calls it, before sending)."""
+    if tokenizer is None and params.stop_words:
+        raise NoTokenizer("stop strings need this client's tokenizer to find them in the text: pass "
+                          "InferenceClient(..., tokenizer=...) (a Tokenizer or a directory with tokenizer files), "
+                          "or send stop_token_ids instead")
+
+
+def _top_maps(ids: list[list[int]], log_probs: list[list[float]]) -> list[dict[int, float]]:
+    return [dict(zip(i, lp)) for i, lp in zip(ids, log_probs)]
+
+
+class OutputCollector:
+    """One request's outputs as its deltas arrive; ``tokenizer=None`` makes no text (it stays empty)."""
+
+    def __init__(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+                 tokenizer: "Tokenizer | None") -> None:
+        self.request_id = request_id
+        self.prompt = prompt
+        self.params = params
+        self.prompt_tokens: list[int] | None = None if isinstance(prompt, str) else list(prompt)
+        self.detokenizer = None if tokenizer is None else IncrementalDetokenizer(
+            tokenizer, params.stop_words, skip_special_tokens=params.skip_special_tokens,
+            include_stop_str_in_output=params.include_stop_str_in_output)
+        self.tokens: list[int] = []
+        self.log_probs: list[float] = []
+        self.top: list[dict[int, float]] = []
+        self.policy_epochs: list[int] = []
+        self.kv_epochs: list[int] = []
+        self.routing: RoutingRecord | None = None
+        self.cached_tokens = 0
+        self.prompt_log_probs: list[float] = []
+        self.prompt_top: list[dict[int, float]] = []
+        self.arrival_time = time.time()
+        self.first_token_time: float | None = None
+        self.stopped = False  # a stop string ended it: later deltas are dropped
+
+    @property
+    def text(self) -> str:
+        return "" if self.detokenizer is None else self.detokenizer.text
+
+    def add(self, delta: TokenDelta, prompt_tokens: list[int] | None = None) -> StreamPartial:
+        """Take one delta; the piece it adds to a stream (what is safe to show of the text, the tokens
+        up to a stop string). :attr:`stopped` says whether a stop string ended the request in it."""
+        if prompt_tokens is not None and self.prompt_tokens is None:
+            self.prompt_tokens = list(prompt_tokens)
+        if delta.cached_tokens is not None:
+            self.cached_tokens = delta.cached_tokens
+        if delta.prompt_scores is not None and not self.prompt_log_probs:  # a second engine scores them again
+            scores = delta.prompt_scores
+            self.prompt_log_probs = list(scores.log_probs)
+            if scores.top_ids is not None and scores.top_log_probs is not None:
+                self.prompt_top = _top_maps(scores.top_ids, scores.top_log_probs)
+        if self.stopped:
+            return StreamPartial(self.request_id, [], "")
+        tokens = delta.new_tokens
+        kept = self._take_tokens(tokens)
+        if kept and self.first_token_time is None:
+            self.first_token_time = time.time()
+        log_probs = (delta.new_log_probs or [])[:kept]
+        self.log_probs += log_probs
+        top: list[dict[int, float]] = []
+        if delta.top_ids is not None and delta.top_log_probs is not None:
+            top = _top_maps(delta.top_ids[:kept], delta.top_log_probs[:kept])
+            self.top += top
+        epochs = delta.epochs
+        if epochs is not None and len(epochs) == 2 and len(epochs[0]) == len(epochs[1]) == len(tokens):
+            self.policy_epochs += epochs[0][:kept]
+            self.kv_epochs += epochs[1][:kept]
+        else:  # -1: not reported
+            self.policy_epochs += [-1] * kept
+            self.kv_epochs += [-1] * kept
+        if delta.routing is not None:
+            try:
+                self.routing = mirror_rows(self.routing, msgspec.structs.asdict(delta.routing))
+            except ValueError as exc:  # kept out, never fatal: the text and tokens still go on
+                logger.warning("request %s: expert rows not kept: %s", self.request_id, exc)
+        text = "" if self.detokenizer is None else self.detokenizer.take_new_text(final=self.stopped)
+        return StreamPartial(self.request_id, tokens[:kept], text, log_probs, new_top_logprobs=top)
+
+    def _take_tokens(self, tokens: list[int]) -> int:
+        """Append ``tokens`` up to the one that completes a stop string; how many were kept."""
+        detokenizer = self.detokenizer
+        if detokenizer is None or not detokenizer.stop_words:
+            self.tokens += tokens
+            if detokenizer is not None:
+                detokenizer.update(self.tokens)
+            return len(tokens)
+        min_tokens = self.params.min_tokens
+        for kept, token in enumerate(tokens, 1):
+            self.tokens.append(token)
+            if detokenizer.update(self.tokens, check_stop=len(self.tokens) >= min_tokens):
+                self.stopped = True
+                return kept
+        return len(tokens)
+
+    def tail(self) -> StreamPartial | None:
+        """The text held back so far (a possible stop string's start, an unfinished character), at the end."""
+        text = "" if self.detokenizer is None else self.detokenizer.take_new_text(final=True)
+        return StreamPartial(self.request_id, [], text) if text else None
+
+    def finish(self, record: DynamicInferenceRequest) -> DynamicInferenceRequest:
+        """The final record from where the request ran, completed with what the deltas carried."""
+        record.request_id = self.request_id
+        self._fill(record)
+        return record
+
+    def finish_stopped(self) -> DynamicInferenceRequest:
+        """The record of a request a stop string ended here (its engine may still run it: abort it)."""
+        now = time.time()
+        record = DynamicInferenceRequest(
+            request_id=self.request_id, prompt=self.prompt if isinstance(self.prompt, str) else None,
+            prompt_tokens=list(self.prompt_tokens or []), sampling_params=self.params,
+            status=RequestStatus.COMPLETED, finish_reason=FinishReason.STOP, arrival_time=self.arrival_time,
+            first_token_time=self.first_token_time, finish_time=now, cached_tokens=self.cached_tokens,
+            events=[RequestEvent(EventType.ADD, self.arrival_time)])
+        if self.first_token_time is not None:
+            record.events.append(RequestEvent(EventType.FIRST_TOKEN, self.first_token_time))
+        record.events.append(RequestEvent(EventType.FINISH, now, "stop string"))
+        self._fill(record)
+        return record
+
+    def _fill(self, record: DynamicInferenceRequest) -> None:
+        record.generated_tokens = self.tokens
+        record.generated_text = self.text
+        record.generated_log_probs = self.log_probs
+        record.generated_top_n_logprobs = self.top
+        record.policy_epochs = self.policy_epochs
+        record.kv_epochs = self.kv_epochs
+        if self.prompt_log_probs:
+            record.prompt_log_probs = self.prompt_log_probs
+            record.prompt_top_n_logprobs = self.prompt_top
+        if self.routing is not None:
+            rows = self.routing.array()
+            record.routing_indices = rows[: len(record.prompt_tokens) + len(self.tokens)] if record.prompt_tokens \
+                else rows

@@ -1,0 +1,115 @@
+"""Requests submitted and not resolved yet, and what arrives for them: the client side of the output path.
+
+Both engine clients keep them: :class:`~megatron_serve.client.InferenceClient` (deltas come as
+``TOKENS``, the final record as ``RESULT``) and, in direct mode, the caller's event loop in
+:mod:`megatron_serve.local_engine` (the engine thread hands it each step's deltas). Each pending
+request holds its :class:`~megatron_serve.output_processor.OutputCollector`: deltas become stream
+pieces and text here, a stop string ends the request here (the caller then aborts it where it
+runs), and the final record is completed with what the deltas carried. A request is resolved
+exactly once: whatever arrives for it afterwards (the result of a request a stop string ended, a
+duplicate after a reconnect) finds nothing pending and is dropped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from typing import Any, Iterator
+
+from .messages import TokenDelta
+from .output_processor import OutputCollector
+from .outputs import unreadable_result
+from .request import DynamicInferenceRequest
+from .sampling_params import SamplingParams
+
+
+@dataclass
+class PendingRequest:
+    request_id: str
+    prompt: str | list[int]
+    sampling_params: SamplingParams
+    stream: bool
+    future: asyncio.Future
+    collector: OutputCollector
+    queue: asyncio.Queue | None = None
+    aborted: bool = False
+    images: list[dict[str, Any]] = field(default_factory=list)  # wire form (PromptImage.to_wire)
+
+    def resolve(self, request: DynamicInferenceRequest, tail: bool = True) -> None:
+        """Hand out the finished request (a stream first gets the text held back until now)."""
+        if not self.future.done():
+            self.future.set_result(request)
+        if self.queue is not None:
+            rest = self.collector.tail() if tail else None
+            if rest is not None:
+                self.queue.put_nowait(rest)
+            self.queue.put_nowait(request)
+
+    def fail(self, exc: BaseException) -> None:
+        if not self.future.done():
+            self.future.set_exception(exc)
+        if self.queue is not None:
+            self.queue.put_nowait(exc)
+
+
+class PendingRequests:
+    """Pending requests by id (the client's own ids, as strings)."""
+
+    def __init__(self) -> None:
+        self._by_id: dict[str, PendingRequest] = {}
+
+    def __len__(self) -> int:
+        return len(self._by_id)
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self._by_id
+
+    def __iter__(self) -> Iterator[PendingRequest]:
+        return iter(list(self._by_id.values()))
+
+    def add(self, pending: PendingRequest) -> None:
+        self._by_id[pending.request_id] = pending
+
+    def get(self, request_id: Any) -> PendingRequest | None:
+        return self._by_id.get(str(request_id))
+
+    def on_delta(self, request_id: Any, delta: TokenDelta, prompt_tokens: list[int] | None = None
+                 ) -> PendingRequest | None:
+        """Take a request's new tokens; returns the request when a stop string ended it here (resolved
+        already: the caller aborts it where it runs)."""
+        pending = self._by_id.get(str(request_id))
+        if pending is None:
+            return None
+        collector = pending.collector
+        partial = collector.add(delta, prompt_tokens)
+        if pending.queue is not None and (partial.new_tokens or partial.new_text):
+            pending.queue.put_nowait(partial)
+        if not collector.stopped:
+            return None
+        del self._by_id[pending.request_id]
+        pending.resolve(collector.finish_stopped(), tail=False)  # its piece above had the whole rest
+        return pending
+
+    def on_final(self, request_id: Any, record: Any) -> DynamicInferenceRequest | None:
+        """The final record (a map, validated here where it enters); the finished request, if it was pending."""
+        pending = self._by_id.pop(str(request_id), None)
+        if pending is None:
+            return None
+        try:
+            # its sampling parameters are the ones this side sent
+            request = DynamicInferenceRequest.from_dict(record, pending.sampling_params)
+        except (KeyError, ValueError, TypeError) as exc:
+            request = unreadable_result(pending.request_id, exc)
+        request = pending.collector.finish(request)
+        pending.resolve(request)
+        return request
+
+    def fail(self, request_id: Any, exc: BaseException) -> None:
+        pending = self._by_id.pop(str(request_id), None)
+        if pending is not None:
+            pending.fail(exc)
+
+    def fail_all(self, exc: BaseException) -> None:
+        for pending in self._by_id.values():
+            pending.fail(exc)
+        self._by_id.clear()

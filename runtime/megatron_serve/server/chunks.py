@@ -1,0 +1,55 @@
+"""Server-sent events of a streamed answer, written without building a pydantic model per chunk.
+
+A stream sends a chunk per choice for every group of tokens; building and validating the chunk's
+pydantic models (chunk, choice, delta, log-prob entries) for each one was the largest per-token
+cost of the HTTP server. The chunks' shapes are fixed (they are those of the chunk models in
+:mod:`.models`, which document them in the OpenAPI schema), so the part every chunk of an answer
+shares (``id``, ``object``, ``created``, ``model``) is encoded once, and each chunk encodes only its
+choices, plain data, with msgspec.
+
+Event data escapes U+2028, U+2029 and U+0085. JSON allows them unescaped, but readers that split
+lines on every Unicode line break (Python's ``str.splitlines``) cut an event there: a benchmark
+client crashed on ``Unterminated string`` where a random model emitted U+2028.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import msgspec
+from pydantic import BaseModel
+
+_JSON = msgspec.json.Encoder()
+#: UTF-8 of the line breaks JSON leaves raw, and their escapes (each sequence encodes only that character).
+_BREAKS = ((b"\xe2\x80\xa8", b"\\u2028"), (b"\xe2\x80\xa9", b"\\u2029"), (b"\xc2\x85", b"\\u0085"))
+
+
+def event(data: bytes) -> bytes:
+    """One event whose data is the JSON ``data`` (a single line: no raw line breaks of any kind)."""
+    for raw, escaped in _BREAKS:
+        if raw in data:
+            data = data.replace(raw, escaped)
+    return b"data: " + data + b"\n\n"
+
+
+def sse(payload: BaseModel | dict[str, Any]) -> bytes:
+    """An event of a whole model or map (error bodies, usage-only chunks): not per token."""
+    return event(payload.model_dump_json().encode() if isinstance(payload, BaseModel) else _JSON.encode(payload))
+
+
+class ChunkWriter:
+    """The chunks of one streamed answer: ``{"id", "object", "created", "model", "choices", "usage",
+    "system_fingerprint"}``, the first four encoded once. ``running_usage``: the usage every chunk carries
+    (``stream_options.continuous_usage_stats``), or None when chunks carry none."""
+
+    def __init__(self, answer_id: str, kind: str, created: int, model: str,
+                 running_usage: Callable[[], BaseModel | None] | None = None) -> None:
+        head = _JSON.encode({"id": answer_id, "object": kind, "created": created, "model": model})
+        self._head = head[:-1] + b',"choices":'
+        self._running_usage = running_usage
+
+    def chunk(self, choices: list[dict[str, Any]], usage: BaseModel | None = None) -> bytes:
+        if usage is None and self._running_usage is not None:
+            usage = self._running_usage()
+        usage_json = b"null" if usage is None else usage.model_dump_json().encode()
+        return event(self._head + _JSON.encode(choices) + b',"usage":' + usage_json + b',"system_fingerprint":null}')

@@ -1,0 +1,113 @@
+"""The coordinator on the output path (protocol 4): token ids to every client, records without them.
+
+The client makes the text and finds stop strings, so every request's tokens reach it as they come
+(streamed or not), the ``RESULT`` record does not repeat them, and a client that reconnects gets
+every ``TOKENS`` it missed again, whole. A client that cannot make text (below protocol 4) is
+refused at ``SUBMIT`` instead of getting results without it.
+"""
+
+from __future__ import annotations
+
+import msgspec
+import numpy as np
+
+from megatron_serve.expert_routing import routing_to_wire
+from megatron_serve.messages import EngineStep, Hello, PromptScores, RoutingRows, StepOutput, Submit
+from megatron_serve.protocol import Header
+
+from .core_harness import CoreHarness
+from .test_core import C, E1, submit
+
+SLIM = {"request_id": "c1/r", "prompt_tokens": [1, 2, 3], "status": "COMPLETED", "finish_reason": "length"}
+
+
+def send_step(h: CoreHarness, engine_id: str, *outputs: StepOutput) -> None:
+    h.send(E1, Header.ENGINE_STEP, EngineStep(engine_id=engine_id, outputs=[
+        msgspec.Raw(msgspec.msgpack.encode(out)) for out in outputs]))
+
+
+def delta(tokens: list[int], finished: bool = False, **fields) -> StepOutput:
+    return StepOutput(request_id="c1/r", new_tokens=tokens, finished=finished, **fields)
+
+
+def test_a_request_that_is_not_streamed_gets_its_tokens_and_a_record_without_them():
+    h = CoreHarness()
+    h.client(C)
+    e1 = h.engine(E1, group=0)
+    submit(h, "r", tokens=3, stream=False)
+    assert h.take(E1, Header.ENGINE_SUBMIT)
+    send_step(h, e1, delta([5], new_log_probs=[-0.5], top_ids=[[5, 9]], top_log_probs=[[-0.5, -1.5]],
+                           epochs=[[0], [0]], cached_tokens=0))
+    send_step(h, e1, delta([6], epochs=[[0], [0]]))
+    send_step(h, e1, delta([7], finished=True, request=msgspec.Raw(msgspec.msgpack.encode(SLIM))))
+    sent = h.take(C)
+    assert [type(b).__name__ for b in sent] == ["Tokens", "Tokens", "Tokens", "Result"]
+    first = sent[0]
+    assert (first.new_tokens, first.new_log_probs, first.top_ids, first.top_log_probs) == (
+        [5], [-0.5], [[5, 9]], [[-0.5, -1.5]])
+    assert [t.new_tokens for t in sent[:3]] == [[5], [6], [7]]
+    assert sent[3].request == SLIM  # forwarded as the engine sent it
+
+
+def test_a_reconnected_client_gets_every_token_it_missed_with_what_went_with_them():
+    h = CoreHarness()
+    h.client(C)
+    e1 = h.engine(E1, group=0)
+    submit(h, "r", tokens=8, stream=True)
+    h.take(E1, Header.ENGINE_SUBMIT)
+    rows = np.arange(8, dtype=np.uint8).reshape(4, 1, 2)
+    scores = PromptScores(log_probs=[-1.0, -2.0])
+    send_step(h, e1, delta([5], new_log_probs=[-0.5], epochs=[[3], [2]], cached_tokens=1, prompt_scores=scores,
+                           routing=RoutingRows(start=0, **routing_to_wire(rows[:3]))))
+    send_step(h, e1, delta([6, 7], new_log_probs=[-0.6, -0.7], epochs=[[3, 3], [2, 2]],
+                           routing=RoutingRows(start=3, **routing_to_wire(rows[3:]))))
+    h.take(C)
+    h.send(C, Header.HELLO, Hello(role="client", client_id="c1", acks=True, protocol=4))  # it reconnects
+    h.take(C, Header.HELLO_ACK)
+    params = msgspec.Raw(msgspec.msgpack.encode({"num_tokens_to_generate": 8}))
+    h.send(C, Header.SUBMIT, Submit(client_request_id="r", prompt=[1, 2, 3], sampling_params=params, stream=True,
+                                    generated_tokens=[5]))  # it had only the first
+    [resent] = h.take(C, Header.TOKENS)
+    assert (resent.new_tokens, resent.new_log_probs, resent.epochs) == ([6, 7], [-0.6, -0.7], [[3, 3], [2, 2]])
+    assert resent.cached_tokens == 1 and resent.prompt_scores == scores and resent.routing.start == 0
+    assert np.array_equal(np.frombuffer(resent.routing.data, np.uint8).reshape(4, 1, 2), rows)
+
+
+def test_a_text_prompt_sends_its_token_ids_with_the_first_tokens_only():
+    class Words:
+        def encode(self, text: str, add_special_tokens: bool = True, max_tokens: int | None = None) -> list[int]:
+            return [len(word) for word in text.split()]
+
+    h = CoreHarness()
+    h.core.tokenizer = Words()
+    h.client(C)
+    e1 = h.engine(E1, group=0)
+    params = msgspec.Raw(msgspec.msgpack.encode({"num_tokens_to_generate": 3}))
+    h.send(C, Header.SUBMIT, Submit(client_request_id="r", prompt="a bb ccc", sampling_params=params))
+    assert h.take(E1, Header.ENGINE_SUBMIT)[0].request["prompt_tokens"] == [1, 2, 3]
+    send_step(h, e1, delta([5]))
+    send_step(h, e1, delta([6]))
+    assert [t.prompt_tokens for t in h.take(C, Header.TOKENS)] == [[1, 2, 3], None]
+
+
+def test_a_final_step_without_tokens_still_brings_the_prompt_scores():
+    h = CoreHarness()
+    h.client(C)
+    e1 = h.engine(E1, group=0)
+    submit(h, "r")
+    h.take(E1, Header.ENGINE_SUBMIT)
+    scores = PromptScores(log_probs=[-1.0, -2.0])
+    send_step(h, e1, delta([], finished=True, prompt_scores=scores, request=msgspec.Raw(msgspec.msgpack.encode(SLIM))))
+    tokens, result = h.take(C)
+    assert tokens.new_tokens == [] and tokens.prompt_scores == scores and result.client_request_id == "r"
+
+
+def test_a_client_that_cannot_make_text_is_refused_at_submit():
+    h = CoreHarness()
+    h.send(C, Header.HELLO, Hello(role="client", client_id="old", acks=True, protocol=3))
+    h.take(C, Header.HELLO_ACK)
+    h.engine(E1, group=0)
+    submit(h, "r")
+    [error] = h.take(C, Header.ERROR)
+    assert error.code == "unsupported" and error.client_request_id == "r" and "protocol 3" in error.message
+    assert not h.take(E1, Header.ENGINE_SUBMIT) and len(h.core.requests) == 0

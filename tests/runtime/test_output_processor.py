@@ -1,0 +1,132 @@
+"""The client side of the output path: token deltas in, text, stop strings and the finished record out.
+
+A stop string ends the request at the token that completed it, whatever the deltas' sizes (an engine
+step, a resend after a reconnect); streamed pieces add up to the final text and never show a
+half-made character; a request goes on from the tokens it has, whoever sends the next ones.
+"""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+
+from megatron_serve.expert_routing import routing_to_wire
+from megatron_serve.messages import PromptScores, RoutingRows, TokenDelta
+from megatron_serve.output_processor import NoTokenizer, OutputCollector, check_params
+from megatron_serve.request import DynamicInferenceRequest, FinishReason, RequestStatus
+from megatron_serve.sampling_params import SamplingParams
+
+from .test_detokenizer import byte_level_tokenizer
+
+PROMPT = [3, 4, 5]
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return byte_level_tokenizer()
+
+
+def deltas(tokens: list[int], sizes: list[int]) -> list[TokenDelta]:
+    """``tokens`` cut into deltas of these sizes (cycled), each with log probs, top-2, epochs and expert rows."""
+    out, start, i = [], 0, 0
+    while start < len(tokens):
+        chunk = tokens[start : start + sizes[i % len(sizes)]]
+        first_row = 0 if start == 0 else len(PROMPT) + start - 1  # the first step processed the prompt
+        rows = np.full((len(PROMPT) + start + len(chunk) - 1 - first_row, 1, 2), start % 7, dtype=np.uint8)
+        out.append(TokenDelta(new_tokens=chunk, new_log_probs=[-0.1 * (start + k) for k in range(len(chunk))],
+                              top_ids=[[t, 1] for t in chunk], top_log_probs=[[-0.1, -2.0] for _ in chunk],
+                              epochs=[[2] * len(chunk), [1] * len(chunk)],
+                              routing=RoutingRows(start=first_row, **routing_to_wire(rows))))
+        start += len(chunk)
+        i += 1
+    return out
+
+
+def run(collector: OutputCollector, items: list[TokenDelta]) -> tuple[str, list[int]]:
+    """Feed the deltas until a stop; what a stream showed (text, tokens)."""
+    text, tokens = "", []
+    for delta in items:
+        piece = collector.add(delta)
+        text += piece.new_text
+        tokens += piece.new_tokens
+        assert not piece.new_text.endswith("\ufffd") or collector.stopped  # never half a character mid-stream
+        if collector.stopped:
+            break
+    return text, tokens
+
+
+@pytest.mark.parametrize("sizes", [[1], [3, 1, 5], [100]])
+def test_a_stop_string_ends_the_request_at_the_token_that_completed_it(tokenizer, sizes):
+    text = "The quick brown fox jumps over the lazy dog. The end."
+    tokens = tokenizer.encode(text, add_special_tokens=False)
+    params = SamplingParams(stop_words=["lazy"], return_log_probs=True, top_n_logprobs=2)
+    collector = OutputCollector("r", PROMPT, params, tokenizer)
+    streamed, streamed_tokens = run(collector, deltas(tokens, sizes))
+    assert collector.stopped
+    keep = next(k for k in range(1, len(tokens) + 1) if "lazy" in tokenizer.decode(tokens[:k]))
+    record = collector.finish_stopped()
+    assert record.status is RequestStatus.COMPLETED and record.finish_reason is FinishReason.STOP
+    assert record.generated_text == streamed == "The quick brown fox jumps over the "
+    assert record.generated_tokens == streamed_tokens == tokens[:keep]
+    assert len(record.generated_log_probs) == len(record.generated_top_n_logprobs) == keep
+    assert record.policy_epochs == [2] * keep and record.kv_epochs == [1] * keep
+    assert len(record.routing_indices) <= len(PROMPT) + keep  # rows of tokens past the stop are dropped
+    assert collector.add(TokenDelta(new_tokens=tokens[keep:])).new_tokens == []  # later deltas: dropped
+    assert collector.tokens == tokens[:keep]
+
+
+def test_include_stop_str_in_output_and_min_tokens(tokenizer):
+    text = "stop here and stop there"
+    tokens = tokenizer.encode(text, add_special_tokens=False)
+    min_tokens = len(tokenizer.encode("stop here and", add_special_tokens=False))
+    params = SamplingParams(stop_words=["stop"], include_stop_str_in_output=True, min_tokens=min_tokens,
+                            num_tokens_to_generate=64)
+    collector = OutputCollector("r", PROMPT, params, tokenizer)
+    streamed, _ = run(collector, deltas(tokens, [1]))
+    assert collector.finish_stopped().generated_text == streamed == "stop here and stop"  # the first one was early
+
+
+def test_pieces_add_up_to_the_text_whatever_the_deltas_and_a_continuation_goes_on(tokenizer):
+    rng = random.Random(0)
+    vocab = tokenizer.vocab_size
+    for trial in range(20):
+        tokens = [rng.randrange(vocab) for _ in range(40)]  # random ids: split characters, special tokens
+        expected = tokenizer.decode(tokens)
+        for sizes in ([1], [rng.randrange(1, 6) for _ in range(5)]):
+            collector = OutputCollector("r", PROMPT, SamplingParams(stop_words=["\x00never"]), tokenizer)
+            streamed, _ = run(collector, deltas(tokens, sizes))
+            tail = collector.tail()
+            streamed += tail.new_text if tail is not None else ""
+            final = collector.finish(DynamicInferenceRequest("r", None, PROMPT, status=RequestStatus.COMPLETED))
+            assert streamed == final.generated_text == expected, (trial, sizes)
+            assert final.generated_tokens == tokens and len(final.routing_indices) == len(PROMPT) + len(tokens) - 1
+
+
+def test_the_final_record_is_completed_with_what_the_deltas_carried(tokenizer):
+    tokens = tokenizer.encode("hello there", add_special_tokens=False)
+    params = SamplingParams(return_prompt_log_probs=True, top_n_logprobs=1)
+    collector = OutputCollector("mine", "a text prompt", params, tokenizer)
+    first, *rest = deltas(tokens, [1])
+    first.cached_tokens = 2
+    first.prompt_scores = PromptScores(log_probs=[-1.0, -2.0], top_ids=[[4], [5]], top_log_probs=[[-0.5], [-0.7]])
+    collector.add(first, prompt_tokens=PROMPT)
+    for delta in rest:
+        collector.add(delta)
+    record = DynamicInferenceRequest("c1/mine", "a text prompt", PROMPT, status=RequestStatus.COMPLETED,
+                                     finish_reason=FinishReason.LENGTH, cached_tokens=2)
+    final = collector.finish(record)
+    assert final.request_id == "mine" and final.generated_text == "hello there" and final.generated_tokens == tokens
+    assert final.prompt_log_probs == [-1.0, -2.0] and final.prompt_top_n_logprobs == [{4: -0.5}, {5: -0.7}]
+    assert final.finish_reason is FinishReason.LENGTH and final.cached_tokens == 2
+
+
+def test_without_a_tokenizer_text_stays_empty_and_stop_strings_are_refused():
+    check_params(SamplingParams(stop_token_ids=[3]), None)
+    with pytest.raises(NoTokenizer, match="tokenizer"):
+        check_params(SamplingParams(stop_words=["x"]), None)
+    collector = OutputCollector("r", PROMPT, SamplingParams(), None)
+    assert collector.add(TokenDelta(new_tokens=[7, 8])).new_text == ""
+    final = collector.finish(DynamicInferenceRequest("r", None, PROMPT, status=RequestStatus.COMPLETED))
+    assert final.generated_tokens == [7, 8] and final.generated_text == ""
