@@ -16,35 +16,45 @@ if not torch.cuda.is_available():  # the Triton-kernel setting runs the kernels 
 
 from megatron_serve.config import resolve_dtype  # noqa: E402
 
-from .compare import TALLIES, TOLERANCES, Tolerance  # noqa: E402
+from .compare import TALLIES, Tally  # noqa: E402
 from .engine_runs import Placement  # noqa: E402
-from .models import ModelPool  # noqa: E402
+from .models import CASES_PER_MODEL, LoadedModel, ModelPool  # noqa: E402
 from .options import ParityOptions  # noqa: E402
 
 
 @dataclass(frozen=True)
 class Parity:
     options: ParityOptions
-    placement: Placement
-
-    @property
-    def tolerance(self) -> Tolerance:
-        return TOLERANCES[self.placement.dtype]
+    placement: Placement  # a case may run elsewhere (Placement.for_config): compare with TOLERANCES[its dtype]
 
 
-Reproducible = Callable[[int, list[str]], contextlib.AbstractContextManager[None]]
+@dataclass
+class CaseScope:
+    """One case of a search: its model, its search's tally, and what it drew so far (for the reproduction line)."""
+
+    model: LoadedModel
+    tally: Tally
+    parts: list[str]
+
+
+SearchCase = Callable[[str, int], contextlib.AbstractContextManager[CaseScope]]
 
 
 @pytest.fixture
-def reproducible(request: pytest.FixtureRequest, parity: Parity) -> Reproducible:
-    """``with reproducible(seed, parts):`` any failure inside is reported after one line that reruns the case
-    (``parts``: what the case drew so far, filled in as it goes)."""
+def search_case(request: pytest.FixtureRequest, parity: Parity, model_pool: ModelPool) -> SearchCase:
+    """``with search_case(search, seed) as scope:`` counts the case in ``search``'s tally, loads its model,
+    and reports any failure inside after one line that says what the case drew and how to rerun it."""
     path = Path(request.node.path).relative_to(Path(request.config.rootpath))
 
     @contextlib.contextmanager
-    def scope(seed: int, parts: list[str]) -> Iterator[None]:
+    def scope(search: str, seed: int) -> Iterator[CaseScope]:
+        tally = TALLIES.setdefault(search, Tally())
+        tally.cases += 1
+        parts = [f"model seed {seed // CASES_PER_MODEL}"]
         try:
-            yield
+            model = model_pool.get(seed // CASES_PER_MODEL)
+            parts[0] = f"model {model.spec.describe()}"
+            yield CaseScope(model, tally, parts)
         except Exception as exc:
             line = (f"parity case {seed}: {'; '.join(parts)} | reproduce: TRITON_INTERPRET=1 .venv/bin/python -m "
                     f"pytest -q {path} {parity.options.reproduce(seed)}")

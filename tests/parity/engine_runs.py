@@ -111,7 +111,8 @@ def build_engine(model: LoadedModel, config: InferenceConfig, kernels: str | Non
         weights = model.weights(str(config.device), config.dtype)
         engine = DynamicInferenceEngine(weights.model, weights.tokenizer, config)
     if config.enable_cuda_graphs and engine.device.type == "cpu" and config.tensor_parallel_size == 1:
-        install_graphs(engine, graph_batch_sizes(config.max_requests))  # the CPU stand-in (its capture runs no follower)
+        # the CPU stand-in for CUDA graphs (one rank: its capture would run no follower)
+        install_graphs(engine, graph_batch_sizes(config.max_requests))
     return engine
 
 

@@ -176,7 +176,8 @@ class LoadedModel:
     def reference(self, device: str, dtype: torch.dtype) -> torch.nn.Module:
         key = (device, dtype)
         if key not in self.references:
-            self.references[key] = _model_class(self.spec).from_pretrained(self.directory, dtype=dtype).to(device).eval()
+            loaded = _model_class(self.spec).from_pretrained(self.directory, dtype=dtype)
+            self.references[key] = loaded.to(device).eval()
         return self.references[key]
 
     def weights(self, device: str, dtype: torch.dtype) -> DynamicInferenceEngine:

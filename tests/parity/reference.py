@@ -91,8 +91,8 @@ def _pil(data: bytes) -> Image.Image:
     return Image.open(io.BytesIO(data)).convert("RGB")
 
 
-def model_inputs(model: LoadedModel, draw: RequestDraw, placeholder: int | None, device: str
-                 ) -> dict[str, torch.Tensor]:
+def model_inputs(model: LoadedModel, draw: RequestDraw, placeholder: int | None, device: str,
+                 dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """The forward inputs of the prompt, images expanded and encoded by the model's own processor."""
     tokens = list(draw.prompt)
     inputs: dict[str, torch.Tensor] = {}
@@ -114,7 +114,7 @@ def model_inputs(model: LoadedModel, draw: RequestDraw, placeholder: int | None,
         if model.spec.arch != "llava":  # what Qwen-VL's processor returns beside the ids (M-RoPE needs it)
             inputs["mm_token_type_ids"] = (torch.tensor([tokens]) == placeholder).int()
     inputs["input_ids"] = torch.tensor([tokens])
-    return {k: v.to(device) for k, v in inputs.items()}
+    return {k: v.to(device, dtype) if v.is_floating_point() else v.to(device) for k, v in inputs.items()}
 
 
 @torch.inference_mode()
@@ -122,7 +122,8 @@ def run_reference(model: LoadedModel, draw: RequestDraw, device: str, dtype: tor
                   max_sequence_length: int) -> Reference:
     """Greedy decoding of one request by ``transformers``, stopping where the engine must stop."""
     hf = model.reference(device, dtype)
-    inputs = model_inputs(model, draw, hf.config.image_token_id if model.spec.vision else None, device)
+    inputs = model_inputs(model, draw, hf.config.image_token_id if model.spec.vision else None, device,
+                          dtype)
     prompt = inputs["input_ids"][0].tolist()
     params = draw.params
     stops = stop_ids(params, model.eos_ids)

@@ -9,28 +9,25 @@ around it and whatever the setting. The busy-batch row adds other traffic, unsee
 from __future__ import annotations
 
 from .cases import Sampling, draw_case
-from .compare import TALLIES, Tally, between_runs
+from .compare import TOLERANCES, between_runs
 from .engine_runs import run_case
-from .models import CASES_PER_MODEL
 from .settings import SETTINGS, setting_for
 
 
-def test_engine_equals_itself(case_seed, parity, model_pool, reproducible):
-    tally = TALLIES.setdefault("engine against itself", Tally())
-    tally.cases += 1
-    parts = [f"model seed {case_seed // CASES_PER_MODEL}"]
-    with reproducible(case_seed, parts):
-        model = model_pool.get(case_seed // CASES_PER_MODEL)
+def test_engine_equals_itself(case_seed, parity, search_case):
+    with search_case("engine against itself", case_seed) as scope:
+        model = scope.model
         name = setting_for(case_seed, model.spec)
-        tally.settings[name] = tally.settings.get(name, 0) + 1
+        scope.tally.settings[name] = scope.tally.settings.get(name, 0) + 1
         setting = SETTINGS[name]
-        parts[:] = [f"setting {name!r}", f"model {model.spec.describe()}"]
+        scope.parts.insert(0, f"setting {name!r}")
         case = draw_case(case_seed, model, Sampling.SEEDED, tensor_parallel=False)
-        parts.append(case.describe())
+        scope.parts.append(case.describe())
         placement = parity.placement.for_config(setting.a.config_for(case)).for_config(setting.b.config_for(case))
         results_a = run_case(case, model, setting.a, placement)
         results_b = run_case(case, model, setting.b, placement)
-        problems = [between_runs(draw.name, results_a[draw.name], results_b[draw.name], parity.tolerance, tally)
+        tolerance = TOLERANCES[placement.dtype]
+        problems = [between_runs(draw.name, results_a[draw.name], results_b[draw.name], tolerance, scope.tally)
                     for draw in case.requests]
         problems = [p for p in problems if p]
         assert not problems, "\n".join(problems)

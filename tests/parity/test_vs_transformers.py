@@ -9,26 +9,21 @@ tokens, with their log probs, up to the end or to a near-tie (``compare.py`` sta
 from __future__ import annotations
 
 from .cases import context_of, draw_case
-from .compare import TALLIES, Tally, against_reference
+from .compare import TOLERANCES, against_reference
 from .engine_runs import Setup, run_case
-from .models import CASES_PER_MODEL
 from .reference import run_reference
 
 
-def test_engine_equals_transformers(case_seed, parity, model_pool, reproducible):
-    tally = TALLIES.setdefault("against transformers", Tally())
-    tally.cases += 1
-    parts = [f"model seed {case_seed // CASES_PER_MODEL}"]
-    with reproducible(case_seed, parts):
-        model = model_pool.get(case_seed // CASES_PER_MODEL)
-        parts[0] = f"model {model.spec.describe()}"
+def test_engine_equals_transformers(case_seed, parity, search_case):
+    with search_case("against transformers", case_seed) as scope:
+        model = scope.model
         case = draw_case(case_seed, model)
-        parts.append(case.describe())
+        scope.parts.append(case.describe())
         placement = parity.placement.for_config(case.config)
         results = run_case(case, model, Setup(), placement)
         length = case.config.get("max_sequence_length") or context_of(model)
         problems = [against_reference(draw.name, results[draw.name],
                                       run_reference(model, draw, placement.device, placement.dtype, length),
-                                      parity.tolerance, tally) for draw in case.requests]
+                                      TOLERANCES[placement.dtype], scope.tally) for draw in case.requests]
         problems = [p for p in problems if p]
         assert not problems, "\n".join(problems)
