@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_serve import InferenceConfig, MegatronLLM, SamplingParams
+from megatron_serve.model import UnsupportedModelError
 from megatron_serve.tiny_model import make_tiny_model
 
 from ..devices import tensor_parallel_device
@@ -125,3 +126,14 @@ def test_a_start_that_fails_after_the_group_formed_leaves_no_group_behind(gqa_mo
     # process group twice" before the failed start left its group)
     with MegatronLLM(gqa_model, InferenceConfig(tensor_parallel_size=2, block_size_tokens=8, device=DEVICE)) as llm:
         assert llm.generate(PROMPTS[:1], GREEDY)[0].generated_tokens
+
+
+@pytest.mark.slow
+def test_query_heads_that_do_not_split_over_the_ranks_are_refused_at_load(tmp_path):
+    """One query head over two ranks: each rank kept the whole head while its o_proj took half the head's
+    features, and the first forward pass failed with a shape error that lost the group (parity search
+    case 11, engine against itself, TP=1 vs TP=2). It is refused at load, naming the heads."""
+    model_dir = make_tiny_model(tmp_path, seed=1, num_heads=1, num_kv_heads=1)
+    with pytest.raises(UnsupportedModelError, match="num_attention_heads=1 does not split over 2 tensor-parallel"):
+        MegatronLLM(str(model_dir), InferenceConfig(tensor_parallel_size=2, block_size_tokens=8, device=DEVICE))
+    assert not dist.is_initialized() and multiprocessing.active_children() == []

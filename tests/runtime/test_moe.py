@@ -135,3 +135,15 @@ def test_dense_model_refuses_routing_indices(tiny_llama):
     assert out.status.value == "FAILED"
     assert "return_routing_indices needs a mixture-of-experts model" in out.error
     assert "LlamaForCausalLM" in out.error
+
+
+def test_qwen2_moe_without_a_shared_expert_loads_and_equals_transformers(tmp_path):
+    """shared_expert_intermediate_size=0: transformers still writes an empty shared expert and its gate (their
+    product is zero). The engine refused the checkpoint ("... shared_expert.down_proj.weight has no place",
+    parity search cases 440-447 and 760-767); it loads it and answers as transformers does."""
+    model_dir = str(make_tiny_model(tmp_path, seed=2, arch="qwen2_moe", shared_expert_intermediate_size=0))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    llm = MegatronLLM(model_dir, InferenceConfig(dtype="float32", block_size_tokens=8))
+    token_lists = [llm.tokenizer.encode(p) for p in PROMPTS[:3]]
+    reference = [hf_greedy_with_routing(hf, tokens) for tokens in token_lists]
+    check_against_reference(run_together(llm, token_lists, [True] * 3), token_lists, reference, [True] * 3)

@@ -14,6 +14,7 @@ from megatron_kernels import get_op
 
 from .attention import ForwardContext, PagedAttention
 from .config import ModelConfig
+from .errors import UnsupportedModelError
 from .layers import (
     ColumnParallelLinear,
     GatedMLP,
@@ -42,6 +43,9 @@ class _Ops:
 class LlamaAttention(nn.Module):
     def __init__(self, config: ModelConfig, layer_index: int, ops: _Ops, tp: TensorParallel, device: torch.device):
         super().__init__()
+        if config.num_heads % tp.size:  # replicated query heads would not match o_proj's split of their features
+            raise UnsupportedModelError(f"num_attention_heads={config.num_heads} does not split over {tp.size} "
+                                        "tensor-parallel ranks: each rank needs whole query heads")
         head_dim = config.head_dim
         self.head_dim = head_dim
         self.qkv_proj = ColumnParallelLinear(

@@ -84,6 +84,13 @@ def _pieces(module: torch.nn.Module, param_name: str) -> frozenset:
     return frozenset({(None, None)})
 
 
+def _empty_shared_expert(model: LlamaForCausalLM, name: str) -> bool:
+    """A Qwen2-MoE shared expert of ``shared_expert_intermediate_size`` 0: transformers still writes it (empty)
+    and its gate, whose product is zero, so there is nothing to load."""
+    moe = model.config.moe
+    return moe is not None and not moe.shared_expert_intermediate_size and ".mlp.shared_expert" in name
+
+
 def weight_target(model: LlamaForCausalLM, name: str) -> WeightTarget | None:
     """Map a Hugging Face tensor name to the parameter that holds it (None: a tensor with no weight to load).
 
@@ -92,7 +99,7 @@ def weight_target(model: LlamaForCausalLM, name: str) -> WeightTarget | None:
     projections are fused (``q_proj`` -> ``qkv_proj`` part ``q``), and per-expert names go to their
     layer's stacked experts (:func:`.moe.expert_weight_name`).
     """
-    if name.endswith(IGNORED_SUFFIXES):
+    if name.endswith(IGNORED_SUFFIXES) or _empty_shared_expert(model, name):
         return None
     module_path, param_name, part, expert = expert_weight_name(name)
     found = _parameter(model, module_path, param_name)

@@ -1,0 +1,66 @@
+"""The engine against itself: pairs of setups that must not change a token, one row per execution path.
+
+Each row runs the same case (same requests, same arrival steps) under setup A and setup B and
+compares every request token by token (``compare.between_runs``). A new execution path of the
+engine (a config knob, a step-loop variant) joins the search as one row here, in the change that
+adds it. ``share`` is how often the row comes up relative to the others: rows that start processes
+or run the Triton interpreter on CPU cost seconds per case and come up less.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from .engine_runs import ALTERNATIVE, Setup
+from .models import ModelSpec
+
+
+def _any_model(spec: ModelSpec) -> bool:
+    return True
+
+
+@dataclass(frozen=True)
+class Setting:
+    a: Setup
+    b: Setup
+    share: int = 8
+    applies: Callable[[ModelSpec], bool] = _any_model  # a model it cannot run gets the next row instead
+
+
+SETTINGS: dict[str, Setting] = {
+    # On CPU, graphs are the stand-in capture of tests/graph_replay.py (padded static buffers, replayed): decode
+    # steps whole, mixed steps piecewise with attention between the pieces.
+    "eager vs CUDA graphs": Setting(Setup({"enable_cuda_graphs": False}), Setup({"enable_cuda_graphs": True})),
+    "padded mixed steps: few vs many graph sizes": Setting(Setup({"cuda_graph_sizes": [1, 8, 64]}),
+                                                            Setup({"cuda_graph_sizes": [128]})),
+    "serial vs overlapped step loop": Setting(Setup({"async_scheduling": False}), Setup({"async_scheduling": True})),
+    "prefix cache off vs on": Setting(Setup({"enable_prefix_caching": False}), Setup({"enable_prefix_caching": True})),
+    "chunk size A vs B": Setting(Setup(), Setup({"max_batch_tokens": ALTERNATIVE})),
+    "block size A vs B": Setting(Setup(), Setup({"block_size_tokens": ALTERNATIVE})),
+    "roomy vs tiny KV pool (preemption)": Setting(Setup(kv_pool="roomy"), Setup(kv_pool="tiny")),
+    "one request at a time vs batched": Setting(Setup({"max_requests": 1}), Setup({"max_requests": 64})),
+    "alone vs in a busy batch": Setting(Setup(), Setup(busy=True)),
+    "TP=1 vs TP=2": Setting(Setup({"tensor_parallel_size": 1}), Setup({"tensor_parallel_size": 2}), share=1,
+                            applies=lambda spec: spec.splits_over(2)),
+    "reference vs Triton kernels": Setting(Setup(kernels="reference"), Setup(kernels="triton"), share=1),
+}
+
+
+def _schedule() -> list[str]:
+    names = [name for name, setting in SETTINGS.items() for _ in range(setting.share)]
+    random.Random(0).shuffle(names)
+    return names
+
+
+SCHEDULE = _schedule()
+
+
+def setting_for(seed: int, spec: ModelSpec) -> str:
+    """The row case ``seed`` compares: every row in turn, each as often as its share."""
+    for offset in range(len(SCHEDULE)):
+        name = SCHEDULE[(seed + offset) % len(SCHEDULE)]
+        if SETTINGS[name].applies(spec):
+            return name
+    raise AssertionError(f"no setting applies to {spec.describe()}")
