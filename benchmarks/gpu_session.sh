@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # One device call's worth of GPU checks, tables and logs under $OUT (default ./gpu-out).
 #
-#   bash benchmarks/gpu_session.sh tests   # the kernel, CUDA-graph, parity, MoE and VLM tests natively
-#   bash benchmarks/gpu_session.sh bench   # decode roofline (1B), fused MoE, MoE/VLM throughput, weight sync
+#   bash benchmarks/gpu_session.sh tests     # kernels, CUDA graphs (decode and piecewise mixed), step paths, start-up
+#                                            # compile, parity (bf16, 1,000 cases), MoE and VLM tests natively
+#   bash benchmarks/gpu_session.sh serving   # issue 28's targets: served vs offline, 1B shape, c=64 and c=256
+#   bash benchmarks/gpu_session.sh bench     # decode roofline (1B), fused MoE, MoE/VLM throughput, weight sync
 #
 # The device image has torch, triton and transformers; packages it lacks travel as wheels in .whl
 # (`pip download --python-version 3.12 --only-binary=:all: -d .whl ...`) and install into /tmp/site. Each step has its own time limit, so one
@@ -34,7 +36,19 @@ case ${1:-tests} in
     step pytest 540 python3 -m pytest -q -p no:cacheprovider --timeout 180 -rfE --durations 10 \
       tests/kernels tests/runtime/test_cuda_graphs.py tests/runtime/test_hf_parity.py tests/runtime/test_moe.py \
       tests/runtime/test_vision_parity.py tests/runtime/test_expert_routing.py tests/runtime/test_engine.py \
-      tests/runtime/test_sampler.py tests/runtime/test_refit.py tests/parallel/test_tensor_parallel.py tests/runtime/test_structured_output.py
+      tests/runtime/test_sampler.py tests/runtime/test_refit.py tests/parallel/test_tensor_parallel.py tests/runtime/test_structured_output.py \
+      tests/runtime/test_step_paths.py tests/runtime/test_kernel_warmup.py
+    step parity 540 python3 -m pytest -q -p no:cacheprovider -rfE tests/parity --parity-device cuda \
+      --parity-dtype bfloat16 --parity-cases 1000
+    ;;
+  serving)  # a Llama-3.2-1B shape (random bf16 weights, 128,256-word vocabulary), 128 prompt / 128 generated tokens
+    python3 -m megatron_serve.cli make-tiny-model /tmp/llama-1b --hidden-size 2048 --layers 16 --heads 32 --kv-heads 8 \
+      --intermediate-size 8192 --vocab-size 128256 --tie-word-embeddings > "$OUT/model.log" 2>&1
+    step serving_c64 420 python3 benchmarks/serving.py --model /tmp/llama-1b --concurrency 64 --requests 512 \
+      --prompt-tokens 128 --output-tokens 128 --run-args "--dtype bfloat16 --max-num-seqs 64"
+    step serving_c256 420 python3 benchmarks/serving.py --model /tmp/llama-1b --concurrency 256 --requests 1024 \
+      --prompt-tokens 128 --output-tokens 128 --run-args "--dtype bfloat16 --max-num-seqs 256"
+    step decode_roofline 260 python3 benchmarks/decode_roofline.py --models 1b --batches 1,8,64,256
     ;;
   bench)
     step decode_roofline 260 python3 benchmarks/decode_roofline.py --models 1b --batches 1,8,64,256
@@ -44,5 +58,5 @@ case ${1:-tests} in
     step vlm 90 python3 benchmarks/vlm.py --requests 64
     step weight_sync 200 python3 benchmarks/weight_sync.py --bucket-mib 64 --rounds 2
     ;;
-  *) echo "usage: $0 tests|bench" >&2; exit 2 ;;
+  *) echo "usage: $0 tests|serving|bench" >&2; exit 2 ;;
 esac

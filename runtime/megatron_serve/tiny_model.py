@@ -96,9 +96,14 @@ def make_tiny_model(
     max_position_embeddings: int = 1024,
     tie_word_embeddings: bool = False,
     tokenizer_vocab_size: int = 512,
+    vocab_size: int | None = None,
     **config_overrides,
 ) -> Path:
-    """Write ``config.json``, ``model.safetensors`` and tokenizer files for a random model to ``path``."""
+    """Write ``config.json``, ``model.safetensors`` and tokenizer files for a random model to ``path``.
+
+    ``vocab_size``: pad the trained tokenizer with placeholder tokens up to this size, for a benchmark model of a
+    real model's shape (Llama 3's 128,256 words: its LM head and sampler cost what they cost there).
+    """
     import torch  # noqa: PLC0415
     import transformers  # noqa: PLC0415
     from transformers import PreTrainedTokenizerFast  # noqa: PLC0415
@@ -113,6 +118,8 @@ def make_tiny_model(
         bos_token=BOS, eos_token=EOS, pad_token="<|pad|>",
     )
     fast.chat_template = CHAT_TEMPLATE
+    if vocab_size is not None and vocab_size > len(fast):
+        fast.add_tokens([f"<|filler_{i}|>" for i in range(vocab_size - len(fast))])
     if arch in VISION_ARCHITECTURES:
         from .tiny_vision_model import make_tiny_vision_model  # noqa: PLC0415
 

@@ -19,6 +19,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--heads", type=int, default=4, help="attention heads")
     parser.add_argument("--kv-heads", type=int, default=2, help="key/value heads (grouped-query attention)")
     parser.add_argument("--intermediate-size", type=int, default=128, help="MLP width")
+    parser.add_argument("--vocab-size", type=int, default=None,
+                        help="pad the tokenizer with placeholder tokens to this size (a real model's shape, for "
+                             "benchmarks; Llama 3: 128256)")
+    parser.add_argument("--tie-word-embeddings", action="store_true", help="the LM head shares the embedding table")
     parser.add_argument("--experts", type=int, default=None,
                         help="experts per layer of a mixture-of-experts arch (default 8)")
     parser.add_argument("--experts-per-token", type=int, default=None,
@@ -38,7 +42,8 @@ def run(args: argparse.Namespace) -> int:
             experts["num_experts_per_tok"] = args.experts_per_token
     path = make_tiny_model(
         args.directory, seed=args.seed, arch=args.arch, hidden_size=args.hidden_size, num_layers=args.layers,
-        num_heads=args.heads, num_kv_heads=args.kv_heads, intermediate_size=args.intermediate_size, **experts,
+        num_heads=args.heads, num_kv_heads=args.kv_heads, intermediate_size=args.intermediate_size,
+        vocab_size=args.vocab_size, tie_word_embeddings=args.tie_word_embeddings, **experts,
     )
     print(f"wrote a tiny {args.arch} model to {path}")
     return 0
