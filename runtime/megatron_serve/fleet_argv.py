@@ -30,6 +30,8 @@ ENGINE_FIELDS = {
     "cuda_graphs": "enable_cuda_graphs",
     "device": "device",
     "seed": "seed",
+    "quantization": "quantization",
+    "kv_cache_dtype": "kv_cache_dtype",
 }
 
 

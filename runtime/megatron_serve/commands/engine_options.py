@@ -15,6 +15,9 @@ from .aliases import add_option
 if TYPE_CHECKING:
     from ..config import InferenceConfig
 
+#: ``--quantization`` and ``--kv-cache-dtype`` values (as ``megatron_serve.config`` accepts them; no torch here).
+QUANTIZATIONS = ("fp8",)
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 #: vLLM's ``--dtype`` spellings of ours (``auto`` = the default: float32 on CPU, the checkpoint's on GPU).
 DTYPE_NAMES = {"auto": None, "float32": "float32", "float": "float32", "bfloat16": "bfloat16",
                "float16": "float16", "half": "float16"}
@@ -41,6 +44,12 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
     add_option(group, "--cuda-graphs", action=argparse.BooleanOptionalAction, default=True,
                help="replay decode steps from CUDA graphs on a GPU (--no-cuda-graphs: always eager)")
     group.add_argument("--seed", type=int, default=0, help="seed of sampling without a per-request seed")
+    group.add_argument("--quantization", choices=list(QUANTIZATIONS), default=None,
+                       help="fp8: quantize a bf16 checkpoint's linear layers to FP8 at load (FP8 checkpoints are "
+                            "served as FP8 without it)")
+    group.add_argument("--kv-cache-dtype", choices=list(KV_CACHE_DTYPES), default="auto",
+                       help="fp8: KV cache in e4m3 with a scale per token and head, about twice the tokens "
+                            "(auto: the model dtype)")
 
 
 def inference_config_from_args(args: argparse.Namespace, tensor_parallel_size: int = 1) -> "InferenceConfig":
@@ -52,4 +61,5 @@ def inference_config_from_args(args: argparse.Namespace, tensor_parallel_size: i
         max_batch_tokens=args.max_batch_tokens, max_requests=args.max_requests,
         max_sequence_length=args.max_sequence_length, enable_prefix_caching=args.prefix_caching,
         enable_cuda_graphs=args.cuda_graphs, tensor_parallel_size=tensor_parallel_size, seed=args.seed,
+        quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
     )

@@ -212,7 +212,7 @@ def run_worker(model_dir: str, config_dict: dict, placement: Placement, rank: in
     device = rank_device(local_index, config)
     tp = join_group(placement, rank, device)
     model_config = ModelConfig.from_dir(model_dir)
-    model = load_model(model_dir, default_dtype(config, model_config), device, tp)
+    model = load_model(model_dir, default_dtype(config, model_config), device, tp, quantization=config.quantization)
     max_sequence_length = max_sequence_length_for(model_config, config)
     pool = build_kv_pool(model, config, max_sequence_length, device)
     # Same graphs, captured in the same order as rank 0's: their collectives must pair up.
@@ -228,7 +228,7 @@ def run_worker(model_dir: str, config_dict: dict, placement: Placement, rank: in
             embeddings = None
             if plan.image_rows:
                 embeddings = torch.empty(len(plan.image_rows), model.config.hidden_size, device=device,
-                                         dtype=next(model.parameters()).dtype)
+                                         dtype=model.dtype)
                 dist.broadcast(embeddings, src=0, group=tp.group)
             runner.run_plan(plan, pool.layer_caches, embeddings)
         elif kind == "suspend":

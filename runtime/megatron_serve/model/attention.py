@@ -44,7 +44,7 @@ class ForwardContext:
     """
 
     metadata: AttentionMetadata
-    kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
+    kv_caches: list[tuple[torch.Tensor, ...]]  # per layer (k, v), or (k, v, k_scales, v_scales) when FP8
     multimodal: MultimodalStep | None = None
     routing: list[torch.Tensor] | None = None
 
@@ -62,17 +62,19 @@ class PagedAttention(nn.Module):
                 cos: torch.Tensor, sin: torch.Tensor, context: ForwardContext) -> torch.Tensor:
         """Rotate ``q``/``k`` by position, store ``k``/``v`` in the cache (one fused kernel), then attend."""
         meta = context.metadata
-        k_cache, v_cache = context.kv_caches[self.layer_index]
-        q, _ = self._rotate_and_store(q, k, v, positions, cos, sin, k_cache, v_cache, meta.slot_mapping)
+        k_cache, v_cache, *fp8_scales = context.kv_caches[self.layer_index]
+        scales = dict(zip(("k_scales", "v_scales"), fp8_scales))  # an FP8 cache's (see KVCachePool)
+        q, _ = self._rotate_and_store(q, k, v, positions, cos, sin, k_cache, v_cache, meta.slot_mapping, **scales)
         num_decode = meta.num_decode_tokens
         if num_decode == q.shape[0]:
-            return self._decode(q, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, self.scale)
+            return self._decode(q, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, self.scale,
+                                **scales)
         if num_decode == 0:
             return self._prefill(q, k_cache, v_cache, meta.prefill_block_tables, meta.prefill_query_start_loc,
-                                 meta.prefill_context_lens, self.scale)
+                                 meta.prefill_context_lens, self.scale, **scales)
         out = torch.empty_like(q)
         out[:num_decode] = self._decode(q[:num_decode], k_cache, v_cache, meta.decode_block_tables,
-                                        meta.decode_context_lens, self.scale)
+                                        meta.decode_context_lens, self.scale, **scales)
         out[num_decode:] = self._prefill(q[num_decode:], k_cache, v_cache, meta.prefill_block_tables,
-                                         meta.prefill_query_start_loc, meta.prefill_context_lens, self.scale)
+                                         meta.prefill_query_start_loc, meta.prefill_context_lens, self.scale, **scales)
         return out

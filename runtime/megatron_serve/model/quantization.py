@@ -31,8 +31,6 @@ from typing import Any
 from .errors import UnsupportedModelError
 
 ONLINE = "fp8"  # the --quantization value
-KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")  # vLLM's spellings; fp8 means e4m3
-QUANTIZATIONS = (ONLINE,)
 
 
 @dataclass(frozen=True)
