@@ -38,7 +38,7 @@ _MIN_SCALE = tl.constexpr(MIN_SCALE)
 _MAX_SPLIT_K = 16
 
 
-@triton.jit(do_not_specialize=["M"])
+@triton.jit(do_not_specialize=["M", "k_per_split", "stride_split"])
 def _weight_only_kernel(
     x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr,
     M, N, K, k_per_split,
