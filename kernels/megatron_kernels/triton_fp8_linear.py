@@ -39,20 +39,27 @@ _MAX_SPLIT_K = 16
 
 
 @triton.jit(do_not_specialize=["M", "k_per_split", "stride_split"])
-def _weight_only_kernel(
-    x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr,
+def _scaled_gemm_kernel(
+    a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, out_ptr,
     M, N, K, k_per_split,
-    stride_xm, stride_wn, stride_sn, stride_om, stride_split,
+    stride_am, stride_asm, stride_wn, stride_wsn, stride_om, stride_split,
     SCALE_BN: tl.constexpr,
     SCALE_BK: tl.constexpr,
     ROWWISE: tl.constexpr,
+    A_FP8: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     FP32_DOT: tl.constexpr,
 ):
-    """``out[split] = x[:, ks] @ (W[:, ks] * scale)^T`` over this program's share ``ks`` of K."""
+    """``out[split] = A[:, ks] @ (W[:, ks] * w_scale)^T`` over this program's share ``ks`` of K.
+
+    ``A_FP8``: A is e4m3 too, with its own scales (per row, or per ``SCALE_BK`` group of a row), and the
+    products run on FP8 tensor cores; else A is in the compute dtype and W is widened to it (weight-only).
+    ``ROWWISE``: one scale per weight row (and per A row), applied once at the end; else the scales of
+    the ``SCALE_BN`` x ``SCALE_BK`` block of each ``BLOCK_K`` step (BLOCK_K divides SCALE_BK).
+    """
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     split = tl.program_id(2)
@@ -64,21 +71,27 @@ def _weight_only_kernel(
     for k0 in range(k_start, k_end, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         k_mask = ks < k_end
-        x = tl.load(x_ptr + rows.to(tl.int64)[:, None] * stride_xm + ks[None, :],
+        a = tl.load(a_ptr + rows.to(tl.int64)[:, None] * stride_am + ks[None, :],
                     mask=row_mask[:, None] & k_mask[None, :], other=0.0)
         w = tl.load(w_ptr + cols.to(tl.int64)[:, None] * stride_wn + ks[None, :],
                     mask=col_mask[:, None] & k_mask[None, :], other=0.0)
-        if FP32_DOT:
-            part = tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
+        if A_FP8:
+            part = tl.dot(a, tl.trans(w))
+        elif FP32_DOT:
+            part = tl.dot(a.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
         else:
-            part = tl.dot(x, tl.trans(w.to(x.dtype)))
-        if ROWWISE:
-            acc += part
-        else:  # BLOCK_K divides SCALE_BK: one scale column per step
-            scale = tl.load(scale_ptr + (cols // SCALE_BN) * stride_sn + k0 // SCALE_BK, mask=col_mask, other=0.0)
-            acc += part * scale[None, :]
+            part = tl.dot(a, tl.trans(w.to(a.dtype)))
+        if not ROWWISE:
+            part = part * tl.load(w_scale_ptr + (cols // SCALE_BN) * stride_wsn + k0 // SCALE_BK, mask=col_mask,
+                                  other=0.0)[None, :]
+            if A_FP8:
+                part = part * tl.load(a_scale_ptr + rows * stride_asm + k0 // SCALE_BK, mask=row_mask,
+                                      other=0.0)[:, None]
+        acc += part
     if ROWWISE:
-        acc = acc * tl.load(scale_ptr + cols * stride_sn, mask=col_mask, other=0.0)[None, :]
+        acc = acc * tl.load(w_scale_ptr + cols * stride_wsn, mask=col_mask, other=0.0)[None, :]
+        if A_FP8:
+            acc = acc * tl.load(a_scale_ptr + rows * stride_asm, mask=row_mask, other=0.0)[:, None]
     if HAS_BIAS:
         acc += tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
     out = out_ptr + split * stride_split + rows.to(tl.int64)[:, None] * stride_om + cols[None, :]
@@ -108,53 +121,6 @@ def _quantize_rows_kernel(
         tl.store(scale_ptr + rows.to(tl.int64) * stride_sm + group, scale, mask=rows < M)
     q = to_e4m3(tl.clamp(x / scale[:, None], -_FP8_MAX, _FP8_MAX), SOFTWARE_ROUNDING)
     tl.store(out_ptr + rows.to(tl.int64)[:, None] * stride_om + cols[None, :], q, mask=mask)
-
-
-@triton.jit(do_not_specialize=["M"])
-def _fp8_gemm_kernel(
-    a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, out_ptr,
-    M, N, K,
-    stride_am, stride_asm, stride_wn, stride_wsn, stride_om,
-    SCALE_BN: tl.constexpr,
-    SCALE_BK: tl.constexpr,
-    ROWWISE: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-):
-    """``out = (A * a_scale) @ (W * w_scale)^T`` with both operands e4m3: FP8 products, float32 sums.
-
-    ``ROWWISE``: one scale per activation row and per weight row, applied once at the end; else
-    per ``SCALE_BK`` group of K on both sides (BLOCK_K divides it) and per ``SCALE_BN`` weight rows.
-    """
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_mask = rows < M
-    col_mask = cols < N
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        ks = k0 + tl.arange(0, BLOCK_K)
-        k_mask = ks < K
-        a = tl.load(a_ptr + rows.to(tl.int64)[:, None] * stride_am + ks[None, :],
-                    mask=row_mask[:, None] & k_mask[None, :], other=0.0)
-        w = tl.load(w_ptr + cols.to(tl.int64)[:, None] * stride_wn + ks[None, :],
-                    mask=col_mask[:, None] & k_mask[None, :], other=0.0)
-        part = tl.dot(a, tl.trans(w))
-        if ROWWISE:
-            acc += part
-        else:
-            a_scale = tl.load(a_scale_ptr + rows * stride_asm + k0 // SCALE_BK, mask=row_mask, other=0.0)
-            w_scale = tl.load(w_scale_ptr + (cols // SCALE_BN) * stride_wsn + k0 // SCALE_BK, mask=col_mask, other=0.0)
-            acc += part * a_scale[:, None] * w_scale[None, :]
-    if ROWWISE:
-        a_scale = tl.load(a_scale_ptr + rows * stride_asm, mask=row_mask, other=0.0)
-        w_scale = tl.load(w_scale_ptr + cols * stride_wsn, mask=col_mask, other=0.0)
-        acc = acc * a_scale[:, None] * w_scale[None, :]
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
-    tl.store(out_ptr + rows.to(tl.int64)[:, None] * stride_om + cols[None, :], acc.to(out_ptr.dtype.element_ty),
-             mask=row_mask[:, None] & col_mask[None, :])
 
 
 def _check(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, block: Block) -> None:
@@ -202,13 +168,14 @@ def fp8_linear_weight_only(x: torch.Tensor, weight: torch.Tensor, weight_scale: 
     k_per_split = triton.cdiv(triton.cdiv(k, split_k), block_k) * block_k
     split_k = triton.cdiv(k, k_per_split)
     target = out if split_k == 1 else torch.empty((split_k, m, n), dtype=torch.float32, device=x.device)
-    _weight_only_kernel[(triton.cdiv(m, block_m), triton.cdiv(n, block_n), split_k)](
-        x2, weight, weight_scale, bias if bias is not None and split_k == 1 else weight_scale, target,
+    _scaled_gemm_kernel[(triton.cdiv(m, block_m), triton.cdiv(n, block_n), split_k)](
+        x2, weight_scale, weight, weight_scale, bias if bias is not None and split_k == 1 else weight_scale, target,
         m, n, k, k_per_split,
-        x2.stride(0), weight.stride(0), weight_scale.stride(0), n, m * n,
+        x2.stride(0), 0, weight.stride(0), weight_scale.stride(0), n, m * n,
         SCALE_BN=1 if block is None else block[0],
         SCALE_BK=k if block is None else block[1],
         ROWWISE=block is None,
+        A_FP8=False,
         HAS_BIAS=bias is not None and split_k == 1,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
         FP32_DOT=cpu or x.dtype == torch.float32,
@@ -266,15 +233,17 @@ def fp8_linear_fp8_gemm(x: torch.Tensor, weight: torch.Tensor, weight_scale: tor
     block_m = min(max(next_pow2(m), 16), 64 if cpu else 128)
     block_n = min(next_pow2(n), 128)
     block_k = _k_step(k, block, 128)
-    _fp8_gemm_kernel[(triton.cdiv(m, block_m), triton.cdiv(n, block_n))](
+    _scaled_gemm_kernel[(triton.cdiv(m, block_m), triton.cdiv(n, block_n), 1)](
         a, a_scale, weight, weight_scale, bias if bias is not None else weight_scale, out,
-        m, n, k,
-        a.stride(0), a_scale.stride(0), weight.stride(0), weight_scale.stride(0), out.stride(0),
+        m, n, k, k,
+        a.stride(0), a_scale.stride(0), weight.stride(0), weight_scale.stride(0), out.stride(0), 0,
         SCALE_BN=1 if block is None else block[0],
         SCALE_BK=k if block is None else block[1],
         ROWWISE=block is None,
+        A_FP8=True,
         HAS_BIAS=bias is not None,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        FP32_DOT=False,
         num_warps=8 if block_m >= 128 else 4, num_stages=3 if not cpu else 1,
     )
     return out.view(*x.shape[:-1], n)

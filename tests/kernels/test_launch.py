@@ -24,9 +24,8 @@ PER_STEP_ARGUMENTS = [
     (triton_kv_cache._write_kv_kernel, {"n_tokens"}),
     (triton_rotary._rotary_kernel, {"n_tokens"}),
     (triton_moe._grouped_gemm_kernel, {"num_pairs"}),
-    (triton_fp8_linear._weight_only_kernel, {"M", "k_per_split", "stride_split"}),
+    (triton_fp8_linear._scaled_gemm_kernel, {"M", "k_per_split", "stride_split"}),
     (triton_fp8_linear._quantize_rows_kernel, {"M"}),
-    (triton_fp8_linear._fp8_gemm_kernel, {"M"}),
 ]
 
 
