@@ -179,8 +179,9 @@ def run_targets(shape_name: str, device: torch.device, workdir: Path, batches: t
         results.append((label, measured[("fp8", batch, "auto")] / measured[("None", batch, "auto")]))
     results.append(("decode b256 fp8 KV", measured[("None", batches[2], "fp8")] / measured[("None", batches[2], "auto")]))
     if serving_concurrency:
-        base = serving_tokens_per_s(model_dir, "--dtype bfloat16", serving_concurrency, new_tokens)
-        fast = serving_tokens_per_s(model_dir, "--dtype bfloat16 --quantization fp8 --kv-cache-dtype fp8",
+        base_args = f"--dtype bfloat16 --max-requests {serving_concurrency}"
+        base = serving_tokens_per_s(model_dir, base_args, serving_concurrency, new_tokens)
+        fast = serving_tokens_per_s(model_dir, f"{base_args} --quantization fp8 --kv-cache-dtype fp8",
                                     serving_concurrency, new_tokens)
         results.append(("serving c256", fast / base))
     return results

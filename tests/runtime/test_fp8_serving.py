@@ -159,3 +159,30 @@ def test_fp8_benchmark_smoke_prints_every_target():
     for label in ("decode b1", "decode b64", "decode b256 fp8 KV"):
         assert re.search(rf"{label}\s+\d+\.\d\d", result.stdout), result.stdout
     assert re.search(r"tiny\s+1\s+[\d.]+\s+[\d.]+", result.stdout), result.stdout
+
+
+@pytest.mark.parametrize(("flags", "quantization", "kv"), [
+    ([], None, "auto"),
+    (["--quantization", "fp8", "--kv-cache-dtype", "fp8"], "fp8", "fp8"),
+    (["--kv-cache-dtype", "fp8_e4m3"], None, "fp8"),  # vLLM's spelling of the same thing
+])
+def test_fp8_engine_options_reach_the_config_and_travel_to_fleet_processes(flags, quantization, kv):
+    import argparse
+
+    from megatron_serve.commands.engine_options import add_engine_options, inference_config_from_args
+    from megatron_serve.fleet_argv import inference_config_to_argv
+
+    parser = argparse.ArgumentParser()
+    add_engine_options(parser)
+    config = inference_config_from_args(parser.parse_args(flags))
+    assert (config.quantization, config.kv_cache_dtype) == (quantization, kv)
+    assert inference_config_from_args(parser.parse_args(inference_config_to_argv(config))).to_dict() == config.to_dict()
+
+
+@pytest.mark.parametrize(("field", "value", "message"), [
+    ("quantization", "int4", "quantization must be one of fp8"),
+    ("kv_cache_dtype", "fp8_e5m2", "kv_cache_dtype must be one of auto, fp8, fp8_e4m3"),
+])
+def test_unknown_fp8_settings_are_refused_naming_them(field, value, message):
+    with pytest.raises(ValueError, match=message):
+        InferenceConfig(**{field: value})
