@@ -32,9 +32,11 @@ FUSED_PROJECTIONS = {
     "gate_proj": ("gate_up_proj", "gate"),
     "up_proj": ("gate_up_proj", "up"),
 }
-# Tensors with no weight to load: rotary tables, and a checkpoint's per-tensor FP8 KV scales (the FP8 KV
-# cache keeps its own scale per token and head, which needs no calibration).
-IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "self_attn.k_scale", "self_attn.v_scale", ".kv_scale")
+# Tensors with no weight to load: rotary tables, and a checkpoint's per-tensor FP8 KV scales, as
+# compressed-tensors and AutoFP8 name them (the FP8 KV cache keeps its own scale per token and head,
+# which needs no calibration).
+IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "self_attn.k_scale", "self_attn.v_scale", ".kv_scale",
+                    "k_proj.output_scale", "v_proj.output_scale")
 # block-wise FP8 checkpoints' name of the scale (a multiplier, as compressed-tensors' ``weight_scale``)
 SCALE_ALIASES = {"weight_scale_inv": "weight_scale"}
 
