@@ -178,3 +178,26 @@ def test_fp8_data_in_a_layer_the_config_leaves_unquantized_is_refused(checkpoint
     (tmp_path / "edited" / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match="down_proj.weight: is FP8 but this layer is not quantized"):
         load_model(tmp_path / "edited", torch.float32, "cpu")
+
+
+def test_a_checkpoints_fp8_kv_scales_load_and_go_unused(checkpoints, tmp_path):
+    """An FP8 ``kv_cache_scheme`` and its per-tensor ``k_scale``/``v_scale`` load; the FP8 KV cache keeps its own
+    scales per token and head, so the tokens are those of the checkpoint without them."""
+    quantized = checkpoints["ct-FP8_DYNAMIC-qwen2"][0]
+    layers = json.loads((quantized / "config.json").read_text())["num_hidden_layers"]
+
+    def add_kv_scales(tensors):
+        for layer in range(layers):
+            for name in ("k_scale", "v_scale"):
+                tensors[f"model.layers.{layer}.self_attn.{name}"] = torch.tensor([0.05])
+
+    with_scales = _edited(quantized, tmp_path, add_kv_scales)
+    config = json.loads((with_scales / "config.json").read_text())
+    config["quantization_config"]["kv_cache_scheme"] = {"num_bits": 8, "type": "float", "strategy": "tensor",
+                                                        "dynamic": False, "symmetric": True}
+    (with_scales / "config.json").write_text(json.dumps(config))
+    assert _generate(with_scales, kv_cache_dtype="fp8")[2] == _generate(quantized, kv_cache_dtype="fp8")[2]
+    config["quantization_config"]["kv_cache_scheme"]["type"] = "int"
+    (with_scales / "config.json").write_text(json.dumps(config))
+    with pytest.raises(UnsupportedModelError, match="unsupported kv_cache_scheme \\(INT8\\)"):
+        load_model(with_scales, torch.float32, "cpu")
