@@ -211,7 +211,8 @@ def hf_decode_tokens_per_s(model_dir: Path, batches: list[int], prompt_len: int,
 
 
 def make_engine(model, shape: dict, batch: int, prompt_len: int, new_tokens: int, block_size: int,
-                device: torch.device, cuda_graphs: bool):
+                device: torch.device, cuda_graphs: bool, **config):
+    """An engine over ``model`` sized for ``batch`` requests; ``config``: more ``InferenceConfig`` fields."""
     from megatron_serve import InferenceConfig  # noqa: PLC0415
     from megatron_serve.engine import DynamicInferenceEngine  # noqa: PLC0415
     from megatron_serve.tokenizer import Tokenizer  # noqa: PLC0415
@@ -221,18 +222,18 @@ def make_engine(model, shape: dict, batch: int, prompt_len: int, new_tokens: int
     config = InferenceConfig(
         dtype=torch.bfloat16, device=str(device), block_size_tokens=block_size, num_kv_blocks=blocks,
         max_requests=batch, max_batch_tokens=max(2048, batch * prompt_len), max_sequence_length=total + 1,
-        enable_cuda_graphs=cuda_graphs,
+        enable_cuda_graphs=cuda_graphs, **config,
     )
     return DynamicInferenceEngine(model, Tokenizer(_NoText(), []), config)
 
 
 def engine_decode_tokens_per_s(model, shape: dict, batch: int, prompt_len: int, new_tokens: int, block_size: int,
-                               device: torch.device, cuda_graphs: bool) -> tuple[float, float]:
+                               device: torch.device, cuda_graphs: bool, **config) -> tuple[float, float]:
     """Steady-state decode tokens/s of ``engine.step()`` and the window's mean context length."""
     from megatron_serve import SamplingParams  # noqa: PLC0415
     from megatron_serve.request import DynamicInferenceRequest  # noqa: PLC0415
 
-    engine = make_engine(model, shape, batch, prompt_len, new_tokens, block_size, device, cuda_graphs)
+    engine = make_engine(model, shape, batch, prompt_len, new_tokens, block_size, device, cuda_graphs, **config)
     gen = torch.Generator().manual_seed(2)
 
     def submit(tag: str, n: int):

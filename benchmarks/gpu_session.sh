@@ -5,6 +5,7 @@
 #                                            # compile, parity (bf16, 1,000 cases), MoE and VLM tests natively
 #   bash benchmarks/gpu_session.sh serving   # issue 28's targets: served vs offline, 1B shape, c=64 and c=256
 #   bash benchmarks/gpu_session.sh bench     # decode roofline (1B), fused MoE, MoE/VLM throughput, weight sync
+#   bash benchmarks/gpu_session.sh fp8       # the FP8 tests natively, then benchmarks/fp8.py's tables (8B shape)
 #
 # The device image has torch, triton and transformers; packages it lacks travel as wheels in .whl
 # (`pip download --python-version 3.12 --only-binary=:all: -d .whl ...`) and install into /tmp/site. Each step has its own time limit, so one
@@ -58,5 +59,12 @@ case ${1:-tests} in
     step vlm 90 python3 benchmarks/vlm.py --requests 64
     step weight_sync 200 python3 benchmarks/weight_sync.py --bucket-mib 64 --rounds 2
     ;;
-  *) echo "usage: $0 tests|serving|bench" >&2; exit 2 ;;
+  fp8)
+    step pytest_fp8 300 python3 -m pytest -q -p no:cacheprovider --timeout 180 -rfE --durations 10 \
+      tests/kernels/test_fp8_kernels.py tests/runtime/test_fp8_checkpoints.py tests/runtime/test_fp8_serving.py
+    step fp8_gemm 120 python3 benchmarks/fp8.py gemm
+    step fp8_agreement 120 python3 benchmarks/fp8.py agreement
+    step fp8_targets 540 python3 benchmarks/fp8.py targets
+    ;;
+  *) echo "usage: $0 tests|serving|bench|fp8" >&2; exit 2 ;;
 esac

@@ -72,6 +72,37 @@ def sm_count(device: torch.device) -> int:
     return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
 
 
+@triton.jit
+def to_e4m3(x, SOFTWARE_ROUNDING: tl.constexpr):
+    """float32 ``x`` (already within +-448) as e4m3, rounded to nearest even.
+
+    ``SOFTWARE_ROUNDING`` (set under the interpreter): round onto the e4m3 grid in float32 first, so the
+    conversion itself is exact. The interpreter's conversion rounds half up and drops the carry of a
+    mantissa that rounds up to the next power of two (127.9 became 64, not 128: 36 of 12288 cached keys
+    in a test); GPUs convert with ``cvt.rn.satfinite``, which rounds correctly on its own.
+    """
+    if SOFTWARE_ROUNDING:
+        bits = x.to(tl.int32, bitcast=True)
+        exponent = tl.maximum(((bits >> 23) & 0xFF) - 127, -6)  # e4m3 subnormals share the step of 2^-6
+        step = ((exponent + 124) << 23).to(tl.float32, bitcast=True)  # 2^(exponent - 3): 3 mantissa bits
+        x = ((x / step + 12582912.0) - 12582912.0) * step  # 1.5 * 2^23: float32 addition rounds to even
+    return x.to(tl.float8e4nv)
+
+
+def fp8_native(device: torch.device) -> bool:
+    """Whether Triton's FP8 type (e4m3) works on ``device``: under the interpreter, and on CUDA GPUs of
+    compute capability 8.9 or later (Ada, Hopper and newer). Elsewhere FP8 data takes the reference path."""
+    if device.type != "cuda":
+        return True
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return _capability(index) >= (8, 9)
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
 def last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
     """``t`` itself when its last dimension has unit stride, else a contiguous copy."""
     return t if t.stride(-1) == 1 else t.contiguous()

@@ -22,6 +22,7 @@ OP_NAMES = (
     "paged_attention_decode",
     "paged_attention_prefill",
     "fused_moe",
+    "fp8_linear",
 )
 
 

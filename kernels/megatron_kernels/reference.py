@@ -9,12 +9,19 @@ Layout conventions shared with the kernels:
 * ``context_lens``: int32 ``[num_seqs]``, tokens in the cache for each sequence *including* the ones
   written this step. Prefill queries are the last ``q_len`` positions of their sequence.
 * Rotary embedding is the Hugging Face "rotate half" form, ``cos``/``sin`` of shape ``[positions, rotary_dim // 2]``.
+* An FP8 KV cache (``float8_e4m3fn``) comes with ``k_scales`` / ``v_scales`` ``[num_blocks, block_size,
+  num_kv_heads]`` float32, one per cache slot and head: the cached value is ``fp8 * scale``
+  (:mod:`megatron_kernels.fp8`). Without them the cache holds plain values.
+* FP8 weights: ``weight`` ``[N, K]`` ``float8_e4m3fn`` and float32 ``weight_scale`` per row (``block=None``)
+  or per ``block`` tile (:mod:`megatron_kernels.fp8`).
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from .fp8 import Block, dequantize, quantize_heads
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -56,15 +63,20 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 
 
 def write_kv_cache(
-    key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+    key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+    *, k_scales: torch.Tensor | None = None, v_scales: torch.Tensor | None = None,
 ) -> None:
-    """Scatter this step's keys/values ``[T, Hkv, D]`` into their cache slots (in place)."""
+    """Scatter this step's keys/values ``[T, Hkv, D]`` into their cache slots (in place); into an FP8
+    cache quantized, one scale per token and head."""
     valid = slot_mapping >= 0
     if not bool(valid.all()):
         key, value, slot_mapping = key[valid], value[valid], slot_mapping[valid]
     num_blocks, block_size = k_cache.shape[:2]
-    k_cache.view(num_blocks * block_size, *k_cache.shape[2:])[slot_mapping] = key.to(k_cache.dtype)
-    v_cache.view(num_blocks * block_size, *v_cache.shape[2:])[slot_mapping] = value.to(v_cache.dtype)
+    for x, cache, scales in ((key, k_cache, k_scales), (value, v_cache, v_scales)):
+        if scales is not None:
+            x, slot_scales = quantize_heads(x)
+            scales.view(num_blocks * block_size, scales.shape[2])[slot_mapping] = slot_scales
+        cache.view(num_blocks * block_size, *cache.shape[2:])[slot_mapping] = x.to(cache.dtype)
 
 
 def apply_rotary_write_kv_cache(
@@ -77,19 +89,25 @@ def apply_rotary_write_kv_cache(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    *,
+    k_scales: torch.Tensor | None = None,
+    v_scales: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``apply_rotary`` then ``write_kv_cache`` of the rotated keys and ``v``; returns the rotated ``(q, k)``."""
     q, k = apply_rotary(q, k, positions, cos, sin)
-    write_kv_cache(k, v, k_cache, v_cache, slot_mapping)
+    write_kv_cache(k, v, k_cache, v_cache, slot_mapping, k_scales=k_scales, v_scales=v_scales)
     return q, k
 
 
 def _gather_sequence_kv(
-    cache: torch.Tensor, block_tables: torch.Tensor, num_blocks: int
+    cache: torch.Tensor, block_tables: torch.Tensor, num_blocks: int, scales: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """``[S, num_blocks * block_size, Hkv, D]``: the first ``num_blocks`` blocks of each sequence, contiguous."""
+    """``[S, num_blocks * block_size, Hkv, D]``: the first ``num_blocks`` blocks of each sequence, contiguous
+    (float32, dequantized, from an FP8 cache)."""
     table = block_tables[:, :num_blocks].long().clamp_min(0)
     gathered = cache[table]  # [S, nb, bs, Hkv, D]
+    if scales is not None:
+        gathered = gathered.float() * scales[table].unsqueeze(-1)
     return gathered.flatten(1, 2)
 
 
@@ -102,6 +120,8 @@ def paged_attention_decode(
     scale: float,
     *,
     out: torch.Tensor | None = None,
+    k_scales: torch.Tensor | None = None,
+    v_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One query token per sequence (``q`` ``[S, Hq, D]``) attending to its whole cached context.
 
@@ -112,8 +132,8 @@ def paged_attention_decode(
     block_size = k_cache.shape[1]
     max_len = int(context_lens.max())
     num_blocks = -(-max_len // block_size)
-    keys = _gather_sequence_kv(k_cache, block_tables, num_blocks).transpose(1, 2)  # [S, Hkv, L, D]
-    values = _gather_sequence_kv(v_cache, block_tables, num_blocks).transpose(1, 2)
+    keys = _gather_sequence_kv(k_cache, block_tables, num_blocks, k_scales).transpose(1, 2)  # [S, Hkv, L, D]
+    values = _gather_sequence_kv(v_cache, block_tables, num_blocks, v_scales).transpose(1, 2)
     positions = torch.arange(keys.shape[2], device=q.device)
     mask = (positions[None, :] < context_lens[:, None].to(q.device))[:, None, None, :]  # [S, 1, 1, L]
     attended = F.scaled_dot_product_attention(
@@ -136,6 +156,8 @@ def paged_attention_prefill(
     scale: float,
     *,
     out: torch.Tensor | None = None,
+    k_scales: torch.Tensor | None = None,
+    v_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention for packed query chunks (``q`` ``[T, Hq, D]``) over their cached prefixes.
 
@@ -152,8 +174,8 @@ def paged_attention_prefill(
         if q_len == 0:
             continue
         num_blocks = -(-context_len // block_size)
-        keys = _gather_sequence_kv(k_cache, block_tables[i : i + 1], num_blocks)[0, :context_len]
-        values = _gather_sequence_kv(v_cache, block_tables[i : i + 1], num_blocks)[0, :context_len]
+        keys = _gather_sequence_kv(k_cache, block_tables[i : i + 1], num_blocks, k_scales)[0, :context_len]
+        values = _gather_sequence_kv(v_cache, block_tables[i : i + 1], num_blocks, v_scales)[0, :context_len]
         query_pos = torch.arange(context_len - q_len, context_len, device=q.device)
         key_pos = torch.arange(context_len, device=q.device)
         mask = key_pos[None, :] <= query_pos[:, None]
@@ -171,6 +193,10 @@ def fused_moe(
     w2: torch.Tensor,
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
+    *,
+    w13_scale: torch.Tensor | None = None,
+    w2_scale: torch.Tensor | None = None,
+    block: Block = None,
 ) -> torch.Tensor:
     """Mixture-of-experts SwiGLU MLP: every token through its ``k`` experts, outputs summed by router weight.
 
@@ -179,6 +205,8 @@ def fused_moe(
     The ``T * k`` (token, expert) pairs are sorted by expert, so each expert's rows go through one
     matmul per projection; experts that received no token cost nothing. Each expert's output is
     rounded to the input dtype, then weighted and summed over ``k`` in float32.
+    FP8 experts (``w13_scale``/``w2_scale`` ``[E, ...]`` given) are dequantized to the input dtype one expert
+    at a time (``block``: see :mod:`megatron_kernels.fp8`).
     """
     num_tokens, top_k = topk_ids.shape
     flat = topk_ids.reshape(-1)
@@ -190,8 +218,28 @@ def fused_moe(
     for expert, count in enumerate(counts):
         if count:
             end = start + count
-            activated = silu_and_mul(F.linear(rows[start:end], w13[expert]))
-            out[order[start:end]] = F.linear(activated, w2[expert])
+            gate_up, down = w13[expert], w2[expert]
+            if w13_scale is not None:
+                gate_up = dequantize(gate_up, w13_scale[expert], block, hidden.dtype)
+                down = dequantize(down, w2_scale[expert], block, hidden.dtype)
+            activated = silu_and_mul(F.linear(rows[start:end], gate_up))
+            out[order[start:end]] = F.linear(activated, down)
             start = end
     weighted = out.float().view(num_tokens, top_k, hidden.shape[1]) * topk_weights.float().unsqueeze(-1)
     return weighted.sum(1).to(hidden.dtype)
+
+
+def fp8_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    block: Block,
+    bias: torch.Tensor | None = None,
+    input_scale: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``x @ W^T + bias`` for an FP8 weight, on devices without FP8 matrix units: the weight is dequantized
+    to ``x``'s dtype and the activations stay unquantized (``input_scale``, a checkpoint's static
+    activation scale, only matters where activations are quantized). This gives exactly the engine's
+    output on the dequantized weights.
+    """
+    return F.linear(x, dequantize(weight, weight_scale, block, x.dtype), bias)

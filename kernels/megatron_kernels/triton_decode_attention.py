@@ -5,6 +5,10 @@ the rows of one ``tl.dot`` (padded to 16), so each K/V tile is read once for the
 covers an equal share of its own sequence's context, so the grid depends on shapes only (no host sync,
 CUDA-graph friendly). With more than one split, partial outputs and their log-sum-exp are combined by a
 second small kernel.
+
+An FP8 cache (``KV_FP8``) is read as e4m3 and widened in registers; each key's scale multiplies its
+column of ``q @ K^T`` and each value's scale its column of ``P`` before ``P @ V``, which is exactly
+attention over the dequantized cache at half the bytes read.
 """
 
 from __future__ import annotations
@@ -13,7 +17,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ._triton_utils import interpreted, next_pow2, sm_count
+from . import reference
+from ._triton_utils import fp8_native, interpreted, next_pow2, sm_count
+from .triton_kv_cache import check_cache, scale_strides
 
 _LOG2E = 1.4426950408889634
 _MIN_TOKENS_PER_SPLIT = 256
@@ -23,13 +29,14 @@ _MAX_SPLITS = 32
 @triton.jit(do_not_specialize=["stride_bt"])
 def _decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr,
-    out_ptr, part_out_ptr, part_lse_ptr,
+    out_ptr, part_out_ptr, part_lse_ptr, k_scale_ptr, v_scale_ptr,
     qk_scale,
     stride_qs, stride_qh,
     stride_kb, stride_ko, stride_kh,
     stride_vb, stride_vo, stride_vh,
     stride_bt,
     stride_os, stride_oh,
+    stride_sb, stride_so,
     GROUP: tl.constexpr,
     BLOCK_G: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -38,6 +45,7 @@ def _decode_kernel(
     BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     FP32_DOT: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -80,18 +88,25 @@ def _decode_kernel(
             k = k.to(tl.float32)
             s = tl.dot(q, tl.trans(k), input_precision="ieee")
         else:
-            s = tl.dot(q, tl.trans(k))
-        s = tl.where(n_mask[None, :], s * qk_scale, float("-inf"))
+            s = tl.dot(q, tl.trans(k.to(q.dtype)))
+        s = s * qk_scale
+        if KV_FP8:
+            slot_scales = block * stride_sb + offset * stride_so + kv_head
+            s = s * tl.load(k_scale_ptr + slot_scales, mask=n_mask, other=0.0)[None, :]
+        s = tl.where(n_mask[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))  # finite: every tile has a valid column
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
         v = tl.load(v_base + (block * stride_vb + offset * stride_vo)[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        pv = p
+        if KV_FP8:
+            pv = p * tl.load(v_scale_ptr + slot_scales, mask=n_mask, other=0.0)[None, :]
         if FP32_DOT:
             v = v.to(tl.float32)
-            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+            acc = acc * alpha[:, None] + tl.dot(pv, v, input_precision="ieee")
         else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            acc = acc * alpha[:, None] + tl.dot(pv.to(q.dtype), v.to(q.dtype))
         m_i = m_new
 
     nonempty = l_i > 0.0
@@ -157,6 +172,8 @@ def paged_attention_decode(
     context_lens: torch.Tensor,
     scale: float,
     *,
+    k_scales: torch.Tensor | None = None,
+    v_scales: torch.Tensor | None = None,
     num_splits: int | None = None,
     block_n: int | None = None,
     out: torch.Tensor | None = None,
@@ -166,14 +183,16 @@ def paged_attention_decode(
     ``num_splits`` / ``block_n`` override the launch heuristics (tests use them to cover split-K);
     ``out``: where to write the result (rows of a persistent buffer), a new tensor when None.
     """
+    check_cache(k_cache, v_cache, k_scales, v_scales)
+    if k_scales is not None and not fp8_native(q.device):
+        return reference.paged_attention_decode(q, k_cache, v_cache, block_tables, context_lens, scale,
+                                                k_scales=k_scales, v_scales=v_scales)
     num_seqs, num_q_heads, head_dim = q.shape
     _, block_size, num_kv_heads, cache_head_dim = k_cache.shape
     if cache_head_dim != head_dim or num_q_heads % num_kv_heads:
         raise ValueError(f"q {tuple(q.shape)} does not fit cache {tuple(k_cache.shape)}")
     if q.stride(-1) != 1:
         q = q.contiguous()
-    if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
-        raise ValueError("KV cache head_dim must be contiguous")
     block_tables = block_tables if block_tables.stride(-1) == 1 else block_tables.contiguous()
     context_lens = context_lens.contiguous()
     if out is None:
@@ -195,15 +214,17 @@ def paged_attention_decode(
         part_lse = torch.empty((num_seqs, num_q_heads, num_splits), dtype=torch.float32, device=q.device)
     else:
         part_out = part_lse = out  # unused
+    fp8 = k_scales is not None
     _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, context_lens,
-        out, part_out, part_lse,
+        out, part_out, part_lse, k_scales if fp8 else out, v_scales if fp8 else out,
         float(scale) * _LOG2E,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_tables.stride(0),
         out.stride(0), out.stride(1),
+        *scale_strides(k_scales),
         GROUP=group,
         BLOCK_G=max(16, next_pow2(group)),
         HEAD_DIM=head_dim,
@@ -212,6 +233,7 @@ def paged_attention_decode(
         BLOCK_N=block_n,
         NUM_SPLITS=num_splits,
         FP32_DOT=cpu or q.dtype == torch.float32,
+        KV_FP8=fp8,
         num_warps=4,
         num_stages=2,
     )

@@ -13,6 +13,11 @@ step that contains it can be captured in a CUDA graph). Every program of the gro
 Padding rows carry the sentinel id ``T * k``: they load zeros and store nothing. The grid is sized
 by the shape-only bound ``T * k + min(E, T * k) * (BLOCK_M - 1)`` rows; blocks past the real end
 belong to expert -1 and return at once. There is no loop over experts anywhere.
+
+FP8 experts (``w13_scale``/``w2_scale`` given) are read as e4m3 and widened in registers, their scales
+applied to the products per ``BLOCK_K`` step (block-wise) or once per output column (per row); the
+activations stay unquantized, as in the dense weight-only GEMM: a decode step's expert GEMMs are
+bound by the weight bytes, which FP8 halves.
 """
 
 from __future__ import annotations
@@ -21,15 +26,17 @@ import torch
 import triton
 import triton.language as tl
 
-from ._triton_utils import interpreted, next_pow2
+from . import reference
+from ._triton_utils import fp8_native, interpreted, next_pow2
+from .fp8 import Block
 from .triton_activation import silu_and_mul
 
 
 @triton.jit(do_not_specialize=["num_pairs"])
 def _grouped_gemm_kernel(
-    a_ptr, b_ptr, c_ptr, weights_ptr, sorted_ids_ptr, block_experts_ptr,
+    a_ptr, b_ptr, c_ptr, weights_ptr, sorted_ids_ptr, block_experts_ptr, b_scale_ptr,
     num_pairs, N, K,
-    stride_am, stride_be, stride_bn, stride_bk, stride_cm,
+    stride_am, stride_be, stride_bn, stride_bk, stride_cm, stride_bse, stride_bsn,
     TOP_K: tl.constexpr,
     GATHER_A: tl.constexpr,
     SCATTER_C: tl.constexpr,
@@ -37,6 +44,9 @@ def _grouped_gemm_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     FP32_DOT: tl.constexpr,
+    B_FP8: tl.constexpr,
+    SCALE_BN: tl.constexpr,
+    SCALE_BK: tl.constexpr,
 ):
     """``C[rows] = A[rows] @ B[expert]^T`` for one block of sorted (token, expert) pairs.
 
@@ -57,6 +67,7 @@ def _grouped_gemm_kernel(
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_mask = cols < N
     b_base = b_ptr + expert.to(tl.int64) * stride_be
+    scale_base = b_scale_ptr + expert.to(tl.int64) * stride_bse + (cols // SCALE_BN) * stride_bsn
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
@@ -66,9 +77,14 @@ def _grouped_gemm_kernel(
         b = tl.load(b_base + ks[:, None] * stride_bk + cols[None, :] * stride_bn,
                     mask=k_mask[:, None] & col_mask[None, :], other=0.0)
         if FP32_DOT:
-            acc += tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+            part = tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
         else:
-            acc += tl.dot(a, b)
+            part = tl.dot(a, b.to(a.dtype))
+        if B_FP8 and SCALE_BK < K:  # block-wise scales: BLOCK_K divides SCALE_BK, one scale column per step
+            part = part * tl.load(scale_base + k0 // SCALE_BK, mask=col_mask, other=0.0)[None, :]
+        acc += part
+    if B_FP8 and SCALE_BK >= K:  # one scale per output row of the expert's weight
+        acc = acc * tl.load(scale_base, mask=col_mask, other=0.0)[None, :]
     if SCATTER_C:
         acc = acc * tl.load(weights_ptr + ids, mask=valid, other=0.0)[:, None]
         c_rows = ids.to(tl.int64)
@@ -105,30 +121,42 @@ def align_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int
     return sorted_ids, block_experts
 
 
-def _tiles(x: torch.Tensor, pairs: int, num_experts: int, n: int, k: int) -> tuple[int, int, int]:
+def _tiles(x: torch.Tensor, pairs: int, num_experts: int, n: int, k: int, block: Block = None
+           ) -> tuple[int, int, int]:
     """``(BLOCK_M, BLOCK_N, BLOCK_K)``: whole-width tiles under the interpreter, register-sized ones on a GPU.
 
     On a GPU a block holds one expert's rows: with few rows per expert (decode) larger blocks are
-    mostly padding, so 16 rows; prefill batches fill 64-row blocks.
+    mostly padding, so 16 rows; prefill batches fill 64-row blocks. Block-wise FP8 scales need a
+    ``BLOCK_K`` that divides the scale block's K.
     """
     if interpreted(x):
-        return 16, min(next_pow2(n), 256), min(next_pow2(k), 128)
-    block_m = 16 if pairs <= 4 * num_experts else 64
-    return block_m, 64 if x.dtype == torch.float32 else 128, 32 if x.dtype == torch.float32 else 64
+        block_m, block_n, block_k = 16, min(next_pow2(n), 256), min(next_pow2(k), 128)
+    else:
+        block_m = 16 if pairs <= 4 * num_experts else 64
+        block_n, block_k = (64, 32) if x.dtype == torch.float32 else (128, 64)
+    while block is not None and block[1] % block_k:
+        block_k //= 2
+    return block_m, block_n, block_k
 
 
 def _grouped_gemm(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, weights: torch.Tensor,
                   sorted_ids: torch.Tensor, block_experts: torch.Tensor, num_pairs: int, top_k: int,
-                  gather_a: bool, scatter_c: bool, block_m: int, block_n: int, block_k: int) -> None:
+                  gather_a: bool, scatter_c: bool, block_m: int, block_n: int, block_k: int,
+                  b_scale: torch.Tensor | None = None, block: Block = None) -> None:
     n, k = b.shape[1], b.shape[2]
     grid = (block_experts.shape[0], triton.cdiv(n, block_n))
+    fp8 = b_scale is not None
     _grouped_gemm_kernel[grid](
-        a, b, c, weights, sorted_ids, block_experts,
+        a, b, c, weights, sorted_ids, block_experts, b_scale if fp8 else weights,
         num_pairs, n, k,
         a.stride(0), b.stride(0), b.stride(1), b.stride(2), c.stride(0),
+        b_scale.stride(0) if fp8 else 0, b_scale.stride(1) if fp8 else 0,
         TOP_K=top_k, GATHER_A=gather_a, SCATTER_C=scatter_c,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
         FP32_DOT=interpreted(a) or a.dtype == torch.float32,
+        B_FP8=fp8,
+        SCALE_BN=1 if block is None else block[0],
+        SCALE_BK=k if block is None else block[1],
         num_warps=4, num_stages=2 if a.dtype == torch.float32 else 3,
     )
 
@@ -139,8 +167,15 @@ def fused_moe(
     w2: torch.Tensor,
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
+    *,
+    w13_scale: torch.Tensor | None = None,
+    w2_scale: torch.Tensor | None = None,
+    block: Block = None,
 ) -> torch.Tensor:
     """Triton twin of :func:`megatron_kernels.reference.fused_moe`."""
+    if w13_scale is not None and not fp8_native(hidden.device):
+        return reference.fused_moe(hidden, w13, w2, topk_weights, topk_ids, w13_scale=w13_scale, w2_scale=w2_scale,
+                                   block=block)
     num_tokens, hidden_size = hidden.shape
     num_experts, two_i, w13_k = w13.shape
     if w13_k != hidden_size or w2.shape != (num_experts, hidden_size, two_i // 2) or two_i % 2:
@@ -157,16 +192,18 @@ def fused_moe(
     w13 = w13 if w13.stride(-1) == 1 else w13.contiguous()
     w2 = w2 if w2.stride(-1) == 1 else w2.contiguous()
     weights = topk_weights.reshape(-1).to(torch.float32).contiguous()
-    block_m, block_n, block_k = _tiles(hidden, pairs, num_experts, two_i, hidden_size)
+    block_m, block_n, block_k = _tiles(hidden, pairs, num_experts, two_i, hidden_size, block)
     sorted_ids, block_experts = align_by_expert(topk_ids, num_experts, block_m)
     # Padding rows are never read; zeroed under the interpreter, whose numpy warns about garbage NaNs.
     gate_up = (torch.zeros if interpreted(hidden) else torch.empty)(
         (sorted_ids.shape[0], two_i), dtype=hidden.dtype, device=hidden.device)
     _grouped_gemm(hidden, w13, gate_up, weights, sorted_ids, block_experts, pairs, top_k,
-                  gather_a=True, scatter_c=False, block_m=block_m, block_n=block_n, block_k=block_k)
+                  gather_a=True, scatter_c=False, block_m=block_m, block_n=block_n, block_k=block_k,
+                  b_scale=w13_scale, block=block)
     activated = silu_and_mul(gate_up)
-    _, block_n, block_k = _tiles(hidden, pairs, num_experts, hidden_size, two_i // 2)
+    _, block_n, block_k = _tiles(hidden, pairs, num_experts, hidden_size, two_i // 2, block)
     out = torch.empty((pairs, hidden_size), dtype=torch.float32, device=hidden.device)
     _grouped_gemm(activated, w2, out, weights, sorted_ids, block_experts, pairs, top_k,
-                  gather_a=False, scatter_c=True, block_m=block_m, block_n=block_n, block_k=block_k)
+                  gather_a=False, scatter_c=True, block_m=block_m, block_n=block_n, block_k=block_k,
+                  b_scale=w2_scale, block=block)
     return out.view(num_tokens, top_k, hidden_size).sum(1).to(hidden.dtype)

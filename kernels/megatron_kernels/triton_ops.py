@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from .triton_activation import silu_and_mul
 from .triton_decode_attention import paged_attention_decode
+from .triton_fp8_linear import fp8_linear
 from .triton_kv_cache import write_kv_cache
 from .triton_moe import fused_moe
 from .triton_norm import fused_add_rms_norm, rms_norm
@@ -18,6 +19,7 @@ from .triton_rotary import apply_rotary, apply_rotary_write_kv_cache
 __all__ = [
     "apply_rotary",
     "apply_rotary_write_kv_cache",
+    "fp8_linear",
     "fused_add_rms_norm",
     "fused_moe",
     "paged_attention_decode",

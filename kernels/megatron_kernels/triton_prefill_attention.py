@@ -6,7 +6,8 @@ one tile of ``BLOCK_Q`` queries of one sequence times the ``GROUP`` query heads 
 tile's rows are (query, head) pairs, so each K/V tile is read once for the whole GQA group. Programs
 find their sequence by binary search over ``query_start_loc``; the grid is a shape-only upper bound
 (``num_tokens // BLOCK_Q + num_seqs`` tiles), so no host sync is needed. Key tiles below the tile's
-first query position skip the causal mask; only the diagonal tiles apply it.
+first query position skip the causal mask; only the diagonal tiles apply it. An FP8 cache is read as
+the decode kernel reads it (per-key scales on the columns of ``q @ K^T`` and of ``P``).
 """
 
 from __future__ import annotations
@@ -15,7 +16,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ._triton_utils import interpreted, next_pow2
+from . import reference
+from ._triton_utils import fp8_native, interpreted, next_pow2
+from .triton_kv_cache import check_cache, scale_strides
 
 _LOG2E = 1.4426950408889634
 
@@ -24,10 +27,12 @@ _LOG2E = 1.4426950408889634
 def _attend(
     acc, l_i, m_i, q, q_pos, k_base, v_base, table, lo, hi, qk_scale,
     d, d_mask, stride_kb, stride_ko, stride_vb, stride_vo,
+    k_scale_base, v_scale_base, stride_sb, stride_so,
     BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     CAUSAL_MASK: tl.constexpr,
     FP32_DOT: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
     """Online-softmax accumulation over keys ``[lo, hi)``."""
     for n0 in range(lo, hi, BLOCK_N):
@@ -40,8 +45,11 @@ def _attend(
         if FP32_DOT:
             s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
         else:
-            s = tl.dot(q, tl.trans(k))
+            s = tl.dot(q, tl.trans(k.to(q.dtype)))
         s = s * qk_scale
+        if KV_FP8:
+            slot_scales = block * stride_sb + offset * stride_so
+            s = s * tl.load(k_scale_base + slot_scales, mask=n_mask, other=0.0)[None, :]
         if CAUSAL_MASK:
             s = tl.where(n_mask[None, :] & (n[None, :] <= q_pos[:, None]), s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))  # finite: key 0 precedes every query, tiles go in order
@@ -49,10 +57,13 @@ def _attend(
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
         v = tl.load(v_base + (block * stride_vb + offset * stride_vo)[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        pv = p
+        if KV_FP8:
+            pv = p * tl.load(v_scale_base + slot_scales, mask=n_mask, other=0.0)[None, :]
         if FP32_DOT:
-            acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
+            acc = acc * alpha[:, None] + tl.dot(pv, v.to(tl.float32), input_precision="ieee")
         else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            acc = acc * alpha[:, None] + tl.dot(pv.to(q.dtype), v.to(q.dtype))
         m_i = m_new
     return acc, l_i, m_i
 
@@ -60,12 +71,14 @@ def _attend(
 @triton.jit(do_not_specialize=["num_seqs", "search_steps", "stride_bt"])
 def _prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, query_start_loc_ptr, context_lens_ptr, out_ptr,
+    k_scale_ptr, v_scale_ptr,
     qk_scale, num_seqs, search_steps,
     stride_qt, stride_qh,
     stride_kb, stride_ko, stride_kh,
     stride_vb, stride_vo, stride_vh,
     stride_bt,
     stride_ot, stride_oh,
+    stride_sb, stride_so,
     GROUP: tl.constexpr,
     BLOCK_G: tl.constexpr,
     BLOCK_Q: tl.constexpr,
@@ -74,6 +87,7 @@ def _prefill_kernel(
     BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     FP32_DOT: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -120,13 +134,17 @@ def _prefill_kernel(
     # Keys at or before the tile's first query are visible to every row: no causal mask there.
     full_hi = ((first_pos + 1) // BLOCK_N) * BLOCK_N
     kv_hi = tl.minimum(context_len, first_pos + BLOCK_Q)
+    k_scale_base = k_scale_ptr + kv_head
+    v_scale_base = v_scale_ptr + kv_head
     acc, l_i, m_i = _attend(
         acc, l_i, m_i, q, q_pos, k_base, v_base, table, 0, full_hi, qk_scale,
-        d, d_mask, stride_kb, stride_ko, stride_vb, stride_vo, BLOCK_SIZE, BLOCK_N, False, FP32_DOT,
+        d, d_mask, stride_kb, stride_ko, stride_vb, stride_vo, k_scale_base, v_scale_base, stride_sb, stride_so,
+        BLOCK_SIZE, BLOCK_N, False, FP32_DOT, KV_FP8,
     )
     acc, l_i, m_i = _attend(
         acc, l_i, m_i, q, q_pos, k_base, v_base, table, full_hi, kv_hi, qk_scale,
-        d, d_mask, stride_kb, stride_ko, stride_vb, stride_vo, BLOCK_SIZE, BLOCK_N, True, FP32_DOT,
+        d, d_mask, stride_kb, stride_ko, stride_vb, stride_vo, k_scale_base, v_scale_base, stride_sb, stride_so,
+        BLOCK_SIZE, BLOCK_N, True, FP32_DOT, KV_FP8,
     )
     out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
     tl.store(out_ptr + tok[:, None] * stride_ot + heads[:, None] * stride_oh + d[None, :],
@@ -142,6 +160,8 @@ def paged_attention_prefill(
     context_lens: torch.Tensor,
     scale: float,
     *,
+    k_scales: torch.Tensor | None = None,
+    v_scales: torch.Tensor | None = None,
     block_m: int | None = None,
     block_n: int | None = None,
     out: torch.Tensor | None = None,
@@ -151,12 +171,14 @@ def paged_attention_prefill(
     ``block_m`` (rows = queries x padded group heads) and ``block_n`` (keys) override the tile heuristics;
     ``out``: where to write the result (rows of a persistent buffer), a new tensor when None.
     """
+    check_cache(k_cache, v_cache, k_scales, v_scales)
+    if k_scales is not None and not fp8_native(q.device):
+        return reference.paged_attention_prefill(q, k_cache, v_cache, block_tables, query_start_loc, context_lens,
+                                                 scale, k_scales=k_scales, v_scales=v_scales)
     num_tokens, num_q_heads, head_dim = q.shape
     _, block_size, num_kv_heads, cache_head_dim = k_cache.shape
     if cache_head_dim != head_dim or num_q_heads % num_kv_heads:
         raise ValueError(f"q {tuple(q.shape)} does not fit cache {tuple(k_cache.shape)}")
-    if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
-        raise ValueError("KV cache head_dim must be contiguous")
     if q.stride(-1) != 1:
         q = q.contiguous()
     block_tables = block_tables if block_tables.stride(-1) == 1 else block_tables.contiguous()
@@ -181,14 +203,17 @@ def paged_attention_prefill(
     block_m = max(block_m, block_g, 16)
     block_q = block_m // block_g
     num_tiles = num_tokens // block_q + num_seqs
+    fp8 = k_scales is not None
     _prefill_kernel[(num_tiles, num_kv_heads)](
         q, k_cache, v_cache, block_tables, query_start_loc, context_lens, out,
+        k_scales if fp8 else out, v_scales if fp8 else out,
         float(scale) * _LOG2E, num_seqs, max(num_seqs - 1, 1).bit_length(),
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_tables.stride(0),
         out.stride(0), out.stride(1),
+        *scale_strides(k_scales),
         GROUP=group,
         BLOCK_G=block_g,
         BLOCK_Q=block_q,
@@ -197,6 +222,7 @@ def paged_attention_prefill(
         BLOCK_SIZE=block_size,
         BLOCK_N=block_n,
         FP32_DOT=cpu or q.dtype == torch.float32,
+        KV_FP8=fp8,
         num_warps=8 if block_m >= 128 and not cpu else 4,
         num_stages=1 if q.dtype == torch.float32 else 2,  # fp32 tiles would need twice the shared memory
     )

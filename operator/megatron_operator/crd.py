@@ -31,6 +31,8 @@ PAUSE_MODES = ["Keep", "Wait", "Abort"]  # megatron_serve.lifecycle.PauseMode, n
 PHASES = ["Pending", "Progressing", "Ready", "Paused", "Suspended", "Shutdown", "Degraded", "Failed"]
 DTYPES = ["bfloat16", "float16", "float32"]
 ROUTINGS = ["least_loaded", "round_robin", "prefix_affinity"]
+QUANTIZATIONS = ["none", "fp8"]  # the engine's --quantization (none: the checkpoint as it is)
+KV_CACHE_DTYPES = ["auto", "fp8"]  # the engine's --kv-cache-dtype
 CONDITION_TYPES = ["Ready", "CoordinatorReady", "EnginesReady", "LifecycleSynced", "SpecValid"]
 
 COORDINATOR_PORT = 5555
@@ -232,6 +234,13 @@ def spec_schema() -> dict[str, Any]:
             "maxBatchTokens": _int("Token budget of one engine step.", minimum=1),
             "cudaGraphs": {"type": "boolean", "default": True,
                            "description": "Replay decode steps from CUDA graphs (false: every step runs eagerly)."},
+            "quantization": _str("fp8: quantize a bf16 checkpoint's linear layers to FP8 when the engines load it "
+                                 "(one scale per output row, activations per token; about half the weight memory). "
+                                 "FP8 checkpoints (compressed-tensors, block-wise fp8) are served as FP8 without it. "
+                                 "Changing it rolls the engine pods.", enum=list(QUANTIZATIONS), default="none"),
+            "kvCacheDtype": _str("fp8: KV cache in e4m3 with a scale per token and KV head, about twice the tokens "
+                                 "in the same memory; auto: the model dtype. Changing it rolls the engine pods.",
+                                 enum=list(KV_CACHE_DTYPES), default="auto"),
             "resources": _resources("CPU/memory for each engine pod; nvidia.com/gpu is set by the operator."),
             "nodeSelector": {"type": "object", "description": "Node selector for engine pods.",
                              "additionalProperties": {"type": "string"}},

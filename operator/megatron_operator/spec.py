@@ -208,6 +208,8 @@ class InferenceSpec:
     prefix_caching: bool
     max_batch_tokens: int | None
     cuda_graphs: bool
+    quantization: str  # none or fp8
+    kv_cache_dtype: str  # auto or fp8
     engine_resources: dict[str, Any]
     node_selector: dict[str, str]
     tolerations: list[dict[str, Any]]
@@ -277,6 +279,8 @@ def parse(resource: dict[str, Any], default_namespace: str = "default") -> Infer
         prefix_caching=kv["prefixCaching"],
         max_batch_tokens=engine.get("maxBatchTokens"),
         cuda_graphs=engine["cudaGraphs"],
+        quantization=engine["quantization"],
+        kv_cache_dtype=engine["kvCacheDtype"],
         engine_resources=dict(engine.get("resources", {})),
         node_selector=dict(engine.get("nodeSelector", {})),
         tolerations=list(engine.get("tolerations", [])),

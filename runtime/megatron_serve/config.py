@@ -8,6 +8,8 @@ from typing import Any
 import torch
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+QUANTIZATIONS = ("fp8",)  # quantize a checkpoint's linear layers at load (vLLM's --quantization)
+KV_CACHE_DTYPES = {"auto": "auto", "fp8": "fp8", "fp8_e4m3": "fp8"}  # vLLM's spellings -> ours (fp8 is e4m3)
 
 
 def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
@@ -32,6 +34,11 @@ class InferenceConfig:
 
     The KV pool is sized by ``num_kv_blocks`` when given, else by ``kv_cache_memory_fraction`` of
     free device memory (on CPU: of a fixed 1 GiB budget, since host memory is shared with everything).
+
+    ``quantization="fp8"`` quantizes a bf16 checkpoint's decoder linear layers to FP8 at load (one
+    scale per output row; a checkpoint that is FP8 already is served as it is, without it).
+    ``kv_cache_dtype="fp8"`` keeps the KV cache in e4m3 with one scale per token and KV head: about
+    twice the tokens in the same memory (``auto``: the model dtype).
     """
 
     dtype: str | torch.dtype | None = None
@@ -49,6 +56,8 @@ class InferenceConfig:
     async_scheduling: bool = True  # prepare and launch step N+1 while step N runs (see engine.core)
     tensor_parallel_size: int = 1
     seed: int = 0
+    quantization: str | None = None
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         if self.device is None:
@@ -76,6 +85,12 @@ class InferenceConfig:
             raise ValueError(f"kv_cache_memory_fraction must be in (0, 1], got {self.kv_cache_memory_fraction}")
         if self.max_sequence_length is not None and self.max_sequence_length < 2:
             raise ValueError(f"max_sequence_length must be >= 2, got {self.max_sequence_length}")
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)} (or unset), "
+                             f"got {self.quantization!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
+        self.kv_cache_dtype = KV_CACHE_DTYPES[self.kv_cache_dtype]
 
     def to_dict(self) -> dict[str, Any]:
         """Plain values only, so the config can cross a process boundary (msgpack, argv)."""

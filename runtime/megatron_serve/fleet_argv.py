@@ -32,6 +32,8 @@ ENGINE_FIELDS = {
     "async_scheduling": "async_scheduling",
     "device": "device",
     "seed": "seed",
+    "quantization": "quantization",
+    "kv_cache_dtype": "kv_cache_dtype",
 }
 
 

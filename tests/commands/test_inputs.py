@@ -93,7 +93,7 @@ def broken_copy(tiny_model: Path, tmp_path: Path, *, config: dict | None = None,
 @pytest.mark.parametrize("change,message", [
     ({"config": {"architectures": ["GPT2LMHeadModel"]}}, "unsupported architecture ['GPT2LMHeadModel']"),
     ({"config": {"torch_dtype": "float8_e4m3fn", "dtype": None}}, "dtype 'float8_e4m3fn' are not supported"),
-    ({"config": {"quantization_config": {"quant_method": "awq"}}}, "quantized checkpoint (awq)"),
+    ({"config": {"quantization_config": {"quant_method": "awq"}}}, "quantization method 'awq' is not supported"),
     ({"config": {"hidden_act": "gelu"}}, "hidden_act 'gelu'"),
     ({"drop": ("model.safetensors",)}, "no *.safetensors weights"),
     ({"drop": ("tokenizer.json", "tokenizer_config.json")}, "no tokenizer.json"),

@@ -63,8 +63,9 @@ def test_refused_options_and_unknown_ones_stop_serve_with_its_usage(capsys):
             err = capsys.readouterr().err
             assert SERVE_USAGE in err and f"{flag}: {row.reason}" in err
     for argv, message in ((["--not-a-vllm-option"], "unrecognized arguments: --not-a-vllm-option"),
-                          (["--quantization", "fp8"], "'fp8' is not supported by this build (supported: auto, none)"),
-                          (["--kv-cache-dtype", "fp8"], "'fp8' is not supported by this build (supported: auto)"),
+                          (["--quantization", "awq"], "'awq' is not supported by this build (supported: auto, none, fp8)"),
+                          (["--kv-cache-dtype", "fp8_e5m2"],
+                           "'fp8_e5m2' is not supported by this build (supported: auto, fp8, fp8_e4m3)"),
                           (["-pp", "2"], "pipeline parallelism is not implemented"),
                           (["--tool-call-parser", "pythonic"], "invalid choice: 'pythonic'")):
         with pytest.raises(SystemExit):

@@ -90,7 +90,8 @@ def test_a_child_that_dies_is_restarted_with_back_off_and_its_cause_in_the_log(s
     engines = [s for s in starts() if s["role"] == "engine"]
     groups = [e["args"][-1] for e in engines]
     assert sorted(groups[:2]) == ["0", "1"] and groups[2:] == ["0", "0"]  # the same group each time; 1 exited 0
-    assert all(e["args"] == engines[0]["args"] for e in engines if e["args"][-1] == "0")
+    group_zero = [e["args"] for e in engines if e["args"][-1] == "0"]  # engine 1 may have started first
+    assert len(group_zero) == 3 and all(args == group_zero[0] for args in group_zero)
     restarted = starts()[-1]
     assert restarted["role"] == "coordinator" and "45999" in restarted["args"]  # the port it got, not 0 again
     assert fleet.restarts == {"engine 0 (group 0)": ["killed by SIGKILL", "killed by SIGKILL"],

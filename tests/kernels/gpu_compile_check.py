@@ -20,7 +20,7 @@ from triton.compiler import ASTSource
 from triton.runtime.jit import JITFunction
 
 _PTR = {torch.float32: "*fp32", torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.int32: "*i32",
-        torch.int64: "*i64"}
+        torch.int64: "*i64", torch.float8_e4m3fn: "*fp8e4nv"}
 
 
 def _signature(fn: JITFunction, args, kwargs):
@@ -42,6 +42,28 @@ def _signature(fn: JITFunction, args, kwargs):
         else:
             raise TypeError(f"{fn.__name__}: cannot type argument {name}={value!r}")
     return signature, constexprs
+
+
+def _fp8_launches(ops, fp8, dtype, q, k, positions, cos, tables, lens, qsl, hkv: int, head_dim: int) -> None:
+    """The FP8 launches: KV writes into an FP8 cache and attention over it, FP8 linears, FP8 experts."""
+    k8 = torch.zeros(64, 16, hkv, head_dim, dtype=torch.float8_e4m3fn)
+    v8, ks, vs = torch.zeros_like(k8), torch.zeros(64, 16, hkv), torch.zeros(64, 16, hkv)
+    scales = dict(k_scales=ks, v_scales=vs)
+    ops.apply_rotary_write_kv_cache(q, k, k, positions, cos, cos, k8, v8, positions, **scales)
+    ops.write_kv_cache(k, k, k8, v8, positions, **scales)
+    ops.paged_attention_decode(q[:4], k8, v8, tables, lens, 0.1, **scales)
+    ops.paged_attention_prefill(q, k8, v8, tables, qsl, lens, 0.1, **scales)
+    for block in (None, (128, 128)):
+        weight, weight_scale = fp8.quantize(torch.randn(1024, 2048), block)
+        for rows in (1, 48, 512):  # weight-only (split-K and not), FP8 x FP8
+            ops.fp8_linear(torch.randn(rows, 2048, dtype=dtype), weight, weight_scale, block)
+        w13, w13_scale = fp8.quantize(torch.randn(8, 2 * 768, 2048), block)
+        w2, w2_scale = fp8.quantize(torch.randn(8, 2048, 768), block)
+        for moe_tokens in (4, 512):
+            ops.fused_moe(torch.randn(moe_tokens, 2048, dtype=dtype), w13, w2, torch.rand(moe_tokens, 2),
+                          torch.randint(0, 8, (moe_tokens, 2)), w13_scale=w13_scale, w2_scale=w2_scale, block=block)
+    weight, weight_scale = fp8.quantize(torch.randn(1024, 2048), None)  # a checkpoint's static activation scale
+    ops.fp8_linear(torch.randn(100, 2048, dtype=dtype), weight, weight_scale, None, input_scale=torch.tensor([0.5]))
 
 
 def main(capability: int, quick: bool = False) -> int:
@@ -67,12 +89,13 @@ def main(capability: int, quick: bool = False) -> int:
 
     JITFunction.run = compile_instead_of_run
 
-    from megatron_kernels import _triton_utils  # noqa: PLC0415
+    from megatron_kernels import _triton_utils, fp8  # noqa: PLC0415
     from megatron_kernels import triton_activation, triton_decode_attention, triton_kv_cache  # noqa: PLC0415
-    from megatron_kernels import triton_moe, triton_norm, triton_prefill_attention, triton_rotary  # noqa: PLC0415
+    from megatron_kernels import triton_fp8_linear, triton_moe, triton_norm  # noqa: PLC0415
+    from megatron_kernels import triton_prefill_attention, triton_rotary  # noqa: PLC0415
 
     modules = (triton_activation, triton_decode_attention, triton_kv_cache, triton_moe, triton_norm,
-               triton_prefill_attention, triton_rotary)
+               triton_prefill_attention, triton_rotary, triton_fp8_linear)
     for module in modules:  # GPU launch heuristics on CPU tensors
         if hasattr(module, "interpreted"):
             module.interpreted = lambda t: False
@@ -81,6 +104,7 @@ def main(capability: int, quick: bool = False) -> int:
     _triton_utils.interpreted = lambda t: False
     _triton_utils.tile_budget = lambda t: 1 << 12
     triton_decode_attention.sm_count = lambda device: 132
+    triton_fp8_linear.sm_count = lambda device: 132
 
     from megatron_kernels import triton_ops as ops  # noqa: PLC0415
 
@@ -114,6 +138,8 @@ def main(capability: int, quick: bool = False) -> int:
         for moe_tokens in (4, 512):  # decode (16-row blocks) and prefill (64-row blocks)
             ids = torch.randint(0, 8, (moe_tokens, 2))
             ops.fused_moe(torch.randn(moe_tokens, 2048, dtype=dtype), w13, w2, torch.rand(moe_tokens, 2), ids)
+        if capability >= 89:  # FP8: e4m3 conversions and FP8 tl.dot need Ada or Hopper
+            _fp8_launches(ops, fp8, dtype, q, k, positions, cos, tables, lens, qsl, hkv, head_dim)
     print(f"{len(compiled)} launches compiled for sm_{capability}, {len(failures)} failed")
     return 1 if failures else 0
 

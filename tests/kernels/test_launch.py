@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_kernels import (_triton_utils, triton_activation, triton_decode_attention, triton_kv_cache, triton_moe,
-                              triton_norm, triton_prefill_attention, triton_rotary)
+from megatron_kernels import (_triton_utils, triton_activation, triton_decode_attention, triton_fp8_linear,
+                              triton_kv_cache, triton_moe, triton_norm, triton_prefill_attention, triton_rotary)
 
 # Integer arguments that change from one engine step to the next. Triton compiles a kernel variant per
 # class of an integer's value (1, a multiple of 16, other) unless told not to: a new class met
@@ -24,6 +24,8 @@ PER_STEP_ARGUMENTS = [
     (triton_kv_cache._write_kv_kernel, {"n_tokens"}),
     (triton_rotary._rotary_kernel, {"n_tokens"}),
     (triton_moe._grouped_gemm_kernel, {"num_pairs"}),
+    (triton_fp8_linear._scaled_gemm_kernel, {"M", "k_per_split", "stride_split"}),
+    (triton_fp8_linear._quantize_rows_kernel, {"M"}),
 ]
 
 

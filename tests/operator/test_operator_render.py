@@ -377,6 +377,28 @@ def test_engine_cuda_graphs_switch_reaches_the_engine_command(cuda_graphs):
     assert parsed.cuda_graphs is (cuda_graphs is not False)
 
 
+@pytest.mark.parametrize(("fields", "flags"), [
+    ({}, []),
+    ({"quantization": "none", "kvCacheDtype": "auto"}, []),
+    ({"quantization": "fp8"}, ["--quantization", "fp8"]),
+    ({"kvCacheDtype": "fp8"}, ["--kv-cache-dtype", "fp8"]),
+    ({"quantization": "fp8", "kvCacheDtype": "fp8"}, ["--quantization", "fp8", "--kv-cache-dtype", "fp8"]),
+])
+def test_engine_fp8_fields_reach_the_engine_command(fields, flags):
+    (resource,) = load_yaml(ROOT / "manifests" / "examples" / "tp2-dp4.yaml")
+    resource["spec"]["engine"].update(fields)
+    sts = by_key(render(identified(resource), CONFIG))[("StatefulSet", "qwen-14b-engine-0")]
+    (engine,) = _containers(sts)
+    command, *args = engine["args"]
+    # Defaults add no flag, so pod templates rendered before the fields existed still match.
+    rendered = [a for i, a in enumerate(args) if a in ("--quantization", "--kv-cache-dtype")
+                or (i and args[i - 1] in ("--quantization", "--kv-cache-dtype"))]
+    assert rendered == flags
+    parsed, _ = _parser_for(command).parse_known_args(args)
+    assert parsed.quantization == {"none": None, "fp8": "fp8"}[fields.get("quantization", "none")]
+    assert parsed.kv_cache_dtype == fields.get("kvCacheDtype", "auto")
+
+
 @pytest.mark.parametrize("remote_images", [None, True, False])
 def test_server_remote_images_switch_reaches_the_server_command(remote_images):
     (resource,) = load_yaml(ROOT / "manifests" / "examples" / "tp2-dp4.yaml")

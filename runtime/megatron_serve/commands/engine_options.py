@@ -19,6 +19,7 @@ if TYPE_CHECKING:
     from ..config import InferenceConfig
     from ..engine import DynamicInferenceEngine
 
+#: ``--quantization`` and ``--kv-cache-dtype`` values (as ``megatron_serve.config`` accepts them; no torch here).
 #: vLLM's ``--dtype`` spellings of ours (``auto`` = the default: float32 on CPU, the checkpoint's on GPU).
 DTYPE_NAMES = {"auto": None, "float32": "float32", "float": "float32", "bfloat16": "bfloat16",
                "float16": "float16", "half": "float16"}
@@ -68,6 +69,8 @@ def inference_config_from_args(args: argparse.Namespace, tensor_parallel_size: i
         max_sequence_length=args.max_sequence_length, enable_prefix_caching=args.prefix_caching,
         enable_cuda_graphs=args.cuda_graphs, cuda_graph_sizes=args.cuda_graph_sizes,
         async_scheduling=args.async_scheduling, tensor_parallel_size=tensor_parallel_size, seed=args.seed,
+        quantization=None if args.quantization in (None, "auto", "none") else args.quantization,
+        kv_cache_dtype=args.kv_cache_dtype,
     )
 
 

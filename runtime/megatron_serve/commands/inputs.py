@@ -85,11 +85,6 @@ def check_model_dir(model_dir: str, *, weights: bool = True, tokenizer: bool = T
         raise ValueError(f"{config_file} is not readable JSON: {exc}") from None
     if not isinstance(raw, dict):
         raise ValueError(f"{config_file} must hold a JSON object")
-    if raw.get("quantization_config"):
-        method = raw["quantization_config"].get("quant_method", "?") if isinstance(raw["quantization_config"],
-                                                                                   dict) else "?"
-        raise ValueError(f"{model_dir} is a quantized checkpoint ({method}); only unquantized float32, float16 "
-                         "and bfloat16 weights are supported")
     dtype = raw.get("torch_dtype") or raw.get("dtype")
     if dtype is not None and dtype not in CHECKPOINT_DTYPES:
         raise ValueError(f"{config_file}: weights of dtype {dtype!r} are not supported (expected one of "

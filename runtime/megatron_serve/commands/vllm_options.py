@@ -39,10 +39,11 @@ class Scope(enum.Enum):
     ENGINE = "engine"  # the engines' options: run, serve, engine, generate
 
 
-#: ``--quantization`` values this build implements ("auto"/"none": the checkpoint's weights as they are).
-QUANTIZATION_SCHEMES: tuple[str, ...] = ("auto", "none")
-#: ``--kv-cache-dtype`` values this build implements ("auto": the model's dtype).
-KV_CACHE_DTYPES: tuple[str, ...] = ("auto",)
+#: ``--quantization`` values this build implements ("auto"/"none": the checkpoint's weights as they are, an FP8
+#: checkpoint's included; "fp8": a float checkpoint's linear layers quantized at load).
+QUANTIZATION_SCHEMES: tuple[str, ...] = ("auto", "none", "fp8")
+#: ``--kv-cache-dtype`` values this build implements ("auto": the model's dtype; "fp8" is e4m3).
+KV_CACHE_DTYPES: tuple[str, ...] = ("auto", "fp8", "fp8_e4m3")
 
 
 def _supported(flag: str, values: tuple[str, ...], why: str) -> Callable[[str], str]:
@@ -233,15 +234,18 @@ VLLM_OPTIONS: tuple[VllmOption, ...] = (
                "thinking stays in `content`", scope=_SERVER),
     VllmOption(("--enable-lora", "--lora-modules"), _REFUSED, "LoRA adapters are not implemented", scope=_SERVER),
     # ---- defined here: the engines
-    VllmOption(("--quantization", "-q"), _IMPLEMENTED, "the weights' quantization: `auto`/`none` serve the "
-               "checkpoint's weights as they are; other schemes are refused, naming the scheme",
+    VllmOption(("--quantization", "-q"), _IMPLEMENTED, "the weights' quantization: `fp8` quantizes a float "
+               "checkpoint's linear layers at load (a scale per row; activations per token); `auto`/`none` serve the "
+               "checkpoint's weights as they are (an FP8 checkpoint as FP8); other schemes are refused, naming the "
+               "scheme",
                spec=_spec(type=_supported("--quantization", QUANTIZATION_SCHEMES, "this build implements no "
                                           "other scheme"),
                           default=None, metavar="|".join(QUANTIZATION_SCHEMES),
                           help="weight quantization (default: the checkpoint's own)"),
                scope=_ENGINE, example=("--quantization", "none")),
-    VllmOption(("--kv-cache-dtype",), _IMPLEMENTED, "the KV cache's dtype: `auto` = the model's dtype; others are "
-               "refused, naming the dtype",
+    VllmOption(("--kv-cache-dtype",), _IMPLEMENTED, "the KV cache's dtype: `auto` = the model's dtype; `fp8` "
+               "(`fp8_e4m3`): e4m3 with a scale per token and head, about twice the tokens; others are refused, "
+               "naming the dtype",
                spec=_spec(type=_supported("--kv-cache-dtype", KV_CACHE_DTYPES, "this build keeps the KV cache "
                                           "in no other dtype"),
                           default="auto", metavar="|".join(KV_CACHE_DTYPES), help="KV cache dtype"),

@@ -139,12 +139,12 @@ class DynamicInferenceEngine:
         tokenizer = Tokenizer.from_pretrained(tokenizer_dir or model_dir)
         dtype = default_dtype(config, model_config)
         if config.tensor_parallel_size == 1:
-            return cls(load_model(model_dir, dtype, config.device), tokenizer, config)
+            return cls(load_model(model_dir, dtype, config.device, quantization=config.quantization), tokenizer, config)
         from .tensor_parallel import TensorParallelRunner, abandon_group, start_rank_zero  # noqa: PLC0415
 
         tp, channel, device, workers = start_rank_zero(str(model_dir), config)
         try:
-            model = load_model(model_dir, dtype, device, tp)
+            model = load_model(model_dir, dtype, device, tp, quantization=config.quantization)
             buffers = engine_buffers(config, max_sequence_length_for(model_config, config), device)
             runner = TensorParallelRunner(model, config.block_size_tokens, device, buffers, tp, channel, workers,
                                           graphs_for(model, config, buffers))

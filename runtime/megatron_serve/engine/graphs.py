@@ -97,7 +97,7 @@ class DecodeGraphs:
         self.max_batch = self.batch_sizes[-1]
         self.buffers = buffers
         self._capture_factory = capture_factory
-        self.hidden = torch.zeros(self.max_batch, model.config.hidden_size, dtype=next(model.parameters()).dtype,
+        self.hidden = torch.zeros(self.max_batch, model.config.hidden_size, dtype=model.dtype,
                                   device=buffers.device)
         self._replays: dict[int, Callable[[], GraphOutputs]] = {}
         self._size = 0  # the size the last ``prepare`` chose
@@ -183,7 +183,7 @@ class MixedGraphs:
         self._capture_factory = capture_factory
         config, layers = model.config, model.model.layers
         attention = layers[0].self_attn
-        rows, dtype, device = self.sizes[-1], next(model.parameters()).dtype, buffers.device
+        rows, dtype, device = self.sizes[-1], model.dtype, buffers.device
         heads = attention.q_size // attention.head_dim
         self.queries = torch.zeros(rows, heads, attention.head_dim, dtype=dtype, device=device)
         self.attended = torch.zeros_like(self.queries)

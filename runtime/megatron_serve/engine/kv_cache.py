@@ -110,25 +110,33 @@ def blocks_for_tokens(num_tokens: int, block_size: int) -> int:
 class KVCachePool:
     """Device memory for every layer's keys and values, ``[layers, 2, blocks, block_size, kv_heads, head_dim]``.
 
+    With ``fp8`` the values are e4m3 and a float32 scale per token and head sits beside them
+    (``[layers, 2, blocks, block_size, kv_heads]``): a layer's cache is then ``(k, v, k_scales,
+    v_scales)`` instead of ``(k, v)``, and a block takes ``head_dim + 4`` bytes per token and head
+    instead of ``2 * head_dim`` (bf16): 1.94x the tokens at head_dim 128, 1.88x at 64.
     It can be released (suspend) and allocated again (resume) without rebuilding the engine.
     """
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device | str):
+                 dtype: torch.dtype, device: torch.device | str, fp8: bool = False):
         self.shape = (num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim)
-        self.dtype = dtype
+        self.dtype = torch.float8_e4m3fn if fp8 else dtype
+        self.fp8 = fp8
         self.device = torch.device(device)
         self._storage: torch.Tensor | None = None
-        self.layer_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._scales: torch.Tensor | None = None
+        self.layer_caches: list[tuple[torch.Tensor, ...]] = []
         self.allocate()
 
     @staticmethod
-    def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
-        return num_layers * 2 * block_size * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+    def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+                        fp8: bool = False) -> int:
+        per_value = head_dim + 4 if fp8 else head_dim * torch.empty((), dtype=dtype).element_size()
+        return num_layers * 2 * block_size * num_kv_heads * per_value
 
     @property
     def num_bytes(self) -> int:
-        return 0 if self._storage is None else self._storage.numel() * self._storage.element_size()
+        return sum(t.numel() * t.element_size() for t in (self._storage, self._scales) if t is not None)
 
     @property
     def allocated(self) -> bool:
@@ -138,11 +146,15 @@ class KVCachePool:
         if self._storage is None:
             self._storage = torch.zeros(self.shape, dtype=self.dtype, device=self.device)
             self.layer_caches = [(layer[0], layer[1]) for layer in self._storage]
+            if self.fp8:
+                self._scales = torch.zeros(self.shape[:-1], dtype=torch.float32, device=self.device)
+                self.layer_caches = [(*cache, scales[0], scales[1])
+                                     for cache, scales in zip(self.layer_caches, self._scales)]
 
     def release(self) -> int:
         """Free the pool's memory; returns the bytes released."""
         released = self.num_bytes
-        self._storage = None
+        self._storage = self._scales = None
         self.layer_caches = []
         if self.device.type == "cuda":
             torch.cuda.empty_cache()

@@ -89,11 +89,13 @@ def build_kv_pool(model: LlamaForCausalLM, config: InferenceConfig, max_sequence
                   device: torch.device, graph_tokens: int = 0) -> KVCachePool:
     """The KV pool, sized by ``num_kv_blocks`` or by memory; tensor-parallel ranks agree on the smallest."""
     mc = model.config
-    dtype = next(model.parameters()).dtype
+    dtype = model.dtype
+    fp8 = config.kv_cache_dtype == "fp8"
     block_size = config.block_size_tokens
     num_blocks = config.num_kv_blocks
     if num_blocks is None:
-        per_block = KVCachePool.bytes_per_block(mc.num_layers, block_size, model.num_local_kv_heads, mc.head_dim, dtype)
+        per_block = KVCachePool.bytes_per_block(mc.num_layers, block_size, model.num_local_kv_heads, mc.head_dim, dtype,
+                                                fp8)
         if device.type == "cuda":
             free, total = torch.cuda.mem_get_info(device)
             reserve = serving_reserve_bytes(mc, config, torch.empty((), dtype=dtype).element_size(), model.tp.size,
@@ -109,7 +111,8 @@ def build_kv_pool(model: LlamaForCausalLM, config: InferenceConfig, max_sequence
         if num_blocks < 1:
             raise ValueError("no memory left for the KV cache: use a smaller model or raise kv_cache_memory_fraction")
     num_blocks = agree_on_min(num_blocks, model.tp)
-    return KVCachePool(mc.num_layers, num_blocks, block_size, model.num_local_kv_heads, mc.head_dim, dtype, device)
+    return KVCachePool(mc.num_layers, num_blocks, block_size, model.num_local_kv_heads, mc.head_dim, dtype, device,
+                       fp8)
 
 
 def engine_buffers(config: InferenceConfig, max_sequence_length: int, device: torch.device) -> StepBuffers:

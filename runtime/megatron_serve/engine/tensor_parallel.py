@@ -268,7 +268,7 @@ def run_worker(model_dir: str, config_dict: dict, placement: Placement, rank: in
     device = rank_device(local_index, config)
     tp, channel = join_group(placement, rank, device)
     model_config = ModelConfig.from_dir(model_dir)
-    model = load_model(model_dir, default_dtype(config, model_config), device, tp)
+    model = load_model(model_dir, default_dtype(config, model_config), device, tp, quantization=config.quantization)
     max_sequence_length = max_sequence_length_for(model_config, config)
     pool = build_kv_pool(model, config, max_sequence_length, device, largest_graph(config, device))
     buffers = engine_buffers(config, max_sequence_length, device)
@@ -284,8 +284,7 @@ def run_worker(model_dir: str, config_dict: dict, placement: Placement, rank: in
             previous = broadcast_previous_tokens(plan, None, sampled, tp, device)
             embeddings = None
             if plan.num_images:
-                embeddings = torch.empty(plan.num_images, model.config.hidden_size, device=device,
-                                         dtype=next(model.parameters()).dtype)
+                embeddings = torch.empty(plan.num_images, model.config.hidden_size, device=device, dtype=model.dtype)
                 dist.broadcast(embeddings, src=0, group=tp.group)
             runner.run_plan(plan, pool.layer_caches, embeddings, previous)
             sampled = plan.num_sample

@@ -51,7 +51,7 @@ class ForwardContext:
     """
 
     metadata: AttentionMetadata
-    kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
+    kv_caches: list[tuple[torch.Tensor, ...]]  # per layer (k, v), or (k, v, k_scales, v_scales) when FP8
     multimodal: MultimodalStep | None = None
     routing: list[torch.Tensor] | None = None
 
@@ -65,27 +65,34 @@ class PagedAttention(nn.Module):
         self._decode = get_op("paged_attention_decode", device)
         self._prefill = get_op("paged_attention_prefill", device)
 
+    def _cache(self, context: ForwardContext) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+        """This layer's keys and values, and an FP8 cache's scales as the ops' keywords (see ``KVCachePool``)."""
+        k_cache, v_cache, *fp8_scales = context.kv_caches[self.layer_index]
+        return k_cache, v_cache, dict(zip(("k_scales", "v_scales"), fp8_scales))
+
     def store(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
               cos: torch.Tensor, sin: torch.Tensor, context: ForwardContext) -> torch.Tensor:
         """Rotate ``q``/``k`` by position and store ``k``/``v`` in the cache (one fused kernel); returns rotated ``q``."""
-        k_cache, v_cache = context.kv_caches[self.layer_index]
-        q, _ = self._rotate_and_store(q, k, v, positions, cos, sin, k_cache, v_cache, context.metadata.slot_mapping)
+        k_cache, v_cache, scales = self._cache(context)
+        q, _ = self._rotate_and_store(q, k, v, positions, cos, sin, k_cache, v_cache, context.metadata.slot_mapping,
+                                      **scales)
         return q
 
     def attend(self, q: torch.Tensor, context: ForwardContext, out: torch.Tensor | None = None) -> torch.Tensor:
         """Attention of the step's rows over the cache, into ``out`` when given (rows past the real ones untouched)."""
         meta = context.metadata
-        k_cache, v_cache = context.kv_caches[self.layer_index]
+        k_cache, v_cache, scales = self._cache(context)
         rows = q.shape[0] if meta.num_tokens is None else meta.num_tokens
         if out is None:
             out = torch.empty_like(q) if rows == q.shape[0] else torch.zeros_like(q)
         num_decode = meta.num_decode_tokens
         if num_decode:
             self._decode(q[:num_decode], k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens,
-                         self.scale, out=out[:num_decode])
+                         self.scale, out=out[:num_decode], **scales)
         if num_decode < rows:
             self._prefill(q[num_decode:rows], k_cache, v_cache, meta.prefill_block_tables,
-                          meta.prefill_query_start_loc, meta.prefill_context_lens, self.scale, out=out[num_decode:rows])
+                          meta.prefill_query_start_loc, meta.prefill_context_lens, self.scale, out=out[num_decode:rows],
+                          **scales)
         return out
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,

@@ -13,6 +13,7 @@ from typing import Any
 
 from .errors import UnsupportedModelError
 from .families import ARCHITECTURES, Family, MoEConfig
+from .quantization import QuantizationConfig, parse_quantization
 from .vision_config import VISION_LANGUAGE_ARCHITECTURES, VisionConfig, is_vision_language, split_vision_language
 
 SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear")
@@ -51,6 +52,7 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
     vision: VisionConfig | None = None  # the vision side of a vision-language model (see vision_config)
     moe: MoEConfig | None = None  # the experts of a mixture-of-experts model
+    quantization: QuantizationConfig | None = None  # FP8 layers (see quantization); None: unquantized
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> "ModelConfig":
@@ -64,7 +66,8 @@ class ModelConfig:
         architectures = raw.get("architectures") or []
         if is_vision_language(raw):
             text, vision = split_vision_language(raw)
-            return replace(cls.from_dict(text), architecture=architectures[0], vision=vision)
+            return replace(cls.from_dict(text), architecture=architectures[0], vision=vision,
+                           quantization=parse_quantization(raw.get("quantization_config")))
         if len(architectures) != 1 or architectures[0] not in ARCHITECTURES:
             known = [*ARCHITECTURES, *VISION_LANGUAGE_ARCHITECTURES]
             raise UnsupportedModelError(f"unsupported architecture {architectures!r}: expected one of {', '.join(known)}")
@@ -108,6 +111,7 @@ class ModelConfig:
             torch_dtype=raw.get("torch_dtype") or raw.get("dtype"),
             eos_token_ids=eos_ids,
             moe=None if family.experts is None else family.experts(raw),
+            quantization=parse_quantization(raw.get("quantization_config")),
         )
 
     @property

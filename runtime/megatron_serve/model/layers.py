@@ -7,13 +7,16 @@ checkpoint tensor (``weight_loader``), so loading never needs the whole weight o
 from __future__ import annotations
 
 import math
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 from torch import nn
 
 from .config import RopeConfig
 from .parallel import SINGLE, TensorParallel
+
+if TYPE_CHECKING:
+    from .linears import Linears
 
 # A checkpoint tensor handed to a loader: a safetensors slice (supports indexing) or a tensor.
 TensorSource = object
@@ -40,9 +43,19 @@ def _check_full(source: TensorSource, dim: int, size: int) -> None:
         raise ValueError(f"shape {shape} does not fit: dimension {dim} must be {size}")
 
 
+def is_fp8(source: TensorSource) -> bool:
+    """Whether a checkpoint tensor holds e4m3 data (its values mean nothing without their scales)."""
+    if isinstance(source, torch.Tensor):
+        return source.dtype == torch.float8_e4m3fn
+    return source.get_dtype() == "F8_E4M3"
+
+
 def _copy_checked(param: torch.Tensor, loaded: torch.Tensor) -> None:
     if tuple(param.shape) != tuple(loaded.shape):
         raise ValueError(f"shape {tuple(loaded.shape)} does not fit {tuple(param.shape)}")
+    if is_fp8(loaded) != is_fp8(param):
+        raise ValueError("is FP8 but this layer is not quantized (its quantization_config leaves it in the model "
+                         "dtype)" if is_fp8(loaded) else f"has dtype {loaded.dtype} where FP8 data is expected")
     param.data.copy_(loaded)
 
 
@@ -56,7 +69,7 @@ class ColumnParallelLinear(nn.Module):
     """
 
     def __init__(self, in_features: int, shards: dict[str, tuple[int, int]], bias: bool = False,
-                 tp: TensorParallel = SINGLE):
+                 tp: TensorParallel = SINGLE, weight_dtype: torch.dtype | None = None):
         super().__init__()
         self.tp = tp
         self.slices: dict[str, tuple[int, int, int]] = {}  # name -> (offset here, start in checkpoint, length)
@@ -66,7 +79,7 @@ class ColumnParallelLinear(nn.Module):
             start, length = self._rank_slice(name, features, unit)
             self.slices[name] = (offset, start, length)
             offset += length
-        self.weight = nn.Parameter(torch.empty(offset, in_features), requires_grad=False)
+        self.weight = nn.Parameter(torch.empty(offset, in_features, dtype=weight_dtype), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(offset), requires_grad=False) if bias else None
 
     def _rank_slice(self, name: str, features: int, unit: int) -> tuple[int, int]:
@@ -102,14 +115,15 @@ class RowParallelLinear(nn.Module):
     mixture-of-experts block: shared expert plus routed experts) before one all-reduce.
     """
 
-    def __init__(self, in_features: int, out_features: int, tp: TensorParallel = SINGLE, reduce: bool = True):
+    def __init__(self, in_features: int, out_features: int, tp: TensorParallel = SINGLE, reduce: bool = True,
+                 weight_dtype: torch.dtype | None = None):
         super().__init__()
         if in_features % tp.size:
             raise ValueError(f"{in_features} input features do not split over {tp.size} ranks")
         self.tp = tp
         self.reduce = reduce
         self.local_in = in_features // tp.size
-        self.weight = nn.Parameter(torch.empty(out_features, self.local_in), requires_grad=False)
+        self.weight = nn.Parameter(torch.empty(out_features, self.local_in, dtype=weight_dtype), requires_grad=False)
 
     def weight_loader(self, param: nn.Parameter, source: TensorSource, shard: str | None = None) -> None:
         _check_full(source, 1, self.local_in * self.tp.size)
@@ -132,14 +146,16 @@ class ReplicatedLinear(nn.Module):
 
 
 class GatedMLP(nn.Module):
-    """SwiGLU MLP: fused gate/up projection split by columns, down projection by rows."""
+    """SwiGLU MLP: fused gate/up projection split by columns, down projection by rows (``linears`` builds
+    them, ``name`` is the MLP's Hugging Face module name)."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int, silu_and_mul: Callable, tp: TensorParallel = SINGLE,
-                 reduce: bool = True):
+    def __init__(self, hidden_size: int, intermediate_size: int, silu_and_mul: Callable, linears: Linears, name: str,
+                 tp: TensorParallel = SINGLE, reduce: bool = True):
         super().__init__()
         size = intermediate_size
-        self.gate_up_proj = ColumnParallelLinear(hidden_size, {"gate": (size, 1), "up": (size, 1)}, tp=tp)
-        self.down_proj = RowParallelLinear(size, hidden_size, tp=tp, reduce=reduce)
+        self.gate_up_proj = linears.column(name, ("gate_proj", "up_proj"), hidden_size,
+                                           {"gate": (size, 1), "up": (size, 1)}, tp=tp)
+        self.down_proj = linears.row(f"{name}.down_proj", size, hidden_size, tp=tp, reduce=reduce)
         self.silu_and_mul = silu_and_mul
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:

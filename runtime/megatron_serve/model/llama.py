@@ -15,26 +15,22 @@ from megatron_kernels import get_op
 from .attention import ForwardContext, PagedAttention
 from .config import ModelConfig
 from .errors import UnsupportedModelError
-from .layers import (
-    ColumnParallelLinear,
-    GatedMLP,
-    ParallelLMHead,
-    RMSNorm,
-    RowParallelLinear,
-    VocabParallelEmbedding,
-    rotary_cos_sin,
-)
+from .fp8_layers import linears_for
+from .layers import GatedMLP, ParallelLMHead, RMSNorm, VocabParallelEmbedding, rotary_cos_sin
+from .linears import Linears
 from .moe import SparseMoeBlock
 from .parallel import SINGLE, TensorParallel
 
 
 class _Ops:
-    """The kernels one model instance uses, resolved once for its device."""
+    """The kernels one model instance uses, resolved once for its device, and the builder of its linear
+    layers (FP8 ones where the model's quantization config puts them)."""
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, linears: Linears):
         self.rms_norm = get_op("rms_norm", device)
         self.fused_add_rms_norm = get_op("fused_add_rms_norm", device)
         self.silu_and_mul = get_op("silu_and_mul", device)
+        self.linears = linears
 
     def norm(self, size: int, eps: float) -> RMSNorm:
         return RMSNorm(size, eps, self.rms_norm, self.fused_add_rms_norm)
@@ -48,8 +44,9 @@ class LlamaAttention(nn.Module):
                                         "tensor-parallel ranks: each rank needs whole query heads")
         head_dim = config.head_dim
         self.head_dim = head_dim
-        self.qkv_proj = ColumnParallelLinear(
-            config.hidden_size,
+        name = f"model.layers.{layer_index}.self_attn"
+        self.qkv_proj = ops.linears.column(
+            name, ("q_proj", "k_proj", "v_proj"), config.hidden_size,
             {"q": (config.num_heads * head_dim, head_dim), "k": (config.num_kv_heads * head_dim, head_dim),
              "v": (config.num_kv_heads * head_dim, head_dim)},
             bias=config.qkv_bias,
@@ -57,7 +54,7 @@ class LlamaAttention(nn.Module):
         )
         self.q_size = self.qkv_proj.slices["q"][2]
         self.kv_size = self.qkv_proj.slices["k"][2]
-        self.o_proj = RowParallelLinear(config.num_heads * head_dim, config.hidden_size, tp=tp)
+        self.o_proj = ops.linears.row(f"{name}.o_proj", config.num_heads * head_dim, config.hidden_size, tp=tp)
         self.q_norm = ops.norm(head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.k_norm = ops.norm(head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.attn = PagedAttention(layer_index, head_dim**-0.5, device)
@@ -84,10 +81,13 @@ class LlamaDecoderLayer(nn.Module):
         super().__init__()
         self.self_attn = LlamaAttention(config, layer_index, ops, tp, device)
         self.sparse = config.moe is not None and config.moe.is_sparse(layer_index)
+        layer = f"model.layers.{layer_index}"
         if self.sparse:
-            self.mlp: nn.Module = SparseMoeBlock(config.hidden_size, config.moe, ops.silu_and_mul, tp, device)
+            self.mlp: nn.Module = SparseMoeBlock(config.hidden_size, config.moe, ops.silu_and_mul, ops.linears,
+                                                 config.family, layer, tp, device)
         else:
-            self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, ops.silu_and_mul, tp)
+            self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, ops.silu_and_mul, ops.linears,
+                                f"{layer}.mlp", tp)
         self.input_layernorm = ops.norm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = ops.norm(config.hidden_size, config.rms_norm_eps)
 
@@ -142,7 +142,7 @@ class LlamaForCausalLM(nn.Module):
         device = torch.device(device)
         self.config = config
         self.tp = tp
-        ops = _Ops(device)
+        ops = _Ops(device, linears_for(config.quantization))
         self.model = LlamaModel(config, ops, tp, device)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp=tp)
         if config.tie_word_embeddings:
@@ -150,6 +150,11 @@ class LlamaForCausalLM(nn.Module):
         cos, sin = rotary_cos_sin(config.head_dim, config.max_position_embeddings, config.rope)
         self.register_buffer("rotary_cos", cos, persistent=False)
         self.register_buffer("rotary_sin", sin, persistent=False)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype activations, norms and the KV cache are computed in (FP8 layers hold e4m3 weights)."""
+        return self.model.embed_tokens.weight.dtype
 
     @property
     def num_local_kv_heads(self) -> int:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable, Iterable, Iterator
 
@@ -17,10 +17,12 @@ import torch
 from safetensors import safe_open
 
 from .config import ModelConfig
-from .layers import TensorSource
+from .errors import UnsupportedModelError
+from .layers import TensorSource, _copy_checked
 from .llama import LlamaForCausalLM
 from .moe import expert_weight_name
 from .parallel import SINGLE, TensorParallel
+from .quantization import ONLINE, online_fp8
 
 # checkpoint projection name -> (fused module name, shard id)
 FUSED_PROJECTIONS = {
@@ -30,7 +32,13 @@ FUSED_PROJECTIONS = {
     "gate_proj": ("gate_up_proj", "gate"),
     "up_proj": ("gate_up_proj", "up"),
 }
-IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+# Tensors with no weight to load: rotary tables, and a checkpoint's per-tensor FP8 KV scales, as
+# compressed-tensors and AutoFP8 name them (the FP8 KV cache keeps its own scale per token and head,
+# which needs no calibration).
+IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "self_attn.k_scale", "self_attn.v_scale", ".kv_scale",
+                    "k_proj.output_scale", "v_proj.output_scale")
+# block-wise FP8 checkpoints' name of the scale (a multiplier, as compressed-tensors' ``weight_scale``)
+SCALE_ALIASES = {"weight_scale_inv": "weight_scale"}
 
 
 def checkpoint_files(model_dir: str | Path) -> list[Path]:
@@ -69,11 +77,15 @@ def _parameter(model: LlamaForCausalLM, module_path: str, param_name: str) -> tu
 
 @dataclass(frozen=True)
 class WeightTarget:
-    """Where one checkpoint tensor goes: a parameter (by its name in the model), and which of its pieces."""
+    """Where one checkpoint tensor goes: a parameter (by its name in the model), and which of its pieces.
+
+    ``load`` returns the names of sibling parameters of the same module that it filled too (an FP8
+    layer given a floating-point weight quantizes it, which fills its scales), or None.
+    """
 
     param_name: str
     param: torch.nn.Parameter
-    load: Callable[[TensorSource], None]
+    load: Callable[[TensorSource], Iterable[str] | None]
     pieces: frozenset  # (part, expert) pairs this tensor fills; (None, None) = the whole parameter
 
 
@@ -102,6 +114,9 @@ def weight_target(model: LlamaForCausalLM, name: str) -> WeightTarget | None:
     if name.endswith(IGNORED_SUFFIXES) or _empty_shared_expert(model, name):
         return None
     module_path, param_name, part, expert = expert_weight_name(name)
+    if param_name is None:
+        return None  # an FP8 expert's activation scale: experts run weight-only
+    param_name = SCALE_ALIASES.get(param_name, param_name)
     found = _parameter(model, module_path, param_name)
     parts = module_path.split(".")
     if found is None and part is None and parts[-1] in FUSED_PROJECTIONS:
@@ -126,10 +141,7 @@ def weight_target(model: LlamaForCausalLM, name: str) -> WeightTarget | None:
 
 
 def _copy_whole(param: torch.nn.Parameter, source: TensorSource) -> None:
-    loaded = source if isinstance(source, torch.Tensor) else source[:]
-    if tuple(loaded.shape) != tuple(param.shape):
-        raise ValueError(f"shape {tuple(loaded.shape)} does not fit {tuple(param.shape)}")
-    param.data.copy_(loaded)
+    _copy_checked(param, source if isinstance(source, torch.Tensor) else source[:])
 
 
 def load_weights(model: LlamaForCausalLM, tensors: Iterable[tuple[str, TensorSource]],
@@ -159,11 +171,13 @@ def load_weights(model: LlamaForCausalLM, tensors: Iterable[tuple[str, TensorSou
             if target is None:
                 continue
             try:
-                target.load(source)
+                siblings = target.load(source) or ()
             except ValueError as exc:
                 raise ValueError(f"weight {name}: {exc}") from None
-            if target.param_name in missing:
-                missing[target.param_name] -= target.pieces
+            module_path = target.param_name.rpartition(".")[0]
+            for filled in (target.param_name, *(f"{module_path}.{sibling}" for sibling in siblings)):
+                if filled in missing:
+                    missing[filled] -= target.pieces
             if progress is not None:
                 progress(checkpoint_name)
     gaps = sorted(_describe(name, pieces) for name, pieces in missing.items() if pieces)
@@ -181,6 +195,7 @@ def _describe(param_name: str, pieces: set) -> str:
 STRUCTURAL_FIELDS = ("architecture", "vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
                      "num_kv_heads", "head_dim", "tie_word_embeddings", "qkv_bias", "qk_norm", "moe")
 FLOAT_DTYPES = {"F32", "F16", "BF16", "F64"}
+FP8_DTYPES = {"F8_E4M3": torch.float8_e4m3fn}  # FP8 data, with scales beside it
 
 
 def verify_checkpoint(model: LlamaForCausalLM, model_dir: str | Path) -> None:
@@ -195,23 +210,30 @@ def verify_checkpoint(model: LlamaForCausalLM, model_dir: str | Path) -> None:
         if new != old:
             raise ValueError(f"{model_dir}: {name} is {new!r} but the serving model has {old!r}")
 
+    dtypes: dict[str, torch.dtype] = {}
+
     def shapes_only():
         for name, source in iterate_checkpoint(model_dir):
-            if source.get_dtype() not in FLOAT_DTYPES:
-                raise ValueError(f"{model_dir}: tensor {name} has dtype {source.get_dtype()}, expected floating point")
+            dtype = source.get_dtype()
+            if dtype not in FLOAT_DTYPES and dtype not in FP8_DTYPES:
+                raise ValueError(f"{model_dir}: tensor {name} has dtype {dtype}, expected floating point")
+            if dtype in FP8_DTYPES:
+                dtypes[name] = FP8_DTYPES[dtype]
             yield name, tuple(source.get_shape())
 
-    verify_shapes(model, shapes_only())
+    verify_shapes(model, shapes_only(), dtypes=dtypes)
 
 
-def verify_shapes(model: LlamaForCausalLM, shapes: Iterable[tuple[str, tuple[int, ...]]], partial: bool = False
-                  ) -> None:
+def verify_shapes(model: LlamaForCausalLM, shapes: Iterable[tuple[str, tuple[int, ...]]], partial: bool = False,
+                  dtypes: dict[str, torch.dtype] | None = None) -> None:
     """Check that tensors of these names and full (unsharded) shapes load into ``model``, touching nothing.
 
     The real loading path runs against a shape-only (meta) copy of the model with this rank's
     tensor-parallel layout, so it accepts exactly what :func:`load_weights` would (fused QKV and
     gate-up parts, slices included) and raises ``ValueError`` naming the first tensor that does not
-    fit. A name given twice is refused too (the second copy would silently win).
+    fit. A name given twice is refused too (the second copy would silently win). ``dtypes``: tensors
+    that are not float32 (FP8 data, filled by name when read: floating-point weights of FP8 layers
+    are quantized on arrival and need no scales, FP8 ones do).
     """
     shadow = build_model(model.config, torch.float32, "meta", model.tp)
     seen: set[str] = set()
@@ -221,7 +243,7 @@ def verify_shapes(model: LlamaForCausalLM, shapes: Iterable[tuple[str, tuple[int
             if name in seen:
                 raise ValueError(f"tensor {name!r} is given twice")
             seen.add(name)
-            yield name, torch.empty(shape, device="meta")
+            yield name, torch.empty(shape, device="meta", dtype=(dtypes or {}).get(name, torch.float32))
 
     load_weights(shadow, meta_tensors(), partial=partial)
 
@@ -247,9 +269,21 @@ def build_model(config: ModelConfig, dtype: torch.dtype, device: torch.device | 
     return model.eval()
 
 
+def with_quantization(config: ModelConfig, quantization: str | None) -> ModelConfig:
+    """The model's FP8 layout once ``--quantization`` is applied: ``fp8`` quantizes a bf16 checkpoint at load;
+    a checkpoint that is FP8 already keeps its own layout."""
+    if quantization is None or config.quantization is not None:
+        return config
+    if quantization != ONLINE:
+        raise UnsupportedModelError(f"quantization {quantization!r} is not supported: expected {ONLINE!r}")
+    return replace(config, quantization=online_fp8())
+
+
 def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device | str,
-               tp: TensorParallel = SINGLE, progress: Callable[[str], None] | None = None) -> LlamaForCausalLM:
-    config = ModelConfig.from_dir(model_dir)
+               tp: TensorParallel = SINGLE, progress: Callable[[str], None] | None = None,
+               quantization: str | None = None) -> LlamaForCausalLM:
+    """Build the model of ``model_dir`` and load its weights; ``quantization="fp8"`` as :func:`with_quantization`."""
+    config = with_quantization(ModelConfig.from_dir(model_dir), quantization)
     model = build_model(config, dtype, device, tp)
     load_weights(model, iterate_checkpoint(model_dir), progress)
     return model

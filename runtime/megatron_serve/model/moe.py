@@ -23,7 +23,7 @@ the same grouped GEMM.
 from __future__ import annotations
 
 import re
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 from torch import nn
@@ -35,6 +35,9 @@ from .families import MoEConfig
 from .layers import GatedMLP, ReplicatedLinear, TensorSource, _check_full, _copy_checked, _narrow
 from .parallel import SINGLE, TensorParallel
 
+if TYPE_CHECKING:
+    from .linears import Linears
+
 # Hub names of one expert's projections: (stacked parameter, part of it)
 _EXPERT_PROJECTIONS = {
     "w1": ("gate_up_proj", "gate"), "gate_proj": ("gate_up_proj", "gate"),
@@ -42,19 +45,25 @@ _EXPERT_PROJECTIONS = {
     "w2": ("down_proj", "down"), "down_proj": ("down_proj", "down"),
 }
 _PER_EXPERT = re.compile(r"^(?P<layer>.+)\.(?:block_sparse_moe|mlp)\.experts\.(?P<expert>\d+)\."
-                         r"(?P<proj>w1|w2|w3|gate_proj|up_proj|down_proj)\.weight$")
+                         r"(?P<proj>w1|w2|w3|gate_proj|up_proj|down_proj)\.(?P<tensor>weight|weight_scale|"
+                         r"weight_scale_inv|input_scale)$")
+# checkpoint tensor of one expert's projection -> suffix of the stacked parameter it fills (FP8 scales too)
+_EXPERT_TENSORS = {"weight": "", "weight_scale": "_scale", "weight_scale_inv": "_scale", "input_scale": None}
 
 
-def expert_weight_name(name: str) -> tuple[str, str, str | None, int | None]:
+def expert_weight_name(name: str) -> tuple[str, str | None, str | None, int | None]:
     """``(module path, parameter, part, expert)`` of an MoE checkpoint tensor in this model.
 
     ``part``/``expert`` are None when the tensor fills the whole parameter (the stacked layout of
-    ``transformers`` 5, or a router). Mixtral's ``block_sparse_moe`` is this model's ``mlp``.
+    ``transformers`` 5, or a router). Mixtral's ``block_sparse_moe`` is this model's ``mlp``. An FP8
+    expert's scales fill ``<parameter>_scale``; its activation scale (``input_scale``) has no parameter
+    (None): experts run weight-only.
     """
     match = _PER_EXPERT.match(name)
     if match:
         param, part = _EXPERT_PROJECTIONS[match["proj"]]
-        return f"{match['layer']}.mlp.experts", param, part, int(match["expert"])
+        suffix = _EXPERT_TENSORS[match["tensor"]]
+        return f"{match['layer']}.mlp.experts", None if suffix is None else param + suffix, part, int(match["expert"])
     module_path, _, param = name.replace(".block_sparse_moe.", ".mlp.").rpartition(".")
     return module_path, param, None, None
 
@@ -71,7 +80,7 @@ class FusedExperts(nn.Module):
     """Every expert of one layer; each rank holds the same slice of every expert's intermediate dimension."""
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, tp: TensorParallel,
-                 device: torch.device):
+                 device: torch.device, weight_dtype: torch.dtype | None = None):
         super().__init__()
         if intermediate_size % tp.size:
             raise ValueError(f"expert intermediate size {intermediate_size} does not split over {tp.size} ranks")
@@ -79,8 +88,10 @@ class FusedExperts(nn.Module):
         self.num_experts = num_experts
         self.intermediate_size = intermediate_size
         self.local = intermediate_size // tp.size
-        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * self.local, hidden_size), requires_grad=False)
-        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, self.local), requires_grad=False)
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * self.local, hidden_size, dtype=weight_dtype),
+                                         requires_grad=False)
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, self.local, dtype=weight_dtype),
+                                      requires_grad=False)
         self._fused_moe = get_op("fused_moe", device)
 
     def weight_pieces(self, param_name: str) -> frozenset:
@@ -115,23 +126,37 @@ class FusedExperts(nn.Module):
         return self._fused_moe(hidden, self.gate_up_proj, self.down_proj, weights, ids)
 
 
-class SparseMoeBlock(nn.Module):
-    """Router, top-k experts and (Qwen2-MoE) a gated shared expert, in place of a dense MLP."""
+def expert_projection_names(family: str, layer: str, num_experts: int) -> tuple[str, tuple[str, ...]]:
+    """Where a layer's experts sit in its family's checkpoints: ``(module name, every expert projection)``."""
+    if family == "mixtral":
+        return f"{layer}.block_sparse_moe", tuple(f"experts.{e}.{p}" for e in range(num_experts)
+                                                  for p in ("w1", "w3", "w2"))
+    return f"{layer}.mlp", tuple(f"experts.{e}.{p}" for e in range(num_experts)
+                                 for p in ("gate_proj", "up_proj", "down_proj"))
 
-    def __init__(self, hidden_size: int, moe: MoEConfig, silu_and_mul: Callable, tp: TensorParallel = SINGLE,
-                 device: torch.device | str = "cpu"):
+
+class SparseMoeBlock(nn.Module):
+    """Router, top-k experts and (Qwen2-MoE) a gated shared expert, in place of a dense MLP.
+
+    ``linears`` builds the experts and the shared expert; ``family`` and ``layer`` (``model.layers.3``)
+    say what checkpoints call them.
+    """
+
+    def __init__(self, hidden_size: int, moe: MoEConfig, silu_and_mul: Callable, linears: Linears, family: str,
+                 layer: str, tp: TensorParallel = SINGLE, device: torch.device | str = "cpu"):
         super().__init__()
         self.tp = tp
         self.top_k = moe.top_k
         self.norm_topk_prob = moe.norm_topk_prob
         self.gate = ReplicatedLinear(hidden_size, moe.num_experts)
-        self.experts = FusedExperts(moe.num_experts, hidden_size, moe.expert_intermediate_size, tp,
-                                    torch.device(device))
+        name, parts = expert_projection_names(family, layer, moe.num_experts)
+        self.experts = linears.experts(name, parts, moe.num_experts, hidden_size, moe.expert_intermediate_size, tp,
+                                       torch.device(device))
         self.shared_expert: GatedMLP | None = None
         self.shared_expert_gate: ReplicatedLinear | None = None
         if moe.shared_expert_intermediate_size:
-            self.shared_expert = GatedMLP(hidden_size, moe.shared_expert_intermediate_size, silu_and_mul, tp,
-                                          reduce=False)
+            self.shared_expert = GatedMLP(hidden_size, moe.shared_expert_intermediate_size, silu_and_mul, linears,
+                                          f"{layer}.mlp.shared_expert", tp, reduce=False)
             self.shared_expert_gate = ReplicatedLinear(hidden_size, 1)
 
     def route(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,0 +1,81 @@
+"""A bf16 trainer's weights into an FP8 fleet (RL rollouts in FP8), gloo on CPU.
+
+The fleet serves a block-wise FP8 checkpoint of model A with an FP8 KV cache, in two engine groups
+(one tensor-parallel 2). A trainer process (``trainer.py``: transformers' float weights of B and a
+``WeightSender``) pushes B; every engine quantizes each tensor on arrival with its own layout (each
+rank its slice). Afterwards the fleet's greedy tokens and log probs are those of an FP8 engine
+loaded from B quantized the same way, with the new epoch on every token; the same holds after a
+refit from B's float directory.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+
+import pytest
+
+from megatron_serve.client import InferenceClient
+from megatron_serve.config import InferenceConfig
+from megatron_serve.llm import MegatronLLM
+from megatron_serve.sampling_params import SamplingParams
+from megatron_serve.tiny_model import make_tiny_model
+
+from ..coordinator.helpers import Children, free_port
+from ..fp8_checkpoints import block_fp8_checkpoint
+from .test_weight_sync_fleet import PROMPTS, run_trainer
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+
+BLOCK = (16, 16)  # divides every tensor-parallel slice of the tiny model's projections
+GREEDY = SamplingParams(temperature=0.0, num_tokens_to_generate=8, ignore_eos=True, return_log_probs=True)
+FP8_KV = ("--kv-cache-dtype", "fp8")
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("fp8-weight-sync")
+    a, b = make_tiny_model(root / "a", seed=0), make_tiny_model(root / "b", seed=1)
+    a_fp8, b_fp8 = block_fp8_checkpoint(a, root / "a-fp8", BLOCK), block_fp8_checkpoint(b, root / "b-fp8", BLOCK)
+    with MegatronLLM(str(b_fp8), InferenceConfig(num_kv_blocks=64, kv_cache_dtype="fp8")) as llm:
+        expected_b = [(r.generated_tokens, r.generated_log_probs) for r in llm.generate(PROMPTS, GREEDY)]
+    return SimpleNamespace(a_fp8=str(a_fp8), b=str(b), expected_b=expected_b)
+
+
+@pytest.fixture(scope="module")
+def fleet(models, tmp_path_factory):
+    children = Children(tmp_path_factory.mktemp("fp8-weight-sync-logs"))
+    port = free_port()
+    children.coordinator(models.a_fp8, port)
+    children.engine(models.a_fp8, port, "--group", "0", *FP8_KV)
+    children.engine(models.a_fp8, port, "--group", "1", "--tensor-parallel", "2", *FP8_KV)
+    try:
+        yield SimpleNamespace(address=f"tcp://127.0.0.1:{port}")
+    finally:
+        children.kill_all()
+
+
+async def assert_serves(client: InferenceClient, expected: list[tuple[list[int], list[float]]], epoch: int) -> None:
+    results = await asyncio.gather(*(client.add_request(p, GREEDY) for p in PROMPTS))
+    assert [r.generated_tokens for r in results] == [tokens for tokens, _ in expected]
+    for result, (_, log_probs) in zip(results, expected):  # the FP8 engine's own log probs
+        assert result.generated_log_probs == pytest.approx(log_probs, abs=1e-4)
+    assert all(set(r.policy_epochs) == {epoch} for r in results)
+
+
+async def test_bf16_weights_into_an_fp8_fleet_serve_as_an_fp8_engine_loaded_from_them(fleet, models):
+    async with InferenceClient(fleet.address) as client:
+        await client.wait_for_engines(2, timeout=300)
+        await client.pause()
+        code, lines = await asyncio.to_thread(run_trainer, fleet.address, models.b, 7)
+        assert code == 0, lines
+        ack = lines[-1]
+        assert ack["detail"]["epoch"] == 7 and ack["detail"]["sender"]["world_size"] == 4
+        await client.unpause()
+        await assert_serves(client, models.expected_b, 7)
+
+        # the same weights from B's float directory: quantized on arrival alike
+        await client.pause()
+        await client.refit(models.b, 8)
+        await client.unpause()
+        await assert_serves(client, models.expected_b, 8)
