@@ -7,6 +7,7 @@ import threading
 import time
 import weakref
 
+import msgspec
 import pytest
 
 from megatron_serve import (
@@ -18,6 +19,10 @@ from megatron_serve import (
     RequestStatus,
     SamplingParams,
 )
+
+from megatron_serve.engine.core import DynamicInferenceEngine
+from megatron_serve.engine_output import step_delta
+from megatron_serve.messages import StepOutput
 
 from .conftest import PROMPTS
 
@@ -39,6 +44,28 @@ def test_preemption_under_a_tiny_pool_keeps_outputs(tiny_llama, reference_output
     assert all(o.status is RequestStatus.COMPLETED for o in outs)
     assert [o.generated_tokens for o in outs] == reference_outputs
     assert llm.engine.kv_blocks_free == llm.engine.kv_blocks_total
+
+
+def test_a_request_preempted_while_its_step_is_in_flight_reports_the_epoch_its_token_was_computed_under(
+        tiny_llama, reference_outputs):
+    # Overlapped scheduling preempts a sequence while the step that samples its next token is still in
+    # flight; that token's KV generation is the one at launch. An unset one (None) once made the
+    # coordinator drop the whole step's message: tokens went missing from fleet results.
+    engine = DynamicInferenceEngine.from_model_dir(tiny_llama, InferenceConfig(
+        block_size_tokens=4, num_kv_blocks=24, max_batch_tokens=64, async_scheduling=True))
+    requests = [DynamicInferenceRequest(request_id=str(i), prompt=p, prompt_tokens=engine.tokenizer.encode(p),
+                                        sampling_params=GREEDY) for i, p in enumerate(PROMPTS * 4)]
+    for request in requests:
+        engine.add_request(request)
+    wire, tokens = msgspec.msgpack.Decoder(StepOutput), {r.request_id: [] for r in requests}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            delta = wire.decode(msgspec.msgpack.encode(step_delta(out)))  # as the coordinator reads it
+            assert delta.epochs is None or all(isinstance(e, int) for e in delta.epochs[1]), delta.epochs
+            tokens[delta.request_id] += delta.new_tokens
+    assert sum(1 for r in requests for e in r.events if e.type is EventType.PREEMPT) > 10
+    assert [tokens[r.request_id] for r in requests] == reference_outputs
+    assert all(isinstance(e, int) for r in requests for e in r.kv_epochs)
 
 
 def test_chunked_prefill_with_small_token_budget_keeps_outputs(tiny_llama, reference_outputs):

@@ -71,6 +71,7 @@ class InFlightStep:
     entries: list[tuple[Sequence, int]]
     starts: list[int]  # each entry's first position (its num_computed before the step)
     sampling: list[Sequence]  # in the order of the sampled rows
+    kv_epochs: list[int]  # each sampled row's KV generation at launch (a preemption meanwhile clears the sequence's)
     sample: DeviceSample
     scores: tuple[list[tuple[Sequence, range]], DeviceScores] | None  # prompt positions scored, and their scores
     routing: Readback | None  # expert ids of the step's tokens, when some entry records them
@@ -474,7 +475,8 @@ class DynamicInferenceEngine:
             sequence.pending_tokens += 1
             sequence.pending_row = row
         routing = Readback([forward.routing]) if forward.routing is not None else None  # graphs reuse their outputs
-        return InFlightStep(entries, starts, sampling, sample, scores, routing)
+        kv_epochs = [self.epoch if s.kv_epoch is None else s.kv_epoch for s in sampling]  # set above: never None
+        return InFlightStep(entries, starts, sampling, kv_epochs, sample, scores, routing)
 
     def finish(self, step: InFlightStep) -> list[StepOutput]:
         """Read a launched step's results (waits for the device) and hand each request its token."""
@@ -491,7 +493,7 @@ class DynamicInferenceEngine:
             if sequence.finished:  # aborted or finished while the step ran: its row is dropped
                 continue
             outputs.append(self._append_token(sequence, result.token_ids[row], result.log_probs[row],
-                                              result.top_n[row]))
+                                              result.top_n[row], step.kv_epochs[row]))
             sequences.append(sequence)
             if not sequence.finished:
                 self.scheduler.register_computed_blocks(sequence)
@@ -537,7 +539,7 @@ class DynamicInferenceEngine:
             row += len(positions)
 
     def _append_token(self, sequence: Sequence, token: int, log_prob: float | None,
-                      top_n: dict[int, float] | None) -> StepOutput:
+                      top_n: dict[int, float] | None, kv_epoch: int) -> StepOutput:
         request = sequence.request
         if not request.generated_tokens:
             request.add_event(EventType.FIRST_TOKEN)
@@ -551,7 +553,7 @@ class DynamicInferenceEngine:
             sequence.token_ids.append(token)
             request.generated_tokens.append(token)
             request.policy_epochs.append(self.epoch)
-            request.kv_epochs.append(sequence.kv_epoch)
+            request.kv_epochs.append(kv_epoch)
             new_tokens.append(token)
             if log_prob is not None:
                 request.generated_log_probs.append(log_prob)
