@@ -26,6 +26,7 @@ from typing import Any, AsyncIterator
 
 import zmq
 import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
 
 import msgspec
 
@@ -35,6 +36,8 @@ from .messages import Error, HelloAck, Rendezvous
 from .multimodal import PromptImage
 from .prompts import ImagePrompt, Prompt
 from .protocol import ErrorCode, Header, Role, encode, pack_batches
+from .security import FleetSecret, PeerKeys, fleet_secret, hello_credentials, refused_message
+from .transport import close_monitored, open_peer_socket
 from .outputs import StreamPartial, unreadable_result
 from .request import DynamicInferenceRequest, top_logprobs_from_wire
 from .streams import iterate_stream
@@ -83,15 +86,15 @@ ACK_DELAY_S = 0.05
 class InferenceClient:
     """Asyncio client of a coordinator at ``address`` (``tcp://host:port``).
 
-    ``token``: the shared token when the coordinator requires one. ``role``: ``"client"`` (submit
-    and control) or ``"control"`` (control and status only). ``coordinator_timeout``: with no
-    message from the coordinator for that long (it answers every heartbeat), reconnect.
+    ``token``: the fleet secret (``None``: an ``--insecure`` coordinator; :mod:`megatron_serve.security`).
+    ``role``: ``"client"`` (submit and control) or ``"control"`` (control and status only). ``coordinator_timeout``:
+    with no message from the coordinator for that long (it answers every heartbeat), reconnect.
     """
 
     def __init__(
         self,
         address: str,
-        token: str | None = None,
+        token: str | FleetSecret | None = None,
         *,
         role: str = Role.CLIENT.value,
         client_id: str | None = None,
@@ -99,7 +102,7 @@ class InferenceClient:
         coordinator_timeout: float = 5.0,
     ) -> None:
         self.address = address
-        self.token = token
+        self.secret = fleet_secret(token)  # WeakSecret (a ValueError) for a guessable one
         self.role = Role(role)
         self.client_id = client_id or uuid.uuid4().hex
         self.heartbeat_interval = heartbeat_interval
@@ -121,11 +124,13 @@ class InferenceClient:
         self._acks: list[Any] = []  # RESULTs not yet acknowledged: they ride with the next message
         self._flush_scheduled = False
         self._ack_timer: asyncio.TimerHandle | None = None  # sends them alone when nothing else goes
-        self._connection = Connection({"role": self.role.value, "token": token, "client_id": self.client_id,
-                                       "acks": True}, heartbeat_interval=heartbeat_interval,
-                                      coordinator_timeout=coordinator_timeout)
+        self._keys = PeerKeys()  # this client's identity, kept across its reconnects
+        self._connection = Connection({"role": self.role.value, "client_id": self.client_id, "acks": True,
+                                       **hello_credentials(self.secret, self._keys)},
+                                      heartbeat_interval=heartbeat_interval, coordinator_timeout=coordinator_timeout)
         self._registration: asyncio.Future | None = None  # start() waits on it: HELLO_ACK, or Unauthorized
         self._wake: asyncio.Event | None = None  # the connection has something due sooner than planned
+        self._monitor: zmq.asyncio.Socket | None = None  # the current socket's handshake events
         self._tasks: list[asyncio.Task] = []
         self._closed = False
         self._started = False
@@ -137,6 +142,7 @@ class InferenceClient:
         if self._started:
             return self
         self._loop = asyncio.get_running_loop()
+        self._connection.refusal = refused_message(self.address, self.secret is not None)
         self._registration = self._loop.create_future()
         self._wake = asyncio.Event()
         self._started = True
@@ -159,19 +165,38 @@ class InferenceClient:
         self.close()
 
     def _open_socket(self) -> None:
-        sock = self._ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.IMMEDIATE, 1)
-        sock.setsockopt(zmq.SNDHWM, 0)
-        sock.setsockopt(zmq.RCVHWM, 0)
-        sock.setsockopt(zmq.RECONNECT_IVL, 100)
-        sock.setsockopt(zmq.RECONNECT_IVL_MAX, 2000)
-        sock.connect(self.address)
-        old, self._sock = self._sock, sock
-        if old is not None:
-            old.close(linger=0)
+        sock, monitor = open_peer_socket(self._ctx, self.address, self.secret, self._keys, hwm=0, linger=0)
+        self._close_socket()
+        self._sock, self._monitor = sock, monitor
         self._tasks = [t for t in self._tasks if not t.done()]
         self._tasks.append(asyncio.create_task(self._recv_loop(sock), name="inference-client-recv"))
+        self._tasks.append(asyncio.create_task(self._monitor_loop(sock, monitor), name="inference-client-monitor"))
+
+    def _close_socket(self) -> None:
+        """Close the current socket, then its monitor (which ends the monitor's reading task)."""
+        if self._sock is not None:
+            close_monitored(self._sock, self._monitor)
+            self._sock = self._monitor = None
+
+    async def _monitor_loop(self, sock: zmq.asyncio.Socket, monitor: zmq.asyncio.Socket) -> None:
+        """HELLO as soon as a connection is up; give up when handshakes keep failing. It reads until the socket
+        is closed (an unread monitor would stall the context: :func:`~megatron_serve.transport.open_monitor`)."""
+        try:
+            while sock is self._sock:
+                self._connection.on_monitor_event(parse_monitor_message(await monitor.recv_multipart())["event"])
+                self._wake.set()
+        except Unauthorized as exc:
+            self._refused(exc)
+        except (asyncio.CancelledError, zmq.ZMQError):
+            pass
+
+    def _refused(self, exc: Unauthorized) -> None:
+        """The coordinator refused this client (its handshake, or its identity): retrying cannot help."""
+        if self._registration is not None and not self._registration.done():
+            self._registration.set_exception(exc)  # start() raises it
+        else:
+            self._fail_all(exc)
+            self.close()
 
     async def _connection_loop(self) -> None:
         """Send what the connection says is due (HELLO with backoff, heartbeats); replace a silent socket."""
@@ -185,7 +210,7 @@ class InferenceClient:
             for frame in frames:
                 self._send_frame(frame)
             wake.clear()
-            delay = max(0.0, connection.next_due() - time.monotonic())
+            delay = min(max(0.0, connection.next_due() - time.monotonic()), self.coordinator_timeout)
             try:
                 await asyncio.wait_for(wake.wait(), delay)
             except asyncio.TimeoutError:
@@ -217,10 +242,8 @@ class InferenceClient:
             task.cancel()
         if self._ack_timer is not None:
             self._ack_timer.cancel()
-        if self._sock is not None:
-            self._flush()  # what this turn queued (an abort, acknowledgements) still goes, best effort
-            self._sock.close(linger=0)
-            self._sock = None
+        self._flush()  # what this turn queued (an abort, acknowledgements) still goes, best effort
+        self._close_socket()
         self._fail_all(ConnectionError("InferenceClient closed"))
 
     async def aclose(self) -> None:
@@ -310,11 +333,7 @@ class InferenceClient:
                 try:
                     messages = connection.receive(frame, time.monotonic())
                 except Unauthorized as exc:
-                    if self._registration is not None and not self._registration.done():
-                        self._registration.set_exception(exc)  # start() raises it
-                    else:  # refused on a reconnect: retrying cannot help
-                        self._fail_all(exc)
-                        self.close()
+                    self._refused(exc)
                     return
                 if registered and not connection.registered and self._wake is not None:
                     self._wake.set()  # the coordinator forgot us (it restarted): HELLO at once

@@ -39,9 +39,11 @@ class FleetClient(InferenceClient):
                              "so model must be a model directory")
         if num_engines < 1:
             raise ValueError(f"num_engines must be >= 1, got {num_engines}")
-        super().__init__(address or "", token=token)
-        self.fleet = None if address is not None else LocalFleet(str(model), num_engines, inference_config,
-                                                                 token=token, tokenizer_dir=tokenizer_dir)
+        # A fleet started here gets a secret of its own, unless one is given.
+        fleet = None if address is not None else LocalFleet(str(model), num_engines, inference_config,
+                                                            token=token, tokenizer_dir=tokenizer_dir)
+        super().__init__(address or "", token=token if fleet is None else fleet.token)
+        self.fleet = fleet
         self._stopped = False
 
     async def start(self, timeout: float = 600.0) -> "FleetClient":

@@ -3,7 +3,9 @@
 Used by ``MegatronLLM`` / ``MegatronAsyncLLM`` in coordinator mode when no coordinator address is
 given, and by tests and benchmarks. Children are real ``megatron-serve`` processes (the same code
 paths as a deployment); their logs go to files so that a full pipe can never block them, and a
-child that dies during start-up is reported with the tail of its log.
+child that dies during start-up is reported with the tail of its log. The fleet has a secret
+(``token``; a fresh one when none is given) that every child gets in its environment, never on a
+command line; ``insecure=True`` starts it without one (benchmarks only).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from pathlib import Path
 
 from .config import InferenceConfig
 from .fleet_argv import TOKEN_ENV, inference_config_to_argv
+from .security import make_secret
 
 logger = logging.getLogger("megatron_serve.local_fleet")
 
@@ -74,6 +77,7 @@ class LocalFleet:
         log_dir: str | os.PathLike | None = None,
         python: str = sys.executable,
         tokenizer_dir: str | os.PathLike | None = None,
+        insecure: bool = False,
     ) -> None:
         """``inference_config``: the engines' settings, tensor parallelism included; ``tokenizer_dir``:
         tokenizer files for the coordinator and every engine (default: the model's). On GPUs each
@@ -85,7 +89,9 @@ class LocalFleet:
         self.inference_config = inference_config
         self.host = host
         self.port = port
-        self.token = token
+        if insecure and token:
+            raise ValueError("an insecure fleet has no secret: pass token or insecure, not both")
+        self.token = None if insecure else token or make_secret()
         self.routing = routing
         self.heartbeat_timeout = heartbeat_timeout
         self.drain_timeout = drain_timeout
@@ -128,7 +134,8 @@ class LocalFleet:
         self.coordinator = self._spawn(
             ["coordinator", "--model", self.model_dir, "--host", self.host, "--port", str(self.port),
              "--routing", self.routing, "--heartbeat-timeout", str(self.heartbeat_timeout),
-             "--address-file", str(address_file), *self.tokenizer_args], "coordinator.log")
+             "--address-file", str(address_file), *self.tokenizer_args,
+             *([] if self.token else ["--insecure"])], "coordinator.log")
         deadline = time.monotonic() + timeout
         while not address_file.exists():
             if self.coordinator.poll() is not None:

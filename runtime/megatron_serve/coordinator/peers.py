@@ -95,6 +95,7 @@ class ClientRecord:
     role: Role
     identity: bytes | None
     acks: bool
+    key: bytes | None = None  # the CURVE key that registered it (None in an insecure fleet): only it may return
     batches: bool = False  # it understands BATCH frames (protocol 2)
     last_seen: float = field(default_factory=time.monotonic)
     offline_since: float | None = None
