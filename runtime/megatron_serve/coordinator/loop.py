@@ -217,12 +217,13 @@ class Coordinator:
         except ProtocolError as exc:
             self.core.drop(self.core.peer_name(identity), str(exc))
             return effects
-        if identity not in self._fds:
+        effects += self.core.on_message(identity, message, time.monotonic(), key)
+        if identity not in self._fds and (key is None or identity in self.core.proven):  # a stranger is never probed
             try:
                 self._fds[identity] = frame.get(zmq.SRCFD)
             except zmq.ZMQError:
                 pass
-        return effects + self.core.on_message(identity, message, time.monotonic(), key)
+        return effects
 
     def _gone(self, identity: bytes, reason: str) -> list[Effect]:
         """The transport lost ``identity``'s connection: forget what belonged to it, tell the core."""
