@@ -14,7 +14,6 @@ import asyncio
 import json
 import os
 import re
-import signal
 import socket
 import subprocess
 import sys
@@ -32,6 +31,7 @@ from megatron_serve.security import FleetSecret, make_secret
 from megatron_serve.weights import WeightSender
 
 from ..coordinator.helpers import RawPeer, free_port, until
+from ..processes import stop_process_group
 from ..server.conftest import wait_ready
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
@@ -76,13 +76,7 @@ def stack(tiny_model, tmp_path_factory):
         state.baseline = asyncio.run(answers(state))
         yield state
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGINT)
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+        stop_process_group(proc)  # the run stops its fleet on SIGINT
 
 
 async def answers(stack) -> SimpleNamespace:

@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import os
 import re
-import signal
 import subprocess
 import sys
 
@@ -16,6 +15,7 @@ from megatron_serve.client import InferenceClient
 from megatron_serve.sampling_params import SamplingParams
 
 from ..coordinator.helpers import free_port
+from ..processes import stop_process_group
 from ..server.conftest import wait_ready
 
 pytestmark = pytest.mark.timeout(600)
@@ -67,10 +67,4 @@ def test_an_insecure_run_works_as_before_and_says_so(tiny_model, tmp_path):
 
         assert len(asyncio.run(plain_client())) == 3
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGINT)
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+        stop_process_group(proc)  # the run stops its fleet on SIGINT
