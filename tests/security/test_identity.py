@@ -43,18 +43,18 @@ class Driven:
             effects = self.coordinator._perform(effects)
         return identity.bytes
 
-    def wait_gone(self, routing_id: bytes, timeout: float = 10.0) -> None:
-        """Until the ROUTER has dropped ``routing_id``'s connection (a send to it is refused), without
-        telling the coordinator's core (its disconnect probes are not run here)."""
+    def connect_as(self, routing_id: bytes, header: Header, body: dict, timeout: float = 30.0, **peer) -> RawPeer:
+        """A new connection the ROUTER knows by ``routing_id`` (a departed peer's), whose first message
+        (``header``, ``body``) has been handled. Retried: until the departed connection's pipe is gone
+        from the ROUTER, a newcomer with its routing id has its first frame taken for a routing id."""
         deadline = time.monotonic() + timeout
         while True:
-            try:
-                self.coordinator.sock.send_multipart([routing_id, b""], zmq.NOBLOCK)
-            except zmq.ZMQError as exc:
-                assert exc.errno == zmq.EHOSTUNREACH, exc
-                return
-            assert time.monotonic() < deadline, "the connection was never dropped"
-            time.sleep(0.01)
+            newcomer = RawPeer(self.address, routing_id=routing_id, **peer)
+            newcomer.send(header, body)
+            if self.coordinator.sock.poll(500) and self.pump() == routing_id:
+                return newcomer
+            newcomer.close()
+            assert time.monotonic() < deadline, f"no connection came through as {routing_id!r}"
 
     def close(self) -> None:
         self.coordinator.close()
@@ -74,13 +74,10 @@ def test_a_routing_id_taken_over_by_another_connection_inherits_nothing(driven):
     assert driven.pump() == routing_id
     assert legit.recv().header is Header.HELLO_ACK
     legit.close()  # it leaves; the coordinator's core has not noticed (nothing probes it here)
-    driven.wait_gone(routing_id)
     # Same routing id, its own key: it knows the coordinator's public key but not the secret.
-    thief = RawPeer(driven.address, None, server_key=driven.coordinator.core.secret.server_public,
-                    routing_id=routing_id)
+    thief = driven.connect_as(routing_id, Header.SUBMIT, SUBMIT, secret=None,
+                              server_key=driven.coordinator.core.secret.server_public)
     try:
-        thief.send(Header.SUBMIT, SUBMIT)  # queued until the ROUTER accepts it (once legit's connection is gone)
-        assert driven.pump() == routing_id
         core = driven.coordinator.core
         assert routing_id not in core.peers and len(core.requests) == 0  # not legit's: nothing was accepted
         thief.send(Header.STATUS, {})

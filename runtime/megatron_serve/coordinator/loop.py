@@ -90,7 +90,6 @@ class Coordinator:
         self._fds: dict[bytes, int] = {}  # identity -> fd of its connection (for disconnect probes)
         self._probes: list[tuple[float, int]] = []  # (due, fd) after disconnect events
         self._backlog: dict[bytes, list[bytes]] = {}  # frames a full queue refused (EAGAIN), in order
-        self._keys: dict[bytes, bytes] = {}  # identity -> the CURVE key of its connection (secure fleets)
         # A context of its own: its ZAP handler answers for this coordinator's sockets only.
         self.ctx = zmq.Context()
         self._authenticator: ThreadAuthenticator | None = None
@@ -208,10 +207,9 @@ class Coordinator:
         key = None
         if self.core.secret is not None:  # the connection's key, from the handshake (0.6 us a frame)
             key = frame.get("User-Id").encode()
-            if self._keys.get(identity) != key:
-                if identity in self._keys:  # another connection took this routing id: the old one is gone
-                    effects = self._gone(identity, "its routing id now belongs to another connection")
-                self._keys[identity] = key
+            proven = self.core.proven.get(identity)
+            if proven is not None and proven != key:  # another connection took this routing id: the old one left
+                effects = self._gone(identity, "its routing id now belongs to another connection")
         try:
             message = decode(frame.buffer, TO_COORDINATOR, self.max_message_bytes)
         except ProtocolError as exc:
@@ -228,7 +226,6 @@ class Coordinator:
     def _gone(self, identity: bytes, reason: str) -> list[Effect]:
         """The transport lost ``identity``'s connection: forget what belonged to it, tell the core."""
         self._fds.pop(identity, None)
-        self._keys.pop(identity, None)
         return self.core.on_peer_gone(identity, reason, time.monotonic())
 
     def _tick(self, now: float) -> list[Effect]:
