@@ -82,7 +82,7 @@ async def main(args: argparse.Namespace) -> None:
         fleet = LocalFleet(model, engines, config)
         try:
             address = await asyncio.to_thread(fleet.start)
-            client = InferenceClient(address)
+            client = InferenceClient(address, token=fleet.token)
             await client.start(timeout=120)
             await client.wait_for_engines(engines, timeout=600)
             for c in concurrencies:

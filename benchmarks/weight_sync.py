@@ -116,7 +116,7 @@ async def main_async(args: argparse.Namespace) -> None:
     config_args = ["--num-kv-blocks", "64", "--max-sequence-length", "256"]
     fleet = LocalFleet(paths[0], 1, InferenceConfig(num_kv_blocks=64, max_sequence_length=256))
     address = await asyncio.to_thread(fleet.start, 300)
-    client = InferenceClient(address)
+    client = InferenceClient(address, token=fleet.token)
     await client.start(timeout=60)
     restarts: list[dict] = []
     refits: list[dict] = []

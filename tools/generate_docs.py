@@ -174,24 +174,33 @@ def _properties_table(schema: dict[str, Any]) -> str:
     return "".join(rows)
 
 
+_KEY_NAMES = {"api": "API key", "admin": "admin key", "none": "none"}
+
+
 def http_page(document: dict[str, Any]) -> str:
+    from megatron_serve.server.app import key_for
+
     out = [HEADER.format(source="the server's OpenAPI document"),
            f"# HTTP API\n\n{_cell(document['info'].get('description', ''))} The raw document is "
            "[openapi.json](openapi.json); a running server also serves it at `/openapi.json` and "
            "renders it at `/docs`.\n\n",
-           "Routes under `/v1` need `Authorization: Bearer KEY` when the server has an API key "
-           "(`--api-key-file` or `$MEGATRON_SERVE_API_KEY`); the probes and `/metrics` never do. The admin "
-           "routes (`/v1/admin/*`, the fleet's lifecycle) need the admin key instead (`--admin-key-file` or "
-           "`$MEGATRON_SERVE_ADMIN_KEY`; without one they answer 403), which must differ from the API key: "
-           "see [RL fleets](../rl-fleets.md#lifecycle-over-http). Errors have the shape of "
-           "[ErrorResponse](#errorresponse).\n\n",
-           "| method | path | summary |\n|---|---|---|\n"]
+           "Every route that uses the model needs `Authorization: Bearer KEY` when the server has an API key "
+           "(`--api-key-file`, `--api-key` or `$MEGATRON_SERVE_API_KEY`): those under `/v1`, and `/tokenize` and "
+           "`/detokenize` too (they run the model's tokenizer and chat template; vLLM leaves them open). The "
+           "probes (`/health`, `/ready`), `/metrics` and this description (`/openapi.json`, `/docs`) never "
+           "ask for a key. The admin routes (`/v1/admin/*`, the fleet's lifecycle) need the admin key instead "
+           "(`--admin-key-file` or `$MEGATRON_SERVE_ADMIN_KEY`; without one they answer 403), which must differ "
+           "from the API key: see [RL fleets](../rl-fleets.md#lifecycle-over-http). The table's last column says "
+           "which key each route takes; [Security](../security.md) says what each key protects. Errors have the "
+           "shape of [ErrorResponse](#errorresponse).\n\n",
+           "| method | path | summary | key |\n|---|---|---|---|\n"]
     operations = []
     for path, methods in document["paths"].items():
         for method, op in methods.items():
             operations.append((path, method.upper(), op))
             anchor = f"{method}-{path}".lower().replace("/", "").replace("{", "").replace("}", "").replace("_", "-")
-            out.append(f"| {method.upper()} | [`{path}`](#{anchor}) | {_cell(op.get('summary', ''))} |\n")
+            out.append(f"| {method.upper()} | [`{path}`](#{anchor}) | {_cell(op.get('summary', ''))} | "
+                       f"{_KEY_NAMES[key_for(path)]} |\n")
     for path, method, op in operations:
         anchor = f"{method}-{path}".lower().replace("/", "").replace("{", "").replace("}", "").replace("_", "-")
         out.append(f"\n## {method} `{path}` {{#{anchor}}}\n\n")

@@ -277,6 +277,21 @@ def spec_schema() -> dict[str, Any]:
         },
         default={},
     )
+    network = _obj(
+        "Who may reach the fleet's pods besides the fleet itself and the operator. Every container port of every "
+        "child is covered by a NetworkPolicy: the coordinator port admits the fleet's pods, the operator and these "
+        "peers; the engine pods admit each other and these peers; the OpenAI port admits everyone (it takes the API "
+        "key).",
+        {
+            "trainers": {"type": "array",
+                         "description": "NetworkPolicy peers (podSelector and/or namespaceSelector) of the trainer "
+                                        "pods of an RL fleet: admitted to the coordinator port (with the fleet secret "
+                                        "they submit rollouts, pause and refit) and to the engine pods (the weight "
+                                        "transfer's collective connects there).",
+                         "items": _free("A Kubernetes NetworkPolicyPeer.")},
+        },
+        default={},
+    )
     spec = _obj(
         "Desired state of a served model.",
         {
@@ -291,6 +306,7 @@ def spec_schema() -> dict[str, Any]:
             "engine": engine,
             "coordinator": coordinator,
             "server": server,
+            "network": network,
             "lifecycle": _str("Running | Paused (stop stepping, keep memory) | Suspended (release GPU memory) | "
                               "Shutdown (stop engines, scale them to zero).", enum=list(LIFECYCLES), default="Running"),
             "pauseMode": _str("What every PAUSE the lifecycle walk sends (towards Paused or Suspended) does with "

@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import render
+from . import names, render
 from .kube import Kube, KubeError
 
 Event = tuple[str, str, str]  # (type, reason, message)
@@ -72,7 +72,7 @@ def controller_uid(obj: dict[str, Any]) -> str | None:
 
 
 def group_of(obj: dict[str, Any]) -> int | None:
-    value = ((obj.get("metadata") or {}).get("labels") or {}).get(render.GROUP_LABEL)
+    value = ((obj.get("metadata") or {}).get("labels") or {}).get(names.GROUP_LABEL)
     try:
         return int(value) if value is not None else None
     except ValueError:
@@ -215,7 +215,7 @@ class Reconciler:
                 group = group_of(item)
                 if (kind, item_name) in wanted or group is None or group < data:
                     continue
-                if controller_uid(item) not in (None, uid) or item_name != render.engine_name(name, group):
+                if controller_uid(item) not in (None, uid) or item_name != names.engine_name(name, group):
                     continue
                 extra.append((group, item_name))
             for group, item_name in sorted(extra, reverse=True):

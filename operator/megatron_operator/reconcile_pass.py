@@ -26,7 +26,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from . import lifecycle, render, status
+from . import lifecycle, names, render, status
 from .config import OperatorConfig
 from .coordinator_link import CoordinatorRejected, CoordinatorUnavailable, LinkCache
 from .kube import Kube
@@ -77,8 +77,8 @@ async def _pass(resource: Mapping[str, Any], state: ResourceState, kube: Kube, c
         return PassResult(status.changes(previous, new), status_events(previous, new))
 
     obs = status.Observation(generation=generation, desired_lifecycle=spec.lifecycle,
-                             endpoint=render.endpoint(name, namespace, spec.server_port),
-                             selector=render.engine_pod_selector(name))
+                             endpoint=names.endpoint(name, namespace, spec.server_port),
+                             selector=names.engine_pod_selector(name))
     token = await existing_token(kube, name, namespace)
     address = config.coordinator_address(name, namespace)
     coordinator_state: str | None = None
@@ -155,7 +155,7 @@ async def _pass(resource: Mapping[str, Any], state: ResourceState, kube: Kube, c
     obs.engines_desired = 0 if target == lifecycle.STOPPED else spec.data
     statefulsets = {k[1]: v for k, v in children.live.items() if k[0] == "StatefulSet"}
     obs.engines_ready = sum(1 for g in range(spec.data)
-                            if group_ready(statefulsets.get(render.engine_name(name, g)), pods))
+                            if group_ready(statefulsets.get(names.engine_name(name, g)), pods))
     connected = connected_groups(coordinator_status) if obs.coordinator_ok else set()
     obs.engines_connected = len({g for g in connected if 0 <= g < spec.data})
     new = status.compute(previous, obs)
@@ -186,7 +186,7 @@ async def stop_fleet(resource: Mapping[str, Any], state: ResourceState, kube: Ku
 
 async def existing_token(kube: Kube, name: str, namespace: str) -> str | None:
     """The coordinator token in the resource's Secret, if there is one."""
-    secret = await kube.get("v1", "Secret", namespace, render.secret_name(name))
+    secret = await kube.get("v1", "Secret", namespace, names.secret_name(name))
     encoded = ((secret or {}).get("data") or {}).get(render.TOKEN_KEY)
     if not encoded:
         return None

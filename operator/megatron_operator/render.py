@@ -3,12 +3,13 @@
 :func:`render` is a pure function: the same resource and configuration always give the same
 objects in the same order (docs/reference/megatroninference.md):
 
-1. Secret ``<name>-coordinator-token`` (the coordinator's shared token),
+1. Secret ``<name>-coordinator-token`` (the fleet secret: every child reads it),
 2. Service ``<name>`` (OpenAI port; the endpoint ``http://<name>.<namespace>.svc:<port>/v1``),
 3. Service ``<name>-coordinator`` (ZeroMQ port 5555),
-4. NetworkPolicy ``<name>-coordinator`` (port 5555 only from engine, server and operator pods),
-5. Deployment ``<name>-coordinator`` (1 replica: coordinator + OpenAI server containers),
-6. for each data-parallel group g: headless Service ``<name>-engine-<g>`` (rank rendezvous,
+4. NetworkPolicy ``<name>-coordinator`` (port 5555 only from engine, server, operator and trainer pods),
+5. NetworkPolicy ``<name>-engine`` (engine pods: every port only from engine and trainer pods),
+6. Deployment ``<name>-coordinator`` (1 replica: coordinator + OpenAI server containers),
+7. for each data-parallel group g: headless Service ``<name>-engine-<g>`` (rank rendezvous,
    ``publishNotReadyAddresses``) then StatefulSet ``<name>-engine-<g>`` (pods of the group).
 
 Every object carries ``app.kubernetes.io/instance=<name>`` and, when the resource has a uid,
@@ -20,6 +21,7 @@ rotates the token of an existing Secret (it passes it in as ``token``). There is
 
 from __future__ import annotations
 
+import argparse
 import base64
 import dataclasses
 import hashlib
@@ -28,70 +30,17 @@ import os
 import sys
 from typing import Any
 
-from . import crd
 from .config import ENV_TOKEN_KEY, ENV_TOKEN_KEY_FILE, OperatorConfig, read_token_key, token_key_from_env
 from .model_fetch import fetch_container
+from .names import (COORDINATOR_PORT, RENDEZVOUS_PORT, coordinator_name, coordinator_service_address, engine_name,
+                    labels, object_meta, secret_name, selector_labels, server_service_name)
+from .network import coordinator_policy, engine_policy, unauthenticated_ports
 from .spec import InferenceSpec, SpecError, parse
 
-COORDINATOR_PORT = crd.COORDINATOR_PORT
-RENDEZVOUS_PORT = 29500
 TOKEN_KEY = "token"
-MANAGED_BY = "megatron-operator"
-GROUP_LABEL = f"{crd.GROUP}/group"
 ENGINE_SHM_LIMIT = "8Gi"
 DEFAULT_SIDE_RESOURCES = {"requests": {"cpu": "1", "memory": "2Gi"}}
 UID = 1000
-
-# ----------------------------------------------------------------------------- names
-
-def secret_name(name: str) -> str:
-    return f"{name}-coordinator-token"
-
-
-def coordinator_name(name: str) -> str:
-    return f"{name}-coordinator"
-
-
-def server_service_name(name: str) -> str:
-    return name
-
-
-def engine_name(name: str, group: int) -> str:
-    return f"{name}-engine-{group}"
-
-
-def endpoint(name: str, namespace: str, port: int) -> str:
-    return f"http://{server_service_name(name)}.{namespace}.svc:{port}/v1"
-
-
-def coordinator_service_address(name: str, namespace: str) -> str:
-    """The coordinator address used inside the cluster (engines)."""
-    return f"tcp://{coordinator_name(name)}.{namespace}.svc:{COORDINATOR_PORT}"
-
-
-def selector_labels(name: str, component: str, group: int | None = None) -> dict[str, str]:
-    labels = {
-        "app.kubernetes.io/name": "megatron-serve",
-        "app.kubernetes.io/instance": name,
-        "app.kubernetes.io/component": component,
-    }
-    if group is not None:
-        labels[GROUP_LABEL] = str(group)
-    return labels
-
-
-def labels(name: str, component: str, group: int | None = None) -> dict[str, str]:
-    return {**selector_labels(name, component, group), "app.kubernetes.io/managed-by": MANAGED_BY}
-
-
-def instance_selector(name: str) -> str:
-    """Label selector (string form) of every child of ``name``."""
-    return f"app.kubernetes.io/instance={name},app.kubernetes.io/managed-by={MANAGED_BY}"
-
-
-def engine_pod_selector(name: str) -> str:
-    """Label selector of the engine pods (status.selector, for the scale subresource)."""
-    return f"app.kubernetes.io/name=megatron-serve,app.kubernetes.io/instance={name},app.kubernetes.io/component=engine"
 
 
 def derive_token(key: bytes, namespace: str, name: str, uid: str | None) -> str:
@@ -100,19 +49,6 @@ def derive_token(key: bytes, namespace: str, name: str, uid: str | None) -> str:
 
 
 # ----------------------------------------------------------------------------- pieces
-
-def _meta(spec: InferenceSpec, name: str, component: str, group: int | None = None) -> dict[str, Any]:
-    meta: dict[str, Any] = {"name": name, "namespace": spec.namespace, "labels": labels(spec.name, component, group)}
-    if spec.uid:
-        meta["ownerReferences"] = [{
-            "apiVersion": crd.API_VERSION,
-            "kind": crd.KIND,
-            "name": spec.name,
-            "uid": spec.uid,
-            "controller": True,
-        }]
-    return meta
-
 
 def _container_security() -> dict[str, Any]:
     return {
@@ -221,7 +157,7 @@ def render_secret(spec: InferenceSpec, token: str) -> dict[str, Any]:
     return {
         "apiVersion": "v1",
         "kind": "Secret",
-        "metadata": _meta(spec, secret_name(spec.name), "coordinator"),
+        "metadata": object_meta(spec, secret_name(spec.name), "coordinator"),
         "type": "Opaque",
         "data": {TOKEN_KEY: base64.b64encode(token.encode()).decode()},
     }
@@ -231,7 +167,7 @@ def render_server_service(spec: InferenceSpec) -> dict[str, Any]:
     return {
         "apiVersion": "v1",
         "kind": "Service",
-        "metadata": _meta(spec, server_service_name(spec.name), "coordinator"),
+        "metadata": object_meta(spec, server_service_name(spec.name), "coordinator"),
         "spec": {
             "type": "ClusterIP",
             "selector": selector_labels(spec.name, "coordinator"),
@@ -244,39 +180,12 @@ def render_coordinator_service(spec: InferenceSpec) -> dict[str, Any]:
     return {
         "apiVersion": "v1",
         "kind": "Service",
-        "metadata": _meta(spec, coordinator_name(spec.name), "coordinator"),
+        "metadata": object_meta(spec, coordinator_name(spec.name), "coordinator"),
         "spec": {
             "type": "ClusterIP",
             "selector": selector_labels(spec.name, "coordinator"),
             "ports": [{"name": "coordinator", "port": COORDINATOR_PORT, "targetPort": "coordinator",
                        "protocol": "TCP"}],
-        },
-    }
-
-
-def render_network_policy(spec: InferenceSpec, config: OperatorConfig) -> dict[str, Any]:
-    return {
-        "apiVersion": "networking.k8s.io/v1",
-        "kind": "NetworkPolicy",
-        "metadata": _meta(spec, coordinator_name(spec.name), "coordinator"),
-        "spec": {
-            "podSelector": {"matchLabels": selector_labels(spec.name, "coordinator")},
-            "policyTypes": ["Ingress"],
-            "ingress": [
-                {
-                    # The coordinator port: engines, OpenAI servers and the operator only.
-                    "from": [
-                        {"podSelector": {"matchLabels": selector_labels(spec.name, "engine")}},
-                        {"podSelector": {"matchLabels": selector_labels(spec.name, "coordinator")}},
-                        {"namespaceSelector": {}, "podSelector": {"matchLabels": dict(config.operator_pod_labels)}},
-                    ],
-                    "ports": [{"protocol": "TCP", "port": COORDINATOR_PORT}],
-                },
-                {
-                    # The OpenAI port is the product's front door: open to every client.
-                    "ports": [{"protocol": "TCP", "port": spec.server_port}],
-                },
-            ],
         },
     }
 
@@ -327,7 +236,7 @@ def render_coordinator_deployment(spec: InferenceSpec, config: OperatorConfig) -
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
-        "metadata": _meta(spec, coordinator_name(spec.name), "coordinator"),
+        "metadata": object_meta(spec, coordinator_name(spec.name), "coordinator"),
         "spec": {
             "replicas": 1,
             # Never two coordinators at once: engines would split between them.
@@ -346,7 +255,7 @@ def render_engine_service(spec: InferenceSpec, group: int) -> dict[str, Any]:
     return {
         "apiVersion": "v1",
         "kind": "Service",
-        "metadata": _meta(spec, engine_name(spec.name, group), "engine", group),
+        "metadata": object_meta(spec, engine_name(spec.name, group), "engine", group),
         "spec": {
             "clusterIP": "None",
             # Ranks must find each other before any of them is ready.
@@ -444,7 +353,7 @@ def render_engine_statefulset(spec: InferenceSpec, group: int, config: OperatorC
     return {
         "apiVersion": "apps/v1",
         "kind": "StatefulSet",
-        "metadata": _meta(spec, name, "engine", group),
+        "metadata": object_meta(spec, name, "engine", group),
         "spec": {
             "serviceName": name,
             "replicas": replicas,
@@ -471,7 +380,8 @@ def render_spec(spec: InferenceSpec, config: OperatorConfig | None = None, *, to
         render_secret(spec, token),
         render_server_service(spec),
         render_coordinator_service(spec),
-        render_network_policy(spec, config),
+        coordinator_policy(spec, config.operator_pod_labels),
+        engine_policy(spec),
         render_coordinator_deployment(spec, config),
     ]
     for group in range(spec.data):
@@ -514,8 +424,11 @@ def load_resources(text: str) -> list[dict[str, Any]]:
     return out
 
 
-def render_file(path: str, config: OperatorConfig | None = None) -> tuple[str, list[str]]:
-    """Render every MegatronInference in a YAML file: (YAML stream, error lines)."""
+def render_file(path: str, config: OperatorConfig | None = None, strict_security: bool = True
+                ) -> tuple[str, list[str]]:
+    """Render every MegatronInference in a YAML file: (YAML stream, error lines). ``strict_security``: a
+    resource whose children would leave a port open without credentials is an error
+    (:func:`~megatron_operator.network.unauthenticated_ports`)."""
     import yaml
 
     try:
@@ -540,16 +453,24 @@ def render_file(path: str, config: OperatorConfig | None = None) -> tuple[str, l
         if isinstance(doc, dict) and isinstance(doc.get("metadata"), dict) and doc["metadata"].get("name"):
             label = f"{path}: {doc.get('kind', '?')}/{doc['metadata']['name']}"
         try:
-            objects.extend(render(doc, config))
+            children = render(doc, config)
         except SpecError as exc:
             errors.extend(f"{label}: {reason}" for reason in exc.reasons)
+            continue
+        if strict_security:
+            errors.extend(f"{label}: {problem} (or render with --no-strict-security)"
+                          for problem in unauthenticated_ports(children))
+        objects.extend(children)
     return (to_yaml(objects) if not errors else ""), errors
 
 
-def add_render_arguments(parser: Any) -> None:
-    """The options of ``megatron-serve render`` (an ``argparse`` parser)."""
+def add_render_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of ``megatron-serve render``."""
     parser.add_argument("-f", "--filename", required=True, metavar="FILE",
                         help="MegatronInference YAML ('-' reads stdin); may hold several documents")
+    parser.add_argument("--strict-security", action=argparse.BooleanOptionalAction, default=True,
+                        help="refuse a resource whose children would leave a port open to the cluster without "
+                             "credentials (e.g. the OpenAI port without spec.server.apiKeySecretRef)")
     parser.add_argument("--token-key-file", metavar="PATH",
                         help="the operator's token key: the Secret then holds the token the operator derives "
                              f"(else ${ENV_TOKEN_KEY} or ${ENV_TOKEN_KEY_FILE}; none = a random token)")
@@ -557,16 +478,15 @@ def add_render_arguments(parser: Any) -> None:
 
 def render_main(argv: list[str] | None = None) -> int:
     """``megatron-serve render -f FILE``: print the child objects, or the reasons and exit 1."""
-    import argparse
-
     parser = argparse.ArgumentParser(prog="megatron-serve render",
                                      description="Print the child objects the operator would create.")
     add_render_arguments(parser)
     args = parser.parse_args(argv)
-    return render_command(args.filename, token_key_file=args.token_key_file)
+    return render_command(args.filename, token_key_file=args.token_key_file, strict_security=args.strict_security)
 
 
-def render_command(path: str, out: Any = None, err: Any = None, *, token_key_file: str | None = None) -> int:
+def render_command(path: str, out: Any = None, err: Any = None, *, token_key_file: str | None = None,
+                   strict_security: bool = True) -> int:
     """Print the children of every resource in ``path``; the coordinator token comes from the operator's
     key when one is given, else it is random (never derived from public information), and stderr says so."""
     out = out or sys.stdout
@@ -579,7 +499,7 @@ def render_command(path: str, out: Any = None, err: Any = None, *, token_key_fil
         return 2
     if key is not None:
         config = dataclasses.replace(config, token_key=key)
-    text, errors = render_file(path, config)
+    text, errors = render_file(path, config, strict_security)
     if errors:
         print(f"megatron-serve render: {path} is invalid:", file=err)
         for line in errors:

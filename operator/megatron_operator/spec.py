@@ -221,6 +221,7 @@ class InferenceSpec:
     api_key_secret_ref: dict[str, str] | None
     server_resources: dict[str, Any]
     remote_images: bool
+    trainers: list[dict[str, Any]]  # NetworkPolicy peers admitted to the coordinator port and the engine pods
     lifecycle: str
     pause_mode: str  # megatron_serve.lifecycle.PauseMode's value: keep, wait, abort
     drain_timeout_seconds: int
@@ -292,6 +293,7 @@ def parse(resource: dict[str, Any], default_namespace: str = "default") -> Infer
         api_key_secret_ref=server.get("apiKeySecretRef"),
         server_resources=dict(server.get("resources", {})),
         remote_images=server["remoteImages"],
+        trainers=[dict(peer) for peer in spec["network"].get("trainers", [])],
         lifecycle=spec["lifecycle"],
         pause_mode=spec["pauseMode"].lower(),
         drain_timeout_seconds=spec["drainTimeoutSeconds"],

@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any, AsyncIterator
 
 import zmq
 import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
 
 import msgspec
 
@@ -43,6 +44,8 @@ from .multimodal import PromptImage
 from .output_processor import OutputCollector, check_params, load_tokenizer
 from .prompts import ImagePrompt, Prompt
 from .protocol import ErrorCode, Header, Role, encode, pack_batches
+from .security import FleetSecret, PeerKeys, fleet_secret, hello_credentials, refused_message
+from .transport import close_monitored, open_peer_socket
 from .outputs import StreamPartial
 from .pending_requests import PendingRequest, PendingRequests
 from .request import DynamicInferenceRequest
@@ -76,9 +79,9 @@ ACK_DELAY_S = 0.05
 class InferenceClient:
     """Asyncio client of a coordinator at ``address`` (``tcp://host:port``).
 
-    ``token``: the shared token when the coordinator requires one. ``role``: ``"client"`` (submit
-    and control) or ``"control"`` (control and status only). ``coordinator_timeout``: with no
-    message from the coordinator for that long (it answers every heartbeat), reconnect.
+    ``token``: the fleet secret (``None``: an ``--insecure`` coordinator; :mod:`megatron_serve.security`).
+    ``role``: ``"client"`` (submit and control) or ``"control"`` (control and status only). ``coordinator_timeout``:
+    with no message from the coordinator for that long (it answers every heartbeat), reconnect.
     ``coordinator_grace``: a lost coordinator (or its replacement) back within that many seconds gets
     every pending request again; past it, each pending request and verb (and any new one until a
     coordinator answers) fails with :class:`CoordinatorLost` (41 of 43 streams hung 90 s before).
@@ -88,7 +91,7 @@ class InferenceClient:
     def __init__(
         self,
         address: str,
-        token: str | None = None,
+        token: str | FleetSecret | None = None,
         *,
         role: str = Role.CLIENT.value,
         client_id: str | None = None,
@@ -100,7 +103,7 @@ class InferenceClient:
         self.address = address
         self.tokenizer: Tokenizer | None = None if isinstance(tokenizer, (str, os.PathLike)) else tokenizer
         self._tokenizer_dir = os.fspath(tokenizer) if isinstance(tokenizer, (str, os.PathLike)) else None
-        self.token = token
+        self.secret = fleet_secret(token)  # WeakSecret (a ValueError) for a guessable one
         self.role = Role(role)
         self.client_id = client_id or uuid.uuid4().hex
         self.heartbeat_interval = heartbeat_interval
@@ -122,11 +125,14 @@ class InferenceClient:
         self._acks: list[Any] = []  # RESULTs not yet acknowledged: they ride with the next message
         self._flush_scheduled = False
         self._ack_timer: asyncio.TimerHandle | None = None  # sends them alone when nothing else goes
-        self._connection = Connection({"role": self.role.value, "token": token, "client_id": self.client_id,
-                                       "acks": True}, heartbeat_interval=heartbeat_interval,
-                                      coordinator_timeout=coordinator_timeout, grace=coordinator_grace)
+        self._keys = PeerKeys()  # this client's identity, kept across its reconnects
+        self._connection = Connection({"role": self.role.value, "client_id": self.client_id, "acks": True,
+                                       **hello_credentials(self.secret, self._keys)},
+                                      heartbeat_interval=heartbeat_interval, coordinator_timeout=coordinator_timeout,
+                                      grace=coordinator_grace)
         self._registration: asyncio.Future | None = None  # start() waits on it: HELLO_ACK, or Unauthorized
         self._wake: asyncio.Event | None = None  # the connection has something due sooner than planned
+        self._monitor: zmq.asyncio.Socket | None = None  # the current socket's handshake events
         self._tasks: list[asyncio.Task] = []
         self._closed = False
         self._started = False
@@ -138,6 +144,7 @@ class InferenceClient:
         if self._started:
             return self
         self._loop = asyncio.get_running_loop()
+        self._connection.refusal = refused_message(self.address, self.secret is not None)
         self._registration = self._loop.create_future()
         self._wake = asyncio.Event()
         self._started = True
@@ -166,19 +173,38 @@ class InferenceClient:
         self.close()
 
     def _open_socket(self) -> None:
-        sock = self._ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.IMMEDIATE, 1)
-        sock.setsockopt(zmq.SNDHWM, 0)
-        sock.setsockopt(zmq.RCVHWM, 0)
-        sock.setsockopt(zmq.RECONNECT_IVL, 100)
-        sock.setsockopt(zmq.RECONNECT_IVL_MAX, 2000)
-        sock.connect(self.address)
-        old, self._sock = self._sock, sock
-        if old is not None:
-            old.close(linger=0)
+        sock, monitor = open_peer_socket(self._ctx, self.address, self.secret, self._keys, hwm=0, linger=0)
+        self._close_socket()
+        self._sock, self._monitor = sock, monitor
         self._tasks = [t for t in self._tasks if not t.done()]
         self._tasks.append(asyncio.create_task(self._recv_loop(sock), name="inference-client-recv"))
+        self._tasks.append(asyncio.create_task(self._monitor_loop(sock, monitor), name="inference-client-monitor"))
+
+    def _close_socket(self) -> None:
+        """Close the current socket, then its monitor (which ends the monitor's reading task)."""
+        if self._sock is not None:
+            close_monitored(self._sock, self._monitor)
+            self._sock = self._monitor = None
+
+    async def _monitor_loop(self, sock: zmq.asyncio.Socket, monitor: zmq.asyncio.Socket) -> None:
+        """HELLO as soon as a connection is up; give up when handshakes keep failing. It reads until the socket
+        is closed (an unread monitor would stall the context: :func:`~megatron_serve.transport.open_monitor`)."""
+        try:
+            while sock is self._sock:
+                self._connection.on_monitor_event(parse_monitor_message(await monitor.recv_multipart())["event"])
+                self._wake.set()
+        except Unauthorized as exc:
+            self._refused(exc)
+        except (asyncio.CancelledError, zmq.ZMQError):
+            pass
+
+    def _refused(self, exc: Unauthorized) -> None:
+        """The coordinator refused this client (its handshake, or its identity): retrying cannot help."""
+        if self._registration is not None and not self._registration.done():
+            self._registration.set_exception(exc)  # start() raises it
+        else:
+            self._fail_all(exc)
+            self.close()
 
     async def _connection_loop(self) -> None:
         """Send what the connection says is due (HELLO with backoff, heartbeats); replace a silent socket."""
@@ -197,7 +223,7 @@ class InferenceClient:
                 logger.error("%s: %d request(s) and %d verb(s) end", lost, len(self._pending), len(self._controls))
                 self._fail_all(lost)
             wake.clear()
-            delay = max(0.0, connection.next_due() - time.monotonic())
+            delay = min(max(0.0, connection.next_due() - time.monotonic()), self.coordinator_timeout)
             try:
                 await asyncio.wait_for(wake.wait(), delay)
             except asyncio.TimeoutError:
@@ -238,10 +264,8 @@ class InferenceClient:
             task.cancel()
         if self._ack_timer is not None:
             self._ack_timer.cancel()
-        if self._sock is not None:
-            self._flush()  # what this turn queued (an abort, acknowledgements) still goes, best effort
-            self._sock.close(linger=0)
-            self._sock = None
+        self._flush()  # what this turn queued (an abort, acknowledgements) still goes, best effort
+        self._close_socket()
         self._fail_all(ConnectionError("InferenceClient closed"))
 
     async def aclose(self) -> None:
@@ -329,11 +353,7 @@ class InferenceClient:
                 try:
                     messages = connection.receive(frame, time.monotonic())
                 except Unauthorized as exc:
-                    if self._registration is not None and not self._registration.done():
-                        self._registration.set_exception(exc)  # start() raises it
-                    else:  # refused on a reconnect: retrying cannot help
-                        self._fail_all(exc)
-                        self.close()
+                    self._refused(exc)
                     return
                 if registered and not connection.registered and self._wake is not None:
                     self._wake.set()  # the coordinator forgot us (it restarted): HELLO at once

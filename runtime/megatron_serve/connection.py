@@ -4,15 +4,22 @@ Engines (:mod:`megatron_serve.engine_link`, a thread with a blocking socket) and
 (:mod:`megatron_serve.client`, asyncio) keep a coordinator connection the same way, written here
 once; each owns its socket and asks a :class:`Connection` what to do:
 
-* :meth:`Connection.due` says which frames are due now (HELLO until it is answered, retried with
-  backoff 0.1, 0.2, 0.4 ... 2 s; a HEARTBEAT every ``heartbeat_interval`` once registered) and
+* :meth:`Connection.due` says which frames are due now (HELLO until it is answered, once a connection
+  is up, retried with backoff 0.1, 0.2, 0.4 ... 2 s; a HEARTBEAT every ``heartbeat_interval`` once
+  registered) and
   whether the coordinator has been silent for ``coordinator_timeout`` (it answers every heartbeat):
   then the owner replaces its socket and the connection registers again;
 * :meth:`Connection.receive` takes one frame apart (a bad one is logged and dropped; ``BATCH``
   frames are opened) and handles the handshake: a ``HELLO_ACK`` starts a new *session* (the owner
   resubmits, re-registers its state), ``ERROR hello_required`` (a restarted coordinator) makes it
-  say HELLO again, ``ERROR unauthorized`` raises :class:`Unauthorized` (retrying cannot help).
-  Everything else goes to the owner.
+  say HELLO again, ``ERROR unauthorized`` (a client id that belongs to another peer) raises
+  :class:`Unauthorized` (retrying cannot help).
+  Everything else goes to the owner;
+* :meth:`Connection.on_monitor_event` reads the socket's handshake events
+  (:class:`~megatron_serve.security.HandshakeWatch`): a connection that comes up says HELLO at once
+  (a new transport connection is a new peer to the coordinator: it registers again), and a
+  coordinator that keeps refusing the handshake (another fleet secret, or none) raises
+  :class:`Unauthorized`.
 
 A session number counts registrations: what an owner produced for an older session belongs to a
 coordinator (or a registration) that already gave up on it.
@@ -29,6 +36,7 @@ from typing import Any, Iterator
 
 from .messages import FROM_COORDINATOR, PROTOCOL_VERSION, HelloAck
 from .protocol import ErrorCode, Header, Message, ProtocolError, decode, encode, unbatch
+from .security import HandshakeWatch
 
 logger = logging.getLogger("megatron_serve.connection")
 
@@ -42,7 +50,7 @@ class CoordinatorError(RuntimeError):
 
 
 class Unauthorized(CoordinatorError, PermissionError):
-    """The coordinator refused our token."""
+    """The coordinator refused this peer: its handshake (another fleet secret, or none) or its identity."""
 
 
 class ControlError(CoordinatorError):
@@ -71,17 +79,22 @@ def backoff_delays(initial: float = 0.1, maximum: float = 2.0) -> Iterator[float
 
 class Connection:
     """One peer's connection state (see the module docstring); ``hello`` is the HELLO body, which the
-    owner may update between registrations (an engine's weights, for example)."""
+    owner may update between registrations (an engine's weights, for example); ``refusal``: what
+    :class:`Unauthorized` says when the coordinator keeps refusing the handshake."""
 
     def __init__(self, hello: dict[str, Any], *, heartbeat_interval: float = 1.0,
-                 coordinator_timeout: float = 10.0, grace: float = float("inf"), now: float = 0.0) -> None:
+                 coordinator_timeout: float = 10.0, grace: float = float("inf"), now: float = 0.0,
+                 refusal: str = "") -> None:
         if not grace >= 0:
             raise ValueError(f"the coordinator grace period must be a number of seconds >= 0, got {grace!r}")
         self.hello = {**hello, "protocol": PROTOCOL_VERSION}
+        self.refusal = refusal
+        self.watch = HandshakeWatch()  # the current socket's handshakes
         self.heartbeat_interval = heartbeat_interval
         self.coordinator_timeout = coordinator_timeout
         self.grace = grace
         self.lost_since: float | None = None  # when the coordinator was found silent; None while it answers
+        self._grace_ends: float | None = None  # when lost() first has an error to give (None: given, or not lost)
         self.registered = False
         self.session = 0  # registrations so far; the current one's number
         self.ack: HelloAck | None = None  # the current registration's HELLO_ACK
@@ -102,10 +115,10 @@ class Connection:
                            f" (what is pending waits up to {self.grace:g}s for it)" if self.grace < float("inf") else "")
             self.restart(now)
             if self.lost_since is None:
-                self.lost_since = now
+                self.lost_since, self._grace_ends = now, now + self.grace
             return [], True
         frames = []
-        if not self.registered and now >= self._next_hello:
+        if not self.registered and self.watch.handshakes and now >= self._next_hello:
             frames.append(encode(Header.HELLO, self.hello))
             self._next_hello = now + next(self._delays)
         if self.registered and now - self._last_heartbeat >= self.heartbeat_interval:
@@ -114,17 +127,18 @@ class Connection:
         return frames, False
 
     def next_due(self) -> float:
-        """When :meth:`due` (or :meth:`lost`) has something to do next (monotonic seconds)."""
+        """When :meth:`due` (or :meth:`lost`) has something to do next (monotonic seconds). A HELLO waits for a
+        connection (:meth:`on_monitor_event` says when one is up); the end of a grace period does not."""
         if not self.registered:
-            if self.lost_since is not None and self.lost_since + self.grace > self._next_hello:
-                return min(self._next_hello, self.lost_since + self.grace)
-            return self._next_hello
+            hello = self._next_hello if self.watch.handshakes else float("inf")
+            return hello if self._grace_ends is None else min(hello, self._grace_ends)
         return min(self._last_heartbeat + self.heartbeat_interval, self.last_rx + self.coordinator_timeout)
 
     def lost(self, now: float, address: str) -> CoordinatorLost | None:
         """The error for what is pending, once the coordinator at ``address`` has been lost past the grace period."""
         if self.lost_since is None or now - self.lost_since < self.grace:
             return None
+        self._grace_ends = None  # the owner has been told: no need to wake for it again
         return CoordinatorLost(f"lost the coordinator at {address}: no answer for "
                                f"{now - self.lost_since + self.coordinator_timeout:.0f}s (a grace period of "
                                f"{self.grace:g}s after {self.coordinator_timeout:g}s of silence); the request did "
@@ -136,6 +150,23 @@ class Connection:
         self._delays = backoff_delays()
         self._next_hello = 0.0
         self.last_rx = now
+        self.watch = HandshakeWatch()
+
+    def on_monitor_event(self, event: int) -> None:
+        """One monitor event of the owner's socket; raises :class:`Unauthorized` when the coordinator
+        keeps refusing the handshake (retrying cannot help)."""
+        outcome = self.watch.event(event)
+        if outcome == "refused":
+            raise Unauthorized(ErrorCode.UNAUTHORIZED.value, self.refusal)
+        if outcome != "connected":
+            return
+        if self.registered and self.watch.handshakes > 1:
+            # The coordinator knows this peer by its connection; a new one has not proven anything yet.
+            logger.info("the connection to the coordinator was re-established: registering again")
+            self.registered = False
+        if not self.registered:
+            self._delays = backoff_delays()
+            self._next_hello = 0.0  # at once
 
     def silent_for(self, now: float) -> float:
         return now - self.last_rx
@@ -170,14 +201,14 @@ class Connection:
             if self.registered:
                 return False  # a duplicate answer to a retried HELLO
             self.registered, self.ack = True, body
-            self.lost_since = None
+            self.lost_since = self._grace_ends = None
             self.session += 1
             self._delays = backoff_delays()
             self._last_heartbeat = float("-inf")  # never: the first one goes at once
             return True
         if header is Header.ERROR:
             if body.code == ErrorCode.UNAUTHORIZED.value:
-                raise Unauthorized(body.code, f"coordinator refused the token: {body.message}")
+                raise Unauthorized(body.code, f"the coordinator refused this peer: {body.message}")
             if body.code == ErrorCode.HELLO_REQUIRED.value:
                 if self.registered:
                     logger.warning("the coordinator does not know this peer (restarted?): registering again")

@@ -1,6 +1,7 @@
 """The engine's connection to the coordinator, in a thread of its own (see :mod:`.engine_process`).
 
-The thread owns the DEALER socket; what to send when (HELLO with backoff, a HEARTBEAT every second
+The thread owns the DEALER socket (a CURVE client of the coordinator when the fleet has a secret:
+:mod:`megatron_serve.security`) and its monitor; what to send when (HELLO with backoff, a HEARTBEAT every second
 *even while a long step, a weight offload or a suspend runs* -- otherwise the coordinator would
 declare a busy engine dead) and when to reconnect is the shared :class:`~megatron_serve.connection.Connection`.
 Every registration is a new *session*; messages produced for an older session are dropped on the
@@ -18,9 +19,12 @@ import uuid
 from typing import TYPE_CHECKING, Any
 
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from .connection import Connection, Unauthorized
 from .protocol import Header, ProtocolError, encode
+from .security import FleetSecret, PeerKeys, fleet_secret, hello_credentials, refused_message
+from .transport import close_monitored, open_peer_socket
 
 if TYPE_CHECKING:
     from .messages import Body
@@ -33,7 +37,8 @@ class CoordinatorLink:
 
     Events for the main thread arrive on :attr:`inbox` as tuples:
     ``("registered", hello_ack_body, session)``, ``("message", header, body, session)`` and
-    ``("fatal", reason)`` (e.g. the token was refused: retrying cannot help).
+    ``("fatal", reason)`` (e.g. the coordinator refused the handshake: retrying cannot help).
+    ``token``: the fleet secret (``None``: an insecure fleet).
     """
 
     def __init__(
@@ -41,13 +46,17 @@ class CoordinatorLink:
         address: str,
         hello: dict[str, Any],
         *,
+        token: str | FleetSecret | None = None,
         heartbeat_interval: float = 1.0,
         coordinator_timeout: float = 10.0,
         context: zmq.Context | None = None,
     ) -> None:
         self.address = address
-        self.connection = Connection(hello, heartbeat_interval=heartbeat_interval,
-                                     coordinator_timeout=coordinator_timeout, now=time.monotonic())
+        self.secret = fleet_secret(token)
+        self._keys = PeerKeys()  # this engine's identity, kept across its reconnects
+        self.connection = Connection({**hello, **hello_credentials(self.secret, self._keys)},
+                                     heartbeat_interval=heartbeat_interval, coordinator_timeout=coordinator_timeout,
+                                     now=time.monotonic(), refusal=refused_message(address, self.secret is not None))
         self.ctx = context or zmq.Context.instance()
         self.inbox: queue.Queue[tuple[Any, ...]] = queue.Queue()
         self.stats: dict[str, Any] = {}  # replaced wholesale by the main thread; sent with each heartbeat
@@ -110,26 +119,20 @@ class CoordinatorLink:
 
     # -- link thread
 
-    def _new_socket(self) -> zmq.Socket:
-        sock = self.ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 2000)
-        sock.setsockopt(zmq.IMMEDIATE, 1)  # never queue frames for a connection that is not up
-        sock.setsockopt(zmq.SNDHWM, 100_000)
-        sock.setsockopt(zmq.RCVHWM, 100_000)
-        sock.setsockopt(zmq.RECONNECT_IVL, 100)
-        sock.setsockopt(zmq.RECONNECT_IVL_MAX, 2000)
-        sock.connect(self.address)
-        return sock
+    def _new_socket(self) -> tuple[zmq.Socket, zmq.Socket]:
+        """A connected DEALER and the monitor of its handshakes."""
+        return open_peer_socket(self.ctx, self.address, self.secret, self._keys, hwm=100_000, linger=2000)
 
     def _run(self) -> None:
         conn = self.connection
         rx = self.ctx.socket(zmq.PAIR)
         rx.connect(self._pipe_name)
-        sock = self._new_socket()
+        sock, monitor = self._new_socket()
         announced_wait = False
         poller = zmq.Poller()
         poller.register(rx, zmq.POLLIN)
         poller.register(sock, zmq.POLLIN)
+        poller.register(monitor, zmq.POLLIN)
         try:
             while True:
                 now = time.monotonic()
@@ -137,9 +140,11 @@ class CoordinatorLink:
                                                    **self.stats})
                 if reconnect:
                     poller.unregister(sock)
-                    sock.close(linger=0)
-                    sock = self._new_socket()
+                    poller.unregister(monitor)
+                    close_monitored(sock, monitor)
+                    sock, monitor = self._new_socket()
                     poller.register(sock, zmq.POLLIN)
+                    poller.register(monitor, zmq.POLLIN)
                     continue
                 for frame in frames:
                     self._try_send(sock, frame)
@@ -147,6 +152,14 @@ class CoordinatorLink:
                     logger.warning("waiting for the coordinator at %s ...", self.address)
                     announced_wait = True
                 events = dict(poller.poll(100))
+                if monitor in events:
+                    try:
+                        while monitor.poll(0):
+                            conn.on_monitor_event(recv_monitor_message(monitor)["event"])
+                    except Unauthorized as exc:
+                        self.inbox.put(("fatal", str(exc)))
+                        return
+                    continue  # a connection came up: what is due (HELLO) goes at once
                 if rx in events:
                     while True:
                         try:
@@ -177,7 +190,7 @@ class CoordinatorLink:
                             elif header is not Header.HEARTBEAT and conn.registered:
                                 self.inbox.put(("message", header, body, conn.session))
         finally:
-            sock.close(linger=2000)  # flush the last frames (handback, acks) before exiting
+            close_monitored(sock, monitor, linger=2000)  # flush the last frames (handback, acks) before exiting
             rx.close(linger=0)
 
     @staticmethod

@@ -80,9 +80,8 @@ class EngineProcess:
         self.weights_source: str | None = facts.get("model")  # where the served weights came from (REFIT replaces it)
         facts["epoch"] = int(getattr(engine, "epoch", 0) or 0)
         facts["weights"] = self.weights_source
-        hello = {"role": Role.ENGINE.value, "token": token, "engine_group": group, "capacity": capacity,
-                 "info": facts}
-        self.link = CoordinatorLink(address, hello, heartbeat_interval=heartbeat_interval,
+        hello = {"role": Role.ENGINE.value, "engine_group": group, "capacity": capacity, "info": facts}
+        self.link = CoordinatorLink(address, hello, token=token, heartbeat_interval=heartbeat_interval,
                                     coordinator_timeout=coordinator_timeout)
         self.state = FleetState.PAUSED  # until the coordinator says otherwise
         self.suspend_level = 0

@@ -43,9 +43,11 @@ class FleetClient(InferenceClient):
         if num_engines < 1:
             raise ValueError(f"num_engines must be >= 1, got {num_engines}")
         text_tokenizer = tokenizer or tokenizer_dir or (model if isinstance(model, (str, os.PathLike)) else None)
-        super().__init__(address or "", token=token, tokenizer=text_tokenizer)
-        self.fleet = None if address is not None else LocalFleet(str(model), num_engines, inference_config,
-                                                                 token=token, tokenizer_dir=tokenizer_dir)
+        # A fleet started here gets a secret of its own, unless one is given.
+        fleet = None if address is not None else LocalFleet(str(model), num_engines, inference_config,
+                                                            token=token, tokenizer_dir=tokenizer_dir)
+        super().__init__(address or "", token=token if fleet is None else fleet.token, tokenizer=text_tokenizer)
+        self.fleet = fleet
         self._stopped = False
 
     async def start(self, timeout: float = 600.0) -> "FleetClient":

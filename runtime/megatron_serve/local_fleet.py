@@ -3,7 +3,9 @@
 Used by ``megatron-serve run``, by ``MegatronLLM`` / ``MegatronAsyncLLM`` in coordinator mode when no
 coordinator address is given, and by tests and benchmarks. Children are real ``megatron-serve``
 processes (the same code paths as a deployment); their logs go to files so that a full pipe can
-never block them, and a child that dies during start-up is reported with the tail of its log.
+never block them, and a child that dies during start-up is reported with the tail of its log. The
+fleet has a secret (``token``; a fresh one when none is given) that every child gets in its
+environment, never on a command line; ``insecure=True`` starts it without one (benchmarks only).
 
 No child outlives the fleet's process, whatever ends it (:mod:`megatron_serve.lifeline`); once
 :meth:`LocalFleet.supervise` is called, a child that dies is restarted with back-off
@@ -29,6 +31,7 @@ from pathlib import Path
 from .config import InferenceConfig
 from .fleet_argv import TOKEN_ENV, inference_config_to_argv
 from .lifeline import Lifeline
+from .security import make_secret
 from .supervisor import Child, Supervisor, exit_cause
 
 logger = logging.getLogger("megatron_serve.local_fleet")
@@ -126,6 +129,7 @@ class LocalFleet:
         log_dir: str | os.PathLike | None = None,
         python: str = sys.executable,
         tokenizer_dir: str | os.PathLike | None = None,
+        insecure: bool = False,
     ) -> None:
         """``inference_config``: the engines' settings, tensor parallelism included; ``tokenizer_dir``:
         tokenizer files for the coordinator and every engine (default: the model's). On GPUs each
@@ -138,7 +142,9 @@ class LocalFleet:
         self.inference_config = inference_config
         self.host = host
         self.port = port
-        self.token = token
+        if insecure and token:
+            raise ValueError("an insecure fleet has no secret: pass token or insecure, not both")
+        self.token = None if insecure else token or make_secret()
         self.routing = routing
         self.heartbeat_timeout = heartbeat_timeout
         self.drain_timeout = drain_timeout
@@ -219,7 +225,8 @@ class LocalFleet:
     def _coordinator_argv(self, port: int, address_file: Path) -> list[str]:
         return self._command(["coordinator", "--model", self.model_dir, "--host", self.host, "--port", str(port),
                               "--routing", self.routing, "--heartbeat-timeout", str(self.heartbeat_timeout),
-                              "--address-file", str(address_file), *self.tokenizer_args])
+                              "--address-file", str(address_file), *self.tokenizer_args,
+                              *([] if self.token else ["--insecure"])])
 
     def add_engine(self, group: int | None = None, extra: list[str] | None = None) -> subprocess.Popen:
         """Start one more engine process (used by ``start()``, and by tests that replace engines);

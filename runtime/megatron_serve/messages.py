@@ -47,7 +47,7 @@ class Body(msgspec.Struct, omit_defaults=True, kw_only=True):
 
 class Hello(Body):
     role: str
-    token: str | None = None
+    proof: str | None = None  # HMAC of the fleet secret and this connection's CURVE key (megatron_serve.security)
     engine_group: Annotated[int, msgspec.Meta(ge=0)] | None = None
     capacity: int | None = None
     client_id: str | None = None  # stable across reconnects, so results find the client again
@@ -173,6 +173,7 @@ RENDEZVOUS_SCHEME = "rendezvous://"
 #: Floating dtypes a trainer may send, by wire name, with their size in bytes.
 TRANSFER_DTYPES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
 TRANSFER_BACKENDS = ("gloo", "nccl")
+MIN_PREFIX_CHARS = 32  # a rendezvous prefix: 128 random bits as hex
 
 
 class Rendezvous(Body):
@@ -183,9 +184,13 @@ class Rendezvous(Body):
     ``manifest``, in that order, packed into buckets of up to ``bucket_bytes`` bytes
     (:func:`megatron_serve.weights.manifest.plan_buckets` cuts them the same way on both sides).
     The coordinator adds ``world_size`` and this engine's ``rank_offset`` to the load step.
+    Every key of the transfer lives under ``prefix``, a random value of this transfer that travels
+    only in this (encrypted, authenticated) message: a process that reaches the store without it
+    can neither join the group nor read or replace the addresses its ranks publish there.
     """
 
     address: str  # host:port of the sender's TCP store
+    prefix: str  # the transfer's store keys live under it (megatron_serve.weights.group)
     backend: str
     bucket_bytes: Annotated[int, msgspec.Meta(ge=1)]
     manifest: list[TensorSpec]
@@ -198,6 +203,9 @@ class Rendezvous(Body):
         host, _, port = self.address.rpartition(":")
         if not host or not port.isdigit():
             return f"rendezvous address must be host:port, got {self.address!r}"
+        if len(self.prefix) < MIN_PREFIX_CHARS:
+            return (f"rendezvous prefix must be a random value of at least {MIN_PREFIX_CHARS} characters, "
+                    f"got {len(self.prefix)}")
         if self.backend not in TRANSFER_BACKENDS:
             return f"rendezvous backend must be one of {', '.join(TRANSFER_BACKENDS)}, got {self.backend!r}"
         if not self.manifest:

@@ -18,6 +18,7 @@ from megatron_serve.coordinator import (
     TokenizerLike,
 )
 from megatron_serve.engine_process import EngineProcess
+from megatron_serve.security import make_secret
 
 from .fakes import FakeEngine
 
@@ -33,13 +34,15 @@ class InProcessFleet:
     """A real Coordinator and EngineProcess objects over real sockets, in threads, with fake engines.
 
     Fast (no torch, no process start-up): for the state machine, routing and protocol edge cases.
+    Secure like every fleet (a fresh secret, ``token``) unless ``insecure``.
     """
 
-    def __init__(self, token: str | None = None, routing: str = "least_loaded", heartbeat_timeout: float = 10.0,
+    def __init__(self, routing: str = "least_loaded", heartbeat_timeout: float = 10.0,
                  port: int = 0, verb_timeout: float = DEFAULT_VERB_TIMEOUT,
                  weights_timeout: float = DEFAULT_WEIGHTS_TIMEOUT, stall_timeout: float = DEFAULT_STALL_TIMEOUT,
-                 tokenizer_loader: Callable[[], TokenizerLike] | None = None) -> None:
-        self.token = token
+                 tokenizer_loader: Callable[[], TokenizerLike] | None = None, insecure: bool = False) -> None:
+        self.token = None if insecure else make_secret()
+        self.insecure = insecure
         self.routing = routing
         self.heartbeat_timeout = heartbeat_timeout
         self.verb_timeout = verb_timeout
@@ -61,7 +64,8 @@ class InProcessFleet:
         """
         deadline = time.monotonic() + timeout
         while True:
-            self.coordinator = Coordinator(None, port=self.port, token=self.token, routing=self.routing,
+            self.coordinator = Coordinator(None, port=self.port, token=self.token, insecure=self.insecure,
+                                           routing=self.routing,
                                            heartbeat_timeout=self.heartbeat_timeout, verb_timeout=self.verb_timeout,
                                            weights_timeout=self.weights_timeout, stall_timeout=self.stall_timeout,
                                            tokenizer_loader=self.tokenizer_loader)

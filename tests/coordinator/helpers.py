@@ -13,6 +13,13 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+import zmq
+
+from megatron_serve.fleet_argv import TOKEN_ENV
+from megatron_serve.messages import FROM_COORDINATOR
+from megatron_serve.protocol import Header, Message, decode, encode
+from megatron_serve.security import FleetSecret, PeerKeys, make_secret
+
 PY = sys.executable
 
 
@@ -45,17 +52,23 @@ def wait_until(predicate: Callable[[], bool], timeout: float, what: str, interva
 
 
 class Children:
-    """Every process a test starts; ``kill_all()`` in teardown, whatever happened."""
+    """Every process a test starts; ``kill_all()`` in teardown, whatever happened.
+
+    They share one fleet secret (``secret``, in their ``$MEGATRON_SERVE_TOKEN``), as a deployment's
+    processes do; ``env`` given to a spawn wins.
+    """
 
     def __init__(self, log_dir: Path) -> None:
         self.log_dir = Path(log_dir)
         self.procs: list[tuple[subprocess.Popen, Path]] = []
+        self.secret = make_secret()
 
     def spawn(self, args: list[str], name: str, env: dict[str, str] | None = None) -> subprocess.Popen:
         log = self.log_dir / f"{name}-{len(self.procs)}.log"
         with open(log, "wb") as fh:
             proc = subprocess.Popen([PY, "-m", "megatron_serve.cli", *args], stdout=fh, stderr=subprocess.STDOUT,
-                                    stdin=subprocess.DEVNULL, env={**os.environ, **(env or {})})
+                                    stdin=subprocess.DEVNULL,
+                                    env={**os.environ, TOKEN_ENV: self.secret, **(env or {})})
         self.procs.append((proc, log))
         return proc
 
@@ -85,3 +98,45 @@ class Children:
                 proc.wait(timeout=10)
             except subprocess.TimeoutExpired:
                 pass
+
+
+class RawPeer:
+    """A bare DEALER talking to a coordinator frame by frame, as any program could.
+
+    ``secret``: the fleet secret (a CURVE client whose HELLOs carry the proof for its key), or
+    ``None`` (plain TCP, no proof). ``server_key``: the coordinator key to expect instead of the
+    secret's (an attacker who learned it without the secret). ``keys``: its CURVE key pair (default:
+    a fresh one); ``routing_id``: the routing id it chooses (default: the coordinator assigns one).
+    """
+
+    def __init__(self, address: str, secret: str | None, *, server_key: bytes | None = None,
+                 keys: PeerKeys | None = None, routing_id: bytes | None = None) -> None:
+        self.secret = FleetSecret(secret) if secret is not None else None
+        self.keys = keys or PeerKeys()
+        self.sock = zmq.Context.instance().socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        if routing_id is not None:
+            self.sock.setsockopt(zmq.ROUTING_ID, routing_id)
+        if self.secret is not None or server_key is not None:
+            self.sock.curve_serverkey = server_key or self.secret.server_public
+            self.sock.curve_publickey, self.sock.curve_secretkey = self.keys.public, self.keys.secret
+        self.sock.connect(address)
+
+    def send(self, header: Header, body: dict[str, Any]) -> None:
+        if header is Header.HELLO and self.secret is not None and "proof" not in body:
+            body = {**body, "proof": self.secret.proof(self.keys.public)}
+        self.sock.send(encode(header, body))
+
+    def recv(self, timeout_ms: int = 5000) -> Message:
+        assert self.sock.poll(timeout_ms), "no answer"
+        return decode(self.sock.recv(), FROM_COORDINATOR)
+
+    def received(self) -> list[Message]:
+        """Every message waiting now (without waiting for more)."""
+        out = []
+        while self.sock.poll(0):
+            out.append(decode(self.sock.recv(), FROM_COORDINATOR))
+        return out
+
+    def close(self) -> None:
+        self.sock.close(linger=0)

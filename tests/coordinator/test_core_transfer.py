@@ -20,8 +20,8 @@ MANIFEST = [TensorSpec("model.norm.weight", (64,), "float32")]
 
 
 def rendezvous(**changes) -> Rendezvous:
-    return msgspec.structs.replace(Rendezvous(address="127.0.0.1:4000", backend="gloo", bucket_bytes=1 << 20,
-                                              manifest=MANIFEST), **changes)
+    return msgspec.structs.replace(Rendezvous(address="127.0.0.1:4000", prefix="0" * 32, backend="gloo",
+                                              bucket_bytes=1 << 20, manifest=MANIFEST), **changes)
 
 
 def paused_fleet() -> tuple[CoreHarness, str, str]:
@@ -139,7 +139,8 @@ def test_a_rendezvous_that_cannot_work_is_refused_at_once():
     for control_id, bad, why in [("b1", rendezvous(backend="mpi"), "backend must be one of gloo, nccl"),
                                  ("b2", rendezvous(manifest=[]), "manifest is empty"),
                                  ("b3", rendezvous(address="nowhere"), "must be host:port"),
-                                 ("b4", rendezvous(manifest=[TensorSpec("x", (2,), "int8")]), "dtype 'int8'")]:
+                                 ("b4", rendezvous(manifest=[TensorSpec("x", (2,), "int8")]), "dtype 'int8'"),
+                                 ("b5", rendezvous(prefix="guessable"), "prefix must be a random value")]:
         h.send(C, Header.REFIT, Refit(control_id=control_id, source="rendezvous://x", rendezvous=bad))
         error = h.take(C, Header.ERROR)[0]
         assert error.code == "invalid_request" and why in error.message, error.message

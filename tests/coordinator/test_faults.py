@@ -23,6 +23,7 @@ from megatron_serve.config import InferenceConfig
 from megatron_serve.protocol import Header
 from megatron_serve.request import RequestStatus
 from megatron_serve.sampling_params import SamplingParams
+from megatron_serve.security import make_secret
 
 from .helpers import Children, free_port
 
@@ -31,7 +32,7 @@ pytestmark = [pytest.mark.timeout(600), pytest.mark.slow]
 PROMPTS = [f"Fault test {i}: the quick brown fox jumps over {i} lazy dogs" for i in range(100)]
 LONG = SamplingParams(temperature=0.0, num_tokens_to_generate=48, ignore_eos=True)
 ENGINE_ARGS = ("--max-requests", "8", "--drain-timeout", "1")
-TOKEN = "fleet-s3cret"
+TOKEN = make_secret()
 TOKEN_ENV = {"MEGATRON_SERVE_TOKEN": TOKEN}
 
 
@@ -193,14 +194,14 @@ async def test_restarted_coordinator_is_rejoined(client, fleet, direct, direct_t
 
 async def test_token_rejected(client, fleet, tmp_path):
     bad, good = tmp_path / "bad.token", tmp_path / "good.token"
-    bad.write_text("guess\n")
+    bad.write_text(make_secret() + "\n")
     good.write_text(TOKEN + "\n")
     no_token_env = {k: v for k, v in os.environ.items() if k != "MEGATRON_SERVE_TOKEN"}
     rejected = fleet.children.engine(fleet.model, fleet.port, "--token-file", str(bad), env=no_token_env)
     with pytest.raises(Unauthorized):
         await InferenceClient(fleet.address).start(timeout=30)
     with pytest.raises(Unauthorized):
-        await InferenceClient(fleet.address, token="guess").start(timeout=30)
+        await InferenceClient(fleet.address, token=make_secret()).start(timeout=30)
 
     def control(*extra):
         return subprocess.run([sys.executable, "-m", "megatron_serve.cli", "control", "status", "--json",
@@ -208,11 +209,11 @@ async def test_token_rejected(client, fleet, tmp_path):
                               env=no_token_env)
 
     refused = await asyncio.to_thread(control)
-    assert refused.returncode == 1 and "token" in refused.stderr and refused.stderr.strip().count("\n") == 0
+    assert refused.returncode == 1 and "--token-file" in refused.stderr and refused.stderr.strip().count("\n") == 0
     allowed = await asyncio.to_thread(control, "--token-file", str(good))
     assert allowed.returncode == 0, allowed.stderr
     rc = await asyncio.to_thread(rejected.wait, 300)
-    assert rc == 1 and "coordinator refused the token" in fleet.children.log_of(rejected)
+    assert rc == 1 and "refused the encrypted handshake" in fleet.children.log_of(rejected)
     status = await client.status()
     assert len(status["engines"]) == 2  # the rejected engine never joined
     r = await client.add_request("hello", SamplingParams(temperature=0.0, num_tokens_to_generate=3))

@@ -52,7 +52,7 @@ async def test_request_moved_to_another_engine_keeps_its_images(fleet_factory):
     first_proc, _, _ = fleet.add_engine(fake=first)
     images = [PromptImage(png(20, 30, 1), offset=1, length=3), PromptImage(png(10, 10, 2), offset=5, length=2)]
     prompt = [7, 9, 9, 9, 8, 9, 9, 6]
-    async with InferenceClient(fleet.address) as client:
+    async with InferenceClient(fleet.address, token=fleet.token) as client:
         await client.wait_for_engines(1, timeout=20)
         future = client.add_request(prompt, SamplingParams(num_tokens_to_generate=40), images=images)
         await until(lambda: first.seen and next(iter(first.seen.values())).generated_tokens, 10, "first tokens")
@@ -76,7 +76,7 @@ async def test_coordinator_places_images_of_text_prompts(fleet_factory, tiny_lla
     engine = RecordingEngine()
     fleet.add_engine(fake=engine)
     picture = png(40, 60, 3)
-    async with InferenceClient(fleet.address) as client:
+    async with InferenceClient(fleet.address, token=fleet.token) as client:
         await client.wait_for_engines(1, timeout=20)
         result = await client.add_request("Look: <image> what is it?", GREEDY, images=[picture])
         seen = next(iter(engine.seen.values()))
@@ -95,7 +95,7 @@ async def test_image_limits(fleet_factory):
     fleet = fleet_factory()
     fleet.coordinator.core.max_image_bytes = 1000  # set before any peer connects
     fleet.add_engine(fake=RecordingEngine())
-    async with InferenceClient(fleet.address) as client:
+    async with InferenceClient(fleet.address, token=fleet.token) as client:
         await client.wait_for_engines(1, timeout=20)
         big = PromptImage(b"x" * 1001, offset=0, length=1)
         with pytest.raises(ValueError, match="1001 bytes.*at most 1000 bytes of images per request"):

@@ -11,6 +11,7 @@ import asyncio
 import pytest
 
 from megatron_serve.client import ControlError, InferenceClient, StreamPartial, Unauthorized
+from megatron_serve.security import make_secret
 from megatron_serve.request import FinishReason, RequestStatus
 from megatron_serve.sampling_params import SamplingParams
 
@@ -32,7 +33,7 @@ async def test_requests_routed_to_both_engines_and_complete(fleet_factory):
     fleet = fleet_factory()
     fleet.add_engine()
     fleet.add_engine()
-    async with InferenceClient(fleet.address) as client:
+    async with InferenceClient(fleet.address, token=fleet.token) as client:
         await wait_engines(client, 2)
         params = SamplingParams(temperature=0.0, num_tokens_to_generate=5)
         ps = prompts(40)
@@ -51,7 +52,7 @@ async def test_round_robin_alternates(fleet_factory):
     fleet = fleet_factory(routing="round_robin")
     fleet.add_engine()
     fleet.add_engine()
-    async with InferenceClient(fleet.address) as client:
+    async with InferenceClient(fleet.address, token=fleet.token) as client:
         await wait_engines(client, 2)
         await client.pause()  # queue everything, then release at once: dispatch order is the policy's
         futures = [client.add_request(p, SamplingParams(num_tokens_to_generate=50)) for p in prompts(10)]
@@ -70,7 +71,7 @@ async def test_lifecycle_state_machine(fleet_factory):
     fleet = fleet_factory()
     fleet.add_engine(kv_blocks=16)
     fleet.add_engine(kv_blocks=32)
-    async with InferenceClient(fleet.address) as client:
+    async with InferenceClient(fleet.address, token=fleet.token) as client:
         await wait_engines(client, 2)
         ack = await client.pause()
         assert ack["state"] == "PAUSED" and not ack["detail"]["noop"]
@@ -109,7 +110,7 @@ async def test_lifecycle_state_machine(fleet_factory):
 async def test_requests_held_while_paused_or_suspended(fleet_factory):
     fleet = fleet_factory()
     fleet.add_engine()
-    async with InferenceClient(fleet.address) as client:
+    async with InferenceClient(fleet.address, token=fleet.token) as client:
         await wait_engines(client, 1)
         params = SamplingParams(num_tokens_to_generate=4)
         await client.pause()
@@ -131,7 +132,7 @@ async def test_requests_held_while_paused_or_suspended(fleet_factory):
 async def test_running_requests_survive_suspend(fleet_factory):
     fleet = fleet_factory()
     fleet.add_engine(step_delay=0.01)
-    async with InferenceClient(fleet.address) as client:
+    async with InferenceClient(fleet.address, token=fleet.token) as client:
         await wait_engines(client, 1)
         ps = prompts(6)
         futures = [client.add_request(p, SamplingParams(num_tokens_to_generate=60)) for p in ps]
@@ -150,7 +151,7 @@ async def _in_flight(client, n):
 async def test_new_engine_adopts_state_and_stopped_fleet_restarts(fleet_factory):
     fleet = fleet_factory()
     fleet.add_engine()
-    async with InferenceClient(fleet.address) as client:
+    async with InferenceClient(fleet.address, token=fleet.token) as client:
         await wait_engines(client, 1)
         await client.suspend()
         fleet.add_engine()
@@ -185,7 +186,7 @@ async def _engine_count(client, n):
 async def test_streaming_abort_and_invalid_requests(fleet_factory):
     fleet = fleet_factory()
     fleet.add_engine(step_delay=0.005)
-    async with InferenceClient(fleet.address) as client:
+    async with InferenceClient(fleet.address, token=fleet.token) as client:
         await wait_engines(client, 1)
         prompt = [5, 6, 7]
         items = [item async for item in client.add_request_streaming(prompt, SamplingParams(num_tokens_to_generate=12))]
@@ -214,16 +215,18 @@ async def test_streaming_abort_and_invalid_requests(fleet_factory):
         assert (status["completed"], status["aborted"], status["failed"]) == (1, 2, 0)
 
 
-async def test_token_required(fleet_factory):
-    fleet = fleet_factory(token="s3cret")
+async def test_fleet_secret_required(fleet_factory):
+    fleet = fleet_factory()
     # A refusal comes as fast as an acceptance; the timeout only bounds a hang (5 s failed under load ~15).
-    with pytest.raises(Unauthorized):
+    with pytest.raises(Unauthorized, match="refused an unencrypted connection"):
         await InferenceClient(fleet.address).start(timeout=60)
-    with pytest.raises(Unauthorized):
-        await InferenceClient(fleet.address, token="wrong").start(timeout=60)
-    _proc, _fake, result = fleet.add_engine(token="wrong")
+    with pytest.raises(Unauthorized, match="refused the encrypted handshake"):
+        await InferenceClient(fleet.address, token=make_secret()).start(timeout=60)
+    with pytest.raises(ValueError, match="at least 32 random"):
+        InferenceClient(fleet.address, token="s3cret")
+    _proc, _fake, result = fleet.add_engine(token=make_secret())
     fleet.add_engine()
-    async with InferenceClient(fleet.address, token="s3cret") as client:
+    async with InferenceClient(fleet.address, token=fleet.token) as client:
         status = await wait_engines(client, 1)
         assert len(status["engines"]) == 1
         r = await client.add_request([1, 2], SamplingParams(num_tokens_to_generate=2))
@@ -235,7 +238,7 @@ async def test_token_required(fleet_factory):
 async def test_engine_silent_is_removed_and_work_moves(fleet_factory):
     fleet = fleet_factory(heartbeat_timeout=1.0)
     slow_proc, slow_fake, _ = fleet.add_engine(step_delay=0.02, max_requests=4)
-    async with InferenceClient(fleet.address) as client:
+    async with InferenceClient(fleet.address, token=fleet.token) as client:
         await wait_engines(client, 1)
         ps = prompts(8)
         futures = [client.add_request(p, SamplingParams(num_tokens_to_generate=40), request_id=f"r{i}")
@@ -265,7 +268,7 @@ async def _fake_idle(fake):
 async def test_client_and_engine_rejoin_restarted_coordinator(fleet_factory):
     fleet = fleet_factory()
     fleet.add_engine(step_delay=0.01)
-    client = InferenceClient(fleet.address, coordinator_timeout=2.0)
+    client = InferenceClient(fleet.address, token=fleet.token, coordinator_timeout=2.0)
     await client.start()
     try:
         await wait_engines(client, 1)
@@ -307,7 +310,7 @@ async def test_a_pause_mode_is_refused_before_sending_to_a_coordinator_without_p
     monkeypatch.setattr(handshake, "PROTOCOL_VERSION", 2)  # a coordinator from before pause modes
     fleet = fleet_factory()
     fleet.add_engine()
-    async with InferenceClient(fleet.address) as client:
+    async with InferenceClient(fleet.address, token=fleet.token) as client:
         await wait_engines(client, 1)
         with pytest.raises(ControlError, match="protocol 2, which has no pause modes") as info:
             await client.pause("abort")

@@ -59,7 +59,7 @@ def direct(tiny_model):
 
 @pytest.fixture
 async def client(fleet):
-    c = InferenceClient(fleet.address)
+    c = InferenceClient(fleet.address, token=fleet.children.secret)
     await c.start(timeout=60)
     await c.wait_for_engines(2, timeout=300)
     await c.unpause()
@@ -172,19 +172,20 @@ async def test_abort_ends_every_request_at_once_with_its_tokens_so_far_and_a_res
         assert partial[i] + again.generated_tokens == direct.long[PROMPTS[i]], i
 
 
-def _control(address: str, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "megatron_serve.cli", "control", *args, "--coordinator", address],
-                          capture_output=True, text=True, timeout=120, env=dict(os.environ))
+def _control(fleet, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "megatron_serve.cli", "control", *args, "--coordinator", fleet.address],
+                          capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "MEGATRON_SERVE_TOKEN": fleet.children.secret})
 
 
 async def test_control_cli_and_megatron_llm_take_a_mode_and_refuse_a_bad_one(client, fleet):
-    bad = await asyncio.to_thread(_control, fleet.address, "pause", "--mode", "drop")
+    bad = await asyncio.to_thread(_control, fleet, "pause", "--mode", "drop")
     assert bad.returncode == 2 and "--mode: invalid choice: 'drop'" in bad.stderr
-    misplaced = await asyncio.to_thread(_control, fleet.address, "unpause", "--mode", "abort")
+    misplaced = await asyncio.to_thread(_control, fleet, "unpause", "--mode", "abort")
     assert misplaced.returncode == 1 and "--mode applies to pause only" in misplaced.stderr
-    done = await asyncio.to_thread(_control, fleet.address, "pause", "--mode", "wait", "--drain-timeout", "5")
+    done = await asyncio.to_thread(_control, fleet, "pause", "--mode", "wait", "--drain-timeout", "5")
     assert done.returncode == 0 and "PAUSED" in done.stdout and "mode wait: waited" in done.stdout, done.stderr
-    as_json = await asyncio.to_thread(_control, fleet.address, "pause", "--mode", "abort", "--json")
+    as_json = await asyncio.to_thread(_control, fleet, "pause", "--mode", "abort", "--json")
     assert json.loads(as_json.stdout)["detail"]["mode"] == "abort"
     with pytest.raises(ValueError, match="mode must be one of keep, wait, abort; got 'later'"):
         await client.pause("later")
@@ -194,7 +195,8 @@ async def test_control_cli_and_megatron_llm_take_a_mode_and_refuse_a_bad_one(cli
     from megatron_serve.llm import MegatronLLM
 
     def llm_side() -> None:
-        with MegatronLLM(fleet.model, use_coordinator=True, coordinator_address=fleet.address) as llm:
+        with MegatronLLM(fleet.model, use_coordinator=True, coordinator_address=fleet.address,
+                         token=fleet.children.secret) as llm:
             with pytest.raises(ValueError, match="mode must be one of"):
                 llm.pause(mode="halt")
             assert llm.pause(mode="abort")["detail"]["mode"] == "abort"

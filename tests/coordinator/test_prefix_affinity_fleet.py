@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import random
 import signal
 import subprocess
@@ -62,7 +63,7 @@ def fleet(tiny_model, tmp_path_factory):
 
 
 async def connect(fleet) -> InferenceClient:
-    client = InferenceClient(fleet.address)
+    client = InferenceClient(fleet.address, token=fleet.children.secret)
     await client.start(timeout=60)
     status = await client.wait_for_engines(3, timeout=300)
     if status["state"] != "RUNNING":
@@ -129,7 +130,8 @@ async def test_prefix_affinity_keeps_a_prefix_on_one_group_within_the_load_bound
 
         await until_status(client, counters_arrived, 30, "the engines' cache counters in STATUS")
         out = subprocess.run([sys.executable, "-m", "megatron_serve.cli", "control", "status", "--json",
-                              "--coordinator", fleet.address], capture_output=True, text=True, timeout=60)
+                              "--coordinator", fleet.address], capture_output=True, text=True, timeout=60,
+                             env={**os.environ, "MEGATRON_SERVE_TOKEN": fleet.children.secret})
         assert out.returncode == 0, out.stderr
         engines = json.loads(out.stdout)["engines"]
         assert len(engines) == 3 and all(isinstance(e["cached_tokens"], int) and e["computed_tokens"] > 0

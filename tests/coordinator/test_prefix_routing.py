@@ -214,7 +214,7 @@ def add_caching_engine(fleet, block_size: int = BS) -> tuple[EngineProcess, Fake
     fake = FakeEngine(max_requests=8)
     fake.config.block_size_tokens = block_size
     fake.config.enable_prefix_caching = True
-    proc = EngineProcess(fake, fleet.address, drain_timeout=5.0, coordinator_timeout=3.0)
+    proc = EngineProcess(fake, fleet.address, token=fleet.token, drain_timeout=5.0, coordinator_timeout=3.0)
     result: dict = {}
     thread = threading.Thread(target=lambda: result.__setitem__("rc", proc.run()), daemon=True)
     thread.start()
@@ -228,7 +228,7 @@ async def test_fleet_routes_a_prefix_to_one_engine_and_forgets_on_suspend_and_le
     policy = fleet.coordinator.core.policy
     params = SamplingParams(temperature=0.0, num_tokens_to_generate=3)
     shared = seq(50, 5)
-    async with InferenceClient(fleet.address) as client:
+    async with InferenceClient(fleet.address, token=fleet.token) as client:
         status = await client.wait_for_engines(2, timeout=20, poll=0.02)
         assert all(e["info"]["block_size"] == BS and e["info"]["prefix_caching"] for e in status["engines"])
         for i in range(6):  # one at a time: every group idle, so only the prefix decides

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import subprocess
 import sys
 from types import SimpleNamespace
@@ -70,7 +71,7 @@ async def generate(client: InferenceClient) -> list[list[int]]:
 
 
 async def test_refit_in_place_through_the_fleet(fleet, checkpoints, direct):
-    client = InferenceClient(fleet.address)
+    client = InferenceClient(fleet.address, token=fleet.children.secret)
     await client.start(timeout=60)
     try:
         await client.wait_for_engines(2, timeout=300)
@@ -142,15 +143,16 @@ def test_control_cli_refit(fleet, checkpoints):
     """``megatron-serve control refit`` prints the new epoch; refused while RUNNING with one clear line."""
     base = [sys.executable, "-m", "megatron_serve.cli", "control"]
     where = ["--coordinator", fleet.address]
+    env = {**os.environ, "MEGATRON_SERVE_TOKEN": fleet.children.secret}
     refused = subprocess.run([*base, "refit", "--source", checkpoints.b, *where], capture_output=True, text=True,
-                             timeout=120)
+                             timeout=120, env=env)
     assert refused.returncode != 0 and "PAUSE first" in refused.stderr
-    subprocess.run([*base, "pause", *where], check=True, capture_output=True, timeout=120)
+    subprocess.run([*base, "pause", *where], check=True, capture_output=True, timeout=120, env=env)
     out = subprocess.run([*base, "refit", "--source", checkpoints.b, "--json", *where], capture_output=True,
-                         text=True, timeout=120)
+                         text=True, timeout=120, env=env)
     assert out.returncode == 0, out.stderr
     answer = json.loads(out.stdout)
     assert answer["state"] == "PAUSED" and answer["detail"]["epoch"] == 6  # current + 1
-    text = subprocess.run([*base, "status", *where], capture_output=True, text=True, timeout=120)
+    text = subprocess.run([*base, "status", *where], capture_output=True, text=True, timeout=120, env=env)
     assert "epoch: 6" in text.stdout
-    subprocess.run([*base, "unpause", *where], check=True, capture_output=True, timeout=120)
+    subprocess.run([*base, "unpause", *where], check=True, capture_output=True, timeout=120, env=env)

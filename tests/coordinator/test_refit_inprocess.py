@@ -69,7 +69,7 @@ async def status_when(client: InferenceClient, check, what: str) -> dict:
 
 async def test_refit_is_refused_while_running_and_without_engines(fleet_factory):
     fleet = fleet_factory()
-    async with InferenceClient(fleet.address) as client:
+    async with InferenceClient(fleet.address, token=fleet.token) as client:
         with pytest.raises(ControlError, match="the fleet is RUNNING") as err:
             await client.refit("/m/b")
         assert err.value.code == "illegal_transition"
@@ -85,7 +85,7 @@ async def test_refit_is_refused_while_running_and_without_engines(fleet_factory)
 async def test_a_source_one_engine_refuses_is_loaded_by_none(fleet_factory):
     fleet = fleet_factory()
     good, picky = add(fleet, RefitFake()), add(fleet, RefitFake(bad=("/m/wide",)))
-    async with InferenceClient(fleet.address) as client:
+    async with InferenceClient(fleet.address, token=fleet.token) as client:
         await client.wait_for_engines(2, timeout=20, poll=0.02)
         await client.pause()
         with pytest.raises(ControlError, match=r"refused by engine .*hidden_size is 96.*keeps serving epoch 0"):
@@ -104,7 +104,7 @@ async def test_a_source_one_engine_refuses_is_loaded_by_none(fleet_factory):
 async def test_an_engine_whose_load_fails_registers_again_and_loads_the_fleet_weights(fleet_factory):
     fleet = fleet_factory()
     steady, flaky = add(fleet, RefitFake()), add(fleet, RefitFake(fail_once=("/m/b",)))
-    async with InferenceClient(fleet.address) as client:
+    async with InferenceClient(fleet.address, token=fleet.token) as client:
         await client.wait_for_engines(2, timeout=20, poll=0.02)
         await client.pause()
         ack = await client.refit("/m/b", epoch=4)
@@ -119,7 +119,7 @@ async def test_an_engine_whose_load_fails_registers_again_and_loads_the_fleet_we
 async def test_late_engines_load_the_current_weights_and_a_restarted_coordinator_adopts_them(fleet_factory):
     fleet = fleet_factory()
     first = add(fleet, RefitFake())
-    async with InferenceClient(fleet.address) as client:
+    async with InferenceClient(fleet.address, token=fleet.token) as client:
         await client.wait_for_engines(1, timeout=20, poll=0.02)
         await client.pause()
         await client.refit("/m/b", epoch=3)
@@ -131,7 +131,7 @@ async def test_late_engines_load_the_current_weights_and_a_restarted_coordinator
         assert first.loaded == [("/m/b", 3)]
     fleet.stop_coordinator()
     fleet.start_coordinator()  # same port; it knows nothing about epochs until the engines register
-    async with InferenceClient(fleet.address) as client:
+    async with InferenceClient(fleet.address, token=fleet.token) as client:
         status = await status_when(client, lambda s: len(s["engines"]) == 2, "engines registered again")
         assert status["epoch"] == 3 and status["weights"] == "/m/b" and status["epoch_mismatch"] == []
         assert first.loaded == late.loaded == [("/m/b", 3)]  # nothing loaded twice
@@ -141,7 +141,7 @@ async def test_an_engine_of_another_model_is_flagged_not_synced(fleet_factory):
     fleet = fleet_factory()
     fleet.coordinator.core.model = "/m/a"
     add(fleet, RefitFake(), model="/m/a")
-    async with InferenceClient(fleet.address) as client:
+    async with InferenceClient(fleet.address, token=fleet.token) as client:
         await client.wait_for_engines(1, timeout=20, poll=0.02)
         await client.pause()
         await client.refit("/m/b")

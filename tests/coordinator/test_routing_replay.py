@@ -79,7 +79,7 @@ async def test_moved_request_keeps_its_mirrored_routing(fleet_factory, moe_model
     hanging, release = hang_after(first, 8)  # the prompt's step, then seven decode steps
     fleet.add_engine(fake=first, heartbeat_interval=0.1)
     try:
-        async with InferenceClient(fleet.address) as client:
+        async with InferenceClient(fleet.address, token=fleet.token) as client:
             await client.wait_for_engines(1, timeout=20, poll=0.02)
             streamed: list[int] = []
 

@@ -30,7 +30,7 @@ def tokens(n: int) -> bytes:
 
 
 def test_frames_a_full_queue_refused_arrive_later_in_order_and_unnested():
-    coordinator = Coordinator(port=0)
+    coordinator = Coordinator(port=0, insecure=True)
     coordinator.bind()
     coordinator.sock.setsockopt(zmq.SNDHWM, 1)  # a listener copies the options it is bound with:
     port = coordinator.sock.bind_to_random_port("tcp://127.0.0.1")  # a second one, with the tiny queue

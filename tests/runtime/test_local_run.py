@@ -36,23 +36,57 @@ def test_each_state_says_what_it_means_and_which_verb_comes_next():
     assert next_step("RUNNING").startswith("RUNNING: serving requests") and "next:" not in next_step("RUNNING")
 
 
-def test_published_runs_are_found_and_stale_ones_dropped(tmp_path, monkeypatch):
+def test_runs_are_private_found_by_directory_and_stale_ones_dropped(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
+    here, elsewhere = tmp_path / "project", tmp_path / "other"
+    here.mkdir(), elsewhere.mkdir()
+    monkeypatch.chdir(here)
     with pytest.raises(LookupError, match="no `megatron-serve run` is running"):
         local_runs.find_local_run()
-    mine = local_runs.LocalRun(pid=os.getpid(), coordinator="tcp://127.0.0.1:5556", endpoint="http://x/v1", model="m")
-    path = local_runs.publish(mine)
-    assert path.parent == tmp_path / "megatron-serve" and oct(path.stat().st_mode & 0o777) == "0o600"
+    mine = local_runs.publish(os.getpid(), "tcp://127.0.0.1:5556", "http://x/v1", "m", "s" * 43)
+    assert mine.directory.parent == tmp_path / "megatron-serve"
+    for path in (mine.directory.parent, mine.directory):
+        assert path.stat().st_mode & 0o777 == 0o700
+    for name in ("run.json", "secret"):
+        assert (mine.directory / name).stat().st_mode & 0o777 == 0o600
+    assert local_runs.find_local_run() == mine and mine.secret() == "s" * 43
+    assert local_runs.secret_for("tcp://127.0.0.1:5556") == "s" * 43 and local_runs.secret_for("tcp://h:1") is None
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
-    stale = local_runs.publish(local_runs.LocalRun(pid=int(dead.stdout), coordinator="tcp://127.0.0.1:1",
-                                                   endpoint="", model="gone"))
-    assert local_runs.find_local_run() == mine and not stale.exists()
-    local_runs.publish(local_runs.LocalRun(pid=os.getppid(), coordinator="tcp://127.0.0.1:5557", endpoint="",
-                                           model="other"))
-    with pytest.raises(LookupError, match="2 `megatron-serve run` processes.*pass --coordinator"):
+    stale = local_runs.publish(int(dead.stdout), "tcp://127.0.0.1:1", "", "gone", None)
+    assert local_runs.find_local_run() == mine and not stale.directory.exists()
+    monkeypatch.chdir(elsewhere)  # a run started in another directory is not taken for this one's
+    with pytest.raises(LookupError, match=f"no `megatron-serve run` of yours was started in {elsewhere}.*"
+                                          "tcp://127.0.0.1:5556.*pass --coordinator"):
         local_runs.find_local_run()
-    local_runs.withdraw(path)
+    monkeypatch.chdir(here)
+    local_runs.publish(os.getppid(), "tcp://127.0.0.1:5557", "", "other", None)
+    with pytest.raises(LookupError, match="2 `megatron-serve run` processes started in .*pass --coordinator"):
+        local_runs.find_local_run()
+    local_runs.withdraw(mine)
     assert [r.model for r in local_runs.live_runs()] == ["other"]
+    assert local_runs.live_runs()[0].secret() is None  # an --insecure run has none
+
+
+def test_runs_of_others_are_never_read(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
+    monkeypatch.chdir(tmp_path)
+    run = local_runs.publish(os.getpid(), "tcp://127.0.0.1:5556", "", "m", "s" * 43)
+    (run.directory / "secret").chmod(0o644)  # readable by others: not a secret any more, and not this user's doing
+    assert run.secret() is None
+    run.directory.chmod(0o755)
+    assert local_runs.live_runs() == []
+    run.directory.parent.chmod(0o755)
+    with pytest.raises(local_runs.UnsafeRunsDirectory, match="open to other users.*chmod 700"):
+        local_runs.live_runs()
+    with pytest.raises(local_runs.UnsafeRunsDirectory, match="open to other users"):
+        local_runs.publish(os.getpid(), "tcp://127.0.0.1:5556", "", "m", None)
+    run.directory.parent.chmod(0o700)
+    planted = tmp_path / "planted"  # a directory another user could have made: not followed
+    planted.mkdir(mode=0o700)
+    (planted / "run.json").write_text(json.dumps({"pid": os.getpid(), "coordinator": "tcp://evil:1", "endpoint": "",
+                                                  "model": "m", "cwd": str(tmp_path)}))
+    (run.directory.parent / "666").symlink_to(planted)
+    assert all(r.coordinator != "tcp://evil:1" for r in local_runs.live_runs())
 
 
 def test_control_without_a_coordinator_or_a_local_run_says_what_to_pass(tmp_path):
@@ -131,4 +165,4 @@ def test_make_run_with_5555_taken_picks_a_free_port_that_control_finds(tmp_path)
 
 
 def local_runs_in(runtime: Path) -> list[dict]:
-    return [json.loads(p.read_text()) for p in sorted((runtime / "megatron-serve").glob("*.json"))]
+    return [json.loads(p.read_text()) for p in sorted((runtime / "megatron-serve").glob("*/run.json"))]

@@ -23,6 +23,7 @@ import openai
 import pytest
 
 from megatron_serve.client import InferenceClient
+from megatron_serve.commands import local_runs
 from megatron_serve.config import InferenceConfig
 from megatron_serve.sampling_params import SamplingParams
 
@@ -124,8 +125,9 @@ def direct(tiny_model, tokenizer):
 
 
 def control(address: str, verb: str, **kwargs):
+    """A verb to the fleet of the `run` at ``address``, with the secret that run keeps for its user."""
     async def go():
-        c = InferenceClient(address, role="control")
+        c = InferenceClient(address, token=local_runs.secret_for(address), role="control")
         await c.start(timeout=30)
         try:
             return await getattr(c, verb)(timeout=60, **kwargs)

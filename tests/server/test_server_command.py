@@ -15,6 +15,7 @@ import httpx
 import pytest
 
 from megatron_serve.client import InferenceClient
+from megatron_serve.security import make_secret
 
 from .fakes import wait_until
 from .test_openai_e2e import free_port
@@ -22,14 +23,18 @@ from .test_openai_e2e import free_port
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
 
+SECRET = make_secret()  # the fleet's: every process here gets it in its environment
+
+
 def spawn(args: list[str], log, env: dict[str, str] | None = None) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "megatron_serve.cli", *args], stdout=log, stderr=subprocess.STDOUT,
-                            stdin=subprocess.DEVNULL, start_new_session=True, env={**os.environ, **(env or {})})
+                            stdin=subprocess.DEVNULL, start_new_session=True,
+                            env={**os.environ, "MEGATRON_SERVE_TOKEN": SECRET, **(env or {})})
 
 
 def control(address: str, verb: str):
     async def go():
-        client = InferenceClient(address, role="control")
+        client = InferenceClient(address, token=SECRET, role="control")
         await client.start(timeout=30)
         try:
             return await getattr(client, verb)(timeout=30)

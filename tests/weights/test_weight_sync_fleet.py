@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -65,10 +66,11 @@ def fleet(models, tmp_path_factory):
         children.kill_all()
 
 
-def run_trainer(address: str, model: str, epoch: int, *extra: str) -> tuple[int, list[dict]]:
-    """The trainer as its own process; returns its exit code and the JSON lines it printed."""
-    done = subprocess.run([sys.executable, str(TRAINER), address, model, str(epoch), str(BUCKET), *extra],
-                          capture_output=True, text=True, timeout=600)
+def run_trainer(fleet, model: str, epoch: int, *extra: str) -> tuple[int, list[dict]]:
+    """The trainer as its own process, holding the fleet secret; returns its exit code and the JSON lines it printed."""
+    done = subprocess.run([sys.executable, str(TRAINER), fleet.address, model, str(epoch), str(BUCKET), *extra],
+                          capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "MEGATRON_SERVE_TOKEN": fleet.children.secret})
     lines = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
     assert lines or done.returncode < 0, done.stderr[-3000:]
     return done.returncode, lines
@@ -82,7 +84,7 @@ async def assert_serves(client: InferenceClient, expected: list[list[int]], epoc
 
 
 async def test_a_trainer_process_pushes_weights_into_a_fleet_with_a_tensor_parallel_group(fleet, models):
-    async with InferenceClient(fleet.address) as client:
+    async with InferenceClient(fleet.address, token=fleet.children.secret) as client:
         await client.wait_for_engines(2, timeout=300)
         await assert_serves(client, models.expected.a, 0)
 
@@ -103,7 +105,7 @@ async def test_a_trainer_process_pushes_weights_into_a_fleet_with_a_tensor_paral
         status = await client.status()
         assert status["epoch"] == 0 and all(e["epoch"] == 0 for e in status["engines"])
 
-        code, lines = await asyncio.to_thread(run_trainer, fleet.address, models.b, 7)
+        code, lines = await asyncio.to_thread(run_trainer, fleet, models.b, 7)
         ack = lines[-1]
         assert code == 0, lines
         assert ack["state"] == "PAUSED" and ack["detail"]["epoch"] == 7
@@ -118,9 +120,9 @@ async def test_a_trainer_process_pushes_weights_into_a_fleet_with_a_tensor_paral
 
 
 async def test_a_trainer_killed_mid_transfer_leaves_the_fleet_paused_until_a_refit_completes(fleet, models):
-    async with InferenceClient(fleet.address) as client:
+    async with InferenceClient(fleet.address, token=fleet.children.secret) as client:
         await client.pause()
-        code, lines = await asyncio.to_thread(run_trainer, fleet.address, models.a, 8, "--die-after-bucket", "2")
+        code, lines = await asyncio.to_thread(run_trainer, fleet, models.a, 8, "--die-after-bucket", "2")
         assert code == -9 and lines[-1] == {"bucket": 2, "of": lines[0]["of"]} and lines[0]["of"] > 2
 
         async def settled():
@@ -136,14 +138,14 @@ async def test_a_trainer_killed_mid_transfer_leaves_the_fleet_paused_until_a_ref
             await client.unpause()
         assert err.value.code == "weights_incomplete"
 
-        code, lines = await asyncio.to_thread(run_trainer, fleet.address, models.b, 9)
+        code, lines = await asyncio.to_thread(run_trainer, fleet, models.b, 9)
         assert code == 0 and lines[-1]["detail"]["epoch"] == 9, lines
         await client.unpause()
         await assert_serves(client, models.expected.b, 9)
 
 
 async def test_an_engine_that_joins_later_serves_only_once_a_refit_included_it(fleet, models):
-    async with InferenceClient(fleet.address) as client:
+    async with InferenceClient(fleet.address, token=fleet.children.secret) as client:
         late = fleet.children.engine(models.a, fleet.port, "--group", "5")
         status = await client.wait_for_engines(3, timeout=300)
         joined = next(e for e in status["engines"] if e["group"] == 5)
@@ -152,7 +154,7 @@ async def test_an_engine_that_joins_later_serves_only_once_a_refit_included_it(f
         assert next(e for e in (await client.status())["engines"] if e["group"] == 5)["completed"] == 0
 
         await client.pause()
-        code, lines = await asyncio.to_thread(run_trainer, fleet.address, models.b, 10)
+        code, lines = await asyncio.to_thread(run_trainer, fleet, models.b, 10)
         detail = lines[-1]["detail"]
         assert code == 0 and len(detail["engines"]) == 3 and detail["sender"]["world_size"] == 5
         await client.unpause()

@@ -1,7 +1,7 @@
 """A trainer process for the weight-sync tests: push a Hugging Face model's weights into a fleet.
 
-``python trainer.py ADDRESS MODEL_DIR EPOCH BUCKET_BYTES [--die-after-bucket N]`` prints one JSON
-line (the acknowledgement, or the error) and exits 0 when the fleet acknowledged. With
+``python trainer.py ADDRESS MODEL_DIR EPOCH BUCKET_BYTES [--die-after-bucket N]`` (the fleet secret in
+``$MEGATRON_SERVE_TOKEN``) prints one JSON line (the acknowledgement, or the error) and exits 0 when the fleet acknowledged. With
 ``--die-after-bucket N`` it kills itself (SIGKILL, like a crashed trainer) right after bucket N left.
 """
 
@@ -28,7 +28,7 @@ async def main(args: argparse.Namespace) -> int:
         if args.die_after_bucket is not None and index + 1 >= args.die_after_bucket:
             os.kill(os.getpid(), signal.SIGKILL)
 
-    async with InferenceClient(args.address) as client:
+    async with InferenceClient(args.address, token=os.environ.get("MEGATRON_SERVE_TOKEN")) as client:
         sender = WeightSender(client, backend="gloo", bucket_bytes=args.bucket_bytes, on_bucket=on_bucket)
         try:
             ack = await sender.send(model.named_parameters(), epoch=args.epoch)

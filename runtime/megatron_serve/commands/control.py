@@ -3,8 +3,9 @@
 Prints the acknowledged state (one line, plus per-engine facts) or, for ``status``, a table, and
 then what the state means and which verb comes next (:func:`next_step`); ``--json`` prints the
 coordinator's answer as one JSON object instead. Without ``--coordinator`` it talks to
-``$MEGATRON_SERVE_COORDINATOR``, else to the ``megatron-serve run`` on this machine
-(:mod:`~megatron_serve.commands.local_runs`).
+``$MEGATRON_SERVE_COORDINATOR``, else to the user's ``megatron-serve run`` started in this directory
+(:mod:`~megatron_serve.commands.local_runs`). The fleet secret comes from ``--token-file`` or
+``$MEGATRON_SERVE_TOKEN``, else from the user's run at that address.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from typing import Any
 from ..lifecycle import FleetState, PauseMode, Verb, walk
 from . import local_runs
 from .inputs import coordinator_address
-from .options import COORDINATOR_ENV, TOKEN_ENV, add_coordinator_option, add_token_option, read_token
+from .options import COORDINATOR_ENV, add_coordinator_option, add_token_option, read_token
 
 VERBS = (*(verb.value for verb in Verb), "status")
 
@@ -44,7 +45,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="give up waiting for the acknowledgement after this long")
     parser.add_argument("--connect-timeout", type=float, default=10.0, metavar="S",
                         help="give up when no coordinator answers within this long")
-    add_token_option(parser)
+    add_token_option(parser, default="the secret of your `megatron-serve run` at that address, else none")
 
 
 async def _execute(args: argparse.Namespace, token: str | None) -> dict[str, Any]:
@@ -74,19 +75,16 @@ async def _execute(args: argparse.Namespace, token: str | None) -> dict[str, Any
 
 
 def find_coordinator(args: argparse.Namespace) -> tuple[str, bool]:
-    """The address to talk to, and whether it was found (the local run's) rather than given."""
+    """The address to talk to, and whether it was found (the user's run started in this directory) rather
+    than given."""
     if args.coordinator:
         return coordinator_address(args.coordinator), False
     if os.environ.get(COORDINATOR_ENV):
         return coordinator_address(os.environ[COORDINATOR_ENV], f"${COORDINATOR_ENV}"), False
     try:
-        local = local_runs.find_local_run()
+        return local_runs.find_local_run().coordinator, True
     except LookupError as exc:
         raise RuntimeError(str(exc)) from None
-    if local.token_required and not (args.token_file or os.environ.get(TOKEN_ENV)):
-        raise RuntimeError(f"the local run at {local.coordinator} needs its coordinator token: pass --token-file or "
-                           f"set ${TOKEN_ENV}")
-    return local.coordinator, True
 
 
 def run(args: argparse.Namespace) -> int:
@@ -100,8 +98,8 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--mode applies to pause only, not {args.verb}")
     if args.drain_timeout is not None and not (args.verb == "stop" or args.mode == PauseMode.WAIT.value):
         raise ValueError("--drain-timeout applies to stop and to pause --mode wait only")
-    token = read_token(args)
     args.coordinator, found = find_coordinator(args)
+    token = read_token(args) or local_runs.secret_for(args.coordinator)
     if found and not args.json:
         print(f"(the local `megatron-serve run`'s coordinator, {args.coordinator})")
     try:

@@ -10,7 +10,7 @@ from ..protocol import DEFAULT_PORT, MAX_MESSAGE_BYTES
 from ..routing import KNOWN_POLICIES
 from .inputs import parse_port
 from .model_options import add_model_options, resolve_model_args
-from .options import add_log_option, add_token_option, read_token, setup_logging
+from .options import add_insecure_option, add_log_option, add_token_option, read_token, setup_logging
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -42,13 +42,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "larger requests are refused with an error naming the limit")
     parser.add_argument("--address-file", metavar="PATH",
                         help="write the bound address here once listening (default: nowhere)")
-    add_token_option(parser)
+    add_token_option(parser, default="none: refused unless --insecure")
+    add_insecure_option(parser)
     add_log_option(parser)
 
 
 def run(args: argparse.Namespace) -> int:
     setup_logging(args.log_level)
-    from ..coordinator import Coordinator, serve  # noqa: PLC0415 - keep --help fast
+    from ..coordinator import Coordinator, check_secret, serve  # noqa: PLC0415 - keep --help fast
     from ..routing import make_routing_policy  # noqa: PLC0415
     from ..tokenizer import Tokenizer, check_tokenizer_files  # noqa: PLC0415
 
@@ -65,11 +66,12 @@ def run(args: argparse.Namespace) -> int:
     tokenizer_dir = args.tokenizer or args.model
     check_tokenizer_files(tokenizer_dir)  # a wrong path fails the start; only the slow load happens later
     token = read_token(args)
+    check_secret(token, args.insecure)  # no secret and no --insecure: one line saying what to pass
     coordinator = Coordinator(
         # Loaded in the background (importing transformers takes long): engines and clients can
         # connect at once after a (re)start; text prompts wait for it.
         tokenizer_loader=functools.partial(Tokenizer.from_pretrained, tokenizer_dir),
-        host=args.host, port=args.port, token=token, routing=args.routing,
+        host=args.host, port=args.port, token=token, insecure=args.insecure, routing=args.routing,
         heartbeat_timeout=args.heartbeat_timeout, client_timeout=args.client_timeout,
         verb_timeout=args.verb_timeout, weights_timeout=args.weights_timeout, stall_timeout=args.stall_timeout,
         max_message_bytes=args.max_message_bytes, model=args.model, max_image_bytes=args.max_request_image_bytes,

@@ -1,20 +1,34 @@
-"""How ``megatron-serve control`` finds the fleet that ``megatron-serve run`` started on this machine.
+"""The runs ``megatron-serve run`` keeps on this machine: where ``control`` (and ``server``) find them and their secret.
 
-``run`` publishes one small JSON file per process (``<pid>.json``: coordinator address, HTTP
-endpoint, model, whether a token is needed) in the user's runtime directory,
+Each run has a directory of its own, ``<runs>/<pid>/`` (mode 0700), holding ``run.json`` (the
+coordinator's address, the HTTP endpoint, the model, the working directory ``run`` started in) and
+``secret`` (the run's fleet secret; absent for an ``--insecure`` run), both mode 0600. ``<runs>`` is
 ``$XDG_RUNTIME_DIR/megatron-serve`` (private to the user, emptied at logout), else
-``~/.cache/megatron-serve/runs``; it removes the file when it exits. ``control`` without
-``--coordinator`` (and without ``$MEGATRON_SERVE_COORDINATOR``) reads them: a file whose process is
-gone is stale and deleted; exactly one live run is used; none or several is an error that says what
-to pass. Secrets are never written: only whether the run needs a token.
+``~/.cache/megatron-serve/runs``; it must belong to this user and be 0700, or it is refused. The run
+removes its directory when it exits.
+
+``control`` without ``--coordinator`` (and without ``$MEGATRON_SERVE_COORDINATOR``) considers only
+runs of this OS user (owner checked on every file) started in the current working directory: one
+is used, none or several is an error that says what to pass. Given an address, ``control`` and
+``server`` read the secret of this user's run at that address. A directory whose process is gone is
+stale and deleted.
 """
 
 from __future__ import annotations
 
 import json
 import os
-from dataclasses import asdict, dataclass
+import shutil
+import stat
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
+
+RUN_FILE = "run.json"
+SECRET_FILE = "secret"
+
+
+class UnsafeRunsDirectory(RuntimeError):
+    """The runs directory belongs to another user, or others may read it."""
 
 
 @dataclass(frozen=True)
@@ -23,7 +37,15 @@ class LocalRun:
     coordinator: str
     endpoint: str
     model: str
-    token_required: bool = False
+    cwd: str
+    directory: Path = field(default=Path(), compare=False)  # where it is kept (not in run.json)
+
+    def secret(self) -> str | None:
+        """The run's fleet secret (``None``: an ``--insecure`` run)."""
+        path = self.directory / SECRET_FILE
+        if not _private_file(path):
+            return None
+        return path.read_text().strip() or None
 
 
 def runs_dir() -> Path:
@@ -33,47 +55,110 @@ def runs_dir() -> Path:
     return Path.home() / ".cache" / "megatron-serve" / "runs"
 
 
-def publish(run: LocalRun) -> Path:
-    """Write ``run``'s file (atomically, user-only); returns its path, for :func:`withdraw`."""
-    folder = runs_dir()
-    folder.mkdir(mode=0o700, parents=True, exist_ok=True)
-    path = folder / f"{run.pid}.json"
-    partial = path.with_suffix(".tmp")
-    partial.write_text(json.dumps(asdict(run)))
-    partial.chmod(0o600)
-    partial.replace(path)
-    return path
+def _own_private_dir(path: Path, create: bool) -> bool:
+    """Whether ``path`` is a directory of this user that only they can enter (made so when ``create``);
+    raises :class:`UnsafeRunsDirectory` for one that belongs to someone else or is open to others."""
+    if create:
+        path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    try:
+        info = path.lstat()
+    except FileNotFoundError:
+        return False
+    if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid():
+        raise UnsafeRunsDirectory(f"{path} is not a directory of this user (uid {os.getuid()}): remove it, or set "
+                                  "$XDG_RUNTIME_DIR to a directory of your own")
+    if info.st_mode & 0o077:
+        raise UnsafeRunsDirectory(f"{path} is open to other users (mode {oct(info.st_mode & 0o777)}): "
+                                  f"chmod 700 {path}")
+    return True
 
 
-def withdraw(path: Path) -> None:
-    path.unlink(missing_ok=True)
+def _private_file(path: Path) -> bool:
+    """A regular file of this user that only they can read."""
+    try:
+        info = path.lstat()
+    except FileNotFoundError:
+        return False
+    return stat.S_ISREG(info.st_mode) and info.st_uid == os.getuid() and not info.st_mode & 0o077
+
+
+def _write_private(path: Path, text: str) -> None:
+    """Write ``text`` to a new file only this user can read (created 0600, never widened)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    with os.fdopen(fd, "w") as fh:
+        fh.write(text)
+
+
+def publish(pid: int, coordinator: str, endpoint: str, model: str, secret: str | None) -> LocalRun:
+    """Keep this run's facts and secret in its own directory; :func:`withdraw` removes it."""
+    base = runs_dir()
+    _own_private_dir(base, create=True)
+    directory = base / str(pid)
+    if directory.exists():  # a stale one of an earlier process with this pid
+        shutil.rmtree(directory)
+    directory.mkdir(mode=0o700)
+    run = LocalRun(pid=pid, coordinator=coordinator, endpoint=endpoint, model=model, cwd=os.getcwd(),
+                   directory=directory)
+    if secret is not None:
+        _write_private(directory / SECRET_FILE, secret + "\n")
+    facts = {k: v for k, v in asdict(run).items() if k != "directory"}
+    _write_private(directory / f"{RUN_FILE}.tmp", json.dumps(facts))
+    os.replace(directory / f"{RUN_FILE}.tmp", directory / RUN_FILE)  # readers never see half a file
+    return run
+
+
+def withdraw(run: LocalRun) -> None:
+    shutil.rmtree(run.directory, ignore_errors=True)
 
 
 def live_runs() -> list[LocalRun]:
-    """Every published run whose process still exists (stale files are deleted on the way)."""
+    """This user's runs whose process still exists (stale directories are deleted on the way)."""
+    base = runs_dir()
+    if not _own_private_dir(base, create=False):
+        return []
     found = []
-    for path in sorted(runs_dir().glob("*.json")):
+    for directory in sorted(base.iterdir()):
+        path = directory / RUN_FILE
         try:
-            run = LocalRun(**json.loads(path.read_text()))
+            if not (_own_private_dir(directory, create=False) and _private_file(path)):
+                continue  # being written
+        except UnsafeRunsDirectory:
+            continue  # not this user's, or open to others: never read
+        try:
+            run = LocalRun(**json.loads(path.read_text()), directory=directory)
         except (OSError, ValueError, TypeError):
-            continue  # being written, or not ours: leave it
+            continue
         if _alive(run.pid):
             found.append(run)
         else:
-            path.unlink(missing_ok=True)
+            shutil.rmtree(directory, ignore_errors=True)
     return found
 
 
-def find_local_run() -> LocalRun:
-    """The one live local run; ``LookupError`` saying what to do when there is none or several."""
+def find_local_run(cwd: str | None = None) -> LocalRun:
+    """This user's one live run started in ``cwd`` (default: the current directory); ``LookupError``
+    saying what to do when there is none or several."""
+    cwd = os.path.realpath(cwd or os.getcwd())
     runs = live_runs()
-    if len(runs) == 1:
-        return runs[0]
-    if not runs:
-        raise LookupError("no --coordinator given and no `megatron-serve run` is running on this machine: start one, "
-                          "or pass --coordinator tcp://HOST:5555")
-    listed = ", ".join(f"{r.coordinator} (pid {r.pid}, {r.model})" for r in runs)
-    raise LookupError(f"{len(runs)} `megatron-serve run` processes on this machine: {listed}; pass --coordinator")
+    here = [r for r in runs if os.path.realpath(r.cwd) == cwd]
+    if len(here) == 1:
+        return here[0]
+    if len(here) > 1:
+        listed = ", ".join(f"{r.coordinator} (pid {r.pid}, {r.model})" for r in here)
+        raise LookupError(f"{len(here)} `megatron-serve run` processes started in {cwd}: {listed}; pass --coordinator")
+    if runs:
+        listed = ", ".join(f"{r.coordinator} (pid {r.pid}, started in {r.cwd})" for r in runs)
+        raise LookupError(f"no `megatron-serve run` of yours was started in {cwd}; yours elsewhere: {listed}: pass "
+                          "--coordinator ADDRESS (its secret is found), or run this command in that directory")
+    raise LookupError("no --coordinator given and no `megatron-serve run` is running on this machine: start one, "
+                      "or pass --coordinator tcp://HOST:5555")
+
+
+def secret_for(address: str) -> str | None:
+    """The secret of this user's live run whose coordinator is ``address`` (``None``: no such run, or an
+    insecure one)."""
+    run = next((r for r in live_runs() if r.coordinator == address), None)
+    return run.secret() if run is not None else None
 
 
 def _alive(pid: int) -> bool:

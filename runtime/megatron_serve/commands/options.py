@@ -1,6 +1,7 @@
-"""Options shared by the fleet commands (``coordinator``, ``engine``, ``control``, ``run``).
+"""Options shared by the fleet commands (``coordinator``, ``engine``, ``control``, ``server``, ``run``).
 
-* the shared token: ``--token-file`` or ``$MEGATRON_SERVE_TOKEN`` (docs/reference/cli.md);
+* the fleet secret: ``--token-file`` or ``$MEGATRON_SERVE_TOKEN`` (``docs/security.md``), and
+  ``--insecure`` for a fleet without one (benchmarks);
 * one logging format for every long-running process.
 """
 
@@ -14,9 +15,17 @@ import sys
 from ..fleet_argv import TOKEN_ENV
 
 
-def add_token_option(parser: argparse.ArgumentParser) -> None:
+def add_token_option(parser: argparse.ArgumentParser, default: str = "none") -> None:
     parser.add_argument("--token-file", metavar="PATH",
-                        help=f"file holding the shared coordinator token (default: ${TOKEN_ENV}, else no token)")
+                        help=f"file holding the fleet secret, at least 32 random characters: it encrypts the "
+                             f"fleet's connections and proves who may join (default: ${TOKEN_ENV}, else {default})")
+
+
+def add_insecure_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--insecure", action="store_true",
+                        help="serve without a fleet secret: no authentication and no encryption between the "
+                             "processes, so anyone who reaches the coordinator can join, read prompts and steer the "
+                             "fleet (benchmarks only; said in the log)")
 
 
 def read_secret(args: argparse.Namespace, attribute: str, flag: str, env: str) -> str | None:
@@ -35,8 +44,17 @@ def read_secret(args: argparse.Namespace, attribute: str, flag: str, env: str) -
 
 
 def read_token(args: argparse.Namespace) -> str | None:
-    """The shared token from ``--token-file``, else ``$MEGATRON_SERVE_TOKEN``, else ``None``."""
-    return read_secret(args, "token_file", "--token-file", TOKEN_ENV)
+    """The fleet secret from ``--token-file``, else ``$MEGATRON_SERVE_TOKEN``, else ``None``; one that is too
+    short to be a secret raises ``ValueError`` naming where it came from."""
+    from ..security import WeakSecret, fleet_secret  # noqa: PLC0415 - zmq: only when the command runs
+
+    token = read_secret(args, "token_file", "--token-file", TOKEN_ENV)
+    try:
+        fleet_secret(token)
+    except WeakSecret as exc:
+        source = f"--token-file {args.token_file}" if getattr(args, "token_file", None) else f"${TOKEN_ENV}"
+        raise ValueError(f"{source}: {exc}") from None
+    return token
 
 
 COORDINATOR_ENV = "MEGATRON_SERVE_COORDINATOR"

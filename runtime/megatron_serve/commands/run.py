@@ -3,11 +3,17 @@
 The coordinator and engines are real child processes (the same code as a deployment, via
 ``LocalFleet``; their logs go to ``--log-dir``, else to the run's own directory, removed when it
 ends); the HTTP server runs in this process. Each start-up stage prints one progress line, and the
-last line prints the endpoint and a ``curl`` example. Once serving, a coordinator or engine that
-dies is restarted with back-off (the log says why), and no child outlives this process, whatever
-ends it. SIGINT/SIGTERM/SIGHUP stop everything in order: the HTTP server drains (new requests get
-503, admitted ones finish for up to ``--drain-timeout``), the fleet gets STOP (engines drain and
-exit), then the processes are reaped. A second signal stops at once.
+last line prints the endpoint and a ``curl`` example that works with the API key as it was given.
+Once serving, a coordinator or engine that dies is restarted with back-off (the log says why), and
+no child outlives this process, whatever ends it. SIGINT/SIGTERM/SIGHUP stop everything in order:
+the HTTP server drains (new requests get 503, admitted ones finish for up to ``--drain-timeout``),
+the fleet gets STOP (engines drain and exit), then the processes are reaped. A second signal stops
+at once.
+
+The fleet is secure by default: the run generates a fleet secret (unless ``--token-file`` or
+``$MEGATRON_SERVE_TOKEN`` gives one) and keeps it in its run directory, readable by the user only,
+where ``control`` finds it (:mod:`.local_runs`); the coordinator listens on ``--host`` (default
+127.0.0.1). ``--insecure`` runs without a secret (benchmarks), and says so.
 """
 
 from __future__ import annotations
@@ -30,8 +36,9 @@ from .aliases import add_option
 from .engine_options import add_engine_options, inference_config_from_args
 from .inputs import check_model_dir, check_port_free, parse_port
 from .model_options import add_model_options, resolve_model_args
-from .options import add_log_option, add_token_option, read_token, setup_logging
-from .server import (ServingFiles, add_server_options, check_server_options, connection_options, image_options,
+from .options import add_insecure_option, add_log_option, add_token_option, read_token, setup_logging
+from .server import (API_KEY_ENV, ServingFiles, add_server_options, check_server_options, connection_options,
+                     image_options,
                      read_admin_key, read_api_key, read_limits)
 
 logger = logging.getLogger("megatron_serve.run")
@@ -45,7 +52,7 @@ def add_arguments(parser: argparse.ArgumentParser, *, positional_model: bool = F
     add_option(parser, "--engines", type=int, default=1, metavar="N", help="engine groups (data parallel)")
     add_option(parser, "--tensor-parallel", type=int, default=1, metavar="N", help="GPUs (ranks) per engine group")
     parser.add_argument("--coordinator-port", type=int, default=None, metavar="PORT",
-                        help=f"coordinator port on 127.0.0.1, for `megatron-serve control` (default: {DEFAULT_PORT}, "
+                        help=f"coordinator port on --host, for `megatron-serve control` (default: {DEFAULT_PORT}, "
                              "or a free port when it is taken; 0 = any free port)")
     parser.add_argument("--routing", default="least_loaded", choices=["least_loaded", "round_robin", "prefix_affinity"],
                         help="which engine group gets a request")
@@ -55,7 +62,8 @@ def add_arguments(parser: argparse.ArgumentParser, *, positional_model: bool = F
                         help="give up if the engines have not loaded the model after this long")
     add_server_options(parser, default_host="127.0.0.1")
     add_engine_options(parser)
-    add_token_option(parser)
+    add_token_option(parser, default="a new secret for this run, kept in its run directory")
+    add_insecure_option(parser)
     add_log_option(parser)
     parser.set_defaults(log_level="WARNING")
 
@@ -88,6 +96,13 @@ def run(args: argparse.Namespace) -> int:
     config = inference_config_from_args(args, tensor_parallel_size=args.tensor_parallel)  # fails before any start
     api_key = read_api_key(args)
     token = read_token(args)
+    if args.insecure and token is not None:
+        raise ValueError("--insecure runs without a fleet secret: drop --insecure, or --token-file / "
+                         "$MEGATRON_SERVE_TOKEN")
+    if not args.insecure and token is None:
+        from ..security import make_secret  # noqa: PLC0415
+
+        token = make_secret()
     resolve_model_args(args)  # a Hub id becomes its local directory before the directory is checked
     check_model_dir(args.model, tokenizer=args.tokenizer is None)
     if args.tokenizer is not None:
@@ -95,7 +110,7 @@ def run(args: argparse.Namespace) -> int:
 
         check_tokenizer_files(args.tokenizer)
     files = ServingFiles.from_args(args)  # --chat-template and --generation-config, checked now
-    port, port_note = coordinator_port(args.coordinator_port)
+    port, port_note = coordinator_port(args.coordinator_port, args.host)
     return asyncio.run(_Stack(args, config, api_key, token, files, port, port_note).main())
 
 
@@ -122,10 +137,21 @@ def _load_serving(args: argparse.Namespace, files: ServingFiles) -> tuple[Any, A
     return ModelFacts.from_dir(args.model, args.served_model_name), files.load_tokenizer()
 
 
-def curl_example(url: str, model: str, api_key: bool) -> str:
+def bearer_header(args: argparse.Namespace) -> str:
+    """curl's ``-H`` argument with the API key as it was given (``--api-key``, ``--api-key-file``, the
+    environment), so that the printed command works as it is; empty without a key."""
+    if args.api_key is not None:
+        return " -H " + shlex.quote(f"Authorization: Bearer {args.api_key}")
+    if args.api_key_file:
+        return f' -H "Authorization: Bearer $(cat {shlex.quote(args.api_key_file)})"'
+    if os.environ.get(API_KEY_ENV):
+        return f' -H "Authorization: Bearer ${API_KEY_ENV}"'
+    return ""
+
+
+def curl_example(url: str, model: str, bearer: str = "") -> str:
     body = json.dumps({"model": model, "prompt": "Hello", "max_tokens": 16})
-    auth = ' -H "Authorization: Bearer $MEGATRON_SERVE_API_KEY"' if api_key else ""
-    return f"curl {url}/v1/completions -H 'Content-Type: application/json'{auth} -d {shlex.quote(body)}"
+    return f"curl {url}/v1/completions -H 'Content-Type: application/json'{bearer} -d {shlex.quote(body)}"
 
 
 class _Stack:
@@ -146,7 +172,7 @@ class _Stack:
         self.signals = 0
         self.forced = False
         self.task: asyncio.Task | None = None
-        self.published: Path | None = None  # this run's file for `megatron-serve control`
+        self.published: local_runs.LocalRun | None = None  # this run's directory, for `megatron-serve control`
         self.endpoint = ""  # http://host:port/v1, once bound
 
     def _on_signal(self, signum: int) -> None:
@@ -218,16 +244,20 @@ class _Stack:
         from ..local_fleet import LocalFleet  # noqa: PLC0415
 
         args = self.args
-        self.fleet = LocalFleet(args.model, args.engines, self.config, host="127.0.0.1", port=self.coordinator_port,
-                                token=self.token, routing=args.routing, drain_timeout=args.drain_timeout,
-                                log_dir=args.log_dir, tokenizer_dir=args.tokenizer)
+        self.fleet = LocalFleet(args.model, args.engines, self.config, host=args.host, port=self.coordinator_port,
+                                token=self.token, insecure=self.token is None, routing=args.routing,
+                                drain_timeout=args.drain_timeout, log_dir=args.log_dir, tokenizer_dir=args.tokenizer)
         started = time.monotonic()
         address = await asyncio.to_thread(self.fleet.start, 60.0)
+        security = "encrypted, fleet secret required" if self.token else "INSECURE: no authentication, no encryption"
         kept = "" if args.log_dir is not None else "; removed at exit, --log-dir keeps them"
-        progress(2, f"coordinator listening on {address}{self.port_note} (logs in {self.fleet.log_dir}{kept})")
-        self.published = local_runs.publish(local_runs.LocalRun(
-            pid=os.getpid(), coordinator=address, endpoint=self.endpoint, model=args.served_model_name or args.model,
-            token_required=self.token is not None))
+        progress(2, f"coordinator listening on {address}{self.port_note} ({security}; logs in "
+                    f"{self.fleet.log_dir}{kept})")
+        self.published = local_runs.publish(os.getpid(), address, self.endpoint, args.served_model_name or args.model,
+                                            self.token)
+        if self.token is None:
+            progress(None, "WARNING --insecure: anyone who reaches the coordinator can join the fleet, read prompts "
+                           "and answers, and pause, stop or refit it (benchmarks only)")
         _facts, tokenizer = await loading  # the client makes the text with it (the children load meanwhile)
         self.client = InferenceClient(address, token=self.token, tokenizer=tokenizer,
                                       coordinator_grace=args.coordinator_grace)
@@ -274,7 +304,7 @@ class _Stack:
         def started(url: str) -> None:
             progress(4, f"HTTP server listening on {url}{' (API key required)' if self.api_key else ''}")
             say(f"megatron-serve is ready: {url}/v1 (model '{facts.name}', {args.engines} engine(s)); try: "
-                f"{curl_example(url, facts.name, bool(self.api_key))}")
+                f"{curl_example(url, facts.name, bearer_header(args) if self.api_key else '')}")
 
         freeze_startup_heap()
         await serve_app(app, sock=sock, log_level=args.log_level, on_started=started, stop=self.stop,

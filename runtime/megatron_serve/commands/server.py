@@ -19,6 +19,7 @@ from ..generation_config import GenerationDefaults
 from ..http_options import METRICS_COMPAT, HTTPOptions
 from ..limits import DEFAULT_COORDINATOR_GRACE, DEFAULT_KEEP_ALIVE, RequestLimits
 from ..multimodal import ImageOptions
+from . import local_runs
 from .inputs import check_model_dir, coordinator_address, parse_port
 from .model_options import add_model_options, resolve_model_args
 from .options import add_coordinator_option, add_log_option, add_token_option, read_secret, read_token, setup_logging
@@ -195,7 +196,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                    "weights are loaded)")
     add_coordinator_option(parser)
     add_server_options(parser, default_host="0.0.0.0")
-    add_token_option(parser)
+    add_token_option(parser, default="the secret of your `megatron-serve run` at that address, else none")
     add_log_option(parser)
 
 
@@ -204,7 +205,7 @@ def run(args: argparse.Namespace) -> int:
     args.coordinator = coordinator_address(args.coordinator)
     check_server_options(args)
     api_key = read_api_key(args)
-    token = read_token(args)
+    token = read_token(args) or local_runs.secret_for(args.coordinator)
     resolve_model_args(args)  # a Hub id becomes its local directory before the directory is checked
     check_model_dir(args.model, weights=False, tokenizer=args.tokenizer is None)
     from ..server.modelinfo import ModelFacts  # noqa: PLC0415 - keep --help fast

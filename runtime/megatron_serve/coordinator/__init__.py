@@ -4,7 +4,7 @@ Engines and clients connect DEALER sockets to the coordinator's ROUTER (docs/arc
 The package is split by the question a reader has:
 
 * :mod:`.core` -- all state and decisions, no sockets: inputs in, effects out (:mod:`.effects`);
-* :mod:`.handshake` -- HELLO, the shared token, engine groups and client ids;
+* :mod:`.handshake` -- HELLO and its proof of the fleet secret, engine groups and client ids;
 * :mod:`.requests` -- the request table and its phases;
 * :mod:`.dispatch` -- which engine gets the next queued request;
 * :mod:`.verbs` -- the lifecycle state machine at work (its rules: :mod:`megatron_serve.lifecycle`);
@@ -21,8 +21,9 @@ from .core import (
     CoordinatorCore,
     TokenizerLike,
 )
-from .loop import Coordinator, serve, write_address_file
+from .loop import Coordinator, InsecureRefused, check_secret, serve, write_address_file
 
-__all__ = ["Coordinator", "CoordinatorCore", "serve", "write_address_file", "TokenizerLike",
+__all__ = ["Coordinator", "CoordinatorCore", "InsecureRefused", "check_secret", "serve", "write_address_file",
+           "TokenizerLike",
            "DEFAULT_CLIENT_TIMEOUT", "DEFAULT_HEARTBEAT_TIMEOUT", "DEFAULT_STALL_TIMEOUT", "DEFAULT_VERB_TIMEOUT",
            "DEFAULT_WEIGHTS_TIMEOUT"]

@@ -45,6 +45,7 @@ from ..messages import (
 from ..protocol import HEADER_VERBS, ErrorCode, Header, Message, ProtocolError, Role, encode, unbatch
 from ..routing import RoutingPolicy, make_routing_policy
 from ..sampling_params import SharedParams
+from ..security import FleetSecret, fleet_secret
 from . import dispatch, handshake, liveness, prompts
 from .droplog import DropLog
 from .effects import Effect, Probe, Send
@@ -99,7 +100,7 @@ class CoordinatorCore:
         self,
         tokenizer: TokenizerLike | None = None,
         *,
-        token: str | None = None,
+        token: str | FleetSecret | None = None,
         routing: str = "least_loaded",
         heartbeat_timeout: float = DEFAULT_HEARTBEAT_TIMEOUT,
         client_timeout: float = DEFAULT_CLIENT_TIMEOUT,
@@ -112,14 +113,15 @@ class CoordinatorCore:
         tokenizer_pending: bool = False,
         max_image_bytes: int = DEFAULT_MAX_IMAGE_BYTES,
     ) -> None:
-        """``tokenizer_pending``: a tokenizer is loading elsewhere; text prompts (and images to place)
-        are held until :meth:`on_tokenizer` says how it went. ``max_image_bytes``: image file bytes
-        one request may carry (more is refused with ERROR)."""
+        """``token``: the fleet secret (``None``: insecure). ``tokenizer_pending``: a tokenizer is loading
+        elsewhere; text prompts (and images to place) are held until :meth:`on_tokenizer` says how it
+        went. ``max_image_bytes``: image file bytes one request may carry (more is refused with ERROR)."""
         self.tokenizer = tokenizer
         self.max_image_bytes = int(max_image_bytes)
         self.tokenizer_pending = tokenizer_pending
         self.tokenizer_error: str | None = None  # why text prompts cannot be tokenized (the load failed)
-        self.token = token or None
+        self.secret = fleet_secret(token)
+        self.proven: dict[bytes, bytes | None] = {}  # connections that proved it (identity -> CURVE key), until gone
         self.routing_name = routing
         self.policy: RoutingPolicy = make_routing_policy(routing)
         self.heartbeat_timeout = float(heartbeat_timeout)
@@ -154,20 +156,21 @@ class CoordinatorCore:
 
     # ------------------------------------------------------------------ inputs
 
-    def on_message(self, identity: bytes, message: Message, now: float) -> list[Effect]:
-        """One decoded message from ``identity`` (a ``BATCH`` is taken apart here)."""
+    def on_message(self, identity: bytes, message: Message, now: float, key: bytes | None = None) -> list[Effect]:
+        """One decoded message from ``identity``, a connection with CURVE key ``key`` (a BATCH is opened here)."""
         if message.header is Header.BATCH:
             for item in unbatch(message.body, TO_COORDINATOR):
                 if isinstance(item, ProtocolError):
                     self.drop(self.peer_name(identity), str(item))
                 else:
-                    self._handle(identity, item, now)
+                    self._handle(identity, item, now, key)
         else:
-            self._handle(identity, message, now)
+            self._handle(identity, message, now, key)
         return self._settle(now)
 
     def on_peer_gone(self, identity: bytes, reason: str, now: float) -> list[Effect]:
         """A send to ``identity`` failed, or a probe found it gone."""
+        self.proven.pop(identity, None)
         handshake.forget_peer(self, identity, f"unreachable ({reason})", now)
         return self._settle(now)
 
@@ -252,10 +255,10 @@ class CoordinatorCore:
 
     # ------------------------------------------------------------------ messages
 
-    def _handle(self, identity: bytes, message: Message, now: float) -> None:
+    def _handle(self, identity: bytes, message: Message, now: float, key: bytes | None) -> None:
         header, body = message
         if header is Header.HELLO:
-            handshake.on_hello(self, identity, body, now)
+            handshake.on_hello(self, identity, body, now, key)
             return
         known = self.peers.get(identity)
         if known is None:

@@ -1,13 +1,16 @@
-"""The handshake: HELLO with an optional shared token; engines register a group, clients their id.
+"""The handshake: HELLO proves the fleet secret; engines register a group, clients their id.
 
-A peer without the right token gets nothing else served. An engine asking for a group that another
-live engine holds is refused (``group_in_use``), after a probe of the holder: a holder whose
-connection is gone (a restarted engine process) is removed first, and the new engine registers.
+With a fleet secret, a HELLO counts only with the proof for the CURVE key of the connection it came
+on (:mod:`megatron_serve.security`); one without is dropped unanswered, and the connection stays
+unknown: nothing it sends is acted on, nothing is sent to it. A client id belongs to the key that
+first registered it: another key asking for it is refused (``unauthorized``), so a stolen client id
+cannot collect that client's results or answers. An engine asking for a group that another live
+engine holds is refused (``group_in_use``), after a probe of the holder: a holder whose connection
+is gone (a restarted engine process) is removed first, and the new engine registers.
 """
 
 from __future__ import annotations
 
-import hmac
 import logging
 import uuid
 from typing import TYPE_CHECKING, Any
@@ -26,17 +29,18 @@ logger = logging.getLogger("megatron_serve.coordinator")
 HEARTBEAT_INTERVAL = 1.0  # what engines are told to keep
 
 
-def on_hello(core: "CoordinatorCore", identity: bytes, body: Hello, now: float, probed: bool = False) -> None:
-    if core.token is not None:
-        offered = body.token
-        if offered is None or not hmac.compare_digest(offered.encode(), core.token.encode()):
-            core.drop(core.peer_name(identity), "HELLO with a missing or wrong token")
+def on_hello(core: "CoordinatorCore", identity: bytes, body: Hello, now: float, key: bytes | None = None,
+             probed: bool = False) -> None:
+    """A HELLO on the connection ``identity``, whose CURVE key is ``key`` (``probed``: it waited for a probe
+    of the group's holder, and was checked before)."""
+    if core.secret is not None and not probed:
+        if not core.secret.proves(body.proof, key):
+            core.drop(core.peer_name(identity), "HELLO without the proof of the fleet secret for its connection")
+            core.proven.pop(identity, None)
             if identity in core.peers:
-                forget_peer(core, identity, "re-HELLO with a wrong token", now)
-            core.send(identity, Header.ERROR, Error(code=ErrorCode.UNAUTHORIZED.value,
-                                                    message="missing or wrong token: pass --token-file or "
-                                                            "MEGATRON_SERVE_TOKEN"))
+                forget_peer(core, identity, "re-HELLO without the proof of the fleet secret", now)
             return
+        core.proven[identity] = key
     try:
         role = Role(body.role)
     except ValueError:
@@ -53,7 +57,7 @@ def on_hello(core: "CoordinatorCore", identity: bytes, body: Hello, now: float, 
     if role is Role.ENGINE:
         _register_engine(core, identity, body, now, probed)
     else:
-        _register_client(core, identity, role, body, now)
+        _register_client(core, identity, role, body, now, key)
 
 
 def _ack_again(core: "CoordinatorCore", identity: bytes, known: tuple[Role, str]) -> None:
@@ -139,12 +143,19 @@ def _weights_for(core: "CoordinatorCore", engine: EngineRecord) -> dict[str, Any
     return {"source": core.weights_source, "epoch": core.epoch}
 
 
-def _register_client(core: "CoordinatorCore", identity: bytes, role: Role, body: Hello, now: float) -> None:
+def _register_client(core: "CoordinatorCore", identity: bytes, role: Role, body: Hello, now: float,
+                     key: bytes | None) -> None:
     client_id = body.client_id or uuid.uuid4().hex
     client = core.clients.get(client_id)
     if client is None:
         client = core.clients[client_id] = ClientRecord(client_id=client_id, role=role, identity=identity,
-                                                        acks=bool(body.acks))
+                                                        acks=bool(body.acks), key=key)
+    elif client.key != key:
+        core.drop(core.peer_name(identity), f"HELLO for client id {client_id[:8]}..., which another peer's key holds")
+        core.send(identity, Header.ERROR, Error(code=ErrorCode.UNAUTHORIZED.value,
+                                                message="this client id belongs to another peer (its CURVE key): "
+                                                        "a client id cannot be taken over"))
+        return
     else:
         if client.identity is not None and client.identity != identity:
             core.peers.pop(client.identity, None)

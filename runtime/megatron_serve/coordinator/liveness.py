@@ -70,7 +70,10 @@ class Liveness:
         return False
 
     def hello_required(self, core: "CoordinatorCore", identity: bytes, now: float) -> None:
-        """Tell an unknown (but protocol-speaking) peer to HELLO again, at most once a second."""
+        """Tell an unknown (but protocol-speaking) peer to HELLO again, at most once a second: in a secure
+        fleet only a connection that proved the secret before (a stranger is told nothing)."""
+        if core.secret is not None and identity not in core.proven:
+            return
         last = self.hello_required_sent.get(identity)
         if last is not None and now - last < 1.0:
             return

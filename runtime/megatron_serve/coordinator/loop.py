@@ -9,6 +9,13 @@ the socket is ``ROUTER_MANDATORY``) goes back to the core as ``on_peer_gone``; o
 peer's queue full waits here and is retried on the next pass. A tokenizer may load in a background
 thread: its result reaches the loop through a future the loop polls, so the core stays
 single-threaded.
+
+With a fleet secret the ROUTER is a CURVE server (:mod:`megatron_serve.security`): pyzmq's ZAP
+authenticator admits every client key and stamps it on the connection's frames (``User-Id``), which
+the core checks HELLO's proof against. A routing id whose key changes belongs to a new connection
+(a peer may choose its routing id, and take a departed one's): the old peer is gone, and the new
+connection has proven nothing yet. Without a secret the coordinator refuses to start unless
+``insecure=True``, and then says in the log what that exposes.
 """
 
 from __future__ import annotations
@@ -22,11 +29,15 @@ import time
 from typing import Callable
 
 import zmq
+from zmq.auth import CURVE_ALLOW_ANY
+from zmq.auth.thread import ThreadAuthenticator
 from zmq.utils.monitor import recv_monitor_message
 
 from ..heap import freeze_startup_heap
 from ..messages import TO_COORDINATOR
 from ..protocol import MAX_MESSAGE_BYTES, ProtocolError, decode, pack_batches
+from ..security import SECRET_HINT
+from ..transport import close_monitored, open_monitor, secure_server
 from .core import CoordinatorCore, TokenizerLike
 from .effects import Effect, Probe, Send
 from .requests import Phase
@@ -38,19 +49,37 @@ _MAX_BURST = 512  # frames handled before the gathered sends are flushed and the
 _PROBE_DELAYS = (0.02, 0.1, 0.5, 2.0)  # after a disconnect event: when to test who is gone
 
 
+class InsecureRefused(ValueError):
+    """A coordinator without a fleet secret, not told that it may run insecure."""
+
+
+def check_secret(secret: object | None, insecure: bool) -> None:
+    """A coordinator has a fleet secret, or is told to run without one (never both)."""
+    if secret is None and not insecure:
+        raise InsecureRefused(f"a coordinator needs the fleet secret: {SECRET_HINT}, or pass --insecure to serve "
+                              "without authentication or encryption (benchmarks only)")
+    if secret is not None and insecure:
+        raise ValueError("--insecure turns the fleet secret off: drop --insecure, or the secret "
+                         "(--token-file / $MEGATRON_SERVE_TOKEN)")
+
+
 class Coordinator:
     """The coordinator process: a :class:`CoordinatorCore` behind one ROUTER. ``run()`` serves until
-    ``shutdown()`` or a signal. Keyword arguments other than the transport's go to the core."""
+    ``shutdown()`` or a signal. Keyword arguments other than the transport's go to the core (``token``:
+    the fleet secret)."""
 
     def __init__(self, tokenizer: TokenizerLike | None = None, *, host: str = "127.0.0.1", port: int = 5555,
-                 max_message_bytes: int = MAX_MESSAGE_BYTES,
+                 max_message_bytes: int = MAX_MESSAGE_BYTES, insecure: bool = False,
                  tokenizer_loader: Callable[[], TokenizerLike] | None = None, **core_options: object) -> None:
         """``tokenizer_loader``: instead of ``tokenizer``, builds it in a background thread started by
-        ``run()``, so that peers can connect meanwhile (text prompts wait for it)."""
+        ``run()``, so that peers can connect meanwhile (text prompts wait for it). ``insecure``: serve
+        without a fleet secret (no authentication, no encryption: benchmarks only); without it, a
+        coordinator given no secret raises :class:`InsecureRefused`."""
         if tokenizer is not None and tokenizer_loader is not None:
             raise ValueError("pass a tokenizer or a tokenizer_loader, not both")
         self.core = CoordinatorCore(tokenizer, tokenizer_pending=tokenizer_loader is not None,
                                     **core_options)  # type: ignore[arg-type]
+        check_secret(self.core.secret, insecure)
         self.host = host
         self.port = port
         self.max_message_bytes = int(max_message_bytes)
@@ -61,7 +90,9 @@ class Coordinator:
         self._fds: dict[bytes, int] = {}  # identity -> fd of its connection (for disconnect probes)
         self._probes: list[tuple[float, int]] = []  # (due, fd) after disconnect events
         self._backlog: dict[bytes, list[bytes]] = {}  # frames a full queue refused (EAGAIN), in order
-        self.ctx = zmq.Context.instance()
+        # A context of its own: its ZAP handler answers for this coordinator's sockets only.
+        self.ctx = zmq.Context()
+        self._authenticator: ThreadAuthenticator | None = None
         self.sock: zmq.Socket | None = None
         self.monitor: zmq.Socket | None = None
         self.address: str | None = None
@@ -71,6 +102,12 @@ class Coordinator:
     def bind(self) -> str:
         """Bind the ROUTER (port 0 = any free port) and return the address peers should connect to."""
         sock = self.ctx.socket(zmq.ROUTER)
+        if self.core.secret is not None:
+            if self._authenticator is None:
+                self._authenticator = ThreadAuthenticator(self.ctx)
+                self._authenticator.start()
+                self._authenticator.configure_curve(domain="*", location=CURVE_ALLOW_ANY)  # HELLO proves the rest
+            secure_server(sock, self.core.secret)
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.SNDHWM, 100_000)
@@ -80,19 +117,28 @@ class Coordinator:
         # are dropped (and logged) by decode().
         sock.setsockopt(zmq.MAXMSGSIZE, 2 * self.max_message_bytes)
         bind_host = "*" if self.host in ("0.0.0.0", "*") else self.host
-        if self.port == 0:
-            self.port = sock.bind_to_random_port(f"tcp://{bind_host}")
-        else:
-            sock.bind(f"tcp://{bind_host}:{self.port}")
-        self.monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        try:
+            if self.port == 0:
+                self.port = sock.bind_to_random_port(f"tcp://{bind_host}")
+            else:
+                sock.bind(f"tcp://{bind_host}:{self.port}")
+        except zmq.ZMQError:
+            sock.close(linger=0)  # else close() would wait for it forever (the context ends with its sockets)
+            raise
+        self.monitor = open_monitor(sock, zmq.EVENT_DISCONNECTED)
         self.sock = sock
         shown = "127.0.0.1" if bind_host == "*" else self.host
         self.address = f"tcp://{shown}:{self.port}"
         core = self.core
-        logger.info("coordinator %s listening on %s (routing %s, token %s, heartbeat timeout %.1fs, verb timeout "
+        logger.info("coordinator %s listening on %s (routing %s, %s, heartbeat timeout %.1fs, verb timeout "
                     "%.1fs, stall timeout %.1fs)", core.coordinator_id, self.address, core.routing_name,
-                    "required" if core.token else "not required", core.heartbeat_timeout, core.verb_timeout,
-                    core.stall_timeout)
+                    "encrypted, fleet secret required" if core.secret else "INSECURE", core.heartbeat_timeout,
+                    core.verb_timeout, core.stall_timeout)
+        if core.secret is None:
+            logger.warning("INSECURE (--insecure): no authentication and no encryption on %s: anyone who can reach it "
+                           "can register as an engine, read every prompt and answer, and pause, stop or refit the "
+                           "fleet. For benchmarks only; give the fleet a secret instead (%s)", self.address,
+                           SECRET_HINT)
         return self.address
 
     def shutdown(self) -> None:
@@ -100,16 +146,14 @@ class Coordinator:
         self._stop = True
 
     def close(self) -> None:
-        if self.monitor is not None:
-            try:
-                self.sock.disable_monitor()
-            except zmq.ZMQError:
-                pass
-            self.monitor.close(linger=0)
-            self.monitor = None
         if self.sock is not None:
-            self.sock.close(linger=0)
-            self.sock = None
+            close_monitored(self.sock, self.monitor)
+            self.sock = self.monitor = None
+        if self._authenticator is not None:
+            self._authenticator.stop()
+            self._authenticator = None
+        if not self.ctx.closed:
+            self.ctx.term()
 
     def install_signal_handlers(self) -> None:
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -159,17 +203,30 @@ class Coordinator:
 
     def _on_frame(self, identity_frame: zmq.Frame, frame: zmq.Frame) -> list[Effect]:
         identity = identity_frame.bytes
+        effects: list[Effect] = []
+        key = None
+        if self.core.secret is not None:  # the connection's key, from the handshake (0.6 us a frame)
+            key = frame.get("User-Id").encode()
+            proven = self.core.proven.get(identity)
+            if proven is not None and proven != key:  # another connection took this routing id: the old one left
+                effects = self._gone(identity, "its routing id now belongs to another connection")
         try:
             message = decode(frame.buffer, TO_COORDINATOR, self.max_message_bytes)
         except ProtocolError as exc:
             self.core.drop(self.core.peer_name(identity), str(exc))
-            return []
-        if identity not in self._fds:
+            return effects
+        effects += self.core.on_message(identity, message, time.monotonic(), key)
+        if identity not in self._fds and (key is None or identity in self.core.proven):  # a stranger is never probed
             try:
                 self._fds[identity] = frame.get(zmq.SRCFD)
             except zmq.ZMQError:
                 pass
-        return self.core.on_message(identity, message, time.monotonic())
+        return effects
+
+    def _gone(self, identity: bytes, reason: str) -> list[Effect]:
+        """The transport lost ``identity``'s connection: forget what belonged to it, tell the core."""
+        self._fds.pop(identity, None)
+        return self.core.on_peer_gone(identity, reason, time.monotonic())
 
     def _tick(self, now: float) -> list[Effect]:
         core = self.core
@@ -195,7 +252,7 @@ class Coordinator:
         for effect in effects:
             if isinstance(effect, Probe):
                 if not self._send(sock, effect.identity, effect.frame):
-                    more += core.on_peer_gone(effect.identity, "probe failed", time.monotonic())
+                    more += self._gone(effect.identity, "probe failed")
                 if effect.hello is not None:
                     more += core.on_hello_after_probe(*effect.hello, time.monotonic())
             else:
@@ -212,8 +269,7 @@ class Coordinator:
                     self._backlog[identity] = frames[i:]
                     break
                 if not sent:
-                    self._fds.pop(identity, None)
-                    more += core.on_peer_gone(identity, "send failed", time.monotonic())
+                    more += self._gone(identity, "send failed")
                     break
         return more
 

@@ -95,6 +95,7 @@ class ClientRecord:
     role: Role
     identity: bytes | None
     acks: bool
+    key: bytes | None = None  # the CURVE key that registered it (None in an insecure fleet): only it may return
     batches: bool = False  # it understands BATCH frames (protocol 2)
     protocol: int = 1  # what its HELLO announced (SUBMIT needs 4: it makes the text)
     last_seen: float = field(default_factory=time.monotonic)

@@ -66,6 +66,20 @@ logger = logging.getLogger("megatron_serve.server")
 
 API_KEY_ENV = "MEGATRON_SERVE_API_KEY"
 
+#: Routes that never ask for a key: the probes, the metrics and the API's own description. Every other
+#: route uses the model (its tokenizer and chat template included: ``/tokenize``, ``/detokenize``) and
+#: needs the API key when the server has one, except ``/v1/admin/*``, which need the admin key. The
+#: HTTP reference is generated from :func:`key_for`; tests/server/test_api_keys.py holds every route to it.
+OPEN_PATHS = ("/health", "/ready", "/metrics", "/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc")
+ADMIN_PREFIX = "/v1/admin/"
+
+
+def key_for(path: str) -> str:
+    """Which key the route at ``path`` asks for: ``"api"``, ``"admin"`` or ``"none"``."""
+    if path in OPEN_PATHS:
+        return "none"
+    return "admin" if path.startswith(ADMIN_PREFIX) else "api"
+
 _SSE_DOC = ("With `stream: true` the answer is `text/event-stream`: one `data: {chunk JSON}` event per piece "
             "of text (OpenAI chunk objects), an optional usage chunk (`stream_options.include_usage`), then "
             "`data: [DONE]`.")

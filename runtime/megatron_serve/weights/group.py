@@ -11,11 +11,21 @@ refused verb in between) before it builds its side of the group; once everybody 
 building the group is quick. The store and the group answer within ``timeout``: a rank that never
 comes, or a peer that dies mid-transfer, fails the collective (gloo notices a dead peer's closed
 connection within milliseconds) instead of hanging.
+
+Who may join: the engines learn the store's address and the transfer's random ``prefix`` only from
+the REFIT, which reaches them over the coordinator's encrypted plane from a client that proved the
+fleet secret. Every key of the transfer (world size, each rank's arrival, the addresses its ranks
+publish to find each other) lives under that prefix, so a process that reaches the store without it
+can neither be counted as a rank nor read or replace those addresses. The store listens on the one
+address engines reach the sender at (loopback for a fleet on this machine), not on every interface
+as a plain ``TCPStore`` does. The collective's own connections (gloo, NCCL) carry no credentials:
+they belong on a network only the fleet reaches (``docs/security.md``).
 """
 
 from __future__ import annotations
 
 import datetime
+import os
 import socket
 import threading
 import time
@@ -40,16 +50,28 @@ def local_address_towards(host: str) -> str:
 
 
 def serve_store(host: str, timeout: float) -> dist.TCPStore:
-    """The sender's store, on a free port (``store.port``)."""
-    return dist.TCPStore(host, 0, is_master=True, wait_for_workers=False,
-                         timeout=datetime.timedelta(seconds=timeout))
+    """The sender's store, on a free port (``store.port``) of ``host`` only."""
+    listener = socket.create_server((host, 0), backlog=128)
+    port = listener.getsockname()[1]
+    fd = listener.detach()  # the store owns it now
+    try:
+        return dist.TCPStore(host, port, is_master=True, wait_for_workers=False, master_listen_fd=fd,
+                             timeout=datetime.timedelta(seconds=timeout))
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def transfer_store(store: dist.Store, prefix: str) -> dist.PrefixStore:
+    """The view of ``store`` that holds one transfer's keys (both sides use it for everything)."""
+    return dist.PrefixStore(prefix, store)
 
 
 class Cancelled(Exception):
     """The sender stopped waiting for the engines (the verb was refused or timed out)."""
 
 
-def wait_for_ranks(store: dist.TCPStore, deadline: float, cancelled: threading.Event) -> int:
+def wait_for_ranks(store: dist.Store, deadline: float, cancelled: threading.Event) -> int:
     """Sender side: wait until every engine rank announced itself; returns the world size."""
     world_size = None
     missing: list[str] = [_WORLD_SIZE]
@@ -70,10 +92,11 @@ def wait_for_ranks(store: dist.TCPStore, deadline: float, cancelled: threading.E
     return int(world_size)
 
 
-def announce(address: str, rank: int, world_size: int, timeout: float) -> dist.TCPStore:
-    """Engine side: reach the sender's store and say that ``rank`` of ``world_size`` is here."""
+def announce(address: str, prefix: str, rank: int, world_size: int, timeout: float) -> dist.Store:
+    """Engine side: reach the sender's store and say that ``rank`` of ``world_size`` is here (under ``prefix``)."""
     host, _, port = address.rpartition(":")
-    store = dist.TCPStore(host, int(port), is_master=False, timeout=datetime.timedelta(seconds=timeout))
+    store = transfer_store(dist.TCPStore(host, int(port), is_master=False,
+                                         timeout=datetime.timedelta(seconds=timeout)), prefix)
     store.set(_WORLD_SIZE, str(world_size))
     store.set(f"joined/{rank}", "1")
     return store

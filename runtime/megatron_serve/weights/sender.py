@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 import threading
 import time
 from typing import Any, Callable, Iterable
@@ -64,8 +65,10 @@ class WeightSender:
     (CPU tensors; engines on CPU or GPU) or ``"nccl"`` (GPU to GPU); default ``nccl`` when CUDA is
     available, else ``gloo``. ``bucket_bytes``: the size of one broadcast (larger buckets mean
     fewer collectives; each side stages two at a time; a model cut into several overlaps copies
-    with the transfer). ``host``: the address engines reach this process at (default: this
-    machine's address on the route to the coordinator). ``timeout``: seconds for every engine
+    with the transfer). ``host``: the address engines reach this process at, the only one its
+    rendezvous store listens on (default: this machine's address on the route to the coordinator,
+    loopback for a coordinator on this machine). The transfer's store keys live under a random prefix
+    that only the (encrypted) REFIT carries: see :mod:`.group`. ``timeout``: seconds for every engine
     rank to join, and for each bucket. ``on_bucket(index, count, nbytes)``: progress, called on
     the transfer thread once each bucket has left.
     """
@@ -108,10 +111,12 @@ class WeightSender:
             raise ValueError("no weights given: pass (name, tensor) pairs, e.g. model.named_parameters()")
         size = int(bucket_bytes or self.bucket_bytes)
         host = self.host or transfer.local_address_towards(urlparse(self.client.address).hostname or "127.0.0.1")
-        store = transfer.serve_store(host, self.timeout)
-        rendezvous = Rendezvous(address=f"{host}:{store.port}", backend=self.backend, bucket_bytes=size,
-                                manifest=manifest, timeout_s=self.timeout)
-        label = f"{RENDEZVOUS_SCHEME}{host}:{store.port}"
+        listening = transfer.serve_store(host, self.timeout)
+        prefix = secrets.token_hex(16)  # this transfer's keys: only the REFIT (encrypted) carries it
+        store = transfer.transfer_store(listening, prefix)
+        rendezvous = Rendezvous(address=f"{host}:{listening.port}", prefix=prefix, backend=self.backend,
+                                bucket_bytes=size, manifest=manifest, timeout_s=self.timeout)
+        label = f"{RENDEZVOUS_SCHEME}{host}:{listening.port}"
         cancelled = threading.Event()
         verb = asyncio.ensure_future(self.client.refit(label, epoch, rendezvous=rendezvous))
         moving = asyncio.ensure_future(asyncio.to_thread(

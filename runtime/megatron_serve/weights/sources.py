@@ -106,7 +106,7 @@ class RendezvousSource:
         rank = rv.rank_offset + model.tp.rank
         device = next(model.parameters()).device if rv.backend == "nccl" else torch.device("cpu")
         try:
-            store = transfer.announce(rv.address, rank, rv.world_size, rv.timeout_s)
+            store = transfer.announce(rv.address, rv.prefix, rank, rv.world_size, rv.timeout_s)
             host = transfer.local_address_towards(rv.address.rpartition(":")[0])
             pg = transfer.process_group(store, rank, rv.world_size, rv.backend, rv.timeout_s, host)
         except RuntimeError as exc:

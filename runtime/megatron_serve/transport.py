@@ -1,0 +1,79 @@
+"""The fleet's ZeroMQ sockets: a peer's DEALER to the coordinator, the coordinator's CURVE server, their monitors.
+
+Every peer (engine link, client, control, operator, trainer) opens its connection with
+:func:`open_peer_socket`, so its options, its encryption (:mod:`megatron_serve.security`) and the
+monitor of its handshakes are set in one place.
+"""
+
+from __future__ import annotations
+
+import uuid
+
+import zmq
+
+from .security import HANDSHAKE_EVENTS, FleetSecret, PeerKeys
+
+
+def open_peer_socket(ctx: zmq.Context, address: str, secret: FleetSecret | None, keys: PeerKeys, *, hwm: int,
+                     linger: int) -> tuple[zmq.Socket, zmq.Socket]:
+    """A DEALER connected to the coordinator at ``address`` and the monitor of its handshakes (read it; end both
+    with :func:`close_monitored`). ``hwm``: its send and receive queues (0: unbounded)."""
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, linger)
+    sock.setsockopt(zmq.IMMEDIATE, 1)  # never queue frames for a connection that is not up
+    sock.setsockopt(zmq.SNDHWM, hwm)
+    sock.setsockopt(zmq.RCVHWM, hwm)
+    sock.setsockopt(zmq.RECONNECT_IVL, 100)
+    sock.setsockopt(zmq.RECONNECT_IVL_MAX, 2000)
+    secure_client(sock, secret, keys)
+    monitor = open_monitor(sock, HANDSHAKE_EVENTS)
+    sock.connect(address)
+    return sock, monitor
+
+
+def secure_server(sock: zmq.Socket, secret: FleetSecret) -> None:
+    """Make ``sock`` (before it binds) the fleet's CURVE server; a ZAP handler on its context must
+    admit the clients, so that each connection carries its client's key as ``User-Id``."""
+    sock.curve_secretkey = secret.server_secret
+    sock.curve_publickey = secret.server_public
+    sock.curve_server = True
+    sock.zap_domain = b"megatron-serve"
+
+
+def secure_client(sock: zmq.Socket, secret: FleetSecret | None, keys: PeerKeys) -> None:
+    """Make ``sock`` (before it connects) a CURVE client of the fleet's coordinator (nothing when insecure)."""
+    if secret is None:
+        return
+    sock.curve_serverkey = secret.server_public
+    sock.curve_publickey = keys.public
+    sock.curve_secretkey = keys.secret
+
+
+def open_monitor(sock: zmq.Socket, events: int) -> zmq.Socket:
+    """A monitor of ``sock`` (before it connects or binds) that can never stall the context: read it, and end
+    it with :func:`close_monitored`.
+
+    libzmq's I/O thread sends monitor events with a blocking send: a reader whose queue is full, or that
+    is closed while the socket still reports, stalls every socket of the context (seen: after a
+    coordinator restart, no new connection of the process completed its handshake). So the queue is
+    unbounded, and the endpoint is unique (pyzmq's default names it after the socket's file descriptor,
+    which a later socket may reuse).
+    """
+    address = f"inproc://megatron-monitor-{uuid.uuid4().hex}"
+    sock.monitor(address, events)
+    monitor = sock.context.socket(zmq.PAIR)
+    monitor.rcvhwm = 0
+    monitor.connect(address)
+    return monitor
+
+
+def close_monitored(sock: zmq.Socket, monitor: zmq.Socket | None, linger: int = 0) -> None:
+    """Stop ``sock``'s events, close it, then its monitor (in this order: see :func:`open_monitor`)."""
+    if monitor is not None:
+        try:
+            sock.monitor(None, 0)
+        except zmq.ZMQError:
+            pass
+    sock.close(linger=linger)
+    if monitor is not None:
+        monitor.close(linger=0)

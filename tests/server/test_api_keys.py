@@ -1,0 +1,73 @@
+"""Every route asks for the key the documented rule names (``key_for``, from which the HTTP reference is
+generated): the routes that use the model the API key, ``/v1/admin/*`` the admin key, the probes,
+``/metrics`` and the API description none. The app's own route list is enumerated, so a route added later
+is held to the rule too."""
+
+from __future__ import annotations
+
+import re
+
+import httpx
+import pytest
+from fastapi.routing import APIRoute
+from starlette.routing import Route
+
+from megatron_serve.commands.run import bearer_header, curl_example
+from megatron_serve.server import create_app
+from megatron_serve.server.app import key_for
+
+from .conftest import serving
+from .fakes import FakeBackend
+
+pytestmark = pytest.mark.timeout(120)
+
+API_KEY, ADMIN_KEY = "api-k3y", "admin-k3y"
+
+
+def routes(app) -> list[tuple[str, str]]:
+    """(method, path) of every route the app serves, its documentation's included."""
+    found = []
+    for route in app.routes:
+        if isinstance(route, (APIRoute, Route)):
+            found += [(method, route.path) for method in sorted(route.methods - {"HEAD"})]
+    return found
+
+
+async def test_every_route_asks_for_the_key_the_rule_names(tokenizer):
+    app = create_app(FakeBackend(tokenizer), tokenizer, "tiny-llama", api_key=API_KEY, admin_key=ADMIN_KEY,
+                     vocab_size=512, max_model_len=1024, status_interval=0.05)
+    served = routes(app)
+    assert ("POST", "/tokenize") in served and ("GET", "/docs") in served and ("GET", "/metrics") in served
+    async with serving(app) as url, httpx.AsyncClient(base_url=url, timeout=30) as http:
+        for method, path in served:
+            path = path.replace("{model}", "tiny-llama")
+            statuses = {}
+            for key in (None, API_KEY, ADMIN_KEY):
+                headers = {"Authorization": f"Bearer {key}"} if key else {}
+                statuses[key] = (await http.request(method, path, headers=headers, json={})).status_code
+            kind = key_for(path)
+            if kind == "api":
+                assert statuses[None] == statuses[ADMIN_KEY] == 401 and statuses[API_KEY] not in (401, 403), path
+            elif kind == "admin":
+                assert statuses[None] == statuses[API_KEY] == 403 and statuses[ADMIN_KEY] not in (401, 403), path
+            else:
+                assert all(code not in (401, 403) for code in statuses.values()), (path, statuses)
+    assert key_for("/tokenize") == key_for("/detokenize") == "api"
+
+
+def test_the_banner_prints_the_key_the_way_it_was_given(monkeypatch):
+    class Args:
+        api_key, api_key_file = None, None
+
+    monkeypatch.delenv("MEGATRON_SERVE_API_KEY", raising=False)
+    args = Args()
+    assert bearer_header(args) == ""
+    args.api_key = "sk-it's"
+    assert bearer_header(args) == " -H 'Authorization: Bearer sk-it'\"'\"'s'"  # quoted for the shell
+    args.api_key, args.api_key_file = None, "/keys/my key"
+    assert bearer_header(args) == ' -H "Authorization: Bearer $(cat \'/keys/my key\')"'
+    args.api_key_file = None
+    monkeypatch.setenv("MEGATRON_SERVE_API_KEY", "from-the-environment")
+    assert bearer_header(args) == ' -H "Authorization: Bearer $MEGATRON_SERVE_API_KEY"'
+    command = curl_example("http://127.0.0.1:8000", "m", bearer_header(args))
+    assert re.match(r"curl http://127\.0\.0\.1:8000/v1/completions -H 'Content-Type: application/json' -H", command)
