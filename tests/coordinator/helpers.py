@@ -16,7 +16,7 @@ from typing import Any, Callable
 import zmq
 
 from megatron_serve.fleet_argv import TOKEN_ENV
-from megatron_serve.messages import FROM_COORDINATOR
+from megatron_serve.messages import FROM_COORDINATOR, PROTOCOL_VERSION
 from megatron_serve.protocol import Header, Message, decode, encode
 from megatron_serve.security import FleetSecret, PeerKeys, make_secret
 
@@ -123,8 +123,12 @@ class RawPeer:
         self.sock.connect(address)
 
     def send(self, header: Header, body: dict[str, Any]) -> None:
-        if header is Header.HELLO and self.secret is not None and "proof" not in body:
-            body = {**body, "proof": self.secret.proof(self.keys.public)}
+        """Send one message; a HELLO speaks this code's protocol and carries the secret's proof unless it
+        says otherwise."""
+        if header is Header.HELLO:
+            body = {"protocol": PROTOCOL_VERSION, **body}
+            if self.secret is not None and "proof" not in body:
+                body["proof"] = self.secret.proof(self.keys.public)
         self.sock.send(encode(header, body))
 
     def recv(self, timeout_ms: int = 5000) -> Message:
