@@ -22,6 +22,8 @@ from typing import Any
 
 import httpx
 
+from megatron_serve.commands.local_runs import RUN_FILE, SECRET_FILE
+
 from tests.server.test_openai_e2e import free_port
 
 
@@ -87,10 +89,18 @@ class RunStack:
             if alive(pid):
                 os.kill(pid, signal.SIGKILL)
 
+    def _published(self) -> Path:
+        """The run's directory where ``control`` finds it (``$XDG_RUNTIME_DIR/megatron-serve/<pid>``)."""
+        (directory,) = [p for p in (self.tmp / "megatron-serve").iterdir() if (p / RUN_FILE).exists()]
+        return directory
+
     def coordinator(self) -> str:
         """The coordinator's address, from the file the run published for ``control``."""
-        (published,) = [json.loads(p.read_text()) for p in (self.tmp / "megatron-serve").glob("*.json")]
-        return published["coordinator"]
+        return json.loads((self._published() / RUN_FILE).read_text())["coordinator"]
+
+    def secret(self) -> str:
+        """The run's fleet secret, from its private run directory (as ``control`` reads it)."""
+        return (self._published() / SECRET_FILE).read_text().strip()
 
     def output(self) -> str:
         return self.log.read_text(errors="replace")

@@ -140,13 +140,13 @@ async def test_chaos(stack):
                for i in range(REQUESTS)]
     lengths = [rng.randint(16, LONGEST) for _ in range(REQUESTS)]
     starts = sorted(rng.uniform(0, CHAOS_SECONDS * 0.8) for _ in range(REQUESTS))  # spread over the chaos
-    async with InferenceClient(stack.coordinator(), coordinator_timeout=3.0) as client:
+    async with InferenceClient(stack.coordinator(), stack.secret(), coordinator_timeout=3.0) as client:
         quiet = await asyncio.gather(*(client.add_request(p, SamplingParams(
             temperature=0.0, num_tokens_to_generate=LONGEST, ignore_eos=True)) for p in prompts))
         greedy = {p: r.generated_tokens for p, r in zip(prompts, quiet)}
 
-    async with InferenceClient(stack.coordinator(), coordinator_timeout=3.0) as client, \
-            InferenceClient(stack.coordinator(), coordinator_timeout=3.0, role="control") as verbs:
+    async with InferenceClient(stack.coordinator(), stack.secret(), coordinator_timeout=3.0) as client, \
+            InferenceClient(stack.coordinator(), stack.secret(), coordinator_timeout=3.0, role="control") as verbs:
         slots = asyncio.Semaphore(AT_ONCE)
 
         async def one(prompt: str, length: int, start: float):

@@ -31,7 +31,7 @@ async def client_with_work_in_flight(fleet, grace: float) -> tuple[InferenceClie
                                                                     list[list[int]], asyncio.Future]:
     """A client (0.5 s coordinator timeout) of a one-engine fleet with 6 streams under way and one whole request."""
     fleet.add_engine(step_delay=0.01)
-    client = InferenceClient(fleet.address, coordinator_timeout=0.5, coordinator_grace=grace)
+    client = InferenceClient(fleet.address, fleet.token, coordinator_timeout=0.5, coordinator_grace=grace)
     await client.start()
     await client.wait_for_engines(1, timeout=20, poll=0.02)
     tasks, streamed = await start_streams(client)

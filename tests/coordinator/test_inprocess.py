@@ -328,7 +328,7 @@ async def test_a_control_id_used_for_a_pause_is_refused_for_an_unpause_and_the_f
 
     fleet = fleet_factory()
     fleet.add_engine()
-    async with InferenceClient(fleet.address) as client:
+    async with InferenceClient(fleet.address, fleet.token) as client:
         await wait_engines(client, 1)
         reused = uuid.uuid4()
         monkeypatch.setattr(client_module.uuid, "uuid4", lambda: reused)

@@ -49,7 +49,7 @@ def stack(tiny_llama, tmp_path_factory):
 def quiet(stack):
     """Each prompt's greedy token ids, answered by the quiet fleet."""
     async def answer_all():
-        async with InferenceClient(stack.coordinator()) as client:
+        async with InferenceClient(stack.coordinator(), stack.secret()) as client:
             return await asyncio.gather(*(client.add_request(p, GREEDY) for p in PROMPTS))
 
     return {p: r.generated_tokens for p, r in zip(PROMPTS, asyncio.run(answer_all()))}
@@ -60,7 +60,7 @@ async def streams_hurt_midway(stack: RunStack, hurt) -> tuple[list, list]:
     chunk, ``hurt()``; returns how each ended (the HTTP ones, the client ones)."""
     over_http, through_client = PROMPTS[:25], PROMPTS[25:]
     async with httpx.AsyncClient(base_url=stack.url, timeout=300, limits=httpx.Limits(max_connections=100)) as http, \
-            InferenceClient(stack.coordinator()) as client:
+            InferenceClient(stack.coordinator(), stack.secret()) as client:
         firsts = [asyncio.Event() for _ in PROMPTS]
         http_tasks = [asyncio.create_task(stream(http, stack.model, p, TOKENS, first))
                       for p, first in zip(over_http, firsts)]

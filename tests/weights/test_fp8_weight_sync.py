@@ -50,7 +50,7 @@ def fleet(models, tmp_path_factory):
     children.engine(models.a_fp8, port, "--group", "0", *FP8_KV)
     children.engine(models.a_fp8, port, "--group", "1", "--tensor-parallel", "2", *FP8_KV)
     try:
-        yield SimpleNamespace(address=f"tcp://127.0.0.1:{port}")
+        yield SimpleNamespace(address=f"tcp://127.0.0.1:{port}", children=children)
     finally:
         children.kill_all()
 
@@ -64,10 +64,10 @@ async def assert_serves(client: InferenceClient, expected: list[tuple[list[int],
 
 
 async def test_bf16_weights_into_an_fp8_fleet_serve_as_an_fp8_engine_loaded_from_them(fleet, models):
-    async with InferenceClient(fleet.address) as client:
+    async with InferenceClient(fleet.address, token=fleet.children.secret) as client:
         await client.wait_for_engines(2, timeout=300)
         await client.pause()
-        code, lines = await asyncio.to_thread(run_trainer, fleet.address, models.b, 7)
+        code, lines = await asyncio.to_thread(run_trainer, fleet, models.b, 7)
         assert code == 0, lines
         ack = lines[-1]
         assert ack["detail"]["epoch"] == 7 and ack["detail"]["sender"]["world_size"] == 4
