@@ -15,8 +15,7 @@ coordinator's tokenizer directory (announced in ``HELLO_ACK``) when this machine
 neither, texts stay empty and a request with stop strings is refused (``ValueError``).
 
 Naming: ``stop()`` is the lifecycle verb STOP (the fleet drains and its engines exit);
-``close()`` / ``aclose()`` close this client's connection. The design document lists both under
-``stop()``; here they are distinct so neither shadows the other.
+``close()`` / ``aclose()`` close this client's connection.
 """
 
 from __future__ import annotations
@@ -24,7 +23,6 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-import math
 import os
 import time
 import uuid
@@ -37,7 +35,7 @@ from zmq.utils.monitor import parse_monitor_message
 import msgspec
 
 from .connection import Connection, ControlError, CoordinatorError, CoordinatorLost, Unauthorized
-from .lifecycle import PauseMode, parse_pause_mode
+from .lifecycle import PauseMode, drain_timeout_problem, parse_pause_mode
 from .limits import DEFAULT_COORDINATOR_GRACE
 from .messages import PROTOCOL_VERSION, Error, HelloAck, Rendezvous
 from .multimodal import PromptImage
@@ -447,23 +445,13 @@ class InferenceClient:
         if images:
             pending.images = [(image if isinstance(image, PromptImage) else PromptImage(bytes(image))).to_wire()
                               for image in images]
-            encode(Header.SUBMIT, self._submit_body(pending))  # too large a frame: ValueError here, nothing sent
+            encode(Header.SUBMIT, pending.submit_body())  # too large a frame: ValueError here, nothing sent
         self._pending.add(pending)
         self._send_submit(pending)
         return pending
 
-    @staticmethod
-    def _submit_body(pending: PendingRequest) -> dict[str, Any]:
-        body: dict[str, Any] = {"client_request_id": pending.request_id, "prompt": pending.prompt,
-                                "sampling_params": pending.sampling_params, "stream": pending.stream}
-        if pending.collector.tokens:  # a resubmission: the request goes on from the tokens it has
-            body["generated_tokens"] = pending.collector.tokens
-        if pending.images:
-            body["images"] = pending.images
-        return body
-
     def _send_submit(self, pending: PendingRequest) -> None:
-        self._send(Header.SUBMIT, self._submit_body(pending))
+        self._send(Header.SUBMIT, pending.submit_body())
 
     def add_request(self, prompt: Prompt, sampling_params: SamplingParams | dict | None = None, *,
                     request_id: str | None = None, images: list[bytes | PromptImage] | None = None
@@ -539,12 +527,9 @@ class InferenceClient:
         (``mode``, ``aborted``; ``waited_s``, ``unfinished``, ``timed_out``).
         """
         chosen = parse_pause_mode(mode)
-        if drain_timeout is not None:
-            if chosen is not PauseMode.WAIT:
-                raise ValueError(f"drain_timeout applies to mode wait only, not {chosen.value}")
-            if isinstance(drain_timeout, bool) or not isinstance(drain_timeout, (int, float)) \
-                    or not math.isfinite(drain_timeout) or drain_timeout < 0:
-                raise ValueError(f"drain_timeout must be a number of seconds >= 0, got {drain_timeout!r}")
+        problem = drain_timeout_problem(chosen, drain_timeout)
+        if problem is not None:
+            raise ValueError(problem)
         ack = self._connection.ack
         if chosen is not PauseMode.KEEP and ack is not None and ack.protocol < 3:
             raise ControlError(ErrorCode.UNSUPPORTED.value,

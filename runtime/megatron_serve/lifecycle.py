@@ -42,6 +42,7 @@ be encoded twice, and the two copies disagreed):
 from __future__ import annotations
 
 import enum
+import math
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Mapping
@@ -109,6 +110,19 @@ def parse_pause_mode(name: PauseMode | str | None, field: str = "mode") -> Pause
         return PauseMode(name.lower() if isinstance(name, str) else name)
     except ValueError:
         raise ValueError(f"{field} must be one of {', '.join(m.value for m in PauseMode)}; got {name!r}") from None
+
+
+def drain_timeout_problem(mode: PauseMode, drain_timeout: object) -> str | None:
+    """Why PAUSE's ``drain_timeout`` is refused (None: absent, or fine): it applies to mode ``wait`` only,
+    and is a number of seconds >= 0. The client checks before sending, the coordinator on arrival."""
+    if drain_timeout is None:
+        return None
+    if mode is not PauseMode.WAIT:
+        return f"drain_timeout applies to mode wait only, not {mode.value}"
+    if isinstance(drain_timeout, bool) or not isinstance(drain_timeout, (int, float)) \
+            or not math.isfinite(drain_timeout) or drain_timeout < 0:
+        return f"drain_timeout must be a number of seconds >= 0, got {drain_timeout!r}"
+    return None
 
 
 class Deadline(enum.Enum):

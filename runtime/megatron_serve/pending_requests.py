@@ -35,6 +35,16 @@ class PendingRequest:
     aborted: bool = False
     images: list[dict[str, Any]] = field(default_factory=list)  # wire form (PromptImage.to_wire)
 
+    def submit_body(self) -> dict[str, Any]:
+        """Its ``SUBMIT`` (again after a reconnect: it goes on from the tokens it has)."""
+        body: dict[str, Any] = {"client_request_id": self.request_id, "prompt": self.prompt,
+                                "sampling_params": self.sampling_params, "stream": self.stream}
+        if self.collector.tokens:
+            body["generated_tokens"] = self.collector.tokens
+        if self.images:
+            body["images"] = self.images
+        return body
+
     def resolve(self, request: DynamicInferenceRequest, tail: bool = True) -> None:
         """Hand out the finished request (a stream first gets the text held back until now)."""
         if not self.future.done():

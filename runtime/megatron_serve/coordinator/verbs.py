@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import collections
 import logging
-import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -43,6 +42,7 @@ from ..lifecycle import (
     PauseMode,
     Step,
     Verb,
+    drain_timeout_problem,
     parse_pause_mode,
     transition,
 )
@@ -167,14 +167,11 @@ class VerbRunner:
             op.mode = parse_pause_mode(body.mode)
         except ValueError as exc:
             return f"PAUSE: {exc}"
-        timeout = body.drain_timeout
-        if timeout is None:
-            return None
-        if op.mode is not PauseMode.WAIT:
-            return f"PAUSE: drain_timeout applies to mode wait only, not {op.mode.value}"
-        if not math.isfinite(timeout) or timeout < 0:
-            return f"PAUSE: drain_timeout must be a number of seconds >= 0, got {timeout!r}"
-        op.drain_timeout = float(timeout)
+        problem = drain_timeout_problem(op.mode, body.drain_timeout)
+        if problem is not None:
+            return f"PAUSE: {problem}"
+        if body.drain_timeout is not None:
+            op.drain_timeout = float(body.drain_timeout)
         return None
 
     # ------------------------------------------------------------------ running
