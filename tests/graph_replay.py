@@ -37,7 +37,7 @@ def install_graphs(engine: DynamicInferenceEngine, batch_sizes: list[int],
     capture = ReplayByRerun()
     buffers = engine.runner.buffers
     decode = DecodeGraphs(engine.model, batch_sizes, buffers, lambda: capture)
-    mixed = MixedGraphs(engine.model, mixed_sizes, buffers, lambda: capture) if mixed_sizes else None
+    mixed = MixedGraphs(engine.model, mixed_sizes, buffers) if mixed_sizes else None
     graphs = StepGraphs(decode, mixed, lambda: capture, engine.device)
     engine.runner = ModelRunner(engine.model, engine.config.block_size_tokens, engine.device, buffers, graphs)
     engine.runner.capture_graphs(engine.kv_cache.layer_caches)

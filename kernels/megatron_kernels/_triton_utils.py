@@ -92,10 +92,12 @@ def to_e4m3(x, SOFTWARE_ROUNDING: tl.constexpr):
 def fp8_native(device: torch.device) -> bool:
     """Whether Triton's FP8 type (e4m3) works on ``device``: under the interpreter, and on CUDA GPUs of
     compute capability 8.9 or later (Ada, Hopper and newer). Elsewhere FP8 data takes the reference path."""
-    if device.type != "cuda":
-        return True
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    return _capability(index) >= (8, 9)
+    return device.type != "cuda" or capability(device) >= (8, 9)
+
+
+def capability(device: torch.device) -> tuple[int, int]:
+    """A CUDA device's compute capability, asked of the driver once per device (it sits on per-call paths)."""
+    return _capability(device.index if device.index is not None else torch.cuda.current_device())
 
 
 @functools.lru_cache(maxsize=None)

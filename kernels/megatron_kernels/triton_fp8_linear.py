@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 
 from . import reference
-from ._triton_utils import fp8_native, interpreted, next_pow2, sm_count, to_e4m3
+from ._triton_utils import capability, fp8_native, interpreted, next_pow2, sm_count, to_e4m3
 from .fp8 import FP8_DTYPE, FP8_MAX, MIN_SCALE, Block
 
 WEIGHT_ONLY_MAX_ROWS = 64  # memory-bound below: an 8B layer at 64 rows does 128 FLOP per weight byte, H100 ~295
@@ -266,7 +266,7 @@ def fp8_linear_scaled_mm(x: torch.Tensor, weight: torch.Tensor, weight_scale: to
 def _scaled_mm_fits(x: torch.Tensor, weight: torch.Tensor, block: Block) -> bool:
     """cuBLASLt's row-wise FP8 GEMM: Hopper or newer, dimensions multiples of 16, a bf16 result."""
     n, k = weight.shape
-    return (block is None and x.device.type == "cuda" and torch.cuda.get_device_capability(x.device) >= (9, 0)
+    return (block is None and x.device.type == "cuda" and capability(x.device) >= (9, 0)
             and n % 16 == 0 and k % 16 == 0 and x.dtype == torch.bfloat16)
 
 

@@ -34,7 +34,7 @@ from .config import ENV_TOKEN_KEY, ENV_TOKEN_KEY_FILE, OperatorConfig, read_toke
 from .model_fetch import fetch_container
 from .names import (COORDINATOR_PORT, RENDEZVOUS_PORT, coordinator_name, coordinator_service_address, engine_name,
                     labels, object_meta, secret_name, selector_labels, server_service_name)
-from .network import coordinator_policy, engine_policy, unauthenticated_ports
+from .network import API_KEY_ENV, coordinator_policy, engine_policy, unauthenticated_ports
 from .spec import InferenceSpec, SpecError, parse
 
 TOKEN_KEY = "token"
@@ -209,7 +209,7 @@ def render_coordinator_deployment(spec: InferenceSpec, config: OperatorConfig) -
     }
     server_env = _base_env(spec)
     if spec.api_key_secret_ref:
-        server_env.append({"name": "MEGATRON_SERVE_API_KEY", "valueFrom": {"secretKeyRef": {
+        server_env.append({"name": API_KEY_ENV, "valueFrom": {"secretKeyRef": {
             "name": spec.api_key_secret_ref["name"], "key": spec.api_key_secret_ref["key"]}}})
     server = {
         "name": "server",

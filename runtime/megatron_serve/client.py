@@ -127,7 +127,8 @@ class InferenceClient:
         self._connection = Connection({"role": self.role.value, "client_id": self.client_id, "acks": True,
                                        **hello_credentials(self.secret, self._keys)},
                                       heartbeat_interval=heartbeat_interval, coordinator_timeout=coordinator_timeout,
-                                      grace=coordinator_grace)
+                                      grace=coordinator_grace,
+                                      refusal=refused_message(address, self.secret is not None))
         self._registration: asyncio.Future | None = None  # start() waits on it: HELLO_ACK, or Unauthorized
         self._wake: asyncio.Event | None = None  # the connection has something due sooner than planned
         self._monitor: zmq.asyncio.Socket | None = None  # the current socket's handshake events
@@ -142,7 +143,6 @@ class InferenceClient:
         if self._started:
             return self
         self._loop = asyncio.get_running_loop()
-        self._connection.refusal = refused_message(self.address, self.secret is not None)
         self._registration = self._loop.create_future()
         self._wake = asyncio.Event()
         self._started = True

@@ -32,7 +32,7 @@ from .config import InferenceConfig
 from .fleet_argv import TOKEN_ENV, inference_config_to_argv
 from .lifeline import Lifeline
 from .security import make_secret
-from .supervisor import Child, Supervisor, exit_cause
+from .supervisor import Child, Supervisor, exit_cause, log_tail
 
 logger = logging.getLogger("megatron_serve.local_fleet")
 
@@ -66,12 +66,10 @@ RUN_DIR_PREFIX = "megatron-fleet-"
 _LOCK = ".lock"
 
 
-def _tail(path: Path, lines: int = 15) -> str:
-    try:
-        text = path.read_text(errors="replace").strip().splitlines()
-    except OSError:
-        return "(no log)"
-    return "\n".join(text[-lines:])
+def _tail(path: Path) -> str:
+    """A dead child's log tail for an error message."""
+    tail = log_tail(path, 15)
+    return "(no log)" if tail is None else tail
 
 
 def make_run_dir() -> tuple[Path, int]:
@@ -202,12 +200,10 @@ class LocalFleet:
         address_file.unlink(missing_ok=True)
         self._coordinator = Child("coordinator", self._coordinator_argv(self.port, address_file),
                                   self.log_dir / "coordinator.log", self._env())
-        coordinator = self._supervisor.start_child(self._coordinator)
+        self._supervisor.start_child(self._coordinator)
         deadline = time.monotonic() + timeout
         while not address_file.exists():
-            if coordinator.poll() is not None:
-                raise RuntimeError(f"the coordinator exited with code {coordinator.returncode}:\n"
-                                   f"{_tail(self.log_dir / 'coordinator.log')}")
+            self.check_alive()
             if time.monotonic() > deadline:
                 tail = _tail(self._coordinator.log)
                 self.stop()  # (its directory goes too: the log's tail is in the error)

@@ -41,10 +41,9 @@ class Child:
     env: dict[str, str]
     proc: subprocess.Popen | None = None
     started: float = 0.0
-    restarts: int = 0
     delay: float = 0.0  # the back-off before its next restart
     restart_at: float | None = None  # when it is due to start again (it died)
-    retired: bool = False  # exited 0, or its fleet stops: never started again
+    retired: bool = False  # exited 0 (meant to: a drain, a STOP): never started again
     causes: list[str] = field(default_factory=list)  # why it was restarted, in order
 
 
@@ -58,14 +57,15 @@ def exit_cause(returncode: int) -> str:
     return f"exit code {returncode}"
 
 
-def last_line(path: Path) -> str:
+def log_tail(path: Path, lines: int) -> str | None:
+    """The last ``lines`` lines of a child's log, read from its end only (None: no log to read)."""
     try:
         with open(path, "rb") as fh:
-            fh.seek(max(0, os.path.getsize(path) - 4096))
-            lines = fh.read().decode(errors="replace").strip().splitlines()
+            fh.seek(max(0, os.path.getsize(path) - 64 * 1024))
+            text = fh.read().decode(errors="replace").strip().splitlines()
     except OSError:
-        return ""
-    return lines[-1].strip() if lines else ""
+        return None
+    return "\n".join(text[-lines:])
 
 
 class Supervisor:
@@ -144,7 +144,6 @@ class Supervisor:
                 continue
             if child.restart_at is not None:
                 if now >= child.restart_at:
-                    child.restarts += 1
                     self._start(child)
                 continue
             code = child.proc.poll()
@@ -160,7 +159,7 @@ class Supervisor:
             child.restart_at = now + child.delay
             cause = exit_cause(code)
             child.causes.append(cause)
-            said = last_line(child.log) if code > 0 else ""
+            said = (log_tail(child.log, 1) or "").strip() if code > 0 else ""
             logger.warning("%s died (%s after %.0fs%s): restarting it in %.1fs (restart %d; log: %s)", child.name,
                            cause, uptime, f"; its last line: {said}" if said else "", child.delay,
-                           child.restarts + 1, child.log)
+                           len(child.causes), child.log)

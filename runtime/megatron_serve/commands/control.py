@@ -74,17 +74,18 @@ async def _execute(args: argparse.Namespace, token: str | None) -> dict[str, Any
         client.close()
 
 
-def find_coordinator(args: argparse.Namespace) -> tuple[str, bool]:
-    """The address to talk to, and whether it was found (the user's run started in this directory) rather
-    than given."""
+def find_coordinator(args: argparse.Namespace) -> tuple[str, local_runs.LocalRun | None]:
+    """The address to talk to, and the run it belongs to when it was found (the user's run started in this
+    directory) rather than given."""
     if args.coordinator:
-        return coordinator_address(args.coordinator), False
+        return coordinator_address(args.coordinator), None
     if os.environ.get(COORDINATOR_ENV):
-        return coordinator_address(os.environ[COORDINATOR_ENV], f"${COORDINATOR_ENV}"), False
+        return coordinator_address(os.environ[COORDINATOR_ENV], f"${COORDINATOR_ENV}"), None
     try:
-        return local_runs.find_local_run().coordinator, True
+        run = local_runs.find_local_run()
     except LookupError as exc:
         raise RuntimeError(str(exc)) from None
+    return run.coordinator, run
 
 
 def run(args: argparse.Namespace) -> int:
@@ -99,7 +100,7 @@ def run(args: argparse.Namespace) -> int:
     if args.drain_timeout is not None and not (args.verb == "stop" or args.mode == PauseMode.WAIT.value):
         raise ValueError("--drain-timeout applies to stop and to pause --mode wait only")
     args.coordinator, found = find_coordinator(args)
-    token = read_token(args) or local_runs.secret_for(args.coordinator)
+    token = read_token(args) or (found.secret() if found else local_runs.secret_for(args.coordinator))
     if found and not args.json:
         print(f"(the local `megatron-serve run`'s coordinator, {args.coordinator})")
     try:

@@ -19,7 +19,6 @@ if TYPE_CHECKING:
     from ..config import InferenceConfig
     from ..engine import DynamicInferenceEngine
 
-#: ``--quantization`` and ``--kv-cache-dtype`` values (as ``megatron_serve.config`` accepts them; no torch here).
 #: vLLM's ``--dtype`` spellings of ours (``auto`` = the default: float32 on CPU, the checkpoint's on GPU).
 DTYPE_NAMES = {"auto": None, "float32": "float32", "float": "float32", "bfloat16": "bfloat16",
                "float16": "float16", "half": "float16"}

@@ -457,7 +457,7 @@ class DynamicInferenceEngine:
         previous = self._in_flight.sample.tokens if plan.num_gather else None
         forward = self.runner.run_plan(plan, self.kv_cache.layer_caches,
                                        None if images is None else images.embeddings, previous)
-        sampling = [s for s, count in entries if s.num_computed + count == len(s.token_ids) + s.pending_tokens]
+        sampling = [s for s, count in entries if count == s.num_uncomputed]  # as write_plan picked them
         starts = [s.num_computed for s, _ in entries]
         scores = self._score_prompts(entries, forward.logits[len(sampling):])
         for sequence, count in entries:
@@ -469,7 +469,7 @@ class DynamicInferenceEngine:
         logits = forward.logits[: len(sampling)]
         processed = self._controlled_logits(logits, sampling)
         sample = self.sampler.launch(processed, [s.request.sampling_params for s in sampling],
-                                     [len(s.request.generated_tokens) + s.pending_tokens for s in sampling],
+                                     [s.num_generated for s in sampling],
                                      model_logits=None if processed is logits else logits)
         for row, sequence in enumerate(sampling):
             sequence.pending_tokens += 1
@@ -507,7 +507,7 @@ class DynamicInferenceEngine:
         they overlap with it. Rows that read their tokens here never have one in flight (``needs_host_tokens``).
         """
         rows = [RowContext(s.request.sampling_params, s.request.prompt_tokens, s.request.generated_tokens,
-                           s.stop_token_ids, len(s.request.generated_tokens) + s.pending_tokens) for s in sequences]
+                           s.stop_token_ids, s.num_generated) for s in sequences]
         processed = apply_controls(logits, rows)
         masks = self.structured.bitmask([s.request_id for s in sequences], [s.stop_token_ids for s in sequences])
         if masks is not None:

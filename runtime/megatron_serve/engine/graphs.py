@@ -23,7 +23,7 @@ import torch
 from megatron_kernels.ops import backend_for
 
 from ..config import InferenceConfig
-from ..model.moe import stack_routing
+from ..model.moe import routing_dtype, stack_routing
 from ..model.attention import AttentionMetadata, ForwardContext
 from ..model.llama import LlamaForCausalLM
 from .step_plan import StepBuffers, StepPlan
@@ -119,8 +119,9 @@ class DecodeGraphs:
         self._replays.clear()
 
     def covers(self, plan: StepPlan) -> bool:
-        """Whether ``plan`` is a decode-only step that a captured graph can run."""
-        return self.captured and plan.decode_only and 0 < plan.num_tokens <= self.max_batch
+        """Whether ``plan`` is a decode-only step that a captured graph can run (steps with images embed them
+        outside any graph: eager)."""
+        return self.captured and plan.decode_only and 0 < plan.num_tokens <= self.max_batch and not plan.multimodal
 
     def prepare(self, plan: StepPlan) -> None:
         """Pad the plan to the smallest captured size that fits and copy it to the device buffers."""
@@ -173,14 +174,12 @@ class MixedGraphs:
     every size shares the capture round's memory pool.
     """
 
-    def __init__(self, model: LlamaForCausalLM, sizes: list[int], buffers: StepBuffers,
-                 capture_factory: Callable[[], GraphCapture]):
+    def __init__(self, model: LlamaForCausalLM, sizes: list[int], buffers: StepBuffers):
         self.model = model
         self.sizes = sorted(size for size in sizes if size <= buffers.max_tokens)
         if not self.sizes:
             raise ValueError("mixed graphs need at least one token count within the step's token budget")
         self.buffers = buffers
-        self._capture_factory = capture_factory
         config, layers = model.config, model.model.layers
         attention = layers[0].self_attn
         rows, dtype, device = self.sizes[-1], model.dtype, buffers.device
@@ -190,8 +189,8 @@ class MixedGraphs:
         self.residual = torch.zeros(rows, config.hidden_size, dtype=dtype, device=device)
         self.hidden = torch.zeros_like(self.residual)
         self._moe_slot = {i: n for n, i in enumerate(i for i, layer in enumerate(layers) if layer.sparse)}
-        self.routing = (torch.zeros(rows, len(self._moe_slot), config.moe.top_k, dtype=torch.int64, device=device)
-                        if self._moe_slot else None)
+        self.routing = (torch.zeros(rows, len(self._moe_slot), config.moe.top_k, dtype=routing_dtype(config.moe),
+                                    device=device) if self._moe_slot else None)
         self._replays: dict[int, list[Callable[[], GraphOutputs]]] = {}
         self._size = 0
 
@@ -203,10 +202,10 @@ class MixedGraphs:
     def count(self) -> int:
         return sum(len(pieces) for pieces in self._replays.values())
 
-    def capture(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], capture: GraphCapture | None = None) -> None:
-        """Capture every piece of every size over ``kv_caches`` (replacing earlier graphs)."""
+    def capture(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], capture: GraphCapture) -> None:
+        """Capture every piece of every size over ``kv_caches`` (replacing earlier graphs), in ``capture``'s
+        round (the decode graphs' pool)."""
         self.release()
-        capture = capture or self._capture_factory()
         for size in reversed(self.sizes):
             self._replays[size] = [capture(piece) for piece in self._pieces_for(size, kv_caches)]
 
@@ -232,9 +231,8 @@ class MixedGraphs:
         for layer, piece in zip(self.model.model.layers, pieces[1:]):
             layer.self_attn.attn.attend(self.queries[:count], context, out=self.attended[:count])
             piece()
-        routing = None
-        if plan.record_routing and self.routing is not None:
-            routing = self.routing[:count].to(torch.uint8 if self.model.config.moe.num_experts <= 256 else torch.int32)
+        # A copy: off CUDA the readback holds this very tensor, and the next step rewrites the buffer.
+        routing = self.routing[:count].clone() if plan.record_routing and self.routing is not None else None
         return self.hidden[:count], routing
 
     def _pieces_for(self, size: int, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
@@ -279,10 +277,6 @@ class StepGraphs:
         self.decode, self.mixed = decode, mixed
         self._capture_factory = capture_factory
         self.device = device
-
-    @property
-    def captured(self) -> bool:
-        return self.decode.captured
 
     def capture(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Capture every graph over ``kv_caches``; logs how many, how long it took and the memory they hold."""
@@ -342,5 +336,5 @@ def graphs_for(model: LlamaForCausalLM, config: InferenceConfig, buffers: StepBu
         capture_factory = lambda: CudaGraphCapture(device)  # noqa: E731
     sizes = capture_sizes(config.cuda_graph_sizes, config.max_requests)
     decode = DecodeGraphs(model, graph_batch_sizes(sizes, config.max_requests), buffers, capture_factory)
-    mixed = MixedGraphs(model, sizes, buffers, capture_factory) if min(sizes) <= buffers.max_tokens else None
+    mixed = MixedGraphs(model, sizes, buffers) if min(sizes) <= buffers.max_tokens else None
     return StepGraphs(decode, mixed, capture_factory, device)

@@ -71,7 +71,7 @@ class ModelRunner:
         graphs = self.graphs
         if graphs is None:
             return None
-        if not plan.multimodal and graphs.decode.covers(plan):
+        if graphs.decode.covers(plan):
             return graphs.decode
         if graphs.mixed is not None and graphs.mixed.covers(plan):
             return graphs.mixed

@@ -62,6 +62,11 @@ class Sequence:
         return len(self.token_ids) + self.pending_tokens - self.num_computed
 
     @property
+    def num_generated(self) -> int:
+        """Tokens generated so far, those the steps in flight sample included."""
+        return len(self.request.generated_tokens) + self.pending_tokens
+
+    @property
     def schedulable(self) -> bool:
         """Whether a step may compute for it now: a request whose controls need its last token on the host
         sits out while that token is in flight, and one at its length limit waits for its last token."""

@@ -151,7 +151,9 @@ class StepBuffers:
         return np.concatenate(parts)
 
     def unpack(self, packed: np.ndarray) -> StepPlan:
-        """Write a packed plan into these host buffers; returns the plan."""
+        """Write a packed plan into these host buffers; returns the plan. Like every writer, it first waits
+        for the device to have copied the previous plan (a follower's previous upload may still be reading)."""
+        self.writable()
         plan = StepPlan.from_header(packed[:_HEADER_SIZE].tolist())
         offset = _HEADER_SIZE
         for name, region in self._regions(plan):
@@ -234,7 +236,7 @@ def write_plan(entries: list[tuple["Sequence", int]], block_size: int, buffers: 
         if sequence.request.prompt_scores_missing:
             score_rows.extend(row + p - start for p in prompt_positions_to_score(sequence, count))
         row += count
-        if end == known + sequence.pending_tokens:  # the chunk reaches its last token: it samples
+        if count == sequence.num_uncomputed:  # the chunk reaches its last token: it samples
             lm_rows[num_sample] = row - 1
             num_sample += 1
         tables[index, : len(table)] = table

@@ -94,8 +94,3 @@ class PagedAttention(nn.Module):
                           meta.prefill_query_start_loc, meta.prefill_context_lens, self.scale, out=out[num_decode:rows],
                           **scales)
         return out
-
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
-                cos: torch.Tensor, sin: torch.Tensor, context: ForwardContext) -> torch.Tensor:
-        """``store``, then ``attend``."""
-        return self.attend(self.store(q, k, v, positions, cos, sin, context), context)

@@ -70,11 +70,6 @@ class LlamaAttention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         return self.attn.store(q, k, v, positions, cos, sin, context)
 
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, context: ForwardContext,
-                cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        out = self.attn.attend(self.project(positions, hidden, context, cos, sin), context)
-        return self.o_proj(out.flatten(1))
-
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, layer_index: int, ops: _Ops, tp: TensorParallel, device: torch.device):

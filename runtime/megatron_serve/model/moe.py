@@ -68,12 +68,17 @@ def expert_weight_name(name: str) -> tuple[str, str | None, str | None, int | No
     return module_path, param, None, None
 
 
+def routing_dtype(moe: MoEConfig) -> torch.dtype:
+    """Recorded expert ids, small before the copy to host: uint8 up to 256 experts, else int32 (uint16 is no
+    device type)."""
+    return torch.uint8 if moe.num_experts <= 256 else torch.int32
+
+
 def stack_routing(routing: list[torch.Tensor], config: ModelConfig) -> torch.Tensor:
-    """The MoE layers' expert ids of one forward as ``[tokens, layers, top_k]``, small before the copy to host
-    (uint8 up to 256 experts, else int32: uint16 is no device type)."""
+    """The MoE layers' expert ids of one forward as ``[tokens, layers, top_k]`` (:func:`routing_dtype`)."""
     if config.moe is None or not routing:
         raise ValueError(f"{config.architecture} has no mixture-of-experts layers to record the routing of")
-    return torch.stack(routing, dim=1).to(torch.uint8 if config.moe.num_experts <= 256 else torch.int32)
+    return torch.stack(routing, dim=1).to(routing_dtype(config.moe))
 
 
 class FusedExperts(nn.Module):

@@ -66,10 +66,6 @@ class QuantizationConfig:
     ignore: tuple[str, ...] = ()
     substring_ignore: bool = False  # quant_method fp8 lists module name pieces, compressed-tensors patterns
 
-    @property
-    def online(self) -> bool:
-        return self.method == "fp8-online"
-
     def scheme_for(self, module: str) -> Fp8Scheme | None:
         """The scheme of the linear layer with Hugging Face name ``module`` (None: it stays unquantized).
 

@@ -59,14 +59,18 @@ def cached_prompt_tokens(finished: list[tuple[EngineJob, DynamicInferenceRequest
     return sum(cached for _, cached in first.values())
 
 
-def running_usage(req: Any, prompt_tokens: int, choices: StreamedChoices) -> Usage | None:
-    """The usage so far that every chunk carries with ``stream_options.continuous_usage_stats`` (vLLM's; it
-    needs ``include_usage`` too), else None."""
+def running_usage(req: Any, prompt_tokens: int, choices: StreamedChoices) -> Callable[[], Usage] | None:
+    """What makes the usage so far that every chunk carries with ``stream_options.continuous_usage_stats``
+    (vLLM's; it needs ``include_usage`` too); None without it (the chunks then ask nothing)."""
     options = req.stream_options
     if options is None or not (options.include_usage and options.continuous_usage_stats):
         return None
-    generated = choices.generated()
-    return Usage(prompt_tokens=prompt_tokens, completion_tokens=generated, total_tokens=prompt_tokens + generated)
+
+    def usage() -> Usage:
+        generated = choices.generated()
+        return Usage(prompt_tokens=prompt_tokens, completion_tokens=generated, total_tokens=prompt_tokens + generated)
+
+    return usage
 
 
 def make_usage(prompt_tokens: int, finished: list[tuple[EngineJob, DynamicInferenceRequest]]) -> Usage:

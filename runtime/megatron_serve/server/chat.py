@@ -173,7 +173,7 @@ class ChatHandler:
         choices = StreamedChoices(self.ctx.tokenizer if self.want_logprobs else None,
                                   self.req.skip_special_tokens is not False)
         writer = ChunkWriter(self.id, "chat.completion.chunk", self.created, self.req.model,
-                             lambda: running_usage(self.req, len(self.prompt.tokens), choices))
+                             running_usage(self.req, len(self.prompt.tokens), choices))
         readers: dict[int, CallReader | None] = {}
         called: set[int] = set()
         results: list[tuple[EngineJob, DynamicInferenceRequest]] = []

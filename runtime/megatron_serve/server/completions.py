@@ -158,7 +158,7 @@ class CompletionHandler:
                                   self.req.skip_special_tokens is not False)
         prompt_tokens = sum(len(p.tokens) for p in self.prompts)
         writer = ChunkWriter(self.id, "text_completion", self.created, self.req.model,
-                             lambda: running_usage(self.req, prompt_tokens, choices))
+                             running_usage(self.req, prompt_tokens, choices))
         offsets: dict[int, int] = {}  # job index -> text offset for the next log-prob token
         results: list[tuple[EngineJob, DynamicInferenceRequest]] = []
         async for job, item in items:

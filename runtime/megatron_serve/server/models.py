@@ -31,8 +31,6 @@ from ..sampling_params import MAX_TOP_N_LOGPROBS
 from .extensions import extension
 from .vllm_fields import VllmChatFields, VllmCompletionFields, VllmSamplingFields
 
-#: Top log-probabilities per token the engine can return (``SamplingParams.top_n_logprobs``).
-MAX_TOP_LOGPROBS = MAX_TOP_N_LOGPROBS
 #: Seeds are 64-bit signed integers in the OpenAI API.
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
 
@@ -95,7 +93,7 @@ class _SamplingRequest(_Request, VllmSamplingFields):
     guided_choice: Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1)] | None = extension(
         "guided_choice")
     guided_grammar: str | None = extension("guided_grammar", min_length=1)
-    prompt_logprobs: int | None = extension("prompt_logprobs", ge=0, le=MAX_TOP_LOGPROBS)
+    prompt_logprobs: int | None = extension("prompt_logprobs", ge=0, le=MAX_TOP_N_LOGPROBS)
     user: str | None = Field(None, description="accepted and ignored")
     ignore_eos: bool | None = extension("ignore_eos")
     return_epochs: bool | None = extension("return_epochs")
@@ -136,7 +134,7 @@ class CompletionRequest(_SamplingRequest, VllmCompletionFields):
 
     prompt: PromptInput = Field(description="a string, a list of strings, token ids, or a list of token id lists")
     max_tokens: int | None = Field(None, ge=1, description="tokens to generate per choice; default 16")
-    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS,
+    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_N_LOGPROBS,
                                  description="return log-probs of the chosen tokens and this many alternatives")
     echo: bool | None = Field(None, description="prepend the prompt to each choice's text")
     suffix: str | None = Field(None, description="not supported; must be empty")
@@ -223,7 +221,7 @@ class ChatCompletionRequest(_SamplingRequest, VllmChatFields):
                                               description="tokens to generate per choice; default: the "
                                                           "rest of the context window")
     logprobs: bool | None = Field(None, description="return the log-prob of each generated token")
-    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS,
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_N_LOGPROBS,
                                      description="alternatives per token (needs logprobs=true)")
     tools: list[ToolDefinition] | None = Field(None, description="functions the model may call")
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(

@@ -36,8 +36,6 @@ HERMES = "hermes"
 LLAMA3_JSON = "llama3_json"
 MISTRAL = "mistral"
 QWEN3_CODER = "qwen3_coder"
-#: Every format read here, by vLLM's parser names (``qwen3_xml`` is vLLM's second parser of Qwen3-Coder's format).
-PARSERS = TOOL_CALL_PARSERS
 
 
 @dataclass
@@ -414,8 +412,8 @@ def plan_tools(req: ChatCompletionRequest, parser: str | None) -> ToolPlan:
     if choice is None or choice == "auto":
         if parser is None:
             raise bad_request("tool_choice 'auto' needs a tool-call parser, and this model's chat template shows no "
-                              f"known tool-call format (known: {', '.join(PARSERS)}); use 'required' or name a "
-                              "function", param="tool_choice")
+                              f"known tool-call format (known: {', '.join(TOOL_CALL_PARSERS)}); use 'required' or "
+                              "name a function", param="tool_choice")
         return ToolPlan(template_tools, None, parser)
     named = next((tool for tool in tools if tool.function.name == choice.function.name), None)
     if named is None:
