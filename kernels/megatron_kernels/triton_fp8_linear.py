@@ -30,7 +30,7 @@ import triton.language as tl
 
 from . import reference
 from ._triton_utils import capability, fp8_native, interpreted, next_pow2, sm_count, to_e4m3
-from .fp8 import FP8_DTYPE, FP8_MAX, MIN_SCALE, Block
+from .fp8 import FP8_DTYPE, FP8_MAX, MIN_SCALE, Block, scale_shape
 
 WEIGHT_ONLY_MAX_ROWS = 64  # memory-bound below: an 8B layer at 64 rows does 128 FLOP per weight byte, H100 ~295
 _FP8_MAX = tl.constexpr(FP8_MAX)
@@ -129,7 +129,7 @@ def _check(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bl
         raise ValueError(f"input {tuple(x.shape)} does not fit weight {tuple(weight.shape)}")
     if weight.dtype != FP8_DTYPE or weight.stride(-1) != 1:
         raise ValueError(f"FP8 weights must be contiguous {FP8_DTYPE}, got {weight.dtype}")
-    want = (n, 1) if block is None else (-(-n // block[0]), -(-k // block[1]))
+    want = scale_shape(n, k, block)
     if tuple(weight_scale.shape) != want or weight_scale.dtype != torch.float32:
         raise ValueError(f"weight scales {tuple(weight_scale.shape)} {weight_scale.dtype} do not fit weight "
                          f"{tuple(weight.shape)} with block {block}: want {want} float32")

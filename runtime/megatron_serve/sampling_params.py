@@ -87,6 +87,16 @@ class _VllmNames(type(msgspec.Struct)):  # type: ignore[misc]
         return super().__call__(*args, **kwargs)
 
 
+def stop_list(stop: str | list[str] | None) -> list[str]:
+    """OpenAI's and vLLM's ``stop``: one string, a list of them, or none."""
+    return [stop] if isinstance(stop, str) else list(stop or [])
+
+
+def choice_seed(seed: int | None, choice: int) -> int | None:
+    """The seed of choice ``choice`` of ``n`` seeded choices (``seed``, ``seed + 1``, ...): they must differ."""
+    return None if seed is None else (seed + choice) % 2**63
+
+
 def _merge(ours: dict[str, Any], name: str, value: Any, vllm_name: str) -> None:
     """Set ``ours[name] = value`` from vLLM's ``vllm_name``, unless ``name`` was also given with another value."""
     if name in ours and ours[name] != value:
@@ -104,8 +114,7 @@ def _ours(kwargs: dict[str, Any], fields: set[str]) -> dict[str, Any]:
     if "max_tokens" in kwargs:
         _merge(ours, "num_tokens_to_generate", kwargs["max_tokens"], "max_tokens")
     if "stop" in kwargs:
-        stop = kwargs["stop"]
-        _merge(ours, "stop_words", [stop] if isinstance(stop, str) else list(stop or []), "stop")
+        _merge(ours, "stop_words", stop_list(kwargs["stop"]), "stop")
     if kwargs.get("logprobs") is not None:
         _merge(ours, "return_log_probs", True, "logprobs")
         _merge(ours, "top_n_logprobs", max(kwargs["logprobs"], ours.get("top_n_logprobs", 0)), "logprobs")
@@ -258,8 +267,7 @@ class SamplingParams(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=T
     def choices(self) -> list["SamplingParams"]:
         """The parameters of the ``n`` requests these stand for: ``n`` 1, no truncation left to apply, and
         seeds ``seed``, ``seed + 1``, ... so that seeded choices differ (as the HTTP server seeds ``n``)."""
-        return [msgspec.structs.replace(self, n=1, truncate_prompt_tokens=None,
-                                        seed=None if self.seed is None else (self.seed + choice) % 2**63)
+        return [msgspec.structs.replace(self, n=1, truncate_prompt_tokens=None, seed=choice_seed(self.seed, choice))
                 for choice in range(self.n)]
 
     # vLLM's names, read back

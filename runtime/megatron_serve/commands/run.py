@@ -96,13 +96,12 @@ def run(args: argparse.Namespace) -> int:
     config = inference_config_from_args(args, tensor_parallel_size=args.tensor_parallel)  # fails before any start
     api_key = read_api_key(args)
     token = read_token(args)
-    if args.insecure and token is not None:
-        raise ValueError("--insecure runs without a fleet secret: drop --insecure, or --token-file / "
-                         "$MEGATRON_SERVE_TOKEN")
-    if not args.insecure and token is None:
-        from ..security import make_secret  # noqa: PLC0415
+    from ..coordinator import check_secret  # noqa: PLC0415
+    from ..security import make_secret  # noqa: PLC0415
 
+    if not args.insecure and token is None:
         token = make_secret()
+    check_secret(token, args.insecure)  # a secret given beside --insecure is refused, as by the coordinator
     resolve_model_args(args)  # a Hub id becomes its local directory before the directory is checked
     check_model_dir(args.model, tokenizer=args.tokenizer is None)
     if args.tokenizer is not None:

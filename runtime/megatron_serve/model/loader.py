@@ -18,7 +18,7 @@ from safetensors import safe_open
 
 from .config import ModelConfig
 from .errors import UnsupportedModelError
-from .layers import TensorSource, _copy_checked
+from .layers import TensorSource, _copy_checked, _read_all
 from .llama import LlamaForCausalLM
 from .moe import expert_weight_name
 from .parallel import SINGLE, TensorParallel
@@ -141,7 +141,7 @@ def weight_target(model: LlamaForCausalLM, name: str) -> WeightTarget | None:
 
 
 def _copy_whole(param: torch.nn.Parameter, source: TensorSource) -> None:
-    _copy_checked(param, source if isinstance(source, torch.Tensor) else source[:])
+    _copy_checked(param, _read_all(source))
 
 
 def load_weights(model: LlamaForCausalLM, tensors: Iterable[tuple[str, TensorSource]],

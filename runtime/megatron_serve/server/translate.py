@@ -19,7 +19,7 @@ from typing import Any
 from ..generation_config import GenerationDefaults
 from ..limits import RequestLimits
 from ..multimodal import PromptImage
-from ..sampling_params import SamplingParams, StructuredOutputsParams
+from ..sampling_params import SamplingParams, StructuredOutputsParams, choice_seed, stop_list
 from ..grammar import constraint_bytes, grammar_error
 from ..tokenizer import PromptTooLong
 from .errors import APIError, bad_request
@@ -387,10 +387,8 @@ def sampling_params(req: _SamplingRequest, *, max_tokens: int, logprobs: bool, t
     ``generation_config.json``), else ``SamplingParams``' own, which are OpenAI's.
     ``extra``: the logit controls and output constraint (see ``controls``).
     """
-    stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
-    seed = None
-    if req.seed is not None:
-        seed = (req.seed + choice) % 2**63  # n seeded choices must still differ from each other
+    stop = stop_list(req.stop)
+    seed = choice_seed(req.seed, choice)
     top_k = None if req.top_k is None else max(req.top_k, 0)  # -1 and 0 both mean off
     try:
         return defaults.sampling_params(
