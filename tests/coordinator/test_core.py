@@ -200,6 +200,18 @@ def test_a_group_held_by_a_live_engine_is_refused_and_one_held_by_a_gone_engine_
     assert second != first and [e["id"] for e in status(h).engines] == [second]
 
 
+def test_a_probe_reaches_registered_peers_only():
+    """The loop probes every connection on a closed one's file descriptor, and descriptors are reused:
+    a refused peer's live connection may be named, and must be told nothing (it got a heartbeat)."""
+    h = CoreHarness()
+    h.engine(E1, group=0)
+    h.send(E2, Header.HELLO, msgspec.convert({"role": "engine", "engine_group": 0}, type=_hello()))
+    assert h.take(E2, Header.ERROR)[0].code == "group_in_use"
+    h.core.probe(E2)
+    h.core.probe(E1)
+    assert [effect.identity for effect in h.core.on_tick(h.now)] == [E1]
+
+
 def test_a_stalled_step_loop_loses_its_requests_while_a_slow_one_keeps_them():
     h = CoreHarness(stall_timeout=30.0)
     h.client(C)

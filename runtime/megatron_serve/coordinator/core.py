@@ -228,6 +228,14 @@ class CoordinatorCore:
         self._out.append(Send(identity, frame, batch))
 
     def probe(self, identity: bytes, hello: tuple[bytes, Hello] | None = None) -> None:
+        """Test whether a registered peer's connection is still there (a send to a gone one fails).
+
+        A connection that is no peer is told nothing: the loop probes every connection on the file
+        descriptor of one that closed, and descriptors are reused, so that may be a refused insider's
+        (a probe's heartbeat was the one frame such a connection received after its refusal).
+        """
+        if identity not in self.peers and hello is None:
+            return
         self._out.append(Probe(identity, encode(Header.HEARTBEAT, self.heartbeat()), hello))
 
     def heartbeat(self) -> Heartbeat:
