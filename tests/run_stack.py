@@ -22,6 +22,7 @@ from typing import Any
 
 import httpx
 
+from megatron_serve.client import InferenceClient
 from megatron_serve.commands.local_runs import RUN_FILE, SECRET_FILE
 
 from tests.server.test_openai_e2e import free_port
@@ -109,19 +110,30 @@ class RunStack:
         return httpx.get(f"{self.url}/ready", timeout=10).json()
 
     async def wait_engines(self, count: int, timeout: float) -> float:
-        """Poll ``/ready`` until ``count`` engines serve; returns how long it took."""
+        """Poll ``/ready`` until ``count`` engines serve, each one of this run's live engine processes (a
+        dead engine the coordinator has not noticed yet counts in ``/ready``); returns how long it took."""
         began = time.monotonic()
         async with httpx.AsyncClient(base_url=self.url, timeout=10) as http:
             while True:
                 try:
                     body = (await http.get("/ready")).json()
-                    if body["ready"] and body["engines"] == count:
+                    if body["ready"] and body["engines"] == count and await self._engines_alive():
                         return time.monotonic() - began
-                except httpx.TransportError:
+                except (httpx.TransportError, OSError, TimeoutError):  # the coordinator may be restarting
                     pass
                 assert time.monotonic() - began < timeout, f"{count} engines not back within {timeout}s: " \
                                                             f"{self.output()[-3000:]}"
                 await asyncio.sleep(0.2)
+
+
+    async def _engines_alive(self) -> bool:
+        """Whether every engine the coordinator lists is a live engine process of this run."""
+        async def listed() -> list[dict[str, Any]]:
+            async with InferenceClient(self.coordinator(), self.secret(), role="control") as control:
+                return (await control.status())["engines"]
+
+        engines = await asyncio.wait_for(listed(), 15)
+        return {engine["info"].get("pid") for engine in engines} <= set(self.children()["engine"])
 
 
 def start_run(model: str, tmp: Path, *extra: str, engines: int = 2, close_stdout_after: int | None = None

@@ -110,11 +110,14 @@ async def test_sigkill_of_an_engine_with_50_streams_in_flight_and_the_fleet_back
 
     outcomes = await streams_hurt_midway(stack, hurt)
     assert_all_equal_to_quiet(outcomes, quiet)
+    # On a loaded machine the streams may all end before the run has noticed the death (and /ready
+    # still counts the dead engine): first the restart, then the fleet's size.
+    await until(lambda: any("killed by SIGKILL" in line and "restarting it in" in line
+                            for line in restart_lines(stack.output(), "engine")), 60, "the run to restart the engine")
+    await until(lambda: victim not in stack.children()["engine"] and len(stack.children()["engine"]) == 2, 60,
+                "a new engine process")
     await stack.wait_engines(2, timeout=120)
     print(f"\nthe fleet was back to 2 engines {time.monotonic() - killed:.1f}s after the kill")
-    lines = restart_lines(stack.output(), "engine")
-    assert any("killed by SIGKILL" in line and "restarting it in" in line for line in lines), lines
-    assert victim not in stack.children()["engine"] and len(stack.children()["engine"]) == 2
 
 
 async def test_sigstop_of_an_engine_past_the_heartbeat_timeout_then_sigcont(stack, quiet):
