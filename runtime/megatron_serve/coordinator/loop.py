@@ -216,7 +216,7 @@ class Coordinator:
             self.core.drop(self.core.peer_name(identity), str(exc))
             return effects
         effects += self.core.on_message(identity, message, time.monotonic(), key)
-        if identity not in self._fds and (key is None or identity in self.core.proven):  # a stranger is never probed
+        if identity not in self._fds and identity in self.core.peers:  # only peers are probed (CoordinatorCore.probe)
             try:
                 self._fds[identity] = frame.get(zmq.SRCFD)
             except zmq.ZMQError:
