@@ -22,8 +22,8 @@ import time
 from typing import Awaitable, Callable
 
 from megatron_serve import InferenceConfig, MegatronAsyncLLM, SamplingParams
-from megatron_serve.client import InferenceClient
-from megatron_serve.local_fleet import LocalFleet
+from megatron_serve.client.coordinator_client import InferenceClient
+from megatron_serve.fleet.local_fleet import LocalFleet
 
 ONE_TOKEN = SamplingParams(temperature=0.0, num_tokens_to_generate=1, ignore_eos=True)
 
@@ -62,7 +62,7 @@ async def measure(submit, requests: int, concurrency: int, warmup: int) -> dict:
 async def main(args: argparse.Namespace) -> None:
     model = args.model
     if model is None:
-        from megatron_serve.tiny_model import make_tiny_model
+        from megatron_serve.model.tiny import make_tiny_model
 
         model = str(make_tiny_model(tempfile.mkdtemp(prefix="bench-tiny-"), seed=0))
     config = InferenceConfig(num_kv_blocks=args.num_kv_blocks, max_requests=args.max_requests)

@@ -8,7 +8,7 @@ clients run in this process. Megatron's side is megatron-core's own
 only here: ``pip install megatron-core==0.16.1``; it imports on CPU with torch, numpy and
 packaging), its fake engines speaking its frames (``ENGINE_REPLY`` with serialized request
 records, as ``DynamicInferenceEngine`` sends them). This project's side is
-:class:`megatron_serve.coordinator.Coordinator` and :class:`megatron_serve.client.InferenceClient`,
+:class:`megatron_serve.coordinator.Coordinator` and :class:`megatron_serve.client.coordinator_client.InferenceClient`,
 its fake engines speaking this project's frames (HELLO, heartbeats, ``ENGINE_STEP`` with the
 finished record, as ``EngineProcess`` sends them). Prompts are token ids on both sides, so neither
 coordinator tokenizes; Megatron's detokenizes every result (its design), with a tokenizer as
@@ -25,7 +25,7 @@ ratios and their median (this shared machine has slow spells that move one run's
     python benchmarks/coordinator_peer.py --baseline insecure --repeat 5   # what the fleet secret costs
 
 ``ours`` is a secure fleet, as every fleet is by default (a fleet secret: every connection CURVE-
-encrypted, every peer proving the secret; ``megatron_serve.security``); ``--baseline insecure``
+encrypted, every peer proving the secret; ``megatron_serve.wire.security``); ``--baseline insecure``
 compares it with the same coordinator started ``--insecure`` (plain TCP, no proof) instead of
 Megatron's. Measured on the 2 shared CPU cores of the development machine (``--baseline insecure
 --repeat 9 --requests-c1 1000``, 4 fake engines, 5,000 requests per scenario, load average 2.8-3.2):
@@ -171,10 +171,10 @@ def ours_coordinator(pipe: Any, tokenizer_dir: str | None, secret: str | None) -
 
 def ours_engines(address: str, count: int, secret: str | None) -> None:
     """``count`` fake engines speaking this project's frames: every request finishes with one token at once."""
-    from megatron_serve.messages import FROM_COORDINATOR, PROTOCOL_VERSION
-    from megatron_serve.protocol import Header, decode, encode, unbatch
-    from megatron_serve.security import PeerKeys, fleet_secret, hello_credentials
-    from megatron_serve.transport import secure_client
+    from megatron_serve.wire.messages import FROM_COORDINATOR, PROTOCOL_VERSION
+    from megatron_serve.wire.protocol import Header, decode, encode, unbatch
+    from megatron_serve.wire.security import PeerKeys, fleet_secret, hello_credentials
+    from megatron_serve.wire.transport import secure_client
 
     ctx = zmq.Context()
     socks, ids = [], {}
@@ -223,9 +223,9 @@ def ours_engines(address: str, count: int, secret: str | None) -> None:
 
 async def run_ours(args: argparse.Namespace, secure: bool = True) -> list[Row]:
     """This project's side: a secure fleet, or (``secure=False``) the same started ``--insecure``."""
-    from megatron_serve.client import InferenceClient
-    from megatron_serve.sampling_params import SamplingParams
-    from megatron_serve.security import make_secret
+    from megatron_serve.client.coordinator_client import InferenceClient
+    from megatron_serve.wire.sampling_params import SamplingParams
+    from megatron_serve.wire.security import make_secret
 
     secret = make_secret() if secure else None
     ctx = mp.get_context("spawn")

@@ -231,7 +231,7 @@ def engine_decode_tokens_per_s(model, shape: dict, batch: int, prompt_len: int, 
                                device: torch.device, cuda_graphs: bool, **config) -> tuple[float, float]:
     """Steady-state decode tokens/s of ``engine.step()`` and the window's mean context length."""
     from megatron_serve import SamplingParams  # noqa: PLC0415
-    from megatron_serve.request import DynamicInferenceRequest  # noqa: PLC0415
+    from megatron_serve.wire.request import DynamicInferenceRequest  # noqa: PLC0415
 
     engine = make_engine(model, shape, batch, prompt_len, new_tokens, block_size, device, cuda_graphs, **config)
     gen = torch.Generator().manual_seed(2)

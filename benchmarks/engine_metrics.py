@@ -20,10 +20,10 @@ import time
 
 from megatron_serve.config import InferenceConfig
 from megatron_serve.engine import DynamicInferenceEngine, StepOutput
-from megatron_serve.engine_stats import EngineStats
-from megatron_serve.request import DynamicInferenceRequest
-from megatron_serve.sampling_params import SamplingParams
-from megatron_serve.tiny_model import make_tiny_model
+from megatron_serve.wire.engine_stats import EngineStats
+from megatron_serve.wire.request import DynamicInferenceRequest
+from megatron_serve.wire.sampling_params import SamplingParams
+from megatron_serve.model.tiny import make_tiny_model
 
 
 class NoStats(EngineStats):

@@ -66,7 +66,7 @@ def agreement(reference: list[list[int]], other: list[list[int]]) -> tuple[float
 
 
 def run_agreement(model_dir: Path | None, count: int, new_tokens: int, device: str, workdir: Path) -> float:
-    from megatron_serve.tiny_model import make_tiny_model  # noqa: PLC0415
+    from megatron_serve.model.tiny import make_tiny_model  # noqa: PLC0415
 
     if model_dir is None:
         model_dir = make_tiny_model(workdir / "tiny-llama", seed=3)

@@ -20,7 +20,7 @@ import torch
 import transformers
 
 from megatron_serve import DynamicInferenceRequest, InferenceConfig, MegatronLLM, SamplingParams
-from megatron_serve.tiny_model import ARCHITECTURES, MOE_DEFAULTS, make_tiny_model
+from megatron_serve.model.tiny import ARCHITECTURES, MOE_DEFAULTS, make_tiny_model
 
 
 def model_shape(args: argparse.Namespace) -> dict:

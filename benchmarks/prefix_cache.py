@@ -28,7 +28,7 @@ import time
 import torch
 
 from megatron_serve import InferenceConfig, MegatronLLM, SamplingParams
-from megatron_serve.tiny_model import make_tiny_model
+from megatron_serve.model.tiny import make_tiny_model
 
 
 def workload(vocab: int, prefixes: int, prefix_len: int, requests: int, seed: int) -> list[list[int]]:

@@ -27,9 +27,9 @@ import time
 from pathlib import Path
 
 from megatron_serve import InferenceConfig, SamplingParams
-from megatron_serve.client import InferenceClient
-from megatron_serve.local_fleet import LocalFleet
-from megatron_serve.tiny_model import make_tiny_model
+from megatron_serve.client.coordinator_client import InferenceClient
+from megatron_serve.fleet.local_fleet import LocalFleet
+from megatron_serve.model.tiny import make_tiny_model
 
 ONE_TOKEN = SamplingParams(temperature=0.0, num_tokens_to_generate=1, ignore_eos=True)
 

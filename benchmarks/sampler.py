@@ -16,7 +16,7 @@ import time
 import torch
 
 from megatron_serve.engine.sampler import Sampler
-from megatron_serve.sampling_params import SamplingParams
+from megatron_serve.wire.sampling_params import SamplingParams
 
 MIXES = {
     "greedy + logprobs": lambda i: SamplingParams(temperature=0.0, return_log_probs=True),

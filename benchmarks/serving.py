@@ -377,7 +377,7 @@ def main() -> None:
 
     model_dir = args.model
     if model_dir is None and args.url is None:
-        from megatron_serve.tiny_model import make_tiny_model  # noqa: PLC0415
+        from megatron_serve.model.tiny import make_tiny_model  # noqa: PLC0415
 
         model_dir = str(make_tiny_model(Path(tempfile.mkdtemp(prefix="bench-tiny-")) / "tiny-llama"))
     vocab = args.vocab_size or (int(json.loads(Path(model_dir, "config.json").read_text())["vocab_size"])

@@ -18,7 +18,7 @@ import time
 import torch
 
 from megatron_serve import DynamicInferenceRequest, InferenceConfig, MegatronLLM, SamplingParams
-from megatron_serve.sampling_params import StructuredOutputsParams
+from megatron_serve.wire.sampling_params import StructuredOutputsParams
 
 # A schema that keeps the constrained request decoding: an array of many bounded records.
 SCHEMA = {"type": "array", "minItems": 64, "items": {

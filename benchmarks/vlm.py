@@ -25,8 +25,8 @@ import transformers
 from PIL import Image
 
 from megatron_serve import DynamicInferenceRequest, InferenceConfig, MegatronLLM, SamplingParams
-from megatron_serve.prompts import ImagePrompt, tokenize_prompt
-from megatron_serve.tiny_model import make_tiny_model
+from megatron_serve.client.prompts import ImagePrompt, tokenize_prompt
+from megatron_serve.model.tiny import make_tiny_model
 
 PLACEHOLDER = {"llava": "<image>", "qwen2_vl": "<|vision_start|><|image_pad|><|vision_end|>",
                "qwen2_5_vl": "<|vision_start|><|image_pad|><|vision_end|>"}

@@ -36,8 +36,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from megatron_serve import InferenceConfig
-from megatron_serve.client import InferenceClient
-from megatron_serve.local_fleet import LocalFleet
+from megatron_serve.client.coordinator_client import InferenceClient
+from megatron_serve.fleet.local_fleet import LocalFleet
 from megatron_serve.weights import WeightSender
 
 sys.path.insert(0, str(Path(__file__).parent))

@@ -22,7 +22,7 @@ from typing import Any
 
 import httpx
 
-from megatron_serve.client import InferenceClient
+from megatron_serve.client.coordinator_client import InferenceClient
 from megatron_serve.commands.local_runs import RUN_FILE, SECRET_FILE
 
 from tests.server.test_openai_e2e import free_port
@@ -262,8 +262,8 @@ class Streamed:
 
 async def client_stream(client: Any, prompt: str, max_tokens: int, first: asyncio.Event | None = None) -> Streamed:
     """A greedy stream through an ``InferenceClient``; ``first`` is set at its first partial."""
-    from megatron_serve.client import StreamPartial
-    from megatron_serve.sampling_params import SamplingParams
+    from megatron_serve.client.coordinator_client import StreamPartial
+    from megatron_serve.wire.sampling_params import SamplingParams
 
     out = Streamed()
     params = SamplingParams(temperature=0.0, num_tokens_to_generate=max_tokens, ignore_eos=True)

@@ -104,7 +104,7 @@ def test_http_server_imports_no_torch():
     import subprocess  # noqa: PLC0415
     import sys  # noqa: PLC0415
 
-    probe = ("import sys, megatron_serve.server.app, megatron_serve.server.runner, megatron_serve.client; "
+    probe = ("import sys, megatron_serve.server.app, megatron_serve.server.runner, megatron_serve.client.coordinator_client; "
              "print(sorted(m for m in sys.modules if m == 'torch' or m.split('.')[:2] == ['megatron_serve', 'engine']))")
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout.strip()
     assert out == "[]", f"the HTTP server imported {out}"

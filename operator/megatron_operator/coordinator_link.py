@@ -12,7 +12,7 @@ import asyncio
 from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
-from megatron_serve.lifecycle import Verb, parse_verb
+from megatron_serve.wire.lifecycle import Verb, parse_verb
 
 
 class CoordinatorUnavailable(RuntimeError):

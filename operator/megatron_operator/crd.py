@@ -27,7 +27,7 @@ SHORT_NAMES = ["mi"]
 CRD_NAME = f"{PLURAL}.{GROUP}"
 
 LIFECYCLES = ["Running", "Paused", "Suspended", "Shutdown"]
-PAUSE_MODES = ["Keep", "Wait", "Abort"]  # megatron_serve.lifecycle.PauseMode, named the resource's way
+PAUSE_MODES = ["Keep", "Wait", "Abort"]  # megatron_serve.wire.lifecycle.PauseMode, named the resource's way
 PHASES = ["Pending", "Progressing", "Ready", "Paused", "Suspended", "Shutdown", "Degraded", "Failed"]
 DTYPES = ["bfloat16", "float16", "float32"]
 ROUTINGS = ["least_loaded", "round_robin", "prefix_affinity"]

@@ -1,6 +1,6 @@
 """``spec.lifecycle`` <-> coordinator states, and the verbs that lead from one to the other.
 
-The state machine itself is the runtime's one table (:mod:`megatron_serve.lifecycle`); this module
+The state machine itself is the runtime's one table (:mod:`megatron_serve.wire.lifecycle`); this module
 only names its states the way the resource does and walks it: one acknowledged verb at a time,
 over one-step edges, so Running -> Suspended is PAUSE then SUSPEND and Suspended -> Running is
 RESUME then UNPAUSE (docs/kubernetes/lifecycle.md).
@@ -8,7 +8,7 @@ RESUME then UNPAUSE (docs/kubernetes/lifecycle.md).
 
 from __future__ import annotations
 
-from megatron_serve.lifecycle import FleetState, next_state as _next_state, walk
+from megatron_serve.wire.lifecycle import FleetState, next_state as _next_state, walk
 
 RUNNING, PAUSED, SUSPENDED, STOPPED = (state.value for state in FleetState)
 STATES = tuple(state.value for state in FleetState)

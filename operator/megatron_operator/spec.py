@@ -223,7 +223,7 @@ class InferenceSpec:
     remote_images: bool
     trainers: list[dict[str, Any]]  # NetworkPolicy peers admitted to the coordinator port and the engine pods
     lifecycle: str
-    pause_mode: str  # megatron_serve.lifecycle.PauseMode's value: keep, wait, abort
+    pause_mode: str  # megatron_serve.wire.lifecycle.PauseMode's value: keep, wait, abort
     drain_timeout_seconds: int
     raw: dict[str, Any] = field(repr=False, compare=False, default_factory=dict)
 

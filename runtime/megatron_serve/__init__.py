@@ -15,26 +15,26 @@ from typing import TYPE_CHECKING, Any
 __version__ = "0.1.0"
 
 _EXPORTS = {
-    "DynamicInferenceRequest": ".request",
-    "EventType": ".request",
-    "FinishReason": ".request",
-    "InferenceClient": ".client",
+    "DynamicInferenceRequest": ".wire.request",
+    "EventType": ".wire.request",
+    "FinishReason": ".wire.request",
+    "InferenceClient": ".client.coordinator_client",
     "InferenceConfig": ".config",
-    "MegatronAsyncLLM": ".async_llm",
-    "MegatronLLM": ".llm",
-    "RequestStatus": ".request",
-    "SamplingParams": ".sampling_params",
+    "MegatronAsyncLLM": ".client.async_llm",
+    "MegatronLLM": ".client.llm",
+    "RequestStatus": ".wire.request",
+    "SamplingParams": ".wire.sampling_params",
 }
 
 __all__ = sorted(_EXPORTS)
 
 if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
-    from .async_llm import MegatronAsyncLLM
-    from .client import InferenceClient
+    from .client.async_llm import MegatronAsyncLLM
+    from .client.coordinator_client import InferenceClient
     from .config import InferenceConfig
-    from .llm import MegatronLLM
-    from .request import DynamicInferenceRequest, EventType, FinishReason, RequestStatus
-    from .sampling_params import SamplingParams
+    from .client.llm import MegatronLLM
+    from .wire.request import DynamicInferenceRequest, EventType, FinishReason, RequestStatus
+    from .wire.sampling_params import SamplingParams
 
 
 def __getattr__(name: str) -> Any:

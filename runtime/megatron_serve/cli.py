@@ -21,7 +21,7 @@ import sys
 
 from . import __version__
 from .commands.vllm_options import accepted_warnings
-from .lifeline import hold_lifeline
+from .fleet.lifeline import hold_lifeline
 
 # name -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {

@@ -22,7 +22,7 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any, Mapping
 
-from .sampling_params import SamplingParams
+from .wire.sampling_params import SamplingParams
 
 FILENAME = "generation_config.json"
 AUTO = "auto"

@@ -11,7 +11,7 @@ import json
 import threading
 from typing import Any
 
-from .sampling_params import StructuredOutputsParams
+from .wire.sampling_params import StructuredOutputsParams
 
 #: JSON as ``json.dumps`` writes it: no free whitespace (a small model could spend its whole budget on
 #: it), ``", "`` and ``": "`` between items. A schema may override this with its own

@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from .sampling_params import MAX_TOP_N_LOGPROBS
+from .wire.sampling_params import MAX_TOP_N_LOGPROBS
 
 MiB = 1 << 20
 
@@ -22,7 +22,7 @@ MiB = 1 << 20
 #: vLLM's default; ``--timeout-keep-alive``).
 DEFAULT_KEEP_ALIVE = 5.0
 #: Seconds a lost coordinator has to come back before what is pending on it fails (``--coordinator-grace``;
-#: see :class:`megatron_serve.client.InferenceClient`).
+#: see :class:`megatron_serve.client.coordinator_client.InferenceClient`).
 DEFAULT_COORDINATOR_GRACE = 30.0
 
 #: Characters per token of context beyond which a prompt cannot fit with any common tokenizer:

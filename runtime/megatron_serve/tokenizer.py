@@ -77,7 +77,7 @@ class Tokenizer:
 
         Straight from the Rust tokenizer where that gives the same text (see :attr:`_rust`): the
         ``transformers`` wrapper cost 6.7 us a call against 1.9 us, and the client side decodes two
-        short windows per generated token (:mod:`megatron_serve.detokenizer`).
+        short windows per generated token (:mod:`megatron_serve.client.detokenizer`).
         """
         rust = self._rust
         if rust is not None:

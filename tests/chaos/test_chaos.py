@@ -22,8 +22,8 @@ import time
 
 import pytest
 
-from megatron_serve.client import InferenceClient
-from megatron_serve.sampling_params import SamplingParams
+from megatron_serve.client.coordinator_client import InferenceClient
+from megatron_serve.wire.sampling_params import SamplingParams
 from tests.run_stack import RunStack, alive, client_stream, start_run
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]

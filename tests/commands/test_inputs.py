@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from megatron_serve.commands.inputs import check_model_dir, check_port_free, coordinator_address, parse_port
-from megatron_serve.tiny_model import make_tiny_model
+from megatron_serve.model.tiny import make_tiny_model
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -22,7 +22,7 @@ import pytest
 
 from megatron_serve.cli import main, parse_args
 from megatron_serve.commands.vllm_options import VLLM_OPTIONS, Status, accepted_warnings
-from megatron_serve.tiny_model import CHAT_TEMPLATE, make_tiny_model
+from megatron_serve.model.tiny import CHAT_TEMPLATE, make_tiny_model
 
 from ..runtime.test_hub import hub_cache
 from ..server.conftest import wait_ready

@@ -17,15 +17,15 @@ from megatron_serve.coordinator import (
     Coordinator,
     TokenizerLike,
 )
-from megatron_serve.engine_process import EngineProcess
-from megatron_serve.security import make_secret
+from megatron_serve.engine.process import EngineProcess
+from megatron_serve.wire.security import make_secret
 
 from .fakes import FakeEngine
 
 
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory) -> str:
-    from megatron_serve.tiny_model import make_tiny_model
+    from megatron_serve.model.tiny import make_tiny_model
 
     return str(make_tiny_model(tmp_path_factory.mktemp("coordinator-tiny"), seed=0))
 

@@ -10,8 +10,8 @@ from typing import Any
 
 from megatron_serve.coordinator import CoordinatorCore
 from megatron_serve.coordinator.effects import Effect, Probe, Send
-from megatron_serve.messages import FROM_COORDINATOR, PROTOCOL_VERSION, Hello
-from megatron_serve.protocol import Header, Message, decode, unbatch
+from megatron_serve.wire.messages import FROM_COORDINATOR, PROTOCOL_VERSION, Hello
+from megatron_serve.wire.protocol import Header, Message, decode, unbatch
 
 
 class CoreHarness:

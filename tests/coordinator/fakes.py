@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 
-from megatron_serve.request import DynamicInferenceRequest, EventType, FinishReason, RequestStatus
+from megatron_serve.wire.request import DynamicInferenceRequest, EventType, FinishReason, RequestStatus
 
 BLOCK_BYTES = 4096
 

@@ -15,10 +15,10 @@ from typing import Any, Callable
 
 import zmq
 
-from megatron_serve.fleet_argv import TOKEN_ENV
-from megatron_serve.messages import FROM_COORDINATOR, PROTOCOL_VERSION
-from megatron_serve.protocol import Header, Message, decode, encode
-from megatron_serve.security import FleetSecret, PeerKeys, make_secret
+from megatron_serve.fleet.argv import TOKEN_ENV
+from megatron_serve.wire.messages import FROM_COORDINATOR, PROTOCOL_VERSION
+from megatron_serve.wire.protocol import Header, Message, decode, encode
+from megatron_serve.wire.security import FleetSecret, PeerKeys, make_secret
 
 PY = sys.executable
 

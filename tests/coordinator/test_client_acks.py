@@ -16,10 +16,10 @@ from typing import AsyncIterator
 import pytest
 import zmq
 
-from megatron_serve.client import ACK_DELAY_S, InferenceClient
-from megatron_serve.messages import PROTOCOL_VERSION, TO_COORDINATOR
-from megatron_serve.protocol import Header, Message, decode, encode, unbatch
-from megatron_serve.sampling_params import SamplingParams
+from megatron_serve.client.coordinator_client import ACK_DELAY_S, InferenceClient
+from megatron_serve.wire.messages import PROTOCOL_VERSION, TO_COORDINATOR
+from megatron_serve.wire.protocol import Header, Message, decode, encode, unbatch
+from megatron_serve.wire.sampling_params import SamplingParams
 
 from .helpers import free_port
 

@@ -15,10 +15,10 @@ import time
 import pytest
 import zmq
 
-from megatron_serve.client import InferenceClient, StreamPartial
-from megatron_serve.messages import PROTOCOL_VERSION, TO_COORDINATOR
-from megatron_serve.protocol import Header, decode, encode
-from megatron_serve.sampling_params import SamplingParams
+from megatron_serve.client.coordinator_client import InferenceClient, StreamPartial
+from megatron_serve.wire.messages import PROTOCOL_VERSION, TO_COORDINATOR
+from megatron_serve.wire.protocol import Header, decode, encode
+from megatron_serve.wire.sampling_params import SamplingParams
 
 from .helpers import free_port
 

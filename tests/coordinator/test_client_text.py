@@ -12,11 +12,11 @@ from typing import AsyncIterator
 
 import pytest
 
-from megatron_serve.client import CoordinatorError, InferenceClient
-from megatron_serve.messages import PROTOCOL_VERSION
-from megatron_serve.protocol import Header
-from megatron_serve.request import FinishReason, RequestStatus
-from megatron_serve.sampling_params import SamplingParams
+from megatron_serve.client.coordinator_client import CoordinatorError, InferenceClient
+from megatron_serve.wire.messages import PROTOCOL_VERSION
+from megatron_serve.wire.protocol import Header
+from megatron_serve.wire.request import FinishReason, RequestStatus
+from megatron_serve.wire.sampling_params import SamplingParams
 from megatron_serve.tokenizer import Tokenizer
 
 from .test_client_acks import RawCoordinator

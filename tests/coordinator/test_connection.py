@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import zmq
 
-from megatron_serve.connection import Connection, Unauthorized
-from megatron_serve.messages import PROTOCOL_VERSION, Error, Heartbeat, HelloAck, Tokens
-from megatron_serve.protocol import Header, decode, encode, encode_batch
+from megatron_serve.wire.connection import Connection, Unauthorized
+from megatron_serve.wire.messages import PROTOCOL_VERSION, Error, Heartbeat, HelloAck, Tokens
+from megatron_serve.wire.protocol import Header, decode, encode, encode_batch
 
 HELLO = {"role": "client", "client_id": "c", "acks": True}
 

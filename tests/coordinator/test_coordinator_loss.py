@@ -14,9 +14,9 @@ import time
 
 import pytest
 
-from megatron_serve.client import CoordinatorLost, InferenceClient, StreamPartial
-from megatron_serve.request import RequestStatus
-from megatron_serve.sampling_params import SamplingParams
+from megatron_serve.client.coordinator_client import CoordinatorLost, InferenceClient, StreamPartial
+from megatron_serve.wire.request import RequestStatus
+from megatron_serve.wire.sampling_params import SamplingParams
 
 from .fakes import expected_tokens
 from .helpers import until

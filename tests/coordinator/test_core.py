@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import msgspec
 
-from megatron_serve.messages import (ClientAbort, Control, ControlAck, EngineStep, Heartbeat, Refit, ResultAck,
+from megatron_serve.wire.messages import (ClientAbort, Control, ControlAck, EngineStep, Heartbeat, Refit, ResultAck,
                                      Status, StepOutput, Submit, WireImage)
 from megatron_serve.multimodal import PromptImage
-from megatron_serve.protocol import Header
+from megatron_serve.wire.protocol import Header
 
 from .core_harness import CoreHarness
 
@@ -165,7 +165,7 @@ def test_a_control_id_stands_for_one_verb_with_its_arguments():
     """A retry (same id, verb and arguments) is answered again; the same id for anything else is refused,
     naming the id and the verb it was used for, and nothing runs (an UNPAUSE that reused a PAUSE's id got
     the PAUSE's acknowledgement and the fleet stayed paused)."""
-    from megatron_serve.messages import Pause
+    from megatron_serve.wire.messages import Pause
 
     h = CoreHarness()
     h.client(C)
@@ -244,7 +244,7 @@ def test_an_aborted_request_is_answered_at_once_and_its_engine_told():
 
 
 def _hello() -> type:
-    from megatron_serve.messages import Hello
+    from megatron_serve.wire.messages import Hello
 
     return Hello
 

@@ -11,9 +11,9 @@ from __future__ import annotations
 import msgspec
 import numpy as np
 
-from megatron_serve.expert_routing import routing_to_wire
-from megatron_serve.messages import EngineStep, Hello, PromptScores, RoutingRows, StepOutput, Submit
-from megatron_serve.protocol import Header
+from megatron_serve.wire.expert_routing import routing_to_wire
+from megatron_serve.wire.messages import EngineStep, Hello, PromptScores, RoutingRows, StepOutput, Submit
+from megatron_serve.wire.protocol import Header
 
 from .core_harness import CoreHarness
 from .test_core import C, E1, submit

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import msgspec
 
-from megatron_serve.messages import Control, ControlAck, Hello, Refit, Rendezvous, Submit, TensorSpec
-from megatron_serve.protocol import Header
+from megatron_serve.wire.messages import Control, ControlAck, Hello, Refit, Rendezvous, Submit, TensorSpec
+from megatron_serve.wire.protocol import Header
 
 from .core_harness import CoreHarness
 from .test_core import status

@@ -18,12 +18,12 @@ from types import SimpleNamespace
 
 import pytest
 
-from megatron_serve.client import InferenceClient, StreamPartial, Unauthorized
+from megatron_serve.client.coordinator_client import InferenceClient, StreamPartial, Unauthorized
 from megatron_serve.config import InferenceConfig
-from megatron_serve.protocol import Header
-from megatron_serve.request import RequestStatus
-from megatron_serve.sampling_params import SamplingParams
-from megatron_serve.security import make_secret
+from megatron_serve.wire.protocol import Header
+from megatron_serve.wire.request import RequestStatus
+from megatron_serve.wire.sampling_params import SamplingParams
+from megatron_serve.wire.security import make_secret
 
 from .helpers import Children, free_port
 
@@ -38,7 +38,7 @@ TOKEN_ENV = {"MEGATRON_SERVE_TOKEN": TOKEN}
 
 @pytest.fixture(scope="module")
 def direct_results(tiny_model):
-    from megatron_serve.llm import MegatronLLM
+    from megatron_serve.client.llm import MegatronLLM
 
     llm = MegatronLLM(tiny_model, InferenceConfig(num_kv_blocks=64))
     return dict(zip(PROMPTS, llm.generate(PROMPTS, LONG)))

@@ -21,11 +21,11 @@ from types import SimpleNamespace
 import msgpack
 import pytest
 
-from megatron_serve.client import ControlError, InferenceClient, StreamPartial
+from megatron_serve.client.coordinator_client import ControlError, InferenceClient, StreamPartial
 from megatron_serve.config import InferenceConfig
-from megatron_serve.protocol import MAX_MESSAGE_BYTES, Header
-from megatron_serve.request import RequestStatus
-from megatron_serve.sampling_params import SamplingParams
+from megatron_serve.wire.protocol import MAX_MESSAGE_BYTES, Header
+from megatron_serve.wire.request import RequestStatus
+from megatron_serve.wire.sampling_params import SamplingParams
 
 from .helpers import Children, RawPeer, free_port
 
@@ -53,7 +53,7 @@ def fleet(tiny_model, tmp_path_factory):
 @pytest.fixture(scope="module")
 def direct(tiny_model):
     """Greedy outputs of direct mode (engine in this process) for every prompt used here."""
-    from megatron_serve.llm import MegatronLLM
+    from megatron_serve.client.llm import MegatronLLM
 
     llm = MegatronLLM(tiny_model, InferenceConfig(num_kv_blocks=NUM_KV_BLOCKS))
     short = {p: r.generated_tokens for p, r in zip(PROMPTS, llm.generate(PROMPTS, GREEDY))}
@@ -241,7 +241,7 @@ async def test_control_cli(client, fleet):
 
 
 def test_megatron_llm_coordinator_mode_with_address(fleet, direct):
-    from megatron_serve.llm import MegatronLLM
+    from megatron_serve.client.llm import MegatronLLM
 
     llm = MegatronLLM(fleet.model, use_coordinator=True, coordinator_address=fleet.address,
                       token=fleet.children.secret)

@@ -12,10 +12,10 @@ import pytest
 from PIL import Image
 
 from megatron_serve import InferenceConfig, MegatronAsyncLLM, MegatronLLM, SamplingParams
-from megatron_serve.client import InferenceClient
+from megatron_serve.client.coordinator_client import InferenceClient
 from megatron_serve.multimodal import PromptImage
-from megatron_serve.protocol import MAX_MESSAGE_BYTES
-from megatron_serve.request import DynamicInferenceRequest
+from megatron_serve.wire.protocol import MAX_MESSAGE_BYTES
+from megatron_serve.wire.request import DynamicInferenceRequest
 from megatron_serve.tokenizer import Tokenizer
 
 from ..images import png
@@ -41,7 +41,7 @@ class RecordingEngine(FakeEngine):
 
 @pytest.fixture(scope="module")
 def tiny_llava(tmp_path_factory) -> str:
-    from megatron_serve.tiny_model import make_tiny_model
+    from megatron_serve.model.tiny import make_tiny_model
 
     return str(make_tiny_model(tmp_path_factory.mktemp("coordinator-llava"), seed=0, arch="llava"))
 

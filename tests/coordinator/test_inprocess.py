@@ -10,10 +10,10 @@ import asyncio
 
 import pytest
 
-from megatron_serve.client import ControlError, InferenceClient, StreamPartial, Unauthorized
-from megatron_serve.security import make_secret
-from megatron_serve.request import FinishReason, RequestStatus
-from megatron_serve.sampling_params import SamplingParams
+from megatron_serve.client.coordinator_client import ControlError, InferenceClient, StreamPartial, Unauthorized
+from megatron_serve.wire.security import make_secret
+from megatron_serve.wire.request import FinishReason, RequestStatus
+from megatron_serve.wire.sampling_params import SamplingParams
 
 from .fakes import BLOCK_BYTES, expected_tokens
 from .helpers import until

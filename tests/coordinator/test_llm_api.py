@@ -7,8 +7,8 @@ import asyncio
 import pytest
 
 from megatron_serve import InferenceConfig, MegatronAsyncLLM, SamplingParams
-from megatron_serve.client import StreamPartial
-from megatron_serve.request import RequestStatus
+from megatron_serve.client.coordinator_client import StreamPartial
+from megatron_serve.wire.request import RequestStatus
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -19,7 +19,7 @@ CONFIG = InferenceConfig(num_kv_blocks=64)
 
 @pytest.fixture(scope="module")
 def direct_outputs(tiny_model):
-    from megatron_serve.llm import MegatronLLM
+    from megatron_serve.client.llm import MegatronLLM
 
     return [r.generated_tokens for r in MegatronLLM(tiny_model, CONFIG).generate(PROMPTS, GREEDY)]
 

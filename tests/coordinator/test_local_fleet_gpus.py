@@ -14,7 +14,7 @@ import time
 import pytest
 
 from megatron_serve.config import InferenceConfig
-from megatron_serve.local_fleet import LocalFleet, gpu_slices, visible_gpus
+from megatron_serve.fleet.local_fleet import LocalFleet, gpu_slices, visible_gpus
 
 RECORDER = textwrap.dedent("""\
     #!{python}

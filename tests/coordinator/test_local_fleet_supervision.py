@@ -20,8 +20,8 @@ from pathlib import Path
 
 import pytest
 
-from megatron_serve.lifeline import Lifeline
-from megatron_serve.local_fleet import LocalFleet, remove_stale_run_dirs
+from megatron_serve.fleet.lifeline import Lifeline
+from megatron_serve.fleet.local_fleet import LocalFleet, remove_stale_run_dirs
 
 from .helpers import wait_until
 
@@ -30,7 +30,7 @@ pytestmark = pytest.mark.timeout(120)
 STANDIN = textwrap.dedent("""\
     #!{python}
     import json, os, sys, time
-    from megatron_serve.lifeline import hold_lifeline
+    from megatron_serve.fleet.lifeline import hold_lifeline
     hold_lifeline()
     args = sys.argv[3:]  # after "-m megatron_serve.cli"
     with open({record!r}, "a") as f:
@@ -112,7 +112,7 @@ def test_children_die_with_the_fleets_process_and_its_directory_goes_with_the_ne
     parent = subprocess.Popen(
         [sys.executable, "-c", textwrap.dedent(f"""\
             import sys, time
-            from megatron_serve.local_fleet import LocalFleet
+            from megatron_serve.fleet.local_fleet import LocalFleet
             fleet = LocalFleet({str(tmp_path / 'model')!r}, 2, python={str(python)!r})
             fleet.start(timeout=60)
             print(fleet.log_dir, flush=True)

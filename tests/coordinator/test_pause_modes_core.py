@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from megatron_serve.messages import FROM_COORDINATOR, Control, ControlAck, Pause, Suspend
-from megatron_serve.protocol import Header, unbatch
+from megatron_serve.wire.messages import FROM_COORDINATOR, Control, ControlAck, Pause, Suspend
+from megatron_serve.wire.protocol import Header, unbatch
 
 from .core_harness import CoreHarness
 from .test_core import final_record, status, step, submit

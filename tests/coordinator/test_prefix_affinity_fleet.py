@@ -6,7 +6,7 @@ dispatched at UNPAUSE in one pass of the coordinator's loop, with no request fin
 so how many requests each group gets is exact. The second test restarts the coordinator with
 ``least_loaded`` on the same port; the engines join it again on their own.
 
-The load bound under test is the policy's (``megatron_serve.prefix_routing``): a group is skipped
+The load bound under test is the policy's (``megatron_serve.coordinator.prefix_routing``): a group is skipped
 when it has more than ``m + max(4, 0.5 * m)`` requests in flight, ``m`` being the least-loaded
 group's count.
 """
@@ -25,10 +25,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from megatron_serve.client import InferenceClient
-from megatron_serve.prefix_routing import DEFAULT_MAX_LOAD_GAP
-from megatron_serve.request import RequestStatus
-from megatron_serve.sampling_params import SamplingParams
+from megatron_serve.client.coordinator_client import InferenceClient
+from megatron_serve.coordinator.prefix_routing import DEFAULT_MAX_LOAD_GAP
+from megatron_serve.wire.request import RequestStatus
+from megatron_serve.wire.sampling_params import SamplingParams
 
 from .helpers import Children, free_port
 

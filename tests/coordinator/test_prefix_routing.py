@@ -11,14 +11,14 @@ from types import SimpleNamespace
 
 import pytest
 
-from megatron_serve.client import InferenceClient
-from megatron_serve.messages import Control, ControlAck, Draining, Heartbeat, Refit, Status, Suspend
-from megatron_serve.engine_process import EngineProcess
-from megatron_serve.prefix_hash import ROOT_HASH, block_hashes
-from megatron_serve.prefix_routing import DEFAULT_MAX_LOAD_GAP, DEFAULT_MAX_LOAD_RATIO, PrefixAffinity
-from megatron_serve.protocol import Header
-from megatron_serve.routing import make_routing_policy
-from megatron_serve.sampling_params import SamplingParams
+from megatron_serve.client.coordinator_client import InferenceClient
+from megatron_serve.wire.messages import Control, ControlAck, Draining, Heartbeat, Refit, Status, Suspend
+from megatron_serve.engine.process import EngineProcess
+from megatron_serve.wire.prefix_hash import ROOT_HASH, block_hashes
+from megatron_serve.coordinator.prefix_routing import DEFAULT_MAX_LOAD_GAP, DEFAULT_MAX_LOAD_RATIO, PrefixAffinity
+from megatron_serve.wire.protocol import Header
+from megatron_serve.coordinator.routing import make_routing_policy
+from megatron_serve.wire.sampling_params import SamplingParams
 
 from .core_harness import CoreHarness
 from .fakes import FakeEngine

@@ -5,8 +5,8 @@ from __future__ import annotations
 import msgpack
 import pytest
 
-from megatron_serve.messages import FROM_COORDINATOR, PROTOCOL_VERSION, TO_COORDINATOR
-from megatron_serve.protocol import MAX_MESSAGE_BYTES, Header, ProtocolError, decode, encode, encode_batch, unbatch
+from megatron_serve.wire.messages import FROM_COORDINATOR, PROTOCOL_VERSION, TO_COORDINATOR
+from megatron_serve.wire.protocol import MAX_MESSAGE_BYTES, Header, ProtocolError, decode, encode, encode_batch, unbatch
 
 from .helpers import RawPeer
 
@@ -139,7 +139,7 @@ RICH = [
 def test_the_one_call_decoder_reads_every_body_as_the_checked_one_does(table):
     """decode() reads a well-formed frame in one msgspec call and falls back to the step-by-step
     checks only to explain a bad one: both must give the same message for every header."""
-    from megatron_serve.protocol import _decode_checked
+    from megatron_serve.wire.protocol import _decode_checked
     rich = [(header, body) for t, header, body in RICH if t is table]
     empty = []
     for header in table:

@@ -18,10 +18,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from megatron_serve.client import ControlError, InferenceClient, StreamPartial
+from megatron_serve.client.coordinator_client import ControlError, InferenceClient, StreamPartial
 from megatron_serve.config import InferenceConfig
-from megatron_serve.sampling_params import SamplingParams
-from megatron_serve.tiny_model import make_tiny_model
+from megatron_serve.wire.sampling_params import SamplingParams
+from megatron_serve.model.tiny import make_tiny_model
 
 from .helpers import Children, free_port
 
@@ -42,7 +42,7 @@ def checkpoints(tiny_model, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def direct(checkpoints):
-    from megatron_serve.llm import MegatronLLM
+    from megatron_serve.client.llm import MegatronLLM
 
     def outputs(model_dir):
         with MegatronLLM(model_dir, InferenceConfig(num_kv_blocks=64)) as llm:

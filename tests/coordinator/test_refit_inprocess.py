@@ -12,9 +12,9 @@ import threading
 
 import pytest
 
-from megatron_serve.client import ControlError, InferenceClient
-from megatron_serve.engine_process import EngineProcess
-from megatron_serve.sampling_params import SamplingParams
+from megatron_serve.client.coordinator_client import ControlError, InferenceClient
+from megatron_serve.engine.process import EngineProcess
+from megatron_serve.wire.sampling_params import SamplingParams
 
 from .fakes import FakeEngine, expected_tokens
 from .helpers import until

@@ -19,14 +19,14 @@ import numpy as np
 import pytest
 
 from megatron_serve import InferenceConfig, MegatronLLM
-from megatron_serve.client import InferenceClient, StreamPartial
+from megatron_serve.client.coordinator_client import InferenceClient, StreamPartial
 from megatron_serve.engine import DynamicInferenceEngine
-from megatron_serve.expert_routing import routing_from_wire, routing_to_wire
-from megatron_serve.messages import ClientAbort, EngineStep, RoutingRows, StepOutput, Submit
-from megatron_serve.protocol import Header
-from megatron_serve.request import EventType, RequestStatus
-from megatron_serve.sampling_params import SamplingParams
-from megatron_serve.tiny_model import make_tiny_model
+from megatron_serve.wire.expert_routing import routing_from_wire, routing_to_wire
+from megatron_serve.wire.messages import ClientAbort, EngineStep, RoutingRows, StepOutput, Submit
+from megatron_serve.wire.protocol import Header
+from megatron_serve.wire.request import EventType, RequestStatus
+from megatron_serve.wire.sampling_params import SamplingParams
+from megatron_serve.model.tiny import make_tiny_model
 
 from .core_harness import CoreHarness
 

@@ -16,8 +16,8 @@ import zmq
 
 from megatron_serve.coordinator import Coordinator
 from megatron_serve.coordinator.effects import Send
-from megatron_serve.messages import FROM_COORDINATOR
-from megatron_serve.protocol import Header, ProtocolError, decode, encode, unbatch
+from megatron_serve.wire.messages import FROM_COORDINATOR
+from megatron_serve.wire.protocol import Header, ProtocolError, decode, encode, unbatch
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -14,11 +14,11 @@ import time
 import pytest
 
 from megatron_serve import cli
-from megatron_serve.client import InferenceClient
+from megatron_serve.client.coordinator_client import InferenceClient
 from megatron_serve.coordinator import Coordinator
-from megatron_serve.engine_process import EngineProcess
-from megatron_serve.request import EventType, RequestStatus
-from megatron_serve.sampling_params import SamplingParams
+from megatron_serve.engine.process import EngineProcess
+from megatron_serve.wire.request import EventType, RequestStatus
+from megatron_serve.wire.sampling_params import SamplingParams
 
 from .fakes import FakeEngine, expected_tokens
 from .helpers import until

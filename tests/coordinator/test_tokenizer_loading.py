@@ -12,10 +12,10 @@ import threading
 import pytest
 
 from megatron_serve import cli
-from megatron_serve.client import InferenceClient
-from megatron_serve.request import FinishReason, RequestStatus
-from megatron_serve.sampling_params import SamplingParams
-from megatron_serve.security import make_secret
+from megatron_serve.client.coordinator_client import InferenceClient
+from megatron_serve.wire.request import FinishReason, RequestStatus
+from megatron_serve.wire.sampling_params import SamplingParams
+from megatron_serve.wire.security import make_secret
 
 from .fakes import expected_tokens
 from .helpers import Children, free_port, wait_until

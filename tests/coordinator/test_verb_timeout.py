@@ -13,9 +13,9 @@ import time
 import pytest
 
 from megatron_serve import cli
-from megatron_serve.client import InferenceClient, StreamPartial
-from megatron_serve.request import DynamicInferenceRequest, EventType, RequestStatus
-from megatron_serve.sampling_params import SamplingParams
+from megatron_serve.client.coordinator_client import InferenceClient, StreamPartial
+from megatron_serve.wire.request import DynamicInferenceRequest, EventType, RequestStatus
+from megatron_serve.wire.sampling_params import SamplingParams
 
 from .fakes import FakeEngine, expected_tokens
 from .helpers import until

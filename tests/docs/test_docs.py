@@ -59,8 +59,8 @@ def test_mkdocs_build_is_strict_clean(tmp_path):
                          cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
     assert out.returncode == 0, out.stdout + out.stderr
     api = (tmp_path / "site" / "python-api" / "index.html").read_text()
-    for name in ("megatron_serve.llm.MegatronLLM.generate", "megatron_serve.async_llm.MegatronAsyncLLM.serve",
-                 "megatron_serve.sampling_params.SamplingParams", "megatron_serve.client.InferenceClient"):
+    for name in ("megatron_serve.client.llm.MegatronLLM.generate", "megatron_serve.client.async_llm.MegatronAsyncLLM.serve",
+                 "megatron_serve.wire.sampling_params.SamplingParams", "megatron_serve.client.coordinator_client.InferenceClient"):
         assert f'id="{name}"' in api, name  # mkdocstrings rendered the docstrings
 
 
@@ -130,7 +130,7 @@ def test_troubleshooting_names_every_http_error_code():
 
 
 def test_wire_protocol_page_names_every_header_and_error_code():
-    from megatron_serve.protocol import ErrorCode, Header
+    from megatron_serve.wire.protocol import ErrorCode, Header
 
     page = (DOCS / "wire-protocol.md").read_text()
     rows = dict(re.findall(r"^\| `([A-Z_]+)` \| (\d+) \|", page, flags=re.M))

@@ -54,7 +54,7 @@ def test_unknown_op_raises():
 def test_engine_greedy_output_same_on_both_backends(monkeypatch, tmp_path):
     """The whole engine (prefill chunks, decode, KV writes) through forced Triton equals the reference."""
     import megatron_serve as serve
-    from megatron_serve.tiny_model import make_tiny_model
+    from megatron_serve.model.tiny import make_tiny_model
 
     model_dir = make_tiny_model(tmp_path / "tiny", seed=3, arch="llama")
     prompts = ["Hello", "The quick brown fox jumps over the lazy dog.", "1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17"]
@@ -74,7 +74,7 @@ def test_engine_greedy_output_same_on_both_backends(monkeypatch, tmp_path):
 def test_decode_graph_replay_through_triton_equals_the_reference_engine(monkeypatch, tmp_path):
     """Padded graph batches through the Triton kernels (padding rows: slot -1, context 0) change no token."""
     import megatron_serve as serve
-    from megatron_serve.tiny_model import make_tiny_model
+    from megatron_serve.model.tiny import make_tiny_model
 
     from ..graph_replay import install_graphs
 
@@ -95,7 +95,7 @@ def test_moe_engine_through_triton_equals_the_reference_engine(monkeypatch, tmp_
     """A Qwen2-MoE engine (routed experts through the grouped GEMM kernel, shared expert through the dense
     ops) decodes the same tokens and records the same routing with either backend."""
     import megatron_serve as serve
-    from megatron_serve.tiny_model import make_tiny_model
+    from megatron_serve.model.tiny import make_tiny_model
 
     model_dir = make_tiny_model(tmp_path / "moe", seed=3, arch="qwen2_moe")
     prompts = ["Hello", "The quick brown fox jumps over the lazy dog."]

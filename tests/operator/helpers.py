@@ -181,7 +181,7 @@ class FakeLink:
                       pause_mode: str | None = None) -> dict[str, Any]:
         from megatron_operator.coordinator_link import CoordinatorRejected
 
-        from megatron_serve.lifecycle import IllegalTransition, next_state, parse_pause_mode
+        from megatron_serve.wire.lifecycle import IllegalTransition, next_state, parse_pause_mode
 
         self._check()
         c = self.coordinator

@@ -47,7 +47,7 @@ def crd_errors(obj: dict[str, Any], schemas: dict[tuple[str, str], dict[str, Any
 
 def exported_names() -> set[str]:
     """Sample names of a server whose fleet has one engine that reported real metrics."""
-    from megatron_serve.engine_stats import EngineStats
+    from megatron_serve.wire.engine_stats import EngineStats
     from megatron_serve.server.metrics import ServerMetrics
 
     class Monitor:

@@ -27,7 +27,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> str:
-    from megatron_serve.tiny_model import make_tiny_model
+    from megatron_serve.model.tiny import make_tiny_model
 
     return str(make_tiny_model(tmp_path_factory.mktemp("operator-tiny"), seed=0))
 
@@ -160,7 +160,7 @@ async def test_model_path_change_refits_a_real_fleet_in_place(cluster, tiny_mode
     """Patching spec.model.path refits the running engine (no pod template change) and status.model.epoch
     increases; a checkpoint of another hidden size is refused and the pods roll instead."""
     from megatron_serve import InferenceClient, MegatronLLM, SamplingParams
-    from megatron_serve.tiny_model import make_tiny_model
+    from megatron_serve.model.tiny import make_tiny_model
 
     from tests.coordinator.helpers import Children
 

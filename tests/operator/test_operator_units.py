@@ -42,7 +42,7 @@ def test_lifecycle_names():
     assert lifecycle.lifecycle_of("stopped") == "Shutdown" and lifecycle.lifecycle_of(None) is None
     with pytest.raises(ValueError, match="unknown lifecycle"):
         lifecycle.target_state("Sleeping")
-    # RESUME where memory is resident is a no-op (megatron_serve.lifecycle), UNPAUSE while SUSPENDED is refused
+    # RESUME where memory is resident is a no-op (megatron_serve.wire.lifecycle), UNPAUSE while SUSPENDED is refused
     assert lifecycle.next_state("RUNNING", "resume") == "RUNNING"
     with pytest.raises(ValueError, match="RESUME first"):
         lifecycle.next_state("SUSPENDED", "unpause")

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from megatron_serve import InferenceConfig, MegatronLLM, SamplingParams
-from megatron_serve.tiny_model import make_tiny_model
+from megatron_serve.model.tiny import make_tiny_model
 
 from ..devices import tensor_parallel_device
 from ..fp8_checkpoints import block_fp8_checkpoint

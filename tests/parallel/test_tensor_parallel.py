@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from megatron_serve import InferenceConfig, MegatronLLM, SamplingParams
 from megatron_serve.model import UnsupportedModelError
-from megatron_serve.tiny_model import make_tiny_model
+from megatron_serve.model.tiny import make_tiny_model
 
 from ..devices import tensor_parallel_device
 

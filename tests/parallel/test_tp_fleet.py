@@ -9,12 +9,12 @@ from pathlib import Path
 
 import pytest
 
-from megatron_serve.client import InferenceClient, StreamPartial
+from megatron_serve.client.coordinator_client import InferenceClient, StreamPartial
 from megatron_serve.config import InferenceConfig
-from megatron_serve.llm import MegatronLLM
-from megatron_serve.request import RequestStatus
-from megatron_serve.sampling_params import SamplingParams
-from megatron_serve.tiny_model import make_tiny_model
+from megatron_serve.client.llm import MegatronLLM
+from megatron_serve.wire.request import RequestStatus
+from megatron_serve.wire.sampling_params import SamplingParams
+from megatron_serve.model.tiny import make_tiny_model
 
 from ..coordinator.helpers import Children, free_port
 

@@ -17,7 +17,7 @@ from enum import Enum
 from typing import Any
 
 from megatron_serve import SamplingParams
-from megatron_serve.tiny_model import SPECIAL_TOKENS
+from megatron_serve.model.tiny import SPECIAL_TOKENS
 
 from ..images import png
 from .models import MAX_POSITIONS, LoadedModel

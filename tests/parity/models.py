@@ -1,6 +1,6 @@
 """The random models of the parity search: one seed draws an architecture and its shapes, and writes it.
 
-Architectures come round-robin from ``megatron_serve.tiny_model.ARCHITECTURE_NAMES`` (every one the
+Architectures come round-robin from ``megatron_serve.model.tiny.ARCHITECTURE_NAMES`` (every one the
 engine serves: dense Llama / Mistral / Qwen2 / Qwen3, the MoE ones, the vision-language ones), so an
 architecture added there joins the search with no change here. Shapes are drawn per seed: heads,
 KV heads (MHA, GQA, MQA), a ``head_dim`` that need not be ``hidden_size / heads`` nor a power of two,
@@ -29,7 +29,7 @@ import transformers
 
 from megatron_serve import InferenceConfig
 from megatron_serve.engine import DynamicInferenceEngine
-from megatron_serve.tiny_model import ARCHITECTURE_NAMES, VISION_ARCHITECTURES, make_tiny_model
+from megatron_serve.model.tiny import ARCHITECTURE_NAMES, VISION_ARCHITECTURES, make_tiny_model
 from megatron_serve.tokenizer import Tokenizer
 
 MOE_ARCHITECTURES = ("mixtral", "qwen2_moe", "qwen3_moe")

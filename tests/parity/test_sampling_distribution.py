@@ -26,7 +26,7 @@ import transformers
 
 from megatron_serve import DynamicInferenceRequest, InferenceConfig, SamplingParams
 from megatron_serve.engine import DynamicInferenceEngine
-from megatron_serve.tiny_model import make_tiny_model
+from megatron_serve.model.tiny import make_tiny_model
 
 from .reference import sampling_distribution
 

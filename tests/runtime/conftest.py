@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from megatron_serve import DynamicInferenceRequest, SamplingParams
-from megatron_serve.tiny_model import make_tiny_model
+from megatron_serve.model.tiny import make_tiny_model
 
 
 @pytest.fixture(scope="session")

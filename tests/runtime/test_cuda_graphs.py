@@ -16,7 +16,7 @@ from megatron_serve import DynamicInferenceRequest, InferenceConfig, MegatronLLM
 from megatron_serve.engine.graphs import DecodeGraphs, StepGraphs, capture_sizes, graph_batch_sizes
 from megatron_serve.engine.runner import ModelRunner
 from megatron_serve.engine.step_plan import StepBuffers, StepPlan
-from megatron_serve.tiny_model import make_tiny_model
+from megatron_serve.model.tiny import make_tiny_model
 
 from ..graph_replay import install_graphs
 from .conftest import PROMPTS
@@ -147,7 +147,7 @@ def generate_each_partially(llm: MegatronLLM, steps: int):
 
 
 def test_graphs_survive_refit_and_serve_the_new_weights(tiny_llama, tmp_path):
-    from megatron_serve.tiny_model import make_tiny_model  # noqa: PLC0415
+    from megatron_serve.model.tiny import make_tiny_model  # noqa: PLC0415
 
     other = make_tiny_model(tmp_path / "other", seed=1, arch="llama")
     want = [o.generated_tokens for o in MegatronLLM(str(other), config()).generate(PROMPTS, GREEDY)]
@@ -242,7 +242,7 @@ def test_cuda_graphs_flag_round_trips_through_engine_argv():
     import argparse  # noqa: PLC0415
 
     from megatron_serve.commands.engine_options import add_engine_options, inference_config_from_args  # noqa: PLC0415
-    from megatron_serve.fleet_argv import inference_config_to_argv  # noqa: PLC0415
+    from megatron_serve.fleet.argv import inference_config_to_argv  # noqa: PLC0415
 
     parser = argparse.ArgumentParser()
     add_engine_options(parser)

@@ -8,8 +8,8 @@ from tokenizers import Tokenizer as RawTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-from megatron_serve.detokenizer import IncrementalDetokenizer, TokenTexts, token_texts
-from megatron_serve.tiny_model import train_tokenizer
+from megatron_serve.client.detokenizer import IncrementalDetokenizer, TokenTexts, token_texts
+from megatron_serve.model.tiny import train_tokenizer
 from megatron_serve.tokenizer import Tokenizer
 
 TEXTS = [

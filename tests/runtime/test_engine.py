@@ -21,8 +21,8 @@ from megatron_serve import (
 )
 
 from megatron_serve.engine.core import DynamicInferenceEngine
-from megatron_serve.engine_output import step_delta
-from megatron_serve.messages import StepOutput
+from megatron_serve.engine.output import step_delta
+from megatron_serve.wire.messages import StepOutput
 
 from .conftest import PROMPTS
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from megatron_serve import EventType, InferenceConfig, MegatronLLM, SamplingParams
-from megatron_serve.engine_stats import HISTOGRAMS, Histogram
+from megatron_serve.wire.engine_stats import HISTOGRAMS, Histogram
 
 from .conftest import PROMPTS
 
@@ -37,7 +37,7 @@ def test_counters_and_histograms_match_the_requests_under_preemption(tiny_llama)
 def test_aborts_are_counted_and_not_timed(tiny_llama):
     llm = MegatronLLM(tiny_llama, InferenceConfig(block_size_tokens=16))
     engine = llm.engine
-    from megatron_serve.request import DynamicInferenceRequest
+    from megatron_serve.wire.request import DynamicInferenceRequest
 
     request = DynamicInferenceRequest("r1", None, [5, 6, 7], SamplingParams(num_tokens_to_generate=50))
     engine.add_request(request)

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from megatron_serve import SamplingParams
-from megatron_serve.expert_routing import RoutingRecord, mirror_rows, routing_dtype, routing_from_wire, routing_to_wire
+from megatron_serve.wire.expert_routing import RoutingRecord, mirror_rows, routing_dtype, routing_from_wire, routing_to_wire
 
 
 def rows(first: int, count: int, layers: int = 2, top_k: int = 3) -> np.ndarray:

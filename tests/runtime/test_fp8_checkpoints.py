@@ -21,7 +21,7 @@ from safetensors.torch import load_file, save_file
 from megatron_serve import InferenceConfig, MegatronLLM, SamplingParams
 from megatron_serve.model import UnsupportedModelError
 from megatron_serve.model.loader import load_model
-from megatron_serve.tiny_model import make_tiny_model
+from megatron_serve.model.tiny import make_tiny_model
 
 from ..fp8_checkpoints import block_fp8_checkpoint, compressed_tensors_checkpoint, dequantized_checkpoint
 from .conftest import PROMPTS

@@ -25,7 +25,7 @@ from megatron_serve.engine.kv_cache import KVCachePool
 from megatron_serve.engine.runner import ModelRunner
 from megatron_serve.engine.step_plan import StepBuffers, StepPlan
 from megatron_serve.model.loader import load_model
-from megatron_serve.tiny_model import make_tiny_model
+from megatron_serve.model.tiny import make_tiny_model
 
 from .conftest import PROMPTS
 
@@ -186,7 +186,7 @@ def test_fp8_engine_options_reach_the_config_and_travel_to_fleet_processes(flags
     import argparse
 
     from megatron_serve.commands.engine_options import add_engine_options, inference_config_from_args
-    from megatron_serve.fleet_argv import inference_config_to_argv
+    from megatron_serve.fleet.argv import inference_config_to_argv
 
     parser = argparse.ArgumentParser()
     add_engine_options(parser)

@@ -9,7 +9,7 @@ import pytest
 
 from megatron_serve import MegatronLLM
 from megatron_serve.generation_config import GenerationDefaults
-from megatron_serve.sampling_params import SamplingParams
+from megatron_serve.wire.sampling_params import SamplingParams
 
 QWEN3 = {"bos_token_id": 1, "do_sample": True, "eos_token_id": [2, 3], "temperature": 0.6, "top_k": 20,
          "top_p": 0.95, "min_p": 0.0, "repetition_penalty": 1.05, "max_new_tokens": 5,

@@ -7,7 +7,7 @@ import torch
 import transformers
 
 from megatron_serve import InferenceConfig, MegatronLLM, SamplingParams
-from megatron_serve.tiny_model import make_tiny_model
+from megatron_serve.model.tiny import make_tiny_model
 
 from .conftest import PROMPTS
 

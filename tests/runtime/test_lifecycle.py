@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_serve.lifecycle import (
+from megatron_serve.wire.lifecycle import (
     STEPS,
     TABLE,
     Deadline,
@@ -123,8 +123,8 @@ def test_every_component_reads_the_table():
     from megatron_operator.crd import PAUSE_MODES
     from megatron_serve.commands.control import VERBS, add_arguments
     from megatron_serve.server.admin import PauseRequest
-    from megatron_serve.engine_process import EngineProcess
-    from megatron_serve.protocol import HEADER_VERBS, VERB_HEADERS, step_of
+    from megatron_serve.engine.process import EngineProcess
+    from megatron_serve.wire.protocol import HEADER_VERBS, VERB_HEADERS, step_of
 
     assert set(EngineProcess._STEP_ACTIONS) == set(Step)  # the engine knows what every step does
     for step, spec in STEPS.items():  # and can tell every step from its message
@@ -146,7 +146,7 @@ def test_every_component_reads_the_table():
 def test_the_docs_show_the_table(page):
     from pathlib import Path
 
-    from megatron_serve.lifecycle import table_markdown
+    from megatron_serve.wire.lifecycle import table_markdown
 
     text = (Path(__file__).resolve().parents[2] / page).read_text()
     assert table_markdown() in text, f"{page}'s lifecycle table is stale: paste lifecycle.table_markdown()"

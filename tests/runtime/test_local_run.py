@@ -21,7 +21,7 @@ import pytest
 
 from megatron_serve.commands import local_runs
 from megatron_serve.commands.control import next_step
-from megatron_serve.protocol import DEFAULT_PORT
+from megatron_serve.wire.protocol import DEFAULT_PORT
 from tests.server.fakes import wait_until
 from tests.server.test_openai_e2e import free_port
 

@@ -17,8 +17,8 @@ import torch
 import transformers
 
 from megatron_serve import InferenceConfig, MegatronLLM, SamplingParams
-from megatron_serve.request import DynamicInferenceRequest, EventType
-from megatron_serve.tiny_model import make_tiny_model
+from megatron_serve.wire.request import DynamicInferenceRequest, EventType
+from megatron_serve.model.tiny import make_tiny_model
 
 from ..devices import tensor_parallel_device
 from .conftest import PROMPTS

@@ -14,7 +14,7 @@ from safetensors.torch import load_file, save_file
 from megatron_serve import DynamicInferenceRequest, InferenceConfig, MegatronAsyncLLM, MegatronLLM, SamplingParams
 from megatron_serve.model.loader import build_model, load_model, load_weights
 from megatron_serve.model.parallel import TensorParallel
-from megatron_serve.tiny_model import make_tiny_model
+from megatron_serve.model.tiny import make_tiny_model
 
 from .conftest import PROMPTS
 

@@ -12,11 +12,11 @@ import random
 import numpy as np
 import pytest
 
-from megatron_serve.expert_routing import routing_to_wire
-from megatron_serve.messages import PromptScores, RoutingRows, TokenDelta
-from megatron_serve.output_processor import NoTokenizer, OutputCollector, check_params
-from megatron_serve.request import DynamicInferenceRequest, FinishReason, RequestStatus
-from megatron_serve.sampling_params import SamplingParams
+from megatron_serve.wire.expert_routing import routing_to_wire
+from megatron_serve.wire.messages import PromptScores, RoutingRows, TokenDelta
+from megatron_serve.client.output_processor import NoTokenizer, OutputCollector, check_params
+from megatron_serve.wire.request import DynamicInferenceRequest, FinishReason, RequestStatus
+from megatron_serve.wire.sampling_params import SamplingParams
 
 from .test_detokenizer import byte_level_tokenizer
 

@@ -8,7 +8,7 @@ import pytest
 
 from megatron_serve import DynamicInferenceRequest, InferenceConfig, MegatronLLM, SamplingParams
 from megatron_serve.engine.kv_cache import BlockAllocator
-from megatron_serve.prefix_hash import block_hashes
+from megatron_serve.wire.prefix_hash import block_hashes
 
 BLOCK = 16
 PARAMS = SamplingParams(temperature=0.0, num_tokens_to_generate=6, ignore_eos=True)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from megatron_serve import DynamicInferenceRequest, InferenceConfig, MegatronLLM, SamplingParams
-from megatron_serve.tiny_model import make_tiny_model
+from megatron_serve.model.tiny import make_tiny_model
 
 from .conftest import PROMPTS
 
@@ -83,7 +83,7 @@ def test_megatron_llm_refit_in_direct_mode(checkpoints):
 
 async def test_async_llm_refit_in_direct_mode_between_steps(checkpoints):
     from megatron_serve import MegatronAsyncLLM
-    from megatron_serve.client import StreamPartial
+    from megatron_serve.client.coordinator_client import StreamPartial
 
     a, b, wide = checkpoints
     long = SamplingParams(temperature=0.0, num_tokens_to_generate=64, ignore_eos=True)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from megatron_serve.engine.sampler import Sampler
-from megatron_serve.sampling_params import SamplingParams
+from megatron_serve.wire.sampling_params import SamplingParams
 
 VOCAB = 12
 # Distinct, well separated probabilities: token t has logit t / 2, so token 11 is the most likely.

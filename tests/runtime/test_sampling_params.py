@@ -46,7 +46,7 @@ def test_inference_config_validation():
 def test_shared_params_read_each_distinct_set_once_and_never_keep_bad_bytes():
     import msgspec
 
-    from megatron_serve.sampling_params import SharedParams
+    from megatron_serve.wire.sampling_params import SharedParams
 
     shared = SharedParams(size=2)
     greedy = msgspec.msgpack.encode({"temperature": 0.0, "num_tokens_to_generate": 4})

@@ -15,9 +15,9 @@ import itertools
 import pytest
 
 from megatron_serve import DynamicInferenceRequest, InferenceConfig, MegatronLLM, SamplingParams
-from megatron_serve.request import FinishReason
-from megatron_serve.sampling_params import StructuredOutputsParams
-from megatron_serve.tiny_model import make_tiny_model
+from megatron_serve.wire.request import FinishReason
+from megatron_serve.wire.sampling_params import StructuredOutputsParams
+from megatron_serve.model.tiny import make_tiny_model
 
 from ..graph_replay import install_graphs
 from .conftest import PROMPTS

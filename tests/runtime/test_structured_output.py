@@ -12,7 +12,7 @@ import jsonschema
 import pytest
 
 from megatron_serve import DynamicInferenceRequest, InferenceConfig, MegatronLLM, RequestStatus, SamplingParams
-from megatron_serve.sampling_params import StructuredOutputsParams
+from megatron_serve.wire.sampling_params import StructuredOutputsParams
 
 from .conftest import PROMPTS, run_requests
 

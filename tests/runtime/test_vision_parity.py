@@ -18,8 +18,8 @@ import transformers
 from PIL import Image
 
 from megatron_serve import InferenceConfig, MegatronLLM, SamplingParams
-from megatron_serve.request import EventType
-from megatron_serve.tiny_model import make_tiny_model
+from megatron_serve.wire.request import EventType
+from megatron_serve.model.tiny import make_tiny_model
 
 from ..images import png
 

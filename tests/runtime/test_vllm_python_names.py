@@ -14,8 +14,8 @@ import msgspec
 import pytest
 
 from megatron_serve import InferenceConfig, MegatronLLM, SamplingParams
-from megatron_serve.request import DynamicInferenceRequest, FinishReason
-from megatron_serve.sampling_params import params_from_wire
+from megatron_serve.wire.request import DynamicInferenceRequest, FinishReason
+from megatron_serve.wire.sampling_params import params_from_wire
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
 

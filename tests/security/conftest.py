@@ -7,6 +7,6 @@ import pytest
 
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory) -> str:
-    from megatron_serve.tiny_model import make_tiny_model
+    from megatron_serve.model.tiny import make_tiny_model
 
     return str(make_tiny_model(tmp_path_factory.mktemp("security-tiny") / "tiny-llama", seed=0))

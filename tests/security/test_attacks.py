@@ -24,10 +24,10 @@ import httpx
 import pytest
 import torch
 
-from megatron_serve.client import InferenceClient, Unauthorized
-from megatron_serve.protocol import Header
-from megatron_serve.sampling_params import SamplingParams
-from megatron_serve.security import FleetSecret, make_secret
+from megatron_serve.client.coordinator_client import InferenceClient, Unauthorized
+from megatron_serve.wire.protocol import Header
+from megatron_serve.wire.sampling_params import SamplingParams
+from megatron_serve.wire.security import FleetSecret, make_secret
 from megatron_serve.weights import WeightSender
 
 from ..coordinator.helpers import RawPeer, free_port, until

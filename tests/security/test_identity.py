@@ -14,8 +14,8 @@ import pytest
 import zmq
 
 from megatron_serve.coordinator import Coordinator
-from megatron_serve.protocol import Header
-from megatron_serve.security import PeerKeys, make_secret
+from megatron_serve.wire.protocol import Header
+from megatron_serve.wire.security import PeerKeys, make_secret
 
 from ..coordinator.helpers import RawPeer
 

@@ -11,8 +11,8 @@ import sys
 
 import pytest
 
-from megatron_serve.client import InferenceClient
-from megatron_serve.sampling_params import SamplingParams
+from megatron_serve.client.coordinator_client import InferenceClient
+from megatron_serve.wire.sampling_params import SamplingParams
 
 from ..coordinator.helpers import free_port
 from ..processes import stop_process_group

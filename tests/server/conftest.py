@@ -17,7 +17,7 @@ import pytest
 from megatron_serve import InferenceConfig, MegatronAsyncLLM
 from megatron_serve.server import create_app
 from megatron_serve.server.runner import bind_socket, serve_app
-from megatron_serve.tiny_model import make_tiny_model
+from megatron_serve.model.tiny import make_tiny_model
 from megatron_serve.tokenizer import Tokenizer
 
 

@@ -10,11 +10,11 @@ import asyncio
 import time
 from typing import Any, AsyncIterator
 
-from megatron_serve.client import StreamPartial
-from megatron_serve.messages import TokenDelta
-from megatron_serve.output_processor import OutputCollector
-from megatron_serve.request import DynamicInferenceRequest, EventType, FinishReason, RequestStatus
-from megatron_serve.sampling_params import SamplingParams
+from megatron_serve.client.coordinator_client import StreamPartial
+from megatron_serve.wire.messages import TokenDelta
+from megatron_serve.client.output_processor import OutputCollector
+from megatron_serve.wire.request import DynamicInferenceRequest, EventType, FinishReason, RequestStatus
+from megatron_serve.wire.sampling_params import SamplingParams
 
 
 class FakeBackend:

@@ -12,8 +12,8 @@ import json
 import httpx
 import pytest
 
-from megatron_serve.client import StreamPartial
-from megatron_serve.request import DynamicInferenceRequest, EventType, FinishReason
+from megatron_serve.client.coordinator_client import StreamPartial
+from megatron_serve.wire.request import DynamicInferenceRequest, EventType, FinishReason
 from megatron_serve.server import create_app
 
 from .conftest import metric, serving

@@ -25,7 +25,7 @@ from megatron_serve import InferenceConfig, MegatronAsyncLLM, MegatronLLM, Sampl
 from megatron_serve.limits import RequestLimits
 from megatron_serve.multimodal import ImageOptions
 from megatron_serve.server import create_app
-from megatron_serve.tiny_model import make_tiny_model
+from megatron_serve.model.tiny import make_tiny_model
 from megatron_serve.tokenizer import Tokenizer
 
 from ..images import png

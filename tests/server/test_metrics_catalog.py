@@ -7,7 +7,7 @@ from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from megatron_serve.engine_stats import EngineStats
+from megatron_serve.wire.engine_stats import EngineStats
 from megatron_serve.server.metric_catalog import SERIES
 from megatron_serve.server.metrics import ServerMetrics
 

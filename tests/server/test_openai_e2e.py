@@ -22,10 +22,10 @@ import httpx
 import openai
 import pytest
 
-from megatron_serve.client import InferenceClient
+from megatron_serve.client.coordinator_client import InferenceClient
 from megatron_serve.commands import local_runs
 from megatron_serve.config import InferenceConfig
-from megatron_serve.sampling_params import SamplingParams
+from megatron_serve.wire.sampling_params import SamplingParams
 
 from .conftest import metric, wait_ready
 from .fakes import wait_until
@@ -112,7 +112,7 @@ def client(stack) -> openai.OpenAI:
 @pytest.fixture(scope="module")
 def direct(tiny_model, tokenizer):
     """Greedy results of direct mode (engine in this process) for the prompts used here."""
-    from megatron_serve.llm import MegatronLLM  # noqa: PLC0415
+    from megatron_serve.client.llm import MegatronLLM  # noqa: PLC0415
 
     llm = MegatronLLM(tiny_model, InferenceConfig(num_kv_blocks=NUM_KV_BLOCKS))
     greedy = SamplingParams(temperature=0.0, num_tokens_to_generate=MAX_TOKENS, return_log_probs=True)

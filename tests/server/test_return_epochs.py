@@ -16,7 +16,7 @@ import pytest
 
 from megatron_serve import MegatronAsyncLLM
 from megatron_serve.server import create_app
-from megatron_serve.tiny_model import make_tiny_model
+from megatron_serve.model.tiny import make_tiny_model
 
 from .conftest import metric, serving
 

@@ -22,7 +22,7 @@ from hypothesis import HealthCheck, given, settings
 from schemathesis import GenerationMode
 from schemathesis.specs.openapi.checks import positive_data_acceptance
 
-from megatron_serve.async_llm import MegatronAsyncLLM
+from megatron_serve.client.async_llm import MegatronAsyncLLM
 from megatron_serve.config import InferenceConfig
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]

@@ -14,8 +14,8 @@ import sys
 import httpx
 import pytest
 
-from megatron_serve.client import InferenceClient
-from megatron_serve.security import make_secret
+from megatron_serve.client.coordinator_client import InferenceClient
+from megatron_serve.wire.security import make_secret
 
 from .fakes import wait_until
 from .test_openai_e2e import free_port

@@ -17,7 +17,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from megatron_serve import InferenceConfig, MegatronAsyncLLM
-from megatron_serve.engine_stats import EngineStats
+from megatron_serve.wire.engine_stats import EngineStats
 from megatron_serve.http_options import HTTPOptions
 from megatron_serve.server import create_app
 from megatron_serve.server.metric_catalog import VLLM_SERIES

@@ -15,11 +15,11 @@ from types import SimpleNamespace
 
 import pytest
 
-from megatron_serve.client import InferenceClient
+from megatron_serve.client.coordinator_client import InferenceClient
 from megatron_serve.config import InferenceConfig
-from megatron_serve.llm import MegatronLLM
-from megatron_serve.sampling_params import SamplingParams
-from megatron_serve.tiny_model import make_tiny_model
+from megatron_serve.client.llm import MegatronLLM
+from megatron_serve.wire.sampling_params import SamplingParams
+from megatron_serve.model.tiny import make_tiny_model
 
 from ..coordinator.helpers import Children, free_port
 from ..fp8_checkpoints import block_fp8_checkpoint

@@ -13,7 +13,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from megatron_serve import InferenceConfig, MegatronAsyncLLM, MegatronLLM, SamplingParams
-from megatron_serve.tiny_model import make_tiny_model
+from megatron_serve.model.tiny import make_tiny_model
 from megatron_serve.weights import sender as weight_sender
 
 from ..devices import tensor_parallel_device

@@ -21,11 +21,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from megatron_serve.client import ControlError, InferenceClient
+from megatron_serve.client.coordinator_client import ControlError, InferenceClient
 from megatron_serve.config import InferenceConfig
-from megatron_serve.llm import MegatronLLM
-from megatron_serve.sampling_params import SamplingParams
-from megatron_serve.tiny_model import make_tiny_model
+from megatron_serve.client.llm import MegatronLLM
+from megatron_serve.wire.sampling_params import SamplingParams
+from megatron_serve.model.tiny import make_tiny_model
 from megatron_serve.weights import WeightSender
 
 from ..coordinator.helpers import Children, free_port, until

@@ -16,7 +16,7 @@ import signal
 import torch
 from transformers import AutoModelForCausalLM
 
-from megatron_serve.client import ControlError, InferenceClient
+from megatron_serve.client.coordinator_client import ControlError, InferenceClient
 from megatron_serve.weights import WeightSender, WeightTransferError
 
 

@@ -17,7 +17,7 @@ import os
 import time
 from typing import Any
 
-from ..lifecycle import FleetState, PauseMode, Verb, walk
+from ..wire.lifecycle import FleetState, PauseMode, Verb, walk
 from . import local_runs
 from .inputs import coordinator_address
 from .options import COORDINATOR_ENV, add_coordinator_option, add_token_option, read_token
@@ -49,7 +49,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 async def _execute(args: argparse.Namespace, token: str | None) -> dict[str, Any]:
-    from ..client import InferenceClient  # noqa: PLC0415
+    from ..client.coordinator_client import InferenceClient  # noqa: PLC0415
 
     client = InferenceClient(args.coordinator, token=token, role="control")
     try:
@@ -89,7 +89,7 @@ def find_coordinator(args: argparse.Namespace) -> tuple[str, local_runs.LocalRun
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..client import ControlError, CoordinatorError  # noqa: PLC0415
+    from ..client.coordinator_client import ControlError, CoordinatorError  # noqa: PLC0415
 
     if args.verb == "refit" and not args.source:
         raise ValueError("refit needs --source DIR (the model directory with the new weights)")

@@ -6,8 +6,8 @@ import argparse
 import functools
 import os
 
-from ..protocol import DEFAULT_PORT, MAX_MESSAGE_BYTES
-from ..routing import KNOWN_POLICIES
+from ..wire.protocol import DEFAULT_PORT, MAX_MESSAGE_BYTES
+from ..coordinator.routing import KNOWN_POLICIES
 from .inputs import parse_port
 from .model_options import add_model_options, resolve_model_args
 from .options import add_insecure_option, add_log_option, add_token_option, read_token, setup_logging
@@ -50,7 +50,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     setup_logging(args.log_level)
     from ..coordinator import Coordinator, check_secret, serve  # noqa: PLC0415 - keep --help fast
-    from ..routing import make_routing_policy  # noqa: PLC0415
+    from ..coordinator.routing import make_routing_policy  # noqa: PLC0415
     from ..tokenizer import Tokenizer, check_tokenizer_files  # noqa: PLC0415
 
     parse_port(args.port, "--port")

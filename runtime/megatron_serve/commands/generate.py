@@ -34,7 +34,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from ..generation_config import GenerationDefaults  # noqa: PLC0415
-    from ..llm import MegatronLLM  # noqa: PLC0415 - torch import only when generating
+    from ..client.llm import MegatronLLM  # noqa: PLC0415 - torch import only when generating
 
     resolve_model_args(args)
     check_model_dir(args.model, tokenizer=args.tokenizer is None)

@@ -13,7 +13,7 @@ import re
 import socket
 from pathlib import Path
 
-from ..protocol import DEFAULT_PORT
+from ..wire.protocol import DEFAULT_PORT
 
 #: Checkpoint dtypes the engine loads (``config.json`` ``torch_dtype`` / ``dtype``).
 CHECKPOINT_DTYPES = ("float32", "float16", "bfloat16")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ..tiny_model import ARCHITECTURE_NAMES, MOE_DEFAULTS, make_tiny_model
+from ..model.tiny import ARCHITECTURE_NAMES, MOE_DEFAULTS, make_tiny_model
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

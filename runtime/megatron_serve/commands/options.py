@@ -12,7 +12,7 @@ import logging
 import os
 import sys
 
-from ..fleet_argv import TOKEN_ENV
+from ..fleet.argv import TOKEN_ENV
 
 
 def add_token_option(parser: argparse.ArgumentParser, default: str = "none") -> None:
@@ -46,7 +46,7 @@ def read_secret(args: argparse.Namespace, attribute: str, flag: str, env: str) -
 def read_token(args: argparse.Namespace) -> str | None:
     """The fleet secret from ``--token-file``, else ``$MEGATRON_SERVE_TOKEN``, else ``None``; one that is too
     short to be a secret raises ``ValueError`` naming where it came from."""
-    from ..security import WeakSecret, fleet_secret  # noqa: PLC0415 - zmq: only when the command runs
+    from ..wire.security import WeakSecret, fleet_secret  # noqa: PLC0415 - zmq: only when the command runs
 
     token = read_secret(args, "token_file", "--token-file", TOKEN_ENV)
     try:

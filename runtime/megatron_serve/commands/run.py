@@ -30,7 +30,7 @@ import time
 from typing import Any
 
 from ..http_options import HTTPOptions
-from ..protocol import DEFAULT_PORT
+from ..wire.protocol import DEFAULT_PORT
 from . import local_runs
 from .aliases import add_option
 from .engine_options import add_engine_options, inference_config_from_args
@@ -97,7 +97,7 @@ def run(args: argparse.Namespace) -> int:
     api_key = read_api_key(args)
     token = read_token(args)
     from ..coordinator import check_secret  # noqa: PLC0415
-    from ..security import make_secret  # noqa: PLC0415
+    from ..wire.security import make_secret  # noqa: PLC0415
 
     if not args.insecure and token is None:
         token = make_secret()
@@ -239,8 +239,8 @@ class _Stack:
             await self._shutdown()
 
     async def _start_fleet(self, loading: "asyncio.Future[tuple[Any, Any]]") -> None:
-        from ..client import InferenceClient  # noqa: PLC0415
-        from ..local_fleet import LocalFleet  # noqa: PLC0415
+        from ..client.coordinator_client import InferenceClient  # noqa: PLC0415
+        from ..fleet.local_fleet import LocalFleet  # noqa: PLC0415
 
         args = self.args
         self.fleet = LocalFleet(args.model, args.engines, self.config, host=args.host, port=self.coordinator_port,

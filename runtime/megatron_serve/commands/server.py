@@ -221,7 +221,7 @@ def run(args: argparse.Namespace) -> int:
 
 async def _serve(args: argparse.Namespace, facts: Any, files: ServingFiles, tokenizer: Any, sock: Any,
                  api_key: str | None, token: str | None) -> None:
-    from ..client import InferenceClient  # noqa: PLC0415
+    from ..client.coordinator_client import InferenceClient  # noqa: PLC0415
     from ..server.app import create_app  # noqa: PLC0415
     from ..heap import freeze_startup_heap  # noqa: PLC0415
     from ..server.runner import serve_app  # noqa: PLC0415

@@ -7,7 +7,7 @@ The package is split by the question a reader has:
 * :mod:`.handshake` -- HELLO and its proof of the fleet secret, engine groups and client ids;
 * :mod:`.requests` -- the request table and its phases;
 * :mod:`.dispatch` -- which engine gets the next queued request;
-* :mod:`.verbs` -- the lifecycle state machine at work (its rules: :mod:`megatron_serve.lifecycle`);
+* :mod:`.verbs` -- the lifecycle state machine at work (its rules: :mod:`megatron_serve.wire.lifecycle`);
 * :mod:`.liveness` -- heartbeats, verb-step deadlines, stalled step loops, departed clients;
 * :mod:`.loop` -- the socket loop that performs the effects.
 """

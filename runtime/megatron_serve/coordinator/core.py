@@ -22,8 +22,8 @@ from typing import Any
 
 import msgspec
 
-from ..lifecycle import FleetState
-from ..messages import (
+from ..wire.lifecycle import FleetState
+from ..wire.messages import (
     PROTOCOL_VERSION,
     RENDEZVOUS_SCHEME,
     TO_COORDINATOR,
@@ -42,10 +42,10 @@ from ..messages import (
     StepOutput,
     Submit,
 )
-from ..protocol import HEADER_VERBS, ErrorCode, Header, Message, ProtocolError, Role, encode, unbatch
-from ..routing import RoutingPolicy, make_routing_policy
-from ..sampling_params import SharedParams
-from ..security import FleetSecret, fleet_secret
+from ..wire.protocol import HEADER_VERBS, ErrorCode, Header, Message, ProtocolError, Role, encode, unbatch
+from .routing import RoutingPolicy, make_routing_policy
+from ..wire.sampling_params import SharedParams
+from ..wire.security import FleetSecret, fleet_secret
 from . import dispatch, handshake, liveness, prompts
 from .droplog import DropLog
 from .effects import Effect, Probe, Send

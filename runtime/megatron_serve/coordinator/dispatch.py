@@ -1,6 +1,6 @@
 """Dispatch: queued requests go to engines while the fleet runs and engines have room.
 
-The routing policy (:mod:`megatron_serve.routing`) chooses among the engines that may take work
+The routing policy (:mod:`megatron_serve.coordinator.routing`) chooses among the engines that may take work
 now: registered, not draining or stopping, serving the fleet's weights (see
 ``CoordinatorCore.serves_fleet_weights``), and below ``capacity * dispatch_factor`` requests (a
 little more than an engine runs at once, so that its next step never waits for the coordinator).
@@ -12,10 +12,10 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from ..expert_routing import routing_to_wire
-from ..lifecycle import FleetState
-from ..messages import EngineSubmit
-from ..protocol import Header
+from ..wire.expert_routing import routing_to_wire
+from ..wire.lifecycle import FleetState
+from ..wire.messages import EngineSubmit
+from ..wire.protocol import Header
 from .requests import RequestRecord
 
 if TYPE_CHECKING:

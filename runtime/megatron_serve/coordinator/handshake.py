@@ -1,7 +1,7 @@
 """The handshake: HELLO proves the fleet secret; engines register a group, clients their id.
 
 With a fleet secret, a HELLO counts only with the proof for the CURVE key of the connection it came
-on (:mod:`megatron_serve.security`); one without is dropped unanswered, and the connection stays
+on (:mod:`megatron_serve.wire.security`); one without is dropped unanswered, and the connection stays
 unknown: nothing it sends is acted on, nothing is sent to it. A client id belongs to the key that
 first registered it: another key asking for it is refused (``unauthorized``), so a stolen client id
 cannot collect that client's results or answers. An engine asking for a group that another live
@@ -15,9 +15,9 @@ import logging
 import uuid
 from typing import TYPE_CHECKING, Any
 
-from ..lifecycle import FleetState
-from ..messages import PROTOCOL_VERSION, RENDEZVOUS_SCHEME, Error, Hello, HelloAck
-from ..protocol import ErrorCode, Header, Role
+from ..wire.lifecycle import FleetState
+from ..wire.messages import PROTOCOL_VERSION, RENDEZVOUS_SCHEME, Error, Hello, HelloAck
+from ..wire.protocol import ErrorCode, Header, Role
 from .peers import ClientRecord, EngineRecord
 from .requests import Phase
 

@@ -17,9 +17,9 @@ import collections
 import logging
 from typing import TYPE_CHECKING
 
-from ..lifecycle import FleetState
-from ..messages import Error
-from ..protocol import ErrorCode, Header
+from ..wire.lifecycle import FleetState
+from ..wire.messages import Error
+from ..wire.protocol import ErrorCode, Header
 from .peers import EngineRecord
 from .requests import Phase
 

@@ -10,7 +10,7 @@ peer's queue full waits here and is retried on the next pass. A tokenizer may lo
 thread: its result reaches the loop through a future the loop polls, so the core stays
 single-threaded.
 
-With a fleet secret the ROUTER is a CURVE server (:mod:`megatron_serve.security`): pyzmq's ZAP
+With a fleet secret the ROUTER is a CURVE server (:mod:`megatron_serve.wire.security`): pyzmq's ZAP
 authenticator admits every client key and stamps it on the connection's frames (``User-Id``), which
 the core checks HELLO's proof against. A routing id whose key changes belongs to a new connection
 (a peer may choose its routing id, and take a departed one's): the old peer is gone, and the new
@@ -34,10 +34,10 @@ from zmq.auth.thread import ThreadAuthenticator
 from zmq.utils.monitor import recv_monitor_message
 
 from ..heap import freeze_startup_heap
-from ..messages import TO_COORDINATOR
-from ..protocol import MAX_MESSAGE_BYTES, ProtocolError, decode, pack_batches
-from ..security import SECRET_HINT
-from ..transport import close_monitored, open_monitor, secure_server
+from ..wire.messages import TO_COORDINATOR
+from ..wire.protocol import MAX_MESSAGE_BYTES, ProtocolError, decode, pack_batches
+from ..wire.security import SECRET_HINT
+from ..wire.transport import close_monitored, open_monitor, secure_server
 from .core import CoordinatorCore, TokenizerLike
 from .effects import Effect, Probe, Send
 from .requests import Phase

@@ -7,8 +7,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..lifecycle import ENGINE_DRAINING, FleetState
-from ..protocol import Role
+from ..wire.lifecycle import ENGINE_DRAINING, FleetState
+from ..wire.protocol import Role
 
 
 @dataclass(eq=False)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from ..messages import WireImage
+from ..wire.messages import WireImage
 from ..multimodal import PromptImage
 
 #: Image bytes one request may carry: well inside the 16 MiB frame with its prompt, and above the

@@ -30,11 +30,11 @@ from typing import Any, Iterator
 
 import msgspec
 
-from ..expert_routing import RoutingRecord, mirror_rows, routing_to_wire
-from ..messages import ClientId, PromptScores, RoutingRows, StepOutput, Tokens
+from ..wire.expert_routing import RoutingRecord, mirror_rows, routing_to_wire
+from ..wire.messages import ClientId, PromptScores, RoutingRows, StepOutput, Tokens
 from ..multimodal import PromptImage, cache_keys
-from ..prefix_hash import salted_root
-from ..sampling_params import SamplingParams
+from ..wire.prefix_hash import salted_root
+from ..wire.sampling_params import SamplingParams
 
 
 logger = logging.getLogger("megatron_serve.coordinator")

@@ -1,7 +1,7 @@
 """The lifecycle state machine at work: verbs queue, each runs its steps, every engine acknowledges each.
 
 The rules (which verb is legal where, which steps it runs, each step's deadline) are the one table
-in :mod:`megatron_serve.lifecycle`; this module runs them. A verb is answered with ``CONTROL_ACK``
+in :mod:`megatron_serve.wire.lifecycle`; this module runs them. A verb is answered with ``CONTROL_ACK``
 after every connected engine acknowledged its last step; an engine that does not acknowledge a
 step within that step's deadline is removed (see :mod:`.liveness`) and the verb completes with the
 others. REFIT runs ``REFIT_VERIFY`` on every engine before any ``REFIT_LOAD``: one refusal refuses
@@ -13,9 +13,9 @@ rank 0; groups in order, each taking as many ranks as it has tensor-parallel ran
 epoch changes only once every engine loaded; and an engine whose load fails stays (there is no
 directory it could reload from): its acknowledgement says which weights it holds, the verb is
 refused with those facts, and while any engine holds incomplete weights UNPAUSE is refused
-(:data:`~megatron_serve.lifecycle.NEEDS_WHOLE_WEIGHTS`).
+(:data:`~megatron_serve.wire.lifecycle.NEEDS_WHOLE_WEIGHTS`).
 
-PAUSE's mode (:class:`~megatron_serve.lifecycle.PauseMode`) is work done here before the step is
+PAUSE's mode (:class:`~megatron_serve.wire.lifecycle.PauseMode`) is work done here before the step is
 broadcast: ``abort`` ends every unfinished request at once (the engines are told to drop theirs,
 ahead of the PAUSE step on the same socket); ``wait`` holds the step back until no request is on an
 engine any more, or its ``drain_timeout`` passed. Dispatch stops as soon as the verb starts (the
@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from ..lifecycle import (
+from ..wire.lifecycle import (
     DEFAULT_PAUSE_DRAIN_TIMEOUT,
     NEEDS_WHOLE_WEIGHTS,
     STEPS,
@@ -46,8 +46,8 @@ from ..lifecycle import (
     parse_pause_mode,
     transition,
 )
-from ..messages import Control, ControlAck, Error, Pause, Refit, Rendezvous, Stop, Suspend
-from ..protocol import VERB_HEADERS, ErrorCode, Header
+from ..wire.messages import Control, ControlAck, Error, Pause, Refit, Rendezvous, Stop, Suspend
+from ..wire.protocol import VERB_HEADERS, ErrorCode, Header
 from .peers import ClientRecord, EngineRecord
 from .requests import Phase
 

@@ -14,7 +14,7 @@ loop, token for token.
 
 The engine never raises for a bad request: the request fails alone and comes back from ``step()``.
 It deals in token ids only: EOS, stop token ids, length and grammar completion end a request here;
-text and stop strings are made by whoever reads the tokens (:mod:`megatron_serve.output_processor`),
+text and stop strings are made by whoever reads the tokens (:mod:`megatron_serve.client.output_processor`),
 off the step thread.
 """
 
@@ -31,9 +31,9 @@ import torch
 from ..config import InferenceConfig
 from .sizing import build_kv_pool, default_dtype, engine_buffers, max_sequence_length_for
 from .encoder_cache import EncoderCache
-from ..engine_stats import EngineStats
+from ..wire.engine_stats import EngineStats
 from ..errors import RefitFailed
-from ..expert_routing import RoutingRecord, record_step, routing_dtype
+from ..wire.expert_routing import RoutingRecord, record_step, routing_dtype
 from .kv_cache import BlockAllocator, blocks_for_tokens
 from ..model.config import ModelConfig
 from ..model.llama import LlamaForCausalLM
@@ -42,7 +42,7 @@ from .graphs import graphs_for, largest_graph
 from .logits_processors import RowContext, apply_controls, apply_token_bitmask
 from .runner import ModelRunner
 from .step_plan import prompt_positions_to_score, write_plan
-from ..request import DynamicInferenceRequest, EventType, FinishReason, RequestStatus
+from ..wire.request import DynamicInferenceRequest, EventType, FinishReason, RequestStatus
 from .sampler import DeviceSample, DeviceScores, Readback, Sampler, score_tokens
 from .scheduler import ScheduledBatch, Scheduler, Sequence
 from .structured_output import StructuredOutputs

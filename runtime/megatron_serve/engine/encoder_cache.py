@@ -22,7 +22,7 @@ import torch
 
 from ..model.mrope import MropePositions, mrope_positions
 from ..multimodal import ImageError, ImageProcessor, PromptImage
-from ..request import DynamicInferenceRequest
+from ..wire.request import DynamicInferenceRequest
 from .scheduler import Sequence
 
 logger = logging.getLogger(__name__)

@@ -22,7 +22,7 @@ from typing import Sequence as Seq
 
 import torch
 
-from ..sampling_params import SamplingParams
+from ..wire.sampling_params import SamplingParams
 
 NEG_INF = float("-inf")
 

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..sampling_params import SamplingParams
+from ..wire.sampling_params import SamplingParams
 
 
 @dataclass

@@ -6,7 +6,7 @@ admitted while tokens, request slots and KV blocks remain, in the order of their
 (lower first, vLLM's priority policy), then of arrival. When blocks run out, the newest running
 request is preempted: its blocks are freed and it waits to be recomputed from its prompt plus the
 tokens it already generated, which leaves its output unchanged. A request's prefix-cache chain
-starts from its ``cache_salt`` (:func:`~megatron_serve.prefix_hash.salted_root`).
+starts from its ``cache_salt`` (:func:`~megatron_serve.wire.prefix_hash.salted_root`).
 """
 
 from __future__ import annotations
@@ -14,11 +14,11 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from ..expert_routing import RoutingRecord
+from ..wire.expert_routing import RoutingRecord
 from .kv_cache import BlockAllocator, blocks_for_tokens
 from ..multimodal import cache_keys
-from ..prefix_hash import ROOT_HASH, block_hashes, chain_hash, salted_root
-from ..request import DynamicInferenceRequest, EventType, RequestStatus
+from ..wire.prefix_hash import ROOT_HASH, block_hashes, chain_hash, salted_root
+from ..wire.request import DynamicInferenceRequest, EventType, RequestStatus
 
 
 @dataclass

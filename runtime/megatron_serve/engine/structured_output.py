@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from ..grammar import grammar_for
-from ..sampling_params import StructuredOutputsParams
+from ..wire.sampling_params import StructuredOutputsParams
 from ..tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)

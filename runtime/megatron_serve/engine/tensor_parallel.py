@@ -259,7 +259,7 @@ def spawn_local_workers(model_dir: str, config: InferenceConfig, placement: Plac
 
 def run_worker(model_dir: str, config_dict: dict, placement: Placement, rank: int, local_index: int) -> None:
     """A rank other than 0: load its slice, mirror rank 0's KV pool, and follow its broadcasts until stop."""
-    from ..lifeline import parent_death_signal  # noqa: PLC0415
+    from ..fleet.lifeline import parent_death_signal  # noqa: PLC0415
     from ..model.config import ModelConfig  # noqa: PLC0415
 
     parent_death_signal()  # dies with rank 0's process (spawned from its main thread), whatever kills it

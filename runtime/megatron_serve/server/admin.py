@@ -26,10 +26,10 @@ from fastapi.responses import JSONResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from pydantic import BaseModel, ConfigDict, Field
 
-from ..client import ControlError
-from ..connection import CoordinatorError
+from ..client.coordinator_client import ControlError
+from ..wire.connection import CoordinatorError
 from ..errors import NoFleet
-from ..messages import StatusReply
+from ..wire.messages import StatusReply
 from .errors import APIError, bad_request
 from .fleet import FleetMonitor
 from .intake import parse_body, request_body_doc

@@ -10,9 +10,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from ..detokenizer import TokenTexts
-from ..outputs import StreamPartial
-from ..request import DynamicInferenceRequest
+from ..client.detokenizer import TokenTexts
+from ..client.outputs import StreamPartial
+from ..wire.request import DynamicInferenceRequest
 from ..tokenizer import Tokenizer
 from .context import ServerContext
 from .models import PromptLogprob, PromptLogprobs, PromptTokensDetails, Usage

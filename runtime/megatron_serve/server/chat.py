@@ -8,9 +8,9 @@ from typing import Any, AsyncIterator
 
 from fastapi.responses import StreamingResponse
 
-from ..detokenizer import token_texts
-from ..outputs import StreamPartial
-from ..request import DynamicInferenceRequest
+from ..client.detokenizer import token_texts
+from ..client.outputs import StreamPartial
+from ..wire.request import DynamicInferenceRequest
 from .answers import (Delta, StreamedChoices, finish_reason, make_usage, prompt_logprobs, running_usage,
                       whole_answer)
 from .context import ServerContext

@@ -19,7 +19,7 @@ import logging
 import time
 from typing import Any, AsyncIterator, Protocol
 
-from ..lifecycle import FleetState
+from ..wire.lifecycle import FleetState
 from .errors import APIError
 
 logger = logging.getLogger("megatron_serve.server")
@@ -29,7 +29,7 @@ RUNNING = FleetState.RUNNING.value
 
 
 class InferenceBackend(Protocol):
-    """What the server needs from :class:`~megatron_serve.client.InferenceClient` (or a stand-in)."""
+    """What the server needs from :class:`~megatron_serve.client.coordinator_client.InferenceClient` (or a stand-in)."""
 
     def add_request(self, prompt: str | list[int], sampling_params: Any, *, request_id: str | None = None,
                     images: list[Any] | None = None) -> "asyncio.Future[Any]": ...

@@ -19,9 +19,9 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
-from ..client import CoordinatorError, CoordinatorLost
-from ..outputs import StreamPartial
-from ..request import DynamicInferenceRequest, EventType, FinishReason, RequestStatus
+from ..client.coordinator_client import CoordinatorError, CoordinatorLost
+from ..client.outputs import StreamPartial
+from ..wire.request import DynamicInferenceRequest, EventType, FinishReason, RequestStatus
 from .errors import APIError, shutting_down
 from .fleet import InferenceBackend
 from .metrics import ServerMetrics

@@ -1,6 +1,6 @@
 """Serving a ``MegatronAsyncLLM`` in-process: what ``MegatronAsyncLLM.serve()`` runs.
 
-The app serves the object's engine client (:mod:`megatron_serve.engine_client`) as it is, in either
+The app serves the object's engine client (:mod:`megatron_serve.client.engine_client`) as it is, in either
 mode: the coordinator client, or the in-process engine with its ``STATUS``-shaped counters.
 """
 
@@ -20,7 +20,7 @@ from .modelinfo import ModelFacts, default_model_name
 from .runner import serve_app
 
 if TYPE_CHECKING:
-    from ..async_llm import MegatronAsyncLLM
+    from ..client.async_llm import MegatronAsyncLLM
 
 
 def _model_facts(llm: "MegatronAsyncLLM", model_name: str | None, chat_template: str | None) -> tuple[Any, ModelFacts]:

@@ -7,7 +7,7 @@ checked against it. Names are given as Prometheus exposes them (counters end in 
 
 ``source`` says where the numbers come from:
 
-* ``engine``: each engine's cumulative counters and histograms (:mod:`megatron_serve.engine_stats`),
+* ``engine``: each engine's cumulative counters and histograms (:mod:`megatron_serve.wire.engine_stats`),
   shipped in its heartbeat, kept by the coordinator and read from ``STATUS_REPLY`` at scrape time,
   one series per engine group (labels ``engine_group`` and ``model_name``);
 * ``fleet``: the coordinator's own facts from the same ``STATUS_REPLY``;

@@ -22,8 +22,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, H
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from ..engine_stats import COUNTERS, FINISH_REASONS, HISTOGRAMS
-from ..lifecycle import FleetState
+from ..wire.engine_stats import COUNTERS, FINISH_REASONS, HISTOGRAMS
+from ..wire.lifecycle import FleetState
 from .fleet import FleetMonitor
 from .metric_catalog import SERIES, Series, series
 

@@ -27,7 +27,7 @@ from pydantic import (
     model_serializer,
 )
 
-from ..sampling_params import MAX_TOP_N_LOGPROBS
+from ..wire.sampling_params import MAX_TOP_N_LOGPROBS
 from .extensions import extension
 from .vllm_fields import VllmChatFields, VllmCompletionFields, VllmSamplingFields
 

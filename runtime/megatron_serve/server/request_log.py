@@ -16,7 +16,7 @@ from typing import Protocol, Sequence
 import msgspec
 from fastapi import Request
 
-from ..request import DynamicInferenceRequest
+from ..wire.request import DynamicInferenceRequest
 from .errors import bad_request
 from .translate import EngineJob
 from .vllm_fields import REQUEST_ID

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from ..http_options import TOOL_CALL_PARSERS
-from ..sampling_params import StructuredOutputsParams
+from ..wire.sampling_params import StructuredOutputsParams
 from .errors import bad_request
 from .models import ChatCompletionRequest, ToolDefinition
 

@@ -19,7 +19,7 @@ from typing import Any
 from ..generation_config import GenerationDefaults
 from ..limits import RequestLimits
 from ..multimodal import PromptImage
-from ..sampling_params import SamplingParams, StructuredOutputsParams, choice_seed, stop_list
+from ..wire.sampling_params import SamplingParams, StructuredOutputsParams, choice_seed, stop_list
 from ..grammar import constraint_bytes, grammar_error
 from ..tokenizer import PromptTooLong
 from .errors import APIError, bad_request

@@ -22,7 +22,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from ..sampling_params import PRIORITY_MAX, PRIORITY_MIN
+from ..wire.sampling_params import PRIORITY_MAX, PRIORITY_MIN
 from .extensions import extension
 
 #: What a client-chosen request id may hold: printable ASCII (it is logged), 1 to 256 characters.

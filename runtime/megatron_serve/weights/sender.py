@@ -27,8 +27,8 @@ from urllib.parse import urlparse
 
 import torch
 
-from ..client import ControlError, InferenceClient
-from ..messages import RENDEZVOUS_SCHEME, Rendezvous
+from ..client.coordinator_client import ControlError, InferenceClient
+from ..wire.messages import RENDEZVOUS_SCHEME, Rendezvous
 from . import group as transfer
 from .manifest import nbytes, pack, plan_buckets, spec_of
 
@@ -60,7 +60,7 @@ def default_backend() -> str:
 class WeightSender:
     """Push ``(name, tensor)`` pairs with Hugging Face names and full shapes into every engine of a fleet.
 
-    ``client``: a started :class:`~megatron_serve.client.InferenceClient` of the fleet's
+    ``client``: a started :class:`~megatron_serve.client.coordinator_client.InferenceClient` of the fleet's
     coordinator (the fleet must be PAUSED or SUSPENDED, as for any REFIT). ``backend``: ``"gloo"``
     (CPU tensors; engines on CPU or GPU) or ``"nccl"`` (GPU to GPU); default ``nccl`` when CUDA is
     available, else ``gloo``. ``bucket_bytes``: the size of one broadcast (larger buckets mean
@@ -96,7 +96,7 @@ class WeightSender:
         ``epoch`` (default: the fleet's + 1) is stamped on every token generated with them. The
         answer is the verb's (``state``, ``detail`` with ``epoch``, ``source`` and per-engine timings)
         plus ``detail["sender"]`` (bytes, buckets, seconds, bytes/s). A name or shape that does not
-        fit raises :class:`~megatron_serve.client.ControlError` (``refit_failed``) before any weight
+        fit raises :class:`~megatron_serve.client.coordinator_client.ControlError` (``refit_failed``) before any weight
         changed. A transfer that breaks raises :class:`ControlError` or :class:`WeightTransferError`
         with what each engine holds now; the fleet then refuses UNPAUSE until a refit completes.
         """

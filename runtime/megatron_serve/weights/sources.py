@@ -17,7 +17,7 @@ from typing import Iterable, Iterator, Protocol
 import torch
 import torch.distributed as dist
 
-from ..messages import Rendezvous, TensorSpec
+from ..wire.messages import Rendezvous, TensorSpec
 from ..model.llama import LlamaForCausalLM
 from ..model.loader import iterate_checkpoint, verify_checkpoint, verify_shapes
 from . import group as transfer
@@ -85,7 +85,7 @@ class TensorSource:
 
 @dataclass(frozen=True)
 class RendezvousSource:
-    """Weights a trainer broadcasts in buckets (:class:`~megatron_serve.messages.Rendezvous`)."""
+    """Weights a trainer broadcasts in buckets (:class:`~megatron_serve.wire.messages.Rendezvous`)."""
 
     rendezvous: Rendezvous
     label: str

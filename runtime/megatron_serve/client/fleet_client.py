@@ -1,9 +1,9 @@
 """The coordinator engine client: requests run on a fleet, found at an address or started here.
 
 :class:`FleetClient` is the coordinator implementation of
-:class:`~megatron_serve.engine_client.EngineClient` (the other runs an engine in this process): an
-:class:`~megatron_serve.client.InferenceClient` that, given no address, first starts its own
-:class:`~megatron_serve.local_fleet.LocalFleet` (a coordinator and ``num_engines`` engine processes)
+:class:`~megatron_serve.client.engine_client.EngineClient` (the other runs an engine in this process): an
+:class:`~megatron_serve.client.coordinator_client.InferenceClient` that, given no address, first starts its own
+:class:`~megatron_serve.fleet.local_fleet.LocalFleet` (a coordinator and ``num_engines`` engine processes)
 and waits for its engines. Closing it stops a fleet it started (STOP, then the processes) and only
 disconnects from one it did not: sending STOP to someone else's fleet is :meth:`stop`'s job.
 """
@@ -16,14 +16,14 @@ import os
 import time
 from typing import TYPE_CHECKING, Any, Iterable
 
-from .client import InferenceClient
-from .config import InferenceConfig
-from .local_fleet import LocalFleet
+from .coordinator_client import InferenceClient
+from ..config import InferenceConfig
+from ..fleet.local_fleet import LocalFleet
 
 if TYPE_CHECKING:
     import torch
 
-    from .tokenizer import Tokenizer
+    from ..tokenizer import Tokenizer
 
 logger = logging.getLogger("megatron_serve.async_llm")
 
@@ -103,7 +103,7 @@ class FleetClient(InferenceClient):
         process, and NCCL refuses two ranks on one GPU ("Duplicate GPU detected", seen on a one-GPU
         H100). To a remote fleet, ``WeightSender``'s default (NCCL where this process has a GPU).
         """
-        from .weights import WeightSender  # noqa: PLC0415 - torch only when tensors are sent
+        from ..weights import WeightSender  # noqa: PLC0415 - torch only when tensors are sent
 
         backend = "gloo" if self.fleet is not None else None
         return await WeightSender(self, backend=backend).send(named_tensors, epoch=epoch)

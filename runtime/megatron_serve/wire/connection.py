@@ -1,7 +1,7 @@
 """A peer's connection to the coordinator, without sockets: HELLO, backoff, heartbeats, reconnects.
 
-Engines (:mod:`megatron_serve.engine_link`, a thread with a blocking socket) and clients
-(:mod:`megatron_serve.client`, asyncio) keep a coordinator connection the same way, written here
+Engines (:mod:`megatron_serve.engine.link`, a thread with a blocking socket) and clients
+(:mod:`megatron_serve.client.coordinator_client`, asyncio) keep a coordinator connection the same way, written here
 once; each owns its socket and asks a :class:`Connection` what to do:
 
 * :meth:`Connection.due` says which frames are due now (HELLO until it is answered, once a connection
@@ -16,7 +16,7 @@ once; each owns its socket and asks a :class:`Connection` what to do:
   :class:`Unauthorized` (retrying cannot help).
   Everything else goes to the owner;
 * :meth:`Connection.on_monitor_event` reads the socket's handshake events
-  (:class:`~megatron_serve.security.HandshakeWatch`): a connection that comes up says HELLO at once
+  (:class:`~megatron_serve.wire.security.HandshakeWatch`): a connection that comes up says HELLO at once
   (a new transport connection is a new peer to the coordinator: it registers again), and a
   coordinator that keeps refusing the handshake (another fleet secret, or none) raises
   :class:`Unauthorized`.

@@ -8,7 +8,7 @@ undelivered results to the new connection) and resubmits what is still pending â
 request continues from the tokens already received, so no token is delivered twice. Results are
 acknowledged (``RESULT_ACK``) so that the coordinator can forget them.
 
-The client makes the text (:mod:`megatron_serve.output_processor`): the coordinator sends token ids
+The client makes the text (:mod:`megatron_serve.client.output_processor`): the coordinator sends token ids
 for every request, and stop strings end a request here, which then aborts it in the fleet. It needs
 a tokenizer for that: ``tokenizer=`` (a ``Tokenizer`` or a directory of tokenizer files), else the
 coordinator's tokenizer directory (announced in ``HELLO_ACK``) when this machine can read it; with
@@ -34,24 +34,24 @@ from zmq.utils.monitor import parse_monitor_message
 
 import msgspec
 
-from .connection import Connection, ControlError, CoordinatorError, CoordinatorLost, Unauthorized
-from .lifecycle import PauseMode, drain_timeout_problem, parse_pause_mode
-from .limits import DEFAULT_COORDINATOR_GRACE
-from .messages import PROTOCOL_VERSION, Error, HelloAck, Rendezvous
-from .multimodal import PromptImage
+from ..wire.connection import Connection, ControlError, CoordinatorError, CoordinatorLost, Unauthorized
+from ..wire.lifecycle import PauseMode, drain_timeout_problem, parse_pause_mode
+from ..limits import DEFAULT_COORDINATOR_GRACE
+from ..wire.messages import PROTOCOL_VERSION, Error, HelloAck, Rendezvous
+from ..multimodal import PromptImage
 from .output_processor import OutputCollector, check_params, load_tokenizer
 from .prompts import ImagePrompt, Prompt
-from .protocol import ErrorCode, Header, Role, encode, pack_batches
-from .security import FleetSecret, PeerKeys, fleet_secret, hello_credentials, refused_message
-from .transport import close_monitored, open_peer_socket
+from ..wire.protocol import ErrorCode, Header, Role, encode, pack_batches
+from ..wire.security import FleetSecret, PeerKeys, fleet_secret, hello_credentials, refused_message
+from ..wire.transport import close_monitored, open_peer_socket
 from .outputs import StreamPartial
 from .pending_requests import PendingRequest, PendingRequests
-from .request import DynamicInferenceRequest
+from ..wire.request import DynamicInferenceRequest
 from .streams import iterate_stream
-from .sampling_params import SamplingParams
+from ..wire.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from .tokenizer import Tokenizer
+    from ..tokenizer import Tokenizer
 
 logger = logging.getLogger("megatron_serve.client")
 
@@ -77,7 +77,7 @@ ACK_DELAY_S = 0.05
 class InferenceClient:
     """Asyncio client of a coordinator at ``address`` (``tcp://host:port``).
 
-    ``token``: the fleet secret (``None``: an ``--insecure`` coordinator; :mod:`megatron_serve.security`).
+    ``token``: the fleet secret (``None``: an ``--insecure`` coordinator; :mod:`megatron_serve.wire.security`).
     ``role``: ``"client"`` (submit and control) or ``"control"`` (control and status only). ``coordinator_timeout``:
     with no message from the coordinator for that long (it answers every heartbeat), reconnect.
     ``coordinator_grace``: a lost coordinator (or its replacement) back within that many seconds gets
@@ -186,7 +186,7 @@ class InferenceClient:
 
     async def _monitor_loop(self, sock: zmq.asyncio.Socket, monitor: zmq.asyncio.Socket) -> None:
         """HELLO as soon as a connection is up; give up when handshakes keep failing. It reads until the socket
-        is closed (an unread monitor would stall the context: :func:`~megatron_serve.transport.open_monitor`)."""
+        is closed (an unread monitor would stall the context: :func:`~megatron_serve.wire.transport.open_monitor`)."""
         try:
             while sock is self._sock:
                 self._connection.on_monitor_event(parse_monitor_message(await monitor.recv_multipart())["event"])
@@ -519,7 +519,7 @@ class InferenceClient:
                     timeout: float | None = None) -> dict[str, Any]:
         """PAUSE: engines stop stepping at a step boundary and keep their memory; requests wait for UNPAUSE.
 
-        ``mode`` (:class:`~megatron_serve.lifecycle.PauseMode`) says what happens to the requests the
+        ``mode`` (:class:`~megatron_serve.wire.lifecycle.PauseMode`) says what happens to the requests the
         fleet holds: ``"keep"`` (default) pauses them in place; ``"wait"`` lets the running ones
         finish first (at most ``drain_timeout`` seconds, default 30; what still runs then is kept)
         while queued ones wait; ``"abort"`` ends all of them at once with ``finish_reason`` ``"abort"``

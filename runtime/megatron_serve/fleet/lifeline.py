@@ -8,7 +8,7 @@ with "Address already in use". Two mechanisms, as systemd and Kubernetes' kubele
   child when the *thread* that started it ends, which covers SIGKILL of the parent and needs no
   cooperation from the child (a child stuck in a long C call dies too). Because it follows a
   thread, the parent must start its children from a thread that lives as long as they should
-  (:class:`~megatron_serve.supervisor.Supervisor` does);
+  (:class:`~megatron_serve.fleet.supervisor.Supervisor` does);
 * a **lifeline pipe**, for other systems and as a second line: the parent holds the write end of
   a pipe and never writes; each child watches the read end in a thread and exits when it reads
   end-of-file, which the kernel delivers once no process holds the write end any more.

@@ -1,14 +1,14 @@
 """``MegatronAsyncLLM``: the asyncio Python API (docs/python-api.md).
 
-Written once against the engine-client interface (:mod:`megatron_serve.engine_client`), whose
+Written once against the engine-client interface (:mod:`megatron_serve.client.engine_client`), whose
 implementation is chosen when the object is built:
 
 * **direct** (``use_coordinator=False``): one engine in this process, stepped by a thread of its
-  own (:class:`~megatron_serve.local_engine.LocalEngineClient`) so that the event loop never blocks
+  own (:class:`~megatron_serve.client.local_engine.LocalEngineClient`) so that the event loop never blocks
   on the model. The lifecycle verbs raise ``RuntimeError``; ``refit`` loads new weights between
   two steps (requests in flight continue on them and their per-token epochs show the switch).
 * **coordinator** (``use_coordinator=True``): the coordinator client
-  (:class:`~megatron_serve.fleet_client.FleetClient`). Without ``coordinator_address`` it starts
+  (:class:`~megatron_serve.client.fleet_client.FleetClient`). Without ``coordinator_address`` it starts
   its own coordinator and ``num_engines`` engine processes and stops them on :meth:`shutdown`; with
   an address it connects to that fleet and :meth:`shutdown` only disconnects (it never stops a
   fleet it did not start; send :meth:`stop` for that).
@@ -23,17 +23,17 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, AsyncIterator, Iterable, Sequence
 
-from .config import InferenceConfig
+from ..config import InferenceConfig
 from .engine_client import EngineClient
 from .fleet_client import FleetClient
-from .generation_config import GenerationDefaults
-from .hub import resolve_model
-from .lifecycle import PauseMode, parse_pause_mode
+from ..generation_config import GenerationDefaults
+from ..hub import resolve_model
+from ..wire.lifecycle import PauseMode, parse_pause_mode
 from .outputs import StreamItem
 from .chat_messages import Conversation, render_conversations
 from .prompts import ImagePrompt, Prompt, PromptInput, as_prompt, normalize_prompts
-from .request import DynamicInferenceRequest
-from .sampling_params import SamplingParams
+from ..wire.request import DynamicInferenceRequest
+from ..wire.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     import torch
@@ -54,7 +54,7 @@ class MegatronAsyncLLM:
         *,
         generation_config: str | os.PathLike | None = "auto",
     ) -> None:
-        """``model`` and ``generation_config`` as in :class:`~megatron_serve.llm.MegatronLLM`."""
+        """``model`` and ``generation_config`` as in :class:`~megatron_serve.client.llm.MegatronLLM`."""
         self.use_coordinator = bool(use_coordinator)
         if isinstance(model, (str, os.PathLike)):
             model = resolve_model(model)
@@ -87,11 +87,11 @@ class MegatronAsyncLLM:
         if self._tokenizer is None or isinstance(self._tokenizer, (str, os.PathLike)):
             self._tokenizer = getattr(self._client, "tokenizer", None) or self._tokenizer
         if self._tokenizer is None and isinstance(self.model, (str, os.PathLike)):
-            from .tokenizer import Tokenizer  # noqa: PLC0415
+            from ..tokenizer import Tokenizer  # noqa: PLC0415
 
             self._tokenizer = Tokenizer.from_pretrained(Path(self.model))
         elif isinstance(self._tokenizer, (str, os.PathLike)):
-            from .tokenizer import Tokenizer  # noqa: PLC0415
+            from ..tokenizer import Tokenizer  # noqa: PLC0415
 
             self._tokenizer = Tokenizer.from_pretrained(Path(self._tokenizer))
         return self._tokenizer
@@ -204,7 +204,7 @@ class MegatronAsyncLLM:
 
     async def generate_stream(self, prompt: Prompt | dict, sampling_params: SamplingParams | None = None
                               ) -> AsyncIterator[StreamItem]:
-        """Yield :class:`~megatron_serve.outputs.StreamPartial` items as tokens are generated, then the
+        """Yield :class:`~megatron_serve.client.outputs.StreamPartial` items as tokens are generated, then the
         finished request. ``prompt``: one prompt of any shape :meth:`generate` takes; one sequence (``n`` 1)."""
         jobs = self._jobs([as_prompt(prompt)], sampling_params)
         if len(jobs) != 1:
@@ -283,6 +283,6 @@ class MegatronAsyncLLM:
         request and stats logs, ``vllm:`` metrics), ``stream_interval``; see
         :func:`megatron_serve.server.serve_async_llm`.
         """
-        from .server.local import serve_async_llm  # noqa: PLC0415 - FastAPI only when serving
+        from ..server.local import serve_async_llm  # noqa: PLC0415 - FastAPI only when serving
 
         await serve_async_llm(self, host, port, **options)

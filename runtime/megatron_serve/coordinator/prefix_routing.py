@@ -1,7 +1,7 @@
 """``prefix_affinity`` routing: send a prompt to the engine group that already holds its longest prefix.
 
 Engines reuse the KV blocks of a prompt's longest cached chain of block hashes
-(:mod:`megatron_serve.prefix_hash`); this policy computes the same hashes of the tokenized prompt
+(:mod:`megatron_serve.wire.prefix_hash`); this policy computes the same hashes of the tokenized prompt
 with each engine's block size (reported at registration in ``info["block_size"]``) and remembers,
 per engine group, which chain hashes it routed there. A new prompt goes to the group whose routed
 history holds the longest matching chain (counted in tokens, so groups with different block sizes
@@ -35,7 +35,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import Any, Sequence
 
-from .prefix_hash import block_hashes
+from ..wire.prefix_hash import block_hashes
 from .routing import EngineView, RequestView, register_routing_policy
 
 DEFAULT_MAX_LOAD_GAP = 4

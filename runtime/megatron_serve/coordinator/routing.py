@@ -97,7 +97,7 @@ ROUTING_POLICIES: dict[str, Callable[[], RoutingPolicy]] = {
 }
 
 #: Policies named by the design that live in their own module and register on import.
-_PLUGIN_MODULES = {"prefix_affinity": "megatron_serve.prefix_routing"}
+_PLUGIN_MODULES = {"prefix_affinity": "megatron_serve.coordinator.prefix_routing"}
 
 #: Every name the CLI offers (``--routing``), available or not yet.
 KNOWN_POLICIES = ("least_loaded", "round_robin", "prefix_affinity")

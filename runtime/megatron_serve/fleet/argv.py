@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # importing config imports torch
-    from .config import InferenceConfig
+    from ..config import InferenceConfig
 
 TOKEN_ENV = "MEGATRON_SERVE_TOKEN"
 

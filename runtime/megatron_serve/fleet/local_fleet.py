@@ -7,9 +7,9 @@ never block them, and a child that dies during start-up is reported with the tai
 fleet has a secret (``token``; a fresh one when none is given) that every child gets in its
 environment, never on a command line; ``insecure=True`` starts it without one (benchmarks only).
 
-No child outlives the fleet's process, whatever ends it (:mod:`megatron_serve.lifeline`); once
+No child outlives the fleet's process, whatever ends it (:mod:`megatron_serve.fleet.lifeline`); once
 :meth:`LocalFleet.supervise` is called, a child that dies is restarted with back-off
-(:mod:`megatron_serve.supervisor`). The fleet's own directory (its logs, when no ``log_dir`` is
+(:mod:`megatron_serve.fleet.supervisor`). The fleet's own directory (its logs, when no ``log_dir`` is
 given: ``$TMPDIR/megatron-fleet-*``) is removed when the fleet stops; one whose process was killed
 before it could is removed by the next fleet of the same user that starts (a lock held for the
 fleet's life tells a live directory from a stale one). 17 of them were found on one machine.
@@ -28,10 +28,10 @@ import tempfile
 import time
 from pathlib import Path
 
-from .config import InferenceConfig
-from .fleet_argv import TOKEN_ENV, inference_config_to_argv
+from ..config import InferenceConfig
+from .argv import TOKEN_ENV, inference_config_to_argv
 from .lifeline import Lifeline
-from .security import make_secret
+from ..wire.security import make_secret
 from .supervisor import Child, Supervisor, exit_cause, log_tail
 
 logger = logging.getLogger("megatron_serve.local_fleet")

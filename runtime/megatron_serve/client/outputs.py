@@ -1,8 +1,8 @@
 """What generation hands back, whichever engine client ran it: streamed pieces, then the finished request.
 
 A stream yields :class:`StreamPartial` items as engine steps add tokens, then the final
-:class:`~megatron_serve.request.DynamicInferenceRequest` (the one record of the request, see
-:mod:`megatron_serve.request`). The in-process engine and the coordinator client produce the same
+:class:`~megatron_serve.wire.request.DynamicInferenceRequest` (the one record of the request, see
+:mod:`megatron_serve.wire.request`). The in-process engine and the coordinator client produce the same
 items, so ``MegatronAsyncLLM`` and the HTTP server never ask which one they talk to.
 """
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .request import DynamicInferenceRequest
+from ..wire.request import DynamicInferenceRequest
 
 
 @dataclass

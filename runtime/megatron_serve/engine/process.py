@@ -2,7 +2,7 @@
 
 Two threads with one job each:
 
-* :class:`~megatron_serve.engine_link.CoordinatorLink` (background thread) owns the DEALER socket
+* :class:`~megatron_serve.engine.link.CoordinatorLink` (background thread) owns the DEALER socket
   (HELLO, heartbeats, reconnects; see its module).
 * :class:`EngineProcess` (main thread) is a thin loop over the engine interface: apply incoming
   messages at step boundaries, call ``engine.step()`` while RUNNING, report every step's outputs.
@@ -28,17 +28,17 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import zmq
 
-from .errors import EngineGroupLost, RefitFailed
-from .lifecycle import ENGINE_DRAINING, STEPS, FleetState, Step, engine_state_after
-from .engine_link import CoordinatorLink
-from .heap import freeze_startup_heap
-from .engine_output import step_delta
-from .messages import Body, Control, EngineStepOut, HelloAck, Refit, Stop, Suspend
-from .protocol import HEADER_VERBS, Header, ProtocolError, Role, step_of
-from .request import DynamicInferenceRequest, FinishReason, RequestStatus
+from ..errors import EngineGroupLost, RefitFailed
+from ..wire.lifecycle import ENGINE_DRAINING, STEPS, FleetState, Step, engine_state_after
+from .link import CoordinatorLink
+from ..heap import freeze_startup_heap
+from .output import step_delta
+from ..wire.messages import Body, Control, EngineStepOut, HelloAck, Refit, Stop, Suspend
+from ..wire.protocol import HEADER_VERBS, Header, ProtocolError, Role, step_of
+from ..wire.request import DynamicInferenceRequest, FinishReason, RequestStatus
 
 if TYPE_CHECKING:
-    from .weights.sources import WeightSource
+    from ..weights.sources import WeightSource
 
 logger = logging.getLogger("megatron_serve.engine_process")
 
@@ -235,7 +235,7 @@ class EngineProcess:
         An engine may add routing facts (e.g. the block hashes it caches, for ``prefix_affinity``)
         through an optional ``routing_stats() -> dict`` method; they reach the routing policy as
         ``EngineView.stats``. Its optional ``metrics_snapshot() -> dict`` (cumulative counters and
-        histogram buckets, :mod:`megatron_serve.engine_stats`) travels as the heartbeat's ``metrics``.
+        histogram buckets, :mod:`megatron_serve.wire.engine_stats`) travels as the heartbeat's ``metrics``.
         """
         now = time.monotonic()
         if not force and now - self._stats_at < 0.2:
@@ -352,7 +352,7 @@ class EngineProcess:
         phase = body.phase or "load"
         source: WeightSource | str = body.source
         if body.rendezvous is not None:
-            from .weights.sources import RendezvousSource  # noqa: PLC0415 - torch only where an engine lives
+            from ..weights.sources import RendezvousSource  # noqa: PLC0415 - torch only where an engine lives
 
             source = RendezvousSource(body.rendezvous, body.source)
         if not callable(getattr(self.engine, "refit", None)):

@@ -1,6 +1,6 @@
 """Incremental detokenization with stop strings, so streamed text never shows what the final text trims.
 
-It runs where the text is wanted (the client side: :mod:`megatron_serve.output_processor`), never on
+It runs where the text is wanted (the client side: :mod:`megatron_serve.client.output_processor`), never on
 an engine's step thread.
 """
 
@@ -9,7 +9,7 @@ from __future__ import annotations
 from bisect import bisect_right
 from typing import Iterable, Sequence
 
-from .tokenizer import Tokenizer
+from ..tokenizer import Tokenizer
 
 
 class IncrementalDetokenizer:

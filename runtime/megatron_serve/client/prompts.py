@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Union
 
-from .multimodal import PromptImage, image_bytes
+from ..multimodal import PromptImage, image_bytes
 
 
 @dataclass

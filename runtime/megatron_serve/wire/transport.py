@@ -1,7 +1,7 @@
 """The fleet's ZeroMQ sockets: a peer's DEALER to the coordinator, the coordinator's CURVE server, their monitors.
 
 Every peer (engine link, client, control, operator, trainer) opens its connection with
-:func:`open_peer_socket`, so its options, its encryption (:mod:`megatron_serve.security`) and the
+:func:`open_peer_socket`, so its options, its encryption (:mod:`megatron_serve.wire.security`) and the
 monitor of its handshakes are set in one place.
 """
 

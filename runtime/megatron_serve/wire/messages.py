@@ -1,6 +1,6 @@
 """The bodies of the coordinator protocol's messages, as typed structs (docs/wire-protocol.md).
 
-Each message is one msgpack frame ``[header, body]`` (see :mod:`megatron_serve.protocol`); the body
+Each message is one msgpack frame ``[header, body]`` (see :mod:`megatron_serve.wire.protocol`); the body
 is a map whose fields are the struct's, so these structs read and write exactly the frames older
 peers send and expect. A body is validated once, where it enters the process (types in C by
 msgspec, then the struct's own checks), and travels typed from there. Unknown fields are ignored,
@@ -47,7 +47,7 @@ class Body(msgspec.Struct, omit_defaults=True, kw_only=True):
 
 class Hello(Body):
     role: str
-    proof: str | None = None  # HMAC of the fleet secret and this connection's CURVE key (megatron_serve.security)
+    proof: str | None = None  # HMAC of the fleet secret and this connection's CURVE key (megatron_serve.wire.security)
     engine_group: Annotated[int, msgspec.Meta(ge=0)] | None = None
     capacity: int | None = None
     client_id: str | None = None  # stable across reconnects, so results find the client again
@@ -147,7 +147,7 @@ class Pause(Control):
     frame); absent means ``keep``.
     """
 
-    mode: str | None = None  # megatron_serve.lifecycle.PauseMode: keep, wait, abort
+    mode: str | None = None  # megatron_serve.wire.lifecycle.PauseMode: keep, wait, abort
     drain_timeout: float | None = None  # mode wait: seconds running requests may take before the fleet pauses anyway
 
 
@@ -220,7 +220,7 @@ class Rendezvous(Body):
 class Refit(Control):
     source: str  # a model directory, or (with ``rendezvous``) the sender's label, ``rendezvous://host:port``
     epoch: int | None = None
-    phase: str | None = None  # to engines: which step (see megatron_serve.lifecycle.STEPS)
+    phase: str | None = None  # to engines: which step (see megatron_serve.wire.lifecycle.STEPS)
     rendezvous: Rendezvous | None = None  # the weights come from a trainer over a collective
 
 
@@ -313,7 +313,7 @@ class TokenDelta(Body):
     """What one engine step added to one request: its new token ids and, when asked, what goes with them.
 
     Only ids travel: the text is made where it is read (the client side,
-    :mod:`megatron_serve.output_processor`), which keeps detokenization and stop strings off the
+    :mod:`megatron_serve.client.output_processor`), which keeps detokenization and stop strings off the
     engine's step thread. Top-n log probs are parallel lists (``top_ids[i]`` and
     ``top_log_probs[i]`` for new token ``i``), not a map per token.
     """

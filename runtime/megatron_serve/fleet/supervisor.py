@@ -8,7 +8,7 @@ seconds, and each restart is logged with its cause. A child that exits 0 did wha
 its capacity with nothing in any log, and a killed coordinator was never replaced.
 
 Every child is started on the supervisor's own thread, never the caller's: the parent-death signal
-(:mod:`megatron_serve.lifeline`) follows the thread that started a child, and a caller's worker
+(:mod:`megatron_serve.fleet.lifeline`) follows the thread that started a child, and a caller's worker
 thread may end long before the fleet does.
 """
 

@@ -1,9 +1,9 @@
 """Where token ids become a request's text: detokenization, stop strings and the finished record.
 
-Engines send token ids only (:class:`~megatron_serve.messages.TokenDelta`); whoever reads them
+Engines send token ids only (:class:`~megatron_serve.wire.messages.TokenDelta`); whoever reads them
 makes the text, as vLLM's frontend ``OutputProcessor`` does: the HTTP server's and
-``MegatronLLM``'s :class:`~megatron_serve.client.InferenceClient`, and in direct mode the caller's
-event loop (:mod:`megatron_serve.local_engine`), never the engine's step thread. One
+``MegatronLLM``'s :class:`~megatron_serve.client.coordinator_client.InferenceClient`, and in direct mode the caller's
+event loop (:mod:`megatron_serve.client.local_engine`), never the engine's step thread. One
 :class:`OutputCollector` per request accumulates what the deltas carry (tokens, log probs, epochs,
 expert rows, prompt scores) and the text; the final record from the engine or coordinator carries
 only the rest (``DynamicInferenceRequest.to_final_dict``), and :meth:`OutputCollector.finish`
@@ -26,14 +26,14 @@ from typing import TYPE_CHECKING
 import msgspec
 
 from .detokenizer import IncrementalDetokenizer
-from .expert_routing import RoutingRecord, mirror_rows
-from .messages import TokenDelta
+from ..wire.expert_routing import RoutingRecord, mirror_rows
+from ..wire.messages import TokenDelta
 from .outputs import StreamPartial
-from .request import DynamicInferenceRequest, EventType, FinishReason, RequestEvent, RequestStatus
-from .sampling_params import SamplingParams
+from ..wire.request import DynamicInferenceRequest, EventType, FinishReason, RequestEvent, RequestStatus
+from ..wire.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from .tokenizer import Tokenizer
+    from ..tokenizer import Tokenizer
 
 logger = logging.getLogger("megatron_serve.client")
 
@@ -41,7 +41,7 @@ logger = logging.getLogger("megatron_serve.client")
 def load_tokenizer(given_dir: str | None, offered_dir: str | None) -> "Tokenizer | None":
     """A reader's tokenizer: from the directory it was given (a bad one raises), else from the one the
     coordinator announced when this machine can read it (else None: no text, no stop strings)."""
-    from .tokenizer import Tokenizer, check_tokenizer_files  # noqa: PLC0415 - transformers: only where text is made
+    from ..tokenizer import Tokenizer, check_tokenizer_files  # noqa: PLC0415 - transformers: only where text is made
 
     if given_dir is not None:
         return Tokenizer.from_pretrained(given_dir)

@@ -1,7 +1,7 @@
 """What an engine step sends about each request: its new token ids and what was asked to go with them.
 
 The step thread builds one struct per request here and nothing else: no text, no stop strings
-(:mod:`megatron_serve.output_processor` makes those where the tokens are read), and the final
+(:mod:`megatron_serve.client.output_processor` makes those where the tokens are read), and the final
 record leaves out what the deltas already carried. The engine process sends a step's structs as
 one message (``ENGINE_STEP``); the in-process client hands the same structs to its event loop.
 """
@@ -10,12 +10,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from .expert_routing import routing_to_wire
-from .messages import PromptScores, RoutingRows, StepOutputOut
-from .request import DynamicInferenceRequest
+from ..wire.expert_routing import routing_to_wire
+from ..wire.messages import PromptScores, RoutingRows, StepOutputOut
+from ..wire.request import DynamicInferenceRequest
 
 if TYPE_CHECKING:
-    from .engine.core import StepOutput
+    from .core import StepOutput
 
 
 def _top_lists(top: list[dict[int, float]]) -> tuple[list[list[int]], list[list[float]]]:

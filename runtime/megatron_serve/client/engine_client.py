@@ -2,14 +2,14 @@
 
 Two implementations, chosen once when a ``MegatronAsyncLLM`` is built:
 
-* :class:`~megatron_serve.local_engine.LocalEngineClient`: an engine in this process, stepped on a
+* :class:`~megatron_serve.client.local_engine.LocalEngineClient`: an engine in this process, stepped on a
   thread of its own (direct mode). It has no fleet: the lifecycle verbs raise ``RuntimeError``.
-* :class:`~megatron_serve.fleet_client.FleetClient`: the coordinator client
-  (:class:`~megatron_serve.client.InferenceClient`) of a fleet at an address, or of a local fleet
+* :class:`~megatron_serve.client.fleet_client.FleetClient`: the coordinator client
+  (:class:`~megatron_serve.client.coordinator_client.InferenceClient`) of a fleet at an address, or of a local fleet
   it starts itself (coordinator mode).
 
 Everything above them (``generate``, streaming, the lifecycle, ``refit``, ``serve()``) is written
-once against this interface. Streams yield :mod:`megatron_serve.outputs` items.
+once against this interface. Streams yield :mod:`megatron_serve.client.outputs` items.
 """
 
 from __future__ import annotations
@@ -17,12 +17,12 @@ from __future__ import annotations
 import asyncio
 from typing import TYPE_CHECKING, Any, AsyncIterator, Iterable, Protocol
 
-from .lifecycle import PauseMode
-from .multimodal import PromptImage
+from ..wire.lifecycle import PauseMode
+from ..multimodal import PromptImage
 from .outputs import StreamItem
 from .prompts import Prompt
-from .request import DynamicInferenceRequest
-from .sampling_params import SamplingParams
+from ..wire.request import DynamicInferenceRequest
+from ..wire.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     import torch
@@ -56,7 +56,7 @@ class EngineClient(Protocol):
 
     async def pause(self, mode: PauseMode | str = ..., *, drain_timeout: float | None = ...,
                     timeout: float | None = ...) -> dict[str, Any]:
-        """PAUSE in one of the :class:`~megatron_serve.lifecycle.PauseMode` modes (keep, wait, abort)."""
+        """PAUSE in one of the :class:`~megatron_serve.wire.lifecycle.PauseMode` modes (keep, wait, abort)."""
 
     async def unpause(self, timeout: float | None = ...) -> dict[str, Any]: ...
 

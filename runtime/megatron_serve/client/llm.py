@@ -1,9 +1,9 @@
 """``MegatronLLM``: the blocking Python API (docs/python-api.md; vLLM's ``LLM``: docs/vllm-mapping.md).
 
-A :class:`~megatron_serve.async_llm.MegatronAsyncLLM` on a background event-loop thread
-(:class:`~megatron_serve.loop_thread.EventLoopThread`); every call blocks on it. Direct mode
+A :class:`~megatron_serve.client.async_llm.MegatronAsyncLLM` on a background event-loop thread
+(:class:`~megatron_serve.client.loop_thread.EventLoopThread`); every call blocks on it. Direct mode
 (``use_coordinator=False``) runs one engine in this process, coordinator mode talks to a fleet:
-which one is the engine client's business (:mod:`megatron_serve.engine_client`), not this class's.
+which one is the engine client's business (:mod:`megatron_serve.client.engine_client`), not this class's.
 
 Nothing it starts keeps it alive: an object that is dropped without ``close()`` is closed when it
 is collected (its threads stop and its engine, with its KV pool, is freed), as an engine built in
@@ -19,15 +19,15 @@ from typing import Any, Coroutine, Sequence, TypeVar
 
 from .async_llm import MegatronAsyncLLM
 from .chat_messages import Conversation
-from .config import InferenceConfig
-from .generation_config import GenerationDefaults
-from .lifecycle import PauseMode
+from ..config import InferenceConfig
+from ..generation_config import GenerationDefaults
+from ..wire.lifecycle import PauseMode
 from .loop_thread import EventLoopThread
-from .model.llama import LlamaForCausalLM
+from ..model.llama import LlamaForCausalLM
 from .prompts import PromptInput, normalize_prompts
-from .request import DynamicInferenceRequest
-from .sampling_params import SamplingParams
-from .tokenizer import Tokenizer
+from ..wire.request import DynamicInferenceRequest
+from ..wire.sampling_params import SamplingParams
+from ..tokenizer import Tokenizer
 
 T = TypeVar("T")
 

@@ -1,9 +1,9 @@
 """Requests submitted and not resolved yet, and what arrives for them: the client side of the output path.
 
-Both engine clients keep them: :class:`~megatron_serve.client.InferenceClient` (deltas come as
+Both engine clients keep them: :class:`~megatron_serve.client.coordinator_client.InferenceClient` (deltas come as
 ``TOKENS``, the final record as ``RESULT``) and, in direct mode, the caller's event loop in
-:mod:`megatron_serve.local_engine` (the engine thread hands it each step's deltas). Each pending
-request holds its :class:`~megatron_serve.output_processor.OutputCollector`: deltas become stream
+:mod:`megatron_serve.client.local_engine` (the engine thread hands it each step's deltas). Each pending
+request holds its :class:`~megatron_serve.client.output_processor.OutputCollector`: deltas become stream
 pieces and text here, a stop string ends the request here (the caller then aborts it where it
 runs), and the final record is completed with what the deltas carried. A request is resolved
 exactly once: whatever arrives for it afterwards (the result of a request a stop string ended, a
@@ -16,11 +16,11 @@ import asyncio
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
-from .messages import TokenDelta
+from ..wire.messages import TokenDelta
 from .output_processor import OutputCollector
 from .outputs import unreadable_result
-from .request import DynamicInferenceRequest
-from .sampling_params import SamplingParams
+from ..wire.request import DynamicInferenceRequest
+from ..wire.sampling_params import SamplingParams
 
 
 @dataclass

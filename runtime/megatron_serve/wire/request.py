@@ -15,7 +15,7 @@ import msgpack
 import numpy as np
 
 from .expert_routing import routing_from_wire, routing_to_wire
-from .multimodal import PromptImage
+from ..multimodal import PromptImage
 from .sampling_params import SamplingParams
 
 
@@ -183,7 +183,7 @@ class DynamicInferenceRequest:
     def to_final_dict(self) -> dict[str, Any]:
         """The finished record without what travelled step by step with the tokens (the generated
         tokens, their log probs, epochs and expert rows, the prompt scores): a receiver that
-        accumulated the steps (:mod:`megatron_serve.output_processor`) completes it."""
+        accumulated the steps (:mod:`megatron_serve.client.output_processor`) completes it."""
         return {
             "request_id": self.request_id,
             "prompt": self.prompt,

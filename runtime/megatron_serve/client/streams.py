@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any, AsyncIterator, Callable
 
-from .request import DynamicInferenceRequest
+from ..wire.request import DynamicInferenceRequest
 
 
 async def iterate_stream(items: asyncio.Queue, abandon: Callable[[], None]) -> AsyncIterator[Any]:

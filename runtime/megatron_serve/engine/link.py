@@ -1,9 +1,9 @@
 """The engine's connection to the coordinator, in a thread of its own (see :mod:`.engine_process`).
 
 The thread owns the DEALER socket (a CURVE client of the coordinator when the fleet has a secret:
-:mod:`megatron_serve.security`) and its monitor; what to send when (HELLO with backoff, a HEARTBEAT every second
+:mod:`megatron_serve.wire.security`) and its monitor; what to send when (HELLO with backoff, a HEARTBEAT every second
 *even while a long step, a weight offload or a suspend runs* -- otherwise the coordinator would
-declare a busy engine dead) and when to reconnect is the shared :class:`~megatron_serve.connection.Connection`.
+declare a busy engine dead) and when to reconnect is the shared :class:`~megatron_serve.wire.connection.Connection`.
 Every registration is a new *session*; messages produced for an older session are dropped on the
 way out, because the coordinator already re-queued that session's requests and would otherwise
 see them twice.
@@ -21,13 +21,13 @@ from typing import TYPE_CHECKING, Any
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from .connection import Connection, Unauthorized
-from .protocol import Header, ProtocolError, encode
-from .security import FleetSecret, PeerKeys, fleet_secret, hello_credentials, refused_message
-from .transport import close_monitored, open_peer_socket
+from ..wire.connection import Connection, Unauthorized
+from ..wire.protocol import Header, ProtocolError, encode
+from ..wire.security import FleetSecret, PeerKeys, fleet_secret, hello_credentials, refused_message
+from ..wire.transport import close_monitored, open_peer_socket
 
 if TYPE_CHECKING:
-    from .messages import Body
+    from ..wire.messages import Body
 
 logger = logging.getLogger("megatron_serve.engine_process")
 

@@ -3,7 +3,7 @@
 Every message is ONE ZeroMQ frame holding a msgpack list ``[header, body]`` where ``header`` is
 an integer :class:`Header` and ``body`` a map with string keys (``[header]`` alone means an empty
 body). The coordinator binds a ROUTER; engines and clients connect DEALERs, so the ROUTER sees
-``[peer identity, frame]``. The bodies are typed structs (:mod:`megatron_serve.messages`).
+``[peer identity, frame]``. The bodies are typed structs (:mod:`megatron_serve.wire.messages`).
 
 Everything a peer sends is untrusted: :func:`decode` checks size, msgpack syntax, the header and
 the type of every known field of the body in one pass, and raises :class:`ProtocolError` whose text
@@ -62,7 +62,7 @@ class Header(enum.IntEnum):
     HANDBACK = 52  # engine -> coordinator: these requests are yours again (ack echoes it back)
 
 
-#: The message each lifecycle verb travels as (the verbs and their rules: :mod:`megatron_serve.lifecycle`).
+#: The message each lifecycle verb travels as (the verbs and their rules: :mod:`megatron_serve.wire.lifecycle`).
 VERB_HEADERS: dict[Verb, Header] = {
     Verb.PAUSE: Header.PAUSE,
     Verb.UNPAUSE: Header.UNPAUSE,
@@ -188,7 +188,7 @@ def _fast_decoder(table: Mapping[Header, type]) -> tuple[msgspec.msgpack.Decoder
 
 def decode(frame: bytes | msgspec.Raw, table: Mapping[Header, type], max_bytes: int = MAX_MESSAGE_BYTES) -> Message:
     """Parse and validate one frame against ``table`` (the bodies accepted in this direction,
-    :data:`megatron_serve.messages.TO_COORDINATOR` or ``FROM_COORDINATOR``).
+    :data:`megatron_serve.wire.messages.TO_COORDINATOR` or ``FROM_COORDINATOR``).
 
     Raises :class:`ProtocolError` with a one-line reason; never anything else.
     """

@@ -1,7 +1,7 @@
 """The in-process engine client: an engine in this process, stepped on a thread of its own.
 
 :class:`LocalEngineClient` is one of the two implementations of
-:class:`~megatron_serve.engine_client.EngineClient` (the other is the coordinator client): what
+:class:`~megatron_serve.client.engine_client.EngineClient` (the other is the coordinator client): what
 ``MegatronLLM``/``MegatronAsyncLLM`` use in direct mode and what the HTTP server serves from
 ``MegatronAsyncLLM.serve()``. The engine is not thread-safe, so every call into it (tokenization
 included) happens on the engine thread (:class:`EngineThread`), which hands each step's token ids
@@ -22,23 +22,23 @@ from typing import Any, AsyncIterator, Iterable
 
 import torch
 
-from .config import InferenceConfig
-from .engine import DynamicInferenceEngine
-from .errors import NoFleet
-from .model.llama import LlamaForCausalLM
-from .lifecycle import FleetState, PauseMode, Verb
-from .engine_output import step_delta
-from .messages import StepOutputOut
+from ..config import InferenceConfig
+from ..engine import DynamicInferenceEngine
+from ..errors import NoFleet
+from ..model.llama import LlamaForCausalLM
+from ..wire.lifecycle import FleetState, PauseMode, Verb
+from ..engine.output import step_delta
+from ..wire.messages import StepOutputOut
 from .output_processor import OutputCollector
 from .outputs import StreamItem
 from .pending_requests import PendingRequest, PendingRequests
-from .multimodal import PromptImage
+from ..multimodal import PromptImage
 from .prompts import ImagePrompt, Prompt, tokenize_prompt
-from .request import DynamicInferenceRequest, FinishReason, RequestStatus
-from .sampling_params import SamplingParams
+from ..wire.request import DynamicInferenceRequest, FinishReason, RequestStatus
+from ..wire.sampling_params import SamplingParams
 from .streams import iterate_stream
-from .tokenizer import Tokenizer
-from .weights.sources import TensorSource, WeightSource
+from ..tokenizer import Tokenizer
+from ..weights.sources import TensorSource, WeightSource
 
 logger = logging.getLogger("megatron_serve.async_llm")
 
@@ -79,9 +79,9 @@ def _settle(future: asyncio.Future, result: Any = None, exc: BaseException | Non
 class EngineThread:
     """Steps a direct-mode engine on its own thread; its callers' event loops make the outputs.
 
-    The thread only steps: each step's deltas (:func:`~megatron_serve.engine_output.step_delta`,
+    The thread only steps: each step's deltas (:func:`~megatron_serve.engine.output.step_delta`,
     token ids) go to the event loop of each request's caller in one call, and that loop makes the
-    text and finds stop strings (:class:`~megatron_serve.pending_requests.PendingRequests`), as an
+    text and finds stop strings (:class:`~megatron_serve.client.pending_requests.PendingRequests`), as an
     ``InferenceClient`` does with a fleet's ``TOKENS``. A request a stop string ends is resolved
     there at once and aborted here.
 
