@@ -10,7 +10,7 @@ Every parser refuses abbreviations (``allow_abbrev=False``: ``--api-key abc`` on
 ``--api-key-file abc``) and prints every option's default in ``--help``. An argument a subcommand
 cannot parse (an unknown option, a bad value) prints that subcommand's usage, not the top-level one;
 a failed check once parsed is one line that says what to fix. vLLM options that change nothing here
-are warned about, one line each, before the command runs (:mod:`megatron_serve.commands.vllm_options`).
+are warned about, one line each, before the command runs (:mod:`megatron_serve.client.vllm_options`).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import importlib
 import sys
 
 from . import __version__
-from .commands.vllm_options import accepted_warnings
+from .client.vllm_options import accepted_warnings
 from .fleet.lifeline import hold_lifeline
 
 # name -> (module, one-line help)
