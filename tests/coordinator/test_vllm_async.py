@@ -13,6 +13,7 @@ import time
 import pytest
 
 from megatron_serve import LLM, InferenceConfig, MegatronAsyncLLM, RequestOutput, SamplingParams
+from megatron_serve.errors import NoFleet
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -32,6 +33,15 @@ async def test_generate_iterated_yields_growing_request_outputs(tiny_model):
         for out in outs:  # cumulative, as vLLM's default output kind
             assert out.outputs[0].token_ids == final.token_ids[: len(out.outputs[0].token_ids)]
             assert out.prompt_token_ids == awaited.prompt_tokens and out.prompt == "Hello"
+
+        scored = SamplingParams(temperature=0.0, max_tokens=6, logprobs=2)
+        steps = [out.outputs[0] async for out in llm.generate("Hello", scored, "req-lp")]
+        whole = steps[-1]
+        assert whole.cumulative_logprob == sum(whole.request.generated_log_probs) and len(whole.logprobs) == 6
+        for step in steps[:-1]:  # each piece's entries made once, the same as the final record's
+            count = len(step.token_ids)
+            assert step.logprobs == whole.logprobs[:count]
+            assert step.cumulative_logprob == sum(whole.request.generated_log_probs[:count])
 
         sampled = SamplingParams(temperature=1.0, seed=3, n=2, max_tokens=5)
         flat = await llm.generate("Hello", sampled)
@@ -74,5 +84,7 @@ def test_sleep_and_wake_up_are_the_fleets_suspend_and_resume(tiny_model):
 
 def test_sleep_without_a_fleet_says_what_is_needed(tiny_model):
     with LLM(tiny_model, num_gpu_blocks_override=64) as llm:
-        with pytest.raises(RuntimeError, match="suspend\\(\\) needs coordinator mode"):
+        with pytest.raises(NoFleet, match="build the LLM with enable_sleep_mode=True"):
             llm.sleep()
+        with pytest.raises(NoFleet, match="resume\\(\\) needs coordinator mode"):
+            llm.wake_up()

@@ -185,12 +185,16 @@ def test_use_tqdm_shows_processed_prompts(llm, capsys):
     ({"speculative_config": {"method": "ngram"}}, ValueError, "speculative_config: speculative decoding is not"),
     ({"enable_lora": True}, ValueError, "enable_lora: LoRA adapters are not implemented"),
     ({"pipeline_parallel_size": 2}, ValueError, "pipeline_parallel_size=2: .*pipeline parallelism is not"),
-    ({"quantization": "awq"}, ValueError, "quantization='awq' is not supported"),
+    ({"quantization": "awq"}, ValueError, "quantization='awq': not supported by this build"),
+    ({"kv_cache_dtype": "fp8_e5m2"}, ValueError, "kv_cache_dtype='fp8_e5m2': not supported by this build"),
+    ({"max_num_seqs": "8"}, ValueError, "max_num_seqs='8': must be a positive integer"),
+    ({"enforce_eager": "yes"}, ValueError, "enforce_eager='yes': must be True or False"),
+    ({"gpu_memory_utilization": 90}, ValueError, "gpu_memory_utilization=90: must be a fraction"),
     ({"load_format": "pt"}, ValueError, "load_format='pt': expected one of auto, safetensors"),
     ({"api_key": "x"}, ValueError, "api_key is served by megatron-serve run/serve"),
     ({"max_modle_len": 64}, TypeError, "unexpected keyword argument 'max_modle_len'"),
     ({"dtype": "float64"}, ValueError, "dtype='float64'"),
-    ({"data_parallel_size": 0}, ValueError, "data_parallel_size must be a positive integer"),
+    ({"data_parallel_size": 0}, ValueError, "data_parallel_size=0: must be a positive integer"),
 ])
 def test_constructor_keywords_are_refused_by_name(tiny_llama, kwargs, error, match):
     with pytest.raises(error, match=match):

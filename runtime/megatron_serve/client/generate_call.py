@@ -16,12 +16,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 from typing import Any, AsyncIterator, Awaitable, Callable, Generator
 
 from .engine_client import EngineClient
 from .outputs import StreamItem, StreamPartial
 from .prompts import Prompt, tokenize_prompt
-from .vllm_outputs import RequestOutput, request_output
+from .vllm_outputs import CompletionOutput, LogprobsDict, RequestOutput, completion_output, logprob_entries, \
+    request_output
 from ..wire.request import DynamicInferenceRequest
 from ..wire.sampling_params import SamplingParams
 
@@ -48,16 +50,49 @@ def child_ids(request_id: str, n: int) -> list[str]:
     return [request_id] if n == 1 else [f"{index}_{request_id}" for index in range(n)]
 
 
+class GrowingChoice:
+    """One choice of a stream as its pieces arrive: each piece's tokens, text and log probs are added once (a
+    snapshot copies the lists; rebuilding every log-prob entry per piece would cost O(tokens^2) per stream),
+    until the final record replaces them."""
+
+    def __init__(self, index: int, params: SamplingParams, tokenizer: Any) -> None:
+        self.index = index
+        self.asked = params.return_log_probs
+        self.token_text = tokenizer.token_text if tokenizer is not None else None
+        self.tokenizer = tokenizer
+        self.token_ids: list[int] = []
+        self.text = ""
+        self.logprobs: list[LogprobsDict] = []
+        self.cumulative = 0.0
+        self.final: CompletionOutput | None = None
+
+    def extend(self, piece: StreamPartial) -> None:
+        self.token_ids.extend(piece.new_tokens)
+        self.text += piece.new_text
+        if self.asked:
+            self.logprobs.extend(logprob_entries(piece.new_tokens, piece.new_log_probs, piece.new_top_logprobs,
+                                                 self.token_text))
+            for log_prob in piece.new_log_probs:  # in order, as the final record's sum adds them
+                self.cumulative += log_prob
+
+    def finish(self, record: DynamicInferenceRequest) -> None:
+        self.final = completion_output(self.index, record, self.tokenizer)
+
+    def snapshot(self) -> CompletionOutput:
+        if self.final is not None:
+            return self.final
+        return CompletionOutput(self.index, self.text, list(self.token_ids), self.cumulative if self.asked else None,
+                                list(self.logprobs) if self.asked else None)
+
+
 async def stream_request_outputs(client: EngineClient, tokenizer: Any, prompt: Prompt, choices: list[SamplingParams],
                                  request_id: str) -> AsyncIterator[RequestOutput]:
     """Cumulative ``RequestOutput``s of one prompt's choices, merged as their pieces arrive."""
-    prompt_tokens = tokenize_prompt(prompt, tokenizer)[0] if tokenizer is not None else []
-    text = prompt if isinstance(prompt, str) else None
     ids = child_ids(request_id, len(choices))
-    # Per choice, what has arrived: a scratch record that partials extend, until the final record replaces it.
-    records = [DynamicInferenceRequest(request_id=child, prompt=text, prompt_tokens=list(prompt_tokens),
-                                       sampling_params=params, generated_text="")
-               for child, params in zip(ids, choices)]
+    growing = [GrowingChoice(index, params, tokenizer) for index, params in enumerate(choices)]
+    # What the prompt fields say until a final record says it (partials carry no prompt tokens).
+    prompt_tokens = tokenize_prompt(prompt, tokenizer)[0] if tokenizer is not None else []
+    head = RequestOutput(request_id, prompt if isinstance(prompt, str) else None, prompt_tokens, None, [], False)
     queue: asyncio.Queue[tuple[int, StreamItem | BaseException]] = asyncio.Queue()
 
     async def pump(index: int) -> None:
@@ -75,19 +110,17 @@ async def stream_request_outputs(client: EngineClient, tokenizer: Any, prompt: P
             if isinstance(item, BaseException):
                 raise item
             if isinstance(item, StreamPartial):
-                scratch = records[index]
-                scratch.generated_tokens.extend(item.new_tokens)
-                scratch.generated_text = (scratch.generated_text or "") + item.new_text
-                scratch.generated_log_probs.extend(item.new_log_probs)
-                scratch.generated_top_n_logprobs.extend(item.new_top_logprobs)
+                growing[index].extend(item)
             else:
-                records[index] = item
+                growing[index].finish(item)
+                if done == 0:
+                    head = request_output([item], tokenizer, request_id=request_id)
                 done += 1
-            yield request_output(records, tokenizer, request_id=request_id)  # finished once every choice is
+            yield dataclasses.replace(head, outputs=[choice.snapshot() for choice in growing],
+                                      finished=done == len(choices))
     finally:
         for task in tasks:
             task.cancel()  # a stream left early aborts its request
         for task in tasks:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
-

@@ -22,6 +22,7 @@ import msgspec
 from .async_llm import MegatronAsyncLLM
 from .chat_messages import Conversation
 from ..config import InferenceConfig
+from ..errors import NoFleet
 from ..generation_config import GenerationDefaults
 from ..wire.lifecycle import PauseMode
 from .loop_thread import EventLoopThread
@@ -254,6 +255,13 @@ class LLM(MegatronLLM):
                                           continue_final_message=continue_final_message,
                                           chat_template_kwargs=chat_template_kwargs)
         return group_by_prompt([index for index, _, _ in jobs], records, self.tokenizer, texts)
+
+    def sleep(self, level: int = 1) -> dict:
+        """vLLM's ``sleep`` (see :meth:`MegatronLLM.sleep`); needs ``LLM(..., enable_sleep_mode=True)``."""
+        if self.engine is not None:
+            raise NoFleet("sleep() needs a fleet to suspend: build the LLM with enable_sleep_mode=True (or "
+                          "data_parallel_size > 1); this one runs its engine in this process")
+        return super().sleep(level)
 
 
 def _with_priority(sampling_params: SamplingParams | Sequence[SamplingParams], priority: Sequence[int] | None,

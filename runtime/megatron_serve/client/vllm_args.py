@@ -18,7 +18,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from .vllm_options import VLLM_OPTIONS, Scope, Status, VllmOption
+from .vllm_options import KV_CACHE_DTYPES, QUANTIZATION_SCHEMES, VLLM_OPTIONS, Scope, Status, VllmOption
 
 logger = logging.getLogger(__name__)
 
@@ -32,16 +32,56 @@ WAKE_UP_TAGS = ("weights", "kv_cache")
 def _dtype(value: Any) -> Any:
     if isinstance(value, str):
         if value not in DTYPES:
-            raise ValueError(f"dtype={value!r}: expected one of {', '.join(DTYPES)} or a torch.dtype")
+            raise ValueError(f"expected one of {', '.join(DTYPES)} or a torch.dtype")
         return DTYPES[value]
     return value  # a torch.dtype: InferenceConfig checks it
 
 
-def _quantization(value: str) -> str | None:
+def _quantization(value: Any) -> str | None:
     if value in ("auto", "none"):
         return None  # the checkpoint's own weights (an FP8 checkpoint's included)
-    if value != "fp8":
-        raise ValueError(f"quantization={value!r} is not supported by this build (supported: auto, none, fp8)")
+    if value not in QUANTIZATION_SCHEMES:
+        raise ValueError(f"not supported by this build (supported: {', '.join(QUANTIZATION_SCHEMES)})")
+    return value
+
+
+def _kv_cache_dtype(value: Any) -> str:
+    if value not in KV_CACHE_DTYPES:
+        raise ValueError(f"not supported by this build (supported: {', '.join(KV_CACHE_DTYPES)})")
+    return value
+
+
+def _positive_int(value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError("must be a positive integer")
+    return value
+
+
+def _int(value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError("must be an integer")
+    return value
+
+
+def _flag(value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError("must be True or False")
+    return value
+
+
+def _fraction(value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 < value <= 1.0:
+        raise ValueError("must be a fraction in (0, 1]")
+    return float(value)
+
+
+def _sizes(value: Any) -> list[int]:
+    if not isinstance(value, (list, tuple)) or not value:
+        raise ValueError("must be a non-empty list of positive integers")
+    return [_positive_int(size) for size in value]
+
+
+def _anything(value: Any) -> Any:
     return value
 
 
@@ -50,35 +90,33 @@ class Keyword:
     """One implemented keyword: the ``InferenceConfig`` field it sets (``None``: the constructor's own)."""
 
     field: str | None
-    convert: Callable[[Any], Any] = lambda value: value
-    note: str = ""  # how it differs from vLLM's (docs/python-api.md)
+    convert: Callable[[Any], Any] = _anything  # checks the value (ValueError saying what is wrong) and converts it
 
 
 #: vLLM's ``LLM`` keywords applied here, and how.
 LLM_KEYWORDS: dict[str, Keyword] = {
-    "tokenizer": Keyword(None, note="a directory"),
-    "revision": Keyword(None, note="of a Hub id"),
-    "download_dir": Keyword(None, note="the Hugging Face cache Hub ids are read from"),
-    "generation_config": Keyword(None, note="`auto`, `vllm` (= `none`) or a directory"),
-    "data_parallel_size": Keyword(None, note="more than 1 starts a local fleet of that many engines"),
-    "enable_sleep_mode": Keyword(None, note="starts a local fleet (one engine): `sleep`/`wake_up` need one"),
-    "disable_log_stats": Keyword(None, note="`LLM` logs no periodic stats either way"),
+    "tokenizer": Keyword(None),  # a directory
+    "revision": Keyword(None),  # of a Hub id
+    "download_dir": Keyword(None),  # the Hugging Face cache Hub ids are read from and downloaded to
+    "generation_config": Keyword(None),  # auto, vllm (= none) or a directory
+    "data_parallel_size": Keyword(None, _positive_int),  # more than 1: a local fleet of that many engines
+    "enable_sleep_mode": Keyword(None, _flag),  # a local fleet of one engine: sleep/wake_up need one
+    "disable_log_stats": Keyword(None, _flag),  # LLM logs no periodic stats either way
     "dtype": Keyword("dtype", _dtype),
-    "max_model_len": Keyword("max_sequence_length", int),
-    "tensor_parallel_size": Keyword("tensor_parallel_size", int),
-    "gpu_memory_utilization": Keyword("kv_cache_memory_fraction", float,
-                                      note="of the memory left after the weights (vLLM: of the whole GPU)"),
-    "enforce_eager": Keyword("enable_cuda_graphs", lambda value: not value),
-    "enable_prefix_caching": Keyword("enable_prefix_caching", bool),
-    "max_num_seqs": Keyword("max_requests", int),
-    "max_num_batched_tokens": Keyword("max_batch_tokens", int),
-    "seed": Keyword("seed", int),
-    "quantization": Keyword("quantization", _quantization, note="`fp8`, `auto`, `none`; others refused"),
-    "kv_cache_dtype": Keyword("kv_cache_dtype", str, note="`auto`, `fp8`, `fp8_e4m3`"),
-    "block_size": Keyword("block_size_tokens", int),
-    "num_gpu_blocks_override": Keyword("num_kv_blocks", int),
-    "cuda_graph_sizes": Keyword("cuda_graph_sizes", list),
-    "async_scheduling": Keyword("async_scheduling", bool),
+    "max_model_len": Keyword("max_sequence_length", _positive_int),
+    "tensor_parallel_size": Keyword("tensor_parallel_size", _positive_int),
+    "gpu_memory_utilization": Keyword("kv_cache_memory_fraction", _fraction),  # of the memory left after weights
+    "enforce_eager": Keyword("enable_cuda_graphs", lambda value: not _flag(value)),
+    "enable_prefix_caching": Keyword("enable_prefix_caching", _flag),
+    "max_num_seqs": Keyword("max_requests", _positive_int),
+    "max_num_batched_tokens": Keyword("max_batch_tokens", _positive_int),
+    "seed": Keyword("seed", _int),
+    "quantization": Keyword("quantization", _quantization),
+    "kv_cache_dtype": Keyword("kv_cache_dtype", _kv_cache_dtype),
+    "block_size": Keyword("block_size_tokens", _positive_int),
+    "num_gpu_blocks_override": Keyword("num_kv_blocks", _positive_int),
+    "cuda_graph_sizes": Keyword("cuda_graph_sizes", _sizes),
+    "async_scheduling": Keyword("async_scheduling", _flag),
 }
 
 
@@ -130,10 +168,14 @@ def parse_llm_keywords(keywords: dict[str, Any]) -> LLMArguments:
         if keyword is not None:
             if value is None:
                 continue
+            try:
+                converted = keyword.convert(value)
+            except (TypeError, ValueError) as exc:
+                raise ValueError(f"{name}={value!r}: {exc}") from None
             if keyword.field is None:
-                parsed.options[name] = value
+                parsed.options[name] = converted
             else:
-                parsed.config[keyword.field] = keyword.convert(value)
+                parsed.config[keyword.field] = converted
             continue
         row = SERVE_ROWS.get(name)
         if row is None:
@@ -148,9 +190,6 @@ def parse_llm_keywords(keywords: dict[str, Any]) -> LLMArguments:
         _check_row(name, value, row)
         if row.status is Status.ACCEPTED:
             parsed.warnings.append(f"{name} is accepted for vLLM compatibility and changes nothing: {row.reason}")
-    dp = parsed.options.get("data_parallel_size", 1)
-    if isinstance(dp, bool) or not isinstance(dp, int) or dp < 1:
-        raise ValueError(f"data_parallel_size must be a positive integer, got {dp!r}")
     return parsed
 
 

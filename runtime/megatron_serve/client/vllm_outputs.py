@@ -77,7 +77,7 @@ class RequestOutput:
         return [output.request for output in self.outputs if output.request is not None]
 
 
-def _entries(sampled: Sequence[int], log_probs: Sequence[float], top: Sequence[dict[int, float]],
+def logprob_entries(sampled: Sequence[int], log_probs: Sequence[float], top: Sequence[dict[int, float]],
              token_text: Any) -> list[LogprobsDict]:
     """vLLM's per-token dicts: the sampled token first, then the most likely ones, ranked from 1."""
     entries = []
@@ -119,7 +119,7 @@ def completion_output(index: int, record: DynamicInferenceRequest, tokenizer: An
         text=record.generated_text or "",
         token_ids=list(record.generated_tokens),
         cumulative_logprob=float(sum(record.generated_log_probs)) if asked else None,
-        logprobs=_entries(record.generated_tokens, record.generated_log_probs, record.generated_top_n_logprobs,
+        logprobs=logprob_entries(record.generated_tokens, record.generated_log_probs, record.generated_top_n_logprobs,
                           token_text) if asked else None,
         finish_reason=None if record.finish_reason is None else str(record.finish_reason),
         stop_reason=stop_reason(record, tokenizer),
@@ -135,7 +135,7 @@ def prompt_logprobs(record: DynamicInferenceRequest, tokenizer: Any) -> list[Log
     if not record.sampling_params.return_prompt_log_probs:
         return None
     token_text = tokenizer.token_text if tokenizer is not None else None
-    scored = _entries(record.prompt_tokens[1:], record.prompt_log_probs, record.prompt_top_n_logprobs, token_text)
+    scored = logprob_entries(record.prompt_tokens[1:], record.prompt_log_probs, record.prompt_top_n_logprobs, token_text)
     return [None, *scored]
 
 
