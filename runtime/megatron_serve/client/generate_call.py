@@ -22,8 +22,7 @@ from typing import Any, AsyncIterator, Awaitable, Callable, Generator
 from .engine_client import EngineClient
 from .outputs import StreamItem, StreamPartial
 from .prompts import Prompt, tokenize_prompt
-from .vllm_outputs import CompletionOutput, LogprobsDict, RequestOutput, completion_output, logprob_entries, \
-    request_output
+from .vllm_outputs import CompletionOutput, LogprobsDict, RequestOutput, Shaper
 from ..wire.request import DynamicInferenceRequest
 from ..wire.sampling_params import SamplingParams
 
@@ -55,11 +54,10 @@ class GrowingChoice:
     snapshot copies the lists; rebuilding every log-prob entry per piece would cost O(tokens^2) per stream),
     until the final record replaces them."""
 
-    def __init__(self, index: int, params: SamplingParams, tokenizer: Any) -> None:
+    def __init__(self, index: int, params: SamplingParams, shaper: Shaper) -> None:
         self.index = index
         self.asked = params.return_log_probs
-        self.token_text = tokenizer.token_text if tokenizer is not None else None
-        self.tokenizer = tokenizer
+        self.shaper = shaper
         self.token_ids: list[int] = []
         self.text = ""
         self.logprobs: list[LogprobsDict] = []
@@ -70,13 +68,13 @@ class GrowingChoice:
         self.token_ids.extend(piece.new_tokens)
         self.text += piece.new_text
         if self.asked:
-            self.logprobs.extend(logprob_entries(piece.new_tokens, piece.new_log_probs, piece.new_top_logprobs,
-                                                 self.token_text))
+            self.logprobs.extend(self.shaper.logprob_entries(piece.new_tokens, piece.new_log_probs,
+                                                             piece.new_top_logprobs))
             for log_prob in piece.new_log_probs:  # in order, as the final record's sum adds them
                 self.cumulative += log_prob
 
     def finish(self, record: DynamicInferenceRequest) -> None:
-        self.final = completion_output(self.index, record, self.tokenizer)
+        self.final = self.shaper.completion_output(self.index, record)
 
     def snapshot(self) -> CompletionOutput:
         if self.final is not None:
@@ -89,7 +87,8 @@ async def stream_request_outputs(client: EngineClient, tokenizer: Any, prompt: P
                                  request_id: str) -> AsyncIterator[RequestOutput]:
     """Cumulative ``RequestOutput``s of one prompt's choices, merged as their pieces arrive."""
     ids = child_ids(request_id, len(choices))
-    growing = [GrowingChoice(index, params, tokenizer) for index, params in enumerate(choices)]
+    shaper = Shaper(tokenizer)
+    growing = [GrowingChoice(index, params, shaper) for index, params in enumerate(choices)]
     # What the prompt fields say until a final record says it (partials carry no prompt tokens).
     prompt_tokens = tokenize_prompt(prompt, tokenizer)[0] if tokenizer is not None else []
     head = RequestOutput(request_id, prompt if isinstance(prompt, str) else None, prompt_tokens, None, [], False)
@@ -114,7 +113,7 @@ async def stream_request_outputs(client: EngineClient, tokenizer: Any, prompt: P
             else:
                 growing[index].finish(item)
                 if done == 0:
-                    head = request_output([item], tokenizer, request_id=request_id)
+                    head = shaper.request_output([item], request_id=request_id)
                 done += 1
             yield dataclasses.replace(head, outputs=[choice.snapshot() for choice in growing],
                                       finished=done == len(choices))

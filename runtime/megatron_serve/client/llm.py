@@ -30,7 +30,7 @@ from ..model.llama import LlamaForCausalLM
 from .progress import progress_bar
 from .prompts import Prompt, PromptInput, normalize_prompts
 from .vllm_args import log_warnings, model_directory, parse_llm_keywords, refuse_lora
-from .vllm_outputs import RequestOutput, group_by_prompt
+from .vllm_outputs import RequestOutput, Shaper
 from ..wire.request import DynamicInferenceRequest
 from ..wire.sampling_params import SamplingParams
 from ..tokenizer import Tokenizer
@@ -241,7 +241,7 @@ class LLM(MegatronLLM):
         per_prompt = _with_priority(sampling_params, priority, len(prompt_list))
         jobs = self._async().plan_jobs(prompt_list, per_prompt)
         records = self._run_jobs(jobs, use_tqdm)
-        return group_by_prompt([index for index, _, _ in jobs], records, self.tokenizer)
+        return Shaper(self.tokenizer).group_by_prompt([index for index, _, _ in jobs], records)
 
     def chat(self, messages: Conversation | Sequence[Conversation],  # type: ignore[override]
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -254,7 +254,7 @@ class LLM(MegatronLLM):
                                           add_generation_prompt=add_generation_prompt,
                                           continue_final_message=continue_final_message,
                                           chat_template_kwargs=chat_template_kwargs)
-        return group_by_prompt([index for index, _, _ in jobs], records, self.tokenizer, texts)
+        return Shaper(self.tokenizer).group_by_prompt([index for index, _, _ in jobs], records, texts)
 
     def sleep(self, level: int = 1) -> dict:
         """vLLM's ``sleep`` (see :meth:`MegatronLLM.sleep`); needs ``LLM(..., enable_sleep_mode=True)``."""
