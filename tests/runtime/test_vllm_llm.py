@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from megatron_serve import LLM, InferenceConfig, MegatronLLM, RequestOutput, SamplingParams
+from megatron_serve.client.vllm_args import parse_llm_keywords
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -184,14 +185,15 @@ def test_use_tqdm_shows_processed_prompts(llm, capsys):
 @pytest.mark.parametrize("kwargs,error,match", [
     ({"speculative_config": {"method": "ngram"}}, ValueError, "speculative_config: speculative decoding is not"),
     ({"enable_lora": True}, ValueError, "enable_lora: LoRA adapters are not implemented"),
-    ({"pipeline_parallel_size": 2}, ValueError, "pipeline_parallel_size=2: .*pipeline parallelism is not"),
+    ({"pipeline_parallel_size": 2}, ValueError, "pipeline_parallel_size=2: pipeline parallelism is not"),
     ({"quantization": "awq"}, ValueError, "quantization='awq': not supported by this build"),
     ({"kv_cache_dtype": "fp8_e5m2"}, ValueError, "kv_cache_dtype='fp8_e5m2': not supported by this build"),
     ({"max_num_seqs": "8"}, ValueError, "max_num_seqs='8': must be a positive integer"),
     ({"enforce_eager": "yes"}, ValueError, "enforce_eager='yes': must be True or False"),
     ({"gpu_memory_utilization": 90}, ValueError, "gpu_memory_utilization=90: must be a fraction"),
     ({"load_format": "pt"}, ValueError, "load_format='pt': expected one of auto, safetensors"),
-    ({"api_key": "x"}, ValueError, "api_key is served by megatron-serve run/serve"),
+    ({"api_key": "x"}, ValueError, "api_key is taken by megatron-serve run/serve, not by LLM"),
+    ({"max_logprobs": 5}, ValueError, "max_logprobs is taken by megatron-serve run/serve, not by LLM"),
     ({"max_modle_len": 64}, TypeError, "unexpected keyword argument 'max_modle_len'"),
     ({"dtype": "float64"}, ValueError, "dtype='float64'"),
     ({"data_parallel_size": 0}, ValueError, "data_parallel_size=0: must be a positive integer"),
@@ -199,6 +201,17 @@ def test_use_tqdm_shows_processed_prompts(llm, capsys):
 def test_constructor_keywords_are_refused_by_name(tiny_llama, kwargs, error, match):
     with pytest.raises(error, match=match):
         LLM(tiny_llama, **kwargs)
+
+
+def test_keywords_that_start_a_fleet():
+    assert (parse_llm_keywords({}).use_coordinator, parse_llm_keywords({}).num_engines) == (False, 1)
+    two = parse_llm_keywords({"data_parallel_size": 2, "pipeline_parallel_size": 1})
+    assert (two.use_coordinator, two.num_engines) == (True, 2)
+    sleepy = parse_llm_keywords({"enable_sleep_mode": True})
+    assert (sleepy.use_coordinator, sleepy.num_engines) == (True, 1)
+    accepted = parse_llm_keywords({"disable_frontend_multiprocessing": True, "tokenizer_mode": "auto"})
+    assert [line.split(" is ")[0] for line in accepted.warnings] == ["disable_frontend_multiprocessing",
+                                                                    "tokenizer_mode"]
 
 
 def test_constructor_keywords_reach_the_engine(tiny_llama, caplog):

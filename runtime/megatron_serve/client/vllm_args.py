@@ -5,8 +5,10 @@ other keyword is one of ``vllm serve``'s options (each ``EngineArgs`` field is o
 is ``swap_space=``), and its fate is that option's row in
 :data:`megatron_serve.client.vllm_options.VLLM_OPTIONS`, the one table that also drives the
 CLI and docs/vllm-mapping.md: *accepted* keywords change nothing and log a warning saying why,
-*refused* ones raise ``ValueError`` with the row's reason, and a keyword in neither is a
-``TypeError`` naming it, as Python's own for an unexpected keyword. A keyword given as ``None``
+*refused* ones raise ``ValueError`` with the row's reason, *implemented* ones that ``LLM`` does not
+apply (the HTTP server's, or an engine option not yet wired here) raise ``ValueError`` rather than
+be ignored, and a keyword in no row is a ``TypeError`` naming it, as Python's own for an unexpected
+keyword. A keyword given as ``None``
 (or ``False`` for an option that is a switch) is vLLM's default and is not looked at further.
 """
 
@@ -81,6 +83,13 @@ def _sizes(value: Any) -> list[int]:
     return [_positive_int(size) for size in value]
 
 
+def _one_stage(value: Any) -> int:
+    if _positive_int(value) != 1:
+        raise ValueError("pipeline parallelism is not implemented; split a model over GPUs with "
+                         "tensor_parallel_size, replicate it with data_parallel_size")
+    return value
+
+
 def _anything(value: Any) -> Any:
     return value
 
@@ -102,6 +111,7 @@ LLM_KEYWORDS: dict[str, Keyword] = {
     "data_parallel_size": Keyword(None, _positive_int),  # more than 1: a local fleet of that many engines
     "enable_sleep_mode": Keyword(None, _flag),  # a local fleet of one engine: sleep/wake_up need one
     "disable_log_stats": Keyword(None, _flag),  # LLM logs no periodic stats either way
+    "pipeline_parallel_size": Keyword(None, _one_stage),
     "dtype": Keyword("dtype", _dtype),
     "max_model_len": Keyword("max_sequence_length", _positive_int),
     "tensor_parallel_size": Keyword("tensor_parallel_size", _positive_int),
@@ -185,11 +195,10 @@ def parse_llm_keywords(keywords: dict[str, Any]) -> LLMArguments:
             continue  # vLLM's default: nothing asked for
         if row.status is Status.REFUSED:
             raise ValueError(f"{name}: {row.reason}")
-        if row.scope is not Scope.ENGINE:
-            raise ValueError(f"{name} is served by megatron-serve run/serve (the HTTP server), not by LLM")
+        if row.status is not Status.ACCEPTED:  # implemented by the commands, not applied by LLM: never ignored
+            raise ValueError(f"{name} is taken by megatron-serve run/serve, not by LLM")
         _check_row(name, value, row)
-        if row.status is Status.ACCEPTED:
-            parsed.warnings.append(f"{name} is accepted for vLLM compatibility and changes nothing: {row.reason}")
+        parsed.warnings.append(f"{name} is accepted for vLLM compatibility and changes nothing: {row.reason}")
     return parsed
 
 
