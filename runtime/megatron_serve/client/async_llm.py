@@ -211,7 +211,7 @@ class MegatronAsyncLLM:
         return texts, self.plan_jobs(prompts, sampling_params)
 
     async def run_jobs(self, jobs: list[tuple[int, Prompt, SamplingParams]],
-                   on_finished: Callable[[int], None] | None = None) -> list[DynamicInferenceRequest]:
+                       on_finished: Callable[[int], None] | None = None) -> list[DynamicInferenceRequest]:
         """Every job's finished request, in job order; ``on_finished(job index)`` is called as each one
         finishes (the progress bar of :meth:`MegatronLLM.generate`)."""
         await self.start()
@@ -222,7 +222,7 @@ class MegatronAsyncLLM:
         return list(await asyncio.gather(*futures))
 
     def plan_jobs(self, prompts: list[Prompt], sampling_params: SamplingParams | Sequence[SamplingParams] | None
-              ) -> list[tuple[int, Prompt, SamplingParams]]:
+                  ) -> list[tuple[int, Prompt, SamplingParams]]:
         """``(prompt index, prompt, parameters)`` of every request: one set of parameters per prompt, ``n``
         requests per prompt, each prompt cut to its ``truncate_prompt_tokens`` last tokens."""
         if isinstance(sampling_params, (list, tuple)):

@@ -1,4 +1,4 @@
-"""``MegatronLLM``: the blocking Python API (docs/python-api.md; vLLM's ``LLM``: docs/vllm-mapping.md).
+"""``MegatronLLM``, the blocking Python API, and ``LLM``, the same as vLLM's (docs/python-api.md).
 
 A :class:`~megatron_serve.client.async_llm.MegatronAsyncLLM` on a background event-loop thread
 (:class:`~megatron_serve.client.loop_thread.EventLoopThread`); every call blocks on it. Direct mode
@@ -109,10 +109,10 @@ class MegatronLLM:
              ) -> list[DynamicInferenceRequest]:
         """vLLM's ``LLM.chat``: one conversation (a list of ``{"role", "content"}`` dicts) or a list of them,
         rendered with the model's chat template and generated; see :meth:`MegatronAsyncLLM.chat`."""
-        _, jobs, results = self._chat(messages, sampling_params, use_tqdm, lora_request, tools=tools,
-                                      add_generation_prompt=add_generation_prompt,
-                                      continue_final_message=continue_final_message,
-                                      chat_template_kwargs=chat_template_kwargs)
+        *_, results = self._chat(messages, sampling_params, use_tqdm, lora_request, tools=tools,
+                                 add_generation_prompt=add_generation_prompt,
+                                 continue_final_message=continue_final_message,
+                                 chat_template_kwargs=chat_template_kwargs)
         return results
 
     def _chat(self, messages: Conversation | Sequence[Conversation],
@@ -264,8 +264,8 @@ class LLM(MegatronLLM):
         return super().sleep(level)
 
 
-def _with_priority(sampling_params: SamplingParams | Sequence[SamplingParams], priority: Sequence[int] | None,
-                   count: int) -> SamplingParams | Sequence[SamplingParams]:
+def _with_priority(sampling_params: SamplingParams | Sequence[SamplingParams] | None,
+                   priority: Sequence[int] | None, count: int) -> SamplingParams | Sequence[SamplingParams] | None:
     """vLLM's per-prompt ``priority`` list folded into one ``SamplingParams`` per prompt."""
     if priority is None:
         return sampling_params
