@@ -9,7 +9,9 @@ One method serves both callers, so that there are not two generate APIs side by 
   tokens (cumulative, as vLLM's default ``RequestOutputKind.CUMULATIVE``), the last one
   ``finished``. Leaving the loop early aborts every choice.
 
-Nothing runs until the object is awaited or iterated (as a coroutine that is never awaited).
+Nothing runs until the object is awaited or iterated (as a coroutine that is never awaited). It is an
+awaitable, not a coroutine: ``asyncio.gather`` and ``asyncio.ensure_future`` take it, ``create_task`` does not
+(``asyncio.ensure_future(llm.generate(...))`` makes the task).
 """
 
 from __future__ import annotations
