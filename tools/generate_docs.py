@@ -376,8 +376,9 @@ def vllm_page(document: dict[str, Any]) -> str:
            "# Coming from vLLM\n\n",
            f"`vllm serve MODEL` corresponds to {serve}: one command that starts the coordinator, the "
            "engines and the OpenAI server. On Kubernetes a `MegatronInference` resource replaces the "
-           "Deployment you wrote for vLLM. From Python, `MegatronLLM` takes the calls of vLLM's `LLM` and "
-           "`SamplingParams` takes vLLM's names: see [Python API](python-api.md#coming-from-vllms-llm). Gateways "
+           "Deployment you wrote for vLLM. From Python, `from megatron_serve import LLM, SamplingParams` runs a "
+           "vLLM `LLM` script with only its import changed (these options are its keywords too): see "
+           "[Python API](python-api.md#coming-from-vllms-llm). Gateways "
            "and routers that balance vLLM pools read the same series here: see "
            "[Gateways and routers](kubernetes/gateways.md). This page is generated, so every row says what the code "
            "accepts today.\n\n## Options\n\n",
