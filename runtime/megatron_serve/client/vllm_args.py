@@ -157,7 +157,7 @@ class LLMArguments:
 
 
 def _check_row(name: str, value: Any, row: VllmOption) -> None:
-    """A value an accepted or implemented row's parser would refuse is refused here too, naming the keyword."""
+    """A value an accepted row's parser would refuse (a choice it lacks) is refused here too, naming the keyword."""
     spec = row.spec or {}
     text = str(value)
     if "choices" in spec and text not in spec["choices"]:
