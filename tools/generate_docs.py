@@ -5,7 +5,7 @@
   OpenAPI document (``create_app(...).openapi()``);
 * ``docs/reference/megatroninference.md``: from the CRD schema in ``megatron_operator/crd.py``;
 * ``docs/reference/metrics.md``: from the metric catalogue (``megatron_serve.server.metric_catalog``);
-* ``docs/vllm-mapping.md``: vLLM's options (from the table of ``megatron_serve.commands.vllm_options``,
+* ``docs/vllm-mapping.md``: vLLM's options (from the table of ``megatron_serve.client.vllm_options``,
   checked against the parsers), routes and series beside what the OpenAPI document and the catalogue
   offer here;
 * the Grafana dashboard (chart file and example ConfigMap): from :mod:`dashboard`.
@@ -364,20 +364,21 @@ def _option_strings(parser: argparse.ArgumentParser) -> dict[str, argparse.Actio
 
 def vllm_page(document: dict[str, Any]) -> str:
     from megatron_serve.cli import COMMANDS
-    from megatron_serve.commands.vllm_options import VLLM_OPTIONS, Status
+    from megatron_serve.client.vllm_options import VLLM_OPTIONS, Status
     from megatron_serve.server.extensions import EXTENSIONS, NOT_IMPLEMENTED
     from megatron_serve.server.metric_catalog import SERIES, VLLM_SERIES
 
     serve = "`megatron-serve serve MODEL` (the same as `megatron-serve run --model MODEL`)" if "serve" in COMMANDS \
         else "`megatron-serve run --model MODEL`"
     options = _option_strings(_parser_for("run", COMMANDS["run"][0], COMMANDS["run"][1]))
-    out = [HEADER.format(source="the vLLM option table (`megatron_serve/commands/vllm_options.py`), the CLI parsers, "
+    out = [HEADER.format(source="the vLLM option table (`megatron_serve/client/vllm_options.py`), the CLI parsers, "
                                 "the OpenAPI document and the metric catalogue"),
            "# Coming from vLLM\n\n",
            f"`vllm serve MODEL` corresponds to {serve}: one command that starts the coordinator, the "
            "engines and the OpenAI server. On Kubernetes a `MegatronInference` resource replaces the "
-           "Deployment you wrote for vLLM. From Python, `MegatronLLM` takes the calls of vLLM's `LLM` and "
-           "`SamplingParams` takes vLLM's names: see [Python API](python-api.md#coming-from-vllms-llm). Gateways "
+           "Deployment you wrote for vLLM. From Python, `from megatron_serve import LLM, SamplingParams` runs a "
+           "vLLM `LLM` script with only its import changed (these options are its keywords too): see "
+           "[Python API](python-api.md#coming-from-vllms-llm). Gateways "
            "and routers that balance vLLM pools read the same series here: see "
            "[Gateways and routers](kubernetes/gateways.md). This page is generated, so every row says what the code "
            "accepts today.\n\n## Options\n\n",

@@ -15,15 +15,21 @@ from typing import TYPE_CHECKING, Any
 __version__ = "0.1.0"
 
 _EXPORTS = {
+    "CompletionOutput": ".client.vllm_outputs",
     "DynamicInferenceRequest": ".wire.request",
     "EventType": ".wire.request",
     "FinishReason": ".wire.request",
     "InferenceClient": ".client.coordinator_client",
     "InferenceConfig": ".config",
+    "LLM": ".client.llm",
+    "Logprob": ".client.vllm_outputs",
     "MegatronAsyncLLM": ".client.async_llm",
     "MegatronLLM": ".client.llm",
+    "RequestOutput": ".client.vllm_outputs",
     "RequestStatus": ".wire.request",
     "SamplingParams": ".wire.sampling_params",
+    "TextPrompt": ".client.prompts",
+    "TokensPrompt": ".client.prompts",
 }
 
 __all__ = sorted(_EXPORTS)
@@ -32,7 +38,9 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
     from .client.async_llm import MegatronAsyncLLM
     from .client.coordinator_client import InferenceClient
     from .config import InferenceConfig
-    from .client.llm import MegatronLLM
+    from .client.llm import LLM, MegatronLLM
+    from .client.prompts import TextPrompt, TokensPrompt
+    from .client.vllm_outputs import CompletionOutput, Logprob, RequestOutput
     from .wire.request import DynamicInferenceRequest, EventType, FinishReason, RequestStatus
     from .wire.sampling_params import SamplingParams
 

@@ -8,19 +8,24 @@ FastAPI before its ``run``: ``megatron-serve run --help`` answers in about 0.1 s
 
 Every parser refuses abbreviations (``allow_abbrev=False``: ``--api-key abc`` once silently meant
 ``--api-key-file abc``) and prints every option's default in ``--help``. An argument a subcommand
-cannot parse (an unknown option, a bad value) prints that subcommand's usage, not the top-level one;
-a failed check once parsed is one line that says what to fix. vLLM options that change nothing here
-are warned about, one line each, before the command runs (:mod:`megatron_serve.commands.vllm_options`).
+cannot parse (an unknown option, a bad value, a refused vLLM option) prints that subcommand's usage
+in one line and the reason in another (:class:`SubcommandParser`; the whole usage of ``run`` was 63
+lines above the reason); a failed check once parsed is one line that says what to fix. vLLM options that change nothing here
+are warned about, one line each, before the command runs (:mod:`megatron_serve.client.vllm_options`).
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import os
+import select
+import signal
 import sys
+from typing import NoReturn
 
 from . import __version__
-from .commands.vllm_options import accepted_warnings
+from .client.vllm_options import accepted_warnings
 from .fleet.lifeline import hold_lifeline
 
 # name -> (module, one-line help)
@@ -57,6 +62,19 @@ class HelpFormatter(argparse.HelpFormatter):
         return f"{text} (default: {shown})" if text else f"(default: {shown})"
 
 
+class SubcommandParser(argparse.ArgumentParser):
+    """A subcommand's parser whose errors are two lines: a short usage (the positional arguments, then
+    ``[options]``) and the reason. ``--help`` still shows everything."""
+
+    def short_usage(self) -> str:
+        formatter = self._get_formatter()
+        formatter.add_usage(None, self._get_positional_actions(), [])
+        return " ".join(formatter.format_help().split()) + " [options] (--help lists them)"
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.short_usage()}\n{self.prog}: error: {message}\n")
+
+
 def parse_args(argv: list[str]) -> argparse.Namespace:
     """Parse a ``megatron-serve`` command line exactly as :func:`main` does, without running it.
 
@@ -66,7 +84,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="megatron-serve", description="Megatron-style LLM inference stack.",
                                      allow_abbrev=False, formatter_class=HelpFormatter)
     parser.add_argument("--version", action="version", version=f"megatron-serve {__version__}")
-    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=SubcommandParser)
     chosen = argv[0] if argv else None
     subs: dict[str, argparse.ArgumentParser] = {}
     for name, (module_name, help_text) in COMMANDS.items():
@@ -85,6 +103,17 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return args
 
 
+def stdout_reader_gone() -> bool:
+    """Whether standard output is a pipe whose reader has left (``control status | head``): the kernel flags
+    its write end with POLLERR. A broken pipe of any other file (a socket) is not this command's output."""
+    try:
+        poller = select.poll()
+        poller.register(sys.stdout.fileno(), select.POLLOUT)
+        return any(events & select.POLLERR for _, events in poller.poll(0))
+    except (OSError, ValueError):
+        return False
+
+
 def main(argv: list[str] | None = None) -> int:
     hold_lifeline()  # a child of a local fleet dies with it
     args = parse_args(list(sys.argv[1:] if argv is None else argv))
@@ -92,7 +121,15 @@ def main(argv: list[str] | None = None) -> int:
     for line in accepted_warnings(args):
         print(f"megatron-serve {args.command}: warning: {line}", file=sys.stderr, flush=True)
     try:
-        return int(module.run(args) or 0)
+        code = int(module.run(args) or 0)
+        sys.stdout.flush()  # here, not at exit, where a reader that left (`| head`) meant a traceback
+        return code
+    except BrokenPipeError:
+        if not stdout_reader_gone():
+            raise
+        devnull = os.open(os.devnull, os.O_WRONLY)  # the interpreter's last flush must not fail again
+        os.dup2(devnull, sys.stdout.fileno())
+        return 128 + signal.SIGPIPE  # as a command the shell's SIGPIPE ended: 141, quietly
     except KeyboardInterrupt:
         return 130
     except (ValueError, FileNotFoundError, RuntimeError) as exc:  # one line that says what to fix

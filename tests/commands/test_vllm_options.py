@@ -1,4 +1,4 @@
-"""``vllm serve``'s options, from the one table (``commands/vllm_options.py``): every row parses, accepted
+"""``vllm serve``'s options, from the one table (``client/vllm_options.py``): every row parses, accepted
 options warn naming themselves, refused ones say why, and every argument ``serve`` cannot parse prints
 ``serve``'s usage (a combination refused once parsed is one line, as every check of the commands).
 
@@ -21,7 +21,7 @@ import httpx
 import pytest
 
 from megatron_serve.cli import main, parse_args
-from megatron_serve.commands.vllm_options import VLLM_OPTIONS, Status, accepted_warnings
+from megatron_serve.client.vllm_options import VLLM_OPTIONS, Status, accepted_warnings
 from megatron_serve.model.tiny import CHAT_TEMPLATE, make_tiny_model
 
 from ..runtime.test_hub import hub_cache

@@ -67,6 +67,18 @@ def test_runs_are_private_found_by_directory_and_stale_ones_dropped(tmp_path, mo
     assert local_runs.live_runs()[0].secret() is None  # an --insecure run has none
 
 
+def test_the_next_run_removes_the_directory_of_a_run_killed_with_its_janitor(tmp_path, monkeypatch):
+    """A run and its janitor both killed (kill -9 of the session) leave the run's directory, secret included:
+    the next run of this user removes it as it publishes its own (before, only ``control`` did)."""
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    stale = local_runs.publish(int(dead.stdout), "tcp://127.0.0.1:1", "", "gone", "s" * 43)
+    assert (stale.directory / "secret").exists()
+    mine = local_runs.publish(os.getpid(), "tcp://127.0.0.1:5556", "", "m", None)
+    assert not stale.directory.exists() and mine.directory.exists()
+    local_runs.withdraw(mine)
+
+
 def test_runs_of_others_are_never_read(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
     monkeypatch.chdir(tmp_path)

@@ -184,16 +184,20 @@ async def test_ctrl_c_drains_four_long_requests_then_stops_and_leaves_nothing_be
     assert "Traceback" not in stack.output(), stack.output()[-3000:]
 
 
-async def test_kill_9_of_run_takes_its_children_and_the_next_start_removes_its_directory(tiny_llama, tmp_path):
+async def test_kill_9_of_run_takes_its_children_and_its_directories(tiny_llama, tmp_path):
     stack = start_run(tiny_llama, tmp_path, engines=1)
     children = stack.pids()
     assert len(children) == 2
-    (run_dir,) = tmp_path.glob("megatron-fleet-*")
+    (run_dir,) = tmp_path.glob("megatron-fleet-*")  # its logs
+    published = stack._published()  # its run directory, with the fleet secret
+    assert (published / "secret").exists()
     stack.proc.kill()
     stack.proc.wait()
     deadline = time.monotonic() + 10
-    while [pid for pid in children if alive(pid)]:
-        assert time.monotonic() < deadline, f"children alive 10 s after kill -9 of run: {children}"
+    while [pid for pid in children if alive(pid)] or run_dir.exists() or published.exists():
+        assert time.monotonic() < deadline, (
+            f"10 s after kill -9 of run: children alive {[pid for pid in children if alive(pid)]}, "
+            f"left on disk {[str(p) for p in (run_dir, published) if p.exists()]}")
         await asyncio.sleep(0.05)
-    assert run_dir.exists()  # nobody could remove it: the next fleet of this user does
-    assert remove_stale_run_dirs(tmp_path) == [run_dir]
+    assert remove_stale_run_dirs(tmp_path) == []  # nothing left for the next start to remove
+

@@ -20,12 +20,14 @@ from __future__ import annotations
 
 import asyncio
 import os
+import uuid
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, AsyncIterator, Iterable, Sequence
+from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Iterable, Sequence
 
 from ..config import InferenceConfig
 from .engine_client import EngineClient
 from .fleet_client import FleetClient
+from .generate_call import GenerateCall, stream_request_outputs
 from ..generation_config import GenerationDefaults
 from ..hub import resolve_model
 from ..wire.lifecycle import PauseMode, parse_pause_mode
@@ -34,6 +36,8 @@ from .chat_messages import Conversation, render_conversations
 from .prompts import ImagePrompt, Prompt, PromptInput, as_prompt, normalize_prompts
 from ..wire.request import DynamicInferenceRequest
 from ..wire.sampling_params import SamplingParams
+from .vllm_args import refuse_lora, wake_up_plan
+from .vllm_outputs import RequestOutput
 
 if TYPE_CHECKING:
     import torch
@@ -96,6 +100,10 @@ class MegatronAsyncLLM:
             self._tokenizer = Tokenizer.from_pretrained(Path(self._tokenizer))
         return self._tokenizer
 
+    def get_tokenizer(self) -> Any:
+        """vLLM's ``get_tokenizer``: the Hugging Face tokenizer (``encode``, ``decode``, ``apply_chat_template``)."""
+        return self.tokenizer.hf_tokenizer
+
     @property
     def client(self) -> EngineClient:
         """The engine client requests go through (what ``serve()`` serves)."""
@@ -129,20 +137,42 @@ class MegatronAsyncLLM:
 
     # ------------------------------------------------------------------ generation
 
-    async def generate(self, prompts: PromptInput,
-                       sampling_params: SamplingParams | Sequence[SamplingParams] | None = None
-                       ) -> DynamicInferenceRequest | list[DynamicInferenceRequest]:
-        """One finished request for a single prompt, a list (input order) for a batch.
+    def generate(self, prompts: PromptInput,
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 request_id: str | None = None, *, lora_request: Any = None) -> GenerateCall:
+        """Awaited: one finished request for a single prompt, a list (input order) for a batch.
+        Iterated (``async for``): vLLM's ``AsyncLLM.generate``, one prompt's ``RequestOutput`` as it grows.
 
-        A prompt is text, token ids, or ``{"prompt": ..., "images": [bytes or PIL.Image, ...]}`` (see
-        :meth:`MegatronLLM.generate`). ``sampling_params``: one for every prompt, or a list of one per
-        prompt (as vLLM's ``LLM.generate``). With ``n`` > 1 each prompt gives ``n`` requests, prompt by
-        prompt (``[p0 c0, p0 c1, p1 c0, ...]``: a list even for a single prompt).
+        A prompt is text, token ids, vLLM's ``{"prompt_token_ids": [...]}`` or ``{"prompt": text}``, or
+        ``{"prompt": ..., "images": [bytes or PIL.Image, ...]}`` (see :meth:`MegatronLLM.generate`).
+        ``sampling_params``: one for every prompt, or a list of one per prompt (as vLLM's ``LLM.generate``).
+        Awaited with ``n`` > 1, each prompt gives ``n`` requests, prompt by prompt (``[p0 c0, p0 c1, p1 c0,
+        ...]``: a list even for a single prompt); iterated, one ``RequestOutput`` holds the ``n`` outputs
+        (request ids ``{index}_{request_id}``, as vLLM's). ``request_id``: iterated only (default: a new
+        one). ``lora_request``: ``None`` only (LoRA adapters are not implemented).
         """
+        refuse_lora(lora_request)
         prompt_list, single = normalize_prompts(prompts)
-        jobs = self._jobs(prompt_list, sampling_params)
-        results = await self._run(jobs)
-        return results[0] if single and len(results) == 1 else results
+        jobs = self.plan_jobs(prompt_list, sampling_params)
+
+        async def result() -> DynamicInferenceRequest | list[DynamicInferenceRequest]:
+            if request_id is not None:
+                raise ValueError("request_id names the request of an iterated generate (async for); awaited, "
+                                 "each request gets an id of its own")
+            results = await self.run_jobs(jobs)
+            return results[0] if single and len(results) == 1 else results
+
+        async def stream() -> AsyncIterator[RequestOutput]:
+            if not single:
+                raise ValueError("an iterated generate (async for) runs one prompt, as vLLM's AsyncLLM.generate: "
+                                 "await generate(...) runs a batch")
+            await self.start()
+            choices = [params for _, _, params in jobs]
+            async for output in stream_request_outputs(self._client, self.tokenizer, jobs[0][1], choices,
+                                                       request_id or uuid.uuid4().hex):
+                yield output
+
+        return GenerateCall(result, stream)
 
     async def chat(self, messages: Conversation | Sequence[Conversation],
                    sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
@@ -158,23 +188,41 @@ class MegatronAsyncLLM:
         each with the rendered text as its ``prompt``. Tool calls are not parsed out of the text.
         The template writes the special tokens (BOS): the text is tokenized without adding them.
         """
+        texts, jobs = self.chat_jobs(messages, sampling_params, tools=tools,
+                                     add_generation_prompt=add_generation_prompt,
+                                     continue_final_message=continue_final_message,
+                                     chat_template_kwargs=chat_template_kwargs)
+        results = await self.run_jobs(jobs)
+        for (index, _, _), result in zip(jobs, results):
+            result.prompt = texts[index]
+        return results
+
+    def chat_jobs(self, messages: Conversation | Sequence[Conversation],
+                  sampling_params: SamplingParams | Sequence[SamplingParams] | None, *,
+                  tools: list[dict[str, Any]] | None, add_generation_prompt: bool, continue_final_message: bool,
+                  chat_template_kwargs: dict[str, Any] | None
+                  ) -> tuple[list[str], list[tuple[int, Prompt, SamplingParams]]]:
+        """The rendered conversations and the requests that generate them (see :meth:`chat`)."""
         texts = render_conversations(self.tokenizer, messages, tools=tools,
                                      add_generation_prompt=add_generation_prompt,
                                      continue_final_message=continue_final_message,
                                      template_kwargs=chat_template_kwargs)
         prompts: list[Prompt] = [self.tokenizer.encode(text, add_special_tokens=False) for text in texts]
-        jobs = self._jobs(prompts, sampling_params)
-        results = await self._run(jobs)
-        for (index, _, _), result in zip(jobs, results):
-            result.prompt = texts[index]
-        return results
+        return texts, self.plan_jobs(prompts, sampling_params)
 
-    async def _run(self, jobs: list[tuple[int, Prompt, SamplingParams]]) -> list[DynamicInferenceRequest]:
+    async def run_jobs(self, jobs: list[tuple[int, Prompt, SamplingParams]],
+                       on_finished: Callable[[int], None] | None = None) -> list[DynamicInferenceRequest]:
+        """Every job's finished request, in job order; ``on_finished(job index)`` is called as each one
+        finishes (the progress bar of :meth:`MegatronLLM.generate`)."""
         await self.start()
-        return list(await asyncio.gather(*(self._client.add_request(prompt, params) for _, prompt, params in jobs)))
+        futures = [self._client.add_request(prompt, params) for _, prompt, params in jobs]
+        if on_finished is not None:
+            for index, future in enumerate(futures):
+                future.add_done_callback(lambda _, index=index: on_finished(index))
+        return list(await asyncio.gather(*futures))
 
-    def _jobs(self, prompts: list[Prompt], sampling_params: SamplingParams | Sequence[SamplingParams] | None
-              ) -> list[tuple[int, Prompt, SamplingParams]]:
+    def plan_jobs(self, prompts: list[Prompt], sampling_params: SamplingParams | Sequence[SamplingParams] | None
+                  ) -> list[tuple[int, Prompt, SamplingParams]]:
         """``(prompt index, prompt, parameters)`` of every request: one set of parameters per prompt, ``n``
         requests per prompt, each prompt cut to its ``truncate_prompt_tokens`` last tokens."""
         if isinstance(sampling_params, (list, tuple)):
@@ -206,7 +254,7 @@ class MegatronAsyncLLM:
                               ) -> AsyncIterator[StreamItem]:
         """Yield :class:`~megatron_serve.client.outputs.StreamPartial` items as tokens are generated, then the
         finished request. ``prompt``: one prompt of any shape :meth:`generate` takes; one sequence (``n`` 1)."""
-        jobs = self._jobs([as_prompt(prompt)], sampling_params)
+        jobs = self.plan_jobs([as_prompt(prompt)], sampling_params)
         if len(jobs) != 1:
             raise ValueError("generate_stream runs one sequence: n must be 1 (generate takes n)")
         ((_, one, params),) = jobs
@@ -240,6 +288,22 @@ class MegatronAsyncLLM:
     async def resume(self) -> dict[str, Any]:
         await self.start()
         return await self._client.resume()
+
+    async def sleep(self, level: int = 1) -> dict[str, Any]:
+        """vLLM's ``sleep``: the fleet's ``suspend(level)`` (level 1 releases the KV cache, level 2 also moves
+        the weights to host memory); coordinator mode only."""
+        return await self.suspend(level)
+
+    async def wake_up(self, tags: list[str] | None = None) -> dict[str, Any]:
+        """vLLM's ``wake_up``: ``resume``, then ``unpause`` unless ``tags`` is ``["weights"]``.
+
+        The fleet restores the weights and the KV cache together: ``["weights"]`` restores both but leaves
+        the fleet paused, so that a ``refit`` can load new weights before anything runs; ``["kv_cache"]``
+        or no tags then let it run. Other tags are refused by name.
+        """
+        unpause = wake_up_plan(tags)
+        ack = await self.resume()
+        return await self.unpause() if unpause else ack
 
     async def stop(self) -> dict[str, Any]:
         """The STOP verb for the whole fleet (also one this object did not start)."""

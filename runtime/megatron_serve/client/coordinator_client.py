@@ -42,7 +42,7 @@ from ..multimodal import PromptImage
 from .output_processor import OutputCollector, check_params, load_tokenizer
 from .prompts import ImagePrompt, Prompt
 from ..wire.protocol import ErrorCode, Header, Role, encode, pack_batches
-from ..wire.security import FleetSecret, PeerKeys, fleet_secret, hello_credentials, refused_message
+from ..wire.security import FleetSecret, PeerKeys, TokenFrom, fleet_secret, hello_credentials, refused_message
 from ..wire.transport import close_monitored, open_peer_socket
 from .outputs import StreamPartial
 from .pending_requests import PendingRequest, PendingRequests
@@ -77,7 +77,7 @@ ACK_DELAY_S = 0.05
 class InferenceClient:
     """Asyncio client of a coordinator at ``address`` (``tcp://host:port``).
 
-    ``token``: the fleet secret (``None``: an ``--insecure`` coordinator; :mod:`megatron_serve.wire.security`).
+    ``token``: the fleet secret (``None``: an ``--insecure`` coordinator; not given: ``$MEGATRON_SERVE_TOKEN``).
     ``role``: ``"client"`` (submit and control) or ``"control"`` (control and status only). ``coordinator_timeout``:
     with no message from the coordinator for that long (it answers every heartbeat), reconnect.
     ``coordinator_grace``: a lost coordinator (or its replacement) back within that many seconds gets
@@ -89,7 +89,7 @@ class InferenceClient:
     def __init__(
         self,
         address: str,
-        token: str | FleetSecret | None = None,
+        token: str | FleetSecret | None | TokenFrom = TokenFrom.ENVIRONMENT,
         *,
         role: str = Role.CLIENT.value,
         client_id: str | None = None,

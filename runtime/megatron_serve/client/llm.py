@@ -1,4 +1,4 @@
-"""``MegatronLLM``: the blocking Python API (docs/python-api.md; vLLM's ``LLM``: docs/vllm-mapping.md).
+"""``MegatronLLM``, the blocking Python API, and ``LLM``, the same as vLLM's (docs/python-api.md).
 
 A :class:`~megatron_serve.client.async_llm.MegatronAsyncLLM` on a background event-loop thread
 (:class:`~megatron_serve.client.loop_thread.EventLoopThread`); every call blocks on it. Direct mode
@@ -15,16 +15,22 @@ from __future__ import annotations
 import os
 import weakref
 from pathlib import Path
-from typing import Any, Coroutine, Sequence, TypeVar
+from typing import Any, Callable, Coroutine, Sequence, TypeVar
+
+import msgspec
 
 from .async_llm import MegatronAsyncLLM
 from .chat_messages import Conversation
 from ..config import InferenceConfig
+from ..errors import NoFleet
 from ..generation_config import GenerationDefaults
 from ..wire.lifecycle import PauseMode
 from .loop_thread import EventLoopThread
 from ..model.llama import LlamaForCausalLM
-from .prompts import PromptInput, normalize_prompts
+from .progress import progress_bar
+from .prompts import Prompt, PromptInput, normalize_prompts
+from .vllm_args import log_warnings, model_directory, parse_llm_keywords, refuse_lora
+from .vllm_outputs import RequestOutput, Shaper
 from ..wire.request import DynamicInferenceRequest
 from ..wire.sampling_params import SamplingParams
 from ..tokenizer import Tokenizer
@@ -79,30 +85,74 @@ class MegatronLLM:
             raise RuntimeError("this MegatronLLM was shut down")
         return self._llm
 
-    def generate(self, prompts: PromptInput, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None
+    def generate(self, prompts: PromptInput, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool | Callable[..., Any] = False, lora_request: Any = None
                  ) -> list[DynamicInferenceRequest]:
         """Generate for every prompt; returns one finished request per prompt, in input order.
 
-        A prompt is text, token ids, or ``{"prompt": ..., "images": [bytes or PIL.Image, ...]}`` with one
-        image placeholder of the model (e.g. ``<image>``) in the prompt where each image goes.
-        ``sampling_params``: one for all prompts, or a list of one per prompt (as vLLM's ``LLM.generate``);
-        with ``n`` > 1, ``n`` requests per prompt, prompt by prompt.
+        A prompt is text, token ids, vLLM's ``{"prompt_token_ids": [...]}``, or ``{"prompt": ..., "images":
+        [bytes or PIL.Image, ...]}`` with one image placeholder of the model (e.g. ``<image>``) in the prompt
+        where each image goes. ``sampling_params``: one for all prompts, or a list of one per prompt (as
+        vLLM's ``LLM.generate``); with ``n`` > 1, ``n`` requests per prompt, prompt by prompt (:class:`LLM`
+        groups them as vLLM does). ``use_tqdm``: a progress bar (``True``, or a ``tqdm``-like class).
+        ``lora_request``: ``None`` only (LoRA adapters are not implemented).
         """
+        refuse_lora(lora_request)
         prompt_list, _ = normalize_prompts(prompts)  # bad prompts raise here, in the caller's thread
-        result = self._run(self._async().generate(prompt_list, sampling_params))
-        return result if isinstance(result, list) else [result]
+        return self._run_jobs(self._async().plan_jobs(prompt_list, sampling_params), use_tqdm)
 
     def chat(self, messages: Conversation | Sequence[Conversation],
-             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             use_tqdm: bool | Callable[..., Any] = False, lora_request: Any = None, *,
              tools: list[dict[str, Any]] | None = None, add_generation_prompt: bool = True,
              continue_final_message: bool = False, chat_template_kwargs: dict[str, Any] | None = None
              ) -> list[DynamicInferenceRequest]:
         """vLLM's ``LLM.chat``: one conversation (a list of ``{"role", "content"}`` dicts) or a list of them,
         rendered with the model's chat template and generated; see :meth:`MegatronAsyncLLM.chat`."""
-        return self._run(self._async().chat(messages, sampling_params, tools=tools,
-                                            add_generation_prompt=add_generation_prompt,
-                                            continue_final_message=continue_final_message,
-                                            chat_template_kwargs=chat_template_kwargs))
+        *_, results = self._chat(messages, sampling_params, use_tqdm, lora_request, tools=tools,
+                                 add_generation_prompt=add_generation_prompt,
+                                 continue_final_message=continue_final_message,
+                                 chat_template_kwargs=chat_template_kwargs)
+        return results
+
+    def _chat(self, messages: Conversation | Sequence[Conversation],
+              sampling_params: SamplingParams | Sequence[SamplingParams] | None, use_tqdm: bool | Callable[..., Any],
+              lora_request: Any, **template: Any
+              ) -> tuple[list[str], list[tuple[int, Prompt, SamplingParams]], list[DynamicInferenceRequest]]:
+        """The rendered conversations, the requests and their results (each with its conversation's text as
+        its ``prompt``)."""
+        refuse_lora(lora_request)
+        texts, jobs = self._async().chat_jobs(messages, sampling_params, **template)
+        results = self._run_jobs(jobs, use_tqdm)
+        for (index, _, _), result in zip(jobs, results):
+            result.prompt = texts[index]
+        return texts, jobs, results
+
+    def _run_jobs(self, jobs: list[tuple[int, Prompt, SamplingParams]], use_tqdm: bool | Callable[..., Any]
+                  ) -> list[DynamicInferenceRequest]:
+        """Run the requests, with vLLM's "Processed prompts" bar when asked (a prompt counts once all its
+        ``n`` requests finished)."""
+        if not use_tqdm:
+            return self._run(self._async().run_jobs(jobs))
+        bar = progress_bar(use_tqdm, jobs)
+        try:
+            return self._run(self._async().run_jobs(jobs, bar.finished))
+        finally:
+            bar.close()
+
+    def get_tokenizer(self) -> Any:
+        """vLLM's ``get_tokenizer``: the Hugging Face tokenizer (``encode``, ``decode``, ``apply_chat_template``)."""
+        return self._async().get_tokenizer()
+
+    def sleep(self, level: int = 1) -> dict:
+        """vLLM's ``sleep``: :meth:`suspend` (level 1 releases the KV cache, level 2 also moves the weights to
+        host memory). Needs a fleet (coordinator mode; :class:`LLM`: ``enable_sleep_mode=True``)."""
+        return self._run(self._async().sleep(level))
+
+    def wake_up(self, tags: list[str] | None = None) -> dict:
+        """vLLM's ``wake_up``: :meth:`resume`, then :meth:`unpause` unless ``tags`` is ``["weights"]`` (which
+        leaves the fleet paused for a :meth:`refit`); see :meth:`MegatronAsyncLLM.wake_up`."""
+        return self._run(self._async().wake_up(tags))
 
     def pause(self, mode: PauseMode | str = PauseMode.KEEP, *, drain_timeout: float | None = None) -> dict:
         """Stop stepping at a step boundary, keeping memory; returns the acknowledgement.
@@ -154,6 +204,75 @@ class MegatronLLM:
 
     def __exit__(self, *exc_info) -> None:
         self.close()
+
+
+class LLM(MegatronLLM):
+    """vLLM's ``LLM``: its constructor keywords, and results shaped as its ``RequestOutput``.
+
+    ``LLM(model, tensor_parallel_size=..., max_model_len=..., gpu_memory_utilization=..., ...)``: every
+    keyword is vLLM's; :mod:`megatron_serve.client.vllm_args` says what each sets, which are accepted
+    with a warning and which refused (docs/python-api.md has the table). The engine runs in this process,
+    unless ``data_parallel_size`` > 1 or ``enable_sleep_mode=True`` start a local fleet (``sleep`` and
+    ``wake_up`` need one). ``generate`` and ``chat`` return one
+    :class:`~megatron_serve.client.vllm_outputs.RequestOutput` per prompt, its ``n`` choices in
+    ``outputs``, each keeping its Megatron record (``outputs[i].request``); ``use_tqdm`` defaults to a
+    progress bar, as vLLM's. Everything :class:`MegatronLLM` has (``refit``, ``pause``, ...) is here too.
+    """
+
+    def __init__(self, model: str | os.PathLike, **kwargs: Any) -> None:
+        parsed = parse_llm_keywords(kwargs)
+        log_warnings(parsed)
+        super().__init__(model_directory(model, parsed.options), InferenceConfig(**parsed.config),
+                         use_coordinator=parsed.use_coordinator, num_engines=parsed.num_engines,
+                         tokenizer=parsed.options.get("tokenizer"),
+                         generation_config=parsed.options.get("generation_config", "auto"))
+
+    def generate(self, prompts: PromptInput, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool | Callable[..., Any] = True, lora_request: Any = None,
+                 priority: Sequence[int] | None = None) -> list[RequestOutput]:  # type: ignore[override]
+        """vLLM's ``LLM.generate``: one ``RequestOutput`` per prompt, in input order, with ``n`` outputs each.
+
+        ``priority``: one per prompt (lower runs first), as vLLM's.
+        """
+        refuse_lora(lora_request)
+        prompt_list, _ = normalize_prompts(prompts)
+        if sampling_params is None and priority is not None:
+            sampling_params = self.generation_defaults.sampling_params()
+        per_prompt = _with_priority(sampling_params, priority, len(prompt_list))
+        jobs = self._async().plan_jobs(prompt_list, per_prompt)
+        records = self._run_jobs(jobs, use_tqdm)
+        return Shaper(self.tokenizer).group_by_prompt([index for index, _, _ in jobs], records)
+
+    def chat(self, messages: Conversation | Sequence[Conversation],  # type: ignore[override]
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             use_tqdm: bool | Callable[..., Any] = True, lora_request: Any = None, *,
+             tools: list[dict[str, Any]] | None = None, add_generation_prompt: bool = True,
+             continue_final_message: bool = False, chat_template_kwargs: dict[str, Any] | None = None
+             ) -> list[RequestOutput]:
+        """vLLM's ``LLM.chat``: one ``RequestOutput`` per conversation, its ``prompt`` the rendered text."""
+        texts, jobs, records = self._chat(messages, sampling_params, use_tqdm, lora_request, tools=tools,
+                                          add_generation_prompt=add_generation_prompt,
+                                          continue_final_message=continue_final_message,
+                                          chat_template_kwargs=chat_template_kwargs)
+        return Shaper(self.tokenizer).group_by_prompt([index for index, _, _ in jobs], records, texts)
+
+    def sleep(self, level: int = 1) -> dict:
+        """vLLM's ``sleep`` (see :meth:`MegatronLLM.sleep`); needs ``LLM(..., enable_sleep_mode=True)``."""
+        if self.engine is not None:
+            raise NoFleet("sleep() needs a fleet to suspend: build the LLM with enable_sleep_mode=True (or "
+                          "data_parallel_size > 1); this one runs its engine in this process")
+        return super().sleep(level)
+
+
+def _with_priority(sampling_params: SamplingParams | Sequence[SamplingParams] | None,
+                   priority: Sequence[int] | None, count: int) -> SamplingParams | Sequence[SamplingParams] | None:
+    """vLLM's per-prompt ``priority`` list folded into one ``SamplingParams`` per prompt."""
+    if priority is None:
+        return sampling_params
+    if len(priority) != count:
+        raise ValueError(f"priority holds {len(priority)} values for {count} prompts: give one per prompt")
+    base = list(sampling_params) if isinstance(sampling_params, (list, tuple)) else [sampling_params] * count
+    return [msgspec.structs.replace(params, priority=value) for params, value in zip(base, priority)]
 
 
 def _release(llm: MegatronAsyncLLM, loop_thread: EventLoopThread) -> None:

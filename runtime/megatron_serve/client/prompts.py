@@ -1,14 +1,15 @@
 """Normalising the prompt shapes the public API accepts into one list of prompts.
 
-A prompt is text, token ids, or, for vision-language models, a dict ``{"prompt": text or token ids,
-"images": [...]}`` whose prompt holds one image placeholder (the model's, e.g. ``<image>``) where each
-image goes; images are ``bytes`` of an image file or ``PIL.Image`` objects.
+A prompt is text, token ids, vLLM's ``TokensPrompt`` (``{"prompt_token_ids": [...]}``) or
+``TextPrompt`` (``{"prompt": text}``), or, for vision-language models, a dict ``{"prompt": text or token
+ids, "images": [...]}`` whose prompt holds one image placeholder (the model's, e.g. ``<image>``) where
+each image goes; images are ``bytes`` of an image file or ``PIL.Image`` objects.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Union
+from typing import Any, TypedDict, Union
 
 from ..multimodal import PromptImage, image_bytes
 
@@ -21,6 +22,18 @@ class ImagePrompt:
     images: list[bytes] | list[PromptImage]
 
 
+class TokensPrompt(TypedDict):
+    """vLLM's ``TokensPrompt``: a prompt given as token ids."""
+
+    prompt_token_ids: list[int]
+
+
+class TextPrompt(TypedDict):
+    """vLLM's ``TextPrompt``: a prompt given as text."""
+
+    prompt: str
+
+
 Prompt = Union[str, list[int], ImagePrompt]
 PromptInput = Union[str, list[int], dict, list[Union[str, list[int], dict]]]
 
@@ -29,11 +42,27 @@ def _is_token_ids(value: Any) -> bool:
     return isinstance(value, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
 
 
+def dict_prompt(value: dict, what: str = "prompt") -> Prompt:
+    """A prompt given as a dict: vLLM's ``{"prompt_token_ids": [...]}`` (token ids), ``{"prompt": text}``
+    (text) or ours with ``"images"``; a ``ValueError``/``TypeError`` names the bad part."""
+    if "prompt_token_ids" in value:
+        unknown = sorted(set(value) - {"prompt_token_ids"})
+        if unknown:
+            raise ValueError(f"{what} has unknown key(s) {', '.join(map(repr, unknown))} beside 'prompt_token_ids'")
+        tokens = value["prompt_token_ids"]
+        if not (_is_token_ids(tokens) and tokens):
+            raise TypeError(f"{what}['prompt_token_ids'] must be a non-empty list of token ids")
+        return list(tokens)
+    prompt = image_prompt(value, what)
+    return prompt.prompt if not prompt.images else prompt
+
+
 def image_prompt(value: dict, what: str = "prompt") -> ImagePrompt:
     """``{"prompt": ..., "images": [...]}`` checked: a ``ValueError``/``TypeError`` names the bad part."""
     unknown = sorted(set(value) - {"prompt", "images"})
     if unknown:
-        raise ValueError(f"{what} has unknown key(s) {', '.join(map(repr, unknown))}: expected 'prompt' and 'images'")
+        raise ValueError(f"{what} has unknown key(s) {', '.join(map(repr, unknown))}: expected 'prompt' and "
+                         "'images', or 'prompt_token_ids'")
     text = value.get("prompt")
     if not isinstance(text, str) and not (_is_token_ids(text) and text):
         raise TypeError(f"{what}['prompt'] must be a str or a non-empty list of token ids")
@@ -54,11 +83,12 @@ def normalize_prompts(prompts: PromptInput) -> tuple[list[Prompt], bool]:
     if isinstance(prompts, str):
         return [prompts], True
     if isinstance(prompts, dict):
-        return [image_prompt(prompts)], True
+        return [dict_prompt(prompts)], True
     if isinstance(prompts, ImagePrompt):
         return [prompts], True
     if not isinstance(prompts, (list, tuple)):
-        raise TypeError("prompts must be a str, list[int], a dict with 'prompt' and 'images', or a list of those, "
+        raise TypeError("prompts must be a str, list[int], a dict ('prompt_token_ids', or 'prompt' and 'images'), or "
+                        "a list of those, "
                         f"got {type(prompts).__name__}")
     if not prompts:
         raise ValueError("prompts is empty")
@@ -69,7 +99,7 @@ def normalize_prompts(prompts: PromptInput) -> tuple[list[Prompt], bool]:
         if isinstance(prompt, str):
             normalized.append(prompt)
         elif isinstance(prompt, dict):
-            normalized.append(image_prompt(prompt, f"prompts[{index}]"))
+            normalized.append(dict_prompt(prompt, f"prompts[{index}]"))
         elif isinstance(prompt, ImagePrompt):  # normalized already (MegatronLLM hands its list on)
             normalized.append(prompt)
         elif _is_token_ids(prompt):

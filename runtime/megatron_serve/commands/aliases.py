@@ -9,7 +9,7 @@ that both parse to the same setting.
 
 ``--api-key KEY`` is not in the table: it is vLLM's option, ours takes a file
 (``--api-key-file``), and both exist side by side (``commands.server``). Every other vLLM option,
-implemented, accepted or refused, is listed in :mod:`.vllm_options`.
+implemented, accepted or refused, is listed in :mod:`megatron_serve.client.vllm_options`.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 vLLM's names for these options (``--max-model-len``, ``--max-num-seqs`` ...) come from the one
 table in :mod:`~megatron_serve.commands.aliases`; vLLM's other engine options (``--quantization``,
-``--kv-cache-dtype``, ``--trust-remote-code`` ...) from :mod:`~megatron_serve.commands.vllm_options`.
+``--kv-cache-dtype``, ``--trust-remote-code`` ...) from :mod:`~megatron_serve.client.vllm_options`.
 Nothing heavy is imported here: ``--help`` must not wait for torch (``InferenceConfig`` is imported
 when the config is built).
 """
@@ -13,7 +13,7 @@ import argparse
 from typing import TYPE_CHECKING
 
 from .aliases import add_option
-from .vllm_options import Scope, add_vllm_options
+from ..client.vllm_options import Scope, add_vllm_options
 
 if TYPE_CHECKING:
     from ..config import InferenceConfig

@@ -5,7 +5,8 @@ coordinator's address, the HTTP endpoint, the model, the working directory ``run
 ``secret`` (the run's fleet secret; absent for an ``--insecure`` run), both mode 0600. ``<runs>`` is
 ``$XDG_RUNTIME_DIR/megatron-serve`` (private to the user, emptied at logout), else
 ``~/.cache/megatron-serve/runs``; it must belong to this user and be 0700, or it is refused. The run
-removes its directory when it exits.
+removes its directory when it exits, its janitor (:mod:`.run_janitor`) when it is killed, and the
+next run of this user when both were.
 
 ``control`` without ``--coordinator`` (and without ``$MEGATRON_SERVE_COORDINATOR``) considers only
 runs of this OS user (owner checked on every file) started in the current working directory: one
@@ -93,6 +94,7 @@ def publish(pid: int, coordinator: str, endpoint: str, model: str, secret: str |
     """Keep this run's facts and secret in its own directory; :func:`withdraw` removes it."""
     base = runs_dir()
     _own_private_dir(base, create=True)
+    live_runs()  # deletes the directories of runs that are gone (killed together with their janitor)
     directory = base / str(pid)
     if directory.exists():  # a stale one of an earlier process with this pid
         shutil.rmtree(directory)

@@ -36,6 +36,7 @@ from .aliases import add_option
 from .engine_options import add_engine_options, inference_config_from_args
 from .inputs import check_model_dir, check_port_free, parse_port
 from .model_options import add_model_options, resolve_model_args
+from .run_janitor import Janitor
 from .options import add_insecure_option, add_log_option, add_token_option, read_token, setup_logging
 from .server import (API_KEY_ENV, ServingFiles, add_server_options, check_server_options, connection_options,
                      image_options,
@@ -172,6 +173,7 @@ class _Stack:
         self.forced = False
         self.task: asyncio.Task | None = None
         self.published: local_runs.LocalRun | None = None  # this run's directory, for `megatron-serve control`
+        self.janitor: Janitor | None = None
         self.endpoint = ""  # http://host:port/v1, once bound
 
     def _on_signal(self, signum: int) -> None:
@@ -254,6 +256,8 @@ class _Stack:
                     f"{self.fleet.log_dir}{kept})")
         self.published = local_runs.publish(os.getpid(), address, self.endpoint, args.served_model_name or args.model,
                                             self.token)
+        # Removes both directories once this process is gone, even by kill -9 (--log-dir is the user's: kept).
+        self.janitor = Janitor([self.published.directory, *([self.fleet.log_dir] if args.log_dir is None else [])])
         if self.token is None:
             progress(None, "WARNING --insecure: anyone who reaches the coordinator can join the fleet, read prompts "
                            "and answers, and pause, stop or refit it (benchmarks only)")

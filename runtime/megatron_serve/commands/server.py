@@ -23,7 +23,7 @@ from . import local_runs
 from .inputs import check_model_dir, coordinator_address, parse_port
 from .model_options import add_model_options, resolve_model_args
 from .options import add_coordinator_option, add_log_option, add_token_option, read_secret, read_token, setup_logging
-from .vllm_options import Scope, add_vllm_options
+from ..client.vllm_options import Scope, add_vllm_options
 
 logger = logging.getLogger("megatron_serve.server")
 

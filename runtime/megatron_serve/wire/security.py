@@ -27,13 +27,17 @@ paired runs): 0.97x the insecure fleet's requests per second at 64 in flight, 0.
 
 from __future__ import annotations
 
+import enum
 import hashlib
 import hmac
+import os
 import secrets
 from typing import Any
 
 import zmq
 from zmq.utils import z85
+
+from ..fleet.argv import TOKEN_ENV
 
 #: Shorter secrets are refused: a recorded handshake lets an eavesdropper test guesses offline.
 MIN_SECRET_CHARS = 32
@@ -94,8 +98,18 @@ class FleetSecret:
         return "FleetSecret(<hidden>)"
 
 
-def fleet_secret(token: "str | FleetSecret | None") -> FleetSecret | None:
-    """``token`` as a :class:`FleetSecret` (``None``: no secret, an insecure fleet); raises :class:`WeakSecret`."""
+class TokenFrom(enum.Enum):
+    """Where a client takes the fleet secret from when ``token=`` is not given: ``$MEGATRON_SERVE_TOKEN``, as the
+    commands read it (the hint of :data:`SECRET_HINT`), else none."""
+
+    ENVIRONMENT = TOKEN_ENV
+
+
+def fleet_secret(token: "str | FleetSecret | None | TokenFrom") -> FleetSecret | None:
+    """``token`` as a :class:`FleetSecret` (``None``: no secret, an insecure fleet; ``TokenFrom.ENVIRONMENT``:
+    the environment's, or none); raises :class:`WeakSecret`."""
+    if token is TokenFrom.ENVIRONMENT:
+        token = os.environ.get(TOKEN_ENV) or None
     if token is None or isinstance(token, FleetSecret):
         return token
     return FleetSecret(token)

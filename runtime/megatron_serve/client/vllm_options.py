@@ -8,7 +8,9 @@ Every row is (vLLM's option, status, reason). The table drives:
   themselves, under vLLM's name or as an alias (:mod:`.aliases`);
 * the start-up warnings: :func:`accepted_warnings` gives one line per accepted option given, saying
   why it changes nothing here (never silently ignored; the CLI prints them before the command runs);
-* the flag table of ``docs/vllm-mapping.md`` (``tools/generate_docs.py``).
+* the flag table of ``docs/vllm-mapping.md`` (``tools/generate_docs.py``);
+* the keywords of the Python ``LLM(...)`` (each option is also vLLM's ``LLM`` keyword: ``--swap-space`` is
+  ``swap_space=``), in :mod:`megatron_serve.client.vllm_args`: which is why the table lives in the client.
 
 A refused option is parsed too, so that its error says why (with the command's usage) instead of
 "unrecognized arguments". ``tests/commands/test_vllm_options.py`` parses every row and starts

@@ -1,0 +1,83 @@
+"""The small things a newcomer tripped on (issue 41): a refused flag's 63 lines of usage, ``control status | head``
+ending in a ``BrokenPipeError`` traceback, and ``InferenceClient`` ignoring ``$MEGATRON_SERVE_TOKEN``."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from megatron_serve.cli import parse_args
+from megatron_serve.client.coordinator_client import InferenceClient
+from megatron_serve.fleet.argv import TOKEN_ENV
+from megatron_serve.wire.connection import Unauthorized
+
+from ..coordinator.helpers import Children, free_port
+
+pytestmark = pytest.mark.timeout(300)
+
+
+@pytest.mark.parametrize("argv,reason", [
+    (["run", "--model", "/m", "--speculative-config", "{}"], "--speculative-config: speculative decoding is not"),
+    (["serve", "/m", "--routing", "fastest"], "argument --routing: invalid choice: 'fastest'"),
+    (["control", "status", "--bogus"], "unrecognized arguments: --bogus"),
+])
+def test_a_refused_argument_prints_one_usage_line_and_its_reason(argv, reason, capsys):
+    with pytest.raises(SystemExit) as stopped:
+        parse_args(argv)
+    assert stopped.value.code == 2
+    usage, error = capsys.readouterr().err.splitlines()  # the whole usage of `run` was 63 lines
+    assert usage.startswith(f"usage: megatron-serve {argv[0]} ") and usage.endswith("[options] (--help lists them)")
+    assert error.startswith(f"megatron-serve {argv[0]}: error: ") and reason in error
+
+
+@pytest.fixture(scope="module")
+def coordinator(tmp_path_factory):
+    """A real coordinator with a fleet secret (no engines: ``status`` answers all the same)."""
+    from megatron_serve.model.tiny import make_tiny_model  # noqa: PLC0415
+
+    tmp = tmp_path_factory.mktemp("loose-ends")
+    model = str(make_tiny_model(tmp / "model", seed=0))
+    children = Children(tmp)
+    port = free_port()
+    children.coordinator(model, port)
+    try:
+        yield f"tcp://127.0.0.1:{port}", children.secret
+    finally:
+        children.kill_all()
+
+
+def _with_stdout_closed(argv: list[str], env: dict[str, str]) -> subprocess.CompletedProcess:
+    """Run ``argv`` with its standard output a pipe whose reader left before it wrote (as ``| head`` does)."""
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, env=env)
+    proc.stdout.close()
+    _, err = proc.communicate(timeout=120)
+    return subprocess.CompletedProcess(argv, proc.returncode, "", err.decode())
+
+
+def test_control_status_into_a_closed_pipe_exits_quietly(coordinator):
+    import os  # noqa: PLC0415
+
+    address, secret = coordinator
+    env = {**os.environ, TOKEN_ENV: secret}
+    control = _with_stdout_closed([sys.executable, "-m", "megatron_serve.cli", "control", "status", "--coordinator",
+                                   address, "--timeout", "60"], env)
+    assert control.returncode == 141 and control.stderr == "", control.stderr  # 128 + SIGPIPE, as `yes | head`
+    # the control: a plain Python print into the same closed pipe does end in a BrokenPipeError
+    plain = _with_stdout_closed([sys.executable, "-c", "print('status ' * 100)"], env)
+    assert "BrokenPipeError" in plain.stderr
+
+
+async def test_inference_client_reads_the_token_from_the_environment(coordinator, monkeypatch):
+    address, secret = coordinator
+    monkeypatch.setenv(TOKEN_ENV, secret)
+    async with InferenceClient(address) as client:  # no token=: $MEGATRON_SERVE_TOKEN's
+        assert "state" in await client.status(timeout=60)
+    with pytest.raises(Unauthorized):  # token=None is still an insecure client, whatever the environment says
+        async with InferenceClient(address, token=None) as client:
+            await client.status(timeout=60)
+    monkeypatch.delenv(TOKEN_ENV)
+    with pytest.raises(Unauthorized):  # neither: no secret (before, the environment's was never read)
+        async with InferenceClient(address) as client:
+            await client.status(timeout=60)
