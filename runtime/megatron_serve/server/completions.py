@@ -129,18 +129,26 @@ class CompletionHandler:
             scored = None
             if self.req.prompt_logprobs is not None:
                 scored = prompt_logprobs(self.ctx.tokenizer, result, self.req.prompt_logprobs)
+            ids = ({"prompt_token_ids": job.prompt.tokens, "token_ids": list(result.generated_tokens)}
+                   if self.req.return_token_ids else {})
             choices.append(CompletionChoice(index=job.index, text=prefix + text, logprobs=logprobs,
                                             finish_reason=finish_reason(result), prompt_logprobs=scored,
-                                            **extension_fields(self.req, result)))
+                                            **extension_fields(self.req, result), **ids))
         return CompletionResponse(id=self.id, created=self.created, model=self.req.model, choices=choices,
                                   usage=self.usage(list(zip(self.jobs, results))))
 
     # ------------------------------------------------------------------ streamed answer
 
-    def _chunk(self, writer: ChunkWriter, job: EngineJob, text: str, logprobs: dict[str, Any] | None = None,
-               finish_reason: str | None = None, result: DynamicInferenceRequest | None = None) -> bytes:
-        """A ``CompletionChunk`` of one choice (see :mod:`.chunks`)."""
+    def _chunk(self, writer: ChunkWriter, job: EngineJob, text: str, delta: Delta, logprobs: dict[str, Any] | None,
+               opening: bool, finish_reason: str | None = None, result: DynamicInferenceRequest | None = None
+               ) -> bytes:
+        """A ``CompletionChunk`` of one choice (see :mod:`.chunks`); with ``return_token_ids`` its
+        ``opening`` chunk carries the prompt's ids and every chunk the ids of the tokens it lists."""
         choice = {"index": job.index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+        if self.req.return_token_ids:
+            if opening:
+                choice["prompt_token_ids"] = job.prompt.tokens
+            choice["token_ids"] = delta.tokens
         if result is not None:
             choice.update(extension_fields(self.req, result))
         return writer.chunk([choice])
@@ -160,25 +168,28 @@ class CompletionHandler:
         writer = ChunkWriter(self.id, "text_completion", self.created, self.req.model,
                              running_usage(self.req, prompt_tokens, choices))
         offsets: dict[int, int] = {}  # job index -> text offset for the next log-prob token
+        opened: set[int] = set()  # choices whose first chunk was sent
         results: list[tuple[EngineJob, DynamicInferenceRequest]] = []
         async for job, item in items:
             first = choices.first_seen(job.index)
             prefix = _echo_text(self.ctx, job.prompt) if first and self.req.echo else ""
             if first:
                 offsets[job.index] = len(prefix)
+            opening = job.index not in opened
             if isinstance(item, StreamPartial):
                 delta = choices.piece(job.index, item)
                 logprobs = self._logprobs(delta, offsets[job.index])
                 if logprobs is not None:
                     offsets[job.index] += sum(len(t) for t in logprobs["tokens"])
-                if prefix or delta.text or logprobs:
-                    yield self._chunk(writer, job, prefix + delta.text, logprobs)
+                if prefix or delta.text or logprobs or (self.req.return_token_ids and delta.tokens):
+                    opened.add(job.index)
+                    yield self._chunk(writer, job, prefix + delta.text, delta, logprobs, opening)
                 continue
             result: DynamicInferenceRequest = item
             results.append((job, result))
             delta = choices.rest(job.index, result)
-            yield self._chunk(writer, job, prefix + delta.text, self._logprobs(delta, offsets[job.index]),
-                              finish_reason(result), result)
+            yield self._chunk(writer, job, prefix + delta.text, delta, self._logprobs(delta, offsets[job.index]),
+                              opening, finish_reason(result), result)
         if self.req.stream_options is not None and self.req.stream_options.include_usage:
             yield writer.chunk([], usage=self.usage(results))
 
