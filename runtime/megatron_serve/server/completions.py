@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import uuid
 from typing import Any, AsyncIterator
@@ -10,11 +11,11 @@ from fastapi.responses import StreamingResponse
 
 from ..client.detokenizer import token_texts
 from ..client.outputs import StreamPartial
-from ..wire.request import DynamicInferenceRequest
+from ..wire.request import DynamicInferenceRequest, FinishReason
 from .answers import (Delta, StreamedChoices, finish_reason, make_usage, prompt_logprobs, running_usage,
                       whole_answer)
 from .context import ServerContext
-from .errors import unsupported
+from .errors import bad_request, unsupported
 from .models import (
     CompletionChoice,
     CompletionRequest,
@@ -62,6 +63,14 @@ def _echo_text(ctx: ServerContext, prompt: Prompt) -> str:
     return prompt.text if prompt.text is not None else ctx.tokenizer.decode(prompt.tokens)
 
 
+def prompt_only(result: DynamicInferenceRequest) -> DynamicInferenceRequest:
+    """A finished request as ``max_tokens: 0`` answers it: the prompt scored, nothing generated (the engine
+    generated one token, as vLLM's does for this request, and it is dropped here)."""
+    return dataclasses.replace(result, generated_tokens=[], generated_text="", generated_log_probs=[],
+                               generated_top_n_logprobs=[], policy_epochs=[], kv_epochs=[],
+                               finish_reason=FinishReason.LENGTH)
+
+
 class CompletionHandler:
     """Validates one request, submits its engine requests, and shapes the answer."""
 
@@ -82,6 +91,12 @@ class CompletionHandler:
         if req.best_of is not None and req.best_of != self.n:
             raise unsupported("best_of", "best_of other than n")
         self.echo_logprobs = bool(req.echo) and self.want_logprobs
+        self.scoring_only = req.max_tokens == 0  # vLLM's scoring request: the prompt's log probs, no answer
+        if self.scoring_only and not (req.echo or req.prompt_logprobs is not None):
+            raise bad_request("max_tokens 0 scores the prompt and generates nothing: it needs echo=true (with "
+                              "logprobs) or prompt_logprobs", param="max_tokens")
+        if self.scoring_only and req.stream:
+            raise unsupported("max_tokens", "max_tokens 0 with stream=true")
         if req.stream and (self.echo_logprobs or req.prompt_logprobs is not None):
             raise unsupported("prompt_logprobs" if req.prompt_logprobs is not None else "echo",
                               "log probs of prompt tokens with stream=true")
@@ -94,8 +109,8 @@ class CompletionHandler:
         default_tokens = ctx.generation_defaults.get("num_tokens_to_generate", DEFAULT_COMPLETION_TOKENS)
 
         def params_for(prompt: Prompt, choice: int):
-            max_tokens = resolve_max_tokens(len(prompt.tokens), req.max_tokens, default_tokens, max_len,
-                                            prompt_param="prompt", tokens_param="max_tokens")
+            max_tokens = resolve_max_tokens(len(prompt.tokens), 1 if self.scoring_only else req.max_tokens,
+                                            default_tokens, max_len, prompt_param="prompt", tokens_param="max_tokens")
             return sampling_params(req, max_tokens=max_tokens, logprobs=self.want_logprobs, top_logprobs=top_n,
                                    choice=choice, defaults=ctx.generation_defaults, extra=extra)
 
@@ -111,6 +126,8 @@ class CompletionHandler:
                                   self.want_logprobs or self.req.prompt_logprobs is not None, self.id)
 
     def _response(self, results: list[DynamicInferenceRequest]) -> CompletionResponse:
+        if self.scoring_only:
+            results = [prompt_only(result) for result in results]
         choices = []
         for job, result in zip(self.jobs, results):
             prefix = _echo_text(self.ctx, job.prompt) if self.req.echo else ""

@@ -133,7 +133,8 @@ class CompletionRequest(_SamplingRequest, VllmCompletionFields):
     """Body of ``POST /v1/completions``."""
 
     prompt: PromptInput = Field(description="a string, a list of strings, token ids, or a list of token id lists")
-    max_tokens: int | None = Field(None, ge=1, description="tokens to generate per choice; default 16")
+    max_tokens: int | None = Field(None, ge=0, description="tokens to generate per choice; default 16; 0 scores the "
+                                                           "prompt only (with echo or prompt_logprobs, as vLLM)")
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_N_LOGPROBS,
                                  description="return log-probs of the chosen tokens and this many alternatives")
     echo: bool | None = Field(None, description="prepend the prompt to each choice's text")
