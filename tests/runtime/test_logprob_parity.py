@@ -108,6 +108,16 @@ def test_a_refit_voids_the_checks_queued(tiny_llama):
     assert engine.stats.counters["logprob_parity_checked"] == 0 and not engine.parity.pending
 
 
+def test_a_drained_engine_hands_back_user_requests_only(tiny_llama):
+    engine = engine_for(tiny_llama, "bfloat16")
+    add(engine, "finished", PROMPTS[1], sampled(1, 2))
+    running = add(engine, "running", PROMPTS[2], sampled(2, 50))
+    while not engine.parity.pending:  # "finished" finished, its check is queued
+        engine.step()
+    assert engine.take_unfinished_requests() == [running]  # the check is dropped: no other engine could make it
+    assert not engine.parity.pending and not engine.has_unfinished_requests()
+
+
 def test_the_fraction_is_an_engine_option_checked_and_carried_to_fleet_processes():
     from megatron_serve.commands.engine_options import add_engine_options, inference_config_from_args
     from megatron_serve.fleet.argv import inference_config_to_argv
