@@ -38,7 +38,7 @@ async def test_completions_return_the_ids_of_prompt_and_answer(tiny_model, token
 
         # streamed: the prompt's ids on each choice's first chunk, then every chunk's own ids, adding up to the answer
         stream = await client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=9, temperature=0, n=2,
-                                                 stream=True, extra_body={"ignore_eos": True, **IDS})
+                                                 stream=True, logprobs=0, extra_body={"ignore_eos": True, **IDS})
         streamed: dict[int, list[int]] = {0: [], 1: []}
         openings: dict[int, list[list[int]]] = {0: [], 1: []}
         async for chunk in stream:
@@ -48,6 +48,8 @@ async def test_completions_return_the_ids_of_prompt_and_answer(tiny_model, token
                     openings[choice.index].append(extra["prompt_token_ids"])
                     assert not streamed[choice.index]  # the first chunk of its choice
                 streamed[choice.index] += extra["token_ids"]
+                listed = choice.logprobs.tokens if choice.logprobs is not None else []
+                assert len(extra["token_ids"]) == len(listed)  # a chunk's ids are the tokens its log probs list
         assert openings == {0: [prompt_ids], 1: [prompt_ids]}
         assert streamed == {0: answer.choices[0].token_ids, 1: answer.choices[1].token_ids}
 
