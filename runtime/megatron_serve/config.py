@@ -39,6 +39,10 @@ class InferenceConfig:
     scale per output row; a checkpoint that is FP8 already is served as it is, without it).
     ``kv_cache_dtype="fp8"`` keeps the KV cache in e4m3 with one scale per token and KV head: about
     twice the tokens in the same memory (``auto``: the model dtype).
+
+    ``verify_logprobs_fraction``: that fraction of the finished requests that reported log probs (chosen by
+    a hash of the request id) is scored again as one prompt and compared bitwise with what was reported;
+    counted in ``logprob_parity_checked_total`` / ``logprob_parity_mismatch_total`` (default 0: off).
     """
 
     dtype: str | torch.dtype | None = None
@@ -58,6 +62,7 @@ class InferenceConfig:
     seed: int = 0
     quantization: str | None = None
     kv_cache_dtype: str = "auto"
+    verify_logprobs_fraction: float = 0.0  # finished requests scored again and compared bitwise (engine.logprob_parity)
 
     def __post_init__(self) -> None:
         if self.device is None:
@@ -91,6 +96,10 @@ class InferenceConfig:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         self.kv_cache_dtype = KV_CACHE_DTYPES[self.kv_cache_dtype]
+        fraction = self.verify_logprobs_fraction
+        if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0.0 <= fraction <= 1.0:
+            raise ValueError(f"verify_logprobs_fraction must be a number in [0, 1], got {fraction!r}")
+        self.verify_logprobs_fraction = float(fraction)
 
     def to_dict(self) -> dict[str, Any]:
         """Plain values only, so the config can cross a process boundary (msgpack, argv)."""

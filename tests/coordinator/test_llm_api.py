@@ -51,6 +51,9 @@ async def test_coordinator_mode_starts_and_stops_its_own_fleet(tiny_model, direc
         assert [r.generated_tokens for r in batch] == direct_outputs
         single = await llm.generate(PROMPTS[2], GREEDY)
         assert single.generated_tokens == direct_outputs[2]
+        by_ids = await llm.generate([llm.tokenizer.encode(p) for p in PROMPTS], GREEDY)  # token-id prompts
+        assert [r.generated_tokens for r in by_ids] == direct_outputs
+        assert [r.prompt_tokens for r in by_ids] == [llm.tokenizer.encode(p) for p in PROMPTS]
         pending = asyncio.ensure_future(llm.generate(PROMPTS, GREEDY))
         ack = await llm.suspend()  # from RUNNING: pauses first, never hangs
         assert ack["state"] == "SUSPENDED" and ack["detail"]["released_bytes"] > 0

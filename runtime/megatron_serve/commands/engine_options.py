@@ -55,6 +55,11 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
                        help="schedule and launch the next step while the current one runs (the host's work "
                             "overlaps the GPU's; --no-async-scheduling: one step at a time)")
     group.add_argument("--seed", type=int, default=0, help="seed of sampling without a per-request seed")
+    group.add_argument("--verify-logprobs-fraction", type=float, default=0.0, metavar="F",
+                       help="score this fraction (0 to 1, chosen by a hash of the request id) of the finished requests "
+                            "that reported log probs again as one prompt, compare bitwise with what was reported, and "
+                            "count it (logprob_parity_checked_total, logprob_parity_mismatch_total; a mismatch is "
+                            "logged as a WARNING); default 0: off")
     add_vllm_options(parser, Scope.ENGINE)
 
 
@@ -69,7 +74,7 @@ def inference_config_from_args(args: argparse.Namespace, tensor_parallel_size: i
         enable_cuda_graphs=args.cuda_graphs, cuda_graph_sizes=args.cuda_graph_sizes,
         async_scheduling=args.async_scheduling, tensor_parallel_size=tensor_parallel_size, seed=args.seed,
         quantization=None if args.quantization in (None, "auto", "none") else args.quantization,
-        kv_cache_dtype=args.kv_cache_dtype,
+        kv_cache_dtype=args.kv_cache_dtype, verify_logprobs_fraction=args.verify_logprobs_fraction,
     )
 
 

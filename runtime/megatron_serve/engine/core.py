@@ -35,6 +35,7 @@ from ..wire.engine_stats import EngineStats
 from ..errors import RefitFailed
 from ..wire.expert_routing import RoutingRecord, record_step, routing_dtype
 from .kv_cache import BlockAllocator, blocks_for_tokens
+from .logprob_parity import ParityChecker
 from ..model.config import ModelConfig
 from ..model.llama import LlamaForCausalLM
 from ..model.loader import load_model, load_weights
@@ -120,6 +121,7 @@ class DynamicInferenceEngine:
         self.last_refit: dict[str, float] | None = None  # timings of the last refit (for /metrics)
         self.incomplete: set[str] = set()  # tensors a failed refit overwrote (see RefitFailed)
         self.stats = EngineStats()  # vLLM-style counters and histograms, shipped in heartbeats
+        self.parity = ParityChecker(config.verify_logprobs_fraction, self.max_sequence_length)
 
     @property
     def cached_tokens(self) -> int:
@@ -291,7 +293,7 @@ class DynamicInferenceEngine:
             self._settle()
         except Exception:  # noqa: BLE001 - the failure that brought us here is being handled
             logger.exception("finishing the step in flight failed; its tokens are dropped")
-        sequences = self.scheduler.take_all()
+        sequences = [s for s in self.scheduler.take_all() if not self.parity.abandon(s.request_id)]  # own checks
         handed = {id(s.request) for s in sequences}
         self._pending = [out for out in self._pending if id(out.request) not in handed]
         self._sequences.clear()
@@ -375,6 +377,7 @@ class DynamicInferenceEngine:
                 f"{len(self.incomplete)} tensor(s) overwritten by an earlier failed refit were not sent again")
             raise RefitFailed(message, len(replaced), sorted(self.incomplete), self.epoch) from error
         self.allocator.clear_cache()
+        self.parity.void_all()
         if self.encoder_cache is not None:
             self.encoder_cache.clear()  # embeddings of the old vision weights
         self.epoch = self.epoch + 1 if epoch is None else int(epoch)
@@ -415,13 +418,23 @@ class DynamicInferenceEngine:
             launched, self._in_flight = self._in_flight, launched
         if launched is not None:
             outputs += self.finish(launched)
-        return outputs + self._take_pending()
+        return self._deliver(outputs + self._take_pending())
 
     def sync(self) -> list[StepOutput]:
         """Finish the step in flight, if any, and return every output not handed out yet (call before a
         lifecycle verb or a hand-back, so that tokens the device already sampled are delivered first)."""
         self._settle()
-        return self._take_pending()
+        return self._deliver(self._take_pending())
+
+    def _deliver(self, outputs: list[StepOutput]) -> list[StepOutput]:
+        """The outputs for the caller, less those of the engine's own log-prob checks (:mod:`.logprob_parity`);
+        the checks of requests that finished are queued here, after those requests' outputs were made."""
+        if not self.parity.active:
+            return outputs
+        delivered, scoring = self.parity.sort(outputs, self.epoch, self.stats)
+        for request in scoring:
+            self.add_request(request)
+        return delivered
 
     def _settle(self) -> None:
         """Finish the step in flight now; its outputs wait for the next ``step()`` or ``sync()``."""
@@ -487,17 +500,19 @@ class DynamicInferenceEngine:
         if step.scores is not None:
             self._record_prompt_scores(*step.scores)
         now = time.monotonic()
-        sequences, outputs = [], []
+        sequences, outputs, observed = [], [], []
         for row, sequence in enumerate(step.sampling):
             sequence.pending_tokens -= 1
             if sequence.finished:  # aborted or finished while the step ran: its row is dropped
                 continue
             outputs.append(self._append_token(sequence, result.token_ids[row], result.log_probs[row],
                                               result.top_n[row], step.kv_epochs[row]))
-            sequences.append(sequence)
+            if not (self.parity.active and self.parity.owns(sequence.request_id)):  # no user request: not counted
+                sequences.append(sequence)
+                observed.append(outputs[-1])
             if not sequence.finished:
                 self.scheduler.register_computed_blocks(sequence)
-        self.stats.observe_step(sequences, outputs, now)
+        self.stats.observe_step(sequences, observed, now)
         return outputs
 
     def _controlled_logits(self, logits: torch.Tensor, sequences: list[Sequence]) -> torch.Tensor:

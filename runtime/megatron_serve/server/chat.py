@@ -141,14 +141,16 @@ class ChatHandler:
                 texts = token_texts(self.ctx.tokenizer, result.generated_tokens, text, self.req.skip_special_tokens
                                     is not False)
                 logprobs = self._logprobs(texts, result.generated_log_probs, result.generated_top_n_logprobs)
+            ids = {"token_ids": list(result.generated_tokens)} if self.req.return_token_ids else {}
             choices.append(ChatChoice(index=job.index, message=message, logprobs=logprobs,
                                       finish_reason=self._finish_reason(result, bool(message.tool_calls)),
-                                      **extension_fields(self.req, result)))
+                                      **extension_fields(self.req, result), **ids))
         scored = None
         if self.req.prompt_logprobs is not None:
             scored = prompt_logprobs(self.ctx.tokenizer, results[0], self.req.prompt_logprobs)
         return ChatCompletionResponse(id=self.id, created=self.created, model=self.req.model, choices=choices,
-                                      usage=self.usage(list(zip(self.jobs, results))), prompt_logprobs=scored)
+                                      usage=self.usage(list(zip(self.jobs, results))), prompt_logprobs=scored,
+                                      prompt_token_ids=self.prompt.tokens if self.req.return_token_ids else None)
 
     @staticmethod
     def _choice(index: int, delta: dict[str, Any], logprobs: dict[str, Any] | None = None,
@@ -164,9 +166,13 @@ class ChatHandler:
             message = {"content": delta.text} if delta.text else {}
         else:
             message = _delta(reader.feed(delta.text) + (reader.finish() if final else []))
-        if not message and logprobs is None:
+        ids = self.req.return_token_ids and bool(delta.tokens)
+        if not message and logprobs is None and not ids:
             return None, False
-        return writer.chunk([self._choice(index, message, logprobs)]), "tool_calls" in message
+        choice = self._choice(index, message, logprobs)
+        if ids:
+            choice["token_ids"] = delta.tokens
+        return writer.chunk([choice]), "tool_calls" in message
 
     async def _events(self, items: AsyncIterator[tuple[EngineJob, Any]]) -> AsyncIterator[bytes]:
         """The chunks of the answer as the submission's ``items`` arrive (framing: ``openai_events``)."""
@@ -180,7 +186,11 @@ class ChatHandler:
         async for job, item in items:
             if choices.first_seen(job.index):
                 readers[job.index] = self.tools.reader()
-                yield writer.chunk([self._choice(job.index, {"role": "assistant", "content": ""})])
+                opening = self._choice(job.index, {"role": "assistant", "content": ""})
+                if self.req.return_token_ids:  # vLLM: the prompt's ids on the opening chunk, none generated yet
+                    opening["token_ids"] = []
+                yield writer.chunk([opening], prompt_token_ids=self.prompt.tokens if self.req.return_token_ids
+                                   else None)
             reader = readers[job.index]
             final = not isinstance(item, StreamPartial)
             delta = choices.rest(job.index, item) if final else choices.piece(job.index, item)

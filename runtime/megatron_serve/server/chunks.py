@@ -48,8 +48,12 @@ class ChunkWriter:
         self._head = head[:-1] + b',"choices":'
         self._running_usage = running_usage
 
-    def chunk(self, choices: list[dict[str, Any]], usage: BaseModel | None = None) -> bytes:
+    def chunk(self, choices: list[dict[str, Any]], usage: BaseModel | None = None,
+              prompt_token_ids: list[int] | None = None) -> bytes:
+        """One chunk; ``prompt_token_ids`` (``return_token_ids``, a chat's opening chunk) is added when given."""
         if usage is None and self._running_usage is not None:
             usage = self._running_usage()
         usage_json = b"null" if usage is None else usage.model_dump_json().encode()
-        return event(self._head + _JSON.encode(choices) + b',"usage":' + usage_json + b',"system_fingerprint":null}')
+        tail = b"}" if prompt_token_ids is None else b',"prompt_token_ids":' + _JSON.encode(prompt_token_ids) + b"}"
+        return event(self._head + _JSON.encode(choices) + b',"usage":' + usage_json + b',"system_fingerprint":null'
+                     + tail)

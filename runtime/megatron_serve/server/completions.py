@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import uuid
 from typing import Any, AsyncIterator
@@ -10,11 +11,11 @@ from fastapi.responses import StreamingResponse
 
 from ..client.detokenizer import token_texts
 from ..client.outputs import StreamPartial
-from ..wire.request import DynamicInferenceRequest
+from ..wire.request import DynamicInferenceRequest, FinishReason
 from .answers import (Delta, StreamedChoices, finish_reason, make_usage, prompt_logprobs, running_usage,
                       whole_answer)
 from .context import ServerContext
-from .errors import unsupported
+from .errors import bad_request, unsupported
 from .models import (
     CompletionChoice,
     CompletionRequest,
@@ -62,6 +63,14 @@ def _echo_text(ctx: ServerContext, prompt: Prompt) -> str:
     return prompt.text if prompt.text is not None else ctx.tokenizer.decode(prompt.tokens)
 
 
+def prompt_only(result: DynamicInferenceRequest) -> DynamicInferenceRequest:
+    """A finished request as ``max_tokens: 0`` answers it: the prompt scored, nothing generated (the engine
+    generated one token, as vLLM's does for this request, and it is dropped here)."""
+    return dataclasses.replace(result, generated_tokens=[], generated_text="", generated_log_probs=[],
+                               generated_top_n_logprobs=[], policy_epochs=[], kv_epochs=[],
+                               finish_reason=FinishReason.LENGTH)
+
+
 class CompletionHandler:
     """Validates one request, submits its engine requests, and shapes the answer."""
 
@@ -82,6 +91,12 @@ class CompletionHandler:
         if req.best_of is not None and req.best_of != self.n:
             raise unsupported("best_of", "best_of other than n")
         self.echo_logprobs = bool(req.echo) and self.want_logprobs
+        self.scoring_only = req.max_tokens == 0  # vLLM's scoring request: the prompt's log probs, no answer
+        if self.scoring_only and not (req.echo or req.prompt_logprobs is not None):
+            raise bad_request("max_tokens 0 scores the prompt and generates nothing: it needs echo=true (with "
+                              "logprobs) or prompt_logprobs", param="max_tokens")
+        if self.scoring_only and req.stream:
+            raise unsupported("max_tokens", "max_tokens 0 with stream=true")
         if req.stream and (self.echo_logprobs or req.prompt_logprobs is not None):
             raise unsupported("prompt_logprobs" if req.prompt_logprobs is not None else "echo",
                               "log probs of prompt tokens with stream=true")
@@ -94,8 +109,8 @@ class CompletionHandler:
         default_tokens = ctx.generation_defaults.get("num_tokens_to_generate", DEFAULT_COMPLETION_TOKENS)
 
         def params_for(prompt: Prompt, choice: int):
-            max_tokens = resolve_max_tokens(len(prompt.tokens), req.max_tokens, default_tokens, max_len,
-                                            prompt_param="prompt", tokens_param="max_tokens")
+            max_tokens = resolve_max_tokens(len(prompt.tokens), 1 if self.scoring_only else req.max_tokens,
+                                            default_tokens, max_len, prompt_param="prompt", tokens_param="max_tokens")
             return sampling_params(req, max_tokens=max_tokens, logprobs=self.want_logprobs, top_logprobs=top_n,
                                    choice=choice, defaults=ctx.generation_defaults, extra=extra)
 
@@ -111,6 +126,8 @@ class CompletionHandler:
                                   self.want_logprobs or self.req.prompt_logprobs is not None, self.id)
 
     def _response(self, results: list[DynamicInferenceRequest]) -> CompletionResponse:
+        if self.scoring_only:
+            results = [prompt_only(result) for result in results]
         choices = []
         for job, result in zip(self.jobs, results):
             prefix = _echo_text(self.ctx, job.prompt) if self.req.echo else ""
@@ -129,18 +146,26 @@ class CompletionHandler:
             scored = None
             if self.req.prompt_logprobs is not None:
                 scored = prompt_logprobs(self.ctx.tokenizer, result, self.req.prompt_logprobs)
+            ids = ({"prompt_token_ids": job.prompt.tokens, "token_ids": list(result.generated_tokens)}
+                   if self.req.return_token_ids else {})
             choices.append(CompletionChoice(index=job.index, text=prefix + text, logprobs=logprobs,
                                             finish_reason=finish_reason(result), prompt_logprobs=scored,
-                                            **extension_fields(self.req, result)))
+                                            **extension_fields(self.req, result), **ids))
         return CompletionResponse(id=self.id, created=self.created, model=self.req.model, choices=choices,
                                   usage=self.usage(list(zip(self.jobs, results))))
 
     # ------------------------------------------------------------------ streamed answer
 
-    def _chunk(self, writer: ChunkWriter, job: EngineJob, text: str, logprobs: dict[str, Any] | None = None,
-               finish_reason: str | None = None, result: DynamicInferenceRequest | None = None) -> bytes:
-        """A ``CompletionChunk`` of one choice (see :mod:`.chunks`)."""
+    def _chunk(self, writer: ChunkWriter, job: EngineJob, text: str, delta: Delta, logprobs: dict[str, Any] | None,
+               opening: bool, finish_reason: str | None = None, result: DynamicInferenceRequest | None = None
+               ) -> bytes:
+        """A ``CompletionChunk`` of one choice (see :mod:`.chunks`); with ``return_token_ids`` its
+        ``opening`` chunk carries the prompt's ids and every chunk the ids of the tokens it lists."""
         choice = {"index": job.index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+        if self.req.return_token_ids:
+            if opening:
+                choice["prompt_token_ids"] = job.prompt.tokens
+            choice["token_ids"] = delta.tokens
         if result is not None:
             choice.update(extension_fields(self.req, result))
         return writer.chunk([choice])
@@ -160,25 +185,28 @@ class CompletionHandler:
         writer = ChunkWriter(self.id, "text_completion", self.created, self.req.model,
                              running_usage(self.req, prompt_tokens, choices))
         offsets: dict[int, int] = {}  # job index -> text offset for the next log-prob token
+        opened: set[int] = set()  # choices whose first chunk was sent
         results: list[tuple[EngineJob, DynamicInferenceRequest]] = []
         async for job, item in items:
             first = choices.first_seen(job.index)
             prefix = _echo_text(self.ctx, job.prompt) if first and self.req.echo else ""
             if first:
                 offsets[job.index] = len(prefix)
+            opening = job.index not in opened
             if isinstance(item, StreamPartial):
                 delta = choices.piece(job.index, item)
                 logprobs = self._logprobs(delta, offsets[job.index])
                 if logprobs is not None:
                     offsets[job.index] += sum(len(t) for t in logprobs["tokens"])
-                if prefix or delta.text or logprobs:
-                    yield self._chunk(writer, job, prefix + delta.text, logprobs)
+                if prefix or delta.text or logprobs or (self.req.return_token_ids and delta.tokens):
+                    opened.add(job.index)
+                    yield self._chunk(writer, job, prefix + delta.text, delta, logprobs, opening)
                 continue
             result: DynamicInferenceRequest = item
             results.append((job, result))
             delta = choices.rest(job.index, result)
-            yield self._chunk(writer, job, prefix + delta.text, self._logprobs(delta, offsets[job.index]),
-                              finish_reason(result), result)
+            yield self._chunk(writer, job, prefix + delta.text, delta, self._logprobs(delta, offsets[job.index]),
+                              opening, finish_reason(result), result)
         if self.req.stream_options is not None and self.req.stream_options.include_usage:
             yield writer.chunk([], usage=self.usage(results))
 

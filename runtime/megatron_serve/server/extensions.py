@@ -60,6 +60,9 @@ EXTENSIONS: dict[str, str] = {
     "skip_special_tokens": "leave special tokens' text out of the output; default true (vLLM's name)",
     "include_stop_str_in_output": "end the text after the stop string that ended it instead of before; default false "
                                   "(vLLM's name)",
+    "return_token_ids": "add prompt_token_ids (the prompt as the engine ran it) and each choice's token_ids (the "
+                        "generated tokens) to the answer; streamed: prompt_token_ids on a choice's first chunk, "
+                        "token_ids per chunk (vLLM's name and shape)",
 }
 
 #: Well-known fields this server does not implement, OpenAI's and other servers' (vLLM, SGLang):
@@ -93,6 +96,9 @@ NOT_IMPLEMENTED: dict[str, str] = {
     "json_schema": "SGLang's spelling (send guided_json, response_format or structured_outputs.json)",
     "ebnf": "SGLang's spelling (send guided_grammar or structured_outputs.grammar)",
     "no_stop_trim": "returning the stop string",
+    "kv_transfer_params": "disaggregated prefill (vLLM's KV connector hands a prefill instance's KV cache to a "
+                          "decode instance; each engine here prefills and decodes its own requests, routed by "
+                          "prefix affinity)",
 }
 
 

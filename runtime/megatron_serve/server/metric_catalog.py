@@ -72,6 +72,12 @@ SERIES: tuple[Series, ...] = (
            "admitted a request", "engine", ENGINE_LABELS, "vllm:prefix_cache_queries_total", "tokens"),
     Series("prefix_cache_hits_total", "counter", "of those, tokens found in the prefix cache (not recomputed)",
            "engine", ENGINE_LABELS, "vllm:prefix_cache_hits_total", "tokens"),
+    Series("logprob_parity_checked_total", "counter", "finished requests whose reported log probs the engine "
+           "scored again as one prompt and compared bitwise (--verify-logprobs-fraction)", "engine", ENGINE_LABELS,
+           unit="requests"),
+    Series("logprob_parity_mismatch_total", "counter", "of those, requests where some generated token's log prob "
+           "differed from its score (each logged as a WARNING with the request id and first position)", "engine",
+           ENGINE_LABELS, unit="requests"),
     Series("time_to_first_token_seconds", "histogram", "time from a request's arrival at the coordinator to "
            "its first generated token", "engine", ENGINE_LABELS, "vllm:time_to_first_token_seconds", "seconds"),
     Series("inter_token_latency_seconds", "histogram", "time between two consecutive generated tokens of a "

@@ -133,7 +133,8 @@ class CompletionRequest(_SamplingRequest, VllmCompletionFields):
     """Body of ``POST /v1/completions``."""
 
     prompt: PromptInput = Field(description="a string, a list of strings, token ids, or a list of token id lists")
-    max_tokens: int | None = Field(None, ge=1, description="tokens to generate per choice; default 16")
+    max_tokens: int | None = Field(None, ge=0, description="tokens to generate per choice; default 16; 0 scores the "
+                                                           "prompt only (with echo or prompt_logprobs, as vLLM)")
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_N_LOGPROBS,
                                  description="return log-probs of the chosen tokens and this many alternatives")
     echo: bool | None = Field(None, description="prepend the prompt to each choice's text")
@@ -274,13 +275,14 @@ _PROMPT_LOGPROBS = "extension (prompt_logprobs): log probs of the prompt tokens,
 
 
 class _Extensions(BaseModel):
-    """Serializer of extension fields (``return_epochs``, ``prompt_logprobs``, ``return_routing_indices``):
-    left out unless asked for."""
+    """Serializer of extension fields (``return_epochs``, ``prompt_logprobs``, ``return_routing_indices``,
+    ``return_token_ids``): left out unless asked for."""
 
     @model_serializer(mode="wrap")
     def _drop_absent_extensions(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
         data = handler(self)
-        for key in ("policy_epochs", "kv_epochs", "prompt_logprobs", "routing_indices"):
+        for key in ("policy_epochs", "kv_epochs", "prompt_logprobs", "routing_indices", "prompt_token_ids",
+                    "token_ids"):
             if data.get(key) is None:
                 data.pop(key, None)
         return data
@@ -292,6 +294,9 @@ _ROUTING = ("extension (return_routing_indices): for every processed token of pr
             "token when generation stopped at its length limit was never processed), for every mixture-of-experts "
             "layer, the ids of the experts it was routed to, most probable first")
 RoutingIndices = list[list[list[int]]]
+_PROMPT_IDS = "extension (return_token_ids): the prompt's token ids, as the engine ran them (vLLM's name)"
+_TOKEN_IDS = "extension (return_token_ids): the generated token ids of this choice (vLLM's name)"
+_DELTA_IDS = "extension (return_token_ids): the generated token ids this chunk adds (vLLM's name)"
 
 
 class CompletionChoice(_Extensions):
@@ -303,6 +308,9 @@ class CompletionChoice(_Extensions):
     policy_epochs: list[int] | None = Field(None, description=_POLICY_EPOCHS)
     kv_epochs: list[int] | None = Field(None, description=_KV_EPOCHS)
     routing_indices: RoutingIndices | None = Field(None, description=_ROUTING + " (streamed: on the choice's last chunk)")
+    prompt_token_ids: list[int] | None = Field(None, description=_PROMPT_IDS + " (streamed: on the choice's first "
+                                                                            "chunk)")
+    token_ids: list[int] | None = Field(None, description=_TOKEN_IDS + " (streamed: those the chunk adds)")
 
 
 class CompletionResponse(BaseModel):
@@ -363,6 +371,7 @@ class ChatChoice(_Extensions):
     policy_epochs: list[int] | None = Field(None, description=_POLICY_EPOCHS)
     kv_epochs: list[int] | None = Field(None, description=_KV_EPOCHS)
     routing_indices: RoutingIndices | None = Field(None, description=_ROUTING)
+    token_ids: list[int] | None = Field(None, description=_TOKEN_IDS)
 
 
 class ChatCompletionResponse(_Extensions):
@@ -374,6 +383,7 @@ class ChatCompletionResponse(_Extensions):
     usage: Usage | None = None
     system_fingerprint: str | None = None
     prompt_logprobs: PromptLogprobs | None = Field(None, description=_PROMPT_LOGPROBS)
+    prompt_token_ids: list[int] | None = Field(None, description=_PROMPT_IDS)
 
 
 class DeltaFunctionCall(BaseModel):
@@ -410,9 +420,10 @@ class ChatChunkChoice(_Extensions):
     policy_epochs: list[int] | None = Field(None, description=_POLICY_EPOCHS + " (on the choice's last chunk)")
     kv_epochs: list[int] | None = Field(None, description=_KV_EPOCHS + " (on the choice's last chunk)")
     routing_indices: RoutingIndices | None = Field(None, description=_ROUTING + " (on the choice's last chunk)")
+    token_ids: list[int] | None = Field(None, description=_DELTA_IDS)
 
 
-class ChatCompletionChunk(BaseModel):
+class ChatCompletionChunk(_Extensions):
     """One server-sent event of a streamed chat completion."""
 
     id: str
@@ -422,6 +433,7 @@ class ChatCompletionChunk(BaseModel):
     choices: list[ChatChunkChoice]
     usage: Usage | None = None
     system_fingerprint: str | None = None
+    prompt_token_ids: list[int] | None = Field(None, description=_PROMPT_IDS + " (on each choice's first chunk)")
 
 
 class CompletionChunk(BaseModel):

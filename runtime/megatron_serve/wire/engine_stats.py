@@ -41,7 +41,8 @@ HISTOGRAMS: dict[str, tuple[float, ...]] = {
     "request_queue_time_seconds": REQUEST_LATENCY_BUCKETS,
 }
 #: counter names on the wire (the exported name adds ``_total``)
-COUNTERS = ("prompt_tokens", "generation_tokens", "num_preemptions", "prefix_cache_queries", "prefix_cache_hits")
+COUNTERS = ("prompt_tokens", "generation_tokens", "num_preemptions", "prefix_cache_queries", "prefix_cache_hits",
+            "logprob_parity_checked", "logprob_parity_mismatch")
 #: finish reasons counted by ``request_success``
 FINISH_REASONS = (FinishReason.STOP.value, FinishReason.LENGTH.value, FinishReason.ABORT.value)
 
@@ -118,6 +119,12 @@ class EngineStats:
 
     def preempted(self, count: int) -> None:
         self.counters["num_preemptions"] += count
+
+    def parity_checked(self, mismatch: bool) -> None:
+        """A finished request's log probs were scored again (``--verify-logprobs-fraction``); ``mismatch``: some
+        differed."""
+        self.counters["logprob_parity_checked"] += 1
+        self.counters["logprob_parity_mismatch"] += mismatch
 
     def finish(self, request: DynamicInferenceRequest) -> None:
         """A request left this engine finished (completed or aborted here)."""

@@ -1,0 +1,167 @@
+"""Proof at run time that reported log probs are what scoring the same tokens gives (``--verify-logprobs-fraction``).
+
+An RL trainer recomputes the log prob of every sampled token with a teacher-forced forward of prompt
++ completion; any gap between that and what the engine reported is off-policy noise. This module
+checks the engine against itself in production: a fraction of the finished requests that reported
+log probs is scored again, as a prompt (prompt + completion, the ``prompt_logprobs`` path: one
+forward with every position at once, never read from the prefix cache), and the log prob each
+generated token gets there is compared with the one reported while generating, with ``==`` on the
+floats. Bitwise equality is what the batch-invariant mode promises; without it the two differ in
+the last bits (float32 on CPU: a few of 24 tokens by about 5e-7), and this check says so.
+
+Where it runs: the engine queues the scoring request when the original finishes, after the
+original's output was handed out, so it adds nothing to that request's latency; it waits behind
+every user request (lowest priority), is never handed to the caller, and its tokens and latencies
+stay out of the engine's request metrics (it does take a step's compute, like a prompt of that length,
+and the prefix-cache query counter sees its tokens). Which requests are checked is a function of the
+request id alone (a hash), so a test or an incident replays the same choice. A refit while checks are
+queued voids them: the weights they would be scored with are not those that generated the tokens.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import logging
+from dataclasses import dataclass
+from typing import Protocol, Sequence, TypeVar
+
+from ..wire.engine_stats import EngineStats
+from ..wire.request import DynamicInferenceRequest, RequestStatus
+from ..wire.sampling_params import PRIORITY_MAX, SamplingParams
+
+logger = logging.getLogger(__name__)
+
+#: Prefix of the engine's own scoring requests: no request id that crosses a process boundary holds a NUL.
+SCORING_PREFIX = "\x00verify-logprobs:"
+
+
+class FinishedOutput(Protocol):
+    """What :meth:`ParityChecker.sort` reads of an engine ``StepOutput``."""
+
+    request: DynamicInferenceRequest
+    finished: bool
+
+
+Output = TypeVar("Output", bound=FinishedOutput)
+
+
+class Verdict(enum.Enum):
+    """How one check ended: log probs equal, some differ, or no verdict (the scoring failed or was voided)."""
+
+    MATCH = "match"
+    MISMATCH = "mismatch"
+    VOID = "void"
+
+
+def chosen(request_id: str, fraction: float) -> bool:
+    """Whether ``request_id`` is among the ``fraction`` checked: a 64-bit hash of the id below ``fraction * 2**64``
+    (Python's own ``hash`` is salted per process, so it would choose differently in every engine)."""
+    if fraction <= 0.0:
+        return False
+    digest = int.from_bytes(hashlib.blake2b(request_id.encode("utf-8", "surrogatepass"), digest_size=8).digest(), "big")
+    return digest < fraction * 2**64
+
+
+@dataclass
+class PendingCheck:
+    """What a queued check compares with: the log probs reported for the generated tokens it covers."""
+
+    request_id: str
+    reported: list[float]
+    first: int  # index in the scoring request's prompt_log_probs of the first generated token
+    void: bool = False
+
+
+class ParityChecker:
+    """The checks of one engine: which finished requests to score again, and the verdict once scored.
+
+    ``max_sequence_length``: the engine's; a scoring prompt holds at most one token less (the engine
+    admits a prompt only with room for one generated token), so a request that filled the context is
+    checked on all its tokens but the last.
+    """
+
+    def __init__(self, fraction: float, max_sequence_length: int) -> None:
+        self.fraction = fraction
+        self.max_sequence_length = max_sequence_length
+        self.pending: dict[str, PendingCheck] = {}
+
+    @property
+    def active(self) -> bool:
+        return self.fraction > 0.0
+
+    def owns(self, request_id: str) -> bool:
+        """Whether ``request_id`` is one of this checker's scoring requests (never handed to a caller)."""
+        return request_id.startswith(SCORING_PREFIX)
+
+    def scoring_request(self, request: DynamicInferenceRequest, epoch: int) -> DynamicInferenceRequest | None:
+        """The request that scores ``request`` (just finished in this engine, under weights ``epoch``) again,
+        or None when it is not checked: not chosen, not completed, no log probs reported, images in its prompt
+        (scoring would need them placed again), or tokens generated under other weights than the current."""
+        if not chosen(request.request_id, self.fraction) or request.status is not RequestStatus.COMPLETED:
+            return None
+        generated = request.generated_tokens
+        if (not generated or len(request.generated_log_probs) != len(generated) or request.images
+                or any(e != epoch for e in request.policy_epochs) or any(e != epoch for e in request.kv_epochs)):
+            return None
+        tokens = (request.prompt_tokens + generated)[: self.max_sequence_length - 1]
+        covered = len(tokens) - len(request.prompt_tokens)
+        if covered < 1:
+            return None
+        scoring_id = SCORING_PREFIX + request.request_id
+        if scoring_id in self.pending:  # the same id finished again before its check ran: check the latest
+            self.pending[scoring_id].void = True
+            return None
+        self.pending[scoring_id] = PendingCheck(request.request_id, list(request.generated_log_probs[:covered]),
+                                                len(request.prompt_tokens) - 1)
+        params = SamplingParams(temperature=0.0, num_tokens_to_generate=1, ignore_eos=True,
+                                return_prompt_log_probs=True, priority=PRIORITY_MAX,
+                                cache_salt=request.sampling_params.cache_salt)  # its blocks stay in the tenant's cache
+        return DynamicInferenceRequest(request_id=scoring_id, prompt=None, prompt_tokens=tokens, sampling_params=params)
+
+    def void_all(self) -> None:
+        """The weights changed (a refit): the checks queued compare with tokens of the old weights."""
+        for check in self.pending.values():
+            check.void = True
+
+    def abandon(self, request_id: str) -> bool:
+        """True for a scoring request of this checker, now forgotten (the engine hands its requests back while
+        draining: another engine cannot check this one's log probs); False for any other request."""
+        if not self.owns(request_id):
+            return False
+        self.pending.pop(request_id, None)
+        return True
+
+    def sort(self, outputs: Sequence[Output], epoch: int, stats: EngineStats
+             ) -> tuple[list[Output], list[DynamicInferenceRequest]]:
+        """``(the outputs for the caller, the scoring requests to queue)`` of one batch of engine outputs: the
+        scoring requests' own outputs are kept back, and once finished judged and counted in ``stats``."""
+        delivered, scoring = [], []
+        for out in outputs:
+            if self.owns(out.request.request_id):
+                if out.finished and (verdict := self.settle(out.request)) is not Verdict.VOID:
+                    stats.parity_checked(verdict is Verdict.MISMATCH)
+                continue
+            delivered.append(out)
+            if out.finished and (request := self.scoring_request(out.request, epoch)) is not None:
+                scoring.append(request)
+        return delivered, scoring
+
+    def settle(self, scoring: DynamicInferenceRequest) -> Verdict:
+        """The verdict of a finished scoring request; a mismatch is logged as a WARNING naming the request and
+        the first generated token whose log probs differ."""
+        check = self.pending.pop(scoring.request_id, None)
+        if check is None or check.void or scoring.status is not RequestStatus.COMPLETED:
+            if check is not None and scoring.status is RequestStatus.FAILED:
+                logger.info("log-prob check of request %s not made: scoring failed (%s)", check.request_id,
+                            scoring.error)
+            return Verdict.VOID
+        scored = scoring.prompt_log_probs[check.first : check.first + len(check.reported)]
+        differ = next((i for i, (a, b) in enumerate(zip(check.reported, scored)) if a != b), None)
+        if differ is None:
+            return Verdict.MATCH
+        logger.warning("log-prob parity mismatch: request %s, generated token %d (position %d of prompt + "
+                       "completion): reported %r while generating, %r when scored (%d of %d tokens differ)",
+                       check.request_id, differ, check.first + 1 + differ, check.reported[differ], scored[differ],
+                       sum(a != b for a, b in zip(check.reported, scored)), len(check.reported))
+        return Verdict.MISMATCH
