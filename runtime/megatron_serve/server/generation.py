@@ -32,20 +32,26 @@ logger = logging.getLogger("megatron_serve.server")
 
 
 class PendingCounter:
-    """Engine requests this server is waiting on; bounded by the queue limit (429 beyond it)."""
+    """Engine requests this server is waiting on; bounded by the queue limit (429 beyond it). ``gauge``: a
+    multiprocess gauge kept equal to it (``--api-server-count`` > 1 sums the processes' counts)."""
 
-    def __init__(self, limit: int | None = None) -> None:
+    def __init__(self, limit: int | None = None, gauge: Any = None) -> None:
         self.limit = limit
         self.value = 0
+        self.gauge = gauge
 
     def acquire(self, count: int) -> None:
         if self.limit is not None and self.value + count > self.limit:
             raise APIError(429, f"the server's queue is full ({self.value} of {self.limit} requests pending, this one "
                                 f"needs {count}); retry later", code="queue_full", headers={"Retry-After": "1"})
         self.value += count
+        if self.gauge is not None:
+            self.gauge.set(self.value)
 
     def release(self, count: int = 1) -> None:
         self.value = max(0, self.value - count)
+        if self.gauge is not None:
+            self.gauge.set(self.value)
 
 
 def check_result(request: DynamicInferenceRequest) -> DynamicInferenceRequest:
