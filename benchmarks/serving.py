@@ -346,8 +346,8 @@ class Pinning:
     def describe(self) -> str:
         if self.engines is None:
             return "not pinned to cores (--no-pin, or fewer cores than engines + 1)"
-        return (f"engine i on core {self.engines} [i], the offline engine on core {self.engines[0]}, HTTP server(s) "
-                f"and coordinator on cores {self.front}")
+        return (f"served engines on cores {self.engines} (one each), the offline engine on core {self.engines[0]}, "
+                f"HTTP server(s) and coordinator on cores {self.front}")
 
 
 def pin_process(pid: int, cores: list[int]) -> None:

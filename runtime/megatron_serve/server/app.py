@@ -32,6 +32,7 @@ from ..multimodal import ImageOptions
 
 from .. import __version__
 from ..generation_config import GenerationDefaults
+from ..grammar import warm_checker
 from ..http_options import HTTPOptions
 from .chat import ChatHandler
 from .completions import CompletionHandler
@@ -171,6 +172,8 @@ def create_app(
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
+        grammar = asyncio.ensure_future(asyncio.to_thread(warm_checker))  # off the loop, before requests need it
+        grammar.add_done_callback(lambda f: f.cancelled() or f.exception())  # a request would say what is wrong
         monitor.ensure_running()
         await monitor.wait_first_poll(timeout=5.0)
         stats = asyncio.create_task(log_stats(monitor, options.stats_interval)) if options.log_stats else None
