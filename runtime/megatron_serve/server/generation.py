@@ -17,7 +17,7 @@ import logging
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Protocol, runtime_checkable
 
 from ..client.coordinator_client import CoordinatorError, CoordinatorLost
 from ..client.outputs import StreamPartial
@@ -29,6 +29,27 @@ from .request_log import RequestLog
 from .translate import EngineJob
 
 logger = logging.getLogger("megatron_serve.server")
+
+
+@runtime_checkable
+class SinkBackend(Protocol):
+    """A backend that puts a stream's items straight into a queue of the caller's
+    (:meth:`~megatron_serve.client.coordinator_client.InferenceClient.add_request_streaming_to`)."""
+
+    def add_request_streaming_to(self, prompt: Any, sampling_params: Any, sink: Any, *, request_id: str | None = None,
+                                 images: list[Any] | None = None) -> str: ...
+
+
+@dataclass(frozen=True)
+class _Tagged:
+    """A sink that files a job's items into the submission's queue as ``(job, request_id, item)``."""
+
+    queue: "asyncio.Queue[tuple[EngineJob | None, str, Any]]"
+    job: EngineJob
+    request_id: str
+
+    def put_nowait(self, item: Any) -> None:
+        self.queue.put_nowait((self.job, self.request_id, item))
 
 
 class PendingCounter:
@@ -200,7 +221,16 @@ class Submission:
             except Exception as exc:
                 queue.put_nowait((job, request_id, exc))
 
-        tasks = [asyncio.create_task(pump(job, rid)) for job, rid in zip(self.jobs, self.ids)]
+        tasks = []
+        if isinstance(self.backend, SinkBackend):  # the client's receive loop fills the queue: no task per job
+            for job, rid in zip(self.jobs, self.ids):
+                try:
+                    self.backend.add_request_streaming_to(job.prompt.tokens, job.params, _Tagged(queue, job, rid),
+                                                          request_id=rid, **_images(job))
+                except Exception as exc:  # refused at once (e.g. a lost coordinator): as a pump would report it
+                    queue.put_nowait((job, rid, exc))
+        else:
+            tasks = [asyncio.create_task(pump(job, rid)) for job, rid in zip(self.jobs, self.ids)]
         stopped = asyncio.ensure_future(self.stopping.wait())
         stopped.add_done_callback(lambda f: f.cancelled() or queue.put_nowait((None, "", shutting_down())))
         remaining = len(self.jobs)
