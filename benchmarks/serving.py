@@ -12,7 +12,15 @@ engine in this process, the requests added at once with ``C`` running at most, s
 offline and their ratio, TTFT and TPOT percentiles, end-to-end latency, and (for a stack it started,
 on Linux) the CPU time each of its processes spent per 1,000 output tokens, beside the offline
 engine's: on a machine shared with other work, throughput moves with everyone's load, CPU time per
-token much less (there, ``OMP_NUM_THREADS=1`` also keeps torch's threads from waiting on each other).
+token much less.
+
+What it pins, and prints before the table (``--threads``, ``--no-pin``): every process it runs or starts
+uses ``--threads`` threads for torch and BLAS (``OMP_NUM_THREADS`` and its kin, default 1: without it
+the offline baseline swung from 141 to 1,978 tok/s between repeats on a shared 2-core machine, ratios
+2.4 to 20.5), and where the machine has a core per engine and one left (``sched_setaffinity``, Linux),
+each served engine runs on a core of its own, the offline engine on engine 0's core, and the HTTP
+server(s) and coordinator on the remaining cores. ``--run-args "--api-server-count 2"`` runs two HTTP
+processes; their CPU time counts as the server's.
 
 Server-sent events are parsed as the specification says (lines end at CR, LF or CRLF only; an empty
 line ends an event; ``data:`` lines join with newlines), so text holding U+2028 or other Unicode line
@@ -43,6 +51,8 @@ from pathlib import Path
 import httpx
 
 LENGTHS = ("uniform", "staggered")
+#: Thread-count variables torch, OpenMP and the BLAS libraries read at start.
+THREAD_VARIABLES = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")
 
 
 @dataclass
@@ -279,30 +289,88 @@ def stop_stack(proc: subprocess.Popen) -> None:
         proc.wait()
 
 
+def _stat(pid: int) -> list[str]:
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+
+
+def stack_processes(run_pid: int) -> list[tuple[int, str]]:
+    """The started stack's child processes and their roles: ``engines``, ``server`` (sibling API servers of
+    ``--api-server-count``) or ``coordinator``."""
+    found = []
+    for pid in map(int, filter(str.isdigit, os.listdir("/proc"))):
+        try:
+            if int(_stat(pid)[1]) != run_pid:
+                continue
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")  # `... cli engine --coordinator ...`
+        except OSError:  # gone meanwhile
+            continue
+        role = ("engines" if b"engine" in argv else "server" if b"megatron_serve.commands.api_sibling" in argv
+                else "coordinator")
+        found.append((pid, role))
+    return found
+
+
 def stack_cpu_seconds(run_pid: int) -> dict[str, float] | None:
-    """CPU seconds (user + system) the started stack used so far: the ``run`` process (the HTTP server), its
-    coordinator and its engines (Linux ``/proc``; None elsewhere)."""
+    """CPU seconds (user + system) the started stack used so far: the ``run`` process and its sibling API servers
+    (the HTTP server), its coordinator and its engines (Linux ``/proc``; None elsewhere)."""
     ticks = os.sysconf("SC_CLK_TCK")
-
-    def fields(pid: str) -> list[str]:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-
     try:
-        own = fields(str(run_pid))
+        own = _stat(run_pid)
     except OSError:
         return None
     used = {"server": (int(own[11]) + int(own[12])) / ticks, "coordinator": 0.0, "engines": 0.0}
-    for pid in filter(str.isdigit, os.listdir("/proc")):
+    for pid, role in stack_processes(run_pid):
         try:
-            stat = fields(pid)
-            if int(stat[1]) != run_pid:
-                continue
-            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")  # `... cli engine --coordinator ...`
-            role = "engines" if b"engine" in argv else "coordinator"
-        except OSError:  # gone meanwhile
+            stat = _stat(pid)
+        except OSError:
             continue
         used[role] += (int(stat[11]) + int(stat[12])) / ticks
     return used
+
+
+@dataclass
+class Pinning:
+    """Which cores each kind of process runs on (None: not pinned)."""
+
+    engines: list[int] | None
+    front: list[int] | None  # HTTP server(s) and coordinator
+    cores: list[int] | None  # all of them: the benchmark's client
+
+    @classmethod
+    def plan(cls, engines: int, pin: bool) -> "Pinning":
+        cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+        if not pin or len(cores) < engines + 1:
+            return cls(None, None, None)
+        return cls(cores[-engines:], cores[:-engines], cores)
+
+    def describe(self) -> str:
+        if self.engines is None:
+            return "not pinned to cores (--no-pin, or fewer cores than engines + 1)"
+        return (f"served engines on cores {self.engines} (one each), the offline engine on core {self.engines[0]}, "
+                f"HTTP server(s) and coordinator on cores {self.front}")
+
+
+def pin_process(pid: int, cores: list[int]) -> None:
+    """Every thread of ``pid`` on ``cores`` (threads started later inherit it from theirs)."""
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            os.sched_setaffinity(int(task.name), cores)
+        except OSError:  # a thread that ended meanwhile
+            pass
+
+
+def pin_stack(run_pid: int, pinning: Pinning) -> None:
+    """Pin the started stack's processes as ``pinning`` says."""
+    if pinning.engines is None or pinning.front is None:
+        return
+    pin_process(run_pid, pinning.front)
+    engine = 0
+    for pid, role in stack_processes(run_pid):
+        if role == "engines":
+            pin_process(pid, [pinning.engines[engine % len(pinning.engines)]])
+            engine += 1
+        else:
+            pin_process(pid, pinning.front)
 
 
 def served_vocab_size(url: str, model: str, headers: dict[str, str]) -> int:
@@ -370,7 +438,19 @@ def main() -> None:
                                                                  "served model's)")
     parser.add_argument("--no-offline", action="store_true", help="serving only")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=1, help="torch/OpenMP/BLAS threads of every process (sets "
+                                                              "OMP_NUM_THREADS and its kin; default 1)")
+    parser.add_argument("--no-pin", dest="pin", action="store_false",
+                        help="do not pin engines, servers and coordinator to cores of their own")
     args = parser.parse_args()
+    if args.threads < 1:
+        parser.error(f"--threads must be >= 1, got {args.threads}")
+    for name in THREAD_VARIABLES:  # before torch loads here, and inherited by the started stack
+        os.environ[name] = str(args.threads)
+    pinning = Pinning.plan(args.engines, args.pin and args.url is None)
+    setting = (f"setting: {args.threads} thread(s) per process ({', '.join(THREAD_VARIABLES)}={args.threads}); "
+               f"{pinning.describe()}")
+    print(setting, file=sys.stderr, flush=True)
     levels = [int(x) for x in args.concurrency.split(",") if x.strip()]
     mixes = list(LENGTHS) if args.lengths == "both" else [args.lengths]
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
@@ -392,6 +472,8 @@ def main() -> None:
     offline: dict[tuple[str, int], tuple[float, float]] = {}
     if model_dir and not args.no_offline:  # first, alone on the machine: the serving stack is not up yet
         warmup = workload(4, args.prompt_tokens, args.output_tokens, vocab, "staggered", args.seed + 99)
+        if pinning.engines is not None:
+            pin_process(os.getpid(), [pinning.engines[0]])
         for (mix, c), work in works.items():
             offline[(mix, c)] = offline_tokens_per_s(model_dir, args.run_args, work, c, warmup)
             print(f"offline {mix} concurrency {c}: {offline[(mix, c)][0]:.1f} tok/s", file=sys.stderr, flush=True)
@@ -400,7 +482,10 @@ def main() -> None:
     url = args.url
     if url is None:
         print(f"starting megatron-serve run --model {model_dir} ...", file=sys.stderr, flush=True)
+        if pinning.cores is not None:
+            pin_process(os.getpid(), pinning.cores)  # this client (and what it starts) on every core again
         proc, url, _output = start_stack(model_dir, args.engines, args.run_args)
+        pin_stack(proc.pid, pinning)
     try:
         model = args.model_name or httpx.get(f"{url}/v1/models", headers=headers).json()["data"][0]["id"]
         if not vocab:
@@ -420,7 +505,7 @@ def main() -> None:
                   flush=True)
         print(f"\nmodel {model}: prompt {args.prompt_tokens} tokens, output {args.output_tokens} tokens (staggered: "
               f"{args.output_tokens // 2}-{args.output_tokens * 3 // 2}), greedy, EOS ignored, streamed over {url}; "
-              f"offline: an engine in this process with the same engine options\n")
+              f"offline: an engine in this process with the same engine options\n{setting}\n")
         print_table(rows)
         for c in levels:
             if ("uniform", c) in offline and ("staggered", c) in offline:

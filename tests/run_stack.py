@@ -136,10 +136,10 @@ class RunStack:
         return {engine["info"].get("pid") for engine in engines} <= set(self.children()["engine"])
 
 
-def start_run(model: str, tmp: Path, *extra: str, engines: int = 2, close_stdout_after: int | None = None
-              ) -> RunStack:
+def start_run(model: str, tmp: Path, *extra: str, engines: int = 2, close_stdout_after: int | None = None,
+              api_key: str | None = None) -> RunStack:
     """``megatron-serve run`` as a user starts it; ``close_stdout_after``: read that many lines, then close the
-    pipe (as ``run ... | head -2`` does). Returns once ``/ready`` answers 200."""
+    pipe (as ``run ... | head -2`` does); ``api_key``: the one ``extra`` sets. Returns once ``/ready`` answers 200."""
     tmp.mkdir(parents=True, exist_ok=True)
     port = free_port()
     log = tmp / "run.log"
@@ -168,7 +168,8 @@ def start_run(model: str, tmp: Path, *extra: str, engines: int = 2, close_stdout
             pass
         assert time.monotonic() < deadline, stack.output()[-3000:]
         time.sleep(0.2)
-    stack.model = httpx.get(f"{url}/v1/models", timeout=10).json()["data"][0]["id"]
+    auth = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    stack.model = httpx.get(f"{url}/v1/models", headers=auth, timeout=10).json()["data"][0]["id"]
     return stack
 
 

@@ -270,6 +270,10 @@ def spec_schema() -> dict[str, Any]:
                 required=["name", "key"],
             ),
             "resources": _resources("Resources of the server container."),
+            "apiServerCount": _int("HTTP server processes in the server container, sharing its port, each with its "
+                                   "own coordinator client (vLLM's --api-server-count): for more streamed tokens "
+                                   "per second than one process writes. Give the container about one CPU per "
+                                   "process; /metrics stays fleet-wide.", minimum=1, maximum=64, default=1),
             "remoteImages": {"type": "boolean", "default": True,
                              "description": "Fetch http(s) image URLs of chat requests (vision-language models); "
                                             "false: only data: URLs, so the server never reaches into the cluster "

@@ -218,7 +218,8 @@ def render_coordinator_deployment(spec: InferenceSpec, config: OperatorConfig) -
                  "--host", "0.0.0.0", "--port", str(spec.server_port), "--drain-timeout",
                  str(spec.drain_timeout_seconds), *_served_name(spec)]
                 # on by default; the flag only when off, so existing pod templates stay unchanged
-                + ([] if spec.remote_images else ["--no-remote-images"]),
+                + ([] if spec.remote_images else ["--no-remote-images"])
+                + (["--api-server-count", str(spec.api_server_count)] if spec.api_server_count > 1 else []),
         "env": server_env,
         "ports": [{"name": "http", "containerPort": spec.server_port, "protocol": "TCP"}],
         # /ready: requests are served now (coordinator reachable, fleet RUNNING, not draining); /health: the

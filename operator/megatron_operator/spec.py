@@ -220,6 +220,7 @@ class InferenceSpec:
     server_port: int
     api_key_secret_ref: dict[str, str] | None
     server_resources: dict[str, Any]
+    api_server_count: int
     remote_images: bool
     trainers: list[dict[str, Any]]  # NetworkPolicy peers admitted to the coordinator port and the engine pods
     lifecycle: str
@@ -292,6 +293,7 @@ def parse(resource: dict[str, Any], default_namespace: str = "default") -> Infer
         server_port=server["port"],
         api_key_secret_ref=server.get("apiKeySecretRef"),
         server_resources=dict(server.get("resources", {})),
+        api_server_count=server["apiServerCount"],
         remote_images=server["remoteImages"],
         trainers=[dict(peer) for peer in spec["network"].get("trainers", [])],
         lifecycle=spec["lifecycle"],

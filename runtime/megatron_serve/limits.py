@@ -24,6 +24,11 @@ DEFAULT_KEEP_ALIVE = 5.0
 #: Seconds a lost coordinator has to come back before what is pending on it fails (``--coordinator-grace``;
 #: see :class:`megatron_serve.client.coordinator_client.InferenceClient`).
 DEFAULT_COORDINATOR_GRACE = 30.0
+#: The HTTP server's fleet-status timing in seconds (``--status-interval``, ``--status-timeout``,
+#: ``--ready-timeout``; see :mod:`megatron_serve.server.fleet`).
+STATUS_INTERVAL = 0.5
+STATUS_TIMEOUT = 2.0
+READY_TIMEOUT = 0.05
 
 #: Characters per token of context beyond which a prompt cannot fit with any common tokenizer:
 #: English averages about 4 characters per token and code about 3; 32 leaves room for prompts

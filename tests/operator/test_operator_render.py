@@ -399,6 +399,21 @@ def test_server_remote_images_switch_reaches_the_server_command(remote_images):
     assert parsed.remote_images is (remote_images is not False)
 
 
+@pytest.mark.parametrize("count", [None, 1, 3])
+def test_server_api_server_count_reaches_the_server_command(count):
+    (resource,) = load_yaml(ROOT / "manifests" / "examples" / "tp2-dp4.yaml")
+    resource["spec"]["server"].pop("apiServerCount")  # the example sets it
+    if count is not None:
+        resource["spec"]["server"]["apiServerCount"] = count
+    deployment = by_key(render(identified(resource), CONFIG))[("Deployment", "qwen-14b-coordinator")]
+    (server,) = [c for c in _containers(deployment) if c["name"] == "server"]
+    command, *args = server["args"]
+    # One process adds no flag, so pod templates rendered before the field existed still match.
+    assert ("--api-server-count" in args) is (count == 3)
+    parsed, _ = _parser_for(command).parse_known_args(args)
+    assert parsed.api_server_count == (count or 1)
+
+
 @pytest.mark.parametrize("volume", [None, {"persistentVolumeClaim": {"claimName": "models"}}])
 def test_a_hub_model_is_fetched_by_an_init_container_into_the_model_volume(volume):
     (resource,) = load_yaml(ROOT / "manifests" / "examples" / "hub-model.yaml")

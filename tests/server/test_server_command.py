@@ -79,7 +79,8 @@ def test_server_before_coordinator_then_ready_then_stopped(tiny_model, tmp_path)
                                 str(coordinator_port)], coord_log))
             wait_until(lambda: httpx.get(f"{url}/ready").status_code == 200, 120, "ready", interval=0.2)
             assert httpx.get(f"{url}/ready").json() == {"ready": True, "state": "RUNNING",
-                                                         "coordinator_reachable": True, "engines": 0, "detail": None}
+                                                         "coordinator_reachable": True, "busy": False, "engines": 0,
+                                                         "detail": None}
 
             control(address, "stop")
             wait_until(lambda: httpx.get(f"{url}/ready").status_code == 503, 30, "not ready")

@@ -35,9 +35,8 @@ from zmq.utils.monitor import parse_monitor_message
 import msgspec
 
 from ..wire.connection import Connection, ControlError, CoordinatorError, CoordinatorLost, Unauthorized
-from ..wire.lifecycle import PauseMode, drain_timeout_problem, parse_pause_mode
 from ..limits import DEFAULT_COORDINATOR_GRACE
-from ..wire.messages import PROTOCOL_VERSION, Error, HelloAck, Rendezvous
+from ..wire.messages import PROTOCOL_VERSION, Error, HelloAck
 from ..multimodal import PromptImage
 from .output_processor import OutputCollector, check_params, load_tokenizer
 from .prompts import ImagePrompt, Prompt
@@ -47,7 +46,8 @@ from ..wire.transport import close_monitored, open_peer_socket
 from .outputs import StreamPartial
 from .pending_requests import PendingRequest, PendingRequests
 from ..wire.request import DynamicInferenceRequest
-from .streams import iterate_stream
+from .streams import Sink, iterate_stream
+from .verbs import FleetVerbs
 from ..wire.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -74,7 +74,7 @@ _MESSAGES_PER_TURN = 256
 ACK_DELAY_S = 0.05
 
 
-class InferenceClient:
+class InferenceClient(FleetVerbs):
     """Asyncio client of a coordinator at ``address`` (``tcp://host:port``).
 
     ``token``: the fleet secret (``None``: an ``--insecure`` coordinator; not given: ``$MEGATRON_SERVE_TOKEN``).
@@ -421,7 +421,8 @@ class InferenceClient:
             raise lost
 
     def _new_pending(self, prompt: Prompt, sampling_params: SamplingParams | dict | None,
-                     request_id: str | None, stream: bool, images: list[bytes | PromptImage] | None) -> PendingRequest:
+                     request_id: str | None, stream: bool, images: list[bytes | PromptImage] | None,
+                     sink: Sink | None = None) -> PendingRequest:
         self._require_started()
         self._require_coordinator()
         if isinstance(prompt, ImagePrompt):  # what MegatronAsyncLLM hands on for a prompt dict with images
@@ -441,7 +442,7 @@ class InferenceClient:
             raise ValueError(f"request id {request_id!r} is already pending")
         pending = PendingRequest(request_id, prompt, params, stream, self._loop.create_future(),
                                  OutputCollector(request_id, prompt, params, self.tokenizer),
-                                 asyncio.Queue() if stream else None)
+                                 sink if sink is not None else asyncio.Queue() if stream else None)
         if images:
             pending.images = [(image if isinstance(image, PromptImage) else PromptImage(bytes(image))).to_wire()
                               for image in images]
@@ -482,6 +483,13 @@ class InferenceClient:
         async for item in iterate_stream(pending.queue, abandon):
             yield item
 
+    def add_request_streaming_to(self, prompt: Prompt, sampling_params: SamplingParams | dict | None, sink: Sink, *,
+                                 request_id: str | None = None, images: list[bytes | PromptImage] | None = None) -> str:
+        """Submit one prompt whose :class:`StreamPartial`\ s, final request or error the receive loop puts straight
+        into ``sink`` (no task per stream, as :meth:`add_request_streaming` needs: a wake-up less per chunk for
+        the HTTP server); returns its id. The caller aborts it (:meth:`abort`) when it stops listening."""
+        return self._new_pending(prompt, sampling_params, request_id, True, images, sink).request_id
+
     def abort(self, request_id: str) -> None:
         """Abort a pending request; its future resolves with ``finish_reason`` ``abort``."""
         pending = self._pending.get(request_id)
@@ -514,66 +522,6 @@ class InferenceClient:
             return await asyncio.wait_for(future, timeout)
         finally:
             self._controls.pop(control_id, None)
-
-    async def pause(self, mode: PauseMode | str = PauseMode.KEEP, *, drain_timeout: float | None = None,
-                    timeout: float | None = None) -> dict[str, Any]:
-        """PAUSE: engines stop stepping at a step boundary and keep their memory; requests wait for UNPAUSE.
-
-        ``mode`` (:class:`~megatron_serve.wire.lifecycle.PauseMode`) says what happens to the requests the
-        fleet holds: ``"keep"`` (default) pauses them in place; ``"wait"`` lets the running ones
-        finish first (at most ``drain_timeout`` seconds, default 30; what still runs then is kept)
-        while queued ones wait; ``"abort"`` ends all of them at once with ``finish_reason`` ``"abort"``
-        and the tokens generated so far. The acknowledgement's ``detail`` says what the mode did
-        (``mode``, ``aborted``; ``waited_s``, ``unfinished``, ``timed_out``).
-        """
-        chosen = parse_pause_mode(mode)
-        problem = drain_timeout_problem(chosen, drain_timeout)
-        if problem is not None:
-            raise ValueError(problem)
-        ack = self._connection.ack
-        if chosen is not PauseMode.KEEP and ack is not None and ack.protocol < 3:
-            raise ControlError(ErrorCode.UNSUPPORTED.value,
-                               f"the coordinator speaks protocol {ack.protocol}, which has no pause modes (it would "
-                               f"keep the requests instead of mode {chosen.value!r}): upgrade the coordinator")
-        return await self._control(Header.PAUSE, timeout, mode=None if chosen is PauseMode.KEEP else chosen.value,
-                                   drain_timeout=drain_timeout)
-
-    async def unpause(self, timeout: float | None = None) -> dict[str, Any]:
-        """UNPAUSE: back to RUNNING (also restarts a STOPPED fleet once engines joined again)."""
-        return await self._control(Header.UNPAUSE, timeout)
-
-    async def suspend(self, level: int = 1, timeout: float | None = None) -> dict[str, Any]:
-        """SUSPEND: release the KV cache (level 2: also weights to host); pauses first if RUNNING."""
-        return await self._control(Header.SUSPEND, timeout, level=level)
-
-    async def resume(self, timeout: float | None = None) -> dict[str, Any]:
-        """RESUME: restore device memory; the fleet is then PAUSED (UNPAUSE to run)."""
-        return await self._control(Header.RESUME, timeout)
-
-    async def stop(self, timeout: float | None = None, drain_timeout: float | None = None) -> dict[str, Any]:
-        """The STOP verb: every engine drains and exits. (To close this client, use :meth:`close`.)"""
-        return await self._control(Header.STOP, timeout, drain_timeout=drain_timeout)
-
-    async def refit(self, source: str, epoch: int | None = None, timeout: float | None = None, *,
-                    rendezvous: Rendezvous | None = None) -> dict[str, Any]:
-        """REFIT (fleet PAUSED or SUSPENDED): every engine loads the weights in model directory ``source``.
-
-        ``source`` is a path as the engines see it; its shapes must equal the served model's.
-        ``epoch`` (default: the current one + 1) is the generation recorded for the new weights and
-        reported with every token generated under them. The coordinator verifies the source on every
-        engine before any engine loads it: a mismatch raises :class:`ControlError` (code
-        ``refit_failed``) naming the engine and the problem, and the fleet keeps its old weights.
-        The acknowledgement's ``detail`` holds ``epoch``, ``source`` and per-engine timings
-        (``verify_s``, ``load_s``, ``total_s``).
-
-        ``rendezvous``: the weights come from a trainer instead (``source`` is then its label); this
-        is what :class:`megatron_serve.weights.WeightSender` sends, and what it should be used through.
-        """
-        if not isinstance(source, str) or not source:
-            raise ValueError("source must be a non-empty model directory path")
-        if epoch is not None and (isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0):
-            raise ValueError(f"epoch must be an integer >= 0, got {epoch!r}")
-        return await self._control(Header.REFIT, timeout, source=source, epoch=epoch, rendezvous=rendezvous)
 
     async def status(self, timeout: float | None = 10.0) -> dict[str, Any]:
         """The ``STATUS_REPLY`` fields: state, engines, queued, in_flight, completed, failed, ..."""

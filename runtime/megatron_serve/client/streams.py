@@ -3,9 +3,15 @@
 from __future__ import annotations
 
 import asyncio
-from typing import Any, AsyncIterator, Callable
+from typing import Any, AsyncIterator, Callable, Protocol
 
 from ..wire.request import DynamicInferenceRequest
+
+
+class Sink(Protocol):
+    """Where a stream's items go as they arrive (``InferenceClient.add_request_streaming_to``; a queue is one)."""
+
+    def put_nowait(self, item: Any) -> None: ...
 
 
 async def iterate_stream(items: asyncio.Queue, abandon: Callable[[], None]) -> AsyncIterator[Any]:

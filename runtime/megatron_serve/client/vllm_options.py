@@ -163,6 +163,8 @@ VLLM_OPTIONS: tuple[VllmOption, ...] = (
                "or a directory", example=("--generation-config", "auto")),
     VllmOption(("--stream-interval",), _IMPLEMENTED, "tokens per streamed chunk; a choice's first token goes at once",
                example=("--stream-interval", "2")),
+    VllmOption(("--api-server-count",), _IMPLEMENTED, "HTTP server processes sharing the port, each with its own "
+               "coordinator client; /metrics stays fleet-wide", example=("--api-server-count", "2")),
     VllmOption(("--max-logprobs",), _IMPLEMENTED, "most log probs per token a request may ask for (logprobs, "
                "top_logprobs, prompt_logprobs); at most 20 here", example=("--max-logprobs", "5")),
     # ---- defined here: the OpenAI server

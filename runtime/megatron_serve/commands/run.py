@@ -31,7 +31,7 @@ from typing import Any
 
 from ..http_options import HTTPOptions
 from ..wire.protocol import DEFAULT_PORT
-from . import local_runs
+from . import api_servers, local_runs
 from .aliases import add_option
 from .engine_options import add_engine_options, inference_config_from_args
 from .inputs import check_model_dir, check_port_free, parse_port
@@ -39,8 +39,7 @@ from .model_options import add_model_options, resolve_model_args
 from .run_janitor import Janitor
 from .options import add_insecure_option, add_log_option, add_token_option, read_token, setup_logging
 from .server import (API_KEY_ENV, ServingFiles, add_server_options, check_server_options, connection_options,
-                     image_options,
-                     read_admin_key, read_api_key, read_limits)
+                     image_options, read_admin_key, read_api_key, read_limits, status_options)
 
 logger = logging.getLogger("megatron_serve.run")
 
@@ -111,7 +110,9 @@ def run(args: argparse.Namespace) -> int:
         check_tokenizer_files(args.tokenizer)
     files = ServingFiles.from_args(args)  # --chat-template and --generation-config, checked now
     port, port_note = coordinator_port(args.coordinator_port, args.host)
-    return asyncio.run(_Stack(args, config, api_key, token, files, port, port_note).main())
+    from ..server.runner import run_loop  # noqa: PLC0415 - keep --help fast
+
+    return run_loop(_Stack(args, config, api_key, token, files, port, port_note).main())
 
 
 def coordinator_port(requested: int | None, host: str = "127.0.0.1") -> tuple[int, str]:
@@ -175,9 +176,13 @@ class _Stack:
         self.published: local_runs.LocalRun | None = None  # this run's directory, for `megatron-serve control`
         self.janitor: Janitor | None = None
         self.endpoint = ""  # http://host:port/v1, once bound
+        self.address = ""  # the coordinator's, once it listens
+        self.siblings: api_servers.Siblings | None = None  # the other API server processes (--api-server-count)
 
     def _on_signal(self, signum: int) -> None:
         self.signals += 1
+        if self.siblings is not None:
+            self.siblings.signal(signum)
         if self.signals == 1:
             progress(None, f"{signal.Signals(signum).name}: stopping: new requests get 503, those in flight may finish "
                            f"for up to {self.args.drain_timeout:g}s (again to stop at once)")
@@ -249,7 +254,7 @@ class _Stack:
                                 token=self.token, insecure=self.token is None, routing=args.routing,
                                 drain_timeout=args.drain_timeout, log_dir=args.log_dir, tokenizer_dir=args.tokenizer)
         started = time.monotonic()
-        address = await asyncio.to_thread(self.fleet.start, 60.0)
+        self.address = address = await asyncio.to_thread(self.fleet.start, 60.0)
         security = "encrypted, fleet secret required" if self.token else "INSECURE: no authentication, no encryption"
         kept = "" if args.log_dir is not None else "; removed at exit, --log-dir keeps them"
         progress(2, f"coordinator listening on {address}{self.port_note} ({security}; logs in "
@@ -297,24 +302,33 @@ class _Stack:
         from ..server.runner import serve_app  # noqa: PLC0415
 
         args = self.args
+        metrics_dir = api_servers.share_metrics(args.api_server_count)  # before the app makes its series
         app = create_app(self.client, tokenizer, facts.name, self.api_key, admin_key=read_admin_key(args),
-                         vocab_size=facts.vocab_size,
-                         max_model_len=facts.max_model_len, max_concurrent_requests=args.max_concurrent_requests,
+                         vocab_size=facts.vocab_size, max_model_len=facts.max_model_len,
+                         max_concurrent_requests=api_servers.per_process_limit(args),
                          limits=read_limits(args), tokenizer_threads=args.tokenizer_threads,
                          image_options=image_options(args), generation_defaults=self.files.generation_defaults,
-                         options=HTTPOptions.from_args(args), stream_interval=args.stream_interval)
+                         options=HTTPOptions.from_args(args), stream_interval=args.stream_interval,
+                         **status_options(args))
 
         def started(url: str) -> None:
-            progress(4, f"HTTP server listening on {url}{' (API key required)' if self.api_key else ''}")
+            count = f" ({args.api_server_count} processes)" if args.api_server_count > 1 else ""
+            progress(4, f"HTTP server listening on {url}{count}{' (API key required)' if self.api_key else ''}")
             say(f"megatron-serve is ready: {url}/v1 (model '{facts.name}', {args.engines} engine(s)); try: "
                 f"{curl_example(url, facts.name, bearer_header(args) if self.api_key else '')}")
 
         freeze_startup_heap()
+        if metrics_dir is not None:
+            self.siblings = api_servers.Siblings(args, sock, self.address, self.token, metrics_dir)
+            self.siblings.start()
         await serve_app(app, sock=sock, log_level=args.log_level, on_started=started, stop=self.stop,
                         **connection_options(args))
 
     async def _shutdown(self) -> None:
-        """Server already stopped; now STOP the fleet (engines drain) and reap the processes."""
+        """Server already stopped (its siblings too, once they drained); now STOP the fleet (engines drain) and
+        reap the processes."""
+        if self.siblings is not None:
+            await asyncio.to_thread(self.siblings.stop, 0.0 if self.forced else self.args.drain_timeout + 15.0)
         if self.fleet is None:
             return
         self.fleet.supervise(False)  # what exits now is meant to

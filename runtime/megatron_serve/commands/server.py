@@ -17,9 +17,10 @@ from typing import Any
 
 from ..generation_config import GenerationDefaults
 from ..http_options import METRICS_COMPAT, HTTPOptions
-from ..limits import DEFAULT_COORDINATOR_GRACE, DEFAULT_KEEP_ALIVE, RequestLimits
+from ..limits import (DEFAULT_COORDINATOR_GRACE, DEFAULT_KEEP_ALIVE, READY_TIMEOUT, STATUS_INTERVAL, STATUS_TIMEOUT,
+                      RequestLimits)
 from ..multimodal import ImageOptions
-from . import local_runs
+from . import api_servers, local_runs
 from .inputs import check_model_dir, coordinator_address, parse_port
 from .model_options import add_model_options, resolve_model_args
 from .options import add_coordinator_option, add_log_option, add_token_option, read_secret, read_token, setup_logging
@@ -53,6 +54,7 @@ def add_server_options(parser: argparse.ArgumentParser, default_host: str) -> No
     admin.add_argument("--admin-key", metavar="KEY",
                        help="the same, with the admin key itself on the command line (visible to `ps`: prefer "
                             "--admin-key-file)")
+    api_servers.add_option(group)
     group.add_argument("--max-concurrent-requests", type=int, default=None, metavar="N",
                        help="queue limit: engine requests this server holds at once; more are answered 429 "
                             "(default: no limit)")
@@ -71,6 +73,15 @@ def add_server_options(parser: argparse.ArgumentParser, default_host: str) -> No
     group.add_argument("--coordinator-grace", type=float, default=DEFAULT_COORDINATOR_GRACE, metavar="S",
                        help="a lost coordinator has this long to come back before the requests in flight end with "
                             "an error (503, or an error event in a stream); back in time, they go on")
+    group.add_argument("--status-interval", type=float, default=STATUS_INTERVAL, metavar="S",
+                       help="how often the server asks the coordinator for the fleet's status (readiness, 503s, the "
+                            "fleet gauges of /metrics)")
+    group.add_argument("--status-timeout", type=float, default=STATUS_TIMEOUT, metavar="S",
+                       help="a status answer later than this makes the fleet 'busy' while the coordinator still "
+                            "streams (the last status stands, requests are accepted), else unreachable (503)")
+    group.add_argument("--ready-timeout", type=float, default=READY_TIMEOUT, metavar="S",
+                       help="how long /ready and /metrics wait for a fresh status before they answer from the last "
+                            "one (probes answer fast under any load)")
     group.add_argument("--stream-interval", type=int, default=1, metavar="N",
                        help="streamed tokens per chunk, as in vLLM: a larger value sends fewer, larger chunks "
                             "(less work per token for server and client); a choice's first token goes at once")
@@ -145,6 +156,7 @@ def check_server_options(args: argparse.Namespace) -> None:
     if admin_key is not None and admin_key == read_api_key(args):
         raise ValueError("the admin key (--admin-key-file, --admin-key or $MEGATRON_SERVE_ADMIN_KEY) must differ "
                          "from the API key: the API key must not open the admin API")
+    api_servers.check_option(args)
     if args.max_concurrent_requests is not None and args.max_concurrent_requests < 1:
         raise ValueError(f"--max-concurrent-requests must be >= 1, got {args.max_concurrent_requests}")
     if not args.read_timeout > 0:
@@ -157,6 +169,9 @@ def check_server_options(args: argparse.Namespace) -> None:
         raise ValueError(f"--drain-timeout must be >= 0, got {args.drain_timeout}")
     if not args.coordinator_grace >= 0:
         raise ValueError(f"--coordinator-grace must be >= 0, got {args.coordinator_grace}")
+    for flag in ("status_interval", "status_timeout", "ready_timeout"):
+        if not getattr(args, flag) > 0:
+            raise ValueError(f"--{flag.replace('_', '-')} must be > 0, got {getattr(args, flag)}")
     if args.stream_interval < 1:
         raise ValueError(f"--stream-interval must be >= 1, got {args.stream_interval}")
     if args.tokenizer_threads is not None and args.tokenizer_threads < 1:
@@ -204,23 +219,34 @@ def run(args: argparse.Namespace) -> int:
     setup_logging(args.log_level)
     args.coordinator = coordinator_address(args.coordinator)
     check_server_options(args)
-    api_key = read_api_key(args)
     token = read_token(args) or local_runs.secret_for(args.coordinator)
     resolve_model_args(args)  # a Hub id becomes its local directory before the directory is checked
     check_model_dir(args.model, weights=False, tokenizer=args.tokenizer is None)
-    from ..server.modelinfo import ModelFacts  # noqa: PLC0415 - keep --help fast
-    from ..server.runner import bind_socket  # noqa: PLC0415
+    from ..server.runner import bind_socket  # noqa: PLC0415 - keep --help fast
+
+    sock = bind_socket(args.host, args.port)
+    metrics_dir = api_servers.share_metrics(args.api_server_count)
+    siblings = None if metrics_dir is None else api_servers.Siblings(args, sock, args.coordinator, token, metrics_dir)
+    return serve_on(args, sock, token, siblings=siblings)
+
+
+def serve_on(args: argparse.Namespace, sock: Any, token: str | None, *, announce: bool = True,
+             siblings: "api_servers.Siblings | None" = None) -> int:
+    """Serve on ``sock`` (bound) through ``args.coordinator`` until stopped; ``siblings``: the other API server
+    processes this one starts and stops (``--api-server-count``)."""
+    from ..server.modelinfo import ModelFacts  # noqa: PLC0415
+    from ..server.runner import run_loop  # noqa: PLC0415
 
     files = ServingFiles.from_args(args)
     facts = ModelFacts.from_dir(args.model, args.served_model_name)
     tokenizer = files.load_tokenizer()
-    sock = bind_socket(args.host, args.port)
-    asyncio.run(_serve(args, facts, files, tokenizer, sock, api_key, token))
+    run_loop(_serve(args, facts, files, tokenizer, sock, read_api_key(args), token, announce, siblings))
     return 0
 
 
 async def _serve(args: argparse.Namespace, facts: Any, files: ServingFiles, tokenizer: Any, sock: Any,
-                 api_key: str | None, token: str | None) -> None:
+                 api_key: str | None, token: str | None, announce: bool,
+                 siblings: "api_servers.Siblings | None") -> None:
     from ..client.coordinator_client import InferenceClient  # noqa: PLC0415
     from ..server.app import create_app  # noqa: PLC0415
     from ..heap import freeze_startup_heap  # noqa: PLC0415
@@ -230,16 +256,18 @@ async def _serve(args: argparse.Namespace, facts: Any, files: ServingFiles, toke
                              coordinator_grace=args.coordinator_grace)
     app = create_app(client, tokenizer, facts.name, api_key, admin_key=read_admin_key(args),
                      vocab_size=facts.vocab_size, max_model_len=facts.max_model_len,
-                     max_concurrent_requests=args.max_concurrent_requests, limits=read_limits(args),
+                     max_concurrent_requests=api_servers.per_process_limit(args), limits=read_limits(args),
                      tokenizer_threads=args.tokenizer_threads, image_options=image_options(args),
                      generation_defaults=files.generation_defaults, options=HTTPOptions.from_args(args),
-                     stream_interval=args.stream_interval)
+                     stream_interval=args.stream_interval, **status_options(args))
     stop = asyncio.Event()
     serving = asyncio.current_task()
     loop = asyncio.get_running_loop()
 
     def on_signal(signum: int) -> None:
         """The first signal drains (a pod's stop, after its preStop); a second one stops at once."""
+        if siblings is not None:
+            siblings.signal(signum)
         if not stop.is_set():
             logger.warning("%s: draining for up to %gs (again to stop at once)", signal.Signals(signum).name,
                            args.drain_timeout)
@@ -252,10 +280,14 @@ async def _serve(args: argparse.Namespace, facts: Any, files: ServingFiles, toke
         loop.add_signal_handler(sig, on_signal, sig)
 
     def started(url: str) -> None:
-        print(f"megatron-serve server: {url}/v1 serving model '{facts.name}' through {args.coordinator}"
-              f"{' (API key required)' if api_key else ''}", file=sys.stderr, flush=True)
+        if announce:
+            count = f" in {args.api_server_count} processes" if args.api_server_count > 1 else ""
+            print(f"megatron-serve server: {url}/v1 serving model '{facts.name}' through {args.coordinator}{count}"
+                  f"{' (API key required)' if api_key else ''}", file=sys.stderr, flush=True)
 
     freeze_startup_heap()
+    if siblings is not None:
+        siblings.start()
     try:
         await serve_app(app, sock=sock, log_level=args.log_level, on_started=started, stop=stop,
                         **connection_options(args))
@@ -264,6 +296,14 @@ async def _serve(args: argparse.Namespace, facts: Any, files: ServingFiles, toke
             raise
     finally:
         client.close()
+        if siblings is not None:
+            await asyncio.to_thread(siblings.stop, args.drain_timeout + 15.0)
+
+
+def status_options(args: argparse.Namespace) -> dict[str, float]:
+    """``create_app``'s fleet-status timing, from the flags of :func:`add_server_options`."""
+    return {"status_interval": args.status_interval, "status_timeout": args.status_timeout,
+            "ready_timeout": args.ready_timeout}
 
 
 def connection_options(args: argparse.Namespace) -> dict[str, Any]:

@@ -37,8 +37,9 @@ class Child:
 
     name: str  # for the log: "coordinator", "engine 1 (group 1)"
     argv: list[str]
-    log: Path
+    log: Path | None  # None: the parent's standard output and error
     env: dict[str, str]
+    pass_fds: tuple[int, ...] = ()  # descriptors it inherits besides the lifeline (an API server's listening socket)
     proc: subprocess.Popen | None = None
     started: float = 0.0
     delay: float = 0.0  # the back-off before its next restart
@@ -126,13 +127,15 @@ class Supervisor:
                 self._check(time.monotonic())
 
     def _start(self, child: Child) -> subprocess.Popen:
-        log = open(child.log, "ab")
+        log = open(child.log, "ab") if child.log is not None else None
         try:
-            child.proc = subprocess.Popen(child.argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+            child.proc = subprocess.Popen(child.argv, stdin=subprocess.DEVNULL, stdout=log,
+                                          stderr=subprocess.STDOUT if log is not None else None,
                                           env={**child.env, **self.lifeline.env()}, start_new_session=True,
-                                          pass_fds=self.lifeline.pass_fds())
+                                          pass_fds=(*self.lifeline.pass_fds(), *child.pass_fds))
         finally:
-            log.close()
+            if log is not None:
+                log.close()
         child.started, child.restart_at = time.monotonic(), None
         if child not in self.children:
             self.children.append(child)
@@ -159,7 +162,7 @@ class Supervisor:
             child.restart_at = now + child.delay
             cause = exit_cause(code)
             child.causes.append(cause)
-            said = (log_tail(child.log, 1) or "").strip() if code > 0 else ""
+            said = (log_tail(child.log, 1) or "").strip() if code > 0 and child.log is not None else ""
             logger.warning("%s died (%s after %.0fs%s): restarting it in %.1fs (restart %d; log: %s)", child.name,
                            cause, uptime, f"; its last line: {said}" if said else "", child.delay,
-                           len(child.causes), child.log)
+                           len(child.causes), child.log or "above")

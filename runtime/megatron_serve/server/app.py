@@ -27,11 +27,12 @@ from fastapi.responses import JSONResponse, Response
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from pydantic.json_schema import models_json_schema
 
-from ..limits import RequestLimits
+from ..limits import READY_TIMEOUT, STATUS_INTERVAL, STATUS_TIMEOUT, RequestLimits
 from ..multimodal import ImageOptions
 
 from .. import __version__
 from ..generation_config import GenerationDefaults
+from ..grammar import warm_checker
 from ..http_options import HTTPOptions
 from .chat import ChatHandler
 from .completions import CompletionHandler
@@ -118,7 +119,9 @@ def create_app(
     max_model_len: int | None = None,
     max_concurrent_requests: int | None = None,
     generation_defaults: GenerationDefaults | None = None,
-    status_interval: float = 0.5,
+    status_interval: float = STATUS_INTERVAL,
+    status_timeout: float = STATUS_TIMEOUT,
+    ready_timeout: float = READY_TIMEOUT,
     limits: RequestLimits | None = None,
     tokenizer_threads: int | None = None,
     image_options: ImageOptions | None = None,
@@ -137,6 +140,9 @@ def create_app(
     ``generation_config.json``; see :mod:`megatron_serve.generation_config`).
     ``stream_interval``: streamed tokens per chunk (vLLM's ``--stream-interval``; a choice's first token
     goes at once).
+    ``status_interval``, ``status_timeout``, ``ready_timeout``: how often the fleet's status is polled, how
+    long a poll may take before the fleet counts as busy (or unreachable, without heartbeats), and how
+    long ``/ready`` and ``/metrics`` wait for a fresh one (:mod:`.fleet`).
     ``admin_key``: opens ``/v1/admin/*`` (the lifecycle over HTTP; :mod:`.admin`); it must differ from
     ``api_key``. Without it those routes answer 403.
     ``options``: tool-call parser, CORS, request and stats logs, ``vllm:`` metrics, uvicorn's log
@@ -149,11 +155,11 @@ def create_app(
     options = options or HTTPOptions()
     if isinstance(stream_interval, bool) or not isinstance(stream_interval, int) or stream_interval < 1:
         raise ValueError(f"stream_interval must be an integer >= 1, got {stream_interval!r}")
-    monitor = FleetMonitor(backend, interval=status_interval)
-    pending = PendingCounter(max_concurrent_requests)
+    monitor = FleetMonitor(backend, interval=status_interval, timeout=status_timeout, ready_timeout=ready_timeout)
     metrics = ServerMetrics(monitor, lambda: pending.value, model_name)
+    pending = PendingCounter(max_concurrent_requests, metrics.pending_gauge)
     if options.metrics_compat == "vllm":
-        metrics.registry.register(VllmCollector(monitor, metrics, model_name))
+        metrics.add_collector(VllmCollector(monitor, metrics, model_name))
     limits = limits or RequestLimits()
     ctx = ServerContext(backend=backend, tokenizer=tokenizer, model_name=model_name, monitor=monitor, metrics=metrics,
                         pending=pending, limits=limits, workers=Workers(tokenizer_threads), vocab_size=vocab_size,
@@ -166,6 +172,8 @@ def create_app(
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
+        grammar = asyncio.ensure_future(asyncio.to_thread(warm_checker))  # off the loop, before requests need it
+        grammar.add_done_callback(lambda f: f.cancelled() or f.exception())  # a request would say what is wrong
         monitor.ensure_running()
         await monitor.wait_first_poll(timeout=5.0)
         stats = asyncio.create_task(log_stats(monitor, options.stats_interval)) if options.log_stats else None
@@ -283,11 +291,12 @@ def create_app(
     async def ready() -> Response:
         await monitor.wait_first_poll()
         if monitor.reachable:
-            await monitor.refresh()  # the state as of now: a fleet paused a moment ago is not ready
+            await monitor.fresh()  # the state as of now (a fleet paused a moment ago is not ready), or the last
         draining = "this server is shutting down (draining)" if ctx.drain.draining.is_set() else None
         detail = draining or monitor.not_ready_reason()
         body = ReadyResponse(ready=detail is None, state=monitor.state if monitor.reachable else None,
-                             coordinator_reachable=monitor.reachable, engines=len(monitor.engines), detail=detail)
+                             coordinator_reachable=monitor.reachable, busy=monitor.busy, engines=len(monitor.engines),
+                             detail=detail)
         return JSONResponse(body.model_dump(), status_code=200 if body.ready else 503)
 
     @app.get("/metrics", tags=["probes"], response_class=Response,
@@ -300,7 +309,7 @@ def create_app(
     async def prometheus_metrics() -> Response:
         await monitor.wait_first_poll()
         if monitor.reachable:
-            await monitor.refresh()
+            await monitor.fresh()
         data, content_type = metrics.render()
         return Response(content=data, media_type=content_type)
 

@@ -17,7 +17,7 @@ import logging
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Protocol, runtime_checkable
 
 from ..client.coordinator_client import CoordinatorError, CoordinatorLost
 from ..client.outputs import StreamPartial
@@ -31,21 +31,48 @@ from .translate import EngineJob
 logger = logging.getLogger("megatron_serve.server")
 
 
-class PendingCounter:
-    """Engine requests this server is waiting on; bounded by the queue limit (429 beyond it)."""
+@runtime_checkable
+class SinkBackend(Protocol):
+    """A backend that puts a stream's items straight into a queue of the caller's
+    (:meth:`~megatron_serve.client.coordinator_client.InferenceClient.add_request_streaming_to`)."""
 
-    def __init__(self, limit: int | None = None) -> None:
+    def add_request_streaming_to(self, prompt: Any, sampling_params: Any, sink: Any, *, request_id: str | None = None,
+                                 images: list[Any] | None = None) -> str: ...
+
+
+@dataclass(frozen=True)
+class _Tagged:
+    """A sink that files a job's items into the submission's queue as ``(job, request_id, item)``."""
+
+    queue: "asyncio.Queue[tuple[EngineJob | None, str, Any]]"
+    job: EngineJob
+    request_id: str
+
+    def put_nowait(self, item: Any) -> None:
+        self.queue.put_nowait((self.job, self.request_id, item))
+
+
+class PendingCounter:
+    """Engine requests this server is waiting on; bounded by the queue limit (429 beyond it). ``gauge``: a
+    multiprocess gauge kept equal to it (``--api-server-count`` > 1 sums the processes' counts)."""
+
+    def __init__(self, limit: int | None = None, gauge: Any = None) -> None:
         self.limit = limit
         self.value = 0
+        self.gauge = gauge
 
     def acquire(self, count: int) -> None:
         if self.limit is not None and self.value + count > self.limit:
             raise APIError(429, f"the server's queue is full ({self.value} of {self.limit} requests pending, this one "
                                 f"needs {count}); retry later", code="queue_full", headers={"Retry-After": "1"})
         self.value += count
+        if self.gauge is not None:
+            self.gauge.set(self.value)
 
     def release(self, count: int = 1) -> None:
         self.value = max(0, self.value - count)
+        if self.gauge is not None:
+            self.gauge.set(self.value)
 
 
 def check_result(request: DynamicInferenceRequest) -> DynamicInferenceRequest:
@@ -194,7 +221,16 @@ class Submission:
             except Exception as exc:
                 queue.put_nowait((job, request_id, exc))
 
-        tasks = [asyncio.create_task(pump(job, rid)) for job, rid in zip(self.jobs, self.ids)]
+        tasks = []
+        if isinstance(self.backend, SinkBackend):  # the client's receive loop fills the queue: no task per job
+            for job, rid in zip(self.jobs, self.ids):
+                try:
+                    self.backend.add_request_streaming_to(job.prompt.tokens, job.params, _Tagged(queue, job, rid),
+                                                          request_id=rid, **_images(job))
+                except Exception as exc:  # refused at once (e.g. a lost coordinator): as a pump would report it
+                    queue.put_nowait((job, rid, exc))
+        else:
+            tasks = [asyncio.create_task(pump(job, rid)) for job, rid in zip(self.jobs, self.ids)]
         stopped = asyncio.ensure_future(self.stopping.wait())
         stopped.add_done_callback(lambda f: f.cancelled() or queue.put_nowait((None, "", shutting_down())))
         remaining = len(self.jobs)

@@ -11,7 +11,8 @@ checked against it. Names are given as Prometheus exposes them (counters end in 
   shipped in its heartbeat, kept by the coordinator and read from ``STATUS_REPLY`` at scrape time,
   one series per engine group (labels ``engine_group`` and ``model_name``);
 * ``fleet``: the coordinator's own facts from the same ``STATUS_REPLY``;
-* ``server``: observed by this server process (its own HTTP requests and results).
+* ``server``: observed by this server (its own HTTP requests and results; with ``--api-server-count``
+  N > 1, summed over its N processes at every scrape).
 
 Engine and fleet series are the same on every server replica in front of one fleet: aggregate them
 with ``max``/``avg`` over replicas (or scrape one), never ``sum``.
@@ -115,6 +116,8 @@ SERIES: tuple[Series, ...] = (
            "length)", "server", ("reason",)),
     Series("cached_prompt_tokens_total", "counter", "prompt tokens of the requests this server finished that "
            "were served from the prefix cache", "server", unit="tokens"),
+    Series("finished_prompt_tokens_total", "counter", "prompt tokens of the requests this server finished (the "
+           "hit rate's denominator)", "server", unit="tokens"),
     Series("prefix_cache_hit_rate", "gauge", "cached prompt tokens / prompt tokens of the requests this "
            "server finished (0 before any)", "server", unit="fraction"),
     Series("time_per_output_token_seconds", "histogram", "mean time between a request's generated tokens "

@@ -15,10 +15,11 @@ Each app gets its own ``CollectorRegistry`` so that several apps (tests, ``serve
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -41,10 +42,16 @@ def _family(name: str, value: float | None = None) -> Metric:
     return cls(entry.base_name, entry.help, labels=list(entry.labels))
 
 
-class _FleetCollector(Collector):
-    """Fleet gauges from the monitor's last status, and the server's own pending count."""
+#: Prometheus' own switch for its multiprocess mode: set (by ``--api-server-count`` N > 1) to the directory of
+#: the files where each API server process keeps its series; a scrape of any process sums them all.
+MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 
-    def __init__(self, monitor: FleetMonitor, pending: Callable[[], int]) -> None:
+
+class _FleetCollector(Collector):
+    """Fleet gauges from the monitor's last status, and the server's own pending count (None: a multiprocess
+    gauge has it)."""
+
+    def __init__(self, monitor: FleetMonitor, pending: Callable[[], int] | None) -> None:
         self.monitor = monitor
         self.pending = pending
 
@@ -63,7 +70,8 @@ class _FleetCollector(Collector):
         yield _family("kv_blocks_used", totals["kv_blocks_used"])
         yield _family("kv_blocks_total", totals["kv_blocks_total"])
         yield _family("engine_computed_tokens", totals["computed_tokens"])
-        yield _family("server_pending_requests", self.pending())
+        if self.pending is not None:
+            yield _family("server_pending_requests", self.pending())
         yield from _refit_metrics(monitor)
 
 
@@ -178,8 +186,9 @@ class _HitRateCollector(Collector):
         self.metrics = metrics
 
     def collect(self) -> Iterable[Metric]:
-        m = self.metrics
-        yield _family("prefix_cache_hit_rate", m._cached_total / m._prompt_total if m._prompt_total else 0.0)
+        cached, prompt = (self.metrics.sample_total(name) for name in ("cached_prompt_tokens_total",
+                                                                        "finished_prompt_tokens_total"))
+        yield _family("prefix_cache_hit_rate", cached / prompt if prompt else 0.0)
 
 
 def _counter(entry: Series, registry: CollectorRegistry) -> Counter:
@@ -187,26 +196,55 @@ def _counter(entry: Series, registry: CollectorRegistry) -> Counter:
 
 
 class ServerMetrics:
-    """The series of one server (see the module docstring)."""
+    """The series of one server (see the module docstring).
+
+    With ``$PROMETHEUS_MULTIPROC_DIR`` set (``--api-server-count`` N > 1), the server's own series live in
+    that directory's files, one per process, and :meth:`render` sums them over the processes; the pending
+    count is then a live-sum gauge that each process updates as it changes.
+    """
 
     def __init__(self, monitor: FleetMonitor, pending: Callable[[], int], model_name: str = "") -> None:
+        self.shared_dir = os.environ.get(MULTIPROC_ENV) or None
         self.registry = CollectorRegistry()
         r = self.registry
         self.http_requests = _counter(series("http_requests_total"), r)
         self.requests = _counter(series("requests_total"), r)
         self.finish_reasons = _counter(series("finish_reasons_total"), r)
         self.cached_prompt_tokens = _counter(series("cached_prompt_tokens_total"), r)
-        self._prompt_total = 0  # prompt and cached tokens of finished requests, for the hit rate
-        self._cached_total = 0
+        self.finished_prompt_tokens = _counter(series("finished_prompt_tokens_total"), r)
         tpot = series("time_per_output_token_seconds")
         self.tpot = Histogram(tpot.base_name, tpot.help, buckets=_TPOT_BUCKETS, registry=r)
         for status in ("completed", "failed", "aborted"):
             self.requests.labels(status)  # present from the start, so rates work from the first scrape
         for reason in ("stop", "length"):
             self.finish_reasons.labels(reason)
-        self.registry.register(_FleetCollector(monitor, pending))
-        self.registry.register(_EngineCollector(monitor, model_name))
-        self.registry.register(_HitRateCollector(self))
+        self.pending_gauge: Gauge | None = None
+        if self.shared_dir is not None:
+            entry = series("server_pending_requests")
+            self.pending_gauge = Gauge(entry.base_name, entry.help, registry=r, multiprocess_mode="livesum")
+        self.collectors: list[Collector] = [_FleetCollector(monitor, None if self.shared_dir else pending),
+                                            _EngineCollector(monitor, model_name), _HitRateCollector(self)]
+        for collector in self.collectors:
+            self.registry.register(collector)
+
+    def add_collector(self, collector: Collector) -> None:
+        """Series made at scrape time from the fleet's status (never summed over processes)."""
+        self.collectors.append(collector)
+        self.registry.register(collector)
+
+    def own_series(self) -> list[Metric]:
+        """This server's own series: this process's, or with several processes their sums."""
+        if self.shared_dir is None:
+            return [m for c in (self.http_requests, self.requests, self.finish_reasons, self.cached_prompt_tokens,
+                                self.finished_prompt_tokens, self.tpot) for m in c.collect()]
+        from prometheus_client.multiprocess import MultiProcessCollector  # noqa: PLC0415
+
+        return list(MultiProcessCollector(None, path=self.shared_dir).collect())
+
+    def sample_total(self, name: str, families: list[Metric] | None = None) -> float:
+        """The sum of the samples of the series ``name`` (catalogue name) over its labels and processes."""
+        full = series(name).full_name
+        return sum(s.value for m in (families or self.own_series()) for s in m.samples if s.name == full)
 
     def observe_finished(self, request: Any) -> None:
         """Count one finished engine request (a ``DynamicInferenceRequest``)."""
@@ -226,8 +264,7 @@ class ServerMetrics:
         prompt = len(getattr(request, "prompt_tokens", []) or [])
         cached = min(int(getattr(request, "cached_tokens", 0) or 0), prompt)
         self.cached_prompt_tokens.inc(cached)
-        self._prompt_total += prompt
-        self._cached_total += cached
+        self.finished_prompt_tokens.inc(prompt)
         ttft, latency = getattr(request, "ttft", None), getattr(request, "latency", None)
         if ttft is not None and latency is not None and generated > 1 and latency >= ttft >= 0:
             self.tpot.observe((latency - ttft) / (generated - 1))
@@ -237,4 +274,12 @@ class ServerMetrics:
         self.requests.labels("aborted").inc(count)
 
     def render(self) -> tuple[bytes, str]:
-        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+        if self.shared_dir is None:
+            return generate_latest(self.registry), CONTENT_TYPE_LATEST
+        from prometheus_client.multiprocess import MultiProcessCollector  # noqa: PLC0415
+
+        registry = CollectorRegistry()
+        MultiProcessCollector(registry, path=self.shared_dir)
+        for collector in self.collectors:
+            registry.register(collector)
+        return generate_latest(registry), CONTENT_TYPE_LATEST

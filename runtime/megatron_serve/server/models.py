@@ -487,6 +487,8 @@ class ReadyResponse(BaseModel):
     ready: bool
     state: str | None = Field(None, description="lifecycle state: RUNNING, PAUSED, SUSPENDED or STOPPED")
     coordinator_reachable: bool
+    busy: bool = Field(False, description="the last status poll timed out while the coordinator kept streaming: "
+                                         "the last status stands (the fleet is loaded, not lost)")
     engines: int = 0
     detail: str | None = None
 

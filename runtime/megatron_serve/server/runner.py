@@ -17,7 +17,7 @@ import contextlib
 import functools
 import logging
 import socket
-from typing import Callable
+from typing import Any, Callable, Coroutine, TypeVar
 
 import uvicorn
 from fastapi import FastAPI
@@ -26,6 +26,16 @@ from ..limits import DEFAULT_KEEP_ALIVE
 from .connections import BurstLog, ServerProtocol, default_max_connections, raise_file_limit
 
 logger = logging.getLogger("megatron_serve.server")
+
+T = TypeVar("T")
+
+
+def run_loop(main: Coroutine[Any, Any, T]) -> T:
+    """Run ``main`` to its end on a uvloop event loop (libuv, in C): what ``asyncio.run`` does, with a loop that
+    costs less per callback, socket write and timer, as uvicorn and vLLM run their servers."""
+    import uvloop  # noqa: PLC0415 - the serving commands only
+
+    return uvloop.run(main)
 
 
 def bind_socket(host: str, port: int) -> socket.socket:

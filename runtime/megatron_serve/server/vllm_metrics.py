@@ -94,7 +94,9 @@ class VllmCollector(Collector):
         """This server's own histograms (time per output token), as cumulative buckets and a sum."""
         found: dict[str, tuple[dict[str, float], float]] = {}
         tpot = series("time_per_output_token_seconds")
-        for metric in self.metrics.tpot.collect():
+        for metric in self.metrics.own_series():
+            if metric.name != tpot.full_name:
+                continue
             counts = {s.labels["le"]: s.value for s in metric.samples if s.name.endswith("_bucket")}
             total = sum(s.value for s in metric.samples if s.name.endswith("_sum"))
             found[tpot.name] = (counts, total)

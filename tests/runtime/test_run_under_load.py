@@ -1,0 +1,82 @@
+"""``megatron-serve run --engines 2`` under 400 concurrent streams: readiness and admission stay true.
+
+What it found before: with 400 streams in flight the server's status poll (2 s, on the event loop
+that the token flood keeps busy) timed out, the server took the coordinator for unreachable, and
+``/ready`` answered 503 in 21 of 25 probes while new small completions got ``503
+coordinator_unreachable`` in 12 of 15 tries, although every stream completed. A Kubernetes Service
+dropped exactly its busiest pods. The contract tested here: while the streams run, every ``/ready``
+is 200 and every new request is accepted (and answered); how fast is the benchmark's business.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+
+from tests.run_stack import start_run, stream
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+
+STREAMS = 400
+TOKENS = 64  # modest: the test is about the server's readiness under many streams, not their length
+
+
+def newcomer(url: str, model: str, number: int) -> tuple[int, dict]:
+    """A new small completion on a connection of its own: its status and body."""
+    answer = httpx.post(f"{url}/v1/completions", timeout=600,
+                        json={"model": model, "prompt": f"new {number}", "max_tokens": 2, "ignore_eos": True})
+    return answer.status_code, answer.json()
+
+
+def ready(url: str) -> tuple[int, dict, float]:
+    """``/ready`` on a connection of its own: its status, body and how long it took (reported, not asserted)."""
+    began = time.monotonic()
+    answer = httpx.get(f"{url}/ready", timeout=600)
+    return answer.status_code, answer.json(), time.monotonic() - began
+
+
+def probe(url: str, model: str, loaded: threading.Event, done: threading.Event) -> tuple[list, list]:
+    """From threads of their own (the streams keep the test's event loop busy): ``/ready`` and a new completion
+    every 0.2 s, each on a new connection, from when ``loaded`` is set until ``done``."""
+    readies, newcomers = [], []
+    with ThreadPoolExecutor(64) as pool:
+        while not done.wait(0.2):
+            if loaded.is_set():
+                readies.append(pool.submit(ready, url))
+                newcomers.append(pool.submit(newcomer, url, model, len(newcomers)))
+        return [future.result() for future in readies], [future.result() for future in newcomers]
+
+
+async def test_ready_and_admission_hold_under_400_streams(tiny_llama, tmp_path):
+    stack = start_run(tiny_llama, tmp_path / "run", engines=2)
+    try:
+        limits = httpx.Limits(max_connections=STREAMS + 16, max_keepalive_connections=STREAMS + 16)
+        loaded, done = threading.Event(), threading.Event()
+        probing = asyncio.ensure_future(asyncio.to_thread(probe, stack.url, stack.model, loaded, done))
+        async with httpx.AsyncClient(base_url=stack.url, timeout=600, limits=limits) as http:
+            firsts = [asyncio.Event() for _ in range(STREAMS)]
+            streams = [asyncio.create_task(stream(http, stack.model, f"Load {i}: a b c d e", TOKENS, first))
+                       for i, first in enumerate(firsts)]
+            while sum(first.is_set() for first in firsts) < STREAMS // 4:  # bounded by the test's timeout
+                await asyncio.sleep(0.05)
+            loaded.set()  # a quarter of the streams are streaming: probe from now until all have ended
+            outcomes = await asyncio.gather(*streams)
+        done.set()
+        readies, answers = await probing
+        assert all(outcome.completed and len(outcome.tokens) == TOKENS for outcome in outcomes), \
+            [o for o in outcomes if not o.completed][:3]
+        assert len(readies) >= 10, f"only {len(readies)} probe(s) while the streams ran"  # the contract was exercised
+        print(f"/ready under {STREAMS} streams: {len(readies)} probes, slowest {max(r[2] for r in readies):.3f}s")
+        not_ready = [(code, body) for code, body, _took in readies if code != 200 or not body["ready"]]
+        assert not not_ready, f"{len(not_ready)} of {len(readies)} probes not ready: {not_ready[:3]}"
+        refused = [(code, body) for code, body in answers if code != 200]
+        assert not refused, f"{len(refused)} of {len(answers)} new requests refused: {refused[:3]}"
+        assert all(body["choices"][0]["finish_reason"] == "length" for _code, body in answers)
+    finally:
+        done.set()
+        stack.kill()
