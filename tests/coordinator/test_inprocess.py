@@ -16,7 +16,7 @@ from megatron_serve.wire.request import FinishReason, RequestStatus
 from megatron_serve.wire.sampling_params import SamplingParams
 
 from .fakes import BLOCK_BYTES, expected_tokens
-from .helpers import until
+from ..helpers import until
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -324,7 +324,7 @@ async def test_a_control_id_used_for_a_pause_is_refused_for_an_unpause_and_the_f
     with the PAUSE's acknowledgement and never ran), and one with an id of its own runs."""
     import uuid
 
-    from megatron_serve import client as client_module
+    from megatron_serve.client import coordinator_client as client_module
 
     fleet = fleet_factory()
     fleet.add_engine()

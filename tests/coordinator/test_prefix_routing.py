@@ -22,7 +22,7 @@ from megatron_serve.wire.sampling_params import SamplingParams
 
 from .core_harness import CoreHarness
 from .fakes import FakeEngine
-from .helpers import until
+from ..helpers import until
 
 pytestmark = pytest.mark.timeout(120)
 

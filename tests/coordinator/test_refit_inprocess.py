@@ -17,7 +17,7 @@ from megatron_serve.engine.process import EngineProcess
 from megatron_serve.wire.sampling_params import SamplingParams
 
 from .fakes import FakeEngine, expected_tokens
-from .helpers import until
+from ..helpers import until
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -30,7 +30,7 @@ from megatron_serve.wire.sampling_params import SamplingParams
 from megatron_serve.wire.security import FleetSecret, make_secret
 from megatron_serve.weights import WeightSender
 
-from ..coordinator.helpers import RawPeer, free_port, until
+from ..helpers import RawPeer, free_port, until
 from ..processes import stop_process_group
 from ..server.conftest import wait_ready
 

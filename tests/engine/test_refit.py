@@ -7,7 +7,7 @@ import pytest
 from megatron_serve import DynamicInferenceRequest, InferenceConfig, MegatronLLM, SamplingParams
 from megatron_serve.model.tiny import make_tiny_model
 
-from .conftest import PROMPTS
+from ..prompts import PROMPTS
 
 GREEDY = SamplingParams(temperature=0.0, num_tokens_to_generate=12, ignore_eos=True)
 

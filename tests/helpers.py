@@ -1,4 +1,4 @@
-"""Process and polling helpers for the coordinator tests: free ports, children that always die, deadlines."""
+"""Process and polling helpers of the fleet, client and coordinator tests: free ports, children that die, deadlines."""
 
 from __future__ import annotations
 

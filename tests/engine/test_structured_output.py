@@ -14,7 +14,7 @@ import pytest
 from megatron_serve import DynamicInferenceRequest, InferenceConfig, MegatronLLM, RequestStatus, SamplingParams
 from megatron_serve.wire.sampling_params import StructuredOutputsParams
 
-from .conftest import PROMPTS, run_requests
+from ..prompts import PROMPTS, run_requests
 
 SCHEMA = {
     "type": "object",

@@ -19,7 +19,7 @@ from megatron_serve.engine.step_plan import StepBuffers, StepPlan
 from megatron_serve.model.tiny import make_tiny_model
 
 from ..graph_replay import install_graphs
-from .conftest import PROMPTS
+from ..prompts import PROMPTS
 
 BLOCK = 8
 GREEDY = SamplingParams(temperature=0.0, num_tokens_to_generate=20, ignore_eos=True, return_log_probs=True)

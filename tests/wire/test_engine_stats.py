@@ -7,7 +7,7 @@ import pytest
 from megatron_serve import EventType, InferenceConfig, MegatronLLM, SamplingParams
 from megatron_serve.wire.engine_stats import HISTOGRAMS, Histogram
 
-from .conftest import PROMPTS
+from ..prompts import PROMPTS
 
 
 def test_counters_and_histograms_match_the_requests_under_preemption(tiny_llama):

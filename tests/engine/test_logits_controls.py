@@ -9,7 +9,7 @@ from megatron_serve import InferenceConfig, MegatronLLM, SamplingParams
 from megatron_serve.engine.sampler import _filtered_probs
 from megatron_serve.engine.logits_processors import RowContext, apply_controls, apply_token_bitmask, unpack_bitmask
 
-from .conftest import PROMPTS, run_requests
+from ..prompts import PROMPTS, run_requests
 
 GREEDY = dict(temperature=0.0, num_tokens_to_generate=24, ignore_eos=True)
 

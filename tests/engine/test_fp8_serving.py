@@ -27,7 +27,7 @@ from megatron_serve.engine.step_plan import StepBuffers, StepPlan
 from megatron_serve.model.loader import load_model
 from megatron_serve.model.tiny import make_tiny_model
 
-from .conftest import PROMPTS
+from ..prompts import PROMPTS
 
 BENCHMARK = Path(__file__).resolve().parents[2] / "benchmarks" / "fp8.py"
 GREEDY = SamplingParams(temperature=0.0, num_tokens_to_generate=16, ignore_eos=True, return_log_probs=True)

@@ -26,7 +26,7 @@ import pytest
 from megatron_serve.fleet.local_fleet import remove_stale_run_dirs
 from megatron_serve.client.coordinator_client import InferenceClient
 from megatron_serve.wire.sampling_params import SamplingParams
-from tests.coordinator.helpers import until
+from tests.helpers import until
 from tests.run_stack import RunStack, alive, client_stream, complete, restart_lines, start_run, stream
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]

@@ -8,7 +8,7 @@ import transformers
 
 from megatron_serve import InferenceConfig, MegatronLLM, SamplingParams
 
-from .conftest import PROMPTS
+from ..prompts import PROMPTS
 
 TOP_N = 3
 SCORED = SamplingParams(temperature=0.0, num_tokens_to_generate=4, return_prompt_log_probs=True, top_n_logprobs=TOP_N)

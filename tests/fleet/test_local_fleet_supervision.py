@@ -23,7 +23,7 @@ import pytest
 from megatron_serve.fleet.lifeline import Lifeline
 from megatron_serve.fleet.local_fleet import LocalFleet, remove_stale_run_dirs
 
-from .helpers import wait_until
+from ..helpers import wait_until
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -154,7 +154,7 @@ def test_the_lifeline_pipe_alone_ends_a_child_whose_parent_cut_it():
     child = subprocess.Popen(
         [sys.executable, "-c", textwrap.dedent("""\
             import time
-            from megatron_serve import lifeline
+            from megatron_serve.fleet import lifeline
             lifeline.parent_death_signal = lambda *args: False  # as where prctl does not exist
             lifeline.hold_lifeline()
             print("holding", flush=True)

@@ -1,4 +1,4 @@
-"""Fixtures of the coordinator suite: a tiny model per session, and an in-process fleet of fake engines."""
+"""An in-process fleet: a real Coordinator and EngineProcess objects over real sockets, with fake engines."""
 
 from __future__ import annotations
 
@@ -7,7 +7,6 @@ import threading
 import time
 from typing import Callable
 
-import pytest
 import zmq
 
 from megatron_serve.coordinator import (
@@ -20,14 +19,7 @@ from megatron_serve.coordinator import (
 from megatron_serve.engine.process import EngineProcess
 from megatron_serve.wire.security import make_secret
 
-from .fakes import FakeEngine
-
-
-@pytest.fixture(scope="session")
-def tiny_model(tmp_path_factory) -> str:
-    from megatron_serve.model.tiny import make_tiny_model
-
-    return str(make_tiny_model(tmp_path_factory.mktemp("coordinator-tiny"), seed=0))
+from .coordinator.fakes import FakeEngine
 
 
 class InProcessFleet:
@@ -104,17 +96,3 @@ class InProcessFleet:
         for proc, _fake, thread, _ in self.engines:
             thread.join(15)
         self.stop_coordinator()
-
-
-@pytest.fixture
-def fleet_factory():
-    fleets: list[InProcessFleet] = []
-
-    def make(**kwargs) -> InProcessFleet:
-        fleet = InProcessFleet(**kwargs)
-        fleets.append(fleet)
-        return fleet
-
-    yield make
-    for fleet in fleets:
-        fleet.stop()

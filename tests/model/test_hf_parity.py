@@ -9,7 +9,7 @@ import transformers
 from megatron_serve import InferenceConfig, MegatronLLM, SamplingParams
 from megatron_serve.model.tiny import make_tiny_model
 
-from .conftest import PROMPTS
+from ..prompts import PROMPTS
 
 NEW_TOKENS = 32
 

@@ -8,7 +8,7 @@ import pytest
 from megatron_serve.wire.messages import FROM_COORDINATOR, PROTOCOL_VERSION, TO_COORDINATOR
 from megatron_serve.wire.protocol import MAX_MESSAGE_BYTES, Header, ProtocolError, decode, encode, encode_batch, unbatch
 
-from .helpers import RawPeer
+from ..helpers import RawPeer
 
 
 def pack(obj) -> bytes:

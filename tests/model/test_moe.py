@@ -21,7 +21,7 @@ from megatron_serve.wire.request import DynamicInferenceRequest, EventType
 from megatron_serve.model.tiny import make_tiny_model
 
 from ..devices import tensor_parallel_device
-from .conftest import PROMPTS
+from ..prompts import PROMPTS
 
 NEW_TOKENS = 32
 

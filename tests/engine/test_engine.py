@@ -24,7 +24,7 @@ from megatron_serve.engine.core import DynamicInferenceEngine
 from megatron_serve.engine.output import step_delta
 from megatron_serve.wire.messages import StepOutput
 
-from .conftest import PROMPTS
+from ..prompts import PROMPTS
 
 GREEDY = SamplingParams(temperature=0.0, num_tokens_to_generate=24, ignore_eos=True, return_log_probs=True)
 

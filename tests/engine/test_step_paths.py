@@ -20,7 +20,7 @@ from megatron_serve.wire.sampling_params import StructuredOutputsParams
 from megatron_serve.model.tiny import make_tiny_model
 
 from ..graph_replay import install_graphs
-from .conftest import PROMPTS
+from ..prompts import PROMPTS
 
 BLOCK = 8
 SHARED = "A shared system prompt that many requests start with, long enough to fill blocks: "

@@ -18,8 +18,8 @@ from megatron_serve.client.coordinator_client import CoordinatorLost, InferenceC
 from megatron_serve.wire.request import RequestStatus
 from megatron_serve.wire.sampling_params import SamplingParams
 
-from .fakes import expected_tokens
-from .helpers import until
+from ..coordinator.fakes import expected_tokens
+from ..helpers import until
 
 pytestmark = pytest.mark.timeout(120)
 

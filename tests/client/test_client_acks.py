@@ -21,7 +21,7 @@ from megatron_serve.wire.messages import PROTOCOL_VERSION, TO_COORDINATOR
 from megatron_serve.wire.protocol import Header, Message, decode, encode, unbatch
 from megatron_serve.wire.sampling_params import SamplingParams
 
-from .helpers import free_port
+from ..helpers import free_port
 
 pytestmark = pytest.mark.timeout(60)
 

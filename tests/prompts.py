@@ -1,16 +1,8 @@
-"""Tiny random models shared by the runtime tests (written once per session)."""
+"""Prompts the engine and model tests run, and a helper that steps requests with different parameters together."""
 
 from __future__ import annotations
 
-import pytest
-
 from megatron_serve import DynamicInferenceRequest, SamplingParams
-from megatron_serve.model.tiny import make_tiny_model
-
-
-@pytest.fixture(scope="session")
-def tiny_llama(tmp_path_factory) -> str:
-    return str(make_tiny_model(tmp_path_factory.mktemp("tiny-llama"), seed=0, arch="llama"))
 
 
 PROMPTS = [

@@ -24,7 +24,7 @@ from megatron_serve.model.loader import load_model
 from megatron_serve.model.tiny import make_tiny_model
 
 from ..fp8_checkpoints import block_fp8_checkpoint, compressed_tensors_checkpoint, dequantized_checkpoint
-from .conftest import PROMPTS
+from ..prompts import PROMPTS
 
 NEW_TOKENS = 16
 # Logits of these random models have a standard deviation of about 0.16; e4m3 activations (relative

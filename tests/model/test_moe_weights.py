@@ -16,7 +16,7 @@ from megatron_serve.model.loader import build_model, load_model, load_weights
 from megatron_serve.model.parallel import TensorParallel
 from megatron_serve.model.tiny import make_tiny_model
 
-from .conftest import PROMPTS
+from ..prompts import PROMPTS
 
 GREEDY = SamplingParams(temperature=0.0, num_tokens_to_generate=12, ignore_eos=True, return_routing_indices=True)
 CONFIG = InferenceConfig(dtype="float32")

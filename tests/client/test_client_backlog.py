@@ -20,7 +20,7 @@ from megatron_serve.wire.messages import PROTOCOL_VERSION, TO_COORDINATOR
 from megatron_serve.wire.protocol import Header, decode, encode
 from megatron_serve.wire.sampling_params import SamplingParams
 
-from .helpers import free_port
+from ..helpers import free_port
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -17,7 +17,7 @@ from megatron_serve.engine.warmup import compile_kernels, warmup_shapes
 from megatron_serve.model.tiny import make_tiny_model
 
 from ..jit_variants import recorded_variants
-from .conftest import PROMPTS
+from ..prompts import PROMPTS
 
 
 @pytest.mark.parametrize("sms, kv_heads, block_size", [(132, 8, 64), (78, 2, 16), (114, 1, 64), (16, 4, 16)])
