@@ -24,6 +24,8 @@ _EXPORTS = {
     "MegatronLLM": ".client.llm",
     "RequestStatus": ".wire.request",
     "SamplingParams": ".wire.sampling_params",
+    "WeightSender": ".client.weight_sender",
+    "WeightTransferError": ".client.weight_sender",
 }
 
 __all__ = sorted(_EXPORTS)
@@ -34,6 +36,7 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
     from .config import InferenceConfig
     from .client.llm import MegatronLLM
     from .wire.request import DynamicInferenceRequest, EventType, FinishReason, RequestStatus
+    from .client.weight_sender import WeightSender, WeightTransferError
     from .wire.sampling_params import SamplingParams
 
 

@@ -27,7 +27,6 @@ class RefitFake(FakeEngine):
 
     def __init__(self, bad: tuple[str, ...] = (), fail_once: tuple[str, ...] = (), **kwargs) -> None:
         super().__init__(**kwargs)
-        self.epoch = 0
         self.bad = set(bad)
         self.fail_once = set(fail_once)
         self.verified: list[str] = []

@@ -22,7 +22,7 @@ from megatron_serve import (
 
 from megatron_serve.engine.core import DynamicInferenceEngine
 from megatron_serve.engine.output import step_delta
-from megatron_serve.wire.messages import StepOutput
+from megatron_serve.wire.messages import RequestDelta
 
 from ..prompts import PROMPTS
 
@@ -57,7 +57,7 @@ def test_a_request_preempted_while_its_step_is_in_flight_reports_the_epoch_its_t
                                         sampling_params=GREEDY) for i, p in enumerate(PROMPTS * 4)]
     for request in requests:
         engine.add_request(request)
-    wire, tokens = msgspec.msgpack.Decoder(StepOutput), {r.request_id: [] for r in requests}
+    wire, tokens = msgspec.msgpack.Decoder(RequestDelta), {r.request_id: [] for r in requests}
     while engine.has_unfinished_requests():
         for out in engine.step():
             delta = wire.decode(msgspec.msgpack.encode(step_delta(out)))  # as the coordinator reads it

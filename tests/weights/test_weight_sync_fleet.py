@@ -26,7 +26,7 @@ from megatron_serve.config import InferenceConfig
 from megatron_serve.client.llm import MegatronLLM
 from megatron_serve.wire.sampling_params import SamplingParams
 from megatron_serve.model.tiny import make_tiny_model
-from megatron_serve.weights import WeightSender
+from megatron_serve import WeightSender
 
 from ..helpers import Children, free_port, until
 

@@ -39,7 +39,7 @@ from ..wire.messages import (
     ResultOut,
     Status,
     StatusReply,
-    StepOutput,
+    RequestDelta,
     Submit,
 )
 from ..wire.protocol import HEADER_VERBS, ErrorCode, Header, Message, ProtocolError, Role, encode, unbatch
@@ -77,7 +77,7 @@ ALLOWED: dict[Role, frozenset[Header]] = {
     Role.CONTROL: frozenset({Header.STATUS, Header.HEARTBEAT, *HEADER_VERBS}),
 }
 
-_STEP_OUTPUT = msgspec.msgpack.Decoder(StepOutput)
+_STEP_OUTPUT = msgspec.msgpack.Decoder(RequestDelta)
 _RECORD = msgspec.msgpack.Decoder(dict[str, Any] | None)
 _ENCODE = msgspec.msgpack.Encoder()
 _FINISHED = ("COMPLETED", "FAILED")
@@ -472,7 +472,7 @@ class CoordinatorCore:
                 engine.completed += 1
                 self._finish_from_engine(engine, record, out)
 
-    def _mirror(self, record: RequestRecord, out: StepOutput) -> None:
+    def _mirror(self, record: RequestRecord, out: RequestDelta) -> None:
         """Keep the step's share (a request that moves continues from its tokens) and send it on to the
         client, which makes the text (for every request: stop strings are its job)."""
         tokens = record.mirror(out)
@@ -480,7 +480,7 @@ class CoordinatorCore:
         if client is not None and client.identity is not None:
             self.send(client.identity, Header.TOKENS, tokens, client.batches)
 
-    def _finish_from_engine(self, engine: EngineRecord, record: RequestRecord, out: StepOutput) -> None:
+    def _finish_from_engine(self, engine: EngineRecord, record: RequestRecord, out: RequestDelta) -> None:
         """Finish with the engine's record, forwarded as its bytes when it is complete (the client
         parses it, once). Only a record without a final status is parsed here, and mended."""
         if out.request is msgspec.UNSET:

@@ -31,7 +31,7 @@ from typing import Any, Iterator
 import msgspec
 
 from ..wire.expert_routing import RoutingRecord, mirror_rows, routing_to_wire
-from ..wire.messages import ClientId, PromptScores, RoutingRows, StepOutput, Tokens
+from ..wire.messages import ClientId, PromptScores, RoutingRows, RequestDelta, Tokens
 from ..multimodal import PromptImage, cache_keys
 from ..wire.prefix_hash import salted_root
 from ..wire.sampling_params import SamplingParams
@@ -102,7 +102,7 @@ class RequestRecord:
         """Nothing left to compute: every token the request asked for is already generated."""
         return len(self.generated_tokens) >= self.params.num_tokens_to_generate
 
-    def mirror(self, out: StepOutput) -> Tokens:
+    def mirror(self, out: RequestDelta) -> Tokens:
         """Keep what one engine step added; the ``TOKENS`` that carry it to the client."""
         n = len(out.new_tokens)
         self.generated_tokens.extend(out.new_tokens)

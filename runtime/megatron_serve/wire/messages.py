@@ -329,8 +329,10 @@ class TokenDelta(Body):
     prompt_scores: PromptScores | None = None  # return_prompt_log_probs
 
 
-class StepOutput(TokenDelta, kw_only=True):
-    """One request's share of an engine step; the final one carries the record's remaining fields."""
+class RequestDelta(TokenDelta, kw_only=True):
+    """One request's share of an engine step; the final one carries the record's remaining fields.
+
+    (Not the engine's ``megatron_serve.engine.StepOutput``, the in-process result this is built from.)"""
 
     request_id: str
     finished: bool
@@ -339,8 +341,8 @@ class StepOutput(TokenDelta, kw_only=True):
     request: msgspec.Raw | msgspec.UnsetType = msgspec.UNSET
 
 
-class StepOutputOut(StepOutput, kw_only=True):
-    """:class:`StepOutput` as an engine writes it (its final record as a map, encoded with the step)."""
+class RequestDeltaOut(RequestDelta, kw_only=True):
+    """:class:`RequestDelta` as an engine writes it (its final record as a map, encoded with the step)."""
 
     request: dict[str, Any] | msgspec.UnsetType = msgspec.UNSET
 
@@ -355,7 +357,7 @@ class EngineStepOut(Body):
     """:class:`EngineStep` as an engine writes it: every request's delta of one step, one message."""
 
     engine_id: str
-    outputs: list[StepOutputOut]
+    outputs: list[RequestDeltaOut]
 
 
 class Tokens(TokenDelta, kw_only=True):

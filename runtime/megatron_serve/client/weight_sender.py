@@ -1,7 +1,7 @@
 """``WeightSender``: a trainer pushes weights into a paused fleet over a collective, no disk involved.
 
 The trainer process becomes rank 0 of a process group that every engine rank joins for one
-REFIT (:mod:`.group`). ``send`` runs two things side by side: the REFIT verb (through the
+REFIT (:mod:`megatron_serve.weights.group`). ``send`` runs two things side by side: the REFIT verb (through the
 coordinator client the trainer already holds), and the transfer (on a thread: wait for the engine
 ranks, then broadcast the buckets). The verb's first step verifies the manifest's names and
 shapes on every engine before any of them joins, so a wrong name or shape is refused while the
@@ -27,10 +27,10 @@ from urllib.parse import urlparse
 
 import torch
 
-from ..client.coordinator_client import ControlError, InferenceClient
+from ..weights import group as transfer
+from ..weights.manifest import nbytes, pack, plan_buckets, spec_of
 from ..wire.messages import RENDEZVOUS_SCHEME, Rendezvous
-from . import group as transfer
-from .manifest import nbytes, pack, plan_buckets, spec_of
+from .coordinator_client import ControlError, InferenceClient
 
 logger = logging.getLogger("megatron_serve.weights")
 
