@@ -141,7 +141,9 @@ def open_image(data: bytes) -> Any:
 
 
 def _reason(exc: BaseException) -> str:
-    if "cannot identify image file" in str(exc):  # PIL names the buffer object, which says nothing
+    from PIL import UnidentifiedImageError  # noqa: PLC0415 - loaded already: the image failed to decode
+
+    if isinstance(exc, UnidentifiedImageError):  # PIL names the buffer object, which says nothing
         return "unknown image format"
     return str(exc) or type(exc).__name__
 

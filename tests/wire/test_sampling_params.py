@@ -1,10 +1,16 @@
-"""Bad sampling values are refused with a message naming the field."""
+"""Bad sampling values are refused with a message naming the field, and a typed error that names it as data."""
 
 from __future__ import annotations
 
 import pytest
 
 from megatron_serve import InferenceConfig, SamplingParams
+from megatron_serve.wire.sampling_params import (
+    MalformedSamplingParams,
+    SamplingParamError,
+    UnknownSamplingParams,
+    params_from_wire,
+)
 
 
 @pytest.mark.parametrize(
@@ -25,8 +31,35 @@ from megatron_serve import InferenceConfig, SamplingParams
     ],
 )
 def test_bad_values_name_the_field(kwargs, field):
-    with pytest.raises(ValueError, match=field):
+    with pytest.raises(SamplingParamError, match=field) as caught:
         SamplingParams(**kwargs)
+    assert caught.value.field == field and str(caught.value).startswith(field)
+
+
+def test_every_path_in_raises_the_typed_error_whose_field_a_front_end_renames():
+    """Keywords, dicts and wire bytes all end in a ``SamplingParamError``: the HTTP layer renames the field by
+    ``field`` and ``naming`` (``num_tokens_to_generate`` -> ``max_tokens``), never by reading the message."""
+    import msgspec
+
+    with pytest.raises(SamplingParamError) as by_keyword:
+        SamplingParams(num_tokens_to_generate=0)
+    with pytest.raises(SamplingParamError) as by_dict:
+        SamplingParams.from_dict({"num_tokens_to_generate": 0})
+    with pytest.raises(SamplingParamError) as by_wire:
+        params_from_wire(msgspec.msgpack.encode({"num_tokens_to_generate": 0}))
+    for caught in (by_keyword, by_dict, by_wire):
+        assert caught.value.field == "num_tokens_to_generate"
+        assert caught.value.naming("max_tokens") == "max_tokens must be >= 1, got 0"
+    with pytest.raises(SamplingParamError, match="logit_bias token id must be >= 0") as bias:
+        SamplingParams(logit_bias={-1: 1.0})
+    assert bias.value.field == "logit_bias"
+    with pytest.raises(UnknownSamplingParams) as unknown:
+        params_from_wire(msgspec.msgpack.encode({"temprature": 0.5, "top_k": 2}))
+    assert unknown.value.names == ["temprature"]
+    with pytest.raises(UnknownSamplingParams):
+        SamplingParams(temprature=0.5)
+    with pytest.raises(MalformedSamplingParams, match="top_k"):  # the decoder's words; its path names the field
+        params_from_wire(msgspec.msgpack.encode({"top_k": "two"}))
 
 
 def test_unknown_fields_from_the_wire_are_refused():

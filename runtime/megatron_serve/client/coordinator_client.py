@@ -34,6 +34,7 @@ from zmq.utils.monitor import parse_monitor_message
 
 import msgspec
 
+from ..errors import ClientNotStarted
 from ..wire.connection import Connection, ControlError, CoordinatorError, CoordinatorLost, Unauthorized
 from ..wire.lifecycle import PauseMode, drain_timeout_problem, parse_pause_mode
 from ..limits import DEFAULT_COORDINATOR_GRACE
@@ -412,7 +413,7 @@ class InferenceClient:
 
     def _require_started(self) -> None:
         if not self._started or self._closed:
-            raise RuntimeError("InferenceClient is not started (await client.start()) or was closed")
+            raise ClientNotStarted("InferenceClient is not started (await client.start()) or was closed")
 
     def _require_coordinator(self) -> None:
         """Refuse new work while the coordinator has been lost for longer than the grace period."""
@@ -567,7 +568,7 @@ class InferenceClient:
         (``verify_s``, ``load_s``, ``total_s``).
 
         ``rendezvous``: the weights come from a trainer instead (``source`` is then its label); this
-        is what :class:`megatron_serve.weights.WeightSender` sends, and what it should be used through.
+        is what :class:`megatron_serve.WeightSender` sends, and what it should be used through.
         """
         if not isinstance(source, str) or not source:
             raise ValueError("source must be a non-empty model directory path")

@@ -139,7 +139,7 @@ class CompletionHandler:
 
     def _chunk(self, writer: ChunkWriter, job: EngineJob, text: str, logprobs: dict[str, Any] | None = None,
                finish_reason: str | None = None, result: DynamicInferenceRequest | None = None) -> bytes:
-        """A ``CompletionChunk`` of one choice (see :mod:`.chunks`)."""
+        """One choice of a streamed ``text_completion`` chunk as plain data (see :mod:`.chunks`)."""
         choice = {"index": job.index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
         if result is not None:
             choice.update(extension_fields(self.req, result))

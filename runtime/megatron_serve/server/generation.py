@@ -21,6 +21,7 @@ from typing import Any, AsyncIterator
 
 from ..client.coordinator_client import CoordinatorError, CoordinatorLost
 from ..client.outputs import StreamPartial
+from ..errors import ClientNotStarted
 from ..wire.request import DynamicInferenceRequest, EventType, FinishReason, RequestStatus
 from .errors import APIError, shutting_down
 from .fleet import InferenceBackend
@@ -67,7 +68,7 @@ def _submission_error(exc: Exception) -> APIError:
         return APIError(400, str(exc), code="invalid_request")
     if isinstance(exc, CoordinatorLost):
         return APIError(503, f"service unavailable: {exc}", code=exc.code, headers={"Retry-After": "5"})
-    if isinstance(exc, ConnectionError) or (isinstance(exc, RuntimeError) and "not started" in str(exc)):
+    if isinstance(exc, (ConnectionError, ClientNotStarted)):
         return APIError(503, f"service unavailable: {exc}", code="coordinator_unreachable")
     if isinstance(exc, CoordinatorError):
         return APIError(503, f"the coordinator refused the request: {exc}", code=exc.code)
