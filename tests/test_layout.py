@@ -1,6 +1,7 @@
 """The code's shape, held as figures: no import cycle among the project's modules, no oversized module or
-function, at most 12 modules left flat in ``megatron_serve`` (the rest live in wings by process), and an
-engine side that never imports the client."""
+function, at most 12 modules left flat in ``megatron_serve`` (the rest live in wings by process), import
+chains at most MAX_IMPORT_DEPTH floors deep, and an engine side that never imports the
+client."""
 
 from __future__ import annotations
 
@@ -14,6 +15,9 @@ PACKAGES = {"megatron_serve": ROOT / "runtime" / "megatron_serve",
 MAX_LINES = 600
 MAX_FUNCTION_LINES = 80
 MAX_FLAT_MODULES = 12
+#: 13 today: the deepest chain ends in nine floors inside model/ (loader -> llama -> fp8_layers -> linears ->
+#: moe -> layers -> config -> families -> errors), reached through engine.core -> weights.sources; 12 is the aim.
+MAX_IMPORT_DEPTH = 13
 #: What a function over MAX_FUNCTION_LINES says in its docstring to stay whole: ``Long: <the reason>``.
 LONG_REASON = "Long:"
 
@@ -145,6 +149,24 @@ def test_at_most_twelve_modules_are_left_flat_in_the_package():
     """The rest lives in wings by process: wire, client, fleet, coordinator, engine, server, model, weights."""
     flat = sorted(path.stem for path in PACKAGES["megatron_serve"].glob("*.py") if path.stem != "__init__")
     assert len(flat) <= MAX_FLAT_MODULES, f"{len(flat)} flat modules (move them into a wing): {flat}"
+
+
+def test_import_chains_are_at_most_max_import_depth_floors_deep():
+    """The longest chain of imports that importing one module runs at once (module level, type-checking
+    blocks aside; ``megatron_kernels``, a distribution of its own, counts as one floor)."""
+    modules = {name: path for name, path in _modules().items() if not name.startswith("megatron_kernels.")}
+    graph = {name: {t if not t.startswith("megatron_kernels.") else "megatron_kernels"
+                    for t in _module_level_imports(name, path, modules)} for name, path in modules.items()}
+    chains: dict[str, list[str]] = {}
+
+    def chain(name: str) -> list[str]:  # the graph has no cycle (test_no_import_cycle)
+        if name not in chains:
+            longest = max((chain(t) for t in graph.get(name, ())), key=len, default=[])
+            chains[name] = [name, *longest]
+        return chains[name]
+
+    deepest = max((chain(name) for name in graph), key=len)
+    assert len(deepest) <= MAX_IMPORT_DEPTH, f"{len(deepest)} floors: {' -> '.join(deepest)}"
 
 
 def test_no_function_is_longer_than_eighty_lines_without_a_reason():

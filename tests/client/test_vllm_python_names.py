@@ -14,7 +14,7 @@ import msgspec
 import pytest
 
 from megatron_serve import InferenceConfig, MegatronLLM, SamplingParams
-from megatron_serve.wire.request import DynamicInferenceRequest, FinishReason
+from megatron_serve.wire.request import DynamicInferenceRequest, FinalRecord, FinishReason
 from megatron_serve.wire.sampling_params import params_from_wire
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
@@ -70,7 +70,8 @@ def test_finish_reason_is_a_plain_string_everywhere_vllm_code_looks():
     assert json.dumps({"finish_reason": reason}) == '{"finish_reason": "stop"}'
     assert msgpack.unpackb(msgpack.packb(reason)) == "stop"
     request = DynamicInferenceRequest("r", "p", [1, 2], finish_reason=FinishReason.LENGTH)
-    assert DynamicInferenceRequest.deserialize(request.serialize()).finish_reason == "length"
+    final = msgspec.msgpack.decode(msgspec.msgpack.encode(request.final_record()), type=FinalRecord)
+    assert final.finish_reason == "length" and msgpack.unpackb(msgspec.msgpack.encode(final))["finish_reason"] == "length"
 
 
 @pytest.fixture(scope="module")

@@ -23,6 +23,7 @@ from megatron_serve import (
 from megatron_serve.engine.core import DynamicInferenceEngine
 from megatron_serve.engine.output import step_delta
 from megatron_serve.wire.messages import RequestDelta
+from megatron_serve.wire.request import FinalRecord
 
 from ..prompts import PROMPTS
 
@@ -187,18 +188,20 @@ def test_events_timing_and_msgpack_round_trip(tiny_llama):
     kinds = [e.type for e in out.events]
     assert kinds[:3] == [EventType.ADD, EventType.PREFILL, EventType.FIRST_TOKEN] and kinds[-1] is EventType.FINISH
     assert 0 <= out.ttft <= out.latency
-    copy = DynamicInferenceRequest.deserialize(out.serialize())
-    assert copy.to_dict() == out.to_dict()
-    assert copy.ttft == out.ttft and copy.generated_top_n_logprobs == out.generated_top_n_logprobs
+    final = msgspec.msgpack.decode(msgspec.msgpack.encode(out.final_record()), type=FinalRecord)
+    assert final == out.final_record() and final.events == out.events
+    copy = DynamicInferenceRequest.from_final(final, out.sampling_params)
+    assert (copy.ttft, copy.latency, copy.finish_reason, copy.status) == (out.ttft, out.latency, "length", out.status)
 
 
 def test_a_record_with_an_unknown_status_is_refused_naming_the_field():
     record = {"request_id": "r", "prompt_tokens": [1], "status": "COMPLETED", "finish_reason": "length"}
-    assert DynamicInferenceRequest.from_dict(record).finish_reason.value == "length"
-    with pytest.raises(ValueError, match="status: 'DONE' is not one of WAITING_IN_QUEUE"):
-        DynamicInferenceRequest.from_dict({**record, "status": "DONE"})
-    with pytest.raises(ValueError, match="finish_reason: 7 is not one of stop"):
-        DynamicInferenceRequest.from_dict({**record, "finish_reason": 7})
+    decode = msgspec.msgpack.Decoder(FinalRecord).decode
+    assert decode(msgspec.msgpack.encode(record)).finish_reason is FinishReason.LENGTH
+    with pytest.raises(msgspec.ValidationError, match=r"'DONE' - at `\$.status`"):
+        decode(msgspec.msgpack.encode({**record, "status": "DONE"}))
+    with pytest.raises(msgspec.ValidationError, match=r"`\$.finish_reason`"):
+        decode(msgspec.msgpack.encode({**record, "finish_reason": 7}))
 
 
 def test_prompt_shapes_and_input_order(tiny_llama):

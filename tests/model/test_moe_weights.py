@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import shutil
 
+import msgspec
 import numpy as np
 import pytest
 import torch
@@ -15,6 +16,7 @@ from megatron_serve import DynamicInferenceRequest, InferenceConfig, MegatronAsy
 from megatron_serve.model.loader import build_model, load_model, load_weights
 from megatron_serve.model.parallel import TensorParallel
 from megatron_serve.model.tiny import make_tiny_model
+from megatron_serve.wire.request import RoutingArray
 
 from ..prompts import PROMPTS
 
@@ -117,10 +119,11 @@ def test_a_missing_fused_part_is_named(tiny_llama, tmp_path):
 
 
 def test_routing_survives_msgpack(checkpoints):
+    """As a moved request carries its rows to its next engine (``EngineRequest.routing_indices``)."""
     out = MegatronLLM(checkpoints[0], CONFIG).generate(PROMPTS[:1], GREEDY)[0]
-    copy = type(out).deserialize(out.serialize())
-    assert copy.routing_indices.dtype == np.uint8
-    np.testing.assert_array_equal(copy.routing_indices, out.routing_indices)
+    copy = msgspec.msgpack.decode(msgspec.msgpack.encode(RoutingArray.of(out.routing_indices)), type=RoutingArray).array()
+    assert copy.dtype == np.uint8
+    np.testing.assert_array_equal(copy, out.routing_indices)
 
 
 @pytest.mark.parametrize(("rows", "message"), [((2, 3, 2), "do not fit this model's 2 MoE layers x top-2"),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import msgpack
+import msgspec
 import pytest
 
 from megatron_serve.wire.messages import FROM_COORDINATOR, PROTOCOL_VERSION, TO_COORDINATOR
@@ -115,8 +116,9 @@ def test_resubmission_that_already_reached_its_length_finishes_at_once(fleet_fac
                                   "sampling_params": {"num_tokens_to_generate": 3}, "generated_tokens": [7, 8, 9]})
         answer = peer.recv()
         assert answer.header is Header.RESULT
-        assert "generated_tokens" not in answer.body.request  # the client has them: the record does not repeat them
-        assert answer.body.request["status"] == "COMPLETED" and answer.body.request["finish_reason"] == "length"
+        record = msgspec.msgpack.decode(answer.body.request)  # a FinalRecord: the client decodes it on its own
+        assert "generated_tokens" not in record  # the client has them: the record does not repeat them
+        assert record["status"] == "COMPLETED" and record["finish_reason"] == "length"
     finally:
         peer.close()
 

@@ -270,7 +270,7 @@ class EngineThread:
             request = self.engine.abort_request(command[1])
             if request is not None:
                 self._post([(command[1], RequestDeltaOut(request_id=command[1], new_tokens=[], finished=True,
-                                                        request=request.to_final_dict()))])
+                                                        request=request.final_record()))])
             return
         told: list[tuple[str, BaseException | list[int]]] = []
         for request_id, prompt, params, loop in command[1]:

@@ -6,7 +6,7 @@ makes the text, as vLLM's frontend ``OutputProcessor`` does: the HTTP server's a
 event loop (:mod:`megatron_serve.client.local_engine`), never the engine's step thread. One
 :class:`OutputCollector` per request accumulates what the deltas carry (tokens, log probs, epochs,
 expert rows, prompt scores) and the text; the final record from the engine or coordinator carries
-only the rest (``DynamicInferenceRequest.to_final_dict``), and :meth:`OutputCollector.finish`
+only the rest (``wire.request.FinalRecord``), and :meth:`OutputCollector.finish`
 completes it.
 
 Stop strings are found here, token by token: when one appears the request ends at the token that

@@ -44,6 +44,7 @@ from ..wire.messages import (
 )
 from ..wire.protocol import HEADER_VERBS, ErrorCode, Header, Message, ProtocolError, Role, encode, unbatch
 from .routing import RoutingPolicy, make_routing_policy
+from ..wire.request import FinalRecord, FinishReason, RequestStatus
 from ..wire.sampling_params import SharedParams
 from ..wire.security import FleetSecret, fleet_secret
 from . import dispatch, handshake, liveness, prompts
@@ -78,7 +79,7 @@ ALLOWED: dict[Role, frozenset[Header]] = {
 }
 
 _STEP_OUTPUT = msgspec.msgpack.Decoder(RequestDelta)
-_RECORD = msgspec.msgpack.Decoder(dict[str, Any] | None)
+_FINAL_RECORD = msgspec.msgpack.Decoder(FinalRecord)
 _ENCODE = msgspec.msgpack.Encoder()
 _FINISHED = ("COMPLETED", "FAILED")
 
@@ -410,13 +411,15 @@ class CoordinatorCore:
         """Finish a request without an engine's record (aborted, or nothing left to compute): the record
         has what an engine's final one has (the client got the tokens in ``TOKENS``)."""
         record.add_event("FAIL" if status == "FAILED" else "FINISH", detail)
-        self._finish(record, {
-            "request_id": record.request_id, "prompt": record.prompt, "prompt_tokens": record.prompt_tokens,
-            "status": status, "finish_reason": finish_reason, "error": error, "events": record.events,
-            "arrival_time": record.arrival_time, "finish_time": time.time(), "cached_tokens": record.cached_tokens or 0})
+        self._finish(record, FinalRecord(
+            request_id=record.request_id, prompt=record.prompt, prompt_tokens=record.prompt_tokens,
+            status=RequestStatus(status), finish_reason=FinishReason(finish_reason), error=error,
+            events=record.events, arrival_time=record.arrival_time, finish_time=time.time(),
+            cached_tokens=record.cached_tokens or 0))
 
-    def _finish(self, record: RequestRecord, data: dict[str, Any]) -> None:
-        self.requests.finish(record, _ENCODE.encode(data), data.get("status"), data.get("finish_reason"))
+    def _finish(self, record: RequestRecord, final: FinalRecord) -> None:
+        reason = None if final.finish_reason is None else final.finish_reason.value
+        self.requests.finish(record, _ENCODE.encode(final), final.status.value, reason)
         self.deliver(record)
 
     def deliver(self, record: RequestRecord) -> None:
@@ -498,9 +501,13 @@ class CoordinatorCore:
             self.requests.finish(record, bytes(out.request), facts.status, facts.finish_reason)
             self.deliver(record)
             return
-        data = _RECORD.decode(out.request)
-        data["status"] = "COMPLETED"
-        self._finish(record, data)
+        try:
+            final = _FINAL_RECORD.decode(out.request)
+        except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+            self.drop(engine.engine_id, f"unreadable final request {record.request_id}: {exc}")
+            self.finish_here(record, "COMPLETED", "length", "finished without a readable record")
+            return
+        self._finish(record, msgspec.structs.replace(final, status=RequestStatus.COMPLETED))
 
     def _on_heartbeat(self, engine: EngineRecord, body: Heartbeat, now: float) -> None:
         engine.last_heartbeat = time.time()

@@ -26,7 +26,7 @@ import itertools
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Iterator
 
 import msgspec
 
@@ -34,6 +34,7 @@ from ..wire.expert_routing import RoutingRecord, mirror_rows, routing_to_wire
 from ..wire.messages import ClientId, PromptScores, RoutingRows, RequestDelta, Tokens
 from ..multimodal import PromptImage, cache_keys
 from ..wire.prefix_hash import salted_root
+from ..wire.request import EventType, RequestEvent
 from ..wire.sampling_params import SamplingParams
 
 
@@ -75,7 +76,7 @@ class RequestRecord:
     cached_tokens: int | None = None
     prompt_scores: PromptScores | None = None
     prompt_sent: bool = False  # a text prompt's token ids went to the client (with its first TOKENS)
-    events: list[dict[str, Any]] = field(default_factory=list)  # wire form; what happened here (moves)
+    events: list[RequestEvent] = field(default_factory=list)  # what happened here (moves)
     arrival_time: float = field(default_factory=time.time)
     phase: Phase = Phase.QUEUED
     engine_id: str | None = None
@@ -96,7 +97,7 @@ class RequestRecord:
         return salted_root(self.params.cache_salt)
 
     def add_event(self, event_type: str, detail: str) -> None:
-        self.events.append({"type": event_type, "timestamp": time.time(), "detail": detail})
+        self.events.append(RequestEvent(EventType(event_type), time.time(), detail))
 
     def exhausted(self) -> bool:
         """Nothing left to compute: every token the request asked for is already generated."""

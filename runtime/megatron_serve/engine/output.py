@@ -52,5 +52,5 @@ def step_delta(out: "StepOutput") -> RequestDeltaOut:
         delta.cached_tokens = request.cached_tokens
         delta.prompt_scores = prompt_scores(request)
     if out.finished:
-        delta.request = request.to_final_dict()
+        delta.request = request.final_record()
     return delta

@@ -27,6 +27,7 @@ import socket
 import time
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
+import msgspec
 import zmq
 
 from ..errors import EngineGroupLost, RefitFailed
@@ -35,14 +36,21 @@ from .link import CoordinatorLink
 from ..heap import freeze_startup_heap
 from .output import step_delta
 from .served import EngineStepResult, ServedEngine
-from ..wire.messages import Body, Control, EngineStepOut, HelloAck, Refit, Stop, Suspend
+from ..wire.messages import Body, Control, EngineStepOut, HelloAck, Refit, RequestDeltaOut, Stop, Suspend
 from ..wire.protocol import HEADER_VERBS, Header, ProtocolError, Role, step_of
-from ..wire.request import DynamicInferenceRequest, FinishReason, RequestStatus
+from ..wire.request import DynamicInferenceRequest, EngineRequest, FinalRecord, FinishReason, RequestStatus
 
 if TYPE_CHECKING:
     from ..weights.sources import WeightSource
 
 logger = logging.getLogger("megatron_serve.engine_process")
+
+class _Named(msgspec.Struct):
+    request_id: str
+
+
+_ENGINE_REQUEST = msgspec.msgpack.Decoder(EngineRequest)
+_REQUEST_ID = msgspec.msgpack.Decoder(_Named)  # what names a request this engine cannot read
 
 DEFAULT_DRAIN_TIMEOUT = 30.0
 _HANDBACK_ACK_WAIT = 5.0
@@ -178,17 +186,20 @@ class EngineProcess:
         elif header in HEADER_VERBS:
             self._on_step(header, body)
 
-    def _add(self, data: dict[str, Any]) -> None:
+    def _add(self, data: msgspec.Raw) -> None:
+        """Serve a request handed over in ``ENGINE_SUBMIT``; one this engine cannot read fails at once."""
         try:
-            request = DynamicInferenceRequest.from_dict(data)
-        except (KeyError, ValueError, TypeError) as exc:
+            request = DynamicInferenceRequest.from_engine_request(_ENGINE_REQUEST.decode(data))
+        except (msgspec.ValidationError, msgspec.DecodeError, ValueError) as exc:
             logger.error("unreadable request from the coordinator: %s", exc)
-            request_id = data.get("request_id")
-            if isinstance(request_id, str):
-                failed = dict(data, status=RequestStatus.FAILED.value, finish_reason=FinishReason.ERROR.value,
-                              error=f"engine could not read the request: {exc}")
-                self._send(Header.ENGINE_STEP, {"engine_id": self.engine_id, "outputs": [
-                    {"request_id": request_id, "new_tokens": [], "finished": True, "request": failed}]})
+            try:
+                request_id = _REQUEST_ID.decode(data).request_id
+            except (msgspec.ValidationError, msgspec.DecodeError):
+                return  # nothing names it: the coordinator's stall check ends it
+            failed = FinalRecord(request_id=request_id, status=RequestStatus.FAILED, finish_reason=FinishReason.ERROR,
+                                 error=f"engine could not read the request: {exc}", finish_time=time.time())
+            self._send(Header.ENGINE_STEP, EngineStepOut(engine_id=self.engine_id, outputs=[
+                RequestDeltaOut(request_id=request_id, new_tokens=[], finished=True, request=failed)]))
             return
         self.engine.add_request(request)
 
@@ -206,9 +217,9 @@ class EngineProcess:
             failed = self.engine.take_unfinished_requests()
             for request in failed:
                 request.fail(f"engine step failed: {type(exc).__name__}: {exc}")
-            payload = [{"request_id": r.request_id, "new_tokens": [], "finished": True, "request": r.to_final_dict()}
+            payload = [RequestDeltaOut(request_id=r.request_id, new_tokens=[], finished=True, request=r.final_record())
                        for r in failed]
-            self._send(Header.ENGINE_STEP, {"engine_id": self.engine_id, "outputs": payload})
+            self._send(Header.ENGINE_STEP, EngineStepOut(engine_id=self.engine_id, outputs=payload))
             return
         self.steps += 0 if settle else 1
         self._report(outputs)

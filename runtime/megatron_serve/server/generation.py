@@ -17,9 +17,9 @@ import logging
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator
+from typing import TYPE_CHECKING, Any, AsyncIterator
 
-from ..client.coordinator_client import CoordinatorError, CoordinatorLost
+from ..wire.connection import CoordinatorError, CoordinatorLost
 from ..client.outputs import StreamPartial
 from ..errors import ClientNotStarted
 from ..wire.request import DynamicInferenceRequest, EventType, FinishReason, RequestStatus
@@ -27,7 +27,9 @@ from .errors import APIError, shutting_down
 from .fleet import InferenceBackend
 from .metrics import ServerMetrics
 from .request_log import RequestLog
-from .translate import EngineJob
+
+if TYPE_CHECKING:  # annotations only: the translation of bodies is not this module's to load
+    from .translate import EngineJob
 
 logger = logging.getLogger("megatron_serve.server")
 
