@@ -259,7 +259,7 @@ def test_mirrored_tokens_keep_their_epochs_and_unknown_ones_are_minus_one():
     h.send(E1, Header.ENGINE_STEP, EngineStep(engine_id=e1, outputs=[msgspec.Raw(msgspec.msgpack.encode(out))]))
     step(h, E1, e1, "c1/r", [6])  # an engine that does not report them
     record = h.core.requests.get("c1/r")
-    assert record.policy_epochs == [3, 3, -1] and record.kv_epochs == [2, 3, -1]
+    assert record.out.policy_epochs == [3, 3, -1] and record.out.kv_epochs == [2, 3, -1]
 
 
 class _Placing:

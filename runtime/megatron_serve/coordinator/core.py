@@ -44,6 +44,7 @@ from ..wire.messages import (
 )
 from ..wire.protocol import HEADER_VERBS, ErrorCode, Header, Message, ProtocolError, Role, encode, unbatch
 from .routing import RoutingPolicy, make_routing_policy
+from ..wire.accumulator import DeltaAccumulator
 from ..wire.request import FinalRecord, FinishReason, RequestStatus
 from ..wire.sampling_params import SharedParams
 from ..wire.security import FleetSecret, fleet_secret
@@ -354,8 +355,7 @@ class CoordinatorCore:
             record = RequestRecord(request_id=key, client_id=client.client_id, client_request_id=crid,
                                    prompt=text, prompt_tokens=[] if text is not None else prompt, params=params,
                                    params_wire=params_wire, stream=bool(body.stream),
-                                   generated_tokens=list(body.generated_tokens or ()),
-                                   resumed=len(body.generated_tokens or ()),
+                                   out=DeltaAccumulator(body.generated_tokens),
                                    images=prompts.submitted_images(body.images, self.max_image_bytes))
             held = self.tokenizer_pending and prompts.needs_tokenizer(record)
             if not held:
