@@ -8,11 +8,11 @@ undelivered results to the new connection) and resubmits what is still pending â
 request continues from the tokens already received, so no token is delivered twice. Results are
 acknowledged (``RESULT_ACK``) so that the coordinator can forget them.
 
-The client makes the text (:mod:`megatron_serve.client.output_processor`): the coordinator sends token ids
-for every request, and stop strings end a request here, which then aborts it in the fleet. It needs
-a tokenizer for that: ``tokenizer=`` (a ``Tokenizer`` or a directory of tokenizer files), else the
-coordinator's tokenizer directory (announced in ``HELLO_ACK``) when this machine can read it; with
-neither, texts stay empty and a request with stop strings is refused (``ValueError``).
+The client makes the text (:mod:`megatron_serve.client.output_processor`) from the ids the coordinator
+sends, and stop strings end a request here (it then aborts it in the fleet). Its tokenizer: ``tokenizer=``
+(a ``Tokenizer`` or a directory of tokenizer files), else the coordinator's tokenizer directory (in
+``HELLO_ACK``) when this machine can read it; with neither, texts stay empty and stop strings are refused
+(``ValueError``); with one, text prompts are tokenized here (:func:`~.prompts.prompt_for_fleet`).
 
 Naming: ``stop()`` is the lifecycle verb STOP (the fleet drains and its engines exit);
 ``close()`` / ``aclose()`` close this client's connection.
@@ -41,7 +41,7 @@ from ..limits import DEFAULT_COORDINATOR_GRACE
 from ..wire.messages import PROTOCOL_VERSION, Error, HelloAck, Rendezvous
 from ..multimodal import PromptImage
 from .output_processor import OutputCollector, check_params, load_tokenizer
-from .prompts import ImagePrompt, Prompt
+from .prompts import ImagePrompt, Prompt, prompt_for_fleet
 from ..wire.protocol import ErrorCode, Header, Role, encode, pack_batches
 from ..wire.security import FleetSecret, PeerKeys, fleet_secret, hello_credentials, refused_message
 from ..wire.transport import close_monitored, open_peer_socket
@@ -435,13 +435,13 @@ class InferenceClient:
         ack = self._connection.ack
         if ack is not None and ack.protocol < PROTOCOL_VERSION:
             raise CoordinatorError(ErrorCode.UNSUPPORTED.value, self._old_coordinator(ack))
-        if not isinstance(prompt, str):
-            prompt = [int(t) for t in prompt]
+        sent, tokens = prompt_for_fleet(prompt, self.tokenizer, bool(images))
         request_id = str(request_id) if request_id is not None else f"{self._auto_ids}{next(self._request_numbers)}"
         if request_id in self._pending:
             raise ValueError(f"request id {request_id!r} is already pending")
-        pending = PendingRequest(request_id, prompt, params, stream, self._loop.create_future(),
-                                 OutputCollector(request_id, prompt, params, self.tokenizer),
+        collector = OutputCollector(request_id, prompt if isinstance(prompt, str) else sent, params, self.tokenizer,
+                                    prompt_tokens=tokens)
+        pending = PendingRequest(request_id, sent, params, stream, self._loop.create_future(), collector,
                                  asyncio.Queue() if stream else None)
         if images:
             pending.images = [(image if isinstance(image, PromptImage) else PromptImage(bytes(image))).to_wire()

@@ -79,11 +79,12 @@ class OutputCollector:
     """One request's outputs as its deltas arrive; ``tokenizer=None`` makes no text (it stays empty)."""
 
     def __init__(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                 tokenizer: "Tokenizer | None") -> None:
+                 tokenizer: "Tokenizer | None", prompt_tokens: list[int] | None = None) -> None:
+        """``prompt``: as the caller gave it; ``prompt_tokens``: a text prompt's ids when this process made them."""
         self.request_id = request_id
         self.prompt = prompt
         self.params = params
-        self.prompt_tokens: list[int] | None = None if isinstance(prompt, str) else list(prompt)
+        self.prompt_tokens: list[int] | None = prompt_tokens if isinstance(prompt, str) else list(prompt)
         self.detokenizer = None if tokenizer is None else IncrementalDetokenizer(
             tokenizer, params.stop_words, skip_special_tokens=params.skip_special_tokens,
             include_stop_str_in_output=params.include_stop_str_in_output)
@@ -142,8 +143,11 @@ class OutputCollector:
         return StreamPartial(self.request_id, [], text) if text else None
 
     def finish(self, record: DynamicInferenceRequest) -> DynamicInferenceRequest:
-        """The final record from where the request ran, completed with what the deltas carried."""
+        """The final record from where the request ran, completed with what the deltas carried (and the text
+        of a prompt this process tokenized: the fleet only saw its ids)."""
         record.request_id = self.request_id
+        if record.prompt is None and isinstance(self.prompt, str):
+            record.prompt = self.prompt
         self._fill(record)
         return record
 
