@@ -93,7 +93,8 @@ class Replay:
                 outputs = []
                 for message in self.received(engine):
                     if message.header is Header.ENGINE_SUBMIT:
-                        record = dict(message.body.request, generated_tokens=[7], generated_text=" 7",
+                        record = dict(msgspec.msgpack.decode(message.body.request), generated_tokens=[7],
+                                      generated_text=" 7",
                                       status="COMPLETED", finish_reason="length", finish_time=time.time())
                         outputs.append({"request_id": record["request_id"], "new_tokens": [7], "new_text": " 7",
                                         "finished": True, "request": record})

@@ -50,6 +50,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable
 
+import msgspec
 import zmq
 
 from megatron_serve.heap import freeze_startup_heap
@@ -212,7 +213,7 @@ def ours_engines(address: str, count: int, secret: str | None) -> None:
                     if header is Header.HELLO_ACK:
                         ids[sock] = body.engine_id
                     elif header is Header.ENGINE_SUBMIT:
-                        record = body.request
+                        record = msgspec.msgpack.decode(body.request)  # an EngineRequest, as engines decode it
                         record.update(generated_tokens=[7], generated_text=" 7", status="COMPLETED",
                                       finish_reason="length", first_token_time=time.time(), finish_time=time.time())
                         outputs.append({"request_id": record["request_id"], "new_tokens": [7], "new_text": " 7",

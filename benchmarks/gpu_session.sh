@@ -35,10 +35,10 @@ python3 -c "import sys, torch, triton, transformers; print('python', sys.version
 case ${1:-tests} in
   tests)
     step pytest 540 python3 -m pytest -q -p no:cacheprovider --timeout 180 -rfE --durations 10 \
-      tests/kernels tests/runtime/test_cuda_graphs.py tests/runtime/test_hf_parity.py tests/runtime/test_moe.py \
-      tests/runtime/test_vision_parity.py tests/runtime/test_expert_routing.py tests/runtime/test_engine.py \
-      tests/runtime/test_sampler.py tests/runtime/test_refit.py tests/parallel/test_tensor_parallel.py tests/runtime/test_structured_output.py \
-      tests/runtime/test_step_paths.py tests/runtime/test_kernel_warmup.py
+      tests/kernels tests/engine/test_cuda_graphs.py tests/model/test_hf_parity.py tests/model/test_moe.py \
+      tests/model/test_vision_parity.py tests/wire/test_expert_routing.py tests/engine/test_engine.py \
+      tests/engine/test_sampler.py tests/engine/test_refit.py tests/parallel/test_tensor_parallel.py tests/engine/test_structured_output.py \
+      tests/engine/test_step_paths.py tests/engine/test_kernel_warmup.py
     step parity 540 python3 -m pytest -q -p no:cacheprovider -rfE tests/parity --parity-device cuda \
       --parity-dtype bfloat16 --parity-cases 1000
     ;;
@@ -61,7 +61,7 @@ case ${1:-tests} in
     ;;
   fp8)
     step pytest_fp8 300 python3 -m pytest -q -p no:cacheprovider --timeout 180 -rfE --durations 10 \
-      tests/kernels/test_fp8_kernels.py tests/runtime/test_fp8_checkpoints.py tests/runtime/test_fp8_serving.py
+      tests/kernels/test_fp8_kernels.py tests/model/test_fp8_checkpoints.py tests/engine/test_fp8_serving.py
     step fp8_gemm 120 python3 benchmarks/fp8.py gemm
     step fp8_agreement 120 python3 benchmarks/fp8.py agreement
     step fp8_targets 540 python3 benchmarks/fp8.py targets

@@ -9,7 +9,7 @@ the time until the new weights answer a request:
 * **directory refit**: the trainer writes its tensors as a checkpoint (safetensors, to local disk,
   no fsync: the best case), then PAUSE, REFIT from that directory (every engine verifies, then
   loads it), UNPAUSE;
-* **collective refit**: PAUSE, :class:`~megatron_serve.weights.WeightSender` from this process
+* **collective refit**: PAUSE, :class:`~megatron_serve.WeightSender` from this process
   (the "trainer", holding the tensors in memory) over gloo, UNPAUSE.
 
 Beside the collective's bytes/s: this machine's memory copy bandwidth (``torch`` copying a buffer
@@ -38,7 +38,7 @@ from safetensors.torch import load_file, save_file
 from megatron_serve import InferenceConfig
 from megatron_serve.client.coordinator_client import InferenceClient
 from megatron_serve.fleet.local_fleet import LocalFleet
-from megatron_serve.weights import WeightSender
+from megatron_serve import WeightSender
 
 sys.path.insert(0, str(Path(__file__).parent))
 from refit import (  # noqa: E402

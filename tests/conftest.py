@@ -1,4 +1,5 @@
-"""Options of the whole suite: pytest accepts an option from any directory only when the suite's root registers it."""
+"""Options of the whole suite (pytest accepts an option from any directory only when the suite's root registers it),
+and the fixtures several folders share: tiny models written once per session, in-process fleets of fake engines."""
 
 from __future__ import annotations
 
@@ -9,3 +10,36 @@ from .parity.options import add_options
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     add_options(parser)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory) -> str:
+    """A tiny random Llama for the engine, model and client tests."""
+    from megatron_serve.model.tiny import make_tiny_model  # noqa: PLC0415 (torch: only for the suites that use it)
+
+    return str(make_tiny_model(tmp_path_factory.mktemp("tiny-llama"), seed=0, arch="llama"))
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory) -> str:
+    """A tiny random model for fleet tests (folders with their own ``tiny_model`` override it)."""
+    from megatron_serve.model.tiny import make_tiny_model  # noqa: PLC0415
+
+    return str(make_tiny_model(tmp_path_factory.mktemp("coordinator-tiny"), seed=0))
+
+
+@pytest.fixture
+def fleet_factory():
+    """Starts in-process fleets (``tests/inprocess_fleet.py``) and stops them after the test."""
+    from .inprocess_fleet import InProcessFleet  # noqa: PLC0415
+
+    fleets: list[InProcessFleet] = []
+
+    def make(**kwargs) -> InProcessFleet:
+        fleet = InProcessFleet(**kwargs)
+        fleets.append(fleet)
+        return fleet
+
+    yield make
+    for fleet in fleets:
+        fleet.stop()

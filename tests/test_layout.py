@@ -1,4 +1,7 @@
-"""The code's shape: no import cycle among the project's modules, no oversized module."""
+"""The code's shape, held as figures: no import cycle among the project's modules, no oversized module or
+function, at most 12 modules left flat in ``megatron_serve`` (the rest live in wings by process), import
+chains at most MAX_IMPORT_DEPTH floors deep, and an engine side that never imports the
+client."""
 
 from __future__ import annotations
 
@@ -10,6 +13,13 @@ PACKAGES = {"megatron_serve": ROOT / "runtime" / "megatron_serve",
             "megatron_operator": ROOT / "operator" / "megatron_operator",
             "megatron_kernels": ROOT / "kernels" / "megatron_kernels"}
 MAX_LINES = 600
+MAX_FUNCTION_LINES = 80
+MAX_FLAT_MODULES = 12
+#: 13 today: the deepest chain ends in nine floors inside model/ (loader -> llama -> fp8_layers -> linears ->
+#: moe -> layers -> config -> families -> errors), reached through engine.core -> weights.sources; 12 is the aim.
+MAX_IMPORT_DEPTH = 13
+#: What a function over MAX_FUNCTION_LINES says in its docstring to stay whole: ``Long: <the reason>``.
+LONG_REASON = "Long:"
 
 
 def _modules() -> dict[str, Path]:
@@ -23,6 +33,47 @@ def _modules() -> dict[str, Path]:
     return found
 
 
+def _targets(node: ast.Import | ast.ImportFrom, name: str, is_package: bool, modules: dict[str, Path]) -> set[str]:
+    """The project modules one import statement of module ``name`` loads."""
+    if isinstance(node, ast.Import):
+        targets = [alias.name for alias in node.names]
+    else:
+        if node.level:
+            base = name.split(".")[: len(name.split(".")) - node.level + (1 if is_package else 0)]
+            module = ".".join(base + ([node.module] if node.module else []))
+        else:
+            module = node.module or ""
+        targets = [module] + [f"{module}.{alias.name}" for alias in node.names]
+    found = set()
+    for target in targets:
+        while target and target not in modules:
+            target = target.rpartition(".")[0]
+        if target and target != name and not name.startswith(target + "."):  # a package's own parents
+            found.add(target)
+    return found
+
+
+def _module_level_imports(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
+    """Project modules that importing ``name`` imports at once (not inside functions, not for type checkers)."""
+    is_package = path.name == "__init__.py"
+    found: set[str] = set()
+
+    def walk(body: list[ast.stmt]) -> None:
+        for node in body:
+            if isinstance(node, ast.If):
+                if "TYPE_CHECKING" not in ast.unparse(node.test):
+                    walk(node.body)
+                    walk(node.orelse)
+            elif isinstance(node, ast.Try):
+                for block in (node.body, *(h.body for h in node.handlers), node.orelse, node.finalbody):
+                    walk(block)
+            elif isinstance(node, (ast.Import, ast.ImportFrom)):
+                found.update(_targets(node, name, is_package, modules))
+
+    walk(ast.parse(path.read_text()).body)
+    return found
+
+
 def _imports(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
     """Project modules ``name`` imports, at module level or inside functions, type-checking blocks excluded."""
     tree = ast.parse(path.read_text())
@@ -31,24 +82,8 @@ def _imports(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
                for n in ast.walk(node)}
     found: set[str] = set()
     for node in ast.walk(tree):
-        if id(node) in skipped:
-            continue
-        if isinstance(node, ast.Import):
-            targets = [alias.name for alias in node.names]
-        elif isinstance(node, ast.ImportFrom):
-            if node.level:
-                base = name.split(".")[: len(name.split(".")) - node.level + (1 if is_package else 0)]
-                module = ".".join(base + ([node.module] if node.module else []))
-            else:
-                module = node.module or ""
-            targets = [module] + [f"{module}.{alias.name}" for alias in node.names]
-        else:
-            continue
-        for target in targets:
-            while target and target not in modules:
-                target = target.rpartition(".")[0]
-            if target and target != name and not name.startswith(target + "."):  # a package's own parents
-                found.add(target)
+        if id(node) not in skipped and isinstance(node, (ast.Import, ast.ImportFrom)):
+            found.update(_targets(node, name, is_package, modules))
     return found
 
 
@@ -108,3 +143,60 @@ def test_http_server_imports_no_torch():
              "print(sorted(m for m in sys.modules if m == 'torch' or m.split('.')[:2] == ['megatron_serve', 'engine']))")
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout.strip()
     assert out == "[]", f"the HTTP server imported {out}"
+
+
+def test_at_most_twelve_modules_are_left_flat_in_the_package():
+    """The rest lives in wings by process: wire, client, fleet, coordinator, engine, server, model, weights."""
+    flat = sorted(path.stem for path in PACKAGES["megatron_serve"].glob("*.py") if path.stem != "__init__")
+    assert len(flat) <= MAX_FLAT_MODULES, f"{len(flat)} flat modules (move them into a wing): {flat}"
+
+
+def test_import_chains_are_at_most_max_import_depth_floors_deep():
+    """The longest chain of imports that importing one module runs at once (module level, type-checking
+    blocks aside; ``megatron_kernels``, a distribution of its own, counts as one floor)."""
+    modules = {name: path for name, path in _modules().items() if not name.startswith("megatron_kernels.")}
+    graph = {name: {t if not t.startswith("megatron_kernels.") else "megatron_kernels"
+                    for t in _module_level_imports(name, path, modules)} for name, path in modules.items()}
+    chains: dict[str, list[str]] = {}
+
+    def chain(name: str) -> list[str]:  # the graph has no cycle (test_no_import_cycle)
+        if name not in chains:
+            longest = max((chain(t) for t in graph.get(name, ())), key=len, default=[])
+            chains[name] = [name, *longest]
+        return chains[name]
+
+    deepest = max((chain(name) for name in graph), key=len)
+    assert len(deepest) <= MAX_IMPORT_DEPTH, f"{len(deepest)} floors: {' -> '.join(deepest)}"
+
+
+def test_no_function_is_longer_than_eighty_lines_without_a_reason():
+    """A function over 80 lines names why it stays whole in its docstring (``Long: ...``). Triton kernels
+    (``megatron_kernels``) are exempt, as from the module size: one kernel is one compiled function."""
+    long = []
+    for name, path in _modules().items():
+        if name.startswith("megatron_kernels"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                lines = node.end_lineno - node.lineno + 1
+                if lines > MAX_FUNCTION_LINES and LONG_REASON not in (ast.get_docstring(node) or ""):
+                    long.append(f"{name}.{node.name} ({lines} lines)")
+    assert not long, f"functions over {MAX_FUNCTION_LINES} lines without a '{LONG_REASON}' reason: {long}"
+
+
+def test_the_engine_side_never_imports_the_client():
+    """The engine process (engine, model, weights, wire) runs without the caller's code: importing the engine
+    used to import the client (``weights/__init__`` -> ``sender`` -> ``client``)."""
+    modules = _modules()
+    graph = {name: _imports(name, path, modules) for name, path in modules.items()}
+    engine_side = ("megatron_serve.engine", "megatron_serve.model", "megatron_serve.weights", "megatron_serve.wire")
+    offenders = {}
+    for start in (name for name in graph if name.startswith(engine_side)):
+        seen, todo = set(), [start]
+        while todo:
+            for nxt in graph[todo.pop()] - seen:
+                seen.add(nxt)
+                todo.append(nxt)
+        if client := sorted(m for m in seen if m.startswith("megatron_serve.client")):
+            offenders[start] = client
+    assert not offenders, f"engine-side modules that import the client: {offenders}"

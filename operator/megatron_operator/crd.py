@@ -171,6 +171,11 @@ def _rules_for(path: str) -> list[dict[str, str]]:
 # --------------------------------------------------------------------------- the schema
 
 def spec_schema() -> dict[str, Any]:
+    """The CRD's ``spec`` schema with every field's description.
+
+    Long: one literal, field by field in the order ``kubectl explain`` shows them; split, it would read as
+    fragments of one document.
+    """
     model = _obj(
         "The Hugging Face model the engines serve: a directory in the pods (path), or a Hub id (hub) that an init "
         "container of every pod fetches into the model volume.",

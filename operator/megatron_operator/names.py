@@ -53,11 +53,6 @@ def labels(name: str, component: str, group: int | None = None) -> dict[str, str
     return {**selector_labels(name, component, group), "app.kubernetes.io/managed-by": MANAGED_BY}
 
 
-def instance_selector(name: str) -> str:
-    """Label selector (string form) of every child of ``name``."""
-    return f"app.kubernetes.io/instance={name},app.kubernetes.io/managed-by={MANAGED_BY}"
-
-
 def engine_pod_selector(name: str) -> str:
     """Label selector of the engine pods (status.selector, for the scale subresource)."""
     return f"app.kubernetes.io/name=megatron-serve,app.kubernetes.io/instance={name},app.kubernetes.io/component=engine"

@@ -64,6 +64,12 @@ async def run_pass(resource: Mapping[str, Any], state: ResourceState, kube: Kube
 
 async def _pass(resource: Mapping[str, Any], state: ResourceState, kube: Kube, config: OperatorConfig,
                 log: logging.Logger | logging.LoggerAdapter) -> PassResult:
+    """One reconcile pass of one resource: parse, reach the coordinator, stop, refit, apply the children,
+    walk the lifecycle, observe and compute the status.
+
+    Long: the steps run in this order and share the pass's observations; each one's work is a call into its
+    own module (lifecycle, weights, render, children, status).
+    """
     meta = resource["metadata"]
     name, namespace, uid = meta["name"], meta["namespace"], meta.get("uid")
     generation = meta.get("generation")

@@ -284,6 +284,11 @@ RANK_WRAPPER = ('ordinal="${HOSTNAME##*-}"; export NODE_RANK="$ordinal"; '
 
 def render_engine_statefulset(spec: InferenceSpec, group: int, config: OperatorConfig,
                               engines_stopped: bool) -> dict[str, Any]:
+    """The StatefulSet of engine group ``group`` (its pods, their arguments, volumes and probes).
+
+    Long: one manifest written top to bottom as Kubernetes reads it; the parts other objects share
+    (volumes, model flags, addresses) are helpers already.
+    """
     name = engine_name(spec.name, group)
     volumes, mounts = _volumes(spec)
     volumes.append({"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": ENGINE_SHM_LIMIT}})

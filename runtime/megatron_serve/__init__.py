@@ -30,6 +30,8 @@ _EXPORTS = {
     "SamplingParams": ".wire.sampling_params",
     "TextPrompt": ".client.prompts",
     "TokensPrompt": ".client.prompts",
+    "WeightSender": ".client.weight_sender",
+    "WeightTransferError": ".client.weight_sender",
 }
 
 __all__ = sorted(_EXPORTS)
@@ -42,6 +44,7 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
     from .client.prompts import TextPrompt, TokensPrompt
     from .client.vllm_outputs import CompletionOutput, Logprob, RequestOutput
     from .wire.request import DynamicInferenceRequest, EventType, FinishReason, RequestStatus
+    from .client.weight_sender import WeightSender, WeightTransferError
     from .wire.sampling_params import SamplingParams
 
 

@@ -3,7 +3,7 @@
 Each subcommand lives in its own module exposing ``add_arguments(parser)`` and ``run(args) -> int``;
 modules are imported only when their command runs, and none of them imports torch, transformers or
 FastAPI before its ``run``: ``megatron-serve run --help`` answers in about 0.1 s instead of the
-2.5-12 s it took while the option modules imported torch (tests/runtime/test_cli.py holds it under
+2.5-12 s it took while the option modules imported torch (tests/commands/test_cli.py holds it under
 1.5 s in a subprocess on the loaded test machine).
 
 Every parser refuses abbreviations (``allow_abbrev=False``: ``--api-key abc`` once silently meant

@@ -7,6 +7,10 @@ class NoFleet(RuntimeError):
     """A lifecycle verb asked of an engine that runs in this process (direct mode): there is no fleet."""
 
 
+class ClientNotStarted(RuntimeError):
+    """A request to an ``InferenceClient`` that is not started or already closed (the HTTP server answers 503)."""
+
+
 class EngineGroupLost(RuntimeError):
     """A tensor-parallel rank of this engine group is gone: the group cannot step again.
 

@@ -62,11 +62,6 @@ def parse_hub_id(text: str) -> HubId | None:
     return HubId(match["repo"], match["revision"])
 
 
-def is_hub_id(text: str) -> bool:
-    """True when ``text`` names a Hub model rather than an existing path."""
-    return not Path(text).expanduser().exists() and parse_hub_id(text) is not None
-
-
 def resolve_model(model: str | os.PathLike, *, revision: str | None = None, cache_dir: str | os.PathLike | None = None,
                   download: bool = True) -> Path:
     """The local directory of ``model``: the path itself, or a Hub id's snapshot (cached or downloaded).

@@ -82,18 +82,6 @@ class PromptImage:
             wire.update(offset=self.offset, length=self.length)
         return wire
 
-    @classmethod
-    def from_wire(cls, value: Any, what: str) -> "PromptImage":
-        """Validate one wire image (``{"data": bytes, "offset"?: int, "length"?: int}``); ``ValueError`` naming it."""
-        if not isinstance(value, dict) or not isinstance(value.get("data"), (bytes, bytearray)):
-            raise ValueError(f"{what} must be a map with the image file as bytes in 'data'")
-        offset, length = value.get("offset"), value.get("length", 0)
-        for name, number in (("offset", offset), ("length", length)):
-            if number is not None and (isinstance(number, bool) or not isinstance(number, int) or number < 0):
-                raise ValueError(f"{what}.{name} must be a non-negative integer, got {number!r}")
-        if offset is not None and length < 1:
-            raise ValueError(f"{what}: a placed image needs length >= 1")
-        return cls(bytes(value["data"]), offset, int(length))
 
 
 def image_bytes(image: Any) -> bytes:
@@ -141,7 +129,9 @@ def open_image(data: bytes) -> Any:
 
 
 def _reason(exc: BaseException) -> str:
-    if "cannot identify image file" in str(exc):  # PIL names the buffer object, which says nothing
+    from PIL import UnidentifiedImageError  # noqa: PLC0415 - loaded already: the image failed to decode
+
+    if isinstance(exc, UnidentifiedImageError):  # PIL names the buffer object, which says nothing
         return "unknown image format"
     return str(exc) or type(exc).__name__
 

@@ -13,7 +13,7 @@ from megatron_serve.client.coordinator_client import InferenceClient
 from megatron_serve.fleet.argv import TOKEN_ENV
 from megatron_serve.wire.connection import Unauthorized
 
-from ..coordinator.helpers import Children, free_port
+from ..helpers import Children, free_port
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -24,7 +24,7 @@ from megatron_serve.cli import main, parse_args
 from megatron_serve.client.vllm_options import VLLM_OPTIONS, Status, accepted_warnings
 from megatron_serve.model.tiny import CHAT_TEMPLATE, make_tiny_model
 
-from ..runtime.test_hub import hub_cache
+from .test_hub import hub_cache
 from ..server.conftest import wait_ready
 from ..server.test_openai_e2e import free_port
 

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import msgspec
+
 from megatron_serve.coordinator import CoordinatorCore
 from megatron_serve.coordinator.effects import Effect, Probe, Send
 from megatron_serve.wire.messages import FROM_COORDINATOR, PROTOCOL_VERSION, Hello
@@ -59,11 +61,19 @@ class CoreHarness:
     # -- outputs
 
     def take(self, identity: bytes, header: Header | None = None) -> list[Any]:
-        """Bodies ``identity`` received since the last take (of ``header`` only, if given); BATCHes opened."""
+        """Bodies ``identity`` received since the last take (of ``header`` only, if given); BATCHes opened, and
+        the records engines and clients decode on their own (``EngineSubmit.request``, ``Result.request``) as maps."""
         messages = []
         for message in self.inbox.pop(identity, []):
             messages += list(unbatch(message.body, FROM_COORDINATOR)) if message.header is Header.BATCH else [message]
         kept = [m for m in messages if header is not None and m.header is not header]
         if kept:
             self.inbox[identity] = kept
-        return [m.body for m in messages if header is None or m.header is header]
+        return [_opened(m.body) for m in messages if header is None or m.header is header]
+
+
+def _opened(body: Any) -> Any:
+    record = getattr(body, "request", None)
+    if isinstance(record, msgspec.Raw):
+        return msgspec.structs.replace(body, request=msgspec.msgpack.decode(record))
+    return body

@@ -1,4 +1,4 @@
-"""A deterministic stand-in for ``DynamicInferenceEngine`` (same interface, no torch).
+"""A deterministic stand-in for ``DynamicInferenceEngine`` (the ``ServedEngine`` interface, no model).
 
 Token ``i+1`` is a fixed function of the last tokens, so a request continued on another engine
 from its generated tokens produces exactly the tokens it would have produced in one place: tests
@@ -10,8 +10,8 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass, field
-from types import SimpleNamespace
 
+from megatron_serve.engine.served import EngineFacts
 from megatron_serve.wire.request import DynamicInferenceRequest, EventType, FinishReason, RequestStatus
 
 BLOCK_BYTES = 4096
@@ -42,9 +42,13 @@ class FakeStepOutput:
 
 
 class FakeEngine:
-    def __init__(self, max_requests: int = 8, step_delay: float = 0.0, kv_blocks: int = 32) -> None:
-        self.config = SimpleNamespace(max_requests=max_requests)
-        self.tokenizer = None
+    def __init__(self, max_requests: int = 8, step_delay: float = 0.0, kv_blocks: int = 32,
+                 block_size: int | None = None) -> None:
+        self.max_requests = max_requests
+        self.block_size = block_size  # a block size makes it report prefix caching (prefix_affinity routing)
+        self.epoch = 0
+        self.computed_tokens = 0
+        self.cached_tokens = 0
         self.step_delay = step_delay
         self._kv_blocks = kv_blocks
         self.requests: dict[str, DynamicInferenceRequest] = {}
@@ -62,11 +66,11 @@ class FakeEngine:
 
     @property
     def num_running(self) -> int:
-        return min(len(self.requests), self.config.max_requests)
+        return min(len(self.requests), self.max_requests)
 
     @property
     def num_waiting(self) -> int:
-        return max(0, len(self.requests) - self.config.max_requests)
+        return max(0, len(self.requests) - self.max_requests)
 
     @property
     def kv_blocks_total(self) -> int:
@@ -75,6 +79,19 @@ class FakeEngine:
     @property
     def kv_blocks_free(self) -> int:
         return 0 if self.suspended else self._kv_blocks - self.num_running
+
+    def facts(self) -> EngineFacts:
+        return EngineFacts(capacity=self.max_requests, kv_blocks_total=self._kv_blocks, block_size=self.block_size,
+                           prefix_caching=self.block_size is not None)
+
+    def metrics_snapshot(self) -> None:
+        return None  # keeps no metrics
+
+    def verify_refit(self, source: str) -> float:
+        raise NotImplementedError("this engine cannot refit its weights")
+
+    def refit(self, source: str, epoch: int | None = None) -> dict[str, float]:
+        raise NotImplementedError("this engine cannot refit its weights")
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
@@ -91,7 +108,7 @@ class FakeEngine:
             time.sleep(self.step_delay)
         self.steps += 1
         outputs = []
-        for request in list(self.requests.values())[: self.config.max_requests]:
+        for request in list(self.requests.values())[: self.max_requests]:
             token = next_token(request.prompt_tokens + request.generated_tokens)
             request.generated_tokens.append(token)
             request.status = RequestStatus.ACTIVE

@@ -5,7 +5,7 @@ from __future__ import annotations
 import msgspec
 
 from megatron_serve.wire.messages import (ClientAbort, Control, ControlAck, EngineStep, Heartbeat, Refit, ResultAck,
-                                     Status, StepOutput, Submit, WireImage)
+                                     Status, RequestDelta, Submit, WireImage)
 from megatron_serve.multimodal import PromptImage
 from megatron_serve.wire.protocol import Header
 
@@ -22,7 +22,7 @@ def submit(h: CoreHarness, crid: str, tokens: int = 3, stream: bool = False, pro
 
 def step(h: CoreHarness, identity: bytes, engine_id: str, request_id: str, tokens: list[int], finished: bool = False,
          record: dict | None = None) -> None:
-    out = StepOutput(request_id=request_id, new_tokens=tokens, finished=finished,
+    out = RequestDelta(request_id=request_id, new_tokens=tokens, finished=finished,
                      request=msgspec.Raw(msgspec.msgpack.encode(record)) if record is not None else msgspec.UNSET)
     h.send(identity, Header.ENGINE_STEP, EngineStep(engine_id=engine_id,
                                                     outputs=[msgspec.Raw(msgspec.msgpack.encode(out))]))
@@ -255,11 +255,11 @@ def test_mirrored_tokens_keep_their_epochs_and_unknown_ones_are_minus_one():
     e1 = h.engine(E1)
     submit(h, "r", tokens=5)
     h.take(E1)
-    out = StepOutput(request_id="c1/r", new_tokens=[4, 5], finished=False, epochs=[[3, 3], [2, 3]])
+    out = RequestDelta(request_id="c1/r", new_tokens=[4, 5], finished=False, epochs=[[3, 3], [2, 3]])
     h.send(E1, Header.ENGINE_STEP, EngineStep(engine_id=e1, outputs=[msgspec.Raw(msgspec.msgpack.encode(out))]))
     step(h, E1, e1, "c1/r", [6])  # an engine that does not report them
     record = h.core.requests.get("c1/r")
-    assert record.policy_epochs == [3, 3, -1] and record.kv_epochs == [2, 3, -1]
+    assert record.out.policy_epochs == [3, 3, -1] and record.out.kv_epochs == [2, 3, -1]
 
 
 class _Placing:

@@ -12,7 +12,7 @@ import msgspec
 import numpy as np
 
 from megatron_serve.wire.expert_routing import routing_to_wire
-from megatron_serve.wire.messages import EngineStep, Hello, PromptScores, RoutingRows, StepOutput, Submit
+from megatron_serve.wire.messages import EngineStep, Hello, PromptScores, RoutingRows, RequestDelta, Submit
 from megatron_serve.wire.protocol import Header
 
 from .core_harness import CoreHarness
@@ -21,13 +21,13 @@ from .test_core import C, E1, submit
 SLIM = {"request_id": "c1/r", "prompt_tokens": [1, 2, 3], "status": "COMPLETED", "finish_reason": "length"}
 
 
-def send_step(h: CoreHarness, engine_id: str, *outputs: StepOutput) -> None:
+def send_step(h: CoreHarness, engine_id: str, *outputs: RequestDelta) -> None:
     h.send(E1, Header.ENGINE_STEP, EngineStep(engine_id=engine_id, outputs=[
         msgspec.Raw(msgspec.msgpack.encode(out)) for out in outputs]))
 
 
-def delta(tokens: list[int], finished: bool = False, **fields) -> StepOutput:
-    return StepOutput(request_id="c1/r", new_tokens=tokens, finished=finished, **fields)
+def delta(tokens: list[int], finished: bool = False, **fields) -> RequestDelta:
+    return RequestDelta(request_id="c1/r", new_tokens=tokens, finished=finished, **fields)
 
 
 def test_a_request_that_is_not_streamed_gets_its_tokens_and_a_record_without_them():

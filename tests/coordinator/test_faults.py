@@ -25,7 +25,7 @@ from megatron_serve.wire.request import RequestStatus
 from megatron_serve.wire.sampling_params import SamplingParams
 from megatron_serve.wire.security import make_secret
 
-from .helpers import Children, free_port
+from ..helpers import Children, free_port
 
 pytestmark = [pytest.mark.timeout(600), pytest.mark.slow]
 

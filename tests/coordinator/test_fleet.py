@@ -27,7 +27,7 @@ from megatron_serve.wire.protocol import MAX_MESSAGE_BYTES, Header
 from megatron_serve.wire.request import RequestStatus
 from megatron_serve.wire.sampling_params import SamplingParams
 
-from .helpers import Children, RawPeer, free_port
+from ..helpers import Children, RawPeer, free_port
 
 pytestmark = pytest.mark.timeout(600)
 

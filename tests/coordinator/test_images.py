@@ -20,7 +20,7 @@ from megatron_serve.tokenizer import Tokenizer
 
 from ..images import png
 from .fakes import FakeEngine, expected_tokens
-from .helpers import until
+from ..helpers import until
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -24,7 +24,7 @@ from megatron_serve.config import InferenceConfig
 from megatron_serve.wire.request import DynamicInferenceRequest, FinishReason, RequestStatus
 from megatron_serve.wire.sampling_params import SamplingParams
 
-from .helpers import Children, free_port, until
+from ..helpers import Children, free_port, until
 
 pytestmark = pytest.mark.timeout(600)
 

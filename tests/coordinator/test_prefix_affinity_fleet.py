@@ -30,7 +30,7 @@ from megatron_serve.coordinator.prefix_routing import DEFAULT_MAX_LOAD_GAP
 from megatron_serve.wire.request import RequestStatus
 from megatron_serve.wire.sampling_params import SamplingParams
 
-from .helpers import Children, free_port
+from ..helpers import Children, free_port
 
 pytestmark = [pytest.mark.timeout(600), pytest.mark.slow]
 

@@ -22,7 +22,7 @@ from megatron_serve.wire.sampling_params import SamplingParams
 
 from .core_harness import CoreHarness
 from .fakes import FakeEngine
-from .helpers import until
+from ..helpers import until
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -211,9 +211,7 @@ def test_coordinator_forgets_every_group_after_a_suspend_or_a_refit():
 
 def add_caching_engine(fleet, block_size: int = BS) -> tuple[EngineProcess, FakeEngine]:
     """Like ``fleet.add_engine`` with an engine that reports a block size and prefix caching."""
-    fake = FakeEngine(max_requests=8)
-    fake.config.block_size_tokens = block_size
-    fake.config.enable_prefix_caching = True
+    fake = FakeEngine(max_requests=8, block_size=block_size)
     proc = EngineProcess(fake, fleet.address, token=fleet.token, drain_timeout=5.0, coordinator_timeout=3.0)
     result: dict = {}
     thread = threading.Thread(target=lambda: result.__setitem__("rc", proc.run()), daemon=True)

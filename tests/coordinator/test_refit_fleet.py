@@ -23,7 +23,7 @@ from megatron_serve.config import InferenceConfig
 from megatron_serve.wire.sampling_params import SamplingParams
 from megatron_serve.model.tiny import make_tiny_model
 
-from .helpers import Children, free_port
+from ..helpers import Children, free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 

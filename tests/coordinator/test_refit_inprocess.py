@@ -17,7 +17,7 @@ from megatron_serve.engine.process import EngineProcess
 from megatron_serve.wire.sampling_params import SamplingParams
 
 from .fakes import FakeEngine, expected_tokens
-from .helpers import until
+from ..helpers import until
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -27,7 +27,6 @@ class RefitFake(FakeEngine):
 
     def __init__(self, bad: tuple[str, ...] = (), fail_once: tuple[str, ...] = (), **kwargs) -> None:
         super().__init__(**kwargs)
-        self.epoch = 0
         self.bad = set(bad)
         self.fail_once = set(fail_once)
         self.verified: list[str] = []

@@ -22,7 +22,7 @@ from megatron_serve import InferenceConfig, MegatronLLM
 from megatron_serve.client.coordinator_client import InferenceClient, StreamPartial
 from megatron_serve.engine import DynamicInferenceEngine
 from megatron_serve.wire.expert_routing import routing_from_wire, routing_to_wire
-from megatron_serve.wire.messages import ClientAbort, EngineStep, RoutingRows, StepOutput, Submit
+from megatron_serve.wire.messages import ClientAbort, EngineStep, RoutingRows, RequestDelta, Submit
 from megatron_serve.wire.protocol import Header
 from megatron_serve.wire.request import EventType, RequestStatus
 from megatron_serve.wire.sampling_params import SamplingParams
@@ -113,7 +113,7 @@ async def test_moved_request_keeps_its_mirrored_routing(fleet_factory, moe_model
 
 
 def _routing_step(h: CoreHarness, engine_id: str, tokens: list[int], start: int, rows: np.ndarray) -> None:
-    out = StepOutput(request_id="c1/r", new_tokens=tokens, finished=False,
+    out = RequestDelta(request_id="c1/r", new_tokens=tokens, finished=False,
                      routing=RoutingRows(start=start, **routing_to_wire(rows)))
     h.send(b"e1", Header.ENGINE_STEP,
            EngineStep(engine_id=engine_id, outputs=[msgspec.Raw(msgspec.msgpack.encode(out))]))

@@ -21,7 +21,7 @@ from megatron_serve.wire.request import EventType, RequestStatus
 from megatron_serve.wire.sampling_params import SamplingParams
 
 from .fakes import FakeEngine, expected_tokens
-from .helpers import until
+from ..helpers import until
 from .test_verb_timeout import consume, engine_ids, hang_after
 
 pytestmark = pytest.mark.timeout(60)

@@ -18,7 +18,7 @@ from megatron_serve.wire.sampling_params import SamplingParams
 from megatron_serve.wire.security import make_secret
 
 from .fakes import expected_tokens
-from .helpers import Children, free_port, wait_until
+from ..helpers import Children, free_port, wait_until
 
 pytestmark = pytest.mark.timeout(120)
 

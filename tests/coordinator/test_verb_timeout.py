@@ -18,7 +18,7 @@ from megatron_serve.wire.request import DynamicInferenceRequest, EventType, Requ
 from megatron_serve.wire.sampling_params import SamplingParams
 
 from .fakes import FakeEngine, expected_tokens
-from .helpers import until
+from ..helpers import until
 
 pytestmark = pytest.mark.timeout(60)
 

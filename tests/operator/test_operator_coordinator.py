@@ -47,7 +47,7 @@ async def operate_tiny_resource(cluster, tiny_model: str, monkeypatch: pytest.Mo
     pointed at a free port on 127.0.0.1; returns ``(port, address, coordinator token)``."""
     from megatron_operator import handlers
 
-    from tests.coordinator.helpers import free_port
+    from tests.helpers import free_port
 
     port = free_port()
     address = f"tcp://127.0.0.1:{port}"
@@ -68,7 +68,7 @@ async def operate_tiny_resource(cluster, tiny_model: str, monkeypatch: pytest.Mo
 
 async def test_lifecycle_with_a_real_coordinator(cluster, tiny_model: str, tmp_path: pathlib.Path,
                                                  monkeypatch: pytest.MonkeyPatch):
-    from tests.coordinator.helpers import Children
+    from tests.helpers import Children
 
     port, address, token = await operate_tiny_resource(cluster, tiny_model, monkeypatch)
     children = Children(tmp_path)
@@ -162,7 +162,7 @@ async def test_model_path_change_refits_a_real_fleet_in_place(cluster, tiny_mode
     from megatron_serve import InferenceClient, MegatronLLM, SamplingParams
     from megatron_serve.model.tiny import make_tiny_model
 
-    from tests.coordinator.helpers import Children
+    from tests.helpers import Children
 
     second = str(make_tiny_model(tmp_path / "second", seed=1))
     wide = str(make_tiny_model(tmp_path / "wide", seed=2, hidden_size=96))
@@ -222,7 +222,7 @@ async def test_a_coordinator_container_restart_under_load_loses_no_request_of_th
     resource is Ready again."""
     import httpx
 
-    from tests.coordinator.helpers import Children, free_port
+    from tests.helpers import Children, free_port
     from tests.run_stack import stream
 
     port, address, token = await operate_tiny_resource(cluster, tiny_model, monkeypatch)

@@ -16,7 +16,7 @@ from megatron_serve.wire.request import RequestStatus
 from megatron_serve.wire.sampling_params import SamplingParams
 from megatron_serve.model.tiny import make_tiny_model
 
-from ..coordinator.helpers import Children, free_port
+from ..helpers import Children, free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 

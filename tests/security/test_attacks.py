@@ -28,9 +28,9 @@ from megatron_serve.client.coordinator_client import InferenceClient, Unauthoriz
 from megatron_serve.wire.protocol import Header
 from megatron_serve.wire.sampling_params import SamplingParams
 from megatron_serve.wire.security import FleetSecret, make_secret
-from megatron_serve.weights import WeightSender
+from megatron_serve import WeightSender
 
-from ..coordinator.helpers import RawPeer, free_port, until
+from ..helpers import RawPeer, free_port, until
 from ..processes import stop_process_group
 from ..server.conftest import wait_ready
 

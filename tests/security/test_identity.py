@@ -17,7 +17,7 @@ from megatron_serve.coordinator import Coordinator
 from megatron_serve.wire.protocol import Header
 from megatron_serve.wire.security import PeerKeys, make_secret
 
-from ..coordinator.helpers import RawPeer
+from ..helpers import RawPeer
 
 pytestmark = pytest.mark.timeout(60)
 

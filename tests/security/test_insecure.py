@@ -14,7 +14,7 @@ import pytest
 from megatron_serve.client.coordinator_client import InferenceClient
 from megatron_serve.wire.sampling_params import SamplingParams
 
-from ..coordinator.helpers import free_port
+from ..helpers import free_port
 from ..processes import stop_process_group
 from ..server.conftest import wait_ready
 

@@ -21,7 +21,7 @@ from megatron_serve.client.llm import MegatronLLM
 from megatron_serve.wire.sampling_params import SamplingParams
 from megatron_serve.model.tiny import make_tiny_model
 
-from ..coordinator.helpers import Children, free_port
+from ..helpers import Children, free_port
 from ..fp8_checkpoints import block_fp8_checkpoint
 from .test_weight_sync_fleet import PROMPTS, run_trainer
 

@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM
 
 from megatron_serve import InferenceConfig, MegatronAsyncLLM, MegatronLLM, SamplingParams
 from megatron_serve.model.tiny import make_tiny_model
-from megatron_serve.weights import sender as weight_sender
+from megatron_serve.client import weight_sender
 
 from ..devices import tensor_parallel_device
 

@@ -26,9 +26,9 @@ from megatron_serve.config import InferenceConfig
 from megatron_serve.client.llm import MegatronLLM
 from megatron_serve.wire.sampling_params import SamplingParams
 from megatron_serve.model.tiny import make_tiny_model
-from megatron_serve.weights import WeightSender
+from megatron_serve import WeightSender
 
-from ..coordinator.helpers import Children, free_port, until
+from ..helpers import Children, free_port, until
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 

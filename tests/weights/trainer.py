@@ -17,7 +17,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from megatron_serve.client.coordinator_client import ControlError, InferenceClient
-from megatron_serve.weights import WeightSender, WeightTransferError
+from megatron_serve import WeightSender, WeightTransferError
 
 
 async def main(args: argparse.Namespace) -> int:

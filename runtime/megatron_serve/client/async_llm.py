@@ -316,7 +316,7 @@ class MegatronAsyncLLM:
         tensor)`` pairs with Hugging Face checkpoint names and full (unsharded) shapes, any subset.
 
         Coordinator mode: the REFIT verb (the fleet must be PAUSED or SUSPENDED); tensors travel
-        from this process over a collective (:class:`~megatron_serve.weights.WeightSender`).
+        from this process over a collective (:class:`~megatron_serve.WeightSender`).
         Direct mode: the engine refits between two steps (tensors are copied in, every
         tensor-parallel rank taking its slice). Either way the answer is ``{"state", "detail":
         {"epoch", "source", "engines": {id: timings}}}``, and names or shapes that do not fit raise

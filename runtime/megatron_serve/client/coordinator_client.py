@@ -8,11 +8,11 @@ undelivered results to the new connection) and resubmits what is still pending â
 request continues from the tokens already received, so no token is delivered twice. Results are
 acknowledged (``RESULT_ACK``) so that the coordinator can forget them.
 
-The client makes the text (:mod:`megatron_serve.client.output_processor`): the coordinator sends token ids
-for every request, and stop strings end a request here, which then aborts it in the fleet. It needs
-a tokenizer for that: ``tokenizer=`` (a ``Tokenizer`` or a directory of tokenizer files), else the
-coordinator's tokenizer directory (announced in ``HELLO_ACK``) when this machine can read it; with
-neither, texts stay empty and a request with stop strings is refused (``ValueError``).
+The client makes the text (:mod:`megatron_serve.client.output_processor`) from the ids the coordinator
+sends, and stop strings end a request here (it then aborts it in the fleet). Its tokenizer: ``tokenizer=``
+(a ``Tokenizer`` or a directory of tokenizer files), else the coordinator's tokenizer directory (in
+``HELLO_ACK``) when this machine can read it; with neither, texts stay empty and stop strings are refused
+(``ValueError``); with one, text prompts are tokenized here (:func:`~.prompts.prompt_for_fleet`).
 
 Naming: ``stop()`` is the lifecycle verb STOP (the fleet drains and its engines exit);
 ``close()`` / ``aclose()`` close this client's connection.
@@ -34,12 +34,13 @@ from zmq.utils.monitor import parse_monitor_message
 
 import msgspec
 
+from ..errors import ClientNotStarted
 from ..wire.connection import Connection, ControlError, CoordinatorError, CoordinatorLost, Unauthorized
 from ..limits import DEFAULT_COORDINATOR_GRACE
 from ..wire.messages import PROTOCOL_VERSION, Error, HelloAck
 from ..multimodal import PromptImage
 from .output_processor import OutputCollector, check_params, load_tokenizer
-from .prompts import ImagePrompt, Prompt
+from .prompts import ImagePrompt, Prompt, prompt_for_fleet
 from ..wire.protocol import ErrorCode, Header, Role, encode, pack_batches
 from ..wire.security import FleetSecret, PeerKeys, TokenFrom, fleet_secret, hello_credentials, refused_message
 from ..wire.transport import close_monitored, open_peer_socket
@@ -412,7 +413,7 @@ class InferenceClient(FleetVerbs):
 
     def _require_started(self) -> None:
         if not self._started or self._closed:
-            raise RuntimeError("InferenceClient is not started (await client.start()) or was closed")
+            raise ClientNotStarted("InferenceClient is not started (await client.start()) or was closed")
 
     def _require_coordinator(self) -> None:
         """Refuse new work while the coordinator has been lost for longer than the grace period."""
@@ -435,13 +436,13 @@ class InferenceClient(FleetVerbs):
         ack = self._connection.ack
         if ack is not None and ack.protocol < PROTOCOL_VERSION:
             raise CoordinatorError(ErrorCode.UNSUPPORTED.value, self._old_coordinator(ack))
-        if not isinstance(prompt, str):
-            prompt = [int(t) for t in prompt]
+        sent, tokens = prompt_for_fleet(prompt, self.tokenizer, bool(images))
         request_id = str(request_id) if request_id is not None else f"{self._auto_ids}{next(self._request_numbers)}"
         if request_id in self._pending:
             raise ValueError(f"request id {request_id!r} is already pending")
-        pending = PendingRequest(request_id, prompt, params, stream, self._loop.create_future(),
-                                 OutputCollector(request_id, prompt, params, self.tokenizer),
+        collector = OutputCollector(request_id, prompt if isinstance(prompt, str) else sent, params, self.tokenizer,
+                                    prompt_tokens=tokens)
+        pending = PendingRequest(request_id, sent, params, stream, self._loop.create_future(), collector,
                                  sink if sink is not None else asyncio.Queue() if stream else None)
         if images:
             pending.images = [(image if isinstance(image, PromptImage) else PromptImage(bytes(image))).to_wire()
@@ -485,7 +486,7 @@ class InferenceClient(FleetVerbs):
 
     def add_request_streaming_to(self, prompt: Prompt, sampling_params: SamplingParams | dict | None, sink: Sink, *,
                                  request_id: str | None = None, images: list[bytes | PromptImage] | None = None) -> str:
-        """Submit one prompt whose :class:`StreamPartial`\ s, final request or error the receive loop puts straight
+        """Submit one prompt whose :class:`StreamPartial` items, final request or error the receive loop puts straight
         into ``sink`` (no task per stream, as :meth:`add_request_streaming` needs: a wake-up less per chunk for
         the HTTP server); returns its id. The caller aborts it (:meth:`abort`) when it stops listening."""
         return self._new_pending(prompt, sampling_params, request_id, True, images, sink).request_id

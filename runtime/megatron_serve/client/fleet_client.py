@@ -103,7 +103,7 @@ class FleetClient(InferenceClient):
         process, and NCCL refuses two ranks on one GPU ("Duplicate GPU detected", seen on a one-GPU
         H100). To a remote fleet, ``WeightSender``'s default (NCCL where this process has a GPU).
         """
-        from ..weights import WeightSender  # noqa: PLC0415 - torch only when tensors are sent
+        from .weight_sender import WeightSender  # noqa: PLC0415 - torch only when tensors are sent
 
         backend = "gloo" if self.fleet is not None else None
         return await WeightSender(self, backend=backend).send(named_tensors, epoch=epoch)

@@ -180,7 +180,7 @@ class MegatronLLM:
         with Hugging Face names and full shapes (any subset, e.g. a trainer's ``named_parameters()``).
 
         Coordinator mode: the REFIT verb (PAUSE first; tensors travel with a
-        :class:`~megatron_serve.weights.WeightSender`). Direct mode: the engine loads them between
+        :class:`~megatron_serve.WeightSender`). Direct mode: the engine loads them between
         two steps. Names and shapes that do not fit raise with the old weights still serving. See
         :meth:`MegatronAsyncLLM.refit`.
         """

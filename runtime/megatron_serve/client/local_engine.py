@@ -28,7 +28,7 @@ from ..errors import NoFleet
 from ..model.llama import LlamaForCausalLM
 from ..wire.lifecycle import FleetState, PauseMode, Verb
 from ..engine.output import step_delta
-from ..wire.messages import StepOutputOut
+from ..wire.messages import RequestDeltaOut
 from .output_processor import OutputCollector
 from .outputs import StreamItem
 from .pending_requests import PendingRequest, PendingRequests
@@ -167,7 +167,7 @@ class EngineThread:
 
     # -- the callers' loops
 
-    def _deliver(self, items: list[StepOutputOut | tuple[str, BaseException | list[int]]]) -> None:
+    def _deliver(self, items: list[RequestDeltaOut | tuple[str, BaseException | list[int]]]) -> None:
         """Outputs for requests of this loop, in order (on the loop): deltas, failures, the token ids of
         a text prompt (which a stop string's record of the request needs)."""
         for item in items:
@@ -202,14 +202,14 @@ class EngineThread:
 
     # -- the engine thread
 
-    def _post(self, outputs: list[tuple[str, StepOutputOut | BaseException | list[int]]]) -> None:
+    def _post(self, outputs: list[tuple[str, RequestDeltaOut | BaseException | list[int]]]) -> None:
         """Send each output to its request's loop: one call per loop (requests that finish leave the map)."""
         by_loop: dict[asyncio.AbstractEventLoop, list[Any]] = {}
         for request_id, output in outputs:
             loop = self._loops.get(request_id)
             if loop is None:
                 continue
-            if isinstance(output, StepOutputOut):
+            if isinstance(output, RequestDeltaOut):
                 if output.finished:
                     del self._loops[request_id]
                 by_loop.setdefault(loop, []).append(output)
@@ -269,8 +269,8 @@ class EngineThread:
         if command[0] == "abort":
             request = self.engine.abort_request(command[1])
             if request is not None:
-                self._post([(command[1], StepOutputOut(request_id=command[1], new_tokens=[], finished=True,
-                                                        request=request.to_final_dict()))])
+                self._post([(command[1], RequestDeltaOut(request_id=command[1], new_tokens=[], finished=True,
+                                                        request=request.final_record()))])
             return
         told: list[tuple[str, BaseException | list[int]]] = []
         for request_id, prompt, params, loop in command[1]:

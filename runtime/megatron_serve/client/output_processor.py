@@ -6,7 +6,7 @@ makes the text, as vLLM's frontend ``OutputProcessor`` does: the HTTP server's a
 event loop (:mod:`megatron_serve.client.local_engine`), never the engine's step thread. One
 :class:`OutputCollector` per request accumulates what the deltas carry (tokens, log probs, epochs,
 expert rows, prompt scores) and the text; the final record from the engine or coordinator carries
-only the rest (``DynamicInferenceRequest.to_final_dict``), and :meth:`OutputCollector.finish`
+only the rest (``wire.request.FinalRecord``), and :meth:`OutputCollector.finish`
 completes it.
 
 Stop strings are found here, token by token: when one appears the request ends at the token that
@@ -23,10 +23,8 @@ import logging
 import time
 from typing import TYPE_CHECKING
 
-import msgspec
-
 from .detokenizer import IncrementalDetokenizer
-from ..wire.expert_routing import RoutingRecord, mirror_rows
+from ..wire.accumulator import DeltaAccumulator
 from ..wire.messages import TokenDelta
 from .outputs import StreamPartial
 from ..wire.request import DynamicInferenceRequest, EventType, FinishReason, RequestEvent, RequestStatus
@@ -81,23 +79,16 @@ class OutputCollector:
     """One request's outputs as its deltas arrive; ``tokenizer=None`` makes no text (it stays empty)."""
 
     def __init__(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                 tokenizer: "Tokenizer | None") -> None:
+                 tokenizer: "Tokenizer | None", prompt_tokens: list[int] | None = None) -> None:
+        """``prompt``: as the caller gave it; ``prompt_tokens``: a text prompt's ids when this process made them."""
         self.request_id = request_id
         self.prompt = prompt
         self.params = params
-        self.prompt_tokens: list[int] | None = None if isinstance(prompt, str) else list(prompt)
+        self.prompt_tokens: list[int] | None = prompt_tokens if isinstance(prompt, str) else list(prompt)
         self.detokenizer = None if tokenizer is None else IncrementalDetokenizer(
             tokenizer, params.stop_words, skip_special_tokens=params.skip_special_tokens,
             include_stop_str_in_output=params.include_stop_str_in_output)
-        self.tokens: list[int] = []
-        self.log_probs: list[float] = []
-        self.top: list[dict[int, float]] = []
-        self.policy_epochs: list[int] = []
-        self.kv_epochs: list[int] = []
-        self.routing: RoutingRecord | None = None
-        self.cached_tokens = 0
-        self.prompt_log_probs: list[float] = []
-        self.prompt_top: list[dict[int, float]] = []
+        self.out = DeltaAccumulator()  # what the deltas carried, accumulated as the coordinator's mirror does
         self.arrival_time = time.time()
         self.first_token_time: float | None = None
         self.stopped = False  # a stop string ended it: later deltas are dropped
@@ -106,57 +97,42 @@ class OutputCollector:
     def text(self) -> str:
         return "" if self.detokenizer is None else self.detokenizer.text
 
+    @property
+    def tokens(self) -> list[int]:
+        return self.out.tokens
+
     def add(self, delta: TokenDelta, prompt_tokens: list[int] | None = None) -> StreamPartial:
         """Take one delta; the piece it adds to a stream (what is safe to show of the text, the tokens
         up to a stop string). :attr:`stopped` says whether a stop string ended the request in it."""
         if prompt_tokens is not None and self.prompt_tokens is None:
             self.prompt_tokens = list(prompt_tokens)
-        if delta.cached_tokens is not None:
-            self.cached_tokens = delta.cached_tokens
-        if delta.prompt_scores is not None and not self.prompt_log_probs:  # a second engine scores them again
-            scores = delta.prompt_scores
-            self.prompt_log_probs = list(scores.log_probs)
-            if scores.top_ids is not None and scores.top_log_probs is not None:
-                self.prompt_top = _top_maps(scores.top_ids, scores.top_log_probs)
-        if self.stopped:
+        if self.stopped:  # only the prompt's facts still count
+            self.out.add_rest(delta, 0, self.request_id)
             return StreamPartial(self.request_id, [], "")
         tokens = delta.new_tokens
         kept = self._take_tokens(tokens)
         if kept and self.first_token_time is None:
             self.first_token_time = time.time()
+        self.out.add_rest(delta, kept, self.request_id)
         log_probs = (delta.new_log_probs or [])[:kept]
-        self.log_probs += log_probs
         top: list[dict[int, float]] = []
         if delta.top_ids is not None and delta.top_log_probs is not None:
             top = _top_maps(delta.top_ids[:kept], delta.top_log_probs[:kept])
-            self.top += top
-        epochs = delta.epochs
-        if epochs is not None and len(epochs) == 2 and len(epochs[0]) == len(epochs[1]) == len(tokens):
-            self.policy_epochs += epochs[0][:kept]
-            self.kv_epochs += epochs[1][:kept]
-        else:  # -1: not reported
-            self.policy_epochs += [-1] * kept
-            self.kv_epochs += [-1] * kept
-        if delta.routing is not None:
-            try:
-                self.routing = mirror_rows(self.routing, msgspec.structs.asdict(delta.routing))
-            except ValueError as exc:  # kept out, never fatal: the text and tokens still go on
-                logger.warning("request %s: expert rows not kept: %s", self.request_id, exc)
         text = "" if self.detokenizer is None else self.detokenizer.take_new_text(final=self.stopped)
         return StreamPartial(self.request_id, tokens[:kept], text, log_probs, new_top_logprobs=top)
 
     def _take_tokens(self, tokens: list[int]) -> int:
         """Append ``tokens`` up to the one that completes a stop string; how many were kept."""
-        detokenizer = self.detokenizer
+        detokenizer, taken = self.detokenizer, self.out.tokens
         if detokenizer is None or not detokenizer.stop_words:
-            self.tokens += tokens
+            taken += tokens
             if detokenizer is not None:
-                detokenizer.update(self.tokens)
+                detokenizer.update(taken)
             return len(tokens)
         min_tokens = self.params.min_tokens
         for kept, token in enumerate(tokens, 1):
-            self.tokens.append(token)
-            if detokenizer.update(self.tokens, check_stop=len(self.tokens) >= min_tokens):
+            taken.append(token)
+            if detokenizer.update(taken, check_stop=len(taken) >= min_tokens):
                 self.stopped = True
                 return kept
         return len(tokens)
@@ -167,8 +143,11 @@ class OutputCollector:
         return StreamPartial(self.request_id, [], text) if text else None
 
     def finish(self, record: DynamicInferenceRequest) -> DynamicInferenceRequest:
-        """The final record from where the request ran, completed with what the deltas carried."""
+        """The final record from where the request ran, completed with what the deltas carried (and the text
+        of a prompt this process tokenized: the fleet only saw its ids)."""
         record.request_id = self.request_id
+        if record.prompt is None and isinstance(self.prompt, str):
+            record.prompt = self.prompt
         self._fill(record)
         return record
 
@@ -179,7 +158,7 @@ class OutputCollector:
             request_id=self.request_id, prompt=self.prompt if isinstance(self.prompt, str) else None,
             prompt_tokens=list(self.prompt_tokens or []), sampling_params=self.params,
             status=RequestStatus.COMPLETED, finish_reason=FinishReason.STOP, arrival_time=self.arrival_time,
-            first_token_time=self.first_token_time, finish_time=now, cached_tokens=self.cached_tokens,
+            first_token_time=self.first_token_time, finish_time=now, cached_tokens=self.out.cached_tokens or 0,
             events=[RequestEvent(EventType.ADD, self.arrival_time)])
         if self.first_token_time is not None:
             record.events.append(RequestEvent(EventType.FIRST_TOKEN, self.first_token_time))
@@ -188,16 +167,19 @@ class OutputCollector:
         return record
 
     def _fill(self, record: DynamicInferenceRequest) -> None:
-        record.generated_tokens = self.tokens
+        out = self.out
+        record.generated_tokens = out.tokens
         record.generated_text = self.text
-        record.generated_log_probs = self.log_probs
-        record.generated_top_n_logprobs = self.top
-        record.policy_epochs = self.policy_epochs
-        record.kv_epochs = self.kv_epochs
-        if self.prompt_log_probs:
-            record.prompt_log_probs = self.prompt_log_probs
-            record.prompt_top_n_logprobs = self.prompt_top
-        if self.routing is not None:
-            rows = self.routing.array()
+        record.generated_log_probs = out.log_probs
+        record.generated_top_n_logprobs = _top_maps(out.top_ids, out.top_log_probs)
+        record.policy_epochs = out.policy_epochs
+        record.kv_epochs = out.kv_epochs
+        scores = out.prompt_scores
+        if scores is not None and scores.log_probs:
+            record.prompt_log_probs = list(scores.log_probs)
+            if scores.top_ids is not None and scores.top_log_probs is not None:
+                record.prompt_top_n_logprobs = _top_maps(scores.top_ids, scores.top_log_probs)
+        if out.routing is not None:
+            rows = out.routing.array()
             record.routing_indices = rows[: len(record.prompt_tokens) + len(self.tokens)] if record.prompt_tokens \
                 else rows

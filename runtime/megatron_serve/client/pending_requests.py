@@ -16,11 +16,16 @@ import asyncio
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
+import msgspec
+
 from ..wire.messages import TokenDelta
 from .output_processor import OutputCollector
 from .outputs import unreadable_result
-from ..wire.request import DynamicInferenceRequest
+from ..wire.request import DynamicInferenceRequest, FinalRecord
 from ..wire.sampling_params import SamplingParams
+
+
+_FINAL_RECORD = msgspec.msgpack.Decoder(FinalRecord | None)
 
 
 @dataclass
@@ -100,15 +105,19 @@ class PendingRequests:
         pending.resolve(collector.finish_stopped(), tail=False)  # its piece above had the whole rest
         return pending
 
-    def on_final(self, request_id: Any, record: Any) -> DynamicInferenceRequest | None:
-        """The final record (a map, validated here where it enters); the finished request, if it was pending."""
+    def on_final(self, request_id: Any, record: FinalRecord | msgspec.Raw | None) -> DynamicInferenceRequest | None:
+        """The final record (its bytes from a coordinator, decoded here where it enters; the struct itself in
+        direct mode); the finished request, if it was pending."""
         pending = self._by_id.pop(str(request_id), None)
         if pending is None:
             return None
         try:
+            final = _FINAL_RECORD.decode(record) if isinstance(record, msgspec.Raw) else record
+            if not isinstance(final, FinalRecord):
+                raise ValueError("the request finished without a final record")
             # its sampling parameters are the ones this side sent
-            request = DynamicInferenceRequest.from_dict(record, pending.sampling_params)
-        except (KeyError, ValueError, TypeError) as exc:
+            request = DynamicInferenceRequest.from_final(final, pending.sampling_params)
+        except (msgspec.ValidationError, msgspec.DecodeError, ValueError) as exc:
             request = unreadable_result(pending.request_id, exc)
         request = pending.collector.finish(request)
         pending.resolve(request)

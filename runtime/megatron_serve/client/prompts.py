@@ -130,3 +130,22 @@ def tokenize_prompt(prompt: Prompt, tokenizer: Any) -> tuple[list[int], list[Pro
             raise ValueError("this model takes no images (it is not a vision-language model)")
         tokens, images = tokenizer.images.expand(tokens, prompt.images)
     return tokens, images, text if isinstance(text, str) else None
+
+
+def prompt_for_fleet(prompt: str | list[int], tokenizer: Any, has_images: bool
+                     ) -> tuple[str | list[int], list[int] | None]:
+    """What a SUBMIT carries for ``prompt``, and its ids when they are known here.
+
+    The caller's process tokenizes what it can (a text prompt, with a tokenizer, without images to place):
+    the coordinator then never tokenizes for this client's requests. It still does for peers without a
+    tokenizer, and places images that arrive unplaced (the model's processor decides their lengths).
+    """
+    if not isinstance(prompt, str):
+        tokens = [int(t) for t in prompt]
+        return tokens, tokens
+    if tokenizer is None or has_images:
+        return prompt, None
+    tokens = tokenizer.encode(prompt)
+    if not tokens:
+        raise ValueError("prompt is empty")
+    return tokens, tokens

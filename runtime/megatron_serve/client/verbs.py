@@ -71,7 +71,7 @@ class FleetVerbs:
         (``verify_s``, ``load_s``, ``total_s``).
 
         ``rendezvous``: the weights come from a trainer instead (``source`` is then its label); this
-        is what :class:`megatron_serve.weights.WeightSender` sends, and what it should be used through.
+        is what :class:`megatron_serve.WeightSender` sends, and what it should be used through.
         """
         if not isinstance(source, str) or not source:
             raise ValueError("source must be a non-empty model directory path")

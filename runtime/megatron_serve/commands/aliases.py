@@ -3,7 +3,7 @@
 A vLLM user types ``--max-model-len 4096 --tensor-parallel-size 2``; they mean exactly our
 ``--max-sequence-length 4096 --tensor-parallel 2``. Each alias is registered on the same argparse
 action as our name (so both set the same attribute, and ``--help`` lists them together), by
-:func:`add_option`, which every command uses for these options. ``tests/runtime/test_cli.py``
+:func:`add_option`, which every command uses for these options. ``tests/commands/test_cli.py``
 checks, command by command, that every command with one of our names also takes its alias and
 that both parse to the same setting.
 

@@ -39,11 +39,13 @@ from ..wire.messages import (
     ResultOut,
     Status,
     StatusReply,
-    StepOutput,
+    RequestDelta,
     Submit,
 )
 from ..wire.protocol import HEADER_VERBS, ErrorCode, Header, Message, ProtocolError, Role, encode, unbatch
 from .routing import RoutingPolicy, make_routing_policy
+from ..wire.accumulator import DeltaAccumulator
+from ..wire.request import FinalRecord, FinishReason, RequestStatus
 from ..wire.sampling_params import SharedParams
 from ..wire.security import FleetSecret, fleet_secret
 from . import dispatch, handshake, liveness, prompts
@@ -77,8 +79,8 @@ ALLOWED: dict[Role, frozenset[Header]] = {
     Role.CONTROL: frozenset({Header.STATUS, Header.HEARTBEAT, *HEADER_VERBS}),
 }
 
-_STEP_OUTPUT = msgspec.msgpack.Decoder(StepOutput)
-_RECORD = msgspec.msgpack.Decoder(dict[str, Any] | None)
+_STEP_OUTPUT = msgspec.msgpack.Decoder(RequestDelta)
+_FINAL_RECORD = msgspec.msgpack.Decoder(FinalRecord)
 _ENCODE = msgspec.msgpack.Encoder()
 _FINISHED = ("COMPLETED", "FAILED")
 
@@ -353,8 +355,7 @@ class CoordinatorCore:
             record = RequestRecord(request_id=key, client_id=client.client_id, client_request_id=crid,
                                    prompt=text, prompt_tokens=[] if text is not None else prompt, params=params,
                                    params_wire=params_wire, stream=bool(body.stream),
-                                   generated_tokens=list(body.generated_tokens or ()),
-                                   resumed=len(body.generated_tokens or ()),
+                                   out=DeltaAccumulator(body.generated_tokens),
                                    images=prompts.submitted_images(body.images, self.max_image_bytes))
             held = self.tokenizer_pending and prompts.needs_tokenizer(record)
             if not held:
@@ -410,13 +411,15 @@ class CoordinatorCore:
         """Finish a request without an engine's record (aborted, or nothing left to compute): the record
         has what an engine's final one has (the client got the tokens in ``TOKENS``)."""
         record.add_event("FAIL" if status == "FAILED" else "FINISH", detail)
-        self._finish(record, {
-            "request_id": record.request_id, "prompt": record.prompt, "prompt_tokens": record.prompt_tokens,
-            "status": status, "finish_reason": finish_reason, "error": error, "events": record.events,
-            "arrival_time": record.arrival_time, "finish_time": time.time(), "cached_tokens": record.cached_tokens or 0})
+        self._finish(record, FinalRecord(
+            request_id=record.request_id, prompt=record.prompt, prompt_tokens=record.prompt_tokens,
+            status=RequestStatus(status), finish_reason=FinishReason(finish_reason), error=error,
+            events=record.events, arrival_time=record.arrival_time, finish_time=time.time(),
+            cached_tokens=record.cached_tokens or 0))
 
-    def _finish(self, record: RequestRecord, data: dict[str, Any]) -> None:
-        self.requests.finish(record, _ENCODE.encode(data), data.get("status"), data.get("finish_reason"))
+    def _finish(self, record: RequestRecord, final: FinalRecord) -> None:
+        reason = None if final.finish_reason is None else final.finish_reason.value
+        self.requests.finish(record, _ENCODE.encode(final), final.status.value, reason)
         self.deliver(record)
 
     def deliver(self, record: RequestRecord) -> None:
@@ -472,7 +475,7 @@ class CoordinatorCore:
                 engine.completed += 1
                 self._finish_from_engine(engine, record, out)
 
-    def _mirror(self, record: RequestRecord, out: StepOutput) -> None:
+    def _mirror(self, record: RequestRecord, out: RequestDelta) -> None:
         """Keep the step's share (a request that moves continues from its tokens) and send it on to the
         client, which makes the text (for every request: stop strings are its job)."""
         tokens = record.mirror(out)
@@ -480,7 +483,7 @@ class CoordinatorCore:
         if client is not None and client.identity is not None:
             self.send(client.identity, Header.TOKENS, tokens, client.batches)
 
-    def _finish_from_engine(self, engine: EngineRecord, record: RequestRecord, out: StepOutput) -> None:
+    def _finish_from_engine(self, engine: EngineRecord, record: RequestRecord, out: RequestDelta) -> None:
         """Finish with the engine's record, forwarded as its bytes when it is complete (the client
         parses it, once). Only a record without a final status is parsed here, and mended."""
         if out.request is msgspec.UNSET:
@@ -498,9 +501,13 @@ class CoordinatorCore:
             self.requests.finish(record, bytes(out.request), facts.status, facts.finish_reason)
             self.deliver(record)
             return
-        data = _RECORD.decode(out.request)
-        data["status"] = "COMPLETED"
-        self._finish(record, data)
+        try:
+            final = _FINAL_RECORD.decode(out.request)
+        except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+            self.drop(engine.engine_id, f"unreadable final request {record.request_id}: {exc}")
+            self.finish_here(record, "COMPLETED", "length", "finished without a readable record")
+            return
+        self._finish(record, msgspec.structs.replace(final, status=RequestStatus.COMPLETED))
 
     def _on_heartbeat(self, engine: EngineRecord, body: Heartbeat, now: float) -> None:
         engine.last_heartbeat = time.time()

@@ -8,14 +8,14 @@ little more than an engine runs at once, so that its next step never waits for t
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import msgspec
 
-from ..wire.expert_routing import routing_to_wire
 from ..wire.lifecycle import FleetState
-from ..wire.messages import EngineSubmit
+from ..wire.messages import EngineSubmitOut, WireImage
 from ..wire.protocol import Header
+from ..wire.request import EngineRequestOut, RoutingArray
 from .requests import RequestRecord
 
 if TYPE_CHECKING:
@@ -23,29 +23,21 @@ if TYPE_CHECKING:
     from .peers import EngineRecord
 
 
-def wire_record(record: RequestRecord) -> dict[str, Any]:
-    """The request record engines read (``DynamicInferenceRequest.from_dict``), from the coordinator's mirror.
+def wire_record(record: RequestRecord) -> EngineRequestOut:
+    """The request engines read (``wire.request.EngineRequest``), from the coordinator's mirror.
 
     The sampling parameters are the client's bytes, spliced in unparsed (they were validated once,
     on arrival). Image files go with every dispatch, so that a request moved to another engine keeps
     them, and so do the tokens and expert rows mirrored so far: a continuation generates and records
     only what comes after them.
     """
-    wire = {
-        "request_id": record.request_id,
-        "prompt": record.prompt,
-        "prompt_tokens": record.prompt_tokens,
-        "sampling_params": msgspec.Raw(record.params_wire),
-        "generated_tokens": record.generated_tokens,
-        "status": "WAITING_IN_QUEUE",
-        "events": record.events,
-        "arrival_time": record.arrival_time,
-    }
-    if record.images:
-        wire["images"] = [image.to_wire() for image in record.images]
-    if record.routing is not None:
-        wire["routing_indices"] = routing_to_wire(record.routing.array())
-    return wire
+    return EngineRequestOut(
+        request_id=record.request_id, prompt=record.prompt, prompt_tokens=record.prompt_tokens,
+        sampling_params=msgspec.Raw(record.params_wire), generated_tokens=record.generated_tokens,
+        events=record.events, arrival_time=record.arrival_time,
+        images=[WireImage(data=image.data, offset=image.offset, length=image.length if image.offset is not None else 0)
+                for image in record.images],
+        routing_indices=None if record.routing is None else RoutingArray.of(record.routing.array()))
 
 
 def dispatch(core: "CoordinatorCore", now: float) -> None:
@@ -70,6 +62,6 @@ def dispatch(core: "CoordinatorCore", now: float) -> None:
         if not engine.assigned:  # an idle loop may wait without counting: its stall clock starts now
             engine.stall_clock = now
         engine.assigned.add(record.request_id)
-        core.send(engine.identity, Header.ENGINE_SUBMIT, EngineSubmit(request=wire_record(record)), engine.batches)
+        core.send(engine.identity, Header.ENGINE_SUBMIT, EngineSubmitOut(request=wire_record(record)), engine.batches)
         if not room(engine):
             candidates.remove(engine)

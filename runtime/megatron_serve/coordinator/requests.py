@@ -23,21 +23,17 @@ import collections
 import enum
 import heapq
 import itertools
-import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Iterator
 
-import msgspec
-
-from ..wire.expert_routing import RoutingRecord, mirror_rows, routing_to_wire
-from ..wire.messages import ClientId, PromptScores, RoutingRows, StepOutput, Tokens
+from ..wire.accumulator import DeltaAccumulator
+from ..wire.expert_routing import RoutingRecord, routing_to_wire
+from ..wire.messages import ClientId, RequestDelta, RoutingRows, Tokens
 from ..multimodal import PromptImage, cache_keys
 from ..wire.prefix_hash import salted_root
+from ..wire.request import EventType, RequestEvent
 from ..wire.sampling_params import SamplingParams
-
-
-logger = logging.getLogger("megatron_serve.coordinator")
 
 
 class Phase(enum.Enum):
@@ -64,25 +60,17 @@ class RequestRecord:
     params: SamplingParams
     params_wire: bytes  # the sampling parameters as the client sent them (forwarded to engines unchanged)
     stream: bool
-    generated_tokens: list[int] = field(default_factory=list)
-    # What went with the tokens after the first ``resumed`` (those came with a resubmission, without it):
-    resumed: int = 0
-    generated_log_probs: list[float] = field(default_factory=list)
-    top_ids: list[list[int]] = field(default_factory=list)
-    top_log_probs: list[list[float]] = field(default_factory=list)
-    policy_epochs: list[int] = field(default_factory=list)
-    kv_epochs: list[int] = field(default_factory=list)
-    cached_tokens: int | None = None
-    prompt_scores: PromptScores | None = None
+    # What the engines' deltas carried (after the tokens a resubmission came with): the mirror a moved
+    # request continues from, the same accumulation as the client's (wire.accumulator)
+    out: DeltaAccumulator = field(default_factory=DeltaAccumulator)
     prompt_sent: bool = False  # a text prompt's token ids went to the client (with its first TOKENS)
-    events: list[dict[str, Any]] = field(default_factory=list)  # wire form; what happened here (moves)
+    events: list[RequestEvent] = field(default_factory=list)  # what happened here (moves)
     arrival_time: float = field(default_factory=time.time)
     phase: Phase = Phase.QUEUED
     engine_id: str | None = None
     moves: int = 0
     final: bytes | None = None  # the finished record's msgpack (forwarded unparsed)
     images: list[PromptImage] = field(default_factory=list)  # placed in prompt_tokens once prepared
-    routing: RoutingRecord | None = None  # return_routing_indices: expert rows mirrored with the tokens
     queue_order: int = 0  # in the priority heap: when it was queued; in the deque: 0, or -1 moved (ahead of all)
 
     @property
@@ -96,37 +84,28 @@ class RequestRecord:
         return salted_root(self.params.cache_salt)
 
     def add_event(self, event_type: str, detail: str) -> None:
-        self.events.append({"type": event_type, "timestamp": time.time(), "detail": detail})
+        self.events.append(RequestEvent(EventType(event_type), time.time(), detail))
+
+    @property
+    def generated_tokens(self) -> list[int]:
+        return self.out.tokens
+
+    @property
+    def cached_tokens(self) -> int | None:
+        return self.out.cached_tokens
+
+    @property
+    def routing(self) -> RoutingRecord | None:
+        """return_routing_indices: the expert rows mirrored with the tokens."""
+        return self.out.routing
 
     def exhausted(self) -> bool:
         """Nothing left to compute: every token the request asked for is already generated."""
-        return len(self.generated_tokens) >= self.params.num_tokens_to_generate
+        return len(self.out.tokens) >= self.params.num_tokens_to_generate
 
-    def mirror(self, out: StepOutput) -> Tokens:
+    def mirror(self, out: RequestDelta) -> Tokens:
         """Keep what one engine step added; the ``TOKENS`` that carry it to the client."""
-        n = len(out.new_tokens)
-        self.generated_tokens.extend(out.new_tokens)
-        if out.new_log_probs:
-            self.generated_log_probs.extend(out.new_log_probs)
-        if out.top_ids is not None and out.top_log_probs is not None:
-            self.top_ids.extend(out.top_ids)
-            self.top_log_probs.extend(out.top_log_probs)
-        epochs = out.epochs
-        if epochs is not None and len(epochs) == 2 and len(epochs[0]) == n and len(epochs[1]) == n:
-            self.policy_epochs.extend(epochs[0])
-            self.kv_epochs.extend(epochs[1])
-        else:  # -1: not reported
-            self.policy_epochs.extend([-1] * n)
-            self.kv_epochs.extend([-1] * n)
-        if out.cached_tokens is not None:
-            self.cached_tokens = out.cached_tokens
-        if out.prompt_scores is not None and self.prompt_scores is None:
-            self.prompt_scores = out.prompt_scores
-        if out.routing is not None:
-            try:
-                self.routing = mirror_rows(self.routing, msgspec.structs.asdict(out.routing))
-            except ValueError as exc:  # not mirrored: a next engine recomputes those positions' rows
-                logger.warning("request %s: routing rows not mirrored: %s", self.request_id, exc)
+        self.out.add(out, self.request_id)
         tokens = Tokens(client_request_id=self.client_request_id, new_tokens=out.new_tokens,
                         new_log_probs=out.new_log_probs, top_ids=out.top_ids, top_log_probs=out.top_log_probs,
                         epochs=out.epochs, routing=out.routing, cached_tokens=out.cached_tokens,
@@ -137,18 +116,19 @@ class RequestRecord:
 
     def tokens_after(self, have: int) -> Tokens | None:
         """What a reconnected client that has ``have`` tokens lacks, whole (None: nothing)."""
-        if len(self.generated_tokens) <= have:
+        out = self.out
+        if len(out.tokens) <= have:
             return None
-        skip = max(have - self.resumed, 0)  # into the lists mirrored since the resubmission
-        tokens = Tokens(client_request_id=self.client_request_id, new_tokens=self.generated_tokens[have:],
-                        new_log_probs=self.generated_log_probs[skip:] or None,
-                        top_ids=self.top_ids[skip:] or None, top_log_probs=self.top_log_probs[skip:] or None,
-                        cached_tokens=self.cached_tokens, prompt_scores=self.prompt_scores,
+        skip = max(have - out.resumed, 0)  # into the lists mirrored since the resubmission
+        tokens = Tokens(client_request_id=self.client_request_id, new_tokens=out.tokens[have:],
+                        new_log_probs=out.log_probs[skip:] or None,
+                        top_ids=out.top_ids[skip:] or None, top_log_probs=out.top_log_probs[skip:] or None,
+                        cached_tokens=out.cached_tokens, prompt_scores=out.prompt_scores,
                         prompt_tokens=self.prompt_tokens if self.prompt is not None else None)
-        if have >= self.resumed:
-            tokens.epochs = [self.policy_epochs[skip:], self.kv_epochs[skip:]]
-        if self.routing is not None:  # every row: the client keeps those it has
-            tokens.routing = RoutingRows(start=0, **routing_to_wire(self.routing.array()))
+        if have >= out.resumed:
+            tokens.epochs = [out.policy_epochs[skip:], out.kv_epochs[skip:]]
+        if out.routing is not None:  # every row: the client keeps those it has
+            tokens.routing = RoutingRows(start=0, **routing_to_wire(out.routing.array()))
         return tokens
 
 

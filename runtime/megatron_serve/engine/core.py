@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 from ..config import InferenceConfig
+from .served import EngineFacts
 from .sizing import build_kv_pool, default_dtype, engine_buffers, max_sequence_length_for
 from .encoder_cache import EncoderCache
 from ..wire.engine_stats import EngineStats
@@ -131,6 +132,14 @@ class DynamicInferenceEngine:
     def metrics_snapshot(self) -> dict:
         """The cumulative engine metrics, as the heartbeat's ``metrics`` field carries them."""
         return self.stats.to_wire(self.scheduler.queried_tokens, self.scheduler.cached_tokens)
+
+    def facts(self) -> EngineFacts:
+        """What the engine process's HELLO says about this engine (:class:`~.served.ServedEngine`)."""
+        config = self.config
+        return EngineFacts(capacity=config.max_requests, kv_blocks_total=self.kv_blocks_total,
+                           tensor_parallel_size=config.tensor_parallel_size, kv_cache_bytes=self.kv_cache.num_bytes,
+                           max_sequence_length=self.max_sequence_length, block_size=config.block_size_tokens,
+                           prefix_caching=config.enable_prefix_caching)
 
     @classmethod
     def from_model_dir(cls, model_dir: str | Path, config: InferenceConfig | None = None,

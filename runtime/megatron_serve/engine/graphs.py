@@ -16,7 +16,7 @@ from __future__ import annotations
 import bisect
 import logging
 import time
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
@@ -25,8 +25,10 @@ from megatron_kernels.ops import backend_for
 from ..config import InferenceConfig
 from ..model.moe import routing_dtype, stack_routing
 from ..model.attention import AttentionMetadata, ForwardContext
-from ..model.llama import LlamaForCausalLM
 from .step_plan import StepBuffers, StepPlan
+
+if TYPE_CHECKING:  # annotations only: the runner hands graphs the model
+    from ..model.llama import LlamaForCausalLM
 
 logger = logging.getLogger(__name__)
 

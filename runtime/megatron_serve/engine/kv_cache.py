@@ -138,10 +138,6 @@ class KVCachePool:
     def num_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self._storage, self._scales) if t is not None)
 
-    @property
-    def allocated(self) -> bool:
-        return self._storage is not None
-
     def allocate(self) -> None:
         if self._storage is None:
             self._storage = torch.zeros(self.shape, dtype=self.dtype, device=self.device)

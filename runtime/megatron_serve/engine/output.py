@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from ..wire.expert_routing import routing_to_wire
-from ..wire.messages import PromptScores, RoutingRows, StepOutputOut
+from ..wire.messages import PromptScores, RoutingRows, RequestDeltaOut
 from ..wire.request import DynamicInferenceRequest
 
 if TYPE_CHECKING:
@@ -33,11 +33,11 @@ def prompt_scores(request: DynamicInferenceRequest) -> PromptScores | None:
     return scores
 
 
-def step_delta(out: "StepOutput") -> StepOutputOut:
+def step_delta(out: "StepOutput") -> RequestDeltaOut:
     """One request's share of a step as it travels (copies: the engine goes on changing the request)."""
     request = out.request
     tokens = out.new_tokens
-    delta = StepOutputOut(request_id=request.request_id, new_tokens=list(tokens), finished=out.finished)
+    delta = RequestDeltaOut(request_id=request.request_id, new_tokens=list(tokens), finished=out.finished)
     if out.new_log_probs:
         delta.new_log_probs = list(out.new_log_probs)
     if out.new_top_logprobs:
@@ -52,5 +52,5 @@ def step_delta(out: "StepOutput") -> StepOutputOut:
         delta.cached_tokens = request.cached_tokens
         delta.prompt_scores = prompt_scores(request)
     if out.finished:
-        delta.request = request.to_final_dict()
+        delta.request = request.final_record()
     return delta

@@ -4,7 +4,8 @@ Two threads with one job each:
 
 * :class:`~megatron_serve.engine.link.CoordinatorLink` (background thread) owns the DEALER socket
   (HELLO, heartbeats, reconnects; see its module).
-* :class:`EngineProcess` (main thread) is a thin loop over the engine interface: apply incoming
+* :class:`EngineProcess` (main thread) is a thin loop over the engine interface
+  (:class:`~megatron_serve.engine.served.ServedEngine`): apply incoming
   messages at step boundaries, call ``engine.step()`` while RUNNING, report every step's outputs.
   Lifecycle verbs are applied between steps, so PAUSE always takes effect at a step boundary. The
   loop counts its iterations (it never blocks for more than 50 ms while idle) and the heartbeats
@@ -24,8 +25,9 @@ import queue
 import signal
 import socket
 import time
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
+import msgspec
 import zmq
 
 from ..errors import EngineGroupLost, RefitFailed
@@ -33,14 +35,22 @@ from ..wire.lifecycle import ENGINE_DRAINING, STEPS, FleetState, Step, engine_st
 from .link import CoordinatorLink
 from ..heap import freeze_startup_heap
 from .output import step_delta
-from ..wire.messages import Body, Control, EngineStepOut, HelloAck, Refit, Stop, Suspend
+from .served import EngineStepResult, ServedEngine
+from ..wire.messages import Body, Control, EngineStepOut, HelloAck, Refit, RequestDeltaOut, Stop, Suspend
 from ..wire.protocol import HEADER_VERBS, Header, ProtocolError, Role, step_of
-from ..wire.request import DynamicInferenceRequest, FinishReason, RequestStatus
+from ..wire.request import DynamicInferenceRequest, EngineRequest, FinalRecord, FinishReason, RequestStatus
 
 if TYPE_CHECKING:
     from ..weights.sources import WeightSource
 
 logger = logging.getLogger("megatron_serve.engine_process")
+
+class _Named(msgspec.Struct):
+    request_id: str
+
+
+_ENGINE_REQUEST = msgspec.msgpack.Decoder(EngineRequest)
+_REQUEST_ID = msgspec.msgpack.Decoder(_Named)  # what names a request this engine cannot read
 
 DEFAULT_DRAIN_TIMEOUT = 30.0
 _HANDBACK_ACK_WAIT = 5.0
@@ -51,7 +61,7 @@ class EngineProcess:
 
     def __init__(
         self,
-        engine: Any,
+        engine: ServedEngine,
         address: str,
         *,
         token: str | None = None,
@@ -63,24 +73,12 @@ class EngineProcess:
     ) -> None:
         self.engine = engine
         self.drain_timeout = float(drain_timeout)
-        capacity = int(getattr(engine.config, "max_requests", 16) or 16)
-        facts = {"pid": os.getpid(), "host": socket.gethostname(),
-                 "kv_blocks_total": int(getattr(engine, "kv_blocks_total", 0) or 0)}
-        kv_cache = getattr(engine, "kv_cache", None)
-        if kv_cache is not None and isinstance(getattr(kv_cache, "num_bytes", None), int):
-            facts["kv_cache_bytes"] = kv_cache.num_bytes
-        if isinstance(getattr(engine, "max_sequence_length", None), int):
-            facts["max_sequence_length"] = engine.max_sequence_length
-        block_size = getattr(engine.config, "block_size_tokens", None)
-        if isinstance(block_size, int):  # prefix_affinity routing hashes prompts with the engines' block size
-            facts["block_size"] = block_size
-            facts["prefix_caching"] = bool(getattr(engine.config, "enable_prefix_caching", False))
-        facts["tensor_parallel_size"] = int(getattr(engine.config, "tensor_parallel_size", 1) or 1)  # transfer ranks
-        facts.update(info or {})
+        engine_facts = engine.facts()
+        facts = {"pid": os.getpid(), "host": socket.gethostname(), **engine_facts.hello_info(), **(info or {})}
         self.weights_source: str | None = facts.get("model")  # where the served weights came from (REFIT replaces it)
-        facts["epoch"] = int(getattr(engine, "epoch", 0) or 0)
+        facts["epoch"] = engine.epoch
         facts["weights"] = self.weights_source
-        hello = {"role": Role.ENGINE.value, "engine_group": group, "capacity": capacity, "info": facts}
+        hello = {"role": Role.ENGINE.value, "engine_group": group, "capacity": engine_facts.capacity, "info": facts}
         self.link = CoordinatorLink(address, hello, token=token, heartbeat_interval=heartbeat_interval,
                                     coordinator_timeout=coordinator_timeout)
         self.state = FleetState.PAUSED  # until the coordinator says otherwise
@@ -188,17 +186,20 @@ class EngineProcess:
         elif header in HEADER_VERBS:
             self._on_step(header, body)
 
-    def _add(self, data: dict[str, Any]) -> None:
+    def _add(self, data: msgspec.Raw) -> None:
+        """Serve a request handed over in ``ENGINE_SUBMIT``; one this engine cannot read fails at once."""
         try:
-            request = DynamicInferenceRequest.from_dict(data)
-        except (KeyError, ValueError, TypeError) as exc:
+            request = DynamicInferenceRequest.from_engine_request(_ENGINE_REQUEST.decode(data))
+        except (msgspec.ValidationError, msgspec.DecodeError, ValueError) as exc:
             logger.error("unreadable request from the coordinator: %s", exc)
-            request_id = data.get("request_id")
-            if isinstance(request_id, str):
-                failed = dict(data, status=RequestStatus.FAILED.value, finish_reason=FinishReason.ERROR.value,
-                              error=f"engine could not read the request: {exc}")
-                self._send(Header.ENGINE_STEP, {"engine_id": self.engine_id, "outputs": [
-                    {"request_id": request_id, "new_tokens": [], "finished": True, "request": failed}]})
+            try:
+                request_id = _REQUEST_ID.decode(data).request_id
+            except (msgspec.ValidationError, msgspec.DecodeError):
+                return  # nothing names it: the coordinator's stall check ends it
+            failed = FinalRecord(request_id=request_id, status=RequestStatus.FAILED, finish_reason=FinishReason.ERROR,
+                                 error=f"engine could not read the request: {exc}", finish_time=time.time())
+            self._send(Header.ENGINE_STEP, EngineStepOut(engine_id=self.engine_id, outputs=[
+                RequestDeltaOut(request_id=request_id, new_tokens=[], finished=True, request=failed)]))
             return
         self.engine.add_request(request)
 
@@ -216,14 +217,14 @@ class EngineProcess:
             failed = self.engine.take_unfinished_requests()
             for request in failed:
                 request.fail(f"engine step failed: {type(exc).__name__}: {exc}")
-            payload = [{"request_id": r.request_id, "new_tokens": [], "finished": True, "request": r.to_final_dict()}
+            payload = [RequestDeltaOut(request_id=r.request_id, new_tokens=[], finished=True, request=r.final_record())
                        for r in failed]
-            self._send(Header.ENGINE_STEP, {"engine_id": self.engine_id, "outputs": payload})
+            self._send(Header.ENGINE_STEP, EngineStepOut(engine_id=self.engine_id, outputs=payload))
             return
         self.steps += 0 if settle else 1
         self._report(outputs)
 
-    def _report(self, outputs: list[Any]) -> None:
+    def _report(self, outputs: Sequence[EngineStepResult]) -> None:
         """Send one step's outputs to the coordinator: one message, a delta per request."""
         if outputs:
             self._send(Header.ENGINE_STEP, EngineStepOut(engine_id=self.engine_id,
@@ -232,34 +233,28 @@ class EngineProcess:
     def _publish_stats(self, force: bool = False) -> None:
         """Refresh what the next heartbeat reports (at most every 0.2 s: heartbeats go once a second).
 
-        An engine may add routing facts (e.g. the block hashes it caches, for ``prefix_affinity``)
-        through an optional ``routing_stats() -> dict`` method; they reach the routing policy as
-        ``EngineView.stats``. Its optional ``metrics_snapshot() -> dict`` (cumulative counters and
-        histogram buckets, :mod:`megatron_serve.wire.engine_stats`) travels as the heartbeat's ``metrics``.
+        The engine's ``metrics_snapshot()`` (cumulative counters and histogram buckets,
+        :mod:`megatron_serve.wire.engine_stats`; None where it keeps none) travels as the heartbeat's ``metrics``.
         """
         now = time.monotonic()
         if not force and now - self._stats_at < 0.2:
             return
         self._stats_at = now
         e = self.engine
-        stats: dict[str, Any] = {"steps": self.steps, "suspend_level": self.suspend_level,
-                                 "epoch": int(getattr(e, "epoch", 0) or 0)}
-        extra = getattr(e, "routing_stats", None)
-        if callable(extra):
-            stats.update(extra())
-        snapshot = getattr(e, "metrics_snapshot", None)  # optional, like routing_stats
+        stats: dict[str, Any] = {"steps": self.steps, "suspend_level": self.suspend_level, "epoch": e.epoch}
         self.link.stats = {
             "state": ENGINE_DRAINING if self.drain_deadline is not None else self.state.value,
             "running": int(e.num_running), "waiting": int(e.num_waiting),
             "kv_blocks_free": int(e.kv_blocks_free), "kv_blocks_total": int(e.kv_blocks_total),
             # prefix-cache counters: prompt tokens skipped thanks to the cache, tokens run through the model
-            "cached_tokens": int(getattr(e, "cached_tokens", 0) or 0),
-            "computed_tokens": int(getattr(e, "computed_tokens", 0) or 0),
+            "cached_tokens": int(e.cached_tokens),
+            "computed_tokens": int(e.computed_tokens),
             "stats": stats,
             "progress": self.iterations,
         }
-        if callable(snapshot):
-            self.link.stats["metrics"] = snapshot()
+        snapshot = e.metrics_snapshot()
+        if snapshot is not None:
+            self.link.stats["metrics"] = snapshot
 
     # -- lifecycle
 
@@ -272,7 +267,7 @@ class EngineProcess:
         """Release device memory (KV pool; level 2 also weights). Returns bytes released now."""
         if self.suspend_level >= level:
             return 0
-        released = int(self.engine.suspend(level) or 0)
+        released = self.engine.suspend(level)
         self.suspend_level = level
         logger.info("suspended (level %d): released %d bytes of device memory", level, released)
         return released
@@ -337,7 +332,7 @@ class EngineProcess:
     def _note_weights(self) -> None:
         """What the next HELLO says about our weights (a restarted coordinator syncs us by it)."""
         info = self.link.hello["info"]
-        info["epoch"] = int(getattr(self.engine, "epoch", 0) or 0)
+        info["epoch"] = self.engine.epoch
         info["weights"] = self.weights_source
 
     def _refit_action(self, body: Refit) -> dict[str, Any]:
@@ -355,14 +350,12 @@ class EngineProcess:
             from ..weights.sources import RendezvousSource  # noqa: PLC0415 - torch only where an engine lives
 
             source = RendezvousSource(body.rendezvous, body.source)
-        if not callable(getattr(self.engine, "refit", None)):
-            return {"error": "this engine cannot refit its weights"}
         try:
             if phase == "verify":
                 return {"verified_s": round(float(self.engine.verify_refit(source)), 6)}
             timings = self.engine.refit(source, body.epoch)
         except Exception as exc:  # noqa: BLE001 - any failure is reported; the fleet decides
-            epoch = int(getattr(self.engine, "epoch", 0) or 0)
+            epoch = self.engine.epoch
             logger.error("REFIT (%s) from %s failed: %s", phase, body.source, exc)
             self._note_weights()
             facts = exc.facts() if isinstance(exc, RefitFailed) else {"epoch": epoch, "weights_intact": epoch != -1}
@@ -391,7 +384,7 @@ class EngineProcess:
         if not isinstance(source, str) or not isinstance(epoch, int) or isinstance(epoch, bool):
             logger.warning("ignoring a malformed refit instruction in HELLO_ACK: %r", refit)
             return True
-        if source == self.weights_source and epoch == int(getattr(self.engine, "epoch", 0) or 0):
+        if source == self.weights_source and epoch == self.engine.epoch:
             return True
         logger.info("the fleet serves epoch %d from %s: loading it before serving", epoch, source)
         try:
@@ -446,7 +439,7 @@ class EngineProcess:
 
 
 def run_engine_process(
-    make_engine: Callable[[], Any],
+    make_engine: Callable[[], ServedEngine],
     address: str,
     **kwargs: Any,
 ) -> int:

@@ -149,6 +149,9 @@ def create_app(
     (:class:`~megatron_serve.http_options.HTTPOptions`; vLLM's flags of the same names).
     The backend is started by the app (in the background) if it is not started yet, but never
     closed by it: whoever made the backend closes it.
+
+    Long: the routes are closures over one app's state (backend, tokenizer pool, limits, metrics), declared
+    where FastAPI reads their shapes for the OpenAPI document; each route's body is a call into its module.
     """
     if admin_key and admin_key == api_key:
         raise ValueError("the admin key must differ from the API key: the API key must not open the admin API")

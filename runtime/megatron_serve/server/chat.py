@@ -155,7 +155,7 @@ class ChatHandler:
     @staticmethod
     def _choice(index: int, delta: dict[str, Any], logprobs: dict[str, Any] | None = None,
                 finish_reason: str | None = None) -> dict[str, Any]:
-        """A ``ChatChunkChoice`` as plain data (see :mod:`.chunks`)."""
+        """One choice of a ``chat.completion.chunk`` as plain data (see :mod:`.chunks`)."""
         return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
 
     def _content(self, writer: ChunkWriter, index: int, delta: Delta, reader: CallReader | None,
@@ -215,8 +215,8 @@ class ChatHandler:
 
 
 def _delta(events: list[Event]) -> dict[str, Any]:
-    """One chunk's delta (``ChatDelta``'s fields that it sets, plain data) from a call reader's events:
-    its content text and its pieces of calls (``DeltaToolCall``s)."""
+    """One chunk's delta (the fields it sets: role, content, tool_calls; plain data) from a call reader's events:
+    its content text and its pieces of calls (index; id, type and name first; then arguments)."""
     text = "".join(e.text for e in events if isinstance(e, Content))
     calls: list[dict[str, Any]] = []
     for event in events:

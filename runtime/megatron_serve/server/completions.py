@@ -159,8 +159,9 @@ class CompletionHandler:
     def _chunk(self, writer: ChunkWriter, job: EngineJob, text: str, delta: Delta, logprobs: dict[str, Any] | None,
                opening: bool, finish_reason: str | None = None, result: DynamicInferenceRequest | None = None
                ) -> bytes:
-        """A ``CompletionChunk`` of one choice (see :mod:`.chunks`); with ``return_token_ids`` its
-        ``opening`` chunk carries the prompt's ids and every chunk the ids of the tokens it lists."""
+        """One choice of a streamed ``text_completion`` chunk as plain data (see :mod:`.chunks`); with
+        ``return_token_ids`` its ``opening`` chunk carries the prompt's ids and every chunk the ids of the
+        tokens it lists."""
         choice = {"index": job.index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
         if self.req.return_token_ids:
             if opening:

@@ -17,16 +17,19 @@ import logging
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, AsyncIterator, Protocol, runtime_checkable
 
-from ..client.coordinator_client import CoordinatorError, CoordinatorLost
+from ..wire.connection import CoordinatorError, CoordinatorLost
 from ..client.outputs import StreamPartial
+from ..errors import ClientNotStarted
 from ..wire.request import DynamicInferenceRequest, EventType, FinishReason, RequestStatus
 from .errors import APIError, shutting_down
 from .fleet import InferenceBackend
 from .metrics import ServerMetrics
 from .request_log import RequestLog
-from .translate import EngineJob
+
+if TYPE_CHECKING:  # annotations only: the translation of bodies is not this module's to load
+    from .translate import EngineJob
 
 logger = logging.getLogger("megatron_serve.server")
 
@@ -94,7 +97,7 @@ def _submission_error(exc: Exception) -> APIError:
         return APIError(400, str(exc), code="invalid_request")
     if isinstance(exc, CoordinatorLost):
         return APIError(503, f"service unavailable: {exc}", code=exc.code, headers={"Retry-After": "5"})
-    if isinstance(exc, ConnectionError) or (isinstance(exc, RuntimeError) and "not started" in str(exc)):
+    if isinstance(exc, (ConnectionError, ClientNotStarted)):
         return APIError(503, f"service unavailable: {exc}", code="coordinator_unreachable")
     if isinstance(exc, CoordinatorError):
         return APIError(503, f"the coordinator refused the request: {exc}", code=exc.code)

@@ -386,68 +386,6 @@ class ChatCompletionResponse(_Extensions):
     prompt_token_ids: list[int] | None = Field(None, description=_PROMPT_IDS)
 
 
-class DeltaFunctionCall(BaseModel):
-    name: str | None = None
-    arguments: str | None = None
-
-
-class DeltaToolCall(BaseModel):
-    """A piece of tool call ``index``: its first piece carries id, type and name; arguments add up."""
-
-    index: int
-    id: str | None = None
-    type: Literal["function"] | None = None
-    function: DeltaFunctionCall
-
-
-class ChatDelta(BaseModel):
-    """Only the fields a chunk changes: ``{"role": "assistant", "content": ""}`` first, ``{}`` last."""
-
-    role: Literal["assistant"] | None = None
-    content: str | None = None
-    tool_calls: list[DeltaToolCall] | None = None
-
-    @model_serializer(mode="wrap")
-    def _drop_unset(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
-        return {k: v for k, v in handler(self).items() if v is not None}
-
-
-class ChatChunkChoice(_Extensions):
-    index: int
-    delta: ChatDelta
-    logprobs: ChatChoiceLogprobs | None = None
-    finish_reason: FinishReasonName | None = None
-    policy_epochs: list[int] | None = Field(None, description=_POLICY_EPOCHS + " (on the choice's last chunk)")
-    kv_epochs: list[int] | None = Field(None, description=_KV_EPOCHS + " (on the choice's last chunk)")
-    routing_indices: RoutingIndices | None = Field(None, description=_ROUTING + " (on the choice's last chunk)")
-    token_ids: list[int] | None = Field(None, description=_DELTA_IDS)
-
-
-class ChatCompletionChunk(_Extensions):
-    """One server-sent event of a streamed chat completion."""
-
-    id: str
-    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int
-    model: str
-    choices: list[ChatChunkChoice]
-    usage: Usage | None = None
-    system_fingerprint: str | None = None
-    prompt_token_ids: list[int] | None = Field(None, description=_PROMPT_IDS + " (on each choice's first chunk)")
-
-
-class CompletionChunk(BaseModel):
-    """One server-sent event of a streamed completion (same shape as the full response)."""
-
-    id: str
-    object: Literal["text_completion"] = "text_completion"
-    created: int
-    model: str
-    choices: list[CompletionChoice]
-    usage: Usage | None = None
-    system_fingerprint: str | None = None
-
-
 class ModelCard(BaseModel):
     id: str
     object: Literal["model"] = "model"

@@ -11,15 +11,17 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Protocol, Sequence
+from typing import TYPE_CHECKING, Protocol, Sequence
 
 import msgspec
 from fastapi import Request
 
 from ..wire.request import DynamicInferenceRequest
 from .errors import bad_request
-from .translate import EngineJob
 from .vllm_fields import REQUEST_ID
+
+if TYPE_CHECKING:  # annotations only
+    from .translate import EngineJob
 
 logger = logging.getLogger("megatron_serve.requests")
 

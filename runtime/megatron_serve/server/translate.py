@@ -19,7 +19,7 @@ from typing import Any
 from ..generation_config import GenerationDefaults
 from ..limits import RequestLimits
 from ..multimodal import PromptImage
-from ..wire.sampling_params import SamplingParams, StructuredOutputsParams, choice_seed, stop_list
+from ..wire.sampling_params import SamplingParamError, SamplingParams, StructuredOutputsParams, choice_seed, stop_list
 from ..grammar import constraint_bytes, grammar_error
 from ..tokenizer import PromptTooLong
 from .errors import APIError, bad_request
@@ -408,11 +408,9 @@ def sampling_params(req: _SamplingRequest, *, max_tokens: int, logprobs: bool, t
             include_stop_str_in_output=bool(req.include_stop_str_in_output),
             **(extra or {}),
         )
-    except ValueError as exc:  # SamplingParams names its own field; translate the name back
-        message = str(exc)
-        field = message.split(" ", 1)[0]
-        param = _PARAM_NAMES.get(field, field)
-        raise bad_request(message.replace(field, param, 1), param=param) from None
+    except SamplingParamError as exc:  # SamplingParams names its own field; name OpenAI's instead
+        param = _PARAM_NAMES.get(exc.field, exc.field)
+        raise bad_request(exc.naming(param), param=param) from None
 
 
 def make_jobs(prompts: list[Prompt], n: int, params_for: Any) -> list[EngineJob]:

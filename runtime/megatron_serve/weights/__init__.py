@@ -1,9 +1,7 @@
-"""Weights straight from a trainer: :class:`WeightSender` (over a collective) and the refit sources.
+"""Weights straight from a trainer, the engine's side and what both sides share.
 
-See :mod:`.sender` for the trainer's side, :mod:`.sources` for the engine's, :mod:`.manifest` for
-what travels and :mod:`.group` for the process group they share.
+:mod:`.sources` is what an engine loads a refit from, :mod:`.manifest` what travels and :mod:`.group`
+the process group both sides join. The trainer's side, ``WeightSender``, runs in the caller's process
+beside its ``InferenceClient`` (:mod:`megatron_serve.client.weight_sender`; ``megatron_serve.WeightSender``),
+so importing this package (the engine does) never imports the client.
 """
-
-from .sender import DEFAULT_BUCKET_BYTES, WeightSender, WeightTransferError
-
-__all__ = ["DEFAULT_BUCKET_BYTES", "WeightSender", "WeightTransferError"]

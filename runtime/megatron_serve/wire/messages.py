@@ -29,6 +29,7 @@ from typing import Annotated, Any, Union
 import msgspec
 
 from .protocol import Header
+from .request import WireImage
 
 #: The protocol version this code speaks.
 PROTOCOL_VERSION = 4
@@ -86,15 +87,6 @@ class Batch(Body):
 # ----------------------------------------------------------------------------- requests
 
 
-class WireImage(Body):
-    """An image file of a vision-language prompt (see ``multimodal.PromptImage``); ``offset`` and
-    ``length`` say which run of placeholder tokens it fills once placed."""
-
-    data: bytes
-    offset: Annotated[int, msgspec.Meta(ge=0)] | None = None
-    length: Annotated[int, msgspec.Meta(ge=0)] = 0
-
-
 class Submit(Body):
     client_request_id: ClientId
     prompt: str | list[TokenId]
@@ -113,7 +105,7 @@ class Result(Body):
     """
 
     client_request_id: ClientId
-    request: dict[str, Any]
+    request: msgspec.Raw  # ``wire.request.FinalRecord``, decoded by the client (one it cannot read fails alone)
 
 
 class ResultOut(Body):
@@ -287,7 +279,16 @@ class Draining(Body):
 
 
 class EngineSubmit(Body):
-    request: dict[str, Any]
+    """A request for an engine: ``wire.request.EngineRequest``, decoded by the engine on its own (so that one it
+    cannot read fails alone, by its id)."""
+
+    request: msgspec.Raw
+
+
+class EngineSubmitOut(Body):
+    """:class:`EngineSubmit` as the coordinator writes it (a ``wire.request.EngineRequestOut``)."""
+
+    request: Any
 
 
 class RoutingRows(Body):
@@ -329,20 +330,23 @@ class TokenDelta(Body):
     prompt_scores: PromptScores | None = None  # return_prompt_log_probs
 
 
-class StepOutput(TokenDelta, kw_only=True):
-    """One request's share of an engine step; the final one carries the record's remaining fields."""
+class RequestDelta(TokenDelta, kw_only=True):
+    """One request's share of an engine step; the final one carries the record's remaining fields.
+
+    (Not the engine's ``megatron_serve.engine.StepOutput``, the in-process result this is built from.)"""
 
     request_id: str
     finished: bool
     # When finished: the record without what already travelled in deltas (the receivers accumulate them;
-    # see ``DynamicInferenceRequest.to_final_dict``). Maybe nil.
+    # ``wire.request.FinalRecord``). Maybe nil.
     request: msgspec.Raw | msgspec.UnsetType = msgspec.UNSET
 
 
-class StepOutputOut(StepOutput, kw_only=True):
-    """:class:`StepOutput` as an engine writes it (its final record as a map, encoded with the step)."""
+class RequestDeltaOut(RequestDelta, kw_only=True):
+    """:class:`RequestDelta` as an engine writes it (its final record, a ``wire.request.FinalRecord``, encoded
+    with the step; typed ``Any`` here because that module builds on this one)."""
 
-    request: dict[str, Any] | msgspec.UnsetType = msgspec.UNSET
+    request: Any = msgspec.UNSET
 
 
 class EngineStep(Body):
@@ -355,7 +359,7 @@ class EngineStepOut(Body):
     """:class:`EngineStep` as an engine writes it: every request's delta of one step, one message."""
 
     engine_id: str
-    outputs: list[StepOutputOut]
+    outputs: list[RequestDeltaOut]
 
 
 class Tokens(TokenDelta, kw_only=True):

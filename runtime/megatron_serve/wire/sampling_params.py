@@ -27,6 +27,46 @@ MAX_PENALTY = 2.0
 MAX_TOP_N_LOGPROBS = 20
 
 
+class SamplingParamError(ValueError):
+    """A sampling parameter refused. ``field`` names it (this API's name) and the message begins with it, so
+    a front end that speaks other names (OpenAI's ``max_tokens``) rewords it with :meth:`naming` instead of
+    parsing the text."""
+
+    def __init__(self, field: str, reason: str) -> None:
+        super().__init__(f"{field} {reason}")
+        self.field = field
+        self.reason = reason
+
+    def naming(self, name: str) -> str:
+        """The message with ``name`` for the field."""
+        return f"{name} {self.reason}"
+
+
+class UnknownSamplingParams(SamplingParamError):
+    """Names that are no sampling parameter (``names``, sorted)."""
+
+    def __init__(self, names: list[str]) -> None:
+        ValueError.__init__(self, f"unknown sampling parameter(s): {', '.join(names)}")
+        self.field = names[0]
+        self.names = names
+        self.reason = str(self)
+
+    def naming(self, name: str) -> str:
+        return str(self)
+
+
+class MalformedSamplingParams(SamplingParamError):
+    """Sampling parameters of the wrong type or shape, as the decoder words it (its path names the field)."""
+
+    def __init__(self, reason: str) -> None:
+        ValueError.__init__(self, reason)
+        self.field = "sampling_params"
+        self.reason = reason
+
+    def naming(self, name: str) -> str:
+        return self.reason
+
+
 class StructuredOutputsParams(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
     """Constrain a request's output to a language: exactly one of the fields is set.
 
@@ -46,21 +86,22 @@ class StructuredOutputsParams(msgspec.Struct, forbid_unknown_fields=True, omit_d
     def __post_init__(self) -> None:
         given = [name for name in _CONSTRAINT_KINDS if getattr(self, name) not in (None, False)]
         if len(given) != 1:
-            raise ValueError("structured_outputs must set exactly one of json, json_object, regex, choice, grammar"
-                             f" (got {', '.join(given) or 'none'})")
+            raise SamplingParamError("structured_outputs", "must set exactly one of json, json_object, regex, choice, "
+                                     f"grammar (got {', '.join(given) or 'none'})")
         if self.json is not None and not isinstance(self.json, (dict, str)):
-            raise ValueError(f"structured_outputs.json must be a JSON schema (object or string), got {self.json!r}")
+            raise SamplingParamError("structured_outputs.json",
+                                     f"must be a JSON schema (object or string), got {self.json!r}")
         if self.json_object is not True and self.json_object is not False:
-            raise ValueError(f"structured_outputs.json_object must be a bool, got {self.json_object!r}")
+            raise SamplingParamError("structured_outputs.json_object", f"must be a bool, got {self.json_object!r}")
         for name in ("regex", "grammar"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value):
-                raise ValueError(f"structured_outputs.{name} must be a non-empty string, got {value!r}")
+                raise SamplingParamError(f"structured_outputs.{name}", f"must be a non-empty string, got {value!r}")
         if self.choice is not None:
             if (not isinstance(self.choice, (list, tuple)) or not self.choice
                     or not all(isinstance(c, str) and c for c in self.choice)):
-                raise ValueError(f"structured_outputs.choice must be a non-empty list of non-empty strings, "
-                                 f"got {self.choice!r}")
+                raise SamplingParamError("structured_outputs.choice",
+                                         f"must be a non-empty list of non-empty strings, got {self.choice!r}")
             self.choice = list(self.choice)
 
     @property
@@ -100,8 +141,8 @@ def choice_seed(seed: int | None, choice: int) -> int | None:
 def _merge(ours: dict[str, Any], name: str, value: Any, vllm_name: str) -> None:
     """Set ``ours[name] = value`` from vLLM's ``vllm_name``, unless ``name`` was also given with another value."""
     if name in ours and ours[name] != value:
-        raise ValueError(f"{vllm_name} (vLLM's name) and {name} are the same setting and differ ({value!r} vs "
-                         f"{ours[name]!r}): give one")
+        raise SamplingParamError(vllm_name, f"(vLLM's name) and {name} are the same setting and differ ({value!r} "
+                                 f"vs {ours[name]!r}): give one")
     ours[name] = value
 
 
@@ -110,7 +151,7 @@ def _ours(kwargs: dict[str, Any], fields: set[str]) -> dict[str, Any]:
     ours = {k: v for k, v in kwargs.items() if k in fields}
     unknown = sorted(set(kwargs) - fields - set(VLLM_NAMES))
     if unknown:
-        raise ValueError(f"unknown sampling parameter(s): {', '.join(unknown)}")
+        raise UnknownSamplingParams(unknown)
     if "max_tokens" in kwargs:
         _merge(ours, "num_tokens_to_generate", kwargs["max_tokens"], "max_tokens")
     if "stop" in kwargs:
@@ -187,18 +228,18 @@ class SamplingParams(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=T
         self.validate()
 
     def validate(self) -> None:
-        """Raise ``ValueError`` naming the first field whose value is unusable."""
+        """Raise :class:`SamplingParamError` (a ``ValueError``) naming the first field whose value is unusable."""
         _check_number("temperature", self.temperature, minimum=0.0)
         _check_int("top_k", self.top_k, minimum=0)
         _check_number("top_p", self.top_p, minimum=0.0, maximum=1.0)
         if self.top_p == 0.0:
-            raise ValueError("top_p must be in (0, 1], got 0")
+            raise SamplingParamError("top_p", "must be in (0, 1], got 0")
         _check_int("num_tokens_to_generate", self.num_tokens_to_generate, minimum=1)
         if isinstance(self.stop_words, str) or not isinstance(self.stop_words, (list, tuple)):
-            raise ValueError(f"stop_words must be a list of strings, got {self.stop_words!r}")
+            raise SamplingParamError("stop_words", f"must be a list of strings, got {self.stop_words!r}")
         for word in self.stop_words:
             if not isinstance(word, str) or not word:
-                raise ValueError(f"stop_words must hold non-empty strings, got {word!r}")
+                raise SamplingParamError("stop_words", f"must hold non-empty strings, got {word!r}")
         if isinstance(self.stop_words, tuple):
             self.stop_words = list(self.stop_words)
         if self.termination_id is not None:
@@ -208,16 +249,16 @@ class SamplingParams(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=T
             if isinstance(self.termination_id, tuple):
                 self.termination_id = list(self.termination_id)
         if self.ignore_eos is not True and self.ignore_eos is not False:
-            raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
+            raise SamplingParamError("ignore_eos", f"must be a bool, got {self.ignore_eos!r}")
         if self.return_log_probs is not True and self.return_log_probs is not False:
-            raise ValueError(f"return_log_probs must be a bool, got {self.return_log_probs!r}")
+            raise SamplingParamError("return_log_probs", f"must be a bool, got {self.return_log_probs!r}")
         _check_int("top_n_logprobs", self.top_n_logprobs, minimum=0, maximum=MAX_TOP_N_LOGPROBS)
         if self.return_routing_indices is not True and self.return_routing_indices is not False:
-            raise ValueError(f"return_routing_indices must be a bool, got {self.return_routing_indices!r}")
+            raise SamplingParamError("return_routing_indices", f"must be a bool, got {self.return_routing_indices!r}")
         if self.seed is not None:
             _check_int("seed", self.seed, minimum=0)
         if self.ignore_eos and self.termination_id is not None:
-            raise ValueError("termination_id contradicts ignore_eos=True: give one or the other")
+            raise SamplingParamError("termination_id", "contradicts ignore_eos=True: give one or the other")
         self._validate_extensions()
 
     def _validate_extensions(self) -> None:
@@ -225,26 +266,26 @@ class SamplingParams(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=T
         _check_number("frequency_penalty", self.frequency_penalty, minimum=-MAX_PENALTY, maximum=MAX_PENALTY)
         _check_number("repetition_penalty", self.repetition_penalty)
         if not 0 < self.repetition_penalty <= 100:
-            raise ValueError(f"repetition_penalty must be in (0, 100], got {self.repetition_penalty}")
+            raise SamplingParamError("repetition_penalty", f"must be in (0, 100], got {self.repetition_penalty}")
         if self.logit_bias is not None:
             bias = self.logit_bias
             if isinstance(bias, (list, tuple)):
                 if not all(isinstance(pair, (list, tuple)) and len(pair) == 2 for pair in bias):
-                    raise ValueError(f"logit_bias must be [token id, bias] pairs, got {bias!r}")
+                    raise SamplingParamError("logit_bias", f"must be [token id, bias] pairs, got {bias!r}")
                 bias = dict(bias)
             if not isinstance(bias, dict):
-                raise ValueError(f"logit_bias must map token ids to numbers, got {bias!r}")
+                raise SamplingParamError("logit_bias", f"must map token ids to numbers, got {bias!r}")
             for token_id, value in bias.items():
-                _check_int("logit_bias token id", token_id, minimum=0)
-                _check_number("logit_bias value", value, minimum=-MAX_LOGIT_BIAS, maximum=MAX_LOGIT_BIAS)
+                _check_int("logit_bias", token_id, minimum=0, what="token id")
+                _check_number("logit_bias", value, minimum=-MAX_LOGIT_BIAS, maximum=MAX_LOGIT_BIAS, what="value")
             self.logit_bias = {int(t): float(b) for t, b in bias.items()} or None
         _check_number("min_p", self.min_p, minimum=0.0, maximum=1.0)
         _check_int("min_tokens", self.min_tokens, minimum=0)
         if self.min_tokens > self.num_tokens_to_generate:
-            raise ValueError(f"min_tokens ({self.min_tokens}) exceeds num_tokens_to_generate "
-                             f"({self.num_tokens_to_generate})")
+            raise SamplingParamError("min_tokens", f"({self.min_tokens}) exceeds num_tokens_to_generate "
+                                                   f"({self.num_tokens_to_generate})")
         if isinstance(self.stop_token_ids, (str, bytes)) or not isinstance(self.stop_token_ids, (list, tuple)):
-            raise ValueError(f"stop_token_ids must be a list of token ids, got {self.stop_token_ids!r}")
+            raise SamplingParamError("stop_token_ids", f"must be a list of token ids, got {self.stop_token_ids!r}")
         for token_id in self.stop_token_ids:
             _check_int("stop_token_ids", token_id, minimum=0)
         if isinstance(self.stop_token_ids, tuple):
@@ -252,17 +293,17 @@ class SamplingParams(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=T
         for name in ("return_prompt_log_probs", "skip_special_tokens", "include_stop_str_in_output"):
             value = getattr(self, name)
             if value is not True and value is not False:
-                raise ValueError(f"{name} must be a bool, got {value!r}")
+                raise SamplingParamError(name, f"must be a bool, got {value!r}")
         if isinstance(self.structured_outputs, dict):
             self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
-            raise ValueError(f"structured_outputs must be StructuredOutputsParams, got {self.structured_outputs!r}")
+            raise SamplingParamError("structured_outputs", f"must be StructuredOutputsParams, got {self.structured_outputs!r}")
         _check_int("n", self.n, minimum=1)
         if self.truncate_prompt_tokens is not None:
             _check_int("truncate_prompt_tokens", self.truncate_prompt_tokens, minimum=1)
         _check_int("priority", self.priority, minimum=PRIORITY_MIN, maximum=PRIORITY_MAX)
         if self.cache_salt is not None and (not isinstance(self.cache_salt, str) or not self.cache_salt):
-            raise ValueError(f"cache_salt must be a non-empty string, got {self.cache_salt!r}")
+            raise SamplingParamError("cache_salt", f"must be a non-empty string, got {self.cache_salt!r}")
 
     def choices(self) -> list["SamplingParams"]:
         """The parameters of the ``n`` requests these stand for: ``n`` 1, no truncation left to apply, and
@@ -314,7 +355,7 @@ class SamplingParams(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=T
         try:
             return msgspec.convert(data or {}, cls)
         except msgspec.ValidationError as exc:
-            raise ValueError(_field_error(exc)) from None
+            raise _typed_error(exc, data) from None
 
     @property
     def is_greedy(self) -> bool:
@@ -339,13 +380,14 @@ def params_from_wire(data: bytes) -> tuple[SamplingParams, bytes]:
     try:
         params = _WIRE.decode(data)
     except msgspec.ValidationError as exc:
-        raise ValueError(_field_error(exc)) from None
+        raise _typed_error(exc, data) from None
     except msgspec.DecodeError as exc:
-        raise ValueError(f"sampling_params: {exc}") from None
+        raise MalformedSamplingParams(f"sampling_params: {exc}") from None
     if params.n != 1 or params.truncate_prompt_tokens is not None:
         field = "n" if params.n != 1 else "truncate_prompt_tokens"
-        raise ValueError(f"sampling_params.{field}: one request runs one sequence of its whole prompt; "
-                         "MegatronLLM.generate and the HTTP server apply n and truncate_prompt_tokens")
+        raise SamplingParamError(field, "is not for one request's sampling_params: one request runs one sequence of "
+                                        "its whole prompt; MegatronLLM.generate and the HTTP server apply n and "
+                                        "truncate_prompt_tokens")
     return params, data
 
 
@@ -369,27 +411,40 @@ class SharedParams:
         return known
 
 
-def _field_error(exc: msgspec.ValidationError) -> str:
-    """msgspec's reason, worded like ours (``unknown sampling parameter(s): x``, ``... - at `$.top_k```)."""
-    text = str(exc)
-    if text.startswith("Object contains unknown field"):
-        name = text.split("`")[1]
-        return f"unknown sampling parameter(s): {name}"
-    return text
+def _typed_error(exc: msgspec.ValidationError, data: dict[str, Any] | bytes | None) -> SamplingParamError:
+    """The typed error behind a decoder's refusal: a check's own (its cause), unknown names (found by comparing
+    the keys with the fields, never by reading the decoder's words), or the decoder's type error."""
+    if isinstance(exc.__cause__, SamplingParamError):
+        return exc.__cause__
+    if isinstance(data, bytes):
+        try:
+            data = msgspec.msgpack.decode(data)
+        except msgspec.DecodeError:
+            data = None
+    if isinstance(data, dict):
+        unknown = sorted(str(key) for key in data if key not in SamplingParams.__struct_fields__)
+        if unknown:
+            return UnknownSamplingParams(unknown)
+    return MalformedSamplingParams(str(exc))
 
 
-def _check_number(name: str, value: Any, minimum: float | None = None, maximum: float | None = None) -> None:
+def _check_number(name: str, value: Any, minimum: float | None = None, maximum: float | None = None,
+                  what: str = "") -> None:
+    """Refuse ``value`` for field ``name`` unless a number in range (``what``: which part of the field)."""
+    lead = f"{what} " if what else ""
     if value is True or value is False or not isinstance(value, (int, float)):
-        raise ValueError(f"{name} must be a number, got {value!r}")
+        raise SamplingParamError(name, f"{lead}must be a number, got {value!r}")
     if value != value:  # NaN
-        raise ValueError(f"{name} must be a number, got NaN")
+        raise SamplingParamError(name, f"{lead}must be a number, got NaN")
     if minimum is not None and value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+        raise SamplingParamError(name, f"{lead}must be >= {minimum}, got {value}")
     if maximum is not None and value > maximum:
-        raise ValueError(f"{name} must be <= {maximum}, got {value}")
+        raise SamplingParamError(name, f"{lead}must be <= {maximum}, got {value}")
 
 
-def _check_int(name: str, value: Any, minimum: int | None = None, maximum: int | None = None) -> None:
+def _check_int(name: str, value: Any, minimum: int | None = None, maximum: int | None = None,
+               what: str = "") -> None:
     if value is True or value is False or not isinstance(value, int):
-        raise ValueError(f"{name} must be an integer, got {value!r}")
-    _check_number(name, value, minimum, maximum)
+        raise SamplingParamError(name, f"{what} must be an integer, got {value!r}" if what
+                                 else f"must be an integer, got {value!r}")
+    _check_number(name, value, minimum, maximum, what)

@@ -1,0 +1,101 @@
+"""What the engine process needs of an engine: :class:`ServedEngine`, one typed interface.
+
+``EngineProcess`` drives ``DynamicInferenceEngine`` in production and deterministic fakes in the fleet
+tests. Both implement this protocol, so the process reads each fact directly: it used to probe the engine
+with 18 ``getattr(engine, name, default)`` calls, which turned a misspelt or missing member into a
+silently wrong HELLO (a fleet without a block size routes without prefix affinity) instead of an error.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol, Sequence
+
+if TYPE_CHECKING:
+    import numpy as np
+
+    from ..weights.sources import WeightSource
+    from ..wire.request import DynamicInferenceRequest
+
+
+@dataclass(frozen=True)
+class EngineFacts:
+    """What an engine tells the coordinator once, in its HELLO (``info``), besides the process's own facts."""
+
+    capacity: int  # requests it runs at once (``max_requests``)
+    kv_blocks_total: int
+    tensor_parallel_size: int = 1  # ranks that join a weight transfer
+    kv_cache_bytes: int | None = None
+    max_sequence_length: int | None = None
+    block_size: int | None = None  # prefix_affinity routing hashes prompts with the engines' block size
+    prefix_caching: bool = False
+
+    def hello_info(self) -> dict[str, Any]:
+        """The facts as HELLO's ``info`` carries them (absent ones left out, ``capacity`` travels beside)."""
+        info: dict[str, Any] = {"kv_blocks_total": self.kv_blocks_total,
+                                "tensor_parallel_size": self.tensor_parallel_size}
+        if self.kv_cache_bytes is not None:
+            info["kv_cache_bytes"] = self.kv_cache_bytes
+        if self.max_sequence_length is not None:
+            info["max_sequence_length"] = self.max_sequence_length
+        if self.block_size is not None:
+            info["block_size"] = self.block_size
+            info["prefix_caching"] = self.prefix_caching
+        return info
+
+
+class EngineStepResult(Protocol):
+    """What one step did for one request (the engine's ``StepOutput``), as the process reports it."""
+
+    request: DynamicInferenceRequest
+    new_tokens: list[int]
+    new_log_probs: list[float]
+    finished: bool
+    new_top_logprobs: list[dict[int, float]]
+    new_routing: tuple[int, np.ndarray] | None
+
+
+class ServedEngine(Protocol):
+    """The engine as :class:`~megatron_serve.engine.process.EngineProcess` serves it."""
+
+    epoch: int  # generation of the weights being served (-1: a mix after a failed load)
+    computed_tokens: int  # tokens run through the model, for counters
+
+    @property
+    def num_running(self) -> int: ...
+
+    @property
+    def num_waiting(self) -> int: ...
+
+    @property
+    def kv_blocks_total(self) -> int: ...
+
+    @property
+    def kv_blocks_free(self) -> int: ...
+
+    @property
+    def cached_tokens(self) -> int: ...  # prompt tokens skipped thanks to the prefix cache
+
+    def facts(self) -> EngineFacts: ...
+
+    def metrics_snapshot(self) -> dict[str, Any] | None: ...  # the heartbeat's ``metrics``, when it keeps them
+
+    def has_unfinished_requests(self) -> bool: ...
+
+    def add_request(self, request: DynamicInferenceRequest) -> None: ...
+
+    def step(self) -> Sequence[EngineStepResult]: ...
+
+    def sync(self) -> Sequence[EngineStepResult]: ...
+
+    def abort_request(self, request_id: str) -> DynamicInferenceRequest | None: ...
+
+    def take_unfinished_requests(self) -> list[DynamicInferenceRequest]: ...
+
+    def suspend(self, level: int = 1) -> int: ...
+
+    def resume(self) -> None: ...
+
+    def verify_refit(self, source: str | WeightSource) -> float: ...
+
+    def refit(self, source: str | WeightSource, epoch: int | None = None) -> dict[str, float]: ...

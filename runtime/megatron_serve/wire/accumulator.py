@@ -1,0 +1,73 @@
+"""What a request's token deltas carried so far: the one accumulation of the output path.
+
+Engines send ids and what was asked to go with them, step by step (``messages.RequestDelta``), and leave
+those fields out of the final record (``request.FinalRecord``). Two places keep them, with this one code:
+the coordinator's mirror of each request (a request that moves continues from it; a client that
+reconnects gets what it missed from it; ``coordinator.requests.RequestRecord``) and the client's
+collector, which completes the result from it (``client.output_processor.OutputCollector``). They used
+to do the same job in two codes, with two spellings of the rule for unreported epochs.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import msgspec
+
+from .expert_routing import RoutingRecord, mirror_rows
+from .messages import PromptScores, TokenDelta
+
+logger = logging.getLogger(__name__)
+
+
+class DeltaAccumulator:
+    """One request's ids and, per id, its log prob, top-n, epochs and expert rows; and its prompt facts.
+
+    ``tokens`` may begin with ids that came without the rest (a client's resubmission carries its
+    tokens only): :attr:`resumed` counts them, and the per-token lists cover the ids after them.
+    """
+
+    __slots__ = ("tokens", "resumed", "log_probs", "top_ids", "top_log_probs", "policy_epochs", "kv_epochs",
+                 "cached_tokens", "prompt_scores", "routing")
+
+    def __init__(self, tokens: list[int] | None = None) -> None:
+        self.tokens: list[int] = list(tokens or ())
+        self.resumed = len(self.tokens)
+        self.log_probs: list[float] = []
+        self.top_ids: list[list[int]] = []
+        self.top_log_probs: list[list[float]] = []
+        self.policy_epochs: list[int] = []  # -1 where an engine did not report one
+        self.kv_epochs: list[int] = []
+        self.cached_tokens: int | None = None  # prompt tokens found in the prefix cache, once reported
+        self.prompt_scores: PromptScores | None = None  # the first engine's (a next one scores them again)
+        self.routing: RoutingRecord | None = None
+
+    def add(self, delta: TokenDelta, request_id: str) -> None:
+        """Keep all of ``delta``."""
+        self.tokens.extend(delta.new_tokens)
+        self.add_rest(delta, len(delta.new_tokens), request_id)
+
+    def add_rest(self, delta: TokenDelta, kept: int, request_id: str) -> None:
+        """Keep what goes with ``delta``'s first ``kept`` ids, which the caller appended to :attr:`tokens`
+        itself (the client stops at a stop string, token by token)."""
+        if delta.cached_tokens is not None:
+            self.cached_tokens = delta.cached_tokens
+        if delta.prompt_scores is not None and self.prompt_scores is None:
+            self.prompt_scores = delta.prompt_scores
+        if delta.new_log_probs:
+            self.log_probs.extend(delta.new_log_probs[:kept])
+        if delta.top_ids is not None and delta.top_log_probs is not None:
+            self.top_ids.extend(delta.top_ids[:kept])
+            self.top_log_probs.extend(delta.top_log_probs[:kept])
+        epochs, n = delta.epochs, len(delta.new_tokens)
+        if epochs is not None and len(epochs) == 2 and len(epochs[0]) == n and len(epochs[1]) == n:
+            self.policy_epochs.extend(epochs[0][:kept])
+            self.kv_epochs.extend(epochs[1][:kept])
+        else:
+            self.policy_epochs.extend([-1] * kept)
+            self.kv_epochs.extend([-1] * kept)
+        if delta.routing is not None:
+            try:
+                self.routing = mirror_rows(self.routing, msgspec.structs.asdict(delta.routing))
+            except ValueError as exc:  # kept out, never fatal: a next engine recomputes those rows
+                logger.warning("request %s: expert rows not kept: %s", request_id, exc)

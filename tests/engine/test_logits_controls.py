@@ -1,0 +1,130 @@
+"""Penalties, logit bias, min_tokens, stop_token_ids and min_p: batched in the engine, neutral when unused."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron_serve import InferenceConfig, MegatronLLM, SamplingParams
+from megatron_serve.engine.sampler import _filtered_probs
+from megatron_serve.engine.logits_processors import RowContext, apply_controls, apply_token_bitmask, unpack_bitmask
+
+from ..prompts import PROMPTS, run_requests
+
+GREEDY = dict(temperature=0.0, num_tokens_to_generate=24, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_llama):
+    return MegatronLLM(tiny_llama, InferenceConfig(block_size_tokens=16))
+
+
+def test_neutral_controls_leave_greedy_output_unchanged(llm):
+    plain = llm.generate(PROMPTS, SamplingParams(**GREEDY, return_log_probs=True))
+    neutral = llm.generate(PROMPTS, SamplingParams(**GREEDY, return_log_probs=True, presence_penalty=0.0,
+                                                   frequency_penalty=0.0, repetition_penalty=1.0, logit_bias={},
+                                                   min_p=0.0, min_tokens=0, stop_token_ids=[]))
+    assert [o.generated_tokens for o in neutral] == [o.generated_tokens for o in plain]
+    assert [o.generated_log_probs for o in neutral] == [o.generated_log_probs for o in plain]
+
+
+def test_logit_bias_makes_every_token_the_biased_one_in_a_mixed_batch(llm):
+    target = llm.engine.tokenizer.encode(" fox", add_special_tokens=False)[0]
+    biased = SamplingParams(**GREEDY, logit_bias={target: 100.0})
+    free = SamplingParams(**GREEDY)
+    plain = llm.generate(PROMPTS[:4], free)
+    results = run_requests(llm.engine, list(zip(PROMPTS[:4], [biased, free, biased, free])))
+    assert all(t == target for r in results[0::2] for t in r.generated_tokens)
+    assert [r.generated_tokens for r in results[1::2]] == [o.generated_tokens for o in plain[1::2]]
+
+
+def test_large_presence_penalty_never_repeats_a_token(llm):
+    outs = llm.generate(PROMPTS, SamplingParams(**{**GREEDY, "num_tokens_to_generate": 40}, presence_penalty=2.0,
+                                                logit_bias=None))
+    plain = llm.generate(PROMPTS, SamplingParams(**{**GREEDY, "num_tokens_to_generate": 40}))
+    # greedy on a random model repeats itself; a +2 logit gap is enough to forbid it on this model's logit scale
+    assert any(len(set(o.generated_tokens)) < len(o.generated_tokens) for o in plain)
+    for out in outs:
+        assert len(set(out.generated_tokens)) == len(out.generated_tokens), out.generated_tokens
+
+
+def test_min_tokens_holds_off_the_stop_token_and_stop_token_ids_end_generation(llm):
+    first = llm.generate(PROMPTS[0], SamplingParams(**GREEDY))[0].generated_tokens
+    stop_on = first[3]
+    stopped = llm.generate(PROMPTS[0], SamplingParams(**GREEDY, stop_token_ids=[stop_on]))[0]
+    assert stopped.generated_tokens == first[: first.index(stop_on)]
+    assert stopped.finish_reason.value == "stop"
+    held = llm.generate(PROMPTS[0], SamplingParams(**GREEDY, stop_token_ids=[stop_on], min_tokens=10))[0]
+    assert stop_on not in held.generated_tokens[:10]
+    assert len(held.generated_tokens) >= 10
+
+
+def test_controls_match_a_row_by_row_reference():
+    torch.manual_seed(0)
+    logits = torch.randn(3, 50)
+    rows = [RowContext(SamplingParams(presence_penalty=0.5, frequency_penalty=0.25), [1, 2], [3, 3, 4], frozenset(), 3),
+            RowContext(SamplingParams(), [1], [5], frozenset({7}), 1),
+            RowContext(SamplingParams(repetition_penalty=1.5, logit_bias={9: -3.0}, min_tokens=2), [2, 8], [6],
+                       frozenset({0, 7}), 1)]
+    out = apply_controls(logits, rows)
+    expected = logits.clone()
+    expected[0, 3] -= 0.5 + 2 * 0.25
+    expected[0, 4] -= 0.5 + 0.25
+    expected[2, 9] -= 3.0
+    expected[2, [0, 7]] = float("-inf")
+    for token in (2, 8, 6):
+        value = expected[2, token]
+        expected[2, token] = value / 1.5 if value > 0 else value * 1.5
+    torch.testing.assert_close(out, expected)
+    assert apply_controls(logits, [RowContext(SamplingParams(), [], [], frozenset(), 0)] * 3) is logits
+
+
+def test_bitmask_unpacks_every_bit_including_the_sign_bit():
+    vocab = 70
+    allowed = {0, 5, 31, 32, 63, 69}
+    words = torch.zeros((1, 3), dtype=torch.int64)
+    for token in allowed:
+        words[0, token // 32] |= 1 << (token % 32)
+    bitmask = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+    assert set(unpack_bitmask(bitmask, vocab)[0].nonzero().flatten().tolist()) == allowed
+    logits = torch.zeros(2, vocab)
+    apply_token_bitmask(logits, [1], bitmask)
+    assert torch.isfinite(logits[0]).all()
+    assert set(torch.isfinite(logits[1]).nonzero().flatten().tolist()) == allowed
+
+
+def test_min_p_keeps_only_tokens_near_the_most_likely():
+    logits = torch.tensor([[0.5, 0.3, 0.2, 0.0], [0.5, 0.3, 0.2, 0.0]]).log()
+    probs = _filtered_probs(logits, [SamplingParams(min_p=0.5), SamplingParams()])
+    torch.testing.assert_close(probs[0], torch.tensor([0.625, 0.375, 0.0, 0.0]))
+    torch.testing.assert_close(probs[1], torch.tensor([0.5, 0.3, 0.2, 0.0]))
+
+
+@pytest.mark.parametrize(("kwargs", "field"), [
+    ({"presence_penalty": 3.0}, "presence_penalty"),
+    ({"frequency_penalty": -2.5}, "frequency_penalty"),
+    ({"repetition_penalty": 0.0}, "repetition_penalty"),
+    ({"logit_bias": {5: 101}}, "logit_bias"),
+    ({"logit_bias": {-1: 1}}, "logit_bias"),
+    ({"logit_bias": [1, 2]}, "logit_bias"),
+    ({"min_p": 1.5}, "min_p"),
+    ({"min_tokens": -1}, "min_tokens"),
+    ({"min_tokens": 20, "num_tokens_to_generate": 10}, "min_tokens"),
+    ({"stop_token_ids": [-3]}, "stop_token_ids"),
+    ({"stop_token_ids": 3}, "stop_token_ids"),
+    ({"return_prompt_log_probs": 1}, "return_prompt_log_probs"),
+    ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs"),
+    ({"structured_outputs": {"choice": []}}, "structured_outputs.choice"),
+])
+def test_bad_extension_values_name_the_field(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**kwargs)
+
+
+def test_extensions_round_trip_the_wire_and_neutral_ones_stay_off_it():
+    params = SamplingParams(logit_bias={7: -2.5}, stop_token_ids=[3], min_tokens=2, return_prompt_log_probs=True,
+                            structured_outputs={"json": {"type": "object"}})
+    assert SamplingParams.from_dict(params.to_dict()) == params
+    assert set(SamplingParams().to_dict()) == {"temperature", "top_k", "top_p", "num_tokens_to_generate", "stop_words",
+                                               "termination_id", "ignore_eos", "return_log_probs", "top_n_logprobs",
+                                               "seed"}

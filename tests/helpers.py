@@ -1,0 +1,146 @@
+"""Process and polling helpers of the fleet, client and coordinator tests: free ports, children that die, deadlines."""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import zmq
+
+from megatron_serve.fleet.argv import TOKEN_ENV
+from megatron_serve.wire.messages import FROM_COORDINATOR, PROTOCOL_VERSION
+from megatron_serve.wire.protocol import Header, Message, decode, encode
+from megatron_serve.wire.security import FleetSecret, PeerKeys, make_secret
+
+PY = sys.executable
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+async def until(predicate: Callable[[], Any], timeout: float, what: str, interval: float = 0.02) -> Any:
+    """Poll ``predicate`` (plain or async) until it returns something truthy, and return that."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if inspect.isawaitable(value):
+            value = await value
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out after {timeout:.0f}s waiting for {what}")
+        await asyncio.sleep(interval)
+
+
+def wait_until(predicate: Callable[[], bool], timeout: float, what: str, interval: float = 0.05) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out after {timeout:.0f}s waiting for {what}")
+        time.sleep(interval)
+
+
+class Children:
+    """Every process a test starts; ``kill_all()`` in teardown, whatever happened.
+
+    They share one fleet secret (``secret``, in their ``$MEGATRON_SERVE_TOKEN``), as a deployment's
+    processes do; ``env`` given to a spawn wins.
+    """
+
+    def __init__(self, log_dir: Path) -> None:
+        self.log_dir = Path(log_dir)
+        self.procs: list[tuple[subprocess.Popen, Path]] = []
+        self.secret = make_secret()
+
+    def spawn(self, args: list[str], name: str, env: dict[str, str] | None = None) -> subprocess.Popen:
+        log = self.log_dir / f"{name}-{len(self.procs)}.log"
+        with open(log, "wb") as fh:
+            proc = subprocess.Popen([PY, "-m", "megatron_serve.cli", *args], stdout=fh, stderr=subprocess.STDOUT,
+                                    stdin=subprocess.DEVNULL,
+                                    env={**os.environ, TOKEN_ENV: self.secret, **(env or {})})
+        self.procs.append((proc, log))
+        return proc
+
+    def log_of(self, proc: subprocess.Popen) -> str:
+        for p, log in self.procs:
+            if p is proc:
+                return log.read_text(errors="replace")
+        return ""
+
+    def coordinator(self, model: str, port: int, *extra: str, env: dict[str, str] | None = None) -> subprocess.Popen:
+        return self.spawn(["coordinator", "--model", model, "--host", "127.0.0.1", "--port", str(port), *extra],
+                          "coordinator", env)
+
+    def engine(self, model: str, port: int, *extra: str, env: dict[str, str] | None = None) -> subprocess.Popen:
+        return self.spawn(["engine", "--model", model, "--coordinator", f"tcp://127.0.0.1:{port}",
+                           "--num-kv-blocks", "64", *extra], "engine", env)
+
+    def kill_all(self) -> None:
+        for proc, _ in self.procs:
+            if proc.poll() is None:
+                try:
+                    proc.send_signal(signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+        for proc, _ in self.procs:
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                pass
+
+
+class RawPeer:
+    """A bare DEALER talking to a coordinator frame by frame, as any program could.
+
+    ``secret``: the fleet secret (a CURVE client whose HELLOs carry the proof for its key), or
+    ``None`` (plain TCP, no proof). ``server_key``: the coordinator key to expect instead of the
+    secret's (an attacker who learned it without the secret). ``keys``: its CURVE key pair (default:
+    a fresh one); ``routing_id``: the routing id it chooses (default: the coordinator assigns one).
+    """
+
+    def __init__(self, address: str, secret: str | None, *, server_key: bytes | None = None,
+                 keys: PeerKeys | None = None, routing_id: bytes | None = None) -> None:
+        self.secret = FleetSecret(secret) if secret is not None else None
+        self.keys = keys or PeerKeys()
+        self.sock = zmq.Context.instance().socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        if routing_id is not None:
+            self.sock.setsockopt(zmq.ROUTING_ID, routing_id)
+        if self.secret is not None or server_key is not None:
+            self.sock.curve_serverkey = server_key or self.secret.server_public
+            self.sock.curve_publickey, self.sock.curve_secretkey = self.keys.public, self.keys.secret
+        self.sock.connect(address)
+
+    def send(self, header: Header, body: dict[str, Any]) -> None:
+        """Send one message; a HELLO speaks this code's protocol and carries the secret's proof unless it
+        says otherwise."""
+        if header is Header.HELLO:
+            body = {"protocol": PROTOCOL_VERSION, **body}
+            if self.secret is not None and "proof" not in body:
+                body["proof"] = self.secret.proof(self.keys.public)
+        self.sock.send(encode(header, body))
+
+    def recv(self, timeout_ms: int = 5000) -> Message:
+        assert self.sock.poll(timeout_ms), "no answer"
+        return decode(self.sock.recv(), FROM_COORDINATOR)
+
+    def received(self) -> list[Message]:
+        """Every message waiting now (without waiting for more)."""
+        out = []
+        while self.sock.poll(0):
+            out.append(decode(self.sock.recv(), FROM_COORDINATOR))
+        return out
+
+    def close(self) -> None:
+        self.sock.close(linger=0)
