@@ -183,27 +183,21 @@ def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, sequenc
 
 def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor) -> torch.Tensor:
-    """The reference ``fused_moe`` with invariant GEMMs: each expert's rows go through :func:`linear` (its
-    row tiles padded with zero rows that no token reads), then the ``k`` weighted outputs of a token
-    are summed in float32 in its router's order (most probable expert first)."""
-    num_tokens, top_k = topk_ids.shape
-    flat = topk_ids.reshape(-1)
-    order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=w13.shape[0]).tolist()
-    rows = hidden[order // top_k]
-    out = hidden.new_empty((num_tokens * top_k, hidden.shape[1]))
-    start = 0
-    for expert, count in enumerate(counts):
-        if count:
-            end = start + count
-            gate_up = linear(rows[start:end], w13[expert])
-            out[order[start:end]] = linear(silu_and_mul(gate_up), w2[expert])
-            start = end
-    weighted = out.float().view(num_tokens, top_k, hidden.shape[1]) * topk_weights.float().unsqueeze(-1)
-    total = weighted[:, 0]
-    for slot in range(1, top_k):
-        total = total + weighted[:, slot]
-    return total.to(hidden.dtype)
+    """Mixture-of-experts SwiGLU as ``transformers``' expert loop computes it, with invariant GEMMs.
+
+    Experts in ascending id order; each takes its tokens' rows through :func:`linear` (tiles padded
+    with zero rows that no token reads), scales them by the router weight (in ``topk_weights``' dtype:
+    Qwen-MoE routers round it to the model dtype, Mixtral's keeps float32), rounds to the model dtype
+    and adds them into a zero-initialised output, so a token's sum runs over its experts in ascending
+    id order whatever the other tokens are.
+    """
+    weights = topk_weights
+    out = torch.zeros_like(hidden)
+    for expert in torch.unique(topk_ids).tolist():
+        slot, token = torch.where((topk_ids == expert).t())
+        activated = silu_and_mul(linear(hidden[token], w13[expert]))
+        out.index_add_(0, token, (linear(activated, w2[expert]) * weights[token, slot, None]).to(out.dtype))
+    return out
 
 
 _OVERRIDES: dict[Callable, Callable] = {

@@ -168,10 +168,15 @@ class SparseMoeBlock(nn.Module):
             self.shared_expert_gate = ReplicatedLinear(hidden_size, 1)
         self._sigmoid = torch.sigmoid
         self._reduce = tp.all_reduce
+        self._weights_in_model_dtype = False
+        self._family = family
 
     def use_invariant_ops(self) -> None:
+        """``transformers``' arithmetic: Qwen-MoE routers round the expert weights to the model dtype
+        before scaling (Mixtral's stay float32); partial sums of TP ranks added in rank order."""
         self._sigmoid = invariant.sigmoid
         self._reduce = self.tp.ordered_sum
+        self._weights_in_model_dtype = self._family != "mixtral"
 
     def route(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """float32 weights and expert ids ``[T, top_k]``, most probable expert first (softmax over all experts)."""
@@ -184,6 +189,8 @@ class SparseMoeBlock(nn.Module):
     def forward(self, hidden: torch.Tensor, routing: list[torch.Tensor] | None = None) -> torch.Tensor:
         """Mix the experts for every token; ``routing`` (when given) receives this layer's expert ids."""
         weights, ids = self.route(hidden)
+        if self._weights_in_model_dtype:
+            weights = weights.to(hidden.dtype)
         if routing is not None:
             routing.append(ids)
         out = self.experts(hidden, weights, ids)
