@@ -55,6 +55,10 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
                        help="schedule and launch the next step while the current one runs (the host's work "
                             "overlaps the GPU's; --no-async-scheduling: one step at a time)")
     group.add_argument("--seed", type=int, default=0, help="seed of sampling without a per-request seed")
+    group.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction, default=None,
+                       help="a request's logits, log probs and tokens bitwise its own whatever else shares its steps, "
+                            "and equal to a trainer's under megatron_serve.invariant (docs/batch-invariance.md; "
+                            "default: the environment's VLLM_BATCH_INVARIANT, else off)")
     add_vllm_options(parser, Scope.ENGINE)
 
 
@@ -70,6 +74,7 @@ def inference_config_from_args(args: argparse.Namespace, tensor_parallel_size: i
         async_scheduling=args.async_scheduling, tensor_parallel_size=tensor_parallel_size, seed=args.seed,
         quantization=None if args.quantization in (None, "auto", "none") else args.quantization,
         kv_cache_dtype=args.kv_cache_dtype,
+        **({} if args.batch_invariant is None else {"batch_invariant": args.batch_invariant}),
     )
 
 

@@ -34,6 +34,7 @@ ENGINE_FIELDS = {
     "seed": "seed",
     "quantization": "quantization",
     "kv_cache_dtype": "kv_cache_dtype",
+    "batch_invariant": "batch_invariant",
 }
 
 
