@@ -49,28 +49,34 @@ _PIECE = 32768
 boundary can cut a vector loop short."""
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``x @ weight.T + bias`` with every row computed by a GEMM of :data:`ROW_TILE` rows."""
+    """``x @ weight.T + bias`` with every row computed by a GEMM of :data:`ROW_TILE` rows (differentiable:
+    a trainer's backward runs through it)."""
     rows = x.reshape(-1, x.shape[-1])
     count = rows.shape[0]
-    out = rows.new_empty((count, weight.shape[0]))
     whole = count - count % ROW_TILE
     weight_t = weight.t()
+    tracked = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias))
+    if tracked:  # out= has no autograd: tiles as separate tensors, concatenated
+        tiles = [_tile(rows[start:start + ROW_TILE], weight_t, bias) for start in range(0, whole, ROW_TILE)]
+        if whole < count:
+            tiles.append(_tile(F.pad(rows[whole:], (0, 0, 0, ROW_TILE - count + whole)), weight_t, bias)[: count - whole])
+        out = torch.cat(tiles) if tiles else rows.new_empty((0, weight.shape[0]))
+        return out.view(*x.shape[:-1], weight.shape[0])
+    out = rows.new_empty((count, weight.shape[0]))
     for start in range(0, whole, ROW_TILE):
         _tile(rows[start:start + ROW_TILE], weight_t, bias, out[start:start + ROW_TILE])
     if whole < count:
         padded = rows.new_zeros((ROW_TILE, rows.shape[1]))
         padded[: count - whole] = rows[whole:]
-        tail = rows.new_empty((ROW_TILE, weight.shape[0]))
-        _tile(padded, weight_t, bias, tail)
-        out[whole:] = tail[: count - whole]
+        out[whole:] = _tile(padded, weight_t, bias)[: count - whole]
     return out.view(*x.shape[:-1], weight.shape[0])
 
 
-def _tile(rows: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor) -> None:
+def _tile(rows: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | None,
+          out: torch.Tensor | None = None) -> torch.Tensor:
     if bias is None:
-        torch.mm(rows, weight_t, out=out)
-    else:
-        torch.addmm(bias, rows, weight_t, out=out)
+        return torch.mm(rows, weight_t) if out is None else torch.mm(rows, weight_t, out=out)
+    return torch.addmm(bias, rows, weight_t) if out is None else torch.addmm(bias, rows, weight_t, out=out)
 
 
 def lanewise(function: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:

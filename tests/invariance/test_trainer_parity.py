@@ -47,3 +47,22 @@ IMPORT_PROBE = textwrap.dedent("""
 def test_a_trainer_imports_it_without_the_servers_dependencies():
     out = subprocess.run([sys.executable, "-c", IMPORT_PROBE], capture_output=True, text=True, check=True).stdout
     assert out.split() == ["[]", "True"], out
+
+
+def test_the_trainer_backward_runs_and_the_forward_stays_the_same(models):
+    """With gradients on, the same log probs (the tiles become separate tensors) and a backward pass."""
+    import torch  # noqa: PLC0415
+    import transformers  # noqa: PLC0415
+
+    from megatron_serve.invariant import ATTENTION_NAME, batch_invariant  # noqa: PLC0415
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(models["llama"], dtype=torch.float32,
+                                                              attn_implementation=ATTENTION_NAME)
+    ids = torch.randint(5, 500, (2, 37))
+    with batch_invariant():
+        with torch.no_grad():
+            expected = torch.log_softmax(model(ids).logits.float(), -1)
+        log_probs = torch.log_softmax(model(ids).logits.float(), -1)
+        log_probs[:, :-1].gather(-1, ids[:, 1:, None]).sum().backward()
+    assert torch.equal(log_probs.detach(), expected)
+    assert model.model.layers[0].self_attn.q_proj.weight.grad.abs().sum() > 0
