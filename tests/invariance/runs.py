@@ -10,6 +10,8 @@ import torch
 from megatron_serve import DynamicInferenceRequest, InferenceConfig, SamplingParams
 from megatron_serve.engine.core import DynamicInferenceEngine
 
+from ..devices import tensor_parallel_device
+
 TARGET_TOKENS = 16
 PREFIX = 32  # tokens of the target's prompt a warm-up request leaves in the prefix cache (two 16-token blocks)
 
@@ -56,7 +58,8 @@ def target_prompt(seed: int = 1) -> list[int]:
 
 def run_target(model_dir: str, dtype: str, invariant: bool, setup: Setup, sampled: bool = False) -> TargetRun:
     """The target's tokens and log probs with ``setup``'s traffic around it (others arrive with it, half before)."""
-    config = InferenceConfig(dtype=dtype, device="cpu", batch_invariant=invariant, block_size_tokens=16,
+    config = InferenceConfig(dtype=dtype, device=tensor_parallel_device(setup.tensor_parallel_size),
+                             batch_invariant=invariant, block_size_tokens=16,
                              max_batch_tokens=setup.max_batch_tokens, async_scheduling=setup.async_scheduling,
                              num_kv_blocks=setup.num_kv_blocks, tensor_parallel_size=setup.tensor_parallel_size,
                              **setup.extra)
@@ -100,9 +103,10 @@ def trainer_log_probs(model_dir: str, dtype: str, run: TargetRun, invariant: boo
     from megatron_serve.invariant import ATTENTION_NAME, batch_invariant  # noqa: PLC0415
 
     model = transformers.AutoModelForCausalLM.from_pretrained(
-        model_dir, dtype=getattr(torch, dtype), attn_implementation=ATTENTION_NAME if invariant else "sdpa").eval()
-    ids = torch.tensor([run.prompt + run.tokens])
-    with torch.no_grad():
+        model_dir, dtype=getattr(torch, dtype), attn_implementation=ATTENTION_NAME if invariant else "sdpa")
+    model = model.to(tensor_parallel_device(1)).eval()  # where the engine ran
+    ids = torch.tensor([run.prompt + run.tokens], device=model.device)
+    with torch.inference_mode():
         if invariant:
             with batch_invariant():
                 logits = model(ids).logits

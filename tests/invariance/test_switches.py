@@ -47,5 +47,4 @@ def test_the_flag_overrides_the_environment_and_crosses_to_engines(monkeypatch, 
 
 def test_fp8_weights_are_refused_in_the_mode(models):
     with pytest.raises(UnsupportedModelError, match="--batch-invariant supports unquantized text models only"):
-        DynamicInferenceEngine.from_model_dir(models["llama"], InferenceConfig(device="cpu", quantization="fp8",
-                                                                                batch_invariant=True))
+        DynamicInferenceEngine.from_model_dir(models["llama"], InferenceConfig(quantization="fp8", batch_invariant=True))
