@@ -6,6 +6,8 @@
 #   bash benchmarks/gpu_session.sh serving   # issue 28's targets: served vs offline, 1B shape, c=64 and c=256
 #   bash benchmarks/gpu_session.sh bench     # decode roofline (1B), fused MoE, MoE/VLM throughput, weight sync
 #   bash benchmarks/gpu_session.sh fp8       # the FP8 tests natively, then benchmarks/fp8.py's tables (8B shape)
+#   bash benchmarks/gpu_session.sh invariant # --batch-invariant: the invariance and trainer-parity tests, the
+#                                            # engine-against-itself search in the mode (bf16), then its cost table
 #
 # The device image has torch, triton and transformers; packages it lacks travel as wheels in .whl
 # (`pip download --python-version 3.12 --only-binary=:all: -d .whl ...`) and install into /tmp/site. Each step has its own time limit, so one
@@ -66,5 +68,12 @@ case ${1:-tests} in
     step fp8_agreement 120 python3 benchmarks/fp8.py agreement
     step fp8_targets 540 python3 benchmarks/fp8.py targets
     ;;
-  *) echo "usage: $0 tests|serving|bench|fp8" >&2; exit 2 ;;
+  invariant)
+    step pytest_invariant 420 python3 -m pytest -q -p no:cacheprovider --timeout 300 -rfE --durations 10 tests/invariance
+    step parity_invariant 300 python3 -m pytest -q -p no:cacheprovider -rfE tests/parity/test_vs_itself_invariant.py \
+      --parity-device cuda --parity-dtype bfloat16 --parity-cases 400
+    step batch_invariance 420 python3 benchmarks/batch_invariance.py --dtype bfloat16 --hidden-size 1024 --layers 8 \
+      --requests 128 --row-tiles 16,64
+    ;;
+  *) echo "usage: $0 tests|serving|bench|fp8|invariant" >&2; exit 2 ;;
 esac

@@ -239,6 +239,11 @@ def spec_schema() -> dict[str, Any]:
             "maxBatchTokens": _int("Token budget of one engine step.", minimum=1),
             "cudaGraphs": {"type": "boolean", "default": True,
                            "description": "Replay decode steps from CUDA graphs (false: every step runs eagerly)."},
+            "batchInvariant": {"type": "boolean", "default": False,
+                               "description": "Batch-invariant mode (--batch-invariant): a request's logits, log "
+                                              "probs and tokens are bitwise its own whatever else shares the engine's "
+                                              "steps, and equal to a trainer's forward under "
+                                              "megatron_serve.invariant. Changing it rolls the engine pods."},
             "quantization": _str("fp8: quantize a bf16 checkpoint's linear layers to FP8 when the engines load it "
                                  "(one scale per output row, activations per token; about half the weight memory). "
                                  "FP8 checkpoints (compressed-tensors, block-wise fp8) are served as FP8 without it. "

@@ -144,6 +144,8 @@ def _engine_flags(spec: InferenceSpec) -> list[str]:
     flags.append("--prefix-caching" if spec.prefix_caching else "--no-prefix-caching")
     if not spec.cuda_graphs:  # on by default; the flag only when off, so existing pod templates stay unchanged
         flags.append("--no-cuda-graphs")
+    if spec.batch_invariant:  # likewise off by default
+        flags.append("--batch-invariant")
     if spec.quantization != "none":  # likewise: flags only away from the defaults
         flags += ["--quantization", spec.quantization]
     if spec.kv_cache_dtype != "auto":

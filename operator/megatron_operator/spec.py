@@ -208,6 +208,7 @@ class InferenceSpec:
     prefix_caching: bool
     max_batch_tokens: int | None
     cuda_graphs: bool
+    batch_invariant: bool
     quantization: str  # none or fp8
     kv_cache_dtype: str  # auto or fp8
     engine_resources: dict[str, Any]
@@ -281,6 +282,7 @@ def parse(resource: dict[str, Any], default_namespace: str = "default") -> Infer
         prefix_caching=kv["prefixCaching"],
         max_batch_tokens=engine.get("maxBatchTokens"),
         cuda_graphs=engine["cudaGraphs"],
+        batch_invariant=engine["batchInvariant"],
         quantization=engine["quantization"],
         kv_cache_dtype=engine["kvCacheDtype"],
         engine_resources=dict(engine.get("resources", {})),

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+import os
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
@@ -24,6 +25,14 @@ def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
     return _DTYPES[name]
 
 
+def batch_invariant_from_env() -> bool:
+    """``VLLM_BATCH_INVARIANT=1`` turns ``batch_invariant`` on, as vLLM users set it (``0`` or unset: off)."""
+    value = os.environ.get("VLLM_BATCH_INVARIANT", "0").strip()
+    if value not in ("0", "1", ""):
+        raise ValueError(f"VLLM_BATCH_INVARIANT must be 0 or 1, got {value!r}")
+    return value == "1"
+
+
 def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
@@ -43,6 +52,10 @@ class InferenceConfig:
     ``verify_logprobs_fraction``: that fraction of the finished requests that reported log probs (chosen by
     a hash of the request id) is scored again as one prompt and compared bitwise with what was reported;
     counted in ``logprob_parity_checked_total`` / ``logprob_parity_mismatch_total`` (default 0: off).
+
+    ``batch_invariant=True`` (default: the environment's ``VLLM_BATCH_INVARIANT``) makes a request's
+    logits, log probs and tokens a function of that request alone, whatever else shares its steps, and
+    equal to what ``megatron_serve.invariant`` computes in a trainer (docs/batch-invariance.md).
     """
 
     dtype: str | torch.dtype | None = None
@@ -63,6 +76,7 @@ class InferenceConfig:
     quantization: str | None = None
     kv_cache_dtype: str = "auto"
     verify_logprobs_fraction: float = 0.0  # finished requests scored again and compared bitwise (engine.logprob_parity)
+    batch_invariant: bool = field(default_factory=batch_invariant_from_env)
 
     def __post_init__(self) -> None:
         if self.device is None:
@@ -75,7 +89,7 @@ class InferenceConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        for name in ("enable_prefix_caching", "enable_cuda_graphs", "async_scheduling"):
+        for name in ("enable_prefix_caching", "enable_cuda_graphs", "async_scheduling", "batch_invariant"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if self.cuda_graph_sizes is not None:

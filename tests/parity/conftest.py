@@ -63,10 +63,17 @@ def search_case(request: pytest.FixtureRequest, parity: Parity, model_pool: Mode
     return scope
 
 
+INVARIANT_SHARE = 4  # the batch-invariant search runs every 4th case: each case costs two engine runs
+
+
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    options = ParityOptions.of(metafunc.config)
     if "case_seed" in metafunc.fixturenames:
-        seeds = ParityOptions.of(metafunc.config).seeds
+        seeds = options.seeds
         metafunc.parametrize("case_seed", seeds, ids=[f"case{seed}" for seed in seeds])
+    if "invariant_case_seed" in metafunc.fixturenames:
+        seeds = options.seeds if options.only is not None else options.seeds[::INVARIANT_SHARE]
+        metafunc.parametrize("invariant_case_seed", seeds, ids=[f"case{seed}" for seed in seeds])
 
 
 @pytest.fixture(scope="package", autouse=True)

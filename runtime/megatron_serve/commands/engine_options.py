@@ -60,6 +60,10 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
                             "that reported log probs again as one prompt, compare bitwise with what was reported, and "
                             "count it (logprob_parity_checked_total, logprob_parity_mismatch_total; a mismatch is "
                             "logged as a WARNING); default 0: off")
+    group.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction, default=None,
+                       help="a request's logits, log probs and tokens bitwise its own whatever else shares its steps, "
+                            "and equal to a trainer's under megatron_serve.invariant (docs/batch-invariance.md; "
+                            "default: the environment's VLLM_BATCH_INVARIANT, else off)")
     add_vllm_options(parser, Scope.ENGINE)
 
 
@@ -75,6 +79,7 @@ def inference_config_from_args(args: argparse.Namespace, tensor_parallel_size: i
         async_scheduling=args.async_scheduling, tensor_parallel_size=tensor_parallel_size, seed=args.seed,
         quantization=None if args.quantization in (None, "auto", "none") else args.quantization,
         kv_cache_dtype=args.kv_cache_dtype, verify_logprobs_fraction=args.verify_logprobs_fraction,
+        **({} if args.batch_invariant is None else {"batch_invariant": args.batch_invariant}),
     )
 
 

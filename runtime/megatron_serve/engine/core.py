@@ -92,6 +92,8 @@ def _encoder_cache_for(model: LlamaForCausalLM, tokenizer: Tokenizer) -> Encoder
 class DynamicInferenceEngine:
     def __init__(self, model: LlamaForCausalLM, tokenizer: Tokenizer, config: InferenceConfig,
                  runner: ModelRunner | None = None):
+        if config.batch_invariant:
+            model.use_batch_invariant_ops()
         self.model = model
         self.tokenizer = tokenizer
         self.config = config

@@ -269,6 +269,8 @@ def run_worker(model_dir: str, config_dict: dict, placement: Placement, rank: in
     tp, channel = join_group(placement, rank, device)
     model_config = ModelConfig.from_dir(model_dir)
     model = load_model(model_dir, default_dtype(config, model_config), device, tp, quantization=config.quantization)
+    if config.batch_invariant:
+        model.use_batch_invariant_ops()
     max_sequence_length = max_sequence_length_for(model_config, config)
     pool = build_kv_pool(model, config, max_sequence_length, device, largest_graph(config, device))
     buffers = engine_buffers(config, max_sequence_length, device)

@@ -35,6 +35,7 @@ ENGINE_FIELDS = {
     "quantization": "quantization",
     "kv_cache_dtype": "kv_cache_dtype",
     "verify_logprobs_fraction": "verify_logprobs_fraction",
+    "batch_invariant": "batch_invariant",
 }
 
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from megatron_kernels import get_op
+from megatron_kernels import get_op, invariant
 
 
 @dataclass
@@ -64,6 +64,8 @@ class PagedAttention(nn.Module):
         self._rotate_and_store = get_op("apply_rotary_write_kv_cache", device)
         self._decode = get_op("paged_attention_decode", device)
         self._prefill = get_op("paged_attention_prefill", device)
+        self._write = get_op("write_kv_cache", device)
+        self.batch_invariant = False
 
     def _cache(self, context: ForwardContext) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
         """This layer's keys and values, and an FP8 cache's scales as the ops' keywords (see ``KVCachePool``)."""
@@ -74,6 +76,11 @@ class PagedAttention(nn.Module):
               cos: torch.Tensor, sin: torch.Tensor, context: ForwardContext) -> torch.Tensor:
         """Rotate ``q``/``k`` by position and store ``k``/``v`` in the cache (one fused kernel); returns rotated ``q``."""
         k_cache, v_cache, scales = self._cache(context)
+        if self.batch_invariant:  # cos/sin: full-width tables in the model dtype (invariant_rotary_cos_sin)
+            cos_t, sin_t = cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
+            self._write(invariant.rotate(k, cos_t, sin_t), v, k_cache, v_cache, context.metadata.slot_mapping,
+                        **scales)
+            return invariant.rotate(q, cos_t, sin_t)
         q, _ = self._rotate_and_store(q, k, v, positions, cos, sin, k_cache, v_cache, context.metadata.slot_mapping,
                                       **scales)
         return q
@@ -85,6 +92,9 @@ class PagedAttention(nn.Module):
         rows = q.shape[0] if meta.num_tokens is None else meta.num_tokens
         if out is None:
             out = torch.empty_like(q) if rows == q.shape[0] else torch.zeros_like(q)
+        if self.batch_invariant:
+            out[:rows] = self._attend_invariant(q[:rows], meta, k_cache, v_cache, scales)
+            return out
         num_decode = meta.num_decode_tokens
         if num_decode:
             self._decode(q[:num_decode], k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens,
@@ -94,3 +104,43 @@ class PagedAttention(nn.Module):
                           meta.prefill_query_start_loc, meta.prefill_context_lens, self.scale, out=out[num_decode:rows],
                           **scales)
         return out
+
+    def _attend_invariant(self, q: torch.Tensor, meta: AttentionMetadata, k_cache: torch.Tensor,
+                          v_cache: torch.Tensor, scales: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Every row of the step in one :func:`megatron_kernels.invariant.attention` call: decode rows and
+        prefill chunks, cold or after a prefix-cache hit, meet the same arithmetic."""
+        tables, lens, sequence, positions = [], [], [], []
+        device = q.device
+        if meta.num_decode_tokens:
+            count = meta.num_decode_tokens
+            tables.append(meta.decode_block_tables)
+            lens.append(meta.decode_context_lens)
+            sequence.append(torch.arange(count, device=device))
+            positions.append(meta.decode_context_lens.long() - 1)
+        if meta.prefill_block_tables is not None:
+            starts = meta.prefill_query_start_loc.long()
+            counts = starts[1:] - starts[:-1]
+            context = meta.prefill_context_lens.long()
+            seq = torch.arange(counts.numel(), device=device).repeat_interleave(counts)
+            tables.append(meta.prefill_block_tables)
+            lens.append(meta.prefill_context_lens)
+            sequence.append(seq + meta.num_decode_tokens)  # decode sequences come first, one row each
+            row = torch.arange(int(starts[-1]), device=device)
+            positions.append(row - starts[seq] + (context - counts)[seq])
+        table = torch.cat(tables)
+        block_size = k_cache.shape[1]
+        blocks = -(-int(torch.cat(lens).max()) // block_size)
+        keys = _gather_blocks(k_cache, table, blocks, scales.get("k_scales"))
+        values = _gather_blocks(v_cache, table, blocks, scales.get("v_scales"))
+        return invariant.attention(q, keys, values, torch.cat(sequence), torch.cat(positions), self.scale)
+
+
+def _gather_blocks(cache: torch.Tensor, block_tables: torch.Tensor, blocks: int,
+                   scales: torch.Tensor | None) -> torch.Tensor:
+    """``[S, blocks * block_size, Hkv, D]``: each sequence's first ``blocks`` cache blocks in order (an FP8
+    cache dequantized to float32)."""
+    table = block_tables[:, :blocks].long().clamp_min(0)
+    gathered = cache[table]
+    if scales is not None:
+        gathered = gathered.float() * scales[table].unsqueeze(-1)
+    return gathered.flatten(1, 2)

@@ -10,6 +10,7 @@ import math
 from typing import TYPE_CHECKING, Callable
 
 import torch
+from megatron_kernels import invariant
 from torch import nn
 
 from .config import RopeConfig
@@ -81,6 +82,7 @@ class ColumnParallelLinear(nn.Module):
             offset += length
         self.weight = nn.Parameter(torch.empty(offset, in_features, dtype=weight_dtype), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(offset), requires_grad=False) if bias else None
+        self.batch_invariant = False
 
     def _rank_slice(self, name: str, features: int, unit: int) -> tuple[int, int]:
         units = features // unit
@@ -105,7 +107,18 @@ class ColumnParallelLinear(nn.Module):
         _copy_checked(param.data.narrow(0, offset, length), _narrow(source, 0, start, length))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.batch_invariant:
+            return self._invariant_forward(x)
         return nn.functional.linear(x, self.weight, self.bias)
+
+    def _invariant_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Each fused part (q, k, v / gate, up) its own invariant GEMM, as a checkpoint's separate
+        projections compute them: a fused GEMM's rounding could depend on its width."""
+        parts = []
+        for offset, _start, length in self.slices.values():
+            bias = None if self.bias is None else self.bias.narrow(0, offset, length)
+            parts.append(invariant.linear(x, self.weight.narrow(0, offset, length), bias))
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
 
 
 class RowParallelLinear(nn.Module):
@@ -124,12 +137,16 @@ class RowParallelLinear(nn.Module):
         self.reduce = reduce
         self.local_in = in_features // tp.size
         self.weight = nn.Parameter(torch.empty(out_features, self.local_in, dtype=weight_dtype), requires_grad=False)
+        self.batch_invariant = False
 
     def weight_loader(self, param: nn.Parameter, source: TensorSource, shard: str | None = None) -> None:
         _check_full(source, 1, self.local_in * self.tp.size)
         _copy_checked(param, _narrow(source, 1, self.tp.rank * self.local_in, self.local_in))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.batch_invariant:
+            out = invariant.linear(x, self.weight)
+            return self.tp.ordered_sum(out) if self.reduce else out
         out = nn.functional.linear(x, self.weight)
         return self.tp.all_reduce(out) if self.reduce else out
 
@@ -140,8 +157,11 @@ class ReplicatedLinear(nn.Module):
     def __init__(self, in_features: int, out_features: int):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
+        self.batch_invariant = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.batch_invariant:
+            return invariant.linear(x, self.weight)
         return nn.functional.linear(x, self.weight)
 
 
@@ -158,6 +178,9 @@ class GatedMLP(nn.Module):
         self.down_proj = linears.row(f"{name}.down_proj", size, hidden_size, tp=tp, reduce=reduce)
         self.silu_and_mul = silu_and_mul
 
+    def use_invariant_ops(self) -> None:
+        self.silu_and_mul = invariant.silu_and_mul
+
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.silu_and_mul(self.gate_up_proj(hidden)))
 
@@ -173,6 +196,7 @@ class VocabParallelEmbedding(nn.Module):
         self.start = tp.rank * self.rows_per_rank
         self.local_rows = max(0, min(self.rows_per_rank, vocab_size - self.start))
         self.weight = nn.Parameter(torch.zeros(self.rows_per_rank, hidden_size), requires_grad=False)
+        self.batch_invariant = False
 
     def weight_loader(self, param: nn.Parameter, source: TensorSource, shard: str | None = None) -> None:
         _check_full(source, 0, self.vocab_size)
@@ -193,7 +217,8 @@ class ParallelLMHead(VocabParallelEmbedding):
     """Output projection split by vocabulary rows; logits are gathered to full width."""
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        logits = nn.functional.linear(hidden, self.weight)
+        linear = invariant.linear if self.batch_invariant else nn.functional.linear
+        logits = linear(hidden, self.weight)
         if self.tp.size == 1:
             return logits[..., : self.vocab_size]
         return self.tp.all_gather_last_dim(logits)[..., : self.vocab_size]
@@ -207,6 +232,11 @@ class RMSNorm(nn.Module):
         self._norm = norm
         self._fused_add_norm = fused_add_norm
 
+    def use_invariant_ops(self) -> None:
+        """``transformers``' RMSNorm op for op (the kernels' norms may order the sum differently)."""
+        self._norm = invariant.rms_norm
+        self._fused_add_norm = invariant.fused_add_rms_norm
+
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """``norm(x)``, or with a residual ``(norm(x + residual), x + residual)`` in one pass."""
         if residual is None:
@@ -216,14 +246,28 @@ class RMSNorm(nn.Module):
 
 def rotary_cos_sin(head_dim: int, max_positions: int, rope: RopeConfig) -> tuple[torch.Tensor, torch.Tensor]:
     """float32 ``cos``/``sin`` tables ``[max_positions, head_dim // 2]``, with Llama 3 / linear scaling."""
+    freqs = rotary_angles(head_dim, max_positions, rope)
+    return freqs.cos(), freqs.sin()
+
+
+def invariant_rotary_cos_sin(head_dim: int, max_positions: int, rope: RopeConfig, dtype: torch.dtype
+                             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``cos``/``sin`` tables ``[max_positions, head_dim]`` (both halves) in ``dtype``, as ``transformers``
+    computes them for every forward: the same angles, ``cos``/``sin`` through the invariant ops, then cast."""
+    freqs = rotary_angles(head_dim, max_positions, rope)
+    full = torch.cat((freqs, freqs), dim=-1)
+    return invariant.cos(full).to(dtype), invariant.sin(full).to(dtype)
+
+
+def rotary_angles(head_dim: int, max_positions: int, rope: RopeConfig) -> torch.Tensor:
+    """float32 rotary angles ``[max_positions, head_dim // 2]``: position times inverse frequency."""
     inv_freq = 1.0 / (rope.theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
     if rope.rope_type == "linear":
         inv_freq = inv_freq / rope.factor
     elif rope.rope_type == "llama3":
         inv_freq = _llama3_inv_freq(inv_freq, rope)
     positions = torch.arange(max_positions, dtype=torch.int64).float()
-    freqs = torch.outer(positions, inv_freq)
-    return freqs.cos(), freqs.sin()
+    return torch.outer(positions, inv_freq)
 
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, rope: RopeConfig) -> torch.Tensor:

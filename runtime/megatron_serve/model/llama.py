@@ -16,9 +16,10 @@ from .attention import ForwardContext, PagedAttention
 from .config import ModelConfig
 from .errors import UnsupportedModelError
 from .fp8_layers import linears_for
-from .layers import GatedMLP, ParallelLMHead, RMSNorm, VocabParallelEmbedding, rotary_cos_sin
+from .layers import (ColumnParallelLinear, GatedMLP, ParallelLMHead, ReplicatedLinear, RMSNorm, RowParallelLinear,
+                     VocabParallelEmbedding, invariant_rotary_cos_sin, rotary_cos_sin)
 from .linears import Linears
-from .moe import SparseMoeBlock
+from .moe import FusedExperts, SparseMoeBlock
 from .parallel import SINGLE, TensorParallel
 
 
@@ -161,6 +162,25 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, token_ids: torch.Tensor, positions: torch.Tensor, context: ForwardContext) -> torch.Tensor:
         return self.model(token_ids, positions, context, self.rotary_cos, self.rotary_sin)
+
+    def use_batch_invariant_ops(self) -> None:
+        """Switch every op of the forward to ``--batch-invariant`` arithmetic (:mod:`megatron_kernels.invariant`),
+        op for op what ``transformers``' modeling code computes under ``megatron_serve.invariant``.
+
+        The rotary tables become full-width and in the model dtype, as ``transformers`` rotates in it.
+        """
+        if self.config.quantization is not None or self.config.vision is not None:
+            raise UnsupportedModelError("--batch-invariant supports unquantized text models only, not "
+                                        f"{'FP8 weights' if self.config.quantization is not None else 'vision'}")
+        for module in self.modules():
+            if isinstance(module, (ColumnParallelLinear, RowParallelLinear, ReplicatedLinear, VocabParallelEmbedding,
+                                   PagedAttention)):
+                module.batch_invariant = True
+            elif isinstance(module, (RMSNorm, GatedMLP, FusedExperts, SparseMoeBlock)):
+                module.use_invariant_ops()
+        cos, sin = invariant_rotary_cos_sin(self.config.head_dim, self.config.max_position_embeddings,
+                                            self.config.rope, self.dtype)
+        self.rotary_cos, self.rotary_sin = cos.to(self.rotary_cos.device), sin.to(self.rotary_sin.device)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()

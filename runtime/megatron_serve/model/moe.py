@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Callable
 import torch
 from torch import nn
 
-from megatron_kernels import get_op
+from megatron_kernels import get_op, invariant
 
 from .config import ModelConfig
 from .families import MoEConfig
@@ -99,6 +99,9 @@ class FusedExperts(nn.Module):
                                       requires_grad=False)
         self._fused_moe = get_op("fused_moe", device)
 
+    def use_invariant_ops(self) -> None:
+        self._fused_moe = invariant.fused_moe
+
     def weight_pieces(self, param_name: str) -> frozenset:
         """The parts a checkpoint fills separately: ``(part, expert)`` for every expert."""
         parts = ("gate", "up") if param_name == "gate_up_proj" else ("down",)
@@ -163,6 +166,17 @@ class SparseMoeBlock(nn.Module):
             self.shared_expert = GatedMLP(hidden_size, moe.shared_expert_intermediate_size, silu_and_mul, linears,
                                           f"{layer}.mlp.shared_expert", tp, reduce=False)
             self.shared_expert_gate = ReplicatedLinear(hidden_size, 1)
+        self._sigmoid = torch.sigmoid
+        self._reduce = tp.all_reduce
+        self._weights_in_model_dtype = False
+        self._family = family
+
+    def use_invariant_ops(self) -> None:
+        """``transformers``' arithmetic: Qwen-MoE routers round the expert weights to the model dtype
+        before scaling (Mixtral's stay float32); partial sums of TP ranks added in rank order."""
+        self._sigmoid = invariant.sigmoid
+        self._reduce = self.tp.ordered_sum
+        self._weights_in_model_dtype = self._family != "mixtral"
 
     def route(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """float32 weights and expert ids ``[T, top_k]``, most probable expert first (softmax over all experts)."""
@@ -175,9 +189,11 @@ class SparseMoeBlock(nn.Module):
     def forward(self, hidden: torch.Tensor, routing: list[torch.Tensor] | None = None) -> torch.Tensor:
         """Mix the experts for every token; ``routing`` (when given) receives this layer's expert ids."""
         weights, ids = self.route(hidden)
+        if self._weights_in_model_dtype:
+            weights = weights.to(hidden.dtype)
         if routing is not None:
             routing.append(ids)
         out = self.experts(hidden, weights, ids)
         if self.shared_expert is not None:
-            out = out + torch.sigmoid(self.shared_expert_gate(hidden)) * self.shared_expert(hidden)
-        return self.tp.all_reduce(out)
+            out = out + self._sigmoid(self.shared_expert_gate(hidden)) * self.shared_expert(hidden)
+        return self._reduce(out)

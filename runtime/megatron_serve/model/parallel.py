@@ -23,6 +23,18 @@ class TensorParallel:
             dist.all_reduce(tensor, group=self.group)
         return tensor
 
+    def ordered_sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The all-reduce of ``--batch-invariant``: every rank's part gathered, then added in rank order,
+        so the sum's rounding cannot depend on the collective's algorithm or the message size."""
+        if self.size == 1:
+            return tensor
+        parts = [torch.empty_like(tensor) for _ in range(self.size)]
+        dist.all_gather(parts, tensor.contiguous(), group=self.group)
+        total = parts[0]
+        for part in parts[1:]:
+            total = total + part
+        return total
+
     def all_gather_last_dim(self, tensor: torch.Tensor) -> torch.Tensor:
         if self.size == 1:
             return tensor

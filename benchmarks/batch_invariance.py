@@ -1,0 +1,92 @@
+"""What ``--batch-invariant`` costs: offline throughput with and without the mode, in one run.
+
+The same random weights and requests run through the engine twice per row, default mode then
+batch-invariant, greedy and sampled (temperature 1, ``n`` samples per prompt with seeds), dense
+(Llama) and mixture-of-experts (Qwen3-MoE). Each row reports generated tokens per second of wall
+time and milliseconds of process CPU time per generated token (the honest measure on a shared
+machine), and the mode's throughput as a fraction of the default's. ``--row-tiles`` sweeps the
+invariant GEMM's tile (``megatron_kernels.invariant.ROW_TILE``) to pick it.
+
+    python benchmarks/batch_invariance.py [--requests 32] [--hidden-size 256 --layers 4] [--row-tiles 16,32,64]
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import tempfile
+import time
+
+import torch
+
+from megatron_kernels import invariant
+from megatron_serve import DynamicInferenceRequest, InferenceConfig, SamplingParams
+from megatron_serve.engine.core import DynamicInferenceEngine
+from megatron_serve.model.tiny import make_tiny_model
+
+
+def workload(count: int, samples: int, seed: int) -> list[tuple[list[int], SamplingParams]]:
+    """``count`` requests of mixed lengths; sampled: ``count // samples`` prompts with ``samples`` seeded draws each."""
+    rng = random.Random(seed)
+    if samples == 1:
+        return [([rng.randrange(5, 500) for _ in range(rng.randint(16, 128))],
+                 SamplingParams(temperature=0.0, num_tokens_to_generate=rng.randint(16, 64), ignore_eos=True,
+                                return_log_probs=True)) for _ in range(count)]
+    out = []
+    for prompt_index in range(count // samples):
+        prompt = [rng.randrange(5, 500) for _ in range(rng.randint(16, 128))]
+        length = rng.randint(16, 64)
+        out += [(prompt, SamplingParams(temperature=1.0, seed=prompt_index * samples + i, num_tokens_to_generate=length,
+                                        ignore_eos=True, return_log_probs=True)) for i in range(samples)]
+    return out
+
+
+def measure(model_dir: str, invariant_mode: bool, requests, dtype: str) -> tuple[float, float, int]:
+    """(wall seconds, CPU seconds, generated tokens) of the whole workload in flight together."""
+    engine = DynamicInferenceEngine.from_model_dir(model_dir, InferenceConfig(
+        dtype=dtype, device="cpu", batch_invariant=invariant_mode, max_requests=64, max_batch_tokens=512))
+    reqs = [DynamicInferenceRequest(str(i), None, prompt, params) for i, (prompt, params) in enumerate(requests)]
+    wall, cpu = time.perf_counter(), time.process_time()
+    for request in reqs:
+        engine.add_request(request)
+    while engine.has_unfinished_requests():
+        engine.step()
+    wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+    engine.shutdown()
+    return wall, cpu, sum(len(r.generated_tokens) for r in reqs)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--requests", type=int, default=32)
+    parser.add_argument("--samples", type=int, default=8, help="n of the sampled rows")
+    parser.add_argument("--hidden-size", type=int, default=256)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--archs", default="llama,qwen3_moe")
+    parser.add_argument("--row-tiles", default=str(invariant.ROW_TILE), help="comma-separated ROW_TILE values")
+    args = parser.parse_args()
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {args.dtype}, hidden {args.hidden_size}, "
+          f"{args.layers} layers, {args.requests} requests")
+    print(f"{'model':<11}{'sampling':<14}{'tile':>5}{'default tok/s':>15}{'invariant tok/s':>17}{'wall ratio':>12}"
+          f"{'default CPU ms/tok':>20}{'invariant CPU ms/tok':>22}{'CPU ratio':>11}")
+    with tempfile.TemporaryDirectory() as tmp:
+        for arch in args.archs.split(","):
+            model_dir = str(make_tiny_model(f"{tmp}/{arch}", seed=0, arch=arch, hidden_size=args.hidden_size,
+                                            num_layers=args.layers, num_heads=8, num_kv_heads=4,
+                                            intermediate_size=args.hidden_size * 8 // 3))
+            measure(model_dir, True, workload(4, 1, seed=9), args.dtype)  # warm-up: allocator, first-call costs
+            for label, samples in (("greedy", 1), (f"sampled n={args.samples}", args.samples)):
+                requests = workload(args.requests, samples, seed=0)
+                base_wall, base_cpu, tokens = measure(model_dir, False, requests, args.dtype)
+                for tile in (int(t) for t in args.row_tiles.split(",")):
+                    invariant.ROW_TILE = tile
+                    wall, cpu, same = measure(model_dir, True, requests, args.dtype)
+                    assert same == tokens
+                    print(f"{arch:<11}{label:<14}{tile:>5}{tokens / base_wall:>15.1f}{tokens / wall:>17.1f}"
+                          f"{base_wall / wall:>12.2f}{1e3 * base_cpu / tokens:>20.2f}{1e3 * cpu / tokens:>22.2f}"
+                          f"{base_cpu / cpu:>11.2f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

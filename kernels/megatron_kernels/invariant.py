@@ -1,0 +1,233 @@
+"""Batch-invariant arithmetic: ops whose result for one row does not depend on the other rows.
+
+A CPU (or GPU) library picks its algorithm by the shape it is given: ``torch.mm`` of one row is a
+matrix-vector product, of seven rows a blocked GEMM, and the two round differently (on this 2-core
+AVX-512 machine 1 row and 2 rows already differ in float32). Elementwise functions differ too: a
+vectorized loop leaves a tail of a tensor to a scalar loop, and PyTorch's scalar ``silu`` rounds
+differently from its vector one (767 of 20,000 float32 values differ). A token's log prob then
+depends on how many other tokens share its step. The ops here remove every such dependence:
+
+* :func:`linear`: rows go through the library in fixed tiles of :data:`ROW_TILE` rows (the last
+  tile padded), so every row meets the same GEMM shape whatever the batch;
+* :func:`silu`, :func:`sigmoid`, :func:`exp`, :func:`cos`, :func:`sin`: the tensor is flattened, padded to whole
+  vectors and cut into pieces no larger than one thread's share, so every element takes the
+  vector path, and vector lanes do not interact;
+* :func:`attention`: keys reduced in blocks of :data:`KEY_BLOCK` from position 0 with an online
+  softmax, scores and weighted values as elementwise products summed over a fixed length, so a
+  query's output depends only on its own position and its sequence's keys: prefill, decode, a
+  prefix-cache hit and any chunking give the same bits.
+
+Row-wise kernels PyTorch already runs one row at a time (``softmax``, ``log_softmax``, ``mean`` over
+the last dimension) and correctly rounded elementwise ops (``+``, ``*``, ``rsqrt``, casts) need
+nothing.
+
+The engine calls these functions directly when started with ``--batch-invariant``;
+:class:`InvariantMode` routes a trainer's ``F.linear``, ``F.silu`` and ``torch.cos``/``sin``/``exp``
+here (``megatron_serve.invariant.batch_invariant``). Only ``torch`` is imported.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+
+ROW_TILE = 16
+"""Rows per GEMM call. benchmarks/batch_invariance.py on the shared 2-core CPU (hidden 256, 4 layers):
+16 and 64 rows cost about the same CPU per token (greedy Llama 34 vs 25 ms, sampled 18 vs 23 ms,
+Qwen3-MoE greedy 38 vs 41 ms); 16 pads a small decode step least."""
+
+KEY_BLOCK = 32
+"""Keys per attention block: every query reduces its keys in blocks of this many from position 0."""
+
+_VECTOR = 64
+"""Elements of two AVX-512 registers of bfloat16: a multiple of every vector loop's stride."""
+
+_PIECE = 32768
+"""PyTorch's grain: an elementwise op of at most this many elements runs on one thread, so no thread
+boundary can cut a vector loop short."""
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ weight.T + bias`` with every row computed by a GEMM of :data:`ROW_TILE` rows (differentiable:
+    a trainer's backward runs through it)."""
+    rows = x.reshape(-1, x.shape[-1])
+    count = rows.shape[0]
+    whole = count - count % ROW_TILE
+    weight_t = weight.t()
+    tracked = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias))
+    if tracked:  # out= has no autograd: tiles as separate tensors, concatenated
+        tiles = [_tile(rows[start:start + ROW_TILE], weight_t, bias) for start in range(0, whole, ROW_TILE)]
+        if whole < count:
+            tiles.append(_tile(F.pad(rows[whole:], (0, 0, 0, ROW_TILE - count + whole)), weight_t, bias)[: count - whole])
+        out = torch.cat(tiles) if tiles else rows.new_empty((0, weight.shape[0]))
+        return out.view(*x.shape[:-1], weight.shape[0])
+    out = rows.new_empty((count, weight.shape[0]))
+    for start in range(0, whole, ROW_TILE):
+        _tile(rows[start:start + ROW_TILE], weight_t, bias, out[start:start + ROW_TILE])
+    if whole < count:
+        padded = rows.new_zeros((ROW_TILE, rows.shape[1]))
+        padded[: count - whole] = rows[whole:]
+        out[whole:] = _tile(padded, weight_t, bias)[: count - whole]
+    return out.view(*x.shape[:-1], weight.shape[0])
+
+
+def _tile(rows: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | None,
+          out: torch.Tensor | None = None) -> torch.Tensor:
+    if bias is None:
+        return torch.mm(rows, weight_t) if out is None else torch.mm(rows, weight_t, out=out)
+    return torch.addmm(bias, rows, weight_t) if out is None else torch.addmm(bias, rows, weight_t, out=out)
+
+
+def lanewise(function: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    """``function(x)`` for an elementwise ``function``, every element through the vector loop."""
+    flat = x.reshape(-1)
+    count = flat.numel()
+    size = -(-count // _VECTOR) * _VECTOR
+    if size != count or not flat.is_contiguous():
+        padded = flat.new_zeros(size)
+        padded[:count] = flat
+        flat = padded
+    if size <= _PIECE:
+        out = function(flat)
+    else:
+        out = torch.empty_like(flat)
+        for start in range(0, size, _PIECE):
+            out[start:start + _PIECE] = function(flat[start:start + _PIECE])
+    return out[:count].view(x.shape)
+
+
+def silu(x: torch.Tensor) -> torch.Tensor:
+    return lanewise(F.silu, x)
+
+
+def exp(x: torch.Tensor) -> torch.Tensor:
+    return lanewise(torch.exp, x)
+
+
+def cos(x: torch.Tensor) -> torch.Tensor:
+    return lanewise(torch.cos, x)
+
+
+def sin(x: torch.Tensor) -> torch.Tensor:
+    return lanewise(torch.sin, x)
+
+
+def sigmoid(x: torch.Tensor) -> torch.Tensor:
+    return lanewise(torch.sigmoid, x)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """SwiGLU on a fused gate/up tensor, as ``act(gate) * up`` of separate projections computes it."""
+    gate, up = x.chunk(2, dim=-1)
+    return silu(gate.contiguous()) * up
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Llama's RMSNorm, op for op as ``transformers`` writes it (float32 statistics, cast, then the weight)."""
+    x32 = x.to(torch.float32)
+    normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * normed.to(x.dtype)
+
+
+def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    summed = residual + x
+    return rms_norm(summed, weight, eps), summed
+
+
+def rotate(x: torch.Tensor, cos_full: torch.Tensor, sin_full: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding as ``transformers`` applies it: ``x * cos + rotate_half(x) * sin`` in ``x``'s dtype,
+    ``cos_full``/``sin_full`` over the whole head dimension (both halves), already in that dtype."""
+    half = x.shape[-1] // 2
+    rotated_half = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos_full + rotated_half * sin_full
+
+
+def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, sequence: torch.Tensor,
+              positions: torch.Tensor, scale: float) -> torch.Tensor:
+    """Causal attention of query rows over their sequences' keys, blockwise from key 0.
+
+    ``q`` ``[R, Hq, D]``; ``keys``/``values`` ``[S, L, Hkv, D]`` (``L`` at least every query's position
+    plus one; entries past it may hold anything); ``sequence[r]`` which of the ``S`` sequences row
+    ``r`` reads; ``positions[r]`` its position (it sees keys ``0..positions[r]``). Returns ``[R, Hq, D]``
+    in ``q``'s dtype. Computed in float32 with an online softmax over blocks of :data:`KEY_BLOCK`
+    keys; a block wholly past a row's position changes nothing (its weights are exactly 0 and its
+    rescale factor exactly 1), so neither the longest sequence of the call nor the other rows matter.
+    """
+    rows, heads, dim = q.shape
+    kv_heads = keys.shape[2]
+    group = heads // kv_heads
+    length = min(keys.shape[1], int(positions.max()) + 1) if rows else 0
+    blocks = -(-length // KEY_BLOCK)
+    pad = blocks * KEY_BLOCK - keys.shape[1]
+    if pad > 0:
+        keys = F.pad(keys, (0, 0, 0, 0, 0, pad))
+        values = F.pad(values, (0, 0, 0, 0, 0, pad))
+    q32 = q.float().view(rows, kv_heads, group, 1, dim)
+    best = q32.new_full((rows, kv_heads, group), float("-inf"))
+    total = q32.new_zeros((rows, kv_heads, group))
+    acc = q32.new_zeros((rows, kv_heads, group, dim))
+    offsets = torch.arange(KEY_BLOCK, device=q.device)
+    for block in range(blocks):
+        start = block * KEY_BLOCK
+        key_pos = start + offsets
+        visible = key_pos[None, :] <= positions[:, None]  # [R, B]
+        k = keys[:, start:start + KEY_BLOCK][sequence].float().permute(0, 2, 1, 3)  # [R, Hkv, B, D]
+        v = values[:, start:start + KEY_BLOCK][sequence].float().permute(0, 2, 3, 1)  # [R, Hkv, D, B]
+        v = torch.where(visible[:, None, None, :], v, 0.0)
+        scores = (q32 * k[:, :, None]).sum(-1) * scale  # [R, Hkv, G, B]
+        scores = torch.where(visible[:, None, None, :], scores, float("-inf"))
+        new_best = torch.maximum(best, scores.amax(-1))
+        rescale = exp(best - new_best)
+        weights = exp(scores - new_best[..., None])
+        total = total * rescale + weights.sum(-1)
+        acc = acc * rescale[..., None] + (weights[:, :, :, None, :] * v[:, :, None]).sum(-1)
+        best = new_best
+    return (acc / total[..., None]).view(rows, heads, dim).to(q.dtype)
+
+
+def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+              topk_ids: torch.Tensor) -> torch.Tensor:
+    """Mixture-of-experts SwiGLU as ``transformers``' expert loop computes it, with invariant GEMMs.
+
+    Experts in ascending id order; each takes its tokens' rows through :func:`linear` (tiles padded
+    with zero rows that no token reads), scales them by the router weight (in ``topk_weights``' dtype:
+    Qwen-MoE routers round it to the model dtype, Mixtral's keeps float32), rounds to the model dtype
+    and adds them into a zero-initialised output, so a token's sum runs over its experts in ascending
+    id order whatever the other tokens are.
+    """
+    weights = topk_weights
+    out = torch.zeros_like(hidden)
+    for expert in torch.unique(topk_ids).tolist():
+        slot, token = torch.where((topk_ids == expert).t())
+        activated = silu_and_mul(linear(hidden[token], w13[expert]))
+        out.index_add_(0, token, (linear(activated, w2[expert]) * weights[token, slot, None]).to(out.dtype))
+    return out
+
+
+_OVERRIDES: dict[Callable, Callable] = {
+    F.linear: linear,
+    F.silu: lambda x, inplace=False: silu(x),
+    torch.cos: cos,
+    torch.Tensor.cos: cos,
+    torch.sin: sin,
+    torch.Tensor.sin: sin,
+    torch.exp: exp,
+    torch.Tensor.exp: exp,
+    torch.sigmoid: sigmoid,
+    torch.Tensor.sigmoid: sigmoid,
+}
+
+
+class InvariantMode(TorchFunctionMode):
+    """Routes the ops of :data:`_OVERRIDES` (called the plain way, no ``out=``) to their invariant twins;
+    inside the handler the mode is off, so the twins call the plain ops."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        replacement = _OVERRIDES.get(func)
+        if replacement is not None and "out" not in kwargs:
+            return replacement(*args, **kwargs)
+        return func(*args, **kwargs)

@@ -1,0 +1,123 @@
+"""One target request run in an engine beside random other traffic, and the same tokens through ``transformers``."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+
+import torch
+
+from megatron_serve import DynamicInferenceRequest, InferenceConfig, SamplingParams
+from megatron_serve.engine.core import DynamicInferenceEngine
+
+from ..devices import tensor_parallel_device
+
+TARGET_TOKENS = 16
+PREFIX = 32  # tokens of the target's prompt a warm-up request leaves in the prefix cache (two 16-token blocks)
+
+
+def target_params(sampled: bool) -> SamplingParams:
+    """Greedy, or sampled at temperature 1 with a seed (its draws are its own, whatever the batch)."""
+    return SamplingParams(temperature=1.0 if sampled else 0.0, seed=7 if sampled else None,
+                          num_tokens_to_generate=TARGET_TOKENS, ignore_eos=True, return_log_probs=True)
+
+
+@dataclass
+class Setup:
+    """How the target runs: the engine's settings and the traffic around it."""
+
+    others: int = 0
+    max_batch_tokens: int = 512  # the prefill chunk: a prompt longer than this is split
+    async_scheduling: bool = True
+    num_kv_blocks: int | None = None  # small: requests are preempted and recomputed
+    prefix_hit: bool = False  # the target's first blocks are in the prefix cache when it arrives
+    tensor_parallel_size: int = 1
+    extra: dict = field(default_factory=dict)
+
+    def describe(self) -> str:
+        parts = [f"{self.others} others", f"chunk {self.max_batch_tokens}"]
+        parts += ["serial loop"] if not self.async_scheduling else []
+        parts += [f"{self.num_kv_blocks} KV blocks"] if self.num_kv_blocks else []
+        parts += ["prefix hit"] if self.prefix_hit else []
+        parts += [f"TP={self.tensor_parallel_size}"] if self.tensor_parallel_size > 1 else []
+        return ", ".join(parts)
+
+
+@dataclass
+class TargetRun:
+    prompt: list[int]
+    tokens: list[int]
+    log_probs: list[float]
+    preemptions: int
+
+
+def target_prompt(seed: int = 1) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(5, 500) for _ in range(40)]
+
+
+def run_target(model_dir: str, dtype: str, invariant: bool, setup: Setup, sampled: bool = False) -> TargetRun:
+    """The target's tokens and log probs with ``setup``'s traffic around it (others arrive with it, half before)."""
+    config = InferenceConfig(dtype=dtype, device=tensor_parallel_device(setup.tensor_parallel_size),
+                             batch_invariant=invariant, block_size_tokens=16,
+                             max_batch_tokens=setup.max_batch_tokens, async_scheduling=setup.async_scheduling,
+                             num_kv_blocks=setup.num_kv_blocks, tensor_parallel_size=setup.tensor_parallel_size,
+                             **setup.extra)
+    engine = DynamicInferenceEngine.from_model_dir(model_dir, config)
+    try:
+        rng = random.Random(setup.others)
+        prompt = target_prompt()
+        if setup.prefix_hit:
+            _run(engine, [DynamicInferenceRequest("warm", None, prompt[:PREFIX] + [3], target_params(False))])
+        requests = []
+        for index in range(setup.others):
+            length = rng.randrange(3, 60)
+            params = SamplingParams(temperature=1.0, seed=index if index % 2 else None, ignore_eos=True,
+                                    num_tokens_to_generate=rng.randrange(1, 24))
+            requests.append(DynamicInferenceRequest(f"other-{index}", None,
+                                                    [rng.randrange(5, 500) for _ in range(length)], params))
+        target = DynamicInferenceRequest("target", None, prompt, target_params(sampled))
+        requests.insert(len(requests) // 2, target)
+        _run(engine, requests)
+        if setup.prefix_hit:
+            assert target.cached_tokens == PREFIX, f"the target found {target.cached_tokens} cached tokens"
+        return TargetRun(prompt, target.generated_tokens, target.generated_log_probs,
+                         engine.stats.counters["num_preemptions"])
+    finally:
+        engine.shutdown()
+
+
+def _run(engine: DynamicInferenceEngine, requests: list[DynamicInferenceRequest]) -> None:
+    for request in requests:
+        engine.add_request(request)
+    while engine.has_unfinished_requests():
+        engine.step()
+
+
+def trainer_log_probs(model_dir: str, dtype: str, run: TargetRun, invariant: bool) -> list[float]:
+    """What a trainer computes for the run's tokens: a teacher-forced ``transformers`` forward over prompt +
+    completion, ``log_softmax(logits.float())`` at each completion token; with ``invariant`` under
+    ``batch_invariant()`` and ``megatron_invariant`` attention, else as it loads by default."""
+    import transformers  # noqa: PLC0415 - the trainer's library, only where a test plays the trainer
+
+    from megatron_serve.invariant import ATTENTION_NAME, batch_invariant  # noqa: PLC0415
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        model_dir, dtype=getattr(torch, dtype), attn_implementation=ATTENTION_NAME if invariant else "sdpa")
+    model = model.to(tensor_parallel_device(1)).eval()  # where the engine ran
+    ids = torch.tensor([run.prompt + run.tokens], device=model.device)
+    with torch.inference_mode():
+        if invariant:
+            with batch_invariant():
+                logits = model(ids).logits
+        else:
+            logits = model(ids).logits
+    log_probs = torch.log_softmax(logits.float(), -1)[0]
+    start = len(run.prompt) - 1
+    return [log_probs[start + i, token].item() for i, token in enumerate(run.tokens)]
+
+
+def differing(a: list[float], b: list[float]) -> int:
+    """How many positions differ at all (``!=`` on the floats)."""
+    assert len(a) == len(b), f"{len(a)} log probs against {len(b)}"
+    return sum(x != y for x, y in zip(a, b))

@@ -1,0 +1,50 @@
+"""How ``--batch-invariant`` is switched on: the config field, vLLM's environment variable, the CLI, the fleet's argv."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from megatron_serve import InferenceConfig
+from megatron_serve.commands.engine_options import add_engine_options, inference_config_from_args
+from megatron_serve.engine.core import DynamicInferenceEngine
+from megatron_serve.fleet.argv import inference_config_to_argv
+from megatron_serve.model import UnsupportedModelError
+
+
+@pytest.mark.parametrize(("env", "expected"), [(None, False), ("0", False), ("1", True)])
+def test_vllm_batch_invariant_sets_the_default(monkeypatch, env, expected):
+    if env is None:
+        monkeypatch.delenv("VLLM_BATCH_INVARIANT", raising=False)
+    else:
+        monkeypatch.setenv("VLLM_BATCH_INVARIANT", env)
+    assert InferenceConfig(device="cpu").batch_invariant is expected
+    assert InferenceConfig(device="cpu", batch_invariant=not expected).batch_invariant is not expected
+
+
+def test_bad_values_are_rejected_by_name(monkeypatch):
+    monkeypatch.setenv("VLLM_BATCH_INVARIANT", "yes")
+    with pytest.raises(ValueError, match="VLLM_BATCH_INVARIANT must be 0 or 1"):
+        InferenceConfig(device="cpu")
+    monkeypatch.delenv("VLLM_BATCH_INVARIANT")
+    with pytest.raises(ValueError, match="batch_invariant must be true or false"):
+        InferenceConfig(device="cpu", batch_invariant="yes")
+
+
+@pytest.mark.parametrize(("argv", "env", "expected"), [([], "1", True), ([], "0", False), (["--batch-invariant"], "0", True),
+                                                       (["--no-batch-invariant"], "1", False)])
+def test_the_flag_overrides_the_environment_and_crosses_to_engines(monkeypatch, argv, env, expected):
+    monkeypatch.setenv("VLLM_BATCH_INVARIANT", env)
+    parser = argparse.ArgumentParser()
+    add_engine_options(parser)
+    config = inference_config_from_args(parser.parse_args(["--device", "cpu", *argv]))
+    assert config.batch_invariant is expected
+    monkeypatch.setenv("VLLM_BATCH_INVARIANT", "0" if expected else "1")  # an engine's own environment differs
+    rebuilt = inference_config_from_args(parser.parse_args(inference_config_to_argv(config)))
+    assert rebuilt.to_dict() == config.to_dict()
+
+
+def test_fp8_weights_are_refused_in_the_mode(models):
+    with pytest.raises(UnsupportedModelError, match="--batch-invariant supports unquantized text models only"):
+        DynamicInferenceEngine.from_model_dir(models["llama"], InferenceConfig(quantization="fp8", batch_invariant=True))

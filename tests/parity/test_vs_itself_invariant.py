@@ -1,0 +1,60 @@
+"""The engine-against-itself search with ``batch_invariant=True`` on both sides: zero log-prob error.
+
+Each row of ``settings.py`` that keeps the arithmetic's inputs (everything but the tensor-parallel
+size, which splits the reductions themselves) runs its case with the mode on under setups A and B;
+every request must come back identical: tokens, log probs, prompt log probs, top log probs and
+expert routing, with ``==``. Vision models are left out (the mode serves text models).
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from megatron_serve import DynamicInferenceRequest
+
+from .cases import Sampling, draw_case
+from .engine_runs import Setup, run_case
+from .settings import SETTINGS, Setting, setting_for
+
+SKIPPED_ROWS = ("TP=1 vs TP=2",)
+
+
+def _invariant(setup: Setup) -> Setup:
+    return Setup({**setup.config, "batch_invariant": True}, setup.kv_pool, setup.busy, setup.kernels)
+
+
+def identical(name: str, a: DynamicInferenceRequest, b: DynamicInferenceRequest) -> str | None:
+    for field in ("generated_tokens", "generated_log_probs", "prompt_log_probs", "generated_top_n_logprobs",
+                  "finish_reason"):
+        if getattr(a, field) != getattr(b, field):
+            return f"{name}: {field} differ under A and B"
+    if (a.routing_indices is None) != (b.routing_indices is None) or (
+            a.routing_indices is not None and a.routing_indices.tolist() != b.routing_indices.tolist()):
+        return f"{name}: the routing differs under A and B"
+    return None
+
+
+def test_engine_equals_itself_bitwise_in_the_batch_invariant_mode(invariant_case_seed, parity, search_case):
+    with search_case("engine against itself, batch-invariant", invariant_case_seed) as scope:
+        model = scope.model
+        if model.spec.vision:
+            pytest.skip("vision models are not served in the batch-invariant mode")
+        name = next(row for row in (setting_for(invariant_case_seed + k, model.spec) for k in itertools.count())
+                    if row not in SKIPPED_ROWS)
+        scope.tally.settings[name] = scope.tally.settings.get(name, 0) + 1
+        setting: Setting = SETTINGS[name]
+        scope.parts.insert(0, f"setting {name!r} (batch-invariant)")
+        case = draw_case(invariant_case_seed, model, Sampling.SEEDED, tensor_parallel=False)
+        scope.parts.append(case.describe())
+        a, b = _invariant(setting.a), _invariant(setting.b)
+        placement = parity.placement.for_config(a.config_for(case)).for_config(b.config_for(case))
+        results_a = run_case(case, model, a, placement)
+        results_b = run_case(case, model, b, placement)
+        for draw in case.requests:
+            scope.tally.observe(results_b[draw.name])
+            scope.tally.tokens += len(results_b[draw.name].generated_tokens)
+        problems = [identical(draw.name, results_a[draw.name], results_b[draw.name]) for draw in case.requests]
+        problems = [p for p in problems if p]
+        assert not problems, "\n".join(problems)
