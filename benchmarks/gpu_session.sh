@@ -38,7 +38,7 @@ case ${1:-tests} in
       tests/kernels tests/runtime/test_cuda_graphs.py tests/runtime/test_hf_parity.py tests/runtime/test_moe.py \
       tests/runtime/test_vision_parity.py tests/runtime/test_expert_routing.py tests/runtime/test_engine.py \
       tests/runtime/test_sampler.py tests/runtime/test_refit.py tests/parallel/test_tensor_parallel.py tests/runtime/test_structured_output.py \
-      tests/runtime/test_step_paths.py tests/runtime/test_kernel_warmup.py
+      tests/runtime/test_step_paths.py tests/runtime/test_kernel_warmup.py tests/runtime/test_step_never_waits.py
     step parity 540 python3 -m pytest -q -p no:cacheprovider -rfE tests/parity --parity-device cuda \
       --parity-dtype bfloat16 --parity-cases 1000
     ;;

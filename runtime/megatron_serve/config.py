@@ -7,6 +7,8 @@ from typing import Any
 
 import torch
 
+from .wire.sampling_params import LOGPROBS_MODES
+
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 QUANTIZATIONS = ("fp8",)  # quantize a checkpoint's linear layers at load (vLLM's --quantization)
 KV_CACHE_DTYPES = {"auto": "auto", "fp8": "fp8", "fp8_e4m3": "fp8"}  # vLLM's spellings -> ours (fp8 is e4m3)
@@ -58,6 +60,7 @@ class InferenceConfig:
     seed: int = 0
     quantization: str | None = None
     kv_cache_dtype: str = "auto"
+    logprobs_mode: str = "raw_logprobs"  # one of LOGPROBS_MODES
 
     def __post_init__(self) -> None:
         if self.device is None:
@@ -91,6 +94,8 @@ class InferenceConfig:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         self.kv_cache_dtype = KV_CACHE_DTYPES[self.kv_cache_dtype]
+        if self.logprobs_mode not in LOGPROBS_MODES:
+            raise ValueError(f"logprobs_mode must be one of {', '.join(LOGPROBS_MODES)}, got {self.logprobs_mode!r}")
 
     def to_dict(self) -> dict[str, Any]:
         """Plain values only, so the config can cross a process boundary (msgpack, argv)."""

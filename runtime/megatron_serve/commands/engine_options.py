@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 from typing import TYPE_CHECKING
 
+from ..wire.sampling_params import LOGPROBS_MODES
 from .aliases import add_option
 from .vllm_options import Scope, add_vllm_options
 
@@ -54,7 +55,11 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
                        help="schedule and launch the next step while the current one runs (the host's work "
                             "overlaps the GPU's; --no-async-scheduling: one step at a time)")
-    group.add_argument("--seed", type=int, default=0, help="seed of sampling without a per-request seed")
+    group.add_argument("--seed", type=int, default=0, help="seeds the seeds drawn for requests that give none")
+    group.add_argument("--logprobs-mode", choices=LOGPROBS_MODES, default="raw_logprobs",
+                       help="what reported log probs are taken from: the model's logits (raw) or those after logit "
+                            "bias, penalties, grammar, temperature, min-p, top-k and top-p (processed); as log probs "
+                            "or as logits")
     add_vllm_options(parser, Scope.ENGINE)
 
 
@@ -69,7 +74,7 @@ def inference_config_from_args(args: argparse.Namespace, tensor_parallel_size: i
         enable_cuda_graphs=args.cuda_graphs, cuda_graph_sizes=args.cuda_graph_sizes,
         async_scheduling=args.async_scheduling, tensor_parallel_size=tensor_parallel_size, seed=args.seed,
         quantization=None if args.quantization in (None, "auto", "none") else args.quantization,
-        kv_cache_dtype=args.kv_cache_dtype,
+        kv_cache_dtype=args.kv_cache_dtype, logprobs_mode=args.logprobs_mode,
     )
 
 

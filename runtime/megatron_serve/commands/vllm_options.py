@@ -161,6 +161,9 @@ VLLM_OPTIONS: tuple[VllmOption, ...] = (
                "or a directory", example=("--generation-config", "auto")),
     VllmOption(("--stream-interval",), _IMPLEMENTED, "tokens per streamed chunk; a choice's first token goes at once",
                example=("--stream-interval", "2")),
+    VllmOption(("--logprobs-mode",), _IMPLEMENTED, "`raw_logprobs` (default), `processed_logprobs`, `raw_logits`, "
+               "`processed_logits`: log probs or logits, of the model's logits or of those after logit bias, "
+               "penalties, grammar, temperature, min-p, top-k and top-p", example=("--logprobs-mode", "processed_logprobs")),
     VllmOption(("--max-logprobs",), _IMPLEMENTED, "most log probs per token a request may ask for (logprobs, "
                "top_logprobs, prompt_logprobs); at most 20 here", example=("--max-logprobs", "5")),
     # ---- defined here: the OpenAI server
