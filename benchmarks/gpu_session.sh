@@ -3,7 +3,7 @@
 #
 #   bash benchmarks/gpu_session.sh tests     # kernels, CUDA graphs (decode and piecewise mixed), step paths, start-up
 #                                            # compile, parity (bf16, 1,000 cases), MoE and VLM tests natively
-#   bash benchmarks/gpu_session.sh serving   # issue 28's targets: served vs offline, 1B shape, c=64 and c=256
+#   bash benchmarks/gpu_session.sh serving   # served vs offline, 1B shape, c=64 (greedy and sampled side by side) and c=256
 #   bash benchmarks/gpu_session.sh bench     # decode roofline (1B), fused MoE, MoE/VLM throughput, weight sync
 #   bash benchmarks/gpu_session.sh fp8       # the FP8 tests natively, then benchmarks/fp8.py's tables (8B shape)
 #   bash benchmarks/gpu_session.sh invariant # --batch-invariant: the invariance and trainer-parity tests, the
@@ -40,7 +40,7 @@ case ${1:-tests} in
       tests/kernels tests/engine/test_cuda_graphs.py tests/model/test_hf_parity.py tests/model/test_moe.py \
       tests/model/test_vision_parity.py tests/wire/test_expert_routing.py tests/engine/test_engine.py \
       tests/engine/test_sampler.py tests/engine/test_refit.py tests/parallel/test_tensor_parallel.py tests/engine/test_structured_output.py \
-      tests/engine/test_step_paths.py tests/engine/test_kernel_warmup.py
+      tests/engine/test_step_paths.py tests/engine/test_kernel_warmup.py tests/engine/test_step_never_waits.py
     step parity 540 python3 -m pytest -q -p no:cacheprovider -rfE tests/parity --parity-device cuda \
       --parity-dtype bfloat16 --parity-cases 1000
     ;;
@@ -49,6 +49,8 @@ case ${1:-tests} in
       --intermediate-size 8192 --vocab-size 128256 --tie-word-embeddings > "$OUT/model.log" 2>&1
     step serving_c64 420 python3 benchmarks/serving.py --model /tmp/llama-1b --concurrency 64 --requests 512 \
       --prompt-tokens 128 --output-tokens 128 --run-args "--dtype bfloat16 --max-num-seqs 64"
+    step serving_c64_sampled 420 python3 benchmarks/serving.py --model /tmp/llama-1b --concurrency 64 --requests 512 \
+      --prompt-tokens 128 --output-tokens 128 --temperature 1 --top-p 0.9 --run-args "--dtype bfloat16 --max-num-seqs 64"
     step serving_c256 420 python3 benchmarks/serving.py --model /tmp/llama-1b --concurrency 256 --requests 1024 \
       --prompt-tokens 128 --output-tokens 128 --run-args "--dtype bfloat16 --max-num-seqs 256"
     step decode_roofline 260 python3 benchmarks/decode_roofline.py --models 1b --batches 1,8,64,256

@@ -2,11 +2,17 @@
 
 Same random weights, same 64 requests of mixed prompt/output lengths, greedy, EOS ignored. Only the
 tokens each request asked for count as useful output for both (static batches also compute padding).
+With sampling options (``--temperature``, ``--top-p``, ``--top-k``, ``--n``, or ``--rl``: temperature 1,
+n 8, outputs of 512-1024 tokens) the engine runs the sampled batch and, in the same run, the same
+prompts and lengths greedily (each prompt ``n`` times), and prints sampled/greedy; transformers is left
+out then.
 ``--arch`` picks the family; the mixture-of-experts ones get ``--experts`` experts of 3/8 of the hidden
 size (rounded to 64: ``transformers``' grouped GEMM needs 16-byte strides), ``--experts-per-token``
 per token (Qwen3-30B-A3B's proportions, scaled down).
 
     python benchmarks/offline_throughput.py [--arch qwen3_moe] [--hidden-size 512 --layers 8] [--hf-batch-size 16]
+    python benchmarks/offline_throughput.py --temperature 1 --top-p 0.9 --n 8 --requests 8
+    python benchmarks/offline_throughput.py --rl --requests 8
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ import random
 import tempfile
 import time
 
+import msgspec
 import torch
 import transformers
 
@@ -38,29 +45,43 @@ def model_shape(args: argparse.Namespace) -> dict:
     return shape
 
 
-def workload(vocab_size: int, count: int, seed: int) -> list[tuple[list[int], int]]:
+def workload(vocab_size: int, count: int, seed: int, outputs: tuple[int, int] = (16, 128)
+             ) -> list[tuple[list[int], int]]:
     rng = random.Random(seed)
-    return [([rng.randrange(5, vocab_size) for _ in range(rng.randint(16, 256))], rng.randint(16, 128))
+    return [([rng.randrange(5, vocab_size) for _ in range(rng.randint(16, 256))], rng.randint(*outputs))
             for _ in range(count)]
 
 
-def run_megatron(model_dir: str, warmup, requests, max_requests: int) -> float:
+def sampling(args: argparse.Namespace) -> SamplingParams | None:
+    """The sampled run's parameters (lengths set per request), or None for greedy only."""
+    if args.rl:
+        args.temperature, args.n = 1.0, 8
+    if not args.temperature:
+        return None
+    return SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, ignore_eos=True)
+
+
+def run_megatron(model_dir: str, warmup, requests, max_requests: int, params: SamplingParams | None = None,
+                 n: int = 1) -> tuple[float, float]:
+    """Wall and CPU seconds of the timed pass (CPU time moves less with other load on a shared machine)."""
     llm = MegatronLLM(model_dir, InferenceConfig(dtype="float32", max_requests=max_requests, max_batch_tokens=1024))
     # An untimed pass over other prompts of the same mix first (no prefix-cache hits): on a GPU it
     # compiles the Triton kernels for the workload's shapes, once per process. Then every request in
     # flight together, each with its own length.
     for timed, requests in ((False, warmup), (True, requests)):
-        started = time.perf_counter()
-        reqs = [DynamicInferenceRequest(f"{timed}-{i}", None, prompt,
-                                        SamplingParams(temperature=0.0, num_tokens_to_generate=n, ignore_eos=True))
-                for i, (prompt, n) in enumerate(requests)]
+        started, cpu_started = time.perf_counter(), time.process_time()
+        base = params or SamplingParams(temperature=0.0, ignore_eos=True)
+        reqs = [DynamicInferenceRequest(f"{timed}-{i}-{choice}", None, prompt, choice_params)
+                for i, (prompt, length) in enumerate(requests)
+                for choice, choice_params in enumerate(msgspec.structs.replace(
+                    base, num_tokens_to_generate=length, n=n).choices())]
         for r in reqs:
             llm.engine.add_request(r)
         while llm.engine.has_unfinished_requests():
             llm.engine.step()
-        elapsed = time.perf_counter() - started
-    assert all(len(r.generated_tokens) == n for r, (_, n) in zip(reqs, requests))
-    return elapsed
+        elapsed, cpu = time.perf_counter() - started, time.process_time() - cpu_started
+    assert [len(r.generated_tokens) for r in reqs] == [length for _, length in requests for _ in range(n)]
+    return elapsed, cpu
 
 
 def run_transformers(model_dir: str, requests, batch_size: int) -> float:
@@ -94,16 +115,41 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=64)
     parser.add_argument("--hf-batch-size", type=int, default=16)
     parser.add_argument("--max-requests", type=int, default=64)
+    parser.add_argument("--temperature", type=float, default=0.0, help="sample (> 0): compared with greedy")
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--top-k", type=int, default=0)
+    parser.add_argument("--n", type=int, default=1, help="samples per prompt (the greedy run repeats each prompt)")
+    parser.add_argument("--rl", action="store_true", help="an RL rollout: temperature 1, n 8, 512-1024 new tokens")
+    parser.add_argument("--repeats", type=int, default=1, help="sampled and greedy runs, alternated (best of each)")
     args = parser.parse_args()
+    sampled_params = sampling(args)
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = str(make_tiny_model(tmp, seed=0, **model_shape(args)))
         hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir)
         params = sum(p.numel() for p in hf.parameters())
         experts = getattr(hf.config, "_experts_implementation", None)  # transformers' MoE path (grouped_mm or eager)
         del hf
-        requests = workload(512, args.requests, seed=0)
-        useful = sum(n for _, n in requests)
-        ours = run_megatron(model_dir, workload(512, args.requests, seed=1), requests, args.max_requests)
+        outputs = (512, 1024) if args.rl else (16, 128)
+        requests = workload(512, args.requests, seed=0, outputs=outputs)
+        warmup = workload(512, args.requests, seed=1, outputs=outputs)
+        useful = sum(n for _, n in requests) * args.n
+        if sampled_params is not None:  # sampled, then greedy over the same prompts and lengths
+            runs: dict[str, list[tuple[float, float]]] = {"greedy": [], "sampled": []}
+            for _ in range(args.repeats):  # alternated, best of each: load on a shared machine comes and goes
+                runs["sampled"].append(run_megatron(model_dir, warmup, requests, args.max_requests, sampled_params,
+                                                    args.n))
+                runs["greedy"].append(run_megatron(model_dir, warmup, requests, args.max_requests, None, args.n))
+            (greedy, greedy_cpu), (sampled, sampled_cpu) = (min(runs[k]) for k in ("greedy", "sampled"))
+            greedy_cpu, sampled_cpu = (min(cpu for _, cpu in runs[k]) for k in ("greedy", "sampled"))
+            print(f"model: {args.arch}, {params / 1e6:.1f}M parameters, {args.requests} prompts x n {args.n}, "
+                  f"{useful} generated tokens, torch threads {torch.get_num_threads()}, best of {args.repeats}")
+            print(f"{'run':<60}{'seconds':>10}{'tokens/s':>12}{'CPU s':>10}")
+            print(f"{'greedy':<60}{greedy:>10.2f}{useful / greedy:>12.1f}{greedy_cpu:>10.2f}")
+            print(f"{f'sampled (temperature {args.temperature}, top-p {args.top_p}, top-k {args.top_k})':<60}"
+                  f"{sampled:>10.2f}{useful / sampled:>12.1f}{sampled_cpu:>10.2f}")
+            print(f"sampled/greedy throughput: {greedy / sampled:.3f} (wall), {greedy_cpu / sampled_cpu:.3f} (CPU time)")
+            return
+        ours, _ = run_megatron(model_dir, warmup, requests, args.max_requests)
         theirs = run_transformers(model_dir, requests, args.hf_batch_size)
     print(f"model: {args.arch}, {params / 1e6:.1f}M parameters, {args.requests} requests, {useful} generated tokens, "
           f"torch threads {torch.get_num_threads()}" + (f", transformers experts: {experts}" if experts else ""))

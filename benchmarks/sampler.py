@@ -1,7 +1,8 @@
 """Sampling a whole batch at once against sampling it row by row, in the same process.
 
 The row-by-row baseline calls the same ``Sampler`` once per request, which is what a per-row loop
-costs: a device round trip per row. Prints milliseconds per step and the ratio, for greedy,
+costs: a device round trip per row. Each request holds a slot of one ``SamplingState`` (bound once,
+before the timing), as in the engine. Prints milliseconds per step and the ratio, for greedy,
 temperature + top-p, and seeded rows, on CUDA when present, else CPU.
 
     python benchmarks/sampler.py
@@ -16,6 +17,7 @@ import time
 import torch
 
 from megatron_serve.engine.sampler import Sampler
+from megatron_serve.engine.sampling_state import SamplingState
 from megatron_serve.wire.sampling_params import SamplingParams
 
 MIXES = {
@@ -45,15 +47,19 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     logits = torch.randn(args.batch, args.vocab, device=device) * 3
-    sampler = Sampler(0, device)
     indices = list(range(args.batch))
     print(f"device {device}; batch {args.batch}; vocab {args.vocab}; ms per step")
     print(f"{'rows':>20} {'batched':>9} {'per row':>9} {'speed-up':>9}")
     for name, make in MIXES.items():
-        params = [make(i) for i in range(args.batch)]
-        batched = seconds_per_step(lambda: sampler.sample(logits, params, indices), device, args.iters)
+        state = SamplingState(args.vocab, device, args.batch)
+        sampler = Sampler(state)
+        keys = [str(i) for i in indices]
+        for i, key in enumerate(keys):
+            state.add(key, make(i), i, [], [], ())
+        batched = seconds_per_step(lambda: sampler.launch(logits, state.rows(keys, indices, indices)).read(), device,
+                                   args.iters)
         per_row = seconds_per_step(
-            lambda: [sampler.sample(logits[i : i + 1], params[i : i + 1], indices[i : i + 1])
+            lambda: [sampler.launch(logits[i : i + 1], state.rows(keys[i : i + 1], [i], [i])).read()
                      for i in range(args.batch)], device, args.iters)
         print(f"{name:>20} {batched * 1e3:9.2f} {per_row * 1e3:9.2f} {per_row / batched:8.2f}x")
     return 0

@@ -4,7 +4,8 @@ the same workload run offline in the same run.
 Each level keeps ``C`` streamed completions in flight (closed loop: a client sends its next request
 when the previous one ends) until its requests have finished. Prompts are random token ids drawn
 from the served model's vocabulary (its ``config.json``, or with ``--url`` and no ``--model``, the
-largest id its ``/detokenize`` accepts); outputs are greedy with EOS ignored, of the same length
+largest id its ``/detokenize`` accepts); outputs are greedy (or sampled: ``--temperature``, ``--top-p``,
+``--top-k``, ``--n``; ``--rl``: temperature 1, n 8, 1,024 output tokens) with EOS ignored, of the same length
 (``uniform``) or spread over half to one and a half times ``--output-tokens`` (``staggered``: requests
 finish and start nearly every step, as online). The same prompts and lengths then run offline: an
 engine in this process, the requests added at once with ``C`` running at most, stepped until done
@@ -29,6 +30,7 @@ breaks does not cut an event.
     python benchmarks/serving.py                                   # starts `megatron-serve run` on a tiny model
     python benchmarks/serving.py --model DIR --run-args "--dtype bfloat16 --num-kv-blocks 4096" --concurrency 64
     python benchmarks/serving.py --url http://127.0.0.1:8000 --model DIR    # a running server (offline from DIR)
+    python benchmarks/serving.py --rl --concurrency 8                # RL rollouts: temperature 1, n 8, long outputs
 """
 
 from __future__ import annotations
@@ -73,13 +75,35 @@ class Cost:
 
 
 @dataclass
+class Sampling:
+    """How every request samples: greedy at temperature 0; ``n`` choices per request."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    n: int = 1
+
+    def body(self) -> dict:
+        """The completion request's sampling fields (vLLM's ``top_k`` among them)."""
+        return {"temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k, "n": self.n}
+
+    def describe(self) -> str:
+        if not self.temperature:
+            return "greedy" + (f", n {self.n}" if self.n > 1 else "")
+        return f"sampled (temperature {self.temperature}, top-p {self.top_p}, top-k {self.top_k}, n {self.n})"
+
+
+SAMPLING = Sampling()  # set once from the command line
+
+
+@dataclass
 class Workload:
     prompts: list[list[int]]
-    lengths: list[int]  # output tokens of each request
+    lengths: list[int]  # output tokens of each choice of each request
 
     @property
     def tokens(self) -> int:
-        return sum(self.lengths)
+        return sum(self.lengths) * SAMPLING.n
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -148,8 +172,8 @@ class EventStream:
 
 
 async def one_request(http: httpx.AsyncClient, model: str, prompt: list[int], output_tokens: int) -> Sample:
-    body = {"model": model, "prompt": prompt, "max_tokens": output_tokens, "temperature": 0, "stream": True,
-            "ignore_eos": True, "stream_options": {"include_usage": True}}
+    body = {"model": model, "prompt": prompt, "max_tokens": output_tokens, "stream": True, "ignore_eos": True,
+            "stream_options": {"include_usage": True}, **SAMPLING.body()}
     started = time.perf_counter()
     first = last = None
     tokens = 0
@@ -172,7 +196,8 @@ async def one_request(http: httpx.AsyncClient, model: str, prompt: list[int], ou
     end = time.perf_counter()
     if first is None or tokens == 0:
         raise RuntimeError("no tokens streamed")
-    tpot = (last - first) / (tokens - 1) if tokens > 1 else None
+    per_choice = tokens // SAMPLING.n  # the choices stream side by side
+    tpot = (last - first) / (per_choice - 1) if per_choice > 1 else None
     return Sample(first - started, tpot, end - started, tokens)
 
 
@@ -225,9 +250,11 @@ def offline_tokens_per_s(model_dir: str, run_args: str, work: Workload, concurre
     try:
         elapsed = cpu = 0.0
         for timed, part in ((False, warmup), (True, work)):
-            requests = [DynamicInferenceRequest(f"{timed}-{i}", None, prompt, SamplingParams(
-                temperature=0.0, num_tokens_to_generate=length, ignore_eos=True))
-                for i, (prompt, length) in enumerate(zip(part.prompts, part.lengths))]
+            requests = [DynamicInferenceRequest(f"{timed}-{i}-{choice}", None, prompt, params)
+                        for i, (prompt, length) in enumerate(zip(part.prompts, part.lengths))
+                        for choice, params in enumerate(SamplingParams(
+                            temperature=SAMPLING.temperature, top_p=SAMPLING.top_p, top_k=SAMPLING.top_k,
+                            n=SAMPLING.n, num_tokens_to_generate=length, ignore_eos=True).choices())]
             started, cpu_started = time.perf_counter(), time.process_time()
             for request in requests:
                 engine.add_request(request)
@@ -431,7 +458,7 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=0, help="requests per level (default: 4 x concurrency, "
                                                                "at least 16)")
     parser.add_argument("--prompt-tokens", type=int, default=128)
-    parser.add_argument("--output-tokens", type=int, default=64)
+    parser.add_argument("--output-tokens", type=int, default=None, help="default 64 (--rl: 1024)")
     parser.add_argument("--lengths", choices=[*LENGTHS, "both"], default="both",
                         help="output lengths: all --output-tokens, or staggered around it")
     parser.add_argument("--vocab-size", type=int, default=0, help="prompt ids are drawn below this (default: the "
@@ -442,7 +469,17 @@ def main() -> None:
                                                               "OMP_NUM_THREADS and its kin; default 1)")
     parser.add_argument("--no-pin", dest="pin", action="store_false",
                         help="do not pin engines, servers and coordinator to cores of their own")
+    parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--top-k", type=int, default=0)
+    parser.add_argument("--n", type=int, default=1, help="choices per request")
+    parser.add_argument("--rl", action="store_true", help="RL rollouts: temperature 1, n 8, 1024 output tokens")
     args = parser.parse_args()
+    if args.rl:
+        args.temperature, args.n = 1.0, 8
+    args.output_tokens = args.output_tokens or (1024 if args.rl else 64)
+    global SAMPLING  # noqa: PLW0603 - one setting for the whole run
+    SAMPLING = Sampling(args.temperature, args.top_p, args.top_k, args.n)
     if args.threads < 1:
         parser.error(f"--threads must be >= 1, got {args.threads}")
     for name in THREAD_VARIABLES:  # before torch loads here, and inherited by the started stack
@@ -504,7 +541,7 @@ def main() -> None:
             print(f"served {mix} concurrency {c}: {len(samples)} requests in {elapsed:.1f}s", file=sys.stderr,
                   flush=True)
         print(f"\nmodel {model}: prompt {args.prompt_tokens} tokens, output {args.output_tokens} tokens (staggered: "
-              f"{args.output_tokens // 2}-{args.output_tokens * 3 // 2}), greedy, EOS ignored, streamed over {url}; "
+              f"{args.output_tokens // 2}-{args.output_tokens * 3 // 2}), {SAMPLING.describe()}, EOS ignored, streamed over {url}; "
               f"offline: an engine in this process with the same engine options\n{setting}\n")
         print_table(rows)
         for c in levels:

@@ -8,6 +8,8 @@ from typing import Any
 
 import torch
 
+from .wire.sampling_params import LOGPROBS_MODES
+
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 QUANTIZATIONS = ("fp8",)  # quantize a checkpoint's linear layers at load (vLLM's --quantization)
 KV_CACHE_DTYPES = {"auto": "auto", "fp8": "fp8", "fp8_e4m3": "fp8"}  # vLLM's spellings -> ours (fp8 is e4m3)
@@ -77,6 +79,7 @@ class InferenceConfig:
     kv_cache_dtype: str = "auto"
     verify_logprobs_fraction: float = 0.0  # finished requests scored again and compared bitwise (engine.logprob_parity)
     batch_invariant: bool = field(default_factory=batch_invariant_from_env)
+    logprobs_mode: str = "raw_logprobs"  # one of LOGPROBS_MODES
 
     def __post_init__(self) -> None:
         if self.device is None:
@@ -114,6 +117,8 @@ class InferenceConfig:
         if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0.0 <= fraction <= 1.0:
             raise ValueError(f"verify_logprobs_fraction must be a number in [0, 1], got {fraction!r}")
         self.verify_logprobs_fraction = float(fraction)
+        if self.logprobs_mode not in LOGPROBS_MODES:
+            raise ValueError(f"logprobs_mode must be one of {', '.join(LOGPROBS_MODES)}, got {self.logprobs_mode!r}")
 
     def to_dict(self) -> dict[str, Any]:
         """Plain values only, so the config can cross a process boundary (msgpack, argv)."""

@@ -105,7 +105,8 @@ def test_n_seeds_lists_and_truncation(llm):
     sampled = SamplingParams(max_tokens=6, temperature=1.0, seed=11, n=3)
     outs = llm.generate(["Hello", "The quick brown fox"], sampled)
     assert len(outs) == 6 and [o.prompt for o in outs] == ["Hello"] * 3 + ["The quick brown fox"] * 3
-    assert [o.sampling_params.seed for o in outs[:3]] == [11, 12, 13]  # seeded choices differ, as over HTTP
+    # one seed, a stream per choice (keyed on seed, sample index and position), as over HTTP
+    assert [(o.sampling_params.seed, o.sampling_params.sample_index) for o in outs[:3]] == [(11, 0), (11, 1), (11, 2)]
     again = llm.generate("Hello", sampled)  # a list of n, even for one prompt
     assert [o.generated_tokens for o in again] == [o.generated_tokens for o in outs[:3]]
     per_prompt = llm.generate(["Hello", "Hi"], [SamplingParams(max_tokens=2, temperature=0),

@@ -6,8 +6,9 @@ import pytest
 import torch
 
 from megatron_serve import InferenceConfig, MegatronLLM, SamplingParams
-from megatron_serve.engine.sampler import _filtered_probs
-from megatron_serve.engine.logits_processors import RowContext, apply_controls, apply_token_bitmask, unpack_bitmask
+from megatron_serve.engine.sampler import filtered_logits
+from megatron_serve.engine.sampling_state import SamplingState
+from megatron_serve.engine.logits_processors import apply_controls, apply_token_bitmask, unpack_bitmask
 
 from ..prompts import PROMPTS, run_requests
 
@@ -59,14 +60,24 @@ def test_min_tokens_holds_off_the_stop_token_and_stop_token_ids_end_generation(l
     assert len(held.generated_tokens) >= 10
 
 
+def controlled(logits: torch.Tensor, rows: list[tuple[SamplingParams, list[int], list[int], frozenset[int]]]
+               ) -> torch.Tensor:
+    """``apply_controls`` over one request per row: (params, prompt, output so far, stop token ids)."""
+    state = SamplingState(logits.shape[-1], torch.device("cpu"))
+    for index, (params, prompt, output, stop) in enumerate(rows):
+        state.add(str(index), params, 0, prompt, output, stop)
+    step = state.rows([str(i) for i in range(len(rows))], [0] * len(rows), [len(row[2]) for row in rows])
+    return apply_controls(logits, state, step)
+
+
 def test_controls_match_a_row_by_row_reference():
     torch.manual_seed(0)
     logits = torch.randn(3, 50)
-    rows = [RowContext(SamplingParams(presence_penalty=0.5, frequency_penalty=0.25), [1, 2], [3, 3, 4], frozenset(), 3),
-            RowContext(SamplingParams(), [1], [5], frozenset({7}), 1),
-            RowContext(SamplingParams(repetition_penalty=1.5, logit_bias={9: -3.0}, min_tokens=2), [2, 8], [6],
-                       frozenset({0, 7}), 1)]
-    out = apply_controls(logits, rows)
+    rows = [(SamplingParams(presence_penalty=0.5, frequency_penalty=0.25), [1, 2], [3, 3, 4], frozenset()),
+            (SamplingParams(), [1], [5], frozenset({7})),
+            (SamplingParams(repetition_penalty=1.5, logit_bias={9: -3.0}, min_tokens=2), [2, 8], [6],
+             frozenset({0, 7}))]
+    out = controlled(logits, rows)
     expected = logits.clone()
     expected[0, 3] -= 0.5 + 2 * 0.25
     expected[0, 4] -= 0.5 + 0.25
@@ -76,7 +87,7 @@ def test_controls_match_a_row_by_row_reference():
         value = expected[2, token]
         expected[2, token] = value / 1.5 if value > 0 else value * 1.5
     torch.testing.assert_close(out, expected)
-    assert apply_controls(logits, [RowContext(SamplingParams(), [], [], frozenset(), 0)] * 3) is logits
+    assert controlled(logits, [(SamplingParams(), [], [], frozenset())] * 3) is logits
 
 
 def test_bitmask_unpacks_every_bit_including_the_sign_bit():
@@ -87,15 +98,15 @@ def test_bitmask_unpacks_every_bit_including_the_sign_bit():
         words[0, token // 32] |= 1 << (token % 32)
     bitmask = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
     assert set(unpack_bitmask(bitmask, vocab)[0].nonzero().flatten().tolist()) == allowed
-    logits = torch.zeros(2, vocab)
-    apply_token_bitmask(logits, [1], bitmask)
+    logits = apply_token_bitmask(torch.zeros(2, vocab), torch.cat([torch.full_like(bitmask, -1), bitmask]))
     assert torch.isfinite(logits[0]).all()
     assert set(torch.isfinite(logits[1]).nonzero().flatten().tolist()) == allowed
 
 
 def test_min_p_keeps_only_tokens_near_the_most_likely():
     logits = torch.tensor([[0.5, 0.3, 0.2, 0.0], [0.5, 0.3, 0.2, 0.0]]).log()
-    probs = _filtered_probs(logits, [SamplingParams(min_p=0.5), SamplingParams()])
+    probs = filtered_logits(logits, torch.tensor([0, 0]), torch.tensor([1.0, 1.0]), torch.tensor([0.5, 0.0]),
+                            max_top_k=0, any_top_p=False, any_min_p=True).softmax(-1)
     torch.testing.assert_close(probs[0], torch.tensor([0.625, 0.375, 0.0, 0.0]))
     torch.testing.assert_close(probs[1], torch.tensor([0.5, 0.3, 0.2, 0.0]))
 

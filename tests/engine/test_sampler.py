@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_serve.engine.sampler import Sampler
+from megatron_serve.engine.sampler import SampleResult, Sampler
+from megatron_serve.engine.sampling_state import SamplingState
 from megatron_serve.wire.sampling_params import SamplingParams
 
 VOCAB = 12
@@ -13,9 +14,18 @@ VOCAB = 12
 LOGITS = torch.arange(VOCAB, dtype=torch.float32) / 2
 
 
+def sample(logits: torch.Tensor, params: list[SamplingParams], positions: list[int],
+           logprobs_mode: str = "raw_logprobs") -> SampleResult:
+    """Each row a request of its own (an unseeded one seeded by its row number), sampled in one batch."""
+    state = SamplingState(logits.shape[-1], torch.device("cpu"))
+    for row, sp in enumerate(params):
+        state.add(str(row), sp, row if sp.seed is None else sp.seed, [], [], ())
+    rows = state.rows([str(row) for row in range(len(params))], positions, [0] * len(params))
+    return Sampler(state, logprobs_mode).launch(logits, rows).read()
+
+
 def draw_many(params: SamplingParams, rows: int = 4000) -> torch.Tensor:
-    sampler = Sampler(seed=0, device=torch.device("cpu"))
-    result = sampler.sample(LOGITS.expand(rows, VOCAB).clone(), [params] * rows, [0] * rows)
+    result = sample(LOGITS.expand(rows, VOCAB).clone(), [params] * rows, [0] * rows)
     return torch.tensor(result.token_ids)
 
 
@@ -55,13 +65,13 @@ def test_a_mixed_batch_treats_each_row_by_its_own_parameters():
     batch = torch.stack([LOGITS, shuffled, LOGITS, shuffled, LOGITS])
     params = [greedy, seeded, degenerate, tight, SamplingParams(temperature=2.0, seed=9)]
 
-    result = Sampler(0, torch.device("cpu")).sample(batch, params, [0, 4, 0, 0, 7])
+    result = sample(batch, params, [0, 4, 0, 0, 7])
 
     assert result.token_ids[0] == 11
     assert result.token_ids[2] == 11  # no finite distribution: the greedy choice, not an error
     assert result.token_ids[3] == int(shuffled.argmax())
-    alone = Sampler(123, torch.device("cpu")).sample(shuffled[None], [seeded], [4])
-    assert result.token_ids[1] == alone.token_ids[0]  # a seeded row ignores its batch and the engine seed
+    alone = sample(shuffled[None], [seeded], [4])
+    assert result.token_ids[1] == alone.token_ids[0]  # a seeded row ignores its batch
     log_probs = batch.log_softmax(-1)
     assert result.log_probs[0] == pytest.approx(float(log_probs[0, 11]))
     assert result.log_probs[1] == pytest.approx(float(log_probs[1, result.token_ids[1]]))
@@ -70,11 +80,9 @@ def test_a_mixed_batch_treats_each_row_by_its_own_parameters():
     assert result.top_n[1] is None
 
 
-def test_seeded_draws_change_with_the_token_index_and_repeat_with_it():
+def test_seeded_draws_change_with_the_position_and_repeat_with_it():
     params = SamplingParams(temperature=1.0, seed=42)
-    sampler = Sampler(0, torch.device("cpu"))
-    draws = [sampler.sample(LOGITS[None].clone(), [params], [index]).token_ids[0] for index in range(40)]
-    again = [Sampler(7, torch.device("cpu")).sample(LOGITS[None].clone(), [params], [index]).token_ids[0]
-             for index in range(40)]
+    draws = [sample(LOGITS[None].clone(), [params], [index]).token_ids[0] for index in range(40)]
+    again = [sample(LOGITS[None].clone(), [params], [index]).token_ids[0] for index in range(40)]
     assert draws == again
     assert len(set(draws)) > 3

@@ -460,7 +460,8 @@ async def test_degenerate_sampling_values_mean_greedy_and_seeds_differ_per_choic
     (_, first), (_, second) = backend.submitted
     assert first.is_greedy  # the engine decodes such temperatures greedily, never logits / 5e-324
     assert first.stop_words == ["x"] and first.num_tokens_to_generate == 2
-    assert {first.seed, second.seed} == {(-3) % 2**63, (-2) % 2**63}
+    assert {(first.seed, first.sample_index), (second.seed, second.sample_index)} == {((-3) % 2**63, 0),
+                                                                                      ((-3) % 2**63, 1)}
 
 
 def test_listening_socket_is_tcp_so_connections_get_nodelay():

@@ -165,6 +165,9 @@ VLLM_OPTIONS: tuple[VllmOption, ...] = (
                example=("--stream-interval", "2")),
     VllmOption(("--api-server-count",), _IMPLEMENTED, "HTTP server processes sharing the port, each with its own "
                "coordinator client; /metrics stays fleet-wide", example=("--api-server-count", "2")),
+    VllmOption(("--logprobs-mode",), _IMPLEMENTED, "`raw_logprobs` (default), `processed_logprobs`, `raw_logits`, "
+               "`processed_logits`: log probs or logits, of the model's logits or of those after logit bias, "
+               "penalties, grammar, temperature, min-p, top-k and top-p", example=("--logprobs-mode", "processed_logprobs")),
     VllmOption(("--max-logprobs",), _IMPLEMENTED, "most log probs per token a request may ask for (logprobs, "
                "top_logprobs, prompt_logprobs); at most 20 here", example=("--max-logprobs", "5")),
     # ---- defined here: the OpenAI server

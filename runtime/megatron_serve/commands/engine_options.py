@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 from typing import TYPE_CHECKING
 
+from ..wire.sampling_params import LOGPROBS_MODES
 from .aliases import add_option
 from ..client.vllm_options import Scope, add_vllm_options
 
@@ -54,7 +55,7 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
                        help="schedule and launch the next step while the current one runs (the host's work "
                             "overlaps the GPU's; --no-async-scheduling: one step at a time)")
-    group.add_argument("--seed", type=int, default=0, help="seed of sampling without a per-request seed")
+    group.add_argument("--seed", type=int, default=0, help="seeds the seeds drawn for requests that give none")
     group.add_argument("--verify-logprobs-fraction", type=float, default=0.0, metavar="F",
                        help="score this fraction (0 to 1, chosen by a hash of the request id) of the finished requests "
                             "that reported log probs again as one prompt, compare bitwise with what was reported, and "
@@ -64,6 +65,10 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
                        help="a request's logits, log probs and tokens bitwise its own whatever else shares its steps, "
                             "and equal to a trainer's under megatron_serve.invariant (docs/batch-invariance.md; "
                             "default: the environment's VLLM_BATCH_INVARIANT, else off)")
+    group.add_argument("--logprobs-mode", choices=LOGPROBS_MODES, default="raw_logprobs",
+                       help="what reported log probs are taken from: the model's logits (raw) or those after logit "
+                            "bias, penalties, grammar, temperature, min-p, top-k and top-p (processed); as log probs "
+                            "or as logits")
     add_vllm_options(parser, Scope.ENGINE)
 
 
@@ -79,6 +84,7 @@ def inference_config_from_args(args: argparse.Namespace, tensor_parallel_size: i
         async_scheduling=args.async_scheduling, tensor_parallel_size=tensor_parallel_size, seed=args.seed,
         quantization=None if args.quantization in (None, "auto", "none") else args.quantization,
         kv_cache_dtype=args.kv_cache_dtype, verify_logprobs_fraction=args.verify_logprobs_fraction,
+        logprobs_mode=args.logprobs_mode,
         **({} if args.batch_invariant is None else {"batch_invariant": args.batch_invariant}),
     )
 

@@ -6,11 +6,14 @@ waiting for it, and ``finish()`` reads the sampled tokens back and updates the r
 ``async_scheduling`` (the default), ``step()`` schedules and launches step N+1 before it finishes step
 N, so on a GPU the host's work for the next step (scheduling, the plan, kernel launches, reading
 results, building outputs) overlaps the device's work on the current one; a request's next input token
-then stays on the device (the plan gathers it there) and the host reads it one step later. A request
-whose logits controls need its tokens on the host (a grammar mask, penalties) sits out the step after
-each of its tokens, alone: the rest of the batch goes on. Stop conditions are seen one step late, so a
-finished request may have computed one more row, which is dropped: the outputs are those of the serial
-loop, token for token.
+then stays on the device (the plan gathers it there) and the host reads it one step later. Per-request
+sampling state (parameters, penalties' token counts, seeds) lives on the device (``sampling_state``),
+so a penalised request samples every step too. A grammar row's mask needs its previous token on the
+host: a step with such a row launches its forward, then finishes the step before it (the one sync
+point, taken only by steps with a grammar row, while the new forward runs), fills the masks and
+samples (vLLM's split of ``execute_model`` and ``sample_tokens`` under async scheduling). Stop
+conditions are seen one step late, so a finished request may have computed one more row, which is
+dropped: the outputs are those of the serial loop, token for token.
 
 The engine never raises for a bad request: the request fails alone and comes back from ``step()``.
 It deals in token ids only: EOS, stop token ids, length and grammar completion end a request here;
@@ -21,6 +24,7 @@ off the step thread.
 from __future__ import annotations
 
 import logging
+import random
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -41,11 +45,13 @@ from ..model.config import ModelConfig
 from ..model.llama import LlamaForCausalLM
 from ..model.loader import load_model, load_weights
 from .graphs import graphs_for, largest_graph
-from .logits_processors import RowContext, apply_controls, apply_token_bitmask
+from .logits_processors import apply_controls, apply_token_bitmask
 from .runner import ModelRunner
-from .step_plan import prompt_positions_to_score, write_plan
+from .prompt_scores import record_prompt_scores, score_prompts
+from .step_plan import write_plan
 from ..wire.request import DynamicInferenceRequest, EventType, FinishReason, RequestStatus
-from .sampler import DeviceSample, DeviceScores, Readback, Sampler, score_tokens
+from .sampler import DeviceSample, DeviceScores, Readback, SampleResult, Sampler
+from .sampling_state import SamplingState
 from .scheduler import ScheduledBatch, Scheduler, Sequence
 from .structured_output import StructuredOutputs
 from ..tokenizer import Tokenizer
@@ -74,9 +80,10 @@ class InFlightStep:
     starts: list[int]  # each entry's first position (its num_computed before the step)
     sampling: list[Sequence]  # in the order of the sampled rows
     kv_epochs: list[int]  # each sampled row's KV generation at launch (a preemption meanwhile clears the sequence's)
-    sample: DeviceSample
+    logits: torch.Tensor | None  # the sampling rows' logits until they are sampled
     scores: tuple[list[tuple[Sequence, range]], DeviceScores] | None  # prompt positions scored, and their scores
     routing: Readback | None  # expert ids of the step's tokens, when some entry records them
+    sample: DeviceSample | None = None  # None until sampled (a grammar row waits for the step before)
 
 
 def _encoder_cache_for(model: LlamaForCausalLM, tokenizer: Tokenizer) -> EncoderCache | None:
@@ -110,7 +117,9 @@ class DynamicInferenceEngine:
         self.runner = runner
         self.runner.compile_kernels(self.kv_cache.layer_caches)
         self.runner.capture_graphs(self.kv_cache.layer_caches)
-        self.sampler = Sampler(config.seed, self.device)
+        self.sampling_state = SamplingState(model.config.vocab_size, self.device, config.max_requests)
+        self.sampler = Sampler(self.sampling_state, config.logprobs_mode)
+        self._seeds = random.Random(config.seed)  # an unseeded request's own seed, drawn when it is added
         self.structured = StructuredOutputs(tokenizer, model.config.vocab_size)
         self.encoder_cache = _encoder_cache_for(model, tokenizer)
         self._sequences: dict[str, Sequence] = {}
@@ -214,7 +223,7 @@ class DynamicInferenceEngine:
                 return
         max_total = min(len(request.prompt_tokens) + sp.num_tokens_to_generate, self.max_sequence_length)
         sequence = Sequence(request, max_total, stop_ids)
-        sequence.needs_host_tokens = sp.structured_outputs is not None or sp.has_penalties
+        sequence.seed = sp.seed if sp.seed is not None else self._seeds.getrandbits(63)
         if sp.return_routing_indices:
             moe = self.model.config.moe
             sequence.routing = RoutingRecord(len(moe.sparse_layers), moe.top_k, routing_dtype(moe.num_experts),
@@ -290,6 +299,7 @@ class DynamicInferenceEngine:
         self.scheduler.finish(sequence)
         self._sequences.pop(sequence.request_id, None)
         self.structured.remove(sequence.request_id)
+        self.sampling_state.remove(sequence.request_id)
         if self.encoder_cache is not None:
             self.encoder_cache.release(sequence.request_id)
 
@@ -309,6 +319,7 @@ class DynamicInferenceEngine:
         self._pending = [out for out in self._pending if id(out.request) not in handed]
         self._sequences.clear()
         self.structured.clear()  # rebuilt from the generated tokens wherever the requests run next
+        self.sampling_state.clear()
         if self.encoder_cache is not None:
             self.encoder_cache.clear()
         for sequence in sequences:
@@ -425,10 +436,21 @@ class DynamicInferenceEngine:
         outputs, self._pending = self._pending, []
         batch = self.schedule()
         launched = self.launch(batch) if batch is not None else None
+        previous, self._in_flight = self._in_flight, None
+        if launched is not None and launched.sample is None:
+            # Its grammar rows need the tokens the previous step samples: finish that one first (the forward
+            # just launched runs meanwhile), then fill the masks and sample.
+            if previous is not None:
+                outputs += self.finish(previous)
+                previous = None
+            self.sample(launched)
+        done = [previous] if previous is not None else []
         if self.config.async_scheduling:
-            launched, self._in_flight = self._in_flight, launched
-        if launched is not None:
-            outputs += self.finish(launched)
+            self._in_flight = launched
+        elif launched is not None:
+            done.append(launched)
+        for step in done:
+            outputs += self.finish(step)
         return self._deliver(outputs + self._take_pending())
 
     def sync(self) -> list[StepOutput]:
@@ -463,10 +485,16 @@ class DynamicInferenceEngine:
             return None
         batch = self.scheduler.schedule()
         self.stats.preempted(len(batch.preempted))
+        for sequence in batch.preempted:  # bound again, from its tokens, when it samples next
+            self.sampling_state.remove(sequence.request_id)
         return batch or None
 
     def launch(self, batch: ScheduledBatch) -> InFlightStep | None:
-        """Write the plan, run the forward and sample on the device; nothing waits for the device here."""
+        """Write the plan, run the forward and sample on the device; nothing waits for the device here.
+
+        A step with a grammar row whose previous token is still in flight is returned unsampled: ``step``
+        samples it once that token is on the host.
+        """
         entries, images = batch.entries, None
         if self.encoder_cache is not None:
             images, entries, failed = self.encoder_cache.prepare(entries)
@@ -483,33 +511,59 @@ class DynamicInferenceEngine:
                                        None if images is None else images.embeddings, previous)
         sampling = [s for s, count in entries if count == s.num_uncomputed]  # as write_plan picked them
         starts = [s.num_computed for s, _ in entries]
-        scores = self._score_prompts(entries, forward.logits[len(sampling):])
+        scores = score_prompts(entries, forward.logits[len(sampling):])
         for sequence, count in entries:
             if sequence.kv_epoch is None:
                 sequence.kv_epoch = self.epoch
             sequence.num_computed += count
             self.scheduler.register_computed_blocks(sequence)
         self.computed_tokens += plan.num_tokens
-        logits = forward.logits[: len(sampling)]
-        processed = self._controlled_logits(logits, sampling)
-        sample = self.sampler.launch(processed, [s.request.sampling_params for s in sampling],
-                                     [s.num_generated for s in sampling],
-                                     model_logits=None if processed is logits else logits)
+        routing = Readback([forward.routing]) if forward.routing is not None else None  # graphs reuse their outputs
+        kv_epochs = [self.epoch if s.kv_epoch is None else s.kv_epoch for s in sampling]  # set above: never None
+        step = InFlightStep(entries, starts, sampling, kv_epochs, forward.logits[: len(sampling)], scores, routing)
+        if not any(s.pending_tokens and s.request_id in self.structured for s in sampling):
+            self.sample(step)
+        return step
+
+    def sample(self, step: InFlightStep) -> None:
+        """Apply the logits controls and grammar masks to a launched step's logits and sample on the device.
+
+        Each request is bound to its sampling-state slot the first time it samples; after that a step
+        only writes the rows' slots and counters (``SamplingState.rows``).
+        """
+        state, sampling = self.sampling_state, step.sampling
+        for s in sampling:
+            if s.request_id not in state and not s.finished:
+                request = s.request
+                state.add(s.request_id, request.sampling_params, s.seed, request.prompt_tokens,
+                          request.generated_tokens, s.stop_token_ids)
+        rows = state.rows([s.request_id for s in sampling], [s.num_computed for s in sampling],
+                          [s.num_generated for s in sampling])
+        logits = step.logits
+        processed = apply_controls(logits, state, rows)
+        masks = self.structured.bitmask([s.request_id for s in sampling], [s.stop_token_ids for s in sampling])
+        if masks is not None:  # filled on the host while the forward runs
+            processed = apply_token_bitmask(processed, masks)
+        step.sample = self.sampler.launch(processed, rows, model_logits=None if processed is logits else logits)
+        step.logits = None
         for row, sequence in enumerate(sampling):
             sequence.pending_tokens += 1
             sequence.pending_row = row
-        routing = Readback([forward.routing]) if forward.routing is not None else None  # graphs reuse their outputs
-        kv_epochs = [self.epoch if s.kv_epoch is None else s.kv_epoch for s in sampling]  # set above: never None
-        return InFlightStep(entries, starts, sampling, kv_epochs, sample, scores, routing)
 
     def finish(self, step: InFlightStep) -> list[StepOutput]:
         """Read a launched step's results (waits for the device) and hand each request its token."""
-        result = step.sample.read()
+        assert step.sample is not None, "finish() of a step that was never sampled"
+        return self.update_from_output(step, step.sample.read())
+
+    def update_from_output(self, step: InFlightStep, result: SampleResult) -> list[StepOutput]:
+        """The bookkeeping of a finished step, in one place: expert routing and prompt scores recorded, each
+        request's token appended (or dropped for a request that left meanwhile), stop conditions checked,
+        grammar advanced, newly complete KV blocks registered for the prefix cache, statistics observed."""
         if step.routing is not None:
             record_step([(s, start, count) for (s, count), start in zip(step.entries, step.starts)],
                         np.asarray(step.routing.wait()[0]))
         if step.scores is not None:
-            self._record_prompt_scores(*step.scores)
+            record_prompt_scores(*step.scores)
         now = time.monotonic()
         sequences, outputs, observed = [], [], []
         for row, sequence in enumerate(step.sampling):
@@ -525,44 +579,6 @@ class DynamicInferenceEngine:
                 self.scheduler.register_computed_blocks(sequence)
         self.stats.observe_step(sequences, observed, now)
         return outputs
-
-    def _controlled_logits(self, logits: torch.Tensor, sequences: list[Sequence]) -> torch.Tensor:
-        """The logits to sample from: logit controls, then grammar masks (``logits`` itself when none apply).
-
-        The grammar masks are filled on the host after the forward pass was launched, so on a GPU
-        they overlap with it. Rows that read their tokens here never have one in flight (``needs_host_tokens``).
-        """
-        rows = [RowContext(s.request.sampling_params, s.request.prompt_tokens, s.request.generated_tokens,
-                           s.stop_token_ids, s.num_generated) for s in sequences]
-        processed = apply_controls(logits, rows)
-        masks = self.structured.bitmask([s.request_id for s in sequences], [s.stop_token_ids for s in sequences])
-        if masks is not None:
-            processed = processed.clone() if processed is logits else processed
-            apply_token_bitmask(processed, *masks)
-        return processed
-
-    @staticmethod
-    def _score_prompts(entries: list[tuple[Sequence, int]], logits: torch.Tensor
-                       ) -> tuple[list[tuple[Sequence, range]], DeviceScores] | None:
-        """Prompt log probs (and top-n) of the positions this step scores, on the device (``step_plan``'s order)."""
-        if not logits.shape[0]:
-            return None
-        spans = [(s, positions) for s, count in entries if (positions := prompt_positions_to_score(s, count))]
-        targets = torch.tensor([s.token_ids[p + 1] for s, positions in spans for p in positions], device=logits.device)
-        top_n = max(s.request.sampling_params.top_n_logprobs for s, _ in spans)
-        return spans, score_tokens(logits, targets, top_n)
-
-    @staticmethod
-    def _record_prompt_scores(spans: list[tuple[Sequence, range]], device_scores: DeviceScores) -> None:
-        scores = device_scores.read()
-        row = 0
-        for sequence, positions in spans:
-            request = sequence.request
-            request.prompt_log_probs.extend(scores.log_probs[row : row + len(positions)])
-            n = request.sampling_params.top_n_logprobs
-            if n:
-                request.prompt_top_n_logprobs.extend(scores.top(i, n) for i in range(row, row + len(positions)))
-            row += len(positions)
 
     def _append_token(self, sequence: Sequence, token: int, log_prob: float | None,
                       top_n: dict[int, float] | None, kv_epoch: int) -> StepOutput:

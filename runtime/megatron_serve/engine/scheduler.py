@@ -39,7 +39,7 @@ class Sequence:
     reads_prefix_cache: bool = True  # False: computes every token itself (its routing must be its own)
     pending_tokens: int = 0  # tokens launched steps sampled that the host has not read yet (overlapped steps)
     pending_row: int = -1  # the row of the last of them in its step's sampled tokens (the next input's source)
-    needs_host_tokens: bool = False  # its logits controls read its tokens (grammar, penalties): no pending ones
+    seed: int = 0  # keys its sampling stream: its own seed, or one drawn for it when it was added
     finished: bool = False  # left the engine (finished, aborted, failed): rows of steps in flight are dropped
     prefix_root: int = ROOT_HASH  # where its chain of block hashes starts: its cache_salt's root
 
@@ -68,10 +68,7 @@ class Sequence:
 
     @property
     def schedulable(self) -> bool:
-        """Whether a step may compute for it now: a request whose controls need its last token on the host
-        sits out while that token is in flight, and one at its length limit waits for its last token."""
-        if self.pending_tokens and self.needs_host_tokens:
-            return False
+        """Whether a step may compute for it now: one at its length limit waits for its last token."""
         return len(self.token_ids) + self.pending_tokens < self.max_total_tokens
 
     def cache_tokens(self, start: int, end: int) -> list[int]:

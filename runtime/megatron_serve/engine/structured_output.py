@@ -91,14 +91,13 @@ class StructuredOutputs:
             return False, f"structured_outputs: token {token} does not fit the grammar: {matcher.get_error()}"
         return matcher.is_stopped(), None
 
-    def bitmask(self, request_ids: list[str], stop_token_ids: list[frozenset[int]]
-                ) -> tuple[list[int], torch.Tensor] | None:
-        """The allowed tokens of the constrained rows among ``request_ids``: ``(rows, int32 bitmask)``.
+    def bitmask(self, request_ids: list[str], stop_token_ids: list[frozenset[int]]) -> torch.Tensor | None:
+        """The allowed tokens of each row (``request_ids``) as an int32 bitmask, or None when no row is constrained.
 
-        One parallel fill for all of them (llguidance's executor, without the GIL). Each row's
-        end-of-sequence bits are then set to its own stop tokens: allowed where the grammar is
-        complete, forbidden everywhere else. A complete grammar with nothing left to allow (a
-        request with ``ignore_eos``) allows EOS, which the grammar consumes and then stops.
+        Unconstrained rows allow every token. One parallel fill for the constrained ones (llguidance's
+        executor, without the GIL). Each row's end-of-sequence bits are then set to its own stop tokens:
+        allowed where the grammar is complete, forbidden everywhere else. A complete grammar with nothing
+        left to allow (a request with ``ignore_eos``) allows EOS, which the grammar consumes and then stops.
         """
         rows = [i for i, request_id in enumerate(request_ids) if request_id in self._matchers]
         if not rows:
@@ -106,18 +105,19 @@ class StructuredOutputs:
         import llguidance.torch  # noqa: PLC0415
 
         words = (self.vocab_size + 31) // 32
-        bitmask = torch.empty((len(rows), words), dtype=torch.int32)
+        # Pinned where a GPU takes it: a copy from pageable memory would wait for the forward queued before it.
+        bitmask = torch.full((len(request_ids), words), -1, dtype=torch.int32, pin_memory=torch.cuda.is_available())
         matchers = [self._matchers[request_ids[row]] for row in rows]
-        llguidance.torch.fill_next_token_bitmask_par(self._executor, list(zip(matchers, range(len(rows)))), bitmask)
+        llguidance.torch.fill_next_token_bitmask_par(self._executor, list(zip(matchers, rows)), bitmask)
         view = bitmask.numpy().view("uint32")
         eos = [t for t in self._ll_tokenizer.eos_tokens if t < self.vocab_size]
-        for position, (row, matcher) in enumerate(zip(rows, matchers)):
+        for row, matcher in zip(rows, matchers):
             for token in eos:
-                view[position, token >> 5] &= ~(1 << (token & 31)) & 0xFFFFFFFF
+                view[row, token >> 5] &= ~(1 << (token & 31)) & 0xFFFFFFFF
             allowed = list(stop_token_ids[row]) if matcher.is_accepting() else []
-            if not view[position].any() and not allowed:
+            if not view[row].any() and not allowed:
                 allowed = eos  # the grammar is complete and the request has no stop token of its own (ignore_eos)
             for token in allowed:
                 if token < self.vocab_size:
-                    view[position, token >> 5] |= 1 << (token & 31)
-        return rows, bitmask
+                    view[row, token >> 5] |= 1 << (token & 31)
+        return bitmask

@@ -57,7 +57,7 @@ class RequestLog:
         prompts = {job.prompt_index: job.prompt for job in handler.jobs}
         params = handler.jobs[0].params.to_dict()
         params.pop("cache_salt", None)
-        params.pop("seed", None)  # differs per choice; the request's own seed is the first choice's
+        params.pop("sample_index", None)  # differs per choice; the first choice's is 0
         first = prompts[min(prompts)]
         text = first.text if first.text is not None else f"<{len(first.tokens)} token ids>"
         if self.max_len is not None and len(text) > self.max_len:

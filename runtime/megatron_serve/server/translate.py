@@ -19,7 +19,7 @@ from typing import Any
 from ..generation_config import GenerationDefaults
 from ..limits import RequestLimits
 from ..multimodal import PromptImage
-from ..wire.sampling_params import SamplingParamError, SamplingParams, StructuredOutputsParams, choice_seed, stop_list
+from ..wire.sampling_params import SamplingParamError, SamplingParams, StructuredOutputsParams, stop_list
 from ..grammar import constraint_bytes, grammar_error
 from ..tokenizer import PromptTooLong
 from .errors import APIError, bad_request
@@ -381,14 +381,13 @@ def controls(req: _SamplingRequest, vocab_size: int | None, constraint: Structur
 def sampling_params(req: _SamplingRequest, *, max_tokens: int, logprobs: bool, top_logprobs: int,
                     choice: int, defaults: GenerationDefaults,
                     extra: dict[str, object] | None = None) -> SamplingParams:
-    """The engine's ``SamplingParams`` for choice number ``choice`` (seeds differ per choice).
+    """The engine's ``SamplingParams`` for choice number ``choice`` (its ``sample_index``: one seed, a stream per choice).
 
     A field the request leaves out takes the model's default (``defaults``, from its
     ``generation_config.json``), else ``SamplingParams``' own, which are OpenAI's.
     ``extra``: the logit controls and output constraint (see ``controls``).
     """
     stop = stop_list(req.stop)
-    seed = choice_seed(req.seed, choice)
     top_k = None if req.top_k is None else max(req.top_k, 0)  # -1 and 0 both mean off
     try:
         return defaults.sampling_params(
@@ -400,7 +399,8 @@ def sampling_params(req: _SamplingRequest, *, max_tokens: int, logprobs: bool, t
             ignore_eos=bool(req.ignore_eos),
             return_log_probs=logprobs,
             top_n_logprobs=top_logprobs,
-            seed=seed,
+            seed=None if req.seed is None else req.seed % 2**63,  # OpenAI takes any 64-bit integer
+            sample_index=choice,
             return_routing_indices=bool(req.return_routing_indices),
             priority=req.priority or 0,
             cache_salt=req.cache_salt,

@@ -23,6 +23,10 @@ GREEDY_TEMPERATURE = 1e-5
 #: OpenAI's range for ``logit_bias`` values, and for presence and frequency penalties.
 MAX_LOGIT_BIAS = 100.0
 MAX_PENALTY = 2.0
+#: What reported log probs are taken from (vLLM's ``--logprobs-mode``, an engine setting): ``raw``, the model's
+#: logits; ``processed``, after logit bias, min_tokens, penalties, grammar, temperature, min-p, top-k and top-p;
+#: as log probs or as logits.
+LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs", "raw_logits", "processed_logits")
 #: Most alternatives per token the engine returns (``top_n_logprobs``), as vLLM's default ``--max-logprobs``.
 MAX_TOP_N_LOGPROBS = 20
 
@@ -133,11 +137,6 @@ def stop_list(stop: str | list[str] | None) -> list[str]:
     return [stop] if isinstance(stop, str) else list(stop or [])
 
 
-def choice_seed(seed: int | None, choice: int) -> int | None:
-    """The seed of choice ``choice`` of ``n`` seeded choices (``seed``, ``seed + 1``, ...): they must differ."""
-    return None if seed is None else (seed + choice) % 2**63
-
-
 def _merge(ours: dict[str, Any], name: str, value: Any, vllm_name: str) -> None:
     """Set ``ours[name] = value`` from vLLM's ``vllm_name``, unless ``name`` was also given with another value."""
     if name in ours and ours[name] != value:
@@ -216,6 +215,7 @@ class SamplingParams(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=T
     structured_outputs: StructuredOutputsParams | None = None
     return_routing_indices: bool = False  # MoE models: the experts of every processed token (routing replay)
     n: int = 1  # sequences per prompt (expanded by the Python API; a wire request runs one)
+    sample_index: int = 0  # which of the ``n`` sequences of its prompt: keys its stream with the seed
     truncate_prompt_tokens: int | None = None  # keep the prompt's last N tokens (applied by the Python API)
     priority: int = 0  # admission order when the engines are full: lower first, then arrival
     cache_salt: str | None = None  # prefix-cache entries are shared only within one salt
@@ -299,6 +299,7 @@ class SamplingParams(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=T
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
             raise SamplingParamError("structured_outputs", f"must be StructuredOutputsParams, got {self.structured_outputs!r}")
         _check_int("n", self.n, minimum=1)
+        _check_int("sample_index", self.sample_index, minimum=0)
         if self.truncate_prompt_tokens is not None:
             _check_int("truncate_prompt_tokens", self.truncate_prompt_tokens, minimum=1)
         _check_int("priority", self.priority, minimum=PRIORITY_MIN, maximum=PRIORITY_MAX)
@@ -307,8 +308,9 @@ class SamplingParams(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=T
 
     def choices(self) -> list["SamplingParams"]:
         """The parameters of the ``n`` requests these stand for: ``n`` 1, no truncation left to apply, and
-        seeds ``seed``, ``seed + 1``, ... so that seeded choices differ (as the HTTP server seeds ``n``)."""
-        return [msgspec.structs.replace(self, n=1, truncate_prompt_tokens=None, seed=choice_seed(self.seed, choice))
+        sample indices 0, 1, ...: with one seed, choice ``i`` draws its own stream keyed on (seed, i, position)
+        (as the HTTP server's choices do)."""
+        return [msgspec.structs.replace(self, n=1, truncate_prompt_tokens=None, sample_index=choice)
                 for choice in range(self.n)]
 
     # vLLM's names, read back
