@@ -35,6 +35,8 @@ from ..wire.engine_stats import EngineStats
 from ..errors import RefitFailed
 from ..wire.expert_routing import RoutingRecord, record_step, routing_dtype
 from .kv_cache import BlockAllocator, blocks_for_tokens
+from .lora import adapter_root, engine_loras
+from ..model.lora import LoraAdapterError
 from ..model.config import ModelConfig
 from ..model.llama import LlamaForCausalLM
 from ..model.loader import load_model, load_weights
@@ -106,6 +108,8 @@ class DynamicInferenceEngine:
         self.runner = runner
         self.runner.compile_kernels(self.kv_cache.layer_caches)
         self.runner.capture_graphs(self.kv_cache.layer_caches)
+        self.loras = engine_loras(model, config)  # after warm-up and capture: graphs hold the base model only
+        self.runner.lora_rows = None if self.loras is None else self.loras.slots.rows
         self.sampler = Sampler(config.seed, self.device)
         self.structured = StructuredOutputs(tokenizer, model.config.vocab_size)
         self.encoder_cache = _encoder_cache_for(model, tokenizer)
@@ -193,6 +197,12 @@ class DynamicInferenceEngine:
         stop_ids = frozenset(sp.stop_token_ids) | (frozenset() if sp.ignore_eos else frozenset(
             self.tokenizer.eos_token_ids if sp.termination_id is None
             else (sp.termination_id if isinstance(sp.termination_id, list) else [sp.termination_id])))
+        try:
+            lora_slot, lora_key = self._adapter_for(sp.lora_name, sp.lora_path)
+        except LoraAdapterError as exc:
+            request.fail(str(exc))
+            self._pending.append(StepOutput(request, [], [], True))
+            return
         if sp.structured_outputs is not None:
             problem = self.structured.add(request.request_id, sp.structured_outputs, request.generated_tokens)
             if problem is not None:
@@ -201,6 +211,8 @@ class DynamicInferenceEngine:
                 return
         max_total = min(len(request.prompt_tokens) + sp.num_tokens_to_generate, self.max_sequence_length)
         sequence = Sequence(request, max_total, stop_ids)
+        if lora_key is not None:
+            sequence.lora_slot, sequence.prefix_root = lora_slot, adapter_root(sequence.prefix_root, lora_key)
         sequence.needs_host_tokens = sp.structured_outputs is not None or sp.has_penalties
         if sp.return_routing_indices:
             moe = self.model.config.moe
@@ -244,6 +256,15 @@ class DynamicInferenceEngine:
             return (f"request needs {needed} KV blocks ({total} tokens) but the pool holds {self.kv_blocks_total}: "
                     "raise num_kv_blocks or lower num_tokens_to_generate")
         return None
+
+    def _adapter_for(self, name: str | None, path: str | None) -> tuple[int, str | None]:
+        """The adapter slot and registration key a request runs under; ``(-1, None)``: the base model."""
+        if name is None:
+            return -1, None
+        if self.loras is None:
+            raise LoraAdapterError(f"the request names LoRA adapter {name!r} but this engine runs without "
+                                   "enable_lora")
+        return self.loras.admit(name, path, {s.lora_slot for s in self._sequences.values()})
 
     def _routing_problem(self, request: DynamicInferenceRequest) -> str | None:
         moe = self.model.config.moe
