@@ -90,3 +90,45 @@ def test_prefix_cache_does_not_cross_adapters(base, adapters):
     again, = run_requests(engine, [(prompt, _greedy("r8"))])
     assert engine.cached_tokens > cached_before, "control: the same adapter reuses its blocks"
     assert again.generated_tokens == first.generated_tokens
+
+
+def test_load_and_unload_while_requests_run(base, adapters):
+    """An adapter loaded mid-run serves the next request; one unloaded mid-run lets its running requests finish
+    under it (their tokens are those of a run without the unload) and refuses new ones, naming it."""
+    engine = _engine(base, {"r8": adapters["r8"]}, max_loras=2, max_cpu_loras=2)
+    expected, = run_requests(engine, [(PROMPTS[1], _greedy("r8"))])
+    from megatron_serve import DynamicInferenceRequest
+
+    running = DynamicInferenceRequest("running", PROMPTS[1], engine.tokenizer.encode(PROMPTS[1]), _greedy("r8"))
+    engine.add_request(running)
+    engine.step()
+    engine.step()
+    assert engine.has_unfinished_requests()
+    engine.unload_lora_adapter("r8")
+    engine.load_lora_adapter("r16", adapters["r16"])
+    late = [DynamicInferenceRequest(name, PROMPTS[2], engine.tokenizer.encode(PROMPTS[2]), _greedy(name))
+            for name in ("r8", "r16")]
+    for request in late:
+        engine.add_request(request)
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert running.generated_tokens == expected.generated_tokens
+    assert late[0].finish_reason.value != "length" and "'r8' is not loaded" in str(late[0].error)
+    alone, = run_requests(_engine(base, {"r16": adapters["r16"]}), [(PROMPTS[2], _greedy("r16"))])
+    assert late[1].generated_tokens == alone.generated_tokens
+
+
+def test_bad_adapter_loads_change_nothing(base, adapters, tmp_path):
+    from megatron_serve.model.lora import LoraAdapterError
+
+    engine = _engine(base, {"r8": adapters["r8"]}, max_lora_rank=8)
+    before, = run_requests(engine, [(PROMPTS[0], _greedy("r8"))])
+    with pytest.raises(LoraAdapterError, match="rank 16 is above --max-lora-rank 8"):
+        engine.load_lora_adapter("big", adapters["r16"])
+    with pytest.raises(LoraAdapterError, match="is not a directory"):
+        engine.load_lora_adapter("gone", str(tmp_path / "gone"))
+    with pytest.raises(LoraAdapterError, match="'r8' is already loaded"):
+        engine.load_lora_adapter("r8", adapters["r4"])
+    assert engine.loras.names() == {"r8": adapters["r8"]}
+    after, = run_requests(engine, [(PROMPTS[0], _greedy("r8"))])
+    assert after.generated_tokens == before.generated_tokens

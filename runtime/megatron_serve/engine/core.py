@@ -35,7 +35,7 @@ from ..wire.engine_stats import EngineStats
 from ..errors import RefitFailed
 from ..wire.expert_routing import RoutingRecord, record_step, routing_dtype
 from .kv_cache import BlockAllocator, blocks_for_tokens
-from .lora import adapter_root, engine_loras
+from .lora import EngineLoras, adapter_root, engine_loras
 from ..model.lora import LoraAdapterError
 from ..model.config import ModelConfig
 from ..model.llama import LlamaForCausalLM
@@ -257,14 +257,25 @@ class DynamicInferenceEngine:
                     "raise num_kv_blocks or lower num_tokens_to_generate")
         return None
 
+    def load_lora_adapter(self, name: str, path: str) -> None:
+        """Serve the PEFT adapter at ``path`` as ``name`` from the next request on (engine.lora); a bad adapter
+        raises :class:`~megatron_serve.model.lora.LoraAdapterError` and changes nothing."""
+        self._loras_or_raise().load(name, path)
+
+    def unload_lora_adapter(self, name: str) -> None:
+        """Stop serving ``name``: later requests naming it fail; requests admitted under it finish under it."""
+        self._loras_or_raise().unload(name)
+
+    def _loras_or_raise(self) -> "EngineLoras":
+        if self.loras is None:
+            raise LoraAdapterError("LoRA adapters need an engine started with enable_lora")
+        return self.loras
+
     def _adapter_for(self, name: str | None, path: str | None) -> tuple[int, str | None]:
         """The adapter slot and registration key a request runs under; ``(-1, None)``: the base model."""
         if name is None:
             return -1, None
-        if self.loras is None:
-            raise LoraAdapterError(f"the request names LoRA adapter {name!r} but this engine runs without "
-                                   "enable_lora")
-        return self.loras.admit(name, path, {s.lora_slot for s in self._sequences.values()})
+        return self._loras_or_raise().admit(name, path, {s.lora_slot for s in self._sequences.values()})
 
     def _routing_problem(self, request: DynamicInferenceRequest) -> str | None:
         moe = self.model.config.moe
