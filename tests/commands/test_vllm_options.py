@@ -24,6 +24,7 @@ from megatron_serve.cli import main, parse_args
 from megatron_serve.client.vllm_options import VLLM_OPTIONS, Status, accepted_warnings
 from megatron_serve.model.tiny import CHAT_TEMPLATE, make_tiny_model
 
+from ..lora_adapters import make_peft_adapter
 from ..runtime.test_hub import hub_cache
 from ..server.conftest import wait_ready
 from ..server.test_openai_e2e import free_port
@@ -93,6 +94,7 @@ def hub(tmp_path_factory) -> Path:
     model = make_tiny_model(root / "tiny", seed=0)
     hub_cache(root / "hub", HUB_ID, str(model))
     (root / "template.jinja").write_text(CHAT_TEMPLATE)  # --chat-template {tmp}/template.jinja
+    make_peft_adapter(model, root / "adapter", rank=4, seed=0)  # --lora-modules tiny-lora={tmp}/adapter
     return root
 
 

@@ -69,7 +69,9 @@ def inference_config_from_args(args: argparse.Namespace, tensor_parallel_size: i
         enable_cuda_graphs=args.cuda_graphs, cuda_graph_sizes=args.cuda_graph_sizes,
         async_scheduling=args.async_scheduling, tensor_parallel_size=tensor_parallel_size, seed=args.seed,
         quantization=None if args.quantization in (None, "auto", "none") else args.quantization,
-        kv_cache_dtype=args.kv_cache_dtype,
+        kv_cache_dtype=args.kv_cache_dtype, enable_lora=args.enable_lora, max_loras=args.max_loras,
+        max_lora_rank=args.max_lora_rank, max_cpu_loras=args.max_cpu_loras,
+        lora_modules=dict(args.lora_modules) if args.lora_modules else None,
     )
 
 
