@@ -302,7 +302,8 @@ class _Stack:
                          max_model_len=facts.max_model_len, max_concurrent_requests=args.max_concurrent_requests,
                          limits=read_limits(args), tokenizer_threads=args.tokenizer_threads,
                          image_options=image_options(args), generation_defaults=self.files.generation_defaults,
-                         options=HTTPOptions.from_args(args), stream_interval=args.stream_interval)
+                         options=HTTPOptions.from_args(args), stream_interval=args.stream_interval,
+                         lora_modules=dict(args.lora_modules or []))
 
         def started(url: str) -> None:
             progress(4, f"HTTP server listening on {url}{' (API key required)' if self.api_key else ''}")
