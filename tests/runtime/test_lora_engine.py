@@ -132,3 +132,29 @@ def test_bad_adapter_loads_change_nothing(base, adapters, tmp_path):
     assert engine.loras.names() == {"r8": adapters["r8"]}
     after, = run_requests(engine, [(PROMPTS[0], _greedy("r8"))])
     assert after.generated_tokens == before.generated_tokens
+
+
+def test_triton_kernels_serve_a_mixed_batch_like_the_reference(base, adapters, monkeypatch):
+    """The engine through the Triton shrink/expand (interpreted on CPU) gives the reference's tokens."""
+    jobs = [(prompt, _greedy(name)) for prompt, name in zip(PROMPTS[:3], ["r4", None, "r16"])]
+    monkeypatch.setenv("MEGATRON_KERNELS", "reference")
+    expected = run_requests(_engine(base, adapters), jobs)
+    monkeypatch.setenv("MEGATRON_KERNELS", "triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    got = run_requests(_engine(base, adapters, enable_cuda_graphs=False), jobs)
+    assert [o.generated_tokens for o in got] == [o.generated_tokens for o in expected]
+
+
+def test_slots_go_to_idle_adapters_and_a_full_table_fails_the_request(base, adapters):
+    """Two slots for three adapters: the third takes the slot no running request uses; while both slots run,
+    a request of a third adapter fails naming --max-loras, and the others are unaffected."""
+    engine = _engine(base, adapters, max_loras=2, max_cpu_loras=3)
+    alone = {name: run_requests(_engine(base, adapters), [(PROMPTS[3], _greedy(name))])[0].generated_tokens
+             for name in ("r4", "r8", "r16")}
+    for name in ("r4", "r8", "r16", "r4"):  # one at a time: each reuses an idle slot
+        out, = run_requests(engine, [(PROMPTS[3], _greedy(name))])
+        assert out.generated_tokens == alone[name]
+    together = run_requests(engine, [(PROMPTS[3], _greedy("r4")), (PROMPTS[3], _greedy("r8")),
+                                     (PROMPTS[3], _greedy("r16"))])
+    assert [o.generated_tokens for o in together[:2]] == [alone["r4"], alone["r8"]]
+    assert "all 2 adapter slots (--max-loras) are used" in str(together[2].error)

@@ -35,8 +35,7 @@ from ..wire.engine_stats import EngineStats
 from ..errors import RefitFailed
 from ..wire.expert_routing import RoutingRecord, record_step, routing_dtype
 from .kv_cache import BlockAllocator, blocks_for_tokens
-from .lora import EngineLoras, adapter_root, engine_loras
-from ..model.lora import LoraAdapterError
+from .lora import LoraAdapterError, adapter_root, admit_request, engine_loras, require
 from ..model.config import ModelConfig
 from ..model.llama import LlamaForCausalLM
 from ..model.loader import load_model, load_weights
@@ -108,8 +107,7 @@ class DynamicInferenceEngine:
         self.runner = runner
         self.runner.compile_kernels(self.kv_cache.layer_caches)
         self.runner.capture_graphs(self.kv_cache.layer_caches)
-        self.loras = engine_loras(model, config)  # after warm-up and capture: graphs hold the base model only
-        self.runner.lora_rows = None if self.loras is None else self.loras.slots.rows
+        self.loras = engine_loras(model, config, self.runner)  # after warm-up and capture: graphs hold the base only
         self.sampler = Sampler(config.seed, self.device)
         self.structured = StructuredOutputs(tokenizer, model.config.vocab_size)
         self.encoder_cache = _encoder_cache_for(model, tokenizer)
@@ -198,7 +196,7 @@ class DynamicInferenceEngine:
             self.tokenizer.eos_token_ids if sp.termination_id is None
             else (sp.termination_id if isinstance(sp.termination_id, list) else [sp.termination_id])))
         try:
-            lora_slot, lora_key = self._adapter_for(sp.lora_name, sp.lora_path)
+            lora_slot, lora_key = admit_request(self.loras, sp, self._sequences.values())
         except LoraAdapterError as exc:
             request.fail(str(exc))
             self._pending.append(StepOutput(request, [], [], True))
@@ -260,22 +258,11 @@ class DynamicInferenceEngine:
     def load_lora_adapter(self, name: str, path: str) -> None:
         """Serve the PEFT adapter at ``path`` as ``name`` from the next request on (engine.lora); a bad adapter
         raises :class:`~megatron_serve.model.lora.LoraAdapterError` and changes nothing."""
-        self._loras_or_raise().load(name, path)
+        require(self.loras).load(name, path)
 
     def unload_lora_adapter(self, name: str) -> None:
         """Stop serving ``name``: later requests naming it fail; requests admitted under it finish under it."""
-        self._loras_or_raise().unload(name)
-
-    def _loras_or_raise(self) -> "EngineLoras":
-        if self.loras is None:
-            raise LoraAdapterError("LoRA adapters need an engine started with enable_lora")
-        return self.loras
-
-    def _adapter_for(self, name: str | None, path: str | None) -> tuple[int, str | None]:
-        """The adapter slot and registration key a request runs under; ``(-1, None)``: the base model."""
-        if name is None:
-            return -1, None
-        return self._loras_or_raise().admit(name, path, {s.lora_slot for s in self._sequences.values()})
+        require(self.loras).unload(name)
 
     def _routing_problem(self, request: DynamicInferenceRequest) -> str | None:
         moe = self.model.config.moe

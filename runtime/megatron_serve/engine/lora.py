@@ -19,15 +19,20 @@ from __future__ import annotations
 import hashlib
 import itertools
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Iterable
 
 from ..model.config import ModelConfig
 from ..model.lora import LoraAdapter, LoraAdapterError, read_adapter
+
+__all__ = ["EngineLoras", "LoraAdapterError", "adapter_root", "admit_request", "engine_loras", "require"]
 from ..model.llama import LlamaForCausalLM
 from ..model.lora_slots import LoraSlots
 
 if TYPE_CHECKING:
     from ..config import InferenceConfig
+    from ..wire.sampling_params import SamplingParams
+    from .runner import ModelRunner
+    from .scheduler import Sequence
 
 
 def adapter_root(root: int, key: str) -> int:
@@ -97,12 +102,30 @@ class EngineLoras:
         return {name: entry.adapter.path for name, entry in self.registered.items()}
 
 
-def engine_loras(model: LlamaForCausalLM, config: "InferenceConfig") -> EngineLoras | None:
-    """The adapters of an engine with ``enable_lora`` (None without), ``lora_modules`` registered."""
+def engine_loras(model: LlamaForCausalLM, config: "InferenceConfig", runner: "ModelRunner") -> EngineLoras | None:
+    """The adapters of an engine with ``enable_lora`` (None without), ``lora_modules`` registered; ``runner``
+    fills the slot table's row indices before each forward."""
     if not config.enable_lora:
         return None
     loras = EngineLoras(LoraSlots(model, config.max_loras, config.max_lora_rank), model.config,
                         config.max_cpu_loras or config.max_loras)
+    runner.lora_rows = loras.slots.rows
     for name, path in (config.lora_modules or {}).items():
         loras.load(name, path)
     return loras
+
+
+def require(loras: EngineLoras | None) -> EngineLoras:
+    """An engine's adapters; raises :class:`LoraAdapterError` when it was started without ``enable_lora``."""
+    if loras is None:
+        raise LoraAdapterError("LoRA adapters need an engine started with enable_lora")
+    return loras
+
+
+def admit_request(loras: EngineLoras | None, params: "SamplingParams", live: Iterable["Sequence"]
+                  ) -> tuple[int, str | None]:
+    """The slot and registration key a request runs under, ``(-1, None)`` for the base model; ``live``: the
+    engine's live sequences. Raises :class:`LoraAdapterError` with the reason it cannot run."""
+    if params.lora_name is None:
+        return -1, None
+    return require(loras).admit(params.lora_name, params.lora_path, {s.lora_slot for s in live})
