@@ -1,8 +1,9 @@
 """Batched LoRA shrink/expand in Triton: each row reads its own adapter slot (gathered per row, as
 Punica's BGMV), so one launch serves a step that mixes adapters, ranks (zero-padded) and base rows.
 
-Twin of :mod:`megatron_kernels.reference_lora` (same layouts and signatures). A base row (slot -1)
-costs one index load: shrink writes zeros, expand returns at once.
+Twin of :mod:`megatron_kernels.reference_lora` (same layouts and signatures; the kernels read only the
+batch's per-row ``indices``, and ``h`` has one row per token). A base row (slot -1) costs one index
+load: shrink writes zeros, expand returns at once.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import triton
 import triton.language as tl
 
 from ._triton_utils import interpreted, next_pow2
+from .reference_lora import LoraBatch
 
 
 @triton.jit(do_not_specialize=["n_rows"])
@@ -60,8 +62,9 @@ def _check(name: str, t: torch.Tensor) -> None:
         raise ValueError(f"{name} must be contiguous in its last dimension")
 
 
-def lora_shrink(x: torch.Tensor, a: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
-    """Triton twin of :func:`megatron_kernels.reference_lora.lora_shrink`."""
+def lora_shrink(x: torch.Tensor, a: torch.Tensor, batch: LoraBatch) -> torch.Tensor:
+    """Triton twin of :func:`megatron_kernels.reference_lora.lora_shrink` (``[tokens, rank]``, zeros for base rows)."""
+    indices = batch.indices
     for name, t in (("x", x), ("a", a)):
         _check(name, t)
     n_rows, k_size = x.shape
@@ -77,8 +80,9 @@ def lora_shrink(x: torch.Tensor, a: torch.Tensor, indices: torch.Tensor) -> torc
     return h
 
 
-def lora_expand(y: torch.Tensor, h: torch.Tensor, b: torch.Tensor, indices: torch.Tensor) -> None:
+def lora_expand(y: torch.Tensor, h: torch.Tensor, b: torch.Tensor, batch: LoraBatch) -> None:
     """Triton twin of :func:`megatron_kernels.reference_lora.lora_expand` (adds into ``y`` in place)."""
+    indices = batch.indices
     for name, t in (("y", y), ("h", h), ("b", b)):
         _check(name, t)
     n_rows, n_size = y.shape

@@ -106,7 +106,8 @@ class ModelRunner:
             rows = dev["gather_rows"][: plan.num_gather]
             dev["token_ids"].index_copy_(0, rows, previous_tokens[dev["gather_from"][: plan.num_gather]])
         if self.lora_rows is not None:
-            self.lora_rows.set(dev["lora_rows"][: plan.num_tokens] if plan.lora else None)
+            self.lora_rows.set(dev["lora_rows"][: plan.num_tokens] if plan.lora else None,
+                               self.buffers.np["lora_rows"][: plan.num_tokens])
         context = ForwardContext(attention_metadata(self.buffers, plan), kv_caches,
                                  self.multimodal_step(plan, image_embeddings), [] if plan.record_routing else None)
         if isinstance(graphs, DecodeGraphs):

@@ -12,10 +12,12 @@ each hook at once.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 from torch import nn
 
 from megatron_kernels import get_op
+from megatron_kernels.reference_lora import LoraBatch
 
 from .config import ModelConfig
 from .lora import LoraAdapter, projection_shape
@@ -30,14 +32,16 @@ FUSED_TARGETS = {
 
 
 class LoraRows:
-    """The step's per-row slot indices (``-1``: the base model), and whether any row has an adapter."""
+    """The coming forward's adapter rows (:class:`~megatron_kernels.reference_lora.LoraBatch`), or None when no
+    row uses an adapter."""
 
     def __init__(self) -> None:
-        self.indices: torch.Tensor | None = None
+        self.batch: LoraBatch | None = None
 
-    def set(self, indices: torch.Tensor | None) -> None:
-        """``indices``: int64 ``[tokens]`` of the coming forward, or None when no row uses an adapter."""
-        self.indices = indices
+    def set(self, indices: torch.Tensor | None, host: np.ndarray | None = None) -> None:
+        """``indices``: each row's slot (int64 ``[tokens]``, ``-1``: the base model) on the device and on the host
+        (``host``, the same values); None when no row uses an adapter."""
+        self.batch = None if indices is None else LoraBatch.of(indices, host)
 
 
 class _SlotWeights:
@@ -78,12 +82,12 @@ class _SlotWeights:
         self.b[slot].zero_()
 
     def __call__(self, module: nn.Module, args: tuple[torch.Tensor, ...], output: torch.Tensor) -> torch.Tensor:
-        indices = self.rows.indices
-        if indices is None:
+        batch = self.rows.batch
+        if batch is None:
             return output
         x = args[0]
-        self.expand(output.view(-1, output.shape[-1]), self.shrink(x.reshape(-1, x.shape[-1]), self.a, indices),
-                    self.b, indices)
+        self.expand(output.view(-1, output.shape[-1]), self.shrink(x.reshape(-1, x.shape[-1]), self.a, batch),
+                    self.b, batch)
         return output
 
 
