@@ -14,7 +14,8 @@ small matmuls per slot the step uses on contiguous slices, and adds the deltas b
 ``index_add_``; a step whose rows all use one adapter skips the gather. Two earlier forms cost more in
 ``benchmarks/lora.py`` (8 adapters at batch 64, rank 16, hidden 512, 2-core shared CPU, tokens per CPU
 second against the base model): every slot for every row, masked (fixed shapes): 0.82x wall; one
-``unique``/``nonzero``/gather/``index_add_`` per slot and projection: 0.61x. See docs/lora.md for this form.
+``unique``/``nonzero``/gather/``index_add_`` per slot and projection: 0.61x. This form: 0.85x (greedy)
+and 0.82x (sampled, n=2) per CPU second; an engine with no adapter row in the step: 1.00x.
 """
 
 from __future__ import annotations
