@@ -137,8 +137,12 @@ def test_serve_comes_up_with_every_implemented_option_and_they_act(hub, tmp_path
         key = {"Authorization": "Bearer sk-vllm-test"}  # --api-key
         with httpx.Client(base_url=url, timeout=120) as http:
             assert http.get("/v1/models").status_code == 401
-            assert [m["id"] for m in http.get("/v1/models", headers=key).json()["data"]] == ["tiny"]
+            models = http.get("/v1/models", headers=key).json()["data"]
+            assert [(m["id"], m["parent"]) for m in models] == [("tiny", None), ("tiny-lora", "tiny")]  # --lora-modules
             body = {"model": "tiny", "prompt": "Hello", "max_tokens": 2, "request_id": "vllm-flags-1"}
+            tuned = http.post("/v1/completions", json={**body, "model": "tiny-lora", "request_id": "lora-1"},
+                              headers=key)
+            assert tuned.status_code == 200 and tuned.json()["model"] == "tiny-lora"  # --enable-lora
             cors = http.post("/v1/completions", json=body, headers={**key, "Origin": "https://app.example"})
             assert cors.status_code == 200 and cors.json()["id"] == "cmpl-vllm-flags-1"
             assert cors.headers["access-control-allow-origin"] == "https://app.example"  # --allowed-origins

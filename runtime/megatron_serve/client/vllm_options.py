@@ -318,20 +318,25 @@ VLLM_OPTIONS: tuple[VllmOption, ...] = (
                spec=_spec(metavar="NAME"), scope=_ENGINE, example=("--guided-decoding-backend", "xgrammar")),
     VllmOption(("--enable-lora",), _IMPLEMENTED, "serve LoRA adapters (PEFT checkpoints of the attention and "
                "MLP projections) beside the base model; the request's `model` picks one (docs/lora.md)",
-               spec=_spec(action=argparse.BooleanOptionalAction, default=False), scope=_ENGINE,
+               spec=_spec(action=argparse.BooleanOptionalAction, default=False,
+                          help="serve LoRA adapters (default: off)"), scope=_ENGINE,
                example=("--enable-lora",)),
     VllmOption(("--lora-modules",), _IMPLEMENTED, "adapters served from the start: `name=path` or vLLM's JSON "
                "form; listed in `/v1/models` with the base model as `parent`",
-               spec=_spec(type=_lora_module, nargs="+", default=None, metavar="NAME=PATH"), scope=_ENGINE,
+               spec=_spec(type=_lora_module, nargs="+", default=None, metavar="NAME=PATH",
+                          help="LoRA adapters served from the start (default: none)"), scope=_ENGINE,
                example=("--lora-modules", "tiny-lora={tmp}/adapter")),
     VllmOption(("--max-loras",), _IMPLEMENTED, "adapter slots on the device: the most adapters one step mixes",
-               spec=_spec(type=_positive, default=1, metavar="N"), scope=_ENGINE, example=("--max-loras", "2")),
+               spec=_spec(type=_positive, default=1, metavar="N", help="adapter slots on the device (default: %(default)s)"),
+               scope=_ENGINE, example=("--max-loras", "2")),
     VllmOption(("--max-lora-rank",), _IMPLEMENTED, "the largest adapter rank served (smaller ranks are "
                "zero-padded to it); a larger adapter is refused, naming its rank",
-               spec=_spec(type=_positive, default=16, metavar="R"), scope=_ENGINE, example=("--max-lora-rank", "8")),
+               spec=_spec(type=_positive, default=16, metavar="R", help="largest adapter rank (default: %(default)s)"),
+               scope=_ENGINE, example=("--max-lora-rank", "8")),
     VllmOption(("--max-cpu-loras",), _IMPLEMENTED, "adapters an engine keeps loaded (read and checked, in host "
                "memory; default: --max-loras); loading one more is refused until one is unloaded",
-               spec=_spec(type=_positive, default=None, metavar="N"), scope=_ENGINE,
+               spec=_spec(type=_positive, default=None, metavar="N",
+                          help="adapters kept loaded (default: --max-loras)"), scope=_ENGINE,
                example=("--max-cpu-loras", "4")),
     VllmOption(("--speculative-config",), _REFUSED, "speculative decoding is not implemented", scope=_ENGINE),
 )
