@@ -59,7 +59,7 @@ class InferenceConfig:
     quantization: str | None = None
     kv_cache_dtype: str = "auto"
     # LoRA adapters (engine.lora): slots on the device, the largest rank they hold, adapters kept on the host
-    # (default: max_loras), and adapters registered at start (name -> PEFT directory).
+    # (default: max_loras, or as many as lora_modules names), and adapters registered at start (name -> PEFT directory).
     enable_lora: bool = False
     max_loras: int = 1
     max_lora_rank: int = 16
@@ -111,6 +111,8 @@ class InferenceConfig:
             raise ValueError(f"enable_lora must be true or false, got {self.enable_lora!r}")
         if self.lora_modules and not self.enable_lora:
             raise ValueError("lora_modules needs enable_lora")
+        if self.enable_lora and self.tensor_parallel_size > 1:
+            raise ValueError("enable_lora needs tensor_parallel_size=1 (adapters are not split over ranks yet)")
 
     def to_dict(self) -> dict[str, Any]:
         """Plain values only, so the config can cross a process boundary (msgpack, argv)."""

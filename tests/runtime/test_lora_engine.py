@@ -6,8 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_serve import InferenceConfig, SamplingParams
+from megatron_serve import DynamicInferenceRequest, InferenceConfig, SamplingParams
 from megatron_serve.engine import DynamicInferenceEngine
+from megatron_serve.model.lora import LoraAdapterError
 from megatron_serve.model.tiny import make_tiny_model
 
 from ..lora_adapters import make_peft_adapter, peft_model
@@ -97,8 +98,6 @@ def test_load_and_unload_while_requests_run(base, adapters):
     under it (their tokens are those of a run without the unload) and refuses new ones, naming it."""
     engine = _engine(base, {"r8": adapters["r8"]}, max_loras=2, max_cpu_loras=2)
     expected, = run_requests(engine, [(PROMPTS[1], _greedy("r8"))])
-    from megatron_serve import DynamicInferenceRequest
-
     running = DynamicInferenceRequest("running", PROMPTS[1], engine.tokenizer.encode(PROMPTS[1]), _greedy("r8"))
     engine.add_request(running)
     engine.step()
@@ -119,8 +118,6 @@ def test_load_and_unload_while_requests_run(base, adapters):
 
 
 def test_bad_adapter_loads_change_nothing(base, adapters, tmp_path):
-    from megatron_serve.model.lora import LoraAdapterError
-
     engine = _engine(base, {"r8": adapters["r8"]}, max_lora_rank=8)
     before, = run_requests(engine, [(PROMPTS[0], _greedy("r8"))])
     with pytest.raises(LoraAdapterError, match="rank 16 is above --max-lora-rank 8"):
@@ -158,3 +155,14 @@ def test_slots_go_to_idle_adapters_and_a_full_table_fails_the_request(base, adap
                                      (PROMPTS[3], _greedy("r16"))])
     assert [o.generated_tokens for o in together[:2]] == [alone["r4"], alone["r8"]]
     assert "all 2 adapter slots (--max-loras) are used" in str(together[2].error)
+
+
+def test_every_adapter_given_at_start_is_loaded_and_the_host_limit_holds(base, adapters):
+    """Three --lora-modules with one slot: all three load (the host limit defaults to their count), each serves
+    in turn from the one slot, and a fourth load is refused naming --max-cpu-loras."""
+    engine = _engine(base, adapters, max_loras=1)
+    assert sorted(engine.loras.names()) == ["r16", "r4", "r8"]
+    outs = [run_requests(engine, [(PROMPTS[5], _greedy(name))])[0] for name in ("r4", "r8", "r16")]
+    assert all(o.finish_reason.value == "length" for o in outs)
+    with pytest.raises(LoraAdapterError, match="3 adapters are loaded, the most --max-cpu-loras allows"):
+        engine.load_lora_adapter("more", adapters["r4"])

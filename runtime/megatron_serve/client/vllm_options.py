@@ -334,9 +334,10 @@ VLLM_OPTIONS: tuple[VllmOption, ...] = (
                spec=_spec(type=_positive, default=16, metavar="R", help="largest adapter rank (default: %(default)s)"),
                scope=_ENGINE, example=("--max-lora-rank", "8")),
     VllmOption(("--max-cpu-loras",), _IMPLEMENTED, "adapters an engine keeps loaded (read and checked, in host "
-               "memory; default: --max-loras); loading one more is refused until one is unloaded",
+               "memory; default: --max-loras, or as many as --lora-modules names); loading one more is refused "
+               "until one is unloaded",
                spec=_spec(type=_positive, default=None, metavar="N",
-                          help="adapters kept loaded (default: --max-loras)"), scope=_ENGINE,
+                          help="adapters kept loaded (default: --max-loras, or the --lora-modules count)"), scope=_ENGINE,
                example=("--max-cpu-loras", "4")),
     VllmOption(("--speculative-config",), _REFUSED, "speculative decoding is not implemented", scope=_ENGINE),
 )

@@ -108,7 +108,7 @@ def engine_loras(model: LlamaForCausalLM, config: "InferenceConfig", runner: "Mo
     if not config.enable_lora:
         return None
     loras = EngineLoras(LoraSlots(model, config.max_loras, config.max_lora_rank), model.config,
-                        config.max_cpu_loras or config.max_loras)
+                        config.max_cpu_loras or max(config.max_loras, len(config.lora_modules or {})))
     runner.lora_rows = loras.slots.rows
     for name, path in (config.lora_modules or {}).items():
         loras.load(name, path)
