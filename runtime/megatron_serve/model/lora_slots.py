@@ -38,7 +38,7 @@ class LoraRows:
     def __init__(self) -> None:
         self.batch: LoraBatch | None = None
 
-    def set(self, indices: torch.Tensor | None, host: np.ndarray | None = None) -> None:
+    def set(self, indices: torch.Tensor | None, host: np.ndarray) -> None:
         """``indices``: each row's slot (int64 ``[tokens]``, ``-1``: the base model) on the device and on the host
         (``host``, the same values); None when no row uses an adapter."""
         self.batch = None if indices is None else LoraBatch.of(indices, host)
@@ -77,10 +77,6 @@ class _SlotWeights:
             self.a[slot, ranks].copy_(a)
             self.b[slot, start : start + length, ranks].copy_(b)
 
-    def clear(self, slot: int) -> None:
-        self.a[slot].zero_()
-        self.b[slot].zero_()
-
     def __call__(self, module: nn.Module, args: tuple[torch.Tensor, ...], output: torch.Tensor) -> torch.Tensor:
         batch = self.rows.batch
         if batch is None:
@@ -92,7 +88,8 @@ class _SlotWeights:
 
 
 class LoraSlots:
-    """``max_loras`` adapter slots attached to a decoder; :meth:`write` fills one, :meth:`clear` empties it."""
+    """``max_loras`` adapter slots attached to a decoder; :meth:`write` fills one (a slot is only ever
+    overwritten: an unloaded adapter's weights stay until another adapter takes its slot)."""
 
     def __init__(self, model: nn.Module, max_loras: int, max_rank: int):
         config: ModelConfig = model.config
@@ -116,7 +113,3 @@ class LoraSlots:
         """Load ``adapter`` into ``slot`` (its rank is at most ``max_rank``: :func:`.lora.read_adapter` checks)."""
         for layer, target in self._targets:
             target.write(slot, layer, adapter)
-
-    def clear(self, slot: int) -> None:
-        for _, target in self._targets:
-            target.clear(slot)
