@@ -23,6 +23,8 @@ OP_NAMES = (
     "paged_attention_prefill",
     "fused_moe",
     "fp8_linear",
+    "lora_shrink",
+    "lora_expand",
 )
 
 

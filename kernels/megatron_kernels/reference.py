@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from .fp8 import Block, dequantize, quantize_heads
+from .reference_lora import lora_expand, lora_shrink  # noqa: F401 - dispatcher ops, in their own module
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -11,6 +11,7 @@ from .triton_activation import silu_and_mul
 from .triton_decode_attention import paged_attention_decode
 from .triton_fp8_linear import fp8_linear
 from .triton_kv_cache import write_kv_cache
+from .triton_lora import lora_expand, lora_shrink
 from .triton_moe import fused_moe
 from .triton_norm import fused_add_rms_norm, rms_norm
 from .triton_prefill_attention import paged_attention_prefill
@@ -22,6 +23,8 @@ __all__ = [
     "fp8_linear",
     "fused_add_rms_norm",
     "fused_moe",
+    "lora_expand",
+    "lora_shrink",
     "paged_attention_decode",
     "paged_attention_prefill",
     "rms_norm",

@@ -22,6 +22,7 @@ _EXPORTS = {
     "InferenceClient": ".client.coordinator_client",
     "InferenceConfig": ".config",
     "LLM": ".client.llm",
+    "LoRARequest": ".client.lora_request",
     "Logprob": ".client.vllm_outputs",
     "MegatronAsyncLLM": ".client.async_llm",
     "MegatronLLM": ".client.llm",
@@ -41,6 +42,7 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
     from .client.coordinator_client import InferenceClient
     from .config import InferenceConfig
     from .client.llm import LLM, MegatronLLM
+    from .client.lora_request import LoRARequest
     from .client.prompts import TextPrompt, TokensPrompt
     from .client.vllm_outputs import CompletionOutput, Logprob, RequestOutput
     from .wire.request import DynamicInferenceRequest, EventType, FinishReason, RequestStatus

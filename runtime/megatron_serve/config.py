@@ -80,6 +80,13 @@ class InferenceConfig:
     verify_logprobs_fraction: float = 0.0  # finished requests scored again and compared bitwise (engine.logprob_parity)
     batch_invariant: bool = field(default_factory=batch_invariant_from_env)
     logprobs_mode: str = "raw_logprobs"  # one of LOGPROBS_MODES
+    # LoRA adapters (engine.lora): slots on the device, the largest rank they hold, adapters kept on the host
+    # (default: max_loras, or as many as lora_modules names), and adapters registered at start (name -> PEFT directory).
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
+    lora_modules: dict[str, str] | None = None
 
     def __post_init__(self) -> None:
         if self.device is None:
@@ -119,6 +126,21 @@ class InferenceConfig:
         self.verify_logprobs_fraction = float(fraction)
         if self.logprobs_mode not in LOGPROBS_MODES:
             raise ValueError(f"logprobs_mode must be one of {', '.join(LOGPROBS_MODES)}, got {self.logprobs_mode!r}")
+        self._check_lora()
+
+    def _check_lora(self) -> None:
+        for name in ("max_loras", "max_lora_rank") + (("max_cpu_loras",) if self.max_cpu_loras is not None else ()):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be at least max_loras ({self.max_loras})")
+        if not isinstance(self.enable_lora, bool):
+            raise ValueError(f"enable_lora must be true or false, got {self.enable_lora!r}")
+        if self.lora_modules and not self.enable_lora:
+            raise ValueError("lora_modules needs enable_lora")
+        if self.enable_lora and self.tensor_parallel_size > 1:
+            raise ValueError("enable_lora needs tensor_parallel_size=1 (adapters are not split over ranks yet)")
 
     def to_dict(self) -> dict[str, Any]:
         """Plain values only, so the config can cross a process boundary (msgpack, argv)."""

@@ -139,7 +139,7 @@ def test_prompt_shapes_and_their_refusals(llm):
         llm.generate({"prompt_token_ids": tokens, "multi_modal_data": {}}, use_tqdm=False)
     with pytest.raises(TypeError, match=r"prompts\[1\]\['prompt_token_ids'\]"):
         llm.generate(["Hi", {"prompt_token_ids": []}], use_tqdm=False)
-    with pytest.raises(ValueError, match="lora_request: LoRA adapters are not implemented"):
+    with pytest.raises(TypeError, match="lora_request must be a LoRARequest"):
         llm.generate("Hi", GREEDY, lora_request=object())
     with pytest.raises(ValueError, match="priority holds 1 values for 2 prompts"):
         llm.generate(["Hi", "Ho"], GREEDY, use_tqdm=False, priority=[1])
@@ -180,7 +180,7 @@ def test_use_tqdm_shows_processed_prompts(llm, capsys):
 
 @pytest.mark.parametrize("kwargs,error,match", [
     ({"speculative_config": {"method": "ngram"}}, ValueError, "speculative_config: speculative decoding is not"),
-    ({"enable_lora": True}, ValueError, "enable_lora: LoRA adapters are not implemented"),
+    ({"max_lora_rank": 0}, ValueError, "max_lora_rank=0: must be a positive integer"),
     ({"pipeline_parallel_size": 2}, ValueError, "pipeline_parallel_size=2: pipeline parallelism is not"),
     ({"quantization": "awq"}, ValueError, "quantization='awq': not supported by this build"),
     ({"kv_cache_dtype": "fp8_e5m2"}, ValueError, "kv_cache_dtype='fp8_e5m2': not supported by this build"),

@@ -25,6 +25,7 @@ from megatron_serve.client.vllm_options import VLLM_OPTIONS, Status, accepted_wa
 from megatron_serve.model.tiny import CHAT_TEMPLATE, make_tiny_model
 
 from .test_hub import hub_cache
+from ..lora_adapters import make_peft_adapter
 from ..server.conftest import wait_ready
 from ..server.test_openai_e2e import free_port
 
@@ -93,6 +94,7 @@ def hub(tmp_path_factory) -> Path:
     model = make_tiny_model(root / "tiny", seed=0)
     hub_cache(root / "hub", HUB_ID, str(model))
     (root / "template.jinja").write_text(CHAT_TEMPLATE)  # --chat-template {tmp}/template.jinja
+    make_peft_adapter(model, root / "adapter", rank=4, seed=0)  # --lora-modules tiny-lora={tmp}/adapter
     return root
 
 
@@ -135,8 +137,12 @@ def test_serve_comes_up_with_every_implemented_option_and_they_act(hub, tmp_path
         key = {"Authorization": "Bearer sk-vllm-test"}  # --api-key
         with httpx.Client(base_url=url, timeout=120) as http:
             assert http.get("/v1/models").status_code == 401
-            assert [m["id"] for m in http.get("/v1/models", headers=key).json()["data"]] == ["tiny"]
+            models = http.get("/v1/models", headers=key).json()["data"]
+            assert [(m["id"], m["parent"]) for m in models] == [("tiny", None), ("tiny-lora", "tiny")]  # --lora-modules
             body = {"model": "tiny", "prompt": "Hello", "max_tokens": 2, "request_id": "vllm-flags-1"}
+            tuned = http.post("/v1/completions", json={**body, "model": "tiny-lora", "request_id": "lora-1"},
+                              headers=key)
+            assert tuned.status_code == 200 and tuned.json()["model"] == "tiny-lora"  # --enable-lora
             cors = http.post("/v1/completions", json=body, headers={**key, "Origin": "https://app.example"})
             assert cors.status_code == 200 and cors.json()["id"] == "cmpl-vllm-flags-1"
             assert cors.headers["access-control-allow-origin"] == "https://app.example"  # --allowed-origins

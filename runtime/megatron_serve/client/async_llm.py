@@ -36,7 +36,8 @@ from .chat_messages import Conversation, render_conversations
 from .prompts import ImagePrompt, Prompt, PromptInput, as_prompt, normalize_prompts
 from ..wire.request import DynamicInferenceRequest
 from ..wire.sampling_params import SamplingParams
-from .vllm_args import refuse_lora, wake_up_plan
+from .lora_request import apply_lora
+from .vllm_args import wake_up_plan
 from .vllm_outputs import RequestOutput
 
 if TYPE_CHECKING:
@@ -149,11 +150,10 @@ class MegatronAsyncLLM:
         Awaited with ``n`` > 1, each prompt gives ``n`` requests, prompt by prompt (``[p0 c0, p0 c1, p1 c0,
         ...]``: a list even for a single prompt); iterated, one ``RequestOutput`` holds the ``n`` outputs
         (request ids ``{index}_{request_id}``, as vLLM's). ``request_id``: iterated only (default: a new
-        one). ``lora_request``: ``None`` only (LoRA adapters are not implemented).
+        one). ``lora_request``: a :class:`~megatron_serve.LoRARequest`, or a list of one per prompt.
         """
-        refuse_lora(lora_request)
         prompt_list, single = normalize_prompts(prompts)
-        jobs = self.plan_jobs(prompt_list, sampling_params)
+        jobs = apply_lora(self.plan_jobs(prompt_list, sampling_params), lora_request, len(prompt_list))
 
         async def result() -> DynamicInferenceRequest | list[DynamicInferenceRequest]:
             if request_id is not None:

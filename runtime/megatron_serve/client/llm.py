@@ -29,7 +29,8 @@ from .loop_thread import EventLoopThread
 from ..model.llama import LlamaForCausalLM
 from .progress import progress_bar
 from .prompts import Prompt, PromptInput, normalize_prompts
-from .vllm_args import log_warnings, model_directory, parse_llm_keywords, refuse_lora
+from .lora_request import apply_lora
+from .vllm_args import log_warnings, model_directory, parse_llm_keywords
 from .vllm_outputs import RequestOutput, Shaper
 from ..wire.request import DynamicInferenceRequest
 from ..wire.sampling_params import SamplingParams
@@ -95,11 +96,12 @@ class MegatronLLM:
         where each image goes. ``sampling_params``: one for all prompts, or a list of one per prompt (as
         vLLM's ``LLM.generate``); with ``n`` > 1, ``n`` requests per prompt, prompt by prompt (:class:`LLM`
         groups them as vLLM does). ``use_tqdm``: a progress bar (``True``, or a ``tqdm``-like class).
-        ``lora_request``: ``None`` only (LoRA adapters are not implemented).
+        ``lora_request``: a :class:`~megatron_serve.LoRARequest` for every prompt, or a list of one per prompt
+        (the engines need ``enable_lora``).
         """
-        refuse_lora(lora_request)
         prompt_list, _ = normalize_prompts(prompts)  # bad prompts raise here, in the caller's thread
-        return self._run_jobs(self._async().plan_jobs(prompt_list, sampling_params), use_tqdm)
+        jobs = apply_lora(self._async().plan_jobs(prompt_list, sampling_params), lora_request, len(prompt_list))
+        return self._run_jobs(jobs, use_tqdm)
 
     def chat(self, messages: Conversation | Sequence[Conversation],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -121,8 +123,8 @@ class MegatronLLM:
               ) -> tuple[list[str], list[tuple[int, Prompt, SamplingParams]], list[DynamicInferenceRequest]]:
         """The rendered conversations, the requests and their results (each with its conversation's text as
         its ``prompt``)."""
-        refuse_lora(lora_request)
         texts, jobs = self._async().chat_jobs(messages, sampling_params, **template)
+        jobs = apply_lora(jobs, lora_request, len(texts))
         results = self._run_jobs(jobs, use_tqdm)
         for (index, _, _), result in zip(jobs, results):
             result.prompt = texts[index]
@@ -234,12 +236,11 @@ class LLM(MegatronLLM):
 
         ``priority``: one per prompt (lower runs first), as vLLM's.
         """
-        refuse_lora(lora_request)
         prompt_list, _ = normalize_prompts(prompts)
         if sampling_params is None and priority is not None:
             sampling_params = self.generation_defaults.sampling_params()
         per_prompt = _with_priority(sampling_params, priority, len(prompt_list))
-        jobs = self._async().plan_jobs(prompt_list, per_prompt)
+        jobs = apply_lora(self._async().plan_jobs(prompt_list, per_prompt), lora_request, len(prompt_list))
         records = self._run_jobs(jobs, use_tqdm)
         return Shaper(self.tokenizer).group_by_prompt([index for index, _, _ in jobs], records)
 

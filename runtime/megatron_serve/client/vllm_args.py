@@ -127,6 +127,10 @@ LLM_KEYWORDS: dict[str, Keyword] = {
     "num_gpu_blocks_override": Keyword("num_kv_blocks", _positive_int),
     "cuda_graph_sizes": Keyword("cuda_graph_sizes", _sizes),
     "async_scheduling": Keyword("async_scheduling", _flag),
+    "enable_lora": Keyword("enable_lora", _flag),
+    "max_loras": Keyword("max_loras", _positive_int),
+    "max_lora_rank": Keyword("max_lora_rank", _positive_int),
+    "max_cpu_loras": Keyword("max_cpu_loras", _positive_int),
 }
 
 
@@ -205,12 +209,6 @@ def parse_llm_keywords(keywords: dict[str, Any]) -> LLMArguments:
 def log_warnings(parsed: LLMArguments) -> None:
     for line in parsed.warnings:
         logger.warning(line)
-
-
-def refuse_lora(lora_request: Any) -> None:
-    """``lora_request``: only ``None`` (no adapter) is served; an adapter is refused with the table's reason."""
-    if lora_request is not None:
-        raise ValueError(f"lora_request: {SERVE_ROWS['enable_lora'].reason}")
 
 
 def wake_up_plan(tags: list[str] | None) -> bool:

@@ -86,6 +86,35 @@ def _json_list(value: str) -> list[str]:
     return items
 
 
+def _lora_module(value: str) -> tuple[str, str]:
+    """``--lora-modules`` items, as vLLM takes them: ``name=path`` or ``{"name": ..., "path": ...}`` (JSON; its
+    ``base_model_name`` is the served model here)."""
+    text = value.strip()
+    if text.startswith("{"):
+        try:
+            item = json.loads(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(f"not a JSON object: {exc}") from None
+        if not isinstance(item, dict) or set(item) - {"name", "path", "base_model_name"}:
+            raise argparse.ArgumentTypeError("a JSON item takes name, path and base_model_name only")
+        name, path = item.get("name"), item.get("path")
+    else:
+        name, _, path = text.partition("=")
+    if not isinstance(name, str) or not name or not isinstance(path, str) or not path:
+        raise argparse.ArgumentTypeError(f"{value!r}: expected name=path or {{\"name\": ..., \"path\": ...}}")
+    return name, path
+
+
+def _positive(value: str) -> int:
+    try:
+        number = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r} is not an integer") from None
+    if number < 1:
+        raise argparse.ArgumentTypeError(f"{number}: must be a positive integer")
+    return number
+
+
 def _spec(**kwargs: Any) -> Mapping[str, Any]:
     return MappingProxyType(kwargs)
 
@@ -239,7 +268,6 @@ VLLM_OPTIONS: tuple[VllmOption, ...] = (
                "ingress, gateway or service mesh in front of the server", scope=_SERVER),
     VllmOption(("--reasoning-parser",), _REFUSED, "reasoning content is not split from the answer; a model's "
                "thinking stays in `content`", scope=_SERVER),
-    VllmOption(("--enable-lora", "--lora-modules"), _REFUSED, "LoRA adapters are not implemented", scope=_SERVER),
     # ---- defined here: the engines
     VllmOption(("--quantization", "-q"), _IMPLEMENTED, "the weights' quantization: `fp8` quantizes a float "
                "checkpoint's linear layers at load (a scale per row; activations per token); `auto`/`none` serve the "
@@ -293,6 +321,29 @@ VLLM_OPTIONS: tuple[VllmOption, ...] = (
                spec=_spec(choices=("fcfs", "priority")), scope=_ENGINE, example=("--scheduling-policy", "priority")),
     VllmOption(("--guided-decoding-backend",), _ACCEPTED, "every output constraint is decoded with llguidance",
                spec=_spec(metavar="NAME"), scope=_ENGINE, example=("--guided-decoding-backend", "xgrammar")),
+    VllmOption(("--enable-lora",), _IMPLEMENTED, "serve LoRA adapters (PEFT checkpoints of the attention and "
+               "MLP projections) beside the base model; the request's `model` picks one (docs/lora.md)",
+               spec=_spec(action=argparse.BooleanOptionalAction, default=False,
+                          help="serve LoRA adapters (default: off)"), scope=_ENGINE,
+               example=("--enable-lora",)),
+    VllmOption(("--lora-modules",), _IMPLEMENTED, "adapters served from the start: `name=path` or vLLM's JSON "
+               "form; listed in `/v1/models` with the base model as `parent`",
+               spec=_spec(type=_lora_module, nargs="+", default=None, metavar="NAME=PATH",
+                          help="LoRA adapters served from the start (default: none)"), scope=_ENGINE,
+               example=("--lora-modules", "tiny-lora={tmp}/adapter")),
+    VllmOption(("--max-loras",), _IMPLEMENTED, "adapter slots on the device: the most adapters one step mixes",
+               spec=_spec(type=_positive, default=1, metavar="N", help="adapter slots on the device (default: %(default)s)"),
+               scope=_ENGINE, example=("--max-loras", "2")),
+    VllmOption(("--max-lora-rank",), _IMPLEMENTED, "the largest adapter rank served (smaller ranks are "
+               "zero-padded to it); a larger adapter is refused, naming its rank",
+               spec=_spec(type=_positive, default=16, metavar="R", help="largest adapter rank (default: %(default)s)"),
+               scope=_ENGINE, example=("--max-lora-rank", "8")),
+    VllmOption(("--max-cpu-loras",), _IMPLEMENTED, "adapters an engine keeps loaded (read and checked, in host "
+               "memory; default: --max-loras, or as many as --lora-modules names); loading one more is refused "
+               "until one is unloaded",
+               spec=_spec(type=_positive, default=None, metavar="N",
+                          help="adapters kept loaded (default: --max-loras, or the --lora-modules count)"), scope=_ENGINE,
+               example=("--max-cpu-loras", "4")),
     VllmOption(("--speculative-config",), _REFUSED, "speculative decoding is not implemented", scope=_ENGINE),
 )
 

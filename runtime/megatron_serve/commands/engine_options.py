@@ -86,6 +86,9 @@ def inference_config_from_args(args: argparse.Namespace, tensor_parallel_size: i
         kv_cache_dtype=args.kv_cache_dtype, verify_logprobs_fraction=args.verify_logprobs_fraction,
         logprobs_mode=args.logprobs_mode,
         **({} if args.batch_invariant is None else {"batch_invariant": args.batch_invariant}),
+        enable_lora=args.enable_lora, max_loras=args.max_loras,
+        max_lora_rank=args.max_lora_rank, max_cpu_loras=args.max_cpu_loras,
+        lora_modules=dict(args.lora_modules) if args.lora_modules else None,
     )
 
 

@@ -309,7 +309,7 @@ class _Stack:
                          limits=read_limits(args), tokenizer_threads=args.tokenizer_threads,
                          image_options=image_options(args), generation_defaults=self.files.generation_defaults,
                          options=HTTPOptions.from_args(args), stream_interval=args.stream_interval,
-                         **status_options(args))
+                         lora_modules=dict(args.lora_modules or []), **status_options(args))
 
         def started(url: str) -> None:
             count = f" ({args.api_server_count} processes)" if args.api_server_count > 1 else ""

@@ -41,6 +41,7 @@ from ..errors import RefitFailed
 from ..wire.expert_routing import RoutingRecord, record_step, routing_dtype
 from .kv_cache import BlockAllocator, blocks_for_tokens
 from .logprob_parity import ParityChecker
+from .lora import LoraAdapterError, adapter_root, admit_request, engine_loras, require
 from ..model.config import ModelConfig
 from ..model.llama import LlamaForCausalLM
 from ..model.loader import load_model, load_weights
@@ -120,6 +121,7 @@ class DynamicInferenceEngine:
         self.sampling_state = SamplingState(model.config.vocab_size, self.device, config.max_requests)
         self.sampler = Sampler(self.sampling_state, config.logprobs_mode)
         self._seeds = random.Random(config.seed)  # an unseeded request's own seed, drawn when it is added
+        self.loras = engine_loras(model, config, self.runner)  # after warm-up and capture: graphs hold the base only
         self.structured = StructuredOutputs(tokenizer, model.config.vocab_size)
         self.encoder_cache = _encoder_cache_for(model, tokenizer)
         self._sequences: dict[str, Sequence] = {}
@@ -215,6 +217,12 @@ class DynamicInferenceEngine:
         stop_ids = frozenset(sp.stop_token_ids) | (frozenset() if sp.ignore_eos else frozenset(
             self.tokenizer.eos_token_ids if sp.termination_id is None
             else (sp.termination_id if isinstance(sp.termination_id, list) else [sp.termination_id])))
+        try:
+            lora_slot, lora_key = admit_request(self.loras, sp, self._sequences.values())
+        except LoraAdapterError as exc:
+            request.fail(str(exc))
+            self._pending.append(StepOutput(request, [], [], True))
+            return
         if sp.structured_outputs is not None:
             problem = self.structured.add(request.request_id, sp.structured_outputs, request.generated_tokens)
             if problem is not None:
@@ -224,6 +232,8 @@ class DynamicInferenceEngine:
         max_total = min(len(request.prompt_tokens) + sp.num_tokens_to_generate, self.max_sequence_length)
         sequence = Sequence(request, max_total, stop_ids)
         sequence.seed = sp.seed if sp.seed is not None else self._seeds.getrandbits(63)
+        if lora_key is not None:
+            sequence.lora_slot, sequence.prefix_root = lora_slot, adapter_root(sequence.prefix_root, lora_key)
         if sp.return_routing_indices:
             moe = self.model.config.moe
             sequence.routing = RoutingRecord(len(moe.sparse_layers), moe.top_k, routing_dtype(moe.num_experts),
@@ -266,6 +276,15 @@ class DynamicInferenceEngine:
             return (f"request needs {needed} KV blocks ({total} tokens) but the pool holds {self.kv_blocks_total}: "
                     "raise num_kv_blocks or lower num_tokens_to_generate")
         return None
+
+    def load_lora_adapter(self, name: str, path: str) -> None:
+        """Serve the PEFT adapter at ``path`` as ``name`` from the next request on (engine.lora); a bad adapter
+        raises :class:`~megatron_serve.model.lora.LoraAdapterError` and changes nothing."""
+        require(self.loras).load(name, path)
+
+    def unload_lora_adapter(self, name: str) -> None:
+        """Stop serving ``name``: later requests naming it fail; requests admitted under it finish under it."""
+        require(self.loras).unload(name)
 
     def _routing_problem(self, request: DynamicInferenceRequest) -> str | None:
         moe = self.model.config.moe

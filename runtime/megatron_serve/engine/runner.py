@@ -27,6 +27,7 @@ from .step_plan import StepBuffers, StepPlan
 from .warmup import compile_kernels
 
 if TYPE_CHECKING:
+    from ..model.lora_slots import LoraRows
     from ..weights.sources import WeightSource
 
 logger = logging.getLogger(__name__)
@@ -65,11 +66,12 @@ class ModelRunner:
         self.device = device
         self.buffers = buffers
         self.graphs = graphs
+        self.lora_rows: LoraRows | None = None  # the adapter slot table's row indices (engine.lora), if any
 
     def _graphs_for(self, plan: StepPlan) -> DecodeGraphs | MixedGraphs | None:
         """The graphs that replay ``plan``: a whole decode step, or a mixed step piecewise; None: eager."""
         graphs = self.graphs
-        if graphs is None:
+        if graphs is None or plan.lora:  # graphs are captured without adapters: adapter steps run eagerly
             return None
         if graphs.decode.covers(plan):
             return graphs.decode
@@ -103,6 +105,9 @@ class ModelRunner:
         if plan.num_gather:
             rows = dev["gather_rows"][: plan.num_gather]
             dev["token_ids"].index_copy_(0, rows, previous_tokens[dev["gather_from"][: plan.num_gather]])
+        if self.lora_rows is not None:
+            self.lora_rows.set(dev["lora_rows"][: plan.num_tokens] if plan.lora else None,
+                               self.buffers.np["lora_rows"][: plan.num_tokens])
         context = ForwardContext(attention_metadata(self.buffers, plan), kv_caches,
                                  self.multimodal_step(plan, image_embeddings), [] if plan.record_routing else None)
         if isinstance(graphs, DecodeGraphs):

@@ -42,6 +42,7 @@ class Sequence:
     seed: int = 0  # keys its sampling stream: its own seed, or one drawn for it when it was added
     finished: bool = False  # left the engine (finished, aborted, failed): rows of steps in flight are dropped
     prefix_root: int = ROOT_HASH  # where its chain of block hashes starts: its cache_salt's root
+    lora_slot: int = -1  # the adapter slot its rows run under (engine.lora); -1: the base model
 
     def __post_init__(self) -> None:
         if not self.token_ids:

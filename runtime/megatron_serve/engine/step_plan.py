@@ -50,6 +50,7 @@ _BUFFERS: dict[str, tuple[torch.dtype, str]] = {
     "gather_from": (torch.int64, "R"),
     "image_rows": (torch.int64, "T"),
     "mrope_positions": (torch.int64, "3xT"),
+    "lora_rows": (torch.int64, "T"),  # each row's adapter slot, -1: the base model (engine.lora)
 }
 
 
@@ -67,6 +68,7 @@ class StepPlan:
     num_images: int = 0  # image placeholder rows, whose embeddings come with the step
     mrope: bool = False  # mrope_positions holds three rotary positions per row (Qwen2-VL family)
     record_routing: bool = False  # some sequence records its expert routing (routing replay)
+    lora: bool = False  # some row runs under a LoRA adapter: lora_rows holds every row's slot
 
     @property
     def num_requests(self) -> int:
@@ -176,6 +178,8 @@ class StepBuffers:
                    ("block_tables", (slice(requests), slice(plan.block_width)))]
         if plan.mrope:
             regions.append(("mrope_positions", (slice(None), slice(tokens))))
+        if plan.lora:
+            regions.append(("lora_rows", rows))
         return regions
 
 
@@ -205,6 +209,7 @@ def write_plan(entries: list[tuple["Sequence", int]], block_size: int, buffers: 
     token_ids, positions, slots = out["token_ids"], out["positions"], out["slots"]
     seq_lens, query_start, tables = out["seq_lens"], out["query_start"], out["block_tables"]
     lm_rows, gather_rows, gather_from = out["lm_rows"], out["gather_rows"], out["gather_from"]
+    lora_rows, lora = out["lora_rows"], False
     row = num_decode = num_gather = num_sample = 0
     score_rows: list[int] = []
     width = 1
@@ -233,6 +238,11 @@ def write_plan(entries: list[tuple["Sequence", int]], block_size: int, buffers: 
             first_block = start // block_size
             block_ids = np.asarray(table[first_block : (end - 1) // block_size + 1], dtype=np.int64)
             slots[row : row + count] = block_ids[span // block_size - first_block] * block_size + span % block_size
+        if sequence.lora_slot >= 0 or lora:  # rows before the first adapter row are written once one comes
+            if not lora:
+                lora_rows[:row] = -1
+                lora = True
+            lora_rows[row : row + count] = sequence.lora_slot
         if sequence.request.prompt_scores_missing:
             score_rows.extend(row + p - start for p in prompt_positions_to_score(sequence, count))
         row += count
@@ -250,7 +260,7 @@ def write_plan(entries: list[tuple["Sequence", int]], block_size: int, buffers: 
     num_prefill = len(entries) - num_decode
     lm_rows[num_sample : num_sample + len(score_rows)] = score_rows
     plan = StepPlan(row, num_decode, num_prefill, width, num_sample, len(score_rows), num_gather,
-                    record_routing=record_routing)
+                    record_routing=record_routing, lora=lora)
     if images is not None:
         _write_images(plan, images, buffers)
     return plan

@@ -10,6 +10,7 @@ where ``ps`` would show it. Standard library only: the coordinator and ``control
 
 from __future__ import annotations
 
+import json
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # importing config imports torch
@@ -36,6 +37,11 @@ ENGINE_FIELDS = {
     "kv_cache_dtype": "kv_cache_dtype",
     "verify_logprobs_fraction": "verify_logprobs_fraction",
     "batch_invariant": "batch_invariant",
+    "enable_lora": "enable_lora",
+    "lora_modules": "lora_modules",
+    "max_loras": "max_loras",
+    "max_lora_rank": "max_lora_rank",
+    "max_cpu_loras": "max_cpu_loras",
 }
 
 
@@ -53,6 +59,8 @@ def inference_config_to_argv(config: "InferenceConfig | None") -> list[str]:
             argv.append(flag if value else "--no-" + dest.replace("_", "-"))
         elif isinstance(value, list):
             argv += [flag, *map(str, value)]
+        elif isinstance(value, dict):  # lora_modules: name -> path, in vLLM's JSON form (a name may hold "=")
+            argv += [flag, *(json.dumps({"name": name, "path": path}) for name, path in value.items())]
         elif name == "dtype" and not isinstance(value, str):
             argv += [flag, str(value).removeprefix("torch.")]  # torch.bfloat16 -> bfloat16
         else:

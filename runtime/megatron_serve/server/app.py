@@ -127,6 +127,7 @@ def create_app(
     image_options: ImageOptions | None = None,
     options: HTTPOptions | None = None,
     stream_interval: int = 1,
+    lora_modules: dict[str, str] | None = None,
 ) -> FastAPI:
     """An OpenAI-compatible app in front of ``backend`` (an ``InferenceClient`` or the same interface).
 
@@ -139,7 +140,8 @@ def create_app(
     ``generation_defaults``: sampling values for fields a request leaves out (the model's
     ``generation_config.json``; see :mod:`megatron_serve.generation_config`).
     ``stream_interval``: streamed tokens per chunk (vLLM's ``--stream-interval``; a choice's first token
-    goes at once).
+    goes at once). ``lora_modules``: the LoRA adapters the engines serve (name -> directory), listed in
+    ``/v1/models`` and picked by a request's ``model``.
     ``status_interval``, ``status_timeout``, ``ready_timeout``: how often the fleet's status is polled, how
     long a poll may take before the fleet counts as busy (or unreachable, without heartbeats), and how
     long ``/ready`` and ``/metrics`` wait for a fresh one (:mod:`.fleet`).
@@ -171,7 +173,7 @@ def create_app(
                             getattr(tokenizer, "chat_template", None)),
                         generation_defaults=generation_defaults or GenerationDefaults(), options=options,
                         request_log=RequestLog(options.log_requests, options.max_log_len),
-                        stream_interval=stream_interval)
+                        stream_interval=stream_interval, adapters=dict(lora_modules or {}))
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
@@ -267,17 +269,20 @@ def create_app(
         return ModelCard(id=model_name, created=ctx.created, max_model_len=ctx.max_model_len(),
                          input_modalities=["text", "image"] if ctx.accepts_images else ["text"])
 
+    def adapter_card(name: str) -> ModelCard:
+        return model_card().model_copy(update={"id": name, "root": ctx.adapters[name], "parent": model_name})
+
     @app.get("/v1/models", response_model=ModelList, dependencies=api_dependencies, tags=["OpenAI"],
              responses=_error_responses([401] if api_key else []))
     async def list_models() -> ModelList:
-        return ModelList(data=[model_card()])
+        return ModelList(data=[model_card(), *map(adapter_card, ctx.adapters)])
 
     @app.get("/v1/models/{model}", response_model=ModelCard, dependencies=api_dependencies, tags=["OpenAI"],
              responses=_error_responses([401, 404] if api_key else [404]))
     async def retrieve_model(model: str) -> ModelCard:
         if model not in ctx.served_names:
             raise APIError(404, f"the model '{model}' does not exist here", param="model", code="model_not_found")
-        return model_card()
+        return model_card() if model == model_name else adapter_card(model)
 
     @app.get("/health", response_model=HealthResponse, tags=["probes"],
              description="200 while this process is up (liveness).")

@@ -84,6 +84,7 @@ class ChatHandler:
         self.tools = plan_tools(req, ctx.tool_parser)
         extra = controls(req, ctx.vocab_size, structured_outputs(req, ctx.limits, self.tools.constraint),
                          prompt_log_probs=req.prompt_logprobs is not None)  # checked before the costlier rendering
+        extra.update(ctx.adapter_fields(req.model))
         self.prompt = chat_prompt(req, ctx.tokenizer, ctx.vocab_size, max_len, tools=self.tools.template_tools)
         top_n = max(self.top, req.prompt_logprobs or 0)
         requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens

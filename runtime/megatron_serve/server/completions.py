@@ -104,6 +104,7 @@ class CompletionHandler:
         max_len = ctx.max_model_len()
         extra = controls(req, ctx.vocab_size, structured_outputs(req, ctx.limits),
                          prompt_log_probs=self.echo_logprobs or req.prompt_logprobs is not None)
+        extra.update(ctx.adapter_fields(req.model))
         self.prompts = completion_prompts(req, ctx.tokenizer, ctx.vocab_size, max_len)
         top_n = max(self.top, req.prompt_logprobs or 0)
         default_tokens = ctx.generation_defaults.get("num_tokens_to_generate", DEFAULT_COMPLETION_TOKENS)

@@ -91,7 +91,7 @@ NOT_IMPLEMENTED: dict[str, str] = {
     "mm_processor_kwargs": "multimodal inputs",
     "logits_processors": "logits processors",
     "return_tokens_as_token_ids": "token ids in log-prob listings",
-    "lora_request": "LoRA adapters",
+    "lora_request": "an adapter in the body (a request picks a LoRA adapter by its model)",
     "regex": "SGLang's spelling (send guided_regex or structured_outputs.regex)",
     "json_schema": "SGLang's spelling (send guided_json, response_format or structured_outputs.json)",
     "ebnf": "SGLang's spelling (send guided_grammar or structured_outputs.grammar)",

@@ -392,6 +392,8 @@ class ModelCard(BaseModel):
     created: int
     owned_by: str = "megatron-serve"
     max_model_len: int | None = None
+    root: str | None = Field(None, description="a LoRA adapter's directory (vLLM's field); the model's name otherwise")
+    parent: str | None = Field(None, description="a LoRA adapter's base model (vLLM's field); null for the base")
     input_modalities: list[Literal["text", "image"]] = Field(
         default_factory=lambda: ["text"], description="extension: what prompts may hold; 'image' for "
                                                       "vision-language models (image_url content parts)")

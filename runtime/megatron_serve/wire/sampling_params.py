@@ -219,6 +219,10 @@ class SamplingParams(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=T
     truncate_prompt_tokens: int | None = None  # keep the prompt's last N tokens (applied by the Python API)
     priority: int = 0  # admission order when the engines are full: lower first, then arrival
     cache_salt: str | None = None  # prefix-cache entries are shared only within one salt
+    # The LoRA adapter it runs under (engine.lora): a name the engine serves, or, with a path, one it loads
+    # on first use (the Python API's LoRARequest); None: the base model.
+    lora_name: str | None = None
+    lora_path: str | None = None
     # Detokenizer options (vLLM's names and defaults), applied where the text is made (the client side):
     # special tokens' text left out of ``generated_text``; a stop string kept at the end of the text.
     skip_special_tokens: bool = True
@@ -303,6 +307,12 @@ class SamplingParams(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=T
         if self.truncate_prompt_tokens is not None:
             _check_int("truncate_prompt_tokens", self.truncate_prompt_tokens, minimum=1)
         _check_int("priority", self.priority, minimum=PRIORITY_MIN, maximum=PRIORITY_MAX)
+        for name in ("lora_name", "lora_path"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ValueError(f"{name} must be a non-empty string, got {value!r}")
+        if self.lora_path is not None and self.lora_name is None:
+            raise ValueError("lora_path needs lora_name")
         if self.cache_salt is not None and (not isinstance(self.cache_salt, str) or not self.cache_salt):
             raise SamplingParamError("cache_salt", f"must be a non-empty string, got {self.cache_salt!r}")
 

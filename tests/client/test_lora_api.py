@@ -1,0 +1,85 @@
+"""LoRA through the Python API and the engine flags: vLLM's ``LoRARequest`` and ``LLM`` keywords, the
+``--enable-lora``/``--lora-modules``/``--max-lora*`` flags, and their round trip to engine processes."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from megatron_serve import LLM, InferenceConfig, LoRARequest, SamplingParams
+from megatron_serve.client.vllm_options import _lora_module
+from megatron_serve.commands.engine_options import add_engine_options, inference_config_from_args
+from megatron_serve.fleet.argv import inference_config_to_argv
+
+from ..lora_adapters import make_peft_adapter
+from ..prompts import PROMPTS
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def adapters(tiny_llama, tmp_path_factory):
+    root = tmp_path_factory.mktemp("api-adapters")
+    return [str(make_peft_adapter(tiny_llama, root / f"a{i}", rank=4 * (i + 1), seed=i)) for i in range(2)]
+
+
+def test_llm_generate_with_lora_requests(tiny_llama, adapters):
+    with LLM(tiny_llama, enable_lora=True, max_loras=2, max_lora_rank=8, max_cpu_loras=2) as llm:
+        assert (llm.engine.config.max_loras, llm.engine.config.max_lora_rank) == (2, 8)
+        base = [o.outputs[0].token_ids for o in llm.generate(PROMPTS[:2], GREEDY, use_tqdm=False)]
+        first = LoRARequest("first", 1, adapters[0])
+        second = LoRARequest("second", 2, adapters[1])
+        tuned = [o.outputs[0].token_ids for o in llm.generate(PROMPTS[:2], GREEDY, use_tqdm=False,
+                                                                lora_request=first)]
+        mixed = [o.outputs[0].token_ids for o in llm.generate(PROMPTS[:2], GREEDY, use_tqdm=False,
+                                                                lora_request=[first, None])]
+        assert tuned != base, "control: the adapter changes the tokens"
+        assert mixed == [tuned[0], base[1]]
+        other = llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False, lora_request=second)[0].outputs[0].token_ids
+        assert other != tuned[0]
+        with pytest.raises(ValueError, match="lora_request holds 1 LoRARequests for 2 prompts"):
+            llm.generate(PROMPTS[:2], GREEDY, use_tqdm=False, lora_request=[first])
+        failed = llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False, lora_request=LoRARequest("missing", 3, ""))
+        assert "LoRA adapter 'missing' is not loaded" in str(failed[0].outputs[0].request.error)
+
+
+def test_lora_request_checks_its_fields():
+    with pytest.raises(ValueError, match="lora_int_id must be a positive integer"):
+        LoRARequest("a", 0, "/x")
+    with pytest.raises(ValueError, match="lora_name must be a non-empty string"):
+        LoRARequest("", 1, "/x")
+
+
+def test_an_engine_without_enable_lora_refuses_adapter_requests(tiny_llama, adapters):
+    with LLM(tiny_llama) as llm:
+        out, = llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False, lora_request=LoRARequest("a", 1, adapters[0]))
+        assert "LoRA adapters need an engine started with enable_lora" in str(out.outputs[0].request.error)
+
+
+def test_lora_flags_round_trip_through_engine_argv(adapters):
+    parser = argparse.ArgumentParser()
+    add_engine_options(parser)
+    original = InferenceConfig(device="cpu", dtype="float32", enable_lora=True, max_loras=3, max_lora_rank=32,
+                               max_cpu_loras=5, lora_modules={"a": adapters[0], "b=c": adapters[1]})
+    rebuilt = inference_config_from_args(parser.parse_args(inference_config_to_argv(original)))
+    assert rebuilt.to_dict() == original.to_dict()
+
+
+def test_lora_modules_take_both_of_vllms_forms():
+    assert _lora_module("sql=/adapters/sql") == ("sql", "/adapters/sql")
+    assert _lora_module('{"name": "sql", "path": "/a/sql", "base_model_name": "m"}') == ("sql", "/a/sql")
+    for bad in ("sql", "=/a", '{"name": "sql"}', '{"name": "x", "path": "/a", "rank": 4}', "{oops"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            _lora_module(bad)
+
+
+@pytest.mark.parametrize("config, message", [
+    (dict(max_loras=0), "max_loras must be a positive integer"),
+    (dict(enable_lora=True, max_loras=4, max_cpu_loras=2), r"max_cpu_loras \(2\) must be at least max_loras \(4\)"),
+    (dict(lora_modules={"a": "/x"}), "lora_modules needs enable_lora"),
+    (dict(enable_lora=True, tensor_parallel_size=2), "enable_lora needs tensor_parallel_size=1"),
+])
+def test_bad_lora_settings_are_refused_by_name(config, message):
+    with pytest.raises(ValueError, match=message):
+        InferenceConfig(device="cpu", **config)

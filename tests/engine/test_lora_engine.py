@@ -1,0 +1,168 @@
+"""LoRA adapters in the engine: greedy tokens and log probs equal transformers + PEFT with the adapter; a step
+mixing adapters and the base gives each row what it gets alone; the prefix cache never crosses adapters."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron_serve import DynamicInferenceRequest, InferenceConfig, SamplingParams
+from megatron_serve.engine import DynamicInferenceEngine
+from megatron_serve.model.lora import LoraAdapterError
+from megatron_serve.model.tiny import make_tiny_model
+
+from ..lora_adapters import make_peft_adapter, peft_model
+from ..prompts import PROMPTS, run_requests
+
+NEW_TOKENS = 12
+RANKS = (4, 8, 16)
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen3"])
+def base(request, tmp_path_factory):
+    return make_tiny_model(tmp_path_factory.mktemp(f"lora-{request.param}"), seed=5, arch=request.param)
+
+
+@pytest.fixture(scope="module")
+def adapters(base, tmp_path_factory):
+    """Ranks 4, 8 and 16; the rank-4 one on attention only (its MLP rows stay the base's)."""
+    root = tmp_path_factory.mktemp("adapters")
+    return {f"r{rank}": str(make_peft_adapter(base, root / f"r{rank}", rank=rank, seed=rank,
+                                              targets=["q_proj", "v_proj", "o_proj"] if rank == 4 else None))
+            for rank in RANKS}
+
+
+def _engine(base, adapters, **overrides) -> DynamicInferenceEngine:
+    config = dict(dtype="float32", block_size_tokens=16, enable_lora=True, max_loras=4, max_lora_rank=16,
+                  lora_modules=adapters)
+    config.update(overrides)
+    return DynamicInferenceEngine.from_model_dir(base, InferenceConfig(**config))
+
+
+def _greedy(lora_name: str | None = None, **extra) -> SamplingParams:
+    return SamplingParams(temperature=0.0, num_tokens_to_generate=NEW_TOKENS, ignore_eos=True, return_log_probs=True,
+                          lora_name=lora_name, **extra)
+
+
+def _reference(model, token_lists):
+    results = []
+    for tokens in token_lists:
+        out = model.generate(torch.tensor([tokens]), attention_mask=torch.ones(1, len(tokens), dtype=torch.long),
+                             max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False,
+                             output_logits=True, return_dict_in_generate=True, pad_token_id=0)
+        generated = out.sequences[0, len(tokens):].tolist()
+        results.append((generated, [torch.log_softmax(s[0].float(), -1)[t].item()
+                                    for s, t in zip(out.logits, generated)]))
+    return results
+
+
+@pytest.mark.parametrize("name", [f"r{rank}" for rank in RANKS])
+def test_greedy_equals_transformers_with_peft(base, adapters, name):
+    engine = _engine(base, adapters)
+    prompts = PROMPTS[:4]
+    token_lists = [engine.tokenizer.encode(p) for p in prompts]
+    outs = run_requests(engine, [(p, _greedy(name)) for p in prompts])
+    base_outs = run_requests(engine, [(p, _greedy()) for p in prompts])
+    expected = _reference(peft_model(base, adapters[name]), token_lists)
+    for out, (tokens, log_probs) in zip(outs, expected):
+        assert out.generated_tokens == tokens
+        assert out.generated_log_probs == pytest.approx(log_probs, abs=1e-4)
+    assert [o.generated_tokens for o in outs] != [o.generated_tokens for o in base_outs], "control: the adapter matters"
+
+
+def test_a_mixed_batch_gives_each_row_what_it_gets_alone(base, adapters):
+    engine = _engine(base, adapters)
+    names = [None, "r4", "r8", "r16"]
+    jobs = [(prompt, _greedy(names[i % 4])) for i, prompt in enumerate(PROMPTS)]
+    together = run_requests(engine, jobs)
+    for job, mixed in zip(jobs, together):
+        alone, = run_requests(engine, [job])
+        assert mixed.generated_tokens == alone.generated_tokens
+        assert mixed.generated_log_probs == pytest.approx(alone.generated_log_probs, abs=1e-5)
+
+
+def test_prefix_cache_does_not_cross_adapters(base, adapters):
+    engine = _engine(base, adapters)
+    prompt = PROMPTS[6]  # several complete blocks
+    first, = run_requests(engine, [(prompt, _greedy("r8"))])
+    cached_before = engine.cached_tokens
+    other, = run_requests(engine, [(prompt, _greedy("r16"))])
+    assert engine.cached_tokens == cached_before, "another adapter's blocks were reused"
+    again, = run_requests(engine, [(prompt, _greedy("r8"))])
+    assert engine.cached_tokens > cached_before, "control: the same adapter reuses its blocks"
+    assert again.generated_tokens == first.generated_tokens
+
+
+def test_load_and_unload_while_requests_run(base, adapters):
+    """An adapter loaded mid-run serves the next request; one unloaded mid-run lets its running requests finish
+    under it (their tokens are those of a run without the unload) and refuses new ones, naming it."""
+    engine = _engine(base, {"r8": adapters["r8"]}, max_loras=2, max_cpu_loras=2)
+    expected, = run_requests(engine, [(PROMPTS[1], _greedy("r8"))])
+    running = DynamicInferenceRequest("running", PROMPTS[1], engine.tokenizer.encode(PROMPTS[1]), _greedy("r8"))
+    engine.add_request(running)
+    engine.step()
+    engine.step()
+    assert engine.has_unfinished_requests()
+    engine.unload_lora_adapter("r8")
+    engine.load_lora_adapter("r16", adapters["r16"])
+    late = [DynamicInferenceRequest(name, PROMPTS[2], engine.tokenizer.encode(PROMPTS[2]), _greedy(name))
+            for name in ("r8", "r16")]
+    for request in late:
+        engine.add_request(request)
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert running.generated_tokens == expected.generated_tokens
+    assert late[0].finish_reason.value != "length" and "'r8' is not loaded" in str(late[0].error)
+    alone, = run_requests(_engine(base, {"r16": adapters["r16"]}), [(PROMPTS[2], _greedy("r16"))])
+    assert late[1].generated_tokens == alone.generated_tokens
+
+
+def test_bad_adapter_loads_change_nothing(base, adapters, tmp_path):
+    engine = _engine(base, {"r8": adapters["r8"]}, max_lora_rank=8)
+    before, = run_requests(engine, [(PROMPTS[0], _greedy("r8"))])
+    with pytest.raises(LoraAdapterError, match="rank 16 is above --max-lora-rank 8"):
+        engine.load_lora_adapter("big", adapters["r16"])
+    with pytest.raises(LoraAdapterError, match="is not a directory"):
+        engine.load_lora_adapter("gone", str(tmp_path / "gone"))
+    with pytest.raises(LoraAdapterError, match="'r8' is already loaded"):
+        engine.load_lora_adapter("r8", adapters["r4"])
+    assert engine.loras.names() == {"r8": adapters["r8"]}
+    after, = run_requests(engine, [(PROMPTS[0], _greedy("r8"))])
+    assert after.generated_tokens == before.generated_tokens
+
+
+def test_triton_kernels_serve_a_mixed_batch_like_the_reference(base, adapters, monkeypatch):
+    """The engine through the Triton shrink/expand (interpreted on CPU) gives the reference's tokens."""
+    jobs = [(prompt, _greedy(name)) for prompt, name in zip(PROMPTS[:3], ["r4", None, "r16"])]
+    monkeypatch.setenv("MEGATRON_KERNELS", "reference")
+    expected = run_requests(_engine(base, adapters), jobs)
+    monkeypatch.setenv("MEGATRON_KERNELS", "triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    got = run_requests(_engine(base, adapters, enable_cuda_graphs=False), jobs)
+    assert [o.generated_tokens for o in got] == [o.generated_tokens for o in expected]
+
+
+def test_slots_go_to_idle_adapters_and_a_full_table_fails_the_request(base, adapters):
+    """Two slots for three adapters: the third takes the slot no running request uses; while both slots run,
+    a request of a third adapter fails naming --max-loras, and the others are unaffected."""
+    engine = _engine(base, adapters, max_loras=2, max_cpu_loras=3)
+    alone = {name: run_requests(_engine(base, adapters), [(PROMPTS[3], _greedy(name))])[0].generated_tokens
+             for name in ("r4", "r8", "r16")}
+    for name in ("r4", "r8", "r16", "r4"):  # one at a time: each reuses an idle slot
+        out, = run_requests(engine, [(PROMPTS[3], _greedy(name))])
+        assert out.generated_tokens == alone[name]
+    together = run_requests(engine, [(PROMPTS[3], _greedy("r4")), (PROMPTS[3], _greedy("r8")),
+                                     (PROMPTS[3], _greedy("r16"))])
+    assert [o.generated_tokens for o in together[:2]] == [alone["r4"], alone["r8"]]
+    assert "all 2 adapter slots (--max-loras) are used" in str(together[2].error)
+
+
+def test_every_adapter_given_at_start_is_loaded_and_the_host_limit_holds(base, adapters):
+    """Three --lora-modules with one slot: all three load (the host limit defaults to their count), each serves
+    in turn from the one slot, and a fourth load is refused naming --max-cpu-loras."""
+    engine = _engine(base, adapters, max_loras=1)
+    assert sorted(engine.loras.names()) == ["r16", "r4", "r8"]
+    outs = [run_requests(engine, [(PROMPTS[5], _greedy(name))])[0] for name in ("r4", "r8", "r16")]
+    assert all(o.finish_reason.value == "length" for o in outs)
+    with pytest.raises(LoraAdapterError, match="3 adapters are loaded, the most --max-cpu-loras allows"):
+        engine.load_lora_adapter("more", adapters["r4"])

@@ -1,0 +1,73 @@
+"""Batched LoRA shrink/expand: the Triton kernels (interpreted on CPU) equal the reference twin, and both
+equal the per-row definition ``y += (x @ A_slot^T) @ B_slot^T`` for a step mixing slots, ranks and base rows."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron_kernels import reference_lora, triton_lora
+from megatron_kernels.reference_lora import LoraBatch
+
+SLOTS, RANK, K, N = 3, 8, 24, 40
+
+
+def _case(tokens: int, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(tokens, K, generator=g)
+    a = torch.randn(SLOTS, RANK, K, generator=g)
+    b = torch.randn(SLOTS, N, RANK, generator=g)
+    a[1, 4:] = 0  # slot 1 holds a rank-4 adapter, zero-padded to the table's rank
+    b[1, :, 4:] = 0
+    indices = torch.tensor([(i % (SLOTS + 1)) - 1 for i in range(tokens)], dtype=torch.int64)  # -1, 0, 1, 2, ...
+    return x, a, b, indices
+
+
+def _batch(indices):
+    return LoraBatch.of(indices, indices.numpy())
+
+
+def _per_row(x, a, b, indices):
+    y = torch.zeros(x.shape[0], N)
+    for t, slot in enumerate(indices.tolist()):
+        if slot >= 0:
+            y[t] = (x[t] @ a[slot].T) @ b[slot].T
+    return y
+
+
+@pytest.mark.parametrize("module", [reference_lora, triton_lora], ids=["reference", "triton"])
+@pytest.mark.parametrize("tokens", [1, 7, 16])
+def test_shrink_expand_match_per_row_definition(module, tokens):
+    x, a, b, indices = _case(tokens)
+    y = torch.zeros(tokens, N)
+    module.lora_expand(y, module.lora_shrink(x, a, _batch(indices)), b, _batch(indices))
+    torch.testing.assert_close(y, _per_row(x, a, b, indices), rtol=1e-4, atol=1e-4)
+    base = indices < 0
+    assert bool(base.any()) and torch.equal(y[base], torch.zeros_like(y[base])), "base rows get no delta"
+
+
+def test_triton_equals_reference_on_half_of_a_fused_output():
+    """Expand adds into a strided view's rows (the qkv output) and leaves the other columns alone."""
+    x, a, b, indices = _case(9, seed=1)
+    y_ref = torch.randn(9, N + 8)
+    y_tri = y_ref.clone()
+    batch = _batch(indices)
+    reference_lora.lora_expand(y_ref[:, :N], reference_lora.lora_shrink(x, a, batch), b, batch)
+    triton_lora.lora_expand(y_tri[:, :N], triton_lora.lora_shrink(x, a, batch), b, batch)
+    torch.testing.assert_close(y_tri, y_ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("module", [reference_lora, triton_lora], ids=["reference", "triton"])
+def test_a_step_of_one_adapter_and_a_step_of_none(module):
+    """Every row under slot 2 (the reference's no-gather path); and no adapter row at all (no delta)."""
+    x, a, b, _ = _case(5, seed=2)
+    for indices in (torch.full((5,), 2, dtype=torch.int64), torch.full((5,), -1, dtype=torch.int64)):
+        y = torch.zeros(5, N)
+        module.lora_expand(y, module.lora_shrink(x, a, _batch(indices)), b, _batch(indices))
+        torch.testing.assert_close(y, _per_row(x, a, b, indices), rtol=1e-4, atol=1e-4)
+    assert _batch(torch.full((5,), 2, dtype=torch.int64)).whole
+
+
+def test_batch_groups_rows_by_slot():
+    batch = _batch(torch.tensor([1, -1, 0, 1, 0, -1], dtype=torch.int64))
+    assert batch.order.tolist() == [2, 4, 0, 3] and batch.segments == ((0, 0, 2), (1, 2, 4)) and not batch.whole
