@@ -139,3 +139,16 @@ def test_extensions_round_trip_the_wire_and_neutral_ones_stay_off_it():
     assert set(SamplingParams().to_dict()) == {"temperature", "top_k", "top_p", "num_tokens_to_generate", "stop_words",
                                                "termination_id", "ignore_eos", "return_log_probs", "top_n_logprobs",
                                                "seed"}
+
+
+def test_penalty_counts_grow_on_the_device_and_a_reused_slot_starts_from_its_own_tokens():
+    state = SamplingState(8, torch.device("cpu"), capacity=1)
+    penalised = SamplingParams(temperature=0.0, frequency_penalty=1.0)
+    state.add("a", penalised, 0, [], [2], ())
+    rows = state.rows(["a"], [0], [1])
+    state.add_counts(rows, torch.tensor([2]))  # the token the device sampled for it
+    assert apply_controls(torch.zeros(1, 8), state, rows)[0, 2] == -2.0  # the token given at binding, and the new one
+    state.remove("a")
+    state.add("b", penalised, 0, [], [5], ())  # the freed slot and control row, bound again
+    out = apply_controls(torch.zeros(1, 8), state, state.rows(["b"], [0], [1]))
+    assert out[0].tolist() == [0.0] * 5 + [-1.0] + [0.0] * 2

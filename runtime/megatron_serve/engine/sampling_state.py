@@ -219,7 +219,7 @@ class SamplingState:
         host[1, :count] = [info.control for info in infos]
         host[2, :count] = positions
         host[3, :count] = generated
-        self._rows.upload(count)
+        self._rows.upload()
         return StepRows(device[0, :count], device[1, :count], device[2, :count], device[3, :count], infos)
 
     def add_counts(self, rows: StepRows, tokens: torch.Tensor) -> None:
@@ -274,11 +274,11 @@ class _RowBuffers:
             self._copied[self._turn] = None
         return self._np[self._turn], self._dev[self._turn]
 
-    def upload(self, count: int) -> None:
+    def upload(self) -> None:
         if not self._cuda:
             return
-        turn = self._turn
-        self._dev[turn][:, :count].copy_(self._host[turn][:, :count], non_blocking=True)
+        turn = self._turn  # the whole buffer (a few KB): a strided slice would be staged through pageable memory
+        self._dev[turn].copy_(self._host[turn], non_blocking=True)
         event = torch.cuda.Event()
         event.record()
         self._copied[turn] = event
