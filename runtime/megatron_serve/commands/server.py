@@ -33,7 +33,10 @@ ADMIN_KEY_ENV = "MEGATRON_SERVE_ADMIN_KEY"  # the same as megatron_serve.server.
 
 
 def add_server_options(parser: argparse.ArgumentParser, default_host: str) -> None:
-    """HTTP options shared by ``server`` and ``run``."""
+    """HTTP options shared by ``server`` and ``run``.
+
+    Long: one ``add_argument`` per option, a flat table that reads best whole.
+    """
     group = parser.add_argument_group("HTTP server")
     group.add_argument("--host", default=default_host, help="interface to listen on")
     group.add_argument("--port", type=int, default=8000, help="HTTP port (0 = any free port)")

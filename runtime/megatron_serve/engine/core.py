@@ -37,14 +37,14 @@ from .served import EngineFacts
 from .sizing import build_kv_pool, default_dtype, engine_buffers, max_sequence_length_for
 from .encoder_cache import EncoderCache
 from ..wire.engine_stats import EngineStats
-from ..errors import RefitFailed
 from ..wire.expert_routing import RoutingRecord, record_step, routing_dtype
 from .kv_cache import BlockAllocator, blocks_for_tokens
+from .memory_verbs import DeviceMemoryVerbs
 from .logprob_parity import ParityChecker
 from .lora import LoraAdapterError, adapter_root, admit_request, engine_loras, require
 from ..model.config import ModelConfig
 from ..model.llama import LlamaForCausalLM
-from ..model.loader import load_model, load_weights
+from ..model.loader import load_model
 from .graphs import graphs_for, largest_graph
 from .logits_processors import apply_controls, apply_token_bitmask
 from .runner import ModelRunner
@@ -56,7 +56,6 @@ from .sampling_state import SamplingState
 from .scheduler import ScheduledBatch, Scheduler, Sequence
 from .structured_output import StructuredOutputs
 from ..tokenizer import Tokenizer
-from ..weights.sources import WeightSource, weight_source
 
 logger = logging.getLogger(__name__)
 
@@ -97,7 +96,7 @@ def _encoder_cache_for(model: LlamaForCausalLM, tokenizer: Tokenizer) -> Encoder
     return EncoderCache(model, tokenizer.images)
 
 
-class DynamicInferenceEngine:
+class DynamicInferenceEngine(DeviceMemoryVerbs):
     def __init__(self, model: LlamaForCausalLM, tokenizer: Tokenizer, config: InferenceConfig,
                  runner: ModelRunner | None = None):
         if config.batch_invariant:
@@ -351,102 +350,6 @@ class DynamicInferenceEngine:
         """Put the rows recorded so far on the request, which leaves the engine now."""
         if sequence.routing is not None:
             sequence.request.routing_indices = sequence.routing.array()
-
-    def suspend(self, level: int = 1) -> int:
-        """Release the KV pool (and at level 2 move weights to host); returns device bytes released."""
-        if level not in (1, 2):
-            raise ValueError(f"suspend level must be 1 or 2, got {level}")
-        offload = level == 2 and not self.weights_offloaded and self.device.type == "cuda"
-        if self.suspended and not offload:
-            return 0
-        self._settle()
-        self.runner.on_suspend(level)
-        released = 0
-        if not self.suspended:
-            self.scheduler.evict_all()
-            self.allocator.clear_cache()  # the cached contents die with the pool
-            if self.encoder_cache is not None:
-                self.encoder_cache.clear()  # image embeddings are device memory too
-            released += self.kv_cache.release()
-            self.suspended = True
-        if offload:
-            released += sum(p.numel() * p.element_size() for p in self.model.parameters())
-            self.model.to("cpu")
-            torch.cuda.empty_cache()
-            self.weights_offloaded = True
-        return released
-
-    def refit(self, source: "str | Path | WeightSource", epoch: int | None = None) -> dict[str, float]:
-        """Load new weights of the same shapes in place; returns timings and the new epoch.
-
-        ``source``: a model directory (every weight), or a :mod:`megatron_serve.weights.sources`
-        source (tensors in this process, a trainer's broadcast: any subset of the weights). Names
-        and shapes are verified before any live weight is touched, so a bad source leaves the old
-        weights serving. Cached prefix blocks of the old weights are forgotten; requests in flight
-        keep their KV and continue, and their per-token epochs show the switch.
-
-        A load that fails midway (a read error, a trainer that died) raises
-        :class:`~megatron_serve.errors.RefitFailed` saying which weights this engine now holds;
-        when some were overwritten the epoch becomes -1 until a refit covers them again.
-        """
-        source = weight_source(source)
-        self._settle()  # the step in flight was computed with the old weights: its tokens carry the old epoch
-        started = time.perf_counter()
-        source.check(self.model)
-        verified = time.perf_counter()
-        self.runner.on_refit(source)
-        replaced: set[str] = set()
-        error: BaseException | None = None
-        try:
-            load_weights(self.model, source.tensors(self.model), progress=replaced.add, partial=source.partial)
-        except Exception as exc:  # noqa: BLE001 - reported below, with what the other ranks did
-            error = exc
-        for names, follower_error in self.runner.refit_outcomes():
-            replaced.update(names)
-            if error is None and follower_error:
-                error = RuntimeError(f"a tensor-parallel rank failed: {follower_error}")
-        if error is not None:
-            self.incomplete |= replaced
-        elif source.partial:
-            self.incomplete -= replaced
-        else:
-            self.incomplete = set()
-        if self.incomplete:
-            self.epoch = -1  # a mix of two generations: no epoch describes it
-        if error is not None or self.incomplete:
-            message = str(error) if error is not None else (
-                f"{len(self.incomplete)} tensor(s) overwritten by an earlier failed refit were not sent again")
-            raise RefitFailed(message, len(replaced), sorted(self.incomplete), self.epoch) from error
-        self.allocator.clear_cache()
-        self.parity.void_all()
-        if self.encoder_cache is not None:
-            self.encoder_cache.clear()  # embeddings of the old vision weights
-        self.epoch = self.epoch + 1 if epoch is None else int(epoch)
-        finished = time.perf_counter()
-        self.refits += 1
-        self.last_refit = {"verify_s": verified - started, "load_s": finished - verified, "total_s": finished - started}
-        return {"epoch": self.epoch, **self.last_refit}
-
-    def verify_refit(self, source: "str | Path | WeightSource") -> float:
-        """Check that ``source`` holds weights of this model's names and shapes (no tensor data read);
-        returns seconds. Raises ``ValueError`` naming the first mismatch; nothing live is touched.
-        """
-        started = time.perf_counter()
-        weight_source(source).check(self.model)
-        return time.perf_counter() - started
-
-    def resume(self) -> None:
-        """Bring weights and the KV pool back, then capture the decode graphs over them again."""
-        if not (self.suspended or self.weights_offloaded):
-            return
-        self.runner.on_resume()
-        if self.weights_offloaded:
-            self.model.to(self.device)
-            self.weights_offloaded = False
-        if self.suspended:
-            self.kv_cache.allocate()
-            self.suspended = False
-        self.runner.capture_graphs(self.kv_cache.layer_caches)
 
     # ------------------------------------------------------------------ step
     def step(self) -> list[StepOutput]:

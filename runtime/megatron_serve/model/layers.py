@@ -13,10 +13,10 @@ import torch
 from megatron_kernels import invariant
 from torch import nn
 
-from .config import RopeConfig
 from .parallel import SINGLE, TensorParallel
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # annotations only: the layers never build a config
+    from .config import RopeConfig
     from .linears import Linears
 
 # A checkpoint tensor handed to a loader: a safetensors slice (supports indexing) or a tensor.

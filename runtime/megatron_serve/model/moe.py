@@ -30,12 +30,12 @@ from torch import nn
 
 from megatron_kernels import get_op, invariant
 
-from .config import ModelConfig
-from .families import MoEConfig
 from .layers import GatedMLP, ReplicatedLinear, TensorSource, _check_full, _copy_checked, _narrow
 from .parallel import SINGLE, TensorParallel
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # annotations only: the experts read configs, never build them
+    from .config import ModelConfig
+    from .families import MoEConfig
     from .linears import Linears
 
 # Hub names of one expert's projections: (stacked parameter, part of it)
