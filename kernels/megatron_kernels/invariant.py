@@ -155,6 +155,10 @@ def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, sequenc
     in ``q``'s dtype. Computed in float32 with an online softmax over blocks of :data:`KEY_BLOCK`
     keys; a block wholly past a row's position changes nothing (its weights are exactly 0 and its
     rescale factor exactly 1), so neither the longest sequence of the call nor the other rows matter.
+
+    Scores and weighted values are elementwise products summed over ``D`` and over the block: a
+    batched GEMM per row and head (``torch.matmul``) is not invariant, the library picks its path by
+    the batch count (one thread, 4 heads of 32: the parity search's case 0 changed a log prob).
     """
     rows, heads, dim = q.shape
     kv_heads = keys.shape[2]
