@@ -102,8 +102,12 @@ def trainer_log_probs(model_dir: str, dtype: str, run: TargetRun, invariant: boo
 
     from megatron_serve.invariant import ATTENTION_NAME, batch_invariant  # noqa: PLC0415
 
+    config = transformers.AutoConfig.from_pretrained(model_dir)
+    moe = any(hasattr(config, name) for name in ("num_experts", "num_local_experts"))
+    # The experts' eager loop: the default grouped GEMM rounds Mixtral's bf16 experts differently.
+    experts = {"experts_implementation": "eager"} if moe and invariant else {}
     model = transformers.AutoModelForCausalLM.from_pretrained(
-        model_dir, dtype=getattr(torch, dtype), attn_implementation=ATTENTION_NAME if invariant else "sdpa")
+        model_dir, dtype=getattr(torch, dtype), attn_implementation=ATTENTION_NAME if invariant else "sdpa", **experts)
     model = model.to(tensor_parallel_device(1)).eval()  # where the engine ran
     ids = torch.tensor([run.prompt + run.tokens], device=model.device)
     with torch.inference_mode():
