@@ -10,4 +10,5 @@ from megatron_serve.model.tiny import make_tiny_model
 @pytest.fixture(scope="session")
 def models(tmp_path_factory) -> dict[str, str]:
     root = tmp_path_factory.mktemp("invariance")
-    return {arch: str(make_tiny_model(root / arch, seed=0, arch=arch)) for arch in ("llama", "qwen3", "qwen3_moe", "qwen2_moe", "mixtral")}
+    return {arch: str(make_tiny_model(root / arch, seed=0, arch=arch))
+            for arch in ("llama", "qwen3", "qwen3_moe", "qwen2_moe", "mixtral")}
