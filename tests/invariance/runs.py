@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -32,7 +32,6 @@ class Setup:
     num_kv_blocks: int | None = None  # small: requests are preempted and recomputed
     prefix_hit: bool = False  # the target's first blocks are in the prefix cache when it arrives
     tensor_parallel_size: int = 1
-    extra: dict = field(default_factory=dict)
 
     def describe(self) -> str:
         parts = [f"{self.others} others", f"chunk {self.max_batch_tokens}"]
@@ -61,8 +60,7 @@ def run_target(model_dir: str, dtype: str, invariant: bool, setup: Setup, sample
     config = InferenceConfig(dtype=dtype, device=tensor_parallel_device(setup.tensor_parallel_size),
                              batch_invariant=invariant, block_size_tokens=16,
                              max_batch_tokens=setup.max_batch_tokens, async_scheduling=setup.async_scheduling,
-                             num_kv_blocks=setup.num_kv_blocks, tensor_parallel_size=setup.tensor_parallel_size,
-                             **setup.extra)
+                             num_kv_blocks=setup.num_kv_blocks, tensor_parallel_size=setup.tensor_parallel_size)
     engine = DynamicInferenceEngine.from_model_dir(model_dir, config)
     try:
         rng = random.Random(setup.others)
