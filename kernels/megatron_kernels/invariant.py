@@ -35,9 +35,9 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 ROW_TILE = 16
-"""Rows per GEMM call. benchmarks/batch_invariance.py on the shared 2-core CPU (hidden 256, 4 layers):
-16 and 64 rows cost about the same CPU per token (greedy Llama 34 vs 25 ms, sampled 18 vs 23 ms,
-Qwen3-MoE greedy 38 vs 41 ms); 16 pads a small decode step least."""
+"""Rows per GEMM call. benchmarks/batch_invariance.py on the 2-core CPU (hidden 256, 4 layers, quiet):
+16 and 64 rows cost the same CPU per token (greedy Llama 2.84 ms both, sampled 1.82 vs 1.80 ms,
+Qwen3-MoE greedy 3.23 vs 3.43 ms); 16 pads a small decode step least."""
 
 KEY_BLOCK = 32
 """Keys per attention block: every query reduces its keys in blocks of this many from position 0."""
@@ -60,7 +60,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if tracked:  # out= has no autograd: tiles as separate tensors, concatenated
         tiles = [_tile(rows[start:start + ROW_TILE], weight_t, bias) for start in range(0, whole, ROW_TILE)]
         if whole < count:
-            tiles.append(_tile(F.pad(rows[whole:], (0, 0, 0, ROW_TILE - count + whole)), weight_t, bias)[: count - whole])
+            padded = F.pad(rows[whole:], (0, 0, 0, ROW_TILE - count + whole))
+            tiles.append(_tile(padded, weight_t, bias)[: count - whole])
         out = torch.cat(tiles) if tiles else rows.new_empty((0, weight.shape[0]))
         return out.view(*x.shape[:-1], weight.shape[0])
     out = rows.new_empty((count, weight.shape[0]))
@@ -154,7 +155,12 @@ def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, sequenc
     ``r`` reads; ``positions[r]`` its position (it sees keys ``0..positions[r]``). Returns ``[R, Hq, D]``
     in ``q``'s dtype. Computed in float32 with an online softmax over blocks of :data:`KEY_BLOCK`
     keys; a block wholly past a row's position changes nothing (its weights are exactly 0 and its
-    rescale factor exactly 1), so neither the longest sequence of the call nor the other rows matter.
+    rescale factor exactly 1), so neither the longest sequence of the call nor the other rows matter;
+    rows a block is wholly past are left out of it for speed, which changes no bit.
+
+    Scores and weighted values are elementwise products summed over ``D`` and over the block: a
+    batched GEMM per row and head (``torch.matmul``) is not invariant, the library picks its path by
+    the batch count (one thread, 4 heads of 32: the parity search's case 0 changed a log prob).
     """
     rows, heads, dim = q.shape
     kv_heads = keys.shape[2]
@@ -172,19 +178,28 @@ def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, sequenc
     offsets = torch.arange(KEY_BLOCK, device=q.device)
     for block in range(blocks):
         start = block * KEY_BLOCK
-        key_pos = start + offsets
-        visible = key_pos[None, :] <= positions[:, None]  # [R, B]
-        k = keys[:, start:start + KEY_BLOCK][sequence].float().permute(0, 2, 1, 3)  # [R, Hkv, B, D]
-        v = values[:, start:start + KEY_BLOCK][sequence].float().permute(0, 2, 3, 1)  # [R, Hkv, D, B]
+        # Rows whose position is before this block would add exact zeros: leave them out (the same bits).
+        live = torch.nonzero(positions >= start).squeeze(1)
+        whole = live.numel() == rows
+        row_seq, row_pos, row_q = (sequence, positions, q32) if whole else (sequence[live], positions[live], q32[live])
+        visible = (start + offsets)[None, :] <= row_pos[:, None]  # [r, B]
+        k = keys[:, start:start + KEY_BLOCK][row_seq].float().permute(0, 2, 1, 3)  # [r, Hkv, B, D]
+        v = values[:, start:start + KEY_BLOCK][row_seq].float().permute(0, 2, 3, 1)  # [r, Hkv, D, B]
         v = torch.where(visible[:, None, None, :], v, 0.0)
-        scores = (q32 * k[:, :, None]).sum(-1) * scale  # [R, Hkv, G, B]
+        scores = (row_q * k[:, :, None]).sum(-1) * scale  # [r, Hkv, G, B]
         scores = torch.where(visible[:, None, None, :], scores, float("-inf"))
-        new_best = torch.maximum(best, scores.amax(-1))
-        rescale = exp(best - new_best)
+        old_best = best if whole else best[live]
+        new_best = torch.maximum(old_best, scores.amax(-1))
+        rescale = exp(old_best - new_best)
         weights = exp(scores - new_best[..., None])
-        total = total * rescale + weights.sum(-1)
-        acc = acc * rescale[..., None] + (weights[:, :, :, None, :] * v[:, :, None]).sum(-1)
-        best = new_best
+        new_total = (total if whole else total[live]) * rescale + weights.sum(-1)
+        new_acc = ((acc if whole else acc[live]) * rescale[..., None]
+                   + (weights[:, :, :, None, :] * v[:, :, None]).sum(-1))
+        if whole:
+            best, total, acc = new_best, new_total, new_acc
+        else:
+            best, total, acc = best.index_copy(0, live, new_best), total.index_copy(0, live, new_total), \
+                acc.index_copy(0, live, new_acc)
     return (acc / total[..., None]).view(rows, heads, dim).to(q.dtype)
 
 

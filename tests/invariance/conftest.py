@@ -1,4 +1,4 @@
-"""Tiny checkpoints the invariance tests share: a dense Llama, a Qwen3 (q/k norms) and a Qwen3-MoE."""
+"""Tiny checkpoints the invariance tests share: a dense Llama, a Qwen3 (q/k norms) and three MoE families."""
 
 from __future__ import annotations
 
@@ -10,4 +10,5 @@ from megatron_serve.model.tiny import make_tiny_model
 @pytest.fixture(scope="session")
 def models(tmp_path_factory) -> dict[str, str]:
     root = tmp_path_factory.mktemp("invariance")
-    return {arch: str(make_tiny_model(root / arch, seed=0, arch=arch)) for arch in ("llama", "qwen3", "qwen3_moe")}
+    return {arch: str(make_tiny_model(root / arch, seed=0, arch=arch))
+            for arch in ("llama", "qwen3", "qwen3_moe", "qwen2_moe", "mixtral")}

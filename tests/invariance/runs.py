@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -32,7 +32,6 @@ class Setup:
     num_kv_blocks: int | None = None  # small: requests are preempted and recomputed
     prefix_hit: bool = False  # the target's first blocks are in the prefix cache when it arrives
     tensor_parallel_size: int = 1
-    extra: dict = field(default_factory=dict)
 
     def describe(self) -> str:
         parts = [f"{self.others} others", f"chunk {self.max_batch_tokens}"]
@@ -61,8 +60,7 @@ def run_target(model_dir: str, dtype: str, invariant: bool, setup: Setup, sample
     config = InferenceConfig(dtype=dtype, device=tensor_parallel_device(setup.tensor_parallel_size),
                              batch_invariant=invariant, block_size_tokens=16,
                              max_batch_tokens=setup.max_batch_tokens, async_scheduling=setup.async_scheduling,
-                             num_kv_blocks=setup.num_kv_blocks, tensor_parallel_size=setup.tensor_parallel_size,
-                             **setup.extra)
+                             num_kv_blocks=setup.num_kv_blocks, tensor_parallel_size=setup.tensor_parallel_size)
     engine = DynamicInferenceEngine.from_model_dir(model_dir, config)
     try:
         rng = random.Random(setup.others)
@@ -102,8 +100,12 @@ def trainer_log_probs(model_dir: str, dtype: str, run: TargetRun, invariant: boo
 
     from megatron_serve.invariant import ATTENTION_NAME, batch_invariant  # noqa: PLC0415
 
+    config = transformers.AutoConfig.from_pretrained(model_dir)
+    moe = any(hasattr(config, name) for name in ("num_experts", "num_local_experts"))
+    # The experts' eager loop: the default grouped GEMM rounds Mixtral's bf16 experts differently.
+    experts = {"experts_implementation": "eager"} if moe and invariant else {}
     model = transformers.AutoModelForCausalLM.from_pretrained(
-        model_dir, dtype=getattr(torch, dtype), attn_implementation=ATTENTION_NAME if invariant else "sdpa")
+        model_dir, dtype=getattr(torch, dtype), attn_implementation=ATTENTION_NAME if invariant else "sdpa", **experts)
     model = model.to(tensor_parallel_device(1)).eval()  # where the engine ran
     ids = torch.tensor([run.prompt + run.tokens], device=model.device)
     with torch.inference_mode():

@@ -1,4 +1,5 @@
-"""How ``--batch-invariant`` is switched on: the config field, vLLM's environment variable, the CLI, the fleet's argv."""
+"""How ``--batch-invariant`` is switched on: the config field, vLLM's environment variable, the CLI, the fleet's
+argv; and what it refuses."""
 
 from __future__ import annotations
 
@@ -32,7 +33,8 @@ def test_bad_values_are_rejected_by_name(monkeypatch):
         InferenceConfig(device="cpu", batch_invariant="yes")
 
 
-@pytest.mark.parametrize(("argv", "env", "expected"), [([], "1", True), ([], "0", False), (["--batch-invariant"], "0", True),
+@pytest.mark.parametrize(("argv", "env", "expected"), [([], "1", True), ([], "0", False),
+                                                       (["--batch-invariant"], "0", True),
                                                        (["--no-batch-invariant"], "1", False)])
 def test_the_flag_overrides_the_environment_and_crosses_to_engines(monkeypatch, argv, env, expected):
     monkeypatch.setenv("VLLM_BATCH_INVARIANT", env)
@@ -47,4 +49,5 @@ def test_the_flag_overrides_the_environment_and_crosses_to_engines(monkeypatch, 
 
 def test_fp8_weights_are_refused_in_the_mode(models):
     with pytest.raises(UnsupportedModelError, match="--batch-invariant supports unquantized text models only"):
-        DynamicInferenceEngine.from_model_dir(models["llama"], InferenceConfig(quantization="fp8", batch_invariant=True))
+        DynamicInferenceEngine.from_model_dir(models["llama"],
+                                              InferenceConfig(quantization="fp8", batch_invariant=True))

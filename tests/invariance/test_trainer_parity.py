@@ -19,7 +19,7 @@ from .runs import Setup, differing, run_target, trainer_log_probs
 
 CASES = [("llama", "float32", False), ("llama", "bfloat16", False), ("llama", "bfloat16", True),
          ("llama", "float32", True), ("qwen3", "bfloat16", True), ("qwen3_moe", "bfloat16", False),
-         ("qwen3_moe", "float32", True)]
+         ("qwen3_moe", "float32", True), ("qwen2_moe", "bfloat16", True), ("mixtral", "bfloat16", True)]
 
 
 @pytest.mark.parametrize("arch, dtype, sampled", CASES)

@@ -333,6 +333,8 @@ def graphs_for(model: LlamaForCausalLM, config: InferenceConfig, buffers: StepBu
     if not config.enable_cuda_graphs:
         return None
     if capture_factory is None:
+        if config.batch_invariant:  # its attention reads the step's lengths on the host: not capturable yet
+            return None
         if not graphs_wanted(config, device):
             return None
         capture_factory = lambda: CudaGraphCapture(device)  # noqa: E731
