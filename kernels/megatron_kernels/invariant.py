@@ -28,6 +28,7 @@ here (``megatron_serve.invariant.batch_invariant``). Only ``torch`` is imported.
 
 from __future__ import annotations
 
+import bisect
 from typing import Callable
 
 import torch
@@ -155,52 +156,74 @@ def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, sequenc
     ``r`` reads; ``positions[r]`` its position (it sees keys ``0..positions[r]``). Returns ``[R, Hq, D]``
     in ``q``'s dtype. Computed in float32 with an online softmax over blocks of :data:`KEY_BLOCK`
     keys; a block wholly past a row's position changes nothing (its weights are exactly 0 and its
-    rescale factor exactly 1), so neither the longest sequence of the call nor the other rows matter;
-    rows a block is wholly past are left out of it for speed, which changes no bit.
+    rescale factor exactly 1), so neither the longest sequence of the call nor the other rows matter.
 
     Scores and weighted values are elementwise products summed over ``D`` and over the block: a
     batched GEMM per row and head (``torch.matmul``) is not invariant, the library picks its path by
     the batch count (one thread, 4 heads of 32: the parity search's case 0 changed a log prob).
+
+    For speed, none of which changes a bit (every element meets the same products and the same
+    contiguous sums): keys and values go to float32 once per call, in per-block layouts; rows run
+    sorted by position, latest first, so the rows a block reaches are a prefix and rows it is wholly
+    past are set aside, not copied back; the causal masks are applied only in blocks some row sees in
+    part; rows that all read one sequence broadcast its block instead of gathering a copy per row.
+    The same bits as the plain loop (checked on decode, prefill, prefix-hit and mixed calls, float32 and
+    bfloat16, grouped heads, NaN past the positions); one call on the 2-core CPU: a 300-row prefill
+    0.087 -> 0.054 s, a mixed step 7.6 -> 4.7 ms, 20 decode rows the same (5.1 ms).
     """
     rows, heads, dim = q.shape
-    kv_heads = keys.shape[2]
+    count, span_in, kv_heads = keys.shape[:3]
     group = heads // kv_heads
-    length = min(keys.shape[1], int(positions.max()) + 1) if rows else 0
+    if rows == 0:
+        return q.new_empty((0, heads, dim))
+    order = torch.argsort(positions, descending=True, stable=True)
+    ordered = positions[order].tolist()
+    length = min(span_in, ordered[0] + 1)
     blocks = -(-length // KEY_BLOCK)
-    pad = blocks * KEY_BLOCK - keys.shape[1]
-    if pad > 0:
-        keys = F.pad(keys, (0, 0, 0, 0, 0, pad))
-        values = F.pad(values, (0, 0, 0, 0, 0, pad))
-    q32 = q.float().view(rows, kv_heads, group, 1, dim)
-    best = q32.new_full((rows, kv_heads, group), float("-inf"))
-    total = q32.new_zeros((rows, kv_heads, group))
-    acc = q32.new_zeros((rows, kv_heads, group, dim))
+    span = blocks * KEY_BLOCK
+    if span > span_in:
+        keys = F.pad(keys, (0, 0, 0, 0, 0, span - span_in))
+        values = F.pad(values, (0, 0, 0, 0, 0, span - span_in))
+    tiled = (count, blocks, KEY_BLOCK, kv_heads, dim)
+    keys32 = keys[:, :span].reshape(tiled).transpose(0, 1).to(torch.float32).contiguous()  # [n, S, B, Hkv, D]
+    values32 = values[:, :span].reshape(tiled).transpose(0, 1).to(torch.float32).contiguous()
+    one_sequence = bool((sequence == sequence[0]).all())
+    row_seq = sequence[order]
+    row_pos = positions[order]
+    row_q = q[order].to(torch.float32).view(rows, kv_heads, group, 1, dim)
+    best = row_q.new_full((rows, kv_heads, group), float("-inf"))
+    total = row_q.new_zeros((rows, kv_heads, group))
+    acc = row_q.new_zeros((rows, kv_heads, group, dim))
     offsets = torch.arange(KEY_BLOCK, device=q.device)
+    finished: list[torch.Tensor] = []
+    live = rows
     for block in range(blocks):
         start = block * KEY_BLOCK
-        # Rows whose position is before this block would add exact zeros: leave them out (the same bits).
-        live = torch.nonzero(positions >= start).squeeze(1)
-        whole = live.numel() == rows
-        row_seq, row_pos, row_q = (sequence, positions, q32) if whole else (sequence[live], positions[live], q32[live])
-        visible = (start + offsets)[None, :] <= row_pos[:, None]  # [r, B]
-        k = keys[:, start:start + KEY_BLOCK][row_seq].float().permute(0, 2, 1, 3)  # [r, Hkv, B, D]
-        v = values[:, start:start + KEY_BLOCK][row_seq].float().permute(0, 2, 3, 1)  # [r, Hkv, D, B]
-        v = torch.where(visible[:, None, None, :], v, 0.0)
-        scores = (row_q * k[:, :, None]).sum(-1) * scale  # [r, Hkv, G, B]
-        scores = torch.where(visible[:, None, None, :], scores, float("-inf"))
-        old_best = best if whole else best[live]
-        new_best = torch.maximum(old_best, scores.amax(-1))
-        rescale = exp(old_best - new_best)
-        weights = exp(scores - new_best[..., None])
-        new_total = (total if whole else total[live]) * rescale + weights.sum(-1)
-        new_acc = ((acc if whole else acc[live]) * rescale[..., None]
-                   + (weights[:, :, :, None, :] * v[:, :, None]).sum(-1))
-        if whole:
-            best, total, acc = new_best, new_total, new_acc
+        reached = bisect.bisect_right(ordered, -start, key=lambda p: -p)  # rows with position >= start
+        if reached < live:  # the block is wholly past the rest: their sums are final
+            finished.append(acc[reached:live] / total[reached:live, ..., None])
+            live = reached
+            best, total, acc, row_seq, row_pos, row_q = (
+                best[:live], total[:live], acc[:live], row_seq[:live], row_pos[:live], row_q[:live])
+        if one_sequence:
+            k, v = keys32[block, sequence[0]][None], values32[block, sequence[0]][None]  # [1, B, Hkv, D]
         else:
-            best, total, acc = best.index_copy(0, live, new_best), total.index_copy(0, live, new_total), \
-                acc.index_copy(0, live, new_acc)
-    return (acc / total[..., None]).view(rows, heads, dim).to(q.dtype)
+            k, v = keys32[block].index_select(0, row_seq), values32[block].index_select(0, row_seq)  # [r, B, Hkv, D]
+        k, v = k.permute(0, 2, 1, 3), v.permute(0, 2, 3, 1)  # [r, Hkv, B, D], [r, Hkv, D, B]
+        scores = (row_q * k[:, :, None]).sum(-1) * scale  # [r, Hkv, G, B]
+        if ordered[live - 1] < start + KEY_BLOCK - 1:  # some row sees only part of the block
+            visible = (start + offsets)[None, :] <= row_pos[:, None]  # [r, B]
+            v = torch.where(visible[:, None, None, :], v, 0.0)
+            scores = torch.where(visible[:, None, None, :], scores, float("-inf"))
+        new_best = torch.maximum(best, scores.amax(-1))
+        rescale = exp(best - new_best)
+        weights = exp(scores - new_best[..., None])
+        total = total * rescale + weights.sum(-1)
+        acc = acc * rescale[..., None] + (weights[:, :, :, None, :] * v[:, :, None]).sum(-1)
+        best = new_best
+    finished.append(acc / total[..., None])
+    ordered_out = torch.cat(finished[::-1]) if len(finished) > 1 else finished[0]
+    return ordered_out[torch.argsort(order)].view(rows, heads, dim).to(q.dtype)
 
 
 def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
