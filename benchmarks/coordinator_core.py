@@ -39,7 +39,7 @@ class Replay:
     """One coordinator core and its simulated peers; :meth:`run` returns requests finished."""
 
     def __init__(self, engines: int, in_flight: int, step_outputs: int) -> None:
-        self.core = CoordinatorCore(None)
+        self.core = CoordinatorCore()
         self.in_flight = in_flight
         self.step_outputs = step_outputs
         self.engines = [b"engine-%d" % i for i in range(engines)]

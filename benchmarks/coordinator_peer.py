@@ -155,17 +155,13 @@ def start_py_spy(pid: int, out_dir: str | None, seconds: float) -> Callable[[str
 # ----------------------------------------------------------------------------- this project's side
 
 
-def ours_coordinator(pipe: Any, tokenizer_dir: str | None, secret: str | None) -> None:
-    import functools
+def ours_coordinator(pipe: Any, secret: str | None) -> None:
     import logging
 
     from megatron_serve.coordinator import Coordinator, serve
-    from megatron_serve.tokenizer import Tokenizer
 
     logging.basicConfig(level=logging.ERROR)  # the insecure side warns, loudly
-    loader = None if tokenizer_dir is None else functools.partial(Tokenizer.from_pretrained, tokenizer_dir)
-    coordinator = Coordinator(None, host="127.0.0.1", port=0, tokenizer_loader=loader, token=secret,
-                              insecure=secret is None)
+    coordinator = Coordinator(host="127.0.0.1", port=0, token=secret, insecure=secret is None)
     pipe.send(coordinator.bind())
     serve(coordinator)
 
@@ -231,7 +227,7 @@ async def run_ours(args: argparse.Namespace, secure: bool = True) -> list[Row]:
     secret = make_secret() if secure else None
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
-    coordinator = ctx.Process(target=ours_coordinator, args=(child, args.tokenizer, secret), daemon=True)
+    coordinator = ctx.Process(target=ours_coordinator, args=(child, secret), daemon=True)
     coordinator.start()
     address = parent.recv()
     engines = ctx.Process(target=ours_engines, args=(address, args.engines, secret), daemon=True)
@@ -241,8 +237,6 @@ async def run_ours(args: argparse.Namespace, secure: bool = True) -> list[Row]:
         await client.start(timeout=60)
         await client.wait_for_engines(args.engines, timeout=60, poll=0.05)
         params = SamplingParams(temperature=0.0, num_tokens_to_generate=1, ignore_eos=True)
-        if args.tokenizer:  # a text prompt waits for the tokenizer: measure once it has loaded
-            await asyncio.wait_for(client.add_request("warm up", params), 120)
 
         async def submit(i: int) -> Any:
             result = await client.add_request([*PROMPT, i % 30000], params)
@@ -436,9 +430,6 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--baseline", choices=("megatron", "insecure"), default="megatron",
                         help="what ours is compared with: Megatron's coordinator, or ours started --insecure")
     parser.add_argument("--only", choices=("ours", "baseline"), default=None)
-    parser.add_argument("--tokenizer", metavar="DIR", default=None,
-                        help="our coordinator loads this model directory's tokenizer, as `megatron-serve "
-                             "coordinator` does (transformers and torch in its heap); prompts stay token ids")
     parser.add_argument("--profile", metavar="DIR", default=None,
                         help="py-spy the coordinator during each scenario (raw collapsed stacks in DIR)")
     parser.add_argument("--profile-seconds", type=float, default=3.0)

@@ -14,7 +14,6 @@ from megatron_serve.coordinator import (
     DEFAULT_VERB_TIMEOUT,
     DEFAULT_WEIGHTS_TIMEOUT,
     Coordinator,
-    TokenizerLike,
 )
 from megatron_serve.engine.process import EngineProcess
 from megatron_serve.wire.security import make_secret
@@ -32,7 +31,7 @@ class InProcessFleet:
     def __init__(self, routing: str = "least_loaded", heartbeat_timeout: float = 10.0,
                  port: int = 0, verb_timeout: float = DEFAULT_VERB_TIMEOUT,
                  weights_timeout: float = DEFAULT_WEIGHTS_TIMEOUT, stall_timeout: float = DEFAULT_STALL_TIMEOUT,
-                 tokenizer_loader: Callable[[], TokenizerLike] | None = None, insecure: bool = False) -> None:
+                 insecure: bool = False) -> None:
         self.token = None if insecure else make_secret()
         self.insecure = insecure
         self.routing = routing
@@ -40,7 +39,6 @@ class InProcessFleet:
         self.verb_timeout = verb_timeout
         self.weights_timeout = weights_timeout
         self.stall_timeout = stall_timeout
-        self.tokenizer_loader = tokenizer_loader
         self.engines: list[tuple[EngineProcess, FakeEngine, threading.Thread, dict]] = []
         self.coordinator: Coordinator | None = None
         self.thread: threading.Thread | None = None
@@ -56,11 +54,10 @@ class InProcessFleet:
         """
         deadline = time.monotonic() + timeout
         while True:
-            self.coordinator = Coordinator(None, port=self.port, token=self.token, insecure=self.insecure,
+            self.coordinator = Coordinator(port=self.port, token=self.token, insecure=self.insecure,
                                            routing=self.routing,
                                            heartbeat_timeout=self.heartbeat_timeout, verb_timeout=self.verb_timeout,
-                                           weights_timeout=self.weights_timeout, stall_timeout=self.stall_timeout,
-                                           tokenizer_loader=self.tokenizer_loader)
+                                           weights_timeout=self.weights_timeout, stall_timeout=self.stall_timeout)
             try:
                 self.address = self.coordinator.bind()
                 break

@@ -107,7 +107,8 @@ async def test_a_coordinator_below_protocol_4_is_not_submitted_to(tokenizer):
 
 async def test_a_text_prompt_is_tokenized_here_and_the_fleet_sees_only_its_ids(tokenizer, tmp_path):
     """The caller's process tokenizes: SUBMIT carries the ids (the coordinator tokenizes nothing for this
-    client), and the result still has the prompt's text. The control: a client without a tokenizer sends text."""
+    client), and the result still has the prompt's text. A client without a tokenizer refuses text prompts
+    before sending anything (the coordinator would refuse them: it loads no tokenizer)."""
     text = "hello world"
     async with registered({"protocol": PROTOCOL_VERSION}, tokenizer=tokenizer) as (coordinator, client):
         request = asyncio.ensure_future(client.add_request(text, SamplingParams(), request_id="r"))
@@ -120,6 +121,6 @@ async def test_a_text_prompt_is_tokenized_here_and_the_fleet_sees_only_its_ids(t
         assert (result.prompt, result.prompt_tokens) == (text, tokenizer.encode(text))
     async with registered({"protocol": PROTOCOL_VERSION, "tokenizer": str(tmp_path / "elsewhere")}) as (coordinator,
                                                                                                         client):
-        client.add_request(text, SamplingParams(), request_id="r")
-        (submit,) = await received(coordinator)
-        assert submit.body.prompt == text
+        with pytest.raises(ValueError, match="no tokenizer in this process"):
+            client.add_request(text, SamplingParams(), request_id="r")
+        assert client.num_pending == 0

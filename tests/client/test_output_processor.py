@@ -107,11 +107,11 @@ def test_pieces_add_up_to_the_text_whatever_the_deltas_and_a_continuation_goes_o
 def test_the_final_record_is_completed_with_what_the_deltas_carried(tokenizer):
     tokens = tokenizer.encode("hello there", add_special_tokens=False)
     params = SamplingParams(return_prompt_log_probs=True, top_n_logprobs=1)
-    collector = OutputCollector("mine", "a text prompt", params, tokenizer)
+    collector = OutputCollector("mine", "a text prompt", params, tokenizer, prompt_tokens=PROMPT)
     first, *rest = deltas(tokens, [1])
     first.cached_tokens = 2
     first.prompt_scores = PromptScores(log_probs=[-1.0, -2.0], top_ids=[[4], [5]], top_log_probs=[[-0.5], [-0.7]])
-    collector.add(first, prompt_tokens=PROMPT)
+    collector.add(first)
     for delta in rest:
         collector.add(delta)
     record = DynamicInferenceRequest("c1/mine", "a text prompt", PROMPT, status=RequestStatus.COMPLETED,

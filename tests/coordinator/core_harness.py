@@ -18,7 +18,7 @@ from megatron_serve.wire.protocol import Header, Message, decode, unbatch
 
 class CoreHarness:
     def __init__(self, **options: Any) -> None:
-        self.core = CoordinatorCore(None, **options)
+        self.core = CoordinatorCore(**options)
         self.now = 1000.0
         self.inbox: dict[bytes, list[Message]] = {}
         self.gone: set[bytes] = set()  # peers whose sends fail (their connection closed)

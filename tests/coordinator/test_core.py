@@ -7,7 +7,7 @@ import msgspec
 from megatron_serve.wire.messages import (ClientAbort, Control, ControlAck, EngineStep, Heartbeat, Refit, ResultAck,
                                      Status, RequestDelta, Submit, WireImage)
 from megatron_serve.multimodal import PromptImage
-from megatron_serve.wire.protocol import Header
+from megatron_serve.wire.protocol import ErrorCode, Header
 
 from .core_harness import CoreHarness
 
@@ -262,33 +262,8 @@ def test_mirrored_tokens_keep_their_epochs_and_unknown_ones_are_minus_one():
     assert record.out.policy_epochs == [3, 3, -1] and record.out.kv_epochs == [2, 3, -1]
 
 
-class _Placing:
-    """A stand-in for a model's image processor: token 0 is the placeholder, each image fills 2 tokens."""
-
-    def expand(self, tokens: list[int], files: list[bytes]) -> tuple[list[int], list[PromptImage]]:
-        out: list[int] = []
-        images: list[PromptImage] = []
-        for token in tokens:
-            if token == 0:
-                images.append(PromptImage(files[len(images)], offset=len(out), length=2))
-                out += [0, 0]
-            else:
-                out.append(token)
-        return out, images
-
-
-class _VisionTokenizer:
-    images = _Placing()
-
-    def encode(self, text: str) -> list[int]:
-        return [0 if word == "<image>" else len(word) for word in text.split()]
-
-    def decode(self, ids: list[int]) -> str:
-        return ""
-
-
-def test_images_are_limited_placed_once_the_tokenizer_is_there_and_sent_with_every_dispatch_only():
-    h = CoreHarness(max_image_bytes=10, tokenizer_pending=True)
+def test_images_are_limited_must_arrive_placed_and_are_sent_with_every_dispatch_only():
+    h = CoreHarness(max_image_bytes=10)
     h.client(C)
     e1 = h.engine(E1, group=0, capacity=1)
     h.send(C, Header.SUBMIT, Submit(client_request_id="big", prompt=[0, 5], images=[WireImage(data=b"x" * 11)]))
@@ -296,11 +271,14 @@ def test_images_are_limited_placed_once_the_tokenizer_is_there_and_sent_with_eve
     assert "11 bytes" in message and "at most 10 bytes of images per request" in message
     h.send(C, Header.SUBMIT, Submit(client_request_id="mixed", prompt=[0, 0], images=[
         WireImage(data=b"a", offset=0, length=1), WireImage(data=b"b")]))
-    assert "every image" in h.take(C, Header.ERROR)[0].message
+    assert "images[1] is not placed" in h.take(C, Header.ERROR)[0].message
+    h.send(C, Header.SUBMIT, Submit(client_request_id="unplaced", prompt=[4, 0, 4], images=[WireImage(data=b"png")]))
+    error = h.take(C, Header.ERROR)[0]
+    assert error.code == ErrorCode.INVALID_REQUEST.value and error.client_request_id == "unplaced"
+    assert "images[0] is not placed" in error.message and "loads none" in error.message
 
-    h.send(C, Header.SUBMIT, Submit(client_request_id="r", prompt="look <image> here", images=[WireImage(data=b"png")]))
-    assert not h.take(E1, Header.ENGINE_SUBMIT) and status(h).queued == 1  # held: placing needs the tokenizer
-    h._perform(h.core.on_tokenizer(_VisionTokenizer(), None, h.now))
+    h.send(C, Header.SUBMIT, Submit(client_request_id="r", prompt=[4, 0, 0, 4],
+                                    images=[WireImage(data=b"png", offset=1, length=2)]))
     first = h.take(E1, Header.ENGINE_SUBMIT)[0].request
     assert first["prompt_tokens"] == [4, 0, 0, 4]
     assert first["images"] == [{"data": b"png", "offset": 1, "length": 2}]

@@ -13,7 +13,7 @@ import numpy as np
 
 from megatron_serve.wire.expert_routing import routing_to_wire
 from megatron_serve.wire.messages import EngineStep, Hello, PromptScores, RoutingRows, RequestDelta, Submit
-from megatron_serve.wire.protocol import Header
+from megatron_serve.wire.protocol import ErrorCode, Header
 
 from .core_harness import CoreHarness
 from .test_core import C, E1, submit
@@ -73,21 +73,17 @@ def test_a_reconnected_client_gets_every_token_it_missed_with_what_went_with_the
     assert np.array_equal(np.frombuffer(resent.routing.data, np.uint8).reshape(4, 1, 2), rows)
 
 
-def test_a_text_prompt_sends_its_token_ids_with_the_first_tokens_only():
-    class Words:
-        def encode(self, text: str, add_special_tokens: bool = True, max_tokens: int | None = None) -> list[int]:
-            return [len(word) for word in text.split()]
-
+def test_a_text_prompt_is_refused_with_an_error_naming_it_the_coordinator_tokenizes_nothing():
     h = CoreHarness()
-    h.core.tokenizer = Words()
     h.client(C)
-    e1 = h.engine(E1, group=0)
-    params = msgspec.Raw(msgspec.msgpack.encode({"num_tokens_to_generate": 3}))
-    h.send(C, Header.SUBMIT, Submit(client_request_id="r", prompt="a bb ccc", sampling_params=params))
+    h.engine(E1, group=0)
+    h.send(C, Header.SUBMIT, Submit(client_request_id="r", prompt="a bb ccc"))
+    error = h.take(C, Header.ERROR)[0]
+    assert error.code == ErrorCode.INVALID_REQUEST.value and error.client_request_id == "r"
+    assert "text prompt" in error.message and "loads no tokenizer" in error.message
+    assert not h.take(E1, Header.ENGINE_SUBMIT) and not h.core.requests.records
+    h.send(C, Header.SUBMIT, Submit(client_request_id="ids", prompt=[1, 2, 3]))  # the control: ids are served
     assert h.take(E1, Header.ENGINE_SUBMIT)[0].request["prompt_tokens"] == [1, 2, 3]
-    send_step(h, e1, delta([5]))
-    send_step(h, e1, delta([6]))
-    assert [t.prompt_tokens for t in h.take(C, Header.TOKENS)] == [[1, 2, 3], None]
 
 
 def test_a_final_step_without_tokens_still_brings_the_prompt_scores():

@@ -70,13 +70,15 @@ async def test_request_moved_to_another_engine_keeps_its_images(fleet_factory):
     assert result.images == [], "results do not carry the image files back"
 
 
-async def test_coordinator_places_images_of_text_prompts(fleet_factory, tiny_llava):
+async def test_the_client_places_images_of_text_prompts(fleet_factory, tiny_llava):
+    """The caller's process expands the placeholders (the coordinator loads no tokenizer): the engine gets
+    the ids and placed images the model's processor makes."""
     tokenizer = Tokenizer.from_pretrained(tiny_llava)
-    fleet = fleet_factory(tokenizer_loader=lambda: tokenizer)
+    fleet = fleet_factory()
     engine = RecordingEngine()
     fleet.add_engine(fake=engine)
     picture = png(40, 60, 3)
-    async with InferenceClient(fleet.address, token=fleet.token) as client:
+    async with InferenceClient(fleet.address, token=fleet.token, tokenizer=tokenizer) as client:
         await client.wait_for_engines(1, timeout=20)
         result = await client.add_request("Look: <image> what is it?", GREEDY, images=[picture])
         seen = next(iter(engine.seen.values()))
@@ -100,7 +102,7 @@ async def test_image_limits(fleet_factory):
         big = PromptImage(b"x" * 1001, offset=0, length=1)
         with pytest.raises(ValueError, match="1001 bytes.*at most 1000 bytes of images per request"):
             await client.add_request([5, 6], GREEDY, images=[big])
-        with pytest.raises(ValueError, match="no images"):  # a text model: nothing can place them
+        with pytest.raises(ValueError, match="no tokenizer"):  # nothing here can place them
             await client.add_request([5, 6], GREEDY, images=[b"tiny"])
         with pytest.raises(ValueError, match="exceeds the .*-byte limit"):  # refused before it is sent
             client.add_request([5, 6], GREEDY, images=[PromptImage(b"x" * MAX_MESSAGE_BYTES, offset=0, length=1)])

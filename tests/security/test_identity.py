@@ -29,7 +29,7 @@ class Driven:
 
     def __init__(self) -> None:
         self.secret = make_secret()
-        self.coordinator = Coordinator(None, port=0, token=self.secret)
+        self.coordinator = Coordinator(port=0, token=self.secret)
         self.address = self.coordinator.bind()
 
     def pump(self, timeout: float = 10.0) -> bytes:
@@ -143,12 +143,12 @@ def test_a_coordinator_without_a_secret_refuses_to_start_unless_insecure():
 
     with pytest.raises(InsecureRefused, match="needs the fleet secret: pass --token-file FILE or set "
                                               "\\$MEGATRON_SERVE_TOKEN, or pass --insecure"):
-        Coordinator(None, port=0)
+        Coordinator(port=0)
     with pytest.raises(ValueError, match="--insecure turns the fleet secret off"):
-        Coordinator(None, port=0, token=make_secret(), insecure=True)
+        Coordinator(port=0, token=make_secret(), insecure=True)
     with pytest.raises(ValueError, match="at least 32 random"):
-        Coordinator(None, port=0, token="hunter2")
-    insecure = Coordinator(None, port=0, insecure=True)
+        Coordinator(port=0, token="hunter2")
+    insecure = Coordinator(port=0, insecure=True)
     try:
         assert insecure.bind().startswith("tcp://127.0.0.1:")
         assert insecure.sock.getsockopt(zmq.MECHANISM) == zmq.NULL

@@ -11,8 +11,9 @@ acknowledged (``RESULT_ACK``) so that the coordinator can forget them.
 The client makes the text (:mod:`megatron_serve.client.output_processor`) from the ids the coordinator
 sends, and stop strings end a request here (it then aborts it in the fleet). Its tokenizer: ``tokenizer=``
 (a ``Tokenizer`` or a directory of tokenizer files), else the coordinator's tokenizer directory (in
-``HELLO_ACK``) when this machine can read it; with neither, texts stay empty and stop strings are refused
-(``ValueError``); with one, text prompts are tokenized here (:func:`~.prompts.prompt_for_fleet`).
+``HELLO_ACK``) when this machine can read it; with neither, texts stay empty, and text prompts and stop
+strings are refused (``ValueError``). Prompts are tokenized and their images placed here
+(:func:`~.prompts.prompt_for_fleet`): the coordinator loads no tokenizer.
 
 Naming: ``stop()`` is the lifecycle verb STOP (the fleet drains and its engines exit);
 ``close()`` / ``aclose()`` close this client's connection.
@@ -375,7 +376,7 @@ class InferenceClient(FleetVerbs):
             if body.state:
                 self.state = body.state
         elif header is Header.TOKENS:
-            stopped = self._pending.on_delta(body.client_request_id, body, body.prompt_tokens)
+            stopped = self._pending.on_delta(body.client_request_id, body)
             if stopped is not None:  # a stop string ended it here: its engine drops it
                 self._send(Header.ABORT, {"client_request_id": stopped.request_id})
         elif header is Header.RESULT:
@@ -436,17 +437,16 @@ class InferenceClient(FleetVerbs):
         ack = self._connection.ack
         if ack is not None and ack.protocol < PROTOCOL_VERSION:
             raise CoordinatorError(ErrorCode.UNSUPPORTED.value, self._old_coordinator(ack))
-        sent, tokens = prompt_for_fleet(prompt, self.tokenizer, bool(images))
+        tokens, placed = prompt_for_fleet(prompt, list(images or ()), self.tokenizer)
         request_id = str(request_id) if request_id is not None else f"{self._auto_ids}{next(self._request_numbers)}"
         if request_id in self._pending:
             raise ValueError(f"request id {request_id!r} is already pending")
-        collector = OutputCollector(request_id, prompt if isinstance(prompt, str) else sent, params, self.tokenizer,
+        collector = OutputCollector(request_id, prompt if isinstance(prompt, str) else tokens, params, self.tokenizer,
                                     prompt_tokens=tokens)
-        pending = PendingRequest(request_id, sent, params, stream, self._loop.create_future(), collector,
+        pending = PendingRequest(request_id, tokens, params, stream, self._loop.create_future(), collector,
                                  sink if sink is not None else asyncio.Queue() if stream else None)
-        if images:
-            pending.images = [(image if isinstance(image, PromptImage) else PromptImage(bytes(image))).to_wire()
-                              for image in images]
+        if placed:
+            pending.images = [image.to_wire() for image in placed]
             encode(Header.SUBMIT, pending.submit_body())  # too large a frame: ValueError here, nothing sent
         self._pending.add(pending)
         self._send_submit(pending)
@@ -463,7 +463,7 @@ class InferenceClient(FleetVerbs):
         Failed requests (too long, aborted) resolve normally with ``status`` FAILED; a request the
         coordinator cannot accept at all (bad sampling values, empty prompt) raises ``ValueError``.
         ``images`` (vision-language models): image files, one per image placeholder of the prompt
-        (the coordinator expands them), or ``PromptImage``s already placed in token-id prompts.
+        (placed here, by the model's processor), or ``PromptImage``s already placed in token-id prompts.
         """
         return self._new_pending(prompt, sampling_params, request_id, False, images).future
 

@@ -31,7 +31,7 @@ _FINAL_RECORD = msgspec.msgpack.Decoder(FinalRecord | None)
 @dataclass
 class PendingRequest:
     request_id: str
-    prompt: str | list[int]
+    prompt: list[int]  # token ids: the caller's process tokenizes
     sampling_params: SamplingParams
     stream: bool
     future: asyncio.Future
@@ -88,15 +88,14 @@ class PendingRequests:
     def get(self, request_id: Any) -> PendingRequest | None:
         return self._by_id.get(str(request_id))
 
-    def on_delta(self, request_id: Any, delta: TokenDelta, prompt_tokens: list[int] | None = None
-                 ) -> PendingRequest | None:
+    def on_delta(self, request_id: Any, delta: TokenDelta) -> PendingRequest | None:
         """Take a request's new tokens; returns the request when a stop string ended it here (resolved
         already: the caller aborts it where it runs)."""
         pending = self._by_id.get(str(request_id))
         if pending is None:
             return None
         collector = pending.collector
-        partial = collector.add(delta, prompt_tokens)
+        partial = collector.add(delta)
         if pending.queue is not None and (partial.new_tokens or partial.new_text):
             pending.queue.put_nowait(partial)
         if not collector.stopped:

@@ -132,20 +132,26 @@ def tokenize_prompt(prompt: Prompt, tokenizer: Any) -> tuple[list[int], list[Pro
     return tokens, images, text if isinstance(text, str) else None
 
 
-def prompt_for_fleet(prompt: str | list[int], tokenizer: Any, has_images: bool
-                     ) -> tuple[str | list[int], list[int] | None]:
-    """What a SUBMIT carries for ``prompt``, and its ids when they are known here.
+def prompt_for_fleet(prompt: str | list[int], images: list[bytes | PromptImage], tokenizer: Any
+                     ) -> tuple[list[int], list[PromptImage]]:
+    """What a SUBMIT carries for ``prompt``: token ids, with ``images`` placed in them.
 
-    The caller's process tokenizes what it can (a text prompt, with a tokenizer, without images to place):
-    the coordinator then never tokenizes for this client's requests. It still does for peers without a
-    tokenizer, and places images that arrive unplaced (the model's processor decides their lengths).
+    The coordinator loads no tokenizer: this process tokenizes text and expands each image placeholder
+    into its image's run of tokens (the model's processor). Images placed already (the HTTP server
+    places them) go as they are. ``ValueError`` when text or unplaced images meet no tokenizer.
     """
-    if not isinstance(prompt, str):
-        tokens = [int(t) for t in prompt]
-        return tokens, tokens
-    if tokenizer is None or has_images:
-        return prompt, None
-    tokens = tokenizer.encode(prompt)
+    placed = [isinstance(image, PromptImage) and image.placed for image in images]
+    if any(placed) and not all(placed):
+        raise ValueError("either every image of a request is placed (offset and length) or none is")
+    if tokenizer is None and (isinstance(prompt, str) or (images and not all(placed))):
+        raise ValueError("no tokenizer in this process to tokenize a text prompt or place images (the coordinator "
+                         "loads none): pass tokenizer= to InferenceClient, or send token ids with placed images")
+    tokens = tokenizer.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
     if not tokens:
         raise ValueError("prompt is empty")
-    return tokens, tokens
+    if not images or all(placed):
+        return tokens, [image for image in images if isinstance(image, PromptImage)]
+    if tokenizer.images is None:
+        raise ValueError("this model takes no images (it is not a vision-language model)")
+    return tokenizer.images.expand(tokens, [image.data if isinstance(image, PromptImage) else bytes(image)
+                                            for image in images])

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import functools
 import os
 
 from ..wire.protocol import DEFAULT_PORT, MAX_MESSAGE_BYTES
@@ -14,8 +13,8 @@ from .options import add_insecure_option, add_log_option, add_token_option, read
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    add_model_options(parser, what="the model: a directory or a Hub id (only its tokenizer is loaded: prompts are "
-                                   "tokenized here)")
+    add_model_options(parser, what="the model: a directory or a Hub id (nothing is loaded: the coordinator names "
+                                   "its tokenizer directory to clients, which tokenize and make the text)")
     parser.add_argument("--host", default="0.0.0.0", help="interface to bind (0.0.0.0 = all)")
     parser.add_argument("--port", type=int, default=DEFAULT_PORT, help="ROUTER port (0 = any free port)")
     parser.add_argument("--routing", choices=KNOWN_POLICIES, default="least_loaded",
@@ -51,7 +50,7 @@ def run(args: argparse.Namespace) -> int:
     setup_logging(args.log_level)
     from ..coordinator import Coordinator, check_secret, serve  # noqa: PLC0415 - keep --help fast
     from ..coordinator.routing import make_routing_policy  # noqa: PLC0415
-    from ..tokenizer import Tokenizer, check_tokenizer_files  # noqa: PLC0415
+    from ..tokenizer import check_tokenizer_files  # noqa: PLC0415 - a file check only: no transformers
 
     parse_port(args.port, "--port")
     if args.heartbeat_timeout <= 0:
@@ -64,13 +63,10 @@ def run(args: argparse.Namespace) -> int:
     make_routing_policy(args.routing)  # fail before loading anything
     resolve_model_args(args)
     tokenizer_dir = args.tokenizer or args.model
-    check_tokenizer_files(tokenizer_dir)  # a wrong path fails the start; only the slow load happens later
+    check_tokenizer_files(tokenizer_dir)  # a wrong path fails the start; clients load it, never this process
     token = read_token(args)
     check_secret(token, args.insecure)  # no secret and no --insecure: one line saying what to pass
     coordinator = Coordinator(
-        # Loaded in the background (importing transformers takes long): engines and clients can
-        # connect at once after a (re)start; text prompts wait for it.
-        tokenizer_loader=functools.partial(Tokenizer.from_pretrained, tokenizer_dir),
         host=args.host, port=args.port, token=token, insecure=args.insecure, routing=args.routing,
         heartbeat_timeout=args.heartbeat_timeout, client_timeout=args.client_timeout,
         verb_timeout=args.verb_timeout, weights_timeout=args.weights_timeout, stall_timeout=args.stall_timeout,

@@ -19,11 +19,9 @@ from .core import (
     DEFAULT_VERB_TIMEOUT,
     DEFAULT_WEIGHTS_TIMEOUT,
     CoordinatorCore,
-    TokenizerLike,
 )
 from .loop import Coordinator, InsecureRefused, check_secret, serve, write_address_file
 
 __all__ = ["Coordinator", "CoordinatorCore", "InsecureRefused", "check_secret", "serve", "write_address_file",
-           "TokenizerLike",
            "DEFAULT_CLIENT_TIMEOUT", "DEFAULT_HEARTBEAT_TIMEOUT", "DEFAULT_STALL_TIMEOUT", "DEFAULT_VERB_TIMEOUT",
            "DEFAULT_WEIGHTS_TIMEOUT"]

@@ -1,8 +1,7 @@
 """The coordinator's core: all its state and decisions, and no sockets.
 
 Every input is a method call with the time: a decoded message from a peer (:meth:`on_message`),
-a peer the transport found gone (:meth:`on_peer_gone`), the clock (:meth:`on_tick`), the tokenizer
-finishing its load (:meth:`on_tokenizer`). Each returns the effects to perform (messages to send,
+a peer the transport found gone (:meth:`on_peer_gone`), the clock (:meth:`on_tick`). Each returns the effects to perform (messages to send,
 peers to probe; :mod:`.effects`). Nothing calls back into a handler: removing an engine re-queues
 its requests and marks the lifecycle runner to advance, and one settling pass after the input
 runs it and dispatches. This is how it is unit-tested without ZeroMQ (tests/coordinator/test_core.py);
@@ -52,7 +51,7 @@ from . import dispatch, handshake, liveness, prompts
 from .droplog import DropLog
 from .effects import Effect, Probe, Send
 from .peers import ClientRecord, EngineRecord
-from .prompts import DEFAULT_MAX_IMAGE_BYTES, TokenizerLike
+from .prompts import DEFAULT_MAX_IMAGE_BYTES
 from .requests import Phase, RequestRecord, RequestTable
 from .verbs import VerbRunner
 
@@ -100,7 +99,6 @@ class CoordinatorCore:
 
     def __init__(
         self,
-        tokenizer: TokenizerLike | None = None,
         *,
         token: str | FleetSecret | None = None,
         routing: str = "least_loaded",
@@ -112,16 +110,12 @@ class CoordinatorCore:
         dispatch_factor: float = 2.0,
         model: str | None = None,
         tokenizer_dir: str | None = None,
-        tokenizer_pending: bool = False,
         max_image_bytes: int = DEFAULT_MAX_IMAGE_BYTES,
     ) -> None:
-        """``token``: the fleet secret (``None``: insecure). ``tokenizer_pending``: a tokenizer is loading
-        elsewhere; text prompts (and images to place) are held until :meth:`on_tokenizer` says how it
-        went. ``max_image_bytes``: image file bytes one request may carry (more is refused with ERROR)."""
-        self.tokenizer = tokenizer
+        """``token``: the fleet secret (``None``: insecure). ``tokenizer_dir``: only announced to clients
+        (HELLO_ACK), which tokenize and make the text; the coordinator loads no tokenizer.
+        ``max_image_bytes``: image file bytes one request may carry (more is refused with ERROR)."""
         self.max_image_bytes = int(max_image_bytes)
-        self.tokenizer_pending = tokenizer_pending
-        self.tokenizer_error: str | None = None  # why text prompts cannot be tokenized (the load failed)
         self.secret = fleet_secret(token)
         self.proven: dict[bytes, bytes | None] = {}  # connections that proved it (identity -> CURVE key), until gone
         self.routing_name = routing
@@ -184,28 +178,6 @@ class CoordinatorCore:
     def on_tick(self, now: float) -> list[Effect]:
         """Deadlines: heartbeats, verb steps, stalled step loops, silent and departed clients."""
         liveness.expire(self, now)
-        return self._settle(now)
-
-    def on_tokenizer(self, tokenizer: TokenizerLike | None, error: str | None, now: float) -> list[Effect]:
-        """The background load finished: adopt the tokenizer (or its failure) and release held prompts.
-
-        They are tokenized in arrival order; when the load failed they are refused like any text
-        prompt from now on (``ERROR`` naming the problem) while token ids keep being served.
-        """
-        self.tokenizer_pending = False
-        self.tokenizer, self.tokenizer_error = tokenizer, error
-        for record in self.requests.take_held():
-            try:
-                prompts.prepare(record, self.tokenizer, self.tokenizer_error)
-            except ValueError as exc:
-                client = self.clients.get(record.client_id)
-                if client is not None and client.identity is not None:
-                    self.send(client.identity, Header.ERROR, Error(code=ErrorCode.INVALID_REQUEST.value,
-                                                                   message=str(exc),
-                                                                   client_request_id=record.client_request_id))
-                self.forget_request(record)
-                continue
-            self.requests.enqueue(record)
         return self._settle(now)
 
     def _settle(self, now: float) -> list[Effect]:
@@ -348,29 +320,19 @@ class CoordinatorCore:
         try:
             raw = body.sampling_params
             params, params_wire = self._params.read(b"" if raw is msgspec.UNSET else bytes(raw))
-            prompt = body.prompt
-            if not prompt:
-                raise ValueError("prompt is empty")
-            text = prompt if isinstance(prompt, str) else None
             record = RequestRecord(request_id=key, client_id=client.client_id, client_request_id=crid,
-                                   prompt=text, prompt_tokens=[] if text is not None else prompt, params=params,
+                                   prompt_tokens=prompts.prompt_ids(body.prompt), params=params,
                                    params_wire=params_wire, stream=bool(body.stream),
                                    out=DeltaAccumulator(body.generated_tokens),
                                    images=prompts.submitted_images(body.images, self.max_image_bytes))
-            held = self.tokenizer_pending and prompts.needs_tokenizer(record)
-            if not held:
-                prompts.prepare(record, self.tokenizer, self.tokenizer_error)
         except ValueError as exc:
             self.send(identity, Header.ERROR, Error(code=ErrorCode.INVALID_REQUEST.value, message=str(exc),
                                                     client_request_id=crid))
             return
         client.requests.add(key)
-        if held:  # a record already, so that it can be aborted, resubmitted and counted as queued
-            self.requests.add(record, Phase.HELD)
-        else:
-            self.requests.add(record, Phase.QUEUED)
-            if record.exhausted():
-                self.finish_here(record, "COMPLETED", "length", "length reached before resubmission")
+        self.requests.add(record, Phase.QUEUED)
+        if record.exhausted():
+            self.finish_here(record, "COMPLETED", "length", "length reached before resubmission")
 
     def _on_abort(self, client: ClientRecord, body: ClientAbort) -> None:
         record = self.requests.get(f"{client.client_id}/{body.client_request_id}")
@@ -400,7 +362,7 @@ class CoordinatorCore:
             self.finish_here(record, "COMPLETED", "abort", message)
 
     def abort_unfinished(self, message: str) -> int:
-        """PAUSE in abort mode: end every unfinished request (held, queued, on an engine); how many."""
+        """PAUSE in abort mode: end every unfinished request (queued, on an engine); how many."""
         unfinished = [r for r in self.requests if r.phase is not Phase.FINISHED]
         for record in unfinished:
             self.abort(record, message, by_client=False)
@@ -412,7 +374,7 @@ class CoordinatorCore:
         has what an engine's final one has (the client got the tokens in ``TOKENS``)."""
         record.add_event("FAIL" if status == "FAILED" else "FINISH", detail)
         self._finish(record, FinalRecord(
-            request_id=record.request_id, prompt=record.prompt, prompt_tokens=record.prompt_tokens,
+            request_id=record.request_id, prompt_tokens=record.prompt_tokens,
             status=RequestStatus(status), finish_reason=FinishReason(finish_reason), error=error,
             events=record.events, arrival_time=record.arrival_time, finish_time=time.time(),
             cached_tokens=record.cached_tokens or 0))
@@ -573,7 +535,7 @@ class CoordinatorCore:
         engines = sorted(self.engines.values(), key=lambda e: e.group)
         return StatusReply(
             state=self.state.value, engines=[e.describe() for e in engines],
-            queued=self.requests.count(Phase.QUEUED) + self.requests.count(Phase.HELD),
+            queued=self.requests.count(Phase.QUEUED),
             in_flight=self.requests.count(Phase.DISPATCHED), completed=self.requests.completed,
             failed=self.requests.failed, aborted=self.requests.aborted, status_id=ask.status_id, epoch=self.epoch,
             coordinator_id=self.coordinator_id, routing=self.routing_name, suspend_level=self.suspend_level,

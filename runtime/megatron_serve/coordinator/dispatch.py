@@ -32,7 +32,7 @@ def wire_record(record: RequestRecord) -> EngineRequestOut:
     only what comes after them.
     """
     return EngineRequestOut(
-        request_id=record.request_id, prompt=record.prompt, prompt_tokens=record.prompt_tokens,
+        request_id=record.request_id, prompt_tokens=record.prompt_tokens,
         sampling_params=msgspec.Raw(record.params_wire), generated_tokens=record.generated_tokens,
         events=record.events, arrival_time=record.arrival_time,
         images=[WireImage(data=image.data, offset=image.offset, length=image.length if image.offset is not None else 0)

@@ -6,9 +6,8 @@ returns. Sends are gathered over a burst of received frames and flushed together
 protocol 2 gets what is due to it as one ``BATCH`` frame (a result per request costs one ZeroMQ send
 per client and burst instead of one per request). A send to a peer that is gone (``EHOSTUNREACH``,
 the socket is ``ROUTER_MANDATORY``) goes back to the core as ``on_peer_gone``; one that finds the
-peer's queue full waits here and is retried on the next pass. A tokenizer may load in a background
-thread: its result reaches the loop through a future the loop polls, so the core stays
-single-threaded.
+peer's queue full waits here and is retried on the next pass. The loop loads no tokenizer: requests
+arrive as token ids, tokenized in the caller's process.
 
 With a fleet secret the ROUTER is a CURVE server (:mod:`megatron_serve.wire.security`): pyzmq's ZAP
 authenticator admits every client key and stamps it on the connection's frames (``User-Id``), which
@@ -20,13 +19,10 @@ connection has proven nothing yet. Without a secret the coordinator refuses to s
 
 from __future__ import annotations
 
-import concurrent.futures
 import logging
 import os
 import signal
-import threading
 import time
-from typing import Callable
 
 import zmq
 from zmq.auth import CURVE_ALLOW_ANY
@@ -38,9 +34,8 @@ from ..wire.messages import TO_COORDINATOR
 from ..wire.protocol import MAX_MESSAGE_BYTES, ProtocolError, decode, pack_batches
 from ..wire.security import SECRET_HINT
 from ..wire.transport import close_monitored, open_monitor, secure_server
-from .core import CoordinatorCore, TokenizerLike
+from .core import CoordinatorCore
 from .effects import Effect, Probe, Send
-from .requests import Phase
 
 logger = logging.getLogger("megatron_serve.coordinator")
 
@@ -68,25 +63,16 @@ class Coordinator:
     ``shutdown()`` or a signal. Keyword arguments other than the transport's go to the core (``token``:
     the fleet secret)."""
 
-    def __init__(self, tokenizer: TokenizerLike | None = None, *, host: str = "127.0.0.1", port: int = 5555,
-                 max_message_bytes: int = MAX_MESSAGE_BYTES, insecure: bool = False,
-                 tokenizer_loader: Callable[[], TokenizerLike] | None = None, **core_options: object) -> None:
-        """``tokenizer_loader``: instead of ``tokenizer``, builds it in a background thread started by
-        ``run()``, so that peers can connect meanwhile (text prompts wait for it). ``insecure``: serve
-        without a fleet secret (no authentication, no encryption: benchmarks only); without it, a
-        coordinator given no secret raises :class:`InsecureRefused`."""
-        if tokenizer is not None and tokenizer_loader is not None:
-            raise ValueError("pass a tokenizer or a tokenizer_loader, not both")
-        self.core = CoordinatorCore(tokenizer, tokenizer_pending=tokenizer_loader is not None,
-                                    **core_options)  # type: ignore[arg-type]
+    def __init__(self, *, host: str = "127.0.0.1", port: int = 5555, max_message_bytes: int = MAX_MESSAGE_BYTES,
+                 insecure: bool = False, **core_options: object) -> None:
+        """``insecure``: serve without a fleet secret (no authentication, no encryption: benchmarks only);
+        without it, a coordinator given no secret raises :class:`InsecureRefused`."""
+        self.core = CoordinatorCore(**core_options)  # type: ignore[arg-type]
         check_secret(self.core.secret, insecure)
         self.host = host
         self.port = port
         self.max_message_bytes = int(max_message_bytes)
-        self._tokenizer_loader = tokenizer_loader
-        self._tokenizer_loading: concurrent.futures.Future[tuple[TokenizerLike, float]] | None = None
         self._stop = False
-        self.freeze_heap = False  # a process of its own (serve()): keep its start-up heap out of collections
         self._fds: dict[bytes, int] = {}  # identity -> fd of its connection (for disconnect probes)
         self._probes: list[tuple[float, int]] = []  # (due, fd) after disconnect events
         self._backlog: dict[bytes, list[bytes]] = {}  # frames a full queue refused (EAGAIN), in order
@@ -165,8 +151,6 @@ class Coordinator:
         """Serve until :meth:`shutdown`."""
         if self.sock is None:
             self.bind()
-        if self._tokenizer_loader is not None and self.core.tokenizer is None and self._tokenizer_loading is None:
-            self._start_tokenizer_load(self._tokenizer_loader)
         sock, core = self.sock, self.core
         outbox: list[Effect] = []
         next_tick = 0.0
@@ -232,17 +216,12 @@ class Coordinator:
         core = self.core
         if core.drop.suppressed and int(now) != core.drop.window:
             core.drop.flush()
-        effects: list[Effect] = []
         if self._probes:  # peers whose connection closed: a send to a gone routing id fails
             due = {fd for t, fd in self._probes if t <= now}
             self._probes = [(t, fd) for t, fd in self._probes if t > now]
             for identity in [i for i, fd in self._fds.items() if fd in due]:
                 core.probe(identity)
-        loading = self._tokenizer_loading
-        if loading is not None and loading.done():
-            self._tokenizer_loading = None
-            effects += self._tokenizer_loaded(loading, now)
-        return effects + core.on_tick(now)
+        return core.on_tick(now)
 
     def _perform(self, effects: list[Effect]) -> list[Effect]:
         """Send what the core asked for (gathered per peer); returns the core's answers to failures."""
@@ -296,39 +275,6 @@ class Coordinator:
                 fd, now = int(event.get("value", -1)), time.monotonic()
                 self._probes.extend((now + d, fd) for d in _PROBE_DELAYS)
 
-    # ------------------------------------------------------------------ tokenizer
-
-    def _start_tokenizer_load(self, loader: Callable[[], TokenizerLike]) -> None:
-        """Run ``loader`` in a daemon thread; its result reaches the event loop through a future only."""
-        future: concurrent.futures.Future[tuple[TokenizerLike, float]] = concurrent.futures.Future()
-
-        def load() -> None:
-            started = time.monotonic()
-            try:
-                tokenizer = loader()
-            except BaseException as exc:  # noqa: BLE001 - whatever it is, the event loop reports it
-                future.set_exception(exc)
-            else:
-                future.set_result((tokenizer, time.monotonic() - started))
-
-        self._tokenizer_loading = future
-        logger.info("loading the tokenizer in the background: token ids are served now, text prompts wait for it")
-        threading.Thread(target=load, name="tokenizer-loader", daemon=True).start()
-
-    def _tokenizer_loaded(self, future: concurrent.futures.Future, now: float) -> list[Effect]:
-        held = self.core.requests.count(Phase.HELD)
-        try:
-            tokenizer, seconds = future.result()
-        except BaseException as exc:  # noqa: BLE001 - the loader's own failure, whatever it is
-            error = (f"this coordinator could not load its tokenizer ({type(exc).__name__}: {exc}): "
-                     "send token ids, or fix the model directory's tokenizer files and restart it")
-            logger.error("%s; refusing %d waiting text prompt(s)", error, held)
-            return self.core.on_tokenizer(None, error, now)
-        logger.info("tokenizer ready (loaded in %.1fs); %d waiting text prompt(s) released", seconds, held)
-        if self.freeze_heap:  # transformers and the tokenizer: 310,000 objects a full collection would walk
-            freeze_startup_heap()
-        return self.core.on_tokenizer(tokenizer, None, now)
-
 
 def frames_by_peer(sends: list[Send]) -> dict[bytes, list[bytes]]:
     """Each peer's frames, in order; a peer that reads BATCH frames gets its messages in as few as fit."""
@@ -357,6 +303,5 @@ def serve(coordinator: Coordinator, address_file: str | None = None, install_sig
         write_address_file(address_file, address)
     if install_signals:
         coordinator.install_signal_handlers()
-    coordinator.freeze_heap = True
     freeze_startup_heap()
     coordinator.run()

@@ -5,8 +5,7 @@ ahead of every queued request with a larger value (lower first, as in the engine
 a request that lost its engine goes ahead of all. Requests without a priority (0) never pay for
 the ordering: they wait in a plain deque, the others in a heap beside it.
 
-A request's life is a :class:`Phase`, changed only here: ``HELD`` (a text prompt waiting for the
-tokenizer), ``QUEUED``, ``DISPATCHED`` (to exactly one engine), ``FINISHED`` (its final record kept
+A request's life is a :class:`Phase`, changed only here: ``QUEUED``, ``DISPATCHED`` (to exactly one engine), ``FINISHED`` (its final record kept
 until delivered and acknowledged). The coordinator mirrors every token an engine reports, so a
 request whose engine disappears is queued again and continues elsewhere from those tokens; only the
 engine a request is dispatched to may add to it, so each token and each result is delivered once.
@@ -37,7 +36,6 @@ from ..wire.sampling_params import SamplingParams
 
 
 class Phase(enum.Enum):
-    HELD = "held"  # text prompt waiting for the tokenizer to load
     QUEUED = "queued"
     DISPATCHED = "dispatched"
     FINISHED = "finished"
@@ -55,7 +53,6 @@ class RequestRecord:
     request_id: str  # "<client_id>/<client_request_id>": unique, also the engine-side request id
     client_id: str
     client_request_id: ClientId
-    prompt: str | None
     prompt_tokens: list[int]
     params: SamplingParams
     params_wire: bytes  # the sampling parameters as the client sent them (forwarded to engines unchanged)
@@ -63,14 +60,13 @@ class RequestRecord:
     # What the engines' deltas carried (after the tokens a resubmission came with): the mirror a moved
     # request continues from, the same accumulation as the client's (wire.accumulator)
     out: DeltaAccumulator = field(default_factory=DeltaAccumulator)
-    prompt_sent: bool = False  # a text prompt's token ids went to the client (with its first TOKENS)
     events: list[RequestEvent] = field(default_factory=list)  # what happened here (moves)
     arrival_time: float = field(default_factory=time.time)
     phase: Phase = Phase.QUEUED
     engine_id: str | None = None
     moves: int = 0
     final: bytes | None = None  # the finished record's msgpack (forwarded unparsed)
-    images: list[PromptImage] = field(default_factory=list)  # placed in prompt_tokens once prepared
+    images: list[PromptImage] = field(default_factory=list)  # placed in prompt_tokens by the caller's process
     queue_order: int = 0  # in the priority heap: when it was queued; in the deque: 0, or -1 moved (ahead of all)
 
     @property
@@ -110,8 +106,6 @@ class RequestRecord:
                         new_log_probs=out.new_log_probs, top_ids=out.top_ids, top_log_probs=out.top_log_probs,
                         epochs=out.epochs, routing=out.routing, cached_tokens=out.cached_tokens,
                         prompt_scores=out.prompt_scores)
-        if self.prompt is not None and not self.prompt_sent:
-            tokens.prompt_tokens, self.prompt_sent = self.prompt_tokens, True
         return tokens
 
     def tokens_after(self, have: int) -> Tokens | None:
@@ -123,8 +117,7 @@ class RequestRecord:
         tokens = Tokens(client_request_id=self.client_request_id, new_tokens=out.tokens[have:],
                         new_log_probs=out.log_probs[skip:] or None,
                         top_ids=out.top_ids[skip:] or None, top_log_probs=out.top_log_probs[skip:] or None,
-                        cached_tokens=out.cached_tokens, prompt_scores=out.prompt_scores,
-                        prompt_tokens=self.prompt_tokens if self.prompt is not None else None)
+                        cached_tokens=out.cached_tokens, prompt_scores=out.prompt_scores)
         if have >= out.resumed:
             tokens.epochs = [out.policy_epochs[skip:], out.kv_epochs[skip:]]
         if out.routing is not None:  # every row: the client keeps those it has
@@ -141,7 +134,6 @@ class RequestTable:
         self.ranked: list[tuple[int, int, str]] = []  # heap of (priority, order, key): priorities other than 0
         self._order = itertools.count(1)
         self._head_ranked = False  # whether next_queued's answer came from the heap
-        self.held: list[str] = []  # text prompts waiting for the tokenizer, in arrival order
         self.undelivered: set[str] = set()  # finished, but the client could not be reached
         self.counts = collections.Counter({phase: 0 for phase in Phase})
         self.completed = 0
@@ -158,9 +150,7 @@ class RequestTable:
         record.phase = phase
         self.records[record.request_id] = record
         self.counts[phase] += 1
-        if phase is Phase.HELD:
-            self.held.append(record.request_id)
-        elif phase is Phase.QUEUED:
+        if phase is Phase.QUEUED:
             if record.params.priority:
                 self._rank(record)
             else:
@@ -210,10 +200,6 @@ class RequestTable:
         if self.records.pop(record.request_id, None) is not None:
             self.counts[record.phase] -= 1
         self.undelivered.discard(record.request_id)
-
-    def take_held(self) -> list[RequestRecord]:
-        held, self.held = self.held, []
-        return [r for key in held if (r := self.records.get(key)) is not None and r.phase is Phase.HELD]
 
     def next_queued(self) -> RequestRecord | None:
         """The request at the head of the queue (entries of aborted or moved requests are skipped)."""

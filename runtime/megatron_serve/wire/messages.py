@@ -367,7 +367,6 @@ class Tokens(TokenDelta, kw_only=True):
     stop strings, and the ``RESULT`` record does not repeat them)."""
 
     client_request_id: ClientId
-    prompt_tokens: list[TokenId] | None = None  # a text prompt's token ids, with its first TOKENS
 
 
 class EngineAbort(Body):
