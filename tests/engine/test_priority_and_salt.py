@@ -39,7 +39,7 @@ def test_coordinator_queue_dispatches_by_priority_and_moved_requests_first():
     table = RequestTable()
 
     def record(key: str, priority: int = 0) -> RequestRecord:
-        return RequestRecord(key, "client", key, None, [1], SamplingParams(priority=priority), b"", False)
+        return RequestRecord(key, "client", key, [1], SamplingParams(priority=priority), b"", False)
 
     for key, priority in (("a", 0), ("b", 3), ("c", -2), ("d", 0), ("e", -2), ("gone", -5)):
         table.add(record(key, priority), Phase.QUEUED)
@@ -72,7 +72,7 @@ def test_a_salt_roots_the_chain_and_engines_and_routing_agree():
     first.num_computed = len(tokens)
     scheduler.register_computed_blocks(first)
     # the coordinator's routing hashes a salted prompt exactly as the engine cached it
-    record = RequestRecord("r", "client", "r", None, tokens, SamplingParams(cache_salt="t1"), b"", False)
+    record = RequestRecord("r", "client", "r", tokens, SamplingParams(cache_salt="t1"), b"", False)
     engine = SimpleNamespace(engine_id="e0", group=0, capacity=4, kv_blocks_free=60, kv_blocks_total=64, load=0,
                              stats={}, info={"block_size": BLOCK, "prefix_caching": True})
     routing = PrefixAffinity()

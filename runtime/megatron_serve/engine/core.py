@@ -438,7 +438,6 @@ class DynamicInferenceEngine(DeviceMemoryVerbs):
             if sequence.kv_epoch is None:
                 sequence.kv_epoch = self.epoch
             sequence.num_computed += count
-            self.scheduler.register_computed_blocks(sequence)
         self.computed_tokens += plan.num_tokens
         routing = Readback([forward.routing]) if forward.routing is not None else None  # graphs reuse their outputs
         kv_epochs = [self.epoch if s.kv_epoch is None else s.kv_epoch for s in sampling]  # set above: never None
@@ -478,14 +477,21 @@ class DynamicInferenceEngine(DeviceMemoryVerbs):
         return self.update_from_output(step, step.sample.read())
 
     def update_from_output(self, step: InFlightStep, result: SampleResult) -> list[StepOutput]:
-        """The bookkeeping of a finished step, in one place: expert routing and prompt scores recorded, each
-        request's token appended (or dropped for a request that left meanwhile), stop conditions checked,
-        grammar advanced, newly complete KV blocks registered for the prefix cache, statistics observed."""
+        """The bookkeeping of a finished step, in one place: expert routing and prompt scores recorded, the KV
+        blocks the step completed registered for the prefix cache (prompt chunks too: first, so that a
+        request finishing now leaves its blocks cached), each request's token appended (or dropped for a
+        request that left meanwhile), stop conditions checked, grammar advanced, blocks that the appended
+        tokens complete registered, statistics observed. Registering here rather than at launch publishes
+        a block one step later under asynchronous scheduling; its KV writes were queued at launch either way."""
         if step.routing is not None:
             record_step([(s, start, count) for (s, count), start in zip(step.entries, step.starts)],
                         np.asarray(step.routing.wait()[0]))
         if step.scores is not None:
             record_prompt_scores(*step.scores)
+        register = self.scheduler.register_computed_blocks
+        for sequence, _count in step.entries:
+            if not sequence.finished:
+                register(sequence)
         now = time.monotonic()
         sequences, outputs, observed = [], [], []
         for row, sequence in enumerate(step.sampling):
@@ -498,7 +504,7 @@ class DynamicInferenceEngine(DeviceMemoryVerbs):
                 sequences.append(sequence)
                 observed.append(outputs[-1])
             if not sequence.finished:
-                self.scheduler.register_computed_blocks(sequence)
+                register(sequence)
         self.stats.observe_step(sequences, observed, now)
         return outputs
 
