@@ -8,7 +8,7 @@ from tokenizers import Tokenizer as RawTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-from megatron_serve.client.detokenizer import IncrementalDetokenizer, TokenTexts, token_texts
+from megatron_serve.client.detokenizer import IncrementalDetokenizer, token_texts
 from megatron_serve.model.tiny import train_tokenizer
 from megatron_serve.tokenizer import Tokenizer
 
@@ -94,9 +94,9 @@ def test_a_split_character_is_listed_with_the_token_that_completes_it():
     tokens = tokenizer.encode("🚀", add_special_tokens=False)
     assert len(tokens) > 1  # split over byte tokens
     assert token_texts(tokenizer, tokens, "🚀") == [""] * (len(tokens) - 1) + ["🚀"]
-    partial = TokenTexts(tokenizer)
-    partial.add(tokens[:-1])
-    assert partial.complete_within(0) == len(tokens) - 2  # the last one may still take the character
+    partial = IncrementalDetokenizer(tokenizer, token_texts=True)
+    partial.update(tokens[:-1])
+    assert partial.listable(0) == len(tokens) - 2  # the last one may still take the character
 
 
 @pytest.mark.parametrize("text", [TEXTS[0], TEXTS[2]])  # (the Metaspace one's byte tokens are special here)

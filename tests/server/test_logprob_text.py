@@ -15,6 +15,7 @@ import httpx
 import pytest
 
 from megatron_serve import MegatronAsyncLLM
+from megatron_serve.client.detokenizer import IncrementalDetokenizer
 from megatron_serve.server import create_app
 
 from .conftest import serving
@@ -90,3 +91,41 @@ async def test_chat_token_entries_concatenate_to_the_content(tiny_model, tokeniz
                 content = "".join(c["delta"].get("content", "") for c in chunks)
                 listed = [e["token"] for c in chunks if c.get("logprobs") for e in c["logprobs"]["content"]]
                 assert content == choice["message"]["content"] and listed == [e["token"] for e in entries]
+
+
+@pytest.mark.parametrize("stop", [None, ["e", "a"]])
+async def test_text_and_token_texts_are_made_once_and_stream_as_the_whole_answer(tiny_model, tokenizer, monkeypatch,
+                                                                                  stop):
+    """The client's output processor makes the text and every token's text in one pass: the detokenizer
+    decodes each generated token once (before, the HTTP layer decoded them all again for the listing, 2
+    windows per token), and the streamed chunks, written from the pieces alone, add up to the answer
+    (text, listed tokens with their texts and log probs) that the same seeded request gets whole."""
+    windows = 0
+    decode = IncrementalDetokenizer._window
+
+    def counted(self: IncrementalDetokenizer, new_tokens) -> str:
+        nonlocal windows
+        windows += 1
+        return decode(self, new_tokens)
+
+    monkeypatch.setattr(IncrementalDetokenizer, "_window", counted)
+    async with MegatronAsyncLLM(tiny_model) as llm:
+        app = create_app(llm.client, tokenizer, MODEL, vocab_size=512, max_model_len=1024)
+        async with serving(app) as url, httpx.AsyncClient(base_url=url, timeout=120) as http:
+            body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 24, "temperature": 1.0, "seed": 3,
+                    "logprobs": 2, "ignore_eos": True, "stop": stop}
+            windows = 0
+            whole = (await http.post("/v1/completions", json=body)).json()
+            generated = whole["usage"]["completion_tokens"]
+            assert generated > 0 and windows == generated  # one window per token, text and listing together
+            choice = whole["choices"][0]
+
+            windows = 0
+            streamed = await http.post("/v1/completions", json={**body, "stream": True})
+            assert windows == generated
+            chunks = [c["choices"][0] for c in events(streamed.text) if c["choices"]]
+            listed = [c["logprobs"] for c in chunks if c["logprobs"]]
+            assert "".join(c["text"] for c in chunks) == choice["text"]
+            for key in ("tokens", "token_logprobs", "text_offset", "top_logprobs"):
+                assert [x for block in listed for x in block[key]] == choice["logprobs"][key], key
+            assert chunks[-1]["finish_reason"] == choice["finish_reason"]

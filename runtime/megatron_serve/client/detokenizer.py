@@ -29,10 +29,19 @@ class IncrementalDetokenizer:
     (the last ``len(longest) - 1`` characters, when stop strings are cut off) or that ends in an
     incomplete UTF-8 sequence is held back until it is safe, so streamed text never shows what the
     final text trims.
+
+    ``token_texts`` (log-prob listings): tokens are decoded one window each, and the length of the
+    text each one makes final is kept, so that every token's share of the text is known without a
+    second decoding (:meth:`listable`, :meth:`texts`). Decoding a token on its own is not its share:
+    a special token is in no text, a character split over tokens shows as U+FFFD in each, a
+    word-start marker loses its space at the start of a decode, and a stop string trims tokens away.
+    Here a token's text is the empty string for special tokens, for the first bytes of a split
+    character (the token that completes it carries it) and for tokens past a stop string; the texts
+    of all tokens concatenate to the text, and no offset passes its end.
     """
 
     def __init__(self, tokenizer: Tokenizer, stop_words: Sequence[str] = (), *, skip_special_tokens: bool = True,
-                 include_stop_str_in_output: bool = False):
+                 include_stop_str_in_output: bool = False, token_texts: bool = False):
         self.tokenizer = tokenizer
         self.stop_words = list(stop_words)
         self.include_stop = include_stop_str_in_output
@@ -49,9 +58,24 @@ class IncrementalDetokenizer:
         self._read_offset = 0
         self._checked = 0  # committed characters already searched for stop strings
         self._stop_floor = 0  # stop words must end past this (text made while min_tokens held them off)
+        # With token_texts: per token, the length of the text that is final once it is decoded
+        self.ends: list[int] | None = [] if token_texts else None
+        self._pending = False  # the last token leaves an incomplete character (it takes it if it stays last)
 
-    def append(self, new_tokens: Iterable[int]) -> str:
+    def append(self, new_tokens: Sequence[int]) -> str:
         """The whole text after ``new_tokens``: committed text plus what the tokens past ``read_offset`` add."""
+        ends = self.ends
+        if ends is None or not new_tokens:
+            return self._window(new_tokens)
+        whole = ""
+        for token in new_tokens:  # one window per token: each one's share of the text is known
+            whole = self._window((token,))
+            ends.append(len(self._committed))
+            self._pending = len(whole) > len(self._committed)
+        return whole
+
+    def _window(self, new_tokens: Iterable[int]) -> str:
+        """Decode the window the new tokens end (see the class docstring); the whole text so far."""
         self._visible.extend(t for t in new_tokens if t not in self._special)
         skip = self._skip_special
         prefix = self.tokenizer.decode(self._visible[self._prefix_offset : self._read_offset], skip)
@@ -105,54 +129,32 @@ class IncrementalDetokenizer:
         self.emitted = end
         return new_text
 
-
-class TokenTexts:
-    """What each generated token adds to a choice's text, so that log-prob listings agree with the text.
-
-    Decoding a token on its own is not its share of the text: a special token is in no text
-    (decoding skips it), a character split over tokens shows as U+FFFD in each, a word-start marker
-    loses its space at the start of a decode, and a stop string trims tokens away. Listing tokens
-    that way put ``text_offset`` past the end of ``text``. Here a token's text is what it makes
-    final, decoded in the same windows as :class:`IncrementalDetokenizer` (so both agree): the
-    empty string for special tokens, for the first bytes of a split character (the token that
-    completes it carries it) and for tokens past a stop string. The texts of all tokens
-    concatenate to the text, and no offset passes its end.
-    """
-
-    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True) -> None:
-        self._decoder = IncrementalDetokenizer(tokenizer, skip_special_tokens=skip_special_tokens)
-        self._ends: list[int] = []  # per token: length of the text that is final once it is decoded
-        self._pending = False  # the last token leaves an incomplete character (it takes it if it stays last)
-
-    def add(self, tokens: Iterable[int]) -> None:
-        for token in tokens:
-            whole = self._decoder.append([token])
-            self._ends.append(self._decoder.committed_length)
-            self._pending = len(whole) > self._decoder.committed_length
-
-    def complete_within(self, length: int) -> int:
-        """How many of the tokens have all of their text within the first ``length`` characters."""
-        count = bisect_right(self._ends, length)
-        return count - 1 if self._pending and count == len(self._ends) else count
+    def listable(self, length: int) -> int:
+        """How many tokens have all of their text within the first ``length`` characters (``token_texts``)."""
+        ends = self.ends or []
+        count = bisect_right(ends, length)
+        return count - 1 if self._pending and count == len(ends) else count
 
     def texts(self, text: str, first: int, last: int, *, final: bool) -> list[str]:
-        """The texts of tokens ``first..last-1`` within ``text`` (the choice's text, or what was sent of it).
+        """The texts of tokens ``first..last-1`` within ``text`` (the text, or what was sent of it).
 
         ``final``: ``text`` is the whole text, so the last token also takes what is still pending
         (a character left incomplete at the end, shown as U+FFFD in the text).
         """
+        ends = self.ends or []
         limit = len(text)
-        start = min(self._ends[first - 1], limit) if first else 0
+        start = min(ends[first - 1], limit) if first else 0
         out = []
         for i in range(first, last):
-            end = limit if final and i == len(self._ends) - 1 else min(self._ends[i], limit)
+            end = limit if final and i == len(ends) - 1 else min(ends[i], limit)
             out.append(text[start:end])
             start = end
         return out
 
 
 def token_texts(tokenizer: Tokenizer, tokens: list[int], text: str, skip_special_tokens: bool = True) -> list[str]:
-    """The text each of ``tokens`` adds to ``text``, their finished decoding (see :class:`TokenTexts`)."""
-    texts = TokenTexts(tokenizer, skip_special_tokens)
-    texts.add(tokens)
-    return texts.texts(text, 0, len(tokens), final=True)
+    """The text each of ``tokens`` adds to ``text`` (a prompt's, for an echo with log probs; generated
+    tokens get theirs from the client's output processor, which decodes them once)."""
+    decoder = IncrementalDetokenizer(tokenizer, skip_special_tokens=skip_special_tokens, token_texts=True)
+    decoder.append(tokens)
+    return decoder.texts(text, 0, len(tokens), final=True)

@@ -87,7 +87,8 @@ class OutputCollector:
         self.prompt_tokens: list[int] | None = prompt_tokens if isinstance(prompt, str) else list(prompt)
         self.detokenizer = None if tokenizer is None else IncrementalDetokenizer(
             tokenizer, params.stop_words, skip_special_tokens=params.skip_special_tokens,
-            include_stop_str_in_output=params.include_stop_str_in_output)
+            include_stop_str_in_output=params.include_stop_str_in_output, token_texts=params.return_log_probs)
+        self.listed = 0  # tokens whose texts went out in a piece (token_texts)
         self.out = DeltaAccumulator()  # what the deltas carried, accumulated as the coordinator's mirror does
         self.arrival_time = time.time()
         self.first_token_time: float | None = None
@@ -101,11 +102,9 @@ class OutputCollector:
     def tokens(self) -> list[int]:
         return self.out.tokens
 
-    def add(self, delta: TokenDelta, prompt_tokens: list[int] | None = None) -> StreamPartial:
+    def add(self, delta: TokenDelta) -> StreamPartial:
         """Take one delta; the piece it adds to a stream (what is safe to show of the text, the tokens
         up to a stop string). :attr:`stopped` says whether a stop string ended the request in it."""
-        if prompt_tokens is not None and self.prompt_tokens is None:
-            self.prompt_tokens = list(prompt_tokens)
         if self.stopped:  # only the prompt's facts still count
             self.out.add_rest(delta, 0, self.request_id)
             return StreamPartial(self.request_id, [], "")
@@ -119,7 +118,20 @@ class OutputCollector:
         if delta.top_ids is not None and delta.top_log_probs is not None:
             top = _top_maps(delta.top_ids[:kept], delta.top_log_probs[:kept])
         text = "" if self.detokenizer is None else self.detokenizer.take_new_text(final=self.stopped)
-        return StreamPartial(self.request_id, tokens[:kept], text, log_probs, new_top_logprobs=top)
+        return StreamPartial(self.request_id, tokens[:kept], text, log_probs, new_top_logprobs=top,
+                             token_texts=self._list(final=self.stopped))
+
+    def _list(self, final: bool) -> list[str]:
+        """The texts of the tokens that a log-prob listing may show now: those whose text was all sent
+        (all of them when ``final``); empty without ``return_log_probs``."""
+        detokenizer = self.detokenizer
+        if detokenizer is None or detokenizer.ends is None:
+            return []
+        first = self.listed
+        last = len(detokenizer.ends) if final else max(first, detokenizer.listable(detokenizer.emitted))
+        self.listed = last
+        sent = detokenizer.text if final else detokenizer.text[: detokenizer.emitted]
+        return detokenizer.texts(sent, first, last, final=final)
 
     def _take_tokens(self, tokens: list[int]) -> int:
         """Append ``tokens`` up to the one that completes a stop string; how many were kept."""
@@ -140,7 +152,8 @@ class OutputCollector:
     def tail(self) -> StreamPartial | None:
         """The text held back so far (a possible stop string's start, an unfinished character), at the end."""
         text = "" if self.detokenizer is None else self.detokenizer.take_new_text(final=True)
-        return StreamPartial(self.request_id, [], text) if text else None
+        texts = self._list(final=True)
+        return StreamPartial(self.request_id, [], text, token_texts=texts) if text or texts else None
 
     def finish(self, record: DynamicInferenceRequest) -> DynamicInferenceRequest:
         """The final record from where the request ran, completed with what the deltas carried (and the text
@@ -170,6 +183,9 @@ class OutputCollector:
         out = self.out
         record.generated_tokens = out.tokens
         record.generated_text = self.text
+        detokenizer = self.detokenizer
+        if detokenizer is not None and detokenizer.ends is not None:
+            record.generated_token_texts = detokenizer.texts(self.text, 0, len(detokenizer.ends), final=True)
         record.generated_log_probs = out.log_probs
         record.generated_top_n_logprobs = _top_maps(out.top_ids, out.top_log_probs)
         record.policy_epochs = out.policy_epochs

@@ -22,6 +22,9 @@ class StreamPartial:
     new_text: str
     new_log_probs: list[float] = field(default_factory=list)
     new_top_logprobs: list[dict[int, float]] = field(default_factory=list)  # per new token, when asked for
+    # With return_log_probs: the texts of the next tokens a log-prob listing may show (all of their text
+    # was sent, by this piece or before), continuing where the stream's earlier pieces left off
+    token_texts: list[str] = field(default_factory=list)
     finished: bool = False  # partials never finish; the final item is the DynamicInferenceRequest
 
 

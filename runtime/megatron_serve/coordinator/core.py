@@ -1,8 +1,8 @@
 """The coordinator's core: all its state and decisions, and no sockets.
 
 Every input is a method call with the time: a decoded message from a peer (:meth:`on_message`),
-a peer the transport found gone (:meth:`on_peer_gone`), the clock (:meth:`on_tick`). Each returns the effects to perform (messages to send,
-peers to probe; :mod:`.effects`). Nothing calls back into a handler: removing an engine re-queues
+a peer the transport found gone (:meth:`on_peer_gone`), the clock (:meth:`on_tick`). Each returns
+the effects to perform (messages to send, peers to probe; :mod:`.effects`). Nothing calls back into a handler: removing an engine re-queues
 its requests and marks the lifecycle runner to advance, and one settling pass after the input
 runs it and dispatches. This is how it is unit-tested without ZeroMQ (tests/coordinator/test_core.py);
 :mod:`.loop` is the thin loop that owns the socket.

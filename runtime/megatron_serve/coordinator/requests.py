@@ -5,8 +5,8 @@ ahead of every queued request with a larger value (lower first, as in the engine
 a request that lost its engine goes ahead of all. Requests without a priority (0) never pay for
 the ordering: they wait in a plain deque, the others in a heap beside it.
 
-A request's life is a :class:`Phase`, changed only here: ``QUEUED``, ``DISPATCHED`` (to exactly one engine), ``FINISHED`` (its final record kept
-until delivered and acknowledged). The coordinator mirrors every token an engine reports, so a
+A request's life is a :class:`Phase`, changed only here: ``QUEUED``, ``DISPATCHED`` (to exactly one
+engine), ``FINISHED`` (its final record kept until delivered and acknowledged). The coordinator mirrors every token an engine reports, so a
 request whose engine disappears is queued again and continues elsewhere from those tokens; only the
 engine a request is dispatched to may add to it, so each token and each result is delivered once.
 What goes with the tokens (log probs, epochs, prompt scores) is mirrored too, for one reason only:

@@ -10,10 +10,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from ..client.detokenizer import TokenTexts
 from ..client.outputs import StreamPartial
 from ..wire.request import DynamicInferenceRequest
-from ..tokenizer import Tokenizer
 from .context import ServerContext
 from .models import PromptLogprob, PromptLogprobs, PromptTokensDetails, Usage
 from .translate import EngineJob
@@ -102,8 +100,9 @@ def prompt_logprobs(tokenizer: Any, result: DynamicInferenceRequest, n: int) -> 
 class Delta:
     """What one chunk of a streamed choice adds: its text, and the tokens (with log-probs) it lists.
 
-    ``token_texts`` are the listed tokens' texts (what each adds to the choice's text); a token
-    is listed only once all of its text has been sent, so listings never run ahead of the text.
+    ``token_texts`` are the listed tokens' texts (what each adds to the choice's text), made by the
+    client's output processor with the text itself; a token is listed only once all of its text has
+    been sent, so listings never run ahead of the text.
     """
 
     text: str
@@ -112,29 +111,32 @@ class Delta:
     top_n: list[dict[int, float]]
     token_texts: list[str]
 
+    @classmethod
+    def empty(cls) -> "Delta":
+        """A final record's share of its chunk: the pieces carried all of the text and listing."""
+        return cls("", [], [], [], [])
+
 
 @dataclass
 class _Choice:
-    text: str = ""  # sent so far
     tokens: list[int] = field(default_factory=list)  # generated so far
     log_probs: list[float] = field(default_factory=list)
     top_n: list[dict[int, float]] = field(default_factory=list)
     listed: int = 0  # tokens already listed in a chunk
-    texts: TokenTexts | None = None
 
 
 class StreamedChoices:
-    """What each choice of a streamed answer has sent so far, so that its final record adds only the rest.
+    """What each choice of a streamed answer has listed so far: chunks are written from the pieces alone.
 
-    The final record holds the whole generation; the pieces normally carried all of it (the client
-    sends the text it held back, a possible stop string's start, as a last piece), and the
-    choice's last chunk carries whatever they did not. ``tokenizer`` (when log-probs are listed)
-    gives each token its text.
+    The client's output processor makes the text and each token's text once, and its pieces carry
+    all of both (its last piece, at the end, what it held back: a possible stop string's start, and
+    the listing of the tokens that held it); the final record adds nothing to them and is never
+    compared with what was streamed. ``token_texts`` (log probs asked for): a piece lists as many
+    tokens as it carries texts; without, every token is listed as it comes (``return_token_ids``).
     """
 
-    def __init__(self, tokenizer: Tokenizer | None = None, skip_special_tokens: bool = True) -> None:
-        self.tokenizer = tokenizer
-        self.skip_special_tokens = skip_special_tokens
+    def __init__(self, token_texts: bool = False) -> None:
+        self.token_texts = token_texts
         self._choices: dict[int, _Choice] = {}
 
     def generated(self) -> int:
@@ -145,42 +147,17 @@ class StreamedChoices:
         """True once per choice, for its first item (when its opening chunk is due)."""
         if index in self._choices:
             return False
-        texts = TokenTexts(self.tokenizer, self.skip_special_tokens) if self.tokenizer is not None else None
-        self._choices[index] = _Choice(texts=texts)
+        self._choices[index] = _Choice()
         return True
 
     def piece(self, index: int, item: StreamPartial) -> Delta:
         """A streamed piece, counted as sent."""
         choice = self._choices[index]
-        text = item.new_text or ""
-        choice.text += text
-        self._extend(choice, item.new_tokens, item.new_log_probs, item.new_top_logprobs)
-        listable = len(choice.tokens) if choice.texts is None else choice.texts.complete_within(len(choice.text))
-        return self._delta(choice, text, listable, final=False)
-
-    def rest(self, index: int, result: DynamicInferenceRequest) -> Delta:
-        """What the final record holds beyond the pieces sent (text only if it extends what was sent)."""
-        choice = self._choices[index]
-        final_text = result.generated_text or ""
-        text = final_text[len(choice.text):] if final_text.startswith(choice.text) else ""
-        choice.text += text
-        done = len(choice.tokens)
-        self._extend(choice, result.generated_tokens[done:], result.generated_log_probs[done:],
-                     result.generated_top_n_logprobs[done:])
-        return self._delta(choice, text, len(choice.tokens), final=True)
-
-    @staticmethod
-    def _extend(choice: _Choice, tokens: list[int], log_probs: list[float], top_n: list[dict[int, float]]) -> None:
-        choice.tokens += tokens
-        choice.log_probs += log_probs
-        choice.top_n += top_n
-        if choice.texts is not None:
-            choice.texts.add(tokens)
-
-    @staticmethod
-    def _delta(choice: _Choice, text: str, listable: int, *, final: bool) -> Delta:
+        choice.tokens += item.new_tokens
+        choice.log_probs += item.new_log_probs
+        choice.top_n += item.new_top_logprobs
         first = choice.listed
-        choice.listed = max(listable, first)
-        last = choice.listed
-        texts = choice.texts.texts(choice.text, first, last, final=final) if choice.texts is not None else []
-        return Delta(text, choice.tokens[first:last], choice.log_probs[first:last], choice.top_n[first:last], texts)
+        last = first + len(item.token_texts) if self.token_texts else len(choice.tokens)
+        choice.listed = last
+        return Delta(item.new_text or "", choice.tokens[first:last], choice.log_probs[first:last],
+                     choice.top_n[first:last], list(item.token_texts))

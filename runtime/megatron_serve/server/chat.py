@@ -8,7 +8,6 @@ from typing import Any, AsyncIterator
 
 from fastapi.responses import StreamingResponse
 
-from ..client.detokenizer import token_texts
 from ..client.outputs import StreamPartial
 from ..wire.request import DynamicInferenceRequest
 from .answers import (Delta, StreamedChoices, finish_reason, make_usage, prompt_logprobs, running_usage,
@@ -139,9 +138,8 @@ class ChatHandler:
             message = self._message(text)
             logprobs = None
             if self.want_logprobs:
-                texts = token_texts(self.ctx.tokenizer, result.generated_tokens, text, self.req.skip_special_tokens
-                                    is not False)
-                logprobs = self._logprobs(texts, result.generated_log_probs, result.generated_top_n_logprobs)
+                logprobs = self._logprobs(result.generated_token_texts, result.generated_log_probs,
+                                          result.generated_top_n_logprobs)  # texts made once, with the text
             ids = {"token_ids": list(result.generated_tokens)} if self.req.return_token_ids else {}
             choices.append(ChatChoice(index=job.index, message=message, logprobs=logprobs,
                                       finish_reason=self._finish_reason(result, bool(message.tool_calls)),
@@ -177,8 +175,7 @@ class ChatHandler:
 
     async def _events(self, items: AsyncIterator[tuple[EngineJob, Any]]) -> AsyncIterator[bytes]:
         """The chunks of the answer as the submission's ``items`` arrive (framing: ``openai_events``)."""
-        choices = StreamedChoices(self.ctx.tokenizer if self.want_logprobs else None,
-                                  self.req.skip_special_tokens is not False)
+        choices = StreamedChoices(self.want_logprobs)
         writer = ChunkWriter(self.id, "chat.completion.chunk", self.created, self.req.model,
                              running_usage(self.req, len(self.prompt.tokens), choices))
         readers: dict[int, CallReader | None] = {}
@@ -194,11 +191,11 @@ class ChatHandler:
                                    else None)
             reader = readers[job.index]
             final = not isinstance(item, StreamPartial)
-            delta = choices.rest(job.index, item) if final else choices.piece(job.index, item)
+            delta = Delta.empty() if final else choices.piece(job.index, item)
             chunk, calls = self._content(writer, job.index, delta, reader, final)
             if calls:
                 called.add(job.index)
-            if chunk is not None:  # for the final record: what the pieces did not carry
+            if chunk is not None:  # for the final record: only what finishing a tool-call reader adds
                 yield chunk
             if not final:
                 continue

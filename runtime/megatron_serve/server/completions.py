@@ -66,8 +66,8 @@ def _echo_text(ctx: ServerContext, prompt: Prompt) -> str:
 def prompt_only(result: DynamicInferenceRequest) -> DynamicInferenceRequest:
     """A finished request as ``max_tokens: 0`` answers it: the prompt scored, nothing generated (the engine
     generated one token, as vLLM's does for this request, and it is dropped here)."""
-    return dataclasses.replace(result, generated_tokens=[], generated_text="", generated_log_probs=[],
-                               generated_top_n_logprobs=[], policy_epochs=[], kv_epochs=[],
+    return dataclasses.replace(result, generated_tokens=[], generated_text="", generated_token_texts=[],
+                               generated_log_probs=[], generated_top_n_logprobs=[], policy_epochs=[], kv_epochs=[],
                                finish_reason=FinishReason.LENGTH)
 
 
@@ -135,10 +135,10 @@ class CompletionHandler:
             text = result.generated_text or ""
             logprobs = None
             if self.want_logprobs:
-                skip = self.req.skip_special_tokens is not False
-                texts = token_texts(self.ctx.tokenizer, result.generated_tokens, text, skip)
+                texts = list(result.generated_token_texts)  # made with the text, by the client's output processor
                 log_probs, top = list(result.generated_log_probs), list(result.generated_top_n_logprobs)
                 if self.echo_logprobs:  # the prompt's tokens first; its first token has no log prob
+                    skip = self.req.skip_special_tokens is not False
                     texts = token_texts(self.ctx.tokenizer, result.prompt_tokens, prefix, skip) + texts
                     log_probs = [None, *result.prompt_log_probs, *log_probs]
                     top = [None, *result.prompt_top_n_logprobs, *top]
@@ -181,8 +181,7 @@ class CompletionHandler:
 
     async def _events(self, items: AsyncIterator[tuple[EngineJob, Any]]) -> AsyncIterator[bytes]:
         """The chunks of the answer as the submission's ``items`` arrive (framing: ``openai_events``)."""
-        choices = StreamedChoices(self.ctx.tokenizer if self.want_logprobs else None,
-                                  self.req.skip_special_tokens is not False)
+        choices = StreamedChoices(self.want_logprobs)
         prompt_tokens = sum(len(p.tokens) for p in self.prompts)
         writer = ChunkWriter(self.id, "text_completion", self.created, self.req.model,
                              running_usage(self.req, prompt_tokens, choices))
@@ -206,7 +205,7 @@ class CompletionHandler:
                 continue
             result: DynamicInferenceRequest = item
             results.append((job, result))
-            delta = choices.rest(job.index, result)
+            delta = Delta.empty()
             yield self._chunk(writer, job, prefix + delta.text, delta, self._logprobs(delta, offsets[job.index]),
                               opening, finish_reason(result), result)
         if self.req.stream_options is not None and self.req.stream_options.include_usage:

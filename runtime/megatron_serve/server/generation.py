@@ -112,7 +112,8 @@ def merge_pieces(first: StreamPartial | None, then: StreamPartial) -> StreamPart
         return then
     return StreamPartial(then.request_id, first.new_tokens + then.new_tokens, first.new_text + then.new_text,
                          first.new_log_probs + then.new_log_probs,
-                         new_top_logprobs=first.new_top_logprobs + then.new_top_logprobs)
+                         new_top_logprobs=first.new_top_logprobs + then.new_top_logprobs,
+                         token_texts=first.token_texts + then.token_texts)
 
 
 def _images(job: EngineJob) -> dict[str, Any]:

@@ -105,8 +105,7 @@ class EngineRequest(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tru
     """
 
     request_id: str
-    prompt: str | None = None
-    prompt_tokens: TokenIds
+    prompt_tokens: TokenIds  # tokenized (and images placed) in the caller's process
     sampling_params: SamplingParams = msgspec.field(default_factory=SamplingParams)
     generated_tokens: TokenIds = msgspec.field(default_factory=list)
     events: list[RequestEvent] = msgspec.field(default_factory=list)
@@ -152,6 +151,9 @@ class DynamicInferenceRequest:
     generated_text: str | None = None
     generated_log_probs: list[float] = field(default_factory=list)
     generated_top_n_logprobs: list[dict[int, float]] = field(default_factory=list)
+    # With return_log_probs: what each generated token adds to generated_text (made with it, once, by the
+    # client's output processor; they concatenate to it)
+    generated_token_texts: list[str] = field(default_factory=list)
     # With ``return_prompt_log_probs``: log probs of prompt tokens 1.. (the first has no context), and
     # with ``top_n_logprobs`` the n most likely tokens at each of those positions.
     prompt_log_probs: list[float] = field(default_factory=list)
@@ -215,7 +217,7 @@ class DynamicInferenceRequest:
             images.append(PromptImage(image.data, image.offset, image.length))
         return cls(
             request_id=request.request_id,
-            prompt=request.prompt,
+            prompt=None,  # the caller's process keeps the text; engines see ids only
             prompt_tokens=list(request.prompt_tokens),
             sampling_params=request.sampling_params,
             generated_tokens=list(request.generated_tokens),
