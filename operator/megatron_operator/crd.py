@@ -262,7 +262,7 @@ def spec_schema() -> dict[str, Any]:
         default={},
     )
     coordinator = _obj(
-        "The coordinator process (routing, tokenization, lifecycle).",
+        "The coordinator process (routing, lifecycle; prompts arrive tokenized).",
         {
             "routing": _str("Routing policy.", enum=list(ROUTINGS), default="least_loaded"),
             "resources": _resources("Resources of the coordinator container."),
