@@ -130,3 +130,38 @@ def test_without_a_tokenizer_text_stays_empty_and_stop_strings_are_refused():
     assert collector.add(TokenDelta(new_tokens=[7, 8])).new_text == ""
     final = collector.finish(DynamicInferenceRequest("r", None, PROMPT, status=RequestStatus.COMPLETED))
     assert final.generated_tokens == [7, 8] and final.generated_text == ""
+
+
+@pytest.mark.parametrize("stop", [[], ["o w"]])
+@pytest.mark.parametrize("sizes", [[1], [3, 1, 5]])
+def test_pieces_list_each_token_once_its_text_is_sent_and_add_up_to_the_final_texts(tokenizer, stop, sizes):
+    """With log probs the pieces carry the texts of the tokens a listing may show, never ahead of the text
+    sent (a split character or a possible stop string's start holds them back); with the tail they add up
+    to the final record's ``generated_token_texts``, which concatenate to its text. Without log probs no
+    piece carries any (the control: nothing is made that nobody reads)."""
+    tokens = tokenizer.encode("héllo wörld 🚀 and more", add_special_tokens=False)
+    for logprobs in (True, False):
+        params = SamplingParams(return_log_probs=logprobs, stop_words=stop)
+        collector = OutputCollector("r", PROMPT, params, tokenizer)
+        sent, texts = "", []
+        for delta in deltas(tokens, sizes):
+            piece = collector.add(delta)
+            sent += piece.new_text
+            texts += piece.token_texts
+            assert "".join(texts) == sent[: len("".join(texts))] and len("".join(texts)) <= len(sent)
+            if collector.stopped:
+                break
+        if not collector.stopped:
+            tail = collector.tail()
+            if tail is not None:
+                sent += tail.new_text
+                texts += tail.token_texts
+            final = collector.finish(DynamicInferenceRequest("r", None, PROMPT, status=RequestStatus.COMPLETED))
+        else:
+            final = collector.finish_stopped()
+        if not logprobs:
+            assert texts == [] and final.generated_token_texts == []
+            continue
+        assert texts == final.generated_token_texts and len(texts) == len(final.generated_tokens)
+        assert "".join(texts) == final.generated_text == sent
+        assert any(t == "" for t in texts)  # a split character's first bytes (or tokens past the stop) add nothing

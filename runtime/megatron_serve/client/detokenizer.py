@@ -86,11 +86,6 @@ class IncrementalDetokenizer:
             return self._committed
         return self._committed + pending
 
-    @property
-    def committed_length(self) -> int:
-        """Characters of the text that no later token can change."""
-        return len(self._committed)
-
     def update(self, generated_tokens: list[int], check_stop: bool = True) -> bool:
         """Decode the new tokens; returns True when a stop word appeared (the text is then trimmed).
 
