@@ -107,7 +107,11 @@ async def test_load_is_refused_while_stopped_and_by_an_engine_without_lora(fleet
         with pytest.raises(ControlError, match="need an engine started with enable_lora") as err:
             await client.load_lora_adapter("sql", "/adapters/sql")
         assert err.value.code == "lora_refused"
-        assert served(await client.status()) == [{}, None]
+        assert sorted(served(await client.status()), key=str) == [None, {}]  # nothing loaded on the LoRA engine
+        await client.stop()
+        with pytest.raises(ControlError, match="LOAD_LORA is not allowed while STOPPED") as err:
+            await client.load_lora_adapter("sql", "/adapters/sql")
+        assert err.value.code == "illegal_transition"
 
 
 async def test_requests_go_to_the_engine_that_serves_their_adapter(fleet_factory):
