@@ -205,3 +205,17 @@ async def test_metrics_export_the_adapters_and_the_load_time(stack, clients, ada
     assert 'max_lora="4"' in line and 'running_lora_adapters=""' in line and float(line.split()[-1]) > 1.7e9
     output = stack.control("unload_lora", "--lora-name", "b")
     assert "LoRA adapter 'b' unloaded" in output
+
+
+async def test_the_routes_are_off_without_vllms_environment_variable(tokenizer, monkeypatch):
+    from megatron_serve.server import create_app  # noqa: PLC0415
+
+    from .conftest import serving  # noqa: PLC0415
+    from .fakes import FakeBackend  # noqa: PLC0415
+
+    monkeypatch.delenv("VLLM_ALLOW_RUNTIME_LORA_UPDATING", raising=False)
+    app = create_app(FakeBackend(tokenizer), tokenizer, "tiny-llama", admin_key=ADMIN_KEY, status_interval=0.05)
+    async with serving(app) as url, httpx.AsyncClient(base_url=url, timeout=30) as http:
+        off = await http.post("/v1/load_lora_adapter", json={"lora_name": "a", "lora_path": "/a"}, headers=ADMIN)
+    assert off.status_code == 404 and off.json()["error"]["code"] == "runtime_lora_updating_disabled"
+    assert "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True" in off.json()["error"]["message"]
