@@ -16,6 +16,7 @@ from megatron_serve.engine.process import EngineProcess
 from megatron_serve.wire.sampling_params import SamplingParams
 
 from .fakes import FakeEngine, expected_tokens
+from .test_refit_inprocess import status_when
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -112,6 +113,22 @@ async def test_load_is_refused_while_stopped_and_by_an_engine_without_lora(fleet
         with pytest.raises(ControlError, match="LOAD_LORA is not allowed while STOPPED") as err:
             await client.load_lora_adapter("sql", "/adapters/sql")
         assert err.value.code == "illegal_transition"
+
+
+async def test_an_engine_that_joins_later_loads_the_adapters_the_fleet_loaded(fleet_factory):
+    fleet = fleet_factory()
+    first = add(fleet, LoraFake(loras={"boot": "/adapters/boot"}))
+    async with InferenceClient(fleet.address, token=fleet.token) as client:
+        await client.wait_for_engines(1, timeout=20, poll=0.02)
+        await client.load_lora_adapter("sql", "/adapters/sql")
+        await client.load_lora_adapter("gone", "/adapters/gone")
+        await client.unload_lora_adapter("gone")
+        late = add(fleet, LoraFake())
+        status = await status_when(client, lambda s: len(s["engines"]) == 2 and all(e["loras"] for e in s["engines"]),
+                                   "the late engine serving the fleet's adapters")
+        assert late.loras == {"sql": "/adapters/sql"}  # not --lora-modules of another engine, nor an unloaded one
+        assert first.loras == {"boot": "/adapters/boot", "sql": "/adapters/sql"}
+        assert sorted(map(len, served(status))) == [1, 2]
 
 
 async def test_requests_go_to_the_engine_that_serves_their_adapter(fleet_factory):

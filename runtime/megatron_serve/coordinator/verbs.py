@@ -21,7 +21,9 @@ and checks the adapter and keeps it staged), then ``LORA_LOAD``; one refusal ref
 refused (``lora_not_found``) when no engine serves the name; otherwise every engine drops the name, and
 requests already admitted under it finish under it (what vLLM does too: its unload forgets the name
 and leaves running requests alone). Each acknowledgement carries the engine's adapters afterwards, which
-the engine's record keeps (routing and STATUS read them) before the next heartbeat.
+the engine's record keeps (routing and STATUS read them) before the next heartbeat. The coordinator keeps the
+adapters LOAD_LORA loaded (and UNLOAD_LORA did not drop) and tells every engine that registers later, in
+its HELLO_ACK, to load them before it serves.
 
 PAUSE's mode (:class:`~megatron_serve.wire.lifecycle.PauseMode`) is work done here before the step is
 broadcast: ``abort`` ends every unfinished request at once (the engines are told to drop theirs,
@@ -461,6 +463,10 @@ class VerbRunner:
             if op.failed:
                 self._lora_failed(op, detail)
                 return
+            if isinstance(op.lora, LoadLora):
+                core.loaded_loras[op.lora.lora_name] = op.lora.lora_path
+            else:
+                core.loaded_loras.pop(op.lora.lora_name, None)
         if op.unresponsive:
             detail["unresponsive"] = list(op.unresponsive)
         logger.info("%s acknowledged: %s -> %s by %d engine(s)%s", op.verb.name, op.previous_state,

@@ -178,6 +178,8 @@ class EngineProcess:
                     self.engine_id, ack.engine_group, ack.state)
         if ack.refit and not self._sync_weights(ack.refit):
             return
+        if ack.loras:
+            self._sync_loras(ack.loras)
         target = ack.state
         if target == FleetState.SUSPENDED.value:
             self._suspend(ack.suspend_level or 1)
@@ -446,6 +448,26 @@ class EngineProcess:
         self._note_weights()
         logger.info("loaded epoch %d in %.2fs", epoch, timings["total_s"])
         return True
+
+    def _sync_loras(self, loras: dict[str, str]) -> None:
+        """At registration: load the LoRA adapters the fleet was told to serve while this engine was away (the
+        names it serves already are kept). One it cannot load is logged and left out: the coordinator routes
+        that adapter's requests to the engines serving it."""
+        served = self.engine.lora_adapters()
+        if served is None:
+            logger.warning("the fleet serves LoRA adapters (%s) but this engine was started without enable_lora",
+                           ", ".join(sorted(loras)))
+            return
+        for name, path in loras.items():
+            if name in served:
+                continue
+            try:
+                self.engine.load_lora_adapter(name, path)
+            except Exception as exc:  # noqa: BLE001 - this engine serves without it; the others have it
+                logger.warning("cannot load the fleet's LoRA adapter %r from %s: %s", name, path, exc)
+                continue
+            logger.info("loaded the fleet's LoRA adapter %r from %s", name, path)
+        self.link.hello["info"]["loras"] = self.engine.lora_adapters()
 
     def _begin_drain(self, timeout: float, why: str) -> None:
         if self.drain_deadline is None:

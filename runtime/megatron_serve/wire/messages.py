@@ -67,6 +67,7 @@ class HelloAck(Body):
     refit: dict[str, Any] | None = None  # {source, epoch}: the fleet's current weights, to load before serving
     protocol: int = 1
     tokenizer: str | None = None  # to clients: the directory of the coordinator's tokenizer files
+    loras: dict[str, str] | None = None  # to engines: LoRA adapters LOAD_LORA made the fleet serve, to load first
 
 
 class Error(Body):
