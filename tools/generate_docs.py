@@ -344,7 +344,12 @@ def metrics_page() -> str:
 
 # vLLM routes, in the order its docs list them
 VLLM_ROUTES = ["/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics", "/tokenize",
-               "/detokenize", "/v1/embeddings", "/v1/responses", "/version", "/ping"]
+               "/detokenize", "/v1/load_lora_adapter", "/v1/unload_lora_adapter", "/v1/embeddings", "/v1/responses",
+               "/version", "/ping"]
+# What a vLLM series made here (no twin in the catalogue) is made from
+MADE_HERE = {"vllm:cache_config_info": "the engines' block size and KV blocks",
+             "vllm:lora_requests_info": "the engines' adapter slots and the adapters of their running and waiting "
+                                        "requests"}
 
 # vLLM series without a twin here, and why
 VLLM_ONLY_SERIES: list[tuple[str, str]] = [
@@ -430,7 +435,7 @@ def vllm_page(document: dict[str, Any]) -> str:
                "`vllm:num_requests_waiting` counts the coordinator's queue too. `--metrics-compat none` leaves them "
                "out.\n\n| vLLM series | type | made from |\n|---|---|---|\n")
     for entry in VLLM_SERIES:
-        twin = _code(f"megatron_serve_{entry.twin}") if entry.twin else "the engines' block size and KV blocks"
+        twin = _code(f"megatron_serve_{entry.twin}") if entry.twin else MADE_HERE[entry.name]
         out.append(f"| {_code(entry.name)} | {entry.kind} | {twin} |\n")
     out.append("\nEvery vLLM series below also has a twin under this project's prefix, one series per engine group "
                "(`engine_group` where vLLM has `engine`). The [metrics reference](reference/metrics.md) lists every "

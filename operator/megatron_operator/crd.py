@@ -98,6 +98,10 @@ def _gpus_rule(spec: dict[str, Any]) -> bool:
 HUB_ID_PATTERN = r"^[A-Za-z0-9]([A-Za-z0-9_.-]*[A-Za-z0-9])?/[A-Za-z0-9_.-]*[A-Za-z0-9_](@[A-Za-z0-9_./-]+)?$"
 
 
+#: A LoRA adapter's name: what requests give as their model (no '=', which --lora-modules NAME=PATH splits at).
+LORA_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.:/-]*$"
+
+
 def _model_path_rule(model: dict[str, Any]) -> bool:
     if "path" not in model or ("volume" not in model and "hub" not in model):
         return True
@@ -151,6 +155,18 @@ CEL_RULES: list[tuple[str, str, str, CelCheck]] = [
         "!has(self.hubTokenSecretRef) || has(self.hub)",
         "model.hubTokenSecretRef applies to model.hub only",
         lambda model: "hubTokenSecretRef" not in model or "hub" in model,
+    ),
+    (
+        "spec.lora",
+        "!has(self.volume) || size(self.volume) == 1",
+        "lora.volume must name exactly one volume source, e.g. {persistentVolumeClaim: {claimName: adapters}}",
+        lambda lora: "volume" not in lora or len(lora["volume"]) == 1,
+    ),
+    (
+        "spec.lora",
+        "self.adapters.all(a, self.adapters.exists_one(b, b.name == a.name))",
+        "lora.adapters must have distinct names (a request's model picks the adapter by its name)",
+        lambda lora: len({a["name"] for a in lora.get("adapters", [])}) == len(lora.get("adapters", [])),
     ),
     (
         "spec.model",
@@ -291,6 +307,36 @@ def spec_schema() -> dict[str, Any]:
         },
         default={},
     )
+    lora = _obj(
+        "LoRA adapters (PEFT checkpoints) the engines serve beside the base model, from a volume: every engine starts "
+        "with --enable-lora and --lora-modules NAME=PATH for each adapter, and a request picks one by giving its "
+        "name as its model (docs/lora.md). Adding, removing or changing an adapter rolls the engine pods.",
+        {
+            "adapters": {"type": "array", "default": [], "maxItems": 256,
+                         "description": "The adapters served from the start (vLLM's --lora-modules).",
+                         "items": _obj("One adapter.", {
+                             "name": _str("The name requests give as their model; listed in /v1/models with the "
+                                          "base model as its parent.", minLength=1, maxLength=253,
+                                          pattern=LORA_NAME_PATTERN),
+                             "path": _str("Absolute path of the adapter's directory (adapter_config.json and "
+                                          "adapter_model.safetensors) in the engine pods: inside mountPath when "
+                                          "volume is set, or inside the model volume.",
+                                          minLength=1, maxLength=4096, pattern="^/"),
+                         }, required=["name", "path"])},
+            "volume": _free("Any Kubernetes volume source holding the adapters, e.g. "
+                            "{persistentVolumeClaim: {claimName: adapters}}; mounted read-only at mountPath in the "
+                            "engine pods."),
+            "mountPath": _str("Where the adapter volume is mounted.", default="/adapters",
+                              minLength=1, maxLength=1024, pattern="^/"),
+            "maxLoras": _int("Adapter slots on each engine's device: the most adapters one step mixes (vLLM's "
+                             "--max-loras).", minimum=1, maximum=256, default=1),
+            "maxLoraRank": _int("Largest adapter rank served (vLLM's --max-lora-rank); a larger adapter is "
+                                "refused with its name.", minimum=1, maximum=512, default=16),
+            "maxCpuLoras": _int("Adapters each engine keeps in host memory (vLLM's --max-cpu-loras; default: enough "
+                                "for maxLoras and every listed adapter).", minimum=1, maximum=4096),
+        },
+    )
+    lora["x-kubernetes-validations"] = _rules_for("spec.lora")
     network = _obj(
         "Who may reach the fleet's pods besides the fleet itself and the operator. Every container port of every "
         "child is covered by a NetworkPolicy: the coordinator port admits the fleet's pods, the operator and these "
@@ -320,6 +366,7 @@ def spec_schema() -> dict[str, Any]:
             "engine": engine,
             "coordinator": coordinator,
             "server": server,
+            "lora": lora,
             "network": network,
             "lifecycle": _str("Running | Paused (stop stepping, keep memory) | Suspended (release GPU memory) | "
                               "Shutdown (stop engines, scale them to zero).", enum=list(LIFECYCLES), default="Running"),

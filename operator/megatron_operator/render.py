@@ -132,6 +132,27 @@ def _served_name(spec: InferenceSpec) -> list[str]:
     return ["--served-model-name", spec.model_hub.split("@", 1)[0]] if spec.model_hub else []
 
 
+def _lora_flags(spec: InferenceSpec) -> list[str]:
+    """The engines' LoRA flags from ``spec.lora`` (none without it)."""
+    lora = spec.lora
+    if lora is None:
+        return []
+    flags = ["--enable-lora", "--max-loras", str(lora["maxLoras"]), "--max-lora-rank", str(lora["maxLoraRank"])]
+    if "maxCpuLoras" in lora:
+        flags += ["--max-cpu-loras", str(lora["maxCpuLoras"])]
+    if lora["adapters"]:
+        flags += ["--lora-modules", *(f"{a['name']}={a['path']}" for a in lora["adapters"])]
+    return flags
+
+
+def _lora_volume(spec: InferenceSpec) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """The adapter volume of the engine pods, mounted read-only (none without ``spec.lora.volume``)."""
+    if spec.lora is None or "volume" not in spec.lora:
+        return [], []
+    return ([{"name": "lora", **spec.lora["volume"]}],
+            [{"name": "lora", "mountPath": spec.lora["mountPath"], "readOnly": True}])
+
+
 def _engine_flags(spec: InferenceSpec) -> list[str]:
     """Flags shared by the commands that build engines (docs/reference/cli.md)."""
     flags = ["--dtype", spec.dtype]
@@ -295,6 +316,9 @@ def render_engine_statefulset(spec: InferenceSpec, group: int, config: OperatorC
     volumes, mounts = _volumes(spec)
     volumes.append({"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": ENGINE_SHM_LIMIT}})
     mounts.append({"name": "dshm", "mountPath": "/dev/shm"})
+    lora_volumes, lora_mounts = _lora_volume(spec)
+    volumes += lora_volumes
+    mounts += lora_mounts
     pods = spec.pods_per_group
     gpus = spec.gpus_per_engine_pod
     args = [
@@ -304,7 +328,7 @@ def render_engine_statefulset(spec: InferenceSpec, group: int, config: OperatorC
     ]
     if spec.tensor > 1:  # the engine's default is 1
         args += ["--tensor-parallel", str(spec.tensor)]
-    args += _engine_flags(spec)
+    args += _engine_flags(spec) + _lora_flags(spec)
     if spec.kv_memory_fraction is not None:
         args += ["--kv-cache-memory-fraction", repr(float(spec.kv_memory_fraction))]
     args += ["--drain-timeout", str(spec.drain_timeout_seconds)]

@@ -130,6 +130,8 @@ def check_schema(value: Any, schema: dict[str, Any], path: str, errors: list[str
         elif isinstance(schema.get("additionalProperties"), dict):
             for name, item in value.items():
                 check_schema(item, schema["additionalProperties"], f"{path}.{name}", errors)
+    if isinstance(value, list) and "maxItems" in schema and len(value) > schema["maxItems"]:
+        errors.append(f"{where}: must have at most {schema['maxItems']} items, got {len(value)}")
     if isinstance(value, list) and "items" in schema:
         for i, item in enumerate(value):
             check_schema(item, schema["items"], f"{path}[{i}]", errors)
@@ -223,6 +225,7 @@ class InferenceSpec:
     server_resources: dict[str, Any]
     api_server_count: int
     remote_images: bool
+    lora: dict[str, Any] | None  # spec.lora, defaulted (None: no LoRA)
     trainers: list[dict[str, Any]]  # NetworkPolicy peers admitted to the coordinator port and the engine pods
     lifecycle: str
     pause_mode: str  # megatron_serve.wire.lifecycle.PauseMode's value: keep, wait, abort
@@ -297,6 +300,7 @@ def parse(resource: dict[str, Any], default_namespace: str = "default") -> Infer
         server_resources=dict(server.get("resources", {})),
         api_server_count=server["apiServerCount"],
         remote_images=server["remoteImages"],
+        lora=spec.get("lora"),
         trainers=[dict(peer) for peer in spec["network"].get("trainers", [])],
         lifecycle=spec["lifecycle"],
         pause_mode=spec["pauseMode"].lower(),

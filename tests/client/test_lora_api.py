@@ -83,3 +83,26 @@ def test_lora_modules_take_both_of_vllms_forms():
 def test_bad_lora_settings_are_refused_by_name(config, message):
     with pytest.raises(ValueError, match=message):
         InferenceConfig(device="cpu", **config)
+
+
+def test_add_lora_remove_lora_and_list_loras_as_vllms(tiny_llama, adapters):
+    from megatron_serve.client.coordinator_client import ControlError  # noqa: PLC0415
+
+    with LLM(tiny_llama, enable_lora=True, max_loras=2, max_lora_rank=4, max_cpu_loras=2) as llm:
+        by_path = llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False,
+                               lora_request=LoRARequest("first", 1, adapters[0]))[0].outputs[0].token_ids
+        llm.remove_lora("first")
+        assert llm.list_loras() == set()
+        assert llm.add_lora(LoRARequest("again", 2, adapters[0])) is True
+        assert llm.list_loras() == {"again"}
+        by_name = llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False,
+                               lora_request=LoRARequest("again", 2))[0].outputs[0].token_ids
+        assert by_name == by_path  # the same adapter, registered by add_lora instead of a request's path
+        with pytest.raises(ControlError, match="rank 8 is above --max-lora-rank 4") as err:
+            llm.add_lora(LoRARequest("wide", 3, adapters[1]))
+        assert err.value.code == "lora_refused" and llm.list_loras() == {"again"}
+        with pytest.raises(ControlError, match="'gone' is not loaded") as err:
+            llm.remove_lora("gone")
+        assert err.value.code == "lora_not_found"
+        with pytest.raises(ValueError, match="add_lora needs a LoRARequest with a lora_path"):
+            llm.add_lora(LoRARequest("nopath", 4))

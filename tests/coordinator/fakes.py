@@ -93,6 +93,17 @@ class FakeEngine:
     def refit(self, source: str, epoch: int | None = None) -> dict[str, float]:
         raise NotImplementedError("this engine cannot refit its weights")
 
+    def lora_adapters(self) -> dict[str, str] | None:
+        return None  # started without enable_lora
+
+    def verify_lora_adapter(self, name: str, path: str) -> float:
+        raise ValueError("LoRA adapters need an engine started with enable_lora")
+
+    load_lora_adapter = verify_lora_adapter
+
+    def unload_lora_adapter(self, name: str) -> None:
+        raise ValueError("LoRA adapters need an engine started with enable_lora")
+
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 

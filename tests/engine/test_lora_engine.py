@@ -3,6 +3,8 @@ mixing adapters and the base gives each row what it gets alone; the prefix cache
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 import torch
 
@@ -129,6 +131,32 @@ def test_bad_adapter_loads_change_nothing(base, adapters, tmp_path):
     assert engine.loras.names() == {"r8": adapters["r8"]}
     after, = run_requests(engine, [(PROMPTS[0], _greedy("r8"))])
     assert after.generated_tokens == before.generated_tokens
+
+
+def test_verify_stages_the_adapter_that_load_then_serves(base, adapters, tmp_path):
+    """The fleet's LOAD_LORA: verify reads and checks (serving nothing), load registers the staged copy (the
+    directory may be gone by then); the heartbeat's report names the adapters of waiting and running requests."""
+    engine = _engine(base, {}, max_loras=2)
+    moved = tmp_path / "r8"
+    shutil.copytree(adapters["r8"], moved)
+    assert engine.verify_lora_adapter("r8", str(moved)) >= 0 and engine.lora_adapters() == {}
+    shutil.rmtree(moved)
+    assert engine.load_lora_adapter("r8", str(moved)) >= 0 and engine.lora_adapters() == {"r8": str(moved)}
+    with pytest.raises(LoraAdapterError, match="'r8' is already loaded"):
+        engine.verify_lora_adapter("r8", adapters["r8"])
+    assert engine.metrics_snapshot()["lora"] == {"max_loras": 2, "running": [], "waiting": []}
+    requests = [DynamicInferenceRequest(f"q{i}", PROMPTS[0], engine.tokenizer.encode(PROMPTS[0]), _greedy(name))
+                for i, name in enumerate(("r8", None))]
+    for request in requests:
+        engine.add_request(request)
+    assert engine.metrics_snapshot()["lora"]["waiting"] == ["r8"]  # the base request names none
+    engine.step()
+    assert engine.metrics_snapshot()["lora"] == {"max_loras": 2, "running": ["r8"], "waiting": []}
+    alone, = run_requests(_engine(base, {"r8": adapters["r8"]}), [(PROMPTS[0], _greedy("r8"))])
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert requests[0].generated_tokens == alone.generated_tokens
+    assert sum(engine.stats.histograms["lora_adapter_load_seconds"].counts) == 1  # the one load, observed
 
 
 def test_triton_kernels_serve_a_mixed_batch_like_the_reference(base, adapters, monkeypatch):

@@ -184,6 +184,20 @@ BAD = {
                                "spec.engine.kvCacheDtype: unsupported value 'fp8_e5m2'; must be one of: auto, fp8"),
     "unknown routing": (lambda d: d["spec"]["coordinator"].update(routing="random"),
                         "spec.coordinator.routing: unsupported value 'random'"),
+    "two adapters of one name": (lambda d: d["spec"].update(lora={"adapters": [{"name": "a", "path": "/x/a"},
+                                                                               {"name": "a", "path": "/x/b"}]}),
+                                 "spec.lora: lora.adapters must have distinct names"),
+    "adapter name with =": (lambda d: d["spec"].update(lora={"adapters": [{"name": "a=b", "path": "/x/a"}]}),
+                            "spec.lora.adapters[0].name: must match"),
+    "relative adapter path": (lambda d: d["spec"].update(lora={"adapters": [{"name": "a", "path": "x/a"}]}),
+                              "spec.lora.adapters[0].path: must be an absolute path, got 'x/a'"),
+    "two adapter volume sources": (lambda d: d["spec"].update(lora={"volume": {"emptyDir": {}, "hostPath": {
+        "path": "/x"}}}), "spec.lora: lora.volume must name exactly one volume source"),
+    "adapter rank zero": (lambda d: d["spec"].update(lora={"maxLoraRank": 0}),
+                          "spec.lora.maxLoraRank: must be at least 1, got 0"),
+    "too many adapters": (lambda d: d["spec"].update(lora={"adapters": [{"name": f"a{i}", "path": "/x"}
+                                                                        for i in range(257)]}),
+                          "spec.lora.adapters: must have at most 256 items, got 257"),
     "name too long": (lambda d: d["metadata"].update(name="a" * 41),
                       "(root): metadata.name must be at most 40 characters"),
     "name starting with a digit": (lambda d: d["metadata"].update(name="7b-model"),
@@ -229,6 +243,10 @@ def test_python_twins_agree_with_cel():
                        for mount in ("/models", "/")
                        for vol in (None, {"emptyDir": {}}, {"emptyDir": {}, "hostPath": {"path": "/"}})
                        for hub in (None, "org/name") for token in (False, True)],
+        "spec.lora": [{**({"volume": vol} if vol is not None else {}),
+                       "adapters": [{"name": name, "path": "/a"} for name in names]}
+                      for vol in (None, {"emptyDir": {}}, {"emptyDir": {}, "hostPath": {"path": "/"}})
+                      for names in ((), ("a",), ("a", "b"), ("a", "a"), ("a", "b", "a"))],
     }
     for where, rule, _, check in crd.CEL_RULES:
         program = env.program(env.compile(rule))

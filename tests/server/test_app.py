@@ -58,7 +58,8 @@ async def test_openapi_documents_every_route_and_no_422(tokenizer, backend):
     assert set(doc["paths"]) == {"/v1/completions", "/v1/chat/completions", "/v1/models", "/v1/models/{model}",
                                  "/health", "/ready", "/metrics", "/tokenize", "/detokenize",
                                  *(f"/v1/admin/{verb}" for verb in ("pause", "unpause", "suspend", "resume", "refit",
-                                                                    "status"))}
+                                                                    "status")),
+                                 "/v1/load_lora_adapter", "/v1/unload_lora_adapter"}
     assert "422" not in json.dumps(doc["paths"])
     post = doc["paths"]["/v1/completions"]["post"]
     assert {"200", "400", "429", "500", "503"} <= set(post["responses"])

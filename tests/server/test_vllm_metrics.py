@@ -89,6 +89,20 @@ def test_the_fleet_is_one_vllm_engine_to_a_router():
     assert exported == {entry.name.removesuffix("_total") for entry in VLLM_SERIES}
 
 
+def test_lora_requests_info_is_the_fleets_adapters_as_vllm_labels_them():
+    fleet = Fleet()
+    metrics = ServerMetrics(fleet, lambda: 0, "m")  # type: ignore[arg-type]
+    metrics.registry.register(VllmCollector(fleet, metrics, "m"))  # type: ignore[arg-type]
+    assert samples(families(metrics.render()[0].decode())["vllm:lora_requests_info"]) == []  # no --enable-lora
+    reports = ({"max_loras": 2, "running": ["sql"], "waiting": ["chat"]},
+               {"max_loras": 2, "running": ["code", "sql"], "waiting": []})
+    for engine, report, heartbeat in zip(fleet.engines, reports, (1.8e9, 1.8e9 + 5)):
+        engine["metrics"]["lora"], engine["last_heartbeat"] = report, heartbeat
+    (info,) = samples(families(metrics.render()[0].decode())["vllm:lora_requests_info"])
+    assert info.labels == {"max_lora": "4", "running_lora_adapters": "code,sql", "waiting_lora_adapters": "chat"}
+    assert info.value == 1.8e9 + 5  # the latest report's wall-clock time
+
+
 async def test_metrics_compat_over_http_with_a_real_engine(tiny_model, tokenizer):
     settings = InferenceConfig(block_size_tokens=16, num_kv_blocks=64)
     async with MegatronAsyncLLM(tiny_model, settings) as llm:

@@ -36,7 +36,7 @@ from .chat_messages import Conversation, render_conversations
 from .prompts import ImagePrompt, Prompt, PromptInput, as_prompt, normalize_prompts
 from ..wire.request import DynamicInferenceRequest
 from ..wire.sampling_params import SamplingParams
-from .lora_request import apply_lora
+from .lora_request import LoRARequest, apply_lora
 from .vllm_args import wake_up_plan
 from .vllm_outputs import RequestOutput
 
@@ -326,6 +326,27 @@ class MegatronAsyncLLM:
         if isinstance(weights, (str, os.PathLike)):
             return await self._client.refit(os.fspath(weights), epoch)
         return await self._client.refit_tensors(weights, epoch)
+
+    async def add_lora(self, lora_request: LoRARequest) -> bool:
+        """vLLM's ``add_lora``: every engine serves ``lora_request``'s adapter under its name from now on (LOAD_LORA
+        in coordinator mode: verified on every engine first). True once served; a bad adapter or a name already
+        served raises ``ControlError`` (``lora_refused``) with nothing changed."""
+        if not isinstance(lora_request, LoRARequest) or not lora_request.lora_path:
+            raise ValueError(f"add_lora needs a LoRARequest with a lora_path, got {lora_request!r}")
+        await self.start()
+        await self._client.load_lora_adapter(lora_request.lora_name, lora_request.lora_path)
+        return True
+
+    async def remove_lora(self, lora_name: str) -> bool:
+        """vLLM's ``remove_lora``, by name (adapters are told apart by name here): no engine serves it to new
+        requests; running ones finish under it. ``ControlError`` (``lora_not_found``) when none serves it."""
+        await self.start()
+        await self._client.unload_lora_adapter(lora_name)
+        return True
+
+    async def list_loras(self) -> set[str]:
+        """vLLM's ``list_loras``: the names of the adapters the engines serve."""
+        return {name for engine in (await self.status())["engines"] for name in (engine.get("loras") or {})}
 
     async def status(self) -> dict[str, Any]:
         """The ``STATUS_REPLY`` fields (in direct mode, one engine's from its own counters)."""

@@ -74,6 +74,11 @@ class EngineClient(Protocol):
                             epoch: int | None = ...) -> dict[str, Any]:
         """New values for these weights (Hugging Face names, full shapes, any subset); answered like ``refit``."""
 
+    async def load_lora_adapter(self, lora_name: str, lora_path: str, timeout: float | None = ...
+                                ) -> dict[str, Any]: ...
+
+    async def unload_lora_adapter(self, lora_name: str, timeout: float | None = ...) -> dict[str, Any]: ...
+
     async def shutdown(self) -> None:
         """The Python API's ``shutdown()`` (docs/python-api.md): stop a fleet this client started, or disconnect from one it did not."""
 

@@ -29,7 +29,7 @@ from .loop_thread import EventLoopThread
 from ..model.llama import LlamaForCausalLM
 from .progress import progress_bar
 from .prompts import Prompt, PromptInput, normalize_prompts
-from .lora_request import apply_lora
+from .lora_request import LoRARequest, apply_lora
 from .vllm_args import log_warnings, model_directory, parse_llm_keywords
 from .vllm_outputs import RequestOutput, Shaper
 from ..wire.request import DynamicInferenceRequest
@@ -175,6 +175,18 @@ class MegatronLLM:
 
     def status(self) -> dict:
         return self._run(self._async().status())
+
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """vLLM's ``add_lora`` (:meth:`MegatronAsyncLLM.add_lora`): serve the adapter by name from now on."""
+        return self._run(self._async().add_lora(lora_request))
+
+    def remove_lora(self, lora_name: str) -> bool:
+        """vLLM's ``remove_lora``, by name: new requests no longer get it; running ones finish under it."""
+        return self._run(self._async().remove_lora(lora_name))
+
+    def list_loras(self) -> set[str]:
+        """vLLM's ``list_loras``: the names of the adapters served."""
+        return self._run(self._async().list_loras())
 
     def refit(self, weights: "str | os.PathLike | Iterable[tuple[str, torch.Tensor]]",
               epoch: int | None = None) -> dict:

@@ -18,7 +18,7 @@ import queue
 import threading
 import uuid
 from pathlib import Path
-from typing import Any, AsyncIterator, Iterable
+from typing import Any, AsyncIterator, Callable, Iterable
 
 import torch
 
@@ -28,7 +28,9 @@ from ..errors import NoFleet
 from ..model.llama import LlamaForCausalLM
 from ..wire.lifecycle import FleetState, PauseMode, Verb
 from ..engine.output import step_delta
+from ..wire.connection import ControlError
 from ..wire.messages import RequestDeltaOut
+from ..wire.protocol import ErrorCode
 from .output_processor import OutputCollector
 from .outputs import StreamItem
 from .pending_requests import PendingRequest, PendingRequests
@@ -148,11 +150,15 @@ class EngineThread:
 
     def refit(self, source: str | WeightSource, epoch: int | None) -> asyncio.Future:
         """Refit the engine between two steps; the future resolves to its timings (or its error)."""
+        return self.call(lambda engine: engine.refit(source, epoch))
+
+    def call(self, action: Callable[[Any], Any]) -> asyncio.Future:
+        """Run ``action(engine)`` between two steps; the future resolves to its result (or its error)."""
         loop = asyncio.get_running_loop()
         future = loop.create_future()
         self.start()
         self._flush()
-        self._commands.put(("refit", source, epoch, loop, future))
+        self._commands.put(("call", action, loop, future))
         return future
 
     def close(self, timeout: float = 30.0) -> None:
@@ -255,10 +261,10 @@ class EngineThread:
                 self._post([(out.request.request_id, step_delta(out)) for out in outputs])
 
     def _apply(self, command: tuple[Any, ...]) -> None:
-        if command[0] == "refit":
-            _, source, epoch, loop, future = command
+        if command[0] == "call":
+            _, action, loop, future = command
             try:
-                result, exc = self.engine.refit(source, epoch), None
+                result, exc = action(self.engine), None
             except Exception as error:  # noqa: BLE001 - handed to the caller
                 result, exc = None, error
             try:
@@ -330,6 +336,7 @@ class LocalEngineClient:
                          "kv_blocks_total": engine.kv_blocks_total, "cached_tokens": engine.cached_tokens,
                          "computed_tokens": engine.computed_tokens, "epoch": engine.epoch,
                          "last_refit": engine.last_refit, "metrics": engine.metrics_snapshot(),
+                         "loras": engine.lora_adapters(),
                          "info": {"max_sequence_length": engine.max_sequence_length,
                                   "block_size": engine.config.block_size_tokens}}],
             "epoch": engine.epoch,
@@ -352,6 +359,29 @@ class LocalEngineClient:
         source = TensorSource.of(named_tensors)
         timings = await self._thread.refit(source, epoch)
         return direct_refit_answer(source.label, timings)
+
+    async def load_lora_adapter(self, lora_name: str, lora_path: str, timeout: float | None = None) -> dict[str, Any]:
+        """Serve the adapter as ``lora_name`` between two steps; the answer has the coordinator's acknowledgement's
+        shape. A bad adapter raises :class:`ControlError` (``lora_refused``, as a fleet's) and changes nothing."""
+        try:
+            seconds = await self._thread.call(lambda engine: engine.load_lora_adapter(lora_name, lora_path))
+        except ValueError as exc:  # LoraAdapterError
+            raise ControlError(ErrorCode.LORA_REFUSED.value, str(exc)) from None
+        return self._lora_answer(lora_name, {"load_s": round(seconds, 6)})
+
+    async def unload_lora_adapter(self, lora_name: str, timeout: float | None = None) -> dict[str, Any]:
+        """Stop serving ``lora_name`` to new requests (running ones finish under it); :class:`ControlError`
+        (``lora_not_found``) when it is not served."""
+        try:
+            await self._thread.call(lambda engine: engine.unload_lora_adapter(lora_name))
+        except ValueError as exc:  # LoraAdapterError: not loaded, or no enable_lora
+            raise ControlError(ErrorCode.LORA_NOT_FOUND.value, str(exc)) from None
+        return self._lora_answer(lora_name, {})
+
+    def _lora_answer(self, lora_name: str, facts: dict[str, Any]) -> dict[str, Any]:
+        loras = self.engine.lora_adapters() or {}
+        return {"state": FleetState.RUNNING.value,
+                "detail": {"lora_name": lora_name, "noop": False, "engines": {"local": {**facts, "loras": loras}}}}
 
     def _no_fleet(self, verb: Verb | str) -> NoFleet:
         name = verb.value if isinstance(verb, Verb) else verb

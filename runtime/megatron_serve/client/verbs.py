@@ -1,4 +1,5 @@
-"""The lifecycle verbs of a coordinator client (PAUSE, UNPAUSE, SUSPEND, RESUME, STOP, REFIT), apart from its
+"""The lifecycle verbs of a coordinator client (PAUSE, UNPAUSE, SUSPEND, RESUME, STOP, REFIT, LOAD_LORA,
+UNLOAD_LORA), apart from its
 connection and requests (:class:`~megatron_serve.client.coordinator_client.InferenceClient` has them)."""
 
 from __future__ import annotations
@@ -78,3 +79,24 @@ class FleetVerbs:
         if epoch is not None and (isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0):
             raise ValueError(f"epoch must be an integer >= 0, got {epoch!r}")
         return await self._control(Header.REFIT, timeout, source=source, epoch=epoch, rendezvous=rendezvous)
+
+    async def load_lora_adapter(self, lora_name: str, lora_path: str, timeout: float | None = None) -> dict[str, Any]:
+        """LOAD_LORA: every engine serves the PEFT adapter in directory ``lora_path`` (as the engines see it) as
+        ``lora_name``, from its next request on; any state but STOPPED, requests keep running meanwhile.
+
+        Every engine reads and checks the adapter before any serves it: a bad adapter (no such directory,
+        rank above ``max_lora_rank``, modules the model lacks, mismatched shapes) or a name already served
+        raises :class:`ControlError` (code ``lora_refused``) naming the engine and the problem, and no
+        engine serves it. The acknowledgement's ``detail`` holds per-engine ``read_s``/``load_s`` and ``loras``.
+        """
+        for field, value in (("lora_name", lora_name), ("lora_path", lora_path)):
+            if not isinstance(value, str) or not value:
+                raise ValueError(f"{field} must be a non-empty string, got {value!r}")
+        return await self._control(Header.LOAD_LORA, timeout, lora_name=lora_name, lora_path=lora_path)
+
+    async def unload_lora_adapter(self, lora_name: str, timeout: float | None = None) -> dict[str, Any]:
+        """UNLOAD_LORA: no engine serves ``lora_name`` to new requests; requests already admitted under it finish
+        under it. :class:`ControlError` (code ``lora_not_found``) when no engine serves that name."""
+        if not isinstance(lora_name, str) or not lora_name:
+            raise ValueError(f"lora_name must be a non-empty string, got {lora_name!r}")
+        return await self._control(Header.UNLOAD_LORA, timeout, lora_name=lora_name)

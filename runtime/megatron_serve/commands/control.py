@@ -41,6 +41,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="refit: model directory (as the engines see it) holding the new weights")
     parser.add_argument("--epoch", type=int, default=None, metavar="N",
                         help="refit: generation to record for the new weights (default: current + 1)")
+    parser.add_argument("--lora-name", metavar="NAME",
+                        help="load_lora, unload_lora: the LoRA adapter's name (what requests give as their model)")
+    parser.add_argument("--lora-path", metavar="DIR",
+                        help="load_lora: the PEFT adapter's directory, as the engines see it")
     parser.add_argument("--timeout", type=float, default=120.0, metavar="S",
                         help="give up waiting for the acknowledgement after this long")
     parser.add_argument("--connect-timeout", type=float, default=10.0, metavar="S",
@@ -66,6 +70,10 @@ async def _execute(args: argparse.Namespace, token: str | None) -> dict[str, Any
             return await client.stop(timeout=args.timeout, drain_timeout=args.drain_timeout)
         if args.verb == "refit":
             return await client.refit(args.source, args.epoch, timeout=args.timeout)
+        if args.verb == "load_lora":
+            return await client.load_lora_adapter(args.lora_name, args.lora_path, timeout=args.timeout)
+        if args.verb == "unload_lora":
+            return await client.unload_lora_adapter(args.lora_name, timeout=args.timeout)
         if args.verb == "pause":
             return await client.pause(args.mode or PauseMode.KEEP, drain_timeout=args.drain_timeout,
                                       timeout=args.timeout)
@@ -95,6 +103,13 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("refit needs --source DIR (the model directory with the new weights)")
     if args.verb == "refit" and args.epoch is not None and args.epoch < 0:
         raise ValueError(f"--epoch must be >= 0, got {args.epoch}")
+    lora_verb = args.verb in ("load_lora", "unload_lora")
+    if lora_verb and not args.lora_name:
+        raise ValueError(f"{args.verb} needs --lora-name NAME")
+    if args.verb == "load_lora" and not args.lora_path:
+        raise ValueError("load_lora needs --lora-path DIR (the PEFT adapter's directory, as the engines see it)")
+    if (args.lora_name and not lora_verb) or (args.lora_path and args.verb != "load_lora"):
+        raise ValueError(f"--lora-name/--lora-path apply to load_lora and unload_lora only, not {args.verb}")
     if args.mode is not None and args.verb != "pause":
         raise ValueError(f"--mode applies to pause only, not {args.verb}")
     if args.drain_timeout is not None and not (args.verb == "stop" or args.mode == PauseMode.WAIT.value):
@@ -158,6 +173,8 @@ def format_ack(verb: str, answer: dict[str, Any]) -> str:
             head += f": {detail['aborted']} request(s) aborted"
         if "waited_s" in detail:
             head += f": waited {detail['waited_s']:.1f}s, {detail.get('unfinished', 0)} request(s) paused unfinished"
+    if "lora_name" in detail:
+        head += f", LoRA adapter {detail['lora_name']!r} {'unloaded' if verb == 'unload_lora' else 'served'}"
     if verb == "refit" and "epoch" in detail:
         head += f", now serving epoch {detail['epoch']} from {detail.get('source')}"
     lines = [head]

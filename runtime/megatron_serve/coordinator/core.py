@@ -134,6 +134,7 @@ class CoordinatorCore:
         self.epoch = 0
         self.weights_source: str | None = None
         self.refits = 0
+        self.loaded_loras: dict[str, str] = {}  # LOAD_LORA's adapters (name -> path): engines that join load them
 
         self.state = FleetState.RUNNING
         self.suspend_level = 0

@@ -1,7 +1,8 @@
 """Dispatch: queued requests go to engines while the fleet runs and engines have room.
 
 The routing policy (:mod:`megatron_serve.coordinator.routing`) chooses among the engines that may take work
-now: registered, not draining or stopping, serving the fleet's weights (see
+now (of those, the ones already serving the request's LoRA adapter, when any does:
+:func:`~megatron_serve.coordinator.routing.adapter_candidates`): registered, not draining or stopping, serving the fleet's weights (see
 ``CoordinatorCore.serves_fleet_weights``), and below ``capacity * dispatch_factor`` requests (a
 little more than an engine runs at once, so that its next step never waits for the coordinator).
 """
@@ -17,6 +18,7 @@ from ..wire.messages import EngineSubmitOut, WireImage
 from ..wire.protocol import Header
 from ..wire.request import EngineRequestOut, RoutingArray
 from .requests import RequestRecord
+from .routing import adapter_candidates
 
 if TYPE_CHECKING:
     from .core import CoordinatorCore
@@ -53,7 +55,7 @@ def dispatch(core: "CoordinatorCore", now: float) -> None:
                   if not e.draining and not e.stopping and room(e) and core.serves_fleet_weights(e)]
     table = core.requests
     while candidates and (record := table.next_queued()) is not None:
-        chosen = core.policy.select(record, candidates)
+        chosen = core.policy.select(record, adapter_candidates(record, candidates))
         if chosen is None:
             return
         engine = core.engines[chosen.engine_id]

@@ -104,7 +104,7 @@ def _register_engine(core: "CoordinatorCore", identity: bytes, body: Hello, now:
     core.send(identity, Header.HELLO_ACK, HelloAck(
         coordinator_id=core.coordinator_id, state=core.state.value, engine_id=engine_id, engine_group=group,
         suspend_level=core.suspend_level, heartbeat_interval=HEARTBEAT_INTERVAL, refit=refit,
-        protocol=PROTOCOL_VERSION))
+        protocol=PROTOCOL_VERSION, loras=dict(core.loaded_loras) or None))
     logger.info("engine %s registered: group %d, capacity %d, adopts state %s%s", engine_id, group,
                 engine.capacity, core.state.value, "".join(f", {k} {info[k]}" for k in ("host", "pid") if k in info))
 

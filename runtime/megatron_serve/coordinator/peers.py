@@ -9,6 +9,7 @@ from typing import Any
 
 from ..wire.lifecycle import ENGINE_DRAINING, FleetState
 from ..wire.protocol import Role
+from .routing import served_adapters
 
 
 @dataclass(eq=False)
@@ -45,6 +46,11 @@ class EngineRecord:
     @property
     def load(self) -> int:
         return len(self.assigned)
+
+    @property
+    def loras(self) -> dict[str, str] | None:
+        """The LoRA adapters it serves (:func:`~.routing.served_adapters`)."""
+        return served_adapters(self)
 
     def same_model(self, model: str | None) -> bool:
         """Whether it was started from ``model`` (unknown on either side: yes).
@@ -84,6 +90,7 @@ class EngineRecord:
             "weights": self.weights,
             "last_refit": self.last_refit or None,
             "metrics": self.metrics,
+            "loras": self.loras,
         }
 
 

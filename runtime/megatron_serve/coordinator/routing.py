@@ -14,6 +14,31 @@ from __future__ import annotations
 import importlib
 from typing import Any, Callable, Protocol, Sequence
 
+from ..wire.sampling_params import SamplingParams
+
+
+def adapter_candidates(request: RequestView, candidates: Sequence["EngineView"]) -> Sequence["EngineView"]:
+    """The candidates already serving the request's LoRA adapter when any does, else all of them.
+
+    Every policy chooses among these, so a request of an adapter goes where its weights are resident (a slot
+    write instead of a read from disk, and that adapter's prefix cache). When no candidate serves it, any may
+    take it: a ``LoRARequest`` with a path is loaded there on its first request; a request naming an adapter
+    that only busy engines serve fails there with "not loaded" (a fleet whose engines serve the same adapters,
+    as ``--lora-modules`` and LOAD_LORA make it, never meets this).
+    """
+    name = request.params.lora_name
+    if name is None:
+        return candidates
+    holders = [engine for engine in candidates if name in (served_adapters(engine) or {})]
+    return holders or candidates
+
+
+def served_adapters(engine: "EngineView") -> dict[str, str] | None:
+    """The LoRA adapters an engine serves (name -> directory), from its last heartbeat or LoRA acknowledgement,
+    else its HELLO; None: an engine without ``enable_lora``."""
+    loras = engine.stats.get("loras", engine.info.get("loras"))
+    return loras if isinstance(loras, dict) else None
+
 
 class EngineView(Protocol):
     """What a policy may read about an engine (implemented by the coordinator's engine record)."""
@@ -33,6 +58,7 @@ class EngineView(Protocol):
 
 class RequestView(Protocol):
     request_id: str
+    params: SamplingParams  # its sampling parameters (``lora_name``: the adapter it runs under)
     #: the prompt's token ids as the prefix cache keys them (an image's placeholder tokens stand for
     #: its content: ``multimodal.cache_keys``)
     prefix_keys: list[int]

@@ -15,6 +15,16 @@ directory it could reload from): its acknowledgement says which weights it holds
 refused with those facts, and while any engine holds incomplete weights UNPAUSE is refused
 (:data:`~megatron_serve.wire.lifecycle.NEEDS_WHOLE_WEIGHTS`).
 
+LOAD_LORA runs like a directory REFIT in any state but STOPPED: ``LORA_VERIFY`` on every engine (each reads
+and checks the adapter and keeps it staged), then ``LORA_LOAD``; one refusal refuses the verb
+(``lora_refused``, naming the engine and the reason) and no engine serves the adapter. UNLOAD_LORA is
+refused (``lora_not_found``) when no engine serves the name; otherwise every engine drops the name, and
+requests already admitted under it finish under it (what vLLM does too: its unload forgets the name
+and leaves running requests alone). Each acknowledgement carries the engine's adapters afterwards, which
+the engine's record keeps (routing and STATUS read them) before the next heartbeat. The coordinator keeps the
+adapters LOAD_LORA loaded (and UNLOAD_LORA did not drop) and tells every engine that registers later, in
+its HELLO_ACK, to load them before it serves.
+
 PAUSE's mode (:class:`~megatron_serve.wire.lifecycle.PauseMode`) is work done here before the step is
 broadcast: ``abort`` ends every unfinished request at once (the engines are told to drop theirs,
 ahead of the PAUSE step on the same socket); ``wait`` holds the step back until no request is on an
@@ -46,7 +56,7 @@ from ..wire.lifecycle import (
     parse_pause_mode,
     transition,
 )
-from ..wire.messages import Control, ControlAck, Error, Pause, Refit, Rendezvous, Stop, Suspend
+from ..wire.messages import Control, ControlAck, Error, LoadLora, Pause, Refit, Rendezvous, Stop, Suspend, UnloadLora
 from ..wire.protocol import VERB_HEADERS, ErrorCode, Header
 from .peers import ClientRecord, EngineRecord
 from .requests import Phase
@@ -73,6 +83,10 @@ class WeightsIncomplete(IllegalTransition):
     """A verb the table allows, refused while an engine holds incomplete weights."""
 
 
+class LoraNotServed(IllegalTransition):
+    """A LoRA verb the table allows but the fleet cannot run (no engine serves the adapter, or none is connected)."""
+
+
 @dataclass
 class ControlOp:
     """One verb in progress: its steps, each acknowledged by every engine."""
@@ -97,7 +111,8 @@ class ControlOp:
     noop: bool = False
     step_started: float = 0.0  # when the current step was broadcast: its acknowledgement deadline starts there
     unresponsive: list[str] = field(default_factory=list)  # engines removed for missing a step's deadline
-    failed: dict[str, str] = field(default_factory=dict)  # REFIT: engine id -> why it could not load
+    failed: dict[str, str] = field(default_factory=dict)  # REFIT, LoRA: engine id -> why it could not load
+    lora: LoadLora | UnloadLora | None = None  # LOAD_LORA, UNLOAD_LORA: the adapter
 
     @property
     def step(self) -> Step:
@@ -144,6 +159,11 @@ class VerbRunner:
             op.drain_timeout = body.drain_timeout
         elif isinstance(body, Pause):
             problem = self._pause_problem(op, body)
+        elif isinstance(body, (LoadLora, UnloadLora)):
+            op.lora = body
+            if not body.lora_name or (isinstance(body, LoadLora) and not body.lora_path):
+                problem = f"{verb.name} needs a non-empty lora_name" + (" and lora_path" if isinstance(body, LoadLora)
+                                                                        else "")
         if problem is not None:
             core.send(identity, Header.ERROR, Error(code=ErrorCode.INVALID_REQUEST.value, message=problem,
                                                     control_id=control_id))
@@ -232,11 +252,14 @@ class VerbRunner:
                     raise RefitRefused("REFIT needs at least one connected engine to verify the new weights")
                 if op.epoch is None:
                     op.epoch = core.epoch + 1
+            if op.lora is not None:
+                self._lora_problem(op.lora)
         except IllegalTransition as exc:
             self.queue.popleft()
             logger.info("%s refused: %s", op.verb.name, exc)
             code = (ErrorCode.REFIT_FAILED if isinstance(exc, RefitRefused) else ErrorCode.WEIGHTS_INCOMPLETE
-                    if isinstance(exc, WeightsIncomplete) else ErrorCode.ILLEGAL_TRANSITION)
+                    if isinstance(exc, WeightsIncomplete) else ErrorCode.LORA_NOT_FOUND
+                    if isinstance(exc, LoraNotServed) else ErrorCode.ILLEGAL_TRANSITION)
             self._answer(op, Header.ERROR, Error(code=code.value, message=str(exc), control_id=op.control_id))
             return False
         previous_level = core.suspend_level if core.state is FleetState.SUSPENDED else 0
@@ -249,6 +272,14 @@ class VerbRunner:
         if op.verb is Verb.PAUSE:
             self._start_pause_mode(op, now)
         return True
+
+    def _lora_problem(self, lora: LoadLora | UnloadLora) -> None:
+        """Refuse a LoRA verb no engine can run: none connected, or (UNLOAD_LORA) none serving the name."""
+        engines = self.core.engines.values()
+        if not engines:
+            raise LoraNotServed(f"{lora.lora_name!r}: no engine is connected to serve LoRA adapters")
+        if isinstance(lora, UnloadLora) and not any(lora.lora_name in (e.loras or {}) for e in engines):
+            raise LoraNotServed(f"the LoRA adapter {lora.lora_name!r} cannot be found: no engine serves it")
 
     def _start_pause_mode(self, op: ControlOp, now: float) -> None:
         """What PAUSE's mode does before its step (the fleet's state is already the target: no dispatch)."""
@@ -285,6 +316,10 @@ class VerbRunner:
                 # engines that register while (or after) the others load it.
                 core.epoch, core.weights_source = int(op.epoch or 0), op.source
                 core.refits += 1
+        elif isinstance(op.lora, LoadLora):
+            body = msgspec.structs.replace(op.lora, control_id=control_id, phase=spec.phase)
+        elif op.lora is not None:
+            body = msgspec.structs.replace(op.lora, control_id=control_id)
         else:
             body = Control(control_id=control_id)
         targets = list(core.engines.values())
@@ -319,19 +354,22 @@ class VerbRunner:
         return verified, bodies
 
     def _verify_refused(self, op: ControlOp) -> bool:
-        """After the verify step: refuse the whole REFIT if any engine refused the source."""
-        if op.step is not Step.REFIT_VERIFY:
+        """After a verify step: refuse the whole REFIT or LOAD_LORA if any engine refused what it checked."""
+        if op.step not in (Step.REFIT_VERIFY, Step.LORA_VERIFY):
             return False
         errors = {eid: f["error"] for eid, f in op.engines.items() if f.get("error")}
         if not errors:
             return False
         self.queue.popleft()
         eid, why = sorted(errors.items())[0]
-        message = (f"REFIT refused by engine {eid}" + (f" and {len(errors) - 1} more" if len(errors) > 1 else "")
-                   + f": {why}; the fleet keeps serving epoch {self.core.epoch}")
+        more = f" and {len(errors) - 1} more" if len(errors) > 1 else ""
+        if op.step is Step.LORA_VERIFY:
+            message, code = f"LOAD_LORA refused by engine {eid}{more}: {why}; no engine serves it", ErrorCode.LORA_REFUSED
+        else:
+            message = f"REFIT refused by engine {eid}{more}: {why}; the fleet keeps serving epoch {self.core.epoch}"
+            code = ErrorCode.REFIT_FAILED
         logger.warning("%s", message)
-        self._answer(op, Header.ERROR, Error(code=ErrorCode.REFIT_FAILED.value, message=message,
-                                             control_id=op.control_id))
+        self._answer(op, Header.ERROR, Error(code=code.value, message=message, control_id=op.control_id))
         return True
 
     def deadline(self, op: ControlOp) -> float:
@@ -385,6 +423,11 @@ class VerbRunner:
                 engine.last_refit = {k: facts[k] for k in ("verify_s", "load_s", "total_s") if k in facts}
         elif op.step is Step.STOP:
             core.remove_engine(engine, "stopped", expected=True)  # it exits now; not a failure
+        elif op.lora is not None:
+            if isinstance(facts.get("loras"), dict):
+                engine.stats = {**engine.stats, "loras": facts["loras"]}
+            if facts.get("error") and op.step is not Step.LORA_VERIFY:
+                op.failed[engine.engine_id] = str(facts["error"])
         core.advance_verbs()
 
     def on_engine_removed(self, engine: EngineRecord, reason: str) -> None:
@@ -415,6 +458,15 @@ class VerbRunner:
             detail.update(noop=False, epoch=core.epoch, source=core.weights_source)
             if op.failed:
                 detail["failed"] = dict(op.failed)
+        if op.lora is not None:
+            detail.update(noop=False, lora_name=op.lora.lora_name)
+            if op.failed:
+                self._lora_failed(op, detail)
+                return
+            if isinstance(op.lora, LoadLora):
+                core.loaded_loras[op.lora.lora_name] = op.lora.lora_path
+            else:
+                core.loaded_loras.pop(op.lora.lora_name, None)
         if op.unresponsive:
             detail["unresponsive"] = list(op.unresponsive)
         logger.info("%s acknowledged: %s -> %s by %d engine(s)%s", op.verb.name, op.previous_state,
@@ -444,6 +496,16 @@ class VerbRunner:
             core.policy.forget(engine_id)
         self._answer(op, Header.ERROR, Error(code=ErrorCode.REFIT_FAILED.value, message=message,
                                              control_id=op.control_id, detail=detail))
+
+    def _lora_failed(self, op: ControlOp, detail: dict[str, Any]) -> None:
+        """A LoRA verb an engine could not carry out after the others agreed (its load failed after its verify,
+        or an engine without ``enable_lora`` was told to unload): refused, naming it, with every engine's facts."""
+        eid, why = sorted(op.failed.items())[0]
+        more = f" and {len(op.failed) - 1} more" if len(op.failed) > 1 else ""
+        message = f"{op.verb.name} {op.lora.lora_name!r} failed on engine {eid}{more}: {why}"  # type: ignore[union-attr]
+        logger.warning("%s", message)
+        self._answer(op, Header.ERROR, Error(code=ErrorCode.LORA_REFUSED.value, message=message,
+                                             control_id=op.control_id, detail={**detail, "failed": dict(op.failed)}))
 
     def _answer(self, op: ControlOp, header: Header, body: Any) -> None:
         self.completed[op.control_id] = (op.key, header, body)

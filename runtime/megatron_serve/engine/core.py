@@ -41,7 +41,7 @@ from ..wire.expert_routing import RoutingRecord, record_step, routing_dtype
 from .kv_cache import BlockAllocator, blocks_for_tokens
 from .memory_verbs import DeviceMemoryVerbs
 from .logprob_parity import ParityChecker
-from .lora import LoraAdapterError, adapter_root, admit_request, engine_loras, require
+from .lora import LoraAdapterError, adapter_root, admit_request, engine_loras, lora_report, require
 from ..model.config import ModelConfig
 from ..model.llama import LlamaForCausalLM
 from ..model.loader import load_model
@@ -142,8 +142,13 @@ class DynamicInferenceEngine(DeviceMemoryVerbs):
         return self.scheduler.cached_tokens
 
     def metrics_snapshot(self) -> dict:
-        """The cumulative engine metrics, as the heartbeat's ``metrics`` field carries them."""
-        return self.stats.to_wire(self.scheduler.queried_tokens, self.scheduler.cached_tokens)
+        """The cumulative engine metrics, as the heartbeat's ``metrics`` field carries them (``lora``: the adapters
+        of the running and waiting requests, with ``enable_lora``)."""
+        snapshot = self.stats.to_wire(self.scheduler.queried_tokens, self.scheduler.cached_tokens)
+        lora = lora_report(self.loras, self.scheduler.running, self.scheduler.waiting)
+        if lora is not None:
+            snapshot["lora"] = lora
+        return snapshot
 
     def facts(self) -> EngineFacts:
         """What the engine process's HELLO says about this engine (:class:`~.served.ServedEngine`)."""
@@ -276,10 +281,22 @@ class DynamicInferenceEngine(DeviceMemoryVerbs):
                     "raise num_kv_blocks or lower num_tokens_to_generate")
         return None
 
-    def load_lora_adapter(self, name: str, path: str) -> None:
+    def verify_lora_adapter(self, name: str, path: str) -> float:
+        """Read and check the adapter at ``path`` for ``name`` without serving it (the fleet's LOAD_LORA verifies on
+        every engine first); the seconds the read took. Raises ``LoraAdapterError`` with the reason."""
+        return require(self.loras).verify(name, path)
+
+    def load_lora_adapter(self, name: str, path: str) -> float:
         """Serve the PEFT adapter at ``path`` as ``name`` from the next request on (engine.lora); a bad adapter
-        raises :class:`~megatron_serve.model.lora.LoraAdapterError` and changes nothing."""
-        require(self.loras).load(name, path)
+        raises :class:`~megatron_serve.model.lora.LoraAdapterError` and changes nothing. Returns the seconds the
+        load took (the verify's read included), observed in ``lora_adapter_load_seconds``."""
+        seconds = require(self.loras).load(name, path)
+        self.stats.histograms["lora_adapter_load_seconds"].observe(seconds)
+        return seconds
+
+    def lora_adapters(self) -> dict[str, str] | None:
+        """The adapters served by name (name -> directory); None for an engine without ``enable_lora``."""
+        return None if self.loras is None else self.loras.names()
 
     def unload_lora_adapter(self, name: str) -> None:
         """Stop serving ``name``: later requests naming it fail; requests admitted under it finish under it."""

@@ -3,7 +3,9 @@ slot and prefix-cache root each request runs under.
 
 An adapter is registered under a name (``--lora-modules``, ``/v1/load_lora_adapter``, or the first
 request of a ``LoRARequest``), read and checked then; registration keeps its weights in host memory,
-at most ``max_cpu_loras`` adapters. A request gets a slot of the model's ``max_loras`` when it is
+at most ``max_cpu_loras`` adapters. The fleet's LOAD_LORA verb reads and checks first (:meth:`EngineLoras.verify`,
+which keeps the adapter staged) and registers only once every engine verified (:meth:`EngineLoras.load`
+takes the staged copy), so that a refusal anywhere changes nothing everywhere. A request gets a slot of the model's ``max_loras`` when it is
 admitted: the adapter's slot when it is in one, else a slot no live request uses (an empty one, or
 the adapter there least recently admitted), written from the host copy. When every slot is used by
 live requests of other adapters the request fails with that reason (it does not wait yet).
@@ -18,13 +20,16 @@ from __future__ import annotations
 
 import hashlib
 import itertools
+import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Iterable
 
 from ..model.config import ModelConfig
 from ..model.lora import LoraAdapter, LoraAdapterError, read_adapter
 
-__all__ = ["EngineLoras", "LoraAdapterError", "adapter_root", "admit_request", "engine_loras", "require"]
+__all__ = ["EngineLoras", "LoraAdapterError", "adapter_root", "admit_request", "engine_loras", "lora_report",
+           "require"]
 from ..model.llama import LlamaForCausalLM
 from ..model.lora_slots import LoraSlots
 
@@ -59,9 +64,9 @@ class EngineLoras:
         self._last_admitted: list[int] = [0] * slots.max_loras
         self._admissions = itertools.count(1)
         self._registrations = itertools.count(1)
+        self._staged: dict[str, tuple[LoraAdapter, float]] = {}  # verified, not registered: (adapter, read seconds)
 
-    def load(self, name: str, path: str) -> None:
-        """Register ``name``; raises :class:`LoraAdapterError` (nothing changed) when it cannot be served."""
+    def _check_room(self, name: str) -> None:
         if not name:
             raise LoraAdapterError("a LoRA adapter needs a non-empty name")
         if name in self.registered:
@@ -69,8 +74,27 @@ class EngineLoras:
         if len(self.registered) >= self.max_cpu_loras:
             raise LoraAdapterError(f"LoRA adapter {name!r}: {len(self.registered)} adapters are loaded, the most "
                                    f"--max-cpu-loras allows; unload one first")
+
+    def verify(self, name: str, path: str) -> float:
+        """Read and check ``name`` and keep it staged for :meth:`load`, registering nothing; the seconds the
+        read took. Raises :class:`LoraAdapterError` when it cannot be served."""
+        self._check_room(name)
+        began = time.perf_counter()
         adapter = read_adapter(name, path, self.model_config, self.slots.max_rank)
+        seconds = time.perf_counter() - began
+        self._staged = {name: (adapter, seconds)}  # only the verb in progress is staged
+        return seconds
+
+    def load(self, name: str, path: str) -> float:
+        """Register ``name`` (the copy :meth:`verify` staged from the same ``path``, else read now); the seconds
+        reading and registering took. Raises :class:`LoraAdapterError` (nothing changed) when it cannot be served."""
+        self._check_room(name)
+        began = time.perf_counter()
+        adapter, seconds = self._staged.pop(name, (None, 0.0))
+        if adapter is None or adapter.path != str(Path(path)):
+            adapter, seconds = read_adapter(name, path, self.model_config, self.slots.max_rank), 0.0
         self.registered[name] = _Registered(adapter, f"{name}#{next(self._registrations)}")
+        return seconds + time.perf_counter() - began
 
     def unload(self, name: str) -> None:
         if self.registered.pop(name, None) is None:
@@ -129,3 +153,16 @@ def admit_request(loras: EngineLoras | None, params: "SamplingParams", live: Ite
     if params.lora_name is None:
         return -1, None
     return require(loras).admit(params.lora_name, params.lora_path, {s.lora_slot for s in live})
+
+
+def lora_report(loras: EngineLoras | None, running: Iterable["Sequence"], waiting: Iterable["Sequence"]
+                ) -> dict[str, object] | None:
+    """What the heartbeat's ``metrics`` says about adapters (vLLM's ``lora_requests_info``): the slots, and the
+    adapters of the running and of the waiting requests, by name; None for an engine without ``enable_lora``."""
+    if loras is None:
+        return None
+
+    def names(sequences: Iterable["Sequence"]) -> list[str]:
+        return sorted({n for s in sequences if (n := s.request.sampling_params.lora_name) is not None})
+
+    return {"max_loras": loras.slots.max_loras, "running": names(running), "waiting": names(waiting)}

@@ -36,7 +36,18 @@ from .link import CoordinatorLink
 from ..heap import freeze_startup_heap
 from .output import step_delta
 from .served import EngineStepResult, ServedEngine
-from ..wire.messages import Body, Control, EngineStepOut, HelloAck, Refit, RequestDeltaOut, Stop, Suspend
+from ..wire.messages import (
+    Body,
+    Control,
+    EngineStepOut,
+    HelloAck,
+    LoadLora,
+    Refit,
+    RequestDeltaOut,
+    Stop,
+    Suspend,
+    UnloadLora,
+)
 from ..wire.protocol import HEADER_VERBS, Header, ProtocolError, Role, step_of
 from ..wire.request import DynamicInferenceRequest, EngineRequest, FinalRecord, FinishReason, RequestStatus
 
@@ -78,6 +89,9 @@ class EngineProcess:
         self.weights_source: str | None = facts.get("model")  # where the served weights came from (REFIT replaces it)
         facts["epoch"] = engine.epoch
         facts["weights"] = self.weights_source
+        loras = engine.lora_adapters()
+        if loras is not None:  # the adapters it serves: routed to at once, before its first heartbeat
+            facts["loras"] = loras
         hello = {"role": Role.ENGINE.value, "engine_group": group, "capacity": engine_facts.capacity, "info": facts}
         self.link = CoordinatorLink(address, hello, token=token, heartbeat_interval=heartbeat_interval,
                                     coordinator_timeout=coordinator_timeout)
@@ -164,6 +178,8 @@ class EngineProcess:
                     self.engine_id, ack.engine_group, ack.state)
         if ack.refit and not self._sync_weights(ack.refit):
             return
+        if ack.loras:
+            self._sync_loras(ack.loras)
         target = ack.state
         if target == FleetState.SUSPENDED.value:
             self._suspend(ack.suspend_level or 1)
@@ -242,6 +258,9 @@ class EngineProcess:
         self._stats_at = now
         e = self.engine
         stats: dict[str, Any] = {"steps": self.steps, "suspend_level": self.suspend_level, "epoch": e.epoch}
+        loras = e.lora_adapters()
+        if loras is not None:  # the adapters it serves (name -> directory): the coordinator routes by them
+            stats["loras"] = loras
         self.link.stats = {
             "state": ENGINE_DRAINING if self.drain_deadline is not None else self.state.value,
             "running": int(e.num_running), "waiting": int(e.num_waiting),
@@ -285,7 +304,7 @@ class EngineProcess:
         """One lifecycle step at a step boundary: the table says where it leads, the action does the work."""
         control_id = body.control_id
         try:
-            step = step_of(header, body.phase if isinstance(body, Refit) else None)
+            step = step_of(header, body.phase if isinstance(body, (Refit, LoadLora)) else None)
         except ProtocolError as exc:
             self._ack(control_id, {"error": str(exc)})
             return
@@ -367,6 +386,35 @@ class EngineProcess:
         return {**{k: round(float(v), 6) for k, v in timings.items() if k != "epoch"},
                 "epoch": int(timings["epoch"]), "source": body.source}
 
+    # -- LoRA adapters
+
+    def _lora_action(self, body: LoadLora | UnloadLora) -> dict[str, Any]:
+        """LOAD_LORA (phase ``verify`` reads and checks the adapter, ``load`` serves it) and UNLOAD_LORA.
+
+        Unloading a name this engine does not serve is not an error here (an engine that joined after the
+        adapter was loaded elsewhere, or one without ``enable_lora``): the coordinator refuses an UNLOAD_LORA
+        that no engine can do.
+        Every acknowledgement carries the adapters served afterwards (``loras``).
+        """
+        engine = self.engine
+        try:
+            if isinstance(body, UnloadLora):
+                served = engine.lora_adapters()
+                if served is None or body.lora_name not in served:
+                    return {"absent": True, **({} if served is None else {"loras": served})}
+                engine.unload_lora_adapter(body.lora_name)
+                detail: dict[str, Any] = {}
+            elif body.phase == "verify":
+                detail = {"read_s": round(engine.verify_lora_adapter(body.lora_name, body.lora_path), 6)}
+            else:
+                detail = {"load_s": round(engine.load_lora_adapter(body.lora_name, body.lora_path), 6)}
+            self.link.hello["info"]["loras"] = engine.lora_adapters()  # what the next HELLO says
+        except Exception as exc:  # noqa: BLE001 - any refusal is reported; the fleet decides
+            logger.warning("%s %r refused: %s", "UNLOAD_LORA" if isinstance(body, UnloadLora) else "LOAD_LORA",
+                           body.lora_name, exc)
+            return {"error": str(exc) or type(exc).__name__}
+        return {**detail, "loras": engine.lora_adapters() or {}}
+
     #: What each step of the lifecycle table does here (a test checks that every step has one).
     _STEP_ACTIONS: dict[Step, Callable[["EngineProcess", Any], dict[str, Any] | None]] = {
         Step.PAUSE: _pause_action,
@@ -376,6 +424,9 @@ class EngineProcess:
         Step.STOP: _stop_action,
         Step.REFIT_VERIFY: _refit_action,
         Step.REFIT_LOAD: _refit_action,
+        Step.LORA_VERIFY: _lora_action,
+        Step.LORA_LOAD: _lora_action,
+        Step.LORA_UNLOAD: _lora_action,
     }
 
     def _sync_weights(self, refit: dict[str, Any]) -> bool:
@@ -397,6 +448,26 @@ class EngineProcess:
         self._note_weights()
         logger.info("loaded epoch %d in %.2fs", epoch, timings["total_s"])
         return True
+
+    def _sync_loras(self, loras: dict[str, str]) -> None:
+        """At registration: load the LoRA adapters the fleet was told to serve while this engine was away (the
+        names it serves already are kept). One it cannot load is logged and left out: the coordinator routes
+        that adapter's requests to the engines serving it."""
+        served = self.engine.lora_adapters()
+        if served is None:
+            logger.warning("the fleet serves LoRA adapters (%s) but this engine was started without enable_lora",
+                           ", ".join(sorted(loras)))
+            return
+        for name, path in loras.items():
+            if name in served:
+                continue
+            try:
+                self.engine.load_lora_adapter(name, path)
+            except Exception as exc:  # noqa: BLE001 - this engine serves without it; the others have it
+                logger.warning("cannot load the fleet's LoRA adapter %r from %s: %s", name, path, exc)
+                continue
+            logger.info("loaded the fleet's LoRA adapter %r from %s", name, path)
+        self.link.hello["info"]["loras"] = self.engine.lora_adapters()
 
     def _begin_drain(self, timeout: float, why: str) -> None:
         if self.drain_deadline is None:

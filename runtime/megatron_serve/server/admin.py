@@ -94,7 +94,7 @@ def _status_schema() -> dict[str, Any]:
 
 #: ControlError code -> (HTTP status, what the caller should know).
 _REFUSALS: dict[str, int] = {"illegal_transition": 409, "refit_failed": 409, "invalid_request": 400,
-                             "unsupported": 501}
+                             "unsupported": 501, "lora_refused": 400, "lora_not_found": 404}
 
 
 def _refusal(verb: str, exc: Exception) -> APIError:
@@ -148,8 +148,8 @@ _VERBS: list[tuple[str, type[_AdminBody], str, _Call]] = [
 ]
 
 
-def add_admin_routes(app: FastAPI, backend: LifecycleBackend, monitor: FleetMonitor, admin_key: str | None) -> None:
-    """``/v1/admin/*`` on ``app`` (see the module docstring)."""
+def admin_guard(admin_key: str | None) -> list[Any]:
+    """The dependency every admin route has: the admin key, as ``Authorization: Bearer KEY`` (403 otherwise)."""
     bearer = HTTPBearer(auto_error=False, scheme_name="AdminKey",
                         description="the server's admin key (not the API key), as `Authorization: Bearer KEY`")
     expected = admin_key.encode() if admin_key else None
@@ -166,7 +166,29 @@ def add_admin_routes(app: FastAPI, backend: LifecycleBackend, monitor: FleetMoni
             raise APIError(403, "wrong admin key (the API key does not open the admin API)",
                            code="invalid_admin_key", type="permission_error")
 
-    guard = [Depends(require_admin_key)]
+    return [Depends(require_admin_key)]
+
+
+async def run_verb(monitor: FleetMonitor, verb: str, call: Callable[[], Awaitable[dict[str, Any]]]) -> dict[str, Any]:
+    """Run one verb for an admin route: 503 at once when the coordinator is unreachable, the refusal's answer
+    (:func:`_refusal`) when it does not complete; the monitor is refreshed after (``/ready``, ``/metrics`` and
+    ``/v1/models`` show what it did at once)."""
+    if not monitor.reachable:
+        await monitor.refresh()
+    if not monitor.reachable:  # at once, instead of a verb queued until the coordinator is back
+        raise APIError(503, f"{verb}: {monitor.refusal_reason()}", code="coordinator_unreachable",
+                       headers={"Retry-After": "5"})
+    try:
+        ack = await call()
+    except Exception as exc:  # noqa: BLE001 - every failure becomes its HTTP answer
+        raise _refusal(verb, exc) from None
+    await monitor.refresh()
+    return ack
+
+
+def add_admin_routes(app: FastAPI, backend: LifecycleBackend, monitor: FleetMonitor, admin_key: str | None) -> None:
+    """``/v1/admin/*`` on ``app`` (see the module docstring)."""
+    guard = admin_guard(admin_key)
     responses: dict[int | str, dict[str, Any]] = {
         400: {"model": ErrorResponse, "description": "a bad or unknown field in the body"},
         403: {"model": ErrorResponse, "description": "no admin key configured, or not presented, or wrong"},
@@ -179,16 +201,7 @@ def add_admin_routes(app: FastAPI, backend: LifecycleBackend, monitor: FleetMoni
                                                                                  "pause modes (protocol 2)"}}
 
     async def run(verb: str, call: Callable[[], Awaitable[dict[str, Any]]]) -> LifecycleAck:
-        if not monitor.reachable:
-            await monitor.refresh()
-        if not monitor.reachable:  # at once, instead of a verb queued until the coordinator is back
-            raise APIError(503, f"{verb}: {monitor.refusal_reason()}", code="coordinator_unreachable",
-                           headers={"Retry-After": "5"})
-        try:
-            ack = await call()
-        except Exception as exc:  # noqa: BLE001 - every failure becomes its HTTP answer
-            raise _refusal(verb, exc) from None
-        await monitor.refresh()  # /ready and /metrics show the new state at once
+        ack = await run_verb(monitor, verb, call)
         return LifecycleAck(state=str(ack.get("state")), detail=dict(ack.get("detail") or {}))
 
     def add_verb(verb: str, model: type[_AdminBody], description: str, call: _Call) -> None:

@@ -37,6 +37,7 @@ from ..http_options import HTTPOptions
 from .chat import ChatHandler
 from .completions import CompletionHandler
 from .admin import ADMIN_BODIES, add_admin_routes
+from .lora_routes import LORA_BODIES, LORA_PATHS, add_lora_routes, runtime_lora_allowed
 from .context import ServerContext
 from .drain import Admission
 from .errors import APIError, install_error_handlers
@@ -69,7 +70,8 @@ API_KEY_ENV = "MEGATRON_SERVE_API_KEY"
 
 #: Routes that never ask for a key: the probes, the metrics and the API's own description. Every other
 #: route uses the model (its tokenizer and chat template included: ``/tokenize``, ``/detokenize``) and
-#: needs the API key when the server has one, except ``/v1/admin/*``, which need the admin key. The
+#: needs the API key when the server has one, except ``/v1/admin/*`` and vLLM's runtime LoRA routes
+#: (``/v1/load_lora_adapter``, ``/v1/unload_lora_adapter``), which need the admin key. The
 #: HTTP reference is generated from :func:`key_for`; tests/server/test_api_keys.py holds every route to it.
 OPEN_PATHS = ("/health", "/ready", "/metrics", "/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc")
 ADMIN_PREFIX = "/v1/admin/"
@@ -79,7 +81,7 @@ def key_for(path: str) -> str:
     """Which key the route at ``path`` asks for: ``"api"``, ``"admin"`` or ``"none"``."""
     if path in OPEN_PATHS:
         return "none"
-    return "admin" if path.startswith(ADMIN_PREFIX) else "api"
+    return "admin" if path.startswith(ADMIN_PREFIX) or path in LORA_PATHS else "api"
 
 _SSE_DOC = ("With `stream: true` the answer is `text/event-stream`: one `data: {chunk JSON}` event per piece "
             "of text (OpenAI chunk objects), an optional usage chunk (`stream_options.include_usage`), then "
@@ -141,7 +143,8 @@ def create_app(
     ``generation_config.json``; see :mod:`megatron_serve.generation_config`).
     ``stream_interval``: streamed tokens per chunk (vLLM's ``--stream-interval``; a choice's first token
     goes at once). ``lora_modules``: the LoRA adapters the engines serve (name -> directory), listed in
-    ``/v1/models`` and picked by a request's ``model``.
+    ``/v1/models`` and picked by a request's ``model`` until the engines report theirs (which then win:
+    ``/v1/load_lora_adapter`` changes them; :mod:`.lora_routes`, open with ``$VLLM_ALLOW_RUNTIME_LORA_UPDATING``).
     ``status_interval``, ``status_timeout``, ``ready_timeout``: how often the fleet's status is polled, how
     long a poll may take before the fleet counts as busy (or unreachable, without heartbeats), and how
     long ``/ready`` and ``/metrics`` wait for a fresh one (:mod:`.fleet`).
@@ -173,7 +176,7 @@ def create_app(
                             getattr(tokenizer, "chat_template", None)),
                         generation_defaults=generation_defaults or GenerationDefaults(), options=options,
                         request_log=RequestLog(options.log_requests, options.max_log_len),
-                        stream_interval=stream_interval, adapters=dict(lora_modules or {}))
+                        stream_interval=stream_interval, configured_adapters=dict(lora_modules or {}))
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
@@ -269,20 +272,21 @@ def create_app(
         return ModelCard(id=model_name, created=ctx.created, max_model_len=ctx.max_model_len(),
                          input_modalities=["text", "image"] if ctx.accepts_images else ["text"])
 
-    def adapter_card(name: str) -> ModelCard:
-        return model_card().model_copy(update={"id": name, "root": ctx.adapters[name], "parent": model_name})
+    def adapter_card(name: str, adapters: dict[str, str]) -> ModelCard:
+        return model_card().model_copy(update={"id": name, "root": adapters[name], "parent": model_name})
 
     @app.get("/v1/models", response_model=ModelList, dependencies=api_dependencies, tags=["OpenAI"],
              responses=_error_responses([401] if api_key else []))
     async def list_models() -> ModelList:
-        return ModelList(data=[model_card(), *map(adapter_card, ctx.adapters)])
+        served = ctx.adapters
+        return ModelList(data=[model_card(), *(adapter_card(name, served) for name in served)])
 
     @app.get("/v1/models/{model}", response_model=ModelCard, dependencies=api_dependencies, tags=["OpenAI"],
              responses=_error_responses([401, 404] if api_key else [404]))
     async def retrieve_model(model: str) -> ModelCard:
         if model not in ctx.served_names:
             raise APIError(404, f"the model '{model}' does not exist here", param="model", code="model_not_found")
-        return model_card() if model == model_name else adapter_card(model)
+        return model_card() if model == model_name else adapter_card(model, ctx.adapters)
 
     @app.get("/health", response_model=HealthResponse, tags=["probes"],
              description="200 while this process is up (liveness).")
@@ -323,6 +327,7 @@ def create_app(
 
     add_tokenize_routes(app, ctx, api_dependencies, _error_responses([400, 401, 404] if api_key else [400, 404]))
     add_admin_routes(app, backend, monitor, admin_key)  # type: ignore[arg-type]  # the clients have the verbs
+    add_lora_routes(app, backend, monitor, admin_key, runtime_lora_allowed())  # type: ignore[arg-type]
 
     def openapi() -> dict[str, Any]:
         """FastAPI's document, minus the 422 answers it assumes (validation errors are 400 here), plus the
@@ -336,7 +341,8 @@ def create_app(
             components = schema.setdefault("components", {}).setdefault("schemas", {})
             for name in ("HTTPValidationError", "ValidationError"):
                 components.pop(name, None)
-            _, request_schemas = models_json_schema([(model, "validation") for model in (*SELF_PARSED, *ADMIN_BODIES)],
+            _, request_schemas = models_json_schema([(model, "validation") for model in (*SELF_PARSED, *ADMIN_BODIES,
+                                                                                       *LORA_BODIES)],
                                                     ref_template="#/components/schemas/{model}")
             components.update(request_schemas.get("$defs", {}))
             app.openapi_schema = schema

@@ -44,7 +44,7 @@ class ServerContext:
     options: HTTPOptions = field(default_factory=HTTPOptions)
     request_log: RequestLog = field(default_factory=RequestLog)  # --enable-log-requests
     stream_interval: int = 1  # streamed tokens per chunk (--stream-interval)
-    adapters: dict[str, str] = field(default_factory=dict)  # LoRA adapters served by name (name -> directory)
+    configured_adapters: dict[str, str] = field(default_factory=dict)  # --lora-modules (name -> directory)
 
     @property
     def accepts_images(self) -> bool:
@@ -52,12 +52,19 @@ class ServerContext:
         return self.tokenizer.images is not None
 
     @property
+    def adapters(self) -> dict[str, str]:
+        """The LoRA adapters served by name (name -> directory): what the engines report (loads and unloads
+        while serving included), else the configured ``--lora-modules`` until an engine with LoRA reports."""
+        reported = self.monitor.adapters()
+        return self.configured_adapters if reported is None else reported
+
+    @property
     def served_names(self) -> list[str]:
         return [self.model_name, *self.adapters]
 
     def adapter_fields(self, model: str) -> dict[str, object]:
         """The ``SamplingParams`` fields of a request whose ``model`` names a LoRA adapter (none for the base)."""
-        return {"lora_name": model} if model in self.adapters else {}
+        return {"lora_name": model} if model != self.model_name and model in self.adapters else {}
 
     def max_model_len(self) -> int | None:
         """Prompt + generation limit: what the engines report (the tightest), else the model's own."""

@@ -224,6 +224,12 @@ class FleetMonitor:
             code = "coordinator_unreachable" if not self.reachable else "fleet_stopped"
             raise APIError(503, f"service unavailable: {reason}", code=code, headers={"Retry-After": "5"})
 
+    def adapters(self) -> dict[str, str] | None:
+        """The LoRA adapters the engines serve (name -> directory, all engines together); None when no engine
+        reports any (none started with LoRA, or none connected yet)."""
+        reports = [e["loras"] for e in self.engines if isinstance(e.get("loras"), dict)]
+        return None if not reports else {name: path for loras in reports for name, path in loras.items()}
+
     def max_sequence_length(self) -> int | None:
         """The smallest context limit any engine reported (prompt + generation), if any did."""
         limits = [e.get("info", {}).get("max_sequence_length") for e in self.engines]

@@ -89,6 +89,9 @@ SERIES: tuple[Series, ...] = (
     Series("request_queue_time_seconds", "histogram", "time from a request's arrival at the coordinator until "
            "an engine first scheduled it (coordinator queue plus engine queue)", "engine", ENGINE_LABELS,
            "vllm:request_queue_time_seconds", "seconds"),
+    Series("lora_adapter_load_seconds", "histogram", "time an engine took to read, check and register a LoRA "
+           "adapter it was told to serve while running (LOAD_LORA, /v1/load_lora_adapter, add_lora)", "engine",
+           ENGINE_LABELS, unit="seconds"),
     # ---- the fleet, from the coordinator's STATUS (no vLLM twin)
     Series("coordinator_reachable", "gauge", "1 while the coordinator answers STATUS", "fleet"),
     Series("lifecycle_state", "gauge", "1 for the fleet's current lifecycle state (RUNNING, PAUSED, "
@@ -161,6 +164,11 @@ VLLM_SERIES: tuple[VllmSeries, ...] = (
                "(tokens per block) and num_gpu_blocks (blocks, all engine groups), as the Gateway API Inference "
                "Extension's prefix-cache scorer reads them", None,
                (*VLLM_LABELS, "block_size", "num_gpu_blocks")),
+    VllmSeries("vllm:lora_requests_info", "gauge", "the wall-clock time (seconds since the epoch) of the engines' "
+               "latest report, labelled with max_lora (adapter slots, all engine groups), and the LoRA adapters "
+               "of the running and of the waiting requests (comma-separated names), as vLLM exports it and the "
+               "Gateway API Inference Extension's LoRA affinity reads it; only with engines started with "
+               "--enable-lora", None, ("max_lora", "waiting_lora_adapters", "running_lora_adapters")),
 )
 
 

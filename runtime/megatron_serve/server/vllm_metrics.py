@@ -12,7 +12,11 @@ group. Every series here therefore describes the fleet as one vLLM engine (``eng
 * gauges and counters are summed over the engine groups; the waiting count includes the requests
   queued at the coordinator (they wait too); KV-cache usage is used / total blocks of all groups;
 * histograms are summed bucket by bucket (every engine has the same bounds);
-* ``vllm:request_time_per_output_token_seconds`` is this server's own histogram, renamed.
+* ``vllm:request_time_per_output_token_seconds`` is this server's own histogram, renamed;
+* ``vllm:lora_requests_info`` (engines with ``--enable-lora``): the adapters of the running and of the
+  waiting requests of all groups, the slots of all groups as ``max_lora``, valued with the wall-clock
+  time of the latest engine report, as vLLM values it with the time of its latest step. Requests still
+  queued at the coordinator are not among the waiting adapters (the engines report what they hold).
 
 The per-group detail stays in the ``megatron_serve_`` series. A counter summed over groups drops
 when a group restarts; Prometheus's ``rate`` reads that as a counter reset, as for a restarted vLLM.
@@ -20,6 +24,7 @@ when a group restarts; Prometheus's ``rate`` reads that as a counter reset, as f
 
 from __future__ import annotations
 
+import time
 from typing import TYPE_CHECKING, Iterable
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
@@ -79,7 +84,9 @@ class VllmCollector(Collector):
             histograms[name] = pairs
         for entry in VLLM_SERIES:
             family = _family(entry)
-            if entry.twin is None:
+            if entry.name == "vllm:lora_requests_info":
+                self._lora_info(family, engines)
+            elif entry.twin is None:
                 self._cache_config(family, labels, engines)
             elif series(entry.twin).kind == "histogram":
                 if entry.twin in histograms:
@@ -110,3 +117,17 @@ class VllmCollector(Collector):
             return  # no engine yet, or groups that disagree: no single block size to report
         blocks = sum(int(engine.get("kv_blocks_total") or 0) for engine in engines)
         family.add_metric([*labels, str(sizes.pop()), str(blocks)], 1.0)
+
+    @staticmethod
+    def _lora_info(family: Metric, engines: list[dict]) -> None:
+        """vLLM's one series: the adapters of every engine group's running and waiting requests together (the
+        fleet is one engine), the slots of all groups, valued with the latest report's wall-clock time."""
+        reports = [(engine, engine["metrics"]["lora"]) for engine in engines
+                   if isinstance(engine.get("metrics"), dict) and isinstance(engine["metrics"].get("lora"), dict)]
+        if not reports:
+            return  # no engine with --enable-lora: vLLM exports no series either
+        slots = sum(int(report.get("max_loras") or 0) for _, report in reports)
+        running = sorted({str(n) for _, report in reports for n in report.get("running") or []})
+        waiting = sorted({str(n) for _, report in reports for n in report.get("waiting") or []})
+        latest = max(float(engine.get("last_heartbeat") or time.time()) for engine, _ in reports)
+        family.add_metric([str(slots), ",".join(waiting), ",".join(running)], latest)

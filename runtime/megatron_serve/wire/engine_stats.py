@@ -32,6 +32,8 @@ INTER_TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.025, 0.05, 0.075, 0
                        0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 REQUEST_LATENCY_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0,
                            50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+# A LoRA adapter's read and check: a few ms for a small rank, seconds for a large one on a network volume.
+LORA_LOAD_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
 #: histogram name (as exported, without the prefix) -> bucket bounds
 HISTOGRAMS: dict[str, tuple[float, ...]] = {
@@ -39,6 +41,7 @@ HISTOGRAMS: dict[str, tuple[float, ...]] = {
     "inter_token_latency_seconds": INTER_TOKEN_BUCKETS,
     "e2e_request_latency_seconds": REQUEST_LATENCY_BUCKETS,
     "request_queue_time_seconds": REQUEST_LATENCY_BUCKETS,
+    "lora_adapter_load_seconds": LORA_LOAD_BUCKETS,
 }
 #: counter names on the wire (the exported name adds ``_total``)
 COUNTERS = ("prompt_tokens", "generation_tokens", "num_preemptions", "prefix_cache_queries", "prefix_cache_hits",

@@ -32,6 +32,11 @@ be encoded twice, and the two copies disagreed):
   :data:`NEEDS_WHOLE_WEIGHTS`. This is a guard on a verb, not a state: the table is unchanged.
 * Repeating the current state (PAUSE while PAUSED, STOP while STOPPED ...) re-sends its step, so
   that engines that drifted are put right, and acknowledges with ``noop``.
+* ``LOAD_LORA`` and ``UNLOAD_LORA`` (a LoRA adapter, by name) are legal in every state but STOPPED and
+  keep it: serving the adapter is not a lifecycle change, but it is fleet-wide and acknowledged like
+  one. LOAD_LORA runs ``LORA_VERIFY`` (every engine reads and checks the adapter, none serves it) then
+  ``LORA_LOAD``, so that one engine's refusal (a missing path, a rank above ``--max-lora-rank``, a
+  module the model lacks, a shape mismatch, a name already loaded) leaves every engine as it was.
 * PAUSE's :class:`PauseMode` (what happens to the requests the fleet holds) is an argument of the
   verb, not a state: every mode ends in the same PAUSED, with the same engine step, and the fleet
   behaves the same afterwards (it holds what is left and what arrives, until UNPAUSE). The modes
@@ -71,6 +76,8 @@ class Verb(str, enum.Enum):
     RESUME = "resume"
     STOP = "stop"
     REFIT = "refit"
+    LOAD_LORA = "load_lora"
+    UNLOAD_LORA = "unload_lora"
 
 
 class PauseMode(str, enum.Enum):
@@ -143,6 +150,13 @@ class Step(str, enum.Enum):
     STOP = "STOP"
     REFIT_VERIFY = "REFIT_VERIFY"
     REFIT_LOAD = "REFIT_LOAD"
+    LORA_VERIFY = "LORA_VERIFY"
+    LORA_LOAD = "LORA_LOAD"
+    LORA_UNLOAD = "LORA_UNLOAD"
+
+
+#: Verbs whose messages carry a ``phase`` saying which of their steps they are.
+PHASED_VERBS = frozenset({Verb.REFIT, Verb.LOAD_LORA})
 
 
 @dataclass(frozen=True)
@@ -154,7 +168,7 @@ class StepSpec:
     does: str  # what the engine does, for humans (docs, logs)
     moves: Mapping[FleetState, FleetState] = field(default_factory=dict)  # engine state after it; absent: unchanged
     requires: frozenset[FleetState] = frozenset(FleetState)  # engine states it is legal in (else the engine refuses)
-    phase: str | None = None  # REFIT's ``phase`` field
+    phase: str | None = None  # the ``phase`` field of REFIT and LOAD_LORA
 
 
 _ANY = tuple(FleetState)
@@ -177,6 +191,12 @@ STEPS: dict[Step, StepSpec] = {
                                 requires=frozenset({_S.PAUSED, _S.SUSPENDED}), phase="verify"),
     Step.REFIT_LOAD: StepSpec(Verb.REFIT, Deadline.WEIGHTS, "load the verified source's weights in place",
                               requires=frozenset({_S.PAUSED, _S.SUSPENDED}), phase="load"),
+    Step.LORA_VERIFY: StepSpec(Verb.LOAD_LORA, Deadline.VERB, "read and check a LoRA adapter; serve nothing new",
+                               phase="verify"),
+    Step.LORA_LOAD: StepSpec(Verb.LOAD_LORA, Deadline.VERB, "serve the verified LoRA adapter from the next request on",
+                             phase="load"),
+    Step.LORA_UNLOAD: StepSpec(Verb.UNLOAD_LORA, Deadline.VERB,
+                               "stop serving a LoRA adapter to new requests (running ones finish under it)"),
 }
 
 
@@ -196,6 +216,11 @@ def _refit(state: FleetState) -> Transition:
     return Transition(state, (Step.REFIT_VERIFY, Step.REFIT_LOAD))
 
 
+def _lora(state: FleetState) -> dict[Verb, Transition | str]:
+    return {Verb.LOAD_LORA: Transition(state, (Step.LORA_VERIFY, Step.LORA_LOAD)),
+            Verb.UNLOAD_LORA: Transition(state, (Step.LORA_UNLOAD,))}
+
+
 _STOP = Transition(_S.STOPPED, (Step.STOP,))
 _NOT_WHILE_STOPPED = "{verb} is not allowed while STOPPED (UNPAUSE restarts the fleet)"
 _REFIT_NEEDS_PAUSE = "REFIT is only allowed while PAUSED or SUSPENDED; the fleet is {state} (PAUSE first)"
@@ -209,6 +234,7 @@ TABLE: dict[FleetState, dict[Verb, Transition | Refusal]] = {
         Verb.RESUME: Transition(_S.RUNNING, (Step.RESUME,)),  # memory is resident: a no-op
         Verb.STOP: _STOP,
         Verb.REFIT: _REFIT_NEEDS_PAUSE,
+        **_lora(_S.RUNNING),
     },
     _S.PAUSED: {
         Verb.PAUSE: Transition(_S.PAUSED, (Step.PAUSE,)),
@@ -217,6 +243,7 @@ TABLE: dict[FleetState, dict[Verb, Transition | Refusal]] = {
         Verb.RESUME: Transition(_S.PAUSED, (Step.RESUME,)),  # memory is resident: a no-op
         Verb.STOP: _STOP,
         Verb.REFIT: _refit(_S.PAUSED),
+        **_lora(_S.PAUSED),
     },
     _S.SUSPENDED: {
         Verb.PAUSE: Transition(_S.SUSPENDED, ()),  # not stepping already; memory stays released
@@ -225,6 +252,7 @@ TABLE: dict[FleetState, dict[Verb, Transition | Refusal]] = {
         Verb.RESUME: Transition(_S.PAUSED, (Step.RESUME,)),
         Verb.STOP: _STOP,
         Verb.REFIT: _refit(_S.SUSPENDED),
+        **_lora(_S.SUSPENDED),
     },
     _S.STOPPED: {
         Verb.PAUSE: _NOT_WHILE_STOPPED,
@@ -233,6 +261,8 @@ TABLE: dict[FleetState, dict[Verb, Transition | Refusal]] = {
         Verb.RESUME: _NOT_WHILE_STOPPED,
         Verb.STOP: _STOP,
         Verb.REFIT: _REFIT_NEEDS_PAUSE,
+        Verb.LOAD_LORA: _NOT_WHILE_STOPPED,
+        Verb.UNLOAD_LORA: _NOT_WHILE_STOPPED,
     },
 }
 

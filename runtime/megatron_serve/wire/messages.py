@@ -67,6 +67,7 @@ class HelloAck(Body):
     refit: dict[str, Any] | None = None  # {source, epoch}: the fleet's current weights, to load before serving
     protocol: int = 1
     tokenizer: str | None = None  # to clients: the directory of the coordinator's tokenizer files
+    loras: dict[str, str] | None = None  # to engines: LoRA adapters LOAD_LORA made the fleet serve, to load first
 
 
 class Error(Body):
@@ -214,6 +215,20 @@ class Refit(Control):
     epoch: int | None = None
     phase: str | None = None  # to engines: which step (see megatron_serve.wire.lifecycle.STEPS)
     rendezvous: Rendezvous | None = None  # the weights come from a trainer over a collective
+
+
+class LoadLora(Control):
+    """LOAD_LORA: serve the PEFT adapter in directory ``lora_path`` (as the engines see it) as ``lora_name``."""
+
+    lora_name: str
+    lora_path: str
+    phase: str | None = None  # to engines: which step (see megatron_serve.wire.lifecycle.STEPS)
+
+
+class UnloadLora(Control):
+    """UNLOAD_LORA: stop serving ``lora_name`` to new requests."""
+
+    lora_name: str
 
 
 class ControlAck(Body):
@@ -392,6 +407,8 @@ TO_COORDINATOR: dict[Header, type[Body]] = {
     Header.RESUME: Control,
     Header.STOP: Stop,
     Header.REFIT: Refit,
+    Header.LOAD_LORA: LoadLora,
+    Header.UNLOAD_LORA: UnloadLora,
     Header.STATUS: Status,
     Header.HEARTBEAT: Heartbeat,
     Header.DRAINING: Draining,
@@ -418,5 +435,7 @@ FROM_COORDINATOR: dict[Header, type[Body]] = {
     Header.RESUME: Control,
     Header.STOP: Stop,
     Header.REFIT: Refit,
+    Header.LOAD_LORA: LoadLora,
+    Header.UNLOAD_LORA: UnloadLora,
     Header.HANDBACK: Handback,
 }

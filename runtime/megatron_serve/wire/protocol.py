@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Iterator, Mapping, NamedTuple, Union
 
 import msgspec
 
-from .lifecycle import STEPS, Step, Verb
+from .lifecycle import PHASED_VERBS, STEPS, Step, Verb
 
 if TYPE_CHECKING:
     from .messages import Batch, Body
@@ -51,6 +51,8 @@ class Header(enum.IntEnum):
     STOP = 24
     CONTROL_ACK = 25
     REFIT = 26  # in-place weight refit (legal while PAUSED or SUSPENDED)
+    LOAD_LORA = 27  # serve a LoRA adapter (phase verify, then load)
+    UNLOAD_LORA = 28  # stop serving a LoRA adapter
     # introspection and liveness
     STATUS = 30
     STATUS_REPLY = 31
@@ -70,6 +72,8 @@ VERB_HEADERS: dict[Verb, Header] = {
     Verb.RESUME: Header.RESUME,
     Verb.STOP: Header.STOP,
     Verb.REFIT: Header.REFIT,
+    Verb.LOAD_LORA: Header.LOAD_LORA,
+    Verb.UNLOAD_LORA: Header.UNLOAD_LORA,
 }
 HEADER_VERBS: dict[Header, Verb] = {header: verb for verb, header in VERB_HEADERS.items()}
 _STEP_MESSAGES: dict[tuple[Header, str | None], Step] = {
@@ -77,11 +81,12 @@ _STEP_MESSAGES: dict[tuple[Header, str | None], Step] = {
 
 
 def step_of(header: Header, phase: str | None) -> Step:
-    """The lifecycle step a verb message from the coordinator carries (REFIT's ``phase`` tells which;
-    coordinators older than the verify phase sent none: a load)."""
+    """The lifecycle step a verb message from the coordinator carries (the ``phase`` of REFIT and LOAD_LORA
+    tells which; coordinators older than REFIT's verify phase sent none: a load)."""
     if header is Header.REFIT and phase is None:
         return Step.REFIT_LOAD
-    step = _STEP_MESSAGES.get((header, phase if header is Header.REFIT else None))
+    phased = header in HEADER_VERBS and HEADER_VERBS[header] in PHASED_VERBS
+    step = _STEP_MESSAGES.get((header, phase if phased else None))
     if step is None:
         raise ProtocolError(f"{header.name}: unknown phase {phase!r}")
     return step
@@ -106,6 +111,8 @@ class ErrorCode(str, enum.Enum):
     FORBIDDEN = "forbidden"  # role may not send this header
     WEIGHTS_INCOMPLETE = "weights_incomplete"  # UNPAUSE while a failed refit left an engine with mixed weights
     CONTROL_ID_REUSED = "control_id_reused"  # a control id already used for another verb or other arguments
+    LORA_REFUSED = "lora_refused"  # an engine refused a LoRA adapter (bad adapter, name taken); nothing changed
+    LORA_NOT_FOUND = "lora_not_found"  # UNLOAD_LORA of an adapter no engine serves
 
 
 class ProtocolError(ValueError):
