@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any, AsyncIterator, Protocol, runtime_checkabl
 
 from ..wire.connection import CoordinatorError, CoordinatorLost
 from ..client.outputs import StreamPartial
+from ..client.streams import Inbox
 from ..errors import ClientNotStarted
 from ..wire.request import DynamicInferenceRequest, EventType, FinishReason, RequestStatus
 from .errors import APIError, shutting_down
@@ -47,7 +48,7 @@ class SinkBackend(Protocol):
 class _Tagged:
     """A sink that files a job's items into the submission's queue as ``(job, request_id, item)``."""
 
-    queue: "asyncio.Queue[tuple[EngineJob | None, str, Any]]"
+    queue: Inbox
     job: EngineJob
     request_id: str
 
@@ -213,7 +214,7 @@ class Submission:
         before the final request), so the answer has a chunk per N tokens instead of per step.
         Closing the iterator (the response ended or the client left) aborts what is unfinished.
         """
-        queue: asyncio.Queue[tuple[EngineJob | None, str, Any]] = asyncio.Queue()
+        queue = Inbox()  # (job, request_id, item); a job of None: the server stops
 
         async def pump(job: EngineJob, request_id: str) -> None:
             try:
@@ -242,27 +243,29 @@ class Submission:
         opened: set[str] = set()  # jobs whose first piece went
         try:
             while remaining:
-                job, request_id, item = await queue.get()
-                if job is None:  # the server stops
-                    raise item
-                if isinstance(item, BaseException):
-                    self._finished(request_id, None)
-                    raise _submission_error(item) if isinstance(item, Exception) else item
-                if isinstance(item, DynamicInferenceRequest):
-                    remaining -= 1
-                    self._finished(request_id, item)
-                    result = check_result(item)
-                    if request_id in held:
-                        yield job, held.pop(request_id)
-                    yield job, result
-                    continue
-                if self.stream_interval > 1 and request_id in opened:
-                    item = merge_pieces(held.pop(request_id, None), item)
-                    if len(item.new_tokens) < self.stream_interval:
-                        held[request_id] = item
+                for job, request_id, item in await queue.take():
+                    if not remaining:  # every job ended: what still came is nobody's
+                        break
+                    if job is None:  # the server stops
+                        raise item
+                    if isinstance(item, BaseException):
+                        self._finished(request_id, None)
+                        raise _submission_error(item) if isinstance(item, Exception) else item
+                    if isinstance(item, DynamicInferenceRequest):
+                        remaining -= 1
+                        self._finished(request_id, item)
+                        result = check_result(item)
+                        if request_id in held:
+                            yield job, held.pop(request_id)
+                        yield job, result
                         continue
-                opened.add(request_id)
-                yield job, item
+                    if self.stream_interval > 1 and request_id in opened:
+                        item = merge_pieces(held.pop(request_id, None), item)
+                        if len(item.new_tokens) < self.stream_interval:
+                            held[request_id] = item
+                            continue
+                    opened.add(request_id)
+                    yield job, item
         finally:
             stopped.cancel()
             for task in tasks:

@@ -35,7 +35,7 @@ import logging
 from typing import Any, Iterator
 
 from .messages import FROM_COORDINATOR, PROTOCOL_VERSION, HelloAck
-from .protocol import ErrorCode, Header, Message, ProtocolError, decode, encode, unbatch
+from .protocol import ErrorCode, Header, Message, ProtocolError, decode_all, encode
 from .security import HandshakeWatch
 
 logger = logging.getLogger("megatron_serve.connection")
@@ -181,13 +181,13 @@ class Connection:
         answered twice). Raises :class:`Unauthorized` when the token is refused.
         """
         try:
-            message = decode(frame, FROM_COORDINATOR)
+            messages = decode_all(frame, FROM_COORDINATOR)
         except ProtocolError as exc:
             logger.warning("dropped frame from the coordinator: %s", exc)
             return []
         self.last_rx = now
         out = []
-        for item in unbatch(message.body, FROM_COORDINATOR) if message.header is Header.BATCH else (message,):
+        for item in messages:
             if isinstance(item, ProtocolError):
                 logger.warning("dropped message from the coordinator: %s", item)
             elif self._handshake(item):

@@ -193,6 +193,50 @@ def _fast_decoder(table: Mapping[Header, type]) -> tuple[msgspec.msgpack.Decoder
     return fast[1], fast[2]
 
 
+#: id(table) -> (table, a decoder of a frame or of a BATCH of frames in one call, frame struct -> header).
+_FAST_BATCH: dict[int, tuple[Mapping[Header, type], msgspec.msgpack.Decoder, dict[type, Header]]] = {}
+
+
+def _fast_batch_decoder(table: Mapping[Header, type]) -> tuple[msgspec.msgpack.Decoder, dict[type, Header]]:
+    """As :func:`_fast_decoder`, with a ``BATCH`` whose messages are typed too: one C call for a whole frame of an
+    engine step's messages (a message per request in flight)."""
+    fast = _FAST_BATCH.get(id(table))
+    if fast is None:
+        _single, frames = _fast_decoder(table)
+        inner = {frame: header for frame, header in frames.items() if header is not Header.BATCH}
+        messages = Union[tuple(inner)]  # type: ignore[valid-type]
+        batch_body = msgspec.defstruct("TypedBatch", [("messages", list[messages])], forbid_unknown_fields=True)
+        batch = msgspec.defstruct("TypedBatchFrame", [("body", batch_body)], array_like=True, tag=int(Header.BATCH),
+                                  forbid_unknown_fields=True)
+        decoder = msgspec.msgpack.Decoder(Union[(batch, *inner)])  # type: ignore[arg-type]
+        fast = _FAST_BATCH[id(table)] = (table, decoder, {**inner, batch: Header.BATCH})
+    return fast[1], fast[2]
+
+
+def decode_all(frame: bytes | memoryview, table: Mapping[Header, type],
+               max_bytes: int = MAX_MESSAGE_BYTES) -> list[Message | ProtocolError]:
+    """The messages of one frame: the frame's own, or each of the ``BATCH`` it is, in order (an unreadable one
+    as its ``ProtocolError``). Raises ``ProtocolError`` when the frame itself is unreadable.
+
+    A well-formed frame is parsed in one call whatever it holds; a frame with a bad message is parsed again
+    message by message, so that only that one is lost. Per message of a 64-message step frame this saves
+    the Python around a :func:`decode` call.
+    """
+    if Header.BATCH in table and 0 < len(frame) <= max_bytes:
+        decoder, headers = _fast_batch_decoder(table)
+        try:
+            whole = decoder.decode(frame)
+        except (msgspec.DecodeError, RecursionError):
+            pass  # the careful path says what is wrong
+        else:
+            header = headers[type(whole)]
+            if header is not Header.BATCH:
+                return [Message(header, whole.body)]
+            return [Message(headers[type(item)], item.body) for item in whole.body.messages]
+    message = decode(frame, table, max_bytes)
+    return list(unbatch(message.body, table)) if message.header is Header.BATCH else [message]
+
+
 def decode(frame: bytes | msgspec.Raw, table: Mapping[Header, type], max_bytes: int = MAX_MESSAGE_BYTES) -> Message:
     """Parse and validate one frame against ``table`` (the bodies accepted in this direction,
     :data:`megatron_serve.wire.messages.TO_COORDINATOR` or ``FROM_COORDINATOR``).
