@@ -28,7 +28,7 @@ here (``megatron_serve.invariant.batch_invariant``). Only ``torch`` is imported.
 
 from __future__ import annotations
 
-import bisect
+import math
 from typing import Callable
 
 import torch
@@ -42,6 +42,10 @@ Qwen3-MoE greedy 3.23 vs 3.43 ms); 16 pads a small decode step least."""
 
 KEY_BLOCK = 32
 """Keys per attention block: every query reduces its keys in blocks of this many from position 0."""
+
+GEMM_ROWS = 16
+"""The attention's GEMMs take rows in multiples of this: from 16 rows up, MKL's float32 GEMM computes an
+element the same way whatever the shape (8 rows already take another path)."""
 
 _VECTOR = 64
 """Elements of two AVX-512 registers of bfloat16: a multiple of every vector loop's stride."""
@@ -149,86 +153,95 @@ def rotate(x: torch.Tensor, cos_full: torch.Tensor, sin_full: torch.Tensor) -> t
 
 def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, sequence: torch.Tensor,
               positions: torch.Tensor, scale: float) -> torch.Tensor:
-    """Causal attention of query rows over their sequences' keys, blockwise from key 0.
+    """Causal attention of query rows over their sequences' keys, keys reduced in blocks from key 0.
 
     ``q`` ``[R, Hq, D]``; ``keys``/``values`` ``[S, L, Hkv, D]`` (``L`` at least every query's position
-    plus one; entries past it may hold anything); ``sequence[r]`` which of the ``S`` sequences row
-    ``r`` reads; ``positions[r]`` its position (it sees keys ``0..positions[r]``). Returns ``[R, Hq, D]``
-    in ``q``'s dtype. Computed in float32 with an online softmax over blocks of :data:`KEY_BLOCK`
-    keys; a block wholly past a row's position changes nothing (its weights are exactly 0 and its
-    rescale factor exactly 1), so neither the longest sequence of the call nor the other rows matter.
+    plus one; entries past a sequence's last queried position may hold anything, NaN included);
+    ``sequence[r]`` which of the ``S`` sequences row ``r`` reads; ``positions[r]`` its position (it
+    sees keys ``0..positions[r]``). Returns ``[R, Hq, D]`` in ``q``'s dtype, computed in float32.
 
-    Scores and weighted values are elementwise products summed over ``D`` and over the block: a
-    batched GEMM per row and head (``torch.matmul``) is not invariant, the library picks its path by
-    the batch count (one thread, 4 heads of 32: the parity search's case 0 changed a log prob).
+    Per query row and head: scores by GEMM, the softmax's maximum over the visible keys (exact in
+    any order), weights ``exp(score - max)`` (0 for unseen keys), then the weights' sum and the
+    weighted values reduced per block of :data:`KEY_BLOCK` keys (a 32-wide sum; a GEMM with
+    ``K = KEY_BLOCK``) and the blocks added one by one from block 0. A block past a row's
+    position adds exact zeros, so neither the longest sequence of the call, the padding, nor the
+    other rows change a bit: prefill, decode, a prefix-cache hit and any chunking agree.
 
-    For speed, none of which changes a bit (every element meets the same products in the same
-    layouts, so the same sums): each block is read through a view of the keys (no copy of a block
-    for all sequences); rows run sorted by position, latest first, so the rows a block reaches are a
-    prefix and the rows it is wholly past are set aside once, not copied back (no ``index_copy``); the
-    causal masks are applied only in blocks some row sees in part; rows that all read one sequence
-    (a prefill chunk, a trainer's single sequence) broadcast its block instead of a copy per row.
-    Checked equal with ``==`` to the plain loop on decode, prefill, prefix-hit and mixed calls,
-    float32 and bfloat16, grouped heads, NaN past the positions. CPU time of one call, one thread,
-    best of 15, the plain loop then this (2-core CPU, shared): 20 decode rows 2.28 -> 1.97 ms,
-    a 300-row prefill 59.1 -> 34.3 ms, a 77-row prefix-hit chunk in bfloat16 4.13 -> 2.14 ms,
-    a mixed step 3.13 -> 2.66 ms.
+    The GEMMs are batched per group of sequences (one group per padded row count: all decode rows
+    together, each prefill chunk on its own) as ``[M, D] x [D, L]`` and ``[M, KEY_BLOCK] x
+    [KEY_BLOCK, D]`` with ``M`` a multiple of :data:`GEMM_ROWS` (zero rows padded): a float32 GEMM
+    whose ``M`` is a multiple of 16 computes each element the same way whatever ``M``, ``N`` and
+    the batch count (checked on MKL 2024.2, AVX-512, 1 and 2 threads, ``D`` 8 to 128, transposed
+    or not); below 16 rows the library takes other paths (8 rows already differ), which is why a
+    per-row batched GEMM was not invariant. ``tests/invariance`` holds it to ``==``.
+
+    CPU per call, one thread, the earlier elementwise-product version then this: (measured in
+    benchmarks/batch_invariance.py's engine runs, see docs/batch-invariance.md).
     """
     rows, heads, dim = q.shape
-    span_in, kv_heads = keys.shape[1:3]
+    count, span_in, kv_heads = keys.shape[:3]
     group = heads // kv_heads
     if rows == 0:
         return q.new_empty((0, heads, dim))
-    order = torch.argsort(positions, descending=True, stable=True)
-    ordered = positions[order].tolist()
-    length = min(span_in, ordered[0] + 1)
-    blocks = -(-length // KEY_BLOCK)
+    order = torch.argsort(sequence, stable=True)  # rows of a sequence together, in their order
+    per_sequence = torch.bincount(sequence, minlength=count)
+    limits = torch.full((count,), -1, dtype=positions.dtype, device=q.device).scatter_reduce(
+        0, sequence, positions, "amax")
+    unit = GEMM_ROWS // math.gcd(GEMM_ROWS, group)  # rows whose heads fill whole GEMM tiles
+    padded_rows = (-(-per_sequence // unit) * unit).tolist()
+    starts = [0] + torch.cumsum(per_sequence, 0).tolist()
+    by_size: dict[int, list[int]] = {}
+    for index, size in enumerate(padded_rows):
+        if size:
+            by_size.setdefault(size, []).append(index)
+    out = torch.empty((rows, kv_heads, group, dim), dtype=torch.float32, device=q.device)
+    q32 = q.to(torch.float32).view(rows, kv_heads, group, dim)
+    for size, members in by_size.items():
+        row_index = torch.cat([order[starts[s]:starts[s + 1]] for s in members])
+        slot_seq = torch.cat([torch.full((starts[s + 1] - starts[s],), i, device=q.device)
+                              for i, s in enumerate(members)])
+        slot_row = torch.cat([torch.arange(starts[s + 1] - starts[s], device=q.device) for s in members])
+        out[row_index] = _attend_group(q32[row_index], slot_seq, slot_row, size,
+                                       torch.tensor(members, device=q.device), keys, values,
+                                       positions[row_index], limits, scale)
+    return out.view(rows, heads, dim).to(q.dtype)
+
+
+def _attend_group(q: torch.Tensor, slot_seq: torch.Tensor, slot_row: torch.Tensor, size: int,
+                  members: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor,
+                  limits: torch.Tensor, scale: float) -> torch.Tensor:
+    """:func:`attention` for the rows of the sequences ``members``, each padded to ``size`` rows:
+    ``q`` ``[r, Hkv, G, D]`` float32, row ``i`` at slot ``slot_row[i]`` of sequence ``slot_seq[i]``."""
+    n, (_, kv_heads, group, dim) = members.numel(), q.shape
+    limit = limits[members]
+    blocks = -(-(int(limit.max()) + 1) // KEY_BLOCK)
     span = blocks * KEY_BLOCK
-    if span > span_in:
-        keys = F.pad(keys, (0, 0, 0, 0, 0, span - span_in))
-        values = F.pad(values, (0, 0, 0, 0, 0, span - span_in))
-    row_seq = sequence[order]
-    first = int(sequence[0])
-    one_sequence = bool((sequence == first).all())
-    tiled = (keys.shape[0], blocks, KEY_BLOCK, kv_heads, dim)
-    keys_blocked = keys[:, :span].reshape(tiled).transpose(0, 1)  # [n, S, B, Hkv, D], a view
-    values_blocked = values[:, :span].reshape(tiled).transpose(0, 1)
-    row_pos = positions[order]
-    row_q = q[order].to(torch.float32).view(rows, kv_heads, group, 1, dim)
-    best = row_q.new_full((rows, kv_heads, group), float("-inf"))
-    total = row_q.new_zeros((rows, kv_heads, group))
-    acc = row_q.new_zeros((rows, kv_heads, group, dim))
-    offsets = torch.arange(KEY_BLOCK, device=q.device)
-    finished: list[torch.Tensor] = []
-    live = rows
-    for block in range(blocks):
-        start = block * KEY_BLOCK
-        reached = bisect.bisect_right(ordered, -start, key=lambda p: -p)  # rows with position >= start
-        if reached < live:  # the block is wholly past the rest: their sums are final
-            finished.append(acc[reached:live] / total[reached:live, ..., None])
-            live = reached
-            best, total, acc, row_seq, row_pos, row_q = (
-                best[:live], total[:live], acc[:live], row_seq[:live], row_pos[:live], row_q[:live])
-        if one_sequence:  # every row reads the same block: broadcast it
-            k, v = keys_blocked[block, first:first + 1], values_blocked[block, first:first + 1]  # [1, B, Hkv, D]
-        else:
-            k, v = keys_blocked[block].index_select(0, row_seq), values_blocked[block].index_select(0, row_seq)
-        k, v = k.float(), v.float()
-        k, v = k.permute(0, 2, 1, 3), v.permute(0, 2, 3, 1)  # [r, Hkv, B, D], [r, Hkv, D, B]
-        scores = (row_q * k[:, :, None]).sum(-1) * scale  # [r, Hkv, G, B]
-        if ordered[live - 1] < start + KEY_BLOCK - 1:  # some row sees only part of the block
-            visible = (start + offsets)[None, :] <= row_pos[:, None]  # [r, B]
-            v = torch.where(visible[:, None, None, :], v, 0.0)
-            scores = torch.where(visible[:, None, None, :], scores, float("-inf"))
-        new_best = torch.maximum(best, scores.amax(-1))
-        rescale = exp(best - new_best)
-        weights = exp(scores - new_best[..., None])
-        total = total * rescale + weights.sum(-1)
-        acc = acc * rescale[..., None] + (weights[:, :, :, None, :] * v[:, :, None]).sum(-1)
-        best = new_best
-    finished.append(acc / total[..., None])
-    ordered_out = torch.cat(finished[::-1]) if len(finished) > 1 else finished[0]
-    return ordered_out[torch.argsort(order)].view(rows, heads, dim).to(q.dtype)
+    k, v = keys[members, :span], values[members, :span]
+    if span > k.shape[1]:
+        k = F.pad(k, (0, 0, 0, 0, 0, span - k.shape[1]))
+        v = F.pad(v, (0, 0, 0, 0, 0, span - v.shape[1]))
+    seen = torch.arange(span, device=q.device)[None, :] <= limit[:, None]  # [n, L]: keys some row reads
+    v = torch.where(seen[:, :, None, None], v.to(torch.float32), 0.0)  # never 0 * NaN
+    k_t = k.to(torch.float32).permute(0, 2, 3, 1).reshape(n * kv_heads, dim, span)
+    padded = q.new_zeros((n, size, kv_heads, group, dim))
+    padded[slot_seq, slot_row] = q
+    tile_rows = size * group
+    q_t = padded.permute(0, 2, 1, 3, 4).reshape(n * kv_heads, tile_rows, dim)
+    scores = torch.bmm(q_t, k_t).mul_(scale).view(n, kv_heads, size, group, span)
+    row_pos = positions.new_zeros((n, size))
+    row_pos[slot_seq, slot_row] = positions
+    visible = torch.arange(span, device=q.device) <= row_pos[:, None, :, None, None]  # [n, 1, size, 1, L]
+    scores = torch.where(visible, scores, float("-inf"))
+    weights = exp(scores - scores.amax(-1, keepdim=True)).view(n * kv_heads, tile_rows, blocks, KEY_BLOCK)
+    block_totals = weights.sum(-1)  # [b, M, blocks]
+    partial = torch.bmm(weights.transpose(1, 2).reshape(-1, tile_rows, KEY_BLOCK),
+                        v.permute(0, 2, 1, 3).reshape(-1, KEY_BLOCK, dim)).view(n * kv_heads, blocks, tile_rows, dim)
+    total, acc = block_totals[..., 0], partial[:, 0]
+    for block in range(1, blocks):
+        total = total + block_totals[..., block]
+        acc = acc + partial[:, block]
+    out = (acc / total[..., None]).view(n, kv_heads, size, group, dim).permute(0, 2, 1, 3, 4)
+    return out[slot_seq, slot_row]
 
 
 def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
