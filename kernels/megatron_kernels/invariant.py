@@ -54,9 +54,22 @@ _PIECE = 32768
 """PyTorch's grain: an elementwise op of at most this many elements runs on one thread, so no thread
 boundary can cut a vector loop short."""
 
+def _gpu_kernels(x: torch.Tensor):
+    """The Triton twins for a CUDA tensor (fixed tiles per weight shape, one row per norm program), else
+    ``None``: on CPU the PyTorch ops here are the invariant ones. Imported on first GPU use, so a trainer
+    on CPU needs no ``triton``."""
+    if not x.is_cuda:
+        return None
+    from . import triton_invariant_linear, triton_invariant_norm  # noqa: PLC0415 - GPU only, needs triton
+    return triton_invariant_linear, triton_invariant_norm
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ weight.T + bias`` with every row computed by a GEMM of :data:`ROW_TILE` rows (differentiable:
-    a trainer's backward runs through it)."""
+    a trainer's backward runs through it); on CUDA the Triton kernel of ``triton_invariant_linear``."""
+    kernels = _gpu_kernels(x)
+    if kernels is not None:
+        return kernels[0].invariant_linear(x, weight, bias)
     rows = x.reshape(-1, x.shape[-1])
     count = rows.shape[0]
     whole = count - count % ROW_TILE
@@ -131,7 +144,11 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """Llama's RMSNorm, op for op as ``transformers`` writes it (float32 statistics, cast, then the weight)."""
+    """Llama's RMSNorm, op for op as ``transformers`` writes it (float32 statistics, cast, then the weight);
+    on CUDA the one-row-per-program Triton kernel of ``triton_invariant_norm``."""
+    kernels = _gpu_kernels(x)
+    if kernels is not None:
+        return kernels[1].invariant_rms_norm(x, weight, eps)
     x32 = x.to(torch.float32)
     normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
     return weight * normed.to(x.dtype)
@@ -139,6 +156,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
                        ) -> tuple[torch.Tensor, torch.Tensor]:
+    kernels = _gpu_kernels(x)
+    if kernels is not None:
+        return kernels[1].invariant_fused_add_rms_norm(x, residual, weight, eps)
     summed = residual + x
     return rms_norm(summed, weight, eps), summed
 
