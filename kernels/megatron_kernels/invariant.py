@@ -7,15 +7,15 @@ vectorized loop leaves a tail of a tensor to a scalar loop, and PyTorch's scalar
 differently from its vector one (767 of 20,000 float32 values differ). A token's log prob then
 depends on how many other tokens share its step. The ops here remove every such dependence:
 
-* :func:`linear`: rows go through the library in fixed tiles of :data:`ROW_TILE` rows (the last
-  tile padded), so every row meets the same GEMM shape whatever the batch;
+* :func:`linear`: rows padded to a multiple of :data:`ROW_TILE` rows, so no row meets the library's
+  one-row (matrix-vector) path, and a row's GEMM arithmetic does not change with the batch;
 * :func:`silu`, :func:`sigmoid`, :func:`exp`, :func:`cos`, :func:`sin`: the tensor is flattened, padded to whole
   vectors and cut into pieces no larger than one thread's share, so every element takes the
   vector path, and vector lanes do not interact;
-* :func:`attention`: keys reduced in blocks of :data:`KEY_BLOCK` from position 0 with an online
-  softmax, scores and weighted values as elementwise products summed over a fixed length, so a
-  query's output depends only on its own position and its sequence's keys: prefill, decode, a
-  prefix-cache hit and any chunking give the same bits.
+* :func:`attention`: scores and weighted values by GEMMs of at least :data:`GEMM_ROWS` rows, the
+  weights' sums and the weighted values reduced in blocks of :data:`KEY_BLOCK` keys added from
+  position 0, so a query's output depends only on its own position and its sequence's keys:
+  prefill, decode, a prefix-cache hit and any chunking give the same bits.
 
 Row-wise kernels PyTorch already runs one row at a time (``softmax``, ``log_softmax``, ``mean`` over
 the last dimension) and correctly rounded elementwise ops (``+``, ``*``, ``rsqrt``, casts) need
@@ -36,9 +36,11 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 ROW_TILE = 16
-"""Rows per GEMM call. benchmarks/batch_invariance.py on the 2-core CPU (hidden 256, 4 layers, quiet):
-16 and 64 rows cost the same CPU per token (greedy Llama 2.84 ms both, sampled 1.82 vs 1.80 ms,
-Qwen3-MoE greedy 3.23 vs 3.43 ms); 16 pads a small decode step least."""
+"""A linear's rows are padded with zero rows to a multiple of this and go through one GEMM: from 16 rows
+up, MKL's GEMM (float32 and bfloat16, AVX-512, 1 and 2 threads) computes a row the same way whatever the
+row count; fewer rows take the matrix-vector path, which rounds differently. 16 pads a decode step least
+(it was the tile of separate 16-row GEMM calls, 4,067 calls to 1,827 in the cost benchmark's greedy
+Llama run: the same bits, tests/invariance unchanged)."""
 
 KEY_BLOCK = 32
 """Keys per attention block: every query reduces its keys in blocks of this many from position 0."""
@@ -65,38 +67,17 @@ def _gpu_kernels(x: torch.Tensor):
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``x @ weight.T + bias`` with every row computed by a GEMM of :data:`ROW_TILE` rows (differentiable:
-    a trainer's backward runs through it); on CUDA the Triton kernel of ``triton_invariant_linear``."""
+    """``x @ weight.T + bias``, the rows padded to a multiple of :data:`ROW_TILE` (differentiable: a trainer's
+    backward runs through it); on CUDA the Triton kernel of ``triton_invariant_linear``."""
     kernels = _gpu_kernels(x)
     if kernels is not None:
         return kernels[0].invariant_linear(x, weight, bias)
     rows = x.reshape(-1, x.shape[-1])
     count = rows.shape[0]
-    whole = count - count % ROW_TILE
-    weight_t = weight.t()
-    tracked = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias))
-    if tracked:  # out= has no autograd: tiles as separate tensors, concatenated
-        tiles = [_tile(rows[start:start + ROW_TILE], weight_t, bias) for start in range(0, whole, ROW_TILE)]
-        if whole < count:
-            padded = F.pad(rows[whole:], (0, 0, 0, ROW_TILE - count + whole))
-            tiles.append(_tile(padded, weight_t, bias)[: count - whole])
-        out = torch.cat(tiles) if tiles else rows.new_empty((0, weight.shape[0]))
-        return out.view(*x.shape[:-1], weight.shape[0])
-    out = rows.new_empty((count, weight.shape[0]))
-    for start in range(0, whole, ROW_TILE):
-        _tile(rows[start:start + ROW_TILE], weight_t, bias, out[start:start + ROW_TILE])
-    if whole < count:
-        padded = rows.new_zeros((ROW_TILE, rows.shape[1]))
-        padded[: count - whole] = rows[whole:]
-        out[whole:] = _tile(padded, weight_t, bias)[: count - whole]
-    return out.view(*x.shape[:-1], weight.shape[0])
-
-
-def _tile(rows: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | None,
-          out: torch.Tensor | None = None) -> torch.Tensor:
-    if bias is None:
-        return torch.mm(rows, weight_t) if out is None else torch.mm(rows, weight_t, out=out)
-    return torch.addmm(bias, rows, weight_t) if out is None else torch.addmm(bias, rows, weight_t, out=out)
+    if count % ROW_TILE:
+        rows = F.pad(rows, (0, 0, 0, ROW_TILE - count % ROW_TILE))
+    out = torch.mm(rows, weight.t()) if bias is None else torch.addmm(bias, rows, weight.t())
+    return out[:count].view(*x.shape[:-1], weight.shape[0])
 
 
 def lanewise(function: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
@@ -199,69 +180,90 @@ def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, sequenc
     benchmarks/batch_invariance.py's engine runs, see docs/batch-invariance.md).
     """
     rows, heads, dim = q.shape
-    count, span_in, kv_heads = keys.shape[:3]
+    count, kv_heads = keys.shape[0], keys.shape[2]
     group = heads // kv_heads
     if rows == 0:
         return q.new_empty((0, heads, dim))
     order = torch.argsort(sequence, stable=True)  # rows of a sequence together, in their order
+    ordered_seq = sequence[order]
     per_sequence = torch.bincount(sequence, minlength=count)
+    starts = torch.cumsum(per_sequence, 0) - per_sequence
+    slot_row = torch.arange(rows, device=q.device) - starts[ordered_seq]  # a row's place in its sequence
     limits = torch.full((count,), -1, dtype=positions.dtype, device=q.device).scatter_reduce(
         0, sequence, positions, "amax")
     unit = GEMM_ROWS // math.gcd(GEMM_ROWS, group)  # rows whose heads fill whole GEMM tiles
-    padded_rows = (-(-per_sequence // unit) * unit).tolist()
-    starts = [0] + torch.cumsum(per_sequence, 0).tolist()
     by_size: dict[int, list[int]] = {}
-    for index, size in enumerate(padded_rows):
+    for index, size in enumerate((-(-per_sequence // unit) * unit).tolist()):
         if size:
             by_size.setdefault(size, []).append(index)
     out = torch.empty((rows, kv_heads, group, dim), dtype=torch.float32, device=q.device)
     q32 = q.to(torch.float32).view(rows, kv_heads, group, dim)
+    local = torch.empty(count, dtype=torch.long, device=q.device)  # a sequence's index within its group
     for size, members in by_size.items():
-        row_index = torch.cat([order[starts[s]:starts[s + 1]] for s in members])
-        slot_seq = torch.cat([torch.full((starts[s + 1] - starts[s],), i, device=q.device)
-                              for i, s in enumerate(members)])
-        slot_row = torch.cat([torch.arange(starts[s + 1] - starts[s], device=q.device) for s in members])
-        out[row_index] = _attend_group(q32[row_index], slot_seq, slot_row, size,
-                                       torch.tensor(members, device=q.device), keys, values,
-                                       positions[row_index], limits, scale)
+        member_t = torch.tensor(members, device=q.device)
+        local[member_t] = torch.arange(len(members), device=q.device)
+        if len(by_size) == 1:
+            picked, whole = slice(None), len(members) == count
+        else:
+            picked, whole = torch.isin(ordered_seq, member_t), False
+        row_index = order[picked]
+        out[row_index] = _attend_group(
+            q32[row_index], local[ordered_seq[picked]], slot_row[picked], size,
+            None if whole else member_t, keys, values, positions[row_index], limits[member_t], scale)
     return out.view(rows, heads, dim).to(q.dtype)
 
 
 def _attend_group(q: torch.Tensor, slot_seq: torch.Tensor, slot_row: torch.Tensor, size: int,
-                  members: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor,
-                  limits: torch.Tensor, scale: float) -> torch.Tensor:
-    """:func:`attention` for the rows of the sequences ``members``, each padded to ``size`` rows:
-    ``q`` ``[r, Hkv, G, D]`` float32, row ``i`` at slot ``slot_row[i]`` of sequence ``slot_seq[i]``."""
-    n, (_, kv_heads, group, dim) = members.numel(), q.shape
-    limit = limits[members]
+                  members: torch.Tensor | None, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor,
+                  limit: torch.Tensor, scale: float) -> torch.Tensor:
+    """:func:`attention` for the rows of the sequences ``members`` (all when ``None``), each padded to
+    ``size`` rows for the GEMMs: ``q`` ``[r, Hkv, G, D]`` float32, row ``i`` at slot ``slot_row[i]`` of
+    the group's sequence ``slot_seq[i]``; ``limit`` each sequence's last position read. The softmax
+    runs on the rows some sequence fills (``real``), not on the padding."""
+    _, kv_heads, group, dim = q.shape
+    n = limit.numel()
     blocks = -(-(int(limit.max()) + 1) // KEY_BLOCK)
     span = blocks * KEY_BLOCK
-    k, v = keys[members, :span], values[members, :span]
-    if span > k.shape[1]:
-        k = F.pad(k, (0, 0, 0, 0, 0, span - k.shape[1]))
-        v = F.pad(v, (0, 0, 0, 0, 0, span - v.shape[1]))
-    seen = torch.arange(span, device=q.device)[None, :] <= limit[:, None]  # [n, L]: keys some row reads
-    v = torch.where(seen[:, :, None, None], v.to(torch.float32), 0.0)  # never 0 * NaN
-    k_t = k.to(torch.float32).permute(0, 2, 3, 1).reshape(n * kv_heads, dim, span)
-    padded = q.new_zeros((n, size, kv_heads, group, dim))
-    padded[slot_seq, slot_row] = q
+    length = min(span, keys.shape[1])
+    k = keys[:, :length] if members is None else keys[members, :length]
+    v = values[:, :length] if members is None else values[members, :length]
+    k_b = _blocked(k, n, span)  # [n, Hkv, L, D] float32: the scores' GEMM reads it transposed
+    v_b = _blocked(v, n, span)
+    for index, last in enumerate(limit.tolist()):  # zero weights times a NaN left in the cache would be NaN
+        if last + 1 < length:  # (a slice per sequence: 5x faster than any masked fill of the whole)
+            v_b[index, :, last + 1:length] = 0.0
+    real = int(slot_row.max()) + 1
     tile_rows = size * group
-    q_t = padded.permute(0, 2, 1, 3, 4).reshape(n * kv_heads, tile_rows, dim)
-    scores = torch.bmm(q_t, k_t).mul_(scale).view(n, kv_heads, size, group, span)
-    row_pos = positions.new_zeros((n, size))
+    q_t = q.new_zeros((n, kv_heads, size, group, dim))
+    q_t.permute(0, 2, 1, 3, 4)[slot_seq, slot_row] = q
+    scores = torch.bmm(q_t.view(n * kv_heads, tile_rows, dim), k_b.view(n * kv_heads, span, dim).transpose(1, 2))
+    scores = scores.view(n, kv_heads, size, group, span)[:, :, :real]
+    row_pos = positions.new_zeros((n, real))
     row_pos[slot_seq, slot_row] = positions
-    visible = torch.arange(span, device=q.device) <= row_pos[:, None, :, None, None]  # [n, 1, size, 1, L]
-    scores = torch.where(visible, scores, float("-inf"))
-    weights = exp(scores - scores.amax(-1, keepdim=True)).view(n * kv_heads, tile_rows, blocks, KEY_BLOCK)
-    block_totals = weights.sum(-1)  # [b, M, blocks]
-    partial = torch.bmm(weights.transpose(1, 2).reshape(-1, tile_rows, KEY_BLOCK),
-                        v.permute(0, 2, 1, 3).reshape(-1, KEY_BLOCK, dim)).view(n * kv_heads, blocks, tile_rows, dim)
-    total, acc = block_totals[..., 0], partial[:, 0]
+    visible = torch.arange(span, device=q.device) <= row_pos[:, None, :, None, None]  # [n, 1, real, 1, L]
+    scores = torch.where(visible, scores * scale, float("-inf"))
+    weights = exp(scores - scores.amax(-1, keepdim=True)).view(n, kv_heads, real, group, blocks, KEY_BLOCK)
+    block_totals = weights.sum(-1)  # [n, Hkv, real, G, blocks]
+    w_t = q.new_zeros((n, kv_heads, blocks, size, group, KEY_BLOCK)) if real < size else \
+        q.new_empty((n, kv_heads, blocks, size, group, KEY_BLOCK))
+    w_t[:, :, :, :real] = weights.permute(0, 1, 4, 2, 3, 5)
+    partial = torch.bmm(w_t.view(-1, tile_rows, KEY_BLOCK), v_b.view(-1, KEY_BLOCK, dim))
+    partial = partial.view(n, kv_heads, blocks, size, group, dim)[:, :, :, :real]
+    total, acc = block_totals[..., 0], partial[:, :, 0]
     for block in range(1, blocks):
         total = total + block_totals[..., block]
-        acc = acc + partial[:, block]
-    out = (acc / total[..., None]).view(n, kv_heads, size, group, dim).permute(0, 2, 1, 3, 4)
+        acc = acc + partial[:, :, block]
+    out = (acc / total[..., None]).permute(0, 2, 1, 3, 4)  # [n, real, Hkv, G, D]
     return out[slot_seq, slot_row]
+
+
+def _blocked(cache: torch.Tensor, count: int, span: int) -> torch.Tensor:
+    """``[S, length, Hkv, D]`` as float32 ``[S, Hkv, span, D]``, zeros past ``length``: one copy."""
+    length, kv_heads, dim = cache.shape[1:]
+    out = torch.empty((count, kv_heads, span, dim), dtype=torch.float32, device=cache.device)
+    out[:, :, :length] = cache.transpose(1, 2)
+    out[:, :, length:] = 0
+    return out
 
 
 def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
