@@ -52,10 +52,11 @@ def workload(count: int, samples: int, seed: int) -> list[tuple[list[int], Sampl
     return out
 
 
-def measure(model_dir: str, invariant_mode: bool, requests, dtype: str) -> tuple[float, float, int]:
+def measure(model_dir: str, invariant_mode: bool, requests, dtype: str, device: str = "cpu"
+            ) -> tuple[float, float, int]:
     """(wall seconds, CPU seconds, generated tokens) of the whole workload in flight together."""
     engine = DynamicInferenceEngine.from_model_dir(model_dir, InferenceConfig(
-        dtype=dtype, device="cpu", batch_invariant=invariant_mode, max_requests=64, max_batch_tokens=512))
+        dtype=dtype, device=device, batch_invariant=invariant_mode, max_requests=64, max_batch_tokens=512))
     reqs = [DynamicInferenceRequest(str(i), None, prompt, params) for i, (prompt, params) in enumerate(requests)]
     wall, cpu = time.perf_counter(), time.process_time()
     for request in reqs:
@@ -67,12 +68,14 @@ def measure(model_dir: str, invariant_mode: bool, requests, dtype: str) -> tuple
     return wall, cpu, sum(len(r.generated_tokens) for r in reqs)
 
 
-def served(model_dir: str, invariant_mode: bool, requests, dtype: str, samples: int) -> tuple[float, float, int]:
+def served(model_dir: str, invariant_mode: bool, requests, dtype: str, device: str, samples: int
+           ) -> tuple[float, float, int]:
     """(wall seconds, stack CPU seconds, output tokens) of ``requests`` streamed at once to a started stack."""
     prompts = requests[::samples]
     work = serving.Workload([prompt for prompt, _ in prompts], [params.num_tokens_to_generate for _, params in prompts])
     serving.SAMPLING = serving.Sampling(temperature=prompts[0][1].temperature, n=samples)
-    run_args = f"--dtype {dtype} --max-requests 64 --max-batch-tokens 512" + (" --batch-invariant" * invariant_mode)
+    run_args = (f"--dtype {dtype} --device {device} --max-requests 64 --max-batch-tokens 512"
+                + " --batch-invariant" * invariant_mode)
     proc, url, _ = serving.start_stack(model_dir, 1, run_args)
     try:
         model = httpx.get(f"{url}/v1/models").json()["data"][0]["id"]
@@ -100,6 +103,7 @@ def main() -> None:
     parser.add_argument("--hidden-size", type=int, default=256)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--device", default="cpu", help="cpu or cuda")
     parser.add_argument("--archs", default="llama,qwen3_moe")
     parser.add_argument("--row-tiles", default=str(invariant.ROW_TILE), help="comma-separated ROW_TILE values")
     parser.add_argument("--served", action="store_true", help="also through the HTTP API (a started stack)")
@@ -113,18 +117,18 @@ def main() -> None:
             model_dir = str(make_tiny_model(f"{tmp}/{arch}", seed=0, arch=arch, hidden_size=args.hidden_size,
                                             num_layers=args.layers, num_heads=8, num_kv_heads=4,
                                             intermediate_size=args.hidden_size * 8 // 3))
-            measure(model_dir, True, workload(4, 1, seed=9), args.dtype)  # warm-up: allocator, first-call costs
+            measure(model_dir, True, workload(4, 1, seed=9), args.dtype, args.device)  # warm-up: first-call costs
             for label, samples in (("greedy", 1), (f"sampled n={args.samples}", args.samples)):
                 requests = workload(args.requests, samples, seed=0)
-                base_wall, base_cpu, tokens = measure(model_dir, False, requests, args.dtype)
+                base_wall, base_cpu, tokens = measure(model_dir, False, requests, args.dtype, args.device)
                 for tile in (int(t) for t in args.row_tiles.split(",")):
                     invariant.ROW_TILE = tile
-                    mode = measure(model_dir, True, requests, args.dtype)
+                    mode = measure(model_dir, True, requests, args.dtype, args.device)
                     assert mode[2] == tokens
                     print_row(arch, f"{label} offline", tile, (base_wall, base_cpu, tokens), mode)
                 if args.served:
-                    base = served(model_dir, False, requests, args.dtype, samples)
-                    mode = served(model_dir, True, requests, args.dtype, samples)
+                    base = served(model_dir, False, requests, args.dtype, args.device, samples)
+                    mode = served(model_dir, True, requests, args.dtype, args.device, samples)
                     assert mode[2] == base[2] == tokens, (base[2], mode[2], tokens)
                     print_row(arch, f"{label} served", "", base, mode)
 
