@@ -74,8 +74,8 @@ case ${1:-tests} in
     step pytest_invariant 420 python3 -m pytest -q -p no:cacheprovider --timeout 300 -rfE --durations 10 tests/invariance
     step parity_invariant 300 python3 -m pytest -q -p no:cacheprovider -rfE tests/parity/test_vs_itself_invariant.py \
       --parity-device cuda --parity-dtype bfloat16 --parity-cases 400
-    step batch_invariance 420 python3 benchmarks/batch_invariance.py --dtype bfloat16 --hidden-size 1024 --layers 8 \
-      --requests 128 --row-tiles 16,64
+    step batch_invariance 540 python3 benchmarks/batch_invariance.py --device cuda --dtype bfloat16 --hidden-size 1024 --layers 8 \
+      --requests 128 --row-tiles 16,64 --served
     ;;
   *) echo "usage: $0 tests|serving|bench|fp8|invariant" >&2; exit 2 ;;
 esac

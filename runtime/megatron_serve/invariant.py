@@ -6,7 +6,10 @@ A trainer that imports this module (it needs ``torch`` only, not the server's de
   embedding's ``cos``/``sin`` use the engine's batch-invariant ops (:mod:`megatron_kernels.invariant`);
 * the attention implementation ``"megatron_invariant"``, registered with ``transformers`` on import
   when ``transformers`` is installed: keys reduced in fixed blocks from position 0, the engine's
-  attention for prefill, decode and prefix-cache hits alike.
+  attention for prefill, decode and prefix-cache hits alike;
+* :func:`use_invariant_norms`, which routes a model's RMSNorm modules through the engine's RMSNorm:
+  the same bits as ``transformers``' own on CPU, the engine's one-row-per-program Triton kernel on a
+  GPU (where PyTorch's reductions pick their split by the row count, and the engine does not use them).
 
 A ``transformers`` Llama-family or Qwen3 model loaded from the engine's checkpoint in the same dtype
 with ``attn_implementation="megatron_invariant"`` and run under ``batch_invariant()`` over prompt +
@@ -17,14 +20,15 @@ reported for each completion token (docs/batch-invariance.md).
 from __future__ import annotations
 
 import contextlib
+import functools
 from typing import Iterator
 
 import torch
-from megatron_kernels.invariant import InvariantMode, attention
+from megatron_kernels.invariant import InvariantMode, attention, rms_norm
 
 ATTENTION_NAME = "megatron_invariant"
 
-__all__ = ["ATTENTION_NAME", "batch_invariant", "hf_attention"]
+__all__ = ["ATTENTION_NAME", "batch_invariant", "hf_attention", "use_invariant_norms"]
 
 
 @contextlib.contextmanager
@@ -32,6 +36,21 @@ def batch_invariant() -> Iterator[None]:
     """Run this process's forward passes with the engine's batch-invariant op set."""
     with InvariantMode():
         yield
+
+
+def use_invariant_norms(model: torch.nn.Module) -> int:
+    """Route every RMSNorm module of a ``transformers`` model (a module named ``...RMSNorm`` with
+    ``variance_epsilon``) through the engine's RMSNorm; returns how many. Needed for parity on a GPU."""
+    count = 0
+    for module in model.modules():
+        if type(module).__name__.endswith("RMSNorm") and hasattr(module, "variance_epsilon"):
+            module.forward = functools.partial(_invariant_norm, module)
+            count += 1
+    return count
+
+
+def _invariant_norm(module: torch.nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
+    return rms_norm(hidden_states, module.weight, module.variance_epsilon)
 
 
 def hf_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

@@ -66,3 +66,21 @@ def test_the_trainer_backward_runs_and_the_forward_stays_the_same(models):
         log_probs[:, :-1].gather(-1, ids[:, 1:, None]).sum().backward()
     assert torch.equal(log_probs.detach(), expected)
     assert model.model.layers[0].self_attn.q_proj.weight.grad.abs().sum() > 0
+
+
+def test_invariant_norms_keep_the_cpu_forward_and_replace_every_norm(models):
+    """``use_invariant_norms`` (the engine's RMSNorm, a Triton kernel on a GPU) finds the model's input,
+    post-attention, q/k and final norms; on CPU the engine's norm is ``transformers``' op for op: the same logits."""
+    import torch  # noqa: PLC0415
+    import transformers  # noqa: PLC0415
+
+    from megatron_serve.invariant import ATTENTION_NAME, batch_invariant, use_invariant_norms  # noqa: PLC0415
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(models["qwen3"], dtype=torch.bfloat16,
+                                                              attn_implementation=ATTENTION_NAME).eval()
+    ids = torch.randint(5, 500, (1, 29))
+    with torch.inference_mode(), batch_invariant():
+        expected = model(ids).logits
+        layers = model.config.num_hidden_layers
+        assert use_invariant_norms(model) == 4 * layers + 1
+        assert torch.equal(model(ids).logits, expected)
