@@ -8,6 +8,8 @@
 #   bash benchmarks/gpu_session.sh fp8       # the FP8 tests natively, then benchmarks/fp8.py's tables (8B shape)
 #   bash benchmarks/gpu_session.sh invariant # --batch-invariant: the invariance and trainer-parity tests, the
 #                                            # engine-against-itself search in the mode (bf16), then its cost table
+#   bash benchmarks/gpu_session.sh speculative # speculative decoding: the draft-model tests natively, then
+#                                            # benchmarks/speculative.py's table (pair trained on the GPU, bf16)
 #
 # The device image has torch, triton and transformers; packages it lacks travel as wheels in .whl
 # (`pip download --python-version 3.12 --only-binary=:all: -d .whl ...`) and install into /tmp/site. Each step has its own time limit, so one
@@ -77,5 +79,11 @@ case ${1:-tests} in
     step batch_invariance 540 python3 benchmarks/batch_invariance.py --device cuda --dtype bfloat16 --hidden-size 1024 --layers 8 \
       --requests 128 --row-tiles 16,64 --served
     ;;
-  *) echo "usage: $0 tests|serving|bench|fp8|invariant" >&2; exit 2 ;;
+  speculative)  # the trained pair (minutes to train on the device) with no speculation, n-gram and the draft
+    step pytest_speculative 240 python3 -m pytest -q -p no:cacheprovider --timeout 180 -rfE \
+      tests/engine/test_draft_model_proposer.py
+    step speculative 540 python3 benchmarks/speculative.py --device cuda --dtype bfloat16 --concurrency 1,8,256 \
+      --threads 4 --cache-dir /tmp/speculative-pair
+    ;;
+  *) echo "usage: $0 tests|serving|bench|fp8|invariant|speculative" >&2; exit 2 ;;
 esac
