@@ -7,8 +7,14 @@ served by none; an unload no engine can do is refused; each acknowledgement upda
 
 from __future__ import annotations
 
+import asyncio
+import json
+import os
+import subprocess
+import sys
 import threading
 
+import msgspec
 import pytest
 
 from megatron_serve.client.coordinator_client import ControlError, InferenceClient
@@ -137,7 +143,7 @@ async def test_requests_go_to_the_engine_that_serves_their_adapter(fleet_factory
     async with InferenceClient(fleet.address, token=fleet.token) as client:
         await client.wait_for_engines(2, timeout=20, poll=0.02)
         params = SamplingParams(temperature=0.0, num_tokens_to_generate=3)
-        tuned = msgspec_replace(params, lora_name="sql")
+        tuned = msgspec.structs.replace(params, lora_name="sql")
         results = [await client.add_request([1, 2, 3 + i], tuned) for i in range(4)]
         assert all(r.generated_tokens == expected_tokens([1, 2, 3 + i], 3) for i, r in enumerate(results))
         assert holder.ran == ["sql"] * 4 and plain.ran == []
@@ -145,7 +151,28 @@ async def test_requests_go_to_the_engine_that_serves_their_adapter(fleet_factory
         assert len(base) == 4 and plain.ran == [None, None] and holder.ran.count(None) == 2
 
 
-def msgspec_replace(params: SamplingParams, **changes) -> SamplingParams:
-    import msgspec  # noqa: PLC0415
+def _control(fleet, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "megatron_serve.cli", "control", *args, "--coordinator", fleet.address],
+                          capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "MEGATRON_SERVE_TOKEN": fleet.token})
 
-    return msgspec.structs.replace(params, **changes)
+
+async def test_the_control_command_loads_and_unloads_and_names_what_is_wrong(fleet_factory):
+    fleet = fleet_factory()
+    engine = add(fleet, LoraFake())
+    async with InferenceClient(fleet.address, token=fleet.token) as client:
+        await client.wait_for_engines(1, timeout=20, poll=0.02)
+    loaded = await asyncio.to_thread(_control, fleet, "load_lora", "--lora-name", "sql", "--lora-path", "/a/sql")
+    assert loaded.returncode == 0 and "LoRA adapter 'sql' served" in loaded.stdout, loaded.stderr
+    assert engine.loras == {"sql": "/a/sql"}
+    refused = await asyncio.to_thread(_control, fleet, "load_lora", "--lora-name", "big", "--lora-path", "/bad/big")
+    assert refused.returncode == 1 and "load_lora refused by the coordinator" in refused.stderr
+    assert "rank 64 is above --max-lora-rank 16" in refused.stderr and engine.loras == {"sql": "/a/sql"}
+    no_path = await asyncio.to_thread(_control, fleet, "load_lora", "--lora-name", "x")
+    assert no_path.returncode == 1 and "load_lora needs --lora-path DIR" in no_path.stderr
+    misplaced = await asyncio.to_thread(_control, fleet, "pause", "--lora-name", "x")
+    assert misplaced.returncode == 1 and "--lora-name/--lora-path apply to load_lora and unload_lora only" \
+        in misplaced.stderr
+    unloaded = await asyncio.to_thread(_control, fleet, "unload_lora", "--lora-name", "sql", "--json")
+    assert unloaded.returncode == 0 and json.loads(unloaded.stdout)["detail"]["lora_name"] == "sql"
+    assert engine.loras == {}

@@ -250,3 +250,22 @@ async def test_fleet_routes_a_prefix_to_one_engine_and_forgets_on_suspend_and_le
         await until(lambda: holder_id not in fleet.coordinator.core.engines, 20, "the engine to leave")
         result = await client.add_request(shared + [100], params)
         assert result.generated_tokens and policy.history_size(holder_id) == 0
+
+
+def test_a_request_of_an_adapter_never_follows_the_base_models_or_another_adapters_prefix():
+    """Engines key an adapter's blocks apart from the base model's (and every other adapter's): routing to the
+    base prompt's engine would find nothing there. The record's root says which chain a request is on."""
+    from megatron_serve.coordinator.requests import RequestRecord  # noqa: PLC0415
+
+    def record(lora_name: str | None) -> RequestRecord:
+        tokens = seq(100, 4) + [1]
+        return RequestRecord(request_id="c/1", client_id="c", client_request_id=1, prompt=None, prompt_tokens=tokens,
+                             params=SamplingParams(lora_name=lora_name), params_wire=b"", stream=False)
+
+    roots = {name: record(name).prefix_root for name in (None, "sql", "chat")}
+    assert roots[None] == ROOT_HASH and len(set(roots.values())) == 3
+    policy = PrefixAffinity()
+    e0, e1 = engine(0, load=1), engine(1)
+    assert policy.select(record(None), [e0]) is e0
+    assert policy.select(record(None), [e0, e1]) is e0  # control: the base prompt follows its prefix to e0
+    assert policy.select(record("sql"), [e0, e1]) is e1  # the adapter's prompt has no prefix there: least loaded

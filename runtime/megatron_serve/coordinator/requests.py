@@ -30,7 +30,7 @@ from ..wire.accumulator import DeltaAccumulator
 from ..wire.expert_routing import RoutingRecord, routing_to_wire
 from ..wire.messages import ClientId, RequestDelta, RoutingRows, Tokens
 from ..multimodal import PromptImage, cache_keys
-from ..wire.prefix_hash import salted_root
+from ..wire.prefix_hash import adapter_root, salted_root
 from ..wire.request import EventType, RequestEvent
 from ..wire.sampling_params import SamplingParams
 
@@ -76,8 +76,11 @@ class RequestRecord:
 
     @property
     def prefix_root(self) -> int:
-        """Where the prompt's chain of block hashes starts (its cache salt's root), as the engines start it."""
-        return salted_root(self.params.cache_salt)
+        """Where the prompt's chain of block hashes starts (its cache salt's root), as the engines start it; under a
+        LoRA adapter, a root of that adapter's own, so that ``prefix_affinity`` never expects a request to find the
+        blocks of another adapter or of the base model (engines never share them)."""
+        root = salted_root(self.params.cache_salt)
+        return root if self.params.lora_name is None else adapter_root(root, self.params.lora_name)
 
     def add_event(self, event_type: str, detail: str) -> None:
         self.events.append(RequestEvent(EventType(event_type), time.time(), detail))

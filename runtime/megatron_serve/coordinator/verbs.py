@@ -498,8 +498,8 @@ class VerbRunner:
                                              control_id=op.control_id, detail=detail))
 
     def _lora_failed(self, op: ControlOp, detail: dict[str, Any]) -> None:
-        """A LoRA verb an engine could not carry out after the others agreed (its load failed after its verify,
-        or an engine without ``enable_lora`` was told to unload): refused, naming it, with every engine's facts."""
+        """A LoRA verb an engine could not carry out after the others agreed (its load failed after its verify, or
+        its unload failed): refused, naming it, with every engine's facts."""
         eid, why = sorted(op.failed.items())[0]
         more = f" and {len(op.failed) - 1} more" if len(op.failed) > 1 else ""
         message = f"{op.verb.name} {op.lora.lora_name!r} failed on engine {eid}{more}: {why}"  # type: ignore[union-attr]

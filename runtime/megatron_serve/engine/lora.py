@@ -18,7 +18,6 @@ found by a request of another, nor by one of a later adapter registered under th
 
 from __future__ import annotations
 
-import hashlib
 import itertools
 import time
 from dataclasses import dataclass
@@ -27,6 +26,7 @@ from typing import TYPE_CHECKING, Iterable
 
 from ..model.config import ModelConfig
 from ..model.lora import LoraAdapter, LoraAdapterError, read_adapter
+from ..wire.prefix_hash import adapter_root
 
 __all__ = ["EngineLoras", "LoraAdapterError", "adapter_root", "admit_request", "engine_loras", "lora_report",
            "require"]
@@ -38,12 +38,6 @@ if TYPE_CHECKING:
     from ..wire.sampling_params import SamplingParams
     from .runner import ModelRunner
     from .scheduler import Sequence
-
-
-def adapter_root(root: int, key: str) -> int:
-    """The chain root of a request under the adapter registration ``key``, from its ``cache_salt`` root."""
-    digest = hashlib.blake2b(root.to_bytes(8, "little") + key.encode("utf-8"), digest_size=8, person=b"lora_adapter")
-    return int.from_bytes(digest.digest(), "little")
 
 
 @dataclass

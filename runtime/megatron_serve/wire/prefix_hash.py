@@ -27,6 +27,14 @@ def salted_root(salt: str | None) -> int:
     return int.from_bytes(digest.digest(), "little")
 
 
+def adapter_root(root: int, key: str) -> int:
+    """The chain root of a request under the LoRA adapter ``key`` (engines: each registration's own key, so a
+    re-registered name never finds the old blocks; the coordinator's routing: the adapter's name), from its
+    ``cache_salt`` root: blocks computed under one adapter are never found under another, nor the base model."""
+    digest = hashlib.blake2b(root.to_bytes(8, "little") + key.encode("utf-8"), digest_size=8, person=b"lora_adapter")
+    return int.from_bytes(digest.digest(), "little")
+
+
 def chain_hash(parent: int, tokens: list[int]) -> int:
     digest = hashlib.blake2b(parent.to_bytes(8, "little") + array("q", tokens).tobytes(), digest_size=8)
     return int.from_bytes(digest.digest(), "little")
