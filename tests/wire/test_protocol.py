@@ -7,7 +7,8 @@ import msgspec
 import pytest
 
 from megatron_serve.wire.messages import FROM_COORDINATOR, PROTOCOL_VERSION, TO_COORDINATOR
-from megatron_serve.wire.protocol import MAX_MESSAGE_BYTES, Header, ProtocolError, decode, encode, encode_batch, unbatch
+from megatron_serve.wire.protocol import (MAX_MESSAGE_BYTES, Header, ProtocolError, decode, decode_all, encode,
+                                         encode_batch, unbatch)
 
 from ..helpers import RawPeer
 
@@ -72,6 +73,20 @@ def test_a_batch_carries_whole_messages_and_an_unreadable_one_is_dropped_alone()
     nested = list(unbatch(decode(encode_batch([encode_batch(frames)]), TO_COORDINATOR).body, TO_COORDINATOR))
     assert isinstance(nested[0], ProtocolError) and "inside a BATCH" in str(nested[0])
     assert int(Header.REFIT) == 26  # reserved for the refit issue; numbers are part of the contract
+
+
+def test_decode_all_reads_a_batch_in_one_call_as_message_by_message_and_drops_a_bad_one_alone():
+    tokens = [encode(Header.TOKENS, {"client_request_id": f"r{i}", "new_tokens": [i, i + 1]}) for i in range(5)]
+    frame = encode_batch(tokens)
+    assert decode_all(frame, FROM_COORDINATOR) == list(unbatch(decode(frame, FROM_COORDINATOR).body, FROM_COORDINATOR))
+    assert [m.body.new_tokens for m in decode_all(frame, FROM_COORDINATOR)] == [[i, i + 1] for i in range(5)]
+    assert decode_all(tokens[0], FROM_COORDINATOR) == [decode(tokens[0], FROM_COORDINATOR)]  # a lone message
+    bad = pack([int(Header.TOKENS), {"client_request_id": "x", "new_tokens": "not a list"}])
+    items = decode_all(encode_batch([tokens[0], bad, encode_batch(tokens[1:3]), tokens[3]]), FROM_COORDINATOR)
+    assert [type(i).__name__ for i in items] == ["Message", "ProtocolError", "ProtocolError", "Message"]
+    assert "inside a BATCH" in str(items[2]) and items[3].body.client_request_id == "r3"
+    with pytest.raises(ProtocolError, match="not msgpack"):
+        decode_all(b"\x92\x01", FROM_COORDINATOR)
 
 
 def test_retried_hello_keeps_one_registration(fleet_factory):
