@@ -18,7 +18,7 @@ checkpoints. A pair is cached under its settings' hash, so reruns skip the train
 Measured (2-core CPU shared with other work, ``OMP_NUM_THREADS=2``, default settings,
 ``python benchmarks/speculative_pair.py``): see :data:`MEASURED`.
 
-    python benchmarks/speculative_pair.py [--cache-dir DIR] [--steps 400] [--k 4]
+    python benchmarks/speculative_pair.py [--cache-dir DIR] [--steps 600] [--k 4]
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ MEASURED = "training 400 steps: target 4 layers x 128 + draft 1 layer x 64 in (s
 class PairSettings:
     """What decides the trained pair (and its cache key)."""
 
-    steps: int = 300
+    steps: int = 600
     batch: int = 16
     lr: float = 3e-3
     seed: int = 0
