@@ -91,7 +91,7 @@ def test_a_reused_cache_proposes_what_a_fresh_proposer_does(models):
 
 
 def test_a_stale_drafter_proposes_nothing_until_refit_with_the_new_epoch(models):
-    target, other = models["target"], models["other"]
+    other = models["other"]
     proposer = DraftModelProposer(other, CONFIG)
     inputs = [DraftInput("a", PROMPTS[0], 4)]
     before = proposer.propose(inputs)
