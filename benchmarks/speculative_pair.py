@@ -15,10 +15,14 @@ Both are ``transformers``' ``LlamaForCausalLM`` built from a config by ``make_ti
 writes the tokenizer too), trained with AdamW on sequences of 128 tokens, and saved as Hugging Face
 checkpoints. A pair is cached under its settings' hash, so reruns skip the training.
 
-Measured (2-core CPU shared with other work, ``OMP_NUM_THREADS=2``, default settings,
-``python benchmarks/speculative_pair.py``): see :data:`MEASURED`.
+Measured (``python benchmarks/speculative_pair.py``, default settings, one thread, on a 2-core CPU
+shared with other work, load ~12): training took 163 s for the target (96 wide, 2 layers, final loss
+1.86) and 23 s for the draft (32 wide, 1 layer, loss 2.21); 600 steps of 16 x 128 tokens, about
+0.07 s of CPU a step for the target. On 16 held-out prompts of 64 tokens, 64 greedy tokens each,
+K=4: mean acceptance length 4.25 of 5, 81.1% of the draft's guesses accepted. (Two threads on the
+same loaded machine stalled on OpenMP barriers at ~10 s a step: train on one.)
 
-    python benchmarks/speculative_pair.py [--cache-dir DIR] [--steps 400] [--k 4]
+    python benchmarks/speculative_pair.py [--cache-dir DIR] [--steps 600] [--k 4]
 """
 
 from __future__ import annotations
@@ -35,14 +39,13 @@ import torch
 
 FIRST_ID, VOCAB = 5, 512  # corpus ids: past the tokenizer's 5 special tokens
 SEQUENCE = 128
-MEASURED = "training 400 steps: target 4 layers x 128 + draft 1 layer x 64 in (see report)"
 
 
 @dataclass(frozen=True)
 class PairSettings:
     """What decides the trained pair (and its cache key)."""
 
-    steps: int = 300
+    steps: int = 600
     batch: int = 16
     lr: float = 3e-3
     seed: int = 0

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from megatron_serve import InferenceConfig
 from megatron_serve.engine.speculative.draft_model import DraftModelProposer
@@ -29,7 +30,16 @@ def pair_module():
     del sys.modules[spec.name]
 
 
-def test_a_tiny_trained_pair_loads_and_its_draft_is_accepted_partly(pair_module, tmp_path):
+@pytest.fixture
+def one_thread():
+    """Training on 2 threads of a loaded 2-core machine stalls on OpenMP barriers (10 s a step, 0.07 s on one)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_a_tiny_trained_pair_loads_and_its_draft_is_accepted_partly(pair_module, tmp_path, one_thread):
     settings = pair_module.PairSettings(steps=30, batch=8, target_hidden=64, target_layers=1, draft_hidden=32)
     target, draft, facts = pair_module.trained_pair(tmp_path, settings)
     assert not facts["cached"] and facts["target_loss"] < 6.0  # below a uniform guess over the corpus' ids (6.23)

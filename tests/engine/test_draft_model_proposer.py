@@ -56,9 +56,10 @@ def test_a_draft_equal_to_the_target_proposes_the_targets_greedy_tokens(models):
 
 
 def test_a_reused_cache_proposes_what_a_fresh_proposer_does(models):
-    """Calls with partly accepted guesses, requests joining and leaving, and K varying per request."""
-    target, draft = models["target"], models["other"]
-    reused = DraftModelProposer(draft, CONFIG)
+    """Calls with partly accepted guesses, requests joining and leaving, and K varying per request; the reused
+    cache starts with one block of 4 tokens, so it grows (copying what it holds) and crosses blocks often."""
+    draft = models["other"]
+    reused = DraftModelProposer(draft, CONFIG, block_size=4, initial_blocks=1)
     fresh = DraftModelProposer(draft, CONFIG)
     rng = random.Random(0)
     tokens = {str(i): list(prompt) for i, prompt in enumerate(PROMPTS)}
@@ -86,11 +87,11 @@ def test_a_reused_cache_proposes_what_a_fresh_proposer_does(models):
             reused.forget("1")
             del tokens["1"]
             tokens["new"] = [rng.randrange(512) for _ in range(20)]
-    assert calls > 10
+    assert calls > 10 and reused.cache.num_blocks > 16
 
 
 def test_a_stale_drafter_proposes_nothing_until_refit_with_the_new_epoch(models):
-    target, other = models["target"], models["other"]
+    other = models["other"]
     proposer = DraftModelProposer(other, CONFIG)
     inputs = [DraftInput("a", PROMPTS[0], 4)]
     before = proposer.propose(inputs)
