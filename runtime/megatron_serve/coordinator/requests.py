@@ -126,7 +126,7 @@ class RequestRecord:
                         cached_tokens=out.cached_tokens, prompt_scores=out.prompt_scores,
                         prompt_tokens=self.prompt_tokens if self.prompt is not None else None)
         if have >= out.resumed:
-            tokens.epochs = [out.policy_epochs[skip:], out.kv_epochs[skip:]]
+            tokens.epochs = [out.policy_epochs[skip:], out.kv_epochs[skip:], out.lora_epochs[skip:]]
         if out.routing is not None:  # every row: the client keeps those it has
             tokens.routing = RoutingRows(start=0, **routing_to_wire(out.routing.array()))
         return tokens

@@ -17,6 +17,7 @@ import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterable
 
 import torch
 from safetensors.torch import load_file
@@ -61,6 +62,23 @@ def projection_shape(config: ModelConfig, layer: int, projection: str) -> tuple[
             "down_proj": (hidden, inner)}[projection]
 
 
+def adapter_scaling(name: str, rank: object, alpha: object, use_rslora: bool, targets: object,
+                    max_rank: int) -> float:
+    """PEFT's scaling of adapter ``name`` from its config values; :class:`LoraAdapterError` when they cannot be served."""
+    if isinstance(targets, list):
+        unknown = sorted(set(targets) - set(PROJECTIONS))
+        if unknown:
+            raise LoraAdapterError(f"LoRA adapter {name!r}: target_modules {unknown} are not supported "
+                                   f"(only {', '.join(PROJECTIONS)})")
+    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
+        raise LoraAdapterError(f"LoRA adapter {name!r}: r must be a positive integer, got {rank!r}")
+    if rank > max_rank:
+        raise LoraAdapterError(f"LoRA adapter {name!r}: rank {rank} is above --max-lora-rank {max_rank}")
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not math.isfinite(alpha):
+        raise LoraAdapterError(f"LoRA adapter {name!r}: lora_alpha must be a number, got {alpha!r}")
+    return float(alpha / math.sqrt(rank) if use_rslora else alpha / rank)
+
+
 def _read_config(name: str, directory: Path, max_rank: int) -> tuple[int, float]:
     path = directory / CONFIG_FILE
     if not path.is_file():
@@ -75,20 +93,56 @@ def _read_config(name: str, directory: Path, max_rank: int) -> tuple[int, float]
         value = raw.get(key, neutral)
         if value and value != neutral:  # PEFT writes an empty list or mapping, or null, for "not used"
             raise LoraAdapterError(f"LoRA adapter {name!r}: {key}={raw[key]!r} is not supported")
-    targets = raw.get("target_modules")
-    if isinstance(targets, list):
-        unknown = sorted(set(targets) - set(PROJECTIONS))
-        if unknown:
-            raise LoraAdapterError(f"LoRA adapter {name!r}: target_modules {unknown} are not supported "
-                                   f"(only {', '.join(PROJECTIONS)})")
     rank = raw.get("r")
-    if not isinstance(rank, int) or rank < 1:
-        raise LoraAdapterError(f"LoRA adapter {name!r}: r must be a positive integer, got {rank!r}")
-    if rank > max_rank:
-        raise LoraAdapterError(f"LoRA adapter {name!r}: rank {rank} is above --max-lora-rank {max_rank}")
-    alpha = raw.get("lora_alpha", 8)
-    scaling = alpha / math.sqrt(rank) if raw.get("use_rslora") else alpha / rank
-    return rank, float(scaling)
+    scaling = adapter_scaling(name, rank, raw.get("lora_alpha", 8), bool(raw.get("use_rslora")),
+                              raw.get("target_modules"), max_rank)
+    return int(rank), scaling
+
+
+def check_shapes(name: str, shapes: Iterable[tuple[str, tuple[int, ...]]], config: ModelConfig, rank: int,
+                 targets: list[str] | None = None) -> list[tuple[int, str]]:
+    """The ``(layer, projection)`` pairs that tensors of PEFT names and these shapes fill in the base model
+    ``config``, in the order given; :class:`LoraAdapterError` naming the first that does not fit (reads no data)."""
+    halves: dict[tuple[int, str], dict[str, tuple[int, ...]]] = {}
+    for key, shape in shapes:
+        match = _KEY.fullmatch(key)
+        if match is None or match[3] not in PROJECTIONS:
+            raise LoraAdapterError(f"LoRA adapter {name!r}: tensor {key} is not a LoRA weight of an attention "
+                                   f"or MLP projection ({', '.join(PROJECTIONS)})")
+        layer, projection = int(match[1]), match[3]
+        if targets is not None and projection not in targets:
+            raise LoraAdapterError(f"LoRA adapter {name!r}: tensor {key} is outside target_modules {targets}")
+        if (projection_shape(config, layer, projection) if layer < config.num_layers else None) is None:
+            raise LoraAdapterError(f"LoRA adapter {name!r}: tensor {key} names a module the base model does not have")
+        pair = halves.setdefault((layer, projection), {})
+        if match[4] in pair:
+            raise LoraAdapterError(f"LoRA adapter {name!r}: tensor {key} is given twice")
+        pair[match[4]] = tuple(shape)
+    for (layer, projection), pair in halves.items():
+        where = f"layers.{layer}.{projection}"
+        if set(pair) != {"A", "B"}:
+            raise LoraAdapterError(f"LoRA adapter {name!r}: {where} has lora_{''.join(pair)} without its pair")
+        out_features, in_features = projection_shape(config, layer, projection)
+        if pair["A"] != (rank, in_features) or pair["B"] != (out_features, rank):
+            raise LoraAdapterError(f"LoRA adapter {name!r}: {where} has lora_A {pair['A']} and lora_B "
+                                   f"{pair['B']}; the base model needs ({rank}, {in_features}) and "
+                                   f"({out_features}, {rank})")
+    if not halves:
+        raise LoraAdapterError(f"LoRA adapter {name!r} holds no LoRA weights")
+    return list(halves)
+
+
+def adapter_of(name: str, path: str, rank: int, scaling: float, named: Iterable[tuple[str, torch.Tensor]],
+               config: ModelConfig) -> LoraAdapter:
+    """Adapter ``name`` from ``(PEFT name, tensor)`` pairs (copied, float32), checked against ``config``."""
+    tensors = {key: tensor.detach().to(torch.float32, copy=True) for key, tensor in named}
+    check_shapes(name, ((key, tuple(t.shape)) for key, t in tensors.items()), config, rank)
+    weights = {}
+    for key, tensor in tensors.items():
+        match = _KEY.fullmatch(key)
+        weights.setdefault((int(match[1]), match[3]), {})[match[4]] = tensor
+    return LoraAdapter(name, path, rank, scaling,
+                       {where: (pair["A"], pair["B"] * scaling) for where, pair in sorted(weights.items())})
 
 
 def read_adapter(name: str, path: str | Path, config: ModelConfig, max_rank: int) -> LoraAdapter:
@@ -100,29 +154,4 @@ def read_adapter(name: str, path: str | Path, config: ModelConfig, max_rank: int
     weights_path = directory / WEIGHTS_FILE
     if not weights_path.is_file():
         raise LoraAdapterError(f"LoRA adapter {name!r}: no {WEIGHTS_FILE} in {directory}")
-    halves: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
-    for key, tensor in load_file(weights_path).items():
-        match = _KEY.fullmatch(key)
-        if match is None or match[3] not in PROJECTIONS:
-            raise LoraAdapterError(f"LoRA adapter {name!r}: tensor {key} is not a LoRA weight of an attention "
-                                   f"or MLP projection ({', '.join(PROJECTIONS)})")
-        layer, projection = int(match[1]), match[3]
-        shape = projection_shape(config, layer, projection) if layer < config.num_layers else None
-        if shape is None:
-            raise LoraAdapterError(f"LoRA adapter {name!r}: tensor {key} names a module the base model does not have")
-        halves.setdefault((layer, projection), {})[match[4]] = tensor.float()
-    weights = {}
-    for (layer, projection), pair in sorted(halves.items()):
-        where = f"layers.{layer}.{projection}"
-        if set(pair) != {"A", "B"}:
-            raise LoraAdapterError(f"LoRA adapter {name!r}: {where} has lora_{''.join(pair)} without its pair")
-        out_features, in_features = projection_shape(config, layer, projection)
-        a, b = pair["A"], pair["B"]
-        if tuple(a.shape) != (rank, in_features) or tuple(b.shape) != (out_features, rank):
-            raise LoraAdapterError(f"LoRA adapter {name!r}: {where} has lora_A {tuple(a.shape)} and lora_B "
-                                   f"{tuple(b.shape)}; the base model needs ({rank}, {in_features}) and "
-                                   f"({out_features}, {rank})")
-        weights[(layer, projection)] = (a, b * scaling)
-    if not weights:
-        raise LoraAdapterError(f"LoRA adapter {name!r}: {weights_path} holds no LoRA weights")
-    return LoraAdapter(name, str(directory), rank, scaling, weights)
+    return adapter_of(name, str(directory), rank, scaling, load_file(weights_path).items(), config)
