@@ -2,7 +2,8 @@
 
 A trainer holds an adapter in one of three shapes: a PEFT model, its state dict (with or without the
 adapter's name in the keys: ``...q_proj.lora_A.default.weight`` or ``...q_proj.lora_A.weight``), or plain
-``{module: (A, B)}`` pairs. All become ``(PEFT name, tensor)`` pairs as a saved checkpoint names them
+``{module: (A, B)}`` pairs (an MoE layer's experts: ``{"model.layers.0.mlp.experts": (A, B)}`` with
+``target_parameters`` naming the one expert parameter they adapt). All become ``(PEFT name, tensor)`` pairs as a saved checkpoint names them
 (``base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight``); every engine checks them against
 its base model before any byte moves (:func:`megatron_serve.model.lora.check_shapes`).
 """
@@ -34,14 +35,15 @@ def _from_peft_model(model: Any) -> tuple[dict[str, torch.Tensor], dict[str, Any
 
     adapter = model.active_adapter
     config = model.peft_config[adapter]
-    targets = config.target_modules
+    targets, parameters = config.target_modules, config.target_parameters
     values = {"rank": config.r, "alpha": config.lora_alpha, "use_rslora": bool(config.use_rslora),
-              "target_modules": sorted(targets) if isinstance(targets, (set, list, tuple)) else None}
+              "target_modules": sorted(targets) if isinstance(targets, (set, list, tuple)) and targets else None,
+              "target_parameters": sorted(parameters) if parameters else None}
     return dict(get_peft_model_state_dict(model, adapter_name=adapter)), values
 
 
 def adapter_push(name: str, weights: LoraWeights, *, version: int, rank: int | None, alpha: float | None,
-                 use_rslora: bool, target_modules: list[str] | None
+                 use_rslora: bool, target_modules: list[str] | None, target_parameters: list[str] | None = None
                  ) -> tuple[list[tuple[str, torch.Tensor]], LoraPush]:
     """The named tensors and the push of adapter ``name`` version ``version``; ``ValueError`` naming what is wrong."""
     if not isinstance(name, str) or not name:
@@ -54,6 +56,7 @@ def adapter_push(name: str, weights: LoraWeights, *, version: int, rank: int | N
         alpha = values["alpha"] if alpha is None else alpha
         use_rslora = use_rslora or values["use_rslora"]
         target_modules = target_modules or values["target_modules"]
+        target_parameters = target_parameters or values["target_parameters"]
     elif isinstance(weights, Mapping):
         tensors = {}
         for key, value in weights.items():
@@ -70,5 +73,6 @@ def adapter_push(name: str, weights: LoraWeights, *, version: int, rank: int | N
         raise ValueError(f"LoRA adapter {name!r}: give rank and alpha (or a PEFT model, whose config has them)")
     named = [(_peft_name(key), tensor) for key, tensor in tensors.items()]
     push = LoraPush(name=name, version=version, rank=int(rank), alpha=float(alpha), use_rslora=bool(use_rslora),
-                    target_modules=list(target_modules) if target_modules else None)
+                    target_modules=list(target_modules) if target_modules else None,
+                    target_parameters=list(target_parameters) if target_parameters else None)
     return named, push

@@ -29,7 +29,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Iterable
 
 from ..model.config import ModelConfig
-from ..model.lora import LoraAdapter, LoraAdapterError, adapter_of, adapter_scaling, check_shapes, read_adapter
+from ..model.lora import (LoraAdapter, LoraAdapterError, adapter_experts, adapter_of, adapter_scaling, check_shapes,
+                          read_adapter)
 from ..wire.messages import LoraPush
 
 __all__ = ["EngineLoras", "LoraAdapterError", "adapter_root", "admit_request", "engine_loras", "require"]
@@ -83,6 +84,7 @@ class EngineLoras:
             raise LoraAdapterError(f"LoRA adapter {name!r}: {len(self.registered)} adapters are loaded, the most "
                                    f"--max-cpu-loras allows; unload one first")
         adapter = read_adapter(name, path, self.model_config, self.slots.max_rank)
+        self.slots.check(adapter)
         self.registered[name] = _Registered(adapter, f"{name}#{next(self._registrations)}")
 
     def check_push(self, push: LoraPush, shapes: Iterable[tuple[str, tuple[int, ...]]], live_slots: set[int]) -> float:
@@ -92,7 +94,8 @@ class EngineLoras:
         if not name:
             raise LoraAdapterError("a LoRA adapter needs a non-empty name")
         scaling = adapter_scaling(name, push.rank, push.alpha, push.use_rslora, push.target_modules, self.slots.max_rank)
-        check_shapes(name, shapes, self.model_config, push.rank, push.target_modules)
+        check_shapes(name, shapes, self.model_config, push.rank, push.target_modules,
+                     adapter_experts(name, push.target_parameters))
         current = self.registered.get(name)
         if current is None and len(self.registered) >= self.max_cpu_loras:
             raise LoraAdapterError(f"LoRA adapter {name!r}: {len(self.registered)} adapters are loaded, the most "
@@ -113,7 +116,9 @@ class EngineLoras:
         tensors = list(named)
         scaling = self.check_push(push, ((key, tuple(t.shape)) for key, t in tensors), live_slots)
         label = f"{push.name}@{push.version}"
-        adapter = adapter_of(push.name, label, push.rank, scaling, tensors, self.model_config)
+        adapter = adapter_of(push.name, label, push.rank, scaling, tensors, self.model_config,
+                             adapter_experts(push.name, push.target_parameters))
+        self.slots.check(adapter)
         self.registered[push.name] = _Registered(adapter, f"{push.name}#{next(self._registrations)}", push.version)
 
     def running_versions(self, name: str, live_slots: set[int]) -> list[int]:

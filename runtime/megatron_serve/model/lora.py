@@ -2,9 +2,10 @@
 against the base model before anything is loaded anywhere.
 
 An adapter may touch the attention projections (``q_proj``, ``k_proj``, ``v_proj``, ``o_proj``) and the
-dense MLP's (``gate_proj``, ``up_proj``, ``down_proj``) of any decoder layer. Everything else a PEFT
-checkpoint can hold (embeddings, the LM head, MoE experts, DoRA magnitudes, biases, ``modules_to_save``,
-per-module ``rank_pattern``) is refused with :class:`LoraAdapterError` naming it: an adapter served
+dense MLP's (``gate_proj``, ``up_proj``, ``down_proj``) of any decoder layer, and the experts of an MoE
+layer through ``target_parameters`` (:mod:`.lora_experts`). Everything else a PEFT checkpoint can hold
+(embeddings, the LM head, a shared expert, DoRA magnitudes, biases, ``modules_to_save``, per-module
+``rank_pattern``) is refused with :class:`LoraAdapterError` naming it: an adapter served
 without one of its parts would give other tokens than it was trained for, silently.
 
 The scaling is PEFT's: ``lora_alpha / r``, or ``lora_alpha / sqrt(r)`` with ``use_rslora``.
@@ -23,6 +24,7 @@ import torch
 from safetensors.torch import load_file
 
 from .config import ModelConfig
+from .lora_experts import EXPERT_PROJECTIONS, expert_key, expert_shape, expert_targets, per_expert
 
 ATTENTION_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
@@ -33,7 +35,7 @@ _KEY = re.compile(r"base_model\.model\.model\.layers\.(\d+)\.(self_attn|mlp)\.(\
 # PEFT options that change what the adapter computes: each must have its neutral value.
 _NEUTRAL = {"use_dora": False, "fan_in_fan_out": False, "bias": "none", "lora_bias": False, "modules_to_save": None,
             "rank_pattern": {}, "alpha_pattern": {}, "layers_to_transform": None, "layer_replication": None,
-            "target_parameters": None, "trainable_token_indices": None}
+            "trainable_token_indices": None}
 
 
 class LoraAdapterError(ValueError):
@@ -42,7 +44,8 @@ class LoraAdapterError(ValueError):
 
 @dataclass(frozen=True)
 class LoraAdapter:
-    """One adapter's weights: ``weights[(layer, projection)] = (A [r, in], B [out, r] * scaling)``."""
+    """One adapter's weights: ``weights[(layer, projection)] = (A [r, in], B [out, r] * scaling)``; an expert
+    projection's (:data:`.lora_experts.EXPERT_PROJECTIONS`) are stacked per expert, ``[E, r, in]`` and ``[E, out, r]``."""
 
     name: str
     path: str
@@ -62,6 +65,16 @@ def projection_shape(config: ModelConfig, layer: int, projection: str) -> tuple[
             "down_proj": (hidden, inner)}[projection]
 
 
+def adapter_experts(name: str, target_parameters: object) -> tuple[str, ...]:
+    """The expert projections an adapter's ``target_parameters`` targets, in module order; :class:`LoraAdapterError`
+    when it names another parameter."""
+    targets = expert_targets(target_parameters)
+    if targets is None:
+        raise LoraAdapterError(f"LoRA adapter {name!r}: target_parameters {target_parameters!r} are not supported "
+                               f"(only the MoE experts' mlp.{' and mlp.'.join(EXPERT_PROJECTIONS)})")
+    return targets
+
+
 def adapter_scaling(name: str, rank: object, alpha: object, use_rslora: bool, targets: object,
                     max_rank: int) -> float:
     """PEFT's scaling of adapter ``name`` from its config values; :class:`LoraAdapterError` when they cannot be served."""
@@ -79,7 +92,7 @@ def adapter_scaling(name: str, rank: object, alpha: object, use_rslora: bool, ta
     return float(alpha / math.sqrt(rank) if use_rslora else alpha / rank)
 
 
-def _read_config(name: str, directory: Path, max_rank: int) -> tuple[int, float]:
+def _read_config(name: str, directory: Path, max_rank: int) -> tuple[int, float, tuple[str, ...]]:
     path = directory / CONFIG_FILE
     if not path.is_file():
         raise LoraAdapterError(f"LoRA adapter {name!r}: no {CONFIG_FILE} in {directory}")
@@ -96,15 +109,35 @@ def _read_config(name: str, directory: Path, max_rank: int) -> tuple[int, float]
     rank = raw.get("r")
     scaling = adapter_scaling(name, rank, raw.get("lora_alpha", 8), bool(raw.get("use_rslora")),
                               raw.get("target_modules"), max_rank)
-    return int(rank), scaling
+    return int(rank), scaling, adapter_experts(name, raw.get("target_parameters"))
+
+
+def _needed(config: ModelConfig, layer: int, projection: str, rank: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The shapes of ``lora_A`` and ``lora_B`` a projection needs (PEFT's, before :func:`per_expert`)."""
+    if projection in EXPERT_PROJECTIONS:
+        experts, out_features, in_features = expert_shape(config, layer, projection)
+        return (rank * experts, in_features), (out_features, rank * experts)
+    out_features, in_features = projection_shape(config, layer, projection)
+    return (rank, in_features), (out_features, rank)
 
 
 def check_shapes(name: str, shapes: Iterable[tuple[str, tuple[int, ...]]], config: ModelConfig, rank: int,
-                 targets: list[str] | None = None) -> list[tuple[int, str]]:
+                 targets: list[str] | None = None, experts: tuple[str, ...] = ()) -> list[tuple[int, str]]:
     """The ``(layer, projection)`` pairs that tensors of PEFT names and these shapes fill in the base model
-    ``config``, in the order given; :class:`LoraAdapterError` naming the first that does not fit (reads no data)."""
+    ``config``, in the order given; :class:`LoraAdapterError` naming the first that does not fit (reads no data).
+    ``experts``: the expert projections the adapter's ``target_parameters`` targets (:func:`adapter_experts`)."""
     halves: dict[tuple[int, str], dict[str, tuple[int, ...]]] = {}
     for key, shape in shapes:
+        expert = expert_key(key, experts)
+        if expert is not None:
+            layer, projection, half = expert
+            if (expert_shape(config, layer, projection) if layer < config.num_layers else None) is None:
+                raise LoraAdapterError(f"LoRA adapter {name!r}: tensor {key} names experts the base model does not have")
+            pair = halves.setdefault((layer, projection), {})
+            if half in pair:
+                raise LoraAdapterError(f"LoRA adapter {name!r}: tensor {key} is given twice")
+            pair[half] = tuple(shape)
+            continue
         match = _KEY.fullmatch(key)
         if match is None or match[3] not in PROJECTIONS:
             raise LoraAdapterError(f"LoRA adapter {name!r}: tensor {key} is not a LoRA weight of an attention "
@@ -122,27 +155,35 @@ def check_shapes(name: str, shapes: Iterable[tuple[str, tuple[int, ...]]], confi
         where = f"layers.{layer}.{projection}"
         if set(pair) != {"A", "B"}:
             raise LoraAdapterError(f"LoRA adapter {name!r}: {where} has lora_{''.join(pair)} without its pair")
-        out_features, in_features = projection_shape(config, layer, projection)
-        if pair["A"] != (rank, in_features) or pair["B"] != (out_features, rank):
+        need_a, need_b = _needed(config, layer, projection, rank)
+        if pair["A"] != need_a or pair["B"] != need_b:
             raise LoraAdapterError(f"LoRA adapter {name!r}: {where} has lora_A {pair['A']} and lora_B "
-                                   f"{pair['B']}; the base model needs ({rank}, {in_features}) and "
-                                   f"({out_features}, {rank})")
+                                   f"{pair['B']}; the base model needs {need_a} and {need_b}")
     if not halves:
         raise LoraAdapterError(f"LoRA adapter {name!r} holds no LoRA weights")
     return list(halves)
 
 
 def adapter_of(name: str, path: str, rank: int, scaling: float, named: Iterable[tuple[str, torch.Tensor]],
-               config: ModelConfig) -> LoraAdapter:
+               config: ModelConfig, experts: tuple[str, ...] = ()) -> LoraAdapter:
     """Adapter ``name`` from ``(PEFT name, tensor)`` pairs (copied, float32), checked against ``config``."""
     tensors = {key: tensor.detach().to(torch.float32, copy=True) for key, tensor in named}
-    check_shapes(name, ((key, tuple(t.shape)) for key, t in tensors.items()), config, rank)
-    weights = {}
+    check_shapes(name, ((key, tuple(t.shape)) for key, t in tensors.items()), config, rank, experts=experts)
+    halves: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     for key, tensor in tensors.items():
-        match = _KEY.fullmatch(key)
-        weights.setdefault((int(match[1]), match[3]), {})[match[4]] = tensor
-    return LoraAdapter(name, path, rank, scaling,
-                       {where: (pair["A"], pair["B"] * scaling) for where, pair in sorted(weights.items())})
+        expert = expert_key(key, experts)
+        if expert is not None:
+            halves.setdefault(expert[:2], {})[expert[2]] = tensor
+        else:
+            match = _KEY.fullmatch(key)
+            halves.setdefault((int(match[1]), match[3]), {})[match[4]] = tensor
+    weights = {}
+    for (layer, projection), pair in sorted(halves.items()):
+        a, b = pair["A"], pair["B"]
+        if projection in EXPERT_PROJECTIONS:
+            a, b = per_expert(a, b, config.moe.num_experts)
+        weights[(layer, projection)] = (a, b * scaling)
+    return LoraAdapter(name, path, rank, scaling, weights)
 
 
 def read_adapter(name: str, path: str | Path, config: ModelConfig, max_rank: int) -> LoraAdapter:
@@ -150,8 +191,8 @@ def read_adapter(name: str, path: str | Path, config: ModelConfig, max_rank: int
     directory = Path(path)
     if not directory.is_dir():
         raise LoraAdapterError(f"LoRA adapter {name!r}: {directory} is not a directory")
-    rank, scaling = _read_config(name, directory, max_rank)
+    rank, scaling, experts = _read_config(name, directory, max_rank)
     weights_path = directory / WEIGHTS_FILE
     if not weights_path.is_file():
         raise LoraAdapterError(f"LoRA adapter {name!r}: no {WEIGHTS_FILE} in {directory}")
-    return adapter_of(name, str(directory), rank, scaling, load_file(weights_path).items(), config)
+    return adapter_of(name, str(directory), rank, scaling, load_file(weights_path).items(), config, experts)

@@ -174,7 +174,8 @@ class LoraPush(msgspec.Struct, frozen=True):
 
     The manifest's names are PEFT's (``base_model.model.model.layers.N.self_attn.q_proj.lora_A.weight``);
     ``rank``, ``alpha`` and ``use_rslora`` are the adapter config's (scaling ``alpha / rank``, or
-    ``alpha / sqrt(rank)`` with rsLoRA); ``target_modules``, when given, bounds the projections it may touch.
+    ``alpha / sqrt(rank)`` with rsLoRA); ``target_modules``, when given, bounds the projections it may touch;
+    ``target_parameters`` names the MoE expert parameters it targets (PEFT's names of their tensors depend on it).
     """
 
     name: str
@@ -183,6 +184,7 @@ class LoraPush(msgspec.Struct, frozen=True):
     alpha: float
     use_rslora: bool = False
     target_modules: list[str] | None = None
+    target_parameters: list[str] | None = None
 
 
 class Rendezvous(Body):
