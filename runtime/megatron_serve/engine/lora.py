@@ -126,11 +126,6 @@ class EngineLoras:
         return sorted({owner[1] for slot, owner in enumerate(self._slot_versions)
                        if owner is not None and owner[0] == name and slot in live_slots})
 
-    def resident(self, name: str, live_slots: set[int]) -> list[int]:
-        """The versions of ``name`` resident: the newest (served to new requests) and those live requests use."""
-        newest = self.registered.get(name)
-        return sorted(set(self.running_versions(name, live_slots)) | ({newest.version} if newest else set()))
-
     def unload(self, name: str) -> None:
         if self.registered.pop(name, None) is None:
             raise LoraAdapterError(f"LoRA adapter {name!r} is not loaded")
