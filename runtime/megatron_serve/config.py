@@ -130,7 +130,8 @@ class InferenceConfig:
         self._check_lora()
 
     def _check_lora(self) -> None:
-        for name in ("max_loras", "max_lora_rank", "max_lora_versions") + (("max_cpu_loras",) if self.max_cpu_loras is not None else ()):
+        optional = ("max_cpu_loras",) if self.max_cpu_loras is not None else ()
+        for name in ("max_loras", "max_lora_rank", "max_lora_versions") + optional:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")

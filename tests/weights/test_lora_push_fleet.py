@@ -147,8 +147,9 @@ def _pairs(config, rank: int, scale: float = 0.05) -> dict:
     hidden, inner, q = config.hidden_size, config.intermediate_size, config.num_attention_heads * config.head_dim
     out = {}
     for layer in range(config.num_hidden_layers):
-        out[f"model.layers.{layer}.self_attn.q_proj"] = (torch.randn(rank, hidden) * scale, torch.randn(q, rank) * scale)
-        out[f"model.layers.{layer}.mlp.down_proj"] = (torch.randn(rank, inner) * scale, torch.randn(hidden, rank) * scale)
+        prefix = f"model.layers.{layer}"
+        out[f"{prefix}.self_attn.q_proj"] = (torch.randn(rank, hidden) * scale, torch.randn(q, rank) * scale)
+        out[f"{prefix}.mlp.down_proj"] = (torch.randn(rank, inner) * scale, torch.randn(hidden, rank) * scale)
     return out
 
 
@@ -166,14 +167,14 @@ async def test_bad_pushes_are_refused_with_nothing_changed(fleet, versions, tiny
         ack = await asyncio.wait_for(sender.send_lora("b", good, version=5, rank=RANK, alpha=16), 120)
         assert ack["detail"]["lora"] == {"name": "b", "version": 5}
         a, b = good["model.layers.0.mlp.down_proj"]
+        past = config.num_hidden_layers  # a layer the model does not have
         bad = {
             "lora_A \\(8, 16\\) and lora_B": ({**good, "model.layers.0.mlp.down_proj": (a[:, :16], b)}, RANK),
             f"rank {2 * RANK} is above --max-lora-rank {RANK}": (_pairs(config, 2 * RANK), 2 * RANK),
             "model.layers.0.mlp.gate.lora_A.weight is not a LoRA weight": (
                 {**good, "model.layers.0.mlp.gate": (a, b)}, RANK),
-            f"layers.{config.num_hidden_layers}.self_attn.q_proj.lora_A.weight names a module the base model does not": (
-                {**good, f"model.layers.{config.num_hidden_layers}.self_attn.q_proj": good["model.layers.0.self_attn.q_proj"]},
-                RANK),
+            f"layers.{past}.self_attn.q_proj.lora_A.weight names a module the base model does not": (
+                {**good, f"model.layers.{past}.self_attn.q_proj": good["model.layers.0.self_attn.q_proj"]}, RANK),
             "version 5 is not newer than the served version 5": (good, RANK),
         }
         for message, (weights, rank) in bad.items():

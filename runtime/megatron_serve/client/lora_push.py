@@ -3,7 +3,8 @@
 A trainer holds an adapter in one of three shapes: a PEFT model, its state dict (with or without the
 adapter's name in the keys: ``...q_proj.lora_A.default.weight`` or ``...q_proj.lora_A.weight``), or plain
 ``{module: (A, B)}`` pairs (an MoE layer's experts: ``{"model.layers.0.mlp.experts": (A, B)}`` with
-``target_parameters`` naming the one expert parameter they adapt). All become ``(PEFT name, tensor)`` pairs as a saved checkpoint names them
+``target_parameters`` naming the one expert parameter they adapt). All become ``(PEFT name, tensor)`` pairs as
+a saved checkpoint names them
 (``base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight``); every engine checks them against
 its base model before any byte moves (:func:`megatron_serve.model.lora.check_shapes`).
 """

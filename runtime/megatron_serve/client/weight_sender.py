@@ -115,9 +115,10 @@ class WeightSender:
         ``weights``: a PEFT model (its active adapter; rank, alpha, rsLoRA and targets come from its config),
         a PEFT state dict (``get_peft_model_state_dict``, or names with the adapter's name in them), or
         ``{module: (lora_A, lora_B)}`` with module paths such as ``model.layers.0.self_attn.q_proj``; then
-        ``rank`` and ``alpha`` are needed (and ``target_parameters`` for MoE experts, as PEFT's config names them). Engines need ``enable_lora``. Requests already admitted under an
-        older version finish under it, later ones get this one (``detail["lora"]`` names it); the base weights
-        and the fleet's epoch stay. A name, shape, rank or version that does not fit raises
+        ``rank`` and ``alpha`` are needed (and ``target_parameters`` for MoE experts, as PEFT's config names
+        them). Engines need ``enable_lora``. Requests already admitted under an older version finish under it,
+        later ones get this one (``detail["lora"]`` names it); the base weights and the fleet's epoch stay. A
+        name, shape, rank or version that does not fit raises
         :class:`~megatron_serve.client.coordinator_client.ControlError` (``refit_failed``) with nothing changed.
         """
         named, push = adapter_push(name, weights, version=version, rank=rank, alpha=alpha, use_rslora=use_rslora,

@@ -241,7 +241,8 @@ class DynamicInferenceEngine(DeviceMemoryVerbs):
             sequence.reads_prefix_cache = False
         request.status = RequestStatus.WAITING_IN_QUEUE
         self._sequences[request.request_id] = sequence
-        for epochs in (request.policy_epochs, request.kv_epochs, request.lora_epochs):  # a continuation whose epochs were not kept
+        # a continuation whose epochs were not kept
+        for epochs in (request.policy_epochs, request.kv_epochs, request.lora_epochs):
             epochs[:0] = [-1] * max(len(request.generated_tokens) - len(epochs), 0)  # -1: unknown
         self.scheduler.add(sequence)
 

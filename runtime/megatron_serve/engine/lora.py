@@ -93,7 +93,8 @@ class EngineLoras:
         name = push.name
         if not name:
             raise LoraAdapterError("a LoRA adapter needs a non-empty name")
-        scaling = adapter_scaling(name, push.rank, push.alpha, push.use_rslora, push.target_modules, self.slots.max_rank)
+        scaling = adapter_scaling(name, push.rank, push.alpha, push.use_rslora, push.target_modules,
+                                  self.slots.max_rank)
         check_shapes(name, shapes, self.model_config, push.rank, push.target_modules,
                      adapter_experts(name, push.target_parameters))
         current = self.registered.get(name)

@@ -45,7 +45,8 @@ class LoraAdapterError(ValueError):
 @dataclass(frozen=True)
 class LoraAdapter:
     """One adapter's weights: ``weights[(layer, projection)] = (A [r, in], B [out, r] * scaling)``; an expert
-    projection's (:data:`.lora_experts.EXPERT_PROJECTIONS`) are stacked per expert, ``[E, r, in]`` and ``[E, out, r]``."""
+    projection's (:data:`.lora_experts.EXPERT_PROJECTIONS`) are stacked per expert, ``[E, r, in]`` and
+    ``[E, out, r]``."""
 
     name: str
     path: str
@@ -77,7 +78,8 @@ def adapter_experts(name: str, target_parameters: object) -> tuple[str, ...]:
 
 def adapter_scaling(name: str, rank: object, alpha: object, use_rslora: bool, targets: object,
                     max_rank: int) -> float:
-    """PEFT's scaling of adapter ``name`` from its config values; :class:`LoraAdapterError` when they cannot be served."""
+    """PEFT's scaling of adapter ``name`` from its config values; :class:`LoraAdapterError` when they cannot be
+    served."""
     if isinstance(targets, list):
         unknown = sorted(set(targets) - set(PROJECTIONS))
         if unknown:
@@ -132,7 +134,8 @@ def check_shapes(name: str, shapes: Iterable[tuple[str, tuple[int, ...]]], confi
         if expert is not None:
             layer, projection, half = expert
             if (expert_shape(config, layer, projection) if layer < config.num_layers else None) is None:
-                raise LoraAdapterError(f"LoRA adapter {name!r}: tensor {key} names experts the base model does not have")
+                raise LoraAdapterError(f"LoRA adapter {name!r}: tensor {key} names experts the base model does "
+                                       "not have")
             pair = halves.setdefault((layer, projection), {})
             if half in pair:
                 raise LoraAdapterError(f"LoRA adapter {name!r}: tensor {key} is given twice")

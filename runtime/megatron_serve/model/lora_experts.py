@@ -55,7 +55,9 @@ def expert_shape(config: ModelConfig, layer: int, projection: str) -> tuple[int,
     if moe is None or not moe.is_sparse(layer):
         return None
     hidden, inner = config.hidden_size, moe.expert_intermediate_size
-    return (moe.num_experts, 2 * inner, hidden) if projection == EXPERT_PROJECTIONS[0] else (moe.num_experts, hidden, inner)
+    if projection == EXPERT_PROJECTIONS[0]:
+        return moe.num_experts, 2 * inner, hidden
+    return moe.num_experts, hidden, inner
 
 
 def per_expert(a: torch.Tensor, b: torch.Tensor, experts: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -27,8 +27,8 @@ class DeltaAccumulator:
     tokens only): :attr:`resumed` counts them, and the per-token lists cover the ids after them.
     """
 
-    __slots__ = ("tokens", "resumed", "log_probs", "top_ids", "top_log_probs", "policy_epochs", "kv_epochs", "lora_epochs",
-                 "cached_tokens", "prompt_scores", "routing")
+    __slots__ = ("tokens", "resumed", "log_probs", "top_ids", "top_log_probs", "policy_epochs", "kv_epochs",
+                 "lora_epochs", "cached_tokens", "prompt_scores", "routing")
 
     def __init__(self, tokens: list[int] | None = None) -> None:
         self.tokens: list[int] = list(tokens or ())
