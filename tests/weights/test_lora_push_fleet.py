@@ -36,7 +36,7 @@ def greedy(tokens: int) -> SamplingParams:
     return SamplingParams(temperature=0.0, num_tokens_to_generate=tokens, ignore_eos=True, lora_name="a")
 
 
-SHORT, LONG = greedy(8), greedy(32)
+SHORT, LONG = greedy(8), greedy(160)
 
 
 @pytest.fixture(scope="module")
@@ -53,6 +53,7 @@ def versions(tiny_llama, tmp_path_factory):
 
     expected = [alone(d) for d in dirs]
     assert expected[0].short != expected[1].short != expected[2].short, "control: the versions differ"
+    assert expected[0].long != expected[1].long, "control: a request switched to version 2 would differ"
     return SimpleNamespace(dirs=dirs, expected=expected)
 
 
@@ -111,6 +112,7 @@ async def test_adapter_versions_pushed_from_a_trainer(fleet, versions, tiny_llam
         # version 2 arrives while two requests of version 1 run: they finish under 1, new ones get 2
         running = await start(client, PROMPTS[:2], LONG)
         await client.pause()
+        assert not any(task.done() for task in running), "they run while version 2 arrives"
         ack = await push(sender, versions.dirs[1], tiny_llama, 2)
         assert ack["detail"]["lora"] == {"name": "a", "version": 2}
         await client.unpause()
