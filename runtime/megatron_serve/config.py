@@ -86,6 +86,7 @@ class InferenceConfig:
     max_loras: int = 1
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None
+    max_lora_versions: int = 2  # versions of one adapter resident at once (a trainer's pushes; engine.lora)
     lora_modules: dict[str, str] | None = None
 
     def __post_init__(self) -> None:
@@ -129,7 +130,8 @@ class InferenceConfig:
         self._check_lora()
 
     def _check_lora(self) -> None:
-        for name in ("max_loras", "max_lora_rank") + (("max_cpu_loras",) if self.max_cpu_loras is not None else ()):
+        optional = ("max_cpu_loras",) if self.max_cpu_loras is not None else ()
+        for name in ("max_loras", "max_lora_rank", "max_lora_versions") + optional:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")

@@ -68,7 +68,9 @@ def test_a_reconnected_client_gets_every_token_it_missed_with_what_went_with_the
     h.send(C, Header.SUBMIT, Submit(client_request_id="r", prompt=[1, 2, 3], sampling_params=params, stream=True,
                                     generated_tokens=[5]))  # it had only the first
     [resent] = h.take(C, Header.TOKENS)
-    assert (resent.new_tokens, resent.new_log_probs, resent.epochs) == ([6, 7], [-0.6, -0.7], [[3, 3], [2, 2]])
+    # an engine that sent no adapter versions: -1 (unknown) in the third list
+    assert (resent.new_tokens, resent.new_log_probs, resent.epochs) == ([6, 7], [-0.6, -0.7],
+                                                                        [[3, 3], [2, 2], [-1, -1]])
     assert resent.cached_tokens == 1 and resent.prompt_scores == scores and resent.routing.start == 0
     assert np.array_equal(np.frombuffer(resent.routing.data, np.uint8).reshape(4, 1, 2), rows)
 

@@ -52,11 +52,12 @@ async def test_return_epochs_before_and_after_a_refit(tiny_model, tokenizer, sec
                          status_interval=0.05)
         async with serving(app) as url, httpx.AsyncClient(base_url=url, timeout=60) as http:
             plain = (await http.post("/v1/completions", json=completion())).json()
-            assert "policy_epochs" not in plain["choices"][0] and "kv_epochs" not in plain["choices"][0]
+            assert not {"policy_epochs", "kv_epochs", "lora_epochs"} & set(plain["choices"][0])
 
             asked = (await http.post("/v1/completions", json=completion(return_epochs=True, n=2))).json()
             for choice in asked["choices"]:
                 assert choice["policy_epochs"] == choice["kv_epochs"] == [0] * TOKENS
+                assert choice["lora_epochs"] == [-1] * TOKENS  # the base model: no adapter version
 
             bad = await http.post("/v1/completions", json=completion(return_epochs="yes"))
             assert bad.status_code == 400 and bad.json()["error"]["param"] == "return_epochs"

@@ -190,6 +190,7 @@ class OutputCollector:
         record.generated_top_n_logprobs = _top_maps(out.top_ids, out.top_log_probs)
         record.policy_epochs = out.policy_epochs
         record.kv_epochs = out.kv_epochs
+        record.lora_epochs = out.lora_epochs
         scores = out.prompt_scores
         if scores is not None and scores.log_probs:
             record.prompt_log_probs = list(scores.log_probs)

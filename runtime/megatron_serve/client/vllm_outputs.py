@@ -52,6 +52,7 @@ class CompletionOutput:
     # cache attended to, the experts each processed token was routed to (asked with return_routing_indices).
     policy_epochs: list[int] = field(default_factory=list)
     kv_epochs: list[int] = field(default_factory=list)
+    lora_epochs: list[int] = field(default_factory=list)  # the LoRA adapter version of each token (-1: none)
     routing_indices: np.ndarray | None = None
     request: DynamicInferenceRequest | None = None  # the whole record (events, ttft, latency, error)
 
@@ -141,6 +142,7 @@ class Shaper:
             stop_reason=self.stop_reason(record),
             policy_epochs=list(record.policy_epochs),
             kv_epochs=list(record.kv_epochs),
+            lora_epochs=list(record.lora_epochs),
             routing_indices=record.routing_indices,
             request=record,
         )

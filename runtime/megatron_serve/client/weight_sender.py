@@ -13,6 +13,9 @@ while the next arrives). Measured with ``benchmarks/weight_sync.py`` on the 2 sh
 the test machine (348 MiB fp32, gloo, one engine): 32 MiB buckets broadcast at 0.70 GB/s, 79 % of
 that machine's memory copy bandwidth, new weights serving 2.1x sooner than writing a checkpoint
 and refitting from it; one 512 MiB bucket (no overlap) reached 0.21 GB/s (docs: RL fleets).
+
+``send_lora`` pushes a LoRA adapter the same way (the same verb, verify step and acknowledgement): its
+tensors become a new version of an adapter on every engine, the base weights stay (docs/lora.md).
 """
 
 from __future__ import annotations
@@ -29,8 +32,9 @@ import torch
 
 from ..weights import group as transfer
 from ..weights.manifest import nbytes, pack, plan_buckets, spec_of
-from ..wire.messages import RENDEZVOUS_SCHEME, Rendezvous
+from ..wire.messages import RENDEZVOUS_SCHEME, LoraPush, Rendezvous
 from .coordinator_client import ControlError, InferenceClient
+from .lora_push import LoraWeights, adapter_push
 
 logger = logging.getLogger("megatron_serve.weights")
 
@@ -100,6 +104,29 @@ class WeightSender:
         changed. A transfer that breaks raises :class:`ControlError` or :class:`WeightTransferError`
         with what each engine holds now; the fleet then refuses UNPAUSE until a refit completes.
         """
+        return await self._push(named_tensors, epoch, bucket_bytes, None)
+
+    async def send_lora(self, name: str, weights: LoraWeights, *, version: int, rank: int | None = None,
+                        alpha: float | None = None, use_rslora: bool = False, target_modules: list[str] | None = None,
+                        target_parameters: list[str] | None = None, bucket_bytes: int | None = None
+                        ) -> dict[str, Any]:
+        """Push a LoRA adapter as version ``version`` of adapter ``name`` on every engine; returns the acknowledgement.
+
+        ``weights``: a PEFT model (its active adapter; rank, alpha, rsLoRA and targets come from its config),
+        a PEFT state dict (``get_peft_model_state_dict``, or names with the adapter's name in them), or
+        ``{module: (lora_A, lora_B)}`` with module paths such as ``model.layers.0.self_attn.q_proj``; then
+        ``rank`` and ``alpha`` are needed (and ``target_parameters`` for MoE experts, as PEFT's config names
+        them). Engines need ``enable_lora``. Requests already admitted under an older version finish under it,
+        later ones get this one (``detail["lora"]`` names it); the base weights and the fleet's epoch stay. A
+        name, shape, rank or version that does not fit raises
+        :class:`~megatron_serve.client.coordinator_client.ControlError` (``refit_failed``) with nothing changed.
+        """
+        named, push = adapter_push(name, weights, version=version, rank=rank, alpha=alpha, use_rslora=use_rslora,
+                                   target_modules=target_modules, target_parameters=target_parameters)
+        return await self._push(named, None, bucket_bytes, push)
+
+    async def _push(self, named_tensors: Iterable[tuple[str, torch.Tensor]], epoch: int | None,
+                    bucket_bytes: int | None, lora: LoraPush | None) -> dict[str, Any]:
         named = [(name, tensor.detach()) for name, tensor in named_tensors]
         manifest = [spec_of(name, tensor) for name, tensor in named]
         seen: set[str] = set()
@@ -115,7 +142,7 @@ class WeightSender:
         prefix = secrets.token_hex(16)  # this transfer's keys: only the REFIT (encrypted) carries it
         store = transfer.transfer_store(listening, prefix)
         rendezvous = Rendezvous(address=f"{host}:{listening.port}", prefix=prefix, backend=self.backend,
-                                bucket_bytes=size, manifest=manifest, timeout_s=self.timeout)
+                                bucket_bytes=size, manifest=manifest, timeout_s=self.timeout, lora=lora)
         label = f"{RENDEZVOUS_SCHEME}{host}:{listening.port}"
         cancelled = threading.Event()
         verb = asyncio.ensure_future(self.client.refit(label, epoch, rendezvous=rendezvous))

@@ -65,6 +65,10 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
                        help="a request's logits, log probs and tokens bitwise its own whatever else shares its steps, "
                             "and equal to a trainer's under megatron_serve.invariant (docs/batch-invariance.md; "
                             "default: the environment's VLLM_BATCH_INVARIANT, else off)")
+    group.add_argument("--max-lora-versions", type=int, default=2, metavar="K",
+                       help="versions of one LoRA adapter resident at once (RL: a trainer's push makes a new one; "
+                            "requests admitted under an older one finish under it); a push beyond it is refused "
+                            "until the older requests finish (default: %(default)s)")
     group.add_argument("--logprobs-mode", choices=LOGPROBS_MODES, default="raw_logprobs",
                        help="what reported log probs are taken from: the model's logits (raw) or those after logit "
                             "bias, penalties, grammar, temperature, min-p, top-k and top-p (processed); as log probs "
@@ -88,6 +92,7 @@ def inference_config_from_args(args: argparse.Namespace, tensor_parallel_size: i
         **({} if args.batch_invariant is None else {"batch_invariant": args.batch_invariant}),
         enable_lora=args.enable_lora, max_loras=args.max_loras,
         max_lora_rank=args.max_lora_rank, max_cpu_loras=args.max_cpu_loras,
+        max_lora_versions=args.max_lora_versions,
         lora_modules=dict(args.lora_modules) if args.lora_modules else None,
     )
 

@@ -122,7 +122,7 @@ class RequestRecord:
                         top_ids=out.top_ids[skip:] or None, top_log_probs=out.top_log_probs[skip:] or None,
                         cached_tokens=out.cached_tokens, prompt_scores=out.prompt_scores)
         if have >= out.resumed:
-            tokens.epochs = [out.policy_epochs[skip:], out.kv_epochs[skip:]]
+            tokens.epochs = [out.policy_epochs[skip:], out.kv_epochs[skip:], out.lora_epochs[skip:]]
         if out.routing is not None:  # every row: the client keeps those it has
             tokens.routing = RoutingRows(start=0, **routing_to_wire(out.routing.array()))
         return tokens

@@ -13,7 +13,8 @@ rank 0; groups in order, each taking as many ranks as it has tensor-parallel ran
 epoch changes only once every engine loaded; and an engine whose load fails stays (there is no
 directory it could reload from): its acknowledgement says which weights it holds, the verb is
 refused with those facts, and while any engine holds incomplete weights UNPAUSE is refused
-(:data:`~megatron_serve.wire.lifecycle.NEEDS_WHOLE_WEIGHTS`).
+(:data:`~megatron_serve.wire.lifecycle.NEEDS_WHOLE_WEIGHTS`). A rendezvous with ``lora`` pushes an adapter
+version, not base weights: the same steps and acknowledgements, but the fleet's epoch and weights stay.
 
 LOAD_LORA runs like a directory REFIT in any state but STOPPED: ``LORA_VERIFY`` on every engine (each reads
 and checks the adapter and keeps it staged), then ``LORA_LOAD``; one refusal refuses the verb
@@ -250,7 +251,7 @@ class VerbRunner:
             if op.verb is Verb.REFIT:
                 if not core.engines:
                     raise RefitRefused("REFIT needs at least one connected engine to verify the new weights")
-                if op.epoch is None:
+                if op.epoch is None and not _pushes_adapter(op):
                     op.epoch = core.epoch + 1
             if op.lora is not None:
                 self._lora_problem(op.lora)
@@ -418,7 +419,7 @@ class VerbRunner:
                 # re-queues its requests; it registers again and loads the fleet's weights, or exits.
                 op.failed[engine.engine_id] = str(facts["error"])
                 core.remove_engine(engine, f"REFIT load failed: {facts['error']}")
-            else:
+            elif not _pushes_adapter(op):
                 engine.epoch, engine.weights = int(op.epoch or 0), op.source
                 engine.last_refit = {k: facts[k] for k in ("verify_s", "load_s", "total_s") if k in facts}
         elif op.step is Step.STOP:
@@ -452,10 +453,13 @@ class VerbRunner:
             if op.failed:
                 self._transfer_failed(op, detail)
                 return
-            core.epoch, core.weights_source = int(op.epoch or 0), op.source
-            core.refits += 1
+            if not _pushes_adapter(op):
+                core.epoch, core.weights_source = int(op.epoch or 0), op.source
+                core.refits += 1
         if op.verb is Verb.REFIT:
             detail.update(noop=False, epoch=core.epoch, source=core.weights_source)
+            if op.rendezvous is not None and op.rendezvous.lora is not None:
+                detail["lora"] = {"name": op.rendezvous.lora.name, "version": op.rendezvous.lora.version}
             if op.failed:
                 detail["failed"] = dict(op.failed)
         if op.lora is not None:
@@ -515,3 +519,8 @@ class VerbRunner:
         if client is not None and client.identity is not None:
             self.core.send(client.identity, header, body)
 
+
+
+def _pushes_adapter(op: ControlOp) -> bool:
+    """A REFIT whose tensors are a LoRA adapter version: the base weights and the fleet's epoch stay."""
+    return op.rendezvous is not None and op.rendezvous.lora is not None

@@ -222,7 +222,7 @@ class DynamicInferenceEngine(DeviceMemoryVerbs):
             self.tokenizer.eos_token_ids if sp.termination_id is None
             else (sp.termination_id if isinstance(sp.termination_id, list) else [sp.termination_id])))
         try:
-            lora_slot, lora_key = admit_request(self.loras, sp, self._sequences.values())
+            lora_slot, lora_key, lora_version = admit_request(self.loras, sp, self._sequences.values())
         except LoraAdapterError as exc:
             request.fail(str(exc))
             self._pending.append(StepOutput(request, [], [], True))
@@ -238,6 +238,7 @@ class DynamicInferenceEngine(DeviceMemoryVerbs):
         sequence.seed = sp.seed if sp.seed is not None else self._seeds.getrandbits(63)
         if lora_key is not None:
             sequence.lora_slot, sequence.prefix_root = lora_slot, adapter_root(sequence.prefix_root, lora_key)
+            sequence.lora_version = lora_version
         if sp.return_routing_indices:
             moe = self.model.config.moe
             sequence.routing = RoutingRecord(len(moe.sparse_layers), moe.top_k, routing_dtype(moe.num_experts),
@@ -245,7 +246,8 @@ class DynamicInferenceEngine(DeviceMemoryVerbs):
             sequence.reads_prefix_cache = False
         request.status = RequestStatus.WAITING_IN_QUEUE
         self._sequences[request.request_id] = sequence
-        for epochs in (request.policy_epochs, request.kv_epochs):  # a continuation whose epochs were not kept
+        # a continuation whose epochs were not kept
+        for epochs in (request.policy_epochs, request.kv_epochs, request.lora_epochs):
             epochs[:0] = [-1] * max(len(request.generated_tokens) - len(epochs), 0)  # -1: unknown
         self.scheduler.add(sequence)
 
@@ -541,6 +543,7 @@ class DynamicInferenceEngine(DeviceMemoryVerbs):
             request.generated_tokens.append(token)
             request.policy_epochs.append(self.epoch)
             request.kv_epochs.append(kv_epoch)
+            request.lora_epochs.append(sequence.lora_version)
             new_tokens.append(token)
             if log_prob is not None:
                 request.generated_log_probs.append(log_prob)

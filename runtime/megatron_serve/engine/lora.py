@@ -14,6 +14,13 @@ Unloading drops the name only: requests admitted under it keep their slot, whose
 a later admission takes the slot, which happens only once no live request uses it. Each registration
 gets its own prefix-cache root (:func:`adapter_root`), so blocks computed under one adapter are never
 found by a request of another, nor by one of a later adapter registered under the same name.
+
+Versions (RL, :meth:`EngineLoras.push`): a trainer's push registers version N of a name from tensors,
+no disk. It is a registration like any other: new requests get the newest version, while requests
+admitted under an older one keep its slot, so they finish under the weights they started with. A
+version stays resident while it is the newest or a live request uses its slot; at most
+``max_versions`` (``--max-lora-versions``) versions of a name may be resident, so a push that would
+make one more is refused until the older requests finish. A directory's adapter is version 0.
 """
 
 from __future__ import annotations
@@ -25,7 +32,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Iterable
 
 from ..model.config import ModelConfig
-from ..model.lora import LoraAdapter, LoraAdapterError, read_adapter
+from ..model.lora import (LoraAdapter, LoraAdapterError, adapter_experts, adapter_of, adapter_scaling, check_shapes,
+                          read_adapter)
+from ..wire.messages import LoraPush
 from ..wire.prefix_hash import adapter_root
 
 __all__ = ["EngineLoras", "LoraAdapterError", "adapter_root", "admit_request", "engine_loras", "lora_report",
@@ -34,6 +43,8 @@ from ..model.llama import LlamaForCausalLM
 from ..model.lora_slots import LoraSlots
 
 if TYPE_CHECKING:
+    import torch
+
     from ..config import InferenceConfig
     from ..wire.sampling_params import SamplingParams
     from .runner import ModelRunner
@@ -44,17 +55,20 @@ if TYPE_CHECKING:
 class _Registered:
     adapter: LoraAdapter
     key: str  # unique per registration: the prefix-cache identity of its blocks
+    version: int = 0  # a trainer's push numbers them; a directory's adapter is 0
 
 
 class EngineLoras:
     """Registered adapters and the slot table; the engine asks :meth:`admit` for each request's slot."""
 
-    def __init__(self, slots: LoraSlots, config: ModelConfig, max_cpu_loras: int):
+    def __init__(self, slots: LoraSlots, config: ModelConfig, max_cpu_loras: int, max_versions: int = 2):
         self.slots = slots
         self.model_config = config
         self.max_cpu_loras = max_cpu_loras
+        self.max_versions = max_versions
         self.registered: dict[str, _Registered] = {}
         self._slot_keys: list[str | None] = [None] * slots.max_loras  # registration held by each slot
+        self._slot_versions: list[tuple[str, int] | None] = [None] * slots.max_loras  # (name, version) in each
         self._last_admitted: list[int] = [0] * slots.max_loras
         self._admissions = itertools.count(1)
         self._registrations = itertools.count(1)
@@ -75,6 +89,7 @@ class EngineLoras:
         self._check_room(name)
         began = time.perf_counter()
         adapter = read_adapter(name, path, self.model_config, self.slots.max_rank)
+        self.slots.check(adapter)
         seconds = time.perf_counter() - began
         self._staged = {name: (adapter, seconds)}  # only the verb in progress is staged
         return seconds
@@ -87,15 +102,56 @@ class EngineLoras:
         adapter, seconds = self._staged.pop(name, (None, 0.0))
         if adapter is None or adapter.path != str(Path(path)):
             adapter, seconds = read_adapter(name, path, self.model_config, self.slots.max_rank), 0.0
+            self.slots.check(adapter)
         self.registered[name] = _Registered(adapter, f"{name}#{next(self._registrations)}")
         return seconds + time.perf_counter() - began
+
+    def check_push(self, push: LoraPush, shapes: Iterable[tuple[str, tuple[int, ...]]], live_slots: set[int]) -> float:
+        """Check that ``push`` with tensors of these PEFT names and shapes can become the newest version of its
+        name (reads no data); returns its scaling. Raises :class:`LoraAdapterError` naming the problem."""
+        name = push.name
+        if not name:
+            raise LoraAdapterError("a LoRA adapter needs a non-empty name")
+        scaling = adapter_scaling(name, push.rank, push.alpha, push.use_rslora, push.target_modules,
+                                  self.slots.max_rank)
+        check_shapes(name, shapes, self.model_config, push.rank, push.target_modules,
+                     adapter_experts(name, push.target_parameters))
+        current = self.registered.get(name)
+        if current is None and len(self.registered) >= self.max_cpu_loras:
+            raise LoraAdapterError(f"LoRA adapter {name!r}: {len(self.registered)} adapters are loaded, the most "
+                                   f"--max-cpu-loras allows; unload one first")
+        if current is not None and push.version <= current.version:
+            raise LoraAdapterError(f"LoRA adapter {name!r}: version {push.version} is not newer than the served "
+                                   f"version {current.version}")
+        running = self.running_versions(name, live_slots)
+        if len(running) + 1 > self.max_versions:
+            raise LoraAdapterError(f"LoRA adapter {name!r}: running requests use versions {running}; with version "
+                                   f"{push.version} that makes {len(running) + 1} resident versions, above "
+                                   f"--max-lora-versions {self.max_versions} (push again once they finish)")
+        return scaling
+
+    def push(self, push: LoraPush, named: Iterable[tuple[str, "torch.Tensor"]], live_slots: set[int]) -> None:
+        """Register ``named`` (PEFT names) as version ``push.version`` of ``push.name``, the one new requests get;
+        requests admitted under an older version keep it. Nothing changes when it raises."""
+        tensors = list(named)
+        scaling = self.check_push(push, ((key, tuple(t.shape)) for key, t in tensors), live_slots)
+        label = f"{push.name}@{push.version}"
+        adapter = adapter_of(push.name, label, push.rank, scaling, tensors, self.model_config,
+                             adapter_experts(push.name, push.target_parameters))
+        self.slots.check(adapter)
+        self.registered[push.name] = _Registered(adapter, f"{push.name}#{next(self._registrations)}", push.version)
+
+    def running_versions(self, name: str, live_slots: set[int]) -> list[int]:
+        """The versions of ``name`` that live requests run under (their slots), ascending."""
+        return sorted({owner[1] for slot, owner in enumerate(self._slot_versions)
+                       if owner is not None and owner[0] == name and slot in live_slots})
 
     def unload(self, name: str) -> None:
         if self.registered.pop(name, None) is None:
             raise LoraAdapterError(f"LoRA adapter {name!r} is not loaded")
 
-    def admit(self, name: str, path: str | None, live_slots: set[int]) -> tuple[int, str]:
-        """The slot and registration key of a request of adapter ``name`` (registered from ``path`` when new);
+    def admit(self, name: str, path: str | None, live_slots: set[int]) -> tuple[int, str, int]:
+        """The slot, registration key and version of a request of ``name`` (registered from ``path`` when new);
         ``live_slots`` are the slots live requests use. Raises :class:`LoraAdapterError` with the reason."""
         if name not in self.registered:
             if path is None:
@@ -112,8 +168,9 @@ class EngineLoras:
             slot = min(free, key=lambda s: self._last_admitted[s])
             self.slots.write(slot, entry.adapter)
             self._slot_keys[slot] = entry.key
+            self._slot_versions[slot] = (name, entry.version)
         self._last_admitted[slot] = next(self._admissions)
-        return slot, entry.key
+        return slot, entry.key, entry.version
 
     def names(self) -> dict[str, str]:
         """Registered adapters: name -> path."""
@@ -126,7 +183,8 @@ def engine_loras(model: LlamaForCausalLM, config: "InferenceConfig", runner: "Mo
     if not config.enable_lora:
         return None
     loras = EngineLoras(LoraSlots(model, config.max_loras, config.max_lora_rank), model.config,
-                        config.max_cpu_loras or max(config.max_loras, len(config.lora_modules or {})))
+                        config.max_cpu_loras or max(config.max_loras, len(config.lora_modules or {})),
+                        config.max_lora_versions)
     runner.lora_rows = loras.slots.rows
     for name, path in (config.lora_modules or {}).items():
         loras.load(name, path)
@@ -141,11 +199,11 @@ def require(loras: EngineLoras | None) -> EngineLoras:
 
 
 def admit_request(loras: EngineLoras | None, params: "SamplingParams", live: Iterable["Sequence"]
-                  ) -> tuple[int, str | None]:
-    """The slot and registration key a request runs under, ``(-1, None)`` for the base model; ``live``: the
-    engine's live sequences. Raises :class:`LoraAdapterError` with the reason it cannot run."""
+                  ) -> tuple[int, str | None, int]:
+    """The slot, registration key and adapter version a request runs under, ``(-1, None, -1)`` for the base
+    model; ``live``: the engine's live sequences. Raises :class:`LoraAdapterError` with the reason it cannot run."""
     if params.lora_name is None:
-        return -1, None
+        return -1, None, -1
     return require(loras).admit(params.lora_name, params.lora_path, {s.lora_slot for s in live})
 
 

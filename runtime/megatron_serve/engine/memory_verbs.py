@@ -1,7 +1,9 @@
 """The engine's device-memory verbs: suspend and resume (KV pool, weights to host), refit and its check.
 
 They sit apart from the step loop (:mod:`.core`) because they run between steps, each after
-``_settle()`` has finished the step in flight, and touch the model and the pools as wholes.
+``_settle()`` has finished the step in flight, and touch the model and the pools as wholes. A trainer's
+refit whose rendezvous carries ``lora`` is an adapter version instead (:meth:`.lora.EngineLoras.push`):
+the base weights, their epoch and the prefix cache stay.
 """
 
 from __future__ import annotations
@@ -14,15 +16,18 @@ import torch
 
 from ..errors import RefitFailed
 from ..model.loader import load_weights
-from ..weights.sources import WeightSource, weight_source
+from ..weights.sources import RendezvousSource, WeightSource, weight_source
+from ..wire.messages import LoraPush
+from .lora import require
 
 if TYPE_CHECKING:
     from ..model.llama import LlamaForCausalLM
     from .encoder_cache import EncoderCache
     from .kv_cache import BlockAllocator, KVCachePool
     from .logprob_parity import ParityChecker
+    from .lora import EngineLoras
     from .runner import ModelRunner
-    from .scheduler import Scheduler
+    from .scheduler import Scheduler, Sequence
 
 
 class DeviceMemoryVerbs:
@@ -42,6 +47,8 @@ class DeviceMemoryVerbs:
     refits: int
     last_refit: dict[str, float] | None
     incomplete: set[str]
+    loras: "EngineLoras | None"
+    _sequences: "dict[str, Sequence]"
     _settle: "Callable[[], None]"  # the engine's: finish the step in flight
 
     def suspend(self, level: int = 1) -> int:
@@ -82,6 +89,9 @@ class DeviceMemoryVerbs:
         when some were overwritten the epoch becomes -1 until a refit covers them again.
         """
         source = weight_source(source)
+        push = _adapter_push(source)
+        if push is not None:
+            return self._push_adapter(source, push)
         self._settle()  # the step in flight was computed with the old weights: its tokens carry the old epoch
         started = time.perf_counter()
         source.check(self.model)
@@ -124,8 +134,31 @@ class DeviceMemoryVerbs:
         returns seconds. Raises ``ValueError`` naming the first mismatch; nothing live is touched.
         """
         started = time.perf_counter()
-        weight_source(source).check(self.model)
+        source = weight_source(source)
+        push = _adapter_push(source)
+        if push is None:
+            source.check(self.model)
+        else:
+            require(self.loras).check_push(push, ((s.name, s.shape) for s in source.rendezvous.manifest),
+                                           self._live_slots())
         return time.perf_counter() - started
+
+    def _live_slots(self) -> set[int]:
+        return {sequence.lora_slot for sequence in self._sequences.values()}
+
+    def _push_adapter(self, source: RendezvousSource, push: LoraPush) -> dict[str, float]:
+        """Receive a trainer's adapter tensors and make them version ``push.version`` of ``push.name``; requests
+        running meanwhile keep the version they were admitted under. Raises (nothing changed) when it does not fit."""
+        self._settle()
+        started = time.perf_counter()
+        loras = require(self.loras)
+        live = self._live_slots()
+        loras.check_push(push, ((s.name, s.shape) for s in source.rendezvous.manifest), live)
+        verified = time.perf_counter()
+        loras.push(push, source.tensors(self.model), live)
+        finished = time.perf_counter()
+        return {"epoch": self.epoch, "verify_s": verified - started, "load_s": finished - verified,
+                "total_s": finished - started}
 
     def resume(self) -> None:
         """Bring weights and the KV pool back, then capture the decode graphs over them again."""
@@ -139,3 +172,8 @@ class DeviceMemoryVerbs:
             self.kv_cache.allocate()
             self.suspended = False
         self.runner.capture_graphs(self.kv_cache.layer_caches)
+
+
+def _adapter_push(source: WeightSource) -> LoraPush | None:
+    """The adapter version a trainer's refit carries, or None for base weights."""
+    return source.rendezvous.lora if isinstance(source, RendezvousSource) else None

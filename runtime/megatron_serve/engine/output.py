@@ -44,7 +44,7 @@ def step_delta(out: "StepOutput") -> RequestDeltaOut:
         delta.top_ids, delta.top_log_probs = _top_lists(out.new_top_logprobs)
     n = len(tokens)
     if n:
-        delta.epochs = [request.policy_epochs[-n:], request.kv_epochs[-n:]]
+        delta.epochs = [request.policy_epochs[-n:], request.kv_epochs[-n:], request.lora_epochs[-n:]]
     if out.new_routing is not None:
         start, rows = out.new_routing
         delta.routing = RoutingRows(start=start, **routing_to_wire(rows))

@@ -379,6 +379,12 @@ class EngineProcess:
             self._note_weights()
             facts = exc.facts() if isinstance(exc, RefitFailed) else {"epoch": epoch, "weights_intact": epoch != -1}
             return {"error": str(exc) or type(exc).__name__, "phase": phase, **facts}
+        pushed = body.rendezvous.lora if body.rendezvous is not None else None
+        if pushed is not None:  # an adapter version: the base weights (and what HELLO says of them) stay
+            logger.info("LoRA adapter %r version %d from %s in %.2fs", pushed.name, pushed.version, body.source,
+                        timings["total_s"])
+            return {**{k: round(float(v), 6) for k, v in timings.items() if k != "epoch"},
+                    "epoch": int(timings["epoch"]), "lora": {"name": pushed.name, "version": pushed.version}}
         self.weights_source = body.source
         self._note_weights()
         logger.info("refit: epoch %d from %s in %.2fs (verify %.2fs, load %.2fs)", timings["epoch"], body.source,

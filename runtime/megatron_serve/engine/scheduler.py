@@ -43,6 +43,7 @@ class Sequence:
     finished: bool = False  # left the engine (finished, aborted, failed): rows of steps in flight are dropped
     prefix_root: int = ROOT_HASH  # where its chain of block hashes starts: its cache_salt's root
     lora_slot: int = -1  # the adapter slot its rows run under (engine.lora); -1: the base model
+    lora_version: int = -1  # the version of its adapter in that slot (its tokens' lora_epochs); -1: none
 
     def __post_init__(self) -> None:
         if not self.token_ids:

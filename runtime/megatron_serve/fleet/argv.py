@@ -42,6 +42,7 @@ ENGINE_FIELDS = {
     "max_loras": "max_loras",
     "max_lora_rank": "max_lora_rank",
     "max_cpu_loras": "max_cpu_loras",
+    "max_lora_versions": "max_lora_versions",
 }
 
 

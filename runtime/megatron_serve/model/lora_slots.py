@@ -8,6 +8,12 @@ gate|up) stacks its parts' ``A`` along the rank and lays their ``B`` out block-d
 shrink/expand pair serves all its parts; a part the adapter leaves out stays zero. The base path is
 untouched: without ``--enable-lora`` no hook exists, and a step with no adapter row returns from
 each hook at once.
+
+An MoE layer's experts (:mod:`.lora_experts`) get a hook too: the expert MLP is nonlinear between its
+two projections, so no delta can be added to the experts' output; the rows of each slot whose adapter
+adapts the experts are computed again, expert by expert, with ``W + B A`` in both projections, and
+replace the fused kernel's rows. Rows of the base model and of adapters without expert weights keep
+the fused kernel's result. Correct first: the adapted rows cost a second, unfused pass over their experts.
 """
 
 from __future__ import annotations
@@ -15,12 +21,15 @@ from __future__ import annotations
 import numpy as np
 import torch
 from torch import nn
+from torch.nn import functional as F
 
 from megatron_kernels import get_op
 from megatron_kernels.reference_lora import LoraBatch
 
 from .config import ModelConfig
-from .lora import LoraAdapter, projection_shape
+from .lora import LoraAdapter, LoraAdapterError, projection_shape
+from .lora_experts import EXPERT_PROJECTIONS, expert_shape
+from .moe import FusedExperts
 
 # decoder-layer module -> the checkpoint projections it holds, in the order of its output features
 FUSED_TARGETS = {
@@ -87,6 +96,65 @@ class _SlotWeights:
         return output
 
 
+class _ExpertSlotWeights:
+    """One MoE layer's expert LoRA weights per slot, ``[slots, E, rank, in]`` and ``[slots, E, out, rank]`` for each
+    expert projection, and the hook that recomputes the adapted rows."""
+
+    def __init__(self, config: ModelConfig, layer: int, slots: int, rank: int, rows: LoraRows,
+                 device: torch.device, dtype: torch.dtype):
+        self.a: dict[str, torch.Tensor] = {}
+        self.b: dict[str, torch.Tensor] = {}
+        for projection in EXPERT_PROJECTIONS:
+            experts, out_features, in_features = expert_shape(config, layer, projection)
+            self.a[projection] = torch.zeros(slots, experts, rank, in_features, device=device, dtype=dtype)
+            self.b[projection] = torch.zeros(slots, experts, out_features, rank, device=device, dtype=dtype)
+        self.used = [False] * slots  # the slot's adapter adapts these experts
+        self.rows = rows
+
+    def write(self, slot: int, layer: int, adapter: LoraAdapter) -> None:
+        self.used[slot] = False
+        for projection in EXPERT_PROJECTIONS:
+            self.a[projection][slot].zero_()
+            self.b[projection][slot].zero_()
+            pair = adapter.weights.get((layer, projection))
+            if pair is not None:
+                a, b = pair
+                self.a[projection][slot, :, : a.shape[1]].copy_(a)
+                self.b[projection][slot, :, :, : a.shape[1]].copy_(b)
+                self.used[slot] = True
+
+    def __call__(self, module: FusedExperts, args: tuple[torch.Tensor, ...], output: torch.Tensor) -> torch.Tensor:
+        batch = self.rows.batch
+        if batch is None:
+            return output
+        hidden, weights, ids = args
+        for slot, start, end in batch.segments:
+            if self.used[slot]:
+                rows = batch.order[start:end]
+                output.index_copy_(0, rows, self._experts(module, hidden[rows], weights[rows], ids[rows], slot))
+        return output
+
+    def _experts(self, module: FusedExperts, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+                 slot: int) -> torch.Tensor:
+        """The routed experts' weighted sum for rows ``x`` of one slot, with ``W + B A`` in both projections."""
+        gate_up, down = EXPERT_PROJECTIONS
+        a_gu, b_gu, a_d, b_d = self.a[gate_up][slot], self.b[gate_up][slot], self.a[down][slot], self.b[down][slot]
+        flat = ids.reshape(-1)
+        tokens = torch.arange(x.shape[0], device=x.device).repeat_interleave(ids.shape[1])
+        scale = weights.reshape(-1).to(x.dtype)
+        out = torch.zeros_like(x)
+        for expert in torch.unique(flat).tolist():
+            picked = (flat == expert).nonzero().squeeze(1)
+            token = tokens[picked]
+            xe = x[token]
+            h = xe @ module.gate_up_proj[expert].T + (xe @ a_gu[expert].T) @ b_gu[expert].T
+            gate, up = h.chunk(2, dim=-1)
+            act = F.silu(gate) * up
+            y = act @ module.down_proj[expert].T + (act @ a_d[expert].T) @ b_d[expert].T
+            out.index_add_(0, token, y * scale[picked, None])
+        return out
+
+
 class LoraSlots:
     """``max_loras`` adapter slots attached to a decoder; :meth:`write` fills one (a slot is only ever
     overwritten: an unloaded adapter's weights stay until another adapter takes its slot)."""
@@ -98,8 +166,18 @@ class LoraSlots:
         self.max_loras, self.max_rank = max_loras, max_rank
         self.rows = LoraRows()
         weight = model.model.embed_tokens.weight
-        self._targets: list[tuple[int, _SlotWeights]] = []
+        self._targets: list[tuple[int, _SlotWeights | _ExpertSlotWeights]] = []
+        self._expert_problem: str | None = None  # why expert weights cannot be served here, if they cannot
         for layer_index, layer in enumerate(model.model.layers):
+            if expert_shape(config, layer_index, EXPERT_PROJECTIONS[0]) is not None:
+                experts = layer.mlp.experts
+                if type(experts) is not FusedExperts or experts.gate_up_proj.dtype != weight.dtype:
+                    self._expert_problem = f"its experts are {type(experts).__name__} ({experts.gate_up_proj.dtype})"
+                else:
+                    target = _ExpertSlotWeights(config, layer_index, max_loras, max_rank, self.rows, weight.device,
+                                                weight.dtype)
+                    experts.register_forward_hook(target)
+                    self._targets.append((layer_index, target))
             for path, parts in FUSED_TARGETS.items():
                 if projection_shape(config, layer_index, parts[0]) is None:
                     continue  # an expert layer's MLP
@@ -108,6 +186,12 @@ class LoraSlots:
                                       weight.dtype)
                 module.register_forward_hook(target)
                 self._targets.append((layer_index, target))
+
+    def check(self, adapter: LoraAdapter) -> None:
+        """:class:`LoraAdapterError` when ``adapter`` holds weights these slots cannot apply (quantized experts)."""
+        if self._expert_problem and any(p in EXPERT_PROJECTIONS for _, p in adapter.weights):
+            raise LoraAdapterError(f"LoRA adapter {adapter.name!r} adapts MoE experts, which this model cannot serve "
+                                   f"with LoRA: {self._expert_problem}")
 
     def write(self, slot: int, adapter: LoraAdapter) -> None:
         """Load ``adapter`` into ``slot`` (its rank is at most ``max_rank``: :func:`.lora.read_adapter` checks)."""

@@ -20,8 +20,8 @@ from pydantic import Field
 EXTENSIONS: dict[str, str] = {
     "top_k": "sample among the k most likely tokens; 0 or -1 = off (vLLM's name)",
     "ignore_eos": "keep generating past end-of-sequence tokens (vLLM's name)",
-    "return_epochs": "add policy_epochs and kv_epochs (the weights generation of every generated token) to each "
-                     "choice",
+    "return_epochs": "add policy_epochs and kv_epochs (the weights generation of every generated token) and "
+                     "lora_epochs (its LoRA adapter version; -1: none) to each choice",
     "repetition_penalty": "divides positive (and multiplies negative) logits of prompt and generated tokens; 1 = off "
                           "(vLLM's name)",
     "min_p": "drop tokens less likely than min_p times the most likely one; 0 = off (vLLM's name)",

@@ -281,8 +281,8 @@ class _Extensions(BaseModel):
     @model_serializer(mode="wrap")
     def _drop_absent_extensions(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
         data = handler(self)
-        for key in ("policy_epochs", "kv_epochs", "prompt_logprobs", "routing_indices", "prompt_token_ids",
-                    "token_ids"):
+        for key in ("policy_epochs", "kv_epochs", "lora_epochs", "prompt_logprobs", "routing_indices",
+                    "prompt_token_ids", "token_ids"):
             if data.get(key) is None:
                 data.pop(key, None)
         return data
@@ -290,6 +290,7 @@ class _Extensions(BaseModel):
 
 _POLICY_EPOCHS = "extension (return_epochs): the weights generation (REFIT epoch) that produced each generated token"
 _KV_EPOCHS = "extension (return_epochs): the weights generation of the KV cache each generated token attended to"
+_LORA_EPOCHS = "extension (return_epochs): the LoRA adapter version that produced each generated token (-1: none)"
 _ROUTING = ("extension (return_routing_indices): for every processed token of prompt and answer (the last answer "
             "token when generation stopped at its length limit was never processed), for every mixture-of-experts "
             "layer, the ids of the experts it was routed to, most probable first")
@@ -307,6 +308,7 @@ class CompletionChoice(_Extensions):
     prompt_logprobs: PromptLogprobs | None = Field(None, description=_PROMPT_LOGPROBS)
     policy_epochs: list[int] | None = Field(None, description=_POLICY_EPOCHS)
     kv_epochs: list[int] | None = Field(None, description=_KV_EPOCHS)
+    lora_epochs: list[int] | None = Field(None, description=_LORA_EPOCHS)
     routing_indices: RoutingIndices | None = Field(None, description=_ROUTING + " (streamed: on the choice's last chunk)")
     prompt_token_ids: list[int] | None = Field(None, description=_PROMPT_IDS + " (streamed: on the choice's first "
                                                                             "chunk)")
@@ -370,6 +372,7 @@ class ChatChoice(_Extensions):
     finish_reason: FinishReasonName | None = None
     policy_epochs: list[int] | None = Field(None, description=_POLICY_EPOCHS)
     kv_epochs: list[int] | None = Field(None, description=_KV_EPOCHS)
+    lora_epochs: list[int] | None = Field(None, description=_LORA_EPOCHS)
     routing_indices: RoutingIndices | None = Field(None, description=_ROUTING)
     token_ids: list[int] | None = Field(None, description=_TOKEN_IDS)
 

@@ -40,6 +40,7 @@ def extension_fields(req: _SamplingRequest, result: Any) -> dict[str, list]:
     if req.return_epochs:
         fields["policy_epochs"] = list(getattr(result, "policy_epochs", None) or [])
         fields["kv_epochs"] = list(getattr(result, "kv_epochs", None) or [])
+        fields["lora_epochs"] = list(getattr(result, "lora_epochs", None) or [])
     if req.return_routing_indices:
         routing = getattr(result, "routing_indices", None)
         fields["routing_indices"] = [] if routing is None else routing.tolist()

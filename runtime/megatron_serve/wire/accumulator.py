@@ -28,7 +28,7 @@ class DeltaAccumulator:
     """
 
     __slots__ = ("tokens", "resumed", "log_probs", "top_ids", "top_log_probs", "policy_epochs", "kv_epochs",
-                 "cached_tokens", "prompt_scores", "routing")
+                 "lora_epochs", "cached_tokens", "prompt_scores", "routing")
 
     def __init__(self, tokens: list[int] | None = None) -> None:
         self.tokens: list[int] = list(tokens or ())
@@ -38,6 +38,7 @@ class DeltaAccumulator:
         self.top_log_probs: list[list[float]] = []
         self.policy_epochs: list[int] = []  # -1 where an engine did not report one
         self.kv_epochs: list[int] = []
+        self.lora_epochs: list[int] = []  # adapter versions; -1 for the base model, or where none was reported
         self.cached_tokens: int | None = None  # prompt tokens found in the prefix cache, once reported
         self.prompt_scores: PromptScores | None = None  # the first engine's (a next one scores them again)
         self.routing: RoutingRecord | None = None
@@ -60,12 +61,14 @@ class DeltaAccumulator:
             self.top_ids.extend(delta.top_ids[:kept])
             self.top_log_probs.extend(delta.top_log_probs[:kept])
         epochs, n = delta.epochs, len(delta.new_tokens)
-        if epochs is not None and len(epochs) == 2 and len(epochs[0]) == n and len(epochs[1]) == n:
+        if epochs is not None and len(epochs) in (2, 3) and all(len(e) == n for e in epochs):
             self.policy_epochs.extend(epochs[0][:kept])
             self.kv_epochs.extend(epochs[1][:kept])
+            self.lora_epochs.extend(epochs[2][:kept] if len(epochs) == 3 else [-1] * kept)
         else:
             self.policy_epochs.extend([-1] * kept)
             self.kv_epochs.extend([-1] * kept)
+            self.lora_epochs.extend([-1] * kept)
         if delta.routing is not None:
             try:
                 self.routing = mirror_rows(self.routing, msgspec.structs.asdict(delta.routing))

@@ -169,6 +169,25 @@ TRANSFER_BACKENDS = ("gloo", "nccl")
 MIN_PREFIX_CHARS = 32  # a rendezvous prefix: 128 random bits as hex
 
 
+class LoraPush(msgspec.Struct, frozen=True):
+    """A rendezvous whose tensors are a LoRA adapter, not base weights: they become version ``version`` of
+    adapter ``name`` on every engine (``engine.lora``); the base weights and their epoch stay as they are.
+
+    The manifest's names are PEFT's (``base_model.model.model.layers.N.self_attn.q_proj.lora_A.weight``);
+    ``rank``, ``alpha`` and ``use_rslora`` are the adapter config's (scaling ``alpha / rank``, or
+    ``alpha / sqrt(rank)`` with rsLoRA); ``target_modules``, when given, bounds the projections it may touch;
+    ``target_parameters`` names the MoE expert parameters it targets (PEFT's names of their tensors depend on it).
+    """
+
+    name: str
+    version: Annotated[int, msgspec.Meta(ge=0)]
+    rank: Annotated[int, msgspec.Meta(ge=1)]
+    alpha: float
+    use_rslora: bool = False
+    target_modules: list[str] | None = None
+    target_parameters: list[str] | None = None
+
+
 class Rendezvous(Body):
     """A REFIT source that is a trainer process, not a directory: where and how the weights travel.
 
@@ -190,6 +209,7 @@ class Rendezvous(Body):
     timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 120.0  # for joining, and for each bucket
     world_size: int | None = None
     rank_offset: int | None = None
+    lora: LoraPush | None = None  # the tensors are this adapter version (engine.lora), not base weights
 
     def problem(self) -> str | None:
         """Why this rendezvous cannot be used (the coordinator refuses the REFIT with it), or None."""
@@ -338,7 +358,7 @@ class TokenDelta(Body):
     new_log_probs: list[float] | None = None
     top_ids: list[list[int]] | None = None
     top_log_probs: list[list[float]] | None = None
-    epochs: list[list[int]] | None = None  # [policy epochs, KV epochs] of the new tokens
+    epochs: list[list[int]] | None = None  # [policy epochs, KV epochs, LoRA adapter versions] of the new tokens
     routing: RoutingRows | None = None  # return_routing_indices: the rows processed since the last delta
     # With the request's first tokens (an engine that stops at the first token sends them with none):
     cached_tokens: int | None = None  # prompt tokens its engine found in the prefix cache

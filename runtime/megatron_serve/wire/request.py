@@ -160,6 +160,7 @@ class DynamicInferenceRequest:
     prompt_top_n_logprobs: list[dict[int, float]] = field(default_factory=list)
     policy_epochs: list[int] = field(default_factory=list)  # weights generation that produced each token
     kv_epochs: list[int] = field(default_factory=list)  # oldest generation of the KV cache each token attended to
+    lora_epochs: list[int] = field(default_factory=list)  # adapter version that produced each token (-1: none)
     cached_tokens: int = 0  # prompt tokens served from the prefix cache at the last admission
     # Asked with return_routing_indices: [processed tokens, MoE layers, top_k] expert ids (see expert_routing)
     routing_indices: np.ndarray | None = field(default=None, compare=False)

@@ -1,0 +1,93 @@
+"""LoRA on MoE experts (issue 40): PEFT adapters whose ``target_parameters`` adapt the experts of
+Qwen2-MoE, Qwen3-MoE and Mixtral give the greedy tokens and float32 log probs of transformers + PEFT."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from megatron_serve.model.lora import LoraAdapterError, read_adapter
+from megatron_serve.model.tiny import make_tiny_model
+
+from ..lora_adapters import make_peft_adapter, peft_model
+from ..prompts import PROMPTS, run_requests
+from .test_lora_engine import NEW_TOKENS, _engine, _greedy
+
+EXPERTS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+ADAPTERS = {  # name: (rank, target_modules, target_parameters)
+    "attention+experts": (8, ["q_proj", "v_proj"], EXPERTS),
+    "experts": (4, [], EXPERTS),
+    "down": (16, [], EXPERTS[1:]),
+}
+
+
+def _reference(model, token_lists):
+    """transformers' greedy tokens and log probs, end of text included (the engine ignores it: ignore_eos)."""
+    model.generation_config.eos_token_id = None  # else min_new_tokens hides it from the argmax
+    results = []
+    for tokens in token_lists:
+        out = model.generate(torch.tensor([tokens]), attention_mask=torch.ones(1, len(tokens), dtype=torch.long),
+                             max_new_tokens=NEW_TOKENS, do_sample=False, output_logits=True,
+                             return_dict_in_generate=True, pad_token_id=0)
+        generated = out.sequences[0, len(tokens):].tolist()
+        results.append((generated, [torch.log_softmax(s[0].float(), -1)[t].item()
+                                    for s, t in zip(out.logits, generated)]))
+    return results
+
+
+@pytest.fixture(scope="module", params=["qwen2_moe", "qwen3_moe", "mixtral"])
+def moe(request, tmp_path_factory):
+    root = tmp_path_factory.mktemp(f"lora-{request.param}")
+    base = make_tiny_model(root / "base", seed=5, arch=request.param)
+    adapters = {name: str(make_peft_adapter(base, root / name.replace("+", "-"), rank=rank, seed=rank + 100,
+                                            targets=targets, parameters=parameters, b_scale=2.0))
+                for name, (rank, targets, parameters) in ADAPTERS.items()}
+    return base, adapters
+
+
+@pytest.mark.parametrize("name", list(ADAPTERS))
+def test_moe_expert_lora_equals_transformers_with_peft(moe, name):
+    base, adapters = moe
+    engine = _engine(base, adapters)
+    prompts = PROMPTS[:4]
+    token_lists = [engine.tokenizer.encode(p) for p in prompts]
+    outs = run_requests(engine, [(p, _greedy(name)) for p in prompts])
+    base_outs = run_requests(engine, [(p, _greedy()) for p in prompts])
+    expected = _reference(peft_model(base, adapters[name]), token_lists)
+    for out, (tokens, log_probs) in zip(outs, expected):
+        assert out.generated_tokens == tokens
+        assert out.generated_log_probs == pytest.approx(log_probs, abs=1e-4)
+    assert [o.generated_tokens for o in outs] != [o.generated_tokens for o in base_outs], "control: the adapter matters"
+
+
+def test_moe_mixed_batch_gives_each_row_what_it_gets_alone(moe):
+    base, adapters = moe
+    engine = _engine(base, adapters)
+    names = [None, *ADAPTERS]
+    jobs = [(prompt, _greedy(names[i % len(names)])) for i, prompt in enumerate(PROMPTS)]
+    together = run_requests(engine, jobs)
+    for job, mixed in zip(jobs, together):
+        alone, = run_requests(engine, [job])
+        assert mixed.generated_tokens == alone.generated_tokens
+        assert mixed.generated_log_probs == pytest.approx(alone.generated_log_probs, abs=1e-5)
+
+
+def test_expert_tensors_need_their_target_parameters(moe, tmp_path):
+    """PEFT names expert tensors by nesting depth: without target_parameters they cannot be placed (refused)."""
+    base, adapters = moe
+    broken = tmp_path / "broken"
+    shutil.copytree(adapters["experts"], broken)
+    config_path = broken / "adapter_config.json"
+    raw = json.loads(config_path.read_text())
+    raw["target_parameters"] = None
+    config_path.write_text(json.dumps(raw))
+    engine = _engine(base, {})
+    with pytest.raises(LoraAdapterError, match="mlp.experts.base_layer.lora_A.weight is not a LoRA weight"):
+        read_adapter("broken", broken, engine.model.config, 16)
+    raw["target_parameters"] = ["mlp.gate.weight"]
+    config_path.write_text(json.dumps(raw))
+    with pytest.raises(LoraAdapterError, match="target_parameters \\['mlp.gate.weight'\\] are not supported"):
+        read_adapter("broken", broken, engine.model.config, 16)
