@@ -132,15 +132,18 @@ class PagedAttention(nn.Module):
         blocks = -(-int(torch.cat(lens).max()) // block_size)
         keys = _gather_blocks(k_cache, table, blocks, scales.get("k_scales"))
         values = _gather_blocks(v_cache, table, blocks, scales.get("v_scales"))
-        return invariant.attention(q, keys, values, torch.cat(sequence), torch.cat(positions), self.scale)
+        return invariant.attention(q, keys, values, torch.cat(sequence), torch.cat(positions), self.scale,
+                                   scratch=True)
 
 
 def _gather_blocks(cache: torch.Tensor, block_tables: torch.Tensor, blocks: int,
                    scales: torch.Tensor | None) -> torch.Tensor:
-    """``[S, blocks * block_size, Hkv, D]``: each sequence's first ``blocks`` cache blocks in order (an FP8
-    cache dequantized to float32)."""
+    """``[Hkv, S, blocks * block_size, D]``: each sequence's first ``blocks`` cache blocks in order, heads
+    first as the invariant attention's GEMMs read them, in one copy (an FP8 cache dequantized to float32)."""
+    block_size = cache.shape[1]
     table = block_tables[:, :blocks].long().clamp_min(0)
-    gathered = cache[table]
+    slots = (table[:, :, None] * block_size + torch.arange(block_size, device=table.device)).flatten(1)  # [S, L]
+    gathered = cache.flatten(0, 1).transpose(0, 1)[:, slots]  # [Hkv, S, L, D]
     if scales is not None:
-        gathered = gathered.float() * scales[table].unsqueeze(-1)
-    return gathered.flatten(1, 2)
+        gathered = gathered.float() * scales.flatten(0, 1).t()[:, slots].unsqueeze(-1)
+    return gathered
