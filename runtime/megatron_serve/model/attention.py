@@ -139,11 +139,12 @@ class PagedAttention(nn.Module):
 def _gather_blocks(cache: torch.Tensor, block_tables: torch.Tensor, blocks: int,
                    scales: torch.Tensor | None) -> torch.Tensor:
     """``[Hkv, S, blocks * block_size, D]``: each sequence's first ``blocks`` cache blocks in order, heads
-    first as the invariant attention's GEMMs read them, in one copy (an FP8 cache dequantized to float32)."""
-    block_size = cache.shape[1]
+    first as the invariant attention's GEMMs read them (an FP8 cache dequantized to float32)."""
     table = block_tables[:, :blocks].long().clamp_min(0)
-    slots = (table[:, :, None] * block_size + torch.arange(block_size, device=table.device)).flatten(1)  # [S, L]
-    gathered = cache.flatten(0, 1).transpose(0, 1)[:, slots]  # [Hkv, S, L, D]
+    count, kv_heads = table.shape[0], cache.shape[2]
+    # the blocks, then one permuting copy: 372 us against 525 us for one index of [Hkv, S, L] rows
+    # (32 sequences of 160 keys, 1 thread), and 453 us for the earlier [S, L, Hkv, D] layout plus the transpose
+    gathered = cache[table].permute(3, 0, 1, 2, 4).reshape(kv_heads, count, -1, cache.shape[-1])
     if scales is not None:
-        gathered = gathered.float() * scales.flatten(0, 1).t()[:, slots].unsqueeze(-1)
+        gathered = gathered.float() * scales[table].permute(3, 0, 1, 2).reshape(kv_heads, count, -1, 1)
     return gathered
