@@ -70,7 +70,7 @@ def hf_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor
     sequence = torch.arange(batch, device=query.device).repeat_interleave(length)
     positions = (torch.arange(length, device=query.device) + key.shape[2] - length).repeat(batch)
     scale = scaling if scaling is not None else dim**-0.5
-    out = attention(rows, key.transpose(1, 2), value.transpose(1, 2), sequence, positions, scale)
+    out = attention(rows, key.transpose(0, 1), value.transpose(0, 1), sequence, positions, scale)
     return out.view(batch, length, heads, dim), None
 
 
