@@ -51,10 +51,12 @@ from .runner import ModelRunner
 from .prompt_scores import record_prompt_scores, score_prompts
 from .step_plan import write_plan
 from ..wire.request import DynamicInferenceRequest, EventType, FinishReason, RequestStatus
-from .sampler import DeviceSample, DeviceScores, Readback, SampleResult, Sampler
+from .sampler import DeviceSample, DeviceScores, Readback, Sampler
 from .sampling_state import SamplingState
 from .scheduler import ScheduledBatch, Scheduler, Sequence
 from .structured_output import StructuredOutputs
+from .speculative.decoder import Emitted, Speculator
+from .speculative.factory import make_proposer
 from ..tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -84,6 +86,8 @@ class InFlightStep:
     scores: tuple[list[tuple[Sequence, range]], DeviceScores] | None  # prompt positions scored, and their scores
     routing: Readback | None  # expert ids of the step's tokens, when some entry records them
     sample: DeviceSample | None = None  # None until sampled (a grammar row waits for the step before)
+    verify_logits: torch.Tensor | None = None  # draft rows' logits of a speculative step (engine.speculative)
+    emitted: list[Emitted] | None = None  # a speculative step's verified tokens per sampling row
 
 
 def _encoder_cache_for(model: LlamaForCausalLM, tokenizer: Tokenizer) -> EncoderCache | None:
@@ -135,6 +139,8 @@ class DynamicInferenceEngine(DeviceMemoryVerbs):
         self.incomplete: set[str] = set()  # tensors a failed refit overwrote (see RefitFailed)
         self.stats = EngineStats()  # vLLM-style counters and histograms, shipped in heartbeats
         self.parity = ParityChecker(config.verify_logprobs_fraction, self.max_sequence_length)
+        spec = config.speculative
+        self.speculator = None if spec is None else Speculator(make_proposer(config), spec.num_speculative_tokens)
 
     @property
     def cached_tokens(self) -> int:
@@ -355,6 +361,8 @@ class DynamicInferenceEngine(DeviceMemoryVerbs):
     def step(self) -> list[StepOutput]:
         """Run one step: schedule, launch, finish. With ``async_scheduling`` the step finished is the one
         launched by the previous call, after this call launched the next (its outputs come one call later)."""
+        if self.speculator is not None:
+            return self._deliver(self._step_speculative())
         outputs, self._pending = self._pending, []
         batch = self.schedule()
         launched = self.launch(batch) if batch is not None else None
@@ -374,6 +382,23 @@ class DynamicInferenceEngine(DeviceMemoryVerbs):
         for step in done:
             outputs += self.finish(step)
         return self._deliver(outputs + self._take_pending())
+
+    def _step_speculative(self) -> list[StepOutput]:
+        """A step with speculation on (engine.speculative): drafts attached, scheduled as extra query rows,
+        verified and rolled back. Not overlapped: the proposer needs every request's tokens on the host."""
+        self._settle()
+        speculator = self.speculator
+        assert speculator is not None
+        speculator.propose([s for s in self.scheduler.running
+                            if speculator.may_speculate(s, s.request_id in self.structured)])
+        batch = self.schedule()
+        speculator.fit(batch, self.scheduler.running, [s for s in self.scheduler.waiting if s.num_drafts])
+        step = self.launch(batch) if batch is not None else None
+        if step is not None:
+            if step.sample is None and step.emitted is None:
+                self.sample(step)
+            self._pending.extend(self.finish(step))
+        return self._take_pending()
 
     def sync(self) -> list[StepOutput]:
         """Finish the step in flight, if any, and return every output not handed out yet (call before a
@@ -433,7 +458,7 @@ class DynamicInferenceEngine(DeviceMemoryVerbs):
                                        None if images is None else images.embeddings, previous)
         sampling = [s for s, count in entries if count == s.num_uncomputed]  # as write_plan picked them
         starts = [s.num_computed for s, _ in entries]
-        scores = score_prompts(entries, forward.logits[len(sampling):])
+        scores = score_prompts(entries, forward.logits[len(sampling) : len(sampling) + plan.num_score])
         for sequence, count in entries:
             if sequence.kv_epoch is None:
                 sequence.kv_epoch = self.epoch
@@ -443,6 +468,8 @@ class DynamicInferenceEngine(DeviceMemoryVerbs):
         routing = Readback([forward.routing]) if forward.routing is not None else None  # graphs reuse their outputs
         kv_epochs = [self.epoch if s.kv_epoch is None else s.kv_epoch for s in sampling]  # set above: never None
         step = InFlightStep(entries, starts, sampling, kv_epochs, forward.logits[: len(sampling)], scores, routing)
+        if self.speculator is not None:  # verified in sample(), drafts or not (rows of one step are sampled alike)
+            step.verify_logits = forward.logits[len(sampling) + plan.num_score :]
         if not any(s.pending_tokens and s.request_id in self.structured for s in sampling):
             self.sample(step)
         return step
@@ -459,11 +486,15 @@ class DynamicInferenceEngine(DeviceMemoryVerbs):
                 request = s.request
                 state.add(s.request_id, request.sampling_params, s.seed, request.prompt_tokens,
                           request.generated_tokens, s.stop_token_ids)
+        logits = step.logits
+        masks = self.structured.bitmask([s.request_id for s in sampling], [s.stop_token_ids for s in sampling])
+        if step.verify_logits is not None and self.speculator is not None:
+            step.emitted = self.speculator.verify(sampling, logits, step.verify_logits, state, self.sampler, masks)
+            step.logits = step.verify_logits = None
+            return
         rows = state.rows([s.request_id for s in sampling], [s.num_computed for s in sampling],
                           [s.num_generated for s in sampling])
-        logits = step.logits
         processed = apply_controls(logits, state, rows)
-        masks = self.structured.bitmask([s.request_id for s in sampling], [s.stop_token_ids for s in sampling])
         if masks is not None:  # filled on the host while the forward runs
             processed = apply_token_bitmask(processed, masks)
         step.sample = self.sampler.launch(processed, rows, model_logits=None if processed is logits else logits)
@@ -474,10 +505,14 @@ class DynamicInferenceEngine(DeviceMemoryVerbs):
 
     def finish(self, step: InFlightStep) -> list[StepOutput]:
         """Read a launched step's results (waits for the device) and hand each request its token."""
+        if step.emitted is not None:
+            return self.update_from_output(step, step.emitted)
         assert step.sample is not None, "finish() of a step that was never sampled"
-        return self.update_from_output(step, step.sample.read())
+        result = step.sample.read()
+        return self.update_from_output(step, [Emitted([t], [lp], [top]) for t, lp, top
+                                              in zip(result.token_ids, result.log_probs, result.top_n)])
 
-    def update_from_output(self, step: InFlightStep, result: SampleResult) -> list[StepOutput]:
+    def update_from_output(self, step: InFlightStep, emitted: list[Emitted]) -> list[StepOutput]:
         """The bookkeeping of a finished step, in one place: expert routing and prompt scores recorded, each
         request's token appended (or dropped for a request that left meanwhile), stop conditions checked,
         grammar advanced, newly complete KV blocks registered for the prefix cache, statistics observed."""
@@ -489,11 +524,12 @@ class DynamicInferenceEngine(DeviceMemoryVerbs):
         now = time.monotonic()
         sequences, outputs, observed = [], [], []
         for row, sequence in enumerate(step.sampling):
-            sequence.pending_tokens -= 1
+            sequence.pending_tokens -= step.emitted is None  # a verified step reads its tokens as it samples
             if sequence.finished:  # aborted or finished while the step ran: its row is dropped
                 continue
-            outputs.append(self._append_token(sequence, result.token_ids[row], result.log_probs[row],
-                                              result.top_n[row], step.kv_epochs[row]))
+            out = emitted[row]
+            Speculator.rollback(sequence, out.accepted, self.allocator, self.config.block_size_tokens)
+            outputs.append(self._append_tokens(sequence, out, step.kv_epochs[row]))
             if not (self.parity.active and self.parity.owns(sequence.request_id)):  # no user request: not counted
                 sequences.append(sequence)
                 observed.append(outputs[-1])
@@ -501,6 +537,23 @@ class DynamicInferenceEngine(DeviceMemoryVerbs):
                 self.scheduler.register_computed_blocks(sequence)
         self.stats.observe_step(sequences, observed, now)
         return outputs
+
+    def _append_tokens(self, sequence: Sequence, emitted: Emitted, kv_epoch: int) -> StepOutput:
+        """Append a row's tokens one by one (several after accepted drafts), up to the one that finishes it."""
+        merged: StepOutput | None = None
+        for token, log_prob, top_n in zip(emitted.tokens, emitted.log_probs, emitted.top_n):
+            out = self._append_token(sequence, token, log_prob, top_n, kv_epoch)
+            if merged is None:
+                merged = out
+            else:
+                merged.new_tokens += out.new_tokens
+                merged.new_log_probs += out.new_log_probs
+                merged.new_top_logprobs += out.new_top_logprobs
+                merged.finished = out.finished
+            if out.finished:
+                break
+        assert merged is not None, "a sampled row emits at least one token"
+        return merged
 
     def _append_token(self, sequence: Sequence, token: int, log_prob: float | None,
                       top_n: dict[int, float] | None, kv_epoch: int) -> StepOutput:
