@@ -140,7 +140,8 @@ class DynamicInferenceEngine(DeviceMemoryVerbs):
         self.stats = EngineStats()  # vLLM-style counters and histograms, shipped in heartbeats
         self.parity = ParityChecker(config.verify_logprobs_fraction, self.max_sequence_length)
         spec = config.speculative
-        self.speculator = None if spec is None else Speculator(make_proposer(config), spec.num_speculative_tokens)
+        self.speculator = (None if spec is None
+                           else Speculator(make_proposer(config), spec.num_speculative_tokens, self.stats))
 
     @property
     def cached_tokens(self) -> int:
@@ -324,6 +325,8 @@ class DynamicInferenceEngine(DeviceMemoryVerbs):
         self._sequences.pop(sequence.request_id, None)
         self.structured.remove(sequence.request_id)
         self.sampling_state.remove(sequence.request_id)
+        if self.speculator is not None:
+            self.speculator.proposer.forget(sequence.request_id)
         if self.encoder_cache is not None:
             self.encoder_cache.release(sequence.request_id)
 
@@ -387,17 +390,14 @@ class DynamicInferenceEngine(DeviceMemoryVerbs):
         """A step with speculation on (engine.speculative): drafts attached, scheduled as extra query rows,
         verified and rolled back. Not overlapped: the proposer needs every request's tokens on the host."""
         self._settle()
-        speculator = self.speculator
+        speculator, scheduler = self.speculator, self.scheduler
         assert speculator is not None
-        speculator.propose([s for s in self.scheduler.running
-                            if speculator.may_speculate(s, s.request_id in self.structured)])
+        speculator.propose([s for s in scheduler.running if speculator.may_speculate(s, s.request_id in self.structured)])
         batch = self.schedule()
-        speculator.fit(batch, self.scheduler.running, [s for s in self.scheduler.waiting if s.num_drafts])
+        speculator.fit(batch, scheduler.running, [s for s in scheduler.waiting if s.num_drafts])
         step = self.launch(batch) if batch is not None else None
         if step is not None:
-            if step.sample is None and step.emitted is None:
-                self.sample(step)
-            self._pending.extend(self.finish(step))
+            self._pending.extend(self.finish(step))  # launch() sampled it: no row waits for a token in flight
         return self._take_pending()
 
     def sync(self) -> list[StepOutput]:

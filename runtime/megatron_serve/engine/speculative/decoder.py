@@ -35,6 +35,7 @@ import torch
 
 from ..kv_cache import BlockAllocator, blocks_for_tokens
 from ..logits_processors import apply_controls, apply_token_bitmask
+from ...wire.engine_stats import EngineStats
 from .proposer import DraftInput, Proposer
 
 if TYPE_CHECKING:
@@ -53,39 +54,13 @@ class Emitted:
     accepted: int = 0  # drafts accepted (the tokens less the bonus one)
 
 
-@dataclass
-class SpecCounters:
-    """Cumulative speculation counts (vLLM's ``spec_decode_*`` series); per-position acceptance by draft index."""
-
-    num_drafts: int = 0  # requests that were verified with at least one draft
-    num_draft_tokens: int = 0
-    num_accepted_tokens: int = 0
-    accepted_per_pos: list[int] = field(default_factory=list)
-
-    def observe(self, drafts: int, accepted: int) -> None:
-        if not drafts:
-            return
-        self.num_drafts += 1
-        self.num_draft_tokens += drafts
-        self.num_accepted_tokens += accepted
-        if len(self.accepted_per_pos) < drafts:
-            self.accepted_per_pos.extend([0] * (drafts - len(self.accepted_per_pos)))
-        for position in range(accepted):
-            self.accepted_per_pos[position] += 1
-
-    @property
-    def mean_acceptance_length(self) -> float:
-        """Tokens emitted per verified request row (accepted drafts plus the bonus token); 1.0: nothing accepted."""
-        return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 1.0
-
-
 class Speculator:
     """Owns the proposer and the per-step draft bookkeeping of one engine (see the module docstring)."""
 
-    def __init__(self, proposer: Proposer, num_speculative_tokens: int):
+    def __init__(self, proposer: Proposer, num_speculative_tokens: int, stats: EngineStats):
         self.proposer = proposer
         self.k = num_speculative_tokens
-        self.counters = SpecCounters()
+        self.stats = stats  # the engine's counters: drafts, draft tokens, accepted tokens (also per position)
 
     @staticmethod
     def may_speculate(sequence: "Sequence", grammar: bool) -> bool:
@@ -159,7 +134,7 @@ class Speculator:
                     alive.append(i)
             depth += 1
         for sequence, out in zip(sampling, emitted):
-            self.counters.observe(sequence.num_drafts, out.accepted)
+            self.stats.speculated(sequence.num_drafts, out.accepted)
         return emitted
 
     @staticmethod
