@@ -26,6 +26,7 @@ import base64
 import dataclasses
 import hashlib
 import hmac
+import json
 import os
 import sys
 from typing import Any
@@ -132,6 +133,11 @@ def _served_name(spec: InferenceSpec) -> list[str]:
     return ["--served-model-name", spec.model_hub.split("@", 1)[0]] if spec.model_hub else []
 
 
+#: spec.engine.speculative's fields -> the keys of vLLM's --speculative-config JSON
+_SPECULATIVE_KEYS = {"method": "method", "numSpeculativeTokens": "num_speculative_tokens",
+                     "promptLookupMin": "prompt_lookup_min", "promptLookupMax": "prompt_lookup_max", "model": "model"}
+
+
 def _engine_flags(spec: InferenceSpec) -> list[str]:
     """Flags shared by the commands that build engines (docs/reference/cli.md)."""
     flags = ["--dtype", spec.dtype]
@@ -150,6 +156,9 @@ def _engine_flags(spec: InferenceSpec) -> list[str]:
         flags += ["--quantization", spec.quantization]
     if spec.kv_cache_dtype != "auto":
         flags += ["--kv-cache-dtype", spec.kv_cache_dtype]
+    if spec.speculative is not None:  # vLLM's JSON, its snake_case keys; sorted, so the pod template is stable
+        fields = {_SPECULATIVE_KEYS[key]: value for key, value in spec.speculative.items()}
+        flags += ["--speculative-config", json.dumps(fields, sort_keys=True)]
     return flags
 
 

@@ -89,6 +89,7 @@ def inference_config_from_args(args: argparse.Namespace, tensor_parallel_size: i
         enable_lora=args.enable_lora, max_loras=args.max_loras,
         max_lora_rank=args.max_lora_rank, max_cpu_loras=args.max_cpu_loras,
         lora_modules=dict(args.lora_modules) if args.lora_modules else None,
+        speculative=args.speculative_config,
     )
 
 
