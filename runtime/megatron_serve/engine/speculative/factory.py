@@ -31,7 +31,7 @@ def make_proposer(config: InferenceConfig, target_dir: str | Path | None = None)
             if exc.name != f"{__package__}.draft_model":
                 raise
             raise SpeculativeConfigError("speculative_config.method 'draft_model' is not available in this build "
-                                         "(no engine.speculative.draft_model module)") from exc
+                                         f"(no {__package__}.draft_model module)") from exc
         assert spec.model is not None  # SpeculativeConfig requires it for draft_model
         return module.DraftModelProposer(spec.model, config, target_dir=target_dir)
     raise SpeculativeConfigError(f"speculative_config.method {spec.method!r} is not implemented yet")
