@@ -19,11 +19,14 @@ from megatron_serve.wire.engine_stats import EngineStats
 
 @pytest.mark.parametrize(("tokens", "n_min", "n_max", "count", "expected"), [
     ([1, 2, 3, 4, 1, 2], 1, 3, 3, [3, 4, 1]),  # suffix [1, 2] found at the start: what followed it
-    ([1, 2, 3, 4, 1, 2, 3, 4, 1, 2], 1, 3, 5, [3, 4, 1, 2]),  # the latest match of [4, 1, 2]; runs to the end
+    ([1, 2, 3, 4, 1, 2, 3, 4, 1, 2], 1, 3, 5, [3, 4, 1, 2]),  # no match of [4, 1, 2] has 5 after it: the earliest
+    ([1, 2, 3, 4, 1, 2, 3, 4, 1, 2], 1, 3, 2, [3, 4]),  # the latest match that 2 tokens follow
+    ([7, 7, 7, 7, 7, 7], 1, 3, 3, [7, 7, 7]),  # a run: not the latest match (one token after it) but one with 3
     ([9, 1, 2, 7, 5, 1, 2, 8, 1, 2], 3, 3, 2, []),  # no 3-token match
     ([9, 1, 2, 7, 5, 1, 2, 8, 1, 2], 2, 3, 2, [8, 1]),  # the 2-token suffix's latest match wins
     ([5, 6, 7], 1, 3, 2, []),  # nothing repeats
     ([4, 4], 1, 3, 3, [4]),
+    ([1, 5, 2, 9, 1, 5, 2, 8, 8, 1, 5, 2], 3, 3, 2, [8, 8]),  # the latest of two full matches
     ([1, 2, 1], 1, 1, 0, []),  # nothing asked
 ])
 def test_prompt_lookup(tokens, n_min, n_max, count, expected):

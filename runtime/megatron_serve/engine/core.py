@@ -352,6 +352,8 @@ class DynamicInferenceEngine(DeviceMemoryVerbs):
         for sequence in sequences:
             self._keep_routing(sequence)
             sequence.request.status = RequestStatus.WAITING_IN_QUEUE
+            if self.speculator is not None:  # the request leaves: its drafter state too
+                self.speculator.proposer.forget(sequence.request_id)
         return [s.request for s in sequences]
 
     @staticmethod
