@@ -60,6 +60,21 @@ def test_the_config_crosses_a_process_boundary_as_plain_values():
     assert InferenceConfig(**config.to_dict()).speculative == config.speculative
 
 
+def test_the_flag_is_an_engine_option_carried_to_fleet_processes():
+    import argparse  # noqa: PLC0415
+
+    from megatron_serve.commands.engine_options import add_engine_options, inference_config_from_args  # noqa: PLC0415
+    from megatron_serve.fleet.argv import inference_config_to_argv  # noqa: PLC0415
+
+    parser = argparse.ArgumentParser()
+    add_engine_options(parser)
+    config = inference_config_from_args(parser.parse_args(
+        ["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_min": 2}']))
+    assert config.speculative == SpeculativeConfig(num_speculative_tokens=5, prompt_lookup_min=2)
+    assert inference_config_from_args(parser.parse_args(inference_config_to_argv(config))).to_dict() == config.to_dict()
+    assert inference_config_from_args(parser.parse_args([])).speculative is None  # off unless asked
+
+
 def test_make_proposer_builds_ngram_and_refuses_draft_model_without_its_module(monkeypatch):
     assert isinstance(make_proposer(InferenceConfig(speculative={"method": "ngram"})), NgramProposer)
     module = "megatron_serve.engine.speculative.draft_model"
