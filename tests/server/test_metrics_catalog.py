@@ -107,3 +107,16 @@ def test_malformed_engine_reports_are_left_out_and_never_break_the_scrape():
     assert e2e == {"0", "1"}
     running = {s.labels["engine_group"] for s in families["megatron_serve_num_requests_running"].samples}
     assert running == {"0", "1", "2", "3", "4"}  # the heartbeat's plain fields still count
+
+
+def test_the_stats_line_reports_the_mean_acceptance_length_only_when_drafts_were_verified():
+    from megatron_serve.server.stats_log import FleetCounters, stats_line  # noqa: PLC0415
+
+    monitor = Monitor([engine(0, a_report())])
+    before = FleetCounters(0.0, 0.0, 0.0, 0.0, 0.0, drafts=10.0, accepted=5.0)
+    now = FleetCounters(10.0, 0.0, 100.0, 0.0, 0.0, drafts=30.0, accepted=45.0)  # 40 accepted over 20 verified rows
+    line, busy = stats_line(before, now, monitor)  # type: ignore[arg-type]
+    assert busy and line.endswith(", speculative mean acceptance length 3.00")
+    line, _ = stats_line(before, FleetCounters(10.0, 0.0, 100.0, 0.0, 0.0, drafts=10.0, accepted=5.0), monitor)  # type: ignore[arg-type]
+    assert "speculative" not in line  # no drafts in the interval: no figure
+    assert FleetCounters.read(monitor, 1.0).drafts == 1.0  # type: ignore[arg-type] - from the engines' counters
