@@ -360,7 +360,6 @@ VLLM_ONLY_SERIES: list[tuple[str, str]] = [
      "the phases are covered by TTFT, inter-token latency and end-to-end latency"),
     ("vllm:iteration_tokens_total", "`megatron_serve_engine_computed_tokens` counts tokens through the model"),
     ("vllm:lora_requests_info", "not exported yet: LoRA adapters are served (docs/lora.md) without this series"),
-    ("speculative decoding series", "no speculative decoding"),
 ]
 
 

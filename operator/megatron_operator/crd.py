@@ -267,6 +267,22 @@ def spec_schema() -> dict[str, Any]:
             "kvCacheDtype": _str("fp8: KV cache in e4m3 with a scale per token and KV head, about twice the tokens "
                                  "in the same memory; auto: the model dtype. Changing it rolls the engine pods.",
                                  enum=list(KV_CACHE_DTYPES), default="auto"),
+            "speculative": _obj(
+                "Speculative decoding (--speculative-config; docs/speculative.md): a proposer guesses the next "
+                "tokens and the engine verifies them in one forward; the output is the same as without it. Absent: "
+                "off. Changing it rolls the engine pods.",
+                {
+                    "method": _str("ngram: prompt lookup in the request's own tokens; draft_model: a smaller model "
+                                   "of the same vocabulary at `model`.", enum=["ngram", "draft_model"]),
+                    "numSpeculativeTokens": _int("Tokens guessed per request and step.", minimum=1, maximum=16,
+                                                 default=3),
+                    "promptLookupMin": _int("ngram: shortest suffix looked up.", minimum=1, maximum=64, default=1),
+                    "promptLookupMax": _int("ngram: longest suffix looked up.", minimum=1, maximum=64, default=3),
+                    "model": _str("draft_model: the draft model's directory in the engine pods (required for it).",
+                                  minLength=1),
+                },
+                required=["method"],
+            ),
             "resources": _resources("CPU/memory for each engine pod; nvidia.com/gpu is set by the operator."),
             "nodeSelector": {"type": "object", "description": "Node selector for engine pods.",
                              "additionalProperties": {"type": "string"}},

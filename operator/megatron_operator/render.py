@@ -26,6 +26,7 @@ import base64
 import dataclasses
 import hashlib
 import hmac
+import json
 import os
 import sys
 from typing import Any
@@ -153,6 +154,11 @@ def _lora_volume(spec: InferenceSpec) -> tuple[list[dict[str, Any]], list[dict[s
             [{"name": "lora", "mountPath": spec.lora["mountPath"], "readOnly": True}])
 
 
+#: spec.engine.speculative's fields -> the keys of vLLM's --speculative-config JSON
+_SPECULATIVE_KEYS = {"method": "method", "numSpeculativeTokens": "num_speculative_tokens",
+                     "promptLookupMin": "prompt_lookup_min", "promptLookupMax": "prompt_lookup_max", "model": "model"}
+
+
 def _engine_flags(spec: InferenceSpec) -> list[str]:
     """Flags shared by the commands that build engines (docs/reference/cli.md)."""
     flags = ["--dtype", spec.dtype]
@@ -171,6 +177,9 @@ def _engine_flags(spec: InferenceSpec) -> list[str]:
         flags += ["--quantization", spec.quantization]
     if spec.kv_cache_dtype != "auto":
         flags += ["--kv-cache-dtype", spec.kv_cache_dtype]
+    if spec.speculative is not None:  # vLLM's JSON, its snake_case keys; sorted, so the pod template is stable
+        fields = {_SPECULATIVE_KEYS[key]: value for key, value in spec.speculative.items()}
+        flags += ["--speculative-config", json.dumps(fields, sort_keys=True)]
     return flags
 
 

@@ -213,6 +213,7 @@ class InferenceSpec:
     batch_invariant: bool
     quantization: str  # none or fp8
     kv_cache_dtype: str  # auto or fp8
+    speculative: dict[str, Any] | None  # spec.engine.speculative as given (camelCase), None: off
     engine_resources: dict[str, Any]
     node_selector: dict[str, str]
     tolerations: list[dict[str, Any]]
@@ -288,6 +289,7 @@ def parse(resource: dict[str, Any], default_namespace: str = "default") -> Infer
         batch_invariant=engine["batchInvariant"],
         quantization=engine["quantization"],
         kv_cache_dtype=engine["kvCacheDtype"],
+        speculative=dict(engine["speculative"]) if "speculative" in engine else None,
         engine_resources=dict(engine.get("resources", {})),
         node_selector=dict(engine.get("nodeSelector", {})),
         tolerations=list(engine.get("tolerations", [])),

@@ -35,6 +35,55 @@ def batch_invariant_from_env() -> bool:
     return value == "1"
 
 
+SPECULATIVE_METHODS = ("ngram", "draft_model", "mtp", "eagle3")
+_SPECULATIVE_FIELDS = ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "model")
+
+
+@dataclass
+class SpeculativeConfig:
+    """vLLM's ``--speculative-config``: which proposer guesses the next tokens, and how many per step.
+
+    ``ngram`` (prompt lookup) finds the request's last ``prompt_lookup_max`` .. ``prompt_lookup_min``
+    tokens earlier in its own tokens and proposes what followed them; ``draft_model`` runs the smaller
+    model at ``model``. ``mtp`` and ``eagle3`` are named by vLLM but not built here yet: refused.
+    """
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 3
+    prompt_lookup_min: int = 1
+    prompt_lookup_max: int = 3
+    model: str | None = None
+
+    @classmethod
+    def from_dict(cls, data: Any) -> "SpeculativeConfig":
+        """From vLLM's JSON object; an unknown key or a bad value is an error naming it."""
+        if not isinstance(data, dict):
+            raise ValueError(f"speculative_config must be a JSON object, got {data!r}")
+        unknown = sorted(set(data) - set(_SPECULATIVE_FIELDS))
+        if unknown:
+            raise ValueError(f"speculative_config: unknown field {unknown[0]!r} (known: {', '.join(_SPECULATIVE_FIELDS)})")
+        return cls(**data)
+
+    def __post_init__(self) -> None:
+        if self.method in ("mtp", "eagle3"):
+            raise ValueError(f"speculative_config.method {self.method!r} is not implemented yet "
+                             "(implemented: ngram, draft_model)")
+        if self.method not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative_config.method must be one of {', '.join(SPECULATIVE_METHODS)}, "
+                             f"got {self.method!r}")
+        for name in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"speculative_config.{name} must be a positive integer, got {value!r}")
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(f"speculative_config.prompt_lookup_min ({self.prompt_lookup_min}) must not exceed "
+                             f"prompt_lookup_max ({self.prompt_lookup_max})")
+        if self.method == "draft_model" and not self.model:
+            raise ValueError("speculative_config.model must name the draft model's directory for method draft_model")
+        if self.model is not None and not isinstance(self.model, str):
+            raise ValueError(f"speculative_config.model must be a path, got {self.model!r}")
+
+
 def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
@@ -58,6 +107,8 @@ class InferenceConfig:
     ``batch_invariant=True`` (default: the environment's ``VLLM_BATCH_INVARIANT``) makes a request's
     logits, log probs and tokens a function of that request alone, whatever else shares its steps, and
     equal to what ``megatron_serve.invariant`` computes in a trainer (docs/batch-invariance.md).
+
+    ``speculative``: a :class:`SpeculativeConfig` turns speculative decoding on (docs/speculative.md).
     """
 
     dtype: str | torch.dtype | None = None
@@ -88,8 +139,13 @@ class InferenceConfig:
     max_cpu_loras: int | None = None
     max_lora_versions: int = 2  # versions of one adapter resident at once (a trainer's pushes; engine.lora)
     lora_modules: dict[str, str] | None = None
+    speculative: SpeculativeConfig | None = None  # speculative decoding (engine.speculative); None: off
 
     def __post_init__(self) -> None:
+        if isinstance(self.speculative, dict):  # crossed a process boundary as plain values
+            self.speculative = SpeculativeConfig.from_dict(self.speculative)
+        if self.speculative is not None and not isinstance(self.speculative, SpeculativeConfig):
+            raise ValueError(f"speculative must be a SpeculativeConfig, a dict or None, got {self.speculative!r}")
         if self.device is None:
             self.device = "cuda" if torch.cuda.is_available() else "cpu"
         if self.block_size_tokens is None:

@@ -179,7 +179,7 @@ def test_use_tqdm_shows_processed_prompts(llm, capsys):
 
 
 @pytest.mark.parametrize("kwargs,error,match", [
-    ({"speculative_config": {"method": "ngram"}}, ValueError, "speculative_config: speculative decoding is not"),
+    ({"speculative_config": "ngram"}, ValueError, "speculative_config='ngram': must be a dict"),
     ({"max_lora_rank": 0}, ValueError, "max_lora_rank=0: must be a positive integer"),
     ({"pipeline_parallel_size": 2}, ValueError, "pipeline_parallel_size=2: pipeline parallelism is not"),
     ({"quantization": "awq"}, ValueError, "quantization='awq': not supported by this build"),

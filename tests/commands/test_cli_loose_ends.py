@@ -19,7 +19,7 @@ pytestmark = pytest.mark.timeout(300)
 
 
 @pytest.mark.parametrize("argv,reason", [
-    (["run", "--model", "/m", "--speculative-config", "{}"], "--speculative-config: speculative decoding is not"),
+    (["run", "--model", "/m", "--speculative-config", "[1]"], "--speculative-config: must be a JSON object, got '[1]'"),
     (["serve", "/m", "--routing", "fastest"], "argument --routing: invalid choice: 'fastest'"),
     (["control", "status", "--bogus"], "unrecognized arguments: --bogus"),
 ])

@@ -442,3 +442,27 @@ def test_a_hub_model_is_fetched_by_an_init_container_into_the_model_volume(volum
     no_hub = by_key(render(identified(load_yaml(ROOT / "manifests" / "examples" / "single-gpu.yaml")[0]), CONFIG))
     assert all("initContainers" not in o["spec"]["template"]["spec"] for o in no_hub.values() if "template" in
                o.get("spec", {}))
+
+
+@pytest.mark.parametrize(("speculative", "expected"), [
+    (None, None),
+    ({"method": "ngram", "numSpeculativeTokens": 4, "promptLookupMax": 5},
+     {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 5}),
+    ({"method": "draft_model", "model": "/models/draft"},
+     {"method": "draft_model", "model": "/models/draft", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
+      "prompt_lookup_max": 3}),
+])
+def test_engine_speculative_reaches_the_engine_command_as_vllms_json(speculative, expected):
+    (resource,) = load_yaml(ROOT / "manifests" / "examples" / "tp2-dp4.yaml")
+    if speculative is not None:
+        resource["spec"]["engine"]["speculative"] = speculative
+    sts = by_key(render(identified(resource), CONFIG))[("StatefulSet", "qwen-14b-engine-0")]
+    (engine,) = _containers(sts)
+    command, *args = engine["args"]
+    assert ("--speculative-config" in args) is (speculative is not None)  # off: no flag, templates unchanged
+    parsed, _ = _parser_for(command).parse_known_args(args)
+    assert parsed.speculative_config == expected
+    if expected is not None:  # the engine builds its config from it, every field understood
+        from megatron_serve.config import SpeculativeConfig  # noqa: PLC0415
+
+        SpeculativeConfig.from_dict(parsed.speculative_config)

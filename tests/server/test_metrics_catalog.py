@@ -46,6 +46,7 @@ def a_report() -> dict[str, Any]:
     stats.counters["generation_tokens"] = 12
     stats.histograms["time_to_first_token_seconds"].observe(0.3)
     stats.finished["stop"] = 2
+    stats.speculated(3, 2)  # speculative decoding: 2 of 3 guesses accepted (positions 0 and 1)
     return stats.to_wire(prefix_cache_queries=40, prefix_cache_hits=16)
 
 
@@ -59,6 +60,18 @@ def test_exported_families_are_the_catalogue():
         assert family.type == entry.kind, entry.name
         sample_labels = {k for sample in family.samples for k in sample.labels if k not in ("le",)}
         assert sample_labels == set(entry.labels), entry.name
+
+
+def test_speculative_counters_reach_the_megatron_series_per_position():
+    families = scrape([engine(0, a_report())])
+    values = {(s.name, s.labels.get("position")): s.value for name, family in families.items()
+              if "spec_decode" in name for s in family.samples if not s.name.endswith("_created")}
+    prefix = "megatron_serve_spec_decode_num_"
+    assert values == {(prefix + "drafts_total", None): 1.0, (prefix + "draft_tokens_total", None): 3.0,
+                      (prefix + "accepted_tokens_total", None): 2.0,
+                      (prefix + "accepted_tokens_per_pos_total", "0"): 1.0,
+                      (prefix + "accepted_tokens_per_pos_total", "1"): 1.0,
+                      (prefix + "accepted_tokens_per_pos_total", "2"): 0.0}
 
 
 def test_engine_series_are_labelled_by_group_and_model():
@@ -94,3 +107,16 @@ def test_malformed_engine_reports_are_left_out_and_never_break_the_scrape():
     assert e2e == {"0", "1"}
     running = {s.labels["engine_group"] for s in families["megatron_serve_num_requests_running"].samples}
     assert running == {"0", "1", "2", "3", "4"}  # the heartbeat's plain fields still count
+
+
+def test_the_stats_line_reports_the_mean_acceptance_length_only_when_drafts_were_verified():
+    from megatron_serve.server.stats_log import FleetCounters, stats_line  # noqa: PLC0415
+
+    monitor = Monitor([engine(0, a_report())])
+    before = FleetCounters(0.0, 0.0, 0.0, 0.0, 0.0, drafts=10.0, accepted=5.0)
+    now = FleetCounters(10.0, 0.0, 100.0, 0.0, 0.0, drafts=30.0, accepted=45.0)  # 40 accepted over 20 verified rows
+    line, busy = stats_line(before, now, monitor)  # type: ignore[arg-type]
+    assert busy and line.endswith(", speculative mean acceptance length 3.00")
+    line, _ = stats_line(before, FleetCounters(10.0, 0.0, 100.0, 0.0, 0.0, drafts=10.0, accepted=5.0), monitor)  # type: ignore[arg-type]
+    assert "speculative" not in line  # no drafts in the interval: no figure
+    assert FleetCounters.read(monitor, 1.0).drafts == 1.0  # type: ignore[arg-type] - from the engines' counters

@@ -90,6 +90,12 @@ def _one_stage(value: Any) -> int:
     return value
 
 
+def _speculative(value: Any) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise ValueError("must be a dict of vLLM's speculative-config fields (method, num_speculative_tokens, ...)")
+    return value
+
+
 def _anything(value: Any) -> Any:
     return value
 
@@ -131,6 +137,7 @@ LLM_KEYWORDS: dict[str, Keyword] = {
     "max_loras": Keyword("max_loras", _positive_int),
     "max_lora_rank": Keyword("max_lora_rank", _positive_int),
     "max_cpu_loras": Keyword("max_cpu_loras", _positive_int),
+    "speculative_config": Keyword("speculative", _speculative),
 }
 
 

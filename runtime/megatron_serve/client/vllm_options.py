@@ -105,6 +105,18 @@ def _lora_module(value: str) -> tuple[str, str]:
     return name, path
 
 
+def _json_object(value: str) -> dict[str, Any]:
+    """``--speculative-config``: vLLM's JSON object (its fields are checked where the engine's config is built,
+    each bad one named)."""
+    try:
+        item = json.loads(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"not a JSON object: {exc}") from None
+    if not isinstance(item, dict):
+        raise argparse.ArgumentTypeError(f"must be a JSON object, got {value!r}")
+    return item
+
+
 def _positive(value: str) -> int:
     try:
         number = int(value)
@@ -344,7 +356,13 @@ VLLM_OPTIONS: tuple[VllmOption, ...] = (
                spec=_spec(type=_positive, default=None, metavar="N",
                           help="adapters kept loaded (default: --max-loras, or the --lora-modules count)"), scope=_ENGINE,
                example=("--max-cpu-loras", "4")),
-    VllmOption(("--speculative-config",), _REFUSED, "speculative decoding is not implemented", scope=_ENGINE),
+    VllmOption(("--speculative-config",), _IMPLEMENTED, "speculative decoding, vLLM's JSON: `method` `ngram` "
+               "(`prompt_lookup_min`/`max`) or `draft_model` (`model`), `num_speculative_tokens`; `mtp` and `eagle3` "
+               "are refused; output identical to no speculation (docs/speculative.md)",
+               spec=_spec(type=_json_object, default=None, metavar="JSON",
+                          help="speculative decoding, e.g. '{\"method\": \"ngram\", \"num_speculative_tokens\": 3}' "
+                               "(default: off)"), scope=_ENGINE,
+               example=("--speculative-config", '{{"method": "ngram", "num_speculative_tokens": 3}}')),
 )
 
 class _Refuse(argparse.Action):

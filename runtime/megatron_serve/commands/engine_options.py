@@ -94,6 +94,7 @@ def inference_config_from_args(args: argparse.Namespace, tensor_parallel_size: i
         max_lora_rank=args.max_lora_rank, max_cpu_loras=args.max_cpu_loras,
         max_lora_versions=args.max_lora_versions,
         lora_modules=dict(args.lora_modules) if args.lora_modules else None,
+        speculative=args.speculative_config,
     )
 
 

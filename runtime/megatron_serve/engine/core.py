@@ -41,7 +41,8 @@ from ..wire.expert_routing import RoutingRecord, record_step, routing_dtype
 from .kv_cache import BlockAllocator, blocks_for_tokens
 from .memory_verbs import DeviceMemoryVerbs
 from .logprob_parity import ParityChecker
-from .lora import LoraAdapterError, adapter_root, admit_request, engine_loras, lora_report, require
+from .lora import LoraAdapterError, adapter_root, admit_request, engine_loras, lora_report
+from .lora_verbs import LoraVerbs, routing_problem
 from ..model.config import ModelConfig
 from ..model.llama import LlamaForCausalLM
 from ..model.loader import load_model
@@ -51,10 +52,12 @@ from .runner import ModelRunner
 from .prompt_scores import record_prompt_scores, score_prompts
 from .step_plan import write_plan
 from ..wire.request import DynamicInferenceRequest, EventType, FinishReason, RequestStatus
-from .sampler import DeviceSample, DeviceScores, Readback, SampleResult, Sampler
+from .sampler import DeviceSample, DeviceScores, Readback, Sampler
 from .sampling_state import SamplingState
 from .scheduler import ScheduledBatch, Scheduler, Sequence
 from .structured_output import StructuredOutputs
+from .speculative.decoder import Emitted, Speculator
+from .speculative.factory import make_proposer
 from ..tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -84,6 +87,8 @@ class InFlightStep:
     scores: tuple[list[tuple[Sequence, range]], DeviceScores] | None  # prompt positions scored, and their scores
     routing: Readback | None  # expert ids of the step's tokens, when some entry records them
     sample: DeviceSample | None = None  # None until sampled (a grammar row waits for the step before)
+    verify_logits: torch.Tensor | None = None  # draft rows' logits of a speculative step (engine.speculative)
+    emitted: list[Emitted] | None = None  # a speculative step's verified tokens per sampling row
 
 
 def _encoder_cache_for(model: LlamaForCausalLM, tokenizer: Tokenizer) -> EncoderCache | None:
@@ -96,7 +101,7 @@ def _encoder_cache_for(model: LlamaForCausalLM, tokenizer: Tokenizer) -> Encoder
     return EncoderCache(model, tokenizer.images)
 
 
-class DynamicInferenceEngine(DeviceMemoryVerbs):
+class DynamicInferenceEngine(DeviceMemoryVerbs, LoraVerbs):
     def __init__(self, model: LlamaForCausalLM, tokenizer: Tokenizer, config: InferenceConfig,
                  runner: ModelRunner | None = None):
         if config.batch_invariant:
@@ -135,6 +140,9 @@ class DynamicInferenceEngine(DeviceMemoryVerbs):
         self.incomplete: set[str] = set()  # tensors a failed refit overwrote (see RefitFailed)
         self.stats = EngineStats()  # vLLM-style counters and histograms, shipped in heartbeats
         self.parity = ParityChecker(config.verify_logprobs_fraction, self.max_sequence_length)
+        spec = config.speculative
+        self.speculator = (None if spec is None
+                           else Speculator(make_proposer(config), spec.num_speculative_tokens, self.stats))
 
     @property
     def cached_tokens(self) -> int:
@@ -273,7 +281,7 @@ class DynamicInferenceEngine(DeviceMemoryVerbs):
             return (f"prompt has {prompt_len} tokens but max_sequence_length is {self.max_sequence_length} "
                     "(prompt plus at least one generated token must fit)")
         if request.sampling_params.return_routing_indices:
-            problem = self._routing_problem(request)
+            problem = routing_problem(self.model.config, request)
             if problem is not None:
                 return problem
         total = min(prompt_len + request.sampling_params.num_tokens_to_generate, self.max_sequence_length)
@@ -281,42 +289,6 @@ class DynamicInferenceEngine(DeviceMemoryVerbs):
         if needed > self.kv_blocks_total:
             return (f"request needs {needed} KV blocks ({total} tokens) but the pool holds {self.kv_blocks_total}: "
                     "raise num_kv_blocks or lower num_tokens_to_generate")
-        return None
-
-    def verify_lora_adapter(self, name: str, path: str) -> float:
-        """Read and check the adapter at ``path`` for ``name`` without serving it (the fleet's LOAD_LORA verifies on
-        every engine first); the seconds the read took. Raises ``LoraAdapterError`` with the reason."""
-        return require(self.loras).verify(name, path)
-
-    def load_lora_adapter(self, name: str, path: str) -> float:
-        """Serve the PEFT adapter at ``path`` as ``name`` from the next request on (engine.lora); a bad adapter
-        raises :class:`~megatron_serve.model.lora.LoraAdapterError` and changes nothing. Returns the seconds the
-        load took (the verify's read included), observed in ``lora_adapter_load_seconds``."""
-        seconds = require(self.loras).load(name, path)
-        self.stats.histograms["lora_adapter_load_seconds"].observe(seconds)
-        return seconds
-
-    def lora_adapters(self) -> dict[str, str] | None:
-        """The adapters served by name (name -> directory); None for an engine without ``enable_lora``."""
-        return None if self.loras is None else self.loras.names()
-
-    def unload_lora_adapter(self, name: str) -> None:
-        """Stop serving ``name``: later requests naming it fail; requests admitted under it finish under it."""
-        require(self.loras).unload(name)
-
-    def _routing_problem(self, request: DynamicInferenceRequest) -> str | None:
-        moe = self.model.config.moe
-        if moe is None or not moe.sparse_layers:
-            return (f"return_routing_indices needs a mixture-of-experts model; {self.model.config.architecture} "
-                    "has no expert layers")
-        rows = request.routing_indices
-        if rows is None:
-            return None
-        if rows.shape[1:] != (len(moe.sparse_layers), moe.top_k):
-            return (f"the request carries routing_indices of shape {rows.shape}, which do not fit this model's "
-                    f"{len(moe.sparse_layers)} MoE layers x top-{moe.top_k}")
-        if rows.shape[0] > len(request.prompt_tokens) + len(request.generated_tokens):
-            return f"the request carries {rows.shape[0]} routing rows, more than its tokens"
         return None
 
     def abort_request(self, request_id: str) -> DynamicInferenceRequest | None:
@@ -337,6 +309,8 @@ class DynamicInferenceEngine(DeviceMemoryVerbs):
         self._sequences.pop(sequence.request_id, None)
         self.structured.remove(sequence.request_id)
         self.sampling_state.remove(sequence.request_id)
+        if self.speculator is not None:
+            self.speculator.proposer.forget(sequence.request_id)
         if self.encoder_cache is not None:
             self.encoder_cache.release(sequence.request_id)
 
@@ -362,6 +336,8 @@ class DynamicInferenceEngine(DeviceMemoryVerbs):
         for sequence in sequences:
             self._keep_routing(sequence)
             sequence.request.status = RequestStatus.WAITING_IN_QUEUE
+            if self.speculator is not None:  # the request leaves: its drafter state too
+                self.speculator.proposer.forget(sequence.request_id)
         return [s.request for s in sequences]
 
     @staticmethod
@@ -374,6 +350,8 @@ class DynamicInferenceEngine(DeviceMemoryVerbs):
     def step(self) -> list[StepOutput]:
         """Run one step: schedule, launch, finish. With ``async_scheduling`` the step finished is the one
         launched by the previous call, after this call launched the next (its outputs come one call later)."""
+        if self.speculator is not None:
+            return self._deliver(self._step_speculative())
         outputs, self._pending = self._pending, []
         batch = self.schedule()
         launched = self.launch(batch) if batch is not None else None
@@ -393,6 +371,20 @@ class DynamicInferenceEngine(DeviceMemoryVerbs):
         for step in done:
             outputs += self.finish(step)
         return self._deliver(outputs + self._take_pending())
+
+    def _step_speculative(self) -> list[StepOutput]:
+        """A step with speculation on (engine.speculative): drafts attached, scheduled as extra query rows,
+        verified and rolled back. Not overlapped: the proposer needs every request's tokens on the host."""
+        self._settle()
+        speculator, scheduler = self.speculator, self.scheduler
+        assert speculator is not None
+        speculator.propose([s for s in scheduler.running if speculator.may_speculate(s, s.request_id in self.structured)])
+        batch = self.schedule()
+        speculator.fit(batch, scheduler.running, [s for s in scheduler.waiting if s.num_drafts])
+        step = self.launch(batch) if batch is not None else None
+        if step is not None:
+            self._pending.extend(self.finish(step))  # launch() sampled it: no row waits for a token in flight
+        return self._take_pending()
 
     def sync(self) -> list[StepOutput]:
         """Finish the step in flight, if any, and return every output not handed out yet (call before a
@@ -452,7 +444,7 @@ class DynamicInferenceEngine(DeviceMemoryVerbs):
                                        None if images is None else images.embeddings, previous)
         sampling = [s for s, count in entries if count == s.num_uncomputed]  # as write_plan picked them
         starts = [s.num_computed for s, _ in entries]
-        scores = score_prompts(entries, forward.logits[len(sampling):])
+        scores = score_prompts(entries, forward.logits[len(sampling) : len(sampling) + plan.num_score])
         for sequence, count in entries:
             if sequence.kv_epoch is None:
                 sequence.kv_epoch = self.epoch
@@ -461,6 +453,8 @@ class DynamicInferenceEngine(DeviceMemoryVerbs):
         routing = Readback([forward.routing]) if forward.routing is not None else None  # graphs reuse their outputs
         kv_epochs = [self.epoch if s.kv_epoch is None else s.kv_epoch for s in sampling]  # set above: never None
         step = InFlightStep(entries, starts, sampling, kv_epochs, forward.logits[: len(sampling)], scores, routing)
+        if self.speculator is not None:  # verified in sample(), drafts or not (rows of one step are sampled alike)
+            step.verify_logits = forward.logits[len(sampling) + plan.num_score :]
         if not any(s.pending_tokens and s.request_id in self.structured for s in sampling):
             self.sample(step)
         return step
@@ -477,11 +471,15 @@ class DynamicInferenceEngine(DeviceMemoryVerbs):
                 request = s.request
                 state.add(s.request_id, request.sampling_params, s.seed, request.prompt_tokens,
                           request.generated_tokens, s.stop_token_ids)
+        logits = step.logits
+        masks = self.structured.bitmask([s.request_id for s in sampling], [s.stop_token_ids for s in sampling])
+        if step.verify_logits is not None and self.speculator is not None:
+            step.emitted = self.speculator.verify(sampling, logits, step.verify_logits, state, self.sampler, masks)
+            step.logits = step.verify_logits = None
+            return
         rows = state.rows([s.request_id for s in sampling], [s.num_computed for s in sampling],
                           [s.num_generated for s in sampling])
-        logits = step.logits
         processed = apply_controls(logits, state, rows)
-        masks = self.structured.bitmask([s.request_id for s in sampling], [s.stop_token_ids for s in sampling])
         if masks is not None:  # filled on the host while the forward runs
             processed = apply_token_bitmask(processed, masks)
         step.sample = self.sampler.launch(processed, rows, model_logits=None if processed is logits else logits)
@@ -492,16 +490,19 @@ class DynamicInferenceEngine(DeviceMemoryVerbs):
 
     def finish(self, step: InFlightStep) -> list[StepOutput]:
         """Read a launched step's results (waits for the device) and hand each request its token."""
+        if step.emitted is not None:
+            return self.update_from_output(step, step.emitted)
         assert step.sample is not None, "finish() of a step that was never sampled"
-        return self.update_from_output(step, step.sample.read())
+        result = step.sample.read()
+        return self.update_from_output(step, [Emitted([t], [lp], [top]) for t, lp, top
+                                              in zip(result.token_ids, result.log_probs, result.top_n)])
 
-    def update_from_output(self, step: InFlightStep, result: SampleResult) -> list[StepOutput]:
+    def update_from_output(self, step: InFlightStep, emitted: list[Emitted]) -> list[StepOutput]:
         """The bookkeeping of a finished step, in one place: expert routing and prompt scores recorded, the KV
-        blocks the step completed registered for the prefix cache (prompt chunks too: first, so that a
-        request finishing now leaves its blocks cached), each request's token appended (or dropped for a
-        request that left meanwhile), stop conditions checked, grammar advanced, blocks that the appended
-        tokens complete registered, statistics observed. Registering here rather than at launch publishes
-        a block one step later under asynchronous scheduling; its KV writes were queued at launch either way."""
+        blocks the step completed registered for the prefix cache (prompt chunks first, so that a request
+        finishing now leaves its blocks cached), each request's tokens appended (or dropped for a request
+        that left meanwhile), stop conditions checked, grammar advanced, statistics observed. Registering
+        here rather than at launch publishes a block one step later under asynchronous scheduling."""
         if step.routing is not None:
             record_step([(s, start, count) for (s, count), start in zip(step.entries, step.starts)],
                         np.asarray(step.routing.wait()[0]))
@@ -514,11 +515,12 @@ class DynamicInferenceEngine(DeviceMemoryVerbs):
         now = time.monotonic()
         sequences, outputs, observed = [], [], []
         for row, sequence in enumerate(step.sampling):
-            sequence.pending_tokens -= 1
+            sequence.pending_tokens -= step.emitted is None  # a verified step reads its tokens as it samples
             if sequence.finished:  # aborted or finished while the step ran: its row is dropped
                 continue
-            outputs.append(self._append_token(sequence, result.token_ids[row], result.log_probs[row],
-                                              result.top_n[row], step.kv_epochs[row]))
+            out = emitted[row]
+            Speculator.rollback(sequence, out.accepted, self.allocator, self.config.block_size_tokens)
+            outputs.append(self._append_tokens(sequence, out, step.kv_epochs[row]))
             if not (self.parity.active and self.parity.owns(sequence.request_id)):  # no user request: not counted
                 sequences.append(sequence)
                 observed.append(outputs[-1])
@@ -526,6 +528,23 @@ class DynamicInferenceEngine(DeviceMemoryVerbs):
                 register(sequence)
         self.stats.observe_step(sequences, observed, now)
         return outputs
+
+    def _append_tokens(self, sequence: Sequence, emitted: Emitted, kv_epoch: int) -> StepOutput:
+        """Append a row's tokens one by one (several after accepted drafts), up to the one that finishes it."""
+        merged: StepOutput | None = None
+        for token, log_prob, top_n in zip(emitted.tokens, emitted.log_probs, emitted.top_n):
+            out = self._append_token(sequence, token, log_prob, top_n, kv_epoch)
+            if merged is None:
+                merged = out
+            else:
+                merged.new_tokens += out.new_tokens
+                merged.new_log_probs += out.new_log_probs
+                merged.new_top_logprobs += out.new_top_logprobs
+                merged.finished = out.finished
+            if out.finished:
+                break
+        assert merged is not None, "a sampled row emits at least one token"
+        return merged
 
     def _append_token(self, sequence: Sequence, token: int, log_prob: float | None,
                       top_n: dict[int, float] | None, kv_epoch: int) -> StepOutput:

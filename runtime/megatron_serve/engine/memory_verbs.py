@@ -29,6 +29,8 @@ if TYPE_CHECKING:
     from .runner import ModelRunner
     from .scheduler import Scheduler, Sequence
 
+    from .speculative.decoder import Speculator
+
 
 class DeviceMemoryVerbs:
     """Mixed into :class:`~.core.DynamicInferenceEngine`, whose state these methods read and write."""
@@ -41,6 +43,7 @@ class DeviceMemoryVerbs:
     kv_cache: "KVCachePool"
     encoder_cache: "EncoderCache | None"
     parity: "ParityChecker"
+    speculator: "Speculator | None"
     suspended: bool
     weights_offloaded: bool
     epoch: int
@@ -115,6 +118,7 @@ class DeviceMemoryVerbs:
             self.incomplete = set()
         if self.incomplete:
             self.epoch = -1  # a mix of two generations: no epoch describes it
+            self._refit_drafter()
         if error is not None or self.incomplete:
             message = str(error) if error is not None else (
                 f"{len(self.incomplete)} tensor(s) overwritten by an earlier failed refit were not sent again")
@@ -124,10 +128,16 @@ class DeviceMemoryVerbs:
         if self.encoder_cache is not None:
             self.encoder_cache.clear()  # embeddings of the old vision weights
         self.epoch = self.epoch + 1 if epoch is None else int(epoch)
+        self._refit_drafter()
         finished = time.perf_counter()
         self.refits += 1
         self.last_refit = {"verify_s": verified - started, "load_s": finished - verified, "total_s": finished - started}
         return {"epoch": self.epoch, **self.last_refit}
+
+    def _refit_drafter(self) -> None:
+        """Tell the speculative proposer the weights changed: a drafter computed under the old ones must not propose."""
+        if self.speculator is not None:
+            self.speculator.proposer.on_refit(self.epoch)
 
     def verify_refit(self, source: "str | Path | WeightSource") -> float:
         """Check that ``source`` holds weights of this model's names and shapes (no tensor data read);

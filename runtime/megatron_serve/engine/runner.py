@@ -35,7 +35,7 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class StepResult:
-    """float32 logits ``[sampling rows + score rows, vocab]`` in entry order; with ``record_routing``
+    """float32 logits ``[sampling rows + score rows + verify rows, vocab]`` in entry order; with ``record_routing``
     also the expert ids ``[step tokens, moe layers, top_k]`` of every token of the step (small integer dtype)."""
 
     logits: torch.Tensor
@@ -117,7 +117,7 @@ class ModelRunner:
         else:
             hidden = self.model(dev["token_ids"][: plan.num_tokens], dev["positions"][: plan.num_tokens], context)
             routing = stack_routing(context.routing, self.model.config) if plan.record_routing else None
-        rows = plan.num_sample + plan.num_score
+        rows = plan.num_sample + plan.num_score + plan.num_verify
         if not rows:  # only partial prefill chunks this step: nothing to sample
             return StepResult(hidden.new_empty((0, self.model.config.vocab_size), dtype=torch.float32), routing)
         return StepResult(self.model.compute_logits(hidden[dev["lm_rows"][:rows]]), routing)

@@ -44,6 +44,7 @@ class Sequence:
     prefix_root: int = ROOT_HASH  # where its chain of block hashes starts: its cache_salt's root
     lora_slot: int = -1  # the adapter slot its rows run under (engine.lora); -1: the base model
     lora_version: int = -1  # the version of its adapter in that slot (its tokens' lora_epochs); -1: none
+    num_drafts: int = 0  # speculative guesses at the end of token_ids, not verified yet (engine.speculative)
 
     def __post_init__(self) -> None:
         if not self.token_ids:
@@ -171,11 +172,13 @@ class Scheduler:
         return pending
 
     def register_computed_blocks(self, sequence: Sequence) -> None:
-        """Publish the sequence's newly completed blocks whose tokens the host knows to the prefix cache."""
+        """Publish the sequence's newly completed blocks whose tokens the host knows to the prefix cache (drafts
+        not verified yet are not known: their rows may be rolled back)."""
         if not self.allocator.enable_prefix_caching:
             return
         size = self.block_size
-        for index in range(len(sequence.block_hashes), min(sequence.num_computed, len(sequence.token_ids)) // size):
+        known = len(sequence.token_ids) - sequence.num_drafts
+        for index in range(len(sequence.block_hashes), min(sequence.num_computed, known) // size):
             parent = sequence.block_hashes[-1] if sequence.block_hashes else sequence.prefix_root
             block_hash = chain_hash(parent, sequence.cache_tokens(index * size, (index + 1) * size))
             sequence.block_hashes.append(block_hash)

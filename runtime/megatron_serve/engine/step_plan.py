@@ -13,7 +13,8 @@ Row layout of a step: ``num_decode`` decode rows (one per request), then the pre
 ``num_prefill`` requests, packed. Requests follow the same order in ``seq_lens`` and
 ``block_tables``. ``query_start`` holds the prefill chunks' offsets relative to the first prefill
 row. ``lm_rows`` lists the rows whose logits are computed: the sampling rows (one per request whose
-chunk reaches the end of its known tokens), then the score rows (prompt log probs).
+chunk reaches the end of its known tokens), then the score rows (prompt log probs), then the verify
+rows (a speculating request's draft rows before its sampling row, ``engine.speculative``).
 
 Overlapped scheduling: a row whose token is still on the device (sampled by the step in flight)
 is listed in ``gather_rows`` with its index in that step's sampled tokens (``gather_from``); the
@@ -64,6 +65,7 @@ class StepPlan:
     block_width: int  # used columns of the block tables
     num_sample: int  # lm_rows[:num_sample] sample a token
     num_score: int  # lm_rows[num_sample:] score the next prompt token (prompt log probs)
+    num_verify: int = 0  # lm_rows after those: the rows of speculative drafts, verified (engine.speculative)
     num_gather: int = 0  # rows whose token is the previous step's sampled token, on the device
     num_images: int = 0  # image placeholder rows, whose embeddings come with the step
     mrope: bool = False  # mrope_positions holds three rotary positions per row (Qwen2-VL family)
@@ -172,7 +174,7 @@ class StepBuffers:
         requests = plan.num_requests if requests is None else requests
         rows, per_request = (slice(tokens),), (slice(requests),)
         regions = [("token_ids", rows), ("positions", rows), ("slots", rows), ("seq_lens", per_request),
-                   ("query_start", (slice(requests + 1),)), ("lm_rows", (slice(plan.num_sample + plan.num_score),)),
+                   ("query_start", (slice(requests + 1),)), ("lm_rows", (slice(plan.num_sample + plan.num_score + plan.num_verify),)),
                    ("gather_rows", (slice(plan.num_gather),)), ("gather_from", (slice(plan.num_gather),)),
                    ("image_rows", (slice(plan.num_images),)),
                    ("block_tables", (slice(requests), slice(plan.block_width)))]
@@ -212,6 +214,7 @@ def write_plan(entries: list[tuple["Sequence", int]], block_size: int, buffers: 
     lora_rows, lora = out["lora_rows"], False
     row = num_decode = num_gather = num_sample = 0
     score_rows: list[int] = []
+    verify_rows: list[int] = []
     width = 1
     record_routing = False
     query_start[0] = 0
@@ -249,6 +252,7 @@ def write_plan(entries: list[tuple["Sequence", int]], block_size: int, buffers: 
         if count == sequence.num_uncomputed:  # the chunk reaches its last token: it samples
             lm_rows[num_sample] = row - 1
             num_sample += 1
+            verify_rows.extend(range(row - 1 - sequence.num_drafts, row - 1))
         tables[index, : len(table)] = table
         width = max(width, len(table))
         seq_lens[index] = end
@@ -259,7 +263,8 @@ def write_plan(entries: list[tuple["Sequence", int]], block_size: int, buffers: 
             query_start[index - num_decode + 1] = prefill_tokens
     num_prefill = len(entries) - num_decode
     lm_rows[num_sample : num_sample + len(score_rows)] = score_rows
-    plan = StepPlan(row, num_decode, num_prefill, width, num_sample, len(score_rows), num_gather,
+    lm_rows[num_sample + len(score_rows) : num_sample + len(score_rows) + len(verify_rows)] = verify_rows
+    plan = StepPlan(row, num_decode, num_prefill, width, num_sample, len(score_rows), len(verify_rows), num_gather,
                     record_routing=record_routing, lora=lora)
     if images is not None:
         _write_images(plan, images, buffers)

@@ -11,6 +11,7 @@ where ``ps`` would show it. Standard library only: the coordinator and ``control
 from __future__ import annotations
 
 import json
+from dataclasses import asdict
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # importing config imports torch
@@ -43,6 +44,7 @@ ENGINE_FIELDS = {
     "max_lora_rank": "max_lora_rank",
     "max_cpu_loras": "max_cpu_loras",
     "max_lora_versions": "max_lora_versions",
+    "speculative_config": "speculative",
 }
 
 
@@ -60,6 +62,8 @@ def inference_config_to_argv(config: "InferenceConfig | None") -> list[str]:
             argv.append(flag if value else "--no-" + dest.replace("_", "-"))
         elif isinstance(value, list):
             argv += [flag, *map(str, value)]
+        elif name == "speculative":  # a SpeculativeConfig, as vLLM's JSON object
+            argv += [flag, json.dumps(asdict(value))]
         elif isinstance(value, dict):  # lora_modules: name -> path, in vLLM's JSON form (a name may hold "=")
             argv += [flag, *(json.dumps({"name": name, "path": path}) for name, path in value.items())]
         elif name == "dtype" and not isinstance(value, str):

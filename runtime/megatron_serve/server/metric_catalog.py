@@ -79,6 +79,17 @@ SERIES: tuple[Series, ...] = (
     Series("logprob_parity_mismatch_total", "counter", "of those, requests where some generated token's log prob "
            "differed from its score (each logged as a WARNING with the request id and first position)", "engine",
            ENGINE_LABELS, unit="requests"),
+    Series("spec_decode_num_drafts_total", "counter", "requests whose speculative drafts the engine verified "
+           "(one per request and step with at least one draft)", "engine", ENGINE_LABELS,
+           "vllm:spec_decode_num_drafts_total", "drafts"),
+    Series("spec_decode_num_draft_tokens_total", "counter", "speculative draft tokens the engine verified", "engine",
+           ENGINE_LABELS, "vllm:spec_decode_num_draft_tokens_total", "tokens"),
+    Series("spec_decode_num_accepted_tokens_total", "counter", "of those, draft tokens accepted (each one the "
+           "target would have produced)", "engine", ENGINE_LABELS, "vllm:spec_decode_num_accepted_tokens_total",
+           "tokens"),
+    Series("spec_decode_num_accepted_tokens_per_pos_total", "counter", "accepted draft tokens by their position "
+           "in the draft (0: the first guess)", "engine", (*ENGINE_LABELS, "position"),
+           "vllm:spec_decode_num_accepted_tokens_per_pos_total", "tokens"),
     Series("time_to_first_token_seconds", "histogram", "time from a request's arrival at the coordinator to "
            "its first generated token", "engine", ENGINE_LABELS, "vllm:time_to_first_token_seconds", "seconds"),
     Series("inter_token_latency_seconds", "histogram", "time between two consecutive generated tokens of a "

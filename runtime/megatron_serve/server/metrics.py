@@ -23,7 +23,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from ..wire.engine_stats import COUNTERS, FINISH_REASONS, HISTOGRAMS
+from ..wire.engine_stats import ACCEPTED_PER_POS, COUNTERS, FINISH_REASONS, HISTOGRAMS
 from ..wire.lifecycle import FleetState
 from .fleet import FleetMonitor
 from .metric_catalog import SERIES, Series, series
@@ -150,6 +150,10 @@ def read_engine(engine: dict[str, Any]) -> EngineReading:
     finished = report.get("request_success") if isinstance(report.get("request_success"), dict) else {}
     for reason in FINISH_REASONS:
         reading.put("request_success_total", reported_number(finished.get(reason)), reason)
+    per_pos = report.get(ACCEPTED_PER_POS) if isinstance(report.get(ACCEPTED_PER_POS), dict) else {}
+    for position, count in per_pos.items():
+        if isinstance(position, str) and position.isdigit():
+            reading.put(f"{ACCEPTED_PER_POS}_total", reported_number(count), position)
     histograms = report.get("histograms") if isinstance(report.get("histograms"), dict) else {}
     for name, bounds in HISTOGRAMS.items():
         parsed = reported_buckets(histograms.get(name), bounds)

@@ -28,17 +28,21 @@ class FleetCounters:
     generation_tokens: float
     cache_queries: float
     cache_hits: float
+    drafts: float = 0.0  # speculative decoding: requests verified with drafts, and draft tokens accepted
+    accepted: float = 0.0
 
     @classmethod
     def read(cls, monitor: FleetMonitor, now: float) -> "FleetCounters":
         sums = {"prompt_tokens_total": 0.0, "generation_tokens_total": 0.0, "prefix_cache_queries_total": 0.0,
-                "prefix_cache_hits_total": 0.0}
+                "prefix_cache_hits_total": 0.0, "spec_decode_num_drafts_total": 0.0,
+                "spec_decode_num_accepted_tokens_total": 0.0}
         for engine in monitor.engines if monitor.reachable else []:
             values = read_engine(engine).values
             for name in sums:
                 sums[name] += sum(values.get(name, {}).values())
         return cls(now, sums["prompt_tokens_total"], sums["generation_tokens_total"],
-                   sums["prefix_cache_queries_total"], sums["prefix_cache_hits_total"])
+                   sums["prefix_cache_queries_total"], sums["prefix_cache_hits_total"],
+                   sums["spec_decode_num_drafts_total"], sums["spec_decode_num_accepted_tokens_total"])
 
 
 def stats_line(before: FleetCounters, now: FleetCounters, monitor: FleetMonitor) -> tuple[str, bool]:
@@ -56,6 +60,9 @@ def stats_line(before: FleetCounters, now: FleetCounters, monitor: FleetMonitor)
     line = (f"fleet of {len(engines)} engine group(s): avg prompt throughput {prompt:.1f} tokens/s, avg generation "
             f"throughput {generation:.1f} tokens/s, running {running} reqs, waiting {waiting} reqs, KV cache usage "
             f"{usage:.1f}%, prefix cache hit rate {hit_rate:.1f}%")
+    drafts = now.drafts - before.drafts
+    if drafts > 0:  # vLLM's "mean acceptance length": tokens per verified request row (accepted drafts + 1)
+        line += f", speculative mean acceptance length {1.0 + (now.accepted - before.accepted) / drafts:.2f}"
     return line, bool(prompt or generation or running or waiting)
 
 

@@ -45,7 +45,10 @@ HISTOGRAMS: dict[str, tuple[float, ...]] = {
 }
 #: counter names on the wire (the exported name adds ``_total``)
 COUNTERS = ("prompt_tokens", "generation_tokens", "num_preemptions", "prefix_cache_queries", "prefix_cache_hits",
-            "logprob_parity_checked", "logprob_parity_mismatch")
+            "logprob_parity_checked", "logprob_parity_mismatch", "spec_decode_num_drafts", "spec_decode_num_draft_tokens",
+            "spec_decode_num_accepted_tokens")
+#: the per-position acceptance counter on the wire: {"0": accepted at draft position 0, ...}
+ACCEPTED_PER_POS = "spec_decode_num_accepted_tokens_per_pos"
 #: finish reasons counted by ``request_success``
 FINISH_REASONS = (FinishReason.STOP.value, FinishReason.LENGTH.value, FinishReason.ABORT.value)
 
@@ -89,6 +92,20 @@ class EngineStats:
         self.counters = dict.fromkeys(COUNTERS, 0)
         self.finished = dict.fromkeys(FINISH_REASONS, 0)
         self.histograms = {name: Histogram(bounds) for name, bounds in HISTOGRAMS.items()}
+        self.accepted_per_pos: list[int] = []  # speculative drafts accepted, by position in the draft
+
+    def speculated(self, drafts: int, accepted: int) -> None:
+        """One request's drafts were verified (speculative decoding): ``accepted`` of ``drafts`` kept."""
+        if not drafts:
+            return
+        counters = self.counters
+        counters["spec_decode_num_drafts"] += 1
+        counters["spec_decode_num_draft_tokens"] += drafts
+        counters["spec_decode_num_accepted_tokens"] += accepted
+        if len(self.accepted_per_pos) < drafts:
+            self.accepted_per_pos.extend([0] * (drafts - len(self.accepted_per_pos)))
+        for position in range(accepted):
+            self.accepted_per_pos[position] += 1
 
     def observe_step(self, sequences: Sequence[SampledSequence], outputs: Sequence[SampledOutput], now: float) -> None:
         """The requests that sampled in a step that ended at ``now`` (monotonic), and what each added.
@@ -146,5 +163,6 @@ class EngineStats:
         """The heartbeat's ``metrics`` field (the prefix-cache counters live in the scheduler)."""
         counters = {**self.counters, "prefix_cache_queries": prefix_cache_queries,
                     "prefix_cache_hits": prefix_cache_hits}
-        return {"counters": counters, "request_success": dict(self.finished),
+        per_pos = {str(position): count for position, count in enumerate(self.accepted_per_pos)}
+        return {"counters": counters, "request_success": dict(self.finished), ACCEPTED_PER_POS: per_pos,
                 "histograms": {name: h.to_wire() for name, h in self.histograms.items()}}

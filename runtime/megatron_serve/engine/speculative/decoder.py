@@ -1,0 +1,153 @@
+"""The engine's side of speculation: drafts attached before scheduling, verified after the forward, KV rolled back.
+
+One speculative step, in the engine's ``schedule -> launch -> sample -> finish`` seam:
+
+1. ``propose``: each running request that may speculate (its tokens all on the host, one token left to
+   compute, no grammar, no image, no routing record) gets up to ``num_speculative_tokens`` guesses from the
+   proposer, appended to its ``token_ids`` and counted in ``num_drafts``. The scheduler then sees
+   ``1 + drafts`` tokens to compute, as for a prefill chunk, and gives the request that many query rows.
+2. ``fit``: what the scheduler could not take (a token budget cut, a preemption) loses its drafts, so a
+   request's uncomputed tokens are exactly the rows it runs. ``step_plan`` lists the draft rows' logits
+   (``num_verify``) beside the sampling row.
+3. ``verify``: the rows are sampled depth by depth with the engine's own sampler, logit controls and
+   seeded streams, as if each were an ordinary decode step: depth ``j`` draws the token at position
+   ``start + 1 + j``, keyed on (seed, sample index, position) and with the penalties' counts of every
+   token before it. A draft is accepted when the token drawn equals it; the first token that differs is the
+   bonus token and ends the request's run. Greedy, that is "argmax equal". Sampled, it is rejection
+   sampling for a point-mass draft (every proposer here proposes deterministically): the draft ``d`` is
+   accepted with probability ``p(d)``, and on rejection the token is distributed as ``p`` without ``d``,
+   renormalised, which is ``max(0, p - q)`` normalised for ``q = δ_d``. Either way each emitted token is the
+   one the non-speculative engine draws at that position: outputs, log probs, top log probs and
+   ``logprobs-mode`` variants are those of a run without speculation, token for token.
+4. ``rollback``: the rejected drafts leave ``token_ids``, ``num_computed`` drops to the verified tokens, and
+   KV blocks past the request's tokens go back to the pool. Blocks are published to the prefix cache only up
+   to the verified tokens (``Scheduler.register_computed_blocks`` stops before drafts).
+
+Cost: one sampler pass per depth (``1 + K`` at most per step, each reading its tokens back), instead of one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+from ..kv_cache import BlockAllocator, blocks_for_tokens
+from ..logits_processors import apply_controls, apply_token_bitmask
+from ...wire.engine_stats import EngineStats
+from .proposer import DraftInput, Proposer
+
+if TYPE_CHECKING:
+    from ..sampler import Sampler
+    from ..sampling_state import SamplingState
+    from ..scheduler import ScheduledBatch, Sequence
+
+
+@dataclass
+class Emitted:
+    """What one request's rows of a step produced: the tokens to append, in order, and how many were drafts."""
+
+    tokens: list[int] = field(default_factory=list)
+    log_probs: list[float | None] = field(default_factory=list)
+    top_n: list[dict[int, float] | None] = field(default_factory=list)
+    accepted: int = 0  # drafts accepted (the tokens less the bonus one)
+
+
+class Speculator:
+    """Owns the proposer and the per-step draft bookkeeping of one engine (see the module docstring)."""
+
+    def __init__(self, proposer: Proposer, num_speculative_tokens: int, stats: EngineStats):
+        self.proposer = proposer
+        self.k = num_speculative_tokens
+        self.stats = stats  # the engine's counters: drafts, draft tokens, accepted tokens (also per position)
+
+    @staticmethod
+    def may_speculate(sequence: "Sequence", grammar: bool) -> bool:
+        """A decode-ready request whose tokens are all on the host, with room for at least one draft."""
+        request = sequence.request
+        return (not grammar and not sequence.finished and sequence.pending_tokens == 0 and sequence.routing is None
+                and not request.images and sequence.num_computed == len(sequence.token_ids) - 1
+                and len(sequence.token_ids) + 1 < sequence.max_total_tokens)
+
+    def propose(self, candidates: list["Sequence"]) -> None:
+        """Ask the proposer for each candidate's drafts and append them to its tokens (``num_drafts``)."""
+        if not candidates:
+            return
+        inputs = [DraftInput(s.request_id, list(s.token_ids), min(self.k, s.max_total_tokens - len(s.token_ids) - 1))
+                  for s in candidates]
+        for sequence, item, drafts in zip(candidates, inputs, self.proposer.propose(inputs)):
+            drafts = list(drafts[: item.num_tokens])
+            sequence.token_ids.extend(drafts)
+            sequence.num_drafts = len(drafts)
+
+    @staticmethod
+    def fit(batch: "ScheduledBatch | None", running: list["Sequence"], preempted: list["Sequence"]) -> None:
+        """Drop the drafts the scheduler did not give rows to: a cut chunk keeps ``count - 1``, others none."""
+        scheduled = {id(s): count for s, count in batch.entries} if batch is not None else {}
+        for sequence in [*running, *preempted]:
+            if sequence.num_drafts:
+                keep = max(scheduled.get(id(sequence), 0) - 1, 0) if sequence.num_computed else 0
+                drop = sequence.num_drafts - min(keep, sequence.num_drafts)
+                if drop:
+                    del sequence.token_ids[len(sequence.token_ids) - drop:]
+                    sequence.num_drafts -= drop
+
+    def verify(self, sampling: list["Sequence"], sample_logits: torch.Tensor, verify_logits: torch.Tensor,
+               state: "SamplingState", sampler: "Sampler", masks: torch.Tensor | None = None) -> list[Emitted]:
+        """Sample each request's rows depth by depth and keep the longest accepted prefix plus one token.
+
+        ``sample_logits``: one row per sampling request (its last row); ``verify_logits``: the draft rows'
+        logits (``num_drafts`` rows before the last, per request in the same order). ``masks``: the grammar
+        bitmask of every sampling row (grammar rows have no drafts: applied at depth 0 only). Reads the tokens back.
+        """
+        emitted = [Emitted() for _ in sampling]
+        offsets, offset = [], len(sampling)
+        for sequence in sampling:
+            offsets.append(offset)
+            offset += sequence.num_drafts
+        logits = torch.cat([sample_logits, verify_logits]) if verify_logits.shape[0] else sample_logits
+        alive = list(range(len(sampling)))
+        depth = 0
+        while alive:
+            picked = alive
+            rows_index = [offsets[i] + depth if depth < sampling[i].num_drafts else i for i in picked]
+            seqs = [sampling[i] for i in picked]
+            rows = state.rows([s.request_id for s in seqs],
+                              [s.num_computed - s.num_drafts + depth for s in seqs],
+                              [len(s.request.generated_tokens) + depth for s in seqs])
+            model_logits = logits[torch.tensor(rows_index, dtype=torch.int64, device=logits.device)]
+            processed = apply_controls(model_logits, state, rows)
+            if masks is not None and depth == 0:
+                processed = apply_token_bitmask(processed, masks)
+            result = sampler.launch(processed, rows, None if processed is model_logits else model_logits).read()
+            alive = []
+            for k, i in enumerate(picked):
+                sequence, out, token = sampling[i], emitted[i], result.token_ids[k]
+                out.tokens.append(token)
+                out.log_probs.append(result.log_probs[k])
+                out.top_n.append(result.top_n[k])
+                drafts = sequence.num_drafts
+                if (depth < drafts and token == sequence.token_ids[len(sequence.token_ids) - drafts + depth]
+                        and token not in sequence.stop_token_ids):
+                    out.accepted += 1
+                    alive.append(i)
+            depth += 1
+        for sequence, out in zip(sampling, emitted):
+            self.stats.speculated(sequence.num_drafts, out.accepted)
+        return emitted
+
+    @staticmethod
+    def rollback(sequence: "Sequence", accepted: int, allocator: BlockAllocator, block_size: int) -> None:
+        """Take the drafts back out of ``sequence`` and keep the KV of the accepted ones only; blocks past its
+        tokens (plus the one token to come) return to the pool."""
+        drafts = sequence.num_drafts
+        if not drafts:
+            return
+        del sequence.token_ids[len(sequence.token_ids) - drafts:]
+        sequence.num_drafts = 0
+        sequence.num_computed -= drafts - accepted
+        keep = blocks_for_tokens(len(sequence.token_ids) + accepted + 1, block_size)
+        if len(sequence.block_table) > keep:
+            allocator.free(sequence.block_table[keep:])
+            del sequence.block_table[keep:]

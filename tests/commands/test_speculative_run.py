@@ -1,0 +1,61 @@
+"""A real ``run`` with ``--speculative-config`` through the ``openai`` client: the tokens are the plain engine's,
+drafts are accepted, and the speculative counters reach ``/metrics``."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+
+import httpx
+import openai
+import pytest
+
+from megatron_serve import DynamicInferenceRequest, InferenceConfig, SamplingParams
+from megatron_serve.engine import DynamicInferenceEngine
+
+from ..server.conftest import wait_ready
+from ..server.test_openai_e2e import free_port
+
+BIAS = {"133": 7.0, "410": 6.8, "433": 6.9}  # a few favoured tokens: output that repeats, so n-gram guesses land
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_run_with_speculative_config_serves_the_plain_engines_tokens(tiny_llama, tmp_path):
+    port = free_port()
+    argv = ["run", "--model", tiny_llama, "--served-model-name", "tiny", "--host", "127.0.0.1", "--port", str(port), "--coordinator-port", "0",
+            "--log-dir", str(tmp_path / "logs"), "--num-kv-blocks", "128", "--block-size", "16",
+            "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}']
+    log = tmp_path / "run.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "megatron_serve.cli", *argv], stdout=out,
+                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_ready(proc, url, log)
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+        prompt = [5, 17, 5, 17, 5, 17, 99]
+        answer = client.completions.create(model="tiny", prompt=prompt, max_tokens=40, temperature=0,
+                                           logit_bias=BIAS, extra_body={"return_token_ids": True, "ignore_eos": True})
+        served = answer.choices[0].token_ids
+        plain = DynamicInferenceEngine.from_model_dir(tiny_llama, InferenceConfig(block_size_tokens=16))
+        request = DynamicInferenceRequest("plain", None, prompt, SamplingParams(
+            temperature=0.0, num_tokens_to_generate=40, ignore_eos=True, logit_bias={int(k): v for k, v in BIAS.items()}))
+        plain.add_request(request)
+        while plain.has_unfinished_requests():
+            plain.step()
+        assert served == request.generated_tokens and len(served) == 40
+        metrics = httpx.get(f"{url}/metrics", timeout=30).text
+        accepted = [line for line in metrics.splitlines()
+                    if line.startswith("megatron_serve_spec_decode_num_accepted_tokens_total{")]
+        assert accepted and float(accepted[0].rsplit(" ", 1)[1]) > 0, metrics
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGINT)
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
