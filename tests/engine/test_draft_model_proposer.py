@@ -116,3 +116,42 @@ def test_a_draft_of_another_vocabulary_is_refused(models):
     with pytest.raises(VocabMismatchError, match="another tokenizer than the target"):
         DraftModelProposer(models["retokenized"], CONFIG, target_dir=target)
     DraftModelProposer(models["other"], CONFIG, target_dir=target)  # same tokenizer, smaller model: accepted
+
+
+def speculative_run(model_dir: str, draft_dir: str | None, prompts: list[list[int]], count: int, k: int = 4
+                    ) -> tuple[list[list[int]], dict[str, int]]:
+    """Greedy tokens of an engine (with the draft model ``draft_dir`` proposing ``k`` tokens, or none) and its
+    speculation counters."""
+    config = CONFIG if draft_dir is None else InferenceConfig(
+        device="cpu", dtype="float32",
+        speculative={"method": "draft_model", "model": draft_dir, "num_speculative_tokens": k})
+    engine = DynamicInferenceEngine.from_model_dir(model_dir, config)
+    requests = [DynamicInferenceRequest(str(i), None, prompt, SamplingParams(
+        temperature=0.0, num_tokens_to_generate=count, ignore_eos=True)) for i, prompt in enumerate(prompts)]
+    for request in requests:
+        engine.add_request(request)
+    while engine.has_unfinished_requests():
+        engine.step()
+    counters = {key: value for key, value in engine.stats.counters.items() if key.startswith("spec_decode")}
+    engine.shutdown()
+    return [request.generated_tokens for request in requests], counters
+
+
+def test_an_engine_whose_draft_is_the_target_accepts_every_draft(models):
+    """Issue 39's acceptance: a draft model equal to the target accepts every token it proposes (each verify step
+    emits K + 1 tokens), and the output is the engine's own greedy output; another draft model changes the
+    acceptance (negative control), never the tokens."""
+    target = models["target"]
+    expected = greedy(target, PROMPTS, 21)
+    tokens, counters = speculative_run(target, target, PROMPTS, 21)
+    assert tokens == expected
+    assert counters["spec_decode_num_draft_tokens"] > 0
+    assert counters["spec_decode_num_accepted_tokens"] == counters["spec_decode_num_draft_tokens"]
+    tokens, counters = speculative_run(target, models["other"], PROMPTS, 21)
+    assert tokens == expected
+    assert counters["spec_decode_num_accepted_tokens"] < counters["spec_decode_num_draft_tokens"]
+
+
+def test_an_engine_refuses_a_draft_model_of_another_vocabulary(models):
+    with pytest.raises(VocabMismatchError):
+        speculative_run(models["target"], models["padded"], PROMPTS[:1], 2)

@@ -103,7 +103,8 @@ def _encoder_cache_for(model: LlamaForCausalLM, tokenizer: Tokenizer) -> Encoder
 
 class DynamicInferenceEngine(DeviceMemoryVerbs, LoraVerbs):
     def __init__(self, model: LlamaForCausalLM, tokenizer: Tokenizer, config: InferenceConfig,
-                 runner: ModelRunner | None = None):
+                 runner: ModelRunner | None = None, model_dir: str | Path | None = None):
+        """``model_dir``: where the model came from, when known (a draft model of another vocabulary is refused)."""
         if config.batch_invariant:
             model.use_batch_invariant_ops()
         self.model = model
@@ -142,7 +143,7 @@ class DynamicInferenceEngine(DeviceMemoryVerbs, LoraVerbs):
         self.parity = ParityChecker(config.verify_logprobs_fraction, self.max_sequence_length)
         spec = config.speculative
         self.speculator = (None if spec is None
-                           else Speculator(make_proposer(config), spec.num_speculative_tokens, self.stats))
+                           else Speculator(make_proposer(config, model_dir), spec.num_speculative_tokens, self.stats))
 
     @property
     def cached_tokens(self) -> int:
@@ -176,7 +177,8 @@ class DynamicInferenceEngine(DeviceMemoryVerbs, LoraVerbs):
         tokenizer = Tokenizer.from_pretrained(tokenizer_dir or model_dir)
         dtype = default_dtype(config, model_config)
         if config.tensor_parallel_size == 1:
-            return cls(load_model(model_dir, dtype, config.device, quantization=config.quantization), tokenizer, config)
+            return cls(load_model(model_dir, dtype, config.device, quantization=config.quantization), tokenizer, config,
+                       model_dir=model_dir)
         from .tensor_parallel import TensorParallelRunner, abandon_group, start_rank_zero  # noqa: PLC0415
 
         tp, channel, device, workers = start_rank_zero(str(model_dir), config)
@@ -185,7 +187,7 @@ class DynamicInferenceEngine(DeviceMemoryVerbs, LoraVerbs):
             buffers = engine_buffers(config, max_sequence_length_for(model_config, config), device)
             runner = TensorParallelRunner(model, config.block_size_tokens, device, buffers, tp, channel, workers,
                                           graphs_for(model, config, buffers))
-            return cls(model, tokenizer, config, runner)
+            return cls(model, tokenizer, config, runner, model_dir)
         except BaseException:
             abandon_group(workers)
             raise

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib
 from pathlib import Path
 
 from ...config import InferenceConfig
@@ -25,13 +24,8 @@ def make_proposer(config: InferenceConfig, target_dir: str | Path | None = None)
     if spec.method == "ngram":
         return NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
     if spec.method == "draft_model":
-        try:
-            module = importlib.import_module(f"{__package__}.draft_model")
-        except ModuleNotFoundError as exc:
-            if exc.name != f"{__package__}.draft_model":
-                raise
-            raise SpeculativeConfigError("speculative_config.method 'draft_model' is not available in this build "
-                                         f"(no {__package__}.draft_model module)") from exc
+        from .draft_model import DraftModelProposer  # noqa: PLC0415 (loads a second model: only when asked for)
+
         assert spec.model is not None  # SpeculativeConfig requires it for draft_model
-        return module.DraftModelProposer(spec.model, config, target_dir=target_dir)
+        return DraftModelProposer(spec.model, config, target_dir=target_dir)
     raise SpeculativeConfigError(f"speculative_config.method {spec.method!r} is not implemented yet")
