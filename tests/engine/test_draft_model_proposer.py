@@ -30,15 +30,7 @@ def models(tmp_path_factory):
 
 
 def greedy(model_dir: str, prompts: list[list[int]], count: int) -> list[list[int]]:
-    engine = DynamicInferenceEngine.from_model_dir(model_dir, CONFIG)
-    requests = [DynamicInferenceRequest(str(i), None, prompt, SamplingParams(
-        temperature=0.0, num_tokens_to_generate=count, ignore_eos=True)) for i, prompt in enumerate(prompts)]
-    for request in requests:
-        engine.add_request(request)
-    while engine.has_unfinished_requests():
-        engine.step()
-    engine.shutdown()
-    return [request.generated_tokens for request in requests]
+    return speculative_run(model_dir, None, prompts, count)[0]
 
 
 def test_a_draft_equal_to_the_target_proposes_the_targets_greedy_tokens(models):
