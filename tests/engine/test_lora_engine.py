@@ -58,18 +58,23 @@ def _reference(model, token_lists):
     return results
 
 
-@pytest.mark.parametrize("name", [f"r{rank}" for rank in RANKS])
-def test_greedy_equals_transformers_with_peft(base, adapters, name):
-    engine = _engine(base, adapters)
+def assert_adapter_matches_peft(engine: DynamicInferenceEngine, base, adapter_dir, name: str, reference) -> None:
+    """The engine's greedy tokens and log probs under adapter ``name`` are ``reference``'s (transformers + PEFT,
+    float32, within 1e-4), and differ from the base model's (control: the adapter matters)."""
     prompts = PROMPTS[:4]
     token_lists = [engine.tokenizer.encode(p) for p in prompts]
     outs = run_requests(engine, [(p, _greedy(name)) for p in prompts])
     base_outs = run_requests(engine, [(p, _greedy()) for p in prompts])
-    expected = _reference(peft_model(base, adapters[name]), token_lists)
+    expected = reference(peft_model(base, adapter_dir), token_lists)
     for out, (tokens, log_probs) in zip(outs, expected):
         assert out.generated_tokens == tokens
         assert out.generated_log_probs == pytest.approx(log_probs, abs=1e-4)
     assert [o.generated_tokens for o in outs] != [o.generated_tokens for o in base_outs], "control: the adapter matters"
+
+
+@pytest.mark.parametrize("name", [f"r{rank}" for rank in RANKS])
+def test_greedy_equals_transformers_with_peft(base, adapters, name):
+    assert_adapter_matches_peft(_engine(base, adapters), base, adapters[name], name, _reference)
 
 
 def test_a_mixed_batch_gives_each_row_what_it_gets_alone(base, adapters):

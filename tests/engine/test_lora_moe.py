@@ -14,7 +14,7 @@ from megatron_serve.model.tiny import make_tiny_model
 
 from ..lora_adapters import make_peft_adapter, peft_model
 from ..prompts import PROMPTS, run_requests
-from .test_lora_engine import NEW_TOKENS, _engine, _greedy
+from .test_lora_engine import NEW_TOKENS, _engine, _greedy, assert_adapter_matches_peft
 
 EXPERTS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
 ADAPTERS = {  # name: (rank, target_modules, target_parameters)
@@ -51,16 +51,7 @@ def moe(request, tmp_path_factory):
 @pytest.mark.parametrize("name", list(ADAPTERS))
 def test_moe_expert_lora_equals_transformers_with_peft(moe, name):
     base, adapters = moe
-    engine = _engine(base, adapters)
-    prompts = PROMPTS[:4]
-    token_lists = [engine.tokenizer.encode(p) for p in prompts]
-    outs = run_requests(engine, [(p, _greedy(name)) for p in prompts])
-    base_outs = run_requests(engine, [(p, _greedy()) for p in prompts])
-    expected = _reference(peft_model(base, adapters[name]), token_lists)
-    for out, (tokens, log_probs) in zip(outs, expected):
-        assert out.generated_tokens == tokens
-        assert out.generated_log_probs == pytest.approx(log_probs, abs=1e-4)
-    assert [o.generated_tokens for o in outs] != [o.generated_tokens for o in base_outs], "control: the adapter matters"
+    assert_adapter_matches_peft(_engine(base, adapters), base, adapters[name], name, _reference)
 
 
 def test_moe_mixed_batch_gives_each_row_what_it_gets_alone(moe):
