@@ -40,7 +40,11 @@ def _rms_norm_kernel(
     tl.store(out_ptr + rows64 * stride_o + cols[None, :], out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float):
+def launch_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
+                    one_row_per_program: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """RMSNorm (after adding ``residual`` when given) over the last dimension: ``(out, summed or None)``.
+    ``one_row_per_program``: the batch-invariant launch (:mod:`.triton_invariant_norm`), whose warps depend on
+    the hidden size alone; otherwise a program takes as many rows as fill it."""
     hidden = x.shape[-1]
     if weight.shape != (hidden,):
         raise ValueError(f"weight shape {tuple(weight.shape)} does not match hidden size {hidden}")
@@ -48,6 +52,8 @@ def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor
     n_rows = x2.shape[0]
     weight = weight.contiguous()
     if residual is not None:
+        if residual.shape != x.shape:
+            raise ValueError(f"x {tuple(x.shape)} and residual {tuple(residual.shape)} differ in shape")
         r2 = last_dim_contiguous(residual).reshape(-1, hidden)
         summed = torch.empty(x2.shape, dtype=torch.promote_types(x.dtype, residual.dtype), device=x.device)
         norm_dtype = summed.dtype
@@ -57,7 +63,7 @@ def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor
     out = torch.empty(x2.shape, dtype=torch.promote_types(weight.dtype, norm_dtype), device=x.device)
     if n_rows:
         block_n = next_pow2(hidden)
-        block_m = rows_per_program(x, block_n, n_rows)
+        block_m = 1 if one_row_per_program else rows_per_program(x, block_n, n_rows)
         _rms_norm_kernel[(triton.cdiv(n_rows, block_m),)](
             x2, r2, weight, out, summed,
             n_rows, hidden, float(eps),
@@ -76,7 +82,7 @@ def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Triton twin of :func:`megatron_kernels.reference.rms_norm`."""
-    return _launch(x, None, weight, eps)[0]
+    return launch_rms_norm(x, None, weight, eps)[0]
 
 
 def fused_add_rms_norm(
@@ -85,4 +91,4 @@ def fused_add_rms_norm(
     """Triton twin of :func:`megatron_kernels.reference.fused_add_rms_norm`: ``(rms_norm(x + r), x + r)``."""
     if x.shape != residual.shape:
         raise ValueError(f"x {tuple(x.shape)} and residual {tuple(residual.shape)} differ in shape")
-    return _launch(x, residual, weight, eps)
+    return launch_rms_norm(x, residual, weight, eps)
