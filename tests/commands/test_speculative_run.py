@@ -15,6 +15,7 @@ import pytest
 from megatron_serve import DynamicInferenceRequest, InferenceConfig, SamplingParams
 from megatron_serve.engine import DynamicInferenceEngine
 
+from ..helpers import wait_until
 from ..server.conftest import wait_ready
 from ..server.test_openai_e2e import free_port
 
@@ -47,10 +48,17 @@ def test_run_with_speculative_config_serves_the_plain_engines_tokens(tiny_llama,
         while plain.has_unfinished_requests():
             plain.step()
         assert served == request.generated_tokens and len(served) == 40
-        metrics = httpx.get(f"{url}/metrics", timeout=30).text
-        accepted = [line for line in metrics.splitlines()
-                    if line.startswith("megatron_serve_spec_decode_num_accepted_tokens_total{")]
-        assert accepted and float(accepted[0].rsplit(" ", 1)[1]) > 0, metrics
+
+        def counted(name: str) -> float:  # engines report in heartbeats: the counters arrive a beat later
+            lines = [line for line in httpx.get(f"{url}/metrics", timeout=30).text.splitlines()
+                     if line.startswith(name + "{")]
+            return sum(float(line.rsplit(" ", 1)[1]) for line in lines)
+
+        wait_until(lambda: counted("megatron_serve_spec_decode_num_accepted_tokens_total") > 0, 60,
+                   "the accepted drafts on /metrics")
+        assert counted("megatron_serve_spec_decode_num_accepted_tokens_per_pos_total") == counted(
+            "megatron_serve_spec_decode_num_accepted_tokens_total")
+        assert counted("vllm:spec_decode_num_drafts_total") > 0
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGINT)

@@ -259,7 +259,7 @@ def test_a_request_of_an_adapter_never_follows_the_base_models_or_another_adapte
 
     def record(lora_name: str | None) -> RequestRecord:
         tokens = seq(100, 4) + [1]
-        return RequestRecord(request_id="c/1", client_id="c", client_request_id=1, prompt=None, prompt_tokens=tokens,
+        return RequestRecord(request_id="c/1", client_id="c", client_request_id=1, prompt_tokens=tokens,
                              params=SamplingParams(lora_name=lora_name), params_wire=b"", stream=False)
 
     roots = {name: record(name).prefix_root for name in (None, "sql", "chat")}
