@@ -34,7 +34,7 @@ from urllib.parse import urlparse
 import torch
 
 from ..weights import group as transfer
-from ..weights.drafter import DRAFTER_PREFIX, is_drafter
+from ..weights.drafter import DRAFTER_PREFIX
 from ..weights.manifest import nbytes, pack, plan_buckets, spec_of
 from ..wire.messages import RENDEZVOUS_SCHEME, LoraPush, Rendezvous
 from .coordinator_client import ControlError, InferenceClient
@@ -112,15 +112,11 @@ class WeightSender:
         ``drafter``: the draft model's ``(name, tensor)`` pairs (its checkpoint's names), sent in the same
         transaction after the policy's (as ``drafter.`` + name) and loaded under the same epoch by every
         engine's draft model (``speculative`` method ``draft_model``; an engine without one refuses the refit
-        before any weight changed). Without them each engine's drafter goes stale: it proposes nothing under
+        before any weight changed). Names already prefixed ``drafter.`` among ``named_tensors`` are the
+        drafter's too (what ``MegatronLLM.refit`` passes on). Without them each engine's drafter goes stale: it proposes nothing under
         the new epoch until a refit brings its tensors (docs/speculative.md).
         """
-        named = list(named_tensors)
-        for name, _ in named:
-            if is_drafter(name):
-                raise ValueError(f"policy tensor {name!r} uses the prefix {DRAFTER_PREFIX!r} reserved for the "
-                                 "drafter's tensors: pass those as drafter=")
-        named += [(DRAFTER_PREFIX + name, tensor) for name, tensor in (drafter or ())]
+        named = [*named_tensors, *((DRAFTER_PREFIX + name, tensor) for name, tensor in (drafter or ()))]
         return await self._push(named, epoch, bucket_bytes, None)
 
     async def send_lora(self, name: str, weights: LoraWeights, *, version: int, rank: int | None = None,
