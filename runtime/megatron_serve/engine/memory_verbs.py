@@ -37,6 +37,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("megatron_serve.engine")
 
+
 class DeviceMemoryVerbs:
     """Mixed into :class:`~.core.DynamicInferenceEngine`, whose state these methods read and write."""
 
@@ -152,7 +153,7 @@ class DeviceMemoryVerbs:
     def _check_drafter(self, source: WeightSource) -> "DraftModelProposer | None":
         """The draft model that the refit's ``drafter.*`` tensors (if any) refit, once their names and shapes
         fit it; ``ValueError`` when they do not, or when this engine runs no draft model."""
-        shapes = getattr(source, "shapes", None)
+        shapes = getattr(source, "shapes", None)  # a directory carries no drafter tensors (no ``shapes``)
         wanted = drafter_shapes(shapes()) if shapes is not None else []
         if not wanted:
             return None
