@@ -14,6 +14,9 @@ the test machine (348 MiB fp32, gloo, one engine): 32 MiB buckets broadcast at 0
 that machine's memory copy bandwidth, new weights serving 2.1x sooner than writing a checkpoint
 and refitting from it; one 512 MiB bucket (no overlap) reached 0.21 GB/s (docs: RL fleets).
 
+``send(..., drafter=...)`` carries a draft model's tensors in the same REFIT, so speculation switches to the
+new drafter at the same epoch as the policy (docs/speculative.md).
+
 ``send_lora`` pushes a LoRA adapter the same way (the same verb, verify step and acknowledgement): its
 tensors become a new version of an adapter on every engine, the base weights stay (docs/lora.md).
 """
@@ -31,6 +34,7 @@ from urllib.parse import urlparse
 import torch
 
 from ..weights import group as transfer
+from ..weights.drafter import DRAFTER_PREFIX
 from ..weights.manifest import nbytes, pack, plan_buckets, spec_of
 from ..wire.messages import RENDEZVOUS_SCHEME, LoraPush, Rendezvous
 from .coordinator_client import ControlError, InferenceClient
@@ -94,7 +98,8 @@ class WeightSender:
         self.on_bucket = on_bucket
 
     async def send(self, named_tensors: Iterable[tuple[str, torch.Tensor]], epoch: int | None = None, *,
-                   bucket_bytes: int | None = None) -> dict[str, Any]:
+                   bucket_bytes: int | None = None, drafter: Iterable[tuple[str, torch.Tensor]] | None = None
+                   ) -> dict[str, Any]:
         """REFIT the fleet with these tensors (any subset of the weights); returns the acknowledgement.
 
         ``epoch`` (default: the fleet's + 1) is stamped on every token generated with them. The
@@ -103,8 +108,16 @@ class WeightSender:
         fit raises :class:`~megatron_serve.client.coordinator_client.ControlError` (``refit_failed``) before any weight
         changed. A transfer that breaks raises :class:`ControlError` or :class:`WeightTransferError`
         with what each engine holds now; the fleet then refuses UNPAUSE until a refit completes.
+
+        ``drafter``: the draft model's ``(name, tensor)`` pairs (its checkpoint's names), sent in the same
+        transaction after the policy's (as ``drafter.`` + name) and loaded under the same epoch by every
+        engine's draft model (``speculative`` method ``draft_model``; an engine without one refuses the refit
+        before any weight changed). Names already prefixed ``drafter.`` among ``named_tensors`` are the
+        drafter's too (what ``MegatronLLM.refit`` passes on). Without them each engine's drafter goes stale: it proposes nothing under
+        the new epoch until a refit brings its tensors (docs/speculative.md).
         """
-        return await self._push(named_tensors, epoch, bucket_bytes, None)
+        named = [*named_tensors, *((DRAFTER_PREFIX + name, tensor) for name, tensor in (drafter or ()))]
+        return await self._push(named, epoch, bucket_bytes, None)
 
     async def send_lora(self, name: str, weights: LoraWeights, *, version: int, rank: int | None = None,
                         alpha: float | None = None, use_rslora: bool = False, target_modules: list[str] | None = None,

@@ -3,11 +3,13 @@
 They sit apart from the step loop (:mod:`.core`) because they run between steps, each after
 ``_settle()`` has finished the step in flight, and touch the model and the pools as wholes. A trainer's
 refit whose rendezvous carries ``lora`` is an adapter version instead (:meth:`.lora.EngineLoras.push`):
-the base weights, their epoch and the prefix cache stay.
+the base weights, their epoch and the prefix cache stay. Tensors named ``drafter.*`` in a refit
+(:mod:`..weights.drafter`) are the draft model's, loaded under the same epoch right after the policy's.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
@@ -15,7 +17,8 @@ from typing import TYPE_CHECKING, Callable
 import torch
 
 from ..errors import RefitFailed
-from ..model.loader import load_weights
+from ..model.loader import load_weights, verify_shapes
+from ..weights.drafter import divert, drafter_shapes
 from ..weights.sources import RendezvousSource, WeightSource, weight_source
 from ..wire.messages import LoraPush
 from .lora import require
@@ -30,6 +33,9 @@ if TYPE_CHECKING:
     from .scheduler import Scheduler, Sequence
 
     from .speculative.decoder import Speculator
+    from .speculative.draft_model import DraftModelProposer
+
+logger = logging.getLogger("megatron_serve.engine")
 
 
 class DeviceMemoryVerbs:
@@ -98,12 +104,15 @@ class DeviceMemoryVerbs:
         self._settle()  # the step in flight was computed with the old weights: its tokens carry the old epoch
         started = time.perf_counter()
         source.check(self.model)
+        drafter = self._check_drafter(source)
         verified = time.perf_counter()
         self.runner.on_refit(source)
         replaced: set[str] = set()
         error: BaseException | None = None
+        drafted: list[tuple[str, object]] = []  # the drafter's tensors, kept aside as they stream past
         try:
-            load_weights(self.model, source.tensors(self.model), progress=replaced.add, partial=source.partial)
+            load_weights(self.model, divert(source.tensors(self.model), drafted), progress=replaced.add,
+                         partial=source.partial)
         except Exception as exc:  # noqa: BLE001 - reported below, with what the other ranks did
             error = exc
         for names, follower_error in self.runner.refit_outcomes():
@@ -129,6 +138,8 @@ class DeviceMemoryVerbs:
             self.encoder_cache.clear()  # embeddings of the old vision weights
         self.epoch = self.epoch + 1 if epoch is None else int(epoch)
         self._refit_drafter()
+        if drafter is not None and drafted:
+            self._load_drafter(drafter, drafted, source.partial)
         finished = time.perf_counter()
         self.refits += 1
         self.last_refit = {"verify_s": verified - started, "load_s": finished - verified, "total_s": finished - started}
@@ -139,6 +150,31 @@ class DeviceMemoryVerbs:
         if self.speculator is not None:
             self.speculator.proposer.on_refit(self.epoch)
 
+    def _check_drafter(self, source: WeightSource) -> "DraftModelProposer | None":
+        """The draft model that the refit's ``drafter.*`` tensors (if any) refit, once their names and shapes
+        fit it; ``ValueError`` when they do not, or when this engine runs no draft model."""
+        shapes = getattr(source, "shapes", None)  # a directory carries no drafter tensors (no ``shapes``)
+        wanted = drafter_shapes(shapes()) if shapes is not None else []
+        if not wanted:
+            return None
+        proposer = self.speculator.proposer if self.speculator is not None else None
+        if not hasattr(proposer, "load_weights"):
+            raise ValueError(f"the refit carries {len(wanted)} drafter tensor(s) (e.g. drafter.{wanted[0][0]}) but "
+                             "this engine runs no draft model (speculative method draft_model)")
+        try:
+            verify_shapes(proposer.model, wanted, partial=True)
+        except ValueError as exc:
+            raise ValueError(f"drafter tensors do not fit the draft model: {exc}") from exc
+        return proposer
+
+    def _load_drafter(self, proposer: "DraftModelProposer", named: list[tuple[str, object]], partial: bool) -> None:
+        """The drafter's part of the refit, under the policy's new epoch. A failure leaves the policy's refit
+        standing and the drafter stale (it proposes nothing: speculation off until a refit brings it)."""
+        try:
+            proposer.load_weights(named, self.epoch, partial=partial)
+        except Exception as exc:  # noqa: BLE001 - speculation only costs speed; the policy's weights are whole
+            logger.error("refit of the draft model failed, speculation is off until one succeeds: %s", exc)
+
     def verify_refit(self, source: "str | Path | WeightSource") -> float:
         """Check that ``source`` holds weights of this model's names and shapes (no tensor data read);
         returns seconds. Raises ``ValueError`` naming the first mismatch; nothing live is touched.
@@ -148,6 +184,7 @@ class DeviceMemoryVerbs:
         push = _adapter_push(source)
         if push is None:
             source.check(self.model)
+            self._check_drafter(source)
         else:
             require(self.loras).check_push(push, ((s.name, s.shape) for s in source.rendezvous.manifest),
                                            self._live_slots())

@@ -36,6 +36,7 @@ from ..model.parallel import TensorParallel
 from .sizing import build_kv_pool, default_dtype, engine_buffers, max_sequence_length_for
 from .runner import ModelRunner, StepResult
 from .step_plan import StepBuffers, StepPlan
+from ..weights.drafter import policy_only
 from ..weights.sources import WeightSource
 
 logger = logging.getLogger(__name__)
@@ -312,7 +313,7 @@ def _follow_refit(model, source: WeightSource) -> tuple[list[str], str | None]:
     group must stay in lockstep, and rank 0 decides what a failure means)."""
     loaded: list[str] = []
     try:
-        load_weights(model, source.tensors(model), progress=loaded.append, partial=source.partial)
+        load_weights(model, policy_only(source.tensors(model)), progress=loaded.append, partial=source.partial)
     except Exception as exc:  # noqa: BLE001 - reported to rank 0
         logger.error("refit on this tensor-parallel rank failed: %s", exc)
         return loaded, str(exc) or type(exc).__name__

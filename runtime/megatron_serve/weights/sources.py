@@ -21,6 +21,7 @@ from ..wire.messages import Rendezvous, TensorSpec
 from ..model.llama import LlamaForCausalLM
 from ..model.loader import iterate_checkpoint, verify_checkpoint, verify_shapes
 from . import group as transfer
+from .drafter import is_drafter
 from .manifest import plan_buckets, spec_of, unpack
 
 
@@ -74,7 +75,11 @@ class TensorSource:
         return cls(tuple(named))
 
     def check(self, model: LlamaForCausalLM) -> None:
-        verify_shapes(model, ((name, tuple(t.shape)) for name, t in self.named), partial=True)
+        verify_shapes(model, ((name, tuple(t.shape)) for name, t in self.named if not is_drafter(name)), partial=True)
+
+    def shapes(self) -> list[tuple[str, tuple[int, ...]]]:
+        """Every ``(name, shape)`` pair, the drafter's (:mod:`.drafter`) included."""
+        return [(name, tuple(t.shape)) for name, t in self.named]
 
     def tensors(self, model: LlamaForCausalLM) -> Iterable[tuple[str, object]]:
         return self.named
@@ -96,7 +101,12 @@ class RendezvousSource:
         if rv.backend == "nccl" and not (dist.is_nccl_available() and next(model.parameters()).is_cuda):
             raise ValueError("the sender chose backend nccl, but this engine's weights are not on a CUDA device "
                              "(send with backend='gloo')")
-        verify_shapes(model, ((spec.name, spec.shape) for spec in rv.manifest), partial=True)
+        verify_shapes(model, ((spec.name, spec.shape) for spec in rv.manifest if not is_drafter(spec.name)),
+                      partial=True)
+
+    def shapes(self) -> list[tuple[str, tuple[int, ...]]]:
+        """Every ``(name, shape)`` pair of the manifest, the drafter's (:mod:`.drafter`) included."""
+        return [(spec.name, tuple(spec.shape)) for spec in self.rendezvous.manifest]
 
     def tensors(self, model: LlamaForCausalLM) -> Iterator[tuple[str, torch.Tensor]]:
         """Join the transfer group as this rank and yield every tensor as its bucket arrives."""
