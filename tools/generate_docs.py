@@ -329,7 +329,10 @@ def metrics_page() -> str:
         for s in (s for s in SERIES if s.source == source):
             labels = ", ".join(_code(label) for label in s.labels)
             vllm = _code(s.vllm) if s.vllm else "—"
-            out.append(f"| {_code(s.full_name)} | {s.kind} | {labels} | {s.unit} | {_cell(s.help)} | {vllm} |\n")
+            name = _code(s.full_name) + (f" (also {_code(s.colon_name)})" if s.colon_name else "")
+            out.append(f"| {name} | {s.kind} | {labels} | {s.unit} | {_cell(s.help)} | {vllm} |\n")
+    out.append("\nThe series marked *also* `megatron:<name>` are exported under both names, with the same values "
+               "and labels: the colon spelling is the one RL dashboards copy from vLLM's `vllm:` series.\n")
     out.append("\n## vLLM's series (`--metrics-compat vllm`)\n\nOn by default: the series that routers and "
                "autoscalers written for vLLM read, under vLLM's names, labels and units, for the fleet behind the "
                "server as one vLLM engine (`engine=\"0\"`; see [Coming from vLLM](../vllm-mapping.md#metrics)). "

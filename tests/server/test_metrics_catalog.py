@@ -54,7 +54,11 @@ def test_exported_families_are_the_catalogue():
     families = scrape([engine(0, a_report())])
     # the parser names counters without _total
     catalogued = {s.full_name[: -len("_total")] if s.kind == "counter" else s.full_name for s in SERIES}
-    assert set(families) == catalogued
+    twins = {s.colon_name.removesuffix("_total") for s in SERIES if s.colon_name}
+    assert twins == {"megatron:logprob_parity_checked", "megatron:logprob_parity_mismatch",
+                     "megatron:spec_decode_num_drafts", "megatron:spec_decode_num_draft_tokens",
+                     "megatron:spec_decode_num_accepted_tokens", "megatron:spec_decode_num_accepted_tokens_per_pos"}
+    assert set(families) == catalogued | twins
     for entry in SERIES:
         family = families[entry.base_name]
         assert family.type == entry.kind, entry.name
@@ -65,13 +69,31 @@ def test_exported_families_are_the_catalogue():
 def test_speculative_counters_reach_the_megatron_series_per_position():
     families = scrape([engine(0, a_report())])
     values = {(s.name, s.labels.get("position")): s.value for name, family in families.items()
-              if "spec_decode" in name for s in family.samples if not s.name.endswith("_created")}
+              if name.startswith("megatron_serve_spec_decode") for s in family.samples if not s.name.endswith("_created")}
     prefix = "megatron_serve_spec_decode_num_"
     assert values == {(prefix + "drafts_total", None): 1.0, (prefix + "draft_tokens_total", None): 3.0,
                       (prefix + "accepted_tokens_total", None): 2.0,
                       (prefix + "accepted_tokens_per_pos_total", "0"): 1.0,
                       (prefix + "accepted_tokens_per_pos_total", "1"): 1.0,
                       (prefix + "accepted_tokens_per_pos_total", "2"): 0.0}
+
+
+def test_colon_twins_carry_the_same_samples_as_their_series():
+    stats = EngineStats()
+    stats.counters.update(logprob_parity_checked=5, logprob_parity_mismatch=1)
+    stats.speculated(2, 1)
+    report = stats.to_wire(prefix_cache_queries=0, prefix_cache_hits=0)
+    families = scrape([engine(0, report), engine(2, report)])
+
+    def samples(name: str) -> set[tuple[str, tuple[tuple[str, str], ...], float]]:
+        return {(s.name.split("_", 2)[-1] if s.name.startswith("megatron_serve_") else s.name.split(":", 1)[1],
+                 tuple(sorted(s.labels.items())), s.value) for s in families[name].samples}
+
+    for entry in (s for s in SERIES if s.colon_name):
+        base, twin = entry.base_name, entry.colon_name.removesuffix("_total")
+        assert samples(twin) == samples(base) and samples(base), entry.name
+    checked = {s.labels["engine_group"]: s.value for s in families["megatron:logprob_parity_checked"].samples}
+    assert checked == {"0": 5.0, "2": 5.0}
 
 
 def test_engine_series_are_labelled_by_group_and_model():

@@ -40,6 +40,12 @@ class Series:
     labels: tuple[str, ...] = ()
     vllm: str | None = None  # vLLM's series with the same meaning and unit, if it has one
     unit: str = ""
+    colon_twin: bool = False  # also exported as ``megatron:<name>``, the spelling RL dashboards copy from vLLM's
+
+    @property
+    def colon_name(self) -> str | None:
+        """``megatron:<name>`` where the series has that twin: the name RL users look for beside ``vllm:...``."""
+        return f"megatron:{self.name}" if self.colon_twin else None
 
     @property
     def full_name(self) -> str:
@@ -75,21 +81,21 @@ SERIES: tuple[Series, ...] = (
            "engine", ENGINE_LABELS, "vllm:prefix_cache_hits_total", "tokens"),
     Series("logprob_parity_checked_total", "counter", "finished requests whose reported log probs the engine "
            "scored again as one prompt and compared bitwise (--verify-logprobs-fraction)", "engine", ENGINE_LABELS,
-           unit="requests"),
+           unit="requests", colon_twin=True),
     Series("logprob_parity_mismatch_total", "counter", "of those, requests where some generated token's log prob "
            "differed from its score (each logged as a WARNING with the request id and first position)", "engine",
-           ENGINE_LABELS, unit="requests"),
+           ENGINE_LABELS, unit="requests", colon_twin=True),
     Series("spec_decode_num_drafts_total", "counter", "requests whose speculative drafts the engine verified "
            "(one per request and step with at least one draft)", "engine", ENGINE_LABELS,
-           "vllm:spec_decode_num_drafts_total", "drafts"),
+           "vllm:spec_decode_num_drafts_total", "drafts", colon_twin=True),
     Series("spec_decode_num_draft_tokens_total", "counter", "speculative draft tokens the engine verified", "engine",
-           ENGINE_LABELS, "vllm:spec_decode_num_draft_tokens_total", "tokens"),
+           ENGINE_LABELS, "vllm:spec_decode_num_draft_tokens_total", "tokens", colon_twin=True),
     Series("spec_decode_num_accepted_tokens_total", "counter", "of those, draft tokens accepted (each one the "
            "target would have produced)", "engine", ENGINE_LABELS, "vllm:spec_decode_num_accepted_tokens_total",
-           "tokens"),
+           "tokens", colon_twin=True),
     Series("spec_decode_num_accepted_tokens_per_pos_total", "counter", "accepted draft tokens by their position "
            "in the draft (0: the first guess)", "engine", (*ENGINE_LABELS, "position"),
-           "vllm:spec_decode_num_accepted_tokens_per_pos_total", "tokens"),
+           "vllm:spec_decode_num_accepted_tokens_per_pos_total", "tokens", colon_twin=True),
     Series("time_to_first_token_seconds", "histogram", "time from a request's arrival at the coordinator to "
            "its first generated token", "engine", ENGINE_LABELS, "vllm:time_to_first_token_seconds", "seconds"),
     Series("inter_token_latency_seconds", "histogram", "time between two consecutive generated tokens of a "

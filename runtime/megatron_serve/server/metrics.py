@@ -181,6 +181,16 @@ class _EngineCollector(Collector):
             for name, (buckets, total) in reading.histograms.items():
                 families[name].add_metric(labels, buckets, total)
         yield from families.values()
+        yield from (_colon_twin(s, families[s.name]) for s in SERIES if s.source == "engine" and s.colon_twin)
+
+
+def _colon_twin(entry: Series, family: Metric) -> Metric:
+    """``family`` again under ``megatron:<name>`` (its samples renamed, values and labels unchanged)."""
+    assert entry.colon_name is not None
+    base = entry.colon_name.removesuffix("_total") if entry.kind == "counter" else entry.colon_name
+    twin = Metric(base, entry.help, family.type)
+    twin.samples = [sample._replace(name=base + sample.name[len(family.name):]) for sample in family.samples]
+    return twin
 
 
 class _HitRateCollector(Collector):
