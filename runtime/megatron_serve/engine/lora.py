@@ -182,8 +182,8 @@ def engine_loras(model: LlamaForCausalLM, config: "InferenceConfig", runner: "Mo
     fills the slot table's row indices before each forward."""
     if not config.enable_lora:
         return None
-    loras = EngineLoras(LoraSlots(model, config.max_loras, config.max_lora_rank), model.config,
-                        config.max_cpu_loras or max(config.max_loras, len(config.lora_modules or {})),
+    slots = LoraSlots(model, config.max_loras, config.max_lora_rank, config.batch_invariant)
+    loras = EngineLoras(slots, model.config, config.max_cpu_loras or max(config.max_loras, len(config.lora_modules or {})),
                         config.max_lora_versions)
     runner.lora_rows = loras.slots.rows
     for name, path in (config.lora_modules or {}).items():

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from megatron_kernels import get_op
+from megatron_kernels import get_op, invariant_lora
 from megatron_kernels.reference_lora import LoraBatch
 
 from .config import ModelConfig
@@ -57,7 +57,7 @@ class _SlotWeights:
     """One projection's slot weights and the hook that applies them."""
 
     def __init__(self, config: ModelConfig, layer: int, parts: tuple[str, ...], slots: int, rank: int,
-                 rows: LoraRows, device: torch.device, dtype: torch.dtype):
+                 rows: LoraRows, device: torch.device, dtype: torch.dtype, batch_invariant: bool):
         shapes = [projection_shape(config, layer, part) for part in parts]
         in_features = shapes[0][1]
         self.parts = parts
@@ -70,8 +70,8 @@ class _SlotWeights:
         self.a = torch.zeros(slots, len(parts) * rank, in_features, device=device, dtype=dtype)
         self.b = torch.zeros(slots, offset, len(parts) * rank, device=device, dtype=dtype)
         self.rows = rows
-        self.shrink = get_op("lora_shrink", device)
-        self.expand = get_op("lora_expand", device)
+        self.shrink = invariant_lora.lora_shrink if batch_invariant else get_op("lora_shrink", device)
+        self.expand = invariant_lora.lora_expand if batch_invariant else get_op("lora_expand", device)
 
     def write(self, slot: int, layer: int, adapter: LoraAdapter) -> None:
         self.a[slot].zero_()
@@ -101,7 +101,8 @@ class _ExpertSlotWeights:
     expert projection, and the hook that recomputes the adapted rows."""
 
     def __init__(self, config: ModelConfig, layer: int, slots: int, rank: int, rows: LoraRows,
-                 device: torch.device, dtype: torch.dtype):
+                 device: torch.device, dtype: torch.dtype, batch_invariant: bool):
+        self.batch_invariant = batch_invariant
         self.a: dict[str, torch.Tensor] = {}
         self.b: dict[str, torch.Tensor] = {}
         for projection in EXPERT_PROJECTIONS:
@@ -147,10 +148,14 @@ class _ExpertSlotWeights:
             picked = (flat == expert).nonzero().squeeze(1)
             token = tokens[picked]
             xe = x[token]
-            h = xe @ module.gate_up_proj[expert].T + (xe @ a_gu[expert].T) @ b_gu[expert].T
-            gate, up = h.chunk(2, dim=-1)
-            act = F.silu(gate) * up
-            y = act @ module.down_proj[expert].T + (act @ a_d[expert].T) @ b_d[expert].T
+            if self.batch_invariant:
+                y = invariant_lora.expert_mlp(xe, module.gate_up_proj[expert], a_gu[expert], b_gu[expert],
+                                              module.down_proj[expert], a_d[expert], b_d[expert])
+            else:
+                h = xe @ module.gate_up_proj[expert].T + (xe @ a_gu[expert].T) @ b_gu[expert].T
+                gate, up = h.chunk(2, dim=-1)
+                act = F.silu(gate) * up
+                y = act @ module.down_proj[expert].T + (act @ a_d[expert].T) @ b_d[expert].T
             out.index_add_(0, token, y * scale[picked, None])
         return out
 
@@ -159,7 +164,9 @@ class LoraSlots:
     """``max_loras`` adapter slots attached to a decoder; :meth:`write` fills one (a slot is only ever
     overwritten: an unloaded adapter's weights stay until another adapter takes its slot)."""
 
-    def __init__(self, model: nn.Module, max_loras: int, max_rank: int):
+    def __init__(self, model: nn.Module, max_loras: int, max_rank: int, batch_invariant: bool = False):
+        """``batch_invariant``: apply the adapters with :mod:`megatron_kernels.invariant_lora` (``--batch-invariant``),
+        so an adapter row's result does not depend on the other rows of its step."""
         config: ModelConfig = model.config
         if model.tp.size != 1:
             raise ValueError("LoRA adapters are served with tensor_parallel_size=1 only, for now")
@@ -175,7 +182,7 @@ class LoraSlots:
                     self._expert_problem = f"its experts are {type(experts).__name__} ({experts.gate_up_proj.dtype})"
                 else:
                     target = _ExpertSlotWeights(config, layer_index, max_loras, max_rank, self.rows, weight.device,
-                                                weight.dtype)
+                                                weight.dtype, batch_invariant)
                     experts.register_forward_hook(target)
                     self._targets.append((layer_index, target))
             for path, parts in FUSED_TARGETS.items():
@@ -183,7 +190,7 @@ class LoraSlots:
                     continue  # an expert layer's MLP
                 module = layer.get_submodule(path)
                 target = _SlotWeights(config, layer_index, parts, max_loras, max_rank, self.rows, weight.device,
-                                      weight.dtype)
+                                      weight.dtype, batch_invariant)
                 module.register_forward_hook(target)
                 self._targets.append((layer_index, target))
 
