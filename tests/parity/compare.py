@@ -60,13 +60,14 @@ class Tally:
     preempted: int = 0  # requests preempted at least once
     cached: int = 0  # requests that read prompt tokens from the prefix cache
     largest_log_prob_error: float = 0.0
+    accepted_drafts: int = 0  # speculative guesses accepted in the rows that speculate (0: those rows ran nothing)
     settings: dict[str, int] = field(default_factory=dict)
 
     def line(self) -> str:
         settings = "".join(f", {name}: {count}" for name, count in sorted(self.settings.items()))
         return (f"{self.cases} cases, {self.requests} requests, {self.tokens} tokens equal, {self.near_ties} ended at "
                 f"a near-tie, {self.preempted} preempted, {self.cached} prefix-cache hits, largest |log prob "
-                f"error| {self.largest_log_prob_error:.1e}{settings}")
+                f"error| {self.largest_log_prob_error:.1e}, {self.accepted_drafts} drafts accepted{settings}")
 
     def observe(self, request: DynamicInferenceRequest) -> None:
         self.requests += 1

@@ -29,6 +29,7 @@ from .cases import Case, RequestDraw, context_of
 from .models import LoadedModel
 
 ALTERNATIVE = "<the case's second draw>"  # a Setup.config value: the case's alternative value of that field
+SELF = "<the case's own model>"  # a speculative config's ``model``: the target drafts for itself
 
 
 @dataclass(frozen=True)
@@ -43,6 +44,14 @@ class Setup:
     def config_for(self, case: Case) -> dict[str, Any]:
         replaced = {k: case.alternative[k] if v == ALTERNATIVE else v for k, v in self.config.items()}
         return {**case.config, **replaced}
+
+    def config_with_model(self, case: Case, model: "LoadedModel") -> dict[str, Any]:
+        """:meth:`config_for`, with a draft model named :data:`SELF` resolved to the case's model directory."""
+        fields = self.config_for(case)
+        speculative = fields.get("speculative")
+        if isinstance(speculative, Mapping) and speculative.get("model") == SELF:
+            fields["speculative"] = {**speculative, "model": str(model.directory)}
+        return fields
 
 
 @dataclass(frozen=True)
@@ -119,9 +128,11 @@ def build_engine(model: LoadedModel, config: InferenceConfig, kernels: str | Non
     return engine
 
 
-def run_case(case: Case, model: LoadedModel, setup: Setup, placement: Placement) -> dict[str, DynamicInferenceRequest]:
-    """Every request of the case (and its other traffic, when busy), finished; by request name."""
-    fields = setup.config_for(case)
+def run_case(case: Case, model: LoadedModel, setup: Setup, placement: Placement,
+             counters: dict[str, int] | None = None) -> dict[str, DynamicInferenceRequest]:
+    """Every request of the case (and its other traffic, when busy), finished; by request name. ``counters``
+    receives the engine's counters at the end (the evidence that a row's path ran: drafts accepted, ...)."""
+    fields = setup.config_with_model(case, model)
     placement = placement.for_config(fields)
     prepared = prepare(model, case.requests + (case.fillers if setup.busy else ()))
     max_sequence_length = fields.get("max_sequence_length") or context_of(model)
@@ -130,7 +141,10 @@ def run_case(case: Case, model: LoadedModel, setup: Setup, placement: Placement)
     config = InferenceConfig(dtype=placement.dtype, device=placement.device, **fields)
     engine = build_engine(model, config, setup.kernels)
     try:
-        return drive(engine, prepared)
+        results = drive(engine, prepared)
+        if counters is not None:
+            counters.update(engine.stats.counters)
+        return results
     finally:
         engine.shutdown()
 

@@ -13,12 +13,20 @@ import random
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from .engine_runs import ALTERNATIVE, Setup
+from .engine_runs import ALTERNATIVE, SELF, Setup
 from .models import ModelSpec
 
 
 def _any_model(spec: ModelSpec) -> bool:
     return True
+
+
+def _text_model(spec: ModelSpec) -> bool:
+    return not spec.vision
+
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+DRAFT_SELF = {"method": "draft_model", "model": SELF, "num_speculative_tokens": 3}  # accepts (nearly) every guess
 
 
 @dataclass(frozen=True)
@@ -45,6 +53,11 @@ SETTINGS: dict[str, Setting] = {
     "TP=1 vs TP=2": Setting(Setup({"tensor_parallel_size": 1}), Setup({"tensor_parallel_size": 2}), share=1,
                             applies=lambda spec: spec.splits_over(2)),
     "reference vs Triton kernels": Setting(Setup(kernels="reference"), Setup(kernels="triton"), share=1),
+    # speculation verifies several rows of a request in one forward: greedy tokens, seeded samples and log probs
+    # must be those of one token per step
+    "no speculation vs n-gram drafts": Setting(Setup(), Setup({"speculative": NGRAM}), share=4),
+    "no speculation vs draft model": Setting(Setup(), Setup({"speculative": DRAFT_SELF}), share=2,
+                                             applies=_text_model),
 }
 
 

@@ -25,7 +25,9 @@ def test_engine_equals_itself(case_seed, parity, search_case):
         scope.parts.append(case.describe())
         placement = parity.placement.for_config(setting.a.config_for(case)).for_config(setting.b.config_for(case))
         results_a = run_case(case, model, setting.a, placement)
-        results_b = run_case(case, model, setting.b, placement)
+        counters: dict[str, int] = {}
+        results_b = run_case(case, model, setting.b, placement, counters)
+        scope.tally.accepted_drafts += counters.get("spec_decode_num_accepted_tokens", 0)
         tolerance = TOLERANCES[placement.dtype]
         problems = [between_runs(draw.name, results_a[draw.name], results_b[draw.name], tolerance, scope.tally)
                     for draw in case.requests]
