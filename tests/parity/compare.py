@@ -61,18 +61,21 @@ class Tally:
     cached: int = 0  # requests that read prompt tokens from the prefix cache
     largest_log_prob_error: float = 0.0
     accepted_drafts: int = 0  # speculative guesses accepted in the rows that speculate (0: those rows ran nothing)
+    adapter_rows: int = 0  # compared requests that ran under a LoRA adapter
     settings: dict[str, int] = field(default_factory=dict)
 
     def line(self) -> str:
         settings = "".join(f", {name}: {count}" for name, count in sorted(self.settings.items()))
         return (f"{self.cases} cases, {self.requests} requests, {self.tokens} tokens equal, {self.near_ties} ended at "
                 f"a near-tie, {self.preempted} preempted, {self.cached} prefix-cache hits, largest |log prob "
-                f"error| {self.largest_log_prob_error:.1e}, {self.accepted_drafts} drafts accepted{settings}")
+                f"error| {self.largest_log_prob_error:.1e}, {self.accepted_drafts} drafts accepted, {self.adapter_rows} "
+                f"adapter requests{settings}")
 
     def observe(self, request: DynamicInferenceRequest) -> None:
         self.requests += 1
         self.preempted += any(e.type.value == "PREEMPT" for e in request.events)
         self.cached += request.cached_tokens > 0
+        self.adapter_rows += request.sampling_params.lora_name is not None
 
 
 TALLIES: dict[str, Tally] = {}

@@ -10,11 +10,13 @@ driven by ``add_request`` and ``step`` only.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
 import torch
 
 from megatron_serve import DynamicInferenceRequest, InferenceConfig
@@ -30,6 +32,7 @@ from .models import LoadedModel
 
 ALTERNATIVE = "<the case's second draw>"  # a Setup.config value: the case's alternative value of that field
 SELF = "<the case's own model>"  # a speculative config's ``model``: the target drafts for itself
+ADAPTER = "parity-adapter"  # the served name of the model's LoRA adapter in the LoRA rows
 
 
 @dataclass(frozen=True)
@@ -40,6 +43,7 @@ class Setup:
     kv_pool: str | None = None  # "roomy" or "tiny" (None: the case's draw)
     busy: bool = False  # the case's requests share the engine with other traffic
     kernels: str | None = None  # MEGATRON_KERNELS for this engine's model: "triton" or "reference"
+    adapter: str | None = None  # LoRA: "others" (the busy traffic uses the model's adapter) or "all" (every request)
 
     def config_for(self, case: Case) -> dict[str, Any]:
         replaced = {k: case.alternative[k] if v == ALTERNATIVE else v for k, v in self.config.items()}
@@ -51,6 +55,9 @@ class Setup:
         speculative = fields.get("speculative")
         if isinstance(speculative, Mapping) and speculative.get("model") == SELF:
             fields["speculative"] = {**speculative, "model": str(model.directory)}
+        if self.adapter is not None:
+            fields.update(enable_lora=True, max_loras=1, max_lora_rank=4,
+                          lora_modules={ADAPTER: str(model.adapter)})
         return fields
 
 
@@ -113,7 +120,8 @@ def _kernels(backend: str | None) -> Iterator[None]:
 
 
 def build_engine(model: LoadedModel, config: InferenceConfig, kernels: str | None) -> DynamicInferenceEngine:
-    if config.tensor_parallel_size > 1 or kernels is not None:
+    # an engine with adapters hooks its model's projections: never on the weights other cases share
+    if config.tensor_parallel_size > 1 or kernels is not None or config.enable_lora:
         with _kernels(kernels):
             engine = DynamicInferenceEngine.from_model_dir(model.directory, config)
     else:
@@ -140,6 +148,9 @@ def run_case(case: Case, model: LoadedModel, setup: Setup, placement: Placement,
                                         max_sequence_length)
     config = InferenceConfig(dtype=placement.dtype, device=placement.device, **fields)
     engine = build_engine(model, config, setup.kernels)
+    if setup.adapter is not None:
+        fillers = {draw.name for draw in case.fillers}
+        prepared = [_with_adapter(p) if setup.adapter == "all" or p.draw.name in fillers else p for p in prepared]
     try:
         results = drive(engine, prepared)
         if counters is not None:
@@ -147,6 +158,11 @@ def run_case(case: Case, model: LoadedModel, setup: Setup, placement: Placement,
         return results
     finally:
         engine.shutdown()
+
+
+def _with_adapter(prepared: Prepared) -> Prepared:
+    params = msgspec.structs.replace(prepared.draw.params, lora_name=ADAPTER)
+    return Prepared(dataclasses.replace(prepared.draw, params=params), prepared.tokens, prepared.images)
 
 
 def drive(engine: DynamicInferenceEngine, prepared: list[Prepared]) -> dict[str, DynamicInferenceRequest]:

@@ -189,6 +189,17 @@ class LoadedModel:
         return self.engines[key]
 
     @functools.cached_property
+    def adapter(self) -> Path:
+        """A rank-4 PEFT adapter of this model, written with ``peft`` (attention only on MoE models, whose shared
+        experts take no adapter), for the LoRA rows of the search against itself."""
+        from ..lora_adapters import make_peft_adapter  # noqa: PLC0415 - peft only where a LoRA row runs
+
+        moe = self.spec.arch in MOE_ARCHITECTURES
+        targets = ["q_proj", "k_proj", "v_proj", "o_proj"] if moe else None
+        return make_peft_adapter(self.directory, self.directory / "lora-adapter", rank=4, seed=self.spec.seed,
+                                 targets=targets)
+
+    @functools.cached_property
     def tokenizer(self) -> Tokenizer:
         """The engine's tokenizer (it expands image placeholders the way the engine receives prompts)."""
         return Tokenizer.from_pretrained(self.directory)

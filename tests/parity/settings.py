@@ -58,6 +58,12 @@ SETTINGS: dict[str, Setting] = {
     "no speculation vs n-gram drafts": Setting(Setup(), Setup({"speculative": NGRAM}), share=4),
     "no speculation vs draft model": Setting(Setup(), Setup({"speculative": DRAFT_SELF}), share=2,
                                              applies=_text_model),
+    # LoRA: rows without an adapter are the base model's whatever adapter rows share their steps, and an adapter
+    # row is the same alone and among rows of the adapter and of the base
+    "base rows beside adapter rows (LoRA)": Setting(Setup(busy=True), Setup(busy=True, adapter="others"), share=2,
+                                                   applies=_text_model),
+    "adapter rows: alone vs in a busy batch (LoRA)": Setting(Setup(adapter="all"), Setup(busy=True, adapter="all"),
+                                                            share=2, applies=_text_model),
 }
 
 

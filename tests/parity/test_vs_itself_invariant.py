@@ -8,6 +8,7 @@ expert routing, with ``==``. Vision models are left out (the mode serves text mo
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import pytest
@@ -23,7 +24,7 @@ SKIPPED_ROWS = ("TP=1 vs TP=2",)
 
 
 def _invariant(setup: Setup) -> Setup:
-    return Setup({**setup.config, "batch_invariant": True}, setup.kv_pool, setup.busy, setup.kernels)
+    return dataclasses.replace(setup, config={**setup.config, "batch_invariant": True})
 
 
 def identical(name: str, a: DynamicInferenceRequest, b: DynamicInferenceRequest) -> str | None:
