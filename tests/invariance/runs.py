@@ -32,6 +32,7 @@ class Setup:
     num_kv_blocks: int | None = None  # small: requests are preempted and recomputed
     prefix_hit: bool = False  # the target's first blocks are in the prefix cache when it arrives
     tensor_parallel_size: int = 1
+    quantization: str | None = None  # "fp8": the checkpoint's linears quantized at load
 
     def describe(self) -> str:
         parts = [f"{self.others} others", f"chunk {self.max_batch_tokens}"]
@@ -39,6 +40,7 @@ class Setup:
         parts += [f"{self.num_kv_blocks} KV blocks"] if self.num_kv_blocks else []
         parts += ["prefix hit"] if self.prefix_hit else []
         parts += [f"TP={self.tensor_parallel_size}"] if self.tensor_parallel_size > 1 else []
+        parts += [f"quantization {self.quantization}"] if self.quantization else []
         return ", ".join(parts)
 
 
@@ -60,7 +62,8 @@ def run_target(model_dir: str, dtype: str, invariant: bool, setup: Setup, sample
     config = InferenceConfig(dtype=dtype, device=tensor_parallel_device(setup.tensor_parallel_size),
                              batch_invariant=invariant, block_size_tokens=16,
                              max_batch_tokens=setup.max_batch_tokens, async_scheduling=setup.async_scheduling,
-                             num_kv_blocks=setup.num_kv_blocks, tensor_parallel_size=setup.tensor_parallel_size)
+                             num_kv_blocks=setup.num_kv_blocks, tensor_parallel_size=setup.tensor_parallel_size,
+                             quantization=setup.quantization)
     engine = DynamicInferenceEngine.from_model_dir(model_dir, config)
     try:
         rng = random.Random(setup.others)

@@ -12,6 +12,7 @@ from megatron_serve.commands.engine_options import add_engine_options, inference
 from megatron_serve.engine.core import DynamicInferenceEngine
 from megatron_serve.fleet.argv import inference_config_to_argv
 from megatron_serve.model import UnsupportedModelError
+from megatron_serve.model.tiny import make_tiny_model
 
 
 @pytest.mark.parametrize(("env", "expected"), [(None, False), ("0", False), ("1", True)])
@@ -47,7 +48,7 @@ def test_the_flag_overrides_the_environment_and_crosses_to_engines(monkeypatch, 
     assert rebuilt.to_dict() == config.to_dict()
 
 
-def test_fp8_weights_are_refused_in_the_mode(models):
-    with pytest.raises(UnsupportedModelError, match="--batch-invariant supports unquantized text models only"):
-        DynamicInferenceEngine.from_model_dir(models["llama"],
-                                              InferenceConfig(quantization="fp8", batch_invariant=True))
+def test_vision_models_are_refused_in_the_mode(tmp_path):
+    vision = make_tiny_model(tmp_path / "vlm", seed=0, arch="qwen2_vl")
+    with pytest.raises(UnsupportedModelError, match="--batch-invariant supports text models only"):
+        DynamicInferenceEngine.from_model_dir(vision, InferenceConfig(batch_invariant=True))

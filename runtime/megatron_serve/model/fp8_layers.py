@@ -26,7 +26,7 @@ import math
 import torch
 from torch import nn
 
-from megatron_kernels import get_op
+from megatron_kernels import get_op, invariant_fp8
 from megatron_kernels.fp8 import FP8_DTYPE, Block, quantize, scale_shape
 
 from .errors import UnsupportedModelError
@@ -185,6 +185,8 @@ class Fp8ColumnParallelLinear(ColumnParallelLinear):
         return ("weight_scale",) if filled else ()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.batch_invariant:
+            return invariant_fp8.fp8_linear(x, self.weight, self.weight_scale, self.block, self.bias)
         input_scale = None if self.input_scale is None else self.input_scale.max()
         return self._fp8_linear(x, self.weight, self.weight_scale, self.block, self.bias, input_scale)
 
@@ -218,6 +220,9 @@ class Fp8RowParallelLinear(RowParallelLinear):
         return ("weight_scale",) if filled else ()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.batch_invariant:
+            out = invariant_fp8.fp8_linear(x, self.weight, self.weight_scale, self.block)
+            return self.tp.ordered_sum(out) if self.reduce else out
         input_scale = None if self.input_scale is None else self.input_scale[0]
         out = self._fp8_linear(x, self.weight, self.weight_scale, self.block, None, input_scale)
         return self.tp.all_reduce(out) if self.reduce else out
@@ -274,6 +279,9 @@ class Fp8FusedExperts(FusedExperts):
             _check_full(source, len(_shape(source)) - 1, full[1])
             filled = fill_weight(target, target_scales, source, rows, cols, self.block) or filled
         return (f"{'down_proj' if down else 'gate_up_proj'}_scale",) if filled else ()
+
+    def use_invariant_ops(self) -> None:
+        self._fused_moe = invariant_fp8.fused_moe
 
     def forward(self, hidden: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         return self._fused_moe(hidden, self.gate_up_proj, self.down_proj, weights, ids,

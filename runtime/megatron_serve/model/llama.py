@@ -167,11 +167,11 @@ class LlamaForCausalLM(nn.Module):
         """Switch every op of the forward to ``--batch-invariant`` arithmetic (:mod:`megatron_kernels.invariant`),
         op for op what ``transformers``' modeling code computes under ``megatron_serve.invariant``.
 
-        The rotary tables become full-width and in the model dtype, as ``transformers`` rotates in it.
+        The rotary tables become full-width and in the model dtype, as ``transformers`` rotates in it. FP8
+        layers run weight-only through the same GEMMs (:mod:`megatron_kernels.invariant_fp8`).
         """
-        if self.config.quantization is not None or self.config.vision is not None:
-            raise UnsupportedModelError("--batch-invariant supports unquantized text models only, not "
-                                        f"{'FP8 weights' if self.config.quantization is not None else 'vision'}")
+        if self.config.vision is not None:
+            raise UnsupportedModelError("--batch-invariant supports text models only, not vision-language models")
         for module in self.modules():
             if isinstance(module, (ColumnParallelLinear, RowParallelLinear, ReplicatedLinear, VocabParallelEmbedding,
                                    PagedAttention)):
