@@ -6,7 +6,9 @@ Starts ``megatron-serve run`` (a tiny model unless ``--model``; ``--engines`` 2)
 one's GIL and event loop are busy with the streams; a kubelet is not) probes ``/ready`` and ``/health`` on
 both ports every ``--interval`` seconds, each probe with ``http.client`` on a new connection as a
 Kubernetes probe makes it, from when a quarter of the streams have their first token until every stream
-has ended. Prints each probe's latency percentiles and how many were not 200; the tests
+has ended; as a control, the same probe server in an idle process of its own (what the machine alone costs a
+probe: scheduling on shared cores, the prober). Prints each probe's latency percentiles and how many were
+not 200; the tests
 (``tests/fleet/test_run_under_load.py``, ``tests/fleet/test_probe_port.py``) assert the 200s, this script
 measures the time.
 
@@ -36,7 +38,29 @@ MP = multiprocessing.get_context("spawn")  # a fresh interpreter: nothing of thi
 LOADED, DONE = MP.Event(), MP.Event()
 
 
-PROBES = (("main", "/ready"), ("main", "/health"), ("probe port", "/ready"), ("probe port", "/health"))
+PROBES = (("main", "/ready"), ("main", "/health"), ("probe port", "/ready"), ("probe port", "/health"),
+          ("idle process", "/health"))
+
+
+class _AlwaysUp:
+    """The facts of the idle control: a process that does nothing but answer."""
+
+    def health(self) -> tuple[int, dict[str, Any]]:
+        return 200, {"status": "ok"}
+
+    ready = health
+
+
+def idle_prober_target(port_out: Any, done: Any) -> None:
+    """The control: the probe port's server in a process of its own that does nothing else, so its latency is
+    the machine's (scheduling on the shared cores, the prober), not the loaded server's; sends its port."""
+    from megatron_serve.server.probe_port import ProbeServer  # noqa: PLC0415
+    from megatron_serve.server.runner import bind_socket  # noqa: PLC0415
+
+    server = ProbeServer(bind_socket("127.0.0.1", 0), _AlwaysUp())  # type: ignore[arg-type]
+    port_out.put(server.port)
+    done.wait()
+    server.close()
 
 
 def probe(port: int, path: str) -> tuple[int, float]:
@@ -120,7 +144,10 @@ def main() -> None:
         model_dir = str(make_tiny_model(Path(tempfile.mkdtemp(prefix="bench-tiny-")) / "tiny-llama"))
     health_port = free_port()
     proc, url, _output = start_stack(model_dir, args.engines, f"{args.run_args} --health-port {health_port}")
-    ports = {"main": int(url.rsplit(":", 1)[1]), "probe port": health_port}
+    idle_port: Any = MP.Queue()
+    idle = MP.Process(target=idle_prober_target, args=(idle_port, DONE), daemon=True)
+    idle.start()
+    ports = {"main": int(url.rsplit(":", 1)[1]), "probe port": health_port, "idle process": idle_port.get(timeout=60)}
     results: Any = MP.Queue()
     prober = MP.Process(target=probing, args=(ports, args.interval, LOADED, DONE, results), daemon=True)
     prober.start()
@@ -131,6 +158,7 @@ def main() -> None:
         DONE.set()
         probes = results.get(timeout=120)
         prober.join(10)
+        idle.join(10)
         stop_stack(proc)
     print(f"{args.streams} streams of {args.tokens} tokens, {args.engines} engine(s) {args.run_args}, "
           f"{THREAD_VARIABLES[0]}={args.threads}: {elapsed:.1f}s; probes every {args.interval}s from another "

@@ -1,11 +1,12 @@
 """The probe port (``--health-port``): ``/health`` and ``/ready`` answered while the main event loop cannot run.
 
-Under 400 streams the main port's probes took 1.1-2.1 s (they wait for the loop the tokens keep busy).
-Here the main loop is blocked outright (a pure-Python busy loop, which holds the GIL as a saturated
-loop does) while another thread probes: the main port does not answer at all (the negative control),
-the probe port answers 200, from a real coordinator's status on a connection of its own. Then the
-probe port's ``/ready`` follows the facts: 503 while draining, 503 once the coordinator is gone;
-its ``/health`` turns 503 once the main loop stalls past ``--health-stall-timeout``.
+Under 400 streams the main port's probes took up to 0.3 s (they wait for the loop the tokens keep busy,
+and for the GIL). Here the server's loop is blocked outright (a pure-Python busy loop, which holds the
+GIL as a saturated loop does) while another thread probes: the main port does not answer at all (the
+negative control), the probe port answers 200, from a real coordinator's status on a connection of its
+own, in a process of its own. Then the probe port's ``/ready`` follows the facts: 503 while draining,
+503 once the coordinator is gone; its ``/health`` turns 503 once the server's loop stops stamping for
+``--health-stall-timeout``.
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ import pytest
 from megatron_serve.client.coordinator_client import InferenceClient
 from megatron_serve.commands.server import add_server_options, check_server_options
 from megatron_serve.server import create_app
-from megatron_serve.server.probe_port import ProbePort, bind_probe_socket
+from megatron_serve.server.probe_port import bind_probe_socket
+from megatron_serve.server.probe_process import ProbePort
 from megatron_serve.server.runner import bind_socket, endpoint_url, serve_app
 from megatron_serve.tokenizer import Tokenizer
 
@@ -70,13 +72,18 @@ def blocking_the_loop(work: Callable[[], Any], deadline: float = 60.0) -> Any:
 
 
 async def poll(predicate: Callable[[], Any], timeout: float, what: str) -> Any:
-    """``predicate()`` on a thread (it makes blocking HTTP calls) until truthy, within ``timeout`` seconds."""
+    """``predicate()`` on a thread (it makes blocking HTTP calls) until truthy, within ``timeout`` seconds; a
+    connection refused (a port not listening yet) counts as not yet."""
     deadline = time.monotonic() + timeout
     last = None
     while time.monotonic() < deadline:
-        last = await asyncio.to_thread(predicate)
-        if last:
-            return last
+        try:
+            last = await asyncio.to_thread(predicate)
+        except ConnectionRefusedError as exc:
+            last = exc
+        else:
+            if last:
+                return last
         await asyncio.sleep(0.1)
     raise AssertionError(f"timed out waiting for {what}; last: {last!r}")
 
@@ -92,12 +99,15 @@ async def test_probe_port_answers_while_the_main_loop_is_blocked(tiny_llama, tmp
     sock = bind_socket("127.0.0.1", 0)
     probes = ProbePort(bind_socket("127.0.0.1", 0), address, children.secret,
                        lambda: ctx.drain.draining.is_set(), interval=0.2)
+    stalls = ProbePort(bind_socket("127.0.0.1", 0), address, children.secret, lambda: False,
+                       stall_timeout=2.0)  # the server's loop silent this long (it stamps twice a second) is hung
     stop = asyncio.Event()
     serving = asyncio.create_task(serve_app(app, sock=sock, stop=stop))
     main, probe = endpoint_url(sock), probes.url()
     try:
         await poll(lambda: get(probe, "/ready")[0] == 200, 60, "the probe port's /ready")
         await poll(lambda: get(main, "/ready")[0] == 200, 60, "the main port's /ready")
+        assert (await asyncio.to_thread(get, probe, "/v1/models"))[0] == 404  # probes only, nothing of the API
 
         def probe_both() -> tuple[str, list[tuple[int, dict[str, Any]]]]:
             try:
@@ -114,17 +124,17 @@ async def test_probe_port_answers_while_the_main_loop_is_blocked(tiny_llama, tmp
         assert ready["ready"] and ready["state"] == "RUNNING" and ready["coordinator_reachable"], ready
 
         ctx.drain.draining.set()  # what the first SIGTERM does
-        status, body = await asyncio.to_thread(get, probe, "/ready")
-        assert (status, body["ready"], body["detail"]) == (503, False, "this server is shutting down (draining)")
+        _status, body = await poll(lambda: (lambda a: a if a[0] == 503 else None)(get(probe, "/ready")), 10,
+                                   "/ready 503 while draining")
+        assert (body["ready"], body["detail"]) == (False, "this server is shutting down (draining)")
         assert (await asyncio.to_thread(get, probe, "/health"))[0] == 200  # draining is not dead
         ctx.drain.draining.clear()
-        assert (await asyncio.to_thread(get, probe, "/ready"))[0] == 200
+        await poll(lambda: get(probe, "/ready")[0] == 200, 10, "/ready 200 once the drain is called off")
 
-        probes.facts.stall_timeout = 2.0  # a loop silent this long (it stamps every second) is hung ...
-        stalled = blocking_the_loop(lambda: _until_status(probe, "/health", 503, 30))
+        await poll(lambda: get(stalls.url(), "/health")[0] == 200, 60, "the second probe port")
+        stalled = blocking_the_loop(lambda: _until_status(stalls.url(), "/health", 503, 30))  # a hung loop ...
         assert stalled["status"] == "stalled", stalled
-        await poll(lambda: get(probe, "/health")[0] == 200, 10, "/health once the loop runs again")  # ... until it runs
-        probes.facts.stall_timeout = 30.0
+        await poll(lambda: get(stalls.url(), "/health")[0] == 200, 10, "/health once the loop runs again")  # ... runs
 
         children.kill_all()  # the coordinator is gone: not ready, and says why
         _status, gone = await poll(lambda: (lambda a: a if a[0] == 503 else None)(get(probe, "/ready")), 30,
@@ -135,7 +145,8 @@ async def test_probe_port_answers_while_the_main_loop_is_blocked(tiny_llama, tmp
     finally:
         stop.set()
         await asyncio.wait_for(serving, 30)
-        await asyncio.to_thread(probes.close)
+        await probes.aclose()
+        await stalls.aclose()
         client.close()
         children.kill_all()
 

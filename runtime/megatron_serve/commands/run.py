@@ -335,7 +335,7 @@ class _Stack:
                             **connection_options(args))
         finally:
             if probes is not None:
-                await asyncio.to_thread(probes.close)
+                await probes.aclose()
 
     async def _shutdown(self) -> None:
         """Server already stopped (its siblings too, once they drained); now STOP the fleet (engines drain) and

@@ -86,7 +86,7 @@ def add_server_options(parser: argparse.ArgumentParser, default_host: str) -> No
                        help="how long /ready and /metrics wait for a fresh status before they answer from the last "
                             "one (probes answer fast under any load)")
     group.add_argument("--health-port", type=int, default=None, metavar="PORT",
-                       help="a second port answering only /health and /ready, from threads of their own: fast (within "
+                       help="a second port answering only /health and /ready, from a process of its own: fast (within "
                             "100 ms) however busy the streams keep the main port, for Kubernetes probes; 0 = none "
                             "(default: --port + 1, or any free port when that is taken or --port is 0)")
     group.add_argument("--health-stall-timeout", type=float, default=HEALTH_STALL_TIMEOUT, metavar="S",
@@ -316,7 +316,7 @@ async def _serve(args: argparse.Namespace, facts: Any, files: ServingFiles, toke
             raise
     finally:
         if probes is not None:
-            await asyncio.to_thread(probes.close)
+            await probes.aclose()
         client.close()
         if siblings is not None:
             await asyncio.to_thread(siblings.stop, args.drain_timeout + 15.0)
@@ -327,12 +327,12 @@ def start_probes(args: argparse.Namespace, probe_sock: Any, address: str, token:
     on the running loop, which it stamps (``--health-stall-timeout``)."""
     if probe_sock is None:
         return None
-    from ..server.probe_port import ProbePort  # noqa: PLC0415
+    from ..server.probe_process import ProbePort  # noqa: PLC0415
 
     ctx = app.state.ctx
     return ProbePort(probe_sock, address, token, lambda: ctx.drain.draining.is_set() or ctx.stopping.is_set(),
                      interval=args.status_interval, timeout=args.status_timeout,
-                     stall_timeout=args.health_stall_timeout)
+                     stall_timeout=args.health_stall_timeout, log_level=args.log_level)
 
 
 def probes_note(probes: Any) -> str:

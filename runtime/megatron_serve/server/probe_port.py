@@ -1,22 +1,18 @@
-"""The probe port (``--health-port``): ``/health`` and ``/ready`` answered by threads of their own.
+"""The probe port's answers (``--health-port``): ``/health`` and ``/ready`` from facts the token stream cannot starve.
 
-Under 400 streams on a 2-core host, the main port's probes answered 200 but took 1.1-2.1 s (p50-p99,
-docs/benchmarks.md): a probe waits for the event loop that the token flood keeps busy, and a
-Kubernetes probe with a 1 s timeout then fails a pod that serves well. Here the probes are answered
-off that loop, from facts it cannot starve:
+These pieces run in the probe process (:mod:`.probe_process`), beside the server process and not in it:
 
 - the fleet's state comes from :class:`FleetWatch`: a :class:`~.fleet.FleetMonitor` over a
   *control* connection of its own to the coordinator (its own socket and heartbeats), on an event
   loop in a thread of its own, polling every ``--status-interval`` with ``--status-timeout``. A late
   status on a connection that still hears the coordinator is *busy* (200), never *unreachable*;
-- whether this server drains is read from the app's drain state (a flag, set on the first signal);
-- whether the main loop still turns at all: it stamps :attr:`ProbeFacts.loop_seen` every second, and
-  ``/health`` is 503 once it has been silent for ``--health-stall-timeout`` (a hung loop is restarted
-  by the liveness probe; a loop seconds late under load is busy, and alive).
+- whether the server drains, and whether its event loop still turns at all, come from the stamps
+  the server sends (:class:`ProbeFacts`): ``/health`` is 503 once none came for
+  ``--health-stall-timeout`` (a hung loop is restarted by the liveness probe; a loop seconds late
+  under load is busy, and alive).
 
-The HTTP side is the standard library's ``ThreadingHTTPServer``: one thread accepts, one short-lived
-thread answers each probe, and each answer is a few dictionary reads, so it needs the GIL only for
-a few slices however busy the main thread is. The main port keeps its own ``/health`` and ``/ready``.
+The HTTP side (:class:`ProbeServer`) is one thread with a ``selectors`` loop; each answer is a few
+dictionary reads. The main port keeps its own ``/health`` and ``/ready``.
 """
 
 from __future__ import annotations
@@ -24,11 +20,11 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import selectors
 import socket
 import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any, Callable
+from typing import Any
 
 from ..client.loop_thread import EventLoopThread
 from ..limits import HEALTH_STALL_TIMEOUT, STATUS_INTERVAL, STATUS_TIMEOUT
@@ -39,7 +35,6 @@ logger = logging.getLogger("megatron_serve.server")
 #: A probe connection must deliver its request line and headers within this long (a slow client cannot hold a
 #: thread longer; a kubelet sends its GET at once).
 REQUEST_TIMEOUT = 5.0
-LOOP_STAMP_INTERVAL = 1.0
 
 
 class FleetWatch:
@@ -61,7 +56,9 @@ class FleetWatch:
 
         async def stop() -> None:
             await self.monitor.stop()
+            tasks = list(self.client._tasks)  # noqa: SLF001 - ended here, before their loop stops
             self.client.close()
+            await asyncio.gather(*tasks, return_exceptions=True)
 
         try:
             self._thread.run(stop(), timeout=5.0)
@@ -70,24 +67,14 @@ class FleetWatch:
 
 
 class ProbeFacts:
-    """What the probe threads read: the fleet watch, the drain flag and the main loop's last stamp."""
+    """What the probe port answers from: the fleet watch, and the drain flag and last stamp that the server
+    process sends (:mod:`.probe_process`)."""
 
-    def __init__(self, watch: FleetWatch, draining: Callable[[], bool],
-                 stall_timeout: float = HEALTH_STALL_TIMEOUT) -> None:
+    def __init__(self, watch: FleetWatch, stall_timeout: float = HEALTH_STALL_TIMEOUT) -> None:
         self.watch = watch
-        self.draining = draining
         self.stall_timeout = stall_timeout
+        self.draining = False
         self.loop_seen = time.monotonic()
-        self._stamp: asyncio.TimerHandle | None = None
-
-    def stamp_loop(self) -> None:
-        """On the main loop: stamp now and again every second until :meth:`stop_stamping`."""
-        self.loop_seen = time.monotonic()
-        self._stamp = asyncio.get_running_loop().call_later(LOOP_STAMP_INTERVAL, self.stamp_loop)
-
-    def stop_stamping(self) -> None:
-        if self._stamp is not None:
-            self._stamp.cancel()
 
     def health(self) -> tuple[int, dict[str, Any]]:
         silent = time.monotonic() - self.loop_seen
@@ -100,52 +87,32 @@ class ProbeFacts:
         """The main port's ``/ready`` body (``ReadyResponse``), from the watch instead of the main loop."""
         monitor = self.watch.monitor
         reachable = monitor.reachable
-        detail = "this server is shutting down (draining)" if self.draining() else monitor.not_ready_reason()
+        detail = "this server is shutting down (draining)" if self.draining else monitor.not_ready_reason()
         body = {"ready": detail is None, "state": monitor.state if reachable else None,
                 "coordinator_reachable": reachable, "busy": monitor.busy, "engines": len(monitor.engines),
                 "detail": detail}
         return (200 if detail is None else 503), body
 
 
-class _Handler(BaseHTTPRequestHandler):
-    server: "ProbeServer"
-    timeout = REQUEST_TIMEOUT
-    server_version = "megatron-serve-probes"
-
-    def do_GET(self) -> None:  # noqa: N802 - http.server's name
-        path = self.path.split("?", 1)[0]
-        facts = self.server.facts
-        if path == "/health":
-            status, body = facts.health()
-        elif path == "/ready":
-            status, body = facts.ready()
-        else:
-            status, body = 404, {"detail": "the probe port answers /health and /ready only"}
-        data = json.dumps(body).encode()
-        self.send_response(status)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
-
-    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - quiet: probes come every few seconds
-        logger.debug("probe port: " + format, *args)
+_REASONS = {200: "OK", 400: "Bad Request", 404: "Not Found", 405: "Method Not Allowed", 503: "Service Unavailable"}
+#: Bytes of request line and headers a probe may send (a kubelet sends about 150).
+MAX_REQUEST = 8192
 
 
-class ProbeServer(ThreadingHTTPServer):
-    """``/health`` and ``/ready`` on ``sock`` (bound, not listening), served from a thread of its own."""
+class ProbeServer:
+    """``/health`` and ``/ready`` on ``sock`` (bound), served by one thread of its own.
 
-    daemon_threads = True
-    request_queue_size = 64
+    One ``selectors`` loop, non-blocking sockets, no thread per request and no header parsing beyond
+    the request line. A connection that has not sent its request within ``REQUEST_TIMEOUT`` is closed.
+    """
 
     def __init__(self, sock: socket.socket, facts: ProbeFacts) -> None:
-        super().__init__(sock.getsockname()[:2], _Handler, bind_and_activate=False)
-        self.socket.close()
         self.socket = sock
         self.facts = facts
-        self.server_activate()  # listen
-        self._thread = threading.Thread(target=self.serve_forever, kwargs={"poll_interval": 0.5},
-                                        name="megatron-serve-probe-port", daemon=True)
+        sock.listen(64)
+        sock.setblocking(False)
+        self._closing = threading.Event()
+        self._thread = threading.Thread(target=self._serve, name="megatron-serve-probe-port", daemon=True)
         self._thread.start()
 
     @property
@@ -153,9 +120,83 @@ class ProbeServer(ThreadingHTTPServer):
         return int(self.socket.getsockname()[1])
 
     def close(self) -> None:
-        self.shutdown()
-        self.server_close()
+        self._closing.set()
         self._thread.join(5.0)
+        self.socket.close()
+
+    def _serve(self) -> None:
+        selector = selectors.DefaultSelector()
+        selector.register(self.socket, selectors.EVENT_READ)
+        started: dict[socket.socket, tuple[float, bytearray]] = {}
+        try:
+            while not self._closing.is_set():
+                for key, _events in selector.select(timeout=0.5):
+                    if key.fileobj is self.socket:
+                        self._accept(selector, started)
+                    else:
+                        self._read(selector, started, key.fileobj)  # type: ignore[arg-type]
+                now = time.monotonic()
+                for conn in [c for c, (began, _) in started.items() if now - began > REQUEST_TIMEOUT]:
+                    self._drop(selector, started, conn)
+        finally:
+            for conn in list(started):
+                self._drop(selector, started, conn)
+            selector.close()
+
+    def _accept(self, selector: selectors.BaseSelector, started: dict[socket.socket, tuple[float, bytearray]]) -> None:
+        try:
+            conn, _peer = self.socket.accept()
+        except OSError:  # gone before we took it, or out of files: the next probe tries again
+            return
+        conn.setblocking(False)
+        selector.register(conn, selectors.EVENT_READ)
+        started[conn] = (time.monotonic(), bytearray())
+
+    def _read(self, selector: selectors.BaseSelector, started: dict[socket.socket, tuple[float, bytearray]],
+              conn: socket.socket) -> None:
+        try:
+            data = conn.recv(4096)
+        except BlockingIOError:
+            return
+        except OSError:
+            data = b""
+        buffer = started[conn][1]
+        buffer += data
+        if data and b"\r\n\r\n" not in buffer and len(buffer) < MAX_REQUEST:
+            return  # more to come
+        if data or buffer:
+            try:
+                conn.send(self._answer(bytes(buffer)))  # a few hundred bytes: the socket's buffer takes them whole
+            except OSError:
+                pass
+        self._drop(selector, started, conn)
+
+    @staticmethod
+    def _drop(selector: selectors.BaseSelector, started: dict[socket.socket, tuple[float, bytearray]],
+              conn: socket.socket) -> None:
+        started.pop(conn, None)
+        selector.unregister(conn)
+        conn.close()
+
+    def _answer(self, request: bytes) -> bytes:
+        """The whole HTTP/1.1 response to ``request`` (request line and headers), closing the connection."""
+        parts = request.split(b"\r\n", 1)[0].split()
+        if len(parts) != 3 or not parts[2].startswith(b"HTTP/"):
+            status, body = 400, {"detail": "not an HTTP request"}
+        elif parts[0] not in (b"GET", b"HEAD"):
+            status, body = 405, {"detail": "the probe port answers GET only"}
+        else:
+            path = parts[1].split(b"?", 1)[0]
+            if path == b"/health":
+                status, body = self.facts.health()
+            elif path == b"/ready":
+                status, body = self.facts.ready()
+            else:
+                status, body = 404, {"detail": "the probe port answers /health and /ready only"}
+        data = json.dumps(body).encode()
+        head = (f"HTTP/1.1 {status} {_REASONS[status]}\r\nContent-Type: application/json\r\n"
+                f"Content-Length: {len(data)}\r\nConnection: close\r\n\r\n").encode()
+        return head + (b"" if parts and parts[0] == b"HEAD" else data)
 
 
 def bind_probe_socket(host: str, port: int | None, main_port: int) -> socket.socket | None:
@@ -176,25 +217,3 @@ def bind_probe_socket(host: str, port: int | None, main_port: int) -> socket.soc
     except RuntimeError:
         logger.warning("the probe port %d (--port + 1) is taken: using a free port (set --health-port)", wanted)
         return bind_socket(host, 0)
-
-
-class ProbePort:
-    """The probe port of one server process: its fleet watch, its facts and its HTTP server."""
-
-    def __init__(self, sock: socket.socket, address: str, token: str | None, draining: Callable[[], bool], *,
-                 interval: float = STATUS_INTERVAL, timeout: float = STATUS_TIMEOUT,
-                 stall_timeout: float = HEALTH_STALL_TIMEOUT) -> None:
-        self.watch = FleetWatch(address, token, interval=interval, timeout=timeout)
-        self.facts = ProbeFacts(self.watch, draining, stall_timeout)
-        self.facts.stamp_loop()
-        self.server = ProbeServer(sock, self.facts)
-
-    def url(self) -> str:
-        from .runner import endpoint_url  # noqa: PLC0415
-
-        return endpoint_url(self.server.socket)
-
-    def close(self) -> None:
-        self.facts.stop_stamping()
-        self.server.close()
-        self.watch.close()
