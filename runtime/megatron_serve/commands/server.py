@@ -84,7 +84,7 @@ def add_server_options(parser: argparse.ArgumentParser, default_host: str) -> No
                             "streams (the last status stands, requests are accepted), else unreachable (503)")
     group.add_argument("--ready-timeout", type=float, default=READY_TIMEOUT, metavar="S",
                        help="how long /ready and /metrics wait for a fresh status before they answer from the last "
-                            "one (probes answer fast under any load)")
+                            "one (they still wait for the event loop: probes belong on --health-port)")
     group.add_argument("--health-port", type=int, default=None, metavar="PORT",
                        help="a second port answering only /health and /ready, from a process of its own: fast (within "
                             "100 ms) however busy the streams keep the main port, for Kubernetes probes; 0 = none "
