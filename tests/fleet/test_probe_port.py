@@ -142,6 +142,9 @@ async def test_probe_port_answers_while_the_main_loop_is_blocked(tiny_llama, tmp
         assert gone["coordinator_reachable"] is False and gone["ready"] is False, gone
         assert "coordinator" in gone["detail"], gone
         assert (await asyncio.to_thread(get, probe, "/health"))[0] == 200  # the process lives: no restart for that
+        await probes.aclose()
+        await stalls.aclose()
+        assert (probes.proc.returncode, stalls.proc.returncode) == (0, 0)  # ended by the pipe's end, not killed
     finally:
         stop.set()
         await asyncio.wait_for(serving, 30)

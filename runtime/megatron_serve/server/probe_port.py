@@ -32,8 +32,8 @@ from .fleet import FleetMonitor
 
 logger = logging.getLogger("megatron_serve.server")
 
-#: A probe connection must deliver its request line and headers within this long (a slow client cannot hold a
-#: thread longer; a kubelet sends its GET at once).
+#: A probe connection must deliver its request line and headers within this long, else it is closed (a kubelet
+#: sends its GET at once).
 REQUEST_TIMEOUT = 5.0
 
 

@@ -83,7 +83,9 @@ class ProbePort:
         return endpoint_url(self.sock)
 
     async def aclose(self) -> None:
-        """Stop stamping and end the probe process (the pipe's end is its signal)."""
+        """Stop stamping and end the probe process (the pipe's end is its signal); idempotent."""
+        if self.sock.fileno() == -1:
+            return
         if self._timer is not None:
             self._timer.cancel()
         os.close(self._stamps)
