@@ -20,11 +20,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import http.client
+import multiprocessing
 import os
 import sys
 import tempfile
-import http.client
-import multiprocessing
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
