@@ -1,12 +1,16 @@
 """How fast ``/ready`` and ``/health`` answer while the server streams to many clients (issue 38: within 100 ms at
-any load).
+any load), on the main port and on the probe port (``--health-port``).
 
-Starts ``megatron-serve run`` (a tiny model unless ``--model``; ``--engines`` 2), opens ``--streams`` streamed
-completions of ``--tokens`` tokens each at once, and from a thread of its own (the streams keep this
-process's event loop busy) probes ``/ready`` and ``/health`` every ``--interval`` seconds, each probe on a new
-connection as a Kubernetes probe makes it, from when a quarter of the streams have their first token until
-every stream has ended. Prints the probes' latency percentiles and how many were not 200; the acceptance
-test (``tests/fleet/test_run_under_load.py``) asserts the 200s, this script measures the time.
+Starts ``megatron-serve run`` (a tiny model unless ``--model``; ``--engines`` 2) with a probe port, opens
+``--streams`` streamed completions of ``--tokens`` tokens each at once, and from a *separate process* (this
+one's GIL and event loop are busy with the streams; a kubelet is not) probes ``/ready`` and ``/health`` on
+both ports every ``--interval`` seconds, each probe with ``http.client`` on a new connection as a
+Kubernetes probe makes it, from when a quarter of the streams have their first token until every stream
+has ended; as a control, the same probe server in an idle process of its own (what the machine alone costs a
+probe: scheduling on shared cores, the prober). Prints each probe's latency percentiles and how many were
+not 200; the tests
+(``tests/fleet/test_run_under_load.py``, ``tests/fleet/test_probe_port.py``) assert the 200s, this script
+measures the time.
 
     python benchmarks/readiness_under_load.py                         # 400 streams of 64 tokens, 2 engines
     python benchmarks/readiness_under_load.py --streams 200 --run-args "--api-server-count 2"
@@ -16,38 +20,75 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import http.client
+import multiprocessing
 import os
 import sys
 import tempfile
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import httpx
 
-from serving import THREAD_VARIABLES, percentile, start_stack, stop_stack
+from serving import THREAD_VARIABLES, free_port, percentile, start_stack, stop_stack
+
+MP = multiprocessing.get_context("spawn")  # a fresh interpreter: nothing of this one's load, threads or GIL
+LOADED, DONE = MP.Event(), MP.Event()
 
 
-def probe(url: str, path: str) -> tuple[int, float]:
-    """One GET on a new connection: its status and seconds."""
+PROBES = (("main", "/ready"), ("main", "/health"), ("probe port", "/ready"), ("probe port", "/health"),
+          ("idle process", "/health"))
+
+
+class _AlwaysUp:
+    """The facts of the idle control: a process that does nothing but answer."""
+
+    def health(self) -> tuple[int, dict[str, Any]]:
+        return 200, {"status": "ok"}
+
+    ready = health
+
+
+def idle_prober_target(port_out: Any, done: Any) -> None:
+    """The control: the probe port's server in a process of its own that does nothing else, so its latency is
+    the machine's (scheduling on the shared cores, the prober), not the loaded server's; sends its port."""
+    from megatron_serve.server.probe_port import ProbeServer  # noqa: PLC0415
+    from megatron_serve.server.runner import bind_socket  # noqa: PLC0415
+
+    server = ProbeServer(bind_socket("127.0.0.1", 0), _AlwaysUp())  # type: ignore[arg-type]
+    port_out.put(server.port)
+    done.wait()
+    server.close()
+
+
+def probe(port: int, path: str) -> tuple[int, float]:
+    """One GET with ``http.client`` on a new connection: its status (0: no answer) and seconds."""
     began = time.perf_counter()
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
     try:
-        status = httpx.get(f"{url}{path}", timeout=60).status_code
-    except httpx.HTTPError:
+        conn.request("GET", path)
+        answer = conn.getresponse()
+        answer.read()
+        status = answer.status
+    except OSError:
         status = 0
+    finally:
+        conn.close()
     return status, time.perf_counter() - began
 
 
-def probing(url: str, interval: float, loaded: threading.Event, done: threading.Event) -> dict[str, list]:
-    """``/ready`` and ``/health`` every ``interval`` seconds from ``loaded`` until ``done``."""
-    futures: dict[str, list] = {"/ready": [], "/health": []}
-    with ThreadPoolExecutor(16) as pool:
+def probing(ports: dict[str, int], interval: float, loaded: Any, done: Any, results: Any) -> None:
+    """In a process of its own: every probe of :data:`PROBES` every ``interval`` seconds (each on a thread, so that
+    a slow one delays no other) from ``loaded`` until ``done``; the results go to the ``results`` queue."""
+    futures: dict[tuple[str, str], list] = {key: [] for key in PROBES}
+    with ThreadPoolExecutor(32) as pool:
         while not done.wait(interval):
             if loaded.is_set():
-                for path, found in futures.items():
-                    found.append(pool.submit(probe, url, path))
-        return {path: [f.result() for f in found] for path, found in futures.items()}
+                for (where, path), found in futures.items():
+                    found.append(pool.submit(probe, ports[where], path))
+        results.put({key: [f.result() for f in found] for key, found in futures.items()})
 
 
 async def one_stream(http: httpx.AsyncClient, model: str, number: int, tokens: int, first: asyncio.Event) -> int:
@@ -64,22 +105,18 @@ async def one_stream(http: httpx.AsyncClient, model: str, number: int, tokens: i
     return chunks
 
 
-async def load(url: str, model: str, streams: int, tokens: int, interval: float) -> tuple[dict[str, list], float]:
+async def load(url: str, model: str, streams: int, tokens: int) -> float:
+    """Run the streams; returns the seconds they took, once a quarter of them had their first token (``loaded``)."""
     limits = httpx.Limits(max_connections=streams + 16, max_keepalive_connections=streams + 16)
-    loaded, done = threading.Event(), threading.Event()
-    probes = asyncio.ensure_future(asyncio.to_thread(probing, url, interval, loaded, done))
     started = time.perf_counter()
-    try:
-        async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as http:
-            firsts = [asyncio.Event() for _ in range(streams)]
-            tasks = [asyncio.create_task(one_stream(http, model, i, tokens, first)) for i, first in enumerate(firsts)]
-            while sum(first.is_set() for first in firsts) < streams // 4 and not all(t.done() for t in tasks):
-                await asyncio.sleep(0.05)
-            loaded.set()
-            await asyncio.gather(*tasks)
-    finally:
-        done.set()
-    return await probes, time.perf_counter() - started
+    async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as http:
+        firsts = [asyncio.Event() for _ in range(streams)]
+        tasks = [asyncio.create_task(one_stream(http, model, i, tokens, first)) for i, first in enumerate(firsts)]
+        while sum(first.is_set() for first in firsts) < streams // 4 and not all(t.done() for t in tasks):
+            await asyncio.sleep(0.05)
+        LOADED.set()
+        await asyncio.gather(*tasks)
+    return time.perf_counter() - started
 
 
 def main() -> None:
@@ -105,20 +142,33 @@ def main() -> None:
         from megatron_serve.model.tiny import make_tiny_model  # noqa: PLC0415
 
         model_dir = str(make_tiny_model(Path(tempfile.mkdtemp(prefix="bench-tiny-")) / "tiny-llama"))
-    proc, url, _output = start_stack(model_dir, args.engines, args.run_args)
+    health_port = free_port()
+    proc, url, _output = start_stack(model_dir, args.engines, f"{args.run_args} --health-port {health_port}")
+    idle_port: Any = MP.Queue()
+    idle = MP.Process(target=idle_prober_target, args=(idle_port, DONE), daemon=True)
+    idle.start()
+    ports = {"main": int(url.rsplit(":", 1)[1]), "probe port": health_port, "idle process": idle_port.get(timeout=60)}
+    results: Any = MP.Queue()
+    prober = MP.Process(target=probing, args=(ports, args.interval, LOADED, DONE, results), daemon=True)
+    prober.start()
     try:
         model = httpx.get(f"{url}/v1/models").json()["data"][0]["id"]
-        probes, elapsed = asyncio.run(load(url, model, args.streams, args.tokens, args.interval))
+        elapsed = asyncio.run(load(url, model, args.streams, args.tokens))
     finally:
+        DONE.set()
+        probes = results.get(timeout=120)
+        prober.join(10)
+        idle.join(10)
         stop_stack(proc)
-    print(f"{args.streams} streams of {args.tokens} tokens, {args.engines} engine(s) {args.run_args}: "
-          f"{elapsed:.1f}s; probes every {args.interval}s on new connections while they ran")
-    print("| path | probes | not 200 | p50 ms | p99 ms | max ms |")
-    print("|---|---|---|---|---|---|")
-    for path, results in probes.items():
-        took = [seconds * 1000 for _status, seconds in results]
-        bad = sum(status != 200 for status, _seconds in results)
-        print(f"| {path} | {len(results)} | {bad} | {percentile(took, 50):.1f} | {percentile(took, 99):.1f} | "
+    print(f"{args.streams} streams of {args.tokens} tokens, {args.engines} engine(s) {args.run_args}, "
+          f"{THREAD_VARIABLES[0]}={args.threads}: {elapsed:.1f}s; probes every {args.interval}s from another "
+          "process, on new connections, while they ran")
+    print("| port | path | probes | not 200 | p50 ms | p99 ms | max ms |")
+    print("|---|---|---|---|---|---|---|")
+    for (where, path), found in probes.items():
+        took = [seconds * 1000 for _status, seconds in found]
+        bad = sum(status != 200 for status, _seconds in found)
+        print(f"| {where} | {path} | {len(found)} | {bad} | {percentile(took, 50):.1f} | {percentile(took, 99):.1f} | "
               f"{max(took, default=float('nan')):.1f} |")
     if not any(probes.values()):
         sys.exit("no probe ran: the streams ended before a quarter of them had started")

@@ -94,6 +94,11 @@ def _gpus_rule(spec: dict[str, Any]) -> bool:
     return ranks % gpus == 0 or gpus % ranks == 0
 
 
+def _probe_port_rule(server: dict[str, Any]) -> bool:
+    probe = server.get("probePort", 0)  # defaulted (8001) before the rules run, as by the API server
+    return probe == 0 or int(probe) not in (int(server.get("port", 8000)), COORDINATOR_PORT)
+
+
 #: A Hugging Face Hub id with an optional revision (``megatron_serve.hub`` reads the same shape).
 HUB_ID_PATTERN = r"^[A-Za-z0-9]([A-Za-z0-9_.-]*[A-Za-z0-9])?/[A-Za-z0-9_.-]*[A-Za-z0-9_](@[A-Za-z0-9_./-]+)?$"
 
@@ -136,6 +141,14 @@ CEL_RULES: list[tuple[str, str, str, CelCheck]] = [
         f"self.server.port != {COORDINATOR_PORT}",
         f"server.port must differ from the coordinator port {COORDINATOR_PORT} (both run in one pod)",
         lambda spec: int(spec.get("server", {}).get("port", 8000)) != COORDINATOR_PORT,
+    ),
+    (
+        "spec",
+        f"!has(self.server.probePort) || self.server.probePort == 0 || (self.server.probePort != self.server.port "
+        f"&& self.server.probePort != {COORDINATOR_PORT})",
+        f"server.probePort must differ from server.port and from the coordinator port {COORDINATOR_PORT} (all run in "
+        "one pod)",
+        lambda spec: _probe_port_rule(spec.get("server", {})),
     ),
     (
         "spec.model",
@@ -305,6 +318,12 @@ def spec_schema() -> dict[str, Any]:
         "The OpenAI-compatible HTTP server (runs in the coordinator pod).",
         {
             "port": _int("HTTP port of the server and its Service.", minimum=1, maximum=65535, default=8000),
+            "probePort": _int("Port of the server's probe port (--health-port): /health and /ready answered by "
+                              "a process of its own, within 100 ms however busy the streams keep the HTTP port "
+                              "(there their p99 was 0.2-0.7 s under 400 streams). The pod's liveness and readiness probes "
+                              "use it; no Service exposes it and no pod is admitted to it (the kubelet's probes "
+                              "come from the node). 0: no probe port, the probes use the HTTP port.",
+                              minimum=0, maximum=65535, default=8001),
             "apiKeySecretRef": _obj(
                 "Secret key holding the API key clients must send.",
                 {"name": _str("Secret name.", minLength=1, maxLength=253),

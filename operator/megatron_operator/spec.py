@@ -222,6 +222,7 @@ class InferenceSpec:
     routing: str
     coordinator_resources: dict[str, Any]
     server_port: int
+    probe_port: int  # the server's --health-port; 0: none, the probes use server_port
     api_key_secret_ref: dict[str, str] | None
     server_resources: dict[str, Any]
     api_server_count: int
@@ -298,6 +299,7 @@ def parse(resource: dict[str, Any], default_namespace: str = "default") -> Infer
         routing=spec["coordinator"]["routing"],
         coordinator_resources=dict(spec["coordinator"].get("resources", {})),
         server_port=server["port"],
+        probe_port=server["probePort"],
         api_key_secret_ref=server.get("apiKeySecretRef"),
         server_resources=dict(server.get("resources", {})),
         api_server_count=server["apiServerCount"],

@@ -29,6 +29,9 @@ DEFAULT_COORDINATOR_GRACE = 30.0
 STATUS_INTERVAL = 0.5
 STATUS_TIMEOUT = 2.0
 READY_TIMEOUT = 0.05
+#: ``--health-stall-timeout``: a main event loop silent this long is hung, not busy (it ran 2 s late at worst
+#: under 400 streams on 2 cores), and the probe port's ``/health`` says so (:mod:`megatron_serve.server.probe_port`).
+HEALTH_STALL_TIMEOUT = 30.0
 
 #: Characters per token of context beyond which a prompt cannot fit with any common tokenizer:
 #: English averages about 4 characters per token and code about 3; 32 leaves room for prompts

@@ -5,7 +5,8 @@ that the token flood keeps busy) timed out, the server took the coordinator for 
 ``/ready`` answered 503 in 21 of 25 probes while new small completions got ``503
 coordinator_unreachable`` in 12 of 15 tries, although every stream completed. A Kubernetes Service
 dropped exactly its busiest pods. The contract tested here: while the streams run, every ``/ready``
-is 200 and every new request is accepted (and answered); how fast is the benchmark's business.
+is 200, on the main port and on the probe port (``--health-port``, where a pod's probes go), and every new
+request is accepted (and answered); how fast is the benchmark's business.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
+from tests.helpers import free_port
 from tests.run_stack import start_run, stream
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
@@ -40,24 +42,26 @@ def ready(url: str) -> tuple[int, dict, float]:
     return answer.status_code, answer.json(), time.monotonic() - began
 
 
-def probe(url: str, model: str, loaded: threading.Event, done: threading.Event) -> tuple[list, list]:
-    """From threads of their own (the streams keep the test's event loop busy): ``/ready`` and a new completion
-    every 0.2 s, each on a new connection, from when ``loaded`` is set until ``done``."""
+def probe(url: str, probes: str, model: str, loaded: threading.Event, done: threading.Event) -> tuple[list, list]:
+    """From threads of their own (the streams keep the test's event loop busy): ``/ready`` on both ports and a new
+    completion every 0.2 s, each on a new connection, from when ``loaded`` is set until ``done``."""
     readies, newcomers = [], []
     with ThreadPoolExecutor(64) as pool:
         while not done.wait(0.2):
             if loaded.is_set():
-                readies.append(pool.submit(ready, url))
+                readies += [pool.submit(ready, url), pool.submit(ready, probes)]
                 newcomers.append(pool.submit(newcomer, url, model, len(newcomers)))
         return [future.result() for future in readies], [future.result() for future in newcomers]
 
 
 async def test_ready_and_admission_hold_under_400_streams(tiny_llama, tmp_path):
-    stack = start_run(tiny_llama, tmp_path / "run", engines=2)
+    probe_port = free_port()
+    stack = start_run(tiny_llama, tmp_path / "run", "--health-port", str(probe_port), engines=2)
     try:
         limits = httpx.Limits(max_connections=STREAMS + 16, max_keepalive_connections=STREAMS + 16)
         loaded, done = threading.Event(), threading.Event()
-        probing = asyncio.ensure_future(asyncio.to_thread(probe, stack.url, stack.model, loaded, done))
+        probes = f"http://127.0.0.1:{probe_port}"
+        probing = asyncio.ensure_future(asyncio.to_thread(probe, stack.url, probes, stack.model, loaded, done))
         async with httpx.AsyncClient(base_url=stack.url, timeout=600, limits=limits) as http:
             firsts = [asyncio.Event() for _ in range(STREAMS)]
             streams = [asyncio.create_task(stream(http, stack.model, f"Load {i}: a b c d e", TOKENS, first))
@@ -70,8 +74,9 @@ async def test_ready_and_admission_hold_under_400_streams(tiny_llama, tmp_path):
         readies, answers = await probing
         assert all(outcome.completed and len(outcome.tokens) == TOKENS for outcome in outcomes), \
             [o for o in outcomes if not o.completed][:3]
-        assert len(readies) >= 10, f"only {len(readies)} probe(s) while the streams ran"  # the contract was exercised
-        print(f"/ready under {STREAMS} streams: {len(readies)} probes, slowest {max(r[2] for r in readies):.3f}s")
+        assert len(readies) >= 20, f"only {len(readies)} probe(s) while the streams ran"  # the contract was exercised
+        print(f"/ready under {STREAMS} streams: {len(readies)} probes (both ports), slowest main "
+              f"{max(r[2] for r in readies[::2]):.3f}s, probe port {max(r[2] for r in readies[1::2]):.3f}s")
         not_ready = [(code, body) for code, body, _took in readies if code != 200 or not body["ready"]]
         assert not not_ready, f"{len(not_ready)} of {len(readies)} probes not ready: {not_ready[:3]}"
         refused = [(code, body) for code, body in answers if code != 200]

@@ -230,17 +230,21 @@ async def test_a_coordinator_container_restart_under_load_loses_no_request_of_th
     env = {"MEGATRON_SERVE_TOKEN": token, "MEGATRON_KERNELS": "reference"}
     deploy = await wait_for(lambda: cluster.emu.find("deployments", NS, "tiny-coordinator"), what="the Deployment")
     (server_container,) = [c for c in deploy["spec"]["template"]["spec"]["containers"] if c["name"] == "server"]
-    http_port = free_port()
+    http_port, probe_port = free_port(), free_port()
     args = list(server_container["args"])  # as rendered, but on this machine's free ports
-    for flag, value in (("--coordinator", address), ("--host", "127.0.0.1"), ("--port", str(http_port))):
+    for flag, value in (("--coordinator", address), ("--host", "127.0.0.1"), ("--port", str(http_port)),
+                        ("--health-port", str(probe_port))):
         args[args.index(flag) + 1] = value
     assert args[args.index("--drain-timeout") + 1] == "5"  # the resource's drainTimeoutSeconds
     url = f"http://127.0.0.1:{http_port}"
+    probes = f"http://127.0.0.1:{probe_port}"  # where the rendered probes go (spec.server.probePort)
+    assert server_container["readinessProbe"]["httpGet"]["port"] == server_container["livenessProbe"]["httpGet"][
+        "port"] == int(server_container["args"][server_container["args"].index("--health-port") + 1])
 
     async def ready() -> int:
         try:
             async with httpx.AsyncClient(timeout=5) as http:
-                return (await http.get(f"{url}/ready")).status_code
+                return (await http.get(f"{probes}/ready")).status_code
         except httpx.TransportError:
             return 0
 
@@ -260,6 +264,7 @@ async def test_a_coordinator_container_restart_under_load_loses_no_request_of_th
             coordinator.wait(timeout=30)
             await wait_for(lambda: ready_is(ready, 503), timeout=15, what="the server not ready without a coordinator")
             assert (await http.get("/health")).status_code == 200
+            assert (await http.get(f"{probes}/health")).status_code == 200
             coordinator = children.coordinator(tiny_model, port, env=env)  # what the kubelet does
             outcomes = await asyncio.wait_for(asyncio.gather(*streams), 300)
         assert all(o.completed and o.finish_reason == "length" and len(o.tokens) == 48 for o in outcomes), outcomes

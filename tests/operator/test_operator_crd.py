@@ -234,8 +234,10 @@ def test_python_twins_agree_with_cel():
     env = celpy.Environment()
     samples: dict[str, list[dict[str, Any]]] = {
         "": [{"metadata": {"name": n}} for n in ("a", "a" * 40, "a" * 41, "7b", "x-1", "Bad")],
-        "spec": [{"parallelism": {"tensor": t, "pipeline": p}, "engine": {"gpusPerPod": g}, "server": {"port": port}}
-                 for t in (1, 2, 3, 8, 16) for p in (1, 2) for g in (1, 4, 8) for port in (8000, 5555)],
+        "spec": [{"parallelism": {"tensor": t, "pipeline": p}, "engine": {"gpusPerPod": g},
+                  "server": {"port": port, **({} if probe is None else {"probePort": probe})}}
+                 for t in (1, 2, 3, 8, 16) for p in (1, 2) for g in (1, 4, 8) for port in (8000, 5555)
+                 for probe in (None, 0, 8000, 8001, 5555)],
         "spec.model": [{**({"path": path} if path is not None else {}), "mountPath": mount,
                         **({"volume": vol} if vol is not None else {}), **({"hub": hub} if hub else {}),
                         **({"hubTokenSecretRef": {"name": "a", "key": "b"}} if token else {})}

@@ -122,7 +122,7 @@ def test_coordinator_pod_runs_coordinator_and_server():
                                    "--routing", "round_robin"]
     assert server["args"] == ["server", "--model", "/models/policy/qwen3-8b", "--coordinator", "tcp://127.0.0.1:5555",
                               "--host", "0.0.0.0", "--port", "8000", "--drain-timeout",
-                              str(resource["spec"]["drainTimeoutSeconds"])]
+                              str(resource["spec"]["drainTimeoutSeconds"]), "--health-port", "8001"]
     api_key = next(e for e in server["env"] if e["name"] == "MEGATRON_SERVE_API_KEY")
     assert api_key["valueFrom"]["secretKeyRef"] == {"name": "rollout-api-key", "key": "api-key"}
     assert server["readinessProbe"]["httpGet"]["path"] == "/ready"

@@ -26,7 +26,7 @@ def main(spec_path: str) -> int:
     setup_logging(args.log_level)
     args.coordinator = spec["coordinator"]
     args.disable_log_stats = True  # the fleet's stats line comes from the first process only
-    return server.serve_on(args, socket.socket(fileno=spec["fd"]), read_token(args), announce=False)
+    return server.serve_on(args, socket.socket(fileno=spec["fd"]), read_token(args), announce=False)  # no probe port
 
 
 if __name__ == "__main__":

@@ -39,7 +39,8 @@ from .model_options import add_model_options, resolve_model_args
 from .run_janitor import Janitor
 from .options import add_insecure_option, add_log_option, add_token_option, read_token, setup_logging
 from .server import (API_KEY_ENV, ServingFiles, add_server_options, check_server_options, connection_options,
-                     image_options, read_admin_key, read_api_key, read_limits, status_options)
+                     image_options, probes_note, read_admin_key, read_api_key, read_limits, start_probes,
+                     status_options)
 
 logger = logging.getLogger("megatron_serve.run")
 
@@ -178,6 +179,7 @@ class _Stack:
         self.endpoint = ""  # http://host:port/v1, once bound
         self.address = ""  # the coordinator's, once it listens
         self.siblings: api_servers.Siblings | None = None  # the other API server processes (--api-server-count)
+        self.probe_sock: Any = None  # the probe port's (--health-port), bound with the main port
 
     def _on_signal(self, signum: int) -> None:
         self.signals += 1
@@ -208,6 +210,7 @@ class _Stack:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
             loop.add_signal_handler(sig, self._on_signal, sig)
+        from ..server.probe_port import bind_probe_socket  # noqa: PLC0415
         from ..server.runner import bind_socket, endpoint_url  # noqa: PLC0415
 
         from ..server.modelinfo import default_model_name  # noqa: PLC0415
@@ -215,6 +218,7 @@ class _Stack:
         args = self.args
         name = args.served_model_name or default_model_name(args.model)
         sock = bind_socket(args.host, args.port)  # before any child starts: a busy port fails fast
+        self.probe_sock = bind_probe_socket(args.host, args.health_port, args.port)
         self.endpoint = endpoint_url(sock) + "/v1"
         progress(1, f"model '{name}' from {args.model}")
         defaults = self.files.generation_defaults
@@ -241,6 +245,8 @@ class _Stack:
             return 0
         finally:
             sock.close()
+            if self.probe_sock is not None:
+                self.probe_sock.close()
             if self.published is not None:
                 local_runs.withdraw(self.published)
             await self._shutdown()
@@ -311,9 +317,12 @@ class _Stack:
                          options=HTTPOptions.from_args(args), stream_interval=args.stream_interval,
                          lora_modules=dict(args.lora_modules or []), **status_options(args))
 
+        probes = start_probes(args, self.probe_sock, self.address, self.token, app)
+
         def started(url: str) -> None:
             count = f" ({args.api_server_count} processes)" if args.api_server_count > 1 else ""
-            progress(4, f"HTTP server listening on {url}{count}{' (API key required)' if self.api_key else ''}")
+            progress(4, f"HTTP server listening on {url}{count}{' (API key required)' if self.api_key else ''}"
+                        f"{probes_note(probes)}")
             say(f"megatron-serve is ready: {url}/v1 (model '{facts.name}', {args.engines} engine(s)); try: "
                 f"{curl_example(url, facts.name, bearer_header(args) if self.api_key else '')}")
 
@@ -321,8 +330,12 @@ class _Stack:
         if metrics_dir is not None:
             self.siblings = api_servers.Siblings(args, sock, self.address, self.token, metrics_dir)
             self.siblings.start()
-        await serve_app(app, sock=sock, log_level=args.log_level, on_started=started, stop=self.stop,
-                        **connection_options(args))
+        try:
+            await serve_app(app, sock=sock, log_level=args.log_level, on_started=started, stop=self.stop,
+                            **connection_options(args))
+        finally:
+            if probes is not None:
+                await probes.aclose()
 
     async def _shutdown(self) -> None:
         """Server already stopped (its siblings too, once they drained); now STOP the fleet (engines drain) and

@@ -17,8 +17,8 @@ from typing import Any
 
 from ..generation_config import GenerationDefaults
 from ..http_options import METRICS_COMPAT, HTTPOptions
-from ..limits import (DEFAULT_COORDINATOR_GRACE, DEFAULT_KEEP_ALIVE, READY_TIMEOUT, STATUS_INTERVAL, STATUS_TIMEOUT,
-                      RequestLimits)
+from ..limits import (DEFAULT_COORDINATOR_GRACE, DEFAULT_KEEP_ALIVE, HEALTH_STALL_TIMEOUT, READY_TIMEOUT,
+                      STATUS_INTERVAL, STATUS_TIMEOUT, RequestLimits)
 from ..multimodal import ImageOptions
 from . import api_servers, local_runs
 from .inputs import check_model_dir, coordinator_address, parse_port
@@ -84,7 +84,14 @@ def add_server_options(parser: argparse.ArgumentParser, default_host: str) -> No
                             "streams (the last status stands, requests are accepted), else unreachable (503)")
     group.add_argument("--ready-timeout", type=float, default=READY_TIMEOUT, metavar="S",
                        help="how long /ready and /metrics wait for a fresh status before they answer from the last "
-                            "one (probes answer fast under any load)")
+                            "one (they still wait for the event loop: probes belong on --health-port)")
+    group.add_argument("--health-port", type=int, default=None, metavar="PORT",
+                       help="a second port answering only /health and /ready, from a process of its own: fast (within "
+                            "100 ms) however busy the streams keep the main port, for Kubernetes probes; 0 = none "
+                            "(default: --port + 1, or any free port when that is taken or --port is 0)")
+    group.add_argument("--health-stall-timeout", type=float, default=HEALTH_STALL_TIMEOUT, metavar="S",
+                       help="the probe port's /health is 503 once the server's event loop has not run for this long "
+                            "(hung, not busy: a liveness probe restarts it)")
     group.add_argument("--stream-interval", type=int, default=1, metavar="N",
                        help="streamed tokens per chunk, as in vLLM: a larger value sends fewer, larger chunks "
                             "(less work per token for server and client); a choice's first token goes at once")
@@ -172,7 +179,11 @@ def check_server_options(args: argparse.Namespace) -> None:
         raise ValueError(f"--drain-timeout must be >= 0, got {args.drain_timeout}")
     if not args.coordinator_grace >= 0:
         raise ValueError(f"--coordinator-grace must be >= 0, got {args.coordinator_grace}")
-    for flag in ("status_interval", "status_timeout", "ready_timeout"):
+    if args.health_port is not None:
+        parse_port(args.health_port, "--health-port")
+        if args.health_port != 0 and args.health_port == args.port:
+            raise ValueError(f"--health-port must differ from --port ({args.port})")
+    for flag in ("status_interval", "status_timeout", "ready_timeout", "health_stall_timeout"):
         if not getattr(args, flag) > 0:
             raise ValueError(f"--{flag.replace('_', '-')} must be > 0, got {getattr(args, flag)}")
     if args.stream_interval < 1:
@@ -227,29 +238,33 @@ def run(args: argparse.Namespace) -> int:
     check_model_dir(args.model, weights=False, tokenizer=args.tokenizer is None)
     from ..server.runner import bind_socket  # noqa: PLC0415 - keep --help fast
 
+    from ..server.probe_port import bind_probe_socket  # noqa: PLC0415
+
     sock = bind_socket(args.host, args.port)
+    probe_sock = bind_probe_socket(args.host, args.health_port, args.port)
     metrics_dir = api_servers.share_metrics(args.api_server_count)
     siblings = None if metrics_dir is None else api_servers.Siblings(args, sock, args.coordinator, token, metrics_dir)
-    return serve_on(args, sock, token, siblings=siblings)
+    return serve_on(args, sock, token, siblings=siblings, probe_sock=probe_sock)
 
 
 def serve_on(args: argparse.Namespace, sock: Any, token: str | None, *, announce: bool = True,
-             siblings: "api_servers.Siblings | None" = None) -> int:
+             siblings: "api_servers.Siblings | None" = None, probe_sock: Any = None) -> int:
     """Serve on ``sock`` (bound) through ``args.coordinator`` until stopped; ``siblings``: the other API server
-    processes this one starts and stops (``--api-server-count``)."""
+    processes this one starts and stops (``--api-server-count``); ``probe_sock``: the probe port's socket
+    (bound; ``--health-port``), or None (the siblings: the first process answers the pod's probes)."""
     from ..server.modelinfo import ModelFacts  # noqa: PLC0415
     from ..server.runner import run_loop  # noqa: PLC0415
 
     files = ServingFiles.from_args(args)
     facts = ModelFacts.from_dir(args.model, args.served_model_name)
     tokenizer = files.load_tokenizer()
-    run_loop(_serve(args, facts, files, tokenizer, sock, read_api_key(args), token, announce, siblings))
+    run_loop(_serve(args, facts, files, tokenizer, sock, read_api_key(args), token, announce, siblings, probe_sock))
     return 0
 
 
 async def _serve(args: argparse.Namespace, facts: Any, files: ServingFiles, tokenizer: Any, sock: Any,
                  api_key: str | None, token: str | None, announce: bool,
-                 siblings: "api_servers.Siblings | None") -> None:
+                 siblings: "api_servers.Siblings | None", probe_sock: Any) -> None:
     from ..client.coordinator_client import InferenceClient  # noqa: PLC0415
     from ..server.app import create_app  # noqa: PLC0415
     from ..heap import freeze_startup_heap  # noqa: PLC0415
@@ -282,11 +297,13 @@ async def _serve(args: argparse.Namespace, facts: Any, files: ServingFiles, toke
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, on_signal, sig)
 
+    probes = start_probes(args, probe_sock, args.coordinator, token, app)
+
     def started(url: str) -> None:
         if announce:
             count = f" in {args.api_server_count} processes" if args.api_server_count > 1 else ""
             print(f"megatron-serve server: {url}/v1 serving model '{facts.name}' through {args.coordinator}{count}"
-                  f"{' (API key required)' if api_key else ''}", file=sys.stderr, flush=True)
+                  f"{' (API key required)' if api_key else ''}{probes_note(probes)}", file=sys.stderr, flush=True)
 
     freeze_startup_heap()
     if siblings is not None:
@@ -298,9 +315,29 @@ async def _serve(args: argparse.Namespace, facts: Any, files: ServingFiles, toke
         if not stop.is_set():
             raise
     finally:
+        if probes is not None:
+            await probes.aclose()
         client.close()
         if siblings is not None:
             await asyncio.to_thread(siblings.stop, args.drain_timeout + 15.0)
+
+
+def start_probes(args: argparse.Namespace, probe_sock: Any, address: str, token: str | None, app: Any) -> Any:
+    """The probe port on ``probe_sock`` (None: none), watching the coordinator at ``address`` and ``app``'s drain;
+    on the running loop, which it stamps (``--health-stall-timeout``)."""
+    if probe_sock is None:
+        return None
+    from ..server.probe_process import ProbePort  # noqa: PLC0415
+
+    ctx = app.state.ctx
+    return ProbePort(probe_sock, address, token, lambda: ctx.drain.draining.is_set() or ctx.stopping.is_set(),
+                     interval=args.status_interval, timeout=args.status_timeout,
+                     stall_timeout=args.health_stall_timeout, log_level=args.log_level)
+
+
+def probes_note(probes: Any) -> str:
+    """``; probes on URL`` for the start-up line, or nothing without a probe port."""
+    return "" if probes is None else f"; /health and /ready also on {probes.url()}"
 
 
 def status_options(args: argparse.Namespace) -> dict[str, float]:
