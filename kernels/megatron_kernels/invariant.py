@@ -12,8 +12,8 @@ depends on how many other tokens share its step. The ops here remove every such 
 * :func:`silu`, :func:`sigmoid`, :func:`exp`, :func:`cos`, :func:`sin`: the tensor is flattened, padded to whole
   vectors and cut into pieces no larger than one thread's share, so every element takes the
   vector path, and vector lanes do not interact;
-* :func:`attention`: scores and weighted values by GEMMs of at least :data:`GEMM_ROWS` rows, the
-  weights' sums and the weighted values reduced in blocks of :data:`KEY_BLOCK` keys added from
+* :func:`attention`: scores and weighted values by GEMMs with the keys as rows and at least two query
+  columns, the weights' sums and the weighted values reduced in blocks of :data:`KEY_BLOCK` keys added from
   position 0, so a query's output depends only on its own position and its sequence's keys:
   prefill, decode, a prefix-cache hit and any chunking give the same bits.
 
@@ -44,10 +44,6 @@ Llama run: the same bits, tests/invariance unchanged)."""
 
 KEY_BLOCK = 32
 """Keys per attention block: every query reduces its keys in blocks of this many from position 0."""
-
-GEMM_ROWS = 16
-"""The attention's GEMMs take rows in multiples of this: from 16 rows up, MKL's float32 GEMM computes an
-element the same way whatever the shape (8 rows already take another path)."""
 
 _VECTOR = 64
 """Elements of two AVX-512 registers of bfloat16: a multiple of every vector loop's stride."""
@@ -159,30 +155,31 @@ def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, sequenc
     ``q`` ``[R, Hq, D]``; ``keys``/``values`` ``[Hkv, S, L, D]``, heads first (``L`` at least every
     query's position plus one; entries past a sequence's last queried position may hold anything, NaN
     included; with ``scratch`` the caller's copies, which this may overwrite: the engine gathers its
-    cache in this layout, float32, in one copy that the GEMMs then read as they are);
-    ``sequence[r]`` which of the ``S`` sequences row ``r`` reads; ``positions[r]`` its position (it
-    sees keys ``0..positions[r]``). Returns ``[R, Hq, D]`` in ``q``'s dtype, computed in float32.
+    cache in this layout, float32, in one copy); ``sequence[r]`` which of the ``S`` sequences row ``r``
+    reads; ``positions[r]`` its position (it sees keys ``0..positions[r]``). Returns ``[R, Hq, D]`` in
+    ``q``'s dtype, computed in float32.
 
     Per query row and head: scores by GEMM, the softmax's maximum over the visible keys (exact in
-    any order), weights ``exp(score - max)`` (0 for unseen keys), then the weights' sum and the
-    weighted values reduced per block of :data:`KEY_BLOCK` keys (a 32-wide sum; a GEMM with
-    ``K = KEY_BLOCK``) and the blocks added one by one from block 0. A block past a row's
-    position adds exact zeros, so neither the longest sequence of the call, the padding, nor the
-    other rows change a bit: prefill, decode, a prefix-cache hit and any chunking agree.
+    any order), weights ``exp(score - max)`` (0 for unseen keys), then the weighted values and the
+    weights' sum reduced per block of :data:`KEY_BLOCK` keys (a GEMM with ``K = KEY_BLOCK``) and the
+    blocks added one by one from block 0. A block past a row's position adds exact zeros, so neither
+    the longest sequence of the call, the padding, nor the other rows change a bit: prefill, decode, a
+    prefix-cache hit and any chunking agree.
 
-    The GEMMs are batched per group of sequences (one group per padded row count: all decode rows
-    together, each prefill chunk on its own) as ``[M, D] x [D, L]`` and ``[M, KEY_BLOCK] x
-    [KEY_BLOCK, D]`` with ``M`` a multiple of :data:`GEMM_ROWS` (zero rows padded): a float32 GEMM
-    whose ``M`` is a multiple of 16 computes each element the same way whatever ``M``, ``N`` and
-    the batch count (checked on MKL 2024.2, AVX-512, 1 and 2 threads, ``D`` 8 to 128, transposed
-    or not); below 16 rows the library takes other paths (8 rows already differ), which is why a
-    per-row batched GEMM was not invariant. ``tests/invariance`` holds it to ``==``.
-
-    CPU per call, one thread, best of 15, the earlier elementwise products then this, one run on the
-    loaded 2-core CPU (8 query heads, 4 KV heads of 32): 20 decode rows 1.91 -> 2.09 ms (16-row tiles
-    for one row each: decode does not gain), a 300-row prefill 21.8 -> 6.2 ms, a 512-row chunk over
-    512 keys 55.5 -> 30.5 ms, a 77-row bfloat16 prefix-hit chunk 2.14 -> 1.51 ms, a 100-row chunk with
-    20 decode rows 5.09 -> 3.38 ms.
+    The keys are the GEMMs' rows and the queries their columns: scores as ``[L, D] x [D, N]`` and
+    values as ``[D + 1, KEY_BLOCK] x [KEY_BLOCK, N]`` (the extra row of ones gives the weights' sum),
+    one batch entry per KV head and sequence, ``N`` the sequence's query rows times the heads sharing a
+    KV head (at least 2). MKL's float32 GEMM computes an element the same way for every ``N`` from 2,
+    every row count that is a multiple of 32 and every batch count (826 shapes checked: ``D`` 8 to
+    128, ``L`` 32 to 2,048, ``N`` 2 to 2,100, batches 1 to 40, 1 and 2 threads; one column takes the
+    matrix-vector path, which rounds differently, so a lone column is padded). With the queries as the
+    rows (the earlier form), each sequence's rows were padded to 16 GEMM rows, so a decode row of a model
+    whose KV heads serve 4 query heads computed 4x the products it needed. CPU per call, one thread, best of
+    8, earlier form then this one: 32 decode rows over 512-1,024 keys (32 query heads, 8 KV heads of 64)
+    48-55 -> 36-37 ms; 64 decode rows, 16/4 heads, 256-512 keys 17.3-17.8 -> 17.5-18.4 ms; a 512-row chunk
+    over 512 keys (8/4 heads of 32) 20-22 -> 17-18 ms; a 300-row prefill (32/8 of 64) 24-42 -> 25-26 ms.
+    The tiny cost-benchmark model (32 decode rows, 8/4 heads of 32) is bound by the per-call overhead of
+    the batched GEMMs, not their products: 1.37-1.39 ms either way. ``tests/invariance`` holds it to ``==``.
     """
     rows, heads, dim = q.shape
     kv_heads, count = keys.shape[:2]
@@ -196,18 +193,17 @@ def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, sequenc
     slot_row = torch.arange(rows, device=q.device) - starts[ordered_seq]  # a row's place in its sequence
     limits = torch.full((count,), -1, dtype=positions.dtype, device=q.device).scatter_reduce(
         0, sequence, positions, "amax")
-    unit = GEMM_ROWS // math.gcd(GEMM_ROWS, group)  # rows whose heads fill whole GEMM tiles
-    by_size: dict[int, list[int]] = {}
-    for index, size in enumerate((-(-per_sequence // unit) * unit).tolist()):
+    by_rows: dict[int, list[int]] = {}  # sequences by their row count: one batched GEMM each
+    for index, size in enumerate(per_sequence.tolist()):
         if size:
-            by_size.setdefault(size, []).append(index)
+            by_rows.setdefault(size, []).append(index)
     out = torch.empty((rows, kv_heads, group, dim), dtype=torch.float32, device=q.device)
     q32 = q.to(torch.float32).view(rows, kv_heads, group, dim)
     local = torch.empty(count, dtype=torch.long, device=q.device)  # a sequence's index within its group
-    for size, members in by_size.items():
+    for size, members in by_rows.items():
         member_t = torch.tensor(members, device=q.device)
         local[member_t] = torch.arange(len(members), device=q.device)
-        if len(by_size) == 1:
+        if len(by_rows) == 1:
             picked, whole = slice(None), len(members) == count
         else:
             picked, whole = torch.isin(ordered_seq, member_t), False
@@ -221,10 +217,9 @@ def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, sequenc
 def _attend_group(q: torch.Tensor, slot_seq: torch.Tensor, slot_row: torch.Tensor, size: int,
                   members: torch.Tensor | None, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor,
                   limit: torch.Tensor, scale: float, scratch: bool) -> torch.Tensor:
-    """:func:`attention` for the rows of the sequences ``members`` (all when ``None``), each padded to
-    ``size`` rows for the GEMMs: ``q`` ``[r, Hkv, G, D]`` float32, row ``i`` at slot ``slot_row[i]`` of
-    the group's sequence ``slot_seq[i]``; ``limit`` each sequence's last position read. The softmax
-    runs on the rows some sequence fills (``real``), not on the padding."""
+    """:func:`attention` for the sequences ``members`` (all when ``None``), each with ``size`` query rows here:
+    ``q`` ``[r, Hkv, G, D]`` float32, row ``i`` the ``slot_row[i]``-th of the group's sequence ``slot_seq[i]``;
+    ``limit`` each sequence's last position read."""
     _, kv_heads, group, dim = q.shape
     n = limit.numel()
     blocks = -(-(int(limit.max()) + 1) // KEY_BLOCK)
@@ -233,33 +228,47 @@ def _attend_group(q: torch.Tensor, slot_seq: torch.Tensor, slot_row: torch.Tenso
     k = keys[:, :, :length] if members is None else keys[:, members, :length]
     v = values[:, :, :length] if members is None else values[:, members, :length]
     stale = [(index, last) for index, last in enumerate(limit.tolist()) if last + 1 < length]
-    k_b = _blocked(k, span, copy=False)  # [Hkv, n, L, D] float32: the scores' GEMM reads it transposed
+    k_b = _blocked(k, span, copy=False)  # [Hkv, n, span, D] float32: the scores' GEMM rows
     v_b = _blocked(v, span, copy=bool(stale) and members is None and not scratch)
     for index, last in stale:  # zero weights times a NaN left in the cache would be NaN
         v_b[:, index, last + 1:length] = 0.0  # (a slice per sequence: 5x faster than any masked fill of the whole)
-    real = int(slot_row.max()) + 1
-    tile_rows = size * group
-    q_t = q.new_zeros((kv_heads, n, size, group, dim))
-    q_t.permute(1, 2, 0, 3, 4)[slot_seq, slot_row] = q
-    scores = torch.bmm(q_t.view(kv_heads * n, tile_rows, dim), k_b.view(kv_heads * n, span, dim).transpose(1, 2))
-    scores = scores.view(kv_heads, n, size, group, span)[:, :, :real]
-    row_pos = positions.new_zeros((n, real))
-    row_pos[slot_seq, slot_row] = positions
-    visible = torch.arange(span, device=q.device) <= row_pos[:, :, None, None]  # [n, real, 1, L]
+    columns = size * group
+    width = max(columns, 2)  # one column would take the matrix-vector path
+    q_t = q.new_zeros((kv_heads, n, width, dim)) if width > columns else q.new_empty((kv_heads, n, width, dim))
+    q_t[:, :, :columns].view(kv_heads, n, size, group, dim).permute(1, 2, 0, 3, 4)[slot_seq, slot_row] = q
+    scores = torch.bmm(k_b.view(kv_heads * n, span, dim), q_t.view(kv_heads * n, width, dim).transpose(1, 2))
+    scores = scores.view(kv_heads, n, span, width)
+    row_pos = positions.new_full((n, width), -1)  # a padding column sees nothing: its weights are 0/0, unread
+    row_pos[:, :columns].view(n, size, group)[slot_seq, slot_row] = positions[:, None]
+    visible = torch.arange(span, device=q.device)[:, None] <= row_pos[:, None, :]  # [n, span, width]
     scores = torch.where(visible, scores * scale, float("-inf"))
-    weights = exp(scores - scores.amax(-1, keepdim=True)).view(kv_heads, n, real, group, blocks, KEY_BLOCK)
-    block_totals = weights.sum(-1)  # [Hkv, n, real, G, blocks]
-    w_t = q.new_zeros((kv_heads, n, blocks, size, group, KEY_BLOCK)) if real < size else \
-        q.new_empty((kv_heads, n, blocks, size, group, KEY_BLOCK))
-    w_t[:, :, :, :real] = weights.permute(0, 1, 4, 2, 3, 5)
-    partial = torch.bmm(w_t.view(-1, tile_rows, KEY_BLOCK), v_b.view(-1, KEY_BLOCK, dim))
-    partial = partial.view(kv_heads, n, blocks, size, group, dim)[:, :, :, :real]
-    total, acc = block_totals[..., 0], partial[:, :, 0]
+    peak = scores.amax(2, keepdim=True).clamp_min(torch.finfo(torch.float32).min)  # a padding column: finite
+    weights = exp(scores - peak)  # [Hkv, n, span, width]
+    weights = weights.view(-1, KEY_BLOCK, width)
+    partial = torch.bmm(v_b.view(-1, KEY_BLOCK, dim).transpose(1, 2), weights).view(kv_heads, n, blocks, dim, width)
+    sums = torch.bmm(_ones(weights.shape[0], q.device), weights)[:, 0].view(kv_heads, n, blocks, 1, width)
+    acc, total = partial[:, :, 0], sums[:, :, 0]
     for block in range(1, blocks):
-        total = total + block_totals[..., block]
         acc = acc + partial[:, :, block]
-    out = (acc / total[..., None]).permute(1, 2, 0, 3, 4)  # [n, real, Hkv, G, D]
+        total = total + sums[:, :, block]
+    out = acc / total  # [Hkv, n, D, width]
+    out = out[..., :columns].view(kv_heads, n, dim, size, group).permute(1, 3, 0, 4, 2)  # [n, size, Hkv, G, D]
     return out[slot_seq, slot_row]
+
+
+_ONES: dict[torch.device, torch.Tensor] = {}
+
+
+def _ones(batch: int, device: torch.device = torch.device("cpu")) -> torch.Tensor:
+    """``[batch, 8, KEY_BLOCK]`` ones: row 0 of ``ones @ weights`` is a block's weight sum, by the same GEMM
+    arithmetic as the weighted values (8 rows keep the product above PyTorch's naive small-``bmm`` loop)."""
+    held = _ONES.get(device)
+    if held is None or held.shape[0] < batch:
+        # a normal tensor even when the engine asks first (in inference mode): a trainer's backward saves it
+        with torch.inference_mode(False):
+            held = _ONES[device] = torch.ones((max(batch, 2 * (0 if held is None else held.shape[0])), 8,
+                                               KEY_BLOCK), dtype=torch.float32, device=device)
+    return held[:batch]
 
 
 def _blocked(cache: torch.Tensor, span: int, copy: bool) -> torch.Tensor:
