@@ -1,0 +1,275 @@
+"""Batch-invariant paged attention in Triton: the GPU side of ``--batch-invariant``'s attention.
+
+One program per (query row, query head). A program reads which sequence its row belongs to and the
+row's position from device tensors, finds the sequence's keys through its block-table row, and
+reduces keys ``0..position`` in blocks of :data:`KEY_BLOCK` keys from key 0, one block after another,
+with an online softmax in float32 (``exp2``, the scale folded with ``log2 e``). Nothing in a program
+depends on the other rows of the launch: the grid, the tile shapes and the warps come from the head
+size and :data:`KEY_BLOCK` alone, and a row's loop runs over its own position. A decode row, a
+prefill row, a chunked-prefill row and a row after a prefix-cache hit at the same position over the
+same keys therefore compute the same bits, in a batch of one or of hundreds. No value is read back
+to the host, so the launch can be captured in a CUDA graph.
+
+The CPU mode keeps :func:`megatron_kernels.invariant.attention` (MKL GEMMs in 16-row tiles). The two
+order the head-dimension dot product differently and agree to float32 rounding, not bit for bit: a
+trainer gets the engine's bits on the same kind of device only (:func:`dense_attention` is this
+kernel over a trainer's unpaged K/V). :func:`reference_attention` is the PyTorch twin (same block
+order, same online-softmax steps) the tests compare against.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._triton_utils import fp8_native, next_pow2
+from .triton_kv_cache import check_cache, scale_strides
+
+KEY_BLOCK = 32
+"""Keys per block of the online softmax, for every row and every launch (the CPU mode's block too)."""
+
+DENSE_PAGE = 64
+"""Page size of the paged view :func:`dense_attention` builds over a trainer's K/V: the engine's CUDA
+default (``block_size_tokens``), so the trainer runs the very kernel binary the engine runs (the page
+size only moves addresses, never the arithmetic)."""
+
+NUM_WARPS = 4
+"""Warps per program, fixed: a reduction's tree follows the layout, so it must not follow the batch."""
+
+_LOG2E = 1.4426950408889634
+
+
+@triton.jit(do_not_specialize=["stride_qr", "stride_bt", "stride_or"])
+def _invariant_attention_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, sequence_ptr, positions_ptr, out_ptr,
+    k_scale_ptr, v_scale_ptr,
+    qk_scale,
+    stride_qr, stride_qh,
+    stride_kb, stride_ko, stride_kh,
+    stride_vb, stride_vo, stride_vh,
+    stride_bt,
+    stride_or, stride_oh,
+    stride_sb, stride_so,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    KEY_BLOCK: tl.constexpr,
+    KV_FP8: tl.constexpr,
+):
+    row = tl.program_id(0)
+    head = tl.program_id(1)
+    kv_head = head // GROUP
+    seq = tl.load(sequence_ptr + row).to(tl.int64)
+    position = tl.load(positions_ptr + row).to(tl.int32)  # keys 0..position; negative: a padding row
+
+    d = tl.arange(0, BLOCK_D)
+    d_mask = d < HEAD_DIM
+    q = tl.load(q_ptr + row.to(tl.int64) * stride_qr + head * stride_qh + d, mask=d_mask, other=0.0).to(tl.float32)
+    m_i = tl.max(tl.full([KEY_BLOCK], float("-inf"), tl.float32), axis=0)
+    l_i = tl.sum(tl.zeros([KEY_BLOCK], tl.float32), axis=0)
+    acc = tl.zeros([BLOCK_D], tl.float32)
+    table = block_tables_ptr + seq * stride_bt
+    k_base = k_cache_ptr + kv_head * stride_kh
+    v_base = v_cache_ptr + kv_head * stride_vh
+    for start in range(0, position + 1, KEY_BLOCK):
+        n = start + tl.arange(0, KEY_BLOCK)
+        n_mask = n <= position
+        block = tl.load(table + n // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
+        offset = n % BLOCK_SIZE
+        kv_mask = n_mask[:, None] & d_mask[None, :]
+        k = tl.load(k_base + (block * stride_kb + offset * stride_ko)[:, None] + d[None, :], mask=kv_mask,
+                    other=0.0).to(tl.float32)
+        v = tl.load(v_base + (block * stride_vb + offset * stride_vo)[:, None] + d[None, :], mask=kv_mask,
+                    other=0.0).to(tl.float32)
+        if KV_FP8:  # attention over the dequantized cache, as the CPU mode gathers it
+            slot_scales = block * stride_sb + offset * stride_so + kv_head
+            k = k * tl.load(k_scale_ptr + slot_scales, mask=n_mask, other=0.0)[:, None]
+            v = v * tl.load(v_scale_ptr + slot_scales, mask=n_mask, other=0.0)[:, None]
+        s = tl.sum(k * q[None, :], axis=1) * qk_scale
+        s = tl.where(n_mask, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=0))  # finite: a block's first key is always visible
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new)
+        l_i = l_i * alpha + tl.sum(p, axis=0)
+        acc = acc * alpha + tl.sum(p[:, None] * v, axis=0)
+        m_i = m_new
+    out = acc / tl.where(l_i > 0.0, l_i, 1.0)  # a padding row (no key) writes zeros
+    tl.store(out_ptr + row.to(tl.int64) * stride_or + head * stride_oh + d, out.to(out_ptr.dtype.element_ty),
+             mask=d_mask)
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                    sequence: torch.Tensor, positions: torch.Tensor, scale: float, *,
+                    k_scales: torch.Tensor | None = None, v_scales: torch.Tensor | None = None,
+                    out: torch.Tensor | None = None, key_block: int = KEY_BLOCK) -> torch.Tensor:
+    """Causal attention of ``q`` ``[R, Hq, D]`` over a paged cache ``[blocks, block_size, Hkv, D]``.
+
+    Row ``r`` reads the sequence ``sequence[r]`` (a row of ``block_tables``) up to key ``positions[r]``
+    (negative: no key, zeros out). ``out`` (rows of a persistent buffer) gets the result in ``q``'s
+    dtype. ``key_block`` exists for the tests' negative control only: a block that changes with the
+    launch (split-K, a block per chunk) changes the bits, which is what the fixed :data:`KEY_BLOCK` prevents.
+    """
+    check_cache(k_cache, v_cache, k_scales, v_scales)
+    if k_scales is not None and not fp8_native(q.device):
+        raise NotImplementedError("an FP8 cache needs compute capability 8.9 for the invariant attention kernel")
+    rows, heads, head_dim = q.shape
+    _, block_size, kv_heads, cache_dim = k_cache.shape
+    if cache_dim != head_dim or heads % kv_heads:
+        raise ValueError(f"q {tuple(q.shape)} does not fit cache {tuple(k_cache.shape)}")
+    if out is None:
+        out = torch.empty_like(q)
+    elif out.shape != q.shape or out.stride(-1) != 1:
+        raise ValueError(f"out {tuple(out.shape)} must have q's shape {tuple(q.shape)} and a contiguous last dimension")
+    if rows == 0:
+        return out
+    q = q if q.stride(-1) == 1 else q.contiguous()
+    block_tables = block_tables if block_tables.stride(-1) == 1 else block_tables.contiguous()
+    fp8 = k_scales is not None
+    _invariant_attention_kernel[(rows, heads)](
+        q, k_cache, v_cache, block_tables, sequence.contiguous(), positions.contiguous(), out,
+        k_scales if fp8 else out, v_scales if fp8 else out,
+        float(scale) * _LOG2E,
+        q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        block_tables.stride(0),
+        out.stride(0), out.stride(1),
+        *scale_strides(k_scales),
+        GROUP=heads // kv_heads, HEAD_DIM=head_dim, BLOCK_D=next_pow2(head_dim), BLOCK_SIZE=block_size,
+        KEY_BLOCK=key_block, KV_FP8=fp8, num_warps=NUM_WARPS,
+    )
+    return out
+
+
+def step_rows(rows: int, num_decode: int, decode_lens: torch.Tensor | None, prefill_tables: torch.Tensor | None,
+              prefill_starts: torch.Tensor | None, prefill_lens: torch.Tensor | None,
+              decode_tables: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(block_tables, sequence, positions)`` of an engine step's first ``rows`` rows, on the device without a
+    host sync: decode rows first (one per sequence, at ``len - 1``), then the prefill chunks (a row's
+    sequence by ``searchsorted`` over the chunks' starts; its position is the chunk's first plus its offset)."""
+    tables, sequence, positions = [], [], []
+    device = (decode_lens if decode_lens is not None else prefill_lens).device
+    if num_decode:
+        tables.append(decode_tables)
+        sequence.append(torch.arange(num_decode, device=device))
+        positions.append(decode_lens[:num_decode].long() - 1)
+    if prefill_tables is not None and rows > num_decode:
+        starts = prefill_starts.long()
+        index = torch.arange(rows - num_decode, device=device)
+        seq = torch.searchsorted(starts[1:], index, right=True)
+        first = prefill_lens.long() - (starts[1:] - starts[:-1])  # the chunk's first position
+        tables.append(prefill_tables)
+        sequence.append(seq + num_decode)
+        positions.append(index - starts[seq] + first[seq])
+    table = tables[0] if len(tables) == 1 else torch.cat(tables)
+    return table, torch.cat(sequence), torch.cat(positions)
+
+
+def attend_step(q: torch.Tensor, meta, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float,
+                out: torch.Tensor, k_scales: torch.Tensor | None = None,
+                v_scales: torch.Tensor | None = None) -> torch.Tensor:
+    """The engine's step (``meta``: its ``AttentionMetadata``) through :func:`paged_attention`, every row of
+    ``q`` into ``out``: decode rows and prefill chunks in one launch."""
+    table, sequence, positions = step_rows(
+        q.shape[0], meta.num_decode_tokens, meta.decode_context_lens, meta.prefill_block_tables,
+        meta.prefill_query_start_loc, meta.prefill_context_lens, meta.decode_block_tables)
+    return paged_attention(q, k_cache, v_cache, table, sequence, positions, scale, k_scales=k_scales,
+                           v_scales=v_scales, out=out)
+
+
+def dense_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, sequence: torch.Tensor,
+                    positions: torch.Tensor, scale: float) -> torch.Tensor:
+    """The kernel over unpaged K/V (a trainer's): ``keys``/``values`` ``[S, Hkv, L, D]`` (``transformers``'
+    layout) are copied into pages of :data:`DENSE_PAGE` keys behind an identity block table, so a row meets
+    the engine's launch (same constants, same compiled kernel for the same head size and dtype).
+    Differentiable: the backward is plain softmax attention's (gradients need no batch invariance)."""
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, keys, values)):
+        return _DenseAttention.apply(q, keys, values, sequence, positions, scale)
+    return _dense_forward(q, keys, values, sequence, positions, scale)
+
+
+def _dense_forward(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, sequence: torch.Tensor,
+                   positions: torch.Tensor, scale: float) -> torch.Tensor:
+    count, kv_heads, length, dim = keys.shape
+    pages = -(-length // DENSE_PAGE)
+
+    def paged(cache: torch.Tensor) -> torch.Tensor:
+        out = cache.new_zeros((count, pages * DENSE_PAGE, kv_heads, dim))
+        out[:, :length] = cache.transpose(1, 2)
+        return out.view(count * pages, DENSE_PAGE, kv_heads, dim)
+
+    table = torch.arange(count * pages, dtype=torch.int32, device=q.device).view(count, pages)
+    return paged_attention(q, paged(keys), paged(values), table, sequence, positions, scale)
+
+
+class _DenseAttention(torch.autograd.Function):
+    """The kernel forward; the backward of plain causal softmax attention, recomputed in float32."""
+
+    @staticmethod
+    def forward(ctx, q, keys, values, sequence, positions, scale):
+        ctx.save_for_backward(q, keys, values, sequence, positions)
+        ctx.scale = scale
+        return _dense_forward(q, keys, values, sequence, positions, scale)
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, keys, values, sequence, positions = ctx.saved_tensors
+        with torch.enable_grad():
+            inputs = [t.detach().requires_grad_() for t in (q, keys, values)]
+            out = plain_attention(*inputs, sequence, positions, ctx.scale)
+            grads = torch.autograd.grad(out, inputs, grad)
+        return (*(g if need else None for g, need in zip(grads, ctx.needs_input_grad)), None, None, None)
+
+
+def plain_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, sequence: torch.Tensor,
+                    positions: torch.Tensor, scale: float) -> torch.Tensor:
+    """Causal softmax attention by the textbook (float32, one softmax over all keys): ``q`` ``[R, Hq, D]``,
+    ``keys``/``values`` ``[S, Hkv, L, D]``. The tests' yardstick and the trainer's backward."""
+    rows, heads, dim = q.shape
+    group = heads // keys.shape[1]
+    k = keys.float()[sequence].repeat_interleave(group, 1)  # [R, Hq, L, D]
+    v = values.float()[sequence].repeat_interleave(group, 1)
+    scores = torch.einsum("rhd,rhld->rhl", q.float(), k) * scale
+    visible = torch.arange(keys.shape[2], device=q.device) <= positions[:, None, None]
+    weights = torch.softmax(scores.masked_fill(~visible, float("-inf")), -1)
+    return torch.einsum("rhl,rhld->rhd", weights, v).to(q.dtype)
+
+
+def reference_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                        sequence: torch.Tensor, positions: torch.Tensor, scale: float,
+                        key_block: int = KEY_BLOCK) -> torch.Tensor:
+    """PyTorch twin of :func:`paged_attention`: the same blocks in the same order, the same online-softmax
+    steps (``exp2``, running maximum, rescaled sum and accumulator), all rows at once. A block past a row's
+    position changes nothing (its weights are exact zeros, its rescale exactly 1). Close to the kernel to
+    float32 rounding (the head-dimension sums are ordered differently), not bit for bit."""
+    rows, heads, dim = q.shape
+    block_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group = heads // kv_heads
+    q32 = q.float().view(rows, kv_heads, group, dim)
+    qk_scale = float(scale) * _LOG2E
+    m = torch.full((rows, kv_heads, group), float("-inf"), device=q.device)
+    total = torch.zeros_like(m)
+    acc = torch.zeros((rows, kv_heads, group, dim), device=q.device)
+    tables = block_tables.long()[sequence]
+    last = int(positions.max()) if rows else -1
+    for start in range(0, last + 1, key_block):
+        n = torch.arange(start, start + key_block, device=q.device)
+        visible = n[None, :] <= positions[:, None]  # [R, KB]
+        slots = tables.gather(1, (n // block_size).clamp_max(tables.shape[1] - 1).expand(rows, -1))
+        k = k_cache[slots, n % block_size].float().permute(0, 2, 1, 3)  # [R, Hkv, KB, D]
+        v = v_cache[slots, n % block_size].float().permute(0, 2, 1, 3)
+        k = torch.where(visible[:, None, :, None], k, 0.0)
+        v = torch.where(visible[:, None, :, None], v, 0.0)
+        s = (q32[:, :, :, None, :] * k[:, :, None]).sum(-1) * qk_scale  # [R, Hkv, G, KB]
+        s = torch.where(visible[:, None, None, :], s, float("-inf"))
+        m_new = torch.maximum(m, s.amax(-1))
+        alive = m_new > float("-inf")  # rows with no visible key yet keep their zeros
+        alpha = torch.where(alive, torch.exp2(m - m_new), 1.0)
+        p = torch.where(alive[..., None], torch.exp2(s - m_new[..., None]), 0.0)
+        total = total * alpha + p.sum(-1)
+        acc = acc * alpha[..., None] + (p[..., None] * v[:, :, None]).sum(-2)
+        m = m_new
+    out = acc / torch.where(total > 0, total, 1.0)[..., None]
+    return out.view(rows, heads, dim).to(q.dtype)
