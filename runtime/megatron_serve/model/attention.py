@@ -95,7 +95,8 @@ class PagedAttention(nn.Module):
         if self.batch_invariant:
             if q.is_cuda:  # the Triton kernel: lengths read on the device, so CUDA graphs can capture it
                 from megatron_kernels import triton_invariant_attention  # noqa: PLC0415 - GPU only, needs triton
-                triton_invariant_attention.attend_step(q[:rows], meta, k_cache, v_cache, self.scale, out[:rows], **scales)
+                triton_invariant_attention.attend_step(q[:rows], meta, k_cache, v_cache, self.scale, out[:rows],
+                                                       **scales)
                 return out
             out[:rows] = self._attend_invariant(q[:rows], meta, k_cache, v_cache, scales)
             return out
