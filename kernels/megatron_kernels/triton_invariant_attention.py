@@ -1,6 +1,7 @@
 """Batch-invariant paged attention in Triton: the GPU side of ``--batch-invariant``'s attention.
 
-One program per (query row, query head). A program reads which sequence its row belongs to and the
+One program per (query row, query head), a row's heads side by side in the grid (the query heads
+that share a KV head read its keys one after another, from L2). A program reads which sequence its row belongs to and the
 row's position from device tensors, finds the sequence's keys through its block-table row, and
 reduces keys ``0..position`` in blocks of :data:`KEY_BLOCK` keys from key 0, one block after another,
 with an online softmax in float32 (``exp2``, the scale folded with ``log2 e``). Nothing in a program
@@ -51,6 +52,7 @@ def _invariant_attention_kernel(
     stride_bt,
     stride_or, stride_oh,
     stride_sb, stride_so,
+    NUM_HEADS: tl.constexpr,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -58,8 +60,9 @@ def _invariant_attention_kernel(
     KEY_BLOCK: tl.constexpr,
     KV_FP8: tl.constexpr,
 ):
-    row = tl.program_id(0)
-    head = tl.program_id(1)
+    program = tl.program_id(0)  # the heads of a row are neighbours: a KV head's GROUP readers run together
+    row = program // NUM_HEADS
+    head = program % NUM_HEADS
     kv_head = head // GROUP
     seq = tl.load(sequence_ptr + row).to(tl.int64)
     position = tl.load(positions_ptr + row).to(tl.int32)  # keys 0..position; negative: a padding row
@@ -127,7 +130,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     q = q if q.stride(-1) == 1 else q.contiguous()
     block_tables = block_tables if block_tables.stride(-1) == 1 else block_tables.contiguous()
     fp8 = k_scales is not None
-    _invariant_attention_kernel[(rows, heads)](
+    _invariant_attention_kernel[(rows * heads,)](
         q, k_cache, v_cache, block_tables, sequence.contiguous(), positions.contiguous(), out,
         k_scales if fp8 else out, v_scales if fp8 else out,
         float(scale) * _LOG2E,
@@ -137,7 +140,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         block_tables.stride(0),
         out.stride(0), out.stride(1),
         *scale_strides(k_scales),
-        GROUP=heads // kv_heads, HEAD_DIM=head_dim, BLOCK_D=next_pow2(head_dim), BLOCK_SIZE=block_size,
+        NUM_HEADS=heads, GROUP=heads // kv_heads, HEAD_DIM=head_dim, BLOCK_D=next_pow2(head_dim), BLOCK_SIZE=block_size,
         KEY_BLOCK=key_block, KV_FP8=fp8, num_warps=NUM_WARPS,
     )
     return out
