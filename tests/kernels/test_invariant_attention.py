@@ -7,10 +7,10 @@ interpreted."""
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import pytest
 import torch
+
+from megatron_serve.model.attention import AttentionMetadata, ForwardContext, PagedAttention
 
 from megatron_kernels.triton_invariant_attention import (
     KEY_BLOCK, attend_step, dense_attention, paged_attention, plain_attention, reference_attention, step_rows)
@@ -85,26 +85,31 @@ def test_a_row_is_the_same_alone_and_in_batches_of_1_7_33(dtype: torch.dtype) ->
         assert torch.equal(alone[0], full[row])
 
 
-def _step(q: torch.Tensor, k_cache, v_cache, table, decode: list[tuple[int, int]],
-          chunks: list[tuple[int, int, int]]) -> torch.Tensor:
-    """An engine step through :func:`attend_step`: ``decode`` (sequence, length) rows, then prefill ``chunks``
-    (sequence, first position, rows), the queries of each row taken from ``q`` ``[S, L, Hq, D]`` at its position."""
+def _metadata(q: torch.Tensor, table: torch.Tensor, decode: list[tuple[int, int]],
+              chunks: list[tuple[int, int, int]]) -> tuple[torch.Tensor, AttentionMetadata]:
+    """An engine step's rows and metadata: ``decode`` (sequence, length) rows, then prefill ``chunks`` (sequence,
+    first position, rows), the query of each row taken from ``q`` ``[S, L, Hq, D]`` at its position."""
     rows = [q[s, n - 1] for s, n in decode] + [q[s, p] for s, first, count in chunks
                                               for p in range(first, first + count)]
     starts = [0]
     for _, _, count in chunks:
         starts.append(starts[-1] + count)
-    meta = SimpleNamespace(
-        num_decode_tokens=len(decode),
+    meta = AttentionMetadata(
+        slot_mapping=torch.full((len(rows),), -1, device=DEVICE), num_decode_tokens=len(decode),
         decode_block_tables=table[[s for s, _ in decode]] if decode else None,
         decode_context_lens=torch.tensor([n for _, n in decode], dtype=torch.int32, device=DEVICE) if decode else None,
         prefill_block_tables=table[[s for s, _, _ in chunks]] if chunks else None,
         prefill_query_start_loc=torch.tensor(starts, dtype=torch.int32, device=DEVICE) if chunks else None,
         prefill_context_lens=torch.tensor([f + c for _, f, c in chunks], dtype=torch.int32, device=DEVICE)
         if chunks else None)
-    stacked = torch.stack(rows)
-    out = torch.full_like(stacked, float("nan"))
-    return attend_step(stacked, meta, k_cache, v_cache, SCALE, out)
+    return torch.stack(rows), meta
+
+
+def _step(q: torch.Tensor, k_cache, v_cache, table, decode: list[tuple[int, int]],
+          chunks: list[tuple[int, int, int]]) -> torch.Tensor:
+    """The step of :func:`_metadata` through :func:`attend_step`, the engine's CUDA call."""
+    rows, meta = _metadata(q, table, decode, chunks)
+    return attend_step(rows, meta, k_cache, v_cache, SCALE, torch.full_like(rows, float("nan")))
 
 
 def test_prefill_decode_chunked_prefix_hit_and_mixed_steps_agree() -> None:
@@ -124,6 +129,21 @@ def test_prefill_decode_chunked_prefix_hit_and_mixed_steps_agree() -> None:
     assert torch.equal(mixed[11:], cold[16:])
     other = _step(q, k_cache, v_cache, table, [], [(1, 69, 1)])
     assert torch.equal(mixed[0], other[0])
+
+
+def test_a_step_reads_its_rows_as_the_cpu_mode_does() -> None:
+    """The same step's metadata through the CPU mode's attention (``PagedAttention`` in ``--batch-invariant``, its
+    GEMM formulation) and through the kernel: the same rows, sequences and positions (close: other sum orders)."""
+    k_cache, v_cache, table = Pool().layout(seed=34)
+    q = _randn(len(LENGTHS), max(LENGTHS), HEADS, DIM, seed=35)
+    rows, meta = _metadata(q, table, [(1, 70), (3, 33), (2, 4)], [(2, 0, 9), (0, 16, 34)])
+    attention = PagedAttention(0, SCALE, torch.device("cpu"))
+    attention.batch_invariant = True
+    on_cpu = AttentionMetadata(**{k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in vars(meta).items()})
+    caches = [(k_cache.nan_to_num(0.0).cpu(), v_cache.nan_to_num(0.0).cpu())]
+    cpu_mode = attention.attend(rows.cpu(), ForwardContext(on_cpu, caches))
+    kernel = attend_step(rows, meta, k_cache, v_cache, SCALE, torch.empty_like(rows))
+    torch.testing.assert_close(kernel.cpu(), cpu_mode, atol=1e-5, rtol=1e-5)
 
 
 def test_the_block_table_layout_changes_no_bit() -> None:
@@ -175,6 +195,26 @@ def test_variable_key_blocks_change_the_bits() -> None:
         other = paged_attention(q, k_cache, v_cache, table, sequence, positions, SCALE, key_block=block)
         torch.testing.assert_close(other, fixed, atol=1e-5, rtol=1e-5)
         assert not torch.equal(other, fixed)
+
+
+def test_an_fp8_cache_is_attention_over_its_dequantized_values() -> None:
+    """An FP8 cache (one scale per slot and head) is read as e4m3 and widened in registers: close to the kernel
+    over the dequantized float32 cache, and a row still the same alone as in a launch of 33."""
+    from megatron_kernels import fp8  # noqa: PLC0415
+
+    k_cache, v_cache, table = Pool().layout(seed=31)
+    shape = k_cache.shape
+    (k8, k_scales), (v8, v_scales) = (fp8.quantize_heads(c.nan_to_num(0.0).flatten(0, 1)) for c in (k_cache, v_cache))
+    k8, v8, k_scales, v_scales = k8.view(shape), v8.view(shape), k_scales.view(shape[:3]), v_scales.view(shape[:3])
+    q = _randn(33, HEADS, DIM, seed=32)
+    sequence, positions = _rows(33, seed=33)
+    out = paged_attention(q, k8, v8, table, sequence, positions, SCALE, k_scales=k_scales, v_scales=v_scales)
+    dequantized = [c.float() * s[..., None] for c, s in ((k8, k_scales), (v8, v_scales))]
+    torch.testing.assert_close(out, paged_attention(q, *dequantized, table, sequence, positions, SCALE),
+                               atol=1e-6, rtol=1e-6)
+    alone = paged_attention(q[20:21], k8, v8, table, sequence[20:21], positions[20:21], SCALE, k_scales=k_scales,
+                            v_scales=v_scales)
+    assert torch.equal(alone[0], out[20])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
