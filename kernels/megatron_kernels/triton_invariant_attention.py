@@ -1,9 +1,10 @@
 """Batch-invariant paged attention in Triton: the GPU side of ``--batch-invariant``'s attention.
 
 One program per (query row, query head), a row's heads side by side in the grid (the query heads
-that share a KV head read its keys one after another, from L2). A program reads which sequence its row belongs to and the
-row's position from device tensors, finds the sequence's keys through its block-table row, and
-reduces keys ``0..position`` in blocks of :data:`KEY_BLOCK` keys from key 0, one block after another,
+that share a KV head read its keys one after another, from L2). A program finds its row's position
+and block-table row in the step's metadata as the engine left it on the device (a decode row: its
+sequence's length; a prefill row: its chunk by binary search over the chunks' starts, then the
+chunk's length and offset), with no PyTorch op per layer, and reduces keys ``0..position`` in blocks of :data:`KEY_BLOCK` keys from key 0, one block after another,
 with an online softmax in float32 (``exp2``, the scale folded with ``log2 e``). Nothing in a program
 depends on the other rows of the launch: the grid, the tile shapes and the warps come from the head
 size and :data:`KEY_BLOCK` alone, and a row's loop runs over its own position. A decode row, a
@@ -41,15 +42,15 @@ NUM_WARPS = 4
 _LOG2E = 1.4426950408889634
 
 
-@triton.jit(do_not_specialize=["stride_qr", "stride_bt", "stride_or"])
+@triton.jit(do_not_specialize=["num_decode", "num_chunks", "search_steps", "stride_dt", "stride_pt"])
 def _invariant_attention_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, sequence_ptr, positions_ptr, out_ptr,
-    k_scale_ptr, v_scale_ptr,
-    qk_scale,
+    q_ptr, k_cache_ptr, v_cache_ptr, decode_tables_ptr, decode_lens_ptr, prefill_tables_ptr, starts_ptr,
+    prefill_lens_ptr, out_ptr, k_scale_ptr, v_scale_ptr,
+    qk_scale, num_decode, num_chunks, search_steps,
     stride_qr, stride_qh,
     stride_kb, stride_ko, stride_kh,
     stride_vb, stride_vo, stride_vh,
-    stride_bt,
+    stride_dt, stride_pt,
     stride_or, stride_oh,
     stride_sb, stride_so,
     NUM_HEADS: tl.constexpr,
@@ -64,8 +65,22 @@ def _invariant_attention_kernel(
     row = program // NUM_HEADS
     head = program % NUM_HEADS
     kv_head = head // GROUP
-    seq = tl.load(sequence_ptr + row).to(tl.int64)
-    position = tl.load(positions_ptr + row).to(tl.int32)  # keys 0..position; negative: a padding row
+    if row < num_decode:  # a decode row: its sequence's length includes it
+        table = decode_tables_ptr + row.to(tl.int64) * stride_dt
+        position = tl.load(decode_lens_ptr + row).to(tl.int32) - 1  # keys 0..position; negative: padding
+    else:  # a prefill row: its chunk is the last one starting at or before it
+        index = row - num_decode
+        lo = num_chunks * 0
+        hi = num_chunks - 1
+        for _ in range(search_steps):
+            mid = (lo + hi + 1) // 2
+            ok = tl.load(starts_ptr + mid) <= index
+            lo = tl.where(ok, mid, lo)
+            hi = tl.where(ok, hi, mid - 1)
+        start = tl.load(starts_ptr + lo)
+        count = tl.load(starts_ptr + lo + 1) - start
+        position = (tl.load(prefill_lens_ptr + lo) - count + index - start).to(tl.int32)
+        table = prefill_tables_ptr + lo.to(tl.int64) * stride_pt
 
     d = tl.arange(0, BLOCK_D)
     d_mask = d < HEAD_DIM
@@ -73,11 +88,10 @@ def _invariant_attention_kernel(
     m_i = tl.max(tl.full([KEY_BLOCK], float("-inf"), tl.float32), axis=0)
     l_i = tl.sum(tl.zeros([KEY_BLOCK], tl.float32), axis=0)
     acc = tl.zeros([BLOCK_D], tl.float32)
-    table = block_tables_ptr + seq * stride_bt
     k_base = k_cache_ptr + kv_head * stride_kh
     v_base = v_cache_ptr + kv_head * stride_vh
-    for start in range(0, position + 1, KEY_BLOCK):
-        n = start + tl.arange(0, KEY_BLOCK)
+    for key_start in range(0, position + 1, KEY_BLOCK):
+        n = key_start + tl.arange(0, KEY_BLOCK)
         n_mask = n <= position
         block = tl.load(table + n // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
         offset = n % BLOCK_SIZE
@@ -103,17 +117,11 @@ def _invariant_attention_kernel(
              mask=d_mask)
 
 
-def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                    sequence: torch.Tensor, positions: torch.Tensor, scale: float, *,
-                    k_scales: torch.Tensor | None = None, v_scales: torch.Tensor | None = None,
-                    out: torch.Tensor | None = None, key_block: int = KEY_BLOCK) -> torch.Tensor:
-    """Causal attention of ``q`` ``[R, Hq, D]`` over a paged cache ``[blocks, block_size, Hkv, D]``.
-
-    Row ``r`` reads the sequence ``sequence[r]`` (a row of ``block_tables``) up to key ``positions[r]``
-    (negative: no key, zeros out). ``out`` (rows of a persistent buffer) gets the result in ``q``'s
-    dtype. ``key_block`` exists for the tests' negative control only: a block that changes with the
-    launch (split-K, a block per chunk) changes the bits, which is what the fixed :data:`KEY_BLOCK` prevents.
-    """
+def _launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor | None, scale: float,
+            decode: tuple[torch.Tensor, torch.Tensor] | None, prefill: tuple[torch.Tensor, ...] | None,
+            k_scales: torch.Tensor | None, v_scales: torch.Tensor | None, key_block: int) -> torch.Tensor:
+    """One launch over ``q``'s rows: ``decode`` (tables, lengths) rows first, then ``prefill`` (tables, chunk
+    starts ``[P + 1]``, lengths) chunks; either may be ``None``."""
     check_cache(k_cache, v_cache, k_scales, v_scales)
     if k_scales is not None and not fp8_native(q.device):
         raise NotImplementedError("an FP8 cache needs compute capability 8.9 for the invariant attention kernel")
@@ -128,58 +136,64 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     if rows == 0:
         return out
     q = q if q.stride(-1) == 1 else q.contiguous()
-    block_tables = block_tables if block_tables.stride(-1) == 1 else block_tables.contiguous()
+    decode_tables, decode_lens = decode if decode is not None else (None, None)
+    prefill_tables, starts, prefill_lens = prefill if prefill is not None else (None, None, None)
+    decode_tables = _rows_contiguous(decode_tables if decode_tables is not None else prefill_tables)
+    prefill_tables = _rows_contiguous(prefill_tables if prefill_tables is not None else decode_tables)
+    num_decode = 0 if decode is None else decode_lens.shape[0]
+    num_chunks = 0 if prefill is None else prefill_lens.shape[0]
     fp8 = k_scales is not None
     _invariant_attention_kernel[(rows * heads,)](
-        q, k_cache, v_cache, block_tables, sequence.contiguous(), positions.contiguous(), out,
+        q, k_cache, v_cache, decode_tables, decode_lens if decode is not None else prefill_lens,
+        prefill_tables, starts if prefill is not None else decode_lens,
+        prefill_lens if prefill is not None else decode_lens, out,
         k_scales if fp8 else out, v_scales if fp8 else out,
-        float(scale) * _LOG2E,
+        float(scale) * _LOG2E, num_decode, num_chunks, max(num_chunks - 1, 0).bit_length(),
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        block_tables.stride(0),
+        decode_tables.stride(0), prefill_tables.stride(0),
         out.stride(0), out.stride(1),
         *scale_strides(k_scales),
-        NUM_HEADS=heads, GROUP=heads // kv_heads, HEAD_DIM=head_dim, BLOCK_D=next_pow2(head_dim), BLOCK_SIZE=block_size,
-        KEY_BLOCK=key_block, KV_FP8=fp8, num_warps=NUM_WARPS,
+        NUM_HEADS=heads, GROUP=heads // kv_heads, HEAD_DIM=head_dim, BLOCK_D=next_pow2(head_dim),
+        BLOCK_SIZE=block_size, KEY_BLOCK=key_block, KV_FP8=fp8, num_warps=NUM_WARPS,
     )
     return out
 
 
-def step_rows(rows: int, num_decode: int, decode_lens: torch.Tensor | None, prefill_tables: torch.Tensor | None,
-              prefill_starts: torch.Tensor | None, prefill_lens: torch.Tensor | None,
-              decode_tables: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(block_tables, sequence, positions)`` of an engine step's first ``rows`` rows, on the device without a
-    host sync: decode rows first (one per sequence, at ``len - 1``), then the prefill chunks (a row's
-    sequence by ``searchsorted`` over the chunks' starts; its position is the chunk's first plus its offset)."""
-    tables, sequence, positions = [], [], []
-    device = (decode_lens if decode_lens is not None else prefill_lens).device
-    if num_decode:
-        tables.append(decode_tables)
-        sequence.append(torch.arange(num_decode, device=device))
-        positions.append(decode_lens[:num_decode].long() - 1)
-    if prefill_tables is not None and rows > num_decode:
-        starts = prefill_starts.long()
-        index = torch.arange(rows - num_decode, device=device)
-        seq = torch.searchsorted(starts[1:], index, right=True)
-        first = prefill_lens.long() - (starts[1:] - starts[:-1])  # the chunk's first position
-        tables.append(prefill_tables)
-        sequence.append(seq + num_decode)
-        positions.append(index - starts[seq] + first[seq])
-    table = tables[0] if len(tables) == 1 else torch.cat(tables)
-    return table, torch.cat(sequence), torch.cat(positions)
+def _rows_contiguous(table: torch.Tensor) -> torch.Tensor:
+    return table if table.stride(-1) == 1 else table.contiguous()
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                    sequence: torch.Tensor, positions: torch.Tensor, scale: float, *,
+                    k_scales: torch.Tensor | None = None, v_scales: torch.Tensor | None = None,
+                    out: torch.Tensor | None = None, key_block: int = KEY_BLOCK) -> torch.Tensor:
+    """Causal attention of ``q`` ``[R, Hq, D]`` over a paged cache ``[blocks, block_size, Hkv, D]``.
+
+    Row ``r`` reads the sequence ``sequence[r]`` (a row of ``block_tables``) up to key ``positions[r]``
+    (negative: no key, zeros out): each row is launched as a decode row of its own (its table row
+    gathered, its length ``position + 1``), the arithmetic every row of :func:`attend_step` meets.
+    ``out`` gets the result in ``q``'s dtype. ``key_block`` exists for the tests' negative control only:
+    a block that changes with the launch (split-K, a block per chunk) changes the bits, which is what the
+    fixed :data:`KEY_BLOCK` prevents.
+    """
+    tables = block_tables[sequence]
+    lens = (positions + 1).to(torch.int32)
+    return _launch(q, k_cache, v_cache, out, scale, (tables, lens), None, k_scales, v_scales, key_block)
 
 
 def attend_step(q: torch.Tensor, meta, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float,
                 out: torch.Tensor, k_scales: torch.Tensor | None = None,
                 v_scales: torch.Tensor | None = None) -> torch.Tensor:
-    """The engine's step (``meta``: its ``AttentionMetadata``) through :func:`paged_attention`, every row of
-    ``q`` into ``out``: decode rows and prefill chunks in one launch."""
-    table, sequence, positions = step_rows(
-        q.shape[0], meta.num_decode_tokens, meta.decode_context_lens, meta.prefill_block_tables,
-        meta.prefill_query_start_loc, meta.prefill_context_lens, meta.decode_block_tables)
-    return paged_attention(q, k_cache, v_cache, table, sequence, positions, scale, k_scales=k_scales,
-                           v_scales=v_scales, out=out)
+    """The engine's step (``meta``: its ``AttentionMetadata``), every row of ``q`` into ``out`` in one launch:
+    the kernel reads the decode lengths, the chunks' starts and lengths and the block tables as the step
+    left them on the device (no PyTorch op per layer, nothing read back: capturable)."""
+    decode = (meta.decode_block_tables, meta.decode_context_lens) if meta.num_decode_tokens else None
+    prefill = None
+    if meta.prefill_block_tables is not None and q.shape[0] > meta.num_decode_tokens:
+        prefill = (meta.prefill_block_tables, meta.prefill_query_start_loc, meta.prefill_context_lens)
+    return _launch(q, k_cache, v_cache, out, scale, decode, prefill, k_scales, v_scales, KEY_BLOCK)
 
 
 def dense_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, sequence: torch.Tensor,

@@ -13,7 +13,7 @@ import torch
 from megatron_serve.model.attention import AttentionMetadata, ForwardContext, PagedAttention
 
 from megatron_kernels.triton_invariant_attention import (
-    KEY_BLOCK, attend_step, dense_attention, paged_attention, plain_attention, reference_attention, step_rows)
+    KEY_BLOCK, attend_step, dense_attention, paged_attention, plain_attention, reference_attention)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 BLOCK, KV_HEADS, HEADS, DIM, SCALE = 16, 2, 4, 16, 0.25
@@ -154,13 +154,21 @@ def test_the_block_table_layout_changes_no_bit() -> None:
     assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
 
 
-def test_step_rows_places_decode_rows_then_chunks() -> None:
-    table = torch.arange(12, dtype=torch.int32, device=DEVICE).view(4, 3)
-    starts = torch.tensor([0, 3, 5], device=DEVICE)
-    tables, sequence, positions = step_rows(7, 2, torch.tensor([5, 1, 0, 0], device=DEVICE), table[2:],
-                                            starts, torch.tensor([3, 10], device=DEVICE), table[:2])
-    assert torch.equal(tables, table)
-    assert sequence.tolist() == [0, 1, 2, 2, 2, 3, 3] and positions.tolist() == [4, 0, 0, 1, 2, 8, 9]
+def test_a_step_of_many_chunks_finds_each_row_s_chunk() -> None:
+    """Five prefill chunks after three decode rows (the kernel's binary search over the chunks' starts takes three
+    steps): every row as its sequence's own row at that position, launched alone."""
+    pool = Pool()
+    k_cache, v_cache, table = pool.layout(seed=36)
+    q = _randn(len(LENGTHS), max(LENGTHS), HEADS, DIM, seed=37)
+    decode, chunks = [(0, 50), (1, 2), (3, 33)], [(2, 0, 3), (1, 40, 1), (0, 10, 5), (3, 31, 2), (1, 60, 10)]
+    rows, _ = _metadata(q, table, decode, chunks)
+    step = _step(q, k_cache, v_cache, table, decode, chunks)
+    sequence = [s for s, _ in decode] + [s for s, _, count in chunks for _ in range(count)]
+    positions = [n - 1 for _, n in decode] + [p for _, first, count in chunks for p in range(first, first + count)]
+    for row, (seq, position) in enumerate(zip(sequence, positions)):
+        alone = paged_attention(rows[row:row + 1], k_cache, v_cache, table, torch.tensor([seq], device=DEVICE),
+                                torch.tensor([position], device=DEVICE), SCALE)
+        assert torch.equal(alone[0], step[row]), f"row {row}"
 
 
 def test_close_to_the_pytorch_twin_and_to_plain_softmax_attention() -> None:
