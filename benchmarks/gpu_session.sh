@@ -75,11 +75,12 @@ case ${1:-tests} in
     step fp8_agreement 120 python3 benchmarks/fp8.py agreement
     step fp8_targets 540 python3 benchmarks/fp8.py targets
     ;;
-  invariant)
-    step pytest_invariant_kernels 180 python3 -m pytest -q -p no:cacheprovider --timeout 120 -rfEs \
-      tests/kernels/test_invariant_attention.py tests/kernels/test_invariant_kernels.py
+  invariant)  # the GPU kernels' checks and their cost first: the steps together outlast one 10-minute call
+    step pytest_invariant_gpu 240 python3 -m pytest -q -p no:cacheprovider --timeout 120 -rfEs \
+      tests/kernels/test_invariant_attention.py tests/kernels/test_invariant_kernels.py \
+      tests/invariance/test_invariant_cuda_graphs.py
+    step invariant_gpu 300 python3 benchmarks/invariant_gpu.py --batches 1,64,256
     step pytest_invariant 420 python3 -m pytest -q -p no:cacheprovider --timeout 300 -rfEs --durations 10 tests/invariance
-    step invariant_gpu 420 python3 benchmarks/invariant_gpu.py --batches 1,64,256
     step parity_invariant 300 python3 -m pytest -q -p no:cacheprovider -rfE tests/parity/test_vs_itself_invariant.py \
       --parity-device cuda --parity-dtype bfloat16 --parity-cases 400
     step batch_invariance 540 python3 benchmarks/batch_invariance.py --device cuda --dtype bfloat16 --hidden-size 1024 --layers 8 \
