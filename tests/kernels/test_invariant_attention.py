@@ -34,19 +34,19 @@ class Pool:
         self.values = [_randn(n, KV_HEADS, DIM, seed=20 + i, dtype=dtype) for i, n in enumerate(LENGTHS)]
         self.blocks, self.dtype = blocks, dtype
 
-    def layout(self, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``(k_cache, v_cache, table)`` with the sequences' blocks at a random permutation of the cache."""
-        width = max(-(-n // BLOCK) for n in LENGTHS)
+    def layout(self, seed: int, block: int = BLOCK) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(k_cache, v_cache, table)`` with the sequences' ``block``-key blocks at a random permutation of the cache."""
+        width = max(-(-n // block) for n in LENGTHS)
         free = torch.randperm(self.blocks, generator=torch.Generator().manual_seed(seed)).tolist()
         table = torch.zeros(len(LENGTHS), width, dtype=torch.int32)
-        k_cache = torch.full((self.blocks, BLOCK, KV_HEADS, DIM), float("nan"), dtype=self.dtype, device=DEVICE)
+        k_cache = torch.full((self.blocks, block, KV_HEADS, DIM), float("nan"), dtype=self.dtype, device=DEVICE)
         v_cache = k_cache.clone()
         for s, n in enumerate(LENGTHS):
-            for b in range(-(-n // BLOCK)):
+            for b in range(-(-n // block)):
                 table[s, b] = physical = free.pop()
-                end = min(n, (b + 1) * BLOCK)
-                k_cache[physical, :end - b * BLOCK] = self.keys[s][b * BLOCK:end]
-                v_cache[physical, :end - b * BLOCK] = self.values[s][b * BLOCK:end]
+                end = min(n, (b + 1) * block)
+                k_cache[physical, :end - b * block] = self.keys[s][b * block:end]
+                v_cache[physical, :end - b * block] = self.values[s][b * block:end]
         return k_cache, v_cache, table.to(DEVICE)
 
     def dense(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -226,13 +226,15 @@ def test_an_fp8_cache_is_attention_over_its_dequantized_values() -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_dense_entry_gives_the_engine_s_bits(dtype: torch.dtype) -> None:
-    """A trainer's unpaged K/V through :func:`dense_attention` (what ``megatron_invariant`` runs on CUDA) equals
-    the engine's paged launch bit for bit."""
+@pytest.mark.parametrize("block", [16, 64])
+def test_the_dense_entry_gives_the_engine_s_bits(dtype: torch.dtype, block: int) -> None:
+    """A trainer's unpaged K/V through :func:`dense_attention` (what ``megatron_invariant`` runs on CUDA, in
+    64-key pages) equals the engine's paged launch bit for bit, with the engine's CUDA default of 64-token
+    blocks and with 16 (on a GPU another compiled variant: the page size must move addresses only)."""
     pool = Pool(dtype)
     q = _randn(33, HEADS, DIM, seed=18, dtype=dtype)
     sequence, positions = _rows(33, seed=19)
-    engine = paged_attention(q, *pool.layout(seed=20), sequence, positions, SCALE)
+    engine = paged_attention(q, *pool.layout(seed=20, block=block), sequence, positions, SCALE)
     assert torch.equal(dense_attention(q, *pool.dense(), sequence, positions, SCALE), engine)
 
 
@@ -260,8 +262,8 @@ def test_hf_attention_on_cuda_runs_the_engine_kernel() -> None:
     out, _ = hf_attention(torch.nn.Module(), query, keys, values, None, scaling=SCALE)
     sequence = torch.arange(len(LENGTHS), device=DEVICE).repeat_interleave(length)
     positions = torch.arange(length, device=DEVICE).repeat(len(LENGTHS))
-    engine = paged_attention(query.transpose(1, 2).reshape(-1, HEADS, DIM), *pool.layout(seed=25), sequence,
-                             positions, SCALE)
+    engine = paged_attention(query.transpose(1, 2).reshape(-1, HEADS, DIM), *pool.layout(seed=25, block=64),
+                             sequence, positions, SCALE)
     real = positions < torch.tensor(LENGTHS, device=DEVICE)[sequence]
     assert torch.equal(out.reshape(-1, HEADS, DIM)[real], engine[real])
 
