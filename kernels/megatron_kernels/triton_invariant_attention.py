@@ -4,13 +4,14 @@ One program per (query row, query head), a row's heads side by side in the grid 
 that share a KV head read its keys one after another, from L2). A program finds its row's position
 and block-table row in the step's metadata as the engine left it on the device (a decode row: its
 sequence's length; a prefill row: its chunk by binary search over the chunks' starts, then the
-chunk's length and offset), with no PyTorch op per layer, and reduces keys ``0..position`` in blocks of :data:`KEY_BLOCK` keys from key 0, one block after another,
-with an online softmax in float32 (``exp2``, the scale folded with ``log2 e``). Nothing in a program
-depends on the other rows of the launch: the grid, the tile shapes and the warps come from the head
-size and :data:`KEY_BLOCK` alone, and a row's loop runs over its own position. A decode row, a
+chunk's length and offset), so the engine runs no PyTorch op per layer for it. It reduces keys
+``0..position`` in blocks of :data:`KEY_BLOCK` keys from key 0, one block after another, with an
+online softmax in float32 (``exp2``, the scale folded with ``log2 e``). Nothing in a program depends
+on the other rows of the launch: tile shapes and warps come from the head size and :data:`KEY_BLOCK`
+alone (more rows only add programs), and a row's loop runs over its own position. A decode row, a
 prefill row, a chunked-prefill row and a row after a prefix-cache hit at the same position over the
-same keys therefore compute the same bits, in a batch of one or of hundreds. No value is read back
-to the host, so the launch can be captured in a CUDA graph.
+same keys therefore compute the same bits, in a launch of one row or of thousands. No value is read
+back to the host, so the launch can be captured in a CUDA graph.
 
 The CPU mode keeps :func:`megatron_kernels.invariant.attention` (MKL GEMMs in 16-row tiles). The two
 order the head-dimension dot product differently and agree to float32 rounding, not bit for bit: a

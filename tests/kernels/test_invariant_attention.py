@@ -35,7 +35,7 @@ class Pool:
         self.blocks, self.dtype = blocks, dtype
 
     def layout(self, seed: int, block: int = BLOCK) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``(k_cache, v_cache, table)`` with the sequences' ``block``-key blocks at a random permutation of the cache."""
+        """``(k_cache, v_cache, table)``: the sequences' ``block``-key blocks at a random permutation of the cache."""
         width = max(-(-n // block) for n in LENGTHS)
         free = torch.randperm(self.blocks, generator=torch.Generator().manual_seed(seed)).tolist()
         table = torch.zeros(len(LENGTHS), width, dtype=torch.int32)
