@@ -190,7 +190,8 @@ def attend_step(q: torch.Tensor, meta, k_cache: torch.Tensor, v_cache: torch.Ten
     """The engine's step (``meta``: its ``AttentionMetadata``), every row of ``q`` into ``out`` in one launch:
     the kernel reads the decode lengths, the chunks' starts and lengths and the block tables as the step
     left them on the device (no PyTorch op per layer, nothing read back: capturable)."""
-    decode = (meta.decode_block_tables, meta.decode_context_lens) if meta.num_decode_tokens else None
+    count = meta.num_decode_tokens
+    decode = (meta.decode_block_tables, meta.decode_context_lens[:count]) if count else None
     prefill = None
     if meta.prefill_block_tables is not None and q.shape[0] > meta.num_decode_tokens:
         prefill = (meta.prefill_block_tables, meta.prefill_query_start_loc, meta.prefill_context_lens)
