@@ -13,7 +13,8 @@ import os
 import pytest
 import torch
 
-os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton: CPU tensors go through the interpreter
+if not torch.cuda.is_available():  # before triton: CPU tensors go through the interpreter (a GPU runs natively)
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from megatron_kernels import triton_invariant_attention  # noqa: E402
 from megatron_serve.model.attention import PagedAttention  # noqa: E402
