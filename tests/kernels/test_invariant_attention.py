@@ -225,6 +225,20 @@ def test_an_fp8_cache_is_attention_over_its_dequantized_values() -> None:
     assert torch.equal(alone[0], out[20])
 
 
+def test_the_default_decode_kernel_changes_bits_with_its_split_count() -> None:
+    """Negative control: the default mode's decode kernel picks its split-K count from the batch
+    (``split_count``: fewer sequences, more splits); a decode row gets other bits at another split count."""
+    from megatron_kernels.triton_decode_attention import paged_attention_decode  # noqa: PLC0415
+
+    k_cache, v_cache, table = Pool().layout(seed=38)
+    q = _randn(len(LENGTHS), HEADS, DIM, seed=39)
+    lens = torch.tensor(LENGTHS, dtype=torch.int32, device=DEVICE)
+    one, four = (paged_attention_decode(q, k_cache, v_cache, table, lens, SCALE, num_splits=n, block_n=16)
+                 for n in (1, 4))
+    torch.testing.assert_close(four, one, atol=1e-5, rtol=1e-5)
+    assert not torch.equal(four, one)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("block", [16, 64])
 def test_the_dense_entry_gives_the_engine_s_bits(dtype: torch.dtype, block: int) -> None:
