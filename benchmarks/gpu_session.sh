@@ -6,8 +6,11 @@
 #   bash benchmarks/gpu_session.sh serving   # served vs offline, 1B shape, c=64 (greedy and sampled side by side) and c=256
 #   bash benchmarks/gpu_session.sh bench     # decode roofline (1B), fused MoE, MoE/VLM throughput, weight sync
 #   bash benchmarks/gpu_session.sh fp8       # the FP8 tests natively, then benchmarks/fp8.py's tables (8B shape)
-#   bash benchmarks/gpu_session.sh invariant # --batch-invariant: the invariance and trainer-parity tests, the
-#                                            # engine-against-itself search in the mode (bf16), then its cost table
+#   bash benchmarks/gpu_session.sh invariant # --batch-invariant: the invariant Triton kernels' tests (attention in
+#                                            # CUDA graphs included), the invariance, graphs-vs-eager and trainer-parity
+#                                            # tests, the engine-against-itself search in the mode (bf16), the mode's
+#                                            # decode throughput against the default at batch 1/64/256 (1B shape,
+#                                            # graphs on), then its cost table
 #   bash benchmarks/gpu_session.sh speculative # speculative decoding: the draft-model tests natively, then
 #                                            # benchmarks/speculative.py's table (pair trained on the GPU, bf16)
 #
@@ -72,8 +75,12 @@ case ${1:-tests} in
     step fp8_agreement 120 python3 benchmarks/fp8.py agreement
     step fp8_targets 540 python3 benchmarks/fp8.py targets
     ;;
-  invariant)
-    step pytest_invariant 420 python3 -m pytest -q -p no:cacheprovider --timeout 300 -rfE --durations 10 tests/invariance
+  invariant)  # the GPU kernels' checks and their cost first: the steps together outlast one 10-minute call
+    step pytest_invariant_gpu 240 python3 -m pytest -q -p no:cacheprovider --timeout 120 -rfEs \
+      tests/kernels/test_invariant_attention.py tests/kernels/test_invariant_kernels.py \
+      tests/invariance/test_invariant_cuda_graphs.py
+    step invariant_gpu 300 python3 benchmarks/invariant_gpu.py --batches 1,64,256
+    step pytest_invariant 420 python3 -m pytest -q -p no:cacheprovider --timeout 300 -rfEs --durations 10 tests/invariance
     step parity_invariant 300 python3 -m pytest -q -p no:cacheprovider -rfE tests/parity/test_vs_itself_invariant.py \
       --parity-device cuda --parity-dtype bfloat16 --parity-cases 400
     step batch_invariance 540 python3 benchmarks/batch_invariance.py --device cuda --dtype bfloat16 --hidden-size 1024 --layers 8 \

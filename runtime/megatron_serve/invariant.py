@@ -6,7 +6,8 @@ A trainer that imports this module (it needs ``torch`` only, not the server's de
   embedding's ``cos``/``sin`` use the engine's batch-invariant ops (:mod:`megatron_kernels.invariant`);
 * the attention implementation ``"megatron_invariant"``, registered with ``transformers`` on import
   when ``transformers`` is installed: keys reduced in fixed blocks from position 0, the engine's
-  attention for prefill, decode and prefix-cache hits alike;
+  attention for prefill, decode and prefix-cache hits alike (on CUDA the engine's Triton kernel,
+  ``triton_invariant_attention.dense_attention``, which needs ``triton``);
 * :func:`use_invariant_norms`, which routes a model's RMSNorm modules through the engine's RMSNorm:
   the same bits as ``transformers``' own on CPU, the engine's one-row-per-program Triton kernel on a
   GPU (where PyTorch's reductions pick their split by the row count, and the engine does not use them).
@@ -70,7 +71,11 @@ def hf_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor
     sequence = torch.arange(batch, device=query.device).repeat_interleave(length)
     positions = (torch.arange(length, device=query.device) + key.shape[2] - length).repeat(batch)
     scale = scaling if scaling is not None else dim**-0.5
-    out = attention(rows, key.transpose(0, 1), value.transpose(0, 1), sequence, positions, scale)
+    if query.is_cuda:  # the engine's Triton kernel over a paged view of this K/V: the engine's bits on this GPU
+        from megatron_kernels.triton_invariant_attention import dense_attention  # noqa: PLC0415 - needs triton
+        out = dense_attention(rows, key, value, sequence, positions, scale)
+    else:
+        out = attention(rows, key.transpose(0, 1), value.transpose(0, 1), sequence, positions, scale)
     return out.view(batch, length, heads, dim), None
 
 

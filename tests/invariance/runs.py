@@ -101,7 +101,7 @@ def trainer_log_probs(model_dir: str, dtype: str, run: TargetRun, invariant: boo
     ``batch_invariant()`` and ``megatron_invariant`` attention, else as it loads by default."""
     import transformers  # noqa: PLC0415 - the trainer's library, only where a test plays the trainer
 
-    from megatron_serve.invariant import ATTENTION_NAME, batch_invariant  # noqa: PLC0415
+    from megatron_serve.invariant import ATTENTION_NAME, batch_invariant, use_invariant_norms  # noqa: PLC0415
 
     config = transformers.AutoConfig.from_pretrained(model_dir)
     moe = any(hasattr(config, name) for name in ("num_experts", "num_local_experts"))
@@ -110,6 +110,8 @@ def trainer_log_probs(model_dir: str, dtype: str, run: TargetRun, invariant: boo
     model = transformers.AutoModelForCausalLM.from_pretrained(
         model_dir, dtype=getattr(torch, dtype), attn_implementation=ATTENTION_NAME if invariant else "sdpa", **experts)
     model = model.to(tensor_parallel_device(1)).eval()  # where the engine ran
+    if invariant:  # the recipe: on a GPU the engine's norm is its Triton kernel (on CPU the same ops as before)
+        use_invariant_norms(model)
     ids = torch.tensor([run.prompt + run.tokens], device=model.device)
     with torch.inference_mode():
         if invariant:

@@ -92,7 +92,7 @@ def main(capability: int, quick: bool = False) -> int:
     from megatron_kernels import _triton_utils, fp8  # noqa: PLC0415
     from megatron_kernels import triton_activation, triton_decode_attention, triton_kv_cache  # noqa: PLC0415
     from megatron_kernels import triton_fp8_linear, triton_moe, triton_norm  # noqa: PLC0415
-    from megatron_kernels import triton_prefill_attention, triton_rotary  # noqa: PLC0415
+    from megatron_kernels import triton_invariant_attention, triton_prefill_attention, triton_rotary  # noqa: PLC0415
 
     modules = (triton_activation, triton_decode_attention, triton_kv_cache, triton_moe, triton_norm,
                triton_prefill_attention, triton_rotary, triton_fp8_linear)
@@ -138,6 +138,13 @@ def main(capability: int, quick: bool = False) -> int:
         for moe_tokens in (4, 512):  # decode (16-row blocks) and prefill (64-row blocks)
             ids = torch.randint(0, 8, (moe_tokens, 2))
             ops.fused_moe(torch.randn(moe_tokens, 2048, dtype=dtype), w13, w2, torch.rand(moe_tokens, 2), ids)
+        rows = torch.zeros(tokens, dtype=torch.long)  # --batch-invariant's attention, plain and over an FP8 cache
+        triton_invariant_attention.paged_attention(q, k_cache, v_cache, tables, rows, rows, 0.1)
+        if capability >= 89:
+            k8, kv_scales = torch.zeros(num_blocks, block_size, hkv, head_dim, dtype=torch.float8_e4m3fn), \
+                torch.zeros(num_blocks, block_size, hkv)
+            triton_invariant_attention.paged_attention(q, k8, k8, tables, rows, rows, 0.1, k_scales=kv_scales,
+                                                       v_scales=kv_scales)
         if capability >= 89:  # FP8: e4m3 conversions and FP8 tl.dot need Ada or Hopper
             _fp8_launches(ops, fp8, dtype, q, k, positions, cos, tables, lens, qsl, hkv, head_dim)
     print(f"{len(compiled)} launches compiled for sm_{capability}, {len(failures)} failed")

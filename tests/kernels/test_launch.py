@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from megatron_kernels import (_triton_utils, triton_activation, triton_decode_attention, triton_fp8_linear,
-                              triton_kv_cache, triton_moe, triton_norm, triton_prefill_attention, triton_rotary)
+                              triton_invariant_attention, triton_kv_cache, triton_moe, triton_norm,
+                              triton_prefill_attention, triton_rotary)
 
 # Integer arguments that change from one engine step to the next. Triton compiles a kernel variant per
 # class of an integer's value (1, a multiple of 16, other) unless told not to: a new class met
@@ -19,6 +20,8 @@ from megatron_kernels import (_triton_utils, triton_activation, triton_decode_at
 PER_STEP_ARGUMENTS = [
     (triton_prefill_attention._prefill_kernel, {"num_seqs", "search_steps", "stride_bt"}),
     (triton_decode_attention._decode_kernel, {"stride_bt"}),
+    (triton_invariant_attention._invariant_attention_kernel,
+     {"num_decode", "num_chunks", "search_steps", "stride_dt", "stride_pt"}),
     (triton_norm._rms_norm_kernel, {"n_rows"}),
     (triton_activation._silu_and_mul_kernel, {"n_rows"}),
     (triton_kv_cache._write_kv_kernel, {"n_tokens"}),

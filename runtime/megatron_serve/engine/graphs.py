@@ -313,7 +313,9 @@ def _span(sizes: list[int]) -> str:
 
 def graphs_wanted(config: InferenceConfig, device: torch.device) -> bool:
     """Whether an engine on ``device`` captures graphs: CUDA with the Triton kernels (the reference ops read
-    lengths back to the host, ``int(context_lens.max())``, which a capture forbids), unless turned off."""
+    lengths back to the host, ``int(context_lens.max())``, which a capture forbids), unless turned off.
+    ``--batch-invariant`` included: on CUDA its attention is ``triton_invariant_attention``, which reads the
+    step's lengths on the device (the CPU mode's gathers read them on the host, but CPU has no graphs)."""
     return config.enable_cuda_graphs and device.type == "cuda" and backend_for(device) == "triton"
 
 
@@ -333,8 +335,8 @@ def graphs_for(model: LlamaForCausalLM, config: InferenceConfig, buffers: StepBu
     if not config.enable_cuda_graphs:
         return None
     if capture_factory is None:
-        if config.batch_invariant:  # its attention reads the step's lengths on the host: not capturable yet
-            return None
+        if config.batch_invariant and model.config.moe is not None:  # invariant.fused_moe's expert loop reads
+            return None  # its row counts on the host: not capturable (dense models capture)
         if not graphs_wanted(config, device):
             return None
         capture_factory = lambda: CudaGraphCapture(device)  # noqa: E731

@@ -93,6 +93,11 @@ class PagedAttention(nn.Module):
         if out is None:
             out = torch.empty_like(q) if rows == q.shape[0] else torch.zeros_like(q)
         if self.batch_invariant:
+            if q.is_cuda:  # the Triton kernel: lengths read on the device, so CUDA graphs can capture it
+                from megatron_kernels import triton_invariant_attention  # noqa: PLC0415 - GPU only, needs triton
+                triton_invariant_attention.attend_step(q[:rows], meta, k_cache, v_cache, self.scale, out[:rows],
+                                                       **scales)
+                return out
             out[:rows] = self._attend_invariant(q[:rows], meta, k_cache, v_cache, scales)
             return out
         num_decode = meta.num_decode_tokens
