@@ -30,6 +30,7 @@ from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from .chunks import sse
+from .chunked import chunked_writer
 from .errors import APIError, shutting_down
 
 logger = logging.getLogger("megatron_serve.server")
@@ -147,12 +148,14 @@ class EventStreamResponse(StreamingResponse):
 
     async def stream_response(self, send: Send) -> None:
         await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
-        write = _RAW_SEND.get() or send
+        raw_send = _RAW_SEND.get() or send
+        direct = chunked_writer(raw_send)
+        write = raw_send if direct is None else direct
         ended = False
         written = 0
         try:
             if self._first is not None:
-                await write({"type": "http.response.body", "body": self._first, "more_body": True})
+                await raw_send({"type": "http.response.body", "body": self._first, "more_body": True})
             async for event in self._events:
                 # Let the loop run between writes, every few: events that arrived together would otherwise all
                 # be written before the loop notices a client that left, each into a dead socket (asyncio
@@ -161,7 +164,10 @@ class EventStreamResponse(StreamingResponse):
                 written += 1
                 if written % _WRITES_PER_TURN == 0:
                     await asyncio.sleep(0)
-                await write({"type": "http.response.body", "body": event, "more_body": True})
+                if direct is None:
+                    await write({"type": "http.response.body", "body": event, "more_body": True})
+                else:
+                    await direct.write(event)
             ended = True
         finally:
             if not ended:
