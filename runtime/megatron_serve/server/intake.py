@@ -217,9 +217,9 @@ class Workers:
 
 
 #: A completion body up to this size is parsed, checked and tokenized on the event loop, not on a worker
-#: thread: two thread-pool hops per request were 12-15% of the HTTP server's samples (GIL holders) at
-#: 64 streams of 64 tokens (``benchmarks/serving.py``: 128-id prompts, bodies of about 800 bytes), more
-#: than the work they moved (tens of microseconds for such a body). Bigger bodies, chats (templates)
+#: thread: handing two jobs per request to the pool (``ThreadPoolExecutor.submit`` alone) was 12% of the
+#: HTTP server's samples that held the GIL at 64 streams of 64 tokens (``benchmarks/serving.py``: 128-id
+#: prompts, bodies of about 800 bytes), more than the work it moved. Bigger bodies, chats (templates)
 #: and any output constraint (a grammar to check) still go to :class:`Workers`.
 INLINE_BODY_BYTES = 4096
 #: The request fields that make an output constraint (``translate.structured_outputs`` checks them).
