@@ -41,7 +41,8 @@ from ..wire.messages import (
     RequestDelta,
     Submit,
 )
-from ..wire.protocol import HEADER_VERBS, ErrorCode, Header, Message, ProtocolError, Role, encode, unbatch
+from ..wire.protocol import (HEADER_VERBS, MAX_MESSAGE_BYTES, ErrorCode, Header, Message, ProtocolError, Role, encode,
+                             unbatch)
 from .routing import RoutingPolicy, make_routing_policy
 from ..wire.accumulator import DeltaAccumulator
 from ..wire.request import FinalRecord, FinishReason, RequestStatus
@@ -82,6 +83,7 @@ _STEP_OUTPUT = msgspec.msgpack.Decoder(RequestDelta)
 _FINAL_RECORD = msgspec.msgpack.Decoder(FinalRecord)
 _ENCODE = msgspec.msgpack.Encoder()
 _FINISHED = ("COMPLETED", "FAILED")
+_TOKENS = int(Header.TOKENS)
 
 
 class _FinalFacts(msgspec.Struct):
@@ -421,14 +423,15 @@ class CoordinatorCore:
             # Output of an earlier registration of this same socket: its requests were re-queued.
             self.drop(engine.engine_id, f"stale message for registration {body.engine_id!r}")
             return
+        records, engine_id, decode = self.requests.records, engine.engine_id, _STEP_OUTPUT.decode
         for raw in body.outputs:
             try:
-                out = _STEP_OUTPUT.decode(raw)
+                out = decode(raw)
             except (msgspec.ValidationError, msgspec.DecodeError) as exc:
                 self.drop(engine.engine_id, f"ENGINE_STEP output: {exc}")
                 continue
-            record = self.requests.get(out.request_id)
-            if record is None or record.phase is not Phase.DISPATCHED or record.engine_id != engine.engine_id:
+            record = records.get(out.request_id)
+            if record is None or record.phase is not Phase.DISPATCHED or record.engine_id != engine_id:
                 self.stale_outputs += 1  # aborted, or moved to another engine: never deliver twice
                 continue
             if out.new_tokens or out.routing is not None or out.prompt_scores is not None:
@@ -444,7 +447,11 @@ class CoordinatorCore:
         tokens = record.mirror(out)
         client = self.clients.get(record.client_id)
         if client is not None and client.identity is not None:
-            self.send(client.identity, Header.TOKENS, tokens, client.batches)
+            frame = _ENCODE.encode((_TOKENS, tokens))  # encode()'s work, one message per request per step
+            if len(frame) <= MAX_MESSAGE_BYTES:
+                self._out.append(Send(client.identity, frame, client.batches))
+            else:
+                self.send(client.identity, Header.TOKENS, tokens, client.batches)  # logs why it is not sent
 
     def _finish_from_engine(self, engine: EngineRecord, record: RequestRecord, out: RequestDelta) -> None:
         """Finish with the engine's record, forwarded as its bytes when it is complete (the client

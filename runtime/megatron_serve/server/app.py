@@ -44,7 +44,8 @@ from .errors import APIError, install_error_handlers
 from .fleet import FleetMonitor, InferenceBackend
 from .generation import PendingCounter
 from .images import load_images
-from .intake import SELF_PARSED, BodySizeLimit, Workers, check_limits, parse_body, request_body_doc
+from .intake import (SELF_PARSED, BodySizeLimit, Workers, check_limits, parse_body, request_body_doc, small_body,
+                     unconstrained)
 from .metrics import ServerMetrics
 from .request_log import RequestLog, request_id_header
 from .stats_log import log_stats
@@ -242,11 +243,15 @@ def create_app(
 
         async def work() -> Any:
             await monitor.wait_first_poll()
-            req = await ctx.workers.run(parse, handler_type, body)
+            small = small_body(body)  # parsed and, a completion without constraint, tokenized here (intake)
+            req = parse(handler_type, body) if small else await ctx.workers.run(parse, handler_type, body)
             if header_id is not None:  # vLLM: the X-Request-Id header wins over the body's request_id
                 req.request_id = header_id
             await load_images(req, ctx)  # a chat's image parts, fetched and checked (none: nothing to do)
-            handler = await ctx.workers.run(handler_type, ctx, req)  # tokenize or render
+            if small and handler_type is CompletionHandler and unconstrained(req):
+                handler = handler_type(ctx, req)
+            else:
+                handler = await ctx.workers.run(handler_type, ctx, req)  # tokenize or render
             ctx.request_log.received(handler)
             return await (handler.stream() if handler.req.stream else handler.complete())
 

@@ -216,6 +216,27 @@ class Workers:
             self._pool = None
 
 
+#: A completion body up to this size is parsed, checked and tokenized on the event loop, not on a worker
+#: thread: handing two jobs per request to the pool (``ThreadPoolExecutor.submit`` alone) was 12% of the
+#: HTTP server's samples that held the GIL at 64 streams of 64 tokens (``benchmarks/serving.py``: 128-id
+#: prompts, bodies of about 800 bytes), more than the work it moved. Bigger bodies, chats (templates)
+#: and any output constraint (a grammar to check) still go to :class:`Workers`.
+INLINE_BODY_BYTES = 4096
+#: The request fields that make an output constraint (``translate.structured_outputs`` checks them).
+_CONSTRAINT_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs",
+                      "response_format")
+
+
+def small_body(body: bytes) -> bool:
+    """Whether ``body`` is parsed on the event loop (see :data:`INLINE_BODY_BYTES`)."""
+    return len(body) <= INLINE_BODY_BYTES
+
+
+def unconstrained(req: BaseModel) -> bool:
+    """Whether ``req`` asks for no output constraint (whose check compiles a grammar: never on the loop)."""
+    return all(getattr(req, name, None) is None for name in _CONSTRAINT_FIELDS)
+
+
 def default_threads() -> int:
     """Up to 4 threads: tokenizing is fast per request; more threads than cores only queue elsewhere."""
     return max(1, min(4, os.cpu_count() or 1))

@@ -144,7 +144,7 @@ def encode(header: Header, body: "Body | Mapping[str, Any] | None" = None) -> by
 
 def encode_batch(frames: list[bytes]) -> bytes:
     """One ``BATCH`` frame holding already encoded messages (each spliced in as it is)."""
-    return encode(Header.BATCH, {"messages": [msgspec.Raw(frame) for frame in frames]})
+    return encode(Header.BATCH, {"messages": list(map(msgspec.Raw, frames))})
 
 
 #: A BATCH frame is cut at about this size (well below :data:`MAX_MESSAGE_BYTES`).
@@ -154,6 +154,10 @@ BATCH_BYTES = 1 << 20
 def pack_batches(frames: list[bytes]) -> list[bytes]:
     """``frames`` (encoded messages, in order) as BATCH frames of about :data:`BATCH_BYTES` each; a lone
     message goes as it is. Only for a peer that announced protocol 2."""
+    if len(frames) < 2:
+        return list(frames)
+    if sum(map(len, frames)) <= BATCH_BYTES:  # an engine step's messages to one peer: one BATCH, no loop
+        return [encode_batch(frames)]
     out, chunk, size = [], [], 0
     for frame in frames:
         if chunk and size + len(frame) > BATCH_BYTES:

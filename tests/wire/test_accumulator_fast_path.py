@@ -1,0 +1,31 @@
+"""``DeltaAccumulator``'s path for a delta of ids alone keeps what the full path keeps: the same ids and an
+unreported (-1) epoch per id, nothing else; a delta with anything more still takes the full path."""
+
+from __future__ import annotations
+
+from megatron_serve.wire.accumulator import DeltaAccumulator
+from megatron_serve.wire.messages import TokenDelta
+
+SLOTS = DeltaAccumulator.__slots__
+
+
+def _state(acc: DeltaAccumulator) -> dict:
+    return {name: getattr(acc, name) for name in SLOTS}
+
+
+def test_ids_alone_keep_what_the_full_path_keeps() -> None:
+    fast, full = DeltaAccumulator([5]), DeltaAccumulator([5])
+    for ids in ([1, 2], [3], []):
+        fast.add(TokenDelta(new_tokens=ids), "r")
+        # The full path, taken through its own code: an empty log-prob list is no log prob.
+        full.add(TokenDelta(new_tokens=ids, new_log_probs=[]), "r")
+    assert _state(fast) == _state(full)
+    assert fast.tokens == [5, 1, 2, 3] and fast.policy_epochs == fast.kv_epochs == fast.lora_epochs == [-1] * 3
+
+
+def test_a_delta_with_more_than_ids_keeps_it() -> None:
+    acc = DeltaAccumulator()
+    acc.add(TokenDelta(new_tokens=[1]), "r")
+    acc.add(TokenDelta(new_tokens=[2, 3], new_log_probs=[-0.5, -0.25], epochs=[[4, 4], [2, 3]], cached_tokens=7), "r")
+    assert acc.tokens == [1, 2, 3] and acc.log_probs == [-0.5, -0.25] and acc.cached_tokens == 7
+    assert acc.policy_epochs == [-1, 4, 4] and acc.kv_epochs == [-1, 2, 3] and acc.lora_epochs == [-1, -1, -1]
