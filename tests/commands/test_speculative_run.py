@@ -28,7 +28,7 @@ def test_run_with_speculative_config_serves_the_plain_engines_tokens(tiny_llama,
     port = free_port()
     argv = ["run", "--model", tiny_llama, "--served-model-name", "tiny", "--host", "127.0.0.1", "--port", str(port), "--coordinator-port", "0",
             "--log-dir", str(tmp_path / "logs"), "--num-kv-blocks", "128", "--block-size", "16",
-            "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}']
+            "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "adaptive": false}']
     log = tmp_path / "run.log"
     with open(log, "wb") as out:
         proc = subprocess.Popen([sys.executable, "-m", "megatron_serve.cli", *argv], stdout=out,
