@@ -71,16 +71,45 @@ def test_a_batch_whose_rows_cost_what_they_save_gets_a_smaller_k():
     assert k_large == [0] * 64  # 70% acceptance does not pay a whole step per draft
 
 
+def test_a_fixed_cost_of_drafting_at_all_is_told_from_the_cost_per_draft():
+    """Steps with drafts cost 0.8 of a plain step more whatever their K, plus 0.1 per draft per row (a drafter
+    forward and a sampler pass per step, cheap rows): the line through plain would call a draft 0.9 at K = 1."""
+    policy, rng, ids = AdaptiveK(K), random.Random(4), ["a", "b"]
+    policy.step_cost(2, 0, 1.0)
+    for mean_k in (1, 2, 4, 3, 1):
+        policy.step_cost(2, 2 * mean_k, 1.8 + 0.1 * mean_k)
+    plain, fixed, slope = policy.costs[2].fit()  # type: ignore[misc]
+    assert (round(plain, 9), round(fixed, 9), round(slope, 9)) == (1.0, 0.8, 0.1)
+    verify(policy, ids, 0.8, rng)
+    assert policy.choose(ids, [100, 100]) == [K, K]  # worth it only with every draft: 1 + 4 * ... over 2.2
+    verify(policy, ids, 0.3, rng)
+    assert policy.choose(ids, [100, 100]) == [0, 0]  # 0.3 per draft never pays the fixed 0.8
+
+
 def test_an_unmeasured_batch_size_measures_first_and_a_k_of_zero_is_probed_at_a_growing_interval():
     policy = AdaptiveK(K)
     assert policy.choose(["a"], [100]) == [0]  # nothing measured: a step without drafts first
     policy.step_cost(1, 0, 1.0)
-    assert policy.choose(["a"], [100]) == [1]  # then one with a draft
-    policy.step_cost(1, 1, 3.0)  # a draft costs twice a plain step: never pays below acceptance 1
-    policy.verified("a", 1, 1)
+    assert policy.choose(["a"], [100]) == [1]  # then a probe: two steps with a draft
+    policy.step_cost(1, 1, 9.0)  # the first, where a draft model catches up, is not counted
+    assert policy.choose(["a"], [100]) == [1]
+    policy.step_cost(1, 1, 1.05)  # the second: a draft adds 5% to a step
+    plain, fixed, slope = policy.costs[1].fit()  # type: ignore[misc]
+    assert (round(plain, 9), fixed, round(slope, 9)) == (1.0, 0.0, 0.05)  # the 9 s step left out
+    for _ in range(40):
+        policy.verified("a", 1, 0)  # but is never accepted
     chosen = [policy.choose(["a"], [100])[0] for _ in range(PROBE_MIN * 3 + 2)]
     probes = [i for i, k in enumerate(chosen) if k]
-    assert probes == [PROBE_MIN - 1, 3 * PROBE_MIN - 1]  # one probe, then one after twice the interval
+    assert probes == [PROBE_MIN - 1, PROBE_MIN, 3 * PROBE_MIN, 3 * PROBE_MIN + 1]  # then twice the interval
+    for _ in range(20):  # drafting got expensive (3x a plain step; each sample counts at most 1.5x the model's
+        policy.step_cost(1, 1, 3.0)  # prediction, so it takes a few): probes are spaced to cost 1% of the time
+        policy.step_cost(1, 0, 1.0)
+    chosen = [policy.choose(["a"], [100])[0] for _ in range(500)]
+    assert chosen.count(1) == 2  # one two-step probe in 500 steps
+    assert AdaptiveK(K).choose(["a"] * 8, [100] * 8) == [0] * 8  # (a batch of 8 measures without drafts, then)
+    policy = AdaptiveK(K)
+    policy.step_cost(8, 0, 1.0)
+    assert policy.choose([str(i) for i in range(8)], [100] * 8) == [1, 1] + [0] * 6  # probes a quarter of the rows
     assert PinnedK(K).choose(["a", "b"], [100, 2]) == [K, 2]  # adaptive: false drafts K whatever it costs
 
 

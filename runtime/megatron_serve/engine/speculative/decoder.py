@@ -65,7 +65,7 @@ class Speculator:
         self.k = num_speculative_tokens
         self.stats = stats  # the engine's counters: drafts, draft tokens, accepted tokens (also per position)
         self.policy: AdaptiveK | PinnedK = AdaptiveK(self.k) if adaptive else PinnedK(self.k)
-        self._started: float | None = None  # when this step's drafting began (perf_counter)
+        self._started: tuple[float, float] | None = None  # when this step's drafting began (wall, CPU time)
         self._timed: tuple[int, int] | None = None  # this step's (decode rows, drafts) when all its rows decode
 
     @staticmethod
@@ -79,15 +79,15 @@ class Speculator:
     def propose(self, candidates: list["Sequence"]) -> None:
         """Ask the proposer for each candidate's drafts, as many as the K policy gives it (:mod:`.adaptive`), and
         append them to its tokens (``num_drafts``)."""
-        self._started, self._timed = time.perf_counter(), None
+        self._started, self._timed = (time.perf_counter(), time.process_time()), None
         if not candidates:
             return
         self.stats.counters["spec_decode_num_rows"] += len(candidates)
         ks = self.policy.choose([s.request_id for s in candidates],
                                 [s.max_total_tokens - len(s.token_ids) - 1 for s in candidates])
-        inputs = [DraftInput(s.request_id, list(s.token_ids), k) for s, k in zip(candidates, ks)]
         if not any(ks):  # nobody drafts this step: the drafter is not called
             return
+        inputs = [DraftInput(s.request_id, list(s.token_ids), k) for s, k in zip(candidates, ks)]
         for sequence, item, drafts in zip(candidates, inputs, self.proposer.propose(inputs)):
             drafts = list(drafts[: item.num_tokens])
             sequence.token_ids.extend(drafts)
@@ -131,7 +131,8 @@ class Speculator:
             rows = state.rows([s.request_id for s in seqs],
                               [s.num_computed - s.num_drafts + depth for s in seqs],
                               [len(s.request.generated_tokens) + depth for s in seqs])
-            model_logits = logits[torch.tensor(rows_index, dtype=torch.int64, device=logits.device)]
+            model_logits = (logits if offset == len(sampling)  # no drafts (K = 0): the rows as they are, no copy
+                            else logits[torch.tensor(rows_index, dtype=torch.int64, device=logits.device)])
             processed = apply_controls(model_logits, state, rows)
             if masks is not None and depth == 0:
                 processed = apply_token_bitmask(processed, masks)
@@ -151,8 +152,11 @@ class Speculator:
         for sequence, out in zip(sampling, emitted):
             self.stats.speculated(sequence.num_drafts, out.accepted)
             self.policy.verified(sequence.request_id, sequence.num_drafts, out.accepted)
-        if self._timed is not None and self._started is not None:
-            self.policy.step_cost(*self._timed, time.perf_counter() - self._started)
+        if self._timed is not None and self._started is not None:  # on a CPU the step's cost is its CPU time:
+            # the wall clock there also counts the other processes sharing the cores; on a GPU the host waits
+            wall, cpu = self._started  # for the device, so the wall clock is the cost
+            cost = time.process_time() - cpu if logits.device.type == "cpu" else time.perf_counter() - wall
+            self.policy.step_cost(*self._timed, cost)
             self._timed = None
         return emitted
 
