@@ -106,10 +106,10 @@ def test_an_unmeasured_batch_size_measures_first_and_a_k_of_zero_is_probed_at_a_
         policy.step_cost(1, 0, 1.0)
     chosen = [policy.choose(["a"], [100])[0] for _ in range(500)]
     assert chosen.count(1) == 2  # one two-step probe in 500 steps
-    assert AdaptiveK(K).choose(["a"] * 8, [100] * 8) == [0] * 8  # (a batch of 8 measures without drafts, then)
+    assert AdaptiveK(K).choose(["a"] * 32, [100] * 32) == [0] * 32  # (a batch of 32 measures without drafts,)
     policy = AdaptiveK(K)
-    policy.step_cost(8, 0, 1.0)
-    assert policy.choose([str(i) for i in range(8)], [100] * 8) == [1, 1] + [0] * 6  # probes a quarter of the rows
+    policy.step_cost(32, 0, 1.0)
+    assert policy.choose([str(i) for i in range(32)], [100] * 32) == [1, 1] + [0] * 30  # probes 1/16 of the rows
     assert PinnedK(K).choose(["a", "b"], [100, 2]) == [K, 2]  # adaptive: false drafts K whatever it costs
 
 

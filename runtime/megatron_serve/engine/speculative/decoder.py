@@ -97,6 +97,7 @@ class Speculator:
         """Drop the drafts the scheduler did not give rows to: a cut chunk keeps ``count - 1``, others none.
         A step whose rows all decode is timed for the K policy's cost model (until :meth:`verify`)."""
         scheduled = {id(s): count for s, count in batch.entries} if batch is not None else {}
+        drafts = 0
         for sequence in [*running, *preempted]:
             if sequence.num_drafts:
                 keep = max(scheduled.get(id(sequence), 0) - 1, 0) if sequence.num_computed else 0
@@ -104,9 +105,9 @@ class Speculator:
                 if drop:
                     del sequence.token_ids[len(sequence.token_ids) - drop:]
                     sequence.num_drafts -= drop
-        if batch is not None and all(count == 1 + s.num_drafts and s.num_computed == len(s.token_ids) - count
-                                     for s, count in batch.entries):
-            self._timed = (len(batch.entries), sum(s.num_drafts for s, _ in batch.entries))
+                drafts += sequence.num_drafts
+        if batch is not None and batch.num_tokens == len(batch.entries) + drafts:  # every row decodes (no chunk
+            self._timed = (len(batch.entries), drafts)  # of a prompt: each row is its token and its drafts)
 
     def verify(self, sampling: list["Sequence"], sample_logits: torch.Tensor, verify_logits: torch.Tensor,
                state: "SamplingState", sampler: "Sampler", masks: torch.Tensor | None = None) -> list[Emitted]:
@@ -150,8 +151,9 @@ class Speculator:
                     alive.append(i)
             depth += 1
         for sequence, out in zip(sampling, emitted):
-            self.stats.speculated(sequence.num_drafts, out.accepted)
-            self.policy.verified(sequence.request_id, sequence.num_drafts, out.accepted)
+            if sequence.num_drafts:
+                self.stats.speculated(sequence.num_drafts, out.accepted)
+                self.policy.verified(sequence.request_id, sequence.num_drafts, out.accepted)
         if self._timed is not None and self._started is not None:  # on a CPU the step's cost is its CPU time:
             # the wall clock there also counts the other processes sharing the cores; on a GPU the host waits
             wall, cpu = self._started  # for the device, so the wall clock is the cost
