@@ -8,12 +8,13 @@ the policy on, K going to 0 where drafts are never accepted) runs the real engin
 
 from __future__ import annotations
 
+import math
 import random
 
 from megatron_serve import DynamicInferenceRequest, InferenceConfig, SamplingParams
 from megatron_serve.config import SpeculativeConfig
 from megatron_serve.engine import DynamicInferenceEngine
-from megatron_serve.engine.speculative.adaptive import PROBE_MIN, AdaptiveK, PinnedK
+from megatron_serve.engine.speculative.adaptive import PROBE_BUDGET, PROBE_MIN, AdaptiveK, PinnedK, bucket
 
 K = 4
 
@@ -86,6 +87,19 @@ def test_a_fixed_cost_of_drafting_at_all_is_told_from_the_cost_per_draft():
     assert policy.choose(ids, [100, 100]) == [0, 0]  # 0.3 per draft never pays the fixed 0.8
 
 
+def test_a_batch_size_without_a_model_borrows_the_nearest_one_until_it_has_its_own():
+    policy, rng = AdaptiveK(K), random.Random(5)
+    big, shrunk = [f"r{i}" for i in range(64)], [f"r{i}" for i in range(40)]
+    measured(policy, 64, plain=4.0, per_k=8.0)  # batch 64: drafting never pays
+    verify(policy, big, 0.7, rng)
+    assert policy.choose(shrunk, [100] * 40) == [0] * 40  # requests finished: no probe at batch 40 straight away
+    assert policy.costs[bucket(40)].fit() is None
+    measured(policy, 2, plain=1.0, per_k=0.05)  # batch 2: drafting pays
+    five = [f"r{i}" for i in range(5)]
+    assert policy.choose(five, [100] * 5) == [K] * 5  # batch 5 (4-7) has no model: batch 2's (2-3) is nearest
+    assert policy.costs[bucket(5)].fit() is None
+
+
 def test_an_unmeasured_batch_size_measures_first_and_a_k_of_zero_is_probed_at_a_growing_interval():
     policy = AdaptiveK(K)
     assert policy.choose(["a"], [100]) == [0]  # nothing measured: a step without drafts first
@@ -96,6 +110,8 @@ def test_an_unmeasured_batch_size_measures_first_and_a_k_of_zero_is_probed_at_a_
     policy.step_cost(1, 1, 1.05)  # the second: a draft adds 5% to a step
     plain, fixed, slope = policy.costs[1].fit()  # type: ignore[misc]
     assert (round(plain, 9), fixed, round(slope, 9)) == (1.0, 0.0, 0.05)  # the 9 s step left out
+    assert policy.warmup == 8.0  # but remembered as what a probe's first step costs beyond a plain one
+    policy.warmup = 0.0  # (say the proposer needs no catching up, as n-gram: probes are cheap)
     for _ in range(40):
         policy.verified("a", 1, 0)  # but is never accepted
     chosen = [policy.choose(["a"], [100])[0] for _ in range(PROBE_MIN * 3 + 2)]
@@ -104,8 +120,13 @@ def test_an_unmeasured_batch_size_measures_first_and_a_k_of_zero_is_probed_at_a_
     for _ in range(20):  # drafting got expensive (3x a plain step; each sample counts at most 1.5x the model's
         policy.step_cost(1, 1, 3.0)  # prediction, so it takes a few): probes are spaced to cost 1% of the time
         policy.step_cost(1, 0, 1.0)
-    chosen = [policy.choose(["a"], [100])[0] for _ in range(500)]
-    assert chosen.count(1) == 2  # one two-step probe in 500 steps
+    policy.warmup = 8.0  # and the probe's first step (a draft model catching up) cost 9x a plain one
+    plain, fixed, slope = policy.costs[1].fit()  # type: ignore[misc]
+    spacing = ((fixed + slope) / plain + 8.0) / PROBE_BUDGET  # both probe steps' extra cost within the budget
+    assert spacing > 1500
+    chosen = [policy.choose(["a"], [100])[0] for _ in range(2100)]
+    probes = [i for i, k in enumerate(chosen) if k]
+    assert probes == [math.ceil(spacing) - 1, math.ceil(spacing)]
     assert AdaptiveK(K).choose(["a"] * 32, [100] * 32) == [0] * 32  # (a batch of 32 measures without drafts,)
     policy = AdaptiveK(K)
     policy.step_cost(32, 0, 1.0)

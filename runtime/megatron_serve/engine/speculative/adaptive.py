@@ -29,9 +29,13 @@ a probe, ``K = 1`` for a sixteenth of the rows (at least one) in two steps in a 
 (in the first a draft model catches up on the tokens it did not see while K was 0). While the choice
 stays 0 the estimates would go stale (acceptance is only measured when drafting), so a probe runs every
 ``probe`` steps without drafts: 16 at first, doubling while probes change nothing (up to 256), and never
-more often than keeps probes within :data:`PROBE_BUDGET` of the time. A step measured at more than 1.5x
+more often than keeps probes (both steps) within :data:`PROBE_BUDGET` of the time. A step measured at more than 1.5x
 the model's prediction counts as 1.5x: the shared CPU deschedules the step thread now and then (1 step in
 20 took 6x on the 2-core machine), which says nothing about drafting.
+
+A bucket without a model of its own borrows the nearest bucket's (costs relative to a plain step change
+little from one power of two to the next, and a batch that shrinks as its requests finish should not
+probe again at each size); it measures its own with its probes.
 
 Limits: ``fixed`` and ``slope`` are told apart only once steps with drafts had different mean K (n-gram
 proposals vary by themselves; a draft model's vary with the per-request K); before that all is slope, the
@@ -61,7 +65,7 @@ PROBE_MIN, PROBE_MAX = 16, 256
 #: steps without drafts: a 3200-token drafter prefill, 18.8 ms against 2.2 ms for a plain step on the CPU)
 PROBE_SHARE = 16
 #: the share of the time probes may cost while K stays 0 (their interval grows to keep within it)
-PROBE_BUDGET = 0.01
+PROBE_BUDGET = 0.005
 #: a measured step longer than this many times the model's prediction is counted at that (a descheduled
 #: thread or a page fault says nothing about drafting; on the shared 2-core CPU, 1 step in 20 took 6x)
 OUTLIER = 1.5
@@ -165,6 +169,7 @@ class AdaptiveK:
     probing: bool = False
     follow: bool = False  # the next step is a probe's second, measured step
     untimed: bool = False  # the next measured step is a probe's first: its cost is not recorded
+    warmup: float = 0.0  # what the last probe's first step cost beyond a plain step, over a plain step
 
     def acceptance(self, request_id: str) -> float:
         """The request's per-draft acceptance estimate, with the engine-wide rate as its prior."""
@@ -181,7 +186,7 @@ class AdaptiveK:
             self.follow = False
             return self._probe_rows(caps)
         cost = self.costs.setdefault(bucket(size), _Cost())
-        model = cost.fit()
+        model = cost.fit() or self._neighbour(bucket(size))
         if model is None:  # measure first: a step without drafts, then a probe
             return self._start_probe(caps) if cost.without_drafts else [0] * size
         plain, fixed, slope = model
@@ -211,14 +216,21 @@ class AdaptiveK:
         self.idle, self.probe, self.probing = 0, PROBE_MIN, False
         return ks
 
+    def _neighbour(self, home: int) -> tuple[float, float, float] | None:
+        """The model of the nearest bucket that has one (the larger on a tie), as this bucket's until it has
+        its own: costs relative to a plain step change little from one power of two to the next, and a batch
+        that shrinks as its requests finish should not probe again at each size."""
+        fitted = [(abs(b - home), -b, model) for b, c in self.costs.items() if (model := c.fit()) is not None]
+        return min(fitted)[2] if fitted else None
+
     def _idle(self, caps: list[int], excess: float) -> list[int]:
         """No drafts this step, or a probe: every ``probe`` steps, the interval doubling while probes change
-        nothing, and never more often than keeps probing (two steps costing ``excess`` more than a plain
-        one each) within :data:`PROBE_BUDGET` of the time."""
+        nothing, and never more often than keeps probing (a first step costing ``warmup`` more than a plain
+        one, a second costing ``excess`` more) within :data:`PROBE_BUDGET` of the time."""
         if self.probing:  # the last probe did not change the choice: wait twice as long for the next
             self.probe, self.probing = min(2 * self.probe, PROBE_MAX), False
         self.idle += 1
-        if self.idle < max(self.probe, 2 * excess / PROBE_BUDGET):
+        if self.idle < max(self.probe, (excess + self.warmup) / PROBE_BUDGET):
             return [0] * len(caps)
         self.idle, self.probing = 0, True
         return self._start_probe(caps)
@@ -245,11 +257,14 @@ class AdaptiveK:
 
     def step_cost(self, batch_size: int, draft_tokens: int, seconds: float) -> None:
         """A step of ``batch_size`` decode rows and ``draft_tokens`` drafts took ``seconds`` (draft to verified)."""
-        if not batch_size or self.untimed:
-            self.untimed = False
+        if not batch_size:
             return
         cost, x = self.costs.setdefault(bucket(batch_size), _Cost()), draft_tokens / batch_size
         predicted = cost.predict(x)
+        if self.untimed:  # a probe's first step: not what drafting costs, but what probing does
+            plain = cost.py / cost.pw if cost.pw else None
+            self.untimed, self.warmup = False, max(seconds / plain - 1, 0.0) if plain else 0.0
+            return
         cost.add(x, seconds if predicted is None else min(seconds, OUTLIER * predicted))
 
     def forget(self, request_id: str) -> None:
