@@ -42,12 +42,12 @@ per decode row that could speculate. With the adaptive policy (same machine, CPU
 docs/speculative.md for the spread over runs):
 
     workload sampling  conc  method         tok/fwd  ratio    tok/s  ratio CPU ms/tok  ratio mean K
-    grammar  greedy       1  draft_model       1.55   1.58    426.2   0.95       0.76   0.97   0.70
-    grammar  greedy       1  draft_model/K     4.00   4.06    768.2   1.72       0.62   1.19   3.91
-    grammar  greedy      64  ngram            62.06   1.02   5335.3   0.83       0.05   0.92   0.00
-    grammar  greedy      64  ngram/K          62.06   1.02   4111.0   0.64       0.09   0.59   1.06
-    grammar  greedy      64  draft_model      63.02   1.03   4883.9   0.76       0.05   0.93   0.00
-    grammar  greedy      64  draft_model/K   170.67   2.79   2503.9   0.39       0.10   0.51   3.88
+    grammar  greedy       1  draft_model       2.68   2.72    682.2   1.17       0.71   1.09   2.29
+    grammar  greedy       1  draft_model/K     4.00   4.06    409.6   0.70       0.69   1.13   3.91
+    grammar  greedy      64  ngram            62.06   1.02  19575.1   1.39       0.05   1.01   0.00
+    grammar  greedy      64  ngram/K          62.06   1.02  11712.1   0.83       0.08   0.60   1.06
+    grammar  greedy      64  draft_model      62.06   1.02  18311.5   1.30       0.05   0.99   0.00
+    grammar  greedy      64  draft_model/K   170.67   2.79  10607.7   0.76       0.09   0.55   3.88
 
     python benchmarks/speculative.py [--k 4] [--concurrency 1,64] [--methods none,draft_model,draft_model/K]
         [--cache-dir DIR] [--device cuda --dtype bfloat16]
