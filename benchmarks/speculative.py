@@ -36,7 +36,21 @@ not, because on this tiny pair a drafter forward costs about what a target forwa
 Python and launch overhead), and at concurrency 64 every step drafts K=4 whatever it pays
 (adaptive K is what closes that gap).
 
-    python benchmarks/speculative.py [--k 4] [--concurrency 1,64] [--cache-dir DIR] [--device cuda --dtype bfloat16]
+Methods run adaptive (``ngram``, ``draft_model``: K per request and step, engine.speculative.adaptive)
+and with K pinned to ``--k`` (``ngram/K``, ``draft_model/K``), and the ``mean K`` column is draft tokens
+per decode row that could speculate. With the adaptive policy (same machine, CPU-time ratios; see
+docs/speculative.md for the spread over runs):
+
+    workload sampling  conc  method         tok/fwd  ratio    tok/s  ratio CPU ms/tok  ratio mean K
+    grammar  greedy       1  draft_model       2.68   2.72    682.2   1.17       0.71   1.09   2.29
+    grammar  greedy       1  draft_model/K     4.00   4.06    409.6   0.70       0.69   1.13   3.91
+    grammar  greedy      64  ngram            62.06   1.02  19575.1   1.39       0.05   1.01   0.00
+    grammar  greedy      64  ngram/K          62.06   1.02  11712.1   0.83       0.08   0.60   1.06
+    grammar  greedy      64  draft_model      62.06   1.02  18311.5   1.30       0.05   0.99   0.00
+    grammar  greedy      64  draft_model/K   170.67   2.79  10607.7   0.76       0.09   0.55   3.88
+
+    python benchmarks/speculative.py [--k 4] [--concurrency 1,64] [--methods none,draft_model,draft_model/K]
+        [--cache-dir DIR] [--device cuda --dtype bfloat16]
 
 Needs ``InferenceConfig.speculative``; exits 2 with a message on a build without it.
 """
@@ -58,7 +72,8 @@ from megatron_serve.engine.core import DynamicInferenceEngine
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from speculative_pair import PairSettings, acceptance, held_out_prompts, trained_pair  # noqa: E402
 
-METHODS = ("none", "ngram", "draft_model")
+#: ``method`` adapts K per request and step (the default); ``method/K`` pins K to ``--k`` (``adaptive: false``)
+METHODS = ("none", "ngram", "ngram/K", "draft_model", "draft_model/K")
 
 
 def speculative_config(method: str, k: int, draft_dir: Path):
@@ -67,9 +82,11 @@ def speculative_config(method: str, k: int, draft_dir: Path):
 
     if method == "none":
         return None
-    if method == "ngram":
-        return SpeculativeConfig(method="ngram", num_speculative_tokens=k, prompt_lookup_min=2, prompt_lookup_max=4)
-    return SpeculativeConfig(method="draft_model", num_speculative_tokens=k, model=str(draft_dir))
+    name, pinned = method.removesuffix("/K"), method.endswith("/K")
+    if name == "ngram":
+        return SpeculativeConfig(method="ngram", num_speculative_tokens=k, prompt_lookup_min=2, prompt_lookup_max=4,
+                                 adaptive=not pinned)
+    return SpeculativeConfig(method="draft_model", num_speculative_tokens=k, model=str(draft_dir), adaptive=not pinned)
 
 
 @dataclasses.dataclass
@@ -78,6 +95,7 @@ class Run:
     cpu: float
     forwards: int
     tokens: list[list[int]]
+    mean_k: float  # draft tokens per decode row that could speculate (K pinned: about --k)
 
     @property
     def generated(self) -> int:
@@ -98,8 +116,10 @@ def run(target_dir: Path, config: InferenceConfig, prompts: list[list[int]], par
             engine.step()
             forwards += 1
     wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+    counters = engine.stats.counters
     engine.shutdown()
-    return Run(wall, cpu, forwards, [r.generated_tokens for r in requests])
+    mean_k = counters["spec_decode_num_draft_tokens"] / max(counters["spec_decode_num_rows"], 1)
+    return Run(wall, cpu, forwards, [r.generated_tokens for r in requests], mean_k)
 
 
 def workloads(args: argparse.Namespace) -> list[tuple[str, int, list[list[int]]]]:
@@ -125,6 +145,8 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--cache-dir", default=str(Path.home() / ".cache" / "megatron-serve-speculative"))
     parser.add_argument("--train-steps", type=int, default=PairSettings.steps)
+    parser.add_argument("--methods", default=",".join(METHODS), help=f"a subset of {','.join(METHODS)} ('none' "
+                        "is always run first: the ratios' base)")
     args = parser.parse_args()
     if "speculative" not in {f.name for f in dataclasses.fields(InferenceConfig)}:
         print("this build's InferenceConfig has no `speculative` field: speculative decoding is not in it yet",
@@ -139,8 +161,9 @@ def main() -> None:
     print(f"pair {target.parent} ({'cached' if facts['cached'] else 'trained now'}): target {facts['target_train_s']:.0f} s, "
           f"draft {facts['draft_train_s']:.0f} s; held-out greedy draft acceptance length {length:.2f} "
           f"({100 * rate:.1f}% of guesses)")
-    print(f"{'workload':<9}{'sampling':<9}{'conc':>5}  {'method':<12}{'tok/fwd':>8}{'ratio':>7}{'tok/s':>9}{'ratio':>7}"
-          f"{'CPU ms/tok':>11}{'ratio':>7}  same tokens")
+    print(f"{'workload':<9}{'sampling':<9}{'conc':>5}  {'method':<14}{'tok/fwd':>8}{'ratio':>7}{'tok/s':>9}{'ratio':>7}"
+          f"{'CPU ms/tok':>11}{'ratio':>7}{'mean K':>7}  same tokens")
+    chosen = ["none", *(m for m in args.methods.split(",") if m in METHODS and m != "none")]
     for name, concurrency, prompts in workloads(args):
         for sampling in ("greedy", "sampled"):
             if name == "edit" and sampling == "sampled":
@@ -148,7 +171,7 @@ def main() -> None:
             params = [SamplingParams(temperature=0.0 if sampling == "greedy" else 1.0, seed=i,
                                      num_tokens_to_generate=args.new_tokens, ignore_eos=True)
                       for i in range(len(prompts))]
-            methods = ("none", "ngram") if name == "edit" else METHODS
+            methods = [m for m in chosen if name != "edit" or not m.startswith("draft_model")]
             base = None
             for method in methods:
                 config = InferenceConfig(device=args.device, dtype=args.dtype, max_requests=max(concurrency, 8),
@@ -157,11 +180,12 @@ def main() -> None:
                 base = base or result
                 per_forward = result.generated / result.forwards
                 same = "" if sampling == "sampled" else ("yes" if result.tokens == base.tokens else "NO")
-                print(f"{name:<9}{sampling:<9}{concurrency:>5}  {method:<12}{per_forward:>8.2f}"
+                print(f"{name:<9}{sampling:<9}{concurrency:>5}  {method:<14}{per_forward:>8.2f}"
                       f"{per_forward / (base.generated / base.forwards):>7.2f}{result.generated / result.wall:>9.1f}"
                       f"{base.wall / result.wall * result.generated / base.generated:>7.2f}"
                       f"{1e3 * result.cpu / result.generated:>11.2f}"
-                      f"{base.cpu / result.cpu * result.generated / base.generated:>7.2f}  {same}", flush=True)
+                      f"{base.cpu / result.cpu * result.generated / base.generated:>7.2f}{result.mean_k:>7.2f}  {same}",
+                      flush=True)
 
 
 if __name__ == "__main__":

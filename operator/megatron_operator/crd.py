@@ -287,12 +287,16 @@ def spec_schema() -> dict[str, Any]:
                 {
                     "method": _str("ngram: prompt lookup in the request's own tokens; draft_model: a smaller model "
                                    "of the same vocabulary at `model`.", enum=["ngram", "draft_model"]),
-                    "numSpeculativeTokens": _int("Tokens guessed per request and step.", minimum=1, maximum=16,
+                    "numSpeculativeTokens": _int("Tokens guessed per request and step (the most, with adaptive).", minimum=1, maximum=16,
                                                  default=3),
                     "promptLookupMin": _int("ngram: shortest suffix looked up.", minimum=1, maximum=64, default=1),
                     "promptLookupMax": _int("ngram: longest suffix looked up.", minimum=1, maximum=64, default=3),
                     "model": _str("draft_model: the draft model's directory in the engine pods (required for it).",
                                   minLength=1),
+                    "adaptive": {"type": "boolean",  # no default: absent keeps pod templates as they were
+                                 "description": "Default true: each engine picks K (0 up to numSpeculativeTokens) "
+                                                "per request and step from its measured acceptance and step cost, "
+                                                "0 where drafts do not pay; false: always numSpeculativeTokens."},
                 },
                 required=["method"],
             ),

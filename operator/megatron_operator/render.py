@@ -156,7 +156,8 @@ def _lora_volume(spec: InferenceSpec) -> tuple[list[dict[str, Any]], list[dict[s
 
 #: spec.engine.speculative's fields -> the keys of vLLM's --speculative-config JSON
 _SPECULATIVE_KEYS = {"method": "method", "numSpeculativeTokens": "num_speculative_tokens",
-                     "promptLookupMin": "prompt_lookup_min", "promptLookupMax": "prompt_lookup_max", "model": "model"}
+                     "promptLookupMin": "prompt_lookup_min", "promptLookupMax": "prompt_lookup_max", "model": "model",
+                     "adaptive": "adaptive"}
 
 
 def _engine_flags(spec: InferenceSpec) -> list[str]:

@@ -36,7 +36,8 @@ def batch_invariant_from_env() -> bool:
 
 
 SPECULATIVE_METHODS = ("ngram", "draft_model", "mtp", "eagle3")
-_SPECULATIVE_FIELDS = ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "model")
+_SPECULATIVE_FIELDS = ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "model",
+                       "adaptive")
 
 
 @dataclass
@@ -46,6 +47,8 @@ class SpeculativeConfig:
     ``ngram`` (prompt lookup) finds the request's last ``prompt_lookup_max`` .. ``prompt_lookup_min``
     tokens earlier in its own tokens and proposes what followed them; ``draft_model`` runs the smaller
     model at ``model``. ``mtp`` and ``eagle3`` are named by vLLM but not built here yet: refused.
+    ``adaptive`` (default true; not a vLLM field) lets each engine choose K per request and step, down to 0
+    where drafting does not pay (engine.speculative.adaptive); false drafts ``num_speculative_tokens`` always.
     """
 
     method: str = "ngram"
@@ -53,6 +56,7 @@ class SpeculativeConfig:
     prompt_lookup_min: int = 1
     prompt_lookup_max: int = 3
     model: str | None = None
+    adaptive: bool = True  # K per request and step from measured acceptance and cost (0..num_speculative_tokens)
 
     @classmethod
     def from_dict(cls, data: Any) -> "SpeculativeConfig":
@@ -75,6 +79,8 @@ class SpeculativeConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"speculative_config.{name} must be a positive integer, got {value!r}")
+        if not isinstance(self.adaptive, bool):
+            raise ValueError(f"speculative_config.adaptive must be true or false, got {self.adaptive!r}")
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ValueError(f"speculative_config.prompt_lookup_min ({self.prompt_lookup_min}) must not exceed "
                              f"prompt_lookup_max ({self.prompt_lookup_max})")

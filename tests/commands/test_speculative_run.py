@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import openai
@@ -28,7 +29,7 @@ def test_run_with_speculative_config_serves_the_plain_engines_tokens(tiny_llama,
     port = free_port()
     argv = ["run", "--model", tiny_llama, "--served-model-name", "tiny", "--host", "127.0.0.1", "--port", str(port), "--coordinator-port", "0",
             "--log-dir", str(tmp_path / "logs"), "--num-kv-blocks", "128", "--block-size", "16",
-            "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}']
+            "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "adaptive": false}']
     log = tmp_path / "run.log"
     with open(log, "wb") as out:
         proc = subprocess.Popen([sys.executable, "-m", "megatron_serve.cli", *argv], stdout=out,
@@ -59,6 +60,69 @@ def test_run_with_speculative_config_serves_the_plain_engines_tokens(tiny_llama,
         assert counted("megatron_serve_spec_decode_num_accepted_tokens_per_pos_total") == counted(
             "megatron_serve_spec_decode_num_accepted_tokens_total")
         assert counted("vllm:spec_decode_num_drafts_total") > 0
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGINT)
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_adaptive_k_in_a_data_parallel_fleet_keeps_each_engines_own_counters(tiny_llama, tmp_path):
+    """``run --engines 2`` with the adaptive policy (the default): requests spread over both engines, each
+    engine chooses K from its own measurements (its own rows and drafts on /metrics), the tokens are the
+    plain engine's."""
+    port = free_port()
+    argv = ["run", "--model", tiny_llama, "--served-model-name", "tiny", "--host", "127.0.0.1", "--port", str(port),
+            "--coordinator-port", "0", "--engines", "2", "--log-dir", str(tmp_path / "logs"), "--num-kv-blocks", "128",
+            "--block-size", "16", "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 4}']
+    log = tmp_path / "run.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "megatron_serve.cli", *argv], stdout=out,
+                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    prompts = [[5 + i, 17, 5 + i, 17, 5 + i, 17, 99] for i in range(8)]
+    try:
+        wait_ready(proc, url, log)
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+
+        def complete(prompt: list[int]) -> list[int]:
+            answer = client.completions.create(model="tiny", prompt=prompt, max_tokens=32, temperature=0,
+                                               logit_bias=BIAS,
+                                               extra_body={"return_token_ids": True, "ignore_eos": True})
+            return answer.choices[0].token_ids
+
+        with ThreadPoolExecutor(len(prompts)) as pool:  # all in flight: the least-loaded router uses both engines
+            served = list(pool.map(complete, prompts))
+        plain = DynamicInferenceEngine.from_model_dir(tiny_llama, InferenceConfig(block_size_tokens=16))
+        requests = [DynamicInferenceRequest(str(i), None, prompt, SamplingParams(
+            temperature=0.0, num_tokens_to_generate=32, ignore_eos=True,
+            logit_bias={int(k): v for k, v in BIAS.items()})) for i, prompt in enumerate(prompts)]
+        for request in requests:
+            plain.add_request(request)
+        while plain.has_unfinished_requests():
+            plain.step()
+        assert served == [r.generated_tokens for r in requests]
+
+        def per_engine(name: str) -> dict[str, float]:  # engines report in heartbeats: a beat later
+            values: dict[str, float] = {}
+            for line in httpx.get(f"{url}/metrics", timeout=30).text.splitlines():
+                if line.startswith(name + "{"):
+                    group = line.split('engine_group="', 1)[1].split('"', 1)[0]
+                    values[group] = values.get(group, 0.0) + float(line.rsplit(" ", 1)[1])
+            return values
+
+        wait_until(lambda: sum(per_engine("megatron_serve_generation_tokens_total").values()) == 32 * len(prompts),
+                   60, "every generated token counted on /metrics")  # the same heartbeats carry the draft counters
+        counted = per_engine("megatron_serve_spec_decode_num_rows_total")
+        drafts = per_engine("megatron_serve_spec_decode_num_draft_tokens_total")
+        assert sorted(g for g, n in counted.items() if n > 0) == ["0", "1"]  # both engines ran and chose K
+        for group, n in counted.items():
+            assert drafts.get(group, 0.0) <= 4 * n  # each engine's mean K, from its own counters, within 0..4
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGINT)

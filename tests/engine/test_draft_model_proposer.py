@@ -116,7 +116,8 @@ def speculative_run(model_dir: str, draft_dir: str | None, prompts: list[list[in
     speculation counters."""
     config = CONFIG if draft_dir is None else InferenceConfig(
         device="cpu", dtype="float32",
-        speculative={"method": "draft_model", "model": draft_dir, "num_speculative_tokens": k})
+        speculative={"method": "draft_model", "model": draft_dir, "num_speculative_tokens": k,
+                     "adaptive": False})  # K pinned: the test counts every draft
     engine = DynamicInferenceEngine.from_model_dir(model_dir, config)
     requests = [DynamicInferenceRequest(str(i), None, prompt, SamplingParams(
         temperature=0.0, num_tokens_to_generate=count, ignore_eos=True)) for i, prompt in enumerate(prompts)]

@@ -30,7 +30,7 @@ def models(tmp_path_factory):
 
 def engine_on(model_dir: str, draft_dir: str | None) -> DynamicInferenceEngine:
     speculative = None if draft_dir is None else {"method": "draft_model", "model": draft_dir,
-                                                  "num_speculative_tokens": 3}
+                                                  "num_speculative_tokens": 3, "adaptive": False}
     return DynamicInferenceEngine.from_model_dir(
         model_dir, InferenceConfig(device="cpu", dtype="float32", speculative=speculative))
 

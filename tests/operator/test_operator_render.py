@@ -451,6 +451,8 @@ def test_a_hub_model_is_fetched_by_an_init_container_into_the_model_volume(volum
     ({"method": "draft_model", "model": "/models/draft"},
      {"method": "draft_model", "model": "/models/draft", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
       "prompt_lookup_max": 3}),
+    ({"method": "ngram", "adaptive": False},
+     {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3, "adaptive": False}),
 ])
 def test_engine_speculative_reaches_the_engine_command_as_vllms_json(speculative, expected):
     (resource,) = load_yaml(ROOT / "manifests" / "examples" / "tp2-dp4.yaml")

@@ -47,6 +47,7 @@ def a_report() -> dict[str, Any]:
     stats.histograms["time_to_first_token_seconds"].observe(0.3)
     stats.finished["stop"] = 2
     stats.speculated(3, 2)  # speculative decoding: 2 of 3 guesses accepted (positions 0 and 1)
+    stats.counters["spec_decode_num_rows"] = 6  # of 6 decode rows that could speculate (mean K 0.5)
     return stats.to_wire(prefix_cache_queries=40, prefix_cache_hits=16)
 
 
@@ -72,7 +73,7 @@ def test_speculative_counters_reach_the_megatron_series_per_position():
               if name.startswith("megatron_serve_spec_decode") for s in family.samples if not s.name.endswith("_created")}
     prefix = "megatron_serve_spec_decode_num_"
     assert values == {(prefix + "drafts_total", None): 1.0, (prefix + "draft_tokens_total", None): 3.0,
-                      (prefix + "accepted_tokens_total", None): 2.0,
+                      (prefix + "accepted_tokens_total", None): 2.0, (prefix + "rows_total", None): 6.0,
                       (prefix + "accepted_tokens_per_pos_total", "0"): 1.0,
                       (prefix + "accepted_tokens_per_pos_total", "1"): 1.0,
                       (prefix + "accepted_tokens_per_pos_total", "2"): 0.0}
@@ -142,3 +143,16 @@ def test_the_stats_line_reports_the_mean_acceptance_length_only_when_drafts_were
     line, _ = stats_line(before, FleetCounters(10.0, 0.0, 100.0, 0.0, 0.0, drafts=10.0, accepted=5.0), monitor)  # type: ignore[arg-type]
     assert "speculative" not in line  # no drafts in the interval: no figure
     assert FleetCounters.read(monitor, 1.0).drafts == 1.0  # type: ignore[arg-type] - from the engines' counters
+
+
+def test_the_stats_line_reports_the_mean_k_over_the_rows_that_could_speculate():
+    from megatron_serve.server.stats_log import FleetCounters, stats_line  # noqa: PLC0415
+
+    monitor = Monitor([engine(0, a_report())])
+    before = FleetCounters(0.0, 0.0, 0.0, 0.0, 0.0, draft_tokens=10.0, rows=20.0)
+    now = FleetCounters(10.0, 0.0, 100.0, 0.0, 0.0, draft_tokens=70.0, rows=60.0)  # 60 drafts over 40 rows
+    assert stats_line(before, now, monitor)[0].endswith(", speculative mean K 1.50")  # type: ignore[arg-type]
+    idle = FleetCounters(10.0, 0.0, 100.0, 0.0, 0.0, draft_tokens=10.0, rows=60.0)  # K = 0: rows, no drafts
+    assert stats_line(before, idle, monitor)[0].endswith(", speculative mean K 0.00")  # type: ignore[arg-type]
+    counters = FleetCounters.read(monitor, 1.0)  # type: ignore[arg-type] - from the engines' counters
+    assert (counters.draft_tokens, counters.rows) == (3.0, 6.0)

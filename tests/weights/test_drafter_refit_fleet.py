@@ -50,7 +50,8 @@ def fleet(models, tmp_path_factory):
     children = Children(tmp_path_factory.mktemp("drafter-refit-logs"))
     port = free_port()
     children.coordinator(models.a, port)
-    spec = json.dumps({"method": "draft_model", "model": models.d, "num_speculative_tokens": 3})
+    spec = json.dumps({"method": "draft_model", "model": models.d, "num_speculative_tokens": 3,
+                       "adaptive": False})  # K pinned: the test counts drafts under each epoch
     children.engine(models.a, port, "--speculative-config", spec)
     try:
         yield SimpleNamespace(address=f"tcp://127.0.0.1:{port}", children=children)

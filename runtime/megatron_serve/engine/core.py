@@ -142,8 +142,8 @@ class DynamicInferenceEngine(DeviceMemoryVerbs, LoraVerbs):
         self.stats = EngineStats()  # vLLM-style counters and histograms, shipped in heartbeats
         self.parity = ParityChecker(config.verify_logprobs_fraction, self.max_sequence_length)
         spec = config.speculative
-        self.speculator = (None if spec is None
-                           else Speculator(make_proposer(config, model_dir), spec.num_speculative_tokens, self.stats))
+        self.speculator = (None if spec is None else Speculator(make_proposer(config, model_dir),
+                                                                spec.num_speculative_tokens, self.stats, spec.adaptive))
 
     @property
     def cached_tokens(self) -> int:
@@ -312,7 +312,7 @@ class DynamicInferenceEngine(DeviceMemoryVerbs, LoraVerbs):
         self.structured.remove(sequence.request_id)
         self.sampling_state.remove(sequence.request_id)
         if self.speculator is not None:
-            self.speculator.proposer.forget(sequence.request_id)
+            self.speculator.forget(sequence.request_id)
         if self.encoder_cache is not None:
             self.encoder_cache.release(sequence.request_id)
 
@@ -339,7 +339,7 @@ class DynamicInferenceEngine(DeviceMemoryVerbs, LoraVerbs):
             self._keep_routing(sequence)
             sequence.request.status = RequestStatus.WAITING_IN_QUEUE
             if self.speculator is not None:  # the request leaves: its drafter state too
-                self.speculator.proposer.forget(sequence.request_id)
+                self.speculator.forget(sequence.request_id)
         return [s.request for s in sequences]
 
     @staticmethod

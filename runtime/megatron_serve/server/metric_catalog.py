@@ -93,6 +93,9 @@ SERIES: tuple[Series, ...] = (
     Series("spec_decode_num_accepted_tokens_total", "counter", "of those, draft tokens accepted (each one the "
            "target would have produced)", "engine", ENGINE_LABELS, "vllm:spec_decode_num_accepted_tokens_total",
            "tokens", colon_twin=True),
+    Series("spec_decode_num_rows_total", "counter", "decode rows that could speculate, one per request and "
+           "step (drafts or not): spec_decode_num_draft_tokens_total over it is the mean K the adaptive policy "
+           "chose", "engine", ENGINE_LABELS, unit="rows"),
     Series("spec_decode_num_accepted_tokens_per_pos_total", "counter", "accepted draft tokens by their position "
            "in the draft (0: the first guess)", "engine", (*ENGINE_LABELS, "position"),
            "vllm:spec_decode_num_accepted_tokens_per_pos_total", "tokens", colon_twin=True),

@@ -30,19 +30,23 @@ class FleetCounters:
     cache_hits: float
     drafts: float = 0.0  # speculative decoding: requests verified with drafts, and draft tokens accepted
     accepted: float = 0.0
+    draft_tokens: float = 0.0  # draft tokens verified, and decode rows that could speculate (mean K)
+    rows: float = 0.0
 
     @classmethod
     def read(cls, monitor: FleetMonitor, now: float) -> "FleetCounters":
         sums = {"prompt_tokens_total": 0.0, "generation_tokens_total": 0.0, "prefix_cache_queries_total": 0.0,
                 "prefix_cache_hits_total": 0.0, "spec_decode_num_drafts_total": 0.0,
-                "spec_decode_num_accepted_tokens_total": 0.0}
+                "spec_decode_num_accepted_tokens_total": 0.0, "spec_decode_num_draft_tokens_total": 0.0,
+                "spec_decode_num_rows_total": 0.0}
         for engine in monitor.engines if monitor.reachable else []:
             values = read_engine(engine).values
             for name in sums:
                 sums[name] += sum(values.get(name, {}).values())
         return cls(now, sums["prompt_tokens_total"], sums["generation_tokens_total"],
                    sums["prefix_cache_queries_total"], sums["prefix_cache_hits_total"],
-                   sums["spec_decode_num_drafts_total"], sums["spec_decode_num_accepted_tokens_total"])
+                   sums["spec_decode_num_drafts_total"], sums["spec_decode_num_accepted_tokens_total"],
+                   sums["spec_decode_num_draft_tokens_total"], sums["spec_decode_num_rows_total"])
 
 
 def stats_line(before: FleetCounters, now: FleetCounters, monitor: FleetMonitor) -> tuple[str, bool]:
@@ -63,6 +67,9 @@ def stats_line(before: FleetCounters, now: FleetCounters, monitor: FleetMonitor)
     drafts = now.drafts - before.drafts
     if drafts > 0:  # vLLM's "mean acceptance length": tokens per verified request row (accepted drafts + 1)
         line += f", speculative mean acceptance length {1.0 + (now.accepted - before.accepted) / drafts:.2f}"
+    rows = now.rows - before.rows
+    if rows > 0:  # draft tokens per decode row that could speculate: the adaptive policy's K (0: not drafting)
+        line += f", speculative mean K {(now.draft_tokens - before.draft_tokens) / rows:.2f}"
     return line, bool(prompt or generation or running or waiting)
 
 

@@ -46,7 +46,7 @@ HISTOGRAMS: dict[str, tuple[float, ...]] = {
 #: counter names on the wire (the exported name adds ``_total``)
 COUNTERS = ("prompt_tokens", "generation_tokens", "num_preemptions", "prefix_cache_queries", "prefix_cache_hits",
             "logprob_parity_checked", "logprob_parity_mismatch", "spec_decode_num_drafts", "spec_decode_num_draft_tokens",
-            "spec_decode_num_accepted_tokens")
+            "spec_decode_num_accepted_tokens", "spec_decode_num_rows")
 #: the per-position acceptance counter on the wire: {"0": accepted at draft position 0, ...}
 ACCEPTED_PER_POS = "spec_decode_num_accepted_tokens_per_pos"
 #: finish reasons counted by ``request_success``

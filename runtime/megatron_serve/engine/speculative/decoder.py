@@ -3,9 +3,10 @@
 One speculative step, in the engine's ``schedule -> launch -> sample -> finish`` seam:
 
 1. ``propose``: each running request that may speculate (its tokens all on the host, one token left to
-   compute, no grammar, no image, no routing record) gets up to ``num_speculative_tokens`` guesses from the
-   proposer, appended to its ``token_ids`` and counted in ``num_drafts``. The scheduler then sees
-   ``1 + drafts`` tokens to compute, as for a prefill chunk, and gives the request that many query rows.
+   compute, no grammar, no image, no routing record) gets up to ``K`` guesses from the proposer, ``K`` chosen
+   per request and step by the policy of :mod:`.adaptive` (at most ``num_speculative_tokens``; 0: none),
+   appended to its ``token_ids`` and counted in ``num_drafts``. The scheduler then sees ``1 + drafts``
+   tokens to compute, as for a prefill chunk, and gives the request that many query rows.
 2. ``fit``: what the scheduler could not take (a token budget cut, a preemption) loses its drafts, so a
    request's uncomputed tokens are exactly the rows it runs. ``step_plan`` lists the draft rows' logits
    (``num_verify``) beside the sampling row.
@@ -28,6 +29,7 @@ Cost: one sampler pass per depth (``1 + K`` at most per step, each reading its t
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -36,6 +38,7 @@ import torch
 from ..kv_cache import BlockAllocator, blocks_for_tokens
 from ..logits_processors import apply_controls, apply_token_bitmask
 from ...wire.engine_stats import EngineStats
+from .adaptive import AdaptiveK, PinnedK
 from .proposer import DraftInput, Proposer
 
 if TYPE_CHECKING:
@@ -57,10 +60,13 @@ class Emitted:
 class Speculator:
     """Owns the proposer and the per-step draft bookkeeping of one engine (see the module docstring)."""
 
-    def __init__(self, proposer: Proposer, num_speculative_tokens: int, stats: EngineStats):
+    def __init__(self, proposer: Proposer, num_speculative_tokens: int, stats: EngineStats, adaptive: bool = True):
         self.proposer = proposer
         self.k = num_speculative_tokens
         self.stats = stats  # the engine's counters: drafts, draft tokens, accepted tokens (also per position)
+        self.policy: AdaptiveK | PinnedK = AdaptiveK(self.k) if adaptive else PinnedK(self.k)
+        self._started: tuple[float, float] | None = None  # when this step's drafting began (wall, CPU time)
+        self._timed: tuple[int, int] | None = None  # this step's (decode rows, drafts) when all its rows decode
 
     @staticmethod
     def may_speculate(sequence: "Sequence", grammar: bool) -> bool:
@@ -71,20 +77,27 @@ class Speculator:
                 and len(sequence.token_ids) + 1 < sequence.max_total_tokens)
 
     def propose(self, candidates: list["Sequence"]) -> None:
-        """Ask the proposer for each candidate's drafts and append them to its tokens (``num_drafts``)."""
+        """Ask the proposer for each candidate's drafts, as many as the K policy gives it (:mod:`.adaptive`), and
+        append them to its tokens (``num_drafts``)."""
+        self._started, self._timed = (time.perf_counter(), time.process_time()), None
         if not candidates:
             return
-        inputs = [DraftInput(s.request_id, list(s.token_ids), min(self.k, s.max_total_tokens - len(s.token_ids) - 1))
-                  for s in candidates]
+        self.stats.counters["spec_decode_num_rows"] += len(candidates)
+        ks = self.policy.choose([s.request_id for s in candidates],
+                                [s.max_total_tokens - len(s.token_ids) - 1 for s in candidates])
+        if not any(ks):  # nobody drafts this step: the drafter is not called
+            return
+        inputs = [DraftInput(s.request_id, list(s.token_ids), k) for s, k in zip(candidates, ks)]
         for sequence, item, drafts in zip(candidates, inputs, self.proposer.propose(inputs)):
             drafts = list(drafts[: item.num_tokens])
             sequence.token_ids.extend(drafts)
             sequence.num_drafts = len(drafts)
 
-    @staticmethod
-    def fit(batch: "ScheduledBatch | None", running: list["Sequence"], preempted: list["Sequence"]) -> None:
-        """Drop the drafts the scheduler did not give rows to: a cut chunk keeps ``count - 1``, others none."""
+    def fit(self, batch: "ScheduledBatch | None", running: list["Sequence"], preempted: list["Sequence"]) -> None:
+        """Drop the drafts the scheduler did not give rows to: a cut chunk keeps ``count - 1``, others none.
+        A step whose rows all decode is timed for the K policy's cost model (until :meth:`verify`)."""
         scheduled = {id(s): count for s, count in batch.entries} if batch is not None else {}
+        drafts = 0
         for sequence in [*running, *preempted]:
             if sequence.num_drafts:
                 keep = max(scheduled.get(id(sequence), 0) - 1, 0) if sequence.num_computed else 0
@@ -92,6 +105,9 @@ class Speculator:
                 if drop:
                     del sequence.token_ids[len(sequence.token_ids) - drop:]
                     sequence.num_drafts -= drop
+                drafts += sequence.num_drafts
+        if batch is not None and batch.num_tokens == len(batch.entries) + drafts:  # every row decodes (no chunk
+            self._timed = (len(batch.entries), drafts)  # of a prompt: each row is its token and its drafts)
 
     def verify(self, sampling: list["Sequence"], sample_logits: torch.Tensor, verify_logits: torch.Tensor,
                state: "SamplingState", sampler: "Sampler", masks: torch.Tensor | None = None) -> list[Emitted]:
@@ -116,7 +132,8 @@ class Speculator:
             rows = state.rows([s.request_id for s in seqs],
                               [s.num_computed - s.num_drafts + depth for s in seqs],
                               [len(s.request.generated_tokens) + depth for s in seqs])
-            model_logits = logits[torch.tensor(rows_index, dtype=torch.int64, device=logits.device)]
+            model_logits = (logits if offset == len(sampling)  # no drafts (K = 0): the rows as they are, no copy
+                            else logits[torch.tensor(rows_index, dtype=torch.int64, device=logits.device)])
             processed = apply_controls(model_logits, state, rows)
             if masks is not None and depth == 0:
                 processed = apply_token_bitmask(processed, masks)
@@ -134,8 +151,21 @@ class Speculator:
                     alive.append(i)
             depth += 1
         for sequence, out in zip(sampling, emitted):
-            self.stats.speculated(sequence.num_drafts, out.accepted)
+            if sequence.num_drafts:
+                self.stats.speculated(sequence.num_drafts, out.accepted)
+                self.policy.verified(sequence.request_id, sequence.num_drafts, out.accepted)
+        if self._timed is not None and self._started is not None:  # on a CPU the step's cost is its CPU time:
+            # the wall clock there also counts the other processes sharing the cores; on a GPU the host waits
+            wall, cpu = self._started  # for the device, so the wall clock is the cost
+            cost = time.process_time() - cpu if logits.device.type == "cpu" else time.perf_counter() - wall
+            self.policy.step_cost(*self._timed, cost)
+            self._timed = None
         return emitted
+
+    def forget(self, request_id: str) -> None:
+        """The request left the engine: the proposer's state and the policy's estimate of it go."""
+        self.proposer.forget(request_id)
+        self.policy.forget(request_id)
 
     @staticmethod
     def rollback(sequence: "Sequence", accepted: int, allocator: BlockAllocator, block_size: int) -> None:

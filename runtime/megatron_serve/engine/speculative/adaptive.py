@@ -1,0 +1,285 @@
+"""How many drafts each request gets this step: K from measured acceptance and measured step cost.
+
+A draft pays when the tokens it is expected to add are worth more than the time it costs. Both sides are
+measured by the engine as it runs, never assumed:
+
+- **Acceptance**, per request: each verified draft position is a Bernoulli trial (the first rejection ends
+  the run), so ``a = accepted / (accepted + rejections)`` with decayed counts (:data:`REQUEST_DECAY` per
+  verify) and the engine-wide rate as the prior of a new request. With per-token acceptance ``a``, a row
+  with ``K`` drafts emits ``1 + a + a^2 + ... + a^K`` tokens on average.
+- **Cost**, per batch-size bucket (powers of two): what a step whose rows all decode costs from drafting to
+  its verified tokens (CPU time on a CPU, where the wall clock also counts whoever else shares the cores;
+  wall time on an accelerator, where the host waits for the device): ``plain`` without drafts, and
+  ``plain + fixed + slope * mean K`` with drafts, by decayed least squares (:data:`COST_DECAY` per step).
+  ``fixed`` is the price of drafting at all (a drafter forward, a sampler pass per depth, prefill-shaped
+  attention; a probe of 16 of 64 rows at K = 1 cost 2.7x a plain step on the CPU with the benchmark's
+  trained draft); ``slope / plain`` is what one more draft per row costs relative to a step without drafts: small at batch 1 on a GPU (the forward is bound by reading the
+  weights, extra query rows are almost free), near 1 or more at a large batch or on a CPU, where every row
+  costs compute and the drafter's forwards and the sampler's passes per depth come on top.
+
+The choice maximizes tokens per second of step, ``N / D`` with ``N = B + sum_i sum_{j<=K_i} a_i^j`` and
+``D = plain + fixed + slope * sum_i K_i / B`` (``D = plain`` without drafts), by Dinkelbach's iteration:
+at the current rate ``r = N / D`` a row takes its ``j``-th draft when ``a_i^j >= r * slope / B`` (the
+tokens the draft brings beat the time it costs at that rate), the step drafts at all only if the drafts'
+tokens beat ``r * (fixed + ...)``, then ``r`` is recomputed; a few rounds converge. A request that is rarely accepted,
+or a batch where rows cost as much as they save, gets ``K = 0``: no drafts, and no drafter forward.
+
+Measuring needs data: a bucket with no step without drafts runs one; one with no step with drafts runs
+a probe, ``K = 1`` for a sixteenth of the rows (at least one) in two steps in a row of which only the second is measured
+(in the first a draft model catches up on the tokens it did not see while K was 0). While the choice
+stays 0 the estimates would go stale (acceptance is only measured when drafting), so a probe runs every
+``probe`` steps without drafts: 16 at first, doubling while probes change nothing (up to 256), and never
+more often than keeps probes (both steps) within :data:`PROBE_BUDGET` of the time. A step measured at more than 1.5x
+the model's prediction counts as 1.5x: the shared CPU deschedules the step thread now and then (1 step in
+20 took 6x on the 2-core machine), which says nothing about drafting.
+
+A bucket without a model of its own borrows the nearest bucket's (costs relative to a plain step change
+little from one power of two to the next, and a batch that shrinks as its requests finish should not
+probe again at each size); it measures its own with its probes.
+
+Limits: ``fixed`` and ``slope`` are told apart only once steps with drafts had different mean K (n-gram
+proposals vary by themselves; a draft model's vary with the per-request K); before that all is slope, the
+pessimistic reading for larger K, so a marginal gain can be declined. Where a probe costs as much as above,
+the first one at each batch size costs about a step and a half, which a 64-step run notices and a long
+one does not.
+
+``adaptive: false`` (:class:`PinnedK`) drafts ``num_speculative_tokens`` every step, as before.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+#: weight kept by a request's acceptance counts at each of its verify steps (about the last 5 steps count)
+REQUEST_DECAY = 0.8
+#: weight kept by the engine-wide acceptance counts at each verified row (the prior of a new request; about
+#: the last 20 rows count)
+GLOBAL_DECAY = 0.95
+#: weight kept by a bucket's cost samples at each measured step (about the last 50 steps count)
+COST_DECAY = 0.98
+#: the acceptance a request is assumed to have before anything was verified, and its weight in trials
+PRIOR_ACCEPTANCE, PRIOR_TRIALS = 0.5, 2.0
+PROBE_MIN, PROBE_MAX = 16, 256
+#: rows that draft (K = 1) in a probe: a sixteenth of the batch, at least one. Few, because a draft model
+#: first catches up on every token a probing row generated since it last drafted (16 rows of 64 after 200
+#: steps without drafts: a 3200-token drafter prefill, 18.8 ms against 2.2 ms for a plain step on the CPU)
+PROBE_SHARE = 16
+#: the share of the time probes may cost while K stays 0 (their interval grows to keep within it)
+PROBE_BUDGET = 0.005
+#: a measured step longer than this many times the model's prediction is counted at that (a descheduled
+#: thread or a page fault says nothing about drafting; on the shared 2-core CPU, 1 step in 20 took 6x)
+OUTLIER = 1.5
+
+
+class PinnedK:
+    """``adaptive: false``: every request that may speculate is offered ``num_speculative_tokens`` drafts."""
+
+    def __init__(self, max_k: int) -> None:
+        self.max_k = max_k
+
+    def choose(self, request_ids: list[str], caps: list[int]) -> list[int]:
+        """K per request: ``max_k``, less where the request's length limit leaves less room (``caps``)."""
+        return [min(self.max_k, cap) for cap in caps]
+
+    def verified(self, request_id: str, drafts: int, accepted: int) -> None:
+        """Nothing to learn: K is pinned."""
+
+    def step_cost(self, batch_size: int, draft_tokens: int, seconds: float) -> None:
+        """Nothing to learn: K is pinned."""
+
+    def forget(self, request_id: str) -> None:
+        """Nothing kept per request."""
+
+
+@dataclass
+class _Rate:
+    """Decayed Bernoulli counts: ``hits / trials``."""
+
+    hits: float = 0.0
+    trials: float = 0.0
+
+    def add(self, hits: float, trials: float, decay: float) -> None:
+        self.hits = self.hits * decay + hits
+        self.trials = self.trials * decay + trials
+
+
+@dataclass
+class _Cost:
+    """One batch-size bucket's step cost: ``plain`` (decayed mean of steps without drafts) and, for steps
+    with drafts, ``plain + fixed + slope * x`` by decayed least squares on the mean drafts per row ``x``."""
+
+    pw: float = 0.0  # steps without drafts: weight and sum of seconds
+    py: float = 0.0
+    w: float = 0.0  # steps with drafts: weight and sums
+    x: float = 0.0
+    y: float = 0.0
+    xx: float = 0.0
+    xy: float = 0.0
+
+    @property
+    def without_drafts(self) -> bool:
+        return self.pw > 0
+
+    def add(self, x: float, y: float) -> None:
+        d = COST_DECAY
+        if x == 0:
+            self.pw, self.py = self.pw * d + 1, self.py * d + y
+            return
+        self.w, self.x, self.y = self.w * d + 1, self.x * d + x, self.y * d + y
+        self.xx, self.xy = self.xx * d + x * x, self.xy * d + x * y
+
+    def fit(self) -> tuple[float, float, float] | None:
+        """``(plain, fixed, slope)``, or None until steps with and without drafts were both measured. While
+        the steps with drafts all had one ``x``, ``fixed`` and ``slope`` cannot be told apart: all is slope
+        (the pessimistic reading for larger K)."""
+        if not (self.pw and self.w):
+            return None
+        plain = self.py / self.pw
+        mx, my = self.x / self.w, self.y / self.w
+        var = self.xx / self.w - mx * mx
+        slope = (self.xy / self.w - mx * my) / var if var > 1e-9 * mx * mx else -1.0
+        if slope < 0:  # one x only, or noise: a line through plain
+            return plain, 0.0, max(my - plain, 0.0) / mx
+        return plain, max(my - slope * mx - plain, 0.0), slope
+
+    def predict(self, x: float) -> float | None:
+        """The model's seconds for a step at mean K ``x`` (None: not fitted yet)."""
+        model = self.fit()
+        if model is None:
+            return None
+        plain, fixed, slope = model
+        return plain + (fixed + slope * x if x else 0.0)
+
+
+def bucket(batch_size: int) -> int:
+    """Batch sizes of one power of two share a cost model (1, 2-3, 4-7, ...)."""
+    return max(batch_size, 1).bit_length()
+
+
+@dataclass
+class AdaptiveK:
+    """The per-engine K policy (see the module docstring); each engine of a fleet keeps its own."""
+
+    max_k: int
+    requests: dict[str, _Rate] = field(default_factory=dict)
+    overall: _Rate = field(default_factory=lambda: _Rate(PRIOR_ACCEPTANCE * PRIOR_TRIALS, PRIOR_TRIALS))
+    costs: dict[int, _Cost] = field(default_factory=dict)
+    probe: int = PROBE_MIN  # steps without drafts before the next probe
+    idle: int = 0  # steps without drafts since the last step with some
+    probing: bool = False
+    follow: bool = False  # the next step is a probe's second, measured step
+    untimed: bool = False  # the next measured step is a probe's first: its cost is not recorded
+    warmup: float = 0.0  # what the last probe's first step cost beyond a plain step, over a plain step
+
+    def acceptance(self, request_id: str) -> float:
+        """The request's per-draft acceptance estimate, with the engine-wide rate as its prior."""
+        prior = self.overall.hits / self.overall.trials
+        own = self.requests.get(request_id, _Rate())
+        return (own.hits + PRIOR_TRIALS * prior) / (own.trials + PRIOR_TRIALS)
+
+    def choose(self, request_ids: list[str], caps: list[int]) -> list[int]:
+        """K per request (each at most ``min(max_k, cap)``) for a step of ``len(request_ids)`` decode rows."""
+        size = len(request_ids)
+        if not size:
+            return []
+        if self.follow:  # a probe's second step: the drafter has caught up, this one is measured
+            self.follow = False
+            return self._probe_rows(caps)
+        cost = self.costs.setdefault(bucket(size), _Cost())
+        model = cost.fit() or self._neighbour(bucket(size))
+        if model is None:  # measure first: a step without drafts, then a probe
+            return self._start_probe(caps) if cost.without_drafts else [0] * size
+        plain, fixed, slope = model
+        prior = PRIOR_TRIALS * self.overall.hits / self.overall.trials
+        requests = self.requests
+        rates = [(own.hits + prior) / (own.trials + PRIOR_TRIALS) if (own := requests.get(r)) is not None
+                 else prior / PRIOR_TRIALS for r in request_ids]
+        excess = (fixed + slope * max(1, size // PROBE_SHARE) / size) / plain  # a probe step, over a plain one
+        rate = size / plain
+        if max(rates) < rate * slope / size:  # not even one draft pays: the loop's first round, in one pass
+            return self._idle(caps, excess)
+        caps = [min(self.max_k, cap) for cap in caps]
+        ks = [0] * size
+        for _ in range(8):  # Dinkelbach: the best drafts at the current rate, then the new rate
+            threshold = rate * slope / size
+            new = [_best_k(a, cap, threshold) for a, cap in zip(rates, caps)]
+            extra = sum(_expected_extra(a, k) for a, k in zip(rates, new))
+            if extra <= rate * (fixed + slope * sum(new) / size):  # not worth drafting at all (fixed included)
+                new, extra = [0] * size, 0.0
+            seconds = plain + (fixed + slope * sum(new) / size if any(new) else 0.0)
+            rate, converged = (size + extra) / seconds, new == ks
+            ks = new
+            if converged:
+                break
+        if not any(ks):
+            return self._idle(caps, excess)
+        self.idle, self.probe, self.probing = 0, PROBE_MIN, False
+        return ks
+
+    def _neighbour(self, home: int) -> tuple[float, float, float] | None:
+        """The model of the nearest bucket that has one (the larger on a tie), as this bucket's until it has
+        its own: costs relative to a plain step change little from one power of two to the next, and a batch
+        that shrinks as its requests finish should not probe again at each size."""
+        fitted = [(abs(b - home), -b, model) for b, c in self.costs.items() if (model := c.fit()) is not None]
+        return min(fitted)[2] if fitted else None
+
+    def _idle(self, caps: list[int], excess: float) -> list[int]:
+        """No drafts this step, or a probe: every ``probe`` steps, the interval doubling while probes change
+        nothing, and never more often than keeps probing (a first step costing ``warmup`` more than a plain
+        one, a second costing ``excess`` more) within :data:`PROBE_BUDGET` of the time."""
+        if self.probing:  # the last probe did not change the choice: wait twice as long for the next
+            self.probe, self.probing = min(2 * self.probe, PROBE_MAX), False
+        self.idle += 1
+        if self.idle < max(self.probe, (excess + self.warmup) / PROBE_BUDGET):
+            return [0] * len(caps)
+        self.idle, self.probing = 0, True
+        return self._start_probe(caps)
+
+    def _start_probe(self, caps: list[int]) -> list[int]:
+        """A probe is two steps: the first catches the drafter up on the tokens it missed (a draft model
+        recomputes them: not what a step costs while drafting), the second is measured."""
+        self.follow = self.untimed = True
+        return self._probe_rows(caps)
+
+    def _probe_rows(self, caps: list[int]) -> list[int]:
+        """K = 1 for the first ``1 / PROBE_SHARE`` of the rows (at least one), 0 for the others."""
+        rows = max(1, len(caps) // PROBE_SHARE)
+        return [min(1, self.max_k, cap) if i < rows else 0 for i, cap in enumerate(caps)]
+
+    def verified(self, request_id: str, drafts: int, accepted: int) -> None:
+        """A request's ``drafts`` were verified and ``accepted`` kept: ``accepted`` trials passed, one failed
+        unless all were accepted."""
+        if not drafts:
+            return
+        trials = accepted + (accepted < drafts)
+        self.requests.setdefault(request_id, _Rate()).add(accepted, trials, REQUEST_DECAY)
+        self.overall.add(accepted, trials, GLOBAL_DECAY)
+
+    def step_cost(self, batch_size: int, draft_tokens: int, seconds: float) -> None:
+        """A step of ``batch_size`` decode rows and ``draft_tokens`` drafts took ``seconds`` (draft to verified)."""
+        if not batch_size:
+            return
+        cost, x = self.costs.setdefault(bucket(batch_size), _Cost()), draft_tokens / batch_size
+        predicted = cost.predict(x)
+        if self.untimed:  # a probe's first step: not what drafting costs, but what probing does
+            plain = cost.py / cost.pw if cost.pw else None
+            self.untimed, self.warmup = False, max(seconds / plain - 1, 0.0) if plain else 0.0
+            return
+        cost.add(x, seconds if predicted is None else min(seconds, OUTLIER * predicted))
+
+    def forget(self, request_id: str) -> None:
+        """The request left the engine."""
+        self.requests.pop(request_id, None)
+
+
+def _expected_extra(a: float, k: int) -> float:
+    """Tokens beyond the first that ``k`` drafts accepted with probability ``a`` each (in a row) add."""
+    return sum(a ** j for j in range(1, k + 1))
+
+
+def _best_k(a: float, cap: int, threshold: float) -> int:
+    """The longest prefix of drafts whose ``j``-th one is accepted with probability ``a^j >= threshold``."""
+    k = 0
+    while k < cap and a ** (k + 1) >= threshold:
+        k += 1
+    return k

@@ -1,0 +1,160 @@
+"""The adaptive K policy (engine.speculative.adaptive): K follows measured acceptance and measured step cost.
+
+The policy is driven here with the numbers an engine would measure, so each rule is shown on its own: acceptance
+that falls takes K to 0, acceptance that rises brings it back, and a batch whose extra rows cost as much as they
+save gets a smaller K than a small batch at the same acceptance. The engine side (greedy output unchanged with
+the policy on, K going to 0 where drafts are never accepted) runs the real engine on the tiny model.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+
+from megatron_serve import DynamicInferenceRequest, InferenceConfig, SamplingParams
+from megatron_serve.config import SpeculativeConfig
+from megatron_serve.engine import DynamicInferenceEngine
+from megatron_serve.engine.speculative.adaptive import PROBE_BUDGET, PROBE_MIN, AdaptiveK, PinnedK, bucket
+
+K = 4
+
+
+def measured(policy: AdaptiveK, batch: int, plain: float, per_k: float) -> None:
+    """Steps of ``batch`` decode rows costing ``plain + per_k * mean K`` seconds, at mean K 0 and 1 .. K."""
+    for mean_k in (0, 1, 2, K, 0):
+        policy.step_cost(batch, mean_k * batch, plain + per_k * mean_k)
+
+
+def verify(policy: AdaptiveK, ids: list[str], rate: float, rng: random.Random, steps: int = 20) -> None:
+    """``steps`` verify steps of K drafts per request, each draft accepted with probability ``rate`` in a row."""
+    for _ in range(steps):
+        for request_id in ids:
+            accepted = 0
+            while accepted < K and rng.random() < rate:
+                accepted += 1
+            policy.verified(request_id, K, accepted)
+
+
+def test_falling_acceptance_takes_k_to_zero_and_rising_acceptance_brings_it_back():
+    policy, rng, ids = AdaptiveK(K), random.Random(0), ["a", "b"]
+    measured(policy, 2, plain=1.0, per_k=0.3)  # a draft per row costs 30% of a step: pays above ~30% acceptance
+    verify(policy, ids, 0.9, rng)
+    assert policy.choose(ids, [100, 100]) == [K, K]
+    verify(policy, ids, 0.0, rng)
+    assert policy.choose(ids, [100, 100]) == [0, 0]
+    verify(policy, ids, 0.6, rng)
+    middle = policy.choose(ids, [100, 100])
+    assert all(0 < k < K for k in middle), middle  # a draft accepted 60% of the time pays for the first few only
+    verify(policy, ids, 0.95, rng)
+    assert policy.choose(ids, [100, 100]) == [K, K]
+    assert policy.choose(ids, [2, 0]) == [2, 0]  # never past a request's length limit
+
+
+def test_each_request_gets_the_k_of_its_own_acceptance():
+    policy, rng = AdaptiveK(K), random.Random(1)
+    measured(policy, 2, plain=1.0, per_k=0.3)
+    verify(policy, ["copying"], 0.95, rng)
+    verify(policy, ["inventing"], 0.05, rng)
+    assert policy.choose(["copying", "inventing"], [100, 100]) == [K, 0]
+    policy.forget("copying")  # a new request with its id starts from the engine-wide rate
+    assert policy.requests.keys() == {"inventing"}
+
+
+def test_a_batch_whose_rows_cost_what_they_save_gets_a_smaller_k():
+    policy, rng = AdaptiveK(K), random.Random(2)
+    small, large = [f"s{i}" for i in range(2)], [f"l{i}" for i in range(64)]
+    measured(policy, 2, plain=1.0, per_k=0.05)  # batch 2: the step is bound by fixed costs, rows are nearly free
+    measured(policy, 64, plain=4.0, per_k=4.0)  # batch 64: each draft per row costs what a step does
+    verify(policy, small + large, 0.7, rng)
+    k_small, k_large = policy.choose(small, [100] * 2), policy.choose(large, [100] * 64)
+    assert k_small == [K] * 2
+    assert max(k_large) < min(k_small)
+    assert k_large == [0] * 64  # 70% acceptance does not pay a whole step per draft
+
+
+def test_a_fixed_cost_of_drafting_at_all_is_told_from_the_cost_per_draft():
+    """Steps with drafts cost 0.8 of a plain step more whatever their K, plus 0.1 per draft per row (a drafter
+    forward and a sampler pass per step, cheap rows): the line through plain would call a draft 0.9 at K = 1."""
+    policy, rng, ids = AdaptiveK(K), random.Random(4), ["a", "b"]
+    policy.step_cost(2, 0, 1.0)
+    for mean_k in (1, 2, 4, 3, 1):
+        policy.step_cost(2, 2 * mean_k, 1.8 + 0.1 * mean_k)
+    plain, fixed, slope = policy.costs[2].fit()  # type: ignore[misc]
+    assert (round(plain, 9), round(fixed, 9), round(slope, 9)) == (1.0, 0.8, 0.1)
+    verify(policy, ids, 0.8, rng)
+    assert policy.choose(ids, [100, 100]) == [K, K]  # worth it only with every draft: 1 + 4 * ... over 2.2
+    verify(policy, ids, 0.3, rng)
+    assert policy.choose(ids, [100, 100]) == [0, 0]  # 0.3 per draft never pays the fixed 0.8
+
+
+def test_a_batch_size_without_a_model_borrows_the_nearest_one_until_it_has_its_own():
+    policy, rng = AdaptiveK(K), random.Random(5)
+    big, shrunk = [f"r{i}" for i in range(64)], [f"r{i}" for i in range(40)]
+    measured(policy, 64, plain=4.0, per_k=8.0)  # batch 64: drafting never pays
+    verify(policy, big, 0.7, rng)
+    assert policy.choose(shrunk, [100] * 40) == [0] * 40  # requests finished: no probe at batch 40 straight away
+    assert policy.costs[bucket(40)].fit() is None
+    measured(policy, 2, plain=1.0, per_k=0.05)  # batch 2: drafting pays
+    five = [f"r{i}" for i in range(5)]
+    assert policy.choose(five, [100] * 5) == [K] * 5  # batch 5 (4-7) has no model: batch 2's (2-3) is nearest
+    assert policy.costs[bucket(5)].fit() is None
+
+
+def test_an_unmeasured_batch_size_measures_first_and_a_k_of_zero_is_probed_at_a_growing_interval():
+    policy = AdaptiveK(K)
+    assert policy.choose(["a"], [100]) == [0]  # nothing measured: a step without drafts first
+    policy.step_cost(1, 0, 1.0)
+    assert policy.choose(["a"], [100]) == [1]  # then a probe: two steps with a draft
+    policy.step_cost(1, 1, 9.0)  # the first, where a draft model catches up, is not counted
+    assert policy.choose(["a"], [100]) == [1]
+    policy.step_cost(1, 1, 1.05)  # the second: a draft adds 5% to a step
+    plain, fixed, slope = policy.costs[1].fit()  # type: ignore[misc]
+    assert (round(plain, 9), fixed, round(slope, 9)) == (1.0, 0.0, 0.05)  # the 9 s step left out
+    assert policy.warmup == 8.0  # but remembered as what a probe's first step costs beyond a plain one
+    policy.warmup = 0.0  # (say the proposer needs no catching up, as n-gram: probes are cheap)
+    for _ in range(40):
+        policy.verified("a", 1, 0)  # but is never accepted
+    chosen = [policy.choose(["a"], [100])[0] for _ in range(PROBE_MIN * 3 + 2)]
+    probes = [i for i, k in enumerate(chosen) if k]
+    assert probes == [PROBE_MIN - 1, PROBE_MIN, 3 * PROBE_MIN, 3 * PROBE_MIN + 1]  # then twice the interval
+    for _ in range(20):  # drafting got expensive (3x a plain step; each sample counts at most 1.5x the model's
+        policy.step_cost(1, 1, 3.0)  # prediction, so it takes a few): probes are spaced to cost 1% of the time
+        policy.step_cost(1, 0, 1.0)
+    policy.warmup = 8.0  # and the probe's first step (a draft model catching up) cost 9x a plain one
+    plain, fixed, slope = policy.costs[1].fit()  # type: ignore[misc]
+    spacing = ((fixed + slope) / plain + 8.0) / PROBE_BUDGET  # both probe steps' extra cost within the budget
+    assert spacing > 1500
+    chosen = [policy.choose(["a"], [100])[0] for _ in range(2100)]
+    probes = [i for i, k in enumerate(chosen) if k]
+    assert probes == [math.ceil(spacing) - 1, math.ceil(spacing)]
+    assert AdaptiveK(K).choose(["a"] * 32, [100] * 32) == [0] * 32  # (a batch of 32 measures without drafts,)
+    policy = AdaptiveK(K)
+    policy.step_cost(32, 0, 1.0)
+    assert policy.choose([str(i) for i in range(32)], [100] * 32) == [1, 1] + [0] * 30  # probes 1/16 of the rows
+    assert PinnedK(K).choose(["a", "b"], [100, 2]) == [K, 2]  # adaptive: false drafts K whatever it costs
+
+
+def run(engine: DynamicInferenceEngine, prompts: list[list[int]], tokens: int) -> list[list[int]]:
+    requests = [DynamicInferenceRequest(f"r{i}", None, list(p), SamplingParams(
+        temperature=0.0, ignore_eos=True, num_tokens_to_generate=tokens)) for i, p in enumerate(prompts)]
+    for request in requests:
+        engine.add_request(request)
+    while engine.has_unfinished_requests():
+        engine.step()
+    return [r.generated_tokens for r in requests]
+
+
+def test_greedy_output_is_the_plain_engines_with_the_adaptive_policy_on(tiny_llama):
+    """A phrase repeated in the prompt (prompt lookup's food): some steps draft, and the tokens stay the target's."""
+    rng = random.Random(3)
+    prompts = [[rng.randrange(3, 500) for _ in range(4)] * 6 for _ in range(4)]
+    spec = SpeculativeConfig(method="ngram", num_speculative_tokens=K, prompt_lookup_min=1, prompt_lookup_max=3)
+    assert spec.adaptive  # the default
+    adaptive = DynamicInferenceEngine.from_model_dir(tiny_llama, InferenceConfig(block_size_tokens=16, speculative=spec))
+    plain = DynamicInferenceEngine.from_model_dir(tiny_llama, InferenceConfig(block_size_tokens=16))
+    assert run(adaptive, prompts, 40) == run(plain, prompts, 40)
+    counters = adaptive.stats.counters
+    assert counters["spec_decode_num_rows"] > 0
+    assert counters["spec_decode_num_draft_tokens"] < K * counters["spec_decode_num_rows"]  # K was not pinned
+    assert counters["spec_decode_num_draft_tokens"] > 0  # and it drafted (the measuring steps at least)
+    assert not adaptive.speculator.policy.requests  # finished requests leave no estimate behind
