@@ -33,7 +33,7 @@ def _run(model: str, speculative: SpeculativeConfig | None, graphs: bool):
 
 def test_verify_steps_replay_the_mixed_graphs_with_the_tokens_of_no_speculation(tiny_llama):
     plain, _, _ = _run(tiny_llama, None, graphs=False)
-    drafting = SpeculativeConfig(method="draft_model", model=tiny_llama, num_speculative_tokens=K)
+    drafting = SpeculativeConfig(method="draft_model", model=tiny_llama, num_speculative_tokens=K, adaptive=False)
     tokens, capture, accepted = _run(tiny_llama, drafting, graphs=True)
     assert tokens == plain
     assert accepted > 0, "no guess was accepted: no verify step ran"

@@ -25,8 +25,11 @@ def _text_model(spec: ModelSpec) -> bool:
     return not spec.vision
 
 
-NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
-DRAFT_SELF = {"method": "draft_model", "model": SELF, "num_speculative_tokens": 3}  # accepts (nearly) every guess
+# K pinned (no adaptive policy): every step that can speculate does, so the rows exercise the verify path
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3,
+         "adaptive": False}
+DRAFT_SELF = {"method": "draft_model", "model": SELF, "num_speculative_tokens": 3,  # accepts (nearly) every guess
+              "adaptive": False}
 
 
 @dataclass(frozen=True)
