@@ -197,8 +197,6 @@ class InferenceConfig:
             raise ValueError(f"enable_lora must be true or false, got {self.enable_lora!r}")
         if self.lora_modules and not self.enable_lora:
             raise ValueError("lora_modules needs enable_lora")
-        if self.enable_lora and self.tensor_parallel_size > 1:
-            raise ValueError("enable_lora needs tensor_parallel_size=1 (adapters are not split over ranks yet)")
 
     def to_dict(self) -> dict[str, Any]:
         """Plain values only, so the config can cross a process boundary (msgpack, argv)."""

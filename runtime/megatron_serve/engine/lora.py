@@ -21,6 +21,9 @@ admitted under an older one keep its slot, so they finish under the weights they
 version stays resident while it is the newest or a live request uses its slot; at most
 ``max_versions`` (``--max-lora-versions``) versions of a name may be resident, so a push that would
 make one more is refused until the older requests finish. A directory's adapter is version 0.
+
+Tensor parallelism: adapters live in rank 0's host memory; a slot write is sent to the other ranks first
+(``on_write``), each of which keeps its share (:mod:`..model.lora_shards`).
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ import itertools
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterable
+from typing import TYPE_CHECKING, Callable, Iterable
 
 from ..model.config import ModelConfig
 from ..model.lora import (LoraAdapter, LoraAdapterError, adapter_experts, adapter_of, adapter_scaling, check_shapes,
@@ -73,6 +76,8 @@ class EngineLoras:
         self._admissions = itertools.count(1)
         self._registrations = itertools.count(1)
         self._staged: dict[str, tuple[LoraAdapter, float]] = {}  # verified, not registered: (adapter, read seconds)
+        # called with (slot, adapter) before a slot is written here: a TP group's rank 0 sends it to the other ranks
+        self.on_write: Callable[[int, LoraAdapter], None] | None = None
 
     def _check_room(self, name: str) -> None:
         if not name:
@@ -166,6 +171,8 @@ class EngineLoras:
                 raise LoraAdapterError(f"LoRA adapter {name!r}: all {self.slots.max_loras} adapter slots "
                                        "(--max-loras) are used by running requests of other adapters")
             slot = min(free, key=lambda s: self._last_admitted[s])
+            if self.on_write is not None:
+                self.on_write(slot, entry.adapter)
             self.slots.write(slot, entry.adapter)
             self._slot_keys[slot] = entry.key
             self._slot_versions[slot] = (name, entry.version)
@@ -186,6 +193,7 @@ def engine_loras(model: LlamaForCausalLM, config: "InferenceConfig", runner: "Mo
                         config.max_cpu_loras or max(config.max_loras, len(config.lora_modules or {})),
                         config.max_lora_versions)
     runner.lora_rows = loras.slots.rows
+    loras.on_write = getattr(runner, "broadcast_lora_slot", None)  # a TP group's rank 0: each rank writes its share
     for name, path in (config.lora_modules or {}).items():
         loras.load(name, path)
     return loras
