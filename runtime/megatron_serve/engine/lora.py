@@ -8,7 +8,7 @@ which keeps the adapter staged) and registers only once every engine verified (:
 takes the staged copy), so that a refusal anywhere changes nothing everywhere. A request gets a slot of the model's ``max_loras`` when it is
 admitted: the adapter's slot when it is in one, else a slot no live request uses (an empty one, or
 the adapter there least recently admitted), written from the host copy. When every slot is used by
-live requests of other adapters the request fails with that reason (it does not wait yet).
+live requests of other adapters the request waits (:mod:`.lora_queue`) until one is free.
 
 Unloading drops the name only: requests admitted under it keep their slot, whose weights stay until
 a later admission takes the slot, which happens only once no live request uses it. Each registration
@@ -40,8 +40,8 @@ from ..model.lora import (LoraAdapter, LoraAdapterError, adapter_experts, adapte
 from ..wire.messages import LoraPush
 from ..wire.prefix_hash import adapter_root
 
-__all__ = ["EngineLoras", "LoraAdapterError", "adapter_root", "admit_request", "engine_loras", "lora_report",
-           "require"]
+__all__ = ["EngineLoras", "LoraAdapterError", "Registration", "adapter_root", "admit_request", "engine_loras",
+           "lora_report", "require"]
 from ..model.llama import LlamaForCausalLM
 from ..model.lora_slots import LoraSlots
 
@@ -55,7 +55,9 @@ if TYPE_CHECKING:
 
 
 @dataclass
-class _Registered:
+class Registration:
+    """An adapter as registered under its name; a request runs under the one it was admitted with."""
+
     adapter: LoraAdapter
     key: str  # unique per registration: the prefix-cache identity of its blocks
     version: int = 0  # a trainer's push numbers them; a directory's adapter is 0
@@ -69,7 +71,7 @@ class EngineLoras:
         self.model_config = config
         self.max_cpu_loras = max_cpu_loras
         self.max_versions = max_versions
-        self.registered: dict[str, _Registered] = {}
+        self.registered: dict[str, Registration] = {}
         self._slot_keys: list[str | None] = [None] * slots.max_loras  # registration held by each slot
         self._slot_versions: list[tuple[str, int] | None] = [None] * slots.max_loras  # (name, version) in each
         self._last_admitted: list[int] = [0] * slots.max_loras
@@ -108,7 +110,7 @@ class EngineLoras:
         if adapter is None or adapter.path != str(Path(path)):
             adapter, seconds = read_adapter(name, path, self.model_config, self.slots.max_rank), 0.0
             self.slots.check(adapter)
-        self.registered[name] = _Registered(adapter, f"{name}#{next(self._registrations)}")
+        self.registered[name] = Registration(adapter, f"{name}#{next(self._registrations)}")
         return seconds + time.perf_counter() - began
 
     def check_push(self, push: LoraPush, shapes: Iterable[tuple[str, tuple[int, ...]]], live_slots: set[int]) -> float:
@@ -144,7 +146,7 @@ class EngineLoras:
         adapter = adapter_of(push.name, label, push.rank, scaling, tensors, self.model_config,
                              adapter_experts(push.name, push.target_parameters))
         self.slots.check(adapter)
-        self.registered[push.name] = _Registered(adapter, f"{push.name}#{next(self._registrations)}", push.version)
+        self.registered[push.name] = Registration(adapter, f"{push.name}#{next(self._registrations)}", push.version)
 
     def running_versions(self, name: str, live_slots: set[int]) -> list[int]:
         """The versions of ``name`` that live requests run under (their slots), ascending."""
@@ -155,29 +157,34 @@ class EngineLoras:
         if self.registered.pop(name, None) is None:
             raise LoraAdapterError(f"LoRA adapter {name!r} is not loaded")
 
-    def admit(self, name: str, path: str | None, live_slots: set[int]) -> tuple[int, str, int]:
-        """The slot, registration key and version of a request of ``name`` (registered from ``path`` when new);
-        ``live_slots`` are the slots live requests use. Raises :class:`LoraAdapterError` with the reason."""
+    def resolve(self, name: str, path: str | None) -> Registration:
+        """The registration a request of ``name`` runs under (registered from ``path`` when new); a request keeps it
+        while it waits for a slot, so an unload or a push meanwhile does not change what it runs. Raises
+        :class:`LoraAdapterError` with the reason it cannot run."""
         if name not in self.registered:
             if path is None:
                 raise LoraAdapterError(f"LoRA adapter {name!r} is not loaded")
             self.load(name, path)
-        entry = self.registered[name]
+        return self.registered[name]
+
+    def place(self, entry: Registration, live_slots: set[int]) -> int | None:
+        """The slot of a request of registration ``entry`` (written now when it holds another), or None while every
+        slot is used by live requests (``live_slots``) of other registrations: the request then waits
+        (:mod:`.lora_queue`)."""
         if entry.key in self._slot_keys:
             slot = self._slot_keys.index(entry.key)
         else:
             free = [s for s in range(self.slots.max_loras) if s not in live_slots]
             if not free:
-                raise LoraAdapterError(f"LoRA adapter {name!r}: all {self.slots.max_loras} adapter slots "
-                                       "(--max-loras) are used by running requests of other adapters")
+                return None
             slot = min(free, key=lambda s: self._last_admitted[s])
             if self.on_write is not None:
                 self.on_write(slot, entry.adapter)
             self.slots.write(slot, entry.adapter)
             self._slot_keys[slot] = entry.key
-            self._slot_versions[slot] = (name, entry.version)
+            self._slot_versions[slot] = (entry.adapter.name, entry.version)
         self._last_admitted[slot] = next(self._admissions)
-        return slot, entry.key, entry.version
+        return slot
 
     def names(self) -> dict[str, str]:
         """Registered adapters: name -> path."""
@@ -206,13 +213,12 @@ def require(loras: EngineLoras | None) -> EngineLoras:
     return loras
 
 
-def admit_request(loras: EngineLoras | None, params: "SamplingParams", live: Iterable["Sequence"]
-                  ) -> tuple[int, str | None, int]:
-    """The slot, registration key and adapter version a request runs under, ``(-1, None, -1)`` for the base
-    model; ``live``: the engine's live sequences. Raises :class:`LoraAdapterError` with the reason it cannot run."""
+def admit_request(loras: EngineLoras | None, params: "SamplingParams") -> Registration | None:
+    """The adapter registration a request runs under, None for the base model. Raises :class:`LoraAdapterError`
+    with the reason it cannot run; its slot comes later (:class:`.lora_queue.LoraQueue`)."""
     if params.lora_name is None:
-        return -1, None, -1
-    return require(loras).admit(params.lora_name, params.lora_path, {s.lora_slot for s in live})
+        return None
+    return require(loras).resolve(params.lora_name, params.lora_path)
 
 
 def lora_report(loras: EngineLoras | None, running: Iterable["Sequence"], waiting: Iterable["Sequence"]
