@@ -127,7 +127,7 @@ class DynamicInferenceEngine(DeviceMemoryVerbs, LoraVerbs):
         self.sampling_state = SamplingState(model.config.vocab_size, self.device, config.max_requests)
         self.sampler = Sampler(self.sampling_state, config.logprobs_mode)
         self._seeds = random.Random(config.seed)  # an unseeded request's own seed, drawn when it is added
-        self.loras = engine_loras(model, config, self.runner)  # after warm-up and capture: graphs hold the base only
+        self.loras = engine_loras(model, config, self.runner, self.kv_cache.layer_caches)  # after the base graphs
         self.lora_queue = LoraQueue(self.loras)  # requests waiting for an adapter slot
         self.structured = StructuredOutputs(tokenizer, model.config.vocab_size)
         self.encoder_cache = _encoder_cache_for(model, tokenizer)

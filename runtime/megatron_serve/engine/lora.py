@@ -44,6 +44,7 @@ __all__ = ["EngineLoras", "LoraAdapterError", "Registration", "adapter_root", "a
            "lora_report", "require"]
 from ..model.llama import LlamaForCausalLM
 from ..model.lora_slots import LoraSlots
+from .lora_graphs import add_lora_graphs
 
 if TYPE_CHECKING:
     import torch
@@ -191,9 +192,11 @@ class EngineLoras:
         return {name: entry.adapter.path for name, entry in self.registered.items()}
 
 
-def engine_loras(model: LlamaForCausalLM, config: "InferenceConfig", runner: "ModelRunner") -> EngineLoras | None:
+def engine_loras(model: LlamaForCausalLM, config: "InferenceConfig", runner: "ModelRunner",
+                 kv_caches: list[tuple["torch.Tensor", "torch.Tensor"]] | None = None) -> EngineLoras | None:
     """The adapters of an engine with ``enable_lora`` (None without), ``lora_modules`` registered; ``runner``
-    fills the slot table's row indices before each forward."""
+    fills the slot table's row indices before each forward, and gets decode graphs for steps with adapter rows
+    over ``kv_caches`` (:mod:`.lora_graphs`) where its graphs can hold them."""
     if not config.enable_lora:
         return None
     loras = EngineLoras(LoraSlots(model, config.max_loras, config.max_lora_rank), model.config,
@@ -201,6 +204,8 @@ def engine_loras(model: LlamaForCausalLM, config: "InferenceConfig", runner: "Mo
                         config.max_lora_versions)
     runner.lora_rows = loras.slots.rows
     loras.on_write = getattr(runner, "broadcast_lora_slot", None)  # a TP group's rank 0: each rank writes its share
+    if kv_caches is not None:
+        add_lora_graphs(runner, loras.slots, kv_caches)
     for name, path in (config.lora_modules or {}).items():
         loras.load(name, path)
     return loras

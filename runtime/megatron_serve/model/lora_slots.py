@@ -191,6 +191,11 @@ class LoraSlots:
                 module.register_forward_hook(target)
                 self._targets.append((layer_index, target))
 
+    @property
+    def graphable(self) -> bool:
+        """Whether a CUDA graph can hold the adapter hooks: the expert hook picks its rows on the host."""
+        return not any(isinstance(target, _ExpertSlotWeights) for _, target in self._targets)
+
     def check(self, adapter: LoraAdapter) -> None:
         """:class:`LoraAdapterError` when ``adapter`` holds weights these slots cannot apply (quantized experts)."""
         if self._expert_problem and any(p in EXPERT_PROJECTIONS for _, p in adapter.weights):
