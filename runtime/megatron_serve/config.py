@@ -138,6 +138,7 @@ class InferenceConfig:
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None
     max_lora_versions: int = 2  # versions of one adapter resident at once (a trainer's pushes; engine.lora)
+    lora_push_dir: str | None = None  # pushed versions also written there, for engines joining later (engine.lora_store)
     lora_modules: dict[str, str] | None = None
     speculative: SpeculativeConfig | None = None  # speculative decoding (engine.speculative); None: off
 

@@ -463,6 +463,7 @@ class VerbRunner:
             detail.update(noop=False, epoch=core.epoch, source=core.weights_source)
             if op.rendezvous is not None and op.rendezvous.lora is not None:
                 detail["lora"] = {"name": op.rendezvous.lora.name, "version": op.rendezvous.lora.version}
+                _keep_pushed(core, op)
             if op.failed:
                 detail["failed"] = dict(op.failed)
         if op.lora is not None:
@@ -522,6 +523,18 @@ class VerbRunner:
         if client is not None and client.identity is not None:
             self.core.send(client.identity, header, body)
 
+
+
+def _keep_pushed(core: "CoordinatorCore", op: ControlOp) -> None:
+    """After a push every engine took: when they all stored it in one directory (``--lora-push-dir``), engines that
+    register later load it from there, like a LOAD_LORA's adapter (engine.lora_store); otherwise a directory
+    recorded for the name would serve an older version, so it is dropped."""
+    name = op.rendezvous.lora.name
+    paths = {facts.get("lora_path") for facts in op.engines.values()}
+    if len(paths) == 1 and None not in paths and not op.failed:
+        core.loaded_loras[name] = paths.pop()
+    else:
+        core.loaded_loras.pop(name, None)
 
 
 def _pushes_adapter(op: ControlOp) -> bool:

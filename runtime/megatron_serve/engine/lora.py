@@ -45,6 +45,7 @@ __all__ = ["EngineLoras", "LoraAdapterError", "Registration", "adapter_root", "a
 from ..model.llama import LlamaForCausalLM
 from ..model.lora_slots import LoraSlots
 from .lora_graphs import add_lora_graphs
+from .lora_store import save_pushed, stored_version
 
 if TYPE_CHECKING:
     import torch
@@ -79,6 +80,7 @@ class EngineLoras:
         self._admissions = itertools.count(1)
         self._registrations = itertools.count(1)
         self._staged: dict[str, tuple[LoraAdapter, float]] = {}  # verified, not registered: (adapter, read seconds)
+        self.push_dir: str | None = None  # --lora-push-dir: pushed versions are written there (.lora_store)
         # called with (slot, adapter) before a slot is written here: a TP group's rank 0 sends it to the other ranks
         self.on_write: Callable[[int, LoraAdapter], None] | None = None
 
@@ -111,7 +113,7 @@ class EngineLoras:
         if adapter is None or adapter.path != str(Path(path)):
             adapter, seconds = read_adapter(name, path, self.model_config, self.slots.max_rank), 0.0
             self.slots.check(adapter)
-        self.registered[name] = Registration(adapter, f"{name}#{next(self._registrations)}")
+        self.registered[name] = Registration(adapter, f"{name}#{next(self._registrations)}", stored_version(path))
         return seconds + time.perf_counter() - began
 
     def check_push(self, push: LoraPush, shapes: Iterable[tuple[str, tuple[int, ...]]], live_slots: set[int]) -> float:
@@ -144,6 +146,8 @@ class EngineLoras:
         tensors = list(named)
         scaling = self.check_push(push, ((key, tuple(t.shape)) for key, t in tensors), live_slots)
         label = f"{push.name}@{push.version}"
+        if self.push_dir is not None:  # engines that join later load it from there (the coordinator tells them)
+            label = save_pushed(self.push_dir, push, tensors)
         adapter = adapter_of(push.name, label, push.rank, scaling, tensors, self.model_config,
                              adapter_experts(push.name, push.target_parameters))
         self.slots.check(adapter)
@@ -203,6 +207,7 @@ def engine_loras(model: LlamaForCausalLM, config: "InferenceConfig", runner: "Mo
                         config.max_cpu_loras or max(config.max_loras, len(config.lora_modules or {})),
                         config.max_lora_versions)
     runner.lora_rows = loras.slots.rows
+    loras.push_dir = config.lora_push_dir
     loras.on_write = getattr(runner, "broadcast_lora_slot", None)  # a TP group's rank 0: each rank writes its share
     if kv_caches is not None:
         add_lora_graphs(runner, loras.slots, kv_caches)
