@@ -1,12 +1,15 @@
-"""Batched LoRA under ``--batch-invariant``: :mod:`.reference_lora`'s shrink/expand pair with every matmul
-through :func:`.invariant.linear`, so an adapter row's delta does not depend on the other rows of its step.
+"""Batched LoRA under ``--batch-invariant``: every row's delta computed on its own, so an adapter row's result
+does not depend on the other rows of its step.
 
-The reference multiplies each slot's rows as one slice: the slice's row count is the number of rows of
-that adapter in the step, and the library's GEMM picks its algorithm by it (one row: a matrix-vector
-product), so the same request's delta rounds differently alone and in a busy batch. Padding the slice to
-whole :data:`~.invariant.ROW_TILE` tiles takes that choice away. The add back into the projection's
-output is one correctly rounded ``+`` per element (each row appears once), so it needs nothing.
-Layouts and :class:`~.reference_lora.LoraBatch` are the reference's.
+The reference (:mod:`.reference_lora`) multiplies each slot's rows as one slice: the slice's row count is
+the number of rows of that adapter in the step, and the library's GEMM picks its algorithm by it (one row:
+a matrix-vector product), so the same request's delta rounds differently alone and in a busy batch. Here
+each row gathers its slot's ``A`` and ``B`` and reduces its own products along the last dimension (PyTorch
+reduces a contiguous last dimension row by row and never splits it across threads), base rows multiplied by
+zero. A per-row ``bmm`` is not enough: with one batch entry PyTorch takes another kernel than with several
+(rank 24 over 32 inputs: the same row differs alone and among 2-50). It is also what a captured decode step computes (:meth:`~.reference_lora.LoraBatch.of_padded`:
+fixed shapes, no host value), so graph and eager steps agree bit for bit. The add into the projection's
+output is one correctly rounded ``+`` per element (a base row adds exact zeros).
 """
 
 from __future__ import annotations
@@ -18,23 +21,14 @@ from .reference_lora import LoraBatch
 
 
 def lora_shrink(x: torch.Tensor, a: torch.Tensor, batch: LoraBatch) -> torch.Tensor:
-    """``x[t] @ a[slot of t].T`` for the adapter rows, in ``batch.order``: ``[adapter rows, rank]``."""
-    rows = x if batch.whole else x[batch.order]
-    h = rows.new_empty(rows.shape[0], a.shape[1])
-    for slot, start, end in batch.segments:
-        h[start:end] = invariant.linear(rows[start:end], a[slot])
-    return h
+    """``x[t] @ a[slot of t].T`` for every row ``t`` (zeros for base rows): ``[tokens, rank]``."""
+    h = (a[batch.indices.clamp(min=0)] * x.unsqueeze(1)).sum(-1)
+    return h * (batch.indices >= 0).unsqueeze(-1).to(h.dtype)
 
 
 def lora_expand(y: torch.Tensor, h: torch.Tensor, b: torch.Tensor, batch: LoraBatch) -> None:
-    """``y[t] += h[t] @ b[slot of t].T`` in place, for rows with an adapter."""
-    delta = h.new_empty(h.shape[0], b.shape[1])
-    for slot, start, end in batch.segments:
-        delta[start:end] = invariant.linear(h[start:end], b[slot])
-    if batch.whole:
-        y += delta
-    else:
-        y.index_add_(0, batch.order, delta)
+    """``y[t] += h[t] @ b[slot of t].T`` in place (``h`` from :func:`lora_shrink`: zero on base rows)."""
+    y += (b[batch.indices.clamp(min=0)] * h.unsqueeze(1)).sum(-1)
 
 
 def expert_mlp(x: torch.Tensor, gate_up: torch.Tensor, a_gate_up: torch.Tensor, b_gate_up: torch.Tensor,

@@ -16,6 +16,10 @@ small matmuls per slot the step uses on contiguous slices, and adds the deltas b
 second against the base model): every slot for every row, masked (fixed shapes): 0.82x wall; one
 ``unique``/``nonzero``/gather/``index_add_`` per slot and projection: 0.61x. This form: 0.85x (greedy)
 and 0.82x (sampled, n=2) per CPU second; an engine with no adapter row in the step: 1.00x.
+
+A padded batch (:meth:`LoraBatch.of_padded`, decode steps replayed from CUDA graphs) gathers every row's slot
+weights on the device instead: fixed shapes, no host value, at the cost of one ``[rows, rank, in]`` gather per
+projection (on GPUs the Triton kernels, which read each row's slot themselves, serve both forms alike).
 """
 
 from __future__ import annotations
@@ -33,9 +37,16 @@ class LoraBatch:
     ``whole``: every row uses one adapter, in order (``order`` is ``0 .. tokens-1``)."""
 
     indices: torch.Tensor
-    order: torch.Tensor
+    order: torch.Tensor | None
     segments: tuple[tuple[int, int, int], ...]
     whole: bool
+    padded: bool = False  # every row by its slot, read on the device only: what a CUDA graph can hold
+
+    @classmethod
+    def of_padded(cls, indices: torch.Tensor) -> "LoraBatch":
+        """The rows of a captured step: ``indices`` is the step buffer the graph reads each slot from at replay
+        (``-1``: the base model or a padding row); no host value, so nothing is fixed at capture but shapes."""
+        return cls(indices, None, (), False, True)
 
     @classmethod
     def of(cls, indices: torch.Tensor, host: np.ndarray) -> "LoraBatch":
@@ -51,7 +62,12 @@ class LoraBatch:
 
 
 def lora_shrink(x: torch.Tensor, a: torch.Tensor, batch: LoraBatch) -> torch.Tensor:
-    """``x[t] @ a[slot of t].T`` for the adapter rows, in ``batch.order``: ``[adapter rows, rank]``."""
+    """``x[t] @ a[slot of t].T`` for the adapter rows, in ``batch.order``: ``[adapter rows, rank]`` (every row,
+    zeros for base rows, in a padded batch)."""
+    if batch.padded:
+        used = batch.indices >= 0
+        h = torch.bmm(a[batch.indices.clamp(min=0)], x.unsqueeze(-1)).squeeze(-1)
+        return h * used.unsqueeze(-1).to(h.dtype)
     rows = x if batch.whole else x[batch.order]
     h = rows.new_empty(rows.shape[0], a.shape[1])
     for slot, start, end in batch.segments:
@@ -61,6 +77,9 @@ def lora_shrink(x: torch.Tensor, a: torch.Tensor, batch: LoraBatch) -> torch.Ten
 
 def lora_expand(y: torch.Tensor, h: torch.Tensor, b: torch.Tensor, batch: LoraBatch) -> None:
     """``y[t] += h[t] @ b[slot of t].T`` in place, for rows with an adapter."""
+    if batch.padded:  # h is zero on base rows: their delta is zero
+        y += torch.bmm(b[batch.indices.clamp(min=0)], h.unsqueeze(-1)).squeeze(-1)
+        return
     delta = h.new_empty(h.shape[0], b.shape[1])
     for slot, start, end in batch.segments:
         torch.matmul(h[start:end], b[slot].T, out=delta[start:end])

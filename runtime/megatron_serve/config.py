@@ -144,6 +144,7 @@ class InferenceConfig:
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None
     max_lora_versions: int = 2  # versions of one adapter resident at once (a trainer's pushes; engine.lora)
+    lora_push_dir: str | None = None  # pushed versions also written there, for engines joining later (engine.lora_store)
     lora_modules: dict[str, str] | None = None
     speculative: SpeculativeConfig | None = None  # speculative decoding (engine.speculative); None: off
 
@@ -203,8 +204,6 @@ class InferenceConfig:
             raise ValueError(f"enable_lora must be true or false, got {self.enable_lora!r}")
         if self.lora_modules and not self.enable_lora:
             raise ValueError("lora_modules needs enable_lora")
-        if self.enable_lora and self.tensor_parallel_size > 1:
-            raise ValueError("enable_lora needs tensor_parallel_size=1 (adapters are not split over ranks yet)")
 
     def to_dict(self) -> dict[str, Any]:
         """Plain values only, so the config can cross a process boundary (msgpack, argv)."""

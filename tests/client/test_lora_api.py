@@ -78,7 +78,6 @@ def test_lora_modules_take_both_of_vllms_forms():
     (dict(max_loras=0), "max_loras must be a positive integer"),
     (dict(enable_lora=True, max_loras=4, max_cpu_loras=2), r"max_cpu_loras \(2\) must be at least max_loras \(4\)"),
     (dict(lora_modules={"a": "/x"}), "lora_modules needs enable_lora"),
-    (dict(enable_lora=True, tensor_parallel_size=2), "enable_lora needs tensor_parallel_size=1"),
 ])
 def test_bad_lora_settings_are_refused_by_name(config, message):
     with pytest.raises(ValueError, match=message):

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import msgspec
 
-from megatron_serve.wire.messages import Control, ControlAck, Hello, Refit, Rendezvous, Submit, TensorSpec
+from megatron_serve.wire.messages import Control, ControlAck, Hello, LoraPush, Refit, Rendezvous, Submit, TensorSpec
 from megatron_serve.wire.protocol import Header
 
 from .core_harness import CoreHarness
@@ -145,3 +145,19 @@ def test_a_rendezvous_that_cannot_work_is_refused_at_once():
         error = h.take(C, Header.ERROR)[0]
         assert error.code == "invalid_request" and why in error.message, error.message
     assert not h.take(E1, Header.REFIT)
+
+
+def test_an_adapter_push_takes_one_rank_per_tensor_parallel_group():
+    """A LoRA push goes to each group's rank 0 only (it sends the other ranks their shares at slot writes), so
+    the transfer group has one rank per engine: the sender and two engines, whatever their TP sizes."""
+    h, e1, e2 = paused_fleet()
+    push = LoraPush(name="a", version=1, rank=4, alpha=8.0)
+    manifest = [TensorSpec("base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight", (4, 64), "float32")]
+    h.send(C, Header.REFIT, Refit(control_id="l", source="rendezvous://127.0.0.1:4000", epoch=0,
+                                  rendezvous=rendezvous(manifest=manifest, lora=push)))
+    for peer in (E1, E2):
+        assert h.take(peer, Header.REFIT)[0].phase == "verify"
+        h.send(peer, Header.CONTROL_ACK, ControlAck(control_id="l#0", state="PAUSED"))
+    load1, load2 = h.take(E1, Header.REFIT)[0], h.take(E2, Header.REFIT)[0]
+    assert (load1.rendezvous.world_size, load1.rendezvous.rank_offset) == (3, 1)
+    assert (load2.rendezvous.world_size, load2.rendezvous.rank_offset) == (3, 2)

@@ -69,6 +69,11 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
                        help="versions of one LoRA adapter resident at once (RL: a trainer's push makes a new one; "
                             "requests admitted under an older one finish under it); a push beyond it is refused "
                             "until the older requests finish (default: %(default)s)")
+    group.add_argument("--lora-push-dir", default=None, metavar="DIR",
+                       help="also write each LoRA adapter version a trainer pushes to DIR/<name>/v<version> (a PEFT "
+                            "directory on a volume every engine sees at this path): the coordinator then has engines "
+                            "that register later (restarted, scaled up) load it (default: pushes reach only the "
+                            "engines registered at the time)")
     group.add_argument("--logprobs-mode", choices=LOGPROBS_MODES, default="raw_logprobs",
                        help="what reported log probs are taken from: the model's logits (raw) or those after logit "
                             "bias, penalties, grammar, temperature, min-p, top-k and top-p (processed); as log probs "
@@ -92,7 +97,7 @@ def inference_config_from_args(args: argparse.Namespace, tensor_parallel_size: i
         **({} if args.batch_invariant is None else {"batch_invariant": args.batch_invariant}),
         enable_lora=args.enable_lora, max_loras=args.max_loras,
         max_lora_rank=args.max_lora_rank, max_cpu_loras=args.max_cpu_loras,
-        max_lora_versions=args.max_lora_versions,
+        max_lora_versions=args.max_lora_versions, lora_push_dir=args.lora_push_dir,
         lora_modules=dict(args.lora_modules) if args.lora_modules else None,
         speculative=args.speculative_config,
     )

@@ -340,10 +340,13 @@ class VerbRunner:
         """The load step of a trainer's refit: to the engines that verified, each with its first rank.
 
         Rank 0 is the sender; then each group in order takes one rank per tensor-parallel rank (an
-        engine says how many in its HELLO ``info``; absent means 1).
+        engine says how many in its HELLO ``info``; absent means 1). An adapter push takes one rank per group:
+        the group's rank 0 keeps adapters and sends each rank its share when it writes a slot (engine.lora).
         """
         verified = sorted((e for e in engines if e.engine_id in op.engines), key=lambda e: e.group)
         sizes = {e.engine_id: max(1, int(e.info.get("tensor_parallel_size") or 1)) for e in verified}
+        if rendezvous.lora is not None:
+            sizes = dict.fromkeys(sizes, 1)
         world_size = 1 + sum(sizes.values())
         bodies: dict[str, Control] = {}
         offset = 1
@@ -460,6 +463,7 @@ class VerbRunner:
             detail.update(noop=False, epoch=core.epoch, source=core.weights_source)
             if op.rendezvous is not None and op.rendezvous.lora is not None:
                 detail["lora"] = {"name": op.rendezvous.lora.name, "version": op.rendezvous.lora.version}
+                _keep_pushed(core, op)
             if op.failed:
                 detail["failed"] = dict(op.failed)
         if op.lora is not None:
@@ -519,6 +523,18 @@ class VerbRunner:
         if client is not None and client.identity is not None:
             self.core.send(client.identity, header, body)
 
+
+
+def _keep_pushed(core: "CoordinatorCore", op: ControlOp) -> None:
+    """After a push every engine took: when they all stored it in one directory (``--lora-push-dir``), engines that
+    register later load it from there, like a LOAD_LORA's adapter (engine.lora_store); otherwise a directory
+    recorded for the name would serve an older version, so it is dropped."""
+    name = op.rendezvous.lora.name
+    paths = {facts.get("lora_path") for facts in op.engines.values()}
+    if len(paths) == 1 and None not in paths and not op.failed:
+        core.loaded_loras[name] = paths.pop()
+    else:
+        core.loaded_loras.pop(name, None)
 
 
 def _pushes_adapter(op: ControlOp) -> bool:

@@ -41,7 +41,8 @@ from ..wire.expert_routing import RoutingRecord, record_step, routing_dtype
 from .kv_cache import BlockAllocator, blocks_for_tokens
 from .memory_verbs import DeviceMemoryVerbs
 from .logprob_parity import ParityChecker
-from .lora import LoraAdapterError, adapter_root, admit_request, engine_loras, lora_report
+from .lora import LoraAdapterError, admit_request, engine_loras, lora_report
+from .lora_queue import LoraQueue
 from .lora_verbs import LoraVerbs, routing_problem
 from ..model.config import ModelConfig
 from ..model.llama import LlamaForCausalLM
@@ -126,7 +127,8 @@ class DynamicInferenceEngine(DeviceMemoryVerbs, LoraVerbs):
         self.sampling_state = SamplingState(model.config.vocab_size, self.device, config.max_requests)
         self.sampler = Sampler(self.sampling_state, config.logprobs_mode)
         self._seeds = random.Random(config.seed)  # an unseeded request's own seed, drawn when it is added
-        self.loras = engine_loras(model, config, self.runner)  # after warm-up and capture: graphs hold the base only
+        self.loras = engine_loras(model, config, self.runner, self.kv_cache.layer_caches)  # after the base graphs
+        self.lora_queue = LoraQueue(self.loras)  # requests waiting for an adapter slot
         self.structured = StructuredOutputs(tokenizer, model.config.vocab_size)
         self.encoder_cache = _encoder_cache_for(model, tokenizer)
         self._sequences: dict[str, Sequence] = {}
@@ -154,7 +156,7 @@ class DynamicInferenceEngine(DeviceMemoryVerbs, LoraVerbs):
         """The cumulative engine metrics, as the heartbeat's ``metrics`` field carries them (``lora``: the adapters
         of the running and waiting requests, with ``enable_lora``)."""
         snapshot = self.stats.to_wire(self.scheduler.queried_tokens, self.scheduler.cached_tokens)
-        lora = lora_report(self.loras, self.scheduler.running, self.scheduler.waiting)
+        lora = lora_report(self.loras, self.scheduler.running, [*self.scheduler.waiting, *self.lora_queue.sequences()])
         if lora is not None:
             snapshot["lora"] = lora
         return snapshot
@@ -203,7 +205,7 @@ class DynamicInferenceEngine(DeviceMemoryVerbs, LoraVerbs):
 
     @property
     def num_waiting(self) -> int:
-        return len(self.scheduler.waiting)
+        return len(self.scheduler.waiting) + len(self.lora_queue)
 
     @property
     def kv_blocks_total(self) -> int:
@@ -217,7 +219,7 @@ class DynamicInferenceEngine(DeviceMemoryVerbs, LoraVerbs):
         """Outputs to hand out, requests to run, or a step in flight that still samples for a live request
         (one whose requests were all aborted meanwhile has nothing left to give: the next step drops it)."""
         in_flight = self._in_flight is not None and not all(s.finished for s in self._in_flight.sampling)
-        return bool(self._pending) or in_flight or self.scheduler.has_work()
+        return bool(self._pending) or in_flight or self.scheduler.has_work() or bool(self.lora_queue)
 
     def add_request(self, request: DynamicInferenceRequest) -> None:
         """Queue a request; one that can never run fails alone (reported by the next ``step``)."""
@@ -232,7 +234,7 @@ class DynamicInferenceEngine(DeviceMemoryVerbs, LoraVerbs):
             self.tokenizer.eos_token_ids if sp.termination_id is None
             else (sp.termination_id if isinstance(sp.termination_id, list) else [sp.termination_id])))
         try:
-            lora_slot, lora_key, lora_version = admit_request(self.loras, sp, self._sequences.values())
+            registration = admit_request(self.loras, sp)
         except LoraAdapterError as exc:
             request.fail(str(exc))
             self._pending.append(StepOutput(request, [], [], True))
@@ -246,9 +248,6 @@ class DynamicInferenceEngine(DeviceMemoryVerbs, LoraVerbs):
         max_total = min(len(request.prompt_tokens) + sp.num_tokens_to_generate, self.max_sequence_length)
         sequence = Sequence(request, max_total, stop_ids)
         sequence.seed = sp.seed if sp.seed is not None else self._seeds.getrandbits(63)
-        if lora_key is not None:
-            sequence.lora_slot, sequence.prefix_root = lora_slot, adapter_root(sequence.prefix_root, lora_key)
-            sequence.lora_version = lora_version
         if sp.return_routing_indices:
             moe = self.model.config.moe
             sequence.routing = RoutingRecord(len(moe.sparse_layers), moe.top_k, routing_dtype(moe.num_experts),
@@ -259,7 +258,7 @@ class DynamicInferenceEngine(DeviceMemoryVerbs, LoraVerbs):
         # a continuation whose epochs were not kept
         for epochs in (request.policy_epochs, request.kv_epochs, request.lora_epochs):
             epochs[:0] = [-1] * max(len(request.generated_tokens) - len(epochs), 0)  # -1: unknown
-        self.scheduler.add(sequence)
+        self.lora_queue.add(sequence, registration, self.scheduler, self._sequences.values())
 
     def _admission_problem(self, request: DynamicInferenceRequest) -> str | None:
         prompt_len = len(request.prompt_tokens)
@@ -308,6 +307,7 @@ class DynamicInferenceEngine(DeviceMemoryVerbs, LoraVerbs):
         sequence.finished = True
         self._keep_routing(sequence)
         self.scheduler.finish(sequence)
+        self.lora_queue.discard(sequence)
         self._sequences.pop(sequence.request_id, None)
         self.structured.remove(sequence.request_id)
         self.sampling_state.remove(sequence.request_id)
@@ -327,7 +327,8 @@ class DynamicInferenceEngine(DeviceMemoryVerbs, LoraVerbs):
             self._settle()
         except Exception:  # noqa: BLE001 - the failure that brought us here is being handled
             logger.exception("finishing the step in flight failed; its tokens are dropped")
-        sequences = [s for s in self.scheduler.take_all() if not self.parity.abandon(s.request_id)]  # own checks
+        taken = self.scheduler.take_all() + self.lora_queue.take_all()
+        sequences = [s for s in taken if not self.parity.abandon(s.request_id)]  # own checks
         handed = {id(s.request) for s in sequences}
         self._pending = [out for out in self._pending if id(out.request) not in handed]
         self._sequences.clear()
@@ -416,6 +417,7 @@ class DynamicInferenceEngine(DeviceMemoryVerbs, LoraVerbs):
 
     def schedule(self) -> ScheduledBatch | None:
         """What the next step computes, or None when nothing can run now."""
+        self.lora_queue.release(self.scheduler, self._sequences.values())
         if self.suspended or not self.scheduler.has_work():
             return None
         batch = self.scheduler.schedule()

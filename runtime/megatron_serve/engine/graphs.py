@@ -277,8 +277,13 @@ class StepGraphs:
     def __init__(self, decode: DecodeGraphs, mixed: MixedGraphs | None, capture_factory: Callable[[], GraphCapture],
                  device: torch.device):
         self.decode, self.mixed = decode, mixed
+        self.lora_decode: DecodeGraphs | None = None  # decode steps with adapter rows (engine.lora_graphs)
         self._capture_factory = capture_factory
         self.device = device
+
+    @property
+    def capture_factory(self) -> Callable[[], GraphCapture]:
+        return self._capture_factory
 
     def capture(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Capture every graph over ``kv_caches``; logs how many, how long it took and the memory they hold."""
@@ -288,6 +293,8 @@ class StepGraphs:
         self.decode.capture(kv_caches, capture)
         if self.mixed is not None:
             self.mixed.capture(kv_caches, capture)
+        if self.lora_decode is not None:
+            self.lora_decode.capture(kv_caches, capture)
         used = free_before - _free_memory(self.device)
         logger.info("captured %d CUDA graphs (decode batches %s; mixed steps of up to %s tokens, piecewise) in "
                     "%.1fs, holding %.0f MiB", len(self.decode.batch_sizes) + (self.mixed.count if self.mixed else 0),
@@ -298,6 +305,8 @@ class StepGraphs:
         self.decode.release()
         if self.mixed is not None:
             self.mixed.release()
+        if self.lora_decode is not None:
+            self.lora_decode.release()
 
 
 def _free_memory(device: torch.device) -> int:

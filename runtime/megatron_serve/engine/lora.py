@@ -8,7 +8,7 @@ which keeps the adapter staged) and registers only once every engine verified (:
 takes the staged copy), so that a refusal anywhere changes nothing everywhere. A request gets a slot of the model's ``max_loras`` when it is
 admitted: the adapter's slot when it is in one, else a slot no live request uses (an empty one, or
 the adapter there least recently admitted), written from the host copy. When every slot is used by
-live requests of other adapters the request fails with that reason (it does not wait yet).
+live requests of other adapters the request waits (:mod:`.lora_queue`) until one is free.
 
 Unloading drops the name only: requests admitted under it keep their slot, whose weights stay until
 a later admission takes the slot, which happens only once no live request uses it. Each registration
@@ -21,6 +21,9 @@ admitted under an older one keep its slot, so they finish under the weights they
 version stays resident while it is the newest or a live request uses its slot; at most
 ``max_versions`` (``--max-lora-versions``) versions of a name may be resident, so a push that would
 make one more is refused until the older requests finish. A directory's adapter is version 0.
+
+Tensor parallelism: adapters live in rank 0's host memory; a slot write is sent to the other ranks first
+(``on_write``), each of which keeps its share (:mod:`..model.lora_shards`).
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ import itertools
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterable
+from typing import TYPE_CHECKING, Callable, Iterable
 
 from ..model.config import ModelConfig
 from ..model.lora import (LoraAdapter, LoraAdapterError, adapter_experts, adapter_of, adapter_scaling, check_shapes,
@@ -37,10 +40,12 @@ from ..model.lora import (LoraAdapter, LoraAdapterError, adapter_experts, adapte
 from ..wire.messages import LoraPush
 from ..wire.prefix_hash import adapter_root
 
-__all__ = ["EngineLoras", "LoraAdapterError", "adapter_root", "admit_request", "engine_loras", "lora_report",
-           "require"]
+__all__ = ["EngineLoras", "LoraAdapterError", "Registration", "adapter_root", "admit_request", "engine_loras",
+           "lora_report", "require"]
 from ..model.llama import LlamaForCausalLM
 from ..model.lora_slots import LoraSlots
+from .lora_graphs import add_lora_graphs
+from .lora_store import save_pushed, stored_version
 
 if TYPE_CHECKING:
     import torch
@@ -52,7 +57,9 @@ if TYPE_CHECKING:
 
 
 @dataclass
-class _Registered:
+class Registration:
+    """An adapter as registered under its name; a request runs under the one it was admitted with."""
+
     adapter: LoraAdapter
     key: str  # unique per registration: the prefix-cache identity of its blocks
     version: int = 0  # a trainer's push numbers them; a directory's adapter is 0
@@ -66,13 +73,16 @@ class EngineLoras:
         self.model_config = config
         self.max_cpu_loras = max_cpu_loras
         self.max_versions = max_versions
-        self.registered: dict[str, _Registered] = {}
+        self.registered: dict[str, Registration] = {}
         self._slot_keys: list[str | None] = [None] * slots.max_loras  # registration held by each slot
         self._slot_versions: list[tuple[str, int] | None] = [None] * slots.max_loras  # (name, version) in each
         self._last_admitted: list[int] = [0] * slots.max_loras
         self._admissions = itertools.count(1)
         self._registrations = itertools.count(1)
         self._staged: dict[str, tuple[LoraAdapter, float]] = {}  # verified, not registered: (adapter, read seconds)
+        self.push_dir: str | None = None  # --lora-push-dir: pushed versions are written there (.lora_store)
+        # called with (slot, adapter) before a slot is written here: a TP group's rank 0 sends it to the other ranks
+        self.on_write: Callable[[int, LoraAdapter], None] | None = None
 
     def _check_room(self, name: str) -> None:
         if not name:
@@ -103,7 +113,7 @@ class EngineLoras:
         if adapter is None or adapter.path != str(Path(path)):
             adapter, seconds = read_adapter(name, path, self.model_config, self.slots.max_rank), 0.0
             self.slots.check(adapter)
-        self.registered[name] = _Registered(adapter, f"{name}#{next(self._registrations)}")
+        self.registered[name] = Registration(adapter, f"{name}#{next(self._registrations)}", stored_version(path))
         return seconds + time.perf_counter() - began
 
     def check_push(self, push: LoraPush, shapes: Iterable[tuple[str, tuple[int, ...]]], live_slots: set[int]) -> float:
@@ -136,10 +146,12 @@ class EngineLoras:
         tensors = list(named)
         scaling = self.check_push(push, ((key, tuple(t.shape)) for key, t in tensors), live_slots)
         label = f"{push.name}@{push.version}"
+        if self.push_dir is not None:  # engines that join later load it from there (the coordinator tells them)
+            label = save_pushed(self.push_dir, push, tensors)
         adapter = adapter_of(push.name, label, push.rank, scaling, tensors, self.model_config,
                              adapter_experts(push.name, push.target_parameters))
         self.slots.check(adapter)
-        self.registered[push.name] = _Registered(adapter, f"{push.name}#{next(self._registrations)}", push.version)
+        self.registered[push.name] = Registration(adapter, f"{push.name}#{next(self._registrations)}", push.version)
 
     def running_versions(self, name: str, live_slots: set[int]) -> list[int]:
         """The versions of ``name`` that live requests run under (their slots), ascending."""
@@ -150,42 +162,55 @@ class EngineLoras:
         if self.registered.pop(name, None) is None:
             raise LoraAdapterError(f"LoRA adapter {name!r} is not loaded")
 
-    def admit(self, name: str, path: str | None, live_slots: set[int]) -> tuple[int, str, int]:
-        """The slot, registration key and version of a request of ``name`` (registered from ``path`` when new);
-        ``live_slots`` are the slots live requests use. Raises :class:`LoraAdapterError` with the reason."""
+    def resolve(self, name: str, path: str | None) -> Registration:
+        """The registration a request of ``name`` runs under (registered from ``path`` when new); a request keeps it
+        while it waits for a slot, so an unload or a push meanwhile does not change what it runs. Raises
+        :class:`LoraAdapterError` with the reason it cannot run."""
         if name not in self.registered:
             if path is None:
                 raise LoraAdapterError(f"LoRA adapter {name!r} is not loaded")
             self.load(name, path)
-        entry = self.registered[name]
+        return self.registered[name]
+
+    def place(self, entry: Registration, live_slots: set[int]) -> int | None:
+        """The slot of a request of registration ``entry`` (written now when it holds another), or None while every
+        slot is used by live requests (``live_slots``) of other registrations: the request then waits
+        (:mod:`.lora_queue`)."""
         if entry.key in self._slot_keys:
             slot = self._slot_keys.index(entry.key)
         else:
             free = [s for s in range(self.slots.max_loras) if s not in live_slots]
             if not free:
-                raise LoraAdapterError(f"LoRA adapter {name!r}: all {self.slots.max_loras} adapter slots "
-                                       "(--max-loras) are used by running requests of other adapters")
+                return None
             slot = min(free, key=lambda s: self._last_admitted[s])
+            if self.on_write is not None:
+                self.on_write(slot, entry.adapter)
             self.slots.write(slot, entry.adapter)
             self._slot_keys[slot] = entry.key
-            self._slot_versions[slot] = (name, entry.version)
+            self._slot_versions[slot] = (entry.adapter.name, entry.version)
         self._last_admitted[slot] = next(self._admissions)
-        return slot, entry.key, entry.version
+        return slot
 
     def names(self) -> dict[str, str]:
         """Registered adapters: name -> path."""
         return {name: entry.adapter.path for name, entry in self.registered.items()}
 
 
-def engine_loras(model: LlamaForCausalLM, config: "InferenceConfig", runner: "ModelRunner") -> EngineLoras | None:
+def engine_loras(model: LlamaForCausalLM, config: "InferenceConfig", runner: "ModelRunner",
+                 kv_caches: list[tuple["torch.Tensor", "torch.Tensor"]] | None = None) -> EngineLoras | None:
     """The adapters of an engine with ``enable_lora`` (None without), ``lora_modules`` registered; ``runner``
-    fills the slot table's row indices before each forward."""
+    fills the slot table's row indices before each forward, and gets decode graphs for steps with adapter rows
+    over ``kv_caches`` (:mod:`.lora_graphs`) where its graphs can hold them."""
     if not config.enable_lora:
         return None
     slots = LoraSlots(model, config.max_loras, config.max_lora_rank, config.batch_invariant)
     loras = EngineLoras(slots, model.config, config.max_cpu_loras or max(config.max_loras, len(config.lora_modules or {})),
                         config.max_lora_versions)
     runner.lora_rows = loras.slots.rows
+    loras.push_dir = config.lora_push_dir
+    loras.on_write = getattr(runner, "broadcast_lora_slot", None)  # a TP group's rank 0: each rank writes its share
+    if kv_caches is not None:
+        add_lora_graphs(runner, loras.slots, kv_caches)
     for name, path in (config.lora_modules or {}).items():
         loras.load(name, path)
     return loras
@@ -198,13 +223,12 @@ def require(loras: EngineLoras | None) -> EngineLoras:
     return loras
 
 
-def admit_request(loras: EngineLoras | None, params: "SamplingParams", live: Iterable["Sequence"]
-                  ) -> tuple[int, str | None, int]:
-    """The slot, registration key and adapter version a request runs under, ``(-1, None, -1)`` for the base
-    model; ``live``: the engine's live sequences. Raises :class:`LoraAdapterError` with the reason it cannot run."""
+def admit_request(loras: EngineLoras | None, params: "SamplingParams") -> Registration | None:
+    """The adapter registration a request runs under, None for the base model. Raises :class:`LoraAdapterError`
+    with the reason it cannot run; its slot comes later (:class:`.lora_queue.LoraQueue`)."""
     if params.lora_name is None:
-        return -1, None, -1
-    return require(loras).admit(params.lora_name, params.lora_path, {s.lora_slot for s in live})
+        return None
+    return require(loras).resolve(params.lora_name, params.lora_path)
 
 
 def lora_report(loras: EngineLoras | None, running: Iterable["Sequence"], waiting: Iterable["Sequence"]

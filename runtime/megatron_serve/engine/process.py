@@ -383,8 +383,10 @@ class EngineProcess:
         if pushed is not None:  # an adapter version: the base weights (and what HELLO says of them) stay
             logger.info("LoRA adapter %r version %d from %s in %.2fs", pushed.name, pushed.version, body.source,
                         timings["total_s"])
+            stored = (self.engine.lora_adapters() or {}).get(pushed.name) if self.engine.config.lora_push_dir else None
             return {**{k: round(float(v), 6) for k, v in timings.items() if k != "epoch"},
-                    "epoch": int(timings["epoch"]), "lora": {"name": pushed.name, "version": pushed.version}}
+                    "epoch": int(timings["epoch"]), "lora": {"name": pushed.name, "version": pushed.version},
+                    **({"lora_path": stored} if stored else {})}
         self.weights_source = body.source
         self._note_weights()
         logger.info("refit: epoch %d from %s in %.2fs (verify %.2fs, load %.2fs)", timings["epoch"], body.source,

@@ -71,8 +71,11 @@ class ModelRunner:
     def _graphs_for(self, plan: StepPlan) -> DecodeGraphs | MixedGraphs | None:
         """The graphs that replay ``plan``: a whole decode step, or a mixed step piecewise; None: eager."""
         graphs = self.graphs
-        if graphs is None or plan.lora:  # graphs are captured without adapters: adapter steps run eagerly
+        if graphs is None:
             return None
+        if plan.lora:  # decode steps with adapter rows have graphs of their own (engine.lora_graphs), if any
+            lora = graphs.lora_decode
+            return lora if lora is not None and lora.covers(plan) else None
         if graphs.decode.covers(plan):
             return graphs.decode
         if graphs.mixed is not None and graphs.mixed.covers(plan):
@@ -105,8 +108,8 @@ class ModelRunner:
         if plan.num_gather:
             rows = dev["gather_rows"][: plan.num_gather]
             dev["token_ids"].index_copy_(0, rows, previous_tokens[dev["gather_from"][: plan.num_gather]])
-        if self.lora_rows is not None:
-            self.lora_rows.set(dev["lora_rows"][: plan.num_tokens] if plan.lora else None,
+        if self.lora_rows is not None:  # a replayed graph reads the slots from the buffer (engine.lora_graphs)
+            self.lora_rows.set(dev["lora_rows"][: plan.num_tokens] if plan.lora and graphs is None else None,
                                self.buffers.np["lora_rows"][: plan.num_tokens])
         context = ForwardContext(attention_metadata(self.buffers, plan), kv_caches,
                                  self.multimodal_step(plan, image_embeddings), [] if plan.record_routing else None)
@@ -139,6 +142,8 @@ class ModelRunner:
         """
         if self.graphs is None:
             return
+        if self.lora_rows is not None:  # the base graphs are captured without adapter rows, whatever ran last
+            self.lora_rows.batch = None
         try:
             self.graphs.capture(kv_caches)
         except Exception as exc:  # noqa: BLE001 - any capture failure has the same remedy

@@ -135,6 +135,7 @@ class StepBuffers:
         self.np["token_ids"][n:tokens] = 0
         self.np["positions"][n:tokens] = 0
         self.np["slots"][n:tokens] = -1
+        self.np["lora_rows"][n:tokens] = -1  # no adapter: read only when the plan has adapter rows
         self.np["seq_lens"][r:requests] = 0
         self.np["query_start"][plan.num_prefill + 1 : requests + 1] = self.np["query_start"][plan.num_prefill]
 

@@ -32,6 +32,8 @@ from ..config import InferenceConfig
 from .graphs import StepGraphs, graphs_for, largest_graph
 from ..errors import EngineGroupLost
 from ..model.loader import load_model, load_weights
+from ..model.lora import LoraAdapter
+from ..model.lora_slots import LoraSlots
 from ..model.parallel import TensorParallel
 from .sizing import build_kv_pool, default_dtype, engine_buffers, max_sequence_length_for
 from .runner import ModelRunner, StepResult
@@ -106,7 +108,7 @@ class PlanChannel:
     weight source): those are rare, steps are not.
     """
 
-    KINDS = ("step", "suspend", "resume", "refit", "stop")
+    KINDS = ("step", "suspend", "resume", "refit", "stop", "lora")
 
     def __init__(self, group: dist.ProcessGroup):
         self.group = group
@@ -209,6 +211,11 @@ class TensorParallelRunner(ModelRunner):
     def on_refit(self, source: WeightSource) -> None:
         self._broadcast("refit", source)
 
+    def broadcast_lora_slot(self, slot: int, adapter: LoraAdapter) -> None:
+        """Every other rank writes its share of ``adapter`` into ``slot`` (:mod:`..model.lora_shards`) before the
+        next step, as rank 0 does: adapters live in rank 0's host memory only, so pushes need no other path."""
+        self._broadcast("lora", (slot, adapter))
+
     def refit_outcomes(self) -> list[tuple[list[str], str | None]]:
         outcomes: list = [None] * self.tp.size
         try:
@@ -279,6 +286,10 @@ def run_worker(model_dir: str, config_dict: dict, placement: Placement, rank: in
     runner = ModelRunner(model, config.block_size_tokens, device, buffers, graphs_for(model, config, buffers))
     runner.compile_kernels(pool.layer_caches)
     runner.capture_graphs(pool.layer_caches)
+    slots = None
+    if config.enable_lora:  # after capture, as on rank 0: graphs hold the base model only
+        slots = LoraSlots(model, config.max_loras, config.max_lora_rank)
+        runner.lora_rows = slots.rows
     sampled = 0  # rows the last step sampled: the length of the tokens a gathering step receives
     while True:
         kind, payload = channel.receive()
@@ -303,6 +314,8 @@ def run_worker(model_dir: str, config_dict: dict, placement: Placement, rank: in
             runner.capture_graphs(pool.layer_caches)
         elif kind == "refit":
             dist.gather_object(_follow_refit(model, payload), None, dst=0, group=tp.group)
+        elif kind == "lora":
+            slots.write(*payload)
         elif kind == "stop":
             break
     dist.destroy_process_group()

@@ -44,6 +44,7 @@ ENGINE_FIELDS = {
     "max_lora_rank": "max_lora_rank",
     "max_cpu_loras": "max_cpu_loras",
     "max_lora_versions": "max_lora_versions",
+    "lora_push_dir": "lora_push_dir",
     "speculative_config": "speculative",
 }
 

@@ -29,6 +29,7 @@ from megatron_kernels.reference_lora import LoraBatch
 from .config import ModelConfig
 from .lora import LoraAdapter, LoraAdapterError, projection_shape
 from .lora_experts import EXPERT_PROJECTIONS, expert_shape
+from .lora_shards import lora_shard
 from .moe import FusedExperts
 
 # decoder-layer module -> the checkpoint projections it holds, in the order of its output features
@@ -57,43 +58,46 @@ class _SlotWeights:
     """One projection's slot weights and the hook that applies them."""
 
     def __init__(self, config: ModelConfig, layer: int, parts: tuple[str, ...], slots: int, rank: int,
-                 rows: LoraRows, device: torch.device, dtype: torch.dtype, batch_invariant: bool):
+                 rows: LoraRows, device: torch.device, dtype: torch.dtype, module: nn.Module, batch_invariant: bool):
         shapes = [projection_shape(config, layer, part) for part in parts]
-        in_features = shapes[0][1]
+        shard = lora_shard(module, parts, shapes)
         self.parts = parts
         self.rank = rank
-        self.out_offsets: dict[str, tuple[int, int]] = {}
-        offset = 0
-        for part, (out_features, _) in zip(parts, shapes):
-            self.out_offsets[part] = (offset, out_features)
-            offset += out_features
-        self.a = torch.zeros(slots, len(parts) * rank, in_features, device=device, dtype=dtype)
-        self.b = torch.zeros(slots, offset, len(parts) * rank, device=device, dtype=dtype)
+        self.out_rows, self.in_columns, self.tp = shard.out_rows, shard.in_columns, shard.tp
+        out_features = sum(length for _, _, length in self.out_rows.values())
+        self.a = torch.zeros(slots, len(parts) * rank, self.in_columns[1], device=device, dtype=dtype)
+        self.b = torch.zeros(slots, out_features, len(parts) * rank, device=device, dtype=dtype)
         self.rows = rows
         self.shrink = invariant_lora.lora_shrink if batch_invariant else get_op("lora_shrink", device)
         self.expand = invariant_lora.lora_expand if batch_invariant else get_op("lora_expand", device)
 
     def write(self, slot: int, layer: int, adapter: LoraAdapter) -> None:
+        """This rank's share of the adapter: its rows of ``B`` (column-parallel), its columns of ``A`` (row-parallel)."""
         self.a[slot].zero_()
         self.b[slot].zero_()
+        in_start, in_length = self.in_columns
         for index, part in enumerate(self.parts):
             pair = adapter.weights.get((layer, part))
             if pair is None:
                 continue
             a, b = pair
             ranks = slice(index * self.rank, index * self.rank + a.shape[0])
-            start, length = self.out_offsets[part]
-            self.a[slot, ranks].copy_(a)
-            self.b[slot, start : start + length, ranks].copy_(b)
+            offset, start, length = self.out_rows[part]
+            self.a[slot, ranks].copy_(a[:, in_start : in_start + in_length])
+            self.b[slot, offset : offset + length, ranks].copy_(b[start : start + length])
 
     def __call__(self, module: nn.Module, args: tuple[torch.Tensor, ...], output: torch.Tensor) -> torch.Tensor:
         batch = self.rows.batch
-        if batch is None:
+        if batch is None and self.tp is None:
             return output
         x = args[0]
-        self.expand(output.view(-1, output.shape[-1]), self.shrink(x.reshape(-1, x.shape[-1]), self.a, batch),
-                    self.b, batch)
-        return output
+        if batch is not None:
+            self.expand(output.view(-1, output.shape[-1]), self.shrink(x.reshape(-1, x.shape[-1]), self.a, batch),
+                        self.b, batch)
+        if self.tp is None:
+            return output
+        # a row-parallel projection under TP: its partial sums (delta included) reduced as the base layer does
+        return self.tp.ordered_sum(output) if module.batch_invariant else self.tp.all_reduce(output)
 
 
 class _ExpertSlotWeights:
@@ -168,8 +172,6 @@ class LoraSlots:
         """``batch_invariant``: apply the adapters with :mod:`megatron_kernels.invariant_lora` (``--batch-invariant``),
         so an adapter row's result does not depend on the other rows of its step."""
         config: ModelConfig = model.config
-        if model.tp.size != 1:
-            raise ValueError("LoRA adapters are served with tensor_parallel_size=1 only, for now")
         self.max_loras, self.max_rank = max_loras, max_rank
         self.rows = LoraRows()
         weight = model.model.embed_tokens.weight
@@ -178,7 +180,9 @@ class LoraSlots:
         for layer_index, layer in enumerate(model.model.layers):
             if expert_shape(config, layer_index, EXPERT_PROJECTIONS[0]) is not None:
                 experts = layer.mlp.experts
-                if type(experts) is not FusedExperts or experts.gate_up_proj.dtype != weight.dtype:
+                if model.tp.size > 1:
+                    self._expert_problem = f"its experts are split over {model.tp.size} tensor-parallel ranks"
+                elif type(experts) is not FusedExperts or experts.gate_up_proj.dtype != weight.dtype:
                     self._expert_problem = f"its experts are {type(experts).__name__} ({experts.gate_up_proj.dtype})"
                 else:
                     target = _ExpertSlotWeights(config, layer_index, max_loras, max_rank, self.rows, weight.device,
@@ -190,9 +194,14 @@ class LoraSlots:
                     continue  # an expert layer's MLP
                 module = layer.get_submodule(path)
                 target = _SlotWeights(config, layer_index, parts, max_loras, max_rank, self.rows, weight.device,
-                                      weight.dtype, batch_invariant)
+                                      weight.dtype, module, batch_invariant)
                 module.register_forward_hook(target)
                 self._targets.append((layer_index, target))
+
+    @property
+    def graphable(self) -> bool:
+        """Whether a CUDA graph can hold the adapter hooks: the expert hook picks its rows on the host."""
+        return not any(isinstance(target, _ExpertSlotWeights) for _, target in self._targets)
 
     def check(self, adapter: LoraAdapter) -> None:
         """:class:`LoraAdapterError` when ``adapter`` holds weights these slots cannot apply (quantized experts)."""

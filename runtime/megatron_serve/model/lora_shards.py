@@ -1,0 +1,55 @@
+"""Where a rank's share of a LoRA adapter lies: adapters are split over tensor-parallel ranks like their base layers.
+
+A column-parallel projection (q|k|v, gate|up) holds a slice of each part's output features, so a rank keeps
+all of ``A`` (replicated) and ``B``'s rows of its slice: its delta is exactly its slice of the full delta, with
+no communication. A row-parallel projection (``o_proj``, ``down_proj``) holds a slice of the input features:
+a rank keeps ``A``'s columns of its slice and all of ``B`` (replicated), and its delta ``(x_r A_r^T) B^T`` is a
+partial sum like the base layer's ``x_r W_r^T``. The two are added before one reduction: the projection's own
+reduction moves into the LoRA hook (:func:`lora_shard` turns the layer's off), which adds the delta and then
+reduces as the layer would (the all-reduce, or the fixed-order sum of ``--batch-invariant``). So adapters add
+no collective to a step, and a step without adapter rows reduces the same tensor the layer reduced before.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import nn
+
+from .parallel import TensorParallel
+
+
+@dataclass(frozen=True)
+class LoraShard:
+    """A rank's share: ``out_rows[part] = (offset in this rank's output, start in the part's B, length)``,
+    ``in_columns = (start in A, length)``; ``tp``: the group whose reduction the LoRA hook performs (row-parallel
+    projections under TP only, else None)."""
+
+    out_rows: dict[str, tuple[int, int, int]]
+    in_columns: tuple[int, int]
+    tp: TensorParallel | None
+
+
+def lora_shard(module: nn.Module, parts: tuple[str, ...], shapes: list[tuple[int, int]]) -> LoraShard:
+    """The share of ``module`` (a projection fusing ``parts`` of checkpoint ``(out, in)`` ``shapes``) on this rank.
+    Under TP a row-parallel ``module`` stops reducing its output: the LoRA hook reduces it (see the module doc)."""
+    in_features = shapes[0][1]
+    tp: TensorParallel | None = getattr(module, "tp", None)
+    if tp is None or tp.size == 1:
+        rows, offset = {}, 0
+        for part, (out_features, _) in zip(parts, shapes):
+            rows[part] = (offset, 0, out_features)
+            offset += out_features
+        return LoraShard(rows, (0, in_features), None)
+    slices = getattr(module, "slices", None)
+    if slices is not None:  # column-parallel: ColumnParallelLinear names its fused parts q, k, v / gate, up
+        names = list(slices)
+        if len(names) != len(parts):
+            raise ValueError(f"LoRA: {type(module).__name__} fuses {names}, not {list(parts)}")
+        return LoraShard({part: slices[name] for part, name in zip(parts, names)}, (0, in_features), None)
+    local_in = getattr(module, "local_in", None)
+    if local_in is None or not getattr(module, "reduce", False):
+        raise ValueError(f"LoRA adapters cannot be split over tensor-parallel ranks in a {type(module).__name__}")
+    module.reduce = False  # the hook adds the delta to the partial sums, then reduces them
+    out_features = shapes[0][0]
+    return LoraShard({parts[0]: (0, 0, out_features)}, (tp.rank * local_in, local_in), tp)
