@@ -34,6 +34,8 @@ def models(tmp_path_factory):
     root = tmp_path_factory.mktemp("mtp")
     return {"copy": str(add_mtp_layer(make_tiny_model(root / "copy", seed=0, num_layers=1), copy_layer=True)),
             "random": str(add_mtp_layer(make_tiny_model(root / "random", seed=1), seed=2)),
+            "mixed": str(add_mtp_layer(make_tiny_model(root / "mixed", seed=0, num_layers=1), seed=3, copy_layer=True,
+                                       hidden_weight=2.0)),
             "plain": str(make_tiny_model(root / "plain", seed=1))}
 
 
@@ -153,3 +155,63 @@ def test_missing_or_misshapen_mtp_tensors_are_named(models, tmp_path):
     wrong = broken("wrong", lambda t: t.update({"model.layers.2.eh_proj.weight": torch.zeros(64, 64)}))
     with pytest.raises(MtpCheckpointError, match=r"model\.layers\.2\.eh_proj\.weight"):
         engine_on(wrong, MTP)
+
+
+def _reference_first_guess(model_dir: str, tokens: list[int]) -> int:
+    """The MTP layer's first guess after ``tokens``, computed with ``transformers`` alone: the target's pre-norm
+    last hidden states of every position, then the MTP layer (a one-layer Hugging Face Llama holding its decoder
+    weights) over positions ``0 .. L-2`` fed ``eh_proj(cat(enorm(embed(tokens[i + 1])), hnorm(h_i)))``."""
+    import transformers  # noqa: PLC0415
+
+    target = transformers.AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32).eval()
+    config = target.config
+    weights = load_file(f"{model_dir}/model.safetensors")
+    prefix = f"model.layers.{config.num_hidden_layers}."
+    layer_config = transformers.LlamaConfig(**{**config.to_dict(), "num_hidden_layers": 1})
+    mtp = transformers.LlamaForCausalLM(layer_config).eval()
+    mtp.model.layers[0].load_state_dict({name[len(prefix):]: t for name, t in weights.items() if name.startswith(prefix)
+                                         and not name[len(prefix):].startswith(("enorm", "hnorm", "eh_proj",
+                                                                                "shared_head", "embed_tokens"))})
+    eps = config.rms_norm_eps
+
+    def norm(x: torch.Tensor, name: str) -> torch.Tensor:
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weights[prefix + name]
+
+    captured = {}
+    target.model.layers[-1].register_forward_hook(lambda module, args, out: captured.update(h=out[0] if isinstance(
+        out, tuple) else out))
+    mtp.model.layers[0].register_forward_hook(lambda module, args, out: captured.update(m=out[0] if isinstance(
+        out, tuple) else out))
+    with torch.no_grad():
+        target(torch.tensor([tokens[:-1]]))
+        embeds = target.model.embed_tokens(torch.tensor([tokens[1:]]))
+        x = torch.cat([norm(embeds, "enorm.weight"), norm(captured["h"], "hnorm.weight")], -1) @ weights[
+            prefix + "eh_proj.weight"].T
+        mtp.model(inputs_embeds=x, position_ids=torch.arange(len(tokens) - 1)[None])
+        logits = target.lm_head(norm(captured["m"][0, -1], "shared_head.norm.weight"))
+    return int(logits.argmax())
+
+
+def test_first_guesses_equal_a_transformers_reference(models):
+    """Every first guess of a long run (hidden states filed across verify steps, accepted rows recomputed from
+    the target's hidden states, rejected ones rolled back) is the MTP layer's argmax computed by ``transformers``
+    from the whole token sequence. The copied layer mixing in the hidden state: guesses often accepted, and
+    depending on the hidden states."""
+    engine = engine_on(models["mixed"], MTP)
+    proposer = engine.speculator.proposer
+    recorded: list[tuple[list[int], list[int]]] = []
+    propose = proposer.propose
+
+    def recording(inputs):
+        guesses = propose(inputs)
+        recorded.extend((list(item.token_ids), guess) for item, guess in zip(inputs, guesses) if guess)
+        return guesses
+
+    proposer.propose = recording
+    run(engine, PROMPTS)
+    drafts, accepted = counts(engine)
+    engine.shutdown()
+    assert 0 < accepted < drafts
+    checked = [(tokens, guess) for tokens, guess in recorded if len(tokens) > 2]
+    assert len(checked) >= 20
+    assert [guess[0] for _, guess in checked] == [_reference_first_guess(models["mixed"], t) for t, _ in checked]

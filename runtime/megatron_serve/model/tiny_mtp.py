@@ -3,7 +3,8 @@
 ``copy_layer``: the MTP layer is a copy of decoder layer 0 that reads the next token's embedding only
 (``eh_proj = [I | 0]``, the embedding rows rescaled to RMS 1 so ``enorm`` leaves them as they are); on a
 one-layer target it then computes what the target computes one position later (its attention lacks only the
-first token), so its guesses are mostly the target's own. Otherwise its weights are random (``seed``).
+first token), so its guesses are mostly the target's own; ``hidden_weight`` mixes in the hidden state (random
+weights of that scale), so that guesses depend on it too. Otherwise its weights are random (``seed``).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ MTP_EXTRAS = ("enorm.weight", "hnorm.weight", "eh_proj.weight", "shared_head.nor
               "embed_tokens.weight", "shared_head.head.weight")
 
 
-def add_mtp_layer(path: str | Path, seed: int = 0, copy_layer: bool = False) -> Path:
+def add_mtp_layer(path: str | Path, seed: int = 0, copy_layer: bool = False, hidden_weight: float = 0.0) -> Path:
     """Append ``model.layers.{num_hidden_layers}.*`` to ``path``'s safetensors and set ``num_nextn_predict_layers``."""
     path = Path(path)
     config = json.loads((path / "config.json").read_text())
@@ -38,7 +39,7 @@ def add_mtp_layer(path: str | Path, seed: int = 0, copy_layer: bool = False) -> 
             tensors[prefix + rest] = value
     eh_proj = torch.randn(hidden, 2 * hidden, generator=generator) * 0.05
     if copy_layer:
-        eh_proj = torch.cat([torch.eye(hidden), torch.zeros(hidden, hidden)], dim=1)
+        eh_proj = torch.cat([torch.eye(hidden), hidden_weight * eh_proj[:, hidden:]], dim=1)
     tensors.update({prefix + "enorm.weight": torch.ones(hidden), prefix + "hnorm.weight": torch.ones(hidden),
                     prefix + "eh_proj.weight": eh_proj,
                     prefix + "shared_head.norm.weight": tensors["model.norm.weight"].clone(),
