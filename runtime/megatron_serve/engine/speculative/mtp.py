@@ -93,8 +93,8 @@ class MtpProposer:
         """After a target forward whose token rows are ``(request id, first position, count)`` in order: file
         each row's hidden state (rejected drafts' rows too; :meth:`propose` reads verified positions only)."""
         hidden = self.target.model.captured_hidden
-        if hidden is None:
-            return
+        if hidden is None or hidden.shape[0] < sum(count for _, _, count in rows):
+            return  # not this forward's (a replayed graph of another size): those positions get no guesses
         offset = 0
         for request_id, start, count in rows:
             new = hidden[offset: offset + count]
