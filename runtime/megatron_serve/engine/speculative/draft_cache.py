@@ -10,12 +10,15 @@ its next guesses need. The pool doubles when it runs out (one copy of the pool).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from ...model.attention import AttentionMetadata, ForwardContext
 from ...model.llama import LlamaForCausalLM
-from ...model.mtp import MtpLayers
+
+if TYPE_CHECKING:
+    from ...model.mtp import MtpLayers
 
 
 @dataclass
