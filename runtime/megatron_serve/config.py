@@ -46,7 +46,8 @@ class SpeculativeConfig:
 
     ``ngram`` (prompt lookup) finds the request's last ``prompt_lookup_max`` .. ``prompt_lookup_min``
     tokens earlier in its own tokens and proposes what followed them; ``draft_model`` runs the smaller
-    model at ``model``. ``mtp`` and ``eagle3`` are named by vLLM but not built here yet: refused.
+    model at ``model``; ``mtp`` chains the target's own MTP layer (checkpoints with ``num_nextn_predict_layers``).
+    ``eagle3`` is named by vLLM but not built here yet: refused.
     ``adaptive`` (default true; not a vLLM field) lets each engine choose K per request and step, down to 0
     where drafting does not pay (engine.speculative.adaptive); false drafts ``num_speculative_tokens`` always.
     """
@@ -69,9 +70,9 @@ class SpeculativeConfig:
         return cls(**data)
 
     def __post_init__(self) -> None:
-        if self.method in ("mtp", "eagle3"):
-            raise ValueError(f"speculative_config.method {self.method!r} is not implemented yet "
-                             "(implemented: ngram, draft_model)")
+        if self.method == "eagle3":
+            raise ValueError("speculative_config.method 'eagle3' is not implemented yet "
+                             "(implemented: ngram, draft_model, mtp)")
         if self.method not in SPECULATIVE_METHODS:
             raise ValueError(f"speculative_config.method must be one of {', '.join(SPECULATIVE_METHODS)}, "
                              f"got {self.method!r}")
@@ -86,6 +87,9 @@ class SpeculativeConfig:
                              f"prompt_lookup_max ({self.prompt_lookup_max})")
         if self.method == "draft_model" and not self.model:
             raise ValueError("speculative_config.model must name the draft model's directory for method draft_model")
+        if self.method == "mtp" and self.model is not None:
+            raise ValueError("speculative_config.model must be unset for method mtp: it reads the target's own "
+                             "MTP layers (num_nextn_predict_layers)")
         if self.model is not None and not isinstance(self.model, str):
             raise ValueError(f"speculative_config.model must be a path, got {self.model!r}")
 

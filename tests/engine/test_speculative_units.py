@@ -40,7 +40,7 @@ def test_ngram_proposer_answers_each_input_in_order():
 
 
 @pytest.mark.parametrize(("fields", "message"), [
-    ({"method": "mtp"}, "speculative_config.method 'mtp' is not implemented yet"),
+    ({"method": "mtp", "model": "/d"}, "speculative_config.model must be unset for method mtp"),
     ({"method": "eagle3", "model": "/d"}, "speculative_config.method 'eagle3' is not implemented yet"),
     ({"method": "medusa"}, "speculative_config.method must be one of"),
     ({"num_speculative_tokens": 0}, "speculative_config.num_speculative_tokens must be a positive integer"),

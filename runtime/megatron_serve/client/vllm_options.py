@@ -357,9 +357,10 @@ VLLM_OPTIONS: tuple[VllmOption, ...] = (
                           help="adapters kept loaded (default: --max-loras, or the --lora-modules count)"), scope=_ENGINE,
                example=("--max-cpu-loras", "4")),
     VllmOption(("--speculative-config",), _IMPLEMENTED, "speculative decoding, vLLM's JSON: `method` `ngram` "
-               "(`prompt_lookup_min`/`max`) or `draft_model` (`model`), `num_speculative_tokens` (the most; `adaptive`, "
-               "default true, picks 0..that per request and step from measured acceptance and cost, false pins it); "
-               "`mtp` and `eagle3` are refused; output identical to no speculation (docs/speculative.md)",
+               "(`prompt_lookup_min`/`max`), `draft_model` (`model`) or `mtp` (the checkpoint's own MTP layer), "
+               "`num_speculative_tokens` (the most; `adaptive`, default true, picks 0..that per request and step from "
+               "measured acceptance and cost, false pins it); `eagle3` is refused; output identical to no speculation "
+               "(docs/speculative.md)",
                spec=_spec(type=_json_object, default=None, metavar="JSON",
                           help="speculative decoding, e.g. '{\"method\": \"ngram\", \"num_speculative_tokens\": 3}' "
                                "(default: off)"), scope=_ENGINE,

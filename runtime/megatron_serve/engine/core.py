@@ -144,7 +144,7 @@ class DynamicInferenceEngine(DeviceMemoryVerbs, LoraVerbs):
         self.stats = EngineStats()  # vLLM-style counters and histograms, shipped in heartbeats
         self.parity = ParityChecker(config.verify_logprobs_fraction, self.max_sequence_length)
         spec = config.speculative
-        self.speculator = (None if spec is None else Speculator(make_proposer(config, model_dir),
+        self.speculator = (None if spec is None else Speculator(make_proposer(config, model_dir, model),
                                                                 spec.num_speculative_tokens, self.stats, spec.adaptive))
 
     @property
@@ -386,6 +386,7 @@ class DynamicInferenceEngine(DeviceMemoryVerbs, LoraVerbs):
         speculator.fit(batch, scheduler.running, [s for s in scheduler.waiting if s.num_drafts])
         step = self.launch(batch) if batch is not None else None
         if step is not None:
+            speculator.observe(step.entries, step.starts)
             self._pending.extend(self.finish(step))  # launch() sampled it: no row waits for a token in flight
         return self._take_pending()
 

@@ -4,7 +4,8 @@ They sit apart from the step loop (:mod:`.core`) because they run between steps,
 ``_settle()`` has finished the step in flight, and touch the model and the pools as wholes. A trainer's
 refit whose rendezvous carries ``lora`` is an adapter version instead (:meth:`.lora.EngineLoras.push`):
 the base weights, their epoch and the prefix cache stay. Tensors named ``drafter.*`` in a refit
-(:mod:`..weights.drafter`) are the draft model's, loaded under the same epoch right after the policy's.
+(:mod:`..weights.drafter`) are the draft model's, loaded under the same epoch right after the policy's; so
+are the policy's own MTP layers (``model.layers.{num_hidden_layers}.*``, method ``mtp``), under their names.
 """
 
 from __future__ import annotations
@@ -110,8 +111,9 @@ class DeviceMemoryVerbs:
         replaced: set[str] = set()
         error: BaseException | None = None
         drafted: list[tuple[str, object]] = []  # the drafter's tensors, kept aside as they stream past
+        owns = getattr(self.speculator.proposer, "owns", None) if self.speculator is not None else None  # MTP
         try:
-            load_weights(self.model, divert(source.tensors(self.model), drafted), progress=replaced.add,
+            load_weights(self.model, divert(source.tensors(self.model), drafted, owns), progress=replaced.add,
                          partial=source.partial)
         except Exception as exc:  # noqa: BLE001 - reported below, with what the other ranks did
             error = exc
@@ -138,8 +140,8 @@ class DeviceMemoryVerbs:
             self.encoder_cache.clear()  # embeddings of the old vision weights
         self.epoch = self.epoch + 1 if epoch is None else int(epoch)
         self._refit_drafter()
-        if drafter is not None and drafted:
-            self._load_drafter(drafter, drafted, source.partial)
+        if drafted and (drafter is not None or owns is not None):
+            self._load_drafter(self.speculator.proposer, drafted, source.partial)
         finished = time.perf_counter()
         self.refits += 1
         self.last_refit = {"verify_s": verified - started, "load_s": finished - verified, "total_s": finished - started}

@@ -53,6 +53,7 @@ class ModelConfig:
     vision: VisionConfig | None = None  # the vision side of a vision-language model (see vision_config)
     moe: MoEConfig | None = None  # the experts of a mixture-of-experts model
     quantization: QuantizationConfig | None = None  # FP8 layers (see quantization); None: unquantized
+    num_nextn_predict_layers: int = 0  # MTP layers stored after the decoder's (``model.layers.{num_layers}``...)
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> "ModelConfig":
@@ -112,6 +113,7 @@ class ModelConfig:
             eos_token_ids=eos_ids,
             moe=None if family.experts is None else family.experts(raw),
             quantization=parse_quantization(raw.get("quantization_config")),
+            num_nextn_predict_layers=int(raw.get("num_nextn_predict_layers") or 0),
         )
 
     @property

@@ -112,6 +112,11 @@ class LlamaDecoderLayer(nn.Module):
         return self.after_attention(self.self_attn.attn.attend(q, context), residual, context)
 
 
+def layer_ops(config: ModelConfig, device: torch.device) -> _Ops:
+    """The kernels and linear-layer builder of a decoder layer built outside a model (an MTP layer)."""
+    return _Ops(device, linears_for(config.quantization))
+
+
 class LlamaModel(nn.Module):
     def __init__(self, config: ModelConfig, ops: _Ops, tp: TensorParallel, device: torch.device):
         super().__init__()
@@ -120,13 +125,19 @@ class LlamaModel(nn.Module):
             LlamaDecoderLayer(config, index, ops, tp, device) for index in range(config.num_layers)
         )
         self.norm = ops.norm(config.hidden_size, config.rms_norm_eps)
+        # MTP speculation (engine.speculative.mtp) reads every row's last hidden state before the final norm;
+        # off by default: then nothing is kept (one attribute test per forward)
+        self.capture_hidden = False
+        self.captured_hidden: torch.Tensor | None = None
 
     def forward(self, token_ids, positions, context, cos, sin, input_embeds: torch.Tensor | None = None) -> torch.Tensor:
         hidden = self.embed_tokens(token_ids) if input_embeds is None else input_embeds
         residual = None
         for layer in self.layers:
             hidden, residual = layer(positions, hidden, residual, context, cos, sin)
-        hidden, _ = self.norm(hidden, residual)
+        hidden, summed = self.norm(hidden, residual)
+        if self.capture_hidden:
+            self.captured_hidden = summed
         return hidden
 
 
@@ -146,6 +157,8 @@ class LlamaForCausalLM(nn.Module):
         cos, sin = rotary_cos_sin(config.head_dim, config.max_position_embeddings, config.rope)
         self.register_buffer("rotary_cos", cos, persistent=False)
         self.register_buffer("rotary_sin", sin, persistent=False)
+        self._mtp_prefixes = tuple(f"model.layers.{config.num_layers + i}."
+                                   for i in range(config.num_nextn_predict_layers))
 
     @property
     def dtype(self) -> torch.dtype:
@@ -157,7 +170,10 @@ class LlamaForCausalLM(nn.Module):
         return self.model.layers[0].self_attn.kv_size // self.config.head_dim
 
     def checkpoint_name(self, name: str) -> str | None:
-        """Where checkpoint tensor ``name`` goes in this module tree (None: not held here)."""
+        """Where checkpoint tensor ``name`` goes in this module tree (None: not held here; MTP layers, stored as
+        layers past the decoder's, are the MTP proposer's)."""
+        if self._mtp_prefixes and name.startswith(self._mtp_prefixes):
+            return None
         return name
 
     def forward(self, token_ids: torch.Tensor, positions: torch.Tensor, context: ForwardContext) -> torch.Tensor:

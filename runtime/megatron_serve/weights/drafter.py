@@ -10,7 +10,7 @@ their weights ``model.``/``lm_head.``), so the prefix cannot shadow a policy wei
 
 from __future__ import annotations
 
-from typing import Iterable, Iterator, TypeVar
+from typing import Callable, Iterable, Iterator, TypeVar
 
 DRAFTER_PREFIX = "drafter."
 
@@ -26,11 +26,15 @@ def policy_only(named: Iterable[tuple[str, T]]) -> Iterator[tuple[str, T]]:
     return ((name, value) for name, value in named if not is_drafter(name))
 
 
-def divert(named: Iterable[tuple[str, T]], drafter: list[tuple[str, T]]) -> Iterator[tuple[str, T]]:
-    """Yield the policy's pairs and append the drafter's, unprefixed, to ``drafter`` as they stream past."""
+def divert(named: Iterable[tuple[str, T]], drafter: list[tuple[str, T]],
+           owned: Callable[[str], bool] | None = None) -> Iterator[tuple[str, T]]:
+    """Yield the policy's pairs and append the drafter's, unprefixed, to ``drafter`` as they stream past.
+    ``owned``: policy names the drafter holds instead of the policy's model (the MTP layers), appended as named."""
     for name, value in named:
         if is_drafter(name):
             drafter.append((name[len(DRAFTER_PREFIX):], value))
+        elif owned is not None and owned(name):
+            drafter.append((name, value))
         else:
             yield name, value
 

@@ -93,6 +93,10 @@ class Speculator:
             sequence.token_ids.extend(drafts)
             sequence.num_drafts = len(drafts)
 
+    def observe(self, entries: list[tuple["Sequence", int]], starts: list[int]) -> None:
+        """Tell the proposer which rows the target's forward just ran (``launch``'s entries, in row order)."""
+        self.proposer.observe([(s.request_id, start, count) for (s, count), start in zip(entries, starts)])
+
     def fit(self, batch: "ScheduledBatch | None", running: list["Sequence"], preempted: list["Sequence"]) -> None:
         """Drop the drafts the scheduler did not give rows to: a cut chunk keeps ``count - 1``, others none.
         A step whose rows all decode is timed for the K policy's cost model (until :meth:`verify`)."""

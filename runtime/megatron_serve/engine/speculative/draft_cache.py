@@ -10,10 +10,15 @@ its next guesses need. The pool doubles when it runs out (one copy of the pool).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
+from ...model.attention import AttentionMetadata, ForwardContext
 from ...model.llama import LlamaForCausalLM
+
+if TYPE_CHECKING:
+    from ...model.mtp import MtpLayers
 
 
 @dataclass
@@ -49,15 +54,30 @@ class DraftRows:
     def tensor(self, values: list, dtype: torch.dtype) -> torch.Tensor:
         return torch.tensor(values, dtype=dtype, device=self.device)
 
+    def context(self, layer_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> ForwardContext:
+        """The attention metadata of these rows over ``layer_caches`` (the drafter's pool)."""
+        decode, prefill = self.num_decode, self.num_prefill
+        metadata = AttentionMetadata(
+            slot_mapping=self.tensor(self.slots, torch.int64),
+            num_decode_tokens=decode,
+            decode_block_tables=self.tensor(self.tables[:decode], torch.int32) if decode else None,
+            decode_context_lens=self.tensor(self.lens[:decode], torch.int32) if decode else None,
+            prefill_block_tables=self.tensor(self.tables[decode:], torch.int32) if prefill else None,
+            prefill_query_start_loc=self.tensor(self.query_start, torch.int32) if prefill else None,
+            prefill_context_lens=self.tensor(self.lens[decode:], torch.int32) if prefill else None,
+        )
+        return ForwardContext(metadata, layer_caches)
+
 
 class DraftCache:
     """Blocks of the drafter's KV pool, handed to requests and taken back, and the rows of each forward."""
 
-    def __init__(self, model: LlamaForCausalLM, block_size: int, initial_blocks: int, device: torch.device):
+    def __init__(self, model: "LlamaForCausalLM | MtpLayers", block_size: int, initial_blocks: int,
+                 device: torch.device, num_layers: int | None = None):
         config = model.config
         self.block_size = block_size
         self.device = device
-        self._shape = (config.num_layers, 2, initial_blocks, block_size, model.num_local_kv_heads, config.head_dim)
+        self._shape = (num_layers or config.num_layers, 2, initial_blocks, block_size, model.num_local_kv_heads, config.head_dim)
         self._storage = torch.zeros(self._shape, dtype=model.dtype, device=device)
         self._free = list(range(initial_blocks))
         self._entries: dict[str, _Entry] = {}
@@ -84,6 +104,10 @@ class DraftCache:
         entry = self._entries.pop(request_id, None)
         if entry is not None:
             self._free.extend(entry.blocks)
+
+    def truncate(self, request_id: str, num_tokens: int) -> None:
+        """Forget the request's cached tokens past the first ``num_tokens`` (they are recomputed when asked)."""
+        del self._entries[request_id].tokens[num_tokens:]
 
     def drop_all(self) -> None:
         for request_id in list(self._entries):

@@ -28,7 +28,6 @@ from typing import Iterable, Sequence
 import torch
 
 from ...config import InferenceConfig
-from ...model.attention import AttentionMetadata, ForwardContext
 from ...model.config import ModelConfig
 from ...model.layers import TensorSource
 from ...model.loader import load_model, load_weights as load_model_weights
@@ -93,6 +92,9 @@ class DraftModelProposer:
     def forget(self, request_id: str) -> None:
         self.cache.drop(request_id)
 
+    def observe(self, rows: Sequence[tuple[str, int, int]]) -> None:
+        pass  # guesses from tokens alone: the target's hidden states are not needed
+
     def on_refit(self, epoch: int) -> None:
         self.cache.drop_all()
         self.target_epoch = epoch
@@ -138,16 +140,7 @@ class DraftModelProposer:
 
     def _greedy(self, rows: DraftRows) -> list[int]:
         """One forward over ``rows`` (cache writes included): the argmax after each request's last row."""
-        metadata = AttentionMetadata(
-            slot_mapping=rows.tensor(rows.slots, torch.int64),
-            num_decode_tokens=rows.num_decode,
-            decode_block_tables=rows.tensor(rows.tables[: rows.num_decode], torch.int32) if rows.num_decode else None,
-            decode_context_lens=rows.tensor(rows.lens[: rows.num_decode], torch.int32) if rows.num_decode else None,
-            prefill_block_tables=rows.tensor(rows.tables[rows.num_decode:], torch.int32) if rows.num_prefill else None,
-            prefill_query_start_loc=rows.tensor(rows.query_start, torch.int32) if rows.num_prefill else None,
-            prefill_context_lens=rows.tensor(rows.lens[rows.num_decode:], torch.int32) if rows.num_prefill else None,
-        )
-        context = ForwardContext(metadata, self.cache.layer_caches)
+        context = rows.context(self.cache.layer_caches)
         hidden = self.model(rows.tensor(rows.token_ids, torch.int64), rows.tensor(rows.positions, torch.int64),
                             context)
         logits = self.model.compute_logits(hidden[rows.tensor(rows.last_rows, torch.int64)])

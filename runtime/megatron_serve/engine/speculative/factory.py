@@ -3,19 +3,25 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ...config import InferenceConfig
 from .ngram import NgramProposer
 from .proposer import Proposer
+
+if TYPE_CHECKING:
+    from ...model.llama import LlamaForCausalLM
 
 
 class SpeculativeConfigError(ValueError):
     """The speculative method cannot be served by this build or with this engine."""
 
 
-def make_proposer(config: InferenceConfig, target_dir: str | Path | None = None) -> Proposer:
+def make_proposer(config: InferenceConfig, target_dir: str | Path | None = None,
+                  target: "LlamaForCausalLM | None" = None) -> Proposer:
     """The proposer of ``config.speculative`` (which must be set). ``target_dir``: the target model's
-    directory, when known, so a draft model of another vocabulary is refused at start.
+    directory, when known, so a draft model of another vocabulary is refused at start (method ``mtp``
+    reads its MTP layer there). ``target``: the served model (``mtp`` uses its embedding, head and hidden states).
 
     The draft model's module is imported only when that method is asked for (it loads a second model).
     """
@@ -28,4 +34,10 @@ def make_proposer(config: InferenceConfig, target_dir: str | Path | None = None)
 
         assert spec.model is not None  # SpeculativeConfig requires it for draft_model
         return DraftModelProposer(spec.model, config, target_dir=target_dir)
+    if spec.method == "mtp":
+        from .mtp import MtpProposer  # noqa: PLC0415 (only when asked for)
+
+        if target is None or target_dir is None:
+            raise SpeculativeConfigError("speculative_config.method 'mtp' needs the target model and its directory")
+        return MtpProposer(target, target_dir, config)
     raise SpeculativeConfigError(f"speculative_config.method {spec.method!r} is not implemented yet")

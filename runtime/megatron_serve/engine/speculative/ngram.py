@@ -50,5 +50,8 @@ class NgramProposer:
     def forget(self, request_id: str) -> None:
         pass
 
+    def observe(self, rows: Sequence[tuple[str, int, int]]) -> None:
+        pass  # guesses from tokens alone: the target's hidden states are not needed
+
     def on_refit(self, epoch: int) -> None:
         pass

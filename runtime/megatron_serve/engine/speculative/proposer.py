@@ -32,6 +32,11 @@ class Proposer(Protocol):
         """The request left the engine (finished, aborted, preempted out): drop its state."""
         ...
 
+    def observe(self, rows: Sequence[tuple[str, int, int]]) -> None:
+        """A target forward ran rows ``(request id, first position, count)``, in row order (the MTP layer
+        reads the target's hidden states of those rows; other methods ignore it)."""
+        ...
+
     def on_refit(self, epoch: int) -> None:
         """The target's weights changed to ``epoch``: drop or refit anything computed under the old ones."""
         ...
