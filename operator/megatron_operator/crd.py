@@ -286,7 +286,8 @@ def spec_schema() -> dict[str, Any]:
                 "off. Changing it rolls the engine pods.",
                 {
                     "method": _str("ngram: prompt lookup in the request's own tokens; draft_model: a smaller model "
-                                   "of the same vocabulary at `model`.", enum=["ngram", "draft_model"]),
+                                   "of the same vocabulary at `model`; mtp: the checkpoint's own multi-token-prediction "
+                                   "layer (num_nextn_predict_layers).", enum=["ngram", "draft_model", "mtp"]),
                     "numSpeculativeTokens": _int("Tokens guessed per request and step (the most, with adaptive).", minimum=1, maximum=16,
                                                  default=3),
                     "promptLookupMin": _int("ngram: shortest suffix looked up.", minimum=1, maximum=64, default=1),
