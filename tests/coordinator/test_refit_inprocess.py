@@ -109,8 +109,9 @@ async def test_an_engine_whose_load_fails_registers_again_and_loads_the_fleet_we
         ack = await client.refit("/m/b", epoch=4)
         assert ack["detail"]["epoch"] == 4 and len(ack["detail"]["failed"]) == 1
         assert "read error" in next(iter(ack["detail"]["failed"].values()))
-        status = await status_when(client, lambda s: len(s["engines"]) == 2 and not s["epoch_mismatch"],
-                                   "the flaky engine back on epoch 4")
+        # as for a late engine: it loads on its own thread, a moment after STATUS lists it again
+        status = await status_when(client, lambda s: len(s["engines"]) == 2 and not s["epoch_mismatch"]
+                                   and flaky.loaded, "the flaky engine back on epoch 4")
         assert {e["epoch"] for e in status["engines"]} == {4}
         assert steady.loaded == [("/m/b", 4)] and flaky.loaded == [("/m/b", 4)]  # at its new registration
 
