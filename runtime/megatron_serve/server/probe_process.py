@@ -61,7 +61,9 @@ class ProbePort:
              "--stamps-fd", str(read_end), "--coordinator", address, "--status-interval", str(interval),
              "--status-timeout", str(timeout), "--health-stall-timeout", str(stall_timeout),
              "--log-level", log_level, *(["--insecure"] if token is None else [])],
-            pass_fds=(sock.fileno(), read_end), env=env, stdin=subprocess.DEVNULL)
+            # its own session: a Ctrl-C or a signal to the server's process group would reach it while it still
+            # imports (before it ignores them) and print a KeyboardInterrupt; it ends with the pipe either way
+            pass_fds=(sock.fileno(), read_end), env=env, stdin=subprocess.DEVNULL, start_new_session=True)
         os.close(read_end)
         self._timer: asyncio.TimerHandle | None = None
         self._stamp()
