@@ -69,7 +69,7 @@ def run_target(model_dir: str, dtype: str, invariant: bool, setup: Setup, sample
         rng = random.Random(setup.others)
         prompt = target_prompt()
         if setup.prefix_hit:
-            _run(engine, [DynamicInferenceRequest("warm", None, prompt[:PREFIX] + [3], target_params(False))])
+            run_all(engine, [DynamicInferenceRequest("warm", None, prompt[:PREFIX] + [3], target_params(False))])
         requests = []
         for index in range(setup.others):
             length = rng.randrange(3, 60)
@@ -79,7 +79,7 @@ def run_target(model_dir: str, dtype: str, invariant: bool, setup: Setup, sample
                                                     [rng.randrange(5, 500) for _ in range(length)], params))
         target = DynamicInferenceRequest("target", None, prompt, target_params(sampled))
         requests.insert(len(requests) // 2, target)
-        _run(engine, requests)
+        run_all(engine, requests)
         if setup.prefix_hit:
             assert target.cached_tokens == PREFIX, f"the target found {target.cached_tokens} cached tokens"
         return TargetRun(prompt, target.generated_tokens, target.generated_log_probs,
@@ -88,7 +88,8 @@ def run_target(model_dir: str, dtype: str, invariant: bool, setup: Setup, sample
         engine.shutdown()
 
 
-def _run(engine: DynamicInferenceEngine, requests: list[DynamicInferenceRequest]) -> None:
+def run_all(engine: DynamicInferenceEngine, requests: list[DynamicInferenceRequest]) -> None:
+    """Add every request, step until all finished."""
     for request in requests:
         engine.add_request(request)
     while engine.has_unfinished_requests():

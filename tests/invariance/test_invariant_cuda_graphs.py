@@ -17,7 +17,7 @@ import torch
 from megatron_serve import DynamicInferenceRequest, InferenceConfig, SamplingParams
 from megatron_serve.engine.core import DynamicInferenceEngine
 
-from .runs import target_params, target_prompt
+from .runs import run_all, target_params, target_prompt
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -37,10 +37,7 @@ def _target(model_dir: str, dtype: str, graphs: bool, others: int, sampled: bool
                     for i in range(others)]
         target = DynamicInferenceRequest("target", None, target_prompt(), target_params(sampled))
         requests.insert(len(requests) // 2, target)
-        for request in requests:
-            engine.add_request(request)
-        while engine.has_unfinished_requests():
-            engine.step()
+        run_all(engine, requests)
         return target.generated_tokens, target.generated_log_probs
     finally:
         engine.shutdown()

@@ -12,7 +12,7 @@ from megatron_serve import DynamicInferenceRequest, InferenceConfig, SamplingPar
 from megatron_serve.engine.core import DynamicInferenceEngine
 
 from ..lora_adapters import make_peft_adapter
-from .runs import TARGET_TOKENS, target_prompt
+from .runs import TARGET_TOKENS, run_all, target_prompt
 
 EXPERT_PARAMETERS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
 
@@ -53,10 +53,7 @@ def _target(others: int, model_dir: str, adapters: dict[str, str], invariant: bo
             temperature=0.0, num_tokens_to_generate=TARGET_TOKENS, ignore_eos=True, return_log_probs=True,
             lora_name="a"))
         requests.insert(len(requests) // 2, target)
-        for request in requests:
-            engine.add_request(request)
-        while engine.has_unfinished_requests():
-            engine.step()
+        run_all(engine, requests)
         return target.generated_tokens, target.generated_log_probs
     finally:
         engine.shutdown()
