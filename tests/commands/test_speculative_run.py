@@ -3,8 +3,6 @@ drafts are accepted, and the speculative counters reach ``/metrics``."""
 
 from __future__ import annotations
 
-import os
-import signal
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -17,6 +15,7 @@ from megatron_serve import DynamicInferenceRequest, InferenceConfig, SamplingPar
 from megatron_serve.engine import DynamicInferenceEngine
 
 from ..helpers import wait_until
+from ..processes import stop_process_group
 from ..server.conftest import wait_ready
 from ..server.test_openai_e2e import free_port
 
@@ -61,13 +60,7 @@ def test_run_with_speculative_config_serves_the_plain_engines_tokens(tiny_llama,
             "megatron_serve_spec_decode_num_accepted_tokens_total")
         assert counted("vllm:spec_decode_num_drafts_total") > 0
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGINT)
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+        stop_process_group(proc)
 
 
 @pytest.mark.slow
@@ -124,10 +117,4 @@ def test_adaptive_k_in_a_data_parallel_fleet_keeps_each_engines_own_counters(tin
         for group, n in counted.items():
             assert drafts.get(group, 0.0) <= 4 * n  # each engine's mean K, from its own counters, within 0..4
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGINT)
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+        stop_process_group(proc)
