@@ -47,7 +47,7 @@ class SpeculativeConfig:
     ``ngram`` (prompt lookup) finds the request's last ``prompt_lookup_max`` .. ``prompt_lookup_min``
     tokens earlier in its own tokens and proposes what followed them; ``draft_model`` runs the smaller
     model at ``model``; ``mtp`` chains the target's own MTP layer (checkpoints with ``num_nextn_predict_layers``).
-    ``eagle3`` is named by vLLM but not built here yet: refused.
+    ``eagle3`` runs the EAGLE-3 head at ``model`` on the target's hidden states (Llama-3 layout).
     ``adaptive`` (default true; not a vLLM field) lets each engine choose K per request and step, down to 0
     where drafting does not pay (engine.speculative.adaptive); false drafts ``num_speculative_tokens`` always.
     """
@@ -70,9 +70,6 @@ class SpeculativeConfig:
         return cls(**data)
 
     def __post_init__(self) -> None:
-        if self.method == "eagle3":
-            raise ValueError("speculative_config.method 'eagle3' is not implemented yet "
-                             "(implemented: ngram, draft_model, mtp)")
         if self.method not in SPECULATIVE_METHODS:
             raise ValueError(f"speculative_config.method must be one of {', '.join(SPECULATIVE_METHODS)}, "
                              f"got {self.method!r}")
@@ -85,8 +82,8 @@ class SpeculativeConfig:
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ValueError(f"speculative_config.prompt_lookup_min ({self.prompt_lookup_min}) must not exceed "
                              f"prompt_lookup_max ({self.prompt_lookup_max})")
-        if self.method == "draft_model" and not self.model:
-            raise ValueError("speculative_config.model must name the draft model's directory for method draft_model")
+        if self.method in ("draft_model", "eagle3") and not self.model:
+            raise ValueError(f"speculative_config.model must name the draft's directory for method {self.method}")
         if self.method == "mtp" and self.model is not None:
             raise ValueError("speculative_config.model must be unset for method mtp: it reads the target's own "
                              "MTP layers (num_nextn_predict_layers)")

@@ -41,12 +41,12 @@ def test_ngram_proposer_answers_each_input_in_order():
 
 @pytest.mark.parametrize(("fields", "message"), [
     ({"method": "mtp", "model": "/d"}, "speculative_config.model must be unset for method mtp"),
-    ({"method": "eagle3", "model": "/d"}, "speculative_config.method 'eagle3' is not implemented yet"),
+    ({"method": "eagle3"}, "speculative_config.model must name the draft's directory for method eagle3"),
     ({"method": "medusa"}, "speculative_config.method must be one of"),
     ({"num_speculative_tokens": 0}, "speculative_config.num_speculative_tokens must be a positive integer"),
     ({"prompt_lookup_max": True}, "speculative_config.prompt_lookup_max must be a positive integer"),
     ({"prompt_lookup_min": 5, "prompt_lookup_max": 2}, "prompt_lookup_min (5) must not exceed prompt_lookup_max"),
-    ({"method": "draft_model"}, "speculative_config.model must name the draft model's directory"),
+    ({"method": "draft_model"}, "speculative_config.model must name the draft's directory for method draft_model"),
     ({"draft_tensor_parallel_size": 1}, "speculative_config: unknown field 'draft_tensor_parallel_size'"),
 ])
 def test_a_bad_speculative_config_names_its_field(fields, message):

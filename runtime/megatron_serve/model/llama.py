@@ -129,15 +129,19 @@ class LlamaModel(nn.Module):
         # off by default: then nothing is kept (one attribute test per forward)
         self.capture_hidden = False
         self.captured_hidden: torch.Tensor | None = None
+        # EAGLE-3 (engine.speculative.eagle3) reads instead the inputs of these layers, concatenated
+        self.aux_layers: tuple[int, ...] = ()
 
     def forward(self, token_ids, positions, context, cos, sin, input_embeds: torch.Tensor | None = None) -> torch.Tensor:
         hidden = self.embed_tokens(token_ids) if input_embeds is None else input_embeds
-        residual = None
-        for layer in self.layers:
+        residual, aux = None, {}
+        for index, layer in enumerate(self.layers):
+            if index in self.aux_layers:
+                aux[index] = hidden if residual is None else hidden + residual
             hidden, residual = layer(positions, hidden, residual, context, cos, sin)
         hidden, summed = self.norm(hidden, residual)
         if self.capture_hidden:
-            self.captured_hidden = summed
+            self.captured_hidden = torch.cat([aux[i] for i in self.aux_layers], dim=-1) if aux else summed
         return hidden
 
 

@@ -21,7 +21,7 @@ def make_proposer(config: InferenceConfig, target_dir: str | Path | None = None,
                   target: "LlamaForCausalLM | None" = None) -> Proposer:
     """The proposer of ``config.speculative`` (which must be set). ``target_dir``: the target model's
     directory, when known, so a draft model of another vocabulary is refused at start (method ``mtp``
-    reads its MTP layer there). ``target``: the served model (``mtp`` uses its embedding, head and hidden states).
+    reads its MTP layer there). ``target``: the served model (``mtp`` and ``eagle3`` use its embedding and hidden states).
 
     The draft model's module is imported only when that method is asked for (it loads a second model).
     """
@@ -40,4 +40,11 @@ def make_proposer(config: InferenceConfig, target_dir: str | Path | None = None,
         if target is None or target_dir is None:
             raise SpeculativeConfigError("speculative_config.method 'mtp' needs the target model and its directory")
         return MtpProposer(target, target_dir, config)
+    if spec.method == "eagle3":
+        from .eagle3 import Eagle3Proposer  # noqa: PLC0415 (only when asked for)
+
+        if target is None:
+            raise SpeculativeConfigError("speculative_config.method 'eagle3' needs the target model")
+        assert spec.model is not None  # SpeculativeConfig requires it for eagle3
+        return Eagle3Proposer(target, spec.model, config)
     raise SpeculativeConfigError(f"speculative_config.method {spec.method!r} is not implemented yet")

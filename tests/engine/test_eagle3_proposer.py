@@ -1,0 +1,213 @@
+"""Issue 39, method ``eagle3``: an EAGLE-3 head (Llama-3 layout: ``fc``, ``midlayer.*``, ``norm``, ``lm_head``,
+``d2t``) guesses from the target's fused hidden states; the output is the target's, token for token and log
+prob for log prob.
+
+The head is written by hand here (:func:`write_eagle3`): random weights, its draft vocabulary the target's even
+ids (``d2t[i] = i``: draft ``i`` is target ``2 i``) with the target's LM head rows for them, so a part of
+its guesses is right.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from megatron_serve import DynamicInferenceRequest, InferenceConfig, SamplingParams
+from megatron_serve.engine.core import DynamicInferenceEngine
+from megatron_serve.model.eagle3 import Eagle3CheckpointError
+from megatron_serve.model.loader import iterate_checkpoint
+from megatron_serve.model.tiny import make_tiny_model
+from megatron_serve.weights.sources import TensorSource
+
+RNG = random.Random(393)
+PROMPTS = [[RNG.randrange(3, 500) for _ in range(RNG.randint(1, 40))] for _ in range(6)]
+COUNT = 16
+
+
+def write_eagle3(path: Path, target_dir: str, seed: int = 0) -> str:
+    """An EAGLE-3 directory for the target at ``target_dir`` (random weights of scale 0.05, norms 1)."""
+    path.mkdir(parents=True, exist_ok=True)
+    config = json.loads(Path(target_dir, "config.json").read_text())
+    hidden, inter, vocab = config["hidden_size"], config["intermediate_size"], config["vocab_size"]
+    heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+    head_dim, draft_vocab = hidden // heads, vocab // 2
+    generator = torch.Generator().manual_seed(seed)
+
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.randn(shape, generator=generator) * 0.05
+
+    target = load_file(f"{target_dir}/model.safetensors")
+    tensors = {"fc.weight": rand(hidden, 3 * hidden), "norm.weight": target["model.norm.weight"].clone(),
+               "lm_head.weight": target["lm_head.weight"][0::2][:draft_vocab].clone(),
+               "d2t": torch.arange(draft_vocab), "t2d": torch.arange(vocab) % 2 == 0,
+               "midlayer.input_layernorm.weight": torch.ones(hidden), "midlayer.hidden_norm.weight": torch.ones(hidden),
+               "midlayer.post_attention_layernorm.weight": torch.ones(hidden),
+               "midlayer.self_attn.q_proj.weight": rand(heads * head_dim, 2 * hidden),
+               "midlayer.self_attn.k_proj.weight": rand(kv_heads * head_dim, 2 * hidden),
+               "midlayer.self_attn.v_proj.weight": rand(kv_heads * head_dim, 2 * hidden),
+               "midlayer.self_attn.o_proj.weight": rand(hidden, heads * head_dim),
+               "midlayer.mlp.gate_proj.weight": rand(inter, hidden), "midlayer.mlp.up_proj.weight": rand(inter, hidden),
+               "midlayer.mlp.down_proj.weight": rand(hidden, inter)}
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+    (path / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLMEagle3"], "hidden_size": hidden, "intermediate_size": inter,
+        "num_attention_heads": heads, "num_key_value_heads": kv_heads, "num_hidden_layers": 1,
+        "vocab_size": vocab, "draft_vocab_size": draft_vocab, "rms_norm_eps": config.get("rms_norm_eps", 1e-6)}))
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("eagle3")
+    target = str(make_tiny_model(root / "target", seed=5, num_layers=4))
+    return {"target": target, "head": write_eagle3(root / "head", target)}
+
+
+def eagle3(head: str) -> dict:
+    return {"method": "eagle3", "model": head, "num_speculative_tokens": 3, "adaptive": False}
+
+
+def engine_on(model_dir: str, speculative: dict | None) -> DynamicInferenceEngine:
+    return DynamicInferenceEngine.from_model_dir(
+        model_dir, InferenceConfig(device="cpu", dtype="float32", batch_invariant=True, speculative=speculative))
+
+
+def run(engine: DynamicInferenceEngine, prompts: list[list[int]], tag: str = "r") -> list[tuple[list, list]]:
+    requests = [DynamicInferenceRequest(f"{tag}{i}", None, prompt, SamplingParams(
+        temperature=0.0, num_tokens_to_generate=COUNT, ignore_eos=True, return_log_probs=True))
+        for i, prompt in enumerate(prompts)]
+    for request in requests:
+        engine.add_request(request)
+    while engine.has_unfinished_requests():
+        engine.step()
+    return [(request.generated_tokens, request.generated_log_probs) for request in requests]
+
+
+def counts(engine: DynamicInferenceEngine) -> tuple[int, int]:
+    counters = engine.stats.counters
+    return counters.get("spec_decode_num_draft_tokens", 0), counters.get("spec_decode_num_accepted_tokens", 0)
+
+
+def test_greedy_tokens_and_log_probs_equal_no_speculation(models):
+    engine = engine_on(models["target"], None)
+    plain = run(engine, PROMPTS)
+    engine.shutdown()
+    engine = engine_on(models["target"], eagle3(models["head"]))
+    speculated = run(engine, PROMPTS)
+    drafts, accepted = counts(engine)
+    per_position = list(engine.stats.accepted_per_pos)
+    assert engine.model.model.aux_layers == (2, 2, 1)  # (2, L // 2, L - 3) of a 4-layer target
+    engine.shutdown()
+    assert speculated == plain  # tokens and log probs, ==
+    assert drafts > 0 and sum(per_position) == accepted
+
+
+def _rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
+    dim = x.shape[-1]
+    inv = 1.0 / theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
+    angles = positions[:, None].float() * inv[None]
+    cos, sin = torch.cat([angles.cos()] * 2, -1)[:, None], torch.cat([angles.sin()] * 2, -1)[:, None]
+    half = torch.cat([-x[..., dim // 2:], x[..., : dim // 2]], -1)
+    return x * cos + half * sin
+
+
+def _reference_first_guess(models: dict, tokens: list[int]) -> int:
+    """The head's first guess after ``tokens`` in plain torch: ``transformers``' target hidden states (inputs of
+    layers 2, 2, 1), ``fc``, then the midlayer over positions ``0 .. L-2`` with causal attention."""
+    import transformers  # noqa: PLC0415
+
+    target = transformers.AutoModelForCausalLM.from_pretrained(models["target"], torch_dtype=torch.float32).eval()
+    config = target.config
+    w = load_file(f"{models['head']}/model.safetensors")
+    eps, heads, kv_heads = config.rms_norm_eps, config.num_attention_heads, config.num_key_value_heads
+    head_dim = config.hidden_size // heads
+
+    def norm(x: torch.Tensor, name: str) -> torch.Tensor:
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w[name]
+
+    with torch.no_grad():
+        states = target(torch.tensor([tokens[:-1]]), output_hidden_states=True).hidden_states
+        h = torch.cat([states[2][0], states[2][0], states[1][0]], -1) @ w["fc.weight"].T
+        embeds = target.model.embed_tokens(torch.tensor(tokens[1:]))
+        x = torch.cat([norm(embeds, "midlayer.input_layernorm.weight"), norm(h, "midlayer.hidden_norm.weight")], -1)
+        positions = torch.arange(len(tokens) - 1)
+        theta = getattr(config, "rope_theta", None) or config.rope_parameters["rope_theta"]
+        q = _rope((x @ w["midlayer.self_attn.q_proj.weight"].T).view(-1, heads, head_dim), positions, theta)
+        k = _rope((x @ w["midlayer.self_attn.k_proj.weight"].T).view(-1, kv_heads, head_dim), positions, theta)
+        v = (x @ w["midlayer.self_attn.v_proj.weight"].T).view(-1, kv_heads, head_dim)
+        k, v = k.repeat_interleave(heads // kv_heads, 1), v.repeat_interleave(heads // kv_heads, 1)
+        attended = torch.nn.functional.scaled_dot_product_attention(
+            q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True).transpose(0, 1)
+        residual = h + attended.flatten(1) @ w["midlayer.self_attn.o_proj.weight"].T
+        y = norm(residual, "midlayer.post_attention_layernorm.weight")
+        y = (torch.nn.functional.silu(y @ w["midlayer.mlp.gate_proj.weight"].T) * (
+            y @ w["midlayer.mlp.up_proj.weight"].T)) @ w["midlayer.mlp.down_proj.weight"].T
+        logits = norm(residual + y, "norm.weight")[-1] @ w["lm_head.weight"].T
+    draft = int(logits.argmax())
+    return draft + int(w["d2t"][draft])
+
+
+def test_first_guesses_equal_a_plain_torch_reference(models):
+    """Every first guess of a run (hidden states filed across verify steps, accepted rows recomputed, rejected
+    ones rolled back) is the head's argmax computed in plain torch from the whole sequence, mapped by d2t."""
+    engine = engine_on(models["target"], eagle3(models["head"]))
+    proposer = engine.speculator.proposer
+    recorded: list[tuple[list[int], list[int]]] = []
+    propose = proposer.propose
+
+    def recording(inputs):
+        guesses = propose(inputs)
+        recorded.extend((list(item.token_ids), guess) for item, guess in zip(inputs, guesses) if guess)
+        return guesses
+
+    proposer.propose = recording
+    run(engine, PROMPTS)
+    engine.shutdown()
+    checked = [(tokens, guess) for tokens, guess in recorded if len(tokens) > 2]
+    assert len(checked) >= 20 and all(guess[0] % 2 == 0 for _, guess in checked)  # target ids of draft ids
+    assert [guess[0] for _, guess in checked] == [_reference_first_guess(models, t) for t, _ in checked]
+
+
+def test_a_policy_refit_switches_eagle3_off(models):
+    """The head is not refit: after a refit of the policy it proposes nothing, and the output stays the target's."""
+    engine = engine_on(models["target"], eagle3(models["head"]))
+    expected = run(engine, PROMPTS[:3], "a")
+    tensors = [(name, tensor[:]) for name, tensor in iterate_checkpoint(models["target"])]
+    assert engine.refit(TensorSource.of(tensors), epoch=3)["epoch"] == 3
+    assert engine.speculator.proposer.stale
+    before = counts(engine)
+    assert run(engine, PROMPTS[:3], "b") == expected
+    assert counts(engine) == before
+    engine.shutdown()
+
+
+@pytest.mark.parametrize(("edit", "message"), [
+    (lambda t: t.pop("fc.weight"), "lacks fc.weight"),
+    (lambda t: t.update({"midlayer.self_attn.q_proj.weight": torch.zeros(64, 64)}),
+     r"midlayer\.self_attn\.q_proj\.weight has shape \(64, 64\), expected \(64, 128\)"),
+    (lambda t: t.update({"lm_head.weight": torch.zeros(100, 64)}), r"lm_head\.weight has shape \(100, 64\)"),
+    (lambda t: t.update({"d2t": torch.full((t["d2t"].shape[0],), 10_000)}), "d2t maps draft ids outside"),
+])
+def test_bad_heads_are_refused_naming_the_tensor(models, tmp_path, edit, message):
+    path = tmp_path / "bad"
+    shutil.copytree(models["head"], path)
+    tensors = load_file(str(path / "model.safetensors"))
+    edit(tensors)
+    save_file(tensors, str(path / "model.safetensors"))
+    with pytest.raises(Eagle3CheckpointError, match=message):
+        engine_on(models["target"], eagle3(str(path)))
+
+
+def test_a_target_of_another_vocabulary_is_refused(models, tmp_path):
+    path = tmp_path / "vocab"
+    shutil.copytree(models["head"], path)
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "vocab_size": config["vocab_size"] + 1}))
+    with pytest.raises(Eagle3CheckpointError, match="vocab_size"):
+        engine_on(models["target"], eagle3(str(path)))
