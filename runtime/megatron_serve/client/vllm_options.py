@@ -357,9 +357,10 @@ VLLM_OPTIONS: tuple[VllmOption, ...] = (
                           help="adapters kept loaded (default: --max-loras, or the --lora-modules count)"), scope=_ENGINE,
                example=("--max-cpu-loras", "4")),
     VllmOption(("--speculative-config",), _IMPLEMENTED, "speculative decoding, vLLM's JSON: `method` `ngram` "
-               "(`prompt_lookup_min`/`max`), `draft_model` (`model`) or `mtp` (the checkpoint's own MTP layer), "
+               "(`prompt_lookup_min`/`max`), `draft_model` (`model`), `mtp` (the checkpoint's own MTP layer) "
+               "or `eagle3` (`model`: an EAGLE-3 head), "
                "`num_speculative_tokens` (the most; `adaptive`, default true, picks 0..that per request and step from "
-               "measured acceptance and cost, false pins it); `eagle3` is refused; output identical to no speculation "
+               "measured acceptance and cost, false pins it); output identical to no speculation "
                "(docs/speculative.md)",
                spec=_spec(type=_json_object, default=None, metavar="JSON",
                           help="speculative decoding, e.g. '{\"method\": \"ngram\", \"num_speculative_tokens\": 3}' "
