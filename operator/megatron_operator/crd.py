@@ -287,12 +287,14 @@ def spec_schema() -> dict[str, Any]:
                 {
                     "method": _str("ngram: prompt lookup in the request's own tokens; draft_model: a smaller model "
                                    "of the same vocabulary at `model`; mtp: the checkpoint's own multi-token-prediction "
-                                   "layer (num_nextn_predict_layers).", enum=["ngram", "draft_model", "mtp"]),
+                                   "layer (num_nextn_predict_layers); eagle3: an EAGLE-3 head at `model`.",
+                                   enum=["ngram", "draft_model", "mtp", "eagle3"]),
                     "numSpeculativeTokens": _int("Tokens guessed per request and step (the most, with adaptive).", minimum=1, maximum=16,
                                                  default=3),
                     "promptLookupMin": _int("ngram: shortest suffix looked up.", minimum=1, maximum=64, default=1),
                     "promptLookupMax": _int("ngram: longest suffix looked up.", minimum=1, maximum=64, default=3),
-                    "model": _str("draft_model: the draft model's directory in the engine pods (required for it).",
+                    "model": _str("draft_model, eagle3: the draft model's or EAGLE-3 head's directory in the engine "
+                                  "pods (required for them).",
                                   minLength=1),
                     "adaptive": {"type": "boolean",  # no default: absent keeps pod templates as they were
                                  "description": "Default true: each engine picks K (0 up to numSpeculativeTokens) "

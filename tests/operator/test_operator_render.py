@@ -453,6 +453,9 @@ def test_a_hub_model_is_fetched_by_an_init_container_into_the_model_volume(volum
       "prompt_lookup_max": 3}),
     ({"method": "mtp", "numSpeculativeTokens": 2},
      {"method": "mtp", "num_speculative_tokens": 2, "prompt_lookup_min": 1, "prompt_lookup_max": 3}),
+    ({"method": "eagle3", "model": "/models/eagle3"},
+     {"method": "eagle3", "model": "/models/eagle3", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
+      "prompt_lookup_max": 3}),
     ({"method": "ngram", "adaptive": False},
      {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3, "adaptive": False}),
 ])
