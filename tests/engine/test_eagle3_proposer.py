@@ -9,6 +9,7 @@ its guesses is right.
 
 from __future__ import annotations
 
+import functools
 import json
 import random
 import shutil
@@ -18,12 +19,12 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from megatron_serve import DynamicInferenceRequest, InferenceConfig, SamplingParams
-from megatron_serve.engine.core import DynamicInferenceEngine
 from megatron_serve.model.eagle3 import Eagle3CheckpointError
 from megatron_serve.model.loader import iterate_checkpoint
 from megatron_serve.model.tiny import make_tiny_model
 from megatron_serve.weights.sources import TensorSource
+
+from .speculative_heads import counts, engine_on, greedy_runs
 
 RNG = random.Random(393)
 PROMPTS = [[RNG.randrange(3, 500) for _ in range(RNG.randint(1, 40))] for _ in range(6)]
@@ -73,25 +74,7 @@ def eagle3(head: str) -> dict:
     return {"method": "eagle3", "model": head, "num_speculative_tokens": 3, "adaptive": False}
 
 
-def engine_on(model_dir: str, speculative: dict | None) -> DynamicInferenceEngine:
-    return DynamicInferenceEngine.from_model_dir(
-        model_dir, InferenceConfig(device="cpu", dtype="float32", batch_invariant=True, speculative=speculative))
-
-
-def run(engine: DynamicInferenceEngine, prompts: list[list[int]], tag: str = "r") -> list[tuple[list, list]]:
-    requests = [DynamicInferenceRequest(f"{tag}{i}", None, prompt, SamplingParams(
-        temperature=0.0, num_tokens_to_generate=COUNT, ignore_eos=True, return_log_probs=True))
-        for i, prompt in enumerate(prompts)]
-    for request in requests:
-        engine.add_request(request)
-    while engine.has_unfinished_requests():
-        engine.step()
-    return [(request.generated_tokens, request.generated_log_probs) for request in requests]
-
-
-def counts(engine: DynamicInferenceEngine) -> tuple[int, int]:
-    counters = engine.stats.counters
-    return counters.get("spec_decode_num_draft_tokens", 0), counters.get("spec_decode_num_accepted_tokens", 0)
+run = functools.partial(greedy_runs, count=COUNT)
 
 
 def test_greedy_tokens_and_log_probs_equal_no_speculation(models):

@@ -8,6 +8,7 @@ target's own next token), ``random`` (two layers, a random MTP layer that mixes 
 
 from __future__ import annotations
 
+import functools
 import random
 import shutil
 
@@ -15,13 +16,14 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from megatron_serve import DynamicInferenceRequest, InferenceConfig, SamplingParams
-from megatron_serve.engine.core import DynamicInferenceEngine
+from megatron_serve import DynamicInferenceRequest, SamplingParams
 from megatron_serve.engine.speculative.mtp import MtpCheckpointError
 from megatron_serve.model.loader import iterate_checkpoint
 from megatron_serve.model.tiny import make_tiny_model
 from megatron_serve.model.tiny_mtp import add_mtp_layer
 from megatron_serve.weights.sources import TensorSource
+
+from .speculative_heads import counts, engine_on, greedy_runs
 
 MTP = {"method": "mtp", "num_speculative_tokens": 3, "adaptive": False}  # K pinned: the tests count guesses
 RNG = random.Random(39)
@@ -39,25 +41,7 @@ def models(tmp_path_factory):
             "plain": str(make_tiny_model(root / "plain", seed=1))}
 
 
-def engine_on(model_dir: str, speculative: dict | None) -> DynamicInferenceEngine:
-    return DynamicInferenceEngine.from_model_dir(
-        model_dir, InferenceConfig(device="cpu", dtype="float32", batch_invariant=True, speculative=speculative))
-
-
-def run(engine: DynamicInferenceEngine, prompts: list[list[int]], tag: str = "r") -> list[tuple[list, list]]:
-    requests = [DynamicInferenceRequest(f"{tag}{i}", None, prompt, SamplingParams(
-        temperature=0.0, num_tokens_to_generate=COUNT, ignore_eos=True, return_log_probs=True))
-        for i, prompt in enumerate(prompts)]
-    for request in requests:
-        engine.add_request(request)
-    while engine.has_unfinished_requests():
-        engine.step()
-    return [(request.generated_tokens, request.generated_log_probs) for request in requests]
-
-
-def counts(engine: DynamicInferenceEngine) -> tuple[int, int]:
-    counters = engine.stats.counters
-    return counters.get("spec_decode_num_draft_tokens", 0), counters.get("spec_decode_num_accepted_tokens", 0)
+run = functools.partial(greedy_runs, count=COUNT)
 
 
 def served(model_dir: str, speculative: dict | None) -> tuple[list, tuple[int, int], list[int]]:
