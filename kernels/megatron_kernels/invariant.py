@@ -12,8 +12,8 @@ depends on how many other tokens share its step. The ops here remove every such 
 * :func:`silu`, :func:`sigmoid`, :func:`exp`, :func:`cos`, :func:`sin`: the tensor is flattened, padded to whole
   vectors and cut into pieces no larger than one thread's share, so every element takes the
   vector path, and vector lanes do not interact;
-* :func:`attention`: scores and weighted values by GEMMs with the keys as rows and at least two query
-  columns, the weights' sums and the weighted values reduced in blocks of :data:`KEY_BLOCK` keys added from
+* :func:`attention`: scores and weighted values by GEMMs with the keys as rows and the query columns
+  padded to a multiple of :data:`GEMM_COLUMNS`, the weights' sums and the weighted values reduced in blocks of :data:`KEY_BLOCK` keys added from
   position 0, so a query's output depends only on its own position and its sequence's keys:
   prefill, decode, a prefix-cache hit and any chunking give the same bits.
 
@@ -44,6 +44,14 @@ Llama run: the same bits, tests/invariance unchanged)."""
 
 KEY_BLOCK = 32
 """Keys per attention block: every query reduces its keys in blocks of this many from position 0."""
+
+GEMM_COLUMNS = 16
+"""The attention's GEMMs take query columns in multiples of this (zero columns padded). Whether a GEMM element
+depends on the column count is the library's and the CPU's choice: MKL 2024.2 on an Intel AVX-512 CPU computed
+column 0 the same for every count from 2, on an AMD EPYC (AVX-512) only within the multiples of 16 (8 columns,
+or any count between the multiples, round otherwise); with multiples of 16 a column's bits depend on neither the
+count nor its place among them on both (``tests/kernels/test_invariant_gemm_probe.py`` checks the machine it
+runs on)."""
 
 _VECTOR = 64
 """Elements of two AVX-512 registers of bfloat16: a multiple of every vector loop's stride."""
@@ -167,18 +175,20 @@ def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, sequenc
     prefix-cache hit and any chunking agree.
 
     The keys are the GEMMs' rows and the queries their columns: scores as ``[L, D] x [D, N]`` and
-    values as ``[D + 1, KEY_BLOCK] x [KEY_BLOCK, N]`` (the extra row of ones gives the weights' sum),
-    one batch entry per KV head and sequence, ``N`` the sequence's query rows times the heads sharing a
-    KV head (at least 2). MKL's float32 GEMM computes an element the same way for every ``N`` from 2,
-    every row count that is a multiple of 32 and every batch count (826 shapes checked: ``D`` 8 to
-    128, ``L`` 32 to 2,048, ``N`` 2 to 2,100, batches 1 to 40, 1 and 2 threads; one column takes the
-    matrix-vector path, which rounds differently, so a lone column is padded). With the queries as the
-    rows (the earlier form), each sequence's rows were padded to 16 GEMM rows, so a decode row of a model
-    whose KV heads serve 4 query heads computed 4x the products it needed. CPU per call, one thread, best of
-    8, earlier form then this one: 32 decode rows over 512-1,024 keys (32 query heads, 8 KV heads of 64)
-    48-55 -> 36-37 ms; 64 decode rows, 16/4 heads, 256-512 keys 17.3-17.8 -> 17.5-18.4 ms; a 512-row chunk
-    over 512 keys (8/4 heads of 32) 20-22 -> 17-18 ms; a 300-row prefill (32/8 of 64) 24-42 -> 25-26 ms.
-    The tiny cost-benchmark model (32 decode rows, 8/4 heads of 32) is bound by the per-call overhead of
+    values as ``[D, KEY_BLOCK] x [KEY_BLOCK, N]`` (a block of ones gives the weights' sums), one batch entry
+    per KV head and sequence, ``N`` the sequence's query rows times the heads sharing a KV head, padded to a
+    multiple of :data:`GEMM_COLUMNS` (a padding column reads key 0 and is dropped). A column then keeps its
+    bits whatever the column count, its place among the columns, the row count (a multiple of 32) and the
+    batch count: on MKL 2024.2 with an Intel AVX-512 CPU that held from 2 columns (826 shapes checked), on an
+    AMD EPYC only for multiples of 16 (two columns silently moved 1-3 of 16 log probs of the trainer-parity
+    test in the last bits). :mod:`.invariant_probe` checks it on the machine at hand before an engine takes
+    the mode. With the queries as the rows (an earlier form), each sequence's rows were padded to 16 GEMM
+    rows instead. CPU per call, one thread, best of 8, that form then the 2-column form on the Intel CPU: 32
+    decode rows over 512-1,024 keys (32 query heads, 8 KV heads of 64) 48-55 -> 36-37 ms; 64 decode rows,
+    16/4 heads, 256-512 keys 17.3-17.8 -> 17.5-18.4 ms; a 512-row chunk over 512 keys (8/4 heads of 32)
+    20-22 -> 17-18 ms; a 300-row prefill (32/8 of 64) 24-42 -> 25-26 ms. A decode row of a model whose KV
+    heads serve fewer than 16 query heads pays the padding of 16 columns again (as the rows form did);
+    the tiny cost-benchmark model (32 decode rows, 8/4 heads of 32) is bound by the per-call overhead of
     the batched GEMMs, not their products: 1.37-1.39 ms either way. ``tests/invariance`` holds it to ``==``.
     """
     rows, heads, dim = q.shape
@@ -233,12 +243,13 @@ def _attend_group(q: torch.Tensor, slot_seq: torch.Tensor, slot_row: torch.Tenso
     for index, last in stale:  # zero weights times a NaN left in the cache would be NaN
         v_b[:, index, last + 1:length] = 0.0  # (a slice per sequence: 5x faster than any masked fill of the whole)
     columns = size * group
-    width = max(columns, 2)  # one column would take the matrix-vector path
+    width = -(-columns // GEMM_COLUMNS) * GEMM_COLUMNS
     q_t = q.new_zeros((kv_heads, n, width, dim)) if width > columns else q.new_empty((kv_heads, n, width, dim))
     q_t[:, :, :columns].view(kv_heads, n, size, group, dim).permute(1, 2, 0, 3, 4)[slot_seq, slot_row] = q
     scores = torch.bmm(k_b.view(kv_heads * n, span, dim), q_t.view(kv_heads * n, width, dim).transpose(1, 2))
     scores = scores.view(kv_heads, n, span, width)
-    row_pos = positions.new_full((n, width), -1)  # a padding column sees nothing: its weights are 0/0, unread
+    row_pos = positions.new_zeros((n, width))  # a padding column sees key 0: finite and unread (0/0 would
+    # be unread too, but a trainer's backward multiplies its zero gradient by it: NaN)
     row_pos[:, :columns].view(n, size, group)[slot_seq, slot_row] = positions[:, None]
     visible = torch.arange(span, device=q.device)[:, None] <= row_pos[:, None, :]  # [n, span, width]
     scores = torch.where(visible, scores * scale, float("-inf"))

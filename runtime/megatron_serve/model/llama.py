@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from megatron_kernels import get_op
+from megatron_kernels import get_op, invariant_probe
 
 from .attention import ForwardContext, PagedAttention
 from .config import ModelConfig
@@ -188,10 +188,18 @@ class LlamaForCausalLM(nn.Module):
         op for op what ``transformers``' modeling code computes under ``megatron_serve.invariant``.
 
         The rotary tables become full-width and in the model dtype, as ``transformers`` rotates in it. FP8
-        layers run weight-only through the same GEMMs (:mod:`megatron_kernels.invariant_fp8`).
+        layers run weight-only through the same GEMMs (:mod:`megatron_kernels.invariant_fp8`). On a CPU the
+        BLAS's GEMMs are probed first with this model's shapes (:mod:`megatron_kernels.invariant_probe`): a
+        library that computes an element differently with the rows or columns around it refuses the mode.
         """
         if self.config.vision is not None:
             raise UnsupportedModelError("--batch-invariant supports text models only, not vision-language models")
+        if self.rotary_cos.device.type == "cpu":
+            problems = invariant_probe.cpu_problems(self._gemm_weights(), self.config.head_dim)
+            if problems:
+                raise UnsupportedModelError("--batch-invariant: this CPU's GEMMs change an element's bits with the "
+                                            "shapes around it, so no log prob could be promised: "
+                                            + "; ".join(problems))
         for module in self.modules():
             if isinstance(module, (ColumnParallelLinear, RowParallelLinear, ReplicatedLinear, VocabParallelEmbedding,
                                    PagedAttention)):
@@ -201,6 +209,22 @@ class LlamaForCausalLM(nn.Module):
         cos, sin = invariant_rotary_cos_sin(self.config.head_dim, self.config.max_position_embeddings,
                                             self.config.rope, self.dtype)
         self.rotary_cos, self.rotary_sin = cos.to(self.rotary_cos.device), sin.to(self.rotary_sin.device)
+
+    def _gemm_weights(self) -> list[torch.Tensor]:
+        """A weight of every shape the mode's GEMMs multiply by, in the compute dtype: an expert stack's first
+        expert; an FP8 weight's shape in the model dtype (it is dequantized per call); at most the first 8,192
+        output rows of each: the LM head's whole vocabulary would cost seconds at every start, and 8,192 is a
+        whole number of the library's column tiles, as the full weight's first 8,192 columns are (a sample of
+        the real shape, not all of it: the probe is a check, ``tests/invariance`` the proof)."""
+        weights = []
+        for name, parameter in self.named_parameters():
+            if "embed_tokens" in name or parameter.dim() not in (2, 3) or not parameter.is_floating_point():
+                continue
+            weight = (parameter[0] if parameter.dim() == 3 else parameter)[:8192]
+            if weight.dtype != self.dtype:
+                weight = torch.randn(weight.shape).to(self.dtype)
+            weights.append(weight)
+        return weights
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
