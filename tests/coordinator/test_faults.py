@@ -25,7 +25,7 @@ from megatron_serve.wire.request import RequestStatus
 from megatron_serve.wire.sampling_params import SamplingParams
 from megatron_serve.wire.security import make_secret
 
-from ..helpers import Children, free_port
+from ..helpers import Children, free_port, until
 
 pytestmark = [pytest.mark.timeout(600), pytest.mark.slow]
 
@@ -119,28 +119,40 @@ async def _stream_all(client, prompts, texts):
     return tasks, streamed
 
 
-async def _wait_both_busy(client, streamed, timeout=60.0):
-    """Both engines hold requests and tokens are flowing: the moment to hurt one of them."""
+def _pid_of(status_engine) -> int:
+    return int(status_engine["info"]["pid"])
+
+
+async def _freeze_a_busy_engine(client, streamed, index: int, timeout: float = 120.0) -> tuple[dict, int]:
+    """Once both engines hold requests and tokens flow, stop engine ``index`` (SIGSTOP) while it still holds
+    some: the moment to hurt it. Frozen, it cannot finish them, so the fault meets requests in flight
+    however fast the machine is (on a fast CI machine the whole workload takes about two seconds, and an
+    engine picked from a status that took longer to arrive could already be idle). Returns its status
+    entry (as the coordinator saw it frozen) and its pid; the caller sends the fault, then SIGCONT."""
     deadline = time.monotonic() + timeout
-    while True:
+    status: dict = {}
+    while time.monotonic() < deadline:
         status = await client.status()
         flowing = sum(len(tokens) for tokens in streamed.values())
         if len(status["engines"]) == 2 and all(e["assigned"] > 0 for e in status["engines"]) and flowing >= 100:
-            return status
-        assert time.monotonic() < deadline, f"engines never both busy: {status}"
+            victim = status["engines"][index]
+            pid = _pid_of(victim)
+            os.kill(pid, signal.SIGSTOP)
+            await client.status()  # the frozen engine's last outputs, still on their way, are read by now
+            frozen = await client.status()
+            held = [e for e in frozen["engines"] if e["id"] == victim["id"] and e["assigned"] > 0]
+            if held:
+                return held[0], pid
+            os.kill(pid, signal.SIGCONT)  # it finished its share before it stopped: try again
         await asyncio.sleep(0.02)
-
-
-def _pid_of(status_engine) -> int:
-    return int(status_engine["info"]["pid"])
+    raise AssertionError(f"never caught an engine holding requests while tokens flowed: {status}")
 
 
 async def test_sigkill_one_of_two_engines_with_100_in_flight(client, fleet, direct, direct_text):
     recorder = Recorder(client)
     tasks, streamed = await _stream_all(client, PROMPTS, direct_text)
-    status = await _wait_both_busy(client, streamed)
-    victim = status["engines"][0]
-    os.kill(_pid_of(victim), signal.SIGKILL)
+    victim, pid = await _freeze_a_busy_engine(client, streamed, 0)
+    os.kill(pid, signal.SIGKILL)
     results = await asyncio.wait_for(asyncio.gather(*tasks), 300)
     assert len(results) == 100 and all(r.status is RequestStatus.COMPLETED for r in results)
     for p, r in zip(PROMPTS, results):
@@ -148,7 +160,7 @@ async def test_sigkill_one_of_two_engines_with_100_in_flight(client, fleet, dire
         assert streamed[p] == r.generated_tokens, p  # each token delivered exactly once
     assert all(recorder.results[p] == 1 for p in PROMPTS), [k for k, v in recorder.results.items() if v != 1]
     moved = [r for r in results if any(e.type.value == "EVICT" for e in r.events)]
-    assert moved, "the killed engine had requests; some must have moved"
+    assert moved, f"the killed engine held {victim['assigned']} request(s) and none moved"
     after = await client.status()
     assert [e["id"] for e in after["engines"]] != [] and victim["id"] not in [e["id"] for e in after["engines"]]
     assert after["in_flight"] == 0 and after["queued"] == 0
@@ -157,10 +169,10 @@ async def test_sigkill_one_of_two_engines_with_100_in_flight(client, fleet, dire
 async def test_sigterm_engine_under_load_loses_nothing(client, fleet, direct, direct_text):
     recorder = Recorder(client)
     tasks, streamed = await _stream_all(client, PROMPTS, direct_text)
-    status = await _wait_both_busy(client, streamed)
-    victim = status["engines"][1]
-    proc = next(p for p in fleet.engines if p.pid == _pid_of(victim))
-    proc.send_signal(signal.SIGTERM)
+    _, pid = await _freeze_a_busy_engine(client, streamed, 1)
+    proc = next(p for p in fleet.engines if p.pid == pid)
+    proc.send_signal(signal.SIGTERM)  # handled as soon as it runs again
+    proc.send_signal(signal.SIGCONT)
     assert await asyncio.to_thread(proc.wait, 60) == 0  # drains within --drain-timeout, exits 0
     results = await asyncio.wait_for(asyncio.gather(*tasks), 300)
     assert all(r.status is RequestStatus.COMPLETED for r in results)
@@ -174,7 +186,7 @@ async def test_sigterm_engine_under_load_loses_nothing(client, fleet, direct, di
 async def test_restarted_coordinator_is_rejoined(client, fleet, direct, direct_text):
     prompts = PROMPTS[:50]
     tasks, streamed = await _stream_all(client, prompts, direct_text)
-    await _wait_both_busy(client, streamed)
+    await until(lambda: sum(len(tokens) for tokens in streamed.values()) >= 100, 60, "tokens flowing")
     fleet.coordinator.send_signal(signal.SIGKILL)
     fleet.coordinator.wait(10)
     first_id = client.coordinator_id
