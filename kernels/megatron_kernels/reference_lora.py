@@ -32,21 +32,24 @@ import torch
 
 @dataclass(frozen=True)
 class LoraBatch:
-    """One step's adapter rows: ``indices`` (int64 ``[tokens]`` on the device, what the Triton kernels read),
-    ``order`` (the adapter rows sorted by slot) and ``segments`` (``(slot, start, end)`` in ``order``);
-    ``whole``: every row uses one adapter, in order (``order`` is ``0 .. tokens-1``)."""
+    """One step's adapter rows, built once per step: ``indices`` (int64 ``[tokens]`` on the device, what the Triton
+    kernels read); ``runs`` and ``sizes``: the rows cut into runs of one slot each (``runs[i]`` the slot of the
+    ``sizes[i]`` rows that follow the previous run, ``-1``: base rows), what the reference multiplies slice by slice;
+    ``order`` (the adapter rows sorted by slot) and ``segments`` (``(slot, start, end)`` in ``order``): each slot's
+    rows in one index, for the MoE expert hook."""
 
     indices: torch.Tensor
     order: torch.Tensor | None
     segments: tuple[tuple[int, int, int], ...]
-    whole: bool
+    runs: tuple[int, ...] = ()
+    sizes: tuple[int, ...] = ()
     padded: bool = False  # every row by its slot, read on the device only: what a CUDA graph can hold
 
     @classmethod
     def of_padded(cls, indices: torch.Tensor) -> "LoraBatch":
         """The rows of a captured step: ``indices`` is the step buffer the graph reads each slot from at replay
         (``-1``: the base model or a padding row); no host value, so nothing is fixed at capture but shapes."""
-        return cls(indices, None, (), False, True)
+        return cls(indices, None, (), padded=True)
 
     @classmethod
     def of(cls, indices: torch.Tensor, host: np.ndarray) -> "LoraBatch":
@@ -57,21 +60,23 @@ class LoraBatch:
         starts = np.flatnonzero(np.r_[True, slots[1:] != slots[:-1]]) if len(order) else np.empty(0, np.int64)
         ends = np.r_[starts[1:], len(order)]
         segments = tuple((int(slots[s]), int(s), int(e)) for s, e in zip(starts, ends))
-        whole = len(segments) == 1 and len(order) == len(host)
-        return cls(indices, torch.from_numpy(order).to(indices.device, non_blocking=True), segments, whole)
+        firsts = np.flatnonzero(np.r_[True, host[1:] != host[:-1]]) if len(host) else np.empty(0, np.int64)
+        sizes = np.diff(np.r_[firsts, len(host)])
+        return cls(indices, torch.from_numpy(order).to(indices.device, non_blocking=True), segments,
+                   tuple(host[firsts].tolist()), tuple(sizes.tolist()))
 
 
 def lora_shrink(x: torch.Tensor, a: torch.Tensor, batch: LoraBatch) -> torch.Tensor:
-    """``x[t] @ a[slot of t].T`` for the adapter rows, in ``batch.order``: ``[adapter rows, rank]`` (every row,
-    zeros for base rows, in a padded batch)."""
+    """``x[t] @ a[slot of t].T`` for the adapter rows: ``[tokens, rank]`` (base rows unset; zeros in a padded batch)."""
     if batch.padded:
         used = batch.indices >= 0
         h = torch.bmm(a[batch.indices.clamp(min=0)], x.unsqueeze(-1)).squeeze(-1)
         return h * used.unsqueeze(-1).to(h.dtype)
-    rows = x if batch.whole else x[batch.order]
-    h = rows.new_empty(rows.shape[0], a.shape[1])
-    for slot, start, end in batch.segments:
-        torch.matmul(rows[start:end], a[slot].T, out=h[start:end])
+    h = x.new_empty(x.shape[0], a.shape[1])
+    weights = a.transpose(1, 2).unbind(0)
+    for slot, rows, out in zip(batch.runs, x.split(batch.sizes), h.split(batch.sizes)):
+        if slot >= 0:
+            torch.matmul(rows, weights[slot], out=out)
     return h
 
 
@@ -80,10 +85,7 @@ def lora_expand(y: torch.Tensor, h: torch.Tensor, b: torch.Tensor, batch: LoraBa
     if batch.padded:  # h is zero on base rows: their delta is zero
         y += torch.bmm(b[batch.indices.clamp(min=0)], h.unsqueeze(-1)).squeeze(-1)
         return
-    delta = h.new_empty(h.shape[0], b.shape[1])
-    for slot, start, end in batch.segments:
-        torch.matmul(h[start:end], b[slot].T, out=delta[start:end])
-    if batch.whole:
-        y += delta
-    else:
-        y.index_add_(0, batch.order, delta)
+    weights = b.transpose(1, 2).unbind(0)
+    for slot, rows, out in zip(batch.runs, h.split(batch.sizes), y.split(batch.sizes)):
+        if slot >= 0:
+            out.addmm_(rows, weights[slot])

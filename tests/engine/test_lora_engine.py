@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from megatron_serve import DynamicInferenceRequest, InferenceConfig, SamplingParams
-from megatron_serve.engine import DynamicInferenceEngine
+from megatron_serve.engine import DynamicInferenceEngine, core
 from megatron_serve.model.lora import LoraAdapterError
 from megatron_serve.model.tiny import make_tiny_model
 
@@ -86,6 +86,29 @@ def test_a_mixed_batch_gives_each_row_what_it_gets_alone(base, adapters):
         alone, = run_requests(engine, [job])
         assert mixed.generated_tokens == alone.generated_tokens
         assert mixed.generated_log_probs == pytest.approx(alone.generated_log_probs, abs=1e-5)
+
+
+@pytest.mark.parametrize("grouped", [True, False], ids=["grouped", "control-scheduler-order"])
+def test_a_step_holds_each_adapters_rows_in_one_slice(base, adapters, grouped, monkeypatch):
+    """Requests admitted interleaved (base, r4, r8, r16, base, ...): the prefill step and every decode step lay
+    each adapter's rows side by side (base rows first), so the reference kernels multiply one slice per adapter;
+    the scheduler's own order (the control) interleaves them."""
+    if not grouped:
+        monkeypatch.setattr(core, "group_by_adapter", lambda entries: entries)
+    engine = _engine(base, adapters)
+    names = [None, "r4", "r8", "r16"]
+    for i, prompt in enumerate(PROMPTS[:8]):
+        engine.add_request(DynamicInferenceRequest(str(i), prompt, engine.tokenizer.encode(prompt),
+                                                   _greedy(names[i % 4])))
+    runs = []
+    while engine.has_unfinished_requests():
+        engine.step()
+        runs.append(engine.runner.lora_rows.batch.runs)
+    assert len(runs) >= NEW_TOKENS
+    if grouped:
+        assert all(r[0] == -1 and sorted(r) == sorted(set(r)) and len(r) == 4 for r in runs), runs
+    else:
+        assert all(len(r) == 8 for r in runs), runs
 
 
 def test_prefix_cache_does_not_cross_adapters(base, adapters):

@@ -67,6 +67,10 @@ class _SlotWeights:
         out_features = sum(length for _, _, length in self.out_rows.values())
         self.a = torch.zeros(slots, len(parts) * rank, self.in_columns[1], device=device, dtype=dtype)
         self.b = torch.zeros(slots, out_features, len(parts) * rank, device=device, dtype=dtype)
+        # each part's block of the block-diagonal B: (its output columns, its ranks, that block of every slot)
+        self.blocks = [(slice(offset, offset + length), slice(index * rank, (index + 1) * rank),
+                        self.b[:, offset : offset + length, index * rank : (index + 1) * rank])
+                       for index, (offset, _, length) in enumerate(self.out_rows[part] for part in parts) if length]
         self.rows = rows
         self.shrink = invariant_lora.lora_shrink if batch_invariant else get_op("lora_shrink", device)
         self.expand = invariant_lora.lora_expand if batch_invariant else get_op("lora_expand", device)
@@ -92,8 +96,10 @@ class _SlotWeights:
             return output
         x = args[0]
         if batch is not None:
-            self.expand(output.view(-1, output.shape[-1]), self.shrink(x.reshape(-1, x.shape[-1]), self.a, batch),
-                        self.b, batch)
+            y = output.view(-1, output.shape[-1])
+            h = self.shrink(x.reshape(-1, x.shape[-1]), self.a, batch)
+            for columns, ranks, b in self.blocks:  # part by part: the zero blocks of B cost nothing
+                self.expand(y[:, columns], h[:, ranks], b, batch)
         if self.tp is None:
             return output
         # a row-parallel projection under TP: its partial sums (delta included) reduced as the base layer does
