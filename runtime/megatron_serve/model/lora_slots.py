@@ -64,13 +64,15 @@ class _SlotWeights:
         self.parts = parts
         self.rank = rank
         self.out_rows, self.in_columns, self.tp = shard.out_rows, shard.in_columns, shard.tp
-        out_features = sum(length for _, _, length in self.out_rows.values())
         self.a = torch.zeros(slots, len(parts) * rank, self.in_columns[1], device=device, dtype=dtype)
-        self.b = torch.zeros(slots, out_features, len(parts) * rank, device=device, dtype=dtype)
-        # each part's block of the block-diagonal B: (its output columns, its ranks, that block of every slot)
-        self.blocks = [(slice(offset, offset + length), slice(index * rank, (index + 1) * rank),
-                        self.b[:, offset : offset + length, index * rank : (index + 1) * rank])
-                       for index, (offset, _, length) in enumerate(self.out_rows[part] for part in parts) if length]
+        # B is block-diagonal over the parts: each part keeps its own block, [slots, its output rows, rank], so an
+        # expand reads no zero block and each slot's block is one contiguous stretch of memory
+        self.blocks: dict[str, tuple[slice, slice, torch.Tensor]] = {}  # part -> (output columns, ranks, block)
+        for index, part in enumerate(parts):
+            offset, _, length = self.out_rows[part]
+            if length:
+                self.blocks[part] = (slice(offset, offset + length), slice(index * rank, (index + 1) * rank),
+                                     torch.zeros(slots, length, rank, device=device, dtype=dtype))
         self.rows = rows
         self.shrink = invariant_lora.lora_shrink if batch_invariant else get_op("lora_shrink", device)
         self.expand = invariant_lora.lora_expand if batch_invariant else get_op("lora_expand", device)
@@ -78,17 +80,18 @@ class _SlotWeights:
     def write(self, slot: int, layer: int, adapter: LoraAdapter) -> None:
         """This rank's share of the adapter: its rows of ``B`` (column-parallel), its columns of ``A`` (row-parallel)."""
         self.a[slot].zero_()
-        self.b[slot].zero_()
+        for _, _, table in self.blocks.values():
+            table[slot].zero_()
         in_start, in_length = self.in_columns
         for index, part in enumerate(self.parts):
             pair = adapter.weights.get((layer, part))
             if pair is None:
                 continue
             a, b = pair
-            ranks = slice(index * self.rank, index * self.rank + a.shape[0])
-            offset, start, length = self.out_rows[part]
-            self.a[slot, ranks].copy_(a[:, in_start : in_start + in_length])
-            self.b[slot, offset : offset + length, ranks].copy_(b[start : start + length])
+            self.a[slot, index * self.rank : index * self.rank + a.shape[0]].copy_(a[:, in_start : in_start + in_length])
+            if part in self.blocks:
+                _, start, length = self.out_rows[part]
+                self.blocks[part][2][slot, :, : a.shape[0]].copy_(b[start : start + length])
 
     def __call__(self, module: nn.Module, args: tuple[torch.Tensor, ...], output: torch.Tensor) -> torch.Tensor:
         batch = self.rows.batch
@@ -98,7 +101,7 @@ class _SlotWeights:
         if batch is not None:
             y = output.view(-1, output.shape[-1])
             h = self.shrink(x.reshape(-1, x.shape[-1]), self.a, batch)
-            for columns, ranks, b in self.blocks:  # part by part: the zero blocks of B cost nothing
+            for columns, ranks, b in self.blocks.values():  # part by part: B's zero blocks cost nothing
                 self.expand(y[:, columns], h[:, ranks], b, batch)
         if self.tp is None:
             return output
