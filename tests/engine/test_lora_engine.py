@@ -7,6 +7,7 @@ import shutil
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 from megatron_serve import DynamicInferenceRequest, InferenceConfig, SamplingParams
 from megatron_serve.engine import DynamicInferenceEngine, core
@@ -147,11 +148,30 @@ def test_load_and_unload_while_requests_run(base, adapters):
     assert late[1].generated_tokens == alone.generated_tokens
 
 
+def _broken_copy(adapter_dir: str, path, edit) -> str:
+    """A copy of a PEFT adapter whose tensors ``edit`` changed."""
+    shutil.copytree(adapter_dir, path)
+    tensors = load_file(path / "adapter_model.safetensors")
+    edit(tensors)
+    save_file(tensors, path / "adapter_model.safetensors")
+    return str(path)
+
+
 def test_bad_adapter_loads_change_nothing(base, adapters, tmp_path):
+    """Refused by name (rank above the maximum, a module the model lacks, a shape that does not fit, a path that
+    does not exist, a name already served); the engine serves what it served, the same tokens."""
     engine = _engine(base, {"r8": adapters["r8"]}, max_lora_rank=8)
     before, = run_requests(engine, [(PROMPTS[0], _greedy("r8"))])
+    head = _broken_copy(adapters["r8"], tmp_path / "head", lambda t: t.update(
+        {"base_model.model.lm_head.lora_A.weight": torch.zeros(8, 64)}))
+    wide_key = "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"
+    wide = _broken_copy(adapters["r8"], tmp_path / "wide", lambda t: t.update({wide_key: torch.zeros(8, 65)}))
     with pytest.raises(LoraAdapterError, match="rank 16 is above --max-lora-rank 8"):
         engine.load_lora_adapter("big", adapters["r16"])
+    with pytest.raises(LoraAdapterError, match="lm_head.lora_A.weight is not a LoRA weight"):
+        engine.load_lora_adapter("head", head)
+    with pytest.raises(LoraAdapterError, match=r"layers.0.q_proj has lora_A \(8, 65\)"):
+        engine.load_lora_adapter("wide", wide)
     with pytest.raises(LoraAdapterError, match="is not a directory"):
         engine.load_lora_adapter("gone", str(tmp_path / "gone"))
     with pytest.raises(LoraAdapterError, match="'r8' is already loaded"):
