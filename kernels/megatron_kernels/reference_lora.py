@@ -6,16 +6,24 @@ Layouts shared with :mod:`megatron_kernels.triton_lora`:
   table's rank (a fused projection stacks its parts' ranks: q|k|v gives ``3 * max_rank``).
 * ``b``: ``[slots, out_features, rank]``, ``lora_B`` times the adapter's scaling, zero-padded likewise.
 * ``batch``: the step's :class:`LoraBatch`, built once per step: each row's slot (``-1``: the base
-  model, no delta) and the adapter rows grouped by slot.
+  model, no delta), the runs of consecutive rows of one slot, and the adapter rows grouped by slot.
 
-``lora_shrink``'s result is only for ``lora_expand`` of the same implementation (its row layout is the
-implementation's). The reference gathers the adapter rows sorted by slot once per projection, runs two
-small matmuls per slot the step uses on contiguous slices, and adds the deltas back with one
-``index_add_``; a step whose rows all use one adapter skips the gather. Two earlier forms cost more in
-``benchmarks/lora.py`` (8 adapters at batch 64, rank 16, hidden 512, 2-core shared CPU, tokens per CPU
+The weight tables may have any strides (the model stores them transposed, as a GEMM reads them:
+:mod:`megatron_serve.model.lora_slots`). ``lora_shrink``'s result is only for ``lora_expand`` of the same
+implementation (its row layout is the implementation's).
+
+The reference multiplies each run of rows of one slot as a slice of the activations: one matmul into ``h``
+and one in-place ``addmm_`` into the output per run, no gather, no scatter. The engine orders each step's
+rows by slot (:func:`megatron_serve.engine.lora.group_by_adapter`), so a step holds one run per adapter
+(two when it mixes decode and prefill rows). Earlier forms cost more in ``benchmarks/lora.py`` (8 adapters
+at batch 64, rank 16 on every projection, hidden 512, a 2-core CPU shared with other work, tokens per CPU
 second against the base model): every slot for every row, masked (fixed shapes): 0.82x wall; one
-``unique``/``nonzero``/gather/``index_add_`` per slot and projection: 0.61x. This form: 0.85x (greedy)
-and 0.82x (sampled, n=2) per CPU second; an engine with no adapter row in the step: 1.00x.
+``unique``/``nonzero``/gather/``index_add_`` per slot and projection: 0.61x; the adapter rows gathered
+sorted by slot once per projection and added back with one ``index_add_``: 0.83-0.86x (the adapter hooks
+alone: 4.97 ms a decode step, 62.5 ms the 2048-row prefill step). This form: 3.72 and 44.7 ms in the same
+micro-benchmark, 0.86-0.87x (docs/lora.md, "Speed"). With 8 adapters a decode step's cost is mostly
+reading the 8 adapters' weights (19 MB a step at this shape, 40% of the base model's): one adapter for
+every row costs 1.7 ms a step, 8 runs of one adapter 2.0 ms, 8 adapters 3.3 ms.
 
 A padded batch (:meth:`LoraBatch.of_padded`, decode steps replayed from CUDA graphs) gathers every row's slot
 weights on the device instead: fixed shapes, no host value, at the cost of one ``[rows, rank, in]`` gather per

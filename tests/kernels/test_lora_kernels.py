@@ -99,3 +99,19 @@ def test_expand_block_by_block_equals_the_block_diagonal_whole(module):
             module.lora_expand(blocks[:, columns], h[:, ranks], b[:, columns, ranks], batch)
         torch.testing.assert_close(blocks, whole, rtol=1e-5, atol=1e-5)
         assert torch.equal(blocks[rows < 0], torch.zeros_like(blocks[rows < 0]))
+
+
+@pytest.mark.parametrize("module", [reference_lora, triton_lora, invariant_lora],
+                         ids=["reference", "triton", "invariant"])
+def test_weight_tables_stored_transposed_give_the_same_delta(module):
+    """The slot tables as the model stores them: ``[slots, in, rank]`` and ``[slots, rank, out]`` memory, passed as
+    transposed views in the kernels' layout; the delta is the contiguous tables'."""
+    x, a, b, indices = _case(10, seed=5)
+    stored_a, stored_b = a.transpose(1, 2).contiguous().transpose(1, 2), b.transpose(1, 2).contiguous().transpose(1, 2)
+    assert stored_a.stride(-1) != 1 and stored_b.stride(-1) != 1
+    batch = _batch(indices)
+    y, y_stored = torch.zeros(10, N), torch.zeros(10, N)
+    module.lora_expand(y, module.lora_shrink(x, a, batch), b, batch)
+    module.lora_expand(y_stored, module.lora_shrink(x, stored_a, batch), stored_b, batch)
+    torch.testing.assert_close(y_stored, y, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(y_stored, _per_row(x, a, b, indices), rtol=1e-4, atol=1e-4)
