@@ -14,7 +14,7 @@ implementation (its row layout is the implementation's).
 
 The reference multiplies each run of rows of one slot as a slice of the activations: one matmul into ``h``
 and one in-place ``addmm_`` into the output per run, no gather, no scatter. The engine orders each step's
-rows by slot (:func:`megatron_serve.engine.lora.group_by_adapter`), so a step holds one run per adapter
+rows by slot (:func:`megatron_serve.engine.scheduler.step_order`), so a step holds one run per adapter
 (two when it mixes decode and prefill rows). Earlier forms cost more in ``benchmarks/lora.py`` (8 adapters
 at batch 64, rank 16 on every projection, hidden 512, a 2-core CPU shared with other work, tokens per CPU
 second against the base model): every slot for every row, masked (fixed shapes): 0.82x wall; one

@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from megatron_serve import DynamicInferenceRequest, InferenceConfig, SamplingParams
-from megatron_serve.engine import DynamicInferenceEngine, core
+from megatron_serve.engine import DynamicInferenceEngine, scheduler
 from megatron_serve.model.lora import LoraAdapterError
 from megatron_serve.model.tiny import make_tiny_model
 
@@ -95,7 +95,7 @@ def test_a_step_holds_each_adapters_rows_in_one_slice(base, adapters, grouped, m
     each adapter's rows side by side (base rows first), so the reference kernels multiply one slice per adapter;
     the scheduler's own order (the control) interleaves them."""
     if not grouped:
-        monkeypatch.setattr(core, "group_by_adapter", lambda entries: entries)
+        monkeypatch.setattr(scheduler, "step_order", lambda entry: entry[1] != 1)
     engine = _engine(base, adapters)
     names = [None, "r4", "r8", "r16"]
     for i, prompt in enumerate(PROMPTS[:8]):

@@ -41,7 +41,7 @@ from ..wire.expert_routing import RoutingRecord, record_step, routing_dtype
 from .kv_cache import BlockAllocator, blocks_for_tokens
 from .memory_verbs import DeviceMemoryVerbs
 from .logprob_parity import ParityChecker
-from .lora import LoraAdapterError, admit_request, engine_loras, group_by_adapter, lora_report
+from .lora import LoraAdapterError, admit_request, engine_loras, lora_report
 from .lora_queue import LoraQueue
 from .lora_verbs import LoraVerbs, routing_problem
 from ..model.config import ModelConfig
@@ -434,8 +434,6 @@ class DynamicInferenceEngine(DeviceMemoryVerbs, LoraVerbs):
         samples it once that token is on the host.
         """
         entries, images = batch.entries, None
-        if self.loras is not None:  # each adapter's rows in one slice of the step
-            entries = group_by_adapter(entries)
         if self.encoder_cache is not None:
             images, entries, failed = self.encoder_cache.prepare(entries)
             for sequence, message in failed:

@@ -41,7 +41,7 @@ from ..wire.messages import LoraPush
 from ..wire.prefix_hash import adapter_root
 
 __all__ = ["EngineLoras", "LoraAdapterError", "Registration", "adapter_root", "admit_request", "engine_loras",
-           "group_by_adapter", "lora_report", "require"]
+           "lora_report", "require"]
 from ..model.llama import LlamaForCausalLM
 from ..model.lora_slots import LoraSlots
 from .lora_graphs import add_lora_graphs
@@ -243,15 +243,6 @@ def admit_request(loras: EngineLoras | None, params: "SamplingParams") -> Regist
     if params.lora_name is None:
         return None
     return require(loras).resolve(params.lora_name, params.lora_path)
-
-
-def group_by_adapter(entries: list[tuple["Sequence", int]]) -> list[tuple["Sequence", int]]:
-    """A step's entries with the rows of each adapter slot next to each other: decode-shaped entries (one token)
-    first, as :func:`.step_plan.write_plan` needs them, then the others, each group ordered by slot (base rows
-    first), else in the scheduler's order. The reference LoRA kernels then multiply each adapter's rows as one
-    slice of the activations, with no gather or scatter (:mod:`megatron_kernels.reference_lora`); which rows a
-    step holds, and so every request's share of the step, is the scheduler's decision alone."""
-    return sorted(entries, key=lambda entry: (entry[1] != 1, entry[0].lora_slot))
 
 
 def lora_report(loras: EngineLoras | None, running: Iterable["Sequence"], waiting: Iterable["Sequence"]
