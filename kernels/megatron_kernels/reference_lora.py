@@ -21,7 +21,7 @@ second against the base model): every slot for every row, masked (fixed shapes):
 ``unique``/``nonzero``/gather/``index_add_`` per slot and projection: 0.61x; the adapter rows gathered
 sorted by slot once per projection and added back with one ``index_add_``: 0.83-0.86x (the adapter hooks
 alone: 4.97 ms a decode step, 62.5 ms the 2048-row prefill step). This form: 3.72 and 44.7 ms in the same
-micro-benchmark, 0.86-0.87x (docs/lora.md, "Speed"). With 8 adapters a decode step's cost is mostly
+micro-benchmark, 0.87x to 0.90x (docs/lora.md, "Speed"). With 8 adapters a decode step's cost is mostly
 reading the 8 adapters' weights (19 MB a step at this shape, 40% of the base model's): one adapter for
 every row costs 1.7 ms a step, 8 runs of one adapter 2.0 ms, 8 adapters 3.3 ms.
 

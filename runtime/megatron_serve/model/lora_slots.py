@@ -7,9 +7,8 @@ is set, through the dispatcher's ``lora_shrink``/``lora_expand``. A fused projec
 gate|up) stacks its parts' ``A`` along the rank, so one shrink serves all its parts, and keeps each
 part's ``B`` apart, one expand per part: the zero blocks of a block-diagonal ``B`` would cost a third
 (q|k|v) or half (gate|up) of the expand's work and memory reads. A part the adapter leaves out stays
-zero. The base path is
-untouched: without ``--enable-lora`` no hook exists, and a step with no adapter row returns from
-each hook at once.
+zero. The base path is untouched: without ``--enable-lora`` no hook exists, and a step with no
+adapter row returns from each hook at once.
 
 An MoE layer's experts (:mod:`.lora_experts`) get a hook too: the expert MLP is nonlinear between its
 two projections, so no delta can be added to the experts' output; the rows of each slot whose adapter
@@ -57,8 +56,13 @@ class LoraRows:
 
 
 def _table(slots: int, rows: int, columns: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-    """A zero ``[slots, columns, rows]`` view of a ``[slots, rows, columns]`` table."""
-    return torch.zeros(slots, rows, columns, device=device, dtype=dtype).transpose(1, 2)
+    """A zero ``[slots, rows, columns]`` table in the kernels' layout. On CPU its memory is ``[slots, columns, rows]``
+    (a transposed view): the reference's small per-adapter GEMMs read their weight operand untransposed, with no
+    packing of a transposed copy (decode steps with 8 adapters: -13% in the hooks in a cold-cache micro-benchmark,
+    -4% in the engine). Elsewhere the Triton kernels read rows of it, contiguous as they always were."""
+    if torch.device(device).type != "cpu":
+        return torch.zeros(slots, rows, columns, device=device, dtype=dtype)
+    return torch.zeros(slots, columns, rows, device=device, dtype=dtype).transpose(1, 2)
 
 
 class _SlotWeights:
@@ -71,10 +75,7 @@ class _SlotWeights:
         self.parts = parts
         self.rank = rank
         self.out_rows, self.in_columns, self.tp = shard.out_rows, shard.in_columns, shard.tp
-        # the kernels' layouts ([slots, rank, in], [slots, out, rank]) as views of tables stored the way a GEMM
-        # reads its second operand, x @ A^T and h @ B^T without a transposed copy: on CPU the small per-adapter
-        # GEMMs of a decode step then skip packing a transposed weight (-13% in a cold-cache micro-benchmark)
-        self.a = _table(slots, self.in_columns[1], len(parts) * rank, device, dtype)
+        self.a = _table(slots, len(parts) * rank, self.in_columns[1], device, dtype)
         # B is block-diagonal over the parts: each part keeps its own block, so an expand reads no zero block and
         # each slot's block is one contiguous stretch of memory
         self.blocks: dict[str, tuple[slice, slice, torch.Tensor]] = {}  # part -> (output columns, ranks, block)
@@ -82,7 +83,7 @@ class _SlotWeights:
             offset, _, length = self.out_rows[part]
             if length:
                 self.blocks[part] = (slice(offset, offset + length), slice(index * rank, (index + 1) * rank),
-                                     _table(slots, rank, length, device, dtype))
+                                     _table(slots, length, rank, device, dtype))
         self.rows = rows
         self.shrink = invariant_lora.lora_shrink if batch_invariant else get_op("lora_shrink", device)
         self.expand = invariant_lora.lora_expand if batch_invariant else get_op("lora_expand", device)
