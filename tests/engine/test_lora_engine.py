@@ -7,9 +7,10 @@ import shutil
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 from megatron_serve import DynamicInferenceRequest, InferenceConfig, SamplingParams
-from megatron_serve.engine import DynamicInferenceEngine
+from megatron_serve.engine import DynamicInferenceEngine, scheduler
 from megatron_serve.model.lora import LoraAdapterError
 from megatron_serve.model.tiny import make_tiny_model
 
@@ -88,6 +89,29 @@ def test_a_mixed_batch_gives_each_row_what_it_gets_alone(base, adapters):
         assert mixed.generated_log_probs == pytest.approx(alone.generated_log_probs, abs=1e-5)
 
 
+@pytest.mark.parametrize("grouped", [True, False], ids=["grouped", "control-scheduler-order"])
+def test_a_step_holds_each_adapters_rows_in_one_slice(base, adapters, grouped, monkeypatch):
+    """Requests admitted interleaved (base, r4, r8, r16, base, ...): the prefill step and every decode step lay
+    each adapter's rows side by side (base rows first), so the reference kernels multiply one slice per adapter;
+    the scheduler's own order (the control) interleaves them."""
+    if not grouped:
+        monkeypatch.setattr(scheduler, "step_order", lambda entry: entry[1] != 1)
+    engine = _engine(base, adapters)
+    names = [None, "r4", "r8", "r16"]
+    for i, prompt in enumerate(PROMPTS[:8]):
+        engine.add_request(DynamicInferenceRequest(str(i), prompt, engine.tokenizer.encode(prompt),
+                                                   _greedy(names[i % 4])))
+    runs = []
+    while engine.has_unfinished_requests():
+        engine.step()
+        runs.append(engine.runner.lora_rows.batch.runs)
+    assert len(runs) >= NEW_TOKENS
+    if grouped:
+        assert all(r[0] == -1 and sorted(r) == sorted(set(r)) and len(r) == 4 for r in runs), runs
+    else:
+        assert all(len(r) == 8 for r in runs), runs
+
+
 def test_prefix_cache_does_not_cross_adapters(base, adapters):
     engine = _engine(base, adapters)
     prompt = PROMPTS[6]  # several complete blocks
@@ -124,11 +148,30 @@ def test_load_and_unload_while_requests_run(base, adapters):
     assert late[1].generated_tokens == alone.generated_tokens
 
 
+def _broken_copy(adapter_dir: str, path, edit) -> str:
+    """A copy of a PEFT adapter whose tensors ``edit`` changed."""
+    shutil.copytree(adapter_dir, path)
+    tensors = load_file(path / "adapter_model.safetensors")
+    edit(tensors)
+    save_file(tensors, path / "adapter_model.safetensors")
+    return str(path)
+
+
 def test_bad_adapter_loads_change_nothing(base, adapters, tmp_path):
+    """Refused by name (rank above the maximum, a module the model lacks, a shape that does not fit, a path that
+    does not exist, a name already served); the engine serves what it served, the same tokens."""
     engine = _engine(base, {"r8": adapters["r8"]}, max_lora_rank=8)
     before, = run_requests(engine, [(PROMPTS[0], _greedy("r8"))])
+    head = _broken_copy(adapters["r8"], tmp_path / "head", lambda t: t.update(
+        {"base_model.model.lm_head.lora_A.weight": torch.zeros(8, 64)}))
+    wide_key = "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"
+    wide = _broken_copy(adapters["r8"], tmp_path / "wide", lambda t: t.update({wide_key: torch.zeros(8, 65)}))
     with pytest.raises(LoraAdapterError, match="rank 16 is above --max-lora-rank 8"):
         engine.load_lora_adapter("big", adapters["r16"])
+    with pytest.raises(LoraAdapterError, match="lm_head.lora_A.weight is not a LoRA weight"):
+        engine.load_lora_adapter("head", head)
+    with pytest.raises(LoraAdapterError, match=r"layers.0.q_proj has lora_A \(8, 65\)"):
+        engine.load_lora_adapter("wide", wide)
     with pytest.raises(LoraAdapterError, match="is not a directory"):
         engine.load_lora_adapter("gone", str(tmp_path / "gone"))
     with pytest.raises(LoraAdapterError, match="'r8' is already loaded"):

@@ -172,12 +172,17 @@ class EngineLoras:
             self.load(name, path)
         return self.registered[name]
 
-    def place(self, entry: Registration, live_slots: set[int]) -> int | None:
+    def place(self, entry: Registration, live_slots: set[int], share_only: bool = False,
+              closed: int | None = None) -> int | None:
         """The slot of a request of registration ``entry`` (written now when it holds another), or None while every
         slot is used by live requests (``live_slots``) of other registrations: the request then waits
-        (:mod:`.lora_queue`)."""
+        (:mod:`.lora_queue`). ``share_only``: only the slot that holds ``entry`` already, never slot ``closed``."""
         if entry.key in self._slot_keys:
             slot = self._slot_keys.index(entry.key)
+            if share_only and slot == closed:
+                return None
+        elif share_only:
+            return None
         else:
             free = [s for s in range(self.slots.max_loras) if s not in live_slots]
             if not free:
@@ -190,6 +195,15 @@ class EngineLoras:
             self._slot_versions[slot] = (entry.adapter.name, entry.version)
         self._last_admitted[slot] = next(self._admissions)
         return slot
+
+    def holder(self, slot: int) -> str | None:
+        """The registration whose weights are in ``slot`` (its key), None for a slot never written."""
+        return self._slot_keys[slot]
+
+    def drain_choice(self, live: dict[int, int]) -> int:
+        """The slot to drain for a waiting request, of ``live`` (slot -> its live requests): the one with the fewest
+        requests to finish, the least recently admitted among equals."""
+        return min(live, key=lambda slot: (live[slot], self._last_admitted[slot]))
 
     def names(self) -> dict[str, str]:
         """Registered adapters: name -> path."""

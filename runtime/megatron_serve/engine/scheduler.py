@@ -79,6 +79,14 @@ class Sequence:
         return cache_keys(self.token_ids[start:end], self.request.images, start)
 
 
+def step_order(entry: tuple[Sequence, int]) -> tuple[bool, int]:
+    """Where an entry goes in its step: decode-shaped entries (one token) first, as the step plan needs them, then
+    the others; within each, by adapter slot (base rows, slot -1, first), else in the order scheduled. Laying each
+    adapter's rows side by side lets the CPU LoRA kernels multiply them as one slice of the activations, with no
+    gather or scatter (:mod:`megatron_kernels.reference_lora`); an engine without adapters keeps its order."""
+    return entry[1] != 1, entry[0].lora_slot
+
+
 @dataclass
 class ScheduledBatch:
     """One step's work: ``(sequence, tokens to compute)``, decode entries (one token) first."""
@@ -242,7 +250,7 @@ class Scheduler:
             entries.append((sequence, count))
             budget -= count
         self.waiting.extendleft(reversed(deferred))
-        entries.sort(key=lambda entry: entry[1] != 1)  # decode-shaped entries first, stable otherwise
+        entries.sort(key=step_order)
         return ScheduledBatch(entries, preempted)
 
     def finish(self, sequence: Sequence) -> None:
