@@ -3,8 +3,8 @@
 The core mirrors each request's delta and files it here with the bytes the engine sent
 (:meth:`StepShares.add`); at the end of the step each client gets its requests' deltas as those bytes,
 spliced into one message beside their ids (``wire.messages.StepTokens``), instead of a ``TOKENS`` built
-and encoded per request (in-process replay of 64-request steps: the coordinator's step path 1.69 -> 0.99
-us per request and step).
+and encoded per request (in-process replay of 64-request steps of one token with its epochs: the
+coordinator's step path 2.31 -> 1.60 us per request and step).
 """
 
 from __future__ import annotations
