@@ -165,8 +165,9 @@ class _DirectWrites:
 async def stream_answer(submission: Submitted[T], render: Renderer[T], answer_id: str) -> "EventStreamResponse":
     """The streamed answer of ``submission``, its events made by ``render``: an :class:`EventStreamResponse`
     whose pieces, once the stream runs, are written by the client's receive loop in its pass over a step (no
-    task wake-up, async generators or awaited write per stream and step): server CPU per 1,000 streamed
-    tokens ...
+    task wake-up, async generators or awaited write per stream and step; 94% of the chunks at 64 streams).
+    Server CPU per 1,000 streamed tokens, ``benchmarks/serving.py`` c64 staggered, runs alternated on a loaded
+    2-core machine: 60, 62, 62 -> 49, 54, 50 with protocol 5's ``STEP_TOKENS`` (docs/benchmarks.md).
     """
     def divert(writer: ChunkedWriter | None) -> None:
         submission.bypass = None if writer is None else _DirectWrites(render, writer)
