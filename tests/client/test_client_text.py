@@ -124,3 +124,27 @@ async def test_a_text_prompt_is_tokenized_here_and_the_fleet_sees_only_its_ids(t
         with pytest.raises(ValueError, match="no tokenizer in this process"):
             client.add_request(text, SamplingParams(), request_id="r")
         assert client.num_pending == 0
+
+
+async def test_a_step_tokens_message_makes_each_of_its_requests_text_and_stops_one_at_its_stop_string(tokenizer):
+    """Protocol 5: one STEP_TOKENS carries a step's deltas of several requests; each goes to its own request, and a
+    stop string in one of them ends that one alone (the others go on)."""
+    words = tokenizer.encode("alpha beta gamma delta", add_special_tokens=False)
+    async with registered({"protocol": PROTOCOL_VERSION}, tokenizer=tokenizer) as (coordinator, client):
+        stopping = SamplingParams(stop_words=["gamma"], num_tokens_to_generate=64)
+        plain = SamplingParams(num_tokens_to_generate=64)
+        second: asyncio.Queue = asyncio.Queue()
+        client.add_request_streaming_to([1, 2, 3], plain, second, request_id="p")
+        first = asyncio.ensure_future(_collect(client.add_request_streaming([1, 2, 3], stopping, request_id="s")))
+        submitted: list = []
+        while len(submitted) < 2:
+            submitted += [m.body.client_request_id for m in await received(coordinator) if m.header is Header.SUBMIT]
+        assert sorted(submitted) == ["p", "s"]
+        coordinator.send(Header.STEP_TOKENS, {"client_request_ids": ["s", "p"], "deltas": [
+            {"new_tokens": words, "request_id": "c/s", "finished": False},  # engine-side fields: ignored
+            {"new_tokens": words[:2], "request_id": "c/p", "finished": False}]})
+        *_, final = await asyncio.wait_for(first, 10)
+        assert final.finish_reason is FinishReason.STOP and final.generated_text == "alpha beta "
+        piece = await asyncio.wait_for(second.get(), 10)
+        assert piece.new_tokens == words[:2] and piece.new_text == tokenizer.decode(words[:2])
+        assert client.num_pending == 1  # the other request goes on

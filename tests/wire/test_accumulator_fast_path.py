@@ -1,5 +1,6 @@
-"""``DeltaAccumulator``'s path for a delta of ids alone keeps what the full path keeps: the same ids and an
-unreported (-1) epoch per id, nothing else; a delta with anything more still takes the full path."""
+"""``DeltaAccumulator``'s path for a delta of ids alone, or of ids and their epochs, keeps what the full path
+keeps: the same ids and their epochs (unreported, -1, where none came or they do not fit), nothing else; a
+delta with anything more still takes the full path."""
 
 from __future__ import annotations
 
@@ -29,3 +30,17 @@ def test_a_delta_with_more_than_ids_keeps_it() -> None:
     acc.add(TokenDelta(new_tokens=[2, 3], new_log_probs=[-0.5, -0.25], epochs=[[4, 4], [2, 3]], cached_tokens=7), "r")
     assert acc.tokens == [1, 2, 3] and acc.log_probs == [-0.5, -0.25] and acc.cached_tokens == 7
     assert acc.policy_epochs == [-1, 4, 4] and acc.kv_epochs == [-1, 2, 3] and acc.lora_epochs == [-1, -1, -1]
+
+
+def test_ids_with_epochs_keep_what_the_full_path_keeps() -> None:
+    """What engines send every step (ids and their epochs) takes the fast path and keeps the same as the full one:
+    two or three lists, lists of the wrong length as unreported, and only the ``kept`` first (a stop string)."""
+    deltas = [([1], [[4], [2], [0]]), ([2, 3], [[4, 5], [2, 2]]), ([6], [[7], [8, 9]]), ([7, 8, 9], [[1, 2, 3]] * 3)]
+    fast, full = DeltaAccumulator(), DeltaAccumulator()
+    for (ids, epochs), kept in zip(deltas, (1, 2, 1, 2)):
+        for acc, more in ((fast, {}), (full, {"new_log_probs": []})):  # an empty log-prob list: the full path
+            acc.tokens.extend(ids[:kept])
+            acc.add_rest(TokenDelta(new_tokens=ids, epochs=epochs, **more), kept, "r")
+    assert _state(fast) == _state(full)
+    assert fast.policy_epochs == [4, 4, 5, -1, 1, 2] and fast.kv_epochs == [2, 2, 2, -1, 1, 2]
+    assert fast.lora_epochs == [0, -1, -1, -1, 1, 2]

@@ -38,7 +38,7 @@ import msgspec
 from ..errors import ClientNotStarted
 from ..wire.connection import Connection, ControlError, CoordinatorError, CoordinatorLost, Unauthorized
 from ..limits import DEFAULT_COORDINATOR_GRACE
-from ..wire.messages import PROTOCOL_VERSION, Error, HelloAck
+from ..wire.messages import SUBMIT_PROTOCOL, Error, HelloAck, TokenDelta
 from ..multimodal import PromptImage
 from .output_processor import OutputCollector, check_params, load_tokenizer
 from .prompts import ImagePrompt, Prompt, prompt_for_fleet
@@ -237,7 +237,7 @@ class InferenceClient(FleetVerbs):
         if previous is not None:
             logger.info("reconnected to coordinator %s (was %s): resubmitting %d request(s)", self.coordinator_id,
                         previous, len(self._pending))
-        if ack.protocol < PROTOCOL_VERSION and self.role is Role.CLIENT:
+        if ack.protocol < SUBMIT_PROTOCOL and self.role is Role.CLIENT:
             self._pending.fail_all(CoordinatorError(ErrorCode.UNSUPPORTED.value, self._old_coordinator(ack)))
         for pending in self._pending:
             self._send_submit(pending)
@@ -253,7 +253,7 @@ class InferenceClient(FleetVerbs):
     @staticmethod
     def _old_coordinator(ack: HelloAck) -> str:
         return (f"coordinator {ack.coordinator_id} speaks protocol {ack.protocol}; submitting needs "
-                f"{PROTOCOL_VERSION} (its results carry no text for this client to continue): upgrade it")
+                f"{SUBMIT_PROTOCOL} (its results carry no text for this client to continue): upgrade it")
 
     def close(self) -> None:
         """Close the connection (not the fleet: that is :meth:`stop`); pending futures fail."""
@@ -370,15 +370,16 @@ class InferenceClient(FleetVerbs):
                 await asyncio.sleep(0)  # more may be waiting: let the event loop run first (see _BATCH)
 
     def _on_message(self, header: Header, body: Any) -> None:
-        if header is Header.HELLO_ACK:
+        if header is Header.STEP_TOKENS:  # a step's TOKENS of this client's requests, in one message
+            for client_request_id, delta in zip(body.client_request_ids, body.deltas):
+                self._on_tokens(client_request_id, delta)
+        elif header is Header.TOKENS:
+            self._on_tokens(body.client_request_id, body)
+        elif header is Header.HELLO_ACK:
             self._on_registered(body)
         elif header is Header.HEARTBEAT:
             if body.state:
                 self.state = body.state
-        elif header is Header.TOKENS:
-            stopped = self._pending.on_delta(body.client_request_id, body)
-            if stopped is not None:  # a stop string ended it here: its engine drops it
-                self._send(Header.ABORT, {"client_request_id": stopped.request_id})
         elif header is Header.RESULT:
             self._acks.append(body.client_request_id)
             if self._ack_timer is None:
@@ -396,6 +397,11 @@ class InferenceClient(FleetVerbs):
                 future.set_result(msgspec.structs.asdict(body))
         elif header is Header.ERROR:
             self._on_error(body)
+
+    def _on_tokens(self, client_request_id: Any, delta: TokenDelta) -> None:
+        stopped = self._pending.on_delta(client_request_id, delta)
+        if stopped is not None:  # a stop string ended it here: its engine drops it
+            self._send(Header.ABORT, {"client_request_id": stopped.request_id})
 
     def _on_error(self, body: Error) -> None:
         code, message = body.code, body.message
@@ -435,7 +441,7 @@ class InferenceClient(FleetVerbs):
             params = SamplingParams.from_dict(sampling_params)  # validates: ValueError naming the field
         check_params(params, self.tokenizer)
         ack = self._connection.ack
-        if ack is not None and ack.protocol < PROTOCOL_VERSION:
+        if ack is not None and ack.protocol < SUBMIT_PROTOCOL:
             raise CoordinatorError(ErrorCode.UNSUPPORTED.value, self._old_coordinator(ack))
         tokens, placed = prompt_for_fleet(prompt, list(images or ()), self.tokenizer)
         request_id = str(request_id) if request_id is not None else f"{self._auto_ids}{next(self._request_numbers)}"

@@ -58,6 +58,12 @@ class Inbox:
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
 
+    def idle(self) -> bool:
+        """The reader waits and nothing is filed: it has handled everything that came (what it was handed is
+        written), so an item handled outside it now keeps the order."""
+        waiter = self._waiter
+        return waiter is not None and not waiter.done() and not self._items
+
     async def take(self) -> list[Any]:
         """Every item that arrived, in order (waits for one when there is none)."""
         if not self._items:

@@ -23,8 +23,8 @@ import msgspec
 
 from ..wire.lifecycle import FleetState
 from ..wire.messages import (
-    PROTOCOL_VERSION,
     RENDEZVOUS_SCHEME,
+    SUBMIT_PROTOCOL,
     TO_COORDINATOR,
     ClientAbort,
     Draining,
@@ -54,6 +54,7 @@ from .effects import Effect, Probe, Send
 from .peers import ClientRecord, EngineRecord
 from .prompts import DEFAULT_MAX_IMAGE_BYTES
 from .requests import Phase, RequestRecord, RequestTable
+from .step_tokens import STEP_PROTOCOL, StepShares
 from .verbs import VerbRunner
 
 logger = logging.getLogger("megatron_serve.coordinator")
@@ -314,11 +315,11 @@ class CoordinatorCore:
             if record.phase is Phase.FINISHED:
                 self.deliver(record)
             return
-        if client.protocol < PROTOCOL_VERSION:
+        if client.protocol < SUBMIT_PROTOCOL:
             self.send(identity, Header.ERROR, Error(
                 code=ErrorCode.UNSUPPORTED.value, client_request_id=crid,
                 message=f"this client speaks protocol {client.protocol}; this coordinator sends token ids only "
-                        f"(protocol {PROTOCOL_VERSION}: the client makes the text): upgrade the client"))
+                        f"(protocol {SUBMIT_PROTOCOL}: the client makes the text): upgrade the client"))
             return
         try:
             raw = body.sampling_params
@@ -424,6 +425,7 @@ class CoordinatorCore:
             self.drop(engine.engine_id, f"stale message for registration {body.engine_id!r}")
             return
         records, engine_id, decode = self.requests.records, engine.engine_id, _STEP_OUTPUT.decode
+        steps = StepShares()  # what protocol-5 clients get of this step, one message each
         for raw in body.outputs:
             try:
                 out = decode(raw)
@@ -435,23 +437,34 @@ class CoordinatorCore:
                 self.stale_outputs += 1  # aborted, or moved to another engine: never deliver twice
                 continue
             if out.new_tokens or out.routing is not None or out.prompt_scores is not None:
-                self._mirror(record, out)
+                self._mirror(record, out, None if out.finished else (raw, steps))
             if out.finished:
                 engine.assigned.discard(record.request_id)
                 engine.completed += 1
                 self._finish_from_engine(engine, record, out)
+        self._out += steps.sends()
 
-    def _mirror(self, record: RequestRecord, out: RequestDelta) -> None:
+    def _mirror(self, record: RequestRecord, out: RequestDelta,
+                forward: tuple[msgspec.Raw, StepShares] | None = None) -> None:
         """Keep the step's share (a request that moves continues from its tokens) and send it on to the
-        client, which makes the text (for every request: stop strings are its job)."""
-        tokens = record.mirror(out)
+        client, which makes the text (for every request: stop strings are its job). ``forward``: the delta's
+        bytes and the step's shares, where a protocol-5 client's unfinished request joins its client's
+        ``STEP_TOKENS`` as the engine encoded it (a finished one's last tokens must go before its RESULT)."""
         client = self.clients.get(record.client_id)
-        if client is not None and client.identity is not None:
-            frame = _ENCODE.encode((_TOKENS, tokens))  # encode()'s work, one message per request per step
-            if len(frame) <= MAX_MESSAGE_BYTES:
-                self._out.append(Send(client.identity, frame, client.batches))
-            else:
-                self.send(client.identity, Header.TOKENS, tokens, client.batches)  # logs why it is not sent
+        if client is None or client.identity is None:
+            record.keep(out)
+            return
+        if forward is not None and client.protocol >= STEP_PROTOCOL:
+            record.keep(out)
+            raw, steps = forward
+            steps.add(client.identity, client.batches, record.client_request_id, raw, out)
+            return
+        tokens = record.mirror(out)
+        frame = _ENCODE.encode((_TOKENS, tokens))  # encode()'s work, one message per request per step
+        if len(frame) <= MAX_MESSAGE_BYTES:
+            self._out.append(Send(client.identity, frame, client.batches))
+        else:
+            self.send(client.identity, Header.TOKENS, tokens, client.batches)  # logs why it is not sent
 
     def _finish_from_engine(self, engine: EngineRecord, record: RequestRecord, out: RequestDelta) -> None:
         """Finish with the engine's record, forwarded as its bytes when it is complete (the client

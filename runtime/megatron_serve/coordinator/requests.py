@@ -102,14 +102,14 @@ class RequestRecord:
         """Nothing left to compute: every token the request asked for is already generated."""
         return len(self.out.tokens) >= self.params.num_tokens_to_generate
 
+    def keep(self, out: RequestDelta) -> None:
+        """Keep what one engine step added."""
+        self.out.add(out, self.request_id)
+
     def mirror(self, out: RequestDelta) -> Tokens:
         """Keep what one engine step added; the ``TOKENS`` that carry it to the client."""
         self.out.add(out, self.request_id)
-        tokens = Tokens(client_request_id=self.client_request_id, new_tokens=out.new_tokens,
-                        new_log_probs=out.new_log_probs, top_ids=out.top_ids, top_log_probs=out.top_log_probs,
-                        epochs=out.epochs, routing=out.routing, cached_tokens=out.cached_tokens,
-                        prompt_scores=out.prompt_scores)
-        return tokens
+        return tokens_of(self.client_request_id, out)
 
     def tokens_after(self, have: int) -> Tokens | None:
         """What a reconnected client that has ``have`` tokens lacks, whole (None: nothing)."""
@@ -126,6 +126,13 @@ class RequestRecord:
         if out.routing is not None:  # every row: the client keeps those it has
             tokens.routing = RoutingRows(start=0, **routing_to_wire(out.routing.array()))
         return tokens
+
+
+def tokens_of(client_request_id: ClientId, out: RequestDelta) -> Tokens:
+    """The ``TOKENS`` that carry one engine step's delta to the client."""
+    return Tokens(client_request_id=client_request_id, new_tokens=out.new_tokens, new_log_probs=out.new_log_probs,
+                  top_ids=out.top_ids, top_log_probs=out.top_log_probs, epochs=out.epochs, routing=out.routing,
+                  cached_tokens=out.cached_tokens, prompt_scores=out.prompt_scores)
 
 
 class RequestTable:

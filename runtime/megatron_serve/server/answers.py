@@ -161,3 +161,24 @@ class StreamedChoices:
         choice.listed = last
         return Delta(item.new_text or "", choice.tokens[first:last], choice.log_probs[first:last],
                      choice.top_n[first:last], list(item.token_texts))
+
+
+class StreamedAnswer:
+    """What both endpoints' streamed answers keep (their choices so far, the finished requests) and how they end:
+    a usage chunk with ``stream_options.include_usage``. Subclasses make ``writer`` and the events of each item."""
+
+    writer: Any  # the answer's ``chunks.ChunkWriter``
+
+    def __init__(self, req: Any, token_texts: bool,
+                 usage: Callable[[list[tuple[EngineJob, DynamicInferenceRequest]]], Usage]) -> None:
+        self.req = req
+        self.choices = StreamedChoices(token_texts)
+        self.results: list[tuple[EngineJob, DynamicInferenceRequest]] = []
+        self._usage = usage
+
+    def end(self) -> list[bytes]:
+        """The events after the last item: the usage chunk, when asked for."""
+        options = self.req.stream_options
+        if options is not None and options.include_usage:
+            return [self.writer.chunk([], usage=self._usage(self.results))]
+        return []

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, AsyncIterator
+from typing import Any
 
 from fastapi.responses import StreamingResponse
 
 from ..client.outputs import StreamPartial
 from ..wire.request import DynamicInferenceRequest
-from .answers import (Delta, StreamedChoices, finish_reason, make_usage, prompt_logprobs, running_usage,
+from .answers import (Delta, StreamedAnswer, finish_reason, make_usage, prompt_logprobs, running_usage,
                       whole_answer)
 from .context import ServerContext
 from .errors import unsupported
@@ -24,7 +24,7 @@ from .models import (
     Usage,
 )
 from .chunks import ChunkWriter
-from .streaming import event_stream_response, openai_events
+from .streaming import stream_answer
 from .tool_calls import Arguments, CallReader, CallStart, Content, Event, plan_tools
 from .translate import (
     EngineJob,
@@ -173,43 +173,46 @@ class ChatHandler:
             choice["token_ids"] = delta.tokens
         return writer.chunk([choice]), "tool_calls" in message
 
-    async def _events(self, items: AsyncIterator[tuple[EngineJob, Any]]) -> AsyncIterator[bytes]:
-        """The chunks of the answer as the submission's ``items`` arrive (framing: ``openai_events``)."""
-        choices = StreamedChoices(self.want_logprobs)
-        writer = ChunkWriter(self.id, "chat.completion.chunk", self.created, self.req.model,
-                             running_usage(self.req, len(self.prompt.tokens), choices))
-        readers: dict[int, CallReader | None] = {}
-        called: set[int] = set()
-        results: list[tuple[EngineJob, DynamicInferenceRequest]] = []
-        async for job, item in items:
-            if choices.first_seen(job.index):
-                readers[job.index] = self.tools.reader()
-                opening = self._choice(job.index, {"role": "assistant", "content": ""})
-                if self.req.return_token_ids:  # vLLM: the prompt's ids on the opening chunk, none generated yet
-                    opening["token_ids"] = []
-                yield writer.chunk([opening], prompt_token_ids=self.prompt.tokens if self.req.return_token_ids
-                                   else None)
-            reader = readers[job.index]
-            final = not isinstance(item, StreamPartial)
-            delta = Delta.empty() if final else choices.piece(job.index, item)
-            chunk, calls = self._content(writer, job.index, delta, reader, final)
-            if calls:
-                called.add(job.index)
-            if chunk is not None:  # for the final record: only what finishing a tool-call reader adds
-                yield chunk
-            if not final:
-                continue
-            result: DynamicInferenceRequest = item
-            results.append((job, result))
-            last = self._choice(job.index, {}, finish_reason=self._finish_reason(result, job.index in called))
-            last.update(extension_fields(self.req, result))
-            yield writer.chunk([last])
-        if self.req.stream_options is not None and self.req.stream_options.include_usage:
-            yield writer.chunk([], usage=self.usage(results))
-
     async def stream(self) -> StreamingResponse:
-        submission = self.ctx.submit(self.jobs, self.id)
-        return await event_stream_response(openai_events(submission.stream(), self._events), self.id)
+        return await stream_answer(self.ctx.submit(self.jobs, self.id), _ChatEvents(self), self.id)
+
+
+class _ChatEvents(StreamedAnswer):
+    """The chunks of a streamed chat answer, made as the submission's items arrive (framing: ``openai_events``)."""
+
+    def __init__(self, handler: ChatHandler) -> None:
+        super().__init__(handler.req, handler.want_logprobs, handler.usage)
+        self.handler = handler
+        self.writer = ChunkWriter(handler.id, "chat.completion.chunk", handler.created, handler.req.model,
+                                  running_usage(handler.req, len(handler.prompt.tokens), self.choices))
+        self.readers: dict[int, CallReader | None] = {}
+        self.called: set[int] = set()
+
+    def item(self, job: EngineJob, item: Any) -> list[bytes]:
+        handler, req, writer = self.handler, self.handler.req, self.writer
+        events: list[bytes] = []
+        if self.choices.first_seen(job.index):
+            self.readers[job.index] = handler.tools.reader()
+            opening = handler._choice(job.index, {"role": "assistant", "content": ""})
+            if req.return_token_ids:  # vLLM: the prompt's ids on the opening chunk, none generated yet
+                opening["token_ids"] = []
+            events.append(writer.chunk([opening], prompt_token_ids=handler.prompt.tokens if req.return_token_ids
+                                       else None))
+        final = not isinstance(item, StreamPartial)
+        delta = Delta.empty() if final else self.choices.piece(job.index, item)
+        chunk, calls = handler._content(writer, job.index, delta, self.readers[job.index], final)
+        if calls:
+            self.called.add(job.index)
+        if chunk is not None:  # for the final record: only what finishing a tool-call reader adds
+            events.append(chunk)
+        if not final:
+            return events
+        result: DynamicInferenceRequest = item
+        self.results.append((job, result))
+        last = handler._choice(job.index, {}, finish_reason=handler._finish_reason(result, job.index in self.called))
+        last.update(extension_fields(req, result))
+        events.append(writer.chunk([last]))
+        return events
 
 
 def _delta(events: list[Event]) -> dict[str, Any]:

@@ -32,6 +32,19 @@ class ChunkedWriter:
         self._transport = cycle.transport
         self._flow = cycle.flow
 
+    def ready(self) -> bool:
+        """A chunk written now goes out as :meth:`write` would send it, without waiting: the transport's buffer
+        has room and the client is still there."""
+        cycle = self._cycle
+        return not (self._flow.write_paused or cycle.disconnected or cycle.response_complete
+                    or self._transport.is_closing())
+
+    def write_now(self, body: bytes) -> None:
+        """One chunk of ``body`` written at once; only when :meth:`ready` said so (the chunks of one
+        stream's piece may go a little past the buffer's mark, as asyncio allows)."""
+        if body:  # an empty chunk would end the body
+            self._transport.write(b"%x\r\n%b\r\n" % (len(body), body))
+
     async def write(self, body: bytes) -> None:
         """One chunk of ``body`` (not empty), as uvicorn's ``send`` writes ``{"body": body, "more_body": True}``."""
         cycle = self._cycle

@@ -5,14 +5,14 @@ from __future__ import annotations
 import dataclasses
 import time
 import uuid
-from typing import Any, AsyncIterator
+from typing import Any
 
 from fastapi.responses import StreamingResponse
 
 from ..client.detokenizer import token_texts
 from ..client.outputs import StreamPartial
 from ..wire.request import DynamicInferenceRequest, FinishReason
-from .answers import (Delta, StreamedChoices, finish_reason, make_usage, prompt_logprobs, running_usage,
+from .answers import (Delta, StreamedAnswer, finish_reason, make_usage, prompt_logprobs, running_usage,
                       whole_answer)
 from .context import ServerContext
 from .errors import bad_request, unsupported
@@ -23,7 +23,7 @@ from .models import (
     Usage,
 )
 from .chunks import ChunkWriter
-from .streaming import event_stream_response, openai_events
+from .streaming import stream_answer
 from .translate import (
     DEFAULT_COMPLETION_TOKENS,
     EngineJob,
@@ -157,9 +157,45 @@ class CompletionHandler:
 
     # ------------------------------------------------------------------ streamed answer
 
-    def _chunk(self, writer: ChunkWriter, job: EngineJob, text: str, delta: Delta, logprobs: dict[str, Any] | None,
-               opening: bool, finish_reason: str | None = None, result: DynamicInferenceRequest | None = None
-               ) -> bytes:
+    async def stream(self) -> StreamingResponse:
+        return await stream_answer(self.ctx.submit(self.jobs, self.id), _CompletionEvents(self), self.id)
+
+
+class _CompletionEvents(StreamedAnswer):
+    """The chunks of a streamed completion, made as the submission's items arrive (framing: ``openai_events``)."""
+
+    def __init__(self, handler: CompletionHandler) -> None:
+        super().__init__(handler.req, handler.want_logprobs, handler.usage)
+        self.handler = handler
+        self.writer = ChunkWriter(handler.id, "text_completion", handler.created, handler.req.model,
+                                  running_usage(handler.req, sum(len(p.tokens) for p in handler.prompts),
+                                                self.choices))
+        self.offsets: dict[int, int] = {}  # job index -> text offset for the next log-prob token
+        self.opened: set[int] = set()  # choices whose first chunk was sent
+
+    def item(self, job: EngineJob, item: Any) -> list[bytes]:
+        first = self.choices.first_seen(job.index)
+        prefix = _echo_text(self.handler.ctx, job.prompt) if first and self.req.echo else ""
+        if first:
+            self.offsets[job.index] = len(prefix)
+        opening = job.index not in self.opened
+        if isinstance(item, StreamPartial):
+            delta = self.choices.piece(job.index, item)
+            logprobs = self._logprobs(delta, self.offsets[job.index])
+            if logprobs is not None:
+                self.offsets[job.index] += sum(len(t) for t in logprobs["tokens"])
+            if prefix or delta.text or logprobs or (self.req.return_token_ids and delta.tokens):
+                self.opened.add(job.index)
+                return [self._chunk(job, prefix + delta.text, delta, logprobs, opening)]
+            return []
+        result: DynamicInferenceRequest = item
+        self.results.append((job, result))
+        delta = Delta.empty()
+        return [self._chunk(job, prefix + delta.text, delta, self._logprobs(delta, self.offsets[job.index]), opening,
+                            finish_reason(result), result)]
+
+    def _chunk(self, job: EngineJob, text: str, delta: Delta, logprobs: dict[str, Any] | None, opening: bool,
+               finish_reason: str | None = None, result: DynamicInferenceRequest | None = None) -> bytes:
         """One choice of a streamed ``text_completion`` chunk as plain data (see :mod:`.chunks`); with
         ``return_token_ids`` its ``opening`` chunk carries the prompt's ids and every chunk the ids of the
         tokens it lists."""
@@ -170,47 +206,12 @@ class CompletionHandler:
             choice["token_ids"] = delta.tokens
         if result is not None:
             choice.update(extension_fields(self.req, result))
-        return writer.chunk([choice])
+        return self.writer.chunk([choice])
 
     def _logprobs(self, delta: Delta, offset: int) -> dict[str, Any] | None:
         """The log-prob block of a streamed chunk; None when not asked for or the chunk adds no token."""
-        if not (self.want_logprobs and delta.tokens):
+        handler = self.handler
+        if not (handler.want_logprobs and delta.tokens):
             return None
-        return completion_logprobs(self.ctx.tokenizer, delta.token_texts, delta.log_probs,
-                                   delta.top_n if self.top else None, offset, self.top)
-
-    async def _events(self, items: AsyncIterator[tuple[EngineJob, Any]]) -> AsyncIterator[bytes]:
-        """The chunks of the answer as the submission's ``items`` arrive (framing: ``openai_events``)."""
-        choices = StreamedChoices(self.want_logprobs)
-        prompt_tokens = sum(len(p.tokens) for p in self.prompts)
-        writer = ChunkWriter(self.id, "text_completion", self.created, self.req.model,
-                             running_usage(self.req, prompt_tokens, choices))
-        offsets: dict[int, int] = {}  # job index -> text offset for the next log-prob token
-        opened: set[int] = set()  # choices whose first chunk was sent
-        results: list[tuple[EngineJob, DynamicInferenceRequest]] = []
-        async for job, item in items:
-            first = choices.first_seen(job.index)
-            prefix = _echo_text(self.ctx, job.prompt) if first and self.req.echo else ""
-            if first:
-                offsets[job.index] = len(prefix)
-            opening = job.index not in opened
-            if isinstance(item, StreamPartial):
-                delta = choices.piece(job.index, item)
-                logprobs = self._logprobs(delta, offsets[job.index])
-                if logprobs is not None:
-                    offsets[job.index] += sum(len(t) for t in logprobs["tokens"])
-                if prefix or delta.text or logprobs or (self.req.return_token_ids and delta.tokens):
-                    opened.add(job.index)
-                    yield self._chunk(writer, job, prefix + delta.text, delta, logprobs, opening)
-                continue
-            result: DynamicInferenceRequest = item
-            results.append((job, result))
-            delta = Delta.empty()
-            yield self._chunk(writer, job, prefix + delta.text, delta, self._logprobs(delta, offsets[job.index]),
-                              opening, finish_reason(result), result)
-        if self.req.stream_options is not None and self.req.stream_options.include_usage:
-            yield writer.chunk([], usage=self.usage(results))
-
-    async def stream(self) -> StreamingResponse:
-        submission = self.ctx.submit(self.jobs, self.id)
-        return await event_stream_response(openai_events(submission.stream(), self._events), self.id)
+        return completion_logprobs(handler.ctx.tokenizer, delta.token_texts, delta.log_probs,
+                                   delta.top_n if handler.top else None, offset, handler.top)

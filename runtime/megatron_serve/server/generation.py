@@ -46,14 +46,23 @@ class SinkBackend(Protocol):
 
 @dataclass(frozen=True)
 class _Tagged:
-    """A sink that files a job's items into the submission's queue as ``(job, request_id, item)``."""
+    """A sink that hands a job's items to its submission (:meth:`Submission.deliver`)."""
 
-    queue: Inbox
+    submission: "Submission"
     job: EngineJob
     request_id: str
 
     def put_nowait(self, item: Any) -> None:
-        self.queue.put_nowait((self.job, self.request_id, item))
+        self.submission.deliver(self.job, self.request_id, item)
+
+
+class Bypass(Protocol):
+    """Where a stream's pieces go without waking the task that reads the submission (see :meth:`Submission.deliver`):
+    ``ready`` says whether a piece can be taken now, ``take`` takes one ``(job, piece)`` the submission let through."""
+
+    def ready(self) -> bool: ...
+
+    def take(self, job: EngineJob, item: StreamPartial) -> None: ...
 
 
 class PendingCounter:
@@ -138,11 +147,16 @@ class Submission:
     unfinished: set[str] = field(default_factory=set)
     done: list[DynamicInferenceRequest] = field(default_factory=list)
     started: float = field(default_factory=time.monotonic)
+    bypass: Bypass | None = None  # while set, pieces may go there instead of through stream() (see deliver)
 
     def __post_init__(self) -> None:
         self.pending.acquire(len(self.jobs))
         self.ids = [uuid.uuid4().hex for _ in self.jobs]
         self.unfinished = set(self.ids)
+        self._inbox = Inbox()  # what stream()'s reader has to handle
+        self._remaining = len(self.jobs)  # jobs whose final request did not come yet
+        self._held: dict[str, StreamPartial] = {}  # pieces merged while shorter than the interval
+        self._opened: set[str] = set()  # jobs whose first piece went
 
     def _finished(self, request_id: str, request: DynamicInferenceRequest | None) -> None:
         if request_id in self.unfinished:
@@ -213,14 +227,15 @@ class Submission:
         they hold N tokens (its first piece goes at once, for the time to first token; what is held goes
         before the final request), so the answer has a chunk per N tokens instead of per step.
         Closing the iterator (the response ended or the client left) aborts what is unfinished.
+        While :attr:`bypass` is set, pieces may go there instead of through this iterator (:meth:`deliver`).
         """
-        queue = Inbox()  # (job, request_id, item); a job of None: the server stops
+        queue = self._inbox  # (job, request_id, item); a job of None: raise the item (the server stops)
 
         async def pump(job: EngineJob, request_id: str) -> None:
             try:
                 async for item in self.backend.add_request_streaming(job.prompt.tokens, job.params,
                                                                      request_id=request_id, **_images(job)):
-                    queue.put_nowait((job, request_id, item))
+                    self.deliver(job, request_id, item)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
@@ -230,7 +245,7 @@ class Submission:
         if isinstance(self.backend, SinkBackend):  # the client's receive loop fills the queue: no task per job
             for job, rid in zip(self.jobs, self.ids):
                 try:
-                    self.backend.add_request_streaming_to(job.prompt.tokens, job.params, _Tagged(queue, job, rid),
+                    self.backend.add_request_streaming_to(job.prompt.tokens, job.params, _Tagged(self, job, rid),
                                                           request_id=rid, **_images(job))
                 except Exception as exc:  # refused at once (e.g. a lost coordinator): as a pump would report it
                     queue.put_nowait((job, rid, exc))
@@ -238,36 +253,57 @@ class Submission:
             tasks = [asyncio.create_task(pump(job, rid)) for job, rid in zip(self.jobs, self.ids)]
         stopped = asyncio.ensure_future(self.stopping.wait())
         stopped.add_done_callback(lambda f: f.cancelled() or queue.put_nowait((None, "", shutting_down())))
-        remaining = len(self.jobs)
-        held: dict[str, StreamPartial] = {}  # pieces merged while shorter than the interval
-        opened: set[str] = set()  # jobs whose first piece went
         try:
-            while remaining:
+            while self._remaining:
                 for job, request_id, item in await queue.take():
-                    if not remaining:  # every job ended: what still came is nobody's
+                    if not self._remaining:  # every job ended: what still came is nobody's
                         break
-                    if job is None:  # the server stops
+                    if job is None:  # the server stops, or a bypassed piece failed
                         raise item
-                    if isinstance(item, BaseException):
-                        self._finished(request_id, None)
-                        raise _submission_error(item) if isinstance(item, Exception) else item
-                    if isinstance(item, DynamicInferenceRequest):
-                        remaining -= 1
-                        self._finished(request_id, item)
-                        result = check_result(item)
-                        if request_id in held:
-                            yield job, held.pop(request_id)
-                        yield job, result
-                        continue
-                    if self.stream_interval > 1 and request_id in opened:
-                        item = merge_pieces(held.pop(request_id, None), item)
-                        if len(item.new_tokens) < self.stream_interval:
-                            held[request_id] = item
-                            continue
-                    opened.add(request_id)
-                    yield job, item
+                    for pair in self._pass(job, request_id, item):
+                        yield pair
         finally:
+            self.bypass = None
             stopped.cancel()
             for task in tasks:
                 task.cancel()  # each stream's own cleanup aborts its request
             self.close()
+
+    def deliver(self, job: EngineJob, request_id: str, item: Any) -> None:
+        """File one of ``job``'s items as it arrives (from the client's receive loop, or a job's pump).
+
+        A piece goes straight to :attr:`bypass` when the reader of :meth:`stream` waits with nothing filed (so
+        everything before it is handled) and the bypass is ready: the receive loop makes and writes the chunks
+        of every stream of a step in its one pass, with no task woken per stream and step. Anything else (a
+        final request, an error, a piece while the reader is busy or the client's connection is full) is filed
+        for the reader, in order.
+        """
+        bypass = self.bypass
+        if bypass is not None and type(item) is StreamPartial and self._inbox.idle() and bypass.ready():
+            try:
+                for passed_job, piece in self._pass(job, request_id, item):
+                    bypass.take(passed_job, piece)
+            except Exception as exc:  # the reader raises it, as if it had made the chunk itself
+                self.bypass = None
+                self._inbox.put_nowait((None, request_id, exc))
+            return
+        self._inbox.put_nowait((job, request_id, item))
+
+    def _pass(self, job: EngineJob, request_id: str, item: Any) -> list[tuple[EngineJob, Any]]:
+        """What one arrived item lets through to the answer, in order (see :meth:`stream`); raises a job's error."""
+        if isinstance(item, BaseException):
+            self._finished(request_id, None)
+            raise _submission_error(item) if isinstance(item, Exception) else item
+        if isinstance(item, DynamicInferenceRequest):
+            self._remaining -= 1
+            self._finished(request_id, item)
+            result = check_result(item)
+            held = self._held.pop(request_id, None)
+            return [(job, result)] if held is None else [(job, held), (job, result)]
+        if self.stream_interval > 1 and request_id in self._opened:
+            item = merge_pieces(self._held.pop(request_id, None), item)
+            if len(item.new_tokens) < self.stream_interval:
+                self._held[request_id] = item
+                return []
+        self._opened.add(request_id)
+        return [(job, item)]

@@ -52,17 +52,14 @@ class DeltaAccumulator:
         """Keep what goes with ``delta``'s first ``kept`` ids, which the caller appended to :attr:`tokens`
         itself (the client stops at a stop string, token by token).
 
-        A delta of ids alone (no log probs, epochs, expert rows or prompt facts: what a plain completion's
-        steps carry) is kept without the checks below: the coordinator mirrors one per request per engine
-        step, and the client collects one (2.1 -> 1.6 us per request-step in the coordinator with the other
-        cuts of that path, in-process replay of 64-request steps).
+        A delta of ids and epochs alone (what a plain completion's steps carry) is kept without the checks
+        of the rest: the coordinator mirrors one per request per engine step, and the client collects one.
+        Engines report epochs with every token: checked without a generator per delta, ``add`` of a one-token
+        delta with epochs takes 0.29 us instead of 0.64 (in-process, CPU time).
         """
-        if (delta.epochs is None and delta.new_log_probs is None and delta.top_ids is None and delta.routing is None
+        if (delta.new_log_probs is None and delta.top_ids is None and delta.routing is None
                 and delta.cached_tokens is None and delta.prompt_scores is None):
-            unreported = [-1] * kept
-            self.policy_epochs.extend(unreported)
-            self.kv_epochs.extend(unreported)
-            self.lora_epochs.extend(unreported)
+            self._add_epochs(delta.epochs, len(delta.new_tokens), kept)
             return
         if delta.cached_tokens is not None:
             self.cached_tokens = delta.cached_tokens
@@ -73,17 +70,27 @@ class DeltaAccumulator:
         if delta.top_ids is not None and delta.top_log_probs is not None:
             self.top_ids.extend(delta.top_ids[:kept])
             self.top_log_probs.extend(delta.top_log_probs[:kept])
-        epochs, n = delta.epochs, len(delta.new_tokens)
-        if epochs is not None and len(epochs) in (2, 3) and all(len(e) == n for e in epochs):
-            self.policy_epochs.extend(epochs[0][:kept])
-            self.kv_epochs.extend(epochs[1][:kept])
-            self.lora_epochs.extend(epochs[2][:kept] if len(epochs) == 3 else [-1] * kept)
-        else:
-            self.policy_epochs.extend([-1] * kept)
-            self.kv_epochs.extend([-1] * kept)
-            self.lora_epochs.extend([-1] * kept)
+        self._add_epochs(delta.epochs, len(delta.new_tokens), kept)
         if delta.routing is not None:
             try:
                 self.routing = mirror_rows(self.routing, msgspec.structs.asdict(delta.routing))
             except ValueError as exc:  # kept out, never fatal: a next engine recomputes those rows
                 logger.warning("request %s: expert rows not kept: %s", request_id, exc)
+
+    def _add_epochs(self, epochs: list[list[int]] | None, n: int, kept: int) -> None:
+        """The epochs of the first ``kept`` of ``n`` new ids: ``[policy, KV]`` or ``[policy, KV, LoRA]``, each of
+        ``n``; -1 for what was not reported (no epochs, or lists of another length)."""
+        if epochs is not None and 2 <= len(epochs) <= 3:
+            policy, kv = epochs[0], epochs[1]
+            lora = epochs[2] if len(epochs) == 3 else None
+            if len(policy) == n and len(kv) == n and (lora is None or len(lora) == n):
+                if kept != n:
+                    policy, kv, lora = policy[:kept], kv[:kept], None if lora is None else lora[:kept]
+                self.policy_epochs.extend(policy)
+                self.kv_epochs.extend(kv)
+                self.lora_epochs.extend([-1] * kept if lora is None else lora)
+                return
+        unreported = [-1] * kept
+        self.policy_epochs.extend(unreported)
+        self.kv_epochs.extend(unreported)
+        self.lora_epochs.extend(unreported)

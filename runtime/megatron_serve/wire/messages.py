@@ -19,7 +19,9 @@ the text out of engines and coordinator (see :class:`TokenDelta`): engines send 
 a final record without what their deltas carried; the coordinator sends ``TOKENS`` for every
 request and ``RESULT`` records without the generated fields, so the client makes the text. A
 coordinator refuses ``SUBMIT`` from a client below 4 (its results would have no text), and a
-client refuses to submit to a coordinator below 4.
+client refuses to submit to a coordinator below 4. Version 5 adds ``STEP_TOKENS``: one message per
+engine step and client carrying every one of its requests' deltas (the engine's own bytes, forwarded
+with a list of the client's request ids), where a client below 5 gets a ``TOKENS`` per request.
 """
 
 from __future__ import annotations
@@ -32,7 +34,9 @@ from .protocol import Header
 from .request import WireImage
 
 #: The protocol version this code speaks.
-PROTOCOL_VERSION = 4
+PROTOCOL_VERSION = 5
+#: The lowest version whose peers may submit to each other: from 4 on the client makes the text.
+SUBMIT_PROTOCOL = 4
 
 TokenId = Annotated[int, msgspec.Meta(ge=0)]
 #: Ids that foreign clients chose may be ints; this project always sends strings.
@@ -404,6 +408,32 @@ class Tokens(TokenDelta, kw_only=True):
     client_request_id: ClientId
 
 
+class StepTokens(Body):
+    """Protocol 5: the deltas one engine step made for the requests of one client, ``deltas[i]`` for its request
+    ``client_request_ids[i]``: what a ``TOKENS`` per request carried, in one message.
+
+    The coordinator forwards each delta as the engine encoded it (a ``RequestDelta``, whose engine-side fields
+    a client ignores) and only decodes it to keep its mirror of the request's tokens: no message to build
+    and encode per request and step. In-process replay of 64-request steps of one token with its epochs, per
+    request and step: the coordinator's step path (decode, mirror, messages out) 2.31 -> 1.60 us, a client's
+    decoding and dispatch 0.53 -> 0.27 us (against a ``TOKENS`` per request in one ``BATCH``).
+    """
+
+    client_request_ids: list[ClientId]
+    deltas: list[TokenDelta]
+
+    def __post_init__(self) -> None:
+        if len(self.client_request_ids) != len(self.deltas):
+            raise ValueError(f"{len(self.client_request_ids)} client_request_ids for {len(self.deltas)} deltas")
+
+
+class StepTokensOut(Body):
+    """:class:`StepTokens` as the coordinator writes it: the engine's deltas spliced in as they came."""
+
+    client_request_ids: list[ClientId]
+    deltas: list[msgspec.Raw]
+
+
 class EngineAbort(Body):
     request_id: str
 
@@ -443,6 +473,7 @@ FROM_COORDINATOR: dict[Header, type[Body]] = {
     Header.BATCH: Batch,
     Header.ERROR: Error,
     Header.TOKENS: Tokens,
+    Header.STEP_TOKENS: StepTokens,
     Header.RESULT: Result,
     Header.CONTROL_ACK: ControlAck,
     Header.STATUS_REPLY: StatusReply,

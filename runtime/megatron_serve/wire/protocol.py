@@ -43,6 +43,7 @@ class Header(enum.IntEnum):
     ABORT = 13
     RESULT_ACK = 14  # client -> coordinator: these RESULTs arrived, forget them
     BATCH = 15  # protocol 2: several messages in one frame (either direction)
+    STEP_TOKENS = 16  # protocol 5, coordinator -> client: one engine step's TOKENS of a client's requests
     # lifecycle (client/control -> coordinator -> engines)
     PAUSE = 20
     UNPAUSE = 21
