@@ -93,7 +93,7 @@ def test_tp2_with_adapters_and_a_push_equals_tp1(base, adapters):
 @pytest.mark.slow
 def test_tp2_batch_invariant_equals_tp1(base, adapters):
     """Batch-invariant TP=2: the row-parallel deltas join the partial sums of the fixed-order reduction. (Rows
-    bitwise equal to each alone needs invariant LoRA ops in model.lora_slots, not part of the sharding.)"""
+    bitwise equal to each alone, dense adapter rows among them: the batch-invariant expert test below.)"""
     _assert_close(_run(base, adapters, 2, batch_invariant=True), _run(base, adapters, 1, batch_invariant=True))
 
 
