@@ -28,7 +28,6 @@ here (``megatron_serve.invariant.batch_invariant``). Only ``torch`` is imported.
 
 from __future__ import annotations
 
-import math
 from typing import Callable
 
 import torch
@@ -94,6 +93,18 @@ def lanewise(function: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) 
     return out[:count].view(x.shape)
 
 
+def exp_(x: torch.Tensor) -> torch.Tensor:
+    """:func:`exp` in place on a contiguous ``x`` of whole vectors (the engine's attention weights): the same
+    pieces through the same kernel, so the same bits."""
+    flat = x.view(-1)
+    if flat.numel() % _VECTOR:
+        raise ValueError(f"exp_ needs whole vectors of {_VECTOR} elements, got {flat.numel()}")
+    for start in range(0, flat.numel(), _PIECE):
+        piece = flat[start:start + _PIECE]
+        torch.exp(piece, out=piece)
+    return x
+
+
 def silu(x: torch.Tensor) -> torch.Tensor:
     return lanewise(F.silu, x)
 
@@ -146,141 +157,6 @@ def rotate(x: torch.Tensor, cos_full: torch.Tensor, sin_full: torch.Tensor) -> t
     half = x.shape[-1] // 2
     rotated_half = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos_full + rotated_half * sin_full
-
-
-def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, sequence: torch.Tensor,
-              positions: torch.Tensor, scale: float, scratch: bool = False) -> torch.Tensor:
-    """Causal attention of query rows over their sequences' keys, keys reduced in blocks from key 0.
-
-    ``q`` ``[R, Hq, D]``; ``keys``/``values`` ``[Hkv, S, L, D]``, heads first (``L`` at least every
-    query's position plus one; entries past a sequence's last queried position may hold anything, NaN
-    included; with ``scratch`` the caller's copies, which this may overwrite: the engine gathers its
-    cache in this layout, float32, in one copy); ``sequence[r]`` which of the ``S`` sequences row ``r``
-    reads; ``positions[r]`` its position (it sees keys ``0..positions[r]``). Returns ``[R, Hq, D]`` in
-    ``q``'s dtype, computed in float32.
-
-    Per query row and head: scores by GEMM, the softmax's maximum over the visible keys (exact in
-    any order), weights ``exp(score - max)`` (0 for unseen keys), then the weighted values and the
-    weights' sum reduced per block of :data:`KEY_BLOCK` keys (a GEMM with ``K = KEY_BLOCK``) and the
-    blocks added one by one from block 0. A block past a row's position adds exact zeros, so neither
-    the longest sequence of the call, the padding, nor the other rows change a bit: prefill, decode, a
-    prefix-cache hit and any chunking agree.
-
-    The keys are the GEMMs' rows and the queries their columns: scores as ``[L, D] x [D, N]`` and
-    values as ``[D + 1, KEY_BLOCK] x [KEY_BLOCK, N]`` (the extra row of ones gives the weights' sum),
-    one batch entry per KV head and sequence, ``N`` the sequence's query rows times the heads sharing a
-    KV head (at least 2). MKL's float32 GEMM computes an element the same way for every ``N`` from 2,
-    every row count that is a multiple of 32 and every batch count (826 shapes checked: ``D`` 8 to
-    128, ``L`` 32 to 2,048, ``N`` 2 to 2,100, batches 1 to 40, 1 and 2 threads; one column takes the
-    matrix-vector path, which rounds differently, so a lone column is padded). With the queries as the
-    rows (the earlier form), each sequence's rows were padded to 16 GEMM rows, so a decode row of a model
-    whose KV heads serve 4 query heads computed 4x the products it needed. CPU per call, one thread, best of
-    8, earlier form then this one: 32 decode rows over 512-1,024 keys (32 query heads, 8 KV heads of 64)
-    48-55 -> 36-37 ms; 64 decode rows, 16/4 heads, 256-512 keys 17.3-17.8 -> 17.5-18.4 ms; a 512-row chunk
-    over 512 keys (8/4 heads of 32) 20-22 -> 17-18 ms; a 300-row prefill (32/8 of 64) 24-42 -> 25-26 ms.
-    The tiny cost-benchmark model (32 decode rows, 8/4 heads of 32) is bound by the per-call overhead of
-    the batched GEMMs, not their products: 1.37-1.39 ms either way. ``tests/invariance`` holds it to ``==``.
-    """
-    rows, heads, dim = q.shape
-    kv_heads, count = keys.shape[:2]
-    group = heads // kv_heads
-    if rows == 0:
-        return q.new_empty((0, heads, dim))
-    order = torch.argsort(sequence, stable=True)  # rows of a sequence together, in their order
-    ordered_seq = sequence[order]
-    per_sequence = torch.bincount(sequence, minlength=count)
-    starts = torch.cumsum(per_sequence, 0) - per_sequence
-    slot_row = torch.arange(rows, device=q.device) - starts[ordered_seq]  # a row's place in its sequence
-    limits = torch.full((count,), -1, dtype=positions.dtype, device=q.device).scatter_reduce(
-        0, sequence, positions, "amax")
-    by_rows: dict[int, list[int]] = {}  # sequences by their row count: one batched GEMM each
-    for index, size in enumerate(per_sequence.tolist()):
-        if size:
-            by_rows.setdefault(size, []).append(index)
-    out = torch.empty((rows, kv_heads, group, dim), dtype=torch.float32, device=q.device)
-    q32 = q.to(torch.float32).view(rows, kv_heads, group, dim)
-    local = torch.empty(count, dtype=torch.long, device=q.device)  # a sequence's index within its group
-    for size, members in by_rows.items():
-        member_t = torch.tensor(members, device=q.device)
-        local[member_t] = torch.arange(len(members), device=q.device)
-        if len(by_rows) == 1:
-            picked, whole = slice(None), len(members) == count
-        else:
-            picked, whole = torch.isin(ordered_seq, member_t), False
-        row_index = order[picked]
-        out[row_index] = _attend_group(
-            q32[row_index], local[ordered_seq[picked]], slot_row[picked], size,
-            None if whole else member_t, keys, values, positions[row_index], limits[member_t], scale, scratch)
-    return out.view(rows, heads, dim).to(q.dtype)
-
-
-def _attend_group(q: torch.Tensor, slot_seq: torch.Tensor, slot_row: torch.Tensor, size: int,
-                  members: torch.Tensor | None, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor,
-                  limit: torch.Tensor, scale: float, scratch: bool) -> torch.Tensor:
-    """:func:`attention` for the sequences ``members`` (all when ``None``), each with ``size`` query rows here:
-    ``q`` ``[r, Hkv, G, D]`` float32, row ``i`` the ``slot_row[i]``-th of the group's sequence ``slot_seq[i]``;
-    ``limit`` each sequence's last position read."""
-    _, kv_heads, group, dim = q.shape
-    n = limit.numel()
-    blocks = -(-(int(limit.max()) + 1) // KEY_BLOCK)
-    span = blocks * KEY_BLOCK
-    length = min(span, keys.shape[2])
-    k = keys[:, :, :length] if members is None else keys[:, members, :length]
-    v = values[:, :, :length] if members is None else values[:, members, :length]
-    stale = [(index, last) for index, last in enumerate(limit.tolist()) if last + 1 < length]
-    k_b = _blocked(k, span, copy=False)  # [Hkv, n, span, D] float32: the scores' GEMM rows
-    v_b = _blocked(v, span, copy=bool(stale) and members is None and not scratch)
-    for index, last in stale:  # zero weights times a NaN left in the cache would be NaN
-        v_b[:, index, last + 1:length] = 0.0  # (a slice per sequence: 5x faster than any masked fill of the whole)
-    columns = size * group
-    width = max(columns, 2)  # one column would take the matrix-vector path
-    q_t = q.new_zeros((kv_heads, n, width, dim)) if width > columns else q.new_empty((kv_heads, n, width, dim))
-    q_t[:, :, :columns].view(kv_heads, n, size, group, dim).permute(1, 2, 0, 3, 4)[slot_seq, slot_row] = q
-    scores = torch.bmm(k_b.view(kv_heads * n, span, dim), q_t.view(kv_heads * n, width, dim).transpose(1, 2))
-    scores = scores.view(kv_heads, n, span, width)
-    row_pos = positions.new_full((n, width), -1)  # a padding column sees nothing: its weights are 0/0, unread
-    row_pos[:, :columns].view(n, size, group)[slot_seq, slot_row] = positions[:, None]
-    visible = torch.arange(span, device=q.device)[:, None] <= row_pos[:, None, :]  # [n, span, width]
-    scores = torch.where(visible, scores * scale, float("-inf"))
-    peak = scores.amax(2, keepdim=True).clamp_min(torch.finfo(torch.float32).min)  # a padding column: finite
-    weights = exp(scores - peak)  # [Hkv, n, span, width]
-    weights = weights.view(-1, KEY_BLOCK, width)
-    partial = torch.bmm(v_b.view(-1, KEY_BLOCK, dim).transpose(1, 2), weights).view(kv_heads, n, blocks, dim, width)
-    sums = torch.bmm(_ones(weights.shape[0], q.device), weights)[:, 0].view(kv_heads, n, blocks, 1, width)
-    acc, total = partial[:, :, 0], sums[:, :, 0]
-    for block in range(1, blocks):
-        acc = acc + partial[:, :, block]
-        total = total + sums[:, :, block]
-    out = acc / total  # [Hkv, n, D, width]
-    out = out[..., :columns].view(kv_heads, n, dim, size, group).permute(1, 3, 0, 4, 2)  # [n, size, Hkv, G, D]
-    return out[slot_seq, slot_row]
-
-
-_ONES: dict[torch.device, torch.Tensor] = {}
-
-
-def _ones(batch: int, device: torch.device = torch.device("cpu")) -> torch.Tensor:
-    """``[batch, 8, KEY_BLOCK]`` ones: row 0 of ``ones @ weights`` is a block's weight sum, by the same GEMM
-    arithmetic as the weighted values (8 rows keep the product above PyTorch's naive small-``bmm`` loop)."""
-    held = _ONES.get(device)
-    if held is None or held.shape[0] < batch:
-        # a normal tensor even when the engine asks first (in inference mode): a trainer's backward saves it
-        with torch.inference_mode(False):
-            held = _ONES[device] = torch.ones((max(batch, 2 * (0 if held is None else held.shape[0])), 8,
-                                               KEY_BLOCK), dtype=torch.float32, device=device)
-    return held[:batch]
-
-
-def _blocked(cache: torch.Tensor, span: int, copy: bool) -> torch.Tensor:
-    """``[Hkv, n, length, D]`` as float32 ``[Hkv, n, span, D]``, zeros past ``length``: the input itself when
-    it already is one and no ``copy`` is asked, else one copy."""
-    kv_heads, count, length, dim = cache.shape
-    if not copy and length == span and cache.dtype == torch.float32 and cache.is_contiguous():
-        return cache
-    out = torch.empty((kv_heads, count, span, dim), dtype=torch.float32, device=cache.device)
-    out[:, :, :length] = cache
-    out[:, :, length:] = 0
-    return out
 
 
 def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from megatron_kernels import get_op, invariant
+from megatron_kernels.invariant_attention import PagedStep
 
 
 @dataclass
@@ -30,6 +31,7 @@ class AttentionMetadata:
     prefill_query_start_loc: torch.Tensor | None  # [P + 1] int32, offsets into the prefill tokens
     prefill_context_lens: torch.Tensor | None  # [P] int32, including this step's chunk
     num_tokens: int | None = None  # real rows (decode plus prefill); None: every row of the step
+    invariant_step: PagedStep | None = None  # --batch-invariant on CPU: the step's plan, made by the first layer
 
 
 @dataclass
@@ -112,44 +114,32 @@ class PagedAttention(nn.Module):
 
     def _attend_invariant(self, q: torch.Tensor, meta: AttentionMetadata, k_cache: torch.Tensor,
                           v_cache: torch.Tensor, scales: dict[str, torch.Tensor]) -> torch.Tensor:
-        """Every row of the step in one :func:`megatron_kernels.invariant.attention` call: decode rows and
-        prefill chunks, cold or after a prefix-cache hit, meet the same arithmetic."""
-        tables, lens, sequence, positions = [], [], [], []
-        device = q.device
-        if meta.num_decode_tokens:
-            count = meta.num_decode_tokens
-            tables.append(meta.decode_block_tables)
-            lens.append(meta.decode_context_lens)
-            sequence.append(torch.arange(count, device=device))
-            positions.append(meta.decode_context_lens.long() - 1)
-        if meta.prefill_block_tables is not None:
-            starts = meta.prefill_query_start_loc.long()
-            counts = starts[1:] - starts[:-1]
-            context = meta.prefill_context_lens.long()
-            seq = torch.arange(counts.numel(), device=device).repeat_interleave(counts)
-            tables.append(meta.prefill_block_tables)
-            lens.append(meta.prefill_context_lens)
-            sequence.append(seq + meta.num_decode_tokens)  # decode sequences come first, one row each
-            row = torch.arange(int(starts[-1]), device=device)
-            positions.append(row - starts[seq] + (context - counts)[seq])
-        table = torch.cat(tables)
-        block_size = k_cache.shape[1]
-        blocks = -(-int(torch.cat(lens).max()) // block_size)
-        keys = _gather_blocks(k_cache, table, blocks, scales.get("k_scales"))
-        values = _gather_blocks(v_cache, table, blocks, scales.get("v_scales"))
-        return invariant.attention(q, keys, values, torch.cat(sequence), torch.cat(positions), self.scale,
-                                   scratch=True)
+        """Every row of the step through :class:`megatron_kernels.invariant_attention.PagedStep`: decode rows and
+        prefill chunks, cold or after a prefix-cache hit, meet the same arithmetic. The step's plan (row groups,
+        blocks to read) is made by the first layer and kept on ``meta`` for the others."""
+        step = meta.invariant_step
+        group_heads, block_size = q.shape[1] // k_cache.shape[2], k_cache.shape[1]
+        if step is None or (step.group_heads, step.block_size) != (group_heads, block_size):
+            step = meta.invariant_step = _plan_step(meta, group_heads, block_size, q.device)
+        return step.attend(q, k_cache, v_cache, self.scale, torch.empty_like(q), **scales)
 
 
-def _gather_blocks(cache: torch.Tensor, block_tables: torch.Tensor, blocks: int,
-                   scales: torch.Tensor | None) -> torch.Tensor:
-    """``[Hkv, S, blocks * block_size, D]``: each sequence's first ``blocks`` cache blocks in order, heads
-    first as the invariant attention's GEMMs read them (an FP8 cache dequantized to float32)."""
-    table = block_tables[:, :blocks].long().clamp_min(0)
-    count, kv_heads = table.shape[0], cache.shape[2]
-    # the blocks, then one permuting copy: 372 us against 525 us for one index of [Hkv, S, L] rows
-    # (32 sequences of 160 keys, 1 thread), and 453 us for the earlier [S, L, Hkv, D] layout plus the transpose
-    gathered = cache[table].permute(3, 0, 1, 2, 4).reshape(kv_heads, count, -1, cache.shape[-1])
-    if scales is not None:
-        gathered = gathered.float() * scales[table].permute(3, 0, 1, 2).reshape(kv_heads, count, -1, 1)
-    return gathered
+def _plan_step(meta: AttentionMetadata, group_heads: int, block_size: int, device: torch.device) -> PagedStep:
+    """The step's rows and positions per sequence (decode rows first, one each, then the prefill chunks)."""
+    rows_of: list[range] = []
+    positions_of: list[range] = []
+    tables = []
+    decode = meta.num_decode_tokens
+    if decode:
+        rows_of += [range(row, row + 1) for row in range(decode)]
+        positions_of += [range(length - 1, length) for length in meta.decode_context_lens.tolist()]
+        tables.append(meta.decode_block_tables)
+    if meta.prefill_block_tables is not None:
+        starts = meta.prefill_query_start_loc.tolist()
+        for index, length in enumerate(meta.prefill_context_lens.tolist()):
+            count = starts[index + 1] - starts[index]
+            rows_of.append(range(decode + starts[index], decode + starts[index + 1]))
+            positions_of.append(range(length - count, length))
+        tables.append(meta.prefill_block_tables)
+    return PagedStep(rows_of, positions_of, torch.cat(tables) if len(tables) > 1 else tables[0], group_heads,
+                     block_size, device)
