@@ -35,11 +35,12 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 ROW_TILE = 16
-"""A linear's rows are padded with zero rows to a multiple of this and go through one GEMM: from 16 rows
-up, MKL's GEMM (float32 and bfloat16, AVX-512, 1 and 2 threads) computes a row the same way whatever the
-row count; fewer rows take the matrix-vector path, which rounds differently. 16 pads a decode step least
-(it was the tile of separate 16-row GEMM calls, 4,067 calls to 1,827 in the cost benchmark's greedy
-Llama run: the same bits, tests/invariance unchanged)."""
+"""A linear of fewer rows is padded with zero rows up to this many: from 16 rows up, MKL's GEMM (float32 and
+bfloat16, AVX-512, 1 and 2 threads) computes a row the same way whatever the row count and the row's place
+(``benchmarks/invariance_probe.py``: every row count 16-64 and more, K 64-4,096, N 16-2,048); fewer rows
+take other paths (one row the matrix-vector product; with 2 threads 5-11 rows split differently), which
+round differently. Rows past 16 are not padded further (they were padded to a multiple of 16: the same bits,
+a copy less per call)."""
 
 KEY_BLOCK = 32
 """Keys per attention block: every query reduces its keys in blocks of this many from position 0."""
@@ -62,29 +63,31 @@ def _gpu_kernels(x: torch.Tensor):
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``x @ weight.T + bias``, the rows padded to a multiple of :data:`ROW_TILE` (differentiable: a trainer's
-    backward runs through it); on CUDA the Triton kernel of ``triton_invariant_linear``."""
+    """``x @ weight.T + bias``, at least :data:`ROW_TILE` rows (differentiable: a trainer's backward runs
+    through it); on CUDA the Triton kernel of ``triton_invariant_linear``."""
     kernels = _gpu_kernels(x)
     if kernels is not None:
         return kernels[0].invariant_linear(x, weight, bias)
     rows = x.reshape(-1, x.shape[-1])
     count = rows.shape[0]
-    if count % ROW_TILE:
-        rows = F.pad(rows, (0, 0, 0, ROW_TILE - count % ROW_TILE))
+    if count < ROW_TILE:
+        rows = F.pad(rows, (0, 0, 0, ROW_TILE - count))
     out = torch.mm(rows, weight.t()) if bias is None else torch.addmm(bias, rows, weight.t())
     return out[:count].view(*x.shape[:-1], weight.shape[0])
 
 
 def lanewise(function: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
     """``function(x)`` for an elementwise ``function``, every element through the vector loop."""
-    flat = x.reshape(-1)
-    count = flat.numel()
+    count = x.numel()
     size = -(-count // _VECTOR) * _VECTOR
-    if size != count or not flat.is_contiguous():
-        padded = flat.new_zeros(size)
-        padded[:count] = flat
-        flat = padded
-    if size <= _PIECE:
+    if size == count and x.is_contiguous():
+        flat = x.view(-1)
+    else:  # one copy, from a strided x too (SwiGLU's gate half)
+        flat = x.new_empty(size)
+        flat[:count].view(x.shape).copy_(x)
+        if size > count:
+            flat[count:] = 0
+    if size <= _PIECE or torch.get_num_threads() == 1:  # one thread runs it all: no boundary inside a vector
         out = function(flat)
     else:
         out = torch.empty_like(flat)
@@ -95,13 +98,14 @@ def lanewise(function: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) 
 
 def exp_(x: torch.Tensor) -> torch.Tensor:
     """:func:`exp` in place on a contiguous ``x`` of whole vectors (the engine's attention weights): the same
-    pieces through the same kernel, so the same bits."""
+    kernel over the same vectors, so the same bits."""
     flat = x.view(-1)
     if flat.numel() % _VECTOR:
         raise ValueError(f"exp_ needs whole vectors of {_VECTOR} elements, got {flat.numel()}")
-    for start in range(0, flat.numel(), _PIECE):
-        piece = flat[start:start + _PIECE]
-        torch.exp(piece, out=piece)
+    piece = flat.numel() if torch.get_num_threads() == 1 else _PIECE
+    for start in range(0, flat.numel(), piece):
+        part = flat[start:start + piece]
+        torch.exp(part, out=part)
     return x
 
 
@@ -126,9 +130,13 @@ def sigmoid(x: torch.Tensor) -> torch.Tensor:
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    """SwiGLU on a fused gate/up tensor, as ``act(gate) * up`` of separate projections computes it."""
+    """SwiGLU on a fused gate/up tensor, as ``act(gate) * up`` of separate projections computes it. A small
+    contiguous ``x`` (an expert's rows) goes through SiLU whole, up half included, rather than its gate half
+    copied out (the same bits per element: one call less, 11 -> 7 us for 16 rows of 2 x 64)."""
     gate, up = x.chunk(2, dim=-1)
-    return silu(gate.contiguous()) * up
+    if x.numel() <= _PIECE and x.is_contiguous() and not x.numel() % _VECTOR:
+        return F.silu(x)[..., :gate.shape[-1]] * up
+    return silu(gate) * up
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -174,16 +182,23 @@ def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_we
     order = torch.argsort(flat, stable=True)  # the (token, slot) pairs grouped by expert: one sort, not a
     counts = torch.bincount(flat, minlength=w13.shape[0]).tolist()  # search per expert
     tokens = order // top_k
-    rows, weights = hidden[tokens], topk_weights.reshape(-1)[order, None]
-    out = torch.zeros_like(hidden)
-    start = 0
+    # each expert's rows, then its first row repeated up to ROW_TILE rows (a row's bits do not depend on the
+    # rows beside it; the repeats are dropped): one gather, no padded copy per GEMM
+    picked, real, spans, start = [], [], [], 0
     for expert, count in enumerate(counts):
-        if count:  # a token meets each expert once: the order of its rows in the GEMM changes no bit
-            end = start + count
-            activated = silu_and_mul(linear(rows[start:end], w13[expert]))
-            out.index_add_(0, tokens[start:end], (linear(activated, w2[expert]) * weights[start:end]).to(out.dtype))
-            start = end
-    return out
+        if count:
+            spans.append((expert, len(picked), max(count, ROW_TILE)))
+            real += range(len(picked), len(picked) + count)
+            picked += list(range(start, start + count)) + [start] * (ROW_TILE - count)
+            start += count
+    device = tokens.device
+    rows = hidden[tokens[torch.tensor(picked, device=device)]]
+    down = hidden.new_empty((len(picked), hidden.shape[1]))
+    for expert, at, size in spans:  # linear()'s GEMMs, every expert's rows at least ROW_TILE
+        torch.mm(silu_and_mul(torch.mm(rows[at:at + size], w13[expert].t())), w2[expert].t(), out=down[at:at + size])
+    scaled = (down[torch.tensor(real, device=device)] * topk_weights.reshape(-1)[order, None]).to(hidden.dtype)
+    # a token's rows come in ascending expert order, and index_add_ adds them one after another
+    return torch.zeros_like(hidden).index_add_(0, tokens, scaled)
 
 
 _OVERRIDES: dict[Callable, Callable] = {
