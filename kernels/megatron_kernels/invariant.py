@@ -48,6 +48,10 @@ KEY_BLOCK = 32
 _VECTOR = 64
 """Elements of two AVX-512 registers of bfloat16: a multiple of every vector loop's stride."""
 
+_FLOAT_STEP = 32
+"""float32 elements of one step of PyTorch's vector loop (two AVX-512 registers): a contiguous run of whole
+steps leaves nothing to the scalar tail."""
+
 _PIECE = 32768
 """PyTorch's grain: an elementwise op of at most this many elements runs on one thread, so no thread
 boundary can cut a vector loop short."""
@@ -97,14 +101,15 @@ def lanewise(function: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) 
 
 
 def exp_(x: torch.Tensor) -> torch.Tensor:
-    """:func:`exp` in place on a contiguous ``x`` of whole vectors (the engine's attention weights): the same
-    kernel over the same vectors, so the same bits."""
-    flat = x.view(-1)
-    if flat.numel() % _VECTOR:
-        raise ValueError(f"exp_ needs whole vectors of {_VECTOR} elements, got {flat.numel()}")
-    piece = flat.numel() if torch.get_num_threads() == 1 else _PIECE
-    for start in range(0, flat.numel(), piece):
-        part = flat[start:start + piece]
+    """:func:`exp` in place on float32 rows of whole vector steps (the engine's attention weights, a view of a
+    larger tensor): the same kernel over the same vectors as :func:`exp`, so the same bits; on several
+    threads in pieces of whole leading rows, each at most one thread's share."""
+    if x.dtype != torch.float32 or x.stride(-1) != 1 or x.shape[-1] % _FLOAT_STEP:
+        raise ValueError(f"exp_ needs float32 rows of whole {_FLOAT_STEP}-element steps, got {x.dtype} "
+                         f"{tuple(x.shape)} with strides {x.stride()}")
+    step = x.shape[0] if torch.get_num_threads() == 1 else max(1, _PIECE // max(1, x[0].numel()))
+    for start in range(0, x.shape[0], step):
+        part = x[start:start + step]
         torch.exp(part, out=part)
     return x
 

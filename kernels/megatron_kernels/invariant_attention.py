@@ -48,7 +48,7 @@ class RowGroup:
     size: int  # query rows of each member
     padded: int  # rows of each member in the GEMMs (per query head of a KV head)
     members: list[int]  # the call's sequences, in the group's order
-    gather: torch.Tensor  # [n * padded] long: the call's rows that fill the GEMMs
+    gather: torch.Tensor  # [n * blocks * padded] long: the call's rows that fill the GEMMs, once per key block
     rows: torch.Tensor | None  # [n * size] long: where each output row goes; None: rows 0.. of the call in order
     limits: list[int]  # each member's last position read
     span: int  # keys read per member: a multiple of KEY_BLOCK and of the caller's granule
@@ -82,7 +82,9 @@ def plan_rows(rows_of: list[range | list[int]], positions_of: list[range | list[
         row_pos = torch.tensor(positions, device=device).view(len(members), 1, padded, 1, 1)
         keys = torch.arange(span, device=device).view(1, span // KEY_BLOCK, 1, 1, KEY_BLOCK)
         in_order = len(by_size) == 1 and out_rows == list(range(total))
-        groups.append(RowGroup(size, padded, members, torch.tensor(gather, device=device),
+        gather_t = torch.tensor(gather, device=device).view(len(members), 1, padded)
+        gather_t = gather_t.expand(len(members), span // KEY_BLOCK, padded).reshape(-1)
+        groups.append(RowGroup(size, padded, members, gather_t,
                                None if in_order else torch.tensor(out_rows, device=device), limits, span,
                                keys > row_pos))
     return groups
@@ -132,27 +134,29 @@ def attend_group(q: torch.Tensor, group: RowGroup, keys: torch.Tensor, values: t
     group_heads = q.shape[1] // kv_heads
     width, blocks = group.padded * group_heads, span // KEY_BLOCK
     batch = kv_heads * count * blocks
-    q_heads = q.view(q.shape[0], kv_heads, group_heads, dim).permute(1, 0, 2, 3)
-    q_rows = torch.index_select(q_heads, 1, group.gather,
-                                **_out(workspace, "q", (kv_heads, count * group.padded, group_heads, dim), q, q.dtype))
-    expanded = q_rows.view(kv_heads, count, 1, width, dim).expand(kv_heads, count, blocks, width, dim)
-    if workspace is None:
-        q_rows = expanded.to(torch.float32).reshape(batch, width, dim)
-    else:
-        q_rows = workspace.take("q_blocks", (batch, width, dim), torch.float32, q.device)
-        q_rows.view(expanded.shape).copy_(expanded)
+    q_heads = q.view(q.shape[0], kv_heads, group_heads * dim).permute(1, 0, 2)  # a KV head's query heads together
+    q_rows = torch.index_select(q_heads, 1, group.gather,  # [Hkv, n * blocks * padded, G * D]: one copy
+                                **_out(workspace, "q", (kv_heads, group.gather.numel(), group_heads * dim), q, q.dtype))
+    q_rows = q_rows.view(batch, width, dim).to(torch.float32)
     scores = torch.bmm(q_rows, keys.view(batch, KEY_BLOCK, dim).transpose(1, 2),
                        **_out(workspace, "scores", (batch, width, KEY_BLOCK), q))
-    scores.view(kv_heads, count, blocks, group.padded, group_heads, KEY_BLOCK).mul_(scale).masked_fill_(
-        group.hidden, float("-inf"))
-    scores = scores.view(kv_heads, count, blocks, width, KEY_BLOCK)
+    # the softmax on the rows that count: a repeated row's scores are not read, its weights are zeros
+    real = group.size * group_heads
+    scores = scores.view(kv_heads, count, blocks, width, KEY_BLOCK)[:, :, :, :real]
+    scores.view(kv_heads, count, blocks, group.size, group_heads, KEY_BLOCK).mul_(scale).masked_fill_(
+        group.hidden[:, :, :group.size], float("-inf"))
     peak = scores.amax(-1, keepdim=True).amax(2, keepdim=True).clamp_min(torch.finfo(torch.float32).min)
-    weights = torch.sub(scores, peak, **_out(workspace, "weights", scores.shape, q))
-    weights = exp(weights) if workspace is None else exp_(weights)  # [Hkv, n, blocks, width, KEY_BLOCK]
-    partial = torch.bmm(weights.view(batch, width, KEY_BLOCK), values.view(batch, KEY_BLOCK, dim),
+    if workspace is None:
+        weights = exp(scores - peak)  # [Hkv, n, blocks, real, KEY_BLOCK]
+        padded = torch.nn.functional.pad(weights, (0, 0, 0, width - real))
+    else:
+        padded = workspace.take("weights", (kv_heads, count, blocks, width, KEY_BLOCK), torch.float32, q.device)
+        weights = exp_(torch.sub(scores, peak, out=padded[:, :, :, :real]))
+        padded[:, :, :, real:] = 0.0
+    partial = torch.bmm(padded.view(batch, width, KEY_BLOCK), values.view(batch, KEY_BLOCK, dim),
                         **_out(workspace, "partial", (batch, width, dim), q))
-    partial = partial.view(kv_heads, count, blocks, width, dim)
-    sums = torch.sum(weights, -1, **_out(workspace, "sums", weights.shape[:-1], q))  # [Hkv, n, blocks, width]
+    partial = partial.view(kv_heads, count, blocks, width, dim)[:, :, :, :real]
+    sums = torch.sum(weights, -1, **_out(workspace, "sums", weights.shape[:-1], q))  # [Hkv, n, blocks, real]
     if workspace is None:
         acc, total = partial[:, :, 0], sums[:, :, 0]
         for block in range(1, blocks):  # one block after another from block 0
@@ -160,13 +164,13 @@ def attend_group(q: torch.Tensor, group: RowGroup, keys: torch.Tensor, values: t
             total = total + sums[:, :, block]
         out = acc / total.unsqueeze(-1)
     else:
-        out = workspace.take("acc", (kv_heads, count, width, dim), torch.float32, q.device).copy_(partial[:, :, 0])
-        total = workspace.take("total", (kv_heads, count, width), torch.float32, q.device).copy_(sums[:, :, 0])
+        out = workspace.take("acc", (kv_heads, count, real, dim), torch.float32, q.device).copy_(partial[:, :, 0])
+        total = workspace.take("total", (kv_heads, count, real), torch.float32, q.device).copy_(sums[:, :, 0])
         for block in range(1, blocks):
             out.add_(partial[:, :, block])
             total.add_(sums[:, :, block])
         out.div_(total.unsqueeze(-1))
-    out = out.view(kv_heads, count, group.padded, group_heads, dim)[:, :, :group.size]
+    out = out.view(kv_heads, count, group.size, group_heads, dim)
     return out.permute(1, 2, 0, 3, 4)
 
 
