@@ -195,7 +195,8 @@ def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, sequenc
     for group in plan_rows(rows_of, positions_of, heads // kv_heads, q.device):
         members = torch.tensor(group.members, device=q.device)
         read = min(length, group.span)
-        seen = torch.arange(group.span, device=q.device)[None, :] <= torch.tensor(group.limits, device=q.device)[:, None]
+        limits = torch.tensor(group.limits, device=q.device)[:, None]
+        seen = torch.arange(group.span, device=q.device)[None, :] <= limits
         keys_b, values_b = (_dense_block(cache, members, read, group.span) for cache in (keys, values))
         values_b = values_b.masked_fill(~seen[None, :, :, None], 0.0)  # whatever lies past a sequence's last key
         result = attend_group(q, group, keys_b, values_b, scale).reshape(-1, heads, dim)
