@@ -43,50 +43,64 @@ class RowGroup:
     """The sequences of one call that have the same number of query rows: one set of batched GEMMs.
 
     A sequence's rows enter the GEMMs in their order, then its last row repeated up to ``padded`` rows (a row
-    is computed on its own, so a repeat changes no other row; its output is dropped)."""
+    is computed on its own, so a repeat changes no other row; its output is dropped). Its keys are read in
+    blocks of :data:`~megatron_kernels.invariant.KEY_BLOCK` up to its last one, no further: one GEMM per
+    (member, block) pair, the pairs block-major (every member's block 0, then block 1 of the members that
+    have one, ...). The members are ordered by descending block count, so the members with a block ``b``
+    are the first ``counts[b]``."""
 
     size: int  # query rows of each member
     padded: int  # rows of each member in the GEMMs (per query head of a KV head)
-    members: list[int]  # the call's sequences, in the group's order
-    gather: torch.Tensor  # [n * blocks * padded] long: the call's rows that fill the GEMMs, once per key block
-    rows: torch.Tensor | None  # [n * size] long: where each output row goes; None: rows 0.. of the call in order
+    members: list[int]  # the call's sequences, most key blocks first
     limits: list[int]  # each member's last position read
-    span: int  # keys read per member: a multiple of KEY_BLOCK and of the caller's granule
-    hidden: torch.Tensor  # [n, span // KEY_BLOCK, padded, 1, KEY_BLOCK] bool: keys a row does not see
+    counts: list[int]  # counts[b]: the members with a key block b
+    pair_member: torch.Tensor  # [P] long: each pair's member (its index in ``members``)
+    pair_block: torch.Tensor  # [P] long: each pair's key block
+    gather: torch.Tensor  # [P * padded] long: the call's rows that fill each pair's GEMM
+    rows: torch.Tensor | None  # [n * size] long: where each output row goes; None: rows 0.. of the call in order
+    hidden: torch.Tensor  # [P, padded, 1, KEY_BLOCK] bool: keys of the pair's block a row does not see
+
+    def past_last_key(self) -> torch.Tensor:
+        """``[P, KEY_BLOCK]`` bool: the keys of each pair's block past its member's last key (their values are
+        read with zero weights: they must be finite)."""
+        limits = torch.tensor(self.limits, device=self.pair_member.device)[self.pair_member]
+        keys = self.pair_block[:, None] * KEY_BLOCK + torch.arange(KEY_BLOCK, device=limits.device)
+        return keys > limits[:, None]
 
 
 def plan_rows(rows_of: list[range | list[int]], positions_of: list[range | list[int]], group_heads: int,
-              device: torch.device, granule: int = KEY_BLOCK) -> list[RowGroup]:
+              device: torch.device) -> list[RowGroup]:
     """Group a call's sequences by their row count. ``rows_of[s]``: the call's rows of sequence ``s`` (may be
-    empty), ``positions_of[s]`` their positions; ``granule``: the key count ``span`` is a multiple of (the
-    cache's block size times whole blocks, so that a gather needs no slicing)."""
+    empty), ``positions_of[s]`` their positions."""
     by_size: dict[int, list[int]] = {}
     for sequence, rows in enumerate(rows_of):
         if len(rows):
             by_size.setdefault(len(rows), []).append(sequence)
     total = sum(len(rows) for rows in rows_of)
-    step = math.lcm(KEY_BLOCK, granule)
     groups = []
     for size, members in by_size.items():
-        padded = size
-        while padded * group_heads < MIN_ROWS or padded * group_heads % 2:  # even: exp's vectors stay whole
-            padded += 1
-        gather, positions, out_rows = [], [], []
+        padded = max(size, -(-MIN_ROWS // group_heads))
+        members = sorted(members, key=lambda sequence: -max(positions_of[sequence]))
+        limits = [max(positions_of[sequence]) for sequence in members]
+        counts = [sum(limit // KEY_BLOCK >= block for limit in limits) for block in range(limits[0] // KEY_BLOCK + 1)]
+        pair_member = [member for count in counts for member in range(count)]
+        pair_block = [block for block, count in enumerate(counts) for _ in range(count)]
+        member_rows, member_positions, out_rows = [], [], []
         for sequence in members:
             rows, where = list(rows_of[sequence]), list(positions_of[sequence])
             out_rows += rows
-            gather += rows + rows[-1:] * (padded - size)
-            positions += where + where[-1:] * (padded - size)
-        limits = [max(positions_of[sequence]) for sequence in members]
-        span = -(-(max(limits) + 1) // step) * step
-        row_pos = torch.tensor(positions, device=device).view(len(members), 1, padded, 1, 1)
-        keys = torch.arange(span, device=device).view(1, span // KEY_BLOCK, 1, 1, KEY_BLOCK)
+            member_rows.append(rows + rows[-1:] * (padded - size))
+            member_positions.append(where + where[-1:] * (padded - size))
+        pair_member_t = torch.tensor(pair_member, device=device)
+        pair_block_t = torch.tensor(pair_block, device=device)
+        keys = pair_block_t[:, None, None] * KEY_BLOCK + torch.arange(KEY_BLOCK, device=device)  # [P, 1, KEY_BLOCK]
+        row_positions = torch.tensor(member_positions, device=device)[pair_member_t]  # [P, padded]
         in_order = len(by_size) == 1 and out_rows == list(range(total))
-        gather_t = torch.tensor(gather, device=device).view(len(members), 1, padded)
-        gather_t = gather_t.expand(len(members), span // KEY_BLOCK, padded).reshape(-1)
-        groups.append(RowGroup(size, padded, members, gather_t,
-                               None if in_order else torch.tensor(out_rows, device=device), limits, span,
-                               keys > row_pos))
+        groups.append(RowGroup(
+            size, padded, members, limits, counts, pair_member_t, pair_block_t,
+            torch.tensor(member_rows, device=device)[pair_member_t].view(-1),
+            None if in_order else torch.tensor(out_rows, device=device),
+            (keys > row_positions[:, :, None]).unsqueeze(2)))
     return groups
 
 
@@ -125,52 +139,50 @@ def _out(workspace: Workspace | None, name: str, shape: tuple[int, ...], like: t
 
 def attend_group(q: torch.Tensor, group: RowGroup, keys: torch.Tensor, values: torch.Tensor, scale: float,
                  workspace: Workspace | None = None) -> torch.Tensor:
-    """The group's rows of ``q`` ``[R, Hq, D]`` over its members' ``keys``/``values`` ``[Hkv, n, span, D]`` float32
-    (values finite wherever a weight is zero: a zero weight times NaN is NaN). Returns ``[n, size, Hkv, G, D]``
-    float32 (a view of ``workspace``'s tensors when given: copy it out before the next call), the members in
-    the group's order. Without a workspace differentiable (a trainer's backward runs through it); the two give
-    the same bits (the same kernels, in place or not)."""
-    kv_heads, count, span, dim = keys.shape
-    group_heads = q.shape[1] // kv_heads
-    width, blocks = group.padded * group_heads, span // KEY_BLOCK
-    batch = kv_heads * count * blocks
+    """The group's rows of ``q`` ``[R, Hq, D]`` over its pairs' ``keys``/``values`` ``[Hkv, P, KEY_BLOCK, D]``
+    float32 (values finite wherever a weight is zero: a zero weight times NaN is NaN). Returns ``[n, size, Hkv,
+    G, D]`` float32 (a view of ``workspace``'s tensors when given: copy it out before the next call), the
+    members in the group's order. Without a workspace differentiable (a trainer's backward runs through it);
+    the two give the same bits (the same kernels, in place or not)."""
+    kv_heads, pairs, _, dim = keys.shape
+    group_heads, count = q.shape[1] // kv_heads, len(group.members)
+    width, real = group.padded * group_heads, group.size * group_heads
+    batch = kv_heads * pairs
     q_heads = q.view(q.shape[0], kv_heads, group_heads * dim).permute(1, 0, 2)  # a KV head's query heads together
-    q_rows = torch.index_select(q_heads, 1, group.gather,  # [Hkv, n * blocks * padded, G * D]: one copy
+    q_rows = torch.index_select(q_heads, 1, group.gather,  # [Hkv, P * padded, G * D]: one copy
                                 **_out(workspace, "q", (kv_heads, group.gather.numel(), group_heads * dim), q, q.dtype))
-    q_rows = q_rows.view(batch, width, dim).to(torch.float32)
-    scores = torch.bmm(q_rows, keys.view(batch, KEY_BLOCK, dim).transpose(1, 2),
+    scores = torch.bmm(q_rows.view(batch, width, dim).to(torch.float32), keys.view(batch, KEY_BLOCK, dim).transpose(1, 2),
                        **_out(workspace, "scores", (batch, width, KEY_BLOCK), q))
     # the softmax on the rows that count: a repeated row's scores are not read, its weights are zeros
-    real = group.size * group_heads
-    scores = scores.view(kv_heads, count, blocks, width, KEY_BLOCK)[:, :, :, :real]
-    scores.view(kv_heads, count, blocks, group.size, group_heads, KEY_BLOCK).mul_(scale).masked_fill_(
-        group.hidden[:, :, :group.size], float("-inf"))
-    peak = scores.amax(-1, keepdim=True).amax(2, keepdim=True).clamp_min(torch.finfo(torch.float32).min)
+    scores = scores.view(kv_heads, pairs, width, KEY_BLOCK)[:, :, :real]
+    scores.view(kv_heads, pairs, group.size, group_heads, KEY_BLOCK).mul_(scale).masked_fill_(
+        group.hidden[:, :group.size], float("-inf"))
+    block_peak = scores.amax(-1)  # [Hkv, P, real]; a member's maximum over its blocks, exact in any order:
+    peak = torch.full((kv_heads, count, real), float("-inf"), device=q.device).scatter_reduce(
+        1, group.pair_member.view(1, pairs, 1).expand(kv_heads, pairs, real), block_peak, "amax")
+    peak = peak.clamp_min(torch.finfo(torch.float32).min).index_select(1, group.pair_member).unsqueeze(-1)
     if workspace is None:
-        weights = exp(scores - peak)  # [Hkv, n, blocks, real, KEY_BLOCK]
+        weights = exp(scores - peak)  # [Hkv, P, real, KEY_BLOCK]
         padded = torch.nn.functional.pad(weights, (0, 0, 0, width - real))
     else:
-        padded = workspace.take("weights", (kv_heads, count, blocks, width, KEY_BLOCK), torch.float32, q.device)
-        weights = exp_(torch.sub(scores, peak, out=padded[:, :, :, :real]))
-        padded[:, :, :, real:] = 0.0
+        padded = workspace.take("weights", (kv_heads, pairs, width, KEY_BLOCK), torch.float32, q.device)
+        weights = exp_(torch.sub(scores, peak, out=padded[:, :, :real]))
+        padded[:, :, real:] = 0.0
     partial = torch.bmm(padded.view(batch, width, KEY_BLOCK), values.view(batch, KEY_BLOCK, dim),
                         **_out(workspace, "partial", (batch, width, dim), q))
-    partial = partial.view(kv_heads, count, blocks, width, dim)[:, :, :, :real]
-    sums = torch.sum(weights, -1, **_out(workspace, "sums", weights.shape[:-1], q))  # [Hkv, n, blocks, real]
+    partial = partial.view(kv_heads, pairs, width, dim)[:, :, :real]
+    sums = torch.sum(weights, -1, **_out(workspace, "sums", weights.shape[:-1], q))  # [Hkv, P, real]
     if workspace is None:
-        acc, total = partial[:, :, 0], sums[:, :, 0]
-        for block in range(1, blocks):  # one block after another from block 0
-            acc = acc + partial[:, :, block]
-            total = total + sums[:, :, block]
-        out = acc / total.unsqueeze(-1)
+        acc, total = partial[:, :count].clone(), sums[:, :count].clone()
     else:
-        out = workspace.take("acc", (kv_heads, count, real, dim), torch.float32, q.device).copy_(partial[:, :, 0])
-        total = workspace.take("total", (kv_heads, count, real), torch.float32, q.device).copy_(sums[:, :, 0])
-        for block in range(1, blocks):
-            out.add_(partial[:, :, block])
-            total.add_(sums[:, :, block])
-        out.div_(total.unsqueeze(-1))
-    out = out.view(kv_heads, count, group.size, group_heads, dim)
+        acc = workspace.take("acc", (kv_heads, count, real, dim), torch.float32, q.device).copy_(partial[:, :count])
+        total = workspace.take("total", (kv_heads, count, real), torch.float32, q.device).copy_(sums[:, :count])
+    start = count
+    for members in group.counts[1:]:  # one block after another from block 0, for the members that have it
+        acc[:, :members].add_(partial[:, start:start + members])
+        total[:, :members].add_(sums[:, start:start + members])
+        start += members
+    out = acc.div_(total.unsqueeze(-1)).view(kv_heads, count, group.size, group_heads, dim)
     return out.permute(1, 2, 0, 3, 4)
 
 
@@ -191,82 +203,59 @@ def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, sequenc
     for row, (seq, position) in enumerate(zip(sequence.tolist(), positions.tolist())):
         rows_of[seq].append(row)
         positions_of[seq].append(position)
+    blocks = -(-length // KEY_BLOCK)
+    keys_b, values_b = (torch.nn.functional.pad(cache.to(torch.float32), (0, 0, 0, blocks * KEY_BLOCK - length))
+                        .view(kv_heads, count * blocks, KEY_BLOCK, dim) for cache in (keys, values))
     out = q.new_empty((rows, heads, dim), dtype=torch.float32)
     for group in plan_rows(rows_of, positions_of, heads // kv_heads, q.device):
         members = torch.tensor(group.members, device=q.device)
-        read = min(length, group.span)
-        limits = torch.tensor(group.limits, device=q.device)[:, None]
-        seen = torch.arange(group.span, device=q.device)[None, :] <= limits
-        keys_b, values_b = (_dense_block(cache, members, read, group.span) for cache in (keys, values))
-        values_b = values_b.masked_fill(~seen[None, :, :, None], 0.0)  # whatever lies past a sequence's last key
-        result = attend_group(q, group, keys_b, values_b, scale).reshape(-1, heads, dim)
+        pairs = members[group.pair_member] * blocks + group.pair_block
+        pair_values = values_b.index_select(1, pairs).masked_fill(group.past_last_key()[None, :, :, None], 0.0)
+        result = attend_group(q, group, keys_b.index_select(1, pairs), pair_values, scale).reshape(-1, heads, dim)
         out = result if group.rows is None else out.index_copy(0, group.rows, result)
     return out.to(q.dtype)
 
 
-def _dense_block(cache: torch.Tensor, members: torch.Tensor, read: int, span: int) -> torch.Tensor:
-    """``[Hkv, n, span, D]`` float32: the members' first ``read`` keys (or values), zeros after."""
-    picked = cache[:, members, :read].to(torch.float32)
-    return picked if read == span else torch.nn.functional.pad(picked, (0, 0, 0, span - read))
-
-
-@dataclass
-class _PagedGroup:
-    rows: RowGroup
-    blocks: torch.Tensor  # [n * span // block_size] long: the cache blocks read, in order
-    stale: torch.Tensor | None  # [m] long: (member, key) slots, flat over [n, span], whose values are zeroed
-
-
 class PagedStep:
     """One engine step's attention over a paged KV cache (``[blocks, block_size, Hkv, D]``), planned once and
-    run by every layer: the row groups, each member's cache blocks and the value slots to zero.
+    run by every layer: the row groups and, per (member, key block) pair, the cache slots to read.
 
-    A member reads its blocks up to its last key, then (up to the group's ``span``) a block that is fully
-    written by the step's longest sequence: its values are finite, so their zero weights add exact zeros.
-    The slots past a member's last key in its own last block may hold another request's old values (NaN
-    included): they are zeroed after the gather, a few per member. A cache stored heads first
-    (``KVCachePool(heads_first=True)``, the CPU mode's) is gathered in one copy per layer and tensor; any
-    other layout in two. CPU, one thread, 32 decode rows over 60-200 keys (8/4 heads of 32, 16-key blocks):
-    the whole call 0.8-0.9 ms, against 6.3-7.2 ms for the earlier form and 0.9-1.0 ms for the default mode's
+    A pair's keys are read in units of ``gcd(block_size, KEY_BLOCK)`` slots; the slots of a member's last pair
+    past its last key may hold another request's old values, NaN included, or lie in a block the member does
+    not own yet: their values are zeroed after the gather (their keys are masked). A cache stored heads first
+    (``KVCachePool(heads_first=True)``, the CPU mode's) is gathered in one copy per layer and tensor; any other
+    layout in two. CPU, one thread, 32 decode rows over 60-200 keys (8/4 heads of 32, 16-key blocks): the
+    whole call 0.8-0.9 ms, against 6.3-7.2 ms for the earlier form and 0.9-1.0 ms for the default mode's
     decode attention.
     """
 
     def __init__(self, rows_of: list[range], positions_of: list[range], tables: torch.Tensor, group_heads: int,
                  block_size: int, device: torch.device):
         self.group_heads, self.block_size = group_heads, block_size
-        limits = [max(positions, default=-1) for positions in positions_of]
-        longest = max(range(len(limits)), key=limits.__getitem__)
-        donor = int(tables[longest, 0]) if limits[longest] + 1 >= block_size else None
-        self.groups = [self._paged(group, tables, donor, device)
-                       for group in plan_rows(rows_of, positions_of, group_heads, device, granule=block_size)]
+        self.unit = math.gcd(block_size, KEY_BLOCK)
+        self.groups = [(group, *self._slots(group, tables, device))
+                       for group in plan_rows(rows_of, positions_of, group_heads, device)]
 
-    def _paged(self, group: RowGroup, tables: torch.Tensor, donor: int | None, device: torch.device) -> _PagedGroup:
-        size = self.block_size
-        count, width = len(group.members), group.span // size
-        table = tables[torch.tensor(group.members, device=device)].long()[:, :width].clamp_min(0)
-        if table.shape[1] < width:
-            table = torch.nn.functional.pad(table, (0, width - table.shape[1]))
-        limits = torch.tensor(group.limits, device=device)[:, None]
-        past = torch.arange(width, device=device)[None, :] > limits // size
-        blocks = torch.where(past, table[:, :1] if donor is None else donor, table)
-        keys = torch.arange(group.span, device=device)[None, :]
-        zeroed = keys > limits
-        if donor is not None:  # past the last block: the donor's finite values
-            zeroed &= keys < (limits // size + 1) * size
-        stale = zeroed.view(-1).nonzero().squeeze(1)
-        return _PagedGroup(group, blocks.view(-1), stale if stale.numel() else None)
+    def _slots(self, group: RowGroup, tables: torch.Tensor, device: torch.device
+               ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(the cache units each pair reads, in order; the value slots to zero, flat over ``[P, KEY_BLOCK]``)."""
+        unit, size = self.unit, self.block_size
+        table = tables[torch.tensor(group.members, device=device)[group.pair_member]].long()  # [P, W]
+        first = group.pair_block[:, None] * KEY_BLOCK + torch.arange(0, KEY_BLOCK, unit, device=device)
+        blocks = table.gather(1, (first // size).clamp_max(table.shape[1] - 1)).clamp_min(0)
+        units = blocks * (size // unit) + first % size // unit
+        stale = group.past_last_key().view(-1).nonzero().squeeze(1)
+        return units.view(-1), stale if stale.numel() else None
 
     def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float, out: torch.Tensor,
                k_scales: torch.Tensor | None = None, v_scales: torch.Tensor | None = None) -> torch.Tensor:
         """Every row of ``q`` ``[R, Hq, D]`` into ``out`` (``q``'s shape, any float dtype); an FP8 cache is
         dequantized with its scales ``[blocks, block_size, Hkv]``."""
-        for paged in self.groups:
-            group = paged.rows
-            count = len(group.members)
-            keys = _gather(k_cache, paged.blocks, count, group.span, k_scales, "keys")
-            values = _gather(v_cache, paged.blocks, count, group.span, v_scales, "values")
-            if paged.stale is not None:
-                values.view(values.shape[0], -1, values.shape[-1]).index_fill_(1, paged.stale, 0.0)
+        for group, units, stale in self.groups:
+            keys = _gather(k_cache, units, self.unit, k_scales, "keys")
+            values = _gather(v_cache, units, self.unit, v_scales, "values")
+            if stale is not None:
+                values.view(values.shape[0], -1, values.shape[-1]).index_fill_(1, stale, 0.0)
             result = attend_group(q, group, keys, values, scale, WORKSPACE)
             if group.rows is None:
                 out.view(result.shape).copy_(result)
@@ -275,21 +264,25 @@ class PagedStep:
         return out
 
 
-def _gather(cache: torch.Tensor, blocks: torch.Tensor, count: int, span: int, scales: torch.Tensor | None,
-            name: str) -> torch.Tensor:
-    """``[Hkv, count, span, D]`` float32 in the workspace's tensor ``name``: the cache blocks in order, heads first
-    (dequantized with ``scales`` from an FP8 cache)."""
-    kv_heads, dim = cache.shape[2:]
+def _gather(cache: torch.Tensor, units: torch.Tensor, unit: int, scales: torch.Tensor | None, name: str
+            ) -> torch.Tensor:
+    """``[Hkv, P, KEY_BLOCK, D]`` float32 in the workspace's tensor ``name``: the cache's ``unit``-slot pieces in
+    order, heads first (dequantized with ``scales`` from an FP8 cache)."""
+    blocks, size, kv_heads, dim = cache.shape
+    pieces = blocks * size // unit
+    shape = (kv_heads, units.numel() * unit // KEY_BLOCK, KEY_BLOCK, dim)
     heads_first = cache.permute(2, 0, 1, 3)
-    if heads_first.is_contiguous() and cache.dtype == torch.float32 and scales is None:  # one copy: whole blocks
-        out = WORKSPACE.take(name, (kv_heads, blocks.numel(), *cache.shape[1:2], dim), cache.dtype, cache.device)
-        return torch.index_select(heads_first, 1, blocks, out=out).view(kv_heads, count, span, dim)
     if heads_first.is_contiguous():
-        gathered = heads_first.index_select(1, blocks).view(kv_heads, count, span, dim)
+        source = heads_first.view(kv_heads, pieces, unit, dim)
+        if cache.dtype == torch.float32 and scales is None:  # one copy
+            out = WORKSPACE.take(name, (kv_heads, units.numel(), unit, dim), cache.dtype, cache.device)
+            return torch.index_select(source, 1, units, out=out).view(shape)
+        gathered = source.index_select(1, units).view(shape)
     else:
-        gathered = cache.index_select(0, blocks).view(count, span, kv_heads, dim).permute(2, 0, 1, 3)
+        gathered = cache.view(pieces, unit, kv_heads, dim).index_select(0, units).view(*shape[1:3], kv_heads, dim)
+        gathered = gathered.permute(2, 0, 1, 3)
     if scales is not None:
-        slot_scales = scales.index_select(0, blocks).view(count, span, kv_heads).permute(2, 0, 1).unsqueeze(-1)
-        return torch.mul(gathered.to(torch.float32), slot_scales,
-                         out=WORKSPACE.take(name, gathered.shape, torch.float32, cache.device))
-    return WORKSPACE.take(name, gathered.shape, torch.float32, cache.device).copy_(gathered)
+        slot_scales = scales.view(pieces, unit, kv_heads).index_select(0, units).view(*shape[1:3], kv_heads)
+        return torch.mul(gathered.to(torch.float32), slot_scales.permute(2, 0, 1).unsqueeze(-1),
+                         out=WORKSPACE.take(name, shape, torch.float32, cache.device))
+    return WORKSPACE.take(name, shape, torch.float32, cache.device).copy_(gathered)
