@@ -107,9 +107,10 @@ def plan_rows(rows_of: list[range | list[int]], positions_of: list[range | list[
 class Workspace:
     """Scratch tensors kept from call to call for the engine's attention: a fresh tensor of a few MB is new
     pages from the system at every layer, and their first touch cost more than the arithmetic (32 decode rows
-    over 60-200 keys: 2.6-4.8 ms a call with fresh tensors, 0.9-1.4 ms with these). ``out=`` ops have no
-    gradient, so a trainer's backward runs the same arithmetic without one. Tensors over :attr:`LIMIT`
-    elements are not kept (a long prefill's scores would hold their memory for good)."""
+    over 60-200 keys: 2.6-4.8 ms a call with fresh tensors, 0.9-1.4 ms with these). One per model (its layers
+    run one after another; two engines in one process run in two threads, each with its own). ``out=`` ops
+    have no gradient, so a trainer's backward runs the same arithmetic without one. Tensors over
+    :attr:`LIMIT` elements are not kept (a long prefill's scores would hold their memory for good)."""
 
     LIMIT = 1 << 22
 
@@ -125,10 +126,6 @@ class Workspace:
             with torch.inference_mode(False):  # a normal tensor: usable in and out of inference mode
                 held = self._held[name] = torch.empty(numel, dtype=dtype, device=device)
         return held[:numel].view(shape)
-
-
-WORKSPACE = Workspace()
-"""The engine's scratch tensors (one process runs one forward at a time)."""
 
 
 def _out(workspace: Workspace | None, name: str, shape: tuple[int, ...], like: torch.Tensor,
@@ -248,15 +245,16 @@ class PagedStep:
         return units.view(-1), stale if stale.numel() else None
 
     def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float, out: torch.Tensor,
-               k_scales: torch.Tensor | None = None, v_scales: torch.Tensor | None = None) -> torch.Tensor:
+               workspace: Workspace, k_scales: torch.Tensor | None = None, v_scales: torch.Tensor | None = None
+               ) -> torch.Tensor:
         """Every row of ``q`` ``[R, Hq, D]`` into ``out`` (``q``'s shape, any float dtype); an FP8 cache is
         dequantized with its scales ``[blocks, block_size, Hkv]``."""
         for group, units, stale in self.groups:
-            keys = _gather(k_cache, units, self.unit, k_scales, "keys")
-            values = _gather(v_cache, units, self.unit, v_scales, "values")
+            keys = _gather(k_cache, units, self.unit, k_scales, workspace, "keys")
+            values = _gather(v_cache, units, self.unit, v_scales, workspace, "values")
             if stale is not None:
                 values.view(values.shape[0], -1, values.shape[-1]).index_fill_(1, stale, 0.0)
-            result = attend_group(q, group, keys, values, scale, WORKSPACE)
+            result = attend_group(q, group, keys, values, scale, workspace)
             if group.rows is None:
                 out.view(result.shape).copy_(result)
             else:
@@ -264,8 +262,8 @@ class PagedStep:
         return out
 
 
-def _gather(cache: torch.Tensor, units: torch.Tensor, unit: int, scales: torch.Tensor | None, name: str
-            ) -> torch.Tensor:
+def _gather(cache: torch.Tensor, units: torch.Tensor, unit: int, scales: torch.Tensor | None, workspace: Workspace,
+            name: str) -> torch.Tensor:
     """``[Hkv, P, KEY_BLOCK, D]`` float32 in the workspace's tensor ``name``: the cache's ``unit``-slot pieces in
     order, heads first (dequantized with ``scales`` from an FP8 cache)."""
     blocks, size, kv_heads, dim = cache.shape
@@ -275,7 +273,7 @@ def _gather(cache: torch.Tensor, units: torch.Tensor, unit: int, scales: torch.T
     if heads_first.is_contiguous():
         source = heads_first.view(kv_heads, pieces, unit, dim)
         if cache.dtype == torch.float32 and scales is None:  # one copy
-            out = WORKSPACE.take(name, (kv_heads, units.numel(), unit, dim), cache.dtype, cache.device)
+            out = workspace.take(name, (kv_heads, units.numel(), unit, dim), cache.dtype, cache.device)
             return torch.index_select(source, 1, units, out=out).view(shape)
         gathered = source.index_select(1, units).view(shape)
     else:
@@ -284,5 +282,5 @@ def _gather(cache: torch.Tensor, units: torch.Tensor, unit: int, scales: torch.T
     if scales is not None:
         slot_scales = scales.view(pieces, unit, kv_heads).index_select(0, units).view(*shape[1:3], kv_heads)
         return torch.mul(gathered.to(torch.float32), slot_scales.permute(2, 0, 1).unsqueeze(-1),
-                         out=WORKSPACE.take(name, shape, torch.float32, cache.device))
-    return WORKSPACE.take(name, shape, torch.float32, cache.device).copy_(gathered)
+                         out=workspace.take(name, shape, torch.float32, cache.device))
+    return workspace.take(name, shape, torch.float32, cache.device).copy_(gathered)

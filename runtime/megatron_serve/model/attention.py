@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from megatron_kernels import get_op, invariant
-from megatron_kernels.invariant_attention import PagedStep
+from megatron_kernels.invariant_attention import PagedStep, Workspace
 
 
 @dataclass
@@ -68,6 +68,7 @@ class PagedAttention(nn.Module):
         self._prefill = get_op("paged_attention_prefill", device)
         self._write = get_op("write_kv_cache", device)
         self.batch_invariant = False
+        self.workspace: Workspace | None = None  # --batch-invariant on CPU: scratch tensors, one per model
 
     def _cache(self, context: ForwardContext) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
         """This layer's keys and values, and an FP8 cache's scales as the ops' keywords (see ``KVCachePool``)."""
@@ -121,7 +122,9 @@ class PagedAttention(nn.Module):
         group_heads, block_size = q.shape[1] // k_cache.shape[2], k_cache.shape[1]
         if step is None or (step.group_heads, step.block_size) != (group_heads, block_size):
             step = meta.invariant_step = _plan_step(meta, group_heads, block_size, q.device)
-        return step.attend(q, k_cache, v_cache, self.scale, torch.empty_like(q), **scales)
+        if self.workspace is None:
+            self.workspace = Workspace()
+        return step.attend(q, k_cache, v_cache, self.scale, torch.empty_like(q), self.workspace, **scales)
 
 
 def _plan_step(meta: AttentionMetadata, group_heads: int, block_size: int, device: torch.device) -> PagedStep:

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from megatron_kernels import get_op
+from megatron_kernels.invariant_attention import Workspace
 
 from .attention import ForwardContext, PagedAttention
 from .config import ModelConfig
@@ -192,10 +193,13 @@ class LlamaForCausalLM(nn.Module):
         """
         if self.config.vision is not None:
             raise UnsupportedModelError("--batch-invariant supports text models only, not vision-language models")
+        workspace = Workspace()  # the attention layers' scratch tensors, shared: they run one after another
         for module in self.modules():
             if isinstance(module, (ColumnParallelLinear, RowParallelLinear, ReplicatedLinear, VocabParallelEmbedding,
                                    PagedAttention)):
                 module.batch_invariant = True
+            if isinstance(module, PagedAttention):
+                module.workspace = workspace
             elif isinstance(module, (RMSNorm, GatedMLP, FusedExperts, SparseMoeBlock)):
                 module.use_invariant_ops()
         cos, sin = invariant_rotary_cos_sin(self.config.head_dim, self.config.max_position_embeddings,
