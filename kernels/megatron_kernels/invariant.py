@@ -34,13 +34,13 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-ROW_TILE = 16
-"""A linear of fewer rows is padded with zero rows up to this many: from 16 rows up, MKL's GEMM (float32 and
-bfloat16, AVX-512, 1 and 2 threads) computes a row the same way whatever the row count and the row's place
-(``benchmarks/invariance_probe.py``: every row count 16-64 and more, K 64-4,096, N 16-2,048); fewer rows
-take other paths (one row the matrix-vector product; with 2 threads 5-11 rows split differently), which
-round differently. Rows past 16 are not padded further (they were padded to a multiple of 16: the same bits,
-a copy less per call)."""
+ROW_TILE = 4
+"""A linear's rows are padded with zero rows to a multiple of this many: MKL's GEMM (float32 and bfloat16,
+AVX-512, 1 and 2 threads) computes a row the same way for every row count that is a multiple of 4, whatever
+the row's place (``benchmarks/invariance_probe.py``: 896 shapes, 4-64 rows, K 64-4,096, N 16-2,048); 1-3
+rows take other paths, and with 2 threads so do 5-7 and 9-11 rows (the rows split between the threads),
+which round differently. It was 16 (every count from 16 up is safe too): 4 pads a small decode step and an
+expert's few rows less (an MoE layer of 32 decode tokens, 8 experts: 334 -> 274 us)."""
 
 KEY_BLOCK = 32
 """Keys per attention block: every query reduces its keys in blocks of this many from position 0."""
@@ -67,15 +67,15 @@ def _gpu_kernels(x: torch.Tensor):
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``x @ weight.T + bias``, at least :data:`ROW_TILE` rows (differentiable: a trainer's backward runs
-    through it); on CUDA the Triton kernel of ``triton_invariant_linear``."""
+    """``x @ weight.T + bias``, the rows padded to a multiple of :data:`ROW_TILE` (differentiable: a trainer's
+    backward runs through it); on CUDA the Triton kernel of ``triton_invariant_linear``."""
     kernels = _gpu_kernels(x)
     if kernels is not None:
         return kernels[0].invariant_linear(x, weight, bias)
     rows = x.reshape(-1, x.shape[-1])
     count = rows.shape[0]
-    if count < ROW_TILE:
-        rows = F.pad(rows, (0, 0, 0, ROW_TILE - count))
+    if count % ROW_TILE:
+        rows = F.pad(rows, (0, 0, 0, ROW_TILE - count % ROW_TILE))
     out = torch.mm(rows, weight.t()) if bias is None else torch.addmm(bias, rows, weight.t())
     return out[:count].view(*x.shape[:-1], weight.shape[0])
 
@@ -176,8 +176,8 @@ def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_we
               topk_ids: torch.Tensor) -> torch.Tensor:
     """Mixture-of-experts SwiGLU as ``transformers``' expert loop computes it, with invariant GEMMs.
 
-    Experts in ascending id order; each takes its tokens' rows through :func:`linear` (rows padded
-    with zero rows that no token reads), scales them by the router weight (in ``topk_weights``' dtype:
+    Experts in ascending id order; each takes its tokens' rows through :func:`linear`'s GEMM (padded
+    with repeats that no token reads), scales them by the router weight (in ``topk_weights``' dtype:
     Qwen-MoE routers round it to the model dtype, Mixtral's keeps float32), rounds to the model dtype
     and adds them into a zero-initialised output, so a token's sum runs over its experts in ascending
     id order whatever the other tokens are.
@@ -187,19 +187,20 @@ def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_we
     order = torch.argsort(flat, stable=True)  # the (token, slot) pairs grouped by expert: one sort, not a
     counts = torch.bincount(flat, minlength=w13.shape[0]).tolist()  # search per expert
     tokens = order // top_k
-    # each expert's rows, then its first row repeated up to ROW_TILE rows (a row's bits do not depend on the
-    # rows beside it; the repeats are dropped): one gather, no padded copy per GEMM
+    # each expert's rows, then its first row repeated up to a multiple of ROW_TILE rows (a row's bits do not
+    # depend on the rows beside it; the repeats are dropped): one gather, no padded copy per GEMM
     picked, real, spans, start = [], [], [], 0
     for expert, count in enumerate(counts):
         if count:
-            spans.append((expert, len(picked), max(count, ROW_TILE)))
+            size = -(-count // ROW_TILE) * ROW_TILE
+            spans.append((expert, len(picked), size))
             real += range(len(picked), len(picked) + count)
-            picked += list(range(start, start + count)) + [start] * (ROW_TILE - count)
+            picked += list(range(start, start + count)) + [start] * (size - count)
             start += count
     device = tokens.device
     rows = hidden[tokens[torch.tensor(picked, device=device)]]
     down = hidden.new_empty((len(picked), hidden.shape[1]))
-    for expert, at, size in spans:  # linear()'s GEMMs, every expert's rows at least ROW_TILE
+    for expert, at, size in spans:  # linear()'s GEMMs
         torch.mm(silu_and_mul(torch.mm(rows[at:at + size], w13[expert].t())), w2[expert].t(), out=down[at:at + size])
     scaled = (down[torch.tensor(real, device=device)] * topk_weights.reshape(-1)[order, None]).to(hidden.dtype)
     # a token's rows come in ascending expert order, and index_add_ adds them one after another
