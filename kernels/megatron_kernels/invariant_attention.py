@@ -71,10 +71,11 @@ class RowGroup:
 def plan_rows(rows_of: list[range | list[int]], positions_of: list[range | list[int]], group_heads: int,
               device: torch.device) -> list[RowGroup]:
     """Group a call's sequences by their row count. ``rows_of[s]``: the call's rows of sequence ``s`` (may be
-    empty), ``positions_of[s]`` their positions."""
+    empty), ``positions_of[s]`` their positions (a sequence at position -1, a padding row of a replayed graph,
+    is in no group: its rows are the caller's to fill)."""
     by_size: dict[int, list[int]] = {}
     for sequence, rows in enumerate(rows_of):
-        if len(rows):
+        if len(rows) and max(positions_of[sequence]) >= 0:  # a padding row (no key to see) is left out
             by_size.setdefault(len(rows), []).append(sequence)
     total = sum(len(rows) for rows in rows_of)
     groups = []
@@ -230,8 +231,9 @@ class PagedStep:
                  block_size: int, device: torch.device):
         self.group_heads, self.block_size = group_heads, block_size
         self.unit = math.gcd(block_size, KEY_BLOCK)
-        self.groups = [(group, *self._slots(group, tables, device))
-                       for group in plan_rows(rows_of, positions_of, group_heads, device)]
+        groups = plan_rows(rows_of, positions_of, group_heads, device)
+        self.groups = [(group, *self._slots(group, tables, device)) for group in groups]
+        self.complete = sum(len(group.members) * group.size for group in groups) == sum(map(len, rows_of))
 
     def _slots(self, group: RowGroup, tables: torch.Tensor, device: torch.device
                ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -247,8 +249,10 @@ class PagedStep:
     def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float, out: torch.Tensor,
                workspace: Workspace, k_scales: torch.Tensor | None = None, v_scales: torch.Tensor | None = None
                ) -> torch.Tensor:
-        """Every row of ``q`` ``[R, Hq, D]`` into ``out`` (``q``'s shape, any float dtype); an FP8 cache is
-        dequantized with its scales ``[blocks, block_size, Hkv]``."""
+        """Every row of ``q`` ``[R, Hq, D]`` into ``out`` (``q``'s shape, any float dtype; padding rows zeros); an
+        FP8 cache is dequantized with its scales ``[blocks, block_size, Hkv]``."""
+        if not self.complete:
+            out.zero_()
         for group, units, stale in self.groups:
             keys = _gather(k_cache, units, self.unit, k_scales, workspace, "keys")
             values = _gather(v_cache, units, self.unit, v_scales, workspace, "values")

@@ -150,3 +150,21 @@ def test_gemms_of_fewer_rows_change_a_decode_row_s_bits(monkeypatch) -> None:
     cold = _cold(cache)
     decoded = [_step(cache, [(s, n)], [])[0] for s, n in enumerate(LENGTHS)]
     assert any(not torch.equal(row, cold[s][-1]) for s, row in enumerate(decoded))
+
+
+def test_a_padding_row_reads_nothing_and_leaves_the_others_alone() -> None:
+    """A replayed graph's padding decode row (context 0) attends to nothing: zeros, and no other row changes."""
+    cache = _cache(seed=1)
+    cold = _cold(cache)
+    k_cache, v_cache, table = cache
+    rows = torch.cat([QUERIES[0][49:50], torch.zeros(1, HEADS, DIM), QUERIES[3][32:33]])
+    meta = AttentionMetadata(
+        slot_mapping=torch.empty(0, dtype=torch.long), num_decode_tokens=3, decode_block_tables=table[[0, 1, 3]],
+        decode_context_lens=torch.tensor([50, 0, 33], dtype=torch.int32), prefill_block_tables=None,
+        prefill_query_start_loc=None, prefill_context_lens=None)
+    layer = PagedAttention(0, SCALE, torch.device("cpu"))
+    layer.batch_invariant = True
+    with torch.inference_mode():
+        out = layer.attend(rows, ForwardContext(meta, [(k_cache, v_cache)]))
+    assert torch.equal(out[0], cold[0][49]) and torch.equal(out[2], cold[3][32])
+    assert not out[1].any()

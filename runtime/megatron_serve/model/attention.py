@@ -31,7 +31,6 @@ class AttentionMetadata:
     prefill_query_start_loc: torch.Tensor | None  # [P + 1] int32, offsets into the prefill tokens
     prefill_context_lens: torch.Tensor | None  # [P] int32, including this step's chunk
     num_tokens: int | None = None  # real rows (decode plus prefill); None: every row of the step
-    invariant_step: PagedStep | None = None  # --batch-invariant on CPU: the step's plan, made by the first layer
 
 
 @dataclass
@@ -56,6 +55,9 @@ class ForwardContext:
     kv_caches: list[tuple[torch.Tensor, ...]]  # per layer (k, v), or (k, v, k_scales, v_scales) when FP8
     multimodal: MultimodalStep | None = None
     routing: list[torch.Tensor] | None = None
+    # --batch-invariant on CPU: the forward's attention plan, made by the first layer (a forward's context is its
+    # own; its metadata may not be: graph replays rerun over the same metadata with new contents)
+    invariant_step: PagedStep | None = None
 
 
 class PagedAttention(nn.Module):
@@ -101,7 +103,7 @@ class PagedAttention(nn.Module):
                 triton_invariant_attention.attend_step(q[:rows], meta, k_cache, v_cache, self.scale, out[:rows],
                                                        **scales)
                 return out
-            out[:rows] = self._attend_invariant(q[:rows], meta, k_cache, v_cache, scales)
+            out[:rows] = self._attend_invariant(q[:rows], context, k_cache, v_cache, scales)
             return out
         num_decode = meta.num_decode_tokens
         if num_decode:
@@ -113,15 +115,15 @@ class PagedAttention(nn.Module):
                           **scales)
         return out
 
-    def _attend_invariant(self, q: torch.Tensor, meta: AttentionMetadata, k_cache: torch.Tensor,
+    def _attend_invariant(self, q: torch.Tensor, context: ForwardContext, k_cache: torch.Tensor,
                           v_cache: torch.Tensor, scales: dict[str, torch.Tensor]) -> torch.Tensor:
         """Every row of the step through :class:`megatron_kernels.invariant_attention.PagedStep`: decode rows and
-        prefill chunks, cold or after a prefix-cache hit, meet the same arithmetic. The step's plan (row groups,
-        blocks to read) is made by the first layer and kept on ``meta`` for the others."""
-        step = meta.invariant_step
+        prefill chunks, cold or after a prefix-cache hit, meet the same arithmetic. The forward's plan (row
+        groups, cache slots to read) is made by the first layer and kept on ``context`` for the others."""
+        step = context.invariant_step
         group_heads, block_size = q.shape[1] // k_cache.shape[2], k_cache.shape[1]
         if step is None or (step.group_heads, step.block_size) != (group_heads, block_size):
-            step = meta.invariant_step = _plan_step(meta, group_heads, block_size, q.device)
+            step = context.invariant_step = _plan_step(context.metadata, group_heads, block_size, q.device)
         if self.workspace is None:
             self.workspace = Workspace()
         return step.attend(q, k_cache, v_cache, self.scale, torch.empty_like(q), self.workspace, **scales)
