@@ -21,8 +21,9 @@ and any chunking agree (``tests/invariance`` holds the engine to ``==``).
 Rows as the GEMMs' rows (rather than keys as rows, the earlier form) keep the library's fast path: a
 decode row of the cost benchmark's model (2 query heads per KV head) is one GEMM of 4 rows (its rows
 repeated), where the keys-as-rows form had GEMMs of 2 columns, which MKL runs 4-5x slower per product.
-CPU per call, one thread, 32 decode rows over 60-200 keys (8/4 heads of 32): 6.3-7.2 ms before (with
-the cache gathered in two copies), see ``PagedStep`` for after.
+CPU per layer, one thread, 32 decode rows over 60-200 keys (8/4 heads of 32, 16-key cache blocks):
+6.2-7.3 ms in the earlier form, 0.7 ms in this one (with :class:`PagedStep`'s plan, one gather and kept
+scratch tensors), 0.9-1.1 ms for the default mode's decode attention.
 """
 
 from __future__ import annotations
@@ -222,9 +223,8 @@ class PagedStep:
     past its last key may hold another request's old values, NaN included, or lie in a block the member does
     not own yet: their values are zeroed after the gather (their keys are masked). A cache stored heads first
     (``KVCachePool(heads_first=True)``, the CPU mode's) is gathered in one copy per layer and tensor; any other
-    layout in two. CPU, one thread, 32 decode rows over 60-200 keys (8/4 heads of 32, 16-key blocks): the
-    whole call 0.8-0.9 ms, against 6.3-7.2 ms for the earlier form and 0.9-1.0 ms for the default mode's
-    decode attention.
+    layout in two. Planning a step of 32 decode rows costs 0.15-0.2 ms once (Python lists and a few small
+    tensors), paid back by the first layer (see the module docstring for the per-layer cost).
     """
 
     def __init__(self, rows_of: list[range], positions_of: list[range], tables: torch.Tensor, group_heads: int,
