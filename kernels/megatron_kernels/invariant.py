@@ -12,10 +12,9 @@ depends on how many other tokens share its step. The ops here remove every such 
 * :func:`silu`, :func:`sigmoid`, :func:`exp`, :func:`cos`, :func:`sin`: the tensor is flattened, padded to whole
   vectors and cut into pieces no larger than one thread's share, so every element takes the
   vector path, and vector lanes do not interact;
-* :func:`attention`: scores and weighted values by GEMMs with the keys as rows and at least two query
-  columns, the weights' sums and the weighted values reduced in blocks of :data:`KEY_BLOCK` keys added from
-  position 0, so a query's output depends only on its own position and its sequence's keys:
-  prefill, decode, a prefix-cache hit and any chunking give the same bits.
+* the attention (:mod:`.invariant_attention`): keys reduced in blocks of :data:`KEY_BLOCK` from position
+  0 by GEMMs of a fixed shape per block, so a query's output depends only on its own position and its
+  sequence's keys: prefill, decode, a prefix-cache hit and any chunking give the same bits.
 
 Row-wise kernels PyTorch already runs one row at a time (``softmax``, ``log_softmax``, ``mean`` over
 the last dimension) and correctly rounded elementwise ops (``+``, ``*``, ``rsqrt``, casts) need
