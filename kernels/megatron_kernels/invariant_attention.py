@@ -59,7 +59,8 @@ class RowGroup:
     pair_block: torch.Tensor  # [P] long: each pair's key block
     gather: torch.Tensor  # [P * padded] long: the call's rows that fill each pair's GEMM
     rows: torch.Tensor | None  # [n * size] long: where each output row goes; None: rows 0.. of the call in order
-    hidden: torch.Tensor  # [P, padded, 1, KEY_BLOCK] bool: keys of the pair's block a row does not see
+    hidden: torch.Tensor  # [P, size * G * KEY_BLOCK] bool: keys of the pair's block a row (of each query head) does
+    # not see, the rows that count only, as the scores lie (one contiguous run per pair: masked_fill_ 2x faster)
 
     def past_last_key(self) -> torch.Tensor:
         """``[P, KEY_BLOCK]`` bool: the keys of each pair's block past its member's last key (their values are
@@ -96,13 +97,14 @@ def plan_rows(rows_of: list[range | list[int]], positions_of: list[range | list[
         pair_member_t = torch.tensor(pair_member, device=device)
         pair_block_t = torch.tensor(pair_block, device=device)
         keys = pair_block_t[:, None, None] * KEY_BLOCK + torch.arange(KEY_BLOCK, device=device)  # [P, 1, KEY_BLOCK]
-        row_positions = torch.tensor(member_positions, device=device)[pair_member_t]  # [P, padded]
+        row_positions = torch.tensor(member_positions, device=device)[pair_member_t, :size]  # [P, size]
+        hidden = (keys > row_positions[:, :, None]).unsqueeze(2).expand(-1, -1, group_heads, -1)
         in_order = len(by_size) == 1 and out_rows == list(range(total))
         groups.append(RowGroup(
             size, padded, members, limits, counts, pair_member_t, pair_block_t,
             torch.tensor(member_rows, device=device)[pair_member_t].view(-1),
             None if in_order else torch.tensor(out_rows, device=device),
-            (keys > row_positions[:, :, None]).unsqueeze(2)))
+            hidden.reshape(len(pair_member), -1)))
     return groups
 
 
@@ -154,8 +156,7 @@ def attend_group(q: torch.Tensor, group: RowGroup, keys: torch.Tensor, values: t
                        **_out(workspace, "scores", (batch, width, KEY_BLOCK), q))
     # the softmax on the rows that count: a repeated row's scores are not read, its weights are zeros
     scores = scores.view(kv_heads, pairs, width, KEY_BLOCK)[:, :, :real]
-    scores.view(kv_heads, pairs, group.size, group_heads, KEY_BLOCK).mul_(scale).masked_fill_(
-        group.hidden[:, :group.size], float("-inf"))
+    scores.mul_(scale).view(kv_heads, pairs, real * KEY_BLOCK).masked_fill_(group.hidden, float("-inf"))
     block_peak = scores.amax(-1)  # [Hkv, P, real]; a member's maximum over its blocks, exact in any order:
     peak = torch.full((kv_heads, count, real), float("-inf"), device=q.device).scatter_reduce(
         1, group.pair_member.view(1, pairs, 1).expand(kv_heads, pairs, real), block_peak, "amax")
