@@ -44,6 +44,9 @@ Llama run: the same bits, tests/invariance unchanged)."""
 
 KEY_BLOCK = 32
 """Keys per attention block: every query reduces its keys in blocks of this many from position 0."""
+MIN_COLUMNS = 16
+"""The fewest columns (query rows times heads per KV head) of the attention GEMMs: MKL computes an element
+the same way for every column count from 16 (fewer take CPU-dependent kernels; see :func:`attention`)."""
 
 _VECTOR = 64
 """Elements of two AVX-512 registers of bfloat16: a multiple of every vector loop's stride."""
@@ -169,10 +172,13 @@ def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, sequenc
     The keys are the GEMMs' rows and the queries their columns: scores as ``[L, D] x [D, N]`` and
     values as ``[D + 1, KEY_BLOCK] x [KEY_BLOCK, N]`` (the extra row of ones gives the weights' sum),
     one batch entry per KV head and sequence, ``N`` the sequence's query rows times the heads sharing a
-    KV head (at least 2). MKL's float32 GEMM computes an element the same way for every ``N`` from 2,
-    every row count that is a multiple of 32 and every batch count (826 shapes checked: ``D`` 8 to
-    128, ``L`` 32 to 2,048, ``N`` 2 to 2,100, batches 1 to 40, 1 and 2 threads; one column takes the
-    matrix-vector path, which rounds differently, so a lone column is padded). With the queries as the
+    KV head, padded to at least :data:`MIN_COLUMNS`). MKL's float32 GEMM computes an element the same way
+    for every ``N`` from 16, every row count that is a multiple of 32 and every batch count. Below 16 it
+    depends on the CPU: on one machine every ``N`` from 2 agreed (826 shapes checked: ``D`` 8 to 128,
+    ``L`` 32 to 2,048, ``N`` 2 to 2,100, batches 1 to 40, 1 and 2 threads), on an AVX-512 AMD EPYC
+    ``N`` 2-3, 4-11 and 12 on each rounded their own way (``D`` 8 to 128, ``L`` 32 to 1,024), so a decode
+    row (``N`` = the group) and a 5-row verify chunk of the same sequence differed in the last bit; from
+    16 columns on every ``N`` agreed there (one column takes the matrix-vector path everywhere). With the queries as the
     rows (the earlier form), each sequence's rows were padded to 16 GEMM rows, so a decode row of a model
     whose KV heads serve 4 query heads computed 4x the products it needed. CPU per call, one thread, best of
     8, earlier form then this one: 32 decode rows over 512-1,024 keys (32 query heads, 8 KV heads of 64)
@@ -233,7 +239,7 @@ def _attend_group(q: torch.Tensor, slot_seq: torch.Tensor, slot_row: torch.Tenso
     for index, last in stale:  # zero weights times a NaN left in the cache would be NaN
         v_b[:, index, last + 1:length] = 0.0  # (a slice per sequence: 5x faster than any masked fill of the whole)
     columns = size * group
-    width = max(columns, 2)  # one column would take the matrix-vector path
+    width = max(columns, MIN_COLUMNS)  # fewer columns take kernels that round differently (see attention)
     q_t = q.new_zeros((kv_heads, n, width, dim)) if width > columns else q.new_empty((kv_heads, n, width, dim))
     q_t[:, :, :columns].view(kv_heads, n, size, group, dim).permute(1, 2, 0, 3, 4)[slot_seq, slot_row] = q
     scores = torch.bmm(k_b.view(kv_heads * n, span, dim), q_t.view(kv_heads * n, width, dim).transpose(1, 2))
