@@ -381,7 +381,7 @@ class DynamicInferenceEngine(DeviceMemoryVerbs, LoraVerbs):
         self._settle()
         speculator, scheduler = self.speculator, self.scheduler
         assert speculator is not None
-        speculator.propose([s for s in scheduler.running if speculator.may_speculate(s, s.request_id in self.structured)])
+        speculator.propose([s for s in scheduler.running if speculator.may_speculate(s)], self._grammar_allows)
         batch = self.schedule()
         speculator.fit(batch, scheduler.running, [s for s in scheduler.waiting if s.num_drafts])
         step = self.launch(batch) if batch is not None else None
@@ -389,6 +389,10 @@ class DynamicInferenceEngine(DeviceMemoryVerbs, LoraVerbs):
             speculator.observe(step.entries, step.starts)
             self._pending.extend(self.finish(step))  # launch() sampled it: no row waits for a token in flight
         return self._take_pending()
+
+    def _grammar_allows(self, sequence: Sequence, drafts: list[int]) -> int:
+        """How many of ``sequence``'s drafts its grammar accepts in a row (all without a grammar)."""
+        return self.structured.draft_prefix(sequence.request_id, drafts, sequence.stop_token_ids)
 
     def sync(self) -> list[StepOutput]:
         """Finish the step in flight, if any, and return every output not handed out yet (call before a
@@ -477,7 +481,9 @@ class DynamicInferenceEngine(DeviceMemoryVerbs, LoraVerbs):
                 state.add(s.request_id, request.sampling_params, s.seed, request.prompt_tokens,
                           request.generated_tokens, s.stop_token_ids)
         logits = step.logits
-        masks = self.structured.bitmask([s.request_id for s in sampling], [s.stop_token_ids for s in sampling])
+        drafts = ([s.token_ids[len(s.token_ids) - s.num_drafts:] for s in sampling]
+                  if any(s.num_drafts for s in sampling) else None)  # a verify step: a mask per verified position
+        masks = self.structured.bitmask([s.request_id for s in sampling], [s.stop_token_ids for s in sampling], drafts)
         if step.verify_logits is not None and self.speculator is not None:
             step.emitted = self.speculator.verify(sampling, logits, step.verify_logits, state, self.sampler, masks)
             step.logits = step.verify_logits = None

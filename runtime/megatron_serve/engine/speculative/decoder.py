@@ -3,9 +3,10 @@
 One speculative step, in the engine's ``schedule -> launch -> sample -> finish`` seam:
 
 1. ``propose``: each running request that may speculate (its tokens all on the host, one token left to
-   compute, no grammar, no image, no routing record) gets up to ``K`` guesses from the proposer, ``K`` chosen
+   compute, no image, no routing record) gets up to ``K`` guesses from the proposer, ``K`` chosen
    per request and step by the policy of :mod:`.adaptive` (at most ``num_speculative_tokens``; 0: none),
-   appended to its ``token_ids`` and counted in ``num_drafts``. The scheduler then sees ``1 + drafts``
+   cut at the first one its grammar refuses (a request with structured outputs), appended to its
+   ``token_ids`` and counted in ``num_drafts``. The scheduler then sees ``1 + drafts``
    tokens to compute, as for a prefill chunk, and gives the request that many query rows.
 2. ``fit``: what the scheduler could not take (a token budget cut, a preemption) loses its drafts, so a
    request's uncomputed tokens are exactly the rows it runs. ``step_plan`` lists the draft rows' logits
@@ -19,7 +20,10 @@ One speculative step, in the engine's ``schedule -> launch -> sample -> finish``
    accepted with probability ``p(d)``, and on rejection the token is distributed as ``p`` without ``d``,
    renormalised, which is ``max(0, p - q)`` normalised for ``q = δ_d``. Either way each emitted token is the
    one the non-speculative engine draws at that position: outputs, log probs, top log probs and
-   ``logprobs-mode`` variants are those of a run without speculation, token for token.
+   ``logprobs-mode`` variants are those of a run without speculation, token for token. A grammar's mask
+   applies at every depth, each the mask of the state after the drafts before it
+   (:meth:`~..structured_output.StructuredOutputs.bitmask` with drafts), as the plain engine applies it at
+   that position.
 4. ``rollback``: the rejected drafts leave ``token_ids``, ``num_computed`` drops to the verified tokens, and
    KV blocks past the request's tokens go back to the pool. Blocks are published to the prefix cache only up
    to the verified tokens (``Scheduler.register_computed_blocks`` stops before drafts).
@@ -31,7 +35,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
@@ -69,16 +73,18 @@ class Speculator:
         self._timed: tuple[int, int] | None = None  # this step's (decode rows, drafts) when all its rows decode
 
     @staticmethod
-    def may_speculate(sequence: "Sequence", grammar: bool) -> bool:
+    def may_speculate(sequence: "Sequence") -> bool:
         """A decode-ready request whose tokens are all on the host, with room for at least one draft."""
         request = sequence.request
-        return (not grammar and not sequence.finished and sequence.pending_tokens == 0 and sequence.routing is None
+        return (not sequence.finished and sequence.pending_tokens == 0 and sequence.routing is None
                 and not request.images and sequence.num_computed == len(sequence.token_ids) - 1
                 and len(sequence.token_ids) + 1 < sequence.max_total_tokens)
 
-    def propose(self, candidates: list["Sequence"]) -> None:
+    def propose(self, candidates: list["Sequence"],
+                allowed: Callable[["Sequence", list[int]], int] | None = None) -> None:
         """Ask the proposer for each candidate's drafts, as many as the K policy gives it (:mod:`.adaptive`), and
-        append them to its tokens (``num_drafts``)."""
+        append them to its tokens (``num_drafts``). ``allowed``: how many of a request's drafts its grammar
+        accepts in a row (:meth:`~..structured_output.StructuredOutputs.draft_prefix`); the rest are cut."""
         self._started, self._timed = (time.perf_counter(), time.process_time()), None
         if not candidates:
             return
@@ -90,6 +96,8 @@ class Speculator:
         inputs = [DraftInput(s.request_id, list(s.token_ids), k) for s, k in zip(candidates, ks)]
         for sequence, item, drafts in zip(candidates, inputs, self.proposer.propose(inputs)):
             drafts = list(drafts[: item.num_tokens])
+            if allowed is not None and drafts:
+                del drafts[allowed(sequence, drafts):]
             sequence.token_ids.extend(drafts)
             sequence.num_drafts = len(drafts)
 
@@ -119,7 +127,9 @@ class Speculator:
 
         ``sample_logits``: one row per sampling request (its last row); ``verify_logits``: the draft rows'
         logits (``num_drafts`` rows before the last, per request in the same order). ``masks``: the grammar
-        bitmask of every sampling row (grammar rows have no drafts: applied at depth 0 only). Reads the tokens back.
+        bitmask of every row of ``sample_logits`` then ``verify_logits`` (the mask of that position's state,
+        :meth:`~..structured_output.StructuredOutputs.bitmask` with the drafts), applied at every depth. Reads
+        the tokens back.
         """
         emitted = [Emitted() for _ in sampling]
         offsets, offset = [], len(sampling)
@@ -136,11 +146,12 @@ class Speculator:
             rows = state.rows([s.request_id for s in seqs],
                               [s.num_computed - s.num_drafts + depth for s in seqs],
                               [len(s.request.generated_tokens) + depth for s in seqs])
-            model_logits = (logits if offset == len(sampling)  # no drafts (K = 0): the rows as they are, no copy
-                            else logits[torch.tensor(rows_index, dtype=torch.int64, device=logits.device)])
+            index = None if offset == len(sampling) else torch.tensor(rows_index, dtype=torch.int64)
+            # no drafts (K = 0): the rows as they are, no copy
+            model_logits = logits if index is None else logits[index.to(logits.device)]
             processed = apply_controls(model_logits, state, rows)
-            if masks is not None and depth == 0:
-                processed = apply_token_bitmask(processed, masks)
+            if masks is not None:
+                processed = apply_token_bitmask(processed, masks if index is None else masks[index])
             result = sampler.launch(processed, rows, None if processed is model_logits else model_logits).read()
             alive = []
             for k, i in enumerate(picked):
