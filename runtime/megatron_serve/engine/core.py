@@ -352,13 +352,32 @@ class DynamicInferenceEngine(DeviceMemoryVerbs, LoraVerbs):
     # ------------------------------------------------------------------ step
     def step(self) -> list[StepOutput]:
         """Run one step: schedule, launch, finish. With ``async_scheduling`` the step finished is the one
-        launched by the previous call, after this call launched the next (its outputs come one call later)."""
-        if self.speculator is not None:
-            return self._deliver(self._step_speculative())
+        launched by the previous call, after this call launched the next (its outputs come one call later).
+
+        With speculation on, the K policy first picks each decode-ready request's drafts for this step
+        (:meth:`~.speculative.decoder.Speculator.plan`): when some request drafts, the step is a verify step
+        (not overlapped: the proposer needs every request's last token on the host); when none does, it is a
+        plain step, overlapped like any other, and costs what a step without speculation costs.
+        """
+        speculator = self.speculator
+        if speculator is None:
+            return self._deliver(self._step_plain())
+        speculator.start_step()
+        ks = speculator.plan(self.scheduler.running)
+        outputs = self._step_speculative(ks) if ks else self._step_plain()
+        speculator.end_step(self.device.type == "cpu")
+        return self._deliver(outputs)
+
+    def _step_plain(self) -> list[StepOutput]:
+        """A step without drafts (see :meth:`step`)."""
         outputs, self._pending = self._pending, []
         batch = self.schedule()
         launched = self.launch(batch) if batch is not None else None
         previous, self._in_flight = self._in_flight, None
+        if self.speculator is not None and launched is not None:
+            self.speculator.observe(launched.entries, launched.starts)  # a head files the target's hidden states
+            if previous is not None and batch is not None and batch.num_tokens == len(batch.entries):
+                self.speculator.time_step(len(batch.entries), 0)  # all decode, overlapped after a step like it
         if launched is not None and launched.sample is None:
             # Its grammar rows need the tokens the previous step samples: finish that one first (the forward
             # just launched runs meanwhile), then fill the masks and sample.
@@ -373,15 +392,15 @@ class DynamicInferenceEngine(DeviceMemoryVerbs, LoraVerbs):
             done.append(launched)
         for step in done:
             outputs += self.finish(step)
-        return self._deliver(outputs + self._take_pending())
+        return outputs + self._take_pending()
 
-    def _step_speculative(self) -> list[StepOutput]:
-        """A step with speculation on (engine.speculative): drafts attached, scheduled as extra query rows,
-        verified and rolled back. Not overlapped: the proposer needs every request's tokens on the host."""
+    def _step_speculative(self, ks: dict[str, int]) -> list[StepOutput]:
+        """A verify step (engine.speculative): the step in flight finished first, drafts attached (``ks``: each
+        drafting request's K), scheduled as extra query rows, verified and rolled back."""
         self._settle()
         speculator, scheduler = self.speculator, self.scheduler
         assert speculator is not None
-        speculator.propose([s for s in scheduler.running if speculator.may_speculate(s)], self._grammar_allows)
+        speculator.propose(scheduler.running, ks, self._grammar_allows)
         batch = self.schedule()
         speculator.fit(batch, scheduler.running, [s for s in scheduler.waiting if s.num_drafts])
         step = self.launch(batch) if batch is not None else None
@@ -462,7 +481,7 @@ class DynamicInferenceEngine(DeviceMemoryVerbs, LoraVerbs):
         routing = Readback([forward.routing]) if forward.routing is not None else None  # graphs reuse their outputs
         kv_epochs = [self.epoch if s.kv_epoch is None else s.kv_epoch for s in sampling]  # set above: never None
         step = InFlightStep(entries, starts, sampling, kv_epochs, forward.logits[: len(sampling)], scores, routing)
-        if self.speculator is not None:  # verified in sample(), drafts or not (rows of one step are sampled alike)
+        if plan.num_verify:  # verified in sample(), rows with drafts or not (rows of one step are sampled alike)
             step.verify_logits = forward.logits[len(sampling) + plan.num_score :]
         if not any(s.pending_tokens and s.request_id in self.structured for s in sampling):
             self.sample(step)

@@ -116,6 +116,8 @@ class _Cost:
     xx: float = 0.0
     xy: float = 0.0
 
+    probed: bool = False  # a probe was started in this bucket (its drafts may not have come: n-gram without a match)
+
     @property
     def without_drafts(self) -> bool:
         return self.pw > 0
@@ -187,8 +189,13 @@ class AdaptiveK:
             return self._probe_rows(caps)
         cost = self.costs.setdefault(bucket(size), _Cost())
         model = cost.fit() or self._neighbour(bucket(size))
-        if model is None:  # measure first: a step without drafts, then a probe
-            return self._start_probe(caps) if cost.without_drafts else [0] * size
+        if model is None:  # measure first: a step without drafts, then a probe; while probes find nothing to
+            if not cost.without_drafts:  # draft (n-gram without a match), they are spaced as while K is 0
+                return [0] * size
+            if cost.probed:
+                return self._idle(caps, self.warmup)
+            cost.probed = True
+            return self._start_probe(caps)
         plain, fixed, slope = model
         prior = PRIOR_TRIALS * self.overall.hits / self.overall.trials
         requests = self.requests

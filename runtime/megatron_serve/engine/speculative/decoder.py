@@ -69,31 +69,40 @@ class Speculator:
         self.k = num_speculative_tokens
         self.stats = stats  # the engine's counters: drafts, draft tokens, accepted tokens (also per position)
         self.policy: AdaptiveK | PinnedK = AdaptiveK(self.k) if adaptive else PinnedK(self.k)
-        self._started: tuple[float, float] | None = None  # when this step's drafting began (wall, CPU time)
+        self._started: tuple[float, float] | None = None  # when this engine step began (wall, CPU time)
         self._timed: tuple[int, int] | None = None  # this step's (decode rows, drafts) when all its rows decode
 
     @staticmethod
     def may_speculate(sequence: "Sequence") -> bool:
-        """A decode-ready request whose tokens are all on the host, with room for at least one draft."""
+        """A decode-ready request (one token left to compute: on the host, or sampled by the step in flight),
+        with room for at least one draft, no routing record and no image."""
         request = sequence.request
-        return (not sequence.finished and sequence.pending_tokens == 0 and sequence.routing is None
-                and not request.images and sequence.num_computed == len(sequence.token_ids) - 1
-                and len(sequence.token_ids) + 1 < sequence.max_total_tokens)
+        known = len(sequence.token_ids) + sequence.pending_tokens
+        return (not sequence.finished and sequence.routing is None and not request.images
+                and sequence.num_computed == known - 1 and known + 1 < sequence.max_total_tokens)
 
-    def propose(self, candidates: list["Sequence"],
-                allowed: Callable[["Sequence", list[int]], int] | None = None) -> None:
-        """Ask the proposer for each candidate's drafts, as many as the K policy gives it (:mod:`.adaptive`), and
-        append them to its tokens (``num_drafts``). ``allowed``: how many of a request's drafts its grammar
-        accepts in a row (:meth:`~..structured_output.StructuredOutputs.draft_prefix`); the rest are cut."""
-        self._started, self._timed = (time.perf_counter(), time.process_time()), None
+    def plan(self, running: list["Sequence"]) -> dict[str, int]:
+        """This step's K of each decode-ready request that drafts (:mod:`.adaptive`), by request id; empty when
+        none does (then the engine runs a plain step, overlapped, and the drafter is not called). Chosen before
+        the step in flight is read: a request's room left counts the token that step samples for it."""
+        candidates = [s for s in running if self.may_speculate(s)]
         if not candidates:
-            return
+            return {}
         self.stats.counters["spec_decode_num_rows"] += len(candidates)
         ks = self.policy.choose([s.request_id for s in candidates],
-                                [s.max_total_tokens - len(s.token_ids) - 1 for s in candidates])
-        if not any(ks):  # nobody drafts this step: the drafter is not called
+                                [s.max_total_tokens - len(s.token_ids) - s.pending_tokens - 1 for s in candidates])
+        return {s.request_id: k for s, k in zip(candidates, ks) if k}
+
+    def propose(self, running: list["Sequence"], ks: dict[str, int],
+                allowed: Callable[["Sequence", list[int]], int] | None = None) -> None:
+        """Ask the proposer for the drafts of each running request that :meth:`plan` gave a K (and still may
+        speculate: its tokens are on the host now), and append them to its tokens (``num_drafts``). ``allowed``:
+        how many of a request's drafts its grammar accepts in a row
+        (:meth:`~..structured_output.StructuredOutputs.draft_prefix`); the rest are cut."""
+        candidates = [s for s in running if s.request_id in ks and self.may_speculate(s)]
+        if not candidates:
             return
-        inputs = [DraftInput(s.request_id, list(s.token_ids), k) for s, k in zip(candidates, ks)]
+        inputs = [DraftInput(s.request_id, list(s.token_ids), ks[s.request_id]) for s in candidates]
         for sequence, item, drafts in zip(candidates, inputs, self.proposer.propose(inputs)):
             drafts = list(drafts[: item.num_tokens])
             if allowed is not None and drafts:
@@ -107,7 +116,8 @@ class Speculator:
 
     def fit(self, batch: "ScheduledBatch | None", running: list["Sequence"], preempted: list["Sequence"]) -> None:
         """Drop the drafts the scheduler did not give rows to: a cut chunk keeps ``count - 1``, others none.
-        A step whose rows all decode is timed for the K policy's cost model (until :meth:`verify`)."""
+        A step whose rows all decode is timed for the K policy's cost model (the first verify step after
+        overlapped ones also finishes the step in flight: a probe's first step, counted as the probe's cost)."""
         scheduled = {id(s): count for s, count in batch.entries} if batch is not None else {}
         drafts = 0
         for sequence in [*running, *preempted]:
@@ -118,8 +128,27 @@ class Speculator:
                     del sequence.token_ids[len(sequence.token_ids) - drop:]
                     sequence.num_drafts -= drop
                 drafts += sequence.num_drafts
-        if batch is not None and batch.num_tokens == len(batch.entries) + drafts:  # every row decodes (no chunk
-            self._timed = (len(batch.entries), drafts)  # of a prompt: each row is its token and its drafts)
+        if batch is not None and batch.num_tokens == len(batch.entries) + drafts:  # every row decodes
+            self.time_step(len(batch.entries), drafts)  # (no chunk of a prompt: each row is its token and drafts)
+
+    def start_step(self) -> None:
+        """An engine step begins: its clocks start (:meth:`end_step` reads them)."""
+        self._started, self._timed = (time.perf_counter(), time.process_time()), None
+
+    def time_step(self, rows: int, drafts: int) -> None:
+        """This step's rows all decode (``rows`` requests, ``drafts`` drafts among them): :meth:`end_step`
+        gives its cost to the K policy."""
+        self._timed = (rows, drafts)
+
+    def end_step(self, cpu: bool) -> None:
+        """An engine step ended: a timed one's cost goes to the K policy. On a CPU the cost is its CPU time (the
+        wall clock there also counts the other processes sharing the cores); on a GPU the host waits for the
+        device, so the wall clock is the cost."""
+        if self._timed is not None and self._started is not None:
+            wall, cpu_time = self._started
+            cost = time.process_time() - cpu_time if cpu else time.perf_counter() - wall
+            self.policy.step_cost(*self._timed, cost)
+        self._started = self._timed = None
 
     def verify(self, sampling: list["Sequence"], sample_logits: torch.Tensor, verify_logits: torch.Tensor,
                state: "SamplingState", sampler: "Sampler", masks: torch.Tensor | None = None) -> list[Emitted]:
@@ -169,12 +198,6 @@ class Speculator:
             if sequence.num_drafts:
                 self.stats.speculated(sequence.num_drafts, out.accepted)
                 self.policy.verified(sequence.request_id, sequence.num_drafts, out.accepted)
-        if self._timed is not None and self._started is not None:  # on a CPU the step's cost is its CPU time:
-            # the wall clock there also counts the other processes sharing the cores; on a GPU the host waits
-            wall, cpu = self._started  # for the device, so the wall clock is the cost
-            cost = time.process_time() - cpu if logits.device.type == "cpu" else time.perf_counter() - wall
-            self.policy.step_cost(*self._timed, cost)
-            self._timed = None
         return emitted
 
     def forget(self, request_id: str) -> None:
