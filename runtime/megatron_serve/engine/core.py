@@ -533,9 +533,10 @@ class DynamicInferenceEngine(DeviceMemoryVerbs, LoraVerbs):
         finishing now leaves its blocks cached), each request's tokens appended (or dropped for a request
         that left meanwhile), stop conditions checked, grammar advanced, statistics observed. Registering
         here rather than at launch publishes a block one step later under asynchronous scheduling."""
+        drafted: dict[int, np.ndarray] = {}  # speculating sequences' draft rows, recorded as drafts are accepted
         if step.routing is not None:
-            record_step([(s, start, count) for (s, count), start in zip(step.entries, step.starts)],
-                        np.asarray(step.routing.wait()[0]))
+            drafted = record_step([(s, start, count, s.num_drafts) for (s, count), start
+                                   in zip(step.entries, step.starts)], np.asarray(step.routing.wait()[0]))
         if step.scores is not None:
             record_prompt_scores(*step.scores)
         register = self.scheduler.register_computed_blocks
@@ -550,7 +551,7 @@ class DynamicInferenceEngine(DeviceMemoryVerbs, LoraVerbs):
                 continue
             out = emitted[row]
             Speculator.rollback(sequence, out.accepted, self.allocator, self.config.block_size_tokens)
-            outputs.append(self._append_tokens(sequence, out, step.kv_epochs[row]))
+            outputs.append(self._append_tokens(sequence, out, step.kv_epochs[row], drafted.get(id(sequence))))
             if not (self.parity.active and self.parity.owns(sequence.request_id)):  # no user request: not counted
                 sequences.append(sequence)
                 observed.append(outputs[-1])
@@ -559,10 +560,16 @@ class DynamicInferenceEngine(DeviceMemoryVerbs, LoraVerbs):
         self.stats.observe_step(sequences, observed, now)
         return outputs
 
-    def _append_tokens(self, sequence: Sequence, emitted: Emitted, kv_epoch: int) -> StepOutput:
-        """Append a row's tokens one by one (several after accepted drafts), up to the one that finishes it."""
+    def _append_tokens(self, sequence: Sequence, emitted: Emitted, kv_epoch: int,
+                       draft_routing: np.ndarray | None = None) -> StepOutput:
+        """Append a row's tokens one by one (several after accepted drafts), up to the one that finishes it.
+        ``draft_routing``: the expert ids of the row's drafts' positions; each is recorded before the token its
+        accepted draft produced, as the plain engine records a position before the token it samples there."""
         merged: StepOutput | None = None
-        for token, log_prob, top_n in zip(emitted.tokens, emitted.log_probs, emitted.top_n):
+        first = len(sequence.token_ids)  # the first draft's position (the drafts were rolled back)
+        for index, (token, log_prob, top_n) in enumerate(zip(emitted.tokens, emitted.log_probs, emitted.top_n)):
+            if index and draft_routing is not None and sequence.routing is not None:
+                sequence.routing.record(first + index - 1, draft_routing[index - 1 : index])
             out = self._append_token(sequence, token, log_prob, top_n, kv_epoch)
             if merged is None:
                 merged = out
@@ -571,6 +578,10 @@ class DynamicInferenceEngine(DeviceMemoryVerbs, LoraVerbs):
                 merged.new_log_probs += out.new_log_probs
                 merged.new_top_logprobs += out.new_top_logprobs
                 merged.finished = out.finished
+                if out.new_routing is not None:  # the positions of accepted drafts: they continue the rows before
+                    merged.new_routing = (out.new_routing if merged.new_routing is None else
+                                          (merged.new_routing[0], np.concatenate([merged.new_routing[1],
+                                                                                  out.new_routing[1]])))
             if out.finished:
                 break
         assert merged is not None, "a sampled row emits at least one token"

@@ -3,7 +3,7 @@
 One speculative step, in the engine's ``schedule -> launch -> sample -> finish`` seam:
 
 1. ``propose``: each running request that may speculate (its tokens all on the host, one token left to
-   compute, no image, no routing record) gets up to ``K`` guesses from the proposer, ``K`` chosen
+   compute) gets up to ``K`` guesses from the proposer, ``K`` chosen
    per request and step by the policy of :mod:`.adaptive` (at most ``num_speculative_tokens``; 0: none),
    cut at the first one its grammar refuses (a request with structured outputs), appended to its
    ``token_ids`` and counted in ``num_drafts``. The scheduler then sees ``1 + drafts``
@@ -75,11 +75,9 @@ class Speculator:
     @staticmethod
     def may_speculate(sequence: "Sequence") -> bool:
         """A decode-ready request (one token left to compute: on the host, or sampled by the step in flight),
-        with room for at least one draft, no routing record and no image."""
-        request = sequence.request
+        with room for at least one draft."""
         known = len(sequence.token_ids) + sequence.pending_tokens
-        return (not sequence.finished and sequence.routing is None and not request.images
-                and sequence.num_computed == known - 1 and known + 1 < sequence.max_total_tokens)
+        return not sequence.finished and sequence.num_computed == known - 1 and known + 1 < sequence.max_total_tokens
 
     def plan(self, running: list["Sequence"]) -> dict[str, int]:
         """This step's K of each decode-ready request that drafts (:mod:`.adaptive`), by request id; empty when
