@@ -32,6 +32,9 @@ class ScriptedK:
         self.steps += 1
         return [min(k, cap) for cap in caps]
 
+    def proposed(self, request_id: str, drafts: int) -> None:
+        pass
+
     def verified(self, request_id: str, drafts: int, accepted: int) -> None:
         pass
 

@@ -81,6 +81,9 @@ class PinnedK:
         """K per request: ``max_k``, less where the request's length limit leaves less room (``caps``)."""
         return [min(self.max_k, cap) for cap in caps]
 
+    def proposed(self, request_id: str, drafts: int) -> None:
+        """Nothing to learn: K is pinned."""
+
     def verified(self, request_id: str, drafts: int, accepted: int) -> None:
         """Nothing to learn: K is pinned."""
 
@@ -115,8 +118,6 @@ class _Cost:
     y: float = 0.0
     xx: float = 0.0
     xy: float = 0.0
-
-    probed: bool = False  # a probe was started in this bucket (its drafts may not have come: n-gram without a match)
 
     @property
     def without_drafts(self) -> bool:
@@ -165,6 +166,8 @@ class AdaptiveK:
     max_k: int
     requests: dict[str, _Rate] = field(default_factory=dict)
     overall: _Rate = field(default_factory=lambda: _Rate(PRIOR_ACCEPTANCE * PRIOR_TRIALS, PRIOR_TRIALS))
+    finds: dict[str, _Rate] = field(default_factory=dict)  # per request: offers of K > 0 the proposer answered
+    found: _Rate = field(default_factory=lambda: _Rate(PRIOR_TRIALS, PRIOR_TRIALS))  # engine-wide, their prior
     costs: dict[int, _Cost] = field(default_factory=dict)
     probe: int = PROBE_MIN  # steps without drafts before the next probe
     idle: int = 0  # steps without drafts since the last step with some
@@ -175,42 +178,33 @@ class AdaptiveK:
 
     def acceptance(self, request_id: str) -> float:
         """The request's per-draft acceptance estimate, with the engine-wide rate as its prior."""
-        prior = self.overall.hits / self.overall.trials
-        own = self.requests.get(request_id, _Rate())
-        return (own.hits + PRIOR_TRIALS * prior) / (own.trials + PRIOR_TRIALS)
+        return _estimates(self.requests, self.overall, [request_id])[0]
 
     def choose(self, request_ids: list[str], caps: list[int]) -> list[int]:
         """K per request (each at most ``min(max_k, cap)``) for a step of ``len(request_ids)`` decode rows."""
         size = len(request_ids)
         if not size:
             return []
-        if self.follow:  # a probe's second step: the drafter has caught up, this one is measured
+        if self.follow:  # a probe's second step: the drafter has caught up, this one is measured, at the most K
             self.follow = False
-            return self._probe_rows(caps)
+            return self._probe_rows(caps, self.max_k)
         cost = self.costs.setdefault(bucket(size), _Cost())
         model = cost.fit() or self._neighbour(bucket(size))
-        if model is None:  # measure first: a step without drafts, then a probe; while probes find nothing to
-            if not cost.without_drafts:  # draft (n-gram without a match), they are spaced as while K is 0
-                return [0] * size
-            if cost.probed:
-                return self._idle(caps, self.warmup)
-            cost.probed = True
-            return self._start_probe(caps)
+        if model is None:  # measure first: a step without drafts, then probes until one drafted (n-gram may
+            return self._start_probe(caps) if cost.without_drafts else [0] * size  # find nothing: cheap)
         plain, fixed, slope = model
-        prior = PRIOR_TRIALS * self.overall.hits / self.overall.trials
-        requests = self.requests
-        rates = [(own.hits + prior) / (own.trials + PRIOR_TRIALS) if (own := requests.get(r)) is not None
-                 else prior / PRIOR_TRIALS for r in request_ids]
+        rates = _estimates(self.requests, self.overall, request_ids)
+        finds = _estimates(self.finds, self.found, request_ids)
         excess = (fixed + slope * max(1, size // PROBE_SHARE) / size) / plain  # a probe step, over a plain one
         rate = size / plain
-        if max(rates) < rate * slope / size:  # not even one draft pays: the loop's first round, in one pass
-            return self._idle(caps, excess)
+        if max(f * a for f, a in zip(finds, rates)) < rate * slope / size:  # not even one draft pays: the loop's
+            return self._idle(caps, excess)  # first round, in one pass
         caps = [min(self.max_k, cap) for cap in caps]
         ks = [0] * size
         for _ in range(8):  # Dinkelbach: the best drafts at the current rate, then the new rate
             threshold = rate * slope / size
-            new = [_best_k(a, cap, threshold) for a, cap in zip(rates, caps)]
-            extra = sum(_expected_extra(a, k) for a, k in zip(rates, new))
+            new = [_best_k(a, cap, threshold / f) if f > 0 else 0 for a, f, cap in zip(rates, finds, caps)]
+            extra = sum(f * _expected_extra(a, k) for a, f, k in zip(rates, finds, new))
             if extra <= rate * (fixed + slope * sum(new) / size):  # not worth drafting at all (fixed included)
                 new, extra = [0] * size, 0.0
             seconds = plain + (fixed + slope * sum(new) / size if any(new) else 0.0)
@@ -246,12 +240,18 @@ class AdaptiveK:
         """A probe is two steps: the first catches the drafter up on the tokens it missed (a draft model
         recomputes them: not what a step costs while drafting), the second is measured."""
         self.follow = self.untimed = True
-        return self._probe_rows(caps)
+        return self._probe_rows(caps, 1)
 
-    def _probe_rows(self, caps: list[int]) -> list[int]:
-        """K = 1 for the first ``1 / PROBE_SHARE`` of the rows (at least one), 0 for the others."""
+    def _probe_rows(self, caps: list[int], k: int) -> list[int]:
+        """K = ``k`` for the first ``1 / PROBE_SHARE`` of the rows (at least one), 0 for the others."""
         rows = max(1, len(caps) // PROBE_SHARE)
-        return [min(1, self.max_k, cap) if i < rows else 0 for i, cap in enumerate(caps)]
+        return [min(k, self.max_k, cap) if i < rows else 0 for i, cap in enumerate(caps)]
+
+    def proposed(self, request_id: str, drafts: int) -> None:
+        """A request was offered K > 0 and the proposer gave ``drafts`` (0: n-gram found no match; a grammar cut
+        them all): the share of offers answered scales what its drafts are expected to bring."""
+        self.finds.setdefault(request_id, _Rate()).add(float(drafts > 0), 1.0, REQUEST_DECAY)
+        self.found.add(float(drafts > 0), 1.0, GLOBAL_DECAY)
 
     def verified(self, request_id: str, drafts: int, accepted: int) -> None:
         """A request's ``drafts`` were verified and ``accepted`` kept: ``accepted`` trials passed, one failed
@@ -277,6 +277,15 @@ class AdaptiveK:
     def forget(self, request_id: str) -> None:
         """The request left the engine."""
         self.requests.pop(request_id, None)
+        self.finds.pop(request_id, None)
+
+
+def _estimates(own: dict[str, _Rate], overall: _Rate, request_ids: list[str]) -> list[float]:
+    """Each request's rate from its own decayed counts, with the engine-wide rate as a prior of weight
+    :data:`PRIOR_TRIALS`."""
+    prior = PRIOR_TRIALS * overall.hits / overall.trials
+    return [(rate.hits + prior) / (rate.trials + PRIOR_TRIALS) if (rate := own.get(r)) is not None
+            else prior / PRIOR_TRIALS for r in request_ids]
 
 
 def _expected_extra(a: float, k: int) -> float:

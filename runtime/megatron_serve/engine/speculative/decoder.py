@@ -107,6 +107,7 @@ class Speculator:
                 del drafts[allowed(sequence, drafts):]
             sequence.token_ids.extend(drafts)
             sequence.num_drafts = len(drafts)
+            self.policy.proposed(sequence.request_id, len(drafts))
 
     def observe(self, entries: list[tuple["Sequence", int]], starts: list[int]) -> None:
         """Tell the proposer which rows the target's forward just ran (``launch``'s entries, in row order)."""
@@ -114,8 +115,10 @@ class Speculator:
 
     def fit(self, batch: "ScheduledBatch | None", running: list["Sequence"], preempted: list["Sequence"]) -> None:
         """Drop the drafts the scheduler did not give rows to: a cut chunk keeps ``count - 1``, others none.
-        A step whose rows all decode is timed for the K policy's cost model (the first verify step after
-        overlapped ones also finishes the step in flight: a probe's first step, counted as the probe's cost)."""
+        A step with drafts whose rows all decode is timed for the K policy's cost model (the first verify step
+        after overlapped ones also finishes the step in flight: a probe's first step, counted as the probe's
+        cost). One whose proposer drafted nothing is not: it is neither what a plain step costs (that one is
+        overlapped) nor what drafting costs; the policy counts such offers (:meth:`~.adaptive.AdaptiveK.proposed`)."""
         scheduled = {id(s): count for s, count in batch.entries} if batch is not None else {}
         drafts = 0
         for sequence in [*running, *preempted]:
@@ -126,7 +129,7 @@ class Speculator:
                     del sequence.token_ids[len(sequence.token_ids) - drop:]
                     sequence.num_drafts -= drop
                 drafts += sequence.num_drafts
-        if batch is not None and batch.num_tokens == len(batch.entries) + drafts:  # every row decodes
+        if drafts and batch is not None and batch.num_tokens == len(batch.entries) + drafts:  # every row decodes
             self.time_step(len(batch.entries), drafts)  # (no chunk of a prompt: each row is its token and drafts)
 
     def start_step(self) -> None:
