@@ -35,6 +35,9 @@ class ScriptedK:
     def proposed(self, request_id: str, drafts: int) -> None:
         pass
 
+    def unanswered(self) -> None:
+        pass
+
     def verified(self, request_id: str, drafts: int, accepted: int) -> None:
         pass
 

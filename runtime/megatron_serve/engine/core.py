@@ -483,7 +483,7 @@ class DynamicInferenceEngine(DeviceMemoryVerbs, LoraVerbs, SpeculativeSteps):
                           request.generated_tokens, s.stop_token_ids)
         logits = step.logits
         drafts = ([s.token_ids[len(s.token_ids) - s.num_drafts:] for s in sampling]
-                  if any(s.num_drafts for s in sampling) else None)  # a verify step: a mask per verified position
+                  if step.verify_logits is not None else None)  # a verify step: a mask per verified position
         masks = self.structured.bitmask([s.request_id for s in sampling], [s.stop_token_ids for s in sampling], drafts)
         if step.verify_logits is not None and self.speculator is not None:
             step.emitted = self.speculator.verify(sampling, logits, step.verify_logits, state, self.sampler, masks)

@@ -7,26 +7,36 @@ measured by the engine as it runs, never assumed:
   the run), so ``a = accepted / (accepted + rejections)`` with decayed counts (:data:`REQUEST_DECAY` per
   verify) and the engine-wide rate as the prior of a new request. With per-token acceptance ``a``, a row
   with ``K`` drafts emits ``1 + a + a^2 + ... + a^K`` tokens on average.
-- **Cost**, per batch-size bucket (powers of two): what a step whose rows all decode costs from drafting to
-  its verified tokens (CPU time on a CPU, where the wall clock also counts whoever else shares the cores;
-  wall time on an accelerator, where the host waits for the device): ``plain`` without drafts, and
-  ``plain + fixed + slope * mean K`` with drafts, by decayed least squares (:data:`COST_DECAY` per step).
+- **Proposals**, per request: the share of offers of ``K > 0`` the proposer answered with drafts (prompt
+  lookup answers only where the request repeats itself: 1 offer in 30 for sampled text of the benchmark's
+  pair), decayed like acceptance, with the engine-wide share as the prior (1 at first). A row's expected
+  gain is that share times the tokens its drafts bring: an offer costs a verify step whether or not it
+  is answered.
+- **Cost**, per batch-size bucket (powers of two): what an engine step whose rows all decode costs (CPU
+  time on a CPU, where the wall clock also counts whoever else shares the cores; wall time on an
+  accelerator, where the host waits for the device): ``plain`` for a step without drafts (overlapped,
+  measured after a step like it), and ``plain + fixed + slope * mean K`` for a verify step with drafts,
+  by decayed least squares (:data:`COST_DECAY` per step). A verify step whose proposer drafted nothing is
+  not counted: it is neither.
   ``fixed`` is the price of drafting at all (a drafter forward, a sampler pass per depth, prefill-shaped
   attention; a probe of 16 of 64 rows at K = 1 cost 2.7x a plain step on the CPU with the benchmark's
   trained draft); ``slope / plain`` is what one more draft per row costs relative to a step without drafts: small at batch 1 on a GPU (the forward is bound by reading the
   weights, extra query rows are almost free), near 1 or more at a large batch or on a CPU, where every row
   costs compute and the drafter's forwards and the sampler's passes per depth come on top.
 
-The choice maximizes tokens per second of step, ``N / D`` with ``N = B + sum_i sum_{j<=K_i} a_i^j`` and
+The choice maximizes tokens per second of step, ``N / D`` with ``N = B + sum_i f_i sum_{j<=K_i} a_i^j`` and
 ``D = plain + fixed + slope * sum_i K_i / B`` (``D = plain`` without drafts), by Dinkelbach's iteration:
-at the current rate ``r = N / D`` a row takes its ``j``-th draft when ``a_i^j >= r * slope / B`` (the
-tokens the draft brings beat the time it costs at that rate), the step drafts at all only if the drafts'
-tokens beat ``r * (fixed + ...)``, then ``r`` is recomputed; a few rounds converge. A request that is rarely accepted,
+at the current rate ``r = N / D`` a row takes its ``j``-th draft when ``f_i * a_i^j >= r * slope / B`` (``f_i``
+its proposal share: the tokens the draft brings beat the time it costs at that rate), the step drafts at all
+only if the drafts' tokens beat ``r * (fixed + ...)``, then ``r`` is recomputed; a few rounds converge. A request that is rarely accepted,
 or a batch where rows cost as much as they save, gets ``K = 0``: no drafts, and no drafter forward.
 
 Measuring needs data: a bucket with no step without drafts runs one; one with no step with drafts runs
-a probe, ``K = 1`` for a sixteenth of the rows (at least one) in two steps in a row of which only the second is measured
-(in the first a draft model catches up on the tokens it did not see while K was 0). While the choice
+probes until one drafted (an n-gram probe may find no match: it then costs about a plain step):
+``K = 1`` for a sixteenth of the rows (at least one), then the most ``K`` for those rows, of which only the
+second step is measured (in the first a draft model catches up on the tokens it did not see while K was
+0; at the most K, the cost line is not all slope from a ``K = 1`` step, whose fixed cost of a verify step,
+1.3x a plain one on the CPU, read as per-draft cost declined K = 4, which pays). While the choice
 stays 0 the estimates would go stale (acceptance is only measured when drafting), so a probe runs every
 ``probe`` steps without drafts: 16 at first, doubling while probes change nothing (up to 256), and never
 more often than keeps probes (both steps) within :data:`PROBE_BUDGET` of the time. A step measured at more than 1.5x
@@ -38,10 +48,10 @@ little from one power of two to the next, and a batch that shrinks as its reques
 probe again at each size); it measures its own with its probes.
 
 Limits: ``fixed`` and ``slope`` are told apart only once steps with drafts had different mean K (n-gram
-proposals vary by themselves; a draft model's vary with the per-request K); before that all is slope, the
-pessimistic reading for larger K, so a marginal gain can be declined. Where a probe costs as much as above,
-the first one at each batch size costs about a step and a half, which a 64-step run notices and a long
-one does not.
+proposals vary by themselves; a draft model's vary with the per-request K); before that all is slope,
+read at the most K (optimistic for a smaller K, corrected as the steps it then runs are measured). Where a
+probe costs as much as above, the first one at each batch size costs about a step and a half, which a
+64-step run notices and a long one does not.
 
 ``adaptive: false`` (:class:`PinnedK`) drafts ``num_speculative_tokens`` every step, as before.
 """
@@ -82,6 +92,9 @@ class PinnedK:
         return [min(self.max_k, cap) for cap in caps]
 
     def proposed(self, request_id: str, drafts: int) -> None:
+        """Nothing to learn: K is pinned."""
+
+    def unanswered(self) -> None:
         """Nothing to learn: K is pinned."""
 
     def verified(self, request_id: str, drafts: int, accepted: int) -> None:
@@ -252,6 +265,12 @@ class AdaptiveK:
         them all): the share of offers answered scales what its drafts are expected to bring."""
         self.finds.setdefault(request_id, _Rate()).add(float(drafts > 0), 1.0, REQUEST_DECAY)
         self.found.add(float(drafts > 0), 1.0, GLOBAL_DECAY)
+
+    def unanswered(self) -> None:
+        """No offer of this step was answered. A probe's first step that drafted nothing ends the probe: its
+        second step (for a draft model caught up; n-gram needs no catching up) would find nothing to measure
+        either (n-gram without a match; halves what such probes cost)."""
+        self.follow = self.untimed = False
 
     def verified(self, request_id: str, drafts: int, accepted: int) -> None:
         """A request's ``drafts`` were verified and ``accepted`` kept: ``accepted`` trials passed, one failed

@@ -101,6 +101,7 @@ class Speculator:
         if not candidates:
             return
         inputs = [DraftInput(s.request_id, list(s.token_ids), ks[s.request_id]) for s in candidates]
+        answered = False
         for sequence, item, drafts in zip(candidates, inputs, self.proposer.propose(inputs)):
             drafts = list(drafts[: item.num_tokens])
             if allowed is not None and drafts:
@@ -108,10 +109,15 @@ class Speculator:
             sequence.token_ids.extend(drafts)
             sequence.num_drafts = len(drafts)
             self.policy.proposed(sequence.request_id, len(drafts))
+            answered = answered or bool(drafts)
+        if not answered:
+            self.policy.unanswered()
 
     def observe(self, entries: list[tuple["Sequence", int]], starts: list[int]) -> None:
-        """Tell the proposer which rows the target's forward just ran (``launch``'s entries, in row order)."""
-        self.proposer.observe([(s.request_id, start, count) for (s, count), start in zip(entries, starts)])
+        """Tell the proposer which rows the target's forward just ran (``launch``'s entries, in row order), when
+        it reads the target's hidden states."""
+        if self.proposer.reads_hidden_states:
+            self.proposer.observe([(s.request_id, start, count) for (s, count), start in zip(entries, starts)])
 
     def fit(self, batch: "ScheduledBatch | None", running: list["Sequence"], preempted: list["Sequence"]) -> None:
         """Drop the drafts the scheduler did not give rows to: a cut chunk keeps ``count - 1``, others none.

@@ -49,6 +49,8 @@ def lookup(tokens: Sequence[int], n_min: int, n_max: int, count: int) -> list[in
 class NgramProposer:
     """Prompt lookup over each request's tokens (:func:`lookup`); stateless, so nothing to forget or refit."""
 
+    reads_hidden_states = False
+
     def __init__(self, prompt_lookup_min: int, prompt_lookup_max: int):
         self.n_min, self.n_max = prompt_lookup_min, prompt_lookup_max
 

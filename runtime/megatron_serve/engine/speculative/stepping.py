@@ -46,6 +46,8 @@ class SpeculativeSteps:
         """Append a row's tokens one by one (several after accepted drafts), up to the one that finishes it.
         ``draft_routing``: the expert ids of the row's drafts' positions; each is recorded before the token its
         accepted draft produced, as the plain engine records a position before the token it samples there."""
+        if len(emitted.tokens) == 1:  # no draft accepted (and every plain step's row)
+            return self._append_token(sequence, emitted.tokens[0], emitted.log_probs[0], emitted.top_n[0], kv_epoch)
         merged: StepOutput | None = None
         first = len(sequence.token_ids)  # the first draft's position (the drafts were rolled back)
         for index, (token, log_prob, top_n) in enumerate(zip(emitted.tokens, emitted.log_probs, emitted.top_n)):
