@@ -76,6 +76,10 @@ PROBE_MIN, PROBE_MAX = 16, 256
 PROBE_SHARE = 16
 #: the share of the time probes may cost while K stays 0 (their interval grows to keep within it)
 PROBE_BUDGET = 0.005
+#: steps a declined choice stands before the rule runs again for the same rows, unless news came
+#: (a verified draft or a proposal: only verify steps bring them): the rule's 13 us at 64 rows was 0.4% of a
+#: 3.4 ms CPU step of the benchmark's pair
+RECHECK = 8
 #: a measured step longer than this many times the model's prediction is counted at that (a descheduled
 #: thread or a page fault says nothing about drafting; on the shared 2-core CPU, 1 step in 20 took 6x)
 OUTLIER = 1.5
@@ -188,6 +192,8 @@ class AdaptiveK:
     follow: bool = False  # the next step is a probe's second, measured step
     untimed: bool = False  # the next measured step is a probe's first: its cost is not recorded
     warmup: float = 0.0  # what the last probe's first step cost beyond a plain step, over a plain step
+    quiet: int = 0  # steps left before a declined choice is weighed again (:data:`RECHECK`)
+    quiet_for: tuple[tuple[str, ...], float] = ((), 0.0)  # the rows it was declined for, and a probe's excess cost
 
     def acceptance(self, request_id: str) -> float:
         """The request's per-draft acceptance estimate, with the engine-wide rate as its prior."""
@@ -201,6 +207,9 @@ class AdaptiveK:
         if self.follow:  # a probe's second step: the drafter has caught up, this one is measured, at the most K
             self.follow = False
             return self._probe_rows(caps, self.max_k)
+        if self.quiet and self.quiet_for[0] == tuple(request_ids):  # declined a moment ago for these rows: it stands
+            self.quiet -= 1
+            return self._idle(caps, self.quiet_for[1])
         cost = self.costs.setdefault(bucket(size), _Cost())
         model = cost.fit() or self._neighbour(bucket(size))
         if model is None:  # measure first: a step without drafts, then probes until one drafted (n-gram may
@@ -211,7 +220,7 @@ class AdaptiveK:
         excess = (fixed + slope * max(1, size // PROBE_SHARE) / size) / plain  # a probe step, over a plain one
         rate = size / plain
         if max(f * a for f, a in zip(finds, rates)) < rate * slope / size:  # not even one draft pays: the loop's
-            return self._idle(caps, excess)  # first round, in one pass
+            return self._decline(request_ids, caps, excess)  # first round, in one pass
         caps = [min(self.max_k, cap) for cap in caps]
         ks = [0] * size
         for _ in range(8):  # Dinkelbach: the best drafts at the current rate, then the new rate
@@ -226,9 +235,14 @@ class AdaptiveK:
             if converged:
                 break
         if not any(ks):
-            return self._idle(caps, excess)
+            return self._decline(request_ids, caps, excess)
         self.idle, self.probe, self.probing = 0, PROBE_MIN, False
         return ks
+
+    def _decline(self, request_ids: list[str], caps: list[int], excess: float) -> list[int]:
+        """K = 0 for every row (or a probe, :meth:`_idle`); the choice stands :data:`RECHECK` steps."""
+        self.quiet, self.quiet_for = RECHECK, (tuple(request_ids), excess)
+        return self._idle(caps, excess)
 
     def _neighbour(self, home: int) -> tuple[float, float, float] | None:
         """The model of the nearest bucket that has one (the larger on a tie), as this bucket's until it has
@@ -253,6 +267,7 @@ class AdaptiveK:
         """A probe is two steps: the first catches the drafter up on the tokens it missed (a draft model
         recomputes them: not what a step costs while drafting), the second is measured."""
         self.follow = self.untimed = True
+        self.quiet = 0  # what the probe measures is weighed at once
         return self._probe_rows(caps, 1)
 
     def _probe_rows(self, caps: list[int], k: int) -> list[int]:
@@ -263,6 +278,7 @@ class AdaptiveK:
     def proposed(self, request_id: str, drafts: int) -> None:
         """A request was offered K > 0 and the proposer gave ``drafts`` (0: n-gram found no match; a grammar cut
         them all): the share of offers answered scales what its drafts are expected to bring."""
+        self.quiet = 0  # news: weigh afresh
         self.finds.setdefault(request_id, _Rate()).add(float(drafts > 0), 1.0, REQUEST_DECAY)
         self.found.add(float(drafts > 0), 1.0, GLOBAL_DECAY)
 
@@ -277,6 +293,7 @@ class AdaptiveK:
         unless all were accepted."""
         if not drafts:
             return
+        self.quiet = 0  # news: weigh afresh
         trials = accepted + (accepted < drafts)
         self.requests.setdefault(request_id, _Rate()).add(accepted, trials, REQUEST_DECAY)
         self.overall.add(accepted, trials, GLOBAL_DECAY)
