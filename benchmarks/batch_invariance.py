@@ -7,7 +7,7 @@ time and milliseconds of process CPU time per generated token (the honest measur
 machine), and the mode's throughput as a fraction of the default's. Both modes are warmed up first (an
 engine's first steps pay one-time costs) and run ``--repeat`` times, alternately; each row reports each
 mode's fastest run (the one least disturbed by other work on the machine). ``--row-tiles`` sweeps the
-invariant GEMM's row padding (``megatron_kernels.invariant.ROW_TILE``) to pick it.
+invariant GEMMs' row padding (``megatron_kernels.invariant.row_tile``) to compare tiles.
 
 ``--served`` adds the same comparison through the OpenAI HTTP API: ``megatron-serve run`` started with
 and without ``--batch-invariant`` (one engine), every request of the row streamed at once with
@@ -117,7 +117,8 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
     parser.add_argument("--archs", default="llama,qwen3_moe")
-    parser.add_argument("--row-tiles", default=str(invariant.ROW_TILE), help="comma-separated ROW_TILE values")
+    parser.add_argument("--row-tiles", default=str(invariant.row_tile()),
+                        help="comma-separated row tiles (default: the one this CPU's probe settles on)")
     parser.add_argument("--repeat", type=int, default=3, help="offline runs per mode, alternately; the fastest counts")
     parser.add_argument("--served", action="store_true", help="also through the HTTP API (a started stack)")
     args = parser.parse_args()
@@ -135,7 +136,7 @@ def main() -> None:
             for label, samples in (("greedy", 1), (f"sampled n={args.samples}", args.samples)):
                 requests = workload(args.requests, samples, seed=0)
                 for tile in (int(t) for t in args.row_tiles.split(",")):
-                    invariant.ROW_TILE = tile
+                    invariant._row_tile = tile  # noqa: SLF001 - the sweep sets what the probe would
                     base, mode = fastest(model_dir, requests, args)
                     assert mode[2] == base[2]
                     print_row(arch, f"{label} offline", tile, base, mode)

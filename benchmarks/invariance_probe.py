@@ -5,14 +5,15 @@ Each probe computes every row (column) once in a reference arrangement and again
 counts the results that differ (``==`` on the floats):
 
 * ``linear rows``: ``x @ W.T`` (``torch.mm``), a row among ``M`` rows against the same row among 64, for
-  every ``M`` a multiple of ``ROW_TILE`` up to 64 (what ``megatron_kernels.invariant.linear`` relies on);
-  the control, 1 to ``ROW_TILE - 1`` rows, differs in float32 (in bfloat16 only a few shapes of one row do,
+  every ``M`` a multiple of the row tile up to 64 (``megatron_kernels.invariant.row_tile``: what
+  ``invariant.linear`` relies on); the control, fewer rows than the tile, differs in float32 (in bfloat16 only a few shapes of one row do,
   none in ``--quick``'s);
 * ``fused columns``: a projection's columns inside a fused weight (q|k|v, gate|up) at an offset, with and
   without bias, against the projection alone (``ColumnParallelLinear``'s single GEMM in the mode);
 * ``attention rows``: ``bmm`` of ``[M, D] x [D, 32]`` (scores per key block) and ``[M, 32] x [32, D]``
-  (weighted values) for ``M >= MIN_ROWS``, 16-600 rows, one GEMM alone and batches of 3 and 21, against each row computed as
-  row 0 of a ``MIN_ROWS``-row GEMM (``megatron_kernels.invariant_attention``); the control, 2 and 3 rows,
+  (weighted values) for ``M`` a multiple of the tile up to 600 rows, one GEMM alone and batches of 3 and 21,
+  against each row computed as row 0 of a GEMM of one tile (``megatron_kernels.invariant_attention``); the
+  control, 2 and 3 rows,
   differs;
 * ``row sums``: ``sum`` over a contiguous last dimension of 32 (the attention's per-block weight sums), a
   row among any number of rows, at any offset, against the row alone.
@@ -30,13 +31,12 @@ import sys
 
 import torch
 
-from megatron_kernels.invariant import ROW_TILE
-from megatron_kernels.invariant_attention import MIN_ROWS
+from megatron_kernels.invariant import row_tile
 
 
 def linear_rows(dtype: torch.dtype, quick: bool) -> tuple[int, int, int, int]:
     """(shapes checked, relied-on rows differing, control shapes differing, shapes of another row count
-    between ROW_TILE and 64 differing: not relied on, told for the record)."""
+    between the row tile and 64 differing: not relied on, told for the record)."""
     generator = torch.Generator().manual_seed(0)
     checked = differ = control = other = 0
     ks = (64, 683, 2048) if quick else (64, 128, 256, 683, 1024, 2048, 4096)
@@ -48,10 +48,10 @@ def linear_rows(dtype: torch.dtype, quick: bool) -> tuple[int, int, int, int]:
             reference = torch.mm(x[:64], weight.t())
             for rows in range(1, 65):
                 same = torch.equal(torch.mm(x[:rows], weight.t()), reference[:rows])
-                if rows % ROW_TILE == 0:
+                if rows % row_tile() == 0:
                     checked += 1
                     differ += not same
-                elif rows < ROW_TILE:
+                elif rows < row_tile():
                     control += not same
                 else:
                     other += not same
@@ -82,18 +82,20 @@ def fused_columns(dtype: torch.dtype, quick: bool) -> tuple[int, int]:
 
 
 def attention_rows(quick: bool) -> tuple[int, int, int]:
-    """(shapes checked, differing, control shapes differing) for the attention's two GEMM forms."""
+    """(shapes checked, differing, control shapes differing) for the attention's two GEMM forms: row counts
+    that are multiples of the tile are relied on, 2 and 3 rows are the control, others are not used."""
     generator = torch.Generator().manual_seed(2)
     checked = differ = control = 0
+    tile = row_tile()
     for dim in ((32, 128) if quick else (8, 16, 32, 64, 80, 96, 128, 256)):
         for transposed, (k, n) in ((True, (dim, 32)), (False, (32, dim))):  # scores, weighted values
             a = torch.randn(3, 600, k, generator=generator)
             b = torch.randn(3, n, k, generator=generator).transpose(1, 2) if transposed else \
                 torch.randn(3, k, n, generator=generator)
-            filler = torch.randn(3, MIN_ROWS - 1, k, generator=generator)
+            filler = torch.randn(3, tile - 1, k, generator=generator)
             reference = torch.stack([torch.bmm(torch.cat([a[:, i:i + 1], filler], 1), b)[:, 0]
                                      for i in range(600 if not quick else 64)], 1)
-            counts = [2, 3, *range(MIN_ROWS, 40), 63, 64] + ([] if quick else [65, 127, 128, 200, 333, 512, 600])
+            counts = [2, 3, *range(tile, 65, tile)] + ([] if quick else [128, 200, 512, 600])
             for rows in counts:
                 for repeat in (0, 1, 7):  # 0: one GEMM alone (a batch of 1 is split between threads by rows)
                     if repeat == 0:
@@ -104,10 +106,10 @@ def attention_rows(quick: bool) -> tuple[int, int, int]:
                         out = torch.bmm(a[:, :rows].repeat(repeat, 1, 1), batch_b)
                         expected = reference[:, :rows].repeat(repeat, 1, 1)
                     same = torch.equal(out, expected)
-                    if rows >= MIN_ROWS:
+                    if rows % tile == 0:
                         checked += 1
                         differ += not same
-                    else:
+                    elif rows < tile:
                         control += not same
     return checked, differ, control
 
@@ -135,16 +137,16 @@ def main() -> None:
     failures = []
     for dtype in (torch.float32, torch.bfloat16):
         checked, differ, control, other = linear_rows(dtype, args.quick)
-        print(f"linear rows ({dtype}): {checked} shapes of a multiple of {ROW_TILE} rows, {differ} differ; "
-              f"control (1-{ROW_TILE - 1} rows): {control} differ; other row counts to 64 (not used): {other} differ")
+        print(f"linear rows ({dtype}): {checked} shapes of a multiple of {row_tile()} rows, {differ} differ; "
+              f"control (1-{row_tile() - 1} rows): {control} differ; other row counts to 64 (not used): {other} differ")
         failures += ["linear rows"] * bool(differ)
         failures += ["linear control"] * (control == 0 and dtype == torch.float32)  # bf16's 1-row path: rarely
         checked, differ = fused_columns(dtype, args.quick)
         print(f"fused columns ({dtype}): {checked} column blocks, {differ} differ")
         failures += ["fused columns"] * bool(differ)
     checked, differ, control = attention_rows(args.quick)
-    print(f"attention rows (float32): {checked} shapes of >= {MIN_ROWS} rows, {differ} differ; "
-          f"control (2-{MIN_ROWS - 1} rows): {control} differ")
+    print(f"attention rows (float32): {checked} shapes of a multiple of {row_tile()} rows, {differ} differ; "
+          f"control (2-3 rows): {control} differ")
     failures += ["attention rows"] * bool(differ) + ["attention control"] * (control == 0)
     checked, differ = row_sums(args.quick)
     print(f"row sums (float32): {checked} arrangements, {differ} differ")

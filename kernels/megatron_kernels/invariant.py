@@ -7,7 +7,7 @@ vectorized loop leaves a tail of a tensor to a scalar loop, and PyTorch's scalar
 differently from its vector one (767 of 20,000 float32 values differ). A token's log prob then
 depends on how many other tokens share its step. The ops here remove every such dependence:
 
-* :func:`linear`: rows padded to a multiple of :data:`ROW_TILE` rows, so no row meets the library's
+* :func:`linear`: rows padded to a multiple of :func:`row_tile` rows, so no row meets the library's
   one-row (matrix-vector) path, and a row's GEMM arithmetic does not change with the batch;
 * :func:`silu`, :func:`sigmoid`, :func:`exp`, :func:`cos`, :func:`sin`: the tensor is flattened, padded to whole
   vectors and cut into pieces no larger than one thread's share, so every element takes the
@@ -27,20 +27,78 @@ here (``megatron_serve.invariant.batch_invariant``). Only ``torch`` is imported.
 
 from __future__ import annotations
 
+import os
 from typing import Callable
 
 import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-ROW_TILE = 16
-"""A linear's rows are padded with zero rows to a multiple of this many. From 16 rows up MKL 2024.2's GEMM
-(float32 and bfloat16, AVX-512, 1 and 2 threads) computed a row the same way whatever the row count and the
-row's place on both CPUs probed: an Intel one, which took other paths below 16 rows (8 rows already rounded
-otherwise), and an AMD EPYC, where multiples of 4 held too but 5-7 and 9-11 rows on 2 threads did not (the
-rows split between the threads). 4 padded a decode step and an expert's few rows less (an MoE layer of 32
-decode tokens, 8 experts: 334 -> 274 us on the EPYC) and broke the mode on the Intel CPU; the engine probes
-the shapes it uses at start (:mod:`.invariant_probe`)."""
+SAFE_ROW_TILE = 16
+"""Rows per GEMM tile that every CPU probed so far holds: from 16 rows up MKL 2024.2 (float32 and bfloat16,
+AVX-512, 1 and 2 threads) computed a row the same way whatever the row count and the row's place, on an
+Intel CPU (which took other paths below 16 rows: 8 rows already rounded otherwise) and on an AMD EPYC."""
+
+ROW_TILE_VARIABLE = "MEGATRON_INVARIANT_ROW_TILE"
+"""Sets the row tile instead of the probe (a multiple of 4): for a CPU the probe misjudges, or to pin it."""
+
+_row_tile: int | None = None
+
+
+def row_tile() -> int:
+    """The rows every invariant GEMM on the CPU pads to a multiple of (a linear's rows, an expert's rows, an
+    attention GEMM's query rows): a row's bits then do not depend on the other rows or their count.
+
+    Which counts keep a row's bits is the math library's choice per CPU: the AMD EPYC kept them for every
+    multiple of 4 (1-3 rows, and on 2 threads 5-7 and 9-11, take other paths), the Intel CPU only from 16.
+    So it is probed once per process at first use, at the thread count then set (:func:`_rows_hold`: a few
+    dozen small GEMMs, about 0.1 s): 4, else 8, else :data:`SAFE_ROW_TILE`. Any tile the probe accepts gives
+    the same bits, so an engine and a trainer on one machine agree whichever each settles on. 4 instead of
+    16 pads a decode step, an expert's few rows and a decode row's attention GEMMs less (an MoE layer of 32
+    decode tokens, 8 experts: 334 -> 274 us on the EPYC; the cost benchmark's mode 0.66-0.83x -> 0.78-0.92x
+    of the default)."""
+    global _row_tile
+    if _row_tile is None:
+        _row_tile = _settle_row_tile()
+    return _row_tile
+
+
+def _settle_row_tile() -> int:
+    forced = os.environ.get(ROW_TILE_VARIABLE)
+    if forced is not None:
+        if not forced.isdigit() or int(forced) <= 0 or int(forced) % 4:
+            raise ValueError(f"{ROW_TILE_VARIABLE}={forced!r}: must be a positive multiple of 4")
+        return int(forced)
+    return next((tile for tile in (4, 8) if _rows_hold(tile)), SAFE_ROW_TILE)
+
+
+def _rows_hold(tile: int) -> bool:
+    """Whether a row of the GEMMs the mode runs has the same bits for every row count that is a multiple of
+    ``tile`` up to 48, here: linears (float32, bfloat16) and the attention's ``[M, D] x [D, 32]`` (transposed
+    keys) and ``[M, 32] x [32, D]`` products (float32), one GEMM alone and a batch of 3.
+    ``megatron_kernels.invariant_probe`` checks the model's own shapes at an engine's start."""
+    generator = torch.Generator().manual_seed(0)
+    counts = range(tile, 49, tile)
+    for dtype in (torch.float32, torch.bfloat16):
+        for inner, outer in ((64, 16), (256, 256), (683, 257)):
+            x = torch.randn((48, inner), generator=generator).to(dtype)
+            weight = torch.randn((outer, inner), generator=generator).to(dtype)
+            reference = torch.mm(x, weight.t())
+            if not all(torch.equal(torch.mm(x[:rows], weight.t()), reference[:rows]) for rows in counts):
+                return False
+    for dim in (16, 64, 128):
+        rows = torch.randn((3, 48, dim), generator=generator)
+        keys = torch.randn((3, KEY_BLOCK, dim), generator=generator).transpose(1, 2)
+        weights = torch.randn((3, 48, KEY_BLOCK), generator=generator)
+        values = torch.randn((3, KEY_BLOCK, dim), generator=generator)
+        for left, right in ((rows, keys), (weights, values)):
+            reference = torch.bmm(left, right)
+            for count in counts:
+                if not (torch.equal(torch.bmm(left[:, :count], right), reference[:, :count])
+                        and torch.equal(torch.bmm(left[:1, :count], right[:1]), reference[:1, :count])):
+                    return False
+    return True
+
 
 KEY_BLOCK = 32
 """Keys per attention block: every query reduces its keys in blocks of this many from position 0."""
@@ -67,15 +125,15 @@ def _gpu_kernels(x: torch.Tensor):
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``x @ weight.T + bias``, the rows padded to a multiple of :data:`ROW_TILE` (differentiable: a trainer's
+    """``x @ weight.T + bias``, the rows padded to a multiple of :func:`row_tile` (differentiable: a trainer's
     backward runs through it); on CUDA the Triton kernel of ``triton_invariant_linear``."""
     kernels = _gpu_kernels(x)
     if kernels is not None:
         return kernels[0].invariant_linear(x, weight, bias)
     rows = x.reshape(-1, x.shape[-1])
-    count = rows.shape[0]
-    if count % ROW_TILE:
-        rows = F.pad(rows, (0, 0, 0, ROW_TILE - count % ROW_TILE))
+    count, tile = rows.shape[0], row_tile()
+    if count % tile:
+        rows = F.pad(rows, (0, 0, 0, tile - count % tile))
     out = torch.mm(rows, weight.t()) if bias is None else torch.addmm(bias, rows, weight.t())
     return out[:count].view(*x.shape[:-1], weight.shape[0])
 
@@ -187,12 +245,12 @@ def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_we
     order = torch.argsort(flat, stable=True)  # the (token, slot) pairs grouped by expert: one sort, not a
     counts = torch.bincount(flat, minlength=w13.shape[0]).tolist()  # search per expert
     tokens = order // top_k
-    # each expert's rows, then its first row repeated up to a multiple of ROW_TILE rows (a row's bits do not
+    # each expert's rows, then its first row repeated up to a multiple of row_tile() rows (a row's bits do not
     # depend on the rows beside it; the repeats are dropped): one gather, no padded copy per GEMM
-    picked, real, spans, start = [], [], [], 0
+    picked, real, spans, start, tile = [], [], [], 0, row_tile()
     for expert, count in enumerate(counts):
         if count:
-            size = -(-count // ROW_TILE) * ROW_TILE
+            size = -(-count // tile) * tile
             spans.append((expert, len(picked), size))
             real += range(len(picked), len(picked) + count)
             picked += list(range(start, start + count)) + [start] * (size - count)

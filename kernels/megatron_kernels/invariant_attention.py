@@ -10,16 +10,16 @@ the rows of small GEMMs, one per block of :data:`~megatron_kernels.invariant.KEY
   contiguous weights) per block, added block after block from block 0, then divided.
 
 Every GEMM has fixed ``K`` and ``N`` (the head size and the key block); only the row count ``r`` and the
-number of GEMMs in the batch follow the call. From :data:`MIN_ROWS` rows up, MKL's float32 GEMM computes
-a row the same way whatever the row count, the row's place and the batch count (``benchmarks/
-invariance_probe.py``: head sizes 8-256, up to 600 rows, batches 1, 3 and 21, 1 and 2 threads, no
-difference; fewer rows differ), and ``sum`` over a contiguous last dimension of 32 adds a row the same
-way whatever the other rows. A block past a row's position adds exact zeros, so neither the call's
+number of GEMMs in the batch follow the call. With the rows padded to a multiple of
+:func:`~.invariant.row_tile` (a sequence's last row repeated), MKL's float32 GEMM computes a row the same
+way whatever the row count, the row's place and the batch count (``benchmarks/invariance_probe.py``: head
+sizes 8-256, up to 600 rows, batches 1, 3 and 21, 1 and 2 threads, no difference; other counts differ), and
+``sum`` over a contiguous last dimension of 32 adds a row the same way whatever the other rows. A block past a row's position adds exact zeros, so neither the call's
 longest sequence, nor the padding, nor the other rows change a bit: prefill, decode, a prefix-cache hit
 and any chunking agree (``tests/invariance`` holds the engine to ``==``).
 
 Rows as the GEMMs' rows (rather than keys as rows, the earlier form) keep the library's fast path: a
-decode row of the cost benchmark's model (2 query heads per KV head) is one GEMM of 16 rows (its rows
+decode row of the cost benchmark's model (2 query heads per KV head) is one GEMM of 4 rows (its rows
 repeated), where the keys-as-rows form had GEMMs of 2 columns, which MKL runs 4-5x slower per product.
 CPU per layer, one thread, 32 decode rows over 60-200 keys (8/4 heads of 32, 16-key cache blocks):
 6.2-7.3 ms in the earlier form, 0.7 ms in this one (with :class:`PagedStep`'s plan, one gather and kept
@@ -33,14 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .invariant import KEY_BLOCK, exp, exp_
-
-MIN_ROWS = 16
-"""Rows of an attention GEMM at least (a sequence's last row repeated). On the AMD EPYC 4 rows were the
-floor in batches of GEMMs, but a single GEMM (one KV head, one key block) is split between 2 threads by
-rows, and then 5-7 and 9-11 rows rounded their last rows otherwise; on the Intel CPU probed earlier every
-count below 16 took other paths. From 16 up both computed a row the same way."""
-
+from .invariant import KEY_BLOCK, exp, exp_, row_tile
 
 @dataclass
 class RowGroup:
@@ -83,9 +76,10 @@ def plan_rows(rows_of: list[range | list[int]], positions_of: list[range | list[
         if len(rows) and max(positions_of[sequence]) >= 0:  # a padding row (no key to see) is left out
             by_size.setdefault(len(rows), []).append(sequence)
     total = sum(len(rows) for rows in rows_of)
-    groups = []
+    groups, tile = [], row_tile()
     for size, members in by_size.items():
-        padded = max(size, -(-MIN_ROWS // group_heads))
+        unit = tile // math.gcd(tile, group_heads)  # sequence rows whose heads fill whole GEMM tiles
+        padded = -(-size // unit) * unit
         members = sorted(members, key=lambda sequence: -max(positions_of[sequence]))
         limits = [max(positions_of[sequence]) for sequence in members]
         counts = [sum(limit // KEY_BLOCK >= block for limit in limits) for block in range(limits[0] // KEY_BLOCK + 1)]

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from megatron_kernels import invariant_attention
+from megatron_kernels import invariant, invariant_attention
 from megatron_kernels.invariant_attention import attention
 from megatron_serve.model.attention import AttentionMetadata, ForwardContext, PagedAttention
 
@@ -145,7 +145,7 @@ def test_close_to_plain_attention_and_differentiable_like_it() -> None:
 
 def test_gemms_of_fewer_rows_change_a_decode_row_s_bits(monkeypatch) -> None:
     """The control: decode rows (2 query heads) in GEMMs of 2 rows take another path than a prefill's."""
-    monkeypatch.setattr(invariant_attention, "MIN_ROWS", 2)
+    monkeypatch.setattr(invariant, "_row_tile", 2)
     cache = _cache(seed=1)
     cold = _cold(cache)
     decoded = [_step(cache, [(s, n)], [])[0] for s, n in enumerate(LENGTHS)]

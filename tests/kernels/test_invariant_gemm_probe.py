@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_kernels import invariant_probe
+from megatron_kernels import invariant, invariant_probe
 from megatron_serve.config import InferenceConfig
 from megatron_serve.engine.core import DynamicInferenceEngine
 from megatron_serve.model.errors import UnsupportedModelError
@@ -33,26 +33,30 @@ def test_fused_columns_of_whole_tiles_are_the_parts_own() -> None:
         assert invariant_probe.fusion_holds(torch.randn((1376, 256), generator=generator).to(dtype), (688, 688))
 
 
-def test_a_lone_row_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_lone_row_is_caught() -> None:
     """Negative control: one query row takes the matrix-vector path, which rounds otherwise than a GEMM of
     several rows (on every CPU probed), so a probe that lets the row count reach 1 reports it."""
-    monkeypatch.setattr(invariant_probe, "_ATTENTION_ROWS", (1, invariant_probe.MIN_ROWS))
-    invariant_probe.attention_problems.cache_clear()
-    try:
-        problems = invariant_probe.attention_problems(32)
-    finally:
-        invariant_probe.attention_problems.cache_clear()
+    problems = invariant_probe._attention_problems(32, (1, invariant.row_tile()))
     assert problems and all("a row changes" in p for p in problems)
 
 
 def test_an_engine_refuses_the_mode_where_the_probe_fails(tiny_model: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(invariant_probe, "_ATTENTION_ROWS", (1, invariant_probe.MIN_ROWS))
-    invariant_probe.attention_problems.cache_clear()
-    try:
-        with pytest.raises(UnsupportedModelError, match=r"--batch-invariant: this CPU's GEMMs .*scores GEMM"):
-            DynamicInferenceEngine.from_model_dir(tiny_model, InferenceConfig(batch_invariant=True, num_kv_blocks=16))
-    finally:
-        invariant_probe.attention_problems.cache_clear()
+    monkeypatch.setattr(invariant_probe, "_row_counts", lambda: (1, invariant.row_tile()))
+    with pytest.raises(UnsupportedModelError, match=r"--batch-invariant: this CPU.s GEMMs change a row.s bits.*a linear"):
+        DynamicInferenceEngine.from_model_dir(tiny_model, InferenceConfig(batch_invariant=True, num_kv_blocks=16))
     monkeypatch.undo()
     engine = DynamicInferenceEngine.from_model_dir(tiny_model, InferenceConfig(batch_invariant=True, num_kv_blocks=16))
     assert engine.config.batch_invariant  # the real probe passes here
+
+
+def test_the_row_tile_is_probed_or_set_and_a_bad_setting_named(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The tile the probe settles on holds here (a row's bits at every multiple of it), a smaller one that
+    is not a tile does not (control), and the variable overrides the probe or is refused by name."""
+    tile = invariant._settle_row_tile()
+    assert tile in (4, 8, invariant.SAFE_ROW_TILE) and invariant._rows_hold(tile)
+    assert not invariant._rows_hold(1)  # one row takes the matrix-vector path
+    monkeypatch.setenv(invariant.ROW_TILE_VARIABLE, "16")
+    assert invariant._settle_row_tile() == 16
+    monkeypatch.setenv(invariant.ROW_TILE_VARIABLE, "6")
+    with pytest.raises(ValueError, match="MEGATRON_INVARIANT_ROW_TILE='6': must be a positive multiple of 4"):
+        invariant._settle_row_tile()
