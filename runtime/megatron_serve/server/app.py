@@ -267,7 +267,7 @@ def create_app(
             ctx.request_log.received(handler)
             return await (handler.stream() if handler.req.stream else handler.complete())
 
-        return await cancel_on_disconnect(request, work(), ctx.stopping)
+        return await cancel_on_disconnect(request, work, ctx.stopping)
 
     stream_200 = {200: {"content": {"text/event-stream": {"schema": _SSE_EVENT_SCHEMA}},
                         "description": "the completion (JSON), or its stream of server-sent events"}}
