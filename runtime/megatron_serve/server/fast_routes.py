@@ -70,6 +70,9 @@ def lean_route(route: APIRoute, endpoint: Endpoint, layers: list[Layer],
     ``layers`` (outermost last, as ``FastAPI.add_middleware`` stacks them), with the app's error handling."""
 
     async def answer(scope: Scope, receive: Receive, send: Send) -> None:
+        scope["route"] = route  # what the router sets once it matched: the metrics name the route by it (a request
+        scope["endpoint"] = route.endpoint  # refused before, by admission or the body limit, stays "unmatched")
+        scope["path_params"] = {}
         request = Request(scope, receive, send)
         try:
             if authorize is not None:
@@ -90,9 +93,6 @@ def lean_route(route: APIRoute, endpoint: Endpoint, layers: list[Layer],
     inner = app
 
     async def routed(scope: Scope, receive: Receive, send: Send) -> None:
-        scope["route"] = route  # what the router would have set: the metrics name the route by it
-        scope["endpoint"] = route.endpoint
-        scope["path_params"] = {}
         started = False
 
         async def sending(message: Message) -> None:
