@@ -395,5 +395,4 @@ class _HTTPMetricsMiddleware:
             await self.app(scope, receive, send_wrapper)
         finally:
             route = scope.get("route")
-            path = getattr(route, "path", None) or "unmatched"
-            self.metrics.http_requests.labels(path, str(status.get("code", 500))).inc()
+            self.metrics.observe_http(getattr(route, "path", None) or "unmatched", status.get("code", 500))

@@ -176,7 +176,7 @@ class Submission:
                 self.metrics.observe_finished(request)
                 self.done.append(request)
             else:  # refused or lost on the way: no record came back
-                self.metrics.requests.labels("failed").inc()
+                self.metrics.observe_failed()
             if not self.unfinished:
                 self.log.finished(self.label, self.done, self.started)
 
