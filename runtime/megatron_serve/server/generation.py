@@ -158,6 +158,7 @@ class Submission:
     done: list[DynamicInferenceRequest] = field(default_factory=list)
     started: float = field(default_factory=time.monotonic)
     bypass: Bypass | None = None  # while set, pieces may go there instead of through stream() (see deliver)
+    ending: bool = False  # the item stream() yields now is its last
 
     def __post_init__(self) -> None:
         self.pending.acquire(len(self.jobs))
@@ -270,7 +271,9 @@ class Submission:
                         break
                     if job is None:  # the server stops, or a bypassed piece failed
                         raise item
-                    for pair in self._pass(job, request_id, item):
+                    passed = self._pass(job, request_id, item)
+                    for pair in passed:
+                        self.ending = not self._remaining and pair is passed[-1]
                         yield pair
         finally:
             self.bypass = None

@@ -153,11 +153,17 @@ class Submitted(Protocol[T]):
     without waking the task that reads them."""
 
     bypass: Any
+    ending: bool  # the item the stream yields now is its last
 
     def stream(self) -> AsyncGenerator[tuple[Any, T], None]: ...
 
 
-async def openai_events(items: AsyncGenerator[tuple[Any, T], None], render: Renderer[T]) -> AsyncIterator[bytes]:
+class _Last(bytes):
+    """The last events of a stream (what follows the last item, and ``[DONE]``): written with the end of the body."""
+
+
+async def openai_events(items: AsyncGenerator[tuple[Any, T], None], render: Renderer[T],
+                        ending: Callable[[], bool] = lambda: False) -> AsyncIterator[bytes]:
     """The events ``render`` makes of ``items``, framed as an OpenAI stream; closing it closes ``items``.
 
     An :class:`APIError` before the first event is raised, so that the answer can still be that
@@ -165,22 +171,28 @@ async def openai_events(items: AsyncGenerator[tuple[Any, T], None], render: Rend
     error event, and ``data: [DONE]`` ends the stream either way, as OpenAI clients expect.
     ``items`` is closed however the stream ends (finished, failed, or closed or cancelled because
     the client left), which for a submission's stream aborts its unfinished engine requests.
+
+    The events of one item come as one piece of bytes, and those of the last item (``ending()`` says which it
+    is), what follows it and ``[DONE]`` as one :class:`_Last`: each a write into the connection (a system call)
+    instead of one per event, the last one with the end of the body. A streamed request of 2 tokens with its
+    usage made 7 writes, now 4; the bytes on the wire are the same events.
     """
     started = False
+    last: list[bytes] = []
     try:
         async for job, item in items:
-            for event in render.item(job, item):
+            events = render.item(job, item)
+            if ending():
+                last = events
+                break
+            if events:
                 started = True
-                yield event
-        for event in render.end():
-            started = True
-            yield event
-        yield DONE
+                yield events[0] if len(events) == 1 else b"".join(events)
+        yield _Last(b"".join([*last, *render.end(), DONE]))
     except APIError as exc:
         if not started:
             raise
-        yield sse(exc.body())
-        yield DONE
+        yield _Last(sse(exc.body()) + DONE)
     finally:
         await items.aclose()
 
@@ -199,9 +211,9 @@ class _DirectWrites:
         return self._writer.ready()
 
     def take(self, job: Any, item: Any) -> None:
-        write = self._writer.write_now
-        for event in self._render.item(job, item):
-            write(event)
+        events = self._render.item(job, item)
+        if events:
+            self._writer.write_now(events[0] if len(events) == 1 else b"".join(events))
 
 
 async def stream_answer(submission: Submitted[T], render: Renderer[T], answer_id: str) -> "EventStreamResponse":
@@ -214,7 +226,8 @@ async def stream_answer(submission: Submitted[T], render: Renderer[T], answer_id
     def divert(writer: ChunkedWriter | None) -> None:
         submission.bypass = None if writer is None else _DirectWrites(render, writer)
 
-    return await event_stream_response(openai_events(submission.stream(), render), answer_id, divert)
+    return await event_stream_response(openai_events(submission.stream(), render, lambda: submission.ending),
+                                       answer_id, divert)
 
 
 class EventStreamResponse(StreamingResponse):
@@ -271,13 +284,23 @@ class EventStreamResponse(StreamingResponse):
         direct = chunked_writer(raw_send)
         write = raw_send if direct is None else direct
         ended = False
+        last = b""  # the last events, sent with the end of the body (one write)
         written = 0
         try:
-            if self._first is not None:
+            if type(self._first) is _Last:  # nothing but the last events
+                last = self._first
+            elif self._first is not None:
                 await raw_send({"type": "http.response.body", "body": self._first, "more_body": True})
-            if direct is not None and self._divert is not None:
+            if direct is not None and self._divert is not None and not last:
                 self._divert(direct)  # the pieces to come may be written without this task (stream_answer)
-            async for event in self._events:
+            while not last:
+                try:
+                    event = await self._events.__anext__()
+                except StopAsyncIteration:
+                    break
+                if type(event) is _Last:
+                    last = event
+                    break
                 # Let the loop run between writes, every few: events that arrived together would otherwise all
                 # be written before the loop notices a client that left, each into a dead socket (asyncio
                 # logged "socket.send() raised exception." hundreds of times per stream left; it logs from
@@ -296,7 +319,7 @@ class EventStreamResponse(StreamingResponse):
             if not ended:
                 logger.debug("the client of %s left its stream: its engine requests are aborted", self._answer_id)
             await self._events.aclose()
-        await send({"type": "http.response.body", "body": b"", "more_body": False})
+        await send({"type": "http.response.body", "body": bytes(last), "more_body": False})
 
 
 async def event_stream_response(events: AsyncIterator[bytes], answer_id: str,
