@@ -20,8 +20,9 @@ methods on these paths, every other path, the lifespan) goes the whole way, and 
 when FastAPI's OpenTelemetry instrumentation is on (a tracer, meter or logger provider set before the
 app starts), so that its spans still cover these routes.
 
-Measured with the HTTP server alone over an instant backend (``benchmarks/serving.py``'s client, 64 streams
-of 2 tokens): server CPU per request 890 -> see docs/benchmarks.md "Fourth round".
+Measured with the HTTP server alone over a backend that makes a token per stream every 2 ms (``benchmarks/
+serving.py``'s client, 64 streams of 2 tokens, 12 rounds alternated with ``main`` on a loaded 2-core machine):
+server CPU per request, median, 693 -> 566 us (docs/benchmarks.md, "Fourth round").
 """
 
 from __future__ import annotations
