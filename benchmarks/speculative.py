@@ -12,6 +12,8 @@ same run. Greedy rows also say whether the tokens equal no speculation's (they m
 
 Threads are pinned (``--threads``, default 1, as ``torch.set_num_threads`` and ``OMP_NUM_THREADS``):
 on a shared 2-core machine throughput moves with everyone's load, CPU time per token much less.
+``--repeat N`` runs each row N times with the methods alternated and prints medians (each ratio taken
+against the same repeat's ``none``): on a loaded machine one run's ratios swing by 10-15%.
 
 Goals (issue 39): at least 1.5x tokens per target forward at concurrency 1 with the trained draft, and
 at least 0.98x of no speculation's throughput at concurrency 64.
@@ -50,7 +52,7 @@ docs/speculative.md for the spread over runs):
     grammar  greedy      64  draft_model/K   170.67   2.79  10607.7   0.76       0.09   0.55   3.88
 
     python benchmarks/speculative.py [--k 4] [--concurrency 1,64] [--methods none,draft_model,draft_model/K]
-        [--cache-dir DIR] [--device cuda --dtype bfloat16]
+        [--repeat N] [--cache-dir DIR] [--device cuda --dtype bfloat16]
 
 Needs ``InferenceConfig.speculative``; exits 2 with a message on a build without it.
 """
@@ -59,7 +61,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import os
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -108,6 +112,7 @@ def run(target_dir: Path, config: InferenceConfig, prompts: list[list[int]], par
     engine = DynamicInferenceEngine.from_model_dir(target_dir, config)
     requests = [DynamicInferenceRequest(str(i), None, prompt, p) for i, (prompt, p) in enumerate(zip(prompts, params))]
     forwards = 0
+    gc.collect()  # the engines of earlier rows, freed now rather than in this row's timed loop
     wall, cpu = time.perf_counter(), time.process_time()
     for start in range(0, len(requests), concurrency):
         for request in requests[start: start + concurrency]:
@@ -145,6 +150,8 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--cache-dir", default=str(Path.home() / ".cache" / "megatron-serve-speculative"))
     parser.add_argument("--train-steps", type=int, default=PairSettings.steps)
+    parser.add_argument("--repeat", type=int, default=1, help="runs of each row, the methods alternated; each figure "
+                        "is the median (ratios to the same repeat's none)")
     parser.add_argument("--methods", default=",".join(METHODS), help=f"a subset of {','.join(METHODS)} ('none' "
                         "is always run first: the ratios' base)")
     args = parser.parse_args()
@@ -172,21 +179,31 @@ def main() -> None:
                                      num_tokens_to_generate=args.new_tokens, ignore_eos=True)
                       for i in range(len(prompts))]
             methods = [m for m in chosen if name != "edit" or not m.startswith("draft_model")]
-            base = None
+            runs: dict[str, list[Run]] = {method: [] for method in methods}
+            for _ in range(args.repeat):  # the methods alternated, so that the machine's load hits each alike
+                for method in methods:
+                    config = InferenceConfig(device=args.device, dtype=args.dtype, max_requests=max(concurrency, 8),
+                                             speculative=speculative_config(method, args.k, draft))
+                    runs[method].append(run(target, config, prompts, params, concurrency))
             for method in methods:
-                config = InferenceConfig(device=args.device, dtype=args.dtype, max_requests=max(concurrency, 8),
-                                         speculative=speculative_config(method, args.k, draft))
-                result = run(target, config, prompts, params, concurrency)
-                base = base or result
-                per_forward = result.generated / result.forwards
-                same = "" if sampling == "sampled" else ("yes" if result.tokens == base.tokens else "NO")
-                print(f"{name:<9}{sampling:<9}{concurrency:>5}  {method:<14}{per_forward:>8.2f}"
-                      f"{per_forward / (base.generated / base.forwards):>7.2f}{result.generated / result.wall:>9.1f}"
-                      f"{base.wall / result.wall * result.generated / base.generated:>7.2f}"
-                      f"{1e3 * result.cpu / result.generated:>11.2f}"
-                      f"{base.cpu / result.cpu * result.generated / base.generated:>7.2f}{result.mean_k:>7.2f}  {same}",
-                      flush=True)
+                print(row(name, sampling, concurrency, method, runs[method], runs["none"]), flush=True)
 
+
+def row(name: str, sampling: str, concurrency: int, method: str, runs: list[Run], bases: list[Run]) -> str:
+    """One table row: each figure the median over the repeats of its value (ratios: to the same repeat's
+    ``none``), and whether every greedy run's tokens equal no speculation's."""
+    def median(values: list[float]) -> float:
+        return statistics.median(values)
+
+    per_forward = median([r.generated / r.forwards for r in runs])
+    base_per_forward = median([b.generated / b.forwards for b in bases])
+    wall_ratio = median([b.wall / r.wall * r.generated / b.generated for r, b in zip(runs, bases)])
+    cpu_ratio = median([b.cpu / r.cpu * r.generated / b.generated for r, b in zip(runs, bases)])
+    same = "" if sampling == "sampled" else ("yes" if all(r.tokens == b.tokens for r, b in zip(runs, bases)) else "NO")
+    return (f"{name:<9}{sampling:<9}{concurrency:>5}  {method:<14}{per_forward:>8.2f}{per_forward / base_per_forward:>7.2f}"
+            f"{median([r.generated / r.wall for r in runs]):>9.1f}{wall_ratio:>7.2f}"
+            f"{median([1e3 * r.cpu / r.generated for r in runs]):>11.2f}{cpu_ratio:>7.2f}"
+            f"{median([r.mean_k for r in runs]):>7.2f}  {same}")
 
 if __name__ == "__main__":
     main()

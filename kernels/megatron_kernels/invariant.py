@@ -12,10 +12,9 @@ depends on how many other tokens share its step. The ops here remove every such 
 * :func:`silu`, :func:`sigmoid`, :func:`exp`, :func:`cos`, :func:`sin`: the tensor is flattened, padded to whole
   vectors and cut into pieces no larger than one thread's share, so every element takes the
   vector path, and vector lanes do not interact;
-* :func:`attention`: scores and weighted values by GEMMs with the keys as rows and the query columns
-  padded to a multiple of :data:`GEMM_COLUMNS`, the weights' sums and the weighted values reduced in blocks of :data:`KEY_BLOCK` keys added from
-  position 0, so a query's output depends only on its own position and its sequence's keys:
-  prefill, decode, a prefix-cache hit and any chunking give the same bits.
+* the attention (:mod:`.invariant_attention`): keys reduced in blocks of :data:`KEY_BLOCK` from position
+  0 by GEMMs of a fixed shape per block, so a query's output depends only on its own position and its
+  sequence's keys: prefill, decode, a prefix-cache hit and any chunking give the same bits.
 
 Row-wise kernels PyTorch already runs one row at a time (``softmax``, ``log_softmax``, ``mean`` over
 the last dimension) and correctly rounded elementwise ops (``+``, ``*``, ``rsqrt``, casts) need
@@ -28,7 +27,6 @@ here (``megatron_serve.invariant.batch_invariant``). Only ``torch`` is imported.
 
 from __future__ import annotations
 
-import math
 from typing import Callable
 
 import torch
@@ -36,25 +34,23 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 ROW_TILE = 16
-"""A linear's rows are padded with zero rows to a multiple of this and go through one GEMM: from 16 rows
-up, MKL's GEMM (float32 and bfloat16, AVX-512, 1 and 2 threads) computes a row the same way whatever the
-row count; fewer rows take the matrix-vector path, which rounds differently. 16 pads a decode step least
-(it was the tile of separate 16-row GEMM calls, 4,067 calls to 1,827 in the cost benchmark's greedy
-Llama run: the same bits, tests/invariance unchanged)."""
+"""A linear's rows are padded with zero rows to a multiple of this many. From 16 rows up MKL 2024.2's GEMM
+(float32 and bfloat16, AVX-512, 1 and 2 threads) computed a row the same way whatever the row count and the
+row's place on both CPUs probed: an Intel one, which took other paths below 16 rows (8 rows already rounded
+otherwise), and an AMD EPYC, where multiples of 4 held too but 5-7 and 9-11 rows on 2 threads did not (the
+rows split between the threads). 4 padded a decode step and an expert's few rows less (an MoE layer of 32
+decode tokens, 8 experts: 334 -> 274 us on the EPYC) and broke the mode on the Intel CPU; the engine probes
+the shapes it uses at start (:mod:`.invariant_probe`)."""
 
 KEY_BLOCK = 32
 """Keys per attention block: every query reduces its keys in blocks of this many from position 0."""
 
-GEMM_COLUMNS = 16
-"""The attention's GEMMs take query columns in multiples of this (zero columns padded). Whether a GEMM element
-depends on the column count is the library's and the CPU's choice: MKL 2024.2 on an Intel AVX-512 CPU computed
-column 0 the same for every count from 2, on an AMD EPYC (AVX-512) only within the multiples of 16 (8 columns,
-or any count between the multiples, round otherwise); with multiples of 16 a column's bits depend on neither the
-count nor its place among them on both (``tests/kernels/test_invariant_gemm_probe.py`` checks the machine it
-runs on)."""
-
 _VECTOR = 64
 """Elements of two AVX-512 registers of bfloat16: a multiple of every vector loop's stride."""
+
+_FLOAT_STEP = 32
+"""float32 elements of one step of PyTorch's vector loop (two AVX-512 registers): a contiguous run of whole
+steps leaves nothing to the scalar tail."""
 
 _PIECE = 32768
 """PyTorch's grain: an elementwise op of at most this many elements runs on one thread, so no thread
@@ -86,20 +82,36 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 def lanewise(function: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
     """``function(x)`` for an elementwise ``function``, every element through the vector loop."""
-    flat = x.reshape(-1)
-    count = flat.numel()
+    count = x.numel()
     size = -(-count // _VECTOR) * _VECTOR
-    if size != count or not flat.is_contiguous():
-        padded = flat.new_zeros(size)
-        padded[:count] = flat
-        flat = padded
-    if size <= _PIECE:
+    if size == count and x.is_contiguous():
+        flat = x.view(-1)
+    else:  # one copy, from a strided x too (SwiGLU's gate half)
+        flat = x.new_empty(size)
+        flat[:count].view(x.shape).copy_(x)
+        if size > count:
+            flat[count:] = 0
+    if size <= _PIECE or torch.get_num_threads() == 1:  # one thread runs it all: no boundary inside a vector
         out = function(flat)
     else:
         out = torch.empty_like(flat)
         for start in range(0, size, _PIECE):
             out[start:start + _PIECE] = function(flat[start:start + _PIECE])
     return out[:count].view(x.shape)
+
+
+def exp_(x: torch.Tensor) -> torch.Tensor:
+    """:func:`exp` in place on float32 rows of whole vector steps (the engine's attention weights, a view of a
+    larger tensor): the same kernel over the same vectors as :func:`exp`, so the same bits; on several
+    threads in pieces of whole leading rows, each at most one thread's share."""
+    if x.dtype != torch.float32 or x.stride(-1) != 1 or x.shape[-1] % _FLOAT_STEP:
+        raise ValueError(f"exp_ needs float32 rows of whole {_FLOAT_STEP}-element steps, got {x.dtype} "
+                         f"{tuple(x.shape)} with strides {x.stride()}")
+    step = x.shape[0] if torch.get_num_threads() == 1 else max(1, _PIECE // max(1, x[0].numel()))
+    for start in range(0, x.shape[0], step):
+        part = x[start:start + step]
+        torch.exp(part, out=part)
+    return x
 
 
 def silu(x: torch.Tensor) -> torch.Tensor:
@@ -123,9 +135,13 @@ def sigmoid(x: torch.Tensor) -> torch.Tensor:
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    """SwiGLU on a fused gate/up tensor, as ``act(gate) * up`` of separate projections computes it."""
+    """SwiGLU on a fused gate/up tensor, as ``act(gate) * up`` of separate projections computes it. A small
+    contiguous ``x`` (an expert's rows) goes through SiLU whole, up half included, rather than its gate half
+    copied out (the same bits per element: one call less, 11 -> 7 us for 16 rows of 2 x 64)."""
     gate, up = x.chunk(2, dim=-1)
-    return silu(gate.contiguous()) * up
+    if x.numel() <= _PIECE and x.is_contiguous() and not x.numel() % _VECTOR:
+        return F.silu(x)[..., :gate.shape[-1]] * up
+    return silu(gate) * up
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -156,150 +172,12 @@ def rotate(x: torch.Tensor, cos_full: torch.Tensor, sin_full: torch.Tensor) -> t
     return x * cos_full + rotated_half * sin_full
 
 
-def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, sequence: torch.Tensor,
-              positions: torch.Tensor, scale: float, scratch: bool = False) -> torch.Tensor:
-    """Causal attention of query rows over their sequences' keys, keys reduced in blocks from key 0.
-
-    ``q`` ``[R, Hq, D]``; ``keys``/``values`` ``[Hkv, S, L, D]``, heads first (``L`` at least every
-    query's position plus one; entries past a sequence's last queried position may hold anything, NaN
-    included; with ``scratch`` the caller's copies, which this may overwrite: the engine gathers its
-    cache in this layout, float32, in one copy); ``sequence[r]`` which of the ``S`` sequences row ``r``
-    reads; ``positions[r]`` its position (it sees keys ``0..positions[r]``). Returns ``[R, Hq, D]`` in
-    ``q``'s dtype, computed in float32.
-
-    Per query row and head: scores by GEMM, the softmax's maximum over the visible keys (exact in
-    any order), weights ``exp(score - max)`` (0 for unseen keys), then the weighted values and the
-    weights' sum reduced per block of :data:`KEY_BLOCK` keys (a GEMM with ``K = KEY_BLOCK``) and the
-    blocks added one by one from block 0. A block past a row's position adds exact zeros, so neither
-    the longest sequence of the call, the padding, nor the other rows change a bit: prefill, decode, a
-    prefix-cache hit and any chunking agree.
-
-    The keys are the GEMMs' rows and the queries their columns: scores as ``[L, D] x [D, N]`` and
-    values as ``[D, KEY_BLOCK] x [KEY_BLOCK, N]`` (a block of ones gives the weights' sums), one batch entry
-    per KV head and sequence, ``N`` the sequence's query rows times the heads sharing a KV head, padded to a
-    multiple of :data:`GEMM_COLUMNS` (a padding column reads key 0 and is dropped). A column then keeps its
-    bits whatever the column count, its place among the columns, the row count (a multiple of 32) and the
-    batch count: on MKL 2024.2 with an Intel AVX-512 CPU that held from 2 columns (826 shapes checked), on an
-    AMD EPYC only for multiples of 16 (two columns silently moved 1-3 of 16 log probs of the trainer-parity
-    test in the last bits). :mod:`.invariant_probe` checks it on the machine at hand before an engine takes
-    the mode. With the queries as the rows (an earlier form), each sequence's rows were padded to 16 GEMM
-    rows instead. CPU per call, one thread, best of 8, that form then the 2-column form on the Intel CPU: 32
-    decode rows over 512-1,024 keys (32 query heads, 8 KV heads of 64) 48-55 -> 36-37 ms; 64 decode rows,
-    16/4 heads, 256-512 keys 17.3-17.8 -> 17.5-18.4 ms; a 512-row chunk over 512 keys (8/4 heads of 32)
-    20-22 -> 17-18 ms; a 300-row prefill (32/8 of 64) 24-42 -> 25-26 ms. A decode row of a model whose KV
-    heads serve fewer than 16 query heads pays the padding of 16 columns again (as the rows form did);
-    the tiny cost-benchmark model (32 decode rows, 8/4 heads of 32) is bound by the per-call overhead of
-    the batched GEMMs, not their products: 1.37-1.39 ms either way. ``tests/invariance`` holds it to ``==``.
-    """
-    rows, heads, dim = q.shape
-    kv_heads, count = keys.shape[:2]
-    group = heads // kv_heads
-    if rows == 0:
-        return q.new_empty((0, heads, dim))
-    order = torch.argsort(sequence, stable=True)  # rows of a sequence together, in their order
-    ordered_seq = sequence[order]
-    per_sequence = torch.bincount(sequence, minlength=count)
-    starts = torch.cumsum(per_sequence, 0) - per_sequence
-    slot_row = torch.arange(rows, device=q.device) - starts[ordered_seq]  # a row's place in its sequence
-    limits = torch.full((count,), -1, dtype=positions.dtype, device=q.device).scatter_reduce(
-        0, sequence, positions, "amax")
-    by_rows: dict[int, list[int]] = {}  # sequences by their row count: one batched GEMM each
-    for index, size in enumerate(per_sequence.tolist()):
-        if size:
-            by_rows.setdefault(size, []).append(index)
-    out = torch.empty((rows, kv_heads, group, dim), dtype=torch.float32, device=q.device)
-    q32 = q.to(torch.float32).view(rows, kv_heads, group, dim)
-    local = torch.empty(count, dtype=torch.long, device=q.device)  # a sequence's index within its group
-    for size, members in by_rows.items():
-        member_t = torch.tensor(members, device=q.device)
-        local[member_t] = torch.arange(len(members), device=q.device)
-        if len(by_rows) == 1:
-            picked, whole = slice(None), len(members) == count
-        else:
-            picked, whole = torch.isin(ordered_seq, member_t), False
-        row_index = order[picked]
-        out[row_index] = _attend_group(
-            q32[row_index], local[ordered_seq[picked]], slot_row[picked], size,
-            None if whole else member_t, keys, values, positions[row_index], limits[member_t], scale, scratch)
-    return out.view(rows, heads, dim).to(q.dtype)
-
-
-def _attend_group(q: torch.Tensor, slot_seq: torch.Tensor, slot_row: torch.Tensor, size: int,
-                  members: torch.Tensor | None, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor,
-                  limit: torch.Tensor, scale: float, scratch: bool) -> torch.Tensor:
-    """:func:`attention` for the sequences ``members`` (all when ``None``), each with ``size`` query rows here:
-    ``q`` ``[r, Hkv, G, D]`` float32, row ``i`` the ``slot_row[i]``-th of the group's sequence ``slot_seq[i]``;
-    ``limit`` each sequence's last position read."""
-    _, kv_heads, group, dim = q.shape
-    n = limit.numel()
-    blocks = -(-(int(limit.max()) + 1) // KEY_BLOCK)
-    span = blocks * KEY_BLOCK
-    length = min(span, keys.shape[2])
-    k = keys[:, :, :length] if members is None else keys[:, members, :length]
-    v = values[:, :, :length] if members is None else values[:, members, :length]
-    stale = [(index, last) for index, last in enumerate(limit.tolist()) if last + 1 < length]
-    k_b = _blocked(k, span, copy=False)  # [Hkv, n, span, D] float32: the scores' GEMM rows
-    v_b = _blocked(v, span, copy=bool(stale) and members is None and not scratch)
-    for index, last in stale:  # zero weights times a NaN left in the cache would be NaN
-        v_b[:, index, last + 1:length] = 0.0  # (a slice per sequence: 5x faster than any masked fill of the whole)
-    columns = size * group
-    width = -(-columns // GEMM_COLUMNS) * GEMM_COLUMNS
-    q_t = q.new_zeros((kv_heads, n, width, dim)) if width > columns else q.new_empty((kv_heads, n, width, dim))
-    q_t[:, :, :columns].view(kv_heads, n, size, group, dim).permute(1, 2, 0, 3, 4)[slot_seq, slot_row] = q
-    scores = torch.bmm(k_b.view(kv_heads * n, span, dim), q_t.view(kv_heads * n, width, dim).transpose(1, 2))
-    scores = scores.view(kv_heads, n, span, width)
-    row_pos = positions.new_zeros((n, width))  # a padding column sees key 0: finite and unread (0/0 would
-    # be unread too, but a trainer's backward multiplies its zero gradient by it: NaN)
-    row_pos[:, :columns].view(n, size, group)[slot_seq, slot_row] = positions[:, None]
-    visible = torch.arange(span, device=q.device)[:, None] <= row_pos[:, None, :]  # [n, span, width]
-    scores = torch.where(visible, scores * scale, float("-inf"))
-    peak = scores.amax(2, keepdim=True).clamp_min(torch.finfo(torch.float32).min)  # a padding column: finite
-    weights = exp(scores - peak)  # [Hkv, n, span, width]
-    weights = weights.view(-1, KEY_BLOCK, width)
-    partial = torch.bmm(v_b.view(-1, KEY_BLOCK, dim).transpose(1, 2), weights).view(kv_heads, n, blocks, dim, width)
-    sums = torch.bmm(_ones(weights.shape[0], q.device), weights)[:, 0].view(kv_heads, n, blocks, 1, width)
-    acc, total = partial[:, :, 0], sums[:, :, 0]
-    for block in range(1, blocks):
-        acc = acc + partial[:, :, block]
-        total = total + sums[:, :, block]
-    out = acc / total  # [Hkv, n, D, width]
-    out = out[..., :columns].view(kv_heads, n, dim, size, group).permute(1, 3, 0, 4, 2)  # [n, size, Hkv, G, D]
-    return out[slot_seq, slot_row]
-
-
-_ONES: dict[torch.device, torch.Tensor] = {}
-
-
-def _ones(batch: int, device: torch.device = torch.device("cpu")) -> torch.Tensor:
-    """``[batch, 8, KEY_BLOCK]`` ones: row 0 of ``ones @ weights`` is a block's weight sum, by the same GEMM
-    arithmetic as the weighted values (8 rows keep the product above PyTorch's naive small-``bmm`` loop)."""
-    held = _ONES.get(device)
-    if held is None or held.shape[0] < batch:
-        # a normal tensor even when the engine asks first (in inference mode): a trainer's backward saves it
-        with torch.inference_mode(False):
-            held = _ONES[device] = torch.ones((max(batch, 2 * (0 if held is None else held.shape[0])), 8,
-                                               KEY_BLOCK), dtype=torch.float32, device=device)
-    return held[:batch]
-
-
-def _blocked(cache: torch.Tensor, span: int, copy: bool) -> torch.Tensor:
-    """``[Hkv, n, length, D]`` as float32 ``[Hkv, n, span, D]``, zeros past ``length``: the input itself when
-    it already is one and no ``copy`` is asked, else one copy."""
-    kv_heads, count, length, dim = cache.shape
-    if not copy and length == span and cache.dtype == torch.float32 and cache.is_contiguous():
-        return cache
-    out = torch.empty((kv_heads, count, span, dim), dtype=torch.float32, device=cache.device)
-    out[:, :, :length] = cache
-    out[:, :, length:] = 0
-    return out
-
-
 def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor) -> torch.Tensor:
     """Mixture-of-experts SwiGLU as ``transformers``' expert loop computes it, with invariant GEMMs.
 
-    Experts in ascending id order; each takes its tokens' rows through :func:`linear` (rows padded
-    with zero rows that no token reads), scales them by the router weight (in ``topk_weights``' dtype:
+    Experts in ascending id order; each takes its tokens' rows through :func:`linear`'s GEMM (padded
+    with repeats that no token reads), scales them by the router weight (in ``topk_weights``' dtype:
     Qwen-MoE routers round it to the model dtype, Mixtral's keeps float32), rounds to the model dtype
     and adds them into a zero-initialised output, so a token's sum runs over its experts in ascending
     id order whatever the other tokens are.
@@ -309,16 +187,24 @@ def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_we
     order = torch.argsort(flat, stable=True)  # the (token, slot) pairs grouped by expert: one sort, not a
     counts = torch.bincount(flat, minlength=w13.shape[0]).tolist()  # search per expert
     tokens = order // top_k
-    rows, weights = hidden[tokens], topk_weights.reshape(-1)[order, None]
-    out = torch.zeros_like(hidden)
-    start = 0
+    # each expert's rows, then its first row repeated up to a multiple of ROW_TILE rows (a row's bits do not
+    # depend on the rows beside it; the repeats are dropped): one gather, no padded copy per GEMM
+    picked, real, spans, start = [], [], [], 0
     for expert, count in enumerate(counts):
-        if count:  # a token meets each expert once: the order of its rows in the GEMM changes no bit
-            end = start + count
-            activated = silu_and_mul(linear(rows[start:end], w13[expert]))
-            out.index_add_(0, tokens[start:end], (linear(activated, w2[expert]) * weights[start:end]).to(out.dtype))
-            start = end
-    return out
+        if count:
+            size = -(-count // ROW_TILE) * ROW_TILE
+            spans.append((expert, len(picked), size))
+            real += range(len(picked), len(picked) + count)
+            picked += list(range(start, start + count)) + [start] * (size - count)
+            start += count
+    device = tokens.device
+    rows = hidden[tokens[torch.tensor(picked, device=device)]]
+    down = hidden.new_empty((len(picked), hidden.shape[1]))
+    for expert, at, size in spans:  # linear()'s GEMMs
+        torch.mm(silu_and_mul(torch.mm(rows[at:at + size], w13[expert].t())), w2[expert].t(), out=down[at:at + size])
+    scaled = (down[torch.tensor(real, device=device)] * topk_weights.reshape(-1)[order, None]).to(hidden.dtype)
+    # a token's rows come in ascending expert order, and index_add_ adds them one after another
+    return torch.zeros_like(hidden).index_add_(0, tokens, scaled)
 
 
 _OVERRIDES: dict[Callable, Callable] = {

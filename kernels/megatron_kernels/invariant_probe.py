@@ -1,13 +1,16 @@
 """Checks, on the machine at hand, the GEMM properties that the CPU's batch-invariant op set rests on.
 
-On a CPU :mod:`.invariant` computes its linears and attention with the BLAS's GEMMs, padded to shapes whose
-elements the library computes the same way whatever the other rows and columns: a linear's rows in
-multiples of :data:`~.invariant.ROW_TILE`, the attention's query columns in multiples of
-:data:`~.invariant.GEMM_COLUMNS`. Which shapes those are is the library's choice per CPU, not a promise:
-MKL 2024.2 computed a column the same for every column count from 2 on an Intel AVX-512 CPU, but only
-within the multiples of 16 on an AMD EPYC, where the 2-column form silently changed 1-3 of 16 log probs
-in the last bits. So the engine asks this module at start, on its own weights' shapes, and refuses the
-mode with the failed property named rather than serve log probs that are not what it promises.
+On a CPU :mod:`.invariant` and :mod:`.invariant_attention` compute linears and attention with the BLAS's
+GEMMs at shapes padded so that a row's bits do not depend on the rows around it: a linear's rows in
+multiples of :data:`~.invariant.ROW_TILE`, the attention's rows at least
+:data:`~.invariant_attention.MIN_ROWS`; a fused projection (q|k|v, gate|up) runs as one GEMM only where
+its columns equal the separate projections' (:func:`fusion_holds`), else part by part.
+Which shapes keep a row's bits is the library's choice per CPU, not a promise: on MKL 2024.2 an Intel
+AVX-512 CPU took other paths below 16 rows (8 rows already rounded otherwise), an AMD EPYC from 4 rows
+(multiples of 4) but rounded a GEMM's column differently between column counts that were not multiples
+of 16. So the engine asks this module at start, on its own weights' shapes, and refuses the mode with the
+failed property named rather than serve log probs that are not what it promises.
+``benchmarks/invariance_probe.py`` is the thorough version of the same checks, with controls.
 
 A probe of a small model's shapes takes a few milliseconds; of a 1B model's, well under a second.
 """
@@ -19,73 +22,93 @@ from collections.abc import Iterable
 
 import torch
 
-from .invariant import GEMM_COLUMNS, KEY_BLOCK, ROW_TILE
+from .invariant import KEY_BLOCK, ROW_TILE
+from .invariant_attention import MIN_ROWS
 
 _ROW_COUNTS = (ROW_TILE, 2 * ROW_TILE, 3 * ROW_TILE, 5 * ROW_TILE)
-_COLUMN_COUNTS = (GEMM_COLUMNS, 2 * GEMM_COLUMNS, 3 * GEMM_COLUMNS, 7 * GEMM_COLUMNS)
-_SPANS = (KEY_BLOCK, 3 * KEY_BLOCK)
+_ATTENTION_ROWS = (MIN_ROWS, MIN_ROWS + 1, 2 * MIN_ROWS + 3, 100)
+
+Linear = tuple[torch.Tensor, tuple[int, ...]]
+"""A weight ``[out, in]`` in the compute dtype and the widths of the projections fused in it, in order
+(``(out,)`` for one)."""
 
 
-def linear_problems(weights: Iterable[torch.Tensor]) -> list[str]:
-    """For each weight shape ``[out, in]`` and dtype: one input row's output row, moved to other places among
-    :data:`_ROW_COUNTS` rows, must keep its bits. Returns what failed, one line each (each shape probed once
+def linear_problems(linears: Iterable[Linear]) -> list[str]:
+    """For each weight shape and dtype: one input row's output, moved to other places among
+    :data:`_ROW_COUNTS` rows, keeps its bits. Returns what failed, one line each (each shape probed once
     per process: engines built one after another in a process ask again)."""
-    shapes = {(tuple(w.shape), w.dtype): w for w in weights if w.dim() == 2}
-    return [problem for (shape, dtype), weight in shapes.items()
+    unique = {(tuple(w.shape), w.dtype): w for w, _parts in linears if w.dim() == 2}
+    return [problem for (shape, dtype), weight in unique.items()
             if (problem := _linear_problem(shape, dtype, weight)) is not None]
 
 
 _LINEAR_CHECKED: dict[tuple[tuple[int, ...], torch.dtype], str | None] = {}
+_FUSION_CHECKED: dict[tuple[tuple[int, ...], torch.dtype, tuple[int, ...]], bool] = {}
+
+
+def _rows(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    return torch.randn((max(_ROW_COUNTS), shape[1]), generator=torch.Generator().manual_seed(0)).to(dtype)
 
 
 def _linear_problem(shape: tuple[int, ...], dtype: torch.dtype, weight: torch.Tensor) -> str | None:
     key = (shape, dtype)
     if key not in _LINEAR_CHECKED:
-        generator = torch.Generator().manual_seed(0)
-        rows = torch.randn((max(_ROW_COUNTS), shape[1]), generator=generator).to(dtype)
-        expected = torch.mm(rows[:ROW_TILE], weight.t())[3]
+        rows = _rows(shape, dtype)
+        expected = torch.mm(rows[:ROW_TILE], weight.t())[0]
         _LINEAR_CHECKED[key] = None
         for count in _ROW_COUNTS:
             moved = rows[:count].clone()
-            moved[count - 1] = rows[3]
+            moved[count - 1] = rows[0]
             if not torch.equal(torch.mm(moved, weight.t())[count - 1], expected):
                 _LINEAR_CHECKED[key] = f"a linear {shape} {dtype}: a row's output changes at row {count - 1} of {count}"
                 break
     return _LINEAR_CHECKED[key]
 
 
+def fusion_holds(weight: torch.Tensor, parts: tuple[int, ...]) -> bool:
+    """Whether each part of a fused weight gets, inside the fused GEMM, the columns of its own GEMM (then a
+    fused projection may run as one GEMM and still give a trainer's separate projections' bits)."""
+    key = (tuple(weight.shape), weight.dtype, parts)
+    if key not in _FUSION_CHECKED:
+        rows = _rows(key[0], weight.dtype)[:ROW_TILE]
+        fused, offset, holds = torch.mm(rows, weight.t()), 0, True
+        for width in parts:
+            holds = holds and torch.equal(torch.mm(rows, weight[offset:offset + width].t()),
+                                          fused[:, offset:offset + width])
+            offset += width
+        _FUSION_CHECKED[key] = holds
+    return _FUSION_CHECKED[key]
+
+
 @functools.cache
 def attention_problems(head_dim: int) -> tuple[str, ...]:
-    """The attention's three batched GEMMs (scores ``[span, D] x [D, N]``, weighted values ``[D, KEY_BLOCK] x
-    [KEY_BLOCK, N]``, weight sums ``[8, KEY_BLOCK] x [KEY_BLOCK, N]``, float32): a query column must keep its
-    bits wherever it stands among :data:`_COLUMN_COUNTS` columns and whatever the batch count."""
+    """The attention's two GEMMs per key block (scores ``[M, D] x [D, KEY_BLOCK]``, weighted values
+    ``[M, KEY_BLOCK] x [KEY_BLOCK, D]``, float32): a query row keeps its bits among :data:`_ATTENTION_ROWS`
+    rows, at any place and whatever the batch count."""
     generator = torch.Generator().manual_seed(1)
     problems = []
-    for name, rows, depth in (("scores", None, head_dim), ("weighted values", head_dim, KEY_BLOCK),
-                              ("weight sums", 8, KEY_BLOCK)):
-        for span in (_SPANS if rows is None else (rows,)):
-            left = torch.randn((3, span, depth), generator=generator)
-            columns = torch.randn((3, max(_COLUMN_COUNTS), depth), generator=generator)
-            expected = torch.bmm(left[:1], columns[:1, :GEMM_COLUMNS].transpose(1, 2))[0, :, 0]
-            failed = _column_moves(left, columns, expected)
-            if failed:
-                problems.append(f"the attention's {name} GEMM [{span}, {depth}] x [{depth}, N]: a column changes "
-                                f"{failed}")
+    for name, depth, width in (("scores", head_dim, KEY_BLOCK), ("weighted values", KEY_BLOCK, head_dim)):
+        rows = torch.randn((3, max(_ATTENTION_ROWS), depth), generator=generator)
+        right = torch.randn((3, depth, width), generator=generator)
+        expected = torch.bmm(rows[:1, :MIN_ROWS], right[:1])[0, 0]
+        failed = _row_moves(rows, right, expected)
+        if failed:
+            problems.append(f"the attention's {name} GEMM [M, {depth}] x [{depth}, {width}]: a row changes {failed}")
     return tuple(problems)
 
 
-def _column_moves(left: torch.Tensor, columns: torch.Tensor, expected: torch.Tensor) -> str | None:
-    """Where column 0 of the first batch entry, moved among other columns and batch entries, loses its bits."""
+def _row_moves(rows: torch.Tensor, right: torch.Tensor, expected: torch.Tensor) -> str | None:
+    """Where row 0 of the first batch entry, moved among other rows and batch entries, loses its bits."""
     for batch in (1, 3):
-        for count in _COLUMN_COUNTS:
+        for count in _ATTENTION_ROWS:
             for place in {0, min(5, count - 1), count - 1}:
-                moved = columns[:batch, :count].clone()
-                moved[0, place] = columns[0, 0]
-                if not torch.equal(torch.bmm(left[:batch], moved.transpose(1, 2))[0, :, place], expected):
-                    return f"at column {place} of {count} in a batch of {batch}"
+                moved = rows[:batch, :count].clone()
+                moved[0, place] = rows[0, 0]
+                if not torch.equal(torch.bmm(moved, right[:batch])[0, place], expected):
+                    return f"at row {place} of {count} in a batch of {batch}"
     return None
 
 
-def cpu_problems(weights: Iterable[torch.Tensor], head_dim: int) -> list[str]:
-    """Every property the CPU op set needs, probed with these weights' shapes and dtypes (empty: all hold)."""
-    return linear_problems(weights) + list(attention_problems(head_dim))
+def cpu_problems(linears: Iterable[Linear], head_dim: int) -> list[str]:
+    """Every property the CPU op set needs, probed with these linears' shapes and dtypes (empty: all hold)."""
+    return linear_problems(linears) + list(attention_problems(head_dim))

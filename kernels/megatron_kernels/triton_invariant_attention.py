@@ -13,7 +13,7 @@ prefill row, a chunked-prefill row and a row after a prefix-cache hit at the sam
 same keys therefore compute the same bits, in a launch of one row or of thousands. No value is read
 back to the host, so the launch can be captured in a CUDA graph.
 
-The CPU mode keeps :func:`megatron_kernels.invariant.attention` (MKL GEMMs in 16-row tiles). The two
+The CPU mode keeps :func:`megatron_kernels.invariant_attention.attention` (MKL GEMMs per key block). The two
 order the head-dimension dot product differently and agree to float32 rounding, not bit for bit: a
 trainer gets the engine's bits on the same kind of device only (:func:`dense_attention` is this
 kernel over a trainer's unpaged K/V). :func:`reference_attention` is the PyTorch twin (same block

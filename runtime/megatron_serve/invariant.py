@@ -25,7 +25,8 @@ import functools
 from typing import Iterator
 
 import torch
-from megatron_kernels.invariant import InvariantMode, attention, rms_norm
+from megatron_kernels.invariant import InvariantMode, rms_norm
+from megatron_kernels.invariant_attention import attention
 
 ATTENTION_NAME = "megatron_invariant"
 

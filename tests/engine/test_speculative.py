@@ -180,23 +180,3 @@ def test_drafts_are_never_published_to_the_prefix_cache(tiny_llama):
         verified.update(block_hashes(request.prompt_tokens + request.generated_tokens, 4, ROOT_HASH))
     cached = set(spec.allocator._block_of_hash)  # noqa: SLF001 - the cache's own index is what is checked
     assert cached and cached <= verified
-
-
-def test_grammar_rows_run_beside_speculating_rows_unchanged(invariant_pair):
-    """A request with a grammar does not speculate (its mask needs each token in turn); sharing steps with
-    speculating requests, it gets the tokens it gets without speculation, and they still speculate."""
-    from megatron_serve.wire.sampling_params import StructuredOutputsParams  # noqa: PLC0415
-
-    plain, spec = invariant_pair
-    prompts = repetitive_prompts(31, 3)
-    rng = random.Random(31)
-    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer"}},
-              "required": ["ok", "n"], "additionalProperties": False}
-    params = [looping(rng, num_tokens_to_generate=40, return_log_probs=True) for _ in prompts[:2]]
-    params.append(SamplingParams(temperature=1.0, seed=3, num_tokens_to_generate=60, return_log_probs=True,
-                                 structured_outputs=StructuredOutputsParams(json=schema)))
-    accepted = spec.stats.counters["spec_decode_num_accepted_tokens"]
-    got = run(spec, prompts, params)
-    assert outputs(got) == outputs(run(plain, prompts, params))
-    assert got[2].finish_reason is FinishReason.STOP  # the grammar completed
-    assert spec.stats.counters["spec_decode_num_accepted_tokens"] > accepted

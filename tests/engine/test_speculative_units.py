@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
 
@@ -31,6 +33,30 @@ from megatron_serve.wire.engine_stats import EngineStats
 ])
 def test_prompt_lookup(tokens, n_min, n_max, count, expected):
     assert lookup(tokens, n_min, n_max, count) == expected
+
+
+def test_prompt_lookup_agrees_with_a_scan_of_every_window():
+    """The lookup compares suffixes only where the last token occurred before; a scan of every earlier window of
+    each length gives the same answer on random token lists (a small alphabet: many matches, runs included)."""
+
+    def every_window(tokens: list[int], n_min: int, n_max: int, count: int) -> list[int]:
+        length = len(tokens)
+        if count < 1 or length < n_min + 1:
+            return []
+        for n in range(min(n_max, length - 1), n_min - 1, -1):
+            starts = [i for i in range(length - n) if tokens[i : i + n] == tokens[length - n :]]
+            if starts:
+                full = [i for i in starts if i + n + count <= length]
+                start = (full[-1] if full else starts[0]) + n
+                return tokens[start : start + count]
+        return []
+
+    rng = random.Random(0)
+    for _ in range(2000):
+        tokens = [rng.randrange(rng.choice([2, 4, 50])) for _ in range(rng.randrange(0, 40))]
+        n_min = rng.randint(1, 3)
+        args = (tokens, n_min, rng.randint(n_min, 5), rng.randint(0, 6))
+        assert lookup(*args) == every_window(*args), args
 
 
 def test_ngram_proposer_answers_each_input_in_order():

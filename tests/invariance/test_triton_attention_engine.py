@@ -22,9 +22,10 @@ from megatron_serve.model.attention import PagedAttention  # noqa: E402
 from .runs import Setup, differing, run_target  # noqa: E402
 
 
-def _kernel_attention(self: PagedAttention, q: torch.Tensor, meta, k_cache: torch.Tensor, v_cache: torch.Tensor,
+def _kernel_attention(self: PagedAttention, q: torch.Tensor, context, k_cache: torch.Tensor, v_cache: torch.Tensor,
                       scales: dict[str, torch.Tensor]) -> torch.Tensor:
-    return triton_invariant_attention.attend_step(q, meta, k_cache, v_cache, self.scale, torch.empty_like(q), **scales)
+    return triton_invariant_attention.attend_step(q, context.metadata, k_cache, v_cache, self.scale,
+                                                  torch.empty_like(q), **scales)
 
 
 @pytest.fixture

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_kernels import invariant
+from megatron_kernels import invariant, invariant_attention
 from megatron_kernels.triton_invariant_linear import invariant_linear, tiles_for
 from megatron_kernels.triton_invariant_norm import invariant_fused_add_rms_norm, invariant_rms_norm
 
@@ -94,3 +94,25 @@ def test_rms_norms_rows_equal_in_any_batch_and_close_to_the_twins(dtype: torch.d
 def test_rms_norm_rejects_a_wrong_weight() -> None:
     with pytest.raises(ValueError, match="hidden size 48"):
         invariant_rms_norm(_randn(2, 48, dtype=torch.float32, seed=0), _randn(32, dtype=torch.float32, seed=1), 1e-6)
+
+
+@pytest.mark.parametrize("group", [1, 2, 4])
+def test_attention_row_is_the_same_as_decode_and_as_the_last_row_of_a_chunk(group: int) -> None:
+    """A sequence's last query computed alone (a decode row) and as the last row of a chunk of 2 to 20 rows (a
+    speculative verify step, a prefill chunk) gets the same bits: the GEMMs' row count changes with the chunk,
+    and below ``MIN_ROWS`` the CPU's GEMM kernels round counts their own way (an AVX-512 EPYC: an earlier
+    form with 2-column GEMMs failed this)."""
+    kv_heads, dim, length = 2, 16, 70
+    keys = _randn(kv_heads, 1, length, dim, dtype=torch.float32, seed=10).cpu()
+    values = _randn(kv_heads, 1, length, dim, dtype=torch.float32, seed=11).cpu()
+    q = _randn(20, kv_heads * group, dim, dtype=torch.float32, seed=12).cpu()
+    last = length - 1
+
+    def last_row(rows: int) -> torch.Tensor:
+        positions = torch.arange(last - rows + 1, last + 1)
+        return invariant_attention.attention(q[20 - rows:], keys, values, torch.zeros(rows, dtype=torch.long),
+                                             positions, 0.25)[-1]
+
+    alone = last_row(1)
+    for rows in (2, 3, 5, 12, 20):
+        assert torch.equal(last_row(rows), alone), rows

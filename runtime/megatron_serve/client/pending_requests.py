@@ -65,6 +65,11 @@ class PendingRequest:
             self.future.set_exception(exc)
         if self.queue is not None:
             self.queue.put_nowait(exc)
+            # A stream's caller reads the queue, never the future: marked retrieved here, or asyncio logs
+            # "Future exception was never retrieved" when it is collected (and on Python 3.11 that log,
+            # run by the collector inside an ``ast.parse`` of the caret-drawing traceback, broke the parse).
+            if not self.future.cancelled():
+                self.future.exception()
 
 
 class PendingRequests:

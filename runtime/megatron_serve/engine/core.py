@@ -59,6 +59,7 @@ from .scheduler import ScheduledBatch, Scheduler, Sequence
 from .structured_output import StructuredOutputs
 from .speculative.decoder import Emitted, Speculator
 from .speculative.factory import make_proposer
+from .speculative.stepping import SpeculativeSteps
 from ..tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -102,7 +103,7 @@ def _encoder_cache_for(model: LlamaForCausalLM, tokenizer: Tokenizer) -> Encoder
     return EncoderCache(model, tokenizer.images)
 
 
-class DynamicInferenceEngine(DeviceMemoryVerbs, LoraVerbs):
+class DynamicInferenceEngine(DeviceMemoryVerbs, LoraVerbs, SpeculativeSteps):
     def __init__(self, model: LlamaForCausalLM, tokenizer: Tokenizer, config: InferenceConfig,
                  runner: ModelRunner | None = None, model_dir: str | Path | None = None):
         """``model_dir``: where the model came from, when known (a draft model of another vocabulary is refused)."""
@@ -352,13 +353,32 @@ class DynamicInferenceEngine(DeviceMemoryVerbs, LoraVerbs):
     # ------------------------------------------------------------------ step
     def step(self) -> list[StepOutput]:
         """Run one step: schedule, launch, finish. With ``async_scheduling`` the step finished is the one
-        launched by the previous call, after this call launched the next (its outputs come one call later)."""
-        if self.speculator is not None:
-            return self._deliver(self._step_speculative())
+        launched by the previous call, after this call launched the next (its outputs come one call later).
+
+        With speculation on, the K policy first picks each decode-ready request's drafts for this step
+        (:meth:`~.speculative.decoder.Speculator.plan`): when some request drafts, the step is a verify step
+        (not overlapped: the proposer needs every request's last token on the host); when none does, it is a
+        plain step, overlapped like any other, and costs what a step without speculation costs.
+        """
+        speculator = self.speculator
+        if speculator is None:
+            return self._deliver(self._step_plain())
+        speculator.start_step()
+        ks = speculator.plan(self.scheduler.running)
+        outputs = self._step_speculative(ks) if ks else self._step_plain()
+        speculator.end_step(self.device.type == "cpu")
+        return self._deliver(outputs)
+
+    def _step_plain(self) -> list[StepOutput]:
+        """A step without drafts (see :meth:`step`)."""
         outputs, self._pending = self._pending, []
         batch = self.schedule()
         launched = self.launch(batch) if batch is not None else None
         previous, self._in_flight = self._in_flight, None
+        if self.speculator is not None and launched is not None:
+            self.speculator.observe(launched.entries, launched.starts)  # a head files the target's hidden states
+            if previous is not None and batch is not None and batch.num_tokens == len(batch.entries):
+                self.speculator.time_step(len(batch.entries), 0)  # all decode, overlapped after a step like it
         if launched is not None and launched.sample is None:
             # Its grammar rows need the tokens the previous step samples: finish that one first (the forward
             # just launched runs meanwhile), then fill the masks and sample.
@@ -373,22 +393,7 @@ class DynamicInferenceEngine(DeviceMemoryVerbs, LoraVerbs):
             done.append(launched)
         for step in done:
             outputs += self.finish(step)
-        return self._deliver(outputs + self._take_pending())
-
-    def _step_speculative(self) -> list[StepOutput]:
-        """A step with speculation on (engine.speculative): drafts attached, scheduled as extra query rows,
-        verified and rolled back. Not overlapped: the proposer needs every request's tokens on the host."""
-        self._settle()
-        speculator, scheduler = self.speculator, self.scheduler
-        assert speculator is not None
-        speculator.propose([s for s in scheduler.running if speculator.may_speculate(s, s.request_id in self.structured)])
-        batch = self.schedule()
-        speculator.fit(batch, scheduler.running, [s for s in scheduler.waiting if s.num_drafts])
-        step = self.launch(batch) if batch is not None else None
-        if step is not None:
-            speculator.observe(step.entries, step.starts)
-            self._pending.extend(self.finish(step))  # launch() sampled it: no row waits for a token in flight
-        return self._take_pending()
+        return outputs + self._take_pending()
 
     def sync(self) -> list[StepOutput]:
         """Finish the step in flight, if any, and return every output not handed out yet (call before a
@@ -458,7 +463,7 @@ class DynamicInferenceEngine(DeviceMemoryVerbs, LoraVerbs):
         routing = Readback([forward.routing]) if forward.routing is not None else None  # graphs reuse their outputs
         kv_epochs = [self.epoch if s.kv_epoch is None else s.kv_epoch for s in sampling]  # set above: never None
         step = InFlightStep(entries, starts, sampling, kv_epochs, forward.logits[: len(sampling)], scores, routing)
-        if self.speculator is not None:  # verified in sample(), drafts or not (rows of one step are sampled alike)
+        if plan.num_verify:  # verified in sample(), rows with drafts or not (rows of one step are sampled alike)
             step.verify_logits = forward.logits[len(sampling) + plan.num_score :]
         if not any(s.pending_tokens and s.request_id in self.structured for s in sampling):
             self.sample(step)
@@ -477,7 +482,9 @@ class DynamicInferenceEngine(DeviceMemoryVerbs, LoraVerbs):
                 state.add(s.request_id, request.sampling_params, s.seed, request.prompt_tokens,
                           request.generated_tokens, s.stop_token_ids)
         logits = step.logits
-        masks = self.structured.bitmask([s.request_id for s in sampling], [s.stop_token_ids for s in sampling])
+        drafts = ([s.token_ids[len(s.token_ids) - s.num_drafts:] for s in sampling]
+                  if step.verify_logits is not None else None)  # a verify step: a mask per verified position
+        masks = self.structured.bitmask([s.request_id for s in sampling], [s.stop_token_ids for s in sampling], drafts)
         if step.verify_logits is not None and self.speculator is not None:
             step.emitted = self.speculator.verify(sampling, logits, step.verify_logits, state, self.sampler, masks)
             step.logits = step.verify_logits = None
@@ -508,9 +515,10 @@ class DynamicInferenceEngine(DeviceMemoryVerbs, LoraVerbs):
         finishing now leaves its blocks cached), each request's tokens appended (or dropped for a request
         that left meanwhile), stop conditions checked, grammar advanced, statistics observed. Registering
         here rather than at launch publishes a block one step later under asynchronous scheduling."""
+        drafted: dict[int, np.ndarray] = {}  # speculating sequences' draft rows, recorded as drafts are accepted
         if step.routing is not None:
-            record_step([(s, start, count) for (s, count), start in zip(step.entries, step.starts)],
-                        np.asarray(step.routing.wait()[0]))
+            drafted = record_step([(s, start, count, s.num_drafts) for (s, count), start
+                                   in zip(step.entries, step.starts)], np.asarray(step.routing.wait()[0]))
         if step.scores is not None:
             record_prompt_scores(*step.scores)
         register = self.scheduler.register_computed_blocks
@@ -525,7 +533,7 @@ class DynamicInferenceEngine(DeviceMemoryVerbs, LoraVerbs):
                 continue
             out = emitted[row]
             Speculator.rollback(sequence, out.accepted, self.allocator, self.config.block_size_tokens)
-            outputs.append(self._append_tokens(sequence, out, step.kv_epochs[row]))
+            outputs.append(self._append_tokens(sequence, out, step.kv_epochs[row], drafted.get(id(sequence))))
             if not (self.parity.active and self.parity.owns(sequence.request_id)):  # no user request: not counted
                 sequences.append(sequence)
                 observed.append(outputs[-1])
@@ -533,23 +541,6 @@ class DynamicInferenceEngine(DeviceMemoryVerbs, LoraVerbs):
                 register(sequence)
         self.stats.observe_step(sequences, observed, now)
         return outputs
-
-    def _append_tokens(self, sequence: Sequence, emitted: Emitted, kv_epoch: int) -> StepOutput:
-        """Append a row's tokens one by one (several after accepted drafts), up to the one that finishes it."""
-        merged: StepOutput | None = None
-        for token, log_prob, top_n in zip(emitted.tokens, emitted.log_probs, emitted.top_n):
-            out = self._append_token(sequence, token, log_prob, top_n, kv_epoch)
-            if merged is None:
-                merged = out
-            else:
-                merged.new_tokens += out.new_tokens
-                merged.new_log_probs += out.new_log_probs
-                merged.new_top_logprobs += out.new_top_logprobs
-                merged.finished = out.finished
-            if out.finished:
-                break
-        assert merged is not None, "a sampled row emits at least one token"
-        return merged
 
     def _append_token(self, sequence: Sequence, token: int, log_prob: float | None,
                       top_n: dict[int, float] | None, kv_epoch: int) -> StepOutput:

@@ -115,13 +115,19 @@ class KVCachePool:
     v_scales)`` instead of ``(k, v)``, and a block takes ``head_dim + 4`` bytes per token and head
     instead of ``2 * head_dim`` (bf16): 1.94x the tokens at head_dim 128, 1.88x at 64.
     It can be released (suspend) and allocated again (resume) without rebuilding the engine.
+
+    With ``heads_first`` the memory is ordered ``[layers, 2, kv_heads, blocks, block_size, head_dim]`` and each
+    layer's cache is a view of it with the usual shape: the CPU ``--batch-invariant`` attention reads a
+    sequence's keys per head as whole blocks, one copy per layer instead of two
+    (:class:`megatron_kernels.invariant_attention.PagedStep`); every indexing reader works unchanged.
     """
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device | str, fp8: bool = False):
+                 dtype: torch.dtype, device: torch.device | str, fp8: bool = False, heads_first: bool = False):
         self.shape = (num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim)
         self.dtype = torch.float8_e4m3fn if fp8 else dtype
         self.fp8 = fp8
+        self.heads_first = heads_first
         self.device = torch.device(device)
         self._storage: torch.Tensor | None = None
         self._scales: torch.Tensor | None = None
@@ -140,7 +146,12 @@ class KVCachePool:
 
     def allocate(self) -> None:
         if self._storage is None:
-            self._storage = torch.zeros(self.shape, dtype=self.dtype, device=self.device)
+            if self.heads_first:
+                layers, kinds, blocks, block_size, heads, dim = self.shape
+                self._storage = torch.zeros((layers, kinds, heads, blocks, block_size, dim), dtype=self.dtype,
+                                            device=self.device).permute(0, 1, 3, 4, 2, 5)
+            else:
+                self._storage = torch.zeros(self.shape, dtype=self.dtype, device=self.device)
             self.layer_caches = [(layer[0], layer[1]) for layer in self._storage]
             if self.fp8:
                 self._scales = torch.zeros(self.shape[:-1], dtype=torch.float32, device=self.device)

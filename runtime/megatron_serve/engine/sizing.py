@@ -112,7 +112,7 @@ def build_kv_pool(model: LlamaForCausalLM, config: InferenceConfig, max_sequence
             raise ValueError("no memory left for the KV cache: use a smaller model or raise kv_cache_memory_fraction")
     num_blocks = agree_on_min(num_blocks, model.tp)
     return KVCachePool(mc.num_layers, num_blocks, block_size, model.num_local_kv_heads, mc.head_dim, dtype, device,
-                       fp8)
+                       fp8, heads_first=config.batch_invariant and device.type == "cpu")
 
 
 def engine_buffers(config: InferenceConfig, max_sequence_length: int, device: torch.device) -> StepBuffers:

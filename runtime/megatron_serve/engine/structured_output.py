@@ -17,6 +17,14 @@ Hugging Face tokenizer files through llguidance's own converter, once per engine
 
 End of output: when the grammar is complete the mask allows the request's own stop tokens (and
 only those); when no further token can extend it, the request finishes at once with ``stop``.
+
+Speculation (``engine.speculative``): a request's drafts are cut at the first one its grammar does not
+accept (:meth:`StructuredOutputs.draft_prefix`, before the step is scheduled, so no row is spent on a
+guess the grammar forbids), and a verify step gets one mask per verified position
+(:meth:`StructuredOutputs.bitmask` with ``drafts``): the matcher is advanced through the drafts, each
+position's mask filled in the state the plain engine fills it in once the tokens before it were
+accepted, then rolled back (llguidance's ``rollback``), so the matcher only ever advances over the tokens
+the step emits. Cost: one mask fill per verified position, the same as the plain engine's per token.
 """
 
 from __future__ import annotations
@@ -91,33 +99,79 @@ class StructuredOutputs:
             return False, f"structured_outputs: token {token} does not fit the grammar: {matcher.get_error()}"
         return matcher.is_stopped(), None
 
-    def bitmask(self, request_ids: list[str], stop_token_ids: list[frozenset[int]]) -> torch.Tensor | None:
+    def draft_prefix(self, request_id: str, drafts: list[int], stop_token_ids: frozenset[int]) -> int:
+        """How many of ``drafts`` (in order) the request's grammar accepts: all for an unconstrained request. A
+        stop or end-of-sequence token ends the count (it would end the request, not extend it: the mask allows
+        only the request's own stop tokens where the grammar is complete, and never the grammar's EOS)."""
+        matcher = self._matchers.get(request_id)
+        if matcher is None:
+            return len(drafts)
+        ends = stop_token_ids.union(self._ll_tokenizer.eos_tokens)
+        count = next((i for i, token in enumerate(drafts) if token in ends), len(drafts))
+        return matcher.validate_tokens(drafts[:count]) if count else 0
+
+    def bitmask(self, request_ids: list[str], stop_token_ids: list[frozenset[int]],
+                drafts: list[list[int]] | None = None) -> torch.Tensor | None:
         """The allowed tokens of each row (``request_ids``) as an int32 bitmask, or None when no row is constrained.
 
         Unconstrained rows allow every token. One parallel fill for the constrained ones (llguidance's
         executor, without the GIL). Each row's end-of-sequence bits are then set to its own stop tokens:
         allowed where the grammar is complete, forbidden everywhere else. A complete grammar with nothing
         left to allow (a request with ``ignore_eos``) allows EOS, which the grammar consumes and then stops.
+
+        ``drafts``: each request's speculative guesses (a verify step). Then the mask has a row per verified
+        position, in the verify step's logits order: first one per request for the position after all its
+        drafts, then, request by request, one per draft for the position of that draft (the state after the
+        drafts before it). Each is filled depth by depth with the matcher advanced over the drafts before it,
+        then rolled back. Drafts the grammar does not accept (cut by :meth:`draft_prefix` before the step, so
+        never expected here) leave the positions from there on allowing nothing.
         """
         rows = [i for i, request_id in enumerate(request_ids) if request_id in self._matchers]
         if not rows:
             return None
+        drafts = drafts if drafts is not None else [[] for _ in request_ids]
+        offsets, total = [], len(request_ids)
+        for guesses in drafts:
+            offsets.append(total)
+            total += len(guesses)
+
+        def row_of(i: int, depth: int) -> int:
+            return offsets[i] + depth if depth < len(drafts[i]) else i
+
+        # Pinned where a GPU takes it: a copy from pageable memory would wait for the forward queued before it.
+        bitmask = torch.full((total, (self.vocab_size + 31) // 32), -1, dtype=torch.int32,
+                             pin_memory=torch.cuda.is_available())
+        walks = []  # (request row, its matcher, how many of its drafts it walks through)
+        for i in rows:
+            valid = self.draft_prefix(request_ids[i], drafts[i], stop_token_ids[i]) if drafts[i] else 0
+            for depth in range(valid + 1, len(drafts[i]) + 1):  # past a refused draft: never reached
+                bitmask[row_of(i, depth)] = 0
+            walks.append((i, self._matchers[request_ids[i]], valid))
+        for depth in range(max(valid for *_, valid in walks) + 1):
+            at_depth = [walk for walk in walks if depth <= walk[2]]
+            self._fill(bitmask, [(matcher, row_of(i, depth), stop_token_ids[i]) for i, matcher, _ in at_depth])
+            for i, matcher, valid in at_depth:
+                if depth < valid:
+                    matcher.consume_token(drafts[i][depth])  # validated by draft_prefix
+        for _i, matcher, valid in walks:
+            if valid:
+                matcher.rollback(valid)
+        return bitmask
+
+    def _fill(self, bitmask: torch.Tensor, targets: list[tuple[Any, int, frozenset[int]]]) -> None:
+        """Fill row ``row`` of ``bitmask`` from ``matcher``'s current state, for each ``(matcher, row, stop
+        tokens)``, in one parallel call; then set each row's end-of-sequence bits (see :meth:`bitmask`)."""
         import llguidance.torch  # noqa: PLC0415
 
-        words = (self.vocab_size + 31) // 32
-        # Pinned where a GPU takes it: a copy from pageable memory would wait for the forward queued before it.
-        bitmask = torch.full((len(request_ids), words), -1, dtype=torch.int32, pin_memory=torch.cuda.is_available())
-        matchers = [self._matchers[request_ids[row]] for row in rows]
-        llguidance.torch.fill_next_token_bitmask_par(self._executor, list(zip(matchers, rows)), bitmask)
+        llguidance.torch.fill_next_token_bitmask_par(self._executor, [(m, row) for m, row, _ in targets], bitmask)
         view = bitmask.numpy().view("uint32")
         eos = [t for t in self._ll_tokenizer.eos_tokens if t < self.vocab_size]
-        for row, matcher in zip(rows, matchers):
+        for matcher, row, stop_token_ids in targets:
             for token in eos:
                 view[row, token >> 5] &= ~(1 << (token & 31)) & 0xFFFFFFFF
-            allowed = list(stop_token_ids[row]) if matcher.is_accepting() else []
+            allowed = list(stop_token_ids) if matcher.is_accepting() else []
             if not view[row].any() and not allowed:
                 allowed = eos  # the grammar is complete and the request has no stop token of its own (ignore_eos)
             for token in allowed:
                 if token < self.vocab_size:
                     view[row, token >> 5] |= 1 << (token & 31)
-        return bitmask

@@ -288,7 +288,7 @@ def run_worker(model_dir: str, config_dict: dict, placement: Placement, rank: in
     runner.capture_graphs(pool.layer_caches)
     slots = None
     if config.enable_lora:  # after capture, as on rank 0: graphs hold the base model only
-        slots = LoraSlots(model, config.max_loras, config.max_lora_rank)
+        slots = LoraSlots(model, config.max_loras, config.max_lora_rank, config.batch_invariant)
         runner.lora_rows = slots.rows
     sampled = 0  # rows the last step sampled: the length of the tokens a gathering step receives
     while True:

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from megatron_kernels import get_op, invariant
+from megatron_kernels.invariant_attention import PagedStep, Workspace
 
 
 @dataclass
@@ -54,6 +55,9 @@ class ForwardContext:
     kv_caches: list[tuple[torch.Tensor, ...]]  # per layer (k, v), or (k, v, k_scales, v_scales) when FP8
     multimodal: MultimodalStep | None = None
     routing: list[torch.Tensor] | None = None
+    # --batch-invariant on CPU: the forward's attention plan, made by the first layer (a forward's context is its
+    # own; its metadata may not be: graph replays rerun over the same metadata with new contents)
+    invariant_step: PagedStep | None = None
 
 
 class PagedAttention(nn.Module):
@@ -66,6 +70,7 @@ class PagedAttention(nn.Module):
         self._prefill = get_op("paged_attention_prefill", device)
         self._write = get_op("write_kv_cache", device)
         self.batch_invariant = False
+        self.workspace: Workspace | None = None  # --batch-invariant on CPU: scratch tensors, one per model
 
     def _cache(self, context: ForwardContext) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
         """This layer's keys and values, and an FP8 cache's scales as the ops' keywords (see ``KVCachePool``)."""
@@ -98,7 +103,7 @@ class PagedAttention(nn.Module):
                 triton_invariant_attention.attend_step(q[:rows], meta, k_cache, v_cache, self.scale, out[:rows],
                                                        **scales)
                 return out
-            out[:rows] = self._attend_invariant(q[:rows], meta, k_cache, v_cache, scales)
+            out[:rows] = self._attend_invariant(q[:rows], context, k_cache, v_cache, scales)
             return out
         num_decode = meta.num_decode_tokens
         if num_decode:
@@ -110,46 +115,36 @@ class PagedAttention(nn.Module):
                           **scales)
         return out
 
-    def _attend_invariant(self, q: torch.Tensor, meta: AttentionMetadata, k_cache: torch.Tensor,
+    def _attend_invariant(self, q: torch.Tensor, context: ForwardContext, k_cache: torch.Tensor,
                           v_cache: torch.Tensor, scales: dict[str, torch.Tensor]) -> torch.Tensor:
-        """Every row of the step in one :func:`megatron_kernels.invariant.attention` call: decode rows and
-        prefill chunks, cold or after a prefix-cache hit, meet the same arithmetic."""
-        tables, lens, sequence, positions = [], [], [], []
-        device = q.device
-        if meta.num_decode_tokens:
-            count = meta.num_decode_tokens
-            tables.append(meta.decode_block_tables)
-            lens.append(meta.decode_context_lens)
-            sequence.append(torch.arange(count, device=device))
-            positions.append(meta.decode_context_lens.long() - 1)
-        if meta.prefill_block_tables is not None:
-            starts = meta.prefill_query_start_loc.long()
-            counts = starts[1:] - starts[:-1]
-            context = meta.prefill_context_lens.long()
-            seq = torch.arange(counts.numel(), device=device).repeat_interleave(counts)
-            tables.append(meta.prefill_block_tables)
-            lens.append(meta.prefill_context_lens)
-            sequence.append(seq + meta.num_decode_tokens)  # decode sequences come first, one row each
-            row = torch.arange(int(starts[-1]), device=device)
-            positions.append(row - starts[seq] + (context - counts)[seq])
-        table = torch.cat(tables)
-        block_size = k_cache.shape[1]
-        blocks = -(-int(torch.cat(lens).max()) // block_size)
-        keys = _gather_blocks(k_cache, table, blocks, scales.get("k_scales"))
-        values = _gather_blocks(v_cache, table, blocks, scales.get("v_scales"))
-        return invariant.attention(q, keys, values, torch.cat(sequence), torch.cat(positions), self.scale,
-                                   scratch=True)
+        """Every row of the step through :class:`megatron_kernels.invariant_attention.PagedStep`: decode rows and
+        prefill chunks, cold or after a prefix-cache hit, meet the same arithmetic. The forward's plan (row
+        groups, cache slots to read) is made by the first layer and kept on ``context`` for the others."""
+        step = context.invariant_step
+        group_heads, block_size = q.shape[1] // k_cache.shape[2], k_cache.shape[1]
+        if step is None or (step.group_heads, step.block_size) != (group_heads, block_size):
+            step = context.invariant_step = _plan_step(context.metadata, group_heads, block_size, q.device)
+        if self.workspace is None:
+            self.workspace = Workspace()
+        return step.attend(q, k_cache, v_cache, self.scale, torch.empty_like(q), self.workspace, **scales)
 
 
-def _gather_blocks(cache: torch.Tensor, block_tables: torch.Tensor, blocks: int,
-                   scales: torch.Tensor | None) -> torch.Tensor:
-    """``[Hkv, S, blocks * block_size, D]``: each sequence's first ``blocks`` cache blocks in order, heads
-    first as the invariant attention's GEMMs read them (an FP8 cache dequantized to float32)."""
-    table = block_tables[:, :blocks].long().clamp_min(0)
-    count, kv_heads = table.shape[0], cache.shape[2]
-    # the blocks, then one permuting copy: 372 us against 525 us for one index of [Hkv, S, L] rows
-    # (32 sequences of 160 keys, 1 thread), and 453 us for the earlier [S, L, Hkv, D] layout plus the transpose
-    gathered = cache[table].permute(3, 0, 1, 2, 4).reshape(kv_heads, count, -1, cache.shape[-1])
-    if scales is not None:
-        gathered = gathered.float() * scales[table].permute(3, 0, 1, 2).reshape(kv_heads, count, -1, 1)
-    return gathered
+def _plan_step(meta: AttentionMetadata, group_heads: int, block_size: int, device: torch.device) -> PagedStep:
+    """The step's rows and positions per sequence (decode rows first, one each, then the prefill chunks)."""
+    rows_of: list[range] = []
+    positions_of: list[range] = []
+    tables = []
+    decode = meta.num_decode_tokens
+    if decode:
+        rows_of += [range(row, row + 1) for row in range(decode)]
+        positions_of += [range(length - 1, length) for length in meta.decode_context_lens.tolist()]
+        tables.append(meta.decode_block_tables)
+    if meta.prefill_block_tables is not None:
+        starts = meta.prefill_query_start_loc.tolist()
+        for index, length in enumerate(meta.prefill_context_lens.tolist()):
+            count = starts[index + 1] - starts[index]
+            rows_of.append(range(decode + starts[index], decode + starts[index + 1]))
+            positions_of.append(range(length - count, length))
+        tables.append(meta.prefill_block_tables)
+    return PagedStep(rows_of, positions_of, torch.cat(tables) if len(tables) > 1 else tables[0], group_heads,
+                     block_size, device)

@@ -83,6 +83,7 @@ class ColumnParallelLinear(nn.Module):
         self.weight = nn.Parameter(torch.empty(offset, in_features, dtype=weight_dtype), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(offset), requires_grad=False) if bias else None
         self.batch_invariant = False
+        self.fused_invariant = False  # set by the model where its probe found fused columns equal to the parts
 
     def _rank_slice(self, name: str, features: int, unit: int) -> tuple[int, int]:
         units = features // unit
@@ -112,13 +113,18 @@ class ColumnParallelLinear(nn.Module):
         return nn.functional.linear(x, self.weight, self.bias)
 
     def _invariant_forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Each fused part (q, k, v / gate, up) its own invariant GEMM, as a checkpoint's separate
-        projections compute them: a fused GEMM's rounding could depend on its width."""
+        """With :attr:`fused_invariant` the fused parts (q, k, v / gate, up) in one invariant GEMM: each column
+        has the bits of the checkpoint's separate projection (a trainer's) whatever the parts beside it, where
+        the model's probe at start found so; else each part its own GEMM, as a checkpoint's separate
+        projections compute them (on an AMD EPYC a part of 8 columns fused among 24 rounded otherwise; widths
+        of whole column tiles held everywhere probed)."""
+        if self.fused_invariant or len(self.slices) == 1:
+            return invariant.linear(x, self.weight, self.bias)
         parts = []
         for offset, _start, length in self.slices.values():
             bias = None if self.bias is None else self.bias.narrow(0, offset, length)
             parts.append(invariant.linear(x, self.weight.narrow(0, offset, length), bias))
-        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
+        return torch.cat(parts, dim=-1)
 
 
 class RowParallelLinear(nn.Module):

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from megatron_kernels import get_op, invariant_probe
+from megatron_kernels.invariant_attention import Workspace
 
 from .attention import ForwardContext, PagedAttention
 from .config import ModelConfig
@@ -195,36 +196,53 @@ class LlamaForCausalLM(nn.Module):
         if self.config.vision is not None:
             raise UnsupportedModelError("--batch-invariant supports text models only, not vision-language models")
         if self.rotary_cos.device.type == "cpu":
-            problems = invariant_probe.cpu_problems(self._gemm_weights(), self.config.head_dim)
+            problems = invariant_probe.cpu_problems(self._gemm_linears(), self.config.head_dim)
             if problems:
-                raise UnsupportedModelError("--batch-invariant: this CPU's GEMMs change an element's bits with the "
+                raise UnsupportedModelError("--batch-invariant: this CPU's GEMMs change a row's bits with the "
                                             "shapes around it, so no log prob could be promised: "
                                             + "; ".join(problems))
+            for module in self.modules():  # fused q|k|v, gate|up in one GEMM where its columns are the parts'
+                if isinstance(module, ColumnParallelLinear) and len(module.slices) > 1:
+                    parts = tuple(length for _offset, _start, length in module.slices.values())
+                    module.fused_invariant = invariant_probe.fusion_holds(self._in_compute_dtype(module.weight),
+                                                                          parts)
+        workspace = Workspace()  # the attention layers' scratch tensors, shared: they run one after another
         for module in self.modules():
             if isinstance(module, (ColumnParallelLinear, RowParallelLinear, ReplicatedLinear, VocabParallelEmbedding,
                                    PagedAttention)):
                 module.batch_invariant = True
+            if isinstance(module, PagedAttention):
+                module.workspace = workspace
             elif isinstance(module, (RMSNorm, GatedMLP, FusedExperts, SparseMoeBlock)):
                 module.use_invariant_ops()
         cos, sin = invariant_rotary_cos_sin(self.config.head_dim, self.config.max_position_embeddings,
                                             self.config.rope, self.dtype)
         self.rotary_cos, self.rotary_sin = cos.to(self.rotary_cos.device), sin.to(self.rotary_sin.device)
 
-    def _gemm_weights(self) -> list[torch.Tensor]:
-        """A weight of every shape the mode's GEMMs multiply by, in the compute dtype: an expert stack's first
-        expert; an FP8 weight's shape in the model dtype (it is dequantized per call); at most the first 8,192
-        output rows of each: the LM head's whole vocabulary would cost seconds at every start, and 8,192 is a
-        whole number of the library's column tiles, as the full weight's first 8,192 columns are (a sample of
-        the real shape, not all of it: the probe is a check, ``tests/invariance`` the proof)."""
-        weights = []
-        for name, parameter in self.named_parameters():
-            if "embed_tokens" in name or parameter.dim() not in (2, 3) or not parameter.is_floating_point():
-                continue
-            weight = (parameter[0] if parameter.dim() == 3 else parameter)[:8192]
-            if weight.dtype != self.dtype:
-                weight = torch.randn(weight.shape).to(self.dtype)
-            weights.append(weight)
-        return weights
+    def _gemm_linears(self) -> list[invariant_probe.Linear]:
+        """A weight of every shape the mode's GEMMs multiply by, in the compute dtype, with its fused parts:
+        an expert stack's first expert; an FP8 weight's shape in the model dtype (dequantized per call); at
+        most the first 8,192 output rows of each: the LM head's whole vocabulary would cost seconds at every
+        start, and 8,192 is a whole number of the library's column tiles, as the full weight's first 8,192
+        columns are (a sample of the real shape, not all of it: the probe is a check, ``tests/invariance``
+        the proof)."""
+        linears: list[invariant_probe.Linear] = []
+        for module in self.modules():
+            if isinstance(module, ColumnParallelLinear):  # fused, and each part (run alone where fusing differs)
+                parts = tuple(length for _offset, _start, length in module.slices.values())
+                linears.append((self._in_compute_dtype(module.weight), parts))
+                linears += [(self._in_compute_dtype(module.weight[offset:offset + length]), (length,))
+                            for offset, _start, length in module.slices.values()]
+            elif isinstance(module, (RowParallelLinear, ReplicatedLinear, ParallelLMHead)):
+                weight = self._in_compute_dtype(module.weight[:8192])
+                linears.append((weight, (weight.shape[0],)))
+            elif isinstance(module, FusedExperts):
+                for stack in (module.gate_up_proj, module.down_proj):
+                    linears.append((self._in_compute_dtype(stack[0]), (stack.shape[1],)))
+        return linears
+
+    def _in_compute_dtype(self, weight: torch.Tensor) -> torch.Tensor:
+        return weight if weight.dtype == self.dtype else torch.randn(weight.shape).to(self.dtype)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()

@@ -8,14 +8,22 @@ partial sum like the base layer's ``x_r W_r^T``. The two are added before one re
 reduction moves into the LoRA hook (:func:`lora_shard` turns the layer's off), which adds the delta and then
 reduces as the layer would (the all-reduce, or the fixed-order sum of ``--batch-invariant``). So adapters add
 no collective to a step, and a step without adapter rows reduces the same tensor the layer reduced before.
+
+MoE experts (:func:`expert_share`) split the same way, expert by expert: every rank holds the same slice of each
+expert's intermediate dimension, so ``gate_up_proj`` is column-parallel (``A`` replicated, ``B``'s rows of the
+rank's gate slice and of its up slice) and ``down_proj`` row-parallel (``A``'s columns of the slice, ``B``
+replicated). The expert hook recomputes a row's experts with ``W + B A`` from these shares: the rank's result is
+a partial sum like the fused kernel's, and joins the MoE block's one reduction with the shared expert's.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 from torch import nn
 
+from .lora_experts import EXPERT_PROJECTIONS
 from .parallel import TensorParallel
 
 
@@ -53,3 +61,18 @@ def lora_shard(module: nn.Module, parts: tuple[str, ...], shapes: list[tuple[int
     module.reduce = False  # the hook adds the delta to the partial sums, then reduces them
     out_features = shapes[0][0]
     return LoraShard({parts[0]: (0, 0, out_features)}, (tp.rank * local_in, local_in), tp)
+
+
+def expert_share(projection: str, a: torch.Tensor, b: torch.Tensor, tp: TensorParallel, local: int
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's share of an expert projection's adapter (``A [E, r, in]``, ``B [E, out, r]``) when each rank
+    holds ``local`` columns of every expert's intermediate dimension: ``gate_up_proj`` keeps all of ``A`` and
+    ``B``'s rows of its gate slice then of its up slice (the fused parameter's layout), ``down_proj`` keeps ``A``'s
+    columns of its slice and all of ``B``."""
+    if tp.size == 1:
+        return a, b
+    start = tp.rank * local
+    if projection == EXPERT_PROJECTIONS[0]:
+        inner = b.shape[1] // 2
+        return a, torch.cat((b[:, start : start + local], b[:, inner + start : inner + start + local]), dim=1)
+    return a[:, :, start : start + local], b

@@ -15,6 +15,9 @@ two projections, so no delta can be added to the experts' output; the rows of ea
 adapts the experts are computed again, expert by expert, with ``W + B A`` in both projections, and
 replace the fused kernel's rows. Rows of the base model and of adapters without expert weights keep
 the fused kernel's result. Correct first: the adapted rows cost a second, unfused pass over their experts.
+Under tensor parallelism each rank recomputes its rows with its slice of the experts and its share of the
+adapter (:func:`.lora_shards.expert_share`): the replaced rows are partial sums like the fused kernel's, which
+the MoE block reduces once (the all-reduce, or the fixed-order sum of ``--batch-invariant``).
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ from megatron_kernels.reference_lora import LoraBatch
 from .config import ModelConfig
 from .lora import LoraAdapter, LoraAdapterError, projection_shape
 from .lora_experts import EXPERT_PROJECTIONS, expert_shape
-from .lora_shards import lora_shard
+from .lora_shards import expert_share, lora_shard
 from .moe import FusedExperts
 
 # decoder-layer module -> the checkpoint projections it holds, in the order of its output features
@@ -123,17 +126,19 @@ class _SlotWeights:
 
 class _ExpertSlotWeights:
     """One MoE layer's expert LoRA weights per slot, ``[slots, E, rank, in]`` and ``[slots, E, out, rank]`` for each
-    expert projection, and the hook that recomputes the adapted rows."""
+    expert projection (this rank's share under TP: :func:`.lora_shards.expert_share`), and the hook that recomputes
+    the adapted rows."""
 
-    def __init__(self, config: ModelConfig, layer: int, slots: int, rank: int, rows: LoraRows,
-                 device: torch.device, dtype: torch.dtype, batch_invariant: bool):
+    def __init__(self, experts: FusedExperts, slots: int, rank: int, rows: LoraRows, device: torch.device,
+                 dtype: torch.dtype, batch_invariant: bool):
         self.batch_invariant = batch_invariant
+        self.tp, self.local = experts.tp, experts.local
         self.a: dict[str, torch.Tensor] = {}
         self.b: dict[str, torch.Tensor] = {}
-        for projection in EXPERT_PROJECTIONS:
-            experts, out_features, in_features = expert_shape(config, layer, projection)
-            self.a[projection] = torch.zeros(slots, experts, rank, in_features, device=device, dtype=dtype)
-            self.b[projection] = torch.zeros(slots, experts, out_features, rank, device=device, dtype=dtype)
+        for projection in EXPERT_PROJECTIONS:  # the shapes of this rank's slice of the experts
+            count, out_features, in_features = getattr(experts, projection.rpartition(".")[2]).shape
+            self.a[projection] = torch.zeros(slots, count, rank, in_features, device=device, dtype=dtype)
+            self.b[projection] = torch.zeros(slots, count, out_features, rank, device=device, dtype=dtype)
         self.used = [False] * slots  # the slot's adapter adapts these experts
         self.rows = rows
 
@@ -144,7 +149,7 @@ class _ExpertSlotWeights:
             self.b[projection][slot].zero_()
             pair = adapter.weights.get((layer, projection))
             if pair is not None:
-                a, b = pair
+                a, b = expert_share(projection, *pair, self.tp, self.local)
                 self.a[projection][slot, :, : a.shape[1]].copy_(a)
                 self.b[projection][slot, :, :, : a.shape[1]].copy_(b)
                 self.used[slot] = True
@@ -201,13 +206,11 @@ class LoraSlots:
         for layer_index, layer in enumerate(model.model.layers):
             if expert_shape(config, layer_index, EXPERT_PROJECTIONS[0]) is not None:
                 experts = layer.mlp.experts
-                if model.tp.size > 1:
-                    self._expert_problem = f"its experts are split over {model.tp.size} tensor-parallel ranks"
-                elif type(experts) is not FusedExperts or experts.gate_up_proj.dtype != weight.dtype:
+                if type(experts) is not FusedExperts or experts.gate_up_proj.dtype != weight.dtype:
                     self._expert_problem = f"its experts are {type(experts).__name__} ({experts.gate_up_proj.dtype})"
                 else:
-                    target = _ExpertSlotWeights(config, layer_index, max_loras, max_rank, self.rows, weight.device,
-                                                weight.dtype, batch_invariant)
+                    target = _ExpertSlotWeights(experts, max_loras, max_rank, self.rows, weight.device, weight.dtype,
+                                                batch_invariant)
                     experts.register_forward_hook(target)
                     self._targets.append((layer_index, target))
             for path, parts in FUSED_TARGETS.items():

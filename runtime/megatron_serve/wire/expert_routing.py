@@ -76,16 +76,23 @@ class RoutingRecord:
         return start, self.array()[start:]
 
 
-def record_step(entries: SequenceType[tuple[Any, int, int]], rows: np.ndarray) -> None:
+def record_step(entries: SequenceType[tuple[Any, int, int, int]], rows: np.ndarray) -> dict[int, np.ndarray]:
     """Hand one step's rows ``[step tokens, layers, top_k]`` to the sequences that record them.
 
-    ``entries``: ``(sequence, first position, token count)`` in the step's row order.
+    ``entries``: ``(sequence, first position, token count, drafts)`` in the step's row order. The last
+    ``drafts`` rows of an entry are speculative guesses (engine.speculative), not verified yet: they are
+    not recorded but returned, by ``id(sequence)``, for the engine to record each once its guess is
+    accepted (a rejected guess's row is never a position's routing).
     """
     offset = 0
-    for sequence, start, count in entries:
+    held: dict[int, np.ndarray] = {}
+    for sequence, start, count, drafts in entries:
         if sequence.routing is not None:
-            sequence.routing.record(start, rows[offset:offset + count])
+            sequence.routing.record(start, rows[offset:offset + count - drafts])
+            if drafts:
+                held[id(sequence)] = rows[offset + count - drafts:offset + count]
         offset += count
+    return held
 
 
 def routing_to_wire(rows: np.ndarray) -> dict[str, Any]:

@@ -7,26 +7,36 @@ measured by the engine as it runs, never assumed:
   the run), so ``a = accepted / (accepted + rejections)`` with decayed counts (:data:`REQUEST_DECAY` per
   verify) and the engine-wide rate as the prior of a new request. With per-token acceptance ``a``, a row
   with ``K`` drafts emits ``1 + a + a^2 + ... + a^K`` tokens on average.
-- **Cost**, per batch-size bucket (powers of two): what a step whose rows all decode costs from drafting to
-  its verified tokens (CPU time on a CPU, where the wall clock also counts whoever else shares the cores;
-  wall time on an accelerator, where the host waits for the device): ``plain`` without drafts, and
-  ``plain + fixed + slope * mean K`` with drafts, by decayed least squares (:data:`COST_DECAY` per step).
+- **Proposals**, per request: the share of offers of ``K > 0`` the proposer answered with drafts (prompt
+  lookup answers only where the request repeats itself: 1 offer in 30 for sampled text of the benchmark's
+  pair), decayed like acceptance, with the engine-wide share as the prior (1 at first). A row's expected
+  gain is that share times the tokens its drafts bring: an offer costs a verify step whether or not it
+  is answered.
+- **Cost**, per batch-size bucket (powers of two): what an engine step whose rows all decode costs (CPU
+  time on a CPU, where the wall clock also counts whoever else shares the cores; wall time on an
+  accelerator, where the host waits for the device): ``plain`` for a step without drafts (overlapped,
+  measured after a step like it), and ``plain + fixed + slope * mean K`` for a verify step with drafts,
+  by decayed least squares (:data:`COST_DECAY` per step). A verify step whose proposer drafted nothing is
+  not counted: it is neither.
   ``fixed`` is the price of drafting at all (a drafter forward, a sampler pass per depth, prefill-shaped
   attention; a probe of 16 of 64 rows at K = 1 cost 2.7x a plain step on the CPU with the benchmark's
   trained draft); ``slope / plain`` is what one more draft per row costs relative to a step without drafts: small at batch 1 on a GPU (the forward is bound by reading the
   weights, extra query rows are almost free), near 1 or more at a large batch or on a CPU, where every row
   costs compute and the drafter's forwards and the sampler's passes per depth come on top.
 
-The choice maximizes tokens per second of step, ``N / D`` with ``N = B + sum_i sum_{j<=K_i} a_i^j`` and
+The choice maximizes tokens per second of step, ``N / D`` with ``N = B + sum_i f_i sum_{j<=K_i} a_i^j`` and
 ``D = plain + fixed + slope * sum_i K_i / B`` (``D = plain`` without drafts), by Dinkelbach's iteration:
-at the current rate ``r = N / D`` a row takes its ``j``-th draft when ``a_i^j >= r * slope / B`` (the
-tokens the draft brings beat the time it costs at that rate), the step drafts at all only if the drafts'
-tokens beat ``r * (fixed + ...)``, then ``r`` is recomputed; a few rounds converge. A request that is rarely accepted,
+at the current rate ``r = N / D`` a row takes its ``j``-th draft when ``f_i * a_i^j >= r * slope / B`` (``f_i``
+its proposal share: the tokens the draft brings beat the time it costs at that rate), the step drafts at all
+only if the drafts' tokens beat ``r * (fixed + ...)``, then ``r`` is recomputed; a few rounds converge. A request that is rarely accepted,
 or a batch where rows cost as much as they save, gets ``K = 0``: no drafts, and no drafter forward.
 
 Measuring needs data: a bucket with no step without drafts runs one; one with no step with drafts runs
-a probe, ``K = 1`` for a sixteenth of the rows (at least one) in two steps in a row of which only the second is measured
-(in the first a draft model catches up on the tokens it did not see while K was 0). While the choice
+probes until one drafted (an n-gram probe may find no match: it then costs about a plain step):
+``K = 1`` for a sixteenth of the rows (at least one), then the most ``K`` for those rows, of which only the
+second step is measured (in the first a draft model catches up on the tokens it did not see while K was
+0; at the most K, the cost line is not all slope from a ``K = 1`` step, whose fixed cost of a verify step,
+1.3x a plain one on the CPU, read as per-draft cost declined K = 4, which pays). While the choice
 stays 0 the estimates would go stale (acceptance is only measured when drafting), so a probe runs every
 ``probe`` steps without drafts: 16 at first, doubling while probes change nothing (up to 256), and never
 more often than keeps probes (both steps) within :data:`PROBE_BUDGET` of the time. A step measured at more than 1.5x
@@ -38,10 +48,10 @@ little from one power of two to the next, and a batch that shrinks as its reques
 probe again at each size); it measures its own with its probes.
 
 Limits: ``fixed`` and ``slope`` are told apart only once steps with drafts had different mean K (n-gram
-proposals vary by themselves; a draft model's vary with the per-request K); before that all is slope, the
-pessimistic reading for larger K, so a marginal gain can be declined. Where a probe costs as much as above,
-the first one at each batch size costs about a step and a half, which a 64-step run notices and a long
-one does not.
+proposals vary by themselves; a draft model's vary with the per-request K); before that all is slope,
+read at the most K (optimistic for a smaller K, corrected as the steps it then runs are measured). Where a
+probe costs as much as above, the first one at each batch size costs about a step and a half, which a
+64-step run notices and a long one does not.
 
 ``adaptive: false`` (:class:`PinnedK`) drafts ``num_speculative_tokens`` every step, as before.
 """
@@ -66,6 +76,10 @@ PROBE_MIN, PROBE_MAX = 16, 256
 PROBE_SHARE = 16
 #: the share of the time probes may cost while K stays 0 (their interval grows to keep within it)
 PROBE_BUDGET = 0.005
+#: steps a declined choice stands before the rule runs again for the same rows, unless news came
+#: (a verified draft or a proposal: only verify steps bring them): the rule's 13 us at 64 rows was 0.4% of a
+#: 3.4 ms CPU step of the benchmark's pair
+RECHECK = 8
 #: a measured step longer than this many times the model's prediction is counted at that (a descheduled
 #: thread or a page fault says nothing about drafting; on the shared 2-core CPU, 1 step in 20 took 6x)
 OUTLIER = 1.5
@@ -80,6 +94,12 @@ class PinnedK:
     def choose(self, request_ids: list[str], caps: list[int]) -> list[int]:
         """K per request: ``max_k``, less where the request's length limit leaves less room (``caps``)."""
         return [min(self.max_k, cap) for cap in caps]
+
+    def proposed(self, request_id: str, drafts: int) -> None:
+        """Nothing to learn: K is pinned."""
+
+    def unanswered(self) -> None:
+        """Nothing to learn: K is pinned."""
 
     def verified(self, request_id: str, drafts: int, accepted: int) -> None:
         """Nothing to learn: K is pinned."""
@@ -163,6 +183,8 @@ class AdaptiveK:
     max_k: int
     requests: dict[str, _Rate] = field(default_factory=dict)
     overall: _Rate = field(default_factory=lambda: _Rate(PRIOR_ACCEPTANCE * PRIOR_TRIALS, PRIOR_TRIALS))
+    finds: dict[str, _Rate] = field(default_factory=dict)  # per request: offers of K > 0 the proposer answered
+    found: _Rate = field(default_factory=lambda: _Rate(PRIOR_TRIALS, PRIOR_TRIALS))  # engine-wide, their prior
     costs: dict[int, _Cost] = field(default_factory=dict)
     probe: int = PROBE_MIN  # steps without drafts before the next probe
     idle: int = 0  # steps without drafts since the last step with some
@@ -170,40 +192,41 @@ class AdaptiveK:
     follow: bool = False  # the next step is a probe's second, measured step
     untimed: bool = False  # the next measured step is a probe's first: its cost is not recorded
     warmup: float = 0.0  # what the last probe's first step cost beyond a plain step, over a plain step
+    quiet: int = 0  # steps left before a declined choice is weighed again (:data:`RECHECK`)
+    quiet_for: tuple[tuple[str, ...], float] = ((), 0.0)  # the rows it was declined for, and a probe's excess cost
 
     def acceptance(self, request_id: str) -> float:
         """The request's per-draft acceptance estimate, with the engine-wide rate as its prior."""
-        prior = self.overall.hits / self.overall.trials
-        own = self.requests.get(request_id, _Rate())
-        return (own.hits + PRIOR_TRIALS * prior) / (own.trials + PRIOR_TRIALS)
+        return _estimates(self.requests, self.overall, [request_id])[0]
 
     def choose(self, request_ids: list[str], caps: list[int]) -> list[int]:
         """K per request (each at most ``min(max_k, cap)``) for a step of ``len(request_ids)`` decode rows."""
         size = len(request_ids)
         if not size:
             return []
-        if self.follow:  # a probe's second step: the drafter has caught up, this one is measured
+        if self.follow:  # a probe's second step: the drafter has caught up, this one is measured, at the most K
             self.follow = False
-            return self._probe_rows(caps)
+            return self._probe_rows(caps, self.max_k)
+        if self.quiet and self.quiet_for[0] == tuple(request_ids):  # declined a moment ago for these rows: it stands
+            self.quiet -= 1
+            return self._idle(caps, self.quiet_for[1])
         cost = self.costs.setdefault(bucket(size), _Cost())
         model = cost.fit() or self._neighbour(bucket(size))
-        if model is None:  # measure first: a step without drafts, then a probe
-            return self._start_probe(caps) if cost.without_drafts else [0] * size
+        if model is None:  # measure first: a step without drafts, then probes until one drafted (n-gram may
+            return self._start_probe(caps) if cost.without_drafts else [0] * size  # find nothing: cheap)
         plain, fixed, slope = model
-        prior = PRIOR_TRIALS * self.overall.hits / self.overall.trials
-        requests = self.requests
-        rates = [(own.hits + prior) / (own.trials + PRIOR_TRIALS) if (own := requests.get(r)) is not None
-                 else prior / PRIOR_TRIALS for r in request_ids]
+        rates = _estimates(self.requests, self.overall, request_ids)
+        finds = _estimates(self.finds, self.found, request_ids)
         excess = (fixed + slope * max(1, size // PROBE_SHARE) / size) / plain  # a probe step, over a plain one
         rate = size / plain
-        if max(rates) < rate * slope / size:  # not even one draft pays: the loop's first round, in one pass
-            return self._idle(caps, excess)
+        if max(f * a for f, a in zip(finds, rates)) < rate * slope / size:  # not even one draft pays: the loop's
+            return self._decline(request_ids, caps, excess)  # first round, in one pass
         caps = [min(self.max_k, cap) for cap in caps]
         ks = [0] * size
         for _ in range(8):  # Dinkelbach: the best drafts at the current rate, then the new rate
             threshold = rate * slope / size
-            new = [_best_k(a, cap, threshold) for a, cap in zip(rates, caps)]
-            extra = sum(_expected_extra(a, k) for a, k in zip(rates, new))
+            new = [_best_k(a, cap, threshold / f) if f > 0 else 0 for a, f, cap in zip(rates, finds, caps)]
+            extra = sum(f * _expected_extra(a, k) for a, f, k in zip(rates, finds, new))
             if extra <= rate * (fixed + slope * sum(new) / size):  # not worth drafting at all (fixed included)
                 new, extra = [0] * size, 0.0
             seconds = plain + (fixed + slope * sum(new) / size if any(new) else 0.0)
@@ -212,9 +235,14 @@ class AdaptiveK:
             if converged:
                 break
         if not any(ks):
-            return self._idle(caps, excess)
+            return self._decline(request_ids, caps, excess)
         self.idle, self.probe, self.probing = 0, PROBE_MIN, False
         return ks
+
+    def _decline(self, request_ids: list[str], caps: list[int], excess: float) -> list[int]:
+        """K = 0 for every row (or a probe, :meth:`_idle`); the choice stands :data:`RECHECK` steps."""
+        self.quiet, self.quiet_for = RECHECK, (tuple(request_ids), excess)
+        return self._idle(caps, excess)
 
     def _neighbour(self, home: int) -> tuple[float, float, float] | None:
         """The model of the nearest bucket that has one (the larger on a tie), as this bucket's until it has
@@ -239,18 +267,33 @@ class AdaptiveK:
         """A probe is two steps: the first catches the drafter up on the tokens it missed (a draft model
         recomputes them: not what a step costs while drafting), the second is measured."""
         self.follow = self.untimed = True
-        return self._probe_rows(caps)
+        self.quiet = 0  # what the probe measures is weighed at once
+        return self._probe_rows(caps, 1)
 
-    def _probe_rows(self, caps: list[int]) -> list[int]:
-        """K = 1 for the first ``1 / PROBE_SHARE`` of the rows (at least one), 0 for the others."""
+    def _probe_rows(self, caps: list[int], k: int) -> list[int]:
+        """K = ``k`` for the first ``1 / PROBE_SHARE`` of the rows (at least one), 0 for the others."""
         rows = max(1, len(caps) // PROBE_SHARE)
-        return [min(1, self.max_k, cap) if i < rows else 0 for i, cap in enumerate(caps)]
+        return [min(k, self.max_k, cap) if i < rows else 0 for i, cap in enumerate(caps)]
+
+    def proposed(self, request_id: str, drafts: int) -> None:
+        """A request was offered K > 0 and the proposer gave ``drafts`` (0: n-gram found no match; a grammar cut
+        them all): the share of offers answered scales what its drafts are expected to bring."""
+        self.quiet = 0  # news: weigh afresh
+        self.finds.setdefault(request_id, _Rate()).add(float(drafts > 0), 1.0, REQUEST_DECAY)
+        self.found.add(float(drafts > 0), 1.0, GLOBAL_DECAY)
+
+    def unanswered(self) -> None:
+        """No offer of this step was answered. A probe's first step that drafted nothing ends the probe: its
+        second step (for a draft model caught up; n-gram needs no catching up) would find nothing to measure
+        either (n-gram without a match; halves what such probes cost)."""
+        self.follow = self.untimed = False
 
     def verified(self, request_id: str, drafts: int, accepted: int) -> None:
         """A request's ``drafts`` were verified and ``accepted`` kept: ``accepted`` trials passed, one failed
         unless all were accepted."""
         if not drafts:
             return
+        self.quiet = 0  # news: weigh afresh
         trials = accepted + (accepted < drafts)
         self.requests.setdefault(request_id, _Rate()).add(accepted, trials, REQUEST_DECAY)
         self.overall.add(accepted, trials, GLOBAL_DECAY)
@@ -270,6 +313,15 @@ class AdaptiveK:
     def forget(self, request_id: str) -> None:
         """The request left the engine."""
         self.requests.pop(request_id, None)
+        self.finds.pop(request_id, None)
+
+
+def _estimates(own: dict[str, _Rate], overall: _Rate, request_ids: list[str]) -> list[float]:
+    """Each request's rate from its own decayed counts, with the engine-wide rate as a prior of weight
+    :data:`PRIOR_TRIALS`."""
+    prior = PRIOR_TRIALS * overall.hits / overall.trials
+    return [(rate.hits + prior) / (rate.trials + PRIOR_TRIALS) if (rate := own.get(r)) is not None
+            else prior / PRIOR_TRIALS for r in request_ids]
 
 
 def _expected_extra(a: float, k: int) -> float:

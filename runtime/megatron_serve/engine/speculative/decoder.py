@@ -3,9 +3,10 @@
 One speculative step, in the engine's ``schedule -> launch -> sample -> finish`` seam:
 
 1. ``propose``: each running request that may speculate (its tokens all on the host, one token left to
-   compute, no grammar, no image, no routing record) gets up to ``K`` guesses from the proposer, ``K`` chosen
+   compute) gets up to ``K`` guesses from the proposer, ``K`` chosen
    per request and step by the policy of :mod:`.adaptive` (at most ``num_speculative_tokens``; 0: none),
-   appended to its ``token_ids`` and counted in ``num_drafts``. The scheduler then sees ``1 + drafts``
+   cut at the first one its grammar refuses (a request with structured outputs), appended to its
+   ``token_ids`` and counted in ``num_drafts``. The scheduler then sees ``1 + drafts``
    tokens to compute, as for a prefill chunk, and gives the request that many query rows.
 2. ``fit``: what the scheduler could not take (a token budget cut, a preemption) loses its drafts, so a
    request's uncomputed tokens are exactly the rows it runs. ``step_plan`` lists the draft rows' logits
@@ -19,7 +20,10 @@ One speculative step, in the engine's ``schedule -> launch -> sample -> finish``
    accepted with probability ``p(d)``, and on rejection the token is distributed as ``p`` without ``d``,
    renormalised, which is ``max(0, p - q)`` normalised for ``q = δ_d``. Either way each emitted token is the
    one the non-speculative engine draws at that position: outputs, log probs, top log probs and
-   ``logprobs-mode`` variants are those of a run without speculation, token for token.
+   ``logprobs-mode`` variants are those of a run without speculation, token for token. A grammar's mask
+   applies at every depth, each the mask of the state after the drafts before it
+   (:meth:`~..structured_output.StructuredOutputs.bitmask` with drafts), as the plain engine applies it at
+   that position.
 4. ``rollback``: the rejected drafts leave ``token_ids``, ``num_computed`` drops to the verified tokens, and
    KV blocks past the request's tokens go back to the pool. Blocks are published to the prefix cache only up
    to the verified tokens (``Scheduler.register_computed_blocks`` stops before drafts).
@@ -31,7 +35,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
@@ -65,41 +69,62 @@ class Speculator:
         self.k = num_speculative_tokens
         self.stats = stats  # the engine's counters: drafts, draft tokens, accepted tokens (also per position)
         self.policy: AdaptiveK | PinnedK = AdaptiveK(self.k) if adaptive else PinnedK(self.k)
-        self._started: tuple[float, float] | None = None  # when this step's drafting began (wall, CPU time)
+        self._started: tuple[float, float] | None = None  # when this engine step began (wall, CPU time)
         self._timed: tuple[int, int] | None = None  # this step's (decode rows, drafts) when all its rows decode
 
     @staticmethod
-    def may_speculate(sequence: "Sequence", grammar: bool) -> bool:
-        """A decode-ready request whose tokens are all on the host, with room for at least one draft."""
-        request = sequence.request
-        return (not grammar and not sequence.finished and sequence.pending_tokens == 0 and sequence.routing is None
-                and not request.images and sequence.num_computed == len(sequence.token_ids) - 1
-                and len(sequence.token_ids) + 1 < sequence.max_total_tokens)
+    def may_speculate(sequence: "Sequence") -> bool:
+        """A decode-ready request (one token left to compute: on the host, or sampled by the step in flight),
+        with room for at least one draft."""
+        known = len(sequence.token_ids) + sequence.pending_tokens
+        return not sequence.finished and sequence.num_computed == known - 1 and known + 1 < sequence.max_total_tokens
 
-    def propose(self, candidates: list["Sequence"]) -> None:
-        """Ask the proposer for each candidate's drafts, as many as the K policy gives it (:mod:`.adaptive`), and
-        append them to its tokens (``num_drafts``)."""
-        self._started, self._timed = (time.perf_counter(), time.process_time()), None
+    def plan(self, running: list["Sequence"]) -> dict[str, int]:
+        """This step's K of each decode-ready request that drafts (:mod:`.adaptive`), by request id; empty when
+        none does (then the engine runs a plain step, overlapped, and the drafter is not called). Chosen before
+        the step in flight is read: a request's room left counts the token that step samples for it."""
+        candidates = [s for s in running if self.may_speculate(s)]
         if not candidates:
-            return
+            return {}
         self.stats.counters["spec_decode_num_rows"] += len(candidates)
         ks = self.policy.choose([s.request_id for s in candidates],
-                                [s.max_total_tokens - len(s.token_ids) - 1 for s in candidates])
-        if not any(ks):  # nobody drafts this step: the drafter is not called
+                                [s.max_total_tokens - len(s.token_ids) - s.pending_tokens - 1 for s in candidates])
+        return {s.request_id: k for s, k in zip(candidates, ks) if k}
+
+    def propose(self, running: list["Sequence"], ks: dict[str, int],
+                allowed: Callable[["Sequence", list[int]], int] | None = None) -> None:
+        """Ask the proposer for the drafts of each running request that :meth:`plan` gave a K (and still may
+        speculate: its tokens are on the host now), and append them to its tokens (``num_drafts``). ``allowed``:
+        how many of a request's drafts its grammar accepts in a row
+        (:meth:`~..structured_output.StructuredOutputs.draft_prefix`); the rest are cut."""
+        candidates = [s for s in running if s.request_id in ks and self.may_speculate(s)]
+        if not candidates:
             return
-        inputs = [DraftInput(s.request_id, list(s.token_ids), k) for s, k in zip(candidates, ks)]
+        inputs = [DraftInput(s.request_id, list(s.token_ids), ks[s.request_id]) for s in candidates]
+        answered = False
         for sequence, item, drafts in zip(candidates, inputs, self.proposer.propose(inputs)):
             drafts = list(drafts[: item.num_tokens])
+            if allowed is not None and drafts:
+                del drafts[allowed(sequence, drafts):]
             sequence.token_ids.extend(drafts)
             sequence.num_drafts = len(drafts)
+            self.policy.proposed(sequence.request_id, len(drafts))
+            answered = answered or bool(drafts)
+        if not answered:
+            self.policy.unanswered()
 
     def observe(self, entries: list[tuple["Sequence", int]], starts: list[int]) -> None:
-        """Tell the proposer which rows the target's forward just ran (``launch``'s entries, in row order)."""
-        self.proposer.observe([(s.request_id, start, count) for (s, count), start in zip(entries, starts)])
+        """Tell the proposer which rows the target's forward just ran (``launch``'s entries, in row order), when
+        it reads the target's hidden states."""
+        if self.proposer.reads_hidden_states:
+            self.proposer.observe([(s.request_id, start, count) for (s, count), start in zip(entries, starts)])
 
     def fit(self, batch: "ScheduledBatch | None", running: list["Sequence"], preempted: list["Sequence"]) -> None:
         """Drop the drafts the scheduler did not give rows to: a cut chunk keeps ``count - 1``, others none.
-        A step whose rows all decode is timed for the K policy's cost model (until :meth:`verify`)."""
+        A step with drafts whose rows all decode is timed for the K policy's cost model (the first verify step
+        after overlapped ones also finishes the step in flight: a probe's first step, counted as the probe's
+        cost). One whose proposer drafted nothing is not: it is neither what a plain step costs (that one is
+        overlapped) nor what drafting costs; the policy counts such offers (:meth:`~.adaptive.AdaptiveK.proposed`)."""
         scheduled = {id(s): count for s, count in batch.entries} if batch is not None else {}
         drafts = 0
         for sequence in [*running, *preempted]:
@@ -110,8 +135,27 @@ class Speculator:
                     del sequence.token_ids[len(sequence.token_ids) - drop:]
                     sequence.num_drafts -= drop
                 drafts += sequence.num_drafts
-        if batch is not None and batch.num_tokens == len(batch.entries) + drafts:  # every row decodes (no chunk
-            self._timed = (len(batch.entries), drafts)  # of a prompt: each row is its token and its drafts)
+        if drafts and batch is not None and batch.num_tokens == len(batch.entries) + drafts:  # every row decodes
+            self.time_step(len(batch.entries), drafts)  # (no chunk of a prompt: each row is its token and drafts)
+
+    def start_step(self) -> None:
+        """An engine step begins: its clocks start (:meth:`end_step` reads them)."""
+        self._started, self._timed = (time.perf_counter(), time.process_time()), None
+
+    def time_step(self, rows: int, drafts: int) -> None:
+        """This step's rows all decode (``rows`` requests, ``drafts`` drafts among them): :meth:`end_step`
+        gives its cost to the K policy."""
+        self._timed = (rows, drafts)
+
+    def end_step(self, cpu: bool) -> None:
+        """An engine step ended: a timed one's cost goes to the K policy. On a CPU the cost is its CPU time (the
+        wall clock there also counts the other processes sharing the cores); on a GPU the host waits for the
+        device, so the wall clock is the cost."""
+        if self._timed is not None and self._started is not None:
+            wall, cpu_time = self._started
+            cost = time.process_time() - cpu_time if cpu else time.perf_counter() - wall
+            self.policy.step_cost(*self._timed, cost)
+        self._started = self._timed = None
 
     def verify(self, sampling: list["Sequence"], sample_logits: torch.Tensor, verify_logits: torch.Tensor,
                state: "SamplingState", sampler: "Sampler", masks: torch.Tensor | None = None) -> list[Emitted]:
@@ -119,7 +163,9 @@ class Speculator:
 
         ``sample_logits``: one row per sampling request (its last row); ``verify_logits``: the draft rows'
         logits (``num_drafts`` rows before the last, per request in the same order). ``masks``: the grammar
-        bitmask of every sampling row (grammar rows have no drafts: applied at depth 0 only). Reads the tokens back.
+        bitmask of every row of ``sample_logits`` then ``verify_logits`` (the mask of that position's state,
+        :meth:`~..structured_output.StructuredOutputs.bitmask` with the drafts), applied at every depth. Reads
+        the tokens back.
         """
         emitted = [Emitted() for _ in sampling]
         offsets, offset = [], len(sampling)
@@ -136,11 +182,12 @@ class Speculator:
             rows = state.rows([s.request_id for s in seqs],
                               [s.num_computed - s.num_drafts + depth for s in seqs],
                               [len(s.request.generated_tokens) + depth for s in seqs])
-            model_logits = (logits if offset == len(sampling)  # no drafts (K = 0): the rows as they are, no copy
-                            else logits[torch.tensor(rows_index, dtype=torch.int64, device=logits.device)])
+            index = None if offset == len(sampling) else torch.tensor(rows_index, dtype=torch.int64)
+            # no drafts (K = 0): the rows as they are, no copy
+            model_logits = logits if index is None else logits[index.to(logits.device)]
             processed = apply_controls(model_logits, state, rows)
-            if masks is not None and depth == 0:
-                processed = apply_token_bitmask(processed, masks)
+            if masks is not None:
+                processed = apply_token_bitmask(processed, masks if index is None else masks[index])
             result = sampler.launch(processed, rows, None if processed is model_logits else model_logits).read()
             alive = []
             for k, i in enumerate(picked):
@@ -158,12 +205,6 @@ class Speculator:
             if sequence.num_drafts:
                 self.stats.speculated(sequence.num_drafts, out.accepted)
                 self.policy.verified(sequence.request_id, sequence.num_drafts, out.accepted)
-        if self._timed is not None and self._started is not None:  # on a CPU the step's cost is its CPU time:
-            # the wall clock there also counts the other processes sharing the cores; on a GPU the host waits
-            wall, cpu = self._started  # for the device, so the wall clock is the cost
-            cost = time.process_time() - cpu if logits.device.type == "cpu" else time.perf_counter() - wall
-            self.policy.step_cost(*self._timed, cost)
-            self._timed = None
         return emitted
 
     def forget(self, request_id: str) -> None:

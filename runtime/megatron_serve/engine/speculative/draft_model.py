@@ -72,6 +72,8 @@ class DraftModelProposer:
     starts at 0).
     """
 
+    reads_hidden_states = False
+
     def __init__(self, model_dir: str | Path, config: InferenceConfig, *, target_dir: str | Path | None = None,
                  epoch: int = 0, block_size: int = 16, initial_blocks: int = 64):
         if target_dir is not None:

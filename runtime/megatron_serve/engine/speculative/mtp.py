@@ -46,6 +46,8 @@ class MtpCheckpointError(ValueError):
 class MtpProposer:
     """Greedy chained guesses of the target's first MTP layer, from the target's own hidden states."""
 
+    reads_hidden_states = True
+
     def __init__(self, target: LlamaForCausalLM, target_dir: str | Path, config: InferenceConfig, *,
                  epoch: int = 0, block_size: int = 16, initial_blocks: int = 64):
         self.target = target

@@ -24,6 +24,10 @@ class DraftInput:
 class Proposer(Protocol):
     """Guesses up to ``num_tokens`` next tokens per request; may return fewer, or none."""
 
+    #: whether :meth:`observe` reads the target's hidden states (else the engine does not call it: a plain
+    #: step of 64 rows built its list of rows for nothing)
+    reads_hidden_states: bool
+
     def propose(self, inputs: Sequence[DraftInput]) -> list[list[int]]:
         """One list of guessed token ids per input, in order; each at most ``input.num_tokens`` long."""
         ...

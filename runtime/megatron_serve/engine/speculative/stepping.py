@@ -1,0 +1,71 @@
+"""The engine's verify step and a row's several tokens, mixed into :class:`~..core.DynamicInferenceEngine`.
+
+:meth:`~..core.DynamicInferenceEngine.step` runs a verify step when the K policy gives some request drafts
+(:meth:`.decoder.Speculator.plan`), a plain step otherwise; a verify step's rows then emit one token or
+several (the accepted drafts and one more), appended here one by one as the plain engine would append them
+over as many steps.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from .decoder import Emitted
+
+if TYPE_CHECKING:
+    from ..core import DynamicInferenceEngine, StepOutput
+    from ..scheduler import Sequence
+
+
+class SpeculativeSteps:
+    """The methods of the verify step; they use the engine's scheduler, speculator and step seam."""
+
+    def _step_speculative(self: "DynamicInferenceEngine", ks: dict[str, int]) -> list["StepOutput"]:
+        """A verify step (engine.speculative): the step in flight finished first, drafts attached (``ks``: each
+        drafting request's K), scheduled as extra query rows, verified and rolled back."""
+        self._settle()
+        speculator, scheduler = self.speculator, self.scheduler
+        assert speculator is not None
+        speculator.propose(scheduler.running, ks, self._grammar_allows)
+        batch = self.schedule()
+        speculator.fit(batch, scheduler.running, [s for s in scheduler.waiting if s.num_drafts])
+        step = self.launch(batch) if batch is not None else None
+        if step is not None:
+            speculator.observe(step.entries, step.starts)
+            self._pending.extend(self.finish(step))  # launch() sampled it: no row waits for a token in flight
+        return self._take_pending()
+
+    def _grammar_allows(self: "DynamicInferenceEngine", sequence: "Sequence", drafts: list[int]) -> int:
+        """How many of ``sequence``'s drafts its grammar accepts in a row (all without a grammar)."""
+        return self.structured.draft_prefix(sequence.request_id, drafts, sequence.stop_token_ids)
+
+    def _append_tokens(self: "DynamicInferenceEngine", sequence: "Sequence", emitted: Emitted, kv_epoch: int,
+                       draft_routing: np.ndarray | None = None) -> "StepOutput":
+        """Append a row's tokens one by one (several after accepted drafts), up to the one that finishes it.
+        ``draft_routing``: the expert ids of the row's drafts' positions; each is recorded before the token its
+        accepted draft produced, as the plain engine records a position before the token it samples there."""
+        if len(emitted.tokens) == 1:  # no draft accepted (and every plain step's row)
+            return self._append_token(sequence, emitted.tokens[0], emitted.log_probs[0], emitted.top_n[0], kv_epoch)
+        merged: StepOutput | None = None
+        first = len(sequence.token_ids)  # the first draft's position (the drafts were rolled back)
+        for index, (token, log_prob, top_n) in enumerate(zip(emitted.tokens, emitted.log_probs, emitted.top_n)):
+            if index and draft_routing is not None and sequence.routing is not None:
+                sequence.routing.record(first + index - 1, draft_routing[index - 1 : index])
+            out = self._append_token(sequence, token, log_prob, top_n, kv_epoch)
+            if merged is None:
+                merged = out
+            else:
+                merged.new_tokens += out.new_tokens
+                merged.new_log_probs += out.new_log_probs
+                merged.new_top_logprobs += out.new_top_logprobs
+                merged.finished = out.finished
+                if out.new_routing is not None:  # the positions of accepted drafts: they continue the rows before
+                    merged.new_routing = (out.new_routing if merged.new_routing is None else
+                                          (merged.new_routing[0], np.concatenate([merged.new_routing[1],
+                                                                                  out.new_routing[1]])))
+            if out.finished:
+                break
+        assert merged is not None, "a sampled row emits at least one token"
+        return merged
