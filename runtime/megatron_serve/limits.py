@@ -18,9 +18,18 @@ from .wire.sampling_params import MAX_TOP_N_LOGPROBS
 
 MiB = 1 << 20
 
-#: Seconds an HTTP connection may stay idle, before its first request or between two (uvicorn's and
-#: vLLM's default; ``--timeout-keep-alive``).
-DEFAULT_KEEP_ALIVE = 5.0
+#: Seconds an HTTP connection may stay idle between two requests (``--timeout-keep-alive``). Longer than the idle
+#: time after which the clients and proxies in front of a server stop reusing a connection: a server that closes
+#: first races a request sent on the connection it is closing (a reset, or a 502 from the proxy). httpx (and so
+#: the ``openai`` package) lets idle connections go after 5 s, aiohttp after 15, AWS ALB and ingress-nginx's
+#: upstream pool after 60, Go's HTTP transport (Traefik, llm-d's routing sidecar) after 90. uvicorn's and vLLM's
+#: 5 s met httpx's 5 s exactly: ``benchmarks/serving.py`` saw ``httpx.ReadError`` and 4-5 s stalls until its
+#: client expired connections first. 130 s, ASP.NET Kestrel's default, is above them all (llm-d sets vLLM's
+#: ``VLLM_HTTP_TIMEOUT_KEEP_ALIVE`` to 120 for its sidecar's 90).
+DEFAULT_KEEP_ALIVE = 130.0
+#: Seconds a new connection may stay idle before its first request (at most ``--timeout-keep-alive``): clients
+#: send at once, so a connection that does not within this is closed (1,000 idle connections were never closed).
+FIRST_REQUEST_IDLE = 5.0
 #: Seconds a lost coordinator has to come back before what is pending on it fails (``--coordinator-grace``;
 #: see :class:`megatron_serve.client.coordinator_client.InferenceClient`).
 DEFAULT_COORDINATOR_GRACE = 30.0

@@ -16,6 +16,7 @@ import time
 import httpx
 import pytest
 
+from megatron_serve.server import connections
 from megatron_serve.server.connections import BurstLog
 
 from .fakes import FakeBackend, async_wait_until
@@ -96,6 +97,39 @@ async def test_idle_connections_are_closed_after_the_keep_alive_timeout_even_bef
         answer = await asyncio.wait_for(used_reader.read(), 10)  # answered, then closed once idle
         assert closed == [b""] * 50 and 0.4 < took < 5, took
         assert answer.startswith(b"HTTP/1.1 200")
+        for _, writer in [*idle, (used_reader, used_writer)]:
+            writer.close()
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 30)
+
+
+async def test_a_used_connection_is_kept_longer_than_one_that_sent_nothing(tokenizer, backend, monkeypatch):
+    """Between two requests a connection may idle for --timeout-keep-alive (130 s by default: longer than clients
+    and proxies keep idle connections, so that they close first and never send on one the server is closing);
+    before its first request only the first-request deadline (5 s; shortened here)."""
+    monkeypatch.setattr(connections, "FIRST_REQUEST_IDLE", 0.3)
+    url, stop, task = await serving_with(make_app(tokenizer, backend), timeout_keep_alive=3.0)
+    host, port = url.removeprefix("http://").split(":")
+    async def health(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bytes:
+        writer.write(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+        length = int(head.lower().split(b"content-length: ")[1].split(b"\r\n")[0])
+        await asyncio.wait_for(reader.readexactly(length), 10)
+        return head
+
+    try:
+        idle = [await asyncio.open_connection(host, int(port)) for _ in range(20)]
+        used_reader, used_writer = await asyncio.open_connection(host, int(port))
+        assert (await health(used_reader, used_writer)).startswith(b"HTTP/1.1 200")
+        began = time.monotonic()
+        closed = await asyncio.wait_for(asyncio.gather(*(reader.read() for reader, _ in idle)), 10)
+        assert closed == [b""] * 20 and time.monotonic() - began < 2.5
+        # idle past the first-request deadline, within the keep-alive: still served
+        assert (await health(used_reader, used_writer)).startswith(b"HTTP/1.1 200")
+        began = time.monotonic()
+        assert await asyncio.wait_for(used_reader.read(), 10) == b""  # then closed once idle for the keep-alive
+        assert 2.5 < time.monotonic() - began < 6
         for _, writer in [*idle, (used_reader, used_writer)]:
             writer.close()
     finally:

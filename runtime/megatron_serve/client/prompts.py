@@ -146,7 +146,7 @@ def prompt_for_fleet(prompt: str | list[int], images: list[bytes | PromptImage],
     if tokenizer is None and (isinstance(prompt, str) or (images and not all(placed))):
         raise ValueError("no tokenizer in this process to tokenize a text prompt or place images (the coordinator "
                          "loads none): pass tokenizer= to InferenceClient, or send token ids with placed images")
-    tokens = tokenizer.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
+    tokens = tokenizer.encode(prompt) if isinstance(prompt, str) else list(map(int, prompt))
     if not tokens:
         raise ValueError("prompt is empty")
     if not images or all(placed):

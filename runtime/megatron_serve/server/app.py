@@ -18,12 +18,13 @@ import asyncio
 import hmac
 import logging
 from contextlib import asynccontextmanager
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Awaitable, Callable
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response
+from fastapi.routing import APIRoute
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from pydantic.json_schema import models_json_schema
 
@@ -41,6 +42,7 @@ from .lora_routes import LORA_BODIES, LORA_PATHS, add_lora_routes, runtime_lora_
 from .context import ServerContext
 from .drain import Admission
 from .errors import APIError, install_error_handlers
+from .fast_routes import Layer, ServerApp, lean_route
 from .fleet import FleetMonitor, InferenceBackend
 from .generation import PendingCounter
 from .images import load_images
@@ -181,6 +183,8 @@ def create_app(
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
+        if app.telemetry_on():  # FastAPI's OpenTelemetry spans cover every route: no lean ones
+            app.lean = {}
         grammar = asyncio.ensure_future(asyncio.to_thread(warm_checker))  # off the loop, before requests need it
         grammar.add_done_callback(lambda f: f.cancelled() or f.exception())  # a request would say what is wrong
         monitor.ensure_running()
@@ -195,7 +199,7 @@ def create_app(
             ctx.workers.close()
 
     docs = {} if options.docs else {"docs_url": None, "redoc_url": None, "openapi_url": None}
-    app = FastAPI(
+    app = ServerApp(
         title="megatron-serve",
         version=__version__,
         summary="OpenAI-compatible inference API of a megatron-serve fleet",
@@ -204,16 +208,19 @@ def create_app(
     )
     app.state.ctx = ctx
     install_error_handlers(app)
-    app.add_middleware(BodySizeLimit, limit=limits.max_body_bytes)
-    app.add_middleware(Admission, state=ctx.drain)
-    app.add_middleware(_HTTPMetricsMiddleware, metrics=metrics)
+    layers: list[Layer] = [(BodySizeLimit, {"limit": limits.max_body_bytes}), (Admission, {"state": ctx.drain}),
+                           (_HTTPMetricsMiddleware, {"metrics": metrics})]
     if options.cors is not None:  # outermost: preflight requests are answered before any other check
-        app.add_middleware(CORSMiddleware, allow_origins=list(options.cors.origins),
-                           allow_methods=list(options.cors.methods), allow_headers=list(options.cors.headers),
-                           allow_credentials=options.cors.credentials)
+        layers.append((CORSMiddleware, {"allow_origins": list(options.cors.origins),
+                                        "allow_methods": list(options.cors.methods),
+                                        "allow_headers": list(options.cors.headers),
+                                        "allow_credentials": options.cors.credentials}))
+    for cls, settings in layers:
+        app.add_middleware(cls, **settings)
 
     api_dependencies = []
     error_codes = [400, 404, 413, 429, 500, 503]
+    authorize: Callable[[Request], Awaitable[None]] | None = None
     if api_key:
         bearer = HTTPBearer(auto_error=False, description="the server's API key, as `Authorization: Bearer KEY`")
         expected = api_key.encode()
@@ -226,6 +233,11 @@ def create_app(
 
         api_dependencies.append(Depends(require_api_key))
         error_codes.insert(1, 401)
+
+        async def check_key(request: Request) -> None:  # the dependency above, for the lean routes
+            await require_api_key(await bearer(request))
+
+        authorize = check_key
 
     def parse(handler_type: type[CompletionHandler] | type[ChatHandler], body: bytes) -> Any:
         """On a worker thread: parse and check the limits."""
@@ -255,7 +267,7 @@ def create_app(
             ctx.request_log.received(handler)
             return await (handler.stream() if handler.req.stream else handler.complete())
 
-        return await cancel_on_disconnect(request, work(), ctx.stopping)
+        return await cancel_on_disconnect(request, work, ctx.stopping)
 
     stream_200 = {200: {"content": {"text/event-stream": {"schema": _SSE_EVENT_SCHEMA}},
                         "description": "the completion (JSON), or its stream of server-sent events"}}
@@ -272,6 +284,10 @@ def create_app(
               description="Answer a conversation rendered with the model's chat template. " + _SSE_DOC)
     async def chat_completions(request: Request) -> Any:
         return await answer(ChatHandler, request)
+
+    for route in app.routes:  # the same endpoints, without Starlette's and FastAPI's layers (fast_routes)
+        if isinstance(route, APIRoute) and route.endpoint in (completions, chat_completions):
+            app.lean[route.path] = lean_route(route, route.endpoint, layers, authorize)
 
     def model_card() -> ModelCard:
         return ModelCard(id=model_name, created=ctx.created, max_model_len=ctx.max_model_len(),
@@ -379,5 +395,4 @@ class _HTTPMetricsMiddleware:
             await self.app(scope, receive, send_wrapper)
         finally:
             route = scope.get("route")
-            path = getattr(route, "path", None) or "unmatched"
-            self.metrics.http_requests.labels(path, str(status.get("code", 500))).inc()
+            self.metrics.observe_http(getattr(route, "path", None) or "unmatched", status.get("code", 500))

@@ -7,8 +7,10 @@ never closed, and 20,400 exhausted the process's 20,000 open files: ``/health`` 
 asyncio logged a traceback per failed ``accept()`` (577,535 of them, 256 MB, in 45 s), until the
 client closed them. :class:`ServerProtocol` adds, per connection:
 
-* an idle deadline from the moment it opens (``timeout_keep_alive``, 5 s by default as in uvicorn
-  and vLLM): a connection that sends nothing is closed like one idle between two requests;
+* an idle deadline from the moment it opens (``FIRST_REQUEST_IDLE``, 5 s, or ``timeout_keep_alive`` when
+  shorter): a connection that sends nothing is closed; between two requests the deadline is
+  ``timeout_keep_alive`` (130 s by default, longer than clients and proxies keep idle connections:
+  see :data:`~megatron_serve.limits.DEFAULT_KEEP_ALIVE`);
 * a read deadline (``read_timeout``): a request must arrive whole within it of its first byte,
   else a 408 (a client sending a byte at a time cannot hold a connection for as long as it likes);
 * a cap (``max_connections``) below the open-file limit: past it a new connection gets a 503 with
@@ -28,7 +30,7 @@ from typing import Any
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from ..limits import DEFAULT_KEEP_ALIVE
+from ..limits import DEFAULT_KEEP_ALIVE, FIRST_REQUEST_IDLE
 from .errors import APIError
 
 logger = logging.getLogger("megatron_serve.server")
@@ -79,7 +81,8 @@ class ServerProtocol(HttpToolsProtocol):
             _refused.record("connection refused: the server is at its limit of open connections (--max-connections)")
             return
         # Idle from the start: uvicorn's keep-alive timer only starts after a first response.
-        self.timeout_keep_alive_task = self.loop.call_later(self.timeout_keep_alive, self.timeout_keep_alive_handler)
+        self.timeout_keep_alive_task = self.loop.call_later(min(self.timeout_keep_alive, FIRST_REQUEST_IDLE),
+                                                            self.timeout_keep_alive_handler)
 
     def data_received(self, data: bytes) -> None:
         if self._read_deadline is None:  # the first byte of a request

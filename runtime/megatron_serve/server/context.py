@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -11,7 +10,7 @@ from ..generation_config import GenerationDefaults
 from ..http_options import HTTPOptions
 from ..limits import RequestLimits
 from ..multimodal import ImageOptions
-from .drain import DrainState
+from .drain import DrainState, Stopping
 from .errors import shutting_down
 from .fleet import FleetMonitor, InferenceBackend
 from .generation import PendingCounter, Submission
@@ -37,7 +36,7 @@ class ServerContext:
     generation_defaults: GenerationDefaults = field(default_factory=GenerationDefaults)  # generation_config.json
     created: int = field(default_factory=lambda: int(time.time()))
     #: Set when the server stops: what it holds is answered with 503 at once, new requests get 503.
-    stopping: asyncio.Event = field(default_factory=asyncio.Event)
+    stopping: Stopping = field(default_factory=Stopping)
     #: Admission and the requests admitted, for a drain before the server stops (see :mod:`.drain`).
     drain: DrainState = field(default_factory=DrainState)
     images: ImageOptions = field(default_factory=ImageOptions)  # how chat images are fetched

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from typing import Callable
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
@@ -25,6 +26,36 @@ logger = logging.getLogger("megatron_serve.server")
 
 #: Paths that are never refused nor waited for: probes and the metrics scrape.
 ALWAYS_ANSWERED = frozenset({"/health", "/ready", "/metrics"})
+
+
+class Stopping(asyncio.Event):
+    """Set when the server stops (what it holds is answered with 503 at once); a request that must learn it
+    registers a callback (:meth:`on_set`) instead of a task that waits on the event: two such tasks per request
+    (the wait for the answer, the stream) were two task creations, wake-ups and cancellations each time."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._callbacks: set[Callable[[], None]] = set()
+
+    def set(self) -> None:
+        if self.is_set():
+            return
+        super().set()
+        for callback in self._callbacks:  # on the loop's next turn, as a task waiting on the event would wake
+            asyncio.get_running_loop().call_soon(self._fire, callback)
+
+    def on_set(self, callback: Callable[[], None]) -> Callable[[], None]:
+        """Call ``callback`` once, soon after the event is set (soon, when it is set already), unless the returned
+        function was called first."""
+        self._callbacks.add(callback)
+        if self.is_set():
+            asyncio.get_running_loop().call_soon(self._fire, callback)
+        return lambda: self._callbacks.discard(callback)
+
+    def _fire(self, callback: Callable[[], None]) -> None:
+        if callback in self._callbacks:
+            self._callbacks.discard(callback)
+            callback()
 
 
 class DrainState:

@@ -136,6 +136,18 @@ def validation_error(errors: Sequence[Any]) -> APIError:
     return bad_request(f"{param or 'body'}: {message}, got {shown_text}{more}", param=param)
 
 
+def http_error(exc: StarletteHTTPException) -> APIError:
+    """Starlette's and FastAPI's own errors (404, 405 from routing) in this server's shape."""
+    message = exc.detail if isinstance(exc.detail, str) else json.dumps(exc.detail)
+    return APIError(exc.status_code, message, headers=dict(exc.headers or {}))
+
+
+def unexpected_error(request: Request, exc: Exception) -> APIError:
+    """A failure nothing below the route expected: logged with its traceback, answered as a 500."""
+    logger.exception("unexpected error answering %s %s", request.method, request.url.path)
+    return APIError(500, f"internal error: {type(exc).__name__}: {exc}"[:500])
+
+
 def install_error_handlers(app: FastAPI) -> None:
     """Route every failure through :class:`APIError` so that all of them share one shape."""
 
@@ -149,10 +161,8 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        message = exc.detail if isinstance(exc.detail, str) else json.dumps(exc.detail)
-        return APIError(exc.status_code, message, headers=dict(exc.headers or {})).response()
+        return http_error(exc).response()
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
-        logger.exception("unexpected error answering %s %s", request.method, request.url.path)
-        return APIError(500, f"internal error: {type(exc).__name__}: {exc}"[:500]).response()
+        return unexpected_error(request, exc).response()

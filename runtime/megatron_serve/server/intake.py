@@ -166,9 +166,11 @@ def check_prompt_size(limits: RequestLimits, max_model_len: int | None, *, promp
 
 
 def _prompt_chars(prompt: Any) -> int:
+    """Characters to tokenize in a validated prompt: a string, or strings, token ids or id lists (one kind of item
+    per prompt, so the first says which; a loop over every id was 3 us a 128-id prompt)."""
     if isinstance(prompt, str):
         return len(prompt)
-    return sum(len(p) for p in prompt if isinstance(p, str))
+    return sum(map(len, prompt)) if prompt and isinstance(prompt[0], str) else 0
 
 
 def _content_chars(content: Any) -> int:

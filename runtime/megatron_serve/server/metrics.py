@@ -228,10 +228,11 @@ class ServerMetrics:
         self.finished_prompt_tokens = _counter(series("finished_prompt_tokens_total"), r)
         tpot = series("time_per_output_token_seconds")
         self.tpot = Histogram(tpot.base_name, tpot.help, buckets=_TPOT_BUCKETS, registry=r)
-        for status in ("completed", "failed", "aborted"):
-            self.requests.labels(status)  # present from the start, so rates work from the first scrape
-        for reason in ("stop", "length"):
-            self.finish_reasons.labels(reason)
+        # Present from the start, so rates work from the first scrape; kept, so that counting one is no lookup of
+        # its labels (``labels()`` checks and joins them each time: a few us per request).
+        self._by_status = {status: self.requests.labels(status) for status in ("completed", "failed", "aborted")}
+        self._by_reason = {reason: self.finish_reasons.labels(reason) for reason in ("stop", "length")}
+        self._http: dict[tuple[str, int], Any] = {}  # (route, status) -> its child of http_requests
         self.pending_gauge: Gauge | None = None
         if self.shared_dir is not None:
             entry = series("server_pending_requests")
@@ -267,13 +268,13 @@ class ServerMetrics:
         reason = getattr(request, "finish_reason", None)
         reason = getattr(reason, "value", reason)
         if reason == "abort":
-            self.requests.labels("aborted").inc()
+            self._by_status["aborted"].inc()
         elif status == "COMPLETED":
-            self.requests.labels("completed").inc()
+            self._by_status["completed"].inc()
             if reason in ("stop", "length"):
-                self.finish_reasons.labels(reason).inc()
+                self._by_reason[reason].inc()
         else:
-            self.requests.labels("failed").inc()
+            self._by_status["failed"].inc()
         generated = len(getattr(request, "generated_tokens", []) or [])
         prompt = len(getattr(request, "prompt_tokens", []) or [])
         cached = min(int(getattr(request, "cached_tokens", 0) or 0), prompt)
@@ -285,7 +286,18 @@ class ServerMetrics:
 
     def observe_aborted(self, count: int = 1) -> None:
         """Requests this server aborted (its client went away) before they finished."""
-        self.requests.labels("aborted").inc(count)
+        self._by_status["aborted"].inc(count)
+
+    def observe_failed(self) -> None:
+        """An engine request refused or lost on the way: no record came back."""
+        self._by_status["failed"].inc()
+
+    def observe_http(self, route: str, status: int) -> None:
+        """One HTTP answer of ``route`` (its template, or ``unmatched``) with ``status``."""
+        child = self._http.get((route, status))
+        if child is None:
+            child = self._http[(route, status)] = self.http_requests.labels(route, str(status))
+        child.inc()
 
     def render(self) -> tuple[bytes, str]:
         if self.shared_dir is None:

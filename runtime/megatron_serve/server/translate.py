@@ -206,7 +206,7 @@ def completion_prompts(req: CompletionRequest, tokenizer: Any, vocab_size: int |
     raw = req.prompt
     if isinstance(raw, str):
         items: list[str | list[int]] = [raw]
-    elif raw and all(isinstance(x, int) for x in raw):
+    elif raw and isinstance(raw[0], int):  # validated: the first item says the prompt's shape (models.PromptInput)
         items = [list(raw)]  # one prompt of token ids
     else:
         items = list(raw)
