@@ -50,6 +50,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import aiohttp
 import httpx
 
 LENGTHS = ("uniform", "staggered")
@@ -171,17 +172,17 @@ class EventStream:
 # ----------------------------------------------------------------------------- serving
 
 
-async def one_request(http: httpx.AsyncClient, model: str, prompt: list[int], output_tokens: int) -> Sample:
+async def one_request(http: aiohttp.ClientSession, model: str, prompt: list[int], output_tokens: int) -> Sample:
     body = {"model": model, "prompt": prompt, "max_tokens": output_tokens, "stream": True, "ignore_eos": True,
             "stream_options": {"include_usage": True}, **SAMPLING.body()}
     started = time.perf_counter()
     first = last = None
     tokens = 0
     events = EventStream()
-    async with http.stream("POST", "/v1/completions", json=body) as response:
-        if response.status_code != 200:
-            raise RuntimeError(f"HTTP {response.status_code}: {(await response.aread()).decode()[:300]}")
-        async for chunk in response.aiter_bytes():
+    async with http.post("/v1/completions", json=body) as response:
+        if response.status != 200:
+            raise RuntimeError(f"HTTP {response.status}: {(await response.read()).decode()[:300]}")
+        async for chunk in response.content.iter_any():
             for data in events.feed(chunk):
                 if data == "[DONE]":
                     continue
@@ -207,15 +208,16 @@ async def serve_level(url: str, model: str, headers: dict[str, str], work: Workl
     for item in zip(work.prompts, work.lengths):
         queue.put_nowait(item)
     samples: list[Sample] = []
-    # Idle connections expire here before the server's keep-alive timeout (5 s) closes them: with httpx's default,
-    # also 5 s, a request sent on a connection the server was closing failed (httpx.ReadError) or waited, and the
-    # levels of 2,048 requests or more showed a TTFT p99 of 4-5.5 s that was the two timers racing (0.34 s without).
-    limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency + 4,
-                          keepalive_expiry=2.0)
-    # TCP_NODELAY: a request's headers and body are separate writes; with Nagle's algorithm the body
-    # could wait for a delayed ACK (~40 ms), which would be measured as server latency.
-    transport = httpx.AsyncHTTPTransport(limits=limits, socket_options=[(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)])
-    async with httpx.AsyncClient(base_url=url, headers=headers, timeout=600, transport=transport) as http:
+    # aiohttp, as `vllm bench serve`: its C parser costs the client about a fifth of what httpx's pure-Python one did
+    # (99 ms of CPU per 1,000 streamed tokens at c64 on the 2-core machine, where the client shares the cores
+    # with the stack it measures). Idle connections expire here (2 s) before any server keep-alive timeout
+    # closes them: a request sent on a connection the server was closing fails or waits (with httpx's 5 s
+    # against the server's former 5 s, levels of 2,048 requests showed a TTFT p99 of 4-5.5 s, 0.34 s without).
+    # aiohttp sets TCP_NODELAY (a request's headers and body are separate writes: with Nagle's algorithm the
+    # body could wait for a delayed ACK, ~40 ms, measured as server latency).
+    connector = aiohttp.TCPConnector(limit=concurrency + 4, keepalive_timeout=2.0)
+    timeout = aiohttp.ClientTimeout(total=600)
+    async with aiohttp.ClientSession(base_url=url, headers=headers, timeout=timeout, connector=connector) as http:
         async def worker() -> None:
             while not queue.empty():
                 prompt, length = queue.get_nowait()
@@ -425,7 +427,7 @@ def served_vocab_size(url: str, model: str, headers: dict[str, str]) -> int:
 
 
 def row(lengths: str, concurrency: int, samples: list[Sample], elapsed: float, offline: tuple[float, float] | None,
-        cost: Cost | None) -> list[str]:
+        cost: Cost | None, client_cpu: float) -> list[str]:
     ttft = [s.ttft * 1000 for s in samples]
     tpot = [s.tpot * 1000 for s in samples if s.tpot is not None]
     served = sum(s.tokens for s in samples) / elapsed
@@ -434,13 +436,14 @@ def row(lengths: str, concurrency: int, samples: list[Sample], elapsed: float, o
     return [lengths, str(concurrency), str(len(samples)), f"{len(samples) / elapsed:.2f}", f"{served:.1f}",
             f"{rate:.1f}" if rate else "-", f"{served / rate:.2f}" if rate else "-", f"{percentile(ttft, 50):.1f}",
             f"{percentile(ttft, 99):.1f}", f"{percentile(tpot, 50):.2f}", f"{percentile(tpot, 99):.2f}",
-            f"{percentile([s.latency for s in samples], 50):.2f}", cpu, f"{offline_cpu:.0f}" if offline_cpu else "-"]
+            f"{percentile([s.latency for s in samples], 50):.2f}", cpu, f"{offline_cpu:.0f}" if offline_cpu else "-",
+            f"{client_cpu:.0f}"]
 
 
 def print_table(rows: list[list[str]]) -> None:
     header = ["lengths", "concurrency", "requests", "req/s", "served tok/s", "offline tok/s", "served/offline",
               "TTFT p50 ms", "TTFT p99 ms", "TPOT p50 ms", "TPOT p99 ms", "e2e p50 s",
-              "CPU ms/1k tok: server / coord. / engines", "offline CPU ms/1k tok"]
+              "CPU ms/1k tok: server / coord. / engines", "offline CPU ms/1k tok", "client CPU ms/1k tok"]
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
     print("| " + " | ".join(h.ljust(w) for h, w in zip(header, widths)) + " |")
     print("|" + "|".join("-" * (w + 2) for w in widths) + "|")
@@ -537,11 +540,13 @@ def main() -> None:
         rows = []
         for (mix, c), work in works.items():
             before = stack_cpu_seconds(proc.pid) if proc is not None else None
+            client_started = time.process_time()
             samples, elapsed = asyncio.run(serve_level(url, model, headers, work, c))
+            client_cpu = (time.process_time() - client_started) * 1e6 / work.tokens
             after = stack_cpu_seconds(proc.pid) if proc is not None else None
             cost = None if before is None or after is None else Cost(
                 **{k: (after[k] - before[k]) * 1e6 / work.tokens for k in before})
-            rows.append(row(mix, c, samples, elapsed, offline.get((mix, c)), cost))
+            rows.append(row(mix, c, samples, elapsed, offline.get((mix, c)), cost, client_cpu))
             print(f"served {mix} concurrency {c}: {len(samples)} requests in {elapsed:.1f}s", file=sys.stderr,
                   flush=True)
         print(f"\nmodel {model}: prompt {args.prompt_tokens} tokens, output {args.output_tokens} tokens (staggered: "

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import subprocess
 import sys
 from pathlib import Path
 
@@ -46,3 +47,17 @@ def test_staggered_lengths_spread_around_the_uniform_length(serving):
     assert uniform.lengths == [128] * 64
     assert min(staggered.lengths) == 64 and max(staggered.lengths) == 192 and len(set(staggered.lengths)) > 32
     assert abs(staggered.tokens - uniform.tokens) <= 64
+
+
+def test_a_small_level_runs_end_to_end_with_every_column():
+    """The benchmark the front end's goals are read from starts a stack, streams through its aiohttp client and
+    prints a full row: the served and offline rates, the stack's CPU by process and the client's own."""
+    result = subprocess.run([sys.executable, str(SCRIPT), "--concurrency", "2", "--requests", "4", "--lengths",
+                             "uniform", "--output-tokens", "4", "--prompt-tokens", "8"],
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    header, *rows = [line for line in result.stdout.splitlines() if line.startswith("|") and "---" not in line]
+    assert header.split("|")[-2].strip() == "client CPU ms/1k tok", header
+    cells = [cell.strip() for cell in rows[0].split("|")[1:-1]]
+    assert cells[:3] == ["uniform", "2", "4"], rows
+    assert all(cell not in ("", "-") for cell in cells), rows  # offline, the stack's CPU and the client's all measured
