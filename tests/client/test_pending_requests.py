@@ -1,4 +1,5 @@
-"""A pending request's failure reaches its caller once, and leaves nothing for asyncio to complain about.
+"""A pending request's failure reaches its caller once, with its own traceback, and leaves nothing for asyncio
+to complain about.
 
 A stream's caller reads its queue; the request's future is never awaited. Failed and left unread, each
 such future logged "Future exception was never retrieved" when collected (one per stream a lost
@@ -10,9 +11,11 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import traceback
 
 from megatron_serve.client.output_processor import OutputCollector
 from megatron_serve.client.pending_requests import PendingRequest
+from megatron_serve.client.streams import iterate_stream
 from megatron_serve.wire.connection import CoordinatorLost
 from megatron_serve.wire.sampling_params import SamplingParams
 
@@ -48,3 +51,22 @@ def test_a_failed_whole_request_nobody_awaited_is_still_reported():
     """The control: a future its caller dropped unread is the caller's to hear about."""
     complaints, _ = _complaints_after_failing(stream=False)
     assert [c["message"] for c in complaints] == ["Future exception was never retrieved"]
+
+
+def test_one_error_ending_many_streams_gives_each_its_own_traceback():
+    """fail_all puts one error in every stream's queue; each stream raises it with its own frames only."""
+    async def depths() -> list[int]:
+        error = CoordinatorLost("lost the coordinator at tcp://127.0.0.1:1")
+        found = []
+        for _ in range(4):
+            queue: asyncio.Queue = asyncio.Queue()
+            queue.put_nowait(error)
+            try:
+                async for _item in iterate_stream(queue, lambda: None):
+                    pass
+            except CoordinatorLost as exc:
+                found.append(len(traceback.extract_tb(exc.__traceback__)))
+        return found
+
+    found = asyncio.run(depths())
+    assert len(set(found)) == 1, found  # without a fresh traceback per raise: 2, 4, 6, 8 frames

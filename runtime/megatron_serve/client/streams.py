@@ -26,7 +26,10 @@ async def iterate_stream(items: asyncio.Queue, abandon: Callable[[], None]) -> A
             item = await items.get()
             if isinstance(item, BaseException):
                 finished = True
-                raise item
+                # One error ends every stream a lost coordinator held (the same instance in each queue): raised
+                # with a traceback of its own here, or each stream's raise appended its frames to the last one's
+                # (a log of 64 streams printed every stream's frames 64 times over).
+                raise item.with_traceback(None)
             if isinstance(item, DynamicInferenceRequest):
                 finished = True
                 yield item
