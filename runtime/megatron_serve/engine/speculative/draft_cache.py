@@ -10,12 +10,13 @@ its next guesses need. The pool doubles when it runs out (one copy of the pool).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable, Sequence
 
 import torch
 
 from ...model.attention import AttentionMetadata, ForwardContext
 from ...model.llama import LlamaForCausalLM
+from .proposer import DraftInput
 
 if TYPE_CHECKING:
     from ...model.mtp import MtpLayers
@@ -177,3 +178,34 @@ class DraftCache:
             request_order[i] = row_index
         return DraftRows(self.device, request_ids, token_ids, positions, slots, tables, lens, query_start,
                          num_decode, last_rows, request_order)
+
+
+def guesses_wanted(inputs: Sequence[DraftInput], max_positions: int,
+                   usable: Callable[[DraftInput], bool]) -> dict[int, int]:
+    """How many guesses each input that ``usable`` accepts gets, by its index: what it asks for, as far as the
+    drafter's rotary table reaches (the last guess is fed at position ``length + k - 2``)."""
+    wanted: dict[int, int] = {}
+    for index, item in enumerate(inputs):
+        count = min(item.num_tokens, max_positions - len(item.token_ids) + 1)
+        if count > 0 and usable(item):
+            wanted[index] = count
+    return wanted
+
+
+def chain_guesses(cache: DraftCache, rows: DraftRows, wanted: dict[int, int], out: list[list[int]],
+                  forward: Callable[[DraftRows, list[int] | None], list[int]]) -> None:
+    """Greedy guesses fed back one forward at a time, into ``out`` (by input index): ``forward(rows, kept)`` gives
+    each row's next token (``kept``: which of the previous forward's rows go on, None the first time), and a
+    request stops once it has the guesses it wanted."""
+    order: list[int] = list(wanted)
+    kept: list[int] | None = None
+    for _ in range(max(wanted.values())):
+        live = []
+        for position, (index, token) in enumerate(zip(order, forward(rows, kept))):
+            out[index].append(token)
+            if len(out[index]) < wanted[index]:
+                live.append((position, index, token))
+        if not live:
+            return
+        order, kept = [index for _, index, _ in live], [position for position, _, _ in live]
+        rows = cache.extend(rows, kept, [token for _, _, token in live])

@@ -32,7 +32,7 @@ from ...model.config import ModelConfig
 from ...model.layers import TensorSource
 from ...model.loader import load_model, load_weights as load_model_weights
 from ..sizing import default_dtype
-from .draft_cache import DraftCache, DraftRows
+from .draft_cache import DraftCache, DraftRows, chain_guesses, guesses_wanted
 from .proposer import DraftInput
 
 
@@ -116,28 +116,11 @@ class DraftModelProposer:
         out: list[list[int]] = [[] for _ in inputs]
         if self.stale:
             return out
-        wanted: dict[int, int] = {}
-        for index, item in enumerate(inputs):
-            length = len(item.token_ids)
-            # the last guess is fed at position length + k - 2, which the rotary table must hold
-            count = min(item.num_tokens, self.max_positions - length + 1)
-            if count > 0 and length > 0:
-                wanted[index] = count
+        wanted = guesses_wanted(inputs, self.max_positions, lambda item: len(item.token_ids) > 0)
         if not wanted:
             return out
         rows = self.cache.prepare([(inputs[i].request_id, list(inputs[i].token_ids), wanted[i]) for i in wanted])
-        order = list(wanted)
-        for _ in range(max(wanted.values())):
-            next_tokens = self._greedy(rows)
-            live = []
-            for position, (index, token) in enumerate(zip(order, next_tokens)):
-                out[index].append(token)
-                if len(out[index]) < wanted[index]:
-                    live.append((position, index, token))
-            if not live:
-                break
-            order = [index for _, index, _ in live]
-            rows = self.cache.extend(rows, [position for position, _, _ in live], [token for _, _, token in live])
+        chain_guesses(self.cache, rows, wanted, out, lambda rows, _kept: self._greedy(rows))
         return out
 
     def _greedy(self, rows: DraftRows) -> list[int]:

@@ -35,7 +35,7 @@ from ...model.layers import TensorSource
 from ...model.llama import LlamaForCausalLM
 from ...model.loader import _default_dtype, iterate_checkpoint, load_weights as load_model_weights
 from ...model.mtp import MtpLayers
-from .draft_cache import DraftCache, DraftRows
+from .draft_cache import DraftCache, DraftRows, chain_guesses, guesses_wanted
 from .proposer import DraftInput
 
 
@@ -111,30 +111,21 @@ class MtpProposer:
         out: list[list[int]] = [[] for _ in inputs]
         if self.stale:
             return out
-        wanted: dict[int, int] = {}
-        for index, item in enumerate(inputs):
-            length = len(item.token_ids)
-            count = min(item.num_tokens, self.max_positions - length + 1)
-            if count > 0 and length > 1 and self._ready(item.request_id, list(item.token_ids[1:])):
-                wanted[index] = count
+        wanted = guesses_wanted(inputs, self.max_positions, lambda item: len(item.token_ids) > 1 and self._ready(
+            item.request_id, list(item.token_ids[1:])))
         if not wanted:
             return out
         rows = self.cache.prepare([(inputs[i].request_id, list(inputs[i].token_ids[1:]), wanted[i]) for i in wanted])
         hidden = self._packed_hidden(rows)
-        order = list(wanted)
-        for _ in range(max(wanted.values())):
-            next_tokens, next_hidden = self._greedy(rows, hidden)
-            live = []
-            for position, (index, token) in enumerate(zip(order, next_tokens)):
-                out[index].append(token)
-                if len(out[index]) < wanted[index]:
-                    live.append((position, index, token))
-            if not live:
-                break
-            order = [index for _, index, _ in live]
-            keep = [position for position, _, _ in live]
-            rows = self.cache.extend(rows, keep, [token for _, _, token in live])
-            hidden = next_hidden[torch.tensor(keep, dtype=torch.int64, device=self.device)]
+
+        def forward(rows: DraftRows, kept: list[int] | None) -> list[int]:
+            nonlocal hidden  # each row's input state: the target's, then the layer's own output for its guess
+            if kept is not None:
+                hidden = hidden[torch.tensor(kept, dtype=torch.int64, device=self.device)]
+            tokens, hidden = self._greedy(rows, hidden)
+            return tokens
+
+        chain_guesses(self.cache, rows, wanted, out, forward)
         for index in wanted:  # keep what the target's hidden states computed; drop the chained rows
             request_id, verified = inputs[index].request_id, len(inputs[index].token_ids) - 1
             self.cache.truncate(request_id, verified)
