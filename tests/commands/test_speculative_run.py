@@ -14,7 +14,7 @@ import pytest
 from megatron_serve import DynamicInferenceRequest, InferenceConfig, SamplingParams
 from megatron_serve.engine import DynamicInferenceEngine
 
-from ..helpers import wait_until
+from ..helpers import metric_by_engine_group, wait_until
 from ..processes import stop_process_group
 from ..server.conftest import wait_ready
 from ..server.test_openai_e2e import free_port
@@ -101,18 +101,11 @@ def test_adaptive_k_in_a_data_parallel_fleet_keeps_each_engines_own_counters(tin
             plain.step()
         assert served == [r.generated_tokens for r in requests]
 
-        def per_engine(name: str) -> dict[str, float]:  # engines report in heartbeats: a beat later
-            values: dict[str, float] = {}
-            for line in httpx.get(f"{url}/metrics", timeout=30).text.splitlines():
-                if line.startswith(name + "{"):
-                    group = line.split('engine_group="', 1)[1].split('"', 1)[0]
-                    values[group] = values.get(group, 0.0) + float(line.rsplit(" ", 1)[1])
-            return values
-
-        wait_until(lambda: sum(per_engine("megatron_serve_generation_tokens_total").values()) == 32 * len(prompts),
+        wait_until(lambda: sum(metric_by_engine_group(url, "megatron_serve_generation_tokens_total").values())
+                   == 32 * len(prompts),
                    60, "every generated token counted on /metrics")  # the same heartbeats carry the draft counters
-        counted = per_engine("megatron_serve_spec_decode_num_rows_total")
-        drafts = per_engine("megatron_serve_spec_decode_num_draft_tokens_total")
+        counted = metric_by_engine_group(url, "megatron_serve_spec_decode_num_rows_total")
+        drafts = metric_by_engine_group(url, "megatron_serve_spec_decode_num_draft_tokens_total")
         assert sorted(g for g, n in counted.items() if n > 0) == ["0", "1"]  # both engines ran and chose K
         for group, n in counted.items():
             assert drafts.get(group, 0.0) <= 4 * n  # each engine's mean K, from its own counters, within 0..4

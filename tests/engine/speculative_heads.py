@@ -29,3 +29,17 @@ def counts(engine: DynamicInferenceEngine) -> tuple[int, int]:
     """(guesses verified, guesses accepted) so far."""
     counters = engine.stats.counters
     return counters.get("spec_decode_num_draft_tokens", 0), counters.get("spec_decode_num_accepted_tokens", 0)
+
+
+def record_guesses(proposer) -> list[tuple[list[int], list[int]]]:
+    """From now on, each non-empty guess of ``proposer`` with the tokens it was made from, in order."""
+    recorded: list[tuple[list[int], list[int]]] = []
+    propose = proposer.propose
+
+    def recording(inputs):
+        guesses = propose(inputs)
+        recorded.extend((list(item.token_ids), guess) for item, guess in zip(inputs, guesses) if guess)
+        return guesses
+
+    proposer.propose = recording
+    return recorded

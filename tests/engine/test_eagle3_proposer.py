@@ -24,7 +24,7 @@ from megatron_serve.model.loader import iterate_checkpoint
 from megatron_serve.model.tiny import make_tiny_model
 from megatron_serve.weights.sources import TensorSource
 
-from .speculative_heads import counts, engine_on, greedy_runs
+from .speculative_heads import counts, engine_on, greedy_runs, record_guesses
 
 RNG = random.Random(393)
 PROMPTS = [[RNG.randrange(3, 500) for _ in range(RNG.randint(1, 40))] for _ in range(6)]
@@ -141,15 +141,7 @@ def test_first_guesses_equal_a_plain_torch_reference(models):
     ones rolled back) is the head's argmax computed in plain torch from the whole sequence, mapped by d2t."""
     engine = engine_on(models["target"], eagle3(models["head"]))
     proposer = engine.speculator.proposer
-    recorded: list[tuple[list[int], list[int]]] = []
-    propose = proposer.propose
-
-    def recording(inputs):
-        guesses = propose(inputs)
-        recorded.extend((list(item.token_ids), guess) for item, guess in zip(inputs, guesses) if guess)
-        return guesses
-
-    proposer.propose = recording
+    recorded = record_guesses(proposer)
     run(engine, PROMPTS)
     engine.shutdown()
     checked = [(tokens, guess) for tokens, guess in recorded if len(tokens) > 2]

@@ -23,7 +23,7 @@ from megatron_serve.model.tiny import make_tiny_model
 from megatron_serve.model.tiny_mtp import add_mtp_layer
 from megatron_serve.weights.sources import TensorSource
 
-from .speculative_heads import counts, engine_on, greedy_runs
+from .speculative_heads import counts, engine_on, greedy_runs, record_guesses
 
 MTP = {"method": "mtp", "num_speculative_tokens": 3, "adaptive": False}  # K pinned: the tests count guesses
 RNG = random.Random(39)
@@ -183,15 +183,7 @@ def test_first_guesses_equal_a_transformers_reference(models):
     depending on the hidden states."""
     engine = engine_on(models["mixed"], MTP)
     proposer = engine.speculator.proposer
-    recorded: list[tuple[list[int], list[int]]] = []
-    propose = proposer.propose
-
-    def recording(inputs):
-        guesses = propose(inputs)
-        recorded.extend((list(item.token_ids), guess) for item, guess in zip(inputs, guesses) if guess)
-        return guesses
-
-    proposer.propose = recording
+    recorded = record_guesses(proposer)
     run(engine, PROMPTS)
     drafts, accepted = counts(engine)
     engine.shutdown()

@@ -13,7 +13,6 @@ import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
 
-import httpx
 import openai
 import pytest
 
@@ -25,7 +24,7 @@ from megatron_serve.wire.sampling_params import StructuredOutputsParams
 from ..devices import tensor_parallel_device
 from ..engine.test_speculative import looping, repetitive_prompts
 from ..engine.test_speculative_grammar import OBJECTS
-from ..helpers import wait_until
+from ..helpers import metric_by_engine_group, wait_until
 from ..processes import stop_process_group
 from ..server.conftest import wait_ready
 from ..server.test_openai_e2e import free_port
@@ -121,17 +120,10 @@ def test_a_data_parallel_fleet_with_pinned_k_serves_the_plain_engines_tokens(tin
                 logit_bias={int(k): v for k, v in bias.items()}) for _, temperature, seed in jobs])
         assert served == [r.generated_tokens for r in plain]
 
-        def per_engine(name: str) -> dict[str, float]:  # engines report in heartbeats: a beat later
-            values: dict[str, float] = {}
-            for line in httpx.get(f"{url}/metrics", timeout=30).text.splitlines():
-                if line.startswith(name + "{"):
-                    group = line.split('engine_group="', 1)[1].split('"', 1)[0]
-                    values[group] = values.get(group, 0.0) + float(line.rsplit(" ", 1)[1])
-            return values
-
-        wait_until(lambda: sum(per_engine("megatron_serve_generation_tokens_total").values()) == 32 * len(jobs),
+        wait_until(lambda: sum(metric_by_engine_group(url, "megatron_serve_generation_tokens_total").values())
+                   == 32 * len(jobs),
                    60, "every generated token counted on /metrics")
-        accepted = per_engine("megatron_serve_spec_decode_num_accepted_tokens_total")
+        accepted = metric_by_engine_group(url, "megatron_serve_spec_decode_num_accepted_tokens_total")
         assert sorted(g for g, n in accepted.items() if n > 0) == ["0", "1"]  # both engines accepted drafts
     finally:
         stop_process_group(proc)
