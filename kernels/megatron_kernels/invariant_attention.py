@@ -35,6 +35,7 @@ import torch
 
 from .invariant import KEY_BLOCK, exp, exp_, row_tile
 
+
 @dataclass
 class RowGroup:
     """The sequences of one call that have the same number of query rows: one set of batched GEMMs.
@@ -77,8 +78,8 @@ def plan_rows(rows_of: list[range | list[int]], positions_of: list[range | list[
             by_size.setdefault(len(rows), []).append(sequence)
     total = sum(len(rows) for rows in rows_of)
     groups, tile = [], row_tile()
+    unit = tile // math.gcd(tile, group_heads)  # sequence rows whose heads fill whole GEMM tiles
     for size, members in by_size.items():
-        unit = tile // math.gcd(tile, group_heads)  # sequence rows whose heads fill whole GEMM tiles
         padded = -(-size // unit) * unit
         members = sorted(members, key=lambda sequence: -max(positions_of[sequence]))
         limits = [max(positions_of[sequence]) for sequence in members]

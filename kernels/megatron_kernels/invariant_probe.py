@@ -30,6 +30,7 @@ def _row_counts() -> tuple[int, ...]:
     tile = row_tile()
     return tile, 2 * tile, 3 * tile, 25 * tile
 
+
 Linear = tuple[torch.Tensor, tuple[int, ...]]
 """A weight ``[out, in]`` in the compute dtype and the widths of the projections fused in it, in order
 (``(out,)`` for one)."""

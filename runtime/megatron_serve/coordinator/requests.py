@@ -108,7 +108,7 @@ class RequestRecord:
 
     def mirror(self, out: RequestDelta) -> Tokens:
         """Keep what one engine step added; the ``TOKENS`` that carry it to the client."""
-        self.out.add(out, self.request_id)
+        self.keep(out)
         return tokens_of(self.client_request_id, out)
 
     def tokens_after(self, have: int) -> Tokens | None:

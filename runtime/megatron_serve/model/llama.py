@@ -211,8 +211,8 @@ class LlamaForCausalLM(nn.Module):
             if isinstance(module, (ColumnParallelLinear, RowParallelLinear, ReplicatedLinear, VocabParallelEmbedding,
                                    PagedAttention)):
                 module.batch_invariant = True
-            if isinstance(module, PagedAttention):
-                module.workspace = workspace
+                if isinstance(module, PagedAttention):
+                    module.workspace = workspace
             elif isinstance(module, (RMSNorm, GatedMLP, FusedExperts, SparseMoeBlock)):
                 module.use_invariant_ops()
         cos, sin = invariant_rotary_cos_sin(self.config.head_dim, self.config.max_position_embeddings,

@@ -282,7 +282,6 @@ class EventStreamResponse(StreamingResponse):
         await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
         raw_send = _RAW_SEND.get() or send
         direct = chunked_writer(raw_send)
-        write = raw_send if direct is None else direct
         ended = False
         last = b""  # the last events, sent with the end of the body (one write)
         written = 0
@@ -309,7 +308,7 @@ class EventStreamResponse(StreamingResponse):
                 if written % _WRITES_PER_TURN == 0:
                     await asyncio.sleep(0)
                 if direct is None:
-                    await write({"type": "http.response.body", "body": event, "more_body": True})
+                    await raw_send({"type": "http.response.body", "body": event, "more_body": True})
                 else:
                     await direct.write(event)
             ended = True
