@@ -107,34 +107,51 @@ class Run:
 
 
 def run(target_dir: Path, config: InferenceConfig, prompts: list[list[int]], params: list[SamplingParams],
-        concurrency: int) -> Run:
-    """All requests, ``concurrency`` in flight at a time; counts engine steps (one target forward each)."""
+        concurrency: int, warmup: list[list[int]]) -> Run:
+    """All requests, ``concurrency`` in flight at a time; counts engine steps (one target forward each). The
+    engine first serves ``warmup`` (other prompts, the same sampling), untimed: a server has served before,
+    so its K policy has measured what steps cost and its first probes are behind it (``--cold``: none)."""
     engine = DynamicInferenceEngine.from_model_dir(target_dir, config)
+    serve(engine, [DynamicInferenceRequest(f"warmup-{i}", None, prompt, p)
+                   for i, (prompt, p) in enumerate(zip(warmup, params))], concurrency)
+    counts = ("spec_decode_num_draft_tokens", "spec_decode_num_rows")
+    before = [engine.stats.counters[name] for name in counts]
     requests = [DynamicInferenceRequest(str(i), None, prompt, p) for i, (prompt, p) in enumerate(zip(prompts, params))]
-    forwards = 0
     gc.collect()  # the engines of earlier rows, freed now rather than in this row's timed loop
     wall, cpu = time.perf_counter(), time.process_time()
+    forwards = serve(engine, requests, concurrency)
+    wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+    drafts, rows = (engine.stats.counters[name] - was for name, was in zip(counts, before))
+    engine.shutdown()
+    mean_k = drafts / max(rows, 1)
+    return Run(wall, cpu, forwards, [r.generated_tokens for r in requests], mean_k)
+
+
+def serve(engine: DynamicInferenceEngine, requests: list[DynamicInferenceRequest], concurrency: int) -> int:
+    """Run ``requests`` to the end, ``concurrency`` at a time; the engine steps it took."""
+    forwards = 0
     for start in range(0, len(requests), concurrency):
         for request in requests[start: start + concurrency]:
             engine.add_request(request)
         while engine.has_unfinished_requests():
             engine.step()
             forwards += 1
-    wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
-    counters = engine.stats.counters
-    engine.shutdown()
-    mean_k = counters["spec_decode_num_draft_tokens"] / max(counters["spec_decode_num_rows"], 1)
-    return Run(wall, cpu, forwards, [r.generated_tokens for r in requests], mean_k)
+    return forwards
 
 
-def workloads(args: argparse.Namespace) -> list[tuple[str, int, list[list[int]]]]:
-    """``(name, concurrency, prompts)``: held-out grammar text at each concurrency, and the edit workload."""
+def workloads(args: argparse.Namespace) -> list[tuple[str, int, list[list[int]], list[list[int]]]]:
+    """``(name, concurrency, prompts, warm-up prompts)``: held-out grammar text at each concurrency, and the
+    edit workload. The warm-up is one round of other prompts (two requests at concurrency 1); none with
+    ``--cold``."""
     out = []
     for concurrency in (int(c) for c in args.concurrency.split(",")):
         count = args.requests_c1 if concurrency == 1 else concurrency
-        out.append(("grammar", concurrency, held_out_prompts(count, args.prompt_tokens, seed=100 + concurrency)))
-    passages = held_out_prompts(args.requests_c1, args.prompt_tokens, seed=7)
-    out.append(("edit", 1, [p + p[: args.prompt_tokens // 4] for p in passages]))
+        warmup = 0 if args.cold else min(count, 2) if concurrency == 1 else concurrency
+        out.append(("grammar", concurrency, held_out_prompts(count, args.prompt_tokens, seed=100 + concurrency),
+                    held_out_prompts(warmup, args.prompt_tokens, seed=300 + concurrency)))
+    passages = held_out_prompts(args.requests_c1 + (0 if args.cold else 2), args.prompt_tokens, seed=7)
+    edits = [p + p[: args.prompt_tokens // 4] for p in passages]
+    out.append(("edit", 1, edits[: args.requests_c1], edits[args.requests_c1:]))
     return out
 
 
@@ -152,6 +169,8 @@ def main() -> None:
     parser.add_argument("--train-steps", type=int, default=PairSettings.steps)
     parser.add_argument("--repeat", type=int, default=1, help="runs of each row, the methods alternated; each figure "
                         "is the median (ratios to the same repeat's none)")
+    parser.add_argument("--cold", action="store_true", help="time each engine from its first request (no warm-up "
+                        "round: the K policy's first probes are in the figures)")
     parser.add_argument("--methods", default=",".join(METHODS), help=f"a subset of {','.join(METHODS)} ('none' "
                         "is always run first: the ratios' base)")
     args = parser.parse_args()
@@ -171,7 +190,7 @@ def main() -> None:
     print(f"{'workload':<9}{'sampling':<9}{'conc':>5}  {'method':<14}{'tok/fwd':>8}{'ratio':>7}{'tok/s':>9}{'ratio':>7}"
           f"{'CPU ms/tok':>11}{'ratio':>7}{'mean K':>7}  same tokens")
     chosen = ["none", *(m for m in args.methods.split(",") if m in METHODS and m != "none")]
-    for name, concurrency, prompts in workloads(args):
+    for name, concurrency, prompts, warmup in workloads(args):
         for sampling in ("greedy", "sampled"):
             if name == "edit" and sampling == "sampled":
                 continue
@@ -184,7 +203,7 @@ def main() -> None:
                 for method in methods:
                     config = InferenceConfig(device=args.device, dtype=args.dtype, max_requests=max(concurrency, 8),
                                              speculative=speculative_config(method, args.k, draft))
-                    runs[method].append(run(target, config, prompts, params, concurrency))
+                    runs[method].append(run(target, config, prompts, params, concurrency, warmup))
             for method in methods:
                 print(row(name, sampling, concurrency, method, runs[method], runs["none"]), flush=True)
 

@@ -41,6 +41,9 @@ class ScriptedK:
     def verified(self, request_id: str, drafts: int, accepted: int) -> None:
         pass
 
+    def times_step(self, drafting: bool) -> bool:
+        return False
+
     def step_cost(self, batch_size: int, draft_tokens: int, seconds: float) -> None:
         pass
 

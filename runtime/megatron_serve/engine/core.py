@@ -363,10 +363,10 @@ class DynamicInferenceEngine(DeviceMemoryVerbs, LoraVerbs, SpeculativeSteps):
         speculator = self.speculator
         if speculator is None:
             return self._deliver(self._step_plain())
-        speculator.start_step()
         ks = speculator.plan(self.scheduler.running)
+        speculator.start_step(self.device.type == "cpu", bool(ks))
         outputs = self._step_speculative(ks) if ks else self._step_plain()
-        speculator.end_step(self.device.type == "cpu")
+        speculator.end_step()
         return self._deliver(outputs)
 
     def _step_plain(self) -> list[StepOutput]:

@@ -80,6 +80,9 @@ PROBE_BUDGET = 0.005
 #: (a verified draft or a proposal: only verify steps bring them): the rule's 13 us at 64 rows was 0.4% of a
 #: 3.4 ms CPU step of the benchmark's pair
 RECHECK = 8
+#: while K stays 0, one plain step in this many is timed: the clock's reads and the cost update every step made
+#: the policy's share of a step at batch 1 3.6 us, 1.65 us without (a plain step's decayed mean needs no more)
+PLAIN_SAMPLE = 8
 #: a measured step longer than this many times the model's prediction is counted at that (a descheduled
 #: thread or a page fault says nothing about drafting; on the shared 2-core CPU, 1 step in 20 took 6x)
 OUTLIER = 1.5
@@ -100,6 +103,10 @@ class PinnedK:
 
     def unanswered(self) -> None:
         """Nothing to learn: K is pinned."""
+
+    def times_step(self, drafting: bool) -> bool:
+        """No step is timed: K is pinned."""
+        return False
 
     def verified(self, request_id: str, drafts: int, accepted: int) -> None:
         """Nothing to learn: K is pinned."""
@@ -135,13 +142,14 @@ class _Cost:
     y: float = 0.0
     xx: float = 0.0
     xy: float = 0.0
+    model: tuple[float, float, float] | None = None  # :meth:`fit`'s answer, kept until the next sample
 
     @property
     def without_drafts(self) -> bool:
         return self.pw > 0
 
     def add(self, x: float, y: float) -> None:
-        d = COST_DECAY
+        d, self.model = COST_DECAY, None
         if x == 0:
             self.pw, self.py = self.pw * d + 1, self.py * d + y
             return
@@ -151,9 +159,13 @@ class _Cost:
     def fit(self) -> tuple[float, float, float] | None:
         """``(plain, fixed, slope)``, or None until steps with and without drafts were both measured. While
         the steps with drafts all had one ``x``, ``fixed`` and ``slope`` cannot be told apart: all is slope
-        (the pessimistic reading for larger K)."""
-        if not (self.pw and self.w):
-            return None
+        (the pessimistic reading for larger K). Kept until the next sample: the policy reads it every step."""
+        if self.model is None and self.pw and self.w:
+            self.model = self._solve()
+        return self.model
+
+    def _solve(self) -> tuple[float, float, float]:
+        """Decayed least squares of the steps with drafts, against the mean of those without."""
         plain = self.py / self.pw
         mx, my = self.x / self.w, self.y / self.w
         var = self.xx / self.w - mx * mx
@@ -163,7 +175,10 @@ class _Cost:
         return plain, max(my - slope * mx - plain, 0.0), slope
 
     def predict(self, x: float) -> float | None:
-        """The model's seconds for a step at mean K ``x`` (None: not fitted yet)."""
+        """The model's seconds for a step at mean K ``x`` (None: not fitted yet; a step without drafts needs
+        only the mean of such steps)."""
+        if x == 0:
+            return self.py / self.pw if self.pw else None
         model = self.fit()
         if model is None:
             return None
@@ -193,7 +208,7 @@ class AdaptiveK:
     untimed: bool = False  # the next measured step is a probe's first: its cost is not recorded
     warmup: float = 0.0  # what the last probe's first step cost beyond a plain step, over a plain step
     quiet: int = 0  # steps left before a declined choice is weighed again (:data:`RECHECK`)
-    quiet_for: tuple[tuple[str, ...], float] = ((), 0.0)  # the rows it was declined for, and a probe's excess cost
+    quiet_for: tuple[list[str], float] = ([], 0.0)  # the rows it was declined for, and a probe's excess cost
 
     def acceptance(self, request_id: str) -> float:
         """The request's per-draft acceptance estimate, with the engine-wide rate as its prior."""
@@ -207,7 +222,7 @@ class AdaptiveK:
         if self.follow:  # a probe's second step: the drafter has caught up, this one is measured, at the most K
             self.follow = False
             return self._probe_rows(caps, self.max_k)
-        if self.quiet and self.quiet_for[0] == tuple(request_ids):  # declined a moment ago for these rows: it stands
+        if self.quiet and self.quiet_for[0] == request_ids:  # declined a moment ago for these rows: it stands
             self.quiet -= 1
             return self._idle(caps, self.quiet_for[1])
         cost = self.costs.setdefault(bucket(size), _Cost())
@@ -217,7 +232,8 @@ class AdaptiveK:
         plain, fixed, slope = model
         rates = _estimates(self.requests, self.overall, request_ids)
         finds = _estimates(self.finds, self.found, request_ids)
-        excess = (fixed + slope * max(1, size // PROBE_SHARE) / size) / plain  # a probe step, over a plain one
+        # a probe's measured step (its rows at the most K), over a plain one: the second step of :meth:`_start_probe`
+        excess = (fixed + slope * self.max_k * max(1, size // PROBE_SHARE) / size) / plain
         rate = size / plain
         if max(f * a for f, a in zip(finds, rates)) < rate * slope / size:  # not even one draft pays: the loop's
             return self._decline(request_ids, caps, excess)  # first round, in one pass
@@ -241,7 +257,7 @@ class AdaptiveK:
 
     def _decline(self, request_ids: list[str], caps: list[int], excess: float) -> list[int]:
         """K = 0 for every row (or a probe, :meth:`_idle`); the choice stands :data:`RECHECK` steps."""
-        self.quiet, self.quiet_for = RECHECK, (tuple(request_ids), excess)
+        self.quiet, self.quiet_for = RECHECK, (request_ids, excess)
         return self._idle(caps, excess)
 
     def _neighbour(self, home: int) -> tuple[float, float, float] | None:
@@ -274,6 +290,12 @@ class AdaptiveK:
         """K = ``k`` for the first ``1 / PROBE_SHARE`` of the rows (at least one), 0 for the others."""
         rows = max(1, len(caps) // PROBE_SHARE)
         return [min(k, self.max_k, cap) if i < rows else 0 for i, cap in enumerate(caps)]
+
+    def times_step(self, drafting: bool) -> bool:
+        """Whether this step's cost is wanted (``drafting``: some request was given drafts): every step with
+        drafts, every plain step for :data:`PLAIN_SAMPLE` steps after one with drafts or while nothing was
+        declined (a batch size being measured), then one plain step in :data:`PLAIN_SAMPLE`."""
+        return drafting or self.idle < PLAIN_SAMPLE or self.idle % PLAIN_SAMPLE == 0
 
     def proposed(self, request_id: str, drafts: int) -> None:
         """A request was offered K > 0 and the proposer gave ``drafts`` (0: n-gram found no match; a grammar cut
