@@ -10,6 +10,10 @@ A row reports generated tokens per target forward (one engine step is one target
 per second of wall time, CPU milliseconds per token, and each as a ratio to no speculation in the
 same run. Greedy rows also say whether the tokens equal no speculation's (they must).
 
+Each engine first serves a warm-up round of other prompts with the same sampling, untimed (``--cold``: none):
+a server has served before, so its K policy has measured what steps cost and its first probes are behind it;
+cold, a bucket's first probe shows at concurrency 64 (2 of 65 steps).
+
 Threads are pinned (``--threads``, default 1, as ``torch.set_num_threads`` and ``OMP_NUM_THREADS``):
 on a shared 2-core machine throughput moves with everyone's load, CPU time per token much less.
 ``--repeat N`` runs each row N times with the methods alternated and prints medians (each ratio taken
@@ -52,7 +56,7 @@ docs/speculative.md for the spread over runs):
     grammar  greedy      64  draft_model/K   170.67   2.79  10607.7   0.76       0.09   0.55   3.88
 
     python benchmarks/speculative.py [--k 4] [--concurrency 1,64] [--methods none,draft_model,draft_model/K]
-        [--repeat N] [--cache-dir DIR] [--device cuda --dtype bfloat16]
+        [--repeat N] [--cold] [--cache-dir DIR] [--device cuda --dtype bfloat16]
 
 Needs ``InferenceConfig.speculative``; exits 2 with a message on a build without it.
 """

@@ -1,0 +1,34 @@
+"""``benchmarks/speculative.py`` end to end on a pair trained in seconds, warmed up (each engine serves a round of
+other prompts first) and ``--cold``: every method's rows, greedy tokens equal to no speculation's."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "speculative.py"
+
+
+def rows(tmp_path: Path, *extra: str) -> dict[tuple[str, str, str, str], list[str]]:
+    """The table, keyed by (workload, sampling, concurrency, method)."""
+    result = subprocess.run(
+        [sys.executable, str(SCRIPT), "--train-steps", "30", "--concurrency", "1,4", "--requests-c1", "2",
+         "--new-tokens", "8", "--methods", "none,ngram,draft_model", "--cache-dir", str(tmp_path), *extra],
+        capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert result.returncode == 0, result.stderr[-3000:]
+    table = [line.split() for line in result.stdout.splitlines() if line.startswith(("grammar ", "edit "))]
+    return {tuple(cells[:4]): cells[4:] for cells in table}  # type: ignore[misc]
+
+
+def test_the_benchmark_runs_every_method_warm_and_cold(tmp_path):
+    warm, cold = rows(tmp_path), rows(tmp_path, "--cold")
+    expected = {(w, s, c, m) for w, c in (("grammar", "1"), ("grammar", "4")) for s in ("greedy", "sampled")
+                for m in ("none", "ngram", "draft_model")} | {("edit", "greedy", "1", m) for m in ("none", "ngram")}
+    assert set(warm) == set(cold) == expected
+    for key, cells in [*warm.items(), *cold.items()]:
+        if key[1] == "greedy":
+            assert cells[-1] == "yes", key  # greedy speculation emits no speculation's tokens
+    for table in (warm, cold):  # prompt lookup drafts on the edit workload (mean K, the column before "yes")
+        assert float(table["edit", "greedy", "1", "ngram"][-2]) > 0
