@@ -24,8 +24,11 @@ from .sampling_state import SamplingState, StepRows
 NEG_INF = float("-inf")
 
 
-def apply_controls(logits: torch.Tensor, state: SamplingState, rows: StepRows) -> torch.Tensor:
+def apply_controls(logits: torch.Tensor, state: SamplingState, rows: StepRows,
+                   extra_counts: torch.Tensor | None = None) -> torch.Tensor:
     """Logit bias, min_tokens and penalties applied: a new tensor when a row uses any, else ``logits`` itself.
+    ``extra_counts`` ``[rows, vocab]``: tokens each row's penalties count beyond its request's output on the
+    device (a verify step's drafts before the row's depth).
 
     Every row of the step goes through the same ops (rows without controls read the neutral control
     row, which leaves their logits bitwise unchanged: ``x + 0``, ``x - 0 * count``); the tables are read
@@ -39,7 +42,7 @@ def apply_controls(logits: torch.Tensor, state: SamplingState, rows: StepRows) -
         held = state.stop_mask[control] & (rows.generated < state.vector("min_tokens")[rows.slot])[:, None]
         logits = logits.masked_fill(held, NEG_INF)
     if rows.any_penalties:
-        counts = state.counts[control]
+        counts = state.counts[control] if extra_counts is None else state.counts[control] + extra_counts
         if rows.any_repetition:
             factor = state.vector("repetition")[rows.slot][:, None]
             seen = (counts > 0) | state.prompt_mask[control]

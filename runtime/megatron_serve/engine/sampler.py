@@ -178,12 +178,14 @@ class Sampler:
         self.state = state
         self.logprobs_mode = logprobs_mode
 
-    def launch(self, logits: torch.Tensor, rows: StepRows, model_logits: torch.Tensor | None = None) -> DeviceSample:
+    def launch(self, logits: torch.Tensor, rows: StepRows, model_logits: torch.Tensor | None = None,
+               count: bool = True) -> DeviceSample:
         """Sample every row on the device and start copying the results to the host (nothing waits).
 
         ``logits`` ``[rows, vocab]`` float32, after logit controls and grammar masks; ``model_logits``: the
         model's own logits when those changed them (raw log probs are reported from them, as vLLM does
-        by default). Penalised rows' token counts are updated on the device with the tokens drawn.
+        by default). Penalised rows' token counts are updated on the device with the tokens drawn (``count``:
+        False where the caller counts only some rows, as a verify step does).
         """
         processed = logits
         if not rows.any_sampled:
@@ -201,7 +203,8 @@ class Sampler:
             processed = torch.where(usable[:, None], processed, logits)
             noise = gumbel_noise(state, rows, logits.shape[-1]).masked_fill_(~usable[:, None], 0.0)
             tokens = torch.argmax(processed + noise, dim=-1)
-        self.state.add_counts(rows, tokens)
+        if count:
+            self.state.add_counts(rows, tokens)
         scores = None
         if rows.wanted:
             scores = score_tokens(self._reported(logits if model_logits is None else model_logits, processed),

@@ -222,15 +222,16 @@ class SamplingState:
         self._rows.upload()
         return StepRows(device[0, :count], device[1, :count], device[2, :count], device[3, :count], infos)
 
-    def add_counts(self, rows: StepRows, tokens: torch.Tensor) -> None:
-        """Count each row's sampled token in its control row, on the device (the penalties' view of its output).
+    def add_counts(self, rows: StepRows, tokens: torch.Tensor, weights: torch.Tensor | None = None) -> None:
+        """Count each row's sampled token in its control row, on the device (the penalties' view of its output);
+        ``weights`` (float32, 1 or 0 per row): count only some rows.
 
         Rows without controls add to row 0, which only rows with neutral penalties read: their counts
         are multiplied by zero there.
         """
         if rows.any_penalties:  # index_add_ on the flat table: atomics on a GPU, no sort, no synchronization
             self.counts.view(-1).index_add_(0, rows.control * self.vocab_size + tokens,
-                                            torch.ones_like(tokens, dtype=torch.float32))
+                                            torch.ones_like(tokens, dtype=torch.float32) if weights is None else weights)
 
 
 def _token_counts(tokens: Iterable[int], vocab: int) -> torch.Tensor:

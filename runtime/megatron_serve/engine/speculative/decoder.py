@@ -11,10 +11,10 @@ One speculative step, in the engine's ``schedule -> launch -> sample -> finish``
 2. ``fit``: what the scheduler could not take (a token budget cut, a preemption) loses its drafts, so a
    request's uncomputed tokens are exactly the rows it runs. ``step_plan`` lists the draft rows' logits
    (``num_verify``) beside the sampling row.
-3. ``verify``: the rows are sampled depth by depth with the engine's own sampler, logit controls and
-   seeded streams, as if each were an ordinary decode step: depth ``j`` draws the token at position
-   ``start + 1 + j``, keyed on (seed, sample index, position) and with the penalties' counts of every
-   token before it. A draft is accepted when the token drawn equals it; the first token that differs is the
+3. ``verify``: every depth's row is sampled in one pass with the engine's own sampler, logit controls and
+   seeded streams, as if each were an ordinary decode step after the drafts before it: depth ``j`` draws the
+   token at position ``start + 1 + j``, keyed on (seed, sample index, position) and with the penalties'
+   counts of every token before it (the request's output, then the drafts before ``j``). A draft is accepted when the token drawn equals it; the first token that differs is the
    bonus token and ends the request's run. Greedy, that is "argmax equal". Sampled, it is rejection
    sampling for a point-mass draft (every proposer here proposes deterministically): the draft ``d`` is
    accepted with probability ``p(d)``, and on rejection the token is distributed as ``p`` without ``d``,
@@ -28,7 +28,9 @@ One speculative step, in the engine's ``schedule -> launch -> sample -> finish``
    KV blocks past the request's tokens go back to the pool. Blocks are published to the prefix cache only up
    to the verified tokens (``Scheduler.register_computed_blocks`` stops before drafts).
 
-Cost: one sampler pass per depth (``1 + K`` at most per step, each reading its tokens back), instead of one.
+Cost: one sampler pass and one read over ``1 + K`` rows per request, instead of one row: the rows past a
+rejection are drawn in vain. On a GPU they cost next to nothing, and a pass per depth cost a device round trip
+each; on a CPU each row costs compute, which the K policy's measured step cost counts.
 """
 
 from __future__ import annotations
@@ -47,7 +49,7 @@ from .proposer import DraftInput, Proposer
 
 if TYPE_CHECKING:
     from ..sampler import Sampler
-    from ..sampling_state import SamplingState
+    from ..sampling_state import SamplingState, StepRows
     from ..scheduler import ScheduledBatch, Sequence
 
 
@@ -169,53 +171,81 @@ class Speculator:
 
     def verify(self, sampling: list["Sequence"], sample_logits: torch.Tensor, verify_logits: torch.Tensor,
                state: "SamplingState", sampler: "Sampler", masks: torch.Tensor | None = None) -> list[Emitted]:
-        """Sample each request's rows depth by depth and keep the longest accepted prefix plus one token.
+        """Sample every request's rows at every depth in one pass and keep the longest accepted prefix plus one
+        token.
 
         ``sample_logits``: one row per sampling request (its last row); ``verify_logits``: the draft rows'
         logits (``num_drafts`` rows before the last, per request in the same order). ``masks``: the grammar
         bitmask of every row of ``sample_logits`` then ``verify_logits`` (the mask of that position's state,
-        :meth:`~..structured_output.StructuredOutputs.bitmask` with the drafts), applied at every depth. Reads
-        the tokens back.
+        :meth:`~..structured_output.StructuredOutputs.bitmask` with the drafts).
+
+        Depth ``j`` is drawn as if the drafts before it were accepted (its position's seeded stream, the
+        penalties counting those drafts, the grammar's mask after them); it is only used when they were, and
+        then it is exactly what a draw after them is. So one sampler pass and one read serve every depth
+        (they were a pass and a read per depth: ``1 + K`` device round trips a step), and only the tokens
+        emitted are counted for the penalties afterwards.
         """
+        owner: list[int] = []  # the row's request (index into ``sampling``) and depth
+        depth_of: list[int] = []
+        logit_rows: list[int] = []  # its logits' row: the j-th draft row, or the request's sampling row
+        offset = len(sampling)
+        for i, sequence in enumerate(sampling):
+            drafts = sequence.num_drafts
+            owner.extend([i] * (drafts + 1))
+            depth_of.extend(range(drafts + 1))
+            logit_rows.extend([*range(offset, offset + drafts), i])
+            offset += drafts
+        rows = state.rows([sampling[i].request_id for i in owner],
+                          [sampling[i].num_computed - sampling[i].num_drafts + j for i, j in zip(owner, depth_of)],
+                          [len(sampling[i].request.generated_tokens) + j for i, j in zip(owner, depth_of)])
+        if offset == len(sampling):  # no drafts at all (the proposer found none): the rows as they are, no copy
+            model_logits, index = sample_logits, None
+        else:
+            index = torch.tensor(logit_rows, dtype=torch.int64)
+            model_logits = torch.cat([sample_logits, verify_logits])[index.to(sample_logits.device)]
+        processed = apply_controls(model_logits, state, rows, self._draft_counts(sampling, owner, depth_of, rows, state))
+        if masks is not None:
+            processed = apply_token_bitmask(processed, masks if index is None else masks[index])
+        sample = sampler.launch(processed, rows, None if processed is model_logits else model_logits, count=False)
+        result = sample.read()
         emitted = [Emitted() for _ in sampling]
-        offsets, offset = [], len(sampling)
-        for sequence in sampling:
-            offsets.append(offset)
-            offset += sequence.num_drafts
-        logits = torch.cat([sample_logits, verify_logits]) if verify_logits.shape[0] else sample_logits
-        alive = list(range(len(sampling)))
-        depth = 0
-        while alive:
-            picked = alive
-            rows_index = [offsets[i] + depth if depth < sampling[i].num_drafts else i for i in picked]
-            seqs = [sampling[i] for i in picked]
-            rows = state.rows([s.request_id for s in seqs],
-                              [s.num_computed - s.num_drafts + depth for s in seqs],
-                              [len(s.request.generated_tokens) + depth for s in seqs])
-            index = None if offset == len(sampling) else torch.tensor(rows_index, dtype=torch.int64)
-            # no drafts (K = 0): the rows as they are, no copy
-            model_logits = logits if index is None else logits[index.to(logits.device)]
-            processed = apply_controls(model_logits, state, rows)
-            if masks is not None:
-                processed = apply_token_bitmask(processed, masks if index is None else masks[index])
-            result = sampler.launch(processed, rows, None if processed is model_logits else model_logits).read()
-            alive = []
-            for k, i in enumerate(picked):
-                sequence, out, token = sampling[i], emitted[i], result.token_ids[k]
+        used = [False] * len(owner)
+        row = 0
+        for sequence, out in zip(sampling, emitted):
+            drafts = sequence.num_drafts
+            guesses = sequence.token_ids[len(sequence.token_ids) - drafts:] if drafts else []
+            for depth in range(drafts + 1):
+                token = result.token_ids[row + depth]
+                used[row + depth] = True
                 out.tokens.append(token)
-                out.log_probs.append(result.log_probs[k])
-                out.top_n.append(result.top_n[k])
-                drafts = sequence.num_drafts
-                if (depth < drafts and token == sequence.token_ids[len(sequence.token_ids) - drafts + depth]
-                        and token not in sequence.stop_token_ids):
-                    out.accepted += 1
-                    alive.append(i)
-            depth += 1
+                out.log_probs.append(result.log_probs[row + depth])
+                out.top_n.append(result.top_n[row + depth])
+                if depth == drafts or token != guesses[depth] or token in sequence.stop_token_ids:
+                    break
+                out.accepted += 1
+            row += drafts + 1
+        if rows.any_penalties:  # the penalties' counts: the tokens emitted, not the depths after a rejection
+            state.add_counts(rows, sample.tokens, torch.tensor(used, dtype=torch.float32).to(sample.tokens.device))
         for sequence, out in zip(sampling, emitted):
             if sequence.num_drafts:
                 self.stats.speculated(sequence.num_drafts, out.accepted)
                 self.policy.verified(sequence.request_id, sequence.num_drafts, out.accepted)
         return emitted
+
+    @staticmethod
+    def _draft_counts(sampling: list["Sequence"], owner: list[int], depth_of: list[int], rows: "StepRows",
+                      state: "SamplingState") -> torch.Tensor | None:
+        """``[rows, vocab]``: the drafts before each row's depth, which its penalties count on top of the
+        request's output so far (None when no row has penalties or no row is past depth 0)."""
+        if not rows.any_penalties or not any(depth_of):
+            return None
+        vocab = state.vocab_size
+        flat = [row * vocab + token for row, (i, j) in enumerate(zip(owner, depth_of)) if j
+                for token in sampling[i].token_ids[len(sampling[i].token_ids) - sampling[i].num_drafts:][:j]
+                if token < vocab]
+        counts = torch.zeros(len(owner) * vocab, dtype=torch.float32, device=rows.control.device)
+        counts.index_add_(0, torch.tensor(flat, dtype=torch.int64).to(counts.device), torch.ones(len(flat)).to(counts.device))
+        return counts.view(len(owner), vocab)
 
     def forget(self, request_id: str) -> None:
         """The request left the engine: the proposer's state and the policy's estimate of it go."""
