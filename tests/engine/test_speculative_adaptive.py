@@ -11,10 +11,14 @@ from __future__ import annotations
 import math
 import random
 
+import pytest
+
 from megatron_serve import DynamicInferenceRequest, InferenceConfig, SamplingParams
 from megatron_serve.config import SpeculativeConfig
 from megatron_serve.engine import DynamicInferenceEngine
-from megatron_serve.engine.speculative.adaptive import PROBE_BUDGET, PROBE_MIN, RECHECK, AdaptiveK, PinnedK, bucket
+from megatron_serve.engine.speculative import adaptive
+from megatron_serve.engine.speculative.adaptive import (PLAIN_REFRESH, PROBE_BUDGET, PROBE_MIN, RECHECK, AdaptiveK,
+                                                         PinnedK, bucket)
 
 K = 4
 
@@ -58,6 +62,41 @@ def test_each_request_gets_the_k_of_its_own_acceptance():
     assert policy.choose(["copying", "inventing"], [100, 100]) == [K, 0]
     policy.forget("copying")  # a new request with its id starts from the engine-wide rate
     assert policy.requests.keys() == {"inventing"}
+
+
+@pytest.mark.parametrize("weight", [adaptive.REQUEST_PRIOR_TRIALS, 2.0])
+def test_one_guess_rejected_does_not_turn_a_well_accepted_request_off(monkeypatch, weight):
+    """A declined request verifies nothing, so its estimate stays where its last verify left it: one early
+    rejection must not take it below what drafting needs. Control: with the engine-wide rate weighing 2 trials
+    in a request's estimate (as before), the same rejection declines it for good."""
+    monkeypatch.setattr(adaptive, "REQUEST_PRIOR_TRIALS", weight)
+    policy, rng = AdaptiveK(K), random.Random(6)
+    policy.step_cost(1, 0, 1.0)  # the costs of the benchmark's pair at batch 1 (CPU): a verify step costs half
+    for mean_k in (1, 4, 2, 4, 3):  # a plain step more whatever its K, plus 0.4 of one per draft
+        policy.step_cost(1, mean_k, 1.5 + 0.4 * mean_k)
+    verify(policy, [f"other{i}" for i in range(8)], 0.92, rng)  # the engine-wide acceptance: about 92%
+    assert policy.choose(["new"], [100]) == [K]
+    policy.verified("new", K, 0)  # its first guess rejected (1 time in 12 at 92%)
+    chosen = policy.choose(["new"], [100])[0]
+    assert chosen >= 3 if weight > 2 else chosen == 0
+
+
+def test_a_policy_that_drafts_every_step_measures_a_plain_step_again():
+    """While every step drafts, no plain step is measured: the first one (here 2.0, a cold start) would stay the
+    estimate that every verify step is weighed against. Every :data:`PLAIN_REFRESH` verify steps the policy takes
+    plain steps until one is measured, and every sample ages both sides, so the new one counts."""
+    policy, rng, ids = AdaptiveK(K), random.Random(7), ["a"]
+    measured(policy, 1, plain=2.0, per_k=0.05)
+    verify(policy, ids, 0.95, rng)
+    for _ in range(PLAIN_REFRESH):
+        assert policy.choose(ids, [100]) == [K]
+        policy.step_cost(1, K, 1.2)
+    assert policy.choose(ids, [100]) == [0]  # the step after a verify step is not measured (not overlapped):
+    assert policy.choose(ids, [100]) == [0]  # the next one too, until a plain step was measured
+    policy.step_cost(1, 0, 1.0)
+    plain = policy.costs[1].fit()[0]  # type: ignore[index]
+    assert 1.0 < plain < 1.4  # the old samples aged by the verify steps since (kept at full weight: 1.66)
+    assert policy.choose(ids, [100]) == [K]
 
 
 def test_a_batch_whose_rows_cost_what_they_save_gets_a_smaller_k():

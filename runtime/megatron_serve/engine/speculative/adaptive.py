@@ -15,7 +15,8 @@ measured by the engine as it runs, never assumed:
 - **Cost**, per batch-size bucket (powers of two): what an engine step whose rows all decode costs (CPU
   time on a CPU, where the wall clock also counts whoever else shares the cores; wall time on an
   accelerator, where the host waits for the device): ``plain`` for a step without drafts (overlapped,
-  measured after a step like it), and ``plain + fixed + slope * mean K`` for a verify step with drafts,
+  measured after a step like it; while every step drafts, two plain steps every :data:`PLAIN_REFRESH` verify
+  steps measure it again), and ``plain + fixed + slope * mean K`` for a verify step with drafts,
   by decayed least squares (:data:`COST_DECAY` per step). A verify step whose proposer drafted nothing is
   not counted: it is neither.
   ``fixed`` is the price of drafting at all (a drafter forward, a sampler pass per depth, prefill-shaped
@@ -67,8 +68,15 @@ REQUEST_DECAY = 0.8
 GLOBAL_DECAY = 0.95
 #: weight kept by a bucket's cost samples at each measured step (about the last 50 steps count)
 COST_DECAY = 0.98
-#: the acceptance a request is assumed to have before anything was verified, and its weight in trials
+#: the acceptance an engine assumes before anything was verified, and its weight in trials; also the weight of
+#: the engine-wide share of offers answered in a request's own share (prompt lookup finds text in one request
+#: and not in the next: a request's own offers soon outweigh it)
 PRIOR_ACCEPTANCE, PRIOR_TRIALS = 0.5, 2.0
+#: the weight in trials of the engine-wide acceptance in a request's own. A declined request verifies nothing,
+#: so its estimate stays where its last verify left it: with a weight of 2, one guess rejected at the first
+#: position (1 time in 12 at 92% acceptance) took a request from 0.92 to 0.61, below what a verify step's fixed
+#: cost needs, for the rest of its life; with 6 it leaves 0.79
+REQUEST_PRIOR_TRIALS = 6.0
 PROBE_MIN, PROBE_MAX = 16, 256
 #: rows that draft (K = 1) in a probe: a sixteenth of the batch, at least one. Few, because a draft model
 #: first catches up on every token a probing row generated since it last drafted (16 rows of 64 after 200
@@ -83,6 +91,9 @@ RECHECK = 8
 #: while K stays 0, one plain step in this many is timed: the clock's reads and the cost update every step made
 #: the policy's share of a step at batch 1 3.6 us, 1.65 us without (a plain step's decayed mean needs no more)
 PLAIN_SAMPLE = 8
+#: while every step drafts, two steps without drafts after this many measured verify steps of a bucket, so that
+#: what a plain step costs is measured again (about 3% of the steps: where drafting gains 15%, 0.5% of the time)
+PLAIN_REFRESH = 64
 #: a measured step longer than this many times the model's prediction is counted at that (a descheduled
 #: thread or a page fault says nothing about drafting; on the shared 2-core CPU, 1 step in 20 took 6x)
 OUTLIER = 1.5
@@ -143,18 +154,24 @@ class _Cost:
     xx: float = 0.0
     xy: float = 0.0
     model: tuple[float, float, float] | None = None  # :meth:`fit`'s answer, kept until the next sample
+    stale: int = 0  # steps with drafts measured since the last step without
 
     @property
     def without_drafts(self) -> bool:
         return self.pw > 0
 
     def add(self, x: float, y: float) -> None:
+        """A measured step. Every sample ages both sides' sums, so that each side is a mean over recent steps
+        even where its samples are rare (a plain step among many verify steps: the first plain sample of a
+        run, 0.78 ms where 0.6 was the rule, had stayed the estimate of a whole run that drafted every step)."""
         d, self.model = COST_DECAY, None
+        self.pw, self.py = self.pw * d, self.py * d
+        self.w, self.x, self.y, self.xx, self.xy = self.w * d, self.x * d, self.y * d, self.xx * d, self.xy * d
         if x == 0:
-            self.pw, self.py = self.pw * d + 1, self.py * d + y
+            self.pw, self.py, self.stale = self.pw + 1, self.py + y, 0
             return
-        self.w, self.x, self.y = self.w * d + 1, self.x * d + x, self.y * d + y
-        self.xx, self.xy = self.xx * d + x * x, self.xy * d + x * y
+        self.w, self.x, self.y, self.xx, self.xy = self.w + 1, self.x + x, self.y + y, self.xx + x * x, self.xy + x * y
+        self.stale += 1
 
     def fit(self) -> tuple[float, float, float] | None:
         """``(plain, fixed, slope)``, or None until steps with and without drafts were both measured. While
@@ -212,7 +229,7 @@ class AdaptiveK:
 
     def acceptance(self, request_id: str) -> float:
         """The request's per-draft acceptance estimate, with the engine-wide rate as its prior."""
-        return _estimates(self.requests, self.overall, [request_id])[0]
+        return _estimates(self.requests, self.overall, [request_id], REQUEST_PRIOR_TRIALS)[0]
 
     def choose(self, request_ids: list[str], caps: list[int]) -> list[int]:
         """K per request (each at most ``min(max_k, cap)``) for a step of ``len(request_ids)`` decode rows."""
@@ -230,8 +247,8 @@ class AdaptiveK:
         if model is None:  # measure first: a step without drafts, then probes until one drafted (n-gram may
             return self._start_probe(caps) if cost.without_drafts else [0] * size  # find nothing: cheap)
         plain, fixed, slope = model
-        rates = _estimates(self.requests, self.overall, request_ids)
-        finds = _estimates(self.finds, self.found, request_ids)
+        rates = _estimates(self.requests, self.overall, request_ids, REQUEST_PRIOR_TRIALS)
+        finds = _estimates(self.finds, self.found, request_ids, PRIOR_TRIALS)
         # a probe's measured step (its rows at the most K), over a plain one: the second step of :meth:`_start_probe`
         excess = (fixed + slope * self.max_k * max(1, size // PROBE_SHARE) / size) / plain
         rate = size / plain
@@ -253,6 +270,8 @@ class AdaptiveK:
         if not any(ks):
             return self._decline(request_ids, caps, excess)
         self.idle, self.probe, self.probing = 0, PROBE_MIN, False
+        if cost.stale >= PLAIN_REFRESH:  # a step without drafts now and then keeps ``plain`` current (two: the
+            return [0] * size  # first after a verify step is not overlapped, so only the second is measured)
         return ks
 
     def _decline(self, request_ids: list[str], caps: list[int], excess: float) -> list[int]:
@@ -338,12 +357,12 @@ class AdaptiveK:
         self.finds.pop(request_id, None)
 
 
-def _estimates(own: dict[str, _Rate], overall: _Rate, request_ids: list[str]) -> list[float]:
-    """Each request's rate from its own decayed counts, with the engine-wide rate as a prior of weight
-    :data:`PRIOR_TRIALS`."""
-    prior = PRIOR_TRIALS * overall.hits / overall.trials
-    return [(rate.hits + prior) / (rate.trials + PRIOR_TRIALS) if (rate := own.get(r)) is not None
-            else prior / PRIOR_TRIALS for r in request_ids]
+def _estimates(own: dict[str, _Rate], overall: _Rate, request_ids: list[str], weight: float) -> list[float]:
+    """Each request's rate from its own decayed counts, with the engine-wide rate as a prior of ``weight``
+    trials."""
+    mean = overall.hits / overall.trials
+    return [(rate.hits + weight * mean) / (rate.trials + weight) if (rate := own.get(r)) is not None
+            else mean for r in request_ids]
 
 
 def _expected_extra(a: float, k: int) -> float:
