@@ -80,14 +80,16 @@ class IncrementalDetokenizer:
         The window's context is most often the one token before the new ones, whose text alone the tokenizer
         keeps (:meth:`~megatron_serve.tokenizer.Tokenizer.decode_one`): one decoding per token instead of two.
         """
-        visible, special = self._visible, self._special
-        visible.extend(t for t in new_tokens if t not in special)
+        visible, special, tokenizer = self._visible, self._special, self.tokenizer
+        for token in new_tokens:  # (a loop: a generator for the one token of a step cost more than its decoding)
+            if token not in special:
+                visible.append(token)
         skip, start, read = self._skip_special, self._prefix_offset, self._read_offset
         if read - start == 1:
-            prefix = self.tokenizer.decode_one(visible[start], skip)
+            prefix = tokenizer.decode_one(visible[start], skip)
         else:
-            prefix = self.tokenizer.decode(visible[start:read], skip)
-        pending = self.tokenizer.decode(visible[start:], skip)[len(prefix) :]
+            prefix = tokenizer.decode(visible[start:read], skip)
+        pending = tokenizer.decode(visible[start:], skip)[len(prefix) :]
         if pending and not pending.endswith("\ufffd"):
             self._committed += pending
             self._prefix_offset, self._read_offset = self._read_offset, len(self._visible)
