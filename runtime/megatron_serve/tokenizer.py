@@ -84,6 +84,20 @@ class Tokenizer:
             return rust.decode(token_ids, skip_special_tokens=skip_special_tokens)
         return self._tok.decode(token_ids, skip_special_tokens=skip_special_tokens)
 
+    def decode_one(self, token_id: int, skip_special_tokens: bool = True) -> str:
+        """``decode([token_id], skip_special_tokens)``, kept per id: the client side decodes each generated token
+        on its own once more as the next one's context (:mod:`megatron_serve.client.detokenizer`)."""
+        texts = self._single_texts[skip_special_tokens]
+        text = texts.get(token_id)
+        if text is None:
+            text = texts[token_id] = self.decode([token_id], skip_special_tokens)
+        return text
+
+    @functools.cached_property
+    def _single_texts(self) -> tuple[dict[int, str], dict[int, str]]:
+        """:meth:`decode_one`'s texts by id: without, then with ``skip_special_tokens``."""
+        return {}, {}
+
     @functools.cached_property
     def _rust(self) -> Any:
         """The fast tokenizer's Rust object when calling it decodes exactly as ``transformers`` does, else None.

@@ -136,3 +136,10 @@ def test_the_stop_string_that_ends_first_ends_the_text(tokenizer):
     detokenizer = IncrementalDetokenizer(tokenizer, ["wn", "own fox"], include_stop_str_in_output=True)
     assert any(detokenizer.update(tokens[:count]) for count in range(1, len(tokens) + 1))
     assert detokenizer.text == "Hello world, the quick brown"
+
+
+def test_a_token_decoded_on_its_own_is_kept_as_decoding_it_gives(tokenizer):
+    for skip in (True, False):
+        for token in range(tokenizer.vocab_size):
+            assert tokenizer.decode_one(token, skip) == tokenizer.decode([token], skip_special_tokens=skip)
+            assert tokenizer.decode_one(token, skip) == tokenizer.decode([token], skip_special_tokens=skip)  # kept

@@ -14,7 +14,7 @@ import json
 import httpx
 import pytest
 
-from megatron_serve.server import create_app, streaming
+from megatron_serve.server import chunked, create_app, streaming
 from megatron_serve.server.errors import APIError
 
 from .conftest import serving
@@ -60,7 +60,7 @@ async def _answers(tokenizer, body: dict, streams: int = 1) -> list[str]:
 async def test_pieces_go_straight_into_the_connection_and_the_events_are_the_same(tokenizer, taken, monkeypatch):
     direct = await _answers(tokenizer, BODY, streams=3)
     bypassed = sum(taken)
-    monkeypatch.setattr(streaming._DirectWrites, "ready", lambda self: False)  # negative control: the task's path
+    monkeypatch.setattr(chunked.ChunkedWriter, "ready", lambda self: False)  # negative control: the task's path
     through_task = await _answers(tokenizer, BODY)
     assert sum(taken) == bypassed  # none took the bypass
     assert bypassed > 3 * 2 * 24 / 2  # most of every stream's tokens went straight in (a few wait for the task)

@@ -75,11 +75,21 @@ class IncrementalDetokenizer:
         return whole
 
     def _window(self, new_tokens: Iterable[int]) -> str:
-        """Decode the window the new tokens end (see the class docstring); the whole text so far."""
-        self._visible.extend(t for t in new_tokens if t not in self._special)
-        skip = self._skip_special
-        prefix = self.tokenizer.decode(self._visible[self._prefix_offset : self._read_offset], skip)
-        pending = self.tokenizer.decode(self._visible[self._prefix_offset :], skip)[len(prefix) :]
+        """Decode the window the new tokens end (see the class docstring); the whole text so far.
+
+        The window's context is most often the one token before the new ones, whose text alone the tokenizer
+        keeps (:meth:`~megatron_serve.tokenizer.Tokenizer.decode_one`): one decoding per token instead of two.
+        """
+        visible, special, tokenizer = self._visible, self._special, self.tokenizer
+        for token in new_tokens:  # (a loop: a generator for the one token of a step cost more than its decoding)
+            if token not in special:
+                visible.append(token)
+        skip, start, read = self._skip_special, self._prefix_offset, self._read_offset
+        if read - start == 1:
+            prefix = tokenizer.decode_one(visible[start], skip)
+        else:
+            prefix = tokenizer.decode(visible[start:read], skip)
+        pending = tokenizer.decode(visible[start:], skip)[len(prefix) :]
         if pending and not pending.endswith("\ufffd"):
             self._committed += pending
             self._prefix_offset, self._read_offset = self._read_offset, len(self._visible)

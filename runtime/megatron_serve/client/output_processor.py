@@ -113,13 +113,17 @@ class OutputCollector:
         if kept and self.first_token_time is None:
             self.first_token_time = time.time()
         self.out.add_rest(delta, kept, self.request_id)
-        log_probs = (delta.new_log_probs or [])[:kept]
-        top: list[dict[int, float]] = []
+        piece = StreamPartial(self.request_id, tokens[:kept], "")
+        if delta.new_log_probs:
+            piece.new_log_probs = delta.new_log_probs[:kept]
         if delta.top_ids is not None and delta.top_log_probs is not None:
-            top = _top_maps(delta.top_ids[:kept], delta.top_log_probs[:kept])
-        text = "" if self.detokenizer is None else self.detokenizer.take_new_text(final=self.stopped)
-        return StreamPartial(self.request_id, tokens[:kept], text, log_probs, new_top_logprobs=top,
-                             token_texts=self._list(final=self.stopped))
+            piece.new_top_logprobs = _top_maps(delta.top_ids[:kept], delta.top_log_probs[:kept])
+        detokenizer = self.detokenizer
+        if detokenizer is not None:
+            piece.new_text = detokenizer.take_new_text(final=self.stopped)
+            if detokenizer.ends is not None:
+                piece.token_texts = self._list(final=self.stopped)
+        return piece
 
     def _list(self, final: bool) -> list[str]:
         """The texts of the tokens that a log-prob listing may show now: those whose text was all sent

@@ -304,7 +304,7 @@ class _Stack:
 
     async def _serve(self, facts: Any, tokenizer: Any, sock: Any) -> None:
         from ..server.app import create_app  # noqa: PLC0415
-        from ..heap import freeze_startup_heap  # noqa: PLC0415
+        from ..heap import defer_young_collections, freeze_startup_heap  # noqa: PLC0415
         from ..server.runner import serve_app  # noqa: PLC0415
 
         args = self.args
@@ -327,6 +327,7 @@ class _Stack:
                 f"{curl_example(url, facts.name, bearer_header(args) if self.api_key else '')}")
 
         freeze_startup_heap()
+        defer_young_collections()
         if metrics_dir is not None:
             self.siblings = api_servers.Siblings(args, sock, self.address, self.token, metrics_dir)
             self.siblings.start()

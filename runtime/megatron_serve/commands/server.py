@@ -268,7 +268,7 @@ async def _serve(args: argparse.Namespace, facts: Any, files: ServingFiles, toke
                  siblings: "api_servers.Siblings | None", probe_sock: Any) -> None:
     from ..client.coordinator_client import InferenceClient  # noqa: PLC0415
     from ..server.app import create_app  # noqa: PLC0415
-    from ..heap import freeze_startup_heap  # noqa: PLC0415
+    from ..heap import defer_young_collections, freeze_startup_heap  # noqa: PLC0415
     from ..server.runner import serve_app  # noqa: PLC0415
 
     client = InferenceClient(args.coordinator, token=token, tokenizer=tokenizer,  # it makes the text
@@ -307,6 +307,7 @@ async def _serve(args: argparse.Namespace, facts: Any, files: ServingFiles, toke
                   f"{' (API key required)' if api_key else ''}{probes_note(probes)}", file=sys.stderr, flush=True)
 
     freeze_startup_heap()
+    defer_young_collections()
     if siblings is not None:
         siblings.start()
     try:

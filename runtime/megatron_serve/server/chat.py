@@ -23,7 +23,7 @@ from .models import (
     FunctionCall,
     Usage,
 )
-from .chunks import ChunkWriter
+from .chunks import SLOT, ChunkWriter, TextSlot
 from .streaming import stream_answer
 from .tool_calls import Arguments, CallReader, CallStart, Content, Event, plan_tools
 from .translate import (
@@ -187,17 +187,26 @@ class _ChatEvents(StreamedAnswer):
                                   running_usage(handler.req, len(handler.prompt.tokens), self.choices))
         self.readers: dict[int, CallReader | None] = {}
         self.called: set[int] = set()
+        # Choices whose pieces are text alone (no tool calls to read, log probs, token ids or running usage): their
+        # chunks from a TextSlot, without the choices' bookkeeping (which serves only the last three)
+        self.plain = not (handler.want_logprobs or handler.req.return_token_ids)
+        self.slots: dict[int, TextSlot | None] = {}
 
     def item(self, job: EngineJob, item: Any) -> list[bytes]:
+        slot = self.slots.get(job.index)
+        if slot is not None and type(item) is StreamPartial:
+            return [slot.event(item.new_text)] if item.new_text else []
         handler, req, writer = self.handler, self.handler.req, self.writer
         events: list[bytes] = []
         if self.choices.first_seen(job.index):
-            self.readers[job.index] = handler.tools.reader()
+            reader = self.readers[job.index] = handler.tools.reader()
             opening = handler._choice(job.index, {"role": "assistant", "content": ""})
             if req.return_token_ids:  # vLLM: the prompt's ids on the opening chunk, none generated yet
                 opening["token_ids"] = []
             events.append(writer.chunk([opening], prompt_token_ids=handler.prompt.tokens if req.return_token_ids
                                        else None))
+            if self.plain and reader is None:
+                self.slots[job.index] = writer.text_slot(handler._choice(job.index, {"content": SLOT}))
         final = not isinstance(item, StreamPartial)
         delta = Delta.empty() if final else self.choices.piece(job.index, item)
         chunk, calls = handler._content(writer, job.index, delta, self.readers[job.index], final)

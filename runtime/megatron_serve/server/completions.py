@@ -22,7 +22,7 @@ from .models import (
     CompletionResponse,
     Usage,
 )
-from .chunks import ChunkWriter
+from .chunks import SLOT, ChunkWriter, TextSlot
 from .streaming import stream_answer
 from .translate import (
     DEFAULT_COMPLETION_TOKENS,
@@ -172,8 +172,15 @@ class _CompletionEvents(StreamedAnswer):
                                                 self.choices))
         self.offsets: dict[int, int] = {}  # job index -> text offset for the next log-prob token
         self.opened: set[int] = set()  # choices whose first chunk was sent
+        # Choices whose later pieces are text alone (no log probs, token ids or running usage): their chunks from
+        # a TextSlot, without the choices' bookkeeping (which serves only those three)
+        self.plain = not (handler.want_logprobs or handler.req.return_token_ids)
+        self.slots: dict[int, TextSlot | None] = {}
 
     def item(self, job: EngineJob, item: Any) -> list[bytes]:
+        slot = self.slots.get(job.index)
+        if slot is not None and type(item) is StreamPartial:
+            return [slot.event(item.new_text)] if item.new_text else []
         first = self.choices.first_seen(job.index)
         prefix = _echo_text(self.handler.ctx, job.prompt) if first and self.req.echo else ""
         if first:
@@ -184,6 +191,8 @@ class _CompletionEvents(StreamedAnswer):
             logprobs = self._logprobs(delta, self.offsets[job.index])
             if logprobs is not None:
                 self.offsets[job.index] += sum(len(t) for t in logprobs["tokens"])
+            if self.plain and first:
+                self.slots[job.index] = self.writer.text_slot(self._choice(job, SLOT, delta, None, False))
             if prefix or delta.text or logprobs or (self.req.return_token_ids and delta.tokens):
                 self.opened.add(job.index)
                 return [self._chunk(job, prefix + delta.text, delta, logprobs, opening)]
@@ -196,6 +205,11 @@ class _CompletionEvents(StreamedAnswer):
 
     def _chunk(self, job: EngineJob, text: str, delta: Delta, logprobs: dict[str, Any] | None, opening: bool,
                finish_reason: str | None = None, result: DynamicInferenceRequest | None = None) -> bytes:
+        """A streamed ``text_completion`` chunk of one choice."""
+        return self.writer.chunk([self._choice(job, text, delta, logprobs, opening, finish_reason, result)])
+
+    def _choice(self, job: EngineJob, text: str, delta: Delta, logprobs: dict[str, Any] | None, opening: bool,
+                finish_reason: str | None = None, result: DynamicInferenceRequest | None = None) -> dict[str, Any]:
         """One choice of a streamed ``text_completion`` chunk as plain data (see :mod:`.chunks`); with
         ``return_token_ids`` its ``opening`` chunk carries the prompt's ids and every chunk the ids of the
         tokens it lists."""
@@ -206,7 +220,7 @@ class _CompletionEvents(StreamedAnswer):
             choice["token_ids"] = delta.tokens
         if result is not None:
             choice.update(extension_fields(self.req, result))
-        return self.writer.chunk([choice])
+        return choice
 
     def _logprobs(self, delta: Delta, offset: int) -> dict[str, Any] | None:
         """The log-prob block of a streamed chunk; None when not asked for or the chunk adds no token."""

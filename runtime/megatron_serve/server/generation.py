@@ -304,6 +304,9 @@ class Submission:
 
     def _pass(self, job: EngineJob, request_id: str, item: Any) -> list[tuple[EngineJob, Any]]:
         """What one arrived item lets through to the answer, in order (see :meth:`stream`); raises a job's error."""
+        if type(item) is StreamPartial and self.stream_interval == 1:  # most items: one a token
+            self._opened.add(request_id)
+            return [(job, item)]
         if isinstance(item, BaseException):
             self._finished(request_id, None)
             raise _submission_error(item) if isinstance(item, Exception) else item

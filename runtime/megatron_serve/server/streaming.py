@@ -201,19 +201,17 @@ class _DirectWrites:
     """A submission's bypass (``Submission.deliver``): each piece's events made and written into the connection
     at once, by whoever delivers it (the client's receive loop)."""
 
-    __slots__ = ("_render", "_writer")
+    __slots__ = ("_item", "_write", "ready")
 
     def __init__(self, render: Renderer[Any], writer: ChunkedWriter) -> None:
-        self._render = render
-        self._writer = writer
-
-    def ready(self) -> bool:
-        return self._writer.ready()
+        self._item = render.item
+        self._write = writer.write_now
+        self.ready = writer.ready  # (bound once: the receive loop asks it for every piece)
 
     def take(self, job: Any, item: Any) -> None:
-        events = self._render.item(job, item)
+        events = self._item(job, item)
         if events:
-            self._writer.write_now(events[0] if len(events) == 1 else b"".join(events))
+            self._write(events[0] if len(events) == 1 else b"".join(events))
 
 
 async def stream_answer(submission: Submitted[T], render: Renderer[T], answer_id: str) -> "EventStreamResponse":

@@ -1,0 +1,37 @@
+"""A plain text piece's event from its ``TextSlot`` is the event ``ChunkWriter.chunk`` makes of the same choice,
+byte for byte, whatever the text and the answer's names hold (quotes, escapes, control characters, Unicode line
+breaks, characters outside the BMP); a writer whose chunks carry a running usage has no slot."""
+
+from __future__ import annotations
+
+import pytest
+
+from megatron_serve.server.chunks import SLOT, ChunkWriter
+from megatron_serve.server.models import Usage
+
+TEXTS = ["", "plain", ' "quoted" \\ back', "tab\tnew\nline\r\x00\x1f", "one\u2028two\u2029three\u0085four",
+         "é ß 中文 🙂", "\ufffd", SLOT[1:-1]]
+
+
+def _choice(kind: str, index: int, text: str) -> dict:
+    """A streamed choice of a completion or a chat answer holding ``text``, as the endpoints make them."""
+    if kind == "text_completion":
+        return {"index": index, "text": text, "logprobs": None, "finish_reason": None}
+    return {"index": index, "delta": {"content": text}, "logprobs": None, "finish_reason": None}
+
+
+@pytest.mark.parametrize("model", ["tiny-llama", "odd\u2028model \"name\" \u0085"])
+@pytest.mark.parametrize("kind", ["text_completion", "chat.completion.chunk"])
+@pytest.mark.parametrize("index", [0, 3])
+def test_slot_events_are_the_chunks_events(model, kind, index):
+    writer = ChunkWriter("cmpl-1\u2029", kind, 1700000000, model)
+    slot = writer.text_slot(_choice(kind, index, SLOT))
+    assert slot is not None
+    for text in TEXTS:
+        assert slot.event(text) == writer.chunk([_choice(kind, index, text)])
+
+
+def test_no_slot_when_every_chunk_carries_a_usage():
+    writer = ChunkWriter("cmpl-1", "text_completion", 1, "m",
+                         running_usage=lambda: Usage(prompt_tokens=1, completion_tokens=2, total_tokens=3))
+    assert writer.text_slot({"index": 0, "text": SLOT, "logprobs": None, "finish_reason": None}) is None
