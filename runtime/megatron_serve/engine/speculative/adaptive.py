@@ -94,6 +94,11 @@ PLAIN_SAMPLE = 8
 #: while every step drafts, two steps without drafts after this many measured verify steps of a bucket, so that
 #: what a plain step costs is measured again (about 3% of the steps: where drafting gains 15%, 0.5% of the time)
 PLAIN_REFRESH = 64
+#: steps without drafts a batch size's model needs before drafts are weighed against them, not counting the first
+#: one measured, which is left out: it ran cold (at batch 1 on the CPU, 0.8-1.25 ms where the next ones took 0.6-0.7; weighed in, it made
+#: drafting look cheap until plain steps were measured again: sampled text, draft model, mean K 0.25-1.24 from
+#: one run to the next, 0.955 of no speculation)
+PLAIN_NEEDED = 3
 #: a measured step longer than this many times the model's prediction is counted at that (a descheduled
 #: thread or a page fault says nothing about drafting; on the shared 2-core CPU, 1 step in 20 took 6x)
 OUTLIER = 1.5
@@ -155,15 +160,21 @@ class _Cost:
     xy: float = 0.0
     model: tuple[float, float, float] | None = None  # :meth:`fit`'s answer, kept until the next sample
     stale: int = 0  # steps with drafts measured since the last step without
+    plains: int = 0  # steps without drafts measured (the first is not kept: :data:`PLAIN_NEEDED`)
 
     @property
     def without_drafts(self) -> bool:
-        return self.pw > 0
+        """Enough steps without drafts were measured to weigh drafts against (:data:`PLAIN_NEEDED`)."""
+        return self.plains > PLAIN_NEEDED
 
     def add(self, x: float, y: float) -> None:
         """A measured step. Every sample ages both sides' sums, so that each side is a mean over recent steps
         even where its samples are rare (a plain step among many verify steps: the first plain sample of a
         run, 0.78 ms where 0.6 was the rule, had stayed the estimate of a whole run that drafted every step)."""
+        if x == 0:
+            self.plains += 1
+            if self.plains == 1:  # a batch size's first plain step runs cold (:data:`PLAIN_NEEDED`)
+                return
         d, self.model = COST_DECAY, None
         self.pw, self.py = self.pw * d, self.py * d
         self.w, self.x, self.y, self.xx, self.xy = self.w * d, self.x * d, self.y * d, self.xx * d, self.xy * d
@@ -177,7 +188,7 @@ class _Cost:
         """``(plain, fixed, slope)``, or None until steps with and without drafts were both measured. While
         the steps with drafts all had one ``x``, ``fixed`` and ``slope`` cannot be told apart: all is slope
         (the pessimistic reading for larger K). Kept until the next sample: the policy reads it every step."""
-        if self.model is None and self.pw and self.w:
+        if self.model is None and self.without_drafts and self.w:
             self.model = self._solve()
         return self.model
 
@@ -195,7 +206,7 @@ class _Cost:
         """The model's seconds for a step at mean K ``x`` (None: not fitted yet; a step without drafts needs
         only the mean of such steps)."""
         if x == 0:
-            return self.py / self.pw if self.pw else None
+            return self.py / self.pw if self.without_drafts else None
         model = self.fit()
         if model is None:
             return None
