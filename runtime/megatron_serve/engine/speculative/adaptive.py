@@ -32,7 +32,8 @@ its proposal share: the tokens the draft brings beat the time it costs at that r
 only if the drafts' tokens beat ``r * (fixed + ...)``, then ``r`` is recomputed; a few rounds converge. A request that is rarely accepted,
 or a batch where rows cost as much as they save, gets ``K = 0``: no drafts, and no drafter forward.
 
-Measuring needs data: a bucket with no step without drafts runs one; one with no step with drafts runs
+Measuring needs data: a bucket with fewer than :data:`PLAIN_NEEDED` steps without drafts (besides its first,
+cold one) runs them; one with no step with drafts runs
 probes until one drafted (an n-gram probe may find no match: it then costs about a plain step):
 ``K = 1`` for a sixteenth of the rows (at least one), then the most ``K`` for those rows, of which only the
 second step is measured (in the first a draft model catches up on the tokens it did not see while K was
