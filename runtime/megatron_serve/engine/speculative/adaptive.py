@@ -96,9 +96,9 @@ PLAIN_SAMPLE = 8
 #: what a plain step costs is measured again (about 3% of the steps: where drafting gains 15%, 0.5% of the time)
 PLAIN_REFRESH = 64
 #: steps without drafts a batch size's model needs before drafts are weighed against them, not counting the first
-#: one measured, which is left out: it ran cold (at batch 1 on the CPU, 0.8-1.25 ms where the next ones took 0.6-0.7; weighed in, it made
-#: drafting look cheap until plain steps were measured again: sampled text, draft model, mean K 0.25-1.24 from
-#: one run to the next, 0.955 of no speculation)
+#: one measured, which is left out: it ran cold (at batch 1 on the CPU, 0.8-1.25 ms where the next ones took
+#: 0.6-0.7; weighed in, it made drafting look cheap until plain steps were measured again: sampled text, draft
+#: model, mean K 0.25-1.24 from one run to the next, 0.955 of no speculation)
 PLAIN_NEEDED = 3
 #: a measured step longer than this many times the model's prediction is counted at that (a descheduled
 #: thread or a page fault says nothing about drafting; on the shared 2-core CPU, 1 step in 20 took 6x)
@@ -172,18 +172,17 @@ class _Cost:
         """A measured step. Every sample ages both sides' sums, so that each side is a mean over recent steps
         even where its samples are rare (a plain step among many verify steps: the first plain sample of a
         run, 0.78 ms where 0.6 was the rule, had stayed the estimate of a whole run that drafted every step)."""
-        if x == 0:
-            self.plains += 1
-            if self.plains == 1:  # a batch size's first plain step runs cold (:data:`PLAIN_NEEDED`)
-                return
+        if x == 0 and not self.plains:  # a batch size's first plain step runs cold: left out (:data:`PLAIN_NEEDED`)
+            self.plains = 1
+            return
         d, self.model = COST_DECAY, None
         self.pw, self.py = self.pw * d, self.py * d
         self.w, self.x, self.y, self.xx, self.xy = self.w * d, self.x * d, self.y * d, self.xx * d, self.xy * d
         if x == 0:
-            self.pw, self.py, self.stale = self.pw + 1, self.py + y, 0
-            return
-        self.w, self.x, self.y, self.xx, self.xy = self.w + 1, self.x + x, self.y + y, self.xx + x * x, self.xy + x * y
-        self.stale += 1
+            self.pw, self.py, self.stale, self.plains = self.pw + 1, self.py + y, 0, self.plains + 1
+        else:
+            self.w, self.x, self.y = self.w + 1, self.x + x, self.y + y
+            self.xx, self.xy, self.stale = self.xx + x * x, self.xy + x * y, self.stale + 1
 
     def fit(self) -> tuple[float, float, float] | None:
         """``(plain, fixed, slope)``, or None until steps with and without drafts were both measured. While
@@ -212,7 +211,7 @@ class _Cost:
         if model is None:
             return None
         plain, fixed, slope = model
-        return plain + (fixed + slope * x if x else 0.0)
+        return plain + fixed + slope * x
 
 
 def bucket(batch_size: int) -> int:
@@ -256,7 +255,7 @@ class AdaptiveK:
             return self._idle(caps, self.quiet_for[1])
         cost = self.costs.setdefault(bucket(size), _Cost())
         model = cost.fit() or self._neighbour(bucket(size))
-        if model is None:  # measure first: a step without drafts, then probes until one drafted (n-gram may
+        if model is None:  # measure first: steps without drafts, then probes until one drafted (n-gram may
             return self._start_probe(caps) if cost.without_drafts else [0] * size  # find nothing: cheap)
         plain, fixed, slope = model
         rates = _estimates(self.requests, self.overall, request_ids, REQUEST_PRIOR_TRIALS)

@@ -148,7 +148,7 @@ class Speculator:
     def start_step(self, cpu: bool, drafting: bool) -> None:
         """An engine step begins (after :meth:`plan`, which costs the same in every step): its clock starts
         (:meth:`end_step` reads it) when the K policy wants the step's cost: a step with drafts, or a plain one
-        the policy samples (:meth:`~.adaptive.AdaptiveK.times_plain`; ``adaptive: false`` learns nothing).
+        the policy samples (:meth:`~.adaptive.AdaptiveK.times_step`; ``adaptive: false`` learns nothing).
         On a CPU the cost is CPU time (the wall clock there also counts the other processes sharing the
         cores); on an accelerator the host waits for the device, so the wall clock is the cost."""
         self._timed = None
@@ -188,6 +188,7 @@ class Speculator:
         owner: list[int] = []  # the row's request (index into ``sampling``) and depth
         depth_of: list[int] = []
         logit_rows: list[int] = []  # its logits' row: the j-th draft row, or the request's sampling row
+        guesses = [s.token_ids[len(s.token_ids) - s.num_drafts:] if s.num_drafts else [] for s in sampling]
         offset = len(sampling)
         for i, sequence in enumerate(sampling):
             drafts = sequence.num_drafts
@@ -203,7 +204,7 @@ class Speculator:
         else:
             index = torch.tensor(logit_rows, dtype=torch.int64)
             model_logits = torch.cat([sample_logits, verify_logits])[index.to(sample_logits.device)]
-        processed = apply_controls(model_logits, state, rows, self._draft_counts(sampling, owner, depth_of, rows, state))
+        processed = apply_controls(model_logits, state, rows, self._draft_counts(guesses, owner, depth_of, rows, state))
         if masks is not None:
             processed = apply_token_bitmask(processed, masks if index is None else masks[index])
         sample = sampler.launch(processed, rows, None if processed is model_logits else model_logits, count=False)
@@ -211,16 +212,15 @@ class Speculator:
         emitted = [Emitted() for _ in sampling]
         used = [False] * len(owner)
         row = 0
-        for sequence, out in zip(sampling, emitted):
+        for sequence, out, drafted in zip(sampling, emitted, guesses):
             drafts = sequence.num_drafts
-            guesses = sequence.token_ids[len(sequence.token_ids) - drafts:] if drafts else []
             for depth in range(drafts + 1):
                 token = result.token_ids[row + depth]
                 used[row + depth] = True
                 out.tokens.append(token)
                 out.log_probs.append(result.log_probs[row + depth])
                 out.top_n.append(result.top_n[row + depth])
-                if depth == drafts or token != guesses[depth] or token in sequence.stop_token_ids:
+                if depth == drafts or token != drafted[depth] or token in sequence.stop_token_ids:
                     break
                 out.accepted += 1
             row += drafts + 1
@@ -233,16 +233,16 @@ class Speculator:
         return emitted
 
     @staticmethod
-    def _draft_counts(sampling: list["Sequence"], owner: list[int], depth_of: list[int], rows: "StepRows",
+    def _draft_counts(guesses: list[list[int]], owner: list[int], depth_of: list[int], rows: "StepRows",
                       state: "SamplingState") -> torch.Tensor | None:
-        """``[rows, vocab]``: the drafts before each row's depth, which its penalties count on top of the
-        request's output so far (None when no row has penalties or no row is past depth 0)."""
+        """``[rows, vocab]``: the drafts before each row's depth (``guesses``: each request's drafts), which its
+        penalties count on top of the request's output so far (None when no row has penalties or no row is past
+        depth 0)."""
         if not rows.any_penalties or not any(depth_of):
             return None
         vocab = state.vocab_size
         flat = [row * vocab + token for row, (i, j) in enumerate(zip(owner, depth_of)) if j
-                for token in sampling[i].token_ids[len(sampling[i].token_ids) - sampling[i].num_drafts:][:j]
-                if token < vocab]
+                for token in guesses[i][:j] if token < vocab]
         counts = torch.zeros(len(owner) * vocab, dtype=torch.float32, device=rows.control.device)
         counts.index_add_(0, torch.tensor(flat, dtype=torch.int64).to(counts.device), torch.ones(len(flat)).to(counts.device))
         return counts.view(len(owner), vocab)
