@@ -12,6 +12,7 @@ from typing import Any, TypeVar
 
 from ..client.outputs import StreamPartial
 from ..wire.request import DynamicInferenceRequest
+from .chunks import TextSlot
 from .context import ServerContext
 from .models import PromptLogprob, PromptLogprobs, PromptTokensDetails, Usage
 from .translate import EngineJob
@@ -175,6 +176,19 @@ class StreamedAnswer:
         self.choices = StreamedChoices(token_texts)
         self.results: list[tuple[EngineJob, DynamicInferenceRequest]] = []
         self._usage = usage
+        # Choices whose pieces are text alone (no log probs, token ids or running usage; in a chat, no tool calls to
+        # read): a subclass gives each its TextSlot after the first piece, and the later pieces' chunks come from it
+        # without the choices' bookkeeping (which serves only those)
+        self.plain = not (token_texts or req.return_token_ids)
+        self.slots: dict[int, TextSlot | None] = {}
+
+    def slotted(self, job: EngineJob, item: Any) -> list[bytes] | None:
+        """A plain text piece's events, from its choice's :class:`~.chunks.TextSlot`; None when the item takes the
+        whole path (no slot, or not a piece)."""
+        slot = self.slots.get(job.index)
+        if slot is None or type(item) is not StreamPartial:
+            return None
+        return [slot.event(item.new_text)] if item.new_text else []
 
     def end(self) -> list[bytes]:
         """The events after the last item: the usage chunk, when asked for."""

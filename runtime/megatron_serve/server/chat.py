@@ -23,7 +23,7 @@ from .models import (
     FunctionCall,
     Usage,
 )
-from .chunks import SLOT, ChunkWriter, TextSlot
+from .chunks import SLOT, ChunkWriter
 from .streaming import stream_answer
 from .tool_calls import Arguments, CallReader, CallStart, Content, Event, plan_tools
 from .translate import (
@@ -187,15 +187,11 @@ class _ChatEvents(StreamedAnswer):
                                   running_usage(handler.req, len(handler.prompt.tokens), self.choices))
         self.readers: dict[int, CallReader | None] = {}
         self.called: set[int] = set()
-        # Choices whose pieces are text alone (no tool calls to read, log probs, token ids or running usage): their
-        # chunks from a TextSlot, without the choices' bookkeeping (which serves only the last three)
-        self.plain = not (handler.want_logprobs or handler.req.return_token_ids)
-        self.slots: dict[int, TextSlot | None] = {}
 
     def item(self, job: EngineJob, item: Any) -> list[bytes]:
-        slot = self.slots.get(job.index)
-        if slot is not None and type(item) is StreamPartial:
-            return [slot.event(item.new_text)] if item.new_text else []
+        events = self.slotted(job, item)
+        if events is not None:
+            return events
         handler, req, writer = self.handler, self.handler.req, self.writer
         events: list[bytes] = []
         if self.choices.first_seen(job.index):

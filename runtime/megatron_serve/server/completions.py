@@ -22,7 +22,7 @@ from .models import (
     CompletionResponse,
     Usage,
 )
-from .chunks import SLOT, ChunkWriter, TextSlot
+from .chunks import SLOT, ChunkWriter
 from .streaming import stream_answer
 from .translate import (
     DEFAULT_COMPLETION_TOKENS,
@@ -172,15 +172,11 @@ class _CompletionEvents(StreamedAnswer):
                                                 self.choices))
         self.offsets: dict[int, int] = {}  # job index -> text offset for the next log-prob token
         self.opened: set[int] = set()  # choices whose first chunk was sent
-        # Choices whose later pieces are text alone (no log probs, token ids or running usage): their chunks from
-        # a TextSlot, without the choices' bookkeeping (which serves only those three)
-        self.plain = not (handler.want_logprobs or handler.req.return_token_ids)
-        self.slots: dict[int, TextSlot | None] = {}
 
     def item(self, job: EngineJob, item: Any) -> list[bytes]:
-        slot = self.slots.get(job.index)
-        if slot is not None and type(item) is StreamPartial:
-            return [slot.event(item.new_text)] if item.new_text else []
+        events = self.slotted(job, item)
+        if events is not None:
+            return events
         first = self.choices.first_seen(job.index)
         prefix = _echo_text(self.handler.ctx, job.prompt) if first and self.req.echo else ""
         if first:
