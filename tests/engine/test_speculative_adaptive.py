@@ -16,16 +16,17 @@ import pytest
 from megatron_serve import DynamicInferenceRequest, InferenceConfig, SamplingParams
 from megatron_serve.config import SpeculativeConfig
 from megatron_serve.engine import DynamicInferenceEngine
-from megatron_serve.engine.speculative import adaptive
-from megatron_serve.engine.speculative.adaptive import (PLAIN_NEEDED, PLAIN_REFRESH, PROBE_BUDGET, PROBE_MIN, RECHECK,
-                                                         AdaptiveK, PinnedK, bucket)
+from megatron_serve.engine.speculative import adaptive, decoder
+from megatron_serve.engine.speculative.adaptive import (PLAIN_COLD, PLAIN_NEEDED, PLAIN_REFRESH, PLAIN_SAMPLE, PROBE_BUDGET,
+                                                         PROBE_MIN, RECHECK, RECHECK_MAX, AdaptiveK, PinnedK, bucket)
+from megatron_serve.wire.engine_stats import EngineStats
 
 K = 4
 
 
 def plain_steps(policy: AdaptiveK, batch: int, seconds: float) -> None:
-    """As many steps without drafts as a batch size's model needs (the first measured is left out: cold)."""
-    for _ in range(PLAIN_NEEDED + 1):
+    """As many steps without drafts as a batch size's model needs (the first ones measured are left out: cold)."""
+    for _ in range(PLAIN_COLD + PLAIN_NEEDED):
         policy.step_cost(batch, 0, seconds)
 
 
@@ -106,15 +107,17 @@ def test_a_policy_that_drafts_every_step_measures_a_plain_step_again():
     assert policy.choose(ids, [100]) == [K]
 
 
-def test_a_batch_sizes_first_plain_step_is_left_out_and_drafts_wait_for_enough_plain_steps():
-    """The first plain step of a batch size runs cold (0.8-1.25 ms where the next took 0.6-0.7 on the CPU): weighed
-    in, it made drafting look cheap. It is left out, and drafts are weighed only against several."""
+def test_a_batch_sizes_first_plain_steps_are_left_out_and_drafts_wait_for_enough_plain_steps():
+    """A fresh engine's first decode steps run cold (1.5, 1.0, 0.84, 0.71 ms, then 0.6-0.7 at batch 1 on the CPU):
+    weighed in, they made drafting look cheap. They are left out, and drafts are weighed only against several."""
     policy = AdaptiveK(K)
-    policy.step_cost(1, 0, 5.0)
+    for seconds in (2.5, 1.7, 1.4, 1.2)[:PLAIN_COLD]:
+        assert policy.choose(["a"], [100]) == [0]
+        policy.step_cost(1, 0, seconds)
     for _ in range(PLAIN_NEEDED):
         assert policy.choose(["a"], [100]) == [0]  # still measuring: no probe yet
         policy.step_cost(1, 0, 1.0)
-    assert policy.costs[1].predict(0) == 1.0  # (5.0 weighed in: 2.0)
+    assert policy.costs[1].predict(0) == 1.0  # (with the cold steps weighed in: 1.4)
     assert policy.choose(["a"], [100]) == [1]  # measured: a probe
 
 
@@ -160,7 +163,7 @@ def test_a_batch_size_without_a_model_borrows_the_nearest_one_until_it_has_its_o
 
 def test_an_unmeasured_batch_size_measures_first_and_a_k_of_zero_is_probed_at_a_growing_interval():
     policy = AdaptiveK(K)
-    for _ in range(PLAIN_NEEDED + 1):  # nothing measured: steps without drafts first (the first left out: cold)
+    for _ in range(PLAIN_COLD + PLAIN_NEEDED):  # nothing measured: steps without drafts first (the first run cold)
         assert policy.choose(["a"], [100]) == [0]
         policy.step_cost(1, 0, 1.0)
     assert policy.choose(["a"], [100]) == [1]  # then a probe: a step with a draft, then one with K drafts
@@ -211,7 +214,8 @@ def test_offers_the_proposer_rarely_answers_are_not_made():
     recorded drafts for both (the control)."""
     def policy_with(answered: dict[str, int]) -> AdaptiveK:
         policy = AdaptiveK(K)
-        policy.step_cost(1, 0, 1.0)  # (the first plain step, left out: cold)
+        for _ in range(PLAIN_COLD):  # (the first plain steps, left out: cold)
+            policy.step_cost(1, 0, 1.0)
         for _ in range(5):  # a plain step 1.0; drafting at all costs 0.6 more, and 0.02 per draft
             policy.step_cost(1, 0, 1.0)
             policy.step_cost(1, 1, 1.62)
@@ -230,9 +234,10 @@ def test_offers_the_proposer_rarely_answers_are_not_made():
     assert policy.choose(["b"], [100])[0] > 0
 
 
-def test_a_declined_choice_stands_a_few_steps_unless_news_comes():
-    """The rule is weighed again every RECHECK steps for the same rows while it declines (13 us at 64 rows, 0.4%
-    of a CPU step); a verified draft or a proposal (news, from verify steps only) has it weighed at once."""
+def test_a_declined_choice_stands_a_few_steps_longer_each_time_unless_news_comes():
+    """The rule is weighed again after RECHECK steps for the same rows while it declines (13 us at 64 rows, 0.4%
+    of a CPU step), twice as long each time it declines again, up to RECHECK_MAX; a verified draft or a proposal
+    (news, from verify steps only) has it weighed at once, and other rows are weighed afresh."""
     policy, rng = AdaptiveK(K), random.Random(2)
     measured(policy, 1, plain=1.0, per_k=0.3)
     verify(policy, ["a"], 0.0, rng)
@@ -243,10 +248,65 @@ def test_a_declined_choice_stands_a_few_steps_unless_news_comes():
     chosen = [policy.choose(["a"], [100])[0] for _ in range(RECHECK + 1)]
     assert chosen[:RECHECK] == [0] * RECHECK and chosen[-1] > 0
     verify(policy, ["a"], 0.0, rng)  # news: acceptance fell
-    assert policy.choose(["a"], [100]) == [0] and policy.quiet == RECHECK  # declined again, for these rows
-    assert policy.choose(["b"], [100]) == [0] and policy.quiet == RECHECK  # other rows: weighed afresh
+    policy.warmup = 1e6  # (no probe comes in between)
+    stands = []
+    for _ in range(5):
+        assert policy.choose(["a"], [100]) == [0]
+        stands.append(policy.quiet)
+        for _ in range(policy.quiet):
+            assert policy.choose(["a"], [100]) == [0]
+    assert stands == [RECHECK, 2 * RECHECK, 4 * RECHECK, RECHECK_MAX, RECHECK_MAX]  # RECHECK_MAX = 8 * RECHECK
+    assert policy.choose(["b"], [100]) == [0] and policy.quiet == RECHECK_MAX  # other rows: weighed afresh
     policy.verified("b", K, K)  # news
     assert policy.quiet == 0
+    assert policy.choose(["b"], [100])[0] > 0 and policy.recheck == RECHECK  # drafts: the next decline stands RECHECK
+
+
+class _Clock:
+    """CPU time that the test moves forward; counts its reads."""
+
+    def __init__(self) -> None:
+        self.now, self.reads = 0.0, 0
+
+    def __call__(self) -> float:
+        self.reads += 1
+        return self.now
+
+
+def _timed_steps(speculator: decoder.Speculator, clock: _Clock, seconds: list[float], rows: int = 4,
+                 decode: bool = True) -> None:
+    """Plain engine steps of ``seconds`` each, as ``DynamicInferenceEngine.step`` brackets them (``decode``: every
+    row decodes, overlapped, so the step is one like the others)."""
+    for cost in seconds:
+        speculator.start_step(True, False)
+        clock.now += cost
+        if decode:
+            speculator.time_step(rows, 0)
+        speculator.end_step()
+
+
+def test_while_k_stays_zero_plain_steps_are_timed_in_runs_and_a_run_broken_by_another_step_is_dropped(monkeypatch):
+    """In the engine a clock read cost 1.5 us and a cost update 3.3: timing each plain step made a declined
+    speculator 2% slower than none. While K stays 0, a run of PLAIN_SAMPLE plain steps is one sample, their mean,
+    from two reads; a run that meets a step of another kind (a prompt's chunk, drafts, another batch size) gives
+    nothing. While a batch size is measured (nothing declined yet), each step is timed alone."""
+    clock, samples = _Clock(), []
+    monkeypatch.setattr(decoder.time, "process_time", clock)
+    speculator = decoder.Speculator(object(), K, EngineStats())  # type: ignore[arg-type]
+    policy = speculator.policy
+    assert isinstance(policy, AdaptiveK)
+    monkeypatch.setattr(policy, "step_cost", lambda rows, drafts, seconds: samples.append((rows, drafts, seconds)))
+    _timed_steps(speculator, clock, [1.0, 2.0])  # measuring: each alone, two reads a step
+    assert samples == [(4, 0, 1.0), (4, 0, 2.0)] and clock.reads == 4
+    policy.idle, samples[:], clock.reads = 1, [], 0  # declined: runs
+    _timed_steps(speculator, clock, [1.0] * 3)
+    _timed_steps(speculator, clock, [5.0], decode=False)  # a prompt's chunk: the run so far is dropped
+    _timed_steps(speculator, clock, [1.0] * 3 + [9.0], rows=4)
+    _timed_steps(speculator, clock, [1.0], rows=5)  # another batch size: dropped again
+    assert samples == []
+    _timed_steps(speculator, clock, [1.0 + 0.5 * (i % 2) for i in range(PLAIN_SAMPLE)])
+    assert samples == [(4, 0, 1.25)]  # the run's mean
+    assert clock.reads == 4  # one at each of the three runs' first step, one at the end of the complete run
 
 
 def test_greedy_output_is_the_plain_engines_with_the_adaptive_policy_on(tiny_llama):

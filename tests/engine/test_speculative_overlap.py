@@ -41,8 +41,8 @@ class ScriptedK:
     def verified(self, request_id: str, drafts: int, accepted: int) -> None:
         pass
 
-    def times_step(self, drafting: bool) -> bool:
-        return False
+    def times_step(self, drafting: bool) -> int:
+        return 0
 
     def step_cost(self, batch_size: int, draft_tokens: int, seconds: float) -> None:
         pass

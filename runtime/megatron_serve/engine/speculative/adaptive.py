@@ -32,8 +32,8 @@ its proposal share: the tokens the draft brings beat the time it costs at that r
 only if the drafts' tokens beat ``r * (fixed + ...)``, then ``r`` is recomputed; a few rounds converge. A request that is rarely accepted,
 or a batch where rows cost as much as they save, gets ``K = 0``: no drafts, and no drafter forward.
 
-Measuring needs data: a bucket with fewer than :data:`PLAIN_NEEDED` steps without drafts (besides its first,
-cold one) runs them; one with no step with drafts runs
+Measuring needs data: a bucket with fewer than :data:`PLAIN_NEEDED` steps without drafts (besides its first
+:data:`PLAIN_COLD`, which run cold) runs them; one with no step with drafts runs
 probes until one drafted (an n-gram probe may find no match: it then costs about a plain step):
 ``K = 1`` for a sixteenth of the rows (at least one), then the most ``K`` for those rows, of which only the
 second step is measured (in the first a draft model catches up on the tokens it did not see while K was
@@ -87,18 +87,25 @@ PROBE_SHARE = 16
 PROBE_BUDGET = 0.005
 #: steps a declined choice stands before the rule runs again for the same rows, unless news came
 #: (a verified draft or a proposal: only verify steps bring them): the rule's 13 us at 64 rows was 0.4% of a
-#: 3.4 ms CPU step of the benchmark's pair
-RECHECK = 8
-#: while K stays 0, one plain step in this many is timed: the clock's reads and the cost update every step made
-#: the policy's share of a step at batch 1 3.6 us, 1.65 us without (a plain step's decayed mean needs no more)
+#: 3.4 ms CPU step of the benchmark's pair. Doubling while the rule declines again (only ``plain``'s samples
+#: moved), up to :data:`RECHECK_MAX`: in the engine, between torch's kernels, the rule run every 9th step was half
+#: of the 2.6 us a step the policy cost at batch 1 while it declined
+RECHECK, RECHECK_MAX = 8, 64
+#: while K stays 0, plain steps are timed in runs of this many, one sample their mean (two clock reads and one cost
+#: update a run). In the engine, between torch's kernels, a clock read cost 1.5 us and a cost update 3.3: timing
+#: every plain step made a declined speculator 2% slower than none at batch 1 (635 against 616 us a step); timing
+#: one in 8 alone, 1% (a plain step's decayed mean needs no more than a run's mean)
 PLAIN_SAMPLE = 8
 #: while every step drafts, two steps without drafts after this many measured verify steps of a bucket, so that
 #: what a plain step costs is measured again (about 3% of the steps: where drafting gains 15%, 0.5% of the time)
 PLAIN_REFRESH = 64
-#: steps without drafts a batch size's model needs before drafts are weighed against them, not counting the first
-#: one measured, which is left out: it ran cold (at batch 1 on the CPU, 0.8-1.25 ms where the next ones took
-#: 0.6-0.7; weighed in, it made drafting look cheap until plain steps were measured again: sampled text, draft
-#: model, mean K 0.25-1.24 from one run to the next, 0.955 of no speculation)
+#: a batch size's first steps without drafts, left out of its model: they run cold. A fresh engine's decode steps
+#: at batch 1 on the CPU took 1.5, 1.0, 0.84, 0.71 ms, then 0.6-0.7 (at 64: 21, 3.3, 2.2, then 2.0-2.1). Kept, the
+#: first ones made a plain step look 0.84 ms where it took 0.6, and drafting cheap: a verify step of the draft model
+#: at K = 1 (1.2-1.4 ms, 1.6 tokens at sampled text's acceptance) looked like a gain until plain steps were measured
+#: again, 64 verify steps later (sampled text, concurrency 1: 98 verify steps in 420, 0.93 of no speculation)
+PLAIN_COLD = 4
+#: steps without drafts a batch size's model needs, besides the cold ones, before drafts are weighed against them
 PLAIN_NEEDED = 3
 #: a measured step longer than this many times the model's prediction is counted at that (a descheduled
 #: thread or a page fault says nothing about drafting; on the shared 2-core CPU, 1 step in 20 took 6x)
@@ -121,9 +128,9 @@ class PinnedK:
     def unanswered(self) -> None:
         """Nothing to learn: K is pinned."""
 
-    def times_step(self, drafting: bool) -> bool:
+    def times_step(self, drafting: bool) -> int:
         """No step is timed: K is pinned."""
-        return False
+        return 0
 
     def verified(self, request_id: str, drafts: int, accepted: int) -> None:
         """Nothing to learn: K is pinned."""
@@ -161,19 +168,19 @@ class _Cost:
     xy: float = 0.0
     model: tuple[float, float, float] | None = None  # :meth:`fit`'s answer, kept until the next sample
     stale: int = 0  # steps with drafts measured since the last step without
-    plains: int = 0  # steps without drafts measured (the first is not kept: :data:`PLAIN_NEEDED`)
+    plains: int = 0  # steps without drafts measured (the first :data:`PLAIN_COLD` are not kept)
 
     @property
     def without_drafts(self) -> bool:
         """Enough steps without drafts were measured to weigh drafts against (:data:`PLAIN_NEEDED`)."""
-        return self.plains > PLAIN_NEEDED
+        return self.plains >= PLAIN_COLD + PLAIN_NEEDED
 
     def add(self, x: float, y: float) -> None:
         """A measured step. Every sample ages both sides' sums, so that each side is a mean over recent steps
         even where its samples are rare (a plain step among many verify steps: the first plain sample of a
         run, 0.78 ms where 0.6 was the rule, had stayed the estimate of a whole run that drafted every step)."""
-        if x == 0 and not self.plains:  # a batch size's first plain step runs cold: left out (:data:`PLAIN_NEEDED`)
-            self.plains = 1
+        if x == 0 and self.plains < PLAIN_COLD:  # a batch size's first plain steps run cold: left out
+            self.plains += 1
             return
         d, self.model = COST_DECAY, None
         self.pw, self.py = self.pw * d, self.py * d
@@ -235,7 +242,8 @@ class AdaptiveK:
     follow: bool = False  # the next step is a probe's second, measured step
     untimed: bool = False  # the next measured step is a probe's first: its cost is not recorded
     warmup: float = 0.0  # what the last probe's first step cost beyond a plain step, over a plain step
-    quiet: int = 0  # steps left before a declined choice is weighed again (:data:`RECHECK`)
+    quiet: int = 0  # steps left before a declined choice is weighed again
+    recheck: int = RECHECK  # steps the next declined choice stands (:data:`RECHECK`, doubling while it declines)
     quiet_for: tuple[list[str], float] = ([], 0.0)  # the rows it was declined for, and a probe's excess cost
 
     def acceptance(self, request_id: str) -> float:
@@ -280,14 +288,16 @@ class AdaptiveK:
                 break
         if not any(ks):
             return self._decline(request_ids, caps, excess)
-        self.idle, self.probe, self.probing = 0, PROBE_MIN, False
+        self.idle, self.probe, self.probing, self.recheck = 0, PROBE_MIN, False, RECHECK
         if cost.stale >= PLAIN_REFRESH:  # a step without drafts now and then keeps ``plain`` current (two: the
             return [0] * size  # first after a verify step is not overlapped, so only the second is measured)
         return ks
 
     def _decline(self, request_ids: list[str], caps: list[int], excess: float) -> list[int]:
-        """K = 0 for every row (or a probe, :meth:`_idle`); the choice stands :data:`RECHECK` steps."""
-        self.quiet, self.quiet_for = RECHECK, (request_ids, excess)
+        """K = 0 for every row (or a probe, :meth:`_idle`); the choice stands ``recheck`` steps, twice as many
+        the next time unless news comes first."""
+        self.quiet, self.quiet_for = self.recheck, (request_ids, excess)
+        self.recheck = min(2 * self.recheck, RECHECK_MAX)
         return self._idle(caps, excess)
 
     def _neighbour(self, home: int) -> tuple[float, float, float] | None:
@@ -321,16 +331,17 @@ class AdaptiveK:
         rows = max(1, len(caps) // PROBE_SHARE)
         return [min(k, self.max_k, cap) if i < rows else 0 for i, cap in enumerate(caps)]
 
-    def times_step(self, drafting: bool) -> bool:
-        """Whether this step's cost is wanted (``drafting``: some request was given drafts): every step with
-        drafts, every plain step for :data:`PLAIN_SAMPLE` steps after one with drafts or while nothing was
-        declined (a batch size being measured), then one plain step in :data:`PLAIN_SAMPLE`."""
-        return drafting or self.idle < PLAIN_SAMPLE or self.idle % PLAIN_SAMPLE == 0
+    def times_step(self, drafting: bool) -> int:
+        """How this step's cost is wanted (``drafting``: some request was given drafts): 1, alone (a step with
+        drafts, and a plain one while nothing was declined since the last drafts: a batch size being measured, a
+        refresh of ``plain`` while every step drafts); while K stays 0, as one of a run of :data:`PLAIN_SAMPLE`
+        plain steps timed together (:meth:`~.decoder.Speculator.end_step`)."""
+        return 1 if drafting or not self.idle else PLAIN_SAMPLE
 
     def proposed(self, request_id: str, drafts: int) -> None:
         """A request was offered K > 0 and the proposer gave ``drafts`` (0: n-gram found no match; a grammar cut
         them all): the share of offers answered scales what its drafts are expected to bring."""
-        self.quiet = 0  # news: weigh afresh
+        self.quiet, self.recheck = 0, RECHECK  # news: weigh afresh
         self.finds.setdefault(request_id, _Rate()).add(float(drafts > 0), 1.0, REQUEST_DECAY)
         self.found.add(float(drafts > 0), 1.0, GLOBAL_DECAY)
 
@@ -345,7 +356,7 @@ class AdaptiveK:
         unless all were accepted."""
         if not drafts:
             return
-        self.quiet = 0  # news: weigh afresh
+        self.quiet, self.recheck = 0, RECHECK  # news: weigh afresh
         trials = accepted + (accepted < drafts)
         self.requests.setdefault(request_id, _Rate()).add(accepted, trials, REQUEST_DECAY)
         self.overall.add(accepted, trials, GLOBAL_DECAY)

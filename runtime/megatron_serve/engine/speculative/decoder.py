@@ -63,6 +63,17 @@ class Emitted:
     accepted: int = 0  # drafts accepted (the tokens less the bonus one)
 
 
+@dataclass
+class _PlainRun:
+    """Plain steps timed as one sample (:meth:`Speculator.end_step`): when the first began, how many are wanted,
+    and the rows and count of those that ended so far."""
+
+    started: float
+    length: int
+    rows: int = 0
+    steps: int = 0
+
+
 class Speculator:
     """Owns the proposer and the per-step draft bookkeeping of one engine (see the module docstring)."""
 
@@ -74,6 +85,7 @@ class Speculator:
         self._clock: Callable[[], float] = time.perf_counter  # the step's clock (:meth:`start_step`)
         self._started: float | None = None  # when this engine step began, by that clock
         self._timed: tuple[int, int] | None = None  # this step's (decode rows, drafts) when all its rows decode
+        self._run: _PlainRun | None = None  # plain steps timed together (:meth:`end_step`)
 
     @staticmethod
     def may_speculate(sequence: "Sequence") -> bool:
@@ -147,16 +159,21 @@ class Speculator:
 
     def start_step(self, cpu: bool, drafting: bool) -> None:
         """An engine step begins (after :meth:`plan`, which costs the same in every step): its clock starts
-        (:meth:`end_step` reads it) when the K policy wants the step's cost: a step with drafts, or a plain one
-        the policy samples (:meth:`~.adaptive.AdaptiveK.times_step`; ``adaptive: false`` learns nothing).
+        (:meth:`end_step` reads it) when the K policy wants the step's cost (:meth:`~.adaptive.AdaptiveK.times_step`;
+        ``adaptive: false`` learns nothing): a step alone, or a plain one as the first of a run timed together.
         On a CPU the cost is CPU time (the wall clock there also counts the other processes sharing the
         cores); on an accelerator the host waits for the device, so the wall clock is the cost."""
-        self._timed = None
-        if not self.policy.times_step(drafting):
-            self._started = None
+        self._timed = self._started = None
+        timing = self.policy.times_step(drafting)
+        if timing > 1:  # one of a run of plain steps: the run's clock started at its first
+            if self._run is None:
+                self._clock = time.process_time if cpu else time.perf_counter
+                self._run = _PlainRun(self._clock(), timing)
             return
-        self._clock = time.process_time if cpu else time.perf_counter
-        self._started = self._clock()
+        self._run = None
+        if timing:
+            self._clock = time.process_time if cpu else time.perf_counter
+            self._started = self._clock()
 
     def time_step(self, rows: int, drafts: int) -> None:
         """This step's rows all decode (``rows`` requests, ``drafts`` drafts among them): :meth:`end_step`
@@ -164,10 +181,22 @@ class Speculator:
         self._timed = (rows, drafts)
 
     def end_step(self) -> None:
-        """An engine step ended: a timed one's cost goes to the K policy."""
-        if self._timed is not None and self._started is not None:
-            self.policy.step_cost(*self._timed, self._clock() - self._started)
-        self._started = self._timed = None
+        """An engine step ended: a timed one's cost goes to the K policy; a run of plain steps gives their mean
+        once it is complete, and ends unsampled at a step that is not one like the others (drafts, a prompt's
+        chunk, another batch size)."""
+        timed, run = self._timed, self._run
+        if self._started is not None:
+            if timed is not None:
+                self.policy.step_cost(*timed, self._clock() - self._started)
+            self._started = self._timed = None
+        elif run is not None:
+            if timed is None or timed[1] or (run.steps and timed[0] != run.rows):
+                self._run = None
+                return
+            run.rows, run.steps = timed[0], run.steps + 1
+            if run.steps == run.length:
+                self.policy.step_cost(run.rows, 0, (self._clock() - run.started) / run.steps)
+                self._run = None
 
     def verify(self, sampling: list["Sequence"], sample_logits: torch.Tensor, verify_logits: torch.Tensor,
                state: "SamplingState", sampler: "Sampler", masks: torch.Tensor | None = None) -> list[Emitted]:
