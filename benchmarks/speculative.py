@@ -4,11 +4,19 @@ The model pair is trained by the benchmark itself (:mod:`speculative_pair`: a 2-
 1-layer draft on a synthetic grammar, cached between runs), so a draft's acceptance is real, neither
 0 nor 100%. Every row runs the same held-out prompts through the engine with no speculation, with
 ``ngram`` (prompt lookup) and with ``draft_model``, at concurrency 1 (requests one after another) and
-64 (all in flight), greedy and sampled (temperature 1, a seed per request), and n-gram also on a
-repetitive-edit workload (a passage, then its first words again: the target goes on copying it).
+64 (all in flight), greedy, sampled (temperature 1, a seed per request) and ``sampled-n4`` (the same,
+each prompt asked for ``--n`` choices, as users of sampling do), and n-gram also on a repetitive-edit
+workload (a passage, then its first words again: the target goes on copying it).
 A row reports generated tokens per target forward (one engine step is one target forward), tokens
 per second of wall time, CPU milliseconds per token, and each as a ratio to no speculation in the
-same run. Greedy rows also say whether the tokens equal no speculation's (they must).
+same run. Every row also says whether the tokens equal no speculation's (they must: verification draws
+each position from the request's own seeded stream, so seeded sampled text is reproduced too).
+
+An ``n`` row's prompt becomes ``n`` requests as the engine's API expands it (``SamplingParams(n=4,
+seed=i).choices()``: one seed, a stream per choice), its choices in flight together. Concurrency counts
+sequences in flight, so the batch is what the other rows at that concurrency run: 64 is 16 prompts of
+4 choices in one round; at 1 a prompt's choices cannot be split, so ``--requests-c1`` prompts run one after
+another, a batch of ``n`` each. The warm-up round is built the same way.
 
 Each engine first serves a warm-up round of other prompts with the same sampling, untimed (``--cold``: none):
 a server has served before, so its K policy has measured what steps cost and its first probes are behind it;
@@ -28,14 +36,14 @@ work (defaults, one thread, with the engine's speculative step as first built; w
 with the machine's load, tokens per forward do not):
 
     held-out greedy draft acceptance length 4.25 (81.1% of guesses); pair trained in 163 s + 23 s
-    workload sampling  conc  method       tok/fwd  ratio    tok/s  ratio CPU ms/tok  ratio  same tokens
-    grammar  greedy       1  none            0.98   1.00    683.2   1.00       0.92   1.00  yes
-    grammar  greedy       1  ngram           1.62   1.64    747.5   1.09       0.78   1.17  yes
-    grammar  greedy       1  draft_model     4.00   4.06    443.3   0.65       1.07   0.86  yes
-    grammar  sampled      1  draft_model     2.56   2.60    298.6   1.13       1.74   0.86
-    grammar  greedy      64  draft_model   170.67   2.79   3699.0   0.62       0.13   0.55  yes
-    grammar  sampled     64  draft_model   124.12   2.03   2492.7   0.41       0.20   0.40
-    edit     greedy       1  ngram           1.74   1.77    957.8   1.58       0.74   1.30  yes
+    workload sampling    conc  method       tok/fwd  ratio    tok/s  ratio CPU ms/tok  ratio  same tokens
+    grammar  greedy         1  none            0.98   1.00    683.2   1.00       0.92   1.00  yes
+    grammar  greedy         1  ngram           1.62   1.64    747.5   1.09       0.78   1.17  yes
+    grammar  greedy         1  draft_model     4.00   4.06    443.3   0.65       1.07   0.86  yes
+    grammar  sampled        1  draft_model     2.56   2.60    298.6   1.13       1.74   0.86
+    grammar  greedy        64  draft_model   170.67   2.79   3699.0   0.62       0.13   0.55  yes
+    grammar  sampled       64  draft_model   124.12   2.03   2492.7   0.41       0.20   0.40
+    edit     greedy         1  ngram           1.74   1.77    957.8   1.58       0.74   1.30  yes
 
 The tokens-per-forward goal is met at concurrency 1 (4.06x greedy, 2.60x sampled); wall-clock is
 not, because on this tiny pair a drafter forward costs about what a target forward does (both are
@@ -47,16 +55,32 @@ and with K pinned to ``--k`` (``ngram/K``, ``draft_model/K``), and the ``mean K`
 per decode row that could speculate. With the adaptive policy (same machine, CPU-time ratios; see
 docs/speculative.md for the spread over runs):
 
-    workload sampling  conc  method         tok/fwd  ratio    tok/s  ratio CPU ms/tok  ratio mean K
-    grammar  greedy       1  draft_model       2.68   2.72    682.2   1.17       0.71   1.09   2.29
-    grammar  greedy       1  draft_model/K     4.00   4.06    409.6   0.70       0.69   1.13   3.91
-    grammar  greedy      64  ngram            62.06   1.02  19575.1   1.39       0.05   1.01   0.00
-    grammar  greedy      64  ngram/K          62.06   1.02  11712.1   0.83       0.08   0.60   1.06
-    grammar  greedy      64  draft_model      62.06   1.02  18311.5   1.30       0.05   0.99   0.00
-    grammar  greedy      64  draft_model/K   170.67   2.79  10607.7   0.76       0.09   0.55   3.88
+    workload sampling    conc  method         tok/fwd  ratio    tok/s  ratio CPU ms/tok  ratio mean K
+    grammar  greedy         1  draft_model       2.68   2.72    682.2   1.17       0.71   1.09   2.29
+    grammar  greedy         1  draft_model/K     4.00   4.06    409.6   0.70       0.69   1.13   3.91
+    grammar  greedy        64  ngram            62.06   1.02  19575.1   1.39       0.05   1.01   0.00
+    grammar  greedy        64  ngram/K          62.06   1.02  11712.1   0.83       0.08   0.60   1.06
+    grammar  greedy        64  draft_model      62.06   1.02  18311.5   1.30       0.05   0.99   0.00
+    grammar  greedy        64  draft_model/K   170.67   2.79  10607.7   0.76       0.09   0.55   3.88
+
+Sampled with 4 choices a prompt (``--methods none,ngram,draft_model,ngram/K,draft_model/K --repeat 3``; CPU-time
+ratios moved 2-5% between three such runs, docs/speculative.md), nothing pays: pinned, the draft model doubles
+tokens per forward at 0.64x and 0.34x of none's CPU time per token; adaptive K declines (mean K 0.00):
+
+    workload sampling    conc  method         tok/fwd  ratio    tok/s  ratio CPU ms/tok  ratio mean K  same tokens
+    grammar  sampled-n4     1  none              3.82   1.00   5136.2   1.00       0.19   1.00   0.00  yes
+    grammar  sampled-n4     1  ngram             3.82   1.00   5087.9   0.98       0.20   0.97   0.00  yes
+    grammar  sampled-n4     1  draft_model       3.82   1.00   5085.5   0.99       0.20   0.99   0.00  yes
+    grammar  sampled-n4     1  ngram/K           3.93   1.03   4887.1   0.94       0.20   0.94   0.13  yes
+    grammar  sampled-n4     1  draft_model/K     8.43   2.21   3236.9   0.63       0.30   0.64   3.92  yes
+    grammar  sampled-n4    64  none             61.13   1.00  24084.9   1.00       0.04   1.00   0.00  yes
+    grammar  sampled-n4    64  ngram            61.13   1.00  22694.8   0.94       0.04   0.96   0.00  yes
+    grammar  sampled-n4    64  draft_model      61.13   1.00  23218.1   0.97       0.04   0.97   0.00  yes
+    grammar  sampled-n4    64  ngram/K          62.06   1.02  17071.1   0.71       0.06   0.71   0.10  yes
+    grammar  sampled-n4    64  draft_model/K   124.12   2.03   8103.9   0.34       0.12   0.34   3.91  yes
 
     python benchmarks/speculative.py [--k 4] [--concurrency 1,64] [--methods none,draft_model,draft_model/K]
-        [--repeat N] [--cold] [--cache-dir DIR] [--device cuda --dtype bfloat16]
+        [--n 4] [--repeat N] [--cold] [--cache-dir DIR] [--device cuda --dtype bfloat16]
 
 Needs ``InferenceConfig.speculative``; exits 2 with a message on a build without it.
 """
@@ -110,20 +134,51 @@ class Run:
         return sum(len(t) for t in self.tokens)
 
 
-def run(target_dir: Path, config: InferenceConfig, prompts: list[list[int]], params: list[SamplingParams],
-        concurrency: int, warmup: list[list[int]]) -> Run:
-    """All requests, ``concurrency`` in flight at a time; counts engine steps (one target forward each). The
-    engine first serves ``warmup`` (other prompts, the same sampling), untimed: a server has served before,
-    so its K policy has measured what steps cost and its first probes are behind it (``--cold``: none)."""
+@dataclasses.dataclass
+class Workload:
+    """One group of rows: ``prompts`` run with one sampling at one concurrency, each prompt as ``n`` choices."""
+    name: str
+    sampling: str  # "greedy", "sampled" (temperature 1) or "sampled-n<n>" (the same, n choices a prompt)
+    concurrency: int
+    prompts: list[list[int]]
+    warmup: list[list[int]]
+    n: int = 1
+
+    @property
+    def in_flight(self) -> int:
+        """Sequences in flight: ``concurrency`` in whole prompts (a prompt's choices run together, as a server
+        runs them), at least one prompt: at concurrency 1 the batch is ``n``."""
+        return self.n * max(1, self.concurrency // self.n)
+
+    def sequences(self, prompts: list[list[int]]) -> list[list[int]]:
+        """Each prompt ``n`` times, its choices side by side (in the order of :meth:`params`)."""
+        return [prompt for prompt in prompts for _ in range(self.n)]
+
+    def params(self, new_tokens: int) -> list[SamplingParams]:
+        """One per sequence, prompt ``i`` seeded ``i``; its ``n`` choices are expanded as the engine's API does
+        (``SamplingParams.choices``: one seed, a stream per sample index), so each draws its own tokens."""
+        temperature = 0.0 if self.sampling == "greedy" else 1.0
+        return [choice for i in range(len(self.prompts))
+                for choice in SamplingParams(temperature=temperature, seed=i, n=self.n, ignore_eos=True,
+                                             num_tokens_to_generate=new_tokens).choices()]
+
+
+def run(target_dir: Path, config: InferenceConfig, workload: Workload, params: list[SamplingParams]) -> Run:
+    """All of ``workload``'s sequences, ``workload.in_flight`` at a time; counts engine steps (one target forward
+    each). The engine first serves ``workload.warmup`` (other prompts, the same sampling), untimed: a server has
+    served before, so its K policy has measured what steps cost and its first probes are behind it (``--cold``:
+    none)."""
     engine = DynamicInferenceEngine.from_model_dir(target_dir, config)
     serve(engine, [DynamicInferenceRequest(f"warmup-{i}", None, prompt, p)
-                   for i, (prompt, p) in enumerate(zip(warmup, params))], concurrency)
+                   for i, (prompt, p) in enumerate(zip(workload.sequences(workload.warmup), params))],
+          workload.in_flight)
     counts = ("spec_decode_num_draft_tokens", "spec_decode_num_rows")
     before = [engine.stats.counters[name] for name in counts]
-    requests = [DynamicInferenceRequest(str(i), None, prompt, p) for i, (prompt, p) in enumerate(zip(prompts, params))]
+    requests = [DynamicInferenceRequest(str(i), None, prompt, p)
+                for i, (prompt, p) in enumerate(zip(workload.sequences(workload.prompts), params))]
     gc.collect()  # the engines of earlier rows, freed now rather than in this row's timed loop
     wall, cpu = time.perf_counter(), time.process_time()
-    forwards = serve(engine, requests, concurrency)
+    forwards = serve(engine, requests, workload.in_flight)
     wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
     drafts, rows = (engine.stats.counters[name] - was for name, was in zip(counts, before))
     engine.shutdown()
@@ -143,19 +198,23 @@ def serve(engine: DynamicInferenceEngine, requests: list[DynamicInferenceRequest
     return forwards
 
 
-def workloads(args: argparse.Namespace) -> list[tuple[str, int, list[list[int]], list[list[int]]]]:
-    """``(name, concurrency, prompts, warm-up prompts)``: held-out grammar text at each concurrency, and the
-    edit workload. The warm-up is one round of other prompts (two requests at concurrency 1); none with
-    ``--cold``."""
+def workloads(args: argparse.Namespace) -> list[Workload]:
+    """Held-out grammar text at each concurrency, greedy, sampled and (``--n`` > 1) sampled with ``n`` choices a
+    prompt, then the edit workload (greedy). Concurrency 1 runs ``--requests-c1`` prompts one after another,
+    a higher one a single round. The warm-up is one round of other prompts (two prompts at concurrency 1);
+    none with ``--cold``."""
+    kinds = [("greedy", 1), ("sampled", 1), *([(f"sampled-n{args.n}", args.n)] if args.n > 1 else [])]
     out = []
     for concurrency in (int(c) for c in args.concurrency.split(",")):
-        count = args.requests_c1 if concurrency == 1 else concurrency
-        warmup = 0 if args.cold else min(count, 2) if concurrency == 1 else concurrency
-        out.append(("grammar", concurrency, held_out_prompts(count, args.prompt_tokens, seed=100 + concurrency),
-                    held_out_prompts(warmup, args.prompt_tokens, seed=300 + concurrency)))
+        for sampling, n in kinds:
+            count = args.requests_c1 if concurrency == 1 else max(1, concurrency // n)
+            warmup = 0 if args.cold else min(count, 2) if concurrency == 1 else count
+            out.append(Workload("grammar", sampling, concurrency,
+                                held_out_prompts(count, args.prompt_tokens, seed=100 + concurrency),
+                                held_out_prompts(warmup, args.prompt_tokens, seed=300 + concurrency), n))
     passages = held_out_prompts(args.requests_c1 + (0 if args.cold else 2), args.prompt_tokens, seed=7)
     edits = [p + p[: args.prompt_tokens // 4] for p in passages]
-    out.append(("edit", 1, edits[: args.requests_c1], edits[args.requests_c1:]))
+    out.append(Workload("edit", "greedy", 1, edits[: args.requests_c1], edits[args.requests_c1:]))
     return out
 
 
@@ -166,6 +225,7 @@ def main() -> None:
     parser.add_argument("--requests-c1", type=int, default=8, help="requests run one after another at concurrency 1")
     parser.add_argument("--prompt-tokens", type=int, default=64)
     parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--n", type=int, default=4, help="choices a prompt in the sampled-nN rows (1: no such rows)")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
@@ -191,30 +251,26 @@ def main() -> None:
     print(f"pair {target.parent} ({'cached' if facts['cached'] else 'trained now'}): target {facts['target_train_s']:.0f} s, "
           f"draft {facts['draft_train_s']:.0f} s; held-out greedy draft acceptance length {length:.2f} "
           f"({100 * rate:.1f}% of guesses)")
-    print(f"{'workload':<9}{'sampling':<9}{'conc':>5}  {'method':<14}{'tok/fwd':>8}{'ratio':>7}{'tok/s':>9}{'ratio':>7}"
-          f"{'CPU ms/tok':>11}{'ratio':>7}{'mean K':>7}  same tokens")
+    print(f"{'workload':<9}{'sampling':<11}{'conc':>5}  {'method':<14}{'tok/fwd':>8}{'ratio':>7}{'tok/s':>9}"
+          f"{'ratio':>7}{'CPU ms/tok':>11}{'ratio':>7}{'mean K':>7}  same tokens")
     chosen = ["none", *(m for m in args.methods.split(",") if m in METHODS and m != "none")]
-    for name, concurrency, prompts, warmup in workloads(args):
-        for sampling in ("greedy", "sampled"):
-            if name == "edit" and sampling == "sampled":
-                continue
-            params = [SamplingParams(temperature=0.0 if sampling == "greedy" else 1.0, seed=i,
-                                     num_tokens_to_generate=args.new_tokens, ignore_eos=True)
-                      for i in range(len(prompts))]
-            methods = [m for m in chosen if name != "edit" or not m.startswith("draft_model")]
-            runs: dict[str, list[Run]] = {method: [] for method in methods}
-            for _ in range(args.repeat):  # the methods alternated, so that the machine's load hits each alike
-                for method in methods:
-                    config = InferenceConfig(device=args.device, dtype=args.dtype, max_requests=max(concurrency, 8),
-                                             speculative=speculative_config(method, args.k, draft))
-                    runs[method].append(run(target, config, prompts, params, concurrency, warmup))
+    for workload in workloads(args):
+        params = workload.params(args.new_tokens)
+        methods = [m for m in chosen if workload.name != "edit" or not m.startswith("draft_model")]
+        runs: dict[str, list[Run]] = {method: [] for method in methods}
+        for _ in range(args.repeat):  # the methods alternated, so that the machine's load hits each alike
             for method in methods:
-                print(row(name, sampling, concurrency, method, runs[method], runs["none"]), flush=True)
+                config = InferenceConfig(device=args.device, dtype=args.dtype, max_requests=max(workload.in_flight, 8),
+                                         speculative=speculative_config(method, args.k, draft))
+                runs[method].append(run(target, config, workload, params))
+        for method in methods:
+            print(row(workload, method, runs[method], runs["none"]), flush=True)
 
 
-def row(name: str, sampling: str, concurrency: int, method: str, runs: list[Run], bases: list[Run]) -> str:
+def row(workload: Workload, method: str, runs: list[Run], bases: list[Run]) -> str:
     """One table row: each figure the median over the repeats of its value (ratios: to the same repeat's
-    ``none``), and whether every greedy run's tokens equal no speculation's."""
+    ``none``), and whether every run's tokens equal no speculation's (sampled ones too: each position is
+    drawn from the request's seeded stream, so speculation must not change them)."""
     def median(values: list[float]) -> float:
         return statistics.median(values)
 
@@ -222,11 +278,12 @@ def row(name: str, sampling: str, concurrency: int, method: str, runs: list[Run]
     base_per_forward = median([b.generated / b.forwards for b in bases])
     wall_ratio = median([b.wall / r.wall * r.generated / b.generated for r, b in zip(runs, bases)])
     cpu_ratio = median([b.cpu / r.cpu * r.generated / b.generated for r, b in zip(runs, bases)])
-    same = "" if sampling == "sampled" else ("yes" if all(r.tokens == b.tokens for r, b in zip(runs, bases)) else "NO")
-    return (f"{name:<9}{sampling:<9}{concurrency:>5}  {method:<14}{per_forward:>8.2f}{per_forward / base_per_forward:>7.2f}"
-            f"{median([r.generated / r.wall for r in runs]):>9.1f}{wall_ratio:>7.2f}"
-            f"{median([1e3 * r.cpu / r.generated for r in runs]):>11.2f}{cpu_ratio:>7.2f}"
+    same = "yes" if all(r.tokens == b.tokens for r, b in zip(runs, bases)) else "NO"
+    return (f"{workload.name:<9}{workload.sampling:<11}{workload.concurrency:>5}  {method:<14}{per_forward:>8.2f}"
+            f"{per_forward / base_per_forward:>7.2f}{median([r.generated / r.wall for r in runs]):>9.1f}"
+            f"{wall_ratio:>7.2f}{median([1e3 * r.cpu / r.generated for r in runs]):>11.2f}{cpu_ratio:>7.2f}"
             f"{median([r.mean_k for r in runs]):>7.2f}  {same}")
+
 
 if __name__ == "__main__":
     main()

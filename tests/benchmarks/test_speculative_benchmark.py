@@ -1,5 +1,6 @@
 """``benchmarks/speculative.py`` end to end on a pair trained in seconds, warmed up (each engine serves a round of
-other prompts first) and ``--cold``: every method's rows, greedy tokens equal to no speculation's."""
+other prompts first) and ``--cold``: every method's rows, greedy, sampled and sampled with n choices a prompt, the
+tokens (seeded, sampled too) equal to no speculation's."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ def rows(tmp_path: Path, *extra: str) -> dict[tuple[str, str, str, str], list[st
     """The table, keyed by (workload, sampling, concurrency, method)."""
     result = subprocess.run(
         [sys.executable, str(SCRIPT), "--train-steps", "30", "--concurrency", "1,4", "--requests-c1", "2",
-         "--new-tokens", "8", "--methods", "none,ngram,draft_model", "--cache-dir", str(tmp_path), *extra],
+         "--new-tokens", "8", "--n", "2", "--methods", "none,ngram,draft_model", "--cache-dir", str(tmp_path), *extra],
         capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert result.returncode == 0, result.stderr[-3000:]
     table = [line.split() for line in result.stdout.splitlines() if line.startswith(("grammar ", "edit "))]
@@ -24,11 +25,11 @@ def rows(tmp_path: Path, *extra: str) -> dict[tuple[str, str, str, str], list[st
 
 def test_the_benchmark_runs_every_method_warm_and_cold(tmp_path):
     warm, cold = rows(tmp_path), rows(tmp_path, "--cold")
-    expected = {(w, s, c, m) for w, c in (("grammar", "1"), ("grammar", "4")) for s in ("greedy", "sampled")
-                for m in ("none", "ngram", "draft_model")} | {("edit", "greedy", "1", m) for m in ("none", "ngram")}
+    expected = {(w, s, c, m) for w, c in (("grammar", "1"), ("grammar", "4"))
+                for s in ("greedy", "sampled", "sampled-n2") for m in ("none", "ngram", "draft_model")}
+    expected |= {("edit", "greedy", "1", m) for m in ("none", "ngram")}
     assert set(warm) == set(cold) == expected
     for key, cells in [*warm.items(), *cold.items()]:
-        if key[1] == "greedy":
-            assert cells[-1] == "yes", key  # greedy speculation emits no speculation's tokens
+        assert cells[-1] == "yes", key  # speculation emits no speculation's tokens, greedy or seeded sampled
     for table in (warm, cold):  # prompt lookup drafts on the edit workload (mean K, the column before "yes")
         assert float(table["edit", "greedy", "1", "ngram"][-2]) > 0
