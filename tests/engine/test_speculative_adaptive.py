@@ -17,7 +17,7 @@ from megatron_serve import DynamicInferenceRequest, InferenceConfig, SamplingPar
 from megatron_serve.config import SpeculativeConfig
 from megatron_serve.engine import DynamicInferenceEngine
 from megatron_serve.engine.speculative import adaptive, decoder
-from megatron_serve.engine.speculative.adaptive import (PLAIN_COLD, PLAIN_NEEDED, PLAIN_REFRESH, PLAIN_SAMPLE, PROBE_BUDGET,
+from megatron_serve.engine.speculative.adaptive import (CONFIDENT_TRIALS, PLAIN_COLD, PLAIN_NEEDED, PLAIN_REFRESH, PLAIN_SAMPLE, PROBE_BUDGET,
                                                          PROBE_MIN, RECHECK, RECHECK_MAX, AdaptiveK, PinnedK, bucket)
 from megatron_serve.wire.engine_stats import EngineStats
 
@@ -195,6 +195,24 @@ def test_an_unmeasured_batch_size_measures_first_and_a_k_of_zero_is_probed_at_a_
     plain_steps(policy, 32, 1.0)
     assert policy.choose([str(i) for i in range(32)], [100] * 32) == [1, 1] + [0] * 30  # probes 1/16 of the rows
     assert PinnedK(K).choose(["a", "b"], [100, 2]) == [K, 2]  # adaptive: false drafts K whatever it costs
+
+
+def test_a_decline_on_thin_evidence_is_probed_again_soon_and_on_enough_within_the_budget():
+    """One probe's guesses are few: five, one rejected, read 0.72 for a pair whose acceptance is 0.9 (where drafting
+    gains 9%), and the budget spaced the next probe 850 steps away. Until the engine-wide acceptance rests on
+    CONFIDENT_TRIALS verified guesses, a decline is probed again every ``probe`` steps; after, within the budget."""
+    def declined_after(verifies: list[tuple[int, int]]) -> list[int]:
+        policy = AdaptiveK(K)
+        measured(policy, 1, plain=1.0, per_k=0.7)  # drafting dear: a probe's K drafts cost 3.8x a plain step
+        for drafts, accepted in verifies:
+            policy.verified("a", drafts, accepted)
+        chosen = [policy.choose(["a"], [100])[0] for _ in range(3 * PROBE_MIN)]
+        return [i for i, k in enumerate(chosen) if k]
+
+    thin = [(1, 1), (K, 1)]  # a probe: its first step's guess accepted, its second's second guess rejected
+    assert AdaptiveK(K).overall.trials + 1 + 2 < CONFIDENT_TRIALS
+    assert declined_after(thin)[:2] == [PROBE_MIN - 1, PROBE_MIN]  # probed again at once
+    assert declined_after(thin * 4) == []  # the control: as many probes' worth of evidence, the budget spaces them
 
 
 def run(engine: DynamicInferenceEngine, prompts: list[list[int]], tokens: int) -> list[list[int]]:

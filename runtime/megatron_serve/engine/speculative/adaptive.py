@@ -41,9 +41,11 @@ second step is measured (in the first a draft model catches up on the tokens it 
 1.3x a plain one on the CPU, read as per-draft cost declined K = 4, which pays). While the choice
 stays 0 the estimates would go stale (acceptance is only measured when drafting), so a probe runs every
 ``probe`` steps without drafts: 16 at first, doubling while probes change nothing (up to 256), and never
-more often than keeps probes (both steps) within :data:`PROBE_BUDGET` of the time. A step measured at more than 1.5x
-the model's prediction counts as 1.5x: the shared CPU deschedules the step thread now and then (1 step in
-20 took 6x on the 2-core machine), which says nothing about drafting.
+more often than keeps probes (both steps) within :data:`PROBE_BUDGET` of the time, once the engine-wide
+acceptance rests on :data:`CONFIDENT_TRIALS` verified drafts (before, a decline may be a few unlucky
+guesses). A step measured at more than 1.5x the model's prediction counts as 1.5x: the shared CPU
+deschedules the step thread now and then (1 step in 20 took 6x on the 2-core machine), which says nothing
+about drafting.
 
 A bucket without a model of its own borrows the nearest bucket's (costs relative to a plain step change
 little from one power of two to the next, and a batch that shrinks as its requests finish should not
@@ -85,6 +87,11 @@ PROBE_MIN, PROBE_MAX = 16, 256
 PROBE_SHARE = 16
 #: the share of the time probes may cost while K stays 0 (their interval grows to keep within it)
 PROBE_BUDGET = 0.005
+#: the engine-wide acceptance's weight in verified drafts (at most 20: :data:`GLOBAL_DECAY`) below which a
+#: decline is not trusted for long: probes come every ``probe`` steps, outside the budget. One probe's five guesses,
+#: one rejected, read 0.72 for the benchmark's greedy pair (about 0.9, and drafting at K = 4 gains 9%), and the
+#: budget put the next probe 850 steps away: a long-lived engine drafted 4 steps in 1,800, at 0.975 of none
+CONFIDENT_TRIALS = 10.0
 #: steps a declined choice stands before the rule runs again for the same rows, unless news came
 #: (a verified draft or a proposal: only verify steps bring them): the rule's 13 us at 64 rows was 0.4% of a
 #: 3.4 ms CPU step of the benchmark's pair. Doubling while the rule declines again (only ``plain``'s samples
@@ -314,7 +321,8 @@ class AdaptiveK:
         if self.probing:  # the last probe did not change the choice: wait twice as long for the next
             self.probe, self.probing = min(2 * self.probe, PROBE_MAX), False
         self.idle += 1
-        if self.idle < max(self.probe, (excess + self.warmup) / PROBE_BUDGET):
+        budgeted = self.overall.trials >= CONFIDENT_TRIALS  # on thin evidence, no budget: a decline may be wrong
+        if self.idle < (max(self.probe, (excess + self.warmup) / PROBE_BUDGET) if budgeted else self.probe):
             return [0] * len(caps)
         self.idle, self.probing = 0, True
         return self._start_probe(caps)
