@@ -48,9 +48,23 @@ from .adaptive import AdaptiveK, PinnedK
 from .proposer import DraftInput, Proposer
 
 if TYPE_CHECKING:
-    from ..sampler import Sampler
+    from ..sampler import DeviceSample, Sampler
     from ..sampling_state import SamplingState, StepRows
     from ..scheduler import ScheduledBatch, Sequence
+
+
+@dataclass
+class Verification:
+    """A verify step's draws launched on the device, not read yet (:meth:`Speculator.launch_verify`)."""
+
+    sample: "DeviceSample"  # every depth's drawn token, request by request, depth by depth
+    drafts: list[list[int]]  # each sampling request's drafts
+    shifts: torch.Tensor  # [requests] int64, on the device: drafts rejected (the next step's correction)
+
+    @property
+    def counts(self) -> list[int]:
+        """Each sampling request's number of drafts."""
+        return [len(d) for d in self.drafts]
 
 
 @dataclass
@@ -86,6 +100,7 @@ class Speculator:
         self._started: float | None = None  # when this engine step began, by that clock
         self._timed: tuple[int, int] | None = None  # this step's (decode rows, drafts) when all its rows decode
         self._run: _PlainRun | None = None  # plain steps timed together (:meth:`end_step`)
+        self.overlapped_verify_steps = 0  # verify steps launched while the step before was in flight
 
     @staticmethod
     def may_speculate(sequence: "Sequence") -> bool:
@@ -113,16 +128,20 @@ class Speculator:
     def propose(self, running: list["Sequence"], ks: dict[str, int],
                 allowed: Callable[["Sequence", list[int]], int] | None = None) -> None:
         """Ask the proposer for the drafts of each running request that :meth:`plan` gave a K (and still may
-        speculate: its tokens are on the host now), and append them to its tokens (``num_drafts``). ``allowed``:
+        speculate), and append them to its tokens (``num_drafts``). A request whose last token the step in flight
+        samples (a verify step's: after its drafts, taken as accepted) asks for ``K + 1`` guesses from the tokens
+        the host has: the first stands for the token in flight, the others are the drafts, verified at their true
+        positions whatever that token turns out to be (a wrong guess is only rejected). ``allowed``:
         how many of a request's drafts its grammar accepts in a row
         (:meth:`~..structured_output.StructuredOutputs.draft_prefix`); the rest are cut."""
         candidates = [s for s in running if s.request_id in ks and self.may_speculate(s)]
         if not candidates:
             return
-        inputs = [DraftInput(s.request_id, list(s.token_ids), ks[s.request_id]) for s in candidates]
+        # A request whose last token is still in flight drafts past it: the proposer's first guess stands for it.
+        inputs = [DraftInput(s.request_id, list(s.token_ids), ks[s.request_id] + s.pending_tokens) for s in candidates]
         answered = False
         for sequence, item, drafts in zip(candidates, inputs, self.proposer.propose(inputs)):
-            drafts = list(drafts[: item.num_tokens])
+            drafts = list(drafts[sequence.pending_tokens : item.num_tokens])
             if allowed is not None and drafts:
                 del drafts[allowed(sequence, drafts):]
             sequence.token_ids.extend(drafts)
@@ -200,19 +219,29 @@ class Speculator:
 
     def verify(self, sampling: list["Sequence"], sample_logits: torch.Tensor, verify_logits: torch.Tensor,
                state: "SamplingState", sampler: "Sampler", masks: torch.Tensor | None = None) -> list[Emitted]:
-        """Sample every request's rows at every depth in one pass and keep the longest accepted prefix plus one
-        token.
+        """:meth:`launch_verify` and :meth:`read` at once: every request's rows verified, the result read."""
+        return self.read(self.launch_verify(sampling, sample_logits, verify_logits, state, sampler, masks), sampling)
+
+    def launch_verify(self, sampling: list["Sequence"], sample_logits: torch.Tensor, verify_logits: torch.Tensor,
+                      state: "SamplingState", sampler: "Sampler", masks: torch.Tensor | None = None,
+                      shift: torch.Tensor | None = None) -> Verification:
+        """Sample every request's rows at every depth in one pass on the device, and count there how many drafts
+        each request accepted; nothing waits for the device (:meth:`read` reads the draws one step later).
 
         ``sample_logits``: one row per sampling request (its last row); ``verify_logits``: the draft rows'
         logits (``num_drafts`` rows before the last, per request in the same order). ``masks``: the grammar
         bitmask of every row of ``sample_logits`` then ``verify_logits`` (the mask of that position's state,
-        :meth:`~..structured_output.StructuredOutputs.bitmask` with the drafts).
+        :meth:`~..structured_output.StructuredOutputs.bitmask` with the drafts). ``shift``: each row of
+        ``sample_logits`` then ``verify_logits`` moved back by the runner (the verify step before was still in
+        flight when this one was planned), by which its position and generated count move back too.
 
         Depth ``j`` is drawn as if the drafts before it were accepted (its position's seeded stream, the
         penalties counting those drafts, the grammar's mask after them); it is only used when they were, and
         then it is exactly what a draw after them is. So one sampler pass and one read serve every depth
         (they were a pass and a read per depth: ``1 + K`` device round trips a step), and only the tokens
-        emitted are counted for the penalties afterwards.
+        emitted are counted for the penalties afterwards. The accepted count is the first depth whose draw
+        differs from its draft (the last depth has none), computed on the device so that the next step can be
+        corrected by it before the host reads this one.
         """
         owner: list[int] = []  # the row's request (index into ``sampling``) and depth
         depth_of: list[int] = []
@@ -227,25 +256,49 @@ class Speculator:
             offset += drafts
         rows = state.rows([sampling[i].request_id for i in owner],
                           [sampling[i].num_computed - sampling[i].num_drafts + j for i, j in zip(owner, depth_of)],
-                          [len(sampling[i].request.generated_tokens) + j for i, j in zip(owner, depth_of)])
+                          [sampling[i].num_generated + j for i, j in zip(owner, depth_of)])
         if offset == len(sampling):  # no drafts at all (the proposer found none): the rows as they are, no copy
             model_logits, index = sample_logits, None
         else:
             index = torch.tensor(logit_rows, dtype=torch.int64)
             model_logits = torch.cat([sample_logits, verify_logits])[index.to(sample_logits.device)]
+        if shift is not None:
+            rows.shift(shift if index is None else shift[index.to(shift.device)])
         processed = apply_controls(model_logits, state, rows, self._draft_counts(guesses, owner, depth_of, rows, state))
         if masks is not None:
             processed = apply_token_bitmask(processed, masks if index is None else masks[index])
         sample = sampler.launch(processed, rows, None if processed is model_logits else model_logits, count=False)
-        result = sample.read()
+        accepted, used = self._accepted(sample.tokens, guesses, owner, depth_of)
+        if rows.any_penalties:  # the penalties' counts: the tokens emitted, not the depths after a rejection
+            state.add_counts(rows, sample.tokens, used.to(torch.float32))
+        counts = torch.tensor([len(d) for d in guesses], dtype=torch.int64).to(accepted.device)
+        return Verification(sample, guesses, counts - accepted)
+
+    @staticmethod
+    def _accepted(tokens: torch.Tensor, guesses: list[list[int]], owner: list[int], depth_of: list[int]
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+        """On the device: each request's accepted drafts (the first depth whose draw is not its draft) and
+        whether each row's draw is emitted (its depth is at most that). A stop token drawn as a draft ends the
+        request on the host, which then drops its later rows, so it needs no care here."""
+        device = tokens.device
+        expected = [guesses[i][j] if j < len(guesses[i]) else -1 for i, j in zip(owner, depth_of)]
+        host = torch.tensor([owner, depth_of, expected], dtype=torch.int64).to(device)
+        owners, depths, drafts = host[0], host[1], host[2]
+        rejected = torch.where(tokens != drafts, depths, len(owner))  # a request's last depth has no draft: rejected
+        first = torch.full((len(guesses),), len(owner), dtype=torch.int64, device=device)
+        accepted = first.scatter_reduce(0, owners, rejected, "amin")
+        return accepted, depths <= accepted[owners]
+
+    def read(self, verification: Verification, sampling: list["Sequence"]) -> list[Emitted]:
+        """Read a launched verify step's draws (waits for the device) and keep each request's longest accepted
+        prefix plus one token; a request that left meanwhile gets nothing (its rows are dropped)."""
+        result = verification.sample.read()
         emitted = [Emitted() for _ in sampling]
-        used = [False] * len(owner)
         row = 0
-        for sequence, out, drafted in zip(sampling, emitted, guesses):
-            drafts = sequence.num_drafts
-            for depth in range(drafts + 1):
+        for sequence, out, drafted in zip(sampling, emitted, verification.drafts):
+            drafts = len(drafted)
+            for depth in range(drafts + 1 if not sequence.finished else 0):
                 token = result.token_ids[row + depth]
-                used[row + depth] = True
                 out.tokens.append(token)
                 out.log_probs.append(result.log_probs[row + depth])
                 out.top_n.append(result.top_n[row + depth])
@@ -253,13 +306,25 @@ class Speculator:
                     break
                 out.accepted += 1
             row += drafts + 1
-        if rows.any_penalties:  # the penalties' counts: the tokens emitted, not the depths after a rejection
-            state.add_counts(rows, sample.tokens, torch.tensor(used, dtype=torch.float32).to(sample.tokens.device))
-        for sequence, out in zip(sampling, emitted):
-            if sequence.num_drafts:
-                self.stats.speculated(sequence.num_drafts, out.accepted)
-                self.policy.verified(sequence.request_id, sequence.num_drafts, out.accepted)
+            if drafts and not sequence.finished:
+                self.stats.speculated(drafts, out.accepted)
+                self.policy.verified(sequence.request_id, drafts, out.accepted)
         return emitted
+
+    @staticmethod
+    def mark_in_flight(sampling: list["Sequence"], verification: Verification) -> None:
+        """A verify step was launched for ``sampling``: each request's drafts are now in flight (the next step may
+        draft after them), and its next input is the draw after its last draft (planned as if all were accepted;
+        the next step's rows are corrected on the device by ``shifts``)."""
+        row = 0
+        for index, (sequence, drafts) in enumerate(zip(sampling, verification.counts)):
+            row += drafts
+            sequence.pending_tokens += 1
+            sequence.pending_row = row
+            sequence.verify_row = index
+            sequence.drafts_in_flight += drafts
+            sequence.num_drafts = 0
+            row += 1
 
     @staticmethod
     def _draft_counts(guesses: list[list[int]], owner: list[int], depth_of: list[int], rows: "StepRows",
@@ -282,16 +347,31 @@ class Speculator:
         self.policy.forget(request_id)
 
     @staticmethod
-    def rollback(sequence: "Sequence", accepted: int, allocator: BlockAllocator, block_size: int) -> None:
-        """Take the drafts back out of ``sequence`` and keep the KV of the accepted ones only; blocks past its
-        tokens (plus the one token to come) return to the pool."""
-        drafts = sequence.num_drafts
-        if not drafts:
-            return
-        del sequence.token_ids[len(sequence.token_ids) - drafts:]
-        sequence.num_drafts = 0
-        sequence.num_computed -= drafts - accepted
-        keep = blocks_for_tokens(len(sequence.token_ids) + accepted + 1, block_size)
-        if len(sequence.block_table) > keep:
-            allocator.free(sequence.block_table[keep:])
-            del sequence.block_table[keep:]
+    def rollback(sequence: "Sequence", drafts: int, accepted: int, allocator: BlockAllocator, block_size: int
+                 ) -> list[int]:
+        """Take a read step's ``drafts`` drafts (``accepted`` of them accepted) back out of ``sequence`` and keep
+        the KV of the accepted ones; blocks past what it computed (plus the one token to come) return to the
+        pool. Returns the drafts of the step launched after it, taken off the end of ``token_ids`` too, so that
+        the read step's tokens are appended before them (:meth:`restore` puts them back). A request preempted
+        meanwhile computed nothing that is kept: only its tokens change."""
+        later = sequence.drafts_in_flight - drafts
+        if not sequence.drafts_in_flight:
+            return []
+        tokens = sequence.token_ids
+        kept = tokens[len(tokens) - later:] if later else []
+        del tokens[len(tokens) - later - drafts:]
+        sequence.drafts_in_flight = 0
+        if drafts and sequence.block_table:
+            sequence.num_computed -= drafts - accepted
+            keep = blocks_for_tokens(sequence.num_computed + 1, block_size)
+            if len(sequence.block_table) > keep:
+                allocator.free(sequence.block_table[keep:])
+                del sequence.block_table[keep:]
+        return kept
+
+    @staticmethod
+    def restore(sequence: "Sequence", later: list[int]) -> None:
+        """Put back the drafts of a step still in flight that :meth:`rollback` took off."""
+        if later:
+            sequence.token_ids.extend(later)
+            sequence.drafts_in_flight = len(later)
