@@ -93,7 +93,9 @@ class InFlightStep:
     shift: torch.Tensor | None = None  # each logits row's correction by the verify step before (plan.shifted)
     sample: DeviceSample | None = None  # None until sampled (a grammar row waits for the step before)
     verify_logits: torch.Tensor | None = None  # draft rows' logits of a speculative step (engine.speculative)
-    verification: Verification | None = None  # a verify step's draws and accepted counts, on the device
+    drafts: list[int] | None = None  # a verify step's drafts per sampling row
+    verification: Verification | None = None  # an overlapped verify step's draws and accepted counts, on the device
+    emitted: list[Emitted] | None = None  # a verify step read at once (a fallback): its tokens per sampling row
 
 
 def _encoder_cache_for(model: LlamaForCausalLM, tokenizer: Tokenizer) -> EncoderCache | None:
@@ -383,7 +385,7 @@ class DynamicInferenceEngine(DeviceMemoryVerbs, LoraVerbs, SpeculativeSteps):
         previous, self._in_flight = self._in_flight, None
         if self.speculator is not None and launched is not None:
             self.speculator.observe(launched.entries, launched.starts)  # a head files the target's hidden states
-            if launched.verification is not None and previous is not None:
+            if launched.drafts is not None and previous is not None:
                 self.speculator.overlapped_verify_steps += 1
             elif not ks and previous is not None and batch is not None and batch.num_tokens == len(batch.entries):
                 self.speculator.time_step(len(batch.entries), 0)  # all decode, overlapped after a step like it
@@ -440,8 +442,9 @@ class DynamicInferenceEngine(DeviceMemoryVerbs, LoraVerbs, SpeculativeSteps):
             self.sampling_state.remove(sequence.request_id)
         return batch or None
 
-    def launch(self, batch: ScheduledBatch) -> InFlightStep | None:
-        """Write the plan, run the forward and sample on the device; nothing waits for the device here.
+    def launch(self, batch: ScheduledBatch, verify_at_once: bool = False) -> InFlightStep | None:
+        """Write the plan, run the forward and sample on the device; nothing waits for the device here, except
+        with ``verify_at_once`` (a verify step not overlapped), whose drafts are verified and read right away.
 
         A step with a grammar row whose previous token is still in flight is returned unsampled: ``step``
         samples it once that token is on the host.
@@ -477,14 +480,15 @@ class DynamicInferenceEngine(DeviceMemoryVerbs, LoraVerbs, SpeculativeSteps):
         if plan.num_verify:  # verified in sample(), rows with drafts or not (rows of one step are sampled alike)
             step.verify_logits = forward.logits[len(sampling) + plan.num_score :]
         if not any(s.pending_tokens and s.request_id in self.structured for s in sampling):
-            self.sample(step)
+            self.sample(step, verify_at_once)
         return step
 
-    def sample(self, step: InFlightStep) -> None:
+    def sample(self, step: InFlightStep, verify_at_once: bool = False) -> None:
         """Apply the logits controls and grammar masks to a launched step's logits and sample on the device.
 
         Each request is bound to its sampling-state slot the first time it samples; after that a step
-        only writes the rows' slots and counters (``SamplingState.rows``).
+        only writes the rows' slots and counters (``SamplingState.rows``). A verify step's draws are read in
+        ``finish``, or here with ``verify_at_once``.
         """
         state, sampling = self.sampling_state, step.sampling
         for s in sampling:
@@ -498,13 +502,17 @@ class DynamicInferenceEngine(DeviceMemoryVerbs, LoraVerbs, SpeculativeSteps):
         masks = self.structured.bitmask([s.request_id for s in sampling], [s.stop_token_ids for s in sampling], drafts)
         shift = step.shift
         if step.verify_logits is not None and self.speculator is not None:
-            if shift is not None:  # the sampling rows' then the draft rows' (the score rows between them do not draw)
-                shift = torch.cat([shift[: len(sampling)], shift[len(shift) - len(step.verify_logits):]])
-            step.verification = self.speculator.launch_verify(sampling, logits, step.verify_logits, state,
-                                                              self.sampler, masks, shift)
-            step.sample = step.verification.sample
+            step.drafts = [s.num_drafts for s in sampling]
+            if verify_at_once:
+                step.emitted = self.speculator.verify(sampling, logits, step.verify_logits, state, self.sampler, masks)
+            else:
+                if shift is not None:  # the sampling rows' then the draft rows' (the score rows between do not draw)
+                    shift = torch.cat([shift[: len(sampling)], shift[len(shift) - len(step.verify_logits):]])
+                step.verification = self.speculator.launch_verify(sampling, logits, step.verify_logits, state,
+                                                                  self.sampler, masks, shift)
+                step.sample = step.verification.sample
             step.logits = step.verify_logits = None
-            Speculator.mark_in_flight(sampling, step.verification)
+            Speculator.mark_in_flight(sampling, step.drafts)
             return
         rows = state.rows([s.request_id for s in sampling], step.positions, step.generated)
         if shift is not None:
@@ -521,6 +529,8 @@ class DynamicInferenceEngine(DeviceMemoryVerbs, LoraVerbs, SpeculativeSteps):
 
     def finish(self, step: InFlightStep) -> list[StepOutput]:
         """Read a launched step's results (waits for the device) and hand each request its tokens."""
+        if step.emitted is not None:
+            return self.update_from_output(step, step.emitted)
         if step.verification is not None and self.speculator is not None:
             return self.update_from_output(step, self.speculator.read(step.verification, step.sampling))
         assert step.sample is not None, "finish() of a step that was never sampled"
@@ -534,7 +544,7 @@ class DynamicInferenceEngine(DeviceMemoryVerbs, LoraVerbs, SpeculativeSteps):
         finishing now leaves its blocks cached), each request's tokens appended (or dropped for a request
         that left meanwhile), stop conditions checked, grammar advanced, statistics observed. Registering
         here rather than at launch publishes a block one step later under asynchronous scheduling."""
-        drafts = step.verification.counts if step.verification is not None else [0] * len(step.sampling)
+        drafts = step.drafts if step.drafts is not None else [0] * len(step.sampling)
         drafted: dict[int, np.ndarray] = {}  # speculating sequences' draft rows, recorded as drafts are accepted
         if step.routing is not None:
             counts = {id(s): k for s, k in zip(step.sampling, drafts)}

@@ -61,11 +61,6 @@ class Verification:
     drafts: list[list[int]]  # each sampling request's drafts
     shifts: torch.Tensor  # [requests] int64, on the device: drafts rejected (the next step's correction)
 
-    @property
-    def counts(self) -> list[int]:
-        """Each sampling request's number of drafts."""
-        return [len(d) for d in self.drafts]
-
 
 @dataclass
 class Emitted:
@@ -312,12 +307,12 @@ class Speculator:
         return emitted
 
     @staticmethod
-    def mark_in_flight(sampling: list["Sequence"], verification: Verification) -> None:
-        """A verify step was launched for ``sampling``: each request's drafts are now in flight (the next step may
-        draft after them), and its next input is the draw after its last draft (planned as if all were accepted;
-        the next step's rows are corrected on the device by ``shifts``)."""
+    def mark_in_flight(sampling: list["Sequence"], counts: list[int]) -> None:
+        """A verify step was launched for ``sampling`` (``counts``: each request's drafts): its drafts are now in
+        flight (the next step may draft after them), and its next input is the draw after its last draft (planned
+        as if all were accepted; the next step's rows are corrected on the device by the step's ``shifts``)."""
         row = 0
-        for index, (sequence, drafts) in enumerate(zip(sampling, verification.counts)):
+        for index, (sequence, drafts) in enumerate(zip(sampling, counts)):
             row += drafts
             sequence.pending_tokens += 1
             sequence.pending_row = row

@@ -52,10 +52,10 @@ class SpeculativeSteps:
         read, verified and rolled back before the next step is planned."""
         self._settle()
         batch = self._schedule_drafts(ks)
-        step = self.launch(batch) if batch is not None else None
+        step = self.launch(batch, verify_at_once=True) if batch is not None else None
         if step is not None:
             self.speculator.observe(step.entries, step.starts)
-            self._pending.extend(self.finish(step))  # launch() sampled it: no row waits for a token in flight
+            self._pending.extend(self.finish(step))  # launch() verified it: no row waits for a token in flight
         return self._take_pending()
 
     def _schedule_drafts(self: "DynamicInferenceEngine", ks: dict[str, int]) -> "ScheduledBatch | None":
