@@ -571,7 +571,8 @@ class DynamicInferenceEngine(DeviceMemoryVerbs, LoraVerbs, SpeculativeSteps):
                 sequences.append(sequence)
                 observed.append(outputs[-1])
             if not sequence.finished:
-                Speculator.restore(sequence, later)
+                if later:
+                    Speculator.restore(sequence, later)
                 register(sequence)
         self.stats.observe_step(sequences, observed, now)
         return outputs

@@ -224,6 +224,7 @@ def write_plan(entries: list[tuple["Sequence", int]], block_size: int, buffers: 
     seq_lens, query_start, tables = out["seq_lens"], out["query_start"], out["block_tables"]
     lm_rows, gather_rows, gather_from = out["lm_rows"], out["gather_rows"], out["gather_from"]
     shift_from, shifted = out["shift_from"], False
+    shift_from[: len(entries)] = -1
     lora_rows, lora = out["lora_rows"], False
     row = num_decode = num_gather = num_sample = 0
     score_rows: list[int] = []
@@ -244,10 +245,9 @@ def write_plan(entries: list[tuple["Sequence", int]], block_size: int, buffers: 
             gather_rows[num_gather] = row + pending_at - start
             gather_from[num_gather] = sequence.pending_row
             num_gather += 1
-            shift_from[index] = sequence.verify_row
-            shifted = shifted or sequence.verify_row >= 0
-        else:
-            shift_from[index] = -1
+            if sequence.verify_row >= 0:  # that token comes from a verify step: the runner corrects these rows
+                shift_from[index] = sequence.verify_row
+                shifted = True
         if count == 1:  # decode-shaped: plain integers are ~10x cheaper than numpy calls here
             if pending_at != start:
                 token_ids[row] = sequence.token_ids[start]

@@ -53,6 +53,15 @@ if TYPE_CHECKING:
     from ..scheduler import ScheduledBatch, Sequence
 
 
+def on_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """``values`` as a tensor on ``device``, copied without waiting for the work queued there (pinned on a GPU: a
+    pageable copy would wait for the forward in flight, which an overlapped step must not)."""
+    tensor = torch.tensor(values, dtype=dtype)
+    if device.type != "cuda":
+        return tensor
+    return tensor.pin_memory().to(device, non_blocking=True)
+
+
 @dataclass
 class Verification:
     """A verify step's draws launched on the device, not read yet (:meth:`Speculator.launch_verify`)."""
@@ -255,18 +264,18 @@ class Speculator:
         if offset == len(sampling):  # no drafts at all (the proposer found none): the rows as they are, no copy
             model_logits, index = sample_logits, None
         else:
-            index = torch.tensor(logit_rows, dtype=torch.int64)
-            model_logits = torch.cat([sample_logits, verify_logits])[index.to(sample_logits.device)]
+            index = on_device(logit_rows, torch.int64, sample_logits.device)
+            model_logits = torch.cat([sample_logits, verify_logits])[index]
         if shift is not None:
-            rows.shift(shift if index is None else shift[index.to(shift.device)])
+            rows.shift(shift if index is None else shift[index])
         processed = apply_controls(model_logits, state, rows, self._draft_counts(guesses, owner, depth_of, rows, state))
         if masks is not None:
-            processed = apply_token_bitmask(processed, masks if index is None else masks[index])
+            processed = apply_token_bitmask(processed, masks if index is None else masks[logit_rows])  # on the host
         sample = sampler.launch(processed, rows, None if processed is model_logits else model_logits, count=False)
         accepted, used = self._accepted(sample.tokens, guesses, owner, depth_of)
         if rows.any_penalties:  # the penalties' counts: the tokens emitted, not the depths after a rejection
             state.add_counts(rows, sample.tokens, used.to(torch.float32))
-        counts = torch.tensor([len(d) for d in guesses], dtype=torch.int64).to(accepted.device)
+        counts = on_device([len(d) for d in guesses], torch.int64, accepted.device)
         return Verification(sample, guesses, counts - accepted)
 
     @staticmethod
@@ -277,8 +286,7 @@ class Speculator:
         request on the host, which then drops its later rows, so it needs no care here."""
         device = tokens.device
         expected = [guesses[i][j] if j < len(guesses[i]) else -1 for i, j in zip(owner, depth_of)]
-        host = torch.tensor([owner, depth_of, expected], dtype=torch.int64).to(device)
-        owners, depths, drafts = host[0], host[1], host[2]
+        owners, depths, drafts = on_device([owner, depth_of, expected], torch.int64, device)
         rejected = torch.where(tokens != drafts, depths, len(owner))  # a request's last depth has no draft: rejected
         first = torch.full((len(guesses),), len(owner), dtype=torch.int64, device=device)
         accepted = first.scatter_reduce(0, owners, rejected, "amin")
@@ -333,7 +341,8 @@ class Speculator:
         flat = [row * vocab + token for row, (i, j) in enumerate(zip(owner, depth_of)) if j
                 for token in guesses[i][:j] if token < vocab]
         counts = torch.zeros(len(owner) * vocab, dtype=torch.float32, device=rows.control.device)
-        counts.index_add_(0, torch.tensor(flat, dtype=torch.int64).to(counts.device), torch.ones(len(flat)).to(counts.device))
+        counts.index_add_(0, on_device(flat, torch.int64, counts.device),
+                          torch.ones(len(flat), dtype=torch.float32, device=counts.device))
         return counts.view(len(owner), vocab)
 
     def forget(self, request_id: str) -> None:
@@ -367,6 +376,5 @@ class Speculator:
     @staticmethod
     def restore(sequence: "Sequence", later: list[int]) -> None:
         """Put back the drafts of a step still in flight that :meth:`rollback` took off."""
-        if later:
-            sequence.token_ids.extend(later)
-            sequence.drafts_in_flight = len(later)
+        sequence.token_ids.extend(later)
+        sequence.drafts_in_flight = len(later)
