@@ -275,6 +275,8 @@ class Speculator:
         accepted, used = self._accepted(sample.tokens, guesses, owner, depth_of)
         if rows.any_penalties:  # the penalties' counts: the tokens emitted, not the depths after a rejection
             state.add_counts(rows, sample.tokens, used.to(torch.float32))
+        for drafted in guesses:  # counted as launched (their acceptance as read): a refit between them finds it so
+            self.stats.speculated(len(drafted), 0)
         counts = on_device([len(d) for d in guesses], torch.int64, accepted.device)
         return Verification(sample, guesses, counts - accepted)
 
@@ -310,7 +312,7 @@ class Speculator:
                 out.accepted += 1
             row += drafts + 1
             if drafts and not sequence.finished:
-                self.stats.speculated(drafts, out.accepted)
+                self.stats.accepted_drafts(out.accepted)
                 self.policy.verified(sequence.request_id, drafts, out.accepted)
         return emitted
 
