@@ -13,7 +13,10 @@ host: a step with such a row launches its forward, then finishes the step before
 point, taken only by steps with a grammar row, while the new forward runs), fills the masks and
 samples (vLLM's split of ``execute_model`` and ``sample_tokens`` under async scheduling). Stop
 conditions are seen one step late, so a finished request may have computed one more row, which is
-dropped: the outputs are those of the serial loop, token for token.
+dropped: the outputs are those of the serial loop, token for token. Speculative verify steps overlap
+too: the step after one is planned as if it accepted every draft and corrected on the device by the
+drafts it rejected (:mod:`.speculative.decoder`; the cases that read first instead are listed in
+:meth:`~.speculative.stepping.SpeculativeSteps._verify_overlaps`).
 
 The engine never raises for a bad request: the request fails alone and comes back from ``step()``.
 It deals in token ids only: EOS, stop token ids, length and grammar completion end a request here;

@@ -2,8 +2,8 @@
 
 One speculative step, in the engine's ``schedule -> launch -> sample -> finish`` seam:
 
-1. ``propose``: each running request that may speculate (its tokens all on the host, one token left to
-   compute) gets up to ``K`` guesses from the proposer, ``K`` chosen
+1. ``propose``: each running request that may speculate (one token left to compute, on the host or sampled
+   by the step in flight) gets up to ``K`` guesses from the proposer, ``K`` chosen
    per request and step by the policy of :mod:`.adaptive` (at most ``num_speculative_tokens``; 0: none),
    cut at the first one its grammar refuses (a request with structured outputs), appended to its
    ``token_ids`` and counted in ``num_drafts``. The scheduler then sees ``1 + drafts``
@@ -11,7 +11,8 @@ One speculative step, in the engine's ``schedule -> launch -> sample -> finish``
 2. ``fit``: what the scheduler could not take (a token budget cut, a preemption) loses its drafts, so a
    request's uncomputed tokens are exactly the rows it runs. ``step_plan`` lists the draft rows' logits
    (``num_verify``) beside the sampling row.
-3. ``verify``: every depth's row is sampled in one pass with the engine's own sampler, logit controls and
+3. ``launch_verify`` (at launch) and ``read`` (in ``finish``, one step later when overlapped): every depth's
+   row is sampled in one pass with the engine's own sampler, logit controls and
    seeded streams, as if each were an ordinary decode step after the drafts before it: depth ``j`` draws the
    token at position ``start + 1 + j``, keyed on (seed, sample index, position) and with the penalties'
    counts of every token before it (the request's output, then the drafts before ``j``). A draft is accepted when the token drawn equals it; the first token that differs is the
@@ -27,6 +28,23 @@ One speculative step, in the engine's ``schedule -> launch -> sample -> finish``
 4. ``rollback``: the rejected drafts leave ``token_ids``, ``num_computed`` drops to the verified tokens, and
    KV blocks past the request's tokens go back to the pool. Blocks are published to the prefix cache only up
    to the verified tokens (``Scheduler.register_computed_blocks`` stops before drafts).
+
+Overlapped verify steps (``async_scheduling``, vLLM v1's async scheduling with speculation): the next step is
+planned and launched before a verify step is read. The host plans it as if every draft of the step in flight
+were accepted (``num_computed`` and ``token_ids`` already include them, ``drafts_in_flight`` counts them), and a
+request drafting again asks the proposer for ``K + 1`` guesses past them, the first standing for the token in
+flight (the bonus token, unknown to the host), so its drafts follow that token in ``token_ids`` (``step_plan``
+gathers the token itself into the first row on the device). On the device, ``launch_verify`` counts each
+request's accepted drafts ``a`` (the first depth whose draw differs from its draft) and keeps ``shift = K - a``;
+the runner moves the next step's rows of that request back by it (positions, sequence length, cache slots from
+the block table, the gathered token's index: the bonus token sits at depth ``a``), and the sampler's seeded
+streams and generated counts move back with them, so every draw is the one at its true position: the output is
+the plain engine's, token for token. Drafts guessed past wrong assumptions are merely worse guesses, rejected
+like any other. When the step in flight is read, ``rollback`` takes the later step's drafts off the end of
+``token_ids``, removes the rejected drafts, appends the emitted tokens and ``restore`` puts the later drafts
+back; a request that finished (stop token, EOS, length) or left meanwhile has its later rows dropped. Where the
+next step cannot be planned this way, a verify step reads the step in flight first and is read at once
+(``verify``): the fallbacks are listed in :meth:`~.stepping.SpeculativeSteps._verify_overlaps`.
 
 Cost: one sampler pass and one read over ``1 + K`` rows per request, instead of one row: the rows past a
 rejection are drawn in vain. On a GPU they cost next to nothing, and a pass per depth cost a device round trip

@@ -1,9 +1,11 @@
 """The engine's verify step and a row's several tokens, mixed into :class:`~..core.DynamicInferenceEngine`.
 
 :meth:`~..core.DynamicInferenceEngine.step` runs a verify step when the K policy gives some request drafts
-(:meth:`.decoder.Speculator.plan`), a plain step otherwise; a verify step's rows then emit one token or
-several (the accepted drafts and one more), appended here one by one as the plain engine would append them
-over as many steps.
+(:meth:`.decoder.Speculator.plan`), a plain step otherwise. A verify step is overlapped like a plain one
+(scheduled and launched before the step in flight is read, drafted past its tokens and corrected on the device:
+:mod:`.decoder`) unless one of :meth:`SpeculativeSteps._verify_overlaps`' fallbacks holds; then it reads the step
+in flight first and is read at once. A verify step's rows emit one token or several (the accepted drafts and one
+more), appended here one by one as the plain engine would append them over as many steps.
 """
 
 from __future__ import annotations
