@@ -147,7 +147,8 @@ class ModelRunner:
         source = dev["shift_from"][:requests]
         shift = torch.where(source >= 0, shifts[source.clamp(min=0)], 0)
         starts = dev["query_start"][: plan.num_prefill + 1].to(torch.int64)
-        counts = torch.cat([torch.ones(plan.num_decode, dtype=torch.int64, device=shift.device), starts[1:] - starts[:-1]])
+        decode = torch.ones(plan.num_decode, dtype=torch.int64, device=shift.device)
+        counts = torch.cat([decode, starts[1:] - starts[:-1]])  # each request's rows
         owner = torch.repeat_interleave(torch.arange(requests, device=shift.device), counts, output_size=tokens)
         row_shift = shift[owner]
         positions = dev["positions"][:tokens]

@@ -46,7 +46,7 @@ class Sequence:
     lora_slot: int = -1  # the adapter slot its rows run under (engine.lora); -1: the base model
     lora_version: int = -1  # the version of its adapter in that slot (its tokens' lora_epochs); -1: none
     num_drafts: int = 0  # speculative guesses at the end of token_ids, not verified yet (engine.speculative)
-    drafts_in_flight: int = 0  # guesses in token_ids that launched verify steps verify, not read yet (engine.speculative)
+    drafts_in_flight: int = 0  # guesses in token_ids of launched verify steps, not read yet (engine.speculative)
 
     def __post_init__(self) -> None:
         if not self.token_ids:
