@@ -181,9 +181,8 @@ class Speculator:
 
     def fit(self, batch: "ScheduledBatch | None", running: list["Sequence"], preempted: list["Sequence"]) -> None:
         """Drop the drafts the scheduler did not give rows to: a cut chunk keeps ``count - 1``, others none.
-        A step with drafts whose rows all decode is timed for the K policy's cost model (the first verify step
-        after overlapped ones also finishes the step in flight: a probe's first step, counted as the probe's
-        cost). One whose proposer drafted nothing is not: it is neither what a plain step costs (that one is
+        A step with drafts whose rows all decode is timed for the K policy's cost model (it also finishes the step
+        before it, as an overlapped plain step does; a fallback verify step first). One whose proposer drafted nothing is not: it is neither what a plain step costs (that one is
         overlapped) nor what drafting costs; the policy counts such offers (:meth:`~.adaptive.AdaptiveK.proposed`)."""
         scheduled = {id(s): count for s, count in batch.entries} if batch is not None else {}
         drafts = 0
