@@ -182,8 +182,9 @@ class Speculator:
     def fit(self, batch: "ScheduledBatch | None", running: list["Sequence"], preempted: list["Sequence"]) -> None:
         """Drop the drafts the scheduler did not give rows to: a cut chunk keeps ``count - 1``, others none.
         A step with drafts whose rows all decode is timed for the K policy's cost model (it also finishes the step
-        before it, as an overlapped plain step does; a fallback verify step first). One whose proposer drafted nothing is not: it is neither what a plain step costs (that one is
-        overlapped) nor what drafting costs; the policy counts such offers (:meth:`~.adaptive.AdaptiveK.proposed`)."""
+        before it, as an overlapped plain step does; a fallback verify step first). One whose proposer drafted
+        nothing is not: it is neither what a plain step costs (that one is overlapped) nor what drafting costs;
+        the policy counts such offers (:meth:`~.adaptive.AdaptiveK.proposed`)."""
         scheduled = {id(s): count for s, count in batch.entries} if batch is not None else {}
         drafts = 0
         for sequence in [*running, *preempted]:
@@ -377,9 +378,9 @@ class Speculator:
         pool. Returns the drafts of the step launched after it, taken off the end of ``token_ids`` too, so that
         the read step's tokens are appended before them (:meth:`restore` puts them back). A request preempted
         meanwhile computed nothing that is kept: only its tokens change."""
-        later = sequence.drafts_in_flight - drafts
         if not sequence.drafts_in_flight:
             return []
+        later = sequence.drafts_in_flight - drafts
         tokens = sequence.token_ids
         kept = tokens[len(tokens) - later:] if later else []
         del tokens[len(tokens) - later - drafts:]
