@@ -130,9 +130,17 @@ def test_an_abort_while_a_verify_step_is_in_flight(tiny_llama):
     assert spec.kv_blocks_free == spec.kv_blocks_total
 
 
-def test_preemption_under_a_tiny_pool_with_verify_steps_in_flight(tiny_llama):
+def test_preemption_under_a_tiny_pool_with_verify_steps_in_flight(tiny_llama, monkeypatch):
     """Drafts and the optimistic plan of a verify step in flight need KV blocks: a pool of 14 blocks of 4 tokens
     preempts; a preempted request whose verify step is in flight gets that step's tokens and is recomputed."""
+    rollback, preempted_in_flight = Speculator.rollback, []
+
+    def spy(sequence, drafts, *args):
+        if drafts and not sequence.block_table:  # its drafts' step was read after the request lost its blocks
+            preempted_in_flight.append(sequence.request_id)
+        return rollback(sequence, drafts, *args)
+
+    monkeypatch.setattr(Speculator, "rollback", staticmethod(spy))
     kwargs = dict(block_size_tokens=4, num_kv_blocks=14, max_batch_tokens=32)
     prompts = repetitive_prompts(21, 5)
     prompts[1] = prompts[0][:8] + prompts[1]  # a shared prefix: prefix-cache hits
@@ -144,6 +152,7 @@ def test_preemption_under_a_tiny_pool_with_verify_steps_in_flight(tiny_llama):
     assert outputs(got) == outputs(run(engine(tiny_llama, None, **kwargs), prompts, params))
     assert spec.stats.counters["num_preemptions"] > 0
     assert spec.speculator.overlapped_verify_steps > 0
+    assert preempted_in_flight
     assert spec.kv_blocks_free == spec.kv_blocks_total
 
 
