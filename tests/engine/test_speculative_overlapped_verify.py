@@ -87,18 +87,22 @@ def test_overlapped_verify_steps_emit_the_plain_engines_tokens(tiny_llama, metho
 
 def test_stop_tokens_and_length_limits_end_requests_mid_draft_with_a_verify_step_in_flight(tiny_llama):
     """A request that stops (stop token, EOS, length) among the tokens of a verify step in flight has its rows of the
-    step launched after it dropped; the others go on."""
+    step launched after it dropped; the others go on. ``min_tokens`` holds a stop token back by the count of tokens
+    generated, which the device corrects with the positions."""
     prompts = repetitive_prompts(5, 4)
     rng = random.Random(5)
     loops = [looping(rng, num_tokens_to_generate=40, return_log_probs=True) for _ in prompts]
     free = run(engine(tiny_llama, None), prompts, loops)
     params = [replace(loop, stop_token_ids=[request.generated_tokens[11]]) for request, loop in zip(free, loops)]
     params.append(replace(loops[0], ignore_eos=False, termination_id=free[0].generated_tokens[7]))  # as its EOS
+    params += [replace(loop, stop_token_ids=[request.generated_tokens[1]], min_tokens=n)
+               for n, request, loop in zip([9, 14], free, loops)]
     params += [replace(loop, num_tokens_to_generate=n) for n, loop in zip([3, 8, 13, 21], loops)]
-    jobs = prompts + prompts[:1] + prompts
+    jobs = prompts + prompts[:1] + prompts[:2] + prompts
     got = check_against_plain(tiny_llama, engine(tiny_llama, NGRAM, [4, 4, 2]), jobs, params)
-    assert [r.finish_reason for r in got[:5]] == [FinishReason.STOP] * 5
-    assert [len(r.generated_tokens) for r in got[5:]] == [3, 8, 13, 21]
+    assert [r.finish_reason for r in got[:7]] == [FinishReason.STOP] * 7
+    assert [len(r.generated_tokens) >= n for r, n in zip(got[5:7], [9, 14])] == [True, True]
+    assert [len(r.generated_tokens) for r in got[7:]] == [3, 8, 13, 21]
 
 
 def test_an_abort_while_a_verify_step_is_in_flight(tiny_llama):
