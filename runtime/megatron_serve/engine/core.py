@@ -13,7 +13,10 @@ host: a step with such a row launches its forward, then finishes the step before
 point, taken only by steps with a grammar row, while the new forward runs), fills the masks and
 samples (vLLM's split of ``execute_model`` and ``sample_tokens`` under async scheduling). Stop
 conditions are seen one step late, so a finished request may have computed one more row, which is
-dropped: the outputs are those of the serial loop, token for token.
+dropped: the outputs are those of the serial loop, token for token. Speculative verify steps overlap
+too: the step after one is planned as if it accepted every draft and corrected on the device by the
+drafts it rejected (:mod:`.speculative.decoder`; the cases that read first instead are listed in
+:meth:`~.speculative.stepping.SpeculativeSteps._verify_overlaps`).
 
 The engine never raises for a bad request: the request fails alone and comes back from ``step()``.
 It deals in token ids only: EOS, stop token ids, length and grammar completion end a request here;
@@ -57,7 +60,7 @@ from .sampler import DeviceSample, DeviceScores, Readback, Sampler
 from .sampling_state import SamplingState
 from .scheduler import ScheduledBatch, Scheduler, Sequence
 from .structured_output import StructuredOutputs
-from .speculative.decoder import Emitted, Speculator
+from .speculative.decoder import Emitted, Speculator, Verification
 from .speculative.factory import make_proposer
 from .speculative.stepping import SpeculativeSteps
 from ..tokenizer import Tokenizer
@@ -88,9 +91,14 @@ class InFlightStep:
     logits: torch.Tensor | None  # the sampling rows' logits until they are sampled
     scores: tuple[list[tuple[Sequence, range]], DeviceScores] | None  # prompt positions scored, and their scores
     routing: Readback | None  # expert ids of the step's tokens, when some entry records them
+    positions: list[int]  # each sampled row's position (as planned: before the device's correction)
+    generated: list[int]  # each sampled row's request's tokens generated before it (as planned, likewise)
+    shift: torch.Tensor | None = None  # each logits row's correction by the verify step before (plan.shifted)
     sample: DeviceSample | None = None  # None until sampled (a grammar row waits for the step before)
     verify_logits: torch.Tensor | None = None  # draft rows' logits of a speculative step (engine.speculative)
-    emitted: list[Emitted] | None = None  # a speculative step's verified tokens per sampling row
+    drafts: list[int] | None = None  # a verify step's drafts per sampling row
+    verification: Verification | None = None  # an overlapped verify step's draws and accepted counts, on the device
+    emitted: list[Emitted] | None = None  # a verify step read at once (a fallback): its tokens per sampling row
 
 
 def _encoder_cache_for(model: LlamaForCausalLM, tokenizer: Tokenizer) -> EncoderCache | None:
@@ -356,28 +364,33 @@ class DynamicInferenceEngine(DeviceMemoryVerbs, LoraVerbs, SpeculativeSteps):
         launched by the previous call, after this call launched the next (its outputs come one call later).
 
         With speculation on, the K policy first picks each decode-ready request's drafts for this step
-        (:meth:`~.speculative.decoder.Speculator.plan`): when some request drafts, the step is a verify step
-        (not overlapped: the proposer needs every request's last token on the host); when none does, it is a
-        plain step, overlapped like any other, and costs what a step without speculation costs.
+        (:meth:`~.speculative.decoder.Speculator.plan`): when some request drafts, the step is a verify step,
+        overlapped too (drafted past the tokens in flight, corrected on the device by the drafts the step in
+        flight rejects: :mod:`.speculative.stepping`) unless one of its fallbacks holds
+        (:meth:`~.speculative.stepping.SpeculativeSteps._verify_overlaps`); when none does, it is a plain step,
+        overlapped like any other, and costs what a step without speculation costs.
         """
         speculator = self.speculator
         if speculator is None:
-            return self._deliver(self._step_plain())
+            return self._deliver(self._step_overlapped())
         ks = speculator.plan(self.scheduler.running)
         speculator.start_step(self.device.type == "cpu", bool(ks))
-        outputs = self._step_speculative(ks) if ks else self._step_plain()
+        outputs = self._step_speculative(ks) if ks and not self._verify_overlaps() else self._step_overlapped(ks)
         speculator.end_step()
         return self._deliver(outputs)
 
-    def _step_plain(self) -> list[StepOutput]:
-        """A step without drafts (see :meth:`step`)."""
+    def _step_overlapped(self, ks: dict[str, int] | None = None) -> list[StepOutput]:
+        """A step launched before the one in flight is read (see :meth:`step`): a plain step, or with ``ks`` (each
+        drafting request's K) a verify step."""
         outputs, self._pending = self._pending, []
-        batch = self.schedule()
+        batch = self._schedule_drafts(ks) if ks else self.schedule()
         launched = self.launch(batch) if batch is not None else None
         previous, self._in_flight = self._in_flight, None
         if self.speculator is not None and launched is not None:
             self.speculator.observe(launched.entries, launched.starts)  # a head files the target's hidden states
-            if previous is not None and batch is not None and batch.num_tokens == len(batch.entries):
+            if launched.drafts is not None and previous is not None:
+                self.speculator.overlapped_verify_steps += 1
+            elif not ks and previous is not None and batch is not None and batch.num_tokens == len(batch.entries):
                 self.speculator.time_step(len(batch.entries), 0)  # all decode, overlapped after a step like it
         if launched is not None and launched.sample is None:
             # Its grammar rows need the tokens the previous step samples: finish that one first (the forward
@@ -432,8 +445,9 @@ class DynamicInferenceEngine(DeviceMemoryVerbs, LoraVerbs, SpeculativeSteps):
             self.sampling_state.remove(sequence.request_id)
         return batch or None
 
-    def launch(self, batch: ScheduledBatch) -> InFlightStep | None:
-        """Write the plan, run the forward and sample on the device; nothing waits for the device here.
+    def launch(self, batch: ScheduledBatch, verify_at_once: bool = False) -> InFlightStep | None:
+        """Write the plan, run the forward and sample on the device; nothing waits for the device here, except
+        with ``verify_at_once`` (a verify step not overlapped), whose drafts are verified and read right away.
 
         A step with a grammar row whose previous token is still in flight is returned unsampled: ``step``
         samples it once that token is on the host.
@@ -449,9 +463,11 @@ class DynamicInferenceEngine(DeviceMemoryVerbs, LoraVerbs, SpeculativeSteps):
             if not entries:
                 return None
         plan = write_plan(entries, self.config.block_size_tokens, self.runner.buffers, images)
-        previous = self._in_flight.sample.tokens if plan.num_gather else None
+        in_flight = self._in_flight
+        previous = in_flight.sample.tokens if plan.num_gather else None
+        shifts = in_flight.verification.shifts if plan.shifted else None  # write_plan set it: a verify step flies
         forward = self.runner.run_plan(plan, self.kv_cache.layer_caches,
-                                       None if images is None else images.embeddings, previous)
+                                       None if images is None else images.embeddings, previous, shifts)
         sampling = [s for s, count in entries if count == s.num_uncomputed]  # as write_plan picked them
         starts = [s.num_computed for s, _ in entries]
         scores = score_prompts(entries, forward.logits[len(sampling) : len(sampling) + plan.num_score])
@@ -462,18 +478,20 @@ class DynamicInferenceEngine(DeviceMemoryVerbs, LoraVerbs, SpeculativeSteps):
         self.computed_tokens += plan.num_tokens
         routing = Readback([forward.routing]) if forward.routing is not None else None  # graphs reuse their outputs
         kv_epochs = [self.epoch if s.kv_epoch is None else s.kv_epoch for s in sampling]  # set above: never None
-        step = InFlightStep(entries, starts, sampling, kv_epochs, forward.logits[: len(sampling)], scores, routing)
+        step = InFlightStep(entries, starts, sampling, kv_epochs, forward.logits[: len(sampling)], scores, routing,
+                            [s.num_computed for s in sampling], [s.num_generated for s in sampling], forward.shift)
         if plan.num_verify:  # verified in sample(), rows with drafts or not (rows of one step are sampled alike)
             step.verify_logits = forward.logits[len(sampling) + plan.num_score :]
         if not any(s.pending_tokens and s.request_id in self.structured for s in sampling):
-            self.sample(step)
+            self.sample(step, verify_at_once)
         return step
 
-    def sample(self, step: InFlightStep) -> None:
+    def sample(self, step: InFlightStep, verify_at_once: bool = False) -> None:
         """Apply the logits controls and grammar masks to a launched step's logits and sample on the device.
 
         Each request is bound to its sampling-state slot the first time it samples; after that a step
-        only writes the rows' slots and counters (``SamplingState.rows``).
+        only writes the rows' slots and counters (``SamplingState.rows``). A verify step's draws are read in
+        ``finish``, or here with ``verify_at_once``.
         """
         state, sampling = self.sampling_state, step.sampling
         for s in sampling:
@@ -485,12 +503,23 @@ class DynamicInferenceEngine(DeviceMemoryVerbs, LoraVerbs, SpeculativeSteps):
         drafts = ([s.token_ids[len(s.token_ids) - s.num_drafts:] for s in sampling]
                   if step.verify_logits is not None else None)  # a verify step: a mask per verified position
         masks = self.structured.bitmask([s.request_id for s in sampling], [s.stop_token_ids for s in sampling], drafts)
+        shift = step.shift
         if step.verify_logits is not None and self.speculator is not None:
-            step.emitted = self.speculator.verify(sampling, logits, step.verify_logits, state, self.sampler, masks)
+            step.drafts = [s.num_drafts for s in sampling]
+            if verify_at_once:
+                step.emitted = self.speculator.verify(sampling, logits, step.verify_logits, state, self.sampler, masks)
+            else:
+                if shift is not None:  # the sampling rows' then the draft rows' (the score rows between do not draw)
+                    shift = torch.cat([shift[: len(sampling)], shift[len(shift) - len(step.verify_logits):]])
+                step.verification = self.speculator.launch_verify(sampling, logits, step.verify_logits, state,
+                                                                  self.sampler, masks, shift)
+                step.sample = step.verification.sample
             step.logits = step.verify_logits = None
+            Speculator.mark_in_flight(sampling, step.drafts)
             return
-        rows = state.rows([s.request_id for s in sampling], [s.num_computed for s in sampling],
-                          [s.num_generated for s in sampling])
+        rows = state.rows([s.request_id for s in sampling], step.positions, step.generated)
+        if shift is not None:
+            rows.shift(shift[: len(sampling)])
         processed = apply_controls(logits, state, rows)
         if masks is not None:  # filled on the host while the forward runs
             processed = apply_token_bitmask(processed, masks)
@@ -499,11 +528,14 @@ class DynamicInferenceEngine(DeviceMemoryVerbs, LoraVerbs, SpeculativeSteps):
         for row, sequence in enumerate(sampling):
             sequence.pending_tokens += 1
             sequence.pending_row = row
+            sequence.verify_row = -1
 
     def finish(self, step: InFlightStep) -> list[StepOutput]:
-        """Read a launched step's results (waits for the device) and hand each request its token."""
+        """Read a launched step's results (waits for the device) and hand each request its tokens."""
         if step.emitted is not None:
             return self.update_from_output(step, step.emitted)
+        if step.verification is not None and self.speculator is not None:
+            return self.update_from_output(step, self.speculator.read(step.verification, step.sampling))
         assert step.sample is not None, "finish() of a step that was never sampled"
         result = step.sample.read()
         return self.update_from_output(step, [Emitted([t], [lp], [top]) for t, lp, top
@@ -515,9 +547,11 @@ class DynamicInferenceEngine(DeviceMemoryVerbs, LoraVerbs, SpeculativeSteps):
         finishing now leaves its blocks cached), each request's tokens appended (or dropped for a request
         that left meanwhile), stop conditions checked, grammar advanced, statistics observed. Registering
         here rather than at launch publishes a block one step later under asynchronous scheduling."""
+        drafts = step.drafts if step.drafts is not None else [0] * len(step.sampling)
         drafted: dict[int, np.ndarray] = {}  # speculating sequences' draft rows, recorded as drafts are accepted
         if step.routing is not None:
-            drafted = record_step([(s, start, count, s.num_drafts) for (s, count), start
+            counts = {id(s): k for s, k in zip(step.sampling, drafts)}
+            drafted = record_step([(s, start, count, counts.get(id(s), 0)) for (s, count), start
                                    in zip(step.entries, step.starts)], np.asarray(step.routing.wait()[0]))
         if step.scores is not None:
             record_prompt_scores(*step.scores)
@@ -528,16 +562,20 @@ class DynamicInferenceEngine(DeviceMemoryVerbs, LoraVerbs, SpeculativeSteps):
         now = time.monotonic()
         sequences, outputs, observed = [], [], []
         for row, sequence in enumerate(step.sampling):
-            sequence.pending_tokens -= step.emitted is None  # a verified step reads its tokens as it samples
+            sequence.pending_tokens -= 1
             if sequence.finished:  # aborted or finished while the step ran: its row is dropped
                 continue
             out = emitted[row]
-            Speculator.rollback(sequence, out.accepted, self.allocator, self.config.block_size_tokens)
+            # the step launched after this one drafted past it: its drafts go back after this step's tokens
+            later = Speculator.rollback(sequence, drafts[row], out.accepted, self.allocator,
+                                        self.config.block_size_tokens)
             outputs.append(self._append_tokens(sequence, out, step.kv_epochs[row], drafted.get(id(sequence))))
             if not (self.parity.active and self.parity.owns(sequence.request_id)):  # no user request: not counted
                 sequences.append(sequence)
                 observed.append(outputs[-1])
             if not sequence.finished:
+                if later:
+                    Speculator.restore(sequence, later)
                 register(sequence)
         self.stats.observe_step(sequences, observed, now)
         return outputs

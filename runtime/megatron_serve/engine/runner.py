@@ -36,10 +36,13 @@ logger = logging.getLogger(__name__)
 @dataclass
 class StepResult:
     """float32 logits ``[sampling rows + score rows + verify rows, vocab]`` in entry order; with ``record_routing``
-    also the expert ids ``[step tokens, moe layers, top_k]`` of every token of the step (small integer dtype)."""
+    also the expert ids ``[step tokens, moe layers, top_k]`` of every token of the step (small integer dtype);
+    with a corrected plan (``plan.shifted``) each logits row's shift (int64), by which its sampling position
+    and count of generated tokens move back too."""
 
     logits: torch.Tensor
     routing: torch.Tensor | None = None
+    shift: torch.Tensor | None = None
 
 
 def attention_metadata(buffers: StepBuffers, plan: StepPlan) -> AttentionMetadata:
@@ -92,12 +95,15 @@ class ModelRunner:
     @torch.inference_mode()
     def run_plan(self, plan: StepPlan, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                  image_embeddings: torch.Tensor | None = None,
-                 previous_tokens: torch.Tensor | None = None) -> StepResult:
+                 previous_tokens: torch.Tensor | None = None,
+                 previous_shifts: torch.Tensor | None = None) -> StepResult:
         """Run one step whose values are in the host buffers: float32 logits of the sampling and score rows,
         and the expert routing when the plan records it.
 
         ``image_embeddings``: one row per image row (vision-language models). ``previous_tokens``: the
         sampled tokens of the step in flight, which the plan's gather rows take as their input.
+        ``previous_shifts``: when that step verifies drafts, its drafts rejected per request (on the device),
+        which correct the rows of a ``shifted`` plan (:meth:`correct`).
         """
         dev = self.buffers.dev
         graphs = self._graphs_for(plan)
@@ -105,9 +111,13 @@ class ModelRunner:
             graphs.prepare(plan)
         else:
             self.buffers.upload(plan)
+        row_shift = self.correct(plan, previous_shifts) if plan.shifted else None
         if plan.num_gather:
             rows = dev["gather_rows"][: plan.num_gather]
-            dev["token_ids"].index_copy_(0, rows, previous_tokens[dev["gather_from"][: plan.num_gather]])
+            source = dev["gather_from"][: plan.num_gather]
+            if row_shift is not None:  # the bonus token sits after the accepted drafts, not after all of them
+                source = source - row_shift[rows]
+            dev["token_ids"].index_copy_(0, rows, previous_tokens[source])
         if self.lora_rows is not None:  # a replayed graph reads the slots from the buffer (engine.lora_graphs)
             self.lora_rows.set(dev["lora_rows"][: plan.num_tokens] if plan.lora and graphs is None else None,
                                self.buffers.np["lora_rows"][: plan.num_tokens])
@@ -123,7 +133,31 @@ class ModelRunner:
         rows = plan.num_sample + plan.num_score + plan.num_verify
         if not rows:  # only partial prefill chunks this step: nothing to sample
             return StepResult(hidden.new_empty((0, self.model.config.vocab_size), dtype=torch.float32), routing)
-        return StepResult(self.model.compute_logits(hidden[dev["lm_rows"][:rows]]), routing)
+        lm_rows = dev["lm_rows"][:rows]
+        return StepResult(self.model.compute_logits(hidden[lm_rows]), routing,
+                          None if row_shift is None else row_shift[lm_rows])
+
+    def correct(self, plan: StepPlan, shifts: torch.Tensor) -> torch.Tensor:
+        """Move back, on the device, the rows of each request planned as if the verify step in flight accepted
+        all its drafts, by the drafts it rejected (``shifts[shift_from]``): positions, sequence lengths, and cache
+        slots looked up again in the block table. The host planned without reading that step, so on a GPU this
+        step's planning overlapped its forward. Returns each row's shift (0 for the rows of other requests)."""
+        dev, size = self.buffers.dev, self.block_size
+        tokens, requests = plan.num_tokens, plan.num_requests
+        source = dev["shift_from"][:requests]
+        shift = torch.where(source >= 0, shifts[source.clamp(min=0)], 0)
+        starts = dev["query_start"][: plan.num_prefill + 1].to(torch.int64)
+        decode = torch.ones(plan.num_decode, dtype=torch.int64, device=shift.device)
+        counts = torch.cat([decode, starts[1:] - starts[:-1]])  # each request's rows
+        owner = torch.repeat_interleave(torch.arange(requests, device=shift.device), counts, output_size=tokens)
+        row_shift = shift[owner]
+        positions = dev["positions"][:tokens]
+        positions.sub_(row_shift)
+        dev["seq_lens"][:requests].sub_(shift.to(torch.int32))
+        blocks = dev["block_tables"][:requests][owner, positions // size].to(torch.int64)
+        slots = dev["slots"][:tokens]
+        slots.copy_(torch.where(row_shift != 0, blocks * size + positions % size, slots))
+        return row_shift
 
     def compile_kernels(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
         """Compile every kernel variant a step can meet (see ``warmup``), eagerly and on this rank alone

@@ -103,6 +103,12 @@ class StepRows:
     def __len__(self) -> int:
         return len(self.infos)
 
+    def shift(self, shift: torch.Tensor) -> None:
+        """Move each row back by ``shift`` (int64, on the device): the rows of a step planned before the verify
+        step ahead of it was read draw at the positions, and after the tokens, that step really reached."""
+        self.position = self.position - shift
+        self.generated = self.generated - shift
+
 
 class SamplingState:
     """The slots of the requests that sample on one engine, on ``device``, for a ``vocab_size`` vocabulary."""

@@ -39,12 +39,14 @@ class Sequence:
     reads_prefix_cache: bool = True  # False: computes every token itself (its routing must be its own)
     pending_tokens: int = 0  # tokens launched steps sampled that the host has not read yet (overlapped steps)
     pending_row: int = -1  # the row of the last of them in its step's sampled tokens (the next input's source)
+    verify_row: int = -1  # its request index in the verify step that sampled it last (its shift there); -1: plain
     seed: int = 0  # keys its sampling stream: its own seed, or one drawn for it when it was added
     finished: bool = False  # left the engine (finished, aborted, failed): rows of steps in flight are dropped
     prefix_root: int = ROOT_HASH  # where its chain of block hashes starts: its cache_salt's root
     lora_slot: int = -1  # the adapter slot its rows run under (engine.lora); -1: the base model
     lora_version: int = -1  # the version of its adapter in that slot (its tokens' lora_epochs); -1: none
     num_drafts: int = 0  # speculative guesses at the end of token_ids, not verified yet (engine.speculative)
+    drafts_in_flight: int = 0  # guesses in token_ids of launched verify steps, not read yet (engine.speculative)
 
     def __post_init__(self) -> None:
         if not self.token_ids:
@@ -66,8 +68,9 @@ class Sequence:
 
     @property
     def num_generated(self) -> int:
-        """Tokens generated so far, those the steps in flight sample included."""
-        return len(self.request.generated_tokens) + self.pending_tokens
+        """Tokens generated so far, those the steps in flight sample included (a verify step in flight counted as if
+        it accepted every draft: its next step's rows are corrected on the device)."""
+        return len(self.request.generated_tokens) + self.pending_tokens + self.drafts_in_flight
 
     @property
     def schedulable(self) -> bool:
@@ -185,7 +188,7 @@ class Scheduler:
         if not self.allocator.enable_prefix_caching:
             return
         size = self.block_size
-        known = len(sequence.token_ids) - sequence.num_drafts
+        known = len(sequence.token_ids) - sequence.num_drafts - sequence.drafts_in_flight
         for index in range(len(sequence.block_hashes), min(sequence.num_computed, known) // size):
             parent = sequence.block_hashes[-1] if sequence.block_hashes else sequence.prefix_root
             block_hash = chain_hash(parent, sequence.cache_tokens(index * size, (index + 1) * size))

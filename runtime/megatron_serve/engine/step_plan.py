@@ -18,7 +18,13 @@ rows (a speculating request's draft rows before its sampling row, ``engine.specu
 
 Overlapped scheduling: a row whose token is still on the device (sampled by the step in flight)
 is listed in ``gather_rows`` with its index in that step's sampled tokens (``gather_from``); the
-runner copies those tokens into ``token_ids`` on the device before the forward.
+runner copies those tokens into ``token_ids`` on the device before the forward. That row is the
+request's last, or, when the step verifies drafts guessed after the token in flight, its first (the
+drafts follow it; ``token_ids`` holds them after the tokens known, the pending token not among them).
+When the step in flight is a verify step, the host does not know how many of its drafts each request
+accepted: the plan is written as if all were, and ``shift_from`` names each such request's index in
+that step, whose rejected-draft count (on the device) the runner subtracts from its positions, length,
+cache slots and gather index before the forward (:meth:`~.runner.ModelRunner.run_plan`).
 
 Tensor parallelism: rank 0 packs the used part of the host buffers into one integer array
 (:meth:`StepBuffers.pack`) that the other ranks unpack into their own (:meth:`StepBuffers.unpack`):
@@ -49,6 +55,7 @@ _BUFFERS: dict[str, tuple[torch.dtype, str]] = {
     "lm_rows": (torch.int64, "T"),
     "gather_rows": (torch.int64, "R"),
     "gather_from": (torch.int64, "R"),
+    "shift_from": (torch.int64, "R"),  # each request's index in the verify step in flight; -1: no correction
     "image_rows": (torch.int64, "T"),
     "mrope_positions": (torch.int64, "3xT"),
     "lora_rows": (torch.int64, "T"),  # each row's adapter slot, -1: the base model (engine.lora)
@@ -67,6 +74,7 @@ class StepPlan:
     num_score: int  # lm_rows[num_sample:] score the next prompt token (prompt log probs)
     num_verify: int = 0  # lm_rows after those: the rows of speculative drafts, verified (engine.speculative)
     num_gather: int = 0  # rows whose token is the previous step's sampled token, on the device
+    shifted: bool = False  # some request's rows are corrected by the verify step in flight (shift_from)
     num_images: int = 0  # image placeholder rows, whose embeddings come with the step
     mrope: bool = False  # mrope_positions holds three rotary positions per row (Qwen2-VL family)
     record_routing: bool = False  # some sequence records its expert routing (routing replay)
@@ -178,6 +186,7 @@ class StepBuffers:
                    ("query_start", (slice(requests + 1),)), ("lm_rows", (slice(plan.num_sample + plan.num_score + plan.num_verify),)),
                    ("gather_rows", (slice(plan.num_gather),)), ("gather_from", (slice(plan.num_gather),)),
                    ("image_rows", (slice(plan.num_images),)),
+                   ("shift_from", (slice(requests if plan.shifted else 0),)),
                    ("block_tables", (slice(requests), slice(plan.block_width)))]
         if plan.mrope:
             regions.append(("mrope_positions", (slice(None), slice(tokens))))
@@ -204,14 +213,18 @@ def write_plan(entries: list[tuple["Sequence", int]], block_size: int, buffers: 
     """Write one step into ``buffers``' host side; ``entries`` come decode-shaped (one token) first.
 
     A row whose token is not known on the host yet (``sequence.pending_row`` is set: the step in
-    flight samples it) is listed for the device-side gather instead. ``images``: the step's image
-    inputs (vision-language models), which also set the rotary positions.
+    flight samples it) is listed for the device-side gather instead: the last row, or the row before the
+    drafts of a request that drafts past its token in flight. A request whose pending token comes from a
+    verify step in flight gets its index there in ``shift_from`` (the runner corrects its rows). ``images``:
+    the step's image inputs (vision-language models), which also set the rotary positions.
     """
     buffers.writable()
     out = buffers.np
     token_ids, positions, slots = out["token_ids"], out["positions"], out["slots"]
     seq_lens, query_start, tables = out["seq_lens"], out["query_start"], out["block_tables"]
     lm_rows, gather_rows, gather_from = out["lm_rows"], out["gather_rows"], out["gather_from"]
+    shift_from, shifted = out["shift_from"], False
+    shift_from[: len(entries)] = -1
     lora_rows, lora = out["lora_rows"], False
     row = num_decode = num_gather = num_sample = 0
     score_rows: list[int] = []
@@ -226,17 +239,25 @@ def write_plan(entries: list[tuple["Sequence", int]], block_size: int, buffers: 
         end = start + count
         known = len(sequence.token_ids)
         table = sequence.block_table
-        if end > known:  # its last token is the one the step in flight samples: gathered on the device
-            gather_rows[num_gather] = row + count - 1
+        # where the token the step in flight samples goes: after the known tokens, before this step's drafts
+        pending_at = known - sequence.num_drafts if sequence.pending_tokens else end
+        if start <= pending_at < end:  # gathered on the device
+            gather_rows[num_gather] = row + pending_at - start
             gather_from[num_gather] = sequence.pending_row
             num_gather += 1
+            if sequence.verify_row >= 0:  # that token comes from a verify step: the runner corrects these rows
+                shift_from[index] = sequence.verify_row
+                shifted = True
         if count == 1:  # decode-shaped: plain integers are ~10x cheaper than numpy calls here
-            if end <= known:
+            if pending_at != start:
                 token_ids[row] = sequence.token_ids[start]
             positions[row] = start
             slots[row] = table[start // block_size] * block_size + start % block_size
         else:
-            token_ids[row : row + min(count, known - start)] = sequence.token_ids[start:end]
+            head = min(end, pending_at) - start  # the rows before the pending token, then the drafts after it
+            token_ids[row : row + head] = sequence.token_ids[start : start + head]
+            if pending_at < end - 1:
+                token_ids[row + head + 1 : row + count] = sequence.token_ids[pending_at : end - 1]
             span = np.arange(start, end)
             positions[row : row + count] = span
             first_block = start // block_size
@@ -266,7 +287,7 @@ def write_plan(entries: list[tuple["Sequence", int]], block_size: int, buffers: 
     lm_rows[num_sample : num_sample + len(score_rows)] = score_rows
     lm_rows[num_sample + len(score_rows) : num_sample + len(score_rows) + len(verify_rows)] = verify_rows
     plan = StepPlan(row, num_decode, num_prefill, width, num_sample, len(score_rows), len(verify_rows), num_gather,
-                    record_routing=record_routing, lora=lora)
+                    shifted, record_routing=record_routing, lora=lora)
     if images is not None:
         _write_images(plan, images, buffers)
     return plan

@@ -190,7 +190,10 @@ class TensorParallelRunner(ModelRunner):
         if dead:
             raise EngineGroupLost(f"tensor-parallel group lost {', '.join(dead)}; this engine group must restart")
 
-    def run_plan(self, plan: StepPlan, kv_caches, image_embeddings=None, previous_tokens=None) -> StepResult:
+    def run_plan(self, plan: StepPlan, kv_caches, image_embeddings=None, previous_tokens=None,
+                 previous_shifts=None) -> StepResult:
+        # verify steps are not overlapped under tensor parallelism (the followers would need the shifts too)
+        assert previous_shifts is None, "a plan corrected by a verify step in flight under tensor parallelism"
         self._broadcast("step", packed=self.buffers.pack(plan))
         try:
             broadcast_previous_tokens(plan, previous_tokens, 0, self.tp, self.device)

@@ -95,15 +95,20 @@ class EngineStats:
         self.accepted_per_pos: list[int] = []  # speculative drafts accepted, by position in the draft
 
     def speculated(self, drafts: int, accepted: int) -> None:
-        """One request's drafts were verified (speculative decoding): ``accepted`` of ``drafts`` kept."""
+        """One request's drafts were verified (speculative decoding): ``accepted`` of ``drafts`` kept (0 when the
+        verification is launched and read later: :meth:`accepted_drafts` counts them then)."""
         if not drafts:
             return
         counters = self.counters
         counters["spec_decode_num_drafts"] += 1
         counters["spec_decode_num_draft_tokens"] += drafts
-        counters["spec_decode_num_accepted_tokens"] += accepted
         if len(self.accepted_per_pos) < drafts:
             self.accepted_per_pos.extend([0] * (drafts - len(self.accepted_per_pos)))
+        self.accepted_drafts(accepted)
+
+    def accepted_drafts(self, accepted: int) -> None:
+        """The first ``accepted`` drafts of a request, counted by :meth:`speculated` already, were kept."""
+        self.counters["spec_decode_num_accepted_tokens"] += accepted
         for position in range(accepted):
             self.accepted_per_pos[position] += 1
 

@@ -2,8 +2,8 @@
 
 One speculative step, in the engine's ``schedule -> launch -> sample -> finish`` seam:
 
-1. ``propose``: each running request that may speculate (its tokens all on the host, one token left to
-   compute) gets up to ``K`` guesses from the proposer, ``K`` chosen
+1. ``propose``: each running request that may speculate (one token left to compute, on the host or sampled
+   by the step in flight) gets up to ``K`` guesses from the proposer, ``K`` chosen
    per request and step by the policy of :mod:`.adaptive` (at most ``num_speculative_tokens``; 0: none),
    cut at the first one its grammar refuses (a request with structured outputs), appended to its
    ``token_ids`` and counted in ``num_drafts``. The scheduler then sees ``1 + drafts``
@@ -11,7 +11,8 @@ One speculative step, in the engine's ``schedule -> launch -> sample -> finish``
 2. ``fit``: what the scheduler could not take (a token budget cut, a preemption) loses its drafts, so a
    request's uncomputed tokens are exactly the rows it runs. ``step_plan`` lists the draft rows' logits
    (``num_verify``) beside the sampling row.
-3. ``verify``: every depth's row is sampled in one pass with the engine's own sampler, logit controls and
+3. ``launch_verify`` (at launch) and ``read`` (in ``finish``, one step later when overlapped): every depth's
+   row is sampled in one pass with the engine's own sampler, logit controls and
    seeded streams, as if each were an ordinary decode step after the drafts before it: depth ``j`` draws the
    token at position ``start + 1 + j``, keyed on (seed, sample index, position) and with the penalties'
    counts of every token before it (the request's output, then the drafts before ``j``). A draft is accepted when the token drawn equals it; the first token that differs is the
@@ -27,6 +28,23 @@ One speculative step, in the engine's ``schedule -> launch -> sample -> finish``
 4. ``rollback``: the rejected drafts leave ``token_ids``, ``num_computed`` drops to the verified tokens, and
    KV blocks past the request's tokens go back to the pool. Blocks are published to the prefix cache only up
    to the verified tokens (``Scheduler.register_computed_blocks`` stops before drafts).
+
+Overlapped verify steps (``async_scheduling``, vLLM v1's async scheduling with speculation): the next step is
+planned and launched before a verify step is read. The host plans it as if every draft of the step in flight
+were accepted (``num_computed`` and ``token_ids`` already include them, ``drafts_in_flight`` counts them), and a
+request drafting again asks the proposer for ``K + 1`` guesses past them, the first standing for the token in
+flight (the bonus token, unknown to the host), so its drafts follow that token in ``token_ids`` (``step_plan``
+gathers the token itself into the first row on the device). On the device, ``launch_verify`` counts each
+request's accepted drafts ``a`` (the first depth whose draw differs from its draft) and keeps ``shift = K - a``;
+the runner moves the next step's rows of that request back by it (positions, sequence length, cache slots from
+the block table, the gathered token's index: the bonus token sits at depth ``a``), and the sampler's seeded
+streams and generated counts move back with them, so every draw is the one at its true position: the output is
+the plain engine's, token for token. Drafts guessed past wrong assumptions are merely worse guesses, rejected
+like any other. When the step in flight is read, ``rollback`` takes the later step's drafts off the end of
+``token_ids``, removes the rejected drafts, appends the emitted tokens and ``restore`` puts the later drafts
+back; a request that finished (stop token, EOS, length) or left meanwhile has its later rows dropped. Where the
+next step cannot be planned this way, a verify step reads the step in flight first and is read at once
+(``verify``): the fallbacks are listed in :meth:`~.stepping.SpeculativeSteps._verify_overlaps`.
 
 Cost: one sampler pass and one read over ``1 + K`` rows per request, instead of one row: the rows past a
 rejection are drawn in vain. On a GPU they cost next to nothing, and a pass per depth cost a device round trip
@@ -48,9 +66,27 @@ from .adaptive import AdaptiveK, PinnedK
 from .proposer import DraftInput, Proposer
 
 if TYPE_CHECKING:
-    from ..sampler import Sampler
+    from ..sampler import DeviceSample, Sampler
     from ..sampling_state import SamplingState, StepRows
     from ..scheduler import ScheduledBatch, Sequence
+
+
+def on_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """``values`` as a tensor on ``device``, copied without waiting for the work queued there (pinned on a GPU: a
+    pageable copy would wait for the forward in flight, which an overlapped step must not)."""
+    tensor = torch.tensor(values, dtype=dtype)
+    if device.type != "cuda":
+        return tensor
+    return tensor.pin_memory().to(device, non_blocking=True)
+
+
+@dataclass
+class Verification:
+    """A verify step's draws launched on the device, not read yet (:meth:`Speculator.launch_verify`)."""
+
+    sample: "DeviceSample"  # every depth's drawn token, request by request, depth by depth
+    drafts: list[list[int]]  # each sampling request's drafts
+    shifts: torch.Tensor  # [requests] int64, on the device: drafts rejected (the next step's correction)
 
 
 @dataclass
@@ -86,6 +122,7 @@ class Speculator:
         self._started: float | None = None  # when this engine step began, by that clock
         self._timed: tuple[int, int] | None = None  # this step's (decode rows, drafts) when all its rows decode
         self._run: _PlainRun | None = None  # plain steps timed together (:meth:`end_step`)
+        self.overlapped_verify_steps = 0  # verify steps launched while the step before was in flight
 
     @staticmethod
     def may_speculate(sequence: "Sequence") -> bool:
@@ -113,16 +150,20 @@ class Speculator:
     def propose(self, running: list["Sequence"], ks: dict[str, int],
                 allowed: Callable[["Sequence", list[int]], int] | None = None) -> None:
         """Ask the proposer for the drafts of each running request that :meth:`plan` gave a K (and still may
-        speculate: its tokens are on the host now), and append them to its tokens (``num_drafts``). ``allowed``:
+        speculate), and append them to its tokens (``num_drafts``). A request whose last token the step in flight
+        samples (a verify step's: after its drafts, taken as accepted) asks for ``K + 1`` guesses from the tokens
+        the host has: the first stands for the token in flight, the others are the drafts, verified at their true
+        positions whatever that token turns out to be (a wrong guess is only rejected). ``allowed``:
         how many of a request's drafts its grammar accepts in a row
         (:meth:`~..structured_output.StructuredOutputs.draft_prefix`); the rest are cut."""
         candidates = [s for s in running if s.request_id in ks and self.may_speculate(s)]
         if not candidates:
             return
-        inputs = [DraftInput(s.request_id, list(s.token_ids), ks[s.request_id]) for s in candidates]
+        # A request whose last token is still in flight drafts past it: the proposer's first guess stands for it.
+        inputs = [DraftInput(s.request_id, list(s.token_ids), ks[s.request_id] + s.pending_tokens) for s in candidates]
         answered = False
         for sequence, item, drafts in zip(candidates, inputs, self.proposer.propose(inputs)):
-            drafts = list(drafts[: item.num_tokens])
+            drafts = list(drafts[sequence.pending_tokens : item.num_tokens])
             if allowed is not None and drafts:
                 del drafts[allowed(sequence, drafts):]
             sequence.token_ids.extend(drafts)
@@ -140,10 +181,10 @@ class Speculator:
 
     def fit(self, batch: "ScheduledBatch | None", running: list["Sequence"], preempted: list["Sequence"]) -> None:
         """Drop the drafts the scheduler did not give rows to: a cut chunk keeps ``count - 1``, others none.
-        A step with drafts whose rows all decode is timed for the K policy's cost model (the first verify step
-        after overlapped ones also finishes the step in flight: a probe's first step, counted as the probe's
-        cost). One whose proposer drafted nothing is not: it is neither what a plain step costs (that one is
-        overlapped) nor what drafting costs; the policy counts such offers (:meth:`~.adaptive.AdaptiveK.proposed`)."""
+        A step with drafts whose rows all decode is timed for the K policy's cost model (it also finishes the step
+        before it, as an overlapped plain step does; a fallback verify step first). One whose proposer drafted
+        nothing is not: it is neither what a plain step costs (that one is overlapped) nor what drafting costs;
+        the policy counts such offers (:meth:`~.adaptive.AdaptiveK.proposed`)."""
         scheduled = {id(s): count for s, count in batch.entries} if batch is not None else {}
         drafts = 0
         for sequence in [*running, *preempted]:
@@ -200,19 +241,29 @@ class Speculator:
 
     def verify(self, sampling: list["Sequence"], sample_logits: torch.Tensor, verify_logits: torch.Tensor,
                state: "SamplingState", sampler: "Sampler", masks: torch.Tensor | None = None) -> list[Emitted]:
-        """Sample every request's rows at every depth in one pass and keep the longest accepted prefix plus one
-        token.
+        """:meth:`launch_verify` and :meth:`read` at once: every request's rows verified, the result read."""
+        return self.read(self.launch_verify(sampling, sample_logits, verify_logits, state, sampler, masks), sampling)
+
+    def launch_verify(self, sampling: list["Sequence"], sample_logits: torch.Tensor, verify_logits: torch.Tensor,
+                      state: "SamplingState", sampler: "Sampler", masks: torch.Tensor | None = None,
+                      shift: torch.Tensor | None = None) -> Verification:
+        """Sample every request's rows at every depth in one pass on the device, and count there how many drafts
+        each request accepted; nothing waits for the device (:meth:`read` reads the draws one step later).
 
         ``sample_logits``: one row per sampling request (its last row); ``verify_logits``: the draft rows'
         logits (``num_drafts`` rows before the last, per request in the same order). ``masks``: the grammar
         bitmask of every row of ``sample_logits`` then ``verify_logits`` (the mask of that position's state,
-        :meth:`~..structured_output.StructuredOutputs.bitmask` with the drafts).
+        :meth:`~..structured_output.StructuredOutputs.bitmask` with the drafts). ``shift``: each row of
+        ``sample_logits`` then ``verify_logits`` moved back by the runner (the verify step before was still in
+        flight when this one was planned), by which its position and generated count move back too.
 
         Depth ``j`` is drawn as if the drafts before it were accepted (its position's seeded stream, the
         penalties counting those drafts, the grammar's mask after them); it is only used when they were, and
         then it is exactly what a draw after them is. So one sampler pass and one read serve every depth
         (they were a pass and a read per depth: ``1 + K`` device round trips a step), and only the tokens
-        emitted are counted for the penalties afterwards.
+        emitted are counted for the penalties afterwards. The accepted count is the first depth whose draw
+        differs from its draft (the last depth has none), computed on the device so that the next step can be
+        corrected by it before the host reads this one.
         """
         owner: list[int] = []  # the row's request (index into ``sampling``) and depth
         depth_of: list[int] = []
@@ -227,25 +278,50 @@ class Speculator:
             offset += drafts
         rows = state.rows([sampling[i].request_id for i in owner],
                           [sampling[i].num_computed - sampling[i].num_drafts + j for i, j in zip(owner, depth_of)],
-                          [len(sampling[i].request.generated_tokens) + j for i, j in zip(owner, depth_of)])
+                          [sampling[i].num_generated + j for i, j in zip(owner, depth_of)])
         if offset == len(sampling):  # no drafts at all (the proposer found none): the rows as they are, no copy
             model_logits, index = sample_logits, None
         else:
-            index = torch.tensor(logit_rows, dtype=torch.int64)
-            model_logits = torch.cat([sample_logits, verify_logits])[index.to(sample_logits.device)]
+            index = on_device(logit_rows, torch.int64, sample_logits.device)
+            model_logits = torch.cat([sample_logits, verify_logits])[index]
+        if shift is not None:
+            rows.shift(shift if index is None else shift[index])
         processed = apply_controls(model_logits, state, rows, self._draft_counts(guesses, owner, depth_of, rows, state))
         if masks is not None:
-            processed = apply_token_bitmask(processed, masks if index is None else masks[index])
+            processed = apply_token_bitmask(processed, masks if index is None else masks[logit_rows])  # on the host
         sample = sampler.launch(processed, rows, None if processed is model_logits else model_logits, count=False)
-        result = sample.read()
+        accepted, used = self._accepted(sample.tokens, guesses, owner, depth_of)
+        if rows.any_penalties:  # the penalties' counts: the tokens emitted, not the depths after a rejection
+            state.add_counts(rows, sample.tokens, used.to(torch.float32))
+        for drafted in guesses:  # counted as launched (their acceptance as read): a refit between them finds it so
+            self.stats.speculated(len(drafted), 0)
+        counts = on_device([len(d) for d in guesses], torch.int64, accepted.device)
+        return Verification(sample, guesses, counts - accepted)
+
+    @staticmethod
+    def _accepted(tokens: torch.Tensor, guesses: list[list[int]], owner: list[int], depth_of: list[int]
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+        """On the device: each request's accepted drafts (the first depth whose draw is not its draft) and
+        whether each row's draw is emitted (its depth is at most that). A stop token drawn as a draft ends the
+        request on the host, which then drops its later rows, so it needs no care here."""
+        device = tokens.device
+        expected = [guesses[i][j] if j < len(guesses[i]) else -1 for i, j in zip(owner, depth_of)]
+        owners, depths, drafts = on_device([owner, depth_of, expected], torch.int64, device)
+        rejected = torch.where(tokens != drafts, depths, len(owner))  # a request's last depth has no draft: rejected
+        first = torch.full((len(guesses),), len(owner), dtype=torch.int64, device=device)
+        accepted = first.scatter_reduce(0, owners, rejected, "amin")
+        return accepted, depths <= accepted[owners]
+
+    def read(self, verification: Verification, sampling: list["Sequence"]) -> list[Emitted]:
+        """Read a launched verify step's draws (waits for the device) and keep each request's longest accepted
+        prefix plus one token; a request that left meanwhile gets nothing (its rows are dropped)."""
+        result = verification.sample.read()
         emitted = [Emitted() for _ in sampling]
-        used = [False] * len(owner)
         row = 0
-        for sequence, out, drafted in zip(sampling, emitted, guesses):
-            drafts = sequence.num_drafts
-            for depth in range(drafts + 1):
+        for sequence, out, drafted in zip(sampling, emitted, verification.drafts):
+            drafts = len(drafted)
+            for depth in range(drafts + 1 if not sequence.finished else 0):
                 token = result.token_ids[row + depth]
-                used[row + depth] = True
                 out.tokens.append(token)
                 out.log_probs.append(result.log_probs[row + depth])
                 out.top_n.append(result.top_n[row + depth])
@@ -253,13 +329,25 @@ class Speculator:
                     break
                 out.accepted += 1
             row += drafts + 1
-        if rows.any_penalties:  # the penalties' counts: the tokens emitted, not the depths after a rejection
-            state.add_counts(rows, sample.tokens, torch.tensor(used, dtype=torch.float32).to(sample.tokens.device))
-        for sequence, out in zip(sampling, emitted):
-            if sequence.num_drafts:
-                self.stats.speculated(sequence.num_drafts, out.accepted)
-                self.policy.verified(sequence.request_id, sequence.num_drafts, out.accepted)
+            if drafts and not sequence.finished:
+                self.stats.accepted_drafts(out.accepted)
+                self.policy.verified(sequence.request_id, drafts, out.accepted)
         return emitted
+
+    @staticmethod
+    def mark_in_flight(sampling: list["Sequence"], counts: list[int]) -> None:
+        """A verify step was launched for ``sampling`` (``counts``: each request's drafts): its drafts are now in
+        flight (the next step may draft after them), and its next input is the draw after its last draft (planned
+        as if all were accepted; the next step's rows are corrected on the device by the step's ``shifts``)."""
+        row = 0
+        for index, (sequence, drafts) in enumerate(zip(sampling, counts)):
+            row += drafts
+            sequence.pending_tokens += 1
+            sequence.pending_row = row
+            sequence.verify_row = index
+            sequence.drafts_in_flight += drafts
+            sequence.num_drafts = 0
+            row += 1
 
     @staticmethod
     def _draft_counts(guesses: list[list[int]], owner: list[int], depth_of: list[int], rows: "StepRows",
@@ -273,7 +361,8 @@ class Speculator:
         flat = [row * vocab + token for row, (i, j) in enumerate(zip(owner, depth_of)) if j
                 for token in guesses[i][:j] if token < vocab]
         counts = torch.zeros(len(owner) * vocab, dtype=torch.float32, device=rows.control.device)
-        counts.index_add_(0, torch.tensor(flat, dtype=torch.int64).to(counts.device), torch.ones(len(flat)).to(counts.device))
+        counts.index_add_(0, on_device(flat, torch.int64, counts.device),
+                          torch.ones(len(flat), dtype=torch.float32, device=counts.device))
         return counts.view(len(owner), vocab)
 
     def forget(self, request_id: str) -> None:
@@ -282,16 +371,30 @@ class Speculator:
         self.policy.forget(request_id)
 
     @staticmethod
-    def rollback(sequence: "Sequence", accepted: int, allocator: BlockAllocator, block_size: int) -> None:
-        """Take the drafts back out of ``sequence`` and keep the KV of the accepted ones only; blocks past its
-        tokens (plus the one token to come) return to the pool."""
-        drafts = sequence.num_drafts
-        if not drafts:
-            return
-        del sequence.token_ids[len(sequence.token_ids) - drafts:]
-        sequence.num_drafts = 0
-        sequence.num_computed -= drafts - accepted
-        keep = blocks_for_tokens(len(sequence.token_ids) + accepted + 1, block_size)
-        if len(sequence.block_table) > keep:
-            allocator.free(sequence.block_table[keep:])
-            del sequence.block_table[keep:]
+    def rollback(sequence: "Sequence", drafts: int, accepted: int, allocator: BlockAllocator, block_size: int
+                 ) -> list[int]:
+        """Take a read step's ``drafts`` drafts (``accepted`` of them accepted) back out of ``sequence`` and keep
+        the KV of the accepted ones; blocks past what it computed (plus the one token to come) return to the
+        pool. Returns the drafts of the step launched after it, taken off the end of ``token_ids`` too, so that
+        the read step's tokens are appended before them (:meth:`restore` puts them back). A request preempted
+        meanwhile computed nothing that is kept: only its tokens change."""
+        if not sequence.drafts_in_flight:
+            return []
+        later = sequence.drafts_in_flight - drafts
+        tokens = sequence.token_ids
+        kept = tokens[len(tokens) - later:] if later else []
+        del tokens[len(tokens) - later - drafts:]
+        sequence.drafts_in_flight = 0
+        if drafts and sequence.block_table:
+            sequence.num_computed -= drafts - accepted
+            keep = blocks_for_tokens(sequence.num_computed + 1, block_size)
+            if len(sequence.block_table) > keep:
+                allocator.free(sequence.block_table[keep:])
+                del sequence.block_table[keep:]
+        return kept
+
+    @staticmethod
+    def restore(sequence: "Sequence", later: list[int]) -> None:
+        """Put back the drafts of a step still in flight that :meth:`rollback` took off."""
+        sequence.token_ids.extend(later)
+        sequence.drafts_in_flight = len(later)

@@ -1,9 +1,11 @@
 """The engine's verify step and a row's several tokens, mixed into :class:`~..core.DynamicInferenceEngine`.
 
 :meth:`~..core.DynamicInferenceEngine.step` runs a verify step when the K policy gives some request drafts
-(:meth:`.decoder.Speculator.plan`), a plain step otherwise; a verify step's rows then emit one token or
-several (the accepted drafts and one more), appended here one by one as the plain engine would append them
-over as many steps.
+(:meth:`.decoder.Speculator.plan`), a plain step otherwise. A verify step is overlapped like a plain one
+(scheduled and launched before the step in flight is read, drafted past its tokens and corrected on the device:
+:mod:`.decoder`) unless one of :meth:`SpeculativeSteps._verify_overlaps`' fallbacks holds; then it reads the step
+in flight first and is read at once. A verify step's rows emit one token or several (the accepted drafts and one
+more), appended here one by one as the plain engine would append them over as many steps.
 """
 
 from __future__ import annotations
@@ -16,26 +18,56 @@ from .decoder import Emitted
 
 if TYPE_CHECKING:
     from ..core import DynamicInferenceEngine, StepOutput
-    from ..scheduler import Sequence
+    from ..scheduler import ScheduledBatch, Sequence
 
 
 class SpeculativeSteps:
     """The methods of the verify step; they use the engine's scheduler, speculator and step seam."""
 
+    def _verify_overlaps(self: "DynamicInferenceEngine") -> bool:
+        """Whether this verify step may be launched before the step in flight is read: the fallbacks, in one place.
+        Each is a case where the next step's rows could not be planned without the host knowing how many drafts
+        the step in flight accepted, or whose correction on the device this engine does not make:
+
+        - no overlapped scheduling (``async_scheduling: false``): nothing is left in flight anyway;
+        - a proposer that reads the target's hidden states (MTP, EAGLE-3): it drafts from the rows just read;
+        - tensor parallelism: the other ranks would need the correction too;
+        - a vision-language model: image rows and multimodal rotary positions are placed on the host;
+        - a running or waiting request with a grammar (its masks need its tokens on the host), recording its
+          expert routing (recorded per verified position), or asking for prompt log probs (score rows).
+
+        A preemption in the step needs no fallback: the preempted request loses its new drafts, and the step in
+        flight's tokens are appended to it when read, its KV recomputed later like any preempted request's.
+        """
+        speculator, config = self.speculator, self.config
+        assert speculator is not None
+        if (not config.async_scheduling or speculator.proposer.reads_hidden_states
+                or config.tensor_parallel_size > 1 or self.encoder_cache is not None):
+            return False
+        structured = self.structured
+        return not any(s.request_id in structured or s.routing is not None or s.request.prompt_scores_missing
+                       for queue in (self.scheduler.running, self.scheduler.waiting) for s in queue)
+
     def _step_speculative(self: "DynamicInferenceEngine", ks: dict[str, int]) -> list["StepOutput"]:
-        """A verify step (engine.speculative): the step in flight finished first, drafts attached (``ks``: each
-        drafting request's K), scheduled as extra query rows, verified and rolled back."""
+        """A verify step not overlapped (one of :meth:`_verify_overlaps`' fallbacks): the step in flight finished
+        first, drafts attached (``ks``: each drafting request's K), scheduled as extra query rows, launched, then
+        read, verified and rolled back before the next step is planned."""
         self._settle()
+        batch = self._schedule_drafts(ks)
+        step = self.launch(batch, verify_at_once=True) if batch is not None else None
+        if step is not None:
+            self.speculator.observe(step.entries, step.starts)
+            self._pending.extend(self.finish(step))  # launch() verified it: no row waits for a token in flight
+        return self._take_pending()
+
+    def _schedule_drafts(self: "DynamicInferenceEngine", ks: dict[str, int]) -> "ScheduledBatch | None":
+        """Propose each drafting request's drafts (``ks``: its K), schedule, and drop the drafts that got no row."""
         speculator, scheduler = self.speculator, self.scheduler
         assert speculator is not None
         speculator.propose(scheduler.running, ks, self._grammar_allows)
         batch = self.schedule()
         speculator.fit(batch, scheduler.running, [s for s in scheduler.waiting if s.num_drafts])
-        step = self.launch(batch) if batch is not None else None
-        if step is not None:
-            speculator.observe(step.entries, step.starts)
-            self._pending.extend(self.finish(step))  # launch() sampled it: no row waits for a token in flight
-        return self._take_pending()
+        return batch
 
     def _grammar_allows(self: "DynamicInferenceEngine", sequence: "Sequence", drafts: list[int]) -> int:
         """How many of ``sequence``'s drafts its grammar accepts in a row (all without a grammar)."""
