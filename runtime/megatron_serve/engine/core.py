@@ -375,7 +375,7 @@ class DynamicInferenceEngine(DeviceMemoryVerbs, LoraVerbs, SpeculativeSteps):
             return self._deliver(self._step_overlapped())
         ks = speculator.plan(self.scheduler.running)
         speculator.start_step(self.device.type == "cpu", bool(ks))
-        outputs = self._step_speculative(ks) if ks and not self._verify_overlaps() else self._step_overlapped(ks)
+        outputs = self._step_speculative(ks) if ks and not self._verify_overlaps(ks) else self._step_overlapped(ks)
         speculator.end_step()
         return self._deliver(outputs)
 
