@@ -7,10 +7,11 @@ The model pair is trained by the benchmark itself (:mod:`speculative_pair`: a 2-
 64 (all in flight), greedy, sampled (temperature 1, a seed per request) and ``sampled-n4`` (the same,
 each prompt asked for ``--n`` choices, as users of sampling do), and n-gram also on a repetitive-edit
 workload (a passage, then its first words again: the target goes on copying it).
-A row reports generated tokens per target forward (one engine step is one target forward), tokens
-per second of wall time, CPU milliseconds per token, and each as a ratio to no speculation in the
-same run. Every row also says whether the tokens equal no speculation's (they must: verification draws
-each position from the request's own seeded stream, so seeded sampled text is reproduced too).
+A row reports generated tokens per target forward (an engine step that computes tokens; the step that
+only reads the last one in flight is not one), tokens per second of wall time, CPU milliseconds per
+token, and each as a ratio to no speculation in the same run. Every row also says whether the tokens
+equal no speculation's (they must: verification draws each position from the request's own seeded
+stream, so seeded sampled text is reproduced too).
 
 An ``n`` row's prompt becomes ``n`` requests as the engine's API expands it (``SamplingParams(n=4,
 seed=i).choices()``: one seed, a stream per choice), its choices in flight together. Concurrency counts
@@ -187,14 +188,16 @@ def run(target_dir: Path, config: InferenceConfig, workload: Workload, params: l
 
 
 def serve(engine: DynamicInferenceEngine, requests: list[DynamicInferenceRequest], concurrency: int) -> int:
-    """Run ``requests`` to the end, ``concurrency`` at a time; the engine steps it took."""
+    """Run ``requests`` to the end, ``concurrency`` at a time; the target forwards it took: the steps that computed
+    tokens (a step that only reads the step in flight, the last of a round, runs none)."""
     forwards = 0
     for start in range(0, len(requests), concurrency):
         for request in requests[start: start + concurrency]:
             engine.add_request(request)
         while engine.has_unfinished_requests():
+            computed = engine.computed_tokens
             engine.step()
-            forwards += 1
+            forwards += engine.computed_tokens != computed
     return forwards
 
 
