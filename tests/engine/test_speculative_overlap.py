@@ -44,6 +44,12 @@ class ScriptedK:
     def times_step(self, drafting: bool) -> int:
         return 0
 
+    def restful_steps(self) -> int:
+        return 0  # the script decides every step
+
+    def rested(self, steps: int) -> None:
+        pass
+
     def step_cost(self, batch_size: int, draft_tokens: int, seconds: float) -> None:
         pass
 

@@ -216,3 +216,26 @@ def test_a_request_whose_drafts_are_in_flight_reads_them_before_drafting_again(t
     alternating = engine(tiny_llama, NGRAM, [4, 0])
     run(alternating, prompts, params)
     assert alternating.speculator.overlapped_verify_steps > 0
+
+
+def test_a_step_hands_out_one_output_per_request(tiny_llama):
+    """A verify step that reads the step in flight first (a request drafting again while its guesses are in flight)
+    has that request's tokens of both steps: they come as one output, as an engine process sends a step (one delta
+    per request; a second one for the same request arrived after its result, and a fleet's request ended 5 tokens
+    short)."""
+    prompts = repetitive_prompts(9, 4)
+    rng = random.Random(9)
+    params = [looping(rng, num_tokens_to_generate=30) for _ in prompts]
+    spec = engine(tiny_llama, NGRAM, [4])
+    requests = [DynamicInferenceRequest(f"r{i}", None, list(p), q) for i, (p, q) in enumerate(zip(prompts, params))]
+    for request in requests:
+        spec.add_request(request)
+    tokens: dict[str, list[int]] = {r.request_id: [] for r in requests}
+    while spec.has_unfinished_requests():
+        outputs = spec.step()
+        ids = [out.request.request_id for out in outputs]
+        assert len(ids) == len(set(ids))
+        for out in outputs:
+            tokens[out.request.request_id] += out.new_tokens
+    assert spec.speculator.overlapped_verify_steps > 0 and spec.stats.counters["spec_decode_num_accepted_tokens"] > 0
+    assert [tokens[r.request_id] for r in requests] == [r.generated_tokens for r in requests]

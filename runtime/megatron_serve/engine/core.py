@@ -79,6 +79,18 @@ class StepOutput:
     new_top_logprobs: list[dict[int, float]] = field(default_factory=list)
     new_routing: tuple[int, np.ndarray] | None = None  # (first position, routing rows) since the last output
 
+    def extend(self, later: "StepOutput") -> None:
+        """Append what a later output of the same request added (one output per request and step is what the
+        engine's readers get: an engine process sends a step as one delta per request)."""
+        self.new_tokens += later.new_tokens
+        self.new_log_probs += later.new_log_probs
+        self.new_top_logprobs += later.new_top_logprobs
+        self.finished = later.finished
+        if later.new_routing is not None:  # the positions of later tokens: they continue the rows before
+            self.new_routing = (later.new_routing if self.new_routing is None else
+                                (self.new_routing[0], np.concatenate([self.new_routing[1], later.new_routing[1]])))
+
+
 
 @dataclass
 class InFlightStep:
@@ -371,7 +383,7 @@ class DynamicInferenceEngine(DeviceMemoryVerbs, LoraVerbs, SpeculativeSteps):
         overlapped like any other, and costs what a step without speculation costs.
         """
         speculator = self.speculator
-        if speculator is None:
+        if speculator is None or speculator.resting(len(self.scheduler.running), self.device.type == "cpu"):
             return self._deliver(self._step_overlapped())
         ks = speculator.plan(self.scheduler.running)
         speculator.start_step(self.device.type == "cpu", bool(ks))

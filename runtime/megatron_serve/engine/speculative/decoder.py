@@ -122,6 +122,9 @@ class Speculator:
         self._started: float | None = None  # when this engine step began, by that clock
         self._timed: tuple[int, int] | None = None  # this step's (decode rows, drafts) when all its rows decode
         self._run: _PlainRun | None = None  # plain steps timed together (:meth:`end_step`)
+        self._rest = 0  # steps the policy may skip (:meth:`resting`), for a batch of ``_rest_rows`` rows
+        self._rest_rows = 0
+        self._rested: _PlainRun | None = None  # the steps skipped so far, timed together
         self.overlapped_verify_steps = 0  # verify steps launched while the step before was in flight
 
     @staticmethod
@@ -135,6 +138,7 @@ class Speculator:
         """This step's K of each decode-ready request that drafts (:mod:`.adaptive`), by request id; empty when
         none does (then the engine runs a plain step, overlapped, and the drafter is not called). Chosen before
         the step in flight is read: a request's room left counts the token that step samples for it."""
+        self.wake()
         ids, caps = [], []  # one pass, :meth:`may_speculate` inlined: it runs every step for every row (at 64
         for s in running:  # rows the plan cost 23 us a step with a call and three lists per row, 0.9% of a CPU step)
             known = len(s.token_ids) + s.pending_tokens
@@ -145,7 +149,39 @@ class Speculator:
             return {}
         self.stats.counters["spec_decode_num_rows"] += len(ids)
         ks = self.policy.choose(ids, caps)
-        return {r: k for r, k in zip(ids, ks) if k} if any(ks) else {}
+        if any(ks):
+            return {r: k for r, k in zip(ids, ks) if k}
+        if len(ids) == len(running):  # every row declined, and every running row decodes: rows that stay put
+            self._rest, self._rest_rows = self.policy.restful_steps(), len(ids)
+        return {}
+
+    def resting(self, rows: int, cpu: bool) -> bool:
+        """Whether this step may skip the K policy (and :meth:`plan`, :meth:`start_step`, :meth:`end_step`): the
+        last choice declined every row and stands this step too (:meth:`~.adaptive.AdaptiveK.restful_steps`), the
+        running rows unchanged (``rows``; a request that leaves wakes it, :meth:`forget`). The steps skipped are
+        timed together, one plain sample, as a run of plain steps is (:meth:`end_step`)."""
+        if not self._rest:
+            return False
+        if rows != self._rest_rows:
+            self.wake()
+            return False
+        if self._rested is None:
+            self._clock = time.process_time if cpu else time.perf_counter
+            self._rested = _PlainRun(self._clock(), self._rest, rows)
+        self._rest -= 1
+        self._rested.steps += 1
+        return True
+
+    def wake(self) -> None:
+        """The steps skipped so far (:meth:`resting`) are reported: to the policy, as the declines and the plain
+        sample they are, and to the counters, as rows that could speculate."""
+        rested, self._rested, self._rest = self._rested, None, 0
+        if rested is None:
+            return
+        self.policy.rested(rested.steps)
+        self.stats.counters["spec_decode_num_rows"] += rested.rows * rested.steps
+        if rested.steps == rested.length:  # complete: the clock reads the start of the step after the last
+            self.policy.step_cost(rested.rows, 0, (self._clock() - rested.started) / rested.steps)
 
     def propose(self, running: list["Sequence"], ks: dict[str, int],
                 allowed: Callable[["Sequence", list[int]], int] | None = None) -> None:
@@ -366,7 +402,9 @@ class Speculator:
         return counts.view(len(owner), vocab)
 
     def forget(self, request_id: str) -> None:
-        """The request left the engine: the proposer's state and the policy's estimate of it go."""
+        """The request left the engine: the proposer's state and the policy's estimate of it go (and a rest ends:
+        the rows changed)."""
+        self.wake()
         self.proposer.forget(request_id)
         self.policy.forget(request_id)
 
