@@ -402,8 +402,9 @@ class DynamicInferenceEngine(DeviceMemoryVerbs, LoraVerbs, SpeculativeSteps):
             self.speculator.observe(launched.entries, launched.starts)  # a head files the target's hidden states
             if launched.drafts is not None and previous is not None:
                 self.speculator.overlapped_verify_steps += 1
-            elif not ks and previous is not None and batch is not None and batch.num_tokens == len(batch.entries):
-                self.speculator.time_step(len(batch.entries), 0)  # all decode, overlapped after a step like it
+            elif (not ks and previous is not None and previous.drafts is None and batch is not None
+                  and batch.num_tokens == len(batch.entries)):  # all decode, overlapped after a plain step (one
+                self.speculator.time_step(len(batch.entries), 0)  # after a verify step also reads that one)
         if launched is not None and launched.sample is None:
             # Its grammar rows need the tokens the previous step samples: finish that one first (the forward
             # just launched runs meanwhile), then fill the masks and sample.

@@ -305,7 +305,7 @@ class AdaptiveK:
             return self._decline(request_ids, caps, excess)
         self.idle, self.probe, self.probing, self.recheck = 0, PROBE_MIN, False, RECHECK
         if cost.stale >= PLAIN_REFRESH:  # a step without drafts now and then keeps ``plain`` current (two: the
-            return [0] * size  # first after a verify step is not overlapped, so only the second is measured)
+            return [0] * size  # first after a verify step also reads that one, so only the second is measured)
         return ks
 
     def _decline(self, request_ids: list[str], caps: list[int], excess: float) -> list[int]:
