@@ -373,3 +373,30 @@ def test_steps_the_policy_rests_through_choose_what_it_would_have_chosen(monkeyp
     assert rested == asked
     assert sum(bool(ks) for ks in asked) >= 4  # probes came, at the same steps
     assert skipped > 0.8 * len(asked)
+
+
+def test_a_rest_times_its_steps_as_one_sample_and_a_run_open_before_it_starts_again(monkeypatch):
+    """The steps the engine skips the policy for are timed together (one sample, their mean); a run of timed
+    plain steps open when the rest began starts again after it (spanning the rest, it would count the skipped
+    steps' time as its own: 1 + 8/8 = 2.0 s a step here, where each took 1.0)."""
+    clock, samples = _Clock(), []
+    monkeypatch.setattr(decoder.time, "process_time", clock)
+    speculator = decoder.Speculator(object(), K, EngineStats())  # type: ignore[arg-type]
+    policy = speculator.policy
+    assert isinstance(policy, AdaptiveK)
+    monkeypatch.setattr(policy, "step_cost", lambda rows, drafts, seconds: samples.append((rows, drafts, seconds)))
+    monkeypatch.setattr(policy, "choose", lambda ids, caps: [0] * len(ids))  # declined,
+    monkeypatch.setattr(policy, "restful_steps", lambda: 4)  # and it stands 4 more steps
+    policy.idle = 1
+    rows = [types.SimpleNamespace(request_id=f"r{i}", token_ids=[1] * 10, pending_tokens=0, finished=False,
+                                  num_computed=9, max_total_tokens=100) for i in range(4)]
+    _timed_steps(speculator, clock, [1.0] * 3)  # a run of plain steps, 3 of 8 timed
+    assert speculator.plan(rows) == {}  # type: ignore[arg-type]
+    for _ in range(4):
+        assert speculator.resting(4, True)
+        clock.now += 2.0
+    assert not speculator.resting(4, True)
+    speculator.plan(rows)  # type: ignore[arg-type]
+    assert samples == [(4, 0, 2.0)]  # the rest, one sample
+    _timed_steps(speculator, clock, [1.0] * PLAIN_SAMPLE)
+    assert samples[1:] == [(4, 0, 1.0)]

@@ -168,6 +168,7 @@ class Speculator:
         if self._rested is None:
             self._clock = time.process_time if cpu else time.perf_counter
             self._rested = _PlainRun(self._clock(), self._rest, rows)
+            self._run = None  # a run of timed steps open before would span the skipped steps too
         self._rest -= 1
         self._rested.steps += 1
         return True
