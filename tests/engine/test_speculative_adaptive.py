@@ -304,17 +304,23 @@ def _timed_steps(speculator: decoder.Speculator, clock: _Clock, seconds: list[fl
         speculator.end_step()
 
 
-def test_while_k_stays_zero_plain_steps_are_timed_in_runs_and_a_run_broken_by_another_step_is_dropped(monkeypatch):
-    """In the engine a clock read cost 1.5 us and a cost update 3.3: timing each plain step made a declined
-    speculator 2% slower than none. While K stays 0, a run of PLAIN_SAMPLE plain steps is one sample, their mean,
-    from two reads; a run that meets a step of another kind (a prompt's chunk, drafts, another batch size) gives
-    nothing. While a batch size is measured (nothing declined yet), each step is timed alone."""
+def _clocked_speculator(monkeypatch) -> tuple[decoder.Speculator, AdaptiveK, _Clock, list[tuple[int, int, float]]]:
+    """A speculator on the test's clock, and the cost samples its policy is given (recorded, not learned)."""
     clock, samples = _Clock(), []
     monkeypatch.setattr(decoder.time, "process_time", clock)
     speculator = decoder.Speculator(object(), K, EngineStats())  # type: ignore[arg-type]
     policy = speculator.policy
     assert isinstance(policy, AdaptiveK)
     monkeypatch.setattr(policy, "step_cost", lambda rows, drafts, seconds: samples.append((rows, drafts, seconds)))
+    return speculator, policy, clock, samples
+
+
+def test_while_k_stays_zero_plain_steps_are_timed_in_runs_and_a_run_broken_by_another_step_is_dropped(monkeypatch):
+    """In the engine a clock read cost 1.5 us and a cost update 3.3: timing each plain step made a declined
+    speculator 2% slower than none. While K stays 0, a run of PLAIN_SAMPLE plain steps is one sample, their mean,
+    from two reads; a run that meets a step of another kind (a prompt's chunk, drafts, another batch size) gives
+    nothing. While a batch size is measured (nothing declined yet), each step is timed alone."""
+    speculator, policy, clock, samples = _clocked_speculator(monkeypatch)
     _timed_steps(speculator, clock, [1.0, 2.0])  # measuring: each alone, two reads a step
     assert samples == [(4, 0, 1.0), (4, 0, 2.0)] and clock.reads == 4
     policy.idle, samples[:], clock.reads = 1, [], 0  # declined: runs
@@ -379,12 +385,7 @@ def test_a_rest_times_its_steps_as_one_sample_and_a_run_open_before_it_starts_ag
     """The steps the engine skips the policy for are timed together (one sample, their mean); a run of timed
     plain steps open when the rest began starts again after it (spanning the rest, it would count the skipped
     steps' time as its own: 1 + 8/8 = 2.0 s a step here, where each took 1.0)."""
-    clock, samples = _Clock(), []
-    monkeypatch.setattr(decoder.time, "process_time", clock)
-    speculator = decoder.Speculator(object(), K, EngineStats())  # type: ignore[arg-type]
-    policy = speculator.policy
-    assert isinstance(policy, AdaptiveK)
-    monkeypatch.setattr(policy, "step_cost", lambda rows, drafts, seconds: samples.append((rows, drafts, seconds)))
+    speculator, policy, clock, samples = _clocked_speculator(monkeypatch)
     monkeypatch.setattr(policy, "choose", lambda ids, caps: [0] * len(ids))  # declined,
     monkeypatch.setattr(policy, "restful_steps", lambda: 4)  # and it stands 4 more steps
     policy.idle = 1
