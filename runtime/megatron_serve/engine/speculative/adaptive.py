@@ -45,7 +45,8 @@ more often than keeps probes (both steps) within :data:`PROBE_BUDGET` of the tim
 acceptance rests on :data:`CONFIDENT_TRIALS` verified drafts (before, a decline may be a few unlucky
 guesses). A step measured at more than 1.5x the model's prediction counts as 1.5x: the shared CPU
 deschedules the step thread now and then (1 step in 20 took 6x on the 2-core machine), which says nothing
-about drafting.
+about drafting. While a decline stands and no probe or rule run is due, the engine does not ask the policy
+at all (:meth:`AdaptiveK.restful_steps`) and reports the steps afterwards (:meth:`AdaptiveK.rested`).
 
 A bucket without a model of its own borrows the nearest bucket's (costs relative to a plain step change
 little from one power of two to the next, and a batch that shrinks as its requests finish should not
@@ -88,10 +89,10 @@ PROBE_MIN, PROBE_MAX = 16, 256
 PROBE_SHARE = 16
 #: the share of the time probes may cost while K stays 0 (their interval grows to keep within it)
 PROBE_BUDGET = 0.005
-#: the engine-wide acceptance's weight in verified drafts (at most 20: :data:`GLOBAL_DECAY`) below which a
-#: decline is not trusted for long: probes come every ``probe`` steps, outside the budget. One probe's five guesses,
-#: one rejected, read 0.72 for the benchmark's greedy pair (about 0.9, and drafting at K = 4 gains 9%), and the
-#: budget put the next probe 850 steps away: a long-lived engine drafted 4 steps in 1,800, at 0.975 of none
+#: the engine-wide acceptance's weight in verified drafts (decayed by :data:`GLOBAL_DECAY` a verified row) below
+#: which a decline is not trusted for long: probes come every ``probe`` steps, outside the budget. One probe's five
+#: guesses, one rejected, read 0.72 for the benchmark's greedy pair (about 0.9, and drafting at K = 4 gains 9%), and
+#: the budget put the next probe 850 steps away: a long-lived engine drafted 4 steps in 1,800, at 0.975 of none
 CONFIDENT_TRIALS = 10.0
 #: steps a declined choice stands before the rule runs again for the same rows, unless news came
 #: (a verified draft or a proposal: only verify steps bring them): the rule's 13 us at 64 rows was 0.4% of a
