@@ -11,7 +11,8 @@
 #                                            # tests, the engine-against-itself search in the mode (bf16), the mode's
 #                                            # decode throughput against the default at batch 1/64/256 (1B shape,
 #                                            # graphs on), then its cost table
-#   bash benchmarks/gpu_session.sh speculative # speculative decoding: the draft-model tests natively, then
+#   bash benchmarks/gpu_session.sh speculative # speculative decoding: the draft-model and overlapped-verify tests
+#                                            # natively (the device-side correction under CUDA graphs), then
 #                                            # benchmarks/speculative.py's table (pair trained on the GPU, bf16)
 #
 # The device image has torch, triton and transformers; packages it lacks travel as wheels in .whl
@@ -87,8 +88,8 @@ case ${1:-tests} in
       --requests 128 --row-tiles 16,64 --served
     ;;
   speculative)  # the trained pair (minutes to train on the device) with no speculation, n-gram and the draft
-    step pytest_speculative 240 python3 -m pytest -q -p no:cacheprovider --timeout 180 -rfE \
-      tests/engine/test_draft_model_proposer.py
+    step pytest_speculative 300 python3 -m pytest -q -p no:cacheprovider --timeout 240 -rfE \
+      tests/engine/test_draft_model_proposer.py tests/engine/test_speculative_overlapped_verify.py
     step speculative 540 python3 benchmarks/speculative.py --device cuda --dtype bfloat16 --concurrency 1,8,256 \
       --threads 4 --cache-dir /tmp/speculative-pair
     ;;
