@@ -116,11 +116,15 @@ class RawPeer:
         self.keys = keys or PeerKeys()
         self.sock = zmq.Context.instance().socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
+        # a DEALER blocks a send while it has no pipe (a refused handshake drops it until the reconnect): once,
+        # in a full CI run on the loaded 2-core machine, a rogue's HELLO blocked until the 600 s test timeout
+        self.sock.setsockopt(zmq.SNDTIMEO, 30_000)
         if routing_id is not None:
             self.sock.setsockopt(zmq.ROUTING_ID, routing_id)
         if self.secret is not None or server_key is not None:
             self.sock.curve_serverkey = server_key or self.secret.server_public
             self.sock.curve_publickey, self.sock.curve_secretkey = self.keys.public, self.keys.secret
+        self.address = address
         self.sock.connect(address)
 
     def send(self, header: Header, body: dict[str, Any]) -> None:
@@ -130,7 +134,10 @@ class RawPeer:
             body = {"protocol": PROTOCOL_VERSION, **body}
             if self.secret is not None and "proof" not in body:
                 body["proof"] = self.secret.proof(self.keys.public)
-        self.sock.send(encode(header, body))
+        try:
+            self.sock.send(encode(header, body))
+        except zmq.Again:
+            raise AssertionError(f"{header.name} not queued in 30 s: no connection to {self.address}") from None
 
     def recv(self, timeout_ms: int = 5000) -> Message:
         assert self.sock.poll(timeout_ms), "no answer"

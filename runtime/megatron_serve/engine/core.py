@@ -29,7 +29,6 @@ from __future__ import annotations
 import logging
 import random
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -55,62 +54,18 @@ from .logits_processors import apply_controls, apply_token_bitmask
 from .runner import ModelRunner
 from .prompt_scores import record_prompt_scores, score_prompts
 from .step_plan import write_plan
+from .steps import InFlightStep, StepOutput
 from ..wire.request import DynamicInferenceRequest, EventType, FinishReason, RequestStatus
-from .sampler import DeviceSample, DeviceScores, Readback, Sampler
+from .sampler import Readback, Sampler
 from .sampling_state import SamplingState
 from .scheduler import ScheduledBatch, Scheduler, Sequence
 from .structured_output import StructuredOutputs
-from .speculative.decoder import Emitted, Speculator, Verification
+from .speculative.decoder import Emitted, Speculator
 from .speculative.factory import make_proposer
 from .speculative.stepping import SpeculativeSteps
 from ..tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class StepOutput:
-    """What one step did for one request: the tokens it added and whether it is done."""
-
-    request: DynamicInferenceRequest
-    new_tokens: list[int]
-    new_log_probs: list[float]
-    finished: bool
-    new_top_logprobs: list[dict[int, float]] = field(default_factory=list)
-    new_routing: tuple[int, np.ndarray] | None = None  # (first position, routing rows) since the last output
-
-    def extend(self, later: "StepOutput") -> None:
-        """Append what a later output of the same request added (one output per request and step is what the
-        engine's readers get: an engine process sends a step as one delta per request)."""
-        self.new_tokens += later.new_tokens
-        self.new_log_probs += later.new_log_probs
-        self.new_top_logprobs += later.new_top_logprobs
-        self.finished = later.finished
-        if later.new_routing is not None:  # the positions of later tokens: they continue the rows before
-            self.new_routing = (later.new_routing if self.new_routing is None else
-                                (self.new_routing[0], np.concatenate([self.new_routing[1], later.new_routing[1]])))
-
-
-
-@dataclass
-class InFlightStep:
-    """A launched step whose results are still on the device: what ``finish`` needs to read them."""
-
-    entries: list[tuple[Sequence, int]]
-    starts: list[int]  # each entry's first position (its num_computed before the step)
-    sampling: list[Sequence]  # in the order of the sampled rows
-    kv_epochs: list[int]  # each sampled row's KV generation at launch (a preemption meanwhile clears the sequence's)
-    logits: torch.Tensor | None  # the sampling rows' logits until they are sampled
-    scores: tuple[list[tuple[Sequence, range]], DeviceScores] | None  # prompt positions scored, and their scores
-    routing: Readback | None  # expert ids of the step's tokens, when some entry records them
-    positions: list[int]  # each sampled row's position (as planned: before the device's correction)
-    generated: list[int]  # each sampled row's request's tokens generated before it (as planned, likewise)
-    shift: torch.Tensor | None = None  # each logits row's correction by the verify step before (plan.shifted)
-    sample: DeviceSample | None = None  # None until sampled (a grammar row waits for the step before)
-    verify_logits: torch.Tensor | None = None  # draft rows' logits of a speculative step (engine.speculative)
-    drafts: list[int] | None = None  # a verify step's drafts per sampling row
-    verification: Verification | None = None  # an overlapped verify step's draws and accepted counts, on the device
-    emitted: list[Emitted] | None = None  # a verify step read at once (a fallback): its tokens per sampling row
 
 
 def _encoder_cache_for(model: LlamaForCausalLM, tokenizer: Tokenizer) -> EncoderCache | None:

@@ -15,7 +15,7 @@ from ..wire.messages import PromptScores, RoutingRows, RequestDeltaOut
 from ..wire.request import DynamicInferenceRequest
 
 if TYPE_CHECKING:
-    from .core import StepOutput
+    from .steps import StepOutput
 
 
 def _top_lists(top: list[dict[int, float]]) -> tuple[list[list[int]], list[list[float]]]:

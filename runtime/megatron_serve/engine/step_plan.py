@@ -217,6 +217,9 @@ def write_plan(entries: list[tuple["Sequence", int]], block_size: int, buffers: 
     drafts of a request that drafts past its token in flight. A request whose pending token comes from a
     verify step in flight gets its index there in ``shift_from`` (the runner corrects its rows). ``images``:
     the step's image inputs (vision-language models), which also set the rotary positions.
+
+    Long: one pass over the entries writes every buffer a row touches; split by buffer, each piece would walk
+    the entries again, and this loop runs every step for every row.
     """
     buffers.writable()
     out = buffers.np

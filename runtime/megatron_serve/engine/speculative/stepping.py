@@ -15,26 +15,12 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from .decoder import Emitted
+from ..steps import one_per_request
 
 if TYPE_CHECKING:
-    from ..core import DynamicInferenceEngine, StepOutput
+    from ..core import DynamicInferenceEngine
+    from ..steps import StepOutput
     from ..scheduler import ScheduledBatch, Sequence
-
-
-def one_per_request(outputs: list["StepOutput"]) -> list["StepOutput"]:
-    """``outputs`` with each request's later ones folded into its first: a verify step that reads the step in
-    flight first has a request's tokens of both, and an engine process sends a step as one delta per request
-    (two for one request lost the first's tokens: a fleet's request ended 5 tokens short)."""
-    first: dict[int, "StepOutput"] = {}
-    merged = []
-    for out in outputs:
-        earlier = first.get(id(out.request))
-        if earlier is None:
-            first[id(out.request)] = out
-            merged.append(out)
-        else:
-            earlier.extend(out)
-    return merged
 
 
 class SpeculativeSteps:

@@ -1,0 +1,75 @@
+"""What a step is, between the engine's calls: a launched step whose results are still on the device
+(:class:`InFlightStep`, what ``finish`` reads) and what a step did for one request (:class:`StepOutput`, what
+``step()`` hands out: one per request, as an engine process sends a step)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from ..wire.request import DynamicInferenceRequest
+from .sampler import DeviceSample, DeviceScores, Readback
+from .scheduler import Sequence
+from .speculative.decoder import Emitted, Verification
+
+
+@dataclass
+class StepOutput:
+    """What one step did for one request: the tokens it added and whether it is done."""
+
+    request: DynamicInferenceRequest
+    new_tokens: list[int]
+    new_log_probs: list[float]
+    finished: bool
+    new_top_logprobs: list[dict[int, float]] = field(default_factory=list)
+    new_routing: tuple[int, np.ndarray] | None = None  # (first position, routing rows) since the last output
+
+    def extend(self, later: "StepOutput") -> None:
+        """Append what a later output of the same request added (one output per request and step is what the
+        engine's readers get: an engine process sends a step as one delta per request)."""
+        self.new_tokens += later.new_tokens
+        self.new_log_probs += later.new_log_probs
+        self.new_top_logprobs += later.new_top_logprobs
+        self.finished = later.finished
+        if later.new_routing is not None:  # the positions of later tokens: they continue the rows before
+            self.new_routing = (later.new_routing if self.new_routing is None else
+                                (self.new_routing[0], np.concatenate([self.new_routing[1], later.new_routing[1]])))
+
+
+@dataclass
+class InFlightStep:
+    """A launched step whose results are still on the device: what ``finish`` needs to read them."""
+
+    entries: list[tuple[Sequence, int]]
+    starts: list[int]  # each entry's first position (its num_computed before the step)
+    sampling: list[Sequence]  # in the order of the sampled rows
+    kv_epochs: list[int]  # each sampled row's KV generation at launch (a preemption meanwhile clears the sequence's)
+    logits: torch.Tensor | None  # the sampling rows' logits until they are sampled
+    scores: tuple[list[tuple[Sequence, range]], DeviceScores] | None  # prompt positions scored, and their scores
+    routing: Readback | None  # expert ids of the step's tokens, when some entry records them
+    positions: list[int]  # each sampled row's position (as planned: before the device's correction)
+    generated: list[int]  # each sampled row's request's tokens generated before it (as planned, likewise)
+    shift: torch.Tensor | None = None  # each logits row's correction by the verify step before (plan.shifted)
+    sample: DeviceSample | None = None  # None until sampled (a grammar row waits for the step before)
+    verify_logits: torch.Tensor | None = None  # draft rows' logits of a speculative step (engine.speculative)
+    drafts: list[int] | None = None  # a verify step's drafts per sampling row
+    verification: Verification | None = None  # an overlapped verify step's draws and accepted counts, on the device
+    emitted: list[Emitted] | None = None  # a verify step read at once (a fallback): its tokens per sampling row
+
+
+def one_per_request(outputs: list[StepOutput]) -> list[StepOutput]:
+    """``outputs`` with each request's later ones folded into its first: a verify step that reads the step in
+    flight first has a request's tokens of both, and an engine process sends a step as one delta per request
+    (two for one request lost the first's tokens: a fleet's request ended 5 tokens short)."""
+    first: dict[int, StepOutput] = {}
+    merged = []
+    for out in outputs:
+        earlier = first.get(id(out.request))
+        if earlier is None:
+            first[id(out.request)] = out
+            merged.append(out)
+        else:
+            earlier.extend(out)
+    return merged
