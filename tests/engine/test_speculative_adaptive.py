@@ -297,7 +297,7 @@ def _timed_steps(speculator: decoder.Speculator, clock: _Clock, seconds: list[fl
     """Plain engine steps of ``seconds`` each, as ``DynamicInferenceEngine.step`` brackets them (``decode``: every
     row decodes, overlapped, so the step is one like the others)."""
     for cost in seconds:
-        speculator.start_step(True, False)
+        speculator.start_step(False)
         clock.now += cost
         if decode:
             speculator.time_step(rows, 0)
@@ -364,7 +364,7 @@ def test_steps_the_policy_rests_through_choose_what_it_would_have_chosen(monkeyp
                                     num_computed=9, max_total_tokens=100_000)
         chosen, skipped = [], 0
         for _ in range(3000):
-            if rest and speculator.resting(1, True):
+            if rest and speculator.resting(1):
                 chosen.append({})
                 skipped += 1
                 continue
@@ -394,9 +394,9 @@ def test_a_rest_times_its_steps_as_one_sample_and_a_run_open_before_it_starts_ag
     _timed_steps(speculator, clock, [1.0] * 3)  # a run of plain steps, 3 of 8 timed
     assert speculator.plan(rows) == {}  # type: ignore[arg-type]
     for _ in range(4):
-        assert speculator.resting(4, True)
+        assert speculator.resting(4)
         clock.now += 2.0
-    assert not speculator.resting(4, True)
+    assert not speculator.resting(4)
     speculator.plan(rows)  # type: ignore[arg-type]
     assert samples == [(4, 0, 2.0)]  # the rest, one sample
     _timed_steps(speculator, clock, [1.0] * PLAIN_SAMPLE)

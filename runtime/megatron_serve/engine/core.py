@@ -121,7 +121,8 @@ class DynamicInferenceEngine(DeviceMemoryVerbs, LoraVerbs, SpeculativeSteps):
         self.parity = ParityChecker(config.verify_logprobs_fraction, self.max_sequence_length)
         spec = config.speculative
         self.speculator = (None if spec is None else Speculator(make_proposer(config, model_dir, model),
-                                                                spec.num_speculative_tokens, self.stats, spec.adaptive))
+                                                                spec.num_speculative_tokens, self.stats, spec.adaptive,
+                                                                cpu=self.device.type == "cpu"))
 
     @property
     def cached_tokens(self) -> int:
@@ -338,10 +339,10 @@ class DynamicInferenceEngine(DeviceMemoryVerbs, LoraVerbs, SpeculativeSteps):
         overlapped like any other, and costs what a step without speculation costs.
         """
         speculator = self.speculator
-        if speculator is None or speculator.resting(len(self.scheduler.running), self.device.type == "cpu"):
+        if speculator is None or speculator.resting(len(self.scheduler.running)):
             return self._deliver(self._step_overlapped())
         ks = speculator.plan(self.scheduler.running)
-        speculator.start_step(self.device.type == "cpu", bool(ks))
+        speculator.start_step(bool(ks))
         outputs = self._step_speculative(ks) if ks and not self._verify_overlaps(ks) else self._step_overlapped(ks)
         speculator.end_step()
         return self._deliver(outputs)

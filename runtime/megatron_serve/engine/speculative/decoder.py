@@ -113,12 +113,16 @@ class _PlainRun:
 class Speculator:
     """Owns the proposer and the per-step draft bookkeeping of one engine (see the module docstring)."""
 
-    def __init__(self, proposer: Proposer, num_speculative_tokens: int, stats: EngineStats, adaptive: bool = True):
+    def __init__(self, proposer: Proposer, num_speculative_tokens: int, stats: EngineStats, adaptive: bool = True,
+                 cpu: bool = True):
+        """``cpu``: the engine runs on a CPU, where a step's cost is its CPU time (the wall clock there also counts
+        the other processes sharing the cores); on an accelerator the host waits for the device, so the wall clock
+        is the cost."""
         self.proposer = proposer
         self.k = num_speculative_tokens
         self.stats = stats  # the engine's counters: drafts, draft tokens, accepted tokens (also per position)
         self.policy: AdaptiveK | PinnedK = AdaptiveK(self.k) if adaptive else PinnedK(self.k)
-        self._clock: Callable[[], float] = time.perf_counter  # the step's clock (:meth:`start_step`)
+        self._clock: Callable[[], float] = time.process_time if cpu else time.perf_counter  # a step's cost
         self._started: float | None = None  # when this engine step began, by that clock
         self._timed: tuple[int, int] | None = None  # this step's (decode rows, drafts) when all its rows decode
         self._run: _PlainRun | None = None  # plain steps timed together (:meth:`end_step`)
@@ -155,7 +159,7 @@ class Speculator:
             self._rest, self._rest_rows = self.policy.restful_steps(), len(ids)
         return {}
 
-    def resting(self, rows: int, cpu: bool) -> bool:
+    def resting(self, rows: int) -> bool:
         """Whether this step may skip the K policy (and :meth:`plan`, :meth:`start_step`, :meth:`end_step`): the
         last choice declined every row and stands this step too (:meth:`~.adaptive.AdaptiveK.restful_steps`), the
         running rows unchanged (``rows``; a request that leaves wakes it, :meth:`forget`). The steps skipped are
@@ -166,7 +170,6 @@ class Speculator:
             self.wake()
             return False
         if self._rested is None:
-            self._clock = time.process_time if cpu else time.perf_counter
             self._rested = _PlainRun(self._clock(), self._rest, rows)
             self._run = None  # a run of timed steps open before would span the skipped steps too
         self._rest -= 1
@@ -235,22 +238,18 @@ class Speculator:
         if drafts and batch is not None and batch.num_tokens == len(batch.entries) + drafts:  # every row decodes
             self.time_step(len(batch.entries), drafts)  # (no chunk of a prompt: each row is its token and drafts)
 
-    def start_step(self, cpu: bool, drafting: bool) -> None:
+    def start_step(self, drafting: bool) -> None:
         """An engine step begins (after :meth:`plan`, which costs the same in every step): its clock starts
         (:meth:`end_step` reads it) when the K policy wants the step's cost (:meth:`~.adaptive.AdaptiveK.times_step`;
-        ``adaptive: false`` learns nothing): a step alone, or a plain one as the first of a run timed together.
-        On a CPU the cost is CPU time (the wall clock there also counts the other processes sharing the
-        cores); on an accelerator the host waits for the device, so the wall clock is the cost."""
+        ``adaptive: false`` learns nothing): a step alone, or a plain one as the first of a run timed together."""
         self._timed = self._started = None
         timing = self.policy.times_step(drafting)
         if timing > 1:  # one of a run of plain steps: the run's clock started at its first
             if self._run is None:
-                self._clock = time.process_time if cpu else time.perf_counter
                 self._run = _PlainRun(self._clock(), timing)
             return
         self._run = None
         if timing:
-            self._clock = time.process_time if cpu else time.perf_counter
             self._started = self._clock()
 
     def time_step(self, rows: int, drafts: int) -> None:
