@@ -18,7 +18,7 @@ from typing import Any, Iterator
 
 import msgspec
 
-from ..wire.messages import TokenDelta
+from ..wire.messages import TokenDelta, Tokens
 from .output_processor import OutputCollector
 from .outputs import unreadable_result
 from ..wire.request import DynamicInferenceRequest, FinalRecord
@@ -100,6 +100,10 @@ class PendingRequests:
         if pending is None:
             return None
         collector = pending.collector
+        if isinstance(delta, Tokens) and delta.start is not None:  # a catch-up: the steps since may have come first
+            delta = delta.past(len(collector.tokens))
+            if delta is None:
+                return None
         partial = collector.add(delta)
         if pending.queue is not None and (partial.new_tokens or partial.new_text):
             pending.queue.put_nowait(partial)

@@ -112,12 +112,13 @@ class RequestRecord:
         return tokens_of(self.client_request_id, out)
 
     def tokens_after(self, have: int) -> Tokens | None:
-        """What a reconnected client that has ``have`` tokens lacks, whole (None: nothing)."""
+        """What a reconnected client that has ``have`` tokens lacks, whole (None: nothing); ``start`` says where it
+        begins (the client has more by the time it arrives: the steps forwarded since it sent its count)."""
         out = self.out
         if len(out.tokens) <= have:
             return None
         skip = max(have - out.resumed, 0)  # into the lists mirrored since the resubmission
-        tokens = Tokens(client_request_id=self.client_request_id, new_tokens=out.tokens[have:],
+        tokens = Tokens(client_request_id=self.client_request_id, new_tokens=out.tokens[have:], start=have,
                         new_log_probs=out.log_probs[skip:] or None,
                         top_ids=out.top_ids[skip:] or None, top_log_probs=out.top_log_probs[skip:] or None,
                         cached_tokens=out.cached_tokens, prompt_scores=out.prompt_scores)

@@ -403,9 +403,39 @@ class EngineStepOut(Body):
 
 class Tokens(TokenDelta, kw_only=True):
     """A request's new tokens, to its client (for every request: the client makes the text and holds the
-    stop strings, and the ``RESULT`` record does not repeat them)."""
+    stop strings, and the ``RESULT`` record does not repeat them).
+
+    ``start`` is set on the catch-up a resubmission gets (what the client lacked when it sent its count): the
+    index of its first token in the request's generated tokens. The count is old by the time the coordinator
+    reads it: the steps it forwarded after its ``HELLO_ACK`` reach the client before the catch-up, which
+    repeats them, so the client keeps only what lies past the tokens it has (:meth:`past`). Without it a
+    chaos run's stream carried its first 5 tokens twice.
+    """
 
     client_request_id: ClientId
+    start: int | None = None
+
+    def past(self, have: int) -> "Tokens | None":
+        """This catch-up without the tokens before index ``have`` (a client's count when it arrives); None when
+        it brings nothing new. Per-token lists end with the tokens (they may cover only the last ones: a
+        resubmission's own tokens came without them) and are cut alike."""
+        if self.start is None or have <= self.start:
+            return self
+        drop = have - self.start
+        count = len(self.new_tokens)
+        if drop >= count:
+            return None
+
+        def cut(values: list[Any]) -> list[Any]:
+            return values[max(drop - (count - len(values)), 0):]
+
+        def cut_some(values: list[Any] | None) -> list[Any] | None:
+            return None if values is None else cut(values)
+
+        epochs = None if self.epochs is None else [cut(e) for e in self.epochs]
+        return msgspec.structs.replace(self, new_tokens=self.new_tokens[drop:], start=have, epochs=epochs,
+                                       new_log_probs=cut_some(self.new_log_probs), top_ids=cut_some(self.top_ids),
+                                       top_log_probs=cut_some(self.top_log_probs))
 
 
 class StepTokens(Body):

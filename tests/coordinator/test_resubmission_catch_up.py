@@ -1,0 +1,102 @@
+"""A client's resubmission after a reconnect gets what it missed once, also when steps overtake it.
+
+The client counts its tokens when it resubmits; the coordinator reads that count later, after it has forwarded
+the steps that ran since its ``HELLO_ACK``, and its catch-up repeats them. The catch-up says where it starts
+and the client keeps what lies past its own tokens. Without that a stream of the chaos test carried its first
+5 tokens twice. Driven through the coordinator's core and the client's own pending-request table.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import msgspec
+import pytest
+
+from megatron_serve.client.output_processor import OutputCollector
+from megatron_serve.client.pending_requests import PendingRequest, PendingRequests
+from megatron_serve.wire.messages import Submit, Tokens
+from megatron_serve.wire.protocol import Header
+from megatron_serve.wire.sampling_params import SamplingParams
+
+from .core_harness import CoreHarness
+from .test_core import final_record, step
+
+OLD, NEW, ENGINE = b"client-old-socket", b"client-new-socket", b"engine-1"
+
+
+def _pending(loop: asyncio.AbstractEventLoop, params: SamplingParams) -> PendingRequest:
+    return PendingRequest("r", [1, 2, 3], params, True, loop.create_future(),
+                          OutputCollector("r", [1, 2, 3], params, None), asyncio.Queue())
+
+
+def _streamed_after_an_overtaken_resubmission(keep_start: bool) -> list[int]:
+    """Tokens 11, 12 before the reconnect; 13 forwarded between the HELLO_ACK and the resubmission (which counted
+    2 tokens); 14 last. What the client's stream carried."""
+    h = CoreHarness()
+    loop = asyncio.new_event_loop()
+    try:
+        params = SamplingParams(num_tokens_to_generate=4)
+        pending = PendingRequests()
+        pending.add(_pending(loop, params))
+        stream = pending.get("r").queue
+
+        def receive(identity: bytes) -> None:
+            for body in h.take(identity, Header.TOKENS):
+                pending.on_delta(body.client_request_id, body if keep_start else msgspec.structs.replace(body,
+                                                                                                         start=None))
+
+        h.client(OLD)
+        engine = h.engine(ENGINE)
+        h.send(OLD, Header.SUBMIT, Submit(client_request_id="r", prompt=[1, 2, 3], stream=True,
+                                          sampling_params=msgspec.Raw(msgspec.msgpack.encode(params))))
+        submitted = h.take(ENGINE, Header.ENGINE_SUBMIT)[0].request
+        step(h, ENGINE, engine, "c1/r", [11])
+        step(h, ENGINE, engine, "c1/r", [12])
+        receive(OLD)
+        h.client(NEW)  # the client replaced a silent socket: the same client id says HELLO again
+        # encoded as the HELLO_ACK is read (2 tokens), as the client's send does
+        resubmission = msgspec.msgpack.decode(msgspec.msgpack.encode(pending.get("r").submit_body()), type=Submit)
+        step(h, ENGINE, engine, "c1/r", [13])  # forwarded to the new socket, read before the catch-up
+        receive(NEW)
+        h.send(NEW, Header.SUBMIT, resubmission)
+        receive(NEW)  # the catch-up
+        step(h, ENGINE, engine, "c1/r", [14], finished=True, record=final_record(submitted, [11, 12, 13, 14]))
+        receive(NEW)
+        streamed = []
+        while not stream.empty():
+            streamed += stream.get_nowait().new_tokens
+        return streamed
+    finally:
+        loop.close()
+
+
+def test_a_resubmission_overtaken_by_a_step_gets_each_token_once():
+    assert _streamed_after_an_overtaken_resubmission(keep_start=True) == [11, 12, 13, 14]
+
+
+def test_a_catch_up_read_without_its_start_repeats_the_overtaking_step():
+    """The control: the catch-up really overlaps what the client had."""
+    assert _streamed_after_an_overtaken_resubmission(keep_start=False) == [11, 12, 13, 13, 14]
+
+
+@pytest.mark.parametrize(("have", "kept"), [(4, [13, 14, 15]), (5, [14, 15]), (7, None), (3, [12, 13, 14, 15])])
+def test_a_catch_up_is_cut_where_the_client_has_tokens_and_its_lists_with_it(have, kept):
+    """Tokens 12-15 from index 3, of which 12 came with a resubmission (no log prob, no epochs of its own)."""
+    catch_up = Tokens(client_request_id="r", new_tokens=[12, 13, 14, 15], start=3, new_log_probs=[-1.3, -1.4, -1.5],
+                      epochs=[[0, 0, 1], [0, 1, 1], [-1, -1, -1]], top_ids=[[13], [14], [15]],
+                      top_log_probs=[[-1.3], [-1.4], [-1.5]])
+    past = catch_up.past(have)
+    if kept is None:
+        assert past is None
+        return
+    assert past.new_tokens == kept and past.start == max(have, 3)
+    n = min(len(kept), 3)
+    assert past.new_log_probs == [-1.3, -1.4, -1.5][-n:] and past.top_ids == [[13], [14], [15]][-n:]
+    assert past.epochs == [[0, 0, 1][-n:], [0, 1, 1][-n:], [-1, -1, -1][-n:]]
+
+
+def test_deltas_of_steps_are_never_cut():
+    """Only a catch-up says where it starts: a step's delta is all new."""
+    step_delta = Tokens(client_request_id="r", new_tokens=[5])
+    assert step_delta.past(10) is step_delta
