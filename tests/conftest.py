@@ -3,6 +3,9 @@ and the fixtures several folders share: tiny models written once per session, in
 
 from __future__ import annotations
 
+import dataclasses
+import sys
+
 import pytest
 
 from .parity.options import add_options
@@ -10,6 +13,33 @@ from .parity.options import add_options
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     add_options(parser)
+
+
+PARITY_COMPARE = "tests.parity.compare"  # the parity searches' tallies; imported only where a search ran
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """A pytest-xdist worker hands its parity tallies to the controller, which prints the whole run's summary."""
+    workeroutput = getattr(session.config, "workeroutput", None)  # set only in an xdist worker
+    compare = sys.modules.get(PARITY_COMPARE)
+    if workeroutput is not None and compare is not None:
+        workeroutput["parity_tallies"] = {name: dataclasses.asdict(t) for name, t in compare.TALLIES.items()}
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error) -> None:  # noqa: ANN001 - xdist's WorkerController; runs on the controller
+    tallies = node.workeroutput.get("parity_tallies") if hasattr(node, "workeroutput") else None
+    if tallies:
+        from .parity.compare import TALLIES, Tally  # noqa: PLC0415 (torch: only when a search ran)
+
+        for name, fields in tallies.items():
+            TALLIES.setdefault(name, Tally()).merge(Tally(**fields))
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    compare = sys.modules.get(PARITY_COMPARE)
+    for name, tally in (compare.TALLIES.items() if compare is not None else ()):
+        terminalreporter.write_line(f"parity {name}: {tally.line()}")
 
 
 @pytest.fixture(scope="session")

@@ -71,6 +71,15 @@ class Tally:
                 f"error| {self.largest_log_prob_error:.1e}, {self.accepted_drafts} drafts accepted, {self.adapter_rows} "
                 f"adapter requests{settings}")
 
+    def merge(self, other: "Tally") -> None:
+        """Adds another process's tally of the same search (pytest-xdist runs the cases over several workers)."""
+        for name in ("cases", "requests", "tokens", "near_ties", "preempted", "cached", "accepted_drafts",
+                     "adapter_rows"):
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+        self.largest_log_prob_error = max(self.largest_log_prob_error, other.largest_log_prob_error)
+        for name, count in other.settings.items():
+            self.settings[name] = self.settings.get(name, 0) + count
+
     def observe(self, request: DynamicInferenceRequest) -> None:
         self.requests += 1
         self.preempted += any(e.type.value == "PREEMPT" for e in request.events)

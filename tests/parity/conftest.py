@@ -97,8 +97,3 @@ def parity(pytestconfig: pytest.Config) -> Parity:
 @pytest.fixture(scope="session")
 def model_pool(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ModelPool]:
     yield ModelPool(tmp_path_factory.mktemp("parity-models"))
-
-
-def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
-    for search, tally in TALLIES.items():
-        terminalreporter.write_line(f"parity {search}: {tally.line()}")
