@@ -15,6 +15,17 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     add_options(parser)
 
 
+SEARCH_CASES = {"case_seed", "invariant_case_seed"}  # the parity searches' parameters: cases independent of each other
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Under ``--dist loadgroup`` (``make test``) a file's tests share a worker, so its module fixtures start their
+    fleets once; the parity searches' cases are independent and spread over every worker instead."""
+    for item in items:
+        if SEARCH_CASES.isdisjoint(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::", 1)[0]))
+
+
 PARITY_COMPARE = "tests.parity.compare"  # the parity searches' tallies; imported only where a search ran
 
 
