@@ -41,6 +41,14 @@ READY_TIMEOUT = 0.05
 #: ``--health-stall-timeout``: a main event loop silent this long is hung, not busy (it ran 2 s late at worst
 #: under 400 streams on 2 cores), and the probe port's ``/health`` says so (:mod:`megatron_serve.server.probe_port`).
 HEALTH_STALL_TIMEOUT = 30.0
+#: The probe port's (``--health-port``) listen backlog (the kernel caps it at ``net.core.somaxconn``, 4096 by
+#: default): a connection beyond the backlog has its SYN dropped, and the client sends it again after 1 s, past a kubelet's timeout (the
+#: old backlog of 64 made a probe take 1.03 s beside 5,500 idle connections).
+PROBE_BACKLOG = 4096
+#: Connections the probe port holds open at once; a new one past it closes the oldest (a probe sends its request
+#: at once, so the oldest is the likeliest idle one). The probe process raises its own open-file limit to hold
+#: them: nothing is shared with the main port's ``--max-connections``.
+PROBE_MAX_OPEN = 2048
 
 #: Characters per token of context beyond which a prompt cannot fit with any common tokenizer:
 #: English averages about 4 characters per token and code about 3; 32 leaves room for prompts
