@@ -76,6 +76,8 @@ class RequestLimits:
     * ``max_stop`` 16 stop strings of at most ``max_stop_chars`` 256 characters: the engine looks
       for each in the new text of every step and holds back ``longest - 1`` characters of a stream.
     * ``max_logit_bias`` 1024 entries: every entry is applied at every step of the request.
+    * ``max_stop_token_ids`` 1024 ids: the engine makes a vocabulary-wide mask of them when it admits the
+      request and compares each new token with them (ids outside the vocabulary are a 400 too).
     * ``max_messages`` 1024 messages per chat: the chat template renders each (in Python).
     * ``max_logprobs`` 20: vLLM's default, and the most the engine returns per token.
     * ``max_images`` 8 images per chat and ``max_image_bytes`` 10 MiB per image file (data: or
@@ -107,6 +109,8 @@ class RequestLimits:
         "flag": "--max-stop-chars", "help": "longest stop string, in characters"})
     max_logit_bias: int = field(default=1024, metadata={
         "flag": "--max-logit-bias", "help": "most logit_bias entries per request"})
+    max_stop_token_ids: int = field(default=1024, metadata={
+        "flag": "--max-stop-token-ids", "help": "most stop_token_ids per request"})
     max_messages: int = field(default=1024, metadata={
         "flag": "--max-messages", "help": "most messages per chat request"})
     max_images: int = field(default=8, metadata={
