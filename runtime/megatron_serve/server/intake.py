@@ -10,7 +10,9 @@ what a client sends may run on it unbounded:
 * :func:`parse_body` parses and validates in one pass (pydantic's own JSON parser, which also
   refuses invalid UTF-8, lone surrogates and nesting deeper than a few hundred levels). It holds
   the GIL, so its cost is bounded by the body limit rather than moved off the loop;
-* :func:`check_limits` refuses oversized requests before anything is tokenized or rendered;
+* :func:`check_limits` refuses oversized requests before anything is tokenized or rendered, and
+  :func:`check_budget` the costly ones (:mod:`megatron_serve.limits`) once their prompts are tokens,
+  before anything is submitted;
 * :class:`Workers` runs tokenization and chat-template rendering on a few threads (the Rust
   tokenizer releases the GIL while it encodes: measured, a 1 M character prompt tokenized on a
   worker delayed the event loop by at most 10 ms, against 1.6 s inline).
@@ -21,12 +23,12 @@ from __future__ import annotations
 import asyncio
 import os
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, TypeVar
 
 from pydantic import BaseModel, TypeAdapter, ValidationError
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from ..limits import RequestLimits
+from ..limits import Cost, RequestLimits, engine_request_cost, over_budget
 from .errors import APIError, bad_request, validation_error
 from .models import (
     ChatCompletionRequest,
@@ -38,6 +40,9 @@ from .models import (
     TokenizeCompletionRequest,
     _SamplingRequest,
 )
+
+if TYPE_CHECKING:  # annotations only: intake stays below the translation of bodies
+    from .translate import EngineJob
 
 M = TypeVar("M", bound=BaseModel)
 T = TypeVar("T")
@@ -164,6 +169,18 @@ def check_limits(req: _SamplingRequest, limits: RequestLimits, max_model_len: in
         raise APIError(400, f"This model's maximum context length is {max_model_len} tokens, and {tokens_param} asks "
                             f"for {requested} (the prompt needs at least one token too). Please reduce {tokens_param}.",
                        param=tokens_param, code="context_length_exceeded")
+
+
+def check_budget(jobs: list[EngineJob], limits: RequestLimits, *, returns_prompt: bool = False) -> Cost:
+    """The cost of a request's engine requests (``returns_prompt``: the answer repeats each prompt), or the 400
+    that names the budget it is over and the request's figure."""
+    cost = Cost()
+    for job in jobs:
+        cost += engine_request_cost(len(job.prompt.tokens), job.params, returns_prompt=returns_prompt)
+    reason = over_budget(cost, limits.max_request_logprobs, limits.max_response_bytes)
+    if reason is not None:
+        raise APIError(400, reason, code="over_budget")
+    return cost
 
 
 def check_logprobs(req: _SamplingRequest, limit: int) -> None:
