@@ -42,8 +42,8 @@ READY_TIMEOUT = 0.05
 #: under 400 streams on 2 cores), and the probe port's ``/health`` says so (:mod:`megatron_serve.server.probe_port`).
 HEALTH_STALL_TIMEOUT = 30.0
 #: The probe port's (``--health-port``) listen backlog (the kernel caps it at ``net.core.somaxconn``, 4096 by
-#: default): a connection beyond the backlog has its SYN dropped, and the client sends it again after 1 s, past a kubelet's timeout (the
-#: old backlog of 64 made a probe take 1.03 s beside 5,500 idle connections).
+#: default): a connection beyond the backlog has its SYN dropped, and the client sends it again after 1 s, past a
+#: kubelet's timeout (a backlog of 64 made a probe wait for that retry beside thousands of idle connections).
 PROBE_BACKLOG = 4096
 #: Connections the probe port holds open at once; a new one past it closes the oldest (a probe sends its request
 #: at once, so the oldest is the likeliest idle one). The probe process raises its own open-file limit to hold

@@ -9,8 +9,8 @@ is the table's reason.
 Access: every admin route answers 403 unless the server was given an admin key (``--admin-key``,
 ``--admin-key-file`` or ``$MEGATRON_SERVE_ADMIN_KEY``), 401 to a request that presents no key and 403 to
 one that presents another (the API key included), as HTTP has it: 401 asks for credentials, 403 refuses
-those given. The key goes as ``Authorization: Bearer KEY``. The admin key is not the API key, and the server refuses to start
-with both equal: a key that lets a client generate must not let it pause the fleet, nor the other way
+those given. The key goes as ``Authorization: Bearer KEY``. The admin key is not the API key, and the
+server refuses to start with both equal: a key that lets a client generate must not let it pause the fleet, nor the other way
 round. The key is checked before the body is read; bodies are strict like the rest of the front door
 (an unknown field is a 400 naming it) and may be empty (every field has a default, except refit's
 ``source``).
