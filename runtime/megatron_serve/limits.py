@@ -1,4 +1,4 @@
-"""What one HTTP request may carry: the front door's limits, their defaults and why.
+"""What one HTTP request may carry: the front door's limits and the request budget, their defaults and why.
 
 Every limit answers before the expensive step it protects: the body size before the body is
 read, prompt characters before tokenization, ``n``, stop strings, ``logit_bias`` entries and
@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from .wire.sampling_params import MAX_TOP_N_LOGPROBS
+from .wire.sampling_params import MAX_TOP_N_LOGPROBS, SamplingParams
 
 MiB = 1 << 20
 
@@ -41,11 +41,82 @@ READY_TIMEOUT = 0.05
 #: ``--health-stall-timeout``: a main event loop silent this long is hung, not busy (it ran 2 s late at worst
 #: under 400 streams on 2 cores), and the probe port's ``/health`` says so (:mod:`megatron_serve.server.probe_port`).
 HEALTH_STALL_TIMEOUT = 30.0
+#: The probe port's (``--health-port``) listen backlog (the kernel caps it at ``net.core.somaxconn``, 4096 by
+#: default): a connection beyond the backlog has its SYN dropped, and the client sends it again after 1 s, past a
+#: kubelet's timeout (a backlog of 64 made a probe wait for that retry beside thousands of idle connections).
+PROBE_BACKLOG = 4096
+#: Connections the probe port holds open at once; a new one past it closes the oldest (a probe sends its request
+#: at once, so the oldest is the likeliest idle one). The probe process raises its own open-file limit to hold
+#: them: nothing is shared with the main port's ``--max-connections``.
+PROBE_MAX_OPEN = 2048
 
 #: Characters per token of context beyond which a prompt cannot fit with any common tokenizer:
 #: English averages about 4 characters per token and code about 3; 32 leaves room for prompts
 #: full of long whitespace-run tokens. Used when ``max_prompt_chars`` is not given.
 PROMPT_CHARS_PER_CONTEXT_TOKEN = 32
+
+
+# The request budget: what one request asks the fleet to compute and send, counted before any of it is done.
+#
+# Each field of a request has its own limit (``n``, ``logprobs``, ``prompt_logprobs``, the prompt's
+# length), but their product is what costs: ``n=128``, ``prompt_logprobs=20`` and ``logprobs=20`` on
+# a 1,000-token prompt, each within its limit, made 2.7 million log-prob entries, a 184 MB answer
+# from a 4.8 KB request, and stalled every other client of the server for seconds. So the product is
+# bounded too, where the request enters (the HTTP server for a whole request, the coordinator for each
+# engine request), against two budgets:
+#
+# * **log-prob entries**: per choice, each scored prompt position gives its token's log prob and the
+#   ``k`` likeliest alternatives, and so does each generated token when log probs are asked for
+#   (``k`` is one count for both, the larger one asked). Output tokens count at their maximum
+#   (``max_tokens``, or the rest of the context), since nothing shorter is promised;
+# * **answer bytes**: an estimate of the JSON answer, :data:`TOKEN_BYTES` per returned token and
+#   :data:`LOGPROB_ENTRY_BYTES` per entry (the shapes of both endpoints hold an entry in 30 to 80
+#   bytes: its id or text, its log prob, in vLLM's ``prompt_logprobs`` its rank and decoded text).
+
+#: Estimated JSON bytes of one log-prob entry in an answer.
+LOGPROB_ENTRY_BYTES = 64
+#: Estimated JSON bytes of one returned token's text (or id) in an answer.
+TOKEN_BYTES = 8
+#: Default most log-prob entries per request (``--max-request-logprobs``): a 32k-token prompt scored with
+#: ``prompt_logprobs=20`` (688k entries) fits; ``n=128`` such choices of a 1,000-token prompt (2.7 M) do not.
+DEFAULT_MAX_REQUEST_LOGPROBS = 1 << 20
+#: Default largest estimated answer in bytes (``--max-response-bytes``).
+DEFAULT_MAX_RESPONSE_BYTES = 64 << 20
+
+
+@dataclass(frozen=True)
+class Cost:
+    """What a request (or one of its engine requests) asks for: log-prob entries and estimated answer bytes."""
+
+    logprobs: int = 0
+    answer_bytes: int = 0
+
+    def __add__(self, other: "Cost") -> "Cost":
+        return Cost(self.logprobs + other.logprobs, self.answer_bytes + other.answer_bytes)
+
+
+def engine_request_cost(prompt_len: int, params: SamplingParams, *, returns_prompt: bool = False) -> Cost:
+    """The cost of one engine request (one choice) of a ``prompt_len``-token prompt; ``returns_prompt``: the answer
+    repeats the prompt's tokens (``echo``, ``return_token_ids``)."""
+    k = params.top_n_logprobs
+    entries = max(prompt_len - 1, 0) * (1 + k) if params.return_prompt_log_probs else 0  # the first has no context
+    per_token = k + (1 if params.return_log_probs or k else 0)
+    entries += params.num_tokens_to_generate * per_token
+    tokens = params.num_tokens_to_generate + (prompt_len if returns_prompt else 0)
+    return Cost(entries, tokens * TOKEN_BYTES + entries * LOGPROB_ENTRY_BYTES)
+
+
+def over_budget(cost: Cost, max_logprobs: int, max_bytes: int | None = None) -> str | None:
+    """Why ``cost`` is over the budgets (a sentence naming the budget, its flag and the request's figure), or None."""
+    if cost.logprobs > max_logprobs:
+        return (f"the request asks for {cost.logprobs:,} log probs (choices x (prompt positions x (prompt_logprobs "
+                f"+ 1) + max_tokens x (logprobs + 1))); this server's budget is {max_logprobs:,} per request "
+                "(--max-request-logprobs): ask for fewer choices, log probs per token or tokens")
+    if max_bytes is not None and cost.answer_bytes > max_bytes:
+        return (f"the request's answer would be about {cost.answer_bytes:,} bytes ({TOKEN_BYTES} per token, "
+                f"{LOGPROB_ENTRY_BYTES} per log prob); this server's budget is {max_bytes:,} bytes per answer "
+                "(--max-response-bytes): ask for fewer choices, log probs or tokens")
+    return None
 
 
 @dataclass(frozen=True)
@@ -68,8 +139,14 @@ class RequestLimits:
     * ``max_stop`` 16 stop strings of at most ``max_stop_chars`` 256 characters: the engine looks
       for each in the new text of every step and holds back ``longest - 1`` characters of a stream.
     * ``max_logit_bias`` 1024 entries: every entry is applied at every step of the request.
+    * ``max_stop_token_ids`` 1024 ids: the engine makes a vocabulary-wide mask of them when it admits the
+      request and compares each new token with them (ids outside the vocabulary are a 400 too).
     * ``max_messages`` 1024 messages per chat: the chat template renders each (in Python).
     * ``max_logprobs`` 20: vLLM's default, and the most the engine returns per token.
+    * ``max_request_logprobs`` 1,048,576 log-prob entries and ``max_response_bytes`` 64 MiB of estimated
+      answer per request: the budgets on the product of ``n``, the prompt's length, ``prompt_logprobs``,
+      ``max_tokens`` and ``logprobs`` (:func:`engine_request_cost`), checked once the prompts are tokenized,
+      before anything is submitted. Within them an answer is still written in pieces (``server/whole_answers.py``).
     * ``max_images`` 8 images per chat and ``max_image_bytes`` 10 MiB per image file (data: or
       fetched; vision-language models): every image is decoded by the server and preprocessed and
       encoded by an engine. 10 MiB rather than OpenAI's 20 MB: a request travels to its engine in
@@ -99,6 +176,8 @@ class RequestLimits:
         "flag": "--max-stop-chars", "help": "longest stop string, in characters"})
     max_logit_bias: int = field(default=1024, metadata={
         "flag": "--max-logit-bias", "help": "most logit_bias entries per request"})
+    max_stop_token_ids: int = field(default=1024, metadata={
+        "flag": "--max-stop-token-ids", "help": "most stop_token_ids per request"})
     max_messages: int = field(default=1024, metadata={
         "flag": "--max-messages", "help": "most messages per chat request"})
     max_images: int = field(default=8, metadata={
@@ -108,6 +187,13 @@ class RequestLimits:
     max_logprobs: int = field(default=MAX_TOP_N_LOGPROBS, metadata={
         "flag": "--max-logprobs", "help": f"most log probs per token a request may ask for (logprobs, top_logprobs, "
                                           f"prompt_logprobs), 0 to {MAX_TOP_N_LOGPROBS} (vLLM's option)"})
+    max_request_logprobs: int = field(default=DEFAULT_MAX_REQUEST_LOGPROBS, metadata={
+        "flag": "--max-request-logprobs",
+        "help": "most log-prob entries one request may ask for: choices x (prompt positions x (prompt_logprobs + 1) "
+                "+ max_tokens x (logprobs + 1))"})
+    max_response_bytes: int = field(default=DEFAULT_MAX_RESPONSE_BYTES, metadata={
+        "flag": "--max-response-bytes",
+        "help": "largest estimated answer of one request, in bytes (tokens and log probs of every choice)"})
     max_guided_choices: int = field(default=1024, metadata={
         "flag": "--max-guided-choices", "help": "most strings in guided_choice"})
     max_constraint_bytes: int = field(default=128 * 1024, metadata={

@@ -170,6 +170,16 @@ def test_bad_token_ids_and_empty_prompts_fail_alone(tiny_llama):
     assert outs[2].status is RequestStatus.COMPLETED
 
 
+def test_stop_token_ids_outside_the_vocabulary_fail_alone(tiny_llama):
+    """A stop id past the vocabulary is refused at admission (it reached the engine's vocabulary-wide mask before,
+    sized by the largest id); the other requests of the step run."""
+    llm = MegatronLLM(tiny_llama)
+    bad = SamplingParams(num_tokens_to_generate=4, stop_token_ids=[3, 10**6], presence_penalty=0.5)
+    outs = llm.generate([PROMPTS[0], PROMPTS[1]], [bad, SamplingParams(num_tokens_to_generate=4)])
+    assert outs[0].status is RequestStatus.FAILED and "stop_token_ids names token id 1000000" in outs[0].error
+    assert outs[1].status is RequestStatus.COMPLETED
+
+
 def test_top_n_logprobs_contain_the_chosen_token(tiny_llama):
     llm = MegatronLLM(tiny_llama)
     out = llm.generate(PROMPTS[1], SamplingParams(temperature=0.0, num_tokens_to_generate=6, ignore_eos=True,

@@ -77,7 +77,9 @@ def error_of(response: httpx.Response, status: int) -> dict:
 
 def test_only_the_admin_key_opens_the_admin_routes_and_it_opens_nothing_else(stack, http):
     for verb in (*VERBS, "status"):
-        assert error_of(admin(http, verb, headers={}), 403)["code"] == "admin_key_required"
+        missing = admin(http, verb, headers={})  # no credential: 401; a wrong one: 403
+        assert error_of(missing, 401)["code"] == "admin_key_required"
+        assert missing.headers["WWW-Authenticate"] == "Bearer"
         inference = error_of(admin(http, verb, headers={"Authorization": f"Bearer {API_KEY}"}), 403)
         assert inference["code"] == "invalid_admin_key" and "API key does not open" in inference["message"]
         assert error_of(admin(http, verb, headers={"Authorization": "Bearer not-this-one"}), 403)["code"] \
@@ -102,8 +104,11 @@ def test_bodies_are_strict_and_bad_values_name_their_field(http):
     ]
     for verb, body, param in cases:
         assert error_of(admin(http, verb, body), 400)["param"] == param, (verb, body)
-    not_json = http.post("/v1/admin/pause", content=b"{mode", headers=ADMIN)
+    not_json = http.post("/v1/admin/pause", content=b"{mode", headers={"Content-Type": "application/json", **ADMIN})
     assert error_of(not_json, 400)["code"] == "invalid_json"
+    as_text = http.post("/v1/admin/pause", content=b'{"mode": "abort"}',
+                        headers={"Content-Type": "text/plain", **ADMIN})
+    assert error_of(as_text, 415)["code"] == "unsupported_media_type"
     assert admin(http, "status").json()["state"] == "RUNNING"  # nothing was done
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 
+from ..limits import DEFAULT_MAX_REQUEST_LOGPROBS
 from ..wire.protocol import DEFAULT_PORT, MAX_MESSAGE_BYTES
 from ..coordinator.routing import KNOWN_POLICIES
 from .inputs import parse_port
@@ -39,6 +40,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-request-image-bytes", type=int, default=12 * 1024 * 1024, metavar="N",
                         help="image file bytes one request may carry (vision-language models); "
                              "larger requests are refused with an error naming the limit")
+    parser.add_argument("--max-request-logprobs", type=int, default=DEFAULT_MAX_REQUEST_LOGPROBS, metavar="N",
+                        help="most log-prob entries one engine request may ask for (prompt positions x "
+                             "(prompt_logprobs + 1) + tokens to generate x (logprobs + 1)); larger requests are "
+                             "refused with an error naming the budget and the request's figure")
     parser.add_argument("--address-file", metavar="PATH",
                         help="write the bound address here once listening (default: nowhere)")
     add_token_option(parser, default="none: refused unless --insecure")
@@ -57,6 +62,8 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--heartbeat-timeout must be > 0, got {args.heartbeat_timeout}")
     if args.max_request_image_bytes < 1:
         raise ValueError(f"--max-request-image-bytes must be >= 1, got {args.max_request_image_bytes}")
+    if args.max_request_logprobs < 1:
+        raise ValueError(f"--max-request-logprobs must be >= 1, got {args.max_request_logprobs}")
     for flag in ("verb_timeout", "weights_timeout", "stall_timeout"):
         if getattr(args, flag) <= 0:
             raise ValueError(f"--{flag.replace('_', '-')} must be > 0, got {getattr(args, flag)}")
@@ -71,7 +78,7 @@ def run(args: argparse.Namespace) -> int:
         heartbeat_timeout=args.heartbeat_timeout, client_timeout=args.client_timeout,
         verb_timeout=args.verb_timeout, weights_timeout=args.weights_timeout, stall_timeout=args.stall_timeout,
         max_message_bytes=args.max_message_bytes, model=args.model, max_image_bytes=args.max_request_image_bytes,
-        tokenizer_dir=os.path.abspath(tokenizer_dir),
+        max_request_logprobs=args.max_request_logprobs, tokenizer_dir=os.path.abspath(tokenizer_dir),
     )
     import zmq  # noqa: PLC0415
 

@@ -21,6 +21,7 @@ from typing import Any
 
 import msgspec
 
+from ..limits import DEFAULT_MAX_REQUEST_LOGPROBS, engine_request_cost, over_budget
 from ..wire.lifecycle import FleetState
 from ..wire.messages import (
     RENDEZVOUS_SCHEME,
@@ -114,11 +115,15 @@ class CoordinatorCore:
         model: str | None = None,
         tokenizer_dir: str | None = None,
         max_image_bytes: int = DEFAULT_MAX_IMAGE_BYTES,
+        max_request_logprobs: int = DEFAULT_MAX_REQUEST_LOGPROBS,
     ) -> None:
         """``token``: the fleet secret (``None``: insecure). ``tokenizer_dir``: only announced to clients
         (HELLO_ACK), which tokenize and make the text; the coordinator loads no tokenizer.
-        ``max_image_bytes``: image file bytes one request may carry (more is refused with ERROR)."""
+        ``max_image_bytes``: image file bytes one request may carry, ``max_request_logprobs`` log-prob entries
+        (prompt positions and tokens to generate, by the log probs of each: what its engine sends back over
+        the links; :func:`~megatron_serve.limits.engine_request_cost`); more is refused with ERROR."""
         self.max_image_bytes = int(max_image_bytes)
+        self.max_request_logprobs = int(max_request_logprobs)
         self.secret = fleet_secret(token)
         self.proven: dict[bytes, bytes | None] = {}  # connections that proved it (identity -> CURVE key), until gone
         self.routing_name = routing
@@ -329,6 +334,9 @@ class CoordinatorCore:
                                    params_wire=params_wire, stream=bool(body.stream),
                                    out=DeltaAccumulator(body.generated_tokens),
                                    images=prompts.submitted_images(body.images, self.max_image_bytes))
+            over = over_budget(engine_request_cost(len(record.prompt_tokens), params), self.max_request_logprobs)
+            if over is not None:
+                raise ValueError(over)
         except ValueError as exc:
             self.send(identity, Header.ERROR, Error(code=ErrorCode.INVALID_REQUEST.value, message=str(exc),
                                                     client_request_id=crid))

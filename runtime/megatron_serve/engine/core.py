@@ -249,6 +249,9 @@ class DynamicInferenceEngine(DeviceMemoryVerbs, LoraVerbs, SpeculativeSteps):
         outside = [t for t in request.sampling_params.logit_bias or {} if t >= vocab]
         if outside:
             return f"logit_bias names token id {outside[0]}, outside the vocabulary [0, {vocab})"
+        outside = [t for t in request.sampling_params.stop_token_ids if t >= vocab]
+        if outside:
+            return f"stop_token_ids names token id {outside[0]}, outside the vocabulary [0, {vocab})"
         if self.encoder_cache is not None:
             problem = self.encoder_cache.admission_problem(request)
             if problem is not None:

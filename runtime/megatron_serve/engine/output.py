@@ -3,7 +3,8 @@
 The step thread builds one struct per request here and nothing else: no text, no stop strings
 (:mod:`megatron_serve.client.output_processor` makes those where the tokens are read), and the final
 record leaves out what the deltas already carried. The engine process sends a step's structs as
-one message (``ENGINE_STEP``); the in-process client hands the same structs to its event loop.
+one message (``ENGINE_STEP``), or several when prompt scores make it large (:func:`step_messages`);
+the in-process client hands the same structs to its event loop.
 """
 
 from __future__ import annotations
@@ -31,6 +32,38 @@ def prompt_scores(request: DynamicInferenceRequest) -> PromptScores | None:
     if request.prompt_top_n_logprobs:
         scores.top_ids, scores.top_log_probs = _top_lists(request.prompt_top_n_logprobs)
     return scores
+
+
+#: Prompt-score entries (a log prob, or an alternative's id and log prob) one ``ENGINE_STEP`` message carries at most
+#: beside its other deltas, about 3 MB: a request's prompt scores all go with its first token, and several
+#: requests that finish their prefill in one step could together pass the 16 MiB frame, which is then not sent
+#: at all (every delta of the step lost). One request's stay within the frame by the request budget
+#: (``--max-request-logprobs``).
+STEP_MESSAGE_SCORES = 1 << 18
+
+
+def _scores(delta: RequestDeltaOut) -> int:
+    scores = delta.prompt_scores
+    if scores is None:
+        return 0
+    return len(scores.log_probs) + sum(map(len, scores.top_ids or ()))
+
+
+def step_messages(deltas: list[RequestDeltaOut], limit: int = STEP_MESSAGE_SCORES) -> list[list[RequestDeltaOut]]:
+    """A step's deltas as the ``ENGINE_STEP`` messages that carry them, in order: one, unless prompt scores pass
+    ``limit`` entries, then cut before the delta that would pass it."""
+    if all(delta.prompt_scores is None for delta in deltas):
+        return [deltas]
+    messages: list[list[RequestDeltaOut]] = [[]]
+    held = 0
+    for delta in deltas:
+        weight = _scores(delta)
+        if messages[-1] and held + weight > limit:
+            messages.append([])
+            held = 0
+        messages[-1].append(delta)
+        held += weight
+    return messages
 
 
 def step_delta(out: "StepOutput") -> RequestDeltaOut:

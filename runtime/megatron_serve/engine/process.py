@@ -34,7 +34,7 @@ from ..errors import EngineGroupLost, RefitFailed
 from ..wire.lifecycle import ENGINE_DRAINING, STEPS, FleetState, Step, engine_state_after
 from .link import CoordinatorLink
 from ..heap import freeze_startup_heap
-from .output import step_delta
+from .output import step_delta, step_messages
 from .served import EngineStepResult, ServedEngine
 from ..wire.messages import (
     Body,
@@ -241,10 +241,11 @@ class EngineProcess:
         self._report(outputs)
 
     def _report(self, outputs: Sequence[EngineStepResult]) -> None:
-        """Send one step's outputs to the coordinator: one message, a delta per request."""
+        """Send one step's outputs to the coordinator: a delta per request, in one message (several when prompt
+        scores would make it large: :func:`~.output.step_messages`)."""
         if outputs:
-            self._send(Header.ENGINE_STEP, EngineStepOut(engine_id=self.engine_id,
-                                                         outputs=[step_delta(out) for out in outputs]))
+            for deltas in step_messages([step_delta(out) for out in outputs]):
+                self._send(Header.ENGINE_STEP, EngineStepOut(engine_id=self.engine_id, outputs=deltas))
 
     def _publish_stats(self, force: bool = False) -> None:
         """Refresh what the next heartbeat reports (at most every 0.2 s: heartbeats go once a second).

@@ -7,9 +7,10 @@ verbs with its rules: a verb the lifecycle table refuses in the current state is
 is the table's reason.
 
 Access: every admin route answers 403 unless the server was given an admin key (``--admin-key``,
-``--admin-key-file`` or ``$MEGATRON_SERVE_ADMIN_KEY``) and the request presents it as
-``Authorization: Bearer KEY``. The admin key is not the API key, and the server refuses to start
-with both equal: a key that lets a client generate must not let it pause the fleet, nor the other way
+``--admin-key-file`` or ``$MEGATRON_SERVE_ADMIN_KEY``), 401 to a request that presents no key and 403 to
+one that presents another (the API key included), as HTTP has it: 401 asks for credentials, 403 refuses
+those given. The key goes as ``Authorization: Bearer KEY``. The admin key is not the API key, and the
+server refuses to start with both equal: a key that lets a client generate must not let it pause the fleet, nor the other way
 round. The key is checked before the body is read; bodies are strict like the rest of the front door
 (an unknown field is a 400 naming it) and may be empty (every field has a default, except refit's
 ``source``).
@@ -149,7 +150,8 @@ _VERBS: list[tuple[str, type[_AdminBody], str, _Call]] = [
 
 
 def admin_guard(admin_key: str | None) -> list[Any]:
-    """The dependency every admin route has: the admin key, as ``Authorization: Bearer KEY`` (403 otherwise)."""
+    """The dependency every admin route has: the admin key, as ``Authorization: Bearer KEY`` (401 when none is
+    presented, 403 when another is or the admin API is off)."""
     bearer = HTTPBearer(auto_error=False, scheme_name="AdminKey",
                         description="the server's admin key (not the API key), as `Authorization: Bearer KEY`")
     expected = admin_key.encode() if admin_key else None
@@ -160,8 +162,8 @@ def admin_guard(admin_key: str | None) -> list[Any]:
                                 f"{ADMIN_KEY_ENV}) to use it", code="admin_disabled", type="permission_error")
         offered = credentials.credentials.encode() if credentials is not None else b""
         if not offered:
-            raise APIError(403, "the admin API needs the admin key as 'Authorization: Bearer KEY' (the API key "
-                                "does not open it)", code="admin_key_required", type="permission_error")
+            raise APIError(401, "the admin API needs the admin key as 'Authorization: Bearer KEY' (the API key "
+                                "does not open it)", code="admin_key_required", headers={"WWW-Authenticate": "Bearer"})
         if not hmac.compare_digest(offered, expected):
             raise APIError(403, "wrong admin key (the API key does not open the admin API)",
                            code="invalid_admin_key", type="permission_error")
@@ -191,7 +193,9 @@ def add_admin_routes(app: FastAPI, backend: LifecycleBackend, monitor: FleetMoni
     guard = admin_guard(admin_key)
     responses: dict[int | str, dict[str, Any]] = {
         400: {"model": ErrorResponse, "description": "a bad or unknown field in the body"},
-        403: {"model": ErrorResponse, "description": "no admin key configured, or not presented, or wrong"},
+        401: {"model": ErrorResponse, "description": "no admin key presented"},
+        403: {"model": ErrorResponse, "description": "a wrong admin key (the API key included), or no admin key "
+                                                     "configured"},
         409: {"model": ErrorResponse, "description": "the lifecycle refuses this verb in the fleet's state (the "
                                                      "message says why and what to do), or the engines refused "
                                                      "the new weights"},
@@ -220,7 +224,7 @@ def add_admin_routes(app: FastAPI, backend: LifecycleBackend, monitor: FleetMoni
     @app.get("/v1/admin/status", dependencies=guard, tags=["admin"], response_class=JSONResponse,
              responses={200: {"description": "the coordinator's STATUS_REPLY",
                               "content": {"application/json": {"schema": _status_schema()}}},
-                        403: responses[403], 503: responses[503]},
+                        401: responses[401], 403: responses[403], 503: responses[503]},
              description="The coordinator's STATUS_REPLY: state, engines, queued, in_flight, completed, failed, "
                          "aborted, epoch, ...")
     async def status() -> JSONResponse:

@@ -8,31 +8,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any
 
 from ..client.outputs import StreamPartial
 from ..wire.request import DynamicInferenceRequest
 from .chunks import TextSlot
 from .context import ServerContext
-from .models import PromptLogprob, PromptLogprobs, PromptTokensDetails, Usage
+from .models import PromptTokensDetails, Usage
 from .translate import EngineJob
-
-Answer = TypeVar("Answer")
-
-
-async def whole_answer(ctx: ServerContext, jobs: list[EngineJob],
-                       build: Callable[[list[DynamicInferenceRequest]], Answer], decodes_every_token: bool,
-                       label: str = "") -> Answer:
-    """Submit ``jobs``, wait for all of them, and ``build`` the answer from the finished requests
-    (``label``: the response id, for the request log).
-
-    An answer with log probs decodes every token, which would hold the event loop (and every other
-    request's stream) for as long: it is built on the worker threads instead.
-    """
-    results = await ctx.submit(jobs, label).results()
-    if decodes_every_token:
-        return await ctx.workers.run(build, results)
-    return build(results)
 
 
 def finish_reason(result: DynamicInferenceRequest) -> str | None:
@@ -77,24 +60,6 @@ def make_usage(prompt_tokens: int, finished: list[tuple[EngineJob, DynamicInfere
     return Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
                  total_tokens=prompt_tokens + completion_tokens,
                  prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_prompt_tokens(finished)))
-
-
-def prompt_logprobs(tokenizer: Any, result: DynamicInferenceRequest, n: int) -> PromptLogprobs:
-    """vLLM's ``prompt_logprobs``: None for the first token, then per position the prompt token and the top ``n``.
-
-    Ranks are known for tokens among the position's top-n alternatives (1 = most likely), else null.
-    """
-    entries: PromptLogprobs = [None]
-    for position, log_prob in enumerate(result.prompt_log_probs):
-        token = result.prompt_tokens[position + 1]
-        top = result.prompt_top_n_logprobs[position] if position < len(result.prompt_top_n_logprobs) else {}
-        ranked = sorted(top.items(), key=lambda item: -item[1])
-        rank = next((r + 1 for r, (t, _) in enumerate(ranked) if t == token), None)
-        entry = {str(token): PromptLogprob(logprob=log_prob, rank=rank, decoded_token=tokenizer.token_text(token))}
-        for r, (t, value) in enumerate(ranked[:n]):
-            entry.setdefault(str(t), PromptLogprob(logprob=value, rank=r + 1, decoded_token=tokenizer.token_text(t)))
-        entries.append(entry)
-    return entries
 
 
 @dataclass

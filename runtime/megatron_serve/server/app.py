@@ -105,9 +105,10 @@ _SSE_EVENT_SCHEMA = {
 
 def _error_responses(codes: list[int]) -> dict[int | str, dict[str, Any]]:
     meaning = {400: "invalid request (bad parameter, unknown parameter, prompt longer than the context, over a "
-                    "request limit)",
+                    "request limit or budget)",
                401: "missing or wrong API key", 404: "no such model", 429: "the server's queue is full",
                413: "the request body is larger than the server accepts (--max-request-bytes)",
+               415: "the request body is not declared 'Content-Type: application/json'",
                500: "the engine failed", 503: "the fleet is stopped, the coordinator is unreachable or lost, or the "
                                               "server is shutting down (Retry-After says when to retry)"}
     return {code: {"model": ErrorResponse, "description": meaning[code]} for code in codes}
@@ -219,7 +220,7 @@ def create_app(
         app.add_middleware(cls, **settings)
 
     api_dependencies = []
-    error_codes = [400, 404, 413, 429, 500, 503]
+    error_codes = [400, 404, 413, 415, 429, 500, 503]
     authorize: Callable[[Request], Awaitable[None]] | None = None
     if api_key:
         bearer = HTTPBearer(auto_error=False, description="the server's API key, as `Authorization: Bearer KEY`")
@@ -346,7 +347,8 @@ def create_app(
         data, content_type = metrics.render()
         return Response(content=data, media_type=content_type)
 
-    add_tokenize_routes(app, ctx, api_dependencies, _error_responses([400, 401, 404] if api_key else [400, 404]))
+    add_tokenize_routes(app, ctx, api_dependencies,
+                        _error_responses([400, 401, 404, 415] if api_key else [400, 404, 415]))
     add_admin_routes(app, backend, monitor, admin_key)  # type: ignore[arg-type]  # the clients have the verbs
     add_lora_routes(app, backend, monitor, admin_key, runtime_lora_allowed())  # type: ignore[arg-type]
 

@@ -10,10 +10,11 @@ from fastapi.responses import StreamingResponse
 
 from ..client.outputs import StreamPartial
 from ..wire.request import DynamicInferenceRequest
-from .answers import (Delta, StreamedAnswer, finish_reason, make_usage, prompt_logprobs, running_usage,
-                      whole_answer)
+from .answers import Delta, StreamedAnswer, finish_reason, make_usage, running_usage
 from .context import ServerContext
 from .errors import unsupported
+from .intake import check_budget
+from .whole_answers import prompt_logprobs, whole_answer
 from .models import (
     ChatChoice,
     ChatCompletionRequest,
@@ -65,6 +66,7 @@ class ChatHandler:
     """Validates one chat request, submits its ``n`` engine requests, and shapes the answer."""
 
     request_model = ChatCompletionRequest
+    scored_in = "envelope"  # where a whole answer's prompt_logprobs go (whole_answers.AnswerShape)
 
     def __init__(self, ctx: ServerContext, req: ChatCompletionRequest) -> None:
         self.ctx = ctx
@@ -97,6 +99,7 @@ class ChatHandler:
                                    choice=choice, defaults=ctx.generation_defaults, extra=extra)
 
         self.jobs = make_jobs([self.prompt], self.n, params_for)
+        self.cost = check_budget(self.jobs, ctx.limits, returns_prompt=bool(req.return_token_ids))
 
     def usage(self, finished: list[tuple[EngineJob, DynamicInferenceRequest]]) -> Usage:
         """One prompt, counted once: with ``n > 1``, the cached tokens of choice 0 (see ``cached_prompt_tokens``)."""
@@ -127,28 +130,36 @@ class ChatHandler:
                 calls[event.index].function.arguments += event.text
         return ChatResponseMessage(content=content if content.strip() or not calls else None, tool_calls=calls or None)
 
-    async def complete(self) -> ChatCompletionResponse:
-        return await whole_answer(self.ctx, self.jobs, self._response,
+    async def complete(self) -> ChatCompletionResponse | StreamingResponse:
+        return await whole_answer(self.ctx, self.jobs, self, self.cost,
                                   self.want_logprobs or self.req.prompt_logprobs is not None, self.id)
 
-    def _response(self, results: list[DynamicInferenceRequest]) -> ChatCompletionResponse:
-        choices = []
-        for job, result in zip(self.jobs, results):
-            text = result.generated_text or ""
-            message = self._message(text)
-            logprobs = None
-            if self.want_logprobs:
-                logprobs = self._logprobs(result.generated_token_texts, result.generated_log_probs,
-                                          result.generated_top_n_logprobs)  # texts made once, with the text
-            ids = {"token_ids": list(result.generated_tokens)} if self.req.return_token_ids else {}
-            choices.append(ChatChoice(index=job.index, message=message, logprobs=logprobs,
-                                      finish_reason=self._finish_reason(result, bool(message.tool_calls)),
-                                      **extension_fields(self.req, result), **ids))
-        scored = None
+    @property
+    def prompt_logprobs(self) -> int | None:
+        return self.req.prompt_logprobs
+
+    def choice(self, job: EngineJob, result: DynamicInferenceRequest, scored: bool = True) -> ChatChoice:
+        """One choice of the whole answer (:class:`~.whole_answers.AnswerShape`; the envelope holds the prompt log
+        probs)."""
+        message = self._message(result.generated_text or "")
+        logprobs = None
+        if self.want_logprobs:
+            logprobs = self._logprobs(result.generated_token_texts, result.generated_log_probs,
+                                      result.generated_top_n_logprobs)  # texts made once, with the text
+        ids = {"token_ids": list(result.generated_tokens)} if self.req.return_token_ids else {}
+        return ChatChoice(index=job.index, message=message, logprobs=logprobs,
+                          finish_reason=self._finish_reason(result, bool(message.tool_calls)),
+                          **extension_fields(self.req, result), **ids)
+
+    def envelope(self, choices: list[ChatChoice], results: list[DynamicInferenceRequest],
+                 scored: bool = True) -> ChatCompletionResponse:
+        """The whole answer around its ``choices`` (:class:`~.whole_answers.AnswerShape`): the prompt's log probs
+        once."""
+        prompt_scores = None  # scored=False: an empty list, which whole_answers replaces
         if self.req.prompt_logprobs is not None:
-            scored = prompt_logprobs(self.ctx.tokenizer, results[0], self.req.prompt_logprobs)
+            prompt_scores = prompt_logprobs(self.ctx.tokenizer, results[0], self.req.prompt_logprobs) if scored else []
         return ChatCompletionResponse(id=self.id, created=self.created, model=self.req.model, choices=choices,
-                                      usage=self.usage(list(zip(self.jobs, results))), prompt_logprobs=scored,
+                                      usage=self.usage(list(zip(self.jobs, results))), prompt_logprobs=prompt_scores,
                                       prompt_token_ids=self.prompt.tokens if self.req.return_token_ids else None)
 
     @staticmethod

@@ -12,10 +12,11 @@ from fastapi.responses import StreamingResponse
 from ..client.detokenizer import token_texts
 from ..client.outputs import StreamPartial
 from ..wire.request import DynamicInferenceRequest, FinishReason
-from .answers import (Delta, StreamedAnswer, finish_reason, make_usage, prompt_logprobs, running_usage,
-                      whole_answer)
+from .answers import Delta, StreamedAnswer, finish_reason, make_usage, running_usage
 from .context import ServerContext
 from .errors import bad_request, unsupported
+from .intake import check_budget
+from .whole_answers import prompt_logprobs, whole_answer
 from .models import (
     CompletionChoice,
     CompletionRequest,
@@ -75,6 +76,7 @@ class CompletionHandler:
     """Validates one request, submits its engine requests, and shapes the answer."""
 
     request_model = CompletionRequest
+    scored_in = "choice"  # where a whole answer's prompt_logprobs go (whole_answers.AnswerShape)
 
     def __init__(self, ctx: ServerContext, req: CompletionRequest) -> None:
         self.ctx = ctx
@@ -116,42 +118,53 @@ class CompletionHandler:
                                    choice=choice, defaults=ctx.generation_defaults, extra=extra)
 
         self.jobs = make_jobs(self.prompts, self.n, params_for)
+        self.cost = check_budget(self.jobs, ctx.limits, returns_prompt=bool(req.echo or req.return_token_ids))
 
     def usage(self, finished: list[tuple[EngineJob, DynamicInferenceRequest]]) -> Usage:
         return make_usage(sum(len(p.tokens) for p in self.prompts), finished)
 
     # ------------------------------------------------------------------ whole answer
 
-    async def complete(self) -> CompletionResponse:
-        return await whole_answer(self.ctx, self.jobs, self._response,
+    async def complete(self) -> CompletionResponse | StreamingResponse:
+        return await whole_answer(self.ctx, self.jobs, self, self.cost,
                                   self.want_logprobs or self.req.prompt_logprobs is not None, self.id)
 
-    def _response(self, results: list[DynamicInferenceRequest]) -> CompletionResponse:
+    @property
+    def prompt_logprobs(self) -> int | None:
+        return self.req.prompt_logprobs
+
+    def choice(self, job: EngineJob, result: DynamicInferenceRequest, scored: bool = True) -> CompletionChoice:
+        """One choice of the whole answer (:class:`~.whole_answers.AnswerShape`)."""
+        if self.scoring_only:
+            result = prompt_only(result)
+        prefix = _echo_text(self.ctx, job.prompt) if self.req.echo else ""
+        text = result.generated_text or ""
+        logprobs = None
+        if self.want_logprobs:
+            texts = list(result.generated_token_texts)  # made with the text, by the client's output processor
+            log_probs, top = list(result.generated_log_probs), list(result.generated_top_n_logprobs)
+            if self.echo_logprobs:  # the prompt's tokens first; its first token has no log prob
+                skip = self.req.skip_special_tokens is not False
+                texts = token_texts(self.ctx.tokenizer, result.prompt_tokens, prefix, skip) + texts
+                log_probs = [None, *result.prompt_log_probs, *log_probs]
+                top = [None, *result.prompt_top_n_logprobs, *top]
+            logprobs = completion_logprobs(self.ctx.tokenizer, texts, log_probs, top if self.top else None,
+                                           0 if self.echo_logprobs else len(prefix), self.top)
+        prompt_scores = None  # scored=False: an empty list, which whole_answers replaces
+        if self.req.prompt_logprobs is not None:
+            prompt_scores = prompt_logprobs(self.ctx.tokenizer, result, self.req.prompt_logprobs) if scored else []
+        ids = ({"prompt_token_ids": job.prompt.tokens, "token_ids": list(result.generated_tokens)}
+               if self.req.return_token_ids else {})
+        return CompletionChoice(index=job.index, text=prefix + text, logprobs=logprobs,
+                                finish_reason=finish_reason(result), prompt_logprobs=prompt_scores,
+                                **extension_fields(self.req, result), **ids)
+
+    def envelope(self, choices: list[CompletionChoice], results: list[DynamicInferenceRequest],
+                 scored: bool = True) -> CompletionResponse:
+        """The whole answer around its ``choices`` (:class:`~.whole_answers.AnswerShape`; its choices hold the
+        prompt log probs)."""
         if self.scoring_only:
             results = [prompt_only(result) for result in results]
-        choices = []
-        for job, result in zip(self.jobs, results):
-            prefix = _echo_text(self.ctx, job.prompt) if self.req.echo else ""
-            text = result.generated_text or ""
-            logprobs = None
-            if self.want_logprobs:
-                texts = list(result.generated_token_texts)  # made with the text, by the client's output processor
-                log_probs, top = list(result.generated_log_probs), list(result.generated_top_n_logprobs)
-                if self.echo_logprobs:  # the prompt's tokens first; its first token has no log prob
-                    skip = self.req.skip_special_tokens is not False
-                    texts = token_texts(self.ctx.tokenizer, result.prompt_tokens, prefix, skip) + texts
-                    log_probs = [None, *result.prompt_log_probs, *log_probs]
-                    top = [None, *result.prompt_top_n_logprobs, *top]
-                logprobs = completion_logprobs(self.ctx.tokenizer, texts, log_probs, top if self.top else None,
-                                               0 if self.echo_logprobs else len(prefix), self.top)
-            scored = None
-            if self.req.prompt_logprobs is not None:
-                scored = prompt_logprobs(self.ctx.tokenizer, result, self.req.prompt_logprobs)
-            ids = ({"prompt_token_ids": job.prompt.tokens, "token_ids": list(result.generated_tokens)}
-                   if self.req.return_token_ids else {})
-            choices.append(CompletionChoice(index=job.index, text=prefix + text, logprobs=logprobs,
-                                            finish_reason=finish_reason(result), prompt_logprobs=scored,
-                                            **extension_fields(self.req, result), **ids))
         return CompletionResponse(id=self.id, created=self.created, model=self.req.model, choices=choices,
                                   usage=self.usage(list(zip(self.jobs, results))))
 

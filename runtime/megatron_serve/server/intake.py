@@ -4,11 +4,15 @@ The event loop answers every connection, the probes included, so no step whose c
 what a client sends may run on it unbounded:
 
 * :class:`BodySizeLimit` refuses a body over ``max_body_bytes`` with a 413 before reading it
-  (by ``Content-Length``) or as soon as the bytes read exceed it (chunked bodies);
+  (by ``Content-Length``) or as soon as the bytes read exceed it (chunked bodies), and a body that
+  is not declared ``application/json`` with a 415 (vLLM's rule; a browser's form or ``fetch`` can
+  send ``text/plain`` to another site without asking it first, never ``application/json``);
 * :func:`parse_body` parses and validates in one pass (pydantic's own JSON parser, which also
   refuses invalid UTF-8, lone surrogates and nesting deeper than a few hundred levels). It holds
   the GIL, so its cost is bounded by the body limit rather than moved off the loop;
-* :func:`check_limits` refuses oversized requests before anything is tokenized or rendered;
+* :func:`check_limits` refuses oversized requests before anything is tokenized or rendered, and
+  :func:`check_budget` the costly ones (:mod:`megatron_serve.limits`) once their prompts are tokens,
+  before anything is submitted;
 * :class:`Workers` runs tokenization and chat-template rendering on a few threads (the Rust
   tokenizer releases the GIL while it encodes: measured, a 1 M character prompt tokenized on a
   worker delayed the event loop by at most 10 ms, against 1.6 s inline).
@@ -19,12 +23,12 @@ from __future__ import annotations
 import asyncio
 import os
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, TypeVar
 
 from pydantic import BaseModel, TypeAdapter, ValidationError
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from ..limits import RequestLimits
+from ..limits import Cost, RequestLimits, engine_request_cost, over_budget
 from .errors import APIError, bad_request, validation_error
 from .models import (
     ChatCompletionRequest,
@@ -37,6 +41,9 @@ from .models import (
     _SamplingRequest,
 )
 
+if TYPE_CHECKING:  # annotations only: intake stays below the translation of bodies
+    from .translate import EngineJob
+
 M = TypeVar("M", bound=BaseModel)
 T = TypeVar("T")
 
@@ -46,12 +53,22 @@ def too_large(limit: int) -> APIError:
                          "it with --max-request-bytes)", code="request_too_large")
 
 
+def not_json(content_type: str | None) -> APIError:
+    return APIError(415, f"the request body must be JSON sent as 'Content-Type: application/json', not "
+                         f"{content_type[:100]!r}" if content_type else "the request body must be JSON sent as "
+                         "'Content-Type: application/json' (the request declares no content type)",
+                    code="unsupported_media_type")
+
+
 class BodySizeLimit:
-    """ASGI middleware: bodies larger than ``limit`` bytes get a 413 in the OpenAI error shape.
+    """ASGI middleware: bodies larger than ``limit`` bytes get a 413, bodies not declared JSON a 415, in the
+    OpenAI error shape.
 
     A declared ``Content-Length`` over the limit is answered at once, unread; the server then
     discards the rest of the upload (the connection's read timeout bounds how long), so that the
-    client reads the 413 instead of a broken connection.
+    client reads the 413 instead of a broken connection. Every route that takes a body takes JSON;
+    a request without one (``Content-Length: 0``, or neither it nor chunked encoding: an admin verb
+    with no arguments) needs no content type.
     """
 
     def __init__(self, app: ASGIApp, limit: int) -> None:
@@ -62,9 +79,12 @@ class BodySizeLimit:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        declared = _content_length(scope)
+        declared, content_type, chunked = _body_headers(scope)
         if declared is not None and declared > self.limit:
             await too_large(self.limit).response()(scope, receive, send)
+            return
+        if (chunked or (declared or 0) > 0) and not _is_json(content_type):
+            await not_json(content_type).response()(scope, receive, send)
             return
         received = 0
 
@@ -80,14 +100,28 @@ class BodySizeLimit:
         await self.app(scope, limited, send)
 
 
-def _content_length(scope: Scope) -> int | None:
+def _body_headers(scope: Scope) -> tuple[int | None, str | None, bool]:
+    """The request's declared ``Content-Length`` (None: none, or not a number), ``Content-Type`` and whether its
+    body comes chunked."""
+    length: int | None = None
+    content_type: str | None = None
+    chunked = False
     for name, value in scope["headers"]:
         if name == b"content-length":
             try:
-                return int(value)
+                length = int(value)
             except ValueError:
-                return None
-    return None
+                length = None
+        elif name == b"content-type":
+            content_type = value.decode("latin-1")
+        elif name == b"transfer-encoding":
+            chunked = b"chunked" in value.lower()
+    return length, content_type, chunked
+
+
+def _is_json(content_type: str | None) -> bool:
+    """``application/json``, with parameters (``; charset=utf-8``) or not, in any case."""
+    return content_type is not None and content_type.split(";", 1)[0].strip().lower() == "application/json"
 
 
 def parse_body(schema: type[M] | TypeAdapter[M], body: bytes) -> M:
@@ -118,6 +152,9 @@ def check_limits(req: _SamplingRequest, limits: RequestLimits, max_model_len: in
     if req.logit_bias is not None and len(req.logit_bias) > limits.max_logit_bias:
         raise bad_request(f"logit_bias has {len(req.logit_bias)} entries; this server allows at most "
                           f"{limits.max_logit_bias}", param="logit_bias")
+    if req.stop_token_ids is not None and len(req.stop_token_ids) > limits.max_stop_token_ids:
+        raise bad_request(f"stop_token_ids holds {len(req.stop_token_ids)} ids; this server allows at most "
+                          f"{limits.max_stop_token_ids} (--max-stop-token-ids)", param="stop_token_ids")
     check_logprobs(req, limits.max_logprobs)
     if isinstance(req, ChatCompletionRequest):
         check_prompt_size(limits, max_model_len, messages=req.messages)
@@ -132,6 +169,18 @@ def check_limits(req: _SamplingRequest, limits: RequestLimits, max_model_len: in
         raise APIError(400, f"This model's maximum context length is {max_model_len} tokens, and {tokens_param} asks "
                             f"for {requested} (the prompt needs at least one token too). Please reduce {tokens_param}.",
                        param=tokens_param, code="context_length_exceeded")
+
+
+def check_budget(jobs: list[EngineJob], limits: RequestLimits, *, returns_prompt: bool = False) -> Cost:
+    """The cost of a request's engine requests (``returns_prompt``: the answer repeats each prompt), or the 400
+    that names the budget it is over and the request's figure."""
+    cost = Cost()
+    for job in jobs:
+        cost += engine_request_cost(len(job.prompt.tokens), job.params, returns_prompt=returns_prompt)
+    reason = over_budget(cost, limits.max_request_logprobs, limits.max_response_bytes)
+    if reason is not None:
+        raise APIError(400, reason, code="over_budget")
+    return cost
 
 
 def check_logprobs(req: _SamplingRequest, limit: int) -> None:

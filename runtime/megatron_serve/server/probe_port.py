@@ -27,16 +27,14 @@ import time
 from typing import Any
 
 from ..client.loop_thread import EventLoopThread
-from ..limits import HEALTH_STALL_TIMEOUT, STATUS_INTERVAL, STATUS_TIMEOUT
+from ..limits import HEALTH_STALL_TIMEOUT, PROBE_BACKLOG, PROBE_MAX_OPEN, STATUS_INTERVAL, STATUS_TIMEOUT
 from .fleet import FleetMonitor
 
 logger = logging.getLogger("megatron_serve.server")
 
 #: A probe connection must deliver its request line and headers within this long, else it is closed (a kubelet
-#: sends its GET at once).
-REQUEST_TIMEOUT = 5.0
-
-
+#: sends its GET at once, and waits 1 s for the answer by default).
+REQUEST_TIMEOUT = 2.0
 class FleetWatch:
     """The fleet's state as a control connection of its own sees it, kept current by a thread of its own."""
 
@@ -103,13 +101,18 @@ class ProbeServer:
     """``/health`` and ``/ready`` on ``sock`` (bound), served by one thread of its own.
 
     One ``selectors`` loop, non-blocking sockets, no thread per request and no header parsing beyond
-    the request line. A connection that has not sent its request within ``REQUEST_TIMEOUT`` is closed.
+    the request line. Every wake-up accepts all that waits in the backlog; a connection that has not
+    sent its request within ``idle_timeout`` is closed, and past ``max_open`` connections the oldest
+    is, so idle connections can neither fill the backlog nor the process's files.
     """
 
-    def __init__(self, sock: socket.socket, facts: ProbeFacts) -> None:
+    def __init__(self, sock: socket.socket, facts: ProbeFacts, *, idle_timeout: float = REQUEST_TIMEOUT,
+                 max_open: int = PROBE_MAX_OPEN) -> None:
         self.socket = sock
         self.facts = facts
-        sock.listen(64)
+        self.idle_timeout = idle_timeout
+        self.max_open = max_open
+        sock.listen(PROBE_BACKLOG)
         sock.setblocking(False)
         self._closing = threading.Event()
         self._thread = threading.Thread(target=self._serve, name="megatron-serve-probe-port", daemon=True)
@@ -127,16 +130,18 @@ class ProbeServer:
     def _serve(self) -> None:
         selector = selectors.DefaultSelector()
         selector.register(self.socket, selectors.EVENT_READ)
-        started: dict[socket.socket, tuple[float, bytearray]] = {}
+        started: dict[socket.socket, tuple[float, bytearray]] = {}  # in the order accepted: the oldest first
         try:
             while not self._closing.is_set():
-                for key, _events in selector.select(timeout=0.5):
+                for key, _events in selector.select(timeout=min(0.5, self.idle_timeout)):
                     if key.fileobj is self.socket:
                         self._accept(selector, started)
-                    else:
+                    elif key.fileobj in started:  # not dropped by an accept of this same wake-up
                         self._read(selector, started, key.fileobj)  # type: ignore[arg-type]
-                now = time.monotonic()
-                for conn in [c for c, (began, _) in started.items() if now - began > REQUEST_TIMEOUT]:
+                expired = time.monotonic() - self.idle_timeout
+                for conn, (began, _) in list(started.items()):
+                    if began > expired:
+                        break
                     self._drop(selector, started, conn)
         finally:
             for conn in list(started):
@@ -144,13 +149,17 @@ class ProbeServer:
             selector.close()
 
     def _accept(self, selector: selectors.BaseSelector, started: dict[socket.socket, tuple[float, bytearray]]) -> None:
-        try:
-            conn, _peer = self.socket.accept()
-        except OSError:  # gone before we took it, or out of files: the next probe tries again
-            return
-        conn.setblocking(False)
-        selector.register(conn, selectors.EVENT_READ)
-        started[conn] = (time.monotonic(), bytearray())
+        """Every connection waiting in the backlog (the oldest open ones make room past ``max_open``)."""
+        while True:
+            try:
+                conn, _peer = self.socket.accept()
+            except OSError:  # none left, or out of files: the next wake-up tries again
+                return
+            while len(started) >= self.max_open:
+                self._drop(selector, started, next(iter(started)))
+            conn.setblocking(False)
+            selector.register(conn, selectors.EVENT_READ)
+            started[conn] = (time.monotonic(), bytearray())
 
     def _read(self, selector: selectors.BaseSelector, started: dict[socket.socket, tuple[float, bytearray]],
               conn: socket.socket) -> None:

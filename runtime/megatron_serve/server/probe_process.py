@@ -23,6 +23,7 @@ import argparse
 import asyncio
 import logging
 import os
+import resource
 import signal
 import socket
 import subprocess
@@ -30,7 +31,7 @@ import sys
 import time
 from typing import Callable
 
-from ..limits import HEALTH_STALL_TIMEOUT, STATUS_INTERVAL, STATUS_TIMEOUT
+from ..limits import HEALTH_STALL_TIMEOUT, PROBE_BACKLOG, PROBE_MAX_OPEN, STATUS_INTERVAL, STATUS_TIMEOUT
 
 logger = logging.getLogger("megatron_serve.server")
 
@@ -50,7 +51,7 @@ class ProbePort:
                  stall_timeout: float = HEALTH_STALL_TIMEOUT, log_level: str = "WARNING") -> None:
         self.sock = sock
         self._draining = draining
-        sock.listen(64)  # probes queue from now; the probe process answers them once it runs
+        sock.listen(PROBE_BACKLOG)  # probes queue from now; the probe process answers them once it runs
         read_end, self._stamps = os.pipe()
         os.set_blocking(self._stamps, False)
         env = {k: v for k, v in os.environ.items() if k != TOKEN_ENV}
@@ -113,6 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, signal.SIG_IGN)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s probe port: %(message)s")
+    _files_for_probes()
     from .probe_port import FleetWatch, ProbeFacts, ProbeServer  # noqa: PLC0415
 
     watch = FleetWatch(args.coordinator, None if args.insecure else os.environ.get(TOKEN_ENV),
@@ -128,6 +130,16 @@ def main(argv: list[str] | None = None) -> int:
         server.close()
         watch.close()
     return 0
+
+
+def _files_for_probes() -> None:
+    """Raise this process's open-file limit so that ``PROBE_MAX_OPEN`` probe connections fit beside its own files (a
+    soft limit of 1,024 is common; the hard limit is the most an unprivileged process may take)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    wanted = PROBE_MAX_OPEN + 256
+    if soft != resource.RLIM_INFINITY and soft < wanted:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (wanted if hard == resource.RLIM_INFINITY else min(wanted, hard),
+                                                    hard))
 
 
 if __name__ == "__main__":

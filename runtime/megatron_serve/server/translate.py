@@ -96,6 +96,16 @@ def _logit_bias(req: _SamplingRequest, vocab_size: int | None) -> dict[int, floa
     return bias
 
 
+def _stop_token_ids(req: _SamplingRequest, vocab_size: int | None) -> list[int]:
+    """``stop_token_ids``, each a token id of the vocabulary (the count is checked with the limits)."""
+    ids = list(req.stop_token_ids or [])
+    outside = next((t for t in ids if vocab_size is not None and t >= vocab_size), None)
+    if outside is not None:
+        raise bad_request(f"stop_token_ids: {outside} is not a token id of this model's vocabulary [0, {vocab_size})",
+                          param="stop_token_ids", code="invalid_token_id")
+    return ids
+
+
 def structured_outputs(req: _SamplingRequest, limits: RequestLimits,
                        tool_constraint: tuple[str, StructuredOutputsParams] | None = None
                        ) -> StructuredOutputsParams | None:
@@ -373,7 +383,7 @@ def controls(req: _SamplingRequest, vocab_size: int | None, constraint: Structur
         "logit_bias": _logit_bias(req, vocab_size),
         "min_p": req.min_p,
         "min_tokens": req.min_tokens or 0,
-        "stop_token_ids": list(req.stop_token_ids or []),
+        "stop_token_ids": _stop_token_ids(req, vocab_size),
         "structured_outputs": constraint,
         "return_prompt_log_probs": prompt_log_probs,
     }

@@ -1,0 +1,41 @@
+"""An engine step's deltas go in ENGINE_STEP messages that fit the frame, however many prompt scores they carry.
+
+A request's prompt scores all go with its first token: before, several requests with long scored prompts that
+finished their prefill in one step made one message over the 16 MiB frame, which the engine's link then did not
+send at all (every delta of the step lost, its requests left to the stall timeout).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from megatron_serve.engine.output import STEP_MESSAGE_SCORES, step_messages
+from megatron_serve.wire.messages import TO_COORDINATOR, EngineStepOut, PromptScores, RequestDeltaOut
+from megatron_serve.wire.protocol import MAX_MESSAGE_BYTES, Header, ProtocolError, decode, encode
+
+
+def scored(request_id: str, positions: int, k: int = 20) -> RequestDeltaOut:
+    scores = PromptScores(log_probs=[-1.25] * positions, top_ids=[list(range(1000, 1000 + k))] * positions,
+                          top_log_probs=[[-2.5 - j / 7 for j in range(k)]] * positions)
+    return RequestDeltaOut(request_id=request_id, new_tokens=[7], finished=False, prompt_scores=scores)
+
+
+def test_a_step_of_long_scored_prompts_is_cut_into_messages_that_fit_the_frame():
+    deltas = [scored(f"r{i}", 30_000) for i in range(4)] + [RequestDeltaOut(request_id="plain", new_tokens=[3],
+                                                                           finished=False)]
+    with pytest.raises(ProtocolError, match="exceeds"):  # the control: the step as one message
+        encode(Header.ENGINE_STEP, EngineStepOut(engine_id="e", outputs=deltas))
+    messages = step_messages(deltas)
+    assert len(messages) > 1 and [d for m in messages for d in m] == deltas  # all of them, in order
+    for message in messages:
+        frame = encode(Header.ENGINE_STEP, EngineStepOut(engine_id="e", outputs=message))
+        assert len(frame) < MAX_MESSAGE_BYTES
+        assert len(decode(frame, TO_COORDINATOR).body.outputs) == len(message)
+
+
+def test_a_step_without_prompt_scores_is_one_message_and_a_lone_large_delta_is_not_split():
+    plain = [RequestDeltaOut(request_id=f"r{i}", new_tokens=[i], finished=False) for i in range(64)]
+    assert step_messages(plain) == [plain]
+    large = scored("big", STEP_MESSAGE_SCORES)  # past the limit alone: a message of its own
+    assert step_messages([large, plain[0]]) == [[large], [plain[0]]]
+    assert step_messages([plain[0], large]) == [[plain[0]], [large]]
