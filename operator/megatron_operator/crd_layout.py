@@ -82,6 +82,18 @@ def groups_status_schema() -> dict[str, Any]:
                          "description": "Kind of the group's workload."},
             "ready": {"type": "boolean", "description": "Every rank's pod is ready."},
             "ranks": {"type": "array", "items": rank, "description": "The group's pods, by node rank."},
+            "startedWith": {
+                "type": "array",
+                "description": "StatefulSet groups: the pods the group last ran with, complete. When some of them "
+                               "are recreated or restarted and others are not, the operator deletes the others so "
+                               "that every rank starts again together.",
+                "items": {"type": "object", "required": ["rank"], "properties": {
+                    "rank": {"type": "integer", "format": "int32", "minimum": 0, "description": "Node rank."},
+                    "podUID": {"type": "string", "description": "Pod uid."},
+                    "restarts": {"type": "integer", "format": "int32", "minimum": 0,
+                                 "description": "Restarts of its engine container."},
+                }},
+            },
         },
         "required": ["group"],
     }
