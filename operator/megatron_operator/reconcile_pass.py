@@ -137,7 +137,7 @@ async def _pass(resource: Mapping[str, Any], state: ResourceState, kube: Kube, c
     obs.model = state.model = weights.model
     rendered = dataclasses.replace(spec, model_path=weights.model["templatePath"],
                                    model_hub=weights.model.get("templateHub"))
-    leader_worker_set = spec.gang and await kube.serves(lws.API_VERSION, lws.PLURAL)
+    leader_worker_set = spec.gang and config.leader_worker_set and await kube.serves(lws.API_VERSION, lws.PLURAL)
     desired = render.render_spec(rendered, config, token=token, engines_stopped=engines_stopped,
                                  leader_worker_set=leader_worker_set)
     children = await Reconciler(kube).children(desired, name=name, namespace=namespace, uid=uid,
