@@ -21,6 +21,7 @@ ENV_CONNECT_TIMEOUT = "MEGATRON_OPERATOR_CONNECT_TIMEOUT"
 ENV_COMMAND_TIMEOUT = "MEGATRON_OPERATOR_COMMAND_TIMEOUT"
 ENV_POD_LABELS = "MEGATRON_OPERATOR_POD_LABELS"
 ENV_SCANNING = "MEGATRON_OPERATOR_SCANNING"
+ENV_LEADER_WORKER_SET = "MEGATRON_OPERATOR_LEADER_WORKER_SET"
 
 
 def _labels(text: str) -> dict[str, str]:
@@ -82,6 +83,8 @@ class OperatorConfig:
     command_timeout: float = 120.0
     operator_pod_labels: dict[str, str] = field(default_factory=lambda: {"app.kubernetes.io/name": "megatron-operator"})
     scanning: bool = True
+    # gangs as LeaderWorkerSets where the API server serves them (auto); False: always StatefulSets (never)
+    leader_worker_set: bool = True
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> "OperatorConfig":
@@ -95,6 +98,9 @@ class OperatorConfig:
         except (KeyError, IndexError, ValueError) as exc:
             raise ValueError(f"{ENV_ADDRESS}: bad template {template!r} (use {{name}} and {{namespace}}): {exc}") from None
         labels = _labels(env[ENV_POD_LABELS]) if env.get(ENV_POD_LABELS) else None
+        lws_mode = (env.get(ENV_LEADER_WORKER_SET) or "auto").strip().lower()
+        if lws_mode not in ("auto", "never"):
+            raise ValueError(f"{ENV_LEADER_WORKER_SET}: expected auto or never, got {lws_mode!r}")
         kwargs = {} if labels is None else {"operator_pod_labels": labels}
         return cls(
             default_image=env.get(ENV_DEFAULT_IMAGE) or DEFAULT_IMAGE,
@@ -104,6 +110,7 @@ class OperatorConfig:
             connect_timeout=_float(env, ENV_CONNECT_TIMEOUT, 5.0),
             command_timeout=_float(env, ENV_COMMAND_TIMEOUT, 120.0),
             scanning=(env.get(ENV_SCANNING, "true").strip().lower() not in ("0", "false", "no", "off")),
+            leader_worker_set=lws_mode == "auto",
             **kwargs,
         )
 

@@ -17,6 +17,8 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
+from . import crd_layout
+
 GROUP = "serving.megatron.dev"
 VERSION = "v1alpha1"
 API_VERSION = f"{GROUP}/{VERSION}"
@@ -189,6 +191,8 @@ CEL_RULES: list[tuple[str, str, str, CelCheck]] = [
     ),
 ]
 
+CEL_RULES += crd_layout.CEL_RULES
+
 # rule text -> python twin (the operator evaluates these; tests compare them with real CEL)
 CEL_CHECKS: dict[str, CelCheck] = {rule: check for _, rule, _, check in CEL_RULES}
 
@@ -239,7 +243,8 @@ def spec_schema() -> dict[str, Any]:
     )
     model["x-kubernetes-validations"] = _rules_for("spec.model")
     parallelism = _obj(
-        "Parallel layout: data = number of engine groups, each tensor*pipeline GPUs.",
+        "Parallel layout: data = number of engine groups, each tensor*pipeline GPUs (engine.parallelism, when set, "
+        "gives a group's layout instead of tensor and pipeline).",
         {
             "tensor": _int("Tensor-parallel ranks per engine group.", minimum=1, maximum=64, default=1),
             "pipeline": _int("Pipeline-parallel stages per engine group. Reserved: the engine runs one stage, "
@@ -303,6 +308,8 @@ def spec_schema() -> dict[str, Any]:
                 },
                 required=["method"],
             ),
+            "parallelism": {**crd_layout.parallelism_schema(),
+                            "x-kubernetes-validations": _rules_for("spec.engine.parallelism")},
             "resources": _resources("CPU/memory for each engine pod; nvidia.com/gpu is set by the operator."),
             "nodeSelector": {"type": "object", "description": "Node selector for engine pods.",
                              "additionalProperties": {"type": "string"}},
@@ -467,6 +474,7 @@ def status_schema() -> dict[str, Any]:
                                      "coordinator's current weights. Changes only when pods must roll."),
                 "templateHub": _str("spec.model.hub the pod templates fetch into templatePath (absent: none)."),
             }),
+            "groups": crd_layout.groups_status_schema(),
             "endpoint": _str("OpenAI base URL inside the cluster."),
             "selector": _str("Label selector of engine pods (for the scale subresource)."),
             "observedGeneration": {"type": "integer", "format": "int64",

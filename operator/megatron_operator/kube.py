@@ -16,7 +16,7 @@ import json
 from typing import Any
 from urllib.parse import quote, urlencode
 
-from . import __version__, crd
+from . import __version__, crd, leader_worker_set as lws
 
 # (apiVersion, kind) -> (URL prefix, plural)
 KINDS: dict[tuple[str, str], tuple[str, str]] = {
@@ -25,6 +25,8 @@ KINDS: dict[tuple[str, str], tuple[str, str]] = {
     ("apps/v1", "Deployment"): ("/apis/apps/v1", "deployments"),
     ("apps/v1", "StatefulSet"): ("/apis/apps/v1", "statefulsets"),
     ("networking.k8s.io/v1", "NetworkPolicy"): ("/apis/networking.k8s.io/v1", "networkpolicies"),
+    (lws.API_VERSION, lws.KIND): (f"/apis/{lws.API_VERSION}", lws.PLURAL),
+    ("v1", "Pod"): ("/api/v1", "pods"),
 }
 
 # Every API call of the operator process: (apiGroup, resource, verbs). Kept in one place so the
@@ -44,6 +46,10 @@ PERMISSIONS: list[tuple[str, str, tuple[str, ...]]] = [
     ("apps", "deployments", ("get", "create", "patch")),
     ("apps", "statefulsets", ("get", "list", "create", "patch", "delete")),
     ("networking.k8s.io", "networkpolicies", ("get", "create", "patch")),
+    # engine groups with spec.engine.parallelism, where the cluster has the LeaderWorkerSet CRD
+    (lws.GROUP, lws.PLURAL, ("get", "list", "create", "patch", "delete")),
+    # their ranks: listed for status.groups; a StatefulSet gang's other pods are deleted when one rank restarts
+    ("", "pods", ("list", "delete")),
 ]
 
 CLUSTER_ONLY = {"customresourcedefinitions"}
@@ -135,6 +141,17 @@ class Kube:
             if exc.status == 404:
                 return None
             raise
+
+    async def serves(self, api_version: str, plural: str) -> bool:
+        """Whether the API server serves ``plural`` in ``api_version`` (discovery, which every client may read):
+        how the operator finds the LeaderWorkerSet CRD installed."""
+        try:
+            data = await self._run("GET", f"/apis/{quote(api_version, safe='/')}")
+        except KubeError as exc:
+            if exc.status in (403, 404):
+                return False
+            raise
+        return any(item.get("name") == plural for item in (data or {}).get("resources") or [])
 
     async def list(self, api_version: str, kind: str, namespace: str, label_selector: str) -> list[dict[str, Any]]:
         data = await self._run("GET", _url(api_version, kind, namespace, query={"labelSelector": label_selector}))

@@ -101,15 +101,24 @@ def _authenticated(container: dict[str, Any], port: dict[str, Any]) -> bool:
     return container.get("args", [""])[0] == "server" and port.get("name") == "http" and keyed
 
 
+def _pod_template(obj: dict[str, Any]) -> dict[str, Any] | None:
+    """The pod template of a workload (a LeaderWorkerSet's leader and workers share one), else None."""
+    if obj["kind"] in ("Deployment", "StatefulSet"):
+        return obj["spec"]["template"]
+    if obj["kind"] == "LeaderWorkerSet":
+        return obj["spec"]["leaderWorkerTemplate"]["workerTemplate"]
+    return None
+
+
 def unauthenticated_ports(objects: list[dict[str, Any]]) -> list[str]:
     """Every container port of ``objects`` that any pod or client could reach without credentials (see the
     module docstring), as lines naming the port and what would close it."""
     policies = [o for o in objects if o["kind"] == "NetworkPolicy"]
     problems = []
     for obj in objects:
-        if obj["kind"] not in ("Deployment", "StatefulSet"):
+        template = _pod_template(obj)
+        if template is None:
             continue
-        template = obj["spec"]["template"]
         pod_labels = template["metadata"].get("labels", {})
         covering = [p for p in policies if _selects(p, pod_labels, obj["metadata"]["namespace"])]
         for container in template["spec"]["containers"]:

@@ -8,8 +8,9 @@
 - Engine groups roll one at a time: the pod template of a group is replaced only while no
   other group is still coming up on a new template. Engines drain on SIGTERM (preStop and
   terminationGracePeriodSeconds), so replacing a group's pods drains it first.
-- Engine groups at or above ``data`` (StatefulSet and headless Service) are deleted, highest
-  first; their engines drain the same way.
+- Engine groups at or above ``data`` (StatefulSet or LeaderWorkerSet, and headless Service) are
+  deleted, highest first; their engines drain the same way. So are a group's objects of the other
+  workload kind (a gang moving between StatefulSet and LeaderWorkerSet when that CRD comes or goes).
 - A patch the API server refuses as invalid (an immutable field changed) deletes the object,
   and the next pass creates it again.
 """
@@ -19,10 +20,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from . import leader_worker_set as lws
 from . import names, render
 from .kube import Kube, KubeError
 
 Event = tuple[str, str, str]  # (type, reason, message)
+
+#: engine group workloads -> (apiVersion, the key of their spec that holds the pod template)
+WORKLOADS = {"StatefulSet": ("apps/v1", "template"), lws.KIND: (lws.API_VERSION, "leaderWorkerTemplate")}
 
 
 def _scalar_equal(want: Any, have: Any) -> bool:
@@ -80,7 +85,7 @@ def group_of(obj: dict[str, Any]) -> int | None:
 
 
 def settled(sts: dict[str, Any]) -> bool:
-    """A StatefulSet whose controller has caught up and whose pods are all ready."""
+    """A StatefulSet (or LeaderWorkerSet) whose controller has caught up and whose replicas are all ready."""
     spec = sts.get("spec") or {}
     status = sts.get("status") or {}
     replicas = int(spec.get("replicas", 1))
@@ -92,10 +97,11 @@ def settled(sts: dict[str, Any]) -> bool:
 
 
 def group_ready(sts: dict[str, Any] | None, pods: int) -> bool:
-    """Engine group readiness: the StatefulSet runs all its pods ready, on its current template."""
+    """Engine group readiness: the StatefulSet runs all its pods ready, on its current template (a
+    LeaderWorkerSet its one replica: the leader and every worker)."""
     if sts is None or pods <= 0:
         return False
-    if int((sts.get("spec") or {}).get("replicas", 0)) < pods:
+    if int((sts.get("spec") or {}).get("replicas", 0)) < (1 if sts.get("kind") == lws.KIND else pods):
         return False
     return settled(sts)
 
@@ -122,7 +128,9 @@ class Reconciler:
         return await self.kube.get(obj["apiVersion"], obj["kind"], meta["namespace"], meta["name"])
 
     async def children(self, desired: list[dict[str, Any]], *, name: str, namespace: str,
-                       uid: str | None, data: int) -> ChildrenResult:
+                       uid: str | None, leader_worker_set: bool = False) -> ChildrenResult:
+        """Create or patch ``desired``; delete engine objects it no longer holds (``leader_worker_set``: the
+        cluster serves LeaderWorkerSets, which are looked for too)."""
         result = ChildrenResult()
         # one at a time: no extra tasks (kopf re-raises from tasks still running when it stops)
         live_by_key = {_key(obj): await self._get(obj) for obj in desired}
@@ -132,8 +140,9 @@ class Reconciler:
         rolling: set[str] = set()
         for obj in desired:
             live = live_by_key[_key(obj)]
-            if obj["kind"] == "StatefulSet" and live is not None and controller_uid(live) in (None, uid):
-                if contains(obj["spec"]["template"], (live.get("spec") or {}).get("template")) \
+            if obj["kind"] in WORKLOADS and live is not None and controller_uid(live) in (None, uid):
+                key = WORKLOADS[obj["kind"]][1]
+                if contains(obj["spec"][key], (live.get("spec") or {}).get(key)) \
                         and int(obj["spec"]["replicas"]) > 0 and not settled(live):
                     rolling.add(obj["metadata"]["name"])
 
@@ -153,10 +162,10 @@ class Reconciler:
             patch = diff(obj, live)
             if obj["kind"] == "Secret" and render.TOKEN_KEY in (live.get("data") or {}):
                 patch.pop("data", None)  # the token of an existing Secret is never rotated
-            if obj["kind"] == "StatefulSet" and "template" in patch.get("spec", {}):
+            if obj["kind"] in WORKLOADS and WORKLOADS[obj["kind"]][1] in patch.get("spec", {}):
                 others_rolling = rolling - {obj["metadata"]["name"]}
                 if others_rolling:
-                    patch["spec"].pop("template")
+                    patch["spec"].pop(WORKLOADS[obj["kind"]][1])
                     if not patch["spec"]:
                         patch.pop("spec")
                     result.deferred.append(obj["metadata"]["name"])
@@ -167,7 +176,10 @@ class Reconciler:
                 continue
             result.live[key] = await self._patch(obj, patch, live, result)
 
-        await self._delete_extra_groups(name, namespace, uid, data, {_key(o) for o in desired}, result)
+        kinds = [("apps/v1", "StatefulSet"), ("v1", "Service")]
+        if leader_worker_set:
+            kinds.insert(1, (lws.API_VERSION, lws.KIND))
+        await self._delete_extra_groups(name, namespace, uid, kinds, {_key(o) for o in desired}, result)
         return result
 
     async def _create(self, obj: dict[str, Any], result: ChildrenResult) -> dict[str, Any] | None:
@@ -204,16 +216,17 @@ class Reconciler:
         result.events.append(("Normal", what, f"{what} {label} ({', '.join(sorted(parts))})"))
         return patched or live
 
-    async def _delete_extra_groups(self, name: str, namespace: str, uid: str | None, data: int,
-                                   wanted: set[tuple[str, str]], result: ChildrenResult) -> None:
+    async def _delete_extra_groups(self, name: str, namespace: str, uid: str | None,
+                                   kinds: list[tuple[str, str]], wanted: set[tuple[str, str]],
+                                   result: ChildrenResult) -> None:
         selector = f"app.kubernetes.io/instance={name},app.kubernetes.io/component=engine"
-        for api_version, kind in (("apps/v1", "StatefulSet"), ("v1", "Service")):
+        for api_version, kind in kinds:
             items = await self.kube.list(api_version, kind, namespace, selector)
             extra = []
             for item in items:
                 item_name = item["metadata"]["name"]
                 group = group_of(item)
-                if (kind, item_name) in wanted or group is None or group < data:
+                if (kind, item_name) in wanted or group is None:
                     continue
                 if controller_uid(item) not in (None, uid) or item_name != names.engine_name(name, group):
                     continue

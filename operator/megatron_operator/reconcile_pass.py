@@ -9,7 +9,9 @@ One pass:
 3. ``Shutdown``: STOP first (:mod:`.lifecycle_walk`), and only once acknowledged scale engine
    StatefulSets to zero;
 4. serve the spec's weights (:mod:`.refit_policy`);
-5. reconcile the children (:mod:`.reconcile`);
+5. reconcile the children (:mod:`.reconcile`): a gang (``spec.engine.parallelism``) is a
+   LeaderWorkerSet where the API server serves them, else a StatefulSet whose other pods the pass
+   deletes when one rank restarted (:mod:`.gang`);
 6. other lifecycles: walk the coordinator to the desired state one acknowledged verb at a time;
 7. compute the status (:mod:`.status`) and an event for every phase transition.
 
@@ -26,14 +28,15 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from . import lifecycle, names, render, status
+from . import gang, lifecycle, names, render, status
+from . import leader_worker_set as lws
 from .config import OperatorConfig
 from .coordinator_link import CoordinatorRejected, CoordinatorUnavailable, LinkCache
 from .kube import Kube
 from .lifecycle_walk import walk
 from .reconcile import Event, Reconciler, group_ready
 from .refit_policy import recorded_model, sync_weights
-from .spec import SpecError, parse
+from .spec import InferenceSpec, SpecError, parse
 
 logger = logging.getLogger("megatron_operator")
 
@@ -134,8 +137,11 @@ async def _pass(resource: Mapping[str, Any], state: ResourceState, kube: Kube, c
     obs.model = state.model = weights.model
     rendered = dataclasses.replace(spec, model_path=weights.model["templatePath"],
                                    model_hub=weights.model.get("templateHub"))
-    desired = render.render_spec(rendered, config, token=token, engines_stopped=engines_stopped)
-    children = await Reconciler(kube).children(desired, name=name, namespace=namespace, uid=uid, data=spec.data)
+    leader_worker_set = spec.gang and config.leader_worker_set and await kube.serves(lws.API_VERSION, lws.PLURAL)
+    desired = render.render_spec(rendered, config, token=token, engines_stopped=engines_stopped,
+                                 leader_worker_set=leader_worker_set)
+    children = await Reconciler(kube).children(desired, name=name, namespace=namespace, uid=uid,
+                                               leader_worker_set=leader_worker_set)
     events.extend(children.events)
     events.extend(("Warning", "Conflict", f"{label} exists and is controlled by another owner; left alone")
                   for label in children.conflicts)
@@ -159,13 +165,39 @@ async def _pass(resource: Mapping[str, Any], state: ResourceState, kube: Kube, c
 
     pods = spec.pods_per_group
     obs.engines_desired = 0 if target == lifecycle.STOPPED else spec.data
-    statefulsets = {k[1]: v for k, v in children.live.items() if k[0] == "StatefulSet"}
+    workload = lws.KIND if leader_worker_set else "StatefulSet"
+    workloads = {k[1]: v for k, v in children.live.items() if k[0] == workload}
     obs.engines_ready = sum(1 for g in range(spec.data)
-                            if group_ready(statefulsets.get(names.engine_name(name, g)), pods))
+                            if group_ready(workloads.get(names.engine_name(name, g)), pods))
+    if spec.gang:
+        obs.groups = await observe_gangs(kube, spec, workload, previous, events)
     connected = connected_groups(coordinator_status) if obs.coordinator_ok else set()
     obs.engines_connected = len({g for g in connected if 0 <= g < spec.data})
     new = status.compute(previous, obs)
     return PassResult(status.changes(previous, new), events + status_events(previous, new))
+
+
+async def observe_gangs(kube: Kube, spec: InferenceSpec, workload: str, previous: dict[str, Any],
+                        events: list[Event]) -> list[dict[str, Any]]:
+    """``status.groups`` from the engine pods; a StatefulSet group some of whose ranks restarted loses its
+    other pods too (:func:`.gang.plan`), so that the whole group starts again."""
+    pods = await kube.list("v1", "Pod", spec.namespace, names.engine_pod_selector(spec.name))
+    by_group = gang.group_pods(pods, spec.name, spec.data, workload)
+    recorded = {int(g["group"]): g for g in previous.get("groups") or [] if isinstance(g, dict) and "group" in g}
+    size = spec.pods_per_group
+    groups = []
+    for group, ranks in by_group.items():
+        started_with = None
+        if workload == "StatefulSet":
+            doomed, started_with = gang.plan(recorded.get(group), ranks, size)
+            for pod in doomed:
+                await kube.delete("v1", "Pod", spec.namespace, pod)
+            if doomed:
+                events.append(("Warning", "GroupRestart", f"engine group {group}: a rank restarted; deleted the "
+                                                          f"group's other pods ({', '.join(doomed)}) to restart it "
+                                                          "whole"))
+        groups.append(gang.group_entry(group, workload, ranks, size, spec.gpus_per_engine_pod, started_with))
+    return groups
 
 
 async def stop_fleet(resource: Mapping[str, Any], state: ResourceState, kube: Kube, config: OperatorConfig,

@@ -10,7 +10,9 @@ objects in the same order (docs/reference/megatroninference.md):
 5. NetworkPolicy ``<name>-engine`` (engine pods: every port only from engine and trainer pods),
 6. Deployment ``<name>-coordinator`` (1 replica: coordinator + OpenAI server containers),
 7. for each data-parallel group g: headless Service ``<name>-engine-<g>`` (rank rendezvous,
-   ``publishNotReadyAddresses``) then StatefulSet ``<name>-engine-<g>`` (pods of the group).
+   ``publishNotReadyAddresses``) then StatefulSet ``<name>-engine-<g>`` (pods of the group); a gang
+   (``spec.engine.parallelism``) on a cluster with the LeaderWorkerSet CRD: LeaderWorkerSet
+   ``<name>-engine-<g>`` alone (:mod:`.leader_worker_set`).
 
 Every object carries ``app.kubernetes.io/instance=<name>`` and, when the resource has a uid,
 an ownerReference to it. The token is an HMAC of the resource's identity under the operator's
@@ -26,12 +28,13 @@ import base64
 import dataclasses
 import hashlib
 import hmac
-import json
 import os
 import sys
 from typing import Any
 
 from .config import ENV_TOKEN_KEY, ENV_TOKEN_KEY_FILE, OperatorConfig, read_token_key, token_key_from_env
+from .engine_args import engine_flags, layout_flags, lora_flags
+from .leader_worker_set import render_engine_lws
 from .model_fetch import fetch_container
 from .names import (COORDINATOR_PORT, RENDEZVOUS_PORT, coordinator_name, coordinator_service_address, engine_name,
                     labels, object_meta, secret_name, selector_labels, server_service_name)
@@ -133,55 +136,12 @@ def _served_name(spec: InferenceSpec) -> list[str]:
     return ["--served-model-name", spec.model_hub.split("@", 1)[0]] if spec.model_hub else []
 
 
-def _lora_flags(spec: InferenceSpec) -> list[str]:
-    """The engines' LoRA flags from ``spec.lora`` (none without it)."""
-    lora = spec.lora
-    if lora is None:
-        return []
-    flags = ["--enable-lora", "--max-loras", str(lora["maxLoras"]), "--max-lora-rank", str(lora["maxLoraRank"])]
-    if "maxCpuLoras" in lora:
-        flags += ["--max-cpu-loras", str(lora["maxCpuLoras"])]
-    if lora["adapters"]:
-        flags += ["--lora-modules", *(f"{a['name']}={a['path']}" for a in lora["adapters"])]
-    return flags
-
-
 def _lora_volume(spec: InferenceSpec) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """The adapter volume of the engine pods, mounted read-only (none without ``spec.lora.volume``)."""
     if spec.lora is None or "volume" not in spec.lora:
         return [], []
     return ([{"name": "lora", **spec.lora["volume"]}],
             [{"name": "lora", "mountPath": spec.lora["mountPath"], "readOnly": True}])
-
-
-#: spec.engine.speculative's fields -> the keys of vLLM's --speculative-config JSON
-_SPECULATIVE_KEYS = {"method": "method", "numSpeculativeTokens": "num_speculative_tokens",
-                     "promptLookupMin": "prompt_lookup_min", "promptLookupMax": "prompt_lookup_max", "model": "model",
-                     "adaptive": "adaptive"}
-
-
-def _engine_flags(spec: InferenceSpec) -> list[str]:
-    """Flags shared by the commands that build engines (docs/reference/cli.md)."""
-    flags = ["--dtype", spec.dtype]
-    if spec.max_sequence_length is not None:
-        flags += ["--max-sequence-length", str(spec.max_sequence_length)]
-    if spec.block_size_tokens is not None:
-        flags += ["--block-size", str(spec.block_size_tokens)]
-    if spec.max_batch_tokens is not None:
-        flags += ["--max-batch-tokens", str(spec.max_batch_tokens)]
-    flags.append("--prefix-caching" if spec.prefix_caching else "--no-prefix-caching")
-    if not spec.cuda_graphs:  # on by default; the flag only when off, so existing pod templates stay unchanged
-        flags.append("--no-cuda-graphs")
-    if spec.batch_invariant:  # likewise off by default
-        flags.append("--batch-invariant")
-    if spec.quantization != "none":  # likewise: flags only away from the defaults
-        flags += ["--quantization", spec.quantization]
-    if spec.kv_cache_dtype != "auto":
-        flags += ["--kv-cache-dtype", spec.kv_cache_dtype]
-    if spec.speculative is not None:  # vLLM's JSON, its snake_case keys; sorted, so the pod template is stable
-        fields = {_SPECULATIVE_KEYS[key]: value for key, value in spec.speculative.items()}
-        flags += ["--speculative-config", json.dumps(fields, sort_keys=True)]
-    return flags
 
 
 # ----------------------------------------------------------------------------- objects
@@ -318,11 +278,15 @@ def _engine_probe(mode: str, period: int, failures: int) -> dict[str, Any]:
 # its node rank from it (then exec keeps the engine as PID 1, so it receives SIGTERM itself).
 RANK_WRAPPER = ('ordinal="${HOSTNAME##*-}"; export NODE_RANK="$ordinal"; '
                 'export RANK="$((ordinal * NPROC_PER_NODE))"; exec megatron-serve "$@"')
+# A LeaderWorkerSet's pods get their index and their leader's address from the LWS controller's environment.
+LWS_RANK_WRAPPER = ('export NODE_RANK="$LWS_WORKER_INDEX"; export RANK="$((LWS_WORKER_INDEX * NPROC_PER_NODE))"; '
+                    'export MASTER_ADDR="${LWS_LEADER_ADDRESS:-$MASTER_ADDR}"; exec megatron-serve "$@"')
 
 
-def render_engine_statefulset(spec: InferenceSpec, group: int, config: OperatorConfig,
-                              engines_stopped: bool) -> dict[str, Any]:
-    """The StatefulSet of engine group ``group`` (its pods, their arguments, volumes and probes).
+def engine_pod_template(spec: InferenceSpec, group: int, config: OperatorConfig,
+                        wrapper: str = RANK_WRAPPER) -> dict[str, Any]:
+    """The pod template of engine group ``group`` (its pods, their arguments, volumes and probes); a multi-pod
+    group's pods derive their ranks with ``wrapper`` (:data:`RANK_WRAPPER`, :data:`LWS_RANK_WRAPPER`).
 
     Long: one manifest written top to bottom as Kubernetes reads it; the parts other objects share
     (volumes, model flags, addresses) are helpers already.
@@ -341,9 +305,7 @@ def render_engine_statefulset(spec: InferenceSpec, group: int, config: OperatorC
         "--coordinator", coordinator_service_address(spec.name, spec.namespace),
         "--group", str(group),
     ]
-    if spec.tensor > 1:  # the engine's default is 1
-        args += ["--tensor-parallel", str(spec.tensor)]
-    args += _engine_flags(spec) + _lora_flags(spec)
+    args += layout_flags(spec) + engine_flags(spec) + lora_flags(spec)
     if spec.kv_memory_fraction is not None:
         args += ["--kv-cache-memory-fraction", repr(float(spec.kv_memory_fraction))]
     args += ["--drain-timeout", str(spec.drain_timeout_seconds)]
@@ -367,7 +329,7 @@ def render_engine_statefulset(spec: InferenceSpec, group: int, config: OperatorC
         **_image_fields(spec, config),
     }
     if pods > 1:
-        container["command"] = ["/bin/sh", "-c", RANK_WRAPPER, "megatron-serve"]
+        container["command"] = ["/bin/sh", "-c", wrapper, "megatron-serve"]
     container.update({
         "args": args,
         "env": env,
@@ -396,27 +358,41 @@ def render_engine_statefulset(spec: InferenceSpec, group: int, config: OperatorC
         pod_spec["affinity"] = spec.affinity
     if spec.priority_class_name:
         pod_spec["priorityClassName"] = spec.priority_class_name
-    replicas = 0 if engines_stopped else pods
+    return {"metadata": {"labels": labels(spec.name, "engine", group)}, "spec": pod_spec}
+
+
+def render_engine_statefulset(spec: InferenceSpec, group: int, config: OperatorConfig,
+                              engines_stopped: bool) -> dict[str, Any]:
+    """The StatefulSet of engine group ``group``: pod 0 is the leader, found at its stable DNS name."""
+    name = engine_name(spec.name, group)
     return {
         "apiVersion": "apps/v1",
         "kind": "StatefulSet",
         "metadata": object_meta(spec, name, "engine", group),
         "spec": {
             "serviceName": name,
-            "replicas": replicas,
+            "replicas": 0 if engines_stopped else spec.pods_per_group,
             "podManagementPolicy": "Parallel",
             "updateStrategy": {"type": "RollingUpdate"},
             "selector": {"matchLabels": selector_labels(spec.name, "engine", group)},
-            "template": {
-                "metadata": {"labels": labels(spec.name, "engine", group)},
-                "spec": pod_spec,
-            },
+            "template": engine_pod_template(spec, group, config),
         },
     }
 
 
+def render_engine_group(spec: InferenceSpec, group: int, config: OperatorConfig, engines_stopped: bool,
+                        leader_worker_set: bool) -> list[dict[str, Any]]:
+    """Group ``group``'s objects: a gang (``spec.engine.parallelism``) as a LeaderWorkerSet when
+    ``leader_worker_set`` (its controller makes the headless Service), else the headless Service and a
+    StatefulSet whose pod 0 leads."""
+    if spec.gang and leader_worker_set:
+        template = engine_pod_template(spec, group, config, LWS_RANK_WRAPPER)
+        return [render_engine_lws(spec, engine_name(spec.name, group), group, template, engines_stopped)]
+    return [render_engine_service(spec, group), render_engine_statefulset(spec, group, config, engines_stopped)]
+
+
 def render_spec(spec: InferenceSpec, config: OperatorConfig | None = None, *, token: str | None = None,
-                engines_stopped: bool | None = None) -> list[dict[str, Any]]:
+                engines_stopped: bool | None = None, leader_worker_set: bool = False) -> list[dict[str, Any]]:
     """Children of an already parsed spec; see :func:`render`."""
     config = config or OperatorConfig()
     if token is None:
@@ -432,22 +408,24 @@ def render_spec(spec: InferenceSpec, config: OperatorConfig | None = None, *, to
         render_coordinator_deployment(spec, config),
     ]
     for group in range(spec.data):
-        objects.append(render_engine_service(spec, group))
-        objects.append(render_engine_statefulset(spec, group, config, engines_stopped))
+        objects += render_engine_group(spec, group, config, engines_stopped, leader_worker_set)
     return objects
 
 
 def render(resource: dict[str, Any], config: OperatorConfig | None = None, *, token: str | None = None,
-           engines_stopped: bool | None = None, default_namespace: str = "default") -> list[dict[str, Any]]:
+           engines_stopped: bool | None = None, default_namespace: str = "default",
+           leader_worker_set: bool = False) -> list[dict[str, Any]]:
     """The child objects of ``resource``, in a stable order.
 
     ``token`` keeps an existing coordinator token (default: derived from the resource identity).
     ``engines_stopped`` scales engine StatefulSets to zero (default: ``spec.lifecycle == Shutdown``);
-    the operator holds it False until the coordinator has acknowledged STOP.
+    the operator holds it False until the coordinator has acknowledged STOP. ``leader_worker_set``: the
+    cluster has the LeaderWorkerSet CRD (gangs are rendered as LeaderWorkerSets).
     Raises :class:`~megatron_operator.spec.SpecError` for an invalid resource.
     """
     spec = parse(resource, default_namespace=default_namespace)
-    return render_spec(spec, config, token=token, engines_stopped=engines_stopped)
+    return render_spec(spec, config, token=token, engines_stopped=engines_stopped,
+                       leader_worker_set=leader_worker_set)
 
 
 # ----------------------------------------------------------------------------- the command
@@ -471,11 +449,11 @@ def load_resources(text: str) -> list[dict[str, Any]]:
     return out
 
 
-def render_file(path: str, config: OperatorConfig | None = None, strict_security: bool = True
-                ) -> tuple[str, list[str]]:
+def render_file(path: str, config: OperatorConfig | None = None, strict_security: bool = True,
+                leader_worker_set: bool = False) -> tuple[str, list[str]]:
     """Render every MegatronInference in a YAML file: (YAML stream, error lines). ``strict_security``: a
     resource whose children would leave a port open without credentials is an error
-    (:func:`~megatron_operator.network.unauthenticated_ports`)."""
+    (:func:`~megatron_operator.network.unauthenticated_ports`); ``leader_worker_set``: as :func:`render`."""
     import yaml
 
     try:
@@ -500,7 +478,7 @@ def render_file(path: str, config: OperatorConfig | None = None, strict_security
         if isinstance(doc, dict) and isinstance(doc.get("metadata"), dict) and doc["metadata"].get("name"):
             label = f"{path}: {doc.get('kind', '?')}/{doc['metadata']['name']}"
         try:
-            children = render(doc, config)
+            children = render(doc, config, leader_worker_set=leader_worker_set)
         except SpecError as exc:
             errors.extend(f"{label}: {reason}" for reason in exc.reasons)
             continue
@@ -518,6 +496,10 @@ def add_render_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--strict-security", action=argparse.BooleanOptionalAction, default=True,
                         help="refuse a resource whose children would leave a port open to the cluster without "
                              "credentials (e.g. the OpenAI port without spec.server.apiKeySecretRef)")
+    parser.add_argument("--leader-worker-set", action=argparse.BooleanOptionalAction, default=False,
+                        help="render the engine groups of a resource with spec.engine.parallelism as LeaderWorkerSets "
+                             "(leaderworkerset.x-k8s.io/v1), as the operator does where the cluster has that CRD; "
+                             "default: StatefulSets")
     parser.add_argument("--token-key-file", metavar="PATH",
                         help="the operator's token key: the Secret then holds the token the operator derives "
                              f"(else ${ENV_TOKEN_KEY} or ${ENV_TOKEN_KEY_FILE}; none = a random token)")
@@ -529,11 +511,12 @@ def render_main(argv: list[str] | None = None) -> int:
                                      description="Print the child objects the operator would create.")
     add_render_arguments(parser)
     args = parser.parse_args(argv)
-    return render_command(args.filename, token_key_file=args.token_key_file, strict_security=args.strict_security)
+    return render_command(args.filename, token_key_file=args.token_key_file, strict_security=args.strict_security,
+                          leader_worker_set=args.leader_worker_set)
 
 
 def render_command(path: str, out: Any = None, err: Any = None, *, token_key_file: str | None = None,
-                   strict_security: bool = True) -> int:
+                   strict_security: bool = True, leader_worker_set: bool = False) -> int:
     """Print the children of every resource in ``path``; the coordinator token comes from the operator's
     key when one is given, else it is random (never derived from public information), and stderr says so."""
     out = out or sys.stdout
@@ -546,7 +529,7 @@ def render_command(path: str, out: Any = None, err: Any = None, *, token_key_fil
         return 2
     if key is not None:
         config = dataclasses.replace(config, token_key=key)
-    text, errors = render_file(path, config, strict_security)
+    text, errors = render_file(path, config, strict_security, leader_worker_set)
     if errors:
         print(f"megatron-serve render: {path} is invalid:", file=err)
         for line in errors:

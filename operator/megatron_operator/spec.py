@@ -201,9 +201,12 @@ class InferenceSpec:
     model_revision: str | None
     dtype: str
     max_sequence_length: int | None
-    tensor: int
+    tensor: int  # ranks of one pipeline stage (engine.parallelism's, else spec.parallelism's)
     pipeline: int
     data: int
+    expert: int  # 1, or tensor: whole experts on every rank of a stage
+    data_parallel_attention: int  # attention ranks per stage (each tensor / data_parallel_attention wide)
+    gang: bool  # spec.engine.parallelism is set: each group is rendered as a gang (docs/parallelism.md)
     gpus_per_pod: int
     block_size_tokens: int | None
     kv_memory_fraction: float | None
@@ -248,6 +251,11 @@ class InferenceSpec:
     def pods_per_group(self) -> int:
         return math.ceil(self.ranks_per_group / self.gpus_per_pod)
 
+    @property
+    def attention_tensor(self) -> int:
+        """Tensor-parallel width of one attention rank: the engines' ``--tensor-parallel-size``."""
+        return self.tensor // self.data_parallel_attention
+
 
 def hub_model_path(mount_path: str, hub: str) -> str:
     """Where a Hub model is fetched when ``spec.model.path`` is not given: ``<mount>/<org>/<name>[@<revision>]``."""
@@ -259,7 +267,8 @@ def parse(resource: dict[str, Any], default_namespace: str = "default") -> Infer
     obj = validate(resource)
     meta = obj["metadata"]
     spec = obj["spec"]
-    model, par, engine = spec["model"], spec["parallelism"], spec["engine"]
+    model, engine = spec["model"], spec["engine"]
+    par = {**spec["parallelism"], **engine.get("parallelism", {})}
     kv = engine["kvCache"]
     server = spec["server"]
     return InferenceSpec(
@@ -281,6 +290,9 @@ def parse(resource: dict[str, Any], default_namespace: str = "default") -> Infer
         tensor=par["tensor"],
         pipeline=par["pipeline"],
         data=par["data"],
+        expert=par.get("expert", 1),
+        data_parallel_attention=par.get("dataParallelAttention", 1),
+        gang="parallelism" in engine,
         gpus_per_pod=engine["gpusPerPod"],
         block_size_tokens=kv.get("blockSizeTokens"),
         kv_memory_fraction=kv.get("memoryFraction"),

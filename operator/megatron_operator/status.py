@@ -39,6 +39,7 @@ class Observation:
     endpoint: str | None = None
     selector: str | None = None
     model: dict[str, Any] | None = None  # status.model: the weights served (kept as it was when None)
+    groups: list[dict[str, Any]] | None = None  # status.groups: the gangs' ranks (None: no gangs)
 
 
 def _condition(previous: dict[str, dict[str, Any]], ctype: str, ok: bool, reason: str, message: str,
@@ -130,6 +131,7 @@ def compute(previous: dict[str, Any] | None, obs: Observation, now: str | None =
         "endpoint": obs.endpoint,
         "selector": obs.selector,
         "model": obs.model,
+        "groups": obs.groups,
         "conditions": [c[t] for t in CONDITION_TYPES],
     }
     if gen is not None:
@@ -141,6 +143,8 @@ def changes(previous: dict[str, Any] | None, new: dict[str, Any]) -> dict[str, A
     """The top-level status keys of ``new`` that differ from ``previous`` (a merge patch)."""
     previous = previous or {}
     delta = {key: value for key, value in new.items() if previous.get(key) != value}
+    if "groups" in previous and "groups" not in new:
+        delta["groups"] = None  # no gangs any more (spec.engine.parallelism removed)
     if isinstance(delta.get("model"), dict) and isinstance(previous.get("model"), dict):
         # a merge patch keeps nested keys it does not name: drop the ones the new status.model lacks
         delta["model"] = {**{k: None for k in previous["model"] if k not in delta["model"]}, **delta["model"]}

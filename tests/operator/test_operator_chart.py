@@ -28,6 +28,7 @@ NON_DEFAULT = {
     "watchNamespaces": ["team-a", "team-b"],
     "serviceAccount": {"create": True, "name": "mo", "annotations": {"example.com/role": "x"}},
     "operator": {"defaultImage": "registry.example.com/ml/megatron-serve:gpu", "reconcileIntervalSeconds": 5,
+                 "leaderWorkerSet": "never",
                  "tokenKey": {"existingSecret": "my-key", "key": "k"}, "logLevel": "debug",
                  "extraArgs": ["--log-format=json"], "extraEnv": [{"name": "EXTRA", "value": "1"}]},
     "healthPort": 9090,
@@ -124,6 +125,7 @@ def test_chart_renders_with_defaults(helm):
     assert deploy["spec"]["template"]["metadata"]["labels"]["app.kubernetes.io/name"] == "megatron-operator"
     env = {e["name"]: e for e in container["env"]}
     assert env["MEGATRON_OPERATOR_SCANNING"]["value"] == "true"
+    assert env["MEGATRON_OPERATOR_LEADER_WORKER_SET"]["value"] == "auto"
     assert env["MEGATRON_OPERATOR_TOKEN_KEY"]["valueFrom"]["secretKeyRef"]["name"] == "megatron-megatron-operator-token-key"
     assert "kubectl apply -f manifests/examples/single-gpu.yaml" in notes and "kubectl patch mi" in notes
 
@@ -146,6 +148,7 @@ def test_chart_renders_with_non_default_values(helm):
             "--liveness=http://0.0.0.0:9090/healthz"} <= set(container["args"])
     env = {e["name"]: e for e in container["env"]}
     assert env["MEGATRON_OPERATOR_SCANNING"]["value"] == "false"
+    assert env["MEGATRON_OPERATOR_LEADER_WORKER_SET"]["value"] == "never"
     assert env["MEGATRON_OPERATOR_DEFAULT_IMAGE"]["value"] == "registry.example.com/ml/megatron-serve:gpu"
     assert env["MEGATRON_OPERATOR_TOKEN_KEY"]["valueFrom"]["secretKeyRef"] == {"name": "my-key", "key": "k"}
     assert env["MEGATRON_OPERATOR_RECONCILE_INTERVAL"]["value"] == "5" and env["EXTRA"]["value"] == "1"

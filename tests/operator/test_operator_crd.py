@@ -126,6 +126,9 @@ def test_examples_cover_the_documented_shapes():
     assert (shapes["tp2-dp4.yaml"].tensor, shapes["tp2-dp4.yaml"].data) == (2, 4)
     assert shapes["multi-node.yaml"].pods_per_group == 2
     assert shapes["rl-rollout-paused.yaml"].lifecycle == "Paused"
+    moe = shapes["moe-expert-parallel.yaml"]
+    assert (moe.gang, moe.tensor, moe.expert, moe.data_parallel_attention, moe.attention_tensor) == (True, 16, 16, 4, 4)
+    assert moe.pods_per_group == 2 and not shapes["multi-node.yaml"].gang
 
 
 def _bad(mutate) -> dict[str, Any]:
@@ -198,6 +201,29 @@ BAD = {
     "too many adapters": (lambda d: d["spec"].update(lora={"adapters": [{"name": f"a{i}", "path": "/x"}
                                                                         for i in range(257)]}),
                           "spec.lora.adapters: must have at most 256 items, got 257"),
+    "attention ranks not dividing tensor": (
+        lambda d: d["spec"]["engine"].update(parallelism={"tensor": 2, "expert": 2, "dataParallelAttention": 4}),
+        "spec.engine.parallelism: engine.parallelism.dataParallelAttention must divide engine.parallelism.tensor"),
+    "expert neither 1 nor tensor": (
+        lambda d: d["spec"]["engine"].update(parallelism={"tensor": 4, "expert": 2}),
+        "spec.engine.parallelism: engine.parallelism.expert must be 1 (experts sliced over the tensor ranks) or "
+        "equal to engine.parallelism.tensor"),
+    "attention ranks without expert parallelism": (
+        lambda d: d["spec"]["engine"].update(parallelism={"tensor": 2, "dataParallelAttention": 2}),
+        "spec.engine.parallelism: engine.parallelism.dataParallelAttention needs expert parallelism"),
+    "zero expert": (lambda d: d["spec"]["engine"].update(parallelism={"expert": 0}),
+                    "spec.engine.parallelism.expert: must be at least 1, got 0"),
+    "negative pipeline": (lambda d: d["spec"]["engine"].update(parallelism={"pipeline": -1}),
+                          "spec.engine.parallelism.pipeline: must be at least 1, got -1"),
+    "unknown layout field": (lambda d: d["spec"]["engine"].update(parallelism={"context": 2}),
+                             "spec.engine.parallelism.context: unknown field"),
+    "group not fitting gpusPerPod": (
+        lambda d: d["spec"]["engine"].update(gpusPerPod=8, parallelism={"tensor": 3, "pipeline": 2}),
+        "spec: engine.parallelism.tensor * engine.parallelism.pipeline must be a multiple or a divisor of "
+        "engine.gpusPerPod"),
+    "two layouts that disagree": (
+        lambda d: d["spec"]["engine"].update(parallelism={"tensor": 4}),  # spec.parallelism.tensor is 2
+        "spec: parallelism.tensor is the older spelling of engine.parallelism.tensor"),
     "name too long": (lambda d: d["metadata"].update(name="a" * 41),
                       "(root): metadata.name must be at most 40 characters"),
     "name starting with a digit": (lambda d: d["metadata"].update(name="7b-model"),
@@ -237,7 +263,12 @@ def test_python_twins_agree_with_cel():
         "spec": [{"parallelism": {"tensor": t, "pipeline": p}, "engine": {"gpusPerPod": g},
                   "server": {"port": port, **({} if probe is None else {"probePort": probe})}}
                  for t in (1, 2, 3, 8, 16) for p in (1, 2) for g in (1, 4, 8) for port in (8000, 5555)
-                 for probe in (None, 0, 8000, 8001, 5555)],
+                 for probe in (None, 0, 8000, 8001, 5555)]
+        + [{"parallelism": {"tensor": old, "pipeline": 1}, "server": {"port": 8000},
+            "engine": {"gpusPerPod": g, **({} if t is None else {"parallelism": {"tensor": t, "pipeline": p}})}}
+           for old in (1, 2, 4) for t in (None, 1, 2, 3, 4, 16) for p in (1, 2, 3) for g in (1, 4, 8)],
+        "spec.engine.parallelism": [{"tensor": t, "pipeline": 1, "expert": e, "dataParallelAttention": d}
+                                    for t in (1, 2, 3, 4, 8) for e in (1, 2, 4, 8) for d in (1, 2, 3, 4)],
         "spec.model": [{**({"path": path} if path is not None else {}), "mountPath": mount,
                         **({"volume": vol} if vol is not None else {}), **({"hub": hub} if hub else {}),
                         **({"hubTokenSecretRef": {"name": "a", "key": "b"}} if token else {})}

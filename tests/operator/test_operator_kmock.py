@@ -289,4 +289,6 @@ async def test_rbac_covers_every_call_and_nothing_more(cluster):
     granted = {(group, resource, verb) for group, resource, verbs in PERMISSIONS for verb in verbs}
     used = {(group, plural, verb) for verb, group, plural, _ in cluster.emu.calls_by("kopf/", "megatron-operator/")}
     assert used - granted == set(), "calls without a permission"
-    assert granted - used == set(), "permissions never used"
+    # the gangs' permissions are used by test_gang.py (a LeaderWorkerSet needs its CRD, a restart needs pods)
+    gang_only = {("leaderworkerset.x-k8s.io", "leaderworkersets"), ("", "pods")}
+    assert {(g, r, v) for g, r, v in granted - used if (g, r) not in gang_only} == set(), "permissions never used"

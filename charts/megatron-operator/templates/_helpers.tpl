@@ -87,4 +87,12 @@ The CRD rule is cluster-scoped and only granted with rbac.scope=cluster.
 - apiGroups: ["networking.k8s.io"]
   resources: ["networkpolicies"]
   verbs: ["get", "create", "patch"]
+# engine groups with spec.engine.parallelism: LeaderWorkerSets where the cluster has the CRD; their pods are
+# listed for status.groups, and a StatefulSet gang's other pods are deleted when one rank restarts
+- apiGroups: ["leaderworkerset.x-k8s.io"]
+  resources: ["leaderworkersets"]
+  verbs: ["get", "list", "create", "patch", "delete"]
+- apiGroups: [""]
+  resources: ["pods"]
+  verbs: ["list", "delete"]
 {{- end -}}

@@ -14,4 +14,5 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from ..cli import render_command
 
-    return render_command(args.filename, token_key_file=args.token_key_file, strict_security=args.strict_security)
+    return render_command(args.filename, token_key_file=args.token_key_file, strict_security=args.strict_security,
+                          leader_worker_set=args.leader_worker_set)
