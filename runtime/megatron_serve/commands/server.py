@@ -89,7 +89,8 @@ def add_server_options(parser: argparse.ArgumentParser, default_host: str) -> No
     group.add_argument("--health-port", type=int, default=None, metavar="PORT",
                        help="a second port answering only /health and /ready, from a process of its own: fast (within "
                             "100 ms) however busy the streams keep the main port, for Kubernetes probes; 0 = none "
-                            "(default: --port + 1, or any free port when that is taken or --port is 0)")
+                            "(default: --port + 1, or any free port when that is taken, is --coordinator-port or --port "
+                            "is 0)")
     group.add_argument("--health-stall-timeout", type=float, default=HEALTH_STALL_TIMEOUT, metavar="S",
                        help="the probe port's /health is 503 once the server's event loop has not run for this long "
                             "(hung, not busy: a liveness probe restarts it)")

@@ -24,7 +24,7 @@ import selectors
 import socket
 import threading
 import time
-from typing import Any
+from typing import Any, Mapping
 
 from ..client.loop_thread import EventLoopThread
 from ..limits import HEALTH_STALL_TIMEOUT, STATUS_INTERVAL, STATUS_TIMEOUT
@@ -199,9 +199,11 @@ class ProbeServer:
         return head + (b"" if parts and parts[0] == b"HEAD" else data)
 
 
-def bind_probe_socket(host: str, port: int | None, main_port: int) -> socket.socket | None:
+def bind_probe_socket(host: str, port: int | None, main_port: int,
+                      avoid: Mapping[int, str] | None = None) -> socket.socket | None:
     """The probe port's socket, bound (``--health-port``): ``0`` = none; ``None`` (the default) = the main port
-    + 1, or any free port when that one is taken or the main port is 0; an explicit port that is taken fails."""
+    + 1, or any free port when that one is taken, is one of ``avoid`` (a port another option asked for, by the
+    option's name: it may not be bound yet) or the main port is 0; an explicit port that is taken fails."""
     from .runner import bind_socket  # noqa: PLC0415
 
     if port == 0:
@@ -212,6 +214,10 @@ def bind_probe_socket(host: str, port: int | None, main_port: int) -> socket.soc
         except RuntimeError as exc:
             raise RuntimeError(str(exc).replace("--port", "--health-port")) from None
     wanted = main_port + 1 if 0 < main_port < 65535 else 0
+    if wanted and avoid and wanted in avoid:
+        logger.warning("the probe port %d (--port + 1) is %s: using a free port (set --health-port)", wanted,
+                       avoid[wanted])
+        return bind_socket(host, 0)
     try:
         return bind_socket(host, wanted)
     except RuntimeError:
