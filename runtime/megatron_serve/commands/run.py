@@ -299,7 +299,7 @@ class _Stack:
                          options=HTTPOptions.from_args(args), stream_interval=args.stream_interval,
                          lora_modules=dict(args.lora_modules or []), **status_options(args))
 
-        probes = start_probes(args, self.ports.probe, self.address, self.token, app)
+        probes = await start_probes(args, self.ports.probe, self.address, self.token, app)
 
         def started(url: str) -> None:
             count = f" ({args.api_server_count} processes)" if args.api_server_count > 1 else ""

@@ -74,6 +74,7 @@ class ProbeFacts:
         self.watch = watch
         self.stall_timeout = stall_timeout
         self.draining = False
+        self.server_ready = False  # the main port's /ready verdict, from the server's last stamp
         self.loop_seen = time.monotonic()
 
     def health(self) -> tuple[int, dict[str, Any]]:
@@ -84,8 +85,15 @@ class ProbeFacts:
         return 200, {"status": "ok"}
 
     def ready(self) -> tuple[int, dict[str, Any]]:
-        """The main port's ``/ready`` body (``ReadyResponse``), from the watch instead of the main loop."""
+        """The main port's ``/ready`` body (``ReadyResponse``), from the watch instead of the main loop; until the
+        watch has had a first status, from the main port's verdict (the two ports agree from the start)."""
         monitor = self.watch.monitor
+        if monitor.status is None and not self.draining:
+            detail = None if self.server_ready else "the server is not ready (this port's own connection to the " \
+                                                    "coordinator is not up yet)"
+            return (200 if detail is None else 503), {"ready": detail is None, "state": None,
+                                                      "coordinator_reachable": self.server_ready, "busy": False,
+                                                      "engines": 0, "detail": detail}
         reachable = monitor.reachable
         detail = "this server is shutting down (draining)" if self.draining else monitor.not_ready_reason()
         body = {"ready": detail is None, "state": monitor.state if reachable else None,
