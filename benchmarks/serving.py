@@ -11,7 +11,8 @@ finish and start nearly every step, as online). The same prompts and lengths the
 engine in this process, the requests added at once with ``C`` running at most, stepped until done
 (what ``MegatronLLM.generate`` does, without its event loop). Per level: output tokens/s served and
 offline and their ratio, TTFT and TPOT percentiles, end-to-end latency, and (for a stack it started,
-on Linux) the CPU time each of its processes spent per 1,000 output tokens, beside the offline
+on Linux; with ``--url``, of the stack whose process listens on the URL's port here) the CPU time each of
+its processes spent per 1,000 output tokens, beside the offline
 engine's: on a machine shared with other work, throughput moves with everyone's load, CPU time per
 token much less.
 
@@ -49,6 +50,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import aiohttp
 import httpx
@@ -337,8 +339,8 @@ def stack_processes(run_pid: int) -> list[tuple[int, str]]:
             argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")  # `... cli engine --coordinator ...`
         except OSError:  # gone meanwhile
             continue
-        role = ("engines" if b"engine" in argv else "server" if b"megatron_serve.commands.api_sibling" in argv
-                else "coordinator")
+        server = (b"megatron_serve.commands.api_sibling", b"megatron_serve.server.probe_process")
+        role = ("engines" if b"engine" in argv else "server" if any(m in argv for m in server) else "coordinator")
         found.append((pid, role))
     return found
 
@@ -359,6 +361,34 @@ def stack_cpu_seconds(run_pid: int) -> dict[str, float] | None:
             continue
         used[role] += (int(stat[11]) + int(stat[12])) / ticks
     return used
+
+
+def listening_pid(url: str) -> int | None:
+    """The process that listens on ``url``'s port on this machine (of several sharing the socket, as
+    ``--api-server-count`` siblings do, the one whose parent is not among them); None when the URL is not
+    local or the process cannot be read (another user's)."""
+    parts = urlsplit(url)
+    if parts.hostname not in ("127.0.0.1", "localhost", "::1", "0.0.0.0") or parts.port is None:
+        return None
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            lines = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            fields = line.split()
+            if fields[3] == "0A" and int(fields[1].rsplit(":", 1)[1], 16) == parts.port:  # 0A: LISTEN
+                inodes.add(f"socket:[{fields[9]}]")
+    holders = []
+    for pid in map(int, filter(str.isdigit, os.listdir("/proc"))):
+        try:
+            if any(os.readlink(f"/proc/{pid}/fd/{fd}") in inodes for fd in os.listdir(f"/proc/{pid}/fd")):
+                holders.append(pid)
+        except OSError:  # gone meanwhile, or not ours to read
+            continue
+    roots = [pid for pid in holders if int(_stat(pid)[1]) not in holders]
+    return roots[0] if roots else None
 
 
 @dataclass
@@ -537,13 +567,17 @@ def main() -> None:
             works = make_works(vocab)
         asyncio.run(serve_level(url, model, headers, workload(2, args.prompt_tokens, args.output_tokens, vocab,
                                                               "uniform", args.seed + 99), 2))  # warm-up
+        stack_pid = proc.pid if proc is not None else listening_pid(url)
+        if stack_pid is None:
+            print(f"no process of this user listens on {url} on this machine: the CPU columns stay '-'",
+                  file=sys.stderr, flush=True)
         rows = []
         for (mix, c), work in works.items():
-            before = stack_cpu_seconds(proc.pid) if proc is not None else None
+            before = stack_cpu_seconds(stack_pid) if stack_pid is not None else None
             client_started = time.process_time()
             samples, elapsed = asyncio.run(serve_level(url, model, headers, work, c))
             client_cpu = (time.process_time() - client_started) * 1e6 / work.tokens
-            after = stack_cpu_seconds(proc.pid) if proc is not None else None
+            after = stack_cpu_seconds(stack_pid) if stack_pid is not None else None
             cost = None if before is None or after is None else Cost(
                 **{k: (after[k] - before[k]) * 1e6 / work.tokens for k in before})
             rows.append(row(mix, c, samples, elapsed, offline.get((mix, c)), cost, client_cpu))

@@ -61,3 +61,24 @@ def test_a_small_level_runs_end_to_end_with_every_column():
     cells = [cell.strip() for cell in rows[0].split("|")[1:-1]]
     assert cells[:3] == ["uniform", "2", "4"], rows
     assert all(cell not in ("", "-") for cell in cells), rows  # offline, the stack's CPU and the client's all measured
+
+
+def test_the_url_mode_measures_the_cpu_of_the_stack_listening_there(tiny_llama, tmp_path):
+    """``--url`` printed ``-`` in the CPU columns the docs call the stable measure (issue 54): it now finds the
+    stack by the process listening on the URL's port, and reads its processes' CPU as for a stack it started."""
+    from tests.run_stack import start_run  # noqa: PLC0415
+
+    stack = start_run(tiny_llama, tmp_path / "run", engines=1)
+    try:
+        result = subprocess.run([sys.executable, str(SCRIPT), "--url", stack.url, "--model", tiny_llama,
+                                 "--no-offline", "--concurrency", "2", "--requests", "4", "--lengths", "uniform",
+                                 "--output-tokens", "4", "--prompt-tokens", "8"],
+                                capture_output=True, text=True, timeout=600)
+    finally:
+        stack.kill()
+    assert result.returncode == 0, result.stderr[-3000:]
+    header, *rows = [line for line in result.stdout.splitlines() if line.startswith("|") and "---" not in line]
+    columns = [cell.strip() for cell in header.split("|")[1:-1]]
+    cells = dict(zip(columns, [cell.strip() for cell in rows[0].split("|")[1:-1]]))
+    server, coordinator, engines = cells["CPU ms/1k tok: server / coord. / engines"].split(" / ")
+    assert float(server) > 0 and float(engines) > 0, rows  # the run process and its engine, found by the port

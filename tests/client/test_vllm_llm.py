@@ -137,7 +137,9 @@ def test_prompt_shapes_and_their_refusals(llm):
     assert single.prompt_token_ids == tokens
     with pytest.raises(ValueError, match="'multi_modal_data' beside 'prompt_token_ids'"):
         llm.generate({"prompt_token_ids": tokens, "multi_modal_data": {}}, use_tqdm=False)
-    with pytest.raises(TypeError, match=r"prompts\[1\]\['prompt_token_ids'\]"):
+    with pytest.raises(TypeError, match=r"prompts\[1\]\['prompt_token_ids'\] must be"):
+        llm.generate(["Hi", {"prompt_token_ids": "Ho"}], use_tqdm=False)
+    with pytest.raises(ValueError, match=r"The decoder prompt cannot be empty \(prompts\[1\]\['prompt_token_ids'\]"):
         llm.generate(["Hi", {"prompt_token_ids": []}], use_tqdm=False)
     with pytest.raises(TypeError, match="lora_request must be a LoRARequest"):
         llm.generate("Hi", GREEDY, lora_request=object())

@@ -174,3 +174,19 @@ def test_pages_name_nothing_outside_the_repository(page):
     assert "../shared" not in text and "DESIGN.md" not in text
     for path in re.findall(r"`((?:manifests|charts|tools|runtime|operator)/[\w./-]+)`", text):
         assert (ROOT / path).exists(), f"{page} names {path}, which does not exist"
+
+
+def test_the_vllm_page_never_lists_an_exported_series_as_missing():
+    """``docs/vllm-mapping.md`` listed ``vllm:lora_requests_info`` among the exported series and among those "not
+    exported yet" (issue 54): the generator now refuses a missing-series row that names an exported one."""
+    from megatron_serve.server.metric_catalog import VLLM_SERIES
+
+    gen = generator()
+    exported = {entry.name for entry in VLLM_SERIES}
+    assert "vllm:lora_requests_info" in exported
+    assert gen.missing_vllm_series(gen.VLLM_ONLY_SERIES, VLLM_SERIES) == gen.VLLM_ONLY_SERIES
+    with pytest.raises(ValueError, match="lists vllm:lora_requests_info, which /metrics exports"):
+        gen.missing_vllm_series([("vllm:lora_requests_info", "not exported yet")], VLLM_SERIES)
+    page = (DOCS / "vllm-mapping.md").read_text()
+    missing = page.split("vLLM series without a twin:", 1)[1]
+    assert not [name for name in exported if f"| {name} |" in missing or f"| {name}," in missing]

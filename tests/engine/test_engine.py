@@ -144,10 +144,24 @@ def test_termination_id_stops_and_ignore_eos_keeps_it(tiny_llama, reference_outp
     assert out.generated_tokens == expected[:first]
 
 
+def run_alone_and_together(engine: DynamicInferenceEngine, prompts: list, params: SamplingParams) -> list:
+    """Every prompt through ``engine`` in the same steps (the Python API refuses bad ones before they get here:
+    tests/client/test_generate_refusals.py); the finished requests, in order."""
+    tokenizer = engine.tokenizer
+    requests = [DynamicInferenceRequest(f"r{i}", None, tokenizer.encode(p) if isinstance(p, str) else p, params)
+                for i, p in enumerate(prompts)]
+    for request in requests:
+        engine.add_request(request)
+    while engine.has_unfinished_requests():
+        engine.step()
+    return requests
+
+
 def test_over_long_prompt_fails_alone(tiny_llama):
-    llm = MegatronLLM(tiny_llama, InferenceConfig(max_sequence_length=64))
+    engine = DynamicInferenceEngine.from_model_dir(tiny_llama, InferenceConfig(max_sequence_length=64))
     long_prompt = list(range(5, 105))
-    outs = llm.generate([PROMPTS[0], long_prompt, PROMPTS[3]], SamplingParams(temperature=0.0, num_tokens_to_generate=8))
+    outs = run_alone_and_together(engine, [PROMPTS[0], long_prompt, PROMPTS[3]],
+                                  SamplingParams(temperature=0.0, num_tokens_to_generate=8))
     assert outs[1].status is RequestStatus.FAILED
     assert outs[1].finish_reason is FinishReason.ERROR
     assert "100 tokens" in outs[1].error and "max_sequence_length is 64" in outs[1].error
@@ -163,8 +177,8 @@ def test_generation_is_capped_at_max_sequence_length(tiny_llama):
 
 
 def test_bad_token_ids_and_empty_prompts_fail_alone(tiny_llama):
-    llm = MegatronLLM(tiny_llama)
-    outs = llm.generate([[1, 2, 10**6], [], PROMPTS[0]], SamplingParams(num_tokens_to_generate=4))
+    engine = DynamicInferenceEngine.from_model_dir(tiny_llama)
+    outs = run_alone_and_together(engine, [[1, 2, 10**6], [], PROMPTS[0]], SamplingParams(num_tokens_to_generate=4))
     assert "outside the vocabulary" in outs[0].error
     assert outs[1].error == "prompt is empty"
     assert outs[2].status is RequestStatus.COMPLETED

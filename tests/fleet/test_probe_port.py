@@ -200,3 +200,20 @@ def test_probe_socket_default_explicit_and_off():
     finally:
         main.close()
         taken.close()
+
+
+def test_the_probe_ports_ready_agrees_with_the_main_ports_from_the_start(tiny_llama, tmp_path):
+    """Before (issue 54) the probe port said "not connected to the coordinator yet" (503) for a second or more
+    after the main port's ``/ready`` was 200: its process was still starting and connecting. Now, until its own
+    connection has a status, it answers the main port's verdict, which the server stamps from the start."""
+    from tests.run_stack import start_run  # noqa: PLC0415
+
+    probe_port = free_port()
+    stack = start_run(tiny_llama, tmp_path / "run", "--health-port", str(probe_port), engines=1)  # main: 200
+    try:
+        probe = f"http://127.0.0.1:{probe_port}"
+        answers = [(get(probe, "/ready"), get(stack.url, "/ready")) for _ in range(5)]
+        assert [(p[0], m[0]) for p, m in answers] == [(200, 200)] * 5, answers
+        assert all(p[1]["ready"] and m[1]["ready"] for p, m in answers), answers
+    finally:
+        stack.kill()

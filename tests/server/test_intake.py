@@ -395,3 +395,14 @@ async def test_tokenize_routes_go_through_the_same_front_door(tokenizer, backend
         assert ok.status_code == 200 and ok.json()["count"] == len(tokenizer.encode("hello"))
         text = (await post("/detokenize", json.dumps({"tokens": ok.json()["tokens"]}).encode())).json()["prompt"]
         assert text == "hello"
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+async def test_min_tokens_over_max_tokens_is_named_as_the_client_wrote_it(tokenizer, backend, path):
+    """It said "exceeds num_tokens_to_generate", this project's internal name (issue 54); now vLLM's words."""
+    body = {"model": MODEL, "prompt": "x"} if path == "/v1/completions" else {"model": MODEL, "messages": USER}
+    async with serving(make_app(tokenizer, backend)) as url, httpx.AsyncClient(base_url=url) as http:
+        error = assert_error(await http.post(path, json={**body, "min_tokens": 10, "max_tokens": 5}), 400,
+                             "min_tokens")
+    assert error["message"] == "min_tokens must be less than or equal to max_tokens=5, got 10"
+    assert backend.submitted == []

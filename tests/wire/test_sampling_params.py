@@ -93,3 +93,11 @@ def test_shared_params_read_each_distinct_set_once_and_never_keep_bad_bytes():
             shared.read(bad)
     shared.read(msgspec.msgpack.encode({"top_k": 5}))  # a third set: the memory (size 2) starts over
     assert shared.read(greedy)[0] is not first and shared.read(greedy)[0] == first
+
+
+def test_min_tokens_over_max_tokens_says_max_tokens():
+    """Python callers too get the public name (vLLM's words), whichever name they set the limit with."""
+    for limit in ({"max_tokens": 5}, {"num_tokens_to_generate": 5}):
+        with pytest.raises(SamplingParamError, match=r"^min_tokens must be less than or equal to max_tokens=5, "
+                                                     r"got 10$"):
+            SamplingParams(min_tokens=10, **limit)

@@ -19,6 +19,7 @@ implementation is chosen when the object is built:
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import uuid
 from pathlib import Path
@@ -34,14 +35,17 @@ from ..wire.lifecycle import PauseMode, parse_pause_mode
 from .outputs import StreamItem
 from .chat_messages import Conversation, render_conversations
 from .prompts import ImagePrompt, Prompt, PromptInput, as_prompt, normalize_prompts
-from ..wire.request import DynamicInferenceRequest
+from ..wire.request import DynamicInferenceRequest, FinishReason
 from ..wire.sampling_params import SamplingParams
 from .lora_request import LoRARequest, apply_lora
+from .request_checks import ServingBounds
 from .vllm_args import wake_up_plan
 from .vllm_outputs import RequestOutput
 
 if TYPE_CHECKING:
     import torch
+
+logger = logging.getLogger("megatron_serve.client")
 
 
 class MegatronAsyncLLM:
@@ -67,6 +71,10 @@ class MegatronAsyncLLM:
             generation_config, model if isinstance(model, Path) else None)
         self.model = model
         self._tokenizer = tokenizer
+        # LoRA directories are checked here only where the engines read them: this machine (direct mode, a local
+        # fleet); a remote fleet's engines may see other files.
+        self._local_files = not self.use_coordinator or coordinator_address is None
+        self._bounds: ServingBounds | None = None
         self._client: EngineClient
         if self.use_coordinator:
             self.engine = None
@@ -167,6 +175,7 @@ class MegatronAsyncLLM:
                 raise ValueError("an iterated generate (async for) runs one prompt, as vLLM's AsyncLLM.generate: "
                                  "await generate(...) runs a batch")
             await self.start()
+            await self.check_jobs(jobs)
             choices = [params for _, _, params in jobs]
             async for output in stream_request_outputs(self._client, self.tokenizer, jobs[0][1], choices,
                                                        request_id or uuid.uuid4().hex):
@@ -214,12 +223,40 @@ class MegatronAsyncLLM:
                        on_finished: Callable[[int], None] | None = None) -> list[DynamicInferenceRequest]:
         """Every job's finished request, in job order; ``on_finished(job index)`` is called as each one
         finishes (the progress bar of :meth:`MegatronLLM.generate`)."""
-        await self.start()
+        await self.check_jobs(jobs)
         futures = [self._client.add_request(prompt, params) for _, prompt, params in jobs]
         if on_finished is not None:
             for index, future in enumerate(futures):
                 future.add_done_callback(lambda _, index=index: on_finished(index))
-        return list(await asyncio.gather(*futures))
+        results = list(await asyncio.gather(*futures))
+        for result in results:
+            if result.finish_reason == FinishReason.ERROR:  # what no check here foresaw (e.g. a KV pool too small)
+                logger.warning("request %s failed: %s", result.request_id, result.error)
+        return results
+
+    async def check_jobs(self, jobs: list[tuple[int, Prompt, SamplingParams]]) -> None:
+        """Start, then raise ``ValueError`` for the first job the engines would refuse (vLLM's checks and words:
+        :mod:`megatron_serve.client.request_checks`), before any job is sent."""
+        await self.start()
+        bounds = self._bounds
+        if bounds is None:
+            status = await self._client.status()
+            bounds = ServingBounds.from_status(status, self._vocab_size(), local_lora_paths=self._local_files)
+            if status.get("engines"):  # known for good once the engines have said it
+                self._bounds = bounds
+        tokenizer = self.tokenizer
+        for index, prompt, params in jobs:
+            bounds.check(index, prompt, params, tokenizer)
+
+    def _vocab_size(self) -> int | None:
+        """The model's vocabulary: the engine's here, else the model directory's ``config.json`` (when known)."""
+        if self.engine is not None:
+            return int(self.engine.model.config.vocab_size)
+        if isinstance(self.model, Path) and (self.model / "config.json").is_file():
+            from ..model.config import ModelConfig  # noqa: PLC0415
+
+            return ModelConfig.from_dir(self.model).vocab_size
+        return None
 
     def plan_jobs(self, prompts: list[Prompt], sampling_params: SamplingParams | Sequence[SamplingParams] | None
                   ) -> list[tuple[int, Prompt, SamplingParams]]:
@@ -258,7 +295,7 @@ class MegatronAsyncLLM:
         if len(jobs) != 1:
             raise ValueError("generate_stream runs one sequence: n must be 1 (generate takes n)")
         ((_, one, params),) = jobs
-        await self.start()
+        await self.check_jobs(jobs)
         async for item in self._client.add_request_streaming(one, params):
             yield item
 

@@ -50,7 +50,9 @@ def dict_prompt(value: dict, what: str = "prompt") -> Prompt:
         if unknown:
             raise ValueError(f"{what} has unknown key(s) {', '.join(map(repr, unknown))} beside 'prompt_token_ids'")
         tokens = value["prompt_token_ids"]
-        if not (_is_token_ids(tokens) and tokens):
+        if _is_token_ids(tokens) and not tokens:
+            raise ValueError(f"The decoder prompt cannot be empty ({what}['prompt_token_ids'] is [])")
+        if not _is_token_ids(tokens):
             raise TypeError(f"{what}['prompt_token_ids'] must be a non-empty list of token ids")
         return list(tokens)
     prompt = image_prompt(value, what)

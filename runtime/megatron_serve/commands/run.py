@@ -34,9 +34,10 @@ from ..wire.protocol import DEFAULT_PORT
 from . import api_servers, local_runs
 from .aliases import add_option
 from .engine_options import add_engine_options, inference_config_from_args
-from .inputs import check_model_dir, check_port_free, parse_port
+from .inputs import check_model_dir, parse_port
 from .model_options import add_model_options, resolve_model_args
 from .run_janitor import Janitor
+from .stack_ports import StackPorts, check_distinct, reserve_ports
 from .options import add_insecure_option, add_log_option, add_token_option, read_token, setup_logging
 from .server import (API_KEY_ENV, ServingFiles, add_server_options, check_server_options, connection_options,
                      image_options, probes_note, read_admin_key, read_api_key, read_limits, start_probes,
@@ -54,7 +55,8 @@ def add_arguments(parser: argparse.ArgumentParser, *, positional_model: bool = F
     add_option(parser, "--tensor-parallel", type=int, default=1, metavar="N", help="GPUs (ranks) per engine group")
     parser.add_argument("--coordinator-port", type=int, default=None, metavar="PORT",
                         help=f"coordinator port on --host, for `megatron-serve control` (default: {DEFAULT_PORT}, "
-                             "or a free port when it is taken; 0 = any free port)")
+                             "or a free port when it is taken or is --port's or the probe port's; 0 = any free "
+                             "port)")
     parser.add_argument("--routing", default="least_loaded", choices=["least_loaded", "round_robin", "prefix_affinity"],
                         help="which engine group gets a request")
     parser.add_argument("--log-dir", metavar="DIR", help="where coordinator and engine logs go and stay (default: "
@@ -94,6 +96,8 @@ def run(args: argparse.Namespace) -> int:
     check_server_options(args)
     if args.coordinator_port is not None:
         parse_port(args.coordinator_port, "--coordinator-port")
+        check_distinct({"--port": args.port, "--health-port": args.health_port,
+                        "--coordinator-port": args.coordinator_port})
     config = inference_config_from_args(args, tensor_parallel_size=args.tensor_parallel)  # fails before any start
     api_key = read_api_key(args)
     token = read_token(args)
@@ -110,27 +114,11 @@ def run(args: argparse.Namespace) -> int:
 
         check_tokenizer_files(args.tokenizer)
     files = ServingFiles.from_args(args)  # --chat-template and --generation-config, checked now
-    port, port_note = coordinator_port(args.coordinator_port, args.host)
+    # Every port, before any child starts: a busy or doubly named one fails now, not once the model has loaded.
+    ports = reserve_ports(args.host, args.port, args.health_port, args.coordinator_port)
     from ..server.runner import run_loop  # noqa: PLC0415 - keep --help fast
 
-    return run_loop(_Stack(args, config, api_key, token, files, port, port_note).main())
-
-
-def coordinator_port(requested: int | None, host: str = "127.0.0.1") -> tuple[int, str]:
-    """The port to start the coordinator on, and a note for the user when it is not the one they would expect.
-
-    An explicit ``--coordinator-port`` is used as given (taken, it fails the start, as asked); the
-    default, 5555, gives way to a free port when something already listens there (another ``run``,
-    a deployment's coordinator), so that a first ``make run`` cannot trip over it.
-    """
-    if requested is not None:
-        check_port_free(host, requested, "--coordinator-port")
-        return requested, ""
-    try:
-        check_port_free(host, DEFAULT_PORT, "--coordinator-port")
-    except ValueError:
-        return 0, f" ({DEFAULT_PORT} is taken: using a free port)"
-    return DEFAULT_PORT, ""
+    return run_loop(_Stack(args, config, api_key, token, files, ports).main())
 
 
 def _load_serving(args: argparse.Namespace, files: ServingFiles) -> tuple[Any, Any]:
@@ -160,14 +148,13 @@ class _Stack:
     """One run of the whole stack; ``main()`` returns the exit code."""
 
     def __init__(self, args: argparse.Namespace, config: Any, api_key: str | None, token: str | None,
-                 files: ServingFiles, coordinator_port: int, port_note: str) -> None:
+                 files: ServingFiles, ports: StackPorts) -> None:
         self.args = args
         self.config = config
         self.api_key = api_key
         self.token = token
         self.files = files
-        self.coordinator_port = coordinator_port
-        self.port_note = port_note  # why the coordinator does not listen on 5555
+        self.ports = ports
         self.fleet: Any = None
         self.client: Any = None
         self.stop = asyncio.Event()
@@ -179,7 +166,6 @@ class _Stack:
         self.endpoint = ""  # http://host:port/v1, once bound
         self.address = ""  # the coordinator's, once it listens
         self.siblings: api_servers.Siblings | None = None  # the other API server processes (--api-server-count)
-        self.probe_sock: Any = None  # the probe port's (--health-port), bound with the main port
 
     def _on_signal(self, signum: int) -> None:
         self.signals += 1
@@ -210,15 +196,13 @@ class _Stack:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
             loop.add_signal_handler(sig, self._on_signal, sig)
-        from ..server.probe_port import bind_probe_socket  # noqa: PLC0415
-        from ..server.runner import bind_socket, endpoint_url  # noqa: PLC0415
+        from ..server.runner import endpoint_url  # noqa: PLC0415
 
         from ..server.modelinfo import default_model_name  # noqa: PLC0415
 
         args = self.args
         name = args.served_model_name or default_model_name(args.model)
-        sock = bind_socket(args.host, args.port)  # before any child starts: a busy port fails fast
-        self.probe_sock = bind_probe_socket(args.host, args.health_port, args.port)
+        sock = self.ports.http
         self.endpoint = endpoint_url(sock) + "/v1"
         progress(1, f"model '{name}' from {args.model}")
         defaults = self.files.generation_defaults
@@ -244,9 +228,7 @@ class _Stack:
             await self._serve(facts, tokenizer, sock)
             return 0
         finally:
-            sock.close()
-            if self.probe_sock is not None:
-                self.probe_sock.close()
+            self.ports.close()
             if self.published is not None:
                 local_runs.withdraw(self.published)
             await self._shutdown()
@@ -256,14 +238,14 @@ class _Stack:
         from ..fleet.local_fleet import LocalFleet  # noqa: PLC0415
 
         args = self.args
-        self.fleet = LocalFleet(args.model, args.engines, self.config, host=args.host, port=self.coordinator_port,
+        self.fleet = LocalFleet(args.model, args.engines, self.config, host=args.host, port=self.ports.coordinator,
                                 token=self.token, insecure=self.token is None, routing=args.routing,
                                 drain_timeout=args.drain_timeout, log_dir=args.log_dir, tokenizer_dir=args.tokenizer)
         started = time.monotonic()
         self.address = address = await asyncio.to_thread(self.fleet.start, 60.0)
         security = "encrypted, fleet secret required" if self.token else "INSECURE: no authentication, no encryption"
         kept = "" if args.log_dir is not None else "; removed at exit, --log-dir keeps them"
-        progress(2, f"coordinator listening on {address}{self.port_note} ({security}; logs in "
+        progress(2, f"coordinator listening on {address}{self.ports.coordinator_note} ({security}; logs in "
                     f"{self.fleet.log_dir}{kept})")
         self.published = local_runs.publish(os.getpid(), address, self.endpoint, args.served_model_name or args.model,
                                             self.token)
@@ -317,7 +299,7 @@ class _Stack:
                          options=HTTPOptions.from_args(args), stream_interval=args.stream_interval,
                          lora_modules=dict(args.lora_modules or []), **status_options(args))
 
-        probes = start_probes(args, self.probe_sock, self.address, self.token, app)
+        probes = await start_probes(args, self.ports.probe, self.address, self.token, app)
 
         def started(url: str) -> None:
             count = f" ({args.api_server_count} processes)" if args.api_server_count > 1 else ""

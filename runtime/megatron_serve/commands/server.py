@@ -89,7 +89,8 @@ def add_server_options(parser: argparse.ArgumentParser, default_host: str) -> No
     group.add_argument("--health-port", type=int, default=None, metavar="PORT",
                        help="a second port answering only /health and /ready, from a process of its own: fast (within "
                             "100 ms) however busy the streams keep the main port, for Kubernetes probes; 0 = none "
-                            "(default: --port + 1, or any free port when that is taken or --port is 0)")
+                            "(default: --port + 1, or any free port when that is taken, is --coordinator-port or --port "
+                            "is 0)")
     group.add_argument("--health-stall-timeout", type=float, default=HEALTH_STALL_TIMEOUT, metavar="S",
                        help="the probe port's /health is 503 once the server's event loop has not run for this long "
                             "(hung, not busy: a liveness probe restarts it)")
@@ -298,7 +299,7 @@ async def _serve(args: argparse.Namespace, facts: Any, files: ServingFiles, toke
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, on_signal, sig)
 
-    probes = start_probes(args, probe_sock, args.coordinator, token, app)
+    probes = await start_probes(args, probe_sock, args.coordinator, token, app)
 
     def started(url: str) -> None:
         if announce:
@@ -324,15 +325,18 @@ async def _serve(args: argparse.Namespace, facts: Any, files: ServingFiles, toke
             await asyncio.to_thread(siblings.stop, args.drain_timeout + 15.0)
 
 
-def start_probes(args: argparse.Namespace, probe_sock: Any, address: str, token: str | None, app: Any) -> Any:
+async def start_probes(args: argparse.Namespace, probe_sock: Any, address: str, token: str | None, app: Any) -> Any:
     """The probe port on ``probe_sock`` (None: none), watching the coordinator at ``address`` and ``app``'s drain;
-    on the running loop, which it stamps (``--health-stall-timeout``)."""
+    on the running loop, which it stamps (``--health-stall-timeout``). Started once ``app``'s fleet monitor has
+    had its first status, so that its first stamp carries the main port's ``/ready`` verdict."""
     if probe_sock is None:
         return None
     from ..server.probe_process import ProbePort  # noqa: PLC0415
 
     ctx = app.state.ctx
+    await ctx.monitor.wait_first_poll()
     return ProbePort(probe_sock, address, token, lambda: ctx.drain.draining.is_set() or ctx.stopping.is_set(),
+                     ready=lambda: ctx.monitor.not_ready_reason() is None,
                      interval=args.status_interval, timeout=args.status_timeout,
                      stall_timeout=args.health_stall_timeout, log_level=args.log_level)
 

@@ -106,6 +106,7 @@ class DynamicInferenceEngine(DeviceMemoryVerbs, LoraVerbs, SpeculativeSteps):
         self.loras = engine_loras(model, config, self.runner, self.kv_cache.layer_caches)  # after the base graphs
         self.lora_queue = LoraQueue(self.loras)  # requests waiting for an adapter slot
         self.structured = StructuredOutputs(tokenizer, model.config.vocab_size)
+        self.structured.warm()  # llguidance loaded off the step: the first constrained request stopped it for seconds
         self.encoder_cache = _encoder_cache_for(model, tokenizer)
         self._sequences: dict[str, Sequence] = {}
         self._pending: list[StepOutput] = []

@@ -13,7 +13,11 @@ The grammar engine is llguidance (Rust, from PyPI, CPU only). Chosen over xgramm
 Matchers live next to the engine's other per-request state and are rebuilt from
 ``generated_tokens`` whenever a request (re-)enters an engine, so a preempted, recomputed or
 moved request continues in the same grammar state. The tokenizer's vocabulary is read from the
-Hugging Face tokenizer files through llguidance's own converter, once per engine, on first use.
+Hugging Face tokenizer files through llguidance's own converter, once per engine, on a thread of its
+own at engine start (:meth:`StructuredOutputs.warm`): built by the first constrained request, it stopped the
+step, and every request in it, for as long as it took. The masks are filled through llguidance's numpy
+binding, not ``llguidance.torch``: that module compiles a kernel with ``torch.compile`` when imported,
+which pulls in ``torch._dynamo`` (4-6 s in a fresh process), for a function this engine does not use.
 
 End of output: when the grammar is complete the mask allows the request's own stop tokens (and
 only those); when no further token can extend it, the request finishes at once with ``stop``.
@@ -30,6 +34,7 @@ the step emits. Cost: one mask fill per verified position, the same as the plain
 from __future__ import annotations
 
 import logging
+import threading
 from functools import cached_property
 from typing import Any
 
@@ -63,6 +68,25 @@ class StructuredOutputs:
         import llguidance  # noqa: PLC0415
 
         return llguidance.LLExecutor()
+
+    def warm(self) -> threading.Thread:
+        """Load llguidance and build the vocabulary view, the executor and one matcher's first mask on a daemon
+        thread, off the step, so that the first constrained request finds them ready; returns the thread. A
+        constrained request that comes sooner waits for the part still being built (``cached_property``'s lock)."""
+        thread = threading.Thread(target=self._warm, name="megatron-serve-grammar-warmup", daemon=True)
+        thread.start()
+        return thread
+
+    def _warm(self) -> None:
+        import llguidance  # noqa: PLC0415
+
+        try:
+            matcher = llguidance.LLMatcher(self._ll_tokenizer, grammar_for(StructuredOutputsParams(regex="a")),
+                                           log_level=0)
+            mask = torch.full((1, (self.vocab_size + 31) // 32), -1, dtype=torch.int32)
+            fill_par(self._executor, [(matcher, 0)], mask.numpy())
+        except Exception:  # noqa: BLE001 - a first constrained request meets the same problem and reports it
+            logger.exception("warming the grammar engine failed")
 
     def __contains__(self, request_id: str) -> bool:
         return request_id in self._matchers
@@ -161,9 +185,7 @@ class StructuredOutputs:
     def _fill(self, bitmask: torch.Tensor, targets: list[tuple[Any, int, frozenset[int]]]) -> None:
         """Fill row ``row`` of ``bitmask`` from ``matcher``'s current state, for each ``(matcher, row, stop
         tokens)``, in one parallel call; then set each row's end-of-sequence bits (see :meth:`bitmask`)."""
-        import llguidance.torch  # noqa: PLC0415
-
-        llguidance.torch.fill_next_token_bitmask_par(self._executor, [(m, row) for m, row, _ in targets], bitmask)
+        fill_par(self._executor, [(m, row) for m, row, _ in targets], bitmask.numpy())
         view = bitmask.numpy().view("uint32")
         eos = [t for t in self._ll_tokenizer.eos_tokens if t < self.vocab_size]
         for matcher, row, stop_token_ids in targets:
@@ -175,3 +197,11 @@ class StructuredOutputs:
             for token in allowed:
                 if token < self.vocab_size:
                     view[row, token >> 5] |= 1 << (token & 31)
+
+
+def fill_par(executor: Any, targets: list[tuple[Any, int]], bitmask: Any) -> None:
+    """llguidance's parallel mask fill into ``bitmask`` (a C-contiguous int32 numpy array, rows of the vocabulary's
+    bits), without the GIL: ``llguidance.numpy``'s, which imports no ``torch._dynamo`` (see the module docstring)."""
+    import llguidance.numpy  # noqa: PLC0415
+
+    llguidance.numpy.fill_next_token_bitmask_par(executor, targets, bitmask)

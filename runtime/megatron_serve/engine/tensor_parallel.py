@@ -20,8 +20,12 @@ from __future__ import annotations
 import datetime
 import logging
 import multiprocessing
+import multiprocessing.connection
+import multiprocessing.synchronize
 import os
 import socket
+import sys
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -44,6 +48,12 @@ from ..weights.sources import WeightSource
 logger = logging.getLogger(__name__)
 
 RENDEZVOUS_TIMEOUT_S = float(os.environ.get("MEGATRON_SERVE_RENDEZVOUS_TIMEOUT", "300"))
+#: The exit code of a rank's process that found itself re-running its parent's script (see reimported_main).
+REIMPORTED_MAIN_EXIT = 3
+GUARD_HINT = ("a script that builds a tensor-parallel engine (LLM(..., tensor_parallel_size=N) and the like) must "
+              "do so under `if __name__ == \"__main__\":`: each other rank's process is started with "
+              "multiprocessing's spawn, which imports the script again, so that code at its top level runs again "
+              "there")
 
 
 @dataclass(frozen=True)
@@ -253,27 +263,69 @@ def abandon_group(workers: list[multiprocessing.Process]) -> None:
         worker.join(timeout=30)
 
 
+def reimported_main() -> bool:
+    """Whether this process is a spawned one still importing its parent's ``__main__`` (multiprocessing's
+    ``_inheriting``, what its own "bootstrapping phase" error checks): a script without a main guard."""
+    return bool(getattr(multiprocessing.current_process(), "_inheriting", False))  # set by spawn's _main only
+
+
+def refuse_reimported_main() -> None:
+    """Exit at once, saying why, when a rank's process re-runs its parent's script: without this the script's
+    engine started ranks of its own there, multiprocessing refused, and rank 0 waited for the missing rank until
+    the rendezvous timed out (300 s), then said "could not join the group"."""
+    if reimported_main():
+        print(f"megatron-serve: tensor-parallel rank process {os.getpid()} is running its parent's script again: "
+              f"{GUARD_HINT}", file=sys.stderr, flush=True)
+        raise SystemExit(REIMPORTED_MAIN_EXIT)
+
+
 def spawn_local_workers(model_dir: str, config: InferenceConfig, placement: Placement) -> list[multiprocessing.Process]:
-    """Start this machine's ranks other than rank 0 as child processes."""
+    """Start this machine's ranks other than rank 0 as child processes; returns once each has started (reached
+    :func:`run_worker`), and raises at once when one exits before it did."""
     context = multiprocessing.get_context("spawn")
-    workers = []
+    workers, started = [], []
     for index in range(placement.local_count):
         rank = placement.first_local_rank + index
         if rank == 0:
             continue
-        process = context.Process(target=run_worker, args=(model_dir, config.to_dict(), placement, rank, index),
+        event = context.Event()
+        process = context.Process(target=run_worker, args=(model_dir, config.to_dict(), placement, rank, index, event),
                                   name=f"megatron-tp-rank-{rank}", daemon=True)
         process.start()
         workers.append(process)
+        started.append(event)
+    try:
+        wait_started(workers, started)
+    except BaseException:
+        for worker in workers:
+            worker.terminate()
+            worker.join(timeout=30)
+        raise
     return workers
 
 
-def run_worker(model_dir: str, config_dict: dict, placement: Placement, rank: int, local_index: int) -> None:
+def wait_started(workers: list[multiprocessing.Process], started: list[multiprocessing.synchronize.Event]) -> None:
+    """Wait until every worker set its ``started`` event, up to the rendezvous timeout; a worker that exits first
+    fails the start at once, with why when it says (:data:`REIMPORTED_MAIN_EXIT`)."""
+    deadline = time.monotonic() + RENDEZVOUS_TIMEOUT_S
+    while not all(event.is_set() for event in started):
+        for worker, event in zip(workers, started):
+            if not event.is_set() and worker.exitcode is not None:
+                why = GUARD_HINT if worker.exitcode == REIMPORTED_MAIN_EXIT else "its output above says why"
+                raise RuntimeError(f"{worker.name}'s process exited (code {worker.exitcode}) before it started: {why}")
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"tensor-parallel ranks not started within {RENDEZVOUS_TIMEOUT_S:.0f}s")
+        multiprocessing.connection.wait([w.sentinel for w in workers], timeout=0.05)
+
+
+def run_worker(model_dir: str, config_dict: dict, placement: Placement, rank: int, local_index: int,
+               started: multiprocessing.synchronize.Event) -> None:
     """A rank other than 0: load its slice, mirror rank 0's KV pool, and follow its broadcasts until stop."""
     from ..fleet.lifeline import parent_death_signal  # noqa: PLC0415
     from ..model.config import ModelConfig  # noqa: PLC0415
 
     parent_death_signal()  # dies with rank 0's process (spawned from its main thread), whatever kills it
+    started.set()
 
     config = InferenceConfig(**config_dict)
     device = rank_device(local_index, config)
@@ -339,6 +391,7 @@ def _follow_refit(model, source: WeightSource) -> tuple[list[str], str | None]:
 def start_rank_zero(model_dir: str, config: InferenceConfig
                     ) -> tuple[TensorParallel, PlanChannel, torch.device, list[multiprocessing.Process]]:
     """Start this machine's other ranks and join the group as rank 0 (when this machine holds it)."""
+    refuse_reimported_main()
     placement = placement_for(config.tensor_parallel_size)
     check_local_devices(placement, torch.device(config.device).type)
     workers = spawn_local_workers(model_dir, config, placement)

@@ -12,11 +12,14 @@ No child outlives the fleet's process, whatever ends it (:mod:`megatron_serve.fl
 (:mod:`megatron_serve.fleet.supervisor`). The fleet's own directory (its logs, when no ``log_dir`` is
 given: ``$TMPDIR/megatron-fleet-*``) is removed when the fleet stops; one whose process was killed
 before it could is removed by the next fleet of the same user that starts (a lock held for the
-fleet's life tells a live directory from a stale one). 17 of them were found on one machine.
+fleet's life tells a live directory from a stale one). 17 of them were found on one machine. A fleet
+still up when its interpreter exits (a script with ``LLM(..., enable_sleep_mode=True)`` that never calls
+``shutdown()``) is killed and its directory removed by an ``atexit`` hook, not left for the next fleet.
 """
 
 from __future__ import annotations
 
+import atexit
 import fcntl
 import logging
 import os
@@ -165,6 +168,7 @@ class LocalFleet:
         self._lifeline = Lifeline()
         self._supervisor = Supervisor(self._lifeline)
         self._ended = False
+        atexit.register(self.kill)  # unregistered once the fleet ended (_release)
 
     @property
     def coordinator(self) -> subprocess.Popen | None:
@@ -306,6 +310,7 @@ class LocalFleet:
         if self._ended:
             return
         self._ended = True
+        atexit.unregister(self.kill)
         self._supervisor.close()
         self._lifeline.close()
         if self._lock_fd is not None:

@@ -24,7 +24,7 @@ import selectors
 import socket
 import threading
 import time
-from typing import Any
+from typing import Any, Mapping
 
 from ..client.loop_thread import EventLoopThread
 from ..limits import HEALTH_STALL_TIMEOUT, PROBE_BACKLOG, PROBE_MAX_OPEN, STATUS_INTERVAL, STATUS_TIMEOUT
@@ -72,6 +72,7 @@ class ProbeFacts:
         self.watch = watch
         self.stall_timeout = stall_timeout
         self.draining = False
+        self.server_ready = False  # the main port's /ready verdict, from the server's last stamp
         self.loop_seen = time.monotonic()
 
     def health(self) -> tuple[int, dict[str, Any]]:
@@ -82,8 +83,15 @@ class ProbeFacts:
         return 200, {"status": "ok"}
 
     def ready(self) -> tuple[int, dict[str, Any]]:
-        """The main port's ``/ready`` body (``ReadyResponse``), from the watch instead of the main loop."""
+        """The main port's ``/ready`` body (``ReadyResponse``), from the watch instead of the main loop; until the
+        watch has had a first status, from the main port's verdict (the two ports agree from the start)."""
         monitor = self.watch.monitor
+        if monitor.status is None and not self.draining:
+            detail = None if self.server_ready else "the server is not ready (this port's own connection to the " \
+                                                    "coordinator is not up yet)"
+            return (200 if detail is None else 503), {"ready": detail is None, "state": None,
+                                                      "coordinator_reachable": self.server_ready, "busy": False,
+                                                      "engines": 0, "detail": detail}
         reachable = monitor.reachable
         detail = "this server is shutting down (draining)" if self.draining else monitor.not_ready_reason()
         body = {"ready": detail is None, "state": monitor.state if reachable else None,
@@ -208,9 +216,11 @@ class ProbeServer:
         return head + (b"" if parts and parts[0] == b"HEAD" else data)
 
 
-def bind_probe_socket(host: str, port: int | None, main_port: int) -> socket.socket | None:
+def bind_probe_socket(host: str, port: int | None, main_port: int,
+                      avoid: Mapping[int, str] | None = None) -> socket.socket | None:
     """The probe port's socket, bound (``--health-port``): ``0`` = none; ``None`` (the default) = the main port
-    + 1, or any free port when that one is taken or the main port is 0; an explicit port that is taken fails."""
+    + 1, or any free port when that one is taken, is one of ``avoid`` (a port another option asked for, by the
+    option's name: it may not be bound yet) or the main port is 0; an explicit port that is taken fails."""
     from .runner import bind_socket  # noqa: PLC0415
 
     if port == 0:
@@ -221,6 +231,10 @@ def bind_probe_socket(host: str, port: int | None, main_port: int) -> socket.soc
         except RuntimeError as exc:
             raise RuntimeError(str(exc).replace("--port", "--health-port")) from None
     wanted = main_port + 1 if 0 < main_port < 65535 else 0
+    if wanted and avoid and wanted in avoid:
+        logger.warning("the probe port %d (--port + 1) is %s: using a free port (set --health-port)", wanted,
+                       avoid[wanted])
+        return bind_socket(host, 0)
     try:
         return bind_socket(host, wanted)
     except RuntimeError:

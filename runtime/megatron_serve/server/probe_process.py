@@ -9,10 +9,13 @@ each socket call may wait for. A process of its own has its own GIL: an idle one
 
 :class:`ProbePort` (in the server process) listens on the probe socket, then starts ``python -m
 megatron_serve.server.probe_process`` with that socket and the read end of a pipe. Every
-``STAMP_INTERVAL`` the server's event loop writes one byte to the pipe: ``s`` (serving) or ``d``
-(draining). The probe process answers ``/ready`` from its own control connection to the coordinator
-(:class:`~.probe_port.FleetWatch`) and the last byte, ``/health`` from when the last byte came
-(``--health-stall-timeout``). It ignores SIGINT and SIGTERM (the server drains meanwhile, and its
+``STAMP_INTERVAL`` the server's event loop writes one byte to the pipe: ``r`` (serving, and the main
+port's ``/ready`` says ready), ``s`` (serving, not ready or not said) or ``d`` (draining). The probe
+process answers ``/ready`` from its own control connection to the coordinator
+(:class:`~.probe_port.FleetWatch`) and the last byte; until that connection has had its first status
+(the process starts, imports and connects for a second or more after the main port is up), from the
+main port's verdict in the last byte, so that the two ports agree from the start. ``/health`` is
+answered from when the last byte came (``--health-stall-timeout``). It ignores SIGINT and SIGTERM (the server drains meanwhile, and its
 ``/ready`` says so) and ends when the pipe does: when the server closes it after its drain, or
 dies, whatever kills it.
 """
@@ -29,9 +32,12 @@ import socket
 import subprocess
 import sys
 import time
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from ..limits import HEALTH_STALL_TIMEOUT, PROBE_BACKLOG, PROBE_MAX_OPEN, STATUS_INTERVAL, STATUS_TIMEOUT
+
+if TYPE_CHECKING:
+    from .probe_port import ProbeFacts
 
 logger = logging.getLogger("megatron_serve.server")
 
@@ -44,13 +50,15 @@ class ProbePort:
     """The probe port of one server process: its probe process, and the stamps this process's loop sends it.
 
     Made on the server's running event loop (it stamps from there); ``draining()`` says whether the server
-    drains (read at each stamp)."""
+    drains, ``ready()`` (when given) whether the main port's ``/ready`` says ready (both read at each stamp)."""
 
     def __init__(self, sock: socket.socket, address: str, token: str | None, draining: Callable[[], bool], *,
-                 interval: float = STATUS_INTERVAL, timeout: float = STATUS_TIMEOUT,
-                 stall_timeout: float = HEALTH_STALL_TIMEOUT, log_level: str = "WARNING") -> None:
+                 ready: Callable[[], bool] | None = None, interval: float = STATUS_INTERVAL,
+                 timeout: float = STATUS_TIMEOUT, stall_timeout: float = HEALTH_STALL_TIMEOUT,
+                 log_level: str = "WARNING") -> None:
         self.sock = sock
         self._draining = draining
+        self._ready = ready
         sock.listen(PROBE_BACKLOG)  # probes queue from now; the probe process answers them once it runs
         read_end, self._stamps = os.pipe()
         os.set_blocking(self._stamps, False)
@@ -71,7 +79,7 @@ class ProbePort:
 
     def _stamp(self) -> None:
         try:
-            os.write(self._stamps, b"d" if self._draining() else b"s")
+            os.write(self._stamps, stamp_byte(self._draining(), self._ready))
         except BlockingIOError:
             pass  # the probe process is behind: the stamps it has not read yet say as much
         except OSError:  # it ended: say so once, and stop stamping (the probes fail, the kubelet restarts the pod)
@@ -100,6 +108,21 @@ class ProbePort:
         self.sock.close()
 
 
+def stamp_byte(draining: bool, ready: Callable[[], bool] | None) -> bytes:
+    """The byte a stamp carries (see the module docstring)."""
+    if draining:
+        return b"d"
+    return b"r" if ready is not None and ready() else b"s"
+
+
+def read_stamps(data: bytes, facts: "ProbeFacts") -> None:
+    """What the last of the stamps in ``data`` says, into ``facts``."""
+    facts.loop_seen = time.monotonic()
+    last = data[-1:]
+    facts.draining = last == b"d"
+    facts.server_ready = last == b"r"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m megatron_serve.server.probe_process")
     parser.add_argument("--socket-fd", type=int, required=True)
@@ -120,14 +143,18 @@ def main(argv: list[str] | None = None) -> int:
     watch = FleetWatch(args.coordinator, None if args.insecure else os.environ.get(TOKEN_ENV),
                        interval=args.status_interval, timeout=args.status_timeout)
     facts = ProbeFacts(watch, args.health_stall_timeout)
-    server = ProbeServer(socket.socket(fileno=args.socket_fd), facts)
+    server = None
     try:
         with os.fdopen(args.stamps_fd, "rb", buffering=0) as stamps:
+            # The first stamp (written when the server made this process) is read before the first probe, queued
+            # meanwhile, is answered: it carries the main port's verdict that /ready gives until the watch is up.
             while data := stamps.read(64):
-                facts.loop_seen = time.monotonic()
-                facts.draining = data.endswith(b"d")
+                read_stamps(data, facts)
+                if server is None:
+                    server = ProbeServer(socket.socket(fileno=args.socket_fd), facts)
     finally:
-        server.close()
+        if server is not None:
+            server.close()
         watch.close()
     return 0
 

@@ -286,8 +286,9 @@ class SamplingParams(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=T
         _check_number("min_p", self.min_p, minimum=0.0, maximum=1.0)
         _check_int("min_tokens", self.min_tokens, minimum=0)
         if self.min_tokens > self.num_tokens_to_generate:
-            raise SamplingParamError("min_tokens", f"({self.min_tokens}) exceeds num_tokens_to_generate "
-                                                   f"({self.num_tokens_to_generate})")
+            # vLLM's words and public name (``num_tokens_to_generate`` is ``max_tokens`` everywhere a user writes it)
+            raise SamplingParamError("min_tokens", f"must be less than or equal to max_tokens="
+                                                   f"{self.num_tokens_to_generate}, got {self.min_tokens}")
         if isinstance(self.stop_token_ids, (str, bytes)) or not isinstance(self.stop_token_ids, (list, tuple)):
             raise SamplingParamError("stop_token_ids", f"must be a list of token ids, got {self.stop_token_ids!r}")
         for token_id in self.stop_token_ids:
