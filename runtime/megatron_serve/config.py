@@ -132,6 +132,8 @@ class InferenceConfig:
     cuda_graph_sizes: list[int] | None = None  # token counts captured (vLLM's --cuda-graph-sizes; engine.graphs)
     async_scheduling: bool = True  # prepare and launch step N+1 while step N runs (see engine.core)
     tensor_parallel_size: int = 1
+    # the tensor-parallel ranks hold whole experts of MoE layers, tokens move by all-to-all (model.token_dispatcher)
+    enable_expert_parallel: bool = False
     seed: int = 0
     quantization: str | None = None
     kv_cache_dtype: str = "auto"
@@ -164,7 +166,8 @@ class InferenceConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        for name in ("enable_prefix_caching", "enable_cuda_graphs", "async_scheduling", "batch_invariant"):
+        for name in ("enable_prefix_caching", "enable_cuda_graphs", "async_scheduling", "batch_invariant",
+                     "enable_expert_parallel"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if self.cuda_graph_sizes is not None:

@@ -135,8 +135,10 @@ class PlanChannel:
         return kind, message[0]
 
 
-def join_group(placement: Placement, rank: int, device: torch.device) -> tuple[TensorParallel, PlanChannel]:
-    """Rendezvous with the other ranks; waits for late peers up to the timeout, then says what is missing."""
+def join_group(placement: Placement, rank: int, device: torch.device, expert_parallel: bool = False
+               ) -> tuple[TensorParallel, PlanChannel]:
+    """Rendezvous with the other ranks; waits for late peers up to the timeout, then says what is missing.
+    ``expert_parallel``: the group's ranks hold whole experts (``--enable-expert-parallel``)."""
     backend = "nccl" if device.type == "cuda" else "gloo"
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -152,7 +154,8 @@ def join_group(placement: Placement, rank: int, device: torch.device) -> tuple[T
             f"(are all {placement.world_size} ranks started?): {exc}"
         ) from exc
     plans = dist.group.WORLD if backend == "gloo" else dist.new_group(backend="gloo")
-    return TensorParallel(rank=rank, size=placement.world_size, group=dist.group.WORLD), PlanChannel(plans)
+    return (TensorParallel(rank=rank, size=placement.world_size, group=dist.group.WORLD,
+                           expert_parallel=expert_parallel), PlanChannel(plans))
 
 
 def broadcast_previous_tokens(plan: StepPlan, tokens: torch.Tensor | None, count: int, tp: TensorParallel,
@@ -277,7 +280,7 @@ def run_worker(model_dir: str, config_dict: dict, placement: Placement, rank: in
 
     config = InferenceConfig(**config_dict)
     device = rank_device(local_index, config)
-    tp, channel = join_group(placement, rank, device)
+    tp, channel = join_group(placement, rank, device, config.enable_expert_parallel)
     model_config = ModelConfig.from_dir(model_dir)
     model = load_model(model_dir, default_dtype(config, model_config), device, tp, quantization=config.quantization)
     if config.batch_invariant:
@@ -348,5 +351,5 @@ def start_rank_zero(model_dir: str, config: InferenceConfig
             worker.join()
         raise SystemExit(max((w.exitcode or 0) for w in workers) if workers else 0)
     device = rank_device(0, config)
-    tp, channel = join_group(placement, 0, device)
+    tp, channel = join_group(placement, 0, device, config.enable_expert_parallel)
     return tp, channel, device, workers

@@ -2,6 +2,9 @@
 
 With one rank (the default) every layer holds whole weights and no collective is issued, so the
 single-GPU and CPU paths pay nothing for the tensor-parallel structure.
+
+``expert_parallel`` (``--enable-expert-parallel``): the same ranks hold whole experts instead of a slice of
+every expert (:mod:`.token_dispatcher`); attention, dense layers and shared experts stay tensor-parallel.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ class TensorParallel:
     rank: int = 0
     size: int = 1
     group: object | None = None
+    expert_parallel: bool = False
 
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
         if self.size > 1:
