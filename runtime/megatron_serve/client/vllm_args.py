@@ -121,6 +121,7 @@ LLM_KEYWORDS: dict[str, Keyword] = {
     "dtype": Keyword("dtype", _dtype),
     "max_model_len": Keyword("max_sequence_length", _positive_int),
     "tensor_parallel_size": Keyword("tensor_parallel_size", _positive_int),
+    "enable_expert_parallel": Keyword("enable_expert_parallel", _flag),
     "gpu_memory_utilization": Keyword("kv_cache_memory_fraction", _fraction),  # of the memory left after weights
     "enforce_eager": Keyword("enable_cuda_graphs", lambda value: not _flag(value)),
     "enable_prefix_caching": Keyword("enable_prefix_caching", _flag),

@@ -301,6 +301,12 @@ VLLM_OPTIONS: tuple[VllmOption, ...] = (
                "implemented (larger sizes are refused)",
                spec=_spec(type=_only_one, default=1, metavar="1", help="pipeline stages; only 1 is served here"),
                scope=_ENGINE, example=("--pipeline-parallel-size", "1")),
+    VllmOption(("--enable-expert-parallel",), _IMPLEMENTED, "the tensor-parallel ranks of an engine group hold "
+               "whole experts of MoE layers (E / tp each, read alone from the checkpoint) and move tokens to them "
+               "by all-to-all; attention and shared experts stay tensor-parallel (docs/parallelism.md)",
+               spec=_spec(action="store_true", default=False,
+                          help="place whole experts on the tensor-parallel ranks and move tokens by all-to-all"),
+               scope=_ENGINE, example=("--enable-expert-parallel",)),
     VllmOption(("--trust-remote-code",), _ACCEPTED, "this project never runs model code from a checkpoint: "
                "every architecture it serves is implemented here", spec=_spec(action="store_true"), scope=_ENGINE,
                example=("--trust-remote-code",)),

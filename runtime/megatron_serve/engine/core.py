@@ -36,7 +36,7 @@ import torch
 
 from ..config import InferenceConfig
 from .served import EngineFacts
-from .sizing import build_kv_pool, default_dtype, engine_buffers, max_sequence_length_for
+from .sizing import build_kv_pool, default_dtype, engine_buffers, max_sequence_length_for, parameter_bytes
 from .encoder_cache import EncoderCache
 from ..wire.engine_stats import EngineStats
 from ..wire.expert_routing import RoutingRecord, record_step, routing_dtype
@@ -144,7 +144,9 @@ class DynamicInferenceEngine(DeviceMemoryVerbs, LoraVerbs, SpeculativeSteps):
         return EngineFacts(capacity=config.max_requests, kv_blocks_total=self.kv_blocks_total,
                            tensor_parallel_size=config.tensor_parallel_size, kv_cache_bytes=self.kv_cache.num_bytes,
                            max_sequence_length=self.max_sequence_length, block_size=config.block_size_tokens,
-                           prefix_caching=config.enable_prefix_caching)
+                           prefix_caching=config.enable_prefix_caching,
+                           expert_parallel=config.enable_expert_parallel and config.tensor_parallel_size > 1,
+                           parameter_bytes=parameter_bytes(self.model))
 
     @classmethod
     def from_model_dir(cls, model_dir: str | Path, config: InferenceConfig | None = None,

@@ -42,6 +42,11 @@ def agree_on_min(value: int, tp: TensorParallel) -> int:
     return int(tensor.item())
 
 
+def parameter_bytes(model: torch.nn.Module) -> int:
+    """The bytes of the weights this rank holds (a tied weight once): what ``control status`` reports per rank."""
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
 def default_dtype(config: InferenceConfig, model_config: ModelConfig) -> torch.dtype:
     """float32 on CPU (bf16 matmuls are slow there); the checkpoint's dtype, else bfloat16, on a GPU."""
     if config.dtype is not None:

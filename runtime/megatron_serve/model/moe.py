@@ -14,7 +14,7 @@ Expert parallelism (``--enable-expert-parallel``, :attr:`.parallel.TensorParalle
 rank ``E / ep`` whole experts instead, stored at ``e - first_expert`` (the stacked layout is indexed by
 expert): the loader reads only those from the checkpoint, and a token dispatcher
 (:mod:`.token_dispatcher`) moves each (token, expert) pair to its expert's rank and the output back. The
-shared expert stays tensor-parallel; its partial sums join the dispatcher's last collective.
+shared expert is replicated then, and runs on the tokens the rank combines.
 """
 
 from __future__ import annotations
@@ -186,9 +186,10 @@ class SparseMoeBlock(nn.Module):
                                        torch.device(device))
         self.shared_expert: GatedMLP | None = None
         self.shared_expert_gate: ReplicatedLinear | None = None
-        if moe.shared_expert_intermediate_size:
+        if moe.shared_expert_intermediate_size:  # replicated under expert parallelism: it runs on the rank's chunk
             self.shared_expert = GatedMLP(hidden_size, moe.shared_expert_intermediate_size, silu_and_mul, linears,
-                                          f"{layer}.mlp.shared_expert", tp, reduce=False)
+                                          f"{layer}.mlp.shared_expert", SINGLE if tp.expert_parallel else tp,
+                                          reduce=False)
             self.shared_expert_gate = ReplicatedLinear(hidden_size, 1)
         self._sigmoid = torch.sigmoid
         self._reduce = tp.all_reduce
@@ -223,20 +224,26 @@ class SparseMoeBlock(nn.Module):
             weights = weights.to(hidden.dtype)
         if routing is not None:
             routing.append(ids)
-        shared = None
-        if self.shared_expert is not None:
-            shared = self._sigmoid(self.shared_expert_gate(hidden)) * self.shared_expert(hidden)
         if self.dispatcher is not None:
-            return self._expert_parallel(hidden, weights, ids, shared)
+            return self._expert_parallel(hidden, weights, ids)
         out = self.experts(hidden, weights, ids)
-        return self._reduce(out if shared is None else out + shared)
+        if self.shared_expert is not None:
+            out = out + self._shared(hidden)
+        return self._reduce(out)
 
-    def _expert_parallel(self, hidden: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
-                         shared: torch.Tensor | None) -> torch.Tensor:
-        """Dispatch, this rank's experts on one expert per row (unweighted: the combine weighs them), combine."""
-        dispatched = self.dispatcher.dispatch(hidden, ids)
+    def _shared(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self._sigmoid(self.shared_expert_gate(hidden)) * self.shared_expert(hidden)
+
+    def _expert_parallel(self, hidden: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """Dispatch, this rank's experts on one expert per row (unweighted: the combine weighs them), combine,
+        the shared expert on the tokens combined here, gather."""
+        dispatcher = self.dispatcher
+        dispatched = dispatcher.dispatch(hidden, ids)
         outputs = dispatched.rows
         if outputs.shape[0]:
             ones = torch.ones(dispatched.ids.shape, dtype=torch.float32, device=hidden.device)
             outputs = self.experts(dispatched.rows, ones, dispatched.ids, dispatched.tokens)
-        return self.dispatcher.combine(outputs, weights, shared)
+        out = dispatcher.combine(outputs, weights)
+        if self.shared_expert is not None:
+            out = out + self._shared(hidden[dispatcher.local])
+        return dispatcher.gather(out)

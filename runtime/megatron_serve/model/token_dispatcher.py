@@ -9,8 +9,8 @@ experts, hence how many rows each rank sends each other rank, without exchanging
 
 * :class:`AllToAllDispatcher` (the default): each rank takes a contiguous chunk of the tokens, sends each
   of its (token, expert) pairs to the expert's owner (one ``all_to_all_single``), gets the expert outputs
-  back (a second one), combines its tokens, and the chunks are gathered on every rank (an all-gather; an
-  all-reduce instead when a tensor-parallel shared expert's partial sums join it).
+  back (a second one), combines its tokens (the replicated shared expert adds its term to them), and the
+  chunks are gathered on every rank (an all-gather).
 * :class:`AllGatherDispatcher`: no token moves; each rank runs its experts on every token routed to them
   and the partial sums are reduced (one all-reduce), as the tensor-parallel layer does.
 
@@ -43,13 +43,18 @@ class Dispatched:
 
 
 class TokenDispatcher(Protocol):
-    """One layout's dispatch and combine; :meth:`dispatch` keeps what :meth:`combine` of the same layer needs."""
+    """One layout's dispatch and combine; :meth:`dispatch` keeps what the same layer's :meth:`combine` and
+    :meth:`gather` need. ``local``: the tokens whose output :meth:`combine` gives this rank (a replicated shared
+    expert adds its term to those rows before :meth:`gather`)."""
 
     ordered: bool
+    local: slice
 
     def dispatch(self, hidden: torch.Tensor, ids: torch.Tensor) -> Dispatched: ...
 
-    def combine(self, outputs: torch.Tensor, weights: torch.Tensor, partial: torch.Tensor | None) -> torch.Tensor: ...
+    def combine(self, outputs: torch.Tensor, weights: torch.Tensor) -> torch.Tensor: ...
+
+    def gather(self, local: torch.Tensor) -> torch.Tensor: ...
 
 
 def weighted_sum(outputs: torch.Tensor, weights: torch.Tensor, tokens: torch.Tensor, num_tokens: int,
@@ -67,31 +72,33 @@ def weighted_sum(outputs: torch.Tensor, weights: torch.Tensor, tokens: torch.Ten
 
 
 class AllGatherDispatcher:
-    """Every token stays on every rank; a rank runs its own experts and the partial sums are reduced."""
+    """Every token stays on every rank; a rank runs its own experts and the partial sums are reduced (in rank
+    order under ``ordered``: bitwise one rank's only while a token's experts sit on at most two ranks in turn)."""
 
     def __init__(self, tp: TensorParallel, num_experts: int):
         self.tp = tp
         self.per_rank = num_experts // tp.size
         self.ordered = False
+        self.local = slice(0, 0)
         self._pairs: torch.Tensor | None = None
-        self._num_tokens = 0
 
     def dispatch(self, hidden: torch.Tensor, ids: torch.Tensor) -> Dispatched:
         flat = ids.reshape(-1)
         first = self.tp.rank * self.per_rank
         mine = ((flat >= first) & (flat < first + self.per_rank)).nonzero().squeeze(1)
         pairs = mine[torch.argsort(flat[mine], stable=True)]  # by expert: ascending per token
-        self._pairs, self._num_tokens = pairs, hidden.shape[0]
+        self._pairs, self.local = pairs, slice(0, hidden.shape[0])
         tokens = pairs // ids.shape[1]
         return Dispatched(hidden[tokens], (flat[pairs] - first).unsqueeze(1), tokens)
 
-    def combine(self, outputs: torch.Tensor, weights: torch.Tensor, partial: torch.Tensor | None) -> torch.Tensor:
+    def combine(self, outputs: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         pairs = self._pairs
-        out = weighted_sum(outputs, weights.reshape(-1)[pairs], pairs // weights.shape[1], self._num_tokens,
+        out = weighted_sum(outputs, weights.reshape(-1)[pairs], pairs // weights.shape[1], self.local.stop,
                            self.ordered)
-        if partial is not None:
-            out = out + partial
         return self.tp.ordered_sum(out) if self.ordered else self.tp.all_reduce(out)
+
+    def gather(self, local: torch.Tensor) -> torch.Tensor:
+        return local
 
 
 @dataclass(frozen=True)
@@ -116,6 +123,7 @@ class AllToAllDispatcher:
         self.per_rank = num_experts // tp.size
         self.num_experts = num_experts
         self.ordered = False
+        self.local = slice(0, 0)
         self._exchange: _Exchange | None = None
 
     def _plan(self, ids: torch.Tensor) -> _Exchange:
@@ -139,6 +147,7 @@ class AllToAllDispatcher:
     def dispatch(self, hidden: torch.Tensor, ids: torch.Tensor) -> Dispatched:
         exchange = self._exchange = self._plan(ids)
         rank, top_k = self.tp.rank, ids.shape[1]
+        self.local = slice(exchange.bounds[rank], exchange.bounds[rank + 1])
         send = hidden[exchange.sent // top_k]
         rows = hidden.new_empty((exchange.received.numel(), hidden.shape[1]))
         dist.all_to_all_single(rows, send, [c[rank] for c in exchange.counts], exchange.counts[rank],
@@ -146,22 +155,18 @@ class AllToAllDispatcher:
         local_ids = ids.reshape(-1)[exchange.received].to(torch.int64) - rank * self.per_rank
         return Dispatched(rows, local_ids.unsqueeze(1), exchange.received // top_k)
 
-    def combine(self, outputs: torch.Tensor, weights: torch.Tensor, partial: torch.Tensor | None) -> torch.Tensor:
+    def combine(self, outputs: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         exchange, rank = self._exchange, self.tp.rank
         back = outputs.new_empty((exchange.sent.numel(), outputs.shape[1]))
         dist.all_to_all_single(back, outputs.contiguous(), exchange.counts[rank], [c[rank] for c in exchange.counts],
                                group=self.tp.group)
         top_k = weights.shape[1]
-        low, high = exchange.bounds[rank], exchange.bounds[rank + 1]
-        chunk = weighted_sum(back, weights.reshape(-1)[exchange.sent], exchange.sent // top_k - low, high - low,
-                             self.ordered)
-        if partial is not None:  # a tensor-parallel shared expert's partial sums: one reduction for both
-            partial[low:high] += chunk
-            return self.tp.ordered_sum(partial) if self.ordered else self.tp.all_reduce(partial)
-        return self._gather(chunk, exchange.bounds)
+        return weighted_sum(back, weights.reshape(-1)[exchange.sent], exchange.sent // top_k - self.local.start,
+                            self.local.stop - self.local.start, self.ordered)
 
-    def _gather(self, chunk: torch.Tensor, bounds: list[int]) -> torch.Tensor:
+    def gather(self, chunk: torch.Tensor) -> torch.Tensor:
         """Every rank's chunk on every rank (padded to the longest: gloo gathers equal sizes)."""
+        bounds = self._exchange.bounds
         longest = max(b - a for a, b in zip(bounds, bounds[1:]))
         padded = chunk.new_zeros((longest, chunk.shape[1]))
         padded[:chunk.shape[0]] = chunk
