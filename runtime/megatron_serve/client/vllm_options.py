@@ -304,8 +304,9 @@ VLLM_OPTIONS: tuple[VllmOption, ...] = (
     VllmOption(("--enable-expert-parallel",), _IMPLEMENTED, "the tensor-parallel ranks of an engine group hold "
                "whole experts of MoE layers (E / tp each, read alone from the checkpoint) and move tokens to them "
                "by all-to-all; attention and shared experts stay tensor-parallel (docs/parallelism.md)",
-               spec=_spec(action="store_true", default=False,
-                          help="place whole experts on the tensor-parallel ranks and move tokens by all-to-all"),
+               spec=_spec(action=argparse.BooleanOptionalAction, default=False,
+                          help="place whole experts on the tensor-parallel ranks and move tokens by all-to-all "
+                               "(default: off)"),
                scope=_ENGINE, example=("--enable-expert-parallel",)),
     VllmOption(("--trust-remote-code",), _ACCEPTED, "this project never runs model code from a checkpoint: "
                "every architecture it serves is implemented here", spec=_spec(action="store_true"), scope=_ENGINE,
