@@ -11,6 +11,7 @@ Two tables:
   of the combined chunks), the all-gather dispatcher (one all-reduce) and TP (one all-reduce). A ring
   all-reduce of B bytes sends ``2 (n - 1) / n * B`` per rank, a ring all-gather ``(n - 1)`` chunks; an
   all-to-all sends exactly the rows bound for other ranks.
+* ``bandwidth`` (on request): an all-to-all's bytes per second between the ranks of one machine.
 
     python benchmarks/expert_parallel.py                      # CPU: EP=2 vs TP=2 vs one rank
     python benchmarks/expert_parallel.py --sizes 2 4 --device cuda --hidden 1024 --experts 64
@@ -41,7 +42,7 @@ COUNTING_PROBE = textwrap.dedent("""
     from megatron_serve.model.parallel import TensorParallel
     from megatron_serve.model.token_dispatcher import AllGatherDispatcher
 
-    model_dir, rank, size, port, layout, tokens, device = sys.argv[1:]
+    rank, size, port, model_dir, layout, tokens, device = sys.argv[1:]
     rank, size, tokens = int(rank), int(size), int(tokens)
     backend = "nccl" if device == "cuda" else "gloo"
     if device == "cuda":
@@ -79,6 +80,43 @@ COUNTING_PROBE = textwrap.dedent("""
 """)
 
 
+BANDWIDTH_PROBE = textwrap.dedent("""
+    import json, sys, time, torch, torch.distributed as dist
+
+    rank, size, port, device, mib = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4], int(sys.argv[5])
+    if device == "cuda":
+        torch.cuda.set_device(rank)
+    dist.init_process_group("nccl" if device == "cuda" else "gloo", init_method=f"tcp://127.0.0.1:{port}",
+                            rank=rank, world_size=size)
+    device = torch.device(device, rank) if device == "cuda" else torch.device(device)
+    send = torch.ones(mib * 2**20 // 2, dtype=torch.bfloat16, device=device)
+    receive = torch.empty_like(send)
+    for _ in range(3):
+        dist.all_to_all_single(receive, send)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    rounds, started = 10, time.perf_counter()
+    for _ in range(rounds):
+        dist.all_to_all_single(receive, send)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    seconds = (time.perf_counter() - started) / rounds
+    if rank == 0:  # bytes each rank sent to the others, per second
+        print(json.dumps({"gb_per_s": mib * 2**20 * (size - 1) / size / seconds / 1e9, "ms": 1000 * seconds}))
+    dist.destroy_process_group()
+""")
+
+
+def run_ranks(script: str, size: int, *argv: str) -> dict:
+    """``script`` in ``size`` processes (rank, size, a free port, ``argv``); rank 0's JSON line."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    port = str(free_port())
+    procs = [subprocess.Popen([sys.executable, "-c", script, str(rank), str(size), port, *argv],
+                              stdout=subprocess.PIPE, text=True, env=env) for rank in range(size)]
+    outputs = [p.communicate(timeout=600)[0] for p in procs]
+    return json.loads(outputs[0].strip().splitlines()[-1])
+
+
 def make_model(args: argparse.Namespace, root: Path) -> str:
     return str(make_tiny_model(root / "moe", seed=0, arch="qwen3_moe", hidden_size=args.hidden, num_layers=args.layers,
                                num_heads=8, num_kv_heads=4, num_experts=args.experts,
@@ -114,18 +152,20 @@ def decode_table(model_dir: str, args: argparse.Namespace) -> None:
 def bytes_table(model_dir: str, args: argparse.Namespace) -> None:
     print(f"\nbytes one rank sends per token in one MoE layer ({args.batch_tokens} tokens a step, float32)")
     print(f"{'layout':<22} {'bytes/token':>12} {'x hidden':>9}")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
     for size in args.sizes:
         for layout, name in (("tp", f"TP={size} all-reduce"), ("ep", f"EP={size} all-to-all"),
                              ("ep-allgather", f"EP={size} all-reduce")):
-            port = free_port()
-            procs = [subprocess.Popen([sys.executable, "-c", COUNTING_PROBE, model_dir, str(rank), str(size), str(port),
-                                       layout, str(args.batch_tokens), args.device], stdout=subprocess.PIPE,
-                                      text=True, env=env) for rank in range(size)]
-            outputs = [p.communicate(timeout=600)[0] for p in procs]
-            measured = json.loads(outputs[0].strip().splitlines()[-1])
+            measured = run_ranks(COUNTING_PROBE, size, model_dir, layout, str(args.batch_tokens), args.device)
             print(f"{name:<22} {measured['bytes_per_token']:>12.0f} "
                   f"{measured['bytes_per_token'] / measured['hidden_bytes']:>9.2f}")
+
+
+def bandwidth_table(args: argparse.Namespace) -> None:
+    print(f"\nall-to-all of {args.mib} MiB a rank ({args.device}): bytes each rank sends the others per second")
+    print(f"{'ranks':<6} {'GB/s':>8} {'ms':>8}")
+    for size in args.sizes:
+        measured = run_ranks(BANDWIDTH_PROBE, size, args.device, str(args.mib))
+        print(f"{size:<6} {measured['gb_per_s']:>8.2f} {measured['ms']:>8.2f}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -141,14 +181,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokens", type=int, default=32, help="generated tokens a request")
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--batch-tokens", type=int, default=64, help="tokens of the step the bytes are counted in")
-    parser.add_argument("--tables", nargs="+", choices=("decode", "bytes"), default=["decode", "bytes"])
+    parser.add_argument("--mib", type=int, default=64, help="all-to-all size a rank, for the bandwidth table")
+    parser.add_argument("--tables", nargs="+", choices=("decode", "bytes", "bandwidth"), default=["decode", "bytes"])
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory() as root:
-        model_dir = make_model(args, Path(root))
+        model_dir = make_model(args, Path(root)) if {"decode", "bytes"} & set(args.tables) else ""
         if "decode" in args.tables:
             decode_table(model_dir, args)
         if "bytes" in args.tables:
             bytes_table(model_dir, args)
+    if "bandwidth" in args.tables:
+        bandwidth_table(args)
     return 0
 
 

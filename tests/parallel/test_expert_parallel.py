@@ -5,6 +5,8 @@ routing, for Qwen3-MoE, Qwen2-MoE (a shared expert, replicated) and Mixtral."""
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
 import subprocess
 import sys
 import textwrap
@@ -190,3 +192,29 @@ def test_engine_equals_transformers(moe_model):
         check_against_reference(run_together(llm, token_lists, with_routing), token_lists, reference, with_routing)
     finally:
         llm.close()
+
+
+def test_experts_that_do_not_split_over_the_ranks_are_refused(moe_model):
+    _, model_dir = moe_model
+    config = load_model(model_dir, torch.float32, "meta").config
+    six = dataclasses.replace(config, moe=dataclasses.replace(config.moe, num_experts=6))
+    with pytest.raises(ValueError, match="6 experts do not split over 4 expert-parallel ranks"):
+        build_model(six, torch.float32, "meta", TensorParallel(0, 4, expert_parallel=True))
+
+
+def test_the_flag_and_the_keyword_reach_the_config_and_bad_values_are_named():
+    from megatron_serve.client.vllm_args import parse_llm_keywords  # noqa: PLC0415
+    from megatron_serve.commands.engine_options import add_engine_options, inference_config_from_args  # noqa: PLC0415
+    from megatron_serve.fleet.argv import inference_config_to_argv  # noqa: PLC0415
+
+    parser = argparse.ArgumentParser()
+    add_engine_options(parser)
+    config = InferenceConfig(enable_expert_parallel=True, device="cpu")
+    assert "--enable-expert-parallel" in inference_config_to_argv(config)  # as run starts its engines
+    assert inference_config_from_args(parser.parse_args(inference_config_to_argv(config))).enable_expert_parallel
+    assert not inference_config_from_args(parser.parse_args([])).enable_expert_parallel
+    assert parse_llm_keywords({"enable_expert_parallel": True}).config == {"enable_expert_parallel": True}
+    with pytest.raises(ValueError, match="enable_expert_parallel='yes': must be True or False"):
+        parse_llm_keywords({"enable_expert_parallel": "yes"})
+    with pytest.raises(ValueError, match="enable_expert_parallel must be true or false, got 'yes'"):
+        InferenceConfig(enable_expert_parallel="yes")

@@ -1,6 +1,6 @@
 """What runs on MoE models keeps working under expert parallelism (EP=2 over gloo): ``--batch-invariant`` rows
 bitwise their own, with speculative verify rows changing nothing; preemption and the prefix cache; FP8 experts;
-adapters on the experts (each rank holds its experts' ``A`` and ``B`` whole) and a trainer's push of one."""
+adapters on the experts (each rank holds its experts' ``A`` and ``B`` whole) and a trainer's push of one; refit."""
 
 from __future__ import annotations
 
@@ -8,8 +8,9 @@ import random
 
 import pytest
 import torch
+import transformers
 
-from megatron_serve import InferenceConfig, MegatronLLM
+from megatron_serve import InferenceConfig, MegatronLLM, SamplingParams
 from megatron_serve.client.lora_push import adapter_push
 from megatron_serve.config import SpeculativeConfig
 from megatron_serve.model.tiny import make_tiny_model
@@ -69,11 +70,12 @@ def test_preemption_and_the_prefix_cache_change_nothing(qwen3_moe):
                                                      max_batch_tokens=64, enable_prefix_caching=True, **config))
         try:
             token_lists = [llm.tokenizer.encode(p) for p in PROMPTS[:6]]
-            token_lists += token_lists[:2]  # the same prompts again: the prefix cache holds them
             requests = run_together(llm, token_lists, [i % 2 == 0 for i in range(len(token_lists))])
             preempted = sum(any(e.type is EventType.PREEMPT for e in r.events) for r in requests)
+            longest = sorted(token_lists, key=len)[-2:]  # again: the prefix cache holds their prompts' blocks
+            again = run_together(llm, longest, [False, False])
             return [(r.generated_tokens, None if r.routing_indices is None else r.routing_indices.tolist())
-                    for r in requests], preempted, sum(r.cached_tokens for r in requests)
+                    for r in requests + again], preempted, sum(r.cached_tokens for r in again)
         finally:
             llm.close()
 
@@ -119,3 +121,26 @@ def test_batch_invariant_expert_adapter_rows_are_their_own(moe_base, moe_adapter
         engine.shutdown()
     assert batched == alone
     _assert_close(batched, _run(moe_base, moe_adapters, 1, jobs=MOE_JOBS, batch_invariant=True))
+
+
+def test_refit_from_a_directory_and_from_a_trainers_tensors(qwen3_moe, tmp_path):
+    """Each rank loads only its experts of the new weights: per-expert tensors of a directory (another rank's are
+    never read), and a trainer's stacked ``experts.gate_up_proj`` (each rank copies its experts' slice)."""
+    other = str(make_tiny_model(tmp_path / "b", seed=2, num_heads=4, num_kv_heads=2, **VARIANTS["qwen3_moe"]))
+    params = SamplingParams(temperature=0.0, num_tokens_to_generate=12, ignore_eos=True, return_routing_indices=True)
+
+    def answers(llm: MegatronLLM):
+        return [(o.generated_tokens, o.routing_indices.tolist()) for o in llm.generate(PROMPTS[:3], params)]
+
+    with MegatronLLM(other, InferenceConfig(dtype="float32", block_size_tokens=8)) as one:
+        expected = answers(one)
+    trainer = transformers.AutoModelForCausalLM.from_pretrained(other, dtype=torch.float32)
+    with MegatronLLM(qwen3_moe, InferenceConfig(dtype="float32", block_size_tokens=8, **EP2)) as llm:
+        before = answers(llm)
+        assert before != expected  # the control: the two checkpoints answer differently
+        llm.engine.refit(other)
+        assert answers(llm) == expected
+        llm.engine.refit(qwen3_moe)
+        assert answers(llm) == before
+        llm.refit(trainer.named_parameters(), epoch=3)
+        assert answers(llm) == expected
