@@ -157,7 +157,7 @@ class DynamicInferenceEngine(DeviceMemoryVerbs, LoraVerbs, SpeculativeSteps):
         model_config = ModelConfig.from_dir(model_dir)
         tokenizer = Tokenizer.from_pretrained(tokenizer_dir or model_dir)
         dtype = default_dtype(config, model_config)
-        if config.tensor_parallel_size == 1:
+        if config.world_size == 1:
             return cls(load_model(model_dir, dtype, config.device, quantization=config.quantization), tokenizer, config,
                        model_dir=model_dir)
         from .tensor_parallel import TensorParallelRunner, abandon_group, start_rank_zero  # noqa: PLC0415
@@ -166,7 +166,7 @@ class DynamicInferenceEngine(DeviceMemoryVerbs, LoraVerbs, SpeculativeSteps):
         try:
             model = load_model(model_dir, dtype, device, tp, quantization=config.quantization)
             buffers = engine_buffers(config, max_sequence_length_for(model_config, config), device)
-            runner = TensorParallelRunner(model, config.block_size_tokens, device, buffers, tp, channel, workers,
+            runner = TensorParallelRunner(model, config.block_size_tokens, device, buffers, channel, workers,
                                           graphs_for(model, config, buffers))
             return cls(model, tokenizer, config, runner, model_dir)
         except BaseException:

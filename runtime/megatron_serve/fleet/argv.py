@@ -47,6 +47,7 @@ ENGINE_FIELDS = {
     "lora_push_dir": "lora_push_dir",
     "speculative_config": "speculative",
     "enable_expert_parallel": "enable_expert_parallel",
+    "pipeline_parallel_size": "pipeline_parallel_size",
 }
 
 

@@ -98,6 +98,9 @@ class RendezvousSource:
 
     def check(self, model: LlamaForCausalLM) -> None:
         rv = self.rendezvous
+        if model.tp.stage.size > 1:  # each rank joins the transfer as its tensor-parallel rank: stages would collide
+            raise ValueError("a trainer's broadcast does not reach pipeline-parallel stages yet: refit them from a "
+                             "model directory")
         if rv.backend == "nccl" and not (dist.is_nccl_available() and next(model.parameters()).is_cuda):
             raise ValueError("the sender chose backend nccl, but this engine's weights are not on a CUDA device "
                              "(send with backend='gloo')")
