@@ -1,13 +1,15 @@
 """Pipeline parallelism (``pipeline_parallel_size``) on CPU over gloo: each stage reads and holds only its layers
 and its layers' KV cache; a dense model over 2 and 3 stages (4 layers: 2+2, and the uneven 2+1+1) and over 2
-stages of 2 tensor-parallel ranks gives the tokens and log probs (``==``) of one stage."""
+stages of 2 tensor-parallel ranks gives the tokens and log probs (``==``) of one stage; a trainer's broadcast refit
+reaches every rank of a pipeline-parallel and of an expert-parallel group."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+import transformers
 
-from megatron_serve import InferenceConfig, MegatronLLM, SamplingParams
+from megatron_serve import InferenceConfig, MegatronAsyncLLM, MegatronLLM, SamplingParams
 from megatron_serve.engine import sizing
 from megatron_serve.model.config import ModelConfig
 from megatron_serve.model.errors import UnsupportedModelError
@@ -79,3 +81,28 @@ def test_what_stages_do_not_serve_yet_is_refused_by_name(tmp_path):
     moe = make_tiny_model(tmp_path, seed=1, arch="qwen3_moe")
     with pytest.raises(UnsupportedModelError, match="pipeline parallelism serves dense text models only"):
         build_model(ModelConfig.from_dir(str(moe)), torch.float32, "meta", TensorParallel(stage=PipelineStage(0, 2)))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("layout", ["pp2", "ep2"])
+async def test_a_trainers_broadcast_refit_reaches_every_rank(layout, tmp_path):
+    """The coordinator gives every rank of the group (stages included) a rank of the transfer; each loads what it
+    holds (its stage's layers; its experts): the group then answers as the trainer's weights do on one rank."""
+    arch = dict(num_layers=4) if layout == "pp2" else dict(arch="qwen3_moe", num_experts=8)
+    before, after = (str(make_tiny_model(tmp_path / name, seed=seed, num_heads=4, num_kv_heads=2, **arch))
+                     for name, seed in (("a", 1), ("b", 2)))
+    params = SamplingParams(temperature=0.0, num_tokens_to_generate=12, ignore_eos=True)
+    with MegatronLLM(after, InferenceConfig(dtype="float32", device="cpu")) as one:
+        expected = [o.generated_tokens for o in one.generate(PROMPTS[:3], params)]
+    layout_config = (dict(pipeline_parallel_size=2) if layout == "pp2" else
+                     dict(tensor_parallel_size=2, enable_expert_parallel=True))
+    trainer = transformers.AutoModelForCausalLM.from_pretrained(after, dtype=torch.float32)
+    config = InferenceConfig(dtype="float32", device="cpu", num_kv_blocks=64, **layout_config)
+    async with MegatronAsyncLLM(before, config, use_coordinator=True) as llm:
+        assert [r.generated_tokens for r in await llm.generate(PROMPTS[:3], params)] != expected  # the control
+        await llm.pause()
+        ack = await llm.refit(trainer.named_parameters(), epoch=2)
+        assert ack["detail"]["sender"]["world_size"] == 3  # the trainer and the group's two ranks
+        await llm.unpause()
+        assert [r.generated_tokens for r in await llm.generate(PROMPTS[:3], params)] == expected

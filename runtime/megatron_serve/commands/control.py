@@ -216,9 +216,9 @@ def format_status(status: dict[str, Any]) -> str:
 
 
 def _layout(info: dict[str, Any]) -> str:
-    """An engine group's parallel layout: ``tp2``, ``tp2 ep2`` (experts over the tensor-parallel ranks)."""
-    size = info.get("tensor_parallel_size", 1)
-    return f"tp{size}" + (f" ep{size}" if info.get("expert_parallel") else "")
+    """An engine group's parallel layout: ``tp2``, ``tp2 ep2`` (experts over the tensor-parallel ranks), ``tp2 pp3``."""
+    size, stages = info.get("tensor_parallel_size", 1), info.get("pipeline_parallel_size", 1)
+    return f"tp{size}" + (f" ep{size}" if info.get("expert_parallel") else "") + (f" pp{stages}" if stages > 1 else "")
 
 
 def _bytes(value: Any) -> str:

@@ -146,6 +146,7 @@ class DynamicInferenceEngine(DeviceMemoryVerbs, LoraVerbs, SpeculativeSteps):
                            max_sequence_length=self.max_sequence_length, block_size=config.block_size_tokens,
                            prefix_caching=config.enable_prefix_caching,
                            expert_parallel=config.enable_expert_parallel and config.tensor_parallel_size > 1,
+                           pipeline_parallel_size=config.pipeline_parallel_size,
                            parameter_bytes=parameter_bytes(self.model))
 
     @classmethod

@@ -98,9 +98,6 @@ class RendezvousSource:
 
     def check(self, model: LlamaForCausalLM) -> None:
         rv = self.rendezvous
-        if model.tp.stage.size > 1:  # each rank joins the transfer as its tensor-parallel rank: stages would collide
-            raise ValueError("a trainer's broadcast does not reach pipeline-parallel stages yet: refit them from a "
-                             "model directory")
         if rv.backend == "nccl" and not (dist.is_nccl_available() and next(model.parameters()).is_cuda):
             raise ValueError("the sender chose backend nccl, but this engine's weights are not on a CUDA device "
                              "(send with backend='gloo')")
@@ -116,7 +113,7 @@ class RendezvousSource:
         rv = self.rendezvous
         if rv.world_size is None or rv.rank_offset is None:
             raise ValueError("the load step of a rendezvous refit needs world_size and rank_offset")
-        rank = rv.rank_offset + model.tp.rank
+        rank = rv.rank_offset + model.tp.stage.rank  # the rank in the engine group (pipeline stages included)
         device = next(model.parameters()).device if rv.backend == "nccl" else torch.device("cpu")
         try:
             store = transfer.announce(rv.address, rv.prefix, rank, rv.world_size, rv.timeout_s)
