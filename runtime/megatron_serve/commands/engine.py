@@ -29,7 +29,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--group", type=int, default=None, metavar="G",
                         help="engine group id (default: the coordinator assigns the next free one)")
     add_option(parser, "--tensor-parallel", type=int, default=1, metavar="N",
-               help="ranks (GPUs) in this engine group; the local ones are started by this command")
+               help="ranks (GPUs) of each pipeline stage of this engine group (the group has --tensor-parallel x "
+                    "--pipeline-parallel-size); the local ones are started by this command")
     parser.add_argument("--drain-timeout", type=float, default=30.0, metavar="S",
                         help="on SIGTERM or STOP, finish work for at most this long, then hand the rest back")
     parser.add_argument("--coordinator-timeout", type=float, default=10.0, metavar="S",

@@ -6,7 +6,10 @@ a two-integer header, then the plan, over a gloo group; no pickled object per st
 runs the forward pass on its weight slice and its share of the KV heads; rank 0 samples from the
 gathered logits. With overlapped scheduling a step's gathered rows take the previous step's
 sampled tokens, which rank 0 broadcasts on the device group first. Suspend, resume, refit and stop
-go through the same channel, so a verb always acts on the whole group.
+go through the same channel, so a verb always acts on the whole group. With pipeline stages
+(``--pipeline-parallel-size``) the group is ``stages x tensor_parallel_size`` ranks; the steps, the previous
+tokens and the refit outcomes go over the whole group, each stage's layers use its own tensor-parallel group
+(:func:`join_group`).
 
 Placement: a group of ``WORLD_SIZE`` ranks may span pods. Each pod starts its local ranks
 ``RANK .. RANK + NPROC_PER_NODE - 1`` (the operator sets these, with ``MASTER_ADDR`` naming pod 0
