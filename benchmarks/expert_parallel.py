@@ -67,7 +67,8 @@ COUNTING_PROBE = textwrap.dedent("""
         sent[0] += row * (sum(input_splits) - input_splits[rank])
         return all_to_all(output, tensor, output_splits, input_splits, *args, **kwargs)
 
-    dist.all_reduce, dist.all_gather, dist.all_to_all_single = counted_all_reduce, counted_all_gather, counted_all_to_all
+    dist.all_reduce, dist.all_gather = counted_all_reduce, counted_all_gather
+    dist.all_to_all_single = counted_all_to_all
     block = next(layer.mlp for layer in model.model.layers if isinstance(layer.mlp, SparseMoeBlock))
     if layout == "ep-allgather":
         block.dispatcher = AllGatherDispatcher(tp, model.config.moe.num_experts)

@@ -100,8 +100,8 @@ def build_kv_pool(model: LlamaForCausalLM, config: InferenceConfig, max_sequence
     block_size = config.block_size_tokens
     num_blocks = config.num_kv_blocks
     if num_blocks is None:
-        per_block = KVCachePool.bytes_per_block(len(model.model.own), block_size, model.num_local_kv_heads, mc.head_dim, dtype,
-                                                fp8)
+        per_block = KVCachePool.bytes_per_block(len(model.model.own), block_size, model.num_local_kv_heads,
+                                                mc.head_dim, dtype, fp8)
         if device.type == "cuda":
             free, total = torch.cuda.mem_get_info(device)
             reserve = serving_reserve_bytes(mc, config, torch.empty((), dtype=dtype).element_size(), model.tp.size,
