@@ -199,8 +199,8 @@ class LlamaForCausalLM(nn.Module):
         if self._mtp_prefixes and name.startswith(self._mtp_prefixes):
             return None
         layer = _LAYER.match(name)
-        if layer is not None and int(layer[1]) not in self.model.own:
-            return None  # another pipeline stage's layer
+        if layer is not None and int(layer[1]) < self.config.num_layers and int(layer[1]) not in self.model.own:
+            return None  # another pipeline stage's layer (one past the decoder's is nobody's: refused by the loader)
         return name
 
     def forward(self, token_ids: torch.Tensor, positions: torch.Tensor, context: ForwardContext) -> torch.Tensor:
