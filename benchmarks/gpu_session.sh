@@ -14,6 +14,9 @@
 #   bash benchmarks/gpu_session.sh speculative # speculative decoding: the draft-model and overlapped-verify tests
 #                                            # natively (the device-side correction under CUDA graphs), then
 #                                            # benchmarks/speculative.py's table (pair trained on the GPU, bf16)
+#   bash benchmarks/gpu_session.sh ep        # expert parallelism on this node's GPUs: the EP tests natively (NCCL),
+#                                            # all-to-all bandwidth, then decode of a Qwen3-30B-A3B-like MoE layer
+#                                            # shape at one rank and TP/EP 2/4/8 (as many as the GPUs allow)
 #
 # The device image has torch, triton and transformers; packages it lacks travel as wheels in .whl
 # (`pip download --python-version 3.12 --only-binary=:all: -d .whl ...`) and install into /tmp/site. Each step has its own time limit, so one
@@ -93,5 +96,18 @@ case ${1:-tests} in
     step speculative 540 python3 benchmarks/speculative.py --device cuda --dtype bfloat16 --concurrency 1,8,256 \
       --threads 4 --cache-dir /tmp/speculative-pair
     ;;
-  *) echo "usage: $0 tests|serving|bench|fp8|invariant|speculative" >&2; exit 2 ;;
+  ep)  # sizes 2, 4, 8 up to the GPU count; one GPU runs the tests' CPU path (gloo) and the one-rank row only
+    gpus=$(nvidia-smi -L | wc -l)
+    sizes=$(for n in 2 4 8; do [ "$n" -le "$gpus" ] && echo -n "$n "; done)
+    step pytest_ep 540 python3 -m pytest -q -p no:cacheprovider --timeout 300 -rfE --durations 10 \
+      tests/parallel/test_expert_parallel.py tests/parallel/test_expert_parallel_features.py
+    if [ -n "$sizes" ]; then
+      step all_to_all 120 python3 benchmarks/expert_parallel.py --device cuda --tables bandwidth --sizes $sizes --mib 256
+      step ep_decode 540 python3 benchmarks/expert_parallel.py --device cuda --dtype bfloat16 --sizes $sizes \
+        --hidden 2048 --experts 128 --top-k 8 --intermediate 768 --layers 8 --concurrency 64 --tokens 64
+    else
+      echo "=== ep: one GPU: no multi-rank rows (TP/EP need a GPU a rank)"
+    fi
+    ;;
+  *) echo "usage: $0 tests|serving|bench|fp8|invariant|speculative|ep" >&2; exit 2 ;;
 esac

@@ -132,6 +132,10 @@ class InferenceConfig:
     cuda_graph_sizes: list[int] | None = None  # token counts captured (vLLM's --cuda-graph-sizes; engine.graphs)
     async_scheduling: bool = True  # prepare and launch step N+1 while step N runs (see engine.core)
     tensor_parallel_size: int = 1
+    # the tensor-parallel ranks hold whole experts of MoE layers, tokens move by all-to-all (model.token_dispatcher)
+    enable_expert_parallel: bool = False
+    # the layers split into this many stages (model.parallel.PipelineStage), tensor_parallel_size ranks each
+    pipeline_parallel_size: int = 1
     seed: int = 0
     quantization: str | None = None
     kv_cache_dtype: str = "auto"
@@ -160,11 +164,13 @@ class InferenceConfig:
             self.block_size_tokens = 64 if str(self.device).startswith("cuda") else 16
         if self.dtype is not None:
             self.dtype = resolve_dtype(self.dtype)
-        for name in ("block_size_tokens", "max_batch_tokens", "max_requests", "tensor_parallel_size"):
+        for name in ("block_size_tokens", "max_batch_tokens", "max_requests", "tensor_parallel_size",
+                     "pipeline_parallel_size"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        for name in ("enable_prefix_caching", "enable_cuda_graphs", "async_scheduling", "batch_invariant"):
+        for name in ("enable_prefix_caching", "enable_cuda_graphs", "async_scheduling", "batch_invariant",
+                     "enable_expert_parallel"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if self.cuda_graph_sizes is not None:
@@ -192,6 +198,14 @@ class InferenceConfig:
         if self.logprobs_mode not in LOGPROBS_MODES:
             raise ValueError(f"logprobs_mode must be one of {', '.join(LOGPROBS_MODES)}, got {self.logprobs_mode!r}")
         self._check_lora()
+        if self.pipeline_parallel_size > 1 and (self.enable_lora or self.speculative is not None):
+            raise ValueError(f"pipeline_parallel_size {self.pipeline_parallel_size} does not serve "
+                             f"{'LoRA adapters' if self.enable_lora else 'speculative decoding'} yet")
+
+    @property
+    def world_size(self) -> int:
+        """Ranks of one engine group: ``tensor_parallel_size`` in each of ``pipeline_parallel_size`` stages."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
 
     def _check_lora(self) -> None:
         optional = ("max_cpu_loras",) if self.max_cpu_loras is not None else ()

@@ -183,7 +183,7 @@ def test_use_tqdm_shows_processed_prompts(llm, capsys):
 @pytest.mark.parametrize("kwargs,error,match", [
     ({"speculative_config": "ngram"}, ValueError, "speculative_config='ngram': must be a dict"),
     ({"max_lora_rank": 0}, ValueError, "max_lora_rank=0: must be a positive integer"),
-    ({"pipeline_parallel_size": 2}, ValueError, "pipeline_parallel_size=2: pipeline parallelism is not"),
+    ({"pipeline_parallel_size": 0}, ValueError, "pipeline_parallel_size=0: must be a positive integer"),
     ({"quantization": "awq"}, ValueError, "quantization='awq': not supported by this build"),
     ({"kv_cache_dtype": "fp8_e5m2"}, ValueError, "kv_cache_dtype='fp8_e5m2': not supported by this build"),
     ({"max_num_seqs": "8"}, ValueError, "max_num_seqs='8': must be a positive integer"),

@@ -167,3 +167,15 @@ def _help_seconds(name: str) -> float:
     elapsed = time.perf_counter() - started
     assert done.returncode == 0, done.stderr
     return elapsed
+
+
+def test_an_engine_refuses_data_parallel_attention_by_name(tmp_path):
+    """The operator renders ``--data-parallel-size`` for ``dataParallelAttention``; until engines run it, an
+    engine started with more than 1 says so in one line before loading anything."""
+    from megatron_serve.commands import engine
+
+    args = parse_args(["engine", "--model", str(tmp_path), "--coordinator", "tcp://127.0.0.1:1",
+                       "--data-parallel-size", "2", "--enable-expert-parallel"])
+    with pytest.raises(ValueError, match="--data-parallel-size 2: data-parallel attention is not implemented"):
+        engine.run(args)
+    assert parse_args(["engine", "--model", "/m", "--coordinator", "tcp://127.0.0.1:1"]).data_parallel_size == 1

@@ -67,7 +67,7 @@ def test_refused_options_and_unknown_ones_stop_serve_with_its_usage(capsys):
                           (["--quantization", "awq"], "'awq' is not supported by this build (supported: auto, none, fp8)"),
                           (["--kv-cache-dtype", "fp8_e5m2"],
                            "'fp8_e5m2' is not supported by this build (supported: auto, fp8, fp8_e4m3)"),
-                          (["-pp", "2"], "pipeline parallelism is not implemented"),
+                          (["-pp", "0"], "0: must be a positive integer"),
                           (["--tool-call-parser", "pythonic"], "invalid choice: 'pythonic'")):
         with pytest.raises(SystemExit):
             parse_args(["serve", "/m", *argv])

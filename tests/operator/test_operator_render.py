@@ -322,8 +322,6 @@ def _runtime_lacks(flag: str) -> bool:
 def test_rendered_commands_parse_with_the_runtime_cli(example):
     """The containers' argument lists are accepted by the runtime's own subcommand parsers."""
     model_path = spec.parse(example).model_path
-    if spec.parse(example).gang and _runtime_lacks("--enable-expert-parallel"):
-        pytest.xfail("this runtime has no expert/pipeline/data-parallel-attention flags yet (issue 49, runtime side)")
     for obj in render(example, CONFIG):
         if obj["kind"] not in ("Deployment", "StatefulSet"):
             continue

@@ -183,7 +183,8 @@ def test_expert_shares_add_up_to_the_unsplit_experts(moe_base, moe_adapters, mon
     split = summed()
     assert torch.allclose(split, full, atol=1e-5)
 
-    def one_block(projection, a, b, tp, local):
+    def one_block(projection, a, b, experts):
+        tp, local = experts.tp, experts.local
         if projection == "experts.gate_up_proj":
             return a, b[:, 2 * local * tp.rank : 2 * local * (tp.rank + 1)]
         return a[:, :, tp.rank * local : (tp.rank + 1) * local], b

@@ -217,6 +217,9 @@ def draw_case(seed: int, model: LoadedModel, sampling: Sampling = Sampling.GREED
         enable_prefix_caching=rng.random() < 0.6, enable_cuda_graphs=rng.random() < 0.3, seed=rng.randrange(1000))
     if tensor_parallel and seed % TENSOR_PARALLEL_EVERY == TENSOR_PARALLEL_EVERY - 1 and model.spec.splits_over(2):
         config["tensor_parallel_size"] = 2
+        # half of the MoE ones with whole experts per rank (drawn apart: the case's other draws stay as they were)
+        if model.spec.experts_split_over(2) and random.Random(f"parity-ep-{seed}").random() < 0.5:
+            config["enable_expert_parallel"] = True
     requests = draw_requests(rng, model, vocab, block, chunk, rng.randint(1, 3 if model.spec.vision else 4), sampling)
     fillers = draw_requests(rng, model, vocab, block, chunk, rng.randint(1, 4), Sampling.ANY, prefix="other")
     if rng.random() < 0.15 and not model.spec.vision:  # (a limit for a text prompt: images would expand past it)

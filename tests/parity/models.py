@@ -63,6 +63,11 @@ class ModelSpec:
         heads, kv_heads = self.shapes["num_heads"], self.shapes["num_kv_heads"]
         return heads % ranks == 0 and (kv_heads % ranks == 0 or ranks % kv_heads == 0)
 
+    def experts_split_over(self, ranks: int) -> bool:
+        """Whether expert parallelism over ``ranks`` tensor-parallel ranks can place its experts (whole ones each)."""
+        experts = self.shapes.get("num_experts", self.shapes.get("num_local_experts", 0))
+        return self.expert_layers and self.splits_over(ranks) and experts % ranks == 0
+
     def describe(self) -> str:
         return f"{self.arch}({', '.join(f'{k}={v}' for k, v in self.shapes.items())})"
 

@@ -55,6 +55,9 @@ SETTINGS: dict[str, Setting] = {
     "alone vs in a busy batch": Setting(Setup(), Setup(busy=True)),
     "TP=1 vs TP=2": Setting(Setup({"tensor_parallel_size": 1}), Setup({"tensor_parallel_size": 2}), share=1,
                             applies=lambda spec: spec.splits_over(2)),
+    "TP=2 vs EP=2 (experts over the ranks)": Setting(Setup({"tensor_parallel_size": 2}),
+                                                     Setup({"tensor_parallel_size": 2, "enable_expert_parallel": True}),
+                                                     share=1, applies=lambda spec: spec.experts_split_over(2)),
     "reference vs Triton kernels": Setting(Setup(kernels="reference"), Setup(kernels="triton"), share=1),
     # speculation verifies several rows of a request in one forward: greedy tokens, seeded samples and log probs
     # must be those of one token per step

@@ -83,13 +83,6 @@ def _sizes(value: Any) -> list[int]:
     return [_positive_int(size) for size in value]
 
 
-def _one_stage(value: Any) -> int:
-    if _positive_int(value) != 1:
-        raise ValueError("pipeline parallelism is not implemented; split a model over GPUs with "
-                         "tensor_parallel_size, replicate it with data_parallel_size")
-    return value
-
-
 def _speculative(value: Any) -> dict[str, Any]:
     if not isinstance(value, dict):
         raise ValueError("must be a dict of vLLM's speculative-config fields (method, num_speculative_tokens, ...)")
@@ -117,10 +110,11 @@ LLM_KEYWORDS: dict[str, Keyword] = {
     "data_parallel_size": Keyword(None, _positive_int),  # more than 1: a local fleet of that many engines
     "enable_sleep_mode": Keyword(None, _flag),  # a local fleet of one engine: sleep/wake_up need one
     "disable_log_stats": Keyword(None, _flag),  # LLM logs no periodic stats either way
-    "pipeline_parallel_size": Keyword(None, _one_stage),
+    "pipeline_parallel_size": Keyword("pipeline_parallel_size", _positive_int),
     "dtype": Keyword("dtype", _dtype),
     "max_model_len": Keyword("max_sequence_length", _positive_int),
     "tensor_parallel_size": Keyword("tensor_parallel_size", _positive_int),
+    "enable_expert_parallel": Keyword("enable_expert_parallel", _flag),
     "gpu_memory_utilization": Keyword("kv_cache_memory_fraction", _fraction),  # of the memory left after weights
     "enforce_eager": Keyword("enable_cuda_graphs", lambda value: not _flag(value)),
     "enable_prefix_caching": Keyword("enable_prefix_caching", _flag),

@@ -60,18 +60,6 @@ def _supported(flag: str, values: tuple[str, ...], why: str) -> Callable[[str], 
     return parse
 
 
-def _only_one(value: str) -> int:
-    """``--pipeline-parallel-size``: 1 (no pipeline parallelism) is the only size served here."""
-    try:
-        size = int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{value!r} is not an integer") from None
-    if size != 1:
-        raise argparse.ArgumentTypeError(f"{size}: pipeline parallelism is not implemented; split a model over "
-                                         "GPUs with --tensor-parallel-size, replicate it with --data-parallel-size")
-    return size
-
-
 def _json_list(value: str) -> list[str]:
     """vLLM's CORS lists: a JSON list of strings (``'["https://a.example"]'``), or one bare item."""
     text = value.strip()
@@ -297,10 +285,18 @@ VLLM_OPTIONS: tuple[VllmOption, ...] = (
                                           "in no other dtype"),
                           default="auto", metavar="|".join(KV_CACHE_DTYPES), help="KV cache dtype"),
                scope=_ENGINE, example=("--kv-cache-dtype", "auto")),
-    VllmOption(("--pipeline-parallel-size", "-pp"), _IMPLEMENTED, "1 only: pipeline parallelism is not "
-               "implemented (larger sizes are refused)",
-               spec=_spec(type=_only_one, default=1, metavar="1", help="pipeline stages; only 1 is served here"),
+    VllmOption(("--pipeline-parallel-size", "-pp"), _IMPLEMENTED, "the layers split into P stages (uneven counts "
+               "allowed), each with its own KV cache and `--tensor-parallel-size` ranks; dense text models, without "
+               "LoRA or speculative decoding (docs/parallelism.md)",
+               spec=_spec(type=_positive, default=1, metavar="P", help="pipeline stages of an engine group"),
                scope=_ENGINE, example=("--pipeline-parallel-size", "1")),
+    VllmOption(("--enable-expert-parallel",), _IMPLEMENTED, "the tensor-parallel ranks of an engine group hold "
+               "whole experts of MoE layers (E / tp each, read alone from the checkpoint) and move tokens to them "
+               "by all-to-all; attention and shared experts stay tensor-parallel (docs/parallelism.md)",
+               spec=_spec(action=argparse.BooleanOptionalAction, default=False,
+                          help="place whole experts on the tensor-parallel ranks and move tokens by all-to-all "
+                               "(default: off)"),
+               scope=_ENGINE, example=("--enable-expert-parallel",)),
     VllmOption(("--trust-remote-code",), _ACCEPTED, "this project never runs model code from a checkpoint: "
                "every architecture it serves is implemented here", spec=_spec(action="store_true"), scope=_ENGINE,
                example=("--trust-remote-code",)),

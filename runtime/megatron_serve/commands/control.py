@@ -199,18 +199,26 @@ def format_status(status: dict[str, Any]) -> str:
     if not engines:
         lines.append("no engines connected")
         return "\n".join(lines)
-    header = ("ENGINE", "GROUP", "STATE", "RUNNING", "WAITING", "KV FREE/TOTAL", "CACHED/COMPUTED", "HEARTBEAT")
+    header = ("ENGINE", "GROUP", "STATE", "RUNNING", "WAITING", "KV FREE/TOTAL", "CACHED/COMPUTED", "LAYOUT",
+              "WEIGHTS/RANK", "HEARTBEAT")
     rows = [header]
     for e in engines:
         age = now - float(e.get("last_heartbeat") or now)
         rows.append((str(e["id"]), str(e["group"]), str(e["state"]), str(e["running"]), str(e["waiting"]),
                      f"{e['kv_blocks_free']}/{e['kv_blocks_total']}",
                      f"{e.get('cached_tokens', '-')}/{e.get('computed_tokens', '-')}",  # prefix-cache token counters
+                     _layout(e.get("info") or {}), _bytes((e.get("info") or {}).get("parameter_bytes", "-")),
                      f"{max(age, 0.0):.1f}s ago"))
     widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
     for row in rows:
         lines.append("  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip())
     return "\n".join(lines)
+
+
+def _layout(info: dict[str, Any]) -> str:
+    """An engine group's parallel layout: ``tp2``, ``tp2 ep2`` (experts over the tensor-parallel ranks), ``tp2 pp3``."""
+    size, stages = info.get("tensor_parallel_size", 1), info.get("pipeline_parallel_size", 1)
+    return f"tp{size}" + (f" ep{size}" if info.get("expert_parallel") else "") + (f" pp{stages}" if stages > 1 else "")
 
 
 def _bytes(value: Any) -> str:

@@ -29,7 +29,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--group", type=int, default=None, metavar="G",
                         help="engine group id (default: the coordinator assigns the next free one)")
     add_option(parser, "--tensor-parallel", type=int, default=1, metavar="N",
-               help="ranks (GPUs) in this engine group; the local ones are started by this command")
+               help="ranks (GPUs) of each pipeline stage of this engine group (the group has --tensor-parallel x "
+                    "--pipeline-parallel-size); the local ones are started by this command")
+    parser.add_argument("--data-parallel-size", type=int, default=1, metavar="N",
+                        help="with --enable-expert-parallel: data-parallel attention ranks of this group (the "
+                             "operator renders it from spec.engine.parallelism.dataParallelAttention); only 1 today")
     parser.add_argument("--drain-timeout", type=float, default=30.0, metavar="S",
                         help="on SIGTERM or STOP, finish work for at most this long, then hand the rest back")
     parser.add_argument("--coordinator-timeout", type=float, default=10.0, metavar="S",
@@ -46,6 +50,10 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--group must be >= 0, got {args.group}")
     if args.tensor_parallel < 1:
         raise ValueError(f"--tensor-parallel must be >= 1, got {args.tensor_parallel}")
+    if args.data_parallel_size != 1:
+        raise ValueError(f"--data-parallel-size {args.data_parallel_size}: data-parallel attention is not implemented "
+                         "yet; serve this layout with --tensor-parallel and --enable-expert-parallel "
+                         "(docs/parallelism.md)")
     config = inference_config_from_args(args, tensor_parallel_size=args.tensor_parallel)
     resolve_model_args(args)  # a Hub id becomes its local directory before the directory is checked
     check_model_dir(args.model, tokenizer=args.tokenizer is None)

@@ -36,7 +36,7 @@ import torch
 
 from ..config import InferenceConfig
 from .served import EngineFacts
-from .sizing import build_kv_pool, default_dtype, engine_buffers, max_sequence_length_for
+from .sizing import build_kv_pool, default_dtype, engine_buffers, max_sequence_length_for, parameter_bytes
 from .encoder_cache import EncoderCache
 from ..wire.engine_stats import EngineStats
 from ..wire.expert_routing import RoutingRecord, record_step, routing_dtype
@@ -145,7 +145,10 @@ class DynamicInferenceEngine(DeviceMemoryVerbs, LoraVerbs, SpeculativeSteps):
         return EngineFacts(capacity=config.max_requests, kv_blocks_total=self.kv_blocks_total,
                            tensor_parallel_size=config.tensor_parallel_size, kv_cache_bytes=self.kv_cache.num_bytes,
                            max_sequence_length=self.max_sequence_length, block_size=config.block_size_tokens,
-                           prefix_caching=config.enable_prefix_caching)
+                           prefix_caching=config.enable_prefix_caching,
+                           expert_parallel=config.enable_expert_parallel and config.tensor_parallel_size > 1,
+                           pipeline_parallel_size=config.pipeline_parallel_size,
+                           parameter_bytes=parameter_bytes(self.model))
 
     @classmethod
     def from_model_dir(cls, model_dir: str | Path, config: InferenceConfig | None = None,
@@ -156,7 +159,7 @@ class DynamicInferenceEngine(DeviceMemoryVerbs, LoraVerbs, SpeculativeSteps):
         model_config = ModelConfig.from_dir(model_dir)
         tokenizer = Tokenizer.from_pretrained(tokenizer_dir or model_dir)
         dtype = default_dtype(config, model_config)
-        if config.tensor_parallel_size == 1:
+        if config.world_size == 1:
             return cls(load_model(model_dir, dtype, config.device, quantization=config.quantization), tokenizer, config,
                        model_dir=model_dir)
         from .tensor_parallel import TensorParallelRunner, abandon_group, start_rank_zero  # noqa: PLC0415
@@ -165,7 +168,7 @@ class DynamicInferenceEngine(DeviceMemoryVerbs, LoraVerbs, SpeculativeSteps):
         try:
             model = load_model(model_dir, dtype, device, tp, quantization=config.quantization)
             buffers = engine_buffers(config, max_sequence_length_for(model_config, config), device)
-            runner = TensorParallelRunner(model, config.block_size_tokens, device, buffers, tp, channel, workers,
+            runner = TensorParallelRunner(model, config.block_size_tokens, device, buffers, channel, workers,
                                           graphs_for(model, config, buffers))
             return cls(model, tokenizer, config, runner, model_dir)
         except BaseException:

@@ -346,6 +346,10 @@ def graphs_for(model: LlamaForCausalLM, config: InferenceConfig, buffers: StepBu
     if capture_factory is None:
         if config.batch_invariant and model.config.moe is not None:  # invariant.fused_moe's expert loop reads
             return None  # its row counts on the host: not capturable (dense models capture)
+        if config.enable_expert_parallel and model.config.moe is not None and config.tensor_parallel_size > 1:
+            return None  # the all-to-all's split sizes are read on the host each layer: eager steps
+        if config.pipeline_parallel_size > 1:
+            return None  # stages hand hidden states over point-to-point: eager steps
         if not graphs_wanted(config, device):
             return None
         capture_factory = lambda: CudaGraphCapture(device)  # noqa: E731

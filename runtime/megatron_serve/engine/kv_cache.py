@@ -123,8 +123,12 @@ class KVCachePool:
     """
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device | str, fp8: bool = False, heads_first: bool = False):
+                 dtype: torch.dtype, device: torch.device | str, fp8: bool = False, heads_first: bool = False,
+                 first_layer: int = 0):
+        """``first_layer``: a pipeline stage's pool holds its ``num_layers`` layers from that one on; the layers
+        before it have no cache here (``layer_caches`` keeps the decoder's layer indices)."""
         self.shape = (num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim)
+        self.first_layer = first_layer
         self.dtype = torch.float8_e4m3fn if fp8 else dtype
         self.fp8 = fp8
         self.heads_first = heads_first
@@ -157,6 +161,7 @@ class KVCachePool:
                 self._scales = torch.zeros(self.shape[:-1], dtype=torch.float32, device=self.device)
                 self.layer_caches = [(*cache, scales[0], scales[1])
                                      for cache, scales in zip(self.layer_caches, self._scales)]
+            self.layer_caches = [()] * self.first_layer + self.layer_caches
 
     def release(self) -> int:
         """Free the pool's memory; returns the bytes released."""

@@ -29,11 +29,20 @@ class EngineFacts:
     max_sequence_length: int | None = None
     block_size: int | None = None  # prefix_affinity routing hashes prompts with the engines' block size
     prefix_caching: bool = False
+    expert_parallel: bool = False  # the group's ranks hold whole experts (--enable-expert-parallel)
+    pipeline_parallel_size: int = 1  # stages of tensor_parallel_size ranks each: they all join a weight transfer
+    parameter_bytes: int | None = None  # the weights one rank holds (rank 0's; each rank holds about as much)
 
     def hello_info(self) -> dict[str, Any]:
         """The facts as HELLO's ``info`` carries them (absent ones left out, ``capacity`` travels beside)."""
         info: dict[str, Any] = {"kv_blocks_total": self.kv_blocks_total,
                                 "tensor_parallel_size": self.tensor_parallel_size}
+        if self.expert_parallel:
+            info["expert_parallel"] = True
+        if self.pipeline_parallel_size > 1:
+            info["pipeline_parallel_size"] = self.pipeline_parallel_size
+        if self.parameter_bytes is not None:
+            info["parameter_bytes"] = self.parameter_bytes
         if self.kv_cache_bytes is not None:
             info["kv_cache_bytes"] = self.kv_cache_bytes
         if self.max_sequence_length is not None:

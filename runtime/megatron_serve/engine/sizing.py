@@ -32,14 +32,20 @@ CPU_KV_BUDGET_BYTES = 1 << 30  # host memory is shared with everything else: a f
 
 
 def agree_on_min(value: int, tp: TensorParallel) -> int:
-    """The smallest ``value`` over the group: every rank must size its KV pool identically."""
-    if tp.size == 1:
+    """The smallest ``value`` over the group (every stage's ranks): every rank must size its KV pool identically."""
+    if tp.size * tp.stage.size == 1:
         return value
+    group = tp.group if tp.stage.size == 1 else tp.stage.group
     tensor = torch.tensor([value], dtype=torch.int64)
-    if dist.get_backend(tp.group) == "nccl":
+    if dist.get_backend(group) == "nccl":
         tensor = tensor.cuda()
-    dist.all_reduce(tensor, op=dist.ReduceOp.MIN, group=tp.group)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MIN, group=group)
     return int(tensor.item())
+
+
+def parameter_bytes(model: torch.nn.Module) -> int:
+    """The bytes of the weights this rank holds (a tied weight once): what ``control status`` reports per rank."""
+    return sum(p.numel() * p.element_size() for p in model.parameters())
 
 
 def default_dtype(config: InferenceConfig, model_config: ModelConfig) -> torch.dtype:
@@ -94,8 +100,8 @@ def build_kv_pool(model: LlamaForCausalLM, config: InferenceConfig, max_sequence
     block_size = config.block_size_tokens
     num_blocks = config.num_kv_blocks
     if num_blocks is None:
-        per_block = KVCachePool.bytes_per_block(mc.num_layers, block_size, model.num_local_kv_heads, mc.head_dim, dtype,
-                                                fp8)
+        per_block = KVCachePool.bytes_per_block(len(model.model.own), block_size, model.num_local_kv_heads,
+                                                mc.head_dim, dtype, fp8)
         if device.type == "cuda":
             free, total = torch.cuda.mem_get_info(device)
             reserve = serving_reserve_bytes(mc, config, torch.empty((), dtype=dtype).element_size(), model.tp.size,
@@ -111,8 +117,9 @@ def build_kv_pool(model: LlamaForCausalLM, config: InferenceConfig, max_sequence
         if num_blocks < 1:
             raise ValueError("no memory left for the KV cache: use a smaller model or raise kv_cache_memory_fraction")
     num_blocks = agree_on_min(num_blocks, model.tp)
-    return KVCachePool(mc.num_layers, num_blocks, block_size, model.num_local_kv_heads, mc.head_dim, dtype, device,
-                       fp8, heads_first=config.batch_invariant and device.type == "cpu")
+    own = model.model.own  # a pipeline stage's layers
+    return KVCachePool(len(own), num_blocks, block_size, model.num_local_kv_heads, mc.head_dim, dtype, device,
+                       fp8, heads_first=config.batch_invariant and device.type == "cpu", first_layer=own.start)
 
 
 def engine_buffers(config: InferenceConfig, max_sequence_length: int, device: torch.device) -> StepBuffers:

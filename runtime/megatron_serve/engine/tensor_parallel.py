@@ -6,7 +6,10 @@ a two-integer header, then the plan, over a gloo group; no pickled object per st
 runs the forward pass on its weight slice and its share of the KV heads; rank 0 samples from the
 gathered logits. With overlapped scheduling a step's gathered rows take the previous step's
 sampled tokens, which rank 0 broadcasts on the device group first. Suspend, resume, refit and stop
-go through the same channel, so a verb always acts on the whole group.
+go through the same channel, so a verb always acts on the whole group. With pipeline stages
+(``--pipeline-parallel-size``) the group is ``stages x tensor_parallel_size`` ranks; the steps, the previous
+tokens and the refit outcomes go over the whole group, each stage's layers use its own tensor-parallel group
+(:func:`join_group`).
 
 Placement: a group of ``WORLD_SIZE`` ranks may span pods. Each pod starts its local ranks
 ``RANK .. RANK + NPROC_PER_NODE - 1`` (the operator sets these, with ``MASTER_ADDR`` naming pod 0
@@ -38,7 +41,7 @@ from ..errors import EngineGroupLost
 from ..model.loader import load_model, load_weights
 from ..model.lora import LoraAdapter
 from ..model.lora_slots import LoraSlots
-from ..model.parallel import TensorParallel
+from ..model.parallel import PipelineStage, TensorParallel
 from .sizing import build_kv_pool, default_dtype, engine_buffers, max_sequence_length_for
 from .runner import ModelRunner, StepResult
 from .step_plan import StepBuffers, StepPlan
@@ -82,7 +85,8 @@ def placement_for(world_size: int) -> Placement:
     env = os.environ
     if "MASTER_ADDR" in env and "WORLD_SIZE" in env:
         if int(env["WORLD_SIZE"]) != world_size:
-            raise ValueError(f"WORLD_SIZE={env['WORLD_SIZE']} does not match --tensor-parallel {world_size}")
+            raise ValueError(f"WORLD_SIZE={env['WORLD_SIZE']} does not match the group's {world_size} ranks "
+                             "(--tensor-parallel x --pipeline-parallel-size)")
         local = int(env.get("NPROC_PER_NODE", world_size))
         return Placement(world_size, int(env.get("RANK", "0")), local, env["MASTER_ADDR"],
                          int(env.get("MASTER_PORT", "29500")))
@@ -145,8 +149,14 @@ class PlanChannel:
         return kind, message[0]
 
 
-def join_group(placement: Placement, rank: int, device: torch.device) -> tuple[TensorParallel, PlanChannel]:
-    """Rendezvous with the other ranks; waits for late peers up to the timeout, then says what is missing."""
+def join_group(placement: Placement, rank: int, device: torch.device, config: InferenceConfig
+               ) -> tuple[TensorParallel, PlanChannel]:
+    """Rendezvous with the other ranks; waits for late peers up to the timeout, then says what is missing.
+
+    The group is ``pipeline_parallel_size`` stages of ``tensor_parallel_size`` ranks (stage ``s``'s rank ``r`` is
+    rank ``s * tp + r``): each stage's ranks get a group of their own for the layers' collectives, the whole
+    group carries the steps and the hidden states between stages.
+    """
     backend = "nccl" if device.type == "cuda" else "gloo"
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -162,28 +172,34 @@ def join_group(placement: Placement, rank: int, device: torch.device) -> tuple[T
             f"(are all {placement.world_size} ranks started?): {exc}"
         ) from exc
     plans = dist.group.WORLD if backend == "gloo" else dist.new_group(backend="gloo")
-    return TensorParallel(rank=rank, size=placement.world_size, group=dist.group.WORLD), PlanChannel(plans)
+    size, stages = config.tensor_parallel_size, config.pipeline_parallel_size
+    tp_group = dist.group.WORLD
+    if stages > 1:  # every rank creates every stage's group, in the same order
+        groups = [dist.new_group(list(range(s * size, (s + 1) * size))) for s in range(stages)]
+        tp_group = groups[rank // size]
+    stage = PipelineStage(rank // size, stages, rank, size, dist.group.WORLD)
+    return (TensorParallel(rank=rank % size, size=size, group=tp_group, expert_parallel=config.enable_expert_parallel,
+                           stage=stage), PlanChannel(plans))
 
 
-def broadcast_previous_tokens(plan: StepPlan, tokens: torch.Tensor | None, count: int, tp: TensorParallel,
+def broadcast_previous_tokens(plan: StepPlan, tokens: torch.Tensor | None, count: int,
                               device: torch.device) -> torch.Tensor | None:
     """The previous step's sampled tokens on every rank, when the plan gathers some (rank 0 passes them)."""
     if not plan.num_gather:
         return None
     if tokens is None:
         tokens = torch.empty(count, dtype=torch.int64, device=device)
-    dist.broadcast(tokens, src=0, group=tp.group)
+    dist.broadcast(tokens, src=0)
     return tokens
 
 
 class TensorParallelRunner(ModelRunner):
     """Rank 0's runner: broadcasts every step and lifecycle change before acting on it itself."""
 
-    def __init__(self, model, block_size: int, device: torch.device, buffers: StepBuffers, tp: TensorParallel,
+    def __init__(self, model, block_size: int, device: torch.device, buffers: StepBuffers,
                  channel: PlanChannel, workers: list[multiprocessing.Process],
                  graphs: StepGraphs | None = None):
         super().__init__(model, block_size, device, buffers, graphs)
-        self.tp = tp
         self.channel = channel
         self.workers = workers
 
@@ -206,9 +222,9 @@ class TensorParallelRunner(ModelRunner):
         assert previous_shifts is None, "a plan corrected by a verify step in flight under tensor parallelism"
         self._broadcast("step", packed=self.buffers.pack(plan))
         try:
-            broadcast_previous_tokens(plan, previous_tokens, 0, self.tp, self.device)
+            broadcast_previous_tokens(plan, previous_tokens, 0, self.device)
             if plan.num_images:  # the tower runs on rank 0 only: its output goes with the step
-                dist.broadcast(image_embeddings.contiguous(), src=0, group=self.tp.group)
+                dist.broadcast(image_embeddings.contiguous(), src=0)
             return super().run_plan(plan, kv_caches, image_embeddings, previous_tokens)
         except Exception as exc:  # noqa: BLE001 - the forward's all-reduces fail when a peer died mid-step
             self._check_workers()
@@ -230,9 +246,9 @@ class TensorParallelRunner(ModelRunner):
         self._broadcast("lora", (slot, adapter))
 
     def refit_outcomes(self) -> list[tuple[list[str], str | None]]:
-        outcomes: list = [None] * self.tp.size
+        outcomes: list = [None] * dist.get_world_size()
         try:
-            dist.gather_object(None, outcomes, dst=0, group=self.tp.group)
+            dist.gather_object(None, outcomes, dst=0)
         except Exception as exc:  # noqa: BLE001 - a collective fails only when the group broke
             raise EngineGroupLost(f"tensor-parallel group broke during a refit: {exc}") from exc
         return outcomes[1:]
@@ -329,7 +345,7 @@ def run_worker(model_dir: str, config_dict: dict, placement: Placement, rank: in
 
     config = InferenceConfig(**config_dict)
     device = rank_device(local_index, config)
-    tp, channel = join_group(placement, rank, device)
+    tp, channel = join_group(placement, rank, device, config)
     model_config = ModelConfig.from_dir(model_dir)
     model = load_model(model_dir, default_dtype(config, model_config), device, tp, quantization=config.quantization)
     if config.batch_invariant:
@@ -350,11 +366,11 @@ def run_worker(model_dir: str, config_dict: dict, placement: Placement, rank: in
         kind, payload = channel.receive()
         if kind == "step":
             plan = buffers.unpack(payload)
-            previous = broadcast_previous_tokens(plan, None, sampled, tp, device)
+            previous = broadcast_previous_tokens(plan, None, sampled, device)
             embeddings = None
             if plan.num_images:
                 embeddings = torch.empty(plan.num_images, model.config.hidden_size, device=device, dtype=model.dtype)
-                dist.broadcast(embeddings, src=0, group=tp.group)
+                dist.broadcast(embeddings, src=0)
             runner.run_plan(plan, pool.layer_caches, embeddings, previous)
             sampled = plan.num_sample
         elif kind == "suspend":
@@ -368,7 +384,7 @@ def run_worker(model_dir: str, config_dict: dict, placement: Placement, rank: in
             pool.allocate()
             runner.capture_graphs(pool.layer_caches)
         elif kind == "refit":
-            dist.gather_object(_follow_refit(model, payload), None, dst=0, group=tp.group)
+            dist.gather_object(_follow_refit(model, payload), None, dst=0)
         elif kind == "lora":
             slots.write(*payload)
         elif kind == "stop":
@@ -392,7 +408,7 @@ def start_rank_zero(model_dir: str, config: InferenceConfig
                     ) -> tuple[TensorParallel, PlanChannel, torch.device, list[multiprocessing.Process]]:
     """Start this machine's other ranks and join the group as rank 0 (when this machine holds it)."""
     refuse_reimported_main()
-    placement = placement_for(config.tensor_parallel_size)
+    placement = placement_for(config.world_size)
     check_local_devices(placement, torch.device(config.device).type)
     workers = spawn_local_workers(model_dir, config, placement)
     if not placement.hosts_rank_zero:
@@ -401,5 +417,5 @@ def start_rank_zero(model_dir: str, config: InferenceConfig
             worker.join()
         raise SystemExit(max((w.exitcode or 0) for w in workers) if workers else 0)
     device = rank_device(0, config)
-    tp, channel = join_group(placement, 0, device)
+    tp, channel = join_group(placement, 0, device, config)
     return tp, channel, device, workers

@@ -95,7 +95,7 @@ def compile_kernels(run_plan, buffers: StepBuffers, kv_caches: list[tuple[torch.
     if backend_for(device) != "triton" or not kv_caches:
         return 0.0
     started = time.perf_counter()
-    num_pool_blocks = kv_caches[0][0].shape[0]
+    num_pool_blocks = kv_caches[-1][0].shape[0]  # the last layer: a pipeline stage holds no cache of those before it
     steps = 0
     for kind, count, blocks in warmup_shapes(buffers.max_tokens, buffers.max_requests, buffers.max_blocks, block_size):
         run_plan(write_synthetic(buffers, kind, count, blocks, block_size, num_pool_blocks), kv_caches)

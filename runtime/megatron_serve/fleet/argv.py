@@ -46,6 +46,8 @@ ENGINE_FIELDS = {
     "max_lora_versions": "max_lora_versions",
     "lora_push_dir": "lora_push_dir",
     "speculative_config": "speculative",
+    "enable_expert_parallel": "enable_expert_parallel",
+    "pipeline_parallel_size": "pipeline_parallel_size",
 }
 
 

@@ -154,7 +154,8 @@ class LocalFleet:
         tensor_parallel = ["--tensor-parallel", str(ranks)] if ranks > 1 else []
         self.engine_args = [*inference_config_to_argv(inference_config), *tensor_parallel]
         device = inference_config.device if inference_config is not None else InferenceConfig().device
-        self.gpus = gpu_slices(visible_gpus(), num_engines, ranks) if str(device).startswith("cuda") else None
+        group = inference_config.world_size if inference_config is not None else 1  # pipeline stages included
+        self.gpus = gpu_slices(visible_gpus(), num_engines, group) if str(device).startswith("cuda") else None
         self.tokenizer_args = ["--tokenizer", str(tokenizer_dir)] if tokenizer_dir is not None else []
         self._lock_fd: int | None = None
         if log_dir is None:

@@ -237,14 +237,14 @@ class Fp8FusedExperts(FusedExperts):
                  device: torch.device, scheme: Fp8Scheme, name: str):
         super().__init__(num_experts, hidden_size, intermediate_size, tp, device, weight_dtype=FP8_DTYPE)
         self.block = scheme.block
-        local = self.local
+        local, count = self.local, self.num_local_experts
         if self.block is not None:
             bn, bk = self.block
-            _check_block_span(f"{name} experts", tp.rank * local, local, intermediate_size, bn, "rows")
+            _check_block_span(f"{name} experts", self.start, local, intermediate_size, bn, "rows")
             _check_block_span(f"{name} experts", local, local, 2 * local, bn, "fused up rows")
-            _check_block_span(f"{name} experts", tp.rank * local, local, intermediate_size, bk, "columns")
-        self.gate_up_proj_scale = _scale_parameter(num_experts, *scale_shape(2 * local, hidden_size, self.block))
-        self.down_proj_scale = _scale_parameter(num_experts, *scale_shape(hidden_size, local, self.block))
+            _check_block_span(f"{name} experts", self.start, local, intermediate_size, bk, "columns")
+        self.gate_up_proj_scale = _scale_parameter(count, *scale_shape(2 * local, hidden_size, self.block))
+        self.down_proj_scale = _scale_parameter(count, *scale_shape(hidden_size, local, self.block))
 
     def weight_pieces(self, param_name: str) -> frozenset:
         return super().weight_pieces(param_name.removesuffix("_scale"))
@@ -252,22 +252,21 @@ class Fp8FusedExperts(FusedExperts):
     def weight_loader(self, param: nn.Parameter, source: TensorSource, part: str | None = None,
                       expert: int | None = None) -> tuple[str, ...]:
         """One expert's projection (``part``/``expert``) or the whole stack, or their scales."""
-        if expert is not None and not 0 <= expert < self.num_experts:
-            raise ValueError(f"expert {expert} does not exist: this layer has {self.num_experts}")
-        size, local, rank = self.intermediate_size, self.local, self.tp.rank
+        source, expert = self.local_source(source, expert)
+        size, local, start = self.intermediate_size, self.local, self.start
         hidden = self.down_proj.shape[1]
         down = param is self.down_proj or param is self.down_proj_scale
         weight = self.down_proj if down else self.gate_up_proj
         scales = self.down_proj_scale if down else self.gate_up_proj_scale
         pick = (lambda t: t) if expert is None else (lambda t: t[expert])
         if down:
-            regions = [((0, hidden), (rank * local, local), (hidden, size), pick(weight.data), pick(scales.data))]
+            regions = [((0, hidden), (start, local), (hidden, size), pick(weight.data), pick(scales.data))]
         else:
             regions = []
             for name in ("gate", "up") if part is None else (part,):
                 offset = 0 if name == "gate" else local
-                start = rank * local + (size if expert is None and name == "up" else 0)
-                regions.append(((start, local), (0, hidden), (2 * size if expert is None else size, hidden),
+                first_row = start + (size if expert is None and name == "up" else 0)
+                regions.append(((first_row, local), (0, hidden), (2 * size if expert is None else size, hidden),
                                 pick(weight.data).narrow(-2, offset, local),
                                 _block_rows(pick(scales.data), self.block, offset, local)))
         filled = False
@@ -283,7 +282,8 @@ class Fp8FusedExperts(FusedExperts):
     def use_invariant_ops(self) -> None:
         self._fused_moe = invariant_fp8.fused_moe
 
-    def forward(self, hidden: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+                tokens: torch.Tensor | None = None) -> torch.Tensor:
         return self._fused_moe(hidden, self.gate_up_proj, self.down_proj, weights, ids,
                                w13_scale=self.gate_up_proj_scale, w2_scale=self.down_proj_scale, block=self.block)
 

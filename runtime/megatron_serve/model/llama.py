@@ -7,6 +7,8 @@ projections are fused (``qkv_proj``, ``gate_up_proj``, stacked experts); the loa
 
 from __future__ import annotations
 
+import re
+
 import torch
 from torch import nn
 
@@ -21,7 +23,9 @@ from .layers import (ColumnParallelLinear, GatedMLP, ParallelLMHead, ReplicatedL
                      VocabParallelEmbedding, invariant_rotary_cos_sin, rotary_cos_sin)
 from .linears import Linears
 from .moe import FusedExperts, SparseMoeBlock
-from .parallel import SINGLE, TensorParallel
+from .parallel import SINGLE, TensorParallel, stage_layers
+
+_LAYER = re.compile(r"model\.layers\.(\d+)\.")  # a decoder layer's checkpoint tensors
 
 
 class _Ops:
@@ -118,12 +122,22 @@ def layer_ops(config: ModelConfig, device: torch.device) -> _Ops:
     return _Ops(device, linears_for(config.quantization))
 
 
+class PipelineGap(nn.Module):
+    """A layer another pipeline stage holds: keeps the layers' indices those of the checkpoint."""
+
+
 class LlamaModel(nn.Module):
     def __init__(self, config: ModelConfig, ops: _Ops, tp: TensorParallel, device: torch.device):
         super().__init__()
+        self.stage = tp.stage
+        self.own = stage_layers(config.num_layers, tp.stage.size)[tp.stage.index]
+        if tp.stage.size > 1 and (config.moe is not None or config.vision is not None):
+            raise UnsupportedModelError("pipeline parallelism serves dense text models only (not "
+                                        f"{config.architecture})")
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp=tp)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, index, ops, tp, device) for index in range(config.num_layers)
+            LlamaDecoderLayer(config, index, ops, tp, device) if index in self.own else PipelineGap()
+            for index in range(config.num_layers)
         )
         self.norm = ops.norm(config.hidden_size, config.rms_norm_eps)
         # MTP speculation (engine.speculative.mtp) reads every row's last hidden state before the final norm;
@@ -136,14 +150,19 @@ class LlamaModel(nn.Module):
     def forward(self, token_ids, positions, context, cos, sin, input_embeds: torch.Tensor | None = None) -> torch.Tensor:
         hidden = self.embed_tokens(token_ids) if input_embeds is None else input_embeds
         residual, aux = None, {}
-        for index, layer in enumerate(self.layers):
+        if self.stage.index:  # the stage before computed the layers up to ours
+            hidden, residual = self.stage.receive(hidden, hidden)
+        for index in self.own:
             if index in self.aux_layers:
                 aux[index] = hidden if residual is None else hidden + residual
-            hidden, residual = layer(positions, hidden, residual, context, cos, sin)
+            hidden, residual = self.layers[index](positions, hidden, residual, context, cos, sin)
+        if not self.stage.is_last:
+            self.stage.send(hidden, residual)
+            return self.stage.share_output(torch.empty_like(hidden))
         hidden, summed = self.norm(hidden, residual)
         if self.capture_hidden:
             self.captured_hidden = torch.cat([aux[i] for i in self.aux_layers], dim=-1) if aux else summed
-        return hidden
+        return self.stage.share_output(hidden)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -172,13 +191,16 @@ class LlamaForCausalLM(nn.Module):
 
     @property
     def num_local_kv_heads(self) -> int:
-        return self.model.layers[0].self_attn.kv_size // self.config.head_dim
+        return self.model.layers[self.model.own[0]].self_attn.kv_size // self.config.head_dim
 
     def checkpoint_name(self, name: str) -> str | None:
         """Where checkpoint tensor ``name`` goes in this module tree (None: not held here; MTP layers, stored as
-        layers past the decoder's, are the MTP proposer's)."""
+        layers past the decoder's, are the MTP proposer's; another pipeline stage's layers are its own)."""
         if self._mtp_prefixes and name.startswith(self._mtp_prefixes):
             return None
+        layer = _LAYER.match(name)
+        if layer is not None and int(layer[1]) < self.config.num_layers and int(layer[1]) not in self.model.own:
+            return None  # another pipeline stage's layer (one past the decoder's is nobody's: refused by the loader)
         return name
 
     def forward(self, token_ids: torch.Tensor, positions: torch.Tensor, context: ForwardContext) -> torch.Tensor:

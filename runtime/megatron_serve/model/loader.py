@@ -20,7 +20,7 @@ from .config import ModelConfig
 from .errors import UnsupportedModelError
 from .layers import TensorSource, _copy_checked, _read_all
 from .llama import LlamaForCausalLM
-from .moe import expert_weight_name
+from .moe import FusedExperts, expert_weight_name
 from .parallel import SINGLE, TensorParallel
 from .quantization import ONLINE, online_fp8
 
@@ -104,7 +104,8 @@ def _empty_shared_expert(model: LlamaForCausalLM, name: str) -> bool:
 
 
 def weight_target(model: LlamaForCausalLM, name: str) -> WeightTarget | None:
-    """Map a Hugging Face tensor name to the parameter that holds it (None: a tensor with no weight to load).
+    """Map a Hugging Face tensor name to the parameter that holds it (None: a tensor with no weight to load, or
+    an expert another expert-parallel rank holds).
 
     Works on names alone, so it serves a loader that reads files and one that receives tensors. A
     module of that exact name wins (a vision tower keeps its own ``q_proj``); otherwise the decoder's
@@ -126,6 +127,8 @@ def weight_target(model: LlamaForCausalLM, name: str) -> WeightTarget | None:
     if found is None:
         raise ValueError(f"checkpoint tensor {name!r} has no place in {model.config.architecture}")
     module, param = found
+    if expert is not None and isinstance(module, FusedExperts) and not module.holds(expert):
+        return None  # another expert-parallel rank's expert: never read here
     pieces = frozenset(p for p in _pieces(module, param_name)
                        if (part is None or p[0] == part) and (expert is None or p[1] == expert))
     if not pieces:

@@ -13,7 +13,8 @@ MoE experts (:func:`expert_share`) split the same way, expert by expert: every r
 expert's intermediate dimension, so ``gate_up_proj`` is column-parallel (``A`` replicated, ``B``'s rows of the
 rank's gate slice and of its up slice) and ``down_proj`` row-parallel (``A``'s columns of the slice, ``B``
 replicated). The expert hook recomputes a row's experts with ``W + B A`` from these shares: the rank's result is
-a partial sum like the fused kernel's, and joins the MoE block's one reduction with the shared expert's.
+a partial sum like the fused kernel's, and joins the MoE block's one reduction with the shared expert's. Under
+expert parallelism a rank keeps whole experts, so it keeps those experts' ``A`` and ``B`` whole.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import torch
 from torch import nn
 
 from .lora_experts import EXPERT_PROJECTIONS
+from .moe import FusedExperts
 from .parallel import TensorParallel
 
 
@@ -63,15 +65,19 @@ def lora_shard(module: nn.Module, parts: tuple[str, ...], shapes: list[tuple[int
     return LoraShard({parts[0]: (0, 0, out_features)}, (tp.rank * local_in, local_in), tp)
 
 
-def expert_share(projection: str, a: torch.Tensor, b: torch.Tensor, tp: TensorParallel, local: int
+def expert_share(projection: str, a: torch.Tensor, b: torch.Tensor, experts: FusedExperts
                  ) -> tuple[torch.Tensor, torch.Tensor]:
-    """This rank's share of an expert projection's adapter (``A [E, r, in]``, ``B [E, out, r]``) when each rank
-    holds ``local`` columns of every expert's intermediate dimension: ``gate_up_proj`` keeps all of ``A`` and
-    ``B``'s rows of its gate slice then of its up slice (the fused parameter's layout), ``down_proj`` keeps ``A``'s
-    columns of its slice and all of ``B``."""
+    """This rank's share of an expert projection's adapter (``A [E, r, in]``, ``B [E, out, r]``) for the experts it
+    holds: its experts whole under expert parallelism; otherwise, when each rank holds ``experts.local`` columns of
+    every expert's intermediate dimension, ``gate_up_proj`` keeps all of ``A`` and ``B``'s rows of its gate slice
+    then of its up slice (the fused parameter's layout), ``down_proj`` keeps ``A``'s columns of its slice and all
+    of ``B``."""
+    tp, local, start = experts.tp, experts.local, experts.start
+    if tp.expert_parallel:
+        held = slice(experts.first_expert, experts.first_expert + experts.num_local_experts)
+        return a[held], b[held]
     if tp.size == 1:
         return a, b
-    start = tp.rank * local
     if projection == EXPERT_PROJECTIONS[0]:
         inner = b.shape[1] // 2
         return a, torch.cat((b[:, start : start + local], b[:, inner + start : inner + start + local]), dim=1)

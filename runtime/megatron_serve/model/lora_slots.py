@@ -132,7 +132,7 @@ class _ExpertSlotWeights:
     def __init__(self, experts: FusedExperts, slots: int, rank: int, rows: LoraRows, device: torch.device,
                  dtype: torch.dtype, batch_invariant: bool):
         self.batch_invariant = batch_invariant
-        self.tp, self.local = experts.tp, experts.local
+        self.experts = experts
         self.a: dict[str, torch.Tensor] = {}
         self.b: dict[str, torch.Tensor] = {}
         for projection in EXPERT_PROJECTIONS:  # the shapes of this rank's slice of the experts
@@ -149,7 +149,7 @@ class _ExpertSlotWeights:
             self.b[projection][slot].zero_()
             pair = adapter.weights.get((layer, projection))
             if pair is not None:
-                a, b = expert_share(projection, *pair, self.tp, self.local)
+                a, b = expert_share(projection, *pair, self.experts)
                 self.a[projection][slot, :, : a.shape[1]].copy_(a)
                 self.b[projection][slot, :, :, : a.shape[1]].copy_(b)
                 self.used[slot] = True
@@ -158,10 +158,12 @@ class _ExpertSlotWeights:
         batch = self.rows.batch
         if batch is None:
             return output
-        hidden, weights, ids = args
+        hidden, weights, ids, *tokens = args  # tokens: the token of each row, under expert parallelism
         for slot, start, end in batch.segments:
             if self.used[slot]:
                 rows = batch.order[start:end]
+                if tokens:  # the dispatched rows that came from this slot's tokens
+                    rows = torch.isin(tokens[0], rows).nonzero().squeeze(1)
                 output.index_copy_(0, rows, self._experts(module, hidden[rows], weights[rows], ids[rows], slot))
         return output
 

@@ -10,14 +10,11 @@ Tensor parallelism splits every expert's intermediate dimension across the ranks
 is split: each rank runs all experts on all tokens with its slice and the partial sums (routed and
 shared expert together) are reduced once. The router is replicated, so every rank routes alike.
 
-Expert parallelism later: give each rank ``E / ep`` whole experts instead of a slice of all of them.
-The weight loader then keeps expert ``e`` only on its owner, stored at ``e - first_local`` (the
-stacked layout is already indexed by expert); the router keeps computing all ``E`` logits; ids of
-experts held elsewhere are mapped to -1 and dropped by ``align_by_expert`` (one ``torch.where``
-before the sort), the kernel itself is unchanged; the output is then summed over the EP x TP group.
-That all-reduce version needs no new communication pattern; the faster one replaces it by an
-all-to-all that sends each token only to its experts' ranks (dispatch) and back (combine), around
-the same grouped GEMM.
+Expert parallelism (``--enable-expert-parallel``, :attr:`.parallel.TensorParallel.expert_parallel`) gives each
+rank ``E / ep`` whole experts instead, stored at ``e - first_expert`` (the stacked layout is indexed by
+expert): the loader reads only those from the checkpoint, and a token dispatcher
+(:mod:`.token_dispatcher`) moves each (token, expert) pair to its expert's rank and the output back. The
+shared expert is replicated then, and runs on the tokens the rank combines.
 """
 
 from __future__ import annotations
@@ -32,6 +29,7 @@ from megatron_kernels import get_op, invariant
 
 from .layers import GatedMLP, ReplicatedLinear, TensorSource, _check_full, _copy_checked, _narrow
 from .parallel import SINGLE, TensorParallel
+from .token_dispatcher import AllToAllDispatcher, TokenDispatcher
 
 if TYPE_CHECKING:  # annotations only: the experts read configs, never build them
     from .config import ModelConfig
@@ -82,37 +80,61 @@ def stack_routing(routing: list[torch.Tensor], config: ModelConfig) -> torch.Ten
 
 
 class FusedExperts(nn.Module):
-    """Every expert of one layer; each rank holds the same slice of every expert's intermediate dimension."""
+    """One layer's experts on this rank: under tensor parallelism the same slice of every expert's intermediate
+    dimension; under expert parallelism ``num_local_experts`` whole experts from ``first_expert`` on."""
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, tp: TensorParallel,
                  device: torch.device, weight_dtype: torch.dtype | None = None):
         super().__init__()
-        if intermediate_size % tp.size:
-            raise ValueError(f"expert intermediate size {intermediate_size} does not split over {tp.size} ranks")
         self.tp = tp
         self.num_experts = num_experts
         self.intermediate_size = intermediate_size
-        self.local = intermediate_size // tp.size
-        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * self.local, hidden_size, dtype=weight_dtype),
+        if tp.expert_parallel:
+            if num_experts % tp.size:
+                raise ValueError(f"{num_experts} experts do not split over {tp.size} expert-parallel ranks")
+            self.num_local_experts, self.local, self.start = num_experts // tp.size, intermediate_size, 0
+        else:
+            if intermediate_size % tp.size:
+                raise ValueError(f"expert intermediate size {intermediate_size} does not split over {tp.size} ranks")
+            self.num_local_experts, self.local = num_experts, intermediate_size // tp.size
+            self.start = tp.rank * self.local  # this rank's columns of each expert's intermediate dimension
+        self.first_expert = tp.rank * self.num_local_experts if tp.expert_parallel else 0
+        count = self.num_local_experts
+        self.gate_up_proj = nn.Parameter(torch.empty(count, 2 * self.local, hidden_size, dtype=weight_dtype),
                                          requires_grad=False)
-        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, self.local, dtype=weight_dtype),
+        self.down_proj = nn.Parameter(torch.empty(count, hidden_size, self.local, dtype=weight_dtype),
                                       requires_grad=False)
         self._fused_moe = get_op("fused_moe", device)
 
     def use_invariant_ops(self) -> None:
         self._fused_moe = invariant.fused_moe
 
+    def holds(self, expert: int) -> bool:
+        """Whether this rank holds (part of) ``expert``: a checkpoint tensor of another rank's expert is not read."""
+        return self.first_expert <= expert < self.first_expert + self.num_local_experts
+
     def weight_pieces(self, param_name: str) -> frozenset:
-        """The parts a checkpoint fills separately: ``(part, expert)`` for every expert."""
+        """The parts a checkpoint fills separately: ``(part, expert)`` for every expert held here."""
         parts = ("gate", "up") if param_name == "gate_up_proj" else ("down",)
-        return frozenset((part, expert) for part in parts for expert in range(self.num_experts))
+        return frozenset((part, expert) for part in parts
+                         for expert in range(self.first_expert, self.first_expert + self.num_local_experts))
+
+    def local_source(self, source: TensorSource, expert: int | None) -> tuple[TensorSource, int | None]:
+        """``(source, index in this rank's stack)``: a whole stack (``expert`` None) narrowed to this rank's experts."""
+        if expert is not None:
+            if not 0 <= expert < self.num_experts:
+                raise ValueError(f"expert {expert} does not exist: this layer has {self.num_experts}")
+            return source, expert - self.first_expert
+        if self.num_local_experts == self.num_experts:
+            return source, None
+        _check_full(source, 0, self.num_experts)
+        return _narrow(source, 0, self.first_expert, self.num_local_experts), None
 
     def weight_loader(self, param: nn.Parameter, source: TensorSource, part: str | None = None,
                       expert: int | None = None) -> None:
-        """Copy this rank's slice of one expert's projection (``part``/``expert``) or of the whole stack."""
-        start, length, size = self.tp.rank * self.local, self.local, self.intermediate_size
-        if expert is not None and not 0 <= expert < self.num_experts:
-            raise ValueError(f"expert {expert} does not exist: this layer has {self.num_experts}")
+        """Copy this rank's share of one expert's projection (``part``/``expert``) or of the whole stack."""
+        source, expert = self.local_source(source, expert)
+        start, length, size = self.start, self.local, self.intermediate_size
         if param is self.down_proj:
             target = param.data if expert is None else param.data[expert]
             _check_full(source, target.dim() - 1, size)
@@ -129,8 +151,10 @@ class FusedExperts(nn.Module):
                 target, piece = target[expert], _narrow(source, 0, start, length)
             _copy_checked(target, piece)
 
-    def forward(self, hidden: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """This rank's partial sum of the routed experts' outputs."""
+    def forward(self, hidden: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+                tokens: torch.Tensor | None = None) -> torch.Tensor:
+        """This rank's partial sum of the routed experts' outputs (``ids`` index this rank's stack). ``tokens``:
+        under expert parallelism, the token each row came from (read by the LoRA hook)."""
         return self._fused_moe(hidden, self.gate_up_proj, self.down_proj, weights, ids)
 
 
@@ -162,21 +186,28 @@ class SparseMoeBlock(nn.Module):
                                        torch.device(device))
         self.shared_expert: GatedMLP | None = None
         self.shared_expert_gate: ReplicatedLinear | None = None
-        if moe.shared_expert_intermediate_size:
+        if moe.shared_expert_intermediate_size:  # replicated under expert parallelism: it runs on the rank's chunk
             self.shared_expert = GatedMLP(hidden_size, moe.shared_expert_intermediate_size, silu_and_mul, linears,
-                                          f"{layer}.mlp.shared_expert", tp, reduce=False)
+                                          f"{layer}.mlp.shared_expert", SINGLE if tp.expert_parallel else tp,
+                                          reduce=False)
             self.shared_expert_gate = ReplicatedLinear(hidden_size, 1)
         self._sigmoid = torch.sigmoid
         self._reduce = tp.all_reduce
         self._weights_in_model_dtype = False
         self._family = family
+        self.dispatcher: TokenDispatcher | None = None  # swappable (:mod:`.token_dispatcher`)
+        if tp.expert_parallel and tp.size > 1:
+            self.dispatcher = AllToAllDispatcher(tp, moe.num_experts)
 
     def use_invariant_ops(self) -> None:
         """``transformers``' arithmetic: Qwen-MoE routers round the expert weights to the model dtype
-        before scaling (Mixtral's stay float32); partial sums of TP ranks added in rank order."""
+        before scaling (Mixtral's stay float32); partial sums of TP ranks added in rank order; under expert
+        parallelism each token's experts combined in ascending id order."""
         self._sigmoid = invariant.sigmoid
         self._reduce = self.tp.ordered_sum
         self._weights_in_model_dtype = self._family != "mixtral"
+        if self.dispatcher is not None:
+            self.dispatcher.ordered = True
 
     def route(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """float32 weights and expert ids ``[T, top_k]``, most probable expert first (softmax over all experts)."""
@@ -193,7 +224,26 @@ class SparseMoeBlock(nn.Module):
             weights = weights.to(hidden.dtype)
         if routing is not None:
             routing.append(ids)
+        if self.dispatcher is not None:
+            return self._expert_parallel(hidden, weights, ids)
         out = self.experts(hidden, weights, ids)
         if self.shared_expert is not None:
-            out = out + self._sigmoid(self.shared_expert_gate(hidden)) * self.shared_expert(hidden)
+            out = out + self._shared(hidden)
         return self._reduce(out)
+
+    def _shared(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self._sigmoid(self.shared_expert_gate(hidden)) * self.shared_expert(hidden)
+
+    def _expert_parallel(self, hidden: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """Dispatch, this rank's experts on one expert per row (unweighted: the combine weighs them), combine,
+        the shared expert on the tokens combined here, gather."""
+        dispatcher = self.dispatcher
+        dispatched = dispatcher.dispatch(hidden, ids)
+        outputs = dispatched.rows
+        if outputs.shape[0]:
+            ones = torch.ones(dispatched.ids.shape, dtype=torch.float32, device=hidden.device)
+            outputs = self.experts(dispatched.rows, ones, dispatched.ids, dispatched.tokens)
+        out = dispatcher.combine(outputs, weights)
+        if self.shared_expert is not None:
+            out = out + self._shared(hidden[dispatcher.local])
+        return dispatcher.gather(out)

@@ -2,6 +2,15 @@
 
 With one rank (the default) every layer holds whole weights and no collective is issued, so the
 single-GPU and CPU paths pay nothing for the tensor-parallel structure.
+
+``expert_parallel`` (``--enable-expert-parallel``): the same ranks hold whole experts instead of a slice of
+every expert (:mod:`.token_dispatcher`); attention, dense layers and shared experts stay tensor-parallel.
+
+``stage`` (``--pipeline-parallel-size``): which contiguous layers this rank's stage holds. Stage ``s``'s
+tensor-parallel rank ``r`` is rank ``s * tp + r`` of the group; it receives the hidden states (and the
+residual) from the same tensor-parallel rank of the stage before and sends them to the one after; the last
+stage's final hidden states are broadcast to every rank, which all compute the logits (each stage holds
+the embedding, the final norm and the LM head), so rank 0 samples as without stages.
 """
 
 from __future__ import annotations
@@ -12,11 +21,59 @@ import torch
 import torch.distributed as dist
 
 
+def stage_layers(num_layers: int, stages: int) -> list[range]:
+    """Each stage's layers, contiguous; an uneven split gives the first ``num_layers % stages`` stages one more."""
+    if stages > num_layers:
+        raise ValueError(f"{num_layers} layers do not split into {stages} pipeline stages (one layer at least each)")
+    base, extra = divmod(num_layers, stages)
+    bounds = [0]
+    for stage in range(stages):
+        bounds.append(bounds[-1] + base + (stage < extra))
+    return [range(a, b) for a, b in zip(bounds, bounds[1:])]
+
+
+@dataclass(frozen=True)
+class PipelineStage:
+    """This rank's pipeline stage; ``rank``: its rank in the whole group, ``group``: the whole group's."""
+
+    index: int = 0
+    size: int = 1
+    rank: int = 0
+    tp_size: int = 1
+    group: object | None = None
+
+    @property
+    def is_last(self) -> bool:
+        return self.index == self.size - 1
+
+    def receive(self, *like: torch.Tensor) -> list[torch.Tensor]:
+        """Tensors shaped as ``like`` from the stage before (the same tensor-parallel rank of it)."""
+        received = [torch.empty_like(t) for t in like]
+        for tensor in received:
+            dist.recv(tensor, self.rank - self.tp_size, group=self.group)
+        return received
+
+    def send(self, *tensors: torch.Tensor) -> None:
+        for tensor in tensors:
+            dist.send(tensor.contiguous(), self.rank + self.tp_size, group=self.group)
+
+    def share_output(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The last stage's ``hidden`` on every rank (the others pass a buffer of its shape)."""
+        if self.size > 1:
+            dist.broadcast(hidden, (self.size - 1) * self.tp_size, group=self.group)
+        return hidden
+
+
+NO_PIPELINE = PipelineStage()
+
+
 @dataclass(frozen=True)
 class TensorParallel:
     rank: int = 0
     size: int = 1
     group: object | None = None
+    expert_parallel: bool = False
+    stage: PipelineStage = NO_PIPELINE
 
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
         if self.size > 1:

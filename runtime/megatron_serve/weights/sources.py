@@ -113,7 +113,7 @@ class RendezvousSource:
         rv = self.rendezvous
         if rv.world_size is None or rv.rank_offset is None:
             raise ValueError("the load step of a rendezvous refit needs world_size and rank_offset")
-        rank = rv.rank_offset + model.tp.rank
+        rank = rv.rank_offset + model.tp.stage.rank  # the rank in the engine group (pipeline stages included)
         device = next(model.parameters()).device if rv.backend == "nccl" else torch.device("cpu")
         try:
             store = transfer.announce(rv.address, rv.prefix, rank, rv.world_size, rv.timeout_s)

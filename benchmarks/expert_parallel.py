@@ -1,0 +1,200 @@
+"""Expert parallelism against tensor parallelism and one rank, on a tiny MoE (gloo on CPU, NCCL on GPUs).
+
+Two tables:
+
+* ``decode``: milliseconds per generated token of an engine group (greedy, ``--concurrency`` requests at
+  once and one alone) for one rank, TP=N (every expert sliced over the ranks, one all-reduce per MoE layer)
+  and EP=N (``enable_expert_parallel``: whole experts per rank, the all-to-all dispatcher), with each
+  layout's ratio to one rank measured in the same run.
+* ``bytes``: what one rank sends the others per token in one MoE layer, measured by counting the collectives'
+  payloads in real processes: the all-to-all dispatcher (dispatch + combine all-to-alls, then the all-gather
+  of the combined chunks), the all-gather dispatcher (one all-reduce) and TP (one all-reduce). A ring
+  all-reduce of B bytes sends ``2 (n - 1) / n * B`` per rank, a ring all-gather ``(n - 1)`` chunks; an
+  all-to-all sends exactly the rows bound for other ranks.
+* ``bandwidth`` (on request): an all-to-all's bytes per second between the ranks of one machine.
+
+    python benchmarks/expert_parallel.py                      # CPU: EP=2 vs TP=2 vs one rank
+    python benchmarks/expert_parallel.py --sizes 2 4 --device cuda --hidden 1024 --experts 64
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+from pathlib import Path
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+from megatron_serve import InferenceConfig, MegatronLLM, SamplingParams  # noqa: E402
+from megatron_serve.engine.tensor_parallel import free_port  # noqa: E402
+from megatron_serve.model.tiny import make_tiny_model  # noqa: E402
+
+COUNTING_PROBE = textwrap.dedent("""
+    import json, sys, torch, torch.distributed as dist
+    from megatron_serve.model.loader import load_model
+    from megatron_serve.model.moe import SparseMoeBlock
+    from megatron_serve.model.parallel import TensorParallel
+    from megatron_serve.model.token_dispatcher import AllGatherDispatcher
+
+    rank, size, port, model_dir, layout, tokens, device = sys.argv[1:]
+    rank, size, tokens = int(rank), int(size), int(tokens)
+    backend = "nccl" if device == "cuda" else "gloo"
+    if device == "cuda":
+        torch.cuda.set_device(rank)
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size)
+    device = torch.device(device, rank) if device == "cuda" else torch.device(device)
+    tp = TensorParallel(rank, size, dist.group.WORLD, expert_parallel=layout != "tp")
+    model = load_model(model_dir, torch.float32, device, tp)
+    sent = [0]
+    all_reduce, all_gather, all_to_all = dist.all_reduce, dist.all_gather, dist.all_to_all_single
+
+    def counted_all_reduce(tensor, *args, **kwargs):
+        sent[0] += 2 * (size - 1) * tensor.numel() * tensor.element_size() // size
+        return all_reduce(tensor, *args, **kwargs)
+
+    def counted_all_gather(parts, tensor, *args, **kwargs):
+        sent[0] += (size - 1) * tensor.numel() * tensor.element_size()
+        return all_gather(parts, tensor, *args, **kwargs)
+
+    def counted_all_to_all(output, tensor, output_splits, input_splits, *args, **kwargs):
+        row = tensor[0].numel() * tensor.element_size() if tensor.shape[0] else 0
+        sent[0] += row * (sum(input_splits) - input_splits[rank])
+        return all_to_all(output, tensor, output_splits, input_splits, *args, **kwargs)
+
+    dist.all_reduce, dist.all_gather = counted_all_reduce, counted_all_gather
+    dist.all_to_all_single = counted_all_to_all
+    block = next(layer.mlp for layer in model.model.layers if isinstance(layer.mlp, SparseMoeBlock))
+    if layout == "ep-allgather":
+        block.dispatcher = AllGatherDispatcher(tp, model.config.moe.num_experts)
+    hidden = torch.randn(tokens, model.config.hidden_size, generator=torch.Generator().manual_seed(0)).to(device)
+    with torch.no_grad():
+        block(hidden)
+    if rank == 0:
+        print(json.dumps({"bytes_per_token": sent[0] / tokens, "hidden_bytes": model.config.hidden_size * 4}))
+    dist.destroy_process_group()
+""")
+
+
+BANDWIDTH_PROBE = textwrap.dedent("""
+    import json, sys, time, torch, torch.distributed as dist
+
+    rank, size, port, device, mib = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4], int(sys.argv[5])
+    if device == "cuda":
+        torch.cuda.set_device(rank)
+    dist.init_process_group("nccl" if device == "cuda" else "gloo", init_method=f"tcp://127.0.0.1:{port}",
+                            rank=rank, world_size=size)
+    device = torch.device(device, rank) if device == "cuda" else torch.device(device)
+    send = torch.ones(mib * 2**20 // 2, dtype=torch.bfloat16, device=device)
+    receive = torch.empty_like(send)
+    for _ in range(3):
+        dist.all_to_all_single(receive, send)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    rounds, started = 10, time.perf_counter()
+    for _ in range(rounds):
+        dist.all_to_all_single(receive, send)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    seconds = (time.perf_counter() - started) / rounds
+    if rank == 0:  # bytes each rank sent to the others, per second
+        print(json.dumps({"gb_per_s": mib * 2**20 * (size - 1) / size / seconds / 1e9, "ms": 1000 * seconds}))
+    dist.destroy_process_group()
+""")
+
+
+def run_ranks(script: str, size: int, *argv: str) -> dict:
+    """``script`` in ``size`` processes (rank, size, a free port, ``argv``); rank 0's JSON line."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    port = str(free_port())
+    procs = [subprocess.Popen([sys.executable, "-c", script, str(rank), str(size), port, *argv],
+                              stdout=subprocess.PIPE, text=True, env=env) for rank in range(size)]
+    outputs = [p.communicate(timeout=600)[0] for p in procs]
+    return json.loads(outputs[0].strip().splitlines()[-1])
+
+
+def make_model(args: argparse.Namespace, root: Path) -> str:
+    return str(make_tiny_model(root / "moe", seed=0, arch="qwen3_moe", hidden_size=args.hidden, num_layers=args.layers,
+                               num_heads=8, num_kv_heads=4, num_experts=args.experts,
+                               num_experts_per_tok=args.top_k, moe_intermediate_size=args.intermediate))
+
+
+def ms_per_token(model_dir: str, args: argparse.Namespace, size: int, expert_parallel: bool, concurrency: int
+                 ) -> float:
+    config = InferenceConfig(dtype=args.dtype, device=args.device, tensor_parallel_size=size,
+                             enable_expert_parallel=expert_parallel, num_kv_blocks=512)
+    params = SamplingParams(temperature=0.0, num_tokens_to_generate=args.tokens, ignore_eos=True)
+    prompts = [f"Expert parallel benchmark prompt {i}: the quick brown fox" for i in range(concurrency)]
+    with MegatronLLM(model_dir, config) as llm:
+        llm.generate(prompts[:1], SamplingParams(temperature=0.0, num_tokens_to_generate=4, ignore_eos=True))
+        started = time.perf_counter()
+        outs = llm.generate(prompts, params)
+        elapsed = time.perf_counter() - started
+    return 1000 * elapsed / sum(len(o.generated_tokens) for o in outs)
+
+
+def decode_table(model_dir: str, args: argparse.Namespace) -> None:
+    print(f"decode: ms per generated token ({args.tokens} tokens a request, {args.device}, {args.dtype})")
+    print(f"{'layout':<10} {'c=' + str(args.concurrency):>10} {'ratio':>7} {'c=1':>9} {'ratio':>7}")
+    base = {c: ms_per_token(model_dir, args, 1, False, c) for c in (args.concurrency, 1)}
+    print(f"{'one rank':<10} {base[args.concurrency]:>10.2f} {1.0:>7.2f} {base[1]:>9.2f} {1.0:>7.2f}")
+    for size in args.sizes:
+        for name, expert_parallel in ((f"TP={size}", False), (f"EP={size}", True)):
+            row = {c: ms_per_token(model_dir, args, size, expert_parallel, c) for c in (args.concurrency, 1)}
+            print(f"{name:<10} {row[args.concurrency]:>10.2f} {row[args.concurrency] / base[args.concurrency]:>7.2f} "
+                  f"{row[1]:>9.2f} {row[1] / base[1]:>7.2f}")
+
+
+def bytes_table(model_dir: str, args: argparse.Namespace) -> None:
+    print(f"\nbytes one rank sends per token in one MoE layer ({args.batch_tokens} tokens a step, float32)")
+    print(f"{'layout':<22} {'bytes/token':>12} {'x hidden':>9}")
+    for size in args.sizes:
+        for layout, name in (("tp", f"TP={size} all-reduce"), ("ep", f"EP={size} all-to-all"),
+                             ("ep-allgather", f"EP={size} all-reduce")):
+            measured = run_ranks(COUNTING_PROBE, size, model_dir, layout, str(args.batch_tokens), args.device)
+            print(f"{name:<22} {measured['bytes_per_token']:>12.0f} "
+                  f"{measured['bytes_per_token'] / measured['hidden_bytes']:>9.2f}")
+
+
+def bandwidth_table(args: argparse.Namespace) -> None:
+    print(f"\nall-to-all of {args.mib} MiB a rank ({args.device}): bytes each rank sends the others per second")
+    print(f"{'ranks':<6} {'GB/s':>8} {'ms':>8}")
+    for size in args.sizes:
+        measured = run_ranks(BANDWIDTH_PROBE, size, args.device, str(args.mib))
+        print(f"{size:<6} {measured['gb_per_s']:>8.2f} {measured['ms']:>8.2f}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--sizes", type=int, nargs="+", default=[2], help="ranks of the TP and EP groups")
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--intermediate", type=int, default=256, help="each expert's intermediate size")
+    parser.add_argument("--experts", type=int, default=16)
+    parser.add_argument("--top-k", type=int, default=4)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--tokens", type=int, default=32, help="generated tokens a request")
+    parser.add_argument("--concurrency", type=int, default=8)
+    parser.add_argument("--batch-tokens", type=int, default=64, help="tokens of the step the bytes are counted in")
+    parser.add_argument("--mib", type=int, default=64, help="all-to-all size a rank, for the bandwidth table")
+    parser.add_argument("--tables", nargs="+", choices=("decode", "bytes", "bandwidth"), default=["decode", "bytes"])
+    args = parser.parse_args(argv)
+    with tempfile.TemporaryDirectory() as root:
+        model_dir = make_model(args, Path(root)) if {"decode", "bytes"} & set(args.tables) else ""
+        if "decode" in args.tables:
+            decode_table(model_dir, args)
+        if "bytes" in args.tables:
+            bytes_table(model_dir, args)
+    if "bandwidth" in args.tables:
+        bandwidth_table(args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

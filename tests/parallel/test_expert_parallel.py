@@ -1,0 +1,220 @@
+"""Expert parallelism (``enable_expert_parallel``) over the tensor-parallel ranks, on CPU over gloo: each rank reads
+only its experts, an MoE layer's output equals one rank's (bitwise under ``--batch-invariant``, with the control
+that an unordered combine breaks it), and engines of 2 and 4 ranks give one rank's and ``transformers``' tokens and
+routing, for Qwen3-MoE, Qwen2-MoE (a shared expert, replicated) and Mixtral."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import subprocess
+import sys
+import textwrap
+from collections import defaultdict
+
+import pytest
+import torch
+import transformers
+
+from megatron_serve import InferenceConfig, MegatronLLM, SamplingParams
+from megatron_serve.engine.tensor_parallel import free_port
+from megatron_serve.model.loader import build_model, iterate_checkpoint, load_model, load_weights
+from megatron_serve.model.moe import expert_weight_name
+from megatron_serve.model.parallel import TensorParallel
+from megatron_serve.model.tiny import make_tiny_model
+
+from ..model.test_moe import VARIANTS, check_against_reference, hf_greedy_with_routing, run_together
+from ..prompts import PROMPTS
+
+HEADS = dict(num_heads=4, num_kv_heads=2)  # splits over 2 and 4 tensor-parallel ranks
+
+
+@pytest.fixture(scope="module", params=sorted(VARIANTS))
+def moe_model(request, tmp_path_factory) -> tuple[str, str]:
+    """``(arch, model directory)``: 16 experts (Qwen3-MoE) or 8, so that 2 and 4 ranks hold whole experts."""
+    path = make_tiny_model(tmp_path_factory.mktemp(request.param), seed=1, **HEADS, **VARIANTS[request.param])
+    return request.param, str(path)
+
+
+class Recording:
+    """A safetensors slice that notes whose data was read (a rank must never read another rank's experts)."""
+
+    def __init__(self, name: str, source, reads: list[str]):
+        self.name, self.source, self.reads = name, source, reads
+
+    def get_shape(self):
+        return self.source.get_shape()
+
+    def get_dtype(self):
+        return self.source.get_dtype()
+
+    def __getitem__(self, index):
+        self.reads.append(self.name)
+        return self.source[index]
+
+
+def expert_bytes(model) -> int:
+    return sum(p.numel() * p.element_size() for name, p in model.named_parameters() if ".experts." in name)
+
+
+@pytest.mark.parametrize("size", [2, 4])
+def test_each_rank_reads_and_holds_only_its_experts(moe_model, size):
+    _, model_dir = moe_model
+    full = load_model(model_dir, torch.float32, "cpu")
+    num_experts = full.config.moe.num_experts
+    for rank in range(size):
+        tp = TensorParallel(rank, size, expert_parallel=True)
+        model = build_model(full.config, torch.float32, "cpu", tp)
+        reads: list[str] = []
+        load_weights(model, ((name, Recording(name, source, reads)) for name, source in iterate_checkpoint(model_dir)))
+        read_experts = defaultdict(set)
+        for name in reads:
+            layer, _, _, expert = expert_weight_name(name)
+            if expert is not None:
+                read_experts[layer].add(expert)
+        per_rank = num_experts // size
+        assert read_experts and all(experts == set(range(rank * per_rank, (rank + 1) * per_rank))
+                                    for experts in read_experts.values()), read_experts
+        for (name, mine), (_, whole) in zip(model.named_parameters(), full.named_parameters()):
+            if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+                assert torch.equal(mine, whole[rank * per_rank:(rank + 1) * per_rank]), name
+        assert expert_bytes(model) * size == expert_bytes(full)
+
+
+LAYER_PROBE = textwrap.dedent("""
+    import sys, torch, torch.distributed as dist
+    from megatron_serve.model.loader import load_model
+    from megatron_serve.model.moe import SparseMoeBlock
+    from megatron_serve.model.parallel import TensorParallel
+    from megatron_serve.model.token_dispatcher import AllGatherDispatcher
+
+    model_dir, rank, size, port, dtype, mode, out = sys.argv[1:]
+    rank, size, dtype = int(rank), int(size), getattr(torch, dtype)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size)
+    tp = TensorParallel(rank, size, dist.group.WORLD, expert_parallel=size > 1)
+    model = load_model(model_dir, dtype, "cpu", tp)
+    if "invariant" in mode:
+        model.use_batch_invariant_ops()
+    outputs = []
+    for layer in model.model.layers:
+        block = layer.mlp
+        if not isinstance(block, SparseMoeBlock):
+            continue
+        if "allgather" in mode and size > 1:
+            block.dispatcher = AllGatherDispatcher(tp, model.config.moe.num_experts)
+        if "unordered" in mode and size > 1:
+            block.dispatcher.ordered = False
+        for tokens in (1, 3, 37):  # one token over several ranks: all but one chunk empty
+            hidden = torch.randn(tokens, model.config.hidden_size, generator=torch.Generator().manual_seed(tokens))
+            with torch.no_grad():
+                outputs.append(block(hidden.to(dtype)))
+    torch.save(outputs, out)
+    dist.destroy_process_group()
+""")
+
+
+def layer_outputs(model_dir: str, size: int, dtype: str, mode: str, tmp_path) -> list[torch.Tensor]:
+    """Every MoE layer's output for 1, 3 and 37 tokens on rank 0 of ``size`` real processes over gloo."""
+    port, files = free_port(), [tmp_path / f"{mode}-{size}-{rank}.pt" for rank in range(size)]
+    procs = [subprocess.Popen([sys.executable, "-c", LAYER_PROBE, model_dir, str(rank), str(size), str(port), dtype,
+                               mode, str(files[rank])]) for rank in range(size)]
+    assert [p.wait(timeout=300) for p in procs] == [0] * size
+    outputs = [torch.load(f) for f in files]
+    for other in outputs[1:]:  # every rank ends the layer with every token's output
+        assert all(torch.equal(a, b) for a, b in zip(outputs[0], other))
+    return outputs[0]
+
+
+@pytest.mark.slow
+def test_layer_equals_one_rank_for_both_dispatchers(moe_model, tmp_path):
+    _, model_dir = moe_model
+    one = layer_outputs(model_dir, 1, "float32", "plain", tmp_path)
+    for size, mode in ((2, "plain"), (4, "plain"), (2, "allgather")):
+        for got, expected in zip(layer_outputs(model_dir, size, "float32", mode, tmp_path), one, strict=True):
+            torch.testing.assert_close(got, expected, rtol=0, atol=2e-6)
+
+
+@pytest.mark.slow
+def test_batch_invariant_layer_is_bitwise_one_rank_and_the_unordered_combine_is_not(moe_model, tmp_path):
+    """bfloat16: each token's experts combined in ascending id order, each weighted output rounded first, as the
+    invariant kernel adds them on one rank. Control: the float32 sum of the default combine differs."""
+    _, model_dir = moe_model
+    one = layer_outputs(model_dir, 1, "bfloat16", "invariant", tmp_path)
+    for size in (2, 4):
+        ep = layer_outputs(model_dir, size, "bfloat16", "invariant", tmp_path)
+        assert all(torch.equal(a, b) for a, b in zip(ep, one, strict=True)), f"EP={size} differs from one rank"
+    unordered = layer_outputs(model_dir, 2, "bfloat16", "invariant-unordered", tmp_path)
+    assert not all(torch.equal(a, b) for a, b in zip(unordered, one)), "the control does not differ"
+
+
+GREEDY = SamplingParams(temperature=0.0, num_tokens_to_generate=12, ignore_eos=True, return_log_probs=True,
+                        return_routing_indices=True)
+
+
+def answers(llm: MegatronLLM, prompts: list[str]):
+    outs = llm.generate(prompts, GREEDY)
+    return ([o.generated_tokens for o in outs], [o.routing_indices.tolist() for o in outs],
+            [o.generated_log_probs for o in outs])
+
+
+def serve(model_dir: str, size: int, prompts: list[str], **config):
+    llm = MegatronLLM(model_dir, InferenceConfig(dtype="float32", block_size_tokens=8, device="cpu",
+                                                 tensor_parallel_size=size, enable_expert_parallel=size > 1, **config))
+    try:
+        return answers(llm, prompts)
+    finally:
+        llm.close()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("size", [2, 4])
+def test_engine_equals_one_rank_together_and_alone(moe_model, size):
+    """Concurrent requests, and one request alone (decode steps of one token: all ranks but one combine nothing)."""
+    _, model_dir = moe_model
+    for prompts in (PROMPTS[:4], PROMPTS[4:5]):
+        tokens, routing, log_probs = serve(model_dir, 1, prompts)
+        tokens_ep, routing_ep, log_probs_ep = serve(model_dir, size, prompts)
+        assert tokens_ep == tokens and routing_ep == routing
+        for row, expected in zip(log_probs_ep, log_probs):
+            assert row == pytest.approx(expected, abs=1e-4)
+
+
+@pytest.mark.slow
+def test_engine_equals_transformers(moe_model):
+    arch, model_dir = moe_model
+    hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    llm = MegatronLLM(model_dir, InferenceConfig(dtype="float32", block_size_tokens=8, device="cpu",
+                                                 tensor_parallel_size=2, enable_expert_parallel=True))
+    try:
+        token_lists = [llm.tokenizer.encode(p) for p in PROMPTS[:4]]
+        reference = [hf_greedy_with_routing(hf, tokens) for tokens in token_lists]
+        with_routing = [i % 2 == 0 for i in range(len(token_lists))]
+        check_against_reference(run_together(llm, token_lists, with_routing), token_lists, reference, with_routing)
+    finally:
+        llm.close()
+
+
+def test_experts_that_do_not_split_over_the_ranks_are_refused(moe_model):
+    _, model_dir = moe_model
+    config = load_model(model_dir, torch.float32, "meta").config
+    six = dataclasses.replace(config, moe=dataclasses.replace(config.moe, num_experts=6))
+    with pytest.raises(ValueError, match="6 experts do not split over 4 expert-parallel ranks"):
+        build_model(six, torch.float32, "meta", TensorParallel(0, 4, expert_parallel=True))
+
+
+def test_the_flag_and_the_keyword_reach_the_config_and_bad_values_are_named():
+    from megatron_serve.client.vllm_args import parse_llm_keywords  # noqa: PLC0415
+    from megatron_serve.commands.engine_options import add_engine_options, inference_config_from_args  # noqa: PLC0415
+    from megatron_serve.fleet.argv import inference_config_to_argv  # noqa: PLC0415
+
+    parser = argparse.ArgumentParser()
+    add_engine_options(parser)
+    config = InferenceConfig(enable_expert_parallel=True, device="cpu")
+    assert "--enable-expert-parallel" in inference_config_to_argv(config)  # as run starts its engines
+    assert inference_config_from_args(parser.parse_args(inference_config_to_argv(config))).enable_expert_parallel
+    assert not inference_config_from_args(parser.parse_args([])).enable_expert_parallel
+    assert parse_llm_keywords({"enable_expert_parallel": True}).config == {"enable_expert_parallel": True}
+    with pytest.raises(ValueError, match="enable_expert_parallel='yes': must be True or False"):
+        parse_llm_keywords({"enable_expert_parallel": "yes"})
+    with pytest.raises(ValueError, match="enable_expert_parallel must be true or false, got 'yes'"):
+        InferenceConfig(enable_expert_parallel="yes")

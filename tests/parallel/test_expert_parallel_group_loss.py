@@ -1,0 +1,52 @@
+"""An expert-parallel group (``run --tensor-parallel 2 --enable-expert-parallel``, one group) loses a rank with
+streams in flight: the next collective fails on rank 0, the group exits, ``run`` starts it again, and the
+coordinator resubmits its requests; every stream ends with the text of an uninterrupted run. ``control
+status`` shows the group's layout and the weights one rank holds."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+
+import httpx
+import pytest
+
+from megatron_serve.model.tiny import make_tiny_model
+from tests.helpers import until
+from tests.run_stack import complete, restart_lines, start_run, stream
+
+from .test_tp_fleet import follower_pids
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+
+PROMPTS = [f"Expert parallel {i}: the quick brown fox jumps over {i} lazy dogs" for i in range(12)]
+TOKENS = 64
+
+
+async def test_a_killed_rank_restarts_its_group_and_every_stream_completes(tmp_path):
+    model = str(make_tiny_model(tmp_path / "model", seed=1, arch="qwen3_moe", num_heads=4, num_kv_heads=2,
+                                num_experts=16, num_experts_per_tok=4))
+    stack = start_run(model, tmp_path / "run", "--tensor-parallel", "2", "--enable-expert-parallel", engines=1)
+    try:
+        status = stack.control("status")
+        assert "tp2 ep2" in status and "KiB" in status, status  # the layout, and one rank's weights
+        async with httpx.AsyncClient(base_url=stack.url, timeout=600) as http:
+            quiet = await asyncio.gather(*(complete(http, stack.model, p, TOKENS) for p in PROMPTS))
+            firsts = [asyncio.Event() for _ in PROMPTS]
+            tasks = [asyncio.create_task(stream(http, stack.model, p, TOKENS, first))
+                     for p, first in zip(PROMPTS, firsts)]
+            await asyncio.wait_for(asyncio.gather(*(f.wait() for f in firsts)), 300)
+            engine = stack.one("engine")
+            [follower] = follower_pids(engine)
+            assert not any(task.done() for task in tasks), "the streams ended before the kill: nothing is tested"
+            os.kill(follower, signal.SIGKILL)
+            outcomes = await asyncio.wait_for(asyncio.gather(*tasks), 600)
+        for prompt, expected, outcome in zip(PROMPTS, quiet, outcomes):
+            assert outcome.completed and outcome.finish_reason == "length", (prompt, outcome)
+            assert (outcome.text, outcome.tokens) == (expected.text, expected.tokens), prompt
+        assert restart_lines(stack.output(), "engine"), "the group did not die and restart"
+        await until(lambda: engine not in stack.children()["engine"], 60, "the broken group's process to go")
+        await stack.wait_engines(1, timeout=300)
+    finally:
+        stack.kill()
