@@ -339,17 +339,17 @@ class VerbRunner:
                         ) -> tuple[list[EngineRecord], dict[str, Control]]:
         """The load step of a trainer's refit: to the engines that verified, each with its first rank.
 
-        Rank 0 is the sender; then each group in order takes one rank per tensor-parallel rank (an
-        engine says how many in its HELLO ``info``; absent means 1). An adapter push takes one rank per group:
+        Ranks 0 .. ``senders`` - 1 are the trainer's; then each group in order takes one rank per tensor-parallel
+        rank (an engine says how many in its HELLO ``info``; absent means 1). An adapter push takes one rank per group:
         the group's rank 0 keeps adapters and sends each rank its share when it writes a slot (engine.lora).
         """
         verified = sorted((e for e in engines if e.engine_id in op.engines), key=lambda e: e.group)
         sizes = {e.engine_id: max(1, int(e.info.get("tensor_parallel_size") or 1)) for e in verified}
         if rendezvous.lora is not None:
             sizes = dict.fromkeys(sizes, 1)
-        world_size = 1 + sum(sizes.values())
+        world_size = rendezvous.senders + sum(sizes.values())
         bodies: dict[str, Control] = {}
-        offset = 1
+        offset = rendezvous.senders
         for engine in verified:
             ranks = msgspec.structs.replace(rendezvous, world_size=world_size, rank_offset=offset)
             bodies[engine.engine_id] = msgspec.structs.replace(body, rendezvous=ranks)

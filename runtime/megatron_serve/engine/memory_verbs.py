@@ -20,6 +20,7 @@ import torch
 from ..errors import RefitFailed
 from ..model.loader import load_weights, verify_shapes
 from ..weights.drafter import divert, drafter_shapes
+from ..weights.sharded import ShardedSource, forget_digests
 from ..weights.sources import RendezvousSource, WeightSource, weight_source
 from ..wire.messages import LoraPush
 from .lora import require
@@ -108,6 +109,8 @@ class DeviceMemoryVerbs:
         drafter = self._check_drafter(source)
         verified = time.perf_counter()
         self.runner.on_refit(source)
+        if not isinstance(source, ShardedSource):
+            forget_digests(self.model)  # what a later delta compares against is no longer what this rank holds
         replaced: set[str] = set()
         error: BaseException | None = None
         drafted: list[tuple[str, object]] = []  # the drafter's tensors, kept aside as they stream past
@@ -175,6 +178,7 @@ class DeviceMemoryVerbs:
         try:
             proposer.load_weights(named, self.epoch, partial=partial)
         except Exception as exc:  # noqa: BLE001 - speculation only costs speed; the policy's weights are whole
+            forget_digests(self.model)  # a later delta must send the drafter's tensors again
             logger.error("refit of the draft model failed, speculation is off until one succeeds: %s", exc)
 
     def verify_refit(self, source: "str | Path | WeightSource") -> float:

@@ -23,6 +23,7 @@ from ..model.loader import iterate_checkpoint, verify_checkpoint, verify_shapes
 from . import group as transfer
 from .drafter import is_drafter
 from .manifest import plan_buckets, spec_of, unpack
+from .sharded import ShardedSource
 
 
 class WeightSource(Protocol):
@@ -153,6 +154,13 @@ class RendezvousSource:
 def _reason(exc: Exception) -> str:
     """A collective's error without its source location and boilerplate (gloo adds both)."""
     return re.sub(r"^\[[^\]]*\]\s*", "", str(exc).split(". This is typically")[0]).strip()
+
+
+def rendezvous_source(rendezvous: Rendezvous, label: str) -> "RendezvousSource | ShardedSource":
+    """A trainer's refit: pieces sent point to point (:mod:`.sharded`), or whole tensors broadcast (adapters)."""
+    if rendezvous.pieces is not None:
+        return ShardedSource(rendezvous, label)
+    return RendezvousSource(rendezvous, label)
 
 
 def weight_source(source: "str | Path | WeightSource") -> WeightSource:
