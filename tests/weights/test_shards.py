@@ -104,3 +104,45 @@ def test_an_engine_rank_receives_only_its_slices_and_loads_them_bitwise(checkpoi
         assert torch.equal(want, got), name
     with pytest.raises(ValueError, match="outside the region this rank received"):
         RegionSlice(state["model.embed_tokens.weight"].shape, (0, 0), torch.zeros(4, 64))[0:8]
+
+
+def _assemble(items: list) -> dict[str, torch.Tensor]:
+    """Full tensors put together from pieces, after the cover check (as an engine serving everything would)."""
+    pairs = [piece_of(item, 0)[:2] for item in items]
+    manifest, pieces = merge_manifests([pairs])
+    assert cover_problem(manifest, pieces) is None
+    full = {spec.name: torch.empty(spec.shape) for spec in manifest}
+    for item, piece in zip(items, pieces):
+        local_view(full[piece.name], (0,) * len(piece.shape), (piece.offset, piece.shape)).copy_(item[1])
+    return full
+
+
+def test_megatron_core_fused_qkv_and_gate_up_shards_cut_into_hugging_face_pieces():
+    from megatron_serve.weights.megatron_core import fused_qkv_pieces, gate_up_pieces, tp_piece
+
+    heads, kv_heads, head_dim, hidden, tp = 8, 4, 3, 5, 2
+    q = torch.randn(heads * head_dim, hidden)
+    k, v = torch.randn(kv_heads * head_dim, hidden), torch.randn(kv_heads * head_dim, hidden)
+    per_group = heads // kv_heads
+    # Megatron-core's linear_qkv: per query group, its query heads, then its key head, then its value head
+    fused = torch.cat([torch.cat([q[g * per_group * head_dim:(g + 1) * per_group * head_dim],
+                                  k[g * head_dim:(g + 1) * head_dim], v[g * head_dim:(g + 1) * head_dim]])
+                       for g in range(kv_heads)])
+    local_rows = fused.shape[0] // tp
+    items = [item for rank in range(tp) for item in fused_qkv_pieces(
+        "model.layers.0.self_attn.", fused[rank * local_rows:(rank + 1) * local_rows], num_heads=heads,
+        num_kv_heads=kv_heads, head_dim=head_dim, tp_rank=rank, tp_size=tp)]
+    full = _assemble(items)
+    assert torch.equal(full["model.layers.0.self_attn.q_proj.weight"], q)
+    assert torch.equal(full["model.layers.0.self_attn.k_proj.weight"], k)
+    assert torch.equal(full["model.layers.0.self_attn.v_proj.weight"], v)
+
+    gate, up = torch.randn(8, hidden), torch.randn(8, hidden)
+    fc1 = [torch.cat([gate[r * 4:(r + 1) * 4], up[r * 4:(r + 1) * 4]]) for r in range(tp)]  # [gate; up] per rank
+    full = _assemble([item for r in range(tp) for item in gate_up_pieces("mlp.", fc1[r], tp_rank=r, tp_size=tp)])
+    assert torch.equal(full["mlp.gate_proj.weight"], gate) and torch.equal(full["mlp.up_proj.weight"], up)
+    down = torch.randn(hidden, 8)
+    full = _assemble([tp_piece("mlp.down_proj.weight", down[:, r * 4:(r + 1) * 4], 1, r, tp) for r in range(tp)])
+    assert torch.equal(full["mlp.down_proj.weight"], down)
+    with pytest.raises(ValueError, match="query groups split evenly"):
+        fused_qkv_pieces("x.", fused, num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim, tp_rank=0, tp_size=8)

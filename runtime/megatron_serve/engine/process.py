@@ -366,7 +366,7 @@ class EngineProcess:
         phase = body.phase or "load"
         source: WeightSource | str = body.source
         if body.rendezvous is not None:
-            from ..weights.sources import rendezvous_source  # noqa: PLC0415 - torch only where an engine lives
+            from ..weights.sharded import rendezvous_source  # noqa: PLC0415 - torch only where an engine lives
 
             source = rendezvous_source(body.rendezvous, body.source)
         try:

@@ -39,7 +39,6 @@ from .sizing import build_kv_pool, default_dtype, engine_buffers, max_sequence_l
 from .runner import ModelRunner, StepResult
 from .step_plan import StepBuffers, StepPlan
 from ..weights.drafter import policy_only
-from ..weights.sharded import ShardedSource, forget_digests
 from ..weights.sources import WeightSource
 
 logger = logging.getLogger(__name__)
@@ -329,8 +328,6 @@ def _follow_refit(model, source: WeightSource) -> tuple[list[str], str | None]:
     """A follower's part of a refit that rank 0 verified: load its slices; report, never raise (the
     group must stay in lockstep, and rank 0 decides what a failure means)."""
     loaded: list[str] = []
-    if not isinstance(source, ShardedSource):
-        forget_digests(model)  # a later delta must not skip what this rank no longer holds as it was sent
     try:
         load_weights(model, policy_only(source.tensors(model)), progress=loaded.append, partial=source.partial)
     except Exception as exc:  # noqa: BLE001 - reported to rank 0

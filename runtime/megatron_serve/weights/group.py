@@ -27,7 +27,6 @@ from __future__ import annotations
 import datetime
 import os
 import socket
-import threading
 import time
 from typing import Callable
 

@@ -3,7 +3,7 @@
 Runs on a thread of every trainer rank (``WeightSender``, :mod:`megatron_serve.client.weight_sender`): wait for
 the engine ranks to publish their regions (:mod:`.sharded`), build the transfer group, work out the chunks of
 every link from this rank (:func:`.shards.link_chunks`), and send them point to point, every link at once,
-with at most :data:`.sharded.IN_FLIGHT` buckets per link in flight; then join the commit. Under a delta each
+with at most :data:`.shards.IN_FLIGHT` buckets per link in flight; then join the commit. Under a delta each
 trainer rank first says which tensors changed for which engine rank (a chunk whose digest differs from the one
 the engine rank published), and every rank sends a tensor to an engine rank when any trainer rank changed it:
 the engine rank loads whole regions, so all of a region's chunks travel or none.
@@ -21,8 +21,8 @@ import torch.distributed as dist
 
 from ..wire.messages import PieceSpec, Rendezvous
 from . import group as transfer
-from .sharded import IN_FLIGHT, changed_key, layout_key, received_key
-from .shards import Chunk, LinkBucket, buckets_of, digest, link_chunks, local_view
+from .shards import (IN_FLIGHT, Chunk, LinkBucket, buckets_of, changed_key, digest, layout_key, link_chunks,
+                     local_view, received_key)
 
 #: ``on_bucket(index, count, nbytes)``: a bucket left (index over all of this rank's links).
 BucketCallback = Callable[[int, int, int], None]

@@ -9,16 +9,14 @@ got there does it hand the regions to the loader (:class:`.layout.RegionSlice`).
 transfer that breaks fails the commit everywhere, within the transfer's timeout, and every engine keeps its
 weights and its epoch (a rollback that costs one staged copy of the rank's slice of what was sent).
 
-Digests (:func:`.shards.digest`, per chunk) of what each rank received are kept per model after the load
-completed, and forgotten by any other weight change (:func:`forget_digests`), so a delta never skips a chunk
-that the rank does not hold.
+Digests (:func:`.shards.digest`, per chunk) of what each rank received are kept per model once the load
+completed (:mod:`.digests`); a delta compares them with the trainer's.
 """
 
 from __future__ import annotations
 
 import pickle
 import time
-import weakref
 from collections import deque
 from dataclasses import dataclass
 from typing import Any, Iterator
@@ -30,36 +28,13 @@ from ..model.llama import LlamaForCausalLM
 from ..model.loader import verify_shapes
 from ..wire.messages import TRANSFER_DTYPES, Rendezvous
 from . import group as transfer
+from .digests import forget_digests, held_digests, keep_digests
 from .drafter import is_drafter
 from .layout import RegionSlice, engine_layout
 from .manifest import torch_dtype
-from .shards import Box, buckets_of, cover_problem, digest, link_chunks, local_view, volume
-
-#: model -> {tensor name: {chunk key: digest}} of what this rank holds (see the module docstring)
-_DIGESTS: "weakref.WeakKeyDictionary[LlamaForCausalLM, dict[str, dict[str, str]]]" = weakref.WeakKeyDictionary()
-IN_FLIGHT = 2  # buckets posted per link at a time: one on the wire while the previous one is copied
-
-
-def forget_digests(model: LlamaForCausalLM) -> None:
-    """The weights changed by another path (a directory, tensors in this process): no delta may skip anything."""
-    _DIGESTS.pop(model, None)
-
-
-def held_digests(model: LlamaForCausalLM) -> dict[str, dict[str, str]]:
-    return _DIGESTS.get(model, {})
-
-
-def changed_key(sender: int) -> str:
-    return f"changed/{sender}"
-
-
-def layout_key(rank: int) -> str:
-    return f"layout/{rank}"
-
-
-def received_key(rank: int) -> str:
-    return f"received/{rank}"
-
+from .shards import (IN_FLIGHT, Box, buckets_of, changed_key, cover_problem, digest, layout_key, link_chunks,
+                     local_view, received_key, volume)
+from .sources import RendezvousSource
 
 def sent_names(rendezvous: Rendezvous, store: dist.Store, rank: int, regions: dict[str, Box], deadline: float
                ) -> set[str]:
@@ -134,7 +109,7 @@ class ShardedSource:
             done = True
         finally:
             if done:
-                _DIGESTS[model] = {**{n: d for n, d in held.items() if n in regions and n not in names}, **digests}
+                keep_digests(model, {**{n: d for n, d in held.items() if n in regions and n not in names}, **digests})
             else:
                 forget_digests(model)
 
@@ -183,3 +158,10 @@ def _receive(rv: Rendezvous, pg: dist.ProcessGroup, rank: int, regions: dict[str
              "serves_bytes": sum(volume(box[1]) * itemsize[name] for name, box in regions.items()),
              "largest_tensor_bytes": max((t.numel() * t.element_size() for t in staged.values()), default=0)}
     return staged, digests, facts
+
+
+def rendezvous_source(rendezvous: Rendezvous, label: str) -> "RendezvousSource | ShardedSource":
+    """A trainer's refit: pieces sent point to point (this module), or whole tensors broadcast (adapters)."""
+    if rendezvous.pieces is not None:
+        return ShardedSource(rendezvous, label)
+    return RendezvousSource(rendezvous, label)

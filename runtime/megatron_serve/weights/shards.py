@@ -24,6 +24,21 @@ from ..wire.messages import TRANSFER_DTYPES, PieceSpec, TensorSpec
 from .manifest import ALIGNMENT, spec_of
 
 Box = tuple[tuple[int, ...], tuple[int, ...]]  # (start on every dim, size on every dim)
+IN_FLIGHT = 2  # buckets posted per link at a time: one on the wire while the previous one is copied
+
+
+# Keys of the transfer's store: what an engine rank serves (with its digests), what a trainer rank changed
+# (under a delta), and what an engine rank received (its figures for the acknowledgement).
+def layout_key(rank: int) -> str:
+    return f"layout/{rank}"
+
+
+def changed_key(sender: int) -> str:
+    return f"changed/{sender}"
+
+
+def received_key(rank: int) -> str:
+    return f"received/{rank}"
 
 
 @dataclass(frozen=True)
