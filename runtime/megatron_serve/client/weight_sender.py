@@ -181,6 +181,20 @@ class WeightSender:
         if self.world_size > 1:
             await asyncio.to_thread(self._collective, "broadcast", (rendezvous.address, prefix))
         label = f"{RENDEZVOUS_SCHEME}{host}:{listening.port}"
+        try:
+            ack, figures = await self._refit(store, label, rendezvous, mine, host, epoch)
+        except Exception as exc:
+            self._publish(store, exc)
+            raise
+        detail = ack.setdefault("detail", {})
+        detail["receivers"] = figures.pop("receivers", {})
+        self._publish(store, ack)
+        detail["sender"] = figures
+        return ack
+
+    async def _refit(self, store: Any, label: str, rendezvous: Rendezvous, mine: dict[int, torch.Tensor], host: str,
+                     epoch: int | None) -> tuple[dict[str, Any], dict[str, Any]]:
+        """The REFIT verb and rank 0's part of the transfer side by side; the acknowledgement and rank 0's figures."""
         cancelled = threading.Event()
         verb = asyncio.ensure_future(self.client.refit(label, epoch, rendezvous=rendezvous))
         moving = asyncio.ensure_future(asyncio.to_thread(
@@ -191,30 +205,19 @@ class WeightSender:
                 cancelled.set()  # refused before the bytes moved (verify), or an engine gave up midway
                 store.set(_ABORT, "1")
                 await asyncio.gather(moving, return_exceptions=True)
+                return verb.result(), {}  # raises the coordinator's answer
             try:
                 figures = await moving
             except Exception as exc:
                 answer = await self._answer_within(verb, self.timeout)
                 if isinstance(answer, ControlError):
-                    self._publish(store, answer)
                     raise answer from exc
-                error = WeightTransferError(f"sending the weights to the fleet failed: {exc}", answer)
-                self._publish(store, error)
-                raise error from exc
-            try:
-                ack = await verb
-            except ControlError as refused:
-                self._publish(store, refused)
-                raise
+                raise WeightTransferError(f"sending the weights to the fleet failed: {exc}", answer) from exc
+            return await verb, figures
         finally:
             cancelled.set()
             if not verb.done():
                 verb.cancel()
-        detail = ack.setdefault("detail", {})
-        detail["receivers"] = figures.pop("receivers", {})
-        self._publish(store, ack)
-        detail["sender"] = figures
-        return ack
 
     def _publish(self, store: Any, outcome: dict[str, Any] | Exception) -> None:
         """Hand the verb's outcome to the other trainer ranks, and wait (up to the timeout) until they read it."""

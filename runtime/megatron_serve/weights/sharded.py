@@ -93,6 +93,8 @@ class ShardedSource:
         try:
             names = sent_names(rv, store, rank, regions, deadline)
             staged, digests, facts = _receive(rv, pg, rank, regions, names, device)
+            # Checks of the received values belong here, before the commit: one that raises fails the commit on
+            # every rank, and no engine changes.
             store.set(received_key(rank), pickle.dumps(facts))
             transfer.commit(pg, device)
         except (RuntimeError, TimeoutError) as exc:
