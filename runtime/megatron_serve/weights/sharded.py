@@ -92,7 +92,7 @@ class ShardedSource:
             raise RuntimeError(f"rank {rank} could not join the transfer group of {self.label}: {exc}") from exc
         try:
             names = sent_names(rv, store, rank, regions, deadline)
-            staged, digests, facts = _receive(rv, pg, rank, regions, names, device)
+            staged, digests, facts = _receive(rv, pg, regions, names, device)
             # Checks of the received values belong here, before the commit: one that raises fails the commit on
             # every rank, and no engine changes.
             store.set(received_key(rank), pickle.dumps(facts))
@@ -116,7 +116,7 @@ class ShardedSource:
                 forget_digests(model)
 
 
-def _receive(rv: Rendezvous, pg: dist.ProcessGroup, rank: int, regions: dict[str, Box], names: set[str],
+def _receive(rv: Rendezvous, pg: dist.ProcessGroup, regions: dict[str, Box], names: set[str],
              device: torch.device) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, str]], dict[str, Any]]:
     """Every chunk of ``names`` from every trainer rank, copied into one staging tensor per region."""
     started = time.perf_counter()
