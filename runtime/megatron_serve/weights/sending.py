@@ -6,7 +6,8 @@ every link from this rank (:func:`.shards.link_chunks`), and send them point to 
 with at most :data:`.shards.IN_FLIGHT` buckets per link in flight; then join the commit. Under a delta each
 trainer rank first says which tensors changed for which engine rank (a chunk whose digest differs from the one
 the engine rank published), and every rank sends a tensor to an engine rank when any trainer rank changed it:
-the engine rank loads whole regions, so all of a region's chunks travel or none.
+the engine rank loads whole regions, so all of a region's chunks travel or none. The digests are the trainer
+ranks' (each digests its own chunks, in parallel); engine ranks keep them for the next delta and digest nothing.
 """
 
 from __future__ import annotations
@@ -47,16 +48,19 @@ def _delta(store: dist.Store, rv: Rendezvous, rank: int, links: dict[int, list[C
     """The chunks left to send after every trainer rank said which tensors changed for which engine rank."""
     pieces = rv.pieces or []
     changed: dict[int, set[str]] = {}
+    digests: dict[int, dict[str, dict[str, str]]] = {}  # what each engine rank holds after this refit
     for engine, chunks in links.items():
         for chunk in chunks:
             name = rv.manifest[chunk.tensor].name
-            held = layouts[engine].get(name, (None, {}))[1]
-            if held.get(chunk.key) != digest(_chunk_bytes(chunk, pieces, local)):
+            value = digest(_chunk_bytes(chunk, pieces, local))
+            digests.setdefault(engine, {}).setdefault(name, {})[chunk.key] = value
+            if layouts[engine].get(name, (None, {}))[1].get(chunk.key) != value:
                 changed.setdefault(engine, set()).add(name)
-    store.set(changed_key(rank), pickle.dumps(changed))
+    store.set(changed_key(rank), pickle.dumps((changed, digests)))
     for sender in range(rv.senders):
         if sender != rank:
-            for engine, names in pickle.loads(transfer.wait_for_key(store, changed_key(sender), deadline)).items():
+            theirs, _ = pickle.loads(transfer.wait_for_key(store, changed_key(sender), deadline))
+            for engine, names in theirs.items():
                 changed.setdefault(engine, set()).update(names)
     return {engine: [c for c in chunks if rv.manifest[c.tensor].name in changed.get(engine, ())]
             for engine, chunks in links.items()}

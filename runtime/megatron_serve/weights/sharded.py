@@ -9,8 +9,9 @@ got there does it hand the regions to the loader (:class:`.layout.RegionSlice`).
 transfer that breaks fails the commit everywhere, within the transfer's timeout, and every engine keeps its
 weights and its epoch (a rollback that costs one staged copy of the rank's slice of what was sent).
 
-Digests (:func:`.shards.digest`, per chunk) of what each rank received are kept per model once the load
-completed (:mod:`.digests`); a delta compares them with the trainer's.
+Under a delta the trainer ranks digest their chunks (:func:`.shards.digest`) and publish the digests; each engine
+rank keeps those of its regions once the load completed (:mod:`.digests`), and the next delta compares against
+them. A full refit keeps none (nobody digests anything): the first delta after it sends everything once.
 """
 
 from __future__ import annotations
@@ -32,20 +33,24 @@ from .digests import forget_digests, held_digests, keep_digests
 from .drafter import is_drafter
 from .layout import RegionSlice, engine_layout
 from .manifest import torch_dtype
-from .shards import (IN_FLIGHT, Box, buckets_of, changed_key, cover_problem, digest, layout_key, link_chunks,
+from .shards import (IN_FLIGHT, Box, buckets_of, changed_key, cover_problem, layout_key, link_chunks,
                      local_view, received_key, volume)
 from .sources import RendezvousSource
 
 def sent_names(rendezvous: Rendezvous, store: dist.Store, rank: int, regions: dict[str, Box], deadline: float
-               ) -> set[str]:
-    """The tensors engine rank ``rank`` receives: all it serves, or under a delta those some trainer rank changed."""
+               ) -> tuple[set[str], dict[str, dict[str, str]]]:
+    """The tensors engine rank ``rank`` receives (all it serves, or under a delta those some trainer rank changed),
+    and under a delta the trainer ranks' digests of every chunk of its regions (what it holds afterwards)."""
     if not rendezvous.delta:
-        return set(regions)
+        return set(regions), {}
     names: set[str] = set()
+    digests: dict[str, dict[str, str]] = {}
     for sender in range(rendezvous.senders):
-        changed = pickle.loads(transfer.wait_for_key(store, changed_key(sender), deadline))
+        changed, theirs = pickle.loads(transfer.wait_for_key(store, changed_key(sender), deadline))
         names.update(changed.get(rank, ()))
-    return names & set(regions)
+        for name, chunks in theirs.get(rank, {}).items():
+            digests.setdefault(name, {}).update(chunks)
+    return names & set(regions), digests
 
 
 @dataclass(frozen=True)
@@ -91,8 +96,8 @@ class ShardedSource:
         except RuntimeError as exc:
             raise RuntimeError(f"rank {rank} could not join the transfer group of {self.label}: {exc}") from exc
         try:
-            names = sent_names(rv, store, rank, regions, deadline)
-            staged, digests, facts = _receive(rv, pg, regions, names, device)
+            names, digests = sent_names(rv, store, rank, regions, deadline)
+            staged, facts = _receive(rv, pg, regions, names, device)
             # Checks of the received values belong here, before the commit: one that raises fails the commit on
             # every rank, and no engine changes.
             store.set(received_key(rank), pickle.dumps(facts))
@@ -110,21 +115,20 @@ class ShardedSource:
                 yield name, RegionSlice(shapes[name], regions[name][0], data)
             done = True
         finally:
-            if done:
-                keep_digests(model, {**{n: d for n, d in held.items() if n in regions and n not in names}, **digests})
-            else:
+            if done and rv.delta:
+                keep_digests(model, digests)
+            else:  # a full refit leaves none: the next delta sends everything once, with its digests
                 forget_digests(model)
 
 
 def _receive(rv: Rendezvous, pg: dist.ProcessGroup, regions: dict[str, Box], names: set[str],
-             device: torch.device) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, str]], dict[str, Any]]:
+             device: torch.device) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """Every chunk of ``names`` from every trainer rank, copied into one staging tensor per region."""
     started = time.perf_counter()
     manifest, pieces = rv.manifest, rv.pieces or []
     wanted = {name: box for name, box in regions.items() if name in names}
     staged = {spec.name: torch.empty(wanted[spec.name][1], dtype=torch_dtype(spec.dtype), device=device)
               for spec in manifest if spec.name in wanted}
-    digests: dict[str, dict[str, str]] = {name: {} for name in staged}
     links = {sender: deque(buckets_of(link_chunks(manifest, pieces, sender, wanted, rv.bucket_bytes),
                                       rv.bucket_bytes)) for sender in range(rv.senders)}
     posted: dict[int, deque] = {sender: deque() for sender in links}
@@ -151,7 +155,6 @@ def _receive(rv: Rendezvous, pg: dist.ProcessGroup, regions: dict[str, Box], nam
                 region = wanted[spec.name]
                 target = local_view(staged[spec.name], region[0], chunk.box)
                 target.copy_(raw.view(torch_dtype(spec.dtype)).view(chunk.box[1]))
-                digests[spec.name][chunk.key] = digest(raw)
                 received += chunk.nbytes
     seconds = time.perf_counter() - started
     itemsize = {spec.name: TRANSFER_DTYPES[spec.dtype] for spec in manifest}
@@ -159,7 +162,7 @@ def _receive(rv: Rendezvous, pg: dist.ProcessGroup, regions: dict[str, Box], nam
              "bytes_per_s": round(received / seconds) if seconds > 0 else None, "tensors": len(staged),
              "serves_bytes": sum(volume(box[1]) * itemsize[name] for name, box in regions.items()),
              "largest_tensor_bytes": max((t.numel() * t.element_size() for t in staged.values()), default=0)}
-    return staged, digests, facts
+    return staged, facts
 
 
 def rendezvous_source(rendezvous: Rendezvous, label: str) -> "RendezvousSource | ShardedSource":
