@@ -80,6 +80,14 @@ def test_an_engine_rank_receives_only_its_slices_and_loads_them_bitwise(checkpoi
     assert q == ((32 * rank, 0), (32, 64))  # column parallel: its rows
     assert regions["model.layers.0.self_attn.o_proj.weight"] == ((0, 32 * rank), (64, 32))  # row parallel
     assert regions["model.layers.0.input_layernorm.weight"] == ((0,), (64,))  # replicated
+    # what its model has no place for (a drafter's tensors, an MTP layer's): whole on the group's rank 0 only
+    extra = [TensorSpec("drafter.fc.weight", (4, 8), "float32"), TensorSpec("model.layers.9.mlp.up_proj.weight",
+                                                                          (128, 64), "float32")]
+    with_extra = engine_layout(expected, [*manifest, *extra], holds_extra=rank == 0)
+    assert {n: with_extra.get(n) for n in ("drafter.fc.weight", "model.layers.9.mlp.up_proj.weight")} == (
+        {"drafter.fc.weight": ((0, 0), (4, 8)), "model.layers.9.mlp.up_proj.weight": ((0, 0), (128, 64))}
+        if rank == 0 else {"drafter.fc.weight": None, "model.layers.9.mlp.up_proj.weight": None})
+    assert {n: b for n, b in with_extra.items() if n in regions} == regions
 
     # the pieces of a trainer of world size 2, received through the plan, give the same parameters
     specs, pieces, tensors = [], [], []

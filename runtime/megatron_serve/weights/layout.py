@@ -20,6 +20,7 @@ import torch
 from ..model.llama import LlamaForCausalLM
 from ..model.loader import build_model, load_weights
 from ..wire.messages import TensorSpec
+from .drafter import is_drafter
 from .manifest import torch_dtype
 from .shards import Box
 
@@ -98,16 +99,22 @@ def engine_layout(model: LlamaForCausalLM, manifest: Iterable[TensorSpec], holds
     group's rank 0 loads them whole, beside the policy); elsewhere such a tensor is not needed.
     """
     shadow = build_model(model.config, torch.float32, "meta", model.tp)
+    recorders = {spec.name: _Recorder(spec) for spec in manifest}
+    policy = [(name, recorder) for name, recorder in recorders.items() if not is_drafter(name)]
+    try:
+        load_weights(shadow, policy, partial=True)  # one pass (a pass per tensor costs the model's size each)
+    except ValueError:  # a tensor with no place (an MTP layer's, which its drafter checks): one at a time
+        for name, recorder in policy:
+            recorder.low = None
+            try:
+                load_weights(shadow, [(name, recorder)], partial=True)
+            except ValueError:
+                recorder.low = None
     layout: dict[str, Box] = {}
-    for spec in manifest:
-        recorder = _Recorder(spec)
-        try:
-            load_weights(shadow, [(spec.name, recorder)], partial=True)
-        except ValueError:
-            recorder.low = None  # no place in the policy: the drafter's, checked by the verify step
+    for name, recorder in recorders.items():
         box = recorder.box()
-        if box is None and holds_extra and all(spec.shape):
-            box = (tuple(0 for _ in spec.shape), tuple(spec.shape))
+        if box is None and holds_extra and all(recorder.shape):
+            box = (tuple(0 for _ in recorder.shape), tuple(recorder.shape))
         if box is not None:
-            layout[spec.name] = box
+            layout[name] = box
     return layout
