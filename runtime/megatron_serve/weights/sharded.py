@@ -5,7 +5,8 @@ transfer's store with the digests of what it holds (a delta compares them), and 
 rank, point to point and in parallel, the chunks :func:`.shards.link_chunks` names, into one staging tensor per
 region (never a full tensor it does not serve). Nothing live changes while bytes move: once every byte of its
 regions is here, the rank joins the commit (every rank of the transfer, trainer ranks included); only when all
-got there does it hand the regions to the loader (:class:`.layout.RegionSlice`). A rank that dies or a
+got there does it hand the regions to the loader (:class:`.layout.RegionSlice`). Staging is in host memory
+(pinned on a GPU machine): the device holds only the buckets in flight. A rank that dies or a
 transfer that breaks fails the commit everywhere, within the transfer's timeout, and every engine keeps its
 weights and its epoch (a rollback that costs one staged copy of the rank's slice of what was sent).
 
@@ -123,11 +124,13 @@ class ShardedSource:
 
 def _receive(rv: Rendezvous, pg: dist.ProcessGroup, regions: dict[str, Box], names: set[str],
              device: torch.device) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """Every chunk of ``names`` from every trainer rank, copied into one staging tensor per region."""
+    """Every chunk of ``names`` from every trainer rank, copied into one staging tensor per region, in host memory
+    (pinned where a GPU will read it): a refit needs no device memory beyond the buckets in flight."""
     started = time.perf_counter()
     manifest, pieces = rv.manifest, rv.pieces or []
     wanted = {name: box for name, box in regions.items() if name in names}
-    staged = {spec.name: torch.empty(wanted[spec.name][1], dtype=torch_dtype(spec.dtype), device=device)
+    pinned = torch.cuda.is_available()  # host staging: the engine's device keeps only the buckets in flight
+    staged = {spec.name: torch.empty(wanted[spec.name][1], dtype=torch_dtype(spec.dtype), pin_memory=pinned)
               for spec in manifest if spec.name in wanted}
     links = {sender: deque(buckets_of(link_chunks(manifest, pieces, sender, wanted, rv.bucket_bytes),
                                       rv.bucket_bytes)) for sender in range(rv.senders)}
