@@ -13,6 +13,7 @@ split comes from the REFIT acknowledgement. Prints one table (median of ``--roun
 
     python benchmarks/refit.py                                   # ~360 MB fp32 checkpoints on CPU
     python benchmarks/refit.py --hidden-size 2048 --layers 8 --rounds 5
+    python benchmarks/refit.py --sharded --sizes 256,512,1024 --world-sizes 1,2,4   # refit_sharded.py's tables
 """
 
 from __future__ import annotations
@@ -154,9 +155,18 @@ def add_checkpoint_options(parser: argparse.ArgumentParser) -> None:
 
 
 def main() -> None:
+    import refit_sharded  # noqa: PLC0415 - it imports this module (through weight_sync) for its options
+
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_checkpoint_options(parser)
-    asyncio.run(main_async(parser.parse_args()))
+    parser.add_argument("--sharded", action="store_true",
+                        help="a sharded trainer's refit: bytes/s per link, time vs size for trainer world sizes")
+    refit_sharded.add_options(parser)
+    args = parser.parse_args()
+    if args.sharded:
+        refit_sharded.main(args)
+    else:
+        asyncio.run(main_async(args))
 
 
 if __name__ == "__main__":

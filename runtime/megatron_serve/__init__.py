@@ -29,6 +29,7 @@ _EXPORTS = {
     "RequestOutput": ".client.vllm_outputs",
     "RequestStatus": ".wire.request",
     "SamplingParams": ".wire.sampling_params",
+    "Shard": ".weights.shards",
     "TextPrompt": ".client.prompts",
     "TokensPrompt": ".client.prompts",
     "WeightSender": ".client.weight_sender",
@@ -48,6 +49,7 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
     from .wire.request import DynamicInferenceRequest, EventType, FinishReason, RequestStatus
     from .client.weight_sender import WeightSender, WeightTransferError
     from .wire.sampling_params import SamplingParams
+    from .weights.shards import Shard
 
 
 def __getattr__(name: str) -> Any:

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import msgspec
 
-from megatron_serve.wire.messages import Control, ControlAck, Hello, LoraPush, Refit, Rendezvous, Submit, TensorSpec
+from megatron_serve.wire.messages import (Control, ControlAck, Hello, LoraPush, PieceSpec, Refit, Rendezvous, Submit,
+                                         TensorSpec)
 from megatron_serve.wire.protocol import Header
 
 from .core_harness import CoreHarness
@@ -161,3 +162,24 @@ def test_an_adapter_push_takes_one_rank_per_tensor_parallel_group():
     load1, load2 = h.take(E1, Header.REFIT)[0], h.take(E2, Header.REFIT)[0]
     assert (load1.rendezvous.world_size, load1.rendezvous.rank_offset) == (3, 1)
     assert (load2.rendezvous.world_size, load2.rendezvous.rank_offset) == (3, 2)
+
+
+def test_a_sharded_trainer_takes_the_first_ranks_and_bad_pieces_are_refused_at_once():
+    h, _, _ = paused_fleet()
+    pieces = [PieceSpec("model.norm.weight", 0, (0,), (32,)), PieceSpec("model.norm.weight", 1, (32,), (32,))]
+    h.send(C, Header.REFIT, Refit(control_id="s", source="rendezvous://127.0.0.1:4000", epoch=2,
+                                  rendezvous=rendezvous(pieces=pieces, senders=2)))
+    for peer in (E1, E2):
+        assert h.take(peer, Header.REFIT)[0].phase == "verify"
+        h.send(peer, Header.CONTROL_ACK, ControlAck(control_id="s#0", state="PAUSED"))
+    load1, load2 = h.take(E1, Header.REFIT)[0], h.take(E2, Header.REFIT)[0]
+    # trainer ranks 0 and 1; group 0 is rank 2; group 1 (tensor-parallel 2) ranks 3 and 4
+    assert (load1.rendezvous.world_size, load1.rendezvous.rank_offset) == (5, 2)
+    assert (load2.rendezvous.world_size, load2.rendezvous.rank_offset) == (5, 3)
+    assert load1.rendezvous.pieces == pieces
+
+    for bad, why in [(rendezvous(pieces=[PieceSpec("model.norm.weight", 2, (0,), (64,))], senders=2), "outside 0..1"),
+                     (rendezvous(senders=2), "need pieces")]:
+        h.send(C, Header.REFIT, Refit(control_id="bad", source="rendezvous://127.0.0.1:4000", rendezvous=bad))
+        error = h.take(C, Header.ERROR)[-1]
+        assert why in error.message

@@ -127,12 +127,12 @@ def test_a_later_refit_of_another_drafter_brings_speculation_back(models, expect
 def test_drafter_tensors_that_do_not_fit_are_refused_before_any_weight_changes(models):
     engine = engine_on(models["a"], models["d"])
     wide = make_tiny_model(f"{models['d']}-wide", seed=4, hidden_size=96)
-    with pytest.raises(ValueError, match="drafter tensors do not fit the draft model"):
+    with pytest.raises(ValueError, match="drafter tensors do not fit the drafter"):
         engine.refit(TensorSource.of(tensors(models["b"]) + tensors(str(wide), "drafter.")), epoch=5)
     assert engine.epoch == 0 and not engine.speculator.proposer.stale
     engine.shutdown()
     plain = engine_on(models["a"], None)
-    with pytest.raises(ValueError, match="runs no draft model"):
+    with pytest.raises(ValueError, match="runs no drafter to refit"):
         plain.refit(TensorSource.of(tensors(models["b"]) + tensors(models["b"], "drafter.")), epoch=5)
     assert plain.epoch == 0
     plain.shutdown()

@@ -150,7 +150,8 @@ def test_first_guesses_equal_a_plain_torch_reference(models):
 
 
 def test_a_policy_refit_switches_eagle3_off(models):
-    """The head is not refit: after a refit of the policy it proposes nothing, and the output stays the target's."""
+    """A refit of the policy alone (no head tensors) leaves the head stale: it proposes nothing, the output stays
+    the target's."""
     engine = engine_on(models["target"], eagle3(models["head"]))
     expected = run(engine, PROMPTS[:3], "a")
     tensors = [(name, tensor[:]) for name, tensor in iterate_checkpoint(models["target"])]
@@ -186,3 +187,31 @@ def test_a_target_of_another_vocabulary_is_refused(models, tmp_path):
     (path / "config.json").write_text(json.dumps({**config, "vocab_size": config["vocab_size"] + 1}))
     with pytest.raises(Eagle3CheckpointError, match="vocab_size"):
         engine_on(models["target"], eagle3(str(path)))
+
+
+def test_a_head_refit_with_the_policy_keeps_proposing(models):
+    """The head's tensors (``drafter.`` + its checkpoint names) in the policy's refit: loaded in place under the
+    same epoch, it keeps proposing, and its drafts are accepted. The new policy and head are made to agree: both
+    final norms zero, so the policy's logits are all 0 (greedy: token 0) and so are the head's (draft 0, target
+    id 0). The control: the random head before the refit has every draft rejected."""
+    engine = engine_on(models["target"], eagle3(models["head"]))
+    run(engine, PROMPTS[:3], "a")
+    drafts, accepted = counts(engine)
+    assert drafts > 0 and accepted == 0  # control: the random head is never right
+    policy = [(n, torch.zeros_like(t[:]) if n == "model.norm.weight" else t[:])
+              for n, t in iterate_checkpoint(models["target"])]
+    head = [(n, torch.zeros_like(t[:]) if n == "norm.weight" else t[:]) for n, t in iterate_checkpoint(models["head"])
+            if n not in ("d2t", "t2d")]  # the vocabulary maps: integers, not trained, kept by the head
+    assert engine.refit(TensorSource.of([*policy, *(("drafter." + n, t) for n, t in head)]), epoch=3)["epoch"] == 3
+    proposer = engine.speculator.proposer
+    assert not proposer.stale and not proposer.head.weights["norm.weight"].any()
+    outputs = run(engine, PROMPTS[:3], "b")
+    assert all(set(tokens) == {0} for tokens, _ in outputs)  # the new policy's
+    now = counts(engine)
+    assert now[0] > drafts and now[1] - accepted == now[0] - drafts  # proposing, and every draft accepted
+
+    wrong = [*policy, ("drafter.fc.weight", torch.zeros(3, 3))]
+    with pytest.raises(ValueError, match=r"EAGLE-3 tensor fc.weight has shape \(3, 3\)"):
+        engine.refit(TensorSource.of(wrong), epoch=4)
+    assert engine.epoch == 3 and not proposer.stale  # refused before anything changed
+    engine.shutdown()

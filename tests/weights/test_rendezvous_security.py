@@ -10,7 +10,6 @@ from __future__ import annotations
 import datetime
 import secrets
 import socket
-import threading
 import time
 
 import pytest
@@ -35,10 +34,10 @@ def test_a_rogue_that_announces_itself_without_the_prefix_is_not_counted():
     rogue.set("joined/1", "1")
     rogue.set(f"{secrets.token_hex(16)}/world_size", "2")  # a guessed prefix
     with pytest.raises(TimeoutError, match="no engine reached the sender's store"):
-        transfer.wait_for_ranks(store, time.monotonic() + 0.5, threading.Event())
+        transfer.wait_for_ranks(store, time.monotonic() + 0.5, lambda: False)
     transfer.announce(f"127.0.0.1:{listening.port}", prefix, 1, 3, timeout=10)
     transfer.announce(f"127.0.0.1:{listening.port}", prefix, 2, 3, timeout=10)
-    assert transfer.wait_for_ranks(store, time.monotonic() + 10, threading.Event()) == 3
+    assert transfer.wait_for_ranks(store, time.monotonic() + 10, lambda: False) == 3
     assert not rogue.check(["joined/2"])  # nor can it see the ranks' keys
 
 

@@ -1,41 +1,44 @@
-"""``WeightSender``: a trainer pushes weights into a paused fleet over a collective, no disk involved.
+"""``WeightSender``: every trainer rank pushes its own pieces of the weights into a paused fleet, no disk involved.
 
-The trainer process becomes rank 0 of a process group that every engine rank joins for one
-REFIT (:mod:`megatron_serve.weights.group`). ``send`` runs two things side by side: the REFIT verb (through the
-coordinator client the trainer already holds), and the transfer (on a thread: wait for the engine
-ranks, then broadcast the buckets). The verb's first step verifies the manifest's names and
-shapes on every engine before any of them joins, so a wrong name or shape is refused while the
-sender is still waiting, and no weight changed anywhere. Once every engine loaded, the verb is
-acknowledged and ``send`` returns that acknowledgement plus the sender's own figures.
+A trainer sharded over ``world_size`` ranks makes one sender per rank (``rank``), and each calls ``send`` with the
+pieces it holds: ``(name, tensor)`` for a whole tensor, ``(name, local, Shard(full_shape, offset))`` for a
+rectangle of one. The ranks agree on the manifest over the trainer's own process group (``group``, default the
+default one), which refuses pieces that overlap, leave a gap or disagree on a full shape before any engine is
+asked. Rank 0 then serves the transfer's store and sends the REFIT (through the coordinator client), whose
+verify step checks names and shapes on every engine; every rank then sends each engine rank the chunks of that
+rank's regions it holds, point to point (:mod:`megatron_serve.weights.sending`), and the engine ranks load only
+once every rank of the transfer committed (:mod:`megatron_serve.weights.sharded`): a rank that dies leaves
+every engine on its old weights. Rank 0 hands the acknowledgement to the other ranks through the store; each
+returns it with its own figures in ``detail["sender"]``.
 
-Packing the next bucket overlaps the broadcast of the current one (and engines load one bucket
-while the next arrives). Measured with ``benchmarks/weight_sync.py`` on the 2 shared CPU cores of
-the test machine (348 MiB fp32, gloo, one engine): 32 MiB buckets broadcast at 0.70 GB/s, 79 % of
-that machine's memory copy bandwidth, new weights serving 2.1x sooner than writing a checkpoint
-and refitting from it; one 512 MiB bucket (no overlap) reached 0.21 GB/s (docs: RL fleets).
+``send(..., delta=True)`` sends only the tensors whose chunks changed since what the engines hold (digests on
+both sides). ``send(..., drafter=...)`` carries a draft model's tensors (or an EAGLE-3 head's) in the same
+REFIT, so speculation switches to the new drafter at the same epoch as the policy (docs/speculative.md).
 
-``send(..., drafter=...)`` carries a draft model's tensors in the same REFIT, so speculation switches to the
-new drafter at the same epoch as the policy (docs/speculative.md).
-
-``send_lora`` pushes a LoRA adapter the same way (the same verb, verify step and acknowledgement): its
-tensors become a new version of an adapter on every engine, the base weights stay (docs/lora.md).
+``send_lora`` pushes a LoRA adapter (the same verb, verify step and acknowledgement) from one process, broadcast
+to each engine group's rank 0: its tensors become a new version of an adapter, the base weights stay
+(docs/lora.md).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import pickle
 import secrets
 import threading
 import time
-from typing import Any, Callable, Iterable
+from typing import TYPE_CHECKING, Any, Callable, Iterable
 from urllib.parse import urlparse
 
+import msgspec
 import torch
 
 from ..weights import group as transfer
 from ..weights.drafter import DRAFTER_PREFIX
 from ..weights.manifest import nbytes, pack, plan_buckets, spec_of
+from ..weights.sending import send_pieces
+from ..weights.shards import Item, cover_problem, merge_manifests, piece_of
 from ..wire.messages import RENDEZVOUS_SCHEME, LoraPush, Rendezvous
 from .coordinator_client import ControlError, InferenceClient
 from .lora_push import LoraWeights, adapter_push
@@ -44,6 +47,12 @@ logger = logging.getLogger("megatron_serve.weights")
 
 DEFAULT_BUCKET_BYTES = 512 << 20
 DEFAULT_TIMEOUT_S = 120.0
+
+if TYPE_CHECKING:
+    import torch.distributed as dist
+
+# Keys of the transfer's store by which rank 0 hands the verb's outcome to the other trainer ranks.
+_ABORT, _OUTCOME, _READ = "sender/abort", "sender/outcome", "sender/read"
 
 #: ``on_bucket(index, count, nbytes)``, called on the transfer thread after each bucket left.
 BucketCallback = Callable[[int, int, int], None]
@@ -66,23 +75,25 @@ def default_backend() -> str:
 
 
 class WeightSender:
-    """Push ``(name, tensor)`` pairs with Hugging Face names and full shapes into every engine of a fleet.
+    """Push a trainer rank's pieces of the weights (Hugging Face names and full shapes) into every engine of a fleet.
 
     ``client``: a started :class:`~megatron_serve.client.coordinator_client.InferenceClient` of the fleet's
-    coordinator (the fleet must be PAUSED or SUSPENDED, as for any REFIT). ``backend``: ``"gloo"``
-    (CPU tensors; engines on CPU or GPU) or ``"nccl"`` (GPU to GPU); default ``nccl`` when CUDA is
-    available, else ``gloo``. ``bucket_bytes``: the size of one broadcast (larger buckets mean
-    fewer collectives; each side stages two at a time; a model cut into several overlaps copies
-    with the transfer). ``host``: the address engines reach this process at, the only one its
-    rendezvous store listens on (default: this machine's address on the route to the coordinator,
-    loopback for a coordinator on this machine). The transfer's store keys live under a random prefix
-    that only the (encrypted) REFIT carries: see :mod:`.group`. ``timeout``: seconds for every engine
-    rank to join, and for each bucket. ``on_bucket(index, count, nbytes)``: progress, called on
-    the transfer thread once each bucket has left.
+    coordinator (the fleet must be PAUSED or SUSPENDED, as for any REFIT; only rank 0 sends the verb).
+    ``backend``: ``"gloo"`` (CPU tensors; engines on CPU or GPU) or ``"nccl"`` (GPU to GPU); default ``nccl`` when
+    CUDA is available, else ``gloo``. ``bucket_bytes``: the most one message carries (each link holds two in
+    flight). ``rank``, ``world_size``: this trainer rank among those that send (every one calls ``send``);
+    ``group``: the trainer's ``torch.distributed`` group of those ranks, over which they agree on the manifest
+    (default: the default group; not needed for ``world_size`` 1). ``host``: the address engines reach this
+    process at, the only one the rendezvous store listens on (default: this machine's address on the route to
+    the coordinator, loopback for a coordinator on this machine). The transfer's store keys live under a
+    random prefix that only the (encrypted) REFIT carries: see :mod:`megatron_serve.weights.group`.
+    ``timeout``: seconds for every engine rank to join, and for each message. ``on_bucket(index, count,
+    nbytes)``: progress, called on the transfer thread once each bucket has left.
     """
 
     def __init__(self, client: InferenceClient, backend: str | None = None,
-                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, *, host: str | None = None,
+                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, *, rank: int = 0, world_size: int = 1,
+                 group: "dist.ProcessGroup | None" = None, host: str | None = None,
                  timeout: float = DEFAULT_TIMEOUT_S, on_bucket: BucketCallback | None = None) -> None:
         self.client = client
         self.backend = backend or default_backend()
@@ -92,32 +103,165 @@ class WeightSender:
             raise ValueError(f"bucket_bytes must be >= 1, got {bucket_bytes}")
         if timeout <= 0:
             raise ValueError(f"timeout must be > 0, got {timeout}")
+        if world_size < 1 or not 0 <= rank < world_size:
+            raise ValueError(f"rank must be in 0..world_size - 1 and world_size >= 1, got rank {rank} of {world_size}")
         self.bucket_bytes = int(bucket_bytes)
+        self.rank, self.world_size, self.group = int(rank), int(world_size), group
         self.host = host
         self.timeout = float(timeout)
         self.on_bucket = on_bucket
 
-    async def send(self, named_tensors: Iterable[tuple[str, torch.Tensor]], epoch: int | None = None, *,
-                   bucket_bytes: int | None = None, drafter: Iterable[tuple[str, torch.Tensor]] | None = None
-                   ) -> dict[str, Any]:
-        """REFIT the fleet with these tensors (any subset of the weights); returns the acknowledgement.
+    async def send(self, items: Iterable[Item], epoch: int | None = None, delta: bool = False, *,
+                   bucket_bytes: int | None = None, drafter: Iterable[Item] | None = None) -> dict[str, Any]:
+        """REFIT the fleet with the pieces every trainer rank sends (any subset of the weights); returns the
+        acknowledgement.
 
-        ``epoch`` (default: the fleet's + 1) is stamped on every token generated with them. The
-        answer is the verb's (``state``, ``detail`` with ``epoch``, ``source`` and per-engine timings)
-        plus ``detail["sender"]`` (bytes, buckets, seconds, bytes/s). A name or shape that does not
-        fit raises :class:`~megatron_serve.client.coordinator_client.ControlError` (``refit_failed``) before any weight
-        changed. A transfer that breaks raises :class:`ControlError` or :class:`WeightTransferError`
-        with what each engine holds now; the fleet then refuses UNPAUSE until a refit completes.
+        ``items``: ``(name, tensor)`` for a whole tensor, or ``(name, local_tensor, Shard(full_shape, offset))``
+        for the piece ``full[offset[i] : offset[i] + local.shape[i]]`` of one. Together the ranks' pieces must
+        cover each named tensor exactly once (``ValueError`` on every rank otherwise, before any engine is
+        asked). ``epoch`` (default: the fleet's + 1) is stamped on every token generated with them. ``delta``:
+        send only the tensors whose bytes changed since what the engines hold (the rest are counted in
+        ``detail["sender"]["skipped_bytes"]``). The answer is the verb's (``state``, ``detail`` with ``epoch``,
+        ``source`` and per-engine timings), ``detail["sender"]``: this rank's figures (bytes, bytes skipped,
+        buckets, seconds, bytes/s, bytes per engine rank), and ``detail["receivers"]``: each engine rank's
+        (bytes received, seconds, bytes/s, the bytes it serves, its largest staged tensor). A name or shape
+        that does not fit raises :class:`~megatron_serve.client.coordinator_client.ControlError`
+        (``refit_failed``); so does a transfer that breaks (a rank that died): every engine keeps its weights.
 
-        ``drafter``: the draft model's ``(name, tensor)`` pairs (its checkpoint's names), sent in the same
-        transaction after the policy's (as ``drafter.`` + name) and loaded under the same epoch by every
-        engine's draft model (``speculative`` method ``draft_model``; an engine without one refuses the refit
-        before any weight changed). Names already prefixed ``drafter.`` among ``named_tensors`` are the
-        drafter's too (what ``MegatronLLM.refit`` passes on). Without them each engine's drafter goes stale: it proposes nothing under
-        the new epoch until a refit brings its tensors (docs/speculative.md).
+        ``drafter``: the draft model's (or EAGLE-3 head's) ``(name, tensor)`` pairs (its checkpoint's names),
+        sent in the same transaction as ``drafter.`` + name and loaded under the same epoch by every engine's
+        drafter (an engine without one refuses the refit before any weight changed). Names already prefixed
+        ``drafter.`` among ``items`` are the drafter's too (what ``MegatronLLM.refit`` passes on). Without
+        them each engine's drafter goes stale: it proposes nothing under the new epoch (docs/speculative.md).
         """
-        named = [*named_tensors, *((DRAFTER_PREFIX + name, tensor) for name, tensor in (drafter or ()))]
-        return await self._push(named, epoch, bucket_bytes, None)
+        local = [*(piece_of(item, self.rank) for item in items),
+                 *(piece_of(item, self.rank, DRAFTER_PREFIX) for item in (drafter or ()))]
+        manifest, pieces = merge_manifests(await self._all_gather([(spec, piece) for spec, piece, _ in local]))
+        problem = cover_problem(manifest, pieces) if manifest else (
+            "no weights given: pass (name, tensor) pairs, e.g. model.named_parameters()")
+        if problem is not None:
+            raise ValueError(problem)
+        mine = dict(zip((j for j, p in enumerate(pieces) if p.rank == self.rank), (t for _, _, t in local)))
+        rendezvous = Rendezvous(address="", prefix="", backend=self.backend,
+                                bucket_bytes=int(bucket_bytes or self.bucket_bytes), manifest=manifest,
+                                timeout_s=self.timeout, pieces=pieces, senders=self.world_size, delta=bool(delta))
+        if self.rank == 0:
+            return await self._lead(rendezvous, mine, epoch)
+        return await self._follow(rendezvous, mine)
+
+    async def _all_gather(self, value: Any) -> list[Any]:
+        if self.world_size == 1:
+            return [value]
+        return await asyncio.to_thread(self._collective, "all_gather", value)
+
+    def _collective(self, kind: str, value: Any) -> Any:
+        """Over the trainer's own group (a separate world from the transfer's): gather, or rank 0's value."""
+        import torch.distributed as dist  # noqa: PLC0415 - torch's distributed package only for sharded trainers
+
+        if dist.get_world_size(self.group) != self.world_size or dist.get_rank(self.group) != self.rank:
+            raise ValueError(f"this sender is rank {self.rank} of {self.world_size}, but its group says rank "
+                             f"{dist.get_rank(self.group)} of {dist.get_world_size(self.group)}")
+        if kind == "all_gather":
+            out: list[Any] = [None] * self.world_size
+            dist.all_gather_object(out, value, group=self.group)
+            return out
+        box = [value]
+        dist.broadcast_object_list(box, src=dist.get_global_rank(self.group, 0) if self.group else 0,
+                                   group=self.group)
+        return box[0]
+
+    async def _lead(self, rendezvous: Rendezvous, mine: dict[int, torch.Tensor], epoch: int | None
+                    ) -> dict[str, Any]:
+        """Rank 0: serve the store, tell the other ranks where, send the REFIT and this rank's chunks."""
+        host = self.host or transfer.local_address_towards(urlparse(self.client.address).hostname or "127.0.0.1")
+        listening = transfer.serve_store(host, self.timeout)
+        prefix = secrets.token_hex(16)  # this transfer's keys: only the REFIT (encrypted) carries it
+        store = transfer.transfer_store(listening, prefix)
+        rendezvous = msgspec.structs.replace(rendezvous, address=f"{host}:{listening.port}", prefix=prefix)
+        if self.world_size > 1:
+            await asyncio.to_thread(self._collective, "broadcast", (rendezvous.address, prefix))
+        label = f"{RENDEZVOUS_SCHEME}{host}:{listening.port}"
+        try:
+            ack, figures = await self._refit(store, label, rendezvous, mine, host, epoch)
+        except Exception as exc:
+            self._publish(store, exc)
+            raise
+        detail = ack.setdefault("detail", {})
+        detail["receivers"] = figures.pop("receivers", {})
+        self._publish(store, ack)
+        detail["sender"] = figures
+        return ack
+
+    async def _refit(self, store: Any, label: str, rendezvous: Rendezvous, mine: dict[int, torch.Tensor], host: str,
+                     epoch: int | None) -> tuple[dict[str, Any], dict[str, Any]]:
+        """The REFIT verb and rank 0's part of the transfer side by side; the acknowledgement and rank 0's figures."""
+        cancelled = threading.Event()
+        verb = asyncio.ensure_future(self.client.refit(label, epoch, rendezvous=rendezvous))
+        moving = asyncio.ensure_future(asyncio.to_thread(
+            send_pieces, store, rendezvous, 0, mine, host, cancelled.is_set, self.on_bucket))
+        try:
+            await asyncio.wait({verb, moving}, return_when=asyncio.FIRST_COMPLETED)
+            if verb.done() and verb.exception() is not None and not moving.done():
+                cancelled.set()  # refused before the bytes moved (verify), or an engine gave up midway
+                store.set(_ABORT, "1")
+                await asyncio.gather(moving, return_exceptions=True)
+                return verb.result(), {}  # raises the coordinator's answer
+            try:
+                figures = await moving
+            except Exception as exc:
+                answer = await self._answer_within(verb, self.timeout)
+                if isinstance(answer, ControlError):
+                    raise answer from exc
+                raise WeightTransferError(f"sending the weights to the fleet failed: {exc}", answer) from exc
+            return await verb, figures
+        finally:
+            cancelled.set()
+            if not verb.done():
+                verb.cancel()
+
+    def _publish(self, store: Any, outcome: dict[str, Any] | Exception) -> None:
+        """Hand the verb's outcome to the other trainer ranks, and wait (up to the timeout) until they read it."""
+        if self.world_size == 1:
+            return
+        if isinstance(outcome, ControlError):
+            value = ("refused", outcome.code, str(outcome), outcome.detail)
+        elif isinstance(outcome, Exception):
+            value = ("failed", str(outcome))
+        else:
+            value = ("ack", outcome)
+        store.set(_OUTCOME, pickle.dumps(value))
+        deadline = time.monotonic() + self.timeout
+        for rank in range(1, self.world_size):
+            try:
+                transfer.wait_for_key(store, f"{_READ}/{rank}", deadline)
+            except TimeoutError:
+                logger.warning("trainer rank %d did not read the refit's outcome within %.0fs", rank, self.timeout)
+                return
+
+    async def _follow(self, rendezvous: Rendezvous, mine: dict[int, torch.Tensor]) -> dict[str, Any]:
+        """Ranks other than 0: send this rank's chunks once rank 0 says where, then return rank 0's outcome."""
+        address, prefix = await asyncio.to_thread(self._collective, "broadcast", None)
+        rendezvous = msgspec.structs.replace(rendezvous, address=address, prefix=prefix)
+        store = transfer.connect(address, prefix, self.timeout)
+        host = transfer.local_address_towards(address.rpartition(":")[0])
+        try:
+            figures = await asyncio.to_thread(send_pieces, store, rendezvous, self.rank, mine, host,
+                                              lambda: store.check([_ABORT]), self.on_bucket)
+        except transfer.Cancelled:
+            figures = None
+        except Exception as exc:  # noqa: BLE001 - rank 0's outcome says what the fleet did; this is why
+            figures = exc
+        outcome = pickle.loads(await asyncio.to_thread(transfer.wait_for_key, store, _OUTCOME, float("inf")))
+        store.set(f"{_READ}/{self.rank}", "1")
+        if outcome[0] == "refused":
+            raise ControlError(outcome[1], outcome[2], outcome[3])
+        if outcome[0] == "failed":
+            raise WeightTransferError(f"sending the weights to the fleet failed: {outcome[1]}")
+        if not isinstance(figures, dict):
+            raise WeightTransferError(f"this rank's part of the transfer failed: {figures}")
+        ack = outcome[1]
+        ack.setdefault("detail", {})["sender"] = figures
+        return ack
 
     async def send_lora(self, name: str, weights: LoraWeights, *, version: int, rank: int | None = None,
                         alpha: float | None = None, use_rslora: bool = False, target_modules: list[str] | None = None,
@@ -194,7 +338,7 @@ class WeightSender:
                   cancelled: threading.Event) -> dict[str, Any]:
         """The transfer thread: wait for every engine rank, build the group, broadcast each bucket."""
         started = time.perf_counter()
-        world_size = transfer.wait_for_ranks(store, time.monotonic() + self.timeout, cancelled)
+        world_size = transfer.wait_for_ranks(store, time.monotonic() + self.timeout, cancelled.is_set)
         group = transfer.process_group(store, 0, world_size, self.backend, self.timeout, host)
         joined = time.perf_counter()
         device = torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else torch.device("cpu")

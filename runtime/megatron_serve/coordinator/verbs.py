@@ -339,20 +339,19 @@ class VerbRunner:
                         ) -> tuple[list[EngineRecord], dict[str, Control]]:
         """The load step of a trainer's refit: to the engines that verified, each with its first rank.
 
-        Rank 0 is the sender; then each group in order takes one rank per rank of the group (tensor-parallel
-        ranks times pipeline stages: an engine says both in its HELLO ``info``; absent means 1); each rank loads
-        what it holds of the broadcast (its slices, experts and stage's layers). An adapter push takes one rank
-        per group: the group's rank 0 keeps adapters and sends each rank its share when it writes a slot
-        (engine.lora).
+        Ranks 0 .. ``senders`` - 1 are the trainer's; then each group in order takes one rank per rank of the group
+        (tensor-parallel ranks times pipeline stages: an engine says both in its HELLO ``info``; absent means 1);
+        each rank loads what it holds (its slices, experts and stage's layers). An adapter push takes one rank per
+        group: the group's rank 0 keeps adapters and sends each rank its share when it writes a slot (engine.lora).
         """
         verified = sorted((e for e in engines if e.engine_id in op.engines), key=lambda e: e.group)
         sizes = {e.engine_id: max(1, int(e.info.get("tensor_parallel_size") or 1))
                  * max(1, int(e.info.get("pipeline_parallel_size") or 1)) for e in verified}
         if rendezvous.lora is not None:
             sizes = dict.fromkeys(sizes, 1)
-        world_size = 1 + sum(sizes.values())
+        world_size = rendezvous.senders + sum(sizes.values())
         bodies: dict[str, Control] = {}
-        offset = 1
+        offset = rendezvous.senders
         for engine in verified:
             ranks = msgspec.structs.replace(rendezvous, world_size=world_size, rank_offset=offset)
             bodies[engine.engine_id] = msgspec.structs.replace(body, rendezvous=ranks)

@@ -18,8 +18,9 @@ from typing import TYPE_CHECKING, Callable
 import torch
 
 from ..errors import RefitFailed
-from ..model.loader import load_weights, verify_shapes
+from ..model.loader import load_weights
 from ..weights.drafter import divert, drafter_shapes
+from ..weights.digests import forget_digests
 from ..weights.sources import RendezvousSource, WeightSource, weight_source
 from ..wire.messages import LoraPush
 from .lora import require
@@ -153,20 +154,20 @@ class DeviceMemoryVerbs:
             self.speculator.proposer.on_refit(self.epoch)
 
     def _check_drafter(self, source: WeightSource) -> "DraftModelProposer | None":
-        """The draft model that the refit's ``drafter.*`` tensors (if any) refit, once their names and shapes
-        fit it; ``ValueError`` when they do not, or when this engine runs no draft model."""
+        """The drafter (a draft model, an EAGLE-3 head) that the refit's ``drafter.*`` tensors (if any) refit, once
+        their names and shapes fit it; ``ValueError`` when they do not, or when this engine runs no such drafter."""
         shapes = getattr(source, "shapes", None)  # a directory carries no drafter tensors (no ``shapes``)
         wanted = drafter_shapes(shapes()) if shapes is not None else []
         if not wanted:
             return None
         proposer = self.speculator.proposer if self.speculator is not None else None
-        if not hasattr(proposer, "load_weights"):
+        if not hasattr(proposer, "check_weights"):
             raise ValueError(f"the refit carries {len(wanted)} drafter tensor(s) (e.g. drafter.{wanted[0][0]}) but "
-                             "this engine runs no draft model (speculative method draft_model)")
+                             "this engine runs no drafter to refit (speculative method draft_model or eagle3)")
         try:
-            verify_shapes(proposer.model, wanted, partial=True)
+            proposer.check_weights(wanted)
         except ValueError as exc:
-            raise ValueError(f"drafter tensors do not fit the draft model: {exc}") from exc
+            raise ValueError(f"drafter tensors do not fit the drafter: {exc}") from exc
         return proposer
 
     def _load_drafter(self, proposer: "DraftModelProposer", named: list[tuple[str, object]], partial: bool) -> None:
@@ -175,6 +176,7 @@ class DeviceMemoryVerbs:
         try:
             proposer.load_weights(named, self.epoch, partial=partial)
         except Exception as exc:  # noqa: BLE001 - speculation only costs speed; the policy's weights are whole
+            forget_digests(self.model)  # a later delta must send the drafter's tensors again
             logger.error("refit of the draft model failed, speculation is off until one succeeds: %s", exc)
 
     def verify_refit(self, source: "str | Path | WeightSource") -> float:

@@ -367,9 +367,9 @@ class EngineProcess:
         phase = body.phase or "load"
         source: WeightSource | str = body.source
         if body.rendezvous is not None:
-            from ..weights.sources import RendezvousSource  # noqa: PLC0415 - torch only where an engine lives
+            from ..weights.sharded import rendezvous_source  # noqa: PLC0415 - torch only where an engine lives
 
-            source = RendezvousSource(body.rendezvous, body.source)
+            source = rendezvous_source(body.rendezvous, body.source)
         try:
             if phase == "verify":
                 return {"verified_s": round(float(self.engine.verify_refit(source)), 6)}

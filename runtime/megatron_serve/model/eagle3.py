@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Iterable
 
 import torch
 from safetensors import safe_open
@@ -80,6 +81,7 @@ class Eagle3Head(nn.Module):
                   "midlayer.self_attn.o_proj.weight": (hidden, heads * head_dim),
                   "midlayer.mlp.gate_proj.weight": (inter, hidden), "midlayer.mlp.up_proj.weight": (inter, hidden),
                   "midlayer.mlp.down_proj.weight": (hidden, inter)}
+        self.shapes = shapes
         tensors = _read(model_dir)
         for name, shape in shapes.items():
             if name not in tensors:
@@ -99,6 +101,28 @@ class Eagle3Head(nn.Module):
         self.register_buffer("rotary_cos", cos.to(device), persistent=False)
         self.register_buffer("rotary_sin", sin.to(device), persistent=False)
         self.dtype = dtype
+
+    def check(self, shapes: Iterable[tuple[str, tuple[int, ...]]]) -> None:
+        """``ValueError`` naming the first tensor that is not the head's or has another shape (a refit's check)."""
+        for name, shape in shapes:
+            want = self.shapes.get(name)
+            if name in IGNORED:
+                continue
+            if want is None:
+                raise ValueError(f"{name!r} is not a tensor of the EAGLE-3 head (expected {', '.join(self.shapes)})")
+            if tuple(shape) != want:
+                raise ValueError(f"EAGLE-3 tensor {name} has shape {tuple(shape)}, expected {want}")
+
+    def load(self, named: Iterable[tuple[str, object]], partial: bool) -> None:
+        """Copy refit tensors (checkpoint names; full tensors or slices of them) into the head in place."""
+        missing = set(self.shapes) - set(IGNORED)
+        for name, source in named:
+            tensor = source if isinstance(source, torch.Tensor) else source[:]
+            if name not in IGNORED:
+                self.weights[name.removeprefix("midlayer.")].copy_(tensor)
+            missing.discard(name)
+        if missing and not partial:
+            raise ValueError(f"the EAGLE-3 head's refit lacks {', '.join(sorted(missing))}")
 
     def fuse(self, aux: torch.Tensor) -> torch.Tensor:
         """``fc`` of the target's three concatenated hidden states (``[T, 3 * hidden]`` -> ``[T, hidden]``)."""
@@ -120,6 +144,10 @@ class Eagle3Head(nn.Module):
              ) @ w["mlp.down_proj.weight"].T
         out = residual + y
         return (_rms(out, w["norm.weight"], eps) @ w["lm_head.weight"].T).float(), out
+
+
+# The vocabulary maps (integers, not trained): a refit keeps the head's own; ``t2d`` is not even read at load.
+IGNORED = ("d2t", "t2d")
 
 
 def _read(model_dir: Path) -> dict[str, torch.Tensor]:

@@ -27,8 +27,8 @@ from __future__ import annotations
 import datetime
 import os
 import socket
-import threading
 import time
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -71,37 +71,58 @@ class Cancelled(Exception):
     """The sender stopped waiting for the engines (the verb was refused or timed out)."""
 
 
-def wait_for_ranks(store: dist.Store, deadline: float, cancelled: threading.Event) -> int:
-    """Sender side: wait until every engine rank announced itself; returns the world size."""
+def wait_for_ranks(store: dist.Store, deadline: float, cancelled: Callable[[], bool], first: int = 1) -> int:
+    """Sender side: wait until every engine rank (``first`` .. world size - 1) announced itself; returns the world size.
+
+    ``cancelled``: polled in between; when it says so the wait ends with :class:`Cancelled`.
+    """
     world_size = None
     missing: list[str] = [_WORLD_SIZE]
     while missing:
-        if cancelled.is_set():
+        if cancelled():
             raise Cancelled()
         if time.monotonic() > deadline:
-            joined = world_size - 1 - len(missing) if world_size else 0
+            joined = world_size - first - len(missing) if world_size else 0
             raise TimeoutError(f"only {joined} engine rank(s) joined the transfer group in time"
-                               + (f" (of {world_size - 1}; missing ranks {', '.join(k.split('/')[1] for k in missing)})"
+                               + (f" (of {world_size - first}; missing ranks {', '.join(k.split('/')[1] for k in missing)})"
                                   if world_size else " (no engine reached the sender's store)"))
         missing = [key for key in missing if not store.check([key])]
         if world_size is None and not missing:
             world_size = int(store.get(_WORLD_SIZE))
-            missing = [f"joined/{rank}" for rank in range(1, world_size)]
+            missing = [f"joined/{rank}" for rank in range(first, world_size)]
             continue
         time.sleep(_POLL_S)
     return int(world_size)
 
 
-def announce(address: str, prefix: str, rank: int, world_size: int, timeout: float) -> dist.Store:
-    """Engine side: reach the sender's store and say that ``rank`` of ``world_size`` is here (under ``prefix``)."""
+def wait_for_key(store: dist.Store, key: str, deadline: float, cancelled: Callable[[], bool] = lambda: False) -> bytes:
+    """The value of ``key`` once some rank set it; ``TimeoutError`` past ``deadline``, :class:`Cancelled` when told."""
+    while not store.check([key]):
+        if cancelled():
+            raise Cancelled()
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"no rank set {key!r} in the transfer store in time")
+        time.sleep(_POLL_S)
+    return store.get(key)
+
+
+def connect(address: str, prefix: str, timeout: float) -> dist.PrefixStore:
+    """Reach the store at ``address`` as a client, under one transfer's ``prefix``."""
     host, _, port = address.rpartition(":")
-    store = transfer_store(dist.TCPStore(host, int(port), is_master=False,
-                                         timeout=datetime.timedelta(seconds=timeout)), prefix)
+    return transfer_store(dist.TCPStore(host, int(port), is_master=False,
+                                        timeout=datetime.timedelta(seconds=timeout)), prefix)
+
+
+def announce(address: str, prefix: str, rank: int, world_size: int, timeout: float,
+             facts: dict[str, bytes] | None = None) -> dist.Store:
+    """Engine side: reach the sender's store and say that ``rank`` of ``world_size`` is here (under ``prefix``),
+    after publishing ``facts`` (key: value; e.g. the regions this rank serves) for the senders to read."""
+    store = connect(address, prefix, timeout)
     store.set(_WORLD_SIZE, str(world_size))
+    for key, value in (facts or {}).items():
+        store.set(key, value)
     store.set(f"joined/{rank}", "1")
     return store
-
-
 def process_group(store: dist.Store, rank: int, world_size: int, backend: str, timeout: float,
                   host: str) -> dist.ProcessGroup:
     """Build this process's side of the group (every rank calls it; it returns once all have)."""
@@ -126,6 +147,14 @@ def broadcast(group: dist.ProcessGroup, buffer: torch.Tensor) -> dist.Work:
     options = dist.BroadcastOptions()
     options.rootRank = 0
     return group.broadcast([buffer], options)
+
+
+def commit(group: dist.ProcessGroup, device: torch.device) -> None:
+    """Every rank of the transfer says it holds all it must (the commit point of a sharded refit): returns on
+    every rank once all called it; raises on every rank when any rank died or gave up instead (after the
+    group's timeout at the latest), so that nobody applies a transfer another rank did not finish."""
+    flag = torch.ones(1, device=device)
+    group.allreduce([flag]).wait()
 
 
 def close(group: dist.ProcessGroup | None) -> None:

@@ -27,8 +27,9 @@ def torch_dtype(name: str) -> torch.dtype:
     return _TORCH_DTYPES[name]
 
 
-def spec_of(name: str, tensor: torch.Tensor) -> TensorSpec:
-    """The manifest entry of one named tensor; ``ValueError`` naming it when it cannot travel."""
+def spec_of(name: str, tensor: torch.Tensor, full_shape: tuple[int, ...] | None = None) -> TensorSpec:
+    """The manifest entry of one named tensor (``full_shape``: of the whole, when ``tensor`` is a piece of it);
+    ``ValueError`` naming it when it cannot travel."""
     if not isinstance(name, str) or not name:
         raise ValueError(f"tensor names must be non-empty strings, got {name!r}")
     if not isinstance(tensor, torch.Tensor):
@@ -37,7 +38,7 @@ def spec_of(name: str, tensor: torch.Tensor) -> TensorSpec:
     if dtype is None:
         raise ValueError(f"weight {name!r} has dtype {tensor.dtype}; weights travel as one of "
                          f"{', '.join(TRANSFER_DTYPES)}")
-    return TensorSpec(name, tuple(tensor.shape), dtype)
+    return TensorSpec(name, tuple(tensor.shape) if full_shape is None else tuple(full_shape), dtype)
 
 
 def nbytes(spec: TensorSpec) -> int:

@@ -23,6 +23,7 @@ from ..model.loader import iterate_checkpoint, verify_checkpoint, verify_shapes
 from . import group as transfer
 from .drafter import is_drafter
 from .manifest import plan_buckets, spec_of, unpack
+from .digests import forget_digests
 
 
 class WeightSource(Protocol):
@@ -51,6 +52,7 @@ class DirectorySource:
         verify_checkpoint(model, self.path)
 
     def tensors(self, model: LlamaForCausalLM) -> Iterator[tuple[str, object]]:
+        forget_digests(model)  # what a later delta compares against is no longer what this rank holds
         return iterate_checkpoint(self.path)
 
 
@@ -82,6 +84,7 @@ class TensorSource:
         return [(name, tuple(t.shape)) for name, t in self.named]
 
     def tensors(self, model: LlamaForCausalLM) -> Iterable[tuple[str, object]]:
+        forget_digests(model)
         return self.named
 
     def __reduce__(self):  # to tensor-parallel followers: host copies (a CUDA tensor pickles to its device)
@@ -115,6 +118,8 @@ class RendezvousSource:
             raise ValueError("the load step of a rendezvous refit needs world_size and rank_offset")
         rank = rv.rank_offset + model.tp.stage.rank  # the rank in the engine group (pipeline stages included)
         device = next(model.parameters()).device if rv.backend == "nccl" else torch.device("cpu")
+        if rv.lora is None:
+            forget_digests(model)  # base weights broadcast whole: a later delta must compare against nothing
         try:
             store = transfer.announce(rv.address, rv.prefix, rank, rv.world_size, rv.timeout_s)
             host = transfer.local_address_towards(rv.address.rpartition(":")[0])

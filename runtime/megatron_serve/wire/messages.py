@@ -164,6 +164,16 @@ class TensorSpec(msgspec.Struct, array_like=True, frozen=True):
     dtype: str  # a key of TRANSFER_DTYPES
 
 
+class PieceSpec(msgspec.Struct, array_like=True, frozen=True):
+    """A rectangular piece of one manifest tensor that trainer rank ``rank`` holds and sends:
+    ``full[offset[i] : offset[i] + shape[i]]`` on every dim (megatron_serve.weights.shards)."""
+
+    name: str
+    rank: Annotated[int, msgspec.Meta(ge=0)]
+    offset: tuple[Annotated[int, msgspec.Meta(ge=0)], ...]
+    shape: tuple[Annotated[int, msgspec.Meta(ge=0)], ...]
+
+
 #: The ``source`` of a REFIT whose weights come from a trainer (``rendezvous://host:port``): a label, not a path.
 RENDEZVOUS_SCHEME = "rendezvous://"
 
@@ -200,6 +210,8 @@ class Rendezvous(Body):
     ``manifest``, in that order, packed into buckets of up to ``bucket_bytes`` bytes
     (:func:`megatron_serve.weights.manifest.plan_buckets` cuts them the same way on both sides).
     The coordinator adds ``world_size`` and this engine's ``rank_offset`` to the load step.
+    With ``pieces`` (a sharded refit) the ``senders`` trainer ranks are ranks 0 .. senders - 1 and each
+    sends every engine rank only the bytes of its own regions, point to point (no broadcast).
     Every key of the transfer lives under ``prefix``, a random value of this transfer that travels
     only in this (encrypted, authenticated) message: a process that reaches the store without it
     can neither join the group nor read or replace the addresses its ranks publish there.
@@ -214,6 +226,11 @@ class Rendezvous(Body):
     world_size: int | None = None
     rank_offset: int | None = None
     lora: LoraPush | None = None  # the tensors are this adapter version (engine.lora), not base weights
+    # A sharded refit (megatron_serve.weights.shards): ``senders`` trainer ranks (0 .. senders - 1) hold these
+    # pieces and send each engine rank its own regions point to point; None: rank 0 broadcasts whole tensors.
+    pieces: list[PieceSpec] | None = None
+    senders: Annotated[int, msgspec.Meta(ge=1)] = 1
+    delta: bool = False  # send only the chunks whose digests differ from what each engine rank holds
 
     def problem(self) -> str | None:
         """Why this rendezvous cannot be used (the coordinator refuses the REFIT with it), or None."""
@@ -227,6 +244,10 @@ class Rendezvous(Body):
             return f"rendezvous backend must be one of {', '.join(TRANSFER_BACKENDS)}, got {self.backend!r}"
         if not self.manifest:
             return "rendezvous manifest is empty: send at least one tensor"
+        if self.pieces is None and (self.senders != 1 or self.delta):
+            return "rendezvous senders and delta need pieces (a sharded refit)"
+        if self.pieces is not None and any(piece.rank >= self.senders for piece in self.pieces):
+            return f"rendezvous pieces name a trainer rank outside 0..{self.senders - 1}"
         for spec in self.manifest:
             if spec.dtype not in TRANSFER_DTYPES:
                 return (f"tensor {spec.name!r} has dtype {spec.dtype!r}; weights travel as one of "

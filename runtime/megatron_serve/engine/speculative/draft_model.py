@@ -30,7 +30,7 @@ import torch
 from ...config import InferenceConfig
 from ...model.config import ModelConfig
 from ...model.layers import TensorSource
-from ...model.loader import load_model, load_weights as load_model_weights
+from ...model.loader import load_model, load_weights as load_model_weights, verify_shapes
 from ..sizing import default_dtype
 from .draft_cache import DraftCache, DraftRows, chain_guesses, guesses_wanted
 from .proposer import DraftInput
@@ -100,6 +100,10 @@ class DraftModelProposer:
     def on_refit(self, epoch: int) -> None:
         self.cache.drop_all()
         self.target_epoch = epoch
+
+    def check_weights(self, shapes: Iterable[tuple[str, tuple[int, ...]]]) -> None:
+        """``ValueError`` naming the first refit tensor (Hugging Face name) that does not fit the draft model."""
+        verify_shapes(self.model, shapes, partial=True)
 
     def load_weights(self, named_tensors: Iterable[tuple[str, TensorSource]], epoch: int,
                      partial: bool = False) -> None:

@@ -8,19 +8,23 @@ Only the step differs (:class:`megatron_serve.model.eagle3.Eagle3Head`): a row c
 is first fused by ``fc``; a chained row carries the head's own output. Logits are over the draft
 vocabulary; the argmax is mapped to a target id through ``d2t``.
 
-Refit (RL): the head is not part of the policy's checkpoint and is not refit here yet. A refit of the
-policy leaves it stale (its ``fc`` was trained on the old policy's hidden states): it proposes nothing
-under the new epoch, speculation is off until the engine is restarted with a head matching the policy.
+Refit (RL): the head is not part of the policy's checkpoint: a trainer sends its tensors in the policy's
+REFIT as ``drafter.`` + the head's checkpoint names (``WeightSender.send(..., drafter=...)``), and the head
+loads them in place under the same epoch (:meth:`Eagle3Proposer.load_weights`). A refit of the policy alone
+leaves it stale (its ``fc`` was trained on the old policy's hidden states): it proposes nothing under the new
+epoch until a refit brings its tensors.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Iterable
 
 import torch
 
 from ...config import InferenceConfig
 from ...model.eagle3 import Eagle3Head
+from ...model.layers import TensorSource
 from ...model.llama import LlamaForCausalLM
 from .draft_cache import DraftCache, DraftRows
 from .mtp import MtpProposer
@@ -43,8 +47,20 @@ class Eagle3Proposer(MtpProposer):
         self.mtp_epoch = epoch  # the head's epoch (name shared with the MTP bookkeeping)
 
     def owns(self, name: str) -> bool:
-        """No refit tensor is the head's (see the module docstring)."""
+        """No policy tensor is the head's: its own come as ``drafter.*`` (see the module docstring)."""
         return False
+
+    def check_weights(self, shapes: Iterable[tuple[str, tuple[int, ...]]]) -> None:
+        """``ValueError`` naming the first refit tensor (checkpoint name) that does not fit the head."""
+        self.head.check(shapes)
+
+    def load_weights(self, named_tensors: Iterable[tuple[str, TensorSource]], epoch: int,
+                     partial: bool = False) -> None:
+        """Refit the head to ``epoch`` (its checkpoint's names); stale until the load succeeds."""
+        self.cache.drop_all()
+        self.mtp_epoch = -1
+        self.head.load(named_tensors, partial)
+        self.mtp_epoch = epoch
 
     def _greedy(self, rows: DraftRows, hidden: torch.Tensor) -> tuple[list[int], torch.Tensor]:
         """One head forward over ``rows``: per request in ``rows.request_ids`` order, the target id of the argmax
