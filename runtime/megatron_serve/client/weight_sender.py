@@ -35,6 +35,7 @@ import torch
 
 from ..weights import group as transfer
 from ..weights.drafter import DRAFTER_PREFIX
+from ..weights.finite import refuse_nonfinite
 from ..weights.manifest import nbytes, pack, plan_buckets, spec_of
 from ..wire.messages import RENDEZVOUS_SCHEME, LoraPush, Rendezvous
 from .coordinator_client import ControlError, InferenceClient
@@ -106,7 +107,8 @@ class WeightSender:
         answer is the verb's (``state``, ``detail`` with ``epoch``, ``source`` and per-engine timings)
         plus ``detail["sender"]`` (bytes, buckets, seconds, bytes/s). A name or shape that does not
         fit raises :class:`~megatron_serve.client.coordinator_client.ControlError` (``refit_failed``) before any weight
-        changed. A transfer that breaks raises :class:`ControlError` or :class:`WeightTransferError`
+        changed; a tensor holding NaN or an infinity raises ``ValueError`` naming it
+        (:class:`~megatron_serve.weights.finite.NonFiniteWeights`) before the REFIT is sent. A transfer that breaks raises :class:`ControlError` or :class:`WeightTransferError`
         with what each engine holds now; the fleet then refuses UNPAUSE until a refit completes.
 
         ``drafter``: the draft model's ``(name, tensor)`` pairs (its checkpoint's names), sent in the same
@@ -142,6 +144,7 @@ class WeightSender:
                     bucket_bytes: int | None, lora: LoraPush | None) -> dict[str, Any]:
         named = [(name, tensor.detach()) for name, tensor in named_tensors]
         manifest = [spec_of(name, tensor) for name, tensor in named]
+        refuse_nonfinite(named, "the weights to send")  # the verify step: before the REFIT, no byte moved
         seen: set[str] = set()
         for spec in manifest:
             if spec.name in seen:

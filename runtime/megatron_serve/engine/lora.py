@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import itertools
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Iterable
 
@@ -145,12 +145,11 @@ class EngineLoras:
         requests admitted under an older version keep it. Nothing changes when it raises."""
         tensors = list(named)
         scaling = self.check_push(push, ((key, tuple(t.shape)) for key, t in tensors), live_slots)
-        label = f"{push.name}@{push.version}"
-        if self.push_dir is not None:  # engines that join later load it from there (the coordinator tells them)
-            label = save_pushed(self.push_dir, push, tensors)
-        adapter = adapter_of(push.name, label, push.rank, scaling, tensors, self.model_config,
-                             adapter_experts(push.name, push.target_parameters))
+        adapter = adapter_of(push.name, f"{push.name}@{push.version}", push.rank, scaling, tensors, self.model_config,
+                             adapter_experts(push.name, push.target_parameters))  # checked finite, too
         self.slots.check(adapter)
+        if self.push_dir is not None:  # engines that join later load it from there (the coordinator tells them)
+            adapter = replace(adapter, path=save_pushed(self.push_dir, push, tensors))
         self.registered[push.name] = Registration(adapter, f"{push.name}#{next(self._registrations)}", push.version)
 
     def running_versions(self, name: str, live_slots: set[int]) -> list[int]:

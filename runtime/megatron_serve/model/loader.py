@@ -1,7 +1,9 @@
 """Loading Hugging Face safetensors checkpoints (single file or sharded with an index) into the decoder.
 
-Each tensor is read through a safetensors slice handed to the owning layer's ``weight_loader``,
-so a tensor-parallel rank reads only its slice from disk.
+Each tensor is handed to the owning layer's ``weight_loader``. A model's first load reads each tensor whole
+and checks it for NaN and infinities before it is copied in (:mod:`..weights.finite`; a refusal names the
+tensor); a refit's verify step reads the checkpoint the same way (:func:`checkpoint_tensors`), and its load
+step reads through safetensors slices, so a tensor-parallel rank reads only its slice.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from typing import Callable, Iterable, Iterator
 import torch
 from safetensors import safe_open
 
+from ..weights.finite import refuse_nonfinite
 from .config import ModelConfig
 from .errors import UnsupportedModelError
 from .layers import TensorSource, _copy_checked, _read_all
@@ -64,6 +67,22 @@ def iterate_checkpoint(model_dir: str | Path) -> Iterator[tuple[str, object]]:
         with safe_open(str(path), framework="pt") as handle:
             for name in handle.keys():
                 yield name, handle.get_slice(name)
+
+
+def checkpoint_tensors(model_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(name, tensor)`` for every tensor, each read whole when it is reached (one at a time)."""
+    for path in checkpoint_files(model_dir):
+        with safe_open(str(path), framework="pt") as handle:
+            for name in handle.keys():
+                yield name, handle.get_tensor(name)
+
+
+def finite_checkpoint(model_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """:func:`checkpoint_tensors`, each checked for NaN and infinities before it is yielded (a model's first load:
+    one read of each tensor serves the check and the copy)."""
+    for name, tensor in checkpoint_tensors(model_dir):
+        refuse_nonfinite(((name, tensor),), f"the checkpoint at {model_dir}")
+        yield name, tensor
 
 
 def _parameter(model: LlamaForCausalLM, module_path: str, param_name: str) -> tuple[torch.nn.Module, torch.nn.Parameter] | None:
@@ -285,5 +304,5 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device |
     """Build the model of ``model_dir`` and load its weights; ``quantization="fp8"`` as :func:`with_quantization`."""
     config = with_quantization(ModelConfig.from_dir(model_dir), quantization)
     model = build_model(config, dtype, device, tp)
-    load_weights(model, iterate_checkpoint(model_dir), progress)
+    load_weights(model, finite_checkpoint(model_dir), progress)
     return model

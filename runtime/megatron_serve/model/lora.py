@@ -23,6 +23,7 @@ from typing import Iterable
 import torch
 from safetensors.torch import load_file
 
+from ..weights.finite import NonFiniteWeights, refuse_nonfinite
 from .config import ModelConfig
 from .lora_experts import EXPERT_PROJECTIONS, expert_key, expert_shape, expert_targets, per_expert
 
@@ -172,6 +173,10 @@ def adapter_of(name: str, path: str, rank: int, scaling: float, named: Iterable[
     """Adapter ``name`` from ``(PEFT name, tensor)`` pairs (copied, float32), checked against ``config``."""
     tensors = {key: tensor.detach().to(torch.float32, copy=True) for key, tensor in named}
     check_shapes(name, ((key, tuple(t.shape)) for key, t in tensors.items()), config, rank, experts=experts)
+    try:
+        refuse_nonfinite(tensors.items(), f"LoRA adapter {name!r}")
+    except NonFiniteWeights as exc:
+        raise LoraAdapterError(str(exc)) from None
     halves: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     for key, tensor in tensors.items():
         expert = expert_key(key, experts)
