@@ -2,7 +2,7 @@
 
 Each tensor is handed to the owning layer's ``weight_loader``. A model's first load reads each tensor whole
 and checks it for NaN and infinities before it is copied in (:mod:`..weights.finite`; a refusal names the
-tensor); a refit's verify step reads the checkpoint the same way (:func:`checkpoint_tensors`), and its load
+tensor); a refit's verify step checks views of the mapped files (:func:`checkpoint_views`), and its load
 step reads through safetensors slices, so a tensor-parallel rank reads only its slice.
 """
 
@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
+import mmap
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable, Iterable, Iterator
@@ -69,12 +70,40 @@ def iterate_checkpoint(model_dir: str | Path) -> Iterator[tuple[str, object]]:
                 yield name, handle.get_slice(name)
 
 
+# safetensors' dtype names -> torch's, for the tensors :func:`checkpoint_views` maps
+_SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+                       "F8_E4M3": torch.float8_e4m3fn, "I64": torch.int64, "I32": torch.int32, "I16": torch.int16,
+                       "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool}
+
+
 def checkpoint_tensors(model_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(name, tensor)`` for every tensor, each read whole when it is reached (one at a time)."""
     for path in checkpoint_files(model_dir):
         with safe_open(str(path), framework="pt") as handle:
             for name in handle.keys():
                 yield name, handle.get_tensor(name)
+
+
+def checkpoint_views(model_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(name, tensor)`` for every tensor as a view of its file mapped in memory: nothing is copied (a
+    refit's verify step reads each tensor once, for the finite check, and the load step reads it again from the
+    page cache). The mapping is private (copy-on-write), so the views are writable and the file never changes."""
+    for path in checkpoint_files(model_dir):
+        with open(path, "rb") as file:
+            length = int.from_bytes(file.read(8), "little")
+            header = json.loads(file.read(length))
+            mapped = mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_COPY) if path.stat().st_size else None
+        for name, entry in header.items():
+            dtype = _SAFETENSORS_DTYPES.get(entry.get("dtype")) if name != "__metadata__" else None
+            if dtype is None:
+                continue  # metadata, or a dtype the shape check (verify_checkpoint) refuses
+            begin, end = entry["data_offsets"]
+            count = (end - begin) // dtype.itemsize
+            if count == 0 or mapped is None:
+                yield name, torch.empty(entry["shape"], dtype=dtype)
+                continue
+            flat = torch.frombuffer(mapped, dtype=dtype, count=count, offset=8 + length + begin)
+            yield name, flat.view(entry["shape"])
 
 
 def finite_checkpoint(model_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]]:

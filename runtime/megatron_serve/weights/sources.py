@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from ..wire.messages import Rendezvous, TensorSpec
 from ..model.llama import LlamaForCausalLM
-from ..model.loader import checkpoint_tensors, iterate_checkpoint, verify_checkpoint, verify_shapes
+from ..model.loader import checkpoint_views, iterate_checkpoint, verify_checkpoint, verify_shapes
 from . import group as transfer
 from .drafter import is_drafter
 from .finite import refuse_nonfinite
@@ -51,7 +51,7 @@ class DirectorySource:
 
     def check(self, model: LlamaForCausalLM) -> None:
         verify_checkpoint(model, self.path)
-        refuse_nonfinite(checkpoint_tensors(self.path), f"the checkpoint at {self.path}")  # reads every tensor
+        refuse_nonfinite(checkpoint_views(self.path), f"the checkpoint at {self.path}")  # reads every tensor
 
     def tensors(self, model: LlamaForCausalLM) -> Iterator[tuple[str, object]]:
         return iterate_checkpoint(self.path)
