@@ -14,6 +14,11 @@ split comes from the REFIT acknowledgement. Prints one table (median of ``--roun
     python benchmarks/refit.py                                   # ~360 MB fp32 checkpoints on CPU
     python benchmarks/refit.py --hidden-size 2048 --layers 8 --rounds 5
     python benchmarks/refit.py --sharded --sizes 256,512,1024 --world-sizes 1,2,4   # refit_sharded.py's tables
+
+``--finite-check`` measures instead what the NaN/Inf check (``megatron_serve.weights.finite``) costs a refit, in
+one process (a direct-mode engine, no fleet): refits from a directory and from tensors in memory, each with the
+check and with it switched off (the code before the check), alternating, as bytes per second of the checkpoint;
+and the check alone over the same tensors.
 """
 
 from __future__ import annotations
@@ -27,7 +32,11 @@ import tempfile
 import time
 from pathlib import Path
 
-from megatron_serve import InferenceConfig, SamplingParams
+import torch
+from safetensors.torch import load_file
+
+from megatron_serve import InferenceConfig, MegatronLLM, SamplingParams
+from megatron_serve.weights import finite, sources
 from megatron_serve.client.coordinator_client import InferenceClient
 from megatron_serve.fleet.local_fleet import LocalFleet
 from megatron_serve.model.tiny import make_tiny_model
@@ -57,7 +66,7 @@ async def refit_round(client: InferenceClient, source: str) -> dict[str, float]:
     t3 = time.perf_counter()
     first = await first_request(client)
     (facts,) = ack["detail"]["engines"].values()
-    return {"pause": t1 - t0, "refit": t2 - t1, "  engine: verify (meta dry run)": facts["verified_s"],
+    return {"pause": t1 - t0, "refit": t2 - t1, "  engine: verify (shapes, finite)": facts["verified_s"],
             "  engine: load in place": facts["load_s"], "unpause": t3 - t2, "first request": first,
             "total": t3 - t0 + first}
 
@@ -143,6 +152,40 @@ async def main_async(args: argparse.Namespace) -> None:
           f"by restart ({speedup:.1f}x)")
 
 
+def finite_check_cost(args: argparse.Namespace) -> None:
+    """Refit bytes/s with the finite check and without it (``--finite-check``), alternating, in one process."""
+    paths = write_checkpoints(args, "megatron-refit-bench-")
+    size = checkpoint_bytes(Path(paths[0]))
+    in_memory = [list(load_file(Path(p) / "model.safetensors").items()) for p in paths]
+    checked = sources.refuse_nonfinite
+    rows: dict[str, list[float]] = {}
+    with MegatronLLM(paths[0], InferenceConfig(num_kv_blocks=16, max_sequence_length=64)) as llm:
+        for i in range(args.rounds):
+            for check in (False, True) if i % 2 == 0 else (True, False):
+                sources.refuse_nonfinite = checked if check else (lambda named, what: None)
+                label = "with the check" if check else "without (before)"
+                started = time.perf_counter()
+                llm.refit(paths[(i + 1) % 2])
+                rows.setdefault(f"directory refit, {label}", []).append(size / (time.perf_counter() - started))
+                started = time.perf_counter()
+                llm.refit(in_memory[i % 2])
+                rows.setdefault(f"in-memory refit, {label}", []).append(size / (time.perf_counter() - started))
+        sources.refuse_nonfinite = checked
+    for _ in range(args.rounds):
+        started = time.perf_counter()
+        assert finite.first_nonfinite(in_memory[0]) is None
+        rows.setdefault("the check alone", []).append(size / (time.perf_counter() - started))
+    print(f"\nfinite check on refits, {size / 2**20:.0f} MiB fp32 checkpoint ({args.layers} layers, hidden "
+          f"{args.hidden_size}), CPU, torch threads {torch.get_num_threads()}, median of {args.rounds}")
+    print(f"\n| {'path':<36} | {'GB/s':>7} |\n|{'-' * 38}|{'-' * 9}|")
+    for key, values in sorted(rows.items()):
+        print(f"| {key:<36} | {statistics.median(values) / 1e9:>7.3f} |")
+    for path in ("directory", "in-memory"):
+        ratio = statistics.median(rows[f"{path} refit, with the check"]) / statistics.median(
+            rows[f"{path} refit, without (before)"])
+        print(f"{path} refit with the check: {ratio:.2f}x the bytes/s without it")
+
+
 def add_checkpoint_options(parser: argparse.ArgumentParser) -> None:
     """The checkpoint's shape (default ~360 MB in fp32), where it lives, and how many rounds to time."""
     parser.add_argument("--dir", help="where to write (or find) the checkpoints (default: a temporary directory)")
@@ -161,10 +204,14 @@ def main() -> None:
     add_checkpoint_options(parser)
     parser.add_argument("--sharded", action="store_true",
                         help="a sharded trainer's refit: bytes/s per link, time vs size for trainer world sizes")
+    parser.add_argument("--finite-check", action="store_true",
+                        help="measure the NaN/Inf check's cost on refits (one process) instead of refit vs restart")
     refit_sharded.add_options(parser)
     args = parser.parse_args()
     if args.sharded:
         refit_sharded.main(args)
+    elif args.finite_check:
+        finite_check_cost(args)
     else:
         asyncio.run(main_async(args))
 

@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from .wire.lora_names import name_problem, path_problem
 from .wire.sampling_params import LOGPROBS_MODES
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -151,6 +152,9 @@ class InferenceConfig:
     max_lora_versions: int = 2  # versions of one adapter resident at once (a trainer's pushes; engine.lora)
     lora_push_dir: str | None = None  # pushed versions also written there, for engines joining later (engine.lora_store)
     lora_modules: dict[str, str] | None = None
+    # where the fleet's LOAD_LORA (the load route, control load_lora) may read; None: the directories holding the
+    # lora_modules adapters, or nowhere without them (engine.lora.allowed_lora_dirs)
+    lora_allowed_dirs: list[str] | None = None
     speculative: SpeculativeConfig | None = None  # speculative decoding (engine.speculative); None: off
 
     def __post_init__(self) -> None:
@@ -219,6 +223,15 @@ class InferenceConfig:
             raise ValueError(f"enable_lora must be true or false, got {self.enable_lora!r}")
         if self.lora_modules and not self.enable_lora:
             raise ValueError("lora_modules needs enable_lora")
+        for name, path in (self.lora_modules or {}).items():
+            problem = name_problem(name) or path_problem(name, path)
+            if problem is not None:
+                raise ValueError(f"lora_modules: {problem}")
+        if self.lora_allowed_dirs is not None:
+            if isinstance(self.lora_allowed_dirs, str) or not all(isinstance(d, str) and d
+                                                                  for d in self.lora_allowed_dirs):
+                raise ValueError(f"lora_allowed_dirs must be a list of directories, got {self.lora_allowed_dirs!r}")
+            self.lora_allowed_dirs = list(self.lora_allowed_dirs)
 
     def to_dict(self) -> dict[str, Any]:
         """Plain values only, so the config can cross a process boundary (msgpack, argv)."""

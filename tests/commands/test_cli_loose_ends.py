@@ -81,3 +81,16 @@ async def test_inference_client_reads_the_token_from_the_environment(coordinator
     with pytest.raises(Unauthorized):  # neither: no secret (before, the environment's was never read)
         async with InferenceClient(address) as client:
             await client.status(timeout=60)
+
+
+@pytest.mark.parametrize("module,reason", [
+    ("llama=/adapters/x", "an adapter named 'llama' would shadow the served model's name"),
+    ("a/b=/adapters/x", "LoRA adapter name 'a/b' is not allowed"),
+])
+def test_lora_modules_are_refused_before_anything_starts(module, reason):
+    """Issue 55: an adapter named like the served model (its requests could reach neither) or outside the name
+    pattern is refused at start, in one line."""
+    from megatron_serve.commands.run import run  # noqa: PLC0415
+
+    with pytest.raises(ValueError, match=reason):
+        run(parse_args(["run", "--model", "/models/llama", "--enable-lora", "--lora-modules", module]))

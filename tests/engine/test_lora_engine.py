@@ -4,6 +4,7 @@ mixing adapters and the base gives each row what it gets alone; the prefix cache
 from __future__ import annotations
 
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -172,7 +173,7 @@ def test_bad_adapter_loads_change_nothing(base, adapters, tmp_path):
         engine.load_lora_adapter("head", head)
     with pytest.raises(LoraAdapterError, match=r"layers.0.q_proj has lora_A \(8, 65\)"):
         engine.load_lora_adapter("wide", wide)
-    with pytest.raises(LoraAdapterError, match="is not a directory"):
+    with pytest.raises(LoraAdapterError, match="gone' does not exist"):
         engine.load_lora_adapter("gone", str(tmp_path / "gone"))
     with pytest.raises(LoraAdapterError, match="'r8' is already loaded"):
         engine.load_lora_adapter("r8", adapters["r4"])
@@ -184,7 +185,7 @@ def test_bad_adapter_loads_change_nothing(base, adapters, tmp_path):
 def test_verify_stages_the_adapter_that_load_then_serves(base, adapters, tmp_path):
     """The fleet's LOAD_LORA: verify reads and checks (serving nothing), load registers the staged copy (the
     directory may be gone by then); the heartbeat's report names the adapters of waiting and running requests."""
-    engine = _engine(base, {}, max_loras=2)
+    engine = _engine(base, {}, max_loras=2, lora_allowed_dirs=[str(tmp_path), str(Path(adapters["r8"]).parent)])
     moved = tmp_path / "r8"
     shutil.copytree(adapters["r8"], moved)
     assert engine.verify_lora_adapter("r8", str(moved)) >= 0 and engine.lora_adapters() == {}
@@ -260,12 +261,19 @@ def test_a_request_waits_for_the_one_slot_and_is_reported_waiting(base, adapters
     assert engine.metrics_snapshot()["lora"]["waiting"] == []
 
 
-def test_every_adapter_given_at_start_is_loaded_and_the_host_limit_holds(base, adapters):
-    """Three --lora-modules with one slot: all three load (the host limit defaults to their count), each serves
-    in turn from the one slot, and a fourth load is refused naming --max-cpu-loras."""
+def test_every_adapter_given_at_start_is_loaded_and_beyond_the_host_limit_the_least_recent_leaves(base, adapters):
+    """Three --lora-modules with one slot: all three load (the host limit defaults to their count) and each serves
+    in turn from the one slot. A fourth load evicts the least recently used one's host copy (issue 54, as vLLM's
+    LRU of CPU LoRAs): its name stays served, and a request naming it reads it again from its directory, with the
+    tokens it had (==)."""
     engine = _engine(base, adapters, max_loras=1)
     assert sorted(engine.loras.names()) == ["r16", "r4", "r8"]
-    outs = [run_requests(engine, [(PROMPTS[5], _greedy(name))])[0] for name in ("r4", "r8", "r16")]
-    assert all(o.finish_reason.value == "length" for o in outs)
-    with pytest.raises(LoraAdapterError, match="3 adapters are loaded, the most --max-cpu-loras allows"):
-        engine.load_lora_adapter("more", adapters["r4"])
+    outs = {name: run_requests(engine, [(PROMPTS[5], _greedy(name))])[0] for name in ("r4", "r8", "r16")}
+    assert all(o.finish_reason.value == "length" for o in outs.values())
+    assert outs["r4"].generated_tokens != outs["r8"].generated_tokens, "control: the adapters differ"
+    engine.load_lora_adapter("more", adapters["r4"])
+    assert list(engine.loras.resident) == ["r8", "r16", "more"] and engine.loras.evicted == {"r4": (adapters["r4"], 0)}
+    assert sorted(engine.loras.names()) == ["more", "r16", "r4", "r8"]
+    again, = run_requests(engine, [(PROMPTS[5], _greedy("r4"))])
+    assert again.generated_tokens == outs["r4"].generated_tokens
+    assert list(engine.loras.resident) == ["r16", "more", "r4"] and set(engine.loras.evicted) == {"r8"}

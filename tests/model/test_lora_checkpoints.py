@@ -121,5 +121,8 @@ def test_bad_adapters_are_refused_naming_the_problem(base, adapter, tmp_path, br
 
 
 def test_a_path_that_does_not_exist_is_refused(base, tmp_path):
-    with pytest.raises(LoraAdapterError, match="is not a directory"):
+    with pytest.raises(LoraAdapterError, match="nowhere' does not exist"):
         read_adapter("gone", tmp_path / "nowhere", ModelConfig.from_dir(base), max_rank=16)
+    (tmp_path / "a-file").write_text("")
+    with pytest.raises(LoraAdapterError, match="a-file' is not a directory"):
+        read_adapter("file", tmp_path / "a-file", ModelConfig.from_dir(base), max_rank=16)

@@ -11,6 +11,7 @@ serves goes to that engine; ``/metrics`` exports ``vllm:lora_requests_info`` and
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 
 import httpx
 import msgspec
@@ -48,14 +49,14 @@ def adapters(tiny_model, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def stack(tiny_model, tmp_path_factory):
+def stack(tiny_model, tmp_path_factory, adapters):
     key_file = tmp_path_factory.mktemp("lora-key") / "admin-key"
     key_file.write_text(ADMIN_KEY)
     with pytest.MonkeyPatch.context() as env:
         env.setenv("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "True")
         run = start_run(tiny_model, tmp_path_factory.mktemp("lora-run"), "--enable-lora", "--max-loras", "2",
                         "--max-lora-rank", "16", "--admin-key-file", str(key_file), "--routing", "round_robin",
-                        engines=2)
+                        "--lora-allowed-dirs", str(Path(adapters["a"]).parent), engines=2)
     try:
         yield run
     finally:
@@ -126,7 +127,7 @@ async def test_load_while_serving_lists_the_adapter_and_serves_it(stack, clients
 
 
 @pytest.mark.parametrize("name,why", [
-    ("missing", "is not a directory"),
+    ("missing", "missing' does not exist"),
     ("big", "rank 32 is above --max-lora-rank 16"),
     ("head", "target_modules ['lm_head'] are not supported"),
     ("wider", "the base model needs"),
@@ -135,7 +136,7 @@ async def test_load_while_serving_lists_the_adapter_and_serves_it(stack, clients
 async def test_a_bad_adapter_is_refused_and_nothing_changes(stack, clients, adapters, name, why):
     client, http = clients
     before = (await served(http), set(await models(client)))
-    path = adapters.get(name, "/no/such/adapter")
+    path = adapters.get(name, str(Path(adapters["a"]).parent / "missing"))
     refused = await http.post("/v1/load_lora_adapter", json={"lora_name": name, "lora_path": path}, headers=ADMIN)
     assert refused.status_code == 400, refused.text
     error = refused.json()["error"]

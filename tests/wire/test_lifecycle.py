@@ -70,10 +70,11 @@ def test_the_decisions_on_former_disagreements():
 
 
 def test_refit_steps_have_their_own_deadlines_and_phases():
-    assert STEPS[Step.REFIT_VERIFY].deadline is Deadline.VERB and STEPS[Step.REFIT_VERIFY].phase == "verify"
+    # the verify step reads a directory's tensors for the finite check (issue 55): the weights' deadline
+    assert STEPS[Step.REFIT_VERIFY].deadline is Deadline.WEIGHTS and STEPS[Step.REFIT_VERIFY].phase == "verify"
     assert STEPS[Step.REFIT_LOAD].deadline is Deadline.WEIGHTS and STEPS[Step.REFIT_LOAD].phase == "load"
     assert {s for s, spec in STEPS.items() if spec.deadline is Deadline.WEIGHTS} == \
-        {Step.SUSPEND, Step.RESUME, Step.REFIT_LOAD}
+        {Step.SUSPEND, Step.RESUME, Step.REFIT_VERIFY, Step.REFIT_LOAD}
     assert STEPS[Step.STOP].deadline is Deadline.DRAIN
     assert STEPS[Step.REFIT_LOAD].requires == {P, S}
 

@@ -346,11 +346,13 @@ VLLM_OPTIONS: tuple[VllmOption, ...] = (
                "zero-padded to it); a larger adapter is refused, naming its rank",
                spec=_spec(type=_positive, default=16, metavar="R", help="largest adapter rank (default: %(default)s)"),
                scope=_ENGINE, example=("--max-lora-rank", "8")),
-    VllmOption(("--max-cpu-loras",), _IMPLEMENTED, "adapters an engine keeps loaded (read and checked, in host "
-               "memory; default: --max-loras, or as many as --lora-modules names); loading one more is refused "
-               "until one is unloaded",
+    VllmOption(("--max-cpu-loras",), _IMPLEMENTED, "adapters an engine keeps in host memory, read and checked "
+               "(default: --max-loras, or as many as --lora-modules names); one more evicts the least recently used, "
+               "whose name stays served: a request naming it reads it again from its directory, as vLLM's LRU",
                spec=_spec(type=_positive, default=None, metavar="N",
-                          help="adapters kept loaded (default: --max-loras, or the --lora-modules count)"), scope=_ENGINE,
+                          help="adapters kept in host memory; beyond it the least recently used is evicted and read "
+                               "again when a request names it (default: --max-loras, or the --lora-modules count)"),
+               scope=_ENGINE,
                example=("--max-cpu-loras", "4")),
     VllmOption(("--speculative-config",), _IMPLEMENTED, "speculative decoding, vLLM's JSON: `method` `ngram` "
                "(`prompt_lookup_min`/`max`), `draft_model` (`model`), `mtp` (the checkpoint's own MTP layer) "

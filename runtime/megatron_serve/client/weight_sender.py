@@ -36,6 +36,7 @@ import torch
 
 from ..weights import group as transfer
 from ..weights.drafter import DRAFTER_PREFIX
+from ..weights.finite import NonFiniteWeights, first_nonfinite, refuse_nonfinite
 from ..weights.manifest import nbytes, pack, plan_buckets, spec_of
 from ..weights.sending import send_pieces
 from ..weights.shards import Item, cover_problem, merge_manifests, piece_of
@@ -127,6 +128,8 @@ class WeightSender:
         (bytes received, seconds, bytes/s, the bytes it serves, its largest staged tensor). A name or shape
         that does not fit raises :class:`~megatron_serve.client.coordinator_client.ControlError`
         (``refit_failed``); so does a transfer that breaks (a rank that died): every engine keeps its weights.
+        A tensor holding NaN or an infinity on any rank raises ``ValueError`` naming it
+        (:class:`~megatron_serve.weights.finite.NonFiniteWeights`) on every rank before the REFIT is sent.
 
         ``drafter``: the draft model's (or EAGLE-3 head's) ``(name, tensor)`` pairs (its checkpoint's names),
         sent in the same transaction as ``drafter.`` + name and loaded under the same epoch by every engine's
@@ -136,7 +139,12 @@ class WeightSender:
         """
         local = [*(piece_of(item, self.rank) for item in items),
                  *(piece_of(item, self.rank, DRAFTER_PREFIX) for item in (drafter or ()))]
-        manifest, pieces = merge_manifests(await self._all_gather([(spec, piece) for spec, piece, _ in local]))
+        poisoned = first_nonfinite((spec.name, tensor) for spec, _, tensor in local)
+        gathered = await self._all_gather(([(spec, piece) for spec, piece, _ in local], poisoned))
+        poisoned = next((name for _, name in gathered if name is not None), None)
+        if poisoned is not None:  # the verify step: every rank refuses, before the REFIT, no byte moved
+            raise NonFiniteWeights(poisoned, "the weights to send")
+        manifest, pieces = merge_manifests([pairs for pairs, _ in gathered])
         problem = cover_problem(manifest, pieces) if manifest else (
             "no weights given: pass (name, tensor) pairs, e.g. model.named_parameters()")
         if problem is not None:
@@ -286,6 +294,7 @@ class WeightSender:
                     bucket_bytes: int | None, lora: LoraPush | None) -> dict[str, Any]:
         named = [(name, tensor.detach()) for name, tensor in named_tensors]
         manifest = [spec_of(name, tensor) for name, tensor in named]
+        refuse_nonfinite(named, "the weights to send")  # the verify step: before the REFIT, no byte moved
         seen: set[str] = set()
         for spec in manifest:
             if spec.name in seen:

@@ -74,6 +74,11 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
                             "directory on a volume every engine sees at this path): the coordinator then has engines "
                             "that register later (restarted, scaled up) load it (default: pushes reach only the "
                             "engines registered at the time)")
+    group.add_argument("--lora-allowed-dirs", nargs="+", default=None, metavar="DIR",
+                       help="the directories (and their subdirectories) under which a LoRA adapter loaded while "
+                            "serving (/v1/load_lora_adapter, control load_lora) may be read; a path elsewhere is "
+                            "refused without saying whether it exists (default: the directories holding the "
+                            "--lora-modules adapters, or none without them)")
     group.add_argument("--logprobs-mode", choices=LOGPROBS_MODES, default="raw_logprobs",
                        help="what reported log probs are taken from: the model's logits (raw) or those after logit "
                             "bias, penalties, grammar, temperature, min-p, top-k and top-p (processed); as log probs "
@@ -100,6 +105,7 @@ def inference_config_from_args(args: argparse.Namespace, tensor_parallel_size: i
         enable_lora=args.enable_lora, max_loras=args.max_loras,
         max_lora_rank=args.max_lora_rank, max_cpu_loras=args.max_cpu_loras,
         max_lora_versions=args.max_lora_versions, lora_push_dir=args.lora_push_dir,
+        lora_allowed_dirs=args.lora_allowed_dirs,
         lora_modules=dict(args.lora_modules) if args.lora_modules else None,
         speculative=args.speculative_config,
     )

@@ -99,6 +99,12 @@ def run(args: argparse.Namespace) -> int:
         check_distinct({"--port": args.port, "--health-port": args.health_port,
                         "--coordinator-port": args.coordinator_port})
     config = inference_config_from_args(args, tensor_parallel_size=args.tensor_parallel)  # fails before any start
+    from ..server.modelinfo import default_model_name  # noqa: PLC0415
+
+    served = args.served_model_name or default_model_name(args.model)
+    if config.lora_modules and served in config.lora_modules:
+        raise ValueError(f"--lora-modules: an adapter named {served!r} would shadow the served model's name; "
+                         "choose another name")
     api_key = read_api_key(args)
     token = read_token(args)
     from ..coordinator import check_secret  # noqa: PLC0415

@@ -31,6 +31,7 @@ import msgspec
 import zmq
 
 from ..errors import EngineGroupLost, RefitFailed
+from ..wire.lora_names import shown
 from ..wire.lifecycle import ENGINE_DRAINING, STEPS, FleetState, Step, engine_state_after
 from .link import CoordinatorLink
 from ..heap import freeze_startup_heap
@@ -419,8 +420,8 @@ class EngineProcess:
                 detail = {"load_s": round(engine.load_lora_adapter(body.lora_name, body.lora_path), 6)}
             self.link.hello["info"]["loras"] = engine.lora_adapters()  # what the next HELLO says
         except Exception as exc:  # noqa: BLE001 - any refusal is reported; the fleet decides
-            logger.warning("%s %r refused: %s", "UNLOAD_LORA" if isinstance(body, UnloadLora) else "LOAD_LORA",
-                           body.lora_name, exc)
+            logger.warning("%s %s refused: %s", "UNLOAD_LORA" if isinstance(body, UnloadLora) else "LOAD_LORA",
+                           shown(body.lora_name), shown(str(exc), 600))
             return {"error": str(exc) or type(exc).__name__}
         return {**detail, "loras": engine.lora_adapters() or {}}
 
@@ -473,9 +474,10 @@ class EngineProcess:
             try:
                 self.engine.load_lora_adapter(name, path)
             except Exception as exc:  # noqa: BLE001 - this engine serves without it; the others have it
-                logger.warning("cannot load the fleet's LoRA adapter %r from %s: %s", name, path, exc)
+                logger.warning("cannot load the fleet's LoRA adapter %s from %s: %s", shown(name), shown(path),
+                               shown(str(exc), 600))
                 continue
-            logger.info("loaded the fleet's LoRA adapter %r from %s", name, path)
+            logger.info("loaded the fleet's LoRA adapter %s from %s", shown(name), shown(path))
         self.link.hello["info"]["loras"] = self.engine.lora_adapters()
 
     def _begin_drain(self, timeout: float, why: str) -> None:

@@ -45,6 +45,7 @@ ENGINE_FIELDS = {
     "max_cpu_loras": "max_cpu_loras",
     "max_lora_versions": "max_lora_versions",
     "lora_push_dir": "lora_push_dir",
+    "lora_allowed_dirs": "lora_allowed_dirs",
     "speculative_config": "speculative",
     "enable_expert_parallel": "enable_expert_parallel",
     "pipeline_parallel_size": "pipeline_parallel_size",

@@ -1,7 +1,9 @@
 """Loading Hugging Face safetensors checkpoints (single file or sharded with an index) into the decoder.
 
-Each tensor is read through a safetensors slice handed to the owning layer's ``weight_loader``,
-so a tensor-parallel rank reads only its slice from disk.
+Each tensor is handed to the owning layer's ``weight_loader``. A model's first load reads each tensor whole
+and checks it for NaN and infinities before it is copied in (:mod:`..weights.finite`; a refusal names the
+tensor); a refit's verify step checks views of the mapped files (:func:`checkpoint_views`), and its load
+step reads through safetensors slices, so a tensor-parallel rank reads only its slice.
 """
 
 from __future__ import annotations
@@ -9,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
+import mmap
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable, Iterable, Iterator
@@ -16,6 +19,7 @@ from typing import Callable, Iterable, Iterator
 import torch
 from safetensors import safe_open
 
+from ..weights.finite import refuse_nonfinite
 from .config import ModelConfig
 from .errors import UnsupportedModelError
 from .layers import TensorSource, _copy_checked, _read_all
@@ -64,6 +68,42 @@ def iterate_checkpoint(model_dir: str | Path) -> Iterator[tuple[str, object]]:
         with safe_open(str(path), framework="pt") as handle:
             for name in handle.keys():
                 yield name, handle.get_slice(name)
+
+
+# safetensors' dtype names -> torch's, for the tensors :func:`checkpoint_views` maps
+_SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+                       "F8_E4M3": torch.float8_e4m3fn, "I64": torch.int64, "I32": torch.int32, "I16": torch.int16,
+                       "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool}
+
+
+def checkpoint_tensors(model_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(name, tensor)`` for every tensor, each read whole when it is reached (one at a time)."""
+    for path in checkpoint_files(model_dir):
+        with safe_open(str(path), framework="pt") as handle:
+            for name in handle.keys():
+                yield name, handle.get_tensor(name)
+
+
+def checkpoint_views(model_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(name, tensor)`` for every tensor as a view of its file mapped in memory: nothing is copied (a
+    refit's verify step reads each tensor once, for the finite check, and the load step reads it again from the
+    page cache). The mapping is private (copy-on-write), so the views are writable and the file never changes."""
+    for path in checkpoint_files(model_dir):
+        with open(path, "rb") as file:
+            length = int.from_bytes(file.read(8), "little")
+            header = json.loads(file.read(length))
+            mapped = mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_COPY) if path.stat().st_size else None
+        for name, entry in header.items():
+            dtype = _SAFETENSORS_DTYPES.get(entry.get("dtype")) if name != "__metadata__" else None
+            if dtype is None:
+                continue  # metadata, or a dtype the shape check (verify_checkpoint) refuses
+            begin, end = entry["data_offsets"]
+            count = (end - begin) // dtype.itemsize
+            if count == 0 or mapped is None:
+                yield name, torch.empty(entry["shape"], dtype=dtype)
+                continue
+            flat = torch.frombuffer(mapped, dtype=dtype, count=count, offset=8 + length + begin)
+            yield name, flat.view(entry["shape"])
 
 
 def _parameter(model: LlamaForCausalLM, module_path: str, param_name: str) -> tuple[torch.nn.Module, torch.nn.Parameter] | None:
@@ -148,13 +188,16 @@ def _copy_whole(param: torch.nn.Parameter, source: TensorSource) -> None:
 
 
 def load_weights(model: LlamaForCausalLM, tensors: Iterable[tuple[str, TensorSource]],
-                 progress: Callable[[str], None] | None = None, partial: bool = False) -> None:
+                 progress: Callable[[str], None] | None = None, partial: bool = False,
+                 finite_as: str | None = None) -> None:
     """Copy checkpoint tensors into ``model``; every piece of every parameter must be covered (``partial``:
     any subset, e.g. the weights a trainer changed).
 
     ``tensors`` yields ``(Hugging Face name, safetensors slice or tensor)``. ``progress`` is called
     with each tensor's name once it is loaded (load progress reporting, and what a refit that fails
-    midway reports as replaced).
+    midway reports as replaced). ``finite_as`` (a model's first load: what the refusal calls the source): each
+    tensor this rank loads is read whole and checked for NaN and infinities first; a rank reads only the tensors
+    it holds (not another rank's experts or another stage's layers).
     """
     missing: dict[str, set] = {}
     owners = {id(p): n for n, p in model.named_parameters()}  # a tied parameter counts once, by its first name
@@ -173,6 +216,10 @@ def load_weights(model: LlamaForCausalLM, tensors: Iterable[tuple[str, TensorSou
             target = weight_target(model, name)
             if target is None:
                 continue
+            if finite_as is not None:
+                if not isinstance(source, torch.Tensor):
+                    source = source[:]  # read once: the check and the copy share it
+                refuse_nonfinite(((checkpoint_name, source),), finite_as)
             try:
                 siblings = target.load(source) or ()
             except ValueError as exc:
@@ -288,5 +335,5 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device |
     """Build the model of ``model_dir`` and load its weights; ``quantization="fp8"`` as :func:`with_quantization`."""
     config = with_quantization(ModelConfig.from_dir(model_dir), quantization)
     model = build_model(config, dtype, device, tp)
-    load_weights(model, iterate_checkpoint(model_dir), progress)
+    load_weights(model, iterate_checkpoint(model_dir), progress, finite_as=f"the checkpoint at {model_dir}")
     return model

@@ -23,6 +23,8 @@ from typing import Iterable
 import torch
 from safetensors.torch import load_file
 
+from ..weights.finite import NonFiniteWeights, refuse_nonfinite
+from ..wire.lora_names import shown
 from .config import ModelConfig
 from .lora_experts import EXPERT_PROJECTIONS, expert_key, expert_shape, expert_targets, per_expert
 
@@ -31,6 +33,7 @@ MLP_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 PROJECTIONS = ATTENTION_PROJECTIONS + MLP_PROJECTIONS
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
+MAX_CONFIG_BYTES = 1 << 20  # a PEFT adapter_config.json is a few hundred bytes to a few KiB
 _KEY = re.compile(r"base_model\.model\.model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_(A|B)\.weight")
 # PEFT options that change what the adapter computes: each must have its neutral value.
 _NEUTRAL = {"use_dora": False, "fan_in_fan_out": False, "bias": "none", "lora_bias": False, "modules_to_save": None,
@@ -94,14 +97,13 @@ def adapter_scaling(name: str, rank: object, alpha: object, use_rslora: bool, ta
     return float(alpha / math.sqrt(rank) if use_rslora else alpha / rank)
 
 
-def _read_config(name: str, directory: Path, max_rank: int) -> tuple[int, float, tuple[str, ...]]:
-    path = directory / CONFIG_FILE
-    if not path.is_file():
-        raise LoraAdapterError(f"LoRA adapter {name!r}: no {CONFIG_FILE} in {directory}")
+def _read_config(name: str, path: Path, max_rank: int) -> tuple[int, float, tuple[str, ...]]:
     try:
-        raw = json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise LoraAdapterError(f"LoRA adapter {name!r}: {path} is not JSON: {exc}") from None
+        raw = json.loads(path.read_bytes())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise LoraAdapterError(f"LoRA adapter {name!r}: {CONFIG_FILE} is not JSON: {exc}") from None
+    if not isinstance(raw, dict):
+        raise LoraAdapterError(f"LoRA adapter {name!r}: {CONFIG_FILE} is not a JSON object")
     if raw.get("peft_type", "LORA") != "LORA":
         raise LoraAdapterError(f"LoRA adapter {name!r}: peft_type {raw['peft_type']!r} is not LORA")
     for key, neutral in _NEUTRAL.items():
@@ -172,6 +174,10 @@ def adapter_of(name: str, path: str, rank: int, scaling: float, named: Iterable[
     """Adapter ``name`` from ``(PEFT name, tensor)`` pairs (copied, float32), checked against ``config``."""
     tensors = {key: tensor.detach().to(torch.float32, copy=True) for key, tensor in named}
     check_shapes(name, ((key, tuple(t.shape)) for key, t in tensors.items()), config, rank, experts=experts)
+    try:
+        refuse_nonfinite(tensors.items(), f"LoRA adapter {name!r}")
+    except NonFiniteWeights as exc:
+        raise LoraAdapterError(str(exc)) from None
     halves: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     for key, tensor in tensors.items():
         expert = expert_key(key, experts)
@@ -189,13 +195,45 @@ def adapter_of(name: str, path: str, rank: int, scaling: float, named: Iterable[
     return LoraAdapter(name, path, rank, scaling, weights)
 
 
+def max_adapter_bytes(config: ModelConfig, max_rank: int) -> int:
+    """The largest ``adapter_model.safetensors`` an engine may read: every projection it can adapt at ``max_rank``,
+    float64 (the widest dtype PEFT writes), plus :data:`MAX_CONFIG_BYTES` for the file's header. Anything larger
+    cannot be an adapter this engine serves, so it is refused from its size before a byte is read."""
+    elements = 0
+    for layer in range(config.num_layers):
+        for projection in PROJECTIONS:
+            shape = projection_shape(config, layer, projection)
+            if shape is not None:
+                elements += max_rank * sum(shape)
+        for projection in EXPERT_PROJECTIONS:
+            shape = expert_shape(config, layer, projection)
+            if shape is not None:
+                experts, out_features, in_features = shape
+                elements += max_rank * experts * (out_features + in_features)
+    return elements * 8 + MAX_CONFIG_BYTES
+
+
+def _file_of(name: str, directory: Path, filename: str, limit: int) -> Path:
+    """``directory/filename``, refused when missing or over ``limit`` bytes (from its metadata, nothing read)."""
+    path = directory / filename
+    if not path.is_file():
+        raise LoraAdapterError(f"LoRA adapter {name!r}: no {filename} in {shown(str(directory))}")
+    size = path.stat().st_size
+    if size > limit:
+        raise LoraAdapterError(f"LoRA adapter {name!r}: {filename} is {size} bytes, above the {limit} an adapter of "
+                               "this model can need; nothing was read")
+    return path
+
+
 def read_adapter(name: str, path: str | Path, config: ModelConfig, max_rank: int) -> LoraAdapter:
-    """Read and check adapter ``name`` at ``path`` against the base model ``config``."""
+    """Read and check adapter ``name`` at ``path`` against the base model ``config``; the files' sizes are checked
+    before either is read (:data:`MAX_CONFIG_BYTES`, :func:`max_adapter_bytes`)."""
     directory = Path(path)
+    if not directory.exists():
+        raise LoraAdapterError(f"LoRA adapter {name!r}: {shown(str(directory))} does not exist")
     if not directory.is_dir():
-        raise LoraAdapterError(f"LoRA adapter {name!r}: {directory} is not a directory")
-    rank, scaling, experts = _read_config(name, directory, max_rank)
-    weights_path = directory / WEIGHTS_FILE
-    if not weights_path.is_file():
-        raise LoraAdapterError(f"LoRA adapter {name!r}: no {WEIGHTS_FILE} in {directory}")
+        raise LoraAdapterError(f"LoRA adapter {name!r}: {shown(str(directory))} is not a directory")
+    config_path = _file_of(name, directory, CONFIG_FILE, MAX_CONFIG_BYTES)
+    weights_path = _file_of(name, directory, WEIGHTS_FILE, max_adapter_bytes(config, max_rank))
+    rank, scaling, experts = _read_config(name, config_path, max_rank)
     return adapter_of(name, str(directory), rank, scaling, load_file(weights_path).items(), config, experts)

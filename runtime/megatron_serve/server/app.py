@@ -350,7 +350,7 @@ def create_app(
     add_tokenize_routes(app, ctx, api_dependencies,
                         _error_responses([400, 401, 404, 415] if api_key else [400, 404, 415]))
     add_admin_routes(app, backend, monitor, admin_key)  # type: ignore[arg-type]  # the clients have the verbs
-    add_lora_routes(app, backend, monitor, admin_key, runtime_lora_allowed())  # type: ignore[arg-type]
+    add_lora_routes(app, backend, monitor, admin_key, runtime_lora_allowed(), model_name)  # type: ignore[arg-type]
 
     def openapi() -> dict[str, Any]:
         """FastAPI's document, minus the 422 answers it assumes (validation errors are 400 here), plus the

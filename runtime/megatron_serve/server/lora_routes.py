@@ -5,8 +5,9 @@ answer (200, ``text/plain``: ``Success: LoRA adapter 'NAME' added successfully.`
 coordinator's LOAD_LORA or UNLOAD_LORA verb: answered once every engine acknowledged, so the next
 request naming the adapter finds it on every engine, and ``/v1/models`` lists it (or no longer does)
 as soon as the answer comes. A bad adapter (no such directory, rank above ``--max-lora-rank``, a
-module the model lacks, mismatched shapes) or a name already served is a 400 naming the engine and
-the problem, and no engine serves it; unloading a name no engine serves is a 404.
+module the model lacks, mismatched shapes, NaN or infinite weights, a path outside ``--lora-allowed-dirs``,
+files over their size limits), a name already served, a name outside the pattern of :mod:`..wire.lora_names` or
+the served model's own name is a 400 naming the problem, and no engine serves it; unloading a name no engine serves is a 404.
 
 Unloading while requests of the adapter run does not refuse (vLLM does not either): those requests
 finish under the adapter; requests that name it afterwards get 404 like any unknown model.
@@ -26,6 +27,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import PlainTextResponse
 from pydantic import Field
 
+from ..wire.lora_names import name_problem, path_problem, shown
 from .admin import _AdminBody, _parse, admin_guard, run_verb
 from .errors import APIError, bad_request
 from .fleet import FleetMonitor
@@ -64,9 +66,24 @@ class UnloadLoRAAdapterRequest(_AdminBody):
 LORA_BODIES = (LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest)
 
 
+def check_load(body: LoadLoRAAdapterRequest, served_model: str) -> None:
+    """A 400 for a name outside the pattern (:mod:`..wire.lora_names`), one that would shadow the served model
+    (its requests could no longer reach the base model's name, or the adapter), or a path that cannot be one."""
+    problem = name_problem(body.lora_name)
+    if problem is not None:
+        raise bad_request(problem, param="lora_name")
+    if body.lora_name == served_model:
+        raise bad_request(f"lora_name {shown(body.lora_name)} is the served model's name: an adapter cannot shadow "
+                          "it; choose another name", param="lora_name")
+    problem = path_problem(body.lora_name, body.lora_path)
+    if problem is not None:
+        raise bad_request(problem, param="lora_path")
+
+
 def add_lora_routes(app: FastAPI, backend: LoraBackend, monitor: FleetMonitor, admin_key: str | None,
-                    allowed: bool) -> None:
-    """The two routes on ``app`` (see the module docstring); ``allowed``: :func:`runtime_lora_allowed`."""
+                    allowed: bool, served_model: str) -> None:
+    """The two routes on ``app`` (see the module docstring); ``allowed``: :func:`runtime_lora_allowed`;
+    ``served_model``: the base model's name, which no adapter may take."""
     responses: dict[int | str, dict[str, Any]] = {
         200: {"content": {"text/plain": {"schema": {"type": "string"}}}, "description": "vLLM's success line"},
         400: {"model": ErrorResponse, "description": "a bad body, or an adapter an engine refused (the message "
@@ -93,9 +110,10 @@ def add_lora_routes(app: FastAPI, backend: LoraBackend, monitor: FleetMonitor, a
         if body.load_inplace:
             raise bad_request("load_inplace is not supported: unload the adapter, then load it again",
                               param="load_inplace")
+        check_load(body, served_model)
         await run_verb(monitor, "load_lora_adapter",
                        lambda: backend.load_lora_adapter(body.lora_name, body.lora_path))
-        return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
+        return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")  # a checked name
 
     @app.post(LORA_PATHS[1], dependencies=guard, tags=["admin"], response_class=PlainTextResponse,
               responses=responses, openapi_extra=request_body_doc(UnloadLoRAAdapterRequest, required=True),
@@ -104,5 +122,8 @@ def add_lora_routes(app: FastAPI, backend: LoraBackend, monitor: FleetMonitor, a
     async def unload_lora_adapter(request: Request) -> PlainTextResponse:
         check_allowed(LORA_PATHS[1])
         body: UnloadLoRAAdapterRequest = _parse(UnloadLoRAAdapterRequest, await request.body())
+        problem = name_problem(body.lora_name)
+        if problem is not None:
+            raise bad_request(problem, param="lora_name")
         await run_verb(monitor, "unload_lora_adapter", lambda: backend.unload_lora_adapter(body.lora_name))
         return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")

@@ -32,6 +32,7 @@ from ..wire.messages import TRANSFER_DTYPES, Rendezvous
 from . import group as transfer
 from .digests import forget_digests, held_digests, keep_digests
 from .drafter import is_drafter
+from .finite import refuse_nonfinite
 from .layout import RegionSlice, engine_layout
 from .manifest import torch_dtype
 from .shards import (IN_FLIGHT, Box, buckets_of, changed_key, cover_problem, layout_key, link_chunks,
@@ -101,6 +102,7 @@ class ShardedSource:
             staged, facts = _receive(rv, pg, regions, names, device)
             # Checks of the received values belong here, before the commit: one that raises fails the commit on
             # every rank, and no engine changes.
+            refuse_nonfinite(staged.items(), f"REFIT from {self.label}")
             store.set(received_key(rank), pickle.dumps(facts))
             transfer.commit(pg, device)
         except (RuntimeError, TimeoutError) as exc:

@@ -1,8 +1,9 @@
 """Where a refit's weights come from: a model directory, tensors in this process, or a trainer.
 
 ``DynamicInferenceEngine.refit`` runs one path for all three: ``check`` (names and shapes against
-the served model, reading no data; what ``REFIT_VERIFY`` runs on every engine before any weight
-changes), then ``tensors`` streamed into the live parameters by the loader, on every
+the served model, and every tensor it holds free of NaN and infinities, :mod:`.finite`; what ``REFIT_VERIFY``
+runs on every engine before any weight changes: a directory's tensors are read for it, a trainer's are checked
+by the sender before its REFIT and again by each engine as each bucket lands, before it is applied), then ``tensors`` streamed into the live parameters by the loader, on every
 tensor-parallel rank (each copies its slice, fused QKV and gate-up parts included). A source is
 picklable: rank 0 hands it to its tensor-parallel followers as it is.
 """
@@ -19,9 +20,10 @@ import torch.distributed as dist
 
 from ..wire.messages import Rendezvous, TensorSpec
 from ..model.llama import LlamaForCausalLM
-from ..model.loader import iterate_checkpoint, verify_checkpoint, verify_shapes
+from ..model.loader import checkpoint_views, iterate_checkpoint, verify_checkpoint, verify_shapes
 from . import group as transfer
 from .drafter import is_drafter
+from .finite import refuse_nonfinite
 from .manifest import plan_buckets, spec_of, unpack
 from .digests import forget_digests
 
@@ -50,6 +52,7 @@ class DirectorySource:
 
     def check(self, model: LlamaForCausalLM) -> None:
         verify_checkpoint(model, self.path)
+        refuse_nonfinite(checkpoint_views(self.path), f"the checkpoint at {self.path}")  # reads every tensor
 
     def tensors(self, model: LlamaForCausalLM) -> Iterator[tuple[str, object]]:
         forget_digests(model)  # what a later delta compares against is no longer what this rank holds
@@ -78,6 +81,7 @@ class TensorSource:
 
     def check(self, model: LlamaForCausalLM) -> None:
         verify_shapes(model, ((name, tuple(t.shape)) for name, t in self.named if not is_drafter(name)), partial=True)
+        refuse_nonfinite(self.named, "the refit's tensors")
 
     def shapes(self) -> list[tuple[str, tuple[int, ...]]]:
         """Every ``(name, shape)`` pair, the drafter's (:mod:`.drafter`) included."""
@@ -144,7 +148,11 @@ class RendezvousSource:
                 except RuntimeError as exc:
                     raise RuntimeError(f"the transfer from {self.label} broke at bucket {index + 1} of {len(buckets)}: "
                                        f"{_reason(exc)}") from exc
-                yield from unpack(bucket, manifest, buffer)
+                tensors = unpack(bucket, manifest, buffer)
+                # the sender checked them before the REFIT (WeightSender); a sender that did not is refused here,
+                # before this bucket's tensors reach a weight
+                refuse_nonfinite(tensors, f"the transfer from {self.label}")
+                yield from tensors
         finally:
             # In gloo's broadcast tree a rank hears of a dead sender only from its parent rank, and
             # a parent's connections close only once its group and pending work are released: kept
