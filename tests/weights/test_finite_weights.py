@@ -156,6 +156,7 @@ async def test_nan_pushes_are_refused_and_the_fleet_keeps_its_epoch_and_text(fle
         with pytest.raises(NonFiniteWeights, match="tensor .*lora_A.* holds NaN"):
             await sender.send_lora("a", adapter, version=1)
         # a sender that skips its check: each engine refuses the bucket before any of its tensors is applied
+        monkeypatch.setattr(weight_sender, "first_nonfinite", lambda named: None)
         monkeypatch.setattr(weight_sender, "refuse_nonfinite", lambda named, what: None)
         with pytest.raises(ControlError, match="tensor lm_head.weight holds NaN.*keeps serving epoch 0") as refused:
             await asyncio.wait_for(sender.send([("lm_head.weight", head)]), 120)
