@@ -202,8 +202,10 @@ def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, sequenc
         rows_of[seq].append(row)
         positions_of[seq].append(position)
     blocks = -(-length // KEY_BLOCK)
+    # reshape, not view: a length already a whole number of blocks pads nothing, and the caller's strided
+    # keys (a trainer's transposed ``[B, Hkv, L, D]``) come back as they were
     keys_b, values_b = (torch.nn.functional.pad(cache.to(torch.float32), (0, 0, 0, blocks * KEY_BLOCK - length))
-                        .view(kv_heads, count * blocks, KEY_BLOCK, dim) for cache in (keys, values))
+                        .reshape(kv_heads, count * blocks, KEY_BLOCK, dim) for cache in (keys, values))
     out = q.new_empty((rows, heads, dim), dtype=torch.float32)
     for group in plan_rows(rows_of, positions_of, heads // kv_heads, q.device):
         members = torch.tensor(group.members, device=q.device)
