@@ -52,3 +52,17 @@ def test_vision_models_are_refused_in_the_mode(tmp_path):
     vision = make_tiny_model(tmp_path / "vlm", seed=0, arch="qwen2_vl")
     with pytest.raises(UnsupportedModelError, match="--batch-invariant supports text models only"):
         DynamicInferenceEngine.from_model_dir(vision, InferenceConfig(batch_invariant=True))
+
+
+def test_every_engine_option_crosses_to_fleet_engines():
+    """Each field the engine options set is on the fleet's argv (``--logprobs-mode`` once was not, and fleet
+    engines reported raw log probs in a processed mode): a config with the mode and other fields off their
+    defaults comes back equal."""
+    parser = argparse.ArgumentParser()
+    add_engine_options(parser)
+    defaults = inference_config_from_args(parser.parse_args(["--device", "cpu"]))
+    changed = inference_config_from_args(parser.parse_args([
+        "--device", "cpu", "--logprobs-mode", "processed_logprobs", "--batch-invariant", "--seed", "3",
+        "--verify-logprobs-fraction", "0.5", "--max-batch-tokens", "256", "--dtype", "float32"]))
+    assert changed.logprobs_mode != defaults.logprobs_mode
+    assert inference_config_from_args(parser.parse_args(inference_config_to_argv(changed))).to_dict() == changed.to_dict()
