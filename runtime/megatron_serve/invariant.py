@@ -27,11 +27,13 @@ from typing import Callable, Iterator
 import torch
 from megatron_kernels.invariant import InvariantMode, rms_norm
 from megatron_kernels.invariant_attention import attention
+from megatron_kernels.invariant_lora import lora_expand, lora_shrink
 from megatron_kernels.invariant_layout import BatchLayout, batch_layout
+from megatron_kernels.reference_lora import LoraBatch, slot_table
 
 ATTENTION_NAME = "megatron_invariant"
 
-__all__ = ["ATTENTION_NAME", "batch_invariant", "hf_attention", "use_invariant_norms"]
+__all__ = ["ATTENTION_NAME", "batch_invariant", "hf_attention", "replay_routing", "use_invariant_lora", "use_invariant_norms"]
 
 
 @contextlib.contextmanager
@@ -106,6 +108,117 @@ def use_invariant_norms(model: torch.nn.Module) -> int:
 
 def _invariant_norm(module: torch.nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
     return rms_norm(hidden_states, module.weight, module.variance_epsilon)
+
+
+def use_invariant_lora(model: torch.nn.Module, max_lora_rank: int) -> int:
+    """Route every PEFT LoRA linear of ``model`` through the engine's LoRA arithmetic; returns how many.
+
+    The engine adds an adapter's delta row by row (:mod:`megatron_kernels.invariant_lora`: each rank's
+    products summed over the inputs, then each output's over ``max_lora_rank`` ranks, the adapter's own
+    padded with zeros, ``B`` scaled before, in the model dtype), reading its slot tables along their strides
+    (``reference_lora.slot_table``; a fused projection's ``A`` stacked over its parts); PEFT multiplies by
+    GEMMs in float32 and scales after, which rounds otherwise. This builds the engine's tables for each call
+    and runs the engine's kernels. ``max_lora_rank``: the engine's ``--max-lora-rank``. Differentiable: the
+    adapter trains through it."""
+    count = 0
+    for name, module in model.named_modules():
+        if hasattr(module, "lora_A") and hasattr(module, "scaling") and isinstance(
+                getattr(module, "base_layer", None), torch.nn.Linear):
+            module.forward = functools.partial(_invariant_lora, module, max_lora_rank, name.rpartition(".")[2])
+            count += 1
+    return count
+
+
+# the engine fuses these projections, and stacks their LoRA A along the rank: (part index, parts)
+_FUSED_PARTS = {"q_proj": (0, 3), "k_proj": (1, 3), "v_proj": (2, 3), "gate_proj": (0, 2), "up_proj": (1, 2)}
+
+
+def _invariant_lora(module: torch.nn.Module, max_rank: int, projection: str, x: torch.Tensor, *args,
+                    **kwargs) -> torch.Tensor:
+    result = module.base_layer(x, *args, **kwargs)
+    if module.disable_adapters or module.merged:
+        return result
+    for name in module.active_adapters:
+        if name not in module.lora_A:
+            continue
+        if module.lora_variant.get(name) is not None:
+            raise ValueError(f"adapter {name!r} is a LoRA variant (DoRA...): the engine serves plain LoRA")
+        dropout = module.lora_dropout[name]
+        if module.training and isinstance(dropout, torch.nn.Dropout) and dropout.p:
+            raise ValueError(f"adapter {name!r} has lora_dropout {dropout.p}: the engine has none; set it to 0")
+        result = _engine_lora_delta(module, name, max_rank, projection, x, result)
+    return result
+
+
+def _engine_lora_delta(module: torch.nn.Module, name: str, max_rank: int, projection: str, x: torch.Tensor,
+                       result: torch.Tensor) -> torch.Tensor:
+    """``result`` plus the adapter's delta as the engine's slot tables compute it: ``A`` in its part's ranks of
+    the fused projection's table, ``B * scaling`` in its own, both in the kernels' layout and the model dtype."""
+    a, b = module.lora_A[name].weight, module.lora_B[name].weight
+    rank = a.shape[0]
+    if rank > max_rank:
+        raise ValueError(f"adapter {name!r} has rank {rank}, more than max_lora_rank {max_rank}")
+    part, parts = _FUSED_PARTS.get(projection, (0, 1))
+    shrink_table = slot_table(1, parts * max_rank, a.shape[1], x.device, x.dtype)
+    shrink_table[0, part * max_rank : part * max_rank + rank] = a.to(x.dtype)
+    expand_table = slot_table(1, b.shape[0], max_rank, x.device, x.dtype)
+    expand_table[0, :, :rank] = (b * module.scaling[name]).to(x.dtype)
+    rows = x.reshape(-1, x.shape[-1])
+    batch = LoraBatch.of_padded(torch.zeros(rows.shape[0], dtype=torch.int64, device=x.device))
+    shrunk = lora_shrink(rows, shrink_table, batch)
+    out = result.reshape(-1, result.shape[-1]).clone()  # lora_expand adds in place: not into the base output
+    lora_expand(out, shrunk[:, part * max_rank : (part + 1) * max_rank], expand_table, batch)
+    return out.view(result.shape)
+
+
+@contextlib.contextmanager
+def replay_routing(model: torch.nn.Module, indices: torch.Tensor) -> Iterator[None]:
+    """Route the tokens of the forwards run inside to the experts the engine chose (routing replay).
+
+    ``indices`` ``[tokens, moe_layers, top_k]``: for each token of the call, flattened row-major
+    (``batch * length``), the experts of each MoE layer, as the engine reports them
+    (``return_routing_indices``: a sequence's rows in its tokens' places; padding rows any experts). Each
+    ``transformers`` router (a ``...TopKRouter``) takes these instead of its own top-k and weighs them with
+    its own probabilities, so a trainer whose router has moved since the rollout still trains the experts
+    the rollout used; with the engine's weights the log probs are unchanged (the same experts, the same
+    order)."""
+    routers = [module for module in model.modules() if type(module).__name__.endswith("TopKRouter")]
+    if len(routers) != indices.shape[1]:
+        raise ValueError(f"routing for {indices.shape[1]} MoE layers, but the model has {len(routers)} routers")
+    saved = [router.__dict__.get("forward") for router in routers]
+    for layer, router in enumerate(routers):
+        router.forward = functools.partial(_replayed_router, router, indices[:, layer])
+    try:
+        yield
+    finally:
+        for router, forward in zip(routers, saved):
+            if forward is None:
+                del router.forward
+            else:
+                router.forward = forward
+
+
+def _replayed_router(router: torch.nn.Module, chosen: torch.Tensor, hidden_states: torch.Tensor):
+    with _ReplayedTopK(chosen.to(hidden_states.device)):
+        return type(router).forward(router, hidden_states)
+
+
+class _ReplayedTopK(torch.overrides.TorchFunctionMode):
+    """``torch.topk`` over a router's ``[tokens, experts]`` scores: the replayed experts and their scores."""
+
+    def __init__(self, chosen: torch.Tensor) -> None:
+        super().__init__()
+        self.chosen = chosen
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.topk:
+            scores = args[0]
+            if scores.shape[0] != self.chosen.shape[0]:
+                raise ValueError(f"routing replay holds {self.chosen.shape[0]} tokens, the forward {scores.shape[0]}")
+            chosen = self.chosen.long()
+            return torch.return_types.topk((scores.gather(-1, chosen), chosen))
+        return func(*args, **kwargs)
 
 
 def hf_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
