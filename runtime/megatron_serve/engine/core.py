@@ -84,6 +84,8 @@ class DynamicInferenceEngine(DeviceMemoryVerbs, LoraVerbs, SpeculativeSteps):
         """``model_dir``: where the model came from, when known (a draft model of another vocabulary is refused)."""
         if config.batch_invariant:
             model.use_batch_invariant_ops()
+        if (seam := config.trainer_seam_warning()) is not None:
+            logger.warning(seam)
         self.model = model
         self.tokenizer = tokenizer
         self.config = config
