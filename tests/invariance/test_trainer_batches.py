@@ -12,7 +12,7 @@ import random
 import pytest
 import torch
 
-import megatron_serve.invariant as invariant
+import megatron_kernels.invariant_trainer as invariant
 from megatron_serve.invariant import batch_invariant
 
 from .batches import LAYOUTS, Batch, completion_log_probs, packed, right_padded

@@ -1,0 +1,246 @@
+"""Plain-PyTorch reference implementations of every hot-path op.
+
+These are the CPU path of the engine and the ground truth the Triton kernels are tested against.
+Layout conventions shared with the kernels:
+
+* KV cache of one layer: ``k_cache`` / ``v_cache`` of shape ``[num_blocks, block_size, num_kv_heads, head_dim]``.
+* ``block_tables``: int32 ``[num_seqs, max_blocks_per_seq]``; entries past a sequence's last block are ignored.
+* ``slot_mapping``: int64 ``[num_tokens]``, ``block_id * block_size + offset``; negative slots are skipped.
+* ``context_lens``: int32 ``[num_seqs]``, tokens in the cache for each sequence *including* the ones
+  written this step. Prefill queries are the last ``q_len`` positions of their sequence.
+* Rotary embedding is the Hugging Face "rotate half" form, ``cos``/``sin`` of shape ``[positions, rotary_dim // 2]``.
+* An FP8 KV cache (``float8_e4m3fn``) comes with ``k_scales`` / ``v_scales`` ``[num_blocks, block_size,
+  num_kv_heads]`` float32, one per cache slot and head: the cached value is ``fp8 * scale``
+  (:mod:`megatron_kernels.fp8`). Without them the cache holds plain values.
+* FP8 weights: ``weight`` ``[N, K]`` ``float8_e4m3fn`` and float32 ``weight_scale`` per row (``block=None``)
+  or per ``block`` tile (:mod:`megatron_kernels.fp8`).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .fp8 import Block, dequantize, quantize_heads
+from .reference_lora import lora_expand, lora_shrink  # noqa: F401 - dispatcher ops, in their own module
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm computed in float32, as Llama does, then cast back to the input dtype."""
+    x32 = x.float()
+    normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * normed.to(x.dtype)
+
+
+def fused_add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Return ``(rms_norm(x + residual), x + residual)``: the pre-norm of the next sub-layer and its residual."""
+    summed = x + residual
+    return rms_norm(summed, weight, eps), summed
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """SwiGLU activation on a fused gate/up projection: ``silu(x[..., :n]) * x[..., n:]``."""
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def apply_rotary(
+    q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate ``q`` ``[T, Hq, D]`` and ``k`` ``[T, Hkv, D]`` by their token positions."""
+    cos_t = cos[positions].unsqueeze(1)
+    sin_t = sin[positions].unsqueeze(1)
+    return _rotate(q, cos_t, sin_t), _rotate(k, cos_t, sin_t)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = cos.shape[-1]
+    x32 = x.float()
+    x1, x2, rest = x32[..., :half], x32[..., half : 2 * half], x32[..., 2 * half :]
+    rotated = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest), dim=-1)
+    return rotated.to(x.dtype)
+
+
+def write_kv_cache(
+    key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+    *, k_scales: torch.Tensor | None = None, v_scales: torch.Tensor | None = None,
+) -> None:
+    """Scatter this step's keys/values ``[T, Hkv, D]`` into their cache slots (in place); into an FP8
+    cache quantized, one scale per token and head."""
+    valid = slot_mapping >= 0
+    if not bool(valid.all()):
+        key, value, slot_mapping = key[valid], value[valid], slot_mapping[valid]
+    num_blocks, block_size = k_cache.shape[:2]
+    for x, cache, scales in ((key, k_cache, k_scales), (value, v_cache, v_scales)):
+        if scales is not None:
+            x, slot_scales = quantize_heads(x)
+            scales.view(num_blocks * block_size, scales.shape[2])[slot_mapping] = slot_scales
+        cache.view(num_blocks * block_size, *cache.shape[2:])[slot_mapping] = x.to(cache.dtype)
+
+
+def apply_rotary_write_kv_cache(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    positions: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    *,
+    k_scales: torch.Tensor | None = None,
+    v_scales: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``apply_rotary`` then ``write_kv_cache`` of the rotated keys and ``v``; returns the rotated ``(q, k)``."""
+    q, k = apply_rotary(q, k, positions, cos, sin)
+    write_kv_cache(k, v, k_cache, v_cache, slot_mapping, k_scales=k_scales, v_scales=v_scales)
+    return q, k
+
+
+def _gather_sequence_kv(
+    cache: torch.Tensor, block_tables: torch.Tensor, num_blocks: int, scales: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``[S, num_blocks * block_size, Hkv, D]``: the first ``num_blocks`` blocks of each sequence, contiguous
+    (float32, dequantized, from an FP8 cache)."""
+    table = block_tables[:, :num_blocks].long().clamp_min(0)
+    gathered = cache[table]  # [S, nb, bs, Hkv, D]
+    if scales is not None:
+        gathered = gathered.float() * scales[table].unsqueeze(-1)
+    return gathered.flatten(1, 2)
+
+
+def paged_attention_decode(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    *,
+    out: torch.Tensor | None = None,
+    k_scales: torch.Tensor | None = None,
+    v_scales: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """One query token per sequence (``q`` ``[S, Hq, D]``) attending to its whole cached context.
+
+    ``out``: where to write the result (a view of a persistent buffer); a new tensor when None.
+    A sequence of context 0 (a padding row of a replayed step) attends to nothing: its row is NaN, and
+    never read (rows stay apart through every later layer).
+    """
+    block_size = k_cache.shape[1]
+    max_len = int(context_lens.max())
+    num_blocks = -(-max_len // block_size)
+    keys = _gather_sequence_kv(k_cache, block_tables, num_blocks, k_scales).transpose(1, 2)  # [S, Hkv, L, D]
+    values = _gather_sequence_kv(v_cache, block_tables, num_blocks, v_scales).transpose(1, 2)
+    positions = torch.arange(keys.shape[2], device=q.device)
+    mask = (positions[None, :] < context_lens[:, None].to(q.device))[:, None, None, :]  # [S, 1, 1, L]
+    attended = F.scaled_dot_product_attention(
+        q.unsqueeze(2).float(), keys.float(), values.float(), attn_mask=mask, scale=scale,
+        enable_gqa=q.shape[1] != keys.shape[1],
+    ).squeeze(2)
+    if out is None:
+        return attended.to(q.dtype)
+    out.copy_(attended)
+    return out
+
+
+def paged_attention_prefill(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    *,
+    out: torch.Tensor | None = None,
+    k_scales: torch.Tensor | None = None,
+    v_scales: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Causal attention for packed query chunks (``q`` ``[T, Hq, D]``) over their cached prefixes.
+
+    Sequence ``i`` owns queries ``query_start_loc[i]:query_start_loc[i+1]``, which are the last
+    positions of its ``context_lens[i]`` cached tokens (chunked prefill over cached blocks).
+    """
+    block_size = k_cache.shape[1]
+    out = torch.empty_like(q) if out is None else out
+    starts = query_start_loc.tolist()
+    lens = context_lens.tolist()
+    for i, context_len in enumerate(lens):
+        q_start, q_end = starts[i], starts[i + 1]
+        q_len = q_end - q_start
+        if q_len == 0:
+            continue
+        num_blocks = -(-context_len // block_size)
+        keys = _gather_sequence_kv(k_cache, block_tables[i : i + 1], num_blocks, k_scales)[0, :context_len]
+        values = _gather_sequence_kv(v_cache, block_tables[i : i + 1], num_blocks, v_scales)[0, :context_len]
+        query_pos = torch.arange(context_len - q_len, context_len, device=q.device)
+        key_pos = torch.arange(context_len, device=q.device)
+        mask = key_pos[None, :] <= query_pos[:, None]
+        attended = F.scaled_dot_product_attention(
+            q[q_start:q_end].transpose(0, 1).float(), keys.transpose(0, 1).float(), values.transpose(0, 1).float(),
+            attn_mask=mask, scale=scale, enable_gqa=q.shape[1] != keys.shape[1],
+        )
+        out[q_start:q_end] = attended.transpose(0, 1).to(q.dtype)
+    return out
+
+
+def fused_moe(
+    hidden: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    *,
+    w13_scale: torch.Tensor | None = None,
+    w2_scale: torch.Tensor | None = None,
+    block: Block = None,
+) -> torch.Tensor:
+    """Mixture-of-experts SwiGLU MLP: every token through its ``k`` experts, outputs summed by router weight.
+
+    ``hidden`` ``[T, H]``; ``w13`` ``[E, 2I, H]`` (each expert's gate rows, then its up rows); ``w2``
+    ``[E, H, I]``; ``topk_weights`` ``[T, k]`` (float32 router weights); ``topk_ids`` ``[T, k]`` expert ids.
+    The ``T * k`` (token, expert) pairs are sorted by expert, so each expert's rows go through one
+    matmul per projection; experts that received no token cost nothing. Each expert's output is
+    rounded to the input dtype, then weighted and summed over ``k`` in float32.
+    FP8 experts (``w13_scale``/``w2_scale`` ``[E, ...]`` given) are dequantized to the input dtype one expert
+    at a time (``block``: see :mod:`megatron_kernels.fp8`).
+    """
+    num_tokens, top_k = topk_ids.shape
+    flat = topk_ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=w13.shape[0]).tolist()
+    rows = hidden[order // top_k]
+    out = hidden.new_empty((num_tokens * top_k, hidden.shape[1]))
+    start = 0
+    for expert, count in enumerate(counts):
+        if count:
+            end = start + count
+            gate_up, down = w13[expert], w2[expert]
+            if w13_scale is not None:
+                gate_up = dequantize(gate_up, w13_scale[expert], block, hidden.dtype)
+                down = dequantize(down, w2_scale[expert], block, hidden.dtype)
+            activated = silu_and_mul(F.linear(rows[start:end], gate_up))
+            out[order[start:end]] = F.linear(activated, down)
+            start = end
+    weighted = out.float().view(num_tokens, top_k, hidden.shape[1]) * topk_weights.float().unsqueeze(-1)
+    return weighted.sum(1).to(hidden.dtype)
+
+
+def fp8_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    block: Block,
+    bias: torch.Tensor | None = None,
+    input_scale: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``x @ W^T + bias`` for an FP8 weight, on devices without FP8 matrix units: the weight is dequantized
+    to ``x``'s dtype and the activations stay unquantized (``input_scale``, a checkpoint's static
+    activation scale, only matters where activations are quantized). This gives exactly the engine's
+    output on the dequantized weights.
+    """
+    return F.linear(x, dequantize(weight, weight_scale, block, x.dtype), bias)

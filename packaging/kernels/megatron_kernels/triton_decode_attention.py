@@ -1,0 +1,251 @@
+"""Paged attention for decode (one query token per sequence) in Triton, with split-K (flash-decoding).
+
+One program serves one (sequence, KV head, split): the ``GROUP`` query heads that share the KV head are
+the rows of one ``tl.dot`` (padded to 16), so each K/V tile is read once for the whole group. A split
+covers an equal share of its own sequence's context, so the grid depends on shapes only (no host sync,
+CUDA-graph friendly). With more than one split, partial outputs and their log-sum-exp are combined by a
+second small kernel.
+
+An FP8 cache (``KV_FP8``) is read as e4m3 and widened in registers; each key's scale multiplies its
+column of ``q @ K^T`` and each value's scale its column of ``P`` before ``P @ V``, which is exactly
+attention over the dequantized cache at half the bytes read.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from . import reference
+from ._triton_utils import fp8_native, interpreted, next_pow2, sm_count
+from .triton_kv_cache import check_cache, scale_strides
+
+_LOG2E = 1.4426950408889634
+_MIN_TOKENS_PER_SPLIT = 256
+_MAX_SPLITS = 32
+
+
+@triton.jit(do_not_specialize=["stride_bt"])
+def _decode_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr,
+    out_ptr, part_out_ptr, part_lse_ptr, k_scale_ptr, v_scale_ptr,
+    qk_scale,
+    stride_qs, stride_qh,
+    stride_kb, stride_ko, stride_kh,
+    stride_vb, stride_vo, stride_vh,
+    stride_bt,
+    stride_os, stride_oh,
+    stride_sb, stride_so,
+    GROUP: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    FP32_DOT: tl.constexpr,
+    KV_FP8: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    num_q_heads = tl.num_programs(1) * GROUP
+
+    g = tl.arange(0, BLOCK_G)
+    heads = kv_head * GROUP + g
+    d = tl.arange(0, BLOCK_D)
+    g_mask = g < GROUP
+    d_mask = d < HEAD_DIM
+    q = tl.load(q_ptr + seq * stride_qs + heads[:, None] * stride_qh + d[None, :],
+                mask=g_mask[:, None] & d_mask[None, :], other=0.0)
+    if FP32_DOT:
+        q = q.to(tl.float32)
+
+    context_len = tl.load(context_lens_ptr + seq)
+    if NUM_SPLITS == 1:
+        start = 0
+        end = context_len
+    else:
+        per_split = tl.cdiv(tl.cdiv(context_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+        start = split * per_split
+        end = tl.minimum(start + per_split, context_len)
+
+    m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
+    table = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    k_base = k_cache_ptr + kv_head * stride_kh
+    v_base = v_cache_ptr + kv_head * stride_vh
+    for n0 in range(start, end, BLOCK_N):
+        n = n0 + tl.arange(0, BLOCK_N)
+        n_mask = n < end
+        block = tl.load(table + n // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
+        offset = n % BLOCK_SIZE
+        kv_mask = n_mask[:, None] & d_mask[None, :]
+        k = tl.load(k_base + (block * stride_kb + offset * stride_ko)[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        if FP32_DOT:
+            k = k.to(tl.float32)
+            s = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k.to(q.dtype)))
+        s = s * qk_scale
+        if KV_FP8:
+            slot_scales = block * stride_sb + offset * stride_so + kv_head
+            s = s * tl.load(k_scale_ptr + slot_scales, mask=n_mask, other=0.0)[None, :]
+        s = tl.where(n_mask[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))  # finite: every tile has a valid column
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = tl.load(v_base + (block * stride_vb + offset * stride_vo)[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        pv = p
+        if KV_FP8:
+            pv = p * tl.load(v_scale_ptr + slot_scales, mask=n_mask, other=0.0)[None, :]
+        if FP32_DOT:
+            v = v.to(tl.float32)
+            acc = acc * alpha[:, None] + tl.dot(pv, v, input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(pv.to(q.dtype), v.to(q.dtype))
+        m_i = m_new
+
+    nonempty = l_i > 0.0
+    out = acc / tl.where(nonempty, l_i, 1.0)[:, None]
+    out_mask = g_mask[:, None] & d_mask[None, :]
+    if NUM_SPLITS == 1:
+        o_ptrs = out_ptr + seq * stride_os + heads[:, None] * stride_oh + d[None, :]
+        tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=out_mask)
+    else:
+        # Partials are [S, Hq, NUM_SPLITS, HEAD_DIM] and [S, Hq, NUM_SPLITS], contiguous, fp32.
+        row = (seq * num_q_heads + heads) * NUM_SPLITS + split
+        tl.store(part_out_ptr + row[:, None].to(tl.int64) * HEAD_DIM + d[None, :], out, mask=out_mask)
+        lse = tl.where(nonempty, m_i + tl.log2(tl.where(nonempty, l_i, 1.0)), float("-inf"))
+        tl.store(part_lse_ptr + row, lse, mask=g_mask)
+
+
+@triton.jit
+def _combine_kernel(
+    part_out_ptr, part_lse_ptr, out_ptr,
+    stride_os, stride_oh,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    BLOCK_SPLITS: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    row0 = (seq * tl.num_programs(1) + head) * NUM_SPLITS
+    sp = tl.arange(0, BLOCK_SPLITS)
+    d = tl.arange(0, BLOCK_D)
+    sp_mask = sp < NUM_SPLITS
+    d_mask = d < HEAD_DIM
+    lse = tl.load(part_lse_ptr + row0 + sp, mask=sp_mask, other=float("-inf"))
+    m = tl.max(lse, axis=0)
+    m = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.exp2(lse - m)
+    denom = tl.sum(w, axis=0)
+    parts = tl.load(part_out_ptr + (row0 + sp)[:, None].to(tl.int64) * HEAD_DIM + d[None, :],
+                    mask=sp_mask[:, None] & d_mask[None, :], other=0.0)
+    out = tl.sum(w[:, None] * parts, axis=0) / tl.where(denom > 0.0, denom, 1.0)
+    tl.store(out_ptr + seq * stride_os + head * stride_oh + d, out.to(out_ptr.dtype.element_ty), mask=d_mask)
+
+
+def split_count(num_seqs: int, num_kv_heads: int, max_context: int, block_n: int, sms: int) -> int:
+    """Split count from shapes alone: fill the GPU (``sms`` multiprocessors) when sequences x KV heads are too
+    few to. A power of two: few kernel variants to compile (the engine compiles each at start-up)."""
+    programs = num_seqs * num_kv_heads
+    want = triton.cdiv(2 * sms, max(programs, 1))
+    worth = triton.cdiv(max_context, max(_MIN_TOKENS_PER_SPLIT, block_n))
+    splits = max(1, min(want, worth, _MAX_SPLITS))
+    return 1 << (splits.bit_length() - 1)
+
+
+def decode_block_n(q: torch.Tensor) -> int:
+    return 128 if interpreted(q) else 64
+
+
+def paged_attention_decode(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    *,
+    k_scales: torch.Tensor | None = None,
+    v_scales: torch.Tensor | None = None,
+    num_splits: int | None = None,
+    block_n: int | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Triton twin of :func:`megatron_kernels.reference.paged_attention_decode`.
+
+    ``num_splits`` / ``block_n`` override the launch heuristics (tests use them to cover split-K);
+    ``out``: where to write the result (rows of a persistent buffer), a new tensor when None.
+    """
+    check_cache(k_cache, v_cache, k_scales, v_scales)
+    if k_scales is not None and not fp8_native(q.device):
+        return reference.paged_attention_decode(q, k_cache, v_cache, block_tables, context_lens, scale,
+                                                k_scales=k_scales, v_scales=v_scales)
+    num_seqs, num_q_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, cache_head_dim = k_cache.shape
+    if cache_head_dim != head_dim or num_q_heads % num_kv_heads:
+        raise ValueError(f"q {tuple(q.shape)} does not fit cache {tuple(k_cache.shape)}")
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    block_tables = block_tables if block_tables.stride(-1) == 1 else block_tables.contiguous()
+    context_lens = context_lens.contiguous()
+    if out is None:
+        out = torch.empty((num_seqs, num_q_heads, head_dim), dtype=q.dtype, device=q.device)
+    elif out.shape != q.shape or out.stride(-1) != 1:
+        raise ValueError(f"out {tuple(out.shape)} must have q's shape {tuple(q.shape)} and a contiguous last dimension")
+    if num_seqs == 0:
+        return out
+    group = num_q_heads // num_kv_heads
+    cpu = interpreted(q)
+    if block_n is None:
+        block_n = decode_block_n(q)
+    max_context = block_tables.shape[1] * block_size
+    if num_splits is None:
+        num_splits = 1 if cpu else split_count(num_seqs, num_kv_heads, max_context, block_n, sm_count(q.device))
+    block_d = next_pow2(head_dim)
+    if num_splits > 1:
+        part_out = torch.empty((num_seqs, num_q_heads, num_splits, head_dim), dtype=torch.float32, device=q.device)
+        part_lse = torch.empty((num_seqs, num_q_heads, num_splits), dtype=torch.float32, device=q.device)
+    else:
+        part_out = part_lse = out  # unused
+    fp8 = k_scales is not None
+    _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
+        q, k_cache, v_cache, block_tables, context_lens,
+        out, part_out, part_lse, k_scales if fp8 else out, v_scales if fp8 else out,
+        float(scale) * _LOG2E,
+        q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        block_tables.stride(0),
+        out.stride(0), out.stride(1),
+        *scale_strides(k_scales),
+        GROUP=group,
+        BLOCK_G=max(16, next_pow2(group)),
+        HEAD_DIM=head_dim,
+        BLOCK_D=block_d,
+        BLOCK_SIZE=block_size,
+        BLOCK_N=block_n,
+        NUM_SPLITS=num_splits,
+        FP32_DOT=cpu or q.dtype == torch.float32,
+        KV_FP8=fp8,
+        num_warps=4,
+        num_stages=2,
+    )
+    if num_splits > 1:
+        _combine_kernel[(num_seqs, num_q_heads)](
+            part_out, part_lse, out,
+            out.stride(0), out.stride(1),
+            HEAD_DIM=head_dim,
+            BLOCK_D=block_d,
+            NUM_SPLITS=num_splits,
+            BLOCK_SPLITS=next_pow2(num_splits),
+            num_warps=4 if block_d * num_splits >= 2048 else 1,
+        )
+    return out
+

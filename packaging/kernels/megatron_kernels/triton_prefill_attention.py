@@ -1,0 +1,229 @@
+"""Paged attention for prefill and chunked prefill over cached blocks, in Triton.
+
+Queries of all sequences are packed (varlen, ``query_start_loc``); each sequence's queries are the last
+``q_len`` positions of its ``context_len`` cached tokens, and attention is causal. One program serves
+one tile of ``BLOCK_Q`` queries of one sequence times the ``GROUP`` query heads of one KV head: the
+tile's rows are (query, head) pairs, so each K/V tile is read once for the whole GQA group. Programs
+find their sequence by binary search over ``query_start_loc``; the grid is a shape-only upper bound
+(``num_tokens // BLOCK_Q + num_seqs`` tiles), so no host sync is needed. Key tiles below the tile's
+first query position skip the causal mask; only the diagonal tiles apply it. An FP8 cache is read as
+the decode kernel reads it (per-key scales on the columns of ``q @ K^T`` and of ``P``).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from . import reference
+from ._triton_utils import fp8_native, interpreted, next_pow2
+from .triton_kv_cache import check_cache, scale_strides
+
+_LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _attend(
+    acc, l_i, m_i, q, q_pos, k_base, v_base, table, lo, hi, qk_scale,
+    d, d_mask, stride_kb, stride_ko, stride_vb, stride_vo,
+    k_scale_base, v_scale_base, stride_sb, stride_so,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    CAUSAL_MASK: tl.constexpr,
+    FP32_DOT: tl.constexpr,
+    KV_FP8: tl.constexpr,
+):
+    """Online-softmax accumulation over keys ``[lo, hi)``."""
+    for n0 in range(lo, hi, BLOCK_N):
+        n = n0 + tl.arange(0, BLOCK_N)
+        n_mask = n < hi
+        block = tl.load(table + n // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
+        offset = n % BLOCK_SIZE
+        kv_mask = n_mask[:, None] & d_mask[None, :]
+        k = tl.load(k_base + (block * stride_kb + offset * stride_ko)[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        if FP32_DOT:
+            s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k.to(q.dtype)))
+        s = s * qk_scale
+        if KV_FP8:
+            slot_scales = block * stride_sb + offset * stride_so
+            s = s * tl.load(k_scale_base + slot_scales, mask=n_mask, other=0.0)[None, :]
+        if CAUSAL_MASK:
+            s = tl.where(n_mask[None, :] & (n[None, :] <= q_pos[:, None]), s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))  # finite: key 0 precedes every query, tiles go in order
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = tl.load(v_base + (block * stride_vb + offset * stride_vo)[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        pv = p
+        if KV_FP8:
+            pv = p * tl.load(v_scale_base + slot_scales, mask=n_mask, other=0.0)[None, :]
+        if FP32_DOT:
+            acc = acc * alpha[:, None] + tl.dot(pv, v.to(tl.float32), input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(pv.to(q.dtype), v.to(q.dtype))
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit(do_not_specialize=["num_seqs", "search_steps", "stride_bt"])
+def _prefill_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, query_start_loc_ptr, context_lens_ptr, out_ptr,
+    k_scale_ptr, v_scale_ptr,
+    qk_scale, num_seqs, search_steps,
+    stride_qt, stride_qh,
+    stride_kb, stride_ko, stride_kh,
+    stride_vb, stride_vo, stride_vh,
+    stride_bt,
+    stride_ot, stride_oh,
+    stride_sb, stride_so,
+    GROUP: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    FP32_DOT: tl.constexpr,
+    KV_FP8: tl.constexpr,
+):
+    tile = tl.program_id(0)
+    kv_head = tl.program_id(1)
+
+    # Sequence of this tile: the last i with query_start_loc[i] // BLOCK_Q + i <= tile. Those starts
+    # strictly increase and leave each sequence at least cdiv(q_len, BLOCK_Q) tiles.
+    lo = num_seqs * 0
+    hi = num_seqs - 1
+    for _ in range(search_steps):
+        mid = (lo + hi + 1) // 2
+        ok = tl.load(query_start_loc_ptr + mid) // BLOCK_Q + mid <= tile
+        lo = tl.where(ok, mid, lo)
+        hi = tl.where(ok, hi, mid - 1)
+    seq = lo
+    q_start = tl.load(query_start_loc_ptr + seq)
+    q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
+    q_block = tile - (q_start // BLOCK_Q + seq)
+    if q_block * BLOCK_Q >= q_len:
+        return
+    context_len = tl.load(context_lens_ptr + seq)
+    prefix = context_len - q_len  # cached tokens before this chunk's first query
+
+    rows = tl.arange(0, BLOCK_Q * BLOCK_G)
+    q_idx = q_block * BLOCK_Q + rows // BLOCK_G
+    g = rows % BLOCK_G
+    heads = kv_head * GROUP + g
+    row_mask = (q_idx < q_len) & (g < GROUP)
+    d = tl.arange(0, BLOCK_D)
+    d_mask = d < HEAD_DIM
+    tok = (q_start + q_idx).to(tl.int64)
+    q = tl.load(q_ptr + tok[:, None] * stride_qt + heads[:, None] * stride_qh + d[None, :],
+                mask=row_mask[:, None] & d_mask[None, :], other=0.0)
+    if FP32_DOT:
+        q = q.to(tl.float32)
+    q_pos = prefix + q_idx
+
+    m_i = tl.full([BLOCK_Q * BLOCK_G], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_Q * BLOCK_G], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_Q * BLOCK_G, BLOCK_D], dtype=tl.float32)
+    table = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    k_base = k_cache_ptr + kv_head * stride_kh
+    v_base = v_cache_ptr + kv_head * stride_vh
+    first_pos = prefix + q_block * BLOCK_Q
+    # Keys at or before the tile's first query are visible to every row: no causal mask there.
+    full_hi = ((first_pos + 1) // BLOCK_N) * BLOCK_N
+    kv_hi = tl.minimum(context_len, first_pos + BLOCK_Q)
+    k_scale_base = k_scale_ptr + kv_head
+    v_scale_base = v_scale_ptr + kv_head
+    acc, l_i, m_i = _attend(
+        acc, l_i, m_i, q, q_pos, k_base, v_base, table, 0, full_hi, qk_scale,
+        d, d_mask, stride_kb, stride_ko, stride_vb, stride_vo, k_scale_base, v_scale_base, stride_sb, stride_so,
+        BLOCK_SIZE, BLOCK_N, False, FP32_DOT, KV_FP8,
+    )
+    acc, l_i, m_i = _attend(
+        acc, l_i, m_i, q, q_pos, k_base, v_base, table, full_hi, kv_hi, qk_scale,
+        d, d_mask, stride_kb, stride_ko, stride_vb, stride_vo, k_scale_base, v_scale_base, stride_sb, stride_so,
+        BLOCK_SIZE, BLOCK_N, True, FP32_DOT, KV_FP8,
+    )
+    out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+    tl.store(out_ptr + tok[:, None] * stride_ot + heads[:, None] * stride_oh + d[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & d_mask[None, :])
+
+
+def paged_attention_prefill(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    *,
+    k_scales: torch.Tensor | None = None,
+    v_scales: torch.Tensor | None = None,
+    block_m: int | None = None,
+    block_n: int | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Triton twin of :func:`megatron_kernels.reference.paged_attention_prefill`.
+
+    ``block_m`` (rows = queries x padded group heads) and ``block_n`` (keys) override the tile heuristics;
+    ``out``: where to write the result (rows of a persistent buffer), a new tensor when None.
+    """
+    check_cache(k_cache, v_cache, k_scales, v_scales)
+    if k_scales is not None and not fp8_native(q.device):
+        return reference.paged_attention_prefill(q, k_cache, v_cache, block_tables, query_start_loc, context_lens,
+                                                 scale, k_scales=k_scales, v_scales=v_scales)
+    num_tokens, num_q_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, cache_head_dim = k_cache.shape
+    if cache_head_dim != head_dim or num_q_heads % num_kv_heads:
+        raise ValueError(f"q {tuple(q.shape)} does not fit cache {tuple(k_cache.shape)}")
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    block_tables = block_tables if block_tables.stride(-1) == 1 else block_tables.contiguous()
+    query_start_loc = query_start_loc.contiguous()
+    context_lens = context_lens.contiguous()
+    num_seqs = context_lens.shape[0]
+    if out is None:
+        out = torch.empty_like(q)
+    elif out.shape != q.shape or out.stride(-1) != 1:
+        raise ValueError(f"out {tuple(out.shape)} must have q's shape {tuple(q.shape)} and a contiguous last dimension")
+    if num_seqs == 0 or num_tokens == 0:
+        return out
+    group = num_q_heads // num_kv_heads
+    block_g = next_pow2(group)
+    cpu = interpreted(q)
+    # Long prompts have tiles enough to fill the GPU with the larger, more efficient 128-row tile.
+    large = not cpu and num_tokens * num_kv_heads >= 4096 and head_dim <= 128
+    if block_m is None:
+        block_m = 128 if cpu or large else 64
+    if block_n is None:
+        block_n = 128 if cpu else (64 if head_dim <= 128 else 32)
+    block_m = max(block_m, block_g, 16)
+    block_q = block_m // block_g
+    num_tiles = num_tokens // block_q + num_seqs
+    fp8 = k_scales is not None
+    _prefill_kernel[(num_tiles, num_kv_heads)](
+        q, k_cache, v_cache, block_tables, query_start_loc, context_lens, out,
+        k_scales if fp8 else out, v_scales if fp8 else out,
+        float(scale) * _LOG2E, num_seqs, max(num_seqs - 1, 1).bit_length(),
+        q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        block_tables.stride(0),
+        out.stride(0), out.stride(1),
+        *scale_strides(k_scales),
+        GROUP=group,
+        BLOCK_G=block_g,
+        BLOCK_Q=block_q,
+        HEAD_DIM=head_dim,
+        BLOCK_D=next_pow2(head_dim),
+        BLOCK_SIZE=block_size,
+        BLOCK_N=block_n,
+        FP32_DOT=cpu or q.dtype == torch.float32,
+        KV_FP8=fp8,
+        num_warps=8 if block_m >= 128 and not cpu else 4,
+        num_stages=1 if q.dtype == torch.float32 else 2,  # fp32 tiles would need twice the shared memory
+    )
+    return out
