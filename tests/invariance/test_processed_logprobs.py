@@ -17,6 +17,7 @@ from megatron_serve.engine.core import DynamicInferenceEngine
 from megatron_serve.engine.logprob_parity import ParityChecker
 from megatron_serve.invariant import batch_invariant
 
+from ..devices import tensor_parallel_device
 from .runs import load_trainer_model, run_all, target_prompt
 
 TOKENS = 12
@@ -30,7 +31,7 @@ def _params(seed: int, **processing) -> SamplingParams:
 
 
 def _config(mode: str) -> InferenceConfig:
-    return InferenceConfig(dtype="float32", device="cpu", batch_invariant=True, block_size_tokens=16,
+    return InferenceConfig(dtype="float32", device=tensor_parallel_device(1), batch_invariant=True, block_size_tokens=16,
                            logprobs_mode=mode, verify_logprobs_fraction=1.0)
 
 
@@ -42,10 +43,13 @@ def _fleet(model_dir: str, mode: str) -> tuple[list, dict[str, int]]:
         prompts = [target_prompt(seed) for seed in range(len(SETTINGS))]
         results = llm.generate(prompts, [_params(seed, **s) for seed, s in enumerate(SETTINGS)])
         deadline = time.monotonic() + 120
-        while (counters := llm.status()["engines"][0]["metrics"]["counters"])["logprob_parity_checked"] < len(SETTINGS):
+        while True:  # the engine's metrics come with its heartbeats (none before its first)
+            metrics = llm.status()["engines"][0]["metrics"]
+            counters = metrics["counters"] if metrics else {"logprob_parity_checked": 0}
+            if counters["logprob_parity_checked"] >= len(SETTINGS):
+                return results, counters
             assert time.monotonic() < deadline, f"the engine checked {counters['logprob_parity_checked']} requests"
             time.sleep(0.05)
-        return results, counters
     finally:
         llm.shutdown()
 
@@ -53,7 +57,7 @@ def _fleet(model_dir: str, mode: str) -> tuple[list, dict[str, int]]:
 def _trainer_processed(model: torch.nn.Module, prompt: list[int], tokens: list[int], temperature: float) -> list[float]:
     """The trainer's temperature-scaled log probs: ``log_softmax(logits.float() / T)``, a division as the sampler's."""
     with torch.no_grad(), batch_invariant():
-        logits = model(torch.tensor([prompt + tokens])).logits.float()[0]
+        logits = model(torch.tensor([prompt + tokens], device=model.device)).logits.float()[0]
     log_probs = torch.log_softmax(logits / temperature, -1)
     return [log_probs[len(prompt) - 1 + i, token].item() for i, token in enumerate(tokens)]
 

@@ -79,11 +79,12 @@ def test_gradient_checkpointing_with_autograd_on(served, monkeypatch, recompute_
     model.train()
     try:
         batch = packed([run.prompt + run.tokens for run in runs])
+        batch.kwargs = {k: v.to(model.device) for k, v in batch.kwargs.items()}
         with batch_invariant():
             logits = model(**batch.kwargs).logits
             log_probs = completion_log_probs(logits, batch, runs)
             flat = torch.log_softmax(logits.float(), -1)[0]
-            loss = flat[torch.arange(flat.shape[0] - 1), batch.kwargs["input_ids"][0, 1:]].sum()
+            loss = flat[torch.arange(flat.shape[0] - 1, device=flat.device), batch.kwargs["input_ids"][0, 1:]].sum()
             if not recompute_in_the_mode:
                 with pytest.raises(torch.utils.checkpoint.CheckpointError):
                     loss.backward()
@@ -100,8 +101,8 @@ def test_gradient_checkpointing_with_autograd_on(served, monkeypatch, recompute_
 def test_control_the_packed_row_read_as_one_sequence_differs(served, monkeypatch):
     """Without the layout (each row one sequence, as before) a packed sequence sees the ones before it."""
     runs, model = served("llama", "float32")
-    monkeypatch.setattr(invariant, "batch_layout", lambda batch, length, *_: invariant._cached_layout(
-        batch, length, length, torch.device("cpu")))
+    monkeypatch.setattr(invariant, "batch_layout", lambda batch, length, *rest: invariant._cached_layout(
+        batch, length, length, rest[-1]))
     trainer = _trainer(model, packed([run.prompt + run.tokens for run in runs]), runs)
     assert trainer[0] == runs[0].log_probs  # the first sequence has nothing before it
     assert all(t != run.log_probs for t, run in zip(trainer[1:], runs[1:]))
@@ -137,5 +138,5 @@ def test_a_model_cast_after_loading_is_refused_and_differs(models, monkeypatch):
 
 def test_autocast_is_refused(models):
     model = load_trainer_model(models["llama"], "float32").eval()
-    with torch.autocast("cpu", dtype=torch.bfloat16), pytest.raises(RuntimeError, match="load the model in the engine"):
+    with torch.autocast(model.device.type, dtype=torch.bfloat16), pytest.raises(RuntimeError, match="load the model in the engine"):
         _trainer(model, right_padded([[5, 6, 7, 8]], 8), [])

@@ -29,7 +29,7 @@ MAX_LORA_RANK = 8
 
 def _log_probs(model: torch.nn.Module, run: TargetRun, temperature: float | None = None) -> list[float]:
     with torch.no_grad(), batch_invariant():
-        logits = model(torch.tensor([run.prompt + run.tokens])).logits.float()[0]
+        logits = model(torch.tensor([run.prompt + run.tokens], device=model.device)).logits.float()[0]
     log_probs = torch.log_softmax(logits if temperature is None else logits / temperature, -1)
     return [log_probs[len(run.prompt) - 1 + i, token].item() for i, token in enumerate(run.tokens)]
 
@@ -114,7 +114,7 @@ def test_temperature_as_a_division_gives_the_processed_log_probs(models, tempera
     model = load_trainer_model(models["llama"], "float32").eval()
     assert _log_probs(model, run, temperature) == run.log_probs
     with torch.no_grad(), batch_invariant():  # the control: a multiplication by the inverse rounds otherwise
-        logits = model(torch.tensor([run.prompt + run.tokens])).logits.float()[0]
+        logits = model(torch.tensor([run.prompt + run.tokens], device=model.device)).logits.float()[0]
     by_inverse = torch.log_softmax(logits * (1 / temperature), -1)
     assert [by_inverse[len(run.prompt) - 1 + i, t].item() for i, t in enumerate(run.tokens)] != run.log_probs
 
@@ -147,11 +147,12 @@ def test_routing_replay_keeps_the_log_probs_and_the_engines_experts_after_a_rout
     model = load_trainer_model(models["qwen3_moe"], "float32").eval()
     with replay_routing(model, replay):
         assert _log_probs(model, run) == run.log_probs
-    ids = torch.tensor([run.prompt + run.tokens])
+    ids = torch.tensor([run.prompt + run.tokens], device=model.device)
+    routing = routing.to(model.device)
     assert torch.equal(_routing_of(model, ids, None)[:-1], routing)  # the same weights: the same experts
     with torch.no_grad():  # an optimizer step moves the routers
         for module in model.modules():
             if type(module).__name__.endswith("TopKRouter"):
-                module.weight.add_(torch.randn(module.weight.shape, generator=torch.Generator().manual_seed(0)))
+                module.weight.add_(torch.randn(module.weight.shape, generator=torch.Generator().manual_seed(0)).to(module.weight))
     assert torch.equal(_routing_of(model, ids, replay)[:-1], routing)
     assert not torch.equal(_routing_of(model, ids, None)[:-1], routing)  # the control
