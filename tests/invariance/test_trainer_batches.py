@@ -103,9 +103,26 @@ def test_control_the_packed_row_read_as_one_sequence_differs(served, monkeypatch
     runs, model = served("llama", "float32")
     monkeypatch.setattr(invariant, "batch_layout", lambda batch, length, *rest: invariant._cached_layout(
         batch, length, length, rest[-1]))
+    monkeypatch.setattr(invariant, "_LAST_PLAN", invariant._LastPlan())  # not the earlier tests' plan
     trainer = _trainer(model, packed([run.prompt + run.tokens for run in runs]), runs)
     assert trainer[0] == runs[0].log_probs  # the first sequence has nothing before it
     assert all(t != run.log_probs for t, run in zip(trainer[1:], runs[1:]))
+
+
+def test_the_plan_is_reused_for_equal_inputs_only(served):
+    """Every layer of a forward reuses the first layer's plan; a batch with other positions (equal shapes) and
+    the same position tensor changed in place are planned anew, each giving its own sequences' log probs."""
+    runs, model = served("llama", "float32")
+    engine = [run.log_probs for run in runs]
+    batch = packed([run.prompt + run.tokens for run in runs])
+    assert _trainer(model, batch, runs) == engine
+    reordered = packed([run.prompt + run.tokens for run in runs[::-1]])
+    assert _trainer(model, reordered, runs[::-1]) == engine[::-1]
+    positions = batch.kwargs["position_ids"]
+    assert _trainer(model, batch, runs) == engine
+    positions.copy_(reordered.kwargs["position_ids"])  # in place, the same tensor
+    batch.kwargs["input_ids"] = reordered.kwargs["input_ids"]
+    assert _trainer(model, Batch(batch.kwargs, reordered.places), runs[::-1]) == engine[::-1]
 
 
 def test_a_packed_row_without_restarting_positions_is_refused(served):
