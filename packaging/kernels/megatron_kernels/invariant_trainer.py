@@ -32,7 +32,7 @@ from typing import Callable, Iterator
 import torch
 
 from .invariant import InvariantMode, rms_norm
-from .invariant_attention import attention
+from .invariant_attention import DensePlan, attention, plan_dense
 from .invariant_lora import lora_expand, lora_shrink
 from .invariant_layout import BatchLayout, batch_layout
 from .reference_lora import LoraBatch, slot_table
@@ -252,13 +252,23 @@ def hf_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor
     batch, heads, length, dim = query.shape
     keys_length = key.shape[2]
     scale = scaling if scaling is not None else dim**-0.5
-    if length == keys_length:
-        layout = batch_layout(batch, length, attention_mask, position_ids, cu_seq_lens_q, query.device)
-    else:
-        if attention_mask is not None and not bool(attention_mask.all()):
-            raise ValueError(f"{ATTENTION_NAME} attention over a cache takes right-padded rows only (the mask has "
-                             "padding): run the trainer's forward over whole sequences, without a cache")
-        layout = _cached_layout(batch, length, keys_length, query.device)
+
+    def plan() -> tuple[BatchLayout, DensePlan | None]:
+        if length == keys_length:
+            layout = batch_layout(batch, length, attention_mask, position_ids, cu_seq_lens_q, query.device)
+        else:
+            if attention_mask is not None and not bool(attention_mask.all()):
+                raise ValueError(f"{ATTENTION_NAME} attention over a cache takes right-padded rows only (the mask "
+                                 "has padding): run the trainer's forward over whole sequences, without a cache")
+            layout = _cached_layout(batch, length, keys_length, query.device)
+        if query.is_cuda:
+            return layout, None
+        count, longest = layout.keys.shape
+        return layout, plan_dense(layout.sequence, layout.positions, count, longest, heads // key.shape[1],
+                                  query.device)
+
+    layout, dense_plan = _LAST_PLAN.get((attention_mask, position_ids, cu_seq_lens_q),
+                                        (batch, length, keys_length, heads, key.shape[1], query.device), plan)
     rows = query.transpose(1, 2).reshape(batch * length, heads, dim)
     if query.is_cuda:  # the engine's Triton kernel over a paged view of this K/V: the engine's bits on this GPU
         from .triton_invariant_attention import dense_attention  # noqa: PLC0415 - needs triton
@@ -266,8 +276,33 @@ def hf_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor
         out = dense_attention(rows, keys, values, layout.sequence, layout.positions, scale)
     else:
         keys, values = (_sequences(cache, layout) for cache in (key, value))
-        out = attention(rows, keys, values, layout.sequence, layout.positions, scale)
+        out = attention(rows, keys, values, layout.sequence, layout.positions, scale, dense_plan)
     return out.view(batch, length, heads, dim), None
+
+
+class _LastPlan:
+    """The last call's layout and attention plan, for the next layers of the same forward (each layer passes
+    the same mask and position tensors; planning is Python work over every token). Reused only for equal
+    inputs: copies of the last ones are held and compared by value (a few thousand integers, against a plan's
+    milliseconds), so another batch, or these tensors changed in place, plan anew."""
+
+    def __init__(self) -> None:
+        self._inputs: tuple[torch.Tensor | None, ...] = ()
+        self._shape: tuple = ()
+        self._value: tuple[BatchLayout, DensePlan | None] | None = None
+
+    def get(self, inputs: tuple[torch.Tensor | None, ...], shape: tuple, make: Callable[[], tuple]) -> tuple:
+        if self._value is None or shape != self._shape or not all(
+                (a is None and b is None) or (a is not None and b is not None and a.shape == b.shape
+                                              and a.device == b.device and torch.equal(a, b))
+                for a, b in zip(inputs, self._inputs)):
+            value = make()
+            self._inputs = tuple(None if t is None else t.detach().clone() for t in inputs)
+            self._shape, self._value = shape, value
+        return self._value
+
+
+_LAST_PLAN = _LastPlan()
 
 
 def _cached_layout(batch: int, length: int, keys_length: int, device: torch.device) -> BatchLayout:
