@@ -184,31 +184,51 @@ def attend_group(q: torch.Tensor, group: RowGroup, keys: torch.Tensor, values: t
     return out.permute(1, 2, 0, 3, 4)
 
 
-def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, sequence: torch.Tensor,
-              positions: torch.Tensor, scale: float) -> torch.Tensor:
-    """Causal attention of query rows over their sequences' keys, keys reduced in blocks from key 0.
+DensePlan = list[tuple[RowGroup, torch.Tensor, torch.Tensor]]
+"""Per row group of a dense call: the group, its (sequence, key block) pairs' blocks in the call's
+``[Hkv, S * blocks, KEY_BLOCK, D]`` keys, and the keys past each member's last (:meth:`RowGroup.past_last_key`)."""
 
-    ``q`` ``[R, Hq, D]``; ``keys``/``values`` ``[Hkv, S, L, D]``, heads first (``L`` at least every query's
-    position plus one; entries past a sequence's last queried position may hold anything, NaN included);
-    ``sequence[r]`` which of the ``S`` sequences row ``r`` reads; ``positions[r]`` its position (it sees keys
-    ``0..positions[r]``). Returns ``[R, Hq, D]`` in ``q``'s dtype, computed in float32 by :func:`attend_group`,
-    the same arithmetic as the engine's paged attention (:class:`PagedStep`).
-    """
-    rows, heads, dim = q.shape
-    kv_heads, count, length = keys.shape[:3]
+
+def plan_dense(sequence: torch.Tensor, positions: torch.Tensor, count: int, length: int, group_heads: int,
+               device: torch.device) -> DensePlan:
+    """The plan of :func:`attention` for rows of ``sequence``/``positions`` over ``count`` sequences of ``length``
+    keys: the same for every layer of a forward, so a caller may make it once (a trainer's layers)."""
     rows_of: list[list[int]] = [[] for _ in range(count)]
     positions_of: list[list[int]] = [[] for _ in range(count)]
     for row, (seq, position) in enumerate(zip(sequence.tolist(), positions.tolist())):
         rows_of[seq].append(row)
         positions_of[seq].append(position)
     blocks = -(-length // KEY_BLOCK)
+    plan = []
+    for group in plan_rows(rows_of, positions_of, group_heads, device):
+        members = torch.tensor(group.members, device=device)
+        plan.append((group, members[group.pair_member] * blocks + group.pair_block, group.past_last_key()))
+    return plan
+
+
+def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, sequence: torch.Tensor,
+              positions: torch.Tensor, scale: float, plan: DensePlan | None = None) -> torch.Tensor:
+    """Causal attention of query rows over their sequences' keys, keys reduced in blocks from key 0.
+
+    ``q`` ``[R, Hq, D]``; ``keys``/``values`` ``[Hkv, S, L, D]``, heads first (``L`` at least every query's
+    position plus one; entries past a sequence's last queried position may hold anything, NaN included);
+    ``sequence[r]`` which of the ``S`` sequences row ``r`` reads; ``positions[r]`` its position (it sees keys
+    ``0..positions[r]``). Returns ``[R, Hq, D]`` in ``q``'s dtype, computed in float32 by :func:`attend_group`,
+    the same arithmetic as the engine's paged attention (:class:`PagedStep`). ``plan``: :func:`plan_dense`'s
+    for these rows and shapes (made here when not given).
+    """
+    rows, heads, dim = q.shape
+    kv_heads, count, length = keys.shape[:3]
+    if plan is None:
+        plan = plan_dense(sequence, positions, count, length, heads // kv_heads, q.device)
+    blocks = -(-length // KEY_BLOCK)
+    # reshape, not view: a length already a whole number of blocks pads nothing, and the caller's strided
+    # keys (a trainer's transposed ``[B, Hkv, L, D]``) come back as they were
     keys_b, values_b = (torch.nn.functional.pad(cache.to(torch.float32), (0, 0, 0, blocks * KEY_BLOCK - length))
-                        .view(kv_heads, count * blocks, KEY_BLOCK, dim) for cache in (keys, values))
+                        .reshape(kv_heads, count * blocks, KEY_BLOCK, dim) for cache in (keys, values))
     out = q.new_empty((rows, heads, dim), dtype=torch.float32)
-    for group in plan_rows(rows_of, positions_of, heads // kv_heads, q.device):
-        members = torch.tensor(group.members, device=q.device)
-        pairs = members[group.pair_member] * blocks + group.pair_block
-        pair_values = values_b.index_select(1, pairs).masked_fill(group.past_last_key()[None, :, :, None], 0.0)
+    for group, pairs, past_last_key in plan:
+        pair_values = values_b.index_select(1, pairs).masked_fill(past_last_key[None, :, :, None], 0.0)
         result = attend_group(q, group, keys_b.index_select(1, pairs), pair_values, scale).reshape(-1, heads, dim)
         out = result if group.rows is None else out.index_copy(0, group.rows, result)
     return out.to(q.dtype)

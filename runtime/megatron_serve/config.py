@@ -143,6 +143,9 @@ class InferenceConfig:
     verify_logprobs_fraction: float = 0.0  # finished requests scored again and compared bitwise (engine.logprob_parity)
     batch_invariant: bool = field(default_factory=batch_invariant_from_env)
     logprobs_mode: str = "raw_logprobs"  # one of LOGPROBS_MODES
+    # the tensor-parallel size of the trainer that recomputes log probs under megatron_serve.invariant (None:
+    # not declared); with batch_invariant an engine at another size warns at start (trainer_seam_warning)
+    trainer_tensor_parallel_size: int | None = None
     # LoRA adapters (engine.lora): slots on the device, the largest rank they hold, adapters kept on the host
     # (default: max_loras, or as many as lora_modules names), and adapters registered at start (name -> PEFT directory).
     enable_lora: bool = False
@@ -201,6 +204,9 @@ class InferenceConfig:
         self.verify_logprobs_fraction = float(fraction)
         if self.logprobs_mode not in LOGPROBS_MODES:
             raise ValueError(f"logprobs_mode must be one of {', '.join(LOGPROBS_MODES)}, got {self.logprobs_mode!r}")
+        trainer_tp = self.trainer_tensor_parallel_size
+        if trainer_tp is not None and (isinstance(trainer_tp, bool) or not isinstance(trainer_tp, int) or trainer_tp < 1):
+            raise ValueError(f"trainer_tensor_parallel_size must be a positive integer or unset, got {trainer_tp!r}")
         self._check_lora()
         if self.pipeline_parallel_size > 1 and (self.enable_lora or self.speculative is not None):
             raise ValueError(f"pipeline_parallel_size {self.pipeline_parallel_size} does not serve "
@@ -210,6 +216,18 @@ class InferenceConfig:
     def world_size(self) -> int:
         """Ranks of one engine group: ``tensor_parallel_size`` in each of ``pipeline_parallel_size`` stages."""
         return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    def trainer_seam_warning(self) -> str | None:
+        """What an engine logs at start when its log probs cannot equal the declared trainer's: in the
+        batch-invariant mode each tensor-parallel size splits the reductions its own way (bitwise the same
+        in any batch at one size, not across sizes)."""
+        trainer = self.trainer_tensor_parallel_size
+        if not self.batch_invariant or trainer is None or trainer == self.tensor_parallel_size:
+            return None
+        return (f"--batch-invariant at tensor-parallel size {self.tensor_parallel_size}, but the trainer runs at "
+                f"{trainer} (--trainer-tensor-parallel-size): each size splits the reductions its own way, so the "
+                "trainer's log probs will differ from the engine's in the last bits; serve at the trainer's size "
+                "(docs/batch-invariance.md)")
 
     def _check_lora(self) -> None:
         optional = ("max_cpu_loras",) if self.max_cpu_loras is not None else ()

@@ -129,3 +129,34 @@ def differing(a: list[float], b: list[float]) -> int:
     """How many positions differ at all (``!=`` on the floats)."""
     assert len(a) == len(b), f"{len(a)} log probs against {len(b)}"
     return sum(x != y for x, y in zip(a, b))
+
+
+def run_prompts(model_dir: str, dtype: str, prompts: list[list[int]], tokens: int = TARGET_TOKENS,
+                sampled: bool = False) -> list[TargetRun]:
+    """Every prompt served at once by one engine in the mode: each one's completion and log probs (its own,
+    whatever the batch: the engine's invariance is held by ``test_engine_invariance``)."""
+    config = InferenceConfig(dtype=dtype, device=tensor_parallel_device(1), batch_invariant=True, block_size_tokens=16)
+    engine = DynamicInferenceEngine.from_model_dir(model_dir, config)
+    try:
+        params = SamplingParams(temperature=1.0 if sampled else 0.0, seed=7 if sampled else None,
+                                num_tokens_to_generate=tokens, ignore_eos=True, return_log_probs=True)
+        requests = [DynamicInferenceRequest(f"r{i}", None, prompt, params) for i, prompt in enumerate(prompts)]
+        run_all(engine, requests)
+        return [TargetRun(r.prompt_tokens, r.generated_tokens, r.generated_log_probs, 0) for r in requests]
+    finally:
+        engine.shutdown()
+
+
+def load_trainer_model(model_dir: str, dtype: str, **kwargs):
+    """The recipe's model: ``megatron_invariant`` attention, the experts' eager loop for an MoE (the default
+    grouped GEMM rounds Mixtral's bf16 experts differently), loaded in the engine's dtype where it ran."""
+    import transformers  # noqa: PLC0415 - the trainer's library, only where a test plays the trainer
+
+    from megatron_serve.invariant import ATTENTION_NAME  # noqa: PLC0415
+
+    config = transformers.AutoConfig.from_pretrained(model_dir)
+    moe = any(hasattr(config, name) for name in ("num_experts", "num_local_experts"))
+    experts = {"experts_implementation": "eager"} if moe else {}
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        model_dir, dtype=getattr(torch, dtype), attn_implementation=ATTENTION_NAME, **experts, **kwargs)
+    return model.to(tensor_parallel_device(1))

@@ -4,6 +4,7 @@ argv; and what it refuses."""
 from __future__ import annotations
 
 import argparse
+import logging
 
 import pytest
 
@@ -52,3 +53,34 @@ def test_vision_models_are_refused_in_the_mode(tmp_path):
     vision = make_tiny_model(tmp_path / "vlm", seed=0, arch="qwen2_vl")
     with pytest.raises(UnsupportedModelError, match="--batch-invariant supports text models only"):
         DynamicInferenceEngine.from_model_dir(vision, InferenceConfig(batch_invariant=True))
+
+
+def test_every_engine_option_crosses_to_fleet_engines():
+    """Each field the engine options set is on the fleet's argv (``--logprobs-mode`` once was not, and fleet
+    engines reported raw log probs in a processed mode): a config with the mode and other fields off their
+    defaults comes back equal."""
+    parser = argparse.ArgumentParser()
+    add_engine_options(parser)
+    defaults = inference_config_from_args(parser.parse_args(["--device", "cpu"]))
+    changed = inference_config_from_args(parser.parse_args([
+        "--device", "cpu", "--logprobs-mode", "processed_logprobs", "--batch-invariant", "--seed", "3",
+        "--verify-logprobs-fraction", "0.5", "--max-batch-tokens", "256", "--dtype", "float32",
+        "--trainer-tensor-parallel-size", "2"]))
+    assert changed.logprobs_mode != defaults.logprobs_mode
+    assert inference_config_from_args(parser.parse_args(inference_config_to_argv(changed))).to_dict() == changed.to_dict()
+
+
+@pytest.mark.parametrize("trainer, warned", [(2, True), (1, False), (None, False)])
+def test_an_engine_at_another_tensor_parallel_size_than_the_trainer_warns_at_start(models, caplog, trainer, warned):
+    config = InferenceConfig(device="cpu", batch_invariant=True, trainer_tensor_parallel_size=trainer)
+    with caplog.at_level(logging.WARNING, logger="megatron_serve.engine.core"):
+        DynamicInferenceEngine.from_model_dir(models["llama"], config).shutdown()
+    messages = [r.getMessage() for r in caplog.records if "--trainer-tensor-parallel-size" in r.getMessage()]
+    assert len(messages) == int(warned), messages
+    if warned:
+        assert "tensor-parallel size 1, but the trainer runs at 2" in messages[0]
+
+
+def test_a_bad_trainer_tensor_parallel_size_is_refused_by_name():
+    with pytest.raises(ValueError, match="trainer_tensor_parallel_size must be a positive integer"):
+        InferenceConfig(device="cpu", trainer_tensor_parallel_size=0)

@@ -33,6 +33,11 @@ def test_the_distribution_and_the_packages_report_one_version(capsys) -> None:
     assert DEFAULT_IMAGE == f"{IMAGE_REPOSITORY}:{__version__}"
 
 
+def test_the_trainer_distribution_has_this_version() -> None:
+    """``megatron-serve-invariant`` (packaging/) is built from this tree: its version is this one."""
+    assert (ROOT / "packaging" / "megatron-serve-invariant" / "VERSION").read_text().strip() == __version__
+
+
 def test_the_openapi_document_carries_the_version() -> None:
     from megatron_serve.server import create_app
     from tests.server.fakes import FakeBackend

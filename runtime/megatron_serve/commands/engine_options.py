@@ -83,6 +83,10 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
                        help="what reported log probs are taken from: the model's logits (raw) or those after logit "
                             "bias, penalties, grammar, temperature, min-p, top-k and top-p (processed); as log probs "
                             "or as logits")
+    group.add_argument("--trainer-tensor-parallel-size", type=int, default=None, metavar="N",
+                       help="the tensor-parallel size of the trainer that recomputes log probs under "
+                            "megatron_serve.invariant: with --batch-invariant, an engine at another size warns at "
+                            "start (each size splits the reductions its own way; default: not declared)")
     add_vllm_options(parser, Scope.ENGINE)
 
 
@@ -100,7 +104,7 @@ def inference_config_from_args(args: argparse.Namespace, tensor_parallel_size: i
         seed=args.seed,
         quantization=None if args.quantization in (None, "auto", "none") else args.quantization,
         kv_cache_dtype=args.kv_cache_dtype, verify_logprobs_fraction=args.verify_logprobs_fraction,
-        logprobs_mode=args.logprobs_mode,
+        logprobs_mode=args.logprobs_mode, trainer_tensor_parallel_size=args.trainer_tensor_parallel_size,
         **({} if args.batch_invariant is None else {"batch_invariant": args.batch_invariant}),
         enable_lora=args.enable_lora, max_loras=args.max_loras,
         max_lora_rank=args.max_lora_rank, max_cpu_loras=args.max_cpu_loras,

@@ -84,6 +84,8 @@ class DynamicInferenceEngine(DeviceMemoryVerbs, LoraVerbs, SpeculativeSteps):
         """``model_dir``: where the model came from, when known (a draft model of another vocabulary is refused)."""
         if config.batch_invariant:
             model.use_batch_invariant_ops()
+        if (seam := config.trainer_seam_warning()) is not None:
+            logger.warning(seam)
         self.model = model
         self.tokenizer = tokenizer
         self.config = config
@@ -119,7 +121,8 @@ class DynamicInferenceEngine(DeviceMemoryVerbs, LoraVerbs, SpeculativeSteps):
         self.last_refit: dict[str, float] | None = None  # timings of the last refit (for /metrics)
         self.incomplete: set[str] = set()  # tensors a failed refit overwrote (see RefitFailed)
         self.stats = EngineStats()  # vLLM-style counters and histograms, shipped in heartbeats
-        self.parity = ParityChecker(config.verify_logprobs_fraction, self.max_sequence_length)
+        self.parity = ParityChecker(config.verify_logprobs_fraction, self.max_sequence_length, config.logprobs_mode,
+                                    self.sampler.processed_alone)
         spec = config.speculative
         self.speculator = (None if spec is None else Speculator(make_proposer(config, model_dir, model),
                                                                 spec.num_speculative_tokens, self.stats, spec.adaptive,
@@ -446,7 +449,8 @@ class DynamicInferenceEngine(DeviceMemoryVerbs, LoraVerbs, SpeculativeSteps):
                                        None if images is None else images.embeddings, previous, shifts)
         sampling = [s for s, count in entries if count == s.num_uncomputed]  # as write_plan picked them
         starts = [s.num_computed for s, _ in entries]
-        scores = score_prompts(entries, forward.logits[len(sampling) : len(sampling) + plan.num_score])
+        scores = score_prompts(entries, forward.logits[len(sampling) : len(sampling) + plan.num_score],
+                               self.parity.score_view)
         for sequence, count in entries:
             if sequence.kv_epoch is None:
                 sequence.kv_epoch = self.epoch

@@ -24,11 +24,16 @@ import enum
 import hashlib
 import logging
 from dataclasses import dataclass
-from typing import Protocol, Sequence, TypeVar
+from typing import TYPE_CHECKING, Callable, Protocol, Sequence, TypeVar
 
 from ..wire.engine_stats import EngineStats
 from ..wire.request import DynamicInferenceRequest, RequestStatus
 from ..wire.sampling_params import PRIORITY_MAX, SamplingParams
+
+if TYPE_CHECKING:  # pragma: no cover - the checker itself handles no tensor
+    from torch import Tensor
+
+    Process = Callable[[Tensor, SamplingParams], Tensor]
 
 logger = logging.getLogger(__name__)
 
@@ -81,10 +86,36 @@ class ParityChecker:
     checked on all its tokens but the last.
     """
 
-    def __init__(self, fraction: float, max_sequence_length: int) -> None:
+    def __init__(self, fraction: float, max_sequence_length: int, logprobs_mode: str = "raw_logprobs",
+                 process: Process | None = None) -> None:
         self.fraction = fraction
         self.max_sequence_length = max_sequence_length
+        self.logprobs_mode = logprobs_mode
+        self.process = process
         self.pending: dict[str, PendingCheck] = {}
+
+    @property
+    def processed(self) -> bool:
+        """Whether reported log probs are processed ones (``processed_logprobs``): a check then scores its rows
+        through the same processing (:attr:`score_view`), with the original's temperature, top-k, top-p, min-p."""
+        return self.logprobs_mode == "processed_logprobs"
+
+    @property
+    def score_view(self) -> "Callable[[DynamicInferenceRequest, Tensor], Tensor] | None":
+        """For the prompt scorer: what to score a request's rows of logits as (a check's processed as its
+        original's were), or None where every row is scored as it is."""
+        return self._view if self.active and self.processed and self.process is not None else None
+
+    def _view(self, request: DynamicInferenceRequest, logits: "Tensor") -> "Tensor":
+        return self.process(logits, request.sampling_params) if self.owns(request.request_id) else logits
+
+    def comparable(self, params: SamplingParams) -> bool:
+        """Whether scoring a prompt can give what was reported for a request with ``params``: log probs (the
+        ``*_logits`` modes report logits), and in the processed mode no processing that reads the request's
+        history (penalties, logit bias, min_tokens, a grammar), which a prompt's rows do not carry."""
+        if not self.logprobs_mode.endswith("logprobs"):
+            return False
+        return not self.processed or not (params.has_logits_controls or params.structured_outputs is not None)
 
     @property
     def active(self) -> bool:
@@ -98,7 +129,8 @@ class ParityChecker:
         """The request that scores ``request`` (just finished in this engine, under weights ``epoch``) again,
         or None when it is not checked: not chosen, not completed, no log probs reported, images in its prompt
         (scoring would need them placed again), or tokens generated under other weights than the current."""
-        if not chosen(request.request_id, self.fraction) or request.status is not RequestStatus.COMPLETED:
+        if (not chosen(request.request_id, self.fraction) or request.status is not RequestStatus.COMPLETED
+                or not self.comparable(request.sampling_params)):
             return None
         generated = request.generated_tokens
         if (not generated or len(request.generated_log_probs) != len(generated) or request.images
@@ -114,9 +146,13 @@ class ParityChecker:
             return None
         self.pending[scoring_id] = PendingCheck(request.request_id, list(request.generated_log_probs[:covered]),
                                                 len(request.prompt_tokens) - 1)
-        params = SamplingParams(temperature=0.0, num_tokens_to_generate=1, ignore_eos=True,
-                                return_prompt_log_probs=True, priority=PRIORITY_MAX,
-                                cache_salt=request.sampling_params.cache_salt)  # its blocks stay in the tenant's cache
+        original = request.sampling_params
+        # processed: the original's processing, read back by score_view (its one drawn token from its own stream)
+        processing = (dict(temperature=original.temperature, top_k=original.top_k, top_p=original.top_p,
+                           min_p=original.min_p, seed=0) if self.processed else dict(temperature=0.0))
+        params = SamplingParams(num_tokens_to_generate=1, ignore_eos=True, return_prompt_log_probs=True,
+                                priority=PRIORITY_MAX, cache_salt=original.cache_salt,  # the tenant's cache
+                                **processing)
         return DynamicInferenceRequest(request_id=scoring_id, prompt=None, prompt_tokens=tokens, sampling_params=params)
 
     def void_all(self) -> None:

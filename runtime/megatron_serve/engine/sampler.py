@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..wire.sampling_params import LOGPROBS_MODES
+from ..wire.sampling_params import LOGPROBS_MODES, SamplingParams
 from .sampling_state import MASK32, SamplingState, StepRows, fmix32
 
 
@@ -210,6 +210,22 @@ class Sampler:
             scores = score_tokens(self._reported(logits if model_logits is None else model_logits, processed),
                                   tokens, rows.top_n, log_softmax=self.logprobs_mode.endswith("logprobs"))
         return DeviceSample(tokens, Readback([tokens]), scores, rows.wanted, [i.top_n for i in rows.infos])
+
+    def processed_alone(self, logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+        """Rows of model ``logits`` ``[rows, vocab]`` float32 as :meth:`launch` processes a row sampled with
+        ``params`` that has no logit controls or grammar: over the temperature, then min-p, top-k and top-p
+        (a greedy row: the logits). The same ops on the same values as in a step (a row's processing
+        depends on that row alone), so what a processed mode reports for it, bit for bit."""
+        if params.is_greedy:
+            return logits
+        rows, vocab, device = logits.shape[0], logits.shape[-1], logits.device
+        top_k = min(params.top_k, vocab)
+        scaled = logits / torch.full((rows, 1), params.temperature, dtype=torch.float32, device=device)
+        processed = filtered_logits(scaled, torch.full((rows,), top_k, dtype=torch.int64, device=device),
+                                    torch.full((rows,), params.top_p, dtype=torch.float32, device=device),
+                                    torch.full((rows,), params.min_p, dtype=torch.float32, device=device),
+                                    top_k, params.top_p < 1.0, params.min_p > 0.0)
+        return torch.where(torch.isfinite(processed.amax(-1))[:, None], processed, logits)
 
     def _reported(self, model_logits: torch.Tensor, processed: torch.Tensor) -> torch.Tensor:
         return processed if self.logprobs_mode.startswith("processed") else model_logits

@@ -38,6 +38,8 @@ ENGINE_FIELDS = {
     "kv_cache_dtype": "kv_cache_dtype",
     "verify_logprobs_fraction": "verify_logprobs_fraction",
     "batch_invariant": "batch_invariant",
+    "logprobs_mode": "logprobs_mode",
+    "trainer_tensor_parallel_size": "trainer_tensor_parallel_size",
     "enable_lora": "enable_lora",
     "lora_modules": "lora_modules",
     "max_loras": "max_loras",

@@ -28,7 +28,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from megatron_kernels import get_op, invariant_lora
-from megatron_kernels.reference_lora import LoraBatch
+from megatron_kernels.reference_lora import LoraBatch, slot_table
 
 from .config import ModelConfig
 from .lora import LoraAdapter, LoraAdapterError, projection_shape
@@ -58,16 +58,6 @@ class LoraRows:
         self.batch = None if indices is None else LoraBatch.of(indices, host)
 
 
-def _table(slots: int, rows: int, columns: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-    """A zero ``[slots, rows, columns]`` table in the kernels' layout. On CPU its memory is ``[slots, columns, rows]``
-    (a transposed view): the reference's small per-adapter GEMMs read their weight operand untransposed, with no
-    packing of a transposed copy (decode steps with 8 adapters: -13% in the hooks in a cold-cache micro-benchmark,
-    -4% in the engine). Elsewhere the Triton kernels read rows of it, contiguous as they always were."""
-    if torch.device(device).type != "cpu":
-        return torch.zeros(slots, rows, columns, device=device, dtype=dtype)
-    return torch.zeros(slots, columns, rows, device=device, dtype=dtype).transpose(1, 2)
-
-
 class _SlotWeights:
     """One projection's slot weights and the hook that applies them."""
 
@@ -78,7 +68,7 @@ class _SlotWeights:
         self.parts = parts
         self.rank = rank
         self.out_rows, self.in_columns, self.tp = shard.out_rows, shard.in_columns, shard.tp
-        self.a = _table(slots, len(parts) * rank, self.in_columns[1], device, dtype)
+        self.a = slot_table(slots, len(parts) * rank, self.in_columns[1], device, dtype)
         # B is block-diagonal over the parts: each part keeps its own block, so an expand reads no zero block and
         # each slot's block is one contiguous stretch of memory
         self.blocks: dict[str, tuple[slice, slice, torch.Tensor]] = {}  # part -> (output columns, ranks, block)
@@ -86,7 +76,7 @@ class _SlotWeights:
             offset, _, length = self.out_rows[part]
             if length:
                 self.blocks[part] = (slice(offset, offset + length), slice(index * rank, (index + 1) * rank),
-                                     _table(slots, length, rank, device, dtype))
+                                     slot_table(slots, length, rank, device, dtype))
         self.rows = rows
         self.shrink = invariant_lora.lora_shrink if batch_invariant else get_op("lora_shrink", device)
         self.expand = invariant_lora.lora_expand if batch_invariant else get_op("lora_expand", device)
