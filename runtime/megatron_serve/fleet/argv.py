@@ -46,6 +46,8 @@ ENGINE_FIELDS = {
     "max_lora_versions": "max_lora_versions",
     "lora_push_dir": "lora_push_dir",
     "speculative_config": "speculative",
+    "kv_offloading_size": "kv_offloading_size",
+    "kv_on_refit": "kv_on_refit",
 }
 
 
