@@ -149,7 +149,8 @@ class DynamicInferenceEngine(DeviceMemoryVerbs, LoraVerbs, SpeculativeSteps):
         return EngineFacts(capacity=config.max_requests, kv_blocks_total=self.kv_blocks_total,
                            tensor_parallel_size=config.tensor_parallel_size, kv_cache_bytes=self.kv_cache.num_bytes,
                            max_sequence_length=self.max_sequence_length, block_size=config.block_size_tokens,
-                           prefix_caching=config.enable_prefix_caching)
+                           prefix_caching=config.enable_prefix_caching,
+                           kv_offload_blocks=self.host_tier.num_slots if self.host_tier is not None else 0)
 
     @classmethod
     def from_model_dir(cls, model_dir: str | Path, config: InferenceConfig | None = None,

@@ -67,6 +67,11 @@ class DeviceMemoryVerbs:
     _sequences: "dict[str, Sequence]"
     _settle: "Callable[[], None]"  # the engine's: finish the step in flight
 
+    @property
+    def kept_kv_bytes(self) -> int:
+        """Bytes of the live requests' KV held in host memory while suspended with ``keep_kv`` (0 otherwise)."""
+        return self.parked.num_bytes if self.parked is not None else 0
+
     def suspend(self, level: int = 1, keep_kv: bool = False) -> int:
         """Release the KV pool (and at level 2 move weights to host); returns device bytes released.
 

@@ -340,8 +340,8 @@ class EngineProcess:
         except ValueError as exc:  # keep_kv where it is not implemented (tensor parallelism)
             return {"error": str(exc)}
         detail: dict[str, Any] = {"released_bytes": released, "level": self.suspend_level}
-        if self.engine.parked is not None:
-            detail["kept_kv_bytes"] = self.engine.parked.num_bytes
+        if self.engine.kept_kv_bytes:
+            detail["kept_kv_bytes"] = self.engine.kept_kv_bytes
         if already:
             detail["already_suspended"] = True
         return detail

@@ -29,6 +29,7 @@ class EngineFacts:
     max_sequence_length: int | None = None
     block_size: int | None = None  # prefix_affinity routing hashes prompts with the engines' block size
     prefix_caching: bool = False
+    kv_offload_blocks: int = 0  # blocks its host KV tier holds (--kv-offloading-size): prefix routing counts them
 
     def hello_info(self) -> dict[str, Any]:
         """The facts as HELLO's ``info`` carries them (absent ones left out, ``capacity`` travels beside)."""
@@ -41,6 +42,8 @@ class EngineFacts:
         if self.block_size is not None:
             info["block_size"] = self.block_size
             info["prefix_caching"] = self.prefix_caching
+        if self.kv_offload_blocks:
+            info["kv_offload_blocks"] = self.kv_offload_blocks
         return info
 
 
@@ -75,6 +78,9 @@ class ServedEngine(Protocol):
 
     @property
     def cached_tokens(self) -> int: ...  # prompt tokens skipped thanks to the prefix cache
+
+    @property
+    def kept_kv_bytes(self) -> int: ...  # live requests' KV in host memory while suspended with keep_kv
 
     def facts(self) -> EngineFacts: ...
 
