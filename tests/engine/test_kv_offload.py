@@ -141,10 +141,19 @@ def test_lru_order_and_pins_while_a_load_is_in_flight():
     assert torch.equal(pool.block_tensors()[0][:, :, 5], torch.zeros_like(pool.block_tensors()[0][:, :, 5]))
     assert tier.store([(2, 102)]) == 1  # the least recently used unpinned slot goes: 101's, not 100's
     assert 100 in tier and 101 not in tier and 102 in tier
-    tier.take([102])  # now both are pinned
+    tier.load(tier.take([102]), [7])  # now both are being read from
     assert tier.store([(3, 103)]) == 0  # nothing may be overwritten
     copier.land()
     assert tier.store([(3, 103)]) == 1 and 103 in tier  # 100's load landed: its slot is free to reuse
+
+    held = tier.take([103])
+    tier.load(held, [6])  # in flight while a refit empties the tier: its slot is not reused until it lands
+    tier.clear()
+    assert tier.num_cached == 0 and 103 not in tier
+    # the one slot not being read from; 201 must not take 200's slot within the same copy
+    assert tier.store([(0, 200), (1, 201)]) == 1 and 200 in tier and 201 not in tier
+    copier.land()
+    assert tier.store([(1, 201)]) == 1 and tier.num_cached == 2
 
     allocator = BlockAllocator(4, enable_prefix_caching=True, tier=tier)
     table = allocator.allocate(2)

@@ -225,12 +225,13 @@ class HostKVTier:
                 pending.append(transfer)
         self._stores = pending
 
-    def _take_slot(self) -> int | None:
-        """A free slot, else the least recently used unpinned one (its block forgotten); None when all are pinned."""
+    def _take_slot(self, filling: set[int]) -> int | None:
+        """A free slot, else the least recently used one neither pinned nor being filled by the same copy (its
+        block forgotten); None when there is none."""
         if self._free:
             return self._free.pop()
         for block_hash, slot in self._slot_of_hash.items():
-            if slot not in self._pins:
+            if slot not in self._pins and slot not in filling:
                 del self._slot_of_hash[block_hash]
                 del self._hash_of_slot[slot]
                 return slot
@@ -241,13 +242,15 @@ class HostKVTier:
         marked recently used); returns how many were copied."""
         self._reap()
         blocks, slots = [], []
+        filling: set[int] = set()
         for block, block_hash in evicted:
             if block_hash in self._slot_of_hash:
                 self._slot_of_hash.move_to_end(block_hash)
                 continue
-            slot = self._take_slot()
+            slot = self._take_slot(filling)
             if slot is None:
                 break
+            filling.add(slot)
             self._slot_of_hash[block_hash] = slot
             self._hash_of_slot[slot] = block_hash
             blocks.append(block)
