@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import argparse
 import random
 
 import pytest
 import torch
 
+from megatron_serve.client.vllm_args import parse_llm_keywords
+from megatron_serve.commands.engine_options import add_engine_options, inference_config_from_args
+from megatron_serve.fleet.argv import inference_config_to_argv
 from megatron_serve import DynamicInferenceRequest, InferenceConfig, MegatronLLM, SamplingParams
 from megatron_serve.engine.kv_cache import BlockAllocator, KVCachePool
 from megatron_serve.engine.kv_offload import TO_DEVICE, TO_HOST, Copier, HostKVTier
@@ -172,3 +176,25 @@ def test_bad_sizes_are_refused_naming_the_field(size):
 def test_a_tier_without_prefix_caching_is_refused():
     with pytest.raises(ValueError, match="kv_offloading_size needs enable_prefix_caching"):
         InferenceConfig(kv_offloading_size=1.0, enable_prefix_caching=False)
+
+
+def test_vllm_s_keyword_and_flag_set_the_tier_and_bad_values_name_them():
+    assert parse_llm_keywords({"kv_offloading_size": 2}).config == {"kv_offloading_size": 2.0}
+    with pytest.raises(ValueError, match="kv_offloading_size=-1"):
+        parse_llm_keywords({"kv_offloading_size": -1})
+    parser = argparse.ArgumentParser()
+    add_engine_options(parser)
+    assert parser.parse_args(["--kv-offloading-size", "1.5"]).kv_offloading_size == 1.5
+    assert parser.parse_args([]).kv_offloading_size is None and parser.parse_args([]).kv_on_refit == "recompute"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--kv-offloading-size", "0"])
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--kv-on-refit", "later"])
+
+
+def test_an_engine_process_started_from_python_gets_the_same_tier():
+    original = InferenceConfig(device="cpu", kv_offloading_size=0.25, kv_on_refit="keep")
+    parser = argparse.ArgumentParser()
+    add_engine_options(parser)
+    rebuilt = inference_config_from_args(parser.parse_args(inference_config_to_argv(original)))
+    assert (rebuilt.kv_offloading_size, rebuilt.kv_on_refit) == (0.25, "keep")
