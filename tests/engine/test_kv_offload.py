@@ -198,3 +198,31 @@ def test_an_engine_process_started_from_python_gets_the_same_tier():
     add_engine_options(parser)
     rebuilt = inference_config_from_args(parser.parse_args(inference_config_to_argv(original)))
     assert (rebuilt.kv_offloading_size, rebuilt.kv_on_refit) == (0.25, "keep")
+
+
+@pytest.mark.parametrize("fp8,heads_first", [(False, False), (False, True), (True, False)])
+def test_a_block_comes_back_bit_for_bit_in_every_pool_layout(fp8, heads_first):
+    """Values (e4m3 with their scales beside them, or heads first as the CPU --batch-invariant pool) round trip."""
+    pool = KVCachePool(2, 6, 4, 2, 8, torch.float32, "cpu", fp8=fp8, heads_first=heads_first)
+    generator = torch.Generator().manual_seed(0)
+    for tensor in pool.block_tensors():
+        tensor.copy_(torch.randn(tensor.shape, generator=generator).to(tensor.dtype))
+    before = [t[:, :, 3].clone() for t in pool.block_tensors()]
+    tier = HostKVTier(pool, 4 * pool.bytes_per_pool_block)
+    assert len(pool.block_tensors()) == (2 if fp8 else 1)
+    tier.store([(3, 33)])
+    tier.load(tier.take([33]), [5])
+    for was, tensor in zip(before, pool.block_tensors()):
+        assert torch.equal(tensor[:, :, 5].view(torch.uint8), was.view(torch.uint8))
+    assert tier.stats.bytes == {TO_HOST: pool.bytes_per_pool_block, TO_DEVICE: pool.bytes_per_pool_block}
+    assert pool.bytes_per_pool_block == KVCachePool.bytes_per_block(2, 4, 2, 8, torch.float32, fp8)
+
+
+def test_an_fp8_kv_cache_comes_back_from_the_host_tier_bitwise(tiny_llama):
+    batch = prompts(4)
+    served = MegatronLLM(tiny_llama, InferenceConfig(block_size_tokens=BLOCK, num_kv_blocks=16, max_requests=1,
+                                                     max_batch_tokens=256, kv_offloading_size=0.01,
+                                                     kv_cache_dtype="fp8"))
+    first, second = two_passes(served, batch)
+    assert [o.generated_log_probs for o in second] == [o.generated_log_probs for o in first]
+    assert served.engine.scheduler.host_cached_tokens >= 3 * 5 * BLOCK

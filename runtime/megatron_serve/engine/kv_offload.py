@@ -67,6 +67,11 @@ class _CudaTransfer:
         return self.start.elapsed_time(self.end) / 1000.0
 
 
+def _raw(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The tensors as bytes where they are float8 (index_select and index_copy_ take no e4m3): a copy is a copy."""
+    return [t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t for t in tensors]
+
+
 class Copier:
     """Copies blocks between the device pool and host slots (``pool.block_tensors()`` order, block dim 2).
 
@@ -79,7 +84,7 @@ class Copier:
         started = time.perf_counter()
         index = torch.tensor(blocks, dtype=torch.long, device=pool.device)
         where = torch.tensor(slots, dtype=torch.long)
-        for source, target in zip(pool.block_tensors(), host):
+        for source, target in zip(_raw(pool.block_tensors()), _raw(host)):
             target.index_copy_(0, where, source.index_select(2, index).movedim(2, 0))
         return _Finished(time.perf_counter() - started)
 
@@ -87,7 +92,7 @@ class Copier:
         started = time.perf_counter()
         index = torch.tensor(blocks, dtype=torch.long, device=pool.device)
         where = torch.tensor(slots, dtype=torch.long)
-        for source, target in zip(host, pool.block_tensors()):
+        for source, target in zip(_raw(host), _raw(pool.block_tensors())):
             target.index_copy_(2, index, source.index_select(0, where).movedim(0, 2))
         return _Finished(time.perf_counter() - started)
 
@@ -118,7 +123,7 @@ class CudaCopier(Copier):
     def to_host(self, pool: KVCachePool, blocks: list[int], host: list[torch.Tensor], slots: list[int]) -> Transfer:
         def run() -> None:
             index = torch.tensor(blocks, dtype=torch.long).to(pool.device, non_blocking=True)
-            for source, target in zip(pool.block_tensors(), host):
+            for source, target in zip(_raw(pool.block_tensors()), _raw(host)):
                 staged = source.index_select(2, index).movedim(2, 0).contiguous()
                 for row, slot in enumerate(slots):
                     target[slot].copy_(staged[row], non_blocking=True)
@@ -128,7 +133,7 @@ class CudaCopier(Copier):
     def to_device(self, host: list[torch.Tensor], slots: list[int], pool: KVCachePool, blocks: list[int]) -> Transfer:
         def run() -> None:
             index = torch.tensor(blocks, dtype=torch.long).to(pool.device, non_blocking=True)
-            for source, target in zip(host, pool.block_tensors()):
+            for source, target in zip(_raw(host), _raw(pool.block_tensors())):
                 staged = torch.empty((len(slots), *source.shape[1:]), dtype=source.dtype, device=pool.device)
                 for row, slot in enumerate(slots):
                     staged[row].copy_(source[slot], non_blocking=True)
