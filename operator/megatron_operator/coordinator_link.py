@@ -34,11 +34,12 @@ class CoordinatorLink(Protocol):
         """The coordinator's STATUS_REPLY: state, engines, queued, in_flight, completed, failed."""
 
     async def command(self, verb: str, timeout: float, drain_timeout: float | None = None,
-                      pause_mode: str | None = None) -> dict[str, Any]:
+                      pause_mode: str | None = None, keep_kv: bool = False) -> dict[str, Any]:
         """Send pause|unpause|suspend|resume|stop; resolves to the CONTROL_ACK {state, detail}.
 
         ``drain_timeout`` bounds how long engines may drain on STOP, and how long running requests
-        may take on PAUSE in ``wait`` mode; ``pause_mode`` is PAUSE's mode (keep, wait, abort).
+        may take on PAUSE in ``wait`` mode; ``pause_mode`` is PAUSE's mode (keep, wait, abort);
+        ``keep_kv``: SUSPEND keeps the requests in flight's KV in host memory.
         """
 
     async def refit(self, source: str, epoch: int | None, timeout: float) -> dict[str, Any]:
@@ -88,12 +89,12 @@ class ClientLink:
         return _as_dict(reply)
 
     async def command(self, verb: str, timeout: float, drain_timeout: float | None = None,
-                      pause_mode: str | None = None) -> dict[str, Any]:
+                      pause_mode: str | None = None, keep_kv: bool = False) -> dict[str, Any]:
         if parse_verb(verb) is Verb.REFIT:
             raise ValueError("REFIT takes a source: use refit()")
         method = getattr(self.client, verb)
         if verb == "suspend":
-            call = method(level=1, timeout=timeout)
+            call = method(level=1, timeout=timeout, keep_kv=keep_kv)
         elif verb == "stop":
             call = method(timeout=timeout, drain_timeout=drain_timeout)
         elif verb == "pause":

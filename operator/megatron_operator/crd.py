@@ -424,6 +424,10 @@ def spec_schema() -> dict[str, Any]:
                               "Wait (let running requests finish first, for at most drainTimeoutSeconds; queued "
                               "ones wait) or Abort (end them at once with finish_reason abort and the tokens so "
                               "far, for a trainer to resubmit).", enum=list(PAUSE_MODES), default="Keep"),
+            "suspendKeepKV": {"type": "boolean", "default": False, "description": (
+                "Whether every SUSPEND the lifecycle walk sends keeps the KV of the requests in flight in host "
+                "memory: resuming copies it back and they continue without recomputing it (engines' --kv-on-refit "
+                "decides after a refit in between).")},
             "drainTimeoutSeconds": _int("How long engines may drain on shutdown, scale-down or deletion, and how long "
                                         "a PAUSE with pauseMode Wait lets running requests finish.",
                                         minimum=0, maximum=3600, default=60),

@@ -28,12 +28,13 @@ class Walk:
 
 
 async def walk(link: CoordinatorLink, current: str | None, target: str, *, command_timeout: float,
-               drain_timeout: float, pause_mode: str = "keep") -> Walk:
+               drain_timeout: float, pause_mode: str = "keep", keep_kv: bool = False) -> Walk:
     """Send the verbs from ``current`` to ``target``, each acknowledged before the next.
 
     STOP gets ``drain_timeout`` for the engines to finish their work, and that much more time for
     its acknowledgement. PAUSE goes in ``pause_mode`` (``spec.pauseMode``); in ``wait`` mode running
-    requests get ``drain_timeout`` to finish, and the acknowledgement that much more time too.
+    requests get ``drain_timeout`` to finish, and the acknowledgement that much more time too. SUSPEND
+    keeps the KV of the requests in flight with ``keep_kv`` (``spec.suspendKeepKV``).
     """
     result = Walk(current)
     if current is None:
@@ -50,6 +51,8 @@ async def walk(link: CoordinatorLink, current: str | None, target: str, *, comma
             waits = pause_mode == "wait"
             call = link.command(verb, command_timeout + (drain_timeout if waits else 0.0),
                                 drain_timeout=drain_timeout if waits else None, pause_mode=pause_mode)
+        elif verb == "suspend":
+            call = link.command(verb, command_timeout, keep_kv=keep_kv)
         else:
             call = link.command(verb, command_timeout)
         try:
@@ -63,7 +66,8 @@ async def walk(link: CoordinatorLink, current: str | None, target: str, *, comma
             result.events.append(("Warning", "LifecycleTimeout", str(exc)))
             return result
         state = str(ack.get("state") or lifecycle.next_state(result.state or current, verb)).upper()
-        name = f"PAUSE ({pause_mode})" if verb == "pause" else verb.upper()
+        name = (f"PAUSE ({pause_mode})" if verb == "pause" else "SUSPEND (keep_kv)" if verb == "suspend" and keep_kv
+                else verb.upper())
         message = f"{name} acknowledged: {result.state} -> {state}"
         detail = ack.get("detail")
         if detail:

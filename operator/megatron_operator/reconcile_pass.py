@@ -112,7 +112,8 @@ async def _pass(resource: Mapping[str, Any], state: ResourceState, kube: Kube, c
         nonlocal link, coordinator_state
         assert link is not None
         done = await walk(link, coordinator_state, target, command_timeout=config.command_timeout,
-                          drain_timeout=float(spec.drain_timeout_seconds), pause_mode=spec.pause_mode)
+                          drain_timeout=float(spec.drain_timeout_seconds), pause_mode=spec.pause_mode,
+                          keep_kv=spec.suspend_keep_kv)
         events.extend(done.events)
         coordinator_state = done.state
         if done.message:

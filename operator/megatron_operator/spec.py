@@ -234,6 +234,7 @@ class InferenceSpec:
     trainers: list[dict[str, Any]]  # NetworkPolicy peers admitted to the coordinator port and the engine pods
     lifecycle: str
     pause_mode: str  # megatron_serve.wire.lifecycle.PauseMode's value: keep, wait, abort
+    suspend_keep_kv: bool  # every SUSPEND keeps the requests in flight's KV in host memory
     drain_timeout_seconds: int
     raw: dict[str, Any] = field(repr=False, compare=False, default_factory=dict)
 
@@ -320,6 +321,7 @@ def parse(resource: dict[str, Any], default_namespace: str = "default") -> Infer
         trainers=[dict(peer) for peer in spec["network"].get("trainers", [])],
         lifecycle=spec["lifecycle"],
         pause_mode=spec["pauseMode"].lower(),
+        suspend_keep_kv=spec["suspendKeepKV"],
         drain_timeout_seconds=spec["drainTimeoutSeconds"],
         raw=obj,
     )

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from .wire.lora_names import name_problem, path_problem
+from .wire.lifecycle import KV_ON_REFIT
 from .wire.sampling_params import LOGPROBS_MODES
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -159,6 +160,9 @@ class InferenceConfig:
     # lora_modules adapters, or nowhere without them (engine.lora.allowed_lora_dirs)
     lora_allowed_dirs: list[str] | None = None
     speculative: SpeculativeConfig | None = None  # speculative decoding (engine.speculative); None: off
+    # The host tier of the KV cache, in GiB (vLLM's kv_offloading_size; engine.kv_offload); None: no tier.
+    kv_offloading_size: float | None = None
+    kv_on_refit: str = "recompute"  # KV kept by suspend(keep_kv=True) across a refit: one of KV_ON_REFIT
 
     def __post_init__(self) -> None:
         if isinstance(self.speculative, dict):  # crossed a process boundary as plain values
@@ -211,6 +215,20 @@ class InferenceConfig:
         if self.pipeline_parallel_size > 1 and (self.enable_lora or self.speculative is not None):
             raise ValueError(f"pipeline_parallel_size {self.pipeline_parallel_size} does not serve "
                              f"{'LoRA adapters' if self.enable_lora else 'speculative decoding'} yet")
+        self._check_kv_tiers()
+
+    def _check_kv_tiers(self) -> None:
+        size = self.kv_offloading_size
+        if size is not None:
+            if isinstance(size, bool) or not isinstance(size, (int, float)) or not size > 0:
+                raise ValueError(f"kv_offloading_size must be a positive number of GiB, got {size!r}")
+            if not self.enable_prefix_caching:
+                raise ValueError("kv_offloading_size needs enable_prefix_caching: the host tier holds cached blocks")
+            if self.tensor_parallel_size * self.pipeline_parallel_size > 1:
+                raise ValueError("kv_offloading_size is not implemented with tensor or pipeline parallelism yet")
+            self.kv_offloading_size = float(size)
+        if self.kv_on_refit not in KV_ON_REFIT:
+            raise ValueError(f"kv_on_refit must be one of {', '.join(KV_ON_REFIT)}, got {self.kv_on_refit!r}")
 
     @property
     def world_size(self) -> int:

@@ -148,7 +148,9 @@ class FakeEngine:
             request.status = RequestStatus.WAITING_IN_QUEUE
         return taken
 
-    def suspend(self, level: int = 1) -> int:
+    kept_kv_bytes = 0  # a fake keeps no KV
+
+    def suspend(self, level: int = 1, keep_kv: bool = False) -> int:
         if self.suspended:
             return 0
         self.suspended = True

@@ -164,3 +164,16 @@ def test_abort_while_suspended_ends_what_the_fleet_holds_without_an_engine_step(
     ack = h.take(C, Header.CONTROL_ACK)[0]
     assert (ack.state, ack.detail["aborted"]) == ("SUSPENDED", 3)
     assert len(h.take(C, Header.RESULT)) == 3 and (status(h).in_flight, status(h).queued) == (0, 0)
+
+
+def test_suspend_keep_kv_reaches_every_engine_s_suspend_step():
+    h, _, _ = fleet()
+    h.send(C, Header.SUSPEND, Suspend(control_id="s", level=1, keep_kv=True))
+    h.take(E1, Header.PAUSE)
+    h.send(E1, Header.CONTROL_ACK, ControlAck(control_id="s#0", state="PAUSED"))
+    [step_body] = h.take(E1, Header.SUSPEND)
+    assert (step_body.control_id, step_body.level, step_body.keep_kv) == ("s#1", 1, True)
+    h.send(C, Header.SUSPEND, Suspend(control_id="t"))  # without it: the engines are told nothing of keeping
+    h.send(E1, Header.CONTROL_ACK, ControlAck(control_id="s#1", state="SUSPENDED"))
+    [plain] = h.take(E1, Header.SUSPEND)
+    assert plain.keep_kv is None

@@ -149,6 +149,25 @@ def test_history_is_bounded_lru_and_evicts_children_before_parents():
     assert capped.history_size(big.engine_id) == 4
 
 
+def test_a_host_tier_keeps_prefixes_routable_past_the_device_pool():
+    """An engine with --kv-offloading-size finds prefixes its device pool let go (the host tier's blocks): routing
+    remembers as many, and sends a prompt there that an engine of the same pool without a tier has forgotten."""
+    policy = PrefixAffinity()
+    plain, tiered = engine(0, kv_blocks=8), engine(1, kv_blocks=8)
+    tiered.info["kv_offload_blocks"] = 64
+    assert policy.capacity_for(plain) == 8 and policy.capacity_for(tiered) == 72
+    early = seq(0, 3)
+    for target in (plain, tiered):
+        policy.select(request(early), [target])
+        for k in range(4):  # 20 more blocks: past either device pool
+            policy.select(request(seq(1000 * (k + 1), 5)), [target])
+    assert policy.match(plain.engine_id, block_hashes(early, BS)) == 0
+    assert policy.match(tiered.engine_id, block_hashes(early, BS)) == 3
+    assert policy.select(request(early + [9, 9]), [plain, tiered]) is tiered
+    tiered.info["kv_offload_blocks"] = True  # garbage from a peer: the device pool alone
+    assert policy.capacity_for(tiered) == 8
+
+
 def test_forget_drops_a_group_and_unknown_ids_are_fine():
     policy = PrefixAffinity()
     e0, e1 = engine(0), engine(1)

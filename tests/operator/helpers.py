@@ -113,6 +113,7 @@ class FakeCoordinator:
         self.commands: list[str] = []
         self.pause_modes: list[str | None] = []  # the mode of each PAUSE received
         self.pause_drains: list[float | None] = []  # and its drain_timeout
+        self.suspend_keep_kv: list[bool] = []  # keep_kv of each SUSPEND received
         self.opened: list[str] = []
         self.groups = groups
         self.token = token
@@ -178,7 +179,7 @@ class FakeLink:
         return {"state": c.state, "detail": {"epoch": c.epoch, "source": source, "engines": engines}}
 
     async def command(self, verb: str, timeout: float, drain_timeout: float | None = None,
-                      pause_mode: str | None = None) -> dict[str, Any]:
+                      pause_mode: str | None = None, keep_kv: bool = False) -> dict[str, Any]:
         from megatron_operator.coordinator_link import CoordinatorRejected
 
         from megatron_serve.wire.lifecycle import IllegalTransition, next_state, parse_pause_mode
@@ -191,6 +192,8 @@ class FakeLink:
         except (IllegalTransition, ValueError) as exc:
             raise CoordinatorRejected(f"{verb.upper()} rejected: {exc}") from None
         c.commands.append(verb)
+        if verb == "suspend":
+            c.suspend_keep_kv.append(keep_kv)
         detail: dict[str, Any] = {"engines": len(c.groups())}
         if mode is not None:
             c.pause_modes.append(mode)

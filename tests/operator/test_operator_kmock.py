@@ -169,6 +169,10 @@ async def test_pause_mode_goes_with_every_pause_of_the_walk_and_a_bad_one_is_ref
     await go({"lifecycle": "Suspended"}, "Suspended")  # Running -> Suspended: its PAUSE waits too
     assert fake.commands[-2:] == ["pause", "suspend"]
     assert (fake.pause_modes[-1], fake.pause_drains[-1]) == ("wait", 45.0)
+    assert fake.suspend_keep_kv == [False]  # the default: a plain suspend
+    await go({"lifecycle": "Running"}, "Ready")
+    st = await go({"lifecycle": "Suspended", "suspendKeepKV": True}, "Suspended")
+    assert fake.suspend_keep_kv == [False, True] and "SUSPEND (keep_kv) acknowledged" in st["lifecycle"]["message"]
     sent = len(fake.commands)
     # the emulator does not check the schema's enum: the operator's own validation names the field
     await cluster.patch_mi(NS, "demo", {"spec": {"pauseMode": "Later", "lifecycle": "Running"}})

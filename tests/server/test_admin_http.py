@@ -99,6 +99,7 @@ def test_bodies_are_strict_and_bad_values_name_their_field(http):
         ("unpause", {"now": True}, "now"),
         ("suspend", {"level": 3}, "level"),
         ("suspend", {"level": "1"}, "level"),
+        ("suspend", {"level": 1, "keep_kv": "yes"}, "keep_kv"),
         ("refit", {}, "source"),
         ("refit", {"source": "/x", "epoch": -1}, "epoch"),
     ]

@@ -7,7 +7,7 @@ from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from megatron_serve.wire.engine_stats import EngineStats
+from megatron_serve.wire.engine_stats import KV_OFFLOAD, EngineStats
 from megatron_serve.server.metric_catalog import SERIES
 from megatron_serve.server.metrics import ServerMetrics
 
@@ -48,7 +48,20 @@ def a_report() -> dict[str, Any]:
     stats.finished["stop"] = 2
     stats.speculated(3, 2)  # speculative decoding: 2 of 3 guesses accepted (positions 0 and 1)
     stats.counters["spec_decode_num_rows"] = 6  # of 6 decode rows that could speculate (mean K 0.5)
-    return stats.to_wire(prefix_cache_queries=40, prefix_cache_hits=16)
+    report = stats.to_wire(prefix_cache_queries=40, prefix_cache_hits=16)
+    report[KV_OFFLOAD] = {"GPU_to_CPU": {"bytes": 8192, "seconds": 0.25}, "CPU_to_GPU": {"bytes": 4096, "seconds": 0.5}}
+    return report
+
+
+def test_the_host_tier_s_copies_are_vllm_s_series_by_transfer_type():
+    families = scrape([engine(0, a_report())])
+    bytes_by_type = {sample.labels["transfer_type"]: sample.value
+                     for sample in families["megatron_serve_kv_offload_total_bytes"].samples}
+    seconds_by_type = {sample.labels["transfer_type"]: sample.value
+                       for sample in families["megatron_serve_kv_offload_total_time"].samples}
+    assert bytes_by_type == {"GPU_to_CPU": 8192, "CPU_to_GPU": 4096}
+    assert seconds_by_type == {"GPU_to_CPU": 0.25, "CPU_to_GPU": 0.5}
+    assert {sample.value for sample in families["megatron_serve_external_prefix_cache_hits"].samples} == {0}
 
 
 def test_exported_families_are_the_catalogue():

@@ -317,10 +317,11 @@ class MegatronAsyncLLM:
         await self.start()
         return await self._client.unpause()
 
-    async def suspend(self, level: int = 1) -> dict[str, Any]:
-        """Release the KV cache (level 2: also weights); pauses first when running."""
+    async def suspend(self, level: int = 1, keep_kv: bool = False) -> dict[str, Any]:
+        """Release the KV cache (level 2: also weights); pauses first when running. ``keep_kv``: the requests in
+        flight keep their KV in host memory and continue after ``resume`` without recomputing it."""
         await self.start()
-        return await self._client.suspend(level=level)
+        return await self._client.suspend(level=level, keep_kv=keep_kv)
 
     async def resume(self) -> dict[str, Any]:
         await self.start()

@@ -166,9 +166,10 @@ class MegatronLLM:
     def unpause(self) -> dict:
         return self._run(self._async().unpause())
 
-    def suspend(self, level: int = 1) -> dict:
-        """Release the KV cache (level 2: also weights to host); pauses first when running."""
-        return self._run(self._async().suspend(level))
+    def suspend(self, level: int = 1, keep_kv: bool = False) -> dict:
+        """Release the KV cache (level 2: also weights to host); pauses first when running. ``keep_kv``: the
+        requests in flight keep their KV in host memory and continue after ``resume`` without recomputing it."""
+        return self._run(self._async().suspend(level, keep_kv=keep_kv))
 
     def resume(self) -> dict:
         return self._run(self._async().resume())

@@ -395,7 +395,7 @@ class LocalEngineClient:
     async def unpause(self, timeout: float | None = None) -> dict[str, Any]:
         raise self._no_fleet(Verb.UNPAUSE)
 
-    async def suspend(self, level: int = 1, timeout: float | None = None) -> dict[str, Any]:
+    async def suspend(self, level: int = 1, timeout: float | None = None, keep_kv: bool = False) -> dict[str, Any]:
         raise self._no_fleet(Verb.SUSPEND)
 
     async def resume(self, timeout: float | None = None) -> dict[str, Any]:

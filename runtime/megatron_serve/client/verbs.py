@@ -47,9 +47,10 @@ class FleetVerbs:
         """UNPAUSE: back to RUNNING (also restarts a STOPPED fleet once engines joined again)."""
         return await self._control(Header.UNPAUSE, timeout)
 
-    async def suspend(self, level: int = 1, timeout: float | None = None) -> dict[str, Any]:
-        """SUSPEND: release the KV cache (level 2: also weights to host); pauses first if RUNNING."""
-        return await self._control(Header.SUSPEND, timeout, level=level)
+    async def suspend(self, level: int = 1, timeout: float | None = None, keep_kv: bool = False) -> dict[str, Any]:
+        """SUSPEND: release the KV cache (level 2: also weights to host); pauses first if RUNNING. ``keep_kv``: the
+        requests in flight keep their KV in host memory and continue after RESUME without recomputing it."""
+        return await self._control(Header.SUSPEND, timeout, level=level, keep_kv=keep_kv or None)
 
     async def resume(self, timeout: float | None = None) -> dict[str, Any]:
         """RESUME: restore device memory; the fleet is then PAUSED (UNPAUSE to run)."""

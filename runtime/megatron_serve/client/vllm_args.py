@@ -83,6 +83,12 @@ def _sizes(value: Any) -> list[int]:
     return [_positive_int(size) for size in value]
 
 
+def _gib(value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ValueError("must be a positive number of GiB")
+    return float(value)
+
+
 def _speculative(value: Any) -> dict[str, Any]:
     if not isinstance(value, dict):
         raise ValueError("must be a dict of vLLM's speculative-config fields (method, num_speculative_tokens, ...)")
@@ -132,6 +138,7 @@ LLM_KEYWORDS: dict[str, Keyword] = {
     "max_lora_rank": Keyword("max_lora_rank", _positive_int),
     "max_cpu_loras": Keyword("max_cpu_loras", _positive_int),
     "speculative_config": Keyword("speculative", _speculative),
+    "kv_offloading_size": Keyword("kv_offloading_size", _gib),
 }
 
 

@@ -60,6 +60,21 @@ def _supported(flag: str, values: tuple[str, ...], why: str) -> Callable[[str], 
     return parse
 
 
+def _positive_float(flag: str) -> Callable[[str], float]:
+    """An argparse ``type`` for a positive number; others are refused naming the flag."""
+    def parse(value: str) -> float:
+        try:
+            number = float(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{value!r} is not a number") from None
+        if not number > 0 or number == float("inf"):
+            raise argparse.ArgumentTypeError(f"{flag} must be a positive number, got {value!r}")
+        return number
+
+    parse.__name__ = flag.removeprefix("--").replace("-", "_")
+    return parse
+
+
 def _json_list(value: str) -> list[str]:
     """vLLM's CORS lists: a JSON list of strings (``'["https://a.example"]'``), or one bare item."""
     text = value.strip()
@@ -300,6 +315,12 @@ VLLM_OPTIONS: tuple[VllmOption, ...] = (
     VllmOption(("--trust-remote-code",), _ACCEPTED, "this project never runs model code from a checkpoint: "
                "every architecture it serves is implemented here", spec=_spec(action="store_true"), scope=_ENGINE,
                example=("--trust-remote-code",)),
+    VllmOption(("--kv-offloading-size",), _IMPLEMENTED, "GiB of host memory for a second tier of the prefix "
+               "cache: blocks evicted from the device pool are copied there, and a prefix found there is copied "
+               "back instead of recomputed (docs/kv-tiers.md)",
+               spec=_spec(type=_positive_float("--kv-offloading-size"), default=None, metavar="GIB",
+                          help="host memory for the KV cache's host tier, in GiB (default: no host tier)"),
+               scope=_ENGINE, example=("--kv-offloading-size", "0.01")),
     VllmOption(("--swap-space",), _ACCEPTED, "preempted requests are recomputed, never swapped to host memory",
                spec=_spec(type=float, metavar="GIB"), scope=_ENGINE, example=("--swap-space", "4")),
     VllmOption(("--disable-custom-all-reduce",), _ACCEPTED, "tensor parallelism uses torch.distributed's own "

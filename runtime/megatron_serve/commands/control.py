@@ -31,6 +31,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print the answer as one JSON object")
     parser.add_argument("--level", type=int, choices=(1, 2), default=1,
                         help="suspend level: 1 frees the KV cache, 2 also moves weights to host memory")
+    parser.add_argument("--keep-kv", action="store_true",
+                        help="suspend: copy the KV of the requests in flight to host memory first; resume copies it "
+                             "back and they continue without recomputing it (docs/kv-tiers.md)")
     parser.add_argument("--mode", choices=[m.value for m in PauseMode], default=None,
                         help="pause: what happens to the requests the fleet holds: keep them in place (default), "
                              "wait for the running ones to finish, or abort them (finish_reason abort, tokens so far)")
@@ -65,7 +68,7 @@ async def _execute(args: argparse.Namespace, token: str | None) -> dict[str, Any
         if args.verb == "status":
             return await client.status(timeout=args.timeout)
         if args.verb == "suspend":
-            return await client.suspend(level=args.level, timeout=args.timeout)
+            return await client.suspend(level=args.level, timeout=args.timeout, keep_kv=args.keep_kv)
         if args.verb == "stop":
             return await client.stop(timeout=args.timeout, drain_timeout=args.drain_timeout)
         if args.verb == "refit":

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 from typing import TYPE_CHECKING
 
+from ..wire.lifecycle import KV_ON_REFIT
 from ..wire.sampling_params import LOGPROBS_MODES
 from .aliases import add_option
 from ..client.vllm_options import Scope, add_vllm_options
@@ -87,6 +88,10 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
                        help="the tensor-parallel size of the trainer that recomputes log probs under "
                             "megatron_serve.invariant: with --batch-invariant, an engine at another size warns at "
                             "start (each size splits the reductions its own way; default: not declared)")
+    group.add_argument("--kv-on-refit", choices=KV_ON_REFIT, default="recompute",
+                       help="what resume does with the KV that suspend --keep-kv kept when a refit came in between: "
+                            "recompute each request's context under the new weights, or keep the old KV (the "
+                            "tokens' kv_epochs say so) (default: %(default)s)")
     add_vllm_options(parser, Scope.ENGINE)
 
 
@@ -111,7 +116,8 @@ def inference_config_from_args(args: argparse.Namespace, tensor_parallel_size: i
         max_lora_versions=args.max_lora_versions, lora_push_dir=args.lora_push_dir,
         lora_allowed_dirs=args.lora_allowed_dirs,
         lora_modules=dict(args.lora_modules) if args.lora_modules else None,
-        speculative=args.speculative_config,
+        speculative=args.speculative_config, kv_offloading_size=args.kv_offloading_size,
+        kv_on_refit=args.kv_on_refit,
     )
 
 

@@ -18,8 +18,10 @@ Load bound
     holds the prefix as well and shares the traffic.
 
 Memory bound
-    Each group's history is an LRU set of at most ``min(kv_blocks_total, max_hashes_per_group)``
-    hashes (the most its prefix cache can hold; 65,536 by default, a few MB), and at most
+    Each group's history is an LRU set of at most ``min(kv_blocks_total + kv_offload_blocks,
+    max_hashes_per_group)`` hashes (the most its prefix cache can hold, the host tier's blocks
+    included: an engine with ``--kv-offloading-size`` still finds a prefix that left its device pool;
+    65,536 by default, a few MB), and at most
     ``max_prompt_blocks`` blocks of a prompt are hashed. A routed prompt refreshes its chain
     children first, so the parent of a chain is the last to be evicted, as in the engines' cache.
 
@@ -142,7 +144,12 @@ class PrefixAffinity:
         return len(self._history.get(engine_id, ()))
 
     def capacity_for(self, engine: EngineView) -> int:
+        """The blocks ``engine``'s prefix cache can hold: its device pool's and its host tier's."""
         total = int(getattr(engine, "kv_blocks_total", 0) or 0)
+        info = getattr(engine, "info", None)
+        host = info.get("kv_offload_blocks") if isinstance(info, dict) else None
+        if total > 0 and isinstance(host, int) and not isinstance(host, bool) and host > 0:
+            total += host
         return min(total, self.max_hashes_per_group) if total > 0 else self.max_hashes_per_group
 
     def _hashes(self, tokens: list[int], size: int, cache: dict[int, list[int]], root: int) -> list[int]:

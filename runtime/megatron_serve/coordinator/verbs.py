@@ -97,6 +97,7 @@ class ControlOp:
     client_id: str
     key: RequestKey  # what the control id asked for (see RequestKey)
     level: int = 1
+    keep_kv: bool = False  # SUSPEND: live requests' KV kept in host memory
     drain_timeout: float | None = None  # STOP: the engines' drain; PAUSE (mode wait): the coordinator's
     mode: PauseMode = PauseMode.KEEP  # PAUSE
     drain_until: float | None = None  # PAUSE (mode wait): the step waits for running requests until then
@@ -153,7 +154,7 @@ class VerbRunner:
             elif body.rendezvous is not None:
                 problem = body.rendezvous.problem()
         elif isinstance(body, Suspend):
-            op.level = body.level or 1
+            op.level, op.keep_kv = body.level or 1, bool(body.keep_kv)
             if op.level not in (1, 2):
                 problem = f"suspend level must be 1 or 2, got {op.level}"
         elif isinstance(body, Stop):
@@ -306,7 +307,7 @@ class VerbRunner:
         control_id = f"{op.control_id}#{op.step_index}"
         body: Control
         if step is Step.SUSPEND:
-            body = Suspend(control_id=control_id, level=core.suspend_level)
+            body = Suspend(control_id=control_id, level=core.suspend_level, keep_kv=op.keep_kv or None)
         elif step is Step.STOP:
             body = Stop(control_id=control_id, drain_timeout=op.drain_timeout)
         elif spec.verb is Verb.REFIT:

@@ -41,6 +41,7 @@ from .encoder_cache import EncoderCache
 from ..wire.engine_stats import EngineStats
 from ..wire.expert_routing import RoutingRecord, record_step, routing_dtype
 from .kv_cache import BlockAllocator, blocks_for_tokens
+from .kv_offload import HostKVTier
 from .memory_verbs import DeviceMemoryVerbs
 from .logprob_parity import ParityChecker
 from .lora import LoraAdapterError, admit_request, engine_loras, lora_report
@@ -93,7 +94,8 @@ class DynamicInferenceEngine(DeviceMemoryVerbs, LoraVerbs, SpeculativeSteps):
         self.max_sequence_length = max_sequence_length_for(model.config, config)
         self.kv_cache = build_kv_pool(model, config, self.max_sequence_length, self.device,
                                       largest_graph(config, self.device))
-        self.allocator = BlockAllocator(self.kv_cache.shape[2], config.enable_prefix_caching)
+        self.host_tier = HostKVTier.sized(self.kv_cache, config.kv_offloading_size)
+        self.allocator = BlockAllocator(self.kv_cache.shape[2], config.enable_prefix_caching, self.host_tier)
         block_size = config.block_size_tokens
         self.scheduler = Scheduler(self.allocator, block_size, config.max_batch_tokens, config.max_requests)
         if runner is None:
@@ -114,6 +116,7 @@ class DynamicInferenceEngine(DeviceMemoryVerbs, LoraVerbs, SpeculativeSteps):
         self._pending: list[StepOutput] = []
         self._in_flight: InFlightStep | None = None  # launched, not finished (overlapped scheduling)
         self.suspended = False
+        self.parked = None  # the KV of live requests while suspended with keep_kv
         self.weights_offloaded = False
         self.computed_tokens = 0  # tokens run through the model (prefill and decode), for counters
         self.epoch = 0  # generation of the weights being served; bumped by every refit
@@ -130,13 +133,15 @@ class DynamicInferenceEngine(DeviceMemoryVerbs, LoraVerbs, SpeculativeSteps):
 
     @property
     def cached_tokens(self) -> int:
-        """Prompt tokens skipped so far because their KV blocks were found in the prefix cache."""
-        return self.scheduler.cached_tokens
+        """Prompt tokens skipped so far because their KV blocks were found in the prefix cache (either tier)."""
+        return self.scheduler.cached_tokens + self.scheduler.host_cached_tokens
 
     def metrics_snapshot(self) -> dict:
         """The cumulative engine metrics, as the heartbeat's ``metrics`` field carries them (``lora``: the adapters
         of the running and waiting requests, with ``enable_lora``)."""
         snapshot = self.stats.to_wire(self.scheduler.queried_tokens, self.scheduler.cached_tokens)
+        if self.host_tier is not None:
+            self.host_tier.report(snapshot, self.scheduler.host_queried_tokens, self.scheduler.host_cached_tokens)
         lora = lora_report(self.loras, self.scheduler.running, [*self.scheduler.waiting, *self.lora_queue.sequences()])
         if lora is not None:
             snapshot["lora"] = lora
@@ -151,7 +156,8 @@ class DynamicInferenceEngine(DeviceMemoryVerbs, LoraVerbs, SpeculativeSteps):
                            prefix_caching=config.enable_prefix_caching,
                            expert_parallel=config.enable_expert_parallel and config.tensor_parallel_size > 1,
                            pipeline_parallel_size=config.pipeline_parallel_size,
-                           parameter_bytes=parameter_bytes(self.model))
+                           parameter_bytes=parameter_bytes(self.model),
+                           kv_offload_blocks=self.host_tier.num_slots if self.host_tier is not None else 0)
 
     @classmethod
     def from_model_dir(cls, model_dir: str | Path, config: InferenceConfig | None = None,
@@ -418,6 +424,7 @@ class DynamicInferenceEngine(DeviceMemoryVerbs, LoraVerbs, SpeculativeSteps):
         self.lora_queue.release(self.scheduler, self._sequences.values())
         if self.suspended or not self.scheduler.has_work():
             return None
+        self.scheduler.epoch = self.epoch  # the prefix cache's key for what it finds and what it computes
         batch = self.scheduler.schedule()
         self.stats.preempted(len(batch.preempted))
         for sequence in batch.preempted:  # bound again, from its tokens, when it samples next

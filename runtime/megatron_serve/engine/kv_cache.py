@@ -7,8 +7,12 @@ a block returns to the free list when its last reference is dropped.
 from __future__ import annotations
 
 from collections import OrderedDict, deque
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from .kv_offload import HostKVTier
 
 
 class OutOfBlocksError(RuntimeError):
@@ -22,11 +26,14 @@ class BlockAllocator:
     its last reference goes, it is not freed but kept *evictable*: a later request with the same
     prefix takes it back, and allocation reuses evictable blocks least-recently-freed first. Blocks
     are freed children first, so a parent is never evicted before its children.
+
+    With a host ``tier`` (:mod:`.kv_offload`), a cached block that is evicted is copied there first.
     """
 
-    def __init__(self, num_blocks: int, enable_prefix_caching: bool = False):
+    def __init__(self, num_blocks: int, enable_prefix_caching: bool = False, tier: "HostKVTier | None" = None):
         self.num_blocks = num_blocks
         self.enable_prefix_caching = enable_prefix_caching
+        self.tier = tier
         self._free: deque[int] = deque(range(num_blocks))
         self._evictable: OrderedDict[int, None] = OrderedDict()
         self._ref_counts = [0] * num_blocks
@@ -46,14 +53,19 @@ class BlockAllocator:
         if count > self.num_free:
             raise OutOfBlocksError(f"asked for {count} KV blocks, {self.num_free} free")
         blocks = []
+        evicted: list[tuple[int, int]] = []
         for _ in range(count):
             if self._free:
                 block = self._free.popleft()
             else:
                 block, _ = self._evictable.popitem(last=False)
-                del self._block_of_hash[self._hash_of_block.pop(block)]
+                block_hash = self._hash_of_block.pop(block)
+                del self._block_of_hash[block_hash]
+                evicted.append((block, block_hash))
             self._ref_counts[block] = 1
             blocks.append(block)
+        if evicted and self.tier is not None:
+            self.tier.store(evicted)
         return blocks
 
     def ref_count(self, block: int) -> int:
@@ -94,6 +106,22 @@ class BlockAllocator:
         if self.enable_prefix_caching and block_hash not in self._block_of_hash and block not in self._hash_of_block:
             self._block_of_hash[block_hash] = block
             self._hash_of_block[block] = block_hash
+
+    def blocks_in_use(self) -> list[int]:
+        """The blocks some request holds."""
+        return [block for block, count in enumerate(self._ref_counts) if count > 0]
+
+    def evictable_blocks(self) -> list[tuple[int, int]]:
+        """``(block, hash)`` of the cached blocks no request holds, least recently freed first."""
+        return [(block, self._hash_of_block[block]) for block in self._evictable]
+
+    def drop_evictable(self) -> None:
+        """Forget the cached blocks no request holds (their contents are about to be lost); blocks in use keep
+        their hashes."""
+        for block in self._evictable:
+            del self._block_of_hash[self._hash_of_block.pop(block)]
+        self._free.extend(self._evictable)
+        self._evictable.clear()
 
     def clear_cache(self) -> None:
         """Forget every cached hash (the pool's contents are gone or stale); blocks in use stay in use."""
@@ -143,6 +171,17 @@ class KVCachePool:
                         fp8: bool = False) -> int:
         per_value = head_dim + 4 if fp8 else head_dim * torch.empty((), dtype=dtype).element_size()
         return num_layers * 2 * block_size * num_kv_heads * per_value
+
+    def block_tensors(self) -> list[torch.Tensor]:
+        """The pool's tensors, each with the block as its dim 2 (values; with fp8 their scales too)."""
+        return [t for t in (self._storage, self._scales) if t is not None]
+
+    @property
+    def bytes_per_pool_block(self) -> int:
+        """Bytes of one block across every layer (values and, with fp8, scales)."""
+        layers, kinds, _blocks, block_size, heads, dim = self.shape
+        per_value = dim * self.dtype.itemsize + (4 if self.fp8 else 0)
+        return layers * kinds * block_size * heads * per_value
 
     @property
     def num_bytes(self) -> int:

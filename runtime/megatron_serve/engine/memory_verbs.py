@@ -23,12 +23,15 @@ from ..weights.drafter import divert, drafter_shapes
 from ..weights.digests import forget_digests
 from ..weights.sources import RendezvousSource, WeightSource, weight_source
 from ..wire.messages import LoraPush
+from .kv_park import ParkedKV
 from .lora import require
 
 if TYPE_CHECKING:
     from ..model.llama import LlamaForCausalLM
     from .encoder_cache import EncoderCache
+    from ..config import InferenceConfig
     from .kv_cache import BlockAllocator, KVCachePool
+    from .kv_offload import HostKVTier
     from .logprob_parity import ParityChecker
     from .lora import EngineLoras
     from .runner import ModelRunner
@@ -44,11 +47,14 @@ class DeviceMemoryVerbs:
     """Mixed into :class:`~.core.DynamicInferenceEngine`, whose state these methods read and write."""
 
     model: "LlamaForCausalLM"
+    config: "InferenceConfig"
     device: torch.device
     runner: "ModelRunner"
     scheduler: "Scheduler"
     allocator: "BlockAllocator"
     kv_cache: "KVCachePool"
+    host_tier: "HostKVTier | None"
+    parked: ParkedKV | None
     encoder_cache: "EncoderCache | None"
     parity: "ParityChecker"
     speculator: "Speculator | None"
@@ -62,10 +68,23 @@ class DeviceMemoryVerbs:
     _sequences: "dict[str, Sequence]"
     _settle: "Callable[[], None]"  # the engine's: finish the step in flight
 
-    def suspend(self, level: int = 1) -> int:
-        """Release the KV pool (and at level 2 move weights to host); returns device bytes released."""
+    @property
+    def kept_kv_bytes(self) -> int:
+        """Bytes of the live requests' KV held in host memory while suspended with ``keep_kv`` (0 otherwise)."""
+        return self.parked.num_bytes if self.parked is not None else 0
+
+    def suspend(self, level: int = 1, keep_kv: bool = False) -> int:
+        """Release the KV pool (and at level 2 move weights to host); returns device bytes released.
+
+        Cached blocks no request holds go to the host tier, if any, before the pool is released. With
+        ``keep_kv`` the blocks of the requests in flight are copied to host memory too (:mod:`.kv_park`) and
+        ``resume`` copies them back, so that those requests continue without recomputing anything; without
+        it they wait to be recomputed from their tokens.
+        """
         if level not in (1, 2):
             raise ValueError(f"suspend level must be 1 or 2, got {level}")
+        if keep_kv and self.config.tensor_parallel_size > 1:
+            raise ValueError("suspend with keep_kv is not implemented with tensor parallelism yet")
         offload = level == 2 and not self.weights_offloaded and self.device.type == "cuda"
         if self.suspended and not offload:
             return 0
@@ -73,8 +92,14 @@ class DeviceMemoryVerbs:
         self.runner.on_suspend(level)
         released = 0
         if not self.suspended:
-            self.scheduler.evict_all()
-            self.allocator.clear_cache()  # the cached contents die with the pool
+            if keep_kv:
+                self.parked = ParkedKV.park(self.kv_cache, self.allocator.blocks_in_use(), self.epoch)
+            else:
+                self.scheduler.evict_all()
+            if self.host_tier is not None:
+                self.host_tier.store(self.allocator.evictable_blocks())
+                self.host_tier.wait()
+            self.allocator.drop_evictable()  # their contents die with the pool; blocks in use keep theirs (keep_kv)
             if self.encoder_cache is not None:
                 self.encoder_cache.clear()  # image embeddings are device memory too
             released += self.kv_cache.release()
@@ -136,6 +161,8 @@ class DeviceMemoryVerbs:
                 f"{len(self.incomplete)} tensor(s) overwritten by an earlier failed refit were not sent again")
             raise RefitFailed(message, len(replaced), sorted(self.incomplete), self.epoch) from error
         self.allocator.clear_cache()
+        if self.host_tier is not None:
+            self.host_tier.clear()  # keyed by the old epoch: nothing there can be found again
         self.parity.void_all()
         if self.encoder_cache is not None:
             self.encoder_cache.clear()  # embeddings of the old vision weights
@@ -212,7 +239,11 @@ class DeviceMemoryVerbs:
                 "total_s": finished - started}
 
     def resume(self) -> None:
-        """Bring weights and the KV pool back, then capture the decode graphs over them again."""
+        """Bring weights and the KV pool back, then capture the decode graphs over them again.
+
+        KV kept by ``suspend(keep_kv=True)`` is copied back into the pool, unless a refit came in between and
+        ``kv_on_refit`` is ``recompute``: then the requests it belonged to are recomputed under the new weights.
+        """
         if not (self.suspended or self.weights_offloaded):
             return
         self.runner.on_resume()
@@ -220,7 +251,14 @@ class DeviceMemoryVerbs:
             self.model.to(self.device)
             self.weights_offloaded = False
         if self.suspended:
+            parked, self.parked = self.parked, None
+            if parked is not None and parked.epoch != self.epoch and self.config.kv_on_refit == "recompute":
+                self.scheduler.evict_all()
+                self.allocator.clear_cache()  # the blocks they held: old weights' KV, and no longer in the pool
+                parked = None
             self.kv_cache.allocate()
+            if parked is not None:
+                parked.restore(self.kv_cache)
             self.suspended = False
         self.runner.capture_graphs(self.kv_cache.layer_caches)
 

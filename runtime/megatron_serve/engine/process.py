@@ -284,13 +284,15 @@ class EngineProcess:
         self._send(Header.CONTROL_ACK, {"control_id": control_id, "state": self.state.value, "detail": detail,
                                         "engine_id": self.engine_id})
 
-    def _suspend(self, level: int) -> int:
-        """Release device memory (KV pool; level 2 also weights). Returns bytes released now."""
+    def _suspend(self, level: int, keep_kv: bool = False) -> int:
+        """Release device memory (KV pool; level 2 also weights); with ``keep_kv`` the live requests' KV is kept
+        in host memory first. Returns bytes released now."""
         if self.suspend_level >= level:
             return 0
-        released = self.engine.suspend(level)
+        released = self.engine.suspend(level, keep_kv)
         self.suspend_level = level
-        logger.info("suspended (level %d): released %d bytes of device memory", level, released)
+        logger.info("suspended (level %d%s): released %d bytes of device memory", level,
+                    ", live requests' KV kept in host memory" if keep_kv else "", released)
         return released
 
     def _restore(self) -> bool:
@@ -299,7 +301,8 @@ class EngineProcess:
             return False
         self.engine.resume()
         self.suspend_level = 0
-        logger.info("resumed: device memory restored, running requests will be recomputed")
+        logger.info("resumed: device memory restored, running requests %s",
+                    "go on over their KV" if self.engine.num_running else "will be recomputed")
         return True
 
     def _on_step(self, header: Header, body: Control) -> None:
@@ -334,8 +337,13 @@ class EngineProcess:
     def _suspend_action(self, body: Suspend) -> dict[str, Any]:
         level = body.level or 1
         already = self.suspend_level >= level
-        released = self._suspend(level)
+        try:
+            released = self._suspend(level, bool(body.keep_kv))
+        except ValueError as exc:  # keep_kv where it is not implemented (tensor parallelism)
+            return {"error": str(exc)}
         detail: dict[str, Any] = {"released_bytes": released, "level": self.suspend_level}
+        if self.engine.kept_kv_bytes:
+            detail["kept_kv_bytes"] = self.engine.kept_kv_bytes
         if already:
             detail["already_suspended"] = True
         return detail

@@ -6,7 +6,9 @@ admitted while tokens, request slots and KV blocks remain, in the order of their
 (lower first, vLLM's priority policy), then of arrival. When blocks run out, the newest running
 request is preempted: its blocks are freed and it waits to be recomputed from its prompt plus the
 tokens it already generated, which leaves its output unchanged. A request's prefix-cache chain
-starts from its ``cache_salt`` (:func:`~megatron_serve.wire.prefix_hash.salted_root`).
+starts from its ``cache_salt`` (:func:`~megatron_serve.wire.prefix_hash.salted_root`), its adapter's and the
+weights' epoch (:func:`~megatron_serve.wire.prefix_hash.epoch_root`). A prefix that stops on the device goes on
+in the host tier when there is one (:mod:`.kv_offload`): those blocks are copied back, not recomputed.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from dataclasses import dataclass, field
 from ..wire.expert_routing import RoutingRecord
 from .kv_cache import BlockAllocator, blocks_for_tokens
 from ..multimodal import cache_keys
-from ..wire.prefix_hash import ROOT_HASH, block_hashes, chain_hash, salted_root
+from ..wire.prefix_hash import ROOT_HASH, block_hashes, chain_hash, epoch_root, salted_root
 from ..wire.request import DynamicInferenceRequest, EventType, RequestStatus
 
 
@@ -30,6 +32,7 @@ class Sequence:
     stop_token_ids: frozenset[int]
     token_ids: list[int] = field(default_factory=list)
     num_computed: int = 0
+    host_tokens: int = 0  # of its cached prefix, tokens copied back from the host tier (not found on the device)
     block_table: list[int] = field(default_factory=list)
     block_hashes: list[int] = field(default_factory=list)  # chained hashes of the complete blocks computed
     kv_epoch: int | None = None  # weights generation its cached KV was computed under (None: no KV yet)
@@ -113,8 +116,11 @@ class Scheduler:
         self.max_requests = max_requests
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
-        self.cached_tokens = 0  # tokens admitted sequences skipped thanks to the prefix cache
+        self.cached_tokens = 0  # tokens admitted sequences skipped thanks to the device prefix cache
         self.queried_tokens = 0  # tokens admitted sequences looked up in the prefix cache (vLLM's "queries")
+        self.host_queried_tokens = 0  # of those, tokens not found on the device, looked up in the host tier
+        self.host_cached_tokens = 0  # tokens admitted sequences copied back from the host tier instead of computing
+        self.epoch = 0  # the weights' epoch new KV is computed under (the engine's, set before each schedule)
 
     def add(self, sequence: Sequence) -> None:
         """Queue ``sequence`` behind every waiting one whose priority value is not larger (arrival order within
@@ -146,6 +152,7 @@ class Scheduler:
         sequence.block_hashes = []
         sequence.prompt_hashes = []
         sequence.num_computed = 0
+        sequence.host_tokens = 0
         sequence.kv_epoch = None
 
     def _attach_cached_prefix(self, sequence: Sequence) -> int | None:
@@ -158,18 +165,29 @@ class Scheduler:
         A request that records its expert routing reads nothing either (its routing must be its own).
         """
         if (not self.allocator.enable_prefix_caching or sequence.num_computed or not sequence.reads_prefix_cache
-                or sequence.request.prompt_scores_missing):
+                or sequence.request.prompt_scores_missing or self.epoch < 0):  # -1: a mix of weights, nothing shared
             return None
         cacheable = (len(sequence.token_ids) - 1) // self.block_size
-        sequence.prompt_hashes = block_hashes(sequence.cache_tokens(0, cacheable * self.block_size), self.block_size,
-                                              sequence.prefix_root)
-        blocks = self.allocator.lookup(sequence.prompt_hashes)
+        sequence.prompt_hashes = hashes = block_hashes(sequence.cache_tokens(0, cacheable * self.block_size),
+                                                       self.block_size, epoch_root(sequence.prefix_root, self.epoch))
+        blocks = self.allocator.lookup(hashes)
+        self.allocator.acquire(blocks)
+        on_device = len(blocks)
+        tier = self.allocator.tier
+        if tier is not None and on_device < cacheable:
+            slots = tier.take(hashes[on_device : on_device + self.allocator.num_free])
+            if slots:
+                loaded = self.allocator.allocate(len(slots))
+                tier.load(slots, loaded)
+                for block, block_hash in zip(loaded, hashes[on_device:]):
+                    self.allocator.register(block, block_hash)
+                blocks += loaded
+                sequence.host_tokens = len(slots) * self.block_size
         if blocks:
-            self.allocator.acquire(blocks)
             sequence.block_table = list(blocks)
-            sequence.block_hashes = sequence.prompt_hashes[: len(blocks)]
+            sequence.block_hashes = hashes[: len(blocks)]
             sequence.num_computed = len(blocks) * self.block_size
-        return sequence.prompt_hashes[len(blocks)] if len(blocks) < cacheable else None
+        return hashes[len(blocks)] if len(blocks) < cacheable else None
 
     def _blocks_being_computed(self) -> set[int]:
         """Hashes of shareable blocks that running sequences have still to compute.
@@ -185,12 +203,13 @@ class Scheduler:
     def register_computed_blocks(self, sequence: Sequence) -> None:
         """Publish the sequence's newly completed blocks whose tokens the host knows to the prefix cache (drafts
         not verified yet are not known: their rows may be rolled back)."""
-        if not self.allocator.enable_prefix_caching:
+        epoch = self.epoch if sequence.kv_epoch is None else sequence.kv_epoch
+        if not self.allocator.enable_prefix_caching or epoch < 0:  # -1: a mix of weights, nothing to share
             return
         size = self.block_size
         known = len(sequence.token_ids) - sequence.num_drafts - sequence.drafts_in_flight
         for index in range(len(sequence.block_hashes), min(sequence.num_computed, known) // size):
-            parent = sequence.block_hashes[-1] if sequence.block_hashes else sequence.prefix_root
+            parent = sequence.block_hashes[-1] if sequence.block_hashes else epoch_root(sequence.prefix_root, epoch)
             block_hash = chain_hash(parent, sequence.cache_tokens(index * size, (index + 1) * size))
             sequence.block_hashes.append(block_hash)
             self.allocator.register(sequence.block_table[index], block_hash)
@@ -242,8 +261,11 @@ class Scheduler:
                 self.waiting.appendleft(sequence)
                 break
             cached = sequence.num_computed
-            self.cached_tokens += cached
+            self.cached_tokens += cached - sequence.host_tokens
             self.queried_tokens += len(sequence.token_ids)
+            if self.allocator.tier is not None:
+                self.host_queried_tokens += len(sequence.token_ids) - (cached - sequence.host_tokens)
+                self.host_cached_tokens += sequence.host_tokens
             sequence.request.cached_tokens = min(cached, len(sequence.request.prompt_tokens))
             self._grow(sequence, count)
             self.running.append(sequence)

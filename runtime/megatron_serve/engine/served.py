@@ -32,6 +32,7 @@ class EngineFacts:
     expert_parallel: bool = False  # the group's ranks hold whole experts (--enable-expert-parallel)
     pipeline_parallel_size: int = 1  # stages of tensor_parallel_size ranks each: they all join a weight transfer
     parameter_bytes: int | None = None  # the weights one rank holds (rank 0's; each rank holds about as much)
+    kv_offload_blocks: int = 0  # blocks its host KV tier holds (--kv-offloading-size): prefix routing counts them
 
     def hello_info(self) -> dict[str, Any]:
         """The facts as HELLO's ``info`` carries them (absent ones left out, ``capacity`` travels beside)."""
@@ -50,6 +51,8 @@ class EngineFacts:
         if self.block_size is not None:
             info["block_size"] = self.block_size
             info["prefix_caching"] = self.prefix_caching
+        if self.kv_offload_blocks:
+            info["kv_offload_blocks"] = self.kv_offload_blocks
         return info
 
 
@@ -85,6 +88,9 @@ class ServedEngine(Protocol):
     @property
     def cached_tokens(self) -> int: ...  # prompt tokens skipped thanks to the prefix cache
 
+    @property
+    def kept_kv_bytes(self) -> int: ...  # live requests' KV in host memory while suspended with keep_kv
+
     def facts(self) -> EngineFacts: ...
 
     def metrics_snapshot(self) -> dict[str, Any] | None: ...  # the heartbeat's ``metrics``, when it keeps them
@@ -101,7 +107,7 @@ class ServedEngine(Protocol):
 
     def take_unfinished_requests(self) -> list[DynamicInferenceRequest]: ...
 
-    def suspend(self, level: int = 1) -> int: ...
+    def suspend(self, level: int = 1, keep_kv: bool = False) -> int: ...
 
     def resume(self) -> None: ...
 

@@ -51,6 +51,8 @@ ENGINE_FIELDS = {
     "speculative_config": "speculative",
     "enable_expert_parallel": "enable_expert_parallel",
     "pipeline_parallel_size": "pipeline_parallel_size",
+    "kv_offloading_size": "kv_offloading_size",
+    "kv_on_refit": "kv_on_refit",
 }
 
 

@@ -46,7 +46,7 @@ class LifecycleBackend(Protocol):
 
     async def unpause(self) -> dict[str, Any]: ...
 
-    async def suspend(self, level: int = ...) -> dict[str, Any]: ...
+    async def suspend(self, level: int = ..., *, keep_kv: bool = ...) -> dict[str, Any]: ...
 
     async def resume(self) -> dict[str, Any]: ...
 
@@ -69,6 +69,8 @@ class PauseRequest(_AdminBody):
 
 class SuspendRequest(_AdminBody):
     level: Literal[1, 2] = Field(1, description="1: release the KV cache; 2: also move the weights to host memory")
+    keep_kv: bool = Field(False, description="copy the KV of the requests in flight to host memory first; RESUME "
+                                             "copies it back and they continue without recomputing it")
 
 
 class RefitRequest(_AdminBody):
@@ -140,7 +142,7 @@ _VERBS: list[tuple[str, type[_AdminBody], str, _Call]] = [
     ("unpause", NoBody, "UNPAUSE: the fleet runs again (also restarts a stopped fleet once its engines joined again).",
      lambda backend, _: backend.unpause()),
     ("suspend", SuspendRequest, "SUSPEND: release the KV cache (level 2: also the weights); pauses first when "
-                                "running.", lambda backend, body: backend.suspend(body.level)),
+                                "running.", lambda backend, body: backend.suspend(body.level, keep_kv=body.keep_kv)),
     ("resume", NoBody, "RESUME: device memory is restored; the fleet is then PAUSED (unpause to run).",
      lambda backend, _: backend.resume()),
     ("refit", RefitRequest, "REFIT from a model directory (the fleet must be PAUSED or SUSPENDED): every engine "

@@ -79,6 +79,17 @@ SERIES: tuple[Series, ...] = (
            "admitted a request", "engine", ENGINE_LABELS, "vllm:prefix_cache_queries_total", "tokens"),
     Series("prefix_cache_hits_total", "counter", "of those, tokens found in the prefix cache (not recomputed)",
            "engine", ENGINE_LABELS, "vllm:prefix_cache_hits_total", "tokens"),
+    Series("external_prefix_cache_queries_total", "counter", "tokens of admitted requests not found in the "
+           "engine's device prefix cache, looked up in its host tier (--kv-offloading-size)", "engine", ENGINE_LABELS,
+           "vllm:external_prefix_cache_queries_total", "tokens"),
+    Series("external_prefix_cache_hits_total", "counter", "of those, tokens found in the host tier and copied back "
+           "to the device instead of computed", "engine", ENGINE_LABELS, "vllm:external_prefix_cache_hits_total",
+           "tokens"),
+    Series("kv_offload_total_bytes_total", "counter", "bytes of KV blocks copied between the device pool and the "
+           "host tier, by direction (GPU_to_CPU: blocks leaving the pool; CPU_to_GPU: prefixes found on the host)",
+           "engine", (*ENGINE_LABELS, "transfer_type"), "vllm:kv_offload_total_bytes_total", "bytes"),
+    Series("kv_offload_total_time_total", "counter", "seconds those copies took, by direction", "engine",
+           (*ENGINE_LABELS, "transfer_type"), "vllm:kv_offload_total_time_total", "seconds"),
     Series("logprob_parity_checked_total", "counter", "finished requests whose reported log probs the engine "
            "scored again as one prompt and compared bitwise (--verify-logprobs-fraction)", "engine", ENGINE_LABELS,
            unit="requests", colon_twin=True),

@@ -23,7 +23,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from ..wire.engine_stats import ACCEPTED_PER_POS, COUNTERS, FINISH_REASONS, HISTOGRAMS
+from ..wire.engine_stats import ACCEPTED_PER_POS, COUNTERS, FINISH_REASONS, HISTOGRAMS, KV_OFFLOAD, KV_OFFLOAD_DIRECTIONS
 from ..wire.lifecycle import FleetState
 from .fleet import FleetMonitor
 from .metric_catalog import SERIES, Series, series
@@ -154,6 +154,11 @@ def read_engine(engine: dict[str, Any]) -> EngineReading:
     for position, count in per_pos.items():
         if isinstance(position, str) and position.isdigit():
             reading.put(f"{ACCEPTED_PER_POS}_total", reported_number(count), position)
+    offload = report.get(KV_OFFLOAD) if isinstance(report.get(KV_OFFLOAD), dict) else {}
+    for direction in KV_OFFLOAD_DIRECTIONS:
+        copies = offload.get(direction) if isinstance(offload.get(direction), dict) else {}
+        reading.put("kv_offload_total_bytes_total", reported_number(copies.get("bytes")), direction)
+        reading.put("kv_offload_total_time_total", reported_number(copies.get("seconds")), direction)
     histograms = report.get("histograms") if isinstance(report.get("histograms"), dict) else {}
     for name, bounds in HISTOGRAMS.items():
         parsed = reported_buckets(histograms.get(name), bounds)

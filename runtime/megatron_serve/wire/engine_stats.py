@@ -46,9 +46,13 @@ HISTOGRAMS: dict[str, tuple[float, ...]] = {
 #: counter names on the wire (the exported name adds ``_total``)
 COUNTERS = ("prompt_tokens", "generation_tokens", "num_preemptions", "prefix_cache_queries", "prefix_cache_hits",
             "logprob_parity_checked", "logprob_parity_mismatch", "spec_decode_num_drafts", "spec_decode_num_draft_tokens",
-            "spec_decode_num_accepted_tokens", "spec_decode_num_rows")
+            "spec_decode_num_accepted_tokens", "spec_decode_num_rows", "external_prefix_cache_queries",
+            "external_prefix_cache_hits")
 #: the per-position acceptance counter on the wire: {"0": accepted at draft position 0, ...}
 ACCEPTED_PER_POS = "spec_decode_num_accepted_tokens_per_pos"
+#: the host KV tier's copies on the wire: {"GPU_to_CPU": {"bytes": n, "seconds": s}, "CPU_to_GPU": {...}}
+KV_OFFLOAD = "kv_offload"
+KV_OFFLOAD_DIRECTIONS = ("GPU_to_CPU", "CPU_to_GPU")
 #: finish reasons counted by ``request_success``
 FINISH_REASONS = (FinishReason.STOP.value, FinishReason.LENGTH.value, FinishReason.ABORT.value)
 

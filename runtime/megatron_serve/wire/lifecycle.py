@@ -104,6 +104,12 @@ class PauseMode(str, enum.Enum):
     ABORT = "abort"
 
 
+#: What ``resume`` does with the KV that ``suspend(keep_kv=True)`` kept, when a refit came in between (the engine's
+#: ``--kv-on-refit``): ``recompute`` (the default) recomputes every resumed request's context under the new weights;
+#: ``keep`` continues on the old KV, which the tokens' ``kv_epochs`` then show.
+KV_ON_REFIT = ("recompute", "keep")
+
+
 #: How long PAUSE in ``wait`` mode lets running requests finish when the caller gives no deadline
 #: (STOP's drain default, the engine's ``--drain-timeout``, is the same).
 DEFAULT_PAUSE_DRAIN_TIMEOUT = 30.0

@@ -150,6 +150,7 @@ class Pause(Control):
 
 class Suspend(Control):
     level: int | None = None
+    keep_kv: bool | None = None  # copy live requests' KV to host memory first, and back on RESUME (engine.kv_park)
 
 
 class Stop(Control):

@@ -35,6 +35,17 @@ def adapter_root(root: int, key: str) -> int:
     return int.from_bytes(digest.digest(), "little")
 
 
+def epoch_root(root: int, epoch: int) -> int:
+    """The chain root of blocks computed under the weights of refit ``epoch``, from a request's root: a refit
+    never finds blocks of the weights before it, in any KV tier. The first weights (epoch 0) keep ``root``
+    itself, so that a fleet that never refits hashes as the coordinator's routing does."""
+    if epoch == 0:
+        return root
+    digest = hashlib.blake2b(root.to_bytes(8, "little") + epoch.to_bytes(8, "little", signed=True), digest_size=8,
+                             person=b"weights_epoch")
+    return int.from_bytes(digest.digest(), "little")
+
+
 def chain_hash(parent: int, tokens: list[int]) -> int:
     digest = hashlib.blake2b(parent.to_bytes(8, "little") + array("q", tokens).tobytes(), digest_size=8)
     return int.from_bytes(digest.digest(), "little")

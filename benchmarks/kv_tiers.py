@@ -1,0 +1,146 @@
+"""The host KV tier on vs off, and suspend with keep_kv vs a plain suspend (docs/kv-tiers.md).
+
+``MegatronLLM`` in direct mode, in this process, same weights every time.
+
+* Tiers: ``--prefixes`` distinct prompts of ``--prefix-len`` tokens whose blocks add up to twice the device
+  pool, each sent ``--rounds`` times, one at a time (an agent's turns, an RL group's samples spread over
+  time): with the pool alone most prefixes were evicted before they come back; with ``--kv-offloading-size``
+  they come back from host memory. Per request: TTFT (its prefill, the engine to itself) and CPU time of
+  this process (``time.process_time``), tier off vs on, as ratios; outputs must be equal (checked).
+* Suspend: ``--live`` requests in flight, suspended and resumed; time of suspend + resume, bytes kept in
+  host memory, and the time and tokens computed until every request has its next token, keep_kv vs a plain
+  suspend (which recomputes every context).
+
+    python benchmarks/kv_tiers.py                 # CPU-sized defaults
+    python benchmarks/kv_tiers.py --smoke         # seconds: the test suite runs this
+    python benchmarks/kv_tiers.py --hidden-size 1024 --layers 16 --prefix-len 2048 --device cuda  # a GPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import tempfile
+import time
+
+import torch
+
+from megatron_serve import DynamicInferenceRequest, InferenceConfig, MegatronLLM, SamplingParams
+from megatron_serve.model.tiny import make_tiny_model
+
+BLOCK = 16
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def config(args, tier: float | None) -> InferenceConfig:
+    return InferenceConfig(dtype=args.dtype, device=args.device, block_size_tokens=BLOCK,
+                           num_kv_blocks=args.pool_blocks, max_requests=args.live, max_batch_tokens=4096,
+                           kv_offloading_size=tier)
+
+
+def tiers(model_dir: str, args, tier: float | None) -> dict:
+    llm = MegatronLLM(model_dir, config(args, tier))
+    rng = random.Random(0)
+    prompts = [[rng.randrange(5, 500) for _ in range(args.prefix_len)] for _ in range(args.prefixes)]
+    params = SamplingParams(temperature=0.0, num_tokens_to_generate=2, ignore_eos=True)
+    llm.generate([[7] * 40], params)  # warm-up, sharing no block with the workload
+    ttft, cpu, outputs = [], [], []
+    for round_index in range(args.rounds):
+        for prompt in prompts:
+            _sync(args.device)
+            wall, process = time.perf_counter(), time.process_time()
+            out = llm.generate([prompt], SamplingParams(temperature=0.0, num_tokens_to_generate=1, ignore_eos=True))
+            _sync(args.device)
+            if round_index:  # the first round computes every prefix either way
+                ttft.append(time.perf_counter() - wall)
+                cpu.append(time.process_time() - process)
+            outputs.append(out[0].generated_tokens)
+    engine = llm.engine
+    host = engine.host_tier
+    return {"ttft": statistics.median(ttft), "cpu": statistics.mean(cpu), "outputs": outputs,
+            "cached": engine.cached_tokens, "host_hits": engine.scheduler.host_cached_tokens,
+            "bytes": dict(host.stats.bytes) if host is not None else {}}
+
+
+def suspend(model_dir: str, args, keep_kv: bool) -> dict:
+    engine = MegatronLLM(model_dir, config(args, None)).engine
+    rng = random.Random(1)
+    params = SamplingParams(temperature=0.0, num_tokens_to_generate=16, ignore_eos=True)
+    length = min(args.prefix_len, args.pool_blocks * BLOCK // args.live - 2 * BLOCK)  # all fit in the pool at once
+    requests = [DynamicInferenceRequest(str(i), "", [rng.randrange(5, 500) for _ in range(length)], params)
+                for i in range(args.live)]
+    for request in requests:
+        engine.add_request(request)
+    while min(len(r.generated_tokens) for r in requests) < 4:
+        engine.step()
+    engine.sync()
+    counts = [len(r.generated_tokens) for r in requests]
+    computed = engine.computed_tokens
+    _sync(args.device)
+    started = time.perf_counter()
+    engine.suspend(keep_kv=keep_kv)
+    kept = engine.kept_kv_bytes
+    suspended = time.perf_counter()
+    engine.resume()
+    _sync(args.device)
+    resumed = time.perf_counter()
+    while any(len(r.generated_tokens) <= count for r, count in zip(requests, counts)):
+        engine.step()
+    engine.sync()
+    _sync(args.device)
+    back = time.perf_counter()
+    return {"suspend_s": suspended - started, "resume_s": resumed - suspended, "next_token_s": back - resumed,
+            "kept_bytes": kept, "computed": engine.computed_tokens - computed}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--hidden-size", type=int, default=256)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--prefix-len", type=int, default=512)
+    parser.add_argument("--pool-blocks", type=int, default=128)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--live", type=int, default=4)
+    parser.add_argument("--tier-gib", type=float, default=0.5)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default=None)
+    parser.add_argument("--smoke", action="store_true", help="a tiny model and workload: seconds")
+    args = parser.parse_args()
+    if args.smoke:
+        args.hidden_size, args.layers, args.prefix_len, args.pool_blocks, args.rounds = 64, 2, 64, 16, 2
+        args.live, args.tier_gib = 2, 0.01
+    # blocks of the working set: twice the pool
+    args.prefixes = max(2, 2 * args.pool_blocks // (args.prefix_len // BLOCK))
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = str(make_tiny_model(tmp, seed=0, hidden_size=args.hidden_size, num_layers=args.layers,
+                                        intermediate_size=4 * args.hidden_size,
+                                        max_position_embeddings=max(1024, 2 * args.prefix_len)))
+        off, on = tiers(model_dir, args, None), tiers(model_dir, args, args.tier_gib)
+        assert on["outputs"] == off["outputs"], "the host tier changed an output"
+        print(f"tiers: {args.prefixes} prompts x {args.prefix_len} tokens, {args.rounds} rounds, pool "
+              f"{args.pool_blocks} blocks (working set twice the pool), device {args.device}")
+        print(f"  {'':>10} {'TTFT ms':>10} {'CPU ms/req':>11} {'cached tok':>11} {'host hits':>10}")
+        for name, row in (("tier off", off), ("tier on", on)):
+            print(f"  {name:>10} {1e3 * row['ttft']:10.2f} {1e3 * row['cpu']:11.2f} {row['cached']:11d} "
+                  f"{row['host_hits']:10d}")
+        print(f"  on/off: TTFT x{on['ttft'] / off['ttft']:.2f}, CPU x{on['cpu'] / off['cpu']:.2f}; "
+              f"copied {on['bytes']}")
+        plain, kept = suspend(model_dir, args, False), suspend(model_dir, args, True)
+        print(f"suspend/resume: {args.live} live requests")
+        print(f"  {'':>10} {'suspend ms':>11} {'resume ms':>10} {'next tok ms':>12} {'kept bytes':>11} "
+              f"{'computed':>9}")
+        for name, row in (("recompute", plain), ("keep_kv", kept)):
+            print(f"  {name:>10} {1e3 * row['suspend_s']:11.2f} {1e3 * row['resume_s']:10.2f} "
+                  f"{1e3 * row['next_token_s']:12.2f} {row['kept_bytes']:11d} {row['computed']:9d}")
+        total = (lambda r: r["suspend_s"] + r["resume_s"] + r["next_token_s"])
+        print(f"  keep_kv/recompute: suspend-to-next-token x{total(kept) / total(plain):.2f}, "
+              f"tokens computed x{kept['computed'] / plain['computed']:.3f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,302 @@
+"""The host tier of the KV cache (``--kv-offloading-size``): a second, larger cache of complete blocks in host memory.
+
+A cached block leaves the device pool when the allocator evicts it to make room (or when ``suspend`` releases
+the pool); with a tier, its contents are copied to a host slot first, under the same chained hash. A prefix
+lookup that stops on the device goes on in the tier, and the blocks found there are copied back into freshly
+allocated device blocks instead of being recomputed. The tier is a victim cache: it holds what the device pool
+let go, so the two together cache more than either.
+
+The hash is the whole identity of a block. Its chain starts from the request's cache salt, its LoRA
+registration (each version of an adapter is its own registration) and the weights' epoch
+(:func:`~megatron_serve.wire.prefix_hash.epoch_root`), so a block computed under old weights or an old adapter
+version is never found by a request of the new ones, in either tier; a refit also empties the tier, since
+nothing in it can be found again.
+
+Slots are reused least recently used first; a slot whose copy back to the device has not completed is pinned
+and never reused. The copies themselves are a :class:`Copier`'s: on a GPU a side stream with pinned host
+memory (the host never waits; the device's next step waits for the copies that it depends on), on a CPU a
+plain copy.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Callable, Protocol
+
+import torch
+
+from ..wire.engine_stats import KV_OFFLOAD, KV_OFFLOAD_DIRECTIONS
+from .kv_cache import KVCachePool
+
+#: vLLM's ``transfer_type`` label values of ``vllm:kv_offload_total_bytes`` and ``vllm:kv_offload_total_time``.
+TO_HOST, TO_DEVICE = KV_OFFLOAD_DIRECTIONS
+
+
+class Transfer(Protocol):
+    """One copy the tier started: done once its data has landed."""
+
+    def done(self) -> bool: ...
+
+    def seconds(self) -> float:
+        """How long the copy took (called once it is done)."""
+        ...
+
+
+@dataclass
+class _Finished:
+    elapsed: float
+
+    def done(self) -> bool:
+        return True
+
+    def seconds(self) -> float:
+        return self.elapsed
+
+
+@dataclass
+class _CudaTransfer:
+    start: torch.cuda.Event
+    end: torch.cuda.Event
+
+    def done(self) -> bool:
+        return self.end.query()
+
+    def seconds(self) -> float:
+        return self.start.elapsed_time(self.end) / 1000.0
+
+
+def _raw(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The tensors as bytes where they are float8 (index_select and index_copy_ take no e4m3): a copy is a copy."""
+    return [t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t for t in tensors]
+
+
+class Copier:
+    """Copies blocks between the device pool and host slots (``pool.block_tensors()`` order, block dim 2).
+
+    This one copies on the calling thread: on a CPU the "device" pool is host memory, and a copy is a memcpy.
+    """
+
+    pin_memory = False
+
+    def to_host(self, pool: KVCachePool, blocks: list[int], host: list[torch.Tensor], slots: list[int]) -> Transfer:
+        started = time.perf_counter()
+        index = torch.tensor(blocks, dtype=torch.long, device=pool.device)
+        where = torch.tensor(slots, dtype=torch.long)
+        for source, target in zip(_raw(pool.block_tensors()), _raw(host)):
+            target.index_copy_(0, where, source.index_select(2, index).movedim(2, 0))
+        return _Finished(time.perf_counter() - started)
+
+    def to_device(self, host: list[torch.Tensor], slots: list[int], pool: KVCachePool, blocks: list[int]) -> Transfer:
+        started = time.perf_counter()
+        index = torch.tensor(blocks, dtype=torch.long, device=pool.device)
+        where = torch.tensor(slots, dtype=torch.long)
+        for source, target in zip(_raw(host), _raw(pool.block_tensors())):
+            target.index_copy_(2, index, source.index_select(0, where).movedim(0, 2))
+        return _Finished(time.perf_counter() - started)
+
+
+class CudaCopier(Copier):
+    """Copies on a side stream between the pool and pinned host slots; the host never waits for them.
+
+    A copy to the host reads blocks that the next step may overwrite, and a copy to the device writes
+    blocks that the next step reads: either way the compute stream waits for the copy's event (on the
+    device), so the step launched next is ordered after it while the host goes on planning.
+    """
+
+    pin_memory = True
+
+    def __init__(self, device: torch.device):
+        self.stream = torch.cuda.Stream(device)
+
+    def _copy(self, run: Callable[[], None]) -> Transfer:
+        compute = torch.cuda.current_stream()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        with torch.cuda.stream(self.stream):
+            start.record()
+            run()
+            end.record()
+        compute.wait_event(end)
+        return _CudaTransfer(start, end)
+
+    def to_host(self, pool: KVCachePool, blocks: list[int], host: list[torch.Tensor], slots: list[int]) -> Transfer:
+        def run() -> None:
+            index = torch.tensor(blocks, dtype=torch.long).to(pool.device, non_blocking=True)
+            for source, target in zip(_raw(pool.block_tensors()), _raw(host)):
+                staged = source.index_select(2, index).movedim(2, 0).contiguous()
+                for row, slot in enumerate(slots):
+                    target[slot].copy_(staged[row], non_blocking=True)
+                staged.record_stream(self.stream)
+        return self._copy(run)
+
+    def to_device(self, host: list[torch.Tensor], slots: list[int], pool: KVCachePool, blocks: list[int]) -> Transfer:
+        def run() -> None:
+            index = torch.tensor(blocks, dtype=torch.long).to(pool.device, non_blocking=True)
+            for source, target in zip(_raw(host), _raw(pool.block_tensors())):
+                staged = torch.empty((len(slots), *source.shape[1:]), dtype=source.dtype, device=pool.device)
+                for row, slot in enumerate(slots):
+                    staged[row].copy_(source[slot], non_blocking=True)
+                target.index_copy_(2, index, staged.movedim(0, 2))
+        return self._copy(run)
+
+
+def copier_for(device: torch.device) -> Copier:
+    return CudaCopier(device) if device.type == "cuda" else Copier()
+
+
+@dataclass
+class TransferStats:
+    """Cumulative bytes and seconds per direction (vLLM's ``kv_offload_total_bytes`` / ``_time``); the tokens
+    found in the tier are counted where requests are admitted (the scheduler's ``host_cached_tokens``)."""
+
+    bytes: dict[str, int] = field(default_factory=lambda: {TO_HOST: 0, TO_DEVICE: 0})
+    seconds: dict[str, float] = field(default_factory=lambda: {TO_HOST: 0.0, TO_DEVICE: 0.0})
+
+    def to_wire(self) -> dict[str, dict[str, float]]:
+        return {direction: {"bytes": self.bytes[direction], "seconds": self.seconds[direction]}
+                for direction in (TO_HOST, TO_DEVICE)}
+
+
+def host_buffers(pool: KVCachePool, num_slots: int, pin_memory: bool) -> list[torch.Tensor]:
+    """Host memory for ``num_slots`` blocks of ``pool``: per pool tensor, ``[slots, *block shape]``."""
+    return [torch.empty((num_slots, *t.shape[:2], *t.shape[3:]), dtype=t.dtype, pin_memory=pin_memory)
+            for t in pool.block_tensors()]
+
+
+class HostKVTier:
+    """Complete KV blocks in host memory, by chained hash, least recently used first out (see the module
+    docstring). ``capacity_bytes`` of host memory, in whole blocks of ``pool``'s layout."""
+
+    def __init__(self, pool: KVCachePool, capacity_bytes: int, copier: Copier | None = None):
+        self.pool = pool
+        self.copier = copier if copier is not None else copier_for(pool.device)
+        self.block_bytes = pool.bytes_per_pool_block
+        self.num_slots = int(capacity_bytes) // self.block_bytes
+        if self.num_slots < 1:
+            raise ValueError(f"kv_offloading_size holds no KV block: one takes {self.block_bytes} bytes, "
+                             f"{int(capacity_bytes)} were given")
+        self._host = host_buffers(pool, self.num_slots, self.copier.pin_memory)
+        self._slot_of_hash: OrderedDict[int, int] = OrderedDict()  # least recently used first
+        self._hash_of_slot: dict[int, int] = {}
+        self._free = list(range(self.num_slots - 1, -1, -1))
+        self._pins: dict[int, int] = {}  # slot -> copies to the device in flight from it
+        self._loads: list[tuple[Transfer, list[int]]] = []
+        self._stores: list[Transfer] = []
+        self.stats = TransferStats()
+
+    @classmethod
+    def sized(cls, pool: KVCachePool, gib: float | None) -> "HostKVTier | None":
+        """The tier ``--kv-offloading-size`` asks for (None: no tier)."""
+        return cls(pool, int(gib * 2**30)) if gib else None
+
+    @property
+    def num_bytes(self) -> int:
+        return self.num_slots * self.block_bytes
+
+    def report(self, snapshot: dict, queried_tokens: int, hit_tokens: int) -> None:
+        """Add the tier's series to an engine's heartbeat ``metrics`` (:mod:`megatron_serve.wire.engine_stats`):
+        the tokens admitted requests looked up here and found here, and the copies' bytes and seconds."""
+        snapshot["counters"].update(external_prefix_cache_queries=queried_tokens, external_prefix_cache_hits=hit_tokens)
+        snapshot[KV_OFFLOAD] = self.stats.to_wire()
+
+    @property
+    def num_cached(self) -> int:
+        return len(self._slot_of_hash)
+
+    def __contains__(self, block_hash: int) -> bool:
+        return block_hash in self._slot_of_hash
+
+    def _reap(self) -> None:
+        """Account for copies that completed, and unpin the slots of loads that landed."""
+        still: list[tuple[Transfer, list[int]]] = []
+        for transfer, slots in self._loads:
+            if not transfer.done():
+                still.append((transfer, slots))
+                continue
+            self.stats.seconds[TO_DEVICE] += transfer.seconds()
+            for slot in slots:
+                self._pins[slot] -= 1
+                if not self._pins[slot]:
+                    del self._pins[slot]
+                    if slot not in self._hash_of_slot:  # forgotten by clear() while it was loaded from
+                        self._free.append(slot)
+        self._loads = still
+        pending = []
+        for transfer in self._stores:
+            if transfer.done():
+                self.stats.seconds[TO_HOST] += transfer.seconds()
+            else:
+                pending.append(transfer)
+        self._stores = pending
+
+    def _take_slot(self, filling: set[int]) -> int | None:
+        """A free slot, else the least recently used one neither pinned nor being filled by the same copy (its
+        block forgotten); None when there is none."""
+        if self._free:
+            return self._free.pop()
+        for block_hash, slot in self._slot_of_hash.items():
+            if slot not in self._pins and slot not in filling:
+                del self._slot_of_hash[block_hash]
+                del self._hash_of_slot[slot]
+                return slot
+        return None
+
+    def store(self, evicted: list[tuple[int, int]]) -> int:
+        """Copy the device blocks ``(block, hash)`` leaving the pool to host slots (those already here are only
+        marked recently used); returns how many were copied."""
+        self._reap()
+        blocks, slots = [], []
+        filling: set[int] = set()
+        for block, block_hash in evicted:
+            if block_hash in self._slot_of_hash:
+                self._slot_of_hash.move_to_end(block_hash)
+                continue
+            slot = self._take_slot(filling)
+            if slot is None:
+                break
+            filling.add(slot)
+            self._slot_of_hash[block_hash] = slot
+            self._hash_of_slot[slot] = block_hash
+            blocks.append(block)
+            slots.append(slot)
+        if blocks:
+            self._stores.append(self.copier.to_host(self.pool, blocks, self._host, slots))
+            self.stats.bytes[TO_HOST] += len(blocks) * self.block_bytes
+            self._reap()
+        return len(blocks)
+
+    def take(self, hashes: list[int]) -> list[int]:
+        """The slots holding the longest prefix of ``hashes``, pinned until :meth:`load` copies them back."""
+        self._reap()
+        slots = []
+        for block_hash in hashes:
+            slot = self._slot_of_hash.get(block_hash)
+            if slot is None:
+                break
+            self._slot_of_hash.move_to_end(block_hash)
+            self._pins[slot] = self._pins.get(slot, 0) + 1
+            slots.append(slot)
+        return slots
+
+    def load(self, slots: list[int], blocks: list[int]) -> None:
+        """Copy the slots :meth:`take` pinned into device ``blocks``; each slot stays pinned until its copy lands."""
+        if not slots:
+            return
+        self._loads.append((self.copier.to_device(self._host, slots, self.pool, blocks), slots))
+        self.stats.bytes[TO_DEVICE] += len(slots) * self.block_bytes
+        self._reap()
+
+    def clear(self) -> None:
+        """Forget every block (a refit: none of them can be found again); a slot still being loaded from returns
+        to use once its copy lands."""
+        self._reap()
+        self._slot_of_hash.clear()
+        self._hash_of_slot.clear()
+        self._free = [slot for slot in range(self.num_slots - 1, -1, -1) if slot not in self._pins]
+
+    def wait(self) -> None:
+        """Block until every copy has landed (before the pool is released or read by the host)."""
+        if isinstance(self.copier, CudaCopier):
+            self.copier.stream.synchronize()
+        self._reap()

@@ -1,0 +1,126 @@
+"""Suspend that keeps the KV, and partial rollouts that resume: no token computed twice."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from megatron_serve import DynamicInferenceRequest, InferenceConfig, MegatronLLM, SamplingParams
+from megatron_serve.model.tiny import make_tiny_model
+
+BLOCK = 16
+PARAMS = SamplingParams(temperature=0.0, num_tokens_to_generate=20, ignore_eos=True, return_log_probs=True)
+
+
+@pytest.fixture(scope="module")
+def other_weights(tmp_path_factory) -> str:
+    """The tiny Llama's shapes with other values: what a trainer's refit brings."""
+    return str(make_tiny_model(tmp_path_factory.mktemp("tiny-llama-b"), seed=1, arch="llama"))
+
+
+def engine(model_dir: str, **kwargs):
+    return MegatronLLM(model_dir, InferenceConfig(block_size_tokens=BLOCK, num_kv_blocks=64, max_batch_tokens=256,
+                                                  batch_invariant=True, **kwargs)).engine
+
+
+def prompts(count: int = 3) -> list[list[int]]:
+    rng = random.Random(3)
+    return [[rng.randrange(5, 500) for _ in range(2 * BLOCK + 5 + i)] for i in range(count)]
+
+
+def run(served, interrupt=None, steps_before: int = 4):
+    """Step the prompts to their end; after ``steps_before`` steps, ``interrupt(engine)`` (the verbs)."""
+    requests = [DynamicInferenceRequest(str(i), "", p, PARAMS) for i, p in enumerate(prompts())]
+    for request in requests:
+        served.add_request(request)
+    for _ in range(steps_before):
+        served.step()
+    served.sync()
+    before = served.computed_tokens
+    if interrupt is not None:
+        interrupt(served)
+    while served.has_unfinished_requests():
+        served.step()
+    return requests, before
+
+
+def test_suspend_with_keep_kv_resumes_bitwise_and_computes_only_the_new_tokens(tiny_llama):
+    reference, _ = run(engine(tiny_llama))
+    uninterrupted = engine(tiny_llama)
+    run(uninterrupted)
+
+    def suspend_keeping(served):
+        pool_bytes = served.kv_cache.num_bytes
+        assert served.suspend(keep_kv=True) == pool_bytes > 0  # the device pool is released all the same
+        assert served.parked is not None and served.parked.num_bytes > 0
+        assert served.step() == [] and served.num_running == len(reference)  # still running, nothing computed
+        served.resume()
+
+    kept = engine(tiny_llama)
+    requests, _ = run(kept, suspend_keeping)
+    assert [r.generated_tokens for r in requests] == [r.generated_tokens for r in reference]
+    assert [r.generated_log_probs for r in requests] == [r.generated_log_probs for r in reference]
+    assert kept.computed_tokens == uninterrupted.computed_tokens  # not one token computed twice
+    assert kept.parked is None
+
+    control = engine(tiny_llama)  # a plain suspend: the same tokens, but every context computed again
+    requests, _ = run(control, lambda served: (served.suspend(), served.resume()))
+    assert [r.generated_tokens for r in requests] == [r.generated_tokens for r in reference]
+    assert control.computed_tokens > uninterrupted.computed_tokens
+
+
+def continuation_under(model_dir: str, request: DynamicInferenceRequest, upto: int) -> list[int]:
+    """What ``model_dir``'s weights generate after the first ``upto`` tokens of ``request``, computed from scratch."""
+    served = engine(model_dir)
+    again = DynamicInferenceRequest("again", "", list(request.prompt_tokens), PARAMS,
+                                    generated_tokens=request.generated_tokens[:upto])
+    served.add_request(again)
+    while served.has_unfinished_requests():
+        served.step()
+    return again.generated_tokens[upto:]
+
+
+def test_a_refit_in_between_recomputes_under_the_new_weights_by_default(tiny_llama, other_weights):
+    seen: list[int] = []
+
+    def refit_while_suspended(served):
+        seen.extend(len(r.request.generated_tokens) for r in served.scheduler.running)
+        served.suspend(keep_kv=True)
+        served.refit(other_weights)
+        served.resume()
+
+    recomputing = engine(tiny_llama)
+    requests, before = run(recomputing, refit_while_suspended)
+    for request, upto in zip(requests, seen):
+        assert request.generated_tokens[upto:] == continuation_under(other_weights, request, upto)
+        assert set(request.kv_epochs[upto:]) == {1}  # the context was computed again, under epoch 1
+    assert recomputing.computed_tokens - before > sum(len(r.prompt_tokens) for r in requests)
+
+    seen.clear()
+    keeping = engine(tiny_llama, kv_on_refit="keep")
+    requests, before = run(keeping, refit_while_suspended)
+    assert set(requests[0].kv_epochs[seen[0]:]) == {0}  # it went on over the old weights' KV, and says so
+    assert set(requests[0].policy_epochs[seen[0]:]) == {1}
+    assert keeping.computed_tokens - before == sum(len(r.generated_tokens) - upto for r, upto in zip(requests, seen))
+
+
+def test_an_aborted_partial_rollout_resumed_by_token_ids_hits_its_own_blocks(tiny_llama):
+    served = engine(tiny_llama)
+    prompt = prompts(1)[0]
+    long = SamplingParams(temperature=0.0, num_tokens_to_generate=4 * BLOCK, ignore_eos=True)
+    rollout = DynamicInferenceRequest("rollout", "", list(prompt), long)
+    served.add_request(rollout)
+    while len(rollout.generated_tokens) < 2 * BLOCK:  # the RL step ends: the rollout is cut where it is
+        served.step()
+    served.sync()
+    served.abort_request("rollout")
+    partial = list(prompt) + rollout.generated_tokens
+    computed = served.computed_tokens
+    resumed = DynamicInferenceRequest("resumed", "", partial, SamplingParams(temperature=0.0,
+                                                                             num_tokens_to_generate=8, ignore_eos=True))
+    served.add_request(resumed)
+    while served.has_unfinished_requests():
+        served.step()
+    assert resumed.cached_tokens == (len(partial) - 1) // BLOCK * BLOCK  # prompt and generated blocks, its own
+    assert served.computed_tokens - computed < BLOCK + 8  # the tail of its last block and the new tokens only
