@@ -40,13 +40,14 @@ from .sizing import build_kv_pool, default_dtype, engine_buffers, max_sequence_l
 from .encoder_cache import EncoderCache
 from ..wire.engine_stats import EngineStats
 from ..wire.expert_routing import RoutingRecord, record_step, routing_dtype
-from .kv_cache import BlockAllocator, blocks_for_tokens
+from .admission import admission_problem
+from .kv_cache import BlockAllocator
 from .kv_offload import HostKVTier
 from .memory_verbs import DeviceMemoryVerbs
 from .logprob_parity import ParityChecker
 from .lora import LoraAdapterError, admit_request, engine_loras, lora_report
 from .lora_queue import LoraQueue
-from .lora_verbs import LoraVerbs, routing_problem
+from .lora_verbs import LoraVerbs
 from ..model.config import ModelConfig
 from ..model.llama import LlamaForCausalLM
 from ..model.loader import load_model
@@ -214,7 +215,9 @@ class DynamicInferenceEngine(DeviceMemoryVerbs, LoraVerbs, SpeculativeSteps):
     def add_request(self, request: DynamicInferenceRequest) -> None:
         """Queue a request; one that can never run fails alone (reported by the next ``step``)."""
         request.add_event(EventType.ADD)
-        problem = self._admission_problem(request)
+        problem = admission_problem(request, self.model.config, self.encoder_cache, self.max_sequence_length,
+                                    self.config.block_size_tokens, self.kv_blocks_total,
+                                    known=request.request_id in self._sequences)
         if problem is not None:
             request.fail(problem)
             self._pending.append(StepOutput(request, [], [], True))
@@ -249,41 +252,6 @@ class DynamicInferenceEngine(DeviceMemoryVerbs, LoraVerbs, SpeculativeSteps):
         for epochs in (request.policy_epochs, request.kv_epochs, request.lora_epochs):
             epochs[:0] = [-1] * max(len(request.generated_tokens) - len(epochs), 0)  # -1: unknown
         self.lora_queue.add(sequence, registration, self.scheduler, self._sequences.values())
-
-    def _admission_problem(self, request: DynamicInferenceRequest) -> str | None:
-        prompt_len = len(request.prompt_tokens)
-        if request.request_id in self._sequences:
-            return f"request id {request.request_id!r} is already in this engine"
-        if prompt_len == 0:
-            return "prompt is empty"
-        vocab = self.model.config.vocab_size
-        if any(not 0 <= t < vocab for t in request.prompt_tokens):
-            return f"prompt holds token ids outside the vocabulary [0, {vocab})"
-        outside = [t for t in request.sampling_params.logit_bias or {} if t >= vocab]
-        if outside:
-            return f"logit_bias names token id {outside[0]}, outside the vocabulary [0, {vocab})"
-        outside = [t for t in request.sampling_params.stop_token_ids if t >= vocab]
-        if outside:
-            return f"stop_token_ids names token id {outside[0]}, outside the vocabulary [0, {vocab})"
-        if self.encoder_cache is not None:
-            problem = self.encoder_cache.admission_problem(request)
-            if problem is not None:
-                return problem
-        elif request.images:
-            return f"this model ({self.model.config.architecture}) takes no images"
-        if prompt_len >= self.max_sequence_length:
-            return (f"prompt has {prompt_len} tokens but max_sequence_length is {self.max_sequence_length} "
-                    "(prompt plus at least one generated token must fit)")
-        if request.sampling_params.return_routing_indices:
-            problem = routing_problem(self.model.config, request)
-            if problem is not None:
-                return problem
-        total = min(prompt_len + request.sampling_params.num_tokens_to_generate, self.max_sequence_length)
-        needed = blocks_for_tokens(total, self.config.block_size_tokens)
-        if needed > self.kv_blocks_total:
-            return (f"request needs {needed} KV blocks ({total} tokens) but the pool holds {self.kv_blocks_total}: "
-                    "raise num_kv_blocks or lower num_tokens_to_generate")
-        return None
 
     def abort_request(self, request_id: str) -> DynamicInferenceRequest | None:
         sequence = self._sequences.pop(request_id, None)
