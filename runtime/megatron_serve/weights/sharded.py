@@ -37,7 +37,7 @@ from .layout import RegionSlice, engine_layout
 from .manifest import torch_dtype
 from .shards import (IN_FLIGHT, Box, buckets_of, changed_key, cover_problem, layout_key, link_chunks,
                      local_view, received_key, volume)
-from .sources import RendezvousSource
+from .sources import RendezvousSource, check_backend
 
 def sent_names(rendezvous: Rendezvous, store: dist.Store, rank: int, regions: dict[str, Box], deadline: float
                ) -> tuple[set[str], dict[str, dict[str, str]]]:
@@ -66,9 +66,7 @@ class ShardedSource:
 
     def check(self, model: LlamaForCausalLM) -> None:
         rv = self.rendezvous
-        if rv.backend == "nccl" and not (dist.is_nccl_available() and next(model.parameters()).is_cuda):
-            raise ValueError("the sender chose backend nccl, but this engine's weights are not on a CUDA device "
-                             "(send with backend='gloo')")
+        check_backend(rv, model)
         problem = cover_problem(rv.manifest, rv.pieces or [])
         if problem is not None:
             raise ValueError(problem)

@@ -95,6 +95,13 @@ class TensorSource:
         return (TensorSource, (tuple((n, t.cpu()) for n, t in self.named), self.label, self.partial))
 
 
+def check_backend(rv: Rendezvous, model: LlamaForCausalLM) -> None:
+    """A trainer's transfer over NCCL reaches only an engine whose weights are on a CUDA device."""
+    if rv.backend == "nccl" and not (dist.is_nccl_available() and next(model.parameters()).is_cuda):
+        raise ValueError("the sender chose backend nccl, but this engine's weights are not on a CUDA device "
+                         "(send with backend='gloo')")
+
+
 @dataclass(frozen=True)
 class RendezvousSource:
     """Weights a trainer broadcasts in buckets (:class:`~megatron_serve.wire.messages.Rendezvous`)."""
@@ -105,9 +112,7 @@ class RendezvousSource:
 
     def check(self, model: LlamaForCausalLM) -> None:
         rv = self.rendezvous
-        if rv.backend == "nccl" and not (dist.is_nccl_available() and next(model.parameters()).is_cuda):
-            raise ValueError("the sender chose backend nccl, but this engine's weights are not on a CUDA device "
-                             "(send with backend='gloo')")
+        check_backend(rv, model)
         verify_shapes(model, ((spec.name, spec.shape) for spec in rv.manifest if not is_drafter(spec.name)),
                       partial=True)
 
