@@ -128,6 +128,11 @@ class InferenceConfig:
     max_batch_tokens: int = 2048
     max_requests: int = 256  # vLLM's max_num_seqs; the KV pool is sized to hold that many full-length requests
     # where memory allows (the engine's start-up log says how many fit)
+    # A prompt with more tokens than this left to compute is long: a step serves decodes and shorter prompts before
+    # more than this many of its tokens, and at most max_long_partial_prefills long prompts first (engine.scheduler;
+    # vLLM's options). None: a quarter of max_batch_tokens; 0: off (first come, first served).
+    long_prefill_token_threshold: int | None = None
+    max_long_partial_prefills: int = 1
     max_sequence_length: int | None = None
     enable_prefix_caching: bool = True
     enable_cuda_graphs: bool = True  # replay decode steps from CUDA graphs (GPU with Triton kernels only)
@@ -176,10 +181,15 @@ class InferenceConfig:
         if self.dtype is not None:
             self.dtype = resolve_dtype(self.dtype)
         for name in ("block_size_tokens", "max_batch_tokens", "max_requests", "tensor_parallel_size",
-                     "pipeline_parallel_size"):
+                     "pipeline_parallel_size", "max_long_partial_prefills"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.long_prefill_token_threshold is None:
+            self.long_prefill_token_threshold = self.max_batch_tokens // 4
+        threshold = self.long_prefill_token_threshold
+        if isinstance(threshold, bool) or not isinstance(threshold, int) or threshold < 0:
+            raise ValueError(f"long_prefill_token_threshold must be a non-negative integer (0: off), got {threshold!r}")
         for name in ("enable_prefix_caching", "enable_cuda_graphs", "async_scheduling", "batch_invariant",
                      "enable_expert_parallel"):
             if not isinstance(getattr(self, name), bool):

@@ -106,12 +106,14 @@ def engine_request_cost(prompt_len: int, params: SamplingParams, *, returns_prom
     return Cost(entries, tokens * TOKEN_BYTES + entries * LOGPROB_ENTRY_BYTES)
 
 
-def over_budget(cost: Cost, max_logprobs: int, max_bytes: int | None = None) -> str | None:
-    """Why ``cost`` is over the budgets (a sentence naming the budget, its flag and the request's figure), or None."""
+def over_budget(cost: Cost, max_logprobs: int, max_bytes: int | None = None, *,
+                option: str = "--max-request-logprobs") -> str | None:
+    """Why ``cost`` is over the budgets (a sentence naming the budget, the ``option`` that sets it and the
+    request's figure), or None."""
     if cost.logprobs > max_logprobs:
         return (f"the request asks for {cost.logprobs:,} log probs (choices x (prompt positions x (prompt_logprobs "
                 f"+ 1) + max_tokens x (logprobs + 1))); this server's budget is {max_logprobs:,} per request "
-                "(--max-request-logprobs): ask for fewer choices, log probs per token or tokens")
+                f"({option}): ask for fewer choices, log probs per token or tokens")
     if max_bytes is not None and cost.answer_bytes > max_bytes:
         return (f"the request's answer would be about {cost.answer_bytes:,} bytes ({TOKEN_BYTES} per token, "
                 f"{LOGPROB_ENTRY_BYTES} per log prob); this server's budget is {max_bytes:,} bytes per answer "

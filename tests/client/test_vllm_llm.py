@@ -195,6 +195,8 @@ def test_use_tqdm_shows_processed_prompts(llm, capsys):
     ({"max_modle_len": 64}, TypeError, "unexpected keyword argument 'max_modle_len'"),
     ({"dtype": "float64"}, ValueError, "dtype='float64'"),
     ({"data_parallel_size": 0}, ValueError, "data_parallel_size=0: must be a positive integer"),
+    ({"long_prefill_token_threshold": -1}, ValueError, "long_prefill_token_threshold=-1: must be a non-negative"),
+    ({"max_long_partial_prefills": 0}, ValueError, "max_long_partial_prefills=0: must be a positive integer"),
 ])
 def test_constructor_keywords_are_refused_by_name(tiny_llama, kwargs, error, match):
     with pytest.raises(error, match=match):
@@ -215,10 +217,13 @@ def test_keywords_that_start_a_fleet():
 def test_constructor_keywords_reach_the_engine(tiny_llama, caplog):
     with LLM(tiny_llama, max_model_len=64, max_num_seqs=3, max_num_batched_tokens=128, block_size=8,
              num_gpu_blocks_override=40, enable_prefix_caching=False, seed=5, swap_space=2,
-             speculative_config=None, enable_lora=False) as llm:
+             speculative_config=None, enable_lora=False, long_prefill_token_threshold=24,
+             max_long_partial_prefills=2) as llm:
         config = llm.engine.config
         assert (config.max_sequence_length, config.max_requests, config.max_batch_tokens, config.block_size_tokens,
                 config.num_kv_blocks, config.enable_prefix_caching, config.seed) == (64, 3, 128, 8, 40, False, 5)
+        scheduler = llm.engine.scheduler
+        assert (scheduler.long_prefill_token_threshold, scheduler.max_long_partial_prefills) == (24, 2)
         assert llm.engine.kv_blocks_total == 40
     assert [r.getMessage() for r in caplog.records if "accepted for vLLM" in r.getMessage()] == [
         "swap_space is accepted for vLLM compatibility and changes nothing: preempted requests are recomputed, "

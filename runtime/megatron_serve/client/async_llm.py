@@ -31,6 +31,7 @@ from .fleet_client import FleetClient
 from .generate_call import GenerateCall, stream_request_outputs
 from ..generation_config import GenerationDefaults
 from ..hub import resolve_model
+from ..limits import DEFAULT_MAX_REQUEST_LOGPROBS
 from ..wire.lifecycle import PauseMode, parse_pause_mode
 from .outputs import StreamItem
 from .chat_messages import Conversation, render_conversations
@@ -62,8 +63,13 @@ class MegatronAsyncLLM:
         token: str | None = None,
         *,
         generation_config: str | os.PathLike | None = "auto",
+        max_request_logprobs: int = DEFAULT_MAX_REQUEST_LOGPROBS,
     ) -> None:
-        """``model`` and ``generation_config`` as in :class:`~megatron_serve.client.llm.MegatronLLM`."""
+        """``model``, ``generation_config`` and ``max_request_logprobs`` as in
+        :class:`~megatron_serve.client.llm.MegatronLLM`."""
+        if isinstance(max_request_logprobs, bool) or not isinstance(max_request_logprobs, int) \
+                or max_request_logprobs < 1:
+            raise ValueError(f"max_request_logprobs must be a positive integer, got {max_request_logprobs!r}")
         self.use_coordinator = bool(use_coordinator)
         if isinstance(model, (str, os.PathLike)):
             model = resolve_model(model)
@@ -81,6 +87,7 @@ class MegatronAsyncLLM:
             by_path = isinstance(tokenizer, (str, os.PathLike))
             self._client = FleetClient(coordinator_address, model=model, num_engines=int(num_engines),
                                        inference_config=inference_config, token=token,
+                                       max_request_logprobs=max_request_logprobs,
                                        tokenizer_dir=tokenizer if by_path else None,
                                        tokenizer=None if by_path else tokenizer)
         else:
@@ -88,7 +95,7 @@ class MegatronAsyncLLM:
 
             self.engine = build_engine(model, inference_config, tokenizer)
             self._tokenizer = self.engine.tokenizer
-            self._client = LocalEngineClient(self.engine)
+            self._client = LocalEngineClient(self.engine, max_request_logprobs)
         self._start_lock: asyncio.Lock | None = None
         self._started = False
         self._closed = False

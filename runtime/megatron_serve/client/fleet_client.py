@@ -33,9 +33,11 @@ class FleetClient(InferenceClient):
 
     def __init__(self, address: str | None, *, model: str | os.PathLike | None = None, num_engines: int = 1,
                  inference_config: InferenceConfig | None = None, token: str | None = None,
-                 tokenizer_dir: str | os.PathLike | None = None, tokenizer: "Tokenizer | None" = None) -> None:
+                 tokenizer_dir: str | os.PathLike | None = None, tokenizer: "Tokenizer | None" = None,
+                 max_request_logprobs: int | None = None) -> None:
         """``address=None`` starts a fleet of ``num_engines`` engines for the model directory ``model``
-        (with the tokenizer files of ``tokenizer_dir``, when given). The results' text is made here,
+        (with the tokenizer files of ``tokenizer_dir``, when given; its coordinator's ``--max-request-logprobs``
+        is ``max_request_logprobs``, when given). The results' text is made here,
         with ``tokenizer``, else the files of ``tokenizer_dir``, else those of the model directory."""
         if address is None and not isinstance(model, (str, os.PathLike)):
             raise ValueError("coordinator mode without coordinator_address starts engine processes, "
@@ -45,7 +47,8 @@ class FleetClient(InferenceClient):
         text_tokenizer = tokenizer or tokenizer_dir or (model if isinstance(model, (str, os.PathLike)) else None)
         # A fleet started here gets a secret of its own, unless one is given.
         fleet = None if address is not None else LocalFleet(str(model), num_engines, inference_config,
-                                                            token=token, tokenizer_dir=tokenizer_dir)
+                                                            token=token, tokenizer_dir=tokenizer_dir,
+                                                            max_request_logprobs=max_request_logprobs)
         super().__init__(address or "", token=token if fleet is None else fleet.token, tokenizer=text_tokenizer)
         self.fleet = fleet
         self._stopped = False

@@ -24,6 +24,7 @@ from .chat_messages import Conversation
 from ..config import InferenceConfig
 from ..errors import NoFleet
 from ..generation_config import GenerationDefaults
+from ..limits import DEFAULT_MAX_REQUEST_LOGPROBS
 from ..wire.lifecycle import PauseMode
 from .loop_thread import EventLoopThread
 from ..model.llama import LlamaForCausalLM
@@ -44,15 +45,20 @@ class MegatronLLM:
     built model (with ``tokenizer=``). ``generation_config``: ``"auto"`` applies the model's
     ``generation_config.json`` sampling defaults when ``generate`` gets no ``SamplingParams`` (as vLLM's
     ``LLM`` does), ``"none"`` ignores them, a directory reads its file (:mod:`megatron_serve.generation_config`).
+    ``max_request_logprobs``: the log-prob entries one request (one choice) may ask for, prompt positions x
+    (``prompt_logprobs`` + 1) + tokens to generate x (``logprobs`` + 1), as ``megatron-serve run``'s
+    ``--max-request-logprobs`` bounds them (it is given to the coordinator a fleet started here runs); more is a
+    ``ValueError`` naming the budget and the request's figure, before any of it is computed.
     """
 
     def __init__(self, model: str | Path | LlamaForCausalLM, inference_config: InferenceConfig | None = None,
                  use_coordinator: bool = False, coordinator_address: str | None = None, num_engines: int = 1,
                  tokenizer: Tokenizer | str | Path | None = None, token: str | None = None, *,
-                 generation_config: str | os.PathLike | None = "auto"):
+                 generation_config: str | os.PathLike | None = "auto",
+                 max_request_logprobs: int = DEFAULT_MAX_REQUEST_LOGPROBS):
         self.use_coordinator = use_coordinator
         llm = MegatronAsyncLLM(model, inference_config, use_coordinator, coordinator_address, num_engines, tokenizer,
-                               token, generation_config=generation_config)
+                               token, generation_config=generation_config, max_request_logprobs=max_request_logprobs)
         self.engine = llm.engine  # direct mode: the engine in this process (None in coordinator mode)
         self._llm: MegatronAsyncLLM | None = llm
         self._loop_thread = EventLoopThread("megatron-llm-loop")

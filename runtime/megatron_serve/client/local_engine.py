@@ -25,6 +25,7 @@ import torch
 from ..config import InferenceConfig
 from ..engine import DynamicInferenceEngine
 from ..errors import NoFleet
+from ..limits import DEFAULT_MAX_REQUEST_LOGPROBS, engine_request_cost, over_budget
 from ..model.llama import LlamaForCausalLM
 from ..wire.lifecycle import FleetState, PauseMode, Verb
 from ..engine.output import step_delta
@@ -98,8 +99,9 @@ class EngineThread:
     (tests step ``MegatronLLM.engine`` directly between calls).
     """
 
-    def __init__(self, engine: Any) -> None:
+    def __init__(self, engine: Any, max_request_logprobs: int = DEFAULT_MAX_REQUEST_LOGPROBS) -> None:
         self.engine = engine
+        self.max_request_logprobs = max_request_logprobs
         self._commands: queue.Queue[tuple[Any, ...]] = queue.Queue()
         self._arriving: list[tuple[Any, ...]] = []  # submissions of this event-loop turn (see _flush)
         self._arriving_lock = threading.Lock()
@@ -286,6 +288,11 @@ class EngineThread:
             except Exception as exc:
                 told.append((request_id, ValueError(f"cannot tokenize the prompt: {exc}")))
                 continue
+            over = over_budget(engine_request_cost(len(tokens), params), self.max_request_logprobs,
+                               option="max_request_logprobs")
+            if over is not None:  # as a coordinator refuses it (vLLM raises ValueError for a request it cannot take)
+                told.append((request_id, ValueError(over)))
+                continue
             if text is not None:
                 told.append((request_id, list(tokens)))
             self.engine.add_request(DynamicInferenceRequest(request_id=request_id, prompt=text, prompt_tokens=tokens,
@@ -297,9 +304,12 @@ class EngineThread:
 class LocalEngineClient:
     """The engine-client interface over an engine in this process (see the module docstring)."""
 
-    def __init__(self, engine: DynamicInferenceEngine) -> None:
+    def __init__(self, engine: DynamicInferenceEngine, max_request_logprobs: int = DEFAULT_MAX_REQUEST_LOGPROBS
+                 ) -> None:
+        """``max_request_logprobs``: the log-prob entries one request may ask for, the coordinator's budget
+        (:func:`~megatron_serve.limits.engine_request_cost`); more is refused with ``ValueError``."""
         self.engine = engine
-        self._thread = EngineThread(engine)
+        self._thread = EngineThread(engine, max_request_logprobs)
         self._closed = False
 
     async def start(self, timeout: float | None = None) -> "LocalEngineClient":

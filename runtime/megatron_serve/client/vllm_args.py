@@ -59,6 +59,12 @@ def _positive_int(value: Any) -> int:
     return value
 
 
+def _non_negative_int(value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError("must be a non-negative integer")
+    return value
+
+
 def _int(value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise ValueError("must be an integer")
@@ -126,6 +132,8 @@ LLM_KEYWORDS: dict[str, Keyword] = {
     "enable_prefix_caching": Keyword("enable_prefix_caching", _flag),
     "max_num_seqs": Keyword("max_requests", _positive_int),
     "max_num_batched_tokens": Keyword("max_batch_tokens", _positive_int),
+    "long_prefill_token_threshold": Keyword("long_prefill_token_threshold", _non_negative_int),
+    "max_long_partial_prefills": Keyword("max_long_partial_prefills", _positive_int),
     "seed": Keyword("seed", _int),
     "quantization": Keyword("quantization", _quantization),
     "kv_cache_dtype": Keyword("kv_cache_dtype", _kv_cache_dtype),

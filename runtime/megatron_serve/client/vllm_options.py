@@ -192,6 +192,12 @@ VLLM_OPTIONS: tuple[VllmOption, ...] = (
                "full-length requests its KV pool holds", ours="--max-requests", example=("--max-num-seqs", "8")),
     VllmOption(("--max-num-batched-tokens",), _IMPLEMENTED, "chunked prefill is always on", ours="--max-batch-tokens",
                example=("--max-num-batched-tokens", "512")),
+    VllmOption(("--long-prefill-token-threshold",), _IMPLEMENTED, "on by default here (a quarter of "
+               "--max-num-batched-tokens; vLLM: 0, off): decodes and shorter prompts get their share of a step before "
+               "more than N tokens of a long prompt, and the budget they leave goes back to the long prompts",
+               example=("--long-prefill-token-threshold", "128")),
+    VllmOption(("--max-long-partial-prefills",), _IMPLEMENTED, "long prompts given a chunk before shorter ones in "
+               "a step (default 1, as in vLLM)", example=("--max-long-partial-prefills", "2")),
     VllmOption(("--enable-prefix-caching",), _IMPLEMENTED, "on by default; `--no-enable-prefix-caching` turns it "
                "off", ours="--prefix-caching", example=("--enable-prefix-caching",)),
     VllmOption(("--enforce-eager",), _IMPLEMENTED, "", ours="--no-cuda-graphs", example=("--enforce-eager",)),

@@ -42,6 +42,16 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
     add_option(group, "--max-requests", type=int, default=256, metavar="N",
                help="requests running at once (vLLM's default); the KV pool is sized for this many of full length "
                     "where memory allows, and the start-up log says how many fit")
+    group.add_argument("--long-prefill-token-threshold", type=int, default=None, metavar="N",
+                       help="a prompt with more than N tokens left to compute is long: each step gives decodes and "
+                            "shorter prompts their share before more than N of its tokens, so that a small request "
+                            "does not wait behind every chunk of long prompts that came first; what budget is left "
+                            "then goes to the long prompts (vLLM's option; default: a quarter of --max-batch-tokens; "
+                            "0: off, first come, first served)")
+    group.add_argument("--max-long-partial-prefills", type=int, default=1, metavar="N",
+                       help="long prompts (see --long-prefill-token-threshold) given a chunk before shorter ones in "
+                            "each step; the others are passed over until the shorter ones had their share "
+                            "(vLLM's option; default: %(default)s)")
     add_option(group, "--max-sequence-length", type=int, default=None, metavar="N",
                help="prompt + generation limit (default: the model's context length)")
     add_option(group, "--prefix-caching", action=argparse.BooleanOptionalAction, default=True,
@@ -102,6 +112,8 @@ def inference_config_from_args(args: argparse.Namespace, tensor_parallel_size: i
         dtype=DTYPE_NAMES[args.dtype], device=args.device, block_size_tokens=args.block_size,
         num_kv_blocks=args.num_kv_blocks, kv_cache_memory_fraction=args.kv_cache_memory_fraction,
         max_batch_tokens=args.max_batch_tokens, max_requests=args.max_requests,
+        long_prefill_token_threshold=args.long_prefill_token_threshold,
+        max_long_partial_prefills=args.max_long_partial_prefills,
         max_sequence_length=args.max_sequence_length, enable_prefix_caching=args.prefix_caching,
         enable_cuda_graphs=args.cuda_graphs, cuda_graph_sizes=args.cuda_graph_sizes,
         async_scheduling=args.async_scheduling, tensor_parallel_size=tensor_parallel_size,

@@ -246,7 +246,8 @@ class _Stack:
         args = self.args
         self.fleet = LocalFleet(args.model, args.engines, self.config, host=args.host, port=self.ports.coordinator,
                                 token=self.token, insecure=self.token is None, routing=args.routing,
-                                drain_timeout=args.drain_timeout, log_dir=args.log_dir, tokenizer_dir=args.tokenizer)
+                                drain_timeout=args.drain_timeout, log_dir=args.log_dir, tokenizer_dir=args.tokenizer,
+                                max_request_logprobs=args.max_request_logprobs)
         started = time.monotonic()
         self.address = address = await asyncio.to_thread(self.fleet.start, 60.0)
         security = "encrypted, fleet secret required" if self.token else "INSECURE: no authentication, no encryption"

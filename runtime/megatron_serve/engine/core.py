@@ -98,7 +98,8 @@ class DynamicInferenceEngine(DeviceMemoryVerbs, LoraVerbs, SpeculativeSteps):
         self.host_tier = HostKVTier.sized(self.kv_cache, config.kv_offloading_size)
         self.allocator = BlockAllocator(self.kv_cache.shape[2], config.enable_prefix_caching, self.host_tier)
         block_size = config.block_size_tokens
-        self.scheduler = Scheduler(self.allocator, block_size, config.max_batch_tokens, config.max_requests)
+        self.scheduler = Scheduler(self.allocator, block_size, config.max_batch_tokens, config.max_requests,
+                                   config.long_prefill_token_threshold, config.max_long_partial_prefills)
         if runner is None:
             buffers = engine_buffers(config, self.max_sequence_length, self.device)
             runner = ModelRunner(model, block_size, self.device, buffers, graphs_for(model, config, buffers))

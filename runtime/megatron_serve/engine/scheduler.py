@@ -9,6 +9,14 @@ tokens it already generated, which leaves its output unchanged. A request's pref
 starts from its ``cache_salt`` (:func:`~megatron_serve.wire.prefix_hash.salted_root`), its adapter's and the
 weights' epoch (:func:`~megatron_serve.wire.prefix_hash.epoch_root`). A prefix that stops on the device goes on
 in the host tier when there is one (:mod:`.kv_offload`): those blocks are copied back, not recomputed.
+
+A prompt with more than ``long_prefill_token_threshold`` tokens left to compute is long (vLLM's
+option and its ``max_long_partial_prefills``): a step first gives at most that many tokens to each
+of at most ``max_long_partial_prefills`` long prompts, and passes over the other long ones, so that
+decodes and shorter prompts behind them, running or waiting, get their share of the step rather
+than waiting for every chunk of a long prompt that came first (several choices of one scored
+prompt). What budget is left then goes to the long prompts, running first, in order: a long prompt
+alone is chunked as without the threshold. How a prompt is chunked never changes its tokens.
 """
 
 from __future__ import annotations
@@ -108,12 +116,41 @@ class ScheduledBatch:
         return bool(self.entries)
 
 
+@dataclass
+class _Step:
+    """One step's schedule as it is built: the tokens left, each sequence's count so far, long prompts' turns."""
+
+    budget: int
+    long_turns: int  # long prompts the fair pass may still give a chunk to
+    sequences: list[Sequence] = field(default_factory=list)
+    counts: list[int] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+    _rows: dict[int, int] = field(default_factory=dict)  # id(sequence) -> its row in sequences
+
+    def scheduled(self, sequence: Sequence) -> int:
+        row = self._rows.get(id(sequence))
+        return 0 if row is None else self.counts[row]
+
+    def add(self, sequence: Sequence, count: int) -> None:
+        row = self._rows.get(id(sequence))
+        if row is None:
+            self._rows[id(sequence)] = len(self.sequences)
+            self.sequences.append(sequence)
+            self.counts.append(count)
+        else:
+            self.counts[row] += count
+        self.budget -= count
+
+
 class Scheduler:
-    def __init__(self, allocator: BlockAllocator, block_size: int, max_batch_tokens: int, max_requests: int):
+    def __init__(self, allocator: BlockAllocator, block_size: int, max_batch_tokens: int, max_requests: int,
+                 long_prefill_token_threshold: int = 0, max_long_partial_prefills: int = 1):
         self.allocator = allocator
         self.block_size = block_size
         self.max_batch_tokens = max_batch_tokens
         self.max_requests = max_requests
+        self.long_prefill_token_threshold = long_prefill_token_threshold  # 0: no prompt is long (off)
+        self.max_long_partial_prefills = max_long_partial_prefills
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.cached_tokens = 0  # tokens admitted sequences skipped thanks to the device prefix cache
@@ -223,39 +260,80 @@ class Scheduler:
         preempted.append(victim)
         return victim
 
+    def _is_long(self, tokens_left: int) -> bool:
+        return 0 < self.long_prefill_token_threshold < tokens_left
+
     def schedule(self) -> ScheduledBatch:
-        budget = self.max_batch_tokens
-        entries: list[tuple[Sequence, int]] = []
-        preempted: list[Sequence] = []
-        index = 0
-        while index < len(self.running) and budget > 0:
-            sequence = self.running[index]
-            if not sequence.schedulable:
-                index += 1
-                continue
-            count = min(sequence.num_uncomputed, budget)
-            while self._blocks_needed(sequence, count) > self.allocator.num_free:
-                if self._preempt_newest(preempted) is sequence:
-                    break
-            else:
-                self._grow(sequence, count)
-                entries.append((sequence, count))
-                budget -= count
-                index += 1
-                continue
-            break  # the sequence itself was preempted: nothing newer is left running
+        threshold = self.long_prefill_token_threshold
+        fair = threshold > 0
+        step = _Step(self.max_batch_tokens, self.max_long_partial_prefills if fair else 0)
+        self._schedule_running(step, fair)
         pending = self._blocks_being_computed()
-        deferred: list[Sequence] = []
-        while self.waiting and budget > 0 and not preempted and len(self.running) < self.max_requests:
+        self._admit_waiting(step, pending, fair)
+        if fair and step.budget > 0:  # what is left goes to the long prompts cut short or passed over, in order
+            self._grow_cut_short(step)
+            self._admit_waiting(step, pending, False)
+        entries = list(zip(step.sequences, step.counts))
+        entries.sort(key=step_order)
+        return ScheduledBatch(entries, step.preempted)
+
+    def _chunk(self, step: _Step, tokens_left: int, fair: bool) -> int:
+        """Tokens of a sequence with ``tokens_left`` to compute that this pass schedules (0: passed over): in the
+        fair pass, a long prompt gets at most the threshold, and only while a long prompt's turn is left."""
+        if fair and self._is_long(tokens_left):
+            if not step.long_turns:
+                return 0
+            step.long_turns -= 1
+            return min(self.long_prefill_token_threshold, step.budget)
+        return min(tokens_left, step.budget)
+
+    def _schedule_running(self, step: _Step, fair: bool) -> None:
+        """Running sequences, oldest first; when blocks run out, the newest running one is preempted."""
+        index = 0
+        while index < len(self.running) and step.budget > 0:
+            sequence = self.running[index]
+            index += 1
+            if not sequence.schedulable:
+                continue
+            count = self._chunk(step, sequence.num_uncomputed, fair)
+            if not count:
+                continue
+            while self._blocks_needed(sequence, count) > self.allocator.num_free:
+                if self._preempt_newest(step.preempted) is sequence:
+                    return  # the sequence itself was preempted: nothing newer is left running
+            self._grow(sequence, count)
+            step.add(sequence, count)
+
+    def _grow_cut_short(self, step: _Step) -> None:
+        """After the fair pass, the running prompts it cut short or passed over grow into the budget left, oldest
+        first, where free blocks allow (nothing is preempted for them)."""
+        for sequence in self.running:
+            if step.budget <= 0:
+                return
+            done = step.scheduled(sequence)
+            count = min(sequence.num_uncomputed - done, step.budget)
+            if (sequence.schedulable and count > 0
+                    and self._blocks_needed(sequence, done + count) <= self.allocator.num_free):
+                self._grow(sequence, done + count)
+                step.add(sequence, count)
+
+    def _admit_waiting(self, step: _Step, pending: set[int], fair: bool) -> None:
+        """Admit waiting sequences in order while tokens, request slots and blocks remain; in the fair pass, the
+        long prompts beyond their turns are passed over and keep their places."""
+        skipped: list[Sequence] = []
+        while self.waiting and step.budget > 0 and not step.preempted and len(self.running) < self.max_requests:
             if self.waiting[0].pending_tokens:  # preempted while a step samples for it: admitted once it lands
                 break
             sequence = self.waiting.popleft()
+            if fair and self._is_long(sequence.num_uncomputed) and not step.long_turns:
+                skipped.append(sequence)  # judged by its whole length: no prefix-cache lookup for it
+                continue
             next_hash = self._attach_cached_prefix(sequence)
             if next_hash is not None and next_hash in pending:
                 self.release(sequence)
-                deferred.append(sequence)
+                skipped.append(sequence)
                 continue
-            count = min(sequence.num_uncomputed, budget)
+            count = self._chunk(step, sequence.num_uncomputed, fair)
             if self._blocks_needed(sequence, count) > self.allocator.num_free:
                 self.release(sequence)
                 self.waiting.appendleft(sequence)
@@ -272,11 +350,8 @@ class Scheduler:
             pending.update(sequence.prompt_hashes[len(sequence.block_hashes):])
             sequence.request.status = RequestStatus.ACTIVE
             sequence.request.add_event(EventType.PREFILL)
-            entries.append((sequence, count))
-            budget -= count
-        self.waiting.extendleft(reversed(deferred))
-        entries.sort(key=step_order)
-        return ScheduledBatch(entries, preempted)
+            step.add(sequence, count)
+        self.waiting.extendleft(reversed(skipped))
 
     def finish(self, sequence: Sequence) -> None:
         """Remove a finished or aborted sequence from wherever it is and free its blocks."""

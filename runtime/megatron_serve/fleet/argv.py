@@ -27,6 +27,8 @@ ENGINE_FIELDS = {
     "kv_cache_memory_fraction": "kv_cache_memory_fraction",
     "max_batch_tokens": "max_batch_tokens",
     "max_requests": "max_requests",
+    "long_prefill_token_threshold": "long_prefill_token_threshold",
+    "max_long_partial_prefills": "max_long_partial_prefills",
     "max_sequence_length": "max_sequence_length",
     "prefix_caching": "enable_prefix_caching",
     "cuda_graphs": "enable_cuda_graphs",

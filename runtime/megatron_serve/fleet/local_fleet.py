@@ -131,11 +131,14 @@ class LocalFleet:
         python: str = sys.executable,
         tokenizer_dir: str | os.PathLike | None = None,
         insecure: bool = False,
+        max_request_logprobs: int | None = None,
     ) -> None:
         """``inference_config``: the engines' settings, tensor parallelism included; ``tokenizer_dir``:
         tokenizer files for the coordinator and every engine (default: the model's). On GPUs each
         engine group gets GPUs of its own. ``log_dir``: where the logs go and stay (default: the
-        fleet's own directory, removed when it stops)."""
+        fleet's own directory, removed when it stops). ``max_request_logprobs``: the coordinator's
+        ``--max-request-logprobs`` (default: its own), so that one figure governs the fleet and the
+        HTTP server in front of it."""
         if num_engines < 1:
             raise ValueError(f"num_engines must be >= 1, got {num_engines}")
         self.model_dir = str(model_dir)
@@ -157,6 +160,7 @@ class LocalFleet:
         group = inference_config.world_size if inference_config is not None else 1  # pipeline stages included
         self.gpus = gpu_slices(visible_gpus(), num_engines, group) if str(device).startswith("cuda") else None
         self.tokenizer_args = ["--tokenizer", str(tokenizer_dir)] if tokenizer_dir is not None else []
+        self.budget_args = ["--max-request-logprobs", str(max_request_logprobs)] if max_request_logprobs else []
         self._lock_fd: int | None = None
         if log_dir is None:
             self.log_dir, self._lock_fd = make_run_dir()
@@ -226,7 +230,7 @@ class LocalFleet:
     def _coordinator_argv(self, port: int, address_file: Path) -> list[str]:
         return self._command(["coordinator", "--model", self.model_dir, "--host", self.host, "--port", str(port),
                               "--routing", self.routing, "--heartbeat-timeout", str(self.heartbeat_timeout),
-                              "--address-file", str(address_file), *self.tokenizer_args,
+                              "--address-file", str(address_file), *self.tokenizer_args, *self.budget_args,
                               *([] if self.token else ["--insecure"])])
 
     def add_engine(self, group: int | None = None, extra: list[str] | None = None) -> subprocess.Popen:
