@@ -23,7 +23,9 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     fleets once; the parity searches' cases are independent and spread over every worker instead."""
     for item in items:
         if SEARCH_CASES.isdisjoint(getattr(item, "fixturenames", ())):
-            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::", 1)[0]))
+            path = item.nodeid.split("::", 1)[0]
+            # the release checks build from the checkout (setuptools writes its egg-info there): one worker for all
+            item.add_marker(pytest.mark.xdist_group("tests/release" if path.startswith("tests/release/") else path))
 
 
 PARITY_COMPARE = "tests.parity.compare"  # the parity searches' tallies; imported only where a search ran

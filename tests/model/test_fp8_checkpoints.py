@@ -152,15 +152,15 @@ def _set(name: str, value):
 @pytest.mark.parametrize(("name", "edit", "message"), [
     ("ct-FP8_DYNAMIC-qwen2", _set(f"{Q}.weight_scale", lambda s: s[:-1]), f"{Q}.weight_scale: scale shape"),
     ("ct-FP8_DYNAMIC-qwen2", _set(f"{Q}.weight_scale", lambda s: s.index_fill(0, torch.tensor([3]), float("nan"))),
-     f"{Q}.weight_scale: scale holds 1 value.* NaN"),
+     f"tensor {Q}.weight_scale holds NaN"),
     ("ct-FP8-static-llama", _set(f"{Q}.input_scale", torch.tensor([-1.0])), f"{Q}.input_scale: .*not positive"),
     ("block-fp8-llama", _set(f"{Q}.weight_scale_inv", lambda s: s[:, :1]), f"{Q}.weight_scale_inv: scale shape"),
     ("block-fp8-llama", _set(f"{Q}.weight", lambda w: w.view(torch.uint8).index_fill(1, torch.tensor([5]), 0x7F)
-                             .view(torch.float8_e4m3fn)), f"{Q}.weight: FP8 data holds .* NaN"),
+                             .view(torch.float8_e4m3fn)), f"tensor {Q}.weight holds NaN"),
     ("block-fp8-llama", lambda tensors: tensors.pop(f"{Q}.weight_scale_inv"),
      "missing weights: model.layers.0.self_attn.qkv_proj.weight_scale \\(q\\)"),
     ("ct-FP8_DYNAMIC-qwen3_moe", _set("model.layers.1.mlp.experts.3.up_proj.weight_scale", lambda s: s * float("inf")),
-     "experts.3.up_proj.weight_scale: scale holds"),
+     "experts.3.up_proj.weight_scale holds NaN or infinite"),
 ])
 def test_bad_scales_are_refused_naming_the_tensor(checkpoints, tmp_path, name, edit, message):
     broken = _edited(checkpoints[name][0], tmp_path, edit)

@@ -417,8 +417,10 @@ def test_metrics_during_load_show_every_documented_series(stack, tiny_model):
 
     wait_until(settled, 30, "the engine counters to catch up")
     after = during.pop()
-    # a counter per draft position has samples only where speculation ran (tests/commands/test_speculative_run.py)
-    by_position = {"megatron_serve_spec_decode_num_accepted_tokens_per_pos_total"}
+    # a counter per draft position has samples only where speculation ran (tests/commands/test_speculative_run.py),
+    # the KV offload counters only where a host tier runs (tests/server/test_kv_tiers_http.py)
+    by_position = {"megatron_serve_spec_decode_num_accepted_tokens_per_pos_total",
+                   "megatron_serve_kv_offload_total_bytes_total", "megatron_serve_kv_offload_total_time_total"}
     assert not re.search(r"^megatron_serve_spec_decode_num_accepted_tokens_per_pos_total\{", after, flags=re.M)
     for entry in (e for e in SERIES if e.full_name not in by_position):  # every other documented series has samples
         assert re.search(rf"^{entry.full_name}(_bucket|_count)?[{{ ]", after, flags=re.M), entry.full_name
