@@ -45,11 +45,11 @@ run: $(TINY_MODEL)/config.json
 	$(VENV)/bin/megatron-serve run --model $(TINY_MODEL) $(ARGS)
 
 # The suite runs over TEST_WORKERS pytest-xdist workers, a file to a worker (module fixtures start their fleets
-# once; tests/conftest.py groups them, the parity searches' cases spread). Threads stay torch's default: the
+# once; the release checks build from the checkout one at a time). Threads stay torch's default: the
 # batch-invariance controls need the default mode's multi-threaded arithmetic.
 TEST_WORKERS ?= 3
 test: $(TESTING)
-	TRITON_INTERPRET=1 $(PY) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadgroup \
+	TRITON_INTERPRET=1 $(PY) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile \
 		--durations=10
 
 test-fast: $(TESTING)

@@ -15,19 +15,6 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     add_options(parser)
 
 
-SEARCH_CASES = {"case_seed", "invariant_case_seed"}  # the parity searches' parameters: cases independent of each other
-
-
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Under ``--dist loadgroup`` (``make test``) a file's tests share a worker, so its module fixtures start their
-    fleets once; the parity searches' cases are independent and spread over every worker instead."""
-    for item in items:
-        if SEARCH_CASES.isdisjoint(getattr(item, "fixturenames", ())):
-            path = item.nodeid.split("::", 1)[0]
-            # the release checks build from the checkout (setuptools writes its egg-info there): one worker for all
-            item.add_marker(pytest.mark.xdist_group("tests/release" if path.startswith("tests/release/") else path))
-
-
 PARITY_COMPARE = "tests.parity.compare"  # the parity searches' tallies; imported only where a search ran
 
 
