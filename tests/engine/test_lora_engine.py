@@ -273,6 +273,9 @@ def test_every_adapter_given_at_start_is_loaded_and_beyond_the_host_limit_the_le
     assert outs["r4"].generated_tokens != outs["r8"].generated_tokens, "control: the adapters differ"
     engine.load_lora_adapter("more", adapters["r4"])
     assert list(engine.loras.resident) == ["r8", "r16", "more"] and engine.loras.evicted == {"r4": (adapters["r4"], 0)}
+    with pytest.raises(LoraAdapterError, match="'r4' is already loaded"):  # its host copy left, its name did not
+        engine.load_lora_adapter("r4", adapters["r8"])
+    assert list(engine.loras.resident) == ["r8", "r16", "more"] and engine.loras.evicted == {"r4": (adapters["r4"], 0)}
     assert sorted(engine.loras.names()) == ["more", "r16", "r4", "r8"]
     again, = run_requests(engine, [(PROMPTS[5], _greedy("r4"))])
     assert again.generated_tokens == outs["r4"].generated_tokens

@@ -147,7 +147,10 @@ async def test_a_bad_adapter_is_refused_and_nothing_changes(stack, clients, adap
 async def test_the_routes_need_the_admin_key_and_check_their_bodies(stack, clients):
     _, http = clients
     body = {"lora_name": "x", "lora_path": "/x"}
-    assert (await http.post("/v1/load_lora_adapter", json=body)).status_code == 403
+    unkeyed = await http.post("/v1/load_lora_adapter", json=body)  # no key presented: 401 asks for it
+    assert unkeyed.status_code == 401 and unkeyed.json()["error"]["code"] == "admin_key_required"
+    wrong = await http.post("/v1/load_lora_adapter", json=body, headers={"Authorization": "Bearer not-the-key"})
+    assert wrong.status_code == 403 and wrong.json()["error"]["code"] == "invalid_admin_key"
     unknown = await http.post("/v1/load_lora_adapter", json={**body, "rank": 4}, headers=ADMIN)
     assert unknown.status_code == 400 and unknown.json()["error"]["param"] == "rank"
     inplace = await http.post("/v1/load_lora_adapter", json={**body, "load_inplace": True}, headers=ADMIN)

@@ -88,7 +88,9 @@ def add_lora_routes(app: FastAPI, backend: LoraBackend, monitor: FleetMonitor, a
         200: {"content": {"text/plain": {"schema": {"type": "string"}}}, "description": "vLLM's success line"},
         400: {"model": ErrorResponse, "description": "a bad body, or an adapter an engine refused (the message "
                                                      "names the engine and the problem); no engine serves it"},
-        403: {"model": ErrorResponse, "description": "no admin key configured, or not presented, or wrong"},
+        401: {"model": ErrorResponse, "description": "no admin key presented"},
+        403: {"model": ErrorResponse, "description": "a wrong admin key (the API key included), or no admin key "
+                                                     "configured"},
         404: {"model": ErrorResponse, "description": f"${RUNTIME_LORA_ENV} is not set, or (unload) no engine serves "
                                                      "that adapter"},
         409: {"model": ErrorResponse, "description": "the fleet is stopped"},
