@@ -119,6 +119,14 @@ class Chaos:
             await asyncio.sleep(self.rng.uniform(0.2, 2.0))
 
 
+def first_difference(got: list[int], want: list[int]) -> int | None:
+    """The first index where two token lists differ (the shorter one's length when one is the other's start)."""
+    for index, (a, b) in enumerate(zip(got, want)):
+        if a != b:
+            return index
+    return None if len(got) == len(want) else min(len(got), len(want))
+
+
 async def settle(client: InferenceClient) -> None:
     """Bring the fleet back to RUNNING, whatever the last verbs left (a coordinator may have restarted)."""
     deadline = time.monotonic() + 120
@@ -178,7 +186,13 @@ async def test_chaos(stack):
     assert sum(chaos.done.values()) >= CHAOS_SECONDS / 4 * 0.5  # the schedule really ran
     for prompt, length, outcome in zip(prompts, lengths, outcomes):
         if outcome.completed:
-            assert outcome.tokens == outcome.final.generated_tokens == greedy[prompt][:length], prompt
+            expected = greedy[prompt][:length]
+            assert outcome.tokens == outcome.final.generated_tokens == expected, (
+                f"{prompt!r} (max_tokens {length}): streamed {len(outcome.tokens)} {outcome.tokens}; final record "
+                f"{len(outcome.final.generated_tokens)} {outcome.final.generated_tokens}; quiet run "
+                f"{len(expected)} {expected}; first difference streamed/quiet at "
+                f"{first_difference(outcome.tokens, expected)}, final/quiet at "
+                f"{first_difference(outcome.final.generated_tokens, expected)}")
         else:  # a clear error: it says what happened
             final = outcome.final
             assert outcome.error is not None and str(outcome.error) or final is not None and final.error, prompt

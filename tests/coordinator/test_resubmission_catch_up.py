@@ -3,7 +3,10 @@
 The client counts its tokens when it resubmits; the coordinator reads that count later, after it has forwarded
 the steps that ran since its ``HELLO_ACK``, and its catch-up repeats them. The catch-up says where it starts
 and the client keeps what lies past its own tokens. Without that a stream of the chaos test carried its first
-5 tokens twice. Driven through the coordinator's core and the client's own pending-request table.
+5 tokens twice. A step forwarded to the old socket is lost with it: the new connection first gets every request's
+tokens from the first (``start`` 0), so that what follows continues what the client has (without it a chaos run's
+stream had a step's token in the place of one lost, and a result delivered at the HELLO lacked its last tokens).
+Driven through the coordinator's core and the client's own pending-request table.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ import pytest
 
 from megatron_serve.client.output_processor import OutputCollector
 from megatron_serve.client.pending_requests import PendingRequest, PendingRequests
-from megatron_serve.wire.messages import Submit, Tokens
+from megatron_serve.wire.messages import Result, Submit, Tokens
 from megatron_serve.wire.protocol import Header
 from megatron_serve.wire.sampling_params import SamplingParams
 
@@ -41,10 +44,9 @@ def _streamed_after_an_overtaken_resubmission(keep_start: bool) -> list[int]:
         pending.add(_pending(loop, params))
         stream = pending.get("r").queue
 
-        def receive(identity: bytes) -> None:
+        def receive(identity: bytes, strip: bool = False) -> None:
             for body in h.take(identity, Header.TOKENS):
-                pending.on_delta(body.client_request_id, body if keep_start else msgspec.structs.replace(body,
-                                                                                                         start=None))
+                pending.on_delta(body.client_request_id, msgspec.structs.replace(body, start=None) if strip else body)
 
         h.client(OLD)
         engine = h.engine(ENGINE)
@@ -60,7 +62,7 @@ def _streamed_after_an_overtaken_resubmission(keep_start: bool) -> list[int]:
         step(h, ENGINE, engine, "c1/r", [13])  # forwarded to the new socket, read before the catch-up
         receive(NEW)
         h.send(NEW, Header.SUBMIT, resubmission)
-        receive(NEW)  # the catch-up
+        receive(NEW, strip=not keep_start)  # the catch-up
         step(h, ENGINE, engine, "c1/r", [14], finished=True, record=final_record(submitted, [11, 12, 13, 14]))
         receive(NEW)
         streamed = []
@@ -78,6 +80,82 @@ def test_a_resubmission_overtaken_by_a_step_gets_each_token_once():
 def test_a_catch_up_read_without_its_start_repeats_the_overtaking_step():
     """The control: the catch-up really overlaps what the client had."""
     assert _streamed_after_an_overtaken_resubmission(keep_start=False) == [11, 12, 13, 13, 14]
+
+
+def _start(h: CoreHarness, loop: asyncio.AbstractEventLoop, params: SamplingParams) -> tuple[PendingRequests, str, dict]:
+    """A client on its old socket with request ``r`` dispatched to an engine: its table, the engine id, the
+    request as the engine got it."""
+    pending = PendingRequests()
+    pending.add(_pending(loop, params))
+    h.client(OLD)
+    engine = h.engine(ENGINE)
+    h.send(OLD, Header.SUBMIT, Submit(client_request_id="r", prompt=[1, 2, 3], stream=True,
+                                      sampling_params=msgspec.Raw(msgspec.msgpack.encode(params))))
+    return pending, engine, h.take(ENGINE, Header.ENGINE_SUBMIT)[0].request
+
+
+def _deliver(h: CoreHarness, pending: PendingRequests, identity: bytes) -> None:
+    """What ``identity`` received, read by the client's table in order (tokens and results)."""
+    for body in h.take(identity):
+        if isinstance(body, Tokens):
+            pending.on_delta(body.client_request_id, body)
+        elif isinstance(body, Result):
+            pending.on_final(body.client_request_id, msgspec.Raw(msgspec.msgpack.encode(body.request)))
+
+
+def _streamed(pending_request: PendingRequest) -> list[int]:
+    tokens = []
+    while not pending_request.queue.empty():
+        item = pending_request.queue.get_nowait()
+        tokens += getattr(item, "new_tokens", [])
+    return tokens
+
+
+def test_a_step_lost_with_the_old_socket_comes_before_the_steps_on_the_new_one():
+    """Tokens 11, 12 read on the old socket; 13 forwarded to it and lost when the client replaced it; 14 forwarded
+    to the new socket before the resubmission (which counted 2 tokens) arrives; 15 last."""
+    h = CoreHarness()
+    loop = asyncio.new_event_loop()
+    try:
+        params = SamplingParams(num_tokens_to_generate=5)
+        pending, engine, submitted = _start(h, loop, params)
+        request = pending.get("r")
+        step(h, ENGINE, engine, "c1/r", [11])
+        step(h, ENGINE, engine, "c1/r", [12])
+        _deliver(h, pending, OLD)
+        step(h, ENGINE, engine, "c1/r", [13])
+        h.inbox.pop(OLD)  # lost with the old socket
+        h.client(NEW)
+        resubmission = msgspec.msgpack.decode(msgspec.msgpack.encode(request.submit_body()), type=Submit)
+        step(h, ENGINE, engine, "c1/r", [14])
+        _deliver(h, pending, NEW)
+        h.send(NEW, Header.SUBMIT, resubmission)
+        step(h, ENGINE, engine, "c1/r", [15], finished=True, record=final_record(submitted, [11, 12, 13, 14, 15]))
+        _deliver(h, pending, NEW)
+        assert request.future.done()
+        assert _streamed(request) == request.future.result().generated_tokens == [11, 12, 13, 14, 15]
+    finally:
+        loop.close()
+
+
+def test_a_result_delivered_at_the_hello_comes_after_the_tokens_lost_with_the_old_socket():
+    """The last step (12) and the RESULT went to the old socket and were lost; the new HELLO delivers the result."""
+    h = CoreHarness()
+    loop = asyncio.new_event_loop()
+    try:
+        params = SamplingParams(num_tokens_to_generate=2)
+        pending, engine, submitted = _start(h, loop, params)
+        request = pending.get("r")
+        step(h, ENGINE, engine, "c1/r", [11])
+        _deliver(h, pending, OLD)
+        step(h, ENGINE, engine, "c1/r", [12], finished=True, record=final_record(submitted, [11, 12]))
+        h.inbox.pop(OLD)  # lost with the old socket
+        h.client(NEW)
+        _deliver(h, pending, NEW)
+        assert request.future.done()
+        assert _streamed(request) == request.future.result().generated_tokens == [11, 12]
+    finally:
+        loop.close()
 
 
 @pytest.mark.parametrize(("have", "kept"), [(4, [13, 14, 15]), (5, [14, 15]), (7, None), (3, [12, 13, 14, 15])])

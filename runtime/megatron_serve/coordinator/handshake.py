@@ -166,9 +166,18 @@ def _register_client(core: "CoordinatorCore", identity: bytes, role: Role, body:
     core.send(identity, Header.HELLO_ACK, HelloAck(coordinator_id=core.coordinator_id, state=core.state.value,
                                                    protocol=PROTOCOL_VERSION, tokenizer=core.tokenizer_dir))
     logger.debug("%s %s connected", role.value, client_id)
-    for key in list(client.requests):  # results that finished while the client was away
+    # What the old connection may have lost, before anything else reaches the new one: every request's tokens
+    # from the first (``start`` 0: the client keeps what lies past its own), so that the steps forwarded from
+    # now on, which reach the client before its resubmission's catch-up, continue what it has; and the results
+    # that finished while it was away, after their tokens (the client completes a result with the tokens it has).
+    for key in list(client.requests):
         record = core.requests.get(key)
-        if record is not None and record.phase is Phase.FINISHED:
+        if record is None:
+            continue
+        tokens = record.tokens_after(0)
+        if tokens is not None:
+            core.send(identity, Header.TOKENS, tokens, client.batches)
+        if record.phase is Phase.FINISHED:
             core.deliver(record)
     # A verb that was in progress when the client lost its connection answers on the new one.
 

@@ -431,7 +431,8 @@ class Tokens(TokenDelta, kw_only=True):
     index of its first token in the request's generated tokens. The count is old by the time the coordinator
     reads it: the steps it forwarded after its ``HELLO_ACK`` reach the client before the catch-up, which
     repeats them, so the client keeps only what lies past the tokens it has (:meth:`past`). Without it a
-    chaos run's stream carried its first 5 tokens twice.
+    chaos run's stream carried its first 5 tokens twice. A client's new connection (a re-``HELLO``) gets one per
+    request with ``start`` 0 first, for what was lost with the old connection.
     """
 
     client_request_id: ClientId
