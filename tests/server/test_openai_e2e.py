@@ -394,7 +394,7 @@ def test_metrics_during_load_show_every_documented_series(stack, tiny_model):
                 control(stack.address, "pause")  # freeze the load mid-generation: running, holding KV blocks
                 held = [pool.submit(http.post, "/v1/completions", json=body) for _ in range(held_count)]
                 wait_until(lambda: metric(scrape(stack), "megatron_serve_num_requests_running", engine) == 1
-                           and metric(scrape(stack), "megatron_serve_queue_depth") == held_count, 30,
+                           and metric(scrape(stack), "megatron_serve_queue_depth") == held_count, 60,
                            "a running request and a queue")
                 during.append(scrape(stack))
                 assert 0 < metric(during[-1], "megatron_serve_kv_cache_usage_perc", engine) <= 1
