@@ -80,7 +80,11 @@ def counters_after(served: SimpleNamespace, generated: float) -> str:
     deadline = time.monotonic() + 30
     while True:
         text = served.http.get("/metrics").text
-        if metric(text, "megatron_serve_generation_tokens_total", ENGINE.format(model=served.model)) >= generated:
+        try:
+            counted = metric(text, "megatron_serve_generation_tokens_total", ENGINE.format(model=served.model))
+        except KeyError:  # the engine's first heartbeats may carry no metrics yet: poll on
+            counted = -1.0
+        if counted >= generated:
             return text
         assert time.monotonic() < deadline, "the engine's heartbeat never counted the tokens"
         time.sleep(0.1)
