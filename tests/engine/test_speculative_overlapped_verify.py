@@ -146,7 +146,7 @@ def test_preemption_under_a_tiny_pool_with_verify_steps_in_flight(tiny_llama, mo
         return rollback(sequence, drafts, *args)
 
     monkeypatch.setattr(Speculator, "rollback", staticmethod(spy))
-    kwargs = dict(block_size_tokens=4, num_kv_blocks=16, max_batch_tokens=32)
+    kwargs = dict(block_size_tokens=4, num_kv_blocks=16, max_batch_tokens=32, long_prefill_token_threshold=0)
     prompts = repetitive_prompts(21, 5)
     prompts[1] = prompts[0][:8] + prompts[1]  # a shared prefix: prefix-cache hits
     rng = random.Random(21)
