@@ -37,9 +37,21 @@ def pytest_testnodedown(node, error) -> None:  # noqa: ANN001 - xdist's WorkerCo
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    terminalreporter.write_line(machine_line())
     compare = sys.modules.get(PARITY_COMPARE)
     for name, tally in (compare.TALLIES.items() if compare is not None else ()):
         terminalreporter.write_line(f"parity {name}: {tally.line()}")
+
+
+def machine_line() -> str:
+    """What the run had to work with, so a slow CI run can be told from a slow suite."""
+    import os  # noqa: PLC0415
+    from importlib.metadata import version  # noqa: PLC0415
+
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    build = f"torch {version('torch')}"
+    pages = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 0
+    return f"machine: {cores} usable cores of {os.cpu_count()}, {pages / 2**30:.0f} GiB, load {os.getloadavg()}, {build}"
 
 
 @pytest.fixture(scope="session")
