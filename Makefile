@@ -48,9 +48,10 @@ run: $(TINY_MODEL)/config.json
 # once; the release checks build from the checkout one at a time). Threads stay torch's default: the
 # batch-invariance controls need the default mode's multi-threaded arithmetic.
 TEST_WORKERS ?= 3
+TEST_ARGS ?=
 test: $(TESTING)
 	TRITON_INTERPRET=1 $(PY) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile \
-		--durations=10
+		--durations=10 $(TEST_ARGS)
 
 test-fast: $(TESTING)
 	TRITON_INTERPRET=1 $(PY) -m pytest -q -m "not slow"

@@ -80,6 +80,18 @@ def _step(argv: list[str | Path], cwd: Path, timeout: float = 900) -> None:
     assert done.returncode == 0, f"{' '.join(map(str, argv))} exited {done.returncode}:\n{done.stdout[-4000:]}\n{done.stderr[-4000:]}"
 
 
+def fresh_venv(work: Path, requirement: str | Path) -> Path:
+    """A new venv under ``work`` with torch (pinned: an unpinned one drags in CUDA wheels), then ``requirement``.
+    ``--no-compile``: byte-compiling every installed module (torch's thousands) is most of an install's CPU, and
+    Python compiles what it imports anyway."""
+    venv = work / "venv"
+    _step([sys.executable, "-m", "venv", venv], cwd=work)
+    pip = [venv / "bin" / "python", "-m", "pip", "install", "--quiet", "--no-input", "--no-compile"]
+    _step([*pip, TORCH], cwd=work)
+    _step([*pip, requirement], cwd=work)
+    return venv
+
+
 @pytest.fixture(scope="module")
 def release(tmp_path_factory: pytest.TempPathFactory) -> Release:
     work = tmp_path_factory.mktemp("release")
@@ -88,11 +100,7 @@ def release(tmp_path_factory: pytest.TempPathFactory) -> Release:
     _step([sys.executable, "-m", "build", "--sdist", "--wheel", "--outdir", dist, ROOT], cwd=work)
     (wheel,) = dist.glob("*.whl")
     (sdist,) = dist.glob("*.tar.gz")
-    venv = work / "venv"
-    _step([sys.executable, "-m", "venv", venv], cwd=work)
-    pip = [venv / "bin" / "python", "-m", "pip", "install", "--quiet", "--no-input"]
-    _step([*pip, TORCH], cwd=work)
-    _step([*pip, f"{wheel}[{IMAGE_EXTRAS}]"], cwd=work)
+    venv = fresh_venv(work, f"{wheel}[{IMAGE_EXTRAS}]")
     outside = work / "outside"
     outside.mkdir()
     shutil.copy(Path(__file__).with_name("installed_checks.py"), outside)

@@ -20,7 +20,7 @@ from megatron_serve import __version__
 from megatron_serve.model.tiny import make_tiny_model
 
 from ..invariance.runs import run_prompts
-from .test_release import ROOT, TORCH, _step
+from .test_release import ROOT, _step, fresh_venv
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
 
@@ -34,11 +34,7 @@ def trainer_venv(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, 
     dist = work / "dist"
     _step([sys.executable, "-m", "build", "--sdist", "--wheel", "--outdir", dist, PACKAGE], cwd=work)
     (wheel,) = dist.glob("*.whl")
-    venv = work / "venv"
-    _step([sys.executable, "-m", "venv", venv], cwd=work)
-    pip = [venv / "bin" / "python", "-m", "pip", "install", "--quiet", "--no-input"]
-    _step([*pip, TORCH], cwd=work)
-    _step([*pip, wheel], cwd=work)
+    venv = fresh_venv(work, wheel)
     outside = work / "outside"
     outside.mkdir()
     shutil.copy(Path(__file__).with_name("trainer_recipe.py"), outside)

@@ -1,0 +1,64 @@
+"""A pytest plugin that measures the CPU each test costs, its own processes' and every process it starts.
+
+The suite is CPU-bound on a small machine (its wall time follows the CPU its tests burn, not their waits), and most
+of a test's CPU is in the engines, servers and ranks it starts, which a profiler of the test process never sees.
+Each worker moves itself into a cgroup v1 ``cpuacct`` group of its own (root only), which every child inherits, and
+reads the group's counter around each test: the whole tree's CPU, killed processes included, however loaded the
+machine is. Usage::
+
+    SUITE_CPU_OUT=/tmp/cpu.jsonl python -m pytest -p tools.suite_cpu -n 3 --dist loadfile
+    python tools/suite_cpu.py /tmp/cpu.jsonl      # CPU by file, the most first
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+
+CPUACCT = Path("/sys/fs/cgroup/cpuacct")
+
+
+def _group() -> Path | None:
+    group = CPUACCT / f"suite-cpu-{os.getpid()}"
+    try:
+        group.mkdir(exist_ok=True)
+        (group / "cgroup.procs").write_text(str(os.getpid()))
+    except OSError:
+        return None
+    return group
+
+
+GROUP = _group() if os.environ.get("SUITE_CPU_OUT") else None
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item) -> Iterator[None]:
+    if GROUP is None:
+        yield
+        return
+    before = int((GROUP / "cpuacct.usage").read_text())
+    yield
+    spent = (int((GROUP / "cpuacct.usage").read_text()) - before) / 1e9
+    with open(os.environ["SUITE_CPU_OUT"], "a") as out:
+        out.write(json.dumps({"test": item.nodeid, "cpu_s": round(spent, 3)}) + "\n")
+
+
+def report(path: str) -> None:
+    by_file: dict[str, float] = collections.Counter()
+    for line in Path(path).read_text().splitlines():
+        row = json.loads(line)
+        by_file[row["test"].split("::")[0]] += row["cpu_s"]
+    total = sum(by_file.values())
+    print(f"{total:8.0f} s CPU in all")
+    for name, spent in sorted(by_file.items(), key=lambda kv: -kv[1]):
+        print(f"{spent:8.1f} s {100 * spent / total:5.1f}%  {name}")
+
+
+if __name__ == "__main__":
+    report(sys.argv[1])
