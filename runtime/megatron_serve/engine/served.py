@@ -15,6 +15,8 @@ if TYPE_CHECKING:
     import numpy as np
 
     from ..weights.sources import WeightSource
+    from ..wire.kv_blocks import KVBlocks
+    from .kv_transfer import KVTransfer
     from ..wire.request import DynamicInferenceRequest
 
 
@@ -72,6 +74,7 @@ class ServedEngine(Protocol):
 
     epoch: int  # generation of the weights being served (-1: a mix after a failed load)
     computed_tokens: int  # tokens run through the model, for counters
+    kv_transfer: KVTransfer  # prefill/decode disaggregation: blocks sent after prefill, received for decode
 
     @property
     def num_running(self) -> int: ...
@@ -102,6 +105,8 @@ class ServedEngine(Protocol):
     def step(self) -> Sequence[EngineStepResult]: ...
 
     def sync(self) -> Sequence[EngineStepResult]: ...
+
+    def receive_kv(self, request_id: str, kv: KVBlocks) -> None: ...  # a request just added starts on these blocks
 
     def abort_request(self, request_id: str) -> DynamicInferenceRequest | None: ...
 

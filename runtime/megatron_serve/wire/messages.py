@@ -30,6 +30,7 @@ from typing import Annotated, Any, Union
 
 import msgspec
 
+from .kv_blocks import KVBlocks
 from .protocol import Header
 from .request import WireImage
 
@@ -344,12 +345,17 @@ class EngineSubmit(Body):
     cannot read fails alone, by its id)."""
 
     request: msgspec.Raw
+    kv_transfer_params: dict[str, Any] | None = None  # vLLM's: {"do_remote_decode": true} to a prefill engine
+    kv: msgspec.Raw | msgspec.UnsetType = msgspec.UNSET  # to a decode engine: the request's prefilled blocks (wire.kv_blocks.KVBlocks)
 
 
 class EngineSubmitOut(Body):
-    """:class:`EngineSubmit` as the coordinator writes it (a ``wire.request.EngineRequestOut``)."""
+    """:class:`EngineSubmit` as the coordinator writes it (a ``wire.request.EngineRequestOut``, and the blocks of
+    the prefill engine's ``KV_BLOCKS``)."""
 
     request: Any
+    kv_transfer_params: dict[str, Any] | None = None
+    kv: KVBlocks | None = None
 
 
 class RoutingRows(Body):
@@ -518,6 +524,7 @@ TO_COORDINATOR: dict[Header, type[Body]] = {
     Header.CONTROL_ACK: ControlAck,
     Header.ENGINE_STEP: EngineStep,
     Header.HANDBACK: Handback,
+    Header.KV_BLOCKS: KVBlocks,
 }
 
 #: Bodies engines and clients accept from the coordinator.
