@@ -62,6 +62,9 @@ def run(args: argparse.Namespace) -> int:
                          "(docs/parallelism.md)")
     config = inference_config_from_args(args, tensor_parallel_size=args.tensor_parallel)
     kv_role = "kv_both" if args.kv_transfer_config is None else kv_transfer_config(args.kv_transfer_config)
+    if kv_role != "kv_both" and config.world_size > 1:
+        raise ValueError(f"--kv-transfer-config kv_role {kv_role} is not implemented with tensor or pipeline "
+                         "parallelism yet (each rank holds a part of the KV)")
     resolve_model_args(args)  # a Hub id becomes its local directory before the directory is checked
     check_model_dir(args.model, tokenizer=args.tokenizer is None)
     token = read_token(args)

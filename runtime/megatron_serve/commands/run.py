@@ -107,6 +107,9 @@ def run(args: argparse.Namespace) -> int:
         check_distinct({"--port": args.port, "--health-port": args.health_port,
                         "--coordinator-port": args.coordinator_port})
     config = inference_config_from_args(args, tensor_parallel_size=args.tensor_parallel)  # fails before any start
+    if args.prefill_engines and config.world_size > 1:
+        raise ValueError("--prefill-engines/--decode-engines are not implemented with tensor or pipeline parallelism "
+                         "yet (each rank holds a part of the KV)")
     from ..server.modelinfo import default_model_name  # noqa: PLC0415
 
     served = args.served_model_name or default_model_name(args.model)

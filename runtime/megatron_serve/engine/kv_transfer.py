@@ -127,6 +127,8 @@ class KVTransfer:
             return problem
         if kv.epoch != epoch:
             return f"computed under weights epoch {kv.epoch}, this engine serves epoch {epoch}"
+        if sequence.request.sampling_params.lora_name is not None:
+            return "the request runs under a LoRA adapter, and the blocks carry no adapter version"
         if kv.block_size != self.block_size:
             return f"blocks of {kv.block_size} tokens, this engine's hold {self.block_size}"
         if sequence.num_computed or sequence.block_table or kv.num_tokens >= len(sequence.token_ids):
