@@ -50,6 +50,12 @@ class _NoTransfers:
     def take(self, engine_id: str) -> list:
         return []
 
+    def discard(self, request_id: str) -> None:
+        pass
+
+    def clear(self) -> None:
+        pass
+
 
 class FakeEngine:
     def __init__(self, max_requests: int = 8, step_delay: float = 0.0, kv_blocks: int = 32,

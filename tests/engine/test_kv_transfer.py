@@ -11,7 +11,8 @@ import pytest
 from megatron_serve import DynamicInferenceRequest, InferenceConfig, MegatronLLM, SamplingParams
 from megatron_serve.wire.kv_blocks import KVBlocks, KVTensor
 from megatron_serve.wire.protocol import Header, decode, encode
-from megatron_serve.wire.messages import TO_COORDINATOR
+from megatron_serve.engine import kv_transfer
+from megatron_serve.wire.messages import FROM_COORDINATOR, TO_COORDINATOR
 
 BLOCK = 16
 MAX_TOKENS = 12
@@ -48,14 +49,17 @@ def prefill(model_dir: str) -> tuple[list[DynamicInferenceRequest], list[KVBlock
     return requests, wire, served.computed_tokens
 
 
-def decode_from(model_dir: str, firsts: list[DynamicInferenceRequest], blocks: list[KVBlocks | None]):
+def decode_from(model_dir: str, firsts: list[DynamicInferenceRequest], blocks: list[KVBlocks]):
+    """The requests continued on a decode engine, every part of ``blocks`` arriving first (as the coordinator
+    sends them, through their wire form)."""
     served = engine(model_dir)
+    for part in blocks:
+        served.kv_transfer.arrive(decode(encode(Header.KV_BLOCKS, part), FROM_COORDINATOR).body)
     requests = [DynamicInferenceRequest(r.request_id, "", list(r.prompt_tokens), params(),
                                         generated_tokens=list(r.generated_tokens)) for r in firsts]
-    for request, kv in zip(requests, blocks):
+    for request in requests:
         served.add_request(request)
-        if kv is not None:
-            served.receive_kv(request.request_id, kv)
+        served.receive_kv(request.request_id)
     finish(served)
     return requests, served
 
@@ -121,8 +125,25 @@ def test_only_a_request_that_goes_on_sends_its_blocks(tiny_llama):
     assert served.kv_transfer.counts.transfers["sent"] == 1
 
 
+def test_blocks_larger_than_a_part_travel_in_parts_and_arrive_whole(tiny_llama, monkeypatch):
+    expected = colocated(tiny_llama)
+    pool = engine(tiny_llama).kv_cache
+    monkeypatch.setattr(kv_transfer, "MAX_PART_BYTES", 2 * pool.bytes_per_pool_block)  # two blocks a part
+    firsts, parts, _ = prefill(tiny_llama)
+    assert [(p.request_id, p.first_block, p.part_blocks) for p in parts] == [
+        ("r0", 0, 2), ("r0", 2, 1), ("r1", 0, 2), ("r1", 2, 1), ("r2", 0, 1)]
+    requests, served = decode_from(tiny_llama, firsts, list(reversed(parts)))  # in any order
+    assert [r.generated_tokens for r in requests] == [r.generated_tokens for r in expected]
+    assert served.computed_tokens == len(requests) * (MAX_TOKENS - 1)
+    missing, served = decode_from(tiny_llama, firsts, [p for p in parts if (p.request_id, p.first_block) != ("r1", 2)])
+    assert [r.generated_tokens for r in missing] == [r.generated_tokens for r in expected]
+    assert served.kv_transfer.counts.transfers["received"] == 2  # r1 computed its context: a part never came
+    assert served.computed_tokens == len(prompts()[1]) + len(requests) * (MAX_TOKENS - 1)
+
+
 @pytest.mark.parametrize("broken, problem", [
-    (lambda b: msgspec.structs.replace(b, num_tokens=b.num_tokens + 3 * BLOCK), "blocks of"),
+    (lambda b: msgspec.structs.replace(b, num_tokens=BLOCK), "holds blocks 0 to 2: 1 blocks of"),
+    (lambda b: msgspec.structs.replace(b, first_block=2), "holds blocks 2 to 4"),
     (lambda b: msgspec.structs.replace(b, tensors=[KVTensor("int8", t.shape, t.data) for t in b.tensors]), "dtype"),
     (lambda b: msgspec.structs.replace(b, tensors=[KVTensor(t.dtype, t.shape, t.data[:-1]) for t in b.tensors]),
      "bytes"),

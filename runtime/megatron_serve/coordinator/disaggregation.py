@@ -6,8 +6,9 @@ the fleet has prefill engines, a new request goes to one of them with ``kv_trans
 ``{"do_remote_decode": true}`` and sampling parameters cut to its first token: the prefill engine computes
 the prompt and that token (streamed to the client at once), sends the request's KV blocks (``KV_BLOCKS``) and
 then its step's output finishing the request there. That finish is not the request's end: the coordinator
-queues the request again, ahead of all, and sends it to a decode engine with the blocks beside it
-(Megatron-core's ``SUBMIT_REQUEST_WITH_KV``); the decode engine continues from them.
+queues the request again, ahead of all, and sends it to a decode engine, the blocks first (the same
+``KV_BLOCKS`` parts), then the request with ``{"do_remote_prefill": true}`` (Megatron-core's
+``SUBMIT_REQUEST_WITH_KV``); the decode engine continues from them.
 
 The coordinator keeps the blocks until the decode engine's first output shows they landed. A decode engine
 lost before that (killed, timed out, drained) leaves the request queued again with its blocks, and the next
@@ -24,7 +25,7 @@ from typing import TYPE_CHECKING, Sequence
 
 import msgspec
 
-from ..wire.kv_blocks import KVBlocks, remote_decode
+from ..wire.kv_blocks import KVBlocks, remote_decode, remote_prefill
 from ..wire.messages import EngineSubmitOut, RequestDelta
 from .requests import RequestRecord
 
@@ -55,7 +56,7 @@ class Handoffs:
     """Requests between a prefill engine and a decode engine: where each is prefilled, and the blocks held."""
 
     prefilling: dict[str, str] = field(default_factory=dict)  # request id -> the prefill engine it was sent to
-    blocks: dict[str, KVBlocks] = field(default_factory=dict)  # request id -> its blocks, until they landed
+    blocks: dict[str, list[KVBlocks]] = field(default_factory=dict)  # request id -> its parts, until they landed
     handed_on: int = 0  # requests a prefill engine handed on to decode (STATUS)
 
     @property
@@ -73,23 +74,24 @@ class Handoffs:
             wanted = (PRODUCER,) if PRODUCER in registered else (CONSUMER, BOTH)
         return [engine for engine in engines if kv_role(engine) in wanted]
 
-    def submit(self, record: RequestRecord, engine: "EngineRecord", body: EngineSubmitOut) -> EngineSubmitOut:
-        """The ``ENGINE_SUBMIT`` of ``record`` for ``engine``: for a prefill, its first token only and the blocks
-        asked for; for a decode, the blocks it continues from."""
+    def submit(self, record: RequestRecord, engine: "EngineRecord",
+               body: EngineSubmitOut) -> tuple[list[KVBlocks], EngineSubmitOut]:
+        """What ``engine`` is sent for ``record``: the ``KV_BLOCKS`` to send first (for a decode, the blocks it
+        continues from) and the ``ENGINE_SUBMIT`` (for a prefill, its first token only, the blocks asked for)."""
         rid = record.request_id
         self.prefilling.pop(rid, None)
         if kv_role(engine) == PRODUCER and not record.generated_tokens:
             if record.params.num_tokens_to_generate == 1:
-                return body  # nothing to hand on: the prefill engine serves it whole
+                return [], body  # nothing to hand on: the prefill engine serves it whole
             self.prefilling[rid] = engine.engine_id
             first = msgspec.structs.replace(record.params, num_tokens_to_generate=1,
                                             min_tokens=min(record.params.min_tokens, 1))
             request = msgspec.structs.replace(body.request, sampling_params=msgspec.Raw(_PARAMS.encode(first)))
-            return EngineSubmitOut(request=request, kv_transfer_params=remote_decode())
-        blocks = self.blocks.get(rid)
-        if blocks is not None and kv_role(engine) != PRODUCER:
-            return EngineSubmitOut(request=body.request, kv=blocks)
-        return body
+            return [], EngineSubmitOut(request=request, kv_transfer_params=remote_decode())
+        parts = self.blocks.get(rid)
+        if parts and kv_role(engine) != PRODUCER:
+            return parts, EngineSubmitOut(request=body.request, kv_transfer_params=remote_prefill(parts[0].engine_id))
+        return [], body
 
     def on_blocks(self, core: "CoordinatorCore", engine: "EngineRecord", blocks: KVBlocks) -> None:
         """``KV_BLOCKS`` from ``engine``: kept for the request's decode engine when it is this engine's prefill."""
@@ -101,7 +103,7 @@ class Handoffs:
         if problem is not None:
             core.drop(engine.engine_id, problem)
             return
-        self.blocks[blocks.request_id] = blocks
+        self.blocks.setdefault(blocks.request_id, []).append(blocks)
 
     def on_output(self, core: "CoordinatorCore", engine: "EngineRecord", record: RequestRecord,
                   out: RequestDelta) -> bool:

@@ -65,7 +65,9 @@ def dispatch(core: "CoordinatorCore", now: float) -> None:
         if not engine.assigned:  # an idle loop may wait without counting: its stall clock starts now
             engine.stall_clock = now
         engine.assigned.add(record.request_id)
-        body = core.handoffs.submit(record, engine, EngineSubmitOut(request=wire_record(record)))
+        blocks, body = core.handoffs.submit(record, engine, EngineSubmitOut(request=wire_record(record)))
+        for part in blocks:  # a decode engine's blocks arrive ahead of their request (coordinator.disaggregation)
+            core.send(engine.identity, Header.KV_BLOCKS, part, engine.batches)
         core.send(engine.identity, Header.ENGINE_SUBMIT, body, engine.batches)
         if not room(engine):
             candidates.remove(engine)

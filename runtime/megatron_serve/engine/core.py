@@ -43,7 +43,7 @@ from ..wire.expert_routing import RoutingRecord, record_step, routing_dtype
 from .admission import admission_problem
 from .kv_cache import BlockAllocator
 from .kv_offload import HostKVTier
-from .kv_transfer import KVBlocks, KVTransfer
+from .kv_transfer import KVTransfer
 from .memory_verbs import DeviceMemoryVerbs
 from .logprob_parity import ParityChecker
 from .lora import LoraAdapterError, admit_request, engine_loras, lora_report
@@ -257,11 +257,11 @@ class DynamicInferenceEngine(DeviceMemoryVerbs, LoraVerbs, SpeculativeSteps):
             epochs[:0] = [-1] * max(len(request.generated_tokens) - len(epochs), 0)  # -1: unknown
         self.lora_queue.add(sequence, registration, self.scheduler, self._sequences.values())
 
-    def receive_kv(self, request_id: str, kv: KVBlocks) -> None:
+    def receive_kv(self, request_id: str) -> None:
         """Start a request just added on the blocks a prefill engine computed (:mod:`.kv_transfer`)."""
         sequence = self._sequences.get(request_id)
         if sequence is not None:
-            self.kv_transfer.receive(sequence, kv, self.epoch, self.scheduler.waiting)
+            self.kv_transfer.receive(sequence, self.epoch, self.scheduler.waiting)
 
     def abort_request(self, request_id: str) -> DynamicInferenceRequest | None:
         sequence = self._sequences.pop(request_id, None)

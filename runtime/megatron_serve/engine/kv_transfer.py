@@ -3,9 +3,10 @@
 A prefill engine is told per request (``kv_transfer_params`` ``{"do_remote_decode": true}``, vLLM's shape) that
 the request's KV goes on to a decode engine: when the request leaves this engine after its first token, its
 blocks are copied to host memory before the pool frees them (:class:`~.kv_park.ParkedKV`'s copy) and wait in
-:meth:`KVTransfer.take` for the process to send them (``KV_BLOCKS``, :mod:`megatron_serve.wire.kv_blocks`). A
-decode engine given such blocks with a request allocates blocks of its own, copies the contents in and starts
-the request with those tokens computed: it runs the first token as its first input, and never the prompt.
+:meth:`KVTransfer.take` for the process to send them (``KV_BLOCKS`` in parts, :mod:`megatron_serve.wire.kv_blocks`).
+A decode engine keeps the parts that arrive (:meth:`KVTransfer.arrive`) until their request comes
+(``{"do_remote_prefill": true}``), then allocates blocks of its own, copies the contents in and starts the
+request with those tokens computed: it runs the first token as its first input, and never the prompt.
 
 Blocks it cannot use (other weights, another pool layout, no room in the pool now) are not an error: the
 request computes its context itself, and its tokens are the same.
@@ -17,10 +18,11 @@ import logging
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+import msgspec
 import torch
 
 from ..wire.engine_stats import KV_TRANSFER, KV_TRANSFER_DIRECTIONS
-from ..wire.kv_blocks import KVBlocks, KVTensor
+from ..wire.kv_blocks import MAX_PART_BYTES, KVBlocks, KVTensor
 from ..wire.request import FinishReason, RequestStatus
 from .kv_cache import BlockAllocator, KVCachePool, blocks_for_tokens
 from .kv_park import ParkedKV
@@ -63,7 +65,8 @@ class KVTransfer:
         self.block_size = block_size
         self.counts = TransferCounts()
         self._to_send: set[str] = set()  # requests whose blocks go on once they leave after their first token
-        self._ready: list[tuple[str, int, int, list[KVTensor]]] = []  # (request id, epoch, tokens, tensors)
+        self._ready: list[tuple[str, int, int, list[torch.Tensor]]] = []  # (request id, epoch, tokens, host copies)
+        self._arrived: dict[str, list[KVBlocks]] = {}  # parts received for a request that has not come yet
 
     def send_after_prefill(self, request_id: str) -> None:
         """Copy ``request_id``'s blocks out when it leaves this engine after its first token."""
@@ -83,25 +86,43 @@ class KVTransfer:
             return
         blocks = sequence.block_table[:blocks_for_tokens(sequence.num_computed, self.block_size)]
         parked = ParkedKV.park(self.pool, blocks, kv_epoch)
-        tensors = [KVTensor(_DTYPES[t.dtype], tuple(t.shape), _as_bytes(t)) for t in parked.host]
-        self._ready.append((sequence.request_id, kv_epoch, sequence.num_computed, tensors))
+        self._ready.append((sequence.request_id, kv_epoch, sequence.num_computed, parked.host))
 
     def take(self, engine_id: str) -> list[KVBlocks]:
-        """The blocks copied out since the last call, as ``KV_BLOCKS`` bodies of registration ``engine_id``."""
+        """The blocks copied out since the last call, as the ``KV_BLOCKS`` parts of registration ``engine_id``."""
         ready, self._ready = self._ready, []
-        out = [KVBlocks(request_id=rid, engine_id=engine_id, epoch=epoch, block_size=self.block_size,
-                        num_tokens=tokens, tensors=tensors) for rid, epoch, tokens, tensors in ready]
-        for blocks in out:
-            self.counts.count(SENT, blocks.num_bytes)
+        out = []
+        for rid, epoch, tokens, host in ready:
+            per_part = max(MAX_PART_BYTES // self.pool.bytes_per_pool_block, 1)
+            for first in range(0, host[0].shape[0], per_part):
+                pieces = [t[first:first + per_part] for t in host]
+                tensors = [KVTensor(_DTYPES[p.dtype], tuple(p.shape), _as_bytes(p)) for p in pieces]
+                out.append(KVBlocks(request_id=rid, engine_id=engine_id, epoch=epoch, block_size=self.block_size,
+                                    num_tokens=tokens, tensors=tensors, first_block=first))
+            self.counts.count(SENT, sum(t.numel() * t.element_size() for t in host))
         return out
 
-    def forget(self, request_id: str) -> None:
-        self._to_send.discard(request_id)
+    def arrive(self, part: KVBlocks) -> None:
+        """A part of a prefilled request's blocks, ahead of the request (the coordinator sends them first)."""
+        self._arrived.setdefault(part.request_id, []).append(part)
 
-    def receive(self, sequence: Sequence, kv: KVBlocks, epoch: int, waiting: Iterable[Sequence]) -> bool:
+    def discard(self, request_id: str) -> None:
+        """Drop the parts of a request that came without asking for them (sent before a move: not its blocks)."""
+        self._arrived.pop(request_id, None)
+
+    def clear(self) -> None:
+        """Forget every part and mark (a new registration: the coordinator sends its requests again)."""
+        self._arrived.clear()
+        self._to_send.clear()
+        self._ready.clear()
+
+    def receive(self, sequence: Sequence, epoch: int, waiting: Iterable[Sequence]) -> bool:
         """Start a request just added (``sequence``, among the scheduler's ``waiting``, nothing computed) on the
-        prefilled blocks ``kv``; whether they were used (if not, the request computes its context itself)."""
-        why = self._unusable(sequence, kv, epoch)
+        prefilled blocks whose parts arrived for it; whether they were used (if not, the request computes its
+        context itself)."""
+        kv, why = _whole(self._arrived.pop(sequence.request_id, []))
+        if kv is not None:
+            why = self._unusable(sequence, kv, epoch)
         if why is None and not any(s is sequence for s in waiting):
             why = "the request waits for its LoRA adapter"  # blocks are held from admission on, not before
         if why is not None:
@@ -122,9 +143,6 @@ class KVTransfer:
         return True
 
     def _unusable(self, sequence: Sequence, kv: KVBlocks, epoch: int) -> str | None:
-        problem = kv.problem()
-        if problem is not None:
-            return problem
         if kv.epoch != epoch:
             return f"computed under weights epoch {kv.epoch}, this engine serves epoch {epoch}"
         if sequence.request.sampling_params.lora_name is not None:
@@ -141,3 +159,27 @@ class KVTransfer:
         if kv.num_blocks > self.allocator.num_free:
             return f"{kv.num_blocks} blocks needed, {self.allocator.num_free} free"
         return None
+
+
+def _whole(parts: list[KVBlocks]) -> tuple[KVBlocks | None, str | None]:
+    """A request's parts as one (each tensor's blocks in order), or why they are not a whole."""
+    if not parts:
+        return None, "no blocks arrived for it"
+    parts = sorted(parts, key=lambda part: part.first_block)
+    head = parts[0]
+    expected = 0
+    for part in parts:
+        problem = part.problem()
+        if problem is not None:
+            return None, problem
+        layout = [(t.dtype, t.shape[1:]) for t in part.tensors]
+        if ((part.epoch, part.num_tokens, part.block_size) != (head.epoch, head.num_tokens, head.block_size)
+                or layout != [(t.dtype, t.shape[1:]) for t in head.tensors] or part.first_block != expected):
+            return None, f"its blocks came in parts that do not make one whole (a part at block {part.first_block})"
+        expected += part.part_blocks
+    if expected != head.num_blocks:
+        return None, f"{expected} of its {head.num_blocks} blocks arrived"
+    tensors = [KVTensor(first.dtype, (head.num_blocks, *first.shape[1:]),
+                        b"".join(part.tensors[index].data for part in parts))
+               for index, first in enumerate(head.tensors)]
+    return msgspec.structs.replace(head, tensors=tensors, first_block=0), None

@@ -32,7 +32,7 @@ import zmq
 
 from ..errors import EngineGroupLost, RefitFailed
 from ..wire.lora_names import shown
-from ..wire.kv_blocks import KVBlocks, wants_remote_decode
+from ..wire.kv_blocks import wants_remote_decode, wants_remote_prefill
 from ..wire.lifecycle import ENGINE_DRAINING, STEPS, FleetState, Step, engine_state_after
 from .link import CoordinatorLink
 from ..heap import freeze_startup_heap
@@ -65,7 +65,6 @@ class _Named(msgspec.Struct):
 
 _ENGINE_REQUEST = msgspec.msgpack.Decoder(EngineRequest)
 _REQUEST_ID = msgspec.msgpack.Decoder(_Named)  # what names a request this engine cannot read
-_KV_BLOCKS = msgspec.msgpack.Decoder(KVBlocks)
 
 DEFAULT_DRAIN_TIMEOUT = 30.0
 _HANDBACK_ACK_WAIT = 5.0
@@ -173,6 +172,7 @@ class EngineProcess:
         # count says nothing, and heartbeats carry none (the coordinator reads that as "unknown").
         self.link.stats = {k: v for k, v in self.link.stats.items() if k != "progress"}
         if self.session:
+            self.engine.kv_transfer.clear()
             dropped = self.engine.take_unfinished_requests()
             logger.warning("registered again with coordinator %s: dropped %d in-flight request(s) "
                            "(the coordinator re-queued them)", ack.coordinator_id, len(dropped))
@@ -199,6 +199,8 @@ class EngineProcess:
     def _on_coordinator(self, header: Header, body: Any) -> None:
         if header is Header.ENGINE_SUBMIT:
             self._add(body.request, body)
+        elif header is Header.KV_BLOCKS:
+            self.engine.kv_transfer.arrive(body)
         elif header is Header.ABORT:
             self.engine.abort_request(body.request_id)
         elif header is Header.HANDBACK:
@@ -226,14 +228,10 @@ class EngineProcess:
         if wants_remote_decode(submit.kv_transfer_params):
             self.engine.kv_transfer.send_after_prefill(request.request_id)
         self.engine.add_request(request)
-        if submit.kv is not msgspec.UNSET:
-            try:
-                kv = _KV_BLOCKS.decode(submit.kv)
-            except (msgspec.ValidationError, msgspec.DecodeError) as exc:  # computed here instead
-                logger.warning("request %s: unreadable prefilled KV, its context is computed here: %s",
-                               request.request_id, exc)
-                return
-            self.engine.receive_kv(request.request_id, kv)
+        if wants_remote_prefill(submit.kv_transfer_params):
+            self.engine.receive_kv(request.request_id)
+        else:
+            self.engine.kv_transfer.discard(request.request_id)
 
     def _step(self, settle: bool = False) -> None:
         """One engine step, or with ``settle`` only the finishing of the step in flight (overlapped scheduling:

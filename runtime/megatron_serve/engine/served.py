@@ -15,7 +15,6 @@ if TYPE_CHECKING:
     import numpy as np
 
     from ..weights.sources import WeightSource
-    from ..wire.kv_blocks import KVBlocks
     from .kv_transfer import KVTransfer
     from ..wire.request import DynamicInferenceRequest
 
@@ -106,7 +105,7 @@ class ServedEngine(Protocol):
 
     def sync(self) -> Sequence[EngineStepResult]: ...
 
-    def receive_kv(self, request_id: str, kv: KVBlocks) -> None: ...  # a request just added starts on these blocks
+    def receive_kv(self, request_id: str) -> None: ...  # a request just added starts on its blocks that arrived
 
     def abort_request(self, request_id: str) -> DynamicInferenceRequest | None: ...
 

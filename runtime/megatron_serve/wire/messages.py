@@ -345,17 +345,16 @@ class EngineSubmit(Body):
     cannot read fails alone, by its id)."""
 
     request: msgspec.Raw
-    kv_transfer_params: dict[str, Any] | None = None  # vLLM's: {"do_remote_decode": true} to a prefill engine
-    kv: msgspec.Raw | msgspec.UnsetType = msgspec.UNSET  # to a decode engine: the request's prefilled blocks (wire.kv_blocks.KVBlocks)
+    # vLLM's: {"do_remote_decode": true} to a prefill engine, {"do_remote_prefill": true, ...} to a decode engine
+    # (after the request's KV_BLOCKS: wire.kv_blocks)
+    kv_transfer_params: dict[str, Any] | None = None
 
 
 class EngineSubmitOut(Body):
-    """:class:`EngineSubmit` as the coordinator writes it (a ``wire.request.EngineRequestOut``, and the blocks of
-    the prefill engine's ``KV_BLOCKS``)."""
+    """:class:`EngineSubmit` as the coordinator writes it (a ``wire.request.EngineRequestOut``)."""
 
     request: Any
     kv_transfer_params: dict[str, Any] | None = None
-    kv: KVBlocks | None = None
 
 
 class RoutingRows(Body):
@@ -549,4 +548,5 @@ FROM_COORDINATOR: dict[Header, type[Body]] = {
     Header.LOAD_LORA: LoadLora,
     Header.UNLOAD_LORA: UnloadLora,
     Header.HANDBACK: Handback,
+    Header.KV_BLOCKS: KVBlocks,
 }
