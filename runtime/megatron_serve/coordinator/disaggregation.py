@@ -57,19 +57,27 @@ class Handoffs:
 
     prefilling: dict[str, str] = field(default_factory=dict)  # request id -> the prefill engine it was sent to
     blocks: dict[str, list[KVBlocks]] = field(default_factory=dict)  # request id -> its parts, until they landed
-    handed_on: int = 0  # requests a prefill engine handed on to decode (STATUS)
+    handed_on: int = 0  # requests a prefill engine handed on to decode
+    _roles: frozenset[str] = frozenset()  # the parts the registered engines play, as of _roles_key
+    _roles_key: tuple[int, int] = (-1, -1)  # (registrations, engines): any engine that joins or leaves changes it
 
     @property
     def active(self) -> bool:
         return bool(self.prefilling or self.blocks)
 
     def candidates(self, core: "CoordinatorCore", record: RequestRecord,
-                   engines: Sequence["EngineRecord"]) -> list["EngineRecord"]:
+                   engines: Sequence["EngineRecord"]) -> Sequence["EngineRecord"]:
         """The engines that may take ``record`` now: prefill engines for a request with nothing generated,
-        the others for the rest; all of them where the fleet has no engine of that part registered."""
-        registered = [kv_role(engine) for engine in core.engines.values()]
+        the others for the rest; all of them where the fleet has no engine of that part registered (and in a
+        colocated fleet, at the cost of one comparison)."""
+        key = (core.registrations, len(core.engines))
+        if key != self._roles_key:
+            self._roles_key, self._roles = key, frozenset(kv_role(engine) for engine in core.engines.values())
+        registered = self._roles
+        if registered <= {BOTH}:
+            return engines
         if record.generated_tokens or record.request_id in self.blocks:
-            wanted = (CONSUMER, BOTH) if any(role != PRODUCER for role in registered) else (PRODUCER,)
+            wanted = (CONSUMER, BOTH) if registered - {PRODUCER} else (PRODUCER,)
         else:
             wanted = (PRODUCER,) if PRODUCER in registered else (CONSUMER, BOTH)
         return [engine for engine in engines if kv_role(engine) in wanted]
