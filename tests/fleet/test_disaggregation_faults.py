@@ -53,6 +53,8 @@ async def test_a_decode_engine_killed_mid_handoff_loses_no_request(tiny_llama, t
             engines = (await control.status())["engines"]
         decodes = [(e["info"]["pid"], e["group"]) for e in engines if e["info"].get("kv_role") == "kv_consumer"]
         assert len(decodes) == 2 and {pid for pid, _ in decodes} <= set(stack.children()["engine"]), engines
+        shown = stack.control("status")
+        assert (shown.count("tp1 prefill"), shown.count("tp1 decode")) == (1, 2), shown
         groups = {group for _, group in decodes}
         # the quiet pass: every request continued from its blocks (the heartbeats say so within a second)
         await until(lambda: _at_least(stack.url, groups, len(PROMPTS)), 60, "the quiet pass's transfers",
