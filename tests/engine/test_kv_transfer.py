@@ -141,6 +141,27 @@ def test_blocks_larger_than_a_part_travel_in_parts_and_arrive_whole(tiny_llama, 
     assert served.computed_tokens == len(prompts()[1]) + len(requests) * (MAX_TOKENS - 1)
 
 
+def test_a_suspend_before_a_prefilled_request_runs_lets_its_blocks_go_and_it_computes_its_context(tiny_llama):
+    """Its blocks die with the pool (a plain suspend): after resume it computes its context, and its tokens are
+    the same."""
+    expected = colocated(tiny_llama)
+    firsts, blocks, _ = prefill(tiny_llama)
+    served = engine(tiny_llama)
+    for part in blocks:
+        served.kv_transfer.arrive(part)
+    requests = [DynamicInferenceRequest(r.request_id, "", list(r.prompt_tokens), params(),
+                                        generated_tokens=list(r.generated_tokens)) for r in firsts]
+    for request in requests:
+        served.add_request(request)
+        served.receive_kv(request.request_id)
+    assert served.kv_blocks_free < served.kv_blocks_total  # waiting, with its blocks
+    served.suspend()
+    served.resume()
+    finish(served)
+    assert [r.generated_tokens for r in requests] == [r.generated_tokens for r in expected]
+    assert served.computed_tokens == sum(map(len, prompts())) + len(requests) * (MAX_TOKENS - 1)
+
+
 @pytest.mark.parametrize("broken, problem", [
     (lambda b: msgspec.structs.replace(b, num_tokens=BLOCK), "holds blocks 0 to 2: 1 blocks of"),
     (lambda b: msgspec.structs.replace(b, first_block=2), "holds blocks 2 to 4"),
