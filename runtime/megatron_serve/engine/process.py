@@ -198,7 +198,7 @@ class EngineProcess:
 
     def _on_coordinator(self, header: Header, body: Any) -> None:
         if header is Header.ENGINE_SUBMIT:
-            self._add(body.request, body)
+            self._add(body)
         elif header is Header.KV_BLOCKS:
             self.engine.kv_transfer.arrive(body)
         elif header is Header.ABORT:
@@ -208,10 +208,11 @@ class EngineProcess:
         elif header in HEADER_VERBS:
             self._on_step(header, body)
 
-    def _add(self, data: msgspec.Raw, submit: EngineSubmit) -> None:
+    def _add(self, submit: EngineSubmit) -> None:
         """Serve a request handed over in ``ENGINE_SUBMIT``; one this engine cannot read fails at once. Its KV
         goes on after its first token when it asks so, or it starts on the blocks it brings (engine.kv_transfer).
         """
+        data = submit.request
         try:
             request = DynamicInferenceRequest.from_engine_request(_ENGINE_REQUEST.decode(data))
         except (msgspec.ValidationError, msgspec.DecodeError, ValueError) as exc:
