@@ -41,6 +41,22 @@ class FakeStepOutput:
     new_routing: tuple[int, object] | None = None  # fake engines route no experts
 
 
+class _NoTransfers:
+    """A fake engine's prefill/decode disaggregation: it never prefills for another engine."""
+
+    def send_after_prefill(self, request_id: str) -> None:
+        pass
+
+    def take(self, engine_id: str) -> list:
+        return []
+
+    def discard(self, request_id: str) -> None:
+        pass
+
+    def clear(self) -> None:
+        pass
+
+
 class FakeEngine:
     def __init__(self, max_requests: int = 8, step_delay: float = 0.0, kv_blocks: int = 32,
                  block_size: int | None = None) -> None:
@@ -54,6 +70,7 @@ class FakeEngine:
         self.requests: dict[str, DynamicInferenceRequest] = {}
         self.suspended = False
         self.steps = 0
+        self.kv_transfer = _NoTransfers()
         self._gate = threading.Event()
         self._gate.set()
 

@@ -7,7 +7,7 @@ from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from megatron_serve.wire.engine_stats import KV_OFFLOAD, EngineStats
+from megatron_serve.wire.engine_stats import KV_OFFLOAD, KV_TRANSFER, EngineStats
 from megatron_serve.server.metric_catalog import SERIES
 from megatron_serve.server.metrics import ServerMetrics
 
@@ -50,7 +50,15 @@ def a_report() -> dict[str, Any]:
     stats.counters["spec_decode_num_rows"] = 6  # of 6 decode rows that could speculate (mean K 0.5)
     report = stats.to_wire(prefix_cache_queries=40, prefix_cache_hits=16)
     report[KV_OFFLOAD] = {"GPU_to_CPU": {"bytes": 8192, "seconds": 0.25}, "CPU_to_GPU": {"bytes": 4096, "seconds": 0.5}}
+    report[KV_TRANSFER] = {"sent": {"transfers": 3, "bytes": 3072}, "received": {"transfers": 0, "bytes": 0}}
     return report
+
+
+def test_prefill_decode_transfers_are_counted_by_direction():
+    families = scrape([engine(0, a_report())])
+    transfers = {s.labels["direction"]: s.value for s in families["megatron_serve_kv_transfers"].samples}
+    moved = {s.labels["direction"]: s.value for s in families["megatron_serve_kv_transfer_bytes"].samples}
+    assert transfers == {"sent": 3, "received": 0} and moved == {"sent": 3072, "received": 0}
 
 
 def test_the_host_tier_s_copies_are_vllm_s_series_by_transfer_type():

@@ -14,6 +14,7 @@ import time
 # setdefault: an explicit OMP_WAIT_POLICY from the user wins.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
+from ..fleet.argv import kv_transfer_config  # noqa: E402
 from .aliases import add_option  # noqa: E402
 from .engine_options import add_engine_options, capacity_line, inference_config_from_args  # noqa: E402
 from .inputs import check_model_dir, coordinator_address  # noqa: E402
@@ -38,6 +39,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="on SIGTERM or STOP, finish work for at most this long, then hand the rest back")
     parser.add_argument("--coordinator-timeout", type=float, default=10.0, metavar="S",
                         help="reconnect when the coordinator has been silent this long")
+    parser.add_argument("--kv-transfer-config", default=None, metavar="JSON",
+                        help='vLLM\'s prefill/decode disaggregation settings, e.g. {"kv_connector": '
+                             '"CoordinatorConnector", "kv_role": "kv_producer"}: kv_producer (prefill: computes the '
+                             'prompt and first token, then sends the KV blocks on), kv_consumer (decode: continues from '
+                             'them) or kv_both (the default: both, colocated)')
     add_engine_options(parser)
     add_token_option(parser)
     add_log_option(parser)
@@ -55,6 +61,10 @@ def run(args: argparse.Namespace) -> int:
                          "yet; serve this layout with --tensor-parallel and --enable-expert-parallel "
                          "(docs/parallelism.md)")
     config = inference_config_from_args(args, tensor_parallel_size=args.tensor_parallel)
+    kv_role = "kv_both" if args.kv_transfer_config is None else kv_transfer_config(args.kv_transfer_config)
+    if kv_role != "kv_both" and config.world_size > 1:
+        raise ValueError(f"--kv-transfer-config kv_role {kv_role} is not implemented with tensor or pipeline "
+                         "parallelism yet (each rank holds a part of the KV)")
     resolve_model_args(args)  # a Hub id becomes its local directory before the directory is checked
     check_model_dir(args.model, tokenizer=args.tokenizer is None)
     token = read_token(args)
@@ -70,7 +80,7 @@ def run(args: argparse.Namespace) -> int:
 
     rc = run_engine_process(make_engine, address, token=token, group=args.group,
                             drain_timeout=args.drain_timeout, coordinator_timeout=args.coordinator_timeout,
-                            info={"model": args.model})
+                            info={"model": args.model, "kv_role": kv_role})
     # Everything is handed back and flushed: skip the interpreter's slow teardown of torch (seconds),
     # so that "the engine exited" follows "the engine acknowledged STOP" closely.
     logging.shutdown()

@@ -29,6 +29,7 @@ import sys
 import time
 from typing import Any
 
+from ..fleet.argv import disaggregated_roles
 from ..http_options import HTTPOptions
 from ..wire.protocol import DEFAULT_PORT
 from . import api_servers, local_runs
@@ -53,6 +54,11 @@ def add_arguments(parser: argparse.ArgumentParser, *, positional_model: bool = F
     add_model_options(parser, positional=positional_model)
     add_option(parser, "--engines", type=int, default=1, metavar="N", help="engine groups (data parallel)")
     add_option(parser, "--tensor-parallel", type=int, default=1, metavar="N", help="GPUs (ranks) per engine group")
+    parser.add_argument("--prefill-engines", type=int, default=0, metavar="N",
+                        help="prefill/decode disaggregation: N engines compute prompts and first tokens and send the "
+                             "KV blocks on to the --decode-engines, through the coordinator (instead of --engines)")
+    parser.add_argument("--decode-engines", type=int, default=0, metavar="M",
+                        help="prefill/decode disaggregation: M engines continue from the prefill engines' KV blocks")
     parser.add_argument("--coordinator-port", type=int, default=None, metavar="PORT",
                         help=f"coordinator port on --host, for `megatron-serve control` (default: {DEFAULT_PORT}, "
                              "or a free port when it is taken or is --port's or the probe port's; 0 = any free "
@@ -93,12 +99,17 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--engines must be >= 1, got {args.engines}")
     if args.tensor_parallel < 1:
         raise ValueError(f"--tensor-parallel must be >= 1, got {args.tensor_parallel}")
+    kv_roles = disaggregated_roles(args.engines, args.prefill_engines, args.decode_engines)
+    args.engines = len(kv_roles)  # the prefill and decode engines, when given
     check_server_options(args)
     if args.coordinator_port is not None:
         parse_port(args.coordinator_port, "--coordinator-port")
         check_distinct({"--port": args.port, "--health-port": args.health_port,
                         "--coordinator-port": args.coordinator_port})
     config = inference_config_from_args(args, tensor_parallel_size=args.tensor_parallel)  # fails before any start
+    if args.prefill_engines and config.world_size > 1:
+        raise ValueError("--prefill-engines/--decode-engines are not implemented with tensor or pipeline parallelism "
+                         "yet (each rank holds a part of the KV)")
     from ..server.modelinfo import default_model_name  # noqa: PLC0415
 
     served = args.served_model_name or default_model_name(args.model)
@@ -247,7 +258,8 @@ class _Stack:
         self.fleet = LocalFleet(args.model, args.engines, self.config, host=args.host, port=self.ports.coordinator,
                                 token=self.token, insecure=self.token is None, routing=args.routing,
                                 drain_timeout=args.drain_timeout, log_dir=args.log_dir, tokenizer_dir=args.tokenizer,
-                                max_request_logprobs=args.max_request_logprobs)
+                                max_request_logprobs=args.max_request_logprobs,
+                                prefill_engines=args.prefill_engines, decode_engines=args.decode_engines)
         started = time.monotonic()
         self.address = address = await asyncio.to_thread(self.fleet.start, 60.0)
         security = "encrypted, fleet secret required" if self.token else "INSECURE: no authentication, no encryption"

@@ -50,6 +50,7 @@ from ..wire.request import FinalRecord, FinishReason, RequestStatus
 from ..wire.sampling_params import SharedParams
 from ..wire.security import FleetSecret, fleet_secret
 from . import dispatch, handshake, liveness, prompts
+from .disaggregation import Handoffs
 from .droplog import DropLog
 from .effects import Effect, Probe, Send
 from .peers import ClientRecord, EngineRecord
@@ -75,7 +76,7 @@ DEFAULT_STALL_TIMEOUT = 120.0
 # Which headers each role may send (after HELLO).
 ALLOWED: dict[Role, frozenset[Header]] = {
     Role.ENGINE: frozenset({Header.HEARTBEAT, Header.DRAINING, Header.CONTROL_ACK, Header.ENGINE_STEP,
-                            Header.HANDBACK, Header.STATUS}),
+                            Header.HANDBACK, Header.STATUS, Header.KV_BLOCKS}),
     Role.CLIENT: frozenset({Header.SUBMIT, Header.ABORT, Header.RESULT_ACK, Header.STATUS, Header.HEARTBEAT,
                             *HEADER_VERBS}),
     Role.CONTROL: frozenset({Header.STATUS, Header.HEARTBEAT, *HEADER_VERBS}),
@@ -150,6 +151,7 @@ class CoordinatorCore:
         self.engines: dict[str, EngineRecord] = {}
         self.clients: dict[str, ClientRecord] = {}
         self.requests = RequestTable()
+        self.handoffs = Handoffs()  # prefill/decode disaggregation: requests between their two engines
         self._params = SharedParams()
         self.verbs = VerbRunner(self)
         self.liveness = liveness.Liveness()
@@ -303,6 +305,8 @@ class CoordinatorCore:
             self._on_draining(engine, body)
         elif header is Header.HANDBACK:
             self._on_handback(engine, body)
+        elif header is Header.KV_BLOCKS:
+            self.handoffs.on_blocks(self, engine, body)
         elif header is Header.STATUS:
             self.send(engine.identity, Header.STATUS_REPLY, self.status(Status()))
 
@@ -410,6 +414,7 @@ class CoordinatorCore:
 
     def forget_request(self, record: RequestRecord) -> None:
         self.requests.forget(record)
+        self.handoffs.forget(record.request_id)
         client = self.clients.get(record.client_id)
         if client is not None:
             client.requests.discard(record.request_id)
@@ -446,10 +451,12 @@ class CoordinatorCore:
                 continue
             if out.new_tokens or out.routing is not None or out.prompt_scores is not None:
                 self._mirror(record, out, None if out.finished else (raw, steps))
+            handed_on = self.handoffs.active and self.handoffs.on_output(self, engine, record, out)
             if out.finished:
                 engine.assigned.discard(record.request_id)
                 engine.completed += 1
-                self._finish_from_engine(engine, record, out)
+                if not handed_on:
+                    self._finish_from_engine(engine, record, out)
         self._out += steps.sends()
 
     def _mirror(self, record: RequestRecord, out: RequestDelta,

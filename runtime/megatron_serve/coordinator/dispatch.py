@@ -55,7 +55,8 @@ def dispatch(core: "CoordinatorCore", now: float) -> None:
                   if not e.draining and not e.stopping and room(e) and core.serves_fleet_weights(e)]
     table = core.requests
     while candidates and (record := table.next_queued()) is not None:
-        chosen = core.policy.select(record, adapter_candidates(record, candidates))
+        engines = core.handoffs.candidates(core, record, candidates)  # prefill or decode (disaggregation)
+        chosen = core.policy.select(record, adapter_candidates(record, engines)) if engines else None
         if chosen is None:
             return
         engine = core.engines[chosen.engine_id]
@@ -64,6 +65,9 @@ def dispatch(core: "CoordinatorCore", now: float) -> None:
         if not engine.assigned:  # an idle loop may wait without counting: its stall clock starts now
             engine.stall_clock = now
         engine.assigned.add(record.request_id)
-        core.send(engine.identity, Header.ENGINE_SUBMIT, EngineSubmitOut(request=wire_record(record)), engine.batches)
+        blocks, body = core.handoffs.submit(record, engine, EngineSubmitOut(request=wire_record(record)))
+        for part in blocks:  # a decode engine's blocks arrive ahead of their request (coordinator.disaggregation)
+            core.send(engine.identity, Header.KV_BLOCKS, part, engine.batches)
+        core.send(engine.identity, Header.ENGINE_SUBMIT, body, engine.batches)
         if not room(engine):
             candidates.remove(engine)

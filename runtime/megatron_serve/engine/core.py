@@ -43,6 +43,7 @@ from ..wire.expert_routing import RoutingRecord, record_step, routing_dtype
 from .admission import admission_problem
 from .kv_cache import BlockAllocator
 from .kv_offload import HostKVTier
+from .kv_transfer import KVTransfer
 from .memory_verbs import DeviceMemoryVerbs
 from .logprob_parity import ParityChecker
 from .lora import LoraAdapterError, admit_request, engine_loras, lora_report
@@ -98,6 +99,7 @@ class DynamicInferenceEngine(DeviceMemoryVerbs, LoraVerbs, SpeculativeSteps):
         self.host_tier = HostKVTier.sized(self.kv_cache, config.kv_offloading_size)
         self.allocator = BlockAllocator(self.kv_cache.shape[2], config.enable_prefix_caching, self.host_tier)
         block_size = config.block_size_tokens
+        self.kv_transfer = KVTransfer(self.kv_cache, self.allocator, block_size)  # prefill/decode disaggregation
         self.scheduler = Scheduler(self.allocator, block_size, config.max_batch_tokens, config.max_requests,
                                    config.long_prefill_token_threshold, config.max_long_partial_prefills)
         if runner is None:
@@ -144,6 +146,7 @@ class DynamicInferenceEngine(DeviceMemoryVerbs, LoraVerbs, SpeculativeSteps):
         snapshot = self.stats.to_wire(self.scheduler.queried_tokens, self.scheduler.cached_tokens)
         if self.host_tier is not None:
             self.host_tier.report(snapshot, self.scheduler.host_queried_tokens, self.scheduler.host_cached_tokens)
+        self.kv_transfer.counts.report(snapshot)
         lora = lora_report(self.loras, self.scheduler.running, [*self.scheduler.waiting, *self.lora_queue.sequences()])
         if lora is not None:
             snapshot["lora"] = lora
@@ -254,6 +257,12 @@ class DynamicInferenceEngine(DeviceMemoryVerbs, LoraVerbs, SpeculativeSteps):
             epochs[:0] = [-1] * max(len(request.generated_tokens) - len(epochs), 0)  # -1: unknown
         self.lora_queue.add(sequence, registration, self.scheduler, self._sequences.values())
 
+    def receive_kv(self, request_id: str) -> None:
+        """Start a request just added on the blocks a prefill engine computed (:mod:`.kv_transfer`)."""
+        sequence = self._sequences.get(request_id)
+        if sequence is not None:
+            self.kv_transfer.receive(sequence, self.epoch, self.scheduler.waiting)
+
     def abort_request(self, request_id: str) -> DynamicInferenceRequest | None:
         sequence = self._sequences.pop(request_id, None)
         if sequence is None:
@@ -268,6 +277,7 @@ class DynamicInferenceEngine(DeviceMemoryVerbs, LoraVerbs, SpeculativeSteps):
         """Free what the engine holds for a request that leaves (finished, aborted, failed)."""
         sequence.finished = True
         self._keep_routing(sequence)
+        self.kv_transfer.on_leave(sequence, self.epoch)  # before its blocks are freed
         self.scheduler.finish(sequence)
         self.lora_queue.discard(sequence)
         self._sequences.pop(sequence.request_id, None)

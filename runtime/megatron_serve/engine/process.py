@@ -32,6 +32,7 @@ import zmq
 
 from ..errors import EngineGroupLost, RefitFailed
 from ..wire.lora_names import shown
+from ..wire.kv_blocks import wants_remote_decode, wants_remote_prefill
 from ..wire.lifecycle import ENGINE_DRAINING, STEPS, FleetState, Step, engine_state_after
 from .link import CoordinatorLink
 from ..heap import freeze_startup_heap
@@ -41,6 +42,7 @@ from ..wire.messages import (
     Body,
     Control,
     EngineStepOut,
+    EngineSubmit,
     HelloAck,
     LoadLora,
     Refit,
@@ -170,6 +172,7 @@ class EngineProcess:
         # count says nothing, and heartbeats carry none (the coordinator reads that as "unknown").
         self.link.stats = {k: v for k, v in self.link.stats.items() if k != "progress"}
         if self.session:
+            self.engine.kv_transfer.clear()
             dropped = self.engine.take_unfinished_requests()
             logger.warning("registered again with coordinator %s: dropped %d in-flight request(s) "
                            "(the coordinator re-queued them)", ack.coordinator_id, len(dropped))
@@ -195,7 +198,9 @@ class EngineProcess:
 
     def _on_coordinator(self, header: Header, body: Any) -> None:
         if header is Header.ENGINE_SUBMIT:
-            self._add(body.request)
+            self._add(body)
+        elif header is Header.KV_BLOCKS:
+            self.engine.kv_transfer.arrive(body)
         elif header is Header.ABORT:
             self.engine.abort_request(body.request_id)
         elif header is Header.HANDBACK:
@@ -203,8 +208,11 @@ class EngineProcess:
         elif header in HEADER_VERBS:
             self._on_step(header, body)
 
-    def _add(self, data: msgspec.Raw) -> None:
-        """Serve a request handed over in ``ENGINE_SUBMIT``; one this engine cannot read fails at once."""
+    def _add(self, submit: EngineSubmit) -> None:
+        """Serve a request handed over in ``ENGINE_SUBMIT``; one this engine cannot read fails at once. Its KV
+        goes on after its first token when it asks so, or it starts on the blocks it brings (engine.kv_transfer).
+        """
+        data = submit.request
         try:
             request = DynamicInferenceRequest.from_engine_request(_ENGINE_REQUEST.decode(data))
         except (msgspec.ValidationError, msgspec.DecodeError, ValueError) as exc:
@@ -218,7 +226,13 @@ class EngineProcess:
             self._send(Header.ENGINE_STEP, EngineStepOut(engine_id=self.engine_id, outputs=[
                 RequestDeltaOut(request_id=request_id, new_tokens=[], finished=True, request=failed)]))
             return
+        if wants_remote_decode(submit.kv_transfer_params):
+            self.engine.kv_transfer.send_after_prefill(request.request_id)
         self.engine.add_request(request)
+        if wants_remote_prefill(submit.kv_transfer_params):
+            self.engine.receive_kv(request.request_id)
+        else:
+            self.engine.kv_transfer.discard(request.request_id)
 
     def _step(self, settle: bool = False) -> None:
         """One engine step, or with ``settle`` only the finishing of the step in flight (overlapped scheduling:
@@ -243,7 +257,10 @@ class EngineProcess:
 
     def _report(self, outputs: Sequence[EngineStepResult]) -> None:
         """Send one step's outputs to the coordinator: a delta per request, in one message (several when prompt
-        scores would make it large: :func:`~.output.step_messages`)."""
+        scores would make it large: :func:`~.output.step_messages`). A prefilled request's blocks go first, so
+        that the coordinator holds them when it reads that the request left this engine."""
+        for blocks in self.engine.kv_transfer.take(self.engine_id or ""):
+            self._send(Header.KV_BLOCKS, blocks)
         if outputs:
             for deltas in step_messages([step_delta(out) for out in outputs]):
                 self._send(Header.ENGINE_STEP, EngineStepOut(engine_id=self.engine_id, outputs=deltas))

@@ -362,7 +362,11 @@ class Scheduler:
         self.release(sequence)
 
     def evict_all(self) -> list[Sequence]:
-        """Move every running sequence back to waiting without blocks (suspend); returns them."""
+        """Move every running sequence back to waiting without blocks (suspend); returns them. A waiting one that
+        holds blocks (a decode engine's prefilled request: engine.kv_transfer) lets them go too."""
+        for sequence in self.waiting:
+            if sequence.block_table:
+                self.release(sequence)
         evicted = list(self.running)
         for sequence in reversed(evicted):
             self.release(sequence)

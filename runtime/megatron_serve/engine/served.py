@@ -15,6 +15,7 @@ if TYPE_CHECKING:
     import numpy as np
 
     from ..weights.sources import WeightSource
+    from .kv_transfer import KVTransfer
     from ..wire.request import DynamicInferenceRequest
 
 
@@ -72,6 +73,7 @@ class ServedEngine(Protocol):
 
     epoch: int  # generation of the weights being served (-1: a mix after a failed load)
     computed_tokens: int  # tokens run through the model, for counters
+    kv_transfer: KVTransfer  # prefill/decode disaggregation: blocks sent after prefill, received for decode
 
     @property
     def num_running(self) -> int: ...
@@ -102,6 +104,8 @@ class ServedEngine(Protocol):
     def step(self) -> Sequence[EngineStepResult]: ...
 
     def sync(self) -> Sequence[EngineStepResult]: ...
+
+    def receive_kv(self, request_id: str) -> None: ...  # a request just added starts on its blocks that arrived
 
     def abort_request(self, request_id: str) -> DynamicInferenceRequest | None: ...
 

@@ -18,6 +18,56 @@ if TYPE_CHECKING:  # importing config imports torch
     from ..config import InferenceConfig
 
 TOKEN_ENV = "MEGATRON_SERVE_TOKEN"
+#: The one ``kv_connector`` of ``--kv-transfer-config``: blocks travel through the coordinator's connections.
+KV_CONNECTOR = "CoordinatorConnector"
+#: vLLM's ``kv_role`` values: prefill, decode, and an engine that does both (colocated, the default).
+KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
+
+
+def kv_transfer_config(text: str) -> str:
+    """The ``kv_role`` of ``--kv-transfer-config`` (vLLM's JSON object: ``{"kv_connector": "CoordinatorConnector",
+    "kv_role": "kv_producer"}``); ``ValueError`` naming the flag and the key for anything else."""
+    try:
+        config = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"--kv-transfer-config must be a JSON object: {exc}") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"--kv-transfer-config must be a JSON object, got {text!r}")
+    unknown = sorted(set(config) - {"kv_connector", "kv_role"})
+    if unknown:
+        raise ValueError(f"--kv-transfer-config: unknown key(s) {', '.join(unknown)} (known: kv_connector, kv_role)")
+    connector = config.get("kv_connector", KV_CONNECTOR)
+    if connector != KV_CONNECTOR:
+        raise ValueError(f"--kv-transfer-config: kv_connector {connector!r} is not available; {KV_CONNECTOR} sends "
+                         "the KV blocks through the coordinator")
+    role = config.get("kv_role", "kv_both")
+    if role not in KV_ROLES:
+        raise ValueError(f"--kv-transfer-config: kv_role must be one of {', '.join(KV_ROLES)}, got {role!r}")
+    return role
+
+
+def kv_role_argv(role: str) -> list[str]:
+    """The engine flags of an engine playing ``role`` in a disaggregated fleet."""
+    return ["--kv-transfer-config", json.dumps({"kv_connector": KV_CONNECTOR, "kv_role": role})]
+
+
+def disaggregated_roles(num_engines: int, prefill_engines: int, decode_engines: int) -> list[str]:
+    """Each engine's ``kv_role`` for ``--prefill-engines`` / ``--decode-engines`` (prefill first), or every engine
+    ``kv_both`` without them; ``ValueError`` naming the option for a layout that cannot serve."""
+    for name, count in (("--prefill-engines", prefill_engines), ("--decode-engines", decode_engines)):
+        if count < 0:
+            raise ValueError(f"{name} must be >= 0, got {count}")
+    if not prefill_engines and not decode_engines:
+        return ["kv_both"] * num_engines
+    if not prefill_engines or not decode_engines:
+        given, missing = (("--prefill-engines", "--decode-engines") if prefill_engines
+                          else ("--decode-engines", "--prefill-engines"))
+        raise ValueError(f"{given} needs {missing} >= 1: a disaggregated fleet has both kinds")
+    if num_engines not in (1, prefill_engines + decode_engines):
+        raise ValueError(f"--engines {num_engines} with --prefill-engines {prefill_engines} and --decode-engines "
+                         f"{decode_engines}: the fleet's engines are the prefill and decode engines; leave --engines "
+                         "out")
+    return ["kv_producer"] * prefill_engines + ["kv_consumer"] * decode_engines
 
 # engine option (flag dest) -> InferenceConfig field
 ENGINE_FIELDS = {

@@ -32,7 +32,7 @@ import time
 from pathlib import Path
 
 from ..config import InferenceConfig
-from .argv import TOKEN_ENV, inference_config_to_argv
+from .argv import TOKEN_ENV, disaggregated_roles, inference_config_to_argv, kv_role_argv
 from .lifeline import Lifeline
 from ..wire.security import make_secret
 from .supervisor import Child, Supervisor, exit_cause, log_tail
@@ -132,15 +132,20 @@ class LocalFleet:
         tokenizer_dir: str | os.PathLike | None = None,
         insecure: bool = False,
         max_request_logprobs: int | None = None,
+        prefill_engines: int = 0,
+        decode_engines: int = 0,
     ) -> None:
         """``inference_config``: the engines' settings, tensor parallelism included; ``tokenizer_dir``:
         tokenizer files for the coordinator and every engine (default: the model's). On GPUs each
         engine group gets GPUs of its own. ``log_dir``: where the logs go and stay (default: the
         fleet's own directory, removed when it stops). ``max_request_logprobs``: the coordinator's
         ``--max-request-logprobs`` (default: its own), so that one figure governs the fleet and the
-        HTTP server in front of it."""
+        HTTP server in front of it. ``prefill_engines`` and ``decode_engines``: a disaggregated fleet of that many
+        of each instead of ``num_engines`` colocated ones (coordinator.disaggregation)."""
         if num_engines < 1:
             raise ValueError(f"num_engines must be >= 1, got {num_engines}")
+        self.kv_roles = disaggregated_roles(num_engines, prefill_engines, decode_engines)
+        num_engines = len(self.kv_roles)
         self.model_dir = str(model_dir)
         self.num_engines = num_engines
         self.inference_config = inference_config
@@ -221,8 +226,8 @@ class LocalFleet:
         self.address = address_file.read_text().strip()
         # A restarted coordinator binds the port this one got (the engines and clients reconnect to it).
         self._coordinator.argv = self._coordinator_argv(int(self.address.rsplit(":", 1)[1]), address_file)
-        for index in range(self.num_engines):
-            self.add_engine(group=index)
+        for index, role in enumerate(self.kv_roles):
+            self.add_engine(group=index, extra=None if role == "kv_both" else [*self.engine_args, *kv_role_argv(role)])
         logger.info("local fleet: coordinator at %s, %d engine(s) starting (logs in %s)", self.address,
                     self.num_engines, self.log_dir)
         return self.address

@@ -96,9 +96,9 @@ NOT_IMPLEMENTED: dict[str, str] = {
     "json_schema": "SGLang's spelling (send guided_json, response_format or structured_outputs.json)",
     "ebnf": "SGLang's spelling (send guided_grammar or structured_outputs.grammar)",
     "no_stop_trim": "returning the stop string",
-    "kv_transfer_params": "disaggregated prefill (vLLM's KV connector hands a prefill instance's KV cache to a "
-                          "decode instance; each engine here prefills and decodes its own requests, routed by "
-                          "prefix affinity)",
+    "kv_transfer_params": "a KV connector's per-request parameters from an outside proxy (a fleet started with "
+                          "--prefill-engines and --decode-engines disaggregates every request itself: its "
+                          "coordinator sends the prompt to a prefill engine and the KV blocks on to a decode engine)",
 }
 
 

@@ -90,6 +90,11 @@ SERIES: tuple[Series, ...] = (
            "engine", (*ENGINE_LABELS, "transfer_type"), "vllm:kv_offload_total_bytes_total", "bytes"),
     Series("kv_offload_total_time_total", "counter", "seconds those copies took, by direction", "engine",
            (*ENGINE_LABELS, "transfer_type"), "vllm:kv_offload_total_time_total", "seconds"),
+    Series("kv_transfers_total", "counter", "prefill/decode disaggregation: requests whose KV blocks the engine sent "
+           "on after prefill (direction sent) or continued from in decode (received)", "engine",
+           (*ENGINE_LABELS, "direction"), unit="requests"),
+    Series("kv_transfer_bytes_total", "counter", "bytes of those KV blocks, by direction (sent, received)", "engine",
+           (*ENGINE_LABELS, "direction"), unit="bytes"),
     Series("logprob_parity_checked_total", "counter", "finished requests whose reported log probs the engine "
            "scored again as one prompt and compared bitwise (--verify-logprobs-fraction)", "engine", ENGINE_LABELS,
            unit="requests", colon_twin=True),

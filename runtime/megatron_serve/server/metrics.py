@@ -23,7 +23,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from ..wire.engine_stats import ACCEPTED_PER_POS, COUNTERS, FINISH_REASONS, HISTOGRAMS, KV_OFFLOAD, KV_OFFLOAD_DIRECTIONS
+from ..wire.engine_stats import (ACCEPTED_PER_POS, COUNTERS, FINISH_REASONS, HISTOGRAMS, KV_OFFLOAD, KV_OFFLOAD_DIRECTIONS,
+                                 KV_TRANSFER, KV_TRANSFER_DIRECTIONS)
 from ..wire.lifecycle import FleetState
 from .fleet import FleetMonitor
 from .metric_catalog import SERIES, Series, series
@@ -159,6 +160,11 @@ def read_engine(engine: dict[str, Any]) -> EngineReading:
         copies = offload.get(direction) if isinstance(offload.get(direction), dict) else {}
         reading.put("kv_offload_total_bytes_total", reported_number(copies.get("bytes")), direction)
         reading.put("kv_offload_total_time_total", reported_number(copies.get("seconds")), direction)
+    transfers = report.get(KV_TRANSFER) if isinstance(report.get(KV_TRANSFER), dict) else {}
+    for direction in KV_TRANSFER_DIRECTIONS:
+        moved = transfers.get(direction) if isinstance(transfers.get(direction), dict) else {}
+        reading.put("kv_transfers_total", reported_number(moved.get("transfers")), direction)
+        reading.put("kv_transfer_bytes_total", reported_number(moved.get("bytes")), direction)
     histograms = report.get("histograms") if isinstance(report.get("histograms"), dict) else {}
     for name, bounds in HISTOGRAMS.items():
         parsed = reported_buckets(histograms.get(name), bounds)

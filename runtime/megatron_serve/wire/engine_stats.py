@@ -53,6 +53,9 @@ ACCEPTED_PER_POS = "spec_decode_num_accepted_tokens_per_pos"
 #: the host KV tier's copies on the wire: {"GPU_to_CPU": {"bytes": n, "seconds": s}, "CPU_to_GPU": {...}}
 KV_OFFLOAD = "kv_offload"
 KV_OFFLOAD_DIRECTIONS = ("GPU_to_CPU", "CPU_to_GPU")
+#: prefill/decode disaggregation's blocks on the wire: {"sent": {"transfers": n, "bytes": b}, "received": {...}}
+KV_TRANSFER = "kv_transfer"
+KV_TRANSFER_DIRECTIONS = ("sent", "received")
 #: finish reasons counted by ``request_success``
 FINISH_REASONS = (FinishReason.STOP.value, FinishReason.LENGTH.value, FinishReason.ABORT.value)
 

@@ -30,6 +30,7 @@ from typing import Annotated, Any, Union
 
 import msgspec
 
+from .kv_blocks import KVBlocks
 from .protocol import Header
 from .request import WireImage
 
@@ -344,12 +345,16 @@ class EngineSubmit(Body):
     cannot read fails alone, by its id)."""
 
     request: msgspec.Raw
+    # vLLM's: {"do_remote_decode": true} to a prefill engine, {"do_remote_prefill": true, ...} to a decode engine
+    # (after the request's KV_BLOCKS: wire.kv_blocks)
+    kv_transfer_params: dict[str, Any] | None = None
 
 
 class EngineSubmitOut(Body):
     """:class:`EngineSubmit` as the coordinator writes it (a ``wire.request.EngineRequestOut``)."""
 
     request: Any
+    kv_transfer_params: dict[str, Any] | None = None
 
 
 class RoutingRows(Body):
@@ -518,6 +523,7 @@ TO_COORDINATOR: dict[Header, type[Body]] = {
     Header.CONTROL_ACK: ControlAck,
     Header.ENGINE_STEP: EngineStep,
     Header.HANDBACK: Handback,
+    Header.KV_BLOCKS: KVBlocks,
 }
 
 #: Bodies engines and clients accept from the coordinator.
@@ -542,4 +548,5 @@ FROM_COORDINATOR: dict[Header, type[Body]] = {
     Header.LOAD_LORA: LoadLora,
     Header.UNLOAD_LORA: UnloadLora,
     Header.HANDBACK: Handback,
+    Header.KV_BLOCKS: KVBlocks,
 }

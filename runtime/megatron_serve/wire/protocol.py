@@ -63,6 +63,7 @@ class Header(enum.IntEnum):
     ENGINE_SUBMIT = 50  # coordinator -> engine: serve this request record
     ENGINE_STEP = 51  # engine -> coordinator: the outputs of one engine step
     HANDBACK = 52  # engine -> coordinator: these requests are yours again (ack echoes it back)
+    KV_BLOCKS = 53  # prefill engine -> coordinator -> decode engine: a prefilled request's KV blocks (a part)
 
 
 #: The message each lifecycle verb travels as (the verbs and their rules: :mod:`megatron_serve.wire.lifecycle`).

@@ -1,0 +1,119 @@
+"""Prefill/decode disaggregation over a real ``megatron-serve run --prefill-engines 1 --decode-engines 1``
+(coordinator, two engine processes, HTTP): the prefill engine computes each prompt and its first token, its KV
+blocks go through the coordinator to the decode engine, which continues from them.
+
+Under ``--batch-invariant`` the tokens and log probs are ``==`` a colocated run's (the same ``run`` with one
+engine). That the prompt was not computed again: the two engines together ran exactly the tokens the colocated
+engine ran (``megatron_serve_engine_computed_tokens``), each prompt token once and each generated token but
+the last once, where a decode engine that computed the context itself would have run every prompt again.
+``/metrics`` counts the transfers and their bytes on both sides.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import re
+import subprocess
+import sys
+import time
+from contextlib import contextmanager
+from types import SimpleNamespace
+from typing import Iterator
+
+import httpx
+import pytest
+
+from ..processes import stop_process_group
+from .conftest import wait_ready
+from .test_openai_e2e import free_port
+
+pytestmark = [pytest.mark.timeout(600)]
+
+BLOCK = 16
+MAX_TOKENS = 6
+
+
+@contextmanager
+def fleet(model: str, log_dir, *extra: str) -> Iterator[SimpleNamespace]:
+    port = free_port()
+    log_dir.mkdir()
+    output = log_dir / "run.out"
+    with open(output, "wb") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "megatron_serve.cli", "run", "--model", model, "--port", str(port),
+             "--coordinator-port", "0", "--num-kv-blocks", "64", "--block-size", str(BLOCK), "--max-num-seqs", "4",
+             "--batch-invariant", "--log-dir", str(log_dir), *extra],
+            stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True, env=os.environ)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_ready(proc, url, output)
+        with httpx.Client(base_url=url, timeout=120) as http:
+            yield SimpleNamespace(http=http, model=os.path.basename(model), proc=proc, log_dir=log_dir)
+    finally:
+        stop_process_group(proc)
+
+
+def prompts() -> list[list[int]]:
+    rng = random.Random(51)
+    return [[rng.randrange(5, 500) for _ in range(length)] for length in (2 * BLOCK + 5, 3 * BLOCK, 7, BLOCK + 1)]
+
+
+def complete(served: SimpleNamespace, prompt: list[int]) -> dict:
+    body = {"model": served.model, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "logprobs": 1,
+            "ignore_eos": True}
+    answer = served.http.post("/v1/completions", json=body)
+    assert answer.status_code == 200, answer.text
+    return answer.json()
+
+
+def tokens_and_log_probs(answer: dict) -> tuple[list[str], list[float]]:
+    logprobs = answer["choices"][0]["logprobs"]
+    return logprobs["tokens"], logprobs["token_logprobs"]
+
+
+def series(text: str, name: str) -> dict[str, float]:
+    """Every sample of ``name`` by its label text."""
+    return {labels: float(value) for labels, value in re.findall(rf"^{name}\{{([^}}]*)\}} (\S+)$", text, re.M)}
+
+
+def metrics_when(served: SimpleNamespace, ready) -> str:
+    """``/metrics`` once ``ready(text)`` holds (the engines' heartbeats carry their counters a moment later)."""
+    deadline = time.monotonic() + 60
+    while True:
+        text = served.http.get("/metrics").text
+        if ready(text) or time.monotonic() > deadline:
+            return text
+        time.sleep(0.2)
+
+
+def computed(text: str) -> float | None:
+    """The tokens every engine of the fleet ran through its model (None before their heartbeats say)."""
+    found = re.search(r"^megatron_serve_engine_computed_tokens (\S+)$", text, re.M)
+    return float(found.group(1)) if found else None
+
+
+def test_disaggregated_tokens_equal_a_colocated_run_and_the_prompt_is_computed_once(tiny_llama, tmp_path):
+    sent = prompts()
+    once = sum(map(len, sent)) + len(sent) * (MAX_TOKENS - 1)  # each prompt token, each generated one but the last
+    with fleet(tiny_llama, tmp_path / "colocated") as colocated:
+        expected = [tokens_and_log_probs(complete(colocated, prompt)) for prompt in sent]
+        control = computed(metrics_when(colocated, lambda text: (computed(text) or 0) >= once))
+    with fleet(tiny_llama, tmp_path / "pd", "--prefill-engines", "1", "--decode-engines", "1") as pd:
+        answers = [complete(pd, prompt) for prompt in sent]
+        text = metrics_when(pd, lambda t: (computed(t) or 0) >= once and sum(
+            v for k, v in series(t, "megatron_serve_kv_transfers_total").items() if 'direction="received"' in k)
+            >= len(sent))
+    assert [tokens_and_log_probs(answer) for answer in answers] == expected
+    assert all(len(tokens) == MAX_TOKENS for tokens, _ in expected)
+    transfers = series(text, "megatron_serve_kv_transfers_total")
+    moved = series(text, "megatron_serve_kv_transfer_bytes_total")
+    by = {(re.search(r'engine_group="(\d+)"', k).group(1), re.search(r'direction="(\w+)"', k).group(1)): v
+          for k, v in transfers.items()}
+    assert by[("0", "sent")] == by[("1", "received")] == len(sent), transfers
+    assert by[("0", "received")] == by[("1", "sent")] == 0, transfers
+    sent_bytes = [v for k, v in moved.items() if 'engine_group="0"' in k and 'direction="sent"' in k]
+    received_bytes = [v for k, v in moved.items() if 'engine_group="1"' in k and 'direction="received"' in k]
+    assert sent_bytes == received_bytes and sent_bytes[0] > 0, moved
+    # The prompt ran once, on the prefill engine; the decode engine ran the first token and what followed it.
+    assert computed(text) == control == once
