@@ -1,4 +1,4 @@
-"""The engine's adapter verbs (LOAD_LORA / UNLOAD_LORA and their verify), and the routing-replay admission check.
+"""The engine's adapter verbs (LOAD_LORA / UNLOAD_LORA and their verify).
 
 Mixed into :class:`~.core.DynamicInferenceEngine` beside :class:`~.memory_verbs.DeviceMemoryVerbs`: they run
 between steps and only touch :mod:`.lora`'s registry and the engine's statistics, so the step loop's module
@@ -12,9 +12,7 @@ from typing import TYPE_CHECKING
 from .lora import require
 
 if TYPE_CHECKING:
-    from ..model.config import ModelConfig
     from ..wire.engine_stats import EngineStats
-    from ..wire.request import DynamicInferenceRequest
     from .lora import EngineLoras
 
 
@@ -44,20 +42,3 @@ class LoraVerbs:
     def unload_lora_adapter(self, name: str) -> None:
         """Stop serving ``name``: later requests naming it fail; requests admitted under it finish under it."""
         require(self.loras).unload(name)
-
-
-def routing_problem(config: "ModelConfig", request: "DynamicInferenceRequest") -> str | None:
-    """Why a request carrying ``routing_indices`` (routing replay) cannot run on this model, or None."""
-    moe = config.moe
-    if moe is None or not moe.sparse_layers:
-        return (f"return_routing_indices needs a mixture-of-experts model; {config.architecture} "
-                "has no expert layers")
-    rows = request.routing_indices
-    if rows is None:
-        return None
-    if rows.shape[1:] != (len(moe.sparse_layers), moe.top_k):
-        return (f"the request carries routing_indices of shape {rows.shape}, which do not fit this model's "
-                f"{len(moe.sparse_layers)} MoE layers x top-{moe.top_k}")
-    if rows.shape[0] > len(request.prompt_tokens) + len(request.generated_tokens):
-        return f"the request carries {rows.shape[0]} routing rows, more than its tokens"
-    return None

@@ -35,7 +35,7 @@ if TYPE_CHECKING:
     from .logprob_parity import ParityChecker
     from .lora import EngineLoras
     from .runner import ModelRunner
-    from .scheduler import Scheduler, Sequence
+    from .scheduler import Scheduler
 
     from .speculative.decoder import Speculator
     from .speculative.draft_model import DraftModelProposer
@@ -65,7 +65,6 @@ class DeviceMemoryVerbs:
     last_refit: dict[str, float] | None
     incomplete: set[str]
     loras: "EngineLoras | None"
-    _sequences: "dict[str, Sequence]"
     _settle: "Callable[[], None]"  # the engine's: finish the step in flight
 
     @property
@@ -222,7 +221,7 @@ class DeviceMemoryVerbs:
         return time.perf_counter() - started
 
     def _live_slots(self) -> set[int]:
-        return {sequence.lora_slot for sequence in self._sequences.values()}
+        return {sequence.lora_slot for sequence in self.scheduler.requests.values()}
 
     def _push_adapter(self, source: RendezvousSource, push: LoraPush) -> dict[str, float]:
         """Receive a trainer's adapter tensors and make them version ``push.version`` of ``push.name``; requests

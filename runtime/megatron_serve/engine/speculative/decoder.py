@@ -68,7 +68,8 @@ from .proposer import DraftInput, Proposer
 if TYPE_CHECKING:
     from ..sampler import DeviceSample, Sampler
     from ..sampling_state import SamplingState, StepRows
-    from ..scheduler import ScheduledBatch, Sequence
+    from ..scheduler import ScheduledBatch
+    from ..sequence import Sequence
 
 
 def on_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:

@@ -1,26 +1,25 @@
-"""The engine's verify step and a row's several tokens, mixed into :class:`~..core.DynamicInferenceEngine`.
+"""The engine's verify step, mixed into :class:`~..core.DynamicInferenceEngine`.
 
 :meth:`~..core.DynamicInferenceEngine.step` runs a verify step when the K policy gives some request drafts
 (:meth:`.decoder.Speculator.plan`), a plain step otherwise. A verify step is overlapped like a plain one
 (scheduled and launched before the step in flight is read, drafted past its tokens and corrected on the device:
 :mod:`.decoder`) unless one of :meth:`SpeculativeSteps._verify_overlaps`' fallbacks holds; then it reads the step
 in flight first and is read at once. A verify step's rows emit one token or several (the accepted drafts and one
-more), appended here one by one as the plain engine would append them over as many steps.
+more), appended one by one by the scheduler (:mod:`..token_append`) as the plain engine would append them over as
+many steps.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-import numpy as np
-
-from .decoder import Emitted
 from ..steps import one_per_request
 
 if TYPE_CHECKING:
     from ..core import DynamicInferenceEngine
     from ..steps import StepOutput
-    from ..scheduler import ScheduledBatch, Sequence
+    from ..scheduler import ScheduledBatch
+    from ..sequence import Sequence
 
 
 class SpeculativeSteps:
@@ -47,7 +46,7 @@ class SpeculativeSteps:
         A preemption in the step needs no fallback: the preempted request loses its new drafts, and the step in
         flight's tokens are appended to it when read, its KV recomputed later like any preempted request's.
         """
-        speculator, config, sequences = self.speculator, self.config, self._sequences
+        speculator, config, sequences = self.speculator, self.config, self.scheduler.requests
         assert speculator is not None
         if any(sequences[r].drafts_in_flight for r in ks if r in sequences):
             return False
@@ -67,8 +66,8 @@ class SpeculativeSteps:
         step = self.launch(batch, verify_at_once=True) if batch is not None else None
         if step is not None:
             self.speculator.observe(step.entries, step.starts)
-            self._pending.extend(self.finish(step))  # launch() verified it: no row waits for a token in flight
-        return one_per_request(self._take_pending())  # the step in flight's tokens and this one's, one output
+            self.scheduler.pending.extend(self.finish(step))  # launch() verified it: no row waits for a token in flight
+        return one_per_request(self.scheduler.take_pending())  # the step in flight's tokens and this one's, one output
 
     def _schedule_drafts(self: "DynamicInferenceEngine", ks: dict[str, int]) -> "ScheduledBatch | None":
         """Propose each drafting request's drafts (``ks``: its K), schedule, and drop the drafts that got no row."""
@@ -82,25 +81,3 @@ class SpeculativeSteps:
     def _grammar_allows(self: "DynamicInferenceEngine", sequence: "Sequence", drafts: list[int]) -> int:
         """How many of ``sequence``'s drafts its grammar accepts in a row (all without a grammar)."""
         return self.structured.draft_prefix(sequence.request_id, drafts, sequence.stop_token_ids)
-
-    def _append_tokens(self: "DynamicInferenceEngine", sequence: "Sequence", emitted: Emitted, kv_epoch: int,
-                       draft_routing: np.ndarray | None = None) -> "StepOutput":
-        """Append a row's tokens one by one (several after accepted drafts), up to the one that finishes it.
-        ``draft_routing``: the expert ids of the row's drafts' positions; each is recorded before the token its
-        accepted draft produced, as the plain engine records a position before the token it samples there."""
-        if len(emitted.tokens) == 1:  # no draft accepted (and every plain step's row)
-            return self._append_token(sequence, emitted.tokens[0], emitted.log_probs[0], emitted.top_n[0], kv_epoch)
-        merged: StepOutput | None = None
-        first = len(sequence.token_ids)  # the first draft's position (the drafts were rolled back)
-        for index, (token, log_prob, top_n) in enumerate(zip(emitted.tokens, emitted.log_probs, emitted.top_n)):
-            if index and draft_routing is not None and sequence.routing is not None:
-                sequence.routing.record(first + index - 1, draft_routing[index - 1 : index])
-            out = self._append_token(sequence, token, log_prob, top_n, kv_epoch)
-            if merged is None:
-                merged = out
-            else:
-                merged.extend(out)
-            if out.finished:
-                break
-        assert merged is not None, "a sampled row emits at least one token"
-        return merged
