@@ -16,7 +16,7 @@ conditions are seen one step late, so a finished request may have computed one m
 dropped: the outputs are those of the serial loop, token for token. Speculative verify steps overlap
 too: the step after one is planned as if it accepted every draft and corrected on the device by the
 drafts it rejected (:mod:`.speculative.decoder`; the cases that read first instead are listed in
-:meth:`~.speculative.stepping.SpeculativeSteps._verify_overlaps`).
+:meth:`~.speculative.stepping.SpeculativeSteps.overlaps`).
 
 The engine never raises for a bad request: the request fails alone and comes back from ``step()``.
 It deals in token ids only: EOS, stop token ids, length and grammar completion end a request here;
@@ -39,10 +39,10 @@ from ..wire.engine_stats import EngineStats
 from .admission import Admission
 from .kv_cache import BlockAllocator
 from .kv_offload import HostKVTier
-from .memory_verbs import DeviceMemoryVerbs
+from .memory_verbs import DeviceMemory
 from .logprob_parity import ParityChecker
 from .lora import engine_loras, lora_report
-from .lora_verbs import LoraVerbs
+from .lora_verbs import Adapters
 from ..model.config import ModelConfig
 from ..model.llama import LlamaForCausalLM
 from ..model.loader import load_model
@@ -52,7 +52,7 @@ from .runner import ModelRunner
 from .prompt_scores import score_prompts
 from .step_plan import write_plan
 from .steps import InFlightStep, StepOutput
-from ..wire.request import DynamicInferenceRequest, RequestStatus
+from ..wire.request import DynamicInferenceRequest
 from .sampler import Readback, Sampler
 from .sampling_state import SamplingState
 from .scheduler import ScheduledBatch, Scheduler
@@ -60,6 +60,7 @@ from .structured_output import StructuredOutputs
 from .speculative.decoder import Emitted, Speculator
 from .speculative.factory import make_proposer
 from .speculative.stepping import SpeculativeSteps
+from ..weights.sources import WeightSource
 from ..tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -75,7 +76,12 @@ def _encoder_cache_for(model: LlamaForCausalLM, tokenizer: Tokenizer) -> Encoder
     return EncoderCache(model, tokenizer.images)
 
 
-class DynamicInferenceEngine(DeviceMemoryVerbs, LoraVerbs, SpeculativeSteps):
+class DynamicInferenceEngine:
+    """The step loop over the scheduler (the bookkeeping), the device half (runner, sampler, sampling state,
+    grammar masks, image embeddings) and the verbs' objects: ``memory`` (suspend, resume, refit), ``adapters``
+    (LoRA) and ``speculation`` (the verify step, with speculative decoding on), behind
+    :class:`~.served.ServedEngine`."""
+
     def __init__(self, model: LlamaForCausalLM, tokenizer: Tokenizer, config: InferenceConfig,
                  runner: ModelRunner | None = None, model_dir: str | Path | None = None):
         """``model_dir``: where the model came from, when known (a draft model of another vocabulary is refused)."""
@@ -106,13 +112,7 @@ class DynamicInferenceEngine(DeviceMemoryVerbs, LoraVerbs, SpeculativeSteps):
         self.structured.warm()  # llguidance loaded off the step: the first constrained request stopped it for seconds
         self.encoder_cache = _encoder_cache_for(model, tokenizer)
         self._in_flight: InFlightStep | None = None  # launched, not finished (overlapped scheduling)
-        self.suspended = False
-        self.parked = None  # the KV of live requests while suspended with keep_kv
-        self.weights_offloaded = False
         self.computed_tokens = 0  # tokens run through the model (prefill and decode), for counters
-        self.refits = 0
-        self.last_refit: dict[str, float] | None = None  # timings of the last refit (for /metrics)
-        self.incomplete: set[str] = set()  # tensors a failed refit overwrote (see RefitFailed)
         self.stats = EngineStats()  # vLLM-style counters and histograms, shipped in heartbeats
         self.parity = ParityChecker(config.verify_logprobs_fraction, self.max_sequence_length, config.logprobs_mode,
                                     self.sampler.processed_alone)
@@ -131,6 +131,12 @@ class DynamicInferenceEngine(DeviceMemoryVerbs, LoraVerbs, SpeculativeSteps):
             self.scheduler.forgets.append(self.speculator.forget)
         if self.encoder_cache is not None:
             self.scheduler.forgets.append(self.encoder_cache.release)
+        self.speculation = (None if self.speculator is None else
+                            SpeculativeSteps(self.speculator, self.scheduler, self.structured, config,
+                                             self.encoder_cache))
+        self.memory = DeviceMemory(model, config, self.runner, self.kv_cache, self.scheduler, self.encoder_cache,
+                                   self.parity, self.speculator, self.loras, self.settle)
+        self.adapters = Adapters(self.loras, self.stats)
 
     @property
     def epoch(self) -> int:
@@ -239,7 +245,7 @@ class DynamicInferenceEngine(DeviceMemoryVerbs, LoraVerbs, SpeculativeSteps):
         After a failed step (the caller fails what it hands back), a step in flight that fails too is dropped.
         """
         try:
-            self._settle()
+            self.settle()
         except Exception:  # noqa: BLE001 - the failure that brought us here is being handled
             logger.exception("finishing the step in flight failed; its tokens are dropped")
         sequences = self.scheduler.take_unfinished()
@@ -260,15 +266,16 @@ class DynamicInferenceEngine(DeviceMemoryVerbs, LoraVerbs, SpeculativeSteps):
         (:meth:`~.speculative.decoder.Speculator.plan`): when some request drafts, the step is a verify step,
         overlapped too (drafted past the tokens in flight, corrected on the device by the drafts the step in
         flight rejects: :mod:`.speculative.stepping`) unless one of its fallbacks holds
-        (:meth:`~.speculative.stepping.SpeculativeSteps._verify_overlaps`); when none does, it is a plain step,
+        (:meth:`~.speculative.stepping.SpeculativeSteps.overlaps`); when none does, it is a plain step,
         overlapped like any other, and costs what a step without speculation costs.
         """
-        speculator = self.speculator
-        if speculator is None or speculator.resting(len(self.scheduler.running)):
+        speculator, speculation = self.speculator, self.speculation
+        if speculator is None or speculation is None or speculator.resting(len(self.scheduler.running)):
             return self._deliver(self._step_overlapped())
         ks = speculator.plan(self.scheduler.running)
         speculator.start_step(bool(ks))
-        outputs = self._step_speculative(ks) if ks and not self._verify_overlaps(ks) else self._step_overlapped(ks)
+        outputs = (speculation.step_at_once(ks, self) if ks and not speculation.overlaps(ks)
+                   else self._step_overlapped(ks))
         speculator.end_step()
         return self._deliver(outputs)
 
@@ -276,7 +283,7 @@ class DynamicInferenceEngine(DeviceMemoryVerbs, LoraVerbs, SpeculativeSteps):
         """A step launched before the one in flight is read (see :meth:`step`): a plain step, or with ``ks`` (each
         drafting request's K) a verify step."""
         outputs = self.scheduler.take_pending()
-        batch = self._schedule_drafts(ks) if ks else self.schedule()
+        batch = self.speculation.schedule(ks, self) if ks and self.speculation is not None else self.schedule()
         launched = self.launch(batch) if batch is not None else None
         previous, self._in_flight = self._in_flight, None
         if self.speculator is not None and launched is not None:
@@ -305,7 +312,7 @@ class DynamicInferenceEngine(DeviceMemoryVerbs, LoraVerbs, SpeculativeSteps):
     def sync(self) -> list[StepOutput]:
         """Finish the step in flight, if any, and return every output not handed out yet (call before a
         lifecycle verb or a hand-back, so that tokens the device already sampled are delivered first)."""
-        self._settle()
+        self.settle()
         return self._deliver(self.scheduler.take_pending())
 
     def _deliver(self, outputs: list[StepOutput]) -> list[StepOutput]:
@@ -318,7 +325,7 @@ class DynamicInferenceEngine(DeviceMemoryVerbs, LoraVerbs, SpeculativeSteps):
             self.add_request(request)
         return delivered
 
-    def _settle(self) -> None:
+    def settle(self) -> None:
         """Finish the step in flight now; its outputs wait for the next ``step()`` or ``sync()``."""
         if self._in_flight is not None:
             in_flight, self._in_flight = self._in_flight, None
@@ -328,7 +335,7 @@ class DynamicInferenceEngine(DeviceMemoryVerbs, LoraVerbs, SpeculativeSteps):
         """What the next step computes, or None when nothing can run now."""
         scheduler = self.scheduler
         scheduler.lora_queue.release(scheduler, scheduler.requests.values())
-        if self.suspended or not scheduler.has_work():
+        if self.memory.suspended or not scheduler.has_work():
             return None
         batch = scheduler.schedule()
         self.stats.preempted(len(batch.preempted))
@@ -429,3 +436,32 @@ class DynamicInferenceEngine(DeviceMemoryVerbs, LoraVerbs, SpeculativeSteps):
         result = step.sample.read()
         return self.scheduler.update_from_output(step, [Emitted([t], [lp], [top]) for t, lp, top
                                               in zip(result.token_ids, result.log_probs, result.top_n)])
+
+    # ------------------------------------------------------------------ verbs (held objects)
+    @property
+    def kept_kv_bytes(self) -> int:
+        return self.memory.kept_kv_bytes
+
+    def suspend(self, level: int = 1, keep_kv: bool = False) -> int:
+        return self.memory.suspend(level, keep_kv)
+
+    def resume(self) -> None:
+        self.memory.resume()
+
+    def verify_refit(self, source: str | Path | WeightSource) -> float:
+        return self.memory.verify_refit(source)
+
+    def refit(self, source: str | Path | WeightSource, epoch: int | None = None) -> dict[str, float]:
+        return self.memory.refit(source, epoch)
+
+    def lora_adapters(self) -> dict[str, str] | None:
+        return self.adapters.names()
+
+    def verify_lora_adapter(self, name: str, path: str) -> float:
+        return self.adapters.verify(name, path)
+
+    def load_lora_adapter(self, name: str, path: str) -> float:
+        return self.adapters.load(name, path)
+
+    def unload_lora_adapter(self, name: str) -> None:
+        self.adapters.unload(name)

@@ -1,4 +1,5 @@
-"""Continuous batching: which requests run this step, and how many tokens each computes.
+"""The engine's bookkeeping: the requests it holds, which of them run each step (continuous batching, how many
+tokens each computes), and what a finished step did to them (:meth:`Scheduler.update_from_output`).
 
 Every step mixes one decode token per running request with chunks of prompts (chunked prefill)
 up to ``max_batch_tokens``. Running requests are served first, oldest first; waiting ones are
