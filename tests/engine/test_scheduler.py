@@ -14,7 +14,7 @@ from megatron_serve.engine.speculative.decoder import Emitted, Speculator
 from megatron_serve.engine.steps import InFlightStep, StepOutput
 from megatron_serve.model.config import ModelConfig
 from megatron_serve.wire.request import DynamicInferenceRequest, EventType, FinishReason, RequestStatus
-from megatron_serve.wire.sampling_params import SamplingParams
+from megatron_serve.wire.sampling_params import SamplingParams, StructuredOutputsParams
 
 BLOCK = 4
 VOCAB = 100
@@ -87,8 +87,6 @@ def test_a_request_that_can_never_run_fails_alone_with_the_reason():
 
 
 def test_a_request_with_a_grammar_fails_on_a_scheduler_that_takes_none():
-    from megatron_serve.wire.sampling_params import StructuredOutputsParams  # noqa: PLC0415
-
     sched = scheduler()
     sched.add_request(request("g", 5, structured_outputs=StructuredOutputsParams(json={"type": "object"})))
     (out,) = sched.take_pending()
