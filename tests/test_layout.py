@@ -200,3 +200,19 @@ def test_the_engine_side_never_imports_the_client():
         if client := sorted(m for m in seen if m.startswith("megatron_serve.client")):
             offenders[start] = client
     assert not offenders, f"engine-side modules that import the client: {offenders}"
+
+
+def test_the_engine_class_holds_its_parts_and_nothing_in_the_engine_imports_it():
+    """``DynamicInferenceEngine`` has no base classes: its verbs (device memory, adapters) and the verify step are
+    objects it holds, each with its own state, not mixins that reach into its attributes (it was one class spread
+    over four files that way). None of its parts imports it back, even for type checkers: only the package does."""
+    engine = PACKAGES["megatron_serve"] / "engine"
+    (cls,) = [node for node in ast.parse((engine / "core.py").read_text()).body
+              if isinstance(node, ast.ClassDef) and node.name == "DynamicInferenceEngine"]
+    assert [ast.unparse(base) for base in cls.bases + cls.keywords] == []
+    importers = []
+    for path in engine.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[-1] == "core" and node.level:
+                importers.append(str(path.relative_to(engine)))
+    assert importers == ["__init__.py"]

@@ -53,7 +53,7 @@ def test_suspend_with_keep_kv_resumes_bitwise_and_computes_only_the_new_tokens(t
     def suspend_keeping(served):
         pool_bytes = served.kv_cache.num_bytes
         assert served.suspend(keep_kv=True) == pool_bytes > 0  # the device pool is released all the same
-        assert served.parked is not None and served.parked.num_bytes > 0
+        assert served.memory.parked is not None and served.memory.parked.num_bytes > 0
         assert served.step() == [] and served.num_running == len(reference)  # still running, nothing computed
         served.resume()
 
@@ -62,7 +62,7 @@ def test_suspend_with_keep_kv_resumes_bitwise_and_computes_only_the_new_tokens(t
     assert [r.generated_tokens for r in requests] == [r.generated_tokens for r in reference]
     assert [r.generated_log_probs for r in requests] == [r.generated_log_probs for r in reference]
     assert kept.computed_tokens == uninterrupted.computed_tokens  # not one token computed twice
-    assert kept.parked is None
+    assert kept.memory.parked is None
 
     control = engine(tiny_llama)  # a plain suspend: the same tokens, but every context computed again
     requests, _ = run(control, lambda served: (served.suspend(), served.resume()))

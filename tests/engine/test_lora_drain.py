@@ -85,7 +85,7 @@ def test_one_slot_drains_for_a_waiting_adapter_and_later_requests_queue_behind_i
     """One slot, adapter a running: b waits, and a request of a arriving after b queues behind it instead of sharing
     the slot (vLLM would let it in, and every later one, before b); b starts once a's first request finished."""
     run = _one_slot_run(base, adapters)
-    assert run.engine.lora_queue.draining == 0 and run.engine.num_waiting == 1
+    assert run.engine.scheduler.lora_queue.draining == 0 and run.engine.num_waiting == 1
     run.add("a2", *ONE_SLOT_JOBS["a2"])
     assert run.engine.num_waiting == 2, "a's slot drains: a2 waits behind b"
     run.finish()
@@ -93,7 +93,7 @@ def test_one_slot_drains_for_a_waiting_adapter_and_later_requests_queue_behind_i
     assert finished_a1 < run.started["b"] < run.started["a2"]
     assert {i: r.generated_tokens for i, r in run.requests.items()} == _alone(base, adapters, ONE_SLOT_JOBS)
     assert all(r.error is None for r in run.requests.values())
-    assert run.engine.lora_queue.draining is None
+    assert run.engine.scheduler.lora_queue.draining is None
 
 
 def test_control_without_a_draining_slot_later_requests_pass_the_waiting_one(base, adapters, monkeypatch):
@@ -114,12 +114,12 @@ def test_only_the_least_busy_slot_drains(base, adapters):
     for request_id in ("a1", "a2", "c1"):
         run.add(request_id, *jobs[request_id])
     run.step(2)
-    c_slot = run.engine._sequences["c1"].lora_slot
+    c_slot = run.engine.scheduler.requests["c1"].lora_slot
     run.add("b", *jobs["b"])
-    assert run.engine.lora_queue.draining == c_slot
+    assert run.engine.scheduler.lora_queue.draining == c_slot
     run.add("a3", *jobs["a3"])
     run.add("c2", *jobs["c2"])
-    assert {s.request_id for s in run.engine.lora_queue.sequences()} == {"b", "c2"}  # a3 is in the scheduler's queue
+    assert {s.request_id for s in run.engine.scheduler.lora_queue.sequences()} == {"b", "c2"}  # a3 is in the scheduler's queue
     run.finish()
     assert run.started["a3"] < run.started["b"] < run.started["c2"], "a3 shared a's slot at once; c2 waited"
     assert run.started["b"] < run.started["a1"] + len(run.requests["a1"].generated_tokens) - 1, "b took c's slot"

@@ -11,7 +11,8 @@ from types import SimpleNamespace
 
 from megatron_serve.coordinator.requests import Phase, RequestRecord, RequestTable
 from megatron_serve.engine.kv_cache import BlockAllocator
-from megatron_serve.engine.scheduler import Scheduler, Sequence
+from megatron_serve.engine.scheduler import Scheduler
+from megatron_serve.engine.sequence import Sequence
 from megatron_serve.wire.prefix_hash import ROOT_HASH, block_hashes, salted_root
 from megatron_serve.coordinator.prefix_routing import PrefixAffinity
 from megatron_serve.wire.request import DynamicInferenceRequest

@@ -14,7 +14,8 @@ from megatron_serve.commands.engine_options import add_engine_options, inference
 from megatron_serve.config import InferenceConfig
 from megatron_serve.fleet.argv import inference_config_to_argv
 from megatron_serve.engine.kv_cache import BlockAllocator
-from megatron_serve.engine.scheduler import Scheduler, Sequence
+from megatron_serve.engine.scheduler import Scheduler
+from megatron_serve.engine.sequence import Sequence
 from megatron_serve.wire.request import DynamicInferenceRequest
 from megatron_serve.wire.sampling_params import SamplingParams
 

@@ -17,7 +17,7 @@ import pytest
 from msgspec.structs import replace
 
 from megatron_serve import InferenceConfig, MegatronLLM, SamplingParams
-from megatron_serve.engine import core
+from megatron_serve.engine import scheduler
 from megatron_serve.model.tiny import make_tiny_model
 
 from ..images import png
@@ -75,12 +75,12 @@ def test_control_recording_every_draft_row_records_rejected_drafts_routing(tiny_
     the routing of tokens the request never had, and a stopped request rows past its end."""
     prompts, params = moe_workload(tiny_moe)
     plain, _ = generate(tiny_moe, prompts, params, speculative=False)
-    record_step = core.record_step
+    record_step = scheduler.record_step
 
     def every_row(entries, rows):
         return record_step([(sequence, start, count, 0) for sequence, start, count, _ in entries], rows)
 
-    monkeypatch.setattr(core, "record_step", every_row)
+    monkeypatch.setattr(scheduler, "record_step", every_row)
     spec, accepted = generate(tiny_moe, prompts, params, speculative=True)
     assert accepted > 0
     assert [r[:3] for r in routed(spec)] == [r[:3] for r in routed(plain)]  # the tokens do not notice

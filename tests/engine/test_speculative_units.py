@@ -11,7 +11,7 @@ from megatron_serve import DynamicInferenceRequest, InferenceConfig, SamplingPar
 from megatron_serve.config import SpeculativeConfig
 from megatron_serve.engine.sampler import Sampler
 from megatron_serve.engine.sampling_state import SamplingState
-from megatron_serve.engine.scheduler import Sequence
+from megatron_serve.engine.sequence import Sequence
 from megatron_serve.engine.speculative.decoder import Speculator
 from megatron_serve.engine.speculative.factory import SpeculativeConfigError, make_proposer
 from megatron_serve.engine.speculative.ngram import NgramProposer, lookup

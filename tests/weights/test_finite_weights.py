@@ -94,7 +94,7 @@ def test_a_directory_refit_with_nan_is_refused_before_any_weight_changes(tiny_ll
             llm.engine.verify_refit(bad)
         with pytest.raises(ValueError, match=f"tensor {POISONED} holds NaN"):
             llm.refit(bad)
-        assert llm.engine.epoch == 0 and not llm.engine.incomplete
+        assert llm.engine.epoch == 0 and not llm.engine.memory.incomplete
         assert [r.generated_tokens for r in llm.generate(PROMPTS, GREEDY)] == before
         clean = {name: t.clone() for name, t in load_file(Path(tiny_llama) / "model.safetensors").items()}
         clean["lm_head.weight"][0, 0] = float("-inf")

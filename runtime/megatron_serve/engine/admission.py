@@ -1,13 +1,73 @@
 """Whether an engine can take a request at all, checked once when it is added: a request it could never run fails
-alone, with a message naming what is wrong, instead of stalling the queue or failing a step."""
+alone, with a message naming what is wrong, instead of stalling the queue or failing a step. A request it can run
+becomes its one engine-side object (:class:`~.sequence.Sequence`) here, with its stop ids, seed and adapter."""
 
 from __future__ import annotations
 
+import random
+from dataclasses import dataclass, field
+
 from ..model.config import ModelConfig
+from ..wire.expert_routing import RoutingRecord, routing_dtype
 from ..wire.request import DynamicInferenceRequest
 from .encoder_cache import EncoderCache
 from .kv_cache import blocks_for_tokens
-from .lora_verbs import routing_problem
+from .lora import EngineLoras, LoraAdapterError, Registration, admit_request
+from .sequence import Sequence
+from .structured_output import StructuredOutputs
+
+
+@dataclass
+class Admission:
+    """What an engine checks a new request against and builds its :class:`~.sequence.Sequence` from: the model's
+    vocabulary, experts and images, the length and KV pool limits, the tokenizer's EOS ids, the adapters and the
+    grammars (``structured``: None for an engine that takes none, such as a scheduler tested without a model)."""
+
+    model_config: ModelConfig
+    max_sequence_length: int
+    block_size: int
+    kv_blocks_total: int
+    eos_token_ids: tuple[int, ...]
+    seed: int | None = None  # seeds the draws of unseeded requests' own seeds (``InferenceConfig.seed``)
+    encoder_cache: EncoderCache | None = None
+    loras: EngineLoras | None = None
+    structured: StructuredOutputs | None = None
+    _seeds: random.Random = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self._seeds = random.Random(self.seed)  # an unseeded request's own seed, drawn when it is added
+
+    def admit(self, request: DynamicInferenceRequest, *, known: bool) -> tuple[Sequence, Registration | None] | str:
+        """The request's sequence and adapter registration, or why it can never run here (``known``: its id is
+        already in the engine). A grammar is compiled here, so a bad one fails the request alone."""
+        problem = admission_problem(request, self.model_config, self.encoder_cache, self.max_sequence_length,
+                                    self.block_size, self.kv_blocks_total, known=known)
+        if problem is not None:
+            return problem
+        sp = request.sampling_params
+        stop_ids = frozenset(sp.stop_token_ids) | (frozenset() if sp.ignore_eos else frozenset(
+            self.eos_token_ids if sp.termination_id is None
+            else (sp.termination_id if isinstance(sp.termination_id, list) else [sp.termination_id])))
+        try:
+            registration = admit_request(self.loras, sp)
+        except LoraAdapterError as exc:
+            return str(exc)
+        if sp.structured_outputs is not None:
+            if self.structured is None:
+                return "this engine takes no structured outputs"
+            problem = self.structured.add(request.request_id, sp.structured_outputs, request.generated_tokens)
+            if problem is not None:
+                return problem
+        max_total = min(len(request.prompt_tokens) + sp.num_tokens_to_generate, self.max_sequence_length)
+        sequence = Sequence(request, max_total, stop_ids)
+        sequence.seed = sp.seed if sp.seed is not None else self._seeds.getrandbits(63)
+        if sp.return_routing_indices:
+            moe = self.model_config.moe
+            assert moe is not None, "admission_problem refuses routing on a dense model"
+            sequence.routing = RoutingRecord(len(moe.sparse_layers), moe.top_k, routing_dtype(moe.num_experts),
+                                             request.routing_indices)
+            sequence.reads_prefix_cache = False
+        return sequence, registration
 
 
 def admission_problem(request: DynamicInferenceRequest, model_config: ModelConfig, encoder_cache: EncoderCache | None,
@@ -45,4 +105,21 @@ def admission_problem(request: DynamicInferenceRequest, model_config: ModelConfi
     if needed > kv_blocks_total:
         return (f"request needs {needed} KV blocks ({total} tokens) but the pool holds {kv_blocks_total}: "
                 "raise num_kv_blocks or lower num_tokens_to_generate")
+    return None
+
+
+def routing_problem(config: ModelConfig, request: DynamicInferenceRequest) -> str | None:
+    """Why a request carrying ``routing_indices`` (routing replay) cannot run on this model, or None."""
+    moe = config.moe
+    if moe is None or not moe.sparse_layers:
+        return (f"return_routing_indices needs a mixture-of-experts model; {config.architecture} "
+                "has no expert layers")
+    rows = request.routing_indices
+    if rows is None:
+        return None
+    if rows.shape[1:] != (len(moe.sparse_layers), moe.top_k):
+        return (f"the request carries routing_indices of shape {rows.shape}, which do not fit this model's "
+                f"{len(moe.sparse_layers)} MoE layers x top-{moe.top_k}")
+    if rows.shape[0] > len(request.prompt_tokens) + len(request.generated_tokens):
+        return f"the request carries {rows.shape[0]} routing rows, more than its tokens"
     return None

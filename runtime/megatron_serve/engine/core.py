@@ -16,7 +16,7 @@ conditions are seen one step late, so a finished request may have computed one m
 dropped: the outputs are those of the serial loop, token for token. Speculative verify steps overlap
 too: the step after one is planned as if it accepted every draft and corrected on the device by the
 drafts it rejected (:mod:`.speculative.decoder`; the cases that read first instead are listed in
-:meth:`~.speculative.stepping.SpeculativeSteps._verify_overlaps`).
+:meth:`~.speculative.stepping.SpeculativeSteps.overlaps`).
 
 The engine never raises for a bad request: the request fails alone and comes back from ``step()``.
 It deals in token ids only: EOS, stop token ids, length and grammar completion end a request here;
@@ -27,11 +27,8 @@ off the step thread.
 from __future__ import annotations
 
 import logging
-import random
-import time
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from ..config import InferenceConfig
@@ -39,33 +36,32 @@ from .served import EngineFacts
 from .sizing import build_kv_pool, default_dtype, engine_buffers, max_sequence_length_for, parameter_bytes
 from .encoder_cache import EncoderCache
 from ..wire.engine_stats import EngineStats
-from ..wire.expert_routing import RoutingRecord, record_step, routing_dtype
-from .admission import admission_problem
+from .admission import Admission
 from .kv_cache import BlockAllocator
 from .kv_offload import HostKVTier
 from .kv_transfer import KVTransfer
-from .memory_verbs import DeviceMemoryVerbs
+from .memory_verbs import DeviceMemory
 from .logprob_parity import ParityChecker
-from .lora import LoraAdapterError, admit_request, engine_loras, lora_report
-from .lora_queue import LoraQueue
-from .lora_verbs import LoraVerbs
+from .lora import engine_loras, lora_report
+from .lora_verbs import Adapters
 from ..model.config import ModelConfig
 from ..model.llama import LlamaForCausalLM
 from ..model.loader import load_model
 from .graphs import graphs_for, largest_graph
 from .logits_processors import apply_controls, apply_token_bitmask
 from .runner import ModelRunner
-from .prompt_scores import record_prompt_scores, score_prompts
+from .prompt_scores import score_prompts
 from .step_plan import write_plan
 from .steps import InFlightStep, StepOutput
-from ..wire.request import DynamicInferenceRequest, EventType, FinishReason, RequestStatus
+from ..wire.request import DynamicInferenceRequest
 from .sampler import Readback, Sampler
 from .sampling_state import SamplingState
-from .scheduler import ScheduledBatch, Scheduler, Sequence
+from .scheduler import ScheduledBatch, Scheduler
 from .structured_output import StructuredOutputs
 from .speculative.decoder import Emitted, Speculator
 from .speculative.factory import make_proposer
 from .speculative.stepping import SpeculativeSteps
+from ..weights.sources import WeightSource
 from ..tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -81,7 +77,12 @@ def _encoder_cache_for(model: LlamaForCausalLM, tokenizer: Tokenizer) -> Encoder
     return EncoderCache(model, tokenizer.images)
 
 
-class DynamicInferenceEngine(DeviceMemoryVerbs, LoraVerbs, SpeculativeSteps):
+class DynamicInferenceEngine:
+    """The step loop over the scheduler (the bookkeeping), the device half (runner, sampler, sampling state,
+    grammar masks, image embeddings) and the verbs' objects: ``memory`` (suspend, resume, refit), ``adapters``
+    (LoRA) and ``speculation`` (the verify step, with speculative decoding on), behind
+    :class:`~.served.ServedEngine`."""
+
     def __init__(self, model: LlamaForCausalLM, tokenizer: Tokenizer, config: InferenceConfig,
                  runner: ModelRunner | None = None, model_dir: str | Path | None = None):
         """``model_dir``: where the model came from, when known (a draft model of another vocabulary is refused)."""
@@ -100,8 +101,6 @@ class DynamicInferenceEngine(DeviceMemoryVerbs, LoraVerbs, SpeculativeSteps):
         self.allocator = BlockAllocator(self.kv_cache.shape[2], config.enable_prefix_caching, self.host_tier)
         block_size = config.block_size_tokens
         self.kv_transfer = KVTransfer(self.kv_cache, self.allocator, block_size)  # prefill/decode disaggregation
-        self.scheduler = Scheduler(self.allocator, block_size, config.max_batch_tokens, config.max_requests,
-                                   config.long_prefill_token_threshold, config.max_long_partial_prefills)
         if runner is None:
             buffers = engine_buffers(config, self.max_sequence_length, self.device)
             runner = ModelRunner(model, block_size, self.device, buffers, graphs_for(model, config, buffers))
@@ -110,23 +109,12 @@ class DynamicInferenceEngine(DeviceMemoryVerbs, LoraVerbs, SpeculativeSteps):
         self.runner.capture_graphs(self.kv_cache.layer_caches)
         self.sampling_state = SamplingState(model.config.vocab_size, self.device, config.max_requests)
         self.sampler = Sampler(self.sampling_state, config.logprobs_mode)
-        self._seeds = random.Random(config.seed)  # an unseeded request's own seed, drawn when it is added
         self.loras = engine_loras(model, config, self.runner, self.kv_cache.layer_caches)  # after the base graphs
-        self.lora_queue = LoraQueue(self.loras)  # requests waiting for an adapter slot
         self.structured = StructuredOutputs(tokenizer, model.config.vocab_size)
         self.structured.warm()  # llguidance loaded off the step: the first constrained request stopped it for seconds
         self.encoder_cache = _encoder_cache_for(model, tokenizer)
-        self._sequences: dict[str, Sequence] = {}
-        self._pending: list[StepOutput] = []
         self._in_flight: InFlightStep | None = None  # launched, not finished (overlapped scheduling)
-        self.suspended = False
-        self.parked = None  # the KV of live requests while suspended with keep_kv
-        self.weights_offloaded = False
         self.computed_tokens = 0  # tokens run through the model (prefill and decode), for counters
-        self.epoch = 0  # generation of the weights being served; bumped by every refit
-        self.refits = 0
-        self.last_refit: dict[str, float] | None = None  # timings of the last refit (for /metrics)
-        self.incomplete: set[str] = set()  # tensors a failed refit overwrote (see RefitFailed)
         self.stats = EngineStats()  # vLLM-style counters and histograms, shipped in heartbeats
         self.parity = ParityChecker(config.verify_logprobs_fraction, self.max_sequence_length, config.logprobs_mode,
                                     self.sampler.processed_alone)
@@ -134,6 +122,34 @@ class DynamicInferenceEngine(DeviceMemoryVerbs, LoraVerbs, SpeculativeSteps):
         self.speculator = (None if spec is None else Speculator(make_proposer(config, model_dir, model),
                                                                 spec.num_speculative_tokens, self.stats, spec.adaptive,
                                                                 cpu=self.device.type == "cpu"))
+        admission = Admission(model.config, self.max_sequence_length, block_size, self.allocator.num_blocks,
+                              tuple(tokenizer.eos_token_ids), config.seed, self.encoder_cache, self.loras,
+                              self.structured)
+        self.scheduler = Scheduler(self.allocator, block_size, config.max_batch_tokens, config.max_requests,
+                                   config.long_prefill_token_threshold, config.max_long_partial_prefills,
+                                   admission=admission, stats=self.stats, parity=self.parity)
+        self.scheduler.leaving.append(lambda sequence: self.kv_transfer.on_leave(sequence, self.epoch))
+        self.scheduler.forgets.append(self.sampling_state.remove)
+        if self.speculator is not None:
+            self.scheduler.forgets.append(self.speculator.forget)
+        if self.encoder_cache is not None:
+            self.scheduler.forgets.append(self.encoder_cache.release)
+        self.speculation = (None if self.speculator is None else
+                            SpeculativeSteps(self.speculator, self.scheduler, self.structured, config,
+                                             self.encoder_cache))
+        self.memory = DeviceMemory(model, config, self.runner, self.kv_cache, self.scheduler, self.encoder_cache,
+                                   self.parity, self.speculator, self.loras, self.settle)
+        self.adapters = Adapters(self.loras, self.stats)
+
+    @property
+    def epoch(self) -> int:
+        """Generation of the weights being served, bumped by every refit (-1: a mix after a failed one); the
+        scheduler's, which keys the prefix cache and the tokens' epochs with it."""
+        return self.scheduler.epoch
+
+    @epoch.setter
+    def epoch(self, epoch: int) -> None:
+        self.scheduler.epoch = epoch
 
     @property
     def cached_tokens(self) -> int:
@@ -147,7 +163,8 @@ class DynamicInferenceEngine(DeviceMemoryVerbs, LoraVerbs, SpeculativeSteps):
         if self.host_tier is not None:
             self.host_tier.report(snapshot, self.scheduler.host_queried_tokens, self.scheduler.host_cached_tokens)
         self.kv_transfer.counts.report(snapshot)
-        lora = lora_report(self.loras, self.scheduler.running, [*self.scheduler.waiting, *self.lora_queue.sequences()])
+        scheduler = self.scheduler
+        lora = lora_report(self.loras, scheduler.running, [*scheduler.waiting, *scheduler.lora_queue.sequences()])
         if lora is not None:
             snapshot["lora"] = lora
         return snapshot
@@ -200,7 +217,7 @@ class DynamicInferenceEngine(DeviceMemoryVerbs, LoraVerbs, SpeculativeSteps):
 
     @property
     def num_waiting(self) -> int:
-        return len(self.scheduler.waiting) + len(self.lora_queue)
+        return len(self.scheduler.waiting) + len(self.scheduler.lora_queue)
 
     @property
     def kv_blocks_total(self) -> int:
@@ -214,79 +231,21 @@ class DynamicInferenceEngine(DeviceMemoryVerbs, LoraVerbs, SpeculativeSteps):
         """Outputs to hand out, requests to run, or a step in flight that still samples for a live request
         (one whose requests were all aborted meanwhile has nothing left to give: the next step drops it)."""
         in_flight = self._in_flight is not None and not all(s.finished for s in self._in_flight.sampling)
-        return bool(self._pending) or in_flight or self.scheduler.has_work() or bool(self.lora_queue)
+        scheduler = self.scheduler
+        return bool(scheduler.pending) or in_flight or scheduler.has_work() or bool(scheduler.lora_queue)
 
     def add_request(self, request: DynamicInferenceRequest) -> None:
         """Queue a request; one that can never run fails alone (reported by the next ``step``)."""
-        request.add_event(EventType.ADD)
-        problem = admission_problem(request, self.model.config, self.encoder_cache, self.max_sequence_length,
-                                    self.config.block_size_tokens, self.kv_blocks_total,
-                                    known=request.request_id in self._sequences)
-        if problem is not None:
-            request.fail(problem)
-            self._pending.append(StepOutput(request, [], [], True))
-            return
-        sp = request.sampling_params
-        stop_ids = frozenset(sp.stop_token_ids) | (frozenset() if sp.ignore_eos else frozenset(
-            self.tokenizer.eos_token_ids if sp.termination_id is None
-            else (sp.termination_id if isinstance(sp.termination_id, list) else [sp.termination_id])))
-        try:
-            registration = admit_request(self.loras, sp)
-        except LoraAdapterError as exc:
-            request.fail(str(exc))
-            self._pending.append(StepOutput(request, [], [], True))
-            return
-        if sp.structured_outputs is not None:
-            problem = self.structured.add(request.request_id, sp.structured_outputs, request.generated_tokens)
-            if problem is not None:
-                request.fail(problem)
-                self._pending.append(StepOutput(request, [], [], True))
-                return
-        max_total = min(len(request.prompt_tokens) + sp.num_tokens_to_generate, self.max_sequence_length)
-        sequence = Sequence(request, max_total, stop_ids)
-        sequence.seed = sp.seed if sp.seed is not None else self._seeds.getrandbits(63)
-        if sp.return_routing_indices:
-            moe = self.model.config.moe
-            sequence.routing = RoutingRecord(len(moe.sparse_layers), moe.top_k, routing_dtype(moe.num_experts),
-                                             request.routing_indices)
-            sequence.reads_prefix_cache = False
-        request.status = RequestStatus.WAITING_IN_QUEUE
-        self._sequences[request.request_id] = sequence
-        # a continuation whose epochs were not kept
-        for epochs in (request.policy_epochs, request.kv_epochs, request.lora_epochs):
-            epochs[:0] = [-1] * max(len(request.generated_tokens) - len(epochs), 0)  # -1: unknown
-        self.lora_queue.add(sequence, registration, self.scheduler, self._sequences.values())
+        self.scheduler.add_request(request)
 
     def receive_kv(self, request_id: str) -> None:
         """Start a request just added on the blocks a prefill engine computed (:mod:`.kv_transfer`)."""
-        sequence = self._sequences.get(request_id)
+        sequence = self.scheduler.requests.get(request_id)
         if sequence is not None:
             self.kv_transfer.receive(sequence, self.epoch, self.scheduler.waiting)
 
     def abort_request(self, request_id: str) -> DynamicInferenceRequest | None:
-        sequence = self._sequences.pop(request_id, None)
-        if sequence is None:
-            return None
-        self._forget(sequence)
-        request = sequence.request
-        request.fail("aborted", FinishReason.ABORT)
-        self.stats.finish(request)
-        return request
-
-    def _forget(self, sequence: Sequence) -> None:
-        """Free what the engine holds for a request that leaves (finished, aborted, failed)."""
-        sequence.finished = True
-        self._keep_routing(sequence)
-        self.kv_transfer.on_leave(sequence, self.epoch)  # before its blocks are freed
-        self.scheduler.finish(sequence)
-        self.lora_queue.discard(sequence)
-        self._sequences.pop(sequence.request_id, None)
-        self.structured.remove(sequence.request_id)
-        self.sampling_state.remove(sequence.request_id)
-        if self.speculator is not None:
-            self.speculator.forget(sequence.request_id)
-        if self.encoder_cache is not None:
-            self.encoder_cache.release(sequence.request_id)
+        return self.scheduler.abort_request(request_id)
 
     def take_unfinished_requests(self) -> list[DynamicInferenceRequest]:
         """Hand back every unfinished request (draining): blocks freed, tokens generated so far kept.
@@ -296,30 +255,17 @@ class DynamicInferenceEngine(DeviceMemoryVerbs, LoraVerbs, SpeculativeSteps):
         After a failed step (the caller fails what it hands back), a step in flight that fails too is dropped.
         """
         try:
-            self._settle()
+            self.settle()
         except Exception:  # noqa: BLE001 - the failure that brought us here is being handled
             logger.exception("finishing the step in flight failed; its tokens are dropped")
-        taken = self.scheduler.take_all() + self.lora_queue.take_all()
-        sequences = [s for s in taken if not self.parity.abandon(s.request_id)]  # own checks
-        handed = {id(s.request) for s in sequences}
-        self._pending = [out for out in self._pending if id(out.request) not in handed]
-        self._sequences.clear()
-        self.structured.clear()  # rebuilt from the generated tokens wherever the requests run next
+        sequences = self.scheduler.take_unfinished()
         self.sampling_state.clear()
         if self.encoder_cache is not None:
             self.encoder_cache.clear()
-        for sequence in sequences:
-            self._keep_routing(sequence)
-            sequence.request.status = RequestStatus.WAITING_IN_QUEUE
-            if self.speculator is not None:  # the request leaves: its drafter state too
+        if self.speculator is not None:  # the requests leave: their drafter state too
+            for sequence in sequences:
                 self.speculator.forget(sequence.request_id)
         return [s.request for s in sequences]
-
-    @staticmethod
-    def _keep_routing(sequence: Sequence) -> None:
-        """Put the rows recorded so far on the request, which leaves the engine now."""
-        if sequence.routing is not None:
-            sequence.request.routing_indices = sequence.routing.array()
 
     # ------------------------------------------------------------------ step
     def step(self) -> list[StepOutput]:
@@ -330,23 +276,24 @@ class DynamicInferenceEngine(DeviceMemoryVerbs, LoraVerbs, SpeculativeSteps):
         (:meth:`~.speculative.decoder.Speculator.plan`): when some request drafts, the step is a verify step,
         overlapped too (drafted past the tokens in flight, corrected on the device by the drafts the step in
         flight rejects: :mod:`.speculative.stepping`) unless one of its fallbacks holds
-        (:meth:`~.speculative.stepping.SpeculativeSteps._verify_overlaps`); when none does, it is a plain step,
+        (:meth:`~.speculative.stepping.SpeculativeSteps.overlaps`); when none does, it is a plain step,
         overlapped like any other, and costs what a step without speculation costs.
         """
-        speculator = self.speculator
-        if speculator is None or speculator.resting(len(self.scheduler.running)):
+        speculator, speculation = self.speculator, self.speculation
+        if speculator is None or speculation is None or speculator.resting(len(self.scheduler.running)):
             return self._deliver(self._step_overlapped())
         ks = speculator.plan(self.scheduler.running)
         speculator.start_step(bool(ks))
-        outputs = self._step_speculative(ks) if ks and not self._verify_overlaps(ks) else self._step_overlapped(ks)
+        outputs = (speculation.step_at_once(ks, self) if ks and not speculation.overlaps(ks)
+                   else self._step_overlapped(ks))
         speculator.end_step()
         return self._deliver(outputs)
 
     def _step_overlapped(self, ks: dict[str, int] | None = None) -> list[StepOutput]:
         """A step launched before the one in flight is read (see :meth:`step`): a plain step, or with ``ks`` (each
         drafting request's K) a verify step."""
-        outputs, self._pending = self._pending, []
-        batch = self._schedule_drafts(ks) if ks else self.schedule()
+        outputs = self.scheduler.take_pending()
+        batch = self.speculation.schedule(ks, self) if ks and self.speculation is not None else self.schedule()
         launched = self.launch(batch) if batch is not None else None
         previous, self._in_flight = self._in_flight, None
         if self.speculator is not None and launched is not None:
@@ -370,13 +317,13 @@ class DynamicInferenceEngine(DeviceMemoryVerbs, LoraVerbs, SpeculativeSteps):
             done.append(launched)
         for step in done:
             outputs += self.finish(step)
-        return outputs + self._take_pending()
+        return outputs + self.scheduler.take_pending()
 
     def sync(self) -> list[StepOutput]:
         """Finish the step in flight, if any, and return every output not handed out yet (call before a
         lifecycle verb or a hand-back, so that tokens the device already sampled are delivered first)."""
-        self._settle()
-        return self._deliver(self._take_pending())
+        self.settle()
+        return self._deliver(self.scheduler.take_pending())
 
     def _deliver(self, outputs: list[StepOutput]) -> list[StepOutput]:
         """The outputs for the caller, less those of the engine's own log-prob checks (:mod:`.logprob_parity`);
@@ -388,23 +335,19 @@ class DynamicInferenceEngine(DeviceMemoryVerbs, LoraVerbs, SpeculativeSteps):
             self.add_request(request)
         return delivered
 
-    def _settle(self) -> None:
+    def settle(self) -> None:
         """Finish the step in flight now; its outputs wait for the next ``step()`` or ``sync()``."""
         if self._in_flight is not None:
             in_flight, self._in_flight = self._in_flight, None
-            self._pending.extend(self.finish(in_flight))
-
-    def _take_pending(self) -> list[StepOutput]:
-        outputs, self._pending = self._pending, []
-        return outputs
+            self.scheduler.pending.extend(self.finish(in_flight))
 
     def schedule(self) -> ScheduledBatch | None:
         """What the next step computes, or None when nothing can run now."""
-        self.lora_queue.release(self.scheduler, self._sequences.values())
-        if self.suspended or not self.scheduler.has_work():
+        scheduler = self.scheduler
+        scheduler.lora_queue.release(scheduler, scheduler.requests.values())
+        if self.memory.suspended or not scheduler.has_work():
             return None
-        self.scheduler.epoch = self.epoch  # the prefix cache's key for what it finds and what it computes
-        batch = self.scheduler.schedule()
+        batch = scheduler.schedule()
         self.stats.preempted(len(batch.preempted))
         for sequence in batch.preempted:  # bound again, from its tokens, when it samples next
             self.sampling_state.remove(sequence.request_id)
@@ -421,10 +364,7 @@ class DynamicInferenceEngine(DeviceMemoryVerbs, LoraVerbs, SpeculativeSteps):
         if self.encoder_cache is not None:
             images, entries, failed = self.encoder_cache.prepare(entries)
             for sequence, message in failed:
-                sequence.request.fail(message)
-                self._forget(sequence)
-                self.stats.finish(sequence.request)
-                self._pending.append(StepOutput(sequence.request, [], [], True))
+                self.scheduler.fail(sequence, message)
             if not entries:
                 return None
         plan = write_plan(entries, self.config.block_size_tokens, self.runner.buffers, images)
@@ -499,92 +439,39 @@ class DynamicInferenceEngine(DeviceMemoryVerbs, LoraVerbs, SpeculativeSteps):
     def finish(self, step: InFlightStep) -> list[StepOutput]:
         """Read a launched step's results (waits for the device) and hand each request its tokens."""
         if step.emitted is not None:
-            return self.update_from_output(step, step.emitted)
+            return self.scheduler.update_from_output(step, step.emitted)
         if step.verification is not None and self.speculator is not None:
-            return self.update_from_output(step, self.speculator.read(step.verification, step.sampling))
+            return self.scheduler.update_from_output(step, self.speculator.read(step.verification, step.sampling))
         assert step.sample is not None, "finish() of a step that was never sampled"
         result = step.sample.read()
-        return self.update_from_output(step, [Emitted([t], [lp], [top]) for t, lp, top
+        return self.scheduler.update_from_output(step, [Emitted([t], [lp], [top]) for t, lp, top
                                               in zip(result.token_ids, result.log_probs, result.top_n)])
 
-    def update_from_output(self, step: InFlightStep, emitted: list[Emitted]) -> list[StepOutput]:
-        """The bookkeeping of a finished step, in one place: expert routing and prompt scores recorded, the KV
-        blocks the step completed registered for the prefix cache (prompt chunks first, so that a request
-        finishing now leaves its blocks cached), each request's tokens appended (or dropped for a request
-        that left meanwhile), stop conditions checked, grammar advanced, statistics observed. Registering
-        here rather than at launch publishes a block one step later under asynchronous scheduling."""
-        drafts = step.drafts if step.drafts is not None else [0] * len(step.sampling)
-        drafted: dict[int, np.ndarray] = {}  # speculating sequences' draft rows, recorded as drafts are accepted
-        if step.routing is not None:
-            counts = {id(s): k for s, k in zip(step.sampling, drafts)}
-            drafted = record_step([(s, start, count, counts.get(id(s), 0)) for (s, count), start
-                                   in zip(step.entries, step.starts)], np.asarray(step.routing.wait()[0]))
-        if step.scores is not None:
-            record_prompt_scores(*step.scores)
-        register = self.scheduler.register_computed_blocks
-        for sequence, _count in step.entries:
-            if not sequence.finished:
-                register(sequence)
-        now = time.monotonic()
-        sequences, outputs, observed = [], [], []
-        for row, sequence in enumerate(step.sampling):
-            sequence.pending_tokens -= 1
-            if sequence.finished:  # aborted or finished while the step ran: its row is dropped
-                continue
-            out = emitted[row]
-            # the step launched after this one drafted past it: its drafts go back after this step's tokens
-            later = Speculator.rollback(sequence, drafts[row], out.accepted, self.allocator,
-                                        self.config.block_size_tokens)
-            outputs.append(self._append_tokens(sequence, out, step.kv_epochs[row], drafted.get(id(sequence))))
-            if not (self.parity.active and self.parity.owns(sequence.request_id)):  # no user request: not counted
-                sequences.append(sequence)
-                observed.append(outputs[-1])
-            if not sequence.finished:
-                if later:
-                    Speculator.restore(sequence, later)
-                register(sequence)
-        self.stats.observe_step(sequences, observed, now)
-        return outputs
+    # ------------------------------------------------------------------ verbs (held objects)
+    @property
+    def kept_kv_bytes(self) -> int:
+        return self.memory.kept_kv_bytes
 
-    def _append_token(self, sequence: Sequence, token: int, log_prob: float | None,
-                      top_n: dict[int, float] | None, kv_epoch: int) -> StepOutput:
-        request = sequence.request
-        if not request.generated_tokens:
-            request.add_event(EventType.FIRST_TOKEN)
-        finish: FinishReason | None = None
-        new_tokens: list[int] = []
-        new_log_probs: list[float] = []
-        new_top: list[dict[int, float]] = []
-        if token in sequence.stop_token_ids:
-            finish = FinishReason.STOP
-        else:
-            sequence.token_ids.append(token)
-            request.generated_tokens.append(token)
-            request.policy_epochs.append(self.epoch)
-            request.kv_epochs.append(kv_epoch)
-            request.lora_epochs.append(sequence.lora_version)
-            new_tokens.append(token)
-            if log_prob is not None:
-                request.generated_log_probs.append(log_prob)
-                new_log_probs.append(log_prob)
-            if top_n is not None:
-                request.generated_top_n_logprobs.append(top_n)
-                new_top.append(top_n)
-            grammar_done, problem = (self.structured.accept(request.request_id, token)
-                                     if request.request_id in self.structured else (False, None))
-            if problem is not None:
-                finish = FinishReason.ERROR
-            elif grammar_done:
-                finish = FinishReason.STOP
-            elif len(sequence.token_ids) >= sequence.max_total_tokens:
-                finish = FinishReason.LENGTH
-        new_routing = sequence.routing.take_undelivered() if sequence.routing is not None else None
-        if finish is not None:
-            if finish is FinishReason.ERROR:
-                request.fail(problem or "failed")
-            else:
-                request.status = RequestStatus.COMPLETED
-                request.finish_reason = finish
-                request.add_event(EventType.FINISH, finish.value)
-            self._forget(sequence)
-        return StepOutput(request, new_tokens, new_log_probs, finish is not None, new_top, new_routing)
+    def suspend(self, level: int = 1, keep_kv: bool = False) -> int:
+        return self.memory.suspend(level, keep_kv)
+
+    def resume(self) -> None:
+        self.memory.resume()
+
+    def verify_refit(self, source: str | Path | WeightSource) -> float:
+        return self.memory.verify_refit(source)
+
+    def refit(self, source: str | Path | WeightSource, epoch: int | None = None) -> dict[str, float]:
+        return self.memory.refit(source, epoch)
+
+    def lora_adapters(self) -> dict[str, str] | None:
+        return self.adapters.names()
+
+    def verify_lora_adapter(self, name: str, path: str) -> float:
+        return self.adapters.verify(name, path)
+
+    def load_lora_adapter(self, name: str, path: str) -> float:
+        return self.adapters.load(name, path)
+
+    def unload_lora_adapter(self, name: str) -> None:
+        self.adapters.unload(name)

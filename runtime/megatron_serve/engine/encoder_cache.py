@@ -23,7 +23,7 @@ import torch
 from ..model.mrope import MropePositions, mrope_positions
 from ..multimodal import ImageError, ImageProcessor, PromptImage
 from ..wire.request import DynamicInferenceRequest
-from .scheduler import Sequence
+from .sequence import Sequence
 
 logger = logging.getLogger(__name__)
 

@@ -60,7 +60,7 @@ if TYPE_CHECKING:
     from ..config import InferenceConfig
     from ..wire.sampling_params import SamplingParams
     from .runner import ModelRunner
-    from .scheduler import Sequence
+    from .sequence import Sequence
 
 
 @dataclass

@@ -25,7 +25,8 @@ from typing import TYPE_CHECKING, Iterable
 from .lora import EngineLoras, Registration, adapter_root
 
 if TYPE_CHECKING:
-    from .scheduler import Scheduler, Sequence
+    from .scheduler import Scheduler
+    from .sequence import Sequence
 
 
 class LoraQueue:

@@ -1,7 +1,6 @@
-"""The engine's adapter verbs (LOAD_LORA / UNLOAD_LORA and their verify), and the routing-replay admission check.
+"""The engine's adapter verbs (LOAD_LORA / UNLOAD_LORA and their verify) as one object the engine holds.
 
-Mixed into :class:`~.core.DynamicInferenceEngine` beside :class:`~.memory_verbs.DeviceMemoryVerbs`: they run
-between steps and only touch :mod:`.lora`'s registry and the engine's statistics, so the step loop's module
+They run between steps and only touch :mod:`.lora`'s registry and the engine's statistics, so the step loop's module
 keeps to the step.
 """
 
@@ -12,24 +11,24 @@ from typing import TYPE_CHECKING
 from .lora import require
 
 if TYPE_CHECKING:
-    from ..model.config import ModelConfig
     from ..wire.engine_stats import EngineStats
-    from ..wire.request import DynamicInferenceRequest
     from .lora import EngineLoras
 
 
-class LoraVerbs:
-    """Mixed into :class:`~.core.DynamicInferenceEngine`, whose ``loras`` and ``stats`` these methods use."""
+class Adapters:
+    """The adapter verbs over the engine's adapter registry (``loras``: None without ``enable_lora``, when every
+    verb but :meth:`names` raises ``LoraAdapterError`` saying so)."""
 
-    loras: "EngineLoras | None"
-    stats: "EngineStats"
+    def __init__(self, loras: EngineLoras | None, stats: EngineStats):
+        self.loras = loras
+        self.stats = stats
 
-    def verify_lora_adapter(self, name: str, path: str) -> float:
+    def verify(self, name: str, path: str) -> float:
         """Read and check the adapter at ``path`` for ``name`` without serving it (the fleet's LOAD_LORA verifies on
         every engine first); the seconds the read took. Raises ``LoraAdapterError`` with the reason."""
         return require(self.loras).verify(name, path)
 
-    def load_lora_adapter(self, name: str, path: str) -> float:
+    def load(self, name: str, path: str) -> float:
         """Serve the PEFT adapter at ``path`` as ``name`` from the next request on (engine.lora); a bad adapter
         raises :class:`~megatron_serve.model.lora.LoraAdapterError` and changes nothing. Returns the seconds the
         load took (the verify's read included), observed in ``lora_adapter_load_seconds``."""
@@ -37,27 +36,10 @@ class LoraVerbs:
         self.stats.histograms["lora_adapter_load_seconds"].observe(seconds)
         return seconds
 
-    def lora_adapters(self) -> dict[str, str] | None:
+    def names(self) -> dict[str, str] | None:
         """The adapters served by name (name -> directory); None for an engine without ``enable_lora``."""
         return None if self.loras is None else self.loras.names()
 
-    def unload_lora_adapter(self, name: str) -> None:
+    def unload(self, name: str) -> None:
         """Stop serving ``name``: later requests naming it fail; requests admitted under it finish under it."""
         require(self.loras).unload(name)
-
-
-def routing_problem(config: "ModelConfig", request: "DynamicInferenceRequest") -> str | None:
-    """Why a request carrying ``routing_indices`` (routing replay) cannot run on this model, or None."""
-    moe = config.moe
-    if moe is None or not moe.sparse_layers:
-        return (f"return_routing_indices needs a mixture-of-experts model; {config.architecture} "
-                "has no expert layers")
-    rows = request.routing_indices
-    if rows is None:
-        return None
-    if rows.shape[1:] != (len(moe.sparse_layers), moe.top_k):
-        return (f"the request carries routing_indices of shape {rows.shape}, which do not fit this model's "
-                f"{len(moe.sparse_layers)} MoE layers x top-{moe.top_k}")
-    if rows.shape[0] > len(request.prompt_tokens) + len(request.generated_tokens):
-        return f"the request carries {rows.shape[0]} routing rows, more than its tokens"
-    return None

@@ -1,7 +1,9 @@
-"""The engine's device-memory verbs: suspend and resume (KV pool, weights to host), refit and its check.
+"""The engine's device-memory verbs as one object the engine holds: suspend and resume (KV pool, weights to host),
+refit and its check.
 
-They sit apart from the step loop (:mod:`.core`) because they run between steps, each after
-``_settle()`` has finished the step in flight, and touch the model and the pools as wholes. A trainer's
+They sit apart from the step loop (:mod:`.core`) because they run between steps, each after the engine's
+``settle`` has finished the step in flight, and touch the model and the pools as wholes. Their own state (suspended,
+the KV parked in host memory, the refit counters) lives here; the weights' epoch is the scheduler's. A trainer's
 refit whose rendezvous carries ``lora`` is an adapter version instead (:meth:`.lora.EngineLoras.push`):
 the base weights, their epoch and the prefix cache stay. Tensors named ``drafter.*`` in a refit
 (:mod:`..weights.drafter`) are the draft model's, loaded under the same epoch right after the policy's; so
@@ -27,46 +29,53 @@ from .kv_park import ParkedKV
 from .lora import require
 
 if TYPE_CHECKING:
+    from ..config import InferenceConfig
     from ..model.llama import LlamaForCausalLM
     from .encoder_cache import EncoderCache
-    from ..config import InferenceConfig
     from .kv_cache import BlockAllocator, KVCachePool
-    from .kv_offload import HostKVTier
     from .logprob_parity import ParityChecker
     from .lora import EngineLoras
     from .runner import ModelRunner
-    from .scheduler import Scheduler, Sequence
-
+    from .scheduler import Scheduler
     from .speculative.decoder import Speculator
     from .speculative.draft_model import DraftModelProposer
 
 logger = logging.getLogger("megatron_serve.engine")
 
 
-class DeviceMemoryVerbs:
-    """Mixed into :class:`~.core.DynamicInferenceEngine`, whose state these methods read and write."""
+class DeviceMemory:
+    """Suspend, resume, refit and its check over the engine's model, runner and pools (``settle``: the engine's,
+    finishes the step in flight). The host tier is the allocator's."""
 
-    model: "LlamaForCausalLM"
-    config: "InferenceConfig"
-    device: torch.device
-    runner: "ModelRunner"
-    scheduler: "Scheduler"
-    allocator: "BlockAllocator"
-    kv_cache: "KVCachePool"
-    host_tier: "HostKVTier | None"
-    parked: ParkedKV | None
-    encoder_cache: "EncoderCache | None"
-    parity: "ParityChecker"
-    speculator: "Speculator | None"
-    suspended: bool
-    weights_offloaded: bool
-    epoch: int
-    refits: int
-    last_refit: dict[str, float] | None
-    incomplete: set[str]
-    loras: "EngineLoras | None"
-    _sequences: "dict[str, Sequence]"
-    _settle: "Callable[[], None]"  # the engine's: finish the step in flight
+    def __init__(self, model: LlamaForCausalLM, config: InferenceConfig, runner: ModelRunner, kv_cache: KVCachePool,
+                 scheduler: Scheduler, encoder_cache: EncoderCache | None, parity: ParityChecker,
+                 speculator: Speculator | None, loras: EngineLoras | None, settle: Callable[[], None]):
+        self.model = model
+        self.config = config
+        self.device = next(model.parameters()).device
+        self.runner = runner
+        self.kv_cache = kv_cache
+        self.scheduler = scheduler
+        self.allocator: BlockAllocator = scheduler.allocator
+        self.encoder_cache = encoder_cache
+        self.parity = parity
+        self.speculator = speculator
+        self.loras = loras
+        self._settle = settle
+        self.suspended = False
+        self.parked: ParkedKV | None = None  # the KV of live requests while suspended with keep_kv
+        self.weights_offloaded = False
+        self.refits = 0
+        self.last_refit: dict[str, float] | None = None  # timings of the last refit (for /metrics)
+        self.incomplete: set[str] = set()  # tensors a failed refit overwrote (see RefitFailed)
+
+    @property
+    def epoch(self) -> int:
+        return self.scheduler.epoch
+
+    @epoch.setter
+    def epoch(self, epoch: int) -> None:
+        self.scheduler.epoch = epoch
 
     @property
     def kept_kv_bytes(self) -> int:
@@ -96,9 +105,9 @@ class DeviceMemoryVerbs:
                 self.parked = ParkedKV.park(self.kv_cache, self.allocator.blocks_in_use(), self.epoch)
             else:
                 self.scheduler.evict_all()
-            if self.host_tier is not None:
-                self.host_tier.store(self.allocator.evictable_blocks())
-                self.host_tier.wait()
+            if self.allocator.tier is not None:
+                self.allocator.tier.store(self.allocator.evictable_blocks())
+                self.allocator.tier.wait()
             self.allocator.drop_evictable()  # their contents die with the pool; blocks in use keep theirs (keep_kv)
             if self.encoder_cache is not None:
                 self.encoder_cache.clear()  # image embeddings are device memory too
@@ -111,7 +120,7 @@ class DeviceMemoryVerbs:
             self.weights_offloaded = True
         return released
 
-    def refit(self, source: "str | Path | WeightSource", epoch: int | None = None) -> dict[str, float]:
+    def refit(self, source: str | Path | WeightSource, epoch: int | None = None) -> dict[str, float]:
         """Load new weights of the same shapes in place; returns timings and the new epoch.
 
         ``source``: a model directory (every weight), or a :mod:`megatron_serve.weights.sources`
@@ -161,8 +170,8 @@ class DeviceMemoryVerbs:
                 f"{len(self.incomplete)} tensor(s) overwritten by an earlier failed refit were not sent again")
             raise RefitFailed(message, len(replaced), sorted(self.incomplete), self.epoch) from error
         self.allocator.clear_cache()
-        if self.host_tier is not None:
-            self.host_tier.clear()  # keyed by the old epoch: nothing there can be found again
+        if self.allocator.tier is not None:
+            self.allocator.tier.clear()  # keyed by the old epoch: nothing there can be found again
         self.parity.void_all()
         if self.encoder_cache is not None:
             self.encoder_cache.clear()  # embeddings of the old vision weights
@@ -180,7 +189,7 @@ class DeviceMemoryVerbs:
         if self.speculator is not None:
             self.speculator.proposer.on_refit(self.epoch)
 
-    def _check_drafter(self, source: WeightSource) -> "DraftModelProposer | None":
+    def _check_drafter(self, source: WeightSource) -> DraftModelProposer | None:
         """The drafter (a draft model, an EAGLE-3 head) that the refit's ``drafter.*`` tensors (if any) refit, once
         their names and shapes fit it; ``ValueError`` when they do not, or when this engine runs no such drafter."""
         shapes = getattr(source, "shapes", None)  # a directory carries no drafter tensors (no ``shapes``)
@@ -197,7 +206,7 @@ class DeviceMemoryVerbs:
             raise ValueError(f"drafter tensors do not fit the drafter: {exc}") from exc
         return proposer
 
-    def _load_drafter(self, proposer: "DraftModelProposer", named: list[tuple[str, object]], partial: bool) -> None:
+    def _load_drafter(self, proposer: DraftModelProposer, named: list[tuple[str, object]], partial: bool) -> None:
         """The drafter's part of the refit, under the policy's new epoch. A failure leaves the policy's refit
         standing and the drafter stale (it proposes nothing: speculation off until a refit brings it)."""
         try:
@@ -206,7 +215,7 @@ class DeviceMemoryVerbs:
             forget_digests(self.model)  # a later delta must send the drafter's tensors again
             logger.error("refit of the draft model failed, speculation is off until one succeeds: %s", exc)
 
-    def verify_refit(self, source: "str | Path | WeightSource") -> float:
+    def verify_refit(self, source: str | Path | WeightSource) -> float:
         """Check that ``source`` holds weights of this model's names and shapes (no tensor data read);
         returns seconds. Raises ``ValueError`` naming the first mismatch; nothing live is touched.
         """
@@ -222,7 +231,7 @@ class DeviceMemoryVerbs:
         return time.perf_counter() - started
 
     def _live_slots(self) -> set[int]:
-        return {sequence.lora_slot for sequence in self._sequences.values()}
+        return {sequence.lora_slot for sequence in self.scheduler.requests.values()}
 
     def _push_adapter(self, source: RendezvousSource, push: LoraPush) -> dict[str, float]:
         """Receive a trainer's adapter tensors and make them version ``push.version`` of ``push.name``; requests

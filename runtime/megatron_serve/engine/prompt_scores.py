@@ -9,7 +9,7 @@ import torch
 
 from ..wire.request import DynamicInferenceRequest
 from .sampler import DeviceScores, score_tokens
-from .scheduler import Sequence
+from .sequence import Sequence
 from .step_plan import prompt_positions_to_score
 
 

@@ -1,4 +1,5 @@
-"""Continuous batching: which requests run this step, and how many tokens each computes.
+"""The engine's bookkeeping: the requests it holds, which of them run each step (continuous batching, how many
+tokens each computes), and what a finished step did to them (:meth:`Scheduler.update_from_output`).
 
 Every step mixes one decode token per running request with chunks of prompts (chunked prefill)
 up to ``max_batch_tokens``. Running requests are served first, oldest first; waiting ones are
@@ -21,76 +22,26 @@ alone is chunked as without the threshold. How a prompt is chunked never changes
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Callable
 
-from ..wire.expert_routing import RoutingRecord
+import numpy as np
+
+from ..wire.engine_stats import EngineStats
+from ..wire.expert_routing import record_step
+from ..wire.prefix_hash import block_hashes, chain_hash, epoch_root
+from ..wire.request import DynamicInferenceRequest, EventType, FinishReason, RequestStatus
+from .admission import Admission
 from .kv_cache import BlockAllocator, blocks_for_tokens
-from ..multimodal import cache_keys
-from ..wire.prefix_hash import ROOT_HASH, block_hashes, chain_hash, epoch_root, salted_root
-from ..wire.request import DynamicInferenceRequest, EventType, RequestStatus
-
-
-@dataclass
-class Sequence:
-    """Engine-side state of one request: its tokens, how many are in the cache, and where."""
-
-    request: DynamicInferenceRequest
-    max_total_tokens: int
-    stop_token_ids: frozenset[int]
-    token_ids: list[int] = field(default_factory=list)
-    num_computed: int = 0
-    host_tokens: int = 0  # of its cached prefix, tokens copied back from the host tier (not found on the device)
-    block_table: list[int] = field(default_factory=list)
-    block_hashes: list[int] = field(default_factory=list)  # chained hashes of the complete blocks computed
-    kv_epoch: int | None = None  # weights generation its cached KV was computed under (None: no KV yet)
-    prompt_hashes: list[int] = field(default_factory=list)  # hashes of every complete block it can share
-    last_token_at: float | None = None  # monotonic time of its last sampled token here (inter-token latency)
-    routing: RoutingRecord | None = None  # expert ids of its processed tokens, when the request asked for them
-    reads_prefix_cache: bool = True  # False: computes every token itself (its routing must be its own)
-    pending_tokens: int = 0  # tokens launched steps sampled that the host has not read yet (overlapped steps)
-    pending_row: int = -1  # the row of the last of them in its step's sampled tokens (the next input's source)
-    verify_row: int = -1  # its request index in the verify step that sampled it last (its shift there); -1: plain
-    seed: int = 0  # keys its sampling stream: its own seed, or one drawn for it when it was added
-    finished: bool = False  # left the engine (finished, aborted, failed): rows of steps in flight are dropped
-    prefix_root: int = ROOT_HASH  # where its chain of block hashes starts: its cache_salt's root
-    lora_slot: int = -1  # the adapter slot its rows run under (engine.lora); -1: the base model
-    lora_version: int = -1  # the version of its adapter in that slot (its tokens' lora_epochs); -1: none
-    num_drafts: int = 0  # speculative guesses at the end of token_ids, not verified yet (engine.speculative)
-    drafts_in_flight: int = 0  # guesses in token_ids of launched verify steps, not read yet (engine.speculative)
-
-    def __post_init__(self) -> None:
-        if not self.token_ids:
-            self.token_ids = list(self.request.prompt_tokens) + list(self.request.generated_tokens)
-        self.prefix_root = salted_root(self.request.sampling_params.cache_salt)
-
-    @property
-    def priority(self) -> int:
-        return self.request.sampling_params.priority
-
-    @property
-    def request_id(self) -> str:
-        return self.request.request_id
-
-    @property
-    def num_uncomputed(self) -> int:
-        """Tokens to compute before it samples again: known ones, and the pending one as the last input."""
-        return len(self.token_ids) + self.pending_tokens - self.num_computed
-
-    @property
-    def num_generated(self) -> int:
-        """Tokens generated so far, those the steps in flight sample included (a verify step in flight counted as if
-        it accepted every draft: its next step's rows are corrected on the device)."""
-        return len(self.request.generated_tokens) + self.pending_tokens + self.drafts_in_flight
-
-    @property
-    def schedulable(self) -> bool:
-        """Whether a step may compute for it now: one at its length limit waits for its last token."""
-        return len(self.token_ids) + self.pending_tokens < self.max_total_tokens
-
-    def cache_tokens(self, start: int, end: int) -> list[int]:
-        """Tokens ``start .. end - 1`` as the prefix cache keys them (an image's placeholders by its content)."""
-        return cache_keys(self.token_ids[start:end], self.request.images, start)
+from .logprob_parity import ParityChecker
+from .lora_queue import LoraQueue
+from .prompt_scores import record_prompt_scores
+from .sequence import Sequence
+from .speculative.decoder import Emitted, Speculator
+from .steps import InFlightStep, StepOutput
+from .token_append import append_tokens
 
 
 def step_order(entry: tuple[Sequence, int]) -> tuple[bool, int]:
@@ -143,8 +94,27 @@ class _Step:
 
 
 class Scheduler:
+    """The engine's bookkeeping, testable without a model: the requests it holds (added through ``admission``,
+    aborted, handed back), which of them run each step (:meth:`schedule`), and what a finished step did to them
+    (:meth:`update_from_output`: tokens appended, stop checks, prefix-cache blocks registered, rejected drafts
+    rolled back). It frees what it holds of a request that leaves and calls ``forgets`` for what others hold
+    (the device's sampling state, the drafter's, the image embeddings). ``parity``: the engine's own log-prob
+    checks, whose requests no statistic counts."""
+
     def __init__(self, allocator: BlockAllocator, block_size: int, max_batch_tokens: int, max_requests: int,
-                 long_prefill_token_threshold: int = 0, max_long_partial_prefills: int = 1):
+                 long_prefill_token_threshold: int = 0, max_long_partial_prefills: int = 1, *,
+                 admission: Admission | None = None, stats: EngineStats | None = None,
+                 parity: ParityChecker | None = None):
+        self.admission = admission
+        self.stats = stats if stats is not None else EngineStats()
+        self.parity = parity
+        self.structured = admission.structured if admission is not None else None
+        self.lora_queue = LoraQueue(admission.loras if admission is not None else None)  # waiting for an adapter slot
+        self.requests: dict[str, Sequence] = {}  # every request here, by id, until it leaves
+        self.pending: list[StepOutput] = []  # outputs not handed out yet (a failed admission, a step read early)
+        self.forgets: list[Callable[[str], None]] = []  # called with the id of a request that leaves
+        # called with a request that leaves, before its blocks are freed (a prefill engine copies them out)
+        self.leaving: list[Callable[[Sequence], None]] = []
         self.allocator = allocator
         self.block_size = block_size
         self.max_batch_tokens = max_batch_tokens
@@ -157,7 +127,7 @@ class Scheduler:
         self.queried_tokens = 0  # tokens admitted sequences looked up in the prefix cache (vLLM's "queries")
         self.host_queried_tokens = 0  # of those, tokens not found on the device, looked up in the host tier
         self.host_cached_tokens = 0  # tokens admitted sequences copied back from the host tier instead of computing
-        self.epoch = 0  # the weights' epoch new KV is computed under (the engine's, set before each schedule)
+        self.epoch = 0  # the weights' epoch served: new KV is computed under it, new tokens carry it
 
     def add(self, sequence: Sequence) -> None:
         """Queue ``sequence`` behind every waiting one whose priority value is not larger (arrival order within
@@ -384,3 +354,123 @@ class Scheduler:
         self.running.clear()
         self.waiting.clear()
         return taken
+
+    # ------------------------------------------------------------ requests in and out
+    def add_request(self, request: DynamicInferenceRequest) -> None:
+        """Admit a request (queued by priority, or behind its adapter's slot); one that can never run fails alone,
+        its output waiting in ``pending``."""
+        assert self.admission is not None, "a scheduler without admission takes sequences (add), not requests"
+        request.add_event(EventType.ADD)
+        admitted = self.admission.admit(request, known=request.request_id in self.requests)
+        if isinstance(admitted, str):
+            request.fail(admitted)
+            self.pending.append(StepOutput(request, [], [], True))
+            return
+        sequence, registration = admitted
+        request.status = RequestStatus.WAITING_IN_QUEUE
+        self.requests[request.request_id] = sequence
+        # a continuation whose epochs were not kept
+        for epochs in (request.policy_epochs, request.kv_epochs, request.lora_epochs):
+            epochs[:0] = [-1] * max(len(request.generated_tokens) - len(epochs), 0)  # -1: unknown
+        self.lora_queue.add(sequence, registration, self, self.requests.values())
+
+    def abort_request(self, request_id: str) -> DynamicInferenceRequest | None:
+        """Drop a request wherever it is (rows of steps in flight for it are dropped when read); None if unknown."""
+        sequence = self.requests.pop(request_id, None)
+        if sequence is None:
+            return None
+        self.forget(sequence)
+        request = sequence.request
+        request.fail("aborted", FinishReason.ABORT)
+        self.stats.finish(request)
+        return request
+
+    def fail(self, sequence: Sequence, message: str) -> None:
+        """A request that cannot go on (its images failed to encode): it fails alone, its output in ``pending``."""
+        sequence.request.fail(message)
+        self.forget(sequence)
+        self.stats.finish(sequence.request)
+        self.pending.append(StepOutput(sequence.request, [], [], True))
+
+    def forget(self, sequence: Sequence) -> None:
+        """Free what is held for a request that leaves (finished, aborted, failed)."""
+        sequence.finished = True
+        _keep_routing(sequence)
+        for leave in self.leaving:
+            leave(sequence)
+        self.finish(sequence)
+        self.lora_queue.discard(sequence)
+        self.requests.pop(sequence.request_id, None)
+        if self.structured is not None:
+            self.structured.remove(sequence.request_id)
+        for forget in self.forgets:
+            forget(sequence.request_id)
+
+    def take_unfinished(self) -> list[Sequence]:
+        """Hand back every unfinished request but the engine's own checks (draining): blocks freed, tokens kept,
+        their outputs not handed out yet dropped. ``forgets`` is not called: the caller clears the rest at once."""
+        taken = self.take_all() + self.lora_queue.take_all()
+        parity = self.parity
+        sequences = [s for s in taken if parity is None or not parity.abandon(s.request_id)]
+        handed = {id(s.request) for s in sequences}
+        self.pending = [out for out in self.pending if id(out.request) not in handed]
+        self.requests.clear()
+        if self.structured is not None:
+            self.structured.clear()  # rebuilt from the generated tokens wherever the requests run next
+        for sequence in sequences:
+            _keep_routing(sequence)
+            sequence.request.status = RequestStatus.WAITING_IN_QUEUE
+        return sequences
+
+    def take_pending(self) -> list[StepOutput]:
+        outputs, self.pending = self.pending, []
+        return outputs
+
+    # ------------------------------------------------------------ a finished step
+    def update_from_output(self, step: InFlightStep, emitted: list[Emitted]) -> list[StepOutput]:
+        """The bookkeeping of a finished step, in one place: expert routing and prompt scores recorded, the KV
+        blocks the step completed registered for the prefix cache (prompt chunks first, so that a request
+        finishing now leaves its blocks cached), each request's tokens appended (or dropped for a request
+        that left meanwhile) after its rejected drafts are rolled back, stop conditions checked, grammar
+        advanced, statistics observed. Registering here rather than at launch publishes a block one step later
+        under asynchronous scheduling. ``emitted``: each sampling row's tokens, as the device gave them."""
+        drafts = step.drafts if step.drafts is not None else [0] * len(step.sampling)
+        drafted: dict[int, np.ndarray] = {}  # speculating sequences' draft rows, recorded as drafts are accepted
+        if step.routing is not None:
+            counts = {id(s): k for s, k in zip(step.sampling, drafts)}
+            drafted = record_step([(s, start, count, counts.get(id(s), 0)) for (s, count), start
+                                   in zip(step.entries, step.starts)], np.asarray(step.routing.wait()[0]))
+        if step.scores is not None:
+            record_prompt_scores(*step.scores)
+        for sequence, _count in step.entries:
+            if not sequence.finished:
+                self.register_computed_blocks(sequence)
+        now = time.monotonic()
+        sequences, outputs, observed = [], [], []
+        parity = self.parity
+        for row, sequence in enumerate(step.sampling):
+            sequence.pending_tokens -= 1
+            if sequence.finished:  # aborted or finished while the step ran: its row is dropped
+                continue
+            out = emitted[row]
+            # the step launched after this one drafted past it: its drafts go back after this step's tokens
+            later = Speculator.rollback(sequence, drafts[row], out.accepted, self.allocator, self.block_size)
+            outputs.append(append_tokens(sequence, out, (self.epoch, step.kv_epochs[row]), self.structured,
+                                         drafted.get(id(sequence))))
+            if outputs[-1].finished:
+                self.forget(sequence)
+            if parity is None or not (parity.active and parity.owns(sequence.request_id)):  # no user request
+                sequences.append(sequence)
+                observed.append(outputs[-1])
+            if not sequence.finished:
+                if later:
+                    Speculator.restore(sequence, later)
+                self.register_computed_blocks(sequence)
+        self.stats.observe_step(sequences, observed, now)
+        return outputs
+
+
+def _keep_routing(sequence: Sequence) -> None:
+    """Put the rows recorded so far on the request, which leaves the engine now."""
+    if sequence.routing is not None:
+        sequence.request.routing_indices = sequence.routing.array()

@@ -42,7 +42,7 @@ import torch
 
 if TYPE_CHECKING:
     from .encoder_cache import StepImages
-    from .scheduler import Sequence
+    from .sequence import Sequence
 
 #: Name, dtype and shape (in units of tokens ``T``, requests ``R``, blocks per request ``B``) of each buffer.
 _BUFFERS: dict[str, tuple[torch.dtype, str]] = {

@@ -11,7 +11,7 @@ import torch
 
 from ..wire.request import DynamicInferenceRequest
 from .sampler import DeviceSample, DeviceScores, Readback
-from .scheduler import Sequence
+from .sequence import Sequence
 from .speculative.decoder import Emitted, Verification
 
 

@@ -44,7 +44,7 @@ like any other. When the step in flight is read, ``rollback`` takes the later st
 ``token_ids``, removes the rejected drafts, appends the emitted tokens and ``restore`` puts the later drafts
 back; a request that finished (stop token, EOS, length) or left meanwhile has its later rows dropped. Where the
 next step cannot be planned this way, a verify step reads the step in flight first and is read at once
-(``verify``): the fallbacks are listed in :meth:`~.stepping.SpeculativeSteps._verify_overlaps`.
+(``verify``): the fallbacks are listed in :meth:`~.stepping.SpeculativeSteps.overlaps`.
 
 Cost: one sampler pass and one read over ``1 + K`` rows per request, instead of one row: the rows past a
 rejection are drawn in vain. On a GPU they cost next to nothing, and a pass per depth cost a device round trip
@@ -68,7 +68,8 @@ from .proposer import DraftInput, Proposer
 if TYPE_CHECKING:
     from ..sampler import DeviceSample, Sampler
     from ..sampling_state import SamplingState, StepRows
-    from ..scheduler import ScheduledBatch, Sequence
+    from ..scheduler import ScheduledBatch
+    from ..sequence import Sequence
 
 
 def on_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:

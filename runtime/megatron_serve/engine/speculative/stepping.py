@@ -1,42 +1,64 @@
-"""The engine's verify step and a row's several tokens, mixed into :class:`~..core.DynamicInferenceEngine`.
+"""The engine's verify step: the strategy :class:`~..core.DynamicInferenceEngine` holds when speculation is on.
 
 :meth:`~..core.DynamicInferenceEngine.step` runs a verify step when the K policy gives some request drafts
 (:meth:`.decoder.Speculator.plan`), a plain step otherwise. A verify step is overlapped like a plain one
 (scheduled and launched before the step in flight is read, drafted past its tokens and corrected on the device:
-:mod:`.decoder`) unless one of :meth:`SpeculativeSteps._verify_overlaps`' fallbacks holds; then it reads the step
+:mod:`.decoder`) unless one of :meth:`SpeculativeSteps.overlaps`' fallbacks holds; then it reads the step
 in flight first and is read at once. A verify step's rows emit one token or several (the accepted drafts and one
-more), appended here one by one as the plain engine would append them over as many steps.
+more), appended one by one by the scheduler (:mod:`..token_append`) as the plain engine would append them over as
+many steps.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
-import numpy as np
-
-from .decoder import Emitted
-from ..steps import one_per_request
+from ..steps import InFlightStep, StepOutput, one_per_request
 
 if TYPE_CHECKING:
-    from ..core import DynamicInferenceEngine
-    from ..steps import StepOutput
-    from ..scheduler import ScheduledBatch, Sequence
+    from ...config import InferenceConfig
+    from ..encoder_cache import EncoderCache
+    from ..scheduler import ScheduledBatch, Scheduler
+    from ..sequence import Sequence
+    from ..structured_output import StructuredOutputs
+    from .decoder import Speculator
+
+
+class StepLoop(Protocol):
+    """The engine's step seam, as a verify step drives it (the engine itself)."""
+
+    def settle(self) -> None: ...  # finish the step in flight, its outputs kept in the scheduler's ``pending``
+
+    def schedule(self) -> ScheduledBatch | None: ...
+
+    def launch(self, batch: ScheduledBatch, verify_at_once: bool = False) -> InFlightStep | None: ...
+
+    def finish(self, step: InFlightStep) -> list[StepOutput]: ...
 
 
 class SpeculativeSteps:
-    """The methods of the verify step; they use the engine's scheduler, speculator and step seam."""
+    """The verify step over the engine's speculator, scheduler and grammars; the engine's step loop is handed in
+    where a verify step drives it."""
 
-    def _verify_overlaps(self: "DynamicInferenceEngine", ks: dict[str, int]) -> bool:
+    def __init__(self, speculator: Speculator, scheduler: Scheduler, structured: StructuredOutputs,
+                 config: InferenceConfig, encoder_cache: EncoderCache | None):
+        self.speculator = speculator
+        self.scheduler = scheduler
+        self.structured = structured
+        self.config = config
+        self.encoder_cache = encoder_cache
+
+    def overlaps(self, ks: dict[str, int]) -> bool:
         """Whether this verify step (``ks``: each drafting request's K) may be launched before the step in flight is
         read: the fallbacks, in one place. Each is a case where the next step's rows could not be planned without
         the host knowing how many drafts the step in flight accepted, where its drafts would be guessed too blindly,
         or whose correction on the device this engine does not make:
 
         - a drafting request whose drafts the step in flight verifies: drafted past them, its drafts would assume
-          every one kept and the token after them guessed, which held about half the time at the benchmark's
-          acceptance (draft model, K = 4: 2.8 tokens a step where reading first gives 4.1), and each step's drafts
-          would build on the last one's assumption (1.04 tokens a step, none accepted, until one held). Past a
-          plain step's token only that token is guessed (a request's first verify step, one after K = 0);
+          every one kept and the token after them guessed, and each step's drafts would build on the last one's
+          assumption, so that once one failed hardly any would be accepted (the figures are in
+          ``docs/speculative.md``). Past a plain step's token only that token is guessed (a request's first verify
+          step, one after K = 0);
         - no overlapped scheduling (``async_scheduling: false``): nothing is left in flight anyway;
         - a proposer that reads the target's hidden states (MTP, EAGLE-3): it drafts from the rows just read;
         - tensor parallelism: the other ranks would need the correction too;
@@ -47,8 +69,7 @@ class SpeculativeSteps:
         A preemption in the step needs no fallback: the preempted request loses its new drafts, and the step in
         flight's tokens are appended to it when read, its KV recomputed later like any preempted request's.
         """
-        speculator, config, sequences = self.speculator, self.config, self._sequences
-        assert speculator is not None
+        speculator, config, sequences = self.speculator, self.config, self.scheduler.requests
         if any(sequences[r].drafts_in_flight for r in ks if r in sequences):
             return False
         if (not config.async_scheduling or speculator.proposer.reads_hidden_states
@@ -58,49 +79,26 @@ class SpeculativeSteps:
         return not any(s.request_id in structured or s.routing is not None or s.request.prompt_scores_missing
                        for queue in (self.scheduler.running, self.scheduler.waiting) for s in queue)
 
-    def _step_speculative(self: "DynamicInferenceEngine", ks: dict[str, int]) -> list["StepOutput"]:
-        """A verify step not overlapped (one of :meth:`_verify_overlaps`' fallbacks): the step in flight finished
+    def step_at_once(self, ks: dict[str, int], loop: StepLoop) -> list[StepOutput]:
+        """A verify step not overlapped (one of :meth:`overlaps`' fallbacks): the step in flight finished
         first, drafts attached (``ks``: each drafting request's K), scheduled as extra query rows, launched, then
         read, verified and rolled back before the next step is planned."""
-        self._settle()
-        batch = self._schedule_drafts(ks)
-        step = self.launch(batch, verify_at_once=True) if batch is not None else None
+        loop.settle()
+        batch = self.schedule(ks, loop)
+        step = loop.launch(batch, verify_at_once=True) if batch is not None else None
         if step is not None:
             self.speculator.observe(step.entries, step.starts)
-            self._pending.extend(self.finish(step))  # launch() verified it: no row waits for a token in flight
-        return one_per_request(self._take_pending())  # the step in flight's tokens and this one's, one output
+            self.scheduler.pending.extend(loop.finish(step))  # launch() verified it: no row waits for a token in flight
+        return one_per_request(self.scheduler.take_pending())  # the step in flight's tokens and this one's, one output
 
-    def _schedule_drafts(self: "DynamicInferenceEngine", ks: dict[str, int]) -> "ScheduledBatch | None":
+    def schedule(self, ks: dict[str, int], loop: StepLoop) -> ScheduledBatch | None:
         """Propose each drafting request's drafts (``ks``: its K), schedule, and drop the drafts that got no row."""
         speculator, scheduler = self.speculator, self.scheduler
-        assert speculator is not None
         speculator.propose(scheduler.running, ks, self._grammar_allows)
-        batch = self.schedule()
+        batch = loop.schedule()
         speculator.fit(batch, scheduler.running, [s for s in scheduler.waiting if s.num_drafts])
         return batch
 
-    def _grammar_allows(self: "DynamicInferenceEngine", sequence: "Sequence", drafts: list[int]) -> int:
+    def _grammar_allows(self, sequence: Sequence, drafts: list[int]) -> int:
         """How many of ``sequence``'s drafts its grammar accepts in a row (all without a grammar)."""
         return self.structured.draft_prefix(sequence.request_id, drafts, sequence.stop_token_ids)
-
-    def _append_tokens(self: "DynamicInferenceEngine", sequence: "Sequence", emitted: Emitted, kv_epoch: int,
-                       draft_routing: np.ndarray | None = None) -> "StepOutput":
-        """Append a row's tokens one by one (several after accepted drafts), up to the one that finishes it.
-        ``draft_routing``: the expert ids of the row's drafts' positions; each is recorded before the token its
-        accepted draft produced, as the plain engine records a position before the token it samples there."""
-        if len(emitted.tokens) == 1:  # no draft accepted (and every plain step's row)
-            return self._append_token(sequence, emitted.tokens[0], emitted.log_probs[0], emitted.top_n[0], kv_epoch)
-        merged: StepOutput | None = None
-        first = len(sequence.token_ids)  # the first draft's position (the drafts were rolled back)
-        for index, (token, log_prob, top_n) in enumerate(zip(emitted.tokens, emitted.log_probs, emitted.top_n)):
-            if index and draft_routing is not None and sequence.routing is not None:
-                sequence.routing.record(first + index - 1, draft_routing[index - 1 : index])
-            out = self._append_token(sequence, token, log_prob, top_n, kv_epoch)
-            if merged is None:
-                merged = out
-            else:
-                merged.extend(out)
-            if out.finished:
-                break
-        assert merged is not None, "a sampled row emits at least one token"
-        return merged
