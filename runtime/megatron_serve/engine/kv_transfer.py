@@ -26,7 +26,7 @@ from ..wire.kv_blocks import MAX_PART_BYTES, KVBlocks, KVTensor
 from ..wire.request import FinishReason, RequestStatus
 from .kv_cache import BlockAllocator, KVCachePool, blocks_for_tokens
 from .kv_park import ParkedKV
-from .scheduler import Sequence
+from .sequence import Sequence
 
 logger = logging.getLogger("megatron_serve.engine")
 
