@@ -325,11 +325,13 @@ class DynamicInferenceEngine(DeviceMemoryVerbs, LoraVerbs, SpeculativeSteps):
         """
         speculator = self.speculator
         if speculator is None or speculator.resting(len(self.scheduler.running)):
-            return self._deliver(self._step_overlapped())
-        ks = speculator.plan(self.scheduler.running)
-        speculator.start_step(bool(ks))
-        outputs = self._step_speculative(ks) if ks and not self._verify_overlaps(ks) else self._step_overlapped(ks)
-        speculator.end_step()
+            outputs = self._step_overlapped()
+        else:
+            ks = speculator.plan(self.scheduler.running)
+            speculator.start_step(bool(ks))
+            outputs = self._step_speculative(ks) if ks and not self._verify_overlaps(ks) else self._step_overlapped(ks)
+            speculator.end_step()
+        self.runner.end_step()  # data-parallel attention: a rank that ran no forward joins the MoE layers empty
         return self._deliver(outputs)
 
     def _step_overlapped(self, ks: dict[str, int] | None = None) -> list[StepOutput]:

@@ -136,7 +136,9 @@ class EngineProcess:
                     self._begin_drain(self.drain_timeout, "SIGTERM")
                 if self.drain_deadline is not None and self._drain_finished():
                     return 0
-                if self.state is FleetState.RUNNING and self.engine.has_unfinished_requests():
+                # data-parallel attention ranks step together while any of them has work (engine.data_parallel)
+                if self.engine.runner.group_busy(self.state is FleetState.RUNNING
+                                                 and self.engine.has_unfinished_requests()):
                     self._step()
                 self._publish_stats()
         finally:
