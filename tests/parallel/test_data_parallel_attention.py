@@ -10,6 +10,7 @@ costs about a minute more, and DP 2 x TP 2 exercises the same 4-rank all-to-all.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 
 import numpy as np
@@ -125,3 +126,44 @@ def test_bad_layouts_are_refused_by_name(monkeypatch):
     monkeypatch.setenv("MASTER_PORT", "29500")
     placement = data_parallel_placement(config)
     assert (placement.world_size, placement.first_local_rank, placement.local_count) == (4, 2, 2)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+async def test_two_data_parallel_engines_behind_a_coordinator_serve_one_ranks_tokens(tmp_path):
+    """``megatron-serve engine --data-parallel-size 2 --data-parallel-rank d --enable-expert-parallel`` twice, one
+    group: the coordinator routes to each rank as to an engine, and each request streams one rank's tokens, with
+    many requests and then with one alone (the other engine idles through it)."""
+    from megatron_serve import MegatronLLM, SamplingParams
+    from megatron_serve.client.coordinator_client import InferenceClient
+    from megatron_serve.engine.tensor_parallel import free_port as free_rendezvous_port
+    from megatron_serve.wire.request import RequestStatus
+
+    from ..helpers import Children, free_port
+
+    model_dir = str(make_tiny_model(tmp_path / "m", seed=1, num_heads=4, num_kv_heads=2, **VARIANTS["qwen3_moe"]))
+    params = SamplingParams(temperature=0.0, num_tokens_to_generate=12, ignore_eos=True)
+    prompts = [f"Data-parallel request {i}: the quick brown fox" for i in range(12)]
+    one = MegatronLLM(model_dir, InferenceConfig(dtype="float32", device="cpu", num_kv_blocks=64))
+    try:
+        direct = {p: r.generated_tokens for p, r in zip(prompts, one.generate(prompts, params))}
+    finally:
+        one.close()
+    children = Children(tmp_path)
+    port = free_port()
+    rendezvous = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_rendezvous_port())}
+    try:
+        children.coordinator(model_dir, port)
+        for rank in range(2):
+            children.engine(model_dir, port, "--dtype", "float32", "--data-parallel-size", "2", "--data-parallel-rank",
+                            str(rank), "--enable-expert-parallel", "--max-requests", "4", env=rendezvous)
+        client = InferenceClient(f"tcp://127.0.0.1:{port}", token=children.secret)
+        await client.start(timeout=60)
+        await client.wait_for_engines(2, timeout=300)
+        for batch in (prompts, prompts[:1]):
+            results = await asyncio.wait_for(asyncio.gather(*(client.add_request(p, params) for p in batch)), 300)
+            assert all(r.status is RequestStatus.COMPLETED for r in results)
+            assert {p: r.generated_tokens for p, r in zip(batch, results)} == {p: direct[p] for p in batch}
+        client.close()
+    finally:
+        children.kill_all()
