@@ -5,8 +5,8 @@ requests on every rank and with one request alone (the other rank idles and join
 ``--batch-invariant`` one rank's log probs ``==``, with the control that an unordered combine breaks that.
 
 At DP 2 x TP 1 every rank's attention is whole, so the engine is bitwise one rank's; at DP 2 x TP 2 (4 processes)
-attention is split as at TP 2. DP 4 (4 engines, 4 more model loads) is left out: on this 2-core machine each case
-costs about a minute more, and DP 2 x TP 2 exercises the same 4-rank all-to-all."""
+attention is split as at TP 2. DP 4 (4 engines) runs for one model: each case costs about a minute more on a 2-core
+machine."""
 
 from __future__ import annotations
 
@@ -43,8 +43,16 @@ def moe_model(request, tmp_path_factory) -> tuple[str, str]:
 
 
 def by_request(ranks: list[list[list]]) -> list[list]:
-    """The split runs in one rank's order: the requests together (rank 0's, then rank 1's), then the one alone."""
-    return [ranks[0][0] + ranks[1][0], ranks[0][1]]
+    """The split runs in one rank's order: the requests together (rank 0's, then rank 1's...), then the one alone."""
+    return [[row for rank in ranks for row in rank[0]], ranks[0][1]]
+
+
+def assert_same_runs(got: list[list], expected: list[list]) -> None:
+    """Tokens and routing equal, log probs within float32 noise (attention at another batch shape)."""
+    for got_run, expected_run in zip(got, expected, strict=True):
+        for (tokens, log_probs, routing), (tokens_1, log_probs_1, routing_1) in zip(got_run, expected_run, strict=True):
+            assert tokens == tokens_1 and routing == routing_1
+            assert log_probs == pytest.approx(log_probs_1, abs=1e-4)
 
 
 @pytest.mark.slow
@@ -53,10 +61,7 @@ def test_greedy_tokens_and_routing_equal_one_rank_and_transformers(moe_model, tm
     _, model_dir = moe_model
     one = serve_data_parallel(model_dir, tmp_path, ONE_RANK, new_tokens=NEW_TOKENS)[0]
     dp = by_request(serve_data_parallel(model_dir, tmp_path, SPLIT, new_tokens=NEW_TOKENS))
-    for got_run, expected_run in zip(dp, one, strict=True):
-        for (tokens, log_probs, routing), (tokens_1, log_probs_1, routing_1) in zip(got_run, expected_run, strict=True):
-            assert tokens == tokens_1 and routing == routing_1
-            assert log_probs == pytest.approx(log_probs_1, abs=1e-4)
+    assert_same_runs(dp, one)
     hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     tokenizer = Tokenizer.from_pretrained(model_dir)
     for prompt, (tokens, _, routing) in zip(PROMPTS[:4] + ALONE, dp[0] + dp[1]):
@@ -73,10 +78,19 @@ def test_two_data_parallel_ranks_of_two_tensor_parallel_ranks_equal_one_rank(tmp
     model_dir = str(make_tiny_model(tmp_path / "m", seed=1, num_heads=4, num_kv_heads=2, **VARIANTS["qwen2_moe"]))
     one = serve_data_parallel(model_dir, tmp_path, ONE_RANK)[0]
     dp = by_request(serve_data_parallel(model_dir, tmp_path, SPLIT, tp=2))
-    for got_run, expected_run in zip(dp, one, strict=True):
-        for (tokens, log_probs, routing), (tokens_1, log_probs_1, routing_1) in zip(got_run, expected_run, strict=True):
-            assert tokens == tokens_1 and routing == routing_1
-            assert log_probs == pytest.approx(log_probs_1, abs=1e-4)
+    assert_same_runs(dp, one)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_four_data_parallel_ranks_equal_one_rank(tmp_path):
+    """4 engines, a quarter of Qwen3-MoE's 16 experts each; rank 3 idles through the requests of the others, ranks
+    1-3 through rank 0's request alone."""
+    model_dir = str(make_tiny_model(tmp_path / "m", seed=1, num_heads=4, num_kv_heads=2, **VARIANTS["qwen3_moe"]))
+    one = serve_data_parallel(model_dir, tmp_path, ONE_RANK)[0]
+    split = [[PROMPTS[:2], ALONE], [PROMPTS[2:3], []], [PROMPTS[3:4], []], [[], []]]
+    dp = by_request(serve_data_parallel(model_dir, tmp_path, split))
+    assert_same_runs(dp, one)
 
 
 @pytest.mark.slow
@@ -126,6 +140,13 @@ def test_bad_layouts_are_refused_by_name(monkeypatch):
     monkeypatch.setenv("MASTER_PORT", "29500")
     placement = data_parallel_placement(config)
     assert (placement.world_size, placement.first_local_rank, placement.local_count) == (4, 2, 2)
+    monkeypatch.setenv("NPROC_PER_NODE", "4")  # a pod of two data-parallel ranks: one engine cannot start both
+    with pytest.raises(ValueError, match="NPROC_PER_NODE=4, but an engine of data-parallel attention starts its own 2"):
+        data_parallel_placement(config)
+    monkeypatch.setenv("NPROC_PER_NODE", "2")
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    with pytest.raises(ValueError, match="WORLD_SIZE=8 does not match the group's 4 ranks"):
+        data_parallel_placement(config)
 
 
 @pytest.mark.slow

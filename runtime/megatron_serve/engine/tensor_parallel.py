@@ -105,6 +105,13 @@ def data_parallel_placement(config: InferenceConfig) -> Placement:
     if missing:
         raise ValueError(f"--data-parallel-size {config.data_parallel_size}: each data-parallel rank is an engine of "
                          f"its own, and they meet at MASTER_ADDR:MASTER_PORT ({', '.join(missing)} not set)")
+    if int(env.get("WORLD_SIZE", config.world_size)) != config.world_size:
+        raise ValueError(f"WORLD_SIZE={env['WORLD_SIZE']} does not match the group's {config.world_size} ranks "
+                         "(--data-parallel-size x --tensor-parallel)")
+    if int(env.get("NPROC_PER_NODE", size)) != size:
+        raise ValueError(f"NPROC_PER_NODE={env['NPROC_PER_NODE']}, but an engine of data-parallel attention starts "
+                         f"its own {size} tensor-parallel ranks: run one engine per data-parallel rank (a pod of "
+                         f"{size} GPUs each)")
     return Placement(config.world_size, config.data_parallel_rank * size, size, env["MASTER_ADDR"],
                      int(env["MASTER_PORT"]))
 
