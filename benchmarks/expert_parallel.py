@@ -10,7 +10,7 @@ Two tables:
   payloads in real processes: the all-to-all dispatcher (dispatch + combine all-to-alls, then the all-gather
   of the combined chunks), the all-gather dispatcher (one all-reduce), TP (one all-reduce), and data-parallel
   attention (``--data-parallel-size N``: each rank holds its own ``1/N`` of the step's tokens, so only the
-  all-to-alls and their counts move, and per token of its own). A ring
+  all-to-alls and their counts move). Every row is per token of the whole step, so the layouts compare. A ring
   all-reduce of B bytes sends ``2 (n - 1) / n * B`` per rank, a ring all-gather ``(n - 1)`` chunks; an
   all-to-all sends exactly the rows bound for other ranks.
 * ``bandwidth`` (on request): an all-to-all's bytes per second between the ranks of one machine.
@@ -54,7 +54,6 @@ COUNTING_PROBE = textwrap.dedent("""
     tp = TensorParallel(rank, size, dist.group.WORLD, expert_parallel=layout != "tp")
     if layout == "dp":  # data-parallel attention: one attention rank each, its own share of the tokens
         tp = TensorParallel(0, 1, None, expert_parallel=True, data_parallel=DataParallel(rank, size, dist.group.WORLD))
-        tokens //= size
     model = load_model(model_dir, torch.float32, device, tp)
     sent = [0]
     all_reduce, all_gather, all_to_all = dist.all_reduce, dist.all_gather, dist.all_to_all_single
@@ -77,7 +76,8 @@ COUNTING_PROBE = textwrap.dedent("""
     block = next(layer.mlp for layer in model.model.layers if isinstance(layer.mlp, SparseMoeBlock))
     if layout == "ep-allgather":
         block.dispatcher = AllGatherDispatcher(tp, model.config.moe.num_experts)
-    hidden = torch.randn(tokens, model.config.hidden_size, generator=torch.Generator().manual_seed(0)).to(device)
+    own = tokens // size if layout == "dp" else tokens
+    hidden = torch.randn(own, model.config.hidden_size, generator=torch.Generator().manual_seed(0)).to(device)
     with torch.no_grad():
         block(hidden)
     if rank == 0:
@@ -156,7 +156,7 @@ def decode_table(model_dir: str, args: argparse.Namespace) -> None:
 
 
 def bytes_table(model_dir: str, args: argparse.Namespace) -> None:
-    print(f"\nbytes one rank sends per token in one MoE layer ({args.batch_tokens} tokens a step, float32)")
+    print(f"\nbytes one rank sends per token of the step in one MoE layer ({args.batch_tokens} tokens a step, float32)")
     print(f"{'layout':<22} {'bytes/token':>12} {'x hidden':>9}")
     for size in args.sizes:
         for layout, name in (("tp", f"TP={size} all-reduce"), ("ep", f"EP={size} all-to-all"),
