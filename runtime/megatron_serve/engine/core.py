@@ -156,7 +156,7 @@ class DynamicInferenceEngine(DeviceMemoryVerbs, LoraVerbs, SpeculativeSteps):
                            tensor_parallel_size=config.tensor_parallel_size, kv_cache_bytes=self.kv_cache.num_bytes,
                            max_sequence_length=self.max_sequence_length, block_size=config.block_size_tokens,
                            prefix_caching=config.enable_prefix_caching,
-                           expert_parallel=config.enable_expert_parallel and config.tensor_parallel_size > 1,
+                           expert_parallel=config.enable_expert_parallel and config.world_size > 1,
                            pipeline_parallel_size=config.pipeline_parallel_size,
                            parameter_bytes=parameter_bytes(self.model),
                            kv_offload_blocks=self.host_tier.num_slots if self.host_tier is not None else 0)
