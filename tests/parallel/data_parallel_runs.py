@@ -43,7 +43,7 @@ ENGINE = textwrap.dedent('''
                     return_routing_indices=True)) for i, p in enumerate(prompts)]
                 for request in requests:
                     engine.add_request(request)
-                while engine.runner.group_busy(engine.has_unfinished_requests()):
+                while engine.group_busy(engine.has_unfinished_requests()):
                     engine.step()
                 results.append([[r.generated_tokens, r.generated_log_probs, r.routing_indices.tolist()]
                                 for r in requests])

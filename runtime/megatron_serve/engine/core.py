@@ -213,6 +213,11 @@ class DynamicInferenceEngine(DeviceMemoryVerbs, LoraVerbs, SpeculativeSteps):
         in_flight = self._in_flight is not None and not all(s.finished for s in self._in_flight.sampling)
         return bool(self._pending) or in_flight or self.scheduler.has_work() or bool(self.lora_queue)
 
+    def group_busy(self, busy: bool) -> bool:
+        """Whether the step loop steps now, given whether this engine has work: with data-parallel attention, while
+        any rank of the group has (:mod:`.data_parallel`)."""
+        return self.runner.group_busy(busy)
+
     def add_request(self, request: DynamicInferenceRequest) -> None:
         """Queue a request; one that can never run fails alone (reported by the next ``step``)."""
         request.add_event(EventType.ADD)

@@ -139,8 +139,8 @@ class EngineProcess:
                     return 0
                 # data-parallel attention ranks step together while any of them has work (engine.data_parallel):
                 # an idle one steps too, and does not wait on its inbox meanwhile
-                stepped = self.engine.runner.group_busy(self.state is FleetState.RUNNING
-                                                        and self.engine.has_unfinished_requests())
+                stepped = self.engine.group_busy(self.state is FleetState.RUNNING
+                                                 and self.engine.has_unfinished_requests())
                 if stepped:
                     self._step()
                 self._publish_stats()
