@@ -8,7 +8,9 @@ Two tables:
   layout's ratio to one rank measured in the same run.
 * ``bytes``: what one rank sends the others per token in one MoE layer, measured by counting the collectives'
   payloads in real processes: the all-to-all dispatcher (dispatch + combine all-to-alls, then the all-gather
-  of the combined chunks), the all-gather dispatcher (one all-reduce) and TP (one all-reduce). A ring
+  of the combined chunks), the all-gather dispatcher (one all-reduce), TP (one all-reduce), and data-parallel
+  attention (``--data-parallel-size N``: each rank holds its own ``1/N`` of the step's tokens, so only the
+  all-to-alls and their counts move). Every row is per token of the whole step, so the layouts compare. A ring
   all-reduce of B bytes sends ``2 (n - 1) / n * B`` per rank, a ring all-gather ``(n - 1)`` chunks; an
   all-to-all sends exactly the rows bound for other ranks.
 * ``bandwidth`` (on request): an all-to-all's bytes per second between the ranks of one machine.
@@ -39,7 +41,7 @@ COUNTING_PROBE = textwrap.dedent("""
     import json, sys, torch, torch.distributed as dist
     from megatron_serve.model.loader import load_model
     from megatron_serve.model.moe import SparseMoeBlock
-    from megatron_serve.model.parallel import TensorParallel
+    from megatron_serve.model.parallel import DataParallel, TensorParallel
     from megatron_serve.model.token_dispatcher import AllGatherDispatcher
 
     rank, size, port, model_dir, layout, tokens, device = sys.argv[1:]
@@ -50,6 +52,8 @@ COUNTING_PROBE = textwrap.dedent("""
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size)
     device = torch.device(device, rank) if device == "cuda" else torch.device(device)
     tp = TensorParallel(rank, size, dist.group.WORLD, expert_parallel=layout != "tp")
+    if layout == "dp":  # data-parallel attention: one attention rank each, its own share of the tokens
+        tp = TensorParallel(0, 1, None, expert_parallel=True, data_parallel=DataParallel(rank, size, dist.group.WORLD))
     model = load_model(model_dir, torch.float32, device, tp)
     sent = [0]
     all_reduce, all_gather, all_to_all = dist.all_reduce, dist.all_gather, dist.all_to_all_single
@@ -72,7 +76,8 @@ COUNTING_PROBE = textwrap.dedent("""
     block = next(layer.mlp for layer in model.model.layers if isinstance(layer.mlp, SparseMoeBlock))
     if layout == "ep-allgather":
         block.dispatcher = AllGatherDispatcher(tp, model.config.moe.num_experts)
-    hidden = torch.randn(tokens, model.config.hidden_size, generator=torch.Generator().manual_seed(0)).to(device)
+    own = tokens // size if layout == "dp" else tokens
+    hidden = torch.randn(own, model.config.hidden_size, generator=torch.Generator().manual_seed(0)).to(device)
     with torch.no_grad():
         block(hidden)
     if rank == 0:
@@ -151,11 +156,11 @@ def decode_table(model_dir: str, args: argparse.Namespace) -> None:
 
 
 def bytes_table(model_dir: str, args: argparse.Namespace) -> None:
-    print(f"\nbytes one rank sends per token in one MoE layer ({args.batch_tokens} tokens a step, float32)")
+    print(f"\nbytes one rank sends per token of the step in one MoE layer ({args.batch_tokens} tokens a step, float32)")
     print(f"{'layout':<22} {'bytes/token':>12} {'x hidden':>9}")
     for size in args.sizes:
         for layout, name in (("tp", f"TP={size} all-reduce"), ("ep", f"EP={size} all-to-all"),
-                             ("ep-allgather", f"EP={size} all-reduce")):
+                             ("ep-allgather", f"EP={size} all-reduce"), ("dp", f"DP={size} all-to-all")):
             measured = run_ranks(COUNTING_PROBE, size, model_dir, layout, str(args.batch_tokens), args.device)
             print(f"{name:<22} {measured['bytes_per_token']:>12.0f} "
                   f"{measured['bytes_per_token'] / measured['hidden_bytes']:>9.2f}")

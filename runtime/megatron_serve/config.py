@@ -143,6 +143,9 @@ class InferenceConfig:
     enable_expert_parallel: bool = False
     # the layers split into this many stages (model.parallel.PipelineStage), tensor_parallel_size ranks each
     pipeline_parallel_size: int = 1
+    # data-parallel attention ranks sharing the MoE layers (engine.data_parallel), and which one this engine is
+    data_parallel_size: int = 1
+    data_parallel_rank: int = 0
     seed: int = 0
     quantization: str | None = None
     kv_cache_dtype: str = "auto"
@@ -226,6 +229,26 @@ class InferenceConfig:
             raise ValueError(f"pipeline_parallel_size {self.pipeline_parallel_size} does not serve "
                              f"{'LoRA adapters' if self.enable_lora else 'speculative decoding'} yet")
         self._check_kv_tiers()
+        self._check_data_parallel()
+
+    def _check_data_parallel(self) -> None:
+        size, rank = self.data_parallel_size, self.data_parallel_rank
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            raise ValueError(f"data_parallel_size must be a positive integer, got {size!r}")
+        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < size:
+            raise ValueError(f"data_parallel_rank must be an integer in [0, {size}), got {rank!r}")
+        if size == 1:
+            return
+        if not self.enable_expert_parallel:
+            raise ValueError(f"data_parallel_size {size} inside an engine group is data-parallel attention, which "
+                             "shares MoE layers: it needs enable_expert_parallel (replicas of a dense model are "
+                             "engine groups: --engines)")
+        refused = [name for name, on in (("pipeline_parallel_size > 1", self.pipeline_parallel_size > 1),
+                                         ("LoRA adapters", self.enable_lora),
+                                         ("speculative decoding", self.speculative is not None),
+                                         ("kv_offloading_size", self.kv_offloading_size is not None)) if on]
+        if refused:
+            raise ValueError(f"data_parallel_size {size} does not serve {', '.join(refused)} yet")
 
     def _check_kv_tiers(self) -> None:
         size = self.kv_offloading_size
@@ -242,8 +265,9 @@ class InferenceConfig:
 
     @property
     def world_size(self) -> int:
-        """Ranks of one engine group: ``tensor_parallel_size`` in each of ``pipeline_parallel_size`` stages."""
-        return self.tensor_parallel_size * self.pipeline_parallel_size
+        """Ranks of one engine group: ``tensor_parallel_size`` in each of ``pipeline_parallel_size`` stages, times
+        ``data_parallel_size`` data-parallel attention ranks."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size * self.data_parallel_size
 
     def trainer_seam_warning(self) -> str | None:
         """What an engine logs at start when its log probs cannot equal the declared trainer's: in the

@@ -169,13 +169,19 @@ def _help_seconds(name: str) -> float:
     return elapsed
 
 
-def test_an_engine_refuses_data_parallel_attention_by_name(tmp_path):
-    """The operator renders ``--data-parallel-size`` for ``dataParallelAttention``; until engines run it, an
-    engine started with more than 1 says so in one line before loading anything."""
+def test_an_engine_names_what_data_parallel_attention_needs(tmp_path, monkeypatch):
+    """The operator renders ``--data-parallel-size`` for ``dataParallelAttention`` (with
+    ``--enable-expert-parallel``); without the latter, or with a rank outside the size, an engine says so in one
+    line before loading anything; the rank defaults to ``RANK / --tensor-parallel`` (the operator's pods)."""
     from megatron_serve.commands import engine
 
-    args = parse_args(["engine", "--model", str(tmp_path), "--coordinator", "tcp://127.0.0.1:1",
-                       "--data-parallel-size", "2", "--enable-expert-parallel"])
-    with pytest.raises(ValueError, match="--data-parallel-size 2: data-parallel attention is not implemented"):
-        engine.run(args)
+    base = ["engine", "--model", str(tmp_path), "--coordinator", "tcp://127.0.0.1:1", "--data-parallel-size", "2"]
+    with pytest.raises(ValueError, match="--data-parallel-size 2 is data-parallel attention, which shares MoE layers: "
+                                         "add --enable-expert-parallel"):
+        engine.run(parse_args(base))
+    with pytest.raises(ValueError, match=r"--data-parallel-rank must be in \[0, 2\), got 2"):
+        engine.run(parse_args(base + ["--enable-expert-parallel", "--data-parallel-rank", "2"]))
+    monkeypatch.setenv("RANK", "4")  # rank 4 of tensor-parallel 2: data-parallel rank 2 of 2
+    with pytest.raises(ValueError, match=r"--data-parallel-rank must be in \[0, 2\), got 2"):
+        engine.run(parse_args(base + ["--enable-expert-parallel", "--tensor-parallel", "2"]))
     assert parse_args(["engine", "--model", "/m", "--coordinator", "tcp://127.0.0.1:1"]).data_parallel_size == 1

@@ -124,6 +124,9 @@ class FakeEngine:
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
+    def group_busy(self, busy: bool) -> bool:
+        return busy  # one engine: no data-parallel ranks to step with
+
     def add_request(self, request: DynamicInferenceRequest) -> None:
         request.add_event(EventType.ADD)
         self.requests[request.request_id] = request

@@ -26,7 +26,7 @@ TEXT_TOKENS = range(len(SPECIAL_TOKENS), 512)  # the tiny tokenizer's ordinary t
 BLOCK_SIZES = (4, 6, 8, 16, 32)
 CHUNK_SIZES = (8, 12, 16, 24, 40, 2048)
 MAX_PROMPT = 96
-TENSOR_PARALLEL_EVERY = 100  # one case in this many runs at TP=2 (a real two-process gloo group: seconds each)
+TENSOR_PARALLEL_EVERY = 100  # one case in this many runs at TP=2, EP=2 or PP=2 (a real two-process gloo group)
 
 
 class Sampling(Enum):
@@ -215,7 +215,11 @@ def draw_case(seed: int, model: LoadedModel, sampling: Sampling = Sampling.GREED
     config: dict[str, Any] = dict(
         block_size_tokens=block, max_batch_tokens=chunk, max_requests=rng.choice([1, 2, 3, 64, 64, 64]),
         enable_prefix_caching=rng.random() < 0.6, enable_cuda_graphs=rng.random() < 0.3, seed=rng.randrange(1000))
-    if tensor_parallel and seed % TENSOR_PARALLEL_EVERY == TENSOR_PARALLEL_EVERY - 1 and model.spec.splits_over(2):
+    layout = random.Random(f"parity-layout-{seed}")  # drawn apart, as the expert-parallel choice below
+    if (tensor_parallel and seed % TENSOR_PARALLEL_EVERY == TENSOR_PARALLEL_EVERY - 1 and model.spec.stages_over(2)
+            and layout.random() < 1 / 3):
+        config["pipeline_parallel_size"] = 2  # a third of the dense text ones in two stages instead
+    elif tensor_parallel and seed % TENSOR_PARALLEL_EVERY == TENSOR_PARALLEL_EVERY - 1 and model.spec.splits_over(2):
         config["tensor_parallel_size"] = 2
         # half of the MoE ones with whole experts per rank (drawn apart: the case's other draws stay as they were)
         if model.spec.experts_split_over(2) and random.Random(f"parity-ep-{seed}").random() < 0.5:

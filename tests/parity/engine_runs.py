@@ -69,8 +69,9 @@ class Placement:
     dtype: torch.dtype
 
     def for_config(self, config: Mapping[str, Any]) -> "Placement":
-        """Tensor-parallel ranks each need a GPU: without enough of them a TP case runs on CPU in float32."""
-        size = config.get("tensor_parallel_size", 1)
+        """Tensor-parallel ranks and stages each need a GPU: without enough of them such a case runs on CPU in
+        float32."""
+        size = config.get("tensor_parallel_size", 1) * config.get("pipeline_parallel_size", 1)
         if size > 1 and tensor_parallel_device(size) != torch.device(self.device).type:
             return Placement("cpu", torch.float32)
         return self
@@ -121,13 +122,13 @@ def _kernels(backend: str | None) -> Iterator[None]:
 
 def build_engine(model: LoadedModel, config: InferenceConfig, kernels: str | None) -> DynamicInferenceEngine:
     # an engine with adapters hooks its model's projections: never on the weights other cases share
-    if config.tensor_parallel_size > 1 or kernels is not None or config.enable_lora:
+    if config.world_size > 1 or kernels is not None or config.enable_lora:
         with _kernels(kernels):
             engine = DynamicInferenceEngine.from_model_dir(model.directory, config)
     else:
         weights = model.weights(str(config.device), config.dtype)
         engine = DynamicInferenceEngine(weights.model, weights.tokenizer, config)
-    if config.enable_cuda_graphs and engine.device.type == "cpu" and config.tensor_parallel_size == 1:
+    if config.enable_cuda_graphs and engine.device.type == "cpu" and config.world_size == 1:
         # the CPU stand-in for CUDA graphs, decode whole and mixed steps piecewise (one rank: its capture
         # would run no follower)
         sizes = capture_sizes(config.cuda_graph_sizes, config.max_requests)

@@ -68,6 +68,12 @@ class ModelSpec:
         experts = self.shapes.get("num_experts", self.shapes.get("num_local_experts", 0))
         return self.expert_layers and self.splits_over(ranks) and experts % ranks == 0
 
+    def stages_over(self, stages: int) -> bool:
+        """Whether pipeline stages can split it: a text model without experts (stages refuse MoE and vision ones),
+        one layer at least per stage."""
+        experts = self.shapes.get("num_experts", self.shapes.get("num_local_experts", 0))
+        return not experts and not self.vision and self.shapes["num_layers"] >= stages
+
     def describe(self) -> str:
         return f"{self.arch}({', '.join(f'{k}={v}' for k, v in self.shapes.items())})"
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 import sys
@@ -33,8 +34,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                help="ranks (GPUs) of each pipeline stage of this engine group (the group has --tensor-parallel x "
                     "--pipeline-parallel-size); the local ones are started by this command")
     parser.add_argument("--data-parallel-size", type=int, default=1, metavar="N",
-                        help="with --enable-expert-parallel: data-parallel attention ranks of this group (the "
-                             "operator renders it from spec.engine.parallelism.dataParallelAttention); only 1 today")
+                        help="with --enable-expert-parallel: data-parallel attention ranks of this group, each an "
+                             "engine with its own requests, sharing the MoE layers' experts (the operator renders it "
+                             "from spec.engine.parallelism.dataParallelAttention); they meet at MASTER_ADDR:MASTER_PORT")
+    parser.add_argument("--data-parallel-rank", type=int, default=None, metavar="D",
+                        help="with --data-parallel-size: which data-parallel rank this engine is (default: RANK / "
+                             "--tensor-parallel, as the operator's pods set RANK)")
     parser.add_argument("--drain-timeout", type=float, default=30.0, metavar="S",
                         help="on SIGTERM or STOP, finish work for at most this long, then hand the rest back")
     parser.add_argument("--coordinator-timeout", type=float, default=10.0, metavar="S",
@@ -56,14 +61,21 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--group must be >= 0, got {args.group}")
     if args.tensor_parallel < 1:
         raise ValueError(f"--tensor-parallel must be >= 1, got {args.tensor_parallel}")
-    if args.data_parallel_size != 1:
-        raise ValueError(f"--data-parallel-size {args.data_parallel_size}: data-parallel attention is not implemented "
-                         "yet; serve this layout with --tensor-parallel and --enable-expert-parallel "
-                         "(docs/parallelism.md)")
-    config = inference_config_from_args(args, tensor_parallel_size=args.tensor_parallel)
+    if args.data_parallel_size < 1:
+        raise ValueError(f"--data-parallel-size must be >= 1, got {args.data_parallel_size}")
+    if args.data_parallel_size > 1 and not args.enable_expert_parallel:
+        raise ValueError(f"--data-parallel-size {args.data_parallel_size} is data-parallel attention, which shares "
+                         "MoE layers: add --enable-expert-parallel (replicas of a model are engine groups: --engines)")
+    rank = args.data_parallel_rank
+    if rank is None:
+        rank = int(os.environ.get("RANK", "0")) // args.tensor_parallel if args.data_parallel_size > 1 else 0
+    if not 0 <= rank < args.data_parallel_size:
+        raise ValueError(f"--data-parallel-rank must be in [0, {args.data_parallel_size}), got {rank}")
+    config = dataclasses.replace(inference_config_from_args(args, tensor_parallel_size=args.tensor_parallel),
+                                 data_parallel_size=args.data_parallel_size, data_parallel_rank=rank)
     kv_role = "kv_both" if args.kv_transfer_config is None else kv_transfer_config(args.kv_transfer_config)
     if kv_role != "kv_both" and config.world_size > 1:
-        raise ValueError(f"--kv-transfer-config kv_role {kv_role} is not implemented with tensor or pipeline "
+        raise ValueError(f"--kv-transfer-config kv_role {kv_role} is not implemented with tensor, pipeline or data "
                          "parallelism yet (each rank holds a part of the KV)")
     resolve_model_args(args)  # a Hub id becomes its local directory before the directory is checked
     check_model_dir(args.model, tokenizer=args.tokenizer is None)

@@ -176,7 +176,7 @@ class DynamicInferenceEngine:
                            tensor_parallel_size=config.tensor_parallel_size, kv_cache_bytes=self.kv_cache.num_bytes,
                            max_sequence_length=self.max_sequence_length, block_size=config.block_size_tokens,
                            prefix_caching=config.enable_prefix_caching,
-                           expert_parallel=config.enable_expert_parallel and config.tensor_parallel_size > 1,
+                           expert_parallel=config.enable_expert_parallel and config.world_size > 1,
                            pipeline_parallel_size=config.pipeline_parallel_size,
                            parameter_bytes=parameter_bytes(self.model),
                            kv_offload_blocks=self.host_tier.num_slots if self.host_tier is not None else 0)
@@ -234,6 +234,11 @@ class DynamicInferenceEngine:
         scheduler = self.scheduler
         return bool(scheduler.pending) or in_flight or scheduler.has_work() or bool(scheduler.lora_queue)
 
+    def group_busy(self, busy: bool) -> bool:
+        """Whether the step loop steps now, given whether this engine has work: with data-parallel attention, while
+        any rank of the group has (:mod:`.data_parallel`)."""
+        return self.runner.group_busy(busy)
+
     def add_request(self, request: DynamicInferenceRequest) -> None:
         """Queue a request; one that can never run fails alone (reported by the next ``step``)."""
         self.scheduler.add_request(request)
@@ -281,12 +286,14 @@ class DynamicInferenceEngine:
         """
         speculator, speculation = self.speculator, self.speculation
         if speculator is None or speculation is None or speculator.resting(len(self.scheduler.running)):
-            return self._deliver(self._step_overlapped())
-        ks = speculator.plan(self.scheduler.running)
-        speculator.start_step(bool(ks))
-        outputs = (speculation.step_at_once(ks, self) if ks and not speculation.overlaps(ks)
-                   else self._step_overlapped(ks))
-        speculator.end_step()
+            outputs = self._step_overlapped()
+        else:
+            ks = speculator.plan(self.scheduler.running)
+            speculator.start_step(bool(ks))
+            outputs = (speculation.step_at_once(ks, self) if ks and not speculation.overlaps(ks)
+                       else self._step_overlapped(ks))
+            speculator.end_step()
+        self.runner.end_step()  # data-parallel attention: a rank that ran no forward joins the MoE layers empty
         return self._deliver(outputs)
 
     def _step_overlapped(self, ks: dict[str, int] | None = None) -> list[StepOutput]:

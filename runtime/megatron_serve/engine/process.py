@@ -126,11 +126,12 @@ class EngineProcess:
 
     def run(self) -> int:
         self.link.start()
+        stepped = False
         try:
             while True:
                 self.iterations += 1
                 busy = self.state is FleetState.RUNNING and self.engine.has_unfinished_requests()
-                self._handle_inbox(timeout=0.0 if busy else 0.05)
+                self._handle_inbox(timeout=0.0 if busy or stepped else 0.05)
                 if self.fatal:
                     logger.error("%s", self.fatal)
                     return 1
@@ -138,7 +139,11 @@ class EngineProcess:
                     self._begin_drain(self.drain_timeout, "SIGTERM")
                 if self.drain_deadline is not None and self._drain_finished():
                     return 0
-                if self.state is FleetState.RUNNING and self.engine.has_unfinished_requests():
+                # data-parallel attention ranks step together while any of them has work (engine.data_parallel):
+                # an idle one steps too, and does not wait on its inbox meanwhile
+                stepped = self.engine.group_busy(self.state is FleetState.RUNNING
+                                                 and self.engine.has_unfinished_requests())
+                if stepped:
                     self._step()
                 self._publish_stats()
         finally:

@@ -197,6 +197,15 @@ class ModelRunner:
     def on_resume(self) -> None:
         pass
 
+    def group_busy(self, busy: bool) -> bool:
+        """Whether the step loop steps now: when this engine has work, unless data-parallel attention ranks step
+        together (:mod:`.data_parallel`)."""
+        return busy
+
+    def end_step(self) -> None:
+        """Called after each step; a data-parallel attention rank that ran no forward in it joins the MoE layers'
+        collectives with an empty batch there (:mod:`.data_parallel`)."""
+
     def on_refit(self, source: "WeightSource") -> None:
         pass
 

@@ -9,7 +9,9 @@ sampled tokens, which rank 0 broadcasts on the device group first. Suspend, resu
 go through the same channel, so a verb always acts on the whole group. With pipeline stages
 (``--pipeline-parallel-size``) the group is ``stages x tensor_parallel_size`` ranks; the steps, the previous
 tokens and the refit outcomes go over the whole group, each stage's layers use its own tensor-parallel group
-(:func:`join_group`).
+(:func:`join_group`). With data-parallel attention (``--data-parallel-size``, :mod:`.data_parallel`) the group is
+``dp`` such groups, each led by an engine of its own (rank ``d * tp``), which broadcasts to its own ranks only; the
+MoE layers' collectives span them all.
 
 Placement: a group of ``WORLD_SIZE`` ranks may span pods. Each pod starts its local ranks
 ``RANK .. RANK + NPROC_PER_NODE - 1`` (the operator sets these, with ``MASTER_ADDR`` naming pod 0
@@ -41,7 +43,8 @@ from ..errors import EngineGroupLost
 from ..model.loader import load_model, load_weights
 from ..model.lora import LoraAdapter
 from ..model.lora_slots import LoraSlots
-from ..model.parallel import PipelineStage, TensorParallel
+from ..model.parallel import DataParallel, PipelineStage, TensorParallel
+from .data_parallel import any_busy, empty_moe_pass
 from .sizing import build_kv_pool, default_dtype, engine_buffers, max_sequence_length_for
 from .runner import ModelRunner, StepResult
 from .step_plan import StepBuffers, StepPlan
@@ -93,6 +96,26 @@ def placement_for(world_size: int) -> Placement:
     return Placement(world_size, 0, world_size, "127.0.0.1", free_port())
 
 
+def data_parallel_placement(config: InferenceConfig) -> Placement:
+    """A data-parallel attention rank's engine starts its own tensor-parallel ranks (``RANK`` is its first:
+    ``data_parallel_rank x tensor_parallel_size``) and meets the other data-parallel ranks' engines at
+    ``MASTER_ADDR:MASTER_PORT``, as the operator's gang sets them."""
+    env, size = os.environ, config.tensor_parallel_size
+    missing = [name for name in ("MASTER_ADDR", "MASTER_PORT") if name not in env]
+    if missing:
+        raise ValueError(f"--data-parallel-size {config.data_parallel_size}: each data-parallel rank is an engine of "
+                         f"its own, and they meet at MASTER_ADDR:MASTER_PORT ({', '.join(missing)} not set)")
+    if int(env.get("WORLD_SIZE", config.world_size)) != config.world_size:
+        raise ValueError(f"WORLD_SIZE={env['WORLD_SIZE']} does not match the group's {config.world_size} ranks "
+                         "(--data-parallel-size x --tensor-parallel)")
+    if int(env.get("NPROC_PER_NODE", size)) != size:
+        raise ValueError(f"NPROC_PER_NODE={env['NPROC_PER_NODE']}, but an engine of data-parallel attention starts "
+                         f"its own {size} tensor-parallel ranks: run one engine per data-parallel rank (a pod of "
+                         f"{size} GPUs each)")
+    return Placement(config.world_size, config.data_parallel_rank * size, size, env["MASTER_ADDR"],
+                     int(env["MASTER_PORT"]))
+
+
 def rank_device(local_index: int, config: InferenceConfig) -> torch.device:
     device = torch.device(config.device)
     if device.type == "cuda":
@@ -122,31 +145,46 @@ class PlanChannel:
     weight source): those are rare, steps are not.
     """
 
-    KINDS = ("step", "suspend", "resume", "refit", "stop", "lora")
+    KINDS = ("step", "suspend", "resume", "refit", "stop", "lora", "idle")
 
-    def __init__(self, group: dist.ProcessGroup):
+    def __init__(self, group: dist.ProcessGroup, leader: int = 0, device_group: object | None = None,
+                 leaders: object | None = None):
+        """``leader``: the global rank that sends (rank 0, or a data-parallel rank's first); ``device_group``: where
+        device tensors of a step go (None: the whole group); ``leaders``: the data-parallel ranks' leaders, which
+        step together (None without data-parallel attention)."""
         self.group = group
+        self.leader = leader
+        self.device_group = device_group
+        self.leaders = leaders
 
     def send(self, kind: str, packed: np.ndarray | None = None, payload: object = None) -> None:
         length = 0 if packed is None else len(packed)
-        dist.broadcast(torch.tensor([self.KINDS.index(kind), length], dtype=torch.int64), src=0, group=self.group)
+        header = torch.tensor([self.KINDS.index(kind), length], dtype=torch.int64)
+        dist.broadcast(header, src=self.leader, group=self.group)
         if packed is not None:
-            dist.broadcast(torch.from_numpy(packed), src=0, group=self.group)
-        elif kind != "step":
-            dist.broadcast_object_list([payload], src=0, group=self.group)
+            dist.broadcast(torch.from_numpy(packed), src=self.leader, group=self.group)
+        elif kind not in ("step", "idle"):
+            dist.broadcast_object_list([payload], src=self.leader, group=self.group)
 
     def receive(self) -> tuple[str, np.ndarray | object]:
         header = torch.empty(2, dtype=torch.int64)
-        dist.broadcast(header, src=0, group=self.group)
+        dist.broadcast(header, src=self.leader, group=self.group)
         code, length = header.tolist()
         kind = self.KINDS[code]
+        if kind == "idle":
+            return kind, None
         if kind == "step":
             packed = torch.empty(length, dtype=torch.int64)
-            dist.broadcast(packed, src=0, group=self.group)
+            dist.broadcast(packed, src=self.leader, group=self.group)
             return kind, packed.numpy()
         message: list = [None]
-        dist.broadcast_object_list(message, src=0, group=self.group)
+        dist.broadcast_object_list(message, src=self.leader, group=self.group)
         return kind, message[0]
+
+    def broadcast(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A step's device tensor (previous tokens, image embeddings) from the leader to its ranks."""
+        dist.broadcast(tensor, src=self.leader, group=self.device_group)
+        return tensor
 
 
 def join_group(placement: Placement, rank: int, device: torch.device, config: InferenceConfig
@@ -171,8 +209,10 @@ def join_group(placement: Placement, rank: int, device: torch.device, config: In
             f"{placement.master_addr}:{placement.master_port} within {RENDEZVOUS_TIMEOUT_S:.0f}s "
             f"(are all {placement.world_size} ranks started?): {exc}"
         ) from exc
-    plans = dist.group.WORLD if backend == "gloo" else dist.new_group(backend="gloo")
     size, stages = config.tensor_parallel_size, config.pipeline_parallel_size
+    if config.data_parallel_size > 1:
+        return join_data_parallel(rank, size, config.data_parallel_size, backend)
+    plans = dist.group.WORLD if backend == "gloo" else dist.new_group(backend="gloo")
     tp_group = dist.group.WORLD
     if stages > 1:  # every rank creates every stage's group, in the same order
         groups = [dist.new_group(list(range(s * size, (s + 1) * size))) for s in range(stages)]
@@ -182,15 +222,28 @@ def join_group(placement: Placement, rank: int, device: torch.device, config: In
                            stage=stage), PlanChannel(plans))
 
 
-def broadcast_previous_tokens(plan: StepPlan, tokens: torch.Tensor | None, count: int,
+def join_data_parallel(rank: int, size: int, dp: int, backend: str) -> tuple[TensorParallel, PlanChannel]:
+    """The groups of data-parallel attention: data-parallel rank ``d``'s attention ranks ``d * size ..`` (its
+    layers' group, and a gloo one for its leader's plans), the leaders' (gloo: they agree on each step), and the
+    whole group for the MoE layers' all-to-alls. Every rank creates every group, in the same order."""
+    ranks = [list(range(d * size, (d + 1) * size)) for d in range(dp)]
+    attention = [dist.new_group(r) for r in ranks]
+    plans = attention if backend == "gloo" else [dist.new_group(r, backend="gloo") for r in ranks]
+    leaders = dist.new_group([d * size for d in range(dp)], backend="gloo")
+    index = rank // size
+    tp = TensorParallel(rank=rank % size, size=size, group=attention[index], expert_parallel=True,
+                        data_parallel=DataParallel(index, dp, dist.group.WORLD))
+    return tp, PlanChannel(plans[index], index * size, attention[index], leaders if rank % size == 0 else None)
+
+
+def broadcast_previous_tokens(channel: PlanChannel, plan: StepPlan, tokens: torch.Tensor | None, count: int,
                               device: torch.device) -> torch.Tensor | None:
-    """The previous step's sampled tokens on every rank, when the plan gathers some (rank 0 passes them)."""
+    """The previous step's sampled tokens on every rank, when the plan gathers some (the leader passes them)."""
     if not plan.num_gather:
         return None
     if tokens is None:
         tokens = torch.empty(count, dtype=torch.int64, device=device)
-    dist.broadcast(tokens, src=0)
-    return tokens
+    return channel.broadcast(tokens)
 
 
 class TensorParallelRunner(ModelRunner):
@@ -202,6 +255,7 @@ class TensorParallelRunner(ModelRunner):
         super().__init__(model, block_size, device, buffers, graphs)
         self.channel = channel
         self.workers = workers
+        self._ran_forward = False  # since the last end_step: a data-parallel rank that did not runs an empty pass
 
     def _broadcast(self, kind: str, payload: object = None, packed: np.ndarray | None = None) -> None:
         self._check_workers()
@@ -222,9 +276,10 @@ class TensorParallelRunner(ModelRunner):
         assert previous_shifts is None, "a plan corrected by a verify step in flight under tensor parallelism"
         self._broadcast("step", packed=self.buffers.pack(plan))
         try:
-            broadcast_previous_tokens(plan, previous_tokens, 0, self.device)
+            broadcast_previous_tokens(self.channel, plan, previous_tokens, 0, self.device)
             if plan.num_images:  # the tower runs on rank 0 only: its output goes with the step
-                dist.broadcast(image_embeddings.contiguous(), src=0)
+                self.channel.broadcast(image_embeddings.contiguous())
+            self._ran_forward = True
             return super().run_plan(plan, kv_caches, image_embeddings, previous_tokens)
         except Exception as exc:  # noqa: BLE001 - the forward's all-reduces fail when a peer died mid-step
             self._check_workers()
@@ -237,6 +292,25 @@ class TensorParallelRunner(ModelRunner):
     def on_resume(self) -> None:
         self._broadcast("resume")
 
+    def group_busy(self, busy: bool) -> bool:
+        if self.channel.leaders is None:
+            return busy
+        try:
+            return any_busy(self.channel.leaders, busy)
+        except Exception as exc:  # noqa: BLE001 - a collective fails only when the group broke
+            raise EngineGroupLost(f"data-parallel attention ranks lost one of them: {exc}") from exc
+
+    def end_step(self) -> None:
+        ran, self._ran_forward = self._ran_forward, False
+        if self.channel.leaders is None or ran:
+            return
+        self._broadcast("idle")
+        try:
+            empty_moe_pass(self.model)
+        except Exception as exc:  # noqa: BLE001 - the all-to-alls fail when a peer died mid-step
+            self._check_workers()
+            raise EngineGroupLost(f"data-parallel attention: an empty MoE pass failed: {exc}") from exc
+
     def on_refit(self, source: WeightSource) -> None:
         self._broadcast("refit", source)
 
@@ -246,9 +320,9 @@ class TensorParallelRunner(ModelRunner):
         self._broadcast("lora", (slot, adapter))
 
     def refit_outcomes(self) -> list[tuple[list[str], str | None]]:
-        outcomes: list = [None] * dist.get_world_size()
+        outcomes: list = [None] * dist.get_world_size(self.channel.group)
         try:
-            dist.gather_object(None, outcomes, dst=0)
+            dist.gather_object(None, outcomes, dst=self.channel.leader, group=self.channel.group)
         except Exception as exc:  # noqa: BLE001 - a collective fails only when the group broke
             raise EngineGroupLost(f"tensor-parallel group broke during a refit: {exc}") from exc
         return outcomes[1:]
@@ -302,7 +376,7 @@ def spawn_local_workers(model_dir: str, config: InferenceConfig, placement: Plac
     workers, started = [], []
     for index in range(placement.local_count):
         rank = placement.first_local_rank + index
-        if rank == 0:
+        if index == 0 and (rank == 0 or config.data_parallel_size > 1):  # this process: a leader
             continue
         event = context.Event()
         process = context.Process(target=run_worker, args=(model_dir, config.to_dict(), placement, rank, index, event),
@@ -366,11 +440,11 @@ def run_worker(model_dir: str, config_dict: dict, placement: Placement, rank: in
         kind, payload = channel.receive()
         if kind == "step":
             plan = buffers.unpack(payload)
-            previous = broadcast_previous_tokens(plan, None, sampled, device)
+            previous = broadcast_previous_tokens(channel, plan, None, sampled, device)
             embeddings = None
             if plan.num_images:
-                embeddings = torch.empty(plan.num_images, model.config.hidden_size, device=device, dtype=model.dtype)
-                dist.broadcast(embeddings, src=0)
+                embeddings = channel.broadcast(torch.empty(plan.num_images, model.config.hidden_size, device=device,
+                                                           dtype=model.dtype))
             runner.run_plan(plan, pool.layer_caches, embeddings, previous)
             sampled = plan.num_sample
         elif kind == "suspend":
@@ -383,8 +457,10 @@ def run_worker(model_dir: str, config_dict: dict, placement: Placement, rank: in
             model.to(device)
             pool.allocate()
             runner.capture_graphs(pool.layer_caches)
+        elif kind == "idle":
+            empty_moe_pass(model)
         elif kind == "refit":
-            dist.gather_object(_follow_refit(model, payload), None, dst=0)
+            dist.gather_object(_follow_refit(model, payload), None, dst=channel.leader, group=channel.group)
         elif kind == "lora":
             slots.write(*payload)
         elif kind == "stop":
@@ -408,14 +484,15 @@ def start_rank_zero(model_dir: str, config: InferenceConfig
                     ) -> tuple[TensorParallel, PlanChannel, torch.device, list[multiprocessing.Process]]:
     """Start this machine's other ranks and join the group as rank 0 (when this machine holds it)."""
     refuse_reimported_main()
-    placement = placement_for(config.world_size)
+    dp = config.data_parallel_size > 1
+    placement = data_parallel_placement(config) if dp else placement_for(config.world_size)
     check_local_devices(placement, torch.device(config.device).type)
     workers = spawn_local_workers(model_dir, config, placement)
-    if not placement.hosts_rank_zero:
+    if not placement.hosts_rank_zero and not dp:
         # This machine holds only followers: serve them until they exit; rank 0 lives in another pod.
         for worker in workers:
             worker.join()
         raise SystemExit(max((w.exitcode or 0) for w in workers) if workers else 0)
     device = rank_device(0, config)
-    tp, channel = join_group(placement, 0, device, config)
+    tp, channel = join_group(placement, placement.first_local_rank, device, config)
     return tp, channel, device, workers

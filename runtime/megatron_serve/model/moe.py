@@ -29,7 +29,7 @@ from megatron_kernels import get_op, invariant
 
 from .layers import GatedMLP, ReplicatedLinear, TensorSource, _check_full, _copy_checked, _narrow
 from .parallel import SINGLE, TensorParallel
-from .token_dispatcher import AllToAllDispatcher, TokenDispatcher
+from .token_dispatcher import AllToAllDispatcher, DataParallelDispatcher, TokenDispatcher
 
 if TYPE_CHECKING:  # annotations only: the experts read configs, never build them
     from .config import ModelConfig
@@ -90,15 +90,15 @@ class FusedExperts(nn.Module):
         self.num_experts = num_experts
         self.intermediate_size = intermediate_size
         if tp.expert_parallel:
-            if num_experts % tp.size:
-                raise ValueError(f"{num_experts} experts do not split over {tp.size} expert-parallel ranks")
-            self.num_local_experts, self.local, self.start = num_experts // tp.size, intermediate_size, 0
+            if num_experts % tp.expert_size:
+                raise ValueError(f"{num_experts} experts do not split over {tp.expert_size} expert-parallel ranks")
+            self.num_local_experts, self.local, self.start = num_experts // tp.expert_size, intermediate_size, 0
         else:
             if intermediate_size % tp.size:
                 raise ValueError(f"expert intermediate size {intermediate_size} does not split over {tp.size} ranks")
             self.num_local_experts, self.local = num_experts, intermediate_size // tp.size
             self.start = tp.rank * self.local  # this rank's columns of each expert's intermediate dimension
-        self.first_expert = tp.rank * self.num_local_experts if tp.expert_parallel else 0
+        self.first_expert = tp.expert_rank * self.num_local_experts if tp.expert_parallel else 0
         count = self.num_local_experts
         self.gate_up_proj = nn.Parameter(torch.empty(count, 2 * self.local, hidden_size, dtype=weight_dtype),
                                          requires_grad=False)
@@ -196,7 +196,9 @@ class SparseMoeBlock(nn.Module):
         self._weights_in_model_dtype = False
         self._family = family
         self.dispatcher: TokenDispatcher | None = None  # swappable (:mod:`.token_dispatcher`)
-        if tp.expert_parallel and tp.size > 1:
+        if tp.data_parallel.size > 1:
+            self.dispatcher = DataParallelDispatcher(tp, moe.num_experts)
+        elif tp.expert_parallel and tp.size > 1:
             self.dispatcher = AllToAllDispatcher(tp, moe.num_experts)
 
     def use_invariant_ops(self) -> None:

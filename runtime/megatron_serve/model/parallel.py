@@ -11,6 +11,11 @@ tensor-parallel rank ``r`` is rank ``s * tp + r`` of the group; it receives the 
 residual) from the same tensor-parallel rank of the stage before and sends them to the one after; the last
 stage's final hidden states are broadcast to every rank, which all compute the logits (each stage holds
 the embedding, the final norm and the LM head), so rank 0 samples as without stages.
+
+``data_parallel`` (``--data-parallel-size`` with ``--enable-expert-parallel``, data-parallel attention): this
+rank's attention group is one of ``dp`` groups of ``tp`` ranks, each serving its own requests, and the MoE layers'
+experts are sharded over all ``dp x tp`` ranks (:attr:`TensorParallel.expert_rank`); tokens cross the data-parallel
+ranks in the all-to-all (:class:`.token_dispatcher.DataParallelDispatcher`).
 """
 
 from __future__ import annotations
@@ -68,12 +73,35 @@ NO_PIPELINE = PipelineStage()
 
 
 @dataclass(frozen=True)
+class DataParallel:
+    """This rank's data-parallel attention rank ``index`` of ``size``; ``group``: every rank of every data-parallel
+    rank (the MoE layers' expert-parallel group)."""
+
+    index: int = 0
+    size: int = 1
+    group: object | None = None
+
+
+NO_DATA_PARALLEL = DataParallel()
+
+
+@dataclass(frozen=True)
 class TensorParallel:
     rank: int = 0
     size: int = 1
     group: object | None = None
     expert_parallel: bool = False
     stage: PipelineStage = NO_PIPELINE
+    data_parallel: DataParallel = NO_DATA_PARALLEL
+
+    @property
+    def expert_rank(self) -> int:
+        """This rank's place among the ranks the experts are sharded over (``dp x tp`` of them)."""
+        return self.data_parallel.index * self.size + self.rank
+
+    @property
+    def expert_size(self) -> int:
+        return self.data_parallel.size * self.size
 
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
         if self.size > 1:

@@ -11,6 +11,9 @@ experts, hence how many rows each rank sends each other rank, without exchanging
   of its (token, expert) pairs to the expert's owner (one ``all_to_all_single``), gets the expert outputs
   back (a second one), combines its tokens (the replicated shared expert adds its term to them), and the
   chunks are gathered on every rank (an all-gather).
+* :class:`DataParallelDispatcher` (data-parallel attention, ``ep = dp x tp``): each data-parallel rank has tokens
+  of its own, so the routing is known only within it; the send counts are exchanged first, and each row travels
+  with its expert id.
 * :class:`AllGatherDispatcher`: no token moves; each rank runs its experts on every token routed to them
   and the partial sums are reduced (one all-reduce), as the tensor-parallel layer does.
 
@@ -39,7 +42,7 @@ class Dispatched:
 
     rows: torch.Tensor
     ids: torch.Tensor
-    tokens: torch.Tensor
+    tokens: torch.Tensor | None  # None when rows come from other data-parallel ranks' tokens (no adapters then)
 
 
 class TokenDispatcher(Protocol):
@@ -165,11 +168,73 @@ class AllToAllDispatcher:
                             self.local.stop - self.local.start, self.ordered)
 
     def gather(self, chunk: torch.Tensor) -> torch.Tensor:
-        """Every rank's chunk on every rank (padded to the longest: gloo gathers equal sizes)."""
-        bounds = self._exchange.bounds
-        longest = max(b - a for a, b in zip(bounds, bounds[1:]))
-        padded = chunk.new_zeros((longest, chunk.shape[1]))
-        padded[:chunk.shape[0]] = chunk
-        parts = [torch.empty_like(padded) for _ in range(self.tp.size)]
-        dist.all_gather(parts, padded, group=self.tp.group)
-        return torch.cat([part[:b - a] for part, a, b in zip(parts, bounds, bounds[1:])])
+        return gather_chunks(self.tp, chunk, self._exchange.bounds)
+
+
+def gather_chunks(tp: TensorParallel, chunk: torch.Tensor, bounds: list[int]) -> torch.Tensor:
+    """Every tensor-parallel rank's chunk on every one of them (padded to the longest: gloo gathers equal sizes).
+    With no tokens at all (an idle data-parallel rank) there is nothing to gather, on any of its ranks alike."""
+    longest = max(b - a for a, b in zip(bounds, bounds[1:]))
+    if tp.size == 1 or not longest:
+        return chunk
+    padded = chunk.new_zeros((longest, chunk.shape[1]))
+    padded[:chunk.shape[0]] = chunk
+    parts = [torch.empty_like(padded) for _ in range(tp.size)]
+    dist.all_gather(parts, padded, group=tp.group)
+    return torch.cat([part[:b - a] for part, a, b in zip(parts, bounds, bounds[1:])])
+
+
+class DataParallelDispatcher:
+    """All-to-all over every rank of every data-parallel attention rank (``tp.data_parallel.group``).
+
+    A data-parallel rank's tensor-parallel ranks split its tokens into chunks, as :class:`AllToAllDispatcher` does;
+    each rank sends its chunk's (token, expert) pairs, sorted by expert (so by owner, and ascending per token), to
+    the experts' owners among all ``dp x tp`` ranks. The other data-parallel ranks' routing is unknown here, so the
+    counts go first (one all-to-all of ``dp x tp`` integers) and each row's expert id with it. A data-parallel rank
+    with nothing to run enters every MoE layer with no tokens: it sends nothing, runs its experts on what the
+    others send, and sends their outputs back, so no collective waits for it.
+    """
+
+    def __init__(self, tp: TensorParallel, num_experts: int):
+        self.tp = tp
+        self.per_rank = num_experts // tp.expert_size
+        self.ordered = False
+        self.local = slice(0, 0)
+        self._bounds: list[int] = [0, 0]
+        self._sent = torch.empty(0, dtype=torch.int64)  # this chunk's pairs in the order they were sent
+        self._send_counts: list[int] = []
+        self._receive_counts: list[int] = []
+
+    def _all_to_all(self, output: torch.Tensor, tensor: torch.Tensor, output_counts: list[int],
+                    input_counts: list[int]) -> torch.Tensor:
+        dist.all_to_all_single(output, tensor.contiguous(), output_counts, input_counts,
+                               group=self.tp.data_parallel.group)
+        return output
+
+    def dispatch(self, hidden: torch.Tensor, ids: torch.Tensor) -> Dispatched:
+        tp, top_k = self.tp, ids.shape[1]
+        bounds = self._bounds = [ids.shape[0] * r // tp.size for r in range(tp.size + 1)]
+        self.local = slice(bounds[tp.rank], bounds[tp.rank + 1])
+        flat = ids[self.local].reshape(-1).to(torch.int64)
+        self._sent = torch.argsort(flat, stable=True)
+        experts = flat[self._sent]
+        send_counts = torch.bincount(experts // self.per_rank, minlength=tp.expert_size)
+        receive_counts = self._all_to_all(torch.empty_like(send_counts), send_counts, [1] * tp.expert_size,
+                                          [1] * tp.expert_size)
+        self._send_counts, self._receive_counts = send_counts.tolist(), receive_counts.tolist()
+        received = sum(self._receive_counts)
+        rows = self._all_to_all(hidden.new_empty((received, hidden.shape[1])),
+                                hidden[self.local.start + self._sent // top_k], self._receive_counts,
+                                self._send_counts)
+        local_ids = self._all_to_all(experts.new_empty(received), experts, self._receive_counts, self._send_counts)
+        return Dispatched(rows, (local_ids - tp.expert_rank * self.per_rank).unsqueeze(1), None)
+
+    def combine(self, outputs: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        back = self._all_to_all(outputs.new_empty((self._sent.numel(), outputs.shape[1])), outputs,
+                                self._send_counts, self._receive_counts)
+        top_k = weights.shape[1]
+        return weighted_sum(back, weights[self.local].reshape(-1)[self._sent], self._sent // top_k,
+                            self.local.stop - self.local.start, self.ordered)
+
+    def gather(self, chunk: torch.Tensor) -> torch.Tensor:
+        return gather_chunks(self.tp, chunk, self._bounds)
