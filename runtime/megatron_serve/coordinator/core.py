@@ -55,7 +55,7 @@ from .droplog import DropLog
 from .effects import Effect, Probe, Send
 from .peers import ClientRecord, EngineRecord
 from .prompts import DEFAULT_MAX_IMAGE_BYTES
-from .requests import Phase, RequestRecord, RequestTable, token_delta
+from .requests import Phase, RequestRecord, RequestTable, without_record
 from .step_tokens import StepShares, catch_up
 from .verbs import VerbRunner
 
@@ -466,7 +466,7 @@ class CoordinatorCore:
         if client is None or client.identity is None:
             return
         if out.finished:
-            raw = msgspec.Raw(_ENCODE.encode(token_delta(out)))
+            raw = msgspec.Raw(_ENCODE.encode(without_record(out)))
         steps.add(client.identity, client.batches, record.client_request_id, raw)
 
     def _finish_from_engine(self, engine: EngineRecord, record: RequestRecord, out: RequestDelta) -> None:

@@ -26,6 +26,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Iterator
 
+import msgspec
+
 from ..wire.accumulator import DeltaAccumulator
 from ..wire.expert_routing import RoutingRecord, routing_to_wire
 from ..wire.messages import ClientId, RequestDelta, RoutingRows, TokenDelta
@@ -124,11 +126,9 @@ class RequestRecord:
         return delta
 
 
-def token_delta(out: RequestDelta) -> TokenDelta:
-    """An engine's delta without its engine-side fields (a finished one's record goes in ``RESULT``)."""
-    return TokenDelta(new_tokens=out.new_tokens, new_log_probs=out.new_log_probs, top_ids=out.top_ids,
-                      top_log_probs=out.top_log_probs, epochs=out.epochs, routing=out.routing,
-                      cached_tokens=out.cached_tokens, prompt_scores=out.prompt_scores)
+def without_record(out: RequestDelta) -> RequestDelta:
+    """A finished request's delta without its final record (that goes in ``RESULT``); every other field as it came."""
+    return msgspec.structs.replace(out, request=msgspec.UNSET)
 
 
 class RequestTable:

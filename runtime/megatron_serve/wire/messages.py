@@ -472,9 +472,9 @@ def delta_past(delta: TokenDelta, start: int, have: int) -> TokenDelta | None:
         return None if values is None else cut(values)
 
     epochs = None if delta.epochs is None else [cut(e) for e in delta.epochs]
-    return TokenDelta(new_tokens=delta.new_tokens[drop:], epochs=epochs, new_log_probs=cut_some(delta.new_log_probs),
-                      top_ids=cut_some(delta.top_ids), top_log_probs=cut_some(delta.top_log_probs),
-                      routing=delta.routing, cached_tokens=delta.cached_tokens, prompt_scores=delta.prompt_scores)
+    return msgspec.structs.replace(delta, new_tokens=delta.new_tokens[drop:], epochs=epochs,
+                                   new_log_probs=cut_some(delta.new_log_probs), top_ids=cut_some(delta.top_ids),
+                                   top_log_probs=cut_some(delta.top_log_probs))
 
 
 class StepTokensOut(Body):
