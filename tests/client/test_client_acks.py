@@ -47,7 +47,7 @@ class RawCoordinator:
 
     def result(self, crid: str) -> None:
         """The request's token, then its record (which does not repeat the tokens: the client has them)."""
-        self.send(Header.TOKENS, {"client_request_id": crid, "new_tokens": [7]})
+        self.send(Header.STEP_TOKENS, {"client_request_ids": [crid], "deltas": [{"new_tokens": [7]}]})
         self.send(Header.RESULT, {"client_request_id": crid, "request": {
             "request_id": f"c/{crid}", "prompt_tokens": [1, 2, 3], "status": "COMPLETED", "finish_reason": "length"}})
 

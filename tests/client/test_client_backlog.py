@@ -53,7 +53,7 @@ async def test_a_backlog_of_tokens_lets_other_tasks_run(monkeypatch):
         _, frame = await asyncio.to_thread(router.recv_multipart)
         assert decode(frame, TO_COORDINATOR)[0] is Header.SUBMIT
 
-        tokens = encode(Header.TOKENS, {"client_request_id": "r", "new_tokens": [7]})
+        tokens = encode(Header.STEP_TOKENS, {"client_request_ids": ["r"], "deltas": [{"new_tokens": [7]}]})
         for _ in range(BACKLOG):
             router.send_multipart([identity, tokens])
         time.sleep(1.0)  # the loop is blocked: the whole backlog reaches the client's socket meanwhile

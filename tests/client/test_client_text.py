@@ -59,8 +59,8 @@ async def test_a_stop_string_ends_the_request_here_and_the_fleet_is_told_to_drop
         stream = client.add_request_streaming([1, 2, 3], params, request_id="r")
         items = asyncio.ensure_future(_collect(stream))
         assert [m.header for m in await received(coordinator)] == [Header.SUBMIT]
-        coordinator.send(Header.TOKENS, {"client_request_id": "r", "new_tokens": tokens,  # past the stop, in one go
-                                         "new_log_probs": [-0.5] * len(tokens)})
+        coordinator.send(Header.STEP_TOKENS, {"client_request_ids": ["r"], "deltas": [  # past the stop, in one go
+            {"new_tokens": tokens, "new_log_probs": [-0.5] * len(tokens)}]})
         *pieces, final = await asyncio.wait_for(items, 10)
         keep = next(k for k in range(1, len(tokens) + 1) if "gamma" in tokenizer.decode(tokens[:k]))
         assert final.status is RequestStatus.COMPLETED and final.finish_reason is FinishReason.STOP
@@ -84,7 +84,7 @@ async def test_without_a_tokenizer_of_its_own_the_client_loads_the_coordinators(
         assert client.tokenizer is not None
         request = asyncio.ensure_future(client.add_request([1, 2, 3], SamplingParams(), request_id="r"))
         await received(coordinator)
-        coordinator.send(Header.TOKENS, {"client_request_id": "r", "new_tokens": tokens})
+        coordinator.send(Header.STEP_TOKENS, {"client_request_ids": ["r"], "deltas": [{"new_tokens": tokens}]})
         coordinator.send(Header.RESULT, {"client_request_id": "r", "request": {
             "request_id": "c/r", "prompt_tokens": [1, 2, 3], "status": "COMPLETED", "finish_reason": "length"}})
         assert (await asyncio.wait_for(request, 10)).generated_text == "hello world"
@@ -98,11 +98,15 @@ async def test_a_coordinators_tokenizer_this_machine_cannot_read_leaves_text_emp
         assert client.num_pending == 0
 
 
-async def test_a_coordinator_below_protocol_4_is_not_submitted_to(tokenizer):
-    async with registered({"protocol": 3}, tokenizer=tokenizer) as (_, client):
-        with pytest.raises(CoordinatorError, match="protocol 3") as info:
+@pytest.mark.parametrize("protocol", [3, 5])
+async def test_a_coordinator_below_protocol_6_is_not_submitted_to(tokenizer, protocol):
+    """From 6 tokens travel only as STEP_TOKENS: an older coordinator would send TOKENS, which this client no longer
+    reads. The refusal names both versions."""
+    async with registered({"protocol": protocol}, tokenizer=tokenizer) as (_, client):
+        with pytest.raises(CoordinatorError, match=f"speaks protocol {protocol}; this client speaks 6") as info:
             client.add_request([1, 2, 3], SamplingParams())
-        assert info.value.code == "unsupported"
+        assert info.value.code == "unsupported" and "coordinators of 6 or later" in str(info.value)
+        assert client.num_pending == 0
 
 
 async def test_a_text_prompt_is_tokenized_here_and_the_fleet_sees_only_its_ids(tokenizer, tmp_path):
@@ -127,7 +131,7 @@ async def test_a_text_prompt_is_tokenized_here_and_the_fleet_sees_only_its_ids(t
 
 
 async def test_a_step_tokens_message_makes_each_of_its_requests_text_and_stops_one_at_its_stop_string(tokenizer):
-    """Protocol 5: one STEP_TOKENS carries a step's deltas of several requests; each goes to its own request, and a
+    """One STEP_TOKENS carries a step's deltas of several requests; each goes to its own request, and a
     stop string in one of them ends that one alone (the others go on)."""
     words = tokenizer.encode("alpha beta gamma delta", add_special_tokens=False)
     async with registered({"protocol": PROTOCOL_VERSION}, tokenizer=tokenizer) as (coordinator, client):

@@ -12,7 +12,7 @@ import msgspec
 
 from megatron_serve.coordinator import CoordinatorCore
 from megatron_serve.coordinator.effects import Effect, Probe, Send
-from megatron_serve.wire.messages import FROM_COORDINATOR, PROTOCOL_VERSION, Hello, StepTokens, Tokens
+from megatron_serve.wire.messages import FROM_COORDINATOR, PROTOCOL_VERSION, ClientId, Hello, StepTokens, TokenDelta
 from megatron_serve.wire.protocol import Header, Message, decode, unbatch
 
 
@@ -62,22 +62,31 @@ class CoreHarness:
 
     def take(self, identity: bytes, header: Header | None = None) -> list[Any]:
         """Bodies ``identity`` received since the last take (of ``header`` only, if given); BATCHes opened, a
-        ``STEP_TOKENS`` read as the ``TOKENS`` it stands for (one per request, as the client reads it), and
+        ``STEP_TOKENS`` read as one :class:`ClientDelta` per request (as the client reads it), and
         the records engines and clients decode on their own (``EngineSubmit.request``, ``Result.request``) as maps."""
         messages = []
         for message in self.inbox.pop(identity, []):
             for item in unbatch(message.body, FROM_COORDINATOR) if message.header is Header.BATCH else [message]:
-                messages += tokens_of_step(item.body) if item.header is Header.STEP_TOKENS else [item]
+                messages += tokens_of_step(item.body) if isinstance(item.body, StepTokens) else [item]
         kept = [m for m in messages if header is not None and m.header is not header]
         if kept:
             self.inbox[identity] = kept
         return [_opened(m.body) for m in messages if header is None or m.header is header]
 
 
+class ClientDelta(TokenDelta, kw_only=True):
+    """One request's share of a ``STEP_TOKENS``, as a client reads it: its id, its delta, and a catch-up's start."""
+
+    client_request_id: ClientId
+    start: int | None = None
+
+
 def tokens_of_step(step: StepTokens) -> list[Message]:
-    """The ``TOKENS`` messages a ``STEP_TOKENS`` stands for."""
-    return [Message(Header.TOKENS, Tokens(client_request_id=crid, **msgspec.structs.asdict(delta)))
-            for crid, delta in zip(step.client_request_ids, step.deltas)]
+    """The per-request deltas a ``STEP_TOKENS`` carries, each a message of its own."""
+    starts = step.starts or [None] * len(step.deltas)
+    return [Message(Header.STEP_TOKENS, ClientDelta(client_request_id=crid, start=start,
+                                                    **msgspec.structs.asdict(delta)))
+            for crid, delta, start in zip(step.client_request_ids, step.deltas, starts)]
 
 
 def _opened(body: Any) -> Any:

@@ -65,7 +65,7 @@ def test_a_lost_engine_hands_its_requests_to_another_which_continues_from_the_mi
     assert h.take(E1, Header.ENGINE_SUBMIT)
     step(h, E1, e1, "c1/r", [11])
     step(h, E1, e1, "c1/r", [12])
-    assert [t.new_tokens for t in h.take(C, Header.TOKENS)] == [[11], [12]]
+    assert [t.new_tokens for t in h.take(C, Header.STEP_TOKENS)] == [[11], [12]]
     e2 = h.engine(E2, group=1, capacity=1)
     h.gone.add(E1)
     h.send(C, Header.STATUS, Status(status_id=1))  # any input; the probe of the closed connection:
@@ -75,7 +75,7 @@ def test_a_lost_engine_hands_its_requests_to_another_which_continues_from_the_mi
     step(h, E1, e1, "c1/r", [99], finished=True)  # the lost engine's output never counts
     step(h, E2, e2, "c1/r", [13])
     step(h, E2, e2, "c1/r", [14], finished=True, record=final_record(moved, [11, 12, 13, 14]))
-    assert [t.new_tokens for t in h.take(C, Header.TOKENS)] == [[13], [14]]
+    assert [t.new_tokens for t in h.take(C, Header.STEP_TOKENS)] == [[13], [14]]
     assert [r.request["generated_tokens"] for r in h.take(C, Header.RESULT)] == [[11, 12, 13, 14]]
 
 

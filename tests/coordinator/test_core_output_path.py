@@ -1,8 +1,8 @@
-"""The coordinator on the output path (protocol 4): token ids to every client, records without them.
+"""The coordinator on the output path (protocol 6): token ids to every client, records without them.
 
 The client makes the text and finds stop strings, so every request's tokens reach it as they come
 (streamed or not), the ``RESULT`` record does not repeat them, and a client that reconnects gets
-every ``TOKENS`` it missed again, whole. A client that cannot make text (below protocol 4) is
+every token it missed again, whole (a ``STEP_TOKENS`` catch-up). A client below protocol 6 is
 refused at ``SUBMIT`` instead of getting results without it.
 """
 
@@ -12,7 +12,7 @@ import msgspec
 import numpy as np
 
 from megatron_serve.wire.expert_routing import routing_to_wire
-from megatron_serve.wire.messages import EngineStep, Hello, PromptScores, RoutingRows, RequestDelta, Submit
+from megatron_serve.wire.messages import PROTOCOL_VERSION, EngineStep, Hello, PromptScores, RoutingRows, RequestDelta, Submit
 from megatron_serve.wire.protocol import ErrorCode, Header
 
 from .core_harness import CoreHarness
@@ -41,7 +41,7 @@ def test_a_request_that_is_not_streamed_gets_its_tokens_and_a_record_without_the
     send_step(h, e1, delta([6], epochs=[[0], [0]]))
     send_step(h, e1, delta([7], finished=True, request=msgspec.Raw(msgspec.msgpack.encode(SLIM))))
     sent = h.take(C)
-    assert [type(b).__name__ for b in sent] == ["Tokens", "Tokens", "Tokens", "Result"]
+    assert [type(b).__name__ for b in sent] == ["ClientDelta", "ClientDelta", "ClientDelta", "Result"]
     first = sent[0]
     assert (first.new_tokens, first.new_log_probs, first.top_ids, first.top_log_probs) == (
         [5], [-0.5], [[5, 9]], [[-0.5, -1.5]])
@@ -62,12 +62,12 @@ def test_a_reconnected_client_gets_every_token_it_missed_with_what_went_with_the
     send_step(h, e1, delta([6, 7], new_log_probs=[-0.6, -0.7], epochs=[[3, 3], [2, 2]],
                            routing=RoutingRows(start=3, **routing_to_wire(rows[3:]))))
     h.take(C)
-    h.send(C, Header.HELLO, Hello(role="client", client_id="c1", acks=True, protocol=4))  # it reconnects
+    h.send(C, Header.HELLO, Hello(role="client", client_id="c1", acks=True, protocol=PROTOCOL_VERSION))  # it reconnects
     h.take(C, Header.HELLO_ACK)
     params = msgspec.Raw(msgspec.msgpack.encode({"num_tokens_to_generate": 8}))
     h.send(C, Header.SUBMIT, Submit(client_request_id="r", prompt=[1, 2, 3], sampling_params=params, stream=True,
                                     generated_tokens=[5]))  # it had only the first
-    [resent] = h.take(C, Header.TOKENS)
+    [resent] = h.take(C, Header.STEP_TOKENS)
     # an engine that sent no adapter versions: -1 (unknown) in the third list
     assert (resent.new_tokens, resent.new_log_probs, resent.epochs) == ([6, 7], [-0.6, -0.7],
                                                                         [[3, 3], [2, 2], [-1, -1]])

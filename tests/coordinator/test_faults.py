@@ -85,7 +85,7 @@ async def client(fleet):
 
 
 class Recorder:
-    """Counts RESULT and TOKENS messages as the client receives them (before any de-duplication)."""
+    """Counts RESULT messages as the client receives them (before any de-duplication)."""
 
     def __init__(self, client: InferenceClient) -> None:
         self.results: Counter = Counter()

@@ -107,10 +107,10 @@ def test_abort_ends_running_and_queued_requests_with_their_tokens_before_the_eng
     assert sorted(results) == ["r0", "r1", "r2"]
     assert {k: (r["status"], r["finish_reason"]) for k, r in results.items()} == {
         "r0": ("COMPLETED", "abort"), "r1": ("COMPLETED", "abort"), "r2": ("COMPLETED", "abort")}
-    assert [t.new_tokens for t in h.take(C, Header.TOKENS)] == [[5, 6]]  # r0's tokens went before its record
+    assert [t.new_tokens for t in h.take(C, Header.STEP_TOKENS)] == [[5, 6]]  # r0's tokens went before its record
     assert results["r0"]["error"] is None and results["r0"]["events"][-1]["type"] == "FINISH"
     step(h, E1, e1, "c1/r0", [7])  # the engine's step that crossed the ABORT: never delivered
-    assert not h.take(C, Header.TOKENS) and not h.take(C, Header.RESULT)
+    assert not h.take(C, Header.STEP_TOKENS) and not h.take(C, Header.RESULT)
     ack = ack_pause(h)
     assert (ack.detail["mode"], ack.detail["aborted"]) == ("abort", 3)
     reply = status(h)

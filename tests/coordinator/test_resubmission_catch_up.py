@@ -18,11 +18,11 @@ import pytest
 
 from megatron_serve.client.output_processor import OutputCollector
 from megatron_serve.client.pending_requests import PendingRequest, PendingRequests
-from megatron_serve.wire.messages import Result, Submit, Tokens
+from megatron_serve.wire.messages import Result, Submit, TokenDelta, delta_past
 from megatron_serve.wire.protocol import Header
 from megatron_serve.wire.sampling_params import SamplingParams
 
-from .core_harness import CoreHarness
+from .core_harness import ClientDelta, CoreHarness
 from .test_core import final_record, step
 
 OLD, NEW, ENGINE = b"client-old-socket", b"client-new-socket", b"engine-1"
@@ -45,8 +45,8 @@ def _streamed_after_an_overtaken_resubmission(keep_start: bool) -> list[int]:
         stream = pending.get("r").queue
 
         def receive(identity: bytes, strip: bool = False) -> None:
-            for body in h.take(identity, Header.TOKENS):
-                pending.on_delta(body.client_request_id, msgspec.structs.replace(body, start=None) if strip else body)
+            for body in h.take(identity, Header.STEP_TOKENS):
+                pending.on_delta(body.client_request_id, body, None if strip else body.start)
 
         h.client(OLD)
         engine = h.engine(ENGINE)
@@ -97,8 +97,8 @@ def _start(h: CoreHarness, loop: asyncio.AbstractEventLoop, params: SamplingPara
 def _deliver(h: CoreHarness, pending: PendingRequests, identity: bytes) -> None:
     """What ``identity`` received, read by the client's table in order (tokens and results)."""
     for body in h.take(identity):
-        if isinstance(body, Tokens):
-            pending.on_delta(body.client_request_id, body)
+        if isinstance(body, ClientDelta):
+            pending.on_delta(body.client_request_id, body, body.start)
         elif isinstance(body, Result):
             pending.on_final(body.client_request_id, msgspec.Raw(msgspec.msgpack.encode(body.request)))
 
@@ -161,20 +161,30 @@ def test_a_result_delivered_at_the_hello_comes_after_the_tokens_lost_with_the_ol
 @pytest.mark.parametrize(("have", "kept"), [(4, [13, 14, 15]), (5, [14, 15]), (7, None), (3, [12, 13, 14, 15])])
 def test_a_catch_up_is_cut_where_the_client_has_tokens_and_its_lists_with_it(have, kept):
     """Tokens 12-15 from index 3, of which 12 came with a resubmission (no log prob, no epochs of its own)."""
-    catch_up = Tokens(client_request_id="r", new_tokens=[12, 13, 14, 15], start=3, new_log_probs=[-1.3, -1.4, -1.5],
-                      epochs=[[0, 0, 1], [0, 1, 1], [-1, -1, -1]], top_ids=[[13], [14], [15]],
-                      top_log_probs=[[-1.3], [-1.4], [-1.5]])
-    past = catch_up.past(have)
+    catch_up = TokenDelta(new_tokens=[12, 13, 14, 15], new_log_probs=[-1.3, -1.4, -1.5],
+                          epochs=[[0, 0, 1], [0, 1, 1], [-1, -1, -1]], top_ids=[[13], [14], [15]],
+                          top_log_probs=[[-1.3], [-1.4], [-1.5]])
+    past = delta_past(catch_up, 3, have)
     if kept is None:
         assert past is None
         return
-    assert past.new_tokens == kept and past.start == max(have, 3)
+    assert past.new_tokens == kept
     n = min(len(kept), 3)
     assert past.new_log_probs == [-1.3, -1.4, -1.5][-n:] and past.top_ids == [[13], [14], [15]][-n:]
     assert past.epochs == [[0, 0, 1][-n:], [0, 1, 1][-n:], [-1, -1, -1][-n:]]
 
 
 def test_deltas_of_steps_are_never_cut():
-    """Only a catch-up says where it starts: a step's delta is all new."""
-    step_delta = Tokens(client_request_id="r", new_tokens=[5])
-    assert step_delta.past(10) is step_delta
+    """Only a catch-up says where it starts: a step's delta (no start) is all new, however many tokens the client
+    has."""
+    pending = PendingRequests()
+    loop = asyncio.new_event_loop()
+    try:
+        pending.add(_pending(loop, SamplingParams(num_tokens_to_generate=8)))
+        pending.on_delta("r", TokenDelta(new_tokens=[4, 5]))
+        pending.on_delta("r", TokenDelta(new_tokens=[6]))
+        assert pending.get("r").collector.tokens == [4, 5, 6]
+        pending.on_delta("r", TokenDelta(new_tokens=[5, 6, 7]), 1)  # the control: a catch-up from index 1 is cut
+        assert pending.get("r").collector.tokens == [4, 5, 6, 7]
+    finally:
+        loop.close()

@@ -139,7 +139,7 @@ def test_core_mirrors_rows_into_the_next_dispatch_and_a_result_it_finishes():
     h._perform(h.core.on_peer_gone(b"e1", "connection closed", h.now))
     moved = h.take(b"e2", Header.ENGINE_SUBMIT)[0].request
     np.testing.assert_array_equal(routing_from_wire(moved["routing_indices"]), rows)
-    sent = [t.routing for t in h.take(b"client", Header.TOKENS)]
+    sent = [t.routing for t in h.take(b"client", Header.STEP_TOKENS)]
     assert [r.start for r in sent] == [0, 9, 4]  # as the engine sent them: the client keeps what continues
     h.send(b"client", Header.ABORT, ClientAbort(client_request_id="r"))
     result = h.take(b"client", Header.RESULT)[0].request

@@ -26,7 +26,7 @@ TEXT = "x" * 100_000  # big messages fill the socket buffers quickly
 
 
 def tokens(n: int) -> bytes:
-    return encode(Header.TOKENS, {"client_request_id": f"r{n}", "new_tokens": [n], "new_text": TEXT})
+    return encode(Header.STEP_TOKENS, {"client_request_ids": [f"r{n}"], "deltas": [{"new_tokens": [n], "new_text": TEXT}]})
 
 
 def test_frames_a_full_queue_refused_arrive_later_in_order_and_unnested():
@@ -63,7 +63,7 @@ def test_frames_a_full_queue_refused_arrive_later_in_order_and_unnested():
                 items = list(unbatch(message.body, FROM_COORDINATOR)) if message.header is Header.BATCH else [message]
                 for item in items:
                     assert not isinstance(item, ProtocolError), item
-                    received.append(item.body.new_tokens[0])
+                    received.append(item.body.deltas[0].new_tokens[0])
         assert received == list(range(sent))
         assert not coordinator._backlog
     finally:

@@ -1,10 +1,11 @@
-"""Protocol 5's ``STEP_TOKENS``: one message per engine step and client instead of a ``TOKENS`` per request.
+"""``STEP_TOKENS``, the one token message (protocol 6): one message per engine step and client.
 
-A client that announced 5 gets, per engine step, one message with its unfinished requests' ids and their deltas
-as the engine encoded them (each client its own); a request that finishes in the step gets its last tokens as a
-``TOKENS`` before its ``RESULT``. A client that announced 4 gets a ``TOKENS`` per request, as before. Either way
-the coordinator keeps its mirror of every request's tokens: a request whose engine is lost goes on from them, and a
-client that reconnects gets what it missed. A ``STEP_TOKENS`` whose lists differ in length is refused where it enters.
+A client gets, per engine step, one message with its requests' ids and their deltas (an unfinished request's as
+the engine encoded it; a finished one's without its record, which follows in ``RESULT``), each client its own.
+The coordinator keeps its mirror of every request's tokens: a request whose engine is lost goes on from them, and a
+client that reconnects gets what it missed, as a ``STEP_TOKENS`` with ``starts``. A client below 6 is refused at
+``SUBMIT``. A ``STEP_TOKENS`` whose lists differ in length is refused where it enters; one over the frame limit goes
+as several.
 """
 
 from __future__ import annotations
@@ -13,8 +14,10 @@ import msgspec
 import pytest
 
 from megatron_serve.coordinator import step_tokens
-from megatron_serve.wire.messages import FROM_COORDINATOR, EngineStep, Hello, RequestDelta, StepTokens, Submit
-from megatron_serve.wire.protocol import Header, ProtocolError, decode, encode, unbatch
+from megatron_serve.wire.messages import (FROM_COORDINATOR, PROTOCOL_VERSION, EngineStep, Hello, RequestDelta, StepTokens,
+                                          Submit)
+from megatron_serve.coordinator.effects import Send
+from megatron_serve.wire.protocol import Header, Message, ProtocolError, decode, encode, unbatch
 
 from .core_harness import CoreHarness
 from .test_core import C, E1, E2, submit
@@ -47,14 +50,14 @@ def received(h: CoreHarness, identity: bytes) -> list[tuple[Header, object]]:
     return [(m.header, m.body) for m in messages]
 
 
-def fleet(client_protocol: int = 5) -> tuple[CoreHarness, str]:
+def fleet(client_protocol: int = PROTOCOL_VERSION) -> tuple[CoreHarness, str]:
     h = CoreHarness()
     h.send(C, Header.HELLO, Hello(role="client", client_id="c1", acks=True, protocol=client_protocol))
     h.take(C, Header.HELLO_ACK)
     return h, h.engine(E1, group=0)
 
 
-def test_a_step_reaches_a_protocol_5_client_as_one_message_with_the_engines_deltas():
+def test_a_step_reaches_a_client_as_one_message_with_the_engines_deltas():
     h, e1 = fleet()
     h.client(C2, client_id="c2")
     for crid in ("a", "b", "c"):
@@ -77,30 +80,37 @@ def test_a_step_reaches_a_protocol_5_client_as_one_message_with_the_engines_delt
     assert mirrored.get("c1/a").generated_tokens == [5] and mirrored.get("c2/d").generated_tokens == [8]
 
 
-def test_a_request_that_finishes_in_the_step_gets_its_last_tokens_before_its_result():
+def test_a_request_that_finishes_in_the_step_gets_its_last_tokens_in_the_step_before_its_result():
     h, e1 = fleet()
     submit(h, "a", tokens=2, stream=True)
     submit(h, "b", tokens=4, stream=True)
     h.take(E1)
     engine_step(h, e1, out("c1/a", [5]), out("c1/b", [6]))
     received(h, C)
-    engine_step(h, e1, out("c1/a", [7], finished=True), out("c1/b", [8]))
-    got = received(h, C)
-    assert [header for header, _ in got] == [Header.TOKENS, Header.RESULT, Header.STEP_TOKENS]
-    assert (got[0][1].client_request_id, got[0][1].new_tokens) == ("a", [7])
-    assert got[1][1].client_request_id == "a"
-    assert (got[2][1].client_request_ids, got[2][1].deltas[0].new_tokens) == (["b"], [8])
+    frames = [effect.frame for effect in h.core.on_message(E1, Message(Header.ENGINE_STEP, EngineStep(
+        engine_id=e1, outputs=[msgspec.Raw(msgspec.msgpack.encode(o)) for o in (out("c1/a", [7], finished=True),
+                                                                                out("c1/b", [8]))])), h.now)
+              if isinstance(effect, Send) and effect.identity == C]
+    got = [msgspec.msgpack.decode(frame) for frame in frames]
+    assert [header for header, _ in got] == [Header.STEP_TOKENS, Header.RESULT]
+    step = got[0][1]
+    assert step["client_request_ids"] == ["a", "b"] and [d["new_tokens"] for d in step["deltas"]] == [[7], [8]]
+    assert "request" not in step["deltas"][0]  # the finished one's record goes in its RESULT alone
+    assert step["deltas"][1]["request_id"] == "c1/b"  # the unfinished one's bytes are the engine's
+    assert got[1][1]["client_request_id"] == "a"
 
 
-def test_a_protocol_4_client_gets_a_tokens_per_request():
-    h, e1 = fleet(client_protocol=4)
+@pytest.mark.parametrize("protocol", [4, 5])
+def test_a_client_below_protocol_6_is_refused_at_submit_naming_both_versions(protocol):
+    h, _ = fleet(client_protocol=protocol)
     submit(h, "a", stream=True)
-    submit(h, "b", stream=True)
-    h.take(E1)
-    engine_step(h, e1, out("c1/a", [5]), out("c1/b", [6]))
-    got = received(h, C)
-    assert [(header, body.client_request_id, body.new_tokens) for header, body in got] == [
-        (Header.TOKENS, "a", [5]), (Header.TOKENS, "b", [6])]
+    [error] = h.take(C, Header.ERROR)
+    assert error.code == "unsupported" and error.client_request_id == "a"
+    assert f"speaks protocol {protocol}" in error.message and "clients of 6 or later" in error.message
+    assert not h.take(E1, Header.ENGINE_SUBMIT)
+    h.client(C2, client_id="c2")  # the control: a client of this protocol is served
+    h.send(C2, Header.SUBMIT, streamed("b"))
+    assert h.take(E1, Header.ENGINE_SUBMIT)
 
 
 def test_the_mirror_behind_step_tokens_serves_a_reconnected_client_and_a_moved_request():
@@ -111,8 +121,9 @@ def test_the_mirror_behind_step_tokens_serves_a_reconnected_client_and_a_moved_r
     engine_step(h, e1, out("c1/a", [6, 7]))
     assert [header for header, _ in received(h, C)] == [Header.STEP_TOKENS, Header.STEP_TOKENS]
     h.send(C, Header.SUBMIT, streamed("a", have=[5]))  # the client reconnected with one of them
-    missed = received(h, C)
-    assert [(header, body.new_tokens) for header, body in missed] == [(Header.TOKENS, [6, 7])]
+    [(header, missed)] = received(h, C)
+    assert (header, missed.client_request_ids, missed.starts) == (Header.STEP_TOKENS, ["a"], [1])
+    assert [d.new_tokens for d in missed.deltas] == [[6, 7]]
     h.core.on_peer_gone(E1, "lost", h.now)  # the engine is gone: the request goes on elsewhere from its tokens
     h.engine(E2, group=1)
     moved = h.take(E2, Header.ENGINE_SUBMIT)
@@ -123,17 +134,21 @@ def test_a_step_tokens_whose_lists_differ_in_length_is_refused():
     frame = encode(Header.STEP_TOKENS, {"client_request_ids": ["a", "b"], "deltas": [{"new_tokens": [5]}]})
     with pytest.raises(ProtocolError, match="2 client_request_ids for 1 deltas"):
         decode(frame, FROM_COORDINATOR)
+    frame = encode(Header.STEP_TOKENS, {"client_request_ids": ["a"], "deltas": [{"new_tokens": [5]}], "starts": []})
+    with pytest.raises(ProtocolError, match="0 starts for 1 deltas"):
+        decode(frame, FROM_COORDINATOR)
     assert isinstance(decode(encode(Header.STEP_TOKENS, {"client_request_ids": ["a"], "deltas": [
         {"new_tokens": [5], "request_id": "c1/a", "finished": False}]}), FROM_COORDINATOR).body, StepTokens)
 
 
-def test_a_step_tokens_over_the_size_limit_goes_as_a_tokens_per_request(monkeypatch):
+def test_a_step_tokens_over_the_size_limit_goes_as_several(monkeypatch):
     h, e1 = fleet()
-    submit(h, "a", stream=True)
-    submit(h, "b", stream=True)
+    for crid in ("a", "b", "c"):
+        submit(h, crid, stream=True)
     h.take(E1)
-    monkeypatch.setattr(step_tokens, "MAX_MESSAGE_BYTES", 40)  # a whole step no longer fits; one request's does
-    engine_step(h, e1, out("c1/a", [5]), out("c1/b", [6]))
+    monkeypatch.setattr(step_tokens, "MAX_MESSAGE_BYTES", 140)  # a whole step no longer fits; two requests' do
+    engine_step(h, e1, out("c1/a", [5]), out("c1/b", [6]), out("c1/c", [7]))
     got = received(h, C)
-    assert [(header, body.client_request_id, body.new_tokens) for header, body in got] == [
-        (Header.TOKENS, "a", [5]), (Header.TOKENS, "b", [6])]
+    assert [(header, body.client_request_ids) for header, body in got] == [
+        (Header.STEP_TOKENS, ["a", "b"]), (Header.STEP_TOKENS, ["c"])]
+    assert [d.new_tokens for _, body in got for d in body.deltas] == [[5], [6], [7]]

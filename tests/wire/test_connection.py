@@ -6,7 +6,7 @@ import pytest
 import zmq
 
 from megatron_serve.wire.connection import Connection, Unauthorized
-from megatron_serve.wire.messages import PROTOCOL_VERSION, Error, Heartbeat, HelloAck, Tokens
+from megatron_serve.wire.messages import PROTOCOL_VERSION, Error, Heartbeat, HelloAck, StepTokens, TokenDelta
 from megatron_serve.wire.protocol import Header, decode, encode, encode_batch
 
 HELLO = {"role": "client", "client_id": "c", "acks": True}
@@ -36,7 +36,7 @@ def test_hello_waits_for_a_connection_then_is_retried_with_backoff_until_answere
     sent = [t for t in (0.0, 0.05, 0.1, 0.2, 0.31, 0.7, 0.72, 1.6) if c.due(t)[0]]
     assert sent == [0.0, 0.1, 0.31, 0.72, 1.6]  # 0.1, 0.2, 0.4, 0.8 ... apart
     hello = decode(encode(Header.HELLO, c.hello), {Header.HELLO: dict}).body
-    assert hello["protocol"] == PROTOCOL_VERSION == 5 and hello["client_id"] == "c"
+    assert hello["protocol"] == PROTOCOL_VERSION == 6 and hello["client_id"] == "c"
     first = c.receive(ack(), 2.0)
     assert [m.header for m in first] == [Header.HELLO_ACK] and c.registered and c.session == 1
     assert c.receive(ack(), 2.1) == []  # the answer to a retried HELLO
@@ -110,8 +110,9 @@ def test_a_new_connection_registers_again_and_handshakes_that_keep_failing_are_f
 
 def test_batches_are_opened_and_bad_frames_dropped():
     c = Connection(HELLO)
-    tokens = [encode(Header.TOKENS, Tokens(client_request_id=str(i), new_tokens=[i])) for i in range(3)]
+    tokens = [encode(Header.STEP_TOKENS, StepTokens(client_request_ids=[str(i)], deltas=[TokenDelta(new_tokens=[i])]))
+              for i in range(3)]
     messages = c.receive(encode_batch([ack(), *tokens]), 0.0)
-    assert [m.header for m in messages] == [Header.HELLO_ACK, *[Header.TOKENS] * 3]
-    assert [m.body.new_tokens for m in messages[1:]] == [[0], [1], [2]]
+    assert [m.header for m in messages] == [Header.HELLO_ACK, *[Header.STEP_TOKENS] * 3]
+    assert [m.body.deltas[0].new_tokens for m in messages[1:]] == [[0], [1], [2]]
     assert c.receive(b"\x93not msgpack", 0.1) == []

@@ -75,16 +75,27 @@ def test_a_batch_carries_whole_messages_and_an_unreadable_one_is_dropped_alone()
     assert int(Header.REFIT) == 26  # reserved for the refit issue; numbers are part of the contract
 
 
+def test_the_retired_tokens_header_is_refused_by_number_and_never_reused():
+    """Protocol 6 retired ``TOKENS`` (11): a frame of it is refused with one line naming the number, and no header
+    took its number."""
+    assert 11 not in {int(header) for header in Header}
+    with pytest.raises(ProtocolError, match="unknown header 11"):
+        decode(pack([11, {"client_request_id": "r", "new_tokens": [1]}]), FROM_COORDINATOR)
+    assert decode(encode(Header.STEP_TOKENS, {"client_request_ids": ["r"], "deltas": [{"new_tokens": [1]}]}),
+                  FROM_COORDINATOR).body.deltas[0].new_tokens == [1]  # the control: the one token message
+
+
 def test_decode_all_reads_a_batch_in_one_call_as_message_by_message_and_drops_a_bad_one_alone():
-    tokens = [encode(Header.TOKENS, {"client_request_id": f"r{i}", "new_tokens": [i, i + 1]}) for i in range(5)]
+    tokens = [encode(Header.STEP_TOKENS, {"client_request_ids": [f"r{i}"], "deltas": [{"new_tokens": [i, i + 1]}]})
+              for i in range(5)]
     frame = encode_batch(tokens)
     assert decode_all(frame, FROM_COORDINATOR) == list(unbatch(decode(frame, FROM_COORDINATOR).body, FROM_COORDINATOR))
-    assert [m.body.new_tokens for m in decode_all(frame, FROM_COORDINATOR)] == [[i, i + 1] for i in range(5)]
+    assert [m.body.deltas[0].new_tokens for m in decode_all(frame, FROM_COORDINATOR)] == [[i, i + 1] for i in range(5)]
     assert decode_all(tokens[0], FROM_COORDINATOR) == [decode(tokens[0], FROM_COORDINATOR)]  # a lone message
-    bad = pack([int(Header.TOKENS), {"client_request_id": "x", "new_tokens": "not a list"}])
+    bad = pack([int(Header.STEP_TOKENS), {"client_request_ids": ["x"], "deltas": [{"new_tokens": "not a list"}]}])
     items = decode_all(encode_batch([tokens[0], bad, encode_batch(tokens[1:3]), tokens[3]]), FROM_COORDINATOR)
     assert [type(i).__name__ for i in items] == ["Message", "ProtocolError", "ProtocolError", "Message"]
-    assert "inside a BATCH" in str(items[2]) and items[3].body.client_request_id == "r3"
+    assert "inside a BATCH" in str(items[2]) and items[3].body.client_request_ids == ["r3"]
     with pytest.raises(ProtocolError, match="not msgpack"):
         decode_all(b"\x92\x01", FROM_COORDINATOR)
 
@@ -147,7 +158,9 @@ RICH = [
                                     "protocol": 3}),
     (TO_COORDINATOR, Header.RESULT_ACK, {"client_request_ids": ["a", 2]}),
     (FROM_COORDINATOR, Header.RESULT, {"client_request_id": "r", "request": {"status": "COMPLETED"}}),
-    (FROM_COORDINATOR, Header.TOKENS, {"client_request_id": "r", "new_tokens": [1, 2], "top_logprobs": [[[1, -0.5]]]}),
+    (FROM_COORDINATOR, Header.STEP_TOKENS, {"client_request_ids": ["r"], "deltas": [{"new_tokens": [1, 2],
+                                                                                       "top_logprobs": [[[1, -0.5]]]}],
+                                            "starts": [3]}),
     (FROM_COORDINATOR, Header.HELLO_ACK, {"coordinator_id": "c", "state": "PAUSED", "protocol": 3}),
 ]
 

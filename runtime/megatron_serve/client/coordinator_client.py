@@ -38,7 +38,7 @@ import msgspec
 from ..errors import ClientNotStarted
 from ..wire.connection import Connection, ControlError, CoordinatorError, CoordinatorLost, Unauthorized
 from ..limits import DEFAULT_COORDINATOR_GRACE
-from ..wire.messages import SUBMIT_PROTOCOL, Error, HelloAck, TokenDelta
+from ..wire.messages import PROTOCOL_VERSION, SUBMIT_PROTOCOL, Error, HelloAck
 from ..multimodal import PromptImage
 from .output_processor import OutputCollector, check_params, load_tokenizer
 from .prompts import ImagePrompt, Prompt, prompt_for_fleet
@@ -66,7 +66,7 @@ __all__ = ["InferenceClient", "CoordinatorError", "CoordinatorLost", "ControlErr
 #: included. The rest of a batch is read without a future per message: 1.4 us instead of 22.6 us.
 _BATCH = 32
 #: Messages handled in one turn of the event loop before it runs again. A frame may be a BATCH of one
-#: message per request in flight (every request's tokens of one engine step), and each TOKENS makes
+#: message per request in flight (every request's tokens of one engine step), and each delta makes
 #: text here: 32 such frames at 64 streams were 2,048 messages in one turn.
 _MESSAGES_PER_TURN = 256
 
@@ -252,8 +252,9 @@ class InferenceClient(FleetVerbs):
 
     @staticmethod
     def _old_coordinator(ack: HelloAck) -> str:
-        return (f"coordinator {ack.coordinator_id} speaks protocol {ack.protocol}; submitting needs "
-                f"{SUBMIT_PROTOCOL} (its results carry no text for this client to continue): upgrade it")
+        return (f"coordinator {ack.coordinator_id} speaks protocol {ack.protocol}; this client speaks "
+                f"{PROTOCOL_VERSION} and submits to coordinators of {SUBMIT_PROTOCOL} or later (tokens travel only "
+                f"as STEP_TOKENS, and the client makes the text): upgrade the coordinator")
 
     def close(self) -> None:
         """Close the connection (not the fleet: that is :meth:`stop`); pending futures fail."""
@@ -370,11 +371,18 @@ class InferenceClient(FleetVerbs):
                 await asyncio.sleep(0)  # more may be waiting: let the event loop run first (see _BATCH)
 
     def _on_message(self, header: Header, body: Any) -> None:
-        if header is Header.STEP_TOKENS:  # a step's TOKENS of this client's requests, in one message
-            for client_request_id, delta in zip(body.client_request_ids, body.deltas):
-                self._on_tokens(client_request_id, delta)
-        elif header is Header.TOKENS:
-            self._on_tokens(body.client_request_id, body)
+        if header is Header.STEP_TOKENS:  # a step's deltas of this client's requests (or catch-ups: starts)
+            on_delta = self._pending.on_delta
+            if body.starts is None:
+                for client_request_id, delta in zip(body.client_request_ids, body.deltas):
+                    stopped = on_delta(client_request_id, delta)
+                    if stopped is not None:  # a stop string ended it here: its engine drops it
+                        self._send(Header.ABORT, {"client_request_id": stopped.request_id})
+                return
+            for client_request_id, delta, start in zip(body.client_request_ids, body.deltas, body.starts):
+                stopped = on_delta(client_request_id, delta, start)
+                if stopped is not None:
+                    self._send(Header.ABORT, {"client_request_id": stopped.request_id})
         elif header is Header.HELLO_ACK:
             self._on_registered(body)
         elif header is Header.HEARTBEAT:
@@ -397,11 +405,6 @@ class InferenceClient(FleetVerbs):
                 future.set_result(msgspec.structs.asdict(body))
         elif header is Header.ERROR:
             self._on_error(body)
-
-    def _on_tokens(self, client_request_id: Any, delta: TokenDelta) -> None:
-        stopped = self._pending.on_delta(client_request_id, delta)
-        if stopped is not None:  # a stop string ended it here: its engine drops it
-            self._send(Header.ABORT, {"client_request_id": stopped.request_id})
 
     def _on_error(self, body: Error) -> None:
         code, message = body.code, body.message

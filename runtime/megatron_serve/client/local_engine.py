@@ -85,7 +85,7 @@ class EngineThread:
     The thread only steps: each step's deltas (:func:`~megatron_serve.engine.output.step_delta`,
     token ids) go to the event loop of each request's caller in one call, and that loop makes the
     text and finds stop strings (:class:`~megatron_serve.client.pending_requests.PendingRequests`), as an
-    ``InferenceClient`` does with a fleet's ``TOKENS``. A request a stop string ends is resolved
+    ``InferenceClient`` does with a fleet's ``STEP_TOKENS``. A request a stop string ends is resolved
     there at once and aborted here.
 
     Requests submitted in one turn of the caller's event loop reach the engine together, before its

@@ -1,7 +1,7 @@
 """Requests submitted and not resolved yet, and what arrives for them: the client side of the output path.
 
 Both engine clients keep them: :class:`~megatron_serve.client.coordinator_client.InferenceClient` (deltas come as
-``TOKENS``, the final record as ``RESULT``) and, in direct mode, the caller's event loop in
+``STEP_TOKENS``, the final record as ``RESULT``) and, in direct mode, the caller's event loop in
 :mod:`megatron_serve.client.local_engine` (the engine thread hands it each step's deltas). Each pending
 request holds its :class:`~megatron_serve.client.output_processor.OutputCollector`: deltas become stream
 pieces and text here, a stop string ends the request here (the caller then aborts it where it
@@ -18,7 +18,7 @@ from typing import Any, Iterator
 
 import msgspec
 
-from ..wire.messages import TokenDelta, Tokens
+from ..wire.messages import TokenDelta, delta_past
 from .output_processor import OutputCollector
 from .outputs import unreadable_result
 from ..wire.request import DynamicInferenceRequest, FinalRecord
@@ -93,15 +93,15 @@ class PendingRequests:
     def get(self, request_id: Any) -> PendingRequest | None:
         return self._by_id.get(str(request_id))
 
-    def on_delta(self, request_id: Any, delta: TokenDelta) -> PendingRequest | None:
-        """Take a request's new tokens; returns the request when a stop string ended it here (resolved
-        already: the caller aborts it where it runs)."""
+    def on_delta(self, request_id: Any, delta: TokenDelta, start: int | None = None) -> PendingRequest | None:
+        """Take a request's new tokens (``start``: a catch-up's, from generated token ``start`` on); returns the
+        request when a stop string ended it here (resolved already: the caller aborts it where it runs)."""
         pending = self._by_id.get(str(request_id))
         if pending is None:
             return None
         collector = pending.collector
-        if isinstance(delta, Tokens) and delta.start is not None:  # a catch-up: the steps since may have come first
-            delta = delta.past(len(collector.tokens))
+        if start is not None:  # a catch-up: the steps since may have come first
+            delta = delta_past(delta, start, len(collector.tokens))
             if delta is None:
                 return None
         partial = collector.add(delta)

@@ -1,5 +1,4 @@
-"""Turning a queue of streamed items into an async iterator that aborts its request when abandoned, and the
-inbox where a server's submission gathers the items of its streams."""
+"""Turning a queue of streamed items into an async iterator that aborts its request when abandoned."""
 
 from __future__ import annotations
 
@@ -38,42 +37,3 @@ async def iterate_stream(items: asyncio.Queue, abandon: Callable[[], None]) -> A
     finally:
         if not finished:
             abandon()
-
-
-class Inbox:
-    """A sink whose reader takes everything that arrived since it last looked, in one wake-up.
-
-    The receive loop files a step's items for many streams in one pass; an ``asyncio.Queue`` cost
-    its reader a ``get`` (a loop of checks and a waiter hand-off) per item, about 7% of the HTTP
-    server's profile at 64 streams. Here a reader that finds items takes them all without waiting,
-    and a waiting reader is woken once however many arrive before it runs.
-    """
-
-    __slots__ = ("_items", "_waiter")
-
-    def __init__(self) -> None:
-        self._items: list[Any] = []
-        self._waiter: asyncio.Future | None = None
-
-    def put_nowait(self, item: Any) -> None:
-        self._items.append(item)
-        waiter = self._waiter
-        if waiter is not None and not waiter.done():
-            waiter.set_result(None)
-
-    def idle(self) -> bool:
-        """The reader waits and nothing is filed: it has handled everything that came (what it was handed is
-        written), so an item handled outside it now keeps the order."""
-        waiter = self._waiter
-        return waiter is not None and not waiter.done() and not self._items
-
-    async def take(self) -> list[Any]:
-        """Every item that arrived, in order (waits for one when there is none)."""
-        if not self._items:
-            self._waiter = asyncio.get_running_loop().create_future()
-            try:
-                await self._waiter
-            finally:
-                self._waiter = None
-        items, self._items = self._items, []
-        return items

@@ -25,6 +25,7 @@ from ..limits import DEFAULT_MAX_REQUEST_LOGPROBS, engine_request_cost, over_bud
 from ..wire.lifecycle import FleetState
 from ..wire.messages import (
     RENDEZVOUS_SCHEME,
+    PROTOCOL_VERSION,
     SUBMIT_PROTOCOL,
     TO_COORDINATOR,
     ClientAbort,
@@ -42,7 +43,7 @@ from ..wire.messages import (
     RequestDelta,
     Submit,
 )
-from ..wire.protocol import (HEADER_VERBS, MAX_MESSAGE_BYTES, ErrorCode, Header, Message, ProtocolError, Role, encode,
+from ..wire.protocol import (HEADER_VERBS, ErrorCode, Header, Message, ProtocolError, Role, encode,
                              unbatch)
 from .routing import RoutingPolicy, make_routing_policy
 from ..wire.accumulator import DeltaAccumulator
@@ -55,8 +56,8 @@ from .droplog import DropLog
 from .effects import Effect, Probe, Send
 from .peers import ClientRecord, EngineRecord
 from .prompts import DEFAULT_MAX_IMAGE_BYTES
-from .requests import Phase, RequestRecord, RequestTable
-from .step_tokens import STEP_PROTOCOL, StepShares
+from .requests import Phase, RequestRecord, RequestTable, without_record
+from .step_tokens import StepShares, catch_up
 from .verbs import VerbRunner
 
 logger = logging.getLogger("megatron_serve.coordinator")
@@ -86,7 +87,6 @@ _STEP_OUTPUT = msgspec.msgpack.Decoder(RequestDelta)
 _FINAL_RECORD = msgspec.msgpack.Decoder(FinalRecord)
 _ENCODE = msgspec.msgpack.Encoder()
 _FINISHED = ("COMPLETED", "FAILED")
-_TOKENS = int(Header.TOKENS)
 
 
 class _FinalFacts(msgspec.Struct):
@@ -318,17 +318,19 @@ class CoordinatorCore:
         record = self.requests.get(key)
         if record is not None:
             # Resubmission after a reconnect: the request is already ours. Send what the client missed.
-            missed = record.tokens_after(len(body.generated_tokens or ()))
+            have = len(body.generated_tokens or ())
+            missed = record.tokens_after(have)
             if missed is not None:
-                self.send(identity, Header.TOKENS, missed)
+                self.send(identity, Header.STEP_TOKENS, catch_up(crid, missed, have))
             if record.phase is Phase.FINISHED:
                 self.deliver(record)
             return
         if client.protocol < SUBMIT_PROTOCOL:
             self.send(identity, Header.ERROR, Error(
                 code=ErrorCode.UNSUPPORTED.value, client_request_id=crid,
-                message=f"this client speaks protocol {client.protocol}; this coordinator sends token ids only "
-                        f"(protocol {SUBMIT_PROTOCOL}: the client makes the text): upgrade the client"))
+                message=f"this client speaks protocol {client.protocol}; this coordinator speaks {PROTOCOL_VERSION} "
+                        f"and serves clients of {SUBMIT_PROTOCOL} or later (tokens travel only as STEP_TOKENS, "
+                        f"and the client makes the text): upgrade the client"))
             return
         try:
             raw = body.sampling_params
@@ -387,7 +389,7 @@ class CoordinatorCore:
     def finish_here(self, record: RequestRecord, status: str, finish_reason: str, detail: str,
                     error: str | None = None) -> None:
         """Finish a request without an engine's record (aborted, or nothing left to compute): the record
-        has what an engine's final one has (the client got the tokens in ``TOKENS``)."""
+        has what an engine's final one has (the client got the tokens in ``STEP_TOKENS``)."""
         record.add_event("FAIL" if status == "FAILED" else "FINISH", detail)
         self._finish(record, FinalRecord(
             request_id=record.request_id, prompt_tokens=record.prompt_tokens,
@@ -438,7 +440,8 @@ class CoordinatorCore:
             self.drop(engine.engine_id, f"stale message for registration {body.engine_id!r}")
             return
         records, engine_id, decode = self.requests.records, engine.engine_id, _STEP_OUTPUT.decode
-        steps = StepShares()  # what protocol-5 clients get of this step, one message each
+        steps = StepShares()  # what each client gets of this step, one message
+        finished: list[tuple[RequestRecord, RequestDelta, bool]] = []
         for raw in body.outputs:
             try:
                 out = decode(raw)
@@ -450,36 +453,28 @@ class CoordinatorCore:
                 self.stale_outputs += 1  # aborted, or moved to another engine: never deliver twice
                 continue
             if out.new_tokens or out.routing is not None or out.prompt_scores is not None:
-                self._mirror(record, out, None if out.finished else (raw, steps))
+                self._mirror(record, out, raw, steps)
             handed_on = self.handoffs.active and self.handoffs.on_output(self, engine, record, out)
             if out.finished:
-                engine.assigned.discard(record.request_id)
-                engine.completed += 1
-                if not handed_on:
-                    self._finish_from_engine(engine, record, out)
+                finished.append((record, out, handed_on))
         self._out += steps.sends()
+        for record, out, handed_on in finished:  # their RESULTs after their last tokens
+            engine.assigned.discard(record.request_id)
+            engine.completed += 1
+            if not handed_on:  # a prefill engine's finish hands the request on to a decode engine
+                self._finish_from_engine(engine, record, out)
 
-    def _mirror(self, record: RequestRecord, out: RequestDelta,
-                forward: tuple[msgspec.Raw, StepShares] | None = None) -> None:
-        """Keep the step's share (a request that moves continues from its tokens) and send it on to the
-        client, which makes the text (for every request: stop strings are its job). ``forward``: the delta's
-        bytes and the step's shares, where a protocol-5 client's unfinished request joins its client's
-        ``STEP_TOKENS`` as the engine encoded it (a finished one's last tokens must go before its RESULT)."""
+    def _mirror(self, record: RequestRecord, out: RequestDelta, raw: msgspec.Raw, steps: StepShares) -> None:
+        """Keep the step's share (a request that moves continues from its tokens) and file it for the client's
+        ``STEP_TOKENS``, which makes the text (for every request: stop strings are its job): an unfinished
+        request's delta as the engine encoded it, a finished one's without its record (that goes in ``RESULT``)."""
+        record.keep(out)
         client = self.clients.get(record.client_id)
         if client is None or client.identity is None:
-            record.keep(out)
             return
-        if forward is not None and client.protocol >= STEP_PROTOCOL:
-            record.keep(out)
-            raw, steps = forward
-            steps.add(client.identity, client.batches, record.client_request_id, raw, out)
-            return
-        tokens = record.mirror(out)
-        frame = _ENCODE.encode((_TOKENS, tokens))  # encode()'s work, one message per request per step
-        if len(frame) <= MAX_MESSAGE_BYTES:
-            self._out.append(Send(client.identity, frame, client.batches))
-        else:
-            self.send(client.identity, Header.TOKENS, tokens, client.batches)  # logs why it is not sent
+        if out.finished:
+            raw = msgspec.Raw(_ENCODE.encode(without_record(out)))
+        steps.add(client.identity, client.batches, record.client_request_id, raw)
 
     def _finish_from_engine(self, engine: EngineRecord, record: RequestRecord, out: RequestDelta) -> None:
         """Finish with the engine's record, forwarded as its bytes when it is complete (the client

@@ -20,6 +20,7 @@ from ..wire.messages import PROTOCOL_VERSION, RENDEZVOUS_SCHEME, Error, Hello, H
 from ..wire.protocol import ErrorCode, Header, Role
 from .peers import ClientRecord, EngineRecord
 from .requests import Phase
+from .step_tokens import catch_up
 
 if TYPE_CHECKING:
     from .core import CoordinatorCore
@@ -176,7 +177,7 @@ def _register_client(core: "CoordinatorCore", identity: bytes, role: Role, body:
             continue
         tokens = record.tokens_after(0)
         if tokens is not None:
-            core.send(identity, Header.TOKENS, tokens, client.batches)
+            core.send(identity, Header.STEP_TOKENS, catch_up(record.client_request_id, tokens, 0), client.batches)
         if record.phase is Phase.FINISHED:
             core.deliver(record)
     # A verb that was in progress when the client lost its connection answers on the new one.

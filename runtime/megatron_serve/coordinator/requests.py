@@ -10,7 +10,7 @@ engine), ``FINISHED`` (its final record kept until delivered and acknowledged). 
 request whose engine disappears is queued again and continues elsewhere from those tokens; only the
 engine a request is dispatched to may add to it, so each token and each result is delivered once.
 What goes with the tokens (log probs, epochs, prompt scores) is mirrored too, for one reason only:
-a client that reconnects gets the ``TOKENS`` it missed again, whole.
+a client that reconnects gets the tokens it missed again, whole (a catch-up in ``STEP_TOKENS``).
 
 The final record is the engine's msgpack bytes, forwarded to the client as they came: the
 coordinator never parses it (the client validates it where it enters its process).
@@ -26,9 +26,11 @@ import time
 from dataclasses import dataclass, field
 from typing import Iterator
 
+import msgspec
+
 from ..wire.accumulator import DeltaAccumulator
 from ..wire.expert_routing import RoutingRecord, routing_to_wire
-from ..wire.messages import ClientId, RequestDelta, RoutingRows, Tokens
+from ..wire.messages import ClientId, RequestDelta, RoutingRows, TokenDelta
 from ..multimodal import PromptImage, cache_keys
 from ..wire.prefix_hash import adapter_root, salted_root
 from ..wire.request import EventType, RequestEvent
@@ -106,34 +108,27 @@ class RequestRecord:
         """Keep what one engine step added."""
         self.out.add(out, self.request_id)
 
-    def mirror(self, out: RequestDelta) -> Tokens:
-        """Keep what one engine step added; the ``TOKENS`` that carry it to the client."""
-        self.keep(out)
-        return tokens_of(self.client_request_id, out)
-
-    def tokens_after(self, have: int) -> Tokens | None:
-        """What a reconnected client that has ``have`` tokens lacks, whole (None: nothing); ``start`` says where it
-        begins (the client has more by the time it arrives: the steps forwarded since it sent its count)."""
+    def tokens_after(self, have: int) -> TokenDelta | None:
+        """What a reconnected client that has ``have`` tokens lacks, whole (None: nothing); its first token is
+        generated token ``have`` (the client has more by the time it arrives: the steps forwarded since it sent
+        its count)."""
         out = self.out
         if len(out.tokens) <= have:
             return None
         skip = max(have - out.resumed, 0)  # into the lists mirrored since the resubmission
-        tokens = Tokens(client_request_id=self.client_request_id, new_tokens=out.tokens[have:], start=have,
-                        new_log_probs=out.log_probs[skip:] or None,
-                        top_ids=out.top_ids[skip:] or None, top_log_probs=out.top_log_probs[skip:] or None,
-                        cached_tokens=out.cached_tokens, prompt_scores=out.prompt_scores)
+        delta = TokenDelta(new_tokens=out.tokens[have:], new_log_probs=out.log_probs[skip:] or None,
+                           top_ids=out.top_ids[skip:] or None, top_log_probs=out.top_log_probs[skip:] or None,
+                           cached_tokens=out.cached_tokens, prompt_scores=out.prompt_scores)
         if have >= out.resumed:
-            tokens.epochs = [out.policy_epochs[skip:], out.kv_epochs[skip:], out.lora_epochs[skip:]]
+            delta.epochs = [out.policy_epochs[skip:], out.kv_epochs[skip:], out.lora_epochs[skip:]]
         if out.routing is not None:  # every row: the client keeps those it has
-            tokens.routing = RoutingRows(start=0, **routing_to_wire(out.routing.array()))
-        return tokens
+            delta.routing = RoutingRows(start=0, **routing_to_wire(out.routing.array()))
+        return delta
 
 
-def tokens_of(client_request_id: ClientId, out: RequestDelta) -> Tokens:
-    """The ``TOKENS`` that carry one engine step's delta to the client."""
-    return Tokens(client_request_id=client_request_id, new_tokens=out.new_tokens, new_log_probs=out.new_log_probs,
-                  top_ids=out.top_ids, top_log_probs=out.top_log_probs, epochs=out.epochs, routing=out.routing,
-                  cached_tokens=out.cached_tokens, prompt_scores=out.prompt_scores)
+def without_record(out: RequestDelta) -> RequestDelta:
+    """A finished request's delta without its final record (that goes in ``RESULT``); every other field as it came."""
+    return msgspec.structs.replace(out, request=msgspec.UNSET)
 
 
 class RequestTable:

@@ -25,7 +25,7 @@ from .models import (
     Usage,
 )
 from .chunks import SLOT, ChunkWriter
-from .streaming import stream_answer
+from .streaming import EventStreamResponse, stream_answer
 from .tool_calls import Arguments, CallReader, CallStart, Content, Event, plan_tools
 from .translate import (
     EngineJob,
@@ -184,12 +184,12 @@ class ChatHandler:
             choice["token_ids"] = delta.tokens
         return writer.chunk([choice]), "tool_calls" in message
 
-    async def stream(self) -> StreamingResponse:
+    async def stream(self) -> EventStreamResponse:
         return await stream_answer(self.ctx.submit(self.jobs, self.id), _ChatEvents(self), self.id)
 
 
 class _ChatEvents(StreamedAnswer):
-    """The chunks of a streamed chat answer, made as the submission's items arrive (framing: ``openai_events``)."""
+    """The chunks of a streamed chat answer, made as items arrive (written by ``EventWriter``)."""
 
     def __init__(self, handler: ChatHandler) -> None:
         super().__init__(handler.req, handler.want_logprobs, handler.usage)

@@ -1,29 +1,29 @@
-"""Writing a streamed answer's events straight into uvicorn's connection, as HTTP/1.1 chunks.
+"""A streamed response's body chunks written straight into the connection: an ASGI extension of the server's own
+HTTP protocol (:class:`~.connections.ServerProtocol`).
 
-Every event of a stream went through uvicorn's ASGI ``send``: a message dict per event, a coroutine
-call, the checks of a response that has not started, and a list joined per chunk. That was the
-largest Python cost per streamed token left in the HTTP server's profile after the middleware was
-bypassed (``RequestResponseCycle.send``, 17% of the event loop's samples at 64 streams, the write
-system call included). :class:`ChunkedWriter` keeps what that ``send`` does for a body chunk of a
-started, chunked response (wait while the transport's buffer is full; nothing once the client left)
-and writes the chunk's framing and bytes in one ``transport.write``.
-
-Only uvicorn's httptools protocol is written this way, and only once the status line went through
-``send`` with chunked transfer encoding; any other server, or a response uvicorn frames otherwise,
-gets ``None`` and its events go through ``send`` as before. The end of the body still goes through
-``send``, so uvicorn's own bookkeeping (response complete, keep-alive) is untouched.
+Every event of a stream went through uvicorn's ASGI ``send`` (a message dict, a coroutine call, the checks of a
+response that has not started, a list joined per chunk) and, before it, the app's middleware: the largest Python
+cost per streamed token in the HTTP server's profiles. The protocol that owns the connection offers, in each
+request's scope (``scope["extensions"][EXTENSION]``), a :class:`ChunkedBody`: once the response's status line went
+through ``send`` with chunked transfer encoding, a chunk is its framing and bytes in one ``transport.write``, with
+what ``send`` does for a body chunk of a started chunked response (wait while the transport's buffer is full;
+nothing once the client left). The status line and the end of the body still go through ``send``, so the
+middleware sees every response start and end and uvicorn's bookkeeping (response complete, keep-alive) is its own.
+Another server, or a response uvicorn frames otherwise, has no usable extension: its chunks go through ``send``.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-#: The one ASGI server protocol whose connection state this module reads (uvicorn with httptools).
-_HTTPTOOLS_CYCLE = "uvicorn.protocols.http.httptools_impl"
+from starlette.types import Scope
+
+#: The scope extension's key.
+EXTENSION = "megatron_serve.chunked_body"
 
 
-class ChunkedWriter:
-    """Body chunks of one started, chunked uvicorn response (see the module docstring)."""
+class ChunkedBody:
+    """Body chunks of one response on one connection (uvicorn's httptools request-response cycle)."""
 
     __slots__ = ("_cycle", "_transport", "_flow")
 
@@ -31,6 +31,11 @@ class ChunkedWriter:
         self._cycle = cycle
         self._transport = cycle.transport
         self._flow = cycle.flow
+
+    def usable(self) -> bool:
+        """The response started with chunked transfer encoding (a streamed answer's does), not for a HEAD."""
+        cycle = self._cycle
+        return cycle.response_started and cycle.chunked_encoding is True and cycle.scope["method"] != "HEAD"
 
     def ready(self) -> bool:
         """A chunk written now goes out as :meth:`write` would send it, without waiting: the transport's buffer
@@ -41,14 +46,14 @@ class ChunkedWriter:
 
     def write_now(self, body: bytes) -> None:
         """One chunk of ``body`` written at once; only when :meth:`ready` said so (the chunks of one
-        stream's piece may go a little past the buffer's mark, as asyncio allows)."""
+        piece may go a little past the buffer's mark, as asyncio allows)."""
         if body:  # an empty chunk would end the body
             self._transport.write(b"%x\r\n%b\r\n" % (len(body), body))
 
     async def write(self, body: bytes) -> None:
-        """One chunk of ``body`` (not empty), as uvicorn's ``send`` writes ``{"body": body, "more_body": True}``."""
+        """One chunk of ``body``, as uvicorn's ``send`` writes ``{"body": body, "more_body": True}``."""
         cycle = self._cycle
-        if not body:  # an empty chunk would end the body: uvicorn's send writes nothing for it either
+        if not body:
             return
         if self._flow.write_paused and not cycle.disconnected:
             await self._flow.drain()
@@ -57,14 +62,16 @@ class ChunkedWriter:
         self._transport.write(b"%x\r\n%b\r\n" % (len(body), body))
 
 
-def chunked_writer(send: Any) -> ChunkedWriter | None:
-    """A :class:`ChunkedWriter` under ``send`` (uvicorn's httptools ``send`` of a response whose status line
-    went with chunked transfer encoding), or None: then ``send`` itself writes each event."""
-    cycle = getattr(send, "__self__", None)
-    if cycle is None or type(cycle).__module__ != _HTTPTOOLS_CYCLE:
-        return None
-    if not (getattr(cycle, "response_started", False) and getattr(cycle, "chunked_encoding", None) is True):
-        return None
-    if cycle.scope.get("method") == "HEAD" or getattr(cycle, "transport", None) is None:
-        return None
-    return ChunkedWriter(cycle)
+def offer(scope: Scope, cycle: Any) -> None:
+    """Put ``cycle``'s :class:`ChunkedBody` in ``scope``'s extensions (the protocol calls it per request)."""
+    extensions = scope.get("extensions")
+    if extensions is None:
+        extensions = scope["extensions"] = {}
+    extensions[EXTENSION] = ChunkedBody(cycle)
+
+
+def chunked_body(scope: Scope) -> ChunkedBody | None:
+    """The response's :class:`ChunkedBody` once its status line went with chunked encoding, else None (another
+    server, or a response framed otherwise: its chunks go through ``send``)."""
+    body = (scope.get("extensions") or {}).get(EXTENSION)
+    return body if body is not None and body.usable() else None

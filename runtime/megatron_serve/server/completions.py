@@ -24,7 +24,7 @@ from .models import (
     Usage,
 )
 from .chunks import SLOT, ChunkWriter
-from .streaming import stream_answer
+from .streaming import EventStreamResponse, stream_answer
 from .translate import (
     DEFAULT_COMPLETION_TOKENS,
     EngineJob,
@@ -170,12 +170,12 @@ class CompletionHandler:
 
     # ------------------------------------------------------------------ streamed answer
 
-    async def stream(self) -> StreamingResponse:
+    async def stream(self) -> EventStreamResponse:
         return await stream_answer(self.ctx.submit(self.jobs, self.id), _CompletionEvents(self), self.id)
 
 
 class _CompletionEvents(StreamedAnswer):
-    """The chunks of a streamed completion, made as the submission's items arrive (framing: ``openai_events``)."""
+    """The chunks of a streamed completion, made as items arrive (written by ``EventWriter``)."""
 
     def __init__(self, handler: CompletionHandler) -> None:
         super().__init__(handler.req, handler.want_logprobs, handler.usage)

@@ -31,6 +31,7 @@ from typing import Any
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from ..limits import DEFAULT_KEEP_ALIVE, FIRST_REQUEST_IDLE
+from .chunked import offer
 from .errors import APIError
 
 logger = logging.getLogger("megatron_serve.server")
@@ -103,6 +104,9 @@ class ServerProtocol(HttpToolsProtocol):
     def on_headers_complete(self) -> None:
         self._arriving = "body"
         super().on_headers_complete()
+        cycle = self.cycle
+        if cycle is not None and cycle.scope is self.scope:  # a request (not an upgrade): its streamed body's writer
+            offer(self.scope, cycle)
 
     def on_message_complete(self) -> None:
         self._arriving = None

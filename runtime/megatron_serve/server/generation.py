@@ -18,11 +18,10 @@ import logging
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, AsyncIterator, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Callable, Protocol, runtime_checkable
 
 from ..wire.connection import CoordinatorError, CoordinatorLost
 from ..client.outputs import StreamPartial
-from ..client.streams import Inbox
 from ..errors import ClientNotStarted
 from ..wire.request import DynamicInferenceRequest, EventType, FinishReason, RequestStatus
 from .drain import Stopping
@@ -30,11 +29,16 @@ from .errors import APIError, shutting_down
 from .fleet import InferenceBackend
 from .metrics import ServerMetrics
 from .request_log import RequestLog
+from .streaming import DONE, EventWriter, Renderer
 
 if TYPE_CHECKING:  # annotations only: the translation of bodies is not this module's to load
     from .translate import EngineJob
 
 logger = logging.getLogger("megatron_serve.server")
+
+
+def _nothing() -> None:
+    pass
 
 
 @runtime_checkable
@@ -64,15 +68,6 @@ class _Tagged:
 
     def put_nowait(self, item: Any) -> None:
         self.submission.deliver(self.job, self.request_id, item)
-
-
-class Bypass(Protocol):
-    """Where a stream's pieces go without waking the task that reads the submission (see :meth:`Submission.deliver`):
-    ``ready`` says whether a piece can be taken now, ``take`` takes one ``(job, piece)`` the submission let through."""
-
-    def ready(self) -> bool: ...
-
-    def take(self, job: EngineJob, item: StreamPartial) -> None: ...
 
 
 class PendingCounter:
@@ -157,15 +152,16 @@ class Submission:
     unfinished: set[str] = field(default_factory=set)
     done: list[DynamicInferenceRequest] = field(default_factory=list)
     started: float = field(default_factory=time.monotonic)
-    bypass: Bypass | None = None  # while set, pieces may go there instead of through stream() (see deliver)
-    ending: bool = False  # the item stream() yields now is its last
 
     def __post_init__(self) -> None:
         self.pending.acquire(len(self.jobs))
         self.ids = [uuid.uuid4().hex for _ in self.jobs]
         self.unfinished = set(self.ids)
-        self._inbox = Inbox()  # what stream()'s reader has to handle
         self._remaining = len(self.jobs)  # jobs whose final request did not come yet
+        self._render: Renderer[Any] | None = None  # a stream's chunk producer, and its writer (start_stream)
+        self._writer: EventWriter | None = None
+        self._tasks: list[asyncio.Task[None]] = []  # a stream's tasks, for backends that do not fill sinks
+        self._forget_stop: Callable[[], None] = _nothing
         self._held: dict[str, StreamPartial] = {}  # pieces merged while shorter than the interval
         self._opened: set[str] = set()  # jobs whose first piece went
 
@@ -183,6 +179,10 @@ class Submission:
 
     def close(self) -> None:
         """Abort every engine request that has not finished (idempotent)."""
+        self._forget_stop()
+        for task in self._tasks:
+            if task is not asyncio.current_task():
+                task.cancel()  # each stream's own cleanup aborts its request
         if not self.unfinished:
             return
         count = len(self.unfinished)
@@ -232,75 +232,67 @@ class Submission:
 
     # ------------------------------------------------------------------ streams
 
-    async def stream(self) -> AsyncIterator[tuple[EngineJob, Any]]:
-        """``(job, item)`` pairs as they arrive: ``StreamPartial``s, then each job's final request.
+    def start_stream(self, render: Renderer[Any], writer: EventWriter) -> None:
+        """Submit every job streamed; each item that arrives becomes the answer's events through ``render`` and goes
+        to ``writer`` at once (:meth:`deliver`), whoever brings it: the client's receive loop for a backend that
+        fills sinks (its one pass over a step makes and writes every stream's chunk: no task woken per stream and
+        step), else a task per job. The answer ends with the last job's final request (``render.end`` and
+        ``[DONE]``), a job's error, or the server stopping; :meth:`close` aborts what is unfinished.
 
-        With ``stream_interval`` N > 1 (vLLM's ``--stream-interval``), a job's pieces are merged until
-        they hold N tokens (its first piece goes at once, for the time to first token; what is held goes
-        before the final request), so the answer has a chunk per N tokens instead of per step.
-        Closing the iterator (the response ended or the client left) aborts what is unfinished.
-        While :attr:`bypass` is set, pieces may go there instead of through this iterator (:meth:`deliver`).
+        With ``stream_interval`` N > 1 (vLLM's ``--stream-interval``), a job's pieces are merged until they hold N
+        tokens (its first piece goes at once, for the time to first token; what is held goes before the final
+        request), so the answer has a chunk per N tokens instead of per step.
         """
-        queue = self._inbox  # (job, request_id, item); a job of None: raise the item (the server stops)
-
-        async def pump(job: EngineJob, request_id: str) -> None:
-            try:
-                async for item in self.backend.add_request_streaming(job.prompt.tokens, job.params,
-                                                                     request_id=request_id, **_images(job)):
-                    self.deliver(job, request_id, item)
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:
-                queue.put_nowait((job, request_id, exc))
-
-        tasks = []
-        if _fills_sinks(type(self.backend)):  # the client's receive loop fills the queue: no task per job
+        self._render, self._writer = render, writer
+        self._forget_stop = self.stopping.on_set(lambda: self._fail(shutting_down()))
+        if _fills_sinks(type(self.backend)):  # the client's receive loop delivers: no task per job
             for job, rid in zip(self.jobs, self.ids):
                 try:
                     self.backend.add_request_streaming_to(job.prompt.tokens, job.params, _Tagged(self, job, rid),
                                                           request_id=rid, **_images(job))
-                except Exception as exc:  # refused at once (e.g. a lost coordinator): as a pump would report it
-                    queue.put_nowait((job, rid, exc))
+                except Exception as exc:  # refused at once (e.g. a lost coordinator): as a task would report it
+                    self.deliver(job, rid, exc)
         else:
-            tasks = [asyncio.create_task(pump(job, rid)) for job, rid in zip(self.jobs, self.ids)]
-        forget = self.stopping.on_set(lambda: queue.put_nowait((None, "", shutting_down())))
+            self._tasks = [asyncio.create_task(self._pump(job, rid)) for job, rid in zip(self.jobs, self.ids)]
+
+    async def _pump(self, job: EngineJob, request_id: str) -> None:
         try:
-            while self._remaining:
-                for job, request_id, item in await queue.take():
-                    if not self._remaining:  # every job ended: what still came is nobody's
-                        break
-                    if job is None:  # the server stops, or a bypassed piece failed
-                        raise item
-                    passed = self._pass(job, request_id, item)
-                    for pair in passed:
-                        self.ending = not self._remaining and pair is passed[-1]
-                        yield pair
-        finally:
-            self.bypass = None
-            forget()
-            for task in tasks:
-                task.cancel()  # each stream's own cleanup aborts its request
-            self.close()
+            async for item in self.backend.add_request_streaming(job.prompt.tokens, job.params, request_id=request_id,
+                                                                 **_images(job)):
+                self.deliver(job, request_id, item)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            self.deliver(job, request_id, exc)
 
     def deliver(self, job: EngineJob, request_id: str, item: Any) -> None:
-        """File one of ``job``'s items as it arrives (from the client's receive loop, or a job's pump).
-
-        A piece goes straight to :attr:`bypass` when the reader of :meth:`stream` waits with nothing filed (so
-        everything before it is handled) and the bypass is ready: the receive loop makes and writes the chunks
-        of every stream of a step in its one pass, with no task woken per stream and step. Anything else (a
-        final request, an error, a piece while the reader is busy or the client's connection is full) is filed
-        for the reader, in order.
-        """
-        bypass = self.bypass
-        if bypass is not None and type(item) is StreamPartial and self._inbox.idle() and bypass.ready():
-            try:
-                for passed_job, piece in self._pass(job, request_id, item):
-                    bypass.take(passed_job, piece)
-            except Exception as exc:  # the reader raises it, as if it had made the chunk itself
-                self.bypass = None
-                self._inbox.put_nowait((None, request_id, exc))
+        """One of ``job``'s items as it arrives (a piece, its final request or its error): its events made and
+        written, in arrival order (see :meth:`start_stream`)."""
+        writer = self._writer
+        if writer is None or writer.last is not None:  # the answer ended (or the client left): nobody's
             return
-        self._inbox.put_nowait((job, request_id, item))
+        try:
+            passed = self._pass(job, request_id, item)
+            item_events = self._render.item
+            if len(passed) == 1 and self._remaining:  # most items: one piece
+                events = item_events(*passed[0])
+            else:
+                events = [event for pair in passed for event in item_events(*pair)]
+            if not self._remaining:
+                writer.finish(b"".join([*events, *self._render.end(), DONE]))
+                self.close()
+            elif events:
+                writer.write(events[0] if len(events) == 1 else b"".join(events))
+        except APIError as exc:
+            self._fail(exc)
+        except Exception as exc:  # a bug making the events: the stream ends with an error, the server goes on
+            logger.exception("the events of %s could not be made", self.label)
+            self._fail(APIError(500, f"internal error: {type(exc).__name__}: {exc}", code="internal_error"))
+
+    def _fail(self, error: APIError) -> None:
+        if self._writer is not None:
+            self._writer.fail(error)
+        self.close()
 
     def _pass(self, job: EngineJob, request_id: str, item: Any) -> list[tuple[EngineJob, Any]]:
         """What one arrived item lets through to the answer, in order (see :meth:`stream`); raises a job's error."""

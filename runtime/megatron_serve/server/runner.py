@@ -24,7 +24,6 @@ from fastapi import FastAPI
 
 from ..limits import DEFAULT_KEEP_ALIVE
 from .connections import BurstLog, ServerProtocol, default_max_connections, raise_file_limit
-from .streaming import with_raw_send
 
 logger = logging.getLogger("megatron_serve.server")
 
@@ -94,7 +93,7 @@ async def serve_app(app: FastAPI, host: str = "127.0.0.1", port: int = 8000, *, 
     options = ctx.options  # --uvicorn-log-level wins over log_level; an access log at its request
     level = (options.uvicorn_log_level or log_level).lower()
     access_log = options.access_log and (options.uvicorn_log_level is not None or level == "debug")
-    config = uvicorn.Config(with_raw_send(app), log_level=level, lifespan="on", access_log=access_log,
+    config = uvicorn.Config(app, log_level=level, lifespan="on", access_log=access_log,
                             timeout_graceful_shutdown=graceful_timeout, timeout_keep_alive=timeout_keep_alive,
                             http=protocol)  # type: ignore[arg-type]
     server = _Server(config)

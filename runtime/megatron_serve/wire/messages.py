@@ -21,7 +21,11 @@ request and ``RESULT`` records without the generated fields, so the client makes
 coordinator refuses ``SUBMIT`` from a client below 4 (its results would have no text), and a
 client refuses to submit to a coordinator below 4. Version 5 adds ``STEP_TOKENS``: one message per
 engine step and client carrying every one of its requests' deltas (the engine's own bytes, forwarded
-with a list of the client's request ids), where a client below 5 gets a ``TOKENS`` per request.
+with a list of the client's request ids). Version 6 makes it the only token message: ``TOKENS`` (header 11,
+a message per request) is retired, and a reconnected client's catch-ups travel as ``STEP_TOKENS`` with
+``starts``. Peers submit to each other from 6 on (:data:`SUBMIT_PROTOCOL`): a client below 6 would drop the
+catch-ups' ``starts`` and read them as new tokens, and a coordinator below 6 would send ``TOKENS`` this
+client no longer reads; each refuses the other with a message naming both versions.
 """
 
 from __future__ import annotations
@@ -35,9 +39,10 @@ from .protocol import Header
 from .request import WireImage
 
 #: The protocol version this code speaks.
-PROTOCOL_VERSION = 5
-#: The lowest version whose peers may submit to each other: from 4 on the client makes the text.
-SUBMIT_PROTOCOL = 4
+PROTOCOL_VERSION = 6
+#: The lowest version whose peers may submit to each other: from 6 on every token travels in ``STEP_TOKENS``
+#: (and from 4 on the client makes the text).
+SUBMIT_PROTOCOL = 6
 
 TokenId = Annotated[int, msgspec.Meta(ge=0)]
 #: Ids that foreign clients chose may be ints; this project always sends strings.
@@ -428,61 +433,53 @@ class EngineStepOut(Body):
     outputs: list[RequestDeltaOut]
 
 
-class Tokens(TokenDelta, kw_only=True):
-    """A request's new tokens, to its client (for every request: the client makes the text and holds the
-    stop strings, and the ``RESULT`` record does not repeat them).
-
-    ``start`` is set on the catch-up a resubmission gets (what the client lacked when it sent its count): the
-    index of its first token in the request's generated tokens. The count is old by the time the coordinator
-    reads it: the steps it forwarded after its ``HELLO_ACK`` reach the client before the catch-up, which
-    repeats them, so the client keeps only what lies past the tokens it has (:meth:`past`). Without it a
-    chaos run's stream carried its first 5 tokens twice. A client's new connection (a re-``HELLO``) gets one per
-    request with ``start`` 0 first, for what was lost with the old connection.
-    """
-
-    client_request_id: ClientId
-    start: int | None = None
-
-    def past(self, have: int) -> "Tokens | None":
-        """This catch-up without the tokens before index ``have`` (a client's count when it arrives); None when
-        it brings nothing new. Per-token lists end with the tokens (they may cover only the last ones: a
-        resubmission's own tokens came without them) and are cut alike."""
-        if self.start is None or have <= self.start:
-            return self
-        drop = have - self.start
-        count = len(self.new_tokens)
-        if drop >= count:
-            return None
-
-        def cut(values: list[Any]) -> list[Any]:
-            return values[max(drop - (count - len(values)), 0):]
-
-        def cut_some(values: list[Any] | None) -> list[Any] | None:
-            return None if values is None else cut(values)
-
-        epochs = None if self.epochs is None else [cut(e) for e in self.epochs]
-        return msgspec.structs.replace(self, new_tokens=self.new_tokens[drop:], start=have, epochs=epochs,
-                                       new_log_probs=cut_some(self.new_log_probs), top_ids=cut_some(self.top_ids),
-                                       top_log_probs=cut_some(self.top_log_probs))
-
-
 class StepTokens(Body):
-    """Protocol 5: the deltas one engine step made for the requests of one client, ``deltas[i]`` for its request
-    ``client_request_ids[i]``: what a ``TOKENS`` per request carried, in one message.
+    """The token message (protocol 6: the only one): the deltas one engine step made for the requests of one client,
+    ``deltas[i]`` for its request ``client_request_ids[i]``.
 
     The coordinator forwards each delta as the engine encoded it (a ``RequestDelta``, whose engine-side fields
     a client ignores) and only decodes it to keep its mirror of the request's tokens: no message to build
-    and encode per request and step. In-process replay of 64-request steps of one token with its epochs, per
-    request and step: the coordinator's step path (decode, mirror, messages out) 2.31 -> 1.60 us, a client's
-    decoding and dispatch 0.53 -> 0.27 us (against a ``TOKENS`` per request in one ``BATCH``).
+    and encode per request and step.
+
+    ``starts`` is set on catch-ups only (what a reconnected or resubmitting client lacked, from the coordinator's
+    mirror): ``starts[i]`` is the index of ``deltas[i]``'s first token in its request's generated tokens. The count
+    the coordinator went by is old by the time the catch-up arrives (the steps it forwarded since reach the client
+    first, and the catch-up repeats them), so the client keeps only what lies past the tokens it has
+    (:func:`delta_past`).
     """
 
     client_request_ids: list[ClientId]
     deltas: list[TokenDelta]
+    starts: list[Annotated[int, msgspec.Meta(ge=0)]] | None = None
 
     def __post_init__(self) -> None:
         if len(self.client_request_ids) != len(self.deltas):
             raise ValueError(f"{len(self.client_request_ids)} client_request_ids for {len(self.deltas)} deltas")
+        if self.starts is not None and len(self.starts) != len(self.deltas):
+            raise ValueError(f"{len(self.starts)} starts for {len(self.deltas)} deltas")
+
+
+def delta_past(delta: TokenDelta, start: int, have: int) -> TokenDelta | None:
+    """A catch-up ``delta`` whose first token is generated token ``start``, without the tokens before index ``have``
+    (a client's count when it arrives); None when it brings nothing new. Per-token lists end with the tokens (they
+    may cover only the last ones: a resubmission's own tokens came without them) and are cut alike."""
+    if have <= start:
+        return delta
+    drop = have - start
+    count = len(delta.new_tokens)
+    if drop >= count:
+        return None
+
+    def cut(values: list[Any]) -> list[Any]:
+        return values[max(drop - (count - len(values)), 0):]
+
+    def cut_some(values: list[Any] | None) -> list[Any] | None:
+        return None if values is None else cut(values)
+
+    epochs = None if delta.epochs is None else [cut(e) for e in delta.epochs]
+    return msgspec.structs.replace(delta, new_tokens=delta.new_tokens[drop:], epochs=epochs,
+                                   new_log_probs=cut_some(delta.new_log_probs), top_ids=cut_some(delta.top_ids),
+                                   top_log_probs=cut_some(delta.top_log_probs))
 
 
 class StepTokensOut(Body):
@@ -490,6 +487,7 @@ class StepTokensOut(Body):
 
     client_request_ids: list[ClientId]
     deltas: list[msgspec.Raw]
+    starts: list[int] | None = None
 
 
 class EngineAbort(Body):
@@ -531,7 +529,6 @@ FROM_COORDINATOR: dict[Header, type[Body]] = {
     Header.HELLO_ACK: HelloAck,
     Header.BATCH: Batch,
     Header.ERROR: Error,
-    Header.TOKENS: Tokens,
     Header.STEP_TOKENS: StepTokens,
     Header.RESULT: Result,
     Header.CONTROL_ACK: ControlAck,

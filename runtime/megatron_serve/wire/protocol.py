@@ -38,12 +38,12 @@ class Header(enum.IntEnum):
     ERROR = 3
     # requests (client <-> coordinator)
     SUBMIT = 10
-    TOKENS = 11
+    # 11 was TOKENS (a request's new tokens, protocols 1-5): retired in 6, where STEP_TOKENS carries every delta.
     RESULT = 12
     ABORT = 13
     RESULT_ACK = 14  # client -> coordinator: these RESULTs arrived, forget them
     BATCH = 15  # protocol 2: several messages in one frame (either direction)
-    STEP_TOKENS = 16  # protocol 5, coordinator -> client: one engine step's TOKENS of a client's requests
+    STEP_TOKENS = 16  # coordinator -> client: a step's deltas of a client's requests (or catch-ups)
     # lifecycle (client/control -> coordinator -> engines)
     PAUSE = 20
     UNPAUSE = 21

@@ -1,0 +1,135 @@
+"""A streamed answer's one writer (``streaming.EventWriter``) over the connection's ``ChunkedBody`` (``server.chunked``).
+
+Through the real server (uvicorn with httptools and the server's protocol, which offers the body writer as an ASGI
+extension), a running stream's pieces go straight into the connection by whoever delivers them, and the answer on
+the wire is the same event for event as the one written through ASGI ``send`` (negative control: without the
+extension, none goes straight in, and the events are equal). A connection whose buffer is full keeps its pieces in
+the writer while the other streams go on; once it drains, its answer is whole. A piece whose events cannot be made
+ends the stream with an error event. A scope without the extension, or a response that is not chunked, gets none.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+import pytest
+
+from megatron_serve.server import chunked, completions, create_app, streaming
+from megatron_serve.server.errors import APIError
+
+from .conftest import serving
+from .fakes import FakeBackend
+
+pytestmark = pytest.mark.timeout(120)
+
+MODEL = "tiny-llama"
+#: Two choices, log probs with alternatives, usage on every chunk and at the end: every part of a chunk.
+BODY = {"model": MODEL, "prompt": "x", "max_tokens": 24, "stream": True, "ignore_eos": True, "n": 2, "logprobs": 2,
+        "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+
+
+def _events(text: str) -> list[dict]:
+    lines = [line for line in text.split("\n\n") if line]
+    assert lines[-1] == "data: [DONE]"
+    return [{**event, "id": None, "created": None} for event in (json.loads(line[len("data: "):])
+                                                                  for line in lines[:-1])]
+
+
+@pytest.fixture
+def taken(monkeypatch) -> list[int]:
+    """Counts the chunks written straight into the connection by whoever made them."""
+    counted: list[int] = []
+    write_now = chunked.ChunkedBody.write_now
+
+    def counting(self, body: bytes) -> None:
+        counted.append(len(body))
+        write_now(self, body)
+
+    monkeypatch.setattr(chunked.ChunkedBody, "write_now", counting)
+    return counted
+
+
+async def _answers(tokenizer, body: dict, streams: int = 1) -> list[str]:
+    backend = FakeBackend(tokenizer, token_delay=0.002)
+    async with serving(create_app(backend, tokenizer, MODEL)) as url, httpx.AsyncClient(base_url=url) as http:
+        answers = await asyncio.gather(*(http.post("/v1/completions", json=body) for _ in range(streams)))
+    assert all(answer.status_code == 200 for answer in answers)
+    return [answer.text for answer in answers]
+
+
+async def test_pieces_go_straight_into_the_connection_and_the_events_are_the_same(tokenizer, taken, monkeypatch):
+    direct = await _answers(tokenizer, BODY, streams=3)
+    straight = len(taken)
+    monkeypatch.setattr(streaming, "chunked_body", lambda scope: None)  # negative control: every event through send
+    through_send = await _answers(tokenizer, BODY)
+    assert len(taken) == straight  # none went straight in
+    assert straight > 3 * 24 / 2  # most of every stream's pieces went straight in
+    events = _events(through_send[0])
+    assert all(_events(answer) == events for answer in direct)  # event for event, usage and log probs included
+    texts = {0: "", 1: ""}
+    for event in events[:-1]:
+        for choice in event["choices"]:
+            texts[choice["index"]] += choice["text"]
+    whole = await _answers(tokenizer, {**BODY, "stream": False, "stream_options": None})
+    assert [c["text"] for c in json.loads(whole[0])["choices"]] == [texts[0], texts[1]]
+    assert events[-1]["usage"]["completion_tokens"] == 48
+
+
+async def test_a_full_connection_keeps_its_pieces_while_other_streams_go_on(tokenizer, monkeypatch):
+    bodies: list = []
+    offered = streaming.chunked_body
+
+    def keeping(scope):  # the first stream's body writer: its connection is the one made full
+        body = offered(scope)
+        bodies.append(body)
+        return body
+
+    monkeypatch.setattr(streaming, "chunked_body", keeping)
+    body = {**BODY, "n": 1, "max_tokens": 40}
+    backend = FakeBackend(tokenizer, token_delay=0.002)
+    async with serving(create_app(backend, tokenizer, MODEL)) as url, httpx.AsyncClient(base_url=url) as http:
+        async with http.stream("POST", "/v1/completions", json=body) as slow:
+            chunks = slow.aiter_bytes()
+            first = await chunks.__anext__()
+            assert bodies and bodies[0] is not None, "the stream got no body writer"
+            flow = bodies[0]._flow
+            flow.pause_writing()  # as the transport says when the client does not read
+            other = await http.post("/v1/completions", json=body)  # runs whole while the first waits
+            assert other.status_code == 200 and _events(other.text)[-1]["usage"]["completion_tokens"] == 40
+            assert not backend.running  # both generated everything: the first's pieces wait for its connection
+            flow.resume_writing()
+            rest = b"".join([chunk async for chunk in chunks])
+    assert _events((first + rest).decode()) == _events(other.text)
+
+
+async def test_a_piece_whose_events_fail_ends_the_stream_with_an_error_event(tokenizer, monkeypatch):
+    made = completions._CompletionEvents.item
+    calls = []
+
+    def failing(self, job, item):
+        calls.append(1)
+        if len(calls) == 3:
+            raise APIError(500, "the chunk could not be made", code="internal_error")
+        return made(self, job, item)
+
+    monkeypatch.setattr(completions._CompletionEvents, "item", failing)
+    text = (await _answers(tokenizer, {**BODY, "n": 1}))[0]
+    lines = [line for line in text.split("\n\n") if line]
+    assert lines[-1] == "data: [DONE]"
+    assert json.loads(lines[-2][len("data: "):])["error"]["message"] == "the chunk could not be made"
+    assert len(lines) == 4  # two pieces' events, the error, [DONE]: nothing after the error
+
+
+def test_a_scope_without_the_extension_or_a_response_not_chunked_gets_no_body_writer() -> None:
+    assert chunked.chunked_body({"type": "http"}) is None  # another server's scope (or a test transport's)
+
+    class Cycle:
+        response_started, chunked_encoding, transport, flow, scope = True, False, object(), object(), {"method": "POST"}
+
+    scope: dict = {"type": "http"}
+    chunked.offer(scope, Cycle())
+    assert chunked.chunked_body(scope) is None  # a response with a content length
+    Cycle.chunked_encoding = True
+    assert isinstance(chunked.chunked_body(scope), chunked.ChunkedBody)  # the control: a chunked one gets it
