@@ -51,7 +51,7 @@ def test_a_new_request_is_prefilled_for_its_first_token_then_decoded_from_its_bl
     sent = prefilled(h, prefill)
     assert sent.kv_transfer_params == {"do_remote_decode": True}
     assert sent.request["sampling_params"] == {"num_tokens_to_generate": 1}  # the first token only
-    assert [t.new_tokens for t in h.take(C, Header.TOKENS)] == [[7]]  # streamed at once
+    assert [t.new_tokens for t in h.take(C, Header.STEP_TOKENS)] == [[7]]  # streamed at once
     assert not h.take(C, Header.RESULT)  # not the request's end
     parts, handed = decode_got(h, D1)
     assert parts == [blocks("c1/r", prefill, 20), blocks("c1/r", prefill, 20, 1)]
@@ -61,7 +61,7 @@ def test_a_new_request_is_prefilled_for_its_first_token_then_decoded_from_its_bl
     step(h, D1, decode, "c1/r", [8])
     assert h.core.handoffs.blocks == {}  # landed: no longer kept
     step(h, D1, decode, "c1/r", [9, 10], finished=True, record=final_record(handed.request, [7, 8, 9, 10]))
-    assert [t.new_tokens for t in h.take(C, Header.TOKENS)] == [[8], [9, 10]]
+    assert [t.new_tokens for t in h.take(C, Header.STEP_TOKENS)] == [[8], [9, 10]]
     assert [r.request["generated_tokens"] for r in h.take(C, Header.RESULT)] == [[7, 8, 9, 10]]
     assert h.core.handoffs.handed_on == 1 and status(h).completed == 1
 
