@@ -5,7 +5,8 @@ tokens each request asked for count as useful output for both (static batches al
 With sampling options (``--temperature``, ``--top-p``, ``--top-k``, ``--n``, or ``--rl``: temperature 1,
 n 8, outputs of 512-1024 tokens) the engine runs the sampled batch and, in the same run, the same
 prompts and lengths greedily (each prompt ``n`` times), and prints sampled/greedy; transformers is left
-out then.
+out then. Beside wall time each run reports its CPU time (a single-threaded run's CPU time moves less
+with other load on a shared machine than its wall time does).
 ``--arch`` picks the family; the mixture-of-experts ones get ``--experts`` experts of 3/8 of the hidden
 size (rounded to 64: ``transformers``' grouped GEMM needs 16-byte strides), ``--experts-per-token``
 per token (Qwen3-30B-A3B's proportions, scaled down).
@@ -84,12 +85,13 @@ def run_megatron(model_dir: str, warmup, requests, max_requests: int, params: Sa
     return elapsed, cpu
 
 
-def run_transformers(model_dir: str, requests, batch_size: int) -> float:
+def run_transformers(model_dir: str, requests, batch_size: int) -> tuple[float, float]:
+    """Wall and CPU seconds of the timed pass."""
     device = "cuda" if torch.cuda.is_available() else "cpu"  # where the engine runs too
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device).eval()
     with torch.inference_mode():  # warm-up, as on our side
         model.generate(torch.tensor([[5, 6, 7]], device=device), max_new_tokens=4, do_sample=False, pad_token_id=0)
-    started = time.perf_counter()
+    started, cpu_started = time.perf_counter(), time.process_time()
     for start in range(0, len(requests), batch_size):
         batch = requests[start : start + batch_size]
         width = max(len(p) for p, _ in batch)
@@ -102,7 +104,7 @@ def run_transformers(model_dir: str, requests, batch_size: int) -> float:
         with torch.inference_mode():
             model.generate(ids.to(device), attention_mask=mask.to(device), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
                            do_sample=False, pad_token_id=0)
-    return time.perf_counter() - started
+    return time.perf_counter() - started, time.process_time() - cpu_started
 
 
 def main() -> None:
@@ -149,14 +151,16 @@ def main() -> None:
                   f"{sampled:>10.2f}{useful / sampled:>12.1f}{sampled_cpu:>10.2f}")
             print(f"sampled/greedy throughput: {greedy / sampled:.3f} (wall), {greedy_cpu / sampled_cpu:.3f} (CPU time)")
             return
-        ours, _ = run_megatron(model_dir, warmup, requests, args.max_requests)
-        theirs = run_transformers(model_dir, requests, args.hf_batch_size)
+        ours, ours_cpu = run_megatron(model_dir, warmup, requests, args.max_requests)
+        theirs, theirs_cpu = run_transformers(model_dir, requests, args.hf_batch_size)
     print(f"model: {args.arch}, {params / 1e6:.1f}M parameters, {args.requests} requests, {useful} generated tokens, "
           f"torch threads {torch.get_num_threads()}" + (f", transformers experts: {experts}" if experts else ""))
-    print(f"{'engine':<40}{'seconds':>10}{'tokens/s':>12}")
-    print(f"{'megatron-serve (continuous batching)':<40}{ours:>10.2f}{useful / ours:>12.1f}")
-    print(f"{'transformers generate (batch ' + str(args.hf_batch_size) + ')':<40}{theirs:>10.2f}{useful / theirs:>12.1f}")
-    print(f"ratio: {theirs / ours:.2f}x")
+    print(f"{'engine':<40}{'seconds':>10}{'tokens/s':>12}{'CPU s':>10}{'CPU ms/tok':>12}")
+    print(f"{'megatron-serve (continuous batching)':<40}{ours:>10.2f}{useful / ours:>12.1f}{ours_cpu:>10.2f}"
+          f"{1000 * ours_cpu / useful:>12.3f}")
+    print(f"{'transformers generate (batch ' + str(args.hf_batch_size) + ')':<40}{theirs:>10.2f}{useful / theirs:>12.1f}"
+          f"{theirs_cpu:>10.2f}{1000 * theirs_cpu / useful:>12.3f}")
+    print(f"ratio: {theirs / ours:.2f}x (wall), {theirs_cpu / ours_cpu:.2f}x (CPU time)")
 
 
 if __name__ == "__main__":

@@ -18,6 +18,8 @@ Layout conventions shared with the kernels:
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -129,22 +131,89 @@ def paged_attention_decode(
     ``out``: where to write the result (a view of a persistent buffer); a new tensor when None.
     A sequence of context 0 (a padding row of a replayed step) attends to nothing: its row is NaN, and
     never read (rows stay apart through every later layer).
+
+    The sequences go in groups of similar length (:func:`decode_groups`), each padded to its longest only:
+    a batch of mixed lengths padded to its longest gathered and multiplied about twice the keys and values
+    it needed. Each group's keys and values are gathered straight into ``[S, Hkv, L, D]``, and the query
+    heads that share a KV head multiply them together (no copy per query head).
     """
-    block_size = k_cache.shape[1]
-    max_len = int(context_lens.max())
-    num_blocks = -(-max_len // block_size)
-    keys = _gather_sequence_kv(k_cache, block_tables, num_blocks, k_scales).transpose(1, 2)  # [S, Hkv, L, D]
-    values = _gather_sequence_kv(v_cache, block_tables, num_blocks, v_scales).transpose(1, 2)
-    positions = torch.arange(keys.shape[2], device=q.device)
-    mask = (positions[None, :] < context_lens[:, None].to(q.device))[:, None, None, :]  # [S, 1, 1, L]
-    attended = F.scaled_dot_product_attention(
-        q.unsqueeze(2).float(), keys.float(), values.float(), attn_mask=mask, scale=scale,
-        enable_gqa=q.shape[1] != keys.shape[1],
-    ).squeeze(2)
+    num_seqs, num_heads, head_dim = q.shape
+    block_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group = num_heads // kv_heads
+    groups = decode_groups(tuple(context_lens.tolist()), block_size)
+    result = q.new_empty(q.shape, dtype=torch.float32)
+    order = None
+    if len(groups) > 1:  # the rows longest first, as decode_groups sorted them (stable: ties keep their order)
+        order = torch.argsort(-torch.div(context_lens.long() + block_size - 1, block_size, rounding_mode="floor")
+                              .clamp_min(1), stable=True)
+    for start, end, num_blocks in groups:
+        index = None if order is None else order[start:end]
+        tables = block_tables if index is None else block_tables.index_select(0, index)
+        slots = _token_slots(tables[:, :num_blocks], block_size, kv_heads)  # [n * Hkv * L]
+        n, length = end - start, num_blocks * block_size
+        keys = _gather_rows(k_cache, slots, k_scales).view(n, kv_heads, length, head_dim)
+        values = _gather_rows(v_cache, slots, v_scales).view(n, kv_heads, length, head_dim)
+        queries = (q if index is None else q.index_select(0, index)).view(n, kv_heads, group, head_dim).float()
+        scores = torch.matmul(queries, keys.transpose(-1, -2)).mul_(scale)  # [n, Hkv, group, L]
+        lengths = context_lens if index is None else context_lens.index_select(0, index)
+        past = torch.arange(length, device=q.device)[None, :] >= lengths[:, None]
+        scores.masked_fill_(past[:, None, None, :], float("-inf"))
+        attended = torch.matmul(scores.softmax(-1), values).view(n, num_heads, head_dim)
+        if index is None:
+            result = attended
+        else:
+            result.index_copy_(0, index, attended)
     if out is None:
-        return attended.to(q.dtype)
-    out.copy_(attended)
+        return result.to(q.dtype)
+    out.copy_(result)
     return out
+
+
+#: A group's fixed cost in the cost model of :func:`decode_groups`, in sequence-blocks of keys and values: about
+#: the dozen ops a group adds, against what one block of one sequence costs to gather and multiply (a CPU).
+_GROUP_COST = 24
+
+
+@functools.lru_cache(maxsize=16)
+def decode_groups(lens: tuple[int, ...], block_size: int) -> tuple[tuple[int, int, int], ...]:
+    """The decode batch's sequences in groups of similar length: ``(start, end, blocks)`` per group, a slice of the
+    sequences sorted longest first (stably), padded to ``blocks`` blocks.
+
+    The sorted sequences are cut between lengths where the padding saved pays for a group's fixed cost (``_GROUP_COST``):
+    a dynamic programme over the cut points, cheap at batch sizes (its cache keeps the plan across a
+    forward's layers, which share the step's lengths). A length of 0 counts as one block (its row is
+    NaN: it attends to nothing).
+    """
+    widths = sorted((max(1, -(-length // block_size)) for length in lens), reverse=True)
+    bounds = [0] + [row for row in range(1, len(widths)) if widths[row] != widths[row - 1]] + [len(widths)]
+    best = [0] * len(bounds)  # best[i]: the cost of the sequences before bounds[i] (runs of one width each)
+    cut = [0] * len(bounds)
+    for end in range(1, len(bounds)):
+        best[end], cut[end] = min((best[start] + _GROUP_COST + (bounds[end] - bounds[start]) * widths[bounds[start]],
+                                   start) for start in range(end))
+    groups = []
+    end = len(bounds) - 1
+    while end:
+        groups.append((bounds[cut[end]], bounds[end], widths[bounds[cut[end]]]))
+        end = cut[end]
+    return tuple(reversed(groups))
+
+
+def _token_slots(tables: torch.Tensor, block_size: int, kv_heads: int) -> torch.Tensor:
+    """Rows of a cache viewed as ``[slots * Hkv, D]`` that hold each sequence's tokens, head by head:
+    ``[S * Hkv * L]`` int64 in the order of ``[S, Hkv, L]`` (a table's unused entries read block 0, masked)."""
+    offsets = torch.arange(block_size, device=tables.device)
+    tokens = (tables.long().clamp_min(0)[:, :, None] * block_size + offsets).flatten(1)  # [S, L]
+    heads = torch.arange(kv_heads, device=tables.device)
+    return (tokens[:, None, :] * kv_heads + heads[None, :, None]).flatten()
+
+
+def _gather_rows(cache: torch.Tensor, slots: torch.Tensor, scales: torch.Tensor | None) -> torch.Tensor:
+    """The cache rows ``slots`` of :func:`_token_slots`, float32 (dequantized, from an FP8 cache)."""
+    rows = cache.view(-1, cache.shape[-1]).index_select(0, slots)
+    if scales is None:
+        return rows.float()
+    return rows.float() * scales.reshape(-1).index_select(0, slots)[:, None]
 
 
 def paged_attention_prefill(

@@ -270,3 +270,26 @@ def test_prefill_single_token_queries_match_decode():
     decode = tri.paged_attention_decode(q, k_cache, v_cache, tables, lens, 0.125)
     prefill = tri.paged_attention_prefill(q, k_cache, v_cache, tables, qsl, lens, 0.125)
     _close(prefill, decode, ATTN_TOL[torch.float32])
+
+
+def test_reference_decode_in_length_groups_matches_attention_per_sequence():
+    """The reference decode pads each group of similar lengths to its longest only; each row still equals the
+    reference prefill's attention of one query over that sequence alone (another path, no padding), and a
+    sequence of context 0 attends to nothing (NaN)."""
+    context_lens = (1, 700, 17, 690, 100, 0, 300, 33, 16, 680)
+    groups = reference.decode_groups(context_lens, 16)
+    assert len(groups) > 1, "the lengths must make several groups for this test to mean anything"
+    assert [start for start, _, _ in groups] == [0, *(end for _, end, _ in groups[:-1])]
+    assert groups[-1][1] == len(context_lens)
+    assert reference.decode_groups((300,) * 10, 16) == ((0, 10, 19),)  # one length: one group
+    k_cache, v_cache, tables, lens = _paged_setup(context_lens, 2, 64, 16, torch.float32, seed=42)
+    q = _randn(len(context_lens), 8, 64, seed=43)
+    decode = reference.paged_attention_decode(q.cpu(), k_cache.cpu(), v_cache.cpu(), tables.cpu(), lens.cpu(), 0.125)
+    for row, length in enumerate(context_lens):
+        if not length:
+            assert decode[row].isnan().all()
+            continue
+        alone = reference.paged_attention_prefill(q[row : row + 1].cpu(), k_cache.cpu(), v_cache.cpu(),
+                                                  tables[row : row + 1].cpu(), torch.tensor([0, 1], dtype=torch.int32),
+                                                  lens[row : row + 1].cpu(), 0.125)
+        _close(decode[row : row + 1], alone, TOL[torch.float32])

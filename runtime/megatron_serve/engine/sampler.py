@@ -133,15 +133,15 @@ def filtered_logits(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tens
     if any_min_p:
         probs = scaled.softmax(-1)
         scaled = scaled.masked_fill(probs < min_p[:, None] * probs.amax(-1, keepdim=True), float("-inf"))
+    if not any_top_p and not max_top_k:
+        return scaled
     vocab = scaled.shape[-1]
     k_active = (top_k > 0)[:, None]
     kth_index = (top_k.clamp(min=1, max=vocab) - 1)[:, None]
     if not any_top_p:
-        if max_top_k:
-            width = min(max_top_k, vocab)
-            kth = torch.topk(scaled, width).values.gather(1, kth_index.clamp(max=width - 1))
-            scaled = scaled.masked_fill((scaled < kth) & k_active, float("-inf"))
-        return scaled
+        width = min(max_top_k, vocab)
+        kth = torch.topk(scaled, width).values.gather(1, kth_index.clamp(max=width - 1))
+        return scaled.masked_fill((scaled < kth) & k_active, float("-inf"))
     ordered = _sorted_descending(scaled)
     kth = ordered.gather(1, kth_index)
     below_k = (scaled < kth) & k_active
@@ -160,9 +160,17 @@ def gumbel_noise(state: SamplingState, rows: StepRows, vocab: int) -> torch.Tens
     whole batch is a handful of elementwise device ops, and a row's draws do not depend on its batch.
     """
     keys = fmix32(state.vector("seed_key")[rows.slot] ^ fmix32((rows.position * 0x9E3779B9) & MASK32))
-    bits = fmix32(keys[:, None] ^ state.token_keys[None, :vocab]) >> 8
-    uniform = (bits.to(torch.float32) + 0.5) * (1.0 / (1 << 24))
-    return -torch.log(-torch.log(uniform))
+    bits = _fmix32_(keys[:, None] ^ state.token_keys[None, :vocab]).bitwise_right_shift_(8)
+    uniform = bits.to(torch.float32).add_(0.5).mul_(1.0 / (1 << 24))
+    return uniform.log_().neg_().log_().neg_()
+
+
+def _fmix32_(x: torch.Tensor) -> torch.Tensor:
+    """:func:`fmix32` of an int64 tensor in place: the same values without a new ``[rows, vocab]`` tensor per op
+    (the noise is the one full-vocabulary computation a sampled step adds to a greedy one)."""
+    x.bitwise_xor_(x >> 16).mul_(0x85EBCA6B).bitwise_and_(MASK32)
+    x.bitwise_xor_(x >> 13).mul_(0xC2B2AE35).bitwise_and_(MASK32)
+    return x.bitwise_xor_(x >> 16)
 
 
 class Sampler:
@@ -192,7 +200,8 @@ class Sampler:
             tokens = torch.argmax(logits, dim=-1)
         else:
             state = self.state
-            scaled = logits / state.vector("temperature")[rows.slot][:, None]
+            # x / 1.0 is x: at temperature 1 (every sampled row of an RL rollout) the logits are used as they are
+            scaled = logits if rows.unit_temperature else logits / state.vector("temperature")[rows.slot][:, None]
             processed = filtered_logits(scaled, state.vector("top_k")[rows.slot], state.vector("top_p")[rows.slot],
                                         state.vector("min_p")[rows.slot], rows.max_top_k, rows.any_top_p,
                                         rows.any_min_p)
@@ -200,9 +209,10 @@ class Sampler:
             usable = torch.isfinite(processed.amax(-1))
             if not rows.all_sampled:
                 usable &= state.vector("greedy")[rows.slot] == 0
-            processed = torch.where(usable[:, None], processed, logits)
+            if processed is not logits:  # else every row's choice would be the logits themselves
+                processed = torch.where(usable[:, None], processed, logits)
             noise = gumbel_noise(state, rows, logits.shape[-1]).masked_fill_(~usable[:, None], 0.0)
-            tokens = torch.argmax(processed + noise, dim=-1)
+            tokens = torch.argmax(noise.add_(processed), dim=-1)
         if count:
             self.state.add_counts(rows, tokens)
         scores = None

@@ -62,6 +62,7 @@ class SlotInfo:
     """What the host keeps of a slot: enough to decide which ops a step needs, without reading the device."""
 
     greedy: bool
+    temperature: float
     top_k: int
     top_p: float
     min_p: float
@@ -73,7 +74,7 @@ class SlotInfo:
     log_probs: bool  # log probs asked for (or top_n)
 
 
-_NEUTRAL = SlotInfo(True, 0, 1.0, 0.0, 0, False, False, 0, 0, False)
+_NEUTRAL = SlotInfo(True, 1.0, 0, 1.0, 0.0, 0, False, False, 0, 0, False)
 
 
 @dataclass
@@ -90,6 +91,7 @@ class StepRows:
         infos = self.infos
         self.any_sampled = not all(i.greedy for i in infos)
         self.all_sampled = not any(i.greedy for i in infos)
+        self.unit_temperature = all(i.temperature == 1.0 for i in infos if not i.greedy)
         self.max_top_k = max((i.top_k for i in infos if not i.greedy), default=0)
         self.any_top_p = any(i.top_p < 1.0 for i in infos if not i.greedy)
         self.any_min_p = any(i.min_p > 0.0 for i in infos if not i.greedy)
@@ -148,7 +150,8 @@ class SamplingState:
         slot = self._free_slots.pop()
         control = self._bind_controls(params, prompt_tokens, output_tokens, stop_token_ids)
         greedy = params.is_greedy
-        info = SlotInfo(greedy, params.top_k, params.top_p, params.min_p, control, params.has_penalties,
+        info = SlotInfo(greedy, 1.0 if greedy else params.temperature, params.top_k, params.top_p, params.min_p,
+                        control, params.has_penalties,
                         params.repetition_penalty != 1.0, params.min_tokens, params.top_n_logprobs,
                         params.return_log_probs or bool(params.top_n_logprobs))
         floats = [1.0 if greedy else params.temperature, params.top_p, params.min_p, params.presence_penalty,
