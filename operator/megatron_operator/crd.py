@@ -17,7 +17,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from . import crd_layout
+from . import crd_disaggregation, crd_layout
 
 GROUP = "serving.megatron.dev"
 VERSION = "v1alpha1"
@@ -191,7 +191,7 @@ CEL_RULES: list[tuple[str, str, str, CelCheck]] = [
     ),
 ]
 
-CEL_RULES += crd_layout.CEL_RULES
+CEL_RULES += crd_layout.CEL_RULES + crd_disaggregation.CEL_RULES
 
 # rule text -> python twin (the operator evaluates these; tests compare them with real CEL)
 CEL_CHECKS: dict[str, CelCheck] = {rule: check for _, rule, _, check in CEL_RULES}
@@ -310,6 +310,7 @@ def spec_schema() -> dict[str, Any]:
             ),
             "parallelism": {**crd_layout.parallelism_schema(),
                             "x-kubernetes-validations": _rules_for("spec.engine.parallelism")},
+            "disaggregation": crd_disaggregation.disaggregation_schema(),
             "resources": _resources("CPU/memory for each engine pod; nvidia.com/gpu is set by the operator."),
             "nodeSelector": {"type": "object", "description": "Node selector for engine pods.",
                              "additionalProperties": {"type": "string"}},
@@ -479,6 +480,7 @@ def status_schema() -> dict[str, Any]:
                 "templateHub": _str("spec.model.hub the pod templates fetch into templatePath (absent: none)."),
             }),
             "groups": crd_layout.groups_status_schema(),
+            "roles": crd_disaggregation.roles_status_schema(),
             "endpoint": _str("OpenAI base URL inside the cluster."),
             "selector": _str("Label selector of engine pods (for the scale subresource)."),
             "observedGeneration": {"type": "integer", "format": "int64",

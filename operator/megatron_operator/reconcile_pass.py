@@ -168,8 +168,11 @@ async def _pass(resource: Mapping[str, Any], state: ResourceState, kube: Kube, c
     obs.engines_desired = 0 if target == lifecycle.STOPPED else spec.data
     workload = lws.KIND if leader_worker_set else "StatefulSet"
     workloads = {k[1]: v for k, v in children.live.items() if k[0] == workload}
-    obs.engines_ready = sum(1 for g in range(spec.data)
-                            if group_ready(workloads.get(names.engine_name(name, g)), pods))
+    ready = [group_ready(workloads.get(names.engine_name(name, g)), pods) for g in range(spec.data)]
+    obs.engines_ready = sum(ready)
+    if spec.prefill_replicas:
+        obs.roles = [{"group": g, "role": spec.role(g), "kvRole": spec.kv_role(g), "ready": ready[g]}
+                     for g in range(spec.data)]
     if spec.gang:
         obs.groups = await observe_gangs(kube, spec, workload, previous, events)
     connected = connected_groups(coordinator_status) if obs.coordinator_ok else set()

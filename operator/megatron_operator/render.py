@@ -32,6 +32,8 @@ import os
 import sys
 from typing import Any
 
+from megatron_serve.fleet.argv import kv_role_argv
+
 from .config import ENV_TOKEN_KEY, ENV_TOKEN_KEY_FILE, OperatorConfig, read_token_key, token_key_from_env
 from .engine_args import engine_flags, layout_flags, lora_flags
 from .leader_worker_set import render_engine_lws
@@ -306,6 +308,9 @@ def engine_pod_template(spec: InferenceSpec, group: int, config: OperatorConfig,
         "--group", str(group),
     ]
     args += layout_flags(spec) + engine_flags(spec) + lora_flags(spec)
+    kv_role = spec.kv_role(group)
+    if kv_role is not None:  # vLLM's JSON, as ``run --prefill-engines`` gives it (megatron_serve.fleet.argv)
+        args += kv_role_argv(kv_role)
     if spec.kv_memory_fraction is not None:
         args += ["--kv-cache-memory-fraction", repr(float(spec.kv_memory_fraction))]
     args += ["--drain-timeout", str(spec.drain_timeout_seconds)]

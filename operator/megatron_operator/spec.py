@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from . import crd
+from .crd_disaggregation import KV_ROLES, role_of
 
 
 class SpecError(ValueError):
@@ -217,6 +218,8 @@ class InferenceSpec:
     quantization: str  # none or fp8
     kv_cache_dtype: str  # auto or fp8
     speculative: dict[str, Any] | None  # spec.engine.speculative as given (camelCase), None: off
+    prefill_replicas: int  # spec.engine.disaggregation's prefill groups; 0: not disaggregated
+    decode_replicas: int
     engine_resources: dict[str, Any]
     node_selector: dict[str, str]
     tolerations: list[dict[str, Any]]
@@ -242,6 +245,15 @@ class InferenceSpec:
     def ranks_per_group(self) -> int:
         """World size of one engine group: tensor * pipeline."""
         return self.tensor * self.pipeline
+
+    def role(self, group: int) -> str | None:
+        """Engine group ``group``'s role, prefill or decode (None: not disaggregated, it does both)."""
+        return role_of(group, self.prefill_replicas) if self.prefill_replicas else None
+
+    def kv_role(self, group: int) -> str | None:
+        """The ``kv_role`` of group ``group``'s ``--kv-transfer-config`` (None: the flag is left out)."""
+        role = self.role(group)
+        return None if role is None else KV_ROLES[role]
 
     @property
     def gpus_per_engine_pod(self) -> int:
@@ -304,6 +316,8 @@ def parse(resource: dict[str, Any], default_namespace: str = "default") -> Infer
         quantization=engine["quantization"],
         kv_cache_dtype=engine["kvCacheDtype"],
         speculative=dict(engine["speculative"]) if "speculative" in engine else None,
+        prefill_replicas=engine.get("disaggregation", {}).get("prefillReplicas", 0),
+        decode_replicas=engine.get("disaggregation", {}).get("decodeReplicas", 0),
         engine_resources=dict(engine.get("resources", {})),
         node_selector=dict(engine.get("nodeSelector", {})),
         tolerations=list(engine.get("tolerations", [])),

@@ -40,6 +40,7 @@ class Observation:
     selector: str | None = None
     model: dict[str, Any] | None = None  # status.model: the weights served (kept as it was when None)
     groups: list[dict[str, Any]] | None = None  # status.groups: the gangs' ranks (None: no gangs)
+    roles: list[dict[str, Any]] | None = None  # status.roles: each group's prefill/decode part (None: colocated)
 
 
 def _condition(previous: dict[str, dict[str, Any]], ctype: str, ok: bool, reason: str, message: str,
@@ -132,6 +133,7 @@ def compute(previous: dict[str, Any] | None, obs: Observation, now: str | None =
         "selector": obs.selector,
         "model": obs.model,
         "groups": obs.groups,
+        "roles": obs.roles,
         "conditions": [c[t] for t in CONDITION_TYPES],
     }
     if gen is not None:
@@ -143,8 +145,9 @@ def changes(previous: dict[str, Any] | None, new: dict[str, Any]) -> dict[str, A
     """The top-level status keys of ``new`` that differ from ``previous`` (a merge patch)."""
     previous = previous or {}
     delta = {key: value for key, value in new.items() if previous.get(key) != value}
-    if "groups" in previous and "groups" not in new:
-        delta["groups"] = None  # no gangs any more (spec.engine.parallelism removed)
+    for key in ("groups", "roles"):  # no gangs, or no roles, any more (the spec's field removed)
+        if key in previous and key not in new:
+            delta[key] = None
     if isinstance(delta.get("model"), dict) and isinstance(previous.get("model"), dict):
         # a merge patch keeps nested keys it does not name: drop the ones the new status.model lacks
         delta["model"] = {**{k: None for k in previous["model"] if k not in delta["model"]}, **delta["model"]}
