@@ -126,6 +126,8 @@ def test_examples_cover_the_documented_shapes():
     assert (shapes["tp2-dp4.yaml"].tensor, shapes["tp2-dp4.yaml"].data) == (2, 4)
     assert shapes["multi-node.yaml"].pods_per_group == 2
     assert shapes["rl-rollout-paused.yaml"].lifecycle == "Paused"
+    pd = shapes["prefill-decode.yaml"]
+    assert (pd.prefill_replicas, pd.decode_replicas, pd.data, pd.ranks_per_group) == (1, 2, 3, 1)
     moe = shapes["moe-expert-parallel.yaml"]
     assert (moe.gang, moe.tensor, moe.expert, moe.data_parallel_attention, moe.attention_tensor) == (True, 16, 16, 4, 4)
     assert moe.pods_per_group == 2 and not shapes["multi-node.yaml"].gang
