@@ -257,7 +257,9 @@ def spec_schema() -> dict[str, Any]:
     engine = _obj(
         "Engine pods.",
         {
-            "gpusPerPod": _int("GPUs per node/pod; pods per group = ceil(tensor*pipeline / gpusPerPod).",
+            "gpusPerPod": _int("GPUs per node/pod; pods per group = ceil(tensor*pipeline / gpusPerPod) (with "
+                               "engine.parallelism.dataParallelAttention: one pod of tensor / dataParallelAttention "
+                               "GPUs per attention rank).",
                                minimum=1, maximum=16, default=8),
             "kvCache": _obj(
                 "Paged KV cache.",

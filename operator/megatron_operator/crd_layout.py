@@ -8,7 +8,8 @@ own requests, so one group has ``tensor * pipeline`` ranks whatever the split (a
 always counted). The engines get vLLM's flags: ``--tensor-parallel-size tensor / dataParallelAttention
 --data-parallel-size dataParallelAttention --enable-expert-parallel``, where vLLM's ep = tp x dp is
 ``expert = tensor``: experts are either sliced over a stage's ranks (``expert: 1``) or placed whole on
-every one of them.
+every one of them. With ``dataParallelAttention`` each pod of a group is one attention rank's engine (it starts its
+own ``tensor / dataParallelAttention`` ranks only), so an attention rank must fit a pod.
 """
 
 from __future__ import annotations
@@ -114,6 +115,14 @@ def _gpus_rule(spec: dict[str, Any]) -> bool:
     return ranks % gpus == 0 or gpus % ranks == 0
 
 
+def _attention_rank_fits_a_pod_rule(spec: dict[str, Any]) -> bool:
+    par = spec.get("engine", {}).get("parallelism")
+    if par is None or "dataParallelAttention" not in par:
+        return True
+    data = int(par["dataParallelAttention"])
+    return data == 1 or int(par.get("tensor", 1)) // data <= int(spec["engine"].get("gpusPerPod", 8))
+
+
 def _one_spelling_rule(spec: dict[str, Any]) -> bool:
     if "parallelism" not in spec.get("engine", {}):
         return True
@@ -152,6 +161,22 @@ CEL_RULES: list[tuple[str, str, str, CelCheck]] = [
         "engine.parallelism.tensor * engine.parallelism.pipeline must be a multiple or a divisor of engine.gpusPerPod "
         "(a group fills whole pods, or one pod holds it)",
         _gpus_rule,
+    ),
+    (
+        "spec.engine.parallelism",
+        "self.dataParallelAttention == 1 || self.pipeline == 1",
+        "engine.parallelism.dataParallelAttention does not serve pipeline stages yet (engine.parallelism.pipeline "
+        "must be 1 with it)",
+        lambda par: int(par.get("dataParallelAttention", 1)) == 1 or int(par.get("pipeline", 1)) == 1,
+    ),
+    (
+        "spec",
+        "!has(self.engine.parallelism) || !has(self.engine.parallelism.dataParallelAttention) "
+        "|| self.engine.parallelism.dataParallelAttention == 1 "
+        "|| self.engine.parallelism.tensor / self.engine.parallelism.dataParallelAttention <= self.engine.gpusPerPod",
+        "engine.parallelism.tensor / engine.parallelism.dataParallelAttention must be at most engine.gpusPerPod "
+        "(each pod runs one attention rank's engine, which starts its own tensor-parallel ranks)",
+        _attention_rank_fits_a_pod_rule,
     ),
     (
         "spec",

@@ -257,12 +257,16 @@ class InferenceSpec:
 
     @property
     def gpus_per_engine_pod(self) -> int:
-        """GPUs requested by each engine pod (a group smaller than a node takes only what it needs)."""
+        """GPUs requested by each engine pod (a group smaller than a node takes only what it needs). With
+        data-parallel attention a pod is one attention rank's engine, which starts its own ``attention_tensor``
+        ranks (and only those), so a pod holds exactly that many GPUs."""
+        if self.data_parallel_attention > 1:
+            return self.attention_tensor
         return min(self.gpus_per_pod, self.ranks_per_group)
 
     @property
     def pods_per_group(self) -> int:
-        return math.ceil(self.ranks_per_group / self.gpus_per_pod)
+        return math.ceil(self.ranks_per_group / self.gpus_per_engine_pod)
 
     @property
     def attention_tensor(self) -> int:

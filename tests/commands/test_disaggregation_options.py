@@ -60,7 +60,7 @@ def test_an_engine_refuses_a_role_with_tensor_parallelism_before_loading(tmp_pat
 
     args = parse_args(["engine", "--model", str(tmp_path), "--coordinator", "tcp://127.0.0.1:1",
                        "--tensor-parallel", "2", "--kv-transfer-config", '{"kv_role": "kv_producer"}'])
-    with pytest.raises(ValueError, match="kv_role kv_producer is not implemented with tensor or pipeline"):
+    with pytest.raises(ValueError, match="kv_role kv_producer is not implemented with tensor, pipeline or data"):
         engine.run(args)
     bad = parse_args(["engine", "--model", str(tmp_path), "--coordinator", "tcp://127.0.0.1:1",
                       "--kv-transfer-config", '{"kv_role": "both"}'])

@@ -22,13 +22,14 @@ LWS_CRD = ROOT / "tests" / "operator" / "vendored_crds" / "leaderworkerset.x-k8s
 
 
 def moe_resource() -> dict[str, Any]:
-    """The issue's layout: tensor 2, expert 2, data-parallel attention 2; one GPU per pod, so a group is 2 pods."""
+    """The issue's layout: tensor 2, expert 2, data-parallel attention 2, on 8-GPU nodes: each attention rank is a
+    pod of its own (of 1 GPU: its engine starts only its own ranks), so a group is 2 pods."""
     return {
         "apiVersion": "serving.megatron.dev/v1alpha1", "kind": "MegatronInference",
         "metadata": {"name": NAME, "namespace": NS},
         "spec": {
             "model": {"path": "/models/qwen3-30b-a3b", "volume": {"persistentVolumeClaim": {"claimName": "models"}}},
-            "engine": {"gpusPerPod": 1, "parallelism": {"tensor": 2, "expert": 2, "dataParallelAttention": 2}},
+            "engine": {"gpusPerPod": 8, "parallelism": {"tensor": 2, "expert": 2, "dataParallelAttention": 2}},
             "server": {"apiKeySecretRef": {"name": "api-key", "key": "key"}},
         },
     }

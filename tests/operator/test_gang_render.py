@@ -75,7 +75,8 @@ def test_gang_layout_and_sizes():
     lws = objects[("LeaderWorkerSet", "qwen3-moe-engine-1")]
     assert lws["spec"]["replicas"] == 1 and lws["spec"]["startupPolicy"] == "LeaderCreated"
     template = lws["spec"]["leaderWorkerTemplate"]
-    assert template["size"] == 2 and template["restartPolicy"] == "RecreateGroupOnPodRestart"
+    # one pod per attention rank (each an engine of 4 GPUs)
+    assert template["size"] == 4 and template["restartPolicy"] == "RecreateGroupOnPodRestart"
     (engine,) = template["workerTemplate"]["spec"]["containers"]
     assert engine["command"] == ["/bin/sh", "-c", LWS_RANK_WRAPPER, "megatron-serve"]
     args = engine["args"]
@@ -84,8 +85,8 @@ def test_gang_layout_and_sizes():
     assert args[args.index("--data-parallel-size") + 1] == "4" and "--enable-expert-parallel" in args
     assert "--pipeline-parallel-size" not in args  # one stage: the engine's default
     env = {e["name"]: e.get("value") for e in engine["env"]}
-    assert (env["WORLD_SIZE"], env["NNODES"], env["NPROC_PER_NODE"]) == ("16", "2", "8")
-    assert engine["resources"]["limits"]["nvidia.com/gpu"] == 8
+    assert (env["WORLD_SIZE"], env["NNODES"], env["NPROC_PER_NODE"]) == ("16", "4", "4")
+    assert engine["resources"]["limits"]["nvidia.com/gpu"] == 4
     # stopped engines: no group runs
     stopped = render(example(), CONFIG, leader_worker_set=True, engines_stopped=True)
     assert {o["spec"]["replicas"] for o in stopped if o["kind"] == "LeaderWorkerSet"} == {0}

@@ -130,7 +130,8 @@ def test_examples_cover_the_documented_shapes():
     assert (pd.prefill_replicas, pd.decode_replicas, pd.data, pd.ranks_per_group) == (1, 2, 3, 1)
     moe = shapes["moe-expert-parallel.yaml"]
     assert (moe.gang, moe.tensor, moe.expert, moe.data_parallel_attention, moe.attention_tensor) == (True, 16, 16, 4, 4)
-    assert moe.pods_per_group == 2 and not shapes["multi-node.yaml"].gang
+    # one pod per attention rank, of its 4 GPUs
+    assert (moe.pods_per_group, moe.gpus_per_engine_pod) == (4, 4) and not shapes["multi-node.yaml"].gang
 
 
 def _bad(mutate) -> dict[str, Any]:
@@ -223,6 +224,15 @@ BAD = {
         lambda d: d["spec"]["engine"].update(gpusPerPod=8, parallelism={"tensor": 3, "pipeline": 2}),
         "spec: engine.parallelism.tensor * engine.parallelism.pipeline must be a multiple or a divisor of "
         "engine.gpusPerPod"),
+    "attention rank wider than a pod": (
+        lambda d: d["spec"]["engine"].update(gpusPerPod=4, parallelism={"tensor": 16, "expert": 16,
+                                                                        "dataParallelAttention": 2}),
+        "spec: engine.parallelism.tensor / engine.parallelism.dataParallelAttention must be at most "
+        "engine.gpusPerPod"),
+    "attention ranks with pipeline stages": (
+        lambda d: d["spec"]["engine"].update(parallelism={"tensor": 2, "expert": 2, "dataParallelAttention": 2,
+                                                          "pipeline": 2}),
+        "spec.engine.parallelism: engine.parallelism.dataParallelAttention does not serve pipeline stages"),
     "two layouts that disagree": (
         lambda d: d["spec"]["engine"].update(parallelism={"tensor": 4}),  # spec.parallelism.tensor is 2
         "spec: parallelism.tensor is the older spelling of engine.parallelism.tensor"),
@@ -268,9 +278,13 @@ def test_python_twins_agree_with_cel():
                  for probe in (None, 0, 8000, 8001, 5555)]
         + [{"parallelism": {"tensor": old, "pipeline": 1}, "server": {"port": 8000},
             "engine": {"gpusPerPod": g, **({} if t is None else {"parallelism": {"tensor": t, "pipeline": p}})}}
-           for old in (1, 2, 4) for t in (None, 1, 2, 3, 4, 16) for p in (1, 2, 3) for g in (1, 4, 8)],
-        "spec.engine.parallelism": [{"tensor": t, "pipeline": 1, "expert": e, "dataParallelAttention": d}
-                                    for t in (1, 2, 3, 4, 8) for e in (1, 2, 4, 8) for d in (1, 2, 3, 4)],
+           for old in (1, 2, 4) for t in (None, 1, 2, 3, 4, 16) for p in (1, 2, 3) for g in (1, 4, 8)]
+        + [{"parallelism": {"tensor": 1, "pipeline": 1}, "server": {"port": 8000},
+            "engine": {"gpusPerPod": g, "parallelism": {"tensor": t, "pipeline": 1, "dataParallelAttention": d}}}
+           for t in (1, 2, 4, 8, 16) for d in (1, 2, 4) for g in (1, 2, 4, 8)],
+        "spec.engine.parallelism": [{"tensor": t, "pipeline": p, "expert": e, "dataParallelAttention": d}
+                                    for t in (1, 2, 3, 4, 8) for e in (1, 2, 4, 8) for d in (1, 2, 3, 4)
+                                    for p in (1, 2)],
         "spec.model": [{**({"path": path} if path is not None else {}), "mountPath": mount,
                         **({"volume": vol} if vol is not None else {}), **({"hub": hub} if hub else {}),
                         **({"hubTokenSecretRef": {"name": "a", "key": "b"}} if token else {})}

@@ -8,6 +8,7 @@ import logging
 import os
 import sys
 import time
+from typing import TYPE_CHECKING
 
 # Before torch is imported (engine_options -> config imports it): OpenMP worker threads that spin
 # after every op starve this process's coordinator link and everything sharing the host's cores
@@ -21,6 +22,9 @@ from .engine_options import add_engine_options, capacity_line, inference_config_
 from .inputs import check_model_dir, coordinator_address  # noqa: E402
 from .model_options import add_model_options, resolve_model_args  # noqa: E402
 from .options import add_coordinator_option, add_log_option, add_token_option, read_token, setup_logging  # noqa: E402
+
+if TYPE_CHECKING:
+    from ..config import InferenceConfig
 
 logger = logging.getLogger("megatron_serve.engine_process")
 
@@ -54,11 +58,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_log_option(parser)
 
 
-def run(args: argparse.Namespace) -> int:
-    setup_logging(args.log_level)
-    address = coordinator_address(args.coordinator)
-    if args.group is not None and args.group < 0:
-        raise ValueError(f"--group must be >= 0, got {args.group}")
+def layout_config(args: argparse.Namespace) -> "InferenceConfig":
+    """The engine's config with its group layout checked; the data-parallel rank from ``RANK`` unless given (the
+    operator's pods set ``RANK`` to their first rank: one pod per data-parallel rank, tests/operator check it)."""
     if args.tensor_parallel < 1:
         raise ValueError(f"--tensor-parallel must be >= 1, got {args.tensor_parallel}")
     if args.data_parallel_size < 1:
@@ -71,8 +73,16 @@ def run(args: argparse.Namespace) -> int:
         rank = int(os.environ.get("RANK", "0")) // args.tensor_parallel if args.data_parallel_size > 1 else 0
     if not 0 <= rank < args.data_parallel_size:
         raise ValueError(f"--data-parallel-rank must be in [0, {args.data_parallel_size}), got {rank}")
-    config = dataclasses.replace(inference_config_from_args(args, tensor_parallel_size=args.tensor_parallel),
-                                 data_parallel_size=args.data_parallel_size, data_parallel_rank=rank)
+    return dataclasses.replace(inference_config_from_args(args, tensor_parallel_size=args.tensor_parallel),
+                               data_parallel_size=args.data_parallel_size, data_parallel_rank=rank)
+
+
+def run(args: argparse.Namespace) -> int:
+    setup_logging(args.log_level)
+    address = coordinator_address(args.coordinator)
+    if args.group is not None and args.group < 0:
+        raise ValueError(f"--group must be >= 0, got {args.group}")
+    config = layout_config(args)
     kv_role = "kv_both" if args.kv_transfer_config is None else kv_transfer_config(args.kv_transfer_config)
     if kv_role != "kv_both" and config.world_size > 1:
         raise ValueError(f"--kv-transfer-config kv_role {kv_role} is not implemented with tensor, pipeline or data "
