@@ -40,5 +40,6 @@ def install_graphs(engine: DynamicInferenceEngine, batch_sizes: list[int],
     mixed = MixedGraphs(engine.model, mixed_sizes, buffers) if mixed_sizes else None
     graphs = StepGraphs(decode, mixed, lambda: capture, engine.device)
     engine.runner = ModelRunner(engine.model, engine.config.block_size_tokens, engine.device, buffers, graphs)
+    engine.memory.runner = engine.runner  # suspend releases, and resume captures, the graphs of the runner in use
     engine.runner.capture_graphs(engine.kv_cache.layer_caches)
     return capture

@@ -103,7 +103,7 @@ async def test_kv_transfer_params_is_refused_by_name(tiny_model, tokenizer):
             await client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2,
                                             extra_body={"kv_transfer_params": {"do_remote_decode": True}})
         body = refused.value.body
-        assert body["code"] == "unsupported_parameter" and "disaggregated prefill" in body["message"]
+        assert body["code"] == "unsupported_parameter" and "--prefill-engines" in body["message"]
         with pytest.raises(openai.BadRequestError) as unknown:  # control: a field nobody names is the generic 400
             await client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2,
                                             extra_body={"kv_transfer_paramz": {}})
