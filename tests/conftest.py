@@ -4,7 +4,9 @@ and the fixtures several folders share: tiny models written once per session, in
 from __future__ import annotations
 
 import dataclasses
+import os
 import sys
+from importlib.metadata import version
 
 import pytest
 
@@ -45,9 +47,6 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
 
 def machine_line() -> str:
     """What the run had to work with, so a slow CI run can be told from a slow suite."""
-    import os  # noqa: PLC0415
-    from importlib.metadata import version  # noqa: PLC0415
-
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     build = f"torch {version('torch')}"
     pages = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 0
