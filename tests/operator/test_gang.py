@@ -209,15 +209,18 @@ def test_existing_resources_render_no_gang():
 
 
 async def test_the_lws_crd_installed_later_moves_the_gang_to_a_leaderworkerset(cluster):
-    """Detected through the API on every pass: the StatefulSet and its Service give way to the LeaderWorkerSet."""
+    """Detected through the API on every pass: the StatefulSet and its Service give way to the LeaderWorkerSet.
+
+    The move takes several passes (the old gang's pods go, the new gang's come up and turn ready): 5 to 8 s here
+    when quiet, past 20 s on a loaded CI machine, hence the longer deadlines."""
     _, pods = await start(cluster, with_lws=False)
     try:
         assert cluster.emu.find("statefulsets", NS, f"{NAME}-engine-0") is not None
         await cluster.must("POST", "/apis/apiextensions.k8s.io/v1/customresourcedefinitions", lws_crd())
         await wait_for(lambda: cluster.emu.find("leaderworkersets", NS, f"{NAME}-engine-0") is not None
                        and cluster.emu.find("statefulsets", NS, f"{NAME}-engine-0") is None
-                       and cluster.emu.find("services", NS, f"{NAME}-engine-0") is None, what="the LeaderWorkerSet alone")
+                       and cluster.emu.find("services", NS, f"{NAME}-engine-0") is None, timeout=60, what="the LeaderWorkerSet alone")
         await wait_for(lambda: (g := cluster.status(NS, NAME)["groups"][0])["workload"] == "LeaderWorkerSet"
-                       and g["ready"], what="the group ready as a LeaderWorkerSet")
+                       and g["ready"], timeout=60, what="the group ready as a LeaderWorkerSet")
     finally:
         await pods.stop()
