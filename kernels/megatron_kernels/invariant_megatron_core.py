@@ -280,7 +280,10 @@ def load_hf_checkpoint(model: GPTModel, model_dir: str | Path) -> GPTModel:
         state.update(load_file(str(path)))
     if not state:
         raise ValueError(f"{model_dir}: no *.safetensors files")
-    mapped = hf_to_megatron_core(state, model.config)
+    try:
+        mapped = hf_to_megatron_core(state, model.config)
+    except KeyError as missing:
+        raise ValueError(f"{model_dir}: the checkpoint has no {missing.args[0]}, which the model needs") from None
     expected = {name for name in model.state_dict() if not name.endswith("_extra_state")}
     if set(mapped) != expected:
         raise ValueError(f"{model_dir}: the checkpoint does not fit the model: missing {sorted(expected - set(mapped))}, "

@@ -141,15 +141,20 @@ class InvariantAttention(Module):
         masks = attention_masks or attention_masks_for_rows(batch, length, q.device)
         layout = masks.layout
         group_heads = heads // kv_heads
-        keys, values = (cache.reshape(batch * length, kv_heads, dim)[layout.keys].permute(2, 0, 1, 3)
-                        for cache in (k, v))  # [Hkv, sequences, longest, D]
+        scale = scale if scale is not None else dim**-0.5
+        rows = q.reshape(batch * length, heads, dim)
+        keys, values = (cache.reshape(batch * length, kv_heads, dim)[layout.keys] for cache in (k, v))
+        if q.is_cuda:  # the engine's Triton kernel, as the transformers recipe runs it on a GPU
+            from .triton_invariant_attention import dense_attention  # noqa: PLC0415 - needs triton
+            keys, values = (cache.permute(0, 2, 1, 3) for cache in (keys, values))  # [sequences, Hkv, longest, D]
+            out = dense_attention(rows, keys, values, layout.sequence, layout.positions, scale)
+            return out.view(batch, length, heads, dim)
+        keys, values = (cache.permute(2, 0, 1, 3) for cache in (keys, values))  # [Hkv, sequences, longest, D]
         plan = masks.plans.get(group_heads)
         if plan is None:
             plan = masks.plans[group_heads] = plan_dense(layout.sequence, layout.positions, keys.shape[1],
                                                          keys.shape[2], group_heads, q.device)
-        rows = q.reshape(batch * length, heads, dim)
-        out = attention(rows, keys, values, layout.sequence, layout.positions,
-                        scale if scale is not None else dim**-0.5, plan)
+        out = attention(rows, keys, values, layout.sequence, layout.positions, scale, plan)
         return out.view(batch, length, heads, dim)
 
 

@@ -1,0 +1,137 @@
+"""A Megatron-core trainer: ``GPTModel`` built with the mode's block spec, given the checkpoint the engine serves,
+run under ``batch_invariant()`` over a right-padded batch (gloo, world size 1, for its parallel state): every
+sequence's completion log probs ``==`` the engine's, in training mode with autograd on too.
+
+The control: Megatron-core's own local spec (``get_gpt_layer_local_spec``) cannot run on a CPU at all (its
+rotary embedding, attention scratch buffer and attention-dropout RNG ask for CUDA); with those calls pointed at the
+CPU it runs, and its log probs differ from the engine's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.tensor_parallel import random as megatron_random
+
+from megatron_kernels import invariant_megatron_core as recipe
+from megatron_serve.invariant import batch_invariant
+
+from ..devices import tensor_parallel_device
+from ..helpers import free_port
+from .batches import completion_log_probs, right_padded
+from .runs import run_prompts
+
+
+COMPLETION = 8
+PROMPTS = [[7, 8, 9] * 10, [11, 12] * 7, [(13 * i) % 500 + 5 for i in range(37)]]
+LENGTH = 48  # right padding past the longest sequence (45 tokens)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def model_parallel():
+    """Megatron-core's parallel state over gloo, world size 1 (tensor, pipeline and context parallel 1)."""
+    assert not dist.is_initialized(), "another test left a process group in this process"
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", world_size=1, rank=0)
+    parallel_state.initialize_model_parallel(1, 1)
+    try:
+        yield
+    finally:
+        parallel_state.destroy_model_parallel()
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def served(models):
+    cache = {}
+
+    def get(arch: str, dtype: str):
+        if (arch, dtype) not in cache:
+            cache[arch, dtype] = run_prompts(models[arch], dtype, PROMPTS, COMPLETION)
+        return cache[arch, dtype]
+    return get
+
+
+def _model(model_dir: str, dtype: str, spec=None) -> GPTModel:
+    config, kwargs = recipe.gpt_config_from_hf(model_dir, getattr(torch, dtype))
+    model = GPTModel(config, transformer_layer_spec=spec or recipe.get_gpt_invariant_block_spec(config), **kwargs)
+    recipe.load_hf_checkpoint(model, model_dir)
+    return recipe.use_invariant_gpt(model.to(tensor_parallel_device(1)))
+
+
+def _log_probs(model: GPTModel, runs, attention_mask: torch.Tensor | None = None) -> list[list[float]]:
+    batch = right_padded([run.prompt + run.tokens for run in runs], LENGTH)
+    device = model.embedding.word_embeddings.weight.device
+    ids = batch.kwargs["input_ids"].to(device)
+    positions = torch.arange(LENGTH, device=device)[None].expand(ids.shape[0], -1)
+    with batch_invariant():
+        logits = model(ids, positions, attention_mask)
+    return completion_log_probs(logits, batch, runs)
+
+
+@pytest.mark.parametrize("arch, dtype", [("llama", "float32"), ("llama", "bfloat16"), ("qwen3", "bfloat16")])
+def test_a_gpt_model_of_the_invariant_spec_gives_the_engines_log_probs(models, served, arch, dtype):
+    runs = served(arch, dtype)
+    model = _model(models[arch], dtype).eval()
+    with torch.no_grad():
+        assert _log_probs(model, runs) == [run.log_probs for run in runs]
+
+
+def test_in_training_mode_with_autograd_the_log_probs_hold_and_the_weights_get_gradients(models, served):
+    runs = served("llama", "float32")
+    model = _model(models["llama"], "float32").train()
+    batch = right_padded([run.prompt + run.tokens for run in runs], LENGTH)
+    ids = batch.kwargs["input_ids"].to(model.embedding.word_embeddings.weight.device)
+    with batch_invariant():
+        logits = model(ids, torch.arange(LENGTH, device=ids.device)[None].expand(ids.shape[0], -1), None)
+    assert completion_log_probs(logits.detach(), batch, runs) == [run.log_probs for run in runs]
+    torch.log_softmax(logits.float(), -1)[:, :-1].gather(-1, ids[:, 1:, None]).sum().backward()
+    layer = model.decoder.layers[0]
+    for weight in (layer.self_attention.linear_qkv.weight, layer.mlp.linear_fc1.weight, model.output_layer.weight):
+        assert weight.grad is not None and weight.grad.abs().sum() > 0
+
+
+def test_control_megatron_cores_local_spec_differs_and_needs_cuda(models, served, monkeypatch):
+    """On a CPU the local spec stops at CUDA-only code; with those calls pointed at the CPU it runs. On a GPU it
+    runs as it is. Either way its log probs are not the engine's."""
+    runs = served("llama", "bfloat16")
+    device = tensor_parallel_device(1)
+    config, kwargs = recipe.gpt_config_from_hf(models["llama"], torch.bfloat16)
+    stock = GPTModel(config, transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"), **kwargs)
+    # cast whole, as Megatron-core's Float16Module does (its local norm keeps float32 weights otherwise)
+    stock = recipe.load_hf_checkpoint(stock, models["llama"]).to(device, torch.bfloat16).eval()
+    causal = torch.ones(1, 1, LENGTH, LENGTH, dtype=torch.bool, device=device).triu(1)  # its default: made on CUDA
+    if device == "cpu":
+        with torch.no_grad(), pytest.raises(AssertionError, match="not compiled with CUDA"):
+            _log_probs(stock, runs, causal)
+        monkeypatch.setattr(torch.cuda, "current_device", lambda: "cpu")
+        monkeypatch.setattr(megatron_random.CudaRNGStatesTracker, "fork",
+                            lambda self, name=None: contextlib.nullcontext())
+    with torch.no_grad():
+        assert _log_probs(stock, runs, causal) != [run.log_probs for run in runs]
+
+
+def test_fusions_and_mixture_of_experts_are_refused(models):
+    config, _ = recipe.gpt_config_from_hf(models["llama"], torch.float32)
+    config.bias_activation_fusion = True
+    with pytest.raises(ValueError, match="bias_activation_fusion on: .*set them False"):
+        recipe.get_gpt_invariant_block_spec(config)
+    config, _ = recipe.gpt_config_from_hf(models["llama"], torch.float32)
+    config.num_moe_experts = 4
+    with pytest.raises(ValueError, match="no mixture of experts"):
+        recipe.get_gpt_invariant_block_spec(config)
+
+
+def test_a_checkpoint_that_does_not_fit_is_refused(models, tmp_path):
+    config, kwargs = recipe.gpt_config_from_hf(models["llama"], torch.float32)
+    config.qk_layernorm = True  # the model wants q/k norms the Llama checkpoint has not
+    model = GPTModel(config, transformer_layer_spec=recipe.get_gpt_invariant_block_spec(config), **kwargs)
+    with pytest.raises(ValueError, match="has no model.layers.0.self_attn.q_norm.weight"):
+        recipe.load_hf_checkpoint(model, models["llama"])
+    with pytest.raises(ValueError, match="no \\*.safetensors"):
+        recipe.load_hf_checkpoint(model, tmp_path)
