@@ -32,8 +32,12 @@ $(RUNTIME): $(PY) pyproject.toml
 	$(PIP) install -e .
 	touch $(RUNTIME)
 
+# torchtitan without its trainer's dependencies (datasets, wandb, tensorboard...): the test extras hold the two its
+# model code imports (spmd_types, tyro), pinned beside it.
+TORCHTITAN := torchtitan==0.3.0
 $(TESTING): $(RUNTIME)
 	$(PIP) install -q -e '.[test,docs]'
+	$(PIP) install -q --no-deps $(TORCHTITAN)
 	touch $(TESTING)
 
 setup: $(TESTING)
