@@ -10,7 +10,9 @@
 #                                            # CUDA graphs included), the invariance, graphs-vs-eager and trainer-parity
 #                                            # tests, the engine-against-itself search in the mode (bf16), the mode's
 #                                            # decode throughput against the default at batch 1/64/256 (1B shape,
-#                                            # graphs on), then its cost table
+#                                            # graphs on), then its cost table; tests/invariance's Megatron-core
+#                                            # and TorchTitan recipes need their wheels in .whl (megatron-core,
+#                                            # torchtitan, spmd_types, tyro, docstring_parser, typeguard)
 #   bash benchmarks/gpu_session.sh speculative # speculative decoding: the draft-model and overlapped-verify tests
 #                                            # natively (the device-side correction under CUDA graphs), then
 #                                            # benchmarks/speculative.py's table (pair trained on the GPU, bf16)
