@@ -12,14 +12,17 @@ embedding moves its frequencies to ``torch.cuda.current_device()``; the causal m
 * RMSNorm as ``transformers`` computes it in the model dtype (:func:`~.invariant.rms_norm`), for the layers, the
   query/key norms and the final norm;
 * the core attention through :func:`~.invariant_attention.attention` (keys in fixed blocks from position 0);
+* a mixture of experts (:class:`InvariantMoE`) as ``transformers``' Qwen3-MoE block computes it: the router's
+  softmax in float32, top-k, renormalised, rounded to the model dtype; each expert's tokens in ascending expert
+  order through the engine's GEMM, added in that order (``index_add_``) in the model dtype;
 * Megatron-core's own rotary arithmetic, which is ``transformers``' (``x * cos + rotate_half(x) * sin`` in the
   model dtype, ``cos``/``sin`` of float32 angles through the mode's lane-wise ops), its frequencies kept on the
   model's device by :func:`use_invariant_gpt` (which also routes the output layer, built by ``GPTModel`` itself).
 
 Run the forward under ``batch_invariant()`` (SiLU and ``cos``/``sin`` go through its lane-wise ops).
 :func:`gpt_config_from_hf` and :func:`load_hf_checkpoint` build the ``TransformerConfig`` and load the weights of
-the checkpoint the engine serves (q/k/v interleaved per query group, gate and up fused). Dense Llama-family and
-Qwen3 checkpoints; needs ``megatron-core`` (0.16).
+the checkpoint the engine serves (q/k/v interleaved per query group, gate and up fused). Llama-family, Qwen3 and
+Qwen3-MoE checkpoints; needs ``megatron-core`` (0.16).
 """
 
 from __future__ import annotations
@@ -46,7 +49,8 @@ from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
 from .invariant import linear, rms_norm
 from .invariant_attention import attention
 
-__all__ = ["InvariantColumnParallelLinear", "InvariantCoreAttention", "InvariantRMSNorm", "InvariantRowParallelLinear",
+__all__ = ["InvariantColumnParallelLinear", "InvariantCoreAttention", "InvariantMoE", "InvariantRMSNorm",
+           "InvariantRowParallelLinear",
            "get_gpt_invariant_block_spec", "get_gpt_invariant_layer_spec", "gpt_config_from_hf", "load_hf_checkpoint",
            "use_invariant_gpt"]
 
@@ -136,8 +140,45 @@ class InvariantCoreAttention(MegatronModule):
         return out.view(batch, length, heads * dim).transpose(0, 1)
 
 
-def get_gpt_invariant_layer_spec(qk_layernorm: bool = False) -> ModuleSpec:
-    """``get_gpt_layer_local_spec(normalization="RMSNorm")``'s layer with the mode's modules (dense MLP)."""
+class InvariantMoE(MegatronModule):
+    """The MLP slot of a mixture-of-experts layer, as ``transformers``' Qwen3-MoE block computes it (the engine's
+    arithmetic in the mode): ``router`` ``[experts, hidden]``, each expert's fused ``gate_up`` ``[2 * ffn, hidden]``
+    (gate rows, then up rows) and ``down`` ``[hidden, ffn]`` (``config.moe_ffn_hidden_size``). The router's
+    probabilities are a float32 softmax; ``config.moe_router_topk`` of them are kept, renormalised (Qwen3-MoE's
+    ``norm_topk_prob``), rounded to the model dtype; a token's expert outputs, scaled, are added in
+    ascending expert id order. Differentiable (the experts' GEMMs are ``F.linear``, which the mode routes)."""
+
+    def __init__(self, config: TransformerConfig, submodules=None, **_: object) -> None:
+        super().__init__(config=config)
+        experts, ffn, hidden = config.num_moe_experts, config.moe_ffn_hidden_size, config.hidden_size
+        self.top_k = config.moe_router_topk
+        dtype = config.params_dtype
+        self.router = torch.nn.Parameter(torch.empty(experts, hidden, dtype=dtype))
+        self.gate_up = torch.nn.Parameter(torch.empty(experts, 2 * ffn, hidden, dtype=dtype))
+        self.down = torch.nn.Parameter(torch.empty(experts, hidden, ffn, dtype=dtype))
+
+    def forward(self, hidden_states: torch.Tensor, **_: object) -> tuple[torch.Tensor, None]:
+        shape = hidden_states.shape
+        x = hidden_states.reshape(-1, shape[-1])
+        logits = F.linear(x, self.router)
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float)
+        weights, chosen = torch.topk(probs, self.top_k, dim=-1)
+        weights = (weights / weights.sum(dim=-1, keepdim=True)).to(logits.dtype)
+        out = torch.zeros_like(x)
+        for expert in torch.unique(chosen).tolist():  # ascending ids
+            token, slot = torch.where(chosen == expert)
+            gate, up = F.linear(x[token], self.gate_up[expert]).chunk(2, dim=-1)
+            y = F.linear(F.silu(gate) * up, self.down[expert]) * weights[token, slot, None]
+            out = out.index_add(0, token, y.to(out.dtype))
+        return out.view(shape), None
+
+
+def get_gpt_invariant_layer_spec(qk_layernorm: bool = False, moe: bool = False) -> ModuleSpec:
+    """``get_gpt_layer_local_spec(normalization="RMSNorm")``'s layer with the mode's modules: a dense MLP, or
+    :class:`InvariantMoE` when ``moe``."""
+    mlp = (ModuleSpec(module=InvariantMoE) if moe else
+           ModuleSpec(module=MLP, submodules=MLPSubmodules(linear_fc1=InvariantColumnParallelLinear,
+                                                           linear_fc2=InvariantRowParallelLinear)))
     return ModuleSpec(
         module=TransformerLayer,
         submodules=TransformerLayerSubmodules(
@@ -155,8 +196,7 @@ def get_gpt_invariant_layer_spec(qk_layernorm: bool = False) -> ModuleSpec:
             ),
             self_attn_bda=get_bias_dropout_add,
             pre_mlp_layernorm=InvariantRMSNorm,
-            mlp=ModuleSpec(module=MLP, submodules=MLPSubmodules(linear_fc1=InvariantColumnParallelLinear,
-                                                                linear_fc2=InvariantRowParallelLinear)),
+            mlp=mlp,
             mlp_bda=get_bias_dropout_add,
         ),
     )
@@ -164,10 +204,10 @@ def get_gpt_invariant_layer_spec(qk_layernorm: bool = False) -> ModuleSpec:
 
 def get_gpt_invariant_block_spec(config: TransformerConfig) -> ModuleSpec:
     """The decoder block for ``GPTModel(transformer_layer_spec=...)``: :func:`get_gpt_invariant_layer_spec`'s layer
-    ``config.num_layers`` times and :class:`InvariantRMSNorm` as the final norm (a layer spec alone gets
-    Megatron-core's default final norm)."""
+    ``config.num_layers`` times (a mixture of experts in every layer when ``config.num_moe_experts``) and
+    :class:`InvariantRMSNorm` as the final norm (a layer spec alone gets Megatron-core's default final norm)."""
     _refuse_fusions(config)
-    layer = get_gpt_invariant_layer_spec(qk_layernorm=config.qk_layernorm)
+    layer = get_gpt_invariant_layer_spec(qk_layernorm=config.qk_layernorm, moe=bool(config.num_moe_experts))
     return ModuleSpec(module=TransformerBlock, submodules=TransformerBlockSubmodules(
         layer_specs=[layer] * config.num_layers, layer_norm=InvariantRMSNorm))
 
@@ -184,8 +224,10 @@ def _refuse_fusions(config: TransformerConfig) -> None:
     if config.normalization != "RMSNorm" or not config.gated_linear_unit or config.activation_func is not F.silu:
         raise ValueError("the invariant spec is a Llama-family decoder: normalization='RMSNorm', "
                          "gated_linear_unit=True, activation_func=F.silu")
-    if config.num_moe_experts:
-        raise ValueError("the invariant spec has no mixture of experts yet: num_moe_experts must be None")
+    if config.num_moe_experts and (config.moe_shared_expert_intermediate_size or config.moe_layer_freq != 1
+                                   or config.expert_model_parallel_size != 1):
+        raise ValueError("the invariant spec's mixture of experts is Qwen3-MoE's: every layer, no shared expert, "
+                         "expert parallel size 1")
 
 
 def use_invariant_gpt(model: GPTModel) -> GPTModel:
@@ -213,24 +255,33 @@ def _rotary_emb(rotary: torch.nn.Module, embedding: torch.nn.Module, max_seq_len
 
 
 def gpt_config_from_hf(model_dir: str | Path, dtype: torch.dtype) -> tuple[TransformerConfig, dict]:
-    """The ``TransformerConfig`` of a Llama-family or Qwen3 checkpoint in ``dtype``, and the ``GPTModel`` keyword
-    arguments beside it (vocabulary, positions, rotary base, tied embeddings), with every fusion off and CPU
+    """The ``TransformerConfig`` of a Llama-family, Qwen3 or Qwen3-MoE checkpoint in ``dtype``, and the ``GPTModel``
+    keyword arguments beside it (vocabulary, positions, rotary base, tied embeddings), with every fusion off and CPU
     initialisation (the weights come from :func:`load_hf_checkpoint`)."""
     hf = json.loads((Path(model_dir) / "config.json").read_text())
     if hf.get("rope_scaling") or (hf.get("rope_parameters") or {}).get("rope_type", "default") != "default":
         raise ValueError("rope scaling is not handled: Megatron-core's Llama 3 scaling rounds its own way")
     heads = hf["num_attention_heads"]
     head_dim = hf.get("head_dim") or hf["hidden_size"] // heads
+    experts = hf.get("num_experts") or hf.get("num_local_experts")
+    moe = {}
+    if experts:
+        if (hf.get("model_type") != "qwen3_moe" or not hf.get("norm_topk_prob", False) or hf.get("mlp_only_layers")
+                or hf.get("decoder_sparse_step", 1) != 1):
+            raise ValueError("the invariant spec's mixture of experts is Qwen3-MoE's: every layer sparse, "
+                             "norm_topk_prob true")
+        moe = {"num_moe_experts": experts, "moe_ffn_hidden_size": hf["moe_intermediate_size"],
+               "moe_router_topk": hf["num_experts_per_tok"]}
     config = TransformerConfig(
         num_layers=hf["num_hidden_layers"], hidden_size=hf["hidden_size"], num_attention_heads=heads,
         num_query_groups=hf.get("num_key_value_heads", heads), kv_channels=head_dim,
         ffn_hidden_size=hf["intermediate_size"], normalization="RMSNorm", layernorm_epsilon=hf["rms_norm_eps"],
         gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False,
-        add_qkv_bias=bool(hf.get("attention_bias", False)), qk_layernorm=hf.get("model_type") == "qwen3",
+        add_qkv_bias=bool(hf.get("attention_bias", False)), qk_layernorm=hf.get("model_type") in ("qwen3", "qwen3_moe"),
         hidden_dropout=0.0, attention_dropout=0.0, params_dtype=dtype, bf16=dtype == torch.bfloat16,
         use_cpu_initialization=True, perform_initialization=False, bias_activation_fusion=False,
         bias_dropout_fusion=False, apply_rope_fusion=False, masked_softmax_fusion=False,
-        gradient_accumulation_fusion=False, persist_layer_norm=False)
+        gradient_accumulation_fusion=False, persist_layer_norm=False, **moe)
     rope_theta = hf.get("rope_theta") or (hf.get("rope_parameters") or {}).get("rope_theta", 10000.0)
     kwargs = {"vocab_size": hf["vocab_size"], "max_sequence_length": hf.get("max_position_embeddings", 4096),
               "position_embedding_type": "rope", "rotary_base": rope_theta,
@@ -239,9 +290,10 @@ def gpt_config_from_hf(model_dir: str | Path, dtype: torch.dtype) -> tuple[Trans
 
 
 def hf_to_megatron_core(state: dict[str, torch.Tensor], config: TransformerConfig) -> dict[str, torch.Tensor]:
-    """A Hugging Face Llama/Qwen3 state dict under ``GPTModel``'s names: each layer's q/k/v rows interleaved per
-    query group (its query heads, then its key head, then its value head: the layout
-    ``megatron_serve.weights.megatron_core.fused_qkv_pieces`` cuts), gate rows then up rows in ``linear_fc1``."""
+    """A Hugging Face Llama/Qwen3/Qwen3-MoE state dict under ``GPTModel``'s names: each layer's q/k/v rows
+    interleaved per query group (its query heads, then its key head, then its value head: the layout
+    ``megatron_serve.weights.megatron_core.fused_qkv_pieces`` cuts), gate rows then up rows in ``linear_fc1`` (and
+    in each expert's ``gate_up`` of :class:`InvariantMoE`)."""
     groups, dim = config.num_query_groups, config.kv_channels
     per_group = config.num_attention_heads // groups
     out = {"embedding.word_embeddings.weight": state["model.embed_tokens.weight"],
@@ -264,9 +316,16 @@ def hf_to_megatron_core(state: dict[str, torch.Tensor], config: TransformerConfi
         if config.qk_layernorm:
             out[mc + "self_attention.q_layernorm.weight"] = state[attn + "q_norm.weight"]
             out[mc + "self_attention.k_layernorm.weight"] = state[attn + "k_norm.weight"]
-        out[mc + "mlp.linear_fc1.weight"] = torch.cat([state[hf + "mlp.gate_proj.weight"],
-                                                      state[hf + "mlp.up_proj.weight"]])
-        out[mc + "mlp.linear_fc2.weight"] = state[hf + "mlp.down_proj.weight"]
+        if config.num_moe_experts:
+            experts = [f"{hf}mlp.experts.{expert}." for expert in range(config.num_moe_experts)]
+            out[mc + "mlp.router"] = state[hf + "mlp.gate.weight"]
+            out[mc + "mlp.gate_up"] = torch.stack([
+                torch.cat([state[e + "gate_proj.weight"], state[e + "up_proj.weight"]]) for e in experts])
+            out[mc + "mlp.down"] = torch.stack([state[e + "down_proj.weight"] for e in experts])
+        else:
+            out[mc + "mlp.linear_fc1.weight"] = torch.cat([state[hf + "mlp.gate_proj.weight"],
+                                                          state[hf + "mlp.up_proj.weight"]])
+            out[mc + "mlp.linear_fc2.weight"] = state[hf + "mlp.down_proj.weight"]
     return out
 
 
@@ -286,8 +345,8 @@ def load_hf_checkpoint(model: GPTModel, model_dir: str | Path) -> GPTModel:
         raise ValueError(f"{model_dir}: the checkpoint has no {missing.args[0]}, which the model needs") from None
     expected = {name for name in model.state_dict() if not name.endswith("_extra_state")}
     if set(mapped) != expected:
-        raise ValueError(f"{model_dir}: the checkpoint does not fit the model: missing {sorted(expected - set(mapped))}, "
-                         f"unexpected {sorted(set(mapped) - expected)}")
+        raise ValueError(f"{model_dir}: the checkpoint does not fit the model: missing "
+                         f"{sorted(expected - set(mapped))}, unexpected {sorted(set(mapped) - expected)}")
     with torch.no_grad():
         for name, param in model.state_dict().items():
             if name in mapped:

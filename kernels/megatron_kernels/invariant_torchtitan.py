@@ -85,7 +85,8 @@ class InvariantRoPE(RoPE):
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         batch, length, _, dim = query.shape
         device = query.device
-        inv_freq = 1.0 / (self.config.theta ** (torch.arange(0, dim, 2, dtype=torch.int64, device=device).float() / dim))
+        exponents = torch.arange(0, dim, 2, dtype=torch.int64, device=device).float() / dim
+        inv_freq = 1.0 / (self.config.theta ** exponents)  # transformers' default rotary
         if positions is None:
             positions = torch.arange(length, device=device)[None]
         angles = positions.to(device=device, dtype=torch.float32)[..., None] * inv_freq  # [1 or batch, length, dim/2]
@@ -204,7 +205,8 @@ def llama_config_from_hf(model_dir: str | Path) -> Llama3Model.Config:
 _LAYER_NAMES = {"self_attn.q_proj": "attention.qkv_linear.wq", "self_attn.k_proj": "attention.qkv_linear.wk",
                 "self_attn.v_proj": "attention.qkv_linear.wv", "self_attn.o_proj": "attention.wo",
                 "self_attn.q_norm": "attention.q_norm", "self_attn.k_norm": "attention.k_norm",
-                "mlp.gate_proj": "feed_forward.w1", "mlp.up_proj": "feed_forward.w3", "mlp.down_proj": "feed_forward.w2",
+                "mlp.gate_proj": "feed_forward.w1", "mlp.up_proj": "feed_forward.w3",
+                "mlp.down_proj": "feed_forward.w2",
                 "input_layernorm": "attention_norm", "post_attention_layernorm": "ffn_norm"}
 
 

@@ -1,6 +1,7 @@
 """A Megatron-core trainer: ``GPTModel`` built with the mode's block spec, given the checkpoint the engine serves,
 run under ``batch_invariant()`` over a right-padded batch (gloo, world size 1, for its parallel state): every
-sequence's completion log probs ``==`` the engine's, in training mode with autograd on too.
+sequence's completion log probs ``==`` the engine's (Llama, Qwen3, Qwen3-MoE), in training mode with autograd on
+too.
 
 The control: Megatron-core's own local spec (``get_gpt_layer_local_spec``) cannot run on a CPU at all (its
 rotary embedding, attention scratch buffer and attention-dropout RNG ask for CUDA); with those calls pointed at the
@@ -74,7 +75,8 @@ def _log_probs(model: GPTModel, runs, attention_mask: torch.Tensor | None = None
     return completion_log_probs(logits, batch, runs)
 
 
-@pytest.mark.parametrize("arch, dtype", [("llama", "float32"), ("llama", "bfloat16"), ("qwen3", "bfloat16")])
+@pytest.mark.parametrize("arch, dtype", [("llama", "float32"), ("llama", "bfloat16"), ("qwen3", "bfloat16"),
+                                         ("qwen3_moe", "bfloat16")])
 def test_a_gpt_model_of_the_invariant_spec_gives_the_engines_log_probs(models, served, arch, dtype):
     runs = served(arch, dtype)
     model = _model(models[arch], dtype).eval()
@@ -116,15 +118,17 @@ def test_control_megatron_cores_local_spec_differs_and_needs_cuda(models, served
         assert _log_probs(stock, runs, causal) != [run.log_probs for run in runs]
 
 
-def test_fusions_and_mixture_of_experts_are_refused(models):
+def test_fusions_and_other_mixtures_of_experts_are_refused(models):
     config, _ = recipe.gpt_config_from_hf(models["llama"], torch.float32)
     config.bias_activation_fusion = True
     with pytest.raises(ValueError, match="bias_activation_fusion on: .*set them False"):
         recipe.get_gpt_invariant_block_spec(config)
-    config, _ = recipe.gpt_config_from_hf(models["llama"], torch.float32)
-    config.num_moe_experts = 4
-    with pytest.raises(ValueError, match="no mixture of experts"):
+    config, _ = recipe.gpt_config_from_hf(models["qwen3_moe"], torch.float32)
+    config.moe_shared_expert_intermediate_size = 64
+    with pytest.raises(ValueError, match="mixture of experts is Qwen3-MoE's"):
         recipe.get_gpt_invariant_block_spec(config)
+    with pytest.raises(ValueError, match="mixture of experts is Qwen3-MoE's"):  # a shared expert
+        recipe.gpt_config_from_hf(models["qwen2_moe"], torch.float32)
 
 
 def test_a_checkpoint_that_does_not_fit_is_refused(models, tmp_path):

@@ -85,9 +85,9 @@ def _stock(config):
         return RMSNorm.Config(normalized_shape=invariant.normalized_shape, eps=invariant.eps)
 
     layer = config.layers[0]
+    rope = layer.attention.rope
     attention = dataclasses.replace(
-        layer.attention, rope=CosSinRoPE.Config(dim=layer.attention.rope.dim, max_seq_len=layer.attention.rope.max_seq_len,
-                               theta=layer.attention.rope.theta))
+        layer.attention, rope=CosSinRoPE.Config(dim=rope.dim, max_seq_len=rope.max_seq_len, theta=rope.theta))
     layer = dataclasses.replace(layer, attention=attention, attention_norm=norm(layer.attention_norm),
                                 ffn_norm=norm(layer.ffn_norm))
     return dataclasses.replace(config, norm=norm(config.norm), layers=[layer] * len(config.layers))
