@@ -127,6 +127,10 @@ class InvariantCoreAttention(MegatronModule):
             raise ValueError("InvariantCoreAttention takes one sequence per batch row (no packed_seq_params, no "
                              "attention_bias)")
         length, batch, heads, dim = query.shape
+        if attention_mask is not None and not _is_causal(attention_mask, length):
+            raise ValueError("InvariantCoreAttention takes one sequence per batch row from position 0 (right padding): "
+                             "pass attention_mask=None or the causal mask (True above the diagonal); a left-padded "
+                             "or packed row's rotary positions are not the engine's")
         rows = query.transpose(0, 1).reshape(batch * length, heads, dim)
         sequence = torch.arange(batch, device=query.device).repeat_interleave(length)
         positions = torch.arange(length, device=query.device).repeat(batch)
@@ -171,6 +175,12 @@ class InvariantMoE(MegatronModule):
             y = F.linear(F.silu(gate) * up, self.down[expert]) * weights[token, slot, None]
             out = out.index_add(0, token, y.to(out.dtype))
         return out.view(shape), None
+
+
+def _is_causal(mask: torch.Tensor, length: int) -> bool:
+    """Whether Megatron-core's ``attention_mask`` (True: masked out; ``[b or 1, 1, s, s]``) is the plain causal one."""
+    causal = torch.ones(length, length, dtype=torch.bool, device=mask.device).triu(1)
+    return mask.shape[-2:] == (length, length) and bool((mask.bool() == causal).all())
 
 
 def get_gpt_invariant_layer_spec(qk_layernorm: bool = False, moe: bool = False) -> ModuleSpec:

@@ -84,6 +84,19 @@ def test_a_gpt_model_of_the_invariant_spec_gives_the_engines_log_probs(models, s
         assert _log_probs(model, runs) == [run.log_probs for run in runs]
 
 
+def test_the_causal_mask_is_taken_and_a_padding_mask_refused(models, served):
+    runs = served("llama", "float32")
+    model = _model(models["llama"], "float32").eval()
+    device = model.embedding.word_embeddings.weight.device
+    causal = torch.ones(1, 1, LENGTH, LENGTH, dtype=torch.bool, device=device).triu(1)
+    with torch.no_grad():
+        assert _log_probs(model, runs, causal) == [run.log_probs for run in runs]
+        left_padding = causal.clone()
+        left_padding[..., :3] = True
+        with pytest.raises(ValueError, match="one sequence per batch row from position 0"):
+            _log_probs(model, runs, left_padding)
+
+
 def test_in_training_mode_with_autograd_the_log_probs_hold_and_the_weights_get_gradients(models, served):
     runs = served("llama", "float32")
     model = _model(models["llama"], "float32").train()
