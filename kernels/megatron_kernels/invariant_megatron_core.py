@@ -11,7 +11,8 @@ embedding moves its frequencies to ``torch.cuda.current_device()``; the causal m
   size 1 only (a row-parallel all-reduce adds partial sums in an order of its own);
 * RMSNorm as ``transformers`` computes it in the model dtype (:func:`~.invariant.rms_norm`), for the layers, the
   query/key norms and the final norm;
-* the core attention through :func:`~.invariant_attention.attention` (keys in fixed blocks from position 0);
+* the core attention through :func:`~.invariant_attention.attention` (keys in fixed blocks from position 0), over
+  right-padded rows or Megatron-core's packed sequences (``packed_seq_params``, ``qkv_format="thd"``);
 * a mixture of experts (:class:`InvariantMoE`) as ``transformers``' Qwen3-MoE block computes it: the router's
   softmax in float32, top-k, renormalised, rounded to the model dtype; each expert's tokens in ascending expert
   order through the engine's GEMM, added in that order (``index_add_``) in the model dtype;
@@ -33,6 +34,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
 from megatron.core.models.gpt import GPTModel
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megatron.core.transformer import TransformerConfig
@@ -44,10 +46,10 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlock, TransformerBlockSubmodules
 from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
-from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
 
 from .invariant import linear, rms_norm
 from .invariant_attention import attention
+from .invariant_layout import BatchLayout, batch_layout
 
 __all__ = ["InvariantColumnParallelLinear", "InvariantCoreAttention", "InvariantMoE", "InvariantRMSNorm",
            "InvariantRowParallelLinear",
@@ -105,9 +107,10 @@ class InvariantRMSNorm(torch.nn.Module):
 
 
 class InvariantCoreAttention(MegatronModule):
-    """Causal core attention through :func:`~.invariant_attention.attention`: every row of the batch one sequence
-    from position 0 (padding on the right changes no earlier token), keys reduced in fixed blocks from key 0, the
-    scale ``kv_channels ** -0.5`` as ``transformers`` and the engine write it."""
+    """Causal core attention through :func:`~.invariant_attention.attention` (keys reduced in fixed blocks from key
+    0), the scale ``kv_channels ** -0.5`` as ``transformers`` and the engine write it. Each batch row is one
+    sequence from position 0 (padding on the right changes no earlier token), or, with ``packed_seq_params``
+    (``qkv_format="thd"``, Megatron-core's packed sequences), each ``cu_seqlens_q`` span is one."""
 
     def __init__(self, config: TransformerConfig, layer_number: int, attn_mask_type: AttnMaskType,
                  attention_type: str, attention_dropout: float | None = None, softmax_scale: float | None = None,
@@ -122,26 +125,46 @@ class InvariantCoreAttention(MegatronModule):
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask, attn_mask_type=None,
                 attention_bias=None, packed_seq_params=None) -> torch.Tensor:
-        """``query`` ``[s, b, heads, d]``, ``key``/``value`` ``[s, b, groups, d]``; returns ``[s, b, heads * d]``."""
-        if packed_seq_params is not None or attention_bias is not None:
-            raise ValueError("InvariantCoreAttention takes one sequence per batch row (no packed_seq_params, no "
-                             "attention_bias)")
+        """``query`` ``[s, b, heads, d]``, ``key``/``value`` ``[s, b, groups, d]`` (``[t, heads or groups, d]``
+        packed); returns ``[s, b, heads * d]`` (``[t, heads * d]``)."""
+        if attention_bias is not None:
+            raise ValueError("InvariantCoreAttention takes no attention_bias")
+        if packed_seq_params is not None:
+            layout = _packed_layout(packed_seq_params, query.shape[0], query.device)
+            out = self._attend(query, key, value, layout.keys, layout.sequence, layout.positions)
+            return out.reshape(query.shape[0], -1)
         length, batch, heads, dim = query.shape
         if attention_mask is not None and not _is_causal(attention_mask, length):
             raise ValueError("InvariantCoreAttention takes one sequence per batch row from position 0 (right padding): "
-                             "pass attention_mask=None or the causal mask (True above the diagonal); a left-padded "
-                             "or packed row's rotary positions are not the engine's")
-        rows = query.transpose(0, 1).reshape(batch * length, heads, dim)
-        sequence = torch.arange(batch, device=query.device).repeat_interleave(length)
-        positions = torch.arange(length, device=query.device).repeat(batch)
-        if query.is_cuda:  # the engine's Triton kernel, as the transformers recipe runs it on a GPU
-            from .triton_invariant_attention import dense_attention  # noqa: PLC0415 - needs triton
-            keys, values = (cache.permute(1, 2, 0, 3) for cache in (key, value))  # [b, groups, s, d]
-            out = dense_attention(rows, keys, values, sequence, positions, self.scale)
-        else:
-            keys, values = (cache.permute(2, 1, 0, 3) for cache in (key, value))  # [groups, b, s, d]
-            out = attention(rows, keys, values, sequence, positions, self.scale)
+                             "pass attention_mask=None or the causal mask (True above the diagonal); pack sequences "
+                             "with packed_seq_params instead")
+        tokens = torch.arange(batch * length, device=query.device)
+        out = self._attend(*(t.transpose(0, 1).reshape(batch * length, *t.shape[2:]) for t in (query, key, value)),
+                           tokens.view(batch, length), tokens // length, tokens % length)
         return out.view(batch, length, heads * dim).transpose(0, 1)
+
+    def _attend(self, rows: torch.Tensor, key: torch.Tensor, value: torch.Tensor, keys_of: torch.Tensor,
+                sequence: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """``rows`` ``[t, heads, d]``, ``key``/``value`` ``[t, groups, d]``; ``keys_of`` ``[sequences, longest]`` each
+        sequence's token indices in order; ``sequence``/``positions`` per token."""
+        if rows.is_cuda:  # the engine's Triton kernel, as the transformers recipe runs it on a GPU
+            from .triton_invariant_attention import dense_attention  # noqa: PLC0415 - needs triton
+            keys, values = (cache[keys_of].transpose(1, 2) for cache in (key, value))  # [sequences, groups, L, d]
+            return dense_attention(rows, keys, values, sequence, positions, self.scale)
+        keys, values = (cache[keys_of].permute(2, 0, 1, 3) for cache in (key, value))  # [groups, sequences, L, d]
+        return attention(rows, keys, values, sequence, positions, self.scale)
+
+
+def _packed_layout(params, tokens: int, device: torch.device) -> BatchLayout:
+    """The sequences of Megatron-core's packed (``thd``) call: each ``cu_seqlens_q`` span from position 0."""
+    if params.qkv_format != "thd":
+        raise ValueError(f"InvariantCoreAttention packs sequences as qkv_format 'thd'; got {params.qkv_format!r}")
+    offsets = params.cu_seqlens_q
+    for other in (params.cu_seqlens_kv, params.cu_seqlens_q_padded, params.cu_seqlens_kv_padded):
+        if other is not None and not torch.equal(other.to(offsets.device), offsets):
+            raise ValueError("InvariantCoreAttention takes packed sequences without padding between them: "
+                             "cu_seqlens_kv and the padded offsets must equal cu_seqlens_q")
+    return batch_layout(1, tokens, None, None, offsets, device)
 
 
 class InvariantMoE(MegatronModule):

@@ -18,6 +18,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.tensor_parallel import random as megatron_random
 
 from megatron_kernels import invariant_megatron_core as recipe
@@ -25,7 +26,7 @@ from megatron_serve.invariant import batch_invariant
 
 from ..devices import tensor_parallel_device
 from ..helpers import free_port
-from .batches import completion_log_probs, right_padded
+from .batches import completion_log_probs, packed, right_padded
 from .runs import run_prompts
 
 
@@ -82,6 +83,26 @@ def test_a_gpt_model_of_the_invariant_spec_gives_the_engines_log_probs(models, s
     model = _model(models[arch], dtype).eval()
     with torch.no_grad():
         assert _log_probs(model, runs) == [run.log_probs for run in runs]
+
+
+@pytest.mark.parametrize("arch, dtype", [("llama", "float32"), ("qwen3_moe", "bfloat16")])
+def test_packed_sequences_give_the_engines_log_probs(models, served, arch, dtype):
+    """Megatron-core's packed sequences (``thd``: one row, ``cu_seqlens``), as verl's Megatron backend packs them."""
+    runs = served(arch, dtype)
+    model = _model(models[arch], dtype).eval()
+    row = packed([run.prompt + run.tokens for run in runs])
+    device = model.embedding.word_embeddings.weight.device
+    lengths = [len(run.prompt) + len(run.tokens) for run in runs]
+    offsets = torch.tensor([0] + lengths, dtype=torch.int32, device=device).cumsum(0, dtype=torch.int32)
+    params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=offsets, cu_seqlens_kv=offsets,
+                             max_seqlen_q=max(lengths), max_seqlen_kv=max(lengths))
+    ids = row.kwargs["input_ids"].to(device)
+    positions = row.kwargs["position_ids"].to(device)
+    with torch.no_grad(), batch_invariant():
+        logits = model(ids, positions, None, packed_seq_params=params)
+        as_one = model(ids, positions, None)  # the control: the row read as one sequence
+    assert completion_log_probs(logits, row, runs) == [run.log_probs for run in runs]
+    assert all(ours != run.log_probs for ours, run in zip(completion_log_probs(as_one, row, runs)[1:], runs[1:]))
 
 
 def test_the_causal_mask_is_taken_and_a_padding_mask_refused(models, served):
