@@ -4,8 +4,8 @@ Megatron-core's local layer spec (``get_gpt_layer_local_spec``) computes another
 ``ColumnParallelLinear``/``RowParallelLinear`` multiply with ``torch.matmul`` inside their own autograd function
 (which :func:`~.invariant_trainer.batch_invariant` does not reach), its RMSNorm is ``torch.nn.RMSNorm``, its core
 attention a softmax over the whole score matrix, and on a CPU its forward stops at CUDA-only code (the rotary
-embedding moves its frequencies to ``torch.cuda.current_device()``; the causal mask is made with
-``device="cuda"``). :func:`get_gpt_invariant_block_spec` gives the decoder of the mode's modules instead:
+embedding moves its frequencies to ``torch.cuda.current_device()``; the attention's scratch buffer is made there,
+its default causal mask with ``device="cuda"``, and its dropout forks the CUDA RNG tracker even at 0). :func:`get_gpt_invariant_block_spec` gives the decoder of the mode's modules instead:
 
 * linears through the engine's GEMM (:func:`~.invariant.linear`, rows padded to whole tiles), tensor parallel
   size 1 only (a row-parallel all-reduce adds partial sums in an order of its own);
@@ -15,7 +15,7 @@ embedding moves its frequencies to ``torch.cuda.current_device()``; the causal m
   right-padded rows or Megatron-core's packed sequences (``packed_seq_params``, ``qkv_format="thd"``);
 * a mixture of experts (:class:`InvariantMoE`) as ``transformers``' Qwen3-MoE block computes it: the router's
   softmax in float32, top-k, renormalised, rounded to the model dtype; each expert's tokens in ascending expert
-  order through the engine's GEMM, added in that order (``index_add_``) in the model dtype;
+  order through the engine's GEMM, added in that order (``index_add``) in the model dtype;
 * Megatron-core's own rotary arithmetic, which is ``transformers``' (``x * cos + rotate_half(x) * sin`` in the
   model dtype, ``cos``/``sin`` of float32 angles through the mode's lane-wise ops), its frequencies kept on the
   model's device by :func:`use_invariant_gpt` (which also routes the output layer, built by ``GPTModel`` itself).
