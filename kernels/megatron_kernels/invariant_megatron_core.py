@@ -49,6 +49,7 @@ from megatron.core.transformer.transformer_layer import TransformerLayer, Transf
 
 from .invariant import linear, rms_norm
 from .invariant_attention import attention
+from .invariant_experts import routed_experts, stacked_experts
 from .invariant_layout import BatchLayout, batch_layout
 
 __all__ = ["InvariantColumnParallelLinear", "InvariantCoreAttention", "InvariantMoE", "InvariantRMSNorm",
@@ -168,12 +169,10 @@ def _packed_layout(params, tokens: int, device: torch.device) -> BatchLayout:
 
 
 class InvariantMoE(MegatronModule):
-    """The MLP slot of a mixture-of-experts layer, as ``transformers``' Qwen3-MoE block computes it (the engine's
-    arithmetic in the mode): ``router`` ``[experts, hidden]``, each expert's fused ``gate_up`` ``[2 * ffn, hidden]``
-    (gate rows, then up rows) and ``down`` ``[hidden, ffn]`` (``config.moe_ffn_hidden_size``). The router's
-    probabilities are a float32 softmax; ``config.moe_router_topk`` of them are kept, renormalised (Qwen3-MoE's
-    ``norm_topk_prob``), rounded to the model dtype; a token's expert outputs, scaled, are added in
-    ascending expert id order. Differentiable (the experts' GEMMs are ``F.linear``, which the mode routes)."""
+    """The MLP slot of a mixture-of-experts layer: :func:`~.invariant_experts.routed_experts` (Qwen3-MoE's block as
+    ``transformers`` computes it) over ``router`` ``[experts, hidden]``, ``gate_up`` ``[experts, 2 * ffn, hidden]``
+    and ``down`` ``[experts, hidden, ffn]`` (``config.moe_ffn_hidden_size``), ``config.moe_router_topk`` experts a
+    token."""
 
     def __init__(self, config: TransformerConfig, submodules=None, **_: object) -> None:
         super().__init__(config=config)
@@ -185,19 +184,7 @@ class InvariantMoE(MegatronModule):
         self.down = torch.nn.Parameter(torch.empty(experts, hidden, ffn, dtype=dtype))
 
     def forward(self, hidden_states: torch.Tensor, **_: object) -> tuple[torch.Tensor, None]:
-        shape = hidden_states.shape
-        x = hidden_states.reshape(-1, shape[-1])
-        logits = F.linear(x, self.router)
-        probs = torch.softmax(logits, dim=-1, dtype=torch.float)
-        weights, chosen = torch.topk(probs, self.top_k, dim=-1)
-        weights = (weights / weights.sum(dim=-1, keepdim=True)).to(logits.dtype)
-        out = torch.zeros_like(x)
-        for expert in torch.unique(chosen).tolist():  # ascending ids
-            token, slot = torch.where(chosen == expert)
-            gate, up = F.linear(x[token], self.gate_up[expert]).chunk(2, dim=-1)
-            y = F.linear(F.silu(gate) * up, self.down[expert]) * weights[token, slot, None]
-            out = out.index_add(0, token, y.to(out.dtype))
-        return out.view(shape), None
+        return routed_experts(hidden_states, self.router, self.gate_up, self.down, self.top_k), None
 
 
 def _is_causal(mask: torch.Tensor, length: int) -> bool:
@@ -350,11 +337,8 @@ def hf_to_megatron_core(state: dict[str, torch.Tensor], config: TransformerConfi
             out[mc + "self_attention.q_layernorm.weight"] = state[attn + "q_norm.weight"]
             out[mc + "self_attention.k_layernorm.weight"] = state[attn + "k_norm.weight"]
         if config.num_moe_experts:
-            experts = [f"{hf}mlp.experts.{expert}." for expert in range(config.num_moe_experts)]
-            out[mc + "mlp.router"] = state[hf + "mlp.gate.weight"]
-            out[mc + "mlp.gate_up"] = torch.stack([
-                torch.cat([state[e + "gate_proj.weight"], state[e + "up_proj.weight"]]) for e in experts])
-            out[mc + "mlp.down"] = torch.stack([state[e + "down_proj.weight"] for e in experts])
+            router, gate_up, down = stacked_experts(state, hf + "mlp.", config.num_moe_experts)
+            out.update({mc + "mlp.router": router, mc + "mlp.gate_up": gate_up, mc + "mlp.down": down})
         else:
             out[mc + "mlp.linear_fc1.weight"] = torch.cat([state[hf + "mlp.gate_proj.weight"],
                                                           state[hf + "mlp.up_proj.weight"]])
