@@ -5,7 +5,8 @@ Megatron-core's local layer spec (``get_gpt_layer_local_spec``) computes another
 (which :func:`~.invariant_trainer.batch_invariant` does not reach), its RMSNorm is ``torch.nn.RMSNorm``, its core
 attention a softmax over the whole score matrix, and on a CPU its forward stops at CUDA-only code (the rotary
 embedding moves its frequencies to ``torch.cuda.current_device()``; the attention's scratch buffer is made there,
-its default causal mask with ``device="cuda"``, and its dropout forks the CUDA RNG tracker even at 0). :func:`get_gpt_invariant_block_spec` gives the decoder of the mode's modules instead:
+its default causal mask with ``device="cuda"``, and its dropout forks the CUDA RNG tracker even at 0).
+:func:`get_gpt_invariant_block_spec` gives the decoder of the mode's modules instead:
 
 * linears through the engine's GEMM (:func:`~.invariant.linear`, rows padded to whole tiles), tensor parallel
   size 1 only (a row-parallel all-reduce adds partial sums in an order of its own);

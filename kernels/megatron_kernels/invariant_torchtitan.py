@@ -1,11 +1,13 @@
-"""The trainer side of ``--batch-invariant`` for TorchTitan: a ``Llama3Model`` whose log probs are the engine's.
+"""The trainer side of ``--batch-invariant`` for TorchTitan: a ``Llama3Model`` (or ``Qwen3Model``) whose log probs
+are the engine's.
 
 TorchTitan's Llama computes another way than the engine in three places: its rotary embedding (``ComplexRoPE``
 multiplies complex numbers; ``CosSinRoPE`` rotates in float32 from a table computed at build time, where
-``transformers`` and the engine rotate in the model dtype), its norms (``torch.nn.RMSNorm``) and its inner
-attention (flex attention over ``BlockMask``s, or varlen flash attention). :func:`llama_config_from_hf` builds the
-model's configuration with the mode's modules in those places, the rest TorchTitan's own (``Linear`` is an
-``nn.Linear``, its SwiGLU ``F.silu``: both reach the mode's ops under ``batch_invariant()``):
+``transformers`` and the engine rotate in the model dtype), its norms (``torch.nn.RMSNorm``) and its inner attention
+(flex attention over ``BlockMask``s, or varlen flash attention); its Qwen3's ``MoE`` in a fourth (grouped GEMMs).
+:func:`config_from_hf` builds the model's configuration with the mode's modules in those places, the rest
+TorchTitan's own (``Linear`` is an ``nn.Linear``, its SwiGLU ``F.silu``: both reach the mode's ops under
+``batch_invariant()``):
 
 * :class:`InvariantRoPE`: angles of float32 frequencies, ``cos``/``sin`` through the mode's lane-wise ops, cast to
   the model dtype, then ``x * cos + rotate_half(x) * sin`` in it, as ``transformers`` computes it;
@@ -13,11 +15,12 @@ model's configuration with the mode's modules in those places, the rest TorchTit
 * :class:`InvariantAttention`: the inner attention through :func:`~.invariant_attention.attention`, over the
   sequences that :func:`attention_masks` finds in a batch (the role of ``model.get_attention_masks``: one
   sequence per row without it; packed documents by ``positions`` restarting at 0, right or left padding by a 2D
-  padding mask).
+  padding mask);
+* :class:`InvariantExperts` for Qwen3-MoE: :func:`~.invariant_experts.routed_experts`.
 
 :func:`load_hf_checkpoint` loads the checkpoint the engine serves (separate ``wq``/``wk``/``wv``: the rotate-half
 rotary takes the Hugging Face row order as it is, without the permutation ``Llama3StateDictAdapter`` makes for
-the complex one). Dense Llama-family and Qwen3 checkpoints; needs ``torchtitan`` (0.3) and what its model
+the complex one). Llama-family, Qwen3 and Qwen3-MoE checkpoints; needs ``torchtitan`` (0.3) and what its model
 package imports (``spmd_types``, ``tyro``), not its trainer's dependencies.
 """
 
@@ -32,14 +35,16 @@ from torchtitan.models.common import Embedding, FeedForward, Linear
 from torchtitan.models.common.attention import GQAttention, QKVLinear
 from torchtitan.models.common.rope import RoPE
 from torchtitan.models.llama3 import Llama3Model, Llama3TransformerBlock
+from torchtitan.models.qwen3 import Qwen3Model, Qwen3TransformerBlock
 from torchtitan.protocols.module import Module
 
 from .invariant import rms_norm
 from .invariant_attention import DensePlan, attention, plan_dense
+from .invariant_experts import routed_experts, stacked_experts
 from .invariant_layout import BatchLayout, batch_layout
 
-__all__ = ["InvariantAttention", "InvariantMasks", "InvariantRMSNorm", "InvariantRoPE", "attention_masks",
-           "llama_config_from_hf", "load_hf_checkpoint"]
+__all__ = ["InvariantAttention", "InvariantExperts", "InvariantMasks", "InvariantRMSNorm", "InvariantRoPE",
+           "attention_masks", "config_from_hf", "load_hf_checkpoint"]
 
 
 class InvariantRMSNorm(Module):
@@ -164,14 +169,42 @@ def attention_masks_for_rows(batch: int, length: int, device: torch.device) -> I
     return attention_masks(batch, length, device=device)
 
 
-def llama_config_from_hf(model_dir: str | Path) -> Llama3Model.Config:
-    """A ``Llama3Model.Config`` of a Llama-family or Qwen3 checkpoint (Qwen3: its query/key norms) with the mode's
-    rotary, norms and inner attention; build it with ``.build()``, load the weights with :func:`load_hf_checkpoint`
-    and cast the model to the engine's dtype (the rotary frequencies stay float32)."""
+class InvariantExperts(Module):
+    """A Qwen3-MoE layer's experts: :func:`~.invariant_experts.routed_experts` (its block as ``transformers``
+    computes it) over ``router`` ``[experts, dim]``, ``gate_up`` ``[experts, 2 * hidden, dim]`` and ``down``
+    ``[experts, dim, hidden]``, in the place of TorchTitan's ``MoE`` (whose grouped GEMMs and router round their
+    own way)."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(Module.Config):
+        dim: int
+        hidden_dim: int
+        num_experts: int
+        top_k: int
+
+    def __init__(self, config: Config) -> None:
+        super().__init__()
+        self.top_k = config.top_k
+        experts, dim, hidden = config.num_experts, config.dim, config.hidden_dim
+        self.router = torch.nn.Parameter(torch.empty(experts, dim))
+        self.gate_up = torch.nn.Parameter(torch.empty(experts, 2 * hidden, dim))
+        self.down = torch.nn.Parameter(torch.empty(experts, dim, hidden))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return routed_experts(x, self.router, self.gate_up, self.down, self.top_k)
+
+
+def config_from_hf(model_dir: str | Path) -> Llama3Model.Config | Qwen3Model.Config:
+    """The TorchTitan model configuration of a checkpoint, with the mode's rotary, norms, inner attention (and
+    experts): a ``Llama3Model.Config`` for a Llama-family one, a ``Qwen3Model.Config`` for Qwen3 (its query/key
+    norms) and Qwen3-MoE (:class:`InvariantExperts` in every layer). Build it with ``.build()``, load the weights
+    with :func:`load_hf_checkpoint` and cast the model to the engine's dtype (the rotary frequencies stay
+    float32)."""
     hf = json.loads((Path(model_dir) / "config.json").read_text())
     rope = hf.get("rope_parameters") or {}
     if hf.get("rope_scaling") or rope.get("rope_type", "default") != "default":
         raise ValueError("rope scaling is not handled (the engine's default rotary only)")
+    qwen3, experts = hf.get("model_type") in ("qwen3", "qwen3_moe"), _experts(hf)
     dim, heads = hf["hidden_size"], hf["num_attention_heads"]
     kv_heads = hf.get("num_key_value_heads", heads)
     head_dim = hf.get("head_dim") or dim // heads
@@ -185,21 +218,34 @@ def llama_config_from_hf(model_dir: str | Path) -> Llama3Model.Config:
         return Linear.Config(in_features=inputs, out_features=outputs, bias=bias)
 
     bias = bool(hf.get("attention_bias", False))
-    layer = Llama3TransformerBlock.Config(
-        attention_norm=norm(dim), ffn_norm=norm(dim),
-        attention=GQAttention.Config(
-            n_heads=heads, n_kv_heads=kv_heads, dim=dim, head_dim=head_dim,
-            qkv_linear=QKVLinear.Config(head_dim=head_dim, wq=linear(dim, heads * head_dim, bias),
-                                        wkv=linear(dim, kv_heads * head_dim, bias)),
-            wo=linear(heads * head_dim, dim),
-            qk_norm=norm(head_dim) if hf.get("model_type") == "qwen3" else None,
-            inner_attention=InvariantAttention.Config(),
-            rope=InvariantRoPE.Config(dim=head_dim, max_seq_len=hf.get("max_position_embeddings", 4096), theta=theta)),
-        feed_forward=FeedForward.Config(w1=linear(dim, hidden), w2=linear(hidden, dim), w3=linear(dim, hidden)))
-    return Llama3Model.Config(
+    attention = GQAttention.Config(
+        n_heads=heads, n_kv_heads=kv_heads, dim=dim, head_dim=head_dim,
+        qkv_linear=QKVLinear.Config(head_dim=head_dim, wq=linear(dim, heads * head_dim, bias),
+                                    wkv=linear(dim, kv_heads * head_dim, bias)),
+        wo=linear(heads * head_dim, dim), qk_norm=norm(head_dim) if qwen3 else None,
+        inner_attention=InvariantAttention.Config(),
+        rope=InvariantRoPE.Config(dim=head_dim, max_seq_len=hf.get("max_position_embeddings", 4096), theta=theta))
+    if experts:
+        mlp = {"moe": InvariantExperts.Config(dim=dim, hidden_dim=hf["moe_intermediate_size"], num_experts=experts,
+                                              top_k=hf["num_experts_per_tok"])}
+    else:
+        mlp = {"feed_forward": FeedForward.Config(w1=linear(dim, hidden), w2=linear(hidden, dim),
+                                                  w3=linear(dim, hidden))}
+    block, model = (Qwen3TransformerBlock, Qwen3Model) if qwen3 else (Llama3TransformerBlock, Llama3Model)
+    layer = block.Config(attention_norm=norm(dim), ffn_norm=norm(dim), attention=attention, **mlp)
+    return model.Config(
         dim=dim, vocab_size=vocab, tok_embeddings=Embedding.Config(num_embeddings=vocab, embedding_dim=dim),
         norm=norm(dim), lm_head=linear(dim, vocab), layers=[layer] * hf["num_hidden_layers"],
         enable_weight_tying=bool(hf.get("tie_word_embeddings", False)))
+
+
+def _experts(hf: dict) -> int:
+    """The experts of a Qwen3-MoE checkpoint (0 for a dense one); another mixture of experts is refused."""
+    experts = hf.get("num_experts") or hf.get("num_local_experts") or 0
+    if experts and (hf.get("model_type") != "qwen3_moe" or not hf.get("norm_topk_prob", False)
+                    or hf.get("mlp_only_layers") or hf.get("decoder_sparse_step", 1) != 1):
+        raise ValueError("the recipe's mixture of experts is Qwen3-MoE's: every layer sparse, norm_topk_prob true")
+    return experts
 
 
 _LAYER_NAMES = {"self_attn.q_proj": "attention.qkv_linear.wq", "self_attn.k_proj": "attention.qkv_linear.wk",
@@ -210,10 +256,18 @@ _LAYER_NAMES = {"self_attn.q_proj": "attention.qkv_linear.wq", "self_attn.k_proj
                 "input_layernorm": "attention_norm", "post_attention_layernorm": "ffn_norm"}
 
 
-def hf_to_torchtitan(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """A Hugging Face Llama/Qwen3 state dict under TorchTitan's names (rows as they are)."""
+def hf_to_torchtitan(state: dict[str, torch.Tensor], experts: int = 0) -> dict[str, torch.Tensor]:
+    """A Hugging Face Llama/Qwen3/Qwen3-MoE state dict under TorchTitan's names (rows as they are; each MoE layer's
+    ``experts`` stacked for :class:`InvariantExperts`)."""
     out = {}
+    moe_layers = {name.split(".")[2] for name in state if ".mlp.experts." in name}
+    for layer in moe_layers:
+        router, gate_up, down = stacked_experts(state, f"model.layers.{layer}.mlp.", experts)
+        out.update({f"layers.{layer}.moe.router": router, f"layers.{layer}.moe.gate_up": gate_up,
+                    f"layers.{layer}.moe.down": down})
     for name, tensor in state.items():
+        if ".mlp.experts." in name or (name.endswith(".mlp.gate.weight") and name.split(".")[2] in moe_layers):
+            continue
         if name == "model.embed_tokens.weight":
             out["tok_embeddings.weight"] = tensor
         elif name == "model.norm.weight":
@@ -240,7 +294,8 @@ def load_hf_checkpoint(model: torch.nn.Module, model_dir: str | Path) -> torch.n
         state.update(load_file(str(path)))
     if not state:
         raise ValueError(f"{model_dir}: no *.safetensors files")
-    mapped = hf_to_torchtitan(state)
+    layer = model.layers["0"]
+    mapped = hf_to_torchtitan(state, layer.moe.router.shape[0] if getattr(layer, "moe_enabled", False) else 0)
     if model.enable_weight_tying:
         mapped.setdefault("lm_head.weight", mapped["tok_embeddings.weight"])
     model.load_state_dict(mapped, strict=True)

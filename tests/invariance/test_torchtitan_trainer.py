@@ -1,7 +1,7 @@
-"""A TorchTitan trainer: ``Llama3Model`` built from ``llama_config_from_hf`` (the mode's rotary, norms and inner
-attention), given the checkpoint the engine serves, run under ``batch_invariant()``: every sequence's completion
-log probs ``==`` the engine's, over a right-padded batch and a packed row (TorchTitan's per-document positions),
-in training mode with autograd on too.
+"""A TorchTitan trainer: ``Llama3Model`` (``Qwen3Model`` for Qwen3 and Qwen3-MoE) built from ``config_from_hf``
+(the mode's rotary, norms, inner attention and experts), given the checkpoint the engine serves, run under
+``batch_invariant()``: every sequence's completion log probs ``==`` the engine's, over a right-padded batch and a
+packed row (TorchTitan's per-document positions), in training mode with autograd on too.
 
 The control: the same model with TorchTitan's own rotary and norms (``CosSinRoPE``, ``RMSNorm``) differs from the
 engine. (Its flex attention is left out of the control: on a CPU ``torch.compile`` builds it, minutes in a fresh
@@ -51,11 +51,12 @@ def _forward(model: torch.nn.Module, batch, masks=None, positions=None) -> torch
         return model(ids, None if positions is None else positions.to(device), masks)
 
 
-@pytest.mark.parametrize("arch, dtype", [("llama", "float32"), ("llama", "bfloat16"), ("qwen3", "bfloat16")])
-def test_a_llama3_model_of_the_recipe_gives_the_engines_log_probs(models, served, arch, dtype):
+@pytest.mark.parametrize("arch, dtype", [("llama", "float32"), ("llama", "bfloat16"), ("qwen3", "bfloat16"),
+                                         ("qwen3_moe", "bfloat16")])
+def test_a_model_of_the_recipe_gives_the_engines_log_probs(models, served, arch, dtype):
     runs = served(arch, dtype)
     engine = [run.log_probs for run in runs]
-    model = _model(recipe.llama_config_from_hf(models[arch]), models[arch], dtype).eval()
+    model = _model(recipe.config_from_hf(models[arch]), models[arch], dtype).eval()
     sequences = [run.prompt + run.tokens for run in runs]
     batch = right_padded(sequences, LENGTH)
     with torch.no_grad():
@@ -68,7 +69,7 @@ def test_a_llama3_model_of_the_recipe_gives_the_engines_log_probs(models, served
 
 def test_in_training_mode_with_autograd_the_log_probs_hold_and_the_weights_get_gradients(models, served):
     runs = served("llama", "float32")
-    model = _model(recipe.llama_config_from_hf(models["llama"]), models["llama"], "float32").train()
+    model = _model(recipe.config_from_hf(models["llama"]), models["llama"], "float32").train()
     batch = right_padded([run.prompt + run.tokens for run in runs], LENGTH)
     logits = _forward(model, batch)
     assert completion_log_probs(logits.detach(), batch, runs) == [run.log_probs for run in runs]
@@ -95,7 +96,7 @@ def _stock(config):
 
 def test_control_torchtitans_own_rotary_and_norms_differ(models, served):
     runs = served("llama", "bfloat16")
-    model = _model(_stock(recipe.llama_config_from_hf(models["llama"])), models["llama"], "bfloat16").eval()
+    model = _model(_stock(recipe.config_from_hf(models["llama"])), models["llama"], "bfloat16").eval()
     row = packed([run.prompt + run.tokens for run in runs])
     positions = row.kwargs["position_ids"]
     masks = recipe.attention_masks(1, positions.shape[1], positions, device=tensor_parallel_device(1))
@@ -106,13 +107,15 @@ def test_control_torchtitans_own_rotary_and_norms_differ(models, served):
 
 
 def test_what_the_recipe_does_not_compute_is_refused(models, tmp_path):
-    model = recipe.llama_config_from_hf(models["llama"]).build()
+    model = recipe.config_from_hf(models["llama"]).build()
     ids = torch.tensor([[5, 6, 7, 8]])
     with torch.no_grad(), batch_invariant(), pytest.raises(TypeError, match="takes .*attention_masks"):
         model(ids, None, object())
-    config = recipe.llama_config_from_hf(models["llama"])
+    config = recipe.config_from_hf(models["llama"])
     rope = dataclasses.replace(config.layers[0].attention.rope, scaling="llama")
     with pytest.raises(ValueError, match="rope scaling 'llama' is not handled"):
         rope.build()
     with pytest.raises(ValueError, match="no \\*.safetensors"):
         recipe.load_hf_checkpoint(model, tmp_path)
+    with pytest.raises(ValueError, match="mixture of experts is Qwen3-MoE's"):  # a shared expert
+        recipe.config_from_hf(models["qwen2_moe"])
