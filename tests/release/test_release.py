@@ -141,7 +141,8 @@ def test_every_module_imports_from_the_installed_wheel(release: Release) -> None
         ".".join(path.relative_to(root).with_suffix("").parts).removesuffix(".__init__")
         for name, root in SOURCE_ROOTS.items() for path in (root / name).rglob("*.py") if path.stem != "__main__"
     }
-    assert source_modules - set(report["modules"]) == set()
+    # the Megatron-core and TorchTitan recipes import their library, which the release does not install
+    assert source_modules - set(report["modules"]) - set(report["without_trainer_library"]) == set()
 
 
 def test_version_and_every_subcommand_help(release: Release) -> None:
