@@ -77,6 +77,14 @@ def layout_config(args: argparse.Namespace) -> "InferenceConfig":
                                data_parallel_size=args.data_parallel_size, data_parallel_rank=rank)
 
 
+def data_parallel_info(config: "InferenceConfig") -> dict[str, int]:
+    """What HELLO says of a data-parallel attention rank: the coordinator holds the group's ranks as engines of one
+    group, each its rank of it (``run`` starts them all with one ``--group``, as the operator's pods of a gang)."""
+    if config.data_parallel_size == 1:
+        return {}
+    return {"data_parallel_rank": config.data_parallel_rank, "data_parallel_size": config.data_parallel_size}
+
+
 def run(args: argparse.Namespace) -> int:
     setup_logging(args.log_level)
     address = coordinator_address(args.coordinator)
@@ -102,7 +110,7 @@ def run(args: argparse.Namespace) -> int:
 
     rc = run_engine_process(make_engine, address, token=token, group=args.group,
                             drain_timeout=args.drain_timeout, coordinator_timeout=args.coordinator_timeout,
-                            info={"model": args.model, "kv_role": kv_role})
+                            info={"model": args.model, "kv_role": kv_role, **data_parallel_info(config)})
     # Everything is handed back and flushed: skip the interpreter's slow teardown of torch (seconds),
     # so that "the engine exited" follows "the engine acknowledged STOP" closely.
     logging.shutdown()
