@@ -358,7 +358,7 @@ class _Stack:
             count = f" ({args.api_server_count} processes)" if args.api_server_count > 1 else ""
             progress(4, f"HTTP server listening on {url}{count}{' (API key required)' if self.api_key else ''}"
                         f"{probes_note(probes)}")
-            say(f"megatron-serve is ready: {url}/v1 (model '{facts.name}', {args.engines} engine(s)); try: "
+            say(f"megatron-serve is ready: {url}/v1 (model '{facts.name}', {self.fleet.num_engines} engine(s)); try: "
                 f"{curl_example(url, facts.name, bearer_header(args) if self.api_key else '')}")
 
         freeze_startup_heap()

@@ -224,11 +224,11 @@ class Supervisor:
         uptime = now - gang.started
         gang.delay = self.initial if uptime >= self.stable or not gang.delay else min(gang.delay * 2, self.maximum)
         gang.restart_at = time.monotonic() + gang.delay
-        lost = ", ".join(f"{child.name} ({exit_cause(code)})" for child, code in dead)
+        lost = ", ".join(f"{child.name}: {exit_cause(code)}" for child, code in dead)
         for child in gang.members:
             child.causes.append(next((exit_cause(code) for c, code in dead if c is child), f"its gang lost {lost}"))
-        logger.warning("%s lost %s after %.0fs: its every rank and their workers ended; restarting the gang with a "
-                       "fresh rendezvous in %.1fs (restart %d)", gang.name, lost, uptime, gang.delay,
+        logger.warning("%s lost %s (after %.0fs); every rank of it and their workers ended: restarting the gang "
+                       "with a fresh rendezvous in %.1fs (restart %d)", gang.name, lost, uptime, gang.delay,
                        len(gang.members[0].causes))
 
 
