@@ -29,6 +29,12 @@ def data_parallel_rank(pid: int) -> int:
     return int(argv[argv.index(b"--data-parallel-rank") + 1])
 
 
+def rendezvous(pid: int) -> str:
+    """The engine's ``MASTER_ADDR:MASTER_PORT``, where its gang meets."""
+    env = dict(item.split(b"=", 1) for item in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0") if b"=" in item)
+    return f"{env[b'MASTER_ADDR'].decode()}:{env[b'MASTER_PORT'].decode()}"
+
+
 async def test_a_killed_rank_restarts_its_gang_and_every_stream_completes_with_the_uninterrupted_text(tmp_path):
     model = str(make_tiny_model(tmp_path / "model", seed=1, arch="qwen3_moe", num_heads=4, num_kv_heads=2,
                                 num_experts=16, num_experts_per_tok=4))
@@ -41,7 +47,8 @@ async def test_a_killed_rank_restarts_its_gang_and_every_stream_completes_with_t
         assert re.search(r"e\d+-g0-dp0 +0 .*tp1 ep2 dp0/2", status) and re.search(r"e\d+-g0-dp1 +0 .*tp1 ep2 dp1/2",
                                                                                   status), status
         ranks = {data_parallel_rank(pid): pid for pid in stack.children()["engine"]}
-        assert sorted(ranks) == [0, 1]
+        assert sorted(ranks) == [0, 1] and rendezvous(ranks[0]) == rendezvous(ranks[1])
+        met = rendezvous(ranks[0])
         async with httpx.AsyncClient(base_url=stack.url, timeout=600) as http:
             quiet = await asyncio.gather(*(complete(http, stack.model, p, TOKENS) for p in PROMPTS))
             streaming = asyncio.Event()  # the first chunk of any stream: the kill lands while they all run
@@ -61,6 +68,7 @@ async def test_a_killed_rank_restarts_its_gang_and_every_stream_completes_with_t
         await stack.wait_engines(2, timeout=300)
         again = {data_parallel_rank(pid): pid for pid in stack.children()["engine"]}
         assert sorted(again) == [0, 1] and not set(again.values()) & set(ranks.values())
+        assert rendezvous(again[0]) == rendezvous(again[1]) != met  # a fresh rendezvous for the new gang
         status = stack.control("status")
         assert "dp0/2" in status and "dp1/2" in status and "e1-g0" not in status and "e2-g0" not in status, status
     finally:
