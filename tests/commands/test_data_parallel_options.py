@@ -1,0 +1,52 @@
+"""``run``'s ``--data-parallel-size`` as vLLM means it: alone, that many replicas (``--engines``); with
+``--enable-expert-parallel``, groups of that many data-parallel attention ranks sharing the experts (``--engines M``:
+M groups). What cannot serve is refused before anything starts, naming the option; vLLM's flags for ranks spread over
+hosts are refused naming the engine command that does that."""
+
+from __future__ import annotations
+
+import pytest
+
+from megatron_serve.cli import parse_args
+from megatron_serve.commands.run import fleet_layout
+
+
+def test_data_parallel_size_is_replicas_alone_and_attention_ranks_with_expert_parallelism():
+    assert fleet_layout(1, None, False) == (1, 1) and fleet_layout(3, None, True) == (3, 1)
+    assert fleet_layout(1, 2, False) == (2, 1)  # vLLM: -dp 2 on a dense model is two replicas
+    assert fleet_layout(2, 2, False) == (2, 1)  # --engines may say the same
+    assert fleet_layout(1, 2, True) == (1, 2)  # one group of two attention ranks
+    assert fleet_layout(3, 2, True) == (3, 2)  # three such groups
+    for argv in (["--data-parallel-size", "4"], ["-dp", "4"]):
+        args = parse_args(["run", "--model", "/m", *argv, "--enable-expert-parallel"])
+        assert (args.data_parallel_size, args.engines, args.enable_expert_parallel) == (4, 1, True)
+    assert parse_args(["serve", "/m", "-dp", "2"]).data_parallel_size == 2
+
+
+@pytest.mark.parametrize("argv, problem", [
+    (["-dp", "2", "--engines", "3"], "--data-parallel-size 2 without --enable-expert-parallel is 2 engine groups "
+                                     r"\(--engines\), but --engines 3 says otherwise"),
+    (["-dp", "0"], "--data-parallel-size must be >= 1, got 0"),
+    (["-dp", "2", "--enable-expert-parallel", "--enable-lora"], "data_parallel_size 2 does not serve LoRA adapters"),
+    (["-dp", "2", "--enable-expert-parallel", "--pipeline-parallel-size", "2"],
+     "data_parallel_size 2 does not serve pipeline_parallel_size > 1"),
+    (["-dp", "2", "--enable-expert-parallel", "--prefill-engines", "1", "--decode-engines", "1"],
+     "prefill/decode disaggregation is not implemented with data-parallel attention"),
+])
+def test_run_refuses_a_data_parallel_layout_that_cannot_serve_by_name(tmp_path, argv, problem):
+    from megatron_serve.commands import run
+
+    with pytest.raises(ValueError, match=problem):
+        run.run(parse_args(["run", "--model", str(tmp_path), *argv]))
+
+
+@pytest.mark.parametrize("command", [["run", "--model", "/m"], ["serve", "/m"],
+                                     ["engine", "--model", "/m", "--coordinator", "tcp://127.0.0.1:1"]])
+@pytest.mark.parametrize("flag", ["--data-parallel-size-local", "--data-parallel-start-rank", "--data-parallel-address",
+                                  "--data-parallel-rpc-port"])
+def test_vllms_multi_host_data_parallel_flags_are_refused_naming_the_engine_command(command, flag, capsys):
+    with pytest.raises(SystemExit):
+        parse_args([*command, flag, "1"])
+    error = capsys.readouterr().err
+    assert f"{flag}: a data-parallel group spread over hosts runs one `megatron-serve engine --data-parallel-size N " \
+           "--data-parallel-rank D --enable-expert-parallel` per attention rank" in error, error
