@@ -40,13 +40,49 @@ def test_run_refuses_a_data_parallel_layout_that_cannot_serve_by_name(tmp_path, 
         run.run(parse_args(["run", "--model", str(tmp_path), *argv]))
 
 
-@pytest.mark.parametrize("command", [["run", "--model", "/m"], ["serve", "/m"],
-                                     ["engine", "--model", "/m", "--coordinator", "tcp://127.0.0.1:1"]])
+@pytest.mark.parametrize("command", [["run", "--model", "/m"], ["serve", "/m"]])
 @pytest.mark.parametrize("flag", ["--data-parallel-size-local", "--data-parallel-start-rank", "--data-parallel-address",
                                   "--data-parallel-rpc-port"])
-def test_vllms_multi_host_data_parallel_flags_are_refused_naming_the_engine_command(command, flag, capsys):
+def test_vllms_multi_host_data_parallel_flags_are_refused_by_run_naming_the_engine_command(command, flag, capsys):
     with pytest.raises(SystemExit):
         parse_args([*command, flag, "1"])
     error = capsys.readouterr().err
     assert f"{flag}: a data-parallel group spread over hosts runs one `megatron-serve engine --data-parallel-size N " \
            "--data-parallel-rank D --enable-expert-parallel` per attention rank" in error, error
+
+
+ENGINE = ["engine", "--model", "/m", "--coordinator", "tcp://127.0.0.1:1"]
+GANG = ["--enable-expert-parallel", "--data-parallel-size", "2", "--tensor-parallel", "2"]
+
+
+def test_an_engine_takes_vllms_multi_host_flags_as_its_rendezvous_and_rank(monkeypatch):
+    """``vllm serve ... --data-parallel-size-local 1 --data-parallel-start-rank 1 --data-parallel-address A
+    --data-parallel-rpc-port P`` on the second host is this engine's rank 1, meeting rank 0 at ``A:P``."""
+    from megatron_serve.commands import engine
+    from megatron_serve.engine.tensor_parallel import Placement, data_parallel_placement
+
+    for name in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "NPROC_PER_NODE", "RANK"):
+        monkeypatch.delenv(name, raising=False)
+    config = engine.layout_config(parse_args([*ENGINE, *GANG, "--data-parallel-size-local", "1",
+                                              "--data-parallel-start-rank", "1", "--data-parallel-address", "10.0.0.1",
+                                              "--data-parallel-rpc-port", "29555"]))
+    assert (config.data_parallel_size, config.data_parallel_rank) == (2, 1)
+    assert data_parallel_placement(config) == Placement(4, 2, 2, "10.0.0.1", 29555)  # ranks 2 and 3 of 4
+
+
+@pytest.mark.parametrize("argv, problem", [
+    ([*GANG, "--data-parallel-size-local", "2"], "--data-parallel-size-local must be 1, got 2: each data-parallel "
+                                                 "rank is an engine command of its own"),
+    ([*GANG, "--data-parallel-rpc-port", "0"], r"--data-parallel-rpc-port must be a port number in 1\.\.65535"),
+    ([*GANG, "--data-parallel-rpc-port", "x"], r"--data-parallel-rpc-port must be a port number"),
+    ([*GANG, "--data-parallel-address", " "], "--data-parallel-address is empty"),
+    (["--data-parallel-address", "10.0.0.1"], "--data-parallel-address is where data-parallel attention ranks meet: "
+                                              "it needs --data-parallel-size > 1"),
+])
+def test_an_engine_refuses_multi_host_flags_that_cannot_serve_by_name(monkeypatch, argv, problem):
+    from megatron_serve.commands import engine
+
+    for name in ("MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    with pytest.raises(ValueError, match=problem):
+        engine.layout_config(parse_args([*ENGINE, *argv]))

@@ -295,8 +295,9 @@ VLLM_OPTIONS: tuple[VllmOption, ...] = (
     VllmOption(("--data-parallel-size-local", "--data-parallel-start-rank", "--data-parallel-address",
                 "--data-parallel-rpc-port"), _REFUSED, "a data-parallel group spread over hosts runs one `megatron-serve "
                "engine --data-parallel-size N --data-parallel-rank D --enable-expert-parallel` per attention rank, "
-               "meeting at `MASTER_ADDR`/`MASTER_PORT` (as the operator's pods do); `run` and `serve` start every "
-               "rank on this machine", scope=_ENGINE),
+               "which takes these (`--data-parallel-address`/`--data-parallel-rpc-port`: `MASTER_ADDR`/`MASTER_PORT`, "
+               "`--data-parallel-start-rank` with `--data-parallel-size-local 1`: its rank); `run` and `serve` start "
+               "every rank on this machine", scope=_ENGINE),
     VllmOption(("--quantization", "-q"), _IMPLEMENTED, "the weights' quantization: `fp8` quantizes a float "
                "checkpoint's linear layers at load (a scale per row; activations per token); `auto`/`none` serve the "
                "checkpoint's weights as they are (an FP8 checkpoint as FP8); other schemes are refused, naming the "
@@ -422,7 +423,10 @@ def add_vllm_options(parser: argparse.ArgumentParser, scope: Scope) -> None:
             continue
         if row.status is Status.REFUSED:
             for flag in row.flags:
-                group.add_argument(flag, action=_Refuse, reason=row.reason, metavar="...")
+                try:
+                    group.add_argument(flag, action=_Refuse, reason=row.reason, metavar="...")
+                except argparse.ArgumentError:  # the command serves it (engine's multi-host data-parallel flags)
+                    pass
             continue
         kwargs = dict(row.spec or {})
         if row.status is Status.ACCEPTED:
