@@ -115,3 +115,30 @@ def test_a_fleet_refuses_data_parallel_attention_without_expert_parallelism(tmp_
     with pytest.raises(ValueError, match="prefill/decode disaggregation is not implemented with data-parallel"):
         LocalFleet(tmp_path / "model", 1, InferenceConfig(enable_expert_parallel=True), data_parallel_size=2,
                    prefill_engines=1, decode_engines=1, log_dir=tmp_path)
+
+
+def test_groups_of_ranks_are_gangs_of_their_own(standin, tmp_path):
+    """``run --engines 2 -dp 2 --enable-expert-parallel``: two gangs, each at its own rendezvous; a rank of group 1
+    dying restarts group 1 only."""
+    python, engines = standin
+    fleet = LocalFleet(tmp_path / "model", 2, InferenceConfig(enable_expert_parallel=True), python=str(python),
+                       log_dir=tmp_path / "logs", data_parallel_size=2)
+    assert (fleet.groups, fleet.num_engines) == (2, 4)
+    try:
+        fleet.start(timeout=60)
+        wait_until(lambda: len(engines()) == 4, 60, "both gangs")
+        by_group = {g: [s for s in engines() if flag(s["args"], "--group") == g] for g in ("0", "1")}
+        assert all(sorted(flag(s["args"], "--data-parallel-rank") for s in ranks) == ["0", "1"]
+                   for ranks in by_group.values())
+        ports = {g: {s["rendezvous"][1] for s in ranks} for g, ranks in by_group.items()}
+        assert len(ports["0"]) == len(ports["1"]) == 1 and ports["0"] != ports["1"]
+        assert all(s["rendezvous"][2:] == ["2", "1"] for s in engines())  # WORLD_SIZE, NPROC_PER_NODE
+        fleet.supervise()
+        os.kill(by_group["1"][0]["pid"], signal.SIGKILL)
+        wait_until(lambda: len(engines()) == 6, 60, "group 1 started again")
+        assert sorted(flag(s["args"], "--group") for s in engines()[4:]) == ["1", "1"]
+        assert all(alive(s["pid"]) for s in by_group["0"])  # the other gang runs on untouched
+    finally:
+        fleet.kill()
+    assert sorted(fleet.restarts) == ["engine 2 (group 1, data-parallel rank 0)",
+                                      "engine 3 (group 1, data-parallel rank 1)"]
