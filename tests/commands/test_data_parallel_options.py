@@ -86,3 +86,18 @@ def test_an_engine_refuses_multi_host_flags_that_cannot_serve_by_name(monkeypatc
         monkeypatch.delenv(name, raising=False)
     with pytest.raises(ValueError, match=problem):
         engine.layout_config(parse_args([*ENGINE, *argv]))
+
+
+def test_control_status_shows_each_attention_rank_of_a_group():
+    from megatron_serve.commands.control import format_status
+
+    def engine(rank: int | None, **info: object) -> dict:
+        dp = {} if rank is None else {"data_parallel_rank": rank, "data_parallel_size": 2}
+        return {"id": f"e{rank}", "group": 0, "state": "RUNNING", "running": 0, "waiting": 0, "kv_blocks_free": 1,
+                "kv_blocks_total": 1, "info": {"tensor_parallel_size": 2, "expert_parallel": True, **dp, **info}}
+
+    status = {"state": "RUNNING", "queued": 0, "in_flight": 0, "completed": 0, "failed": 0,
+              "engines": [engine(0), engine(1), engine(None)]}
+    rows = format_status(status).splitlines()[2:]
+    assert [row.split()[0] + " " + " ".join(w for w in row.split() if w[:2] in ("tp", "ep", "dp")) for row in rows] \
+        == ["e0 tp2 ep4 dp0/2", "e1 tp2 ep4 dp1/2", "eNone tp2 ep2"]  # ep = tp x dp
