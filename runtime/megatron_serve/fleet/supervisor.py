@@ -10,8 +10,10 @@ its capacity with nothing in any log, and a killed coordinator was never replace
 A :class:`Gang` (the attention ranks of one data-parallel group: engines whose MoE layers' collectives
 span all of them) lives and dies as one, as the operator's gangs do: when one member dies, the others
 (and their tensor-parallel worker processes, which share their process group) are killed and waited
-for, the gang is given a fresh rendezvous, and every member starts again together. A member restarted
-alone would wait at a rendezvous its dead peers' replacements never join.
+for, the gang is given a fresh rendezvous, and every member starts again together. Restarted one by one,
+the ranks would come back to the old port each after its own back-off (a peer that has not yet noticed
+the loss, e.g. one stuck in a step, would not be restarted at all), while processes of the old gang might
+still hold that port.
 
 Every child is started on the supervisor's own thread, never the caller's: the parent-death signal
 (:mod:`megatron_serve.fleet.lifeline`) follows the thread that started a child, and a caller's worker
