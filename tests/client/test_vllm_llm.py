@@ -207,6 +207,10 @@ def test_keywords_that_start_a_fleet():
     assert (parse_llm_keywords({}).use_coordinator, parse_llm_keywords({}).num_engines) == (False, 1)
     two = parse_llm_keywords({"data_parallel_size": 2, "pipeline_parallel_size": 1})
     assert (two.use_coordinator, two.num_engines) == (True, 2)
+    # vLLM's data parallelism with expert parallelism: one group of two attention ranks sharing the experts
+    gang = parse_llm_keywords({"data_parallel_size": 2, "enable_expert_parallel": True})
+    assert (gang.use_coordinator, gang.num_engines, gang.config["data_parallel_size"]) == (True, 1, 2)
+    assert "data_parallel_size" not in two.config
     sleepy = parse_llm_keywords({"enable_sleep_mode": True})
     assert (sleepy.use_coordinator, sleepy.num_engines) == (True, 1)
     accepted = parse_llm_keywords({"disable_frontend_multiprocessing": True, "tokenizer_mode": "auto"})
@@ -228,3 +232,21 @@ def test_constructor_keywords_reach_the_engine(tiny_llama, caplog):
     assert [r.getMessage() for r in caplog.records if "accepted for vLLM" in r.getMessage()] == [
         "swap_space is accepted for vLLM compatibility and changes nothing: preempted requests are recomputed, "
         "never swapped to host memory"]  # None/False are vLLM's defaults: nothing to warn about
+
+
+def test_data_parallel_attention_runs_as_a_fleet_of_one_gang(tiny_llama, tmp_path):
+    """``InferenceConfig(data_parallel_size=2, enable_expert_parallel=True)`` in coordinator mode: the fleet started
+    here is one group of two engine processes (each its rank); in this process it cannot run, and says so."""
+    from megatron_serve.client.fleet_client import FleetClient
+
+    config = InferenceConfig(enable_expert_parallel=True, data_parallel_size=2)
+    client = FleetClient(None, model=tiny_llama, inference_config=config)
+    try:
+        fleet = client.fleet
+        assert (fleet.groups, fleet.num_engines, fleet.data_parallel_size) == (1, 2, 2)
+        assert fleet.engine_args[-2:] == ["--data-parallel-size", "2"]
+    finally:
+        fleet.kill()
+    with pytest.raises(ValueError, match="data_parallel_size 2 is data-parallel attention: an engine process per "
+                                         "rank, which a fleet starts"):
+        MegatronLLM(tiny_llama, config)

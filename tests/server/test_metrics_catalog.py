@@ -177,3 +177,13 @@ def test_the_stats_line_reports_the_mean_k_over_the_rows_that_could_speculate():
     assert stats_line(before, idle, monitor)[0].endswith(", speculative mean K 0.00")  # type: ignore[arg-type]
     counters = FleetCounters.read(monitor, 1.0)  # type: ignore[arg-type] - from the engines' counters
     assert (counters.draft_tokens, counters.rows) == (3.0, 6.0)
+
+
+def test_the_data_parallel_ranks_of_one_group_are_series_of_their_own():
+    """The attention ranks of a data-parallel group are engines sharing its group: one series each (``0-dp1``), not
+    two samples under one label set, which a Prometheus scrape rejects."""
+    ranks = [{**engine(0, a_report()), "id": f"e{d}-g0-dp{d}", "info": {"data_parallel_rank": d,
+                                                                      "data_parallel_size": 2}} for d in (0, 1)]
+    families = scrape([*ranks, engine(1, a_report())])
+    usage = {s.labels["engine_group"]: s.value for s in families["megatron_serve_kv_cache_usage_perc"].samples}
+    assert usage == {"0-dp0": 0.25, "0-dp1": 0.25, "1": 0.25}

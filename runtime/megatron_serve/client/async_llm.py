@@ -91,6 +91,9 @@ class MegatronAsyncLLM:
                                        tokenizer_dir=tokenizer if by_path else None,
                                        tokenizer=None if by_path else tokenizer)
         else:
+            if inference_config is not None and inference_config.data_parallel_size > 1:
+                raise ValueError(f"data_parallel_size {inference_config.data_parallel_size} is data-parallel "
+                                 "attention: an engine process per rank, which a fleet starts (use_coordinator=True)")
             from .local_engine import LocalEngineClient, build_engine  # noqa: PLC0415 - torch only when an engine lives here
 
             self.engine = build_engine(model, inference_config, tokenizer)

@@ -11,6 +11,7 @@ disconnects from one it did not: sending STOP to someone else's fleet is :meth:`
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 import time
@@ -46,9 +47,13 @@ class FleetClient(InferenceClient):
             raise ValueError(f"num_engines must be >= 1, got {num_engines}")
         text_tokenizer = tokenizer or tokenizer_dir or (model if isinstance(model, (str, os.PathLike)) else None)
         # A fleet started here gets a secret of its own, unless one is given.
-        fleet = None if address is not None else LocalFleet(str(model), num_engines, inference_config,
+        # inference_config.data_parallel_size: each group is that many attention ranks, an engine process each
+        ranks = inference_config.data_parallel_size if inference_config is not None else 1
+        group_config = dataclasses.replace(inference_config, data_parallel_size=1) if ranks > 1 else inference_config
+        fleet = None if address is not None else LocalFleet(str(model), num_engines, group_config,
                                                             token=token, tokenizer_dir=tokenizer_dir,
-                                                            max_request_logprobs=max_request_logprobs)
+                                                            max_request_logprobs=max_request_logprobs,
+                                                            data_parallel_size=ranks)
         super().__init__(address or "", token=token if fleet is None else fleet.token, tokenizer=text_tokenizer)
         self.fleet = fleet
         self._stopped = False

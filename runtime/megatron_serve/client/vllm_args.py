@@ -119,7 +119,9 @@ LLM_KEYWORDS: dict[str, Keyword] = {
     "revision": Keyword(None),  # of a Hub id
     "download_dir": Keyword(None),  # the Hugging Face cache Hub ids are read from and downloaded to
     "generation_config": Keyword(None),  # auto, vllm (= none) or a directory
-    "data_parallel_size": Keyword(None, _positive_int),  # more than 1: a local fleet of that many engines
+    # more than 1: a local fleet of that many engines, or with enable_expert_parallel one group of that many
+    # data-parallel attention ranks sharing the experts (LLMArguments.num_engines)
+    "data_parallel_size": Keyword(None, _positive_int),
     "enable_sleep_mode": Keyword(None, _flag),  # a local fleet of one engine: sleep/wake_up need one
     "disable_log_stats": Keyword(None, _flag),  # LLM logs no periodic stats either way
     "pipeline_parallel_size": Keyword("pipeline_parallel_size", _positive_int),
@@ -169,11 +171,17 @@ class LLMArguments:
 
     @property
     def num_engines(self) -> int:
+        """Engine groups: ``data_parallel_size`` replicas, or one group of that many attention ranks under expert
+        parallelism (vLLM's meaning: ep = tp x dp), which :func:`parse_llm_keywords` puts in the config."""
+        if self.config.get("enable_expert_parallel"):
+            return 1
         return int(self.options.get("data_parallel_size") or 1)
 
     @property
     def use_coordinator(self) -> bool:
-        return self.num_engines > 1 or bool(self.options.get("enable_sleep_mode"))
+        return (int(self.options.get("data_parallel_size") or 1) > 1 or self.num_engines > 1
+                or bool(self.options.get("enable_sleep_mode")))
+
 
 
 def _check_row(name: str, value: Any, row: VllmOption) -> None:
@@ -219,6 +227,8 @@ def parse_llm_keywords(keywords: dict[str, Any]) -> LLMArguments:
             raise ValueError(f"{name} is taken by megatron-serve run/serve, not by LLM")
         _check_row(name, value, row)
         parsed.warnings.append(f"{name} is accepted for vLLM compatibility and changes nothing: {row.reason}")
+    if parsed.config.get("enable_expert_parallel") and parsed.options.get("data_parallel_size", 1) > 1:
+        parsed.config["data_parallel_size"] = parsed.options["data_parallel_size"]  # a fleet of one group's ranks
     return parsed
 
 

@@ -178,8 +178,10 @@ VLLM_OPTIONS: tuple[VllmOption, ...] = (
     VllmOption(("--seed",), _IMPLEMENTED, "", example=("--seed", "0")),
     VllmOption(("--tensor-parallel-size", "-tp"), _IMPLEMENTED, "", ours="--tensor-parallel",
                example=("--tensor-parallel-size", "1")),
-    VllmOption(("--data-parallel-size", "-dp"), _IMPLEMENTED, "each engine group is one data-parallel replica "
-               "behind the coordinator", ours="--engines", example=("--data-parallel-size", "1")),
+    VllmOption(("--data-parallel-size", "-dp"), _IMPLEMENTED, "alone: that many engine groups (replicas, as "
+               "`--engines`); with `--enable-expert-parallel`: one group of that many data-parallel attention ranks "
+               "sharing the experts (ep = tp x dp), `--engines M` making M such groups; `engine` takes it with "
+               "`--data-parallel-rank`", example=("--data-parallel-size", "1")),
     VllmOption(("--max-model-len",), _IMPLEMENTED, "", ours="--max-sequence-length",
                example=("--max-model-len", "256")),
     VllmOption(("--gpu-memory-utilization",), _IMPLEMENTED, "a fraction of the memory left after the weights, "
@@ -290,6 +292,12 @@ VLLM_OPTIONS: tuple[VllmOption, ...] = (
     VllmOption(("--reasoning-parser",), _REFUSED, "reasoning content is not split from the answer; a model's "
                "thinking stays in `content`", scope=_SERVER),
     # ---- defined here: the engines
+    VllmOption(("--data-parallel-size-local", "--data-parallel-start-rank", "--data-parallel-address",
+                "--data-parallel-rpc-port"), _REFUSED, "a data-parallel group spread over hosts runs one `megatron-serve "
+               "engine --data-parallel-size N --data-parallel-rank D --enable-expert-parallel` per attention rank, "
+               "which takes these (`--data-parallel-address`/`--data-parallel-rpc-port`: `MASTER_ADDR`/`MASTER_PORT`, "
+               "`--data-parallel-start-rank` with `--data-parallel-size-local 1`: its rank); `run` and `serve` start "
+               "every rank on this machine", scope=_ENGINE),
     VllmOption(("--quantization", "-q"), _IMPLEMENTED, "the weights' quantization: `fp8` quantizes a float "
                "checkpoint's linear layers at load (a scale per row; activations per token); `auto`/`none` serve the "
                "checkpoint's weights as they are (an FP8 checkpoint as FP8); other schemes are refused, naming the "
@@ -415,7 +423,10 @@ def add_vllm_options(parser: argparse.ArgumentParser, scope: Scope) -> None:
             continue
         if row.status is Status.REFUSED:
             for flag in row.flags:
-                group.add_argument(flag, action=_Refuse, reason=row.reason, metavar="...")
+                try:
+                    group.add_argument(flag, action=_Refuse, reason=row.reason, metavar="...")
+                except argparse.ArgumentError:  # the command serves it (engine's multi-host data-parallel flags)
+                    pass
             continue
         kwargs = dict(row.spec or {})
         if row.status is Status.ACCEPTED:

@@ -40,8 +40,6 @@ VLLM_ALIASES: tuple[Alias, ...] = (
     Alias("--max-num-batched-tokens", "--max-batch-tokens"),
     Alias("--enforce-eager", "--cuda-graphs", negates=True),
     Alias("--enable-prefix-caching", "--prefix-caching"),  # also gives --no-enable-prefix-caching
-    Alias("--data-parallel-size", "--engines"),
-    Alias("-dp", "--engines"),
 )
 
 

@@ -219,12 +219,15 @@ def format_status(status: dict[str, Any]) -> str:
 
 
 def _layout(info: dict[str, Any]) -> str:
-    """An engine group's parallel layout: ``tp2``, ``tp2 ep2`` (experts over the tensor-parallel ranks), ``tp2 pp3``;
-    ``prefill`` or ``decode`` after it for an engine of a disaggregated fleet."""
+    """An engine group's parallel layout: ``tp2``, ``tp2 ep2`` (experts over the tensor-parallel ranks), ``tp2 pp3``,
+    ``tp1 ep2 dp0/2`` (data-parallel attention rank 0 of 2, experts over all tp x dp ranks); ``prefill`` or ``decode``
+    after it for an engine of a disaggregated fleet."""
     size, stages = info.get("tensor_parallel_size", 1), info.get("pipeline_parallel_size", 1)
+    data = info.get("data_parallel_size", 1)
     role = {"kv_producer": " prefill", "kv_consumer": " decode"}.get(info.get("kv_role"), "")
-    return (f"tp{size}" + (f" ep{size}" if info.get("expert_parallel") else "") + (f" pp{stages}" if stages > 1 else "")
-            + role)
+    return (f"tp{size}" + (f" ep{size * data}" if info.get("expert_parallel") else "")
+            + (f" pp{stages}" if stages > 1 else "")
+            + (f" dp{info.get('data_parallel_rank')}/{data}" if data > 1 else "") + role)
 
 
 def _bytes(value: Any) -> str:

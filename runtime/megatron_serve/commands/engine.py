@@ -19,7 +19,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 from ..fleet.argv import kv_transfer_config  # noqa: E402
 from .aliases import add_option  # noqa: E402
 from .engine_options import add_engine_options, capacity_line, inference_config_from_args  # noqa: E402
-from .inputs import check_model_dir, coordinator_address  # noqa: E402
+from .inputs import check_model_dir, coordinator_address, parse_port  # noqa: E402
 from .model_options import add_model_options, resolve_model_args  # noqa: E402
 from .options import add_coordinator_option, add_log_option, add_token_option, read_token, setup_logging  # noqa: E402
 
@@ -41,9 +41,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="with --enable-expert-parallel: data-parallel attention ranks of this group, each an "
                              "engine with its own requests, sharing the MoE layers' experts (the operator renders it "
                              "from spec.engine.parallelism.dataParallelAttention); they meet at MASTER_ADDR:MASTER_PORT")
-    parser.add_argument("--data-parallel-rank", type=int, default=None, metavar="D",
+    parser.add_argument("--data-parallel-rank", "--data-parallel-start-rank", type=int, default=None, metavar="D",
                         help="with --data-parallel-size: which data-parallel rank this engine is (default: RANK / "
-                             "--tensor-parallel, as the operator's pods set RANK)")
+                             "--tensor-parallel, as the operator's pods set RANK; vLLM's --data-parallel-start-rank, "
+                             "this engine being its command's one rank)")
+    parser.add_argument("--data-parallel-size-local", type=int, default=1, metavar="1",
+                        help="vLLM's data-parallel ranks of this command: 1, each rank is an engine command of its own")
+    parser.add_argument("--data-parallel-address", default=None, metavar="HOST",
+                        help="vLLM's: where the data-parallel ranks meet, data-parallel rank 0's host (MASTER_ADDR)")
+    parser.add_argument("--data-parallel-rpc-port", default=None, metavar="PORT",
+                        help="vLLM's: the port there (MASTER_PORT)")
     parser.add_argument("--drain-timeout", type=float, default=30.0, metavar="S",
                         help="on SIGTERM or STOP, finish work for at most this long, then hand the rest back")
     parser.add_argument("--coordinator-timeout", type=float, default=10.0, metavar="S",
@@ -68,6 +75,7 @@ def layout_config(args: argparse.Namespace) -> "InferenceConfig":
     if args.data_parallel_size > 1 and not args.enable_expert_parallel:
         raise ValueError(f"--data-parallel-size {args.data_parallel_size} is data-parallel attention, which shares "
                          "MoE layers: add --enable-expert-parallel (replicas of a model are engine groups: --engines)")
+    meet_at(args)
     rank = args.data_parallel_rank
     if rank is None:
         rank = int(os.environ.get("RANK", "0")) // args.tensor_parallel if args.data_parallel_size > 1 else 0
@@ -75,6 +83,35 @@ def layout_config(args: argparse.Namespace) -> "InferenceConfig":
         raise ValueError(f"--data-parallel-rank must be in [0, {args.data_parallel_size}), got {rank}")
     return dataclasses.replace(inference_config_from_args(args, tensor_parallel_size=args.tensor_parallel),
                                data_parallel_size=args.data_parallel_size, data_parallel_rank=rank)
+
+
+def meet_at(args: argparse.Namespace) -> None:
+    """vLLM's multi-host flags as this engine's rendezvous (``MASTER_ADDR``/``MASTER_PORT``, which its worker ranks
+    inherit); refused where they mean more than one rank per command, or nothing."""
+    if args.data_parallel_size_local != 1:
+        raise ValueError(f"--data-parallel-size-local must be 1, got {args.data_parallel_size_local}: each "
+                         "data-parallel rank is an engine command of its own (--data-parallel-rank D)")
+    given = [(flag, value) for flag, value in (("--data-parallel-address", args.data_parallel_address),
+                                               ("--data-parallel-rpc-port", args.data_parallel_rpc_port))
+             if value is not None]
+    if given and args.data_parallel_size == 1:
+        raise ValueError(f"{given[0][0]} is where data-parallel attention ranks meet: it needs --data-parallel-size "
+                         "> 1")
+    if args.data_parallel_address is not None:
+        if not args.data_parallel_address.strip():
+            raise ValueError("--data-parallel-address is empty")
+        os.environ["MASTER_ADDR"] = args.data_parallel_address.strip()
+    if args.data_parallel_rpc_port is not None:
+        os.environ["MASTER_PORT"] = str(parse_port(args.data_parallel_rpc_port, "--data-parallel-rpc-port",
+                                                   allow_zero=False))
+
+
+def data_parallel_info(config: "InferenceConfig") -> dict[str, int]:
+    """What HELLO says of a data-parallel attention rank: the coordinator holds the group's ranks as engines of one
+    group, each its rank of it (``run`` starts them all with one ``--group``, as the operator's pods of a gang)."""
+    if config.data_parallel_size == 1:
+        return {}
+    return {"data_parallel_rank": config.data_parallel_rank, "data_parallel_size": config.data_parallel_size}
 
 
 def run(args: argparse.Namespace) -> int:
@@ -102,7 +139,7 @@ def run(args: argparse.Namespace) -> int:
 
     rc = run_engine_process(make_engine, address, token=token, group=args.group,
                             drain_timeout=args.drain_timeout, coordinator_timeout=args.coordinator_timeout,
-                            info={"model": args.model, "kv_role": kv_role})
+                            info={"model": args.model, "kv_role": kv_role, **data_parallel_info(config)})
     # Everything is handed back and flushed: skip the interpreter's slow teardown of torch (seconds),
     # so that "the engine exited" follows "the engine acknowledged STOP" closely.
     logging.shutdown()

@@ -52,7 +52,12 @@ STAGES = 4
 def add_arguments(parser: argparse.ArgumentParser, *, positional_model: bool = False) -> None:
     """``run``'s options; ``positional_model``: the model is the first argument (``serve MODEL``, as in vLLM)."""
     add_model_options(parser, positional=positional_model)
-    add_option(parser, "--engines", type=int, default=1, metavar="N", help="engine groups (data parallel)")
+    add_option(parser, "--engines", type=int, default=1, metavar="N", help="engine groups (data-parallel replicas)")
+    parser.add_argument("--data-parallel-size", "-dp", type=int, default=None, metavar="N",
+                        help="vLLM's data parallelism: N engine groups (as --engines N); with --enable-expert-parallel "
+                             "one group of N data-parallel attention ranks, each an engine with its own requests, "
+                             "sharing the MoE layers' experts over all N x --tensor-parallel ranks (--engines M: M "
+                             "such groups)")
     add_option(parser, "--tensor-parallel", type=int, default=1, metavar="N", help="GPUs (ranks) per engine group")
     parser.add_argument("--prefill-engines", type=int, default=0, metavar="N",
                         help="prefill/decode disaggregation: N engines compute prompts and first tokens and send the "
@@ -77,6 +82,25 @@ def add_arguments(parser: argparse.ArgumentParser, *, positional_model: bool = F
     parser.set_defaults(log_level="WARNING")
 
 
+def fleet_layout(engines: int, data_parallel_size: int | None, expert_parallel: bool) -> tuple[int, int]:
+    """(engine groups, data-parallel attention ranks per group) from ``--engines`` and ``--data-parallel-size``.
+
+    As in vLLM, ``--data-parallel-size N`` alone is N replicas; with ``--enable-expert-parallel`` it is N attention
+    ranks that share the experts (ep = tp x dp), and ``--engines M`` makes M such groups."""
+    if data_parallel_size is None:
+        return engines, 1
+    if data_parallel_size < 1:
+        raise ValueError(f"--data-parallel-size must be >= 1, got {data_parallel_size}")
+    if expert_parallel:
+        return engines, data_parallel_size
+    if engines not in (1, data_parallel_size):
+        raise ValueError(f"--data-parallel-size {data_parallel_size} without --enable-expert-parallel is "
+                         f"{data_parallel_size} engine groups (--engines), but --engines {engines} says otherwise: "
+                         "give one of them, or add --enable-expert-parallel for groups of data-parallel attention "
+                         "ranks")
+    return data_parallel_size, 1
+
+
 def progress(stage: int | None, message: str) -> None:
     say((f"[{stage}/{STAGES}] " if stage is not None else "      ") + message)
 
@@ -99,6 +123,8 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--engines must be >= 1, got {args.engines}")
     if args.tensor_parallel < 1:
         raise ValueError(f"--tensor-parallel must be >= 1, got {args.tensor_parallel}")
+    args.engines, args.data_parallel_size = fleet_layout(args.engines, args.data_parallel_size,
+                                                         args.enable_expert_parallel)
     kv_roles = disaggregated_roles(args.engines, args.prefill_engines, args.decode_engines)
     args.engines = len(kv_roles)  # the prefill and decode engines, when given
     check_server_options(args)
@@ -107,6 +133,9 @@ def run(args: argparse.Namespace) -> int:
         check_distinct({"--port": args.port, "--health-port": args.health_port,
                         "--coordinator-port": args.coordinator_port})
     config = inference_config_from_args(args, tensor_parallel_size=args.tensor_parallel)  # fails before any start
+    from ..fleet.local_fleet import check_data_parallel  # noqa: PLC0415
+
+    check_data_parallel(args.data_parallel_size, config, args.prefill_engines or args.decode_engines)
     if args.prefill_engines and config.world_size > 1:
         raise ValueError("--prefill-engines/--decode-engines are not implemented with tensor or pipeline parallelism "
                          "yet (each rank holds a part of the KV)")
@@ -259,7 +288,8 @@ class _Stack:
                                 token=self.token, insecure=self.token is None, routing=args.routing,
                                 drain_timeout=args.drain_timeout, log_dir=args.log_dir, tokenizer_dir=args.tokenizer,
                                 max_request_logprobs=args.max_request_logprobs,
-                                prefill_engines=args.prefill_engines, decode_engines=args.decode_engines)
+                                prefill_engines=args.prefill_engines, decode_engines=args.decode_engines,
+                                data_parallel_size=args.data_parallel_size)
         started = time.monotonic()
         self.address = address = await asyncio.to_thread(self.fleet.start, 60.0)
         security = "encrypted, fleet secret required" if self.token else "INSECURE: no authentication, no encryption"
@@ -278,10 +308,14 @@ class _Stack:
                                       coordinator_grace=args.coordinator_grace)
         await self.client.start(timeout=30.0)
         tp = f", tensor parallel {args.tensor_parallel}" if args.tensor_parallel > 1 else ""
-        progress(3, f"starting {args.engines} engine process(es){tp}: loading the model ...")
+        dp = args.data_parallel_size
+        gangs = (f" ({args.engines} group(s) of {dp} data-parallel attention ranks, experts over "
+                 f"{dp * self.config.world_size} ranks)" if dp > 1 else "")
+        expected = self.fleet.num_engines
+        progress(3, f"starting {expected} engine process(es){gangs}{tp}: loading the model ...")
         seen: set[str] = set()
         deadline = time.monotonic() + args.startup_timeout
-        while len(seen) < args.engines:
+        while len(seen) < expected:
             self.fleet.check_alive()  # an engine that died says why (its log tail)
             try:
                 status = await self.client.status(timeout=10.0)
@@ -295,9 +329,9 @@ class _Stack:
                     progress(None, f"engine {engine['id']} ready: group {engine['group']}, "
                                    f"{engine['kv_blocks_total']} KV blocks ({time.monotonic() - started:.1f}s)")
             if time.monotonic() > deadline:
-                raise RuntimeError(f"{len(seen)} of {args.engines} engine(s) ready after {args.startup_timeout:.0f}s "
+                raise RuntimeError(f"{len(seen)} of {expected} engine(s) ready after {args.startup_timeout:.0f}s "
                                    f"(logs in {self.fleet.log_dir}; raise --startup-timeout)")
-            if len(seen) < args.engines:
+            if len(seen) < expected:
                 await asyncio.sleep(0.2)
         if status["state"] != "RUNNING":
             await self.client.unpause(timeout=30.0)  # e.g. a coordinator left STOPPED by an earlier run
@@ -324,7 +358,7 @@ class _Stack:
             count = f" ({args.api_server_count} processes)" if args.api_server_count > 1 else ""
             progress(4, f"HTTP server listening on {url}{count}{' (API key required)' if self.api_key else ''}"
                         f"{probes_note(probes)}")
-            say(f"megatron-serve is ready: {url}/v1 (model '{facts.name}', {args.engines} engine(s)); try: "
+            say(f"megatron-serve is ready: {url}/v1 (model '{facts.name}', {self.fleet.num_engines} engine(s)); try: "
                 f"{curl_example(url, facts.name, bearer_header(args) if self.api_key else '')}")
 
         freeze_startup_heap()

@@ -563,7 +563,7 @@ class CoordinatorCore:
 
     def status(self, ask: Status) -> StatusReply:
         """The ``STATUS_REPLY`` body."""
-        engines = sorted(self.engines.values(), key=lambda e: e.group)
+        engines = sorted(self.engines.values(), key=lambda e: e.slot)
         return StatusReply(
             state=self.state.value, engines=[e.describe() for e in engines],
             queued=self.requests.count(Phase.QUEUED),

@@ -6,7 +6,9 @@ unknown: nothing it sends is acted on, nothing is sent to it. A client id belong
 first registered it: another key asking for it is refused (``unauthorized``), so a stolen client id
 cannot collect that client's results or answers. An engine asking for a group that another live
 engine holds is refused (``group_in_use``), after a probe of the holder: a holder whose connection
-is gone (a restarted engine process) is removed first, and the new engine registers.
+is gone (a restarted engine process) is removed first, and the new engine registers. The attention ranks
+of one group under data-parallel attention (its HELLO's ``info`` says ``data_parallel_rank`` of
+``data_parallel_size``) are engines of their own that share the group: each holds its rank of it.
 """
 
 from __future__ import annotations
@@ -72,26 +74,31 @@ def _ack_again(core: "CoordinatorCore", identity: bytes, known: tuple[Role, str]
 
 
 def _register_engine(core: "CoordinatorCore", identity: bytes, body: Hello, now: float, probed: bool) -> None:
+    info = dict(body.info or {})
+    rank = data_parallel_rank(info)
+    if isinstance(rank, str):
+        core.drop(core.peer_name(identity), rank)
+        core.send(identity, Header.ERROR, Error(code=ErrorCode.INVALID_REQUEST.value, message=rank))
+        return
     group = body.engine_group
-    in_use = {e.group: e for e in core.engines.values()}
+    in_use = {e.slot: e for e in core.engines.values()}
     if group is not None:
-        holder = in_use.get(group)
+        holder = in_use.get((group, rank))
         if holder is not None and not probed:  # is the holder still there? ask, then look again
             core.probe(holder.identity, hello=(identity, body))
             return
         if holder is not None:
-            logger.warning("engine HELLO for group %d refused: held by live engine %s", group, holder.engine_id)
+            held = f"engine group {group}" + (f" data-parallel rank {rank}" if "data_parallel_rank" in info else "")
+            logger.warning("engine HELLO for %s refused: held by live engine %s", held, holder.engine_id)
             core.send(identity, Header.ERROR, Error(code=ErrorCode.GROUP_IN_USE.value,
-                                                    message=f"engine group {group} is held by live engine "
-                                                            f"{holder.engine_id}"))
+                                                    message=f"{held} is held by live engine {holder.engine_id}"))
             return
     else:
         group = 0
-        while group in in_use:
+        while (group, rank) in in_use:
             group += 1
     core.registrations += 1
-    engine_id = f"e{core.registrations}-g{group}"
-    info = dict(body.info or {})
+    engine_id = f"e{core.registrations}-g{group}" + (f"-dp{rank}" if "data_parallel_rank" in info else "")
     blocks = info.get("kv_blocks_total")
     blocks = blocks if isinstance(blocks, int) and not isinstance(blocks, bool) else 0
     engine = EngineRecord(engine_id=engine_id, identity=identity, group=group, capacity=max(1, body.capacity or 16),
@@ -108,6 +115,18 @@ def _register_engine(core: "CoordinatorCore", identity: bytes, body: Hello, now:
         protocol=PROTOCOL_VERSION, loras=dict(core.loaded_loras) or None))
     logger.info("engine %s registered: group %d, capacity %d, adopts state %s%s", engine_id, group,
                 engine.capacity, core.state.value, "".join(f", {k} {info[k]}" for k in ("host", "pid") if k in info))
+
+
+def data_parallel_rank(info: dict[str, Any]) -> int | str:
+    """An engine's attention rank in its group from its HELLO's ``info`` (0 without data-parallel attention), or
+    what is wrong with it."""
+    if "data_parallel_rank" not in info and "data_parallel_size" not in info:
+        return 0
+    rank, size = info.get("data_parallel_rank"), info.get("data_parallel_size")
+    if not all(isinstance(v, int) and not isinstance(v, bool) for v in (rank, size)) or not 0 <= rank < size:
+        return (f"HELLO info: data_parallel_rank {rank!r} of data_parallel_size {size!r} is not a rank in [0, size) "
+                "(both integers)")
+    return rank
 
 
 def _weights_for(core: "CoordinatorCore", engine: EngineRecord) -> dict[str, Any] | None:

@@ -9,7 +9,7 @@ from typing import Any
 
 from ..wire.lifecycle import ENGINE_DRAINING, FleetState
 from ..wire.protocol import Role
-from .routing import served_adapters
+from .routing import engine_slot, served_adapters
 
 
 @dataclass(eq=False)
@@ -46,6 +46,11 @@ class EngineRecord:
     @property
     def load(self) -> int:
         return len(self.assigned)
+
+    @property
+    def slot(self) -> tuple[int, int]:
+        """What one live engine holds (:func:`~.routing.engine_slot`): its group, and its data-parallel rank there."""
+        return engine_slot(self)
 
     @property
     def loras(self) -> dict[str, str] | None:

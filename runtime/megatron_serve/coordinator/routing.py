@@ -56,6 +56,12 @@ class EngineView(Protocol):
         ...
 
 
+def engine_slot(engine: EngineView) -> tuple[int, int]:
+    """What one live engine holds: its group and, under data-parallel attention (whose ranks are engines of their
+    own sharing a group), its rank in it (0 for any other engine)."""
+    return engine.group, engine.info.get("data_parallel_rank", 0)
+
+
 class RequestView(Protocol):
     request_id: str
     params: SamplingParams  # its sampling parameters (``lora_name``: the adapter it runs under)
@@ -95,22 +101,22 @@ class LeastLoaded:
 
 
 class RoundRobin:
-    """Cycle through groups in group-id order, skipping those that cannot take work now."""
+    """Cycle through engines in (group, data-parallel rank) order, skipping those that cannot take work now."""
 
     name = "round_robin"
 
     def __init__(self) -> None:
-        self._last_group: int | None = None
+        self._last: tuple[int, int] | None = None
 
     def select(self, request: RequestView, candidates: Sequence[EngineView]) -> EngineView | None:
-        ordered = sorted(candidates, key=lambda e: e.group)
+        ordered = sorted(candidates, key=engine_slot)
         chosen = ordered[0]
-        if self._last_group is not None:
+        if self._last is not None:
             for engine in ordered:
-                if engine.group > self._last_group:
+                if engine_slot(engine) > self._last:
                     chosen = engine
                     break
-        self._last_group = chosen.group
+        self._last = engine_slot(chosen)
         return chosen
 
     def forget(self, engine_id: str) -> None:

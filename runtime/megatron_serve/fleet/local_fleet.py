@@ -1,5 +1,10 @@
 """A coordinator and N engine processes on this machine, started and stopped as one unit.
 
+With ``data_parallel_size`` > 1 (data-parallel attention, ``enable_expert_parallel``) each engine group is a gang
+of that many engine processes, one per attention rank (``engine --data-parallel-size N --data-parallel-rank d
+--group g``), meeting at a rendezvous port of their own; a rank that dies restarts its whole gang on a fresh port
+(:class:`~megatron_serve.fleet.supervisor.Gang`), and the coordinator resubmits the gang's requests.
+
 Used by ``megatron-serve run``, by ``MegatronLLM`` / ``MegatronAsyncLLM`` in coordinator mode when no
 coordinator address is given, and by tests and benchmarks. Children are real ``megatron-serve``
 processes (the same code paths as a deployment); their logs go to files so that a full pipe can
@@ -20,11 +25,13 @@ still up when its interpreter exits (a script with ``LLM(..., enable_sleep_mode=
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import fcntl
 import logging
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -35,7 +42,7 @@ from ..config import InferenceConfig
 from .argv import TOKEN_ENV, disaggregated_roles, inference_config_to_argv, kv_role_argv
 from .lifeline import Lifeline
 from ..wire.security import make_secret
-from .supervisor import Child, Supervisor, exit_cause, log_tail
+from .supervisor import Child, Gang, Supervisor, exit_cause, log_tail
 
 logger = logging.getLogger("megatron_serve.local_fleet")
 
@@ -63,6 +70,30 @@ def gpu_slices(visible: list[str], num_engines: int, ranks: int) -> list[str]:
             f"{'is' if len(visible) == 1 else 'are'} visible ({','.join(visible) or 'none'}): lower --engines or "
             f"--tensor-parallel, or serve on --device cpu")
     return [",".join(visible[index * ranks:(index + 1) * ranks]) for index in range(num_engines)]
+
+
+def check_data_parallel(size: int, config: InferenceConfig | None, disaggregated: int) -> None:
+    """A fleet's ``data_parallel_size`` (attention ranks per group), refused naming what it lacks."""
+    if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+        raise ValueError(f"data_parallel_size must be a positive integer, got {size!r}")
+    if size == 1:
+        return
+    if config is None or not config.enable_expert_parallel:
+        raise ValueError(f"data_parallel_size {size} in a group is data-parallel attention, which shares the MoE "
+                         "layers' experts: it needs enable_expert_parallel (replicas are engine groups: num_engines)")
+    if disaggregated:
+        raise ValueError("prefill/decode disaggregation is not implemented with data-parallel attention")
+    if config.data_parallel_size != 1:
+        raise ValueError(f"inference_config.data_parallel_size is {config.data_parallel_size}: a fleet gives each "
+                         "engine its rank; pass the size as data_parallel_size")
+    dataclasses.replace(config, data_parallel_size=size)  # what data-parallel attention does not serve, named
+
+
+def free_port(host: str) -> int:
+    """A port free on ``host`` now (a gang's rendezvous: torch.distributed's store binds it again)."""
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
 
 
 RUN_DIR_PREFIX = "megatron-fleet-"
@@ -134,6 +165,7 @@ class LocalFleet:
         max_request_logprobs: int | None = None,
         prefill_engines: int = 0,
         decode_engines: int = 0,
+        data_parallel_size: int = 1,
     ) -> None:
         """``inference_config``: the engines' settings, tensor parallelism included; ``tokenizer_dir``:
         tokenizer files for the coordinator and every engine (default: the model's). On GPUs each
@@ -141,13 +173,18 @@ class LocalFleet:
         fleet's own directory, removed when it stops). ``max_request_logprobs``: the coordinator's
         ``--max-request-logprobs`` (default: its own), so that one figure governs the fleet and the
         HTTP server in front of it. ``prefill_engines`` and ``decode_engines``: a disaggregated fleet of that many
-        of each instead of ``num_engines`` colocated ones (coordinator.disaggregation)."""
+        of each instead of ``num_engines`` colocated ones (coordinator.disaggregation). ``data_parallel_size``:
+        each of the ``num_engines`` groups is that many data-parallel attention ranks sharing the experts
+        (``inference_config.enable_expert_parallel``), an engine process each; ``num_engines`` is then the
+        fleet's engine processes, ``groups`` its groups."""
         if num_engines < 1:
             raise ValueError(f"num_engines must be >= 1, got {num_engines}")
+        check_data_parallel(data_parallel_size, inference_config, prefill_engines or decode_engines)
         self.kv_roles = disaggregated_roles(num_engines, prefill_engines, decode_engines)
-        num_engines = len(self.kv_roles)
+        self.groups = len(self.kv_roles)
+        self.data_parallel_size = data_parallel_size
         self.model_dir = str(model_dir)
-        self.num_engines = num_engines
+        self.num_engines = self.groups * data_parallel_size  # engine processes: each registers
         self.inference_config = inference_config
         self.host = host
         self.port = port
@@ -160,10 +197,14 @@ class LocalFleet:
         self.python = python
         ranks = inference_config.tensor_parallel_size if inference_config is not None else 1
         tensor_parallel = ["--tensor-parallel", str(ranks)] if ranks > 1 else []
-        self.engine_args = [*inference_config_to_argv(inference_config), *tensor_parallel]
+        data_parallel = ["--data-parallel-size", str(data_parallel_size)] if data_parallel_size > 1 else []
+        self.engine_args = [*inference_config_to_argv(inference_config), *tensor_parallel, *data_parallel]
         device = inference_config.device if inference_config is not None else InferenceConfig().device
-        group = inference_config.world_size if inference_config is not None else 1  # pipeline stages included
-        self.gpus = gpu_slices(visible_gpus(), num_engines, group) if str(device).startswith("cuda") else None
+        # Each engine process's ranks (pipeline stages included; one attention rank's), and its GPUs
+        self.ranks_per_engine = inference_config.world_size if inference_config is not None else 1
+        self.gpus = (gpu_slices(visible_gpus(), self.num_engines, self.ranks_per_engine)
+                     if str(device).startswith("cuda") else None)
+        self.rendezvous_host = "127.0.0.1"  # every rank of a gang runs here
         self.tokenizer_args = ["--tokenizer", str(tokenizer_dir)] if tokenizer_dir is not None else []
         self.budget_args = ["--max-request-logprobs", str(max_request_logprobs)] if max_request_logprobs else []
         self._lock_fd: int | None = None
@@ -227,7 +268,11 @@ class LocalFleet:
         # A restarted coordinator binds the port this one got (the engines and clients reconnect to it).
         self._coordinator.argv = self._coordinator_argv(int(self.address.rsplit(":", 1)[1]), address_file)
         for index, role in enumerate(self.kv_roles):
-            self.add_engine(group=index, extra=None if role == "kv_both" else [*self.engine_args, *kv_role_argv(role)])
+            if self.data_parallel_size > 1:
+                self.add_gang(index)
+            else:
+                self.add_engine(group=index,
+                                extra=None if role == "kv_both" else [*self.engine_args, *kv_role_argv(role)])
         logger.info("local fleet: coordinator at %s, %d engine(s) starting (logs in %s)", self.address,
                     self.num_engines, self.log_dir)
         return self.address
@@ -255,6 +300,32 @@ class LocalFleet:
         child = Child(name, self._command(args), self.log_dir / f"engine-{index}.log", self._env(gpus))
         self._engines.append(child)
         return self._supervisor.start_child(child)
+
+    def add_gang(self, group: int) -> list[subprocess.Popen]:
+        """Start the ``data_parallel_size`` engine processes of group ``group``, one per attention rank, at a
+        rendezvous port of their own (a fresh one at each restart of the gang)."""
+        if self.address is None:
+            raise RuntimeError("start() the fleet first")
+        size = self.data_parallel_size
+        members = []
+        for rank in range(size):
+            slot = group * size + rank
+            gpus = self.gpus[slot % len(self.gpus)] if self.gpus else None
+            args = ["engine", "--model", self.model_dir, "--coordinator", self.address,
+                    "--drain-timeout", str(self.drain_timeout), *self.tokenizer_args, *self.engine_args,
+                    "--data-parallel-rank", str(rank), "--group", str(group)]
+            members.append(Child(f"engine {len(self._engines)} (group {group}, data-parallel rank {rank})",
+                                 self._command(args), self.log_dir / f"engine-{len(self._engines)}.log",
+                                 self._env(gpus)))
+            self._engines.append(members[-1])
+
+        def renew() -> None:
+            port = str(free_port(self.rendezvous_host))
+            for child in members:
+                child.env.update(MASTER_ADDR=self.rendezvous_host, MASTER_PORT=port,
+                                 WORLD_SIZE=str(self.ranks_per_engine * size), NPROC_PER_NODE=str(self.ranks_per_engine))
+
+        return self._supervisor.start_gang(Gang(f"group {group}", members, renew))
 
     def supervise(self, on: bool = True) -> None:
         """From now on, restart a child that dies (signal or non-zero exit) with back-off, logging the cause

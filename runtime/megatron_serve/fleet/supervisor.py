@@ -7,6 +7,14 @@ seconds, and each restart is logged with its cause. A child that exits 0 did wha
 (STOP, or a drain after SIGTERM) and is left alone. Before, a killed engine left the fleet at half
 its capacity with nothing in any log, and a killed coordinator was never replaced.
 
+A :class:`Gang` (the attention ranks of one data-parallel group: engines whose MoE layers' collectives
+span all of them) lives and dies as one, as the operator's gangs do: when one member dies, the others
+(and their tensor-parallel worker processes, which share their process group) are killed and waited
+for, the gang is given a fresh rendezvous, and every member starts again together. Restarted one by one,
+the ranks would come back to the old port each after its own back-off (a peer that has not yet noticed
+the loss, e.g. one stuck in a step, would not be restarted at all), while processes of the old gang might
+still hold that port.
+
 Every child is started on the supervisor's own thread, never the caller's: the parent-death signal
 (:mod:`megatron_serve.fleet.lifeline`) follows the thread that started a child, and a caller's worker
 thread may end long before the fleet does.
@@ -31,7 +39,7 @@ from .lifeline import Lifeline
 logger = logging.getLogger("megatron_serve.local_fleet")
 
 
-@dataclass
+@dataclass(eq=False)
 class Child:
     """One supervised process: how to start it, and what became of it."""
 
@@ -46,6 +54,19 @@ class Child:
     restart_at: float | None = None  # when it is due to start again (it died)
     retired: bool = False  # exited 0 (meant to: a drain, a STOP): never started again
     causes: list[str] = field(default_factory=list)  # why it was restarted, in order
+    gang: "Gang | None" = None  # the children it lives and dies with
+
+
+@dataclass(eq=False)
+class Gang:
+    """Children started, ended and restarted together; ``renew`` runs before each start (a fresh rendezvous)."""
+
+    name: str  # for the log: "group 0"
+    members: list[Child]
+    renew: Callable[[], None]
+    started: float = 0.0
+    delay: float = 0.0
+    restart_at: float | None = None
 
 
 def exit_cause(returncode: int) -> str:
@@ -77,6 +98,7 @@ class Supervisor:
         self.lifeline = lifeline
         self.initial, self.maximum, self.stable, self.poll = initial, maximum, stable, poll
         self.children: list[Child] = []
+        self.gangs: list[Gang] = []
         self.restarting = False
         self._calls: queue.Queue[tuple[Callable[..., Any], tuple[Any, ...], concurrent.futures.Future]] = queue.Queue()
         self._closed = False
@@ -96,6 +118,10 @@ class Supervisor:
     def start_child(self, child: Child) -> subprocess.Popen:
         """Start ``child`` (on the supervisor's thread) and watch it from now on."""
         return self.call(self._start, child)
+
+    def start_gang(self, gang: Gang) -> list[subprocess.Popen]:
+        """Start every member of ``gang`` (after its ``renew``) and watch them as one from now on."""
+        return self.call(self._start_gang, gang)
 
     def restart_dead(self, on: bool) -> None:
         """Turn restarts on or off; once this returns with ``on=False``, nothing is started again."""
@@ -141,9 +167,22 @@ class Supervisor:
             self.children.append(child)
         return child.proc
 
+    def _start_gang(self, gang: Gang) -> list[subprocess.Popen]:
+        gang.renew()
+        procs = []
+        for child in gang.members:
+            child.gang, child.retired = gang, False
+            procs.append(self._start(child))
+        gang.started, gang.restart_at = time.monotonic(), None
+        if gang not in self.gangs:
+            self.gangs.append(gang)
+        return procs
+
     def _check(self, now: float) -> None:
+        for gang in self.gangs:
+            self._check_gang(gang, now)
         for child in self.children:
-            if child.retired or child.proc is None:
+            if child.retired or child.proc is None or child.gang is not None:
                 continue
             if child.restart_at is not None:
                 if now >= child.restart_at:
@@ -166,3 +205,68 @@ class Supervisor:
             logger.warning("%s died (%s after %.0fs%s): restarting it in %.1fs (restart %d; log: %s)", child.name,
                            cause, uptime, f"; its last line: {said}" if said else "", child.delay,
                            len(child.causes), child.log or "above")
+
+    def _check_gang(self, gang: Gang, now: float) -> None:
+        if gang.restart_at is not None:
+            if now >= gang.restart_at:
+                self._start_gang(gang)
+            return
+        dead = []
+        for child in gang.members:
+            code = None if child.retired or child.proc is None else child.proc.poll()
+            if code == 0:
+                child.retired = True
+                logger.warning("%s exited normally (exit code 0): it is not restarted", child.name)
+            elif code is not None:
+                dead.append((child, code))
+        if not dead:
+            return
+        for child in gang.members:  # the peers (which exit on their own once a collective fails) and their workers
+            end_process_group(child.proc)
+        uptime = now - gang.started
+        gang.delay = self.initial if uptime >= self.stable or not gang.delay else min(gang.delay * 2, self.maximum)
+        gang.restart_at = time.monotonic() + gang.delay
+        lost = ", ".join(f"{child.name}: {exit_cause(code)}" for child, code in dead)
+        for child in gang.members:
+            child.causes.append(next((exit_cause(code) for c, code in dead if c is child), f"its gang lost {lost}"))
+        logger.warning("%s lost %s (after %.0fs); every rank of it and their workers ended: restarting the gang "
+                       "with a fresh rendezvous in %.1fs (restart %d)", gang.name, lost, uptime, gang.delay,
+                       len(gang.members[0].causes))
+
+
+def end_process_group(proc: subprocess.Popen | None, timeout: float = 30.0) -> None:
+    """SIGKILL ``proc``'s process group (a child started in a session of its own: it and the worker processes it
+    spawned) and wait until no process of it runs, up to ``timeout`` seconds."""
+    if proc is None:
+        return
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()
+    deadline = time.monotonic() + timeout
+    while group_running(proc.pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if group_running(proc.pid):
+        logger.error("process group %d still runs %.0fs after SIGKILL", proc.pid, timeout)
+
+
+def group_running(pgid: int) -> bool:
+    """Whether a process of group ``pgid`` runs (zombies, awaiting their reaping by init, do not count)."""
+    proc = Path("/proc")
+    if not proc.is_dir():
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return False
+        return True
+    for entry in proc.iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            return True
+    return False

@@ -48,6 +48,13 @@ def _family(name: str, value: float | None = None) -> Metric:
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 
 
+def group_label(engine: dict[str, Any]) -> str:
+    """The ``engine_group`` label of an engine's series: its group, and its rank there under data-parallel attention
+    (``0-dp1``), whose ranks are engines of their own sharing a group (one series each)."""
+    rank = (engine.get("info") or {}).get("data_parallel_rank")
+    return str(engine.get("group")) + (f"-dp{rank}" if rank is not None else "")
+
+
 class _FleetCollector(Collector):
     """Fleet gauges from the monitor's last status, and the server's own pending count (None: a multiprocess
     gauge has it)."""
@@ -184,7 +191,7 @@ class _EngineCollector(Collector):
         engines = self.monitor.engines if self.monitor.reachable else []
         families = {s.name: _family(s.name) for s in SERIES if s.source == "engine"}
         for engine in engines:
-            labels = [str(engine.get("group")), self.model_name]
+            labels = [group_label(engine), self.model_name]
             reading = read_engine(engine)
             for name, by_labels in reading.values.items():
                 for extra, value in by_labels.items():
