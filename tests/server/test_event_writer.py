@@ -129,7 +129,10 @@ def test_a_scope_without_the_extension_or_a_response_not_chunked_gets_no_body_wr
         response_started, chunked_encoding, transport, flow, scope = True, False, object(), object(), {"method": "POST"}
 
     scope: dict = {"type": "http"}
-    chunked.offer(scope, Cycle())
+    cycle = Cycle()  # the protocol holds its cycle while the request is served; the scope's writer does not
+    chunked.offer(scope, cycle)
     assert chunked.chunked_body(scope) is None  # a response with a content length
     Cycle.chunked_encoding = True
     assert isinstance(chunked.chunked_body(scope), chunked.ChunkedBody)  # the control: a chunked one gets it
+    del cycle
+    assert chunked.chunked_body(scope) is None  # its cycle is gone (the request is done): nothing to write to

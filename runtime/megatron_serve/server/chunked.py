@@ -10,10 +10,17 @@ what ``send`` does for a body chunk of a started chunked response (wait while th
 nothing once the client left). The status line and the end of the body still go through ``send``, so the
 middleware sees every response start and end and uvicorn's bookkeeping (response complete, keep-alive) is its own.
 Another server, or a response uvicorn frames otherwise, has no usable extension: its chunks go through ``send``.
+
+The extension holds its request-response cycle by a weak reference: the cycle holds the scope, which holds the
+extension, and a strong reference made every request's objects (its connection, transport, scope, submission,
+renderer) a reference cycle that only the garbage collector freed. Under an abort storm they piled up by the
+thousand and a full collection over them stopped the event loop for seconds on a loaded host; with the weak
+reference they go when the request and its connection are done with them.
 """
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 from starlette.types import Scope
@@ -28,20 +35,21 @@ class ChunkedBody:
     __slots__ = ("_cycle", "_transport", "_flow")
 
     def __init__(self, cycle: Any) -> None:
-        self._cycle = cycle
+        self._cycle = weakref.ref(cycle)  # (see the module docstring) alive while its response is being sent
         self._transport = cycle.transport
         self._flow = cycle.flow
 
     def usable(self) -> bool:
         """The response started with chunked transfer encoding (a streamed answer's does), not for a HEAD."""
-        cycle = self._cycle
-        return cycle.response_started and cycle.chunked_encoding is True and cycle.scope["method"] != "HEAD"
+        cycle = self._cycle()
+        return (cycle is not None and cycle.response_started and cycle.chunked_encoding is True
+                and cycle.scope["method"] != "HEAD")
 
     def ready(self) -> bool:
         """A chunk written now goes out as :meth:`write` would send it, without waiting: the transport's buffer
         has room and the client is still there."""
-        cycle = self._cycle
-        return not (self._flow.write_paused or cycle.disconnected or cycle.response_complete
+        cycle = self._cycle()
+        return not (cycle is None or self._flow.write_paused or cycle.disconnected or cycle.response_complete
                     or self._transport.is_closing())
 
     def write_now(self, body: bytes) -> None:
@@ -52,8 +60,8 @@ class ChunkedBody:
 
     async def write(self, body: bytes) -> None:
         """One chunk of ``body``, as uvicorn's ``send`` writes ``{"body": body, "more_body": True}``."""
-        cycle = self._cycle
-        if not body:
+        cycle = self._cycle()
+        if not body or cycle is None:
             return
         if self._flow.write_paused and not cycle.disconnected:
             await self._flow.drain()

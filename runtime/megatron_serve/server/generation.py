@@ -180,9 +180,11 @@ class Submission:
     def close(self) -> None:
         """Abort every engine request that has not finished (idempotent)."""
         self._forget_stop()
+        self._forget_stop = _nothing  # it holds this submission (through its callback): no reference cycle left
         for task in self._tasks:
             if task is not asyncio.current_task():
                 task.cancel()  # each stream's own cleanup aborts its request
+        self._tasks = []  # a cancelled task's traceback holds this submission: no reference cycle left
         if not self.unfinished:
             return
         count = len(self.unfinished)
