@@ -25,7 +25,7 @@ from ..config import InferenceConfig
 from ..errors import NoFleet
 from ..generation_config import GenerationDefaults
 from ..limits import DEFAULT_MAX_REQUEST_LOGPROBS
-from ..wire.lifecycle import PauseMode
+from ..wire.lifecycle import PauseMode, Verb
 from .loop_thread import EventLoopThread
 from ..model.llama import LlamaForCausalLM
 from .progress import progress_bar
@@ -161,6 +161,11 @@ class MegatronLLM:
         """vLLM's ``wake_up``: :meth:`resume`, then :meth:`unpause` unless ``tags`` is ``["weights"]`` (which
         leaves the fleet paused for a :meth:`refit`); see :meth:`MegatronAsyncLLM.wake_up`."""
         return self._run(self._async().wake_up(tags))
+
+    def control(self, verb: Verb | str, **arguments: Any) -> dict:
+        """Run a lifecycle verb with its arguments, blocking until the fleet acknowledged it
+        (:meth:`MegatronAsyncLLM.control`: the verb table's arguments and an optional ``timeout``)."""
+        return self._run(self._async().control(verb, **arguments))
 
     def pause(self, mode: PauseMode | str = PauseMode.KEEP, *, drain_timeout: float | None = None) -> dict:
         """Stop stepping at a step boundary, keeping memory; returns the acknowledgement.
