@@ -43,8 +43,10 @@ from .lora_request import LoRARequest, apply_lora
 from .request_checks import ServingBounds
 from .vllm_args import wake_up_plan
 from .vllm_outputs import RequestOutput
+from ..tokenizer import Tokenizer
 
 if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
     import torch
 
 logger = logging.getLogger("megatron_serve.client")
@@ -60,7 +62,7 @@ class MegatronAsyncLLM:
         use_coordinator: bool = False,
         coordinator_address: str | None = None,
         num_engines: int = 1,
-        tokenizer: Any = None,
+        tokenizer: Tokenizer | str | os.PathLike | None = None,
         token: str | None = None,
         *,
         generation_config: str | os.PathLike | None = "auto",
@@ -102,22 +104,18 @@ class MegatronAsyncLLM:
         self._closed = False
 
     @property
-    def tokenizer(self) -> Any:
+    def tokenizer(self) -> Tokenizer | None:
         """The model's tokenizer (in coordinator mode the one the client makes the text with, once started;
         else loaded on first use)."""
         if self._tokenizer is None or isinstance(self._tokenizer, (str, os.PathLike)):
             self._tokenizer = getattr(self._client, "tokenizer", None) or self._tokenizer
         if self._tokenizer is None and isinstance(self.model, (str, os.PathLike)):
-            from ..tokenizer import Tokenizer  # noqa: PLC0415
-
             self._tokenizer = Tokenizer.from_pretrained(Path(self.model))
         elif isinstance(self._tokenizer, (str, os.PathLike)):
-            from ..tokenizer import Tokenizer  # noqa: PLC0415
-
             self._tokenizer = Tokenizer.from_pretrained(Path(self._tokenizer))
         return self._tokenizer
 
-    def get_tokenizer(self) -> Any:
+    def get_tokenizer(self) -> PreTrainedTokenizerBase:
         """vLLM's ``get_tokenizer``: the Hugging Face tokenizer (``encode``, ``decode``, ``apply_chat_template``)."""
         return self.tokenizer.hf_tokenizer
 

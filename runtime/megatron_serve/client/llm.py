@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 import weakref
 from pathlib import Path
-from typing import Any, Callable, Coroutine, Sequence, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, Coroutine, Sequence, TypeVar
 
 import msgspec
 
@@ -36,6 +36,9 @@ from .vllm_outputs import RequestOutput, Shaper
 from ..wire.request import DynamicInferenceRequest
 from ..wire.sampling_params import SamplingParams
 from ..tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 T = TypeVar("T")
 
@@ -71,7 +74,7 @@ class MegatronLLM:
             raise
 
     @property
-    def tokenizer(self) -> Any:
+    def tokenizer(self) -> Tokenizer | None:
         if self._llm is None:
             raise RuntimeError("this MegatronLLM was shut down")
         return self._llm.tokenizer
@@ -148,7 +151,7 @@ class MegatronLLM:
         finally:
             bar.close()
 
-    def get_tokenizer(self) -> Any:
+    def get_tokenizer(self) -> PreTrainedTokenizerBase:
         """vLLM's ``get_tokenizer``: the Hugging Face tokenizer (``encode``, ``decode``, ``apply_chat_template``)."""
         return self._async().get_tokenizer()
 

@@ -22,6 +22,7 @@ from typing import Any, AsyncIterator, Callable
 from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 
+from ..tokenizer import Tokenizer
 from .. import __version__
 from ..generation_config import GenerationDefaults
 from ..grammar import warm_checker
@@ -72,7 +73,7 @@ def key_for(path: str) -> str:
 
 def create_app(
     backend: InferenceBackend,
-    tokenizer: Any,
+    tokenizer: Tokenizer,
     model_name: str,
     api_key: str | None = None,
     *,
