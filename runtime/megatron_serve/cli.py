@@ -33,7 +33,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "generate": ("megatron_serve.commands.generate", "generate from a model directory in this process"),
     "coordinator": ("megatron_serve.commands.coordinator", "run the coordinator (routing, request table, lifecycle)"),
     "engine": ("megatron_serve.commands.engine", "run one engine group that serves a coordinator"),
-    "control": ("megatron_serve.commands.control", "pause|unpause|suspend|resume|stop|status a fleet"),
+    "control": ("megatron_serve.commands.control", "run a lifecycle verb on a fleet (pause, refit, ...) or show its status"),
     "server": ("megatron_serve.commands.server", "run the OpenAI-compatible HTTP server in front of a coordinator"),
     "run": ("megatron_serve.commands.run", "coordinator + engines + HTTP server on this machine, as one command"),
     "serve": ("megatron_serve.commands.serve", "`serve MODEL [options]`, as in vLLM: the same as `run --model MODEL`"),
