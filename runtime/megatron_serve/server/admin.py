@@ -1,6 +1,7 @@
 """The admin API: the fleet's lifecycle over HTTP, for RL frameworks that only speak HTTP.
 
-``POST /v1/admin/{pause,unpause,suspend,resume,refit}`` run the coordinator's verbs and answer
+``POST /v1/admin/{verb}`` (the verbs the verb table, :mod:`megatron_serve.wire.verb_calls`, offers over HTTP:
+pause, unpause, suspend, resume, refit; their bodies are its arguments) run the coordinator's verbs and answer
 once every engine acknowledged (the ``CONTROL_ACK``'s ``state`` and ``detail``, as JSON);
 ``GET /v1/admin/status`` is the coordinator's ``STATUS_REPLY``. They are the ``control`` command's
 verbs with its rules: a verb the lifecycle table refuses in the current state is a 409 whose message
