@@ -6,6 +6,7 @@ the docs. A verb or an argument added to the table and missing from a surface (o
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import inspect
 from pathlib import Path
 
@@ -18,11 +19,12 @@ from megatron_serve.client.llm import MegatronLLM
 from megatron_serve.client.local_engine import LocalEngineClient
 from megatron_serve.commands import control
 from megatron_serve.errors import NoFleet
+from megatron_serve.server import admin
 from megatron_serve.server.admin import ADMIN_BODIES, add_admin_routes
 from megatron_serve.wire.lifecycle import TABLE, Verb
 from megatron_serve.wire.messages import FROM_COORDINATOR, TO_COORDINATOR
 from megatron_serve.wire.protocol import HEADER_VERBS, VERB_HEADERS
-from megatron_serve.wire.verb_calls import CLI, HTTP, PYTHON, VERB_CALLS, ArgumentError, verb_call
+from megatron_serve.wire.verb_calls import CLI, HTTP, PYTHON, VERB_CALLS, Arg, ArgumentError, verb_call
 
 DOCS = Path(__file__).resolve().parents[2] / "docs"
 
@@ -128,6 +130,19 @@ def test_the_admin_api_has_one_route_per_http_verb_whose_body_is_the_tables():
         if call.http:
             names = {arg.name for arg in call.on(HTTP)}
             assert names in bodies.values() and (not names or bodies[f"{call.verb.name.title()}Request"] == names)
+
+
+def test_an_argument_added_to_the_table_reaches_the_command_line_the_http_body_and_the_client(monkeypatch):
+    hint = Arg("warm_blocks", int, "KV blocks to warm first", minimum=0, metavar="N")
+    monkeypatch.setitem(VERB_CALLS, Verb.RESUME, dataclasses.replace(VERB_CALLS[Verb.RESUME], args=(hint,)))
+    parser = argparse.ArgumentParser()
+    control.add_arguments(parser)
+    assert control.verb_arguments(parser.parse_args(["resume", "--warm-blocks", "3"])) == {"warm_blocks": 3}
+    with pytest.raises(ValueError, match="--warm-blocks applies to resume only, not pause"):
+        control.verb_arguments(parser.parse_args(["pause", "--warm-blocks", "3"]))
+    assert set(admin._body(VERB_CALLS[Verb.RESUME]).model_fields) == {"warm_blocks"}
+    with pytest.raises(ArgumentError, match="warm_blocks must be >= 0"):
+        verb_call("resume").bind({"warm_blocks": -1})
 
 
 def test_the_docs_name_every_verb_and_the_generic_call():
