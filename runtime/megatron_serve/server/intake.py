@@ -216,7 +216,7 @@ def check_prompt_size(limits: RequestLimits, max_model_len: int | None, *, promp
 
 def _prompt_chars(prompt: Any) -> int:
     """Characters to tokenize in a validated prompt: a string, or strings, token ids or id lists (one kind of item
-    per prompt, so the first says which; a loop over every id was 3 us a 128-id prompt)."""
+    per prompt, so the first says which, and no loop walks every id of a long prompt)."""
     if isinstance(prompt, str):
         return len(prompt)
     return sum(map(len, prompt)) if prompt and isinstance(prompt[0], str) else 0
