@@ -82,6 +82,7 @@ def _is_kind(value: Any, kind: type) -> bool:
         return False
     return math.isfinite(value)
 
+
 #: A verb's own rule over its arguments as given (after each one's check); returns the message's fields.
 Fields = Callable[[dict[str, Any]], dict[str, Any]]
 
@@ -127,6 +128,7 @@ class VerbCall:
                 return (f"the coordinator speaks protocol {protocol}, which has no {arg.since[1]} (it would ignore "
                         f"{arg.name} {value!r}): upgrade the coordinator")
         return None
+
 
 def _pause_fields(values: dict[str, Any]) -> dict[str, Any]:
     mode = parse_pause_mode(values["mode"])
