@@ -57,7 +57,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         if arg.kind is bool:
             parser.add_argument(arg.flag, dest=name, action="store_true", help=text)
         else:  # absent: None, so that an option given to a verb that does not take it is refused by name
-            parser.add_argument(arg.flag, dest=name, type=arg.kind, choices=arg.choices, default=None,
+            parser.add_argument(arg.flag, dest=name, type=arg.kind, default=None,
+                                choices=list(arg.choices) if arg.choices is not None else None,
                                 metavar=arg.metavar, help=text)
     parser.add_argument("--timeout", type=float, default=120.0, metavar="S",
                         help="give up waiting for the acknowledgement after this long")
