@@ -12,7 +12,8 @@ import asyncio
 from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
-from megatron_serve.wire.lifecycle import Verb, parse_verb
+from megatron_serve.wire.lifecycle import Verb
+from megatron_serve.wire.verb_calls import verb_call
 
 
 class CoordinatorUnavailable(RuntimeError):
@@ -90,20 +91,14 @@ class ClientLink:
 
     async def command(self, verb: str, timeout: float, drain_timeout: float | None = None,
                       pause_mode: str | None = None, keep_kv: bool = False) -> dict[str, Any]:
-        if parse_verb(verb) is Verb.REFIT:
+        spec = verb_call(verb)
+        if spec.verb is Verb.REFIT:
             raise ValueError("REFIT takes a source: use refit()")
-        method = getattr(self.client, verb)
-        if verb == "suspend":
-            call = method(level=1, timeout=timeout, keep_kv=keep_kv)
-        elif verb == "stop":
-            call = method(timeout=timeout, drain_timeout=drain_timeout)
-        elif verb == "pause":
-            call = method(pause_mode or "keep", drain_timeout=drain_timeout if pause_mode == "wait" else None,
-                          timeout=timeout)
-        else:
-            call = method(timeout=timeout)
+        keeps = spec.verb is Verb.PAUSE and pause_mode != "wait"  # the drain time is STOP's, and PAUSE's in mode wait
+        offered = {"mode": pause_mode, "keep_kv": keep_kv or None, "drain_timeout": None if keeps else drain_timeout}
+        arguments = {arg.name: offered[arg.name] for arg in spec.args if offered.get(arg.name) is not None}
         try:
-            ack = await call
+            ack = await self.client.control(spec.verb, timeout, **arguments)
         except (asyncio.TimeoutError, ConnectionError, OSError) as exc:
             raise CoordinatorUnavailable(f"no acknowledgement of {verb.upper()} from {self.address}: "
                                          f"{_text(exc)}") from exc

@@ -2,15 +2,14 @@
 
 Each subcommand lives in its own module exposing ``add_arguments(parser)`` and ``run(args) -> int``;
 modules are imported only when their command runs, and none of them imports torch, transformers or
-FastAPI before its ``run``: ``megatron-serve run --help`` answers in about 0.1 s instead of the
-2.5-12 s it took while the option modules imported torch (tests/commands/test_cli.py holds it under
-1.5 s in a subprocess on the loaded test machine).
+FastAPI before its ``run``, so that ``--help`` and a refused option answer at once instead of after
+torch's import (tests/commands/test_cli.py holds the time; the figures: docs/design-measurements.md).
 
 Every parser refuses abbreviations (``allow_abbrev=False``: ``--api-key abc`` once silently meant
 ``--api-key-file abc``) and prints every option's default in ``--help``. An argument a subcommand
 cannot parse (an unknown option, a bad value, a refused vLLM option) prints that subcommand's usage
-in one line and the reason in another (:class:`SubcommandParser`; the whole usage of ``run`` was 63
-lines above the reason); a failed check once parsed is one line that says what to fix. vLLM options that change nothing here
+in one line and the reason in another (:class:`SubcommandParser`: the whole usage of ``run`` would
+bury the reason); a failed check once parsed is one line that says what to fix. vLLM options that change nothing here
 are warned about, one line each, before the command runs (:mod:`megatron_serve.client.vllm_options`).
 """
 
@@ -34,7 +33,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "generate": ("megatron_serve.commands.generate", "generate from a model directory in this process"),
     "coordinator": ("megatron_serve.commands.coordinator", "run the coordinator (routing, request table, lifecycle)"),
     "engine": ("megatron_serve.commands.engine", "run one engine group that serves a coordinator"),
-    "control": ("megatron_serve.commands.control", "pause|unpause|suspend|resume|stop|status a fleet"),
+    "control": ("megatron_serve.commands.control", "run a lifecycle verb on a fleet (pause, refit, ...) or show its status"),
     "server": ("megatron_serve.commands.server", "run the OpenAI-compatible HTTP server in front of a coordinator"),
     "run": ("megatron_serve.commands.run", "coordinator + engines + HTTP server on this machine, as one command"),
     "serve": ("megatron_serve.commands.serve", "`serve MODEL [options]`, as in vLLM: the same as `run --model MODEL`"),

@@ -9,9 +9,12 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import threading
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .wire.sampling_params import StructuredOutputsParams
+
+if TYPE_CHECKING:
+    from llguidance import LLTokenizer
 
 #: JSON as ``json.dumps`` writes it: no free whitespace (a small model could spend its whole budget on
 #: it), ``", "`` and ``": "`` between items. A schema may override this with its own
@@ -44,7 +47,8 @@ def constraint_bytes(spec: StructuredOutputsParams) -> int:
     return len((json.dumps(text) if isinstance(text, dict) else text).encode())
 
 
-def grammar_error(spec: StructuredOutputsParams, tokenizer: Any = None, timeout: float | None = None) -> str | None:
+def grammar_error(spec: StructuredOutputsParams, tokenizer: LLTokenizer | None = None,
+                  timeout: float | None = None) -> str | None:
     """Why the constraint cannot be used (a bad schema, regex or grammar), or None when it can.
 
     ``timeout``: seconds the check may take, waiting for a checker thread included; a constraint
@@ -65,7 +69,7 @@ def grammar_error(spec: StructuredOutputsParams, tokenizer: Any = None, timeout:
 def warm_checker() -> None:
     """Import llguidance and check one small grammar, so that a server's first constrained request does not
     pay for it: the import holds the interpreter for a moment, which stalled every other completion of a
-    fresh server for 0.55-0.8 s. Servers call it on a thread of their own at start-up."""
+    fresh server. Servers call it on a thread of their own at start-up."""
     grammar_error(StructuredOutputsParams(regex="[a-z]+"), timeout=None)
 
 
@@ -83,7 +87,7 @@ def _checkers() -> concurrent.futures.ThreadPoolExecutor:
         return _pool
 
 
-def _check(spec: StructuredOutputsParams, tokenizer: Any) -> str | None:
+def _check(spec: StructuredOutputsParams, tokenizer: LLTokenizer | None) -> str | None:
     import llguidance  # noqa: PLC0415
 
     try:

@@ -1,11 +1,10 @@
 """Keeping a serving process's start-up heap out of the garbage collector's way.
 
-A full collection walks every tracked object. Once torch and transformers are imported and a
-tokenizer or a model is loaded, a process holds 340,000 to 370,000 of them, and one collection took
-184 ms in an idle coordinator with its tokenizer (0.3 to 2.4 s in a server on 2 loaded cores): a
-stall of the whole process every few seconds under load. Frozen, collections walk only what was
-created since (vLLM's servers and engines take the same step). For processes, not libraries: the
-freeze is global.
+A full collection walks every tracked object, and once torch and transformers are imported and a
+tokenizer or a model is loaded a process holds hundreds of thousands of them: each full collection
+stalls the whole process, every few seconds under load (the figures: docs/design-measurements.md).
+Frozen, collections walk only what was created since (vLLM's servers and engines take the same
+step). For processes, not libraries: the freeze is global.
 """
 
 from __future__ import annotations
@@ -16,10 +15,9 @@ import gc
 #: Net allocations of tracked objects between two collections of the youngest generation in an HTTP server.
 #: A step's frame of 64 deltas decodes to some 350 lists and structs alive at once, and each request holds a
 #: few hundred objects for its lifetime: at Python's 700 the server collected after nearly every frame, and
-#: moved every request's objects through the middle generation (whose collections walk them all again).
-#: ``benchmarks/serving.py`` c64 staggered, the server's collections during the level (``gc.callbacks``): 299
-#: young (133 ms), 28 middle (117 ms) and 2 full (16 ms) in 4.7 s of CPU, 5.7% of it; at 20,000, none (its
-#: young objects peak near 14,000, a few MB; what cycles leave is collected once they add up to the threshold).
+#: moved every request's objects through the middle generation (whose collections walk them all again). Above
+#: the young objects' peak, a serving level collects nothing, and what cycles leave is collected once they add up
+#: to the threshold (``benchmarks/serving.py``'s counts: docs/design-measurements.md).
 YOUNG_THRESHOLD = 20_000
 
 

@@ -3,8 +3,8 @@
 Every limit answers before the expensive step it protects: the body size before the body is
 read, prompt characters before tokenization, ``n``, stop strings, ``logit_bias`` entries and
 messages before anything is rendered or submitted. Without them one anonymous request could
-occupy the server for a minute (a 20 MB prompt took 57 s to reach its 400, tokenized on the event
-loop, and ``/health`` did not answer meanwhile: Kubernetes restarts such a pod).
+occupy the server for a minute, tokenized on the event loop, with ``/health`` silent meanwhile:
+Kubernetes restarts such a pod. The figures behind each default: docs/design-measurements.md.
 
 This module is light (no FastAPI, no torch) so that the commands can build their flags from it.
 """
@@ -130,12 +130,11 @@ class RequestLimits:
     * ``max_body_bytes`` 2 MiB: a 128k-token prompt is about 0.5 MiB as text and about 1 MiB as
       token ids (``json.dumps`` writes ``"128000, "`` per id), so 2 MiB holds a full Llama 3.1
       context either way. Parsing is the one step that cannot leave the event loop (the JSON
-      parser holds the GIL): measured on 2 loaded cores, a body of the densest small integers
-      (``[1,1,1,...]``, the worst case) costs 60 to 100 ms per MiB, text about 5 ms per MiB.
-      Larger bodies get a 413 before they are read.
+      parser holds the GIL), and costs tens of milliseconds per MiB in the worst case (dense small
+      integers). Larger bodies get a 413 before they are read.
     * ``max_prompt_chars``: by default ``32 x`` the context length in tokens (see
       :data:`PROMPT_CHARS_PER_CONTEXT_TOKEN`): longer text cannot fit, so it is refused before
-      a tokenizer thread spends time on it (1 M characters took 1.3 s to tokenize here). It counts
+      a tokenizer thread spends seconds on it. It counts
       all prompts of a request, or all message text of a chat.
     * ``max_n`` 128: OpenAI's own maximum; each choice is an engine request.
     * ``max_stop`` 16 stop strings of at most ``max_stop_chars`` 256 characters: the engine looks
@@ -157,9 +156,7 @@ class RequestLimits:
       for any output constraint (a JSON schema as JSON, a regex, a grammar, all choices together):
       a constraint becomes a grammar that the server checks and the engine compiles (once per
       request, on its step loop, where every other request's next token waits for it). Checking
-      grows faster than the size: measured, a Lark grammar of 9,000 alternatives (89 KB) 0.1 s,
-      20,000 (209 KB) 0.4 s, 150,000 (1.2 MB, under the body limit) 36 s; 50,000 choices were
-      accepted and cost an engine 3.2 s.
+      grows faster than the size: a grammar under the body limit took half a minute to check.
     * ``grammar_compile_timeout`` 1 s: a constraint that the server cannot check within it is
       refused with a 400 instead of reaching an engine. Checks run on two threads of their own
       (llguidance releases the GIL but cannot be interrupted: a check past its deadline finishes

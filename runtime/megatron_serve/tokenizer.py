@@ -8,6 +8,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
     from .multimodal import ImageProcessor
 
 
@@ -27,7 +29,7 @@ class PromptTooLong(ValueError):
 class Tokenizer:
     """A thin adapter that fixes the few calls the engine, coordinator and server make."""
 
-    def __init__(self, hf_tokenizer: Any, eos_token_ids: list[int], images: ImageProcessor | None = None):
+    def __init__(self, hf_tokenizer: PreTrainedTokenizerBase, eos_token_ids: list[int], images: ImageProcessor | None = None):
         self._tok = hf_tokenizer
         self.eos_token_ids = eos_token_ids
         self.images = images  # the image processor of a vision-language model (None: text only)
@@ -46,7 +48,7 @@ class Tokenizer:
         return cls(hf_tokenizer, _eos_ids(model_dir, hf_tokenizer), load_image_processor(model_dir))
 
     @property
-    def hf_tokenizer(self) -> Any:
+    def hf_tokenizer(self) -> PreTrainedTokenizerBase:
         """The ``transformers`` tokenizer itself, for libraries that read a vocabulary from it (grammar engines)."""
         return self._tok
 
@@ -59,8 +61,8 @@ class Tokenizer:
 
         Fast tokenizers encode through the Rust tokenizer's batch call, which releases the GIL while
         it works (other threads, the server's event loop among them, keep running), and the count is
-        checked before the ids become a Python list: that conversion holds the GIL (180 ms for
-        1.5 M tokens here), so a text too long for the context never pays it.
+        checked before the ids become a Python list: that conversion holds the GIL (for a long text, long
+        enough to stall the event loop), so a text too long for the context never pays it.
         """
         if not self._tok.is_fast:
             ids = list(self._tok.encode(text, add_special_tokens=add_special_tokens))
@@ -76,7 +78,7 @@ class Tokenizer:
         """The text of ``token_ids``, as ``transformers`` decodes it.
 
         Straight from the Rust tokenizer where that gives the same text (see :attr:`_rust`): the
-        ``transformers`` wrapper cost 6.7 us a call against 1.9 us, and the client side decodes two
+        ``transformers`` wrapper costs several times the Rust call, and the client side decodes two
         short windows per generated token (:mod:`megatron_serve.client.detokenizer`).
         """
         rust = self._rust
@@ -179,7 +181,7 @@ def check_tokenizer_files(model_dir: str | Path) -> Path:
     return model_dir
 
 
-def _eos_ids(model_dir: Path, hf_tokenizer: Any) -> list[int]:
+def _eos_ids(model_dir: Path, hf_tokenizer: PreTrainedTokenizerBase) -> list[int]:
     """EOS ids from the tokenizer, config.json and generation_config.json together (Llama 3 lists several)."""
     ids: list[int] = []
     if hf_tokenizer.eos_token_id is not None:

@@ -171,7 +171,7 @@ async def test_the_control_command_loads_and_unloads_and_names_what_is_wrong(fle
     no_path = await asyncio.to_thread(_control, fleet, "load_lora", "--lora-name", "x")
     assert no_path.returncode == 1 and "load_lora needs --lora-path DIR" in no_path.stderr
     misplaced = await asyncio.to_thread(_control, fleet, "pause", "--lora-name", "x")
-    assert misplaced.returncode == 1 and "--lora-name/--lora-path apply to load_lora and unload_lora only" \
+    assert misplaced.returncode == 1 and "--lora-name applies to load_lora and unload_lora only" \
         in misplaced.stderr
     unloaded = await asyncio.to_thread(_control, fleet, "unload_lora", "--lora-name", "sql", "--json")
     assert unloaded.returncode == 0 and json.loads(unloaded.stdout)["detail"]["lora_name"] == "sql"

@@ -123,7 +123,7 @@ def test_every_component_reads_the_table():
     from megatron_operator import lifecycle as operator_lifecycle
     from megatron_operator.crd import PAUSE_MODES
     from megatron_serve.commands.control import VERBS, add_arguments
-    from megatron_serve.server.admin import PauseRequest
+    from megatron_serve.server.admin import ADMIN_BODIES
     from megatron_serve.engine.process import EngineProcess
     from megatron_serve.wire.protocol import HEADER_VERBS, VERB_HEADERS, step_of
 
@@ -137,7 +137,8 @@ def test_every_component_reads_the_table():
 
     modes = [m.value for m in PauseMode]  # the pause modes are the same everywhere they are offered
     assert [m.lower() for m in PAUSE_MODES] == modes
-    assert list(PauseRequest.model_json_schema()["properties"]["mode"]["enum"]) == modes
+    pause_body = next(body for body in ADMIN_BODIES if body.__name__ == "PauseRequest")
+    assert list(pause_body.model_json_schema()["properties"]["mode"]["enum"]) == modes
     parser = argparse.ArgumentParser()
     add_arguments(parser)
     assert next(a.choices for a in parser._actions if a.dest == "mode") == modes

@@ -32,7 +32,8 @@ from .generate_call import GenerateCall, stream_request_outputs
 from ..generation_config import GenerationDefaults
 from ..hub import resolve_model
 from ..limits import DEFAULT_MAX_REQUEST_LOGPROBS
-from ..wire.lifecycle import PauseMode, parse_pause_mode
+from ..wire.lifecycle import PauseMode, Verb
+from ..wire.verb_calls import verb_call
 from .outputs import StreamItem
 from .chat_messages import Conversation, render_conversations
 from .prompts import ImagePrompt, Prompt, PromptInput, as_prompt, normalize_prompts
@@ -42,8 +43,10 @@ from .lora_request import LoRARequest, apply_lora
 from .request_checks import ServingBounds
 from .vllm_args import wake_up_plan
 from .vllm_outputs import RequestOutput
+from ..tokenizer import Tokenizer
 
 if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
     import torch
 
 logger = logging.getLogger("megatron_serve.client")
@@ -59,7 +62,7 @@ class MegatronAsyncLLM:
         use_coordinator: bool = False,
         coordinator_address: str | None = None,
         num_engines: int = 1,
-        tokenizer: Any = None,
+        tokenizer: Tokenizer | str | os.PathLike | None = None,
         token: str | None = None,
         *,
         generation_config: str | os.PathLike | None = "auto",
@@ -104,22 +107,18 @@ class MegatronAsyncLLM:
         self._closed = False
 
     @property
-    def tokenizer(self) -> Any:
+    def tokenizer(self) -> Tokenizer | None:
         """The model's tokenizer (in coordinator mode the one the client makes the text with, once started;
         else loaded on first use)."""
         if self._tokenizer is None or isinstance(self._tokenizer, (str, os.PathLike)):
             self._tokenizer = getattr(self._client, "tokenizer", None) or self._tokenizer
         if self._tokenizer is None and isinstance(self.model, (str, os.PathLike)):
-            from ..tokenizer import Tokenizer  # noqa: PLC0415
-
             self._tokenizer = Tokenizer.from_pretrained(Path(self.model))
         elif isinstance(self._tokenizer, (str, os.PathLike)):
-            from ..tokenizer import Tokenizer  # noqa: PLC0415
-
             self._tokenizer = Tokenizer.from_pretrained(Path(self._tokenizer))
         return self._tokenizer
 
-    def get_tokenizer(self) -> Any:
+    def get_tokenizer(self) -> PreTrainedTokenizerBase:
         """vLLM's ``get_tokenizer``: the Hugging Face tokenizer (``encode``, ``decode``, ``apply_chat_template``)."""
         return self.tokenizer.hf_tokenizer
 
@@ -311,6 +310,16 @@ class MegatronAsyncLLM:
 
     # ------------------------------------------------------------------ lifecycle (coordinator mode)
 
+    async def control(self, verb: Verb | str, **arguments: Any) -> dict[str, Any]:
+        """Run a lifecycle verb (a :class:`~megatron_serve.wire.lifecycle.Verb` or its name) with the arguments the
+        verb table (:mod:`megatron_serve.wire.verb_calls`) gives it, and an optional ``timeout``; resolves on the
+        fleet's acknowledgement. The named methods (:meth:`pause`, :meth:`refit`, ...) are this call. Arguments are
+        checked first, in either mode; in direct mode only refit and the LoRA verbs run (others raise ``NoFleet``)."""
+        timeout = arguments.pop("timeout", None)
+        verb_call(verb).bind(arguments)  # a bad argument is refused in either mode of this object
+        await self.start()
+        return await self._client.control(verb, timeout, **arguments)
+
     async def pause(self, mode: PauseMode | str = PauseMode.KEEP, *, drain_timeout: float | None = None
                     ) -> dict[str, Any]:
         """Stop stepping at a step boundary, keep memory; resolves on the fleet's acknowledgement.
@@ -319,23 +328,18 @@ class MegatronAsyncLLM:
         first, for at most ``drain_timeout`` seconds), ``"abort"`` (unfinished requests end at once
         with ``finish_reason`` ``"abort"`` and their tokens so far); see :meth:`InferenceClient.pause`.
         """
-        chosen = parse_pause_mode(mode)  # a bad mode is refused in either mode of this object
-        await self.start()
-        return await self._client.pause(chosen, drain_timeout=drain_timeout)
+        return await self.control(Verb.PAUSE, mode=mode, drain_timeout=drain_timeout)
 
     async def unpause(self) -> dict[str, Any]:
-        await self.start()
-        return await self._client.unpause()
+        return await self.control(Verb.UNPAUSE)
 
     async def suspend(self, level: int = 1, keep_kv: bool = False) -> dict[str, Any]:
         """Release the KV cache (level 2: also weights); pauses first when running. ``keep_kv``: the requests in
         flight keep their KV in host memory and continue after ``resume`` without recomputing it."""
-        await self.start()
-        return await self._client.suspend(level=level, keep_kv=keep_kv)
+        return await self.control(Verb.SUSPEND, level=level, keep_kv=keep_kv)
 
     async def resume(self) -> dict[str, Any]:
-        await self.start()
-        return await self._client.resume()
+        return await self.control(Verb.RESUME)
 
     async def sleep(self, level: int = 1) -> dict[str, Any]:
         """vLLM's ``sleep``: the fleet's ``suspend(level)`` (level 1 releases the KV cache, level 2 also moves
@@ -355,8 +359,7 @@ class MegatronAsyncLLM:
 
     async def stop(self) -> dict[str, Any]:
         """The STOP verb for the whole fleet (also one this object did not start)."""
-        await self.start()
-        return await self._client.stop()
+        return await self.control(Verb.STOP)
 
     async def refit(self, weights: "str | os.PathLike | Iterable[tuple[str, torch.Tensor]]",
                     epoch: int | None = None) -> dict[str, Any]:
@@ -370,9 +373,9 @@ class MegatronAsyncLLM:
         {"epoch", "source", "engines": {id: timings}}}``, and names or shapes that do not fit raise
         (``ControlError`` / ``ValueError``) with the old weights still serving.
         """
-        await self.start()
         if isinstance(weights, (str, os.PathLike)):
-            return await self._client.refit(os.fspath(weights), epoch)
+            return await self.control(Verb.REFIT, source=os.fspath(weights), epoch=epoch)
+        await self.start()
         return await self._client.refit_tensors(weights, epoch)
 
     async def add_lora(self, lora_request: LoRARequest) -> bool:
@@ -381,15 +384,13 @@ class MegatronAsyncLLM:
         served raises ``ControlError`` (``lora_refused``) with nothing changed."""
         if not isinstance(lora_request, LoRARequest) or not lora_request.lora_path:
             raise ValueError(f"add_lora needs a LoRARequest with a lora_path, got {lora_request!r}")
-        await self.start()
-        await self._client.load_lora_adapter(lora_request.lora_name, lora_request.lora_path)
+        await self.control(Verb.LOAD_LORA, lora_name=lora_request.lora_name, lora_path=lora_request.lora_path)
         return True
 
     async def remove_lora(self, lora_name: str) -> bool:
         """vLLM's ``remove_lora``, by name (adapters are told apart by name here): no engine serves it to new
         requests; running ones finish under it. ``ControlError`` (``lora_not_found``) when none serves it."""
-        await self.start()
-        await self._client.unload_lora_adapter(lora_name)
+        await self.control(Verb.UNLOAD_LORA, lora_name=lora_name)
         return True
 
     async def list_loras(self) -> set[str]:

@@ -8,7 +8,10 @@ placeholders here without the images that fill them.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
+
+if TYPE_CHECKING:
+    from ..tokenizer import Tokenizer
 
 Conversation = list[dict[str, Any]]
 
@@ -47,7 +50,7 @@ def _check(message: Any, where: str) -> None:
         raise TypeError(f"{where}['content'] must be a str or a list of text parts, got {type(content).__name__}")
 
 
-def render_conversations(tokenizer: Any, messages: Conversation | Sequence[Conversation], *,
+def render_conversations(tokenizer: Tokenizer, messages: Conversation | Sequence[Conversation], *,
                          tools: list[dict[str, Any]] | None = None, add_generation_prompt: bool = True,
                          continue_final_message: bool = False,
                          template_kwargs: dict[str, Any] | None = None) -> list[str]:

@@ -3,7 +3,7 @@
 Two implementations, chosen once when a ``MegatronAsyncLLM`` is built:
 
 * :class:`~megatron_serve.client.local_engine.LocalEngineClient`: an engine in this process, stepped on a
-  thread of its own (direct mode). It has no fleet: the lifecycle verbs raise ``RuntimeError``.
+  thread of its own (direct mode). It has no fleet: the fleet's lifecycle verbs raise ``NoFleet``.
 * :class:`~megatron_serve.client.fleet_client.FleetClient`: the coordinator client
   (:class:`~megatron_serve.client.coordinator_client.InferenceClient`) of a fleet at an address, or of a local fleet
   it starts itself (coordinator mode).
@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 from typing import TYPE_CHECKING, Any, AsyncIterator, Iterable, Protocol
 
-from ..wire.lifecycle import PauseMode
+from ..wire.lifecycle import Verb
 from ..multimodal import PromptImage
 from .outputs import StreamItem
 from .prompts import Prompt
@@ -54,30 +54,13 @@ class EngineClient(Protocol):
     async def status(self, timeout: float | None = ...) -> dict[str, Any]:
         """The ``STATUS_REPLY`` fields: state, engines, queued, in_flight, completed, failed, ..."""
 
-    async def pause(self, mode: PauseMode | str = ..., *, drain_timeout: float | None = ...,
-                    timeout: float | None = ...) -> dict[str, Any]:
-        """PAUSE in one of the :class:`~megatron_serve.wire.lifecycle.PauseMode` modes (keep, wait, abort)."""
-
-    async def unpause(self, timeout: float | None = ...) -> dict[str, Any]: ...
-
-    async def suspend(self, level: int = ..., timeout: float | None = ...) -> dict[str, Any]: ...
-
-    async def resume(self, timeout: float | None = ...) -> dict[str, Any]: ...
-
-    async def stop(self, timeout: float | None = ..., drain_timeout: float | None = ...) -> dict[str, Any]:
-        """The STOP verb for the whole fleet."""
-
-    async def refit(self, source: str, epoch: int | None = ..., timeout: float | None = ...) -> dict[str, Any]:
-        """New weights of the same shapes from model directory ``source``; answered like ``CONTROL_ACK``."""
+    async def control(self, verb: Verb | str, timeout: float | None = ..., **arguments: Any) -> dict[str, Any]:
+        """Run a lifecycle verb with its arguments (:mod:`megatron_serve.wire.verb_calls` lists both); answered like
+        ``CONTROL_ACK``. Without a fleet only the table's direct verbs run (refit, the LoRA adapters)."""
 
     async def refit_tensors(self, named_tensors: Iterable[tuple[str, "torch.Tensor"]],
                             epoch: int | None = ...) -> dict[str, Any]:
         """New values for these weights (Hugging Face names, full shapes, any subset); answered like ``refit``."""
-
-    async def load_lora_adapter(self, lora_name: str, lora_path: str, timeout: float | None = ...
-                                ) -> dict[str, Any]: ...
-
-    async def unload_lora_adapter(self, lora_name: str, timeout: float | None = ...) -> dict[str, Any]: ...
 
     async def shutdown(self) -> None:
         """The Python API's ``shutdown()`` (docs/python-api.md): stop a fleet this client started, or disconnect from one it did not."""

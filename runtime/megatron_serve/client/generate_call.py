@@ -21,6 +21,7 @@ import contextlib
 import dataclasses
 from typing import Any, AsyncIterator, Awaitable, Callable, Generator
 
+from ..tokenizer import Tokenizer
 from .engine_client import EngineClient
 from .outputs import StreamItem, StreamPartial
 from .prompts import Prompt, tokenize_prompt
@@ -85,7 +86,7 @@ class GrowingChoice:
                                 list(self.logprobs) if self.asked else None)
 
 
-async def stream_request_outputs(client: EngineClient, tokenizer: Any, prompt: Prompt, choices: list[SamplingParams],
+async def stream_request_outputs(client: EngineClient, tokenizer: Tokenizer, prompt: Prompt, choices: list[SamplingParams],
                                  request_id: str) -> AsyncIterator[RequestOutput]:
     """Cumulative ``RequestOutput``s of one prompt's choices, merged as their pieces arrive."""
     ids = child_ids(request_id, len(choices))

@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 import weakref
 from pathlib import Path
-from typing import Any, Callable, Coroutine, Sequence, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, Coroutine, Sequence, TypeVar
 
 import msgspec
 
@@ -25,7 +25,7 @@ from ..config import InferenceConfig
 from ..errors import NoFleet
 from ..generation_config import GenerationDefaults
 from ..limits import DEFAULT_MAX_REQUEST_LOGPROBS
-from ..wire.lifecycle import PauseMode
+from ..wire.lifecycle import PauseMode, Verb
 from .loop_thread import EventLoopThread
 from ..model.llama import LlamaForCausalLM
 from .progress import progress_bar
@@ -36,6 +36,9 @@ from .vllm_outputs import RequestOutput, Shaper
 from ..wire.request import DynamicInferenceRequest
 from ..wire.sampling_params import SamplingParams
 from ..tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 T = TypeVar("T")
 
@@ -71,7 +74,7 @@ class MegatronLLM:
             raise
 
     @property
-    def tokenizer(self) -> Any:
+    def tokenizer(self) -> Tokenizer | None:
         if self._llm is None:
             raise RuntimeError("this MegatronLLM was shut down")
         return self._llm.tokenizer
@@ -148,7 +151,7 @@ class MegatronLLM:
         finally:
             bar.close()
 
-    def get_tokenizer(self) -> Any:
+    def get_tokenizer(self) -> PreTrainedTokenizerBase:
         """vLLM's ``get_tokenizer``: the Hugging Face tokenizer (``encode``, ``decode``, ``apply_chat_template``)."""
         return self._async().get_tokenizer()
 
@@ -161,6 +164,11 @@ class MegatronLLM:
         """vLLM's ``wake_up``: :meth:`resume`, then :meth:`unpause` unless ``tags`` is ``["weights"]`` (which
         leaves the fleet paused for a :meth:`refit`); see :meth:`MegatronAsyncLLM.wake_up`."""
         return self._run(self._async().wake_up(tags))
+
+    def control(self, verb: Verb | str, **arguments: Any) -> dict:
+        """Run a lifecycle verb with its arguments, blocking until the fleet acknowledged it
+        (:meth:`MegatronAsyncLLM.control`: the verb table's arguments and an optional ``timeout``)."""
+        return self._run(self._async().control(verb, **arguments))
 
     def pause(self, mode: PauseMode | str = PauseMode.KEEP, *, drain_timeout: float | None = None) -> dict:
         """Stop stepping at a step boundary, keeping memory; returns the acknowledgement.

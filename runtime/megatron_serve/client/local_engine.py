@@ -6,7 +6,7 @@
 ``MegatronAsyncLLM.serve()``. The engine is not thread-safe, so every call into it (tokenization
 included) happens on the engine thread (:class:`EngineThread`), which hands each step's token ids
 to the callers' event loops; the text is made there (decoding only reads the tokenizer, which its
-Rust core allows from any thread). There is no fleet here: the lifecycle verbs raise ``RuntimeError``; ``refit`` loads new
+Rust core allows from any thread). There is no fleet here: the fleet's lifecycle verbs raise ``NoFleet``; ``refit`` loads new
 weights between two steps (one replica, nothing can disagree).
 """
 
@@ -27,7 +27,8 @@ from ..engine import DynamicInferenceEngine
 from ..errors import NoFleet
 from ..limits import DEFAULT_MAX_REQUEST_LOGPROBS, engine_request_cost, over_budget
 from ..model.llama import LlamaForCausalLM
-from ..wire.lifecycle import FleetState, PauseMode, Verb
+from ..wire.lifecycle import FleetState, Verb
+from ..wire.verb_calls import verb_call
 from ..engine.output import step_delta
 from ..wire.connection import ControlError
 from ..wire.messages import RequestDeltaOut
@@ -398,21 +399,16 @@ class LocalEngineClient:
         return NoFleet(f"{name}() needs coordinator mode (use_coordinator=True): this engine runs in this "
                             "process, with no fleet lifecycle")
 
-    async def pause(self, mode: PauseMode | str = PauseMode.KEEP, *, drain_timeout: float | None = None,
-                    timeout: float | None = None) -> dict[str, Any]:
-        raise self._no_fleet(Verb.PAUSE)
-
-    async def unpause(self, timeout: float | None = None) -> dict[str, Any]:
-        raise self._no_fleet(Verb.UNPAUSE)
-
-    async def suspend(self, level: int = 1, timeout: float | None = None, keep_kv: bool = False) -> dict[str, Any]:
-        raise self._no_fleet(Verb.SUSPEND)
-
-    async def resume(self, timeout: float | None = None) -> dict[str, Any]:
-        raise self._no_fleet(Verb.RESUME)
-
-    async def stop(self, timeout: float | None = None, drain_timeout: float | None = None) -> dict[str, Any]:
-        raise self._no_fleet(Verb.STOP)
+    async def control(self, verb: Verb | str, timeout: float | None = None, **arguments: Any) -> dict[str, Any]:
+        """A verb in direct mode, checked as a fleet's client checks it: the verb table's direct verbs (refit, the
+        LoRA adapters) run on this engine between two steps, by the method of the verb's name; the fleet's verbs
+        (pause, suspend, stop, ...) raise :class:`~megatron_serve.errors.NoFleet`."""
+        call = verb_call(verb)
+        call.bind(arguments)
+        if not call.direct:
+            raise self._no_fleet(call.verb)
+        given = {name: value for name, value in arguments.items() if value is not None}
+        return await getattr(self, call.method_name)(**given, timeout=timeout)
 
     async def shutdown(self) -> None:
         raise self._no_fleet("shutdown")

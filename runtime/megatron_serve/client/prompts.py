@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, TypedDict, Union
 
+from ..tokenizer import Tokenizer
 from ..multimodal import PromptImage, image_bytes
 
 
@@ -120,7 +121,7 @@ def as_prompt(value: Prompt | dict) -> Prompt:
     return prompt
 
 
-def tokenize_prompt(prompt: Prompt, tokenizer: Any) -> tuple[list[int], list[PromptImage], str | None]:
+def tokenize_prompt(prompt: Prompt, tokenizer: Tokenizer) -> tuple[list[int], list[PromptImage], str | None]:
     """``(token ids, placed images, prompt text)``: image placeholders expanded by the model's processor."""
     text = prompt.prompt if isinstance(prompt, ImagePrompt) else prompt
     tokens = tokenizer.encode(text) if isinstance(text, str) else list(text)
@@ -134,7 +135,7 @@ def tokenize_prompt(prompt: Prompt, tokenizer: Any) -> tuple[list[int], list[Pro
     return tokens, images, text if isinstance(text, str) else None
 
 
-def prompt_for_fleet(prompt: str | list[int], images: list[bytes | PromptImage], tokenizer: Any
+def prompt_for_fleet(prompt: str | list[int], images: list[bytes | PromptImage], tokenizer: Tokenizer
                      ) -> tuple[list[int], list[PromptImage]]:
     """What a SUBMIT carries for ``prompt``: token ids, with ``images`` placed in them.
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ..tokenizer import Tokenizer
 from ..model.lora import CONFIG_FILE
 from ..wire.sampling_params import SamplingParams
 from .prompts import ImagePrompt, Prompt
@@ -43,7 +44,7 @@ class ServingBounds:
         lora = any(e.get("loras") is not None for e in engines) if engines else None
         return cls(min(limits) if limits else None, vocab_size, lora, local_lora_paths)
 
-    def check(self, index: int, prompt: Prompt, params: SamplingParams, tokenizer: Any) -> None:
+    def check(self, index: int, prompt: Prompt, params: SamplingParams, tokenizer: Tokenizer) -> None:
         """Raise ``ValueError`` (vLLM's words) when the engines would refuse prompt ``index`` under ``params``."""
         self._check_lora(params)
         if isinstance(prompt, ImagePrompt):
@@ -67,7 +68,7 @@ class ServingBounds:
                              f"{limit}. Make sure that `max_model_len` is no smaller than the number of text tokens "
                              "(prompt + requested output tokens).")
 
-    def _tokens(self, prompt: str | list[int], tokenizer: Any) -> list[int] | None:
+    def _tokens(self, prompt: str | list[int], tokenizer: Tokenizer) -> list[int] | None:
         """The prompt's token ids, when a check needs them: a text is tokenized only when it may be empty or too
         long (no text has more tokens than bytes, but for the few a tokenizer adds), so most are not."""
         if not isinstance(prompt, str):

@@ -1,15 +1,20 @@
-"""The lifecycle verbs of a coordinator client (PAUSE, UNPAUSE, SUSPEND, RESUME, STOP, REFIT, LOAD_LORA,
-UNLOAD_LORA), apart from its
-connection and requests (:class:`~megatron_serve.client.coordinator_client.InferenceClient` has them)."""
+"""The lifecycle verbs of a coordinator client, apart from its connection and requests
+(:class:`~megatron_serve.client.coordinator_client.InferenceClient` has them).
+
+Every verb goes through :meth:`FleetVerbs.control`, which checks its arguments against the verb table
+(:mod:`megatron_serve.wire.verb_calls`) and sends them as the verb's message; the named methods
+(``pause``, ``refit``, ...) are the Python API's spelling of the same calls, with their documentation.
+"""
 
 from __future__ import annotations
 
 from typing import Any
 
 from ..wire.connection import Connection, ControlError
-from ..wire.lifecycle import PauseMode, drain_timeout_problem, parse_pause_mode
+from ..wire.lifecycle import PauseMode, Verb
 from ..wire.messages import Rendezvous
-from ..wire.protocol import ErrorCode, Header
+from ..wire.protocol import VERB_HEADERS, ErrorCode, Header
+from ..wire.verb_calls import verb_call
 
 
 class FleetVerbs:
@@ -19,6 +24,20 @@ class FleetVerbs:
 
     async def _control(self, header: Header, timeout: float | None, **extra: Any) -> dict[str, Any]:
         raise NotImplementedError
+
+    async def control(self, verb: Verb | str, timeout: float | None = None, **arguments: Any) -> dict[str, Any]:
+        """Run ``verb`` (a :class:`~megatron_serve.wire.lifecycle.Verb` or its name) with its ``arguments`` (the verb
+        table's: ``mode`` and ``drain_timeout`` for pause, ``level`` and ``keep_kv`` for suspend, ...); resolves to
+        the ``CONTROL_ACK`` (``state``, ``detail``) once every engine acknowledged. An argument the verb does not
+        take, or a value it refuses, raises ``ValueError`` naming it before anything is sent; a refusal by the
+        coordinator raises :class:`ControlError`. ``timeout``: how long to wait for the acknowledgement."""
+        call = verb_call(verb)
+        fields = call.bind(arguments)
+        ack = self._connection.ack
+        problem = call.too_new(fields, ack.protocol) if ack is not None else None
+        if problem is not None:
+            raise ControlError(ErrorCode.UNSUPPORTED.value, problem)
+        return await self._control(VERB_HEADERS[call.verb], timeout, **fields)
 
     async def pause(self, mode: PauseMode | str = PauseMode.KEEP, *, drain_timeout: float | None = None,
                     timeout: float | None = None) -> dict[str, Any]:
@@ -31,34 +50,24 @@ class FleetVerbs:
         and the tokens generated so far. The acknowledgement's ``detail`` says what the mode did
         (``mode``, ``aborted``; ``waited_s``, ``unfinished``, ``timed_out``).
         """
-        chosen = parse_pause_mode(mode)
-        problem = drain_timeout_problem(chosen, drain_timeout)
-        if problem is not None:
-            raise ValueError(problem)
-        ack = self._connection.ack
-        if chosen is not PauseMode.KEEP and ack is not None and ack.protocol < 3:
-            raise ControlError(ErrorCode.UNSUPPORTED.value,
-                               f"the coordinator speaks protocol {ack.protocol}, which has no pause modes (it would "
-                               f"keep the requests instead of mode {chosen.value!r}): upgrade the coordinator")
-        return await self._control(Header.PAUSE, timeout, mode=None if chosen is PauseMode.KEEP else chosen.value,
-                                   drain_timeout=drain_timeout)
+        return await self.control(Verb.PAUSE, timeout, mode=mode, drain_timeout=drain_timeout)
 
     async def unpause(self, timeout: float | None = None) -> dict[str, Any]:
         """UNPAUSE: back to RUNNING (also restarts a STOPPED fleet once engines joined again)."""
-        return await self._control(Header.UNPAUSE, timeout)
+        return await self.control(Verb.UNPAUSE, timeout)
 
     async def suspend(self, level: int = 1, timeout: float | None = None, keep_kv: bool = False) -> dict[str, Any]:
         """SUSPEND: release the KV cache (level 2: also weights to host); pauses first if RUNNING. ``keep_kv``: the
         requests in flight keep their KV in host memory and continue after RESUME without recomputing it."""
-        return await self._control(Header.SUSPEND, timeout, level=level, keep_kv=keep_kv or None)
+        return await self.control(Verb.SUSPEND, timeout, level=level, keep_kv=keep_kv)
 
     async def resume(self, timeout: float | None = None) -> dict[str, Any]:
         """RESUME: restore device memory; the fleet is then PAUSED (UNPAUSE to run)."""
-        return await self._control(Header.RESUME, timeout)
+        return await self.control(Verb.RESUME, timeout)
 
     async def stop(self, timeout: float | None = None, drain_timeout: float | None = None) -> dict[str, Any]:
         """The STOP verb: every engine drains and exits. (To close this client, use :meth:`close`.)"""
-        return await self._control(Header.STOP, timeout, drain_timeout=drain_timeout)
+        return await self.control(Verb.STOP, timeout, drain_timeout=drain_timeout)
 
     async def refit(self, source: str, epoch: int | None = None, timeout: float | None = None, *,
                     rendezvous: Rendezvous | None = None) -> dict[str, Any]:
@@ -75,11 +84,7 @@ class FleetVerbs:
         ``rendezvous``: the weights come from a trainer instead (``source`` is then its label); this
         is what :class:`megatron_serve.WeightSender` sends, and what it should be used through.
         """
-        if not isinstance(source, str) or not source:
-            raise ValueError("source must be a non-empty model directory path")
-        if epoch is not None and (isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0):
-            raise ValueError(f"epoch must be an integer >= 0, got {epoch!r}")
-        return await self._control(Header.REFIT, timeout, source=source, epoch=epoch, rendezvous=rendezvous)
+        return await self.control(Verb.REFIT, timeout, source=source, epoch=epoch, rendezvous=rendezvous)
 
     async def load_lora_adapter(self, lora_name: str, lora_path: str, timeout: float | None = None) -> dict[str, Any]:
         """LOAD_LORA: every engine serves the PEFT adapter in directory ``lora_path`` (as the engines see it) as
@@ -90,14 +95,9 @@ class FleetVerbs:
         raises :class:`ControlError` (code ``lora_refused``) naming the engine and the problem, and no
         engine serves it. The acknowledgement's ``detail`` holds per-engine ``read_s``/``load_s`` and ``loras``.
         """
-        for field, value in (("lora_name", lora_name), ("lora_path", lora_path)):
-            if not isinstance(value, str) or not value:
-                raise ValueError(f"{field} must be a non-empty string, got {value!r}")
-        return await self._control(Header.LOAD_LORA, timeout, lora_name=lora_name, lora_path=lora_path)
+        return await self.control(Verb.LOAD_LORA, timeout, lora_name=lora_name, lora_path=lora_path)
 
     async def unload_lora_adapter(self, lora_name: str, timeout: float | None = None) -> dict[str, Any]:
         """UNLOAD_LORA: no engine serves ``lora_name`` to new requests; requests already admitted under it finish
         under it. :class:`ControlError` (code ``lora_not_found``) when no engine serves that name."""
-        if not isinstance(lora_name, str) or not lora_name:
-            raise ValueError(f"lora_name must be a non-empty string, got {lora_name!r}")
-        return await self._control(Header.UNLOAD_LORA, timeout, lora_name=lora_name)
+        return await self.control(Verb.UNLOAD_LORA, timeout, lora_name=lora_name)

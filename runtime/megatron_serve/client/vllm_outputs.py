@@ -21,6 +21,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from ..tokenizer import Tokenizer
 from ..wire.request import DynamicInferenceRequest
 
 
@@ -82,11 +83,11 @@ class Shaper:
     """Makes vLLM's shapes from records, with one tokenizer (``None``: no token texts, no stop strings found).
 
     The text of each token (``Logprob.decoded_token``) is decoded once per shaper: with ``logprobs=5`` every
-    position names six tokens and the same ones recur, and decoding each one every time cost 23.7 us of CPU
-    per generated token (benchmarks/vllm_llm.py, 2-core CPU, shared); memoised, 6.8 us.
+    position names six tokens and the same ones recur, so decoding each one every time was most of the CPU a
+    generated token cost (``benchmarks/vllm_llm.py``; docs/design-measurements.md).
     """
 
-    def __init__(self, tokenizer: Any) -> None:
+    def __init__(self, tokenizer: Tokenizer) -> None:
         self.tokenizer = tokenizer
         self._texts: dict[int, str] = {}
 

@@ -1,5 +1,7 @@
 """``megatron-serve control VERB``: lifecycle verbs and status for humans and scripts.
 
+Every verb's options come from the verb table (:mod:`megatron_serve.wire.verb_calls`): an option given to a verb
+that does not take it, or a value the verb refuses, is refused by name before anything is sent.
 Prints the acknowledged state (one line, plus per-engine facts) or, for ``status``, a table, and
 then what the state means and which verb comes next (:func:`next_step`); ``--json`` prints the
 coordinator's answer as one JSON object instead. Without ``--coordinator`` it talks to
@@ -17,7 +19,8 @@ import os
 import time
 from typing import Any
 
-from ..wire.lifecycle import FleetState, PauseMode, Verb, walk
+from ..wire.lifecycle import FleetState, Verb, walk
+from ..wire.verb_calls import CLI, VERB_CALLS, Arg, ArgumentError, VerbCall, verb_call
 from . import local_runs
 from .inputs import coordinator_address
 from .options import COORDINATOR_ENV, add_coordinator_option, add_token_option, read_token
@@ -25,29 +28,38 @@ from .options import COORDINATOR_ENV, add_coordinator_option, add_token_option, 
 VERBS = (*(verb.value for verb in Verb), "status")
 
 
+def _options() -> dict[str, list[tuple[VerbCall, Arg]]]:
+    """Each option of the verbs' arguments (the verb table's, on the CLI) and the verbs that take it, in order."""
+    options: dict[str, list[tuple[VerbCall, Arg]]] = {}
+    for call in VERB_CALLS.values():
+        for arg in call.on(CLI):
+            options.setdefault(arg.name, []).append((call, arg))
+    return options
+
+
+def _help(takers: list[tuple[VerbCall, Arg]]) -> str:
+    """An option's help: each verb's text for it (verbs with the same text share it), with the default."""
+    texts: dict[str, list[str]] = {}
+    for call, arg in takers:
+        silent = arg.default in (None, False) or "default" in arg.help
+        shown = arg.help if silent else f"{arg.help} (default {arg.default})"
+        texts.setdefault(shown, []).append(call.verb.value)
+    return "; ".join(f"{', '.join(verbs)}: {text}" for text, verbs in texts.items())
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("verb", choices=VERBS, help="what to do: " + ", ".join(VERBS))
     add_coordinator_option(parser, required=False)
     parser.add_argument("--json", action="store_true", help="print the answer as one JSON object")
-    parser.add_argument("--level", type=int, choices=(1, 2), default=1,
-                        help="suspend level: 1 frees the KV cache, 2 also moves weights to host memory")
-    parser.add_argument("--keep-kv", action="store_true",
-                        help="suspend: copy the KV of the requests in flight to host memory first; resume copies it "
-                             "back and they continue without recomputing it (docs/kv-tiers.md)")
-    parser.add_argument("--mode", choices=[m.value for m in PauseMode], default=None,
-                        help="pause: what happens to the requests the fleet holds: keep them in place (default), "
-                             "wait for the running ones to finish, or abort them (finish_reason abort, tokens so far)")
-    parser.add_argument("--drain-timeout", type=float, default=None, metavar="S",
-                        help="stop: how long engines may keep working before handing requests back; "
-                             "pause --mode wait: how long running requests may take before the fleet pauses anyway")
-    parser.add_argument("--source", metavar="DIR",
-                        help="refit: model directory (as the engines see it) holding the new weights")
-    parser.add_argument("--epoch", type=int, default=None, metavar="N",
-                        help="refit: generation to record for the new weights (default: current + 1)")
-    parser.add_argument("--lora-name", metavar="NAME",
-                        help="load_lora, unload_lora: the LoRA adapter's name (what requests give as their model)")
-    parser.add_argument("--lora-path", metavar="DIR",
-                        help="load_lora: the PEFT adapter's directory, as the engines see it")
+    for name, takers in _options().items():
+        arg = takers[0][1]
+        text = _help(takers)
+        if arg.kind is bool:
+            parser.add_argument(arg.flag, dest=name, action="store_true", help=text)
+        else:  # absent: None, so that an option given to a verb that does not take it is refused by name
+            parser.add_argument(arg.flag, dest=name, type=arg.kind, default=None,
+                                choices=list(arg.choices) if arg.choices is not None else None,
+                                metavar=arg.metavar, help=text)
     parser.add_argument("--timeout", type=float, default=120.0, metavar="S",
                         help="give up waiting for the acknowledgement after this long")
     parser.add_argument("--connect-timeout", type=float, default=10.0, metavar="S",
@@ -55,7 +67,31 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_token_option(parser, default="the secret of your `megatron-serve run` at that address, else none")
 
 
-async def _execute(args: argparse.Namespace, token: str | None) -> dict[str, Any]:
+def verb_arguments(args: argparse.Namespace) -> dict[str, Any]:
+    """The arguments the command line gives ``args.verb``, checked by the verb table; ``ValueError`` names an
+    option the verb does not take, or one it needs and did not get."""
+    call = None if args.verb == "status" else verb_call(args.verb)
+    taken = {arg.name: arg for arg in call.on(CLI)} if call is not None else {}
+    for name, takers in _options().items():
+        value = getattr(args, name)
+        if name not in taken and value not in (None, False):
+            names = [taker.verb.value for taker, _ in takers]
+            verbs = " and ".join(names) if len(names) < 3 else ", ".join(names[:-1]) + " and " + names[-1]
+            raise ValueError(f"{takers[0][1].flag} applies to {verbs} only, not {args.verb}")
+    for arg in taken.values():
+        if arg.required and not getattr(args, arg.name):
+            raise ValueError(f"{args.verb} needs {arg.flag} {arg.metavar} ({arg.help})")
+    given = {name: getattr(args, name) for name in taken if getattr(args, name) not in (None, False)}
+    if call is not None:
+        try:
+            call.bind(given)
+        except ArgumentError as exc:
+            flag = taken[exc.param].flag if exc.param in taken else exc.param
+            raise ValueError(f"{args.verb} {flag}: {exc}") from None
+    return given
+
+
+async def _execute(args: argparse.Namespace, token: str | None, arguments: dict[str, Any]) -> dict[str, Any]:
     from ..client.coordinator_client import InferenceClient  # noqa: PLC0415
 
     client = InferenceClient(args.coordinator, token=token, role="control")
@@ -67,20 +103,7 @@ async def _execute(args: argparse.Namespace, token: str | None) -> dict[str, Any
     try:
         if args.verb == "status":
             return await client.status(timeout=args.timeout)
-        if args.verb == "suspend":
-            return await client.suspend(level=args.level, timeout=args.timeout, keep_kv=args.keep_kv)
-        if args.verb == "stop":
-            return await client.stop(timeout=args.timeout, drain_timeout=args.drain_timeout)
-        if args.verb == "refit":
-            return await client.refit(args.source, args.epoch, timeout=args.timeout)
-        if args.verb == "load_lora":
-            return await client.load_lora_adapter(args.lora_name, args.lora_path, timeout=args.timeout)
-        if args.verb == "unload_lora":
-            return await client.unload_lora_adapter(args.lora_name, timeout=args.timeout)
-        if args.verb == "pause":
-            return await client.pause(args.mode or PauseMode.KEEP, drain_timeout=args.drain_timeout,
-                                      timeout=args.timeout)
-        return await getattr(client, args.verb)(timeout=args.timeout)
+        return await client.control(args.verb, args.timeout, **arguments)
     finally:
         client.close()
 
@@ -102,27 +125,13 @@ def find_coordinator(args: argparse.Namespace) -> tuple[str, local_runs.LocalRun
 def run(args: argparse.Namespace) -> int:
     from ..client.coordinator_client import ControlError, CoordinatorError  # noqa: PLC0415
 
-    if args.verb == "refit" and not args.source:
-        raise ValueError("refit needs --source DIR (the model directory with the new weights)")
-    if args.verb == "refit" and args.epoch is not None and args.epoch < 0:
-        raise ValueError(f"--epoch must be >= 0, got {args.epoch}")
-    lora_verb = args.verb in ("load_lora", "unload_lora")
-    if lora_verb and not args.lora_name:
-        raise ValueError(f"{args.verb} needs --lora-name NAME")
-    if args.verb == "load_lora" and not args.lora_path:
-        raise ValueError("load_lora needs --lora-path DIR (the PEFT adapter's directory, as the engines see it)")
-    if (args.lora_name and not lora_verb) or (args.lora_path and args.verb != "load_lora"):
-        raise ValueError(f"--lora-name/--lora-path apply to load_lora and unload_lora only, not {args.verb}")
-    if args.mode is not None and args.verb != "pause":
-        raise ValueError(f"--mode applies to pause only, not {args.verb}")
-    if args.drain_timeout is not None and not (args.verb == "stop" or args.mode == PauseMode.WAIT.value):
-        raise ValueError("--drain-timeout applies to stop and to pause --mode wait only")
+    arguments = verb_arguments(args)
     args.coordinator, found = find_coordinator(args)
     token = read_token(args) or (found.secret() if found else local_runs.secret_for(args.coordinator))
     if found and not args.json:
         print(f"(the local `megatron-serve run`'s coordinator, {args.coordinator})")
     try:
-        answer = asyncio.run(_execute(args, token))
+        answer = asyncio.run(_execute(args, token, arguments))
     except ControlError as exc:
         raise RuntimeError(f"{args.verb} refused by the coordinator: {exc}") from None
     except CoordinatorError as exc:

@@ -27,7 +27,7 @@ import shlex
 import signal
 import sys
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..fleet.argv import disaggregated_roles
 from ..http_options import HTTPOptions
@@ -43,6 +43,9 @@ from .options import add_insecure_option, add_log_option, add_token_option, read
 from .server import (API_KEY_ENV, ServingFiles, add_server_options, check_server_options, connection_options,
                      image_options, probes_note, read_admin_key, read_api_key, read_limits, start_probes,
                      status_options)
+
+if TYPE_CHECKING:
+    from ..tokenizer import Tokenizer
 
 logger = logging.getLogger("megatron_serve.run")
 
@@ -337,7 +340,7 @@ class _Stack:
             await self.client.unpause(timeout=30.0)  # e.g. a coordinator left STOPPED by an earlier run
         self.fleet.supervise()  # from now on a child that dies is started again
 
-    async def _serve(self, facts: Any, tokenizer: Any, sock: Any) -> None:
+    async def _serve(self, facts: Any, tokenizer: Tokenizer, sock: Any) -> None:
         from ..server.app import create_app  # noqa: PLC0415
         from ..heap import defer_young_collections, freeze_startup_heap  # noqa: PLC0415
         from ..server.runner import serve_app  # noqa: PLC0415

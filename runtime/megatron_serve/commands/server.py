@@ -13,7 +13,7 @@ import logging
 import signal
 import sys
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..generation_config import GenerationDefaults
 from ..http_options import METRICS_COMPAT, HTTPOptions
@@ -25,6 +25,9 @@ from .inputs import check_model_dir, coordinator_address, parse_port
 from .model_options import add_model_options, resolve_model_args
 from .options import add_coordinator_option, add_log_option, add_token_option, read_secret, read_token, setup_logging
 from ..client.vllm_options import Scope, add_vllm_options
+
+if TYPE_CHECKING:
+    from ..tokenizer import Tokenizer
 
 logger = logging.getLogger("megatron_serve.server")
 
@@ -216,10 +219,10 @@ class ServingFiles:
         logger.info("%s", defaults.describe())
         return cls(args.tokenizer or args.model, template, defaults)
 
-    def load_tokenizer(self) -> Any:
-        from ..tokenizer import Tokenizer  # noqa: PLC0415 - transformers: only when serving
+    def load_tokenizer(self) -> Tokenizer:
+        from ..tokenizer import Tokenizer as Loaded  # noqa: PLC0415 - transformers: only when serving
 
-        return Tokenizer.from_pretrained(self.tokenizer_dir, chat_template=self.chat_template)
+        return Loaded.from_pretrained(self.tokenizer_dir, chat_template=self.chat_template)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -264,7 +267,7 @@ def serve_on(args: argparse.Namespace, sock: Any, token: str | None, *, announce
     return 0
 
 
-async def _serve(args: argparse.Namespace, facts: Any, files: ServingFiles, tokenizer: Any, sock: Any,
+async def _serve(args: argparse.Namespace, facts: Any, files: ServingFiles, tokenizer: Tokenizer, sock: Any,
                  api_key: str | None, token: str | None, announce: bool,
                  siblings: "api_servers.Siblings | None", probe_sock: Any) -> None:
     from ..client.coordinator_client import InferenceClient  # noqa: PLC0415

@@ -1,6 +1,7 @@
 """The admin API: the fleet's lifecycle over HTTP, for RL frameworks that only speak HTTP.
 
-``POST /v1/admin/{pause,unpause,suspend,resume,refit}`` run the coordinator's verbs and answer
+``POST /v1/admin/{verb}`` (the verbs the verb table, :mod:`megatron_serve.wire.verb_calls`, offers over HTTP:
+pause, unpause, suspend, resume, refit; their bodies are its arguments) run the coordinator's verbs and answer
 once every engine acknowledged (the ``CONTROL_ACK``'s ``state`` and ``detail``, as JSON);
 ``GET /v1/admin/status`` is the coordinator's ``STATUS_REPLY``. They are the ``control`` command's
 verbs with its rules: a verb the lifecycle table refuses in the current state is a 409 whose message
@@ -25,12 +26,14 @@ import msgspec
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, create_model
 
 from ..client.coordinator_client import ControlError
 from ..wire.connection import CoordinatorError
 from ..errors import NoFleet
+from ..wire.lifecycle import Verb
 from ..wire.messages import StatusReply
+from ..wire.verb_calls import HTTP, VERB_CALLS, Arg, ArgumentError, VerbCall
 from .errors import APIError, bad_request
 from .fleet import FleetMonitor
 from .intake import parse_body, request_body_doc
@@ -42,15 +45,7 @@ ADMIN_KEY_ENV = "MEGATRON_SERVE_ADMIN_KEY"
 class LifecycleBackend(Protocol):
     """What the admin routes need of the backend (an ``InferenceClient``, or ``MegatronAsyncLLM.client``)."""
 
-    async def pause(self, mode: str = ..., *, drain_timeout: float | None = ...) -> dict[str, Any]: ...
-
-    async def unpause(self) -> dict[str, Any]: ...
-
-    async def suspend(self, level: int = ..., *, keep_kv: bool = ...) -> dict[str, Any]: ...
-
-    async def resume(self) -> dict[str, Any]: ...
-
-    async def refit(self, source: str, epoch: int | None = ...) -> dict[str, Any]: ...
+    async def control(self, verb: Verb | str, timeout: float | None = ..., **arguments: Any) -> dict[str, Any]: ...
 
     async def status(self, timeout: float | None = ...) -> dict[str, Any]: ...
 
@@ -59,28 +54,27 @@ class _AdminBody(BaseModel):
     model_config = ConfigDict(strict=True, extra="forbid")
 
 
-class PauseRequest(_AdminBody):
-    mode: Literal["keep", "wait", "abort"] = Field(
-        "keep", description="keep: requests pause in place; wait: running requests finish first (queued ones "
-                            "wait); abort: unfinished requests end now with finish_reason abort and their tokens")
-    drain_timeout: float | None = Field(None, ge=0, description="mode wait: seconds running requests may take "
-                                                                "before the fleet pauses anyway (default 30)")
-
-
-class SuspendRequest(_AdminBody):
-    level: Literal[1, 2] = Field(1, description="1: release the KV cache; 2: also move the weights to host memory")
-    keep_kv: bool = Field(False, description="copy the KV of the requests in flight to host memory first; RESUME "
-                                             "copies it back and they continue without recomputing it")
-
-
-class RefitRequest(_AdminBody):
-    source: str = Field(min_length=1, description="model directory, as the engines see it, with weights of the "
-                                                  "served model's shapes")
-    epoch: int | None = Field(None, ge=0, description="generation recorded for the new weights (default: current + 1)")
-
-
 class NoBody(_AdminBody):
     """UNPAUSE and RESUME take no arguments (an empty body or ``{}``)."""
+
+
+def _field(arg: Arg) -> tuple[Any, Any]:
+    """One body field of a verb's argument: its type (a ``Literal`` of its choices), default and checks."""
+    kind: Any = Literal[arg.choices] if arg.choices is not None else arg.kind  # type: ignore[valid-type]
+    if arg.required:
+        return kind, Field(description=arg.help, min_length=1 if arg.kind is str else None)
+    return kind if arg.default is not None else kind | None, Field(arg.default, description=arg.help, ge=arg.minimum)
+
+
+def _body(call: VerbCall) -> type[_AdminBody]:
+    """The request body of ``POST /v1/admin/{verb}``, made from the verb table's arguments (``PauseRequest``, ...)."""
+    args = call.on(HTTP)
+    if not args:
+        return NoBody
+    fields = {arg.name: _field(arg) for arg in args}
+    model: type[_AdminBody] = create_model(f"{call.verb.name.title()}Request", __base__=_AdminBody,
+                                           **fields)  # type: ignore[call-overload]
+    return model
 
 
 class LifecycleAck(BaseModel):
@@ -110,6 +104,8 @@ def _refusal(verb: str, exc: Exception) -> APIError:
                         if status < 500 else None)
     if isinstance(exc, NoFleet):
         return APIError(409, f"{verb} refused: {exc}", code="no_fleet", type="invalid_request_error")
+    if isinstance(exc, ArgumentError):  # the verb table refused an argument: the message names it
+        return bad_request(str(exc), param=exc.param)
     if isinstance(exc, ValueError):
         return bad_request(f"{verb}: {exc}")
     if isinstance(exc, CoordinatorError):
@@ -123,32 +119,11 @@ def _parse(model: type[_AdminBody], body: bytes) -> Any:
     return model() if not body.strip() else parse_body(model, body)
 
 
+#: The verbs with a route, from the verb table, each with its body.
+_VERBS: list[tuple[VerbCall, type[_AdminBody]]] = [(call, _body(call)) for call in VERB_CALLS.values() if call.http]
+
 #: The admin request bodies, for ``/openapi.json`` (the routes read their bodies themselves).
-ADMIN_BODIES = (PauseRequest, SuspendRequest, RefitRequest, NoBody)
-
-
-def _pause(backend: LifecycleBackend, body: PauseRequest) -> Awaitable[dict[str, Any]]:
-    if body.drain_timeout is not None and body.mode != "wait":
-        raise bad_request(f"drain_timeout applies to mode wait only, not {body.mode}", param="drain_timeout")
-    return backend.pause(body.mode, drain_timeout=body.drain_timeout)
-
-
-_Call = Callable[[LifecycleBackend, Any], Awaitable[dict[str, Any]]]
-
-#: The verbs: route, body, description, and the backend call.
-_VERBS: list[tuple[str, type[_AdminBody], str, _Call]] = [
-    ("pause", PauseRequest, "PAUSE the fleet; answered once every engine acknowledged. `mode` says what happens to "
-                            "the requests it holds (keep, wait, abort).", _pause),
-    ("unpause", NoBody, "UNPAUSE: the fleet runs again (also restarts a stopped fleet once its engines joined again).",
-     lambda backend, _: backend.unpause()),
-    ("suspend", SuspendRequest, "SUSPEND: release the KV cache (level 2: also the weights); pauses first when "
-                                "running.", lambda backend, body: backend.suspend(body.level, keep_kv=body.keep_kv)),
-    ("resume", NoBody, "RESUME: device memory is restored; the fleet is then PAUSED (unpause to run).",
-     lambda backend, _: backend.resume()),
-    ("refit", RefitRequest, "REFIT from a model directory (the fleet must be PAUSED or SUSPENDED): every engine "
-                            "verifies the weights before any loads them.",
-     lambda backend, body: backend.refit(body.source, body.epoch)),
-]
+ADMIN_BODIES = tuple(dict.fromkeys(body for _, body in _VERBS))
 
 
 def admin_guard(admin_key: str | None) -> list[Any]:
@@ -190,6 +165,12 @@ async def run_verb(monitor: FleetMonitor, verb: str, call: Callable[[], Awaitabl
     return ack
 
 
+def _with_older_coordinator(responses: dict[int | str, dict[str, Any]], call: VerbCall
+                             ) -> dict[int | str, dict[str, Any]]:
+    older = "; ".join(f"{arg.since[1]} (protocol {arg.since[0] - 1})" for arg in call.args if arg.since is not None)
+    return {**responses, 501: {"model": ErrorResponse, "description": f"the coordinator is older than {older}"}}
+
+
 def add_admin_routes(app: FastAPI, backend: LifecycleBackend, monitor: FleetMonitor, admin_key: str | None) -> None:
     """``/v1/admin/*`` on ``app`` (see the module docstring)."""
     guard = admin_guard(admin_key)
@@ -203,25 +184,26 @@ def add_admin_routes(app: FastAPI, backend: LifecycleBackend, monitor: FleetMoni
                                                      "the new weights"},
         503: {"model": ErrorResponse, "description": "the coordinator is unreachable or did not acknowledge"},
     }
-    pause_responses = {**responses, 501: {"model": ErrorResponse, "description": "the coordinator is older than "
-                                                                                 "pause modes (protocol 2)"}}
 
     async def run(verb: str, call: Callable[[], Awaitable[dict[str, Any]]]) -> LifecycleAck:
         ack = await run_verb(monitor, verb, call)
         return LifecycleAck(state=str(ack.get("state")), detail=dict(ack.get("detail") or {}))
 
-    def add_verb(verb: str, model: type[_AdminBody], description: str, call: _Call) -> None:
+    def add_verb(call: VerbCall, model: type[_AdminBody]) -> None:
+        verb = call.verb.value
+
         async def answer(request: Request) -> LifecycleAck:
             body = _parse(model, await request.body())
-            return await run(verb, lambda: call(backend, body))
+            return await run(verb, lambda: backend.control(call.verb, **body.model_dump()))
 
+        newer = any(arg.since is not None for arg in call.args)  # an older coordinator refuses such a value: 501
         app.post(f"/v1/admin/{verb}", response_model=LifecycleAck, dependencies=guard, tags=["admin"],
-                 responses=pause_responses if verb == "pause" else responses,
-                 openapi_extra=request_body_doc(model, required=model is RefitRequest),
-                 summary=verb.capitalize(), name=f"admin_{verb}", description=description)(answer)
+                 responses=_with_older_coordinator(responses, call) if newer else responses,
+                 openapi_extra=request_body_doc(model, required=any(arg.required for arg in call.on(HTTP))),
+                 summary=verb.capitalize(), name=f"admin_{verb}", description=call.summary + ".")(answer)
 
-    for verb, model, description, call in _VERBS:
-        add_verb(verb, model, description, call)
+    for call, model in _VERBS:
+        add_verb(call, model)
 
     @app.get("/v1/admin/status", dependencies=guard, tags=["admin"], response_class=JSONResponse,
              responses={200: {"description": "the coordinator's STATUS_REPLY",

@@ -8,6 +8,7 @@ from typing import Any
 
 from fastapi.responses import StreamingResponse
 
+from ..tokenizer import Tokenizer
 from ..client.outputs import StreamPartial
 from ..wire.request import DynamicInferenceRequest
 from .answers import Delta, StreamedAnswer, finish_reason, make_usage, running_usage
@@ -46,7 +47,7 @@ def _entry(text: str, logprob: float) -> dict[str, Any]:
     return {"token": text, "logprob": float(logprob), "bytes": list(text.encode("utf-8"))}
 
 
-def chat_logprobs(tokenizer: Any, texts: list[str], log_probs: list[float],
+def chat_logprobs(tokenizer: Tokenizer, texts: list[str], log_probs: list[float],
                   top_n: list[dict[int, float]] | None, n: int = 20) -> dict[str, Any]:
     """Log-probs (``ChatChoiceLogprobs``' fields, plain data) of tokens whose texts (what each adds to the
     generated text) are ``texts``; the ``n`` best alternatives are named by their own text."""

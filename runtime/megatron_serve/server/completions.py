@@ -9,6 +9,7 @@ from typing import Any
 
 from fastapi.responses import StreamingResponse
 
+from ..tokenizer import Tokenizer
 from ..client.detokenizer import token_texts
 from ..client.outputs import StreamPartial
 from ..wire.request import DynamicInferenceRequest, FinishReason
@@ -41,7 +42,7 @@ from .translate import (
 )
 
 
-def completion_logprobs(tokenizer: Any, texts: list[str], log_probs: list[float | None],
+def completion_logprobs(tokenizer: Tokenizer, texts: list[str], log_probs: list[float | None],
                         top_n: list[dict[int, float] | None] | None, offset: int, n: int = 20) -> dict[str, Any]:
     """The legacy completions log-prob block (``CompletionLogprobs``' fields, plain data) of tokens whose
     texts (what each adds to ``text``) are ``texts``; ``offset`` is where the first one starts. The ``n``

@@ -6,6 +6,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..tokenizer import Tokenizer
 from ..generation_config import GenerationDefaults
 from ..http_options import HTTPOptions
 from ..limits import RequestLimits
@@ -23,7 +24,7 @@ from .translate import EngineJob
 @dataclass
 class ServerContext:
     backend: InferenceBackend
-    tokenizer: Any
+    tokenizer: Tokenizer
     model_name: str
     monitor: FleetMonitor
     metrics: ServerMetrics

@@ -11,8 +11,8 @@ connection hears from the coordinator with every frame it reads (tokens, results
 its heartbeats), so a backend that says it is ``connected`` (:class:`Heard`) is reachable, however
 late a ``STATUS_REPLY`` comes. A poll that times out on such a connection makes the fleet *busy*
 (the last status stays, requests are accepted, ``/ready`` stays 200), never *unreachable*: under
-400 streams on a 2-core host the 2 s poll timed out in most tries, and 12 of 15 new completions got
-``503 coordinator_unreachable`` while every stream completed. Only a connection silent for its
+heavy streaming most polls time out while every stream completes, and new completions were refused
+with ``503 coordinator_unreachable`` when a late poll meant unreachable. Only a connection silent for its
 ``coordinator_timeout`` (5 s), or a backend without that fact whose poll fails, is unreachable.
 
 ``/ready`` and ``/metrics`` ask for a fresh status but wait for it at most ``ready_timeout``

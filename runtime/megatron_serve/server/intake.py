@@ -14,8 +14,8 @@ what a client sends may run on it unbounded:
   :func:`check_budget` the costly ones (:mod:`megatron_serve.limits`) once their prompts are tokens,
   before anything is submitted;
 * :class:`Workers` runs tokenization and chat-template rendering on a few threads (the Rust
-  tokenizer releases the GIL while it encodes: measured, a 1 M character prompt tokenized on a
-  worker delayed the event loop by at most 10 ms, against 1.6 s inline).
+  tokenizer releases the GIL while it encodes, so a long prompt on a worker barely delays the event
+  loop; inline it stalls it for seconds: docs/design-measurements.md).
 """
 
 from __future__ import annotations
@@ -216,7 +216,7 @@ def check_prompt_size(limits: RequestLimits, max_model_len: int | None, *, promp
 
 def _prompt_chars(prompt: Any) -> int:
     """Characters to tokenize in a validated prompt: a string, or strings, token ids or id lists (one kind of item
-    per prompt, so the first says which; a loop over every id was 3 us a 128-id prompt)."""
+    per prompt, so the first says which, and no loop walks every id of a long prompt)."""
     if isinstance(prompt, str):
         return len(prompt)
     return sum(map(len, prompt)) if prompt and isinstance(prompt[0], str) else 0

@@ -1,11 +1,10 @@
 """The probe port's process: ``/health`` and ``/ready`` answered beside the server process, not inside it.
 
-Under 400 streams of 256 tokens on the loaded 2-core host, the main port's probes took 17-28 ms at
-p50 and 205-309 ms at p99 (docs/benchmarks.md). Threads in the server process did not fix the tail:
-their p99 was 82-120 ms, because a probe needs the GIL, and the server's full garbage collections
-held it for up to 264 ms (17 of them in 18 s, 1.9 s in all), beside the 5 ms switch interval that
-each socket call may wait for. A process of its own has its own GIL: an idle one answers in 0.3 ms
-(p50), 5 ms (p99) on the same machine.
+Under many streams, the main port's probes wait for the event loop, and their tail for the GIL.
+Threads in the server process did not fix the tail: a probe needs the GIL, which the server's full
+garbage collections hold for hundreds of milliseconds, beside the switch interval that each socket
+call may wait for. A process of its own has its own GIL, and answers within milliseconds at the
+tail (the figures: docs/design-measurements.md).
 
 :class:`ProbePort` (in the server process) listens on the probe socket, then starts ``python -m
 megatron_serve.server.probe_process`` with that socket and the read end of a pipe. Every

@@ -16,6 +16,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..tokenizer import Tokenizer
 from ..generation_config import GenerationDefaults
 from ..limits import RequestLimits
 from ..multimodal import PromptImage
@@ -181,7 +182,7 @@ def context_exceeded(max_model_len: int, prompt_len: int, param: str) -> APIErro
                          "Please shorten the prompt.", param=param, code="context_length_exceeded")
 
 
-def tokenize(tokenizer: Any, text: str, max_model_len: int | None, param: str, add_special_tokens: bool = True,
+def tokenize(tokenizer: Tokenizer, text: str, max_model_len: int | None, param: str, add_special_tokens: bool = True,
              ) -> list[int]:
     """``text`` as token ids; a text too long for the context is refused without listing its ids."""
     limit = None if max_model_len is None else max_model_len - 1
@@ -209,7 +210,7 @@ def truncation(req: _SamplingRequest, max_model_len: int | None) -> int | None:
     return keep
 
 
-def completion_prompts(req: CompletionRequest, tokenizer: Any, vocab_size: int | None,
+def completion_prompts(req: CompletionRequest, tokenizer: Tokenizer, vocab_size: int | None,
                        max_model_len: int | None) -> list[Prompt]:
     """The prompt field in any of its four shapes, as a list of tokenized prompts (each cut to its last
     ``truncate_prompt_tokens`` tokens when asked)."""
@@ -280,7 +281,7 @@ def _message_dict(message: ChatMessage, parts: bool) -> dict[str, Any]:
     return item
 
 
-def render_chat(messages: list[ChatMessage], tokenizer: Any, *, tools: list[dict[str, Any]] | None = None,
+def render_chat(messages: list[ChatMessage], tokenizer: Tokenizer, *, tools: list[dict[str, Any]] | None = None,
                 add_generation_prompt: bool = True, continue_final_message: bool = False,
                 template_kwargs: dict[str, Any] | None = None) -> str:
     """Messages rendered with the model's chat template (400 when it has none or cannot render them).
@@ -308,7 +309,7 @@ def render_chat(messages: list[ChatMessage], tokenizer: Any, *, tools: list[dict
                           code="chat_template_error") from None
 
 
-def chat_prompt(req: ChatCompletionRequest, tokenizer: Any, vocab_size: int | None, max_model_len: int | None,
+def chat_prompt(req: ChatCompletionRequest, tokenizer: Tokenizer, vocab_size: int | None, max_model_len: int | None,
                 tools: list[dict[str, Any]] | None = None) -> Prompt:
     """Messages (and tools) rendered with the model's chat template, then tokenized (the template adds BOS;
     ``add_special_tokens`` adds the tokenizer's on top), cut to its last ``truncate_prompt_tokens`` tokens."""
@@ -330,7 +331,7 @@ def chat_prompt(req: ChatCompletionRequest, tokenizer: Any, vocab_size: int | No
     return prompt
 
 
-def place_images(tokens: list[int], messages: list[ChatMessage], tokenizer: Any) -> tuple[list[int], list[PromptImage]]:
+def place_images(tokens: list[int], messages: list[ChatMessage], tokenizer: Tokenizer) -> tuple[list[int], list[PromptImage]]:
     """A rendered chat's image placeholders expanded for its images (loaded by ``server.images.load_images``,
     which refuses them for text models)."""
     files = [data for message in messages for data in files_of(message.content)]

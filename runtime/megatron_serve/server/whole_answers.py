@@ -28,6 +28,7 @@ from typing import Any, AsyncIterator, Literal, Protocol
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, TypeAdapter
 
+from ..tokenizer import Tokenizer
 from ..limits import Cost
 from ..wire.request import DynamicInferenceRequest
 from .context import ServerContext
@@ -129,7 +130,7 @@ async def in_pieces(workers: Workers, shape: AnswerShape, jobs: list[EngineJob],
     return StreamingResponse(body(), media_type="application/json")
 
 
-def prompt_logprobs(tokenizer: Any, result: DynamicInferenceRequest, n: int) -> PromptLogprobs:
+def prompt_logprobs(tokenizer: Tokenizer, result: DynamicInferenceRequest, n: int) -> PromptLogprobs:
     """vLLM's ``prompt_logprobs``: None for the first token, then per position the prompt token and the top ``n``.
 
     Ranks are known for tokens among the position's top-n alternatives (1 = most likely), else null.
@@ -140,7 +141,7 @@ def prompt_logprobs(tokenizer: Any, result: DynamicInferenceRequest, n: int) -> 
 _POSITION_JSON = TypeAdapter(dict[str, PromptLogprob])
 
 
-def prompt_logprobs_json(tokenizer: Any, result: DynamicInferenceRequest, n: int) -> bytes:
+def prompt_logprobs_json(tokenizer: Tokenizer, result: DynamicInferenceRequest, n: int) -> bytes:
     """:func:`prompt_logprobs` as the JSON pydantic writes for it, each position serialized as soon as it is made:
     its objects go at once (a list of them all, thousands per choice, lived long enough for the garbage
     collector to walk them again and again, holding the GIL for up to a second each time)."""
@@ -150,7 +151,7 @@ def prompt_logprobs_json(tokenizer: Any, result: DynamicInferenceRequest, n: int
     return b"[" + b",".join(parts) + b"]"
 
 
-def _position(tokenizer: Any, result: DynamicInferenceRequest, position: int, n: int) -> dict[str, PromptLogprob]:
+def _position(tokenizer: Tokenizer, result: DynamicInferenceRequest, position: int, n: int) -> dict[str, PromptLogprob]:
     """The ``prompt_logprobs`` entry of prompt token ``position + 1``."""
     token = result.prompt_tokens[position + 1]
     top = result.prompt_top_n_logprobs[position] if position < len(result.prompt_top_n_logprobs) else {}

@@ -11,10 +11,8 @@ and alerts written for vLLM read these series unchanged; the bucket bounds are a
 vLLM's, so its ``le`` thresholds exist here too. Cost on the step loop: one pass per step over the
 requests that sampled (a few attribute reads and integer additions each; histograms are observed
 once per distinct value, e.g. one inter-token gap for a whole decode batch), next to the
-detokenizer and sampler work the same requests already cost. Measured with
-``benchmarks/engine_metrics.py`` (decode batch of 64, 2-core machine at load average 15): 0.9 us
-per request per step, against 0.2 us for a bare loop that only touches each request; a heartbeat
-snapshot 10-45 us.
+detokenizer and sampler work the same requests already cost (``benchmarks/engine_metrics.py``
+measures it; the figures: docs/design-measurements.md).
 """
 
 from __future__ import annotations

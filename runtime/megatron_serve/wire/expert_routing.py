@@ -14,10 +14,9 @@ choice, and nothing is recorded twice. Such requests never read the prefix cache
 cached blocks were computed by another request, or not recorded at all); they still publish their
 blocks to it.
 
-On the wire the rows are one bytes field (uint8 ids up to 256 experts, else uint16) with its shape.
-For a 4k-token answer of a 48-layer top-8 model (1.5 MB) that packs in 16 ms and unpacks in 0.2 ms;
-as nested integer lists it is about as many bytes but packs in 0.35 s, and unpacking (on every hop)
-builds 25 MB of Python objects in seconds (measured on this 2-core machine).
+On the wire the rows are one bytes field (uint8 ids up to 256 experts, else uint16) with its shape:
+as nested integer lists they are about as many bytes, but packing them is twenty times slower and
+unpacking them (on every hop) builds tens of MB of Python objects (docs/design-measurements.md).
 """
 
 from __future__ import annotations

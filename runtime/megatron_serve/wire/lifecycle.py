@@ -3,8 +3,9 @@
 Every component that needs the lifecycle reads it from here and nowhere else: the coordinator
 (which verb is legal in which state, which engine steps it broadcasts, each step's deadline), the
 engine process (what a step does to its own state), the operator (the walk from the observed to
-the desired state), the ``control`` command and the client (the verbs), and the metrics (the
-states). Pure, standard library only: the operator imports it without the runtime's dependencies.
+the desired state), the ``control`` command and the client (the verbs; how each is called, its
+arguments, is :mod:`.verb_calls`), and the metrics (the states). Pure, standard library only: the
+operator imports it without the runtime's dependencies.
 
 A verb (what a client asks for) runs as a list of *steps* (what every engine is told, each
 acknowledged by every engine before the next one is sent). Decisions this table makes (they used to

@@ -186,9 +186,9 @@ _FAST: dict[int, tuple[Mapping[Header, type], msgspec.msgpack.Decoder, dict[type
 
 def _fast_decoder(table: Mapping[Header, type]) -> tuple[msgspec.msgpack.Decoder, dict[type, Header]]:
     """One decoder for a whole well-formed frame of ``table``: each ``[header, body]`` is a struct tagged
-    by its header, so msgspec checks the list, the header and the body in one C call (three decodes
-    and an enum lookup in Python before: 1 us of the coordinator's 20 us per request, measured by
-    ``benchmarks/coordinator_core.py``; clients and engines read their frames the same way)."""
+    by its header, so msgspec checks the list, the header and the body in one C call instead of three
+    decodes and an enum lookup in Python (``benchmarks/coordinator_core.py`` measures the coordinator's
+    cost per request; clients and engines read their frames the same way)."""
     fast = _FAST.get(id(table))
     if fast is None:
         frames = {msgspec.defstruct(f"{header.name.title()}Frame", [("body", body_type)], array_like=True,

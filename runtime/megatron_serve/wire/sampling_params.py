@@ -406,8 +406,8 @@ def params_from_wire(data: bytes) -> tuple[SamplingParams, bytes]:
 
 class SharedParams:
     """:func:`params_from_wire` remembering what it read: clients send the same few parameter sets over
-    and over, and decoding them with the struct's checks cost the coordinator 3.4 of its 22 us per
-    request (``benchmarks/coordinator_core.py``). The instances are shared between requests, so only for a reader that never
+    and over, and decoding them with the struct's checks was a sixth of the coordinator's CPU per request
+    (``benchmarks/coordinator_core.py``). The instances are shared between requests, so only for a reader that never
     changes them (the coordinator; an engine fills in ``termination_id``). Bad bytes are never kept."""
 
     def __init__(self, size: int = 256) -> None:

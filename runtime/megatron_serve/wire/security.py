@@ -21,8 +21,8 @@ Replay of recorded traffic fails in CURVE itself: every connection has fresh sho
 cookie, and every message a nonce that must grow. ``--insecure`` turns all of this off (plain TCP,
 no proof: benchmarks only) and says so in the log.
 
-Measured cost (``benchmarks/coordinator_peer.py --baseline insecure``, 2 shared CPU cores, median of 9
-paired runs): 0.97x the insecure fleet's requests per second at 64 in flight, 0.92x at 1 in flight.
+What it costs is measured against an insecure fleet by ``benchmarks/coordinator_peer.py --baseline insecure``
+(the figures: docs/design-measurements.md).
 """
 
 from __future__ import annotations

@@ -1,0 +1,51 @@
+"""The API key: ``/v1/*`` routes ask for it as ``Authorization: Bearer KEY`` when the server has one.
+
+Two forms of one check: a FastAPI dependency for the ordinary routes (and their OpenAPI security
+scheme), and a plain coroutine for the lean generation routes, which run without FastAPI's layers
+(:mod:`.fast_routes`).
+"""
+
+from __future__ import annotations
+
+import hmac
+from dataclasses import dataclass, field
+from typing import Any, Awaitable, Callable
+
+from fastapi import Depends, Request
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+
+from .errors import APIError
+
+API_KEY_ENV = "MEGATRON_SERVE_API_KEY"
+
+
+@dataclass
+class APIKeyGuard:
+    """What the routes that need the API key carry: ``dependencies`` (none without a key) and ``authorize``
+    (None without a key)."""
+
+    dependencies: list[Any] = field(default_factory=list)
+    authorize: Callable[[Request], Awaitable[None]] | None = None
+
+    @property
+    def on(self) -> bool:
+        return self.authorize is not None
+
+
+def api_key_guard(api_key: str | None) -> APIKeyGuard:
+    """The guard for ``api_key`` (an open server without one: 401 for a missing or wrong key otherwise)."""
+    if not api_key:
+        return APIKeyGuard()
+    bearer = HTTPBearer(auto_error=False, description="the server's API key, as `Authorization: Bearer KEY`")
+    expected = api_key.encode()
+
+    async def require_api_key(credentials: HTTPAuthorizationCredentials | None = Depends(bearer)) -> None:
+        offered = credentials.credentials.encode() if credentials is not None else b""
+        if not offered or not hmac.compare_digest(offered, expected):
+            raise APIError(401, "missing or wrong API key: send it as 'Authorization: Bearer KEY'",
+                           code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+
+    async def check_key(request: Request) -> None:  # the dependency above, for the lean routes
+        await require_api_key(await bearer(request))
+
+    return APIKeyGuard([Depends(require_api_key)], check_key)

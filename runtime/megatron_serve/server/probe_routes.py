@@ -1,0 +1,56 @@
+"""``/health``, ``/ready`` and ``/metrics``: what Kubernetes probes and Prometheus scrapers read.
+
+They never ask for a key (probes and scrapers carry no credentials). ``/ready`` and ``/metrics`` look
+at a fresh fleet status when the coordinator is reachable, so that a fleet paused a moment ago is not
+ready, and the last one otherwise (:mod:`.fleet`).
+"""
+
+from __future__ import annotations
+
+from fastapi import FastAPI
+from fastapi.responses import JSONResponse, Response
+
+from .context import ServerContext
+from .models import HealthResponse, ReadyResponse
+
+
+def add_probe_routes(app: FastAPI, ctx: ServerContext) -> None:
+    """The three probe routes on ``app``."""
+    monitor = ctx.monitor
+
+    @app.get("/health", response_model=HealthResponse, tags=["probes"],
+             description="200 while this process is up (liveness).")
+    async def health() -> HealthResponse:
+        return HealthResponse()
+
+    @app.get("/ready", response_model=ReadyResponse, tags=["probes"],
+             responses={503: {"model": ReadyResponse, "description": "not serving now: the coordinator is "
+                                                                    "unreachable, the fleet is not RUNNING, or this "
+                                                                    "server is shutting down"}},
+             description="200 while requests are served now: the coordinator answers, the fleet is RUNNING and "
+                         "this server is not draining (readiness). A PAUSED or SUSPENDED fleet still accepts requests "
+                         "(they wait), but is not ready. `/health` is the liveness answer.")
+    async def ready() -> Response:
+        await monitor.wait_first_poll()
+        if monitor.reachable:
+            await monitor.fresh()  # the state as of now (a fleet paused a moment ago is not ready), or the last
+        draining = "this server is shutting down (draining)" if ctx.drain.draining.is_set() else None
+        detail = draining or monitor.not_ready_reason()
+        body = ReadyResponse(ready=detail is None, state=monitor.state if monitor.reachable else None,
+                             coordinator_reachable=monitor.reachable, busy=monitor.busy, engines=len(monitor.engines),
+                             detail=detail)
+        return JSONResponse(body.model_dump(), status_code=200 if body.ready else 503)
+
+    @app.get("/metrics", tags=["probes"], response_class=Response,
+             responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}},
+                              "description": "Prometheus text exposition format"}},
+             description="Prometheus metrics of the whole fleet: every engine group's vLLM-style series (running "
+                         "and waiting requests, KV-cache usage, token counters, TTFT, inter-token, end-to-end and "
+                         "queue-time histograms, preemptions, prefix-cache queries and hits), the coordinator's "
+                         "queue depth, lifecycle state and refits, and this server's own requests.")
+    async def prometheus_metrics() -> Response:
+        await monitor.wait_first_poll()
+        if monitor.reachable:
+            await monitor.fresh()
+        data, content_type = ctx.metrics.render()
+        return Response(content=data, media_type=content_type)
