@@ -466,7 +466,11 @@ class VerbRunner:
             detail.update(noop=False, epoch=core.epoch, source=core.weights_source)
             if op.rendezvous is not None and op.rendezvous.lora is not None:
                 detail["lora"] = {"name": op.rendezvous.lora.name, "version": op.rendezvous.lora.version}
-                _keep_pushed(core, op)
+                _keep_pushed(core, op, op.rendezvous.lora.name, {f.get("lora_path") for f in op.engines.values()})
+            for push in (op.rendezvous.adapters or ()) if op.rendezvous is not None else ():
+                detail.setdefault("adapters", {})[push.name] = push.version
+                _keep_pushed(core, op, push.name, {(f.get("lora_paths") or {}).get(push.name)
+                                                   for f in op.engines.values()})
             if op.failed:
                 detail["failed"] = dict(op.failed)
         if op.lora is not None:
@@ -528,12 +532,11 @@ class VerbRunner:
 
 
 
-def _keep_pushed(core: "CoordinatorCore", op: ControlOp) -> None:
-    """After a push every engine took: when they all stored it in one directory (``--lora-push-dir``), engines that
-    register later load it from there, like a LOAD_LORA's adapter (engine.lora_store); otherwise a directory
-    recorded for the name would serve an older version, so it is dropped."""
-    name = op.rendezvous.lora.name
-    paths = {facts.get("lora_path") for facts in op.engines.values()}
+def _keep_pushed(core: "CoordinatorCore", op: ControlOp, name: str, paths: set[str | None]) -> None:
+    """After a push every engine took (alone, or in a policy refit): when they all stored it in one directory
+    (``--lora-push-dir``; ``paths``: what each engine said), engines that register later load it from there, like a
+    LOAD_LORA's adapter (engine.lora_store); otherwise a directory recorded for the name would serve an older
+    version, so it is dropped."""
     if len(paths) == 1 and None not in paths and not op.failed:
         core.loaded_loras[name] = paths.pop()
     else:

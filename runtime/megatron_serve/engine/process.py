@@ -423,8 +423,13 @@ class EngineProcess:
         self._note_weights()
         logger.info("refit: epoch %d from %s in %.2fs (verify %.2fs, load %.2fs)", timings["epoch"], body.source,
                     timings["total_s"], timings["verify_s"], timings["load_s"])
-        return {**{k: round(float(v), 6) for k, v in timings.items() if k != "epoch"},
-                "epoch": int(timings["epoch"]), "source": body.source}
+        facts = {**{k: round(float(v), 6) for k, v in timings.items() if k != "epoch"},
+                 "epoch": int(timings["epoch"]), "source": body.source}
+        carried = body.rendezvous.adapters if body.rendezvous is not None else None
+        if carried and self.engine.config.lora_push_dir:  # where each version was stored, for engines that join later
+            served = self.engine.lora_adapters() or {}
+            facts["lora_paths"] = {push.name: served[push.name] for push in carried if push.name in served}
+        return facts
 
     # -- LoRA adapters
 
