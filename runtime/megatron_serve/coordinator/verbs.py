@@ -346,8 +346,7 @@ class VerbRunner:
         group: the group's rank 0 keeps adapters and sends each rank its share when it writes a slot (engine.lora).
         """
         verified = sorted((e for e in engines if e.engine_id in op.engines), key=lambda e: e.group)
-        sizes = {e.engine_id: max(1, int(e.info.get("tensor_parallel_size") or 1))
-                 * max(1, int(e.info.get("pipeline_parallel_size") or 1)) for e in verified}
+        sizes = {e.engine_id: e.ranks for e in verified}
         if rendezvous.lora is not None:
             sizes = dict.fromkeys(sizes, 1)
         world_size = rendezvous.senders + sum(sizes.values())
@@ -427,6 +426,7 @@ class VerbRunner:
                 core.remove_engine(engine, f"REFIT load failed: {facts['error']}")
             elif not _pushes_adapter(op):
                 engine.epoch, engine.weights = int(op.epoch or 0), op.source
+                engine.stats = {**engine.stats, "peer_store": facts.get("peer_store")}  # before its next heartbeat
                 engine.last_refit = {k: facts[k] for k in ("verify_s", "load_s", "total_s") if k in facts}
         elif op.step is Step.STOP:
             core.remove_engine(engine, "stopped", expected=True)  # it exits now; not a failure

@@ -26,6 +26,7 @@ from ..model.loader import load_weights
 from ..weights.adapters import adapter_shapes, divert_adapters
 from ..weights.drafter import divert, drafter_shapes
 from ..weights.digests import forget_digests
+from ..weights.peer_pull import PeerWeights
 from ..weights.sources import RendezvousSource, WeightSource, weight_source
 from ..wire.messages import LoraPush
 from .kv_park import ParkedKV
@@ -71,6 +72,7 @@ class DeviceMemory:
         self.refits = 0
         self.last_refit: dict[str, float] | None = None  # timings of the last refit (for /metrics)
         self.incomplete: set[str] = set()  # tensors a failed refit overwrote (see RefitFailed)
+        self.peers = PeerWeights(model)  # engines that join later may pull these weights from here
 
     @property
     def epoch(self) -> int:
@@ -152,10 +154,10 @@ class DeviceMemory:
         drafted: list[tuple[str, object]] = []  # the drafter's tensors, kept aside as they stream past
         owns = getattr(self.speculator.proposer, "owns", None) if self.speculator is not None else None  # MTP
         built: list[Registration] = []  # the adapters' new versions, built before the first policy weight changes
-        stream = source.tensors(self.model)
-        if pushes:
-            stream = divert_adapters(stream, lambda held: built.extend(self._build_adapters(pushes, held)))
         try:
+            stream = source.tensors(self.model)
+            if pushes:
+                stream = divert_adapters(stream, lambda held: built.extend(self._build_adapters(pushes, held)))
             load_weights(self.model, divert(stream, drafted, owns), progress=replaced.add, partial=source.partial)
         except Exception as exc:  # noqa: BLE001 - reported below, with what the other ranks did
             error = exc

@@ -510,6 +510,17 @@ class Handback(Body):
     final: bool | None = None
 
 
+class PeerShare(Body):
+    """``PEER_WEIGHTS``: engine ``engine_id`` registered after a trainer's refit and pulls the fleet's weights
+    (``epoch``) from this engine, which sends them to it through its peer store under ``prefix``, a random value
+    that only this message and the joiner's HELLO_ACK carry (:mod:`megatron_serve.weights.peer_pull`)."""
+
+    engine_id: str
+    prefix: Annotated[str, msgspec.Meta(min_length=MIN_PREFIX_CHARS)]
+    epoch: int
+    timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 120.0
+
+
 #: Bodies the coordinator accepts.
 TO_COORDINATOR: dict[Header, type[Body]] = {
     Header.HELLO: Hello,
@@ -556,4 +567,5 @@ FROM_COORDINATOR: dict[Header, type[Body]] = {
     Header.UNLOAD_LORA: UnloadLora,
     Header.HANDBACK: Handback,
     Header.KV_BLOCKS: KVBlocks,
+    Header.PEER_WEIGHTS: PeerShare,
 }
