@@ -36,7 +36,7 @@ logger = logging.getLogger("megatron_serve.weights")
 
 BUCKET_BYTES = 64 << 20
 _ALIGN = 64  # every tensor starts at a multiple: a bucket's bytes view as any dtype in place
-_DONOR, _JOINED = "peer/donor", "peer/joined"
+_DONOR, _JOINED, _REFUSED = "peer/donor", "peer/joined", "peer/refused"
 _CPU = torch.device("cpu")
 
 
@@ -93,6 +93,10 @@ class PeerWeights:
         and the seconds, or None when it failed (logged: the joiner's registration fails, this engine serves on)."""
         try:
             sent = self._send(ask.prefix, served_epoch, ask.timeout_s)
+        except transfer.Cancelled:
+            logger.warning("engine %s refused our weights (epoch %d, layout %s)", ask.engine_id, served_epoch,
+                           layout_digest(self.model))
+            return None
         except (RuntimeError, TimeoutError, ValueError) as exc:
             logger.warning("engine %s could not pull our weights: %s", ask.engine_id, exc)
             return None
@@ -106,7 +110,7 @@ class PeerWeights:
         started = time.perf_counter()
         store = transfer.transfer_store(self._store, prefix)
         store.set(_DONOR, pickle.dumps({"epoch": served_epoch, "layout": layout_digest(self.model)}))
-        transfer.wait_for_key(store, _JOINED, time.monotonic() + timeout)
+        transfer.wait_for_key(store, _JOINED, time.monotonic() + timeout, lambda: store.check([_REFUSED]))
         group = transfer.process_group(store, 0, 2, "gloo", timeout, self._host)
         sent = 0
         try:
@@ -145,11 +149,15 @@ class PeerSource:
         deadline = time.monotonic() + self.timeout_s
         store = transfer.connect(self.address, self.prefix, self.timeout_s)
         donor = pickle.loads(transfer.wait_for_key(store, _DONOR, deadline))
+        problem = None
         if donor["layout"] != layout_digest(model):
-            raise ValueError(f"the donor at {self.address} does not hold this engine's layout (another model, "
-                             "parallel size, dtype or quantization)")
-        if donor["epoch"] != self.epoch:
-            raise ValueError(f"the donor at {self.address} serves epoch {donor['epoch']}, not the fleet's {self.epoch}")
+            problem = (f"the donor at {self.address} does not hold this engine's layout (another model, parallel "
+                       "size, dtype or quantization)")
+        elif donor["epoch"] != self.epoch:
+            problem = f"the donor at {self.address} serves epoch {donor['epoch']}, not the fleet's {self.epoch}"
+        if problem is not None:
+            store.set(_REFUSED, problem)  # the donor stops waiting for us and steps on
+            raise ValueError(problem)
         host = transfer.local_address_towards(self.address.rpartition(":")[0])
         store.set(_JOINED, "1")
         group = transfer.process_group(store, 1, 2, "gloo", self.timeout_s, host)
