@@ -20,8 +20,9 @@
 #                                            # all-to-all bandwidth, then decode of a Qwen3-30B-A3B-like MoE layer
 #                                            # shape at one rank and TP/EP 2/4/8 (as many as the GPUs allow)
 #   bash benchmarks/gpu_session.sh refit     # sharded refit: the plan's and the fleet's tests natively (engines on the
-#                                            # GPU, trainer ranks on gloo: one GPU cannot hold two NCCL ranks), then
-#                                            # refit.py --sharded's table (bytes/s per link, time vs size, world 1/2/4)
+#                                            # GPU, trainer ranks on gloo: one GPU cannot hold two NCCL ranks; a late
+#                                            # joiner pulling from a GPU peer, over gloo), then refit.py --sharded's
+#                                            # table (bytes/s per link, time vs size, world 1/2/4)
 #
 # The device image has torch, triton and transformers; packages it lacks travel as wheels in .whl
 # (`pip download --python-version 3.12 --only-binary=:all: -d .whl ...`) and install into /tmp/site. Each step has its own time limit, so one
@@ -116,7 +117,8 @@ case ${1:-tests} in
     ;;
   refit)
     step pytest_refit 480 python3 -m pytest -q -p no:cacheprovider --timeout 450 -rfE --durations 10 \
-      tests/weights/test_shards.py tests/weights/test_sharded_refit_fleet.py
+      tests/weights/test_shards.py tests/weights/test_sharded_refit_fleet.py tests/weights/test_adapters_in_refit.py \
+      tests/weights/test_peer_pull_fleet.py
     step refit_sharded 540 python3 benchmarks/refit.py --sharded --sizes 1024,2048 --layers 8 --world-sizes 1,2,4 \
       --rounds 2 --bucket-mib 64
     ;;

@@ -1,11 +1,17 @@
-"""What ``WeightSender.send_lora`` sends: PEFT's names from each form a trainer holds, and its refusals."""
+"""What ``WeightSender.send_lora`` (and ``send(..., adapters=...)``) sends: PEFT's names from each form a trainer
+holds, and its refusals."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
+from safetensors.torch import load_file
 
-from megatron_serve.client.lora_push import adapter_push
+from megatron_serve.client.lora_push import adapter_push, adapter_update
+
+from ..lora_adapters import make_peft_adapter
 
 Q = "model.layers.0.self_attn.q_proj"
 SAVED = "base_model.model.model.layers.0.self_attn.q_proj"
@@ -48,3 +54,19 @@ def test_a_peft_model_gives_its_config(tiny_llama):
 def test_refusals_name_the_problem(name, weights, version, rank, message):
     with pytest.raises(ValueError, match=message):
         adapter_push(name, weights, version=version, rank=rank, alpha=8, use_rslora=False, target_modules=None)
+
+
+def test_an_adapter_for_a_refit_from_a_directory_or_a_state_dict_and_its_config(tiny_llama, tmp_path):
+    """``send(..., adapters=...)``: a PEFT directory and (its state dict, its config) give the same push."""
+    directory = make_peft_adapter(tiny_llama, tmp_path / "a", rank=4, seed=3, targets=["q_proj", "v_proj"])
+    from_dir = adapter_update("a", str(directory), version=7)
+    config = json.loads((directory / "adapter_config.json").read_text())
+    from_state = adapter_update("a", (load_file(str(directory / "adapter_model.safetensors")), config), version=7)
+    assert from_dir[1] == from_state[1]
+    assert (from_dir[1].rank, from_dir[1].alpha, from_dir[1].version, from_dir[1].target_modules) == (
+        4, 8.0, 7, ["q_proj", "v_proj"])
+    assert [(n, t.shape) for n, t in from_dir[0]] == [(n, t.shape) for n, t in from_state[0]]
+    with pytest.raises(ValueError, match="cannot read a PEFT adapter"):
+        adapter_update("a", str(tmp_path / "missing"), version=7)
+    with pytest.raises(ValueError, match="give a PEFT model, a PEFT directory"):
+        adapter_update("a", 3, version=7)

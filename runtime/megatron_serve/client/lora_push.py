@@ -1,4 +1,5 @@
-"""What ``WeightSender.send_lora`` sends: a LoRA adapter's tensors under PEFT's names, and its config.
+"""What ``WeightSender.send_lora`` sends (and ``send(..., adapters=...)`` with the policy): a LoRA adapter's tensors
+under PEFT's names, and its config.
 
 A trainer holds an adapter in one of three shapes: a PEFT model, its state dict (with or without the
 adapter's name in the keys: ``...q_proj.lora_A.default.weight`` or ``...q_proj.lora_A.weight``), or plain
@@ -11,10 +12,14 @@ its base model before any byte moves (:func:`megatron_serve.model.lora.check_sha
 
 from __future__ import annotations
 
+import json
+import os
 import re
+from pathlib import Path
 from typing import Any, Mapping, Union
 
 import torch
+from safetensors.torch import load_file
 
 from ..wire.messages import LoraPush
 
@@ -77,3 +82,34 @@ def adapter_push(name: str, weights: LoraWeights, *, version: int, rank: int | N
                     target_modules=list(target_modules) if target_modules else None,
                     target_parameters=list(target_parameters) if target_parameters else None)
     return named, push
+
+
+def _config_values(config: Any) -> dict[str, Any]:
+    """``adapter_push``'s keywords from a ``peft.LoraConfig`` or an ``adapter_config.json`` mapping."""
+    get = config.get if isinstance(config, Mapping) else (lambda key, default=None: getattr(config, key, default))
+    targets, parameters = get("target_modules"), get("target_parameters")
+    return {"rank": get("r"), "alpha": get("lora_alpha"), "use_rslora": bool(get("use_rslora", False)),
+            "target_modules": sorted(targets) if isinstance(targets, (set, list, tuple)) and targets else None,
+            "target_parameters": sorted(parameters) if parameters else None}
+
+
+def adapter_update(name: str, value: Any, version: int) -> tuple[list[tuple[str, torch.Tensor]], LoraPush]:
+    """Adapter ``name``'s tensors and push (version ``version``) for a policy refit (``WeightSender.send(...,
+    adapters=...)``) from a PEFT model, a PEFT directory (``adapter_config.json`` and
+    ``adapter_model.safetensors``, what ``save_pretrained`` writes), or ``(state dict, config)`` with a
+    ``peft.LoraConfig`` or the mapping of an ``adapter_config.json``; ``ValueError`` naming what is wrong."""
+    if isinstance(value, (str, os.PathLike)):
+        directory = Path(value)
+        try:
+            config = json.loads((directory / "adapter_config.json").read_text())
+            tensors: Any = load_file(str(directory / "adapter_model.safetensors"))
+        except (OSError, ValueError) as exc:
+            raise ValueError(f"LoRA adapter {name!r}: cannot read a PEFT adapter from {str(directory)!r}: {exc}") from exc
+        return adapter_push(name, tensors, version=version, **_config_values(config))
+    if isinstance(value, tuple) and len(value) == 2 and isinstance(value[0], Mapping):
+        return adapter_push(name, value[0], version=version, **_config_values(value[1]))
+    if hasattr(value, "peft_config"):
+        return adapter_push(name, value, version=version, rank=None, alpha=None, use_rslora=False,
+                            target_modules=None)
+    raise ValueError(f"LoRA adapter {name!r}: give a PEFT model, a PEFT directory or (state dict, LoraConfig), "
+                     f"got {type(value).__name__}")

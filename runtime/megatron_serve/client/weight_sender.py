@@ -14,6 +14,8 @@ returns it with its own figures in ``detail["sender"]``.
 ``send(..., delta=True)`` sends only the tensors whose chunks changed since what the engines hold (digests on
 both sides). ``send(..., drafter=...)`` carries a draft model's tensors (or an EAGLE-3 head's) in the same
 REFIT, so speculation switches to the new drafter at the same epoch as the policy (docs/speculative.md).
+``send(..., adapters={name: adapter})`` carries LoRA adapter versions in it too: all of them become the served
+versions with the policy, under its epoch, or none (docs/rl-fleets.md).
 
 ``send_lora`` pushes a LoRA adapter (the same verb, verify step and acknowledgement) from one process, broadcast
 to each engine group's rank 0: its tensors become a new version of an adapter, the base weights stay
@@ -28,7 +30,7 @@ import pickle
 import secrets
 import threading
 import time
-from typing import TYPE_CHECKING, Any, Callable, Iterable
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping
 from urllib.parse import urlparse
 
 import msgspec
@@ -42,7 +44,8 @@ from ..weights.sending import send_pieces
 from ..weights.shards import Item, cover_problem, merge_manifests, piece_of
 from ..wire.messages import RENDEZVOUS_SCHEME, LoraPush, Rendezvous
 from .coordinator_client import ControlError, InferenceClient
-from .lora_push import LoraWeights, adapter_push
+from ..weights.adapters import adapter_tensor
+from .lora_push import LoraWeights, adapter_push, adapter_update
 
 logger = logging.getLogger("megatron_serve.weights")
 
@@ -113,7 +116,8 @@ class WeightSender:
         self.on_bucket = on_bucket
 
     async def send(self, items: Iterable[Item], epoch: int | None = None, delta: bool = False, *,
-                   bucket_bytes: int | None = None, drafter: Iterable[Item] | None = None) -> dict[str, Any]:
+                   bucket_bytes: int | None = None, drafter: Iterable[Item] | None = None,
+                   adapters: Mapping[str, Any] | None = None) -> dict[str, Any]:
         """REFIT the fleet with the pieces every trainer rank sends (any subset of the weights); returns the
         acknowledgement.
 
@@ -136,15 +140,32 @@ class WeightSender:
         drafter (an engine without one refuses the refit before any weight changed). Names already prefixed
         ``drafter.`` among ``items`` are the drafter's too (what ``MegatronLLM.refit`` passes on). Without
         them each engine's drafter goes stale: it proposes nothing under the new epoch (docs/speculative.md).
+
+        ``adapters``: ``{name: adapter}``, LoRA adapters to serve under ``name`` from this refit on, each a PEFT
+        model, a PEFT directory, or ``(state dict, LoraConfig)``; given on one trainer rank (an adapter from two
+        ranks is refused). Each becomes version ``epoch`` of its name (``lora_epochs`` on its tokens), in the same
+        transaction as the policy: every engine checks all of them before any byte moves and registers them only
+        once the policy loaded, so an adapter that does not fit (shapes, rank, an older version) refuses the whole
+        refit and the fleet keeps its weights, its epoch and its adapters. ``detail["adapters"]``: name -> version.
+        Requests admitted under an older version finish under it. Engines need ``enable_lora``.
         """
+        pushes = [adapter_update(name, value, 0) for name, value in (adapters or {}).items()]  # version: below
         local = [*(piece_of(item, self.rank) for item in items),
-                 *(piece_of(item, self.rank, DRAFTER_PREFIX) for item in (drafter or ()))]
+                 *(piece_of(item, self.rank, DRAFTER_PREFIX) for item in (drafter or ())),
+                 *(piece_of((adapter_tensor(push.name, name), tensor), self.rank)
+                   for named, push in pushes for name, tensor in named)]
         poisoned = first_nonfinite((spec.name, tensor) for spec, _, tensor in local)
-        gathered = await self._all_gather(([(spec, piece) for spec, piece, _ in local], poisoned))
-        poisoned = next((name for _, name in gathered if name is not None), None)
+        gathered = await self._all_gather(([(spec, piece) for spec, piece, _ in local], poisoned,
+                                           [push for _, push in pushes]))
+        poisoned = next((name for _, name, _ in gathered if name is not None), None)
         if poisoned is not None:  # the verify step: every rank refuses, before the REFIT, no byte moved
             raise NonFiniteWeights(poisoned, "the weights to send")
-        manifest, pieces = merge_manifests([pairs for pairs, _ in gathered])
+        carried = [push for _, _, theirs in gathered for push in theirs]
+        names = [push.name for push in carried]
+        if len(set(names)) != len(names):
+            raise ValueError(f"LoRA adapter(s) {sorted({n for n in names if names.count(n) > 1})} given by more than "
+                             "one trainer rank: give each adapter on one rank")
+        manifest, pieces = merge_manifests([pairs for pairs, _, _ in gathered])
         problem = cover_problem(manifest, pieces) if manifest else (
             "no weights given: pass (name, tensor) pairs, e.g. model.named_parameters()")
         if problem is not None:
@@ -154,6 +175,10 @@ class WeightSender:
                                 bucket_bytes=int(bucket_bytes or self.bucket_bytes), manifest=manifest,
                                 timeout_s=self.timeout, pieces=pieces, senders=self.world_size, delta=bool(delta))
         if self.rank == 0:
+            if carried:  # each adapter becomes version ``epoch`` of its name: the epoch is fixed here
+                epoch = epoch if epoch is not None else int((await self.client.status())["epoch"]) + 1
+                rendezvous = msgspec.structs.replace(rendezvous, adapters=[
+                    msgspec.structs.replace(push, version=epoch) for push in carried])
             return await self._lead(rendezvous, mine, epoch)
         return await self._follow(rendezvous, mine)
 

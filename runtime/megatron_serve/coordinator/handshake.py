@@ -14,11 +14,12 @@ of one group under data-parallel attention (its HELLO's ``info`` says ``data_par
 from __future__ import annotations
 
 import logging
+import secrets
 import uuid
 from typing import TYPE_CHECKING, Any
 
 from ..wire.lifecycle import FleetState
-from ..wire.messages import PROTOCOL_VERSION, RENDEZVOUS_SCHEME, Error, Hello, HelloAck
+from ..wire.messages import PROTOCOL_VERSION, RENDEZVOUS_SCHEME, Error, Hello, HelloAck, PeerShare
 from ..wire.protocol import ErrorCode, Header, Role
 from .peers import ClientRecord, EngineRecord
 from .requests import Phase
@@ -132,7 +133,8 @@ def data_parallel_rank(info: dict[str, Any]) -> int | str:
 def _weights_for(core: "CoordinatorCore", engine: EngineRecord) -> dict[str, Any] | None:
     """At registration: the ``refit`` an engine must load before serving, if any.
 
-    Weights a trainer sent cannot be reloaded: an engine that lacks them is admitted but receives no
+    Weights a trainer sent cannot be reloaded from a directory: an engine that lacks them pulls them from a live
+    engine of its layout when one has them (:func:`_pull_from_peer`); without one it is admitted but receives no
     requests (``serves_fleet_weights``) until the next refit, which includes it.
     A coordinator that never refitted (e.g. it restarted) adopts the weights of the first
     registering engine of its model that reports a refit, so the fleet's epoch survives a
@@ -154,6 +156,10 @@ def _weights_for(core: "CoordinatorCore", engine: EngineRecord) -> dict[str, Any
     if engine.epoch == core.epoch and engine.weights == core.weights_source:
         return None
     if core.weights_source.startswith(RENDEZVOUS_SCHEME):
+        peer = _pull_from_peer(core, engine)
+        if peer is not None:
+            engine.epoch, engine.weights = core.epoch, core.weights_source  # it exits if it cannot
+            return {"source": core.weights_source, "epoch": core.epoch, "peer": peer}
         logger.info("engine %s serves epoch %d; the fleet's epoch %d came from a trainer: it gets no requests "
                     "until the next refit includes it", engine.engine_id, engine.epoch, core.epoch)
         return None
@@ -161,6 +167,28 @@ def _weights_for(core: "CoordinatorCore", engine: EngineRecord) -> dict[str, Any
                 engine.engine_id, engine.epoch, core.epoch, core.weights_source)
     engine.epoch, engine.weights = core.epoch, core.weights_source  # it exits if it cannot
     return {"source": core.weights_source, "epoch": core.epoch}
+
+
+def _pull_from_peer(core: "CoordinatorCore", engine: EngineRecord) -> dict[str, Any] | None:
+    """At registration after a trainer's refit: pick a donor for ``engine`` (a live engine of the same layout at the
+    fleet's epoch with a peer store, the most recently heard first), tell it to send its weights, and return what the
+    joiner's HELLO_ACK says of it (:mod:`megatron_serve.weights.peer_pull`); None when there is none. Only engines
+    of one rank: the ranks of a tensor-parallel or pipeline group would each need their peer rank."""
+    layout = engine.info.get("weights_layout")
+    if not isinstance(layout, str) or engine.ranks != 1:
+        return None
+    donors = [e for e in core.engines.values()
+              if e.info.get("weights_layout") == layout and e.ranks == 1 and e.peer_store is not None
+              and e.epoch == core.epoch and e.weights == core.weights_source and not (e.draining or e.stopping)]
+    if not donors:
+        return None
+    donor = max(donors, key=lambda e: e.last_seen)
+    prefix = secrets.token_hex(16)  # this pull's keys: only these two (encrypted) messages carry it
+    timeout = max(core.verb_timeout, core.weights_timeout)
+    core.send(donor.identity, Header.PEER_WEIGHTS, PeerShare(engine_id=engine.engine_id, prefix=prefix,
+                                                             epoch=core.epoch, timeout_s=timeout))
+    logger.info("engine %s pulls the fleet's epoch %d from engine %s", engine.engine_id, core.epoch, donor.engine_id)
+    return {"address": donor.peer_store, "prefix": prefix, "engine_id": donor.engine_id, "timeout_s": timeout}
 
 
 def _register_client(core: "CoordinatorCore", identity: bytes, role: Role, body: Hello, now: float,

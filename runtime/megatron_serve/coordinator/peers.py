@@ -57,6 +57,19 @@ class EngineRecord:
         """The LoRA adapters it serves (:func:`~.routing.served_adapters`)."""
         return served_adapters(self)
 
+    @property
+    def peer_store(self) -> str | None:
+        """Where joiners of its layout pull its weights from it (weights.peer_pull): what its heartbeats (or its
+        last REFIT's acknowledgement) say, else its HELLO; None while it serves no weights a trainer sent."""
+        store = self.stats.get("peer_store", self.info.get("peer_store"))
+        return store if isinstance(store, str) else None
+
+    @property
+    def ranks(self) -> int:
+        """Its ranks (tensor-parallel ranks times pipeline stages, from its HELLO; absent: 1)."""
+        return (max(1, int(self.info.get("tensor_parallel_size") or 1))
+                * max(1, int(self.info.get("pipeline_parallel_size") or 1)))
+
     def same_model(self, model: str | None) -> bool:
         """Whether it was started from ``model`` (unknown on either side: yes).
 

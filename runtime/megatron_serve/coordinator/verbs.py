@@ -346,8 +346,7 @@ class VerbRunner:
         group: the group's rank 0 keeps adapters and sends each rank its share when it writes a slot (engine.lora).
         """
         verified = sorted((e for e in engines if e.engine_id in op.engines), key=lambda e: e.group)
-        sizes = {e.engine_id: max(1, int(e.info.get("tensor_parallel_size") or 1))
-                 * max(1, int(e.info.get("pipeline_parallel_size") or 1)) for e in verified}
+        sizes = {e.engine_id: e.ranks for e in verified}
         if rendezvous.lora is not None:
             sizes = dict.fromkeys(sizes, 1)
         world_size = rendezvous.senders + sum(sizes.values())
@@ -427,6 +426,7 @@ class VerbRunner:
                 core.remove_engine(engine, f"REFIT load failed: {facts['error']}")
             elif not _pushes_adapter(op):
                 engine.epoch, engine.weights = int(op.epoch or 0), op.source
+                engine.stats = {**engine.stats, "peer_store": facts.get("peer_store")}  # before its next heartbeat
                 engine.last_refit = {k: facts[k] for k in ("verify_s", "load_s", "total_s") if k in facts}
         elif op.step is Step.STOP:
             core.remove_engine(engine, "stopped", expected=True)  # it exits now; not a failure
@@ -466,7 +466,11 @@ class VerbRunner:
             detail.update(noop=False, epoch=core.epoch, source=core.weights_source)
             if op.rendezvous is not None and op.rendezvous.lora is not None:
                 detail["lora"] = {"name": op.rendezvous.lora.name, "version": op.rendezvous.lora.version}
-                _keep_pushed(core, op)
+                _keep_pushed(core, op, op.rendezvous.lora.name, {f.get("lora_path") for f in op.engines.values()})
+            for push in (op.rendezvous.adapters or ()) if op.rendezvous is not None else ():
+                detail.setdefault("adapters", {})[push.name] = push.version
+                _keep_pushed(core, op, push.name, {(f.get("lora_paths") or {}).get(push.name)
+                                                   for f in op.engines.values()})
             if op.failed:
                 detail["failed"] = dict(op.failed)
         if op.lora is not None:
@@ -528,12 +532,11 @@ class VerbRunner:
 
 
 
-def _keep_pushed(core: "CoordinatorCore", op: ControlOp) -> None:
-    """After a push every engine took: when they all stored it in one directory (``--lora-push-dir``), engines that
-    register later load it from there, like a LOAD_LORA's adapter (engine.lora_store); otherwise a directory
-    recorded for the name would serve an older version, so it is dropped."""
-    name = op.rendezvous.lora.name
-    paths = {facts.get("lora_path") for facts in op.engines.values()}
+def _keep_pushed(core: "CoordinatorCore", op: ControlOp, name: str, paths: set[str | None]) -> None:
+    """After a push every engine took (alone, or in a policy refit): when they all stored it in one directory
+    (``--lora-push-dir``; ``paths``: what each engine said), engines that register later load it from there, like a
+    LOAD_LORA's adapter (engine.lora_store); otherwise a directory recorded for the name would serve an older
+    version, so it is dropped."""
     if len(paths) == 1 and None not in paths and not op.failed:
         core.loaded_loras[name] = paths.pop()
     else:

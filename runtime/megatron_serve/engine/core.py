@@ -61,6 +61,7 @@ from .structured_output import StructuredOutputs
 from .speculative.decoder import Emitted, Speculator
 from .speculative.factory import make_proposer
 from .speculative.stepping import SpeculativeSteps
+from ..weights.peer_pull import PeerWeights, layout_digest
 from ..weights.sources import WeightSource
 from ..tokenizer import Tokenizer
 
@@ -179,7 +180,8 @@ class DynamicInferenceEngine:
                            expert_parallel=config.enable_expert_parallel and config.world_size > 1,
                            pipeline_parallel_size=config.pipeline_parallel_size,
                            parameter_bytes=parameter_bytes(self.model),
-                           kv_offload_blocks=self.host_tier.num_slots if self.host_tier is not None else 0)
+                           kv_offload_blocks=self.host_tier.num_slots if self.host_tier is not None else 0,
+                           weights_layout=layout_digest(self.model))
 
     @classmethod
     def from_model_dir(cls, model_dir: str | Path, config: InferenceConfig | None = None,
@@ -470,6 +472,9 @@ class DynamicInferenceEngine:
 
     def refit(self, source: str | Path | WeightSource, epoch: int | None = None) -> dict[str, float]:
         return self.memory.refit(source, epoch)
+
+    def peer_weights(self) -> PeerWeights:
+        return self.memory.peers
 
     def lora_adapters(self) -> dict[str, str] | None:
         return self.adapters.names()

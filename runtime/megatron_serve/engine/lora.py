@@ -207,6 +207,13 @@ class EngineLoras:
     def push(self, push: LoraPush, named: Iterable[tuple[str, "torch.Tensor"]], live_slots: set[int]) -> None:
         """Register ``named`` (PEFT names) as version ``push.version`` of ``push.name``, the one new requests get;
         requests admitted under an older version keep it. Nothing changes when it raises."""
+        self.register(self.prepare(push, named, live_slots))
+
+    def prepare(self, push: LoraPush, named: Iterable[tuple[str, "torch.Tensor"]], live_slots: set[int]
+                ) -> Registration:
+        """Build (and with ``--lora-push-dir`` store) version ``push.version`` of ``push.name`` from ``named``
+        without serving it: a refit builds every adapter it carries before it changes any weight, and registers
+        them (:meth:`register`) once the policy loaded. Raises :class:`LoraAdapterError`, nothing registered."""
         tensors = list(named)
         scaling = self.check_push(push, ((key, tuple(t.shape)) for key, t in tensors), live_slots)
         adapter = adapter_of(push.name, f"{push.name}@{push.version}", push.rank, scaling, tensors, self.model_config,
@@ -214,8 +221,12 @@ class EngineLoras:
         self.slots.check(adapter)
         if self.push_dir is not None:  # engines that join later load it from there (the coordinator tells them)
             adapter = replace(adapter, path=save_pushed(self.push_dir, push, tensors))
-        self._register(Registration(adapter, f"{push.name}#{next(self._registrations)}", push.version,
-                                    reloadable=self.push_dir is not None))
+        return Registration(adapter, f"{push.name}#{next(self._registrations)}", push.version,
+                            reloadable=self.push_dir is not None)
+
+    def register(self, entry: Registration) -> None:
+        """Serve a version :meth:`prepare` built: new requests of its name get it."""
+        self._register(entry)
 
     def running_versions(self, name: str, live_slots: set[int]) -> list[int]:
         """The versions of ``name`` that live requests run under (their slots), ascending."""

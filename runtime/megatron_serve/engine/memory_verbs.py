@@ -8,6 +8,8 @@ refit whose rendezvous carries ``lora`` is an adapter version instead (:meth:`.l
 the base weights, their epoch and the prefix cache stay. Tensors named ``drafter.*`` in a refit
 (:mod:`..weights.drafter`) are the draft model's, loaded under the same epoch right after the policy's; so
 are the policy's own MTP layers (``model.layers.{num_hidden_layers}.*``, method ``mtp``), under their names.
+A sharded refit may carry LoRA adapter versions too (``Rendezvous.adapters``, :mod:`..weights.adapters`): checked
+with the policy, built before the first policy weight changes, registered once the policy loaded, under its epoch.
 """
 
 from __future__ import annotations
@@ -21,8 +23,10 @@ import torch
 
 from ..errors import RefitFailed
 from ..model.loader import load_weights
+from ..weights.adapters import adapter_shapes, divert_adapters
 from ..weights.drafter import divert, drafter_shapes
 from ..weights.digests import forget_digests
+from ..weights.peer_pull import PeerWeights
 from ..weights.sources import RendezvousSource, WeightSource, weight_source
 from ..wire.messages import LoraPush
 from .kv_park import ParkedKV
@@ -34,7 +38,7 @@ if TYPE_CHECKING:
     from .encoder_cache import EncoderCache
     from .kv_cache import BlockAllocator, KVCachePool
     from .logprob_parity import ParityChecker
-    from .lora import EngineLoras
+    from .lora import EngineLoras, Registration
     from .runner import ModelRunner
     from .scheduler import Scheduler
     from .speculative.decoder import Speculator
@@ -68,6 +72,7 @@ class DeviceMemory:
         self.refits = 0
         self.last_refit: dict[str, float] | None = None  # timings of the last refit (for /metrics)
         self.incomplete: set[str] = set()  # tensors a failed refit overwrote (see RefitFailed)
+        self.peers = PeerWeights(model)  # engines that join later may pull these weights from here
 
     @property
     def epoch(self) -> int:
@@ -141,15 +146,19 @@ class DeviceMemory:
         started = time.perf_counter()
         source.check(self.model)
         drafter = self._check_drafter(source)
+        pushes = self._check_adapters(source)
         verified = time.perf_counter()
         self.runner.on_refit(source)
         replaced: set[str] = set()
         error: BaseException | None = None
         drafted: list[tuple[str, object]] = []  # the drafter's tensors, kept aside as they stream past
         owns = getattr(self.speculator.proposer, "owns", None) if self.speculator is not None else None  # MTP
+        built: list[Registration] = []  # the adapters' new versions, built before the first policy weight changes
         try:
-            load_weights(self.model, divert(source.tensors(self.model), drafted, owns), progress=replaced.add,
-                         partial=source.partial)
+            stream = source.tensors(self.model)
+            if pushes:
+                stream = divert_adapters(stream, lambda held: built.extend(self._build_adapters(pushes, held)))
+            load_weights(self.model, divert(stream, drafted, owns), progress=replaced.add, partial=source.partial)
         except Exception as exc:  # noqa: BLE001 - reported below, with what the other ranks did
             error = exc
         for names, follower_error in self.runner.refit_outcomes():
@@ -179,6 +188,8 @@ class DeviceMemory:
         self._refit_drafter()
         if drafted and (drafter is not None or owns is not None):
             self._load_drafter(self.speculator.proposer, drafted, source.partial)
+        for entry in built:
+            require(self.loras).register(entry)
         finished = time.perf_counter()
         self.refits += 1
         self.last_refit = {"verify_s": verified - started, "load_s": finished - verified, "total_s": finished - started}
@@ -225,10 +236,37 @@ class DeviceMemory:
         if push is None:
             source.check(self.model)
             self._check_drafter(source)
+            self._check_adapters(source)
         else:
             require(self.loras).check_push(push, ((s.name, s.shape) for s in source.rendezvous.manifest),
                                            self._live_slots())
         return time.perf_counter() - started
+
+    def _check_adapters(self, source: WeightSource) -> list[LoraPush]:
+        """The adapter versions a sharded refit carries, once each fits (names, shapes, rank, a newer version, room
+        in host memory); ``ValueError`` naming the adapter and the problem otherwise (the whole refit is refused)."""
+        from ..weights.sharded import ShardedSource  # noqa: PLC0415 - the transfer's modules only for a trainer's refit
+
+        pushes = list(source.rendezvous.adapters or ()) if isinstance(source, ShardedSource) else []
+        if not pushes:
+            return []
+        if self.loras is None:
+            raise ValueError(f"the refit carries LoRA adapter {pushes[0].name!r} but this engine runs without "
+                             "enable_lora")
+        shapes = adapter_shapes(source.shapes())
+        live = self._live_slots()
+        for push in pushes:
+            if push.name not in shapes:
+                raise ValueError(f"the refit lists LoRA adapter {push.name!r} but carries none of its tensors")
+            self.loras.check_push(push, shapes[push.name], live)
+        return pushes
+
+    def _build_adapters(self, pushes: list[LoraPush], held: dict[str, list[tuple[str, object]]]
+                        ) -> list[Registration]:
+        """Every adapter's new version from its received tensors (whole regions: ``value[()]`` reads all)."""
+        live = self._live_slots()
+        return [require(self.loras).prepare(push, [(name, value[()]) for name, value in held.get(push.name, ())], live)
+                for push in pushes]
 
     def _live_slots(self) -> set[int]:
         return {sequence.lora_slot for sequence in self.scheduler.requests.values()}

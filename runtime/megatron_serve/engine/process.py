@@ -26,6 +26,7 @@ import signal
 import socket
 import time
 from typing import TYPE_CHECKING, Any, Callable, Sequence
+from urllib.parse import urlparse
 
 import msgspec
 import zmq
@@ -39,6 +40,7 @@ from ..heap import freeze_startup_heap
 from .output import step_delta, step_messages
 from .served import EngineStepResult, ServedEngine
 from ..wire.messages import (
+    RENDEZVOUS_SCHEME,
     Body,
     Control,
     EngineStepOut,
@@ -212,6 +214,8 @@ class EngineProcess:
             self._handback_acked = True
         elif header in HEADER_VERBS:
             self._on_step(header, body)
+        elif header is Header.PEER_WEIGHTS:  # a joiner of our layout pulls our weights, now, between two steps
+            self.engine.peer_weights().share(body, self.engine.epoch)
 
     def _add(self, submit: EngineSubmit) -> None:
         """Serve a request handed over in ``ENGINE_SUBMIT``; one this engine cannot read fails at once. Its KV
@@ -285,6 +289,8 @@ class EngineProcess:
         loras = e.lora_adapters()
         if loras is not None:  # the adapters it serves (name -> directory): the coordinator routes by them
             stats["loras"] = loras
+        if "peer_store" in self.link.hello["info"]:  # joiners of our layout pull our weights from there
+            stats["peer_store"] = self.link.hello["info"]["peer_store"]
         self.link.stats = {
             "state": ENGINE_DRAINING if self.drain_deadline is not None else self.state.value,
             "running": int(e.num_running), "waiting": int(e.num_waiting),
@@ -385,6 +391,9 @@ class EngineProcess:
         info = self.link.hello["info"]
         info["epoch"] = self.engine.epoch
         info["weights"] = self.weights_source
+        info.pop("peer_store", None)
+        if (self.weights_source or "").startswith(RENDEZVOUS_SCHEME):  # a trainer's: joiners pull them from us
+            info["peer_store"] = self.engine.peer_weights().address(urlparse(self.link.address).hostname or "")
 
     def _refit_action(self, body: Refit) -> dict[str, Any]:
         """REFIT at a step boundary: phase ``verify`` checks names and shapes only; ``load`` swaps the
@@ -423,8 +432,15 @@ class EngineProcess:
         self._note_weights()
         logger.info("refit: epoch %d from %s in %.2fs (verify %.2fs, load %.2fs)", timings["epoch"], body.source,
                     timings["total_s"], timings["verify_s"], timings["load_s"])
-        return {**{k: round(float(v), 6) for k, v in timings.items() if k != "epoch"},
-                "epoch": int(timings["epoch"]), "source": body.source}
+        facts = {**{k: round(float(v), 6) for k, v in timings.items() if k != "epoch"},
+                 "epoch": int(timings["epoch"]), "source": body.source}
+        if "peer_store" in self.link.hello["info"]:
+            facts["peer_store"] = self.link.hello["info"]["peer_store"]
+        carried = body.rendezvous.adapters if body.rendezvous is not None else None
+        if carried and self.engine.config.lora_push_dir:  # where each version was stored, for engines that join later
+            served = self.engine.lora_adapters() or {}
+            facts["lora_paths"] = {push.name: served[push.name] for push in carried if push.name in served}
+        return facts
 
     # -- LoRA adapters
 
@@ -477,9 +493,17 @@ class EngineProcess:
             return True
         if source == self.weights_source and epoch == self.engine.epoch:
             return True
-        logger.info("the fleet serves epoch %d from %s: loading it before serving", epoch, source)
+        peer = refit.get("peer")  # weights a trainer sent: from a live engine of our layout
+        logger.info("the fleet serves epoch %d from %s: loading it before serving%s", epoch, source,
+                    f" from engine {peer.get('engine_id')}" if isinstance(peer, dict) else "")
         try:
-            timings = self.engine.refit(source, epoch)
+            if isinstance(peer, dict):
+                from ..weights.peer_pull import PeerSource  # noqa: PLC0415 - torch only where an engine lives
+
+                timings = self.engine.refit(PeerSource(str(peer["address"]), str(peer["prefix"]), epoch,
+                                                       float(peer["timeout_s"]), source), epoch)
+            else:
+                timings = self.engine.refit(source, epoch)
         except Exception as exc:  # noqa: BLE001
             self.fatal = (f"cannot load the fleet's current weights (epoch {epoch}) from {source}: {exc} "
                           "(start this engine with a model of the fleet's architecture)")

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, Protocol, Sequence
 if TYPE_CHECKING:
     import numpy as np
 
+    from ..weights.peer_pull import PeerWeights
     from ..weights.sources import WeightSource
     from .kv_transfer import KVTransfer
     from ..wire.request import DynamicInferenceRequest
@@ -34,6 +35,7 @@ class EngineFacts:
     pipeline_parallel_size: int = 1  # stages of tensor_parallel_size ranks each: they all join a weight transfer
     parameter_bytes: int | None = None  # the weights one rank holds (rank 0's; each rank holds about as much)
     kv_offload_blocks: int = 0  # blocks its host KV tier holds (--kv-offloading-size): prefix routing counts them
+    weights_layout: str | None = None  # engines of one layout pull weights from each other (weights.peer_pull)
 
     def hello_info(self) -> dict[str, Any]:
         """The facts as HELLO's ``info`` carries them (absent ones left out, ``capacity`` travels beside)."""
@@ -54,6 +56,8 @@ class EngineFacts:
             info["prefix_caching"] = self.prefix_caching
         if self.kv_offload_blocks:
             info["kv_offload_blocks"] = self.kv_offload_blocks
+        if self.weights_layout is not None:
+            info["weights_layout"] = self.weights_layout
         return info
 
 
@@ -120,6 +124,8 @@ class ServedEngine(Protocol):
     def verify_refit(self, source: str | WeightSource) -> float: ...
 
     def refit(self, source: str | WeightSource, epoch: int | None = None) -> dict[str, float]: ...
+
+    def peer_weights(self) -> PeerWeights: ...  # its side of peer pulls as a donor (weights.peer_pull)
 
     def lora_adapters(self) -> dict[str, str] | None: ...  # adapters served (name -> directory); None: no LoRA
 

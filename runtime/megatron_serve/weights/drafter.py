@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from typing import Callable, Iterable, Iterator, TypeVar
 
+from .adapters import is_adapter
+
 DRAFTER_PREFIX = "drafter."
 
 T = TypeVar("T")
@@ -22,8 +24,9 @@ def is_drafter(name: str) -> bool:
 
 
 def policy_only(named: Iterable[tuple[str, T]]) -> Iterator[tuple[str, T]]:
-    """The policy's pairs of a refit's stream (what tensor-parallel followers load: the drafter runs on rank 0)."""
-    return ((name, value) for name, value in named if not is_drafter(name))
+    """The policy's pairs of a refit's stream (what tensor-parallel followers load: the drafter runs on rank 0, and
+    so do a group's LoRA adapters, :mod:`.adapters`)."""
+    return ((name, value) for name, value in named if not is_drafter(name) and not is_adapter(name))
 
 
 def divert(named: Iterable[tuple[str, T]], drafter: list[tuple[str, T]],

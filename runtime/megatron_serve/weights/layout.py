@@ -20,6 +20,7 @@ import torch
 from ..model.llama import LlamaForCausalLM
 from ..model.loader import build_model, load_weights
 from ..wire.messages import TensorSpec
+from .adapters import is_adapter
 from .drafter import is_drafter
 from .manifest import torch_dtype
 from .shards import Box
@@ -95,12 +96,12 @@ class _Recorder:
 def engine_layout(model: LlamaForCausalLM, manifest: Iterable[TensorSpec], holds_extra: bool) -> dict[str, Box]:
     """The region of each manifest tensor this rank serves (absent: none of it).
 
-    ``holds_extra``: this rank also keeps what its model has no place for (a drafter's tensors, MTP layers: a
-    group's rank 0 loads them whole, beside the policy); elsewhere such a tensor is not needed.
+    ``holds_extra``: this rank also keeps what its model has no place for (a drafter's tensors, MTP layers, LoRA
+    adapters: a group's rank 0 loads them whole, beside the policy); elsewhere such a tensor is not needed.
     """
     shadow = build_model(model.config, torch.float32, "meta", model.tp)
     recorders = {spec.name: _Recorder(spec) for spec in manifest}
-    policy = [(name, recorder) for name, recorder in recorders.items() if not is_drafter(name)]
+    policy = [(name, recorder) for name, recorder in recorders.items() if not is_drafter(name) and not is_adapter(name)]
     try:
         load_weights(shadow, policy, partial=True)  # one pass (a pass per tensor costs the model's size each)
     except ValueError:  # a tensor with no place (an MTP layer's, which its drafter checks): one at a time

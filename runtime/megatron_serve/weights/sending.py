@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from ..wire.messages import PieceSpec, Rendezvous
 from . import group as transfer
+from .adapters import is_adapter
 from .shards import (IN_FLIGHT, Chunk, LinkBucket, buckets_of, changed_key, digest, layout_key, link_chunks,
                      local_view, received_key)
 
@@ -54,7 +55,8 @@ def _delta(store: dist.Store, rv: Rendezvous, rank: int, links: dict[int, list[C
             name = rv.manifest[chunk.tensor].name
             value = digest(_chunk_bytes(chunk, pieces, local))
             digests.setdefault(engine, {}).setdefault(name, {})[chunk.key] = value
-            if layouts[engine].get(name, (None, {}))[1].get(chunk.key) != value:
+            # an adapter travels whole every time: the engine builds its new version from all of its tensors
+            if is_adapter(name) or layouts[engine].get(name, (None, {}))[1].get(chunk.key) != value:
                 changed.setdefault(engine, set()).add(name)
     store.set(changed_key(rank), pickle.dumps((changed, digests)))
     for sender in range(rv.senders):

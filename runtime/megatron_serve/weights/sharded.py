@@ -31,6 +31,7 @@ from ..model.loader import verify_shapes
 from ..wire.messages import TRANSFER_DTYPES, Rendezvous
 from . import group as transfer
 from .digests import forget_digests, held_digests, keep_digests
+from .adapters import adapter_shapes, adapters_first, is_adapter
 from .drafter import is_drafter
 from .finite import refuse_nonfinite
 from .layout import RegionSlice, engine_layout
@@ -70,8 +71,13 @@ class ShardedSource:
         problem = cover_problem(rv.manifest, rv.pieces or [])
         if problem is not None:
             raise ValueError(problem)
-        verify_shapes(model, ((spec.name, spec.shape) for spec in rv.manifest if not is_drafter(spec.name)),
-                      partial=True)
+        listed = {push.name for push in rv.adapters or ()}
+        unlisted = sorted(set(adapter_shapes(self.shapes())) - listed)
+        if unlisted:
+            raise ValueError(f"the refit carries tensors of LoRA adapter {unlisted[0]!r} that its rendezvous does not "
+                             "list (a coordinator or engine too old for adapters in a refit?)")
+        verify_shapes(model, ((spec.name, spec.shape) for spec in rv.manifest
+                              if not is_drafter(spec.name) and not is_adapter(spec.name)), partial=True)
 
     def shapes(self) -> list[tuple[str, tuple[int, ...]]]:
         """Every ``(name, shape)`` pair of the manifest, the drafter's (:mod:`.drafter`) included."""
@@ -112,7 +118,7 @@ class ShardedSource:
         shapes = {spec.name: spec.shape for spec in rv.manifest}
         done = False
         try:
-            for name, data in staged.items():
+            for name, data in adapters_first(staged.items()):  # the engine builds the adapters before the policy
                 yield name, RegionSlice(shapes[name], regions[name][0], data)
             done = True
         finally:

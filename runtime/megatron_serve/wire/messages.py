@@ -238,6 +238,10 @@ class Rendezvous(Body):
     pieces: list[PieceSpec] | None = None
     senders: Annotated[int, msgspec.Meta(ge=1)] = 1
     delta: bool = False  # send only the chunks whose digests differ from what each engine rank holds
+    # LoRA adapter versions in the same transaction as the policy (megatron_serve.weights.adapters): their tensors
+    # are in the manifest as ``adapter/{name}/{PEFT name}``; every engine registers all of them with the policy
+    # under its epoch, or none. An engine that ignores this field refuses those names in its verify step.
+    adapters: list[LoraPush] | None = None
 
     def problem(self) -> str | None:
         """Why this rendezvous cannot be used (the coordinator refuses the REFIT with it), or None."""
@@ -255,6 +259,12 @@ class Rendezvous(Body):
             return "rendezvous senders and delta need pieces (a sharded refit)"
         if self.pieces is not None and any(piece.rank >= self.senders for piece in self.pieces):
             return f"rendezvous pieces name a trainer rank outside 0..{self.senders - 1}"
+        if self.adapters is not None:
+            if self.lora is not None or self.pieces is None:
+                return "rendezvous adapters travel only in a sharded policy refit (pieces, no lora)"
+            names = [push.name for push in self.adapters]
+            if len(set(names)) != len(names):
+                return f"rendezvous adapters name an adapter twice: {sorted(names)}"
         for spec in self.manifest:
             if spec.dtype not in TRANSFER_DTYPES:
                 return (f"tensor {spec.name!r} has dtype {spec.dtype!r}; weights travel as one of "
@@ -500,6 +510,17 @@ class Handback(Body):
     final: bool | None = None
 
 
+class PeerShare(Body):
+    """``PEER_WEIGHTS``: engine ``engine_id`` registered after a trainer's refit and pulls the fleet's weights
+    (``epoch``) from this engine, which sends them to it through its peer store under ``prefix``, a random value
+    that only this message and the joiner's HELLO_ACK carry (:mod:`megatron_serve.weights.peer_pull`)."""
+
+    engine_id: str
+    prefix: Annotated[str, msgspec.Meta(min_length=MIN_PREFIX_CHARS)]
+    epoch: int
+    timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 120.0
+
+
 #: Bodies the coordinator accepts.
 TO_COORDINATOR: dict[Header, type[Body]] = {
     Header.HELLO: Hello,
@@ -546,4 +567,5 @@ FROM_COORDINATOR: dict[Header, type[Body]] = {
     Header.UNLOAD_LORA: UnloadLora,
     Header.HANDBACK: Handback,
     Header.KV_BLOCKS: KVBlocks,
+    Header.PEER_WEIGHTS: PeerShare,
 }

@@ -64,6 +64,7 @@ class Header(enum.IntEnum):
     ENGINE_STEP = 51  # engine -> coordinator: the outputs of one engine step
     HANDBACK = 52  # engine -> coordinator: these requests are yours again (ack echoes it back)
     KV_BLOCKS = 53  # prefill engine -> coordinator -> decode engine: a prefilled request's KV blocks (a part)
+    PEER_WEIGHTS = 54  # coordinator -> engine: send your weights to a joiner of your layout (weights.peer_pull)
 
 
 #: The message each lifecycle verb travels as (the verbs and their rules: :mod:`megatron_serve.wire.lifecycle`).

@@ -1,0 +1,123 @@
+"""Late joiners pull the fleet's weights from a live peer (issue 50, build item 5), real processes, gloo on CPU.
+
+A coordinator and an engine started from checkpoint A; this test process is the trainer and refits the fleet
+to B (epoch 1), which exists nowhere the engines could read. An engine started afterwards from A pulls epoch 1
+from the live engine (weights.peer_pull): alone (its peer killed), it serves B's tokens (==, against a server
+of B) with epoch 1 on every token and in STATUS. The killed engine, restarted from A, pulls from the one that
+joined and serves B alone too. Control: with no live engine left to pull from, an engine started from A
+holds A (epoch 0, what it read from disk), and the fleet gives it no requests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import subprocess
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+from safetensors.torch import load_file
+
+from megatron_serve import WeightSender
+from megatron_serve.client.coordinator_client import InferenceClient
+from megatron_serve.client.llm import MegatronLLM
+from megatron_serve.config import InferenceConfig
+from megatron_serve.model.tiny import make_tiny_model
+from megatron_serve.wire.sampling_params import SamplingParams
+
+from ..helpers import Children, free_port
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+
+PROMPTS = ["Hello there", "The quick brown fox jumps over the lazy dog", "1 2 3 4", "def add(a, b):"]
+GREEDY = SamplingParams(temperature=0.0, num_tokens_to_generate=8, ignore_eos=True)
+
+
+def outputs(model_dir: str) -> list[list[int]]:
+    with MegatronLLM(model_dir, InferenceConfig(num_kv_blocks=64)) as llm:
+        return [r.generated_tokens for r in llm.generate(PROMPTS, GREEDY)]
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("peer-pull")
+    a, b = str(make_tiny_model(root / "a", seed=0)), str(make_tiny_model(root / "b", seed=1))
+    expected = SimpleNamespace(a=outputs(a), b=outputs(b))
+    assert expected.a != expected.b, "control: A's tokens are not B's"
+    return SimpleNamespace(a=a, b=b, expected=expected)
+
+
+async def engines_until(client: InferenceClient, check, timeout: float = 300.0) -> list[dict]:
+    """Poll STATUS until ``check(engines)`` holds; returns the engines."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    while True:
+        engines = (await client.status())["engines"]
+        if check(engines):
+            return engines
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError(f"STATUS engines never became what the test waits for: {engines}")
+        await asyncio.sleep(0.1)
+
+
+def serving(count: int):
+    """STATUS says ``count`` engines serve epoch 1, each done registering (pulling included: its heartbeats count
+    its step loop's iterations only from then on)."""
+    return lambda engines: len(engines) == count and all(e["epoch"] == 1 and e["progress"] is not None
+                                                         for e in engines)
+
+
+async def kill(proc: subprocess.Popen, client: InferenceClient, left: int) -> None:
+    """SIGKILL an engine process, then wait until the coordinator lists ``left`` engines."""
+    proc.send_signal(signal.SIGKILL)
+    await asyncio.to_thread(proc.wait, 60)
+    await engines_until(client, lambda engines: len(engines) == left, 60)
+
+
+async def served_alone(client: InferenceClient) -> list:
+    return await asyncio.wait_for(asyncio.gather(*(client.add_request(p, GREEDY) for p in PROMPTS)), 120)
+
+
+async def test_engines_that_join_after_a_trainer_refit_pull_it_from_a_peer(models, tmp_path):
+    (tmp_path / "logs").mkdir()
+    children = Children(tmp_path / "logs")
+    port = free_port()
+    try:
+        children.coordinator(models.a, port, "--heartbeat-timeout", "3")
+        first = children.engine(models.a, port, "--group", "0")
+        async with InferenceClient(f"tcp://127.0.0.1:{port}", token=children.secret) as client:
+            await client.wait_for_engines(1, timeout=300)
+            await client.pause()
+            policy = sorted(load_file(str(Path(models.b) / "model.safetensors")).items())
+            ack = await asyncio.wait_for(WeightSender(client, backend="gloo", timeout=60).send(policy, epoch=1), 120)
+            assert ack["detail"]["epoch"] == 1
+            await client.unpause()
+            assert [r.generated_tokens for r in await served_alone(client)] == models.expected.b
+
+            # a new engine joins: it pulls epoch 1 from the first, then serves alone
+            joiner = children.engine(models.a, port, "--group", "1")
+            await engines_until(client, serving(2))
+            await kill(first, client, left=1)
+            outs = await served_alone(client)
+            assert [r.generated_tokens for r in outs] == models.expected.b
+            assert all(set(r.policy_epochs) == {1} for r in outs)
+
+            # the killed engine restarts from A: it pulls from the joiner, then serves alone
+            children.engine(models.a, port, "--group", "0")
+            engines = await engines_until(client, serving(2))
+            assert len({e["weights"] for e in engines}) == 1  # the trainer's, as the fleet's
+            await kill(joiner, client, left=1)
+            status = await client.status()
+            assert status["epoch"] == 1 and [e["epoch"] for e in status["engines"]] == [1]
+            outs = await served_alone(client)
+            assert [r.generated_tokens for r in outs] == models.expected.b
+            assert all(set(r.policy_epochs) == {1} for r in outs)
+
+            # control: nobody left to pull from, so an engine started from A holds A (epoch 0) and gets no requests
+            await kill(children.procs[-1][0], client, left=0)
+            children.engine(models.a, port, "--group", "2")
+            engines = await engines_until(client, lambda es: len(es) == 1)
+            assert [(e["epoch"], e["weights"]) for e in engines] == [(0, models.a)]
+            assert (await client.status())["epoch_mismatch"] == [engines[0]["id"]]
+    finally:
+        children.kill_all()
