@@ -105,7 +105,7 @@ def test_a_step_holds_each_adapters_rows_in_one_slice(base, adapters, grouped, m
     runs = []
     while engine.has_unfinished_requests():
         engine.step()
-        runs.append(engine.runner.lora_rows.batch.runs)
+        runs.append(engine.worker.runner.lora_rows.batch.runs)
     assert len(runs) >= NEW_TOKENS
     if grouped:
         assert all(r[0] == -1 and sorted(r) == sorted(set(r)) and len(r) == 4 for r in runs), runs
