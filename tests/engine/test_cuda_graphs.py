@@ -125,9 +125,9 @@ def test_suspend_releases_graphs_and_resume_captures_them_over_the_new_pool(tiny
     engine = llm.engine
 
     requests = generate_each_partially(llm, steps=6)
-    engine.suspend()
+    engine.memory.suspend()
     assert not graphs.captured  # nothing holds the freed pool any more
-    engine.resume()
+    engine.memory.resume()
     assert graphs.captured and capture.captured_sizes == [8, 4, 2, 1] * 2
     replays_before = len(capture.replayed_sizes)
     while engine.has_unfinished_requests():
@@ -153,7 +153,7 @@ def test_graphs_survive_refit_and_serve_the_new_weights(tiny_llama, tmp_path):
     want = [o.generated_tokens for o in MegatronLLM(str(other), config()).generate(PROMPTS, GREEDY)]
     llm = MegatronLLM(tiny_llama, config())
     capture = install_graphs(llm.engine, [1, 2, 4, 8])
-    llm.engine.refit(other)
+    llm.engine.memory.refit(other)
     assert llm.engine.worker.runner.graphs.decode.captured  # weights were copied in place: same addresses
     outs = llm.generate(PROMPTS, GREEDY)
     assert [o.generated_tokens for o in outs] == want
@@ -224,8 +224,8 @@ def test_a_failed_capture_leaves_a_working_eager_engine(tiny_llama, eager_output
     assert engine.worker.runner.graphs is None
     assert "capturing CUDA graphs failed" in caplog.text
     assert [o.generated_tokens for o in llm.generate(PROMPTS, GREEDY)] == tokens
-    engine.suspend()
-    engine.resume()  # no graphs to capture again: still serves
+    engine.memory.suspend()
+    engine.memory.resume()  # no graphs to capture again: still serves
     assert [o.generated_tokens for o in llm.generate(PROMPTS, GREEDY)] == tokens
 
 
@@ -267,8 +267,8 @@ def test_real_cuda_graphs_equal_the_eager_engine(tiny_llama):
     assert [o.generated_tokens for o in graphed.generate(PROMPTS, GREEDY)] == want
     assert [o.generated_tokens for o in generate_each(graphed, PROMPTS, STAGGERED)] == \
         [o.generated_tokens for o in generate_each(eager, PROMPTS, STAGGERED)]
-    graphed.engine.suspend()
+    graphed.engine.memory.suspend()
     assert not graphed.engine.worker.runner.graphs.decode.captured
-    graphed.engine.resume()
+    graphed.engine.memory.resume()
     assert graphed.engine.worker.runner.graphs.decode.captured
     assert [o.generated_tokens for o in graphed.generate(PROMPTS, GREEDY)] == want

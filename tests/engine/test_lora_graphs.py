@@ -71,9 +71,9 @@ def test_adapter_decode_steps_replay_graphs_and_equal_the_eager_engine(base, ada
     _assert_close(got, [out for out, job in zip(eager, JOBS) if job[1] is not None])
     _assert_close(_run(engine), eager)
     assert eager[0][0] != _run(engine, [(PROMPTS[0], None, 4)])[0][0]  # control: the adapter changes the tokens
-    engine.suspend()
+    engine.memory.suspend()
     assert not engine.worker.runner.graphs.lora_decode.captured
-    engine.resume()
+    engine.memory.resume()
     assert engine.worker.runner.graphs.lora_decode.captured
     _assert_close(_run(engine), eager)
 
@@ -94,7 +94,7 @@ def test_real_cuda_graphs_with_adapters_equal_the_eager_engine(base, adapters):
     engine = _engine(base, adapters, device="cuda")
     assert engine.worker.runner.graphs.lora_decode.captured
     _assert_close(_run(engine), eager)
-    engine.suspend()
-    engine.resume()
+    engine.memory.suspend()
+    engine.memory.resume()
     assert engine.worker.runner.graphs.lora_decode.captured
     _assert_close(_run(engine), eager)

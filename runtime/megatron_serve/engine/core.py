@@ -1,21 +1,22 @@
 """``DynamicInferenceEngine``: one model replica, its paged KV cache, and the step loop over requests.
 
-A step is three calls with one job each: ``schedule()`` picks what runs (the scheduler), ``launch()``
-writes the plan into the persistent step buffers, runs the forward and samples on the device without
-waiting for it, and ``finish()`` reads the sampled tokens back and updates the requests. With
-``async_scheduling`` (the default), ``step()`` schedules and launches step N+1 before it finishes step
-N, so on a GPU the host's work for the next step (scheduling, the plan, kernel launches, reading
-results, building outputs) overlaps the device's work on the current one; a request's next input token
-then stays on the device (the plan gathers it there) and the host reads it one step later. Per-request
-sampling state (parameters, penalties' token counts, seeds) lives on the device (``sampling_state``),
-so a penalised request samples every step too. A grammar row's mask needs its previous token on the
-host: a step with such a row launches its forward, then finishes the step before it (the one sync
-point, taken only by steps with a grammar row, while the new forward runs), fills the masks and
-samples (vLLM's split of ``execute_model`` and ``sample_tokens`` under async scheduling). Stop
-conditions are seen one step late, so a finished request may have computed one more row, which is
-dropped: the outputs are those of the serial loop, token for token. Speculative verify steps overlap
-too: the step after one is planned as if it accepted every draft and corrected on the device by the
-drafts it rejected (:mod:`.speculative.decoder`; the cases that read first instead are listed in
+The engine is the loop over three kinds of object: the scheduler (:mod:`.scheduler`: which requests run, and
+what a finished step did to them), the worker (:mod:`.worker`: the device half, its runner, sampler, sampling
+state, grammar masks and image embeddings) and the verbs' objects (``memory``: suspend, resume, refit;
+``adapters``: LoRA; ``speculation``: the verify step, with speculative decoding on). A step is three calls with
+one job each: ``schedule()`` picks what runs, the worker's ``launch()`` writes the plan into the persistent step
+buffers, runs the forward and samples on the device without waiting for it, and ``_finish()`` reads the sampled
+tokens back (the worker) and updates the requests (the scheduler). With ``async_scheduling`` (the default),
+``step()`` schedules and launches step N+1 before it finishes step N, so on a GPU the host's work for the next
+step (scheduling, the plan, kernel launches, reading results, building outputs) overlaps the device's work on the
+current one; a request's next input token then stays on the device (the plan gathers it there) and the host reads
+it one step later. A grammar row's mask needs its previous token on the host: a step with such a row launches its
+forward, then finishes the step before it (the one sync point, taken only by steps with a grammar row, while the
+new forward runs), fills the masks and samples (vLLM's split of ``execute_model`` and ``sample_tokens`` under
+async scheduling). Stop conditions are seen one step late, so a finished request may have computed one more row,
+which is dropped: the outputs are those of the serial loop, token for token. Speculative verify steps overlap
+too: the step after one is planned as if it accepted every draft and corrected on the device by the drafts it
+rejected (:mod:`.speculative.decoder`; the cases that read first instead are listed in
 :meth:`~.speculative.stepping.SpeculativeSteps.overlaps`).
 
 The engine never raises for a bad request: the request fails alone and comes back from ``step()``.
@@ -34,7 +35,6 @@ from ..model.config import ModelConfig
 from ..model.llama import LlamaForCausalLM
 from ..model.loader import load_model
 from ..tokenizer import Tokenizer
-from ..weights.sources import WeightSource
 from ..wire.engine_stats import EngineStats
 from ..wire.request import DynamicInferenceRequest
 from .admission import Admission
@@ -49,7 +49,7 @@ from .memory_verbs import DeviceMemory
 from .runner import ModelRunner
 from .sampler import Sampler
 from .scheduler import ScheduledBatch, Scheduler
-from .served import EngineFacts
+from .served import EngineFacts, EngineLoad
 from .sizing import build_kv_pool, default_dtype, engine_buffers, max_sequence_length_for, parameter_bytes
 from .speculative.decoder import Speculator
 from .speculative.factory import make_proposer
@@ -118,19 +118,13 @@ class DynamicInferenceEngine:
         scheduler's, which keys the prefix cache and the tokens' epochs with it."""
         return self.scheduler.epoch
 
-    @epoch.setter
-    def epoch(self, epoch: int) -> None:
-        self.scheduler.epoch = epoch
-
-    @property
-    def computed_tokens(self) -> int:
-        """Tokens run through the model (prefill and decode), for counters: the worker's."""
-        return self.worker.computed_tokens
-
-    @property
-    def cached_tokens(self) -> int:
-        """Prompt tokens skipped so far because their KV blocks were found in the prefix cache (either tier)."""
-        return self.scheduler.cached_tokens + self.scheduler.host_cached_tokens
+    def load(self) -> EngineLoad:
+        """What the engine holds and has done, for the heartbeat (:class:`~.served.ServedEngine`)."""
+        scheduler = self.scheduler
+        return EngineLoad(running=len(scheduler.running), waiting=len(scheduler.waiting) + len(scheduler.lora_queue),
+                          kv_blocks_free=self.allocator.num_free, kv_blocks_total=self.allocator.num_blocks,
+                          cached_tokens=scheduler.cached_tokens + scheduler.host_cached_tokens,
+                          computed_tokens=self.worker.computed_tokens)
 
     def metrics_snapshot(self) -> dict:
         """The cumulative engine metrics, as the heartbeat's ``metrics`` field carries them (``lora``: the adapters
@@ -148,7 +142,7 @@ class DynamicInferenceEngine:
     def facts(self) -> EngineFacts:
         """What the engine process's HELLO says about this engine (:class:`~.served.ServedEngine`)."""
         config = self.config
-        return EngineFacts(capacity=config.max_requests, kv_blocks_total=self.kv_blocks_total,
+        return EngineFacts(capacity=config.max_requests, kv_blocks_total=self.allocator.num_blocks,
                            tensor_parallel_size=config.tensor_parallel_size, kv_cache_bytes=self.kv_cache.num_bytes,
                            max_sequence_length=self.max_sequence_length, block_size=config.block_size_tokens,
                            prefix_caching=config.enable_prefix_caching,
@@ -186,23 +180,7 @@ class DynamicInferenceEngine:
         """Stop the other tensor-parallel ranks, if any; the engine is unusable afterwards."""
         self.worker.runner.shutdown()
 
-    # ------------------------------------------------------------ public API
-    @property
-    def num_running(self) -> int:
-        return len(self.scheduler.running)
-
-    @property
-    def num_waiting(self) -> int:
-        return len(self.scheduler.waiting) + len(self.scheduler.lora_queue)
-
-    @property
-    def kv_blocks_total(self) -> int:
-        return self.allocator.num_blocks
-
-    @property
-    def kv_blocks_free(self) -> int:
-        return self.allocator.num_free
-
+    # ------------------------------------------------------------ requests in and out
     def has_unfinished_requests(self) -> bool:
         """Outputs to hand out, requests to run, or a step in flight that still samples for a live request
         (one whose requests were all aborted meanwhile has nothing left to give: the next step drops it)."""
@@ -306,32 +284,3 @@ class DynamicInferenceEngine:
     def _finish(self, step: InFlightStep) -> list[StepOutput]:
         """Read a launched step's results (waits for the device) and hand each request its tokens."""
         return self.scheduler.update_from_output(step, self.worker.read(step))
-
-    # ------------------------------------------------------------------ verbs (held objects)
-    @property
-    def kept_kv_bytes(self) -> int:
-        return self.memory.kept_kv_bytes
-
-    def suspend(self, level: int = 1, keep_kv: bool = False) -> int:
-        return self.memory.suspend(level, keep_kv)
-
-    def resume(self) -> None:
-        self.memory.resume()
-
-    def verify_refit(self, source: str | Path | WeightSource) -> float:
-        return self.memory.verify_refit(source)
-
-    def refit(self, source: str | Path | WeightSource, epoch: int | None = None) -> dict[str, float]:
-        return self.memory.refit(source, epoch)
-
-    def lora_adapters(self) -> dict[str, str] | None:
-        return self.adapters.names()
-
-    def verify_lora_adapter(self, name: str, path: str) -> float:
-        return self.adapters.verify(name, path)
-
-    def load_lora_adapter(self, name: str, path: str) -> float:
-        return self.adapters.load(name, path)
-
-    def unload_lora_adapter(self, name: str) -> None:
-        self.adapters.unload(name)
