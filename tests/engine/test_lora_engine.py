@@ -117,11 +117,11 @@ def test_prefix_cache_does_not_cross_adapters(base, adapters):
     engine = _engine(base, adapters)
     prompt = PROMPTS[6]  # several complete blocks
     first, = run_requests(engine, [(prompt, _greedy("r8"))])
-    cached_before = engine.cached_tokens
+    cached_before = engine.load().cached_tokens
     other, = run_requests(engine, [(prompt, _greedy("r16"))])
-    assert engine.cached_tokens == cached_before, "another adapter's blocks were reused"
+    assert engine.load().cached_tokens == cached_before, "another adapter's blocks were reused"
     again, = run_requests(engine, [(prompt, _greedy("r8"))])
-    assert engine.cached_tokens > cached_before, "control: the same adapter reuses its blocks"
+    assert engine.load().cached_tokens > cached_before, "control: the same adapter reuses its blocks"
     assert again.generated_tokens == first.generated_tokens
 
 
