@@ -28,6 +28,7 @@ off the step thread.
 from __future__ import annotations
 
 import logging
+import weakref
 from pathlib import Path
 
 from ..config import InferenceConfig
@@ -95,8 +96,7 @@ class DynamicInferenceEngine:
         self.speculator = (None if spec is None else Speculator(make_proposer(config, model_dir, model),
                                                                 spec.num_speculative_tokens, self.stats, spec.adaptive,
                                                                 cpu=self.device.type == "cpu"))
-        self.worker = ModelWorker(model, tokenizer, config, runner, self.kv_cache, self.parity, self.speculator,
-                                  lambda sequence, message: self.scheduler.fail(sequence, message))
+        self.worker = ModelWorker(model, tokenizer, config, runner, self.kv_cache, self.parity, self.speculator)
         self.loras = engine_loras(model, config, runner, self.kv_cache.layer_caches)  # after the base graphs
         admission = Admission(model.config, self.max_sequence_length, block_size, self.allocator.num_blocks,
                               tuple(tokenizer.eos_token_ids), config.seed, self.worker.encoder_cache, self.loras,
@@ -104,12 +104,16 @@ class DynamicInferenceEngine:
         self.scheduler = Scheduler(self.allocator, block_size, config.max_batch_tokens, config.max_requests,
                                    config.long_prefill_token_threshold, config.max_long_partial_prefills,
                                    admission=admission, stats=self.stats, parity=self.parity)
-        self.scheduler.leaving.append(lambda sequence: self.kv_transfer.on_leave(sequence, self.epoch))
+        # Nothing the engine holds refers back to it (a cycle kept a dropped engine and its KV pool alive until a
+        # later garbage collection): the hooks close over its parts, the verbs reach settle() through a weak reference.
+        kv_transfer, scheduler = self.kv_transfer, self.scheduler
+        scheduler.leaving.append(lambda sequence: kv_transfer.on_leave(sequence, scheduler.epoch))
         self.scheduler.forgets.append(self.worker.forget)
         self.speculation = (None if self.speculator is None else
                             SpeculativeSteps(self.speculator, self.scheduler, self.worker, config))
+        settle = weakref.WeakMethod(self.settle)
         self.memory = DeviceMemory(model, config, self.worker, self.kv_cache, self.scheduler, self.parity,
-                                   self.speculator, self.loras, self.settle)
+                                   self.speculator, self.loras, lambda: settle()())
         self.adapters = Adapters(self.loras, self.stats)
 
     @property
@@ -237,7 +241,8 @@ class DynamicInferenceEngine:
         outputs = self.scheduler.take_pending()
         speculation = self.speculation
         batch = speculation.schedule(ks, self) if ks and speculation is not None else self.schedule()
-        launched = self.worker.launch(batch, self._in_flight, self.epoch) if batch is not None else None
+        launched = (self.worker.launch(batch, self._in_flight, self.epoch, self.scheduler.fail) if batch is not None
+                    else None)
         previous, self._in_flight = self._in_flight, None
         if speculation is not None and launched is not None:
             speculation.launched(batch, launched, previous, ks)

@@ -53,12 +53,11 @@ def encoder_cache_for(model: LlamaForCausalLM, tokenizer: Tokenizer) -> EncoderC
 
 class ModelWorker:
     """Launches, samples and reads steps over one model replica's runner and KV pool. ``parity``: the engine's
-    log-prob checks (their prompt rows are scored as their originals were processed); ``fail``: how a request
-    whose images cannot be encoded leaves (the scheduler's); ``speculator``: the verify hook, with speculation on."""
+    log-prob checks (their prompt rows are scored as their originals were processed); ``speculator``: the verify
+    hook, with speculation on. Nothing it holds refers back to the engine."""
 
     def __init__(self, model: LlamaForCausalLM, tokenizer: Tokenizer, config: InferenceConfig, runner: ModelRunner,
-                 kv_cache: KVCachePool, parity: ParityChecker, speculator: Speculator | None,
-                 fail: Callable[[Sequence, str], None]):
+                 kv_cache: KVCachePool, parity: ParityChecker, speculator: Speculator | None):
         self.config = config
         self.kv_cache = kv_cache
         self.runner = runner
@@ -72,15 +71,15 @@ class ModelWorker:
         self.encoder_cache = encoder_cache_for(model, tokenizer)
         self.parity = parity
         self.speculator = speculator
-        self._fail = fail
         self.computed_tokens = 0  # tokens run through the model (prefill and decode), for counters
 
     def launch(self, batch: ScheduledBatch, previous: InFlightStep | None, epoch: int,
-               verify_at_once: bool = False) -> InFlightStep | None:
+               fail: Callable[[Sequence, str], None], verify_at_once: bool = False) -> InFlightStep | None:
         """Write the plan, run the forward and sample on the device; nothing waits for the device here, except
         with ``verify_at_once`` (a verify step not overlapped), whose drafts are verified and read right away.
         ``previous``: the step in flight, whose sampled tokens (and, after a verify step, whose rejected drafts)
-        the plan gathers on the device; ``epoch``: the weights' generation new KV is computed under.
+        the plan gathers on the device; ``epoch``: the weights' generation new KV is computed under; ``fail``: how a
+        request whose images cannot be encoded leaves (the scheduler's).
 
         A step with a grammar row whose previous token is still in flight is returned unsampled: the step loop
         samples it once that token is on the host.
@@ -89,7 +88,7 @@ class ModelWorker:
         if self.encoder_cache is not None:
             images, entries, failed = self.encoder_cache.prepare(entries)
             for sequence, message in failed:
-                self._fail(sequence, message)
+                fail(sequence, message)
             if not entries:
                 return None
         plan = write_plan(entries, self.config.block_size_tokens, self.runner.buffers, images)

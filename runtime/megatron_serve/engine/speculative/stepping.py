@@ -112,7 +112,8 @@ class SpeculativeSteps:
         scheduler = self.scheduler
         loop.settle()
         batch = self.schedule(ks, loop)
-        step = self.worker.launch(batch, None, scheduler.epoch, verify_at_once=True) if batch is not None else None
+        step = (self.worker.launch(batch, None, scheduler.epoch, scheduler.fail, verify_at_once=True)
+                if batch is not None else None)
         if step is not None:
             self.speculator.observe(step.entries, step.starts)
             # launch() verified it: no row waits for a token in flight
