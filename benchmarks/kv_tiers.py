@@ -63,7 +63,7 @@ def tiers(model_dir: str, args, tier: float | None) -> dict:
     engine = llm.engine
     host = engine.host_tier
     return {"ttft": statistics.median(ttft), "cpu": statistics.mean(cpu), "outputs": outputs,
-            "cached": engine.cached_tokens, "host_hits": engine.scheduler.host_cached_tokens,
+            "cached": engine.load().cached_tokens, "host_hits": engine.scheduler.host_cached_tokens,
             "bytes": dict(host.stats.bytes) if host is not None else {}}
 
 
@@ -80,13 +80,13 @@ def suspend(model_dir: str, args, keep_kv: bool) -> dict:
         engine.step()
     engine.sync()
     counts = [len(r.generated_tokens) for r in requests]
-    computed = engine.computed_tokens
+    computed = engine.load().computed_tokens
     _sync(args.device)
     started = time.perf_counter()
-    engine.suspend(keep_kv=keep_kv)
-    kept = engine.kept_kv_bytes
+    engine.memory.suspend(keep_kv=keep_kv)
+    kept = engine.memory.kept_kv_bytes
     suspended = time.perf_counter()
-    engine.resume()
+    engine.memory.resume()
     _sync(args.device)
     resumed = time.perf_counter()
     while any(len(r.generated_tokens) <= count for r, count in zip(requests, counts)):
@@ -95,7 +95,7 @@ def suspend(model_dir: str, args, keep_kv: bool) -> dict:
     _sync(args.device)
     back = time.perf_counter()
     return {"suspend_s": suspended - started, "resume_s": resumed - suspended, "next_token_s": back - resumed,
-            "kept_bytes": kept, "computed": engine.computed_tokens - computed}
+            "kept_bytes": kept, "computed": engine.load().computed_tokens - computed}
 
 
 def main() -> None:

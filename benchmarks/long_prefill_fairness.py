@@ -33,7 +33,7 @@ def play(engine: DynamicInferenceEngine, every: int) -> dict[str, float]:
                                                    sampling_params=SCORED))
     added: dict[str, tuple[int, float]] = {}
     latencies: list[tuple[int, float]] = []
-    computed = engine.computed_tokens
+    computed = engine.load().computed_tokens
     steps, started = 0, time.perf_counter()
     choices_left = 48
     while engine.has_unfinished_requests():
@@ -51,7 +51,7 @@ def play(engine: DynamicInferenceEngine, every: int) -> dict[str, float]:
             elif out.finished:
                 choices_left -= 1
     seconds = time.perf_counter() - started
-    return {"steps": steps, "seconds": seconds, "tokens_per_step": (engine.computed_tokens - computed) / steps,
+    return {"steps": steps, "seconds": seconds, "tokens_per_step": (engine.load().computed_tokens - computed) / steps,
             "short": len(latencies), "p50_steps": statistics.median(s for s, _ in latencies),
             "max_steps": max(s for s, _ in latencies), "p50_ms": statistics.median(t for _, t in latencies) * 1000,
             "max_ms": max(t for _, t in latencies) * 1000}

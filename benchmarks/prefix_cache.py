@@ -51,7 +51,8 @@ def run(model_dir: str, prompts: list[list[int]], lone: list[list[int]], caching
     engine = llm.engine
     warm = [[7 + (i % 400) for i in range(64)]]  # warm-up of kernels, sharing no block with the workload
     llm.generate(warm, SamplingParams(temperature=0.0, num_tokens_to_generate=4, ignore_eos=True))
-    cached0, computed0 = engine.cached_tokens, engine.computed_tokens
+    before = engine.load()
+    cached0, computed0 = before.cached_tokens, before.computed_tokens
     params = SamplingParams(temperature=0.0, num_tokens_to_generate=args.output_len, ignore_eos=True)
     _sync(args.device)
     started = time.perf_counter()
@@ -59,7 +60,8 @@ def run(model_dir: str, prompts: list[list[int]], lone: list[list[int]], caching
     _sync(args.device)
     elapsed = time.perf_counter() - started
     ttfts = [o.ttft for o in outs]
-    burst_cached, burst_computed = engine.cached_tokens - cached0, engine.computed_tokens - computed0
+    after = engine.load()
+    burst_cached, burst_computed = after.cached_tokens - cached0, after.computed_tokens - computed0
     lone_ttfts = []
     for prompt in lone:
         out = llm.generate([prompt], SamplingParams(temperature=0.0, num_tokens_to_generate=1, ignore_eos=True))[0]
@@ -76,7 +78,7 @@ def run(model_dir: str, prompts: list[list[int]], lone: list[list[int]], caching
         "cached_tokens": burst_cached,
         "computed_tokens": burst_computed,
         "block_size": config.block_size_tokens,
-        "kv_blocks": engine.kv_blocks_total,
+        "kv_blocks": engine.allocator.num_blocks,
     }
     llm.close()
     del llm, engine

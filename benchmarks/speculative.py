@@ -195,9 +195,9 @@ def serve(engine: DynamicInferenceEngine, requests: list[DynamicInferenceRequest
         for request in requests[start: start + concurrency]:
             engine.add_request(request)
         while engine.has_unfinished_requests():
-            computed = engine.computed_tokens
+            computed = engine.load().computed_tokens
             engine.step()
-            forwards += engine.computed_tokens != computed
+            forwards += engine.load().computed_tokens != computed
     return forwards
 
 

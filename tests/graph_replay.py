@@ -35,11 +35,11 @@ def install_graphs(engine: DynamicInferenceEngine, batch_sizes: list[int],
     """Give ``engine`` a runner with decode graphs (and mixed graphs of ``mixed_sizes`` tokens, when given)
     over the stand-in capture, captured now."""
     capture = ReplayByRerun()
-    buffers = engine.runner.buffers
+    buffers = engine.worker.runner.buffers
     decode = DecodeGraphs(engine.model, batch_sizes, buffers, lambda: capture)
     mixed = MixedGraphs(engine.model, mixed_sizes, buffers) if mixed_sizes else None
     graphs = StepGraphs(decode, mixed, lambda: capture, engine.device)
-    engine.runner = ModelRunner(engine.model, engine.config.block_size_tokens, engine.device, buffers, graphs)
-    engine.memory.runner = engine.runner  # suspend releases, and resume captures, the graphs of the runner in use
-    engine.runner.capture_graphs(engine.kv_cache.layer_caches)
+    # the worker's: suspend releases, and resume captures, the graphs of the runner in use through it
+    engine.worker.runner = ModelRunner(engine.model, engine.config.block_size_tokens, engine.device, buffers, graphs)
+    engine.worker.runner.capture_graphs(engine.kv_cache.layer_caches)
     return capture

@@ -216,3 +216,24 @@ def test_the_engine_class_holds_its_parts_and_nothing_in_the_engine_imports_it()
             if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[-1] == "core" and node.level:
                 importers.append(str(path.relative_to(engine)))
     assert importers == ["__init__.py"]
+
+
+#: The engine class is the step loop over its scheduler, worker and verbs' objects (issue 52's bound).
+MAX_ENGINE_CLASS_LINES = 300
+MAX_ENGINE_CLASS_METHODS = 20
+
+
+def test_the_engine_class_is_a_step_loop_of_bounded_size():
+    """``DynamicInferenceEngine`` stays at most MAX_ENGINE_CLASS_LINES lines and MAX_ENGINE_CLASS_METHODS methods,
+    every ``def`` in its body counted (properties, class methods and private helpers alike): a new job goes to the
+    scheduler, the worker or an object the engine holds, not into the loop. The runner is the worker's alone."""
+    engine = PACKAGES["megatron_serve"] / "engine"
+    (cls,) = [node for node in ast.parse((engine / "core.py").read_text()).body
+              if isinstance(node, ast.ClassDef) and node.name == "DynamicInferenceEngine"]
+    methods = [node.name for node in cls.body if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))]
+    lines = cls.end_lineno - cls.lineno + 1
+    assert lines <= MAX_ENGINE_CLASS_LINES, f"DynamicInferenceEngine is {lines} lines"
+    assert len(methods) <= MAX_ENGINE_CLASS_METHODS, f"DynamicInferenceEngine has {len(methods)} methods: {methods}"
+    assigned = {target.attr for node in ast.walk(cls) if isinstance(node, ast.Assign) for target in node.targets
+                if isinstance(target, ast.Attribute) and isinstance(target.value, ast.Name) and target.value.id == "self"}
+    assert "runner" not in assigned, "the engine holds the runner beside its worker"

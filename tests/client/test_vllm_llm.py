@@ -228,7 +228,7 @@ def test_constructor_keywords_reach_the_engine(tiny_llama, caplog):
                 config.num_kv_blocks, config.enable_prefix_caching, config.seed) == (64, 3, 128, 8, 40, False, 5)
         scheduler = llm.engine.scheduler
         assert (scheduler.long_prefill_token_threshold, scheduler.max_long_partial_prefills) == (24, 2)
-        assert llm.engine.kv_blocks_total == 40
+        assert llm.engine.load().kv_blocks_total == 40
     assert [r.getMessage() for r in caplog.records if "accepted for vLLM" in r.getMessage()] == [
         "swap_space is accepted for vLLM compatibility and changes nothing: preempted requests are recomputed, "
         "never swapped to host memory"]  # None/False are vLLM's defaults: nothing to warn about

@@ -11,7 +11,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from megatron_serve.engine.served import EngineFacts
+from megatron_serve.engine.served import EngineFacts, EngineLoad
 from megatron_serve.wire.request import DynamicInferenceRequest, EventType, FinishReason, RequestStatus
 
 BLOCK_BYTES = 4096
@@ -57,6 +57,54 @@ class _NoTransfers:
         pass
 
 
+class _Memory:
+    """A fake engine's device-memory verbs (``engine.memory``): the fake's own methods, which a test's fake
+    overrides."""
+
+    def __init__(self, fake: "FakeEngine") -> None:
+        self.fake = fake
+
+    @property
+    def kept_kv_bytes(self) -> int:
+        return self.fake.kept_kv_bytes
+
+    def suspend(self, level: int = 1, keep_kv: bool = False) -> int:
+        return self.fake.suspend(level, keep_kv)
+
+    def resume(self) -> None:
+        self.fake.resume()
+
+    def verify_refit(self, source: str) -> float:
+        return self.fake.verify_refit(source)
+
+    def refit(self, source: str, epoch: int | None = None) -> dict[str, float]:
+        return self.fake.refit(source, epoch)
+
+    @property
+    def peers(self) -> None:
+        """A fake never reports a layout digest, so the coordinator never pairs it for a peer pull."""
+        return None
+
+
+class _Adapters:
+    """A fake engine's LoRA verbs (``engine.adapters``): the fake's own methods, which a test's fake overrides."""
+
+    def __init__(self, fake: "FakeEngine") -> None:
+        self.fake = fake
+
+    def names(self) -> dict[str, str] | None:
+        return self.fake.lora_adapters()
+
+    def verify(self, name: str, path: str) -> float:
+        return self.fake.verify_lora_adapter(name, path)
+
+    def load(self, name: str, path: str) -> float:
+        return self.fake.load_lora_adapter(name, path)
+
+    def unload(self, name: str) -> None:
+        self.fake.unload_lora_adapter(name)
+
+
 class FakeEngine:
     def __init__(self, max_requests: int = 8, step_delay: float = 0.0, kv_blocks: int = 32,
                  block_size: int | None = None) -> None:
@@ -71,6 +119,8 @@ class FakeEngine:
         self.suspended = False
         self.steps = 0
         self.kv_transfer = _NoTransfers()
+        self.memory = _Memory(self)
+        self.adapters = _Adapters(self)
         self._gate = threading.Event()
         self._gate.set()
 
@@ -96,6 +146,11 @@ class FakeEngine:
     @property
     def kv_blocks_free(self) -> int:
         return 0 if self.suspended else self._kv_blocks - self.num_running
+
+    def load(self) -> EngineLoad:
+        return EngineLoad(running=self.num_running, waiting=self.num_waiting, kv_blocks_free=self.kv_blocks_free,
+                          kv_blocks_total=self.kv_blocks_total, cached_tokens=self.cached_tokens,
+                          computed_tokens=self.computed_tokens)
 
     def facts(self) -> EngineFacts:
         return EngineFacts(capacity=self.max_requests, kv_blocks_total=self._kv_blocks, block_size=self.block_size,
@@ -130,6 +185,9 @@ class FakeEngine:
     def add_request(self, request: DynamicInferenceRequest) -> None:
         request.add_event(EventType.ADD)
         self.requests[request.request_id] = request
+
+    def receive_kv(self, request_id: str) -> None:
+        raise NotImplementedError("a fake engine receives no KV blocks")  # it never prefills for another
 
     def step(self) -> list[FakeStepOutput]:
         if self.suspended:

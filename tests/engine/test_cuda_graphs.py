@@ -121,13 +121,13 @@ def test_suspend_releases_graphs_and_resume_captures_them_over_the_new_pool(tiny
     tokens, _, _ = eager_outputs
     llm = MegatronLLM(tiny_llama, config())
     capture = install_graphs(llm.engine, [1, 2, 4, 8])
-    graphs = llm.engine.runner.graphs.decode
+    graphs = llm.engine.worker.runner.graphs.decode
     engine = llm.engine
 
     requests = generate_each_partially(llm, steps=6)
-    engine.suspend()
+    engine.memory.suspend()
     assert not graphs.captured  # nothing holds the freed pool any more
-    engine.resume()
+    engine.memory.resume()
     assert graphs.captured and capture.captured_sizes == [8, 4, 2, 1] * 2
     replays_before = len(capture.replayed_sizes)
     while engine.has_unfinished_requests():
@@ -153,8 +153,8 @@ def test_graphs_survive_refit_and_serve_the_new_weights(tiny_llama, tmp_path):
     want = [o.generated_tokens for o in MegatronLLM(str(other), config()).generate(PROMPTS, GREEDY)]
     llm = MegatronLLM(tiny_llama, config())
     capture = install_graphs(llm.engine, [1, 2, 4, 8])
-    llm.engine.refit(other)
-    assert llm.engine.runner.graphs.decode.captured  # weights were copied in place: same addresses
+    llm.engine.memory.refit(other)
+    assert llm.engine.worker.runner.graphs.decode.captured  # weights were copied in place: same addresses
     outs = llm.generate(PROMPTS, GREEDY)
     assert [o.generated_tokens for o in outs] == want
     assert capture.replayed_sizes
@@ -172,8 +172,8 @@ def three_decode_rows(buffers: StepBuffers) -> StepPlan:
 def test_a_replay_pads_rows_to_write_nothing_and_returns_only_sampling_rows(tiny_llama):
     llm = MegatronLLM(tiny_llama, config())
     capture = install_graphs(llm.engine, [4])
-    engine, graphs = llm.engine, llm.engine.runner.graphs.decode
-    buffers = engine.runner.buffers
+    engine, graphs = llm.engine, llm.engine.worker.runner.graphs.decode
+    buffers = engine.worker.runner.buffers
     for layer_k, layer_v in engine.kv_cache.layer_caches:
         torch.manual_seed(0)
         layer_k.normal_()
@@ -184,7 +184,7 @@ def test_a_replay_pads_rows_to_write_nothing_and_returns_only_sampling_rows(tiny
     eager = ModelRunner(engine.model, BLOCK, engine.device, buffers).run_plan(plan, engine.kv_cache.layer_caches)
     assert graphs.covers(plan)
     capture.replayed_sizes.clear()
-    replayed = engine.runner.run_plan(plan, engine.kv_cache.layer_caches)
+    replayed = engine.worker.runner.run_plan(plan, engine.kv_cache.layer_caches)
     assert capture.replayed_sizes == [4] and replayed.routing is None  # one padded replay; a dense model
 
     assert replayed.logits.shape == eager.logits.shape == (2, engine.model.config.vocab_size)
@@ -217,22 +217,22 @@ def test_a_failed_capture_leaves_a_working_eager_engine(tiny_llama, eager_output
     def broken_capture(forward):
         raise RuntimeError("operation not permitted when stream is capturing")
 
-    graphs = DecodeGraphs(engine.model, [1, 2, 4, 8], engine.runner.buffers, lambda: broken_capture)
-    engine.runner = ModelRunner(engine.model, BLOCK, engine.device, engine.runner.buffers,
-                                StepGraphs(graphs, None, lambda: broken_capture, engine.device))
-    engine.runner.capture_graphs(engine.kv_cache.layer_caches)
-    assert engine.runner.graphs is None
+    graphs = DecodeGraphs(engine.model, [1, 2, 4, 8], engine.worker.runner.buffers, lambda: broken_capture)
+    engine.worker.runner = ModelRunner(engine.model, BLOCK, engine.device, engine.worker.runner.buffers,
+                                       StepGraphs(graphs, None, lambda: broken_capture, engine.device))
+    engine.worker.runner.capture_graphs(engine.kv_cache.layer_caches)
+    assert engine.worker.runner.graphs is None
     assert "capturing CUDA graphs failed" in caplog.text
     assert [o.generated_tokens for o in llm.generate(PROMPTS, GREEDY)] == tokens
-    engine.suspend()
-    engine.resume()  # no graphs to capture again: still serves
+    engine.memory.suspend()
+    engine.memory.resume()  # no graphs to capture again: still serves
     assert [o.generated_tokens for o in llm.generate(PROMPTS, GREEDY)] == tokens
 
 
 def test_graphs_cover_decode_only_plans_up_to_the_largest_size(tiny_llama):
     llm = MegatronLLM(tiny_llama, config())
     install_graphs(llm.engine, [1, 2])
-    graphs = llm.engine.runner.graphs.decode
+    graphs = llm.engine.worker.runner.graphs.decode
     assert graphs.covers(StepPlan(2, 2, 0, 1, 2, 0))
     assert not graphs.covers(StepPlan(3, 3, 0, 1, 3, 0))  # over the largest graph
     assert not graphs.covers(StepPlan(5, 1, 1, 1, 2, 0))  # a prefill chunk
@@ -262,13 +262,13 @@ def test_cuda_graphs_flag_round_trips_through_engine_argv():
 def test_real_cuda_graphs_equal_the_eager_engine(tiny_llama):
     eager = MegatronLLM(tiny_llama, config(device="cuda", enable_cuda_graphs=False, dtype="float32"))
     graphed = MegatronLLM(tiny_llama, config(device="cuda", dtype="float32"))
-    assert graphed.engine.runner.graphs.decode.captured
+    assert graphed.engine.worker.runner.graphs.decode.captured
     want = [o.generated_tokens for o in eager.generate(PROMPTS, GREEDY)]
     assert [o.generated_tokens for o in graphed.generate(PROMPTS, GREEDY)] == want
     assert [o.generated_tokens for o in generate_each(graphed, PROMPTS, STAGGERED)] == \
         [o.generated_tokens for o in generate_each(eager, PROMPTS, STAGGERED)]
-    graphed.engine.suspend()
-    assert not graphed.engine.runner.graphs.decode.captured
-    graphed.engine.resume()
-    assert graphed.engine.runner.graphs.decode.captured
+    graphed.engine.memory.suspend()
+    assert not graphed.engine.worker.runner.graphs.decode.captured
+    graphed.engine.memory.resume()
+    assert graphed.engine.worker.runner.graphs.decode.captured
     assert [o.generated_tokens for o in graphed.generate(PROMPTS, GREEDY)] == want

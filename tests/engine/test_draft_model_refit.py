@@ -76,7 +76,7 @@ def refit_under_load(models, named: list) -> tuple[DynamicInferenceEngine, list[
         engine.step()
     before = counts(engine)
     assert before[0] > 0
-    assert engine.refit(TensorSource.of(named), epoch=5)["epoch"] == 5
+    assert engine.memory.refit(TensorSource.of(named), epoch=5)["epoch"] == 5
     drain(engine)
     for request in in_flight:
         assert request.policy_epochs[0] == 0 and request.policy_epochs[-1] == 5
@@ -128,11 +128,11 @@ def test_drafter_tensors_that_do_not_fit_are_refused_before_any_weight_changes(m
     engine = engine_on(models["a"], models["d"])
     wide = make_tiny_model(f"{models['d']}-wide", seed=4, hidden_size=96)
     with pytest.raises(ValueError, match="drafter tensors do not fit the drafter"):
-        engine.refit(TensorSource.of(tensors(models["b"]) + tensors(str(wide), "drafter.")), epoch=5)
+        engine.memory.refit(TensorSource.of(tensors(models["b"]) + tensors(str(wide), "drafter.")), epoch=5)
     assert engine.epoch == 0 and not engine.speculator.proposer.stale
     engine.shutdown()
     plain = engine_on(models["a"], None)
     with pytest.raises(ValueError, match="runs no drafter to refit"):
-        plain.refit(TensorSource.of(tensors(models["b"]) + tensors(models["b"], "drafter.")), epoch=5)
+        plain.memory.refit(TensorSource.of(tensors(models["b"]) + tensors(models["b"], "drafter.")), epoch=5)
     assert plain.epoch == 0
     plain.shutdown()

@@ -155,7 +155,7 @@ def test_a_policy_refit_switches_eagle3_off(models):
     engine = engine_on(models["target"], eagle3(models["head"]))
     expected = run(engine, PROMPTS[:3], "a")
     tensors = [(name, tensor[:]) for name, tensor in iterate_checkpoint(models["target"])]
-    assert engine.refit(TensorSource.of(tensors), epoch=3)["epoch"] == 3
+    assert engine.memory.refit(TensorSource.of(tensors), epoch=3)["epoch"] == 3
     assert engine.speculator.proposer.stale
     before = counts(engine)
     assert run(engine, PROMPTS[:3], "b") == expected
@@ -202,7 +202,8 @@ def test_a_head_refit_with_the_policy_keeps_proposing(models):
               for n, t in iterate_checkpoint(models["target"])]
     head = [(n, torch.zeros_like(t[:]) if n == "norm.weight" else t[:]) for n, t in iterate_checkpoint(models["head"])
             if n not in ("d2t", "t2d")]  # the vocabulary maps: integers, not trained, kept by the head
-    assert engine.refit(TensorSource.of([*policy, *(("drafter." + n, t) for n, t in head)]), epoch=3)["epoch"] == 3
+    refitted = engine.memory.refit(TensorSource.of([*policy, *(("drafter." + n, t) for n, t in head)]), epoch=3)
+    assert refitted["epoch"] == 3
     proposer = engine.speculator.proposer
     assert not proposer.stale and not proposer.head.weights["norm.weight"].any()
     outputs = run(engine, PROMPTS[:3], "b")
@@ -212,6 +213,6 @@ def test_a_head_refit_with_the_policy_keeps_proposing(models):
 
     wrong = [*policy, ("drafter.fc.weight", torch.zeros(3, 3))]
     with pytest.raises(ValueError, match=r"EAGLE-3 tensor fc.weight has shape \(3, 3\)"):
-        engine.refit(TensorSource.of(wrong), epoch=4)
+        engine.memory.refit(TensorSource.of(wrong), epoch=4)
     assert engine.epoch == 3 and not proposer.stale  # refused before anything changed
     engine.shutdown()

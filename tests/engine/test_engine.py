@@ -44,7 +44,7 @@ def test_preemption_under_a_tiny_pool_keeps_outputs(tiny_llama, reference_output
     assert preemptions > 10
     assert all(o.status is RequestStatus.COMPLETED for o in outs)
     assert [o.generated_tokens for o in outs] == reference_outputs
-    assert llm.engine.kv_blocks_free == llm.engine.kv_blocks_total
+    assert llm.engine.load().kv_blocks_free == llm.engine.load().kv_blocks_total
 
 
 def test_a_request_preempted_while_its_step_is_in_flight_reports_the_epoch_its_token_was_computed_under(
@@ -115,7 +115,7 @@ def test_stop_word_ends_generation_and_is_trimmed(tiny_llama):
     keep = next(k for k in range(1, 41) if stop in tokenizer.decode(free.generated_tokens[:k]))
     assert out.generated_tokens == free.generated_tokens[:keep]
     deadline = time.monotonic() + 30  # the engine thread drops it after the caller has its answer
-    while llm.engine.has_unfinished_requests() or llm.engine.kv_blocks_free != llm.engine.kv_blocks_total:
+    while llm.engine.has_unfinished_requests() or llm.engine.load().kv_blocks_free != llm.engine.load().kv_blocks_total:
         assert time.monotonic() < deadline, "the engine kept a request that a stop string ended"
         time.sleep(0.01)
     kept = llm.generate(PROMPTS[2], SamplingParams(temperature=0.0, num_tokens_to_generate=40, ignore_eos=True,
@@ -248,7 +248,7 @@ def test_a_dropped_megatron_llm_stops_its_threads_and_frees_its_engine(tiny_llam
     params = SamplingParams(temperature=0.0, num_tokens_to_generate=2, ignore_eos=True)
     assert llm.generate(PROMPTS[0], params)[0].status is RequestStatus.COMPLETED  # its engine thread runs
     status = llm.status()  # direct mode: the engine's own counters
-    assert status["completed"] == 1 and status["engines"][0]["kv_blocks_total"] == llm.engine.kv_blocks_total
+    assert status["completed"] == 1 and status["engines"][0]["kv_blocks_total"] == llm.engine.load().kv_blocks_total
     engine = weakref.ref(llm.engine)
     del llm  # never closed
     deadline = time.monotonic() + 30
@@ -281,9 +281,9 @@ def test_suspend_releases_the_pool_and_resume_continues(tiny_llama, reference_ou
         engine.step()
     engine.sync()  # the step in flight (overlapped scheduling) delivers its tokens before the verb
     expected_bytes = engine.kv_cache.num_bytes
-    assert engine.suspend() == expected_bytes > 0
-    assert engine.step() == [] and engine.num_running == 0
-    engine.resume()
+    assert engine.memory.suspend() == expected_bytes > 0
+    assert engine.step() == [] and engine.load().running == 0
+    engine.memory.resume()
     while engine.has_unfinished_requests():
         engine.step()
     assert [r.generated_tokens for r in requests] == reference_outputs[: len(PROMPTS)]
@@ -299,7 +299,7 @@ def test_handed_back_requests_continue_on_another_engine(tiny_llama, reference_o
         first.step()
     handed = first.take_unfinished_requests()
     assert handed and not first.has_unfinished_requests()
-    assert first.kv_blocks_free == first.kv_blocks_total
+    assert first.load().kv_blocks_free == first.load().kv_blocks_total
     for request in handed:
         second.add_request(request)
     while second.has_unfinished_requests():
@@ -312,10 +312,10 @@ def test_abort_frees_blocks(tiny_llama):
     request = DynamicInferenceRequest("a", None, [5, 6, 7, 8], GREEDY)
     engine.add_request(request)
     engine.step()
-    assert engine.kv_blocks_free < engine.kv_blocks_total
+    assert engine.load().kv_blocks_free < engine.load().kv_blocks_total
     assert engine.abort_request("a") is request
     assert request.finish_reason is FinishReason.ABORT
-    assert engine.kv_blocks_free == engine.kv_blocks_total and not engine.has_unfinished_requests()
+    assert engine.load().kv_blocks_free == engine.load().kv_blocks_total and not engine.has_unfinished_requests()
     assert engine.abort_request("a") is None
 
 

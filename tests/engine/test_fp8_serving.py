@@ -151,7 +151,7 @@ def test_fp8_kv_prefix_caching_and_preemption_change_no_token(tmp_path):
     params = SamplingParams(temperature=0.0, num_tokens_to_generate=24, ignore_eos=True)
     _, roomy = _generate(model_dir, prompts, params, kv_cache_dtype="fp8", enable_prefix_caching=False)
     llm, cached = _generate(model_dir, prompts, params, kv_cache_dtype="fp8")
-    assert llm.engine.cached_tokens > 0
+    assert llm.engine.load().cached_tokens > 0
     tight = MegatronLLM(str(model_dir), InferenceConfig(dtype="float32", kv_cache_dtype="fp8", num_kv_blocks=14,
                                                         block_size_tokens=8, enable_prefix_caching=False))
     outs = tight.generate(prompts, params)

@@ -37,7 +37,7 @@ def run(served, interrupt=None, steps_before: int = 4):
     for _ in range(steps_before):
         served.step()
     served.sync()
-    before = served.computed_tokens
+    before = served.load().computed_tokens
     if interrupt is not None:
         interrupt(served)
     while served.has_unfinished_requests():
@@ -52,22 +52,22 @@ def test_suspend_with_keep_kv_resumes_bitwise_and_computes_only_the_new_tokens(t
 
     def suspend_keeping(served):
         pool_bytes = served.kv_cache.num_bytes
-        assert served.suspend(keep_kv=True) == pool_bytes > 0  # the device pool is released all the same
+        assert served.memory.suspend(keep_kv=True) == pool_bytes > 0  # the device pool is released all the same
         assert served.memory.parked is not None and served.memory.parked.num_bytes > 0
-        assert served.step() == [] and served.num_running == len(reference)  # still running, nothing computed
-        served.resume()
+        assert served.step() == [] and served.load().running == len(reference)  # still running, nothing computed
+        served.memory.resume()
 
     kept = engine(tiny_llama)
     requests, _ = run(kept, suspend_keeping)
     assert [r.generated_tokens for r in requests] == [r.generated_tokens for r in reference]
     assert [r.generated_log_probs for r in requests] == [r.generated_log_probs for r in reference]
-    assert kept.computed_tokens == uninterrupted.computed_tokens  # not one token computed twice
+    assert kept.load().computed_tokens == uninterrupted.load().computed_tokens  # not one token computed twice
     assert kept.memory.parked is None
 
     control = engine(tiny_llama)  # a plain suspend: the same tokens, but every context computed again
-    requests, _ = run(control, lambda served: (served.suspend(), served.resume()))
+    requests, _ = run(control, lambda served: (served.memory.suspend(), served.memory.resume()))
     assert [r.generated_tokens for r in requests] == [r.generated_tokens for r in reference]
-    assert control.computed_tokens > uninterrupted.computed_tokens
+    assert control.load().computed_tokens > uninterrupted.load().computed_tokens
 
 
 def continuation_under(model_dir: str, request: DynamicInferenceRequest, upto: int) -> list[int]:
@@ -86,23 +86,24 @@ def test_a_refit_in_between_recomputes_under_the_new_weights_by_default(tiny_lla
 
     def refit_while_suspended(served):
         seen.extend(len(r.request.generated_tokens) for r in served.scheduler.running)
-        served.suspend(keep_kv=True)
-        served.refit(other_weights)
-        served.resume()
+        served.memory.suspend(keep_kv=True)
+        served.memory.refit(other_weights)
+        served.memory.resume()
 
     recomputing = engine(tiny_llama)
     requests, before = run(recomputing, refit_while_suspended)
     for request, upto in zip(requests, seen):
         assert request.generated_tokens[upto:] == continuation_under(other_weights, request, upto)
         assert set(request.kv_epochs[upto:]) == {1}  # the context was computed again, under epoch 1
-    assert recomputing.computed_tokens - before > sum(len(r.prompt_tokens) for r in requests)
+    assert recomputing.load().computed_tokens - before > sum(len(r.prompt_tokens) for r in requests)
 
     seen.clear()
     keeping = engine(tiny_llama, kv_on_refit="keep")
     requests, before = run(keeping, refit_while_suspended)
     assert set(requests[0].kv_epochs[seen[0]:]) == {0}  # it went on over the old weights' KV, and says so
     assert set(requests[0].policy_epochs[seen[0]:]) == {1}
-    assert keeping.computed_tokens - before == sum(len(r.generated_tokens) - upto for r, upto in zip(requests, seen))
+    computed = keeping.load().computed_tokens - before
+    assert computed == sum(len(r.generated_tokens) - upto for r, upto in zip(requests, seen))
 
 
 def test_an_aborted_partial_rollout_resumed_by_token_ids_hits_its_own_blocks(tiny_llama):
@@ -116,11 +117,11 @@ def test_an_aborted_partial_rollout_resumed_by_token_ids_hits_its_own_blocks(tin
     served.sync()
     served.abort_request("rollout")
     partial = list(prompt) + rollout.generated_tokens
-    computed = served.computed_tokens
+    computed = served.load().computed_tokens
     resumed = DynamicInferenceRequest("resumed", "", partial, SamplingParams(temperature=0.0,
                                                                              num_tokens_to_generate=8, ignore_eos=True))
     served.add_request(resumed)
     while served.has_unfinished_requests():
         served.step()
     assert resumed.cached_tokens == (len(partial) - 1) // BLOCK * BLOCK  # prompt and generated blocks, its own
-    assert served.computed_tokens - computed < BLOCK + 8  # the tail of its last block and the new tokens only
+    assert served.load().computed_tokens - computed < BLOCK + 8  # the tail of its last block and the new tokens only

@@ -53,7 +53,7 @@ def test_serving_meets_no_kernel_variant_the_sweep_missed(arch, tmp_path, monkey
                                                  max_requests=6, max_sequence_length=96, num_kv_blocks=40))
     engine = llm.engine
     with recorded_variants() as swept:
-        compile_kernels(engine.runner.run_plan, engine.runner.buffers, engine.kv_cache.layer_caches, 8)
+        compile_kernels(engine.worker.runner.run_plan, engine.worker.runner.buffers, engine.kv_cache.layer_caches, 8)
     with recorded_variants() as served:
         serve_varied(llm)
     assert served, "serving launched no Triton kernel"

@@ -68,7 +68,7 @@ def test_a_refit_in_between_finds_nothing_in_either_tier(tiny_llama):
     first = [served.generate([p], PARAMS)[0] for p in batch]
     engine = served.engine
     assert engine.host_tier.num_cached > 0
-    engine.refit(tiny_llama)  # the same weights, a new epoch: KV of the old one must not be served
+    engine.memory.refit(tiny_llama)  # the same weights, a new epoch: KV of the old one must not be served
     assert engine.host_tier.num_cached == 0 and engine.allocator.num_cached == 0
     again = [served.generate([p], PARAMS)[0] for p in batch]
     assert [o.cached_tokens for o in again] == [0] * len(batch)
@@ -88,7 +88,7 @@ def computed_across_a_refit(model_dir: str) -> int:
     engine.add_request(old)
     for _ in range(3):
         engine.step()
-    engine.refit(model_dir)  # it keeps its KV and goes on: its later blocks chain from old-weights blocks
+    engine.memory.refit(model_dir)  # it keeps its KV and goes on: its later blocks chain from old-weights blocks
     while engine.has_unfinished_requests():
         engine.step()
     served.generate([prompt], PARAMS)  # the new weights compute and cache the prompt's two blocks

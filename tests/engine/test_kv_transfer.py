@@ -46,7 +46,7 @@ def prefill(model_dir: str) -> tuple[list[DynamicInferenceRequest], list[KVBlock
         served.add_request(request)
     finish(served)
     wire = [decode(encode(Header.KV_BLOCKS, blocks), TO_COORDINATOR).body for blocks in served.kv_transfer.take("e")]
-    return requests, wire, served.computed_tokens
+    return requests, wire, served.load().computed_tokens
 
 
 def decode_from(model_dir: str, firsts: list[DynamicInferenceRequest], blocks: list[KVBlocks]):
@@ -83,7 +83,7 @@ def test_a_decode_engine_continues_from_the_prefill_engines_blocks_bitwise(tiny_
     assert [r.generated_tokens for r in requests] == [r.generated_tokens for r in expected]
     # (a continuation's log probs are those of the tokens it generates: the first one's came from the prefill)
     assert [r.generated_log_probs for r in requests] == [r.generated_log_probs[1:] for r in expected]
-    assert served.computed_tokens == len(requests) * (MAX_TOKENS - 1)  # not one prompt token
+    assert served.load().computed_tokens == len(requests) * (MAX_TOKENS - 1)  # not one prompt token
     counts = served.kv_transfer.counts
     assert counts.transfers["received"] == len(blocks) and counts.bytes["received"] == sum(b.num_bytes for b in blocks)
 
@@ -101,7 +101,7 @@ def test_blocks_of_other_weights_are_not_used_and_the_context_is_computed(tiny_l
     stale = [msgspec.structs.replace(b, epoch=b.epoch + 1) for b in blocks]
     requests, served = decode_from(tiny_llama, firsts, stale)
     assert [r.generated_tokens for r in requests] == [r.generated_tokens for r in expected]
-    assert served.computed_tokens == sum(map(len, prompts())) + len(requests) * (MAX_TOKENS - 1)
+    assert served.load().computed_tokens == sum(map(len, prompts())) + len(requests) * (MAX_TOKENS - 1)
     assert served.kv_transfer.counts.transfers["received"] == 0
 
 
@@ -134,11 +134,11 @@ def test_blocks_larger_than_a_part_travel_in_parts_and_arrive_whole(tiny_llama, 
         ("r0", 0, 2), ("r0", 2, 1), ("r1", 0, 2), ("r1", 2, 1), ("r2", 0, 1)]
     requests, served = decode_from(tiny_llama, firsts, list(reversed(parts)))  # in any order
     assert [r.generated_tokens for r in requests] == [r.generated_tokens for r in expected]
-    assert served.computed_tokens == len(requests) * (MAX_TOKENS - 1)
+    assert served.load().computed_tokens == len(requests) * (MAX_TOKENS - 1)
     missing, served = decode_from(tiny_llama, firsts, [p for p in parts if (p.request_id, p.first_block) != ("r1", 2)])
     assert [r.generated_tokens for r in missing] == [r.generated_tokens for r in expected]
     assert served.kv_transfer.counts.transfers["received"] == 2  # r1 computed its context: a part never came
-    assert served.computed_tokens == len(prompts()[1]) + len(requests) * (MAX_TOKENS - 1)
+    assert served.load().computed_tokens == len(prompts()[1]) + len(requests) * (MAX_TOKENS - 1)
 
 
 def test_a_suspend_before_a_prefilled_request_runs_lets_its_blocks_go_and_it_computes_its_context(tiny_llama):
@@ -154,12 +154,12 @@ def test_a_suspend_before_a_prefilled_request_runs_lets_its_blocks_go_and_it_com
     for request in requests:
         served.add_request(request)
         served.receive_kv(request.request_id)
-    assert served.kv_blocks_free < served.kv_blocks_total  # waiting, with its blocks
-    served.suspend()
-    served.resume()
+    assert served.load().kv_blocks_free < served.load().kv_blocks_total  # waiting, with its blocks
+    served.memory.suspend()
+    served.memory.resume()
     finish(served)
     assert [r.generated_tokens for r in requests] == [r.generated_tokens for r in expected]
-    assert served.computed_tokens == sum(map(len, prompts())) + len(requests) * (MAX_TOKENS - 1)
+    assert served.load().computed_tokens == sum(map(len, prompts())) + len(requests) * (MAX_TOKENS - 1)
 
 
 @pytest.mark.parametrize("broken, problem", [

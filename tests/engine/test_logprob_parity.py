@@ -103,7 +103,7 @@ def test_a_refit_voids_the_checks_queued(tiny_llama):
     add(engine, "before-refit", PROMPTS[1], sampled(1, 4))
     while not engine.parity.pending:
         engine.step()
-    engine.refit(tiny_llama)  # the same weights, but a new epoch: the check would compare two generations
+    engine.memory.refit(tiny_llama)  # the same weights, but a new epoch: the check would compare two generations
     run_out(engine, [])
     assert engine.stats.counters["logprob_parity_checked"] == 0 and not engine.parity.pending
 

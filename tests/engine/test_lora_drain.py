@@ -85,9 +85,9 @@ def test_one_slot_drains_for_a_waiting_adapter_and_later_requests_queue_behind_i
     """One slot, adapter a running: b waits, and a request of a arriving after b queues behind it instead of sharing
     the slot (vLLM would let it in, and every later one, before b); b starts once a's first request finished."""
     run = _one_slot_run(base, adapters)
-    assert run.engine.scheduler.lora_queue.draining == 0 and run.engine.num_waiting == 1
+    assert run.engine.scheduler.lora_queue.draining == 0 and run.engine.load().waiting == 1
     run.add("a2", *ONE_SLOT_JOBS["a2"])
-    assert run.engine.num_waiting == 2, "a's slot drains: a2 waits behind b"
+    assert run.engine.load().waiting == 2, "a's slot drains: a2 waits behind b"
     run.finish()
     finished_a1 = run.started["a1"] + len(run.requests["a1"].generated_tokens) - 1
     assert finished_a1 < run.started["b"] < run.started["a2"]

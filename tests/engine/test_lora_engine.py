@@ -105,7 +105,7 @@ def test_a_step_holds_each_adapters_rows_in_one_slice(base, adapters, grouped, m
     runs = []
     while engine.has_unfinished_requests():
         engine.step()
-        runs.append(engine.runner.lora_rows.batch.runs)
+        runs.append(engine.worker.runner.lora_rows.batch.runs)
     assert len(runs) >= NEW_TOKENS
     if grouped:
         assert all(r[0] == -1 and sorted(r) == sorted(set(r)) and len(r) == 4 for r in runs), runs
@@ -117,11 +117,11 @@ def test_prefix_cache_does_not_cross_adapters(base, adapters):
     engine = _engine(base, adapters)
     prompt = PROMPTS[6]  # several complete blocks
     first, = run_requests(engine, [(prompt, _greedy("r8"))])
-    cached_before = engine.cached_tokens
+    cached_before = engine.load().cached_tokens
     other, = run_requests(engine, [(prompt, _greedy("r16"))])
-    assert engine.cached_tokens == cached_before, "another adapter's blocks were reused"
+    assert engine.load().cached_tokens == cached_before, "another adapter's blocks were reused"
     again, = run_requests(engine, [(prompt, _greedy("r8"))])
-    assert engine.cached_tokens > cached_before, "control: the same adapter reuses its blocks"
+    assert engine.load().cached_tokens > cached_before, "control: the same adapter reuses its blocks"
     assert again.generated_tokens == first.generated_tokens
 
 
@@ -135,8 +135,8 @@ def test_load_and_unload_while_requests_run(base, adapters):
     engine.step()
     engine.step()
     assert engine.has_unfinished_requests()
-    engine.unload_lora_adapter("r8")
-    engine.load_lora_adapter("r16", adapters["r16"])
+    engine.adapters.unload("r8")
+    engine.adapters.load("r16", adapters["r16"])
     late = [DynamicInferenceRequest(name, PROMPTS[2], engine.tokenizer.encode(PROMPTS[2]), _greedy(name))
             for name in ("r8", "r16")]
     for request in late:
@@ -168,15 +168,15 @@ def test_bad_adapter_loads_change_nothing(base, adapters, tmp_path):
     wide_key = "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"
     wide = _broken_copy(adapters["r8"], tmp_path / "wide", lambda t: t.update({wide_key: torch.zeros(8, 65)}))
     with pytest.raises(LoraAdapterError, match="rank 16 is above --max-lora-rank 8"):
-        engine.load_lora_adapter("big", adapters["r16"])
+        engine.adapters.load("big", adapters["r16"])
     with pytest.raises(LoraAdapterError, match="lm_head.lora_A.weight is not a LoRA weight"):
-        engine.load_lora_adapter("head", head)
+        engine.adapters.load("head", head)
     with pytest.raises(LoraAdapterError, match=r"layers.0.q_proj has lora_A \(8, 65\)"):
-        engine.load_lora_adapter("wide", wide)
+        engine.adapters.load("wide", wide)
     with pytest.raises(LoraAdapterError, match="gone' does not exist"):
-        engine.load_lora_adapter("gone", str(tmp_path / "gone"))
+        engine.adapters.load("gone", str(tmp_path / "gone"))
     with pytest.raises(LoraAdapterError, match="'r8' is already loaded"):
-        engine.load_lora_adapter("r8", adapters["r4"])
+        engine.adapters.load("r8", adapters["r4"])
     assert engine.loras.names() == {"r8": adapters["r8"]}
     after, = run_requests(engine, [(PROMPTS[0], _greedy("r8"))])
     assert after.generated_tokens == before.generated_tokens
@@ -188,11 +188,11 @@ def test_verify_stages_the_adapter_that_load_then_serves(base, adapters, tmp_pat
     engine = _engine(base, {}, max_loras=2, lora_allowed_dirs=[str(tmp_path), str(Path(adapters["r8"]).parent)])
     moved = tmp_path / "r8"
     shutil.copytree(adapters["r8"], moved)
-    assert engine.verify_lora_adapter("r8", str(moved)) >= 0 and engine.lora_adapters() == {}
+    assert engine.adapters.verify("r8", str(moved)) >= 0 and engine.adapters.names() == {}
     shutil.rmtree(moved)
-    assert engine.load_lora_adapter("r8", str(moved)) >= 0 and engine.lora_adapters() == {"r8": str(moved)}
+    assert engine.adapters.load("r8", str(moved)) >= 0 and engine.adapters.names() == {"r8": str(moved)}
     with pytest.raises(LoraAdapterError, match="'r8' is already loaded"):
-        engine.verify_lora_adapter("r8", adapters["r8"])
+        engine.adapters.verify("r8", adapters["r8"])
     assert engine.metrics_snapshot()["lora"] == {"max_loras": 2, "running": [], "waiting": []}
     requests = [DynamicInferenceRequest(f"q{i}", PROMPTS[0], engine.tokenizer.encode(PROMPTS[0]), _greedy(name))
                 for i, name in enumerate(("r8", None))]
@@ -246,10 +246,10 @@ def test_a_request_waits_for_the_one_slot_and_is_reported_waiting(base, adapters
     for request in (first, second, third):
         engine.add_request(request)
     engine.step()
-    assert (engine.num_running, engine.num_waiting) == (1, 2)
+    assert (engine.load().running, engine.load().waiting) == (1, 2)
     assert engine.metrics_snapshot()["lora"] == {"max_loras": 1, "running": ["r4"], "waiting": ["r16", "r8"]}
     assert engine.abort_request("c") is third
-    assert engine.num_waiting == 1
+    assert engine.load().waiting == 1
     first_tokens_when_second_started = None
     while engine.has_unfinished_requests():
         engine.step()
@@ -271,10 +271,10 @@ def test_every_adapter_given_at_start_is_loaded_and_beyond_the_host_limit_the_le
     outs = {name: run_requests(engine, [(PROMPTS[5], _greedy(name))])[0] for name in ("r4", "r8", "r16")}
     assert all(o.finish_reason.value == "length" for o in outs.values())
     assert outs["r4"].generated_tokens != outs["r8"].generated_tokens, "control: the adapters differ"
-    engine.load_lora_adapter("more", adapters["r4"])
+    engine.adapters.load("more", adapters["r4"])
     assert list(engine.loras.resident) == ["r8", "r16", "more"] and engine.loras.evicted == {"r4": (adapters["r4"], 0)}
     with pytest.raises(LoraAdapterError, match="'r4' is already loaded"):  # its host copy left, its name did not
-        engine.load_lora_adapter("r4", adapters["r8"])
+        engine.adapters.load("r4", adapters["r8"])
     assert list(engine.loras.resident) == ["r8", "r16", "more"] and engine.loras.evicted == {"r4": (adapters["r4"], 0)}
     assert sorted(engine.loras.names()) == ["more", "r16", "r4", "r8"]
     again, = run_requests(engine, [(PROMPTS[5], _greedy("r4"))])

@@ -48,8 +48,8 @@ def _graphed(base: str, adapters: dict[str, str]):
     """An engine whose decode steps replay stand-in graphs of batch 1, 2, 4 and 8, with adapter graphs too."""
     engine = _engine(base, adapters)
     capture = install_graphs(engine, [1, 2, 4, 8])
-    engine.runner.lora_rows = engine.loras.slots.rows
-    assert add_lora_graphs(engine.runner, engine.loras.slots, engine.kv_cache.layer_caches)
+    engine.worker.runner.lora_rows = engine.loras.slots.rows
+    assert add_lora_graphs(engine.worker.runner, engine.loras.slots, engine.kv_cache.layer_caches)
     return engine, capture
 
 
@@ -62,7 +62,7 @@ def _assert_close(got, want) -> None:
 def test_adapter_decode_steps_replay_graphs_and_equal_the_eager_engine(base, adapters):
     eager = _run(_engine(base, adapters))
     engine, capture = _graphed(base, adapters)
-    assert engine.runner.graphs.lora_decode.captured
+    assert engine.worker.runner.graphs.lora_decode.captured
     assert capture.captured_sizes == [8, 4, 2, 1, 8, 4, 2, 1]  # the base graphs, then the adapter graphs
     replays = len(capture.replayed_sizes)
     adapter_only = [job for job in JOBS if job[1] is not None]  # every decode step has adapter rows
@@ -71,10 +71,10 @@ def test_adapter_decode_steps_replay_graphs_and_equal_the_eager_engine(base, ada
     _assert_close(got, [out for out, job in zip(eager, JOBS) if job[1] is not None])
     _assert_close(_run(engine), eager)
     assert eager[0][0] != _run(engine, [(PROMPTS[0], None, 4)])[0][0]  # control: the adapter changes the tokens
-    engine.suspend()
-    assert not engine.runner.graphs.lora_decode.captured
-    engine.resume()
-    assert engine.runner.graphs.lora_decode.captured
+    engine.memory.suspend()
+    assert not engine.worker.runner.graphs.lora_decode.captured
+    engine.memory.resume()
+    assert engine.worker.runner.graphs.lora_decode.captured
     _assert_close(_run(engine), eager)
 
 
@@ -92,9 +92,9 @@ def test_graphs_without_the_padded_slot_ids_give_other_tokens(base, adapters, mo
 def test_real_cuda_graphs_with_adapters_equal_the_eager_engine(base, adapters):
     eager = _run(_engine(base, adapters, device="cuda", enable_cuda_graphs=False))
     engine = _engine(base, adapters, device="cuda")
-    assert engine.runner.graphs.lora_decode.captured
+    assert engine.worker.runner.graphs.lora_decode.captured
     _assert_close(_run(engine), eager)
-    engine.suspend()
-    engine.resume()
-    assert engine.runner.graphs.lora_decode.captured
+    engine.memory.suspend()
+    engine.memory.resume()
+    assert engine.worker.runner.graphs.lora_decode.captured
     _assert_close(_run(engine), eager)

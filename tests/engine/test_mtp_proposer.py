@@ -99,7 +99,7 @@ def test_a_refit_switches_the_mtp_layer_with_the_policy(models):
     for _ in range(3):
         engine.step()
     copy_tensors = [(name, tensor[:]) for name, tensor in iterate_checkpoint(models["copy"])]
-    assert engine.refit(TensorSource.of(copy_tensors), epoch=7)["epoch"] == 7
+    assert engine.memory.refit(TensorSource.of(copy_tensors), epoch=7)["epoch"] == 7
     assert not proposer.stale and proposer.mtp_epoch == 7
     copied = dict(copy_tensors)["model.layers.1.eh_proj.weight"]
     assert torch.equal(proposer.mtp.layer.eh_proj.weight, copied)
@@ -111,7 +111,7 @@ def test_a_refit_switches_the_mtp_layer_with_the_policy(models):
     assert drafts > 0 and accepted / drafts >= copy_accepted / copy_drafts * 0.9
 
     policy_only = [(name, tensor) for name, tensor in copy_tensors if not proposer.owns(name)]
-    assert engine.refit(TensorSource.of(policy_only), epoch=8)["epoch"] == 8
+    assert engine.memory.refit(TensorSource.of(policy_only), epoch=8)["epoch"] == 8
     assert proposer.stale
     before = counts(engine)
     assert run(engine, PROMPTS, "late") == expected

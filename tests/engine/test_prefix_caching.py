@@ -37,9 +37,9 @@ def test_outputs_equal_and_prefill_drops_by_the_shared_fraction(tiny_llama):
     assert on_engine.allocator.num_cached < sum(len(p) // BLOCK for p in prompts)
     prompt_tokens = sum(len(p) for p in prompts)
     shared_fraction = (len(prompts) - 4) * prefix_len / prompt_tokens  # every use of a prefix after its first
-    drop = (off_engine.computed_tokens - on_engine.computed_tokens) / prompt_tokens
+    drop = (off_engine.load().computed_tokens - on_engine.load().computed_tokens) / prompt_tokens
     assert drop >= shared_fraction, (drop, shared_fraction)
-    assert on_engine.cached_tokens >= (len(prompts) - 4) * prefix_len
+    assert on_engine.load().cached_tokens >= (len(prompts) - 4) * prefix_len
     assert sum(o.cached_tokens for o in outs) > 0 and all(o.cached_tokens <= prefix_len for o in outs)
 
 
@@ -66,9 +66,9 @@ def test_cache_is_dropped_on_suspend_and_outputs_stay_correct(tiny_llama):
     llm = MegatronLLM(tiny_llama, InferenceConfig(block_size_tokens=BLOCK, enable_prefix_caching=True))
     prompt = list(range(10, 10 + 3 * BLOCK + 5))
     first = llm.generate([prompt], PARAMS)[0]
-    llm.engine.suspend()
+    llm.engine.memory.suspend()
     assert llm.engine.allocator.num_cached == 0
-    llm.engine.resume()
+    llm.engine.memory.resume()
     again = llm.generate([prompt], PARAMS)[0]
     assert again.cached_tokens == 0 and again.generated_tokens == first.generated_tokens
 

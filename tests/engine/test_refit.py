@@ -34,7 +34,7 @@ def test_refit_switches_weights_and_in_flight_requests_show_the_switch(checkpoin
         engine.add_request(request)
     for _ in range(4):
         engine.step()
-    timings = engine.refit(b, epoch=7)
+    timings = engine.memory.refit(b, epoch=7)
     assert timings["epoch"] == 7 and timings["total_s"] >= timings["load_s"] > 0
     while engine.has_unfinished_requests():
         engine.step()
@@ -52,7 +52,7 @@ def test_refit_to_a_different_shape_fails_and_keeps_serving(checkpoints):
     expected_a = outputs(a)
     llm = MegatronLLM(a)
     with pytest.raises(ValueError, match="hidden_size is 96 but the serving model has 64"):
-        llm.engine.refit(wide)
+        llm.engine.memory.refit(wide)
     assert llm.engine.epoch == 0
     assert [o.generated_tokens for o in llm.generate(PROMPTS, GREEDY)] == expected_a
 
@@ -63,7 +63,7 @@ def test_refit_forgets_prefix_cache_of_old_weights(checkpoints):
     prompt = llm.tokenizer.encode(PROMPTS[6])
     llm.generate([prompt], GREEDY)
     assert llm.engine.allocator.num_cached > 0
-    llm.engine.refit(b)
+    llm.engine.memory.refit(b)
     out = llm.generate([prompt], GREEDY)[0]
     assert out.cached_tokens == 0
     assert out.generated_tokens == MegatronLLM(b).generate([prompt], GREEDY)[0].generated_tokens

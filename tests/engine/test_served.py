@@ -9,6 +9,7 @@ from __future__ import annotations
 from megatron_serve import InferenceConfig
 from megatron_serve.engine.core import DynamicInferenceEngine
 from megatron_serve.engine.process import EngineProcess
+from megatron_serve.engine.served import AdapterVerbs, MemoryVerbs, ServedEngine
 
 from ..coordinator.fakes import FakeEngine
 
@@ -25,6 +26,31 @@ def test_the_hello_of_a_real_engine_carries_its_facts(tiny_llama):
     assert info["kv_cache_bytes"] == engine.kv_cache.num_bytes > 0
     assert info["max_sequence_length"] == engine.max_sequence_length
     assert (info["tensor_parallel_size"], info["epoch"], info["weights"]) == (1, 0, tiny_llama)
+    for served in (engine, FakeEngine()):  # the protocol's members, the verbs' objects' included, all there
+        assert not _missing(served), _missing(served)
+
+
+def _members(protocol: type) -> set[str]:
+    return {name for name in [*vars(protocol), *protocol.__annotations__] if not name.startswith("_")}
+
+
+def _missing(engine: object) -> list[str]:
+    """The members of ``ServedEngine`` (and of its ``memory`` and ``adapters``) that ``engine`` lacks."""
+    missing = [name for name in _members(ServedEngine) if not hasattr(engine, name)]
+    for holder, protocol in (("memory", MemoryVerbs), ("adapters", AdapterVerbs)):
+        missing += [f"{holder}.{name}" for name in _members(protocol) if not hasattr(getattr(engine, holder), name)]
+    return missing
+
+
+def test_a_member_missing_is_seen():
+    """The control of the check above: an engine without one verb's method is caught."""
+
+    class NoUnload(FakeEngine):
+        def __init__(self) -> None:
+            super().__init__()
+            self.adapters = type("Adapters", (), {"names": None, "verify": None, "load": None})()
+
+    assert _missing(NoUnload()) == ["adapters.unload"]
 
 
 def test_an_engine_without_a_block_size_says_nothing_of_prefix_caching():

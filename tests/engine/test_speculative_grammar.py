@@ -124,7 +124,7 @@ def test_masks_with_drafts_are_each_positions_mask_and_leave_the_matcher_where_i
     """``bitmask`` with drafts equals, row by row, the mask of a matcher advanced over the drafts before that
     position, and rolls back: the matcher then masks and accepts as before."""
     engine = DynamicInferenceEngine.from_model_dir(tiny_llama, InferenceConfig(block_size_tokens=16))
-    structured, tokenizer = engine.structured, engine.tokenizer
+    structured, tokenizer = engine.worker.structured, engine.tokenizer
     spec = StructuredOutputsParams(json=OBJECTS)
     text = tokenizer.encode('[{"ok": true, "n": 2}, {"ok": false, "n": 3}]', add_special_tokens=False)
     stops = [frozenset(tokenizer.eos_token_ids)] * 2

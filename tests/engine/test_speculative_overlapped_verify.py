@@ -74,7 +74,7 @@ def check_against_plain(tiny_llama: str, spec_engine: DynamicInferenceEngine, pr
     assert counters["spec_decode_num_accepted_tokens"] > 0
     assert counters["spec_decode_num_draft_tokens"] > counters["spec_decode_num_accepted_tokens"]  # rejections too
     assert speculator.overlapped_verify_steps > 0
-    assert spec_engine.kv_blocks_free == spec_engine.kv_blocks_total  # rolled-back blocks came back
+    assert spec_engine.load().kv_blocks_free == spec_engine.load().kv_blocks_total  # rolled-back blocks came back
     return got
 
 
@@ -131,7 +131,7 @@ def test_an_abort_while_a_verify_step_is_in_flight(tiny_llama):
             assert request.generated_tokens == expected.generated_tokens[: len(request.generated_tokens)]
         else:
             assert outputs([request]) == outputs([expected])
-    assert spec.kv_blocks_free == spec.kv_blocks_total
+    assert spec.load().kv_blocks_free == spec.load().kv_blocks_total
 
 
 def test_preemption_under_a_tiny_pool_with_verify_steps_in_flight(tiny_llama, monkeypatch):
@@ -158,7 +158,7 @@ def test_preemption_under_a_tiny_pool_with_verify_steps_in_flight(tiny_llama, mo
     assert spec.stats.counters["num_preemptions"] > 0
     assert spec.speculator.overlapped_verify_steps > 0
     assert preempted_in_flight
-    assert spec.kv_blocks_free == spec.kv_blocks_total
+    assert spec.load().kv_blocks_free == spec.load().kv_blocks_total
 
 
 def test_fallbacks_verify_with_the_step_before_read(tiny_llama):

@@ -49,7 +49,7 @@ def add_all(engine: DynamicInferenceEngine, params: list[SamplingParams]) -> lis
 def steady(engine: DynamicInferenceEngine, requests: list[DynamicInferenceRequest]) -> None:
     """Step until every request has been prefilled and has sampled (nothing left to admit or bind)."""
     for _ in range(50):
-        if engine.num_waiting == 0 and all(len(r.generated_tokens) >= 2 for r in requests):
+        if engine.load().waiting == 0 and all(len(r.generated_tokens) >= 2 for r in requests):
             return
         engine.step()
     raise AssertionError("the batch never reached steady state")

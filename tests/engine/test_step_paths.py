@@ -183,7 +183,7 @@ def test_overlapped_loop_with_aborts_preemption_and_graphs_equals_serial(tiny_ll
     assert [r.finish_reason for r in overlapped] == [r.finish_reason for r in serial]
     kept = [i for i, r in enumerate(serial) if r.finish_reason is not FinishReason.ABORT]
     assert [overlapped[i].generated_tokens for i in kept] == [serial[i].generated_tokens for i in kept]
-    assert llm.engine.kv_blocks_free == llm.engine.kv_blocks_total  # every block came back
+    assert llm.engine.load().kv_blocks_free == llm.engine.load().kv_blocks_total  # every block came back
 
 
 def test_verbs_between_overlapped_steps_lose_nothing(tiny_llama, tmp_path):
@@ -205,11 +205,11 @@ def test_verbs_between_overlapped_steps_lose_nothing(tiny_llama, tmp_path):
 
     step_n(4)
     step_n(1, engine.sync)
-    engine.suspend()
+    engine.memory.suspend()
     step_n(2)  # suspended: nothing runs
-    engine.resume()
+    engine.memory.resume()
     step_n(3)
-    engine.refit(tiny_llama)  # finishes the step in flight: its tokens come out of the next step
+    engine.memory.refit(tiny_llama)  # finishes the step in flight: its tokens come out of the next step
     while engine.has_unfinished_requests():
         step_n(1)
     assert tokens(requests) == want

@@ -38,8 +38,8 @@ def _suspended_mid_request(model_dir: str, invariant: bool) -> list[float]:
         for _ in range(6):
             engine.step()
         assert 0 < len(target.generated_tokens) < TARGET_TOKENS, "the suspend is not mid-generation"
-        assert engine.suspend(1) > 0, "the suspend released nothing"
-        engine.resume()
+        assert engine.memory.suspend(1) > 0, "the suspend released nothing"
+        engine.memory.resume()
         while engine.has_unfinished_requests():
             engine.step()
         return target.generated_log_probs

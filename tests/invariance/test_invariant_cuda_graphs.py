@@ -27,7 +27,7 @@ def _target(model_dir: str, dtype: str, graphs: bool, others: int, sampled: bool
                              enable_cuda_graphs=graphs, max_requests=16)
     engine = DynamicInferenceEngine.from_model_dir(model_dir, config)
     try:
-        captured = engine.runner.graphs is not None and engine.runner.graphs.decode.captured
+        captured = engine.worker.runner.graphs is not None and engine.worker.runner.graphs.decode.captured
         assert captured == graphs, f"graphs captured: {captured}, wanted {graphs}"
         rng = random.Random(others)
         requests = [DynamicInferenceRequest(f"other-{i}", None,
@@ -55,6 +55,6 @@ def test_moe_models_stay_eager_in_the_mode(models):
     config = InferenceConfig(dtype="bfloat16", device="cuda", batch_invariant=True, block_size_tokens=16)
     engine = DynamicInferenceEngine.from_model_dir(models["qwen3_moe"], config)
     try:
-        assert engine.runner.graphs is None
+        assert engine.worker.runner.graphs is None
     finally:
         engine.shutdown()

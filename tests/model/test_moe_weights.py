@@ -53,9 +53,9 @@ def test_directory_refit_of_moe_weights(checkpoints):
     before = answers(llm)
     assert before != expected_b
     with pytest.raises(ValueError, match="moe is .*num_experts=4.* but the serving model has .*num_experts=8"):
-        llm.engine.refit(four)
+        llm.engine.memory.refit(four)
     assert answers(llm) == before  # a refused source leaves the old experts serving
-    llm.engine.refit(b)
+    llm.engine.memory.refit(b)
     assert answers(llm) == expected_b
 
 

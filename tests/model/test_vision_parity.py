@@ -99,4 +99,4 @@ def test_greedy_matches_transformers(vision_case, squeeze):
         assert out.generated_tokens == tokens
     if squeeze != "roomy":
         assert any(e.type is EventType.PREEMPT for out in outs for e in out.events), "the pool must force preemption"
-    assert llm.engine.encoder_cache.images_encoded >= 4
+    assert llm.engine.worker.encoder_cache.images_encoded >= 4

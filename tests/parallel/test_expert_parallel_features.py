@@ -138,9 +138,9 @@ def test_refit_from_a_directory_and_from_a_trainers_tensors(qwen3_moe, tmp_path)
     with MegatronLLM(qwen3_moe, InferenceConfig(dtype="float32", block_size_tokens=8, **EP2)) as llm:
         before = answers(llm)
         assert before != expected  # the control: the two checkpoints answer differently
-        llm.engine.refit(other)
+        llm.engine.memory.refit(other)
         assert answers(llm) == expected
-        llm.engine.refit(qwen3_moe)
+        llm.engine.memory.refit(qwen3_moe)
         assert answers(llm) == before
         llm.refit(trainer.named_parameters(), epoch=3)
         assert answers(llm) == expected

@@ -210,11 +210,11 @@ def test_tp2_refuses_an_expert_adapter_cut_for_one_rank(moe_base, moe_adapters, 
         before, = run_requests(engine, [(PROMPTS[0], _greedy("experts"))])
         with pytest.raises(LoraAdapterError, match=r"'half-a': layers.1.experts.down_proj has lora_A \(32, 32\) "
                                                    r"and lora_B \(64, 32\); the base model needs \(32, 64\)"):
-            engine.load_lora_adapter("half-a", half_a)
+            engine.adapters.load("half-a", half_a)
         with pytest.raises(LoraAdapterError, match=r"'half-b': layers.1.experts.gate_up_proj has lora_A \(32, 64\) "
                                                    r"and lora_B \(64, 32\); the base model needs \(32, 64\) and "
                                                    r"\(128, 32\)"):
-            engine.load_lora_adapter("half-b", half_b)
+            engine.adapters.load("half-b", half_b)
         assert engine.loras.names() == {"experts": moe_adapters["experts"]}
         after, = run_requests(engine, [(PROMPTS[0], _greedy("experts"))])
     finally:

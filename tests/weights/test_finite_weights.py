@@ -91,7 +91,7 @@ def test_a_directory_refit_with_nan_is_refused_before_any_weight_changes(tiny_ll
     with MegatronLLM(tiny_llama, InferenceConfig(num_kv_blocks=64)) as llm:
         before = [r.generated_tokens for r in llm.generate(PROMPTS, GREEDY)]
         with pytest.raises(ValueError, match=f"tensor {POISONED} holds NaN"):
-            llm.engine.verify_refit(bad)
+            llm.engine.memory.verify_refit(bad)
         with pytest.raises(ValueError, match=f"tensor {POISONED} holds NaN"):
             llm.refit(bad)
         assert llm.engine.epoch == 0 and not llm.engine.memory.incomplete
@@ -109,10 +109,10 @@ def test_a_nan_adapter_is_refused_where_it_is_read(tiny_llama, tmp_path):
     bad = poisoned_adapter(good, tmp_path / "bad")
     config = InferenceConfig(num_kv_blocks=64, enable_lora=True, max_lora_rank=8, max_cpu_loras=2)
     with MegatronLLM(tiny_llama, config) as llm:
-        llm.engine.load_lora_adapter("good", good)  # control
+        llm.engine.adapters.load("good", good)  # control
         with pytest.raises(ValueError, match="LoRA adapter 'bad': tensor base_model.*lora_B.weight holds NaN"):
-            llm.engine.load_lora_adapter("bad", bad)
-        assert set(llm.engine.lora_adapters()) == {"good"}
+            llm.engine.adapters.load("bad", bad)
+        assert set(llm.engine.adapters.names()) == {"good"}
 
 
 @pytest.fixture(scope="module")

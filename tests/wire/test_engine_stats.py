@@ -21,7 +21,7 @@ def test_counters_and_histograms_match_the_requests_under_preemption(tiny_llama)
     assert counters["generation_tokens"] == sum(len(o.generated_tokens) for o in outs) == 8 * len(outs)
     preemptions = sum(1 for o in outs for e in o.events if e.type is EventType.PREEMPT)
     assert counters["num_preemptions"] == preemptions > 0
-    assert counters["prefix_cache_hits"] == llm.engine.cached_tokens > 0
+    assert counters["prefix_cache_hits"] == llm.engine.load().cached_tokens > 0
     assert counters["prefix_cache_queries"] >= counters["prompt_tokens"]  # re-admissions look up again
     assert report["request_success"] == {"stop": 0, "length": len(outs), "abort": 0}
     counts = {name: sum(h["counts"]) for name, h in histograms.items()}

@@ -153,7 +153,7 @@ class EngineThread:
 
     def refit(self, source: str | WeightSource, epoch: int | None) -> asyncio.Future:
         """Refit the engine between two steps; the future resolves to its timings (or its error)."""
-        return self.call(lambda engine: engine.refit(source, epoch))
+        return self.call(lambda engine: engine.memory.refit(source, epoch))
 
     def call(self, action: Callable[[Any], Any]) -> asyncio.Future:
         """Run ``action(engine)`` between two steps; the future resolves to its result (or its error)."""
@@ -340,20 +340,21 @@ class LocalEngineClient:
     async def status(self, timeout: float | None = None) -> dict[str, Any]:
         """A ``STATUS_REPLY``-shaped answer from the engine's own counters (one engine, always RUNNING)."""
         engine = self.engine
+        load = engine.load()
         return {
             "state": FleetState.RUNNING.value,
-            "engines": [{"id": "local", "group": 0, "state": FleetState.RUNNING.value, "running": engine.num_running,
-                         "waiting": engine.num_waiting, "kv_blocks_free": engine.kv_blocks_free,
-                         "kv_blocks_total": engine.kv_blocks_total, "cached_tokens": engine.cached_tokens,
-                         "computed_tokens": engine.computed_tokens, "epoch": engine.epoch,
+            "engines": [{"id": "local", "group": 0, "state": FleetState.RUNNING.value, "running": load.running,
+                         "waiting": load.waiting, "kv_blocks_free": load.kv_blocks_free,
+                         "kv_blocks_total": load.kv_blocks_total, "cached_tokens": load.cached_tokens,
+                         "computed_tokens": load.computed_tokens, "epoch": engine.epoch,
                          "last_refit": engine.memory.last_refit, "metrics": engine.metrics_snapshot(),
-                         "loras": engine.lora_adapters(),
+                         "loras": engine.adapters.names(),
                          "info": {"max_sequence_length": engine.max_sequence_length,
                                   "block_size": engine.config.block_size_tokens}}],
             "epoch": engine.epoch,
             "refits": engine.memory.refits,
             "queued": 0,
-            "in_flight": engine.num_running + engine.num_waiting,
+            "in_flight": load.running + load.waiting,
             "completed": self._thread.completed,
             "failed": self._thread.failed,
             "aborted": self._thread.aborted,
@@ -375,7 +376,7 @@ class LocalEngineClient:
         """Serve the adapter as ``lora_name`` between two steps; the answer has the coordinator's acknowledgement's
         shape. A bad adapter raises :class:`ControlError` (``lora_refused``, as a fleet's) and changes nothing."""
         try:
-            seconds = await self._thread.call(lambda engine: engine.load_lora_adapter(lora_name, lora_path))
+            seconds = await self._thread.call(lambda engine: engine.adapters.load(lora_name, lora_path))
         except ValueError as exc:  # LoraAdapterError
             raise ControlError(ErrorCode.LORA_REFUSED.value, str(exc)) from None
         return self._lora_answer(lora_name, {"load_s": round(seconds, 6)})
@@ -384,13 +385,13 @@ class LocalEngineClient:
         """Stop serving ``lora_name`` to new requests (running ones finish under it); :class:`ControlError`
         (``lora_not_found``) when it is not served."""
         try:
-            await self._thread.call(lambda engine: engine.unload_lora_adapter(lora_name))
+            await self._thread.call(lambda engine: engine.adapters.unload(lora_name))
         except ValueError as exc:  # LoraAdapterError: not loaded, or no enable_lora
             raise ControlError(ErrorCode.LORA_NOT_FOUND.value, str(exc)) from None
         return self._lora_answer(lora_name, {})
 
     def _lora_answer(self, lora_name: str, facts: dict[str, Any]) -> dict[str, Any]:
-        loras = self.engine.lora_adapters() or {}
+        loras = self.engine.adapters.names() or {}
         return {"state": FleetState.RUNNING.value,
                 "detail": {"lora_name": lora_name, "noop": False, "engines": {"local": {**facts, "loras": loras}}}}
 

@@ -137,7 +137,7 @@ def capacity_line(engine: "DynamicInferenceEngine") -> str:
     """The start-up log's account of an engine's room: its KV pool, and how many requests of full length fit
     (vLLM's "maximum concurrency" line), against how many may run at once."""
     block = engine.config.block_size_tokens
-    blocks = engine.kv_blocks_total
+    blocks = engine.allocator.num_blocks
     full = engine.max_sequence_length
     fit = blocks // -(-full // block)
     running = engine.config.max_requests

@@ -1,21 +1,22 @@
 """``DynamicInferenceEngine``: one model replica, its paged KV cache, and the step loop over requests.
 
-A step is three calls with one job each: ``schedule()`` picks what runs (the scheduler), ``launch()``
-writes the plan into the persistent step buffers, runs the forward and samples on the device without
-waiting for it, and ``finish()`` reads the sampled tokens back and updates the requests. With
-``async_scheduling`` (the default), ``step()`` schedules and launches step N+1 before it finishes step
-N, so on a GPU the host's work for the next step (scheduling, the plan, kernel launches, reading
-results, building outputs) overlaps the device's work on the current one; a request's next input token
-then stays on the device (the plan gathers it there) and the host reads it one step later. Per-request
-sampling state (parameters, penalties' token counts, seeds) lives on the device (``sampling_state``),
-so a penalised request samples every step too. A grammar row's mask needs its previous token on the
-host: a step with such a row launches its forward, then finishes the step before it (the one sync
-point, taken only by steps with a grammar row, while the new forward runs), fills the masks and
-samples (vLLM's split of ``execute_model`` and ``sample_tokens`` under async scheduling). Stop
-conditions are seen one step late, so a finished request may have computed one more row, which is
-dropped: the outputs are those of the serial loop, token for token. Speculative verify steps overlap
-too: the step after one is planned as if it accepted every draft and corrected on the device by the
-drafts it rejected (:mod:`.speculative.decoder`; the cases that read first instead are listed in
+The engine is the loop over three kinds of object: the scheduler (:mod:`.scheduler`: which requests run, and
+what a finished step did to them), the worker (:mod:`.worker`: the device half, its runner, sampler, sampling
+state, grammar masks and image embeddings) and the verbs' objects (``memory``: suspend, resume, refit;
+``adapters``: LoRA; ``speculation``: the verify step, with speculative decoding on). A step is three calls with
+one job each: ``schedule()`` picks what runs, the worker's ``launch()`` writes the plan into the persistent step
+buffers, runs the forward and samples on the device without waiting for it, and ``_finish()`` reads the sampled
+tokens back (the worker) and updates the requests (the scheduler). With ``async_scheduling`` (the default),
+``step()`` schedules and launches step N+1 before it finishes step N, so on a GPU the host's work for the next
+step (scheduling, the plan, kernel launches, reading results, building outputs) overlaps the device's work on the
+current one; a request's next input token then stays on the device (the plan gathers it there) and the host reads
+it one step later. A grammar row's mask needs its previous token on the host: a step with such a row launches its
+forward, then finishes the step before it (the one sync point, taken only by steps with a grammar row, while the
+new forward runs), fills the masks and samples (vLLM's split of ``execute_model`` and ``sample_tokens`` under
+async scheduling). Stop conditions are seen one step late, so a finished request may have computed one more row,
+which is dropped: the outputs are those of the serial loop, token for token. Speculative verify steps overlap
+too: the step after one is planned as if it accepted every draft and corrected on the device by the drafts it
+rejected (:mod:`.speculative.decoder`; the cases that read first instead are listed in
 :meth:`~.speculative.stepping.SpeculativeSteps.overlaps`).
 
 The engine never raises for a bad request: the request fails alone and comes back from ``step()``.
@@ -27,61 +28,44 @@ off the step thread.
 from __future__ import annotations
 
 import logging
+import weakref
 from pathlib import Path
 
-import torch
-
 from ..config import InferenceConfig
-from .served import EngineFacts
-from .sizing import build_kv_pool, default_dtype, engine_buffers, max_sequence_length_for, parameter_bytes
-from .encoder_cache import EncoderCache
-from ..wire.engine_stats import EngineStats
-from .admission import Admission
-from .kv_cache import BlockAllocator
-from .kv_offload import HostKVTier
-from .kv_transfer import KVTransfer
-from .memory_verbs import DeviceMemory
-from .logprob_parity import ParityChecker
-from .lora import engine_loras, lora_report
-from .lora_verbs import Adapters
 from ..model.config import ModelConfig
 from ..model.llama import LlamaForCausalLM
 from ..model.loader import load_model
-from .graphs import graphs_for, largest_graph
-from .logits_processors import apply_controls, apply_token_bitmask
-from .runner import ModelRunner
-from .prompt_scores import score_prompts
-from .step_plan import write_plan
-from .steps import InFlightStep, StepOutput
+from ..tokenizer import Tokenizer
+from ..wire.engine_stats import EngineStats
 from ..wire.request import DynamicInferenceRequest
-from .sampler import Readback, Sampler
-from .sampling_state import SamplingState
+from .admission import Admission
+from .graphs import graphs_for, largest_graph
+from .kv_cache import BlockAllocator
+from .kv_offload import HostKVTier
+from .kv_transfer import KVTransfer
+from .logprob_parity import ParityChecker
+from .lora import engine_loras, lora_report
+from .lora_verbs import Adapters
+from .memory_verbs import DeviceMemory
+from .runner import ModelRunner
+from .sampler import Sampler
 from .scheduler import ScheduledBatch, Scheduler
-from .structured_output import StructuredOutputs
-from .speculative.decoder import Emitted, Speculator
+from .served import EngineFacts, EngineLoad
+from .sizing import build_kv_pool, default_dtype, engine_buffers, max_sequence_length_for, parameter_bytes
+from .speculative.decoder import Speculator
 from .speculative.factory import make_proposer
 from .speculative.stepping import SpeculativeSteps
-from ..weights.peer_pull import PeerWeights, layout_digest
-from ..weights.sources import WeightSource
-from ..tokenizer import Tokenizer
+from .steps import InFlightStep, StepOutput
+from .worker import ModelWorker
+from ..weights.peer_pull import layout_digest
 
 logger = logging.getLogger(__name__)
 
 
-def _encoder_cache_for(model: LlamaForCausalLM, tokenizer: Tokenizer) -> EncoderCache | None:
-    """The image side of a vision-language model (None for a text model)."""
-    if model.config.vision is None:
-        return None
-    if tokenizer.images is None:
-        raise ValueError(f"{model.config.architecture} needs its image processor: the tokenizer was loaded "
-                         "without one (load it from the model directory)")
-    return EncoderCache(model, tokenizer.images)
-
-
 class DynamicInferenceEngine:
-    """The step loop over the scheduler (the bookkeeping), the device half (runner, sampler, sampling state,
-    grammar masks, image embeddings) and the verbs' objects: ``memory`` (suspend, resume, refit), ``adapters``
-    (LoRA) and ``speculation`` (the verify step, with speculative decoding on), behind
+    """The step loop over the scheduler (the bookkeeping), the worker (the device half: runner, sampler, sampling
+    state, grammar masks, image embeddings) and the verbs' objects: ``memory`` (suspend, resume, refit),
+    ``adapters`` (LoRA) and ``speculation`` (the verify step, with speculative decoding on), behind
     :class:`~.served.ServedEngine`."""
 
     def __init__(self, model: LlamaForCausalLM, tokenizer: Tokenizer, config: InferenceConfig,
@@ -105,41 +89,32 @@ class DynamicInferenceEngine:
         if runner is None:
             buffers = engine_buffers(config, self.max_sequence_length, self.device)
             runner = ModelRunner(model, block_size, self.device, buffers, graphs_for(model, config, buffers))
-        self.runner = runner
-        self.runner.compile_kernels(self.kv_cache.layer_caches)
-        self.runner.capture_graphs(self.kv_cache.layer_caches)
-        self.sampling_state = SamplingState(model.config.vocab_size, self.device, config.max_requests)
-        self.sampler = Sampler(self.sampling_state, config.logprobs_mode)
-        self.loras = engine_loras(model, config, self.runner, self.kv_cache.layer_caches)  # after the base graphs
-        self.structured = StructuredOutputs(tokenizer, model.config.vocab_size)
-        self.structured.warm()  # llguidance loaded off the step: the first constrained request stopped it for seconds
-        self.encoder_cache = _encoder_cache_for(model, tokenizer)
         self._in_flight: InFlightStep | None = None  # launched, not finished (overlapped scheduling)
-        self.computed_tokens = 0  # tokens run through the model (prefill and decode), for counters
         self.stats = EngineStats()  # vLLM-style counters and histograms, shipped in heartbeats
         self.parity = ParityChecker(config.verify_logprobs_fraction, self.max_sequence_length, config.logprobs_mode,
-                                    self.sampler.processed_alone)
+                                    Sampler.processed_alone)
         spec = config.speculative
         self.speculator = (None if spec is None else Speculator(make_proposer(config, model_dir, model),
                                                                 spec.num_speculative_tokens, self.stats, spec.adaptive,
                                                                 cpu=self.device.type == "cpu"))
+        self.worker = ModelWorker(model, tokenizer, config, runner, self.kv_cache, self.parity, self.speculator)
+        self.loras = engine_loras(model, config, runner, self.kv_cache.layer_caches)  # after the base graphs
         admission = Admission(model.config, self.max_sequence_length, block_size, self.allocator.num_blocks,
-                              tuple(tokenizer.eos_token_ids), config.seed, self.encoder_cache, self.loras,
-                              self.structured)
+                              tuple(tokenizer.eos_token_ids), config.seed, self.worker.encoder_cache, self.loras,
+                              self.worker.structured)
         self.scheduler = Scheduler(self.allocator, block_size, config.max_batch_tokens, config.max_requests,
                                    config.long_prefill_token_threshold, config.max_long_partial_prefills,
                                    admission=admission, stats=self.stats, parity=self.parity)
-        self.scheduler.leaving.append(lambda sequence: self.kv_transfer.on_leave(sequence, self.epoch))
-        self.scheduler.forgets.append(self.sampling_state.remove)
-        if self.speculator is not None:
-            self.scheduler.forgets.append(self.speculator.forget)
-        if self.encoder_cache is not None:
-            self.scheduler.forgets.append(self.encoder_cache.release)
+        # Nothing the engine holds refers back to it (a cycle kept a dropped engine and its KV pool alive until a
+        # later garbage collection): the hooks close over its parts, the verbs reach settle() through a weak reference.
+        kv_transfer, scheduler = self.kv_transfer, self.scheduler
+        scheduler.leaving.append(lambda sequence: kv_transfer.on_leave(sequence, scheduler.epoch))
+        self.scheduler.forgets.append(self.worker.forget)
         self.speculation = (None if self.speculator is None else
-                            SpeculativeSteps(self.speculator, self.scheduler, self.structured, config,
-                                             self.encoder_cache))
-        self.memory = DeviceMemory(model, config, self.runner, self.kv_cache, self.scheduler, self.encoder_cache,
-                                   self.parity, self.speculator, self.loras, self.settle)
+                            SpeculativeSteps(self.speculator, self.scheduler, self.worker, config))
+        settle = weakref.WeakMethod(self.settle)
+        self.memory = DeviceMemory(model, config, self.worker, self.kv_cache, self.scheduler, self.parity,
+                                   self.speculator, self.loras, lambda: settle()())
         self.adapters = Adapters(self.loras, self.stats)
 
     @property
@@ -148,14 +123,13 @@ class DynamicInferenceEngine:
         scheduler's, which keys the prefix cache and the tokens' epochs with it."""
         return self.scheduler.epoch
 
-    @epoch.setter
-    def epoch(self, epoch: int) -> None:
-        self.scheduler.epoch = epoch
-
-    @property
-    def cached_tokens(self) -> int:
-        """Prompt tokens skipped so far because their KV blocks were found in the prefix cache (either tier)."""
-        return self.scheduler.cached_tokens + self.scheduler.host_cached_tokens
+    def load(self) -> EngineLoad:
+        """What the engine holds and has done, for the heartbeat (:class:`~.served.ServedEngine`)."""
+        scheduler = self.scheduler
+        return EngineLoad(running=len(scheduler.running), waiting=len(scheduler.waiting) + len(scheduler.lora_queue),
+                          kv_blocks_free=self.allocator.num_free, kv_blocks_total=self.allocator.num_blocks,
+                          cached_tokens=scheduler.cached_tokens + scheduler.host_cached_tokens,
+                          computed_tokens=self.worker.computed_tokens)
 
     def metrics_snapshot(self) -> dict:
         """The cumulative engine metrics, as the heartbeat's ``metrics`` field carries them (``lora``: the adapters
@@ -173,7 +147,7 @@ class DynamicInferenceEngine:
     def facts(self) -> EngineFacts:
         """What the engine process's HELLO says about this engine (:class:`~.served.ServedEngine`)."""
         config = self.config
-        return EngineFacts(capacity=config.max_requests, kv_blocks_total=self.kv_blocks_total,
+        return EngineFacts(capacity=config.max_requests, kv_blocks_total=self.allocator.num_blocks,
                            tensor_parallel_size=config.tensor_parallel_size, kv_cache_bytes=self.kv_cache.num_bytes,
                            max_sequence_length=self.max_sequence_length, block_size=config.block_size_tokens,
                            prefix_caching=config.enable_prefix_caching,
@@ -210,25 +184,9 @@ class DynamicInferenceEngine:
 
     def shutdown(self) -> None:
         """Stop the other tensor-parallel ranks, if any; the engine is unusable afterwards."""
-        self.runner.shutdown()
+        self.worker.runner.shutdown()
 
-    # ------------------------------------------------------------ public API
-    @property
-    def num_running(self) -> int:
-        return len(self.scheduler.running)
-
-    @property
-    def num_waiting(self) -> int:
-        return len(self.scheduler.waiting) + len(self.scheduler.lora_queue)
-
-    @property
-    def kv_blocks_total(self) -> int:
-        return self.allocator.num_blocks
-
-    @property
-    def kv_blocks_free(self) -> int:
-        return self.allocator.num_free
-
+    # ------------------------------------------------------------ requests in and out
     def has_unfinished_requests(self) -> bool:
         """Outputs to hand out, requests to run, or a step in flight that still samples for a live request
         (one whose requests were all aborted meanwhile has nothing left to give: the next step drops it)."""
@@ -239,7 +197,7 @@ class DynamicInferenceEngine:
     def group_busy(self, busy: bool) -> bool:
         """Whether the step loop steps now, given whether this engine has work: with data-parallel attention, while
         any rank of the group has (:mod:`.data_parallel`)."""
-        return self.runner.group_busy(busy)
+        return self.worker.runner.group_busy(busy)
 
     def add_request(self, request: DynamicInferenceRequest) -> None:
         """Queue a request; one that can never run fails alone (reported by the next ``step``)."""
@@ -266,89 +224,57 @@ class DynamicInferenceEngine:
         except Exception:  # noqa: BLE001 - the failure that brought us here is being handled
             logger.exception("finishing the step in flight failed; its tokens are dropped")
         sequences = self.scheduler.take_unfinished()
-        self.sampling_state.clear()
-        if self.encoder_cache is not None:
-            self.encoder_cache.clear()
-        if self.speculator is not None:  # the requests leave: their drafter state too
-            for sequence in sequences:
-                self.speculator.forget(sequence.request_id)
+        self.worker.clear([s.request_id for s in sequences])  # the requests leave: their device state too
         return [s.request for s in sequences]
 
     # ------------------------------------------------------------------ step
     def step(self) -> list[StepOutput]:
         """Run one step: schedule, launch, finish. With ``async_scheduling`` the step finished is the one
         launched by the previous call, after this call launched the next (its outputs come one call later).
-
-        With speculation on, the K policy first picks each decode-ready request's drafts for this step
-        (:meth:`~.speculative.decoder.Speculator.plan`): when some request drafts, the step is a verify step,
-        overlapped too (drafted past the tokens in flight, corrected on the device by the drafts the step in
-        flight rejects: :mod:`.speculative.stepping`) unless one of its fallbacks holds
-        (:meth:`~.speculative.stepping.SpeculativeSteps.overlaps`); when none does, it is a plain step,
-        overlapped like any other, and costs what a step without speculation costs.
+        With speculation on, the strategy plans the step (:meth:`~.speculative.stepping.SpeculativeSteps.step`).
         """
-        speculator, speculation = self.speculator, self.speculation
-        if speculator is None or speculation is None or speculator.resting(len(self.scheduler.running)):
-            outputs = self._step_overlapped()
-        else:
-            ks = speculator.plan(self.scheduler.running)
-            speculator.start_step(bool(ks))
-            outputs = (speculation.step_at_once(ks, self) if ks and not speculation.overlaps(ks)
-                       else self._step_overlapped(ks))
-            speculator.end_step()
-        self.runner.end_step()  # data-parallel attention: a rank that ran no forward joins the MoE layers empty
-        return self._deliver(outputs)
+        outputs = self.speculation.step(self) if self.speculation is not None else self.step_overlapped()
+        self.worker.runner.end_step()  # data-parallel attention: a rank that ran no forward joins the MoE layers empty
+        return self.parity.deliver(outputs, self.epoch, self.stats, self.add_request)
 
-    def _step_overlapped(self, ks: dict[str, int] | None = None) -> list[StepOutput]:
+    def step_overlapped(self, ks: dict[str, int] | None = None) -> list[StepOutput]:
         """A step launched before the one in flight is read (see :meth:`step`): a plain step, or with ``ks`` (each
         drafting request's K) a verify step."""
         outputs = self.scheduler.take_pending()
-        batch = self.speculation.schedule(ks, self) if ks and self.speculation is not None else self.schedule()
-        launched = self.launch(batch) if batch is not None else None
+        speculation = self.speculation
+        batch = speculation.schedule(ks, self) if ks and speculation is not None else self.schedule()
+        launched = (self.worker.launch(batch, self._in_flight, self.epoch, self.scheduler.fail) if batch is not None
+                    else None)
         previous, self._in_flight = self._in_flight, None
-        if self.speculator is not None and launched is not None:
-            self.speculator.observe(launched.entries, launched.starts)  # a head files the target's hidden states
-            if launched.drafts is not None and previous is not None:
-                self.speculator.overlapped_verify_steps += 1
-            elif (not ks and previous is not None and previous.drafts is None and batch is not None
-                  and batch.num_tokens == len(batch.entries)):  # all decode, overlapped after a plain step (one
-                self.speculator.time_step(len(batch.entries), 0)  # after a verify step also reads that one)
+        if speculation is not None and launched is not None:
+            speculation.launched(batch, launched, previous, ks)
         if launched is not None and launched.sample is None:
             # Its grammar rows need the tokens the previous step samples: finish that one first (the forward
             # just launched runs meanwhile), then fill the masks and sample.
             if previous is not None:
-                outputs += self.finish(previous)
+                outputs += self._finish(previous)
                 previous = None
-            self.sample(launched)
+            self.worker.sample(launched)
         done = [previous] if previous is not None else []
         if self.config.async_scheduling:
             self._in_flight = launched
         elif launched is not None:
             done.append(launched)
         for step in done:
-            outputs += self.finish(step)
+            outputs += self._finish(step)
         return outputs + self.scheduler.take_pending()
 
     def sync(self) -> list[StepOutput]:
         """Finish the step in flight, if any, and return every output not handed out yet (call before a
         lifecycle verb or a hand-back, so that tokens the device already sampled are delivered first)."""
         self.settle()
-        return self._deliver(self.scheduler.take_pending())
-
-    def _deliver(self, outputs: list[StepOutput]) -> list[StepOutput]:
-        """The outputs for the caller, less those of the engine's own log-prob checks (:mod:`.logprob_parity`);
-        the checks of requests that finished are queued here, after those requests' outputs were made."""
-        if not self.parity.active:
-            return outputs
-        delivered, scoring = self.parity.sort(outputs, self.epoch, self.stats)
-        for request in scoring:
-            self.add_request(request)
-        return delivered
+        return self.parity.deliver(self.scheduler.take_pending(), self.epoch, self.stats, self.add_request)
 
     def settle(self) -> None:
         """Finish the step in flight now; its outputs wait for the next ``step()`` or ``sync()``."""
         if self._in_flight is not None:
             in_flight, self._in_flight = self._in_flight, None
-            self.scheduler.pending.extend(self.finish(in_flight))
+            self.scheduler.pending.extend(self._finish(in_flight))
 
     def schedule(self) -> ScheduledBatch | None:
         """What the next step computes, or None when nothing can run now."""
@@ -359,131 +285,9 @@ class DynamicInferenceEngine:
         batch = scheduler.schedule()
         self.stats.preempted(len(batch.preempted))
         for sequence in batch.preempted:  # bound again, from its tokens, when it samples next
-            self.sampling_state.remove(sequence.request_id)
+            self.worker.unbind(sequence.request_id)
         return batch or None
 
-    def launch(self, batch: ScheduledBatch, verify_at_once: bool = False) -> InFlightStep | None:
-        """Write the plan, run the forward and sample on the device; nothing waits for the device here, except
-        with ``verify_at_once`` (a verify step not overlapped), whose drafts are verified and read right away.
-
-        A step with a grammar row whose previous token is still in flight is returned unsampled: ``step``
-        samples it once that token is on the host.
-        """
-        entries, images = batch.entries, None
-        if self.encoder_cache is not None:
-            images, entries, failed = self.encoder_cache.prepare(entries)
-            for sequence, message in failed:
-                self.scheduler.fail(sequence, message)
-            if not entries:
-                return None
-        plan = write_plan(entries, self.config.block_size_tokens, self.runner.buffers, images)
-        in_flight = self._in_flight
-        previous = in_flight.sample.tokens if plan.num_gather else None
-        shifts = in_flight.verification.shifts if plan.shifted else None  # write_plan set it: a verify step flies
-        forward = self.runner.run_plan(plan, self.kv_cache.layer_caches,
-                                       None if images is None else images.embeddings, previous, shifts)
-        sampling = [s for s, count in entries if count == s.num_uncomputed]  # as write_plan picked them
-        starts = [s.num_computed for s, _ in entries]
-        scores = score_prompts(entries, forward.logits[len(sampling) : len(sampling) + plan.num_score],
-                               self.parity.score_view)
-        for sequence, count in entries:
-            if sequence.kv_epoch is None:
-                sequence.kv_epoch = self.epoch
-            sequence.num_computed += count
-        self.computed_tokens += plan.num_tokens
-        routing = Readback([forward.routing]) if forward.routing is not None else None  # graphs reuse their outputs
-        kv_epochs = [self.epoch if s.kv_epoch is None else s.kv_epoch for s in sampling]  # set above: never None
-        step = InFlightStep(entries, starts, sampling, kv_epochs, forward.logits[: len(sampling)], scores, routing,
-                            [s.num_computed for s in sampling], [s.num_generated for s in sampling], forward.shift)
-        if plan.num_verify:  # verified in sample(), rows with drafts or not (rows of one step are sampled alike)
-            step.verify_logits = forward.logits[len(sampling) + plan.num_score :]
-        if not any(s.pending_tokens and s.request_id in self.structured for s in sampling):
-            self.sample(step, verify_at_once)
-        return step
-
-    def sample(self, step: InFlightStep, verify_at_once: bool = False) -> None:
-        """Apply the logits controls and grammar masks to a launched step's logits and sample on the device.
-
-        Each request is bound to its sampling-state slot the first time it samples; after that a step
-        only writes the rows' slots and counters (``SamplingState.rows``). A verify step's draws are read in
-        ``finish``, or here with ``verify_at_once``.
-        """
-        state, sampling = self.sampling_state, step.sampling
-        for s in sampling:
-            if s.request_id not in state and not s.finished:
-                request = s.request
-                state.add(s.request_id, request.sampling_params, s.seed, request.prompt_tokens,
-                          request.generated_tokens, s.stop_token_ids)
-        logits = step.logits
-        drafts = ([s.token_ids[len(s.token_ids) - s.num_drafts:] for s in sampling]
-                  if step.verify_logits is not None else None)  # a verify step: a mask per verified position
-        masks = self.structured.bitmask([s.request_id for s in sampling], [s.stop_token_ids for s in sampling], drafts)
-        shift = step.shift
-        if step.verify_logits is not None and self.speculator is not None:
-            step.drafts = [s.num_drafts for s in sampling]
-            if verify_at_once:
-                step.emitted = self.speculator.verify(sampling, logits, step.verify_logits, state, self.sampler, masks)
-            else:
-                if shift is not None:  # the sampling rows' then the draft rows' (the score rows between do not draw)
-                    shift = torch.cat([shift[: len(sampling)], shift[len(shift) - len(step.verify_logits):]])
-                step.verification = self.speculator.launch_verify(sampling, logits, step.verify_logits, state,
-                                                                  self.sampler, masks, shift)
-                step.sample = step.verification.sample
-            step.logits = step.verify_logits = None
-            Speculator.mark_in_flight(sampling, step.drafts)
-            return
-        rows = state.rows([s.request_id for s in sampling], step.positions, step.generated)
-        if shift is not None:
-            rows.shift(shift[: len(sampling)])
-        processed = apply_controls(logits, state, rows)
-        if masks is not None:  # filled on the host while the forward runs
-            processed = apply_token_bitmask(processed, masks)
-        step.sample = self.sampler.launch(processed, rows, model_logits=None if processed is logits else logits)
-        step.logits = None
-        for row, sequence in enumerate(sampling):
-            sequence.pending_tokens += 1
-            sequence.pending_row = row
-            sequence.verify_row = -1
-
-    def finish(self, step: InFlightStep) -> list[StepOutput]:
+    def _finish(self, step: InFlightStep) -> list[StepOutput]:
         """Read a launched step's results (waits for the device) and hand each request its tokens."""
-        if step.emitted is not None:
-            return self.scheduler.update_from_output(step, step.emitted)
-        if step.verification is not None and self.speculator is not None:
-            return self.scheduler.update_from_output(step, self.speculator.read(step.verification, step.sampling))
-        assert step.sample is not None, "finish() of a step that was never sampled"
-        result = step.sample.read()
-        return self.scheduler.update_from_output(step, [Emitted([t], [lp], [top]) for t, lp, top
-                                              in zip(result.token_ids, result.log_probs, result.top_n)])
-
-    # ------------------------------------------------------------------ verbs (held objects)
-    @property
-    def kept_kv_bytes(self) -> int:
-        return self.memory.kept_kv_bytes
-
-    def suspend(self, level: int = 1, keep_kv: bool = False) -> int:
-        return self.memory.suspend(level, keep_kv)
-
-    def resume(self) -> None:
-        self.memory.resume()
-
-    def verify_refit(self, source: str | Path | WeightSource) -> float:
-        return self.memory.verify_refit(source)
-
-    def refit(self, source: str | Path | WeightSource, epoch: int | None = None) -> dict[str, float]:
-        return self.memory.refit(source, epoch)
-
-    def peer_weights(self) -> PeerWeights:
-        return self.memory.peers
-
-    def lora_adapters(self) -> dict[str, str] | None:
-        return self.adapters.names()
-
-    def verify_lora_adapter(self, name: str, path: str) -> float:
-        return self.adapters.verify(name, path)
-
-    def load_lora_adapter(self, name: str, path: str) -> float:
-        return self.adapters.load(name, path)
-
-    def unload_lora_adapter(self, name: str) -> None:
-        self.adapters.unload(name)
+        return self.scheduler.update_from_output(step, self.worker.read(step))

@@ -168,6 +168,17 @@ class ParityChecker:
         self.pending.pop(request_id, None)
         return True
 
+    def deliver(self, outputs: list[Output], epoch: int, stats: EngineStats,
+                add: Callable[[DynamicInferenceRequest], None]) -> list[Output]:
+        """The engine's outputs for its caller, less those of its own checks; the checks of requests that finished
+        are queued (``add``) here, after those requests' outputs were made."""
+        if not self.active:
+            return outputs
+        delivered, scoring = self.sort(outputs, epoch, stats)
+        for request in scoring:
+            add(request)
+        return delivered
+
     def sort(self, outputs: Sequence[Output], epoch: int, stats: EngineStats
              ) -> tuple[list[Output], list[DynamicInferenceRequest]]:
         """``(the outputs for the caller, the scoring requests to queue)`` of one batch of engine outputs: the

@@ -35,33 +35,32 @@ from .lora import require
 if TYPE_CHECKING:
     from ..config import InferenceConfig
     from ..model.llama import LlamaForCausalLM
-    from .encoder_cache import EncoderCache
     from .kv_cache import BlockAllocator, KVCachePool
     from .logprob_parity import ParityChecker
     from .lora import EngineLoras, Registration
-    from .runner import ModelRunner
     from .scheduler import Scheduler
     from .speculative.decoder import Speculator
     from .speculative.draft_model import DraftModelProposer
+    from .worker import ModelWorker
 
 logger = logging.getLogger("megatron_serve.engine")
 
 
 class DeviceMemory:
-    """Suspend, resume, refit and its check over the engine's model, runner and pools (``settle``: the engine's,
-    finishes the step in flight). The host tier is the allocator's."""
+    """Suspend, resume, refit and its check over the engine's model and pools, reaching the runner and the image
+    embeddings through the worker (``settle``: the engine's, finishes the step in flight). The host tier is the
+    allocator's."""
 
-    def __init__(self, model: LlamaForCausalLM, config: InferenceConfig, runner: ModelRunner, kv_cache: KVCachePool,
-                 scheduler: Scheduler, encoder_cache: EncoderCache | None, parity: ParityChecker,
-                 speculator: Speculator | None, loras: EngineLoras | None, settle: Callable[[], None]):
+    def __init__(self, model: LlamaForCausalLM, config: InferenceConfig, worker: ModelWorker, kv_cache: KVCachePool,
+                 scheduler: Scheduler, parity: ParityChecker, speculator: Speculator | None, loras: EngineLoras | None,
+                 settle: Callable[[], None]):
         self.model = model
         self.config = config
         self.device = next(model.parameters()).device
-        self.runner = runner
+        self.worker = worker
         self.kv_cache = kv_cache
         self.scheduler = scheduler
         self.allocator: BlockAllocator = scheduler.allocator
-        self.encoder_cache = encoder_cache
         self.parity = parity
         self.speculator = speculator
         self.loras = loras
@@ -103,7 +102,7 @@ class DeviceMemory:
         if self.suspended and not offload:
             return 0
         self._settle()
-        self.runner.on_suspend(level)
+        self.worker.runner.on_suspend(level)
         released = 0
         if not self.suspended:
             if keep_kv:
@@ -114,8 +113,8 @@ class DeviceMemory:
                 self.allocator.tier.store(self.allocator.evictable_blocks())
                 self.allocator.tier.wait()
             self.allocator.drop_evictable()  # their contents die with the pool; blocks in use keep theirs (keep_kv)
-            if self.encoder_cache is not None:
-                self.encoder_cache.clear()  # image embeddings are device memory too
+            if self.worker.encoder_cache is not None:
+                self.worker.encoder_cache.clear()  # image embeddings are device memory too
             released += self.kv_cache.release()
             self.suspended = True
         if offload:
@@ -148,7 +147,7 @@ class DeviceMemory:
         drafter = self._check_drafter(source)
         pushes = self._check_adapters(source)
         verified = time.perf_counter()
-        self.runner.on_refit(source)
+        self.worker.runner.on_refit(source)
         replaced: set[str] = set()
         error: BaseException | None = None
         drafted: list[tuple[str, object]] = []  # the drafter's tensors, kept aside as they stream past
@@ -161,7 +160,7 @@ class DeviceMemory:
             load_weights(self.model, divert(stream, drafted, owns), progress=replaced.add, partial=source.partial)
         except Exception as exc:  # noqa: BLE001 - reported below, with what the other ranks did
             error = exc
-        for names, follower_error in self.runner.refit_outcomes():
+        for names, follower_error in self.worker.runner.refit_outcomes():
             replaced.update(names)
             if error is None and follower_error:
                 error = RuntimeError(f"a tensor-parallel rank failed: {follower_error}")
@@ -182,8 +181,8 @@ class DeviceMemory:
         if self.allocator.tier is not None:
             self.allocator.tier.clear()  # keyed by the old epoch: nothing there can be found again
         self.parity.void_all()
-        if self.encoder_cache is not None:
-            self.encoder_cache.clear()  # embeddings of the old vision weights
+        if self.worker.encoder_cache is not None:
+            self.worker.encoder_cache.clear()  # embeddings of the old vision weights
         self.epoch = self.epoch + 1 if epoch is None else int(epoch)
         self._refit_drafter()
         if drafted and (drafter is not None or owns is not None):
@@ -293,7 +292,7 @@ class DeviceMemory:
         """
         if not (self.suspended or self.weights_offloaded):
             return
-        self.runner.on_resume()
+        self.worker.runner.on_resume()
         if self.weights_offloaded:
             self.model.to(self.device)
             self.weights_offloaded = False
@@ -307,7 +306,7 @@ class DeviceMemory:
             if parked is not None:
                 parked.restore(self.kv_cache)
             self.suspended = False
-        self.runner.capture_graphs(self.kv_cache.layer_caches)
+        self.worker.runner.capture_graphs(self.kv_cache.layer_caches)
 
 
 def _adapter_push(source: WeightSource) -> LoraPush | None:

@@ -94,7 +94,7 @@ class EngineProcess:
         self.weights_source: str | None = facts.get("model")  # where the served weights came from (REFIT replaces it)
         facts["epoch"] = engine.epoch
         facts["weights"] = self.weights_source
-        loras = engine.lora_adapters()
+        loras = engine.adapters.names()
         if loras is not None:  # the adapters it serves: routed to at once, before its first heartbeat
             facts["loras"] = loras
         hello = {"role": Role.ENGINE.value, "engine_group": group, "capacity": engine_facts.capacity, "info": facts}
@@ -215,7 +215,7 @@ class EngineProcess:
         elif header in HEADER_VERBS:
             self._on_step(header, body)
         elif header is Header.PEER_WEIGHTS:  # a joiner of our layout pulls our weights, now, between two steps
-            self.engine.peer_weights().share(body, self.engine.epoch)
+            self.engine.memory.peers.share(body, self.engine.epoch)
 
     def _add(self, submit: EngineSubmit) -> None:
         """Serve a request handed over in ``ENGINE_SUBMIT``; one this engine cannot read fails at once. Its KV
@@ -285,19 +285,20 @@ class EngineProcess:
             return
         self._stats_at = now
         e = self.engine
+        load = e.load()
         stats: dict[str, Any] = {"steps": self.steps, "suspend_level": self.suspend_level, "epoch": e.epoch}
-        loras = e.lora_adapters()
+        loras = e.adapters.names()
         if loras is not None:  # the adapters it serves (name -> directory): the coordinator routes by them
             stats["loras"] = loras
         if "peer_store" in self.link.hello["info"]:  # joiners of our layout pull our weights from there
             stats["peer_store"] = self.link.hello["info"]["peer_store"]
         self.link.stats = {
             "state": ENGINE_DRAINING if self.drain_deadline is not None else self.state.value,
-            "running": int(e.num_running), "waiting": int(e.num_waiting),
-            "kv_blocks_free": int(e.kv_blocks_free), "kv_blocks_total": int(e.kv_blocks_total),
+            "running": load.running, "waiting": load.waiting,
+            "kv_blocks_free": load.kv_blocks_free, "kv_blocks_total": load.kv_blocks_total,
             # prefix-cache counters: prompt tokens skipped thanks to the cache, tokens run through the model
-            "cached_tokens": int(e.cached_tokens),
-            "computed_tokens": int(e.computed_tokens),
+            "cached_tokens": load.cached_tokens,
+            "computed_tokens": load.computed_tokens,
             "stats": stats,
             "progress": self.iterations,
         }
@@ -317,7 +318,7 @@ class EngineProcess:
         in host memory first. Returns bytes released now."""
         if self.suspend_level >= level:
             return 0
-        released = self.engine.suspend(level, keep_kv)
+        released = self.engine.memory.suspend(level, keep_kv)
         self.suspend_level = level
         logger.info("suspended (level %d%s): released %d bytes of device memory", level,
                     ", live requests' KV kept in host memory" if keep_kv else "", released)
@@ -327,10 +328,10 @@ class EngineProcess:
         """Bring released device memory back; False when nothing was released."""
         if not self.suspend_level:
             return False
-        self.engine.resume()
+        self.engine.memory.resume()
         self.suspend_level = 0
         logger.info("resumed: device memory restored, running requests %s",
-                    "go on over their KV" if self.engine.num_running else "will be recomputed")
+                    "go on over their KV" if self.engine.load().running else "will be recomputed")
         return True
 
     def _on_step(self, header: Header, body: Control) -> None:
@@ -356,7 +357,8 @@ class EngineProcess:
         self._ack(control_id, detail)
 
     def _pause_action(self, _body: Control) -> dict[str, Any]:
-        return {"running": self.engine.num_running, "waiting": self.engine.num_waiting}
+        load = self.engine.load()
+        return {"running": load.running, "waiting": load.waiting}
 
     def _unpause_action(self, _body: Control) -> dict[str, Any]:
         self._restore()
@@ -370,8 +372,8 @@ class EngineProcess:
         except ValueError as exc:  # keep_kv where it is not implemented (tensor parallelism)
             return {"error": str(exc)}
         detail: dict[str, Any] = {"released_bytes": released, "level": self.suspend_level}
-        if self.engine.kept_kv_bytes:
-            detail["kept_kv_bytes"] = self.engine.kept_kv_bytes
+        if kept := self.engine.memory.kept_kv_bytes:
+            detail["kept_kv_bytes"] = kept
         if already:
             detail["already_suspended"] = True
         return detail
@@ -393,7 +395,7 @@ class EngineProcess:
         info["weights"] = self.weights_source
         info.pop("peer_store", None)
         if (self.weights_source or "").startswith(RENDEZVOUS_SCHEME):  # a trainer's: joiners pull them from us
-            info["peer_store"] = self.engine.peer_weights().address(urlparse(self.link.address).hostname or "")
+            info["peer_store"] = self.engine.memory.peers.address(urlparse(self.link.address).hostname or "")
 
     def _refit_action(self, body: Refit) -> dict[str, Any]:
         """REFIT at a step boundary: phase ``verify`` checks names and shapes only; ``load`` swaps the
@@ -412,8 +414,8 @@ class EngineProcess:
             source = rendezvous_source(body.rendezvous, body.source)
         try:
             if phase == "verify":
-                return {"verified_s": round(float(self.engine.verify_refit(source)), 6)}
-            timings = self.engine.refit(source, body.epoch)
+                return {"verified_s": round(float(self.engine.memory.verify_refit(source)), 6)}
+            timings = self.engine.memory.refit(source, body.epoch)
         except Exception as exc:  # noqa: BLE001 - any failure is reported; the fleet decides
             epoch = self.engine.epoch
             logger.error("REFIT (%s) from %s failed: %s", phase, body.source, exc)
@@ -424,7 +426,7 @@ class EngineProcess:
         if pushed is not None:  # an adapter version: the base weights (and what HELLO says of them) stay
             logger.info("LoRA adapter %r version %d from %s in %.2fs", pushed.name, pushed.version, body.source,
                         timings["total_s"])
-            stored = (self.engine.lora_adapters() or {}).get(pushed.name) if self.engine.config.lora_push_dir else None
+            stored = (self.engine.adapters.names() or {}).get(pushed.name) if self.engine.config.lora_push_dir else None
             return {**{k: round(float(v), 6) for k, v in timings.items() if k != "epoch"},
                     "epoch": int(timings["epoch"]), "lora": {"name": pushed.name, "version": pushed.version},
                     **({"lora_path": stored} if stored else {})}
@@ -452,24 +454,24 @@ class EngineProcess:
         that no engine can do.
         Every acknowledgement carries the adapters served afterwards (``loras``).
         """
-        engine = self.engine
+        adapters = self.engine.adapters
         try:
             if isinstance(body, UnloadLora):
-                served = engine.lora_adapters()
+                served = adapters.names()
                 if served is None or body.lora_name not in served:
                     return {"absent": True, **({} if served is None else {"loras": served})}
-                engine.unload_lora_adapter(body.lora_name)
+                adapters.unload(body.lora_name)
                 detail: dict[str, Any] = {}
             elif body.phase == "verify":
-                detail = {"read_s": round(engine.verify_lora_adapter(body.lora_name, body.lora_path), 6)}
+                detail = {"read_s": round(adapters.verify(body.lora_name, body.lora_path), 6)}
             else:
-                detail = {"load_s": round(engine.load_lora_adapter(body.lora_name, body.lora_path), 6)}
-            self.link.hello["info"]["loras"] = engine.lora_adapters()  # what the next HELLO says
+                detail = {"load_s": round(adapters.load(body.lora_name, body.lora_path), 6)}
+            self.link.hello["info"]["loras"] = adapters.names()  # what the next HELLO says
         except Exception as exc:  # noqa: BLE001 - any refusal is reported; the fleet decides
             logger.warning("%s %s refused: %s", "UNLOAD_LORA" if isinstance(body, UnloadLora) else "LOAD_LORA",
                            shown(body.lora_name), shown(str(exc), 600))
             return {"error": str(exc) or type(exc).__name__}
-        return {**detail, "loras": engine.lora_adapters() or {}}
+        return {**detail, "loras": adapters.names() or {}}
 
     #: What each step of the lifecycle table does here (a test checks that every step has one).
     _STEP_ACTIONS: dict[Step, Callable[["EngineProcess", Any], dict[str, Any] | None]] = {
@@ -500,10 +502,10 @@ class EngineProcess:
             if isinstance(peer, dict):
                 from ..weights.peer_pull import PeerSource  # noqa: PLC0415 - torch only where an engine lives
 
-                timings = self.engine.refit(PeerSource(str(peer["address"]), str(peer["prefix"]), epoch,
+                timings = self.engine.memory.refit(PeerSource(str(peer["address"]), str(peer["prefix"]), epoch,
                                                        float(peer["timeout_s"]), source), epoch)
             else:
-                timings = self.engine.refit(source, epoch)
+                timings = self.engine.memory.refit(source, epoch)
         except Exception as exc:  # noqa: BLE001
             self.fatal = (f"cannot load the fleet's current weights (epoch {epoch}) from {source}: {exc} "
                           "(start this engine with a model of the fleet's architecture)")
@@ -517,7 +519,8 @@ class EngineProcess:
         """At registration: load the LoRA adapters the fleet was told to serve while this engine was away (the
         names it serves already are kept). One it cannot load is logged and left out: the coordinator routes
         that adapter's requests to the engines serving it."""
-        served = self.engine.lora_adapters()
+        adapters = self.engine.adapters
+        served = adapters.names()
         if served is None:
             logger.warning("the fleet serves LoRA adapters (%s) but this engine was started without enable_lora",
                            ", ".join(sorted(loras)))
@@ -526,19 +529,20 @@ class EngineProcess:
             if name in served:
                 continue
             try:
-                self.engine.load_lora_adapter(name, path)
+                adapters.load(name, path)
             except Exception as exc:  # noqa: BLE001 - this engine serves without it; the others have it
                 logger.warning("cannot load the fleet's LoRA adapter %s from %s: %s", shown(name), shown(path),
                                shown(str(exc), 600))
                 continue
             logger.info("loaded the fleet's LoRA adapter %s from %s", shown(name), shown(path))
-        self.link.hello["info"]["loras"] = self.engine.lora_adapters()
+        self.link.hello["info"]["loras"] = adapters.names()
 
     def _begin_drain(self, timeout: float, why: str) -> None:
         if self.drain_deadline is None:
             self.drain_deadline = time.monotonic() + max(0.0, timeout)
-            logger.info("%s: draining (%d running, %d waiting; up to %.0fs)", why, self.engine.num_running,
-                        self.engine.num_waiting, timeout)
+            load = self.engine.load()
+            logger.info("%s: draining (%d running, %d waiting; up to %.0fs)", why, load.running, load.waiting,
+                        timeout)
             self._send(Header.DRAINING, {"engine_id": self.engine_id})
             self._publish_stats(force=True)
 

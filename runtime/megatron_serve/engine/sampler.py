@@ -221,7 +221,8 @@ class Sampler:
                                   tokens, rows.top_n, log_softmax=self.logprobs_mode.endswith("logprobs"))
         return DeviceSample(tokens, Readback([tokens]), scores, rows.wanted, [i.top_n for i in rows.infos])
 
-    def processed_alone(self, logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    @staticmethod
+    def processed_alone(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         """Rows of model ``logits`` ``[rows, vocab]`` float32 as :meth:`launch` processes a row sampled with
         ``params`` that has no logit controls or grammar: over the temperature, then min-p, top-k and top-p
         (a greedy row: the logits). The same ops on the same values as in a step (a row's processing

@@ -72,30 +72,60 @@ class EngineStepResult(Protocol):
     new_routing: tuple[int, np.ndarray] | None
 
 
-class ServedEngine(Protocol):
-    """The engine as :class:`~megatron_serve.engine.process.EngineProcess` serves it."""
+@dataclass(frozen=True)
+class EngineLoad:
+    """What an engine holds and has done, read once per heartbeat (and for a verb's answer)."""
 
-    epoch: int  # generation of the weights being served (-1: a mix after a failed load)
-    computed_tokens: int  # tokens run through the model, for counters
-    kv_transfer: KVTransfer  # prefill/decode disaggregation: blocks sent after prefill, received for decode
+    running: int
+    waiting: int
+    kv_blocks_free: int
+    kv_blocks_total: int
+    cached_tokens: int = 0  # prompt tokens skipped thanks to the prefix cache (either tier)
+    computed_tokens: int = 0  # tokens run through the model (prefill and decode)
 
-    @property
-    def num_running(self) -> int: ...
 
-    @property
-    def num_waiting(self) -> int: ...
-
-    @property
-    def kv_blocks_total(self) -> int: ...
-
-    @property
-    def kv_blocks_free(self) -> int: ...
-
-    @property
-    def cached_tokens(self) -> int: ...  # prompt tokens skipped thanks to the prefix cache
+class MemoryVerbs(Protocol):
+    """The device-memory verbs, an object the engine holds (the engine's :class:`~.memory_verbs.DeviceMemory`)."""
 
     @property
     def kept_kv_bytes(self) -> int: ...  # live requests' KV in host memory while suspended with keep_kv
+
+    def suspend(self, level: int = 1, keep_kv: bool = False) -> int: ...
+
+    def resume(self) -> None: ...
+
+    def verify_refit(self, source: str | WeightSource) -> float: ...
+
+    def refit(self, source: str | WeightSource, epoch: int | None = None) -> dict[str, float]: ...
+
+    @property
+    def peers(self) -> PeerWeights: ...  # its side of peer pulls as a donor (weights.peer_pull)
+
+
+class AdapterVerbs(Protocol):
+    """The LoRA adapter verbs, an object the engine holds (the engine's :class:`~.lora_verbs.Adapters`)."""
+
+    def names(self) -> dict[str, str] | None: ...  # adapters served (name -> directory); None: no LoRA
+
+    def verify(self, name: str, path: str) -> float: ...
+
+    def load(self, name: str, path: str) -> float: ...
+
+    def unload(self, name: str) -> None: ...
+
+
+class ServedEngine(Protocol):
+    """The engine as :class:`~megatron_serve.engine.process.EngineProcess` serves it: the step loop's members,
+    and the verbs' objects it holds."""
+
+    kv_transfer: KVTransfer  # prefill/decode disaggregation: blocks sent after prefill, received for decode
+    memory: MemoryVerbs  # suspend, resume, refit
+    adapters: AdapterVerbs  # LoRA adapters
+
+    @property
+    def epoch(self) -> int: ...  # generation of the weights being served (-1: a mix after a failed load)
+
+    def load(self) -> EngineLoad: ...
 
     def facts(self) -> EngineFacts: ...
 
@@ -116,21 +146,3 @@ class ServedEngine(Protocol):
     def abort_request(self, request_id: str) -> DynamicInferenceRequest | None: ...
 
     def take_unfinished_requests(self) -> list[DynamicInferenceRequest]: ...
-
-    def suspend(self, level: int = 1, keep_kv: bool = False) -> int: ...
-
-    def resume(self) -> None: ...
-
-    def verify_refit(self, source: str | WeightSource) -> float: ...
-
-    def refit(self, source: str | WeightSource, epoch: int | None = None) -> dict[str, float]: ...
-
-    def peer_weights(self) -> PeerWeights: ...  # its side of peer pulls as a donor (weights.peer_pull)
-
-    def lora_adapters(self) -> dict[str, str] | None: ...  # adapters served (name -> directory); None: no LoRA
-
-    def verify_lora_adapter(self, name: str, path: str) -> float: ...
-
-    def load_lora_adapter(self, name: str, path: str) -> float: ...
-
-    def unload_lora_adapter(self, name: str) -> None: ...
