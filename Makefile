@@ -46,17 +46,16 @@ run: $(TINY_MODEL)/config.json
 
 # The suite runs over TEST_WORKERS pytest-xdist workers, a file to a worker (module fixtures start their fleets
 # once; the release checks build from the checkout one at a time). Threads stay torch's default: the
-# batch-invariance controls need the default mode's multi-threaded arithmetic. Those threads wait for work asleep
-# (OMP_WAIT_POLICY=PASSIVE): spinning, as OpenMP's default has them, every process's idle threads burned the cores
-# the others needed, most of the suite's CPU on a small machine (docs/testing.md).
+# batch-invariance controls need the default mode's multi-threaded arithmetic (tests/conftest.py has them wait
+# for work asleep: docs/testing.md).
 TEST_WORKERS ?= 3
 TEST_ARGS ?=
 test: $(TESTING)
-	TRITON_INTERPRET=1 OMP_WAIT_POLICY=PASSIVE $(PY) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile \
+	TRITON_INTERPRET=1 $(PY) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile \
 		--durations=10 $(TEST_ARGS)
 
 test-fast: $(TESTING)
-	TRITON_INTERPRET=1 OMP_WAIT_POLICY=PASSIVE $(PY) -m pytest -q -m "not slow"
+	TRITON_INTERPRET=1 $(PY) -m pytest -q -m "not slow"
 
 # Regenerate the reference pages (CLI, HTTP API, resource schema, metrics, vLLM mapping, dashboard)
 # from the code, then build the site into site/ (tests fail while a generated page is stale).
