@@ -58,7 +58,7 @@ RENDEZVOUS_TIMEOUT_S = float(os.environ.get("MEGATRON_SERVE_RENDEZVOUS_TIMEOUT",
 REIMPORTED_MAIN_EXIT = 3
 GUARD_HINT = ("a script that builds a tensor-parallel engine (LLM(..., tensor_parallel_size=N) and the like) must "
               "do so under `if __name__ == \"__main__\":`: each other rank's process is started with "
-              "multiprocessing's forkserver, which imports the script again, so that code at its top level runs again "
+              "multiprocessing's spawn, which imports the script again, so that code at its top level runs again "
               "there")
 
 
@@ -366,16 +366,13 @@ def refuse_reimported_main() -> None:
     if reimported_main():
         print(f"megatron-serve: tensor-parallel rank process {os.getpid()} is running its parent's script again: "
               f"{GUARD_HINT}", file=sys.stderr, flush=True)
-        os._exit(REIMPORTED_MAIN_EXIT)  # the forkserver's child turns a SystemExit into exit code 1
+        raise SystemExit(REIMPORTED_MAIN_EXIT)
 
 
 def spawn_local_workers(model_dir: str, config: InferenceConfig, placement: Placement) -> list[multiprocessing.Process]:
     """Start this machine's ranks other than rank 0 as child processes; returns once each has started (reached
     :func:`run_worker`), and raises at once when one exits before it did."""
-    # Forked from a server process that imported this module (torch, the model code) once: a rank then starts in
-    # a fraction of the CPU a fresh interpreter's imports cost, and later engines of this process reuse the server.
-    context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload([__name__])
+    context = multiprocessing.get_context("spawn")
     workers, started = [], []
     for index in range(placement.local_count):
         rank = placement.first_local_rank + index
@@ -417,8 +414,7 @@ def run_worker(model_dir: str, config_dict: dict, placement: Placement, rank: in
     from ..fleet.lifeline import parent_death_signal  # noqa: PLC0415
     from ..model.config import ModelConfig  # noqa: PLC0415
 
-    # Dies with its parent, the forkserver, which exits when rank 0's process does, whatever kills it.
-    parent_death_signal()
+    parent_death_signal()  # dies with rank 0's process (spawned from its main thread), whatever kills it
     started.set()
 
     config = InferenceConfig(**config_dict)
