@@ -50,7 +50,8 @@ run: $(TINY_MODEL)/config.json
 
 # The suite runs over TEST_WORKERS pytest-xdist workers, a file to a worker (module fixtures start their fleets
 # once; the release checks build from the checkout one at a time). Threads stay torch's default: the
-# batch-invariance controls need the default mode's multi-threaded arithmetic.
+# batch-invariance controls need the default mode's multi-threaded arithmetic (tests/conftest.py has them wait
+# for work asleep: docs/testing.md).
 TEST_WORKERS ?= 3
 TEST_ARGS ?=
 test: $(TESTING)

@@ -13,6 +13,12 @@ import pytest
 from .parity.options import add_options
 
 
+# OpenMP threads that ran out of work wait asleep rather than spin (OpenMP's default): on a small machine every
+# process's spinning threads took the cores from the processes with work, most of the suite's CPU
+# (docs/testing.md). Set before a test module imports torch; every process a test starts inherits it.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+
 def pytest_addoption(parser: pytest.Parser) -> None:
     add_options(parser)
 
@@ -50,7 +56,8 @@ def machine_line() -> str:
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     build = f"torch {version('torch')}"
     pages = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 0
-    return f"machine: {cores} usable cores of {os.cpu_count()}, {pages / 2**30:.0f} GiB, load {os.getloadavg()}, {build}"
+    return (f"machine: {cores} usable cores of {os.cpu_count()}, {pages / 2**30:.0f} GiB, load {os.getloadavg()}, "
+            f"{build}, OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')}")
 
 
 @pytest.fixture(scope="session")

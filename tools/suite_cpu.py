@@ -45,8 +45,12 @@ def pytest_runtest_protocol(item: pytest.Item) -> Iterator[None]:
     before = int((GROUP / "cpuacct.usage").read_text())
     yield
     spent = (int((GROUP / "cpuacct.usage").read_text()) - before) / 1e9
+    # The processes left in the group once the test is done: one a test leaked burns CPU the tests after it are
+    # charged for, and shows here as a count that grows.
+    procs = len((GROUP / "cgroup.procs").read_text().split())
     with open(os.environ["SUITE_CPU_OUT"], "a") as out:
-        out.write(json.dumps({"test": item.nodeid, "cpu_s": round(spent, 3)}) + "\n")
+        out.write(json.dumps({"test": item.nodeid, "cpu_s": round(spent, 3), "procs": procs,
+                              "worker": os.environ.get("PYTEST_XDIST_WORKER", "")}) + "\n")
 
 
 def report(path: str) -> None:

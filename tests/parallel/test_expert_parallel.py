@@ -88,62 +88,78 @@ LAYER_PROBE = textwrap.dedent("""
     from megatron_serve.model.parallel import TensorParallel
     from megatron_serve.model.token_dispatcher import AllGatherDispatcher
 
-    model_dir, rank, size, port, dtype, mode, out = sys.argv[1:]
-    rank, size, dtype = int(rank), int(size), getattr(torch, dtype)
+    model_dir, rank, size, port, out, *cases = sys.argv[1:]
+    rank, size = int(rank), int(size)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size)
     tp = TensorParallel(rank, size, dist.group.WORLD, expert_parallel=size > 1)
-    model = load_model(model_dir, dtype, "cpu", tp)
-    if "invariant" in mode:
-        model.use_batch_invariant_ops()
-    outputs = []
-    for layer in model.model.layers:
-        block = layer.mlp
-        if not isinstance(block, SparseMoeBlock):
-            continue
-        if "allgather" in mode and size > 1:
-            block.dispatcher = AllGatherDispatcher(tp, model.config.moe.num_experts)
-        if "unordered" in mode and size > 1:
-            block.dispatcher.ordered = False
-        for tokens in (1, 3, 37):  # one token over several ranks: all but one chunk empty
-            hidden = torch.randn(tokens, model.config.hidden_size, generator=torch.Generator().manual_seed(tokens))
-            with torch.no_grad():
-                outputs.append(block(hidden.to(dtype)))
-    torch.save(outputs, out)
+    results = {}
+    for case in cases:  # one group computes every case of its size: a rank's start costs more than a case
+        dtype, mode = case.split(":")
+        model = load_model(model_dir, getattr(torch, dtype), "cpu", tp)
+        if "invariant" in mode:
+            model.use_batch_invariant_ops()
+        outputs = results[case] = []
+        for layer in model.model.layers:
+            block = layer.mlp
+            if not isinstance(block, SparseMoeBlock):
+                continue
+            if "allgather" in mode and size > 1:
+                block.dispatcher = AllGatherDispatcher(tp, model.config.moe.num_experts)
+            if "unordered" in mode and size > 1:
+                block.dispatcher.ordered = False
+            for tokens in (1, 3, 37):  # one token over several ranks: all but one chunk empty
+                hidden = torch.randn(tokens, model.config.hidden_size, generator=torch.Generator().manual_seed(tokens))
+                with torch.no_grad():
+                    outputs.append(block(hidden.to(model.dtype)))
+    torch.save(results, out)
     dist.destroy_process_group()
 """)
 
+#: The ``dtype:mode`` cases each world size computes, for both layer tests.
+LAYER_CASES = {1: ["float32:plain", "bfloat16:invariant"],
+               2: ["float32:plain", "float32:allgather", "bfloat16:invariant", "bfloat16:invariant-unordered"],
+               4: ["float32:plain", "bfloat16:invariant"]}
 
-def layer_outputs(model_dir: str, size: int, dtype: str, mode: str, tmp_path) -> list[torch.Tensor]:
-    """Every MoE layer's output for 1, 3 and 37 tokens on rank 0 of ``size`` real processes over gloo."""
-    port, files = free_port(), [tmp_path / f"{mode}-{size}-{rank}.pt" for rank in range(size)]
-    procs = [subprocess.Popen([sys.executable, "-c", LAYER_PROBE, model_dir, str(rank), str(size), str(port), dtype,
-                               mode, str(files[rank])]) for rank in range(size)]
+
+def layer_outputs(model_dir: str, size: int, tmp_path) -> dict[str, list[torch.Tensor]]:
+    """Every MoE layer's output for 1, 3 and 37 tokens on rank 0 of ``size`` real processes over gloo, for each of
+    the size's cases."""
+    port, files = free_port(), [tmp_path / f"{size}-{rank}.pt" for rank in range(size)]
+    procs = [subprocess.Popen([sys.executable, "-c", LAYER_PROBE, model_dir, str(rank), str(size), str(port),
+                               str(files[rank]), *LAYER_CASES[size]]) for rank in range(size)]
     assert [p.wait(timeout=300) for p in procs] == [0] * size
     outputs = [torch.load(f) for f in files]
     for other in outputs[1:]:  # every rank ends the layer with every token's output
-        assert all(torch.equal(a, b) for a, b in zip(outputs[0], other))
+        for case, mine in outputs[0].items():
+            assert all(torch.equal(a, b) for a, b in zip(mine, other[case], strict=True)), case
     return outputs[0]
 
 
-@pytest.mark.slow
-def test_layer_equals_one_rank_for_both_dispatchers(moe_model, tmp_path):
+@pytest.fixture(scope="module")
+def layers(moe_model, tmp_path_factory) -> dict[int, dict[str, list[torch.Tensor]]]:
+    """``{size: {case: outputs}}`` for the module's model: one group of processes per size."""
     _, model_dir = moe_model
-    one = layer_outputs(model_dir, 1, "float32", "plain", tmp_path)
+    tmp_path = tmp_path_factory.mktemp("layers")
+    return {size: layer_outputs(model_dir, size, tmp_path) for size in LAYER_CASES}
+
+
+@pytest.mark.slow
+def test_layer_equals_one_rank_for_both_dispatchers(layers):
+    one = layers[1]["float32:plain"]
     for size, mode in ((2, "plain"), (4, "plain"), (2, "allgather")):
-        for got, expected in zip(layer_outputs(model_dir, size, "float32", mode, tmp_path), one, strict=True):
+        for got, expected in zip(layers[size][f"float32:{mode}"], one, strict=True):
             torch.testing.assert_close(got, expected, rtol=0, atol=2e-6)
 
 
 @pytest.mark.slow
-def test_batch_invariant_layer_is_bitwise_one_rank_and_the_unordered_combine_is_not(moe_model, tmp_path):
+def test_batch_invariant_layer_is_bitwise_one_rank_and_the_unordered_combine_is_not(layers):
     """bfloat16: each token's experts combined in ascending id order, each weighted output rounded first, as the
     invariant kernel adds them on one rank. Control: the float32 sum of the default combine differs."""
-    _, model_dir = moe_model
-    one = layer_outputs(model_dir, 1, "bfloat16", "invariant", tmp_path)
+    one = layers[1]["bfloat16:invariant"]
     for size in (2, 4):
-        ep = layer_outputs(model_dir, size, "bfloat16", "invariant", tmp_path)
+        ep = layers[size]["bfloat16:invariant"]
         assert all(torch.equal(a, b) for a, b in zip(ep, one, strict=True)), f"EP={size} differs from one rank"
-    unordered = layer_outputs(model_dir, 2, "bfloat16", "invariant-unordered", tmp_path)
+    unordered = layers[2]["bfloat16:invariant-unordered"]
     assert not all(torch.equal(a, b) for a, b in zip(unordered, one)), "the control does not differ"
 
 
