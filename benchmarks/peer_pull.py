@@ -28,6 +28,9 @@ from megatron_serve.model.tiny import make_tiny_model
 from megatron_serve.weights.peer_pull import PeerSource, PeerWeights
 from megatron_serve.wire.messages import PeerShare
 
+sys.path.insert(0, str(Path(__file__).parent))
+from weight_sync import memory_copy_bandwidth  # noqa: E402
+
 
 def donor(path: str, rounds: int, to_joiner: "mp.Queue", from_joiner: "mp.Queue") -> None:
     peers = PeerWeights(load_model(path, torch.float32, "cpu"))
@@ -49,17 +52,6 @@ def joiner(path: str, rounds: int, from_donor: "mp.Queue", to_donor: "mp.Queue",
     results.put(sum(t.numel() * t.element_size() for t in model.state_dict().values()))
 
 
-def memory_copy_bytes_per_s(nbytes: int, rounds: int) -> float:
-    source, target = torch.ones(nbytes, dtype=torch.uint8), torch.empty(nbytes, dtype=torch.uint8)
-    target.copy_(source)  # its pages are touched once, outside the timing
-    seconds = []
-    for _ in range(rounds):
-        started = time.perf_counter()
-        target.copy_(source)
-        seconds.append(time.perf_counter() - started)
-    return nbytes / statistics.median(seconds)
-
-
 def one_size(path: str, rounds: int) -> tuple[int, float, float]:
     """Bytes pulled, the median seconds, this machine's memory copy (bytes/s) for the same bytes."""
     spawn = mp.get_context("spawn")
@@ -72,7 +64,7 @@ def one_size(path: str, rounds: int) -> tuple[int, float, float]:
     nbytes = results.get(timeout=60)
     for proc in procs:
         proc.join(60)
-    return nbytes, statistics.median(seconds), memory_copy_bytes_per_s(nbytes, rounds)
+    return nbytes, statistics.median(seconds), memory_copy_bandwidth(nbytes, rounds)
 
 
 def main() -> None:
