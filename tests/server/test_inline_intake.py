@@ -47,7 +47,7 @@ async def test_a_small_unconstrained_completion_takes_no_worker_thread(tokenizer
     small = await _post(tokenizer, backend, "/v1/completions", body)
     assert hops == []
     big = await _post(tokenizer, backend, "/v1/completions", {**body, "user": "u" * intake.INLINE_BODY_BYTES})
-    assert hops == ["parse", "CompletionHandler"]  # negative control: a body over the size goes to the workers
+    assert hops == ["_parse", "CompletionHandler"]  # negative control: a body over the size goes to the workers
     assert big["choices"][0]["text"] == small["choices"][0]["text"]
 
 
