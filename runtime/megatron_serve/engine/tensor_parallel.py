@@ -336,8 +336,24 @@ class TensorParallelRunner(ModelRunner):
             pass  # followers already gone: nothing left to stop
         finally:
             dist.destroy_process_group()
+            release_groups(self.model.tp, self.channel)
             for worker in self.workers:
                 worker.join(timeout=30)
+
+
+def release_groups(tp: TensorParallel, channel: PlanChannel) -> None:
+    """Drop this process's last references to its destroyed groups, so that their C++ objects are freed now.
+
+    ``dist.destroy_process_group`` forgets every group but frees none that Python still holds, and a gloo group
+    keeps its worker threads and its peers' sockets until it is freed. The model's ``TensorParallel`` (one object,
+    shared by every layer) and the plan channel held them, and the engine sits in reference cycles, so they went at
+    some later collection or in the interpreter's teardown, after the other ranks' processes had gone: a gloo group
+    freed there can end the process with "terminate called without an active exception" (PyTorch issue 65231).
+    The engine is unusable after its shutdown, so its layers may lose their groups."""
+    for holder in (tp, tp.stage, tp.data_parallel):
+        if holder.group is not None:  # frozen, and shared by every layer: one assignment reaches them all
+            object.__setattr__(holder, "group", None)
+    channel.group = channel.device_group = channel.leaders = None
 
 
 def abandon_group(workers: list[multiprocessing.Process]) -> None:

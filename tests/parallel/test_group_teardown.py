@@ -1,0 +1,38 @@
+"""An engine's shutdown frees its gloo groups' threads there and then: ``dist.destroy_process_group`` alone left every
+group the model still held running (worker and transport threads) until a later collection or the interpreter's
+teardown, where one process of a data-parallel test died with "terminate called without an active exception"."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+from megatron_serve.engine.tensor_parallel import free_port
+
+# In a process of its own: thread counts of this process only, and a default group of its own.
+GROUPS = textwrap.dedent('''
+    import os, sys
+    import torch.distributed as dist
+    from megatron_serve.engine.tensor_parallel import join_data_parallel, release_groups
+
+    def threads():
+        return len(os.listdir("/proc/self/task"))
+
+    before = threads()
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{sys.argv[1]}", rank=0, world_size=1)
+    tp, channel = join_data_parallel(0, 1, 1, "gloo")  # the groups of data-parallel attention, as an engine's
+    channel.send("stop")
+    dist.destroy_process_group()
+    destroyed = threads()
+    release_groups(tp, channel)
+    print(before, destroyed, threads())
+''')
+
+
+def test_released_groups_leave_no_thread_behind_and_destroying_them_alone_does():
+    done = subprocess.run([sys.executable, "-c", GROUPS, str(free_port())], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    before, destroyed, released = map(int, done.stdout.split())
+    assert destroyed > before, "the control: groups still held keep their threads after destroy_process_group"
+    assert released == before
