@@ -482,6 +482,7 @@ def run_worker(model_dir: str, config_dict: dict, placement: Placement, rank: in
         elif kind == "stop":
             break
     dist.destroy_process_group()
+    release_groups(tp, channel)  # a spawned process ends through the interpreter's teardown too
 
 
 def _follow_refit(model, source: WeightSource) -> tuple[list[str], str | None]:
