@@ -131,6 +131,13 @@ def differing(a: list[float], b: list[float]) -> int:
     return sum(x != y for x, y in zip(a, b))
 
 
+#: The framework recipes' comparisons (Megatron-core, TorchTitan): these prompts' completions, right-padded to
+#: ``RECIPE_LENGTH`` (past the longest sequence, 45 tokens), served once per (arch, dtype) for both.
+RECIPE_PROMPTS = [[7, 8, 9] * 10, [11, 12] * 7, [(13 * i) % 500 + 5 for i in range(37)]]
+RECIPE_COMPLETION = 8
+RECIPE_LENGTH = 48
+
+
 def run_prompts(model_dir: str, dtype: str, prompts: list[list[int]], tokens: int = TARGET_TOKENS,
                 sampled: bool = False) -> list[TargetRun]:
     """Every prompt served at once by one engine in the mode: each one's completion and log probs (its own,

@@ -27,12 +27,7 @@ from megatron_serve.invariant import batch_invariant
 from ..devices import tensor_parallel_device
 from ..helpers import free_port
 from .batches import completion_log_probs, packed, right_padded
-from .runs import run_prompts
-
-
-COMPLETION = 8
-PROMPTS = [[7, 8, 9] * 10, [11, 12] * 7, [(13 * i) % 500 + 5 for i in range(37)]]
-LENGTH = 48  # right padding past the longest sequence (45 tokens)
+from .runs import RECIPE_LENGTH as LENGTH
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -46,17 +41,6 @@ def model_parallel():
     finally:
         parallel_state.destroy_model_parallel()
         dist.destroy_process_group()
-
-
-@pytest.fixture(scope="module")
-def served(models):
-    cache = {}
-
-    def get(arch: str, dtype: str):
-        if (arch, dtype) not in cache:
-            cache[arch, dtype] = run_prompts(models[arch], dtype, PROMPTS, COMPLETION)
-        return cache[arch, dtype]
-    return get
 
 
 def _model(model_dir: str, dtype: str, spec=None) -> GPTModel:
@@ -78,17 +62,17 @@ def _log_probs(model: GPTModel, runs, attention_mask: torch.Tensor | None = None
 
 @pytest.mark.parametrize("arch, dtype", [("llama", "float32"), ("llama", "bfloat16"), ("qwen3", "bfloat16"),
                                          ("qwen3_moe", "bfloat16")])
-def test_a_gpt_model_of_the_invariant_spec_gives_the_engines_log_probs(models, served, arch, dtype):
-    runs = served(arch, dtype)
+def test_a_gpt_model_of_the_invariant_spec_gives_the_engines_log_probs(models, recipe_runs, arch, dtype):
+    runs = recipe_runs(arch, dtype)
     model = _model(models[arch], dtype).eval()
     with torch.no_grad():
         assert _log_probs(model, runs) == [run.log_probs for run in runs]
 
 
 @pytest.mark.parametrize("arch, dtype", [("llama", "float32"), ("qwen3_moe", "bfloat16")])
-def test_packed_sequences_give_the_engines_log_probs(models, served, arch, dtype):
+def test_packed_sequences_give_the_engines_log_probs(models, recipe_runs, arch, dtype):
     """Megatron-core's packed sequences (``thd``: one row, ``cu_seqlens``), as verl's Megatron backend packs them."""
-    runs = served(arch, dtype)
+    runs = recipe_runs(arch, dtype)
     model = _model(models[arch], dtype).eval()
     row = packed([run.prompt + run.tokens for run in runs])
     device = model.embedding.word_embeddings.weight.device
@@ -105,8 +89,8 @@ def test_packed_sequences_give_the_engines_log_probs(models, served, arch, dtype
     assert all(ours != run.log_probs for ours, run in zip(completion_log_probs(as_one, row, runs)[1:], runs[1:]))
 
 
-def test_the_causal_mask_is_taken_and_a_padding_mask_refused(models, served):
-    runs = served("llama", "float32")
+def test_the_causal_mask_is_taken_and_a_padding_mask_refused(models, recipe_runs):
+    runs = recipe_runs("llama", "float32")
     model = _model(models["llama"], "float32").eval()
     device = model.embedding.word_embeddings.weight.device
     causal = torch.ones(1, 1, LENGTH, LENGTH, dtype=torch.bool, device=device).triu(1)
@@ -118,8 +102,8 @@ def test_the_causal_mask_is_taken_and_a_padding_mask_refused(models, served):
             _log_probs(model, runs, left_padding)
 
 
-def test_in_training_mode_with_autograd_the_log_probs_hold_and_the_weights_get_gradients(models, served):
-    runs = served("llama", "float32")
+def test_in_training_mode_with_autograd_the_log_probs_hold_and_the_weights_get_gradients(models, recipe_runs):
+    runs = recipe_runs("llama", "float32")
     model = _model(models["llama"], "float32").train()
     batch = right_padded([run.prompt + run.tokens for run in runs], LENGTH)
     ids = batch.kwargs["input_ids"].to(model.embedding.word_embeddings.weight.device)
@@ -132,10 +116,10 @@ def test_in_training_mode_with_autograd_the_log_probs_hold_and_the_weights_get_g
         assert weight.grad is not None and weight.grad.abs().sum() > 0
 
 
-def test_control_megatron_cores_local_spec_differs_and_needs_cuda(models, served, monkeypatch):
+def test_control_megatron_cores_local_spec_differs_and_needs_cuda(models, recipe_runs, monkeypatch):
     """On a CPU the local spec stops at CUDA-only code; with those calls pointed at the CPU it runs. On a GPU it
     runs as it is. Either way its log probs are not the engine's."""
-    runs = served("llama", "bfloat16")
+    runs = recipe_runs("llama", "bfloat16")
     device = tensor_parallel_device(1)
     config, kwargs = recipe.gpt_config_from_hf(models["llama"], torch.bfloat16)
     stock = GPTModel(config, transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"), **kwargs)

@@ -21,22 +21,7 @@ from megatron_serve.invariant import batch_invariant
 
 from ..devices import tensor_parallel_device
 from .batches import completion_log_probs, packed, right_padded
-from .runs import run_prompts
-
-COMPLETION = 8
-PROMPTS = [[7, 8, 9] * 10, [11, 12] * 7, [(13 * i) % 500 + 5 for i in range(37)]]
-LENGTH = 48  # right padding past the longest sequence (45 tokens)
-
-
-@pytest.fixture(scope="module")
-def served(models):
-    cache = {}
-
-    def get(arch: str, dtype: str):
-        if (arch, dtype) not in cache:
-            cache[arch, dtype] = run_prompts(models[arch], dtype, PROMPTS, COMPLETION)
-        return cache[arch, dtype]
-    return get
+from .runs import RECIPE_LENGTH as LENGTH
 
 
 def _model(config, model_dir: str, dtype: str) -> torch.nn.Module:
@@ -53,8 +38,8 @@ def _forward(model: torch.nn.Module, batch, masks=None, positions=None) -> torch
 
 @pytest.mark.parametrize("arch, dtype", [("llama", "float32"), ("llama", "bfloat16"), ("qwen3", "bfloat16"),
                                          ("qwen3_moe", "bfloat16")])
-def test_a_model_of_the_recipe_gives_the_engines_log_probs(models, served, arch, dtype):
-    runs = served(arch, dtype)
+def test_a_model_of_the_recipe_gives_the_engines_log_probs(models, recipe_runs, arch, dtype):
+    runs = recipe_runs(arch, dtype)
     engine = [run.log_probs for run in runs]
     model = _model(recipe.config_from_hf(models[arch]), models[arch], dtype).eval()
     sequences = [run.prompt + run.tokens for run in runs]
@@ -67,8 +52,8 @@ def test_a_model_of_the_recipe_gives_the_engines_log_probs(models, served, arch,
         assert completion_log_probs(_forward(model, row, masks, positions), row, runs) == engine, "packed"
 
 
-def test_in_training_mode_with_autograd_the_log_probs_hold_and_the_weights_get_gradients(models, served):
-    runs = served("llama", "float32")
+def test_in_training_mode_with_autograd_the_log_probs_hold_and_the_weights_get_gradients(models, recipe_runs):
+    runs = recipe_runs("llama", "float32")
     model = _model(recipe.config_from_hf(models["llama"]), models["llama"], "float32").train()
     batch = right_padded([run.prompt + run.tokens for run in runs], LENGTH)
     logits = _forward(model, batch)
@@ -94,8 +79,8 @@ def _stock(config):
     return dataclasses.replace(config, norm=norm(config.norm), layers=[layer] * len(config.layers))
 
 
-def test_control_torchtitans_own_rotary_and_norms_differ(models, served):
-    runs = served("llama", "bfloat16")
+def test_control_torchtitans_own_rotary_and_norms_differ(models, recipe_runs):
+    runs = recipe_runs("llama", "bfloat16")
     model = _model(_stock(recipe.config_from_hf(models["llama"])), models["llama"], "bfloat16").eval()
     row = packed([run.prompt + run.tokens for run in runs])
     positions = row.kwargs["position_ids"]
