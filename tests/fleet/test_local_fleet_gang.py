@@ -5,11 +5,9 @@ the pid of a worker it spawns, as an engine spawns its tensor-parallel ranks) an
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import signal
-import sys
 import textwrap
 
 import pytest
@@ -18,7 +16,7 @@ from megatron_serve.config import InferenceConfig
 from megatron_serve.fleet.local_fleet import LocalFleet
 
 from ..helpers import wait_until
-from .test_local_fleet_supervision import alive
+from .test_local_fleet_supervision import alive, install_standin
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -49,14 +47,10 @@ STANDIN = textwrap.dedent("""\
 
 @pytest.fixture
 def standin(tmp_path):
-    record = tmp_path / "starts.jsonl"
-    python = tmp_path / "python"
-    python.write_text(STANDIN.format(python=sys.executable, record=str(record)))
-    python.chmod(0o755)
+    python, starts = install_standin(tmp_path, STANDIN)
 
     def engines() -> list[dict]:
-        starts = [json.loads(line) for line in record.read_text().splitlines()] if record.exists() else []
-        return [s for s in starts if s["role"] == "engine"]
+        return [s for s in starts() if s["role"] == "engine"]
 
     return python, engines
 

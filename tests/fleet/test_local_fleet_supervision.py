@@ -16,6 +16,7 @@ import sys
 import tempfile
 import textwrap
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -45,17 +46,23 @@ STANDIN = textwrap.dedent("""\
 """)
 
 
-@pytest.fixture
-def standin(tmp_path):
+def install_standin(tmp_path: Path, script: str) -> tuple[Path, Callable[[], list[dict]]]:
+    """``script`` (a template of ``python`` and ``record``) as an executable ``python`` in ``tmp_path``, and a reader
+    of the starts its children record."""
     record = tmp_path / "starts.jsonl"
     python = tmp_path / "python"
-    python.write_text(STANDIN.format(python=sys.executable, record=str(record)))
+    python.write_text(script.format(python=sys.executable, record=str(record)))
     python.chmod(0o755)
 
     def starts() -> list[dict]:
         return [json.loads(line) for line in record.read_text().splitlines()] if record.exists() else []
 
     return python, starts
+
+
+@pytest.fixture
+def standin(tmp_path):
+    return install_standin(tmp_path, STANDIN)
 
 
 def alive(pid: int) -> bool:
