@@ -88,9 +88,9 @@ class ShardedSource:
         rv = self.rendezvous
         if rv.world_size is None or rv.rank_offset is None:
             raise ValueError("the load step of a rendezvous refit needs world_size and rank_offset")
-        rank = rv.rank_offset + model.tp.stage.rank  # the rank in the engine group (pipeline stages included)
+        rank = rv.rank_offset + model.tp.engine_rank  # its rank in the engine (pipeline stages included)
         device = next(model.parameters()).device if rv.backend == "nccl" else torch.device("cpu")
-        regions = engine_layout(model, rv.manifest, holds_extra=model.tp.stage.rank == 0)
+        regions = engine_layout(model, rv.manifest, holds_extra=model.tp.engine_rank == 0)
         held = held_digests(model)
         published = {name: (box, held.get(name, {})) for name, box in regions.items()}
         deadline = time.monotonic() + rv.timeout_s
