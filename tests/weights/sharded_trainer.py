@@ -12,7 +12,9 @@ Options: ``--delta``; ``--bucket-bytes N``; ``--timeout S``; ``--die-after-bucke
 left, like a crashed rank); ``--overlap`` / ``--gap`` / ``--wrong-shape`` (rank 1 sends a bad piece);
 ``--change-layer L`` (add 1 to every weight of layer L before sending); ``--grow NAME`` (every rank cuts tensor NAME
 with two more rows: a full shape all ranks agree on that the model does not have); ``--gather NAME`` (the control
-of the memory figures: rank 0 gathers tensor NAME whole and sends it, as a trainer without pieces must).
+of the memory figures: rank 0 gathers tensor NAME whole and sends it, as a trainer without pieces must);
+``--drafter DIR`` (an EAGLE-3 head's tensors too, cut as the policy's, in the same send); ``--adapter NAME=DIR``
+(the last rank adds a PEFT adapter directory as adapter NAME, in the same send).
 """
 
 from __future__ import annotations
@@ -146,6 +148,16 @@ def pieces(args: argparse.Namespace) -> list[tuple]:
     return out
 
 
+def drafter_pieces(args: argparse.Namespace) -> list[tuple]:
+    """This rank's pieces of the drafter's checkpoint (an EAGLE-3 head: its floating-point tensors, cut as the
+    policy's; the integer vocabulary maps stay with the head)."""
+    if args.drafter is None:
+        return []
+    with Checkpoint(os.path.join(args.drafter, "model.safetensors")) as checkpoint:
+        return [piece for name in sorted(checkpoint.keys()) if checkpoint.header[name]["dtype"] in _DTYPES
+                for piece in cut(name, checkpoint.get_slice(name), args.rank, args.world_size)]
+
+
 def gathered(out: list[tuple], name: str, rank: int, world_size: int) -> list[tuple]:
     """``out`` with tensor ``name``'s row pieces gathered over the trainer's group into one full tensor on rank 0."""
     index = next(i for i, item in enumerate(out) if item[0] == name)
@@ -173,8 +185,10 @@ async def main(args: argparse.Namespace) -> int:
         print(json.dumps({"largest": max(sizes), "holds": sum(sizes)}), flush=True)
         sender = WeightSender(client, backend="gloo", bucket_bytes=args.bucket_bytes, rank=args.rank,
                               world_size=args.world_size, timeout=args.timeout, on_bucket=on_bucket)
+        name, _, adapter = (args.adapter or "").partition("=")
         try:
-            ack = await sender.send(mine, epoch=args.epoch, delta=args.delta)
+            ack = await sender.send(mine, epoch=args.epoch, delta=args.delta, drafter=drafter_pieces(args),
+                                    adapters={name: adapter} if adapter and args.rank == args.world_size - 1 else None)
         except (ControlError, WeightTransferError, ValueError) as exc:
             print(json.dumps({"error": str(exc), "type": type(exc).__name__}), flush=True)
             return 1
@@ -201,4 +215,6 @@ if __name__ == "__main__":
     parser.add_argument("--wrong-shape", action="store_true")
     parser.add_argument("--grow", default=None)
     parser.add_argument("--gather", default=None)
+    parser.add_argument("--drafter", default=None)
+    parser.add_argument("--adapter", default=None)
     raise SystemExit(asyncio.run(main(parser.parse_args())))
