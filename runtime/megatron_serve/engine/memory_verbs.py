@@ -71,7 +71,7 @@ class DeviceMemory:
         self.refits = 0
         self.last_refit: dict[str, float] | None = None  # timings of the last refit (for /metrics)
         self.incomplete: set[str] = set()  # tensors a failed refit overwrote (see RefitFailed)
-        self.peers = PeerWeights(model)  # engines that join later may pull these weights from here
+        self.peers = PeerWeights(model, followers=worker.runner)  # engines that join later may pull from here
 
     @property
     def epoch(self) -> int:

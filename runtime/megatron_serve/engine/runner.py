@@ -213,5 +213,12 @@ class ModelRunner:
         """Each other rank's part of the refit just run: the names it loaded, and its error if any."""
         return []
 
+    def on_share(self, payload: tuple[str, str, int, float]) -> None:
+        """A joiner pulls this engine's weights: every other rank sends its own (:mod:`..weights.peer_pull`)."""
+
+    def share_outcomes(self) -> list[str | None]:
+        """Each other rank's part of the pull just run: its error, or None."""
+        return []
+
     def shutdown(self) -> None:
         pass

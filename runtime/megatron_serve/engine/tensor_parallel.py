@@ -49,6 +49,7 @@ from .sizing import build_kv_pool, default_dtype, engine_buffers, max_sequence_l
 from .runner import ModelRunner, StepResult
 from .step_plan import StepBuffers, StepPlan
 from ..weights.drafter import policy_only
+from ..weights.peer_pull import follow_share
 from ..weights.sources import WeightSource
 
 logger = logging.getLogger(__name__)
@@ -145,7 +146,7 @@ class PlanChannel:
     weight source): those are rare, steps are not.
     """
 
-    KINDS = ("step", "suspend", "resume", "refit", "stop", "lora", "idle")
+    KINDS = ("step", "suspend", "resume", "refit", "stop", "lora", "idle", "peer")
 
     def __init__(self, group: dist.ProcessGroup, leader: int = 0, device_group: object | None = None,
                  leaders: object | None = None):
@@ -320,11 +321,21 @@ class TensorParallelRunner(ModelRunner):
         self._broadcast("lora", (slot, adapter))
 
     def refit_outcomes(self) -> list[tuple[list[str], str | None]]:
+        return self._outcomes("a refit")
+
+    def on_share(self, payload: tuple[str, str, int, float]) -> None:
+        self._broadcast("peer", payload)
+
+    def share_outcomes(self) -> list[str | None]:
+        return self._outcomes("a peer pull")
+
+    def _outcomes(self, what: str) -> list:
+        """What each other rank reported of ``what``, in rank order (they send it once they are done)."""
         outcomes: list = [None] * dist.get_world_size(self.channel.group)
         try:
             dist.gather_object(None, outcomes, dst=self.channel.leader, group=self.channel.group)
         except Exception as exc:  # noqa: BLE001 - a collective fails only when the group broke
-            raise EngineGroupLost(f"tensor-parallel group broke during a refit: {exc}") from exc
+            raise EngineGroupLost(f"tensor-parallel group broke during {what}: {exc}") from exc
         return outcomes[1:]
 
     def shutdown(self) -> None:
@@ -479,6 +490,8 @@ def run_worker(model_dir: str, config_dict: dict, placement: Placement, rank: in
             dist.gather_object(_follow_refit(model, payload), None, dst=channel.leader, group=channel.group)
         elif kind == "lora":
             slots.write(*payload)
+        elif kind == "peer":  # a joiner pulls our weights: this rank sends its own to the joiner's same rank
+            dist.gather_object(follow_share(model, payload), None, dst=channel.leader, group=channel.group)
         elif kind == "stop":
             break
     dist.destroy_process_group()
