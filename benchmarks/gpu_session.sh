@@ -21,8 +21,9 @@
 #                                            # shape at one rank and TP/EP 2/4/8 (as many as the GPUs allow)
 #   bash benchmarks/gpu_session.sh refit     # sharded refit: the plan's and the fleet's tests natively (engines on the
 #                                            # GPU, trainer ranks on gloo: one GPU cannot hold two NCCL ranks; a late
-#                                            # joiner pulling from a GPU peer, over gloo), then refit.py --sharded's
-#                                            # table (bytes/s per link, time vs size, world 1/2/4)
+#                                            # joiner pulling from a GPU peer, over gloo), the MoE (EP), one-transaction
+#                                            # (EAGLE-3 head + LoRA), drafter and FP8 refits, then refit.py
+#                                            # --sharded's table (bytes/s per link, time vs size, world 1/2/4)
 #
 # The device image has torch, triton and transformers; packages it lacks travel as wheels in .whl
 # (`pip download --python-version 3.12 --only-binary=:all: -d .whl ...`) and install into /tmp/site. Each step has its own time limit, so one
@@ -119,6 +120,9 @@ case ${1:-tests} in
     step pytest_refit 480 python3 -m pytest -q -p no:cacheprovider --timeout 450 -rfE --durations 10 \
       tests/weights/test_shards.py tests/weights/test_sharded_refit_fleet.py tests/weights/test_adapters_in_refit.py \
       tests/weights/test_peer_pull_fleet.py
+    step pytest_refit_moe_drafter_fp8 480 python3 -m pytest -q -p no:cacheprovider --timeout 450 -rfE --durations 10 \
+      tests/weights/test_sharded_refit_moe_fleet.py tests/weights/test_refit_transaction_fleet.py \
+      tests/weights/test_drafter_refit_fleet.py tests/weights/test_fp8_weight_sync.py
     step refit_sharded 540 python3 benchmarks/refit.py --sharded --sizes 1024,2048 --layers 8 --world-sizes 1,2,4 \
       --rounds 2 --bucket-mib 64
     ;;

@@ -179,7 +179,7 @@ async def main(args: argparse.Namespace) -> int:
     async with InferenceClient(args.address, token=os.environ.get("MEGATRON_SERVE_TOKEN")) as client:
         # this rank's memory from here on (the client, its tokenizer included, is the trainer's own): the pieces it
         # reads, and all that sending them costs
-        baseline = start_peak()
+        baseline = start_peak(trim=True)
         mine = pieces(args)
         sizes = [item[1].numel() * item[1].element_size() for item in mine]
         print(json.dumps({"largest": max(sizes), "holds": sum(sizes)}), flush=True)

@@ -26,6 +26,7 @@ from megatron_serve.config import InferenceConfig
 from megatron_serve.model.tiny import make_tiny_model
 from megatron_serve.wire.sampling_params import SamplingParams
 
+from ..devices import tensor_parallel_device
 from ..helpers import Children, free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
@@ -131,7 +132,8 @@ async def test_groups_pull_rank_to_rank_from_a_group_of_their_layout(models, tmp
     (tmp_path / "logs").mkdir()
     children = Children(tmp_path / "logs")
     port = free_port()
-    layouts = (("--tensor-parallel", "2"), ("--pipeline-parallel-size", "2"))
+    pair = ("--device", tensor_parallel_device(2))  # a machine with one GPU runs the two-rank groups on CPU
+    layouts = (("--tensor-parallel", "2", *pair), ("--pipeline-parallel-size", "2", *pair))
     try:
         children.coordinator(models.a, port, "--heartbeat-timeout", "60", "--routing", "round_robin")
         donors = [children.engine(models.a, port, "--group", str(group), *flags) for group, flags in enumerate(layouts)]

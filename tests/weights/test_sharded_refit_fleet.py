@@ -33,6 +33,7 @@ from megatron_serve.config import InferenceConfig
 from megatron_serve.model.tiny import make_tiny_model
 from megatron_serve.wire.sampling_params import SamplingParams
 
+from ..devices import tensor_parallel_device
 from ..helpers import Children, free_port, until
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
@@ -97,8 +98,9 @@ def fleet(models, tmp_path_factory):
     # with its first steps for more than the default 10 s is removed, and registers again)
     children.coordinator(models.a, port, "--routing", "round_robin", "--heartbeat-timeout", "120")
     children.engine(models.a, port, "--group", "0")
-    children.engine(models.a, port, "--group", "1", "--tensor-parallel", "2")
-    children.engine(models.a, port, "--group", "2", "--pipeline-parallel-size", "2")
+    pair = ("--device", tensor_parallel_device(2))  # a machine with one GPU runs the two-rank groups on CPU
+    children.engine(models.a, port, "--group", "1", "--tensor-parallel", "2", *pair)
+    children.engine(models.a, port, "--group", "2", "--pipeline-parallel-size", "2", *pair)
     try:
         yield SimpleNamespace(address=f"tcp://127.0.0.1:{port}", children=children, groups=3)
     finally:
@@ -178,15 +180,12 @@ async def test_two_trainer_ranks_refit_a_fleet_each_with_its_own_pieces(fleet, m
         await ready(client, fleet.groups)
         await assert_serves(client, models.expected.a, 0)
         await client.pause()
-        # the control of the memory figures: trainer ranks that gather the embedding whole hold it, and show it
-        control = await asyncio.to_thread(run_trainers, fleet, models.b, 2, 2, "--gather", EMBEDDING)
-        assert [code for code, _ in control] == [0, 0], control
-        assert all(lines[-1]["peak_rss_bytes"] > models.embedding for _, lines in control), control
-
-        results = await asyncio.to_thread(run_trainers, fleet, models.b, 3, 2)
+        # the engines' first refit: their peak memory counts what it costs them (a later one may reuse memory the
+        # first freed, which is no rise: weights.peak)
+        results = await asyncio.to_thread(run_trainers, fleet, models.b, 2, 2)
         assert [code for code, _ in results] == [0, 0], results
         acks = [lines[-1] for _, lines in results]
-        assert all(ack["state"] == "PAUSED" and ack["detail"]["epoch"] == 3 for ack in acks)
+        assert all(ack["state"] == "PAUSED" and ack["detail"]["epoch"] == 2 for ack in acks)
         senders = [ack["detail"]["sender"] for ack in acks]
         assert [s["rank"] for s in senders] == [0, 1] and all(s["world_size"] == 7 for s in senders)
         # engine ranks: 2 (group 0, serves everything), 3 and 4 (group 1's tensor-parallel ranks), 5 and 6 (group
@@ -217,7 +216,14 @@ async def test_two_trainer_ranks_refit_a_fleet_each_with_its_own_pieces(fleet, m
         assert all(lines[0]["largest"] <= models.embedding // 2 for _, lines in results)
         assert all(lines[-1]["peak_rss_bytes"] < 0.75 * models.embedding for _, lines in results), acks
         assert all(receivers[rank]["peak_rss_bytes"] < 0.75 * models.embedding for rank in (3, 4)), receivers
-        assert all(receivers[rank]["peak_rss_bytes"] > models.embedding for rank in (2, 5, 6)), receivers
+        # (host memory: an engine on a GPU stages in pinned memory, which CUDA's host allocator keeps for the next)
+        assert all(receivers[rank]["peak_rss_bytes"] > models.embedding for rank in (2, 5, 6)
+                   if rank != 2 or not torch.cuda.is_available()), receivers
+
+        # the control of the memory figures: trainer ranks that gather the embedding whole hold it, and show it
+        control = await asyncio.to_thread(run_trainers, fleet, models.b, 3, 2, "--gather", EMBEDDING)
+        assert [code for code, _ in control] == [0, 0], control
+        assert all(lines[-1]["peak_rss_bytes"] > models.embedding for _, lines in control), control
         await client.unpause()
         await assert_serves(client, models.expected.b, 3)
 

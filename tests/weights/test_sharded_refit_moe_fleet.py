@@ -20,6 +20,7 @@ from safetensors.torch import load_file
 from megatron_serve.client.coordinator_client import InferenceClient
 from megatron_serve.model.tiny import make_tiny_model
 
+from ..devices import tensor_parallel_device
 from ..helpers import Children, free_port
 from .sharded_trainer import EXPERT
 from .test_sharded_refit_fleet import assert_serves, outputs, run_trainers
@@ -43,8 +44,9 @@ def fleet(models, tmp_path_factory):
     # round robin: every group gets some of every batch (a heartbeat timeout for a loaded machine)
     children.coordinator(models.a, port, "--routing", "round_robin", "--heartbeat-timeout", "120")
     children.engine(models.a, port, "--group", "0")
-    children.engine(models.a, port, "--group", "1", "--tensor-parallel", "2")
-    children.engine(models.a, port, "--group", "2", "--tensor-parallel", "2", "--enable-expert-parallel")
+    pair = ("--device", tensor_parallel_device(2))  # a machine with one GPU runs the two-rank groups on CPU
+    children.engine(models.a, port, "--group", "1", "--tensor-parallel", "2", *pair)
+    children.engine(models.a, port, "--group", "2", "--tensor-parallel", "2", "--enable-expert-parallel", *pair)
     try:
         yield SimpleNamespace(address=f"tcp://127.0.0.1:{port}", children=children)
     finally:

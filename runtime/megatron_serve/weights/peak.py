@@ -4,14 +4,15 @@ A refit must never make a process hold a full tensor it does not serve (issue 50
 byte a process holds (torch's allocations, gloo's buffers alike). Linux keeps the high-water mark of a process's
 resident set (``VmHWM`` in ``/proc/self/status``) and resets it to the current size on a write of ``5`` to
 ``/proc/self/clear_refs``: :func:`start_peak` does that and notes the sizes, :func:`peak_since` reads how far above
-them the mark went. Two things would blur it, and are taken out:
-
-- memory the process freed earlier but the C allocator kept (glibc returns it to the kernel only when asked): it
-  counts as resident already, so work that reuses it would not show. :func:`start_peak` asks (``malloc_trim``)
-  before it notes the size;
-- pages of mapped files (the libraries' code, faulted in the first time a transfer runs a path of theirs): they
-  are no copy of any tensor, so what the file-backed part of the resident set grew by is subtracted. (A tensor
-  held as a view of a mapped file is not counted either: the trainers of the tests read their pieces into memory.)
+them the mark went. What it counts is growth: memory the process already held (freed earlier but kept by the C
+allocator, which returns it to the kernel only when asked) is reused without a rise. ``trim=True`` asks first
+(``malloc_trim``), so that the rise counts all that the work held; it costs the work fresh pages (a refit's staging
+of tensors below glibc's mapping threshold, 32 MiB, then faults its pages in instead of reusing the heap, which
+slows the receive measurably), so an engine does not trim (its staging of large tensors is mapped fresh anyway, and
+counted); a test's trainer does. Pages of mapped files (the libraries' code, faulted in the
+first time a transfer runs a path of theirs) are no copy of any tensor: what the file-backed part of the resident
+set grew by is subtracted. (A tensor held as a view of a mapped file is not counted either: the trainers of the
+tests read their pieces into memory.)
 
 The reset is the process's own (its ``ru_maxrss`` follows it), so only processes that own their memory figures
 call it: an engine around a refit's receive, staging and load. Elsewhere (no ``/proc``, a kernel that refuses the
@@ -54,11 +55,12 @@ class Baseline:
     file_backed: int
 
 
-def start_peak() -> Baseline | None:
-    """Reset this process's resident-memory high-water mark to its size now (after returning freed memory to the
-    kernel); returns the sizes now (None where the kernel does not offer them)."""
+def start_peak(trim: bool = False) -> Baseline | None:
+    """Reset this process's resident-memory high-water mark to its size now (``trim``: after returning freed memory
+    to the kernel); returns the sizes now (None where the kernel does not offer them)."""
     try:
-        _trim()
+        if trim:
+            _trim()
         with open(_CLEAR_REFS, "w") as clear:
             clear.write("5")
         resident, file_backed = _status_kib("VmRSS", "RssFile")

@@ -97,8 +97,10 @@ class ShardedSource:
             raise ValueError("the load step of a rendezvous refit needs world_size and rank_offset")
         rank = rv.rank_offset + model.tp.engine_rank  # its rank in the engine (pipeline stages included)
         device = next(model.parameters()).device if rv.backend == "nccl" else torch.device("cpu")
-        peak = start_peak()  # what receiving, staging and loading cost this process, in its acknowledgement
         regions = engine_layout(model, rv.manifest, holds_extra=model.tp.engine_rank == 0)
+        # what receiving, staging and loading cost this process, in its acknowledgement (after the plan: a rank's
+        # first shape-only model imports torch's meta kernels once, which is no tensor)
+        peak = start_peak()
         held = held_digests(model)
         published = {name: (box, held.get(name, {})) for name, box in regions.items()}
         deadline = time.monotonic() + rv.timeout_s
