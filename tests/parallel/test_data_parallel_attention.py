@@ -150,41 +150,62 @@ def test_bad_layouts_are_refused_by_name(monkeypatch):
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(900)
 async def test_two_data_parallel_engines_behind_a_coordinator_serve_one_ranks_tokens(tmp_path):
-    """``megatron-serve engine --data-parallel-size 2 --data-parallel-rank d --enable-expert-parallel`` twice, one
-    group: the coordinator routes to each rank as to an engine, and each request streams one rank's tokens, with
-    many requests and then with one alone (the other engine idles through it)."""
-    from megatron_serve import MegatronLLM, SamplingParams
+    """``megatron-serve engine --data-parallel-size 2 --data-parallel-rank d --tensor-parallel 2
+    --enable-expert-parallel`` twice, one group: the coordinator routes to each rank as to an engine, and each request
+    streams one rank's tokens, with many requests and then with one alone (the other engine idles through it). A
+    trainer's refit then reaches all four ranks, each with its own rank of the transfer and only its quarter of the
+    experts (and half of attention), and the engines serve the new weights' tokens."""
+    from megatron_serve import MegatronLLM, SamplingParams, WeightSender
     from megatron_serve.client.coordinator_client import InferenceClient
     from megatron_serve.engine.tensor_parallel import free_port as free_rendezvous_port
+    from megatron_serve.model.loader import checkpoint_tensors
     from megatron_serve.wire.request import RequestStatus
 
     from ..helpers import Children, free_port
 
-    model_dir = str(make_tiny_model(tmp_path / "m", seed=1, num_heads=4, num_kv_heads=2, **VARIANTS["qwen3_moe"]))
+    model_dir, new_dir = (str(make_tiny_model(tmp_path / name, seed=seed, num_heads=4, num_kv_heads=2,
+                                              **VARIANTS["qwen3_moe"])) for name, seed in (("m", 1), ("n", 2)))
     params = SamplingParams(temperature=0.0, num_tokens_to_generate=12, ignore_eos=True)
     prompts = [f"Data-parallel request {i}: the quick brown fox" for i in range(12)]
-    one = MegatronLLM(model_dir, InferenceConfig(dtype="float32", device="cpu", num_kv_blocks=64))
-    try:
-        direct = {p: r.generated_tokens for p, r in zip(prompts, one.generate(prompts, params))}
-    finally:
-        one.close()
+    direct = {}
+    for name, path in (("old", model_dir), ("new", new_dir)):
+        one = MegatronLLM(path, InferenceConfig(dtype="float32", device="cpu", num_kv_blocks=64))
+        try:
+            direct[name] = {p: r.generated_tokens for p, r in zip(prompts, one.generate(prompts, params))}
+        finally:
+            one.close()
+    assert direct["old"] != direct["new"]
     children = Children(tmp_path)
     port = free_port()
     rendezvous = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_rendezvous_port())}
     try:
         children.coordinator(model_dir, port)
         for rank in range(2):
-            children.engine(model_dir, port, "--dtype", "float32", "--data-parallel-size", "2", "--data-parallel-rank",
-                            str(rank), "--enable-expert-parallel", "--max-requests", "4", env=rendezvous)
+            children.engine(model_dir, port, "--dtype", "float32", "--device", "cpu", "--data-parallel-size", "2",
+                            "--data-parallel-rank", str(rank), "--tensor-parallel", "2", "--enable-expert-parallel",
+                            "--max-requests", "4", env=rendezvous)
         client = InferenceClient(f"tcp://127.0.0.1:{port}", token=children.secret)
         await client.start(timeout=60)
         await client.wait_for_engines(2, timeout=300)
         for batch in (prompts, prompts[:1]):
             results = await asyncio.wait_for(asyncio.gather(*(client.add_request(p, params) for p in batch)), 300)
             assert all(r.status is RequestStatus.COMPLETED for r in results)
-            assert {p: r.generated_tokens for p, r in zip(batch, results)} == {p: direct[p] for p in batch}
+            assert {p: r.generated_tokens for p, r in zip(batch, results)} == {p: direct["old"][p] for p in batch}
+
+        await client.pause()
+        tensors = list(checkpoint_tensors(new_dir))
+        ack = await asyncio.wait_for(WeightSender(client, backend="gloo", timeout=120).send(tensors, epoch=1), 300)
+        receivers = ack["detail"]["receivers"]
+        experts = sum(t.numel() * t.element_size() for n, t in tensors if ".experts." in n)
+        assert sorted(receivers) == [1, 2, 3, 4]  # the trainer, then each engine's two ranks: none collides
+        assert all(experts / 4 <= f["bytes"] < experts / 4 + (sum(t.numel() * t.element_size() for _, t in tensors)
+                                                              - experts) * 0.6 for f in receivers.values()), receivers
+        await client.unpause()
+        results = await asyncio.wait_for(asyncio.gather(*(client.add_request(p, params) for p in prompts)), 300)
+        assert {p: r.generated_tokens for p, r in zip(prompts, results)} == direct["new"]
+        assert all(set(r.policy_epochs) == {1} for r in results)
         client.close()
     finally:
         children.kill_all()
