@@ -14,7 +14,7 @@ import pytest
 from megatron_serve import DynamicInferenceRequest, InferenceConfig, MegatronLLM, SamplingParams
 from megatron_serve.model.tiny import make_tiny_model
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]  # a process per rank, as the other group tests
 
 BLOCK = 8
 PARAMS = SamplingParams(temperature=0.0, num_tokens_to_generate=12, ignore_eos=True, return_log_probs=True)
