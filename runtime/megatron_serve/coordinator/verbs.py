@@ -489,7 +489,7 @@ class VerbRunner:
         if op.verb is Verb.REFIT:  # no block of the old weights is found again, in any tier: routing starts over
             for engine_id in list(core.engines):
                 core.policy.forget(engine_id)
-        elif core.state is FleetState.SUSPENDED:  # device pools freed: what an engine's host tier took stays
+        elif core.state is FleetState.SUSPENDED:  # device pools freed: what a host tier took stays
             for engine in list(core.engines.values()):
                 core.policy.suspended(engine)
         self._answer(op, Header.CONTROL_ACK, ControlAck(control_id=op.control_id, state=core.state.value,

@@ -7,8 +7,8 @@ runs the forward pass on its weight slice and its share of the KV heads; rank 0 
 gathered logits. With overlapped scheduling a step's gathered rows take the previous step's
 sampled tokens, which rank 0 broadcasts on the device group first. Suspend, resume, refit and stop
 go through the same channel, so a verb always acts on the whole group (a suspend that keeps the KV parks the same
-blocks on every rank, each its own part of them, and rank 0's resume says whether to copy them back). With pipeline stages
-(``--pipeline-parallel-size``) the group is ``stages x tensor_parallel_size`` ranks; the steps, the previous
+blocks on every rank, each its own part of them, and rank 0's resume says whether to copy them back). With pipeline
+stages (``--pipeline-parallel-size``) the group is ``stages x tensor_parallel_size`` ranks; the steps, the previous
 tokens and the refit outcomes go over the whole group, each stage's layers use its own tensor-parallel group
 (:func:`join_group`). With data-parallel attention (``--data-parallel-size``, :mod:`.data_parallel`) the group is
 ``dp`` such groups, each led by an engine of its own (rank ``d * tp``), which broadcasts to its own ranks only; the
