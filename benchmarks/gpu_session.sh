@@ -23,6 +23,10 @@
 #                                            # GPU, trainer ranks on gloo: one GPU cannot hold two NCCL ranks; a late
 #                                            # joiner pulling from a GPU peer, over gloo), then refit.py --sharded's
 #                                            # table (bytes/s per link, time vs size, world 1/2/4)
+#   bash benchmarks/gpu_session.sh kvtiers   # KV beyond the device pool: the host tier's side-stream copies and the
+#                                            # tier, keep_kv and partial-rollout tests natively (the engines on the
+#                                            # GPU), then benchmarks/kv_tiers.py's tables (tier on/off, keep_kv vs
+#                                            # recompute) at a 1024-wide, 16-layer shape
 #
 # The device image has torch, triton and transformers; packages it lacks travel as wheels in .whl
 # (`pip download --python-version 3.12 --only-binary=:all: -d .whl ...`) and install into /tmp/site. Each step has its own time limit, so one
@@ -122,5 +126,12 @@ case ${1:-tests} in
     step refit_sharded 540 python3 benchmarks/refit.py --sharded --sizes 1024,2048 --layers 8 --world-sizes 1,2,4 \
       --rounds 2 --bucket-mib 64
     ;;
-  *) echo "usage: $0 tests|serving|bench|fp8|invariant|speculative|ep|refit" >&2; exit 2 ;;
+  kvtiers)
+    step pytest_kv_tiers 540 python3 -m pytest -q -p no:cacheprovider --timeout 300 -rfEs --durations 10 \
+      tests/engine/test_kv_offload_cuda.py tests/engine/test_kv_offload.py tests/engine/test_keep_kv.py \
+      tests/server/test_kv_tiers_http.py
+    step kv_tiers 540 python3 benchmarks/kv_tiers.py --device cuda --dtype bfloat16 --hidden-size 1024 --layers 16 \
+      --prefix-len 2048 --pool-blocks 512 --tier-gib 4
+    ;;
+  *) echo "usage: $0 tests|serving|bench|fp8|invariant|speculative|ep|refit|kvtiers" >&2; exit 2 ;;
 esac

@@ -28,6 +28,7 @@ from .warmup import compile_kernels
 
 if TYPE_CHECKING:
     from ..model.lora_slots import LoraRows
+    from .kv_park import ParkOrder
     from ..weights.sources import WeightSource
 
 logger = logging.getLogger(__name__)
@@ -187,15 +188,16 @@ class ModelRunner:
             logger.warning("capturing CUDA graphs failed, running every step eagerly from now on: %s", exc)
             self.graphs = None
 
-    def on_suspend(self, level: int) -> None:
-        """Release the graphs before the pool they point into is freed."""
+    def on_suspend(self, level: int, keep: "ParkOrder | None" = None) -> None:
+        """Release the graphs before the pool they point into is freed (``keep``: the blocks every rank parks in
+        host memory first, for runners that drive other ranks)."""
         if self.graphs is not None:
             self.graphs.release()
 
     # Hooks for runners that drive other ranks; a single-rank runner has nothing to tell anyone.
 
-    def on_resume(self) -> None:
-        pass
+    def on_resume(self, restore: bool = False) -> None:
+        """``restore``: the other ranks copy the KV they parked back into their pools (else they drop it)."""
 
     def group_busy(self, busy: bool) -> bool:
         """Whether the step loop steps now: when this engine has work, unless data-parallel attention ranks step
