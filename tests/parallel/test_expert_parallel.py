@@ -12,6 +12,7 @@ import sys
 import textwrap
 from collections import defaultdict
 
+import numpy as np
 import pytest
 import torch
 import transformers
@@ -22,8 +23,9 @@ from megatron_serve.model.loader import build_model, iterate_checkpoint, load_mo
 from megatron_serve.model.moe import expert_weight_name
 from megatron_serve.model.parallel import TensorParallel
 from megatron_serve.model.tiny import make_tiny_model
+from megatron_serve.tokenizer import Tokenizer
 
-from ..model.test_moe import VARIANTS, check_against_reference, hf_greedy_with_routing, run_together
+from ..model.test_moe import NEW_TOKENS, VARIANTS, hf_greedy_with_routing
 from ..prompts import PROMPTS
 
 HEADS = dict(num_heads=4, num_kv_heads=2)  # splits over 2 and 4 tensor-parallel ranks
@@ -163,51 +165,49 @@ def test_batch_invariant_layer_is_bitwise_one_rank_and_the_unordered_combine_is_
     assert not all(torch.equal(a, b) for a, b in zip(unordered, one)), "the control does not differ"
 
 
-GREEDY = SamplingParams(temperature=0.0, num_tokens_to_generate=12, ignore_eos=True, return_log_probs=True,
+GREEDY = SamplingParams(temperature=0.0, num_tokens_to_generate=NEW_TOKENS, ignore_eos=True, return_log_probs=True,
                         return_routing_indices=True)
+RUNS = (PROMPTS[:4], PROMPTS[4:5])  # concurrent requests, then one alone (decode steps of one token: all ranks but
+# one combine nothing)
 
 
-def answers(llm: MegatronLLM, prompts: list[str]):
-    outs = llm.generate(prompts, GREEDY)
-    return ([o.generated_tokens for o in outs], [o.routing_indices.tolist() for o in outs],
-            [o.generated_log_probs for o in outs])
-
-
-def serve(model_dir: str, size: int, prompts: list[str], **config):
+def serve(model_dir: str, size: int) -> list[list[tuple]]:
+    """Each run's ``(tokens, routing, log probs)`` per request, on one engine of ``size`` ranks."""
     llm = MegatronLLM(model_dir, InferenceConfig(dtype="float32", block_size_tokens=8, device="cpu",
-                                                 tensor_parallel_size=size, enable_expert_parallel=size > 1, **config))
+                                                 tensor_parallel_size=size, enable_expert_parallel=size > 1))
     try:
-        return answers(llm, prompts)
+        return [[(o.generated_tokens, o.routing_indices.tolist(), o.generated_log_probs)
+                 for o in llm.generate(list(prompts), GREEDY)] for prompts in RUNS]
     finally:
         llm.close()
+
+
+@pytest.fixture(scope="module")
+def engine_runs(moe_model) -> dict[int, list[list[tuple]]]:
+    """``{size: runs}``: one engine per size serves both runs (starting its ranks costs more than the runs)."""
+    _, model_dir = moe_model
+    return {size: serve(model_dir, size) for size in (1, 2, 4)}
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("size", [2, 4])
-def test_engine_equals_one_rank_together_and_alone(moe_model, size):
-    """Concurrent requests, and one request alone (decode steps of one token: all ranks but one combine nothing)."""
-    _, model_dir = moe_model
-    for prompts in (PROMPTS[:4], PROMPTS[4:5]):
-        tokens, routing, log_probs = serve(model_dir, 1, prompts)
-        tokens_ep, routing_ep, log_probs_ep = serve(model_dir, size, prompts)
-        assert tokens_ep == tokens and routing_ep == routing
-        for row, expected in zip(log_probs_ep, log_probs):
-            assert row == pytest.approx(expected, abs=1e-4)
+def test_engine_equals_one_rank_together_and_alone(engine_runs, size):
+    for run, expected_run in zip(engine_runs[size], engine_runs[1], strict=True):
+        for (tokens, routing, log_probs), (tokens_1, routing_1, log_probs_1) in zip(run, expected_run, strict=True):
+            assert tokens == tokens_1 and routing == routing_1
+            assert log_probs == pytest.approx(log_probs_1, abs=1e-4)
 
 
 @pytest.mark.slow
-def test_engine_equals_transformers(moe_model):
-    arch, model_dir = moe_model
+@pytest.mark.parametrize("size", [2, 4])
+def test_engine_equals_transformers(moe_model, engine_runs, size):
+    _, model_dir = moe_model
     hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    llm = MegatronLLM(model_dir, InferenceConfig(dtype="float32", block_size_tokens=8, device="cpu",
-                                                 tensor_parallel_size=2, enable_expert_parallel=True))
-    try:
-        token_lists = [llm.tokenizer.encode(p) for p in PROMPTS[:4]]
-        reference = [hf_greedy_with_routing(hf, tokens) for tokens in token_lists]
-        with_routing = [i % 2 == 0 for i in range(len(token_lists))]
-        check_against_reference(run_together(llm, token_lists, with_routing), token_lists, reference, with_routing)
-    finally:
-        llm.close()
+    tokenizer = Tokenizer.from_pretrained(model_dir)
+    for prompt, (tokens, routing, _) in zip(RUNS[0] + RUNS[1], engine_runs[size][0] + engine_runs[size][1]):
+        expected_tokens, expected_routing = hf_greedy_with_routing(hf, tokenizer.encode(prompt))
+        assert tokens == expected_tokens
+        np.testing.assert_array_equal(np.array(routing), expected_routing)
 
 
 def test_experts_that_do_not_split_over_the_ranks_are_refused(moe_model):
