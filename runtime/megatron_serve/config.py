@@ -143,6 +143,9 @@ class InferenceConfig:
     enable_expert_parallel: bool = False
     # the layers split into this many stages (model.parallel.PipelineStage), tensor_parallel_size ranks each
     pipeline_parallel_size: int = 1
+    # micro-batches a step's requests split into across the stages, so that stage s runs one while stage s - 1 runs
+    # the next (engine.micro_batches); None: as many as stages
+    pipeline_micro_batches: int | None = None
     # data-parallel attention ranks sharing the MoE layers (engine.data_parallel), and which one this engine is
     data_parallel_size: int = 1
     data_parallel_rank: int = 0
@@ -188,6 +191,9 @@ class InferenceConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        micro = self.pipeline_micro_batches
+        if micro is not None and (isinstance(micro, bool) or not isinstance(micro, int) or micro < 1):
+            raise ValueError(f"pipeline_micro_batches must be a positive integer or unset, got {micro!r}")
         if self.long_prefill_token_threshold is None:
             self.long_prefill_token_threshold = self.max_batch_tokens // 4
         threshold = self.long_prefill_token_threshold
@@ -268,6 +274,13 @@ class InferenceConfig:
         """Ranks of one engine group: ``tensor_parallel_size`` in each of ``pipeline_parallel_size`` stages, times
         ``data_parallel_size`` data-parallel attention ranks."""
         return self.tensor_parallel_size * self.pipeline_parallel_size * self.data_parallel_size
+
+    @property
+    def micro_batches(self) -> int:
+        """Micro-batches of a step across pipeline stages (1 without stages)."""
+        if self.pipeline_parallel_size == 1:
+            return 1
+        return self.pipeline_micro_batches or self.pipeline_parallel_size
 
     def trainer_seam_warning(self) -> str | None:
         """What an engine logs at start when its log probs cannot equal the declared trainer's: in the

@@ -25,6 +25,7 @@ from megatron_serve.model.parallel import TensorParallel
 from megatron_serve.model.tiny import make_tiny_model
 from megatron_serve.tokenizer import Tokenizer
 
+from ..devices import tensor_parallel_device
 from ..model.test_moe import NEW_TOKENS, VARIANTS, hf_greedy_with_routing
 from ..prompts import PROMPTS
 
@@ -171,9 +172,9 @@ RUNS = (PROMPTS[:4], PROMPTS[4:5])  # concurrent requests, then one alone (decod
 # one combine nothing)
 
 
-def serve(model_dir: str, size: int) -> list[list[tuple]]:
+def serve(model_dir: str, size: int, device: str) -> list[list[tuple]]:
     """Each run's ``(tokens, routing, log probs)`` per request, on one engine of ``size`` ranks."""
-    llm = MegatronLLM(model_dir, InferenceConfig(dtype="float32", block_size_tokens=8, device="cpu",
+    llm = MegatronLLM(model_dir, InferenceConfig(dtype="float32", block_size_tokens=8, device=device,
                                                  tensor_parallel_size=size, enable_expert_parallel=size > 1))
     try:
         return [[(o.generated_tokens, o.routing_indices.tolist(), o.generated_log_probs)
@@ -183,16 +184,21 @@ def serve(model_dir: str, size: int) -> list[list[tuple]]:
 
 
 @pytest.fixture(scope="module")
-def engine_runs(moe_model) -> dict[int, list[list[tuple]]]:
-    """``{size: runs}``: one engine per size serves both runs (starting its ranks costs more than the runs)."""
+def engine_runs(moe_model) -> dict[int | tuple[int, str], list[list[tuple]]]:
+    """``{size: runs}``: one engine per size serves both runs (starting its ranks costs more than the runs), on the
+    GPUs where this machine has one a rank (NCCL), else on CPU (gloo); ``{(1, device): runs}``: one rank on each
+    device a size ran on, the baseline it is compared with."""
     _, model_dir = moe_model
-    return {size: serve(model_dir, size) for size in (1, 2, 4)}
+    runs: dict = {size: serve(model_dir, size, tensor_parallel_device(size)) for size in (2, 4)}
+    for device in {tensor_parallel_device(size) for size in (2, 4)}:
+        runs[1, device] = serve(model_dir, 1, device)
+    return runs
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("size", [2, 4])
 def test_engine_equals_one_rank_together_and_alone(engine_runs, size):
-    for run, expected_run in zip(engine_runs[size], engine_runs[1], strict=True):
+    for run, expected_run in zip(engine_runs[size], engine_runs[1, tensor_parallel_device(size)], strict=True):
         for (tokens, routing, log_probs), (tokens_1, routing_1, log_probs_1) in zip(run, expected_run, strict=True):
             assert tokens == tokens_1 and routing == routing_1
             assert log_probs == pytest.approx(log_probs_1, abs=1e-4)

@@ -217,7 +217,7 @@ def join_group(placement: Placement, rank: int, device: torch.device, config: In
     if stages > 1:  # every rank creates every stage's group, in the same order
         groups = [dist.new_group(list(range(s * size, (s + 1) * size))) for s in range(stages)]
         tp_group = groups[rank // size]
-    stage = PipelineStage(rank // size, stages, rank, size, dist.group.WORLD)
+    stage = PipelineStage(rank // size, stages, rank, size, dist.group.WORLD, config.micro_batches)
     return (TensorParallel(rank=rank % size, size=size, group=tp_group, expert_parallel=config.enable_expert_parallel,
                            stage=stage), PlanChannel(plans))
 

@@ -148,21 +148,41 @@ class LlamaModel(nn.Module):
         self.aux_layers: tuple[int, ...] = ()
 
     def forward(self, token_ids, positions, context, cos, sin, input_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        if self.stage.size > 1:
+            return self.pipelined(token_ids, positions, [(slice(0, token_ids.shape[0]), context)], cos, sin)
         hidden = self.embed_tokens(token_ids) if input_embeds is None else input_embeds
         residual, aux = None, {}
-        if self.stage.index:  # the stage before computed the layers up to ours
-            hidden, residual = self.stage.receive(hidden, hidden)
         for index in self.own:
             if index in self.aux_layers:
                 aux[index] = hidden if residual is None else hidden + residual
             hidden, residual = self.layers[index](positions, hidden, residual, context, cos, sin)
-        if not self.stage.is_last:
-            self.stage.send(hidden, residual)
-            return self.stage.share_output(torch.empty_like(hidden))
         hidden, summed = self.norm(hidden, residual)
         if self.capture_hidden:
             self.captured_hidden = torch.cat([aux[i] for i in self.aux_layers], dim=-1) if aux else summed
-        return self.stage.share_output(hidden)
+        return hidden
+
+    def pipelined(self, token_ids: torch.Tensor, positions: torch.Tensor,
+                  parts: list[tuple[slice, ForwardContext]], cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """This stage's layers over each micro-batch in turn (``parts``: its rows of the step and its own context):
+        stage 0 embeds a micro-batch, a later stage receives its hidden states and residual from the stage before;
+        each is sent on without waiting, so a stage runs micro-batch ``m`` while the next runs ``m - 1``. The last
+        stage's final hidden states of every row are broadcast to every rank, which all compute the logits."""
+        stage, sent = self.stage, []
+        out = self.embed_tokens.weight.new_empty((token_ids.shape[0], self.embed_tokens.weight.shape[1]))
+        for tag, (rows, context) in enumerate(parts):
+            if stage.index:  # the stage before computed the layers up to ours
+                hidden, residual = stage.receive(out[rows], out[rows], tag=tag)
+            else:
+                hidden, residual = self.embed_tokens(token_ids[rows]), None
+            for index in self.own:
+                hidden, residual = self.layers[index](positions[rows], hidden, residual, context, cos, sin)
+            if stage.is_last:
+                out[rows] = self.norm(hidden, residual)[0]
+            else:
+                sent += stage.send(hidden, residual, tag=tag)
+        for _tensor, work in sent:
+            work.wait()
+        return stage.share_output(out)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -205,6 +225,11 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, token_ids: torch.Tensor, positions: torch.Tensor, context: ForwardContext) -> torch.Tensor:
         return self.model(token_ids, positions, context, self.rotary_cos, self.rotary_sin)
+
+    def pipelined(self, token_ids: torch.Tensor, positions: torch.Tensor,
+                  parts: list[tuple[slice, ForwardContext]]) -> torch.Tensor:
+        """A step's micro-batches through the pipeline stages (:meth:`LlamaModel.pipelined`)."""
+        return self.model.pipelined(token_ids, positions, parts, self.rotary_cos, self.rotary_sin)
 
     def use_batch_invariant_ops(self) -> None:
         """Switch every op of the forward to ``--batch-invariant`` arithmetic (:mod:`megatron_kernels.invariant`),
