@@ -3,8 +3,9 @@ it serves every case of its group one after another, each an engine of its own m
 ``MASTER_PORT``, and writes each case's finished requests (pickled ``DynamicInferenceRequest`` objects).
 
 Run as a script, not ``-c``: each tensor-parallel rank's process is spawned and imports this file again, so the
-control of the ordered combine installed at its top level reaches every rank; it reads ``UNORDERED_COMBINE`` when
-called, so a case turns it on or off for the engine it builds (spawned ranks inherit the variable).
+controls installed at its top level reach every rank: the ordered combine's (``UNORDERED_COMBINE``) and the gathered
+row-parallel layers' (``PARTIAL_SUMS``). They read their variable when called, so a case turns them on or off for the
+engine it builds (spawned ranks inherit the variables).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import pickle
 import sys
 from typing import Any
 
+from megatron_serve import InferenceConfig
 from megatron_serve.model import token_dispatcher
 
 if __name__ in ("__main__", "__mp_main__"):  # this group's processes only, never a test process that imports this
@@ -24,13 +26,19 @@ if __name__ in ("__main__", "__mp_main__"):  # this group's processes only, neve
         return _weighted_sum(outputs, weights, tokens, count, ordered and os.environ.get("UNORDERED_COMBINE") != "1")
 
     token_dispatcher.weighted_sum = _maybe_unordered
+    _gathers_rows = InferenceConfig.gathers_rows
+
+    def _maybe_partial_sums(config: InferenceConfig) -> bool:
+        """The control: with ``PARTIAL_SUMS=1`` row-parallel layers add the ranks' partial sums (in rank order)."""
+        return _gathers_rows.fget(config) and os.environ.get("PARTIAL_SUMS") != "1"
+
+    InferenceConfig.gathers_rows = property(_maybe_partial_sums)  # type: ignore[method-assign]
 
 
 def serve_case(case: dict[str, Any]) -> list[list]:
     """Every run of one case on this rank: ``case["runs"]`` holds this rank's runs, each a list of ``(request id,
     prompt tokens or text, SamplingParams, arrival step)`` served together. The ranks step together while any has
     work or a request still to arrive; a rank with nothing runs the empty MoE passes."""
-    from megatron_serve import InferenceConfig  # noqa: PLC0415
     from megatron_serve.engine import DynamicInferenceEngine  # noqa: PLC0415
     from megatron_serve.wire.request import DynamicInferenceRequest  # noqa: PLC0415
 
@@ -61,6 +69,7 @@ def main() -> None:
     for case in cases:
         os.environ["MASTER_PORT"] = str(case["port"])
         os.environ["UNORDERED_COMBINE"] = "1" if case["unordered"] else "0"
+        os.environ["PARTIAL_SUMS"] = "1" if case["partial_sums"] else "0"
         results[case["name"]] = serve_case(case)
     with open(sys.argv[2], "wb") as f:
         pickle.dump(results, f)

@@ -37,13 +37,15 @@ class Case:
     """One engine per rank over ``model_dir``: ``runs[d]`` is data-parallel rank ``d``'s runs, each a list of
     requests served together (an empty one: that rank idles while the others serve theirs). ``config``: fields of
     ``InferenceConfig`` beside the layout's; ``unordered``: the control, every rank's MoE combine summed in float32
-    instead of in ascending expert order."""
+    instead of in ascending expert order; ``partial_sums``: the control, row-parallel layers add the tensor-parallel
+    ranks' partial sums under ``--batch-invariant`` instead of gathering their input."""
 
     name: str
     model_dir: str
     runs: list[list[list[Request]]]
     config: dict[str, Any] = field(default_factory=dict)
     unordered: bool = False
+    partial_sums: bool = False
 
 
 Served = dict[str, list[list[list[DynamicInferenceRequest]]]]  # case name -> [rank][run] -> finished requests
@@ -82,5 +84,5 @@ def _for_rank(case: Case, port: int, rank: int, dp: int, tp: int) -> dict[str, A
     config = dict(dict(block_size_tokens=8, device="cpu", enable_expert_parallel=dp * tp > 1), **case.config)
     config.update(tensor_parallel_size=tp, data_parallel_size=dp, data_parallel_rank=rank)
     runs = [[(r.request_id, r.prompt, r.params, r.arrival) for r in run] for run in case.runs[rank]]
-    return dict(name=case.name, model_dir=case.model_dir, port=port, unordered=case.unordered, config=config,
-                runs=runs)
+    return dict(name=case.name, model_dir=case.model_dir, port=port, unordered=case.unordered,
+                partial_sums=case.partial_sums, config=config, runs=runs)

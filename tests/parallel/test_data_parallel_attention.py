@@ -6,7 +6,9 @@ empty); under ``--batch-invariant`` one rank's log probs ``==``, with the contro
 that. FP8 experts, the prefix cache and preemption at DP 2 give one rank's tokens.
 
 At TP 1 every rank's attention is whole, so the engine is bitwise one rank's; at DP 2 x TP 2 (4 processes)
-attention is split as at TP 2. One group of processes per layout serves every case of it, one engine after another
+attention is split as at TP 2, and in the batch-invariant mode still bitwise one rank's, as expert parallelism over 2
+and 4 tensor-parallel ranks without data-parallel attention is (the row-parallel layers gather their input, with the
+control that partial sums break it). One group of processes per layout serves every case of it, one engine after another
 (``data_parallel_runs.serve_cases``): starting the processes costs more than a case."""
 
 from __future__ import annotations
@@ -67,14 +69,24 @@ def feature_runs(dp: int) -> list[list[list[Request]]]:
     return runs
 
 
-def layout_cases(dp: int, models: dict[str, str]) -> list[Case]:
+def layout_cases(dp: int, tp: int, models: dict[str, str]) -> list[Case]:
     """Every case a layout serves: per model greedy float32 and batch-invariant bfloat16 (and the control, beside
-    other ranks); at DP 1 and 2 FP8 experts; at DP 2 the prefix cache under preemption."""
+    other ranks); at DP 1 and 2 FP8 experts; at DP 2 the prefix cache under preemption. With tensor-parallel ranks:
+    per model batch-invariant bfloat16 (and at TP 2 the control, partial sums in the row-parallel layers); at DP 2 x
+    TP 2 Qwen2-MoE greedy and batch-invariant."""
+    invariant = dict(dtype="bfloat16", batch_invariant=True)
+    if tp > 1 and dp > 1:
+        return [Case("qwen2_moe:greedy", models["qwen2_moe"], split_runs(dp, INVARIANT_TOKENS), dict(dtype="float32")),
+                Case("qwen2_moe:invariant", models["qwen2_moe"], split_runs(dp, INVARIANT_TOKENS), invariant)]
+    if tp > 1:
+        cases = [Case(f"{arch}:invariant", models[arch], split_runs(dp, INVARIANT_TOKENS), invariant)
+                 for arch in sorted(VARIANTS)]
+        return cases + [Case(f"{arch}:partial_sums", models[arch], split_runs(dp, INVARIANT_TOKENS), invariant,
+                             partial_sums=True) for arch in sorted(VARIANTS) if tp == 2]
     cases = []
     for arch in sorted(VARIANTS):
         model_dir = models[arch]
         cases.append(Case(f"{arch}:greedy", model_dir, split_runs(dp, NEW_TOKENS), dict(dtype="float32")))
-        invariant = dict(dtype="bfloat16", batch_invariant=True)
         cases.append(Case(f"{arch}:invariant", model_dir, split_runs(dp, INVARIANT_TOKENS), invariant))
         if dp > 1:
             cases.append(Case(f"{arch}:unordered", model_dir, split_runs(dp, INVARIANT_TOKENS), invariant,
@@ -104,9 +116,7 @@ def served(models, tmp_path_factory) -> Callable[[int, int], Served]:
 
     def get(dp: int, tp: int = 1) -> Served:
         if (dp, tp) not in cache:
-            cases = layout_cases(dp, models) if tp == 1 else [
-                Case("qwen2_moe:greedy", models["qwen2_moe"], split_runs(dp, 8), dict(dtype="float32"))]
-            cache[dp, tp] = serve_cases(root / f"dp{dp}-tp{tp}", cases, tp=tp)
+            cache[dp, tp] = serve_cases(root / f"dp{dp}-tp{tp}", layout_cases(dp, tp, models), tp=tp)
         return cache[dp, tp]
 
     return get
@@ -183,13 +193,32 @@ def test_batch_invariant_log_probs_equal_one_rank_and_not_without_the_ordered_co
 @pytest.mark.timeout(1800)
 def test_two_data_parallel_ranks_of_two_tensor_parallel_ranks_equal_one_rank(served):
     """4 processes: attention split over 2 ranks in each data-parallel rank, experts over all 4 (Qwen2-MoE: the
-    shared expert replicated, on each rank's chunk of its data-parallel rank's tokens)."""
+    shared expert replicated, on each rank's chunk of its data-parallel rank's tokens); under ``--batch-invariant``
+    log probs ``==`` one rank's (the row-parallel layers gather their input)."""
     one = by_prompt(served(1)["qwen2_moe:greedy"])
     got = by_prompt(served(2, 2)["qwen2_moe:greedy"])
     for prompt, (tokens, log_probs, routing) in got.items():
         tokens_1, log_probs_1, routing_1 = one[prompt]
         assert tokens == tokens_1[:len(tokens)] and routing == routing_1[:len(routing)]
         assert log_probs == pytest.approx(log_probs_1[:len(log_probs)], abs=1e-4)
+    assert by_request(served(2, 2)["qwen2_moe:invariant"]) == by_request(served(1)["qwen2_moe:invariant"])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)
+@pytest.mark.parametrize("tp", [2, 4])
+@pytest.mark.parametrize("arch", sorted(VARIANTS))
+def test_expert_parallelism_over_tensor_parallel_ranks_is_one_rank_bitwise_in_the_batch_invariant_mode(
+        served, arch, tp):
+    """EP over 2 and 4 tensor-parallel ranks, bfloat16, ``--batch-invariant``: tokens, routing and log probs ``==``
+    one rank's, together and alone. The MoE layers combine in ascending expert order; attention's ``o_proj`` and
+    the dense layers' ``down_proj`` gather their input and compute their slice of the output from all of it
+    (``GatheredRowLinear``). The control adds the ranks' partial sums instead, in rank order: its log probs differ."""
+    one = by_request(served(1)[f"{arch}:invariant"])
+    assert by_request(served(1, tp)[f"{arch}:invariant"]) == one
+    partial_sums = by_request(served(1, 2)[f"{arch}:partial_sums"])
+    assert [[row[1] for row in run] for run in partial_sums] != [[row[1] for row in run] for run in one], \
+        "the control (partial sums in the row-parallel layers) gives one rank's log probs too: the equality proves nothing"
 
 
 @pytest.mark.slow

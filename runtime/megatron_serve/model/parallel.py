@@ -103,6 +103,9 @@ class TensorParallel:
     expert_parallel: bool = False
     stage: PipelineStage = NO_PIPELINE
     data_parallel: DataParallel = NO_DATA_PARALLEL
+    # row-parallel layers gather their input and split their output instead (layers.GatheredRowLinear): their bits
+    # are one rank's; set where --batch-invariant promises one rank's log probs (expert parallelism)
+    gathered_rows: bool = False
 
     @property
     def expert_rank(self) -> int:
