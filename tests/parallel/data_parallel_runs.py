@@ -51,9 +51,11 @@ class Case:
 Served = dict[str, list[list[list[DynamicInferenceRequest]]]]  # case name -> [rank][run] -> finished requests
 
 
-def serve_cases(tmp_path: Path, cases: list[Case], tp: int = 1, timeout: float = 900) -> Served:
+def serve_cases(tmp_path: Path, cases: list[Case], tp: int = 1, timeout: float = 900,
+                env: dict[str, str] | None = None) -> Served:
     """Every case on one group of ``len(runs)`` data-parallel ranks of ``tp`` tensor-parallel ranks each (one rank
-    alone: a group of one engine). Returns ``served[case][d][n]``: rank ``d``'s finished requests of run ``n``."""
+    alone: a group of one engine), the processes' environment this one's with ``env``. Returns
+    ``served[case][d][n]``: rank ``d``'s finished requests of run ``n``."""
     dp = len(cases[0].runs)
     assert all(len(case.runs) == dp for case in cases), "one group serves cases of one layout"
     tmp_path.mkdir(parents=True, exist_ok=True)
@@ -64,7 +66,7 @@ def serve_cases(tmp_path: Path, cases: list[Case], tp: int = 1, timeout: float =
         with open(inputs, "wb") as f:
             pickle.dump([_for_rank(case, port, rank, dp, tp) for case, port in zip(cases, ports)], f)
         procs.append(subprocess.Popen([sys.executable, str(ENGINE), str(inputs), str(out)],
-                                      env=dict(os.environ, MASTER_ADDR="127.0.0.1")))
+                                      env={**os.environ, **(env or {}), "MASTER_ADDR": "127.0.0.1"}))
         outs.append(out)
     try:
         codes = [p.wait(timeout=timeout) for p in procs]

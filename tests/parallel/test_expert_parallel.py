@@ -240,3 +240,32 @@ def test_the_flag_and_the_keyword_reach_the_config_and_bad_values_are_named():
         parse_llm_keywords({"enable_expert_parallel": "yes"})
     with pytest.raises(ValueError, match="enable_expert_parallel must be true or false, got 'yes'"):
         InferenceConfig(enable_expert_parallel="yes")
+
+
+def test_gathered_row_layers_hold_rows_of_the_whole_weight_and_probe_their_column_splits(moe_model, monkeypatch):
+    """``gathered_rows`` (``--batch-invariant`` under EP): ``o_proj`` and the dense layers' ``down_proj`` hold their
+    rank's output rows of the whole weight (not input columns of every row), loaded from the checkpoint as such; the
+    CPU probe is asked about every column split a rank computes where one rank computes the whole."""
+    from megatron_kernels import invariant_probe  # noqa: PLC0415
+
+    from megatron_serve.model.layers import GatheredRowLinear, RowParallelLinear  # noqa: PLC0415
+
+    _, model_dir = moe_model
+    full = load_model(model_dir, torch.float32, "cpu")
+    tp = TensorParallel(1, 2, expert_parallel=True, gathered_rows=True)
+    model = build_model(full.config, torch.float32, "cpu", tp)
+    load_weights(model, iterate_checkpoint(model_dir))
+    rows = [name for name, m in model.named_modules() if isinstance(m, GatheredRowLinear)]
+    assert rows and all(name.endswith(("o_proj", "down_proj")) and ".experts" not in name for name in rows)
+    assert not any(isinstance(m, RowParallelLinear) and m.tp.size > 1 for m in model.modules())  # (a shared
+    # expert's is whole on every rank)
+    for name in rows:
+        whole = full.get_submodule(name).weight
+        half = whole.shape[0] // 2
+        assert torch.equal(model.get_submodule(name).weight, whole[half:]), name
+    asked = []
+    monkeypatch.setattr(invariant_probe, "column_split_problems", lambda splits: asked.extend(splits) or [])
+    assert model.column_split_problems() == []
+    hidden, heads = full.config.hidden_size, full.config.num_heads * full.config.head_dim
+    assert ((hidden, heads), torch.float32, (hidden // 2, hidden // 2)) in asked  # o_proj
+    assert ((full.config.vocab_size, hidden), torch.float32, (full.config.vocab_size // 2,) * 2) in asked  # LM head

@@ -7,6 +7,7 @@ projections are fused (``qkv_proj``, ``gate_up_proj``, stacked experts); the loa
 
 from __future__ import annotations
 
+import logging
 import re
 
 import torch
@@ -24,6 +25,8 @@ from .layers import (ColumnParallelLinear, GatedMLP, ParallelLMHead, ReplicatedL
 from .linears import Linears
 from .moe import FusedExperts, SparseMoeBlock
 from .parallel import SINGLE, TensorParallel, stage_layers
+
+logger = logging.getLogger(__name__)
 
 _LAYER = re.compile(r"model\.layers\.(\d+)\.")  # a decoder layer's checkpoint tensors
 
@@ -253,6 +256,9 @@ class LlamaForCausalLM(nn.Module):
                     parts = tuple(length for _offset, _start, length in module.slices.values())
                     module.fused_invariant = invariant_probe.fusion_holds(self._in_compute_dtype(module.weight),
                                                                           parts)
+            if self.tp.gathered_rows and (split := self.column_split_problems()):
+                logger.warning("--batch-invariant with expert parallelism: each request's log probs are its own in "
+                               "any batch, but not one rank's in the last bits on this CPU: %s", "; ".join(split))
         workspace = Workspace()  # the attention layers' scratch tensors, shared: they run one after another
         for module in self.modules():
             if isinstance(module, (ColumnParallelLinear, RowParallelLinear, ReplicatedLinear, VocabParallelEmbedding,
@@ -265,6 +271,25 @@ class LlamaForCausalLM(nn.Module):
         cos, sin = invariant_rotary_cos_sin(self.config.head_dim, self.config.max_position_embeddings,
                                             self.config.rope, self.dtype)
         self.rotary_cos, self.rotary_sin = cos.to(self.rotary_cos.device), sin.to(self.rotary_sin.device)
+
+    def column_split_problems(self) -> list[str]:
+        """Where this group's tensor-parallel column slices (of the column-parallel projections, the gathered
+        row-parallel ones and the LM head) do not compute the columns one rank's whole GEMM does, on this CPU
+        (:func:`megatron_kernels.invariant_probe.column_split_problems`; a GPU's Triton GEMM tiles its columns
+        alike whatever their count): what keeps an expert-parallel group's log probs from being one rank's."""
+        if self.tp.size == 1 or self.rotary_cos.device.type != "cpu":
+            return []
+        splits = []
+        for module in self.modules():
+            if isinstance(module, ColumnParallelLinear):
+                for name, (_offset, _start, length) in module.slices.items():
+                    whole = module.features[name]
+                    splits.append(((whole, module.weight.shape[1]), self.dtype, (length,) * (whole // length)))
+            elif isinstance(module, ParallelLMHead):
+                rows, vocab = module.rows_per_rank, module.vocab_size
+                parts = tuple(min(rows, vocab - start) for start in range(0, vocab, rows))
+                splits.append(((vocab, module.weight.shape[1]), self.dtype, parts))
+        return invariant_probe.column_split_problems(splits)
 
     def _gemm_linears(self) -> list[invariant_probe.Linear]:
         """A weight of every shape the mode's GEMMs multiply by, in the compute dtype, with its fused parts:
