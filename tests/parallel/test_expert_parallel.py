@@ -242,10 +242,12 @@ def test_the_flag_and_the_keyword_reach_the_config_and_bad_values_are_named():
         InferenceConfig(enable_expert_parallel="yes")
 
 
-def test_gathered_row_layers_hold_rows_of_the_whole_weight_and_probe_their_column_splits(moe_model, monkeypatch):
+def test_gathered_row_layers_hold_rows_of_the_whole_weight_and_probe_their_column_splits(moe_model, monkeypatch,
+                                                                                        caplog):
     """``gathered_rows`` (``--batch-invariant`` under EP): ``o_proj`` and the dense layers' ``down_proj`` hold their
     rank's output rows of the whole weight (not input columns of every row), loaded from the checkpoint as such; the
-    CPU probe is asked about every column split a rank computes where one rank computes the whole."""
+    CPU probe is asked about every column split a rank computes where one rank computes the whole, and where it
+    finds one that rounds otherwise the mode's start says so."""
     from megatron_kernels import invariant_probe  # noqa: PLC0415
 
     from megatron_serve.model.layers import GatheredRowLinear, RowParallelLinear  # noqa: PLC0415
@@ -269,3 +271,7 @@ def test_gathered_row_layers_hold_rows_of_the_whole_weight_and_probe_their_colum
     hidden, heads = full.config.hidden_size, full.config.num_heads * full.config.head_dim
     assert ((hidden, heads), torch.float32, (hidden // 2, hidden // 2)) in asked  # o_proj
     assert ((full.config.vocab_size, hidden), torch.float32, (full.config.vocab_size // 2,) * 2) in asked  # LM head
+    monkeypatch.setattr(invariant_probe, "column_split_problems", lambda splits: ["a linear (64, 64): rounds"])
+    with caplog.at_level("WARNING", logger="megatron_serve.model.llama"):
+        model.use_batch_invariant_ops()
+    assert "not one rank's in the last bits on this CPU: a linear (64, 64): rounds" in caplog.text
