@@ -23,6 +23,7 @@ from ..model.attention import AttentionMetadata, ForwardContext, MultimodalStep
 from ..model.llama import LlamaForCausalLM
 from ..model.moe import stack_routing
 from .graphs import DecodeGraphs, MixedGraphs, StepGraphs
+from .micro_batches import micro_batches
 from .step_plan import StepBuffers, StepPlan
 from .warmup import compile_kernels
 
@@ -128,6 +129,10 @@ class ModelRunner:
             hidden, routing = graphs.run(plan)
         elif isinstance(graphs, MixedGraphs):
             hidden, routing = graphs.run(plan, context)
+        elif self.model.tp.stage.size > 1:  # eager, in micro-batches across the stages
+            hidden = self.model.pipelined(dev["token_ids"][: plan.num_tokens], dev["positions"][: plan.num_tokens],
+                                          micro_batches(self.buffers, plan, context, self.model.tp.stage.micro_batches))
+            routing = None  # (stages serve dense models only)
         else:
             hidden = self.model(dev["token_ids"][: plan.num_tokens], dev["positions"][: plan.num_tokens], context)
             routing = stack_routing(context.routing, self.model.config) if plan.record_routing else None

@@ -214,18 +214,19 @@ def join_group(placement: Placement, rank: int, device: torch.device, config: In
         ) from exc
     size, stages = config.tensor_parallel_size, config.pipeline_parallel_size
     if config.data_parallel_size > 1:
-        return join_data_parallel(rank, size, config.data_parallel_size, backend)
+        return join_data_parallel(rank, size, config.data_parallel_size, backend, config.gathers_rows)
     plans = dist.group.WORLD if backend == "gloo" else dist.new_group(backend="gloo")
     tp_group = dist.group.WORLD
     if stages > 1:  # every rank creates every stage's group, in the same order
         groups = [dist.new_group(list(range(s * size, (s + 1) * size))) for s in range(stages)]
         tp_group = groups[rank // size]
-    stage = PipelineStage(rank // size, stages, rank, size, dist.group.WORLD)
+    stage = PipelineStage(rank // size, stages, rank, size, dist.group.WORLD, config.micro_batches)
     return (TensorParallel(rank=rank % size, size=size, group=tp_group, expert_parallel=config.enable_expert_parallel,
-                           stage=stage), PlanChannel(plans))
+                           stage=stage, gathered_rows=config.gathers_rows), PlanChannel(plans))
 
 
-def join_data_parallel(rank: int, size: int, dp: int, backend: str) -> tuple[TensorParallel, PlanChannel]:
+def join_data_parallel(rank: int, size: int, dp: int, backend: str, gathered_rows: bool = False
+                       ) -> tuple[TensorParallel, PlanChannel]:
     """The groups of data-parallel attention: data-parallel rank ``d``'s attention ranks ``d * size ..`` (its
     layers' group, and a gloo one for its leader's plans), the leaders' (gloo: they agree on each step), and the
     whole group for the MoE layers' all-to-alls. Every rank creates every group, in the same order."""
@@ -235,7 +236,7 @@ def join_data_parallel(rank: int, size: int, dp: int, backend: str) -> tuple[Ten
     leaders = dist.new_group([d * size for d in range(dp)], backend="gloo")
     index = rank // size
     tp = TensorParallel(rank=rank % size, size=size, group=attention[index], expert_parallel=True,
-                        data_parallel=DataParallel(index, dp, dist.group.WORLD))
+                        data_parallel=DataParallel(index, dp, dist.group.WORLD), gathered_rows=gathered_rows)
     return tp, PlanChannel(plans[index], index * size, attention[index], leaders if rank % size == 0 else None)
 
 
