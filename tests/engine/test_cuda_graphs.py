@@ -272,3 +272,27 @@ def test_real_cuda_graphs_equal_the_eager_engine(tiny_llama):
     graphed.engine.memory.resume()
     assert graphed.engine.worker.runner.graphs.decode.captured
     assert [o.generated_tokens for o in graphed.generate(PROMPTS, GREEDY)] == want
+
+
+@pytest.mark.parametrize("layout, eager", [
+    (dict(data_parallel_size=2, enable_expert_parallel=True), True),  # DP attention at TP=1: collectives each layer
+    (dict(data_parallel_size=2, tensor_parallel_size=2, enable_expert_parallel=True), True),
+    (dict(tensor_parallel_size=2, enable_expert_parallel=True), True),
+    (dict(enable_expert_parallel=True), False),  # one rank: the flag moves no token
+    (dict(), False),
+])
+def test_expert_parallel_steps_run_eagerly_wherever_tokens_cross_ranks(monkeypatch, tmp_path, layout, eager):
+    """On a device that captures (``graphs_wanted`` stands in for CUDA here), an MoE model's graphs are refused
+    wherever an MoE layer exchanges tokens between ranks: under data-parallel attention at TP=1 as well, where
+    ``DataParallelDispatcher`` reads its all-to-all's counts on the host and an idle rank's empty MoE pass must pair
+    with the other ranks' steps."""
+    from megatron_serve.engine import graphs  # noqa: PLC0415
+    from megatron_serve.engine.sizing import engine_buffers  # noqa: PLC0415
+    from megatron_serve.model.loader import load_model  # noqa: PLC0415
+
+    model = load_model(str(make_tiny_model(tmp_path / "moe", seed=3, arch="mixtral")), torch.float32, "cpu")
+    monkeypatch.setattr(graphs, "graphs_wanted", lambda config, device: True)
+    engine_config = config(device="cpu", **layout)
+    buffers = engine_buffers(engine_config, 64, torch.device("cpu"))
+    assert (graphs.graphs_for(model, engine_config, buffers) is None) == eager
+    assert (graphs.eager_reason(engine_config, moe=True) is not None) == eager

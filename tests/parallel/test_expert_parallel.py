@@ -12,6 +12,7 @@ import sys
 import textwrap
 from collections import defaultdict
 
+import numpy as np
 import pytest
 import torch
 import transformers
@@ -22,8 +23,10 @@ from megatron_serve.model.loader import build_model, iterate_checkpoint, load_mo
 from megatron_serve.model.moe import expert_weight_name
 from megatron_serve.model.parallel import TensorParallel
 from megatron_serve.model.tiny import make_tiny_model
+from megatron_serve.tokenizer import Tokenizer
 
-from ..model.test_moe import VARIANTS, check_against_reference, hf_greedy_with_routing, run_together
+from ..devices import tensor_parallel_device
+from ..model.test_moe import NEW_TOKENS, VARIANTS, hf_greedy_with_routing
 from ..prompts import PROMPTS
 
 HEADS = dict(num_heads=4, num_kv_heads=2)  # splits over 2 and 4 tensor-parallel ranks
@@ -163,51 +166,54 @@ def test_batch_invariant_layer_is_bitwise_one_rank_and_the_unordered_combine_is_
     assert not all(torch.equal(a, b) for a, b in zip(unordered, one)), "the control does not differ"
 
 
-GREEDY = SamplingParams(temperature=0.0, num_tokens_to_generate=12, ignore_eos=True, return_log_probs=True,
+GREEDY = SamplingParams(temperature=0.0, num_tokens_to_generate=NEW_TOKENS, ignore_eos=True, return_log_probs=True,
                         return_routing_indices=True)
+RUNS = (PROMPTS[:4], PROMPTS[4:5])  # concurrent requests, then one alone (decode steps of one token: all ranks but
+# one combine nothing)
 
 
-def answers(llm: MegatronLLM, prompts: list[str]):
-    outs = llm.generate(prompts, GREEDY)
-    return ([o.generated_tokens for o in outs], [o.routing_indices.tolist() for o in outs],
-            [o.generated_log_probs for o in outs])
-
-
-def serve(model_dir: str, size: int, prompts: list[str], **config):
-    llm = MegatronLLM(model_dir, InferenceConfig(dtype="float32", block_size_tokens=8, device="cpu",
-                                                 tensor_parallel_size=size, enable_expert_parallel=size > 1, **config))
+def serve(model_dir: str, size: int, device: str) -> list[list[tuple]]:
+    """Each run's ``(tokens, routing, log probs)`` per request, on one engine of ``size`` ranks."""
+    llm = MegatronLLM(model_dir, InferenceConfig(dtype="float32", block_size_tokens=8, device=device,
+                                                 tensor_parallel_size=size, enable_expert_parallel=size > 1))
     try:
-        return answers(llm, prompts)
+        return [[(o.generated_tokens, o.routing_indices.tolist(), o.generated_log_probs)
+                 for o in llm.generate(list(prompts), GREEDY)] for prompts in RUNS]
     finally:
         llm.close()
+
+
+@pytest.fixture(scope="module")
+def engine_runs(moe_model) -> dict[int | tuple[int, str], list[list[tuple]]]:
+    """``{size: runs}``: one engine per size serves both runs (starting its ranks costs more than the runs), on the
+    GPUs where this machine has one a rank (NCCL), else on CPU (gloo); ``{(1, device): runs}``: one rank on each
+    device a size ran on, the baseline it is compared with."""
+    _, model_dir = moe_model
+    runs: dict = {size: serve(model_dir, size, tensor_parallel_device(size)) for size in (2, 4)}
+    for device in {tensor_parallel_device(size) for size in (2, 4)}:
+        runs[1, device] = serve(model_dir, 1, device)
+    return runs
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("size", [2, 4])
-def test_engine_equals_one_rank_together_and_alone(moe_model, size):
-    """Concurrent requests, and one request alone (decode steps of one token: all ranks but one combine nothing)."""
-    _, model_dir = moe_model
-    for prompts in (PROMPTS[:4], PROMPTS[4:5]):
-        tokens, routing, log_probs = serve(model_dir, 1, prompts)
-        tokens_ep, routing_ep, log_probs_ep = serve(model_dir, size, prompts)
-        assert tokens_ep == tokens and routing_ep == routing
-        for row, expected in zip(log_probs_ep, log_probs):
-            assert row == pytest.approx(expected, abs=1e-4)
+def test_engine_equals_one_rank_together_and_alone(engine_runs, size):
+    for run, expected_run in zip(engine_runs[size], engine_runs[1, tensor_parallel_device(size)], strict=True):
+        for (tokens, routing, log_probs), (tokens_1, routing_1, log_probs_1) in zip(run, expected_run, strict=True):
+            assert tokens == tokens_1 and routing == routing_1
+            assert log_probs == pytest.approx(log_probs_1, abs=1e-4)
 
 
 @pytest.mark.slow
-def test_engine_equals_transformers(moe_model):
-    arch, model_dir = moe_model
+@pytest.mark.parametrize("size", [2, 4])
+def test_engine_equals_transformers(moe_model, engine_runs, size):
+    _, model_dir = moe_model
     hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    llm = MegatronLLM(model_dir, InferenceConfig(dtype="float32", block_size_tokens=8, device="cpu",
-                                                 tensor_parallel_size=2, enable_expert_parallel=True))
-    try:
-        token_lists = [llm.tokenizer.encode(p) for p in PROMPTS[:4]]
-        reference = [hf_greedy_with_routing(hf, tokens) for tokens in token_lists]
-        with_routing = [i % 2 == 0 for i in range(len(token_lists))]
-        check_against_reference(run_together(llm, token_lists, with_routing), token_lists, reference, with_routing)
-    finally:
-        llm.close()
+    tokenizer = Tokenizer.from_pretrained(model_dir)
+    for prompt, (tokens, routing, _) in zip(RUNS[0] + RUNS[1], engine_runs[size][0] + engine_runs[size][1]):
+        expected_tokens, expected_routing = hf_greedy_with_routing(hf, tokenizer.encode(prompt))
+        assert tokens == expected_tokens
+        np.testing.assert_array_equal(np.array(routing), expected_routing)
 
 
 def test_experts_that_do_not_split_over_the_ranks_are_refused(moe_model):
@@ -234,3 +240,38 @@ def test_the_flag_and_the_keyword_reach_the_config_and_bad_values_are_named():
         parse_llm_keywords({"enable_expert_parallel": "yes"})
     with pytest.raises(ValueError, match="enable_expert_parallel must be true or false, got 'yes'"):
         InferenceConfig(enable_expert_parallel="yes")
+
+
+def test_gathered_row_layers_hold_rows_of_the_whole_weight_and_probe_their_column_splits(moe_model, monkeypatch,
+                                                                                        caplog):
+    """``gathered_rows`` (``--batch-invariant`` under EP): ``o_proj`` and the dense layers' ``down_proj`` hold their
+    rank's output rows of the whole weight (not input columns of every row), loaded from the checkpoint as such; the
+    CPU probe is asked about every column split a rank computes where one rank computes the whole, and where it
+    finds one that rounds otherwise the mode's start says so."""
+    from megatron_kernels import invariant_probe  # noqa: PLC0415
+
+    from megatron_serve.model.layers import GatheredRowLinear, RowParallelLinear  # noqa: PLC0415
+
+    _, model_dir = moe_model
+    full = load_model(model_dir, torch.float32, "cpu")
+    tp = TensorParallel(1, 2, expert_parallel=True, gathered_rows=True)
+    model = build_model(full.config, torch.float32, "cpu", tp)
+    load_weights(model, iterate_checkpoint(model_dir))
+    rows = [name for name, m in model.named_modules() if isinstance(m, GatheredRowLinear)]
+    assert rows and all(name.endswith(("o_proj", "down_proj")) and ".experts" not in name for name in rows)
+    assert not any(isinstance(m, RowParallelLinear) and m.tp.size > 1 for m in model.modules())  # (a shared
+    # expert's is whole on every rank)
+    for name in rows:
+        whole = full.get_submodule(name).weight
+        half = whole.shape[0] // 2
+        assert torch.equal(model.get_submodule(name).weight, whole[half:]), name
+    asked = []
+    monkeypatch.setattr(invariant_probe, "column_split_problems", lambda splits: asked.extend(splits) or [])
+    assert model.column_split_problems() == []
+    hidden, heads = full.config.hidden_size, full.config.num_heads * full.config.head_dim
+    assert ((hidden, heads), torch.float32, (hidden // 2, hidden // 2)) in asked  # o_proj
+    assert ((full.config.vocab_size, hidden), torch.float32, (full.config.vocab_size // 2,) * 2) in asked  # LM head
+    monkeypatch.setattr(invariant_probe, "column_split_problems", lambda splits: ["a linear (64, 64): rounds"])
+    with caplog.at_level("WARNING", logger="megatron_serve.model.llama"):
+        model.use_batch_invariant_ops()
+    assert "not one rank's in the last bits on this CPU: a linear (64, 64): rounds" in caplog.text

@@ -328,6 +328,20 @@ def graphs_wanted(config: InferenceConfig, device: torch.device) -> bool:
     return config.enable_cuda_graphs and device.type == "cuda" and backend_for(device) == "triton"
 
 
+def eager_reason(config: InferenceConfig, moe: bool) -> str | None:
+    """Why an engine's steps cannot be captured whatever its device (None: they can). ``moe``: the model has
+    mixture-of-experts layers."""
+    if config.batch_invariant and moe:
+        return "--batch-invariant MoE: invariant.fused_moe's expert loop reads its row counts on the host"
+    if moe and config.enable_expert_parallel and config.tensor_parallel_size * config.data_parallel_size > 1:
+        # under data-parallel attention at TP=1 too: DataParallelDispatcher exchanges its counts and reads them
+        # back (.tolist()) in every MoE layer, and an idle rank's empty MoE pass must pair with the others' steps
+        return "expert parallelism: the all-to-all's split sizes are read on the host in every MoE layer"
+    if config.pipeline_parallel_size > 1:
+        return "pipeline stages hand hidden states over point-to-point"
+    return None
+
+
 def largest_graph(config: InferenceConfig, device: torch.device) -> int:
     """Rows of the largest step an engine on ``device`` replays from graphs (0: none)."""
     if not graphs_wanted(config, device):
@@ -344,13 +358,7 @@ def graphs_for(model: LlamaForCausalLM, config: InferenceConfig, buffers: StepBu
     if not config.enable_cuda_graphs:
         return None
     if capture_factory is None:
-        if config.batch_invariant and model.config.moe is not None:  # invariant.fused_moe's expert loop reads
-            return None  # its row counts on the host: not capturable (dense models capture)
-        if config.enable_expert_parallel and model.config.moe is not None and config.tensor_parallel_size > 1:
-            return None  # the all-to-all's split sizes are read on the host each layer: eager steps
-        if config.pipeline_parallel_size > 1:
-            return None  # stages hand hidden states over point-to-point: eager steps
-        if not graphs_wanted(config, device):
+        if eager_reason(config, model.config.moe is not None) is not None or not graphs_wanted(config, device):
             return None
         capture_factory = lambda: CudaGraphCapture(device)  # noqa: E731
     sizes = capture_sizes(config.cuda_graph_sizes, config.max_requests)

@@ -29,7 +29,7 @@ from ..weights.digests import forget_digests
 from ..weights.peer_pull import PeerWeights
 from ..weights.sources import RendezvousSource, WeightSource, weight_source
 from ..wire.messages import LoraPush
-from .kv_park import ParkedKV
+from .kv_park import ParkedKV, ParkOrder
 from .lora import require
 
 if TYPE_CHECKING:
@@ -96,17 +96,17 @@ class DeviceMemory:
         """
         if level not in (1, 2):
             raise ValueError(f"suspend level must be 1 or 2, got {level}")
-        if keep_kv and self.config.tensor_parallel_size > 1:
-            raise ValueError("suspend with keep_kv is not implemented with tensor parallelism yet")
         offload = level == 2 and not self.weights_offloaded and self.device.type == "cuda"
         if self.suspended and not offload:
             return 0
         self._settle()
-        self.worker.runner.on_suspend(level)
+        # Every rank of a group parks the same block ids of its own pool (its stage's layers, its KV heads).
+        keep = ParkOrder(self.allocator.blocks_in_use(), self.epoch) if keep_kv and not self.suspended else None
+        self.worker.runner.on_suspend(level, keep)
         released = 0
         if not self.suspended:
-            if keep_kv:
-                self.parked = ParkedKV.park(self.kv_cache, self.allocator.blocks_in_use(), self.epoch)
+            if keep is not None:
+                self.parked = ParkedKV.park(self.kv_cache, keep.blocks, keep.epoch)
             else:
                 self.scheduler.evict_all()
             if self.allocator.tier is not None:
@@ -314,16 +314,16 @@ class DeviceMemory:
         """
         if not (self.suspended or self.weights_offloaded):
             return
-        self.worker.runner.on_resume()
+        parked, self.parked = self.parked, None
+        if parked is not None and parked.epoch != self.epoch and self.config.kv_on_refit == "recompute":
+            self.scheduler.evict_all()
+            self.allocator.clear_cache()  # the blocks they held: old weights' KV, and no longer in the pool
+            parked = None
+        self.worker.runner.on_resume(restore=parked is not None)  # the other ranks copy theirs back or drop it
         if self.weights_offloaded:
             self.model.to(self.device)
             self.weights_offloaded = False
         if self.suspended:
-            parked, self.parked = self.parked, None
-            if parked is not None and parked.epoch != self.epoch and self.config.kv_on_refit == "recompute":
-                self.scheduler.evict_all()
-                self.allocator.clear_cache()  # the blocks they held: old weights' KV, and no longer in the pool
-                parked = None
             self.kv_cache.allocate()
             if parked is not None:
                 parked.restore(self.kv_cache)

@@ -369,7 +369,7 @@ class EngineProcess:
         already = self.suspend_level >= level
         try:
             released = self._suspend(level, bool(body.keep_kv))
-        except ValueError as exc:  # keep_kv where it is not implemented (tensor parallelism)
+        except ValueError as exc:  # a level other than 1 or 2
             return {"error": str(exc)}
         detail: dict[str, Any] = {"released_bytes": released, "level": self.suspend_level}
         if kept := self.engine.memory.kept_kv_bytes:

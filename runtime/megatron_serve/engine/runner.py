@@ -23,11 +23,13 @@ from ..model.attention import AttentionMetadata, ForwardContext, MultimodalStep
 from ..model.llama import LlamaForCausalLM
 from ..model.moe import stack_routing
 from .graphs import DecodeGraphs, MixedGraphs, StepGraphs
+from .micro_batches import micro_batches
 from .step_plan import StepBuffers, StepPlan
 from .warmup import compile_kernels
 
 if TYPE_CHECKING:
     from ..model.lora_slots import LoraRows
+    from .kv_park import ParkOrder
     from ..weights.sources import WeightSource
 
 logger = logging.getLogger(__name__)
@@ -127,6 +129,10 @@ class ModelRunner:
             hidden, routing = graphs.run(plan)
         elif isinstance(graphs, MixedGraphs):
             hidden, routing = graphs.run(plan, context)
+        elif self.model.tp.stage.size > 1:  # eager, in micro-batches across the stages
+            hidden = self.model.pipelined(dev["token_ids"][: plan.num_tokens], dev["positions"][: plan.num_tokens],
+                                          micro_batches(self.buffers, plan, context, self.model.tp.stage.micro_batches))
+            routing = None  # (stages serve dense models only)
         else:
             hidden = self.model(dev["token_ids"][: plan.num_tokens], dev["positions"][: plan.num_tokens], context)
             routing = stack_routing(context.routing, self.model.config) if plan.record_routing else None
@@ -187,15 +193,16 @@ class ModelRunner:
             logger.warning("capturing CUDA graphs failed, running every step eagerly from now on: %s", exc)
             self.graphs = None
 
-    def on_suspend(self, level: int) -> None:
-        """Release the graphs before the pool they point into is freed."""
+    def on_suspend(self, level: int, keep: "ParkOrder | None" = None) -> None:
+        """Release the graphs before the pool they point into is freed (``keep``: the blocks every rank parks in
+        host memory first, for runners that drive other ranks)."""
         if self.graphs is not None:
             self.graphs.release()
 
     # Hooks for runners that drive other ranks; a single-rank runner has nothing to tell anyone.
 
-    def on_resume(self) -> None:
-        pass
+    def on_resume(self, restore: bool = False) -> None:
+        """``restore``: the other ranks copy the KV they parked back into their pools (else they drop it)."""
 
     def group_busy(self, busy: bool) -> bool:
         """Whether the step loop steps now: when this engine has work, unless data-parallel attention ranks step

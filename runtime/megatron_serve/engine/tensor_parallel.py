@@ -6,8 +6,9 @@ a two-integer header, then the plan, over a gloo group; no pickled object per st
 runs the forward pass on its weight slice and its share of the KV heads; rank 0 samples from the
 gathered logits. With overlapped scheduling a step's gathered rows take the previous step's
 sampled tokens, which rank 0 broadcasts on the device group first. Suspend, resume, refit and stop
-go through the same channel, so a verb always acts on the whole group. With pipeline stages
-(``--pipeline-parallel-size``) the group is ``stages x tensor_parallel_size`` ranks; the steps, the previous
+go through the same channel, so a verb always acts on the whole group (a suspend that keeps the KV parks the same
+blocks on every rank, each its own part of them, and rank 0's resume says whether to copy them back). With pipeline
+stages (``--pipeline-parallel-size``) the group is ``stages x tensor_parallel_size`` ranks; the steps, the previous
 tokens and the refit outcomes go over the whole group, each stage's layers use its own tensor-parallel group
 (:func:`join_group`). With data-parallel attention (``--data-parallel-size``, :mod:`.data_parallel`) the group is
 ``dp`` such groups, each led by an engine of its own (rank ``d * tp``), which broadcasts to its own ranks only; the
@@ -45,6 +46,8 @@ from ..model.lora import LoraAdapter
 from ..model.lora_slots import LoraSlots
 from ..model.parallel import DataParallel, PipelineStage, TensorParallel
 from .data_parallel import any_busy, empty_moe_pass
+from .kv_cache import KVCachePool
+from .kv_park import ParkedKV, ParkOrder
 from .sizing import build_kv_pool, default_dtype, engine_buffers, max_sequence_length_for
 from .runner import ModelRunner, StepResult
 from .step_plan import StepBuffers, StepPlan
@@ -212,18 +215,19 @@ def join_group(placement: Placement, rank: int, device: torch.device, config: In
         ) from exc
     size, stages = config.tensor_parallel_size, config.pipeline_parallel_size
     if config.data_parallel_size > 1:
-        return join_data_parallel(rank, size, config.data_parallel_size, backend)
+        return join_data_parallel(rank, size, config.data_parallel_size, backend, config.gathers_rows)
     plans = dist.group.WORLD if backend == "gloo" else dist.new_group(backend="gloo")
     tp_group = dist.group.WORLD
     if stages > 1:  # every rank creates every stage's group, in the same order
         groups = [dist.new_group(list(range(s * size, (s + 1) * size))) for s in range(stages)]
         tp_group = groups[rank // size]
-    stage = PipelineStage(rank // size, stages, rank, size, dist.group.WORLD)
+    stage = PipelineStage(rank // size, stages, rank, size, dist.group.WORLD, config.micro_batches)
     return (TensorParallel(rank=rank % size, size=size, group=tp_group, expert_parallel=config.enable_expert_parallel,
-                           stage=stage), PlanChannel(plans))
+                           stage=stage, gathered_rows=config.gathers_rows), PlanChannel(plans))
 
 
-def join_data_parallel(rank: int, size: int, dp: int, backend: str) -> tuple[TensorParallel, PlanChannel]:
+def join_data_parallel(rank: int, size: int, dp: int, backend: str, gathered_rows: bool = False
+                       ) -> tuple[TensorParallel, PlanChannel]:
     """The groups of data-parallel attention: data-parallel rank ``d``'s attention ranks ``d * size ..`` (its
     layers' group, and a gloo one for its leader's plans), the leaders' (gloo: they agree on each step), and the
     whole group for the MoE layers' all-to-alls. Every rank creates every group, in the same order."""
@@ -233,7 +237,7 @@ def join_data_parallel(rank: int, size: int, dp: int, backend: str) -> tuple[Ten
     leaders = dist.new_group([d * size for d in range(dp)], backend="gloo")
     index = rank // size
     tp = TensorParallel(rank=rank % size, size=size, group=attention[index], expert_parallel=True,
-                        data_parallel=DataParallel(index, dp, dist.group.WORLD))
+                        data_parallel=DataParallel(index, dp, dist.group.WORLD), gathered_rows=gathered_rows)
     return tp, PlanChannel(plans[index], index * size, attention[index], leaders if rank % size == 0 else None)
 
 
@@ -286,12 +290,12 @@ class TensorParallelRunner(ModelRunner):
             self._check_workers()
             raise EngineGroupLost(f"tensor-parallel forward failed: {exc}") from exc
 
-    def on_suspend(self, level: int) -> None:
-        self._broadcast("suspend", level)
+    def on_suspend(self, level: int, keep: ParkOrder | None = None) -> None:
+        self._broadcast("suspend", (level, keep))
         super().on_suspend(level)
 
-    def on_resume(self) -> None:
-        self._broadcast("resume")
+    def on_resume(self, restore: bool = False) -> None:
+        self._broadcast("resume", restore)
 
     def group_busy(self, busy: bool) -> bool:
         if self.channel.leaders is None:
@@ -463,6 +467,7 @@ def run_worker(model_dir: str, config_dict: dict, placement: Placement, rank: in
         slots = LoraSlots(model, config.max_loras, config.max_lora_rank, config.batch_invariant)
         runner.lora_rows = slots.rows
     sampled = 0  # rows the last step sampled: the length of the tokens a gathering step receives
+    memory = FollowerMemory(model, pool, runner, device)
     while True:
         kind, payload = channel.receive()
         if kind == "step":
@@ -475,15 +480,9 @@ def run_worker(model_dir: str, config_dict: dict, placement: Placement, rank: in
             runner.run_plan(plan, pool.layer_caches, embeddings, previous)
             sampled = plan.num_sample
         elif kind == "suspend":
-            runner.on_suspend(payload)
-            pool.release()
-            if payload == 2 and device.type == "cuda":
-                model.to("cpu")
-                torch.cuda.empty_cache()
+            memory.suspend(*payload)
         elif kind == "resume":
-            model.to(device)
-            pool.allocate()
-            runner.capture_graphs(pool.layer_caches)
+            memory.resume(payload)
         elif kind == "idle":
             empty_moe_pass(model)
         elif kind == "refit":
@@ -496,6 +495,36 @@ def run_worker(model_dir: str, config_dict: dict, placement: Placement, rank: in
             break
     dist.destroy_process_group()
     release_groups(tp, channel)  # a spawned process ends through the interpreter's teardown too
+
+
+@dataclass
+class FollowerMemory:
+    """A follower's side of suspend and resume: its KV pool (its part of the live requests' blocks parked in host
+    memory first when rank 0 keeps the KV) and, at level 2 on a GPU, its weights."""
+
+    model: torch.nn.Module
+    pool: KVCachePool
+    runner: ModelRunner
+    device: torch.device
+    parked: ParkedKV | None = None
+
+    def suspend(self, level: int, keep: ParkOrder | None) -> None:
+        self.runner.on_suspend(level)
+        if keep is not None:
+            self.parked = ParkedKV.park(self.pool, keep.blocks, keep.epoch)
+        self.pool.release()
+        if level == 2 and self.device.type == "cuda":
+            self.model.to("cpu")
+            torch.cuda.empty_cache()
+
+    def resume(self, restore: bool) -> None:
+        """``restore``: copy the parked blocks back (rank 0 does too); else drop them (a refit made them stale)."""
+        self.model.to(self.device)
+        self.pool.allocate()
+        parked, self.parked = self.parked, None
+        if parked is not None and restore:
+            parked.restore(self.pool)
+        self.runner.capture_graphs(self.pool.layer_caches)
 
 
 def _follow_refit(model, source: WeightSource) -> tuple[list[str], str | None]:

@@ -103,6 +103,7 @@ ENGINE_FIELDS = {
     "speculative_config": "speculative",
     "enable_expert_parallel": "enable_expert_parallel",
     "pipeline_parallel_size": "pipeline_parallel_size",
+    "pipeline_micro_batches": "pipeline_micro_batches",
     "kv_offloading_size": "kv_offloading_size",
     "kv_on_refit": "kv_on_refit",
 }
