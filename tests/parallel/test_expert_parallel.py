@@ -115,6 +115,16 @@ LAYER_PROBE = textwrap.dedent("""
         dp = mode.startswith("dp-")
         model = load_model(model_dir, getattr(torch, dtype), "cpu", over_dp if dp else over_tp)
         step = install_dispatchers(model, "alltoall") if "capacity" in mode else None
+        if "deepep" in mode:  # DeepEP's dispatcher over the fake deep_ep; a mode's limit keeps it in one mode
+            from megatron_serve.model.deepep_dispatcher import DeepEPBuffers, DeepEPDispatcher
+            from tests import deepep_fake
+            tp, experts = over_dp if dp else over_tp, model.config.moe.num_experts
+            group = tp.data_parallel.group if dp else tp.group
+            buffers = DeepEPBuffers(deepep_fake, group, model.config.hidden_size, experts, 40)
+            limit = 64 if "low-latency" in mode else 0
+            step = install_dispatchers(model, "deepep_low_latency",
+                                       lambda block, step: DeepEPDispatcher(block.tp, experts, buffers, step, limit))
+            deepep_fake.Buffer.calls.clear()
         if "invariant" in mode:
             model.use_batch_invariant_ops()
         outputs = results[case] = []
@@ -132,11 +142,16 @@ LAYER_PROBE = textwrap.dedent("""
                 [[tokens] * size for tokens in (1, 3, 37)]
             for counts in rounds:
                 tokens = counts[rank]
-                if step is not None:  # buffers of more tokens than any rank has, as in a padded graph
-                    step.capacity = max(counts) + 3
+                if step is not None and "capacity" in mode:  # buffers for more tokens than any rank has, as in
+                    step.capacity = max(counts) + 3  # a padded graph
+                elif step is not None:
+                    step.tokens = max(counts)  # (data-parallel ranks agree on it: DeepEP's mode follows it)
                 hidden = torch.randn(tokens, model.config.hidden_size, generator=torch.Generator().manual_seed(tokens))
                 with torch.no_grad():
                     outputs.append((tokens, block(hidden.to(model.dtype))))
+        if "deepep" in mode:
+            from tests import deepep_fake
+            results[case + "#calls"] = sorted(deepep_fake.Buffer.calls)
     torch.save(results, out)
     dist.destroy_process_group()
 """)
@@ -146,7 +161,8 @@ LAYER_PROBE = textwrap.dedent("""
 LAYER_CASES = {1: ["float32:plain", "bfloat16:invariant"],
                2: ["float32:plain", "float32:allgather", "bfloat16:invariant", "bfloat16:invariant-unordered",
                    "float32:capacity", "bfloat16:invariant-capacity", "bfloat16:invariant-capacity-unordered",
-                   "float32:dp-plain", "float32:dp-capacity", "bfloat16:dp-invariant-capacity"],
+                   "float32:dp-plain", "float32:dp-capacity", "bfloat16:dp-invariant-capacity",
+                   "float32:deepep-normal", "float32:deepep-low-latency", "float32:dp-deepep-low-latency"],
                4: ["float32:plain", "bfloat16:invariant", "float32:capacity", "bfloat16:invariant-capacity",
                    "float32:dp-capacity", "bfloat16:dp-invariant-capacity"]}
 ROOT = Path(__file__).resolve().parents[2]
@@ -163,7 +179,7 @@ def layer_outputs(model_dir: str, size: int, tmp_path) -> dict[str, list]:
     outputs = [torch.load(f) for f in files]
     merged = {}
     for case, mine in outputs[0].items():
-        if ":dp-" in case:
+        if case.endswith("#calls") or ":dp-" in case:
             merged[case] = [rank[case] for rank in outputs]
             continue
         for other in outputs[1:]:
@@ -207,6 +223,22 @@ def test_layer_equals_one_rank_for_every_dispatcher(layers):
     for size, mode in ((2, "dp-plain"), (2, "dp-capacity"), (4, "dp-capacity")):
         for got, expected in data_parallel_pairs(layers[size][f"float32:{mode}"], one):
             torch.testing.assert_close(got, expected, rtol=0, atol=2e-6)
+
+
+@pytest.mark.slow
+def test_deepep_dispatcher_equals_one_rank_over_a_stand_in_for_its_kernels(layers):
+    """DeepEP's dispatcher in normal and in low-latency mode, over 2 tensor-parallel ranks and with data-parallel
+    attention (a rank idle), with ``tests/deepep_fake.py`` doing what DeepEP's kernels are documented to do: the
+    layout conversions before and after them give one rank's outputs, and each mode calls only its own kernels."""
+    one = layers[1]["float32:plain"]
+    for mode in ("deepep-normal", "deepep-low-latency"):
+        for got, expected in zip(layers[2][f"float32:{mode}"], one, strict=True):
+            torch.testing.assert_close(got, expected, rtol=0, atol=1e-5)
+    for got, expected in data_parallel_pairs(layers[2]["float32:dp-deepep-low-latency"], one):
+        torch.testing.assert_close(got, expected, rtol=0, atol=1e-5)
+    assert layers[2]["float32:deepep-normal#calls"] == [["combine", "dispatch", "get_dispatch_layout"]] * 2
+    for mode in ("deepep-low-latency", "dp-deepep-low-latency"):
+        assert layers[2][f"float32:{mode}#calls"] == [["low_latency_combine", "low_latency_dispatch"]] * 2
 
 
 @pytest.mark.slow
