@@ -2,7 +2,7 @@
 
 Rank 0 of a group owns the scheduler and talks to the coordinator. Each step it writes the batch
 into its step buffers and broadcasts their used part as one packed integer array (``PlanChannel``:
-a two-integer header, then the plan, over a gloo group; no pickled object per step); every rank
+a three-integer header, then the plan, over a gloo group; no pickled object per step); every rank
 runs the forward pass on its weight slice and its share of the KV heads; rank 0 samples from the
 gathered logits. With overlapped scheduling a step's gathered rows take the previous step's
 sampled tokens, which rank 0 broadcasts on the device group first. Suspend, resume, refit and stop
