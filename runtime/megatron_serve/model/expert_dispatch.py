@@ -19,7 +19,7 @@ first (:func:`megatron_serve.engine.data_parallel.agree_tokens`).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
@@ -75,11 +75,6 @@ class StepDispatcher:
     def local(self) -> slice:
         return self._chosen.local
 
-    @property
-    def chosen(self) -> TokenDispatcher | CapacityDispatcher | DeepEPDispatcher:
-        """The dispatcher of the layer's last dispatch."""
-        return self._chosen
-
     def dispatch(self, hidden: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> Dispatched:
         if self.deepep is not None:
             self._chosen = self.deepep
@@ -96,7 +91,9 @@ class StepDispatcher:
         return self._chosen.gather(chunk)
 
 
-def install_dispatchers(model: torch.nn.Module, backend: str, deepep_factory=None) -> ExpertStep | None:
+def install_dispatchers(model: torch.nn.Module, backend: str,
+                        deepep_factory: Callable[[SparseMoeBlock, ExpertStep], DeepEPDispatcher] | None = None
+                        ) -> ExpertStep | None:
     """Give every MoE layer of ``model`` a :class:`StepDispatcher` for ``backend`` (one of :data:`BACKENDS`), sharing
     one :class:`ExpertStep`, kept as ``model.expert_step`` and returned; None where no MoE layer moves tokens
     between ranks. ``deepep_factory(block, step)``: the layer's DeepEP dispatcher (DeepEP backends)."""
