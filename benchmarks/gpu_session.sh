@@ -19,7 +19,11 @@
 #   bash benchmarks/gpu_session.sh ep        # expert parallelism on this node's GPUs: the EP tests natively (NCCL),
 #                                            # all-to-all bandwidth, then decode of a Qwen3-30B-A3B-like MoE layer
 #                                            # shape at one rank and TP/EP 2/4/8 (as many as the GPUs allow); with
-#                                            # 2 GPUs or more first the EP engines against one rank over NCCL
+#                                            # 2 GPUs or more first the EP engines against one rank over NCCL; the
+#                                            # GPU-only EP tests (test_expert_parallel_gpu.py: the fixed-capacity
+#                                            # all-to-all captured in a CUDA graph against eager, with CUDA's sync
+#                                            # debug mode; on 2 GPUs an EP=2 engine's graphs against its eager
+#                                            # tokens, and DeepEP's modes where deep_ep imports)
 #   bash benchmarks/gpu_session.sh pp        # pipeline stages: the PP and micro-batch tests, then
 #                                            # benchmarks/pipeline_parallel.py's table (1B-like dense shape, stages
 #                                            # 2/4/8 as the GPUs allow, one micro-batch vs as many as stages)
@@ -121,8 +125,11 @@ case ${1:-tests} in
     else
       echo "=== ep: one GPU: no NCCL equality check (NCCL needs a GPU a rank); the EP tests below run over gloo on CPU"
     fi
+    step ep_gpu 540 python3 -m pytest -q -p no:cacheprovider --timeout 500 -rfEs \
+      tests/parallel/test_expert_parallel_gpu.py
     step pytest_ep 540 python3 -m pytest -q -p no:cacheprovider --timeout 300 -rfE --durations 10 \
-      tests/parallel/test_expert_parallel.py tests/parallel/test_expert_parallel_features.py
+      tests/parallel/test_expert_parallel.py tests/parallel/test_expert_parallel_features.py \
+      tests/parallel/test_expert_backend.py
     if [ -n "$sizes" ]; then
       step all_to_all 120 python3 benchmarks/expert_parallel.py --device cuda --tables bandwidth --sizes $sizes --mib 256
       step ep_decode 540 python3 benchmarks/expert_parallel.py --device cuda --dtype bfloat16 --sizes $sizes \
