@@ -33,6 +33,7 @@ import socket
 import sys
 import time
 from dataclasses import dataclass
+from typing import Callable, TypeVar
 
 import numpy as np
 import torch
@@ -57,6 +58,7 @@ from ..weights.peer_pull import follow_share
 from ..weights.sources import WeightSource
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 RENDEZVOUS_TIMEOUT_S = float(os.environ.get("MEGATRON_SERVE_RENDEZVOUS_TIMEOUT", "300"))
 #: The exit code of a rank's process that found itself re-running its parent's script (see reimported_main).
@@ -304,19 +306,16 @@ class TensorParallelRunner(ModelRunner):
         self._broadcast("resume", restore)
 
     def group_busy(self, busy: bool) -> bool:
-        if self.channel.leaders is None:
-            return busy
-        try:
-            return any_busy(self.channel.leaders, busy)
-        except Exception as exc:  # noqa: BLE001 - a collective fails only when the group broke
-            raise EngineGroupLost(f"data-parallel attention ranks lost one of them: {exc}") from exc
+        return busy if self.channel.leaders is None else self._among_leaders(any_busy, busy)
 
     def _agree_tokens(self, tokens: int) -> int | None:
         """With data-parallel attention, the largest step of the data-parallel ranks (None without)."""
-        if self.channel.leaders is None:
-            return None
+        return None if self.channel.leaders is None else self._among_leaders(agree_tokens, tokens)
+
+    def _among_leaders(self, collective: Callable[[object, T], T], value: T) -> T:
+        """``collective`` over the data-parallel attention ranks' leaders."""
         try:
-            return agree_tokens(self.channel.leaders, tokens)
+            return collective(self.channel.leaders, value)
         except Exception as exc:  # noqa: BLE001 - a collective fails only when the group broke
             raise EngineGroupLost(f"data-parallel attention ranks lost one of them: {exc}") from exc
 
