@@ -11,6 +11,8 @@ serves goes to that engine; ``/metrics`` exports ``vllm:lora_requests_info`` and
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import httpx
@@ -33,7 +35,7 @@ pytestmark = [pytest.mark.timeout(600), pytest.mark.asyncio]
 ADMIN_KEY = "lora-admin-key"
 ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}
 PROMPT = "The adapters of this fleet"
-LONG = 48  # tokens: a stream the fleet pauses in flight while a verb runs (checked, not assumed)
+LONG = 600  # tokens: a stream that cannot end between its first token and the pause that holds it
 
 
 @pytest.fixture(scope="module")
@@ -88,6 +90,23 @@ async def served(http: httpx.AsyncClient) -> list[dict]:
     return [engine["loras"] for engine in (await http.get("/v1/admin/status", headers=ADMIN)).json()["engines"]]
 
 
+@contextlib.asynccontextmanager
+async def paused(http: httpx.AsyncClient) -> AsyncIterator[None]:
+    """The fleet paused for the block and unpaused after it, also when an assertion fails inside (a fleet left
+    paused would hold every later request of the module until its timeout)."""
+    assert (await http.post("/v1/admin/pause", json={}, headers=ADMIN)).status_code == 200
+    try:
+        yield
+    finally:
+        assert (await http.post("/v1/admin/unpause", json={}, headers=ADMIN)).status_code == 200
+
+
+async def in_flight(http: httpx.AsyncClient) -> int:
+    """Requests on the fleet's engines now: with the fleet paused, they stay there until it is unpaused, so a
+    verb run meanwhile is acknowledged with them in flight however slowly a loaded machine serves it."""
+    return (await http.get("/v1/admin/status", headers=ADMIN)).json()["in_flight"]
+
+
 class Stream:
     """A streamed completion consumed in the background: its text, and whether it ended."""
 
@@ -103,8 +122,8 @@ class Stream:
         async for chunk in stream:
             self.text += chunk.choices[0].text
             self.chunks += 1
-            reason = chunk.choices[0].finish_reason or reason
             self.first.set()
+            reason = chunk.choices[0].finish_reason or reason
         return reason
 
 
@@ -114,12 +133,12 @@ async def test_load_while_serving_lists_the_adapter_and_serves_it(stack, clients
     assert set(await models(client)) == {stack.model}
     running = Stream(client, stack.model, LONG)
     await asyncio.wait_for(running.first.wait(), 60)
-    assert (await http.post("/v1/admin/pause", json={}, headers=ADMIN)).status_code == 200  # (see the unload test)
-    loaded = await http.post("/v1/load_lora_adapter", json={"lora_name": "a", "lora_path": adapters["a"]},
-                             headers=ADMIN)
-    assert (loaded.status_code, loaded.text) == (200, "Success: LoRA adapter 'a' added successfully.")
-    assert not running.task.done(), "the base request was still running when the load was acknowledged"
-    assert (await http.post("/v1/admin/unpause", json={}, headers=ADMIN)).status_code == 200
+    async with paused(http):
+        assert await in_flight(http) == 1
+        loaded = await http.post("/v1/load_lora_adapter", json={"lora_name": "a", "lora_path": adapters["a"]},
+                                 headers=ADMIN)
+        assert (loaded.status_code, loaded.text) == (200, "Success: LoRA adapter 'a' added successfully.")
+        assert not running.task.done(), "the base request was still running when the load was acknowledged"
     assert await asyncio.wait_for(running.task, 120) == "length" and running.text == base  # untouched by the load
     listed = await models(client)
     assert (listed["a"].parent, listed["a"].root) == (stack.model, adapters["a"])
@@ -166,13 +185,11 @@ async def test_unload_with_requests_in_flight_lets_them_finish_under_the_adapter
     quiet = await text(client, "a", LONG)
     running = Stream(client, "a", LONG)
     await asyncio.wait_for(running.first.wait(), 60)
-    # Paused (the request kept in place), so that it is still in flight when the unload is acknowledged however
-    # slowly a loaded machine serves the verb: the stream cannot end first.
-    assert (await http.post("/v1/admin/pause", json={}, headers=ADMIN)).status_code == 200
-    unloaded = await http.post("/v1/unload_lora_adapter", json={"lora_name": "a"}, headers=ADMIN)
-    assert (unloaded.status_code, unloaded.text) == (200, "Success: LoRA adapter 'a' removed successfully.")
-    assert not running.task.done(), "the adapter's request was still running when the unload was acknowledged"
-    assert (await http.post("/v1/admin/unpause", json={}, headers=ADMIN)).status_code == 200
+    async with paused(http):
+        assert await in_flight(http) == 1
+        unloaded = await http.post("/v1/unload_lora_adapter", json={"lora_name": "a"}, headers=ADMIN)
+        assert (unloaded.status_code, unloaded.text) == (200, "Success: LoRA adapter 'a' removed successfully.")
+        assert not running.task.done(), "the adapter's request was still running when the unload was acknowledged"
     assert await asyncio.wait_for(running.task, 120) == "length" and running.text == quiet
     assert set(await models(client)) == {stack.model} and await served(http) == [{}, {}]
     with pytest.raises(openai.NotFoundError):
