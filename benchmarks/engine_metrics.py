@@ -59,7 +59,7 @@ def seconds_per_request(batch: int, steps: int = 2000) -> float:
     for i in range(batch):
         request = DynamicInferenceRequest(f"r{i}", None, [1, 2, 3], SamplingParams())
         request.generated_tokens = [4, 5]
-        outputs.append(StepOutput(request, [5], "", [], False))
+        outputs.append(StepOutput(request.request_id, [5], [], False, request=request))
         sequences.append(type("Sequence", (), {"last_token_at": 0.0})())
     start = time.perf_counter()
     for step in range(steps):

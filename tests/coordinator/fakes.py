@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass, field
 
 from megatron_serve.engine.served import EngineFacts, EngineLoad
-from megatron_serve.wire.request import DynamicInferenceRequest, EventType, FinishReason, RequestStatus
+from megatron_serve.wire.request import DynamicInferenceRequest, EventType, FinalRecord, FinishReason, RequestStatus
 
 BLOCK_BYTES = 4096
 
@@ -33,12 +33,19 @@ def expected_tokens(prompt_tokens: list[int], n: int) -> list[int]:
 
 @dataclass
 class FakeStepOutput:
-    request: DynamicInferenceRequest
+    """What a step did for one request (the ``EngineStepResult`` protocol): one token, no log probs."""
+
+    request_id: str
     new_tokens: list[int]
-    new_log_probs: list[float]
     finished: bool
-    new_top_logprobs: list[dict[int, float]] = field(default_factory=list)
+    cached_tokens: int | None = None  # with the first token
+    final: FinalRecord | None = None
+    new_log_probs: list[float] = field(default_factory=list)
+    top_ids: list[list[int]] = field(default_factory=list)
+    top_log_probs: list[list[float]] = field(default_factory=list)
     new_routing: tuple[int, object] | None = None  # fake engines route no experts
+    epochs: tuple[int, int, int] = (-1, -1, -1)  # a fake reports no epochs
+    prompt_scores: None = None
 
 
 class _NoTransfers:
@@ -207,7 +214,9 @@ class FakeEngine:
                 request.finish_reason = FinishReason.LENGTH
                 request.add_event(EventType.FINISH, "length")
                 del self.requests[request.request_id]
-            outputs.append(FakeStepOutput(request, [token], [], done))
+            outputs.append(FakeStepOutput(request.request_id, [token], done,
+                                          cached_tokens=0 if len(request.generated_tokens) == 1 else None,
+                                          final=request.final_record() if done else None))
         return outputs
 
     def sync(self) -> list[FakeStepOutput]:

@@ -56,7 +56,7 @@ def play(sched: Scheduler, tokens: dict[str, int] | int = 7) -> tuple[dict[str, 
     batch = sched.schedule()
     step = launch(sched, batch)
     sampled = [tokens if isinstance(tokens, int) else tokens[s.request_id] for s in step.sampling]
-    outputs = sched.update_from_output(step, [Emitted([t], [-0.5], [None]) for t in sampled])
+    outputs = sched.update_from_output(step, [Emitted([t], [-0.5], [None], [None]) for t in sampled])
     return {s.request_id: count for s, count in batch.entries}, outputs
 
 
@@ -119,7 +119,8 @@ def test_a_row_of_a_request_aborted_while_its_step_was_in_flight_is_dropped():
     sched.add_request(request("b", 5))
     step = launch(sched, sched.schedule())
     sched.abort_request("a")
-    outputs = sched.update_from_output(step, [Emitted([7], [None], [None]), Emitted([8], [None], [None])])
+    outputs = sched.update_from_output(step, [Emitted([7], [None], [None], [None]),
+                                              Emitted([8], [None], [None], [None])])
     assert [(out.request.request_id, out.new_tokens) for out in outputs] == [("b", [8])]
 
 
@@ -222,7 +223,7 @@ def test_update_from_output_records_each_tokens_epochs():
     play(sched)
     sched.epoch = 3  # a refit between the steps: the KV stays under epoch 0 (the step records its own)
     step = launch(sched, sched.schedule(), epoch=0)
-    sched.update_from_output(step, [Emitted([8], [None], [None])])
+    sched.update_from_output(step, [Emitted([8], [None], [None], [None])])
     record = sched.requests["a"].request
     assert record.generated_tokens == [7, 8] and record.policy_epochs == [0, 3] and record.kv_epochs == [0, 0]
     assert record.lora_epochs == [-1, -1] and record.generated_log_probs == [-0.5]
@@ -251,7 +252,8 @@ def test_rejected_drafts_are_rolled_back_and_their_blocks_freed(accepted):
     step = _verify_step(sched, drafts)
     sequence = sched.running[0]
     assert sequence.num_computed == 10 and len(sequence.block_table) == 3 and sched.allocator.num_free == 13
-    emitted = Emitted([*drafts[:accepted], 50], [None] * (accepted + 1), [None] * (accepted + 1), accepted)
+    nothing = [None] * (accepted + 1)
+    emitted = Emitted([*drafts[:accepted], 50], nothing, nothing, nothing, accepted)
     (out,) = sched.update_from_output(step, [emitted])
     assert out.new_tokens == [*drafts[:accepted], 50]
     assert sequence.token_ids == [10, 11, 12, 7, *drafts[:accepted], 50] and sequence.drafts_in_flight == 0
@@ -265,7 +267,7 @@ def test_a_verify_step_stops_at_an_accepted_drafts_stop_id():
     sched.add_request(request("a", 3, num_tokens_to_generate=20))
     play(sched, 7)
     step = _verify_step(sched, [30, EOS, 32])
-    (out,) = sched.update_from_output(step, [Emitted([30, EOS, 32, 33], [None] * 4, [None] * 4, 3)])
+    (out,) = sched.update_from_output(step, [Emitted([30, EOS, 32, 33], [None] * 4, [None] * 4, [None] * 4, 3)])
     assert out.finished and out.new_tokens == [30] and out.request.generated_tokens == [7, 30]
     assert sched.allocator.num_free == sched.allocator.num_blocks
 

@@ -261,7 +261,7 @@ class EngineThread:
                 continue
             block = not engine.has_unfinished_requests()  # decided before the results go out (see class doc)
             if outputs:
-                self._post([(out.request.request_id, step_delta(out)) for out in outputs])
+                self._post([(out.request_id, step_delta(out)) for out in outputs])
 
     def _apply(self, command: tuple[Any, ...]) -> None:
         if command[0] == "call":

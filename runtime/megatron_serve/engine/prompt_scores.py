@@ -47,5 +47,6 @@ def record_prompt_scores(spans: list[tuple[Sequence, range]], device_scores: Dev
         request.prompt_log_probs.extend(scores.log_probs[row : row + len(positions)])
         n = request.sampling_params.top_n_logprobs
         if n:
-            request.prompt_top_n_logprobs.extend(scores.top(i, n) for i in range(row, row + len(positions)))
+            request.prompt_top_n_logprobs.extend(dict(zip(scores.top_ids[i][:n], scores.top_log_probs[i][:n]))
+                                                 for i in range(row, row + len(positions)))
         row += len(positions)

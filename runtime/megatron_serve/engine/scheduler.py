@@ -37,6 +37,7 @@ from .admission import Admission
 from .kv_cache import BlockAllocator, blocks_for_tokens
 from .logprob_parity import ParityChecker
 from .lora_queue import LoraQueue
+from .output import prompt_scores
 from .prompt_scores import record_prompt_scores
 from .sequence import Sequence
 from .speculative.decoder import Emitted, Speculator
@@ -364,7 +365,7 @@ class Scheduler:
         admitted = self.admission.admit(request, known=request.request_id in self.requests)
         if isinstance(admitted, str):
             request.fail(admitted)
-            self.pending.append(StepOutput(request, [], [], True))
+            self.pending.append(_failed(request))
             return
         sequence, registration = admitted
         request.status = RequestStatus.WAITING_IN_QUEUE
@@ -390,7 +391,7 @@ class Scheduler:
         sequence.request.fail(message)
         self.forget(sequence)
         self.stats.finish(sequence.request)
-        self.pending.append(StepOutput(sequence.request, [], [], True))
+        self.pending.append(_failed(sequence.request))
 
     def forget(self, sequence: Sequence) -> None:
         """Free what is held for a request that leaves (finished, aborted, failed)."""
@@ -412,8 +413,8 @@ class Scheduler:
         taken = self.take_all() + self.lora_queue.take_all()
         parity = self.parity
         sequences = [s for s in taken if parity is None or not parity.abandon(s.request_id)]
-        handed = {id(s.request) for s in sequences}
-        self.pending = [out for out in self.pending if id(out.request) not in handed]
+        handed = {s.request_id for s in sequences}
+        self.pending = [out for out in self.pending if out.request_id not in handed]
         self.requests.clear()
         if self.structured is not None:
             self.structured.clear()  # rebuilt from the generated tokens wherever the requests run next
@@ -474,3 +475,11 @@ def _keep_routing(sequence: Sequence) -> None:
     """Put the rows recorded so far on the request, which leaves the engine now."""
     if sequence.routing is not None:
         sequence.request.routing_indices = sequence.routing.array()
+
+
+def _failed(request: DynamicInferenceRequest) -> StepOutput:
+    """The output of a request that failed without a token here (at admission, or its images)."""
+    first = not request.generated_tokens
+    return StepOutput(request.request_id, [], [], True, cached_tokens=request.cached_tokens if first else None,
+                      prompt_scores=prompt_scores(request) if first else None, final=request.final_record(),
+                      request=request)

@@ -17,7 +17,8 @@ if TYPE_CHECKING:
     from ..weights.peer_pull import PeerWeights
     from ..weights.sources import WeightSource
     from .kv_transfer import KVTransfer
-    from ..wire.request import DynamicInferenceRequest
+    from ..wire.messages import PromptScores
+    from ..wire.request import DynamicInferenceRequest, FinalRecord
 
 
 @dataclass(frozen=True)
@@ -64,12 +65,17 @@ class EngineFacts:
 class EngineStepResult(Protocol):
     """What one step did for one request (the engine's ``StepOutput``), as the process reports it."""
 
-    request: DynamicInferenceRequest
+    request_id: str
     new_tokens: list[int]
     new_log_probs: list[float]
     finished: bool
-    new_top_logprobs: list[dict[int, float]]
+    top_ids: list[list[int]]
+    top_log_probs: list[list[float]]
     new_routing: tuple[int, np.ndarray] | None
+    epochs: tuple[int, int, int]
+    cached_tokens: int | None
+    prompt_scores: PromptScores | None
+    final: FinalRecord | None
 
 
 @dataclass(frozen=True)
