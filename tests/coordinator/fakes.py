@@ -12,7 +12,9 @@ import time
 from dataclasses import dataclass, field
 
 from megatron_serve.engine.served import EngineFacts, EngineLoad
-from megatron_serve.wire.request import DynamicInferenceRequest, EventType, FinalRecord, FinishReason, RequestStatus
+from megatron_serve.multimodal import PromptImage
+from megatron_serve.wire.request import (DynamicInferenceRequest, EngineRequest, EventType, FinalRecord, FinishReason,
+                                         RequestStatus)
 
 BLOCK_BYTES = 4096
 
@@ -189,9 +191,14 @@ class FakeEngine:
     def group_busy(self, busy: bool) -> bool:
         return busy  # one engine: no data-parallel ranks to step with
 
-    def add_request(self, request: DynamicInferenceRequest) -> None:
-        request.add_event(EventType.ADD)
-        self.requests[request.request_id] = request
+    def add_request(self, request: EngineRequest) -> None:
+        record = DynamicInferenceRequest(
+            request.request_id, None, list(request.prompt_tokens), request.sampling_params,
+            generated_tokens=list(request.generated_tokens), events=list(request.events),
+            arrival_time=request.arrival_time,
+            images=[PromptImage(image.data, image.offset, image.length) for image in request.images])
+        record.add_event(EventType.ADD)
+        self.requests[request.request_id] = record
 
     def receive_kv(self, request_id: str) -> None:
         raise NotImplementedError("a fake engine receives no KV blocks")  # it never prefills for another
@@ -222,18 +229,19 @@ class FakeEngine:
     def sync(self) -> list[FakeStepOutput]:
         return []  # nothing in flight: every step finishes when it returns
 
-    def abort_request(self, request_id: str) -> DynamicInferenceRequest | None:
+    def abort_request(self, request_id: str) -> FinalRecord | None:
         request = self.requests.pop(request_id, None)
-        if request is not None:
-            request.fail("aborted", FinishReason.ABORT)
-        return request
+        if request is None:
+            return None
+        request.fail("aborted", FinishReason.ABORT)
+        return request.final_record()
 
-    def take_unfinished_requests(self) -> list[DynamicInferenceRequest]:
+    def take_unfinished_requests(self) -> list[FinalRecord]:
         taken = list(self.requests.values())
         self.requests.clear()
         for request in taken:
             request.status = RequestStatus.WAITING_IN_QUEUE
-        return taken
+        return [request.final_record() for request in taken]
 
     kept_kv_bytes = 0  # a fake keeps no KV
 

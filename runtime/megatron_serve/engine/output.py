@@ -13,21 +13,9 @@ from typing import TYPE_CHECKING
 
 from ..wire.expert_routing import routing_to_wire
 from ..wire.messages import PromptScores, RoutingRows, RequestDeltaOut
-from ..wire.request import DynamicInferenceRequest
 
 if TYPE_CHECKING:
     from .steps import StepOutput
-
-
-def prompt_scores(request: DynamicInferenceRequest) -> PromptScores | None:
-    """The prompt's log probs (and top-n) when the request asked for them and has them."""
-    if not request.sampling_params.return_prompt_log_probs or not request.prompt_log_probs:
-        return None
-    scores = PromptScores(log_probs=list(request.prompt_log_probs))
-    if request.prompt_top_n_logprobs:
-        top = request.prompt_top_n_logprobs
-        scores.top_ids, scores.top_log_probs = [list(entry) for entry in top], [list(entry.values()) for entry in top]
-    return scores
 
 
 #: Prompt-score entries (a log prob, or an alternative's id and log prob) one ``ENGINE_STEP`` message carries at most

@@ -18,7 +18,7 @@ if TYPE_CHECKING:
     from ..weights.sources import WeightSource
     from .kv_transfer import KVTransfer
     from ..wire.messages import PromptScores
-    from ..wire.request import DynamicInferenceRequest, FinalRecord
+    from ..wire.request import EngineRequest, FinalRecord
 
 
 @dataclass(frozen=True)
@@ -141,7 +141,7 @@ class ServedEngine(Protocol):
 
     def group_busy(self, busy: bool) -> bool: ...  # step now? (data-parallel attention ranks step together)
 
-    def add_request(self, request: DynamicInferenceRequest) -> None: ...
+    def add_request(self, request: EngineRequest) -> None: ...
 
     def step(self) -> Sequence[EngineStepResult]: ...
 
@@ -149,6 +149,6 @@ class ServedEngine(Protocol):
 
     def receive_kv(self, request_id: str) -> None: ...  # a request just added starts on its blocks that arrived
 
-    def abort_request(self, request_id: str) -> DynamicInferenceRequest | None: ...
+    def abort_request(self, request_id: str) -> object: ...  # how it ended (unused: the coordinator ends it itself)
 
-    def take_unfinished_requests(self) -> list[DynamicInferenceRequest]: ...
+    def take_unfinished_requests(self) -> Sequence[FinalRecord]: ...  # the requests of EngineRequests handed back

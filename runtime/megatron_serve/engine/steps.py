@@ -5,15 +5,19 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from ..wire.messages import PromptScores
-from ..wire.request import DynamicInferenceRequest, FinalRecord
+from ..wire.request import FinalRecord
 from .sampler import DeviceSample, DeviceScores, Readback
 from .sequence import Sequence
 from .speculative.decoder import Emitted, Verification
+
+if TYPE_CHECKING:
+    from .expert_api import Public
 
 
 @dataclass
@@ -34,7 +38,7 @@ class StepOutput:
     cached_tokens: int | None = None
     prompt_scores: PromptScores | None = None
     final: FinalRecord | None = None  # once finished: the record without what the deltas carried
-    request: DynamicInferenceRequest | None = None
+    request: Public | None = None  # the public request, for one added so (Megatron's expert API: .expert_api)
 
     def extend(self, later: "StepOutput") -> None:
         """Append what a later output of the same request added (one output per request and step is what the

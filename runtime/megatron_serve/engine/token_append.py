@@ -7,8 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..wire.request import EventType, FinishReason, RequestStatus
-from .output import prompt_scores
+from ..wire.request import EventType, FinishReason
 from .sequence import Sequence
 from .speculative.decoder import Emitted
 from .steps import StepOutput
@@ -20,33 +19,26 @@ def append_token(sequence: Sequence, token: int, log_prob: float | None, top_ids
                  ) -> StepOutput:
     """Append one sampled token (``epochs``: the weights' and its KV's) unless it is a stop id, and say whether the
     request finished; the request's status and events are set here, its resources freed by the caller."""
-    request = sequence.request
-    out = StepOutput(request.request_id, [], [], False, epochs=(epochs[0], epochs[1], sequence.lora_version),
-                     request=request)
-    if not request.generated_tokens:
-        request.add_event(EventType.FIRST_TOKEN)
-        out.cached_tokens = request.cached_tokens
-        out.prompt_scores = prompt_scores(request)
+    out = StepOutput(sequence.request_id, [], [], False, epochs=(epochs[0], epochs[1], sequence.lora_version))
+    if not sequence.num_output:  # its first token: what its admission found goes with it
+        sequence.add_event(EventType.FIRST_TOKEN)
+        out.cached_tokens = sequence.cached_tokens
+        out.prompt_scores, sequence.prompt_scores = sequence.prompt_scores, None
     finish: FinishReason | None = None
     problem: str | None = None
     if token in sequence.stop_token_ids:
         finish = FinishReason.STOP
     else:
         sequence.token_ids.append(token)
-        request.generated_tokens.append(token)
-        request.policy_epochs.append(epochs[0])
-        request.kv_epochs.append(epochs[1])
-        request.lora_epochs.append(sequence.lora_version)
+        sequence.num_output += 1
         out.new_tokens.append(token)
         if log_prob is not None:
-            request.generated_log_probs.append(log_prob)
             out.new_log_probs.append(log_prob)
         if top_ids is not None and top_log_probs is not None:
-            request.generated_top_n_logprobs.append(dict(zip(top_ids, top_log_probs)))
             out.top_ids.append(top_ids)
             out.top_log_probs.append(top_log_probs)
-        grammar_done, problem = (structured.accept(request.request_id, token)
-                                 if structured is not None and request.request_id in structured else (False, None))
+        grammar_done, problem = (structured.accept(sequence.request_id, token)
+                                 if structured is not None and sequence.request_id in structured else (False, None))
         if problem is not None:
             finish = FinishReason.ERROR
         elif grammar_done:
@@ -55,14 +47,21 @@ def append_token(sequence: Sequence, token: int, log_prob: float | None, top_ids
             finish = FinishReason.LENGTH
     out.new_routing = sequence.routing.take_undelivered() if sequence.routing is not None else None
     if finish is FinishReason.ERROR:
-        request.fail(problem or "failed")
+        sequence.fail(problem or "failed")
     elif finish is not None:
-        request.status = RequestStatus.COMPLETED
-        request.finish_reason = finish
-        request.add_event(EventType.FINISH, finish.value)
+        sequence.complete(finish)
     if finish is not None:
         out.finished = True
-        out.final = request.final_record()
+        out.final = sequence.final_record()
+    return out
+
+
+def ended(sequence: Sequence) -> StepOutput:
+    """The output of a request that ends without a token here (refused at admission, its images failed)."""
+    out = StepOutput(sequence.request_id, [], [], True, final=sequence.final_record())
+    if not sequence.num_output:
+        out.cached_tokens = sequence.cached_tokens
+        out.prompt_scores, sequence.prompt_scores = sequence.prompt_scores, None
     return out
 
 
