@@ -13,7 +13,7 @@ import torch
 from megatron_serve.engine.expert_api import ExpertApi
 from megatron_serve.engine.sampler import DeviceScores, Readback
 from megatron_serve.engine.speculative.decoder import Emitted
-from megatron_serve.wire.expert_routing import RoutingRecord
+from megatron_serve.wire.expert_routing import RoutingCapture
 from megatron_serve.wire.request import (DynamicInferenceRequest, EngineRequest, EventType, FinalRecord, FinishReason,
                                          RequestStatus)
 from megatron_serve.wire.sampling_params import SamplingParams
@@ -127,7 +127,7 @@ def test_expert_rows_are_delivered_once_and_the_public_request_gets_them_all():
     request = public("a", 3, ignore_eos=True, num_tokens_to_generate=2)
     api.add(request, sched.add_request)
     sequence = sched.requests["a"]
-    sequence.routing = RoutingRecord(2, 1, np.dtype(np.uint8))  # as admission makes it on a MoE model
+    sequence.routing = RoutingCapture(2, 1, np.dtype(np.uint8))  # as admission makes it on a MoE model
     rows = np.arange(6, dtype=np.uint8).reshape(3, 2, 1)
     sequence.routing.record(0, rows)
     _, (first,) = play(sched, 7)

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..model.config import ModelConfig
-from ..wire.expert_routing import RoutingRecord, routing_dtype
+from ..wire.expert_routing import RoutingCapture, routing_dtype
 from ..wire.request import EngineRequest
 from .encoder_cache import EncoderCache
 from .kv_cache import blocks_for_tokens
@@ -70,7 +70,8 @@ class Admission:
         if sp.return_routing_indices:
             moe = self.model_config.moe
             assert moe is not None, "admission_problem refuses routing on a dense model"
-            sequence.routing = RoutingRecord(len(moe.sparse_layers), moe.top_k, routing_dtype(moe.num_experts), rows)
+            sequence.routing = RoutingCapture(len(moe.sparse_layers), moe.top_k, routing_dtype(moe.num_experts),
+                                              0 if rows is None else len(rows))
             sequence.reads_prefix_cache = False
         return sequence, registration
 

@@ -10,7 +10,7 @@ import time
 from dataclasses import dataclass, field
 
 from ..multimodal import PromptImage, cache_keys
-from ..wire.expert_routing import RoutingRecord
+from ..wire.expert_routing import RoutingCapture
 from ..wire.messages import PromptScores
 from ..wire.prefix_hash import ROOT_HASH, salted_root
 from ..wire.request import EngineRequest, EventType, FinalRecord, FinishReason, RequestEvent, RequestStatus
@@ -46,7 +46,7 @@ class Sequence:
     kv_epoch: int | None = None  # weights generation its cached KV was computed under (None: no KV yet)
     prompt_hashes: list[int] = field(default_factory=list)  # hashes of every complete block it can share
     last_token_at: float | None = None  # monotonic time of its last sampled token here (inter-token latency)
-    routing: RoutingRecord | None = None  # expert ids of its processed tokens, when the request asked for them
+    routing: RoutingCapture | None = None  # its processed tokens' expert ids not delivered yet, when asked for
     reads_prefix_cache: bool = True  # False: computes every token itself (its routing must be its own)
     pending_tokens: int = 0  # tokens launched steps sampled that the host has not read yet (overlapped steps)
     pending_row: int = -1  # the row of the last of them in its step's sampled tokens (the next input's source)
