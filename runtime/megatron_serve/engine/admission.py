@@ -48,8 +48,9 @@ class Admission:
             else (sp.termination_id if isinstance(sp.termination_id, list) else [sp.termination_id])))
         max_total = min(len(request.prompt_tokens) + sp.num_tokens_to_generate, self.max_sequence_length)
         sequence = Sequence.of(request, max_total, stop_ids)
+        brought = request.routing_indices if sp.return_routing_indices else None  # a continuation's expert rows
         try:
-            rows = None if request.routing_indices is None else request.routing_indices.array()
+            rows = None if brought is None else brought.array()
         except ValueError as exc:
             return f"routing_indices: {exc}"
         problem = admission_problem(sequence, rows, self.model_config, self.encoder_cache, self.max_sequence_length,

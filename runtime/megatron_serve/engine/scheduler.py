@@ -32,7 +32,7 @@ import numpy as np
 from ..wire.engine_stats import EngineStats
 from ..wire.expert_routing import record_step
 from ..wire.prefix_hash import block_hashes, chain_hash, epoch_root
-from ..wire.request import EngineRequest, EventType, FinishReason, RequestStatus
+from ..wire.request import EngineRequest, EventType, FinishReason, RequestEvent, RequestStatus
 from .admission import Admission
 from .kv_cache import BlockAllocator, blocks_for_tokens
 from .logprob_parity import ParityChecker
@@ -361,15 +361,16 @@ class Scheduler:
         """Admit a request (queued by priority, or behind its adapter's slot); one that can never run fails alone,
         its output waiting in ``pending``."""
         assert self.admission is not None, "a scheduler without admission takes sequences (add), not requests"
+        added = RequestEvent(EventType.ADD, time.time())  # before the checks (a grammar compiles there)
         admitted = self.admission.admit(request, known=request.request_id in self.requests)
         if isinstance(admitted, str):
             refused = Sequence.of(request, 0, frozenset())
-            refused.add_event(EventType.ADD)
+            refused.events.append(added)
             refused.fail(admitted)
             self._emit([ended(refused)])
             return
         sequence, registration = admitted
-        sequence.add_event(EventType.ADD)
+        sequence.events.append(added)
         self.requests[request.request_id] = sequence
         if self.parity is not None:
             self.parity.admitted(sequence)
