@@ -43,8 +43,8 @@ class FakeStepOutput:
     cached_tokens: int | None = None  # with the first token
     final: FinalRecord | None = None
     new_log_probs: list[float] = field(default_factory=list)
-    top_ids: list[list[int]] = field(default_factory=list)
-    top_log_probs: list[list[float]] = field(default_factory=list)
+    top_ids: list[list[int]] | None = None
+    top_log_probs: list[list[float]] | None = None
     new_routing: tuple[int, object] | None = None  # fake engines route no experts
     epochs: tuple[int, int, int] = (-1, -1, -1)  # a fake reports no epochs
     prompt_scores: None = None

@@ -86,16 +86,18 @@ class ExpertApi:
                 continue
             request = out.request = entry.request
             tokens = out.new_tokens
-            if tokens:
-                n = len(tokens)
-                request.generated_tokens += tokens
+            if len(tokens) == 1:  # a plain step's token (appended one by one: this runs for every token)
+                request.generated_tokens.append(tokens[0])
                 policy, kv, lora = out.epochs
-                request.policy_epochs += [policy] * n
-                request.kv_epochs += [kv] * n
-                request.lora_epochs += [lora] * n
-                request.generated_log_probs += out.new_log_probs
-                if out.top_ids:
-                    request.generated_top_n_logprobs += map(dict, map(zip, out.top_ids, out.top_log_probs))
+                request.policy_epochs.append(policy)
+                request.kv_epochs.append(kv)
+                request.lora_epochs.append(lora)
+                if out.new_log_probs:
+                    request.generated_log_probs.append(out.new_log_probs[0])
+                if out.top_ids is not None and out.top_log_probs is not None:
+                    request.generated_top_n_logprobs.append(dict(zip(out.top_ids[0], out.top_log_probs[0])))
+            elif tokens:
+                _extend(request, out)
             if out.cached_tokens is not None:
                 request.cached_tokens = out.cached_tokens
             scores = out.prompt_scores
@@ -120,6 +122,19 @@ class ExpertApi:
         if undelivered is not None:
             entry.record_rows(*undelivered)
         return _end(entry, final)
+
+
+def _extend(request: DynamicInferenceRequest, out: StepOutput) -> None:
+    """Append an output's several tokens (a verify step's accepted drafts and one more) and what goes with them."""
+    n = len(out.new_tokens)
+    request.generated_tokens += out.new_tokens
+    policy, kv, lora = out.epochs
+    request.policy_epochs += [policy] * n
+    request.kv_epochs += [kv] * n
+    request.lora_epochs += [lora] * n
+    request.generated_log_probs += out.new_log_probs
+    if out.top_ids is not None and out.top_log_probs is not None:
+        request.generated_top_n_logprobs += map(dict, map(zip, out.top_ids, out.top_log_probs))
 
 
 def _routing_of(request: DynamicInferenceRequest) -> RoutingRecord | None:

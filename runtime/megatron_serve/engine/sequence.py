@@ -17,7 +17,7 @@ from ..wire.request import EngineRequest, EventType, FinalRecord, FinishReason, 
 from ..wire.sampling_params import SamplingParams
 
 
-@dataclass
+@dataclass(slots=True)
 class Sequence:
     """Engine-side state of one request: its tokens, how many are in the cache, and where."""
 

@@ -69,8 +69,8 @@ class EngineStepResult(Protocol):
     new_tokens: list[int]
     new_log_probs: list[float]
     finished: bool
-    top_ids: list[list[int]]
-    top_log_probs: list[list[float]]
+    top_ids: list[list[int]] | None
+    top_log_probs: list[list[float]] | None
     new_routing: tuple[int, np.ndarray] | None
     epochs: tuple[int, int, int]
     cached_tokens: int | None

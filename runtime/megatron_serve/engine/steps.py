@@ -20,7 +20,7 @@ if TYPE_CHECKING:
     from .expert_api import Public
 
 
-@dataclass
+@dataclass(slots=True)
 class StepOutput:
     """What one step did for one request, with every fact its delta carries (:func:`.output.step_delta` copies them):
     the tokens it added and what was asked to go with them, and whether it is done."""
@@ -29,11 +29,11 @@ class StepOutput:
     new_tokens: list[int]
     new_log_probs: list[float]
     finished: bool
-    # top-n log probs of each new token, as the wire carries them: ``top_ids[i]`` and ``top_log_probs[i]``
-    top_ids: list[list[int]] = field(default_factory=list)
-    top_log_probs: list[list[float]] = field(default_factory=list)
-    new_routing: tuple[int, np.ndarray] | None = None  # (first position, routing rows) since the last output
     epochs: tuple[int, int, int] = (-1, -1, -1)  # the new tokens' weights, KV and adapter generations (one step's)
+    # top-n log probs of each new token, as the wire carries them: ``top_ids[i]`` and ``top_log_probs[i]``
+    top_ids: list[list[int]] | None = None
+    top_log_probs: list[list[float]] | None = None
+    new_routing: tuple[int, np.ndarray] | None = None  # (first position, routing rows) since the last output
     # With the request's first tokens (or its end, when it ends before any): what its admission found
     cached_tokens: int | None = None
     prompt_scores: PromptScores | None = None
@@ -47,8 +47,9 @@ class StepOutput:
             self.epochs = later.epochs
         self.new_tokens += later.new_tokens
         self.new_log_probs += later.new_log_probs
-        self.top_ids += later.top_ids
-        self.top_log_probs += later.top_log_probs
+        if later.top_ids is not None and later.top_log_probs is not None:
+            self.top_ids = (self.top_ids or []) + later.top_ids
+            self.top_log_probs = (self.top_log_probs or []) + later.top_log_probs
         self.finished = later.finished
         self.final = later.final
         if later.new_routing is not None:  # the positions of later tokens: they continue the rows before

@@ -19,7 +19,7 @@ def append_token(sequence: Sequence, token: int, log_prob: float | None, top_ids
                  ) -> StepOutput:
     """Append one sampled token (``epochs``: the weights' and its KV's) unless it is a stop id, and say whether the
     request finished; the request's status and events are set here, its resources freed by the caller."""
-    out = StepOutput(sequence.request_id, [], [], False, epochs=(epochs[0], epochs[1], sequence.lora_version))
+    out = StepOutput(sequence.request_id, [], [], False, (epochs[0], epochs[1], sequence.lora_version))
     if not sequence.num_output:  # its first token: what its admission found goes with it
         sequence.add_event(EventType.FIRST_TOKEN)
         out.cached_tokens = sequence.cached_tokens
@@ -35,8 +35,7 @@ def append_token(sequence: Sequence, token: int, log_prob: float | None, top_ids
         if log_prob is not None:
             out.new_log_probs.append(log_prob)
         if top_ids is not None and top_log_probs is not None:
-            out.top_ids.append(top_ids)
-            out.top_log_probs.append(top_log_probs)
+            out.top_ids, out.top_log_probs = [top_ids], [top_log_probs]
         grammar_done, problem = (structured.accept(sequence.request_id, token)
                                  if structured is not None and sequence.request_id in structured else (False, None))
         if problem is not None:
