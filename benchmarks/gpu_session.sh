@@ -18,11 +18,24 @@
 #                                            # benchmarks/speculative.py's table (pair trained on the GPU, bf16)
 #   bash benchmarks/gpu_session.sh ep        # expert parallelism on this node's GPUs: the EP tests natively (NCCL),
 #                                            # all-to-all bandwidth, then decode of a Qwen3-30B-A3B-like MoE layer
-#                                            # shape at one rank and TP/EP 2/4/8 (as many as the GPUs allow)
+#                                            # shape at one rank and TP/EP 2/4/8 (as many as the GPUs allow); with
+#                                            # 2 GPUs or more first the EP engines against one rank over NCCL; the
+#                                            # GPU-only EP tests (test_expert_parallel_gpu.py: the fixed-capacity
+#                                            # all-to-all captured in a CUDA graph against eager, with CUDA's sync
+#                                            # debug mode; on 2 GPUs an EP=2 engine's graphs against its eager
+#                                            # tokens, and DeepEP's modes where deep_ep imports)
+#   bash benchmarks/gpu_session.sh pp        # pipeline stages: the PP and micro-batch tests, then
+#                                            # benchmarks/pipeline_parallel.py's table (1B-like dense shape, stages
+#                                            # 2/4/8 as the GPUs allow, one micro-batch vs as many as stages)
 #   bash benchmarks/gpu_session.sh refit     # sharded refit: the plan's and the fleet's tests natively (engines on the
 #                                            # GPU, trainer ranks on gloo: one GPU cannot hold two NCCL ranks; a late
-#                                            # joiner pulling from a GPU peer, over gloo), then refit.py --sharded's
-#                                            # table (bytes/s per link, time vs size, world 1/2/4)
+#                                            # joiner pulling from a GPU peer, over gloo), the MoE (EP), one-transaction
+#                                            # (EAGLE-3 head + LoRA), drafter and FP8 refits, then refit.py
+#                                            # --sharded's table (bytes/s per link, time vs size, world 1/2/4)
+#   bash benchmarks/gpu_session.sh kvtiers   # KV beyond the device pool: the host tier's side-stream copies and the
+#                                            # tier, keep_kv and partial-rollout tests natively (the engines on the
+#                                            # GPU), then benchmarks/kv_tiers.py's tables (tier on/off, keep_kv vs
+#                                            # recompute) at a 1024-wide, 16-layer shape
 #
 # The device image has torch, triton and transformers; packages it lacks travel as wheels in .whl
 # (`pip download --python-version 3.12 --only-binary=:all: -d .whl ...`) and install into /tmp/site. Each step has its own time limit, so one
@@ -105,8 +118,18 @@ case ${1:-tests} in
   ep)  # sizes 2, 4, 8 up to the GPU count; one GPU runs the tests' CPU path (gloo) and the one-rank row only
     gpus=$(nvidia-smi -L | wc -l)
     sizes=$(for n in 2 4 8; do [ "$n" -le "$gpus" ] && echo -n "$n "; done)
+    if [ "$gpus" -ge 2 ]; then  # test_expert_parallel's engines run where there is a GPU a rank (tests/devices.py)
+      echo "=== ep: $gpus GPUs: EP engines of up to $gpus ranks against one rank on the GPU, over NCCL"
+      step ep_nccl_equality 540 python3 -m pytest -q -p no:cacheprovider --timeout 500 -rfE \
+        tests/parallel/test_expert_parallel.py -k "engine_equals"
+    else
+      echo "=== ep: one GPU: no NCCL equality check (NCCL needs a GPU a rank); the EP tests below run over gloo on CPU"
+    fi
+    step ep_gpu 540 python3 -m pytest -q -p no:cacheprovider --timeout 500 -rfEs \
+      tests/parallel/test_expert_parallel_gpu.py
     step pytest_ep 540 python3 -m pytest -q -p no:cacheprovider --timeout 300 -rfE --durations 10 \
-      tests/parallel/test_expert_parallel.py tests/parallel/test_expert_parallel_features.py
+      tests/parallel/test_expert_parallel.py tests/parallel/test_expert_parallel_features.py \
+      tests/parallel/test_expert_backend.py
     if [ -n "$sizes" ]; then
       step all_to_all 120 python3 benchmarks/expert_parallel.py --device cuda --tables bandwidth --sizes $sizes --mib 256
       step ep_decode 540 python3 benchmarks/expert_parallel.py --device cuda --dtype bfloat16 --sizes $sizes \
@@ -115,12 +138,34 @@ case ${1:-tests} in
       echo "=== ep: one GPU: no multi-rank rows (TP/EP need a GPU a rank)"
     fi
     ;;
+  pp)  # pipeline stages 2, 4, 8 up to the GPU count, a GPU a stage (NCCL); one GPU runs the tests' CPU path only
+    gpus=$(nvidia-smi -L | wc -l)
+    stages=$(for n in 2 4 8; do [ "$n" -le "$gpus" ] && echo -n "$n "; done)
+    step pytest_pp 400 python3 -m pytest -q -p no:cacheprovider --timeout 300 -rfE --durations 10 \
+      tests/parallel/test_pipeline_parallel.py tests/engine/test_micro_batches.py
+    if [ -n "$stages" ]; then
+      step pp_micro_batches 540 python3 benchmarks/pipeline_parallel.py --device cuda --dtype bfloat16 --stages $stages \
+        --hidden 2048 --intermediate 8192 --layers 16 --concurrency 64 --tokens 64
+    else
+      echo "=== pp: one GPU: no multi-stage rows (a stage needs a GPU of its own)"
+    fi
+    ;;
   refit)
     step pytest_refit 480 python3 -m pytest -q -p no:cacheprovider --timeout 450 -rfE --durations 10 \
       tests/weights/test_shards.py tests/weights/test_sharded_refit_fleet.py tests/weights/test_adapters_in_refit.py \
       tests/weights/test_peer_pull_fleet.py
+    step pytest_refit_moe_drafter_fp8 480 python3 -m pytest -q -p no:cacheprovider --timeout 450 -rfE --durations 10 \
+      tests/weights/test_sharded_refit_moe_fleet.py tests/weights/test_refit_transaction_fleet.py \
+      tests/weights/test_drafter_refit_fleet.py tests/weights/test_fp8_weight_sync.py
     step refit_sharded 540 python3 benchmarks/refit.py --sharded --sizes 1024,2048 --layers 8 --world-sizes 1,2,4 \
       --rounds 2 --bucket-mib 64
     ;;
-  *) echo "usage: $0 tests|serving|bench|fp8|invariant|speculative|ep|refit" >&2; exit 2 ;;
+  kvtiers)
+    step pytest_kv_tiers 540 python3 -m pytest -q -p no:cacheprovider --timeout 300 -rfEs --durations 10 \
+      tests/engine/test_kv_offload_cuda.py tests/engine/test_kv_offload.py tests/engine/test_keep_kv.py \
+      tests/server/test_kv_tiers_http.py
+    step kv_tiers 540 python3 benchmarks/kv_tiers.py --device cuda --dtype bfloat16 --hidden-size 1024 --layers 16 \
+      --prefix-len 2048 --pool-blocks 512 --tier-gib 4
+    ;;
+  *) echo "usage: $0 tests|serving|bench|fp8|invariant|speculative|ep|pp|refit|kvtiers" >&2; exit 2 ;;
 esac

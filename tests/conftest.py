@@ -4,9 +4,11 @@ and the fixtures several folders share: tiny models written once per session, in
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import sys
 from importlib.metadata import version
+from pathlib import Path
 
 import pytest
 
@@ -21,6 +23,22 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     add_options(parser)
+
+
+#: Seconds each test file took in a whole-suite run (``tools/suite_cpu.py --weights``): longest first.
+FILE_WEIGHTS = Path(__file__).with_name("file_weights.json")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The longest files first. pytest-xdist hands a worker its next file as it runs out (``--dist loadfile``,
+    with ``--no-loadscope-reorder`` so that this order stands): a long file picked up last is the suite's tail,
+    two cores idle but one. A file missing from the table (a new one) keeps its place after the weighed ones;
+    the sort is stable, so a file's tests keep their order."""
+    try:
+        weights: dict[str, float] = json.loads(FILE_WEIGHTS.read_text())
+    except (OSError, ValueError):
+        return
+    items.sort(key=lambda item: -weights.get(item.nodeid.split("::")[0], 0.0))
 
 
 PARITY_COMPARE = "tests.parity.compare"  # the parity searches' tallies; imported only where a search ran

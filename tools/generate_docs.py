@@ -150,13 +150,27 @@ def _type(schema: dict[str, Any]) -> str:
     return _code(kind) if kind else "any"
 
 
+_MARKS = {"minimum": "≥", "exclusiveMinimum": ">", "maximum": "≤", "exclusiveMaximum": "<",
+          "minLength": "length ≥", "maxLength": "length ≤", "minItems": "items ≥", "maxItems": "items ≤"}
+
+
+def _limits(schema: dict[str, Any]) -> list[str]:
+    """A schema's bounds; OpenAPI 3.0's boolean ``exclusiveMinimum``/``exclusiveMaximum`` (the CRD's) make its
+    ``minimum``/``maximum`` strict, where 3.1's (the HTTP API's) are numbers of their own."""
+    found = []
+    for key, sign in _MARKS.items():
+        if key not in schema or isinstance(schema[key], bool):
+            continue
+        strict = {"minimum": "exclusiveMinimum", "maximum": "exclusiveMaximum"}.get(key)
+        found.append(f"{_MARKS[strict] if strict and schema.get(strict) is True else sign} {schema[key]}")
+    return found
+
+
 def _constraints(schema: dict[str, Any]) -> str:
-    marks = {"minimum": "≥", "exclusiveMinimum": ">", "maximum": "≤", "exclusiveMaximum": "<",
-             "minLength": "length ≥", "maxLength": "length ≤", "minItems": "items ≥", "maxItems": "items ≤"}
-    found = [f"{sign} {schema[key]}" for key, sign in marks.items() if key in schema]
+    found = _limits(schema)
     for key in ("anyOf", "oneOf"):
         for option in schema.get(key, []):
-            found += [f"{sign} {option[k]}" for k, sign in marks.items() if k in option]
+            found += _limits(option)
     return ", ".join(dict.fromkeys(found))
 
 

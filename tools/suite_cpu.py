@@ -8,6 +8,7 @@ machine is. Usage::
 
     SUITE_CPU_OUT=/tmp/cpu.jsonl python -m pytest -p tools.suite_cpu -n 3 --dist loadfile
     python tools/suite_cpu.py /tmp/cpu.jsonl      # CPU by file, the most first
+    python tools/suite_cpu.py /tmp/cpu.jsonl --weights tests/file_weights.json   # files' wall time: the suite's order
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import collections
 import json
 import os
 import sys
+import time
 from pathlib import Path
 from typing import Iterator
 
@@ -43,26 +45,55 @@ def pytest_runtest_protocol(item: pytest.Item) -> Iterator[None]:
         yield
         return
     before = int((GROUP / "cpuacct.usage").read_text())
+    started = time.time()
     yield
     spent = (int((GROUP / "cpuacct.usage").read_text()) - before) / 1e9
+    ended = time.time()
     # The processes left in the group once the test is done: one a test leaked burns CPU the tests after it are
     # charged for, and shows here as a count that grows.
     procs = len((GROUP / "cgroup.procs").read_text().split())
     with open(os.environ["SUITE_CPU_OUT"], "a") as out:
-        out.write(json.dumps({"test": item.nodeid, "cpu_s": round(spent, 3), "procs": procs,
+        out.write(json.dumps({"test": item.nodeid, "cpu_s": round(spent, 3), "wall_s": round(ended - started, 3),
+                              "end": round(ended, 3), "procs": procs,
                               "worker": os.environ.get("PYTEST_XDIST_WORKER", "")}) + "\n")
 
 
 def report(path: str) -> None:
+    """CPU and wall time by file, the most CPU first; then when each worker ran out of files (a late finish is a
+    long file picked up late: the suite's tail)."""
     by_file: dict[str, float] = collections.Counter()
+    wall_by_file: dict[str, float] = collections.Counter()
+    spans: dict[str, list[float]] = {}
     for line in Path(path).read_text().splitlines():
         row = json.loads(line)
-        by_file[row["test"].split("::")[0]] += row["cpu_s"]
+        name = row["test"].split("::")[0]
+        by_file[name] += row["cpu_s"]
+        wall_by_file[name] += row.get("wall_s", 0.0)
+        if "end" in row:
+            span = spans.setdefault(row["worker"], [row["end"] - row["wall_s"], row["end"]])
+            span[0], span[1] = min(span[0], row["end"] - row["wall_s"]), max(span[1], row["end"])
     total = sum(by_file.values())
     print(f"{total:8.0f} s CPU in all")
     for name, spent in sorted(by_file.items(), key=lambda kv: -kv[1]):
-        print(f"{spent:8.1f} s {100 * spent / total:5.1f}%  {name}")
+        print(f"{spent:8.1f} s {100 * spent / total:5.1f}%  {wall_by_file[name]:7.1f} s wall  {name}")
+    if spans:
+        start = min(first for first, _ in spans.values())
+        for worker, (_, last) in sorted(spans.items()):
+            print(f"worker {worker or '-'}: last test ended at {last - start:7.1f} s")
+
+
+def write_weights(path: str, out: str) -> None:
+    """Each file's wall seconds in the run, which ``tests/conftest.py`` orders the suite by (longest first)."""
+    wall: dict[str, float] = collections.Counter()
+    for line in Path(path).read_text().splitlines():
+        row = json.loads(line)
+        wall[row["test"].split("::")[0]] += row["wall_s"]
+    ordered = dict(sorted(((name, round(seconds, 1)) for name, seconds in wall.items()), key=lambda kv: -kv[1]))
+    Path(out).write_text(json.dumps(ordered, indent=0) + "\n")
 
 
 if __name__ == "__main__":
-    report(sys.argv[1])
+    if len(sys.argv) == 4 and sys.argv[2] == "--weights":
+        write_weights(sys.argv[1], sys.argv[3])
+    else:
+        report(sys.argv[1])

@@ -83,6 +83,20 @@ def fusion_holds(weight: torch.Tensor, parts: tuple[int, ...]) -> bool:
     return _FUSION_CHECKED[key]
 
 
+def column_split_problems(splits: Iterable[tuple[tuple[int, int], torch.dtype, tuple[int, ...]]]) -> list[str]:
+    """For each weight shape ``(out, in)``, dtype and split of its output columns (the widths tensor-parallel ranks
+    hold): whether each slice's GEMM gives the same columns of the whole GEMM, as one rank computes them (what
+    expert parallelism over tensor-parallel ranks needs to be one rank's bits under ``--batch-invariant``). Returns
+    what failed, one line each."""
+    problems = []
+    for shape, dtype, parts in dict.fromkeys(splits):
+        weight = torch.randn(shape, generator=torch.Generator().manual_seed(2)).to(dtype)
+        if not fusion_holds(weight, parts):
+            problems.append(f"a linear {shape} {dtype}: its output columns in slices of {parts} round otherwise "
+                            "than in one GEMM")
+    return problems
+
+
 def attention_problems(head_dim: int) -> tuple[str, ...]:
     """The attention's two GEMMs per key block (scores ``[M, D] x [D, KEY_BLOCK]``, weighted values
     ``[M, KEY_BLOCK] x [KEY_BLOCK, D]``, float32): a query row keeps its bits among :func:`_row_counts`

@@ -17,7 +17,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from . import crd_disaggregation, crd_layout
+from . import crd_disaggregation, crd_kv_tiers, crd_layout
 
 GROUP = "serving.megatron.dev"
 VERSION = "v1alpha1"
@@ -191,7 +191,7 @@ CEL_RULES: list[tuple[str, str, str, CelCheck]] = [
     ),
 ]
 
-CEL_RULES += crd_layout.CEL_RULES + crd_disaggregation.CEL_RULES
+CEL_RULES += crd_layout.CEL_RULES + crd_disaggregation.CEL_RULES + crd_kv_tiers.CEL_RULES
 
 # rule text -> python twin (the operator evaluates these; tests compare them with real CEL)
 CEL_CHECKS: dict[str, CelCheck] = {rule: check for _, rule, _, check in CEL_RULES}
@@ -287,6 +287,7 @@ def spec_schema() -> dict[str, Any]:
             "kvCacheDtype": _str("fp8: KV cache in e4m3 with a scale per token and KV head, about twice the tokens "
                                  "in the same memory; auto: the model dtype. Changing it rolls the engine pods.",
                                  enum=list(KV_CACHE_DTYPES), default="auto"),
+            **crd_kv_tiers.kv_tier_fields(),
             "speculative": _obj(
                 "Speculative decoding (--speculative-config; docs/speculative.md): a proposer guesses the next "
                 "tokens and the engine verifies them in one forward; the output is the same as without it. Absent: "
@@ -323,6 +324,7 @@ def spec_schema() -> dict[str, Any]:
         },
         default={},
     )
+    engine["x-kubernetes-validations"] = _rules_for("spec.engine")
     coordinator = _obj(
         "The coordinator process (routing, lifecycle; prompts arrive tokenized).",
         {

@@ -65,6 +65,10 @@ def engine_flags(spec: InferenceSpec) -> list[str]:
         flags += ["--quantization", spec.quantization]
     if spec.kv_cache_dtype != "auto":
         flags += ["--kv-cache-dtype", spec.kv_cache_dtype]
+    if spec.kv_offloading_size is not None:
+        flags += ["--kv-offloading-size", f"{spec.kv_offloading_size:g}"]
+    if spec.kv_on_refit is not None:
+        flags += ["--kv-on-refit", spec.kv_on_refit]
     if spec.speculative is not None:  # vLLM's JSON, its snake_case keys; sorted, so the pod template is stable
         fields = {_SPECULATIVE_KEYS[key]: value for key, value in spec.speculative.items()}
         flags += ["--speculative-config", json.dumps(fields, sort_keys=True)]

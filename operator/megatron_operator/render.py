@@ -35,6 +35,7 @@ from typing import Any
 from megatron_serve.fleet.argv import kv_role_argv
 
 from .config import ENV_TOKEN_KEY, ENV_TOKEN_KEY_FILE, OperatorConfig, read_token_key, token_key_from_env
+from .crd_kv_tiers import with_host_tier
 from .engine_args import engine_flags, layout_flags, lora_flags
 from .leader_worker_set import render_engine_lws
 from .model_fetch import fetch_container
@@ -326,7 +327,7 @@ def engine_pod_template(spec: InferenceSpec, group: int, config: OperatorConfig,
     ]
     if pods == 1:
         env += [{"name": "NODE_RANK", "value": "0"}, {"name": "RANK", "value": "0"}]
-    resources = {k: dict(v) for k, v in spec.engine_resources.items()}
+    resources = with_host_tier(spec.engine_resources, spec.kv_offloading_size)
     for kind in ("limits", "requests"):
         resources.setdefault(kind, {})["nvidia.com/gpu"] = gpus
     container: dict[str, Any] = {

@@ -217,6 +217,8 @@ class InferenceSpec:
     batch_invariant: bool
     quantization: str  # none or fp8
     kv_cache_dtype: str  # auto or fp8
+    kv_offloading_size: float | None  # GiB of host memory for the engines' host KV tier; None: no tier
+    kv_on_refit: str | None  # the engines' --kv-on-refit; None: their default (recompute)
     speculative: dict[str, Any] | None  # spec.engine.speculative as given (camelCase), None: off
     prefill_replicas: int  # spec.engine.disaggregation's prefill groups; 0: not disaggregated
     decode_replicas: int
@@ -319,6 +321,8 @@ def parse(resource: dict[str, Any], default_namespace: str = "default") -> Infer
         batch_invariant=engine["batchInvariant"],
         quantization=engine["quantization"],
         kv_cache_dtype=engine["kvCacheDtype"],
+        kv_offloading_size=engine.get("kvOffloadingSize"),
+        kv_on_refit=engine.get("kvOnRefit"),
         speculative=dict(engine["speculative"]) if "speculative" in engine else None,
         prefill_replicas=engine.get("disaggregation", {}).get("prefillReplicas", 0),
         decode_replicas=engine.get("disaggregation", {}).get("decodeReplicas", 0),

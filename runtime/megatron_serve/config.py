@@ -15,6 +15,9 @@ from .wire.sampling_params import LOGPROBS_MODES
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 QUANTIZATIONS = ("fp8",)  # quantize a checkpoint's linear layers at load (vLLM's --quantization)
 KV_CACHE_DTYPES = {"auto": "auto", "fp8": "fp8", "fp8_e4m3": "fp8"}  # vLLM's spellings -> ours (fp8 is e4m3)
+# how expert-parallel MoE layers move tokens (vLLM's --all2all-backend; model.expert_dispatch, engine.expert_backend):
+# auto = DeepEP where it runs, else alltoall (a plain all-to-all, fixed-capacity in CUDA graphs)
+ALL2ALL_BACKENDS = ("auto", "alltoall", "allgather_reducescatter", "deepep_high_throughput", "deepep_low_latency")
 
 
 def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
@@ -141,8 +144,12 @@ class InferenceConfig:
     tensor_parallel_size: int = 1
     # the tensor-parallel ranks hold whole experts of MoE layers, tokens move by all-to-all (model.token_dispatcher)
     enable_expert_parallel: bool = False
+    all2all_backend: str = "auto"  # one of ALL2ALL_BACKENDS
     # the layers split into this many stages (model.parallel.PipelineStage), tensor_parallel_size ranks each
     pipeline_parallel_size: int = 1
+    # micro-batches a step's requests split into across the stages, so that stage s runs one while stage s - 1 runs
+    # the next (engine.micro_batches); None: as many as stages
+    pipeline_micro_batches: int | None = None
     # data-parallel attention ranks sharing the MoE layers (engine.data_parallel), and which one this engine is
     data_parallel_size: int = 1
     data_parallel_rank: int = 0
@@ -188,6 +195,9 @@ class InferenceConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        micro = self.pipeline_micro_batches
+        if micro is not None and (isinstance(micro, bool) or not isinstance(micro, int) or micro < 1):
+            raise ValueError(f"pipeline_micro_batches must be a positive integer or unset, got {micro!r}")
         if self.long_prefill_token_threshold is None:
             self.long_prefill_token_threshold = self.max_batch_tokens // 4
         threshold = self.long_prefill_token_threshold
@@ -230,6 +240,21 @@ class InferenceConfig:
                              f"{'LoRA adapters' if self.enable_lora else 'speculative decoding'} yet")
         self._check_kv_tiers()
         self._check_data_parallel()
+        self._check_all2all()
+
+    def _check_all2all(self) -> None:
+        backend = self.all2all_backend
+        if backend not in ALL2ALL_BACKENDS:
+            raise ValueError(f"all2all_backend must be one of {', '.join(ALL2ALL_BACKENDS)}, got {backend!r}")
+        if backend == "allgather_reducescatter" and self.data_parallel_size > 1:
+            raise ValueError("all2all_backend allgather_reducescatter is not implemented under data-parallel attention "
+                             "(it needs every rank's tokens on every rank: over tensor-parallel ranks they are)")
+        if backend.startswith("deepep"):
+            if not str(self.device).startswith("cuda"):
+                raise ValueError(f"all2all_backend {backend}: DeepEP's kernels run on GPUs, not on {self.device}")
+            if self.batch_invariant:
+                raise ValueError(f"all2all_backend {backend} cannot give batch_invariant's one-rank bits: DeepEP adds "
+                                 "a token's experts in its own order (alltoall combines them in ascending id order)")
 
     def _check_data_parallel(self) -> None:
         size, rank = self.data_parallel_size, self.data_parallel_rank
@@ -269,14 +294,34 @@ class InferenceConfig:
         ``data_parallel_size`` data-parallel attention ranks."""
         return self.tensor_parallel_size * self.pipeline_parallel_size * self.data_parallel_size
 
+    @property
+    def micro_batches(self) -> int:
+        """Micro-batches of a step across pipeline stages (1 without stages)."""
+        if self.pipeline_parallel_size == 1:
+            return 1
+        return self.pipeline_micro_batches or self.pipeline_parallel_size
+
+    @property
+    def gathers_rows(self) -> bool:
+        """Whether the row-parallel layers gather their input (``model.layers.GatheredRowLinear``): under
+        ``batch_invariant`` with expert parallelism at TP > 1, so that attention and dense layers compute one rank's
+        bits as the MoE layers do, and the log probs are one rank's. Not with LoRA adapters: their row-parallel
+        deltas join the layers' partial sums (``model.lora_shards``), which these layers do not have."""
+        return (self.batch_invariant and self.enable_expert_parallel and self.tensor_parallel_size > 1
+                and not self.enable_lora)
+
     def trainer_seam_warning(self) -> str | None:
         """What an engine logs at start when its log probs cannot equal the declared trainer's: in the
         batch-invariant mode each tensor-parallel size splits the reductions its own way (bitwise the same
-        in any batch at one size, not across sizes)."""
+        in any batch at one size, not across sizes), unless the row-parallel layers gather (:attr:`gathers_rows`:
+        the engine computes one rank's bits, a trainer's at size 1)."""
         trainer = self.trainer_tensor_parallel_size
-        if not self.batch_invariant or trainer is None or trainer == self.tensor_parallel_size:
+        computes_as = 1 if self.gathers_rows else self.tensor_parallel_size
+        if not self.batch_invariant or trainer is None or trainer == computes_as:
             return None
-        return (f"--batch-invariant at tensor-parallel size {self.tensor_parallel_size}, but the trainer runs at "
+        size = (f"{self.tensor_parallel_size} with expert parallelism (computing as one rank)" if self.gathers_rows
+                else str(self.tensor_parallel_size))
+        return (f"--batch-invariant at tensor-parallel size {size}, but the trainer runs at "
                 f"{trainer} (--trainer-tensor-parallel-size): each size splits the reductions its own way, so the "
                 "trainer's log probs will differ from the engine's in the last bits; serve at the trainer's size "
                 "(docs/batch-invariance.md)")

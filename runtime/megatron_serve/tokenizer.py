@@ -1,11 +1,13 @@
-"""Tokenization and chat templates from the model directory, through ``transformers`` (local files only)."""
+"""Tokenization and chat templates from the model directory, through ``transformers`` (local files only); and
+the little of a tokenizer an engine process reads, without ``transformers``."""
 
 from __future__ import annotations
 
+import copy
 import functools
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -24,6 +26,17 @@ class PromptTooLong(ValueError):
         super().__init__(f"the text has {tokens} tokens, more than {limit}")
         self.tokens = tokens
         self.limit = limit
+
+
+class Vocabulary(Protocol):
+    """What the engine itself reads of a tokenizer: it takes and returns token ids and makes no text."""
+
+    eos_token_ids: list[int]
+    images: ImageProcessor | None  # the image processor of a vision-language model (None: text only)
+
+    def grammar_json(self) -> str:
+        """The fast tokenizer's JSON, as a grammar engine (llguidance) reads the vocabulary from it."""
+        ...
 
 
 class Tokenizer:
@@ -55,6 +68,13 @@ class Tokenizer:
     @property
     def vocab_size(self) -> int:
         return len(self._tok)
+
+    def grammar_json(self) -> str:
+        """The Rust tokenizer's JSON with the tokens ``transformers`` added from ``tokenizer_config.json``, as
+        ``llguidance.hf.from_tokenizer`` takes it (padding and truncation off)."""
+        if not self._tok.is_fast:
+            raise ValueError("structured outputs need a fast tokenizer (a tokenizer.json): this model has none")
+        return _grammar_json(self._tok.backend_tokenizer)
 
     def encode(self, text: str, add_special_tokens: bool = True, max_tokens: int | None = None) -> list[int]:
         """Token ids of ``text``; with ``max_tokens``, :class:`PromptTooLong` when there are more.
@@ -183,9 +203,11 @@ def check_tokenizer_files(model_dir: str | Path) -> Path:
 
 def _eos_ids(model_dir: Path, hf_tokenizer: PreTrainedTokenizerBase) -> list[int]:
     """EOS ids from the tokenizer, config.json and generation_config.json together (Llama 3 lists several)."""
-    ids: list[int] = []
-    if hf_tokenizer.eos_token_id is not None:
-        ids.append(int(hf_tokenizer.eos_token_id))
+    return _with_config_eos_ids(model_dir, hf_tokenizer.eos_token_id)
+
+
+def _with_config_eos_ids(model_dir: Path, tokenizer_eos: int | None) -> list[int]:
+    ids: list[int] = [] if tokenizer_eos is None else [int(tokenizer_eos)]
     for name in ("generation_config.json", "config.json"):
         path = model_dir / name
         if path.is_file():
@@ -194,3 +216,60 @@ def _eos_ids(model_dir: Path, hf_tokenizer: PreTrainedTokenizerBase) -> list[int
                 if token_id is not None and int(token_id) not in ids:
                     ids.append(int(token_id))
     return ids
+
+
+def _grammar_json(rust: Any) -> str:
+    rust = copy.copy(rust)
+    rust.no_padding()
+    rust.no_truncation()
+    return rust.to_str()
+
+
+class TokenizerFiles:
+    """An engine process's :class:`Vocabulary`: the model directory's ``tokenizer.json`` through the ``tokenizers``
+    library alone. An engine makes no text, and ``transformers``' tokenizer import and load cost an engine process
+    more CPU than the rest of its start; the full :class:`Tokenizer` stays where text is made (the server, the
+    Python API in direct mode). The vocabulary is what ``transformers`` builds from the same files: the Rust
+    tokenizer of ``tokenizer.json`` with the added tokens ``tokenizer_config.json`` declares that it lacks, and the
+    EOS token that file names (``tests/test_tokenizer.py`` holds the two equal)."""
+
+    def __init__(self, rust: Any, eos_token_ids: list[int], images: ImageProcessor | None) -> None:
+        self._rust = rust
+        self.eos_token_ids = eos_token_ids
+        self.images = images
+
+    @classmethod
+    def from_dir(cls, model_dir: str | Path) -> Vocabulary:
+        """``model_dir``'s vocabulary; a directory without ``tokenizer.json`` (a slow tokenizer only) gets the full
+        :class:`Tokenizer`, which reads what ``tokenizers`` cannot."""
+        from tokenizers import AddedToken  # noqa: PLC0415
+        from tokenizers import Tokenizer as RustTokenizer  # noqa: PLC0415
+
+        from .multimodal import load_image_processor  # noqa: PLC0415
+
+        model_dir = check_tokenizer_files(model_dir)
+        if not (model_dir / "tokenizer.json").is_file():
+            return Tokenizer.from_pretrained(model_dir)
+        rust = RustTokenizer.from_file(str(model_dir / "tokenizer.json"))
+        config_path = model_dir / "tokenizer_config.json"
+        config = json.loads(config_path.read_text()) if config_path.is_file() else {}
+        declared = sorted(config.get("added_tokens_decoder", {}).items(), key=lambda item: int(item[0]))
+        missing = [token for _, token in declared if rust.token_to_id(token["content"]) is None]
+        if missing:
+            rust.add_special_tokens([_added_token(AddedToken, t) for t in missing if t.get("special")])
+            rust.add_tokens([_added_token(AddedToken, t) for t in missing if not t.get("special")])
+        eos = config.get("eos_token")
+        eos_text = eos.get("content") if isinstance(eos, dict) else eos
+        eos_id = rust.token_to_id(eos_text) if isinstance(eos_text, str) else None
+        return cls(rust, _with_config_eos_ids(model_dir, eos_id), load_image_processor(model_dir))
+
+    def grammar_json(self) -> str:
+        return _grammar_json(self._rust)
+
+
+def _added_token(added_token: Any, declared: dict[str, Any]) -> Any:
+    """A ``tokenizers.AddedToken`` from its entry in ``tokenizer_config.json``'s ``added_tokens_decoder``."""
+    return added_token(declared["content"], single_word=declared.get("single_word", False),
+                       lstrip=declared.get("lstrip", False), rstrip=declared.get("rstrip", False),
+                       normalized=declared.get("normalized", not declared.get("special", False)),
+                       special=declared.get("special", False))

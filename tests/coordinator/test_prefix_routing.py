@@ -194,17 +194,23 @@ def test_coordinator_forgets_a_draining_engine_and_reports_cache_counters():
     assert records[0].draining and policy.history_size(records[0].engine_id) == 0
 
 
-def test_coordinator_forgets_every_group_after_a_suspend_or_a_refit():
+def test_coordinator_forgets_after_a_refit_and_after_a_suspend_keeps_what_a_host_tier_holds():
+    """A suspend frees the device pools: an engine without a host tier is forgotten, one with a tier (which took the
+    pool's cached blocks) keeps its most recent prefixes, as many blocks as the tier holds. A refit forgets all."""
     h = CoreHarness(routing="prefix_affinity")
     h.client(b"c")
     info = {"block_size": BS, "prefix_caching": True}
-    records = [h.core.engines[h.engine(b"x%d" % g, group=g, **info)] for g in range(2)]
+    plain = h.core.engines[h.engine(b"x0", group=0, **info)]
+    tiered = h.core.engines[h.engine(b"x1", group=1, **info, kv_offload_blocks=3)]
+    records = [plain, tiered]
     policy = h.core.policy
+    early, late = seq(0, 4), seq(1000, 2)
 
     def route_to_both() -> None:
         for record in records:
-            policy.select(request(seq(0, 4)), [record])
-        assert all(policy.history_size(r.engine_id) for r in records)
+            policy.select(request(early), [record])
+            policy.select(request(late), [record])
+        assert all(policy.history_size(r.engine_id) == 6 for r in records)
 
     def verb(header: Header, body, *states: str) -> None:
         h.send(b"c", header, body)
@@ -218,7 +224,10 @@ def test_coordinator_forgets_every_group_after_a_suspend_or_a_refit():
     verb(Header.PAUSE, Control(control_id="p"), "PAUSED")  # caches stay
     assert all(policy.history_size(r.engine_id) for r in records)
     verb(Header.SUSPEND, Suspend(control_id="s"), "SUSPENDED")
-    assert not any(policy.history_size(r.engine_id) for r in records)
+    assert policy.history_size(plain.engine_id) == 0  # its cache went with the device pool
+    assert policy.history_size(tiered.engine_id) == 3  # what its tier holds: the latest prompt's chain first
+    assert policy.match(tiered.engine_id, block_hashes(late, BS)) == 2
+    assert policy.select(request(late + [7]), records) is tiered
     verb(Header.RESUME, Control(control_id="r"), "PAUSED")
     route_to_both()
     verb(Header.REFIT, Refit(control_id="f", source="/w"), "PAUSED", "PAUSED")  # old weights' KV is gone

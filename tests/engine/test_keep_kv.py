@@ -125,3 +125,44 @@ def test_an_aborted_partial_rollout_resumed_by_token_ids_hits_its_own_blocks(tin
         served.step()
     assert resumed.cached_tokens == (len(partial) - 1) // BLOCK * BLOCK  # prompt and generated blocks, its own
     assert served.load().computed_tokens - computed < BLOCK + 8  # the tail of its last block and the new tokens only
+
+
+
+def resumed_after_other_work(model_dir: str, tier_gib: float | None) -> tuple[int, int, int, int]:
+    """An aborted rollout resubmitted (prompt + its tokens) after other requests' blocks took the whole device pool
+    (64 blocks; the rollout's, freed first, are evicted first): its cached tokens, the most it could find, those
+    found in the host tier and the tokens the engine computed for it."""
+    served = engine(model_dir, kv_offloading_size=tier_gib)
+    prompt = prompts(1)[0]
+    rollout = DynamicInferenceRequest("rollout", "", list(prompt), SamplingParams(
+        temperature=0.0, num_tokens_to_generate=4 * BLOCK, ignore_eos=True))
+    served.add_request(rollout)
+    while len(rollout.generated_tokens) < 2 * BLOCK:
+        served.step()
+    served.sync()
+    served.abort_request("rollout")
+    rng = random.Random(11)
+    for index in range(5):  # 5 x 16 blocks
+        other = DynamicInferenceRequest(f"other-{index}", "", [rng.randrange(5, 500) for _ in range(16 * BLOCK)],
+                                        SamplingParams(temperature=0.0, num_tokens_to_generate=1, ignore_eos=True))
+        served.add_request(other)
+        while served.has_unfinished_requests():
+            served.step()
+    partial = list(prompt) + rollout.generated_tokens
+    from_host, computed = served.scheduler.host_cached_tokens, served.load().computed_tokens
+    resumed = DynamicInferenceRequest("resumed", "", partial, SamplingParams(temperature=0.0,
+                                                                             num_tokens_to_generate=8, ignore_eos=True))
+    served.add_request(resumed)
+    while served.has_unfinished_requests():
+        served.step()
+    return (resumed.cached_tokens, (len(partial) - 1) // BLOCK * BLOCK,
+            served.scheduler.host_cached_tokens - from_host, served.load().computed_tokens - computed)
+
+
+def test_a_partial_rollout_whose_blocks_left_the_device_pool_finds_them_in_the_host_tier(tiny_llama):
+    cached, cacheable, from_host, computed = resumed_after_other_work(tiny_llama, 0.01)
+    assert cached == cacheable > 3 * BLOCK  # prompt and generated blocks, every one
+    assert from_host == cached  # from the host tier, copied back
+    assert computed < BLOCK + 8  # the tail of its last block and the new tokens only
+    cached, _, from_host, computed = resumed_after_other_work(tiny_llama, None)  # the control: no tier
+    assert cached == from_host == 0 and computed > cacheable

@@ -81,6 +81,21 @@ def test_an_engine_at_another_tensor_parallel_size_than_the_trainer_warns_at_sta
         assert "tensor-parallel size 1, but the trainer runs at 2" in messages[0]
 
 
+def test_expert_parallelism_over_tensor_parallel_ranks_computes_as_one_rank_for_the_seam():
+    """Under ``--batch-invariant`` expert parallelism at TP 2 gathers its row-parallel layers' input: the engine's log
+    probs are one rank's (tests/parallel/test_data_parallel_attention.py), so a trainer at size 1 is its match."""
+    def warning(trainer: int, **config) -> str | None:
+        return InferenceConfig(device="cpu", batch_invariant=True, tensor_parallel_size=2,
+                               trainer_tensor_parallel_size=trainer, **config).trainer_seam_warning()
+
+    assert warning(1, enable_expert_parallel=True) is None
+    assert "size 2 with expert parallelism (computing as one rank), but the trainer runs at 2" in warning(
+        2, enable_expert_parallel=True)
+    assert "size 2, but the trainer runs at 1" in warning(1)  # the control: TP alone adds partial sums
+    assert InferenceConfig(device="cpu", batch_invariant=True, tensor_parallel_size=2, enable_expert_parallel=True,
+                           enable_lora=True).gathers_rows is False  # adapters' row deltas join partial sums
+
+
 def test_a_bad_trainer_tensor_parallel_size_is_refused_by_name():
     with pytest.raises(ValueError, match="trainer_tensor_parallel_size must be a positive integer"):
         InferenceConfig(device="cpu", trainer_tensor_parallel_size=0)

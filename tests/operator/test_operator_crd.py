@@ -282,6 +282,8 @@ def test_python_twins_agree_with_cel():
         + [{"parallelism": {"tensor": 1, "pipeline": 1}, "server": {"port": 8000},
             "engine": {"gpusPerPod": g, "parallelism": {"tensor": t, "pipeline": 1, "dataParallelAttention": d}}}
            for t in (1, 2, 4, 8, 16) for d in (1, 2, 4) for g in (1, 2, 4, 8)],
+        "spec.engine": [{"kvCache": {"prefixCaching": caching}, **({"kvOffloadingSize": 2} if tier else {})}
+                        for caching in (True, False) for tier in (False, True)],
         "spec.engine.parallelism": [{"tensor": t, "pipeline": p, "expert": e, "dataParallelAttention": d}
                                     for t in (1, 2, 3, 4, 8) for e in (1, 2, 4, 8) for d in (1, 2, 3, 4)
                                     for p in (1, 2)],

@@ -1,85 +1,102 @@
 """Engines of data-parallel attention as the tests run them: one process per data-parallel rank (each an engine
 with its own scheduler and requests, starting its own tensor-parallel ranks), meeting at ``MASTER_ADDR``, stepping
-together while any has work (:mod:`megatron_serve.engine.data_parallel`)."""
+together while any has work (:mod:`megatron_serve.engine.data_parallel`).
+
+One group of processes serves every case of its layout, one engine after another (``data_parallel_engine.py``):
+starting the processes costs more than a case."""
 
 from __future__ import annotations
 
-import json
 import os
+import pickle
 import subprocess
 import sys
-import textwrap
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
+from megatron_serve import SamplingParams
 from megatron_serve.engine.tensor_parallel import free_port
+from megatron_serve.wire.request import DynamicInferenceRequest
 
-# A script file, not ``-c``: each tensor-parallel rank's process is spawned and imports it again, so the switch at
-# its top level (the control of the ordered combine) reaches every rank.
-ENGINE = textwrap.dedent('''
-    import json, os, sys
-    from megatron_serve.model import token_dispatcher
-
-    if os.environ.get("UNORDERED_COMBINE") == "1":  # the control: every rank sums a token's experts in float32
-        ordered_sum = token_dispatcher.weighted_sum
-        token_dispatcher.weighted_sum = lambda outputs, weights, tokens, count, ordered: ordered_sum(
-            outputs, weights, tokens, count, False)
+ENGINE = Path(__file__).with_name("data_parallel_engine.py")
 
 
-    def main():
-        from megatron_serve import InferenceConfig, SamplingParams
-        from megatron_serve.engine import DynamicInferenceEngine
-        from megatron_serve.wire.request import DynamicInferenceRequest
+@dataclass(frozen=True)
+class Request:
+    """A request of a run: its prompt (text, or token ids), parameters, and the step before which it arrives."""
 
-        model_dir, out, options = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
-        runs, new_tokens = options.pop("runs"), options.pop("new_tokens")
-        engine = DynamicInferenceEngine.from_model_dir(model_dir, InferenceConfig(
-            block_size_tokens=8, device="cpu", enable_expert_parallel=options["data_parallel_size"] > 1 or
-            options["tensor_parallel_size"] > 1, **options))
-        results = []
-        try:
-            for n, prompts in enumerate(runs):
-                requests = [DynamicInferenceRequest(f"r{n}-{i}", None, engine.tokenizer.encode(p), SamplingParams(
-                    temperature=0.0, num_tokens_to_generate=new_tokens, ignore_eos=True, return_log_probs=True,
-                    return_routing_indices=True)) for i, p in enumerate(prompts)]
-                for request in requests:
-                    engine.add_request(request)
-                while engine.group_busy(engine.has_unfinished_requests()):
-                    engine.step()
-                results.append([[r.generated_tokens, r.generated_log_probs, r.routing_indices.tolist()]
-                                for r in requests])
-        finally:
-            engine.shutdown()
-        with open(out, "w") as f:
-            json.dump(results, f)
+    request_id: str
+    prompt: str | tuple[int, ...]
+    params: SamplingParams
+    arrival: int = 0
 
 
-    if __name__ == "__main__":
-        main()
-''')
+@dataclass(frozen=True)
+class Case:
+    """One engine per rank over ``model_dir``: ``runs[d]`` is data-parallel rank ``d``'s runs, each a list of
+    requests served together (an empty one: that rank idles while the others serve theirs). ``config``: fields of
+    ``InferenceConfig`` beside the layout's; ``unordered``: the control, every rank's MoE combine summed in float32
+    instead of in ascending expert order; ``partial_sums``: the control, row-parallel layers add the tensor-parallel
+    ranks' partial sums under ``--batch-invariant`` instead of gathering their input; ``graphs``: the ranks capture
+    and replay their steps with a CPU stand-in for CUDA graphs (``data_parallel_engine.py``), noting each replay in
+    the group's graph log (:func:`graph_log`)."""
+
+    name: str
+    model_dir: str
+    runs: list[list[list[Request]]]
+    config: dict[str, Any] = field(default_factory=dict)
+    unordered: bool = False
+    partial_sums: bool = False
+    graphs: bool = False
 
 
-def serve_data_parallel(model_dir: str, tmp_path: Path, runs: list[list[list[str]]], tp: int = 1,
-                        dtype: str = "float32", new_tokens: int = 8, unordered: bool = False,
-                        **config) -> list[list[list]]:
-    """``runs[d]``: data-parallel rank ``d``'s runs, each a list of prompts served at once (an empty one: that rank
-    idles while the others serve theirs). Returns each rank's runs' ``[tokens, log probs, routing]`` per request."""
-    dp = len(runs)
-    script = tmp_path / "engine.py"
-    script.write_text(ENGINE)
-    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
-               UNORDERED_COMBINE="1" if unordered else "0")
-    outs = [tmp_path / f"dp{dp}-tp{tp}-{rank}-{unordered}.json" for rank in range(dp)]
-    procs = []
+Served = dict[str, list[list[list[DynamicInferenceRequest]]]]  # case name -> [rank][run] -> finished requests
+
+
+def serve_cases(tmp_path: Path, cases: list[Case], tp: int = 1, timeout: float = 900,
+                env: dict[str, str] | None = None) -> Served:
+    """Every case on one group of ``len(runs)`` data-parallel ranks of ``tp`` tensor-parallel ranks each (one rank
+    alone: a group of one engine), the processes' environment this one's with ``env``. Returns
+    ``served[case][d][n]``: rank ``d``'s finished requests of run ``n``."""
+    dp = len(cases[0].runs)
+    assert all(len(case.runs) == dp for case in cases), "one group serves cases of one layout"
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    procs, outs = [], []
+    ports = [free_port() for _ in cases]
     for rank in range(dp):
-        options = dict(config, runs=runs[rank], new_tokens=new_tokens, dtype=dtype, tensor_parallel_size=tp,
-                       data_parallel_size=dp, data_parallel_rank=rank)
-        procs.append(subprocess.Popen([sys.executable, str(script), model_dir, str(outs[rank]), json.dumps(options)],
-                                      env=env))
+        inputs, out = tmp_path / f"dp{dp}-tp{tp}-{rank}.in", tmp_path / f"dp{dp}-tp{tp}-{rank}.out"
+        with open(inputs, "wb") as f:
+            pickle.dump([_for_rank(case, port, rank, dp, tp, tmp_path) for case, port in zip(cases, ports)], f)
+        procs.append(subprocess.Popen([sys.executable, str(ENGINE), str(inputs), str(out)],
+                                      env={**os.environ, **(env or {}), "MASTER_ADDR": "127.0.0.1"}))
+        outs.append(out)
     try:
-        codes = [p.wait(timeout=600) for p in procs]
+        codes = [p.wait(timeout=timeout) for p in procs]
     finally:
         for p in procs:
             if p.poll() is None:
                 p.kill()
-    assert codes == [0] * dp
-    return [json.loads(out.read_text()) for out in outs]
+    assert codes == [0] * dp, f"a rank's engine failed: exit codes {codes}"
+    ranks = []
+    for out in outs:
+        with open(out, "rb") as f:
+            ranks.append(pickle.load(f))
+    return {case.name: [rank[case.name] for rank in ranks] for case in cases}
+
+
+def graph_log(tmp_path: Path, case: str) -> dict[str, list[str]]:
+    """A graphs case's notes, by process: ``replay N`` for each replayed graph of batch ``N``, ``empty N`` for each
+    empty MoE pass with buffers of ``N`` tokens (``empty None``: exact counts)."""
+    folder = tmp_path / f"graphs-{case.replace(':', '-')}"
+    return {path.name: path.read_text().split("\n")[:-1] for path in sorted(folder.iterdir())}
+
+
+def _for_rank(case: Case, port: int, rank: int, dp: int, tp: int, tmp_path: Path) -> dict[str, Any]:
+    config = dict(dict(block_size_tokens=8, device="cpu", enable_expert_parallel=dp * tp > 1), **case.config)
+    config.update(tensor_parallel_size=tp, data_parallel_size=dp, data_parallel_rank=rank)
+    runs = [[(r.request_id, r.prompt, r.params, r.arrival) for r in run] for run in case.runs[rank]]
+    log = tmp_path / f"graphs-{case.name.replace(':', '-')}"
+    log.mkdir(exist_ok=True)
+    return dict(name=case.name, model_dir=case.model_dir, port=port, unordered=case.unordered,
+                partial_sums=case.partial_sums, graphs=case.graphs, graph_log=str(log), config=config, runs=runs)

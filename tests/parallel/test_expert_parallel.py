@@ -11,7 +11,9 @@ import subprocess
 import sys
 import textwrap
 from collections import defaultdict
+from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import transformers
@@ -22,8 +24,10 @@ from megatron_serve.model.loader import build_model, iterate_checkpoint, load_mo
 from megatron_serve.model.moe import expert_weight_name
 from megatron_serve.model.parallel import TensorParallel
 from megatron_serve.model.tiny import make_tiny_model
+from megatron_serve.tokenizer import Tokenizer
 
-from ..model.test_moe import VARIANTS, check_against_reference, hf_greedy_with_routing, run_together
+from ..devices import tensor_parallel_device
+from ..model.test_moe import NEW_TOKENS, VARIANTS, hf_greedy_with_routing
 from ..prompts import PROMPTS
 
 HEADS = dict(num_heads=4, num_kv_heads=2)  # splits over 2 and 4 tensor-parallel ranks
@@ -83,19 +87,44 @@ def test_each_rank_reads_and_holds_only_its_experts(moe_model, size):
 
 LAYER_PROBE = textwrap.dedent("""
     import sys, torch, torch.distributed as dist
+    from megatron_serve.model.capacity_dispatcher import CapacityDispatcher
+    from megatron_serve.model.expert_dispatch import install_dispatchers
     from megatron_serve.model.loader import load_model
     from megatron_serve.model.moe import SparseMoeBlock
-    from megatron_serve.model.parallel import TensorParallel
+    from megatron_serve.model.parallel import DataParallel, TensorParallel
     from megatron_serve.model.token_dispatcher import AllGatherDispatcher
+    from tests.host_sync import NoHostSync
+
+    def guarded(method):  # the fixed-capacity dispatcher never reads a value on the host (a capture forbids it)
+        def run(self, *args):
+            with NoHostSync():
+                return method(self, *args)
+        return run
+
+    for name in ("dispatch", "combine", "gather"):
+        setattr(CapacityDispatcher, name, guarded(getattr(CapacityDispatcher, name)))
 
     model_dir, rank, size, port, out, *cases = sys.argv[1:]
     rank, size = int(rank), int(size)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size)
-    tp = TensorParallel(rank, size, dist.group.WORLD, expert_parallel=size > 1)
+    over_tp = TensorParallel(rank, size, dist.group.WORLD, expert_parallel=size > 1)
+    over_dp = TensorParallel(0, 1, expert_parallel=True, data_parallel=DataParallel(rank, size, dist.group.WORLD))
     results = {}
     for case in cases:  # one group computes every case of its size: a rank's start costs more than a case
         dtype, mode = case.split(":")
-        model = load_model(model_dir, getattr(torch, dtype), "cpu", tp)
+        dp = mode.startswith("dp-")
+        model = load_model(model_dir, getattr(torch, dtype), "cpu", over_dp if dp else over_tp)
+        step = install_dispatchers(model, "alltoall") if "capacity" in mode else None
+        if "deepep" in mode:  # DeepEP's dispatcher over the fake deep_ep; a mode's limit keeps it in one mode
+            from megatron_serve.model.deepep_dispatcher import DeepEPBuffers, DeepEPDispatcher
+            from tests import deepep_fake
+            tp, experts = over_dp if dp else over_tp, model.config.moe.num_experts
+            group = tp.data_parallel.group if dp else tp.group
+            buffers = DeepEPBuffers(deepep_fake, group, model.config.hidden_size, experts, 40)
+            limit = 64 if "low-latency" in mode else 0
+            step = install_dispatchers(model, "deepep_low_latency",
+                                       lambda block, step: DeepEPDispatcher(block.tp, experts, buffers, step, limit))
+            deepep_fake.Buffer.calls.clear()
         if "invariant" in mode:
             model.use_batch_invariant_ops()
         outputs = results[case] = []
@@ -104,35 +133,73 @@ LAYER_PROBE = textwrap.dedent("""
             if not isinstance(block, SparseMoeBlock):
                 continue
             if "allgather" in mode and size > 1:
-                block.dispatcher = AllGatherDispatcher(tp, model.config.moe.num_experts)
+                block.dispatcher = AllGatherDispatcher(over_tp, model.config.moe.num_experts)
             if "unordered" in mode and size > 1:
                 block.dispatcher.ordered = False
-            for tokens in (1, 3, 37):  # one token over several ranks: all but one chunk empty
+            # over TP ranks every rank has the step's tokens (one token: all but one chunk empty); with data-parallel
+            # attention each rank its own count in each round, one rank idle (0)
+            rounds = [[(1, 3, 37, 0)[(i + r) % 4] for r in range(size)] for i in range(4)] if dp else \
+                [[tokens] * size for tokens in (1, 3, 37)]
+            for counts in rounds:
+                tokens = counts[rank]
+                if step is not None and "capacity" in mode:  # buffers for more tokens than any rank has, as in
+                    step.capacity = max(counts) + 3  # a padded graph
+                elif step is not None:
+                    step.tokens = max(counts)  # (data-parallel ranks agree on it: DeepEP's mode follows it)
                 hidden = torch.randn(tokens, model.config.hidden_size, generator=torch.Generator().manual_seed(tokens))
                 with torch.no_grad():
-                    outputs.append(block(hidden.to(model.dtype)))
+                    outputs.append((tokens, block(hidden.to(model.dtype))))
+        if "deepep" in mode:
+            from tests import deepep_fake
+            results[case + "#calls"] = sorted(deepep_fake.Buffer.calls)
     torch.save(results, out)
     dist.destroy_process_group()
 """)
 
-#: The ``dtype:mode`` cases each world size computes, for both layer tests.
+#: The ``dtype:mode`` cases each world size computes, for the layer tests: ``capacity`` the fixed-capacity
+#: all-to-all, ``dp-`` data-parallel attention over every rank (each its own tokens).
 LAYER_CASES = {1: ["float32:plain", "bfloat16:invariant"],
-               2: ["float32:plain", "float32:allgather", "bfloat16:invariant", "bfloat16:invariant-unordered"],
-               4: ["float32:plain", "bfloat16:invariant"]}
+               2: ["float32:plain", "float32:allgather", "bfloat16:invariant", "bfloat16:invariant-unordered",
+                   "float32:capacity", "bfloat16:invariant-capacity", "bfloat16:invariant-capacity-unordered",
+                   "float32:dp-plain", "float32:dp-capacity", "bfloat16:dp-invariant-capacity",
+                   "float32:deepep-normal", "float32:deepep-low-latency", "float32:dp-deepep-low-latency"],
+               4: ["float32:plain", "bfloat16:invariant", "float32:capacity", "bfloat16:invariant-capacity",
+                   "float32:dp-capacity", "bfloat16:dp-invariant-capacity"]}
+ROOT = Path(__file__).resolve().parents[2]
 
 
-def layer_outputs(model_dir: str, size: int, tmp_path) -> dict[str, list[torch.Tensor]]:
-    """Every MoE layer's output for 1, 3 and 37 tokens on rank 0 of ``size`` real processes over gloo, for each of
-    the size's cases."""
+def layer_outputs(model_dir: str, size: int, tmp_path) -> dict[str, list]:
+    """Every MoE layer's ``(tokens, output)`` for 1, 3 and 37 tokens on ``size`` real processes over gloo, for each
+    of the size's cases: rank 0's (every rank ends the layer with every token's output), and under data-parallel
+    attention every rank's in rank order (each its own tokens)."""
     port, files = free_port(), [tmp_path / f"{size}-{rank}.pt" for rank in range(size)]
     procs = [subprocess.Popen([sys.executable, "-c", LAYER_PROBE, model_dir, str(rank), str(size), str(port),
-                               str(files[rank]), *LAYER_CASES[size]]) for rank in range(size)]
+                               str(files[rank]), *LAYER_CASES[size]], cwd=ROOT) for rank in range(size)]
     assert [p.wait(timeout=300) for p in procs] == [0] * size
     outputs = [torch.load(f) for f in files]
-    for other in outputs[1:]:  # every rank ends the layer with every token's output
-        for case, mine in outputs[0].items():
-            assert all(torch.equal(a, b) for a, b in zip(mine, other[case], strict=True)), case
-    return outputs[0]
+    merged = {}
+    for case, mine in outputs[0].items():
+        if case.endswith("#calls") or ":dp-" in case:
+            merged[case] = [rank[case] for rank in outputs]
+            continue
+        for other in outputs[1:]:
+            assert all(torch.equal(a, b) for (_, a), (_, b) in zip(mine, other[case], strict=True)), case
+        merged[case] = [output for _, output in mine]
+    return merged
+
+
+def by_tokens(one: list[torch.Tensor]) -> dict[tuple[int, int], torch.Tensor]:
+    """One rank's outputs by (MoE layer, tokens)."""
+    return {(index // 3, (1, 3, 37)[index % 3]): output for index, output in enumerate(one)}
+
+
+def data_parallel_pairs(ranks: list[list[tuple[int, torch.Tensor]]], one: list[torch.Tensor]):
+    """``(got, expected)`` for every rank's every layer and round of a data-parallel case (an idle round: empty)."""
+    expected = by_tokens(one)
+    for rank in ranks:
+        for index, (tokens, got) in enumerate(rank):
+            layer = index // 4
+            yield got, expected[layer, tokens] if tokens else got.new_empty((0, got.shape[1]))
 
 
 @pytest.fixture(scope="module")
@@ -144,70 +211,101 @@ def layers(moe_model, tmp_path_factory) -> dict[int, dict[str, list[torch.Tensor
 
 
 @pytest.mark.slow
-def test_layer_equals_one_rank_for_both_dispatchers(layers):
+def test_layer_equals_one_rank_for_every_dispatcher(layers):
+    """The exact all-to-all, the all-gather and the fixed-capacity all-to-all (buffers for more tokens than the
+    step has, as in a padded graph), over 2 and 4 tensor-parallel ranks; and with data-parallel attention, each
+    rank its own tokens (one idle), the exact and the fixed-capacity one. The fixed-capacity dispatcher ran under a
+    guard that raises at any host synchronization."""
     one = layers[1]["float32:plain"]
-    for size, mode in ((2, "plain"), (4, "plain"), (2, "allgather")):
+    for size, mode in ((2, "plain"), (4, "plain"), (2, "allgather"), (2, "capacity"), (4, "capacity")):
         for got, expected in zip(layers[size][f"float32:{mode}"], one, strict=True):
             torch.testing.assert_close(got, expected, rtol=0, atol=2e-6)
+    for size, mode in ((2, "dp-plain"), (2, "dp-capacity"), (4, "dp-capacity")):
+        for got, expected in data_parallel_pairs(layers[size][f"float32:{mode}"], one):
+            torch.testing.assert_close(got, expected, rtol=0, atol=2e-6)
+
+
+@pytest.mark.slow
+def test_deepep_dispatcher_equals_one_rank_over_a_stand_in_for_its_kernels(layers):
+    """DeepEP's dispatcher in normal and in low-latency mode, over 2 tensor-parallel ranks and with data-parallel
+    attention (a rank idle), with ``tests/deepep_fake.py`` doing what DeepEP's kernels are documented to do: the
+    layout conversions before and after them give one rank's outputs, and each mode calls only its own kernels."""
+    one = layers[1]["float32:plain"]
+    for mode in ("deepep-normal", "deepep-low-latency"):
+        for got, expected in zip(layers[2][f"float32:{mode}"], one, strict=True):
+            torch.testing.assert_close(got, expected, rtol=0, atol=1e-5)
+    for got, expected in data_parallel_pairs(layers[2]["float32:dp-deepep-low-latency"], one):
+        torch.testing.assert_close(got, expected, rtol=0, atol=1e-5)
+    assert layers[2]["float32:deepep-normal#calls"] == [["combine", "dispatch", "get_dispatch_layout"]] * 2
+    for mode in ("deepep-low-latency", "dp-deepep-low-latency"):
+        assert layers[2][f"float32:{mode}#calls"] == [["low_latency_combine", "low_latency_dispatch"]] * 2
 
 
 @pytest.mark.slow
 def test_batch_invariant_layer_is_bitwise_one_rank_and_the_unordered_combine_is_not(layers):
     """bfloat16: each token's experts combined in ascending id order, each weighted output rounded first, as the
-    invariant kernel adds them on one rank. Control: the float32 sum of the default combine differs."""
+    invariant kernel adds them on one rank, by the exact and by the fixed-capacity all-to-all, over tensor-parallel
+    ranks and with data-parallel attention. Control: the float32 sum of the default combine differs, in both."""
     one = layers[1]["bfloat16:invariant"]
     for size in (2, 4):
-        ep = layers[size]["bfloat16:invariant"]
-        assert all(torch.equal(a, b) for a, b in zip(ep, one, strict=True)), f"EP={size} differs from one rank"
-    unordered = layers[2]["bfloat16:invariant-unordered"]
-    assert not all(torch.equal(a, b) for a, b in zip(unordered, one)), "the control does not differ"
+        for mode in ("invariant", "invariant-capacity"):
+            ep = layers[size][f"bfloat16:{mode}"]
+            assert all(torch.equal(a, b) for a, b in zip(ep, one, strict=True)), f"EP={size} {mode} differs"
+        dp = layers[size]["bfloat16:dp-invariant-capacity"]
+        assert all(torch.equal(a, b) for a, b in data_parallel_pairs(dp, one)), f"DP={size} differs from one rank"
+    for mode in ("invariant-unordered", "invariant-capacity-unordered"):
+        unordered = layers[2][f"bfloat16:{mode}"]
+        assert not all(torch.equal(a, b) for a, b in zip(unordered, one)), f"the control ({mode}) does not differ"
 
 
-GREEDY = SamplingParams(temperature=0.0, num_tokens_to_generate=12, ignore_eos=True, return_log_probs=True,
+GREEDY = SamplingParams(temperature=0.0, num_tokens_to_generate=NEW_TOKENS, ignore_eos=True, return_log_probs=True,
                         return_routing_indices=True)
+RUNS = (PROMPTS[:4], PROMPTS[4:5])  # concurrent requests, then one alone (decode steps of one token: all ranks but
+# one combine nothing)
 
 
-def answers(llm: MegatronLLM, prompts: list[str]):
-    outs = llm.generate(prompts, GREEDY)
-    return ([o.generated_tokens for o in outs], [o.routing_indices.tolist() for o in outs],
-            [o.generated_log_probs for o in outs])
-
-
-def serve(model_dir: str, size: int, prompts: list[str], **config):
-    llm = MegatronLLM(model_dir, InferenceConfig(dtype="float32", block_size_tokens=8, device="cpu",
-                                                 tensor_parallel_size=size, enable_expert_parallel=size > 1, **config))
+def serve(model_dir: str, size: int, device: str) -> list[list[tuple]]:
+    """Each run's ``(tokens, routing, log probs)`` per request, on one engine of ``size`` ranks."""
+    llm = MegatronLLM(model_dir, InferenceConfig(dtype="float32", block_size_tokens=8, device=device,
+                                                 tensor_parallel_size=size, enable_expert_parallel=size > 1))
     try:
-        return answers(llm, prompts)
+        return [[(o.generated_tokens, o.routing_indices.tolist(), o.generated_log_probs)
+                 for o in llm.generate(list(prompts), GREEDY)] for prompts in RUNS]
     finally:
         llm.close()
+
+
+@pytest.fixture(scope="module")
+def engine_runs(moe_model) -> dict[int | tuple[int, str], list[list[tuple]]]:
+    """``{size: runs}``: one engine per size serves both runs (starting its ranks costs more than the runs), on the
+    GPUs where this machine has one a rank (NCCL), else on CPU (gloo); ``{(1, device): runs}``: one rank on each
+    device a size ran on, the baseline it is compared with."""
+    _, model_dir = moe_model
+    runs: dict = {size: serve(model_dir, size, tensor_parallel_device(size)) for size in (2, 4)}
+    for device in {tensor_parallel_device(size) for size in (2, 4)}:
+        runs[1, device] = serve(model_dir, 1, device)
+    return runs
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("size", [2, 4])
-def test_engine_equals_one_rank_together_and_alone(moe_model, size):
-    """Concurrent requests, and one request alone (decode steps of one token: all ranks but one combine nothing)."""
-    _, model_dir = moe_model
-    for prompts in (PROMPTS[:4], PROMPTS[4:5]):
-        tokens, routing, log_probs = serve(model_dir, 1, prompts)
-        tokens_ep, routing_ep, log_probs_ep = serve(model_dir, size, prompts)
-        assert tokens_ep == tokens and routing_ep == routing
-        for row, expected in zip(log_probs_ep, log_probs):
-            assert row == pytest.approx(expected, abs=1e-4)
+def test_engine_equals_one_rank_together_and_alone(engine_runs, size):
+    for run, expected_run in zip(engine_runs[size], engine_runs[1, tensor_parallel_device(size)], strict=True):
+        for (tokens, routing, log_probs), (tokens_1, routing_1, log_probs_1) in zip(run, expected_run, strict=True):
+            assert tokens == tokens_1 and routing == routing_1
+            assert log_probs == pytest.approx(log_probs_1, abs=1e-4)
 
 
 @pytest.mark.slow
-def test_engine_equals_transformers(moe_model):
-    arch, model_dir = moe_model
+@pytest.mark.parametrize("size", [2, 4])
+def test_engine_equals_transformers(moe_model, engine_runs, size):
+    _, model_dir = moe_model
     hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    llm = MegatronLLM(model_dir, InferenceConfig(dtype="float32", block_size_tokens=8, device="cpu",
-                                                 tensor_parallel_size=2, enable_expert_parallel=True))
-    try:
-        token_lists = [llm.tokenizer.encode(p) for p in PROMPTS[:4]]
-        reference = [hf_greedy_with_routing(hf, tokens) for tokens in token_lists]
-        with_routing = [i % 2 == 0 for i in range(len(token_lists))]
-        check_against_reference(run_together(llm, token_lists, with_routing), token_lists, reference, with_routing)
-    finally:
-        llm.close()
+    tokenizer = Tokenizer.from_pretrained(model_dir)
+    for prompt, (tokens, routing, _) in zip(RUNS[0] + RUNS[1], engine_runs[size][0] + engine_runs[size][1]):
+        expected_tokens, expected_routing = hf_greedy_with_routing(hf, tokenizer.encode(prompt))
+        assert tokens == expected_tokens
+        np.testing.assert_array_equal(np.array(routing), expected_routing)
 
 
 def test_experts_that_do_not_split_over_the_ranks_are_refused(moe_model):
@@ -234,3 +332,38 @@ def test_the_flag_and_the_keyword_reach_the_config_and_bad_values_are_named():
         parse_llm_keywords({"enable_expert_parallel": "yes"})
     with pytest.raises(ValueError, match="enable_expert_parallel must be true or false, got 'yes'"):
         InferenceConfig(enable_expert_parallel="yes")
+
+
+def test_gathered_row_layers_hold_rows_of_the_whole_weight_and_probe_their_column_splits(moe_model, monkeypatch,
+                                                                                        caplog):
+    """``gathered_rows`` (``--batch-invariant`` under EP): ``o_proj`` and the dense layers' ``down_proj`` hold their
+    rank's output rows of the whole weight (not input columns of every row), loaded from the checkpoint as such; the
+    CPU probe is asked about every column split a rank computes where one rank computes the whole, and where it
+    finds one that rounds otherwise the mode's start says so."""
+    from megatron_kernels import invariant_probe  # noqa: PLC0415
+
+    from megatron_serve.model.layers import GatheredRowLinear, RowParallelLinear  # noqa: PLC0415
+
+    _, model_dir = moe_model
+    full = load_model(model_dir, torch.float32, "cpu")
+    tp = TensorParallel(1, 2, expert_parallel=True, gathered_rows=True)
+    model = build_model(full.config, torch.float32, "cpu", tp)
+    load_weights(model, iterate_checkpoint(model_dir))
+    rows = [name for name, m in model.named_modules() if isinstance(m, GatheredRowLinear)]
+    assert rows and all(name.endswith(("o_proj", "down_proj")) and ".experts" not in name for name in rows)
+    assert not any(isinstance(m, RowParallelLinear) and m.tp.size > 1 for m in model.modules())  # (a shared
+    # expert's is whole on every rank)
+    for name in rows:
+        whole = full.get_submodule(name).weight
+        half = whole.shape[0] // 2
+        assert torch.equal(model.get_submodule(name).weight, whole[half:]), name
+    asked = []
+    monkeypatch.setattr(invariant_probe, "column_split_problems", lambda splits: asked.extend(splits) or [])
+    assert model.column_split_problems() == []
+    hidden, heads = full.config.hidden_size, full.config.num_heads * full.config.head_dim
+    assert ((hidden, heads), torch.float32, (hidden // 2, hidden // 2)) in asked  # o_proj
+    assert ((full.config.vocab_size, hidden), torch.float32, (full.config.vocab_size // 2,) * 2) in asked  # LM head
+    monkeypatch.setattr(invariant_probe, "column_split_problems", lambda splits: ["a linear (64, 64): rounds"])
+    with caplog.at_level("WARNING", logger="megatron_serve.model.llama"):
+        model.use_batch_invariant_ops()
+    assert "not one rank's in the last bits on this CPU: a linear (64, 64): rounds" in caplog.text

@@ -1,17 +1,24 @@
 """An expert-parallel group (``run --tensor-parallel 2 --enable-expert-parallel``, one group) loses a rank with
 streams in flight: the next collective fails on rank 0, the group exits, ``run`` starts it again, and the
 coordinator resubmits its requests; every stream ends with the text of an uninterrupted run. ``control
-status`` shows the group's layout and the weights one rank holds."""
+status`` shows the group's layout and the weights one rank holds: rank 0's share, as its HELLO says."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 
 import httpx
 import pytest
+import torch
 
+from megatron_serve.commands.control import _bytes
+from megatron_serve.engine.sizing import parameter_bytes
+from megatron_serve.model.config import ModelConfig
+from megatron_serve.model.loader import build_model
+from megatron_serve.model.parallel import TensorParallel
 from megatron_serve.model.tiny import make_tiny_model
 from tests.helpers import until
 from tests.run_stack import complete, restart_lines, start_run, stream
@@ -24,13 +31,26 @@ PROMPTS = [f"Expert parallel {i}: the quick brown fox jumps over {i} lazy dogs" 
 TOKENS = 64
 
 
+def rank_share(model_dir: str) -> int:
+    """The bytes rank 0 of 2 holds under expert parallelism: half of attention and dense layers (tensor-parallel),
+    8 of the 16 experts of each MoE layer whole; well under the whole model's."""
+    config = ModelConfig.from_dir(model_dir)
+    share = parameter_bytes(build_model(config, torch.float32, "meta", TensorParallel(0, 2, expert_parallel=True)))
+    whole = parameter_bytes(build_model(config, torch.float32, "meta"))
+    assert share < 0.6 * whole
+    return share
+
+
 async def test_a_killed_rank_restarts_its_group_and_every_stream_completes(tmp_path):
     model = str(make_tiny_model(tmp_path / "model", seed=1, arch="qwen3_moe", num_heads=4, num_kv_heads=2,
                                 num_experts=16, num_experts_per_tok=4))
     stack = start_run(model, tmp_path / "run", "--tensor-parallel", "2", "--enable-expert-parallel", engines=1)
     try:
         status = stack.control("status")
-        assert "tp2 ep2" in status and "KiB" in status, status  # the layout, and one rank's weights
+        share = rank_share(model)
+        assert "tp2 ep2" in status and _bytes(share) in status, status  # the layout, and one rank's weights
+        [engine_status] = json.loads(stack.control("status", "--json"))["engines"]
+        assert engine_status["info"]["parameter_bytes"] == share  # from the engine's HELLO
         async with httpx.AsyncClient(base_url=stack.url, timeout=600) as http:
             quiet = await asyncio.gather(*(complete(http, stack.model, p, TOKENS) for p in PROMPTS))
             firsts = [asyncio.Event() for _ in PROMPTS]

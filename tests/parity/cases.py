@@ -20,13 +20,13 @@ from megatron_serve import SamplingParams
 from megatron_serve.model.tiny import SPECIAL_TOKENS
 
 from ..images import png
-from .models import MAX_POSITIONS, LoadedModel
+from .models import MAX_POSITIONS, LoadedModel, ModelSpec
 
 TEXT_TOKENS = range(len(SPECIAL_TOKENS), 512)  # the tiny tokenizer's ordinary tokens (no special ones)
 BLOCK_SIZES = (4, 6, 8, 16, 32)
 CHUNK_SIZES = (8, 12, 16, 24, 40, 2048)
 MAX_PROMPT = 96
-TENSOR_PARALLEL_EVERY = 100  # one case in this many runs at TP=2, EP=2 or PP=2 (a real two-process gloo group)
+TENSOR_PARALLEL_EVERY = 100  # one case in this many runs at a multi-rank layout (real processes over gloo: layouts())
 
 
 class Sampling(Enum):
@@ -206,6 +206,27 @@ def draw_requests(rng: random.Random, model: LoadedModel, vocab: Vocabulary, blo
     return drawn
 
 
+def layouts(spec: ModelSpec) -> list[dict[str, Any]]:
+    """The multi-rank layouts a model can run: TP 2; expert parallelism over 2 or 4 tensor-parallel ranks; 2 or 3
+    pipeline stages (the search's models have 1 to 3 layers: 3 over 2 stages split 2+1); data-parallel attention 2,
+    and 2 of 2 tensor-parallel ranks each."""
+    drawn: list[dict[str, Any]] = []
+    if spec.splits_over(2):
+        drawn.append({"tensor_parallel_size": 2})
+    drawn += [{"tensor_parallel_size": size, "enable_expert_parallel": True} for size in (2, 4)
+              if spec.experts_split_over(size)]
+    drawn += [{"pipeline_parallel_size": stages} for stages in (2, 3) if spec.stages_over(stages)]
+    drawn += [{"data_parallel_size": 2, "tensor_parallel_size": tp, "enable_expert_parallel": True} for tp in (1, 2)
+              if spec.attention_ranks_over(2, tp)]
+    return drawn
+
+
+def draw_layout(rng: random.Random, spec: ModelSpec) -> dict[str, Any]:
+    """One of :func:`layouts` at random (none: the model runs on one rank only)."""
+    drawn = layouts(spec)
+    return rng.choice(drawn) if drawn else {}
+
+
 def draw_case(seed: int, model: LoadedModel, sampling: Sampling = Sampling.GREEDY,
               tensor_parallel: bool = True) -> Case:
     """Case ``seed`` on ``model``. ``tensor_parallel``: whether this search runs some cases at TP=2 itself."""
@@ -215,15 +236,9 @@ def draw_case(seed: int, model: LoadedModel, sampling: Sampling = Sampling.GREED
     config: dict[str, Any] = dict(
         block_size_tokens=block, max_batch_tokens=chunk, max_requests=rng.choice([1, 2, 3, 64, 64, 64]),
         enable_prefix_caching=rng.random() < 0.6, enable_cuda_graphs=rng.random() < 0.3, seed=rng.randrange(1000))
-    layout = random.Random(f"parity-layout-{seed}")  # drawn apart, as the expert-parallel choice below
-    if (tensor_parallel and seed % TENSOR_PARALLEL_EVERY == TENSOR_PARALLEL_EVERY - 1 and model.spec.stages_over(2)
-            and layout.random() < 1 / 3):
-        config["pipeline_parallel_size"] = 2  # a third of the dense text ones in two stages instead
-    elif tensor_parallel and seed % TENSOR_PARALLEL_EVERY == TENSOR_PARALLEL_EVERY - 1 and model.spec.splits_over(2):
-        config["tensor_parallel_size"] = 2
-        # half of the MoE ones with whole experts per rank (drawn apart: the case's other draws stay as they were)
-        if model.spec.experts_split_over(2) and random.Random(f"parity-ep-{seed}").random() < 0.5:
-            config["enable_expert_parallel"] = True
+    if tensor_parallel and seed % TENSOR_PARALLEL_EVERY == TENSOR_PARALLEL_EVERY - 1:
+        # drawn apart: the case's other draws stay what they are at one rank
+        config.update(draw_layout(random.Random(f"parity-layout-{seed}"), model.spec))
     requests = draw_requests(rng, model, vocab, block, chunk, rng.randint(1, 3 if model.spec.vision else 4), sampling)
     fillers = draw_requests(rng, model, vocab, block, chunk, rng.randint(1, 4), Sampling.ANY, prefix="other")
     if rng.random() < 0.15 and not model.spec.vision:  # (a limit for a text prompt: images would expand past it)

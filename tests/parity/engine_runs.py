@@ -27,7 +27,9 @@ from megatron_serve.multimodal import PromptImage
 
 from ..devices import tensor_parallel_device
 from ..graph_replay import install_graphs
+from ..parallel.data_parallel_runs import Request
 from .cases import Case, RequestDraw, context_of
+from .data_parallel import run_data_parallel
 from .models import LoadedModel
 
 ALTERNATIVE = "<the case's second draw>"  # a Setup.config value: the case's alternative value of that field
@@ -71,7 +73,8 @@ class Placement:
     def for_config(self, config: Mapping[str, Any]) -> "Placement":
         """Tensor-parallel ranks and stages each need a GPU: without enough of them such a case runs on CPU in
         float32."""
-        size = config.get("tensor_parallel_size", 1) * config.get("pipeline_parallel_size", 1)
+        size = (config.get("tensor_parallel_size", 1) * config.get("pipeline_parallel_size", 1)
+                * config.get("data_parallel_size", 1))
         if size > 1 and tensor_parallel_device(size) != torch.device(self.device).type:
             return Placement("cpu", torch.float32)
         return self
@@ -148,6 +151,10 @@ def run_case(case: Case, model: LoadedModel, setup: Setup, placement: Placement,
     fields["num_kv_blocks"] = kv_blocks(setup.kv_pool or case.kv_pool, prepared, fields["block_size_tokens"],
                                         max_sequence_length)
     config = InferenceConfig(dtype=placement.dtype, device=placement.device, **fields)
+    if config.data_parallel_size > 1:  # an engine process per data-parallel rank
+        with _kernels(setup.kernels):
+            return run_data_parallel(model.directory, config, [
+                Request(p.draw.name, tuple(p.tokens), p.draw.params, p.draw.arrival) for p in prepared])
     engine = build_engine(model, config, setup.kernels)
     if setup.adapter is not None:
         fillers = {draw.name for draw in case.fillers}

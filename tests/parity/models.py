@@ -68,6 +68,12 @@ class ModelSpec:
         experts = self.shapes.get("num_experts", self.shapes.get("num_local_experts", 0))
         return self.expert_layers and self.splits_over(ranks) and experts % ranks == 0
 
+    def attention_ranks_over(self, dp: int, tp: int = 1) -> bool:
+        """Whether data-parallel attention over ``dp`` ranks of ``tp`` tensor-parallel ranks can place its experts
+        (whole ones on each of the ``dp x tp`` ranks)."""
+        experts = self.shapes.get("num_experts", self.shapes.get("num_local_experts", 0))
+        return self.expert_layers and self.splits_over(tp) and experts % (dp * tp) == 0
+
     def stages_over(self, stages: int) -> bool:
         """Whether pipeline stages can split it: a text model without experts (stages refuse MoE and vision ones),
         one layer at least per stage."""

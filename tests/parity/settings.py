@@ -58,6 +58,18 @@ SETTINGS: dict[str, Setting] = {
     "TP=2 vs EP=2 (experts over the ranks)": Setting(Setup({"tensor_parallel_size": 2}),
                                                      Setup({"tensor_parallel_size": 2, "enable_expert_parallel": True}),
                                                      share=1, applies=lambda spec: spec.experts_split_over(2)),
+    # bitwise in the batch-invariant search too: the MoE layers combine in expert order and the row-parallel layers
+    # gather their input (where this CPU's GEMM columns keep their bits when split: test_vs_itself_invariant)
+    "one rank vs EP=2 over the TP ranks": Setting(Setup(), Setup({"tensor_parallel_size": 2,
+                                                                  "enable_expert_parallel": True}),
+                                                  share=1, applies=lambda spec: spec.experts_split_over(2)),
+    # two engine processes, each with half the requests (a lone one leaves the other idle, joining the MoE layers)
+    "one rank vs data-parallel attention 2": Setting(Setup(), Setup({"data_parallel_size": 2,
+                                                                     "enable_expert_parallel": True}),
+                                                     share=1, applies=lambda spec: spec.attention_ranks_over(2)),
+    "PP=2: one micro-batch vs two": Setting(Setup({"pipeline_parallel_size": 2, "pipeline_micro_batches": 1}),
+                                            Setup({"pipeline_parallel_size": 2, "pipeline_micro_batches": 2}),
+                                            share=1, applies=lambda spec: spec.stages_over(2)),
     "reference vs Triton kernels": Setting(Setup(kernels="reference"), Setup(kernels="triton"), share=1),
     # speculation verifies several rows of a request in one forward: greedy tokens, seeded samples and log probs
     # must be those of one token per step

@@ -3,19 +3,28 @@
 The device pool (24 blocks of 16 tokens) is smaller than the working set (six prompts of five cacheable blocks):
 sent again, the prompts find their prefixes in the host tier with texts and log probs ``==`` the first pass
 under ``--batch-invariant``; the same fleet without ``--kv-offloading-size`` finds few; after a refit none.
-A stream in flight through pause, suspend with ``keep_kv``, resume and unpause ends as an uninterrupted one,
-and the engines compute no token of it twice (``megatron_serve_engine_computed_tokens``).
+
+One more fleet with a tier (``kept``, the module's) serves the rest. A stream in flight through pause, suspend
+with ``keep_kv``, resume and unpause ends as an uninterrupted one (texts and log probs ``==``), and the engines
+compute no token of it twice (``megatron_serve_engine_computed_tokens``); with a refit in between, the stream's
+context is computed again under the new epoch. The RL loop of docs/kv-tiers.md, run as the page shows it, cuts a
+partial rollout, suspends the fleet (its device pool, and the rollout's blocks with it, go to the host tier) and
+continues the rollout from its token ids: every complete block comes back from the host tier, and its tokens are
+an uninterrupted rollout's.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import random
+import re
 import subprocess
 import sys
 import time
 from contextlib import contextmanager
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Iterator
 
@@ -28,6 +37,7 @@ from .test_openai_e2e import free_port
 
 pytestmark = [pytest.mark.timeout(600)]
 
+ROOT = Path(__file__).resolve().parents[2]
 ADMIN_KEY = "admin-key"
 ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}
 BLOCK = 16
@@ -50,7 +60,7 @@ def fleet(model: str, log_dir, *extra: str) -> Iterator[SimpleNamespace]:
     try:
         wait_ready(proc, url, output)
         with httpx.Client(base_url=url, timeout=120) as http:
-            yield SimpleNamespace(http=http, model=os.path.basename(model), path=model)
+            yield SimpleNamespace(http=http, model=os.path.basename(model), path=model, url=url)
     finally:
         stop_process_group(proc)
 
@@ -132,50 +142,157 @@ def test_prefixes_come_back_from_the_host_tier_bitwise_a_control_finds_few_a_ref
         assert sum(cached(control_second)) <= 2 * 5 * BLOCK  # what the device pool still held
 
 
-def stream_through_the_verbs(served: SimpleNamespace, prompt: list[int], max_tokens: int, verbs) -> list[str]:
-    """Stream a completion; once it has text, run ``verbs`` while it is in flight; return its pieces of text."""
+@pytest.fixture(scope="module")
+def kept(tiny_model, tmp_path_factory) -> Iterator[SimpleNamespace]:
+    """A fleet with a host tier and room for a long stream (64 blocks: the last --num-kv-blocks given wins);
+    ``generated`` counts the tokens its tests asked for, which its ``/metrics`` reach once the engine reported them."""
+    with fleet(tiny_model, tmp_path_factory.mktemp("keep-kv"), "--kv-offloading-size", "0.01",
+               "--num-kv-blocks", "64") as served:
+        served.generated = 0
+        yield served
+
+
+def stream_through_the_verbs(served: SimpleNamespace, prompt: list[int], max_tokens: int, verbs
+                             ) -> tuple[str, list[float]]:
+    """Stream a completion; once it has text, run ``verbs`` while it is in flight; return its text and log probs."""
     body = {"model": served.model, "prompt": prompt, "max_tokens": max_tokens, "stream": True, "temperature": 0,
-            "ignore_eos": True}
+            "ignore_eos": True, "logprobs": 1}
     pieces: list[str] = []
+    log_probs: list[float] = []
+
+    def take(line: str) -> bool:
+        """Keep a chunk's text and log probs; True once it had text."""
+        choice = json.loads(line[6:])["choices"][0]
+        pieces.append(choice["text"])
+        log_probs.extend((choice["logprobs"] or {}).get("token_logprobs") or [])
+        return bool(choice["text"])
+
     with served.http.stream("POST", "/v1/completions", json=body) as stream:
         lines = stream.iter_lines()
         for line in lines:
-            if line.startswith("data: ") and json.loads(line[6:])["choices"][0]["text"]:
-                pieces.append(json.loads(line[6:])["choices"][0]["text"])
+            if line.startswith("data: ") and take(line):
                 break
         verbs()
         for line in lines:
             if line == "data: [DONE]":
                 break
             if line.startswith("data: "):
-                pieces.append(json.loads(line[6:])["choices"][0]["text"])
-    return pieces
+                take(line)
+    return "".join(pieces), log_probs
 
 
-def test_a_stream_through_pause_suspend_keep_kv_resume_unpause_computes_nothing_twice(tiny_model, tmp_path_factory):
+def computed(served: SimpleNamespace, more: int = 0) -> float:
+    """``megatron_serve_engine_computed_tokens`` once the engine reported ``more`` tokens generated after the last
+    call (``served.generated`` so far)."""
+    served.generated += more
+    return metric(counters_after(served, served.generated), "megatron_serve_engine_computed_tokens")
+
+
+def test_a_stream_through_pause_suspend_keep_kv_resume_unpause_computes_nothing_twice(kept):
     rng = random.Random(9)
     fresh = [[rng.randrange(5, 500) for _ in range(40)] for _ in range(2)]  # never seen: no prefix to find
     tokens = 600
-    with fleet(tiny_model, tmp_path_factory.mktemp("keep-kv"), "--kv-offloading-size", "0.01",
-               "--num-kv-blocks", "64") as served:  # the last one given wins
-        start = metric(counters_after(served, 0), "megatron_serve_engine_computed_tokens")
-        uninterrupted = complete(served, fresh[0], tokens)
-        after_first = metric(counters_after(served, tokens), "megatron_serve_engine_computed_tokens")
+    start = computed(kept)
+    uninterrupted = complete(kept, fresh[0], tokens)
+    after_first = computed(kept, tokens)
 
-        acks: dict[str, dict] = {}
+    acks: dict[str, dict] = {}
 
-        def verbs() -> None:
-            acks["pause"] = admin(served, "pause", {"mode": "keep"})
-            acks["in_flight"] = served.http.get("/v1/admin/status", headers=ADMIN).json()["in_flight"]
-            acks["suspend"] = admin(served, "suspend", {"level": 1, "keep_kv": True})
-            acks["resume"] = admin(served, "resume")
-            acks["unpause"] = admin(served, "unpause")
+    def verbs() -> None:
+        acks["pause"] = admin(kept, "pause", {"mode": "keep"})
+        acks["in_flight"] = kept.http.get("/v1/admin/status", headers=ADMIN).json()["in_flight"]
+        acks["suspend"] = admin(kept, "suspend", {"level": 1, "keep_kv": True})
+        acks["resume"] = admin(kept, "resume")
+        acks["unpause"] = admin(kept, "unpause")
 
-        pieces = stream_through_the_verbs(served, fresh[1], tokens, verbs)
-        assert acks["suspend"]["state"] == "SUSPENDED" and acks["unpause"]["state"] == "RUNNING"
-        assert acks["in_flight"] == 1  # the stream was paused in flight, not finished
-        after_second = metric(counters_after(served, 2 * tokens), "megatron_serve_engine_computed_tokens")
-        assert after_second - after_first == after_first - start  # the same work as an uninterrupted request
-        reference = complete(served, fresh[1], tokens)  # the same prompt again, uninterrupted
-        assert "".join(pieces) == reference["choices"][0]["text"]
-        assert uninterrupted["usage"]["completion_tokens"] == reference["usage"]["completion_tokens"] == tokens
+    text, log_probs = stream_through_the_verbs(kept, fresh[1], tokens, verbs)
+    assert acks["suspend"]["state"] == "SUSPENDED" and acks["unpause"]["state"] == "RUNNING"
+    assert sum(e.get("kept_kv_bytes", 0) for e in acks["suspend"]["detail"]["engines"].values()) > 0
+    assert acks["in_flight"] == 1  # the stream was paused in flight, not finished
+    after_second = computed(kept, tokens)
+    assert after_second - after_first == after_first - start  # the same work as an uninterrupted request
+    reference = complete(kept, fresh[1], tokens)  # the same prompt again, uninterrupted
+    kept.generated += tokens
+    assert (text, log_probs) == choice(reference)
+    assert len(log_probs) == uninterrupted["usage"]["completion_tokens"] == tokens
+
+
+def test_a_refit_between_suspend_with_keep_kv_and_resume_recomputes_the_stream_s_context(kept):
+    """``--kv-on-refit recompute`` (the default): the kept KV is the old epoch's, so the stream's context (its prompt
+    and every token it had) is computed again; the same weights come back, so its text is an uninterrupted one's."""
+    rng = random.Random(10)
+    prompt = [rng.randrange(5, 500) for _ in range(40)]
+    tokens = 600
+    start = computed(kept)
+
+    def verbs() -> None:
+        admin(kept, "pause", {"mode": "keep"})
+        admin(kept, "suspend", {"level": 1, "keep_kv": True})
+        admin(kept, "refit", {"source": kept.path})  # the same files, a new epoch
+        admin(kept, "resume")
+        admin(kept, "unpause")
+
+    text, _ = stream_through_the_verbs(kept, prompt, tokens, verbs)
+    interrupted = computed(kept, tokens) - start
+    reference = complete(kept, prompt, tokens)
+    kept.generated += tokens
+    assert text == choice(reference)[0]
+    assert interrupted >= (len(prompt) + tokens - 1) + len(prompt)  # the prompt at least once more, the new epoch's
+
+
+def documented_rl_loop(monkeypatch) -> dict:
+    """The RL loop's code block of docs/kv-tiers.md, run as a module (the admin key where the page says)."""
+    page = (ROOT / "docs" / "kv-tiers.md").read_text()
+    (code,) = [block for block in re.findall(r"```python\n(.*?)```", page, re.S) if "async def rl_loop" in block]
+    monkeypatch.setenv("MEGATRON_SERVE_ADMIN_KEY", ADMIN_KEY)
+    namespace: dict = {"__name__": "kv_tiers_rl_loop"}
+    exec(compile(code, "docs/kv-tiers.md", "exec"), namespace)  # noqa: S102 - the page's own code, under test
+    return namespace
+
+
+async def test_the_documented_rl_loop_continues_a_cut_rollout_from_the_host_tier(kept, monkeypatch):
+    loop = documented_rl_loop(monkeypatch)
+    loop["SAMPLING"] = {"temperature": 0, "ignore_eos": True}  # greedy, so that the rollout compares
+    step = loop["rl_step"]
+    cuts: list[list[dict]] = []
+
+    async def recording_step(*args, **kwargs):
+        cuts.append(await step(*args, **kwargs))
+        return cuts[-1]
+
+    loop["rl_step"] = recording_step
+    rng = random.Random(12)
+    short, long = ([rng.randrange(5, 500) for _ in range(40)] for _ in range(2))
+    jobs = {0: [{"prompt": short, "tokens": [], "budget": 24}, {"prompt": long, "tokens": [], "budget": 300}]}
+    trained: list[list[dict]] = []
+
+    def train(finished: list[dict]) -> None:
+        trained.append(finished)  # no checkpoint: the next step continues under the same weights
+
+    text = counters_after(kept, kept.generated)
+    engine = ENGINE.format(model=kept.model)
+    host_hits = metric(text, "megatron_serve_external_prefix_cache_hits_total", engine)
+    await loop["rl_loop"](kept.url, kept.model, 2, lambda index: jobs.get(index, []), train)
+
+    ((cut,), ()) = cuts  # the long rollout was cut at the first step's end, the second step finished it
+    assert cut["finish_reason"] == "abort" and 16 <= len(cut["tokens"]) < 300
+    assert [[(len(j["tokens"]), j["finish_reason"]) for j in step] for step in trained] == [[(24, "length")],
+                                                                                            [(300, "length")]]
+    finished = trained[1][0]
+    assert finished["tokens"][:len(cut["tokens"])] == cut["tokens"]
+    # every complete block of its prompt and its tokens so far, from the host tier (the suspend freed the pool)
+    kept.generated += 24 + 300
+    text = counters_after(kept, kept.generated)
+    found = metric(text, "megatron_serve_external_prefix_cache_hits_total", engine) - host_hits
+    assert found == (len(long) + len(cut["tokens"]) - 1) // BLOCK * BLOCK > len(long)
+    uninterrupted = await asyncio.to_thread(complete_ids, kept, long, 300)
+    kept.generated += 300
+    assert finished["tokens"] == uninterrupted  # the rollout is the one it would have been uncut
+
+
+def complete_ids(served: SimpleNamespace, prompt: list[int], max_tokens: int) -> list[int]:
+    body = {"model": served.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+            "return_token_ids": True}
+    answer = served.http.post("/v1/completions", json=body)
+    assert answer.status_code == 200, answer.text
+    return answer.json()["choices"][0]["token_ids"]

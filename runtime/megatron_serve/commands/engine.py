@@ -133,7 +133,8 @@ def run(args: argparse.Namespace) -> int:
     def make_engine() -> DynamicInferenceEngine:
         started = time.monotonic()
         logger.info("loading model from %s (device %s)", args.model, config.device)
-        engine = DynamicInferenceEngine.from_model_dir(args.model, config, tokenizer_dir=args.tokenizer)
+        engine = DynamicInferenceEngine.from_model_dir(args.model, config, tokenizer_dir=args.tokenizer,
+                                                       vocabulary_only=True)
         logger.info("model loaded in %.1fs: %s", time.monotonic() - started, capacity_line(engine))
         return engine
 

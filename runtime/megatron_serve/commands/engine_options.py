@@ -66,6 +66,9 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
                        help="schedule and launch the next step while the current one runs (the host's work "
                             "overlaps the GPU's; --no-async-scheduling: one step at a time)")
+    group.add_argument("--pipeline-micro-batches", type=int, default=None, metavar="M",
+                       help="with --pipeline-parallel-size: a step's requests in M micro-batches, a stage running "
+                            "one while the stage before runs the next (default: as many as stages; 1: whole steps)")
     group.add_argument("--seed", type=int, default=0, help="seeds the seeds drawn for requests that give none")
     group.add_argument("--verify-logprobs-fraction", type=float, default=0.0, metavar="F",
                        help="score this fraction (0 to 1, chosen by a hash of the request id) of the finished requests "
@@ -117,7 +120,9 @@ def inference_config_from_args(args: argparse.Namespace, tensor_parallel_size: i
         max_sequence_length=args.max_sequence_length, enable_prefix_caching=args.prefix_caching,
         enable_cuda_graphs=args.cuda_graphs, cuda_graph_sizes=args.cuda_graph_sizes,
         async_scheduling=args.async_scheduling, tensor_parallel_size=tensor_parallel_size,
-        enable_expert_parallel=args.enable_expert_parallel, pipeline_parallel_size=args.pipeline_parallel_size,
+        enable_expert_parallel=args.enable_expert_parallel, all2all_backend=args.all2all_backend,
+        pipeline_parallel_size=args.pipeline_parallel_size,
+        pipeline_micro_batches=args.pipeline_micro_batches,
         seed=args.seed,
         quantization=None if args.quantization in (None, "auto", "none") else args.quantization,
         kv_cache_dtype=args.kv_cache_dtype, verify_logprobs_fraction=args.verify_logprobs_fraction,

@@ -28,7 +28,10 @@ Memory bound
 Forgetting
     The history is a guess of what an engine caches, so it is dropped whenever that cache may be
     gone: :meth:`PrefixAffinity.forget` is called by the coordinator when an engine group leaves,
-    starts draining, or the fleet is suspended (a resume may come back with empty caches).
+    starts draining, or the weights change (a refit: no block of the old weights is found again).
+    A suspend frees the device pool: an engine without a host tier comes back with an empty cache and
+    is forgotten; one with a tier finds what the tier took from the pool, so it keeps its most recent
+    prefixes, as many blocks as its tier holds (:meth:`PrefixAffinity.suspended`).
     Engines that report ``prefix_caching: false`` or no block size get no affinity.
 """
 
@@ -57,6 +60,13 @@ def engine_block_size(engine: EngineView) -> int | None:
         if isinstance(size, int) and not isinstance(size, bool) and size > 0:
             return size
     return None
+
+
+def host_tier_blocks(engine: EngineView) -> int:
+    """The blocks ``engine``'s host KV tier holds (``--kv-offloading-size``, from its registration); 0: none."""
+    info = getattr(engine, "info", None)
+    host = info.get("kv_offload_blocks") if isinstance(info, dict) else None
+    return host if isinstance(host, int) and not isinstance(host, bool) and host > 0 else 0
 
 
 class PrefixAffinity:
@@ -143,13 +153,23 @@ class PrefixAffinity:
     def history_size(self, engine_id: str) -> int:
         return len(self._history.get(engine_id, ()))
 
+    def suspended(self, engine: EngineView) -> None:
+        """``engine`` released its device pool (a suspend): the blocks it cached there went to its host tier first,
+        so its most recently routed prefixes, as many as the tier holds, are still found there; without a tier it
+        caches nothing now."""
+        host = host_tier_blocks(engine)
+        history = self._history.get(engine.engine_id)
+        if not host:
+            self.forget(engine.engine_id)
+            return
+        while history and len(history) > min(host, self.max_hashes_per_group):
+            history.popitem(last=False)
+
     def capacity_for(self, engine: EngineView) -> int:
         """The blocks ``engine``'s prefix cache can hold: its device pool's and its host tier's."""
         total = int(getattr(engine, "kv_blocks_total", 0) or 0)
-        info = getattr(engine, "info", None)
-        host = info.get("kv_offload_blocks") if isinstance(info, dict) else None
-        if total > 0 and isinstance(host, int) and not isinstance(host, bool) and host > 0:
-            total += host
+        if total > 0:
+            total += host_tier_blocks(engine)
         return min(total, self.max_hashes_per_group) if total > 0 else self.max_hashes_per_group
 
     def _hashes(self, tokens: list[int], size: int, cache: dict[int, list[int]], root: int) -> list[int]:
@@ -180,4 +200,4 @@ class PrefixAffinity:
 
 register_routing_policy(PrefixAffinity.name, PrefixAffinity)
 
-__all__ = ["PrefixAffinity", "engine_block_size", "DEFAULT_MAX_LOAD_GAP", "DEFAULT_MAX_LOAD_RATIO"]
+__all__ = ["PrefixAffinity", "engine_block_size", "host_tier_blocks", "DEFAULT_MAX_LOAD_GAP", "DEFAULT_MAX_LOAD_RATIO"]

@@ -80,7 +80,11 @@ class RoutingPolicy(Protocol):
         ...
 
     def forget(self, engine_id: str) -> None:
-        """Drop per-engine state of an engine that left."""
+        """Drop per-engine state of an engine that left (or whose caches the weights' change emptied)."""
+        ...
+
+    def suspended(self, engine: EngineView) -> None:
+        """``engine`` released its device memory (a suspend): drop what only its device pool held."""
         ...
 
 
@@ -97,6 +101,9 @@ class LeastLoaded:
         return min(candidates, key=key)
 
     def forget(self, engine_id: str) -> None:
+        pass
+
+    def suspended(self, engine: EngineView) -> None:
         pass
 
 
@@ -120,6 +127,9 @@ class RoundRobin:
         return chosen
 
     def forget(self, engine_id: str) -> None:
+        pass
+
+    def suspended(self, engine: EngineView) -> None:
         pass
 
 

@@ -486,10 +486,12 @@ class VerbRunner:
             detail["unresponsive"] = list(op.unresponsive)
         logger.info("%s acknowledged: %s -> %s by %d engine(s)%s", op.verb.name, op.previous_state,
                     core.state.value, len(op.engines), f", released {detail['released_bytes']} bytes" if released else "")
-        if core.state is FleetState.SUSPENDED or op.verb is Verb.REFIT:
-            # A suspended fleet may resume with empty prefix caches (and a refit drops them): routing starts over.
+        if op.verb is Verb.REFIT:  # no block of the old weights is found again, in any tier: routing starts over
             for engine_id in list(core.engines):
                 core.policy.forget(engine_id)
+        elif core.state is FleetState.SUSPENDED:  # device pools freed: what a host tier took stays
+            for engine in list(core.engines.values()):
+                core.policy.suspended(engine)
         self._answer(op, Header.CONTROL_ACK, ControlAck(control_id=op.control_id, state=core.state.value,
                                                         detail=detail))
 

@@ -35,10 +35,11 @@ from ..config import InferenceConfig
 from ..model.config import ModelConfig
 from ..model.llama import LlamaForCausalLM
 from ..model.loader import load_model
-from ..tokenizer import Tokenizer
+from ..tokenizer import Tokenizer, TokenizerFiles, Vocabulary
 from ..wire.engine_stats import EngineStats
 from .admission import Admission
 from .expert_api import Ended, ExpertApi, Submitted
+from .expert_backend import install_expert_backend
 from .graphs import graphs_for, largest_graph
 from .kv_cache import BlockAllocator
 from .kv_offload import HostKVTier
@@ -68,9 +69,10 @@ class DynamicInferenceEngine:
     ``adapters`` (LoRA) and ``speculation`` (the verify step, with speculative decoding on), behind
     :class:`~.served.ServedEngine`."""
 
-    def __init__(self, model: LlamaForCausalLM, tokenizer: Tokenizer, config: InferenceConfig,
+    def __init__(self, model: LlamaForCausalLM, tokenizer: Vocabulary, config: InferenceConfig,
                  runner: ModelRunner | None = None, model_dir: str | Path | None = None):
         """``model_dir``: where the model came from, when known (a draft model of another vocabulary is refused)."""
+        install_expert_backend(model, config)  # expert parallelism's all-to-all (--all2all-backend)
         if config.batch_invariant:
             model.use_batch_invariant_ops()
         if (seam := config.trainer_seam_warning()) is not None:
@@ -161,12 +163,16 @@ class DynamicInferenceEngine:
 
     @classmethod
     def from_model_dir(cls, model_dir: str | Path, config: InferenceConfig | None = None,
-                       tokenizer_dir: str | Path | None = None) -> "DynamicInferenceEngine":
+                       tokenizer_dir: str | Path | None = None, vocabulary_only: bool = False
+                       ) -> "DynamicInferenceEngine":
         """Load model and tokenizer (from ``tokenizer_dir`` when given, else ``model_dir``); with
-        ``tensor_parallel_size > 1`` also start and join the other ranks."""
+        ``tensor_parallel_size > 1`` also start and join the other ranks. ``vocabulary_only``: the engine's own
+        :class:`~megatron_serve.tokenizer.Vocabulary`, without ``transformers`` (an engine process, which makes no
+        text), instead of the whole tokenizer that the caller's process makes text with."""
         config = config or InferenceConfig()
         model_config = ModelConfig.from_dir(model_dir)
-        tokenizer = Tokenizer.from_pretrained(tokenizer_dir or model_dir)
+        files = tokenizer_dir or model_dir
+        tokenizer = TokenizerFiles.from_dir(files) if vocabulary_only else Tokenizer.from_pretrained(files)
         dtype = default_dtype(config, model_config)
         if config.world_size == 1:
             return cls(load_model(model_dir, dtype, config.device, quantization=config.quantization), tokenizer, config,

@@ -100,9 +100,13 @@ class Copier:
 class CudaCopier(Copier):
     """Copies on a side stream between the pool and pinned host slots; the host never waits for them.
 
-    A copy to the host reads blocks that the next step may overwrite, and a copy to the device writes
-    blocks that the next step reads: either way the compute stream waits for the copy's event (on the
-    device), so the step launched next is ordered after it while the host goes on planning.
+    Both streams wait for each other on the device, never on the host. The side stream first waits for the work
+    queued so far on the compute stream: a copy to the host reads blocks that a step still in flight may be
+    writing, and a copy to the device writes blocks that such a step may still read or write (a block freed and
+    handed out again while its last step runs). The compute stream then waits for the copy's end: the step
+    launched next may overwrite what a copy to the host reads, and reads what a copy to the device writes. The
+    pool's tensors are marked as used by the side stream (``record_stream``), so that memory released while a
+    copy is queued (the pool freed by a suspend) is not handed out before the copy is done.
     """
 
     pin_memory = True
@@ -110,25 +114,27 @@ class CudaCopier(Copier):
     def __init__(self, device: torch.device):
         self.stream = torch.cuda.Stream(device)
 
-    def _copy(self, run: Callable[[], None]) -> Transfer:
-        compute = torch.cuda.current_stream()
+    def _copy(self, pool: KVCachePool, run: Callable[[], None]) -> Transfer:
+        compute = torch.cuda.current_stream(self.stream.device)
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        self.stream.wait_stream(compute)  # ordered after every step launched so far
         with torch.cuda.stream(self.stream):
             start.record()
             run()
             end.record()
-        compute.wait_event(end)
+        for tensor in pool.block_tensors():
+            tensor.record_stream(self.stream)
+        compute.wait_event(end)  # the next step is ordered after the copy
         return _CudaTransfer(start, end)
 
     def to_host(self, pool: KVCachePool, blocks: list[int], host: list[torch.Tensor], slots: list[int]) -> Transfer:
         def run() -> None:
             index = torch.tensor(blocks, dtype=torch.long).to(pool.device, non_blocking=True)
             for source, target in zip(_raw(pool.block_tensors()), _raw(host)):
-                staged = source.index_select(2, index).movedim(2, 0).contiguous()
+                staged = source.index_select(2, index).movedim(2, 0).contiguous()  # side-stream memory
                 for row, slot in enumerate(slots):
                     target[slot].copy_(staged[row], non_blocking=True)
-                staged.record_stream(self.stream)
-        return self._copy(run)
+        return self._copy(pool, run)
 
     def to_device(self, host: list[torch.Tensor], slots: list[int], pool: KVCachePool, blocks: list[int]) -> Transfer:
         def run() -> None:
@@ -138,7 +144,7 @@ class CudaCopier(Copier):
                 for row, slot in enumerate(slots):
                     staged[row].copy_(source[slot], non_blocking=True)
                 target.index_copy_(2, index, staged.movedim(0, 2))
-        return self._copy(run)
+        return self._copy(pool, run)
 
 
 def copier_for(device: torch.device) -> Copier:

@@ -6,7 +6,9 @@ that live requests hold to host memory before the pool goes, and ``resume`` copi
 block ids: the requests keep their block tables and continue where they stopped, no token computed twice.
 
 The copy is taken whole and dropped on resume: it is not a cache (that is :mod:`.kv_offload`'s host tier), and
-its host memory is its own, sized by the blocks in use, not by ``--kv-offloading-size``.
+its host memory is its own, sized by the blocks in use, not by ``--kv-offloading-size``. In a tensor- or
+pipeline-parallel group every rank parks its own part of the blocks (:class:`ParkOrder`) and copies it back, or
+drops it, as rank 0 decides at ``resume``.
 """
 
 from __future__ import annotations
@@ -18,6 +20,16 @@ import torch
 
 from .kv_cache import KVCachePool
 from .kv_offload import CudaCopier, copier_for, host_buffers
+
+
+@dataclass(frozen=True)
+class ParkOrder:
+    """The blocks a suspend with ``keep_kv`` parks, under the weights' epoch they were computed with. Rank 0 of a
+    tensor- or pipeline-parallel group sends it to the other ranks: the block ids are the same on every rank, each
+    rank's pool holds its own part of them (its stage's layers, its share of the KV heads)."""
+
+    blocks: list[int]
+    epoch: int
 
 
 @dataclass

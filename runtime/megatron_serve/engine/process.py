@@ -367,7 +367,7 @@ class EngineProcess:
         already = self.suspend_level >= level
         try:
             released = self._suspend(level, bool(body.keep_kv))
-        except ValueError as exc:  # keep_kv where it is not implemented (tensor parallelism)
+        except ValueError as exc:  # a level other than 1 or 2
             return {"error": str(exc)}
         detail: dict[str, Any] = {"released_bytes": released, "level": self.suspend_level}
         if kept := self.engine.memory.kept_kv_bytes:
@@ -432,8 +432,10 @@ class EngineProcess:
         self._note_weights()
         logger.info("refit: epoch %d from %s in %.2fs (verify %.2fs, load %.2fs)", timings["epoch"], body.source,
                     timings["total_s"], timings["verify_s"], timings["load_s"])
-        facts = {**{k: round(float(v), 6) for k, v in timings.items() if k != "epoch"},
+        facts = {**{k: round(float(v), 6) for k, v in timings.items() if k not in ("epoch", "drafter_error")},
                  "epoch": int(timings["epoch"]), "source": body.source}
+        if "drafter_error" in timings:  # the policy changed, the drafter could not (engine.memory_verbs)
+            facts["drafter_error"] = timings["drafter_error"]
         if "peer_store" in self.link.hello["info"]:
             facts["peer_store"] = self.link.hello["info"]["peer_store"]
         carried = body.rendezvous.adapters if body.rendezvous is not None else None

@@ -42,7 +42,7 @@ import torch
 
 from ..grammar import grammar_for
 from ..wire.sampling_params import StructuredOutputsParams
-from ..tokenizer import Tokenizer
+from ..tokenizer import Vocabulary
 
 logger = logging.getLogger(__name__)
 
@@ -50,18 +50,19 @@ logger = logging.getLogger(__name__)
 class StructuredOutputs:
     """The matchers of the constrained requests of one engine."""
 
-    def __init__(self, tokenizer: Tokenizer, vocab_size: int):
+    def __init__(self, tokenizer: Vocabulary, vocab_size: int):
         self._tokenizer = tokenizer
         self.vocab_size = vocab_size
         self._matchers: dict[str, Any] = {}  # request id -> llguidance.LLMatcher
 
     @cached_property
     def _ll_tokenizer(self) -> Any:
-        """llguidance's view of the vocabulary (~1 s for a 128k vocabulary, so built once, when first needed)."""
-        import llguidance.hf  # noqa: PLC0415
+        """llguidance's view of the vocabulary (built once, when first needed), from the tokenizer's JSON as
+        ``llguidance.hf.from_tokenizer`` makes it, without that module's ``transformers`` import."""
+        import llguidance  # noqa: PLC0415
 
-        return llguidance.hf.from_tokenizer(self._tokenizer.hf_tokenizer, n_vocab=self.vocab_size,
-                                            eos_token=list(self._tokenizer.eos_token_ids) or None)
+        return llguidance.LLTokenizer(self._tokenizer.grammar_json(), n_vocab=self.vocab_size,
+                                      eos_token=list(self._tokenizer.eos_token_ids) or None)
 
     @cached_property
     def _executor(self) -> Any:

@@ -2,12 +2,13 @@
 
 Rank 0 of a group owns the scheduler and talks to the coordinator. Each step it writes the batch
 into its step buffers and broadcasts their used part as one packed integer array (``PlanChannel``:
-a two-integer header, then the plan, over a gloo group; no pickled object per step); every rank
+a three-integer header, then the plan, over a gloo group; no pickled object per step); every rank
 runs the forward pass on its weight slice and its share of the KV heads; rank 0 samples from the
 gathered logits. With overlapped scheduling a step's gathered rows take the previous step's
 sampled tokens, which rank 0 broadcasts on the device group first. Suspend, resume, refit and stop
-go through the same channel, so a verb always acts on the whole group. With pipeline stages
-(``--pipeline-parallel-size``) the group is ``stages x tensor_parallel_size`` ranks; the steps, the previous
+go through the same channel, so a verb always acts on the whole group (a suspend that keeps the KV parks the same
+blocks on every rank, each its own part of them, and rank 0's resume says whether to copy them back). With pipeline
+stages (``--pipeline-parallel-size``) the group is ``stages x tensor_parallel_size`` ranks; the steps, the previous
 tokens and the refit outcomes go over the whole group, each stage's layers use its own tensor-parallel group
 (:func:`join_group`). With data-parallel attention (``--data-parallel-size``, :mod:`.data_parallel`) the group is
 ``dp`` such groups, each led by an engine of its own (rank ``d * tp``), which broadcasts to its own ranks only; the
@@ -32,6 +33,7 @@ import socket
 import sys
 import time
 from dataclasses import dataclass
+from typing import Callable, TypeVar
 
 import numpy as np
 import torch
@@ -44,14 +46,19 @@ from ..model.loader import load_model, load_weights
 from ..model.lora import LoraAdapter
 from ..model.lora_slots import LoraSlots
 from ..model.parallel import DataParallel, PipelineStage, TensorParallel
-from .data_parallel import any_busy, empty_moe_pass
+from .data_parallel import agree_tokens, any_busy
+from .expert_backend import install_expert_backend
+from .kv_cache import KVCachePool
+from .kv_park import ParkedKV, ParkOrder
 from .sizing import build_kv_pool, default_dtype, engine_buffers, max_sequence_length_for
 from .runner import ModelRunner, StepResult
 from .step_plan import StepBuffers, StepPlan
 from ..weights.drafter import policy_only
+from ..weights.peer_pull import follow_share
 from ..weights.sources import WeightSource
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 RENDEZVOUS_TIMEOUT_S = float(os.environ.get("MEGATRON_SERVE_RENDEZVOUS_TIMEOUT", "300"))
 #: The exit code of a rank's process that found itself re-running its parent's script (see reimported_main).
@@ -140,12 +147,13 @@ def check_local_devices(placement: Placement, device_type: str) -> None:
 class PlanChannel:
     """Rank 0's messages to the other ranks, over a gloo group (host integers; NCCL carries device tensors).
 
-    Each message is a header ``[kind, length]``; a step follows as ``length`` packed integers
+    Each message is a header ``[kind, length, tokens]``; a step follows as ``length`` packed integers
     (:meth:`StepBuffers.pack`), the other kinds as one small pickled payload (a suspend level, a
-    weight source): those are rare, steps are not.
+    weight source): those are rare, steps are not. ``tokens``: with data-parallel attention, the largest step
+    of the data-parallel ranks, which a step and an idle rank's empty MoE pass are padded for (-1: none).
     """
 
-    KINDS = ("step", "suspend", "resume", "refit", "stop", "lora", "idle")
+    KINDS = ("step", "suspend", "resume", "refit", "stop", "lora", "idle", "peer")
 
     def __init__(self, group: dist.ProcessGroup, leader: int = 0, device_group: object | None = None,
                  leaders: object | None = None):
@@ -157,29 +165,31 @@ class PlanChannel:
         self.device_group = device_group
         self.leaders = leaders
 
-    def send(self, kind: str, packed: np.ndarray | None = None, payload: object = None) -> None:
+    def send(self, kind: str, packed: np.ndarray | None = None, payload: object = None,
+             tokens: int | None = None) -> None:
         length = 0 if packed is None else len(packed)
-        header = torch.tensor([self.KINDS.index(kind), length], dtype=torch.int64)
+        header = torch.tensor([self.KINDS.index(kind), length, -1 if tokens is None else tokens], dtype=torch.int64)
         dist.broadcast(header, src=self.leader, group=self.group)
         if packed is not None:
             dist.broadcast(torch.from_numpy(packed), src=self.leader, group=self.group)
         elif kind not in ("step", "idle"):
             dist.broadcast_object_list([payload], src=self.leader, group=self.group)
 
-    def receive(self) -> tuple[str, np.ndarray | object]:
-        header = torch.empty(2, dtype=torch.int64)
+    def receive(self) -> tuple[str, np.ndarray | object, int | None]:
+        """``(kind, payload, tokens)`` of the leader's next message."""
+        header = torch.empty(3, dtype=torch.int64)
         dist.broadcast(header, src=self.leader, group=self.group)
-        code, length = header.tolist()
-        kind = self.KINDS[code]
+        code, length, tokens = header.tolist()
+        kind, tokens = self.KINDS[code], None if tokens < 0 else tokens
         if kind == "idle":
-            return kind, None
+            return kind, None, tokens
         if kind == "step":
             packed = torch.empty(length, dtype=torch.int64)
             dist.broadcast(packed, src=self.leader, group=self.group)
-            return kind, packed.numpy()
+            return kind, packed.numpy(), tokens
         message: list = [None]
         dist.broadcast_object_list(message, src=self.leader, group=self.group)
-        return kind, message[0]
+        return kind, message[0], None
 
     def broadcast(self, tensor: torch.Tensor) -> torch.Tensor:
         """A step's device tensor (previous tokens, image embeddings) from the leader to its ranks."""
@@ -211,18 +221,19 @@ def join_group(placement: Placement, rank: int, device: torch.device, config: In
         ) from exc
     size, stages = config.tensor_parallel_size, config.pipeline_parallel_size
     if config.data_parallel_size > 1:
-        return join_data_parallel(rank, size, config.data_parallel_size, backend)
+        return join_data_parallel(rank, size, config.data_parallel_size, backend, config.gathers_rows)
     plans = dist.group.WORLD if backend == "gloo" else dist.new_group(backend="gloo")
     tp_group = dist.group.WORLD
     if stages > 1:  # every rank creates every stage's group, in the same order
         groups = [dist.new_group(list(range(s * size, (s + 1) * size))) for s in range(stages)]
         tp_group = groups[rank // size]
-    stage = PipelineStage(rank // size, stages, rank, size, dist.group.WORLD)
+    stage = PipelineStage(rank // size, stages, rank, size, dist.group.WORLD, config.micro_batches)
     return (TensorParallel(rank=rank % size, size=size, group=tp_group, expert_parallel=config.enable_expert_parallel,
-                           stage=stage), PlanChannel(plans))
+                           stage=stage, gathered_rows=config.gathers_rows), PlanChannel(plans))
 
 
-def join_data_parallel(rank: int, size: int, dp: int, backend: str) -> tuple[TensorParallel, PlanChannel]:
+def join_data_parallel(rank: int, size: int, dp: int, backend: str, gathered_rows: bool = False
+                       ) -> tuple[TensorParallel, PlanChannel]:
     """The groups of data-parallel attention: data-parallel rank ``d``'s attention ranks ``d * size ..`` (its
     layers' group, and a gloo one for its leader's plans), the leaders' (gloo: they agree on each step), and the
     whole group for the MoE layers' all-to-alls. Every rank creates every group, in the same order."""
@@ -232,7 +243,7 @@ def join_data_parallel(rank: int, size: int, dp: int, backend: str) -> tuple[Ten
     leaders = dist.new_group([d * size for d in range(dp)], backend="gloo")
     index = rank // size
     tp = TensorParallel(rank=rank % size, size=size, group=attention[index], expert_parallel=True,
-                        data_parallel=DataParallel(index, dp, dist.group.WORLD))
+                        data_parallel=DataParallel(index, dp, dist.group.WORLD), gathered_rows=gathered_rows)
     return tp, PlanChannel(plans[index], index * size, attention[index], leaders if rank % size == 0 else None)
 
 
@@ -257,10 +268,11 @@ class TensorParallelRunner(ModelRunner):
         self.workers = workers
         self._ran_forward = False  # since the last end_step: a data-parallel rank that did not runs an empty pass
 
-    def _broadcast(self, kind: str, payload: object = None, packed: np.ndarray | None = None) -> None:
+    def _broadcast(self, kind: str, payload: object = None, packed: np.ndarray | None = None,
+                   tokens: int | None = None) -> None:
         self._check_workers()
         try:
-            self.channel.send(kind, packed, payload)
+            self.channel.send(kind, packed, payload, tokens)
         except Exception as exc:  # noqa: BLE001 - a collective fails only when the group broke
             raise EngineGroupLost(f"tensor-parallel group broke during {kind!r}: {exc}") from exc
 
@@ -274,29 +286,36 @@ class TensorParallelRunner(ModelRunner):
                  previous_shifts=None) -> StepResult:
         # verify steps are not overlapped under tensor parallelism (the followers would need the shifts too)
         assert previous_shifts is None, "a plan corrected by a verify step in flight under tensor parallelism"
-        self._broadcast("step", packed=self.buffers.pack(plan))
+        tokens = self._agree_tokens(plan.num_tokens)
+        self._broadcast("step", packed=self.buffers.pack(plan), tokens=tokens)
         try:
             broadcast_previous_tokens(self.channel, plan, previous_tokens, 0, self.device)
             if plan.num_images:  # the tower runs on rank 0 only: its output goes with the step
                 self.channel.broadcast(image_embeddings.contiguous())
             self._ran_forward = True
-            return super().run_plan(plan, kv_caches, image_embeddings, previous_tokens)
+            return super().run_plan(plan, kv_caches, image_embeddings, previous_tokens, group_tokens=tokens)
         except Exception as exc:  # noqa: BLE001 - the forward's all-reduces fail when a peer died mid-step
             self._check_workers()
             raise EngineGroupLost(f"tensor-parallel forward failed: {exc}") from exc
 
-    def on_suspend(self, level: int) -> None:
-        self._broadcast("suspend", level)
+    def on_suspend(self, level: int, keep: ParkOrder | None = None) -> None:
+        self._broadcast("suspend", (level, keep))
         super().on_suspend(level)
 
-    def on_resume(self) -> None:
-        self._broadcast("resume")
+    def on_resume(self, restore: bool = False) -> None:
+        self._broadcast("resume", restore)
 
     def group_busy(self, busy: bool) -> bool:
-        if self.channel.leaders is None:
-            return busy
+        return busy if self.channel.leaders is None else self._among_leaders(any_busy, busy)
+
+    def _agree_tokens(self, tokens: int) -> int | None:
+        """With data-parallel attention, the largest step of the data-parallel ranks (None without)."""
+        return None if self.channel.leaders is None else self._among_leaders(agree_tokens, tokens)
+
+    def _among_leaders(self, collective: Callable[[object, T], T], value: T) -> T:
+        """``collective`` over the data-parallel attention ranks' leaders."""
         try:
-            return any_busy(self.channel.leaders, busy)
+            return collective(self.channel.leaders, value)
         except Exception as exc:  # noqa: BLE001 - a collective fails only when the group broke
             raise EngineGroupLost(f"data-parallel attention ranks lost one of them: {exc}") from exc
 
@@ -304,9 +323,10 @@ class TensorParallelRunner(ModelRunner):
         ran, self._ran_forward = self._ran_forward, False
         if self.channel.leaders is None or ran:
             return
-        self._broadcast("idle")
+        tokens = self._agree_tokens(0)
+        self._broadcast("idle", tokens=tokens)
         try:
-            empty_moe_pass(self.model)
+            self.empty_moe_pass(tokens)
         except Exception as exc:  # noqa: BLE001 - the all-to-alls fail when a peer died mid-step
             self._check_workers()
             raise EngineGroupLost(f"data-parallel attention: an empty MoE pass failed: {exc}") from exc
@@ -320,11 +340,21 @@ class TensorParallelRunner(ModelRunner):
         self._broadcast("lora", (slot, adapter))
 
     def refit_outcomes(self) -> list[tuple[list[str], str | None]]:
+        return self._outcomes("a refit")
+
+    def on_share(self, payload: tuple[str, str, int, float]) -> None:
+        self._broadcast("peer", payload)
+
+    def share_outcomes(self) -> list[str | None]:
+        return self._outcomes("a peer pull")
+
+    def _outcomes(self, what: str) -> list:
+        """What each other rank reported of ``what``, in rank order (they send it once they are done)."""
         outcomes: list = [None] * dist.get_world_size(self.channel.group)
         try:
             dist.gather_object(None, outcomes, dst=self.channel.leader, group=self.channel.group)
         except Exception as exc:  # noqa: BLE001 - a collective fails only when the group broke
-            raise EngineGroupLost(f"tensor-parallel group broke during a refit: {exc}") from exc
+            raise EngineGroupLost(f"tensor-parallel group broke during {what}: {exc}") from exc
         return outcomes[1:]
 
     def shutdown(self) -> None:
@@ -438,6 +468,7 @@ def run_worker(model_dir: str, config_dict: dict, placement: Placement, rank: in
     tp, channel = join_group(placement, rank, device, config)
     model_config = ModelConfig.from_dir(model_dir)
     model = load_model(model_dir, default_dtype(config, model_config), device, tp, quantization=config.quantization)
+    install_expert_backend(model, config)
     if config.batch_invariant:
         model.use_batch_invariant_ops()
     max_sequence_length = max_sequence_length_for(model_config, config)
@@ -452,8 +483,9 @@ def run_worker(model_dir: str, config_dict: dict, placement: Placement, rank: in
         slots = LoraSlots(model, config.max_loras, config.max_lora_rank, config.batch_invariant)
         runner.lora_rows = slots.rows
     sampled = 0  # rows the last step sampled: the length of the tokens a gathering step receives
+    memory = FollowerMemory(model, pool, runner, device)
     while True:
-        kind, payload = channel.receive()
+        kind, payload, tokens = channel.receive()
         if kind == "step":
             plan = buffers.unpack(payload)
             previous = broadcast_previous_tokens(channel, plan, None, sampled, device)
@@ -461,28 +493,54 @@ def run_worker(model_dir: str, config_dict: dict, placement: Placement, rank: in
             if plan.num_images:
                 embeddings = channel.broadcast(torch.empty(plan.num_images, model.config.hidden_size, device=device,
                                                            dtype=model.dtype))
-            runner.run_plan(plan, pool.layer_caches, embeddings, previous)
+            runner.run_plan(plan, pool.layer_caches, embeddings, previous, group_tokens=tokens)
             sampled = plan.num_sample
         elif kind == "suspend":
-            runner.on_suspend(payload)
-            pool.release()
-            if payload == 2 and device.type == "cuda":
-                model.to("cpu")
-                torch.cuda.empty_cache()
+            memory.suspend(*payload)
         elif kind == "resume":
-            model.to(device)
-            pool.allocate()
-            runner.capture_graphs(pool.layer_caches)
+            memory.resume(payload)
         elif kind == "idle":
-            empty_moe_pass(model)
+            runner.empty_moe_pass(tokens)
         elif kind == "refit":
             dist.gather_object(_follow_refit(model, payload), None, dst=channel.leader, group=channel.group)
         elif kind == "lora":
             slots.write(*payload)
+        elif kind == "peer":  # a joiner pulls our weights: this rank sends its own to the joiner's same rank
+            dist.gather_object(follow_share(model, payload), None, dst=channel.leader, group=channel.group)
         elif kind == "stop":
             break
     dist.destroy_process_group()
     release_groups(tp, channel)  # a spawned process ends through the interpreter's teardown too
+
+
+@dataclass
+class FollowerMemory:
+    """A follower's side of suspend and resume: its KV pool (its part of the live requests' blocks parked in host
+    memory first when rank 0 keeps the KV) and, at level 2 on a GPU, its weights."""
+
+    model: torch.nn.Module
+    pool: KVCachePool
+    runner: ModelRunner
+    device: torch.device
+    parked: ParkedKV | None = None
+
+    def suspend(self, level: int, keep: ParkOrder | None) -> None:
+        self.runner.on_suspend(level)
+        if keep is not None:
+            self.parked = ParkedKV.park(self.pool, keep.blocks, keep.epoch)
+        self.pool.release()
+        if level == 2 and self.device.type == "cuda":
+            self.model.to("cpu")
+            torch.cuda.empty_cache()
+
+    def resume(self, restore: bool) -> None:
+        """``restore``: copy the parked blocks back (rank 0 does too); else drop them (a refit made them stale)."""
+        self.model.to(self.device)
+        self.pool.allocate()
+        parked, self.parked = self.parked, None
+        if parked is not None and restore:
+            parked.restore(self.pool)
+        self.runner.capture_graphs(self.pool.layer_caches)
 
 
 def _follow_refit(model, source: WeightSource) -> tuple[list[str], str | None]:

@@ -33,7 +33,7 @@ from .structured_output import StructuredOutputs
 if TYPE_CHECKING:
     from ..config import InferenceConfig
     from ..model.llama import LlamaForCausalLM
-    from ..tokenizer import Tokenizer
+    from ..tokenizer import Vocabulary
     from .kv_cache import KVCachePool
     from .logprob_parity import ParityChecker
     from .runner import ModelRunner
@@ -41,7 +41,7 @@ if TYPE_CHECKING:
     from .sequence import Sequence
 
 
-def encoder_cache_for(model: LlamaForCausalLM, tokenizer: Tokenizer) -> EncoderCache | None:
+def encoder_cache_for(model: LlamaForCausalLM, tokenizer: Vocabulary) -> EncoderCache | None:
     """The image side of a vision-language model (None for a text model)."""
     if model.config.vision is None:
         return None
@@ -56,7 +56,7 @@ class ModelWorker:
     log-prob checks (their prompt rows are scored as their originals were processed); ``speculator``: the verify
     hook, with speculation on. Nothing it holds refers back to the engine."""
 
-    def __init__(self, model: LlamaForCausalLM, tokenizer: Tokenizer, config: InferenceConfig, runner: ModelRunner,
+    def __init__(self, model: LlamaForCausalLM, tokenizer: Vocabulary, config: InferenceConfig, runner: ModelRunner,
                  kv_cache: KVCachePool, parity: ParityChecker, speculator: Speculator | None):
         self.config = config
         self.kv_cache = kv_cache

@@ -32,6 +32,7 @@ from megatron_kernels.fp8 import FP8_DTYPE, Block, quantize, scale_shape
 from .errors import UnsupportedModelError
 from .layers import (
     ColumnParallelLinear,
+    GatheredRowLinear,
     RowParallelLinear,
     TensorSource,
     _check_full,
@@ -302,7 +303,7 @@ class Fp8Linears(Linears):
         return Fp8ColumnParallelLinear(in_features, shards, bias, tp, scheme, name)
 
     def row(self, name: str, in_features: int, out_features: int, tp: TensorParallel = SINGLE,
-            reduce: bool = True) -> RowParallelLinear:
+            reduce: bool = True) -> RowParallelLinear | GatheredRowLinear:
         scheme = self.quantization.scheme_for(name)
         if scheme is None:
             return super().row(name, in_features, out_features, tp, reduce)

@@ -157,6 +157,23 @@ class RowParallelLinear(nn.Module):
         return self.tp.all_reduce(out) if self.reduce else out
 
 
+class GatheredRowLinear(ColumnParallelLinear):
+    """A row-parallel projection (``o_proj``, a dense MLP's ``down_proj``) computed as one rank computes it: the ranks'
+    slices of the input are gathered, each rank computes its slice of the output features from the whole input, and
+    the output slices are gathered (:attr:`TensorParallel.gathered_rows`: ``--batch-invariant`` under expert
+    parallelism). An all-reduce, even in a fixed order, adds partial sums over slices of the input, rounding as no
+    single GEMM does; here every output element is one GEMM over the whole input, so the layer's bits are one rank's
+    wherever a GEMM's columns do not depend on the columns beside it (as the column-parallel layers already need).
+    Two all-gathers replace the all-reduce: about the same bytes. A rank holds ``out / tp`` rows of the whole
+    weight instead of ``in / tp`` columns of every row."""
+
+    def __init__(self, in_features: int, out_features: int, tp: TensorParallel, weight_dtype: torch.dtype | None = None):
+        super().__init__(in_features, {"out": (out_features, 1)}, tp=tp, weight_dtype=weight_dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.tp.all_gather_last_dim(super().forward(self.tp.all_gather_last_dim(x)))
+
+
 class ReplicatedLinear(nn.Module):
     """A small projection every rank holds whole (a router, a gate)."""
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from .layers import ColumnParallelLinear, RowParallelLinear
+from .layers import ColumnParallelLinear, GatheredRowLinear, RowParallelLinear
 from .moe import FusedExperts
 from .parallel import SINGLE, TensorParallel
 
@@ -23,7 +23,12 @@ class Linears:
         return ColumnParallelLinear(in_features, shards, bias, tp)
 
     def row(self, name: str, in_features: int, out_features: int, tp: TensorParallel = SINGLE,
-            reduce: bool = True) -> RowParallelLinear:
+            reduce: bool = True) -> RowParallelLinear | GatheredRowLinear:
+        """A row-parallel layer; under ``tp.gathered_rows`` one that computes one rank's bits
+        (:class:`.layers.GatheredRowLinear`: the FP8 builder's layers and those leaving their reduction to the
+        caller stay row-parallel)."""
+        if tp.gathered_rows and tp.size > 1 and reduce:
+            return GatheredRowLinear(in_features, out_features, tp)
         return RowParallelLinear(in_features, out_features, tp, reduce)
 
     def experts(self, name: str, parts: tuple[str, ...], num_experts: int, hidden_size: int, intermediate_size: int,

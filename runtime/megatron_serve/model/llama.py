@@ -7,7 +7,9 @@ projections are fused (``qkv_proj``, ``gate_up_proj``, stacked experts); the loa
 
 from __future__ import annotations
 
+import logging
 import re
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -24,6 +26,11 @@ from .layers import (ColumnParallelLinear, GatedMLP, ParallelLMHead, ReplicatedL
 from .linears import Linears
 from .moe import FusedExperts, SparseMoeBlock
 from .parallel import SINGLE, TensorParallel, stage_layers
+
+if TYPE_CHECKING:  # annotations only: the engine installs the expert-parallel backend after the build
+    from .expert_dispatch import ExpertStep
+
+logger = logging.getLogger(__name__)
 
 _LAYER = re.compile(r"model\.layers\.(\d+)\.")  # a decoder layer's checkpoint tensors
 
@@ -148,21 +155,41 @@ class LlamaModel(nn.Module):
         self.aux_layers: tuple[int, ...] = ()
 
     def forward(self, token_ids, positions, context, cos, sin, input_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        if self.stage.size > 1:
+            return self.pipelined(token_ids, positions, [(slice(0, token_ids.shape[0]), context)], cos, sin)
         hidden = self.embed_tokens(token_ids) if input_embeds is None else input_embeds
         residual, aux = None, {}
-        if self.stage.index:  # the stage before computed the layers up to ours
-            hidden, residual = self.stage.receive(hidden, hidden)
         for index in self.own:
             if index in self.aux_layers:
                 aux[index] = hidden if residual is None else hidden + residual
             hidden, residual = self.layers[index](positions, hidden, residual, context, cos, sin)
-        if not self.stage.is_last:
-            self.stage.send(hidden, residual)
-            return self.stage.share_output(torch.empty_like(hidden))
         hidden, summed = self.norm(hidden, residual)
         if self.capture_hidden:
             self.captured_hidden = torch.cat([aux[i] for i in self.aux_layers], dim=-1) if aux else summed
-        return self.stage.share_output(hidden)
+        return hidden
+
+    def pipelined(self, token_ids: torch.Tensor, positions: torch.Tensor,
+                  parts: list[tuple[slice, ForwardContext]], cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """This stage's layers over each micro-batch in turn (``parts``: its rows of the step and its own context):
+        stage 0 embeds a micro-batch, a later stage receives its hidden states and residual from the stage before;
+        each is sent on without waiting, so a stage runs micro-batch ``m`` while the next runs ``m - 1``. The last
+        stage's final hidden states of every row are broadcast to every rank, which all compute the logits."""
+        stage, sent = self.stage, []
+        out = self.embed_tokens.weight.new_empty((token_ids.shape[0], self.embed_tokens.weight.shape[1]))
+        for tag, (rows, context) in enumerate(parts):
+            if stage.index:  # the stage before computed the layers up to ours
+                hidden, residual = stage.receive(out[rows], out[rows], tag=tag)
+            else:
+                hidden, residual = self.embed_tokens(token_ids[rows]), None
+            for index in self.own:
+                hidden, residual = self.layers[index](positions[rows], hidden, residual, context, cos, sin)
+            if stage.is_last:
+                out[rows] = self.norm(hidden, residual)[0]
+            else:
+                sent += stage.send(hidden, residual, tag=tag)
+        for _tensor, work in sent:
+            work.wait()
+        return stage.share_output(out)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -183,6 +210,9 @@ class LlamaForCausalLM(nn.Module):
         self.register_buffer("rotary_sin", sin, persistent=False)
         self._mtp_prefixes = tuple(f"model.layers.{config.num_layers + i}."
                                    for i in range(config.num_nextn_predict_layers))
+        # what the MoE layers of a forward agree on with the other expert-parallel ranks: set by the engine's
+        # backend (.expert_dispatch.install_dispatchers), None where no MoE layer moves tokens between ranks
+        self.expert_step: ExpertStep | None = None
 
     @property
     def dtype(self) -> torch.dtype:
@@ -206,6 +236,11 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, token_ids: torch.Tensor, positions: torch.Tensor, context: ForwardContext) -> torch.Tensor:
         return self.model(token_ids, positions, context, self.rotary_cos, self.rotary_sin)
 
+    def pipelined(self, token_ids: torch.Tensor, positions: torch.Tensor,
+                  parts: list[tuple[slice, ForwardContext]]) -> torch.Tensor:
+        """A step's micro-batches through the pipeline stages (:meth:`LlamaModel.pipelined`)."""
+        return self.model.pipelined(token_ids, positions, parts, self.rotary_cos, self.rotary_sin)
+
     def use_batch_invariant_ops(self) -> None:
         """Switch every op of the forward to ``--batch-invariant`` arithmetic (:mod:`megatron_kernels.invariant`),
         op for op what ``transformers``' modeling code computes under ``megatron_serve.invariant``.
@@ -228,6 +263,9 @@ class LlamaForCausalLM(nn.Module):
                     parts = tuple(length for _offset, _start, length in module.slices.values())
                     module.fused_invariant = invariant_probe.fusion_holds(self._in_compute_dtype(module.weight),
                                                                           parts)
+            if self.tp.gathered_rows and (split := self.column_split_problems()):
+                logger.warning("--batch-invariant with expert parallelism: each request's log probs are its own in "
+                               "any batch, but not one rank's in the last bits on this CPU: %s", "; ".join(split))
         workspace = Workspace()  # the attention layers' scratch tensors, shared: they run one after another
         for module in self.modules():
             if isinstance(module, (ColumnParallelLinear, RowParallelLinear, ReplicatedLinear, VocabParallelEmbedding,
@@ -240,6 +278,25 @@ class LlamaForCausalLM(nn.Module):
         cos, sin = invariant_rotary_cos_sin(self.config.head_dim, self.config.max_position_embeddings,
                                             self.config.rope, self.dtype)
         self.rotary_cos, self.rotary_sin = cos.to(self.rotary_cos.device), sin.to(self.rotary_sin.device)
+
+    def column_split_problems(self) -> list[str]:
+        """Where this group's tensor-parallel column slices (of the column-parallel projections, the gathered
+        row-parallel ones and the LM head) do not compute the columns one rank's whole GEMM does, on this CPU
+        (:func:`megatron_kernels.invariant_probe.column_split_problems`; a GPU's Triton GEMM tiles its columns
+        alike whatever their count): what keeps an expert-parallel group's log probs from being one rank's."""
+        if self.tp.size == 1 or self.rotary_cos.device.type != "cpu":
+            return []
+        splits = []
+        for module in self.modules():
+            if isinstance(module, ColumnParallelLinear):
+                for name, (_offset, _start, length) in module.slices.items():
+                    whole = module.features[name]
+                    splits.append(((whole, module.weight.shape[1]), self.dtype, (length,) * (whole // length)))
+            elif isinstance(module, ParallelLMHead):
+                rows, vocab = module.rows_per_rank, module.vocab_size
+                parts = tuple(min(rows, vocab - start) for start in range(0, vocab, rows))
+                splits.append(((vocab, module.weight.shape[1]), self.dtype, parts))
+        return invariant_probe.column_split_problems(splits)
 
     def _gemm_linears(self) -> list[invariant_probe.Linear]:
         """A weight of every shape the mode's GEMMs multiply by, in the compute dtype, with its fused parts:

@@ -39,28 +39,38 @@ def stage_layers(num_layers: int, stages: int) -> list[range]:
 
 @dataclass(frozen=True)
 class PipelineStage:
-    """This rank's pipeline stage; ``rank``: its rank in the whole group, ``group``: the whole group's."""
+    """This rank's pipeline stage; ``rank``: its rank in the whole group, ``group``: the whole group's;
+    ``micro_batches``: how many parts a step's requests pass the stages in (``engine.micro_batches``)."""
 
     index: int = 0
     size: int = 1
     rank: int = 0
     tp_size: int = 1
     group: object | None = None
+    micro_batches: int = 1
 
     @property
     def is_last(self) -> bool:
         return self.index == self.size - 1
 
-    def receive(self, *like: torch.Tensor) -> list[torch.Tensor]:
-        """Tensors shaped as ``like`` from the stage before (the same tensor-parallel rank of it)."""
+    def receive(self, *like: torch.Tensor, tag: int = 0) -> list[torch.Tensor]:
+        """Tensors shaped as ``like`` from the stage before (the same tensor-parallel rank of it); ``tag``: the
+        micro-batch they belong to (a stage may send the next before this one received the last)."""
         received = [torch.empty_like(t) for t in like]
-        for tensor in received:
-            dist.recv(tensor, self.rank - self.tp_size, group=self.group)
+        for index, tensor in enumerate(received):
+            dist.recv(tensor, self.rank - self.tp_size, group=self.group, tag=tag * len(like) + index)
         return received
 
-    def send(self, *tensors: torch.Tensor) -> None:
-        for tensor in tensors:
-            dist.send(tensor.contiguous(), self.rank + self.tp_size, group=self.group)
+    def send(self, *tensors: torch.Tensor, tag: int = 0) -> list[tuple[torch.Tensor, object]]:
+        """Start sending ``tensors`` to the next stage, without waiting for it to take them (it may be busy with
+        the micro-batch before): returns each tensor sent with its pending send, to wait on before the step
+        ends (the tensor must live until then)."""
+        sent = []
+        for index, tensor in enumerate(tensors):
+            tensor = tensor.contiguous()
+            sent.append((tensor, dist.isend(tensor, self.rank + self.tp_size, group=self.group,
+                                            tag=tag * len(tensors) + index)))
+        return sent
 
     def share_output(self, hidden: torch.Tensor) -> torch.Tensor:
         """The last stage's ``hidden`` on every rank (the others pass a buffer of its shape)."""
@@ -93,6 +103,9 @@ class TensorParallel:
     expert_parallel: bool = False
     stage: PipelineStage = NO_PIPELINE
     data_parallel: DataParallel = NO_DATA_PARALLEL
+    # row-parallel layers gather their input and split their output instead (layers.GatheredRowLinear): their bits
+    # are one rank's; set where --batch-invariant promises one rank's log probs (expert parallelism)
+    gathered_rows: bool = False
 
     @property
     def expert_rank(self) -> int:
@@ -102,6 +115,12 @@ class TensorParallel:
     @property
     def expert_size(self) -> int:
         return self.data_parallel.size * self.size
+
+    @property
+    def engine_rank(self) -> int:
+        """This rank's place among its engine's ranks (stage-major: stage ``s``'s rank ``r`` is ``s * size + r``).
+        Under data-parallel attention an engine is one data-parallel rank's ``size`` ranks, numbered from 0."""
+        return self.stage.index * self.size + self.rank
 
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
         if self.size > 1:

@@ -25,7 +25,9 @@ _BREAKS = ((b"\xe2\x80\xa8", b"\\u2028"), (b"\xe2\x80\xa9", b"\\u2029"), (b"\xc2
 
 
 def _escape_breaks(data: bytes) -> bytes:
-    """JSON ``data`` with the line breaks it leaves raw escaped."""
+    """JSON ``data`` with the line breaks it leaves raw escaped (ASCII, most pieces, has none: one scan)."""
+    if data.isascii():
+        return data
     for raw, escaped in _BREAKS:
         if raw in data:
             data = data.replace(raw, escaped)

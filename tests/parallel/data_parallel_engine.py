@@ -1,0 +1,116 @@
+"""One data-parallel attention rank's engine process, as the tests run it (``python data_parallel_engine.py IN OUT``):
+it serves every case of its group one after another, each an engine of its own meeting the other ranks at the case's
+``MASTER_PORT``, and writes each case's finished requests (pickled ``DynamicInferenceRequest`` objects).
+
+Run as a script, not ``-c``: each tensor-parallel rank's process is spawned and imports this file again, so the
+controls installed at its top level reach every rank: the ordered combine's (``UNORDERED_COMBINE``) and the gathered
+row-parallel layers' (``PARTIAL_SUMS``). They read their variable when called, so a case turns them on or off for the
+engine it builds (spawned ranks inherit the variables). So does the CPU stand-in for CUDA graphs (``GRAPHS``: the
+engine captures and replays its steps as on a GPU, a "replay" running the captured forward again over the same
+static buffers), which notes each replay's size and each empty MoE pass's buffer size in ``GRAPH_LOG/<pid>``.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import sys
+from typing import Any
+
+from megatron_serve import InferenceConfig
+from megatron_serve.model import token_dispatcher
+
+if __name__ in ("__main__", "__mp_main__"):  # this group's processes only, never a test process that imports this
+    _weighted_sum = token_dispatcher.weighted_sum
+
+    def _maybe_unordered(outputs, weights, tokens, count, ordered):
+        """The control: with ``UNORDERED_COMBINE=1`` every rank sums a token's experts in float32."""
+        return _weighted_sum(outputs, weights, tokens, count, ordered and os.environ.get("UNORDERED_COMBINE") != "1")
+
+    token_dispatcher.weighted_sum = _maybe_unordered
+    _gathers_rows = InferenceConfig.gathers_rows
+
+    def _maybe_partial_sums(config: InferenceConfig) -> bool:
+        """The control: with ``PARTIAL_SUMS=1`` row-parallel layers add the ranks' partial sums (in rank order)."""
+        return _gathers_rows.fget(config) and os.environ.get("PARTIAL_SUMS") != "1"
+
+    InferenceConfig.gathers_rows = property(_maybe_partial_sums)  # type: ignore[method-assign]
+
+    from megatron_serve.engine import graphs
+    from megatron_serve.engine.runner import ModelRunner
+
+    def _note(line: str) -> None:
+        with open(os.path.join(os.environ["GRAPH_LOG"], str(os.getpid())), "a") as log:
+            log.write(line + "\n")
+
+    class _ReplayByRerun:
+        """``CudaGraphCapture`` on CPU: the capture runs the forward once, a replay runs it again."""
+
+        def __init__(self, device):
+            pass
+
+        def __call__(self, forward):
+            outputs = forward()
+
+            def replay():
+                _note(f"replay {outputs[0].shape[0]}")
+                return forward()
+
+            return replay
+
+    _graphs_wanted, _capture, _empty_pass = graphs.graphs_wanted, graphs.CudaGraphCapture, ModelRunner.empty_moe_pass
+    graphs.graphs_wanted = lambda config, device: _graphs_wanted(config, device) or os.environ.get("GRAPHS") == "1"
+    graphs.CudaGraphCapture = lambda device: (_ReplayByRerun if os.environ.get("GRAPHS") == "1" else _capture)(device)
+
+    def _noting_empty_pass(self, group_tokens):
+        if os.environ.get("GRAPHS") == "1":
+            _note(f"empty {self.padded_size(group_tokens)}")
+        return _empty_pass(self, group_tokens)
+
+    ModelRunner.empty_moe_pass = _noting_empty_pass
+
+
+def serve_case(case: dict[str, Any]) -> list[list]:
+    """Every run of one case on this rank: ``case["runs"]`` holds this rank's runs, each a list of ``(request id,
+    prompt tokens or text, SamplingParams, arrival step)`` served together. The ranks step together while any has
+    work or a request still to arrive; a rank with nothing runs the empty MoE passes."""
+    from megatron_serve.engine import DynamicInferenceEngine  # noqa: PLC0415
+    from megatron_serve.wire.request import DynamicInferenceRequest  # noqa: PLC0415
+
+    engine = DynamicInferenceEngine.from_model_dir(case["model_dir"], InferenceConfig(**case["config"]))
+    served = []
+    try:
+        for run in case["runs"]:
+            requests = [(arrival, DynamicInferenceRequest(
+                request_id, None, engine.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt), params))
+                for request_id, prompt, params, arrival in run]
+            pending = sorted(requests, key=lambda pair: pair[0])
+            step = 0
+            while engine.group_busy(bool(pending) or engine.has_unfinished_requests()):
+                while pending and pending[0][0] <= step:
+                    engine.add_request(pending.pop(0)[1])
+                engine.step()
+                step += 1
+            served.append([request for _, request in requests])
+    finally:
+        engine.shutdown()
+    return served
+
+
+def main() -> None:
+    with open(sys.argv[1], "rb") as f:
+        cases = pickle.load(f)
+    results = {}
+    for case in cases:
+        os.environ["MASTER_PORT"] = str(case["port"])
+        os.environ["UNORDERED_COMBINE"] = "1" if case["unordered"] else "0"
+        os.environ["PARTIAL_SUMS"] = "1" if case["partial_sums"] else "0"
+        os.environ["GRAPHS"] = "1" if case["graphs"] else "0"
+        os.environ["GRAPH_LOG"] = case["graph_log"]
+        results[case["name"]] = serve_case(case)
+    with open(sys.argv[2], "wb") as f:
+        pickle.dump(results, f)
+
+
+if __name__ == "__main__":
+    main()
