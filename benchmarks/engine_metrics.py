@@ -17,11 +17,12 @@ import argparse
 import statistics
 import tempfile
 import time
+from types import SimpleNamespace
 
 from megatron_serve.config import InferenceConfig
 from megatron_serve.engine import DynamicInferenceEngine, StepOutput
 from megatron_serve.wire.engine_stats import EngineStats
-from megatron_serve.wire.request import DynamicInferenceRequest
+from megatron_serve.wire.request import DynamicInferenceRequest, FinalRecord
 from megatron_serve.wire.sampling_params import SamplingParams
 from megatron_serve.model.tiny import make_tiny_model
 
@@ -35,7 +36,7 @@ class NoStats(EngineStats):
     def preempted(self, count: int) -> None:
         pass
 
-    def finish(self, request: DynamicInferenceRequest) -> None:
+    def finish(self, record: FinalRecord) -> None:
         pass
 
 
@@ -57,10 +58,9 @@ def seconds_per_request(batch: int, steps: int = 2000) -> float:
     stats = EngineStats()
     outputs, sequences = [], []
     for i in range(batch):
-        request = DynamicInferenceRequest(f"r{i}", None, [1, 2, 3], SamplingParams())
-        request.generated_tokens = [4, 5]
-        outputs.append(StepOutput(request, [5], "", [], False))
-        sequences.append(type("Sequence", (), {"last_token_at": 0.0})())
+        outputs.append(StepOutput(f"r{i}", [5], [], False))
+        sequences.append(SimpleNamespace(last_token_at=0.0, num_output=3, num_prompt=3, arrival_time=0.0,
+                                         first_token_time=0.0))
     start = time.perf_counter()
     for step in range(steps):
         stats.observe_step(sequences, outputs, 0.01 * (step + 1))

@@ -6,6 +6,7 @@ client."""
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -237,3 +238,63 @@ def test_the_engine_class_is_a_step_loop_of_bounded_size():
     assigned = {target.attr for node in ast.walk(cls) if isinstance(node, ast.Assign) for target in node.targets
                 if isinstance(target, ast.Attribute) and isinstance(target.value, ast.Name) and target.value.id == "self"}
     assert "runner" not in assigned, "the engine holds the runner beside its worker"
+
+
+def _engine_modules() -> dict[str, Path]:
+    return {name: path for name, path in _modules().items() if name.startswith("megatron_serve.engine.")}
+
+
+def test_at_most_one_engine_module_names_the_public_request():
+    """Inside the engine a request is its ``Sequence``, built from an ``EngineRequest``, and a step gives outputs:
+    the public ``DynamicInferenceRequest`` is built where its caller reads it. One adapter (Megatron's expert API,
+    ``engine.expert_api``) turns it into an ``EngineRequest`` and applies outputs to it; no other engine module
+    names it, in code, annotations or docstrings (11 did before issue 52)."""
+    naming = sorted(name for name, path in _engine_modules().items()
+                    if re.search(r"\bDynamicInferenceRequest\b", path.read_text()))
+    assert len(naming) <= 1, f"engine modules naming DynamicInferenceRequest: {naming}"
+
+
+#: The public record's per-token fields: lists that grow with every generated token (or prompt position scored).
+PER_TOKEN_FIELDS = ("generated_tokens", "generated_log_probs", "generated_top_n_logprobs", "generated_token_texts",
+                    "policy_epochs", "kv_epochs", "lora_epochs", "prompt_log_probs", "prompt_top_n_logprobs")
+#: The containers the engine's per-request object may hold, and why none grows per token for anyone else.
+SEQUENCE_CONTAINERS = {
+    "token_ids": "its tokens: what the model runs on (state, not a record)",
+    "block_table": "one entry per KV block", "block_hashes": "one entry per KV block",
+    "prompt_hashes": "one entry per KV block", "images": "one entry per image", "events": "one entry per event",
+    "prompt_scores": "the prompt scores made so far, dropped once its first output carried them",
+}
+
+
+def _grown_attributes(tree: ast.AST) -> set[str]:
+    """Attribute names a module grows: ``x.name.append/extend/insert(...)``, ``x.name += ...``,
+    ``x.name[a:b] = ...``."""
+    grown = set()
+    for node in ast.walk(tree):
+        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                and node.func.attr in ("append", "extend", "insert") and isinstance(node.func.value, ast.Attribute)):
+            grown.add(node.func.value.attr)
+        elif isinstance(node, ast.AugAssign) and isinstance(node.target, ast.Attribute):
+            grown.add(node.target.attr)
+        elif isinstance(node, ast.Assign):
+            grown.update(t.value.attr for t in node.targets
+                         if isinstance(t, ast.Subscript) and isinstance(t.value, ast.Attribute))
+    return grown
+
+
+def test_no_engine_module_accumulates_per_token_lists():
+    """The engine emits per-step outputs (tokens, log probs, top-n, epochs, routing rows) and keeps no per-token
+    list for anyone else: no engine module but the expert API's adapter (which builds the public record, as the
+    client's collector does) grows one of the public record's per-token fields, and the per-request object holds
+    no container but those listed in SEQUENCE_CONTAINERS (a new per-token list there needs a reason here)."""
+    growers = {}
+    for name, path in _engine_modules().items():
+        grown = _grown_attributes(ast.parse(path.read_text())) & set(PER_TOKEN_FIELDS)
+        if grown and name != "megatron_serve.engine.expert_api":
+            growers[name] = sorted(grown)
+    assert not growers, f"engine modules growing per-token lists: {growers}"
+    (cls,) = [node for node in ast.parse((PACKAGES["megatron_serve"] / "engine" / "sequence.py").read_text()).body
+              if isinstance(node, ast.ClassDef) and node.name == "Sequence"]
+    containers = {node.target.id for node in cls.body if isinstance(node, ast.AnnAssign)
+                  and re.search(r"\b(list|dict|set|deque|tuple|ndarray|PromptScores)\b", ast.unparse(node.annotation))}
+    assert containers <= set(SEQUENCE_CONTAINERS), f"Sequence holds {sorted(containers - set(SEQUENCE_CONTAINERS))}"

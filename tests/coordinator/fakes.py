@@ -12,7 +12,9 @@ import time
 from dataclasses import dataclass, field
 
 from megatron_serve.engine.served import EngineFacts, EngineLoad
-from megatron_serve.wire.request import DynamicInferenceRequest, EventType, FinishReason, RequestStatus
+from megatron_serve.multimodal import PromptImage
+from megatron_serve.wire.request import (DynamicInferenceRequest, EngineRequest, EventType, FinalRecord, FinishReason,
+                                         RequestStatus)
 
 BLOCK_BYTES = 4096
 
@@ -33,12 +35,19 @@ def expected_tokens(prompt_tokens: list[int], n: int) -> list[int]:
 
 @dataclass
 class FakeStepOutput:
-    request: DynamicInferenceRequest
+    """What a step did for one request (the ``EngineStepResult`` protocol): one token, no log probs."""
+
+    request_id: str
     new_tokens: list[int]
-    new_log_probs: list[float]
     finished: bool
-    new_top_logprobs: list[dict[int, float]] = field(default_factory=list)
+    cached_tokens: int | None = None  # with the first token
+    final: FinalRecord | None = None
+    new_log_probs: list[float] = field(default_factory=list)
+    top_ids: list[list[int]] | None = None
+    top_log_probs: list[list[float]] | None = None
     new_routing: tuple[int, object] | None = None  # fake engines route no experts
+    epochs: tuple[int, int, int] = (-1, -1, -1)  # a fake reports no epochs
+    prompt_scores: None = None
 
 
 class _NoTransfers:
@@ -182,9 +191,14 @@ class FakeEngine:
     def group_busy(self, busy: bool) -> bool:
         return busy  # one engine: no data-parallel ranks to step with
 
-    def add_request(self, request: DynamicInferenceRequest) -> None:
-        request.add_event(EventType.ADD)
-        self.requests[request.request_id] = request
+    def add_request(self, request: EngineRequest) -> None:
+        record = DynamicInferenceRequest(
+            request.request_id, None, list(request.prompt_tokens), request.sampling_params,
+            generated_tokens=list(request.generated_tokens), events=list(request.events),
+            arrival_time=request.arrival_time,
+            images=[PromptImage(image.data, image.offset, image.length) for image in request.images])
+        record.add_event(EventType.ADD)
+        self.requests[request.request_id] = record
 
     def receive_kv(self, request_id: str) -> None:
         raise NotImplementedError("a fake engine receives no KV blocks")  # it never prefills for another
@@ -207,24 +221,27 @@ class FakeEngine:
                 request.finish_reason = FinishReason.LENGTH
                 request.add_event(EventType.FINISH, "length")
                 del self.requests[request.request_id]
-            outputs.append(FakeStepOutput(request, [token], [], done))
+            outputs.append(FakeStepOutput(request.request_id, [token], done,
+                                          cached_tokens=0 if len(request.generated_tokens) == 1 else None,
+                                          final=request.final_record() if done else None))
         return outputs
 
     def sync(self) -> list[FakeStepOutput]:
         return []  # nothing in flight: every step finishes when it returns
 
-    def abort_request(self, request_id: str) -> DynamicInferenceRequest | None:
+    def abort_request(self, request_id: str) -> FinalRecord | None:
         request = self.requests.pop(request_id, None)
-        if request is not None:
-            request.fail("aborted", FinishReason.ABORT)
-        return request
+        if request is None:
+            return None
+        request.fail("aborted", FinishReason.ABORT)
+        return request.final_record()
 
-    def take_unfinished_requests(self) -> list[DynamicInferenceRequest]:
+    def take_unfinished_requests(self) -> list[FinalRecord]:
         taken = list(self.requests.values())
         self.requests.clear()
         for request in taken:
             request.status = RequestStatus.WAITING_IN_QUEUE
-        return taken
+        return [request.final_record() for request in taken]
 
     kept_kv_bytes = 0  # a fake keeps no KV
 

@@ -15,7 +15,7 @@ from megatron_serve import InferenceConfig, MegatronAsyncLLM, MegatronLLM, Sampl
 from megatron_serve.client.coordinator_client import InferenceClient
 from megatron_serve.multimodal import PromptImage
 from megatron_serve.wire.protocol import MAX_MESSAGE_BYTES
-from megatron_serve.wire.request import DynamicInferenceRequest
+from megatron_serve.wire.request import DynamicInferenceRequest, EngineRequest
 from megatron_serve.tokenizer import Tokenizer
 
 from ..images import png
@@ -34,9 +34,9 @@ class RecordingEngine(FakeEngine):
         super().__init__(**kwargs)
         self.seen: dict[str, DynamicInferenceRequest] = {}
 
-    def add_request(self, request: DynamicInferenceRequest) -> None:
-        self.seen[request.request_id] = request
+    def add_request(self, request: EngineRequest) -> None:
         super().add_request(request)
+        self.seen[request.request_id] = self.requests[request.request_id]
 
 
 @pytest.fixture(scope="module")

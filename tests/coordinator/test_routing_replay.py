@@ -24,7 +24,7 @@ from megatron_serve.engine import DynamicInferenceEngine
 from megatron_serve.wire.expert_routing import routing_from_wire, routing_to_wire
 from megatron_serve.wire.messages import ClientAbort, EngineStep, RoutingRows, RequestDelta, Submit
 from megatron_serve.wire.protocol import Header
-from megatron_serve.wire.request import EventType, RequestStatus
+from megatron_serve.wire.request import EngineRequest, EventType, RequestStatus
 from megatron_serve.wire.sampling_params import SamplingParams
 from megatron_serve.model.tiny import make_tiny_model
 
@@ -63,9 +63,9 @@ def arrivals(engine: DynamicInferenceEngine) -> list:
     seen: list = []
     add = engine.add_request
 
-    def record(request):
+    def record(request: EngineRequest):
         seen.append((list(request.generated_tokens), None if request.routing_indices is None
-                     else request.routing_indices.copy()))
+                     else request.routing_indices.array()))
         add(request)
 
     engine.add_request = record

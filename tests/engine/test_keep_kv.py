@@ -85,7 +85,7 @@ def test_a_refit_in_between_recomputes_under_the_new_weights_by_default(tiny_lla
     seen: list[int] = []
 
     def refit_while_suspended(served):
-        seen.extend(len(r.request.generated_tokens) for r in served.scheduler.running)
+        seen.extend(r.num_output for r in served.scheduler.running)
         served.memory.suspend(keep_kv=True)
         served.memory.refit(other_weights)
         served.memory.resume()

@@ -15,15 +15,16 @@ from megatron_serve.engine.scheduler import Scheduler
 from megatron_serve.engine.sequence import Sequence
 from megatron_serve.wire.prefix_hash import ROOT_HASH, block_hashes, salted_root
 from megatron_serve.coordinator.prefix_routing import PrefixAffinity
-from megatron_serve.wire.request import DynamicInferenceRequest
+from megatron_serve.wire.request import EngineRequest
 from megatron_serve.wire.sampling_params import SamplingParams
 
 BLOCK = 4
 
 
 def sequence(name: str, tokens: list[int], **params) -> Sequence:
-    request = DynamicInferenceRequest(name, None, tokens, SamplingParams(**params))
-    return Sequence(request, len(tokens) + 4, frozenset())
+    request = EngineRequest(request_id=name, prompt_tokens=tokens, sampling_params=SamplingParams(**params),
+                            arrival_time=0.0)
+    return Sequence.of(request, len(tokens) + 4, frozenset())
 
 
 def test_scheduler_admits_lower_priority_values_first_then_by_arrival():

@@ -76,8 +76,9 @@ def test_a_mixed_batch_treats_each_row_by_its_own_parameters():
     assert result.log_probs[0] == pytest.approx(float(log_probs[0, 11]))
     assert result.log_probs[1] == pytest.approx(float(log_probs[1, result.token_ids[1]]))
     assert result.log_probs[2] is None
-    assert result.top_n[0] == pytest.approx({11: float(log_probs[0, 11]), 10: float(log_probs[0, 10])})
-    assert result.top_n[1] is None
+    assert result.top_ids[0] == [11, 10]
+    assert result.top_log_probs[0] == pytest.approx([float(log_probs[0, 11]), float(log_probs[0, 10])])
+    assert result.top_ids[1] is None and result.top_log_probs[1] is None
 
 
 def test_seeded_draws_change_with_the_position_and_repeat_with_it():

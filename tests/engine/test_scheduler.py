@@ -4,6 +4,8 @@ admission checks, aborted, scheduled over a real block allocator, and steps play
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from megatron_serve.engine.admission import Admission
@@ -13,7 +15,7 @@ from megatron_serve.engine.sequence import Sequence
 from megatron_serve.engine.speculative.decoder import Emitted, Speculator
 from megatron_serve.engine.steps import InFlightStep, StepOutput
 from megatron_serve.model.config import ModelConfig
-from megatron_serve.wire.request import DynamicInferenceRequest, EventType, FinishReason, RequestStatus
+from megatron_serve.wire.request import EngineRequest, EventType, FinishReason, RequestStatus
 from megatron_serve.wire.sampling_params import SamplingParams, StructuredOutputsParams
 
 BLOCK = 4
@@ -31,10 +33,11 @@ def scheduler(num_blocks: int = 64, budget: int = 64, max_requests: int = 8, pre
                      threshold, admission=admission)
 
 
-def request(name: str, prompt: list[int] | int, **params) -> DynamicInferenceRequest:
+def request(name: str, prompt: list[int] | int, **params) -> EngineRequest:
     tokens = prompt if isinstance(prompt, list) else [10 + i % 50 for i in range(prompt)]
     params.setdefault("num_tokens_to_generate", 8)
-    return DynamicInferenceRequest(name, None, tokens, SamplingParams(**params))
+    return EngineRequest(request_id=name, prompt_tokens=tokens, sampling_params=SamplingParams(**params),
+                         arrival_time=time.time())
 
 
 def launch(sched: Scheduler, batch: ScheduledBatch, epoch: int = 0) -> InFlightStep:
@@ -56,7 +59,7 @@ def play(sched: Scheduler, tokens: dict[str, int] | int = 7) -> tuple[dict[str, 
     batch = sched.schedule()
     step = launch(sched, batch)
     sampled = [tokens if isinstance(tokens, int) else tokens[s.request_id] for s in step.sampling]
-    outputs = sched.update_from_output(step, [Emitted([t], [-0.5], [None]) for t in sampled])
+    outputs = sched.update_from_output(step, [Emitted([t], [-0.5], [None], [None]) for t in sampled])
     return {s.request_id: count for s, count in batch.entries}, outputs
 
 
@@ -66,7 +69,8 @@ def test_add_queues_a_request_with_its_stop_ids_and_a_seed():
     sched.add_request(first)
     sched.add_request(second)
     assert [s.request_id for s in sched.waiting] == ["a", "b"] and set(sched.requests) == {"a", "b"}
-    assert first.status is RequestStatus.WAITING_IN_QUEUE and first.events[0].type is EventType.ADD
+    added = sched.requests["a"]
+    assert added.status is RequestStatus.WAITING_IN_QUEUE and [e.type for e in added.events] == [EventType.ADD]
     assert sched.requests["a"].stop_token_ids == {EOS} and sched.requests["b"].stop_token_ids == {3}
     assert sched.requests["b"].seed == 11 and sched.pending == []
 
@@ -78,9 +82,9 @@ def test_a_request_that_can_never_run_fails_alone_with_the_reason():
     for r in bad:
         sched.add_request(r)
     failed = sched.take_pending()
-    assert [out.request.request_id for out in failed] == ["empty", "vocab", "long", "blocks", "a"]
-    assert all(out.finished and out.new_tokens == [] for out in failed)
-    errors = [out.request.error for out in failed]
+    assert [out.request_id for out in failed] == ["empty", "vocab", "long", "blocks", "a"]
+    assert all(out.finished and out.new_tokens == [] and out.final.status is RequestStatus.FAILED for out in failed)
+    errors = [out.final.error for out in failed]
     assert errors[0] == "prompt is empty" and "outside the vocabulary" in errors[1]
     assert "max_sequence_length" in errors[2] and "KV blocks" in errors[3] and "already in this engine" in errors[4]
     assert [s.request_id for s in sched.waiting] == ["a"]  # the first "a" was admitted, its duplicate was not
@@ -90,7 +94,7 @@ def test_a_request_with_a_grammar_fails_on_a_scheduler_that_takes_none():
     sched = scheduler()
     sched.add_request(request("g", 5, structured_outputs=StructuredOutputsParams(json={"type": "object"})))
     (out,) = sched.take_pending()
-    assert out.request.status is RequestStatus.FAILED and "structured outputs" in out.request.error
+    assert out.final.status is RequestStatus.FAILED and "structured outputs" in out.final.error
 
 
 def test_abort_frees_a_running_requests_blocks_and_an_unknown_id_is_none():
@@ -119,8 +123,9 @@ def test_a_row_of_a_request_aborted_while_its_step_was_in_flight_is_dropped():
     sched.add_request(request("b", 5))
     step = launch(sched, sched.schedule())
     sched.abort_request("a")
-    outputs = sched.update_from_output(step, [Emitted([7], [None], [None]), Emitted([8], [None], [None])])
-    assert [(out.request.request_id, out.new_tokens) for out in outputs] == [("b", [8])]
+    outputs = sched.update_from_output(step, [Emitted([7], [None], [None], [None]),
+                                              Emitted([8], [None], [None], [None])])
+    assert [(out.request_id, out.new_tokens) for out in outputs] == [("b", [8])]
 
 
 def test_the_token_budget_chunks_a_long_prompt_and_decodes_go_first():
@@ -130,9 +135,9 @@ def test_the_token_budget_chunks_a_long_prompt_and_decodes_go_first():
     assert play(sched)[0] == {"short": 3, "long": 13}
     counts, outputs = play(sched)
     assert counts == {"short": 1, "long": 15}  # the decode token first, the prompt's next chunk after it
-    assert list(counts) == ["short", "long"] and [out.request.request_id for out in outputs] == ["short"]
+    assert list(counts) == ["short", "long"] and [out.request_id for out in outputs] == ["short"]
     assert play(sched)[0] == {"short": 1, "long": 12}  # the last chunk samples the long prompt's first token
-    assert sched.requests["long"].request.generated_tokens == [7]
+    assert sched.requests["long"].output_tokens == [7]
 
 
 def test_max_requests_caps_the_running_requests():
@@ -162,8 +167,8 @@ def test_when_blocks_run_out_the_newest_running_request_is_preempted_and_recompu
     counts, _ = play(sched)  # "old" grows into a fourth block: "new" gives its three back
     new = sched.requests["new"]
     assert counts == {"old": 1} and new.num_computed == 0 and new.block_table == []
-    assert [s.request_id for s in sched.waiting] == ["new"] and new.request.events[-1].type is EventType.PREEMPT
-    assert new.request.generated_tokens == [7] and new.num_uncomputed == 13  # its prompt and its token, again
+    assert [s.request_id for s in sched.waiting] == ["new"] and new.events[-1].type is EventType.PREEMPT
+    assert new.output_tokens == [7] and new.num_uncomputed == 13  # its prompt and its token, again
 
 
 def test_a_prefix_cached_by_a_finished_request_is_found_by_the_next():
@@ -175,7 +180,7 @@ def test_a_prefix_cached_by_a_finished_request_is_found_by_the_next():
     sched.add_request(request("b", prompt + [40, 41]))
     counts, _ = play(sched)
     assert counts == {"b": 15 - 12} and sched.cached_tokens == 12
-    assert sched.running[0].request.cached_tokens == 12
+    assert sched.running[0].cached_tokens == 12
 
 
 def test_a_prefix_with_another_cache_salt_or_epoch_is_not_found():
@@ -195,12 +200,12 @@ def test_a_stop_id_finishes_the_request_without_appending_it():
     sched.add_request(request("a", 5, stop_token_ids=[9]))
     forgotten: list[str] = []
     sched.forgets.append(forgotten.append)
+    sequence = sched.requests["a"]
     _, (out,) = play(sched, 7)
     assert out.new_tokens == [7] and out.new_log_probs == [-0.5] and not out.finished
     _, (out,) = play(sched, 9)
-    request_ = out.request
-    assert out.finished and out.new_tokens == [] and request_.generated_tokens == [7]
-    assert request_.finish_reason is FinishReason.STOP and request_.status is RequestStatus.COMPLETED
+    assert out.finished and out.new_tokens == [] and sequence.output_tokens == [7]
+    assert out.final.finish_reason is FinishReason.STOP and out.final.status is RequestStatus.COMPLETED
     assert forgotten == ["a"] and sched.allocator.num_free == sched.allocator.num_blocks and not sched.has_work()
 
 
@@ -208,24 +213,25 @@ def test_eos_stops_unless_ignored_and_length_ends_at_num_tokens_to_generate():
     sched = scheduler()
     sched.add_request(request("eos", 5))
     sched.add_request(request("ignored", 5, ignore_eos=True, num_tokens_to_generate=2))
+    ignored = sched.requests["ignored"]
     _, outputs = play(sched, EOS)
-    assert [(o.request.request_id, o.new_tokens, o.finished) for o in outputs] == [("eos", [], True),
-                                                                                   ("ignored", [EOS], False)]
+    assert [(o.request_id, o.new_tokens, o.finished) for o in outputs] == [("eos", [], True),
+                                                                           ("ignored", [EOS], False)]
     _, (out,) = play(sched, EOS)
-    assert out.finished and out.request.finish_reason is FinishReason.LENGTH
-    assert out.request.generated_tokens == [EOS, EOS]
+    assert out.finished and out.final.finish_reason is FinishReason.LENGTH
+    assert ignored.output_tokens == [EOS, EOS]
 
 
 def test_update_from_output_records_each_tokens_epochs():
     sched = scheduler()
     sched.add_request(request("a", 5))
-    play(sched)
+    _, (first,) = play(sched)
     sched.epoch = 3  # a refit between the steps: the KV stays under epoch 0 (the step records its own)
     step = launch(sched, sched.schedule(), epoch=0)
-    sched.update_from_output(step, [Emitted([8], [None], [None])])
-    record = sched.requests["a"].request
-    assert record.generated_tokens == [7, 8] and record.policy_epochs == [0, 3] and record.kv_epochs == [0, 0]
-    assert record.lora_epochs == [-1, -1] and record.generated_log_probs == [-0.5]
+    (second,) = sched.update_from_output(step, [Emitted([8], [None], [None], [None])])
+    assert sched.requests["a"].output_tokens == [7, 8] and (first.new_tokens, second.new_tokens) == ([7], [8])
+    assert (first.epochs, second.epochs) == ((0, 0, -1), (3, 0, -1))  # (policy, KV, adapter) of each one's tokens
+    assert (first.new_log_probs, second.new_log_probs) == ([-0.5], [])
 
 
 def _verify_step(sched: Scheduler, drafts: list[int]) -> InFlightStep:
@@ -251,13 +257,14 @@ def test_rejected_drafts_are_rolled_back_and_their_blocks_freed(accepted):
     step = _verify_step(sched, drafts)
     sequence = sched.running[0]
     assert sequence.num_computed == 10 and len(sequence.block_table) == 3 and sched.allocator.num_free == 13
-    emitted = Emitted([*drafts[:accepted], 50], [None] * (accepted + 1), [None] * (accepted + 1), accepted)
+    nothing = [None] * (accepted + 1)
+    emitted = Emitted([*drafts[:accepted], 50], nothing, nothing, nothing, accepted)
     (out,) = sched.update_from_output(step, [emitted])
     assert out.new_tokens == [*drafts[:accepted], 50]
     assert sequence.token_ids == [10, 11, 12, 7, *drafts[:accepted], 50] and sequence.drafts_in_flight == 0
     assert sequence.num_computed == 4 + accepted  # the rejected drafts' KV is not kept; the bonus token's is to come
     assert len(sequence.block_table) == 2 and sched.allocator.num_free == 14
-    assert sequence.request.generated_tokens == [7, *drafts[:accepted], 50]
+    assert sequence.output_tokens == [7, *drafts[:accepted], 50]
 
 
 def test_a_verify_step_stops_at_an_accepted_drafts_stop_id():
@@ -265,8 +272,9 @@ def test_a_verify_step_stops_at_an_accepted_drafts_stop_id():
     sched.add_request(request("a", 3, num_tokens_to_generate=20))
     play(sched, 7)
     step = _verify_step(sched, [30, EOS, 32])
-    (out,) = sched.update_from_output(step, [Emitted([30, EOS, 32, 33], [None] * 4, [None] * 4, 3)])
-    assert out.finished and out.new_tokens == [30] and out.request.generated_tokens == [7, 30]
+    sequence = sched.running[0]
+    (out,) = sched.update_from_output(step, [Emitted([30, EOS, 32, 33], [None] * 4, [None] * 4, [None] * 4, 3)])
+    assert out.finished and out.new_tokens == [30] and sequence.output_tokens == [7, 30]
     assert sched.allocator.num_free == sched.allocator.num_blocks
 
 
@@ -295,16 +303,15 @@ def test_take_unfinished_hands_requests_back_with_their_tokens_and_frees_everyth
     sched.add_request(request("", []))  # a failed admission of a request handed back is dropped with it...
     taken = sched.take_unfinished()
     assert [s.request_id for s in taken] == ["a", "b"]
-    assert all(s.request.status is RequestStatus.WAITING_IN_QUEUE and s.request.generated_tokens == [7]
-               for s in taken)
+    assert all(s.status is RequestStatus.WAITING_IN_QUEUE and s.output_tokens == [7] for s in taken)
     assert sched.requests == {} and not sched.has_work() and sched.allocator.num_free == 16
-    assert [out.request.request_id for out in sched.take_pending()] == [""]  # ...only if it was handed back
+    assert [out.request_id for out in sched.take_pending()] == [""]  # ...only if it was handed back
 
 
 def test_a_sequence_without_admission_is_queued_directly():
     """The queue-level ``add`` (the scheduler's own tests and the adapter queue use it) needs no admission."""
     sched = Scheduler(BlockAllocator(8), BLOCK, 16, 4)
-    sequence = Sequence(request("a", 5), 10, frozenset())
+    sequence = Sequence.of(request("a", 5), 10, frozenset())
     sched.add(sequence)
     assert sched.schedule().entries == [(sequence, 5)]
     with pytest.raises(AssertionError, match="without admission"):

@@ -16,16 +16,15 @@ from megatron_serve.fleet.argv import inference_config_to_argv
 from megatron_serve.engine.kv_cache import BlockAllocator
 from megatron_serve.engine.scheduler import Scheduler
 from megatron_serve.engine.sequence import Sequence
-from megatron_serve.wire.request import DynamicInferenceRequest
-from megatron_serve.wire.sampling_params import SamplingParams
+from megatron_serve.wire.request import EngineRequest
 
 BLOCK = 16
 BUDGET = 2048
 
 
 def sequence(name: str, length: int) -> Sequence:
-    request = DynamicInferenceRequest(name, None, [5 + i % 400 for i in range(length)], SamplingParams())
-    return Sequence(request, length + 16, frozenset())
+    request = EngineRequest(request_id=name, prompt_tokens=[5 + i % 400 for i in range(length)], arrival_time=0.0)
+    return Sequence.of(request, length + 16, frozenset())
 
 
 def scheduler(threshold: int, long_prefills: int = 1) -> Scheduler:

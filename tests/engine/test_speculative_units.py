@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from megatron_serve import DynamicInferenceRequest, InferenceConfig, SamplingParams
+from megatron_serve import InferenceConfig, SamplingParams
 from megatron_serve.config import SpeculativeConfig
 from megatron_serve.engine.sampler import Sampler
 from megatron_serve.engine.sampling_state import SamplingState
@@ -17,6 +17,7 @@ from megatron_serve.engine.speculative.factory import SpeculativeConfigError, ma
 from megatron_serve.engine.speculative.ngram import NgramProposer, lookup
 from megatron_serve.engine.speculative.proposer import DraftInput
 from megatron_serve.wire.engine_stats import EngineStats
+from megatron_serve.wire.request import EngineRequest
 
 
 @pytest.mark.parametrize(("tokens", "n_min", "n_max", "count", "expected"), [
@@ -119,8 +120,9 @@ def chi_square(counts: list[int], probs: list[float]) -> float:
 
 def verify_once(seed: int, logits: torch.Tensor, draft: int, state: SamplingState, sampler: Sampler,
                 speculator: Speculator) -> list[int]:
-    request = DynamicInferenceRequest(f"q{seed}", None, [1, 2, 3], SamplingParams(temperature=1.0, seed=seed))
-    sequence = Sequence(request, 100, frozenset())
+    request = EngineRequest(request_id=f"q{seed}", prompt_tokens=[1, 2, 3],
+                            sampling_params=SamplingParams(temperature=1.0, seed=seed), arrival_time=0.0)
+    sequence = Sequence.of(request, 100, frozenset())
     sequence.token_ids.append(draft)
     sequence.num_drafts, sequence.num_computed = 1, len(sequence.token_ids)
     state.add(request.request_id, request.sampling_params, seed, request.prompt_tokens, [], [])

@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 from megatron_serve import SamplingParams
-from megatron_serve.wire.expert_routing import RoutingRecord, mirror_rows, routing_dtype, routing_from_wire, routing_to_wire
+from megatron_serve.wire.expert_routing import (RoutingCapture, RoutingRecord, mirror_rows, routing_dtype,
+                                                routing_from_wire, routing_to_wire)
 
 
 def rows(first: int, count: int, layers: int = 2, top_k: int = 3) -> np.ndarray:
@@ -16,19 +17,32 @@ def rows(first: int, count: int, layers: int = 2, top_k: int = 3) -> np.ndarray:
 def test_positions_already_recorded_keep_their_first_rows():
     record = RoutingRecord(2, 3, np.dtype(np.uint8))
     record.record(0, rows(0, 5))
-    assert record.take_undelivered()[0] == 0
     record.record(0, rows(100, 7))  # a recomputation from the start (preemption): only positions 5, 6 are new
-    start, fresh = record.take_undelivered()
-    assert start == 5 and fresh[:, 0, 0].tolist() == [105, 106]
     assert record.array()[:, 0, 0].tolist() == [0, 1, 2, 3, 4, 105, 106]
-    assert record.take_undelivered() is None  # nothing new, nothing delivered twice
     with pytest.raises(RuntimeError, match="position 9 computed before position 7"):
         record.record(9, rows(9, 1))
 
 
+def test_the_engine_delivers_each_row_once_and_keeps_none_it_delivered():
+    capture = RoutingCapture(2, 3, np.dtype(np.uint8))
+    capture.record(0, rows(0, 5))
+    start, first = capture.take_undelivered()
+    assert start == 0 and first[:, 0, 0].tolist() == [0, 1, 2, 3, 4]
+    capture.record(0, rows(100, 7))  # a recomputation from the start (preemption): only positions 5, 6 are new
+    capture.record(7, rows(7, 1))
+    start, fresh = capture.take_undelivered()
+    assert start == 5 and fresh[:, 0, 0].tolist() == [105, 106, 7]
+    assert capture.take_undelivered() is None and capture._undelivered == []  # nothing new, nothing kept
+    with pytest.raises(RuntimeError, match="position 9 computed before position 8"):
+        capture.record(9, rows(9, 1))
+
+
 def test_a_continuation_starts_after_the_rows_it_carries():
+    capture = RoutingCapture(2, 3, np.dtype(np.uint8), recorded=4)
+    capture.record(2, rows(2, 3))
+    assert capture.take_undelivered()[0] == 4 and capture.count == 5
     record = RoutingRecord(2, 3, np.dtype(np.uint8), rows(0, 4))
-    assert record.count == record.delivered == 4
+    assert record.count == 4
     with pytest.raises(ValueError, match="do not fit this model's 1 MoE layers x top-3"):
         RoutingRecord(1, 3, np.dtype(np.uint8), rows(0, 4))
 

@@ -16,6 +16,7 @@ import asyncio
 import logging
 import queue
 import threading
+import time
 import uuid
 from pathlib import Path
 from typing import Any, AsyncIterator, Callable, Iterable
@@ -38,7 +39,7 @@ from .outputs import StreamItem
 from .pending_requests import PendingRequest, PendingRequests
 from ..multimodal import PromptImage
 from .prompts import ImagePrompt, Prompt, tokenize_prompt
-from ..wire.request import DynamicInferenceRequest, FinishReason, RequestStatus
+from ..wire.request import DynamicInferenceRequest, EngineRequest, FinishReason, RequestStatus, WireImage
 from ..wire.sampling_params import SamplingParams
 from .streams import iterate_stream
 from ..tokenizer import Tokenizer
@@ -261,7 +262,7 @@ class EngineThread:
                 continue
             block = not engine.has_unfinished_requests()  # decided before the results go out (see class doc)
             if outputs:
-                self._post([(out.request.request_id, step_delta(out)) for out in outputs])
+                self._post([(out.request_id, step_delta(out)) for out in outputs])
 
     def _apply(self, command: tuple[Any, ...]) -> None:
         if command[0] == "call":
@@ -276,10 +277,10 @@ class EngineThread:
                 pass
             return
         if command[0] == "abort":
-            request = self.engine.abort_request(command[1])
-            if request is not None:
+            record = self.engine.abort_request(command[1])
+            if record is not None:
                 self._post([(command[1], RequestDeltaOut(request_id=command[1], new_tokens=[], finished=True,
-                                                        request=request.final_record()))])
+                                                        request=record))])
             return
         told: list[tuple[str, BaseException | list[int]]] = []
         for request_id, prompt, params, loop in command[1]:
@@ -296,8 +297,9 @@ class EngineThread:
                 continue
             if text is not None:
                 told.append((request_id, list(tokens)))
-            self.engine.add_request(DynamicInferenceRequest(request_id=request_id, prompt=text, prompt_tokens=tokens,
-                                                            sampling_params=params, images=images))
+            self.engine.add_request(EngineRequest(
+                request_id=request_id, prompt_tokens=tokens, sampling_params=params, arrival_time=time.time(),
+                images=[WireImage(data=image.data, offset=image.offset, length=image.length) for image in images]))
             # (a bad request fails alone and comes back from step())
         self._post(told)
 

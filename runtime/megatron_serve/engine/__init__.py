@@ -1,7 +1,8 @@
 """The engine: one model replica, its paged KV cache, and the step loop over requests.
 
 One module per job (see ``docs/architecture.md``): ``core`` (the step loop), ``scheduler`` (the bookkeeping),
-``worker`` (the device half), ``memory_verbs`` and ``lora_verbs`` (the verbs' objects), ``kv_cache``,
+``sequence`` (a request inside), ``worker`` (the device half), ``memory_verbs`` and ``lora_verbs`` (the verbs'
+objects), ``expert_api`` (Megatron's expert API: the public request in and out), ``kv_cache``,
 ``step_plan``, ``runner``, ``graphs``, ``sampler``, ``logits_processors``, ``structured_output``,
 ``encoder_cache``, ``tensor_parallel`` and ``sizing``. Everything here needs torch; modules outside the
 engine that only need a helper (token texts, grammar checks, stats names) import torch-free modules.

@@ -37,8 +37,8 @@ from ..model.llama import LlamaForCausalLM
 from ..model.loader import load_model
 from ..tokenizer import Tokenizer, TokenizerFiles, Vocabulary
 from ..wire.engine_stats import EngineStats
-from ..wire.request import DynamicInferenceRequest
 from .admission import Admission
+from .expert_api import Ended, ExpertApi, Submitted
 from .expert_backend import install_expert_backend
 from .graphs import graphs_for, largest_graph
 from .kv_cache import BlockAllocator
@@ -112,6 +112,8 @@ class DynamicInferenceEngine:
         kv_transfer, scheduler = self.kv_transfer, self.scheduler
         scheduler.leaving.append(lambda sequence: kv_transfer.on_leave(sequence, scheduler.epoch))
         self.scheduler.forgets.append(self.worker.forget)
+        self.expert = ExpertApi()  # the public requests added (Megatron's expert API), applied their outputs
+        self.scheduler.emitted.append(self.expert.apply)
         self.speculation = (None if self.speculator is None else
                             SpeculativeSteps(self.speculator, self.scheduler, self.worker, config))
         settle = weakref.WeakMethod(self.settle)
@@ -205,9 +207,11 @@ class DynamicInferenceEngine:
         any rank of the group has (:mod:`.data_parallel`)."""
         return self.worker.runner.group_busy(busy)
 
-    def add_request(self, request: DynamicInferenceRequest) -> None:
-        """Queue a request; one that can never run fails alone (reported by the next ``step``)."""
-        self.scheduler.add_request(request)
+    def add_request(self, request: Submitted) -> None:
+        """Queue a request: an ``EngineRequest``, or a public request that the engine's outputs are applied to as
+        they are made (Megatron's expert API, :mod:`.expert_api`); one that can never run fails alone (reported
+        by the next ``step``)."""
+        self.expert.add(request, self.scheduler.add_request)
 
     def receive_kv(self, request_id: str) -> None:
         """Start a request just added on the blocks a prefill engine computed (:mod:`.kv_transfer`)."""
@@ -215,13 +219,16 @@ class DynamicInferenceEngine:
         if sequence is not None:
             self.kv_transfer.receive(sequence, self.epoch, self.scheduler.waiting)
 
-    def abort_request(self, request_id: str) -> DynamicInferenceRequest | None:
-        return self.scheduler.abort_request(request_id)
+    def abort_request(self, request_id: str) -> Ended | None:
+        """Drop a request; its final record (the public request, for one added so), or None if unknown."""
+        sequence = self.scheduler.abort_request(request_id)
+        return None if sequence is None else self.expert.ended(sequence)
 
-    def take_unfinished_requests(self) -> list[DynamicInferenceRequest]:
-        """Hand back every unfinished request (draining): blocks freed, tokens generated so far kept.
+    def take_unfinished_requests(self) -> list[Ended]:
+        """Hand back every unfinished request (draining), as its final record (the public request, for one added
+        so): blocks freed, tokens generated so far kept.
 
-        The step in flight is finished first: its tokens stay on the requests handed back (a caller that
+        The step in flight is finished first: its tokens are on the public requests handed back (a caller that
         must deliver them as outputs calls ``sync()`` first); outputs of requests it finished stay for ``step()``.
         After a failed step (the caller fails what it hands back), a step in flight that fails too is dropped.
         """
@@ -231,7 +238,7 @@ class DynamicInferenceEngine:
             logger.exception("finishing the step in flight failed; its tokens are dropped")
         sequences = self.scheduler.take_unfinished()
         self.worker.clear([s.request_id for s in sequences])  # the requests leave: their device state too
-        return [s.request for s in sequences]
+        return [self.expert.ended(s) for s in sequences]
 
     # ------------------------------------------------------------------ step
     def step(self) -> list[StepOutput]:
@@ -241,7 +248,7 @@ class DynamicInferenceEngine:
         """
         outputs = self.speculation.step(self) if self.speculation is not None else self.step_overlapped()
         self.worker.runner.end_step()  # data-parallel attention: a rank that ran no forward joins the MoE layers empty
-        return self.parity.deliver(outputs, self.epoch, self.stats, self.add_request)
+        return self.parity.deliver(outputs, self.epoch, self.stats, self.scheduler.add_request)
 
     def step_overlapped(self, ks: dict[str, int] | None = None) -> list[StepOutput]:
         """A step launched before the one in flight is read (see :meth:`step`): a plain step, or with ``ks`` (each
@@ -274,7 +281,7 @@ class DynamicInferenceEngine:
         """Finish the step in flight, if any, and return every output not handed out yet (call before a
         lifecycle verb or a hand-back, so that tokens the device already sampled are delivered first)."""
         self.settle()
-        return self.parity.deliver(self.scheduler.take_pending(), self.epoch, self.stats, self.add_request)
+        return self.parity.deliver(self.scheduler.take_pending(), self.epoch, self.stats, self.scheduler.add_request)
 
     def settle(self) -> None:
         """Finish the step in flight now; its outputs wait for the next ``step()`` or ``sync()``."""

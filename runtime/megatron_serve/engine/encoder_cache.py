@@ -22,7 +22,6 @@ import torch
 
 from ..model.mrope import MropePositions, mrope_positions
 from ..multimodal import ImageError, ImageProcessor, PromptImage
-from ..wire.request import DynamicInferenceRequest
 from .sequence import Sequence
 
 logger = logging.getLogger(__name__)
@@ -81,11 +80,11 @@ class EncoderCache:
         self.images_encoded = 0  # tower runs per image, for counters
 
     # ------------------------------------------------------------------ admission
-    def admission_problem(self, request: DynamicInferenceRequest) -> str | None:
-        """Why a request's images cannot run (None: they can). Reads image headers only."""
-        tokens = request.prompt_tokens
+    def admission_problem(self, tokens: list[int], images: list[PromptImage]) -> str | None:
+        """Why a request's images (placed in its prompt ``tokens``) cannot run (None: they can). Reads image headers
+        only."""
         end = 0
-        for index, image in enumerate(request.images, 1):
+        for index, image in enumerate(images, 1):
             if not image.placed:
                 return f"image {index} has no placeholder tokens in the prompt (expand the prompt's placeholders)"
             if image.offset < end or image.offset + image.length > len(tokens):
@@ -100,7 +99,7 @@ class EncoderCache:
             if needed != image.length:
                 return f"image {index} needs {needed} placeholder tokens but the prompt gives it {image.length}"
             end = image.offset + image.length
-        stray = tokens.count(self.image_token_id) - sum(image.length for image in request.images)
+        stray = tokens.count(self.image_token_id) - sum(image.length for image in images)
         if stray:
             return (f"the prompt holds {stray} image placeholder token(s) (id {self.image_token_id}) "
                     "that belong to no image")
@@ -137,15 +136,14 @@ class EncoderCache:
         return self._step_images(kept), kept, failed
 
     def _state(self, sequence: Sequence) -> _RequestImages | None:
-        request = sequence.request
-        if not request.images:
+        if not sequence.images:
             return None
-        state = self._requests.get(request.request_id)
+        state = self._requests.get(sequence.request_id)
         if state is None:
-            state = _RequestImages([_Image(image) for image in request.images])
-            self._requests[request.request_id] = state
+            state = _RequestImages([_Image(image) for image in sequence.images])
+            self._requests[sequence.request_id] = state
             if self.mrope:
-                self._place(state, len(request.prompt_tokens))
+                self._place(state, sequence.num_prompt)
         for image in state.images:  # embeddings the prefill has passed are not needed again
             if image.end <= sequence.num_computed:
                 image.embedding = image.pixels = None

@@ -79,9 +79,8 @@ class KVTransfer:
         if sequence.request_id not in self._to_send:
             return
         self._to_send.discard(sequence.request_id)
-        request = sequence.request
         kv_epoch = epoch if sequence.kv_epoch is None else sequence.kv_epoch
-        if (request.status is not RequestStatus.COMPLETED or request.finish_reason is not FinishReason.LENGTH
+        if (sequence.status is not RequestStatus.COMPLETED or sequence.finish_reason is not FinishReason.LENGTH
                 or not sequence.num_computed or kv_epoch < 0):
             return
         blocks = sequence.block_table[:blocks_for_tokens(sequence.num_computed, self.block_size)]
@@ -145,7 +144,7 @@ class KVTransfer:
     def _unusable(self, sequence: Sequence, kv: KVBlocks, epoch: int) -> str | None:
         if kv.epoch != epoch:
             return f"computed under weights epoch {kv.epoch}, this engine serves epoch {epoch}"
-        if sequence.request.sampling_params.lora_name is not None:
+        if sequence.sampling_params.lora_name is not None:
             return "the request runs under a LoRA adapter, and the blocks carry no adapter version"
         if kv.block_size != self.block_size:
             return f"blocks of {kv.block_size} tokens, this engine's hold {self.block_size}"

@@ -14,8 +14,10 @@ original's output was handed out, so it adds nothing to that request's latency; 
 every user request (lowest priority), is never handed to the caller, and its tokens and latencies
 stay out of the engine's request metrics (it does take a step's compute, like a prompt of that length,
 and the prefix-cache query counter sees its tokens). Which requests are checked is a function of the
-request id alone (a hash), so a test or an incident replays the same choice. A refit while checks are
-queued voids them: the weights they would be scored with are not those that generated the tokens.
+request id alone (a hash), so a test or an incident replays the same choice; it is made when the request is
+admitted, and only a chosen request's outputs are kept (its tokens, their log probs and epochs: the engine keeps
+no such list of any other request). A refit while checks are queued voids them: the weights they would be scored
+with are not those that generated the tokens.
 """
 
 from __future__ import annotations
@@ -23,15 +25,19 @@ from __future__ import annotations
 import enum
 import hashlib
 import logging
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Protocol, Sequence, TypeVar
 
 from ..wire.engine_stats import EngineStats
-from ..wire.request import DynamicInferenceRequest, RequestStatus
+from ..wire.messages import PromptScores
+from ..wire.request import EngineRequest, FinalRecord, RequestStatus
 from ..wire.sampling_params import PRIORITY_MAX, SamplingParams
 
 if TYPE_CHECKING:  # pragma: no cover - the checker itself handles no tensor
     from torch import Tensor
+
+    from .sequence import Sequence as EngineSequence
 
     Process = Callable[[Tensor, SamplingParams], Tensor]
 
@@ -41,14 +47,19 @@ logger = logging.getLogger(__name__)
 SCORING_PREFIX = "\x00verify-logprobs:"
 
 
-class FinishedOutput(Protocol):
+class EngineOutput(Protocol):
     """What :meth:`ParityChecker.sort` reads of an engine ``StepOutput``."""
 
-    request: DynamicInferenceRequest
+    request_id: str
+    new_tokens: list[int]
+    new_log_probs: list[float]
+    epochs: tuple[int, int, int]
+    prompt_scores: PromptScores | None
     finished: bool
+    final: FinalRecord | None
 
 
-Output = TypeVar("Output", bound=FinishedOutput)
+Output = TypeVar("Output", bound=EngineOutput)
 
 
 class Verdict(enum.Enum):
@@ -74,8 +85,27 @@ class PendingCheck:
 
     request_id: str
     reported: list[float]
-    first: int  # index in the scoring request's prompt_log_probs of the first generated token
+    first: int  # index in the scoring request's prompt log probs of the first generated token
     void: bool = False
+    scored: list[float] | None = None  # the scoring request's prompt log probs, once its output carried them
+
+
+@dataclass
+class Reported:
+    """What the outputs of a request chosen for a check reported, kept until it finishes (its tokens, their log
+    probs, and every weights and KV generation they came from)."""
+
+    prompt: list[int]
+    params: SamplingParams
+    tokens: list[int] = field(default_factory=list)
+    log_probs: list[float] = field(default_factory=list)
+    epochs: set[int] = field(default_factory=set)
+
+    def add(self, out: EngineOutput) -> None:
+        if out.new_tokens:
+            self.tokens += out.new_tokens
+            self.log_probs += out.new_log_probs
+            self.epochs.update(out.epochs[:2])
 
 
 class ParityChecker:
@@ -93,6 +123,7 @@ class ParityChecker:
         self.logprobs_mode = logprobs_mode
         self.process = process
         self.pending: dict[str, PendingCheck] = {}
+        self.reported: dict[str, Reported] = {}  # the requests chosen for a check, until they finish
 
     @property
     def processed(self) -> bool:
@@ -101,13 +132,13 @@ class ParityChecker:
         return self.logprobs_mode == "processed_logprobs"
 
     @property
-    def score_view(self) -> "Callable[[DynamicInferenceRequest, Tensor], Tensor] | None":
+    def score_view(self) -> "Callable[[EngineSequence, Tensor], Tensor] | None":
         """For the prompt scorer: what to score a request's rows of logits as (a check's processed as its
         original's were), or None where every row is scored as it is."""
         return self._view if self.active and self.processed and self.process is not None else None
 
-    def _view(self, request: DynamicInferenceRequest, logits: "Tensor") -> "Tensor":
-        return self.process(logits, request.sampling_params) if self.owns(request.request_id) else logits
+    def _view(self, sequence: EngineSequence, logits: "Tensor") -> "Tensor":
+        return self.process(logits, sequence.sampling_params) if self.owns(sequence.request_id) else logits
 
     def comparable(self, params: SamplingParams) -> bool:
         """Whether scoring a prompt can give what was reported for a request with ``params``: log probs (the
@@ -125,35 +156,40 @@ class ParityChecker:
         """Whether ``request_id`` is one of this checker's scoring requests (never handed to a caller)."""
         return request_id.startswith(SCORING_PREFIX)
 
-    def scoring_request(self, request: DynamicInferenceRequest, epoch: int) -> DynamicInferenceRequest | None:
-        """The request that scores ``request`` (just finished in this engine, under weights ``epoch``) again,
-        or None when it is not checked: not chosen, not completed, no log probs reported, images in its prompt
-        (scoring would need them placed again), or tokens generated under other weights than the current."""
-        if (not chosen(request.request_id, self.fraction) or request.status is not RequestStatus.COMPLETED
-                or not self.comparable(request.sampling_params)):
+    def admitted(self, sequence: EngineSequence) -> None:
+        """A request was admitted: when it is chosen and could be checked (log probs, no images, nothing generated
+        elsewhere), what its outputs report is kept until it finishes."""
+        if (self.active and not self.owns(sequence.request_id) and chosen(sequence.request_id, self.fraction)
+                and self.comparable(sequence.sampling_params) and not sequence.images and not sequence.num_output):
+            self.reported[sequence.request_id] = Reported(sequence.prompt_tokens, sequence.sampling_params)
+
+    def scoring_request(self, reported: Reported, final: FinalRecord, epoch: int) -> EngineRequest | None:
+        """The request that scores a request (its outputs ``reported``, just finished in this engine with ``final``,
+        under weights ``epoch``) again, or None when it is not checked: not completed, no log probs reported, or
+        tokens generated under other weights than the current."""
+        generated = reported.tokens
+        if (final.status is not RequestStatus.COMPLETED or not generated
+                or len(reported.log_probs) != len(generated) or not reported.epochs <= {epoch}):
             return None
-        generated = request.generated_tokens
-        if (not generated or len(request.generated_log_probs) != len(generated) or request.images
-                or any(e != epoch for e in request.policy_epochs) or any(e != epoch for e in request.kv_epochs)):
-            return None
-        tokens = (request.prompt_tokens + generated)[: self.max_sequence_length - 1]
-        covered = len(tokens) - len(request.prompt_tokens)
+        tokens = (reported.prompt + generated)[: self.max_sequence_length - 1]
+        covered = len(tokens) - len(reported.prompt)
         if covered < 1:
             return None
-        scoring_id = SCORING_PREFIX + request.request_id
+        scoring_id = SCORING_PREFIX + final.request_id
         if scoring_id in self.pending:  # the same id finished again before its check ran: check the latest
             self.pending[scoring_id].void = True
             return None
-        self.pending[scoring_id] = PendingCheck(request.request_id, list(request.generated_log_probs[:covered]),
-                                                len(request.prompt_tokens) - 1)
-        original = request.sampling_params
+        self.pending[scoring_id] = PendingCheck(final.request_id, reported.log_probs[:covered],
+                                                len(reported.prompt) - 1)
+        original = reported.params
         # processed: the original's processing, read back by score_view (its one drawn token from its own stream)
         processing = (dict(temperature=original.temperature, top_k=original.top_k, top_p=original.top_p,
                            min_p=original.min_p, seed=0) if self.processed else dict(temperature=0.0))
         params = SamplingParams(num_tokens_to_generate=1, ignore_eos=True, return_prompt_log_probs=True,
                                 priority=PRIORITY_MAX, cache_salt=original.cache_salt,  # the tenant's cache
                                 **processing)
-        return DynamicInferenceRequest(request_id=scoring_id, prompt=None, prompt_tokens=tokens, sampling_params=params)
+        return EngineRequest(request_id=scoring_id, prompt_tokens=tokens, sampling_params=params,
+                             arrival_time=time.time())
 
     def void_all(self) -> None:
         """The weights changed (a refit): the checks queued compare with tokens of the old weights."""
@@ -161,15 +197,16 @@ class ParityChecker:
             check.void = True
 
     def abandon(self, request_id: str) -> bool:
-        """True for a scoring request of this checker, now forgotten (the engine hands its requests back while
-        draining: another engine cannot check this one's log probs); False for any other request."""
+        """Forget a request that leaves without finishing (aborted, or handed back while draining: another engine
+        cannot check this one's log probs). True for a scoring request of this checker, False for any other."""
+        self.reported.pop(request_id, None)
         if not self.owns(request_id):
             return False
         self.pending.pop(request_id, None)
         return True
 
     def deliver(self, outputs: list[Output], epoch: int, stats: EngineStats,
-                add: Callable[[DynamicInferenceRequest], None]) -> list[Output]:
+                add: Callable[[EngineRequest], None]) -> list[Output]:
         """The engine's outputs for its caller, less those of its own checks; the checks of requests that finished
         are queued (``add``) here, after those requests' outputs were made."""
         if not self.active:
@@ -180,21 +217,30 @@ class ParityChecker:
         return delivered
 
     def sort(self, outputs: Sequence[Output], epoch: int, stats: EngineStats
-             ) -> tuple[list[Output], list[DynamicInferenceRequest]]:
+             ) -> tuple[list[Output], list[EngineRequest]]:
         """``(the outputs for the caller, the scoring requests to queue)`` of one batch of engine outputs: the
         scoring requests' own outputs are kept back, and once finished judged and counted in ``stats``."""
         delivered, scoring = [], []
         for out in outputs:
-            if self.owns(out.request.request_id):
-                if out.finished and (verdict := self.settle(out.request)) is not Verdict.VOID:
+            if self.owns(out.request_id):
+                check = self.pending.get(out.request_id)
+                if check is not None and out.prompt_scores is not None:
+                    check.scored = out.prompt_scores.log_probs
+                if out.final is not None and (verdict := self.settle(out.final)) is not Verdict.VOID:
                     stats.parity_checked(verdict is Verdict.MISMATCH)
                 continue
             delivered.append(out)
-            if out.finished and (request := self.scoring_request(out.request, epoch)) is not None:
-                scoring.append(request)
+            reported = self.reported.get(out.request_id)
+            if reported is None:
+                continue
+            reported.add(out)
+            if out.final is not None:
+                del self.reported[out.request_id]
+                if (request := self.scoring_request(reported, out.final, epoch)) is not None:
+                    scoring.append(request)
         return delivered, scoring
 
-    def settle(self, scoring: DynamicInferenceRequest) -> Verdict:
+    def settle(self, scoring: FinalRecord) -> Verdict:
         """The verdict of a finished scoring request; a mismatch is logged as a WARNING naming the request and
         the first generated token whose log probs differ."""
         check = self.pending.pop(scoring.request_id, None)
@@ -203,7 +249,7 @@ class ParityChecker:
                 logger.info("log-prob check of request %s not made: scoring failed (%s)", check.request_id,
                             scoring.error)
             return Verdict.VOID
-        scored = scoring.prompt_log_probs[check.first : check.first + len(check.reported)]
+        scored = (check.scored or [])[check.first : check.first + len(check.reported)]
         differ = next((i for i, (a, b) in enumerate(zip(check.reported, scored)) if a != b), None)
         if differ is None:
             return Verdict.MATCH

@@ -346,6 +346,6 @@ def lora_report(loras: EngineLoras | None, running: Iterable["Sequence"], waitin
         return None
 
     def names(sequences: Iterable["Sequence"]) -> list[str]:
-        return sorted({n for s in sequences if (n := s.request.sampling_params.lora_name) is not None})
+        return sorted({n for s in sequences if (n := s.sampling_params.lora_name) is not None})
 
     return {"max_loras": loras.slots.max_loras, "running": names(running), "waiting": names(waiting)}

@@ -13,25 +13,9 @@ from typing import TYPE_CHECKING
 
 from ..wire.expert_routing import routing_to_wire
 from ..wire.messages import PromptScores, RoutingRows, RequestDeltaOut
-from ..wire.request import DynamicInferenceRequest
 
 if TYPE_CHECKING:
     from .steps import StepOutput
-
-
-def _top_lists(top: list[dict[int, float]]) -> tuple[list[list[int]], list[list[float]]]:
-    """Per-token ``{id: log prob}`` maps as the two parallel lists the wire carries."""
-    return [list(entry) for entry in top], [list(entry.values()) for entry in top]
-
-
-def prompt_scores(request: DynamicInferenceRequest) -> PromptScores | None:
-    """The prompt's log probs (and top-n) when the request asked for them and has them."""
-    if not request.sampling_params.return_prompt_log_probs or not request.prompt_log_probs:
-        return None
-    scores = PromptScores(log_probs=list(request.prompt_log_probs))
-    if request.prompt_top_n_logprobs:
-        scores.top_ids, scores.top_log_probs = _top_lists(request.prompt_top_n_logprobs)
-    return scores
 
 
 #: Prompt-score entries (a log prob, or an alternative's id and log prob) one ``ENGINE_STEP`` message carries at most
@@ -67,23 +51,23 @@ def step_messages(deltas: list[RequestDeltaOut], limit: int = STEP_MESSAGE_SCORE
 
 
 def step_delta(out: "StepOutput") -> RequestDeltaOut:
-    """One request's share of a step as it travels (copies: the engine goes on changing the request)."""
-    request = out.request
+    """One request's share of a step as it travels: the output's own fields (nothing the engine changes later)."""
     tokens = out.new_tokens
-    delta = RequestDeltaOut(request_id=request.request_id, new_tokens=list(tokens), finished=out.finished)
+    delta = RequestDeltaOut(request_id=out.request_id, new_tokens=tokens, finished=out.finished)
     if out.new_log_probs:
-        delta.new_log_probs = list(out.new_log_probs)
-    if out.new_top_logprobs:
-        delta.top_ids, delta.top_log_probs = _top_lists(out.new_top_logprobs)
+        delta.new_log_probs = out.new_log_probs
+    if out.top_ids:
+        delta.top_ids, delta.top_log_probs = out.top_ids, out.top_log_probs
     n = len(tokens)
     if n:
-        delta.epochs = [request.policy_epochs[-n:], request.kv_epochs[-n:], request.lora_epochs[-n:]]
+        policy, kv, lora = out.epochs
+        delta.epochs = [[policy] * n, [kv] * n, [lora] * n]
     if out.new_routing is not None:
         start, rows = out.new_routing
         delta.routing = RoutingRows(start=start, **routing_to_wire(rows))
-    if len(request.generated_tokens) == n:  # the request's first tokens (or none at all: it ends here)
-        delta.cached_tokens = request.cached_tokens
-        delta.prompt_scores = prompt_scores(request)
-    if out.finished:
-        delta.request = request.final_record()
+    if out.cached_tokens is not None:
+        delta.cached_tokens = out.cached_tokens
+        delta.prompt_scores = out.prompt_scores
+    if out.final is not None:
+        delta.request = out.final
     return delta

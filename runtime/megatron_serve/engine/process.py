@@ -54,7 +54,7 @@ from ..wire.messages import (
     UnloadLora,
 )
 from ..wire.protocol import HEADER_VERBS, Header, ProtocolError, Role, step_of
-from ..wire.request import DynamicInferenceRequest, EngineRequest, FinalRecord, FinishReason, RequestStatus
+from ..wire.request import EngineRequest, FinalRecord, FinishReason, RequestStatus
 
 if TYPE_CHECKING:
     from ..weights.sources import WeightSource
@@ -223,8 +223,8 @@ class EngineProcess:
         """
         data = submit.request
         try:
-            request = DynamicInferenceRequest.from_engine_request(_ENGINE_REQUEST.decode(data))
-        except (msgspec.ValidationError, msgspec.DecodeError, ValueError) as exc:
+            request = _ENGINE_REQUEST.decode(data)
+        except (msgspec.ValidationError, msgspec.DecodeError) as exc:
             logger.error("unreadable request from the coordinator: %s", exc)
             try:
                 request_id = _REQUEST_ID.decode(data).request_id
@@ -254,11 +254,9 @@ class EngineProcess:
             raise SystemExit(1) from None
         except Exception as exc:  # an engine bug or device failure: fail what ran, keep serving
             logger.exception("engine step failed")
-            failed = self.engine.take_unfinished_requests()
-            for request in failed:
-                request.fail(f"engine step failed: {type(exc).__name__}: {exc}")
-            payload = [RequestDeltaOut(request_id=r.request_id, new_tokens=[], finished=True, request=r.final_record())
-                       for r in failed]
+            why = f"engine step failed: {type(exc).__name__}: {exc}"
+            payload = [RequestDeltaOut(request_id=r.request_id, new_tokens=[], finished=True, request=r.failed(why))
+                       for r in self.engine.take_unfinished_requests()]
             self._send(Header.ENGINE_STEP, EngineStepOut(engine_id=self.engine_id, outputs=payload))
             return
         self.steps += 0 if settle else 1

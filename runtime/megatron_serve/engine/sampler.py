@@ -17,9 +17,13 @@ from .sampling_state import MASK32, SamplingState, StepRows, fmix32
 
 @dataclass
 class SampleResult:
+    """A step's sampled tokens and, for the rows that asked, their log probs and top-n (as the wire carries them:
+    ``top_ids[row]`` and ``top_log_probs[row]``, best first)."""
+
     token_ids: list[int]
     log_probs: list[float | None]
-    top_n: list[dict[int, float] | None]
+    top_ids: list[list[int] | None]
+    top_log_probs: list[list[float] | None]
 
 
 @dataclass
@@ -29,9 +33,6 @@ class TokenScores:
     log_probs: list[float]
     top_ids: list[list[int]]
     top_log_probs: list[list[float]]
-
-    def top(self, row: int, n: int) -> dict[int, float]:
-        return dict(zip(self.top_ids[row][:n], self.top_log_probs[row][:n]))
 
 
 class Readback:
@@ -95,14 +96,16 @@ class DeviceSample:
     def read(self) -> SampleResult:
         token_ids = self.readback.wait()[0]
         log_probs: list[float | None] = [None] * len(token_ids)
-        top_n: list[dict[int, float] | None] = [None] * len(token_ids)
+        top_ids: list[list[int] | None] = [None] * len(token_ids)
+        top_log_probs: list[list[float] | None] = [None] * len(token_ids)
         if self.scores is not None:
             scores = self.scores.read()
             for row in self.wanted:
                 log_probs[row] = scores.log_probs[row]
-                if self.top_n[row]:
-                    top_n[row] = scores.top(row, self.top_n[row])
-        return SampleResult(token_ids, log_probs, top_n)
+                n = self.top_n[row]
+                if n:
+                    top_ids[row], top_log_probs[row] = scores.top_ids[row][:n], scores.top_log_probs[row][:n]
+        return SampleResult(token_ids, log_probs, top_ids, top_log_probs)
 
 
 def _sorted_descending(values: torch.Tensor) -> torch.Tensor:

@@ -32,7 +32,7 @@ import numpy as np
 from ..wire.engine_stats import EngineStats
 from ..wire.expert_routing import record_step
 from ..wire.prefix_hash import block_hashes, chain_hash, epoch_root
-from ..wire.request import DynamicInferenceRequest, EventType, FinishReason, RequestStatus
+from ..wire.request import EngineRequest, EventType, FinishReason, RequestEvent, RequestStatus
 from .admission import Admission
 from .kv_cache import BlockAllocator, blocks_for_tokens
 from .logprob_parity import ParityChecker
@@ -41,7 +41,7 @@ from .prompt_scores import record_prompt_scores
 from .sequence import Sequence
 from .speculative.decoder import Emitted, Speculator
 from .steps import InFlightStep, StepOutput
-from .token_append import append_tokens
+from .token_append import append_tokens, ended
 
 
 def step_order(entry: tuple[Sequence, int]) -> tuple[bool, int]:
@@ -113,6 +113,7 @@ class Scheduler:
         self.requests: dict[str, Sequence] = {}  # every request here, by id, until it leaves
         self.pending: list[StepOutput] = []  # outputs not handed out yet (a failed admission, a step read early)
         self.forgets: list[Callable[[str], None]] = []  # called with the id of a request that leaves
+        self.emitted: list[Callable[[list[StepOutput]], None]] = []  # called with outputs as they are made
         # called with a request that leaves, before its blocks are freed (a prefill engine copies them out)
         self.leaving: list[Callable[[Sequence], None]] = []
         self.allocator = allocator
@@ -172,7 +173,7 @@ class Scheduler:
         A request that records its expert routing reads nothing either (its routing must be its own).
         """
         if (not self.allocator.enable_prefix_caching or sequence.num_computed or not sequence.reads_prefix_cache
-                or sequence.request.prompt_scores_missing or self.epoch < 0):  # -1: a mix of weights, nothing shared
+                or sequence.prompt_scores_missing or self.epoch < 0):  # -1: a mix of weights, nothing shared
             return None
         cacheable = (len(sequence.token_ids) - 1) // self.block_size
         sequence.prompt_hashes = hashes = block_hashes(sequence.cache_tokens(0, cacheable * self.block_size),
@@ -224,8 +225,8 @@ class Scheduler:
     def _preempt_newest(self, preempted: list[Sequence]) -> Sequence:
         victim = self.running.pop()
         self.release(victim)
-        victim.request.status = RequestStatus.WAITING_IN_QUEUE
-        victim.request.add_event(EventType.PREEMPT)
+        victim.status = RequestStatus.WAITING_IN_QUEUE
+        victim.add_event(EventType.PREEMPT)
         self.waiting.appendleft(victim)
         preempted.append(victim)
         return victim
@@ -314,12 +315,12 @@ class Scheduler:
             if self.allocator.tier is not None:
                 self.host_queried_tokens += len(sequence.token_ids) - (cached - sequence.host_tokens)
                 self.host_cached_tokens += sequence.host_tokens
-            sequence.request.cached_tokens = min(cached, len(sequence.request.prompt_tokens))
+            sequence.cached_tokens = min(cached, sequence.num_prompt)
             self._grow(sequence, count)
             self.running.append(sequence)
             pending.update(sequence.prompt_hashes[len(sequence.block_hashes):])
-            sequence.request.status = RequestStatus.ACTIVE
-            sequence.request.add_event(EventType.PREFILL)
+            sequence.status = RequestStatus.ACTIVE
+            sequence.add_event(EventType.PREFILL)
             step.add(sequence, count)
         self.waiting.extendleft(reversed(skipped))
 
@@ -340,8 +341,8 @@ class Scheduler:
         evicted = list(self.running)
         for sequence in reversed(evicted):
             self.release(sequence)
-            sequence.request.status = RequestStatus.WAITING_IN_QUEUE
-            sequence.request.add_event(EventType.EVICT)
+            sequence.status = RequestStatus.WAITING_IN_QUEUE
+            sequence.add_event(EventType.EVICT)
             self.waiting.appendleft(sequence)
         self.running.clear()
         return evicted
@@ -356,46 +357,49 @@ class Scheduler:
         return taken
 
     # ------------------------------------------------------------ requests in and out
-    def add_request(self, request: DynamicInferenceRequest) -> None:
+    def add_request(self, request: EngineRequest) -> None:
         """Admit a request (queued by priority, or behind its adapter's slot); one that can never run fails alone,
         its output waiting in ``pending``."""
         assert self.admission is not None, "a scheduler without admission takes sequences (add), not requests"
-        request.add_event(EventType.ADD)
+        added = RequestEvent(EventType.ADD, time.time())  # before the checks (a grammar compiles there)
         admitted = self.admission.admit(request, known=request.request_id in self.requests)
         if isinstance(admitted, str):
-            request.fail(admitted)
-            self.pending.append(StepOutput(request, [], [], True))
+            refused = Sequence.of(request, 0, frozenset())
+            refused.events.append(added)
+            refused.fail(admitted)
+            self._emit([ended(refused)])
             return
         sequence, registration = admitted
-        request.status = RequestStatus.WAITING_IN_QUEUE
+        sequence.events.append(added)
         self.requests[request.request_id] = sequence
-        # a continuation whose epochs were not kept
-        for epochs in (request.policy_epochs, request.kv_epochs, request.lora_epochs):
-            epochs[:0] = [-1] * max(len(request.generated_tokens) - len(epochs), 0)  # -1: unknown
+        if self.parity is not None:
+            self.parity.admitted(sequence)
         self.lora_queue.add(sequence, registration, self, self.requests.values())
 
-    def abort_request(self, request_id: str) -> DynamicInferenceRequest | None:
-        """Drop a request wherever it is (rows of steps in flight for it are dropped when read); None if unknown."""
+    def abort_request(self, request_id: str) -> Sequence | None:
+        """Drop a request wherever it is (rows of steps in flight for it are dropped when read); returns its sequence,
+        or None if unknown."""
         sequence = self.requests.pop(request_id, None)
         if sequence is None:
             return None
         self.forget(sequence)
-        request = sequence.request
-        request.fail("aborted", FinishReason.ABORT)
-        self.stats.finish(request)
-        return request
+        if self.parity is not None:
+            self.parity.abandon(request_id)
+        sequence.fail("aborted", FinishReason.ABORT)
+        self.stats.finish(sequence.final_record())
+        return sequence
 
     def fail(self, sequence: Sequence, message: str) -> None:
         """A request that cannot go on (its images failed to encode): it fails alone, its output in ``pending``."""
-        sequence.request.fail(message)
+        sequence.fail(message)
         self.forget(sequence)
-        self.stats.finish(sequence.request)
-        self.pending.append(StepOutput(sequence.request, [], [], True))
+        out = ended(sequence)
+        self.stats.finish(out.final)
+        self._emit([out])
 
     def forget(self, sequence: Sequence) -> None:
         """Free what is held for a request that leaves (finished, aborted, failed)."""
         sequence.finished = True
-        _keep_routing(sequence)
         for leave in self.leaving:
             leave(sequence)
         self.finish(sequence)
@@ -412,15 +416,20 @@ class Scheduler:
         taken = self.take_all() + self.lora_queue.take_all()
         parity = self.parity
         sequences = [s for s in taken if parity is None or not parity.abandon(s.request_id)]
-        handed = {id(s.request) for s in sequences}
-        self.pending = [out for out in self.pending if id(out.request) not in handed]
+        handed = {s.request_id for s in sequences}
+        self.pending = [out for out in self.pending if out.request_id not in handed]
         self.requests.clear()
         if self.structured is not None:
             self.structured.clear()  # rebuilt from the generated tokens wherever the requests run next
         for sequence in sequences:
-            _keep_routing(sequence)
-            sequence.request.status = RequestStatus.WAITING_IN_QUEUE
+            sequence.status = RequestStatus.WAITING_IN_QUEUE
         return sequences
+
+    def _emit(self, outputs: list[StepOutput]) -> None:
+        """Outputs made outside a step (a refusal, a failure): kept for the next ``step()``, shown to ``emitted``."""
+        for emitted in self.emitted:
+            emitted(outputs)
+        self.pending += outputs
 
     def take_pending(self) -> list[StepOutput]:
         outputs, self.pending = self.pending, []
@@ -467,10 +476,7 @@ class Scheduler:
                     Speculator.restore(sequence, later)
                 self.register_computed_blocks(sequence)
         self.stats.observe_step(sequences, observed, now)
+        for emitted in self.emitted:
+            emitted(outputs)
         return outputs
 
-
-def _keep_routing(sequence: Sequence) -> None:
-    """Put the rows recorded so far on the request, which leaves the engine now."""
-    if sequence.routing is not None:
-        sequence.request.routing_indices = sequence.routing.array()

@@ -17,7 +17,8 @@ if TYPE_CHECKING:
     from ..weights.peer_pull import PeerWeights
     from ..weights.sources import WeightSource
     from .kv_transfer import KVTransfer
-    from ..wire.request import DynamicInferenceRequest
+    from ..wire.messages import PromptScores
+    from ..wire.request import EngineRequest, FinalRecord
 
 
 @dataclass(frozen=True)
@@ -64,12 +65,17 @@ class EngineFacts:
 class EngineStepResult(Protocol):
     """What one step did for one request (the engine's ``StepOutput``), as the process reports it."""
 
-    request: DynamicInferenceRequest
+    request_id: str
     new_tokens: list[int]
     new_log_probs: list[float]
     finished: bool
-    new_top_logprobs: list[dict[int, float]]
+    top_ids: list[list[int]] | None
+    top_log_probs: list[list[float]] | None
     new_routing: tuple[int, np.ndarray] | None
+    epochs: tuple[int, int, int]
+    cached_tokens: int | None
+    prompt_scores: PromptScores | None
+    final: FinalRecord | None
 
 
 @dataclass(frozen=True)
@@ -135,7 +141,7 @@ class ServedEngine(Protocol):
 
     def group_busy(self, busy: bool) -> bool: ...  # step now? (data-parallel attention ranks step together)
 
-    def add_request(self, request: DynamicInferenceRequest) -> None: ...
+    def add_request(self, request: EngineRequest) -> None: ...
 
     def step(self) -> Sequence[EngineStepResult]: ...
 
@@ -143,6 +149,6 @@ class ServedEngine(Protocol):
 
     def receive_kv(self, request_id: str) -> None: ...  # a request just added starts on its blocks that arrived
 
-    def abort_request(self, request_id: str) -> DynamicInferenceRequest | None: ...
+    def abort_request(self, request_id: str) -> object: ...  # how it ended (unused: the coordinator ends it itself)
 
-    def take_unfinished_requests(self) -> list[DynamicInferenceRequest]: ...
+    def take_unfinished_requests(self) -> Sequence[FinalRecord]: ...  # the requests of EngineRequests handed back

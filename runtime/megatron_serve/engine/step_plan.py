@@ -201,11 +201,10 @@ def prompt_positions_to_score(sequence: "Sequence", count: int) -> range:
     Position ``p`` predicts prompt token ``p + 1``; positions scored before a preemption are not
     scored again when the request is recomputed.
     """
-    request = sequence.request
-    if not request.prompt_scores_missing:
+    if not sequence.prompt_scores_missing:
         return range(0)
     start = sequence.num_computed
-    return range(max(start, len(request.prompt_log_probs)), min(start + count, len(request.prompt_tokens) - 1))
+    return range(max(start, sequence.num_scored), min(start + count, sequence.num_prompt - 1))
 
 
 def write_plan(entries: list[tuple["Sequence", int]], block_size: int, buffers: StepBuffers,
@@ -271,7 +270,7 @@ def write_plan(entries: list[tuple["Sequence", int]], block_size: int, buffers: 
                 lora_rows[:row] = -1
                 lora = True
             lora_rows[row : row + count] = sequence.lora_slot
-        if sequence.request.prompt_scores_missing:
+        if sequence.prompt_scores_missing:
             score_rows.extend(row + p - start for p in prompt_positions_to_score(sequence, count))
         row += count
         if count == sequence.num_uncomputed:  # the chunk reaches its last token: it samples

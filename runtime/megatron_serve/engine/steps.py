@@ -5,34 +5,53 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
-from ..wire.request import DynamicInferenceRequest
+from ..wire.messages import PromptScores
+from ..wire.request import FinalRecord
 from .sampler import DeviceSample, DeviceScores, Readback
 from .sequence import Sequence
 from .speculative.decoder import Emitted, Verification
 
+if TYPE_CHECKING:
+    from .expert_api import Public
 
-@dataclass
+
+@dataclass(slots=True)
 class StepOutput:
-    """What one step did for one request: the tokens it added and whether it is done."""
+    """What one step did for one request, with every fact its delta carries (:func:`.output.step_delta` copies them):
+    the tokens it added and what was asked to go with them, and whether it is done."""
 
-    request: DynamicInferenceRequest
+    request_id: str
     new_tokens: list[int]
     new_log_probs: list[float]
     finished: bool
-    new_top_logprobs: list[dict[int, float]] = field(default_factory=list)
+    epochs: tuple[int, int, int] = (-1, -1, -1)  # the new tokens' weights, KV and adapter generations (one step's)
+    # top-n log probs of each new token, as the wire carries them: ``top_ids[i]`` and ``top_log_probs[i]``
+    top_ids: list[list[int]] | None = None
+    top_log_probs: list[list[float]] | None = None
     new_routing: tuple[int, np.ndarray] | None = None  # (first position, routing rows) since the last output
+    # With the request's first tokens (or its end, when it ends before any): what its admission found
+    cached_tokens: int | None = None
+    prompt_scores: PromptScores | None = None
+    final: FinalRecord | None = None  # once finished: the record without what the deltas carried
+    request: Public | None = None  # the public request, for one added so (Megatron's expert API: .expert_api)
 
     def extend(self, later: "StepOutput") -> None:
         """Append what a later output of the same request added (one output per request and step is what the
         engine's readers get: an engine process sends a step as one delta per request)."""
+        if not self.new_tokens:
+            self.epochs = later.epochs
         self.new_tokens += later.new_tokens
         self.new_log_probs += later.new_log_probs
-        self.new_top_logprobs += later.new_top_logprobs
+        if later.top_ids is not None and later.top_log_probs is not None:
+            self.top_ids = (self.top_ids or []) + later.top_ids
+            self.top_log_probs = (self.top_log_probs or []) + later.top_log_probs
         self.finished = later.finished
+        self.final = later.final
         if later.new_routing is not None:  # the positions of later tokens: they continue the rows before
             self.new_routing = (later.new_routing if self.new_routing is None else
                                 (self.new_routing[0], np.concatenate([self.new_routing[1], later.new_routing[1]])))
@@ -63,12 +82,12 @@ def one_per_request(outputs: list[StepOutput]) -> list[StepOutput]:
     """``outputs`` with each request's later ones folded into its first: a verify step that reads the step in
     flight first has a request's tokens of both, and an engine process sends a step as one delta per request
     (two for one request lost the first's tokens: a fleet's request ended 5 tokens short)."""
-    first: dict[int, StepOutput] = {}
+    first: dict[str, StepOutput] = {}
     merged = []
     for out in outputs:
-        earlier = first.get(id(out.request))
+        earlier = first.get(out.request_id)
         if earlier is None:
-            first[id(out.request)] = out
+            first[out.request_id] = out
             merged.append(out)
         else:
             earlier.extend(out)

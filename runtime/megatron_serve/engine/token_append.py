@@ -7,56 +7,61 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..wire.request import EventType, FinishReason, RequestStatus
+from ..wire.request import EventType, FinishReason
 from .sequence import Sequence
 from .speculative.decoder import Emitted
 from .steps import StepOutput
 from .structured_output import StructuredOutputs
 
 
-def append_token(sequence: Sequence, token: int, log_prob: float | None, top_n: dict[int, float] | None,
-                 epochs: tuple[int, int], structured: StructuredOutputs | None) -> StepOutput:
+def append_token(sequence: Sequence, token: int, log_prob: float | None, top_ids: list[int] | None,
+                 top_log_probs: list[float] | None, epochs: tuple[int, int], structured: StructuredOutputs | None
+                 ) -> StepOutput:
     """Append one sampled token (``epochs``: the weights' and its KV's) unless it is a stop id, and say whether the
     request finished; the request's status and events are set here, its resources freed by the caller."""
-    request = sequence.request
-    if not request.generated_tokens:
-        request.add_event(EventType.FIRST_TOKEN)
+    out = StepOutput(sequence.request_id, [], [], False, (epochs[0], epochs[1], sequence.lora_version))
+    if not sequence.num_output:  # its first token: what its admission found goes with it
+        sequence.add_event(EventType.FIRST_TOKEN)
+        out.cached_tokens = sequence.cached_tokens
+        out.prompt_scores, sequence.prompt_scores = sequence.prompt_scores, None
     finish: FinishReason | None = None
     problem: str | None = None
-    new_tokens: list[int] = []
-    new_log_probs: list[float] = []
-    new_top: list[dict[int, float]] = []
     if token in sequence.stop_token_ids:
         finish = FinishReason.STOP
     else:
         sequence.token_ids.append(token)
-        request.generated_tokens.append(token)
-        request.policy_epochs.append(epochs[0])
-        request.kv_epochs.append(epochs[1])
-        request.lora_epochs.append(sequence.lora_version)
-        new_tokens.append(token)
+        sequence.num_output += 1
+        out.new_tokens.append(token)
         if log_prob is not None:
-            request.generated_log_probs.append(log_prob)
-            new_log_probs.append(log_prob)
-        if top_n is not None:
-            request.generated_top_n_logprobs.append(top_n)
-            new_top.append(top_n)
-        grammar_done, problem = (structured.accept(request.request_id, token)
-                                 if structured is not None and request.request_id in structured else (False, None))
+            out.new_log_probs.append(log_prob)
+        if top_ids is not None and top_log_probs is not None:
+            out.top_ids, out.top_log_probs = [top_ids], [top_log_probs]
+        grammar_done, problem = (structured.accept(sequence.request_id, token)
+                                 if structured is not None and sequence.request_id in structured else (False, None))
         if problem is not None:
             finish = FinishReason.ERROR
         elif grammar_done:
             finish = FinishReason.STOP
         elif len(sequence.token_ids) >= sequence.max_total_tokens:
             finish = FinishReason.LENGTH
-    new_routing = sequence.routing.take_undelivered() if sequence.routing is not None else None
+    out.new_routing = sequence.routing.take_undelivered() if sequence.routing is not None else None
     if finish is FinishReason.ERROR:
-        request.fail(problem or "failed")
+        sequence.fail(problem or "failed")
     elif finish is not None:
-        request.status = RequestStatus.COMPLETED
-        request.finish_reason = finish
-        request.add_event(EventType.FINISH, finish.value)
-    return StepOutput(request, new_tokens, new_log_probs, finish is not None, new_top, new_routing)
+        sequence.complete(finish)
+    if finish is not None:
+        out.finished = True
+        out.final = sequence.final_record()
+    return out
+
+
+def ended(sequence: Sequence) -> StepOutput:
+    """The output of a request that ends without a token here (refused at admission, its images failed)."""
+    out = StepOutput(sequence.request_id, [], [], True, final=sequence.final_record())
+    if not sequence.num_output:
+        out.cached_tokens = sequence.cached_tokens
+        out.prompt_scores, sequence.prompt_scores = sequence.prompt_scores, None
+    return out
 
 
 def append_tokens(sequence: Sequence, emitted: Emitted, epochs: tuple[int, int], structured: StructuredOutputs | None,
@@ -65,13 +70,15 @@ def append_tokens(sequence: Sequence, emitted: Emitted, epochs: tuple[int, int],
     ``draft_routing``: the expert ids of the row's drafts' positions; each is recorded before the token its
     accepted draft produced, as the plain engine records a position before the token it samples there."""
     if len(emitted.tokens) == 1:  # no draft accepted (and every plain step's row)
-        return append_token(sequence, emitted.tokens[0], emitted.log_probs[0], emitted.top_n[0], epochs, structured)
+        return append_token(sequence, emitted.tokens[0], emitted.log_probs[0], emitted.top_ids[0],
+                            emitted.top_log_probs[0], epochs, structured)
     merged: StepOutput | None = None
     first = len(sequence.token_ids)  # the first draft's position (the drafts were rolled back)
-    for index, (token, log_prob, top_n) in enumerate(zip(emitted.tokens, emitted.log_probs, emitted.top_n)):
+    for index, (token, log_prob, top_ids, top_log_probs) in enumerate(zip(emitted.tokens, emitted.log_probs,
+                                                                          emitted.top_ids, emitted.top_log_probs)):
         if index and draft_routing is not None and sequence.routing is not None:
             sequence.routing.record(first + index - 1, draft_routing[index - 1 : index])
-        out = append_token(sequence, token, log_prob, top_n, epochs, structured)
+        out = append_token(sequence, token, log_prob, top_ids, top_log_probs, epochs, structured)
         if merged is None:
             merged = out
         else:

@@ -126,9 +126,8 @@ class ModelWorker:
         state, sampling = self.sampling_state, step.sampling
         for s in sampling:
             if s.request_id not in state and not s.finished:
-                request = s.request
-                state.add(s.request_id, request.sampling_params, s.seed, request.prompt_tokens,
-                          request.generated_tokens, s.stop_token_ids)
+                state.add(s.request_id, s.sampling_params, s.seed, s.prompt_tokens, s.output_tokens,
+                          s.stop_token_ids)
         drafts = ([s.token_ids[len(s.token_ids) - s.num_drafts:] for s in sampling]
                   if step.verify_logits is not None else None)  # a verify step: a mask per verified position
         masks = self.structured.bitmask([s.request_id for s in sampling], [s.stop_token_ids for s in sampling], drafts)
@@ -176,7 +175,8 @@ class ModelWorker:
             return self.speculator.read(step.verification, step.sampling)
         assert step.sample is not None, "read() of a step that was never sampled"
         result = step.sample.read()
-        return [Emitted([t], [lp], [top]) for t, lp, top in zip(result.token_ids, result.log_probs, result.top_n)]
+        return [Emitted([t], [lp], [ids], [lps])
+                for t, lp, ids, lps in zip(result.token_ids, result.log_probs, result.top_ids, result.top_log_probs)]
 
     def unbind(self, request_id: str) -> None:
         """Free a request's sampling-state slot (it was preempted: bound again, from its tokens, when it samples

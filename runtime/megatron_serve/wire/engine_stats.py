@@ -21,7 +21,7 @@ import bisect
 from collections.abc import Sequence
 from typing import Any, Protocol
 
-from .request import DynamicInferenceRequest, EventType, FinishReason
+from .request import EventType, FinalRecord, FinishReason
 
 # vLLM's bounds, plus finer ones below its smallest where a GPU engine commonly lands.
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
@@ -80,14 +80,18 @@ class SampledSequence(Protocol):
     """What :meth:`EngineStats.observe_step` reads and writes of a scheduler ``Sequence``."""
 
     last_token_at: float | None
+    num_output: int  # tokens generated, this step's included
+    num_prompt: int
+    arrival_time: float
+    first_token_time: float | None
 
 
 class SampledOutput(Protocol):
     """What it reads of an engine ``StepOutput``."""
 
-    request: DynamicInferenceRequest
     new_tokens: list[int]
     finished: bool
+    final: FinalRecord | None  # once finished
 
 
 class EngineStats:
@@ -127,25 +131,26 @@ class EngineStats:
         gaps: dict[float, int] = {}
         generated = 0
         for sequence, out in zip(sequences, outputs):
-            request, count = out.request, len(out.new_tokens)
+            count = len(out.new_tokens)
             generated += count
             last = sequence.last_token_at
-            if len(request.generated_tokens) == count:  # nothing generated before: its first sampled token
-                self._first_token(request)
+            if sequence.num_output == count:  # nothing generated before: its first sampled token
+                self._first_token(sequence)
             elif last is not None:  # None: it came from another engine mid-generation
                 gaps[last] = gaps.get(last, 0) + 1
             sequence.last_token_at = now
-            if out.finished:
-                self.finish(request)
+            if out.final is not None:
+                self.finish(out.final)
         self.counters["generation_tokens"] += generated
         inter_token = self.histograms["inter_token_latency_seconds"]
         for last, count in gaps.items():
             inter_token.observe(now - last, count)
 
-    def _first_token(self, request: DynamicInferenceRequest) -> None:
-        self.counters["prompt_tokens"] += len(request.prompt_tokens)
-        if request.ttft is not None:
-            self.histograms["time_to_first_token_seconds"].observe(max(request.ttft, 0.0))
+    def _first_token(self, sequence: SampledSequence) -> None:
+        self.counters["prompt_tokens"] += sequence.num_prompt
+        if sequence.first_token_time is not None:
+            ttft = sequence.first_token_time - sequence.arrival_time
+            self.histograms["time_to_first_token_seconds"].observe(max(ttft, 0.0))
 
     def preempted(self, count: int) -> None:
         self.counters["num_preemptions"] += count
@@ -156,18 +161,18 @@ class EngineStats:
         self.counters["logprob_parity_checked"] += 1
         self.counters["logprob_parity_mismatch"] += mismatch
 
-    def finish(self, request: DynamicInferenceRequest) -> None:
-        """A request left this engine finished (completed or aborted here)."""
-        reason = request.finish_reason.value if request.finish_reason is not None else None
+    def finish(self, record: FinalRecord) -> None:
+        """A request left this engine finished (completed or aborted here), as its final record says."""
+        reason = record.finish_reason.value if record.finish_reason is not None else None
         if reason in self.finished:
             self.finished[reason] += 1
-        if reason == FinishReason.ABORT.value:
+        if reason == FinishReason.ABORT.value or record.arrival_time is None:
             return
-        if request.latency is not None:
-            self.histograms["e2e_request_latency_seconds"].observe(max(request.latency, 0.0))
-        scheduled = next((e.timestamp for e in request.events if e.type is EventType.PREFILL), None)
+        if record.finish_time is not None:
+            self.histograms["e2e_request_latency_seconds"].observe(max(record.finish_time - record.arrival_time, 0.0))
+        scheduled = next((e.timestamp for e in record.events if e.type is EventType.PREFILL), None)
         if scheduled is not None:
-            self.histograms["request_queue_time_seconds"].observe(max(scheduled - request.arrival_time, 0.0))
+            self.histograms["request_queue_time_seconds"].observe(max(scheduled - record.arrival_time, 0.0))
 
     def to_wire(self, prefix_cache_queries: int, prefix_cache_hits: int) -> dict[str, Any]:
         """The heartbeat's ``metrics`` field (the prefix-cache counters live in the scheduler)."""

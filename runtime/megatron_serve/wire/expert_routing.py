@@ -10,7 +10,9 @@ never processed).
 Rows are written once per position and never again: recomputation after a preemption, a suspend or
 a move to another engine (which starts from the rows the coordinator mirrored) skips the positions
 already recorded, so floating-point noise of a differently shaped batch can never change a recorded
-choice, and nothing is recorded twice. Such requests never read the prefix cache (the rows of
+choice, and nothing is recorded twice. The engine keeps a position count and the rows not delivered yet
+(:class:`RoutingCapture`): each step output carries the rows recorded since the one before, and the readers
+keep them all (:class:`RoutingRecord`). Such requests never read the prefix cache (the rows of
 cached blocks were computed by another request, or not recorded at all); they still publish their
 blocks to it.
 
@@ -37,7 +39,8 @@ def routing_dtype(num_experts: int) -> np.dtype:
 
 
 class RoutingRecord:
-    """One request's rows on the engine: recorded positions, and how many the coordinator has seen."""
+    """Every row of one request so far, as its readers keep them (the coordinator's mirror, the client's collector,
+    the expert API's adapter)."""
 
     def __init__(self, num_layers: int, top_k: int, dtype: np.dtype, recorded: np.ndarray | None = None):
         self.shape = (num_layers, top_k)
@@ -50,7 +53,6 @@ class RoutingRecord:
                                  f"{num_layers} MoE layers x top-{top_k}")
             self._chunks.append(recorded.astype(dtype, copy=False))
             self.count = len(recorded)
-        self.delivered = self.count
 
     def record(self, start: int, rows: np.ndarray) -> None:
         """Rows of positions ``start, start + 1, ...``; positions already recorded keep their first rows."""
@@ -67,12 +69,35 @@ class RoutingRecord:
             self._chunks = [np.concatenate(self._chunks)]
         return self._chunks[0] if self._chunks else np.empty((0, *self.shape), dtype=self.dtype)
 
+
+class RoutingCapture:
+    """One request's rows on the engine: how many positions are recorded (a continuation's first count is the rows
+    it brings), and the rows recorded since the last output, which that output takes. Nothing delivered stays: the
+    readers of the outputs keep the rows (the coordinator's mirror and the client's collector, a
+    :class:`RoutingRecord` each; the expert API's adapter for a public request)."""
+
+    def __init__(self, num_layers: int, top_k: int, dtype: np.dtype, recorded: int = 0):
+        self.shape = (num_layers, top_k)
+        self.dtype = dtype
+        self.count = self.delivered = recorded
+        self._undelivered: list[np.ndarray] = []
+
+    def record(self, start: int, rows: np.ndarray) -> None:
+        """Rows of positions ``start, start + 1, ...``; positions already recorded keep their first rows."""
+        if start > self.count:
+            raise RuntimeError(f"routing of position {start} computed before position {self.count}")
+        fresh = rows[self.count - start:]
+        if len(fresh):
+            self._undelivered.append(fresh.astype(self.dtype, copy=True))
+            self.count += len(fresh)
+
     def take_undelivered(self) -> tuple[int, np.ndarray] | None:
-        """``(first position, rows)`` recorded since the last call (the coordinator mirrors them), or None."""
+        """``(first position, rows)`` recorded since the last call, or None; they are not kept."""
         if self.delivered == self.count:
             return None
         start, self.delivered = self.delivered, self.count
-        return start, self.array()[start:]
+        chunks, self._undelivered = self._undelivered, []
+        return start, chunks[0] if len(chunks) == 1 else np.concatenate(chunks)
 
 
 def record_step(entries: SequenceType[tuple[Any, int, int, int]], rows: np.ndarray) -> dict[int, np.ndarray]:

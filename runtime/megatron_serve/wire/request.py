@@ -1,9 +1,10 @@
-"""The request record of the API and the engine, and the two typed shapes it crosses processes in.
+"""The public request record, and the two typed shapes a request crosses processes in.
 
-One :class:`DynamicInferenceRequest` per request and process for its whole life: preemption and moves
-between engines append events and tokens to it instead of creating a new one. What travels is typed
-(msgspec, checked where it is decoded): :class:`EngineRequest` from the coordinator to an engine
-(``ENGINE_SUBMIT``: what was asked, and the tokens a continuation starts from), and :class:`FinalRecord`
+:class:`DynamicInferenceRequest` is the public result: built once where the caller reads it, by the client's
+output collector from the deltas and the final record (``client.output_processor``), or, for Megatron's expert
+API that drives an engine directly, by the engine's one adapter (``engine.expert_api``). What travels is typed
+(msgspec, checked where it is decoded): :class:`EngineRequest` to an engine (``ENGINE_SUBMIT``: what was asked,
+and the tokens a continuation starts from; an engine builds its own state from it), and :class:`FinalRecord`
 back (the finished record without what travelled step by step in the deltas, ``wire.messages.RequestDelta``).
 Both encode as the maps the hand-written ``to_dict``/``from_dict`` codec wrote before them, key for key.
 """
@@ -138,6 +139,13 @@ class FinalRecord(msgspec.Struct, frozen=True, kw_only=True):
     first_token_time: float | None = None
     finish_time: float | None = None
 
+    def failed(self, message: str) -> "FinalRecord":
+        """This record as a failure now (every request an engine held fails with a failed step)."""
+        now = time.time()
+        return msgspec.structs.replace(self, status=RequestStatus.FAILED, finish_reason=FinishReason.ERROR,
+                                       error=message, events=[*self.events, RequestEvent(EventType.FAIL, now, message)],
+                                       finish_time=now)
+
 
 @dataclass
 class DynamicInferenceRequest:
@@ -207,26 +215,6 @@ class DynamicInferenceRequest:
         self.finish_reason = reason
         self.error = message
         self.add_event(EventType.FAIL, message)
-
-    @classmethod
-    def from_engine_request(cls, request: EngineRequest) -> "DynamicInferenceRequest":
-        """The engine's record of a request it was handed; ``ValueError`` for images or rows it cannot use."""
-        images = []
-        for index, image in enumerate(request.images):
-            if image.offset is not None and image.length < 1:
-                raise ValueError(f"images[{index}]: a placed image needs length >= 1")
-            images.append(PromptImage(image.data, image.offset, image.length))
-        return cls(
-            request_id=request.request_id,
-            prompt=None,  # the caller's process keeps the text; engines see ids only
-            prompt_tokens=list(request.prompt_tokens),
-            sampling_params=request.sampling_params,
-            generated_tokens=list(request.generated_tokens),
-            events=list(request.events),
-            arrival_time=request.arrival_time,
-            images=images,
-            routing_indices=None if request.routing_indices is None else request.routing_indices.array(),
-        )
 
     def final_record(self) -> FinalRecord:
         """The finished record, without what travelled in the deltas (the receiver has it)."""

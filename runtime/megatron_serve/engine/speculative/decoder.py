@@ -96,7 +96,8 @@ class Emitted:
 
     tokens: list[int] = field(default_factory=list)
     log_probs: list[float | None] = field(default_factory=list)
-    top_n: list[dict[int, float] | None] = field(default_factory=list)
+    top_ids: list[list[int] | None] = field(default_factory=list)  # each token's top-n, as the wire carries them
+    top_log_probs: list[list[float] | None] = field(default_factory=list)
     accepted: int = 0  # drafts accepted (the tokens less the bonus one)
 
 
@@ -361,7 +362,8 @@ class Speculator:
                 token = result.token_ids[row + depth]
                 out.tokens.append(token)
                 out.log_probs.append(result.log_probs[row + depth])
-                out.top_n.append(result.top_n[row + depth])
+                out.top_ids.append(result.top_ids[row + depth])
+                out.top_log_probs.append(result.top_log_probs[row + depth])
                 if depth == drafts or token != drafted[depth] or token in sequence.stop_token_ids:
                     break
                 out.accepted += 1

@@ -102,7 +102,7 @@ class SpeculativeSteps:
                 or config.tensor_parallel_size > 1 or self.worker.encoder_cache is not None):
             return False
         structured = self.worker.structured
-        return not any(s.request_id in structured or s.routing is not None or s.request.prompt_scores_missing
+        return not any(s.request_id in structured or s.routing is not None or s.prompt_scores_missing
                        for queue in (self.scheduler.running, self.scheduler.waiting) for s in queue)
 
     def step_at_once(self, ks: dict[str, int], loop: StepLoop) -> list[StepOutput]:
