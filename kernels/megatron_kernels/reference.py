@@ -132,7 +132,7 @@ def paged_attention_decode(
 
     The sequences go in groups of similar length (:func:`decode_groups`), each padded to its longest only:
     a batch of mixed lengths padded to its longest gathered and multiplied about twice the keys and values
-    it needed. Each group's keys and values are gathered into ``[Hkv, S, L, D]`` (:func:`_gather_heads`), and
+    it needed. Each group's keys and values are gathered into ``[Hkv, S, L, D]`` (:func:`_gather_kv`), and
     the query heads that share a KV head multiply them together (no copy per query head).
     """
     num_seqs, num_heads, head_dim = q.shape
@@ -149,8 +149,7 @@ def paged_attention_decode(
         index = None if order is None else order[start:end]
         tables = block_tables if index is None else block_tables.index_select(0, index)
         length = num_blocks * block_size
-        keys = _gather_heads(k_cache, tables[:, :num_blocks], k_scales)  # [Hkv, n, L, D]
-        values = _gather_heads(v_cache, tables[:, :num_blocks], v_scales)
+        keys, values = _gather_kv(k_cache, v_cache, tables[:, :num_blocks], k_scales, v_scales)  # [Hkv, n, L, D]
         queries = queries_all if index is None else queries_all.index_select(1, index)
         scores = torch.matmul(queries, keys.transpose(-1, -2)).mul_(scale)  # [Hkv, n, G, L]
         lengths = context_lens if index is None else context_lens.index_select(0, index)
@@ -168,34 +167,42 @@ def paged_attention_decode(
     return out
 
 
-def _gather_heads(cache: torch.Tensor, tables: torch.Tensor, scales: torch.Tensor | None = None) -> torch.Tensor:
-    """``[Hkv, S, L, D]`` float32: the blocks ``tables`` ``[S, blocks]`` of each sequence, head by head (dequantized,
-    from an FP8 cache; a table's unused entries read block 0, masked by the caller).
+def _gather_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor,
+               k_scales: torch.Tensor | None = None, v_scales: torch.Tensor | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values ``[Hkv, S, L, D]`` float32: the blocks ``tables`` ``[S, blocks]`` of each sequence, head by
+    head (dequantized, from an FP8 cache; a table's unused entries read block 0, masked by the caller).
 
     On a pool stored heads first (``KVCachePool(heads_first=True)``, a CPU's) every (head, block) is one contiguous
     run of ``block_size * D`` values, and the gather copies whole runs straight into place; a pool stored blocks
-    first is gathered by blocks and then reordered (one more copy).
+    first is gathered by blocks and then reordered (one more copy). Keys and values share the row indices.
     """
-    num_blocks, block_size, kv_heads, head_dim = cache.shape
+    num_blocks, block_size, kv_heads, head_dim = k_cache.shape
     seqs, width = tables.shape
     blocks = tables.long().clamp_min(0).flatten()  # [S * blocks]
-    by_head = cache.permute(2, 0, 1, 3)  # [Hkv, blocks, block_size, D]
-    if by_head.is_contiguous():
-        heads = torch.arange(kv_heads, device=cache.device)[:, None] * num_blocks
-        gathered = by_head.reshape(kv_heads * num_blocks, block_size * head_dim).index_select(
-            0, (heads + blocks).flatten()).view(kv_heads, seqs, width * block_size, head_dim)
-    else:
-        gathered = (cache.reshape(num_blocks, -1).index_select(0, blocks)
-                    .view(seqs, width * block_size, kv_heads, head_dim).permute(2, 0, 1, 3).contiguous())
-    if scales is None:
-        return gathered.float()
-    scale = scales.index_select(0, blocks).view(seqs, width * block_size, kv_heads).permute(2, 0, 1)
-    return gathered.float() * scale[..., None]
+    heads_first = k_cache.permute(2, 0, 1, 3).is_contiguous()
+    if heads_first:  # row h * num_blocks + b of the pool seen as [Hkv * blocks, block_size * D]
+        rows = (torch.arange(kv_heads, device=blocks.device)[:, None] * num_blocks + blocks).flatten()
+    gathered = []
+    for cache, scales in ((k_cache, k_scales), (v_cache, v_scales)):
+        if heads_first:
+            runs = cache.permute(2, 0, 1, 3).reshape(kv_heads * num_blocks, block_size * head_dim)
+            out = runs.index_select(0, rows).view(kv_heads, seqs, width * block_size, head_dim)
+        else:
+            out = (cache.reshape(num_blocks, -1).index_select(0, blocks)
+                   .view(seqs, width * block_size, kv_heads, head_dim).permute(2, 0, 1, 3).contiguous())
+        if scales is None:
+            gathered.append(out.float())
+        else:
+            scale = scales.index_select(0, blocks).view(seqs, width * block_size, kv_heads).permute(2, 0, 1)
+            gathered.append(out.float() * scale[..., None])
+    return gathered[0], gathered[1]
 
 
-#: A group's fixed cost in the cost model of :func:`decode_groups`, in sequence-blocks of keys and values: about
-#: the dozen ops a group adds, against what one block of one sequence costs to gather and multiply (a CPU).
-_GROUP_COST = 24
+#: A group's fixed cost in the cost model of :func:`decode_groups`, in sequence-blocks of keys and values: the
+#: dozen ops a group adds, against what one block of one sequence costs to gather and multiply (a CPU, with the
+#: whole-block gather of a heads-first pool; the sweep that chose it: docs/design-measurements.md).
+_GROUP_COST = 8
 
 
 @functools.lru_cache(maxsize=16)
@@ -252,8 +259,8 @@ def paged_attention_prefill(
             continue
         num_blocks = -(-context_len // block_size)
         table = block_tables[i : i + 1, :num_blocks]
-        keys = _gather_heads(k_cache, table, k_scales)[:, 0, :context_len]  # [Hkv, L, D]
-        values = _gather_heads(v_cache, table, v_scales)[:, 0, :context_len]
+        keys, values = _gather_kv(k_cache, v_cache, table, k_scales, v_scales)
+        keys, values = keys[:, 0, :context_len], values[:, 0, :context_len]  # [Hkv, L, D]
         query_pos = torch.arange(context_len - q_len, context_len, device=q.device)
         key_pos = torch.arange(context_len, device=q.device)
         mask = key_pos[None, :] <= query_pos[:, None]
