@@ -7,11 +7,18 @@ n 8, outputs of 512-1024 tokens) the engine runs the sampled batch and, in the s
 prompts and lengths greedily (each prompt ``n`` times), and prints sampled/greedy; transformers is left
 out then. Beside wall time each run reports its CPU time (a single-threaded run's CPU time moves less
 with other load on a shared machine than its wall time does).
+``transformers`` runs in each mode of ``--hf-modes``, and the engine is compared with each and with the fastest
+(its best): ``dynamic``, plain ``generate`` (its default dynamic cache); ``static``,
+``cache_implementation="static"``; ``compiled``, the static cache with the forward compiled by ``torch.compile``
+as ``generate`` does it on a GPU (its ``CompileConfig``, here forced on for a CPU). The static modes are warmed
+up by an untimed pass over the same batches (a static cache compiles per shape); plain ``generate`` by a short
+call.
 ``--arch`` picks the family; the mixture-of-experts ones get ``--experts`` experts of 3/8 of the hidden
 size (rounded to 64: ``transformers``' grouped GEMM needs 16-byte strides), ``--experts-per-token``
 per token (Qwen3-30B-A3B's proportions, scaled down).
 
     python benchmarks/offline_throughput.py [--arch qwen3_moe] [--hidden-size 512 --layers 8] [--hf-batch-size 16]
+    python benchmarks/offline_throughput.py --hf-modes dynamic
     python benchmarks/offline_throughput.py --temperature 1 --top-p 0.9 --n 8 --requests 8
     python benchmarks/offline_throughput.py --rl --requests 8
 """
@@ -85,13 +92,26 @@ def run_megatron(model_dir: str, warmup, requests, max_requests: int, params: Sa
     return elapsed, cpu
 
 
-def run_transformers(model_dir: str, requests, batch_size: int) -> tuple[float, float]:
-    """Wall and CPU seconds of the timed pass."""
+HF_MODES = ("dynamic", "static", "compiled")
+
+
+def generate_options(mode: str) -> dict:
+    """``generate`` keywords of a ``--hf-modes`` mode."""
+    if mode == "dynamic":
+        return {}
+    if mode == "static":
+        return {"cache_implementation": "static"}
+    compile_config = transformers.CompileConfig()
+    compile_config._compile_all_devices = True  # generate compiles on GPUs only unless told (its own flag for this)
+    return {"cache_implementation": "static", "compile_config": compile_config}
+
+
+def run_transformers(model_dir: str, requests, batch_size: int, mode: str = "dynamic") -> tuple[float, float]:
+    """Wall and CPU seconds of the timed pass, ``generate`` in ``mode`` (:data:`HF_MODES`)."""
     device = "cuda" if torch.cuda.is_available() else "cpu"  # where the engine runs too
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device).eval()
-    with torch.inference_mode():  # warm-up, as on our side
-        model.generate(torch.tensor([[5, 6, 7]], device=device), max_new_tokens=4, do_sample=False, pad_token_id=0)
-    started, cpu_started = time.perf_counter(), time.process_time()
+    options = generate_options(mode)
+    batches = []
     for start in range(0, len(requests), batch_size):
         batch = requests[start : start + batch_size]
         width = max(len(p) for p, _ in batch)
@@ -100,10 +120,21 @@ def run_transformers(model_dir: str, requests, batch_size: int) -> tuple[float, 
         for row, (prompt, _) in enumerate(batch):  # left padding
             ids[row, width - len(prompt):] = torch.tensor(prompt)
             mask[row, width - len(prompt):] = 1
-        new_tokens = max(n for _, n in batch)
+        batches.append((ids.to(device), mask.to(device), max(n for _, n in batch)))
+
+    def generate_all() -> None:
+        for ids, mask, new_tokens in batches:
+            with torch.inference_mode():
+                model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                               do_sample=False, pad_token_id=0, **options)
+
+    if mode == "dynamic":  # warm-up, as on our side
         with torch.inference_mode():
-            model.generate(ids.to(device), attention_mask=mask.to(device), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                           do_sample=False, pad_token_id=0)
+            model.generate(torch.tensor([[5, 6, 7]], device=device), max_new_tokens=4, do_sample=False, pad_token_id=0)
+    else:  # every shape of the timed pass once: a static cache (and its compiled forward) is per shape
+        generate_all()
+    started, cpu_started = time.perf_counter(), time.process_time()
+    generate_all()
     return time.perf_counter() - started, time.process_time() - cpu_started
 
 
@@ -116,6 +147,8 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--requests", type=int, default=64)
     parser.add_argument("--hf-batch-size", type=int, default=16)
+    parser.add_argument("--hf-modes", default=",".join(HF_MODES),
+                        help=f"transformers' modes to time, comma-separated ({', '.join(HF_MODES)})")
     parser.add_argument("--max-requests", type=int, default=64)
     parser.add_argument("--temperature", type=float, default=0.0, help="sample (> 0): compared with greedy")
     parser.add_argument("--top-p", type=float, default=1.0)
@@ -124,6 +157,11 @@ def main() -> None:
     parser.add_argument("--rl", action="store_true", help="an RL rollout: temperature 1, n 8, 512-1024 new tokens")
     parser.add_argument("--repeats", type=int, default=1, help="sampled and greedy runs, alternated (best of each)")
     args = parser.parse_args()
+    hf_modes = [mode for mode in args.hf_modes.split(",") if mode]
+    unknown = sorted(set(hf_modes) - set(HF_MODES))
+    if unknown or not hf_modes:
+        parser.error(f"--hf-modes: unknown mode(s) {', '.join(unknown) or '(none given)'}; "
+                     f"choose from {', '.join(HF_MODES)}")
     sampled_params = sampling(args)
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = str(make_tiny_model(tmp, seed=0, **model_shape(args)))
@@ -152,15 +190,20 @@ def main() -> None:
             print(f"sampled/greedy throughput: {greedy / sampled:.3f} (wall), {greedy_cpu / sampled_cpu:.3f} (CPU time)")
             return
         ours, ours_cpu = run_megatron(model_dir, warmup, requests, args.max_requests)
-        theirs, theirs_cpu = run_transformers(model_dir, requests, args.hf_batch_size)
+        theirs = {mode: run_transformers(model_dir, requests, args.hf_batch_size, mode) for mode in hf_modes}
     print(f"model: {args.arch}, {params / 1e6:.1f}M parameters, {args.requests} requests, {useful} generated tokens, "
           f"torch threads {torch.get_num_threads()}" + (f", transformers experts: {experts}" if experts else ""))
-    print(f"{'engine':<40}{'seconds':>10}{'tokens/s':>12}{'CPU s':>10}{'CPU ms/tok':>12}")
-    print(f"{'megatron-serve (continuous batching)':<40}{ours:>10.2f}{useful / ours:>12.1f}{ours_cpu:>10.2f}"
-          f"{1000 * ours_cpu / useful:>12.3f}")
-    print(f"{'transformers generate (batch ' + str(args.hf_batch_size) + ')':<40}{theirs:>10.2f}{useful / theirs:>12.1f}"
-          f"{theirs_cpu:>10.2f}{1000 * theirs_cpu / useful:>12.3f}")
-    print(f"ratio: {theirs / ours:.2f}x (wall), {theirs_cpu / ours_cpu:.2f}x (CPU time)")
+    print(f"{'engine':<48}{'seconds':>10}{'tokens/s':>12}{'CPU s':>10}{'CPU ms/tok':>12}")
+    rows = [("megatron-serve (continuous batching)", ours, ours_cpu)]
+    rows += [(f"transformers generate (batch {args.hf_batch_size}, {mode})", *theirs[mode]) for mode in hf_modes]
+    for name, wall, cpu in rows:
+        print(f"{name:<48}{wall:>10.2f}{useful / wall:>12.1f}{cpu:>10.2f}{1000 * cpu / useful:>12.3f}")
+    for mode in hf_modes:
+        wall, cpu = theirs[mode]
+        print(f"ratio to transformers {mode}: {wall / ours:.2f}x (wall), {cpu / ours_cpu:.2f}x (CPU time)")
+    if len(hf_modes) > 1:
+        best_wall, best_cpu = min(wall for wall, _ in theirs.values()), min(cpu for _, cpu in theirs.values())
+        print(f"ratio to transformers at its best: {best_wall / ours:.2f}x (wall), {best_cpu / ours_cpu:.2f}x (CPU time)")
 
 
 if __name__ == "__main__":

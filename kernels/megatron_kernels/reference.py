@@ -23,12 +23,19 @@ import functools
 import torch
 import torch.nn.functional as F
 
+from .dense import linear
 from .fp8 import Block, dequantize, quantize_heads
 from .reference_lora import lora_expand, lora_shrink  # noqa: F401 - dispatcher ops, in their own module
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm computed in float32, as Llama does, then cast back to the input dtype."""
+    """RMSNorm computed in float32, as Llama does, then cast back to the input dtype.
+
+    In float32 it is torch's own ``F.rms_norm`` (one fused pass on a CPU, where the ops below take one pass each),
+    which computes these ops' values bit for bit (``tests/kernels/test_kernels.py`` holds it to ``==``).
+    """
+    if x.dtype == torch.float32 and weight.dtype == torch.float32:
+        return F.rms_norm(x, (x.shape[-1],), weight, eps)
     x32 = x.float()
     normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
     return weight * normed.to(x.dtype)
@@ -45,7 +52,7 @@ def fused_add_rms_norm(
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """SwiGLU activation on a fused gate/up projection: ``silu(x[..., :n]) * x[..., n:]``."""
     gate, up = x.chunk(2, dim=-1)
-    return F.silu(gate) * up
+    return F.silu(gate).mul_(up)
 
 
 def apply_rotary(
@@ -58,10 +65,13 @@ def apply_rotary(
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """``(x1 cos - x2 sin, x2 cos + x1 sin, rest)``, each half written in place into one new tensor (no ``cat``)."""
     half = cos.shape[-1]
     x32 = x.float()
-    x1, x2, rest = x32[..., :half], x32[..., half : 2 * half], x32[..., 2 * half :]
-    rotated = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest), dim=-1)
+    x1, x2 = x32[..., :half], x32[..., half : 2 * half]
+    rotated = torch.empty_like(x32) if 2 * half == x.shape[-1] else x32.clone()  # partial rotary: the rest as is
+    torch.mul(x1, cos, out=rotated[..., :half]).sub_(x2 * sin)
+    torch.mul(x2, cos, out=rotated[..., half : 2 * half]).add_(x1 * sin)
     return rotated.to(x.dtype)
 
 
@@ -102,18 +112,6 @@ def apply_rotary_write_kv_cache(
     return q, k
 
 
-def _gather_sequence_kv(
-    cache: torch.Tensor, block_tables: torch.Tensor, num_blocks: int, scales: torch.Tensor | None = None
-) -> torch.Tensor:
-    """``[S, num_blocks * block_size, Hkv, D]``: the first ``num_blocks`` blocks of each sequence, contiguous
-    (float32, dequantized, from an FP8 cache)."""
-    table = block_tables[:, :num_blocks].long().clamp_min(0)
-    gathered = cache[table]  # [S, nb, bs, Hkv, D]
-    if scales is not None:
-        gathered = gathered.float() * scales[table].unsqueeze(-1)
-    return gathered.flatten(1, 2)
-
-
 def paged_attention_decode(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -134,14 +132,15 @@ def paged_attention_decode(
 
     The sequences go in groups of similar length (:func:`decode_groups`), each padded to its longest only:
     a batch of mixed lengths padded to its longest gathered and multiplied about twice the keys and values
-    it needed. Each group's keys and values are gathered straight into ``[S, Hkv, L, D]``, and the query
-    heads that share a KV head multiply them together (no copy per query head).
+    it needed. Each group's keys and values are gathered into ``[Hkv, S, L, D]`` (:func:`_gather_kv`), and
+    the query heads that share a KV head multiply them together (no copy per query head).
     """
     num_seqs, num_heads, head_dim = q.shape
     block_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_heads // kv_heads
     groups = decode_groups(tuple(context_lens.tolist()), block_size)
-    result = q.new_empty(q.shape, dtype=torch.float32)
+    queries_all = q.view(num_seqs, kv_heads, group, head_dim).transpose(0, 1).float()  # [Hkv, S, G, D]
+    result = queries_all.new_empty(queries_all.shape)
     order = None
     if len(groups) > 1:  # the rows longest first, as decode_groups sorted them (stable: ties keep their order)
         order = torch.argsort(-torch.div(context_lens.long() + block_size - 1, block_size, rounding_mode="floor")
@@ -149,29 +148,61 @@ def paged_attention_decode(
     for start, end, num_blocks in groups:
         index = None if order is None else order[start:end]
         tables = block_tables if index is None else block_tables.index_select(0, index)
-        slots = _token_slots(tables[:, :num_blocks], block_size, kv_heads)  # [n * Hkv * L]
-        n, length = end - start, num_blocks * block_size
-        keys = _gather_rows(k_cache, slots, k_scales).view(n, kv_heads, length, head_dim)
-        values = _gather_rows(v_cache, slots, v_scales).view(n, kv_heads, length, head_dim)
-        queries = (q if index is None else q.index_select(0, index)).view(n, kv_heads, group, head_dim).float()
-        scores = torch.matmul(queries, keys.transpose(-1, -2)).mul_(scale)  # [n, Hkv, group, L]
+        length = num_blocks * block_size
+        keys, values = _gather_kv(k_cache, v_cache, tables[:, :num_blocks], k_scales, v_scales)  # [Hkv, n, L, D]
+        queries = queries_all if index is None else queries_all.index_select(1, index)
+        scores = torch.matmul(queries, keys.transpose(-1, -2)).mul_(scale)  # [Hkv, n, G, L]
         lengths = context_lens if index is None else context_lens.index_select(0, index)
         past = torch.arange(length, device=q.device)[None, :] >= lengths[:, None]
-        scores.masked_fill_(past[:, None, None, :], float("-inf"))
-        attended = torch.matmul(scores.softmax(-1), values).view(n, num_heads, head_dim)
+        scores.masked_fill_(past[None, :, None, :], float("-inf"))
+        attended = torch.matmul(scores.softmax(-1), values)  # [Hkv, n, G, D]
         if index is None:
             result = attended
         else:
-            result.index_copy_(0, index, attended)
+            result.index_copy_(1, index, attended)
+    result = result.transpose(0, 1).reshape(num_seqs, num_heads, head_dim)
     if out is None:
         return result.to(q.dtype)
     out.copy_(result)
     return out
 
 
-#: A group's fixed cost in the cost model of :func:`decode_groups`, in sequence-blocks of keys and values: about
-#: the dozen ops a group adds, against what one block of one sequence costs to gather and multiply (a CPU).
-_GROUP_COST = 24
+def _gather_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor,
+               k_scales: torch.Tensor | None = None, v_scales: torch.Tensor | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values ``[Hkv, S, L, D]`` float32: the blocks ``tables`` ``[S, blocks]`` of each sequence, head by
+    head (dequantized, from an FP8 cache; a table's unused entries read block 0, masked by the caller).
+
+    On a pool stored heads first (``KVCachePool(heads_first=True)``, a CPU's) every (head, block) is one contiguous
+    run of ``block_size * D`` values, and the gather copies whole runs straight into place; a pool stored blocks
+    first is gathered by blocks and then reordered (one more copy). Keys and values share the row indices.
+    """
+    num_blocks, block_size, kv_heads, head_dim = k_cache.shape
+    seqs, width = tables.shape
+    blocks = tables.long().clamp_min(0).flatten()  # [S * blocks]
+    heads_first = k_cache.permute(2, 0, 1, 3).is_contiguous()
+    if heads_first:  # row h * num_blocks + b of the pool seen as [Hkv * blocks, block_size * D]
+        rows = (torch.arange(kv_heads, device=blocks.device)[:, None] * num_blocks + blocks).flatten()
+    gathered = []
+    for cache, scales in ((k_cache, k_scales), (v_cache, v_scales)):
+        if heads_first:
+            runs = cache.permute(2, 0, 1, 3).reshape(kv_heads * num_blocks, block_size * head_dim)
+            out = runs.index_select(0, rows).view(kv_heads, seqs, width * block_size, head_dim)
+        else:
+            out = (cache.reshape(num_blocks, -1).index_select(0, blocks)
+                   .view(seqs, width * block_size, kv_heads, head_dim).permute(2, 0, 1, 3).contiguous())
+        if scales is None:
+            gathered.append(out.float())
+        else:
+            scale = scales.index_select(0, blocks).view(seqs, width * block_size, kv_heads).permute(2, 0, 1)
+            gathered.append(out.float() * scale[..., None])
+    return gathered[0], gathered[1]
+
+
+#: A group's fixed cost in the cost model of :func:`decode_groups`, in sequence-blocks of keys and values: the
+#: dozen ops a group adds, against what one block of one sequence costs to gather and multiply (a CPU, with the
+#: whole-block gather of a heads-first pool; the sweep that chose it: docs/design-measurements.md).
+_GROUP_COST = 8
 
 
 @functools.lru_cache(maxsize=16)
@@ -197,23 +228,6 @@ def decode_groups(lens: tuple[int, ...], block_size: int) -> tuple[tuple[int, in
         groups.append((bounds[cut[end]], bounds[end], widths[bounds[cut[end]]]))
         end = cut[end]
     return tuple(reversed(groups))
-
-
-def _token_slots(tables: torch.Tensor, block_size: int, kv_heads: int) -> torch.Tensor:
-    """Rows of a cache viewed as ``[slots * Hkv, D]`` that hold each sequence's tokens, head by head:
-    ``[S * Hkv * L]`` int64 in the order of ``[S, Hkv, L]`` (a table's unused entries read block 0, masked)."""
-    offsets = torch.arange(block_size, device=tables.device)
-    tokens = (tables.long().clamp_min(0)[:, :, None] * block_size + offsets).flatten(1)  # [S, L]
-    heads = torch.arange(kv_heads, device=tables.device)
-    return (tokens[:, None, :] * kv_heads + heads[None, :, None]).flatten()
-
-
-def _gather_rows(cache: torch.Tensor, slots: torch.Tensor, scales: torch.Tensor | None) -> torch.Tensor:
-    """The cache rows ``slots`` of :func:`_token_slots`, float32 (dequantized, from an FP8 cache)."""
-    rows = cache.view(-1, cache.shape[-1]).index_select(0, slots)
-    if scales is None:
-        return rows.float()
-    return rows.float() * scales.reshape(-1).index_select(0, slots)[:, None]
 
 
 def paged_attention_prefill(
@@ -244,14 +258,15 @@ def paged_attention_prefill(
         if q_len == 0:
             continue
         num_blocks = -(-context_len // block_size)
-        keys = _gather_sequence_kv(k_cache, block_tables[i : i + 1], num_blocks, k_scales)[0, :context_len]
-        values = _gather_sequence_kv(v_cache, block_tables[i : i + 1], num_blocks, v_scales)[0, :context_len]
+        table = block_tables[i : i + 1, :num_blocks]
+        keys, values = _gather_kv(k_cache, v_cache, table, k_scales, v_scales)
+        keys, values = keys[:, 0, :context_len], values[:, 0, :context_len]  # [Hkv, L, D]
         query_pos = torch.arange(context_len - q_len, context_len, device=q.device)
         key_pos = torch.arange(context_len, device=q.device)
         mask = key_pos[None, :] <= query_pos[:, None]
         attended = F.scaled_dot_product_attention(
-            q[q_start:q_end].transpose(0, 1).float(), keys.transpose(0, 1).float(), values.transpose(0, 1).float(),
-            attn_mask=mask, scale=scale, enable_gqa=q.shape[1] != keys.shape[1],
+            q[q_start:q_end].transpose(0, 1).float(), keys, values, attn_mask=mask, scale=scale,
+            enable_gqa=q.shape[1] != keys.shape[0],
         )
         out[q_start:q_end] = attended.transpose(0, 1).to(q.dtype)
     return out
@@ -294,8 +309,8 @@ def fused_moe(
             if w13_scale is not None:
                 gate_up = dequantize(gate_up, w13_scale[expert], block, hidden.dtype)
                 down = dequantize(down, w2_scale[expert], block, hidden.dtype)
-            activated = silu_and_mul(F.linear(rows[start:end], gate_up))
-            out[order[start:end]] = F.linear(activated, down)
+            activated = silu_and_mul(linear(rows[start:end], gate_up))
+            out[order[start:end]] = linear(activated, down)
             start = end
     weighted = out.float().view(num_tokens, top_k, hidden.shape[1]) * topk_weights.float().unsqueeze(-1)
     return weighted.sum(1).to(hidden.dtype)
@@ -314,4 +329,4 @@ def fp8_linear(
     activation scale, only matters where activations are quantized). This gives exactly the engine's
     output on the dequantized weights.
     """
-    return F.linear(x, dequantize(weight, weight_scale, block, x.dtype), bias)
+    return linear(x, dequantize(weight, weight_scale, block, x.dtype), bias)

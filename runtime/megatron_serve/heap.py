@@ -1,4 +1,5 @@
-"""Keeping a serving process's start-up heap out of the garbage collector's way.
+"""Keeping a serving process's start-up heap out of the garbage collector's way, and a CPU engine's step buffers
+in the C heap.
 
 A full collection walks every tracked object, and once torch and transformers are imported and a
 tokenizer or a model is loaded a process holds hundreds of thousands of them: each full collection
@@ -10,6 +11,7 @@ step). For processes, not libraries: the freeze is global.
 from __future__ import annotations
 
 import atexit
+import ctypes
 import gc
 
 #: Net allocations of tracked objects between two collections of the youngest generation in an HTTP server.
@@ -37,3 +39,29 @@ def defer_young_collections(threshold: int = YOUNG_THRESHOLD) -> None:
     at once, as an HTTP server's (see :data:`YOUNG_THRESHOLD`)."""
     _, middle, old = gc.get_threshold()
     gc.set_threshold(threshold, middle, old)
+
+
+#: glibc's ``mallopt`` parameter numbers (``malloc.h``).
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
+#: Requests from this size on get a mapping of their own, unmapped when freed: 32 MiB, the largest glibc accepts.
+MMAP_THRESHOLD = 32 << 20
+#: Free memory at the top of the heap that stays there for the next step rather than going back to the system.
+TRIM_THRESHOLD = 128 << 20
+
+
+def keep_freed_memory() -> bool:
+    """Let glibc's malloc keep what a step frees for the next step; False where the C library is not glibc.
+
+    By default glibc serves a request above its mapping threshold (128 KiB at start, raised only to the largest
+    mapping freed so far) with a fresh mapping, and hands the top of the heap back to the system once more than
+    twice that is free. A step of an engine on a CPU allocates and frees its activations and gathered keys and
+    values, several MiB each, in every layer: they came back as fresh pages step after step, each one zeroed by
+    the kernel at its first touch (the counts: docs/design-measurements.md). Fixed thresholds keep them in the
+    heap. Process-wide, as every allocator setting is: for processes that run an engine on a CPU.
+    """
+    try:
+        libc = ctypes.CDLL(None)
+        mallopt, _ = libc.mallopt, libc.gnu_get_libc_version
+    except (OSError, AttributeError):
+        return False
+    return bool(mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD)) and bool(mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD))

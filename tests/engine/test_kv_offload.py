@@ -219,10 +219,12 @@ def test_a_block_comes_back_bit_for_bit_in_every_pool_layout(fp8, heads_first):
 
 
 def test_an_fp8_kv_cache_comes_back_from_the_host_tier_bitwise(tiny_llama):
+    # batch-invariant, as llm() above: the second pass computes only the rows after the cached prefix, a GEMM of
+    # another row count, which the default kernels need not round alike, so equal log probs would prove nothing
     batch = prompts(4)
     served = MegatronLLM(tiny_llama, InferenceConfig(block_size_tokens=BLOCK, num_kv_blocks=16, max_requests=1,
                                                      max_batch_tokens=256, kv_offloading_size=0.01,
-                                                     kv_cache_dtype="fp8"))
+                                                     kv_cache_dtype="fp8", batch_invariant=True))
     first, second = two_passes(served, batch)
     assert [o.generated_log_probs for o in second] == [o.generated_log_probs for o in first]
     assert served.engine.scheduler.host_cached_tokens >= 3 * 5 * BLOCK

@@ -87,3 +87,42 @@ def test_seeded_draws_change_with_the_position_and_repeat_with_it():
     again = [sample(LOGITS[None].clone(), [params], [index]).token_ids[0] for index in range(40)]
     assert draws == again
     assert len(set(draws)) > 3
+
+
+def test_the_draws_are_the_hash_formula_whatever_the_chunking(monkeypatch):
+    """``gumbel_argmax`` goes through a CPU batch in chunks of rows, and skips the finite check where every row
+    samples the logits as they are: each token is still ``argmax(logits + g)`` for the noise of the formula in
+    one pass (``-log(-log u)``, ``u`` from the hash of the row's key and the token's), or the logits' argmax
+    for a row without a finite maximum (NaN, infinite, all -inf)."""
+    from megatron_serve.engine import sampler
+    from megatron_serve.engine.sampling_state import MASK32, fmix32
+
+    rows, vocab = 7, 1000
+    logits = torch.randn(rows, vocab, generator=torch.Generator().manual_seed(0)) * 3
+    logits[1, 5], logits[1, 9] = float("inf"), float("inf")
+    logits[2] = float("-inf")
+    logits[3, 7] = float("nan")
+    state = SamplingState(vocab, torch.device("cpu"), rows)
+    for row in range(rows):
+        state.add(str(row), SamplingParams(temperature=1.0, seed=100 + row), 100 + row, [], [], ())
+
+    def draw(positions: list[int]) -> list[int]:
+        step = state.rows([str(row) for row in range(rows)], positions, [0] * rows)
+        return Sampler(state).launch(logits, step).read().token_ids
+
+    def formula(positions: list[int]) -> list[int]:
+        step = state.rows([str(row) for row in range(rows)], positions, [0] * rows)
+        keys = fmix32(state.vector("seed_key")[step.slot] ^ fmix32((step.position * 0x9E3779B9) & MASK32))
+        bits = fmix32(keys[:, None] ^ state.token_keys[None, :]) >> 8
+        noise = -torch.log(-torch.log((bits.to(torch.float32) + 0.5) * (1.0 / (1 << 24))))
+        finite = torch.isfinite(logits.amax(-1))
+        return torch.where(finite, torch.argmax(logits + noise, -1), torch.argmax(logits, -1)).tolist()
+
+    positions = list(range(20, 20 + rows))
+    expected = formula(positions)
+    assert expected[1:4] == [5, 0, 7]  # the rows without a finite maximum: their logits' first maximum or NaN
+    for chunk in (vocab, 3 * vocab, 1 << 15):  # a row, three rows, the whole batch at a time
+        monkeypatch.setattr(sampler, "_CHUNK", chunk)
+        assert draw(positions) == expected
+    moved = [p + 1 for p in positions]
+    assert draw(moved) == formula(moved) != expected  # the draws follow the position (the test can fail)

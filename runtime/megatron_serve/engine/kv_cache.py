@@ -144,10 +144,11 @@ class KVCachePool:
     instead of ``2 * head_dim`` (bf16): 1.94x the tokens at head_dim 128, 1.88x at 64.
     It can be released (suspend) and allocated again (resume) without rebuilding the engine.
 
-    With ``heads_first`` the memory is ordered ``[layers, 2, kv_heads, blocks, block_size, head_dim]`` and each
-    layer's cache is a view of it with the usual shape: the CPU ``--batch-invariant`` attention reads a
-    sequence's keys per head as whole blocks, one copy per layer instead of two
-    (:class:`megatron_kernels.invariant_attention.PagedStep`); every indexing reader works unchanged.
+    With ``heads_first`` (every pool on a CPU) the memory is ordered ``[layers, 2, kv_heads, blocks, block_size,
+    head_dim]`` and each layer's cache is a view of it with the usual shape: the CPU attention (the reference
+    kernels, and :class:`megatron_kernels.invariant_attention.PagedStep` under ``--batch-invariant``) reads a
+    sequence's keys per head as whole blocks, one contiguous copy per (head, block) instead of one per token and
+    head; every indexing reader works unchanged.
     """
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,

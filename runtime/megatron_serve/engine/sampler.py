@@ -155,25 +155,47 @@ def filtered_logits(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tens
     return scaled.masked_fill(below_k | (scaled < last), float("-inf"))
 
 
-def gumbel_noise(state: SamplingState, rows: StepRows, vocab: int) -> torch.Tensor:
-    """``[rows, vocab]`` Gumbel noise, each row a function of its (seed key, position) alone.
+#: int64 elements of the noise's hash computed at a time on a CPU (whole rows, at least one): the chunk's scratch
+#: stays in a core's cache between the hash's dozen passes, where the whole batch's went out to memory at each.
+_CHUNK = 1 << 15
+
+
+def gumbel_argmax(state: SamplingState, rows: StepRows, scores: torch.Tensor,
+                  usable: torch.Tensor | None = None) -> torch.Tensor:
+    """Each row's ``argmax(scores + g)`` for Gumbel noise ``g`` (``[rows]`` int64): a draw from
+    ``softmax(scores)``, each row's noise a function of its (seed key, position) alone.
 
     A counter-based hash (``fmix32`` of the row's key and the token's key) gives 24 random bits per
     token: a uniform ``u`` in (0, 1), then ``-log(-log u)``. No generator object, no per-row op: the
     whole batch is a handful of elementwise device ops, and a row's draws do not depend on its batch.
+    Rows where ``usable`` is False take no noise (their scores' argmax). On a CPU the rows go in chunks of
+    about :data:`_CHUNK` values through scratch tensors reused from chunk to chunk; every value is computed by
+    the same ops as in one pass over the batch, so the draws are the same, bit for bit.
     """
+    count, vocab = scores.shape
     keys = fmix32(state.vector("seed_key")[rows.slot] ^ fmix32((rows.position * 0x9E3779B9) & MASK32))
-    bits = _fmix32_(keys[:, None] ^ state.token_keys[None, :vocab]).bitwise_right_shift_(8)
-    uniform = bits.to(torch.float32).add_(0.5).mul_(1.0 / (1 << 24))
-    return uniform.log_().neg_().log_().neg_()
+    step = count if scores.device.type == "cuda" else max(1, min(count, _CHUNK // max(vocab, 1)))
+    bits = torch.empty((step, vocab), dtype=torch.int64, device=scores.device)
+    scratch, noise = torch.empty_like(bits), torch.empty((step, vocab), dtype=torch.float32, device=scores.device)
+    tokens = torch.empty(count, dtype=torch.int64, device=scores.device)
+    for start in range(0, count, step):
+        end = min(count, start + step)
+        chunk_bits, chunk_noise = bits[: end - start], noise[: end - start]
+        torch.bitwise_xor(keys[start:end, None], state.token_keys[None, :vocab], out=chunk_bits)
+        _fmix32_(chunk_bits, scratch[: end - start]).bitwise_right_shift_(8)
+        chunk_noise.copy_(chunk_bits).add_(0.5).mul_(1.0 / (1 << 24)).log_().neg_().log_().neg_()
+        if usable is not None:
+            chunk_noise.masked_fill_(~usable[start:end, None], 0.0)
+        torch.argmax(chunk_noise.add_(scores[start:end]), dim=-1, out=tokens[start:end])
+    return tokens
 
 
-def _fmix32_(x: torch.Tensor) -> torch.Tensor:
-    """:func:`fmix32` of an int64 tensor in place: the same values without a new ``[rows, vocab]`` tensor per op
-    (the noise is the one full-vocabulary computation a sampled step adds to a greedy one)."""
-    x.bitwise_xor_(x >> 16).mul_(0x85EBCA6B).bitwise_and_(MASK32)
-    x.bitwise_xor_(x >> 13).mul_(0xC2B2AE35).bitwise_and_(MASK32)
-    return x.bitwise_xor_(x >> 16)
+def _fmix32_(x: torch.Tensor, scratch: torch.Tensor) -> torch.Tensor:
+    """:func:`fmix32` of an int64 tensor in place, its shifts written into ``scratch`` (same shape): the same
+    values without a new tensor per op."""
+    x.bitwise_xor_(torch.bitwise_right_shift(x, 16, out=scratch)).mul_(0x85EBCA6B).bitwise_and_(MASK32)
+    x.bitwise_xor_(torch.bitwise_right_shift(x, 13, out=scratch)).mul_(0xC2B2AE35).bitwise_and_(MASK32)
+    return x.bitwise_xor_(torch.bitwise_right_shift(x, 16, out=scratch))
 
 
 class Sampler:
@@ -208,14 +230,19 @@ class Sampler:
             processed = filtered_logits(scaled, state.vector("top_k")[rows.slot], state.vector("top_p")[rows.slot],
                                         state.vector("min_p")[rows.slot], rows.max_top_k, rows.any_top_p,
                                         rows.any_min_p)
-            # A greedy row, and a row whose filters leave no finite distribution, take its logits' argmax.
-            usable = torch.isfinite(processed.amax(-1))
-            if not rows.all_sampled:
-                usable &= state.vector("greedy")[rows.slot] == 0
-            if processed is not logits:  # else every row's choice would be the logits themselves
-                processed = torch.where(usable[:, None], processed, logits)
-            noise = gumbel_noise(state, rows, logits.shape[-1]).masked_fill_(~usable[:, None], 0.0)
-            tokens = torch.argmax(noise.add_(processed), dim=-1)
+            if rows.all_sampled and processed is logits:
+                # Every row draws from the logits as they are. A row with no finite maximum (NaN or infinite
+                # logits) would take its logits' argmax without noise below; finite noise added to it moves no
+                # NaN or infinity, and argmax takes the first of them either way: the same token, one pass less.
+                tokens = gumbel_argmax(state, rows, processed)
+            else:
+                # A greedy row, and a row whose filters leave no finite distribution, take its logits' argmax.
+                usable = torch.isfinite(processed.amax(-1))
+                if not rows.all_sampled:
+                    usable &= state.vector("greedy")[rows.slot] == 0
+                if processed is not logits:  # else every row's choice would be the logits themselves
+                    processed = torch.where(usable[:, None], processed, logits)
+                tokens = gumbel_argmax(state, rows, processed, usable)
         if count:
             self.state.add_counts(rows, tokens)
         scores = None

@@ -119,7 +119,7 @@ def build_kv_pool(model: LlamaForCausalLM, config: InferenceConfig, max_sequence
     num_blocks = agree_on_min(num_blocks, model.tp)
     own = model.model.own  # a pipeline stage's layers
     return KVCachePool(len(own), num_blocks, block_size, model.num_local_kv_heads, mc.head_dim, dtype, device,
-                       fp8, heads_first=config.batch_invariant and device.type == "cpu", first_layer=own.start)
+                       fp8, heads_first=device.type == "cpu", first_layer=own.start)
 
 
 def engine_buffers(config: InferenceConfig, max_sequence_length: int, device: torch.device) -> StepBuffers:

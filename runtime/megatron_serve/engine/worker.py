@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Callable
 
 import torch
 
+from ..heap import keep_freed_memory
 from .encoder_cache import EncoderCache
 from .logits_processors import apply_controls, apply_token_bitmask
 from .prompt_scores import score_prompts
@@ -64,6 +65,8 @@ class ModelWorker:
         runner.compile_kernels(kv_cache.layer_caches)
         runner.capture_graphs(kv_cache.layer_caches)
         device = next(model.parameters()).device
+        if device.type == "cpu":  # a step's buffers stay in the heap from step to step (see keep_freed_memory)
+            keep_freed_memory()
         self.sampling_state = SamplingState(model.config.vocab_size, device, config.max_requests)
         self.sampler = Sampler(self.sampling_state, config.logprobs_mode)
         self.structured = StructuredOutputs(tokenizer, model.config.vocab_size)

@@ -10,7 +10,7 @@ import math
 from typing import TYPE_CHECKING, Callable
 
 import torch
-from megatron_kernels import invariant
+from megatron_kernels import dense, invariant
 from torch import nn
 
 from .parallel import SINGLE, TensorParallel
@@ -110,7 +110,7 @@ class ColumnParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.batch_invariant:
             return self._invariant_forward(x)
-        return nn.functional.linear(x, self.weight, self.bias)
+        return dense.linear(x, self.weight, self.bias)
 
     def _invariant_forward(self, x: torch.Tensor) -> torch.Tensor:
         """With :attr:`fused_invariant` the fused parts (q, k, v / gate, up) in one invariant GEMM: each column
@@ -153,7 +153,7 @@ class RowParallelLinear(nn.Module):
         if self.batch_invariant:
             out = invariant.linear(x, self.weight)
             return self.tp.ordered_sum(out) if self.reduce else out
-        out = nn.functional.linear(x, self.weight)
+        out = dense.linear(x, self.weight)
         return self.tp.all_reduce(out) if self.reduce else out
 
 
@@ -185,7 +185,7 @@ class ReplicatedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.batch_invariant:
             return invariant.linear(x, self.weight)
-        return nn.functional.linear(x, self.weight)
+        return dense.linear(x, self.weight)
 
 
 class GatedMLP(nn.Module):
@@ -240,7 +240,7 @@ class ParallelLMHead(VocabParallelEmbedding):
     """Output projection split by vocabulary rows; logits are gathered to full width."""
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        linear = invariant.linear if self.batch_invariant else nn.functional.linear
+        linear = invariant.linear if self.batch_invariant else dense.linear
         logits = linear(hidden, self.weight)
         if self.tp.size == 1:
             return logits[..., : self.vocab_size]
