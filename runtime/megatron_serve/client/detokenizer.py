@@ -61,6 +61,9 @@ class IncrementalDetokenizer:
         # With token_texts: per token, the length of the text that is final once it is decoded
         self.ends: list[int] | None = [] if token_texts else None
         self._pending = False  # the last token leaves an incomplete character (it takes it if it stays last)
+        # A tokenizer whose text is its tokens' texts joined (Tokenizer.concatenative): a token after a run that ended
+        # on whole characters adds its own text, kept per id: no window to decode (see _window)
+        self._texts = tokenizer.single_texts(skip_special_tokens) if tokenizer.concatenative else None
 
     def append(self, new_tokens: Sequence[int]) -> str:
         """The whole text after ``new_tokens``: committed text plus what the tokens past ``read_offset`` add."""
@@ -79,7 +82,38 @@ class IncrementalDetokenizer:
 
         The window's context is most often the one token before the new ones, whose text alone the tokenizer
         keeps (:meth:`~megatron_serve.tokenizer.Tokenizer.decode_one`): one decoding per token instead of two.
+        A concatenative tokenizer's token that comes when nothing is pending adds its own text and moves the
+        window past itself, as decoding the window would (the text is the same whatever the windows); one that
+        leaves an incomplete character, and the tokens after it until one completes it, take the window.
         """
+        texts = self._texts
+        if texts is None:
+            return self._decode_window(new_tokens)
+        visible, special, committed = self._visible, self._special, self._committed
+        whole = None  # the whole text, as the last window decoded gave it
+        for token in new_tokens:
+            if token in special:
+                continue
+            if self._read_offset == len(visible):  # nothing pending
+                text = texts.get(token)
+                if text is None:
+                    text = self.tokenizer.decode_one(token, self._skip_special)
+                if not text.endswith("\ufffd"):
+                    visible.append(token)
+                    self._prefix_offset = self._read_offset
+                    self._read_offset += 1
+                    committed += text
+                    continue
+            self._committed = committed
+            whole = self._decode_window((token,))
+            committed = self._committed
+        self._committed = committed
+        if self._read_offset == len(visible):
+            return committed
+        return whole if whole is not None else self._decode_window(())  # (pending from before: the same text)
+
+    def _decode_window(self, new_tokens: Iterable[int]) -> str:
+        """:meth:`_window` by decoding the window."""
         visible, special, tokenizer = self._visible, self._special, self.tokenizer
         for token in new_tokens:  # (a loop: a generator for the one token of a step cost more than its decoding)
             if token not in special:
