@@ -43,9 +43,11 @@ def taken(monkeypatch) -> list[int]:
     counted: list[int] = []
     write_now = chunked.ChunkedBody.write_now
 
-    def counting(self, body: bytes) -> None:
-        counted.append(len(body))
-        write_now(self, body)
+    def counting(self, body: bytes) -> bool:
+        written = write_now(self, body)
+        if written:
+            counted.append(len(body))
+        return written
 
     monkeypatch.setattr(chunked.ChunkedBody, "write_now", counting)
     return counted

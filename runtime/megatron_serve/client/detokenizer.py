@@ -151,6 +151,12 @@ class IncrementalDetokenizer:
         self.text = text
         return False
 
+    def extend(self, new_tokens: list[int]) -> None:
+        """Decode the tokens that follow those seen so far, with no stop strings to look for (:meth:`update`'s work
+        when there are none)."""
+        self.text = self.append(new_tokens)
+        self._seen += len(new_tokens)
+
     def _find_stop(self, text: str, word: str, checked: int) -> int:
         """The first occurrence of ``word`` that ends past the text searched before and the stop floor, or -1."""
         return text.find(word, max(0, max(checked, self._stop_floor) - len(word) + 1))

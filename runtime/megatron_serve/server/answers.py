@@ -147,17 +147,17 @@ class StreamedAnswer:
         self.plain = not (token_texts or req.return_token_ids)
         self.slots: dict[int, TextSlot | None] = {}
 
-    def slotted(self, job: EngineJob, item: Any) -> list[bytes] | None:
+    def slotted(self, job: EngineJob, item: Any) -> bytes | None:
         """A plain text piece's events, from its choice's :class:`~.chunks.TextSlot`; None when the item takes the
         whole path (no slot, or not a piece)."""
         slot = self.slots.get(job.index)
         if slot is None or type(item) is not StreamPartial:
             return None
-        return [slot.event(item.new_text)] if item.new_text else []
+        return slot.event(item.new_text) if item.new_text else b""
 
-    def end(self) -> list[bytes]:
+    def end(self) -> bytes:
         """The events after the last item: the usage chunk, when asked for."""
         options = self.req.stream_options
         if options is not None and options.include_usage:
-            return [self.writer.chunk([], usage=self._usage(self.results))]
-        return []
+            return self.writer.chunk([], usage=self._usage(self.results))
+        return b""

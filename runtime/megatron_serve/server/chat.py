@@ -200,10 +200,10 @@ class _ChatEvents(StreamedAnswer):
         self.readers: dict[int, CallReader | None] = {}
         self.called: set[int] = set()
 
-    def item(self, job: EngineJob, item: Any) -> list[bytes]:
-        events = self.slotted(job, item)
-        if events is not None:
-            return events
+    def item(self, job: EngineJob, item: Any) -> bytes:
+        slotted = self.slotted(job, item)
+        if slotted is not None:
+            return slotted
         handler, req, writer = self.handler, self.handler.req, self.writer
         events: list[bytes] = []
         if self.choices.first_seen(job.index):
@@ -223,13 +223,13 @@ class _ChatEvents(StreamedAnswer):
         if chunk is not None:  # for the final record: only what finishing a tool-call reader adds
             events.append(chunk)
         if not final:
-            return events
+            return b"".join(events)
         result: DynamicInferenceRequest = item
         self.results.append((job, result))
         last = handler._choice(job.index, {}, finish_reason=handler._finish_reason(result, job.index in self.called))
         last.update(extension_fields(req, result))
         events.append(writer.chunk([last]))
-        return events
+        return b"".join(events)
 
 
 def _delta(events: list[Event]) -> dict[str, Any]:

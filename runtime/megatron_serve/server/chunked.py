@@ -45,18 +45,17 @@ class ChunkedBody:
         return (cycle is not None and cycle.response_started and cycle.chunked_encoding is True
                 and cycle.scope["method"] != "HEAD")
 
-    def ready(self) -> bool:
-        """A chunk written now goes out as :meth:`write` would send it, without waiting: the transport's buffer
-        has room and the client is still there."""
+    def write_now(self, body: bytes) -> bool:
+        """One chunk of ``body`` written at once when it goes out as :meth:`write` would send it, without waiting
+        (the transport's buffer has room, the client is still there); False, and nothing written, when not.
+        The chunks of one piece may go a little past the buffer's mark, as asyncio allows."""
         cycle = self._cycle()
-        return not (cycle is None or self._flow.write_paused or cycle.disconnected or cycle.response_complete
-                    or self._transport.is_closing())
-
-    def write_now(self, body: bytes) -> None:
-        """One chunk of ``body`` written at once; only when :meth:`ready` said so (the chunks of one
-        piece may go a little past the buffer's mark, as asyncio allows)."""
+        if (cycle is None or self._flow.write_paused or cycle.disconnected or cycle.response_complete
+                or self._transport.is_closing()):
+            return False
         if body:  # an empty chunk would end the body
             self._transport.write(b"%x\r\n%b\r\n" % (len(body), body))
+        return True
 
     async def write(self, body: bytes) -> None:
         """One chunk of ``body``, as uvicorn's ``send`` writes ``{"body": body, "more_body": True}``."""

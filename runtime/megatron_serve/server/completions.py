@@ -187,7 +187,7 @@ class _CompletionEvents(StreamedAnswer):
         self.offsets: dict[int, int] = {}  # job index -> text offset for the next log-prob token
         self.opened: set[int] = set()  # choices whose first chunk was sent
 
-    def item(self, job: EngineJob, item: Any) -> list[bytes]:
+    def item(self, job: EngineJob, item: Any) -> bytes:
         events = self.slotted(job, item)
         if events is not None:
             return events
@@ -205,13 +205,13 @@ class _CompletionEvents(StreamedAnswer):
                 self.slots[job.index] = self.writer.text_slot(self._choice(job, SLOT, delta, None, False))
             if prefix or delta.text or logprobs or (self.req.return_token_ids and delta.tokens):
                 self.opened.add(job.index)
-                return [self._chunk(job, prefix + delta.text, delta, logprobs, opening)]
-            return []
+                return self._chunk(job, prefix + delta.text, delta, logprobs, opening)
+            return b""
         result: DynamicInferenceRequest = item
         self.results.append((job, result))
         delta = Delta.empty()
-        return [self._chunk(job, prefix + delta.text, delta, self._logprobs(delta, self.offsets[job.index]), opening,
-                            finish_reason(result), result)]
+        return self._chunk(job, prefix + delta.text, delta, self._logprobs(delta, self.offsets[job.index]), opening,
+                           finish_reason(result), result)
 
     def _chunk(self, job: EngineJob, text: str, delta: Delta, logprobs: dict[str, Any] | None, opening: bool,
                finish_reason: str | None = None, result: DynamicInferenceRequest | None = None) -> bytes:

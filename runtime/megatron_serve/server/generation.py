@@ -58,16 +58,14 @@ def _fills_sinks(backend_type: type) -> bool:
     return issubclass(backend_type, SinkBackend)
 
 
-@dataclass(frozen=True)
 class _Tagged:
-    """A sink that hands a job's items to its submission (:meth:`Submission.deliver`)."""
+    """A sink that hands a job's items to its submission (:meth:`Submission.deliver`): its ``put_nowait`` is that
+    method with the job bound (no call of its own per item)."""
 
-    submission: "Submission"
-    job: EngineJob
-    request_id: str
+    __slots__ = ("put_nowait",)
 
-    def put_nowait(self, item: Any) -> None:
-        self.submission.deliver(self.job, self.request_id, item)
+    def __init__(self, submission: "Submission", job: EngineJob, request_id: str) -> None:
+        self.put_nowait = functools.partial(submission.deliver, job, request_id)
 
 
 class PendingCounter:
@@ -274,17 +272,17 @@ class Submission:
         if writer is None or writer.last is not None:  # the answer ended (or the client left): nobody's
             return
         try:
-            passed = self._pass(job, request_id, item)
-            item_events = self._render.item
-            if len(passed) == 1 and self._remaining:  # most items: one piece
-                events = item_events(*passed[0])
+            if type(item) is StreamPartial and self.stream_interval == 1:  # most items: a piece, as it is
+                events = self._render.item(job, item)
             else:
-                events = [event for pair in passed for event in item_events(*pair)]
-            if not self._remaining:
-                writer.finish(b"".join([*events, *self._render.end(), DONE]))
-                self.close()
-            elif events:
-                writer.write(events[0] if len(events) == 1 else b"".join(events))
+                item_events = self._render.item
+                events = b"".join([item_events(*pair) for pair in self._pass(job, request_id, item)])
+                if not self._remaining:
+                    writer.finish(events + self._render.end() + DONE)
+                    self.close()
+                    return
+            if events:
+                writer.write(events)
         except APIError as exc:
             self._fail(exc)
         except Exception as exc:  # a bug making the events: the stream ends with an error, the server goes on
@@ -297,10 +295,8 @@ class Submission:
         self.close()
 
     def _pass(self, job: EngineJob, request_id: str, item: Any) -> list[tuple[EngineJob, Any]]:
-        """What one arrived item lets through to the answer, in order (see :meth:`stream`); raises a job's error."""
-        if type(item) is StreamPartial and self.stream_interval == 1:  # most items: one a token
-            self._opened.add(request_id)
-            return [(job, item)]
+        """What one arrived item other than a piece without ``stream_interval`` lets through to the answer, in order
+        (see :meth:`start_stream`); raises a job's error."""
         if isinstance(item, BaseException):
             self._finished(request_id, None)
             raise _submission_error(item) if isinstance(item, Exception) else item

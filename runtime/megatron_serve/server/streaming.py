@@ -137,11 +137,12 @@ def _peer(request: Request) -> str:
 
 
 class Renderer(Protocol[T]):
-    """The chunk producer of an answer: ``item`` makes the events of one arrived item, ``end`` those after the last."""
+    """The chunk producer of an answer: ``item`` makes the events of one arrived item, ``end`` those after the last
+    (each as the bytes of its events, in order; empty for none)."""
 
-    def item(self, job: Any, item: T) -> list[bytes]: ...
+    def item(self, job: Any, item: T) -> bytes: ...
 
-    def end(self) -> list[bytes]: ...
+    def end(self) -> bytes: ...
 
 
 class EventWriter:
@@ -149,7 +150,7 @@ class EventWriter:
     its pass over a step, or a job's task).
 
     :meth:`write` puts a piece's events into the connection at once when it can (the response started, its
-    :class:`~.chunked.ChunkedBody` has room, nothing written before waits); else they wait here, in order, for the
+    :class:`~.chunked.ChunkedBody` takes them now, nothing written before waits); else they wait here, in order, for the
     response's task (:meth:`pour`), which writes them as the connection takes them. :meth:`finish` ends the answer
     (its last events go with the end of the body); :meth:`fail` ends it with an error: raised by :meth:`first`, for
     its status code, when nothing was made yet, else an ``error`` event and ``[DONE]``.
@@ -175,8 +176,7 @@ class EventWriter:
             return
         self.made = True
         body = self._body
-        if body is not None and not self._waiting and body.ready():
-            body.write_now(data)
+        if body is not None and not self._waiting and body.write_now(data):
             return
         self._waiting.append(data)
         self._signal()

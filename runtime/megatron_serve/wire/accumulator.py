@@ -80,6 +80,13 @@ class DeltaAccumulator:
     def _add_epochs(self, epochs: list[list[int]] | None, n: int, kept: int) -> None:
         """The epochs of the first ``kept`` of ``n`` new ids: ``[policy, KV]`` or ``[policy, KV, LoRA]``, each of
         ``n``; -1 for what was not reported (no epochs, or lists of another length)."""
+        if epochs is not None and len(epochs) == 3 and kept == n:  # most deltas: every token kept, three lists
+            policy, kv, lora = epochs
+            if len(policy) == n and len(kv) == n and len(lora) == n:
+                self.policy_epochs += policy
+                self.kv_epochs += kv
+                self.lora_epochs += lora
+                return
         if epochs is not None and 2 <= len(epochs) <= 3:
             policy, kv = epochs[0], epochs[1]
             lora = epochs[2] if len(epochs) == 3 else None
