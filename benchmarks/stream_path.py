@@ -8,10 +8,13 @@ edges: each HTTP connection's transport only counts (and, with ``--check``, keep
 the client's ZeroMQ socket keeps the frames it sends. The benchmark itself plays the client of the HTTP API
 (request bytes into the protocol, as aiohttp sends them) and the coordinator (a ``SUBMIT`` is answered with
 ``STEP_TOKENS`` frames made of the bytes an engine encodes, and a ``RESULT``), and hands the client each frame
-as its receive loop would (``InferenceClient._receive``). Time is the event loop thread's CPU time
-(``time.thread_time``), without the benchmark's own work (making frames, reading ``SUBMIT``s: timed apart and
-taken off); not counted: the kernel's share of a real write, ZeroMQ's I/O thread, and the coordinator's frames'
-way through ZeroMQ.
+as its receive loop would (``InferenceClient._receive``). Before each frame and each batch of requests the
+caches are filled with other data (:class:`Evictor`), as the other processes of a machine fill them between two
+turns of a served stack's loop: a step's deltas find every stream's objects in memory, which triples the cost per
+token (``--hot``: kept cached). Time is the event loop thread's CPU time (``time.thread_time``), without the
+benchmark's own work (making frames, reading ``SUBMIT``s, filling the caches: timed apart and taken off); not
+counted: the kernel's share of a real write, ZeroMQ's I/O thread, and the coordinator's frames' way through
+ZeroMQ.
 
 Measures:
 
@@ -70,6 +73,33 @@ def tiny_tokenizer_dir() -> Path:
     fast.chat_template = CHAT_TEMPLATE
     fast.save_pretrained(str(path))
     return path
+
+
+def last_level_cache_bytes() -> int:
+    """The size of this machine's last cache level (Linux ``/sys``), 32 MiB where it cannot be read."""
+    for index in (3, 2):
+        try:
+            size = Path(f"/sys/devices/system/cpu/cpu0/cache/index{index}/size").read_text().strip()
+        except OSError:
+            continue
+        return int(size[:-1]) << {"K": 10, "M": 20}[size[-1]] if size[-1] in "KM" else int(size)
+    return 32 << 20
+
+
+class Evictor:
+    """What other processes do to a served stack's HTTP process between two turns of its loop: they run on its core
+    and fill the caches, the last level's included (the engine, the coordinator, the HTTP client, other work on the
+    machine), so that a step's deltas find every stream's objects in memory, not in a cache. Copying twice the last
+    level's size through it does the same here; with ``--hot`` nothing is evicted (every object stays cached between
+    steps, as in a loop that does nothing else: a third of the cost per token)."""
+
+    def __init__(self, on: bool) -> None:
+        size = 2 * last_level_cache_bytes() if on else 0
+        self._source, self._target = bytearray(size), bytearray(size)
+
+    def __call__(self) -> None:
+        if self._source:
+            self._target[:] = self._source
 
 
 class Progress:
@@ -170,7 +200,8 @@ class Stream:
 class Bench:
     """A served stack's HTTP process in this one, and the frames that drive it (see the module docstring)."""
 
-    def __init__(self, tokenizer_dir: Path, streams: int, output_tokens: int, random_ids: bool, keep: bool) -> None:
+    def __init__(self, tokenizer_dir: Path, streams: int, output_tokens: int, random_ids: bool, keep: bool,
+                 cold: bool = True) -> None:
         from megatron_serve.tokenizer import Tokenizer  # noqa: PLC0415
         from megatron_serve.model.tiny import CORPUS  # noqa: PLC0415
 
@@ -194,6 +225,7 @@ class Bench:
         self.connections: list[Stream] = []  # every connection so far (what --check reads)
         self._by_prompt: dict[tuple[int, int], Stream] = {}
         self.progress = Progress()
+        self._evictor = Evictor(cold)
 
     # ------------------------------------------------------------------ the stack
 
@@ -272,6 +304,13 @@ class Bench:
         stream = Stream(protocol, transport)
         self.connections.append(stream)
         return stream
+
+    def evict(self) -> None:
+        """Fill the caches with other data, as other processes do between two turns of the server's loop (the time
+        it takes is the benchmark's own)."""
+        started = time.thread_time()
+        self._evictor()
+        self.driver += time.thread_time() - started
 
     # ------------------------------------------------------------------ the two ends
 
@@ -360,6 +399,7 @@ class Bench:
         started = time.thread_time()
         requests = [self.request(stream, length) for stream, length in zip(streams, lengths)]
         self.driver += time.thread_time() - started
+        self.evict()
         for stream, request in zip(streams, requests):
             stream.protocol.data_received(request)
         await self.progress.until({self.socket: lambda: client.num_pending >= target and not client._flush_scheduled})
@@ -370,6 +410,7 @@ class Bench:
         await self.send(streams, lengths)
         writes = [s.transport.writes for s in streams]
         frame, _ = self.step(streams)
+        self.evict()
         self.client._receive(frame)
         await self.progress.until({s.transport: functools.partial(_past, s.transport, "writes", w)
                                    for s, w in zip(streams, writes)})
@@ -389,9 +430,10 @@ async def measure_token(bench: Bench, steps: int) -> float:
     bench.driver = 0.0
     started = time.thread_time()
     for frame in frames:
+        bench.evict()
         bench.client._receive(frame)
         await asyncio.sleep(0)
-    spent = time.thread_time() - started
+    spent = time.thread_time() - started - bench.driver
     await finish(bench, streams)
     return spent / (steps * len(streams)) * 1e6
 
@@ -421,6 +463,7 @@ async def measure_request(bench: Bench, requests: int) -> tuple[float, float]:
         ends = stream.transport.ends
         frame, _ = bench.step([stream])
         started = time.thread_time()
+        bench.evict()
         bench.client._receive(frame)
         await bench.ended([stream], [ends])
         end += time.thread_time() - started - bench.driver
@@ -445,6 +488,7 @@ async def measure_mix(bench: Bench, requests: int) -> tuple[float, list[Stream]]
         frame, ending = bench.step(running)
         tokens += len(running)
         ends = [s.transport.ends for s in ending]
+        bench.evict()
         bench.client._receive(frame)
         await asyncio.sleep(0)
         if ending:
@@ -498,7 +542,7 @@ def check(bench: Bench, streams: list[Stream]) -> int:
 
 async def run(args: argparse.Namespace) -> dict[str, list[float]]:
     bench = Bench(args.tokenizer or tiny_tokenizer_dir(), args.streams, args.output_tokens, args.random_ids,
-                  args.check)
+                  args.check, cold=not args.hot)
     await bench.start()
     try:
         await measure_mix(bench, min(args.requests, 2 * args.streams))  # warm-up: every path taken once
@@ -539,6 +583,7 @@ def main() -> None:
     parser.add_argument("--tokenizer", type=Path, help="a directory with tokenizer files (default: the tiny model's)")
     parser.add_argument("--profile", choices=("token", "request", "mix"), help="cProfile one measure")
     parser.add_argument("--profile-lines", type=int, default=40)
+    parser.add_argument("--hot", action="store_true", help="keep the caches between steps (see Evictor)")
     parser.add_argument("--check", action="store_true", help="check every stream's text (slower: bytes kept)")
     parser.add_argument("--json", action="store_true", help="print the figures as JSON")
     args = parser.parse_args()
@@ -548,8 +593,9 @@ def main() -> None:
     if args.json:
         print(json.dumps({name: statistics.median(values) for name, values in runs.items()}))
         return
-    print(f"{args.streams} streams, mean output {args.output_tokens} tokens, CPU time of the event loop's thread, "
-          f"median and least of {args.repeats} runs (other work on the machine only adds time):")
+    print(f"{args.streams} streams, mean output {args.output_tokens} tokens, caches {'kept' if args.hot else 'filled'} "
+          f"between steps; CPU time of the event loop's thread, median and least of {args.repeats} runs (other work "
+          "on the machine only adds time):")
     labels = {"token": "us per streamed token", "intake": "us per request, intake to first write",
               "end": "us per request, last frame to end of body", "mix": "us per token in the mix (= ms per 1k)"}
     for name, values in runs.items():
