@@ -43,14 +43,21 @@ def _answer(text: str, tokens: int) -> bytes:
     return b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n%x\r\n%b\r\n0\r\n\r\n" % (len(body), body)
 
 
+class _Written(SimpleNamespace):
+    """What a connection's transport kept."""
+
+    def count(self) -> "_Written":
+        return self
+
+
 def test_the_check_fails_on_an_answer_that_is_not_the_tokens_text():
     module = _module()
     bench = SimpleNamespace(tokenizer=SimpleNamespace(decode=lambda tokens: "ab" * len(tokens)))
-    good = SimpleNamespace(transport=SimpleNamespace(data=_answer("abab", 2)), expected=[[1, 2]])
+    good = SimpleNamespace(transport=_Written(data=_answer("abab", 2)), expected=[[1, 2]])
     assert module.check(bench, [good]) == 1
-    changed = SimpleNamespace(transport=SimpleNamespace(data=_answer("abac", 2)), expected=[[1, 2]])
+    changed = SimpleNamespace(transport=_Written(data=_answer("abac", 2)), expected=[[1, 2]])
     with pytest.raises(AssertionError, match="streamed"):
         module.check(bench, [changed])
-    miscounted = SimpleNamespace(transport=SimpleNamespace(data=_answer("abab", 3)), expected=[[1, 2]])
+    miscounted = SimpleNamespace(transport=_Written(data=_answer("abab", 3)), expected=[[1, 2]])
     with pytest.raises(AssertionError, match="usage"):
         module.check(bench, [miscounted])
