@@ -169,28 +169,27 @@ def test_a_byte_level_tokenizer_adds_each_token_s_own_text_and_shows_what_its_wi
     assert tokenizer.concatenative and not metaspace_tokenizer().concatenative
     rng = random.Random(0)
     special = sorted(tokenizer.special_token_ids)
-    windows = total = 0
+    total = 0
+
+    class Counted(IncrementalDetokenizer):
+        windows = 0
+
+        def _decode_window(self, new_tokens):
+            Counted.windows += 1
+            super()._decode_window(new_tokens)
     for case in range(60):
         tokens = [rng.choice(special) if rng.random() < 0.05 else rng.randrange(tokenizer.vocab_size)
                   for _ in range(rng.randrange(1, 40))]
         sizes = [rng.choice([1, 1, 1, 2, 3]) for _ in tokens]
         skip, listing = case % 2 == 0, case % 3 == 0
-        short = IncrementalDetokenizer(tokenizer, skip_special_tokens=skip, token_texts=listing)
+        short = Counted(tokenizer, skip_special_tokens=skip, token_texts=listing)
         window = IncrementalDetokenizer(tokenizer, skip_special_tokens=skip, token_texts=listing)
         window._texts = None  # the control: every token through a decoded window
-        decode_window = short._decode_window
-
-        def counted(new_tokens, decode_window=decode_window):
-            nonlocal windows
-            windows += 1
-            return decode_window(new_tokens)
-
-        short._decode_window = counted
         shown = _run(short, tokens, sizes)
         assert shown == _run(window, tokens, sizes)
         assert shown[-1][0] == tokenizer.decode(tokens, skip_special_tokens=skip)
         total += len(tokens)
-    assert windows < total / 2  # most tokens took the short way
+    assert Counted.windows < total / 2  # most tokens took the short way
 
 
 def test_a_sentencepiece_tokenizer_is_not_concatenative_its_tokens_text_depends_on_their_neighbours():
