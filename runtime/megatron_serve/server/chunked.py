@@ -57,10 +57,12 @@ class ChunkedBody:
     def write_now(self, body: bytes) -> bool:
         """One chunk of ``body`` written at once when it goes out as :meth:`write` would send it, without waiting
         (the transport's buffer has room, the client is still there); False, and nothing written, when not.
-        The chunks of one piece may go a little past the buffer's mark, as asyncio allows."""
-        cycle = self._cycle()
-        if (cycle is None or self._flow.write_paused or cycle.disconnected or cycle.response_complete
-                or self._transport.is_closing()):
+        The chunks of one piece may go a little past the buffer's mark, as asyncio allows.
+
+        Only for a response that is being sent (its writer stops before the response completes), so the transport
+        says whether the client is there: a client that left closed it (``connection_lost``, the read timeout), and
+        the cycle, one more object to fetch from memory per token, is not read."""
+        if self._flow.write_paused or self._transport.is_closing():
             return False
         if body:  # an empty chunk would end the body
             self._transport.write(b"%x\r\n%b\r\n" % (len(body), body))
