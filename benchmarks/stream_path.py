@@ -135,16 +135,18 @@ class Progress:
                 self._done.set_result(None)
 
 
-#: A C callable that returns False (a transport's ``is_closing`` without a Python call).
+#: C callables that return a constant (a transport's ``is_closing`` and ``get_write_buffer_size`` without a Python
+#: call).
 _OPEN = itertools.repeat(False).__next__
 _CLOSED = itertools.repeat(True).__next__
+_EMPTY = itertools.repeat(0).__next__
 
 
 class CountingTransport:
-    """An HTTP connection's transport that keeps what the server writes. Its ``write`` and ``is_closing`` are C
-    callables (a list's ``append``, a constant), so that the server's calls cost here what a real transport's
-    Python side costs; :meth:`watch` makes writes report to :class:`Progress` while the benchmark waits on the
-    connection (that report is timed as the benchmark's own work)."""
+    """An HTTP connection's transport that keeps what the server writes. Its ``write``, ``is_closing`` and
+    ``get_write_buffer_size`` are C callables (a list's ``append``, constants), so that the server's calls cost here
+    what a real transport's Python side costs; :meth:`watch` makes writes report to :class:`Progress` while the
+    benchmark waits on the connection (that report is timed as the benchmark's own work)."""
 
     def __init__(self, port: int, keep: bool, progress: Progress, bench: "Bench") -> None:
         self.progress = progress
@@ -154,6 +156,7 @@ class CountingTransport:
         self.chunks: list[bytes] = []
         self.write = self.chunks.append
         self.is_closing = _OPEN
+        self.get_write_buffer_size = _EMPTY  # (every write goes out at once)
         self.data = bytearray()  # with keep: everything written
         self.written = 0
         self.writes = 0

@@ -193,7 +193,7 @@ class _ChatEvents(StreamedAnswer):
     """The chunks of a streamed chat answer, made as items arrive (written by ``EventWriter``)."""
 
     def __init__(self, handler: ChatHandler) -> None:
-        super().__init__(handler.req, handler.want_logprobs, handler.usage)
+        super().__init__(handler.req, handler.want_logprobs, len(handler.prompt.tokens))
         self.handler = handler
         self.writer = ChunkWriter(handler.id, "chat.completion.chunk", handler.created, handler.req.model,
                                   running_usage(handler.req, len(handler.prompt.tokens), self.choices))
@@ -214,7 +214,7 @@ class _ChatEvents(StreamedAnswer):
             events.append(writer.chunk([opening], prompt_token_ids=handler.prompt.tokens if req.return_token_ids
                                        else None))
             if self.plain and reader is None:
-                self.slots[job.index] = writer.text_slot(handler._choice(job.index, {"content": SLOT}))
+                self.slots[id(job)] = writer.text_slot(handler._choice(job.index, {"content": SLOT}))
         final = not isinstance(item, StreamPartial)
         delta = Delta.empty() if final else self.choices.piece(job.index, item)
         chunk, calls = handler._content(writer, job.index, delta, self.readers[job.index], final)

@@ -55,17 +55,18 @@ class ChunkedBody:
                 and cycle.scope["method"] != "HEAD")
 
     def write_now(self, body: bytes) -> bool:
-        """One chunk of ``body`` written at once when it goes out as :meth:`write` would send it, without waiting
-        (the transport's buffer has room, the client is still there); False, and nothing written, when not.
-        The chunks of one piece may go a little past the buffer's mark, as asyncio allows.
+        """One chunk of ``body`` written at once when the transport takes it at once (nothing waits in its buffer,
+        the client is still there); False, and nothing written, when not: then :meth:`write`, in the response's
+        task, sends it when the connection drains.
 
         Only for a response that is being sent (its writer stops before the response completes), so the transport
-        says whether the client is there: a client that left closed it (``connection_lost``, the read timeout), and
-        the cycle, one more object to fetch from memory per token, is not read."""
-        if self._flow.write_paused or self._transport.is_closing():
+        alone says it all: a client that left closed it (``connection_lost``, the read timeout). The cycle and the
+        flow control, two more objects to fetch from memory per token, are not read."""
+        transport = self._transport
+        if transport.get_write_buffer_size() or transport.is_closing():
             return False
         if body:  # an empty chunk would end the body
-            self._transport.write(b"%x\r\n%b\r\n" % (len(body), body))
+            transport.write(b"%x\r\n%b\r\n" % (len(body), body))
         return True
 
     async def write(self, body: bytes) -> None:

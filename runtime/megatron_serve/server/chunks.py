@@ -81,12 +81,16 @@ class ChunkWriter:
         self._head = head[:-1] + b',"choices":'
         self._running_usage = running_usage
 
-    def chunk(self, choices: list[dict[str, Any]], usage: BaseModel | None = None,
+    def chunk(self, choices: list[dict[str, Any]], usage: BaseModel | dict[str, Any] | None = None,
               prompt_token_ids: list[int] | None = None) -> bytes:
-        """One chunk; ``prompt_token_ids`` (``return_token_ids``, a chat's opening chunk) is added when given."""
+        """One chunk; ``usage``: the model, or its fields as plain data in the model's order; ``prompt_token_ids``
+        (``return_token_ids``, a chat's opening chunk) is added when given."""
         if usage is None and self._running_usage is not None:
             usage = self._running_usage()
-        usage_json = b"null" if usage is None else usage.model_dump_json().encode()
+        if usage is None:
+            usage_json = b"null"
+        else:
+            usage_json = _JSON.encode(usage) if isinstance(usage, dict) else usage.model_dump_json().encode()
         tail = b"}" if prompt_token_ids is None else b',"prompt_token_ids":' + _JSON.encode(prompt_token_ids) + b"}"
         return event(self._head + _JSON.encode(choices) + b',"usage":' + usage_json + b',"system_fingerprint":null'
                      + tail)

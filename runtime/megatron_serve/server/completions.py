@@ -179,11 +179,11 @@ class _CompletionEvents(StreamedAnswer):
     """The chunks of a streamed completion, made as items arrive (written by ``EventWriter``)."""
 
     def __init__(self, handler: CompletionHandler) -> None:
-        super().__init__(handler.req, handler.want_logprobs, handler.usage)
+        prompt_tokens = sum(len(p.tokens) for p in handler.prompts)
+        super().__init__(handler.req, handler.want_logprobs, prompt_tokens)
         self.handler = handler
         self.writer = ChunkWriter(handler.id, "text_completion", handler.created, handler.req.model,
-                                  running_usage(handler.req, sum(len(p.tokens) for p in handler.prompts),
-                                                self.choices))
+                                  running_usage(handler.req, prompt_tokens, self.choices))
         self.offsets: dict[int, int] = {}  # job index -> text offset for the next log-prob token
         self.opened: set[int] = set()  # choices whose first chunk was sent
 
@@ -202,7 +202,7 @@ class _CompletionEvents(StreamedAnswer):
             if logprobs is not None:
                 self.offsets[job.index] += sum(len(t) for t in logprobs["tokens"])
             if self.plain and first:
-                self.slots[job.index] = self.writer.text_slot(self._choice(job, SLOT, delta, None, False))
+                self.slots[id(job)] = self.writer.text_slot(self._choice(job, SLOT, delta, None, False))
             if prefix or delta.text or logprobs or (self.req.return_token_ids and delta.tokens):
                 self.opened.add(job.index)
                 return self._chunk(job, prefix + delta.text, delta, logprobs, opening)

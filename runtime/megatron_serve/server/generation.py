@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import itertools
 import logging
 import time
 import uuid
@@ -39,6 +40,12 @@ logger = logging.getLogger("megatron_serve.server")
 
 def _nothing() -> None:
     pass
+
+
+#: Engine request ids: a random prefix per process and a counter (a uuid4 per request read the system's random
+#: source each time; the ids only need to be unique among this process's client's requests).
+_ID_PREFIX = f"{uuid.uuid4().hex[:16]}-"
+_ID_NUMBERS = itertools.count()
 
 
 @runtime_checkable
@@ -153,7 +160,7 @@ class Submission:
 
     def __post_init__(self) -> None:
         self.pending.acquire(len(self.jobs))
-        self.ids = [uuid.uuid4().hex for _ in self.jobs]
+        self.ids = [f"{_ID_PREFIX}{next(_ID_NUMBERS)}" for _ in self.jobs]
         self.unfinished = set(self.ids)
         self._remaining = len(self.jobs)  # jobs whose final request did not come yet
         self._render: Renderer[Any] | None = None  # a stream's chunk producer, and its writer (start_stream)
