@@ -118,12 +118,15 @@ class Progress:
             return
         for item in self._waiting:
             item.watch(True)
-        self._done = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        done = self._done = loop.create_future()
+        # (a timer, not asyncio.wait_for: its machinery would count as the server's time)
+        late = loop.call_later(timeout, lambda: done.done() or done.set_exception(RuntimeError(
+            f"the server did not get there: {len(self._waiting)} item(s) left")))
         try:
-            await asyncio.wait_for(self._done, timeout)
-        except asyncio.TimeoutError:
-            raise RuntimeError(f"the server did not get there: {len(self._waiting)} item(s) left") from None
+            await done
         finally:
+            late.cancel()
             for item in items:
                 item.watch(False)
 
