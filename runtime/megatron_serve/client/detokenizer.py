@@ -177,7 +177,10 @@ class IncrementalDetokenizer:
     def extend(self, new_tokens: list[int]) -> None:
         """Decode the tokens that follow those seen so far, with no stop strings to look for (:meth:`update`'s work
         when there are none)."""
-        self.append(new_tokens)
+        if self.ends is None:
+            self._window(new_tokens)
+        else:
+            self.append(new_tokens)
         self._seen += len(new_tokens)
 
     def _find_stop(self, text: str, word: str, checked: int) -> int:

@@ -137,7 +137,8 @@ class StreamedChoices:
 
 class StreamedAnswer:
     """What both endpoints' streamed answers keep (their choices so far, the finished requests) and how they end:
-    a usage chunk with ``stream_options.include_usage``. Subclasses make ``writer`` and the events of each item."""
+    a usage chunk with ``stream_options.include_usage``. Subclasses make ``writer`` and the events of the items that
+    are not plain pieces (:meth:`whole_item`)."""
 
     writer: Any  # the answer's ``chunks.ChunkWriter``
 
@@ -153,13 +154,17 @@ class StreamedAnswer:
         self.plain = not (token_texts or req.return_token_ids)
         self.slots: dict[int, TextSlot | None] = {}  # by id(job): finding a job's slot reads nothing of the job
 
-    def slotted(self, job: EngineJob, item: Any) -> bytes | None:
-        """A plain text piece's events, from its choice's :class:`~.chunks.TextSlot`; None when the item takes the
-        whole path (no slot, or not a piece)."""
+    def item(self, job: EngineJob, item: Any) -> bytes:
+        """The events of one arrived item: a plain text piece's from its choice's :class:`~.chunks.TextSlot`, any
+        other's from the subclass (:meth:`whole_item`), which makes the choice's slot with its first piece."""
         slot = self.slots.get(id(job))
-        if slot is None or type(item) is not StreamPartial:
-            return None
-        return slot.event(item.new_text) if item.new_text else b""
+        if slot is not None and type(item) is StreamPartial:
+            return slot.event(item.new_text) if item.new_text else b""
+        return self.whole_item(job, item)
+
+    def whole_item(self, job: EngineJob, item: Any) -> bytes:
+        """The events of an item that is not a piece of a slotted choice (the subclass's chunks)."""
+        raise NotImplementedError
 
     def end(self) -> bytes:
         """The events after the last item: the usage chunk, when asked for."""

@@ -200,10 +200,7 @@ class _ChatEvents(StreamedAnswer):
         self.readers: dict[int, CallReader | None] = {}
         self.called: set[int] = set()
 
-    def item(self, job: EngineJob, item: Any) -> bytes:
-        slotted = self.slotted(job, item)
-        if slotted is not None:
-            return slotted
+    def whole_item(self, job: EngineJob, item: Any) -> bytes:
         handler, req, writer = self.handler, self.handler.req, self.writer
         events: list[bytes] = []
         if self.choices.first_seen(job.index):

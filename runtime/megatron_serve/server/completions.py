@@ -187,10 +187,7 @@ class _CompletionEvents(StreamedAnswer):
         self.offsets: dict[int, int] = {}  # job index -> text offset for the next log-prob token
         self.opened: set[int] = set()  # choices whose first chunk was sent
 
-    def item(self, job: EngineJob, item: Any) -> bytes:
-        events = self.slotted(job, item)
-        if events is not None:
-            return events
+    def whole_item(self, job: EngineJob, item: Any) -> bytes:
         first = self.choices.first_seen(job.index)
         prefix = _echo_text(self.handler.ctx, job.prompt) if first and self.req.echo else ""
         if first:

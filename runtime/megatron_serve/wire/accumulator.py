@@ -74,7 +74,13 @@ class DeltaAccumulator:
         """
         if (delta.new_log_probs is None and delta.top_ids is None and delta.routing is None
                 and delta.cached_tokens is None and delta.prompt_scores is None):
-            self._add_epochs(delta.epochs, len(delta.new_tokens), kept)
+            epochs = delta.epochs
+            if kept == 1 and epochs is not None and len(epochs) == 3:  # most deltas: one id and its three epochs
+                policy, kv, lora = epochs
+                if len(policy) == len(kv) == len(lora) == len(delta.new_tokens) == 1:
+                    self._epochs += (policy[0], kv[0], lora[0])
+                    return
+            self._add_epochs(epochs, len(delta.new_tokens), kept)
             return
         if delta.cached_tokens is not None:
             self.cached_tokens = delta.cached_tokens
@@ -95,11 +101,6 @@ class DeltaAccumulator:
     def _add_epochs(self, epochs: list[list[int]] | None, n: int, kept: int) -> None:
         """The epochs of the first ``kept`` of ``n`` new ids: ``[policy, KV]`` or ``[policy, KV, LoRA]``, each of
         ``n``; -1 for what was not reported (no epochs, or lists of another length)."""
-        if epochs is not None and len(epochs) == 3 and n == kept == 1:  # most deltas: one id, kept, three lists
-            policy, kv, lora = epochs
-            if len(policy) == len(kv) == len(lora) == 1:
-                self._epochs += (policy[0], kv[0], lora[0])
-                return
         if epochs is not None and 2 <= len(epochs) <= 3:
             policy, kv = epochs[0], epochs[1]
             lora = epochs[2] if len(epochs) == 3 else None
