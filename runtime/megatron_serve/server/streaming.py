@@ -269,11 +269,15 @@ class EventStreamResponse(Response):
     """
 
     media_type = "text/event-stream"
+    _headers: tuple[tuple[bytes, bytes], ...] | None = None  # every stream's: what init_headers makes, made once
 
     def __init__(self, writer: EventWriter, submission: "Submitted", answer_id: str) -> None:
         self.status_code = 200
         self.background = None
-        self.init_headers({"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        if EventStreamResponse._headers is None:
+            self.init_headers({"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+            EventStreamResponse._headers = tuple(self.raw_headers)
+        self.raw_headers = list(EventStreamResponse._headers)
         self._writer = writer
         self._submission = submission
         self._answer_id = answer_id
