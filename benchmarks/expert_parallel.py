@@ -4,15 +4,17 @@ Two tables:
 
 * ``decode``: milliseconds per generated token of an engine group (greedy, ``--concurrency`` requests at
   once and one alone) for one rank, TP=N (every expert sliced over the ranks, one all-reduce per MoE layer)
-  and EP=N (``enable_expert_parallel``: whole experts per rank, the all-to-all dispatcher), with each
-  layout's ratio to one rank measured in the same run.
+  and EP=N (``enable_expert_parallel``: whole experts per rank, the all-to-all dispatcher; on a GPU also with
+  ``--enforce-eager``, against the steps replayed from CUDA graphs), with each layout's ratio to one rank
+  measured in the same run.
 * ``bytes``: what one rank sends the others per token in one MoE layer, measured by counting the collectives'
   payloads in real processes: the all-to-all dispatcher (dispatch + combine all-to-alls, then the all-gather
   of the combined chunks), the all-gather dispatcher (one all-reduce), TP (one all-reduce), and data-parallel
   attention (``--data-parallel-size N``: each rank holds its own ``1/N`` of the step's tokens, so only the
-  all-to-alls and their counts move). Every row is per token of the whole step, so the layouts compare. A ring
-  all-reduce of B bytes sends ``2 (n - 1) / n * B`` per rank, a ring all-gather ``(n - 1)`` chunks; an
-  all-to-all sends exactly the rows bound for other ranks.
+  all-to-alls and their counts move), and both all-to-alls with the fixed-capacity buffers a CUDA graph runs
+  (``capacity``: every buffer moves whole, its unused rows and the rows' ids included). Every row is per token of
+  the whole step, so the layouts compare. A ring all-reduce of B bytes sends ``2 (n - 1) / n * B`` per rank, a ring
+  all-gather ``(n - 1)`` chunks; an all-to-all sends the rows bound for other ranks.
 * ``bandwidth`` (on request): an all-to-all's bytes per second between the ranks of one machine.
 
     python benchmarks/expert_parallel.py                      # CPU: EP=2 vs TP=2 vs one rank
@@ -39,6 +41,7 @@ from megatron_serve.model.tiny import make_tiny_model  # noqa: E402
 
 COUNTING_PROBE = textwrap.dedent("""
     import json, sys, torch, torch.distributed as dist
+    from megatron_serve.model.expert_dispatch import install_dispatchers
     from megatron_serve.model.loader import load_model
     from megatron_serve.model.moe import SparseMoeBlock
     from megatron_serve.model.parallel import DataParallel, TensorParallel
@@ -52,7 +55,7 @@ COUNTING_PROBE = textwrap.dedent("""
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size)
     device = torch.device(device, rank) if device == "cuda" else torch.device(device)
     tp = TensorParallel(rank, size, dist.group.WORLD, expert_parallel=layout != "tp")
-    if layout == "dp":  # data-parallel attention: one attention rank each, its own share of the tokens
+    if layout.startswith("dp"):  # data-parallel attention: one attention rank each, its own share of the tokens
         tp = TensorParallel(0, 1, None, expert_parallel=True, data_parallel=DataParallel(rank, size, dist.group.WORLD))
     model = load_model(model_dir, torch.float32, device, tp)
     sent = [0]
@@ -66,9 +69,10 @@ COUNTING_PROBE = textwrap.dedent("""
         sent[0] += (size - 1) * tensor.numel() * tensor.element_size()
         return all_gather(parts, tensor, *args, **kwargs)
 
-    def counted_all_to_all(output, tensor, output_splits, input_splits, *args, **kwargs):
+    def counted_all_to_all(output, tensor, output_splits=None, input_splits=None, *args, **kwargs):
         row = tensor[0].numel() * tensor.element_size() if tensor.shape[0] else 0
-        sent[0] += row * (sum(input_splits) - input_splits[rank])
+        splits = input_splits or [tensor.shape[0] // size] * size  # (none: equal parts)
+        sent[0] += row * (sum(splits) - splits[rank])
         return all_to_all(output, tensor, output_splits, input_splits, *args, **kwargs)
 
     dist.all_reduce, dist.all_gather = counted_all_reduce, counted_all_gather
@@ -76,7 +80,9 @@ COUNTING_PROBE = textwrap.dedent("""
     block = next(layer.mlp for layer in model.model.layers if isinstance(layer.mlp, SparseMoeBlock))
     if layout == "ep-allgather":
         block.dispatcher = AllGatherDispatcher(tp, model.config.moe.num_experts)
-    own = tokens // size if layout == "dp" else tokens
+    own = tokens // size if layout.startswith("dp") else tokens
+    if layout.endswith("capacity"):  # buffers for the step's tokens, as a graph of that batch has
+        install_dispatchers(model, "alltoall").capacity = own
     hidden = torch.randn(own, model.config.hidden_size, generator=torch.Generator().manual_seed(0)).to(device)
     with torch.no_grad():
         block(hidden)
@@ -129,10 +135,10 @@ def make_model(args: argparse.Namespace, root: Path) -> str:
                                num_experts_per_tok=args.top_k, moe_intermediate_size=args.intermediate))
 
 
-def ms_per_token(model_dir: str, args: argparse.Namespace, size: int, expert_parallel: bool, concurrency: int
-                 ) -> float:
+def ms_per_token(model_dir: str, args: argparse.Namespace, size: int, expert_parallel: bool, concurrency: int,
+                 graphs: bool = True) -> float:
     config = InferenceConfig(dtype=args.dtype, device=args.device, tensor_parallel_size=size,
-                             enable_expert_parallel=expert_parallel, num_kv_blocks=512)
+                             enable_expert_parallel=expert_parallel, num_kv_blocks=512, enable_cuda_graphs=graphs)
     params = SamplingParams(temperature=0.0, num_tokens_to_generate=args.tokens, ignore_eos=True)
     prompts = [f"Expert parallel benchmark prompt {i}: the quick brown fox" for i in range(concurrency)]
     with MegatronLLM(model_dir, config) as llm:
@@ -145,13 +151,16 @@ def ms_per_token(model_dir: str, args: argparse.Namespace, size: int, expert_par
 
 def decode_table(model_dir: str, args: argparse.Namespace) -> None:
     print(f"decode: ms per generated token ({args.tokens} tokens a request, {args.device}, {args.dtype})")
-    print(f"{'layout':<10} {'c=' + str(args.concurrency):>10} {'ratio':>7} {'c=1':>9} {'ratio':>7}")
+    print(f"{'layout':<12} {'c=' + str(args.concurrency):>10} {'ratio':>7} {'c=1':>9} {'ratio':>7}")
     base = {c: ms_per_token(model_dir, args, 1, False, c) for c in (args.concurrency, 1)}
-    print(f"{'one rank':<10} {base[args.concurrency]:>10.2f} {1.0:>7.2f} {base[1]:>9.2f} {1.0:>7.2f}")
+    print(f"{'one rank':<12} {base[args.concurrency]:>10.2f} {1.0:>7.2f} {base[1]:>9.2f} {1.0:>7.2f}")
     for size in args.sizes:
-        for name, expert_parallel in ((f"TP={size}", False), (f"EP={size}", True)):
-            row = {c: ms_per_token(model_dir, args, size, expert_parallel, c) for c in (args.concurrency, 1)}
-            print(f"{name:<10} {row[args.concurrency]:>10.2f} {row[args.concurrency] / base[args.concurrency]:>7.2f} "
+        layouts = [(f"TP={size}", False, True), (f"EP={size}", True, True)]
+        if args.device == "cuda":  # CUDA graphs (the fixed-capacity all-to-all) against eager steps
+            layouts.append((f"EP={size} eager", True, False))
+        for name, expert_parallel, graphs in layouts:
+            row = {c: ms_per_token(model_dir, args, size, expert_parallel, c, graphs) for c in (args.concurrency, 1)}
+            print(f"{name:<12} {row[args.concurrency]:>10.2f} {row[args.concurrency] / base[args.concurrency]:>7.2f} "
                   f"{row[1]:>9.2f} {row[1] / base[1]:>7.2f}")
 
 
@@ -160,7 +169,8 @@ def bytes_table(model_dir: str, args: argparse.Namespace) -> None:
     print(f"{'layout':<22} {'bytes/token':>12} {'x hidden':>9}")
     for size in args.sizes:
         for layout, name in (("tp", f"TP={size} all-reduce"), ("ep", f"EP={size} all-to-all"),
-                             ("ep-allgather", f"EP={size} all-reduce"), ("dp", f"DP={size} all-to-all")):
+                             ("ep-capacity", f"EP={size} capacity"), ("ep-allgather", f"EP={size} all-reduce"),
+                             ("dp", f"DP={size} all-to-all"), ("dp-capacity", f"DP={size} capacity")):
             measured = run_ranks(COUNTING_PROBE, size, model_dir, layout, str(args.batch_tokens), args.device)
             print(f"{name:<22} {measured['bytes_per_token']:>12.0f} "
                   f"{measured['bytes_per_token'] / measured['hidden_bytes']:>9.2f}")

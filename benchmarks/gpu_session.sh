@@ -19,14 +19,19 @@
 #   bash benchmarks/gpu_session.sh ep        # expert parallelism on this node's GPUs: the EP tests natively (NCCL),
 #                                            # all-to-all bandwidth, then decode of a Qwen3-30B-A3B-like MoE layer
 #                                            # shape at one rank and TP/EP 2/4/8 (as many as the GPUs allow); with
-#                                            # 2 GPUs or more first the EP engines against one rank over NCCL
+#                                            # 2 GPUs or more first the EP engines against one rank over NCCL; the
+#                                            # GPU-only EP tests (test_expert_parallel_gpu.py: the fixed-capacity
+#                                            # all-to-all captured in a CUDA graph against eager, with CUDA's sync
+#                                            # debug mode; on 2 GPUs an EP=2 engine's graphs against its eager
+#                                            # tokens, and DeepEP's modes where deep_ep imports)
 #   bash benchmarks/gpu_session.sh pp        # pipeline stages: the PP and micro-batch tests, then
 #                                            # benchmarks/pipeline_parallel.py's table (1B-like dense shape, stages
 #                                            # 2/4/8 as the GPUs allow, one micro-batch vs as many as stages)
 #   bash benchmarks/gpu_session.sh refit     # sharded refit: the plan's and the fleet's tests natively (engines on the
 #                                            # GPU, trainer ranks on gloo: one GPU cannot hold two NCCL ranks; a late
-#                                            # joiner pulling from a GPU peer, over gloo), then refit.py --sharded's
-#                                            # table (bytes/s per link, time vs size, world 1/2/4)
+#                                            # joiner pulling from a GPU peer, over gloo), the MoE (EP), one-transaction
+#                                            # (EAGLE-3 head + LoRA), drafter and FP8 refits, then refit.py
+#                                            # --sharded's table (bytes/s per link, time vs size, world 1/2/4)
 #   bash benchmarks/gpu_session.sh kvtiers   # KV beyond the device pool: the host tier's side-stream copies and the
 #                                            # tier, keep_kv and partial-rollout tests natively (the engines on the
 #                                            # GPU), then benchmarks/kv_tiers.py's tables (tier on/off, keep_kv vs
@@ -120,8 +125,11 @@ case ${1:-tests} in
     else
       echo "=== ep: one GPU: no NCCL equality check (NCCL needs a GPU a rank); the EP tests below run over gloo on CPU"
     fi
+    step ep_gpu 540 python3 -m pytest -q -p no:cacheprovider --timeout 500 -rfEs \
+      tests/parallel/test_expert_parallel_gpu.py
     step pytest_ep 540 python3 -m pytest -q -p no:cacheprovider --timeout 300 -rfE --durations 10 \
-      tests/parallel/test_expert_parallel.py tests/parallel/test_expert_parallel_features.py
+      tests/parallel/test_expert_parallel.py tests/parallel/test_expert_parallel_features.py \
+      tests/parallel/test_expert_backend.py
     if [ -n "$sizes" ]; then
       step all_to_all 120 python3 benchmarks/expert_parallel.py --device cuda --tables bandwidth --sizes $sizes --mib 256
       step ep_decode 540 python3 benchmarks/expert_parallel.py --device cuda --dtype bfloat16 --sizes $sizes \
@@ -146,6 +154,9 @@ case ${1:-tests} in
     step pytest_refit 480 python3 -m pytest -q -p no:cacheprovider --timeout 450 -rfE --durations 10 \
       tests/weights/test_shards.py tests/weights/test_sharded_refit_fleet.py tests/weights/test_adapters_in_refit.py \
       tests/weights/test_peer_pull_fleet.py
+    step pytest_refit_moe_drafter_fp8 480 python3 -m pytest -q -p no:cacheprovider --timeout 450 -rfE --durations 10 \
+      tests/weights/test_sharded_refit_moe_fleet.py tests/weights/test_refit_transaction_fleet.py \
+      tests/weights/test_drafter_refit_fleet.py tests/weights/test_fp8_weight_sync.py
     step refit_sharded 540 python3 benchmarks/refit.py --sharded --sizes 1024,2048 --layers 8 --world-sizes 1,2,4 \
       --rounds 2 --bucket-mib 64
     ;;

@@ -238,12 +238,13 @@ def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_we
     with repeats that no token reads), scales them by the router weight (in ``topk_weights``' dtype:
     Qwen-MoE routers round it to the model dtype, Mixtral's keeps float32), rounds to the model dtype
     and adds them into a zero-initialised output, so a token's sum runs over its experts in ascending
-    id order whatever the other tokens are.
+    id order whatever the other tokens are. A negative id is no expert: the pair adds nothing.
     """
-    top_k = topk_ids.shape[1]
-    flat = topk_ids.reshape(-1)
+    top_k, num_experts = topk_ids.shape[1], w13.shape[0]
+    flat = torch.where(topk_ids.reshape(-1) < 0, num_experts, topk_ids.reshape(-1))  # no expert: sorted last
     order = torch.argsort(flat, stable=True)  # the (token, slot) pairs grouped by expert: one sort, not a
-    counts = torch.bincount(flat, minlength=w13.shape[0]).tolist()  # search per expert
+    counts = torch.bincount(flat, minlength=num_experts + 1).tolist()[:num_experts]  # search per expert
+    order = order[:sum(counts)]
     tokens = order // top_k
     # each expert's rows, then its first row repeated up to a multiple of row_tile() rows (a row's bits do not
     # depend on the rows beside it; the repeats are dropped): one gather, no padded copy per GEMM
@@ -256,11 +257,12 @@ def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_we
             picked += list(range(start, start + count)) + [start] * (size - count)
             start += count
     device = tokens.device
-    rows = hidden[tokens[torch.tensor(picked, device=device)]]
+    rows = hidden[tokens[torch.tensor(picked, dtype=torch.long, device=device)]]
     down = hidden.new_empty((len(picked), hidden.shape[1]))
     for expert, at, size in spans:  # linear()'s GEMMs
         torch.mm(silu_and_mul(torch.mm(rows[at:at + size], w13[expert].t())), w2[expert].t(), out=down[at:at + size])
-    scaled = (down[torch.tensor(real, device=device)] * topk_weights.reshape(-1)[order, None]).to(hidden.dtype)
+    real = torch.tensor(real, dtype=torch.long, device=device)
+    scaled = (down[real] * topk_weights.reshape(-1)[order, None]).to(hidden.dtype)
     # a token's rows come in ascending expert order, and index_add_ adds them one after another
     return torch.zeros_like(hidden).index_add_(0, tokens, scaled)
 

@@ -29,8 +29,9 @@ def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_we
               topk_ids: torch.Tensor, *, w13_scale: torch.Tensor, w2_scale: torch.Tensor, block: Block
               ) -> torch.Tensor:
     """:func:`.invariant.fused_moe` over FP8 experts: only the experts the step routes to are dequantized,
-    renumbered in ascending id order, so each token still sums its experts in ascending id order."""
-    used = torch.unique(topk_ids)  # sorted
-    ids = torch.searchsorted(used, topk_ids)
+    renumbered in ascending id order, so each token still sums its experts in ascending id order (a negative id
+    stays no expert)."""
+    used = torch.unique(topk_ids[topk_ids >= 0])  # sorted
+    ids = torch.where(topk_ids >= 0, torch.searchsorted(used, topk_ids), -1)
     return invariant.fused_moe(hidden, dequantize(w13[used], w13_scale[used], block, hidden.dtype),
                                dequantize(w2[used], w2_scale[used], block, hidden.dtype), topk_weights, ids)

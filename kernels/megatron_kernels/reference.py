@@ -276,14 +276,16 @@ def fused_moe(
     matmul per projection; experts that received no token cost nothing. Each expert's output is
     rounded to the input dtype, then weighted and summed over ``k`` in float32.
     FP8 experts (``w13_scale``/``w2_scale`` ``[E, ...]`` given) are dequantized to the input dtype one expert
-    at a time (``block``: see :mod:`megatron_kernels.fp8`).
+    at a time (``block``: see :mod:`megatron_kernels.fp8`). A negative id is no expert: the pair adds nothing (the
+    expert-parallel dispatchers' unused rows, :mod:`megatron_kernels.triton_moe`).
     """
     num_tokens, top_k = topk_ids.shape
-    flat = topk_ids.reshape(-1)
+    num_experts = w13.shape[0]
+    flat = torch.where(topk_ids.reshape(-1) < 0, num_experts, topk_ids.reshape(-1))  # no expert: sorted last
     order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=w13.shape[0]).tolist()
+    counts = torch.bincount(flat, minlength=num_experts + 1).tolist()[:num_experts]
     rows = hidden[order // top_k]
-    out = hidden.new_empty((num_tokens * top_k, hidden.shape[1]))
+    out = hidden.new_zeros((num_tokens * top_k, hidden.shape[1]))
     start = 0
     for expert, count in enumerate(counts):
         if count:

@@ -11,8 +11,13 @@ step that contains it can be captured in a CUDA graph). Every program of the gro
    own row, then summed over ``k`` in float32.
 
 Padding rows carry the sentinel id ``T * k``: they load zeros and store nothing. The grid is sized
-by the shape-only bound ``T * k + min(E, T * k) * (BLOCK_M - 1)`` rows; blocks past the real end
+by the shape-only bound ``T * k + min(E + 1, T * k) * (BLOCK_M - 1)`` rows; blocks past the real end
 belong to expert -1 and return at once. There is no loop over experts anywhere.
+
+A negative expert id is no expert (vLLM's ``expert_map`` convention): the expert-parallel dispatchers' fixed-capacity
+buffers (``model.capacity_dispatcher``) and DeepEP's layouts fill their unused rows with -1, and the row count must
+not depend on how many are used, so that a step can be captured. Those pairs sort into blocks of their own (expert
+-2), which compute nothing and write zeros as the pairs' outputs.
 
 FP8 experts (``w13_scale``/``w2_scale`` given) are read as e4m3 and widened in registers, their scales
 applied to the products per ``BLOCK_K`` step (block-wise) or once per output column (per row); the
@@ -55,17 +60,24 @@ def _grouped_gemm_kernel(
     """
     pid_m = tl.program_id(0)
     expert = tl.load(block_experts_ptr + pid_m)
+    positions = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_mask = cols < N
+    if expert == -2:  # pairs of no expert: their outputs are zero
+        if SCATTER_C:
+            ids = tl.load(sorted_ids_ptr + positions)
+            tl.store(c_ptr + ids.to(tl.int64)[:, None] * stride_cm + cols[None, :],
+                     tl.zeros((BLOCK_M, BLOCK_N), dtype=c_ptr.dtype.element_ty),
+                     mask=(ids < num_pairs)[:, None] & col_mask[None, :])
+        return
     if expert < 0:
         return
-    positions = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     ids = tl.load(sorted_ids_ptr + positions)
     valid = ids < num_pairs
     if GATHER_A:
         a_rows = (ids // TOP_K).to(tl.int64)
     else:
         a_rows = positions.to(tl.int64)
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_mask = cols < N
     b_base = b_ptr + expert.to(tl.int64) * stride_be
     scale_base = b_scale_ptr + expert.to(tl.int64) * stride_bse + (cols // SCALE_BN) * stride_bsn
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -99,25 +111,28 @@ def align_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int
     """Sort the (token, expert) pairs by expert, each expert's run padded to whole ``block_m`` blocks.
 
     Returns ``sorted_ids`` (int32 pair ids ``token * k + slot``, padding = ``T * k``) and
-    ``block_experts`` (int32 expert of each block, -1 past the end). Shapes depend only on the
-    input's shape, never on its values.
+    ``block_experts`` (int32 expert of each block, -2 for the blocks of pairs whose id is negative, which go
+    last, -1 past the end). Shapes depend only on the input's shape, never on its values.
     """
     flat = topk_ids.reshape(-1).to(torch.int64)
+    flat = torch.where(flat < 0, num_experts, flat)  # no expert: one bin more, after the experts
+    bins = num_experts + 1
     pairs = flat.numel()
     device = flat.device
-    counts = torch.zeros(num_experts, dtype=torch.int64, device=device).scatter_add_(0, flat, torch.ones_like(flat))
+    counts = torch.zeros(bins, dtype=torch.int64, device=device).scatter_add_(0, flat, torch.ones_like(flat))
     padded = (counts + block_m - 1) // block_m * block_m
     padded_end = torch.cumsum(padded, 0)
     order = torch.argsort(flat, stable=True)
     sorted_experts = flat[order]
     rank_in_expert = torch.arange(pairs, device=device) - (torch.cumsum(counts, 0) - counts)[sorted_experts]
     destination = (padded_end - padded)[sorted_experts] + rank_in_expert
-    num_blocks = triton.cdiv(pairs + min(num_experts, pairs) * (block_m - 1), block_m)
+    num_blocks = triton.cdiv(pairs + min(bins, pairs) * (block_m - 1), block_m)
     sorted_ids = torch.full((num_blocks * block_m,), pairs, dtype=torch.int32, device=device)
     sorted_ids[destination] = order.to(torch.int32)
     block_starts = torch.arange(0, num_blocks * block_m, block_m, device=device)
     block_experts = torch.searchsorted(padded_end, block_starts, right=True)
-    block_experts = torch.where(block_experts < num_experts, block_experts, -1).to(torch.int32)
+    block_experts = torch.where(block_experts < num_experts, block_experts,
+                                torch.where(block_experts == num_experts, -2, -1)).to(torch.int32)
     return sorted_ids, block_experts
 
 

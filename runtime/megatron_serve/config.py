@@ -15,6 +15,9 @@ from .wire.sampling_params import LOGPROBS_MODES
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 QUANTIZATIONS = ("fp8",)  # quantize a checkpoint's linear layers at load (vLLM's --quantization)
 KV_CACHE_DTYPES = {"auto": "auto", "fp8": "fp8", "fp8_e4m3": "fp8"}  # vLLM's spellings -> ours (fp8 is e4m3)
+# how expert-parallel MoE layers move tokens (vLLM's --all2all-backend; model.expert_dispatch, engine.expert_backend):
+# auto = DeepEP where it runs, else alltoall (a plain all-to-all, fixed-capacity in CUDA graphs)
+ALL2ALL_BACKENDS = ("auto", "alltoall", "allgather_reducescatter", "deepep_high_throughput", "deepep_low_latency")
 
 
 def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
@@ -141,6 +144,7 @@ class InferenceConfig:
     tensor_parallel_size: int = 1
     # the tensor-parallel ranks hold whole experts of MoE layers, tokens move by all-to-all (model.token_dispatcher)
     enable_expert_parallel: bool = False
+    all2all_backend: str = "auto"  # one of ALL2ALL_BACKENDS
     # the layers split into this many stages (model.parallel.PipelineStage), tensor_parallel_size ranks each
     pipeline_parallel_size: int = 1
     # micro-batches a step's requests split into across the stages, so that stage s runs one while stage s - 1 runs
@@ -236,6 +240,21 @@ class InferenceConfig:
                              f"{'LoRA adapters' if self.enable_lora else 'speculative decoding'} yet")
         self._check_kv_tiers()
         self._check_data_parallel()
+        self._check_all2all()
+
+    def _check_all2all(self) -> None:
+        backend = self.all2all_backend
+        if backend not in ALL2ALL_BACKENDS:
+            raise ValueError(f"all2all_backend must be one of {', '.join(ALL2ALL_BACKENDS)}, got {backend!r}")
+        if backend == "allgather_reducescatter" and self.data_parallel_size > 1:
+            raise ValueError("all2all_backend allgather_reducescatter is not implemented under data-parallel attention "
+                             "(it needs every rank's tokens on every rank: over tensor-parallel ranks they are)")
+        if backend.startswith("deepep"):
+            if not str(self.device).startswith("cuda"):
+                raise ValueError(f"all2all_backend {backend}: DeepEP's kernels run on GPUs, not on {self.device}")
+            if self.batch_invariant:
+                raise ValueError(f"all2all_backend {backend} cannot give batch_invariant's one-rank bits: DeepEP adds "
+                                 "a token's experts in its own order (alltoall combines them in ascending id order)")
 
     def _check_data_parallel(self) -> None:
         size, rank = self.data_parallel_size, self.data_parallel_rank

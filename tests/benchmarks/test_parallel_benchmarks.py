@@ -35,6 +35,10 @@ def test_expert_parallel_prints_its_decode_and_bytes_tables():
     # a ring all-reduce of a float32 hidden state (64 x 4 bytes) sends one hidden state a token per rank at 2 ranks
     assert rows["TP=2 all-reduce"] == rows["EP=2 all-reduce"] == 256.0
     assert rows["EP=2 all-to-all"] > rows["DP=2 all-to-all"] > 0  # DP: no all-gather of the combined chunks
+    capacity = {name: float(value) for name, value, _ in re.findall(
+        rf"^((?:EP|DP)=2 capacity)\s+{NUMBER}\s+{NUMBER}$", out, re.M)}
+    # the fixed-capacity buffers move whole: more than the exact rows, never less
+    assert capacity["EP=2 capacity"] > rows["EP=2 all-to-all"] and capacity["DP=2 capacity"] > rows["DP=2 all-to-all"]
 
 
 @pytest.mark.slow

@@ -1,9 +1,9 @@
 """The coordinator pairs an engine that registers after a trainer's refit with a donor (weights.peer_pull), no sockets.
 
-A donor is a live engine of the joiner's layout (``info.weights_layout``), of one rank, at the fleet's epoch from the
-trainer, with a peer store: it gets ``PEER_WEIGHTS`` and the joiner a HELLO_ACK whose ``refit`` names it, with one
-random prefix for both. Any other joiner (another layout, a tensor-parallel group, no donor with a store) gets no
-``peer`` and no requests until the next refit, as before.
+A donor is a live engine of the joiner's layout (``info.weights_layout``) and its number of ranks (a group pulls rank
+to rank), at the fleet's epoch from the trainer, with a peer store: it gets ``PEER_WEIGHTS`` and the joiner a
+HELLO_ACK whose ``refit`` names it, with one random prefix for both. Any other joiner (another layout, another number
+of ranks, no donor with a store) gets no ``peer`` and no requests until the next refit, as before.
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ def test_a_joiner_of_the_donors_layout_pulls_from_it():
 def test_no_pull_without_a_donor_of_the_same_layout():
     harness, _ = fleet_on_trainer_weights()
     other_layout = hello(harness, b"other", 1, weights_layout="M", epoch=0, weights="/m")
-    group = hello(harness, b"group", 2, weights_layout="L", tensor_parallel_size=2, epoch=0, weights="/m")
+    group = hello(harness, b"group", 2, weights_layout="L", tensor_parallel_size=2, epoch=0, weights="/m")  # 2 ranks
     older = hello(harness, b"older", 3, epoch=0, weights="/m")  # an engine that says no layout
     assert [other_layout.refit, group.refit, older.refit] == [None, None, None]
     assert harness.take(b"donor", Header.PEER_WEIGHTS) == []
@@ -57,3 +57,13 @@ def test_no_pull_from_an_engine_without_a_peer_store():
     harness, _ = fleet_on_trainer_weights(peer_store=None)
     assert hello(harness, b"joiner", 1, weights_layout="L", epoch=0, weights="/m").refit is None
     assert harness.take(b"donor", Header.PEER_WEIGHTS) == []
+
+
+def test_a_group_pulls_from_a_donor_group_of_as_many_ranks():
+    harness, single = fleet_on_trainer_weights()
+    stages = {"pipeline_parallel_size": 2, "weights_layout": "P"}
+    donor = hello(harness, b"donor-pp", 1, epoch=3, weights=TRAINER, peer_store="10.0.0.2:7000", **stages).engine_id
+    ack = hello(harness, b"joiner-pp", 2, epoch=0, weights="/m", **stages)
+    assert ack.refit["peer"]["engine_id"] == donor and ack.refit["peer"]["address"] == "10.0.0.2:7000"
+    [ask] = harness.take(b"donor-pp", Header.PEER_WEIGHTS)
+    assert ask.prefix == ack.refit["peer"]["prefix"] and harness.take(b"donor", Header.PEER_WEIGHTS) == []

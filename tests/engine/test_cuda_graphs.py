@@ -274,25 +274,33 @@ def test_real_cuda_graphs_equal_the_eager_engine(tiny_llama):
     assert [o.generated_tokens for o in graphed.generate(PROMPTS, GREEDY)] == want
 
 
+EP = dict(enable_expert_parallel=True)
+
+
 @pytest.mark.parametrize("layout, eager", [
-    (dict(data_parallel_size=2, enable_expert_parallel=True), True),  # DP attention at TP=1: collectives each layer
-    (dict(data_parallel_size=2, tensor_parallel_size=2, enable_expert_parallel=True), True),
-    (dict(tensor_parallel_size=2, enable_expert_parallel=True), True),
-    (dict(enable_expert_parallel=True), False),  # one rank: the flag moves no token
+    (dict(data_parallel_size=2, **EP), False),  # DP attention at TP=1: the group pads to one graph size
+    (dict(data_parallel_size=2, tensor_parallel_size=2, all2all_backend="alltoall", **EP), False),
+    (dict(tensor_parallel_size=2, **EP), False),
+    (dict(tensor_parallel_size=2, all2all_backend="deepep_low_latency", device="cuda", **EP), False),
+    (dict(tensor_parallel_size=2, all2all_backend="allgather_reducescatter", **EP), True),  # nonzero() on the host
+    (dict(tensor_parallel_size=2, all2all_backend="deepep_high_throughput", device="cuda", **EP), True),
+    (dict(tensor_parallel_size=2, batch_invariant=True, **EP), True),  # invariant.fused_moe's loop
+    (dict(**EP), False),  # one rank: the flag moves no token
     (dict(), False),
 ])
-def test_expert_parallel_steps_run_eagerly_wherever_tokens_cross_ranks(monkeypatch, tmp_path, layout, eager):
-    """On a device that captures (``graphs_wanted`` stands in for CUDA here), an MoE model's graphs are refused
-    wherever an MoE layer exchanges tokens between ranks: under data-parallel attention at TP=1 as well, where
-    ``DataParallelDispatcher`` reads its all-to-all's counts on the host and an idle rank's empty MoE pass must pair
-    with the other ranks' steps."""
+def test_expert_parallel_steps_are_captured_unless_the_backend_reads_counts_on_the_host(monkeypatch, tmp_path,
+                                                                                         layout, eager):
+    """On a device that captures (``graphs_wanted`` stands in for CUDA here), an expert-parallel MoE model's graphs
+    are captured with the fixed-capacity all-to-all (``auto``/``alltoall``) or DeepEP's low-latency mode, under
+    data-parallel attention too; refused where the backend's dispatch reads counts on the host every layer
+    (``allgather_reducescatter``, DeepEP's normal mode) and in the batch-invariant mode (its expert loop)."""
     from megatron_serve.engine import graphs  # noqa: PLC0415
     from megatron_serve.engine.sizing import engine_buffers  # noqa: PLC0415
     from megatron_serve.model.loader import load_model  # noqa: PLC0415
 
     model = load_model(str(make_tiny_model(tmp_path / "moe", seed=3, arch="mixtral")), torch.float32, "cpu")
     monkeypatch.setattr(graphs, "graphs_wanted", lambda config, device: True)
-    engine_config = config(device="cpu", **layout)
+    engine_config = config(**{"device": "cpu", **layout})
     buffers = engine_buffers(engine_config, 64, torch.device("cpu"))
     assert (graphs.graphs_for(model, engine_config, buffers) is None) == eager
     assert (graphs.eager_reason(engine_config, moe=True) is not None) == eager

@@ -216,3 +216,25 @@ def test_a_head_refit_with_the_policy_keeps_proposing(models):
         engine.memory.refit(TensorSource.of(wrong), epoch=4)
     assert engine.epoch == 3 and not proposer.stale  # refused before anything changed
     engine.shutdown()
+
+
+def test_a_head_that_fails_to_load_after_the_commit_leaves_the_policy_whole_and_says_so(models, monkeypatch):
+    """Every head tensor is verified before any weight changes (the misshapen one above is refused); a failure of
+    the copy itself afterwards (a fault: injected here) cannot be undone for the policy either. The policy's refit
+    stands, the head stays stale (it proposes nothing), and the refit's answer says why."""
+    engine = engine_on(models["target"], eagle3(models["head"]))
+    expected = run(engine, PROMPTS[:3], "a")
+    policy = [(n, t[:]) for n, t in iterate_checkpoint(models["target"])]
+    head = [("drafter." + n, t[:]) for n, t in iterate_checkpoint(models["head"]) if n not in ("d2t", "t2d")]
+    proposer = engine.speculator.proposer
+
+    def fault(named, partial):
+        raise RuntimeError("device fault")
+
+    monkeypatch.setattr(proposer.head, "load", fault)
+    refitted = engine.memory.refit(TensorSource.of([*policy, *head]), epoch=5)
+    assert refitted["epoch"] == 5 and engine.epoch == 5 and proposer.stale
+    assert "the drafter stays stale" in refitted["drafter_error"] and "device fault" in refitted["drafter_error"]
+    before = counts(engine)
+    assert run(engine, PROMPTS[:3], "b") == expected and counts(engine) == before  # the policy's tokens, no draft
+    engine.shutdown()

@@ -103,6 +103,11 @@ def test_a_refit_switches_the_mtp_layer_with_the_policy(models):
     assert not proposer.stale and proposer.mtp_epoch == 7
     copied = dict(copy_tensors)["model.layers.1.eh_proj.weight"]
     assert torch.equal(proposer.mtp.layer.eh_proj.weight, copied)
+    # an MTP tensor of another shape refuses the whole refit before any weight changes (the policy's included)
+    misshapen = [(n, torch.zeros(3, 3) if n == "model.layers.1.eh_proj.weight" else t) for n, t in copy_tensors]
+    with pytest.raises(ValueError, match=r"MTP layer tensors do not fit the MTP layer: .*eh_proj"):
+        engine.memory.refit(TensorSource.of(misshapen), epoch=9)
+    assert engine.epoch == 7 and not proposer.stale and torch.equal(proposer.mtp.layer.eh_proj.weight, copied)
     while engine.has_unfinished_requests():
         engine.step()
     before = counts(engine)

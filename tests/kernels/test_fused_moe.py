@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from megatron_kernels import reference
+from megatron_kernels import invariant, reference
 from megatron_kernels import triton_ops as tri
 from megatron_kernels.triton_moe import align_by_expert
 
@@ -47,6 +47,8 @@ def _per_token(x, w13, w2, weights, ids):
     for t in range(x.shape[0]):
         for slot in range(ids.shape[1]):
             e = int(ids[t, slot])
+            if e < 0:  # no expert
+                continue
             gate, up = F.linear(x[t].float(), w13[e].float()).chunk(2)
             out[t] += weights[t, slot].float() * F.linear(F.silu(gate) * up, w2[e].float())
     return out
@@ -87,6 +89,23 @@ def test_no_tokens():
     assert reference.fused_moe(x, w13, w2, weights, ids).shape == (0, 32)
 
 
+@pytest.mark.parametrize("top_k", [1, 2])
+def test_a_negative_id_is_no_expert_in_every_implementation(top_k):
+    """The expert-parallel dispatchers fill their unused rows with id -1: such a pair adds nothing (a row of -1 ids
+    only is zero), in the Triton kernel (blocks of their own, writing zeros), the reference and the invariant op,
+    whatever the rows hold (NaN included)."""
+    x, w13, w2, weights, ids = _inputs(9, 32, 16, 4, top_k, torch.float32, seed=7)
+    ids[[1, 4, 8]] = -1
+    ids[6, 0] = -1  # with top-2 the row keeps one expert
+    x[4] = float("nan")  # an unused row's content is never read
+    expected = _per_token(x, w13, w2, weights, ids)
+    assert expected[[1, 8]].abs().sum() == 0 and (top_k == 1 or expected[6].abs().sum() > 0)
+    for op in (tri.fused_moe, reference.fused_moe, invariant.fused_moe):
+        got = op(x, w13, w2, weights, ids).float()
+        assert torch.equal(got[[1, 4, 8]], torch.zeros_like(got[[1, 4, 8]])), op.__module__
+        torch.testing.assert_close(got, expected.nan_to_num(0.0), atol=1e-5, rtol=1e-5)
+
+
 def test_triton_rejects_mismatched_weights():
     x, w13, w2, weights, ids = _inputs(2, 32, 16, 4, 2, torch.float32, seed=0)
     with pytest.raises(ValueError, match="expert weights"):
@@ -109,6 +128,10 @@ def test_align_by_expert_sorts_and_pads_every_pair_once():
         seen.extend(real)
     assert sorted(seen) == list(range(pairs))  # every pair exactly once
     assert block_experts.tolist()[:4] == [0, 1, 3, 3]  # expert order, idle expert 2 takes no block
+    dropped = torch.tensor([[-1, 2], [0, -1]])
+    sorted_ids, block_experts = align_by_expert(dropped, num_experts=4, block_m=2)
+    assert block_experts.tolist()[:3] == [0, 2, -2]  # the pairs of no expert last, in a block of their own
+    assert sorted_ids.view(-1, 2)[2].tolist() == [0, 3]
 
 
 BENCHMARK = Path(__file__).resolve().parents[2] / "benchmarks" / "fused_moe.py"

@@ -58,3 +58,20 @@ def test_a_token_of_fp8_experts_is_the_same_in_every_batch(block):
         assert torch.equal(run(rows), alone), rows
     expected = reference.fused_moe(x[:1], w13, w2, weights[:1], ids[:1], w13_scale=s13, w2_scale=s2, block=block)
     torch.testing.assert_close(alone, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_fp8_experts_take_a_negative_id_as_no_expert():
+    """The expert-parallel dispatchers' unused rows (id -1) add nothing, and the rows beside them keep their bits."""
+    torch.manual_seed(2)
+    w13, s13 = _weights(96, 32, None, 4)
+    w2, s2 = _weights(32, 48, None, 4)
+    x = torch.randn(5, 32)
+    ids = torch.tensor([[0], [3], [-1], [3], [-1]])
+    ones = torch.ones(5, 1)
+    out = invariant_fp8.fused_moe(x, w13, w2, ones, ids, w13_scale=s13, w2_scale=s2, block=None)
+    assert torch.equal(out[[2, 4]], torch.zeros(2, 32))
+    used = invariant_fp8.fused_moe(x[[0, 1, 3]], w13, w2, ones[:3], ids[[0, 1, 3]], w13_scale=s13, w2_scale=s2,
+                                   block=None)
+    assert torch.equal(out[[0, 1, 3]], used)
+    assert invariant_fp8.fused_moe(x[:1], w13, w2, ones[:1], ids[2:3], w13_scale=s13, w2_scale=s2,
+                                   block=None).abs().sum() == 0

@@ -5,7 +5,9 @@ it serves every case of its group one after another, each an engine of its own m
 Run as a script, not ``-c``: each tensor-parallel rank's process is spawned and imports this file again, so the
 controls installed at its top level reach every rank: the ordered combine's (``UNORDERED_COMBINE``) and the gathered
 row-parallel layers' (``PARTIAL_SUMS``). They read their variable when called, so a case turns them on or off for the
-engine it builds (spawned ranks inherit the variables).
+engine it builds (spawned ranks inherit the variables). So does the CPU stand-in for CUDA graphs (``GRAPHS``: the
+engine captures and replays its steps as on a GPU, a "replay" running the captured forward again over the same
+static buffers), which notes each replay's size and each empty MoE pass's buffer size in ``GRAPH_LOG/<pid>``.
 """
 
 from __future__ import annotations
@@ -33,6 +35,39 @@ if __name__ in ("__main__", "__mp_main__"):  # this group's processes only, neve
         return _gathers_rows.fget(config) and os.environ.get("PARTIAL_SUMS") != "1"
 
     InferenceConfig.gathers_rows = property(_maybe_partial_sums)  # type: ignore[method-assign]
+
+    from megatron_serve.engine import graphs
+    from megatron_serve.engine.runner import ModelRunner
+
+    def _note(line: str) -> None:
+        with open(os.path.join(os.environ["GRAPH_LOG"], str(os.getpid())), "a") as log:
+            log.write(line + "\n")
+
+    class _ReplayByRerun:
+        """``CudaGraphCapture`` on CPU: the capture runs the forward once, a replay runs it again."""
+
+        def __init__(self, device):
+            pass
+
+        def __call__(self, forward):
+            outputs = forward()
+
+            def replay():
+                _note(f"replay {outputs[0].shape[0]}")
+                return forward()
+
+            return replay
+
+    _graphs_wanted, _capture, _empty_pass = graphs.graphs_wanted, graphs.CudaGraphCapture, ModelRunner.empty_moe_pass
+    graphs.graphs_wanted = lambda config, device: _graphs_wanted(config, device) or os.environ.get("GRAPHS") == "1"
+    graphs.CudaGraphCapture = lambda device: (_ReplayByRerun if os.environ.get("GRAPHS") == "1" else _capture)(device)
+
+    def _noting_empty_pass(self, group_tokens):
+        if os.environ.get("GRAPHS") == "1":
+            _note(f"empty {self.padded_size(group_tokens)}")
+        return _empty_pass(self, group_tokens)
+
+    ModelRunner.empty_moe_pass = _noting_empty_pass
 
 
 def serve_case(case: dict[str, Any]) -> list[list]:
@@ -70,6 +105,8 @@ def main() -> None:
         os.environ["MASTER_PORT"] = str(case["port"])
         os.environ["UNORDERED_COMBINE"] = "1" if case["unordered"] else "0"
         os.environ["PARTIAL_SUMS"] = "1" if case["partial_sums"] else "0"
+        os.environ["GRAPHS"] = "1" if case["graphs"] else "0"
+        os.environ["GRAPH_LOG"] = case["graph_log"]
         results[case["name"]] = serve_case(case)
     with open(sys.argv[2], "wb") as f:
         pickle.dump(results, f)

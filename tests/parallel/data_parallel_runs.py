@@ -38,7 +38,9 @@ class Case:
     requests served together (an empty one: that rank idles while the others serve theirs). ``config``: fields of
     ``InferenceConfig`` beside the layout's; ``unordered``: the control, every rank's MoE combine summed in float32
     instead of in ascending expert order; ``partial_sums``: the control, row-parallel layers add the tensor-parallel
-    ranks' partial sums under ``--batch-invariant`` instead of gathering their input."""
+    ranks' partial sums under ``--batch-invariant`` instead of gathering their input; ``graphs``: the ranks capture
+    and replay their steps with a CPU stand-in for CUDA graphs (``data_parallel_engine.py``), noting each replay in
+    the group's graph log (:func:`graph_log`)."""
 
     name: str
     model_dir: str
@@ -46,6 +48,7 @@ class Case:
     config: dict[str, Any] = field(default_factory=dict)
     unordered: bool = False
     partial_sums: bool = False
+    graphs: bool = False
 
 
 Served = dict[str, list[list[list[DynamicInferenceRequest]]]]  # case name -> [rank][run] -> finished requests
@@ -64,7 +67,7 @@ def serve_cases(tmp_path: Path, cases: list[Case], tp: int = 1, timeout: float =
     for rank in range(dp):
         inputs, out = tmp_path / f"dp{dp}-tp{tp}-{rank}.in", tmp_path / f"dp{dp}-tp{tp}-{rank}.out"
         with open(inputs, "wb") as f:
-            pickle.dump([_for_rank(case, port, rank, dp, tp) for case, port in zip(cases, ports)], f)
+            pickle.dump([_for_rank(case, port, rank, dp, tp, tmp_path) for case, port in zip(cases, ports)], f)
         procs.append(subprocess.Popen([sys.executable, str(ENGINE), str(inputs), str(out)],
                                       env={**os.environ, **(env or {}), "MASTER_ADDR": "127.0.0.1"}))
         outs.append(out)
@@ -82,9 +85,18 @@ def serve_cases(tmp_path: Path, cases: list[Case], tp: int = 1, timeout: float =
     return {case.name: [rank[case.name] for rank in ranks] for case in cases}
 
 
-def _for_rank(case: Case, port: int, rank: int, dp: int, tp: int) -> dict[str, Any]:
+def graph_log(tmp_path: Path, case: str) -> dict[str, list[str]]:
+    """A graphs case's notes, by process: ``replay N`` for each replayed graph of batch ``N``, ``empty N`` for each
+    empty MoE pass with buffers of ``N`` tokens (``empty None``: exact counts)."""
+    folder = tmp_path / f"graphs-{case.replace(':', '-')}"
+    return {path.name: path.read_text().split("\n")[:-1] for path in sorted(folder.iterdir())}
+
+
+def _for_rank(case: Case, port: int, rank: int, dp: int, tp: int, tmp_path: Path) -> dict[str, Any]:
     config = dict(dict(block_size_tokens=8, device="cpu", enable_expert_parallel=dp * tp > 1), **case.config)
     config.update(tensor_parallel_size=tp, data_parallel_size=dp, data_parallel_rank=rank)
     runs = [[(r.request_id, r.prompt, r.params, r.arrival) for r in run] for run in case.runs[rank]]
+    log = tmp_path / f"graphs-{case.name.replace(':', '-')}"
+    log.mkdir(exist_ok=True)
     return dict(name=case.name, model_dir=case.model_dir, port=port, unordered=case.unordered,
-                partial_sums=case.partial_sums, config=config, runs=runs)
+                partial_sums=case.partial_sums, graphs=case.graphs, graph_log=str(log), config=config, runs=runs)

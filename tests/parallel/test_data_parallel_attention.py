@@ -33,7 +33,7 @@ from megatron_serve.wire.request import DynamicInferenceRequest, EventType
 from ..fp8_checkpoints import block_fp8_checkpoint
 from ..model.test_moe import NEW_TOKENS, VARIANTS, hf_greedy_with_routing
 from ..prompts import PROMPTS
-from .data_parallel_runs import Case, Request, Served, serve_cases
+from .data_parallel_runs import Case, Request, Served, graph_log, serve_cases
 
 ALONE = PROMPTS[4:5]
 # Each rank's prompts served together (first run), then rank 0's one request alone while the others idle (second):
@@ -41,6 +41,8 @@ ALONE = PROMPTS[4:5]
 SPLITS = {1: [PROMPTS[:4]], 2: [PROMPTS[:2], PROMPTS[2:4]], 4: [PROMPTS[:2], PROMPTS[2:3], PROMPTS[3:4], []]}
 INVARIANT_TOKENS = 8
 FEATURES = dict(num_kv_blocks=14, max_batch_tokens=64, enable_prefix_caching=True)  # a pool of about two requests
+# steps captured and replayed (a CPU stand-in for CUDA graphs): decode batches of 1 to 4, mixed steps of up to 8 tokens
+GRAPHS = dict(dtype="float32", max_requests=4, cuda_graph_sizes=[1, 2, 4, 8], all2all_backend="alltoall")
 
 
 def _params(new_tokens: int, routing: bool = True) -> SamplingParams:
@@ -75,6 +77,7 @@ def layout_cases(dp: int, tp: int, models: dict[str, str]) -> list[Case]:
     per model batch-invariant bfloat16 (and at TP 2 the control, partial sums in the row-parallel layers); at DP 2 x
     TP 2 Qwen2-MoE greedy and batch-invariant."""
     invariant = dict(dtype="bfloat16", batch_invariant=True)
+    graphs = Case("qwen3_moe:graphs", models["qwen3_moe"], split_runs(dp, NEW_TOKENS), GRAPHS, graphs=True)
     if tp > 1 and dp > 1:
         return [Case("qwen2_moe:greedy", models["qwen2_moe"], split_runs(dp, INVARIANT_TOKENS), dict(dtype="float32")),
                 Case("qwen2_moe:invariant", models["qwen2_moe"], split_runs(dp, INVARIANT_TOKENS), invariant)]
@@ -82,7 +85,7 @@ def layout_cases(dp: int, tp: int, models: dict[str, str]) -> list[Case]:
         cases = [Case(f"{arch}:invariant", models[arch], split_runs(dp, INVARIANT_TOKENS), invariant)
                  for arch in sorted(VARIANTS)]
         return cases + [Case(f"{arch}:partial_sums", models[arch], split_runs(dp, INVARIANT_TOKENS), invariant,
-                             partial_sums=True) for arch in sorted(VARIANTS) if tp == 2]
+                             partial_sums=True) for arch in sorted(VARIANTS) if tp == 2] + [graphs] * (tp == 2)
     cases = []
     for arch in sorted(VARIANTS):
         model_dir = models[arch]
@@ -94,7 +97,7 @@ def layout_cases(dp: int, tp: int, models: dict[str, str]) -> list[Case]:
     if dp < 4:
         cases.append(Case("fp8", models["fp8"], split_runs(dp, INVARIANT_TOKENS), dict(kv_cache_dtype="fp8")))
     if dp == 2:
-        cases.append(Case("features", models["qwen3_moe"], feature_runs(dp), dict(dtype="float32", **FEATURES)))
+        cases += [Case("features", models["qwen3_moe"], feature_runs(dp), dict(dtype="float32", **FEATURES)), graphs]
     return cases
 
 
@@ -119,6 +122,7 @@ def served(models, tmp_path_factory) -> Callable[[int, int], Served]:
             cache[dp, tp] = serve_cases(root / f"dp{dp}-tp{tp}", layout_cases(dp, tp, models), tp=tp)
         return cache[dp, tp]
 
+    get.root = root  # where each layout's group keeps its files (graph logs)
     return get
 
 
@@ -223,6 +227,23 @@ def test_expert_parallelism_over_tensor_parallel_ranks_is_one_rank_bitwise_in_th
 
 @pytest.mark.slow
 @pytest.mark.timeout(1800)
+@pytest.mark.parametrize("dp, tp", [(2, 1), (1, 2)])
+def test_steps_replayed_from_graphs_equal_one_rank(served, dp, tp):
+    """Expert parallelism with CUDA graphs (a CPU stand-in replays a step by running the captured forward again
+    over the same static buffers): over 2 tensor-parallel ranks every rank replays the same graph; with data-parallel
+    attention the ranks agree on the step's largest token count and pad to one graph size, so a rank replays its
+    graph while another runs its empty MoE pass with buffers of the same size (the one request alone). Greedy tokens
+    and routing equal one rank's, together and alone; every rank replayed graphs."""
+    assert_same_runs(by_request(served(dp, tp)["qwen3_moe:graphs"]), by_request(served(1)["qwen3_moe:greedy"]))
+    log = graph_log(served.root / f"dp{dp}-tp{tp}", "qwen3_moe:graphs")
+    assert len(log) == 2 and all(any(line.startswith("replay ") for line in lines) for lines in log.values()), log
+    if dp > 1:  # the idle rank's empty passes had the graphs' buffers (exact counts beside a prefill above them)
+        empty = [line for lines in log.values() for line in lines if line.startswith("empty ")]
+        assert any(line != "empty None" for line in empty), empty
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)
 def test_fp8_experts_equal_one_rank(served):
     """Block FP8 experts and an FP8 KV cache: each rank reads its experts' e4m3 data and scales."""
     assert_same_runs(by_request(served(2)["fp8"]), by_request(served(1)["fp8"]))
@@ -293,41 +314,62 @@ def test_bad_layouts_are_refused_by_name(monkeypatch):
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(900)
 async def test_two_data_parallel_engines_behind_a_coordinator_serve_one_ranks_tokens(tmp_path):
-    """``megatron-serve engine --data-parallel-size 2 --data-parallel-rank d --enable-expert-parallel`` twice, one
-    group: the coordinator routes to each rank as to an engine, and each request streams one rank's tokens, with
-    many requests and then with one alone (the other engine idles through it)."""
-    from megatron_serve import MegatronLLM, SamplingParams
+    """``megatron-serve engine --data-parallel-size 2 --data-parallel-rank d --tensor-parallel 2
+    --enable-expert-parallel`` twice, one group: the coordinator routes to each rank as to an engine, and each request
+    streams one rank's tokens, with many requests and then with one alone (the other engine idles through it). A
+    trainer's refit then reaches all four ranks, each with its own rank of the transfer and only its quarter of the
+    experts (and half of attention), and the engines serve the new weights' tokens."""
+    from megatron_serve import MegatronLLM, SamplingParams, WeightSender
     from megatron_serve.client.coordinator_client import InferenceClient
     from megatron_serve.engine.tensor_parallel import free_port as free_rendezvous_port
+    from megatron_serve.model.loader import checkpoint_tensors
     from megatron_serve.wire.request import RequestStatus
 
     from ..helpers import Children, free_port
 
-    model_dir = str(make_tiny_model(tmp_path / "m", seed=1, num_heads=4, num_kv_heads=2, **VARIANTS["qwen3_moe"]))
+    model_dir, new_dir = (str(make_tiny_model(tmp_path / name, seed=seed, num_heads=4, num_kv_heads=2,
+                                              **VARIANTS["qwen3_moe"])) for name, seed in (("m", 1), ("n", 2)))
     params = SamplingParams(temperature=0.0, num_tokens_to_generate=12, ignore_eos=True)
     prompts = [f"Data-parallel request {i}: the quick brown fox" for i in range(12)]
-    one = MegatronLLM(model_dir, InferenceConfig(dtype="float32", device="cpu", num_kv_blocks=64))
-    try:
-        direct = {p: r.generated_tokens for p, r in zip(prompts, one.generate(prompts, params))}
-    finally:
-        one.close()
+    direct = {}
+    for name, path in (("old", model_dir), ("new", new_dir)):
+        one = MegatronLLM(path, InferenceConfig(dtype="float32", device="cpu", num_kv_blocks=64))
+        try:
+            direct[name] = {p: r.generated_tokens for p, r in zip(prompts, one.generate(prompts, params))}
+        finally:
+            one.close()
+    assert direct["old"] != direct["new"]
     children = Children(tmp_path)
     port = free_port()
     rendezvous = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_rendezvous_port())}
     try:
         children.coordinator(model_dir, port)
         for rank in range(2):
-            children.engine(model_dir, port, "--dtype", "float32", "--data-parallel-size", "2", "--data-parallel-rank",
-                            str(rank), "--enable-expert-parallel", "--max-requests", "4", env=rendezvous)
+            children.engine(model_dir, port, "--dtype", "float32", "--device", "cpu", "--data-parallel-size", "2",
+                            "--data-parallel-rank", str(rank), "--tensor-parallel", "2", "--enable-expert-parallel",
+                            "--max-requests", "4", env=rendezvous)
         client = InferenceClient(f"tcp://127.0.0.1:{port}", token=children.secret)
         await client.start(timeout=60)
         await client.wait_for_engines(2, timeout=300)
         for batch in (prompts, prompts[:1]):
             results = await asyncio.wait_for(asyncio.gather(*(client.add_request(p, params) for p in batch)), 300)
             assert all(r.status is RequestStatus.COMPLETED for r in results)
-            assert {p: r.generated_tokens for p, r in zip(batch, results)} == {p: direct[p] for p in batch}
+            assert {p: r.generated_tokens for p, r in zip(batch, results)} == {p: direct["old"][p] for p in batch}
+
+        await client.pause()
+        tensors = list(checkpoint_tensors(new_dir))
+        ack = await asyncio.wait_for(WeightSender(client, backend="gloo", timeout=120).send(tensors, epoch=1), 300)
+        receivers = ack["detail"]["receivers"]
+        experts = sum(t.numel() * t.element_size() for n, t in tensors if ".experts." in n)
+        assert sorted(receivers) == [1, 2, 3, 4]  # the trainer, then each engine's two ranks: none collides
+        assert all(experts / 4 <= f["bytes"] < experts / 4 + (sum(t.numel() * t.element_size() for _, t in tensors)
+                                                              - experts) * 0.6 for f in receivers.values()), receivers
+        await client.unpause()
+        results = await asyncio.wait_for(asyncio.gather(*(client.add_request(p, params) for p in prompts)), 300)
+        assert {p: r.generated_tokens for p, r in zip(prompts, results)} == direct["new"]
+        assert all(set(r.policy_epochs) == {1} for r in results)
         client.close()
     finally:
         children.kill_all()

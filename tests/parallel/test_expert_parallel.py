@@ -11,6 +11,7 @@ import subprocess
 import sys
 import textwrap
 from collections import defaultdict
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -86,19 +87,44 @@ def test_each_rank_reads_and_holds_only_its_experts(moe_model, size):
 
 LAYER_PROBE = textwrap.dedent("""
     import sys, torch, torch.distributed as dist
+    from megatron_serve.model.capacity_dispatcher import CapacityDispatcher
+    from megatron_serve.model.expert_dispatch import install_dispatchers
     from megatron_serve.model.loader import load_model
     from megatron_serve.model.moe import SparseMoeBlock
-    from megatron_serve.model.parallel import TensorParallel
+    from megatron_serve.model.parallel import DataParallel, TensorParallel
     from megatron_serve.model.token_dispatcher import AllGatherDispatcher
+    from tests.host_sync import NoHostSync
+
+    def guarded(method):  # the fixed-capacity dispatcher never reads a value on the host (a capture forbids it)
+        def run(self, *args):
+            with NoHostSync():
+                return method(self, *args)
+        return run
+
+    for name in ("dispatch", "combine", "gather"):
+        setattr(CapacityDispatcher, name, guarded(getattr(CapacityDispatcher, name)))
 
     model_dir, rank, size, port, out, *cases = sys.argv[1:]
     rank, size = int(rank), int(size)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size)
-    tp = TensorParallel(rank, size, dist.group.WORLD, expert_parallel=size > 1)
+    over_tp = TensorParallel(rank, size, dist.group.WORLD, expert_parallel=size > 1)
+    over_dp = TensorParallel(0, 1, expert_parallel=True, data_parallel=DataParallel(rank, size, dist.group.WORLD))
     results = {}
     for case in cases:  # one group computes every case of its size: a rank's start costs more than a case
         dtype, mode = case.split(":")
-        model = load_model(model_dir, getattr(torch, dtype), "cpu", tp)
+        dp = mode.startswith("dp-")
+        model = load_model(model_dir, getattr(torch, dtype), "cpu", over_dp if dp else over_tp)
+        step = install_dispatchers(model, "alltoall") if "capacity" in mode else None
+        if "deepep" in mode:  # DeepEP's dispatcher over the fake deep_ep; a mode's limit keeps it in one mode
+            from megatron_serve.model.deepep_dispatcher import DeepEPBuffers, DeepEPDispatcher
+            from tests import deepep_fake
+            tp, experts = over_dp if dp else over_tp, model.config.moe.num_experts
+            group = tp.data_parallel.group if dp else tp.group
+            buffers = DeepEPBuffers(deepep_fake, group, model.config.hidden_size, experts, 40)
+            limit = 64 if "low-latency" in mode else 0
+            step = install_dispatchers(model, "deepep_low_latency",
+                                       lambda block, step: DeepEPDispatcher(block.tp, experts, buffers, step, limit))
+            deepep_fake.Buffer.calls.clear()
         if "invariant" in mode:
             model.use_batch_invariant_ops()
         outputs = results[case] = []
@@ -107,35 +133,73 @@ LAYER_PROBE = textwrap.dedent("""
             if not isinstance(block, SparseMoeBlock):
                 continue
             if "allgather" in mode and size > 1:
-                block.dispatcher = AllGatherDispatcher(tp, model.config.moe.num_experts)
+                block.dispatcher = AllGatherDispatcher(over_tp, model.config.moe.num_experts)
             if "unordered" in mode and size > 1:
                 block.dispatcher.ordered = False
-            for tokens in (1, 3, 37):  # one token over several ranks: all but one chunk empty
+            # over TP ranks every rank has the step's tokens (one token: all but one chunk empty); with data-parallel
+            # attention each rank its own count in each round, one rank idle (0)
+            rounds = [[(1, 3, 37, 0)[(i + r) % 4] for r in range(size)] for i in range(4)] if dp else \
+                [[tokens] * size for tokens in (1, 3, 37)]
+            for counts in rounds:
+                tokens = counts[rank]
+                if step is not None and "capacity" in mode:  # buffers for more tokens than any rank has, as in
+                    step.capacity = max(counts) + 3  # a padded graph
+                elif step is not None:
+                    step.tokens = max(counts)  # (data-parallel ranks agree on it: DeepEP's mode follows it)
                 hidden = torch.randn(tokens, model.config.hidden_size, generator=torch.Generator().manual_seed(tokens))
                 with torch.no_grad():
-                    outputs.append(block(hidden.to(model.dtype)))
+                    outputs.append((tokens, block(hidden.to(model.dtype))))
+        if "deepep" in mode:
+            from tests import deepep_fake
+            results[case + "#calls"] = sorted(deepep_fake.Buffer.calls)
     torch.save(results, out)
     dist.destroy_process_group()
 """)
 
-#: The ``dtype:mode`` cases each world size computes, for both layer tests.
+#: The ``dtype:mode`` cases each world size computes, for the layer tests: ``capacity`` the fixed-capacity
+#: all-to-all, ``dp-`` data-parallel attention over every rank (each its own tokens).
 LAYER_CASES = {1: ["float32:plain", "bfloat16:invariant"],
-               2: ["float32:plain", "float32:allgather", "bfloat16:invariant", "bfloat16:invariant-unordered"],
-               4: ["float32:plain", "bfloat16:invariant"]}
+               2: ["float32:plain", "float32:allgather", "bfloat16:invariant", "bfloat16:invariant-unordered",
+                   "float32:capacity", "bfloat16:invariant-capacity", "bfloat16:invariant-capacity-unordered",
+                   "float32:dp-plain", "float32:dp-capacity", "bfloat16:dp-invariant-capacity",
+                   "float32:deepep-normal", "float32:deepep-low-latency", "float32:dp-deepep-low-latency"],
+               4: ["float32:plain", "bfloat16:invariant", "float32:capacity", "bfloat16:invariant-capacity",
+                   "float32:dp-capacity", "bfloat16:dp-invariant-capacity"]}
+ROOT = Path(__file__).resolve().parents[2]
 
 
-def layer_outputs(model_dir: str, size: int, tmp_path) -> dict[str, list[torch.Tensor]]:
-    """Every MoE layer's output for 1, 3 and 37 tokens on rank 0 of ``size`` real processes over gloo, for each of
-    the size's cases."""
+def layer_outputs(model_dir: str, size: int, tmp_path) -> dict[str, list]:
+    """Every MoE layer's ``(tokens, output)`` for 1, 3 and 37 tokens on ``size`` real processes over gloo, for each
+    of the size's cases: rank 0's (every rank ends the layer with every token's output), and under data-parallel
+    attention every rank's in rank order (each its own tokens)."""
     port, files = free_port(), [tmp_path / f"{size}-{rank}.pt" for rank in range(size)]
     procs = [subprocess.Popen([sys.executable, "-c", LAYER_PROBE, model_dir, str(rank), str(size), str(port),
-                               str(files[rank]), *LAYER_CASES[size]]) for rank in range(size)]
+                               str(files[rank]), *LAYER_CASES[size]], cwd=ROOT) for rank in range(size)]
     assert [p.wait(timeout=300) for p in procs] == [0] * size
     outputs = [torch.load(f) for f in files]
-    for other in outputs[1:]:  # every rank ends the layer with every token's output
-        for case, mine in outputs[0].items():
-            assert all(torch.equal(a, b) for a, b in zip(mine, other[case], strict=True)), case
-    return outputs[0]
+    merged = {}
+    for case, mine in outputs[0].items():
+        if case.endswith("#calls") or ":dp-" in case:
+            merged[case] = [rank[case] for rank in outputs]
+            continue
+        for other in outputs[1:]:
+            assert all(torch.equal(a, b) for (_, a), (_, b) in zip(mine, other[case], strict=True)), case
+        merged[case] = [output for _, output in mine]
+    return merged
+
+
+def by_tokens(one: list[torch.Tensor]) -> dict[tuple[int, int], torch.Tensor]:
+    """One rank's outputs by (MoE layer, tokens)."""
+    return {(index // 3, (1, 3, 37)[index % 3]): output for index, output in enumerate(one)}
+
+
+def data_parallel_pairs(ranks: list[list[tuple[int, torch.Tensor]]], one: list[torch.Tensor]):
+    """``(got, expected)`` for every rank's every layer and round of a data-parallel case (an idle round: empty)."""
+    expected = by_tokens(one)
+    for rank in ranks:
+        for index, (tokens, got) in enumerate(rank):
+            layer = index // 4
+            yield got, expected[layer, tokens] if tokens else got.new_empty((0, got.shape[1]))
 
 
 @pytest.fixture(scope="module")
@@ -147,23 +211,51 @@ def layers(moe_model, tmp_path_factory) -> dict[int, dict[str, list[torch.Tensor
 
 
 @pytest.mark.slow
-def test_layer_equals_one_rank_for_both_dispatchers(layers):
+def test_layer_equals_one_rank_for_every_dispatcher(layers):
+    """The exact all-to-all, the all-gather and the fixed-capacity all-to-all (buffers for more tokens than the
+    step has, as in a padded graph), over 2 and 4 tensor-parallel ranks; and with data-parallel attention, each
+    rank its own tokens (one idle), the exact and the fixed-capacity one. The fixed-capacity dispatcher ran under a
+    guard that raises at any host synchronization."""
     one = layers[1]["float32:plain"]
-    for size, mode in ((2, "plain"), (4, "plain"), (2, "allgather")):
+    for size, mode in ((2, "plain"), (4, "plain"), (2, "allgather"), (2, "capacity"), (4, "capacity")):
         for got, expected in zip(layers[size][f"float32:{mode}"], one, strict=True):
             torch.testing.assert_close(got, expected, rtol=0, atol=2e-6)
+    for size, mode in ((2, "dp-plain"), (2, "dp-capacity"), (4, "dp-capacity")):
+        for got, expected in data_parallel_pairs(layers[size][f"float32:{mode}"], one):
+            torch.testing.assert_close(got, expected, rtol=0, atol=2e-6)
+
+
+@pytest.mark.slow
+def test_deepep_dispatcher_equals_one_rank_over_a_stand_in_for_its_kernels(layers):
+    """DeepEP's dispatcher in normal and in low-latency mode, over 2 tensor-parallel ranks and with data-parallel
+    attention (a rank idle), with ``tests/deepep_fake.py`` doing what DeepEP's kernels are documented to do: the
+    layout conversions before and after them give one rank's outputs, and each mode calls only its own kernels."""
+    one = layers[1]["float32:plain"]
+    for mode in ("deepep-normal", "deepep-low-latency"):
+        for got, expected in zip(layers[2][f"float32:{mode}"], one, strict=True):
+            torch.testing.assert_close(got, expected, rtol=0, atol=1e-5)
+    for got, expected in data_parallel_pairs(layers[2]["float32:dp-deepep-low-latency"], one):
+        torch.testing.assert_close(got, expected, rtol=0, atol=1e-5)
+    assert layers[2]["float32:deepep-normal#calls"] == [["combine", "dispatch", "get_dispatch_layout"]] * 2
+    for mode in ("deepep-low-latency", "dp-deepep-low-latency"):
+        assert layers[2][f"float32:{mode}#calls"] == [["low_latency_combine", "low_latency_dispatch"]] * 2
 
 
 @pytest.mark.slow
 def test_batch_invariant_layer_is_bitwise_one_rank_and_the_unordered_combine_is_not(layers):
     """bfloat16: each token's experts combined in ascending id order, each weighted output rounded first, as the
-    invariant kernel adds them on one rank. Control: the float32 sum of the default combine differs."""
+    invariant kernel adds them on one rank, by the exact and by the fixed-capacity all-to-all, over tensor-parallel
+    ranks and with data-parallel attention. Control: the float32 sum of the default combine differs, in both."""
     one = layers[1]["bfloat16:invariant"]
     for size in (2, 4):
-        ep = layers[size]["bfloat16:invariant"]
-        assert all(torch.equal(a, b) for a, b in zip(ep, one, strict=True)), f"EP={size} differs from one rank"
-    unordered = layers[2]["bfloat16:invariant-unordered"]
-    assert not all(torch.equal(a, b) for a, b in zip(unordered, one)), "the control does not differ"
+        for mode in ("invariant", "invariant-capacity"):
+            ep = layers[size][f"bfloat16:{mode}"]
+            assert all(torch.equal(a, b) for a, b in zip(ep, one, strict=True)), f"EP={size} {mode} differs"
+        dp = layers[size]["bfloat16:dp-invariant-capacity"]
+        assert all(torch.equal(a, b) for a, b in data_parallel_pairs(dp, one)), f"DP={size} differs from one rank"
+    for mode in ("invariant-unordered", "invariant-capacity-unordered"):
+        unordered = layers[2][f"bfloat16:{mode}"]
+        assert not all(torch.equal(a, b) for a, b in zip(unordered, one)), f"the control ({mode}) does not differ"
 
 
 GREEDY = SamplingParams(temperature=0.0, num_tokens_to_generate=NEW_TOKENS, ignore_eos=True, return_log_probs=True,

@@ -127,9 +127,10 @@ def test_what_stages_do_not_serve_yet_is_refused_by_name(tmp_path):
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("layout", ["pp2", "ep2"])
-async def test_a_trainers_broadcast_refit_reaches_every_rank(layout, tmp_path):
-    """The coordinator gives every rank of the group (stages included) a rank of the transfer; each loads what it
-    holds (its stage's layers; its experts): the group then answers as the trainer's weights do on one rank."""
+async def test_a_trainers_refit_reaches_every_rank_each_with_only_what_it_holds(layout, tmp_path):
+    """The coordinator gives every rank of the group (stages included) a rank of the transfer; each receives and loads
+    only what it holds (its stage's layers; its experts): the group then answers as the trainer's weights do on one
+    rank, and no rank received the whole model."""
     arch = dict(num_layers=4) if layout == "pp2" else dict(arch="qwen3_moe", num_experts=8)
     before, after = (str(make_tiny_model(tmp_path / name, seed=seed, num_heads=4, num_kv_heads=2, **arch))
                      for name, seed in (("a", 1), ("b", 2)))
@@ -145,5 +146,8 @@ async def test_a_trainers_broadcast_refit_reaches_every_rank(layout, tmp_path):
         await llm.pause()
         ack = await llm.refit(trainer.named_parameters(), epoch=2)
         assert ack["detail"]["sender"]["world_size"] == 3  # the trainer and the group's two ranks
+        total = sum(p.numel() * p.element_size() for p in trainer.parameters())
+        received = {rank: facts["bytes"] for rank, facts in ack["detail"]["receivers"].items()}
+        assert sorted(received) == [1, 2] and all(size < 0.8 * total for size in received.values()), received
         await llm.unpause()
         assert [r.generated_tokens for r in await llm.generate(PROMPTS[:3], params)] == expected

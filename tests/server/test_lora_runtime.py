@@ -33,7 +33,7 @@ pytestmark = [pytest.mark.timeout(600), pytest.mark.asyncio]
 ADMIN_KEY = "lora-admin-key"
 ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}
 PROMPT = "The adapters of this fleet"
-LONG = 300  # tokens: a stream still running when a verb returns (checked, not assumed)
+LONG = 48  # tokens: a stream the fleet pauses in flight while a verb runs (checked, not assumed)
 
 
 @pytest.fixture(scope="module")
@@ -114,10 +114,12 @@ async def test_load_while_serving_lists_the_adapter_and_serves_it(stack, clients
     assert set(await models(client)) == {stack.model}
     running = Stream(client, stack.model, LONG)
     await asyncio.wait_for(running.first.wait(), 60)
+    assert (await http.post("/v1/admin/pause", json={}, headers=ADMIN)).status_code == 200  # (see the unload test)
     loaded = await http.post("/v1/load_lora_adapter", json={"lora_name": "a", "lora_path": adapters["a"]},
                              headers=ADMIN)
     assert (loaded.status_code, loaded.text) == (200, "Success: LoRA adapter 'a' added successfully.")
     assert not running.task.done(), "the base request was still running when the load was acknowledged"
+    assert (await http.post("/v1/admin/unpause", json={}, headers=ADMIN)).status_code == 200
     assert await asyncio.wait_for(running.task, 120) == "length" and running.text == base  # untouched by the load
     listed = await models(client)
     assert (listed["a"].parent, listed["a"].root) == (stack.model, adapters["a"])
@@ -164,9 +166,13 @@ async def test_unload_with_requests_in_flight_lets_them_finish_under_the_adapter
     quiet = await text(client, "a", LONG)
     running = Stream(client, "a", LONG)
     await asyncio.wait_for(running.first.wait(), 60)
+    # Paused (the request kept in place), so that it is still in flight when the unload is acknowledged however
+    # slowly a loaded machine serves the verb: the stream cannot end first.
+    assert (await http.post("/v1/admin/pause", json={}, headers=ADMIN)).status_code == 200
     unloaded = await http.post("/v1/unload_lora_adapter", json={"lora_name": "a"}, headers=ADMIN)
     assert (unloaded.status_code, unloaded.text) == (200, "Success: LoRA adapter 'a' removed successfully.")
     assert not running.task.done(), "the adapter's request was still running when the unload was acknowledged"
+    assert (await http.post("/v1/admin/unpause", json={}, headers=ADMIN)).status_code == 200
     assert await asyncio.wait_for(running.task, 120) == "length" and running.text == quiet
     assert set(await models(client)) == {stack.model} and await served(http) == [{}, {}]
     with pytest.raises(openai.NotFoundError):

@@ -26,6 +26,7 @@ from megatron_serve.config import InferenceConfig
 from megatron_serve.model.tiny import make_tiny_model
 from megatron_serve.wire.sampling_params import SamplingParams
 
+from ..devices import tensor_parallel_device
 from ..helpers import Children, free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
@@ -119,5 +120,46 @@ async def test_engines_that_join_after_a_trainer_refit_pull_it_from_a_peer(model
             engines = await engines_until(client, lambda es: len(es) == 1)
             assert [(e["epoch"], e["weights"]) for e in engines] == [(0, models.a)]
             assert (await client.status())["epoch_mismatch"] == [engines[0]["id"]]
+    finally:
+        children.kill_all()
+
+
+async def test_groups_pull_rank_to_rank_from_a_group_of_their_layout(models, tmp_path):
+    """A tensor-parallel 2 and a pipeline-parallel 2 group serve A; the trainer refits them to B (epoch 1). A group of
+    each layout joins: each of its ranks pulls from the same rank of the live group of its layout (the tensor-parallel
+    ranks their slices, the stages their layers), all pairs at once. With the live groups killed, the joiners alone
+    serve B's tokens (==), epoch 1 on every token, both of them."""
+    (tmp_path / "logs").mkdir()
+    children = Children(tmp_path / "logs")
+    port = free_port()
+    pair = ("--device", tensor_parallel_device(2))  # a machine with one GPU runs the two-rank groups on CPU
+    layouts = (("--tensor-parallel", "2", *pair), ("--pipeline-parallel-size", "2", *pair))
+    try:
+        children.coordinator(models.a, port, "--heartbeat-timeout", "60", "--routing", "round_robin")
+        donors = [children.engine(models.a, port, "--group", str(group), *flags) for group, flags in enumerate(layouts)]
+        async with InferenceClient(f"tcp://127.0.0.1:{port}", token=children.secret) as client:
+            await engines_until(client, lambda es: len(es) == 2 and all(e["progress"] is not None for e in es))
+            await client.pause()
+            policy = sorted(load_file(str(Path(models.b) / "model.safetensors")).items())
+            ack = await asyncio.wait_for(WeightSender(client, backend="gloo", timeout=60).send(policy, epoch=1), 120)
+            assert ack["detail"]["epoch"] == 1 and ack["detail"]["sender"]["world_size"] == 5
+            await client.unpause()
+
+            for group, flags in enumerate(layouts, start=2):  # the joiners: one of each layout
+                children.engine(models.a, port, "--group", str(group), *flags)
+            engines = await engines_until(client, serving(4))
+            assert all(e["weights"] == engines[0]["weights"] for e in engines)
+            for donor in donors:
+                await kill(donor, client, left=4 - donors.index(donor) - 1)
+            status = await client.status()
+            assert sorted(e["group"] for e in status["engines"]) == [2, 3]
+            outs = [*await served_alone(client), *await served_alone(client)]  # round robin: both joiners serve
+            assert [r.generated_tokens for r in outs] == models.expected.b * 2
+            assert all(set(r.policy_epochs) == {1} for r in outs)
+            counted = {e["group"]: ((e["metrics"] or {}).get("counters") or {}).get("generation_tokens", 0)
+                       for e in (await engines_until(client, lambda es: sum(
+                           ((e["metrics"] or {}).get("counters") or {}).get("generation_tokens", 0)
+                           for e in es) >= len(outs) * 8))}
+            assert all(counted[group] > 0 for group in (2, 3)), counted
     finally:
         children.kill_all()

@@ -10,7 +10,7 @@ from safetensors.torch import load_file
 from megatron_serve import Shard
 from megatron_serve.model.config import ModelConfig
 from megatron_serve.model.loader import build_model, load_weights
-from megatron_serve.model.parallel import TensorParallel
+from megatron_serve.model.parallel import DataParallel, PipelineStage, TensorParallel
 from megatron_serve.model.tiny import make_tiny_model
 from megatron_serve.weights.layout import RegionSlice, engine_layout
 from megatron_serve.weights.manifest import spec_of
@@ -18,7 +18,7 @@ from megatron_serve.weights.shards import (buckets_of, cover_problem, link_chunk
                                            piece_of, volume)
 from megatron_serve.wire.messages import PieceSpec, TensorSpec
 
-from .sharded_trainer import cut
+from .sharded_trainer import EXPERT, cut
 
 SPEC = TensorSpec("w", (4, 6), "float32")
 
@@ -112,6 +112,65 @@ def test_an_engine_rank_receives_only_its_slices_and_loads_them_bitwise(checkpoi
         assert torch.equal(want, got), name
     with pytest.raises(ValueError, match="outside the region this rank received"):
         RegionSlice(state["model.embed_tokens.weight"].shape, (0, 0), torch.zeros(4, 64))[0:8]
+
+
+@pytest.fixture(scope="module")
+def moe_checkpoint(tmp_path_factory):
+    path = make_tiny_model(tmp_path_factory.mktemp("shards-moe") / "m", seed=3, arch="qwen3_moe")
+    state = load_file(str(path / "model.safetensors"))
+    return ModelConfig.from_dir(path), [spec_of(name, tensor) for name, tensor in state.items()]
+
+
+DRAFTER = TensorSpec("drafter.fc.weight", (4, 8), "float32")
+
+
+def _planned(config: ModelConfig, manifest: list[TensorSpec], tp: TensorParallel) -> dict:
+    return engine_layout(build_model(config, torch.float32, "meta", tp), [*manifest, DRAFTER],
+                         holds_extra=tp.engine_rank == 0)
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_an_expert_parallel_rank_is_planned_only_its_own_experts(moe_checkpoint, rank):
+    """Expert parallel over 2 ranks: rank 0 serves experts 0-3, rank 1 experts 4-7, each whole; attention stays
+    tensor parallel; the drafter's tensor (no rank's model reads it) goes to rank 0 only."""
+    config, manifest = moe_checkpoint
+    regions = _planned(config, manifest, TensorParallel(rank, 2, expert_parallel=True))
+    experts = {int(EXPERT.search(name)[1]) for name in regions if EXPERT.search(name)}
+    assert experts == set(range(4 * rank, 4 * rank + 4))
+    assert regions["model.layers.1.mlp.experts.5.up_proj.weight" if rank else
+                   "model.layers.1.mlp.experts.2.up_proj.weight"] == ((0, 0), (64, 64))  # whole
+    assert regions["model.layers.0.self_attn.q_proj.weight"] == ((32 * rank, 0), (32, 64))
+    assert ("drafter.fc.weight" in regions) == (rank == 0)
+    control = _planned(config, manifest, TensorParallel(rank, 2))  # tensor parallel: half of every expert
+    assert {int(EXPERT.search(n)[1]) for n in control if EXPERT.search(n)} == set(range(8))
+
+
+@pytest.mark.parametrize("dp_rank, rank", [(0, 1), (1, 0), (1, 1)])
+def test_a_data_parallel_attention_rank_is_planned_its_quarter_of_the_experts(moe_checkpoint, dp_rank, rank):
+    """Data-parallel attention 2 x tensor parallel 2: the experts are sharded over all four ranks (data-parallel
+    rank 1's rank 0 holds the third quarter); each engine's rank 0 (its own, numbered from 0) keeps the extras."""
+    config, manifest = moe_checkpoint
+    tp = TensorParallel(rank, 2, expert_parallel=True, data_parallel=DataParallel(dp_rank, 2))
+    regions = _planned(config, manifest, tp)
+    first = 2 * (2 * dp_rank + rank)
+    assert {int(EXPERT.search(n)[1]) for n in regions if EXPERT.search(n)} == {first, first + 1}
+    assert tp.engine_rank == rank and ("drafter.fc.weight" in regions) == (rank == 0)
+
+
+@pytest.mark.parametrize("stage", [0, 1])
+def test_a_pipeline_stage_is_planned_only_its_own_layers(checkpoint, stage):
+    """Two stages of one rank each: stage s serves layer s (and the embedding, final norm and LM head, which
+    every stage holds); stage 1 is engine rank 1, so the drafter's tensor goes to stage 0 only."""
+    config, state = checkpoint
+    manifest = [spec_of(name, tensor) for name, tensor in state.items()]
+    tp = TensorParallel(0, 1, stage=PipelineStage(stage, 2, stage, 1))
+    regions = _planned(config, manifest, tp)
+    layers = {int(name.split(".")[2]) for name in regions if name.startswith("model.layers.")}
+    assert layers == {stage} and tp.engine_rank == stage
+    assert {"model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"} <= set(regions)
+    assert all(box == ((0,) * len(box[0]), tuple(state[name].shape)) for name, box in regions.items()
+               if name in state)  # whole
+    assert ("drafter.fc.weight" in regions) == (stage == 0)
 
 
 def _assemble(items: list) -> dict[str, torch.Tensor]:

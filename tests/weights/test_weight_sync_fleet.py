@@ -6,8 +6,8 @@ weights in buckets. Afterwards greedy outputs equal a fresh direct-mode ``Megatr
 token for token, with the new epoch on every token. A wrong name or shape is refused before any
 engine changes; a trainer killed mid-transfer leaves every engine on its old weights and epoch
 (they load only once every rank of the transfer committed); an engine that joins later with no live engine of its
-layout to pull the weights from (a tensor-parallel group: tests/weights/test_peer_pull_fleet.py pulls into one rank)
-gets no requests until a refit includes it.
+layout to pull the weights from (two pipeline stages: no group here has them; tests/weights/test_peer_pull_fleet.py
+pulls) gets no requests until a refit includes it.
 """
 
 from __future__ import annotations
@@ -158,7 +158,7 @@ async def test_an_engine_that_joins_later_serves_only_once_a_refit_included_it(f
             code, lines = await asyncio.to_thread(run_trainer, fleet, models.b, 9)
             assert code == 0 and lines[-1]["detail"]["epoch"] == 9, lines
             await client.unpause()
-        late = fleet.children.engine(models.a, fleet.port, "--group", "5", "--tensor-parallel", "2")  # no peer pull
+        late = fleet.children.engine(models.a, fleet.port, "--group", "5", "--pipeline-parallel-size", "2")  # no donor
         status = await client.wait_for_engines(3, timeout=300)
         joined = next(e for e in status["engines"] if e["group"] == 5)
         assert joined["epoch"] == 0 and status["epoch_mismatch"] == [joined["id"]]

@@ -20,7 +20,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from .vllm_options import KV_CACHE_DTYPES, QUANTIZATION_SCHEMES, VLLM_OPTIONS, Scope, Status, VllmOption
+from .vllm_options import (ALL2ALL_BACKENDS, KV_CACHE_DTYPES, QUANTIZATION_SCHEMES, VLLM_OPTIONS, Scope, Status,
+                           VllmOption)
 
 logger = logging.getLogger(__name__)
 
@@ -44,6 +45,12 @@ def _quantization(value: Any) -> str | None:
         return None  # the checkpoint's own weights (an FP8 checkpoint's included)
     if value not in QUANTIZATION_SCHEMES:
         raise ValueError(f"not supported by this build (supported: {', '.join(QUANTIZATION_SCHEMES)})")
+    return value
+
+
+def _all2all_backend(value: Any) -> str:
+    if value not in ALL2ALL_BACKENDS:
+        raise ValueError(f"not supported by this build (supported: {', '.join(ALL2ALL_BACKENDS)})")
     return value
 
 
@@ -129,6 +136,7 @@ LLM_KEYWORDS: dict[str, Keyword] = {
     "max_model_len": Keyword("max_sequence_length", _positive_int),
     "tensor_parallel_size": Keyword("tensor_parallel_size", _positive_int),
     "enable_expert_parallel": Keyword("enable_expert_parallel", _flag),
+    "all2all_backend": Keyword("all2all_backend", _all2all_backend),
     "gpu_memory_utilization": Keyword("kv_cache_memory_fraction", _fraction),  # of the memory left after weights
     "enforce_eager": Keyword("enable_cuda_graphs", lambda value: not _flag(value)),
     "enable_prefix_caching": Keyword("enable_prefix_caching", _flag),

@@ -46,6 +46,10 @@ class Scope(enum.Enum):
 QUANTIZATION_SCHEMES: tuple[str, ...] = ("auto", "none", "fp8")
 #: ``--kv-cache-dtype`` values this build implements ("auto": the model's dtype; "fp8" is e4m3).
 KV_CACHE_DTYPES: tuple[str, ...] = ("auto", "fp8", "fp8_e4m3")
+#: ``--all2all-backend`` values this build implements ("auto" and "alltoall" are this project's; vLLM's "naive",
+#: "pplx", "mori", "nixl_ep" and "flashinfer_*" are refused, naming them).
+ALL2ALL_BACKENDS: tuple[str, ...] = ("auto", "alltoall", "allgather_reducescatter", "deepep_high_throughput",
+                                     "deepep_low_latency")
 
 
 def _supported(flag: str, values: tuple[str, ...], why: str) -> Callable[[str], str]:
@@ -326,6 +330,17 @@ VLLM_OPTIONS: tuple[VllmOption, ...] = (
                           help="place whole experts on the tensor-parallel ranks and move tokens by all-to-all "
                                "(default: off)"),
                scope=_ENGINE, example=("--enable-expert-parallel",)),
+    VllmOption(("--all2all-backend",), _IMPLEMENTED, "how expert-parallel MoE layers move tokens: `auto` = "
+               "DeepEP where `deep_ep` imports on a GPU (`deepep_low_latency`), else `alltoall`; `alltoall` = "
+               "torch.distributed's all-to-all (fixed-capacity buffers in CUDA graphs); `allgather_reducescatter` "
+               "= no token moves (EP over tensor-parallel ranks only); `deepep_high_throughput` = DeepEP's normal "
+               "mode, eager; `deepep_low_latency` = DeepEP's low-latency mode for steps up to the largest CUDA graph "
+               "(captured), normal mode above (docs/parallelism.md)",
+               spec=_spec(type=_supported("--all2all-backend", ALL2ALL_BACKENDS, "this build implements no other "
+                                          "expert-parallel all-to-all"),
+                          default="auto", metavar="|".join(ALL2ALL_BACKENDS),
+                          help="expert-parallel all-to-all: DeepEP where it runs, else alltoall (default: %(default)s)"),
+               scope=_ENGINE, example=("--all2all-backend", "alltoall")),
     VllmOption(("--trust-remote-code",), _ACCEPTED, "this project never runs model code from a checkpoint: "
                "every architecture it serves is implemented here", spec=_spec(action="store_true"), scope=_ENGINE,
                example=("--trust-remote-code",)),

@@ -40,7 +40,7 @@ from ..weights import group as transfer
 from ..weights.drafter import DRAFTER_PREFIX
 from ..weights.finite import NonFiniteWeights, first_nonfinite, refuse_nonfinite
 from ..weights.manifest import nbytes, pack, plan_buckets, spec_of
-from ..weights.sending import send_pieces
+from ..weights.sending import receivers, send_pieces
 from ..weights.shards import Item, cover_problem, merge_manifests, piece_of
 from ..wire.messages import RENDEZVOUS_SCHEME, LoraPush, Rendezvous
 from .coordinator_client import ControlError, InferenceClient
@@ -220,7 +220,8 @@ class WeightSender:
             self._publish(store, exc)
             raise
         detail = ack.setdefault("detail", {})
-        detail["receivers"] = figures.pop("receivers", {})
+        detail["receivers"] = await asyncio.to_thread(receivers, store, self.world_size, figures["world_size"],
+                                                      self.timeout)
         self._publish(store, ack)
         detail["sender"] = figures
         return ack
@@ -253,7 +254,8 @@ class WeightSender:
                 verb.cancel()
 
     def _publish(self, store: Any, outcome: dict[str, Any] | Exception) -> None:
-        """Hand the verb's outcome to the other trainer ranks, and wait (up to the timeout) until they read it."""
+        """Hand the verb's outcome to the other trainer ranks, and wait (up to the timeout) until they read it: the
+        store is this process's, and goes with this call (a rank that died never reads: the wait runs out)."""
         if self.world_size == 1:
             return
         if isinstance(outcome, ControlError):
@@ -284,8 +286,14 @@ class WeightSender:
             figures = None
         except Exception as exc:  # noqa: BLE001 - rank 0's outcome says what the fleet did; this is why
             figures = exc
-        outcome = pickle.loads(await asyncio.to_thread(transfer.wait_for_key, store, _OUTCOME, float("inf")))
-        store.set(f"{_READ}/{self.rank}", "1")
+        try:
+            outcome = pickle.loads(await asyncio.to_thread(transfer.wait_for_key, store, _OUTCOME, float("inf")))
+            store.set(f"{_READ}/{self.rank}", "1")
+        except RuntimeError as exc:  # its store is gone with it: what the fleet did, only the coordinator knows
+            why = figures if isinstance(figures, Exception) else "this rank's part went through"
+            raise WeightTransferError(f"trainer rank 0, which serves the transfer's store and sent the REFIT, is gone "
+                                      f"({exc}); this rank: {why}. The engines apply nothing unless every rank "
+                                      "committed: the coordinator's status says which epoch they serve") from exc
         if outcome[0] == "refused":
             raise ControlError(outcome[1], outcome[2], outcome[3])
         if outcome[0] == "failed":

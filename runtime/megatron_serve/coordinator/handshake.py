@@ -172,13 +172,14 @@ def _weights_for(core: "CoordinatorCore", engine: EngineRecord) -> dict[str, Any
 def _pull_from_peer(core: "CoordinatorCore", engine: EngineRecord) -> dict[str, Any] | None:
     """At registration after a trainer's refit: pick a donor for ``engine`` (a live engine of the same layout at the
     fleet's epoch with a peer store, the most recently heard first), tell it to send its weights, and return what the
-    joiner's HELLO_ACK says of it (:mod:`megatron_serve.weights.peer_pull`); None when there is none. Only engines
-    of one rank: the ranks of a tensor-parallel or pipeline group would each need their peer rank."""
+    joiner's HELLO_ACK says of it (:mod:`megatron_serve.weights.peer_pull`); None when there is none. A group's ranks
+    pull rank to rank, so a donor has as many ranks (tensor-parallel ranks times pipeline stages); each joiner rank
+    checks its donor rank's layout before any byte moves."""
     layout = engine.info.get("weights_layout")
-    if not isinstance(layout, str) or engine.ranks != 1:
+    if not isinstance(layout, str):
         return None
     donors = [e for e in core.engines.values()
-              if e.info.get("weights_layout") == layout and e.ranks == 1 and e.peer_store is not None
+              if e.info.get("weights_layout") == layout and e.ranks == engine.ranks and e.peer_store is not None
               and e.epoch == core.epoch and e.weights == core.weights_source and not (e.draining or e.stopping)]
     if not donors:
         return None

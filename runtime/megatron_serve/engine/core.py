@@ -39,6 +39,7 @@ from ..tokenizer import Tokenizer, TokenizerFiles, Vocabulary
 from ..wire.engine_stats import EngineStats
 from ..wire.request import DynamicInferenceRequest
 from .admission import Admission
+from .expert_backend import install_expert_backend
 from .graphs import graphs_for, largest_graph
 from .kv_cache import BlockAllocator
 from .kv_offload import HostKVTier
@@ -71,6 +72,7 @@ class DynamicInferenceEngine:
     def __init__(self, model: LlamaForCausalLM, tokenizer: Vocabulary, config: InferenceConfig,
                  runner: ModelRunner | None = None, model_dir: str | Path | None = None):
         """``model_dir``: where the model came from, when known (a draft model of another vocabulary is refused)."""
+        install_expert_backend(model, config)  # expert parallelism's all-to-all (--all2all-backend)
         if config.batch_invariant:
             model.use_batch_invariant_ops()
         if (seam := config.trainer_seam_warning()) is not None:

@@ -8,6 +8,14 @@ data-parallel ranks do: before each step the leaders agree whether any of them h
 all-reduce of a flag), and while one has, every engine steps; a step in which an engine ran no forward (nothing to
 schedule, or only a step to read back) ends with an empty MoE pass on its ranks (:func:`empty_moe_pass`): each MoE
 layer entered with no tokens, so the others' tokens reach its experts and come back.
+
+Each forward and each empty pass starts with one more all-reduce among the leaders: the largest token count of the
+step (:func:`agree_tokens`, vLLM's ``num_tokens_across_dp``), which each leader sends its ranks with the step. Where a
+step fits the CUDA graphs every rank pads to the same graph size (:meth:`.graphs.StepGraphs.padded_size`) and the
+MoE layers use fixed-capacity buffers of that size (:mod:`megatron_serve.model.capacity_dispatcher`): a rank whose
+step a graph of that size covers replays it, the others (a step a graph does not cover, an idle rank's empty pass)
+run eagerly with the same buffers, so each layer's all-to-alls have one shape everywhere whether captured or not.
+Above the graphs, or without them, the ranks exchange exact counts; DeepEP's mode is picked from the same number.
 """
 
 from __future__ import annotations
@@ -23,6 +31,14 @@ def any_busy(leaders: object, busy: bool) -> bool:
     flag = torch.tensor([int(busy)], dtype=torch.int64)
     dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=leaders)
     return bool(flag.item())
+
+
+def agree_tokens(leaders: object, tokens: int) -> int:
+    """The largest of the data-parallel ranks' token counts this step (every leader calls this once per forward or
+    empty pass, so the calls pair up as the MoE layers' collectives do)."""
+    largest = torch.tensor([tokens], dtype=torch.int64)
+    dist.all_reduce(largest, op=dist.ReduceOp.MAX, group=leaders)
+    return int(largest.item())
 
 
 @torch.inference_mode()

@@ -9,6 +9,14 @@ the real batch are padding: they write no cache slot (slot -1) and attend to not
 A graph holds the addresses of the KV cache and the weights it was captured with. It is released
 when the engine suspends (the pool is freed; weights may leave the GPU) and captured again on resume.
 Refit copies weights in place, so graphs survive it.
+
+Under expert parallelism a graph's MoE layers use the fixed-capacity all-to-all (or DeepEP's low-latency mode),
+sized for the graph's batch (:class:`~megatron_serve.model.expert_dispatch.ExpertStep`, set as the graph is
+captured). Every rank captures the same graphs in the same order, so their collectives pair up. With data-parallel
+attention the ranks run different batches: before each step they agree on the largest token count
+(:func:`.data_parallel.agree_tokens`), and every rank pads its step to the same size (:meth:`StepGraphs.padded_size`):
+a rank replays its graph of that size, or runs eagerly with buffers of that size (a step a graph does not cover,
+or an idle rank's empty MoE pass), so every MoE layer's all-to-alls have one shape on every rank.
 """
 
 from __future__ import annotations
@@ -120,14 +128,16 @@ class DecodeGraphs:
         """Drop the graphs, and with them their references to the KV cache and their memory pool."""
         self._replays.clear()
 
-    def covers(self, plan: StepPlan) -> bool:
+    def covers(self, plan: StepPlan, size: int | None = None) -> bool:
         """Whether ``plan`` is a decode-only step that a captured graph can run (steps with images embed them
-        outside any graph: eager)."""
+        outside any graph: eager); ``size``: the graph's batch size must be this one (data-parallel attention)."""
+        if size is not None and size not in self.batch_sizes:
+            return False
         return self.captured and plan.decode_only and 0 < plan.num_tokens <= self.max_batch and not plan.multimodal
 
-    def prepare(self, plan: StepPlan) -> None:
-        """Pad the plan to the smallest captured size that fits and copy it to the device buffers."""
-        self._size = self.batch_sizes[bisect.bisect_left(self.batch_sizes, plan.num_tokens)]
+    def prepare(self, plan: StepPlan, size: int | None = None) -> None:
+        """Pad the plan to ``size``, or the smallest captured size that fits, and copy it to the device buffers."""
+        self._size = size or self.batch_sizes[bisect.bisect_left(self.batch_sizes, plan.num_tokens)]
         self.buffers.pad(plan, self._size, self._size)
         self.buffers.upload(plan, self._size, self._size)
 
@@ -159,6 +169,7 @@ class DecodeGraphs:
 
         @torch.inference_mode()
         def forward() -> GraphOutputs:
+            size_expert_buffers(self.model, size)
             context = ForwardContext(metadata, kv_caches, routing=[] if moe else None)
             self.hidden[:size].copy_(self.model(token_ids, positions, context))
             return self.hidden[:size], stack_routing(context.routing, self.model.config) if moe else None
@@ -214,13 +225,17 @@ class MixedGraphs:
     def release(self) -> None:
         self._replays.clear()
 
-    def covers(self, plan: StepPlan) -> bool:
-        """Whether ``plan`` fits a captured size (steps with images embed them outside any graph: eager)."""
+    def covers(self, plan: StepPlan, size: int | None = None) -> bool:
+        """Whether ``plan`` fits a captured size (steps with images embed them outside any graph: eager);
+        ``size``: that size must be this one (data-parallel attention)."""
+        if size is not None and size not in self.sizes:
+            return False
         return self.captured and plan.num_tokens <= self.sizes[-1] and not plan.multimodal
 
-    def prepare(self, plan: StepPlan) -> None:
-        """Pad the plan's rows to the smallest captured size that fits and copy it to the device buffers."""
-        self._size = self.sizes[bisect.bisect_left(self.sizes, plan.num_tokens)]
+    def prepare(self, plan: StepPlan, size: int | None = None) -> None:
+        """Pad the plan's rows to ``size``, or the smallest captured size that fits, and copy it to the device
+        buffers."""
+        self._size = size or self.sizes[bisect.bisect_left(self.sizes, plan.num_tokens)]
         self.buffers.pad(plan, self._size, plan.num_requests)
         self.buffers.upload(plan, self._size, plan.num_requests)
 
@@ -251,6 +266,7 @@ class MixedGraphs:
         def piece(index: int) -> Callable[[], GraphOutputs]:
             @torch.inference_mode()
             def forward() -> GraphOutputs:
+                size_expert_buffers(model, size)
                 context = ForwardContext(metadata, kv_caches, routing=[] if index - 1 in self._moe_slot else None)
                 if index == 0:
                     hidden, residual = model.model.embed_tokens(token_ids), None
@@ -308,6 +324,21 @@ class StepGraphs:
         if self.lora_decode is not None:
             self.lora_decode.release()
 
+    def padded_size(self, tokens: int) -> int | None:
+        """The graph size a data-parallel group's step of ``tokens`` (its ranks' largest) pads to on every rank:
+        the smallest decode or mixed size that holds it; None above the largest (the step runs eagerly with exact
+        counts). From the configured sizes, captured or not, so that every rank answers alike."""
+        sizes = sorted(set(self.decode.batch_sizes) | set(self.mixed.sizes if self.mixed is not None else ()))
+        at = bisect.bisect_left(sizes, max(tokens, 1))
+        return sizes[at] if at < len(sizes) else None
+
+
+def size_expert_buffers(model: LlamaForCausalLM, size: int) -> None:
+    """A graph's MoE layers move tokens in buffers sized for its batch (as its capture sees them, and a stand-in's
+    rerun: the value lives in the graph once captured)."""
+    if model.expert_step is not None:
+        model.expert_step.capacity, model.expert_step.tokens = size, None
+
 
 def _free_memory(device: torch.device) -> int:
     if device.type != "cuda":
@@ -328,15 +359,22 @@ def graphs_wanted(config: InferenceConfig, device: torch.device) -> bool:
     return config.enable_cuda_graphs and device.type == "cuda" and backend_for(device) == "triton"
 
 
+#: The ``--all2all-backend`` values whose MoE layers read counts on the host in every step, and where.
+EAGER_BACKENDS = {
+    "allgather_reducescatter": "AllGatherDispatcher picks each rank's rows with nonzero()",
+    "deepep_high_throughput": "DeepEP's normal mode reads its received counts on the host",
+}
+
+
 def eager_reason(config: InferenceConfig, moe: bool) -> str | None:
     """Why an engine's steps cannot be captured whatever its device (None: they can). ``moe``: the model has
-    mixture-of-experts layers."""
+    mixture-of-experts layers. Expert parallelism captures with the fixed-capacity all-to-all (``alltoall``, and
+    ``auto`` without DeepEP) or DeepEP's low-latency mode."""
     if config.batch_invariant and moe:
         return "--batch-invariant MoE: invariant.fused_moe's expert loop reads its row counts on the host"
-    if moe and config.enable_expert_parallel and config.tensor_parallel_size * config.data_parallel_size > 1:
-        # under data-parallel attention at TP=1 too: DataParallelDispatcher exchanges its counts and reads them
-        # back (.tolist()) in every MoE layer, and an idle rank's empty MoE pass must pair with the others' steps
-        return "expert parallelism: the all-to-all's split sizes are read on the host in every MoE layer"
+    expert_parallel = moe and config.enable_expert_parallel and config.world_size > 1
+    if expert_parallel and config.all2all_backend in EAGER_BACKENDS:
+        return f"--all2all-backend {config.all2all_backend}: {EAGER_BACKENDS[config.all2all_backend]}"
     if config.pipeline_parallel_size > 1:
         return "pipeline stages hand hidden states over point-to-point"
     return None

@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
@@ -71,7 +71,7 @@ class DeviceMemory:
         self.refits = 0
         self.last_refit: dict[str, float] | None = None  # timings of the last refit (for /metrics)
         self.incomplete: set[str] = set()  # tensors a failed refit overwrote (see RefitFailed)
-        self.peers = PeerWeights(model)  # engines that join later may pull these weights from here
+        self.peers = PeerWeights(model, followers=worker.runner)  # engines that join later may pull from here
 
     @property
     def epoch(self) -> int:
@@ -124,7 +124,7 @@ class DeviceMemory:
             self.weights_offloaded = True
         return released
 
-    def refit(self, source: str | Path | WeightSource, epoch: int | None = None) -> dict[str, float]:
+    def refit(self, source: str | Path | WeightSource, epoch: int | None = None) -> dict[str, Any]:
         """Load new weights of the same shapes in place; returns timings and the new epoch.
 
         ``source``: a model directory (every weight), or a :mod:`megatron_serve.weights.sources`
@@ -185,14 +185,15 @@ class DeviceMemory:
             self.worker.encoder_cache.clear()  # embeddings of the old vision weights
         self.epoch = self.epoch + 1 if epoch is None else int(epoch)
         self._refit_drafter()
+        drafter_error = None
         if drafted and (drafter is not None or owns is not None):
-            self._load_drafter(self.speculator.proposer, drafted, source.partial)
+            drafter_error = self._load_drafter(self.speculator.proposer, drafted, source.partial)
         for entry in built:
             require(self.loras).register(entry)
         finished = time.perf_counter()
         self.refits += 1
         self.last_refit = {"verify_s": verified - started, "load_s": finished - verified, "total_s": finished - started}
-        return {"epoch": self.epoch, **self.last_refit}
+        return {"epoch": self.epoch, **self.last_refit, **({"drafter_error": drafter_error} if drafter_error else {})}
 
     def _refit_drafter(self) -> None:
         """Tell the speculative proposer the weights changed: a drafter computed under the old ones must not propose."""
@@ -201,12 +202,22 @@ class DeviceMemory:
 
     def _check_drafter(self, source: WeightSource) -> DraftModelProposer | None:
         """The drafter (a draft model, an EAGLE-3 head) that the refit's ``drafter.*`` tensors (if any) refit, once
-        their names and shapes fit it; ``ValueError`` when they do not, or when this engine runs no such drafter."""
+        their names and shapes fit it; ``ValueError`` when they do not, or when this engine runs no such drafter.
+        The policy's MTP layers (which the MTP proposer holds) are checked here too, so that every tensor of the
+        transaction is verified before any weight changes, the drafter's as the policy's."""
         shapes = getattr(source, "shapes", None)  # a directory carries no drafter tensors (no ``shapes``)
-        wanted = drafter_shapes(shapes()) if shapes is not None else []
+        named = shapes() if shapes is not None else []
+        proposer = self.speculator.proposer if self.speculator is not None else None
+        owns = getattr(proposer, "owns", None)
+        owned = [(name, shape) for name, shape in named if owns is not None and owns(name)]
+        if owned:
+            try:
+                proposer.check_weights(owned)
+            except ValueError as exc:
+                raise ValueError(f"MTP layer tensors do not fit the MTP layer: {exc}") from exc
+        wanted = drafter_shapes(named)
         if not wanted:
             return None
-        proposer = self.speculator.proposer if self.speculator is not None else None
         if not hasattr(proposer, "check_weights"):
             raise ValueError(f"the refit carries {len(wanted)} drafter tensor(s) (e.g. drafter.{wanted[0][0]}) but "
                              "this engine runs no drafter to refit (speculative method draft_model or eagle3)")
@@ -216,14 +227,25 @@ class DeviceMemory:
             raise ValueError(f"drafter tensors do not fit the drafter: {exc}") from exc
         return proposer
 
-    def _load_drafter(self, proposer: DraftModelProposer, named: list[tuple[str, object]], partial: bool) -> None:
-        """The drafter's part of the refit, under the policy's new epoch. A failure leaves the policy's refit
-        standing and the drafter stale (it proposes nothing: speculation off until a refit brings it)."""
+    def _load_drafter(self, proposer: DraftModelProposer, named: list[tuple[str, object]], partial: bool
+                      ) -> str | None:
+        """The drafter's part of the refit, under the policy's new epoch; returns why it failed, if it did.
+
+        Its tensors were verified before any weight changed, exactly as the policy's were: names and shapes in the
+        verify step (:meth:`_check_drafter`: the drafter's own loader on a shape-only copy, or its shape table), their
+        values before a trainer's commit (:mod:`..weights.sharded`) or in the source's check. What is left here is
+        the copy into tensors of those shapes that the policy's load did too, and neither can be undone after the
+        commit (nothing keeps the old weights: a second copy of every weight is what a rollback would cost). So a
+        failure now, a fault rather than a bad refit, is not rolled back: the policy's refit stands, whole, and the
+        drafter stays stale (it proposes nothing, so every token is still the policy's) until a refit brings it; the
+        refit's answer says so (``drafter_error``), as the log does."""
         try:
             proposer.load_weights(named, self.epoch, partial=partial)
         except Exception as exc:  # noqa: BLE001 - speculation only costs speed; the policy's weights are whole
             forget_digests(self.model)  # a later delta must send the drafter's tensors again
             logger.error("refit of the draft model failed, speculation is off until one succeeds: %s", exc)
+            return f"the drafter stays stale (it proposes nothing until a refit brings it): {exc}"
+        return None
 
     def verify_refit(self, source: str | Path | WeightSource) -> float:
         """Check that ``source`` holds weights of this model's names and shapes (no tensor data read);

@@ -434,8 +434,10 @@ class EngineProcess:
         self._note_weights()
         logger.info("refit: epoch %d from %s in %.2fs (verify %.2fs, load %.2fs)", timings["epoch"], body.source,
                     timings["total_s"], timings["verify_s"], timings["load_s"])
-        facts = {**{k: round(float(v), 6) for k, v in timings.items() if k != "epoch"},
+        facts = {**{k: round(float(v), 6) for k, v in timings.items() if k not in ("epoch", "drafter_error")},
                  "epoch": int(timings["epoch"]), "source": body.source}
+        if "drafter_error" in timings:  # the policy changed, the drafter could not (engine.memory_verbs)
+            facts["drafter_error"] = timings["drafter_error"]
         if "peer_store" in self.link.hello["info"]:
             facts["peer_store"] = self.link.hello["info"]["peer_store"]
         carried = body.rendezvous.adapters if body.rendezvous is not None else None

@@ -23,6 +23,7 @@ from ..model.attention import AttentionMetadata, ForwardContext, MultimodalStep
 from ..model.llama import LlamaForCausalLM
 from ..model.moe import stack_routing
 from .graphs import DecodeGraphs, MixedGraphs, StepGraphs
+from .data_parallel import empty_moe_pass
 from .micro_batches import micro_batches
 from .step_plan import StepBuffers, StepPlan
 from .warmup import compile_kernels
@@ -73,19 +74,40 @@ class ModelRunner:
         self.graphs = graphs
         self.lora_rows: LoraRows | None = None  # the adapter slot table's row indices (engine.lora), if any
 
-    def _graphs_for(self, plan: StepPlan) -> DecodeGraphs | MixedGraphs | None:
-        """The graphs that replay ``plan``: a whole decode step, or a mixed step piecewise; None: eager."""
+    def _graphs_for(self, plan: StepPlan, size: int | None = None) -> DecodeGraphs | MixedGraphs | None:
+        """The graphs that replay ``plan``: a whole decode step, or a mixed step piecewise; None: eager. ``size``:
+        the graph must be of this size (a data-parallel group's padded step)."""
         graphs = self.graphs
         if graphs is None:
             return None
         if plan.lora:  # decode steps with adapter rows have graphs of their own (engine.lora_graphs), if any
             lora = graphs.lora_decode
-            return lora if lora is not None and lora.covers(plan) else None
-        if graphs.decode.covers(plan):
+            return lora if lora is not None and lora.covers(plan, size) else None
+        if graphs.decode.covers(plan, size):
             return graphs.decode
-        if graphs.mixed is not None and graphs.mixed.covers(plan):
+        if graphs.mixed is not None and graphs.mixed.covers(plan, size):
             return graphs.mixed
         return None
+
+    def padded_size(self, group_tokens: int | None) -> int | None:
+        """The graph size a data-parallel group's step pads to on every rank (None: no agreed step, or larger than
+        every graph: eager with exact counts)."""
+        if group_tokens is None or self.graphs is None:
+            return None
+        return self.graphs.padded_size(group_tokens)
+
+    def size_expert_step(self, group_tokens: int | None, capacity: int | None) -> None:
+        """What this forward's MoE layers agree on with the other expert-parallel ranks (graphs set their own)."""
+        step = self.model.expert_step
+        if step is not None:
+            step.tokens, step.capacity = group_tokens, capacity
+
+    @torch.inference_mode()
+    def empty_moe_pass(self, group_tokens: int | None) -> None:
+        """A data-parallel rank with no forward this step joins every MoE layer with no tokens, its buffers of the
+        group's padded size where the others' are (:mod:`.data_parallel`)."""
+        self.size_expert_step(group_tokens, self.padded_size(group_tokens))
+        empty_moe_pass(self.model)
 
     def multimodal_step(self, plan: StepPlan, image_embeddings: torch.Tensor | None) -> MultimodalStep | None:
         if not plan.multimodal:
@@ -98,19 +120,23 @@ class ModelRunner:
     def run_plan(self, plan: StepPlan, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                  image_embeddings: torch.Tensor | None = None,
                  previous_tokens: torch.Tensor | None = None,
-                 previous_shifts: torch.Tensor | None = None) -> StepResult:
+                 previous_shifts: torch.Tensor | None = None, group_tokens: int | None = None) -> StepResult:
         """Run one step whose values are in the host buffers: float32 logits of the sampling and score rows,
         and the expert routing when the plan records it.
 
         ``image_embeddings``: one row per image row (vision-language models). ``previous_tokens``: the
         sampled tokens of the step in flight, which the plan's gather rows take as their input.
         ``previous_shifts``: when that step verifies drafts, its drafts rejected per request (on the device),
-        which correct the rows of a ``shifted`` plan (:meth:`correct`).
+        which correct the rows of a ``shifted`` plan (:meth:`correct`). ``group_tokens``: with data-parallel
+        attention, the largest step of the group's ranks (:func:`.data_parallel.agree_tokens`): the step pads to
+        the graph size that holds it (:meth:`padded_size`), replayed or eager, as every rank's does.
         """
         dev = self.buffers.dev
-        graphs = self._graphs_for(plan)
+        padded = self.padded_size(group_tokens)
+        graphs = None if group_tokens is not None and padded is None else self._graphs_for(plan, padded)
+        self.size_expert_step(group_tokens, padded)
         if graphs is not None:
-            graphs.prepare(plan)
+            graphs.prepare(plan, padded)
         else:
             self.buffers.upload(plan)
         row_shift = self.correct(plan, previous_shifts) if plan.shifted else None
@@ -178,7 +204,8 @@ class ModelRunner:
         """Capture the graphs over a newly allocated KV pool (engine start, resume).
 
         A failed capture costs speed, not service: a single rank goes on without graphs. Tensor-parallel
-        ranks must capture in lockstep (their warm-up runs all-reduce), so there it is an error.
+        ranks must capture in lockstep (their warm-up runs all-reduce), and data-parallel attention ranks must pad
+        alike, so there it is an error.
         """
         if self.graphs is None:
             return
@@ -188,7 +215,7 @@ class ModelRunner:
             self.graphs.capture(kv_caches)
         except Exception as exc:  # noqa: BLE001 - any capture failure has the same remedy
             self.graphs.release()
-            if self.model.tp.size > 1:
+            if self.model.tp.size > 1 or self.model.tp.expert_size > 1:  # (data-parallel ranks pad alike)
                 raise RuntimeError(f"capturing CUDA graphs failed ({exc}); start the engine with --enforce-eager") from exc
             logger.warning("capturing CUDA graphs failed, running every step eagerly from now on: %s", exc)
             self.graphs = None
@@ -218,6 +245,13 @@ class ModelRunner:
 
     def refit_outcomes(self) -> list[tuple[list[str], str | None]]:
         """Each other rank's part of the refit just run: the names it loaded, and its error if any."""
+        return []
+
+    def on_share(self, payload: tuple[str, str, int, float]) -> None:
+        """A joiner pulls this engine's weights: every other rank sends its own (:mod:`..weights.peer_pull`)."""
+
+    def share_outcomes(self) -> list[str | None]:
+        """Each other rank's part of the pull just run: its error, or None."""
         return []
 
     def shutdown(self) -> None:

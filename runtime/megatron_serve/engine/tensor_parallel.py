@@ -2,7 +2,7 @@
 
 Rank 0 of a group owns the scheduler and talks to the coordinator. Each step it writes the batch
 into its step buffers and broadcasts their used part as one packed integer array (``PlanChannel``:
-a two-integer header, then the plan, over a gloo group; no pickled object per step); every rank
+a three-integer header, then the plan, over a gloo group; no pickled object per step); every rank
 runs the forward pass on its weight slice and its share of the KV heads; rank 0 samples from the
 gathered logits. With overlapped scheduling a step's gathered rows take the previous step's
 sampled tokens, which rank 0 broadcasts on the device group first. Suspend, resume, refit and stop
@@ -33,6 +33,7 @@ import socket
 import sys
 import time
 from dataclasses import dataclass
+from typing import Callable, TypeVar
 
 import numpy as np
 import torch
@@ -45,16 +46,19 @@ from ..model.loader import load_model, load_weights
 from ..model.lora import LoraAdapter
 from ..model.lora_slots import LoraSlots
 from ..model.parallel import DataParallel, PipelineStage, TensorParallel
-from .data_parallel import any_busy, empty_moe_pass
+from .data_parallel import agree_tokens, any_busy
+from .expert_backend import install_expert_backend
 from .kv_cache import KVCachePool
 from .kv_park import ParkedKV, ParkOrder
 from .sizing import build_kv_pool, default_dtype, engine_buffers, max_sequence_length_for
 from .runner import ModelRunner, StepResult
 from .step_plan import StepBuffers, StepPlan
 from ..weights.drafter import policy_only
+from ..weights.peer_pull import follow_share
 from ..weights.sources import WeightSource
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 RENDEZVOUS_TIMEOUT_S = float(os.environ.get("MEGATRON_SERVE_RENDEZVOUS_TIMEOUT", "300"))
 #: The exit code of a rank's process that found itself re-running its parent's script (see reimported_main).
@@ -143,12 +147,13 @@ def check_local_devices(placement: Placement, device_type: str) -> None:
 class PlanChannel:
     """Rank 0's messages to the other ranks, over a gloo group (host integers; NCCL carries device tensors).
 
-    Each message is a header ``[kind, length]``; a step follows as ``length`` packed integers
+    Each message is a header ``[kind, length, tokens]``; a step follows as ``length`` packed integers
     (:meth:`StepBuffers.pack`), the other kinds as one small pickled payload (a suspend level, a
-    weight source): those are rare, steps are not.
+    weight source): those are rare, steps are not. ``tokens``: with data-parallel attention, the largest step
+    of the data-parallel ranks, which a step and an idle rank's empty MoE pass are padded for (-1: none).
     """
 
-    KINDS = ("step", "suspend", "resume", "refit", "stop", "lora", "idle")
+    KINDS = ("step", "suspend", "resume", "refit", "stop", "lora", "idle", "peer")
 
     def __init__(self, group: dist.ProcessGroup, leader: int = 0, device_group: object | None = None,
                  leaders: object | None = None):
@@ -160,29 +165,31 @@ class PlanChannel:
         self.device_group = device_group
         self.leaders = leaders
 
-    def send(self, kind: str, packed: np.ndarray | None = None, payload: object = None) -> None:
+    def send(self, kind: str, packed: np.ndarray | None = None, payload: object = None,
+             tokens: int | None = None) -> None:
         length = 0 if packed is None else len(packed)
-        header = torch.tensor([self.KINDS.index(kind), length], dtype=torch.int64)
+        header = torch.tensor([self.KINDS.index(kind), length, -1 if tokens is None else tokens], dtype=torch.int64)
         dist.broadcast(header, src=self.leader, group=self.group)
         if packed is not None:
             dist.broadcast(torch.from_numpy(packed), src=self.leader, group=self.group)
         elif kind not in ("step", "idle"):
             dist.broadcast_object_list([payload], src=self.leader, group=self.group)
 
-    def receive(self) -> tuple[str, np.ndarray | object]:
-        header = torch.empty(2, dtype=torch.int64)
+    def receive(self) -> tuple[str, np.ndarray | object, int | None]:
+        """``(kind, payload, tokens)`` of the leader's next message."""
+        header = torch.empty(3, dtype=torch.int64)
         dist.broadcast(header, src=self.leader, group=self.group)
-        code, length = header.tolist()
-        kind = self.KINDS[code]
+        code, length, tokens = header.tolist()
+        kind, tokens = self.KINDS[code], None if tokens < 0 else tokens
         if kind == "idle":
-            return kind, None
+            return kind, None, tokens
         if kind == "step":
             packed = torch.empty(length, dtype=torch.int64)
             dist.broadcast(packed, src=self.leader, group=self.group)
-            return kind, packed.numpy()
+            return kind, packed.numpy(), tokens
         message: list = [None]
         dist.broadcast_object_list(message, src=self.leader, group=self.group)
-        return kind, message[0]
+        return kind, message[0], None
 
     def broadcast(self, tensor: torch.Tensor) -> torch.Tensor:
         """A step's device tensor (previous tokens, image embeddings) from the leader to its ranks."""
@@ -261,10 +268,11 @@ class TensorParallelRunner(ModelRunner):
         self.workers = workers
         self._ran_forward = False  # since the last end_step: a data-parallel rank that did not runs an empty pass
 
-    def _broadcast(self, kind: str, payload: object = None, packed: np.ndarray | None = None) -> None:
+    def _broadcast(self, kind: str, payload: object = None, packed: np.ndarray | None = None,
+                   tokens: int | None = None) -> None:
         self._check_workers()
         try:
-            self.channel.send(kind, packed, payload)
+            self.channel.send(kind, packed, payload, tokens)
         except Exception as exc:  # noqa: BLE001 - a collective fails only when the group broke
             raise EngineGroupLost(f"tensor-parallel group broke during {kind!r}: {exc}") from exc
 
@@ -278,13 +286,14 @@ class TensorParallelRunner(ModelRunner):
                  previous_shifts=None) -> StepResult:
         # verify steps are not overlapped under tensor parallelism (the followers would need the shifts too)
         assert previous_shifts is None, "a plan corrected by a verify step in flight under tensor parallelism"
-        self._broadcast("step", packed=self.buffers.pack(plan))
+        tokens = self._agree_tokens(plan.num_tokens)
+        self._broadcast("step", packed=self.buffers.pack(plan), tokens=tokens)
         try:
             broadcast_previous_tokens(self.channel, plan, previous_tokens, 0, self.device)
             if plan.num_images:  # the tower runs on rank 0 only: its output goes with the step
                 self.channel.broadcast(image_embeddings.contiguous())
             self._ran_forward = True
-            return super().run_plan(plan, kv_caches, image_embeddings, previous_tokens)
+            return super().run_plan(plan, kv_caches, image_embeddings, previous_tokens, group_tokens=tokens)
         except Exception as exc:  # noqa: BLE001 - the forward's all-reduces fail when a peer died mid-step
             self._check_workers()
             raise EngineGroupLost(f"tensor-parallel forward failed: {exc}") from exc
@@ -297,10 +306,16 @@ class TensorParallelRunner(ModelRunner):
         self._broadcast("resume", restore)
 
     def group_busy(self, busy: bool) -> bool:
-        if self.channel.leaders is None:
-            return busy
+        return busy if self.channel.leaders is None else self._among_leaders(any_busy, busy)
+
+    def _agree_tokens(self, tokens: int) -> int | None:
+        """With data-parallel attention, the largest step of the data-parallel ranks (None without)."""
+        return None if self.channel.leaders is None else self._among_leaders(agree_tokens, tokens)
+
+    def _among_leaders(self, collective: Callable[[object, T], T], value: T) -> T:
+        """``collective`` over the data-parallel attention ranks' leaders."""
         try:
-            return any_busy(self.channel.leaders, busy)
+            return collective(self.channel.leaders, value)
         except Exception as exc:  # noqa: BLE001 - a collective fails only when the group broke
             raise EngineGroupLost(f"data-parallel attention ranks lost one of them: {exc}") from exc
 
@@ -308,9 +323,10 @@ class TensorParallelRunner(ModelRunner):
         ran, self._ran_forward = self._ran_forward, False
         if self.channel.leaders is None or ran:
             return
-        self._broadcast("idle")
+        tokens = self._agree_tokens(0)
+        self._broadcast("idle", tokens=tokens)
         try:
-            empty_moe_pass(self.model)
+            self.empty_moe_pass(tokens)
         except Exception as exc:  # noqa: BLE001 - the all-to-alls fail when a peer died mid-step
             self._check_workers()
             raise EngineGroupLost(f"data-parallel attention: an empty MoE pass failed: {exc}") from exc
@@ -324,11 +340,21 @@ class TensorParallelRunner(ModelRunner):
         self._broadcast("lora", (slot, adapter))
 
     def refit_outcomes(self) -> list[tuple[list[str], str | None]]:
+        return self._outcomes("a refit")
+
+    def on_share(self, payload: tuple[str, str, int, float]) -> None:
+        self._broadcast("peer", payload)
+
+    def share_outcomes(self) -> list[str | None]:
+        return self._outcomes("a peer pull")
+
+    def _outcomes(self, what: str) -> list:
+        """What each other rank reported of ``what``, in rank order (they send it once they are done)."""
         outcomes: list = [None] * dist.get_world_size(self.channel.group)
         try:
             dist.gather_object(None, outcomes, dst=self.channel.leader, group=self.channel.group)
         except Exception as exc:  # noqa: BLE001 - a collective fails only when the group broke
-            raise EngineGroupLost(f"tensor-parallel group broke during a refit: {exc}") from exc
+            raise EngineGroupLost(f"tensor-parallel group broke during {what}: {exc}") from exc
         return outcomes[1:]
 
     def shutdown(self) -> None:
@@ -442,6 +468,7 @@ def run_worker(model_dir: str, config_dict: dict, placement: Placement, rank: in
     tp, channel = join_group(placement, rank, device, config)
     model_config = ModelConfig.from_dir(model_dir)
     model = load_model(model_dir, default_dtype(config, model_config), device, tp, quantization=config.quantization)
+    install_expert_backend(model, config)
     if config.batch_invariant:
         model.use_batch_invariant_ops()
     max_sequence_length = max_sequence_length_for(model_config, config)
@@ -458,7 +485,7 @@ def run_worker(model_dir: str, config_dict: dict, placement: Placement, rank: in
     sampled = 0  # rows the last step sampled: the length of the tokens a gathering step receives
     memory = FollowerMemory(model, pool, runner, device)
     while True:
-        kind, payload = channel.receive()
+        kind, payload, tokens = channel.receive()
         if kind == "step":
             plan = buffers.unpack(payload)
             previous = broadcast_previous_tokens(channel, plan, None, sampled, device)
@@ -466,18 +493,20 @@ def run_worker(model_dir: str, config_dict: dict, placement: Placement, rank: in
             if plan.num_images:
                 embeddings = channel.broadcast(torch.empty(plan.num_images, model.config.hidden_size, device=device,
                                                            dtype=model.dtype))
-            runner.run_plan(plan, pool.layer_caches, embeddings, previous)
+            runner.run_plan(plan, pool.layer_caches, embeddings, previous, group_tokens=tokens)
             sampled = plan.num_sample
         elif kind == "suspend":
             memory.suspend(*payload)
         elif kind == "resume":
             memory.resume(payload)
         elif kind == "idle":
-            empty_moe_pass(model)
+            runner.empty_moe_pass(tokens)
         elif kind == "refit":
             dist.gather_object(_follow_refit(model, payload), None, dst=channel.leader, group=channel.group)
         elif kind == "lora":
             slots.write(*payload)
+        elif kind == "peer":  # a joiner pulls our weights: this rank sends its own to the joiner's same rank
+            dist.gather_object(follow_share(model, payload), None, dst=channel.leader, group=channel.group)
         elif kind == "stop":
             break
     dist.destroy_process_group()

@@ -102,6 +102,7 @@ ENGINE_FIELDS = {
     "lora_allowed_dirs": "lora_allowed_dirs",
     "speculative_config": "speculative",
     "enable_expert_parallel": "enable_expert_parallel",
+    "all2all_backend": "all2all_backend",
     "pipeline_parallel_size": "pipeline_parallel_size",
     "pipeline_micro_batches": "pipeline_micro_batches",
     "kv_offloading_size": "kv_offloading_size",

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import re
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -25,6 +26,9 @@ from .layers import (ColumnParallelLinear, GatedMLP, ParallelLMHead, ReplicatedL
 from .linears import Linears
 from .moe import FusedExperts, SparseMoeBlock
 from .parallel import SINGLE, TensorParallel, stage_layers
+
+if TYPE_CHECKING:  # annotations only: the engine installs the expert-parallel backend after the build
+    from .expert_dispatch import ExpertStep
 
 logger = logging.getLogger(__name__)
 
@@ -206,6 +210,9 @@ class LlamaForCausalLM(nn.Module):
         self.register_buffer("rotary_sin", sin, persistent=False)
         self._mtp_prefixes = tuple(f"model.layers.{config.num_layers + i}."
                                    for i in range(config.num_nextn_predict_layers))
+        # what the MoE layers of a forward agree on with the other expert-parallel ranks: set by the engine's
+        # backend (.expert_dispatch.install_dispatchers), None where no MoE layer moves tokens between ranks
+        self.expert_step: ExpertStep | None = None
 
     @property
     def dtype(self) -> torch.dtype:

@@ -195,7 +195,8 @@ class SparseMoeBlock(nn.Module):
         self._reduce = tp.all_reduce
         self._weights_in_model_dtype = False
         self._family = family
-        self.dispatcher: TokenDispatcher | None = None  # swappable (:mod:`.token_dispatcher`)
+        # swappable (:mod:`.token_dispatcher`); the engine installs its backend's (:mod:`.expert_dispatch`)
+        self.dispatcher: TokenDispatcher | None = None
         if tp.data_parallel.size > 1:
             self.dispatcher = DataParallelDispatcher(tp, moe.num_experts)
         elif tp.expert_parallel and tp.size > 1:
@@ -240,7 +241,7 @@ class SparseMoeBlock(nn.Module):
         """Dispatch, this rank's experts on one expert per row (unweighted: the combine weighs them), combine,
         the shared expert on the tokens combined here, gather."""
         dispatcher = self.dispatcher
-        dispatched = dispatcher.dispatch(hidden, ids)
+        dispatched = dispatcher.dispatch(hidden, ids, weights)
         outputs = dispatched.rows
         if outputs.shape[0]:
             ones = torch.ones(dispatched.ids.shape, dtype=torch.float32, device=hidden.device)

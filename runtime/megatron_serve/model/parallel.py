@@ -116,6 +116,12 @@ class TensorParallel:
     def expert_size(self) -> int:
         return self.data_parallel.size * self.size
 
+    @property
+    def engine_rank(self) -> int:
+        """This rank's place among its engine's ranks (stage-major: stage ``s``'s rank ``r`` is ``s * size + r``).
+        Under data-parallel attention an engine is one data-parallel rank's ``size`` ranks, numbered from 0."""
+        return self.stage.index * self.size + self.rank
+
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
         if self.size > 1:
             dist.all_reduce(tensor, group=self.group)

@@ -17,9 +17,10 @@ experts, hence how many rows each rank sends each other rank, without exchanging
 * :class:`AllGatherDispatcher`: no token moves; each rank runs its experts on every token routed to them
   and the partial sums are reduced (one all-reduce), as the tensor-parallel layer does.
 
-Both hand the experts rows of one expert each (``ids [m, 1]``, local ids) and get back each row's
-unweighted output; the router weights are applied in :meth:`combine`. ``ordered`` (``--batch-invariant``):
-a token's experts are added in ascending expert id order, each ``(output * weight)`` rounded to the model
+All hand the experts rows of one expert each (``ids [m, 1]``, local ids) and get back each row's
+unweighted output; the router weights are applied in :meth:`combine` (:meth:`dispatch` takes them too, for
+dispatchers whose combine cannot apply them there: DeepEP's, :mod:`.deepep_dispatcher`). ``ordered``
+(``--batch-invariant``): a token's experts are added in ascending expert id order, each ``(output * weight)`` rounded to the model
 dtype first, into zeros, which is :func:`megatron_kernels.invariant.fused_moe`'s arithmetic on one rank:
 so the layer's output is bitwise one rank's. Otherwise the weighted outputs are summed in float32.
 """
@@ -53,7 +54,7 @@ class TokenDispatcher(Protocol):
     ordered: bool
     local: slice
 
-    def dispatch(self, hidden: torch.Tensor, ids: torch.Tensor) -> Dispatched: ...
+    def dispatch(self, hidden: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor | None = None) -> Dispatched: ...
 
     def combine(self, outputs: torch.Tensor, weights: torch.Tensor) -> torch.Tensor: ...
 
@@ -85,7 +86,7 @@ class AllGatherDispatcher:
         self.local = slice(0, 0)
         self._pairs: torch.Tensor | None = None
 
-    def dispatch(self, hidden: torch.Tensor, ids: torch.Tensor) -> Dispatched:
+    def dispatch(self, hidden: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor | None = None) -> Dispatched:
         flat = ids.reshape(-1)
         first = self.tp.rank * self.per_rank
         mine = ((flat >= first) & (flat < first + self.per_rank)).nonzero().squeeze(1)
@@ -147,7 +148,7 @@ class AllToAllDispatcher:
         received = [order[starts[s] + sum(counts[s][:rank]):starts[s] + sum(counts[s][:rank + 1])] for s in range(size)]
         return _Exchange(bounds, counts, sent, torch.cat(received))
 
-    def dispatch(self, hidden: torch.Tensor, ids: torch.Tensor) -> Dispatched:
+    def dispatch(self, hidden: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor | None = None) -> Dispatched:
         exchange = self._exchange = self._plan(ids)
         rank, top_k = self.tp.rank, ids.shape[1]
         self.local = slice(exchange.bounds[rank], exchange.bounds[rank + 1])
@@ -211,7 +212,7 @@ class DataParallelDispatcher:
                                group=self.tp.data_parallel.group)
         return output
 
-    def dispatch(self, hidden: torch.Tensor, ids: torch.Tensor) -> Dispatched:
+    def dispatch(self, hidden: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor | None = None) -> Dispatched:
         tp, top_k = self.tp, ids.shape[1]
         bounds = self._bounds = [ids.shape[0] * r // tp.size for r in range(tp.size + 1)]
         self.local = slice(bounds[tp.rank], bounds[tp.rank + 1])

@@ -157,6 +157,19 @@ def commit(group: dist.ProcessGroup, device: torch.device) -> None:
     group.allreduce([flag]).wait()
 
 
+def drop_frames(exc: BaseException) -> BaseException:
+    """``exc`` (and what it was raised from) without the frames it went through: a transfer that broke raises
+    through frames that hold its group and the work posted on it, and a gloo group closes its connections only
+    once the last reference to it goes. Kept, the peers waiting on this rank would wait out the whole timeout (the
+    trainer ranks and every other engine rank, at the commit); dropped, they hear at once."""
+    seen, link = set(), exc
+    while link is not None and id(link) not in seen:
+        seen.add(id(link))
+        link.__traceback__ = None
+        link = link.__cause__ or link.__context__
+    return exc
+
+
 def close(group: dist.ProcessGroup | None) -> None:
     """Release the group's connections (NCCL communicators need an explicit shutdown)."""
     if group is not None and isinstance(group, getattr(dist, "ProcessGroupNCCL", ())):

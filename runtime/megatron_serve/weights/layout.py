@@ -5,7 +5,8 @@ parts, a row-parallel layer's columns, a vocabulary's rows, replicated norms, an
 FP8 blocks): :func:`engine_layout` hands each tensor of a refit to the real loading path of a shape-only (meta)
 copy of the model, with a source that records what it reads, so the layout is exactly what loading will read and
 needs no table of its own. A pipeline stage or an expert-parallel rank whose model lacks a tensor reads nothing of
-it and gets nothing. This is the seam: a new layout is a new model layout, nothing here changes.
+it and gets nothing; only what no rank's model reads (a drafter's, an adapter's, MTP layers) goes whole to the
+group's rank 0. This is the seam: a new layout is a new model layout, nothing here changes.
 
 :class:`RegionSlice` is the other half: what a rank received, handed to the same loader as if it were a
 safetensors slice of the full tensor (it answers only reads inside its region).
@@ -68,6 +69,7 @@ class _Recorder:
     """A source that answers every read with a meta tensor and remembers the box around what was read."""
 
     def __init__(self, spec: TensorSpec) -> None:
+        self.spec = spec
         self.shape, self.dtype = tuple(spec.shape), torch_dtype(spec.dtype)
         self.low: list[int] | None = None
         self.high: list[int] = []
@@ -93,29 +95,41 @@ class _Recorder:
         return tuple(self.low), tuple(hi - lo for lo, hi in zip(self.low, self.high))
 
 
-def engine_layout(model: LlamaForCausalLM, manifest: Iterable[TensorSpec], holds_extra: bool) -> dict[str, Box]:
-    """The region of each manifest tensor this rank serves (absent: none of it).
-
-    ``holds_extra``: this rank also keeps what its model has no place for (a drafter's tensors, MTP layers, LoRA
-    adapters: a group's rank 0 loads them whole, beside the policy); elsewhere such a tensor is not needed.
-    """
-    shadow = build_model(model.config, torch.float32, "meta", model.tp)
-    recorders = {spec.name: _Recorder(spec) for spec in manifest}
-    policy = [(name, recorder) for name, recorder in recorders.items() if not is_drafter(name) and not is_adapter(name)]
+def _record(shadow: LlamaForCausalLM, recorders: list[tuple[str, _Recorder]]) -> None:
+    """Run the loader of ``shadow`` over ``recorders`` (each remembers what was read of it)."""
     try:
-        load_weights(shadow, policy, partial=True)  # one pass (a pass per tensor costs the model's size each)
+        load_weights(shadow, recorders, partial=True)  # one pass (a pass per tensor costs the model's size each)
     except ValueError:  # a tensor with no place (an MTP layer's, which its drafter checks): one at a time
-        for name, recorder in policy:
+        for name, recorder in recorders:
             recorder.low = None
             try:
                 load_weights(shadow, [(name, recorder)], partial=True)
             except ValueError:
                 recorder.low = None
-    layout: dict[str, Box] = {}
-    for name, recorder in recorders.items():
-        box = recorder.box()
-        if box is None and holds_extra and all(recorder.shape):
-            box = (tuple(0 for _ in recorder.shape), tuple(recorder.shape))
-        if box is not None:
-            layout[name] = box
+
+
+def engine_layout(model: LlamaForCausalLM, manifest: Iterable[TensorSpec], holds_extra: bool) -> dict[str, Box]:
+    """The region of each manifest tensor this rank serves (absent: none of it).
+
+    ``holds_extra``: this rank also keeps what no rank's model has a place for (a drafter's tensors, MTP layers,
+    LoRA adapters: a group's rank 0 loads them whole, beside the policy). A tensor this rank's model does not read
+    but another rank's does (another expert-parallel rank's experts, another pipeline stage's layers) is not
+    extra: a whole, single-rank copy of the model tells them apart.
+    """
+    shadow = build_model(model.config, torch.float32, "meta", model.tp)
+    recorders = {spec.name: _Recorder(spec) for spec in manifest}
+    policy = [(name, recorder) for name, recorder in recorders.items() if not is_drafter(name) and not is_adapter(name)]
+    _record(shadow, policy)
+    layout: dict[str, Box] = {name: box for name, box in ((n, r.box()) for n, r in recorders.items())
+                              if box is not None}
+    if not holds_extra:
+        return layout
+    unread = [(name, _Recorder(recorders[name].spec)) for name, recorder in policy if name not in layout]
+    if unread:  # read by another rank of the layout, or by none (then extra)
+        _record(build_model(model.config, torch.float32, "meta"), unread)
+    for name in [*(n for n, r in unread if r.box() is None),
+                 *(n for n in recorders if is_drafter(n) or is_adapter(n))]:
+        shape = recorders[name].shape
+        if all(shape):
+            layout[name] = (tuple(0 for _ in shape), tuple(shape))
     return layout

@@ -12,6 +12,7 @@ ranks' (each digests its own chunks, in parallel); engine ranks keep them for th
 
 from __future__ import annotations
 
+import logging
 import pickle
 import time
 from collections import deque
@@ -25,6 +26,8 @@ from . import group as transfer
 from .adapters import is_adapter
 from .shards import (IN_FLIGHT, Chunk, LinkBucket, buckets_of, changed_key, digest, layout_key, link_chunks,
                      local_view, received_key)
+
+logger = logging.getLogger("megatron_serve.weights")
 
 #: ``on_bucket(index, count, nbytes)``: a bucket left (index over all of this rank's links).
 BucketCallback = Callable[[int, int, int], None]
@@ -71,7 +74,7 @@ def _delta(store: dist.Store, rv: Rendezvous, rank: int, links: dict[int, list[C
 def send_pieces(store: dist.Store, rv: Rendezvous, rank: int, local: dict[int, torch.Tensor], host: str,
                 cancelled: Callable[[], bool], on_bucket: BucketCallback | None = None) -> dict[str, Any]:
     """Trainer rank ``rank``'s part of the transfer; ``local``: its tensors by index into ``rv.pieces``.
-    Returns its figures (and, on rank 0, every engine rank's under ``receivers``)."""
+    Returns its figures."""
     started = time.perf_counter()
     deadline = time.monotonic() + rv.timeout_s
     world_size = transfer.wait_for_ranks(store, deadline, cancelled, first=rv.senders)
@@ -91,8 +94,12 @@ def send_pieces(store: dist.Store, rv: Rendezvous, rank: int, local: dict[int, t
         per_link = {engine: sum(c.nbytes for c in chunks) for engine, chunks in links.items() if chunks}
         _send(group, queues, rv.pieces or [], local, device, count, on_bucket)
         transfer.commit(group, device)
+    except BaseException as exc:
+        transfer.drop_frames(exc)  # the engine ranks waiting on this rank hear at once (see drop_frames)
+        raise
     finally:
         transfer.close(group)
+        del group
     finished = time.perf_counter()
     sent = sum(per_link.values())
     seconds = finished - planned
@@ -101,8 +108,6 @@ def send_pieces(store: dist.Store, rv: Rendezvous, rank: int, local: dict[int, t
         "chunks": sum(len(c) for c in links.values()), "links": per_link, "world_size": world_size,
         "backend": rv.backend, "rendezvous_s": round(joined - started, 6), "plan_s": round(planned - joined, 6),
         "transfer_s": round(seconds, 6), "bytes_per_s": round(sent / seconds) if seconds > 0 else None}
-    if rank == 0:
-        figures["receivers"] = {engine: pickle.loads(store.get(received_key(engine))) for engine in layouts}
     return figures
 
 
@@ -131,3 +136,17 @@ def _send(group: dist.ProcessGroup, queues: dict[int, deque], pieces: Sequence[P
     for engine in flying:
         while flying[engine]:
             land(engine)
+
+
+def receivers(store: dist.Store, first: int, world_size: int, timeout: float) -> dict[int, dict[str, Any]]:
+    """Every engine rank's figures (bytes received, seconds, bytes/s, the bytes it serves, its peak memory), which
+    each publishes once it loaded: read on rank 0 once the REFIT is answered (a rank whose figures do not come
+    within ``timeout`` is left out, logged)."""
+    deadline = time.monotonic() + timeout
+    out: dict[int, dict[str, Any]] = {}
+    for engine in range(first, world_size):
+        try:
+            out[engine] = pickle.loads(transfer.wait_for_key(store, received_key(engine), deadline))
+        except (TimeoutError, RuntimeError) as exc:
+            logger.warning("engine rank %d's refit figures did not come: %s", engine, exc)
+    return out

@@ -8,7 +8,9 @@ regions is here, the rank joins the commit (every rank of the transfer, trainer 
 got there does it hand the regions to the loader (:class:`.layout.RegionSlice`). Staging is in host memory
 (pinned on a GPU machine): the device holds only the buckets in flight. A rank that dies or a
 transfer that breaks fails the commit everywhere, within the transfer's timeout, and every engine keeps its
-weights and its epoch (a rollback that costs one staged copy of the rank's slice of what was sent).
+weights and its epoch (a rollback that costs one staged copy of the rank's slice of what was sent). Once loaded,
+each rank publishes its figures for the acknowledgement: bytes received, seconds, bytes/s, the bytes it serves, and
+how far its resident memory rose over receive, staging and load (:mod:`.peak`).
 
 Under a delta the trainer ranks digest their chunks (:func:`.shards.digest`) and publish the digests; each engine
 rank keeps those of its regions once the load completed (:mod:`.digests`), and the next delta compares against
@@ -17,6 +19,7 @@ them. A full refit keeps none (nobody digests anything): the first delta after i
 
 from __future__ import annotations
 
+import logging
 import pickle
 import time
 from collections import deque
@@ -36,9 +39,13 @@ from .drafter import is_drafter
 from .finite import refuse_nonfinite
 from .layout import RegionSlice, engine_layout
 from .manifest import torch_dtype
+from .peak import peak_since, start_peak
 from .shards import (IN_FLIGHT, Box, buckets_of, changed_key, cover_problem, layout_key, link_chunks,
                      local_view, received_key, volume)
 from .sources import RendezvousSource, check_backend
+
+logger = logging.getLogger("megatron_serve.weights")
+
 
 def sent_names(rendezvous: Rendezvous, store: dist.Store, rank: int, regions: dict[str, Box], deadline: float
                ) -> tuple[set[str], dict[str, dict[str, str]]]:
@@ -88,9 +95,12 @@ class ShardedSource:
         rv = self.rendezvous
         if rv.world_size is None or rv.rank_offset is None:
             raise ValueError("the load step of a rendezvous refit needs world_size and rank_offset")
-        rank = rv.rank_offset + model.tp.stage.rank  # the rank in the engine group (pipeline stages included)
+        rank = rv.rank_offset + model.tp.engine_rank  # its rank in the engine (pipeline stages included)
         device = next(model.parameters()).device if rv.backend == "nccl" else torch.device("cpu")
-        regions = engine_layout(model, rv.manifest, holds_extra=model.tp.stage.rank == 0)
+        regions = engine_layout(model, rv.manifest, holds_extra=model.tp.engine_rank == 0)
+        # what receiving, staging and loading cost this process, in its acknowledgement (after the plan: a rank's
+        # first shape-only model imports torch's meta kernels once, which is no tensor)
+        peak = start_peak()
         held = held_digests(model)
         published = {name: (box, held.get(name, {})) for name, box in regions.items()}
         deadline = time.monotonic() + rv.timeout_s
@@ -107,15 +117,15 @@ class ShardedSource:
             # Checks of the received values belong here, before the commit: one that raises fails the commit on
             # every rank, and no engine changes.
             refuse_nonfinite(staged.items(), f"REFIT from {self.label}")
-            store.set(received_key(rank), pickle.dumps(facts))
             transfer.commit(pg, device)
         except (RuntimeError, TimeoutError) as exc:
             raise RuntimeError(f"the transfer from {self.label} broke before any weight changed (rank {rank}): "
-                               f"{exc}") from exc
+                               f"{exc}") from transfer.drop_frames(exc)  # the other ranks hear at once
         finally:
             transfer.close(pg)
             del pg
         shapes = {spec.name: spec.shape for spec in rv.manifest}
+        committed = time.perf_counter()
         done = False
         try:
             for name, data in adapters_first(staged.items()):  # the engine builds the adapters before the policy
@@ -126,6 +136,18 @@ class ShardedSource:
                 keep_digests(model, digests)
             else:  # a full refit leaves none: the next delta sends everything once, with its digests
                 forget_digests(model)
+        facts.update(load_s=round(time.perf_counter() - committed, 6), peak_rss_bytes=peak_since(peak))
+        del staged
+        _publish(store, rank, facts)
+
+
+def _publish(store: dist.Store, rank: int, facts: dict[str, Any]) -> None:
+    """This rank's figures for the acknowledgement (trainer rank 0 reads them once the REFIT is answered, which is
+    after every engine rank loaded): a trainer gone by now costs them, not the refit."""
+    try:
+        store.set(received_key(rank), pickle.dumps(facts))
+    except (RuntimeError, ValueError) as exc:
+        logger.warning("could not hand this rank's refit figures to the trainer: %s", exc)
 
 
 def _receive(rv: Rendezvous, pg: dist.ProcessGroup, regions: dict[str, Box], names: set[str],

@@ -125,7 +125,7 @@ class RendezvousSource:
         rv = self.rendezvous
         if rv.world_size is None or rv.rank_offset is None:
             raise ValueError("the load step of a rendezvous refit needs world_size and rank_offset")
-        rank = rv.rank_offset + model.tp.stage.rank  # the rank in the engine group (pipeline stages included)
+        rank = rv.rank_offset + model.tp.engine_rank  # its rank in the engine (pipeline stages included)
         device = next(model.parameters()).device if rv.backend == "nccl" else torch.device("cpu")
         if rv.lora is None:
             forget_digests(model)  # base weights broadcast whole: a later delta must compare against nothing

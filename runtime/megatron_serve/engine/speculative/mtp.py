@@ -74,6 +74,14 @@ class MtpProposer:
         """A refit tensor of the MTP layer (what the engine hands to :meth:`load_weights`)."""
         return self.mtp.owns(name)
 
+    def check_weights(self, shapes: Iterable[tuple[str, tuple[int, ...]]]) -> None:
+        """``ValueError`` naming the first refit tensor of the MTP layer that does not fit it: its loader run on a
+        shape-only (meta) copy, as the policy's verify step does, so a bad MTP tensor refuses the refit before any
+        weight changes."""
+        with _default_dtype(torch.float32), torch.device("meta"):
+            shadow = MtpLayers(self.target.config, torch.device("meta"))
+        load_model_weights(shadow, ((name, torch.empty(shape, device="meta")) for name, shape in shapes), partial=True)
+
     def forget(self, request_id: str) -> None:
         self.cache.drop(request_id)
         self._hidden.pop(request_id, None)

@@ -1,0 +1,115 @@
+"""``--all2all-backend``: which all-to-all an engine group's expert-parallel MoE layers run, chosen once at start on
+every rank alike, and said in one log line (docs/parallelism.md).
+
+``auto`` (the default) takes DeepEP where it can run (:func:`deepep_problem` finds nothing to stop it): in its
+low-latency mode for steps up to the largest CUDA graph, normal mode above, as SGLang's ``--deepep-mode auto``
+does; everywhere else the plain all-to-all (``alltoall``). A backend named explicitly that cannot run is refused at
+start, saying why. What each backend does is :mod:`megatron_serve.model.expert_dispatch`'s.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import logging
+from types import ModuleType
+from typing import Callable
+
+import torch
+
+from ..config import InferenceConfig
+from ..model.deepep_dispatcher import LOW_LATENCY_HIDDEN, DeepEPBuffers, DeepEPDispatcher
+from ..model.expert_dispatch import ExpertStep, install_dispatchers
+from ..model.moe import SparseMoeBlock
+from .graphs import capture_sizes
+
+logger = logging.getLogger(__name__)
+
+
+@functools.cache
+def import_deep_ep() -> ModuleType:
+    """``deep_ep``, imported once (its import checks the NCCL library and starts its JIT compiler)."""
+    return importlib.import_module("deep_ep")
+
+
+def low_latency_limit(config: InferenceConfig) -> int:
+    """The largest step (tokens of the whole group's step, as each rank sees it) that DeepEP's low-latency mode
+    serves: the largest CUDA graph's (``--cuda-graph-sizes``), within the step's token budget."""
+    return min(max(capture_sizes(config.cuda_graph_sizes, config.max_requests)), config.max_batch_tokens)
+
+
+def rank_tokens(limit: int, tensor_parallel_size: int) -> int:
+    """A rank's largest low-latency dispatch (its chunk of a ``limit``-token step), a multiple of 4 as DeepEP's
+    TMA copies want its buffers."""
+    chunk = -(-limit // tensor_parallel_size)
+    return -(-chunk // 4) * 4
+
+
+def deepep_problem(backend: str, config: InferenceConfig, device: torch.device, dtype: torch.dtype,
+                   hidden_size: int, expert_ranks: int, importer: Callable[[], ModuleType] = import_deep_ep
+                   ) -> str | None:
+    """Why DeepEP's ``backend`` (``deepep_high_throughput`` or ``deepep_low_latency``) cannot serve this engine
+    (None: it can)."""
+    if device.type != "cuda":
+        return f"its kernels run on GPUs, not on {device.type}"
+    if config.batch_invariant:
+        return "--batch-invariant wants one rank's bits, and DeepEP adds a token's experts in its own order"
+    if config.enable_lora:
+        return "LoRA adapters on the experts need each received row's token, which DeepEP's layouts do not keep"
+    if dtype != torch.bfloat16:
+        return f"its kernels move bfloat16 activations, the model runs in {str(dtype).removeprefix('torch.')}"
+    if backend == "deepep_low_latency" and hidden_size not in LOW_LATENCY_HIDDEN:
+        return (f"its low-latency kernels are built for hidden sizes {', '.join(map(str, LOW_LATENCY_HIDDEN))}, "
+                f"not {hidden_size}")
+    try:
+        deep_ep = importer()
+    except Exception as exc:  # noqa: BLE001 - an import that fails in any way means the same: not here
+        return f"deep_ep is not importable ({type(exc).__name__}: {exc})"
+    try:
+        deep_ep.Buffer.get_dispatch_config(expert_ranks)
+    except Exception as exc:  # noqa: BLE001 - DeepEP asserts on group sizes it has no tuned config for
+        return f"DeepEP has no configuration for {expert_ranks} ranks ({exc or type(exc).__name__})"
+    return None
+
+
+def resolve_backend(config: InferenceConfig, device: torch.device, dtype: torch.dtype, hidden_size: int,
+                    expert_ranks: int, importer: Callable[[], ModuleType] = import_deep_ep) -> tuple[str, str]:
+    """``(backend, why)`` for this engine: ``config.all2all_backend``, or what ``auto`` comes to. A DeepEP backend
+    asked for by name that cannot run raises ValueError naming it and why."""
+    requested = config.all2all_backend
+    if requested in ("alltoall", "allgather_reducescatter"):
+        return requested, "--all2all-backend"
+    if requested == "auto":
+        problem = deepep_problem("deepep_low_latency", config, device, dtype, hidden_size, expert_ranks, importer)
+        if problem is None:
+            return "deepep_low_latency", "auto: deep_ep imports on this GPU"
+        return "alltoall", f"auto: no DeepEP, {problem}"
+    problem = deepep_problem(requested, config, device, dtype, hidden_size, expert_ranks, importer)
+    if problem is not None:
+        raise ValueError(f"--all2all-backend {requested}: {problem}")
+    return requested, "--all2all-backend"
+
+
+def install_expert_backend(model: torch.nn.Module, config: InferenceConfig,
+                           importer: Callable[[], ModuleType] = import_deep_ep) -> ExpertStep | None:
+    """Resolve the backend and give every MoE layer of ``model`` its dispatchers (None, and nothing logged, where no
+    MoE layer moves tokens between ranks); rank 0 of the expert-parallel group logs which backend runs."""
+    blocks = [m for m in model.modules() if isinstance(m, SparseMoeBlock) and m.dispatcher is not None]
+    if not blocks:
+        return None
+    tp, device = model.tp, next(model.parameters()).device
+    hidden, experts = model.config.hidden_size, blocks[0].experts.num_experts
+    backend, why = resolve_backend(config, device, model.dtype, hidden, tp.expert_size, importer)
+    factory = None
+    if backend.startswith("deepep"):
+        limit = low_latency_limit(config) if backend == "deepep_low_latency" else 0
+        group = tp.data_parallel.group if tp.data_parallel.size > 1 else tp.group
+        buffers = DeepEPBuffers(importer(), group, hidden, experts, rank_tokens(max(limit, 1), tp.size))
+        factory = lambda block, step: DeepEPDispatcher(block.tp, experts, buffers, step, limit)  # noqa: E731
+    step = install_dispatchers(model, backend, factory)
+    if tp.expert_rank == 0:
+        low_latency = f", low-latency mode up to {low_latency_limit(config)} tokens a step" \
+            if backend == "deepep_low_latency" else ""
+        logger.info("expert parallelism over %d ranks: all-to-all backend %s (%s)%s", tp.expert_size, backend, why,
+                    low_latency)
+    return step
