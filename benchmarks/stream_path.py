@@ -1,38 +1,30 @@
 """The HTTP server's streaming path in one process, by CPU time: what ``benchmarks/serving.py``'s ``server`` column
 pays in Python, without the noise of a shared machine.
 
-The real objects of a served stack's HTTP process, wired as ``megatron-serve run`` wires them: the app of
-``create_app`` on uvicorn's httptools protocol (the server's own :class:`~megatron_serve.server.connections.
-ServerProtocol`, with uvicorn's proxy-headers wrapper) over an ``InferenceClient``. Two doubles stand at the
-edges: each HTTP connection's transport only counts (and, with ``--check``, keeps) the bytes written to it, and
-the client's ZeroMQ socket keeps the frames it sends. The benchmark itself plays the client of the HTTP API
-(request bytes into the protocol, as aiohttp sends them) and the coordinator (a ``SUBMIT`` is answered with
-``STEP_TOKENS`` frames made of the bytes an engine encodes, and a ``RESULT``), and hands the client each frame
-as its receive loop would (``InferenceClient._receive``). Before each frame and each batch of requests the
-caches are filled with other data (:class:`Evictor`), as the other processes of a machine fill them between two
-turns of a served stack's loop: a step's deltas find every stream's objects in memory, which triples the cost per
-token (``--hot``: kept cached). Time is the event loop thread's CPU time (``time.thread_time``), without the
-benchmark's own work (making frames, reading ``SUBMIT``s, filling the caches: timed apart and taken off); not
-counted: the kernel's share of a real write, ZeroMQ's I/O thread, and the coordinator's frames' way through
-ZeroMQ.
-
-Measures:
+The real objects of a served stack's HTTP process: ``create_app``'s app on the server's own uvicorn protocol
+(``server.connections.ServerProtocol``, behind uvicorn's proxy-headers wrapper) over an ``InferenceClient``.
+Doubles stand at the edges: each connection's transport keeps what is written to it, the client's ZeroMQ socket
+the frames it sends. The benchmark plays the HTTP client (request bytes into the protocol, as aiohttp sends
+them) and the coordinator (each ``SUBMIT`` answered by ``STEP_TOKENS`` frames of the bytes an engine encodes,
+then a ``RESULT``), and hands the client each frame as its receive loop would (``InferenceClient._receive``).
+Before each frame and each batch of requests the caches are filled with other data (:class:`Evictor`), as the
+other processes of a machine fill them between two turns of a served stack's loop (``--hot``: kept). Time is
+the loop thread's CPU time without the benchmark's own work (frames made, ``SUBMIT``s read, caches filled: timed
+apart and taken off); not counted: the kernel's share of a write, ZeroMQ's I/O thread and sockets.
 
 * ``token``: per streamed token, ``--streams`` streams open, steps of one token each (nothing starts or ends);
-* ``intake to first write``: per request, from its bytes into the protocol to the first chunk written: the HTTP
-  way in, the body's parse, the submission, the ``SUBMIT``; the first step's delta, the response's start and its
-  first chunk;
-* ``end``: per request, from the frame with its last token and its ``RESULT`` to the end of its body;
+* ``intake to first write``: per request, its bytes into the protocol to its first chunk written (the HTTP way
+  in, the body's parse, the submission and ``SUBMIT``, the first delta, the response's start);
+* ``end``: per request, the frame of its last token and ``RESULT`` to the end of its body;
 * ``mix``: ``serving.py``'s level, closed loop: ``--streams`` connections, each sending its next request when its
-  answer ended, staggered lengths (half to one and a half times ``--output-tokens``), one token per stream per
-  step; CPU ms per 1,000 streamed tokens, the figure to hold beside ``serving.py``'s ``server`` column.
+  answer ended, staggered lengths (half to one and a half times ``--output-tokens``), a token per stream per step;
+  CPU us per token, i.e. ms per 1,000 tokens, the figure to hold beside ``serving.py``'s ``server`` column.
 
-Generated tokens are the ids of a plain English text (the tiny model's corpus) in a loop, each stream from
-its own offset: what a model's answer looks like to the detokenizer (``--random-ids``: uniform ids of the
-vocabulary, a quarter of them bytes of characters split over tokens).
+Generated tokens are the ids of an English text (the tiny model's corpus), each stream from its own offset
+(``--random-ids``: uniform ids, a quarter of them bytes of characters split over tokens).
 
-    python benchmarks/stream_path.py                    # every measure, 64 streams, median of --repeats
-    python benchmarks/stream_path.py --profile mix      # cProfile of one measure, by own time
+    python benchmarks/stream_path.py                    # every measure, 64 streams, median and least of --repeats
+    python benchmarks/stream_path.py --hot              # the same with the caches kept between steps
     python benchmarks/stream_path.py --check            # also: every stream's text is the tokenizer's decode
 """
 
@@ -40,14 +32,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import cProfile
 import functools
 import itertools
 import json
-import pstats
 import random
 import statistics
-import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -55,6 +44,18 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
+import uvicorn
+import uvloop
+
+from megatron_serve.client.coordinator_client import InferenceClient
+from megatron_serve.heap import defer_young_collections, freeze_startup_heap
+from megatron_serve.model.tiny import BOS, CHAT_TEMPLATE, CORPUS, EOS, train_tokenizer
+from megatron_serve.server import create_app
+from megatron_serve.server.connections import ServerProtocol
+from megatron_serve.tokenizer import Tokenizer
+from megatron_serve.wire.messages import PROTOCOL_VERSION, RequestDeltaOut, StepTokensOut
+from megatron_serve.wire.protocol import Header, encode, encode_batch
+from megatron_serve.wire.request import EventType, FinalRecord, FinishReason, RequestEvent, RequestStatus
 
 #: What a step's delta of one token carries from an engine: the token and its epochs (policy, KV, adapter).
 _EPOCHS = [[0], [0], [-1]]
@@ -64,9 +65,7 @@ MODEL = "tiny-llama"
 
 def tiny_tokenizer_dir() -> Path:
     """The tiny model's tokenizer files, written once (no weights: the server makes no use of them)."""
-    from transformers import PreTrainedTokenizerFast  # noqa: PLC0415
 
-    from megatron_serve.model.tiny import BOS, CHAT_TEMPLATE, EOS, train_tokenizer  # noqa: PLC0415
 
     path = Path(tempfile.mkdtemp(prefix="stream-path-"))
     fast = PreTrainedTokenizerFast(tokenizer_object=train_tokenizer(), bos_token=BOS, eos_token=EOS,
@@ -88,11 +87,9 @@ def last_level_cache_bytes() -> int:
 
 
 class Evictor:
-    """What other processes do to a served stack's HTTP process between two turns of its loop: they run on its core
-    and fill the caches, the last level's included (the engine, the coordinator, the HTTP client, other work on the
-    machine), so that a step's deltas find every stream's objects in memory, not in a cache. Copying twice the last
-    level's size through it does the same here; with ``--hot`` nothing is evicted (every object stays cached between
-    steps, as in a loop that does nothing else: a third of the cost per token)."""
+    """What other processes (engine, coordinator, HTTP client, other work) do to a served stack's HTTP process between
+    two turns of its loop: fill the caches, the last level's too, so that a step finds every stream's objects in
+    memory. Copying twice the last level's size does the same here (``--hot``: nothing)."""
 
     def __init__(self, on: bool) -> None:
         size = 2 * last_level_cache_bytes() if on else 0
@@ -138,8 +135,7 @@ class Progress:
                 self._done.set_result(None)
 
 
-#: C callables that return a constant (a transport's ``is_closing`` and ``get_write_buffer_size`` without a Python
-#: call).
+#: C callables returning a constant: a transport's ``is_closing`` and ``get_write_buffer_size`` without a Python call
 _OPEN = itertools.repeat(False).__next__
 _CLOSED = itertools.repeat(True).__next__
 _EMPTY = itertools.repeat(0).__next__
@@ -192,14 +188,10 @@ class CountingTransport:
     def close(self) -> None:
         self.is_closing = _CLOSED
 
-    def pause_reading(self) -> None:
+    def pause_reading(self, *_: Any) -> None:
         pass
 
-    def resume_reading(self) -> None:
-        pass
-
-    def set_protocol(self, protocol: Any) -> None:
-        pass
+    resume_reading = set_protocol = pause_reading
 
 
 class SocketDouble:
@@ -237,18 +229,13 @@ class Bench:
 
     def __init__(self, tokenizer_dir: Path, streams: int, output_tokens: int, random_ids: bool, keep: bool,
                  cold: bool = True) -> None:
-        from megatron_serve.tokenizer import Tokenizer  # noqa: PLC0415
-        from megatron_serve.model.tiny import CORPUS  # noqa: PLC0415
-
         self.tokenizer = Tokenizer.from_pretrained(tokenizer_dir)
-        self.tokenizer_dir = tokenizer_dir
         self.streams = streams
         self.output_tokens = output_tokens
         self.keep = keep
         rng = random.Random(0)
-        special = self.tokenizer.special_token_ids
         if random_ids:
-            vocab = [i for i in range(self.tokenizer.vocab_size) if i not in special]
+            vocab = [i for i in range(self.tokenizer.vocab_size) if i not in self.tokenizer.special_token_ids]
             self.text_ids = [rng.choice(vocab) for _ in range(4096)]
         else:
             self.text_ids = self.tokenizer.encode(CORPUS, add_special_tokens=False)
@@ -262,17 +249,8 @@ class Bench:
         self.progress = Progress()
         self._evictor = Evictor(cold)
 
-    # ------------------------------------------------------------------ the stack
-
     async def start(self) -> None:
-        import uvicorn  # noqa: PLC0415
 
-        from megatron_serve.client.coordinator_client import InferenceClient  # noqa: PLC0415
-        from megatron_serve.heap import defer_young_collections, freeze_startup_heap  # noqa: PLC0415
-        from megatron_serve.server import create_app  # noqa: PLC0415
-        from megatron_serve.server.connections import ServerProtocol  # noqa: PLC0415
-        from megatron_serve.wire.messages import PROTOCOL_VERSION  # noqa: PLC0415
-        from megatron_serve.wire.protocol import Header, encode  # noqa: PLC0415
 
         client = InferenceClient("tcp://127.0.0.1:1", token=None, tokenizer=self.tokenizer)
         client._loop = asyncio.get_running_loop()  # started as start() would, on a socket double
@@ -306,7 +284,6 @@ class Bench:
         self.client.close()
 
     def _answer_status(self) -> None:
-        from megatron_serve.wire.protocol import Header, encode  # noqa: PLC0415
 
         for header, body in self._sent():
             if header == Header.STATUS:
@@ -318,7 +295,6 @@ class Bench:
 
     def _sent(self) -> list[tuple[int, Any]]:
         """The messages the client sent since the last look (BATCH frames opened)."""
-        from megatron_serve.wire.protocol import Header  # noqa: PLC0415
 
         frames, self.socket.sent = self.socket.sent, []
         out = []
@@ -347,8 +323,6 @@ class Bench:
         self._evictor()
         self.driver += time.thread_time() - started
 
-    # ------------------------------------------------------------------ the two ends
-
     def request(self, stream: Stream, length: int) -> bytes:
         """A streamed completion of ``length`` tokens as aiohttp sends it (``serving.py``'s body); the stream's
         tokens to generate are chosen here."""
@@ -372,7 +346,6 @@ class Bench:
 
     def submitted(self) -> None:
         """Read the SUBMITs sent since the last look: each one's prompt names its stream."""
-        from megatron_serve.wire.protocol import Header  # noqa: PLC0415
 
         started = time.thread_time()
         for header, body in self._sent():
@@ -383,7 +356,6 @@ class Bench:
     def _delta(self, token: int) -> msgspec.Raw:
         raw = self._delta_bytes.get(token)
         if raw is None:
-            from megatron_serve.wire.messages import RequestDeltaOut  # noqa: PLC0415
 
             raw = self._delta_bytes[token] = msgspec.Raw(msgspec.msgpack.encode(RequestDeltaOut(
                 request_id=_ENGINE_REQUEST_ID, new_tokens=[token], finished=False, epochs=_EPOCHS)))
@@ -392,8 +364,6 @@ class Bench:
     def step(self, streams: list[Stream]) -> tuple[bytes, list[Stream]]:
         """The frame of one engine step: a token for each of ``streams``, and the RESULT of each that ends with it
         (one BATCH, as the coordinator sends a step's messages to a client); the streams that end."""
-        from megatron_serve.wire.messages import StepTokensOut  # noqa: PLC0415
-        from megatron_serve.wire.protocol import Header, encode, encode_batch  # noqa: PLC0415
 
         started = time.thread_time()
         ids, deltas, ending = [], [], []
@@ -412,7 +382,6 @@ class Bench:
 
     def _record(self) -> msgspec.Raw:
         """A finished request's record as an engine sends it (``FinalRecord``: the prompt, events, times)."""
-        from megatron_serve.wire.request import EventType, FinalRecord, FinishReason, RequestEvent, RequestStatus  # noqa: PLC0415
 
         now = time.time()
         events = [RequestEvent(EventType.ADD, now - 1), RequestEvent(EventType.PREFILL, now - 0.95),
@@ -453,6 +422,7 @@ class Bench:
 
 def _past(transport: CountingTransport, count: str, value: int) -> bool:
     return getattr(transport.count(), count) > value
+
 
 # ---------------------------------------------------------------------------------------------------- measures
 
@@ -582,26 +552,16 @@ async def run(args: argparse.Namespace) -> dict[str, list[float]]:
     try:
         await measure_mix(bench, min(args.requests, 2 * args.streams))  # warm-up: every path taken once
         results: dict[str, list[float]] = {"token": [], "intake": [], "end": [], "mix": []}
-        profile = cProfile.Profile(time.thread_time) if args.profile else None  # CPU time: no preemptions
         for _ in range(args.repeats):
-            if profile is not None:
-                profile.enable()
-            if args.profile in (None, "token"):
-                results["token"].append(await measure_token(bench, args.steps))
-            if args.profile in (None, "request"):
-                intake, end = await measure_request(bench, args.single_requests)
-                results["intake"].append(intake)
-                results["end"].append(end)
-            if args.profile in (None, "mix"):
-                results["mix"].append((await measure_mix(bench, args.requests))[0])
-            if profile is not None:
-                profile.disable()
-        if profile is not None:
-            pstats.Stats(profile, stream=sys.stdout).sort_stats("tottime").print_stats(args.profile_lines)
+            results["token"].append(await measure_token(bench, args.steps))
+            intake, end = await measure_request(bench, args.single_requests)
+            results["intake"].append(intake)
+            results["end"].append(end)
+            results["mix"].append((await measure_mix(bench, args.requests))[0])
         if args.check:
             await asyncio.sleep(0.01)
             print(f"checked {check(bench, bench.connections)} answers: each one's text is its tokens' decoding")
-        return {name: values for name, values in results.items() if values}
+        return results
     finally:
         await bench.stop()
 
@@ -616,14 +576,10 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5, help="runs of each measure (the median is shown)")
     parser.add_argument("--random-ids", action="store_true", help="uniform random ids instead of a text's")
     parser.add_argument("--tokenizer", type=Path, help="a directory with tokenizer files (default: the tiny model's)")
-    parser.add_argument("--profile", choices=("token", "request", "mix"), help="cProfile one measure")
-    parser.add_argument("--profile-lines", type=int, default=40)
     parser.add_argument("--hot", action="store_true", help="keep the caches between steps (see Evictor)")
     parser.add_argument("--check", action="store_true", help="check every stream's text (slower: bytes kept)")
     parser.add_argument("--json", action="store_true", help="print the figures as JSON")
     args = parser.parse_args()
-    import uvloop  # noqa: PLC0415 - the server's loop
-
     runs = uvloop.run(run(args))
     if args.json:
         print(json.dumps({name: statistics.median(values) for name, values in runs.items()}))

@@ -55,9 +55,9 @@ class TextSlot:
     the string are cut from its output; a string's JSON escapes alike wherever it stands, and the line breaks
     escaped in event data are whole characters, never cut by the ASCII quotes at the cut).
 
-    Per streamed piece of a plain answer this saves the choice's dict and list, their encoding and the scan of
-    the whole chunk for line breaks: the receive path of a step's frame through to the connection's write (64
-    completions of one token a step, in-process) 7.8 -> 6.2 us per token, the bytes written the same.
+    Per streamed piece of a plain answer this saves the choice's dict and list, their encoding, the scan of the
+    whole chunk for line breaks and the choice's bookkeeping (which serves listings, token ids and running usage):
+    what it saves per token is in docs/benchmarks.md (the serving section's eighth round).
     """
 
     __slots__ = ("_before", "_after")
