@@ -65,7 +65,7 @@ MODEL = "tiny-llama"
 
 def tiny_tokenizer_dir() -> Path:
     """The tiny model's tokenizer files, written once (no weights: the server makes no use of them)."""
-
+    from transformers import PreTrainedTokenizerFast  # noqa: PLC0415 - only here
 
     path = Path(tempfile.mkdtemp(prefix="stream-path-"))
     fast = PreTrainedTokenizerFast(tokenizer_object=train_tokenizer(), bos_token=BOS, eos_token=EOS,
