@@ -120,6 +120,27 @@ class Tokenizer:
         """:meth:`decode_one`'s texts by id: without, then with ``skip_special_tokens``."""
         return {}, {}
 
+    def single_texts(self, skip_special_tokens: bool = True) -> dict[int, str]:
+        """The texts :meth:`decode_one` kept so far, by id (the client side reads them without a call per token)."""
+        return self._single_texts[skip_special_tokens]
+
+    @functools.cached_property
+    def concatenative(self) -> bool:
+        """Whether the text of tokens is the texts of their runs that end on whole characters, joined: then a token
+        that follows such a run adds its own text (:meth:`decode_one`) exactly.
+
+        So it is for byte-level BPE (GPT-2, Llama 3, Qwen, the tiny model): the decoder maps each token to its bytes,
+        and the text is those bytes, joined, read as UTF-8 (invalid bytes become U+FFFD), whatever the tokens.
+        Where a decoder looks at a token's neighbours (SentencePiece's word-start marker, WordPiece's ``##``), or
+        ``transformers`` changes the text afterwards (see :attr:`_rust`), it is not.
+        """
+        rust = self._rust
+        if rust is None:
+            return False
+        from tokenizers import decoders  # noqa: PLC0415
+
+        return type(rust.decoder) is decoders.ByteLevel
+
     @functools.cached_property
     def _rust(self) -> Any:
         """The fast tokenizer's Rust object when calling it decodes exactly as ``transformers`` does, else None.

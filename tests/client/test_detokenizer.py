@@ -143,3 +143,60 @@ def test_a_token_decoded_on_its_own_is_kept_as_decoding_it_gives(tokenizer):
         for token in range(tokenizer.vocab_size):
             assert tokenizer.decode_one(token, skip) == tokenizer.decode([token], skip_special_tokens=skip)
             assert tokenizer.decode_one(token, skip) == tokenizer.decode([token], skip_special_tokens=skip)  # kept
+
+
+def _run(detokenizer: IncrementalDetokenizer, tokens: list[int], sizes: list[int]) -> list[tuple]:
+    """What a detokenizer shows at each delta of ``sizes`` tokens: its text, the streamed piece, the listing."""
+    seen, shown = 0, []
+    for size in sizes:
+        seen = min(len(tokens), seen + size)
+        detokenizer.update(tokens[:seen])
+        final = seen == len(tokens)
+        listed = detokenizer.listable(detokenizer.emitted) if detokenizer.ends is not None else None
+        shown.append((detokenizer.text, detokenizer.take_new_text(final=final), listed, list(detokenizer.ends or [])))
+        if final:
+            return shown
+    raise AssertionError("sizes too short")
+
+
+def test_a_byte_level_tokenizer_adds_each_token_s_own_text_and_shows_what_its_windows_show():
+    """Byte-level BPE is concatenative: a token after whole characters adds its own text, kept per id (no decoding),
+    and everything shown (texts, pieces, listings) is what decoding each window shows, for random ids (a quarter of
+    them bytes of split characters), special tokens skipped or not, deltas of one or several tokens."""
+    import random
+
+    tokenizer = byte_level_tokenizer()
+    assert tokenizer.concatenative and not metaspace_tokenizer().concatenative
+    rng = random.Random(0)
+    special = sorted(tokenizer.special_token_ids)
+    total = 0
+
+    class Counted(IncrementalDetokenizer):
+        windows = 0
+
+        def _decode_window(self, new_tokens):
+            Counted.windows += 1
+            super()._decode_window(new_tokens)
+    for case in range(60):
+        tokens = [rng.choice(special) if rng.random() < 0.05 else rng.randrange(tokenizer.vocab_size)
+                  for _ in range(rng.randrange(1, 40))]
+        sizes = [rng.choice([1, 1, 1, 2, 3]) for _ in tokens]
+        skip, listing = case % 2 == 0, case % 3 == 0
+        short = Counted(tokenizer, skip_special_tokens=skip, token_texts=listing)
+        window = IncrementalDetokenizer(tokenizer, skip_special_tokens=skip, token_texts=listing)
+        window._texts = None  # the control: every token through a decoded window
+        shown = _run(short, tokens, sizes)
+        assert shown == _run(window, tokens, sizes)
+        assert shown[-1][0] == tokenizer.decode(tokens, skip_special_tokens=skip)
+        total += len(tokens)
+    assert Counted.windows < total / 2  # most tokens took the short way
+
+
+def test_a_sentencepiece_tokenizer_is_not_concatenative_its_tokens_text_depends_on_their_neighbours():
+    tokenizer = metaspace_tokenizer()
+    tokens = tokenizer.encode(TEXTS[0], add_special_tokens=False)
+    forced = IncrementalDetokenizer(tokenizer)
+    forced._texts = tokenizer.single_texts(True)  # the negative control: the short way where it does not hold
+    for count in range(1, len(tokens) + 1):
+        forced.update(tokens[:count])
+    assert forced.text != tokenizer.decode(tokens)  # word-start markers lose their spaces

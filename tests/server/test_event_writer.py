@@ -43,9 +43,11 @@ def taken(monkeypatch) -> list[int]:
     counted: list[int] = []
     write_now = chunked.ChunkedBody.write_now
 
-    def counting(self, body: bytes) -> None:
-        counted.append(len(body))
-        write_now(self, body)
+    def counting(self, body: bytes) -> bool:
+        written = write_now(self, body)
+        if written:
+            counted.append(len(body))
+        return written
 
     monkeypatch.setattr(chunked.ChunkedBody, "write_now", counting)
     return counted
@@ -77,6 +79,20 @@ async def test_pieces_go_straight_into_the_connection_and_the_events_are_the_sam
     assert events[-1]["usage"]["completion_tokens"] == 48
 
 
+class Full:
+    """A connection's transport whose buffer holds bytes (``waiting``) the client has not read."""
+
+    def __init__(self, transport) -> None:
+        self.transport = transport
+        self.waiting = 1 << 20
+
+    def get_write_buffer_size(self) -> int:
+        return self.waiting
+
+    def __getattr__(self, name: str):
+        return getattr(self.transport, name)
+
+
 async def test_a_full_connection_keeps_its_pieces_while_other_streams_go_on(tokenizer, monkeypatch):
     bodies: list = []
     offered = streaming.chunked_body
@@ -94,11 +110,14 @@ async def test_a_full_connection_keeps_its_pieces_while_other_streams_go_on(toke
             chunks = slow.aiter_bytes()
             first = await chunks.__anext__()
             assert bodies and bodies[0] is not None, "the stream got no body writer"
-            flow = bodies[0]._flow
-            flow.pause_writing()  # as the transport says when the client does not read
+            full = Full(bodies[0]._transport)
+            bodies[0]._transport = full  # what the transport and its protocol say when the client does not read:
+            flow = bodies[0]._flow  # bytes wait in its buffer, past the mark where writing pauses
+            flow.pause_writing()
             other = await http.post("/v1/completions", json=body)  # runs whole while the first waits
             assert other.status_code == 200 and _events(other.text)[-1]["usage"]["completion_tokens"] == 40
             assert not backend.running  # both generated everything: the first's pieces wait for its connection
+            full.waiting = 0
             flow.resume_writing()
             rest = b"".join([chunk async for chunk in chunks])
     assert _events((first + rest).decode()) == _events(other.text)

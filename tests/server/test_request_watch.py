@@ -45,7 +45,7 @@ class Channel:
 
 async def test_departure_cancels_the_tasks_it_watches_for_only_while_they_are_watched():
     channel = Channel()
-    departure = Departure(channel)
+    departure = Departure({}, channel)
     watched = asyncio.create_task(asyncio.sleep(30))
     moved_on = asyncio.create_task(asyncio.sleep(30))
     departure.cancel_on_leave(watched)
@@ -65,7 +65,7 @@ async def test_departure_cancels_the_tasks_it_watches_for_only_while_they_are_wa
 
 async def test_a_closed_departure_cancels_nothing():
     channel = Channel()
-    departure = Departure(channel)
+    departure = Departure({}, channel)
     task = asyncio.create_task(asyncio.sleep(30))
     departure.cancel_on_leave(task)
     departure.close()
@@ -73,3 +73,42 @@ async def test_a_closed_departure_cancels_nothing():
     await asyncio.sleep(0.01)
     assert not departure.left and not task.done()
     task.cancel()
+
+
+async def test_the_server_protocol_tells_a_departure_itself_without_a_task():
+    """Under the server's own protocol the request's ``ChunkedBody`` carries the departure: no task waits on
+    ``receive``, and the protocol's word (``told_left``) cancels what is watched; a closed departure is forgotten."""
+    from megatron_serve.server.chunked import EXTENSION, ChunkedBody, told_left
+
+    class Cycle:  # what a request-response cycle of uvicorn's has that the body writer reads
+        def __init__(self) -> None:
+            self.transport = self.flow = None
+            self.disconnected = self.response_complete = False
+            self.scope = {}
+            self.scope["extensions"] = {EXTENSION: ChunkedBody(self)}
+
+    cycle = Cycle()
+
+    async def never() -> dict:
+        raise AssertionError("nothing reads receive")
+
+    tasks = len(asyncio.all_tasks())
+    departure = Departure(cycle.scope, never)
+    assert len(asyncio.all_tasks()) == tasks  # no watcher
+    watched = asyncio.create_task(asyncio.sleep(30))
+    departure.cancel_on_leave(watched)
+    cycle.disconnected = True
+    told_left(cycle)
+    await asyncio.sleep(0)
+    assert departure.left and watched.cancelled()
+    departure.close()
+    late = Departure(cycle.scope, never)  # its client had left already
+    assert not late.left
+    await asyncio.sleep(0)  # it learns on the next turn, as a watcher would
+    assert late.left
+    other = Cycle()
+    forgotten = Departure(other.scope, never)
+    forgotten.close()
+    other.disconnected = True
+    told_left(other)
+    assert not forgotten.left

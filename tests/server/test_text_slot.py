@@ -35,3 +35,18 @@ def test_no_slot_when_every_chunk_carries_a_usage():
     writer = ChunkWriter("cmpl-1", "text_completion", 1, "m",
                          running_usage=lambda: Usage(prompt_tokens=1, completion_tokens=2, total_tokens=3))
     assert writer.text_slot({"index": 0, "text": SLOT, "logprobs": None, "finish_reason": None}) is None
+
+
+@pytest.mark.parametrize("cached", [0, 7])
+def test_a_stream_s_usage_chunk_is_the_usage_model_s_byte_for_byte(cached):
+    """The last chunk encodes the usage's fields as plain data: the same bytes as the model (what whole answers and
+    the running usage still carry), nested prompt details and field order included."""
+    from types import SimpleNamespace
+
+    from megatron_serve.server.answers import make_usage, usage_fields
+
+    job = SimpleNamespace(prompt_index=0, index=0, prompt=SimpleNamespace(tokens=list(range(12))))
+    finished = [(job, SimpleNamespace(generated_tokens=[1, 2, 3], cached_tokens=cached))]
+    writer = ChunkWriter("cmpl-1", "text_completion", 1, "m")
+    assert writer.chunk([], usage=usage_fields(12, finished)) == writer.chunk([], usage=make_usage(12, finished))
+    assert b'"prompt_tokens_details":{"cached_tokens":%d}' % cached in writer.chunk([], usage=usage_fields(12, finished))

@@ -333,7 +333,6 @@ class InferenceClient(FleetVerbs):
     # ------------------------------------------------------------------ receiving
 
     async def _recv_loop(self, sock: zmq.asyncio.Socket) -> None:
-        connection = self._connection
         waiting = zmq.Socket.shadow(sock.underlying)  # the same socket, read without a future per message
         while not self._closed and sock is self._sock:
             try:
@@ -350,25 +349,30 @@ class InferenceClient(FleetVerbs):
             for frame in frames:
                 if sock is not self._sock:  # replaced while this turn let the loop run
                     return
-                registered = connection.registered
                 try:
-                    messages = connection.receive(frame, time.monotonic())
+                    handled += self._receive(frame)
                 except Unauthorized as exc:
                     self._refused(exc)
                     return
-                if registered and not connection.registered and self._wake is not None:
-                    self._wake.set()  # the coordinator forgot us (it restarted): HELLO at once
-                for header, body in messages:
-                    try:
-                        self._on_message(header, body)
-                    except Exception:  # a handler bug must not kill the receive loop
-                        logger.exception("error handling %s", header.name)
-                handled += len(messages)
                 if handled >= _MESSAGES_PER_TURN:
                     handled = 0
                     await asyncio.sleep(0)
             if len(frames) == _BATCH:
                 await asyncio.sleep(0)  # more may be waiting: let the event loop run first (see _BATCH)
+
+    def _receive(self, frame: bytes) -> int:
+        """Handle one frame from the coordinator; how many messages it held. Raises :class:`Unauthorized`."""
+        connection = self._connection
+        registered = connection.registered
+        messages = connection.receive(frame, time.monotonic())
+        if registered and not connection.registered and self._wake is not None:
+            self._wake.set()  # the coordinator forgot us (it restarted): HELLO at once
+        for header, body in messages:
+            try:
+                self._on_message(header, body)
+            except Exception:  # a handler bug must not kill the receive loop
+                logger.exception("error handling %s", header.name)
+        return len(messages)
 
     def _on_message(self, header: Header, body: Any) -> None:
         if header is Header.STEP_TOKENS:  # a step's deltas of this client's requests (or catch-ups: starts)

@@ -40,6 +40,11 @@ class IncrementalDetokenizer:
     of all tokens concatenate to the text, and no offset passes its end.
     """
 
+    __slots__ = ("tokenizer", "stop_words", "include_stop", "holdback", "emitted", "ends", "_skip_special",
+                 "_special", "_texts", "_seen", "_visible", "_prefix_offset", "_read_offset", "_done", "_done_length",
+                 "_joined", "_joined_count", "_pending_text", "_final_text", "_sent_piece", "_sent_start", "_checked",
+                 "_stop_floor", "_incomplete")
+
     def __init__(self, tokenizer: Tokenizer, stop_words: Sequence[str] = (), *, skip_special_tokens: bool = True,
                  include_stop_str_in_output: bool = False, token_texts: bool = False):
         self.tokenizer = tokenizer
@@ -47,39 +52,90 @@ class IncrementalDetokenizer:
         self.include_stop = include_stop_str_in_output
         longest = max((len(word) for word in self.stop_words), default=1)
         self.holdback = 0 if include_stop_str_in_output else longest - 1
-        self.emitted = 0
-        self.text = ""
+        self.emitted = 0  # characters of the text taken (take_new_text)
         self._skip_special = skip_special_tokens
         self._special = tokenizer.special_token_ids if skip_special_tokens else frozenset()
+        # A tokenizer whose text is its tokens' texts joined (Tokenizer.concatenative): a token after a run that ended
+        # on whole characters adds its own text, kept per id: no window to decode (see _window)
+        self._texts = tokenizer.single_texts(skip_special_tokens) if tokenizer.concatenative else None
         self._seen = 0  # generated tokens looked at so far
         self._visible: list[int] = []  # the generated tokens that render (special ones too without skipping)
-        self._committed = ""  # text of visible[:read_offset], final
         self._prefix_offset = 0  # window start: the visible token before read_offset, decoded for context
         self._read_offset = 0
+        # The text of visible[:read_offset], final, as the pieces it was made in: a piece joins the text when the
+        # text is read, not per token (joining it to the text so far copied the whole text once per token)
+        self._done: list[str] = []
+        self._done_length = 0
+        self._joined = ""  # the first _joined_count pieces, joined
+        self._joined_count = 0
+        self._pending_text = ""  # what the tokens past read_offset add (it ends in U+FFFD: an incomplete character)
+        self._final_text: str | None = None  # the text once a stop string ended it
+        self._sent_piece = 0  # without stop strings: the first piece not taken whole, and where it starts
+        self._sent_start = 0
         self._checked = 0  # committed characters already searched for stop strings
         self._stop_floor = 0  # stop words must end past this (text made while min_tokens held them off)
         # With token_texts: per token, the length of the text that is final once it is decoded
         self.ends: list[int] | None = [] if token_texts else None
-        self._pending = False  # the last token leaves an incomplete character (it takes it if it stays last)
+        self._incomplete = False  # the last token leaves an incomplete character (it takes it if it stays last)
 
-    def append(self, new_tokens: Sequence[int]) -> str:
-        """The whole text after ``new_tokens``: committed text plus what the tokens past ``read_offset`` add."""
+    @property
+    def text(self) -> str:
+        """The text so far (trimmed where a stop string ended it)."""
+        if self._final_text is not None:
+            return self._final_text
+        return self._committed() + self._pending_text
+
+    def _committed(self) -> str:
+        """The final text (of ``visible[:read_offset]``), its pieces joined."""
+        done = self._done
+        if self._joined_count != len(done):
+            self._joined += "".join(done[self._joined_count:])
+            self._joined_count = len(done)
+        return self._joined
+
+    def append(self, new_tokens: Sequence[int]) -> None:
+        """Decode ``new_tokens`` (with ``token_texts``, one window each, keeping each one's end)."""
         ends = self.ends
         if ends is None or not new_tokens:
-            return self._window(new_tokens)
-        whole = ""
+            self._window(new_tokens)
+            return
         for token in new_tokens:  # one window per token: each one's share of the text is known
-            whole = self._window((token,))
-            ends.append(len(self._committed))
-            self._pending = len(whole) > len(self._committed)
-        return whole
+            self._window((token,))
+            ends.append(self._done_length)
+            self._incomplete = bool(self._pending_text)
 
-    def _window(self, new_tokens: Iterable[int]) -> str:
-        """Decode the window the new tokens end (see the class docstring); the whole text so far.
+    def _window(self, new_tokens: Iterable[int]) -> None:
+        """Decode the window the new tokens end (see the class docstring).
 
         The window's context is most often the one token before the new ones, whose text alone the tokenizer
         keeps (:meth:`~megatron_serve.tokenizer.Tokenizer.decode_one`): one decoding per token instead of two.
+        A concatenative tokenizer's token that comes when nothing is pending adds its own text and moves the
+        window past itself, as decoding the window would (the text is the same whatever the windows); one that
+        leaves an incomplete character, and the tokens after it until one completes it, take the window.
         """
+        texts = self._texts
+        if texts is None:
+            self._decode_window(new_tokens)
+            return
+        visible, special, done = self._visible, self._special, self._done
+        for token in new_tokens:
+            if token in special:
+                continue
+            if self._read_offset == len(visible):  # nothing pending
+                text = texts.get(token)
+                if text is None:
+                    text = self.tokenizer.decode_one(token, self._skip_special)
+                if not text.endswith("\ufffd"):
+                    visible.append(token)
+                    self._prefix_offset = self._read_offset
+                    self._read_offset += 1
+                    done.append(text)
+                    self._done_length += len(text)
+                    continue
+            self._decode_window((token,))
+
+    def _decode_window(self, new_tokens: Iterable[int]) -> None:
+        """:meth:`_window` by decoding the window."""
         visible, special, tokenizer = self._visible, self._special, self.tokenizer
         for token in new_tokens:  # (a loop: a generator for the one token of a step cost more than its decoding)
             if token not in special:
@@ -91,10 +147,11 @@ class IncrementalDetokenizer:
             prefix = tokenizer.decode(visible[start:read], skip)
         pending = tokenizer.decode(visible[start:], skip)[len(prefix) :]
         if pending and not pending.endswith("\ufffd"):
-            self._committed += pending
+            self._done.append(pending)
+            self._done_length += len(pending)
             self._prefix_offset, self._read_offset = self._read_offset, len(self._visible)
-            return self._committed
-        return self._committed + pending
+            pending = ""
+        self._pending_text = pending
 
     def update(self, generated_tokens: list[int], check_stop: bool = True) -> bool:
         """Decode the new tokens; returns True when a stop word appeared (the text is then trimmed).
@@ -103,19 +160,28 @@ class IncrementalDetokenizer:
         ends in the text made meanwhile never counts later.
         """
         checked = self._checked
-        text = self.append(generated_tokens[self._seen :])
+        self.append(generated_tokens[self._seen :])
         self._seen = len(generated_tokens)
-        self._checked = len(self._committed)
+        self._checked = self._done_length
         if not check_stop:
-            self._stop_floor = len(text)
+            self._stop_floor = self._done_length + len(self._pending_text)
         elif self.stop_words:
+            text = self.text
             hits = [(i + len(w), i, w) for w in self.stop_words if (i := self._find_stop(text, w, checked)) >= 0]
             if hits:
                 end, start, _ = min(hits)
-                self.text = text[: end if self.include_stop else start]
+                self._final_text = text[: end if self.include_stop else start]
                 return True
-        self.text = text
         return False
+
+    def extend(self, new_tokens: list[int]) -> None:
+        """Decode the tokens that follow those seen so far, with no stop strings to look for (:meth:`update`'s work
+        when there are none)."""
+        if self.ends is None:
+            self._window(new_tokens)
+        else:
+            self.append(new_tokens)
+        self._seen += len(new_tokens)
 
     def _find_stop(self, text: str, word: str, checked: int) -> int:
         """The first occurrence of ``word`` that ends past the text searched before and the stop floor, or -1."""
@@ -123,14 +189,37 @@ class IncrementalDetokenizer:
 
     def take_new_text(self, final: bool) -> str:
         """The text not emitted yet that is safe to show (all of it when ``final``), counted as emitted."""
-        end = len(self.text)
+        if self.stop_words or self._final_text is not None:
+            return self._take(self.text, final)
+        # Without stop strings nothing is held back but an incomplete character: the new text is the pieces
+        # made since the last take (most often one) and what is pending, read without the text before them
+        done, first = self._done, self._sent_piece
+        pending = self._pending_text if final else self._pending_text.rstrip("\ufffd")
+        if first == len(done):
+            text = pending
+        elif first == len(done) - 1:
+            text = done[first] + pending
+        else:
+            text = "".join(done[first:]) + pending
+        start = self._sent_start
+        self._sent_piece, self._sent_start = len(done), self._done_length
+        end = start + len(text)
+        if end <= self.emitted:
+            return ""
+        new_text = text[self.emitted - start :]
+        self.emitted = end
+        return new_text
+
+    def _take(self, text: str, final: bool) -> str:
+        """:meth:`take_new_text` from the whole ``text``."""
+        end = len(text)
         if not final:
             end -= self.holdback if self.stop_words else 0
-            while end > self.emitted and self.text[end - 1] == "\ufffd":
+            while end > self.emitted and text[end - 1] == "\ufffd":
                 end -= 1
         if end <= self.emitted:
             return ""
-        new_text = self.text[self.emitted : end]
+        new_text = text[self.emitted : end]
         self.emitted = end
         return new_text
 
@@ -138,7 +227,7 @@ class IncrementalDetokenizer:
         """How many tokens have all of their text within the first ``length`` characters (``token_texts``)."""
         ends = self.ends or []
         count = bisect_right(ends, length)
-        return count - 1 if self._pending and count == len(ends) else count
+        return count - 1 if self._incomplete and count == len(ends) else count
 
     def texts(self, text: str, first: int, last: int, *, final: bool) -> list[str]:
         """The texts of tokens ``first..last-1`` within ``text`` (the text, or what was sent of it).

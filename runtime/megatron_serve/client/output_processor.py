@@ -109,16 +109,22 @@ class OutputCollector:
             self.out.add_rest(delta, 0, self.request_id)
             return StreamPartial(self.request_id, [], "")
         tokens = delta.new_tokens
-        kept = self._take_tokens(tokens)
+        detokenizer = self.detokenizer
+        if detokenizer is None or not detokenizer.stop_words:  # every token kept (one a step, most often)
+            self.out.tokens += tokens
+            kept = len(tokens)
+            if detokenizer is not None:
+                detokenizer.extend(tokens)
+        else:
+            kept = self._take_tokens(tokens)
         if kept and self.first_token_time is None:
             self.first_token_time = time.time()
         self.out.add_rest(delta, kept, self.request_id)
-        piece = StreamPartial(self.request_id, tokens[:kept], "")
+        piece = StreamPartial(self.request_id, tokens if kept == len(tokens) else tokens[:kept], "")
         if delta.new_log_probs:
             piece.new_log_probs = delta.new_log_probs[:kept]
         if delta.top_ids is not None and delta.top_log_probs is not None:
             piece.new_top_logprobs = _top_maps(delta.top_ids[:kept], delta.top_log_probs[:kept])
-        detokenizer = self.detokenizer
         if detokenizer is not None:
             piece.new_text = detokenizer.take_new_text(final=self.stopped)
             if detokenizer.ends is not None:
@@ -140,11 +146,6 @@ class OutputCollector:
     def _take_tokens(self, tokens: list[int]) -> int:
         """Append ``tokens`` up to the one that completes a stop string; how many were kept."""
         detokenizer, taken = self.detokenizer, self.out.tokens
-        if detokenizer is None or not detokenizer.stop_words:
-            taken += tokens
-            if detokenizer is not None:
-                detokenizer.update(taken)
-            return len(tokens)
         min_tokens = self.params.min_tokens
         for kept, token in enumerate(tokens, 1):
             taken.append(token)

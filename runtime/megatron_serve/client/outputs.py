@@ -13,9 +13,9 @@ from dataclasses import dataclass, field
 from ..wire.request import DynamicInferenceRequest
 
 
-@dataclass
+@dataclass(slots=True)
 class StreamPartial:
-    """One streamed piece of a request: the tokens (and text) an engine step added."""
+    """One streamed piece of a request: the tokens (and text) an engine step added (one per stream and step: slots)."""
 
     request_id: str
     new_tokens: list[int]

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import msgspec
 
@@ -39,6 +39,10 @@ class PendingRequest:
     queue: asyncio.Queue | None = None
     aborted: bool = False
     images: list[dict[str, Any]] = field(default_factory=list)  # wire form (PromptImage.to_wire)
+    put: Callable[[Any], None] | None = field(init=False, repr=False)  # the queue's put_nowait, bound once
+
+    def __post_init__(self) -> None:
+        self.put = None if self.queue is None else self.queue.put_nowait
 
     def submit_body(self) -> dict[str, Any]:
         """Its ``SUBMIT`` (again after a reconnect: it goes on from the tokens it has)."""
@@ -105,8 +109,8 @@ class PendingRequests:
             if delta is None:
                 return None
         partial = collector.add(delta)
-        if pending.queue is not None and (partial.new_tokens or partial.new_text):
-            pending.queue.put_nowait(partial)
+        if pending.put is not None and (partial.new_tokens or partial.new_text):
+            pending.put(partial)
         if not collector.stopped:
             return None
         del self._by_id[pending.request_id]

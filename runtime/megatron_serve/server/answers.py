@@ -14,7 +14,7 @@ from ..client.outputs import StreamPartial
 from ..wire.request import DynamicInferenceRequest
 from .chunks import TextSlot
 from .context import ServerContext
-from .models import PromptTokensDetails, Usage
+from .models import Usage
 from .translate import EngineJob
 
 
@@ -56,10 +56,16 @@ def running_usage(req: Any, prompt_tokens: int, choices: StreamedChoices) -> Cal
 
 
 def make_usage(prompt_tokens: int, finished: list[tuple[EngineJob, DynamicInferenceRequest]]) -> Usage:
+    return Usage.model_validate(usage_fields(prompt_tokens, finished))
+
+
+def usage_fields(prompt_tokens: int, finished: list[tuple[EngineJob, DynamicInferenceRequest]]) -> dict[str, Any]:
+    """:func:`make_usage` as plain data, its fields in the model's order (a stream's last chunk encodes it as the
+    model would, without a model to build and serialize per request)."""
     completion_tokens = sum(len(r.generated_tokens) for _, r in finished)
-    return Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                 total_tokens=prompt_tokens + completion_tokens,
-                 prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_prompt_tokens(finished)))
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_prompt_tokens(finished)}}
 
 
 @dataclass
@@ -131,33 +137,38 @@ class StreamedChoices:
 
 class StreamedAnswer:
     """What both endpoints' streamed answers keep (their choices so far, the finished requests) and how they end:
-    a usage chunk with ``stream_options.include_usage``. Subclasses make ``writer`` and the events of each item."""
+    a usage chunk with ``stream_options.include_usage``. Subclasses make ``writer`` and the events of the items that
+    are not plain pieces (:meth:`whole_item`)."""
 
     writer: Any  # the answer's ``chunks.ChunkWriter``
 
-    def __init__(self, req: Any, token_texts: bool,
-                 usage: Callable[[list[tuple[EngineJob, DynamicInferenceRequest]]], Usage]) -> None:
+    def __init__(self, req: Any, token_texts: bool, prompt_tokens: int) -> None:
+        """``prompt_tokens``: the answer's prompt tokens, as its usage counts them."""
         self.req = req
         self.choices = StreamedChoices(token_texts)
         self.results: list[tuple[EngineJob, DynamicInferenceRequest]] = []
-        self._usage = usage
+        self._prompt_tokens = prompt_tokens
         # Choices whose pieces are text alone (no log probs, token ids or running usage; in a chat, no tool calls to
         # read): a subclass gives each its TextSlot after the first piece, and the later pieces' chunks come from it
         # without the choices' bookkeeping (which serves only those)
         self.plain = not (token_texts or req.return_token_ids)
-        self.slots: dict[int, TextSlot | None] = {}
+        self.slots: dict[int, TextSlot | None] = {}  # by id(job): finding a job's slot reads nothing of the job
 
-    def slotted(self, job: EngineJob, item: Any) -> list[bytes] | None:
-        """A plain text piece's events, from its choice's :class:`~.chunks.TextSlot`; None when the item takes the
-        whole path (no slot, or not a piece)."""
-        slot = self.slots.get(job.index)
-        if slot is None or type(item) is not StreamPartial:
-            return None
-        return [slot.event(item.new_text)] if item.new_text else []
+    def item(self, job: EngineJob, item: Any) -> bytes:
+        """The events of one arrived item: a plain text piece's from its choice's :class:`~.chunks.TextSlot`, any
+        other's from the subclass (:meth:`whole_item`), which makes the choice's slot with its first piece."""
+        slot = self.slots.get(id(job))
+        if slot is not None and type(item) is StreamPartial:
+            return slot.event(item.new_text) if item.new_text else b""
+        return self.whole_item(job, item)
 
-    def end(self) -> list[bytes]:
+    def whole_item(self, job: EngineJob, item: Any) -> bytes:
+        """The events of an item that is not a piece of a slotted choice (the subclass's chunks)."""
+        raise NotImplementedError
+
+    def end(self) -> bytes:
         """The events after the last item: the usage chunk, when asked for."""
         options = self.req.stream_options
         if options is not None and options.include_usage:
-            return [self.writer.chunk([], usage=self._usage(self.results))]
-        return []
+            return self.writer.chunk([], usage=usage_fields(self._prompt_tokens, self.results))
+        return b""

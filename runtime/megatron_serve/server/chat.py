@@ -193,17 +193,14 @@ class _ChatEvents(StreamedAnswer):
     """The chunks of a streamed chat answer, made as items arrive (written by ``EventWriter``)."""
 
     def __init__(self, handler: ChatHandler) -> None:
-        super().__init__(handler.req, handler.want_logprobs, handler.usage)
+        super().__init__(handler.req, handler.want_logprobs, len(handler.prompt.tokens))
         self.handler = handler
         self.writer = ChunkWriter(handler.id, "chat.completion.chunk", handler.created, handler.req.model,
                                   running_usage(handler.req, len(handler.prompt.tokens), self.choices))
         self.readers: dict[int, CallReader | None] = {}
         self.called: set[int] = set()
 
-    def item(self, job: EngineJob, item: Any) -> list[bytes]:
-        events = self.slotted(job, item)
-        if events is not None:
-            return events
+    def whole_item(self, job: EngineJob, item: Any) -> bytes:
         handler, req, writer = self.handler, self.handler.req, self.writer
         events: list[bytes] = []
         if self.choices.first_seen(job.index):
@@ -214,7 +211,7 @@ class _ChatEvents(StreamedAnswer):
             events.append(writer.chunk([opening], prompt_token_ids=handler.prompt.tokens if req.return_token_ids
                                        else None))
             if self.plain and reader is None:
-                self.slots[job.index] = writer.text_slot(handler._choice(job.index, {"content": SLOT}))
+                self.slots[id(job)] = writer.text_slot(handler._choice(job.index, {"content": SLOT}))
         final = not isinstance(item, StreamPartial)
         delta = Delta.empty() if final else self.choices.piece(job.index, item)
         chunk, calls = handler._content(writer, job.index, delta, self.readers[job.index], final)
@@ -223,13 +220,13 @@ class _ChatEvents(StreamedAnswer):
         if chunk is not None:  # for the final record: only what finishing a tool-call reader adds
             events.append(chunk)
         if not final:
-            return events
+            return b"".join(events)
         result: DynamicInferenceRequest = item
         self.results.append((job, result))
         last = handler._choice(job.index, {}, finish_reason=handler._finish_reason(result, job.index in self.called))
         last.update(extension_fields(req, result))
         events.append(writer.chunk([last]))
-        return events
+        return b"".join(events)
 
 
 def _delta(events: list[Event]) -> dict[str, Any]:

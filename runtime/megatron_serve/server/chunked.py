@@ -21,7 +21,7 @@ reference they go when the request and its connection are done with them.
 from __future__ import annotations
 
 import weakref
-from typing import Any
+from typing import Any, Callable
 
 from starlette.types import Scope
 
@@ -30,14 +30,23 @@ EXTENSION = "megatron_serve.chunked_body"
 
 
 class ChunkedBody:
-    """Body chunks of one response on one connection (uvicorn's httptools request-response cycle)."""
+    """Body chunks of one response on one connection (uvicorn's httptools request-response cycle), and the call that
+    tells the request its client left (:attr:`on_leave`)."""
 
-    __slots__ = ("_cycle", "_transport", "_flow")
+    __slots__ = ("_cycle", "_transport", "_flow", "on_leave")
 
     def __init__(self, cycle: Any) -> None:
         self._cycle = weakref.ref(cycle)  # (see the module docstring) alive while its response is being sent
         self._transport = cycle.transport
         self._flow = cycle.flow
+        # Called once, by the protocol, when the client leaves before the response ended (the request's
+        # ``streaming.Departure`` sets it: no task per request waiting on ``receive`` for ``http.disconnect``)
+        self.on_leave: Callable[[], None] | None = None
+
+    def left(self) -> bool:
+        """The client left (or the response's cycle is gone)."""
+        cycle = self._cycle()
+        return cycle is None or cycle.disconnected
 
     def usable(self) -> bool:
         """The response started with chunked transfer encoding (a streamed answer's does), not for a HEAD."""
@@ -45,18 +54,20 @@ class ChunkedBody:
         return (cycle is not None and cycle.response_started and cycle.chunked_encoding is True
                 and cycle.scope["method"] != "HEAD")
 
-    def ready(self) -> bool:
-        """A chunk written now goes out as :meth:`write` would send it, without waiting: the transport's buffer
-        has room and the client is still there."""
-        cycle = self._cycle()
-        return not (cycle is None or self._flow.write_paused or cycle.disconnected or cycle.response_complete
-                    or self._transport.is_closing())
+    def write_now(self, body: bytes) -> bool:
+        """One chunk of ``body`` written at once when the transport takes it at once (nothing waits in its buffer,
+        the client is still there); False, and nothing written, when not: then :meth:`write`, in the response's
+        task, sends it when the connection drains.
 
-    def write_now(self, body: bytes) -> None:
-        """One chunk of ``body`` written at once; only when :meth:`ready` said so (the chunks of one
-        piece may go a little past the buffer's mark, as asyncio allows)."""
+        Only for a response that is being sent (its writer stops before the response completes), so the transport
+        alone says it all: a client that left closed it (``connection_lost``, the read timeout). The cycle and the
+        flow control, two more objects to fetch from memory per token, are not read."""
+        transport = self._transport
+        if transport.get_write_buffer_size() or transport.is_closing():
+            return False
         if body:  # an empty chunk would end the body
-            self._transport.write(b"%x\r\n%b\r\n" % (len(body), body))
+            transport.write(b"%x\r\n%b\r\n" % (len(body), body))
+        return True
 
     async def write(self, body: bytes) -> None:
         """One chunk of ``body``, as uvicorn's ``send`` writes ``{"body": body, "more_body": True}``."""
@@ -78,8 +89,21 @@ def offer(scope: Scope, cycle: Any) -> None:
     extensions[EXTENSION] = ChunkedBody(cycle)
 
 
+def told_left(cycle: Any) -> None:
+    """Call the ``on_leave`` of ``cycle``'s request (the protocol calls it once the cycle knows its client left)."""
+    body = (cycle.scope.get("extensions") or {}).get(EXTENSION)
+    if body is not None and body.on_leave is not None:
+        leave, body.on_leave = body.on_leave, None
+        leave()
+
+
+def offered(scope: Scope) -> ChunkedBody | None:
+    """The extension the server's protocol offered ``scope``'s request (None: another server)."""
+    return (scope.get("extensions") or {}).get(EXTENSION)
+
+
 def chunked_body(scope: Scope) -> ChunkedBody | None:
     """The response's :class:`ChunkedBody` once its status line went with chunked encoding, else None (another
     server, or a response framed otherwise: its chunks go through ``send``)."""
-    body = (scope.get("extensions") or {}).get(EXTENSION)
+    body = offered(scope)
     return body if body is not None and body.usable() else None

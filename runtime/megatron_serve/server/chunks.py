@@ -55,9 +55,9 @@ class TextSlot:
     the string are cut from its output; a string's JSON escapes alike wherever it stands, and the line breaks
     escaped in event data are whole characters, never cut by the ASCII quotes at the cut).
 
-    Per streamed piece of a plain answer this saves the choice's dict and list, their encoding and the scan of
-    the whole chunk for line breaks: the receive path of a step's frame through to the connection's write (64
-    completions of one token a step, in-process) 7.8 -> 6.2 us per token, the bytes written the same.
+    Per streamed piece of a plain answer this saves the choice's dict and list, their encoding, the scan of the
+    whole chunk for line breaks and the choice's bookkeeping (which serves listings, token ids and running usage):
+    what it saves per token is in docs/benchmarks.md (the serving section's eighth round).
     """
 
     __slots__ = ("_before", "_after")
@@ -81,12 +81,16 @@ class ChunkWriter:
         self._head = head[:-1] + b',"choices":'
         self._running_usage = running_usage
 
-    def chunk(self, choices: list[dict[str, Any]], usage: BaseModel | None = None,
+    def chunk(self, choices: list[dict[str, Any]], usage: BaseModel | dict[str, Any] | None = None,
               prompt_token_ids: list[int] | None = None) -> bytes:
-        """One chunk; ``prompt_token_ids`` (``return_token_ids``, a chat's opening chunk) is added when given."""
+        """One chunk; ``usage``: the model, or its fields as plain data in the model's order; ``prompt_token_ids``
+        (``return_token_ids``, a chat's opening chunk) is added when given."""
         if usage is None and self._running_usage is not None:
             usage = self._running_usage()
-        usage_json = b"null" if usage is None else usage.model_dump_json().encode()
+        if usage is None:
+            usage_json = b"null"
+        else:
+            usage_json = _JSON.encode(usage) if isinstance(usage, dict) else usage.model_dump_json().encode()
         tail = b"}" if prompt_token_ids is None else b',"prompt_token_ids":' + _JSON.encode(prompt_token_ids) + b"}"
         return event(self._head + _JSON.encode(choices) + b',"usage":' + usage_json + b',"system_fingerprint":null'
                      + tail)

@@ -179,18 +179,15 @@ class _CompletionEvents(StreamedAnswer):
     """The chunks of a streamed completion, made as items arrive (written by ``EventWriter``)."""
 
     def __init__(self, handler: CompletionHandler) -> None:
-        super().__init__(handler.req, handler.want_logprobs, handler.usage)
+        prompt_tokens = sum(len(p.tokens) for p in handler.prompts)
+        super().__init__(handler.req, handler.want_logprobs, prompt_tokens)
         self.handler = handler
         self.writer = ChunkWriter(handler.id, "text_completion", handler.created, handler.req.model,
-                                  running_usage(handler.req, sum(len(p.tokens) for p in handler.prompts),
-                                                self.choices))
+                                  running_usage(handler.req, prompt_tokens, self.choices))
         self.offsets: dict[int, int] = {}  # job index -> text offset for the next log-prob token
         self.opened: set[int] = set()  # choices whose first chunk was sent
 
-    def item(self, job: EngineJob, item: Any) -> list[bytes]:
-        events = self.slotted(job, item)
-        if events is not None:
-            return events
+    def whole_item(self, job: EngineJob, item: Any) -> bytes:
         first = self.choices.first_seen(job.index)
         prefix = _echo_text(self.handler.ctx, job.prompt) if first and self.req.echo else ""
         if first:
@@ -202,16 +199,16 @@ class _CompletionEvents(StreamedAnswer):
             if logprobs is not None:
                 self.offsets[job.index] += sum(len(t) for t in logprobs["tokens"])
             if self.plain and first:
-                self.slots[job.index] = self.writer.text_slot(self._choice(job, SLOT, delta, None, False))
+                self.slots[id(job)] = self.writer.text_slot(self._choice(job, SLOT, delta, None, False))
             if prefix or delta.text or logprobs or (self.req.return_token_ids and delta.tokens):
                 self.opened.add(job.index)
-                return [self._chunk(job, prefix + delta.text, delta, logprobs, opening)]
-            return []
+                return self._chunk(job, prefix + delta.text, delta, logprobs, opening)
+            return b""
         result: DynamicInferenceRequest = item
         self.results.append((job, result))
         delta = Delta.empty()
-        return [self._chunk(job, prefix + delta.text, delta, self._logprobs(delta, self.offsets[job.index]), opening,
-                            finish_reason(result), result)]
+        return self._chunk(job, prefix + delta.text, delta, self._logprobs(delta, self.offsets[job.index]), opening,
+                           finish_reason(result), result)
 
     def _chunk(self, job: EngineJob, text: str, delta: Delta, logprobs: dict[str, Any] | None, opening: bool,
                finish_reason: str | None = None, result: DynamicInferenceRequest | None = None) -> bytes:

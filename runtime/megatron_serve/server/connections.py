@@ -31,7 +31,7 @@ from typing import Any
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from ..limits import DEFAULT_KEEP_ALIVE, FIRST_REQUEST_IDLE
-from .chunked import offer
+from .chunked import offer, told_left
 from .errors import APIError
 
 logger = logging.getLogger("megatron_serve.server")
@@ -96,6 +96,13 @@ class ServerProtocol(HttpToolsProtocol):
         self._cancel_read_deadline()
         self._unset_keepalive_if_required()
         super().connection_lost(exc)
+        self._tell_left()
+
+    def _tell_left(self) -> None:
+        """The current request's client left: its :class:`~.chunked.ChunkedBody` tells it (``on_leave``)."""
+        cycle = self.cycle
+        if cycle is not None and cycle.disconnected:
+            told_left(cycle)
 
     def on_message_begin(self) -> None:
         self._arriving = "headers"
@@ -135,6 +142,7 @@ class ServerProtocol(HttpToolsProtocol):
         if cycle is not None and not cycle.response_complete:
             cycle.disconnected = True  # the app sees the client gone; whatever it sends is dropped
             cycle.message_event.set()
+            told_left(cycle)
         self.transport.close()
 
     def send_400_response(self, msg: str) -> None:

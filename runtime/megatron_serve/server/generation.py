@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import itertools
 import logging
 import time
 import uuid
@@ -41,6 +42,12 @@ def _nothing() -> None:
     pass
 
 
+#: Engine request ids: a random prefix per process and a counter (a uuid4 per request read the system's random
+#: source each time; the ids only need to be unique among this process's client's requests).
+_ID_PREFIX = f"{uuid.uuid4().hex[:16]}-"
+_ID_NUMBERS = itertools.count()
+
+
 @runtime_checkable
 class SinkBackend(Protocol):
     """A backend that puts a stream's items straight into a queue of the caller's
@@ -58,16 +65,14 @@ def _fills_sinks(backend_type: type) -> bool:
     return issubclass(backend_type, SinkBackend)
 
 
-@dataclass(frozen=True)
 class _Tagged:
-    """A sink that hands a job's items to its submission (:meth:`Submission.deliver`)."""
+    """A sink that hands a job's items to its submission (:meth:`Submission.deliver`): its ``put_nowait`` is that
+    method with the job bound (no call of its own per item)."""
 
-    submission: "Submission"
-    job: EngineJob
-    request_id: str
+    __slots__ = ("put_nowait",)
 
-    def put_nowait(self, item: Any) -> None:
-        self.submission.deliver(self.job, self.request_id, item)
+    def __init__(self, submission: "Submission", job: EngineJob, request_id: str) -> None:
+        self.put_nowait = functools.partial(submission.deliver, job, request_id)
 
 
 class PendingCounter:
@@ -155,7 +160,7 @@ class Submission:
 
     def __post_init__(self) -> None:
         self.pending.acquire(len(self.jobs))
-        self.ids = [uuid.uuid4().hex for _ in self.jobs]
+        self.ids = [f"{_ID_PREFIX}{next(_ID_NUMBERS)}" for _ in self.jobs]
         self.unfinished = set(self.ids)
         self._remaining = len(self.jobs)  # jobs whose final request did not come yet
         self._render: Renderer[Any] | None = None  # a stream's chunk producer, and its writer (start_stream)
@@ -274,17 +279,17 @@ class Submission:
         if writer is None or writer.last is not None:  # the answer ended (or the client left): nobody's
             return
         try:
-            passed = self._pass(job, request_id, item)
-            item_events = self._render.item
-            if len(passed) == 1 and self._remaining:  # most items: one piece
-                events = item_events(*passed[0])
+            if type(item) is StreamPartial and self.stream_interval == 1:  # most items: a piece, as it is
+                events = self._render.item(job, item)
             else:
-                events = [event for pair in passed for event in item_events(*pair)]
-            if not self._remaining:
-                writer.finish(b"".join([*events, *self._render.end(), DONE]))
-                self.close()
-            elif events:
-                writer.write(events[0] if len(events) == 1 else b"".join(events))
+                item_events = self._render.item
+                events = b"".join([item_events(*pair) for pair in self._pass(job, request_id, item)])
+                if not self._remaining:
+                    writer.finish(events + self._render.end() + DONE)
+                    self.close()
+                    return
+            if events:
+                writer.write(events)
         except APIError as exc:
             self._fail(exc)
         except Exception as exc:  # a bug making the events: the stream ends with an error, the server goes on
@@ -297,10 +302,8 @@ class Submission:
         self.close()
 
     def _pass(self, job: EngineJob, request_id: str, item: Any) -> list[tuple[EngineJob, Any]]:
-        """What one arrived item lets through to the answer, in order (see :meth:`stream`); raises a job's error."""
-        if type(item) is StreamPartial and self.stream_interval == 1:  # most items: one a token
-            self._opened.add(request_id)
-            return [(job, item)]
+        """What one arrived item other than a piece without ``stream_interval`` lets through to the answer, in order
+        (see :meth:`start_stream`); raises a job's error."""
         if isinstance(item, BaseException):
             self._finished(request_id, None)
             raise _submission_error(item) if isinstance(item, Exception) else item

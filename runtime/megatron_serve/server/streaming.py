@@ -31,7 +31,7 @@ from starlette.requests import ClientDisconnect
 from starlette.types import Receive, Scope, Send
 
 from .chunks import sse
-from .chunked import ChunkedBody, chunked_body
+from .chunked import ChunkedBody, chunked_body, offered
 from .drain import Stopping
 from .errors import APIError, shutting_down
 
@@ -66,20 +66,32 @@ async def _wait_for_disconnect(receive: Receive) -> None:
 
 
 class Departure:
-    """Whether the client of one request left: one task waiting for its ``http.disconnect``, shared by the wait for
-    the answer (:func:`cancel_on_disconnect`) and the stream that follows (:class:`EventStreamResponse`), which
-    each had their own, beside a task for the work and one waiting for the server to stop."""
+    """Whether the client of one request left, shared by the wait for the answer (:func:`cancel_on_disconnect`) and
+    the stream that follows (:class:`EventStreamResponse`). The server's own protocol says so itself (its
+    :class:`~.chunked.ChunkedBody`'s ``on_leave``); under another server, one task waits for ``http.disconnect``."""
 
-    __slots__ = ("_watcher", "_cancel", "left")
+    __slots__ = ("_watcher", "_body", "_cancel", "_open", "left")
 
-    def __init__(self, receive: Receive) -> None:
+    def __init__(self, scope: Scope, receive: Receive) -> None:
         self._cancel: set[asyncio.Task[Any]] = set()  # tasks to cancel when the client leaves
         self.left = False  # the client left (and the tasks to cancel then were cancelled)
-        self._watcher = asyncio.ensure_future(_wait_for_disconnect(receive))
-        self._watcher.add_done_callback(self._leave)
+        self._open = True
+        self._body = offered(scope)
+        self._watcher: asyncio.Future[None] | None = None
+        if self._body is None:
+            self._watcher = asyncio.ensure_future(_wait_for_disconnect(receive))
+            self._watcher.add_done_callback(self._leave)
+        elif self._body.left():  # already gone: on the next turn, as the watcher would find it
+            asyncio.get_running_loop().call_soon(self._left)
+        else:
+            self._body.on_leave = self._left
 
     def _leave(self, watcher: asyncio.Future[None]) -> None:
         if not watcher.cancelled():
+            self._left()
+
+    def _left(self) -> None:
+        if self._open:
             self.left = True
             for task in self._cancel:
                 task.cancel()
@@ -90,8 +102,12 @@ class Departure:
         return lambda: self._cancel.discard(task)
 
     def close(self) -> None:
+        self._open = False
         self._cancel.clear()
-        self._watcher.cancel()
+        if self._watcher is not None:
+            self._watcher.cancel()
+        elif self._body.on_leave == self._left:
+            self._body.on_leave = None
 
 
 async def cancel_on_disconnect(request: Request, work: Callable[[], Awaitable[T]],
@@ -101,7 +117,7 @@ async def cancel_on_disconnect(request: Request, work: Callable[[], Awaitable[T]
     returns takes over the watch for the client leaving."""
     task = asyncio.current_task()
     assert task is not None
-    departure = Departure(request.receive)
+    departure = Departure(request.scope, request.receive)
     stopped = False
 
     def stop() -> None:
@@ -137,11 +153,12 @@ def _peer(request: Request) -> str:
 
 
 class Renderer(Protocol[T]):
-    """The chunk producer of an answer: ``item`` makes the events of one arrived item, ``end`` those after the last."""
+    """The chunk producer of an answer: ``item`` makes the events of one arrived item, ``end`` those after the last
+    (each as the bytes of its events, in order; empty for none)."""
 
-    def item(self, job: Any, item: T) -> list[bytes]: ...
+    def item(self, job: Any, item: T) -> bytes: ...
 
-    def end(self) -> list[bytes]: ...
+    def end(self) -> bytes: ...
 
 
 class EventWriter:
@@ -149,7 +166,7 @@ class EventWriter:
     its pass over a step, or a job's task).
 
     :meth:`write` puts a piece's events into the connection at once when it can (the response started, its
-    :class:`~.chunked.ChunkedBody` has room, nothing written before waits); else they wait here, in order, for the
+    :class:`~.chunked.ChunkedBody` takes them now, nothing written before waits); else they wait here, in order, for the
     response's task (:meth:`pour`), which writes them as the connection takes them. :meth:`finish` ends the answer
     (its last events go with the end of the body); :meth:`fail` ends it with an error: raised by :meth:`first`, for
     its status code, when nothing was made yet, else an ``error`` event and ``[DONE]``.
@@ -175,8 +192,7 @@ class EventWriter:
             return
         self.made = True
         body = self._body
-        if body is not None and not self._waiting and body.ready():
-            body.write_now(data)
+        if body is not None and not self._waiting and body.write_now(data):
             return
         self._waiting.append(data)
         self._signal()
@@ -253,11 +269,15 @@ class EventStreamResponse(Response):
     """
 
     media_type = "text/event-stream"
+    _headers: tuple[tuple[bytes, bytes], ...] | None = None  # every stream's: what init_headers makes, made once
 
     def __init__(self, writer: EventWriter, submission: "Submitted", answer_id: str) -> None:
         self.status_code = 200
         self.background = None
-        self.init_headers({"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        if EventStreamResponse._headers is None:
+            self.init_headers({"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+            EventStreamResponse._headers = tuple(self.raw_headers)
+        self.raw_headers = list(EventStreamResponse._headers)
         self._writer = writer
         self._submission = submission
         self._answer_id = answer_id
@@ -268,7 +288,7 @@ class EventStreamResponse(Response):
         client that leaves cancels the stream (which aborts its engine requests) and the call returns normally."""
         task = asyncio.current_task()
         assert task is not None
-        departure = self.departure or Departure(receive)
+        departure = self.departure or Departure(scope, receive)
         forget = departure.cancel_on_leave(task)
         ended = False
         try:

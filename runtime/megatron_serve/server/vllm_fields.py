@@ -93,9 +93,9 @@ class VllmSamplingFields(BaseModel):
         if fields is None:
             fields = _NUMBER_FIELDS[cls] = _number_fields(cls)
         coerced = None
-        for name, kind in fields.items():
-            value = data.get(name)
-            if isinstance(value, str) and (number := _parse_number(value, kind)) is not None:
+        for name in fields.keys() & data.keys():  # (the few number fields a body holds, not every one)
+            value = data[name]
+            if isinstance(value, str) and (number := _parse_number(value, fields[name])) is not None:
                 coerced = coerced or dict(data)
                 coerced[name] = number
         return coerced or data

@@ -27,8 +27,8 @@ class DeltaAccumulator:
     tokens only): :attr:`resumed` counts them, and the per-token lists cover the ids after them.
     """
 
-    __slots__ = ("tokens", "resumed", "log_probs", "top_ids", "top_log_probs", "policy_epochs", "kv_epochs",
-                 "lora_epochs", "cached_tokens", "prompt_scores", "routing")
+    __slots__ = ("tokens", "resumed", "log_probs", "top_ids", "top_log_probs", "_epochs", "cached_tokens",
+                 "prompt_scores", "routing")
 
     def __init__(self, tokens: list[int] | None = None) -> None:
         self.tokens: list[int] = list(tokens or ())
@@ -36,12 +36,27 @@ class DeltaAccumulator:
         self.log_probs: list[float] = []
         self.top_ids: list[list[int]] = []
         self.top_log_probs: list[list[float]] = []
-        self.policy_epochs: list[int] = []  # -1 where an engine did not report one
-        self.kv_epochs: list[int] = []
-        self.lora_epochs: list[int] = []  # adapter versions; -1 for the base model, or where none was reported
+        # Each id's policy, KV and adapter epochs, one after the other: one list to extend per delta (the client
+        # collects a delta per stream and step, and each list is one more object to fetch from memory)
+        self._epochs: list[int] = []
         self.cached_tokens: int | None = None  # prompt tokens found in the prefix cache, once reported
         self.prompt_scores: PromptScores | None = None  # the first engine's (a next one scores them again)
         self.routing: RoutingRecord | None = None
+
+    @property
+    def policy_epochs(self) -> list[int]:
+        """Each id's policy (weights) epoch; -1 where an engine did not report one."""
+        return self._epochs[0::3]
+
+    @property
+    def kv_epochs(self) -> list[int]:
+        """Each id's KV epoch; -1 where an engine did not report one."""
+        return self._epochs[1::3]
+
+    @property
+    def lora_epochs(self) -> list[int]:
+        """Each id's adapter version; -1 for the base model, or where none was reported."""
+        return self._epochs[2::3]
 
     def add(self, delta: TokenDelta, request_id: str) -> None:
         """Keep all of ``delta``."""
@@ -59,7 +74,13 @@ class DeltaAccumulator:
         """
         if (delta.new_log_probs is None and delta.top_ids is None and delta.routing is None
                 and delta.cached_tokens is None and delta.prompt_scores is None):
-            self._add_epochs(delta.epochs, len(delta.new_tokens), kept)
+            epochs = delta.epochs
+            if kept == 1 and epochs is not None and len(epochs) == 3:  # most deltas: one id and its three epochs
+                policy, kv, lora = epochs
+                if len(policy) == len(kv) == len(lora) == len(delta.new_tokens) == 1:
+                    self._epochs += (policy[0], kv[0], lora[0])
+                    return
+            self._add_epochs(epochs, len(delta.new_tokens), kept)
             return
         if delta.cached_tokens is not None:
             self.cached_tokens = delta.cached_tokens
@@ -84,13 +105,7 @@ class DeltaAccumulator:
             policy, kv = epochs[0], epochs[1]
             lora = epochs[2] if len(epochs) == 3 else None
             if len(policy) == n and len(kv) == n and (lora is None or len(lora) == n):
-                if kept != n:
-                    policy, kv, lora = policy[:kept], kv[:kept], None if lora is None else lora[:kept]
-                self.policy_epochs.extend(policy)
-                self.kv_epochs.extend(kv)
-                self.lora_epochs.extend([-1] * kept if lora is None else lora)
+                self._epochs += [e for each in zip(policy[:kept], kv[:kept], [-1] * kept if lora is None else lora)
+                                 for e in each]
                 return
-        unreported = [-1] * kept
-        self.policy_epochs.extend(unreported)
-        self.kv_epochs.extend(unreported)
-        self.lora_epochs.extend(unreported)
+        self._epochs += [-1] * (3 * kept)

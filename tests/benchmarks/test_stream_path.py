@@ -1,0 +1,63 @@
+"""``benchmarks/stream_path.py`` runs end to end on a few streams, and its ``--check`` reads what the server wrote:
+every answer's text is its tokens' decoding (and a changed byte in an answer fails the check)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "stream_path.py"
+
+
+def _module():
+    spec = importlib.util.spec_from_file_location("stream_path_benchmark", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # (its dataclasses look their module up)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_every_measure_runs_and_every_answer_is_its_tokens_text():
+    result = subprocess.run([sys.executable, str(SCRIPT), "--streams", "4", "--requests", "12", "--steps", "3",
+                             "--single-requests", "3", "--repeats", "1", "--check", "--json"],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = result.stdout.strip().splitlines()
+    checked = int(lines[0].split()[1])
+    assert checked == 8 + 4 + 3 + 12  # the warm-up's, the token measure's, the request measure's, the mix's
+    figures = json.loads(lines[-1])
+    assert set(figures) == {"token", "intake", "end", "mix"}
+    assert all(value > 0 for value in figures.values())
+
+
+def _answer(text: str, tokens: int) -> bytes:
+    events = [{"choices": [{"index": 0, "text": text}], "usage": None},
+              {"choices": [], "usage": {"completion_tokens": tokens}}]
+    body = b"".join(b"data: " + json.dumps(event).encode() + b"\n\n" for event in events) + b"data: [DONE]\n\n"
+    return b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n%x\r\n%b\r\n0\r\n\r\n" % (len(body), body)
+
+
+class _Written(SimpleNamespace):
+    """What a connection's transport kept."""
+
+    def count(self) -> "_Written":
+        return self
+
+
+def test_the_check_fails_on_an_answer_that_is_not_the_tokens_text():
+    module = _module()
+    bench = SimpleNamespace(tokenizer=SimpleNamespace(decode=lambda tokens: "ab" * len(tokens)))
+    good = SimpleNamespace(transport=_Written(data=_answer("abab", 2)), expected=[[1, 2]])
+    assert module.check(bench, [good]) == 1
+    changed = SimpleNamespace(transport=_Written(data=_answer("abac", 2)), expected=[[1, 2]])
+    with pytest.raises(AssertionError, match="streamed"):
+        module.check(bench, [changed])
+    miscounted = SimpleNamespace(transport=_Written(data=_answer("abab", 3)), expected=[[1, 2]])
+    with pytest.raises(AssertionError, match="usage"):
+        module.check(bench, [miscounted])
