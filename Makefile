@@ -55,7 +55,7 @@ run: $(TINY_MODEL)/config.json
 TEST_WORKERS ?= 3
 TEST_ARGS ?=
 test: $(TESTING)
-	TRITON_INTERPRET=1 $(PY) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder \
+	TRITON_INTERPRET=1 $(PY) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --max-worker-restart 0 \
 		--durations=10 $(TEST_ARGS)
 
 test-fast: $(TESTING)
