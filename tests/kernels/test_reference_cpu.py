@@ -101,10 +101,13 @@ def test_the_dense_linear_is_onednn_and_a_row_does_not_depend_on_the_rows_beside
     calls = []
     onednn = torch.ops.mkldnn._linear_pointwise
     monkeypatch.setattr(dense.torch.ops.mkldnn, "_linear_pointwise", lambda *a: calls.append(1) or onednn(*a))
-    x = torch.randn(40, 96, generator=_gen(13))
-    weight, bias = torch.randn(72, 96, generator=_gen(14)), torch.randn(72, generator=_gen(15))
+    small = torch.randn(72, 96, generator=_gen(16))
+    x = torch.randn(40, 384, generator=_gen(13))
+    assert torch.equal(dense.linear(x[:, :96], small), F.linear(x[:, :96], small)) and not calls  # MKL's: cheaper
+    weight, bias = torch.randn(384, 384, generator=_gen(14)), torch.randn(384, generator=_gen(15))
+    assert weight.numel() >= dense.ONEDNN_MIN_WEIGHT > small.numel()
     full = dense.linear(x, weight, bias)
-    assert calls and full.shape == (40, 72)
+    assert calls and full.shape == (40, 384)
     torch.testing.assert_close(full, F.linear(x, weight, bias), atol=1e-4, rtol=1e-4)
     for start, stop in [(0, 2), (5, 9), (3, 40), (17, 20)]:  # from two rows on (one row runs another kernel)
         assert torch.equal(dense.linear(x[start:stop], weight, bias), full[start:stop])
