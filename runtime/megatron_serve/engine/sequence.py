@@ -13,7 +13,8 @@ from ..multimodal import PromptImage, cache_keys
 from ..wire.expert_routing import RoutingCapture
 from ..wire.messages import PromptScores
 from ..wire.prefix_hash import ROOT_HASH, salted_root
-from ..wire.request import EngineRequest, EventType, FinalRecord, FinishReason, RequestEvent, RequestStatus
+from ..wire.request import (EngineRequest, EventType, FinalRecord, FinishReason, RequestEvent, RequestStatus,
+                            stamp_event)
 from ..wire.sampling_params import SamplingParams
 
 
@@ -113,12 +114,7 @@ class Sequence:
 
     # ------------------------------------------------------------ how it goes
     def add_event(self, event_type: EventType, detail: str | None = None) -> None:
-        now = time.time()
-        self.events.append(RequestEvent(event_type, now, detail))
-        if event_type is EventType.FIRST_TOKEN and self.first_token_time is None:
-            self.first_token_time = now
-        elif event_type in (EventType.FINISH, EventType.FAIL):
-            self.finish_time = now
+        stamp_event(self, event_type, detail)
 
     def complete(self, reason: FinishReason) -> None:
         self.status = RequestStatus.COMPLETED

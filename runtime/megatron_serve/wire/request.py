@@ -14,7 +14,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import Annotated
+from typing import Annotated, Protocol
 
 import msgspec
 import numpy as np
@@ -147,6 +147,24 @@ class FinalRecord(msgspec.Struct, frozen=True, kw_only=True):
                                        finish_time=now)
 
 
+class Timeline(Protocol):
+    """What a request's events stamp: the engine's ``Sequence`` and the public record keep the same times."""
+
+    events: list[RequestEvent]
+    first_token_time: float | None
+    finish_time: float | None
+
+
+def stamp_event(timeline: Timeline, event_type: EventType, detail: str | None = None) -> None:
+    """Append one event at the current time, and note the first token's and the finish's times."""
+    now = time.time()
+    timeline.events.append(RequestEvent(event_type, now, detail))
+    if event_type is EventType.FIRST_TOKEN and timeline.first_token_time is None:
+        timeline.first_token_time = now
+    elif event_type in (EventType.FINISH, EventType.FAIL):
+        timeline.finish_time = now
+
+
 @dataclass
 class DynamicInferenceRequest:
     """Public result object: what was asked, what came out, and how it went."""
@@ -203,12 +221,7 @@ class DynamicInferenceRequest:
         return self.status in (RequestStatus.COMPLETED, RequestStatus.FAILED)
 
     def add_event(self, event_type: EventType, detail: str | None = None) -> None:
-        now = time.time()
-        self.events.append(RequestEvent(event_type, now, detail))
-        if event_type is EventType.FIRST_TOKEN and self.first_token_time is None:
-            self.first_token_time = now
-        if event_type in (EventType.FINISH, EventType.FAIL):
-            self.finish_time = now
+        stamp_event(self, event_type, detail)
 
     def fail(self, message: str, reason: FinishReason = FinishReason.ERROR) -> None:
         self.status = RequestStatus.FAILED
