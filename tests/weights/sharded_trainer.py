@@ -176,9 +176,10 @@ async def main(args: argparse.Namespace) -> int:
         if args.die_after_bucket is not None and index + 1 >= args.die_after_bucket:
             os.kill(os.getpid(), signal.SIGKILL)
 
-    async with InferenceClient(args.address, token=os.environ.get("MEGATRON_SERVE_TOKEN")) as client:
-        # this rank's memory from here on (the client, its tokenizer included, is the trainer's own): the pieces it
-        # reads, and all that sending them costs
+    # a control client: the verbs and STATUS a trainer sends, without the tokenizer a client that submits loads
+    async with InferenceClient(args.address, token=os.environ.get("MEGATRON_SERVE_TOKEN"), role="control") as client:
+        # this rank's memory from here on (the client is the trainer's own): the pieces it reads, and all that
+        # sending them costs
         baseline = start_peak(trim=True)
         mine = pieces(args)
         sizes = [item[1].numel() * item[1].element_size() for item in mine]

@@ -17,9 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -31,10 +28,12 @@ from megatron_serve.client.coordinator_client import InferenceClient
 from megatron_serve.client.llm import MegatronLLM
 from megatron_serve.config import InferenceConfig
 from megatron_serve.model.tiny import make_tiny_model
+from megatron_serve.tokenizer import Tokenizer
 from megatron_serve.wire.sampling_params import SamplingParams
 
 from ..devices import tensor_parallel_device
 from ..helpers import Children, free_port, until
+from .forked import run_forked
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -87,7 +86,9 @@ def models(tmp_path_factory):
     assert len({str(expected.a), str(expected.b), str(expected.b1)}) == 3
     embedding = state[EMBEDDING].numel() * state[EMBEDDING].element_size()
     assert embedding > 0.9 * sum(t.numel() * t.element_size() for t in state.values())
-    return SimpleNamespace(a=a, b=b, expected=expected, state=state, embedding=embedding)
+    # the clients' tokenizer, loaded once (its 32768 tokens cost each client seconds to load)
+    return SimpleNamespace(a=a, b=b, expected=expected, state=state, embedding=embedding,
+                           tokenizer=Tokenizer.from_pretrained(a))
 
 
 @pytest.fixture(scope="module")
@@ -109,20 +110,16 @@ def fleet(models, tmp_path_factory):
 
 def run_trainers(fleet, model: str, epoch: int, world_size: int, *extra: str,
                  rank_extra: dict[int, list[str]] | None = None) -> list[tuple[int, list[dict]]]:
-    """Every trainer rank as its own process, side by side; each one's exit code and JSON lines."""
+    """Every trainer rank as its own process (forked from one that imported torch), side by side; each one's exit
+    code and JSON lines."""
     trainer_port = free_port()
-    procs = [subprocess.Popen([sys.executable, str(TRAINER), fleet.address, model, str(epoch), str(rank),
-                               str(world_size), str(trainer_port), "--bucket-bytes", str(BUCKET), *extra,
-                               *(rank_extra or {}).get(rank, [])],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                              env={**os.environ, "MEGATRON_SERVE_TOKEN": fleet.children.secret})
-             for rank in range(world_size)]
+    argvs = [[fleet.address, model, str(epoch), str(rank), str(world_size), str(trainer_port),
+              "--bucket-bytes", str(BUCKET), *extra, *(rank_extra or {}).get(rank, [])] for rank in range(world_size)]
     results = []
-    for proc in procs:
-        out, err = proc.communicate(timeout=600)
-        lines = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
-        assert lines or proc.returncode < 0, err[-3000:]
-        results.append((proc.returncode, lines))
+    for ended in run_forked(TRAINER, argvs, {"MEGATRON_SERVE_TOKEN": fleet.children.secret}, timeout=600):
+        lines = [json.loads(line) for line in ended.stdout.splitlines() if line.startswith("{")]
+        assert lines or ended.code < 0, ended.stderr[-3000:]
+        results.append((ended.code, lines))
     return results
 
 
@@ -176,7 +173,7 @@ def figures_add_up(facts: dict, bytes_key: str, seconds_key: str) -> bool:
 
 
 async def test_two_trainer_ranks_refit_a_fleet_each_with_its_own_pieces(fleet, models):
-    async with InferenceClient(fleet.address, token=fleet.children.secret) as client:
+    async with InferenceClient(fleet.address, token=fleet.children.secret, tokenizer=models.tokenizer) as client:
         await ready(client, fleet.groups)
         await assert_serves(client, models.expected.a, 0)
         await client.pause()
@@ -229,7 +226,7 @@ async def test_two_trainer_ranks_refit_a_fleet_each_with_its_own_pieces(fleet, m
 
 
 async def test_a_delta_sends_only_what_changed(fleet, models):
-    async with InferenceClient(fleet.address, token=fleet.children.secret) as client:
+    async with InferenceClient(fleet.address, token=fleet.children.secret, tokenizer=models.tokenizer) as client:
         await ready(client, fleet.groups)
         await client.pause()
         status = await client.status()
@@ -268,7 +265,7 @@ async def test_a_delta_sends_only_what_changed(fleet, models):
     ({0: ["--grow", "model.layers.0.self_attn.q_proj.weight"], 1: ["--grow", "model.layers.0.self_attn.q_proj.weight"]},
      "ControlError", "model.layers.0.self_attn.q_proj.weight")])
 async def test_bad_pieces_are_refused_before_any_engine_changes(fleet, models, flags, error, message):
-    async with InferenceClient(fleet.address, token=fleet.children.secret) as client:
+    async with InferenceClient(fleet.address, token=fleet.children.secret, tokenizer=models.tokenizer) as client:
         await ready(client, fleet.groups)
         await client.pause()
         before = (await client.status())["epoch"]
@@ -286,7 +283,7 @@ async def test_bad_pieces_are_refused_before_any_engine_changes(fleet, models, f
 async def test_a_rank_that_dies_mid_transfer_leaves_every_engine_on_its_old_epoch(fleet, models, dying):
     """Rank 1, or rank 0 (which serves the transfer's store and sent the REFIT): the other trainer rank and every
     engine rank notice, no engine changes, and the fleet serves on."""
-    async with InferenceClient(fleet.address, token=fleet.children.secret) as client:
+    async with InferenceClient(fleet.address, token=fleet.children.secret, tokenizer=models.tokenizer) as client:
         await ready(client, fleet.groups)
         await client.pause()
         before = (await client.status())["epoch"]

@@ -14,9 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -31,6 +28,7 @@ from megatron_serve.model.tiny import make_tiny_model
 from megatron_serve import WeightSender
 
 from ..helpers import Children, free_port, until
+from .forked import run_forked
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -69,13 +67,13 @@ def fleet(models, tmp_path_factory):
 
 
 def run_trainer(fleet, model: str, epoch: int, *extra: str) -> tuple[int, list[dict]]:
-    """The trainer as its own process, holding the fleet secret; returns its exit code and the JSON lines it printed."""
-    done = subprocess.run([sys.executable, str(TRAINER), fleet.address, model, str(epoch), str(BUCKET), *extra],
-                          capture_output=True, text=True, timeout=600,
-                          env={**os.environ, "MEGATRON_SERVE_TOKEN": fleet.children.secret})
-    lines = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
-    assert lines or done.returncode < 0, done.stderr[-3000:]
-    return done.returncode, lines
+    """The trainer as its own process (forked from one that imported torch), holding the fleet secret; returns its
+    exit code and the JSON lines it printed."""
+    [ended] = run_forked(TRAINER, [[fleet.address, model, str(epoch), str(BUCKET), *extra]],
+                         {"MEGATRON_SERVE_TOKEN": fleet.children.secret}, timeout=600)
+    lines = [json.loads(line) for line in ended.stdout.splitlines() if line.startswith("{")]
+    assert lines or ended.code < 0, ended.stderr[-3000:]
+    return ended.code, lines
 
 
 async def assert_serves(client: InferenceClient, expected: list[list[int]], epoch: int) -> None:

@@ -28,7 +28,8 @@ async def main(args: argparse.Namespace) -> int:
         if args.die_after_bucket is not None and index + 1 >= args.die_after_bucket:
             os.kill(os.getpid(), signal.SIGKILL)
 
-    async with InferenceClient(args.address, token=os.environ.get("MEGATRON_SERVE_TOKEN")) as client:
+    # a control client: the verbs and STATUS a trainer sends, without the tokenizer a client that submits loads
+    async with InferenceClient(args.address, token=os.environ.get("MEGATRON_SERVE_TOKEN"), role="control") as client:
         sender = WeightSender(client, backend="gloo", bucket_bytes=args.bucket_bytes, on_bucket=on_bucket)
         try:
             ack = await sender.send(model.named_parameters(), epoch=args.epoch)

@@ -1,0 +1,64 @@
+"""Trainer processes of the weight tests, forked from one that imported torch already.
+
+A trainer script's rank is a process of its own (it joins gloo groups, and a fault test kills it), but starting
+one as a fresh interpreter makes it import torch first, which costs more than a small refit. multiprocessing's
+fork server imports :data:`PRELOAD` once, on its first start in a test worker, and forks every rank from there:
+each child runs the script as ``__main__`` with its own argv and environment, its stdout and stderr in files, and
+ends as a process does (its exit code, or minus the signal that killed it).
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import runpy
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+PRELOAD = ["torch", "torch.distributed", "megatron_serve", "megatron_serve.client.coordinator_client"]
+_CONTEXT = multiprocessing.get_context("forkserver")
+_CONTEXT.set_forkserver_preload(PRELOAD)
+
+
+@dataclass(frozen=True)
+class Ended:
+    """How one forked script ended: its exit code (minus the signal that killed it) and what it printed."""
+
+    code: int
+    stdout: str
+    stderr: str
+
+
+def _main(script: str, argv: list[str], env: dict[str, str], out: str, err: str) -> None:
+    """The child: the environment, stdout and stderr the script gets, then the script as ``__main__`` (its
+    ``SystemExit`` is the process's exit code)."""
+    os.environ.update(env)
+    for fd, path in ((1, out), (2, err)):
+        target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        os.dup2(target, fd)
+        os.close(target)
+    sys.argv = [script, *argv]
+    runpy.run_path(script, run_name="__main__")
+
+
+def run_forked(script: Path, argvs: list[list[str]], env: dict[str, str], timeout: float) -> list[Ended]:
+    """``script`` once per argv, side by side, each in a process of its own; how each ended, in order. One still
+    running after ``timeout`` seconds is killed (and reads as killed)."""
+    with tempfile.TemporaryDirectory(prefix="forked-") as logs:
+        paths = [(os.path.join(logs, f"{i}.out"), os.path.join(logs, f"{i}.err")) for i in range(len(argvs))]
+        procs = [_CONTEXT.Process(target=_main, args=(str(script), argv, env, *path), daemon=True)
+                 for argv, path in zip(argvs, paths)]
+        for proc in procs:
+            proc.start()
+        try:
+            for proc in procs:
+                proc.join(timeout)
+        finally:
+            for proc in procs:
+                if proc.exitcode is None:
+                    proc.kill()
+                    proc.join(10)
+        return [Ended(proc.exitcode, Path(out).read_text(errors="replace"), Path(err).read_text(errors="replace"))
+                for proc, (out, err) in zip(procs, paths)]
