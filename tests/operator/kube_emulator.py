@@ -229,7 +229,14 @@ class StrictKubernetesEmulator(kmock.KubernetesEmulator):
             meta["resourceVersion"] = self._stamp()
             self.store[key] = obj
             await self._emit(res, "ADDED", obj)
-            return copy.deepcopy(obj), 201
+            created = copy.deepcopy(obj)
+            refs = meta.get("ownerReferences") or []
+            alive = {o["metadata"]["uid"] for o in self.store.values()}
+            if refs and not any(r.get("uid") in alive for r in refs):
+                # Its owners are gone (a controller acting on a stale view): the garbage collector deletes it, as
+                # it would any dependent of a deleted owner (else it lingers and takes a name a new owner needs).
+                await self._delete_locked(res, obj)
+            return created, 201
 
     def _declare_crd(self, crd: dict[str, Any]) -> None:
         spec = crd["spec"]
@@ -522,7 +529,9 @@ class StrictKubernetesEmulator(kmock.KubernetesEmulator):
                 if res.plural == plural and (namespace is None or ns == namespace)]
 
     def find(self, plural: str, namespace: str | None, name: str) -> dict[str, Any] | None:
-        for (res, ns, n), obj in self.store.items():
+        # over a copy of the items: the operator's thread reads the store too (the tests' fake coordinator), and a
+        # dict that grows during a loop over it raises
+        for (res, ns, n), obj in list(self.store.items()):
             if res.plural == plural and n == name and (namespace is None or ns == namespace):
                 return copy.deepcopy(obj)
         return None
