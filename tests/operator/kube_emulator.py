@@ -169,6 +169,20 @@ class StrictKubernetesEmulator(kmock.KubernetesEmulator):
     # ------------------------------------------------------------------ dispatch
 
     async def _handle(self, request: kmock.Request) -> aiohttp.web.StreamResponse:
+        """Serve, then drop the request from kmock's history. kmock keeps every request it served and, to route a
+        GET, re-applies its filters to all of them: each request cost more than the last (quadratic over a test),
+        so a test slowed by a loaded machine made more operator passes, each slower again, until it ran past its
+        time limit (under the thread timeout that ended its xdist worker). :attr:`api_calls` is the record."""
+        try:
+            return await self._serve(request)
+        finally:
+            requests = self._requests
+            for index in range(len(requests) - 1, -1, -1):  # by identity: equal requests are distinct calls
+                if requests[index] is request:
+                    del requests[index]
+                    break
+
+    async def _serve(self, request: kmock.Request) -> aiohttp.web.StreamResponse:
         res = request.resource
         if res is None or not res.plural or res.version is None:
             return await apps.RawHandler._handle(self, request)

@@ -5,6 +5,7 @@ shows each rank, and a rank's pod deleted or restarted restarts the whole group.
 from __future__ import annotations
 
 import copy
+import functools
 import gzip
 from typing import Any
 
@@ -35,9 +36,12 @@ def moe_resource() -> dict[str, Any]:
     }
 
 
+@functools.cache
 def lws_crd() -> dict[str, Any]:
+    """Read once, through libyaml where PyYAML has it: the pure-Python loader is slow on this large a document, and
+    three tests send it (never change it)."""
     with gzip.open(LWS_CRD, "rt", encoding="utf-8") as f:
-        return yaml.safe_load(f)
+        return yaml.load(f, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
 
 
 def workload_ready(cluster, name: str) -> bool:
