@@ -7,6 +7,7 @@ import dataclasses
 import json
 import os
 import sys
+import threading
 from importlib.metadata import version
 from pathlib import Path
 
@@ -76,6 +77,35 @@ def machine_line() -> str:
     pages = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 0
     return (f"machine: {cores} usable cores of {os.cpu_count()}, {pages / 2**30:.0f} GiB, load {os.getloadavg()}, "
             f"{build}, OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')}")
+
+
+#: Seconds past a test's limit after which the backstop below ends its worker.
+TIMEOUT_BACKSTOP_S = 60.0
+BACKSTOP = pytest.StashKey[threading.Timer]()
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_timeout_set_timer(item: pytest.Item, settings) -> None:  # noqa: ANN001 - pytest-timeout's Settings
+    """A backstop behind the signal method: SIGALRM raises its failure in whatever the main thread runs, and in an
+    asyncio test that is often another task of the test's loop (the API double's request handler, a fake
+    controller): that task ends, the test goes on, and no second alarm comes. Still running a minute past its limit,
+    the test gets the thread method's end instead (every thread's stack, then its worker exits; make test stops at
+    a crashed worker) rather than holding the run until CI's own limit. pytest-timeout's own timer still runs."""
+    if settings.method != "signal" or not settings.timeout:
+        return
+    from pytest_timeout import timeout_timer  # noqa: PLC0415 (only where pytest-timeout calls this hook)
+
+    backstop = threading.Timer(settings.timeout + TIMEOUT_BACKSTOP_S, timeout_timer, (item, settings))
+    backstop.daemon = True
+    backstop.start()
+    item.stash[BACKSTOP] = backstop
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_timeout_cancel_timer(item: pytest.Item) -> None:
+    backstop = item.stash.get(BACKSTOP, None)
+    if backstop is not None:
+        backstop.cancel()
 
 
 @pytest.fixture(scope="session")

@@ -34,7 +34,9 @@ async def cluster() -> AsyncIterator[Cluster]:
         try:
             yield c
         finally:
-            await c.close()
-            await emu.end_watches()
+            try:
+                await c.close()
+            finally:  # even when kopf failed to stop: else the server waits for its open watches as it closes
+                await emu.end_watches()
 
 

@@ -5,6 +5,11 @@ run ready, and the workload's status counts them.
 Not modelled: the LeaderWorkerSet controller's own restart policy (``RecreateGroupOnPodRestart`` is the
 controller's job, asserted in the rendered object); a deleted pod comes back under a new uid, as the
 StatefulSet controller does.
+
+Like a real controller it acts on a view that may be stale: the operator can delete a workload (a gang moving
+to a LeaderWorkerSet, a group scaled away) while its pods are being made. A workload or pod gone meanwhile is
+skipped (the pods made for a deleted workload are the API server's garbage); any other error ends the loop and
+:meth:`PodController.stop` raises it, so a test sees why its pods stopped coming.
 """
 
 from __future__ import annotations
@@ -57,7 +62,14 @@ class PodController:
         self.namespace = namespace
         self.task: asyncio.Task[None] | None = None
 
-    async def _sync(self, obj: dict[str, Any]) -> None:
+    async def _set_status(self, plural: str, name: str, status: dict[str, Any]) -> None:
+        try:
+            await self.cluster.emu.set_status(plural, self.namespace, name, status)
+        except KeyError:  # deleted since this pass read it: the next pass sees what is there now
+            pass
+
+    async def sync(self, obj: dict[str, Any]) -> None:
+        """One workload (as last read): its pods made, surplus ones deleted, its status counted."""
         c, ns = self.cluster, self.namespace
         want = wanted_pods(obj)
         pods = {p["metadata"]["name"]: p for p in c.emu.objects_of("pods", ns)
@@ -69,7 +81,7 @@ class PodController:
                     "metadata": {"name": name, "namespace": ns, "labels": labels, "ownerReferences": _owner(obj)},
                     "spec": {"nodeName": f"node-{name}", "containers": [{"name": "engine", "image": "x"}]}},
                     expect=(201, 409))
-                await c.emu.set_status("pods", ns, name, _ready_status())
+                await self._set_status("pods", name, _ready_status())
         for name in set(pods) - set(want):
             await c.request("DELETE", f"/api/v1/namespaces/{ns}/pods/{name}")
         ready = sum(1 for p in c.emu.objects_of("pods", ns) if p["metadata"]["name"] in want and any(
@@ -83,7 +95,7 @@ class PodController:
         else:  # a LeaderWorkerSet counts groups: ready when every pod of the group is
             counted = {"replicas": replicas, "readyReplicas": replicas if complete else 0, "updatedReplicas": replicas}
         plural = "statefulsets" if obj["kind"] == "StatefulSet" else lws.PLURAL
-        await c.emu.set_status(plural, ns, obj["metadata"]["name"],
+        await self._set_status(plural, obj["metadata"]["name"],
                                {"observedGeneration": obj["metadata"]["generation"], **counted})
 
     async def _loop(self) -> None:
@@ -98,13 +110,18 @@ class PodController:
                 seen = emu.rv
             for plural in ("statefulsets", lws.PLURAL):
                 for obj in emu.objects_of(plural, self.namespace):
-                    await self._sync(obj)
+                    await self.sync(obj)
             seen = emu.rv
 
     def start(self) -> None:
         self.task = asyncio.create_task(self._loop())
 
     async def stop(self) -> None:
-        if self.task is not None:
-            self.task.cancel()
-            await asyncio.gather(self.task, return_exceptions=True)
+        """Cancel the loop; raise what ended it if it ended on its own (a test's failure shows the cause)."""
+        if self.task is None:
+            return
+        task, self.task = self.task, None
+        task.cancel()
+        (outcome,) = await asyncio.gather(task, return_exceptions=True)
+        if not isinstance(outcome, (asyncio.CancelledError, type(None))):
+            raise RuntimeError("the fake pod controller died") from outcome

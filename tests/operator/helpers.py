@@ -366,12 +366,14 @@ class Cluster:
     async def close(self) -> None:
         from megatron_operator import coordinator_link, handlers
 
-        await self.stop_operator()
-        if self._controllers is not None:
-            self._controllers.cancel()
-            await asyncio.gather(self._controllers, return_exceptions=True)
-        coordinator_link.set_link_factory(None)
-        handlers.set_kube(None)
+        try:
+            await self.stop_operator()
+        finally:  # the next test's operator must not find this one's link factory or client
+            if self._controllers is not None:
+                self._controllers.cancel()
+                await asyncio.gather(self._controllers, return_exceptions=True)
+            coordinator_link.set_link_factory(None)
+            handlers.set_kube(None)
 
 
 def fake_coordinator_for(c: Cluster, namespace: str, name: str) -> FakeCoordinator:

@@ -169,6 +169,20 @@ class StrictKubernetesEmulator(kmock.KubernetesEmulator):
     # ------------------------------------------------------------------ dispatch
 
     async def _handle(self, request: kmock.Request) -> aiohttp.web.StreamResponse:
+        """Serve, then drop the request from kmock's history. kmock keeps every request it served and, to route a
+        GET, re-applies its filters to all of them: each request cost more than the last (quadratic over a test),
+        so a test slowed by a loaded machine made more operator passes, each slower again, until it ran past its
+        time limit (under the thread timeout that ended its xdist worker). :attr:`api_calls` is the record."""
+        try:
+            return await self._serve(request)
+        finally:
+            requests = self._requests
+            for index in range(len(requests) - 1, -1, -1):  # by identity: equal requests are distinct calls
+                if requests[index] is request:
+                    del requests[index]
+                    break
+
+    async def _serve(self, request: kmock.Request) -> aiohttp.web.StreamResponse:
         res = request.resource
         if res is None or not res.plural or res.version is None:
             return await apps.RawHandler._handle(self, request)
@@ -229,7 +243,14 @@ class StrictKubernetesEmulator(kmock.KubernetesEmulator):
             meta["resourceVersion"] = self._stamp()
             self.store[key] = obj
             await self._emit(res, "ADDED", obj)
-            return copy.deepcopy(obj), 201
+            created = copy.deepcopy(obj)
+            refs = meta.get("ownerReferences") or []
+            alive = {o["metadata"]["uid"] for o in self.store.values()}
+            if refs and not any(r.get("uid") in alive for r in refs):
+                # Its owners are gone (a controller acting on a stale view): the garbage collector deletes it, as
+                # it would any dependent of a deleted owner (else it lingers and takes a name a new owner needs).
+                await self._delete_locked(res, obj)
+            return created, 201
 
     def _declare_crd(self, crd: dict[str, Any]) -> None:
         spec = crd["spec"]
@@ -522,7 +543,9 @@ class StrictKubernetesEmulator(kmock.KubernetesEmulator):
                 if res.plural == plural and (namespace is None or ns == namespace)]
 
     def find(self, plural: str, namespace: str | None, name: str) -> dict[str, Any] | None:
-        for (res, ns, n), obj in self.store.items():
+        # over a copy of the items: the operator's thread reads the store too (the tests' fake coordinator), and a
+        # dict that grows during a loop over it raises
+        for (res, ns, n), obj in list(self.store.items()):
             if res.plural == plural and n == name and (namespace is None or ns == namespace):
                 return copy.deepcopy(obj)
         return None

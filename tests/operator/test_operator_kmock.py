@@ -296,3 +296,13 @@ async def test_rbac_covers_every_call_and_nothing_more(cluster):
     # the gangs' permissions are used by test_gang.py (a LeaderWorkerSet needs its CRD, a restart needs pods)
     gang_only = {("leaderworkerset.x-k8s.io", "leaderworkersets"), ("", "pods")}
     assert {(g, r, v) for g, r, v in granted - used if (g, r) not in gang_only} == set(), "permissions never used"
+
+
+async def test_the_api_double_keeps_no_history_of_the_requests_it_served(cluster):
+    """kmock re-applies its filters to every request it kept to route each GET: kept, each request of a long test
+    cost more than the last (StrictKubernetesEmulator._handle). The double's own record is ``api_calls``."""
+    for _ in range(20):
+        code, _ = await cluster.request("GET", f"/api/v1/namespaces/{NS}/pods/absent")
+        assert code == 404
+    assert len(cluster.emu) == 0
+    assert cluster.emu.api_calls.count(("get", "", "pods", NS)) == 20
