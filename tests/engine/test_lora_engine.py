@@ -37,8 +37,10 @@ def adapters(base, tmp_path_factory):
 
 
 def _engine(base, adapters, **overrides) -> DynamicInferenceEngine:
-    config = dict(dtype="float32", block_size_tokens=16, enable_lora=True, max_loras=4, max_lora_rank=16,
-                  lora_modules=adapters)
+    # a pool of 64 blocks holds every test's requests; sized by memory, each engine zeroed a pool of the tiny
+    # model's whole context for every request slot
+    config = dict(dtype="float32", block_size_tokens=16, num_kv_blocks=64, enable_lora=True, max_loras=4,
+                  max_lora_rank=16, lora_modules=adapters)
     config.update(overrides)
     return DynamicInferenceEngine.from_model_dir(base, InferenceConfig(**config))
 
