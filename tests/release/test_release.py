@@ -83,10 +83,12 @@ def _step(argv: list[str | Path], cwd: Path, timeout: float = 900) -> None:
 def fresh_venv(work: Path, requirement: str | Path) -> Path:
     """A new venv under ``work`` with torch (pinned: an unpinned one drags in CUDA wheels), then ``requirement``.
     ``--no-compile``: byte-compiling every installed module (torch's thousands) is most of an install's CPU, and
-    Python compiles what it imports anyway."""
+    Python compiles what it imports anyway. The venv gets no pip of its own (``ensurepip`` cost more CPU than
+    the venv): this interpreter's pip installs into it (``--python``), and the product never imports pip."""
     venv = work / "venv"
-    _step([sys.executable, "-m", "venv", venv], cwd=work)
-    pip = [venv / "bin" / "python", "-m", "pip", "install", "--quiet", "--no-input", "--no-compile"]
+    _step([sys.executable, "-m", "venv", "--without-pip", venv], cwd=work)
+    pip = [sys.executable, "-m", "pip", "--python", venv / "bin" / "python", "install", "--quiet", "--no-input",
+           "--no-compile"]
     _step([*pip, TORCH], cwd=work)
     _step([*pip, requirement], cwd=work)
     return venv
