@@ -169,7 +169,7 @@ def run(target_dir: Path, config: InferenceConfig, workload: Workload, params: l
     each). The engine first serves ``workload.warmup`` (other prompts, the same sampling), untimed: a server has
     served before, so its K policy has measured what steps cost and its first probes are behind it (``--cold``:
     none)."""
-    engine = DynamicInferenceEngine.from_model_dir(target_dir, config)
+    engine = DynamicInferenceEngine.from_model_dir(target_dir, config, vocabulary_only=True)
     serve(engine, [DynamicInferenceRequest(f"warmup-{i}", None, prompt, p)
                    for i, (prompt, p) in enumerate(zip(workload.sequences(workload.warmup), params))],
           workload.in_flight)
