@@ -47,17 +47,13 @@ COUNTING_PROBE = textwrap.dedent("""
     from megatron_serve.model.parallel import DataParallel, TensorParallel
     from megatron_serve.model.token_dispatcher import AllGatherDispatcher
 
-    rank, size, port, model_dir, layout, tokens, device = sys.argv[1:]
+    rank, size, port, model_dir, layouts, tokens, device = sys.argv[1:]
     rank, size, tokens = int(rank), int(size), int(tokens)
     backend = "nccl" if device == "cuda" else "gloo"
     if device == "cuda":
         torch.cuda.set_device(rank)
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size)
     device = torch.device(device, rank) if device == "cuda" else torch.device(device)
-    tp = TensorParallel(rank, size, dist.group.WORLD, expert_parallel=layout != "tp")
-    if layout.startswith("dp"):  # data-parallel attention: one attention rank each, its own share of the tokens
-        tp = TensorParallel(0, 1, None, expert_parallel=True, data_parallel=DataParallel(rank, size, dist.group.WORLD))
-    model = load_model(model_dir, torch.float32, device, tp)
     sent = [0]
     all_reduce, all_gather, all_to_all = dist.all_reduce, dist.all_gather, dist.all_to_all_single
 
@@ -77,17 +73,26 @@ COUNTING_PROBE = textwrap.dedent("""
 
     dist.all_reduce, dist.all_gather = counted_all_reduce, counted_all_gather
     dist.all_to_all_single = counted_all_to_all
-    block = next(layer.mlp for layer in model.model.layers if isinstance(layer.mlp, SparseMoeBlock))
-    if layout == "ep-allgather":
-        block.dispatcher = AllGatherDispatcher(tp, model.config.moe.num_experts)
-    own = tokens // size if layout.startswith("dp") else tokens
-    if layout.endswith("capacity"):  # buffers for the step's tokens, as a graph of that batch has
-        install_dispatchers(model, "alltoall").capacity = own
-    hidden = torch.randn(own, model.config.hidden_size, generator=torch.Generator().manual_seed(0)).to(device)
-    with torch.no_grad():
-        block(hidden)
+    measured = {}
+    for layout in layouts.split(","):  # one process group for every layout: each loads its own model
+        tp = TensorParallel(rank, size, dist.group.WORLD, expert_parallel=layout != "tp")
+        if layout.startswith("dp"):  # data-parallel attention: one attention rank each, its own share of the tokens
+            tp = TensorParallel(0, 1, None, expert_parallel=True,
+                                data_parallel=DataParallel(rank, size, dist.group.WORLD))
+        model = load_model(model_dir, torch.float32, device, tp)
+        block = next(layer.mlp for layer in model.model.layers if isinstance(layer.mlp, SparseMoeBlock))
+        if layout == "ep-allgather":
+            block.dispatcher = AllGatherDispatcher(tp, model.config.moe.num_experts)
+        own = tokens // size if layout.startswith("dp") else tokens
+        if layout.endswith("capacity"):  # buffers for the step's tokens, as a graph of that batch has
+            install_dispatchers(model, "alltoall").capacity = own
+        hidden = torch.randn(own, model.config.hidden_size, generator=torch.Generator().manual_seed(0)).to(device)
+        sent[0] = 0
+        with torch.no_grad():
+            block(hidden)
+        measured[layout] = {"bytes_per_token": sent[0] / tokens, "hidden_bytes": model.config.hidden_size * 4}
     if rank == 0:
-        print(json.dumps({"bytes_per_token": sent[0] / tokens, "hidden_bytes": model.config.hidden_size * 4}))
+        print(json.dumps(measured))
     dist.destroy_process_group()
 """)
 
@@ -135,31 +140,35 @@ def make_model(args: argparse.Namespace, root: Path) -> str:
                                num_experts_per_tok=args.top_k, moe_intermediate_size=args.intermediate))
 
 
-def ms_per_token(model_dir: str, args: argparse.Namespace, size: int, expert_parallel: bool, concurrency: int,
-                 graphs: bool = True) -> float:
+def ms_per_token(model_dir: str, args: argparse.Namespace, size: int, expert_parallel: bool,
+                 graphs: bool = True) -> dict[int, float]:
+    """Milliseconds per generated token at ``--concurrency`` and alone, both from one warmed-up engine group."""
     config = InferenceConfig(dtype=args.dtype, device=args.device, tensor_parallel_size=size,
                              enable_expert_parallel=expert_parallel, num_kv_blocks=512, enable_cuda_graphs=graphs)
     params = SamplingParams(temperature=0.0, num_tokens_to_generate=args.tokens, ignore_eos=True)
-    prompts = [f"Expert parallel benchmark prompt {i}: the quick brown fox" for i in range(concurrency)]
+    prompts = [f"Expert parallel benchmark prompt {i}: the quick brown fox" for i in range(args.concurrency)]
+    measured = {}
     with MegatronLLM(model_dir, config) as llm:
         llm.generate(prompts[:1], SamplingParams(temperature=0.0, num_tokens_to_generate=4, ignore_eos=True))
-        started = time.perf_counter()
-        outs = llm.generate(prompts, params)
-        elapsed = time.perf_counter() - started
-    return 1000 * elapsed / sum(len(o.generated_tokens) for o in outs)
+        for concurrency in (args.concurrency, 1):
+            started = time.perf_counter()
+            outs = llm.generate(prompts[:concurrency], params)
+            elapsed = time.perf_counter() - started
+            measured[concurrency] = 1000 * elapsed / sum(len(o.generated_tokens) for o in outs)
+    return measured
 
 
 def decode_table(model_dir: str, args: argparse.Namespace) -> None:
     print(f"decode: ms per generated token ({args.tokens} tokens a request, {args.device}, {args.dtype})")
     print(f"{'layout':<12} {'c=' + str(args.concurrency):>10} {'ratio':>7} {'c=1':>9} {'ratio':>7}")
-    base = {c: ms_per_token(model_dir, args, 1, False, c) for c in (args.concurrency, 1)}
+    base = ms_per_token(model_dir, args, 1, False)
     print(f"{'one rank':<12} {base[args.concurrency]:>10.2f} {1.0:>7.2f} {base[1]:>9.2f} {1.0:>7.2f}")
     for size in args.sizes:
         layouts = [(f"TP={size}", False, True), (f"EP={size}", True, True)]
         if args.device == "cuda":  # CUDA graphs (the fixed-capacity all-to-all) against eager steps
             layouts.append((f"EP={size} eager", True, False))
         for name, expert_parallel, graphs in layouts:
-            row = {c: ms_per_token(model_dir, args, size, expert_parallel, c, graphs) for c in (args.concurrency, 1)}
+            row = ms_per_token(model_dir, args, size, expert_parallel, graphs)
             print(f"{name:<12} {row[args.concurrency]:>10.2f} {row[args.concurrency] / base[args.concurrency]:>7.2f} "
                   f"{row[1]:>9.2f} {row[1] / base[1]:>7.2f}")
 
@@ -168,12 +177,13 @@ def bytes_table(model_dir: str, args: argparse.Namespace) -> None:
     print(f"\nbytes one rank sends per token of the step in one MoE layer ({args.batch_tokens} tokens a step, float32)")
     print(f"{'layout':<22} {'bytes/token':>12} {'x hidden':>9}")
     for size in args.sizes:
-        for layout, name in (("tp", f"TP={size} all-reduce"), ("ep", f"EP={size} all-to-all"),
-                             ("ep-capacity", f"EP={size} capacity"), ("ep-allgather", f"EP={size} all-reduce"),
-                             ("dp", f"DP={size} all-to-all"), ("dp-capacity", f"DP={size} capacity")):
-            measured = run_ranks(COUNTING_PROBE, size, model_dir, layout, str(args.batch_tokens), args.device)
-            print(f"{name:<22} {measured['bytes_per_token']:>12.0f} "
-                  f"{measured['bytes_per_token'] / measured['hidden_bytes']:>9.2f}")
+        layouts = {"tp": f"TP={size} all-reduce", "ep": f"EP={size} all-to-all", "ep-capacity": f"EP={size} capacity",
+                   "ep-allgather": f"EP={size} all-reduce", "dp": f"DP={size} all-to-all",
+                   "dp-capacity": f"DP={size} capacity"}
+        measured = run_ranks(COUNTING_PROBE, size, model_dir, ",".join(layouts), str(args.batch_tokens), args.device)
+        for layout, name in layouts.items():
+            print(f"{name:<22} {measured[layout]['bytes_per_token']:>12.0f} "
+                  f"{measured[layout]['bytes_per_token'] / measured[layout]['hidden_bytes']:>9.2f}")
 
 
 def bandwidth_table(args: argparse.Namespace) -> None:

@@ -254,7 +254,9 @@ def offline_tokens_per_s(model_dir: str, run_args: str, work: Workload, concurre
     from megatron_serve import DynamicInferenceRequest, SamplingParams  # noqa: PLC0415
     from megatron_serve.engine import DynamicInferenceEngine  # noqa: PLC0415
 
-    engine = DynamicInferenceEngine.from_model_dir(model_dir, engine_config(run_args, concurrency))
+    # token ids in and out, as the served engine processes: their vocabulary, not a whole tokenizer
+    engine = DynamicInferenceEngine.from_model_dir(model_dir, engine_config(run_args, concurrency),
+                                                   vocabulary_only=True)
     try:
         elapsed = cpu = 0.0
         for timed, part in ((False, warmup), (True, work)):

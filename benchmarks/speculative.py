@@ -169,7 +169,7 @@ def run(target_dir: Path, config: InferenceConfig, workload: Workload, params: l
     each). The engine first serves ``workload.warmup`` (other prompts, the same sampling), untimed: a server has
     served before, so its K policy has measured what steps cost and its first probes are behind it (``--cold``:
     none)."""
-    engine = DynamicInferenceEngine.from_model_dir(target_dir, config)
+    engine = DynamicInferenceEngine.from_model_dir(target_dir, config, vocabulary_only=True)
     serve(engine, [DynamicInferenceRequest(f"warmup-{i}", None, prompt, p)
                    for i, (prompt, p) in enumerate(zip(workload.sequences(workload.warmup), params))],
           workload.in_flight)
@@ -249,6 +249,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)  # training too: 2 threads on the loaded 2-core CPU took 10 s a step, 1 took 0.07
     target, draft, facts = trained_pair(args.cache_dir, PairSettings(steps=args.train_steps), args.device)
     length, rate = acceptance(target, draft, held_out_prompts(16, args.prompt_tokens), args.k, args.new_tokens)
+    gc.freeze()  # what the imports and the pair made lives to the end: each row's collection scans only the engines
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {args.device} {args.dtype}, K={args.k}, "
           f"{args.prompt_tokens} prompt / {args.new_tokens} new tokens")
     print(f"pair {target.parent} ({'cached' if facts['cached'] else 'trained now'}): target {facts['target_train_s']:.0f} s, "

@@ -83,10 +83,12 @@ def _step(argv: list[str | Path], cwd: Path, timeout: float = 900) -> None:
 def fresh_venv(work: Path, requirement: str | Path) -> Path:
     """A new venv under ``work`` with torch (pinned: an unpinned one drags in CUDA wheels), then ``requirement``.
     ``--no-compile``: byte-compiling every installed module (torch's thousands) is most of an install's CPU, and
-    Python compiles what it imports anyway."""
+    Python compiles what it imports anyway. The venv gets no pip of its own (``ensurepip`` cost more CPU than
+    the venv): this interpreter's pip installs into it (``--python``), and the product never imports pip."""
     venv = work / "venv"
-    _step([sys.executable, "-m", "venv", venv], cwd=work)
-    pip = [venv / "bin" / "python", "-m", "pip", "install", "--quiet", "--no-input", "--no-compile"]
+    _step([sys.executable, "-m", "venv", "--without-pip", venv], cwd=work)
+    pip = [sys.executable, "-m", "pip", "--python", venv / "bin" / "python", "install", "--quiet", "--no-input",
+           "--no-compile"]
     _step([*pip, TORCH], cwd=work)
     _step([*pip, requirement], cwd=work)
     return venv
@@ -222,13 +224,22 @@ def rendered_command_lines(objects: list[dict[str, Any]]) -> Iterator[tuple[str,
 
 def test_rendered_containers_are_accepted_by_the_installed_cli(release: Release) -> None:
     lines: list[tuple[str, list[str]]] = []
-    examples = sorted((ROOT / "manifests" / "examples").glob("*.yaml"))
-    assert examples
-    for example in examples:
-        rendered = release.check(release.bin / "megatron-serve", "render", "-f", example)
-        found = list(rendered_command_lines([d for d in yaml.safe_load_all(rendered) if d]))
+    examples = {yaml.safe_load(path.read_text())["metadata"]["name"]: path.name
+                for path in sorted((ROOT / "manifests" / "examples").glob("*.yaml"))}
+    assert len(examples) == len(list((ROOT / "manifests" / "examples").glob("*.yaml"))) > 1  # one name each
+    # every example in one `render -f -` (one process, several documents on stdin), told apart by instance label
+    stdin = "---\n".join((ROOT / "manifests" / "examples" / name).read_text() for name in examples.values())
+    done = subprocess.run([str(release.bin / "megatron-serve"), "render", "-f", "-"], input=stdin,
+                          cwd=release.outside, env=release.env(), capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, f"render -f - exited {done.returncode}:\n{done.stdout}\n{done.stderr}"
+    by_instance: dict[str, list[dict[str, Any]]] = {}
+    for obj in (d for d in yaml.safe_load_all(done.stdout) if d):
+        by_instance.setdefault(obj["metadata"]["labels"]["app.kubernetes.io/instance"], []).append(obj)
+    assert set(by_instance) == set(examples)
+    for instance, objects in by_instance.items():
+        found = list(rendered_command_lines(objects))
         programs = {program for program, _ in found}
-        assert programs == {"megatron-serve", "probe"}, f"{example.name}: rendered {found}"
+        assert programs == {"megatron-serve", "probe"}, f"{examples[instance]}: rendered {found}"
         lines += found
     # The operator's own Deployment, as the kustomize base installs it.
     base = [d for d in yaml.safe_load_all((ROOT / "manifests" / "operator" / "deployment.yaml").read_text()) if d]
