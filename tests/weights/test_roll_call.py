@@ -1,4 +1,4 @@
-"""Trainer rank 0's roll call (:mod:`megatron_serve.client.roll_call`): it waits for the ranks that live, not for the dead.
+"""Trainer rank 0's roll call (:mod:`megatron_serve.client.roll_call`): it waits for the living ranks, not the dead.
 
 Real sockets; the rank that dies is a process of its own, killed (SIGKILL) as a crashed trainer rank is. Rank 0
 stops waiting as soon as every other rank read the outcome or is gone, well before its deadline; a rank that is

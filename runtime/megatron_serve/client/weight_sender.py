@@ -279,7 +279,14 @@ class WeightSender:
         address, prefix, port = await asyncio.to_thread(self._collective, "broadcast", None)
         rendezvous = msgspec.structs.replace(rendezvous, address=address, prefix=prefix)
         # here until this rank read the outcome: rank 0 waits for it while it is, and no longer once it is gone
-        present = roll_call.attend(address.rpartition(":")[0], port, prefix, self.rank, self.timeout)
+        host = address.rpartition(":")[0]
+        try:
+            present = await asyncio.to_thread(roll_call.attend, host, port, prefix, self.rank, self.timeout)
+        except OSError as exc:
+            raise WeightTransferError(f"trainer rank 0, which serves the transfer's store, cannot be reached at "
+                                      f"{host}:{port} ({exc}); this rank sent nothing. The engines apply nothing "
+                                      "unless every rank committed: the coordinator's status says which epoch they "
+                                      "serve") from exc
         try:
             figures, outcome = await self._send_and_read(rendezvous, mine, address, prefix)
         except BaseException:
