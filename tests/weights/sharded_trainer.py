@@ -4,9 +4,10 @@
 in ``$MEGATRON_SERVE_TOKEN``). Every rank reads only its own pieces of the checkpoint's tensors (:func:`cut`),
 joins the trainer's own gloo group on ``TRAINER_PORT``, and calls ``WeightSender.send`` with them. It prints JSON
 lines: ``{"largest", "holds"}`` (bytes of the largest tensor this rank keeps, of all of them), each bucket's
-progress, then the acknowledgement with ``peak_rss_bytes`` (how far this process's resident memory rose from
-before it read its pieces to the acknowledgement, :mod:`megatron_serve.weights.peak`) or ``{"error", "type"}``;
-exit 0 on an acknowledgement.
+progress (``at``: when it left, ``time.time()``), then the acknowledgement with ``peak_rss_bytes`` (how far this
+process's resident memory rose from before it read its pieces to the acknowledgement,
+:mod:`megatron_serve.weights.peak`) or ``{"error", "type", "at"}`` (``at``: when ``send`` raised); exit 0 on an
+acknowledgement.
 
 Options: ``--delta``; ``--bucket-bytes N``; ``--timeout S``; ``--die-after-bucket N`` (SIGKILL after bucket N
 left, like a crashed rank); ``--overlap`` / ``--gap`` / ``--wrong-shape`` (rank 1 sends a bad piece);
@@ -26,6 +27,7 @@ import json
 import os
 import re
 import signal
+import time
 
 import torch
 import torch.distributed as dist
@@ -172,7 +174,7 @@ async def main(args: argparse.Namespace) -> int:
                             world_size=args.world_size, timeout=datetime.timedelta(seconds=120))
 
     def on_bucket(index: int, count: int, nbytes: int) -> None:
-        print(json.dumps({"bucket": index + 1, "of": count}), flush=True)
+        print(json.dumps({"bucket": index + 1, "of": count, "at": time.time()}), flush=True)
         if args.die_after_bucket is not None and index + 1 >= args.die_after_bucket:
             os.kill(os.getpid(), signal.SIGKILL)
 
@@ -191,7 +193,7 @@ async def main(args: argparse.Namespace) -> int:
             ack = await sender.send(mine, epoch=args.epoch, delta=args.delta, drafter=drafter_pieces(args),
                                     adapters={name: adapter} if adapter and args.rank == args.world_size - 1 else None)
         except (ControlError, WeightTransferError, ValueError) as exc:
-            print(json.dumps({"error": str(exc), "type": type(exc).__name__}), flush=True)
+            print(json.dumps({"error": str(exc), "type": type(exc).__name__, "at": time.time()}), flush=True)
             return 1
         peak = peak_since(baseline)
     print(json.dumps({**ack, "peak_rss_bytes": peak}), flush=True)

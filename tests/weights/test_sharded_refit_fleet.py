@@ -10,7 +10,7 @@ processes' peak memory (measured by the kernel) tells whether one held the full 
 tensor-parallel rank stay well below it, an engine rank that serves it and a trainer that gathers it (the control)
 do not. Deltas send what changed. Overlapping pieces, a gap, a wrong full shape (from one rank, or from all), and a
 rank that dies mid-transfer (rank 1, or rank 0, which serves the transfer's store) are refused with the fleet on
-its old epoch, still serving.
+its old epoch, still serving, and the living rank raises well within its timeout of the other's death.
 """
 
 from __future__ import annotations
@@ -41,6 +41,8 @@ PROMPTS = ["Hello there", "The quick brown fox jumps over the lazy dog", "1 2 3 
 GREEDY = SamplingParams(temperature=0.0, num_tokens_to_generate=8, ignore_eos=True)
 TRAINER = Path(__file__).with_name("sharded_trainer.py")
 BUCKET = 64 << 10
+#: The trainer ranks' ``WeightSender`` timeout where a test holds them to it.
+TRAINER_TIMEOUT = 60.0
 EMBEDDING = "model.embed_tokens.weight"
 
 
@@ -282,20 +284,23 @@ async def test_bad_pieces_are_refused_before_any_engine_changes(fleet, models, f
 @pytest.mark.parametrize("dying", [1, 0])
 async def test_a_rank_that_dies_mid_transfer_leaves_every_engine_on_its_old_epoch(fleet, models, dying):
     """Rank 1, or rank 0 (which serves the transfer's store and sent the REFIT): the other trainer rank and every
-    engine rank notice, no engine changes, and the fleet serves on."""
+    engine rank notice, no engine changes, and the fleet serves on. The living rank raises well within its timeout
+    of the death: rank 0 does not wait for a dead rank to read the outcome (it did, the whole timeout, before)."""
     async with InferenceClient(fleet.address, token=fleet.children.secret, tokenizer=models.tokenizer) as client:
         await ready(client, fleet.groups)
         await client.pause()
         before = (await client.status())["epoch"]
-        # the transfer's default timeout: the dying rank's peers notice its closed connections at once, while a
-        # short one (20 s: engines joining, each message) can fail rank 1 before its second bucket under load
-        results = await asyncio.to_thread(run_trainers, fleet, models.a, 11, 2,
+        # a long timeout: the dying rank's peers notice its closed connections at once, while a short one (20 s:
+        # engines joining, each message) can fail rank 1 before its second bucket under load
+        results = await asyncio.to_thread(run_trainers, fleet, models.a, 11, 2, "--timeout", str(TRAINER_TIMEOUT),
                                           rank_extra={dying: ["--die-after-bucket", "2"]})
         (code, lines), (dead_code, dead_lines) = results[1 - dying], results[dying]
         assert dead_code == -9 and dead_lines[-1]["bucket"] == 2, results
         assert code == 1 and lines[-1]["type"] in ("ControlError", "WeightTransferError"), lines[-1]
         if dying == 1:  # rank 0 hears the coordinator's answer
             assert "no weights were changed" in lines[-1]["error"], lines[-1]
+        # ... and raises it without waiting out its timeout for the dead rank to read it
+        assert lines[-1]["at"] - dead_lines[-1]["at"] < TRAINER_TIMEOUT / 2, (lines[-1], dead_lines[-1])
 
         async def settled():
             status = await client.status()

@@ -8,8 +8,9 @@ asked. Rank 0 then serves the transfer's store and sends the REFIT (through the 
 verify step checks names and shapes on every engine; every rank then sends each engine rank the chunks of that
 rank's regions it holds, point to point (:mod:`megatron_serve.weights.sending`), and the engine ranks load only
 once every rank of the transfer committed (:mod:`megatron_serve.weights.sharded`): a rank that dies leaves
-every engine on its old weights. Rank 0 hands the acknowledgement to the other ranks through the store; each
-returns it with its own figures in ``detail["sender"]``.
+every engine on its old weights. Rank 0 hands the acknowledgement (or the refusal) to the other ranks through the
+store; each returns it with its own figures in ``detail["sender"]``. Rank 0 waits until each other rank read it
+or is gone (:mod:`.roll_call`), so a rank that died costs it no timeout.
 
 ``send(..., delta=True)`` sends only the tensors whose chunks changed since what the engines hold (digests on
 both sides). ``send(..., drafter=...)`` carries a draft model's tensors (or an EAGLE-3 head's) in the same
@@ -43,6 +44,7 @@ from ..weights.manifest import nbytes, pack, plan_buckets, spec_of
 from ..weights.sending import receivers, send_pieces
 from ..weights.shards import Item, cover_problem, merge_manifests, piece_of
 from ..wire.messages import RENDEZVOUS_SCHEME, LoraPush, Rendezvous
+from . import roll_call
 from .coordinator_client import ControlError, InferenceClient
 from ..weights.adapters import adapter_tensor
 from .lora_push import LoraWeights, adapter_push, adapter_update
@@ -55,8 +57,8 @@ DEFAULT_TIMEOUT_S = 120.0
 if TYPE_CHECKING:
     import torch.distributed as dist
 
-# Keys of the transfer's store by which rank 0 hands the verb's outcome to the other trainer ranks.
-_ABORT, _OUTCOME, _READ = "sender/abort", "sender/outcome", "sender/read"
+# Keys of the transfer's store by which rank 0 stops the other trainer ranks, and hands them the verb's outcome.
+_ABORT, _OUTCOME = "sender/abort", "sender/outcome"
 
 #: ``on_bucket(index, count, nbytes)``, called on the transfer thread after each bucket left.
 BucketCallback = Callable[[int, int, int], None]
@@ -211,18 +213,23 @@ class WeightSender:
         prefix = secrets.token_hex(16)  # this transfer's keys: only the REFIT (encrypted) carries it
         store = transfer.transfer_store(listening, prefix)
         rendezvous = msgspec.structs.replace(rendezvous, address=f"{host}:{listening.port}", prefix=prefix)
-        if self.world_size > 1:
-            await asyncio.to_thread(self._collective, "broadcast", (rendezvous.address, prefix))
-        label = f"{RENDEZVOUS_SCHEME}{host}:{listening.port}"
+        ranks = roll_call.RollCall(host, prefix, self.world_size) if self.world_size > 1 else None
         try:
-            ack, figures = await self._refit(store, label, rendezvous, mine, host, epoch)
-        except Exception as exc:
-            self._publish(store, exc)
-            raise
-        detail = ack.setdefault("detail", {})
-        detail["receivers"] = await asyncio.to_thread(receivers, store, self.world_size, figures["world_size"],
-                                                      self.timeout)
-        self._publish(store, ack)
+            if ranks is not None:
+                await asyncio.to_thread(self._collective, "broadcast", (rendezvous.address, prefix, ranks.port))
+            label = f"{RENDEZVOUS_SCHEME}{host}:{listening.port}"
+            try:
+                ack, figures = await self._refit(store, label, rendezvous, mine, host, epoch)
+            except Exception as exc:
+                await asyncio.to_thread(self._publish, store, ranks, exc)
+                raise
+            detail = ack.setdefault("detail", {})
+            detail["receivers"] = await asyncio.to_thread(receivers, store, self.world_size, figures["world_size"],
+                                                          self.timeout)
+            await asyncio.to_thread(self._publish, store, ranks, ack)
+        finally:
+            if ranks is not None:
+                ranks.close()
         detail["sender"] = figures
         return ack
 
@@ -253,10 +260,10 @@ class WeightSender:
             if not verb.done():
                 verb.cancel()
 
-    def _publish(self, store: Any, outcome: dict[str, Any] | Exception) -> None:
-        """Hand the verb's outcome to the other trainer ranks, and wait (up to the timeout) until they read it: the
-        store is this process's, and goes with this call (a rank that died never reads: the wait runs out)."""
-        if self.world_size == 1:
+    def _publish(self, store: Any, ranks: roll_call.RollCall | None, outcome: dict[str, Any] | Exception) -> None:
+        """Hand the verb's outcome to the other trainer ranks, and wait until each read it or is gone (up to the
+        timeout for one that is neither): the store is this process's, and goes with this call."""
+        if ranks is None:
             return
         if isinstance(outcome, ControlError):
             value = ("refused", outcome.code, str(outcome), outcome.detail)
@@ -265,35 +272,27 @@ class WeightSender:
         else:
             value = ("ack", outcome)
         store.set(_OUTCOME, pickle.dumps(value))
-        deadline = time.monotonic() + self.timeout
-        for rank in range(1, self.world_size):
-            try:
-                transfer.wait_for_key(store, f"{_READ}/{rank}", deadline)
-            except TimeoutError:
-                logger.warning("trainer rank %d did not read the refit's outcome within %.0fs", rank, self.timeout)
-                return
+        ranks.wait(time.monotonic() + self.timeout)
 
     async def _follow(self, rendezvous: Rendezvous, mine: dict[int, torch.Tensor]) -> dict[str, Any]:
         """Ranks other than 0: send this rank's chunks once rank 0 says where, then return rank 0's outcome."""
-        address, prefix = await asyncio.to_thread(self._collective, "broadcast", None)
+        address, prefix, port = await asyncio.to_thread(self._collective, "broadcast", None)
         rendezvous = msgspec.structs.replace(rendezvous, address=address, prefix=prefix)
-        store = transfer.connect(address, prefix, self.timeout)
-        host = transfer.local_address_towards(address.rpartition(":")[0])
+        # here until this rank read the outcome: rank 0 waits for it while it is, and no longer once it is gone
+        host = address.rpartition(":")[0]
         try:
-            figures = await asyncio.to_thread(send_pieces, store, rendezvous, self.rank, mine, host,
-                                              lambda: store.check([_ABORT]), self.on_bucket)
-        except transfer.Cancelled:
-            figures = None
-        except Exception as exc:  # noqa: BLE001 - rank 0's outcome says what the fleet did; this is why
-            figures = exc
+            present = await asyncio.to_thread(roll_call.attend, host, port, prefix, self.rank, self.timeout)
+        except OSError as exc:
+            raise WeightTransferError(f"trainer rank 0, which serves the transfer's store, cannot be reached at "
+                                      f"{host}:{port} ({exc}); this rank sent nothing. The engines apply nothing "
+                                      "unless every rank committed: the coordinator's status says which epoch they "
+                                      "serve") from exc
         try:
-            outcome = pickle.loads(await asyncio.to_thread(transfer.wait_for_key, store, _OUTCOME, float("inf")))
-            store.set(f"{_READ}/{self.rank}", "1")
-        except RuntimeError as exc:  # its store is gone with it: what the fleet did, only the coordinator knows
-            why = figures if isinstance(figures, Exception) else "this rank's part went through"
-            raise WeightTransferError(f"trainer rank 0, which serves the transfer's store and sent the REFIT, is gone "
-                                      f"({exc}); this rank: {why}. The engines apply nothing unless every rank "
-                                      "committed: the coordinator's status says which epoch they serve") from exc
+            figures, outcome = await self._send_and_read(rendezvous, mine, address, prefix)
+        except BaseException:
+            present.close()
+            raise
+        roll_call.read(present)
         if outcome[0] == "refused":
             raise ControlError(outcome[1], outcome[2], outcome[3])
         if outcome[0] == "failed":
@@ -303,6 +302,27 @@ class WeightSender:
         ack = outcome[1]
         ack.setdefault("detail", {})["sender"] = figures
         return ack
+
+    async def _send_and_read(self, rendezvous: Rendezvous, mine: dict[int, torch.Tensor], address: str, prefix: str
+                             ) -> tuple[dict[str, Any] | Exception | None, tuple]:
+        """A rank other than 0: its chunks, then rank 0's outcome; its figures (or why its part failed) and it."""
+        store = transfer.connect(address, prefix, self.timeout)
+        host = transfer.local_address_towards(address.rpartition(":")[0])
+        figures: dict[str, Any] | Exception | None
+        try:
+            figures = await asyncio.to_thread(send_pieces, store, rendezvous, self.rank, mine, host,
+                                              lambda: store.check([_ABORT]), self.on_bucket)
+        except transfer.Cancelled:
+            figures = None
+        except Exception as exc:  # noqa: BLE001 - rank 0's outcome says what the fleet did; this is why
+            figures = exc
+        try:
+            return figures, pickle.loads(await asyncio.to_thread(transfer.wait_for_key, store, _OUTCOME, float("inf")))
+        except RuntimeError as exc:  # its store is gone with it: what the fleet did, only the coordinator knows
+            why = figures if isinstance(figures, Exception) else "this rank's part went through"
+            raise WeightTransferError(f"trainer rank 0, which serves the transfer's store and sent the REFIT, is gone "
+                                      f"({exc}); this rank: {why}. The engines apply nothing unless every rank "
+                                      "committed: the coordinator's status says which epoch they serve") from exc
 
     async def send_lora(self, name: str, weights: LoraWeights, *, version: int, rank: int | None = None,
                         alpha: float | None = None, use_rslora: bool = False, target_modules: list[str] | None = None,
