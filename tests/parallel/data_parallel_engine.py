@@ -86,7 +86,7 @@ def serve_case(case: dict[str, Any]) -> list[list]:
                 for request_id, prompt, params, arrival in run]
             pending = sorted(requests, key=lambda pair: pair[0])
             step = 0
-            while engine.group_busy(bool(pending) or engine.has_unfinished_requests()):
+            while engine.group_turn(bool(pending) or engine.has_unfinished_requests()).step:
                 while pending and pending[0][0] <= step:
                     engine.add_request(pending.pop(0)[1])
                 engine.step()

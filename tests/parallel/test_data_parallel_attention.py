@@ -373,3 +373,24 @@ async def test_two_data_parallel_engines_behind_a_coordinator_serve_one_ranks_to
         client.close()
     finally:
         children.kill_all()
+
+
+def test_a_refit_that_reaches_data_parallel_ranks_at_different_turns_runs_on_all_at_one_turn():
+    """The race a whole-suite run hit: each engine's copy of a trainer's refit arrives on its own link, so one engine
+    may get it a turn of the lockstepped step loop later than another. Acting at once, the first would wait in the
+    transfer for the second, while the second waits in the turn's all-reduce for the first (until the transfer timed
+    out, missing the second engine's ranks). Held, every leader acts at the first turn in which all hold theirs."""
+    import os
+    import subprocess
+    import sys
+
+    from megatron_serve.engine.tensor_parallel import free_port
+
+    arrivals = [0, 2, 5]  # the copies reach the three leaders at turns 0, 2 and 5
+    script = os.path.join(os.path.dirname(__file__), "held_verb_ranks.py")
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    procs = [subprocess.Popen([sys.executable, script, str(rank), str(len(arrivals)), str(turn)], env=env,
+                              stdout=subprocess.PIPE, text=True) for rank, turn in enumerate(arrivals)]
+    acted = [p.communicate(timeout=120)[0].split() for p in procs]
+    assert [p.returncode for p in procs] == [0] * len(procs)
+    assert acted == [["5"]] * len(arrivals), acted  # each one's own arrival turn would be [0, 2, 5]: the hang
