@@ -27,7 +27,7 @@ from megatron_serve.model.tiny import make_tiny_model
 from megatron_serve.tokenizer import Tokenizer
 
 from ..devices import tensor_parallel_device
-from ..model.test_moe import NEW_TOKENS, VARIANTS, hf_greedy_with_routing
+from ..model.test_moe import VARIANTS, hf_greedy_with_routing
 from ..prompts import PROMPTS
 
 HEADS = dict(num_heads=4, num_kv_heads=2)  # splits over 2 and 4 tensor-parallel ranks
@@ -273,8 +273,9 @@ def test_batch_invariant_layer_is_bitwise_one_rank_and_the_unordered_combine_is_
         assert not all(torch.equal(a, b) for a, b in zip(unordered, one)), f"the control ({mode}) does not differ"
 
 
-GREEDY = SamplingParams(temperature=0.0, num_tokens_to_generate=NEW_TOKENS, ignore_eos=True, return_log_probs=True,
-                        return_routing_indices=True)
+GREEDY_TOKENS = 16  # decode steps with one request alone (every rank but one combines nothing)
+GREEDY = SamplingParams(temperature=0.0, num_tokens_to_generate=GREEDY_TOKENS, ignore_eos=True,
+                        return_log_probs=True, return_routing_indices=True)
 RUNS = (PROMPTS[:4], PROMPTS[4:5])  # concurrent requests, then one alone (decode steps of one token: all ranks but
 # one combine nothing)
 
@@ -318,7 +319,7 @@ def test_engine_equals_transformers(moe_model, engine_runs, size):
     hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     tokenizer = Tokenizer.from_pretrained(model_dir)
     for prompt, (tokens, routing, _) in zip(RUNS[0] + RUNS[1], engine_runs[size][0] + engine_runs[size][1]):
-        expected_tokens, expected_routing = hf_greedy_with_routing(hf, tokenizer.encode(prompt))
+        expected_tokens, expected_routing = hf_greedy_with_routing(hf, tokenizer.encode(prompt), GREEDY_TOKENS)
         assert tokens == expected_tokens
         np.testing.assert_array_equal(np.array(routing), expected_routing)
 
