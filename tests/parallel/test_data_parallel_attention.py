@@ -321,7 +321,11 @@ async def test_two_data_parallel_engines_behind_a_coordinator_serve_one_ranks_to
     --enable-expert-parallel`` twice, one group: the coordinator routes to each rank as to an engine, and each request
     streams one rank's tokens, with many requests and then with one alone (the other engine idles through it). A
     trainer's refit then reaches all four ranks, each with its own rank of the transfer and only its quarter of the
-    experts (and half of attention), and the engines serve the new weights' tokens."""
+    experts (and half of attention), and the engines serve the new weights' tokens: though the second engine gets its
+    copy of the refit many turns of their lockstepped loops after the first (``late_refit/sitecustomize.py``), which
+    acting on its copy at once would wait for in the transfer, while the second waited for it in the loop's turn."""
+    import os
+
     from megatron_serve import MegatronLLM, SamplingParams, WeightSender
     from megatron_serve.client.coordinator_client import InferenceClient
     from megatron_serve.engine.tensor_parallel import free_port as free_rendezvous_port
@@ -347,10 +351,12 @@ async def test_two_data_parallel_engines_behind_a_coordinator_serve_one_ranks_to
     rendezvous = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_rendezvous_port())}
     try:
         children.coordinator(model_dir, port)
+        late = {"LATE_REFIT_S": "0.5", "PYTHONPATH": os.pathsep.join([
+            os.path.join(os.path.dirname(__file__), "late_refit"), os.environ.get("PYTHONPATH", "")])}
         for rank in range(2):
             children.engine(model_dir, port, "--dtype", "float32", "--device", "cpu", "--data-parallel-size", "2",
                             "--data-parallel-rank", str(rank), "--tensor-parallel", "2", "--enable-expert-parallel",
-                            "--max-requests", "4", env=rendezvous)
+                            "--max-requests", "4", env={**rendezvous, **(late if rank else {})})
         client = InferenceClient(f"tcp://127.0.0.1:{port}", token=children.secret)
         await client.start(timeout=60)
         await client.wait_for_engines(2, timeout=300)
