@@ -12,6 +12,7 @@ import time
 from dataclasses import dataclass, field
 
 from megatron_serve.engine.served import EngineFacts, EngineLoad
+from megatron_serve.engine.turns import Turn
 from megatron_serve.multimodal import PromptImage
 from megatron_serve.wire.request import (DynamicInferenceRequest, EngineRequest, EventType, FinalRecord, FinishReason,
                                          RequestStatus)
@@ -188,8 +189,8 @@ class FakeEngine:
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
-    def group_busy(self, busy: bool) -> bool:
-        return busy  # one engine: no data-parallel ranks to step with
+    def group_turn(self, busy: bool, holding: bool = False) -> Turn:
+        return Turn(busy, holding)  # one engine: no data-parallel ranks to step with
 
     def add_request(self, request: EngineRequest) -> None:
         record = DynamicInferenceRequest(

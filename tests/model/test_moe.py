@@ -34,13 +34,13 @@ VARIANTS = {
 }
 
 
-def hf_greedy_with_routing(model, tokens: list[int]) -> tuple[list[int], np.ndarray]:
-    """Greedy tokens, and ``[processed tokens, MoE layers, top_k]`` expert ids of the router's top-k."""
+def hf_greedy_with_routing(model, tokens: list[int], new_tokens: int = NEW_TOKENS) -> tuple[list[int], np.ndarray]:
+    """``new_tokens`` greedy tokens, and ``[processed tokens, MoE layers, top_k]`` expert ids of the router's top-k."""
     top_k = model.config.num_experts_per_tok
     cache = transformers.DynamicCache(config=model.config)
     ids, generated, routing = torch.tensor([tokens]), [], []
     with torch.no_grad():
-        for _ in range(NEW_TOKENS):
+        for _ in range(new_tokens):
             out = model(ids, past_key_values=cache, use_cache=True, output_router_logits=True)
             routing.append(torch.stack([torch.topk(torch.softmax(r.float(), -1), top_k).indices
                                         for r in out.router_logits], dim=1))

@@ -86,7 +86,7 @@ def serve_case(case: dict[str, Any]) -> list[list]:
                 for request_id, prompt, params, arrival in run]
             pending = sorted(requests, key=lambda pair: pair[0])
             step = 0
-            while engine.group_busy(bool(pending) or engine.has_unfinished_requests()):
+            while engine.group_turn(bool(pending) or engine.has_unfinished_requests()).step:
                 while pending and pending[0][0] <= step:
                     engine.add_request(pending.pop(0)[1])
                 engine.step()
@@ -95,6 +95,18 @@ def serve_case(case: dict[str, Any]) -> list[list]:
     finally:
         engine.shutdown()
     return served
+
+
+def follow_case(case: dict[str, Any]) -> None:
+    """Tensor-parallel rank ``case["tp_rank"]`` (not 0) of the case's engine, started with the group's rendezvous
+    environment (``WORLD_SIZE``, ``RANK``): what a rank spawned by rank 0's engine runs, until that engine stops."""
+    import threading  # noqa: PLC0415
+
+    from megatron_serve.engine.tensor_parallel import Placement, run_worker  # noqa: PLC0415
+
+    size = case["config"]["tensor_parallel_size"]
+    placement = Placement(size, case["tp_rank"], 1, os.environ["MASTER_ADDR"], case["port"])
+    run_worker(case["model_dir"], case["config"], placement, case["tp_rank"], 0, threading.Event())
 
 
 def main() -> None:
@@ -107,9 +119,18 @@ def main() -> None:
         os.environ["PARTIAL_SUMS"] = "1" if case["partial_sums"] else "0"
         os.environ["GRAPHS"] = "1" if case["graphs"] else "0"
         os.environ["GRAPH_LOG"] = case["graph_log"]
-        results[case["name"]] = serve_case(case)
+        if case["tp_rank"]:
+            follow_case(case)
+        else:
+            results[case["name"]] = serve_case(case)
     with open(sys.argv[2], "wb") as f:
         pickle.dump(results, f)
+    if any(case["tp_rank"] for case in cases):
+        # as a spawned rank ends (multiprocessing's os._exit): the interpreter's teardown can abort on a thread the
+        # process groups left ("terminate called without an active exception")
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
 
 
 if __name__ == "__main__":

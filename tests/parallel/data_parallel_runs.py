@@ -58,26 +58,36 @@ def serve_cases(tmp_path: Path, cases: list[Case], tp: int = 1, timeout: float =
                 env: dict[str, str] | None = None) -> Served:
     """Every case on one group of ``len(runs)`` data-parallel ranks of ``tp`` tensor-parallel ranks each (one rank
     alone: a group of one engine), the processes' environment this one's with ``env``. Returns
-    ``served[case][d][n]``: rank ``d``'s finished requests of run ``n``."""
+    ``served[case][d][n]``: rank ``d``'s finished requests of run ``n``.
+
+    Without data-parallel attention the group's tensor-parallel ranks other than 0 are processes of their own too,
+    each following every case's engine in turn (``data_parallel_engine.py``), as ranks on other machines do: an
+    engine that spawned its ranks would start them again for each case, and a rank's start costs more than a case.
+    """
     dp = len(cases[0].runs)
     assert all(len(case.runs) == dp for case in cases), "one group serves cases of one layout"
     tmp_path.mkdir(parents=True, exist_ok=True)
     procs, outs = [], []
     ports = [free_port() for _ in cases]
+    own_ranks = tp if dp == 1 else 1  # processes started here per data-parallel rank (the rest: spawned)
     for rank in range(dp):
-        inputs, out = tmp_path / f"dp{dp}-tp{tp}-{rank}.in", tmp_path / f"dp{dp}-tp{tp}-{rank}.out"
-        with open(inputs, "wb") as f:
-            pickle.dump([_for_rank(case, port, rank, dp, tp, tmp_path) for case, port in zip(cases, ports)], f)
-        procs.append(subprocess.Popen([sys.executable, str(ENGINE), str(inputs), str(out)],
-                                      env={**os.environ, **(env or {}), "MASTER_ADDR": "127.0.0.1"}))
-        outs.append(out)
+        for tp_rank in range(own_ranks):
+            inputs, out = (tmp_path / f"dp{dp}-tp{tp}-{rank}-{tp_rank}.{kind}" for kind in ("in", "out"))
+            with open(inputs, "wb") as f:
+                pickle.dump([dict(_for_rank(case, port, rank, dp, tp, tmp_path), tp_rank=tp_rank)
+                             for case, port in zip(cases, ports)], f)
+            placement = {"WORLD_SIZE": str(tp), "NPROC_PER_NODE": "1", "RANK": str(tp_rank)} if own_ranks > 1 else {}
+            procs.append(subprocess.Popen([sys.executable, str(ENGINE), str(inputs), str(out)],
+                                          env={**os.environ, **(env or {}), "MASTER_ADDR": "127.0.0.1", **placement}))
+            if tp_rank == 0:
+                outs.append(out)
     try:
         codes = [p.wait(timeout=timeout) for p in procs]
     finally:
         for p in procs:
             if p.poll() is None:
                 p.kill()
-    assert codes == [0] * dp, f"a rank's engine failed: exit codes {codes}"
+    assert codes == [0] * len(procs), f"a rank's engine failed: exit codes {codes}"
     ranks = []
     for out in outs:
         with open(out, "rb") as f:

@@ -31,7 +31,7 @@ from megatron_serve.tokenizer import Tokenizer
 from megatron_serve.wire.request import DynamicInferenceRequest, EventType
 
 from ..fp8_checkpoints import block_fp8_checkpoint
-from ..model.test_moe import NEW_TOKENS, VARIANTS, hf_greedy_with_routing
+from ..model.test_moe import VARIANTS, hf_greedy_with_routing
 from ..prompts import PROMPTS
 from .data_parallel_runs import Case, Request, Served, graph_log, serve_cases
 
@@ -39,8 +39,9 @@ ALONE = PROMPTS[4:5]
 # Each rank's prompts served together (first run), then rank 0's one request alone while the others idle (second):
 # at DP 2 rank 1 serves two; at DP 4 ranks 1 and 2 one each and rank 3 idles through both runs.
 SPLITS = {1: [PROMPTS[:4]], 2: [PROMPTS[:2], PROMPTS[2:4]], 4: [PROMPTS[:2], PROMPTS[2:3], PROMPTS[3:4], []]}
+GREEDY_TOKENS = 16  # decode steps with one request alone (the others idle); each token costs every rank a step
 INVARIANT_TOKENS = 8
-FEATURES = dict(num_kv_blocks=14, max_batch_tokens=64, enable_prefix_caching=True)  # a pool of about two requests
+FEATURES = dict(num_kv_blocks=10, max_batch_tokens=64, enable_prefix_caching=True)  # a pool of about two requests
 # steps captured and replayed (a CPU stand-in for CUDA graphs): decode batches of 1 to 4, mixed steps of up to 8 tokens
 GRAPHS = dict(dtype="float32", max_requests=4, cuda_graph_sizes=[1, 2, 4, 8], all2all_backend="alltoall")
 
@@ -66,8 +67,8 @@ def feature_runs(dp: int) -> list[list[list[Request]]]:
     for rank, prompts in enumerate(SPLITS[dp]):
         mine = prompts + (ALONE if rank == 0 else [])
         longest = max(range(len(mine)), key=lambda i: len(mine[i]))
-        runs.append([[Request(f"d{rank}-{i}", p, _params(NEW_TOKENS)) for i, p in enumerate(mine)],
-                     [Request(f"again-{rank}-{longest}", mine[longest], _params(NEW_TOKENS, routing=False))]])
+        runs.append([[Request(f"d{rank}-{i}", p, _params(GREEDY_TOKENS)) for i, p in enumerate(mine)],
+                     [Request(f"again-{rank}-{longest}", mine[longest], _params(GREEDY_TOKENS, routing=False))]])
     return runs
 
 
@@ -77,7 +78,7 @@ def layout_cases(dp: int, tp: int, models: dict[str, str]) -> list[Case]:
     per model batch-invariant bfloat16 (and at TP 2 the control, partial sums in the row-parallel layers); at DP 2 x
     TP 2 Qwen2-MoE greedy and batch-invariant."""
     invariant = dict(dtype="bfloat16", batch_invariant=True)
-    graphs = Case("qwen3_moe:graphs", models["qwen3_moe"], split_runs(dp, NEW_TOKENS), GRAPHS, graphs=True)
+    graphs = Case("qwen3_moe:graphs", models["qwen3_moe"], split_runs(dp, GREEDY_TOKENS), GRAPHS, graphs=True)
     if tp > 1 and dp > 1:
         return [Case("qwen2_moe:greedy", models["qwen2_moe"], split_runs(dp, INVARIANT_TOKENS), dict(dtype="float32")),
                 Case("qwen2_moe:invariant", models["qwen2_moe"], split_runs(dp, INVARIANT_TOKENS), invariant)]
@@ -89,7 +90,7 @@ def layout_cases(dp: int, tp: int, models: dict[str, str]) -> list[Case]:
     cases = []
     for arch in sorted(VARIANTS):
         model_dir = models[arch]
-        cases.append(Case(f"{arch}:greedy", model_dir, split_runs(dp, NEW_TOKENS), dict(dtype="float32")))
+        cases.append(Case(f"{arch}:greedy", model_dir, split_runs(dp, GREEDY_TOKENS), dict(dtype="float32")))
         cases.append(Case(f"{arch}:invariant", model_dir, split_runs(dp, INVARIANT_TOKENS), invariant))
         if dp > 1:
             cases.append(Case(f"{arch}:unordered", model_dir, split_runs(dp, INVARIANT_TOKENS), invariant,
@@ -135,7 +136,7 @@ def hf_reference(models) -> Iterator[Callable[[str], dict[str, tuple[list[int], 
         if arch not in cache:
             hf = transformers.AutoModelForCausalLM.from_pretrained(models[arch], dtype=torch.float32).eval()
             tokenizer = Tokenizer.from_pretrained(models[arch])
-            cache[arch] = {p: hf_greedy_with_routing(hf, tokenizer.encode(p)) for p in PROMPTS[:5]}
+            cache[arch] = {p: hf_greedy_with_routing(hf, tokenizer.encode(p), GREEDY_TOKENS) for p in PROMPTS[:5]}
         return cache[arch]
 
     yield get
@@ -320,7 +321,11 @@ async def test_two_data_parallel_engines_behind_a_coordinator_serve_one_ranks_to
     --enable-expert-parallel`` twice, one group: the coordinator routes to each rank as to an engine, and each request
     streams one rank's tokens, with many requests and then with one alone (the other engine idles through it). A
     trainer's refit then reaches all four ranks, each with its own rank of the transfer and only its quarter of the
-    experts (and half of attention), and the engines serve the new weights' tokens."""
+    experts (and half of attention), and the engines serve the new weights' tokens: though the second engine gets its
+    copy of the refit many turns of their lockstepped loops after the first (``late_refit/sitecustomize.py``), which
+    acting on its copy at once would wait for in the transfer, while the second waited for it in the loop's turn."""
+    import os
+
     from megatron_serve import MegatronLLM, SamplingParams, WeightSender
     from megatron_serve.client.coordinator_client import InferenceClient
     from megatron_serve.engine.tensor_parallel import free_port as free_rendezvous_port
@@ -332,7 +337,7 @@ async def test_two_data_parallel_engines_behind_a_coordinator_serve_one_ranks_to
     model_dir, new_dir = (str(make_tiny_model(tmp_path / name, seed=seed, num_heads=4, num_kv_heads=2,
                                               **VARIANTS["qwen3_moe"])) for name, seed in (("m", 1), ("n", 2)))
     params = SamplingParams(temperature=0.0, num_tokens_to_generate=12, ignore_eos=True)
-    prompts = [f"Data-parallel request {i}: the quick brown fox" for i in range(12)]
+    prompts = [f"Data-parallel request {i}: the quick brown fox" for i in range(8)]  # both engines' 4 slots
     direct = {}
     for name, path in (("old", model_dir), ("new", new_dir)):
         one = MegatronLLM(path, InferenceConfig(dtype="float32", device="cpu", num_kv_blocks=64))
@@ -346,10 +351,12 @@ async def test_two_data_parallel_engines_behind_a_coordinator_serve_one_ranks_to
     rendezvous = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_rendezvous_port())}
     try:
         children.coordinator(model_dir, port)
+        late = {"LATE_REFIT_S": "0.5", "PYTHONPATH": os.pathsep.join([
+            os.path.join(os.path.dirname(__file__), "late_refit"), os.environ.get("PYTHONPATH", "")])}
         for rank in range(2):
             children.engine(model_dir, port, "--dtype", "float32", "--device", "cpu", "--data-parallel-size", "2",
                             "--data-parallel-rank", str(rank), "--tensor-parallel", "2", "--enable-expert-parallel",
-                            "--max-requests", "4", env=rendezvous)
+                            "--max-requests", "4", env={**rendezvous, **(late if rank else {})})
         client = InferenceClient(f"tcp://127.0.0.1:{port}", token=children.secret)
         await client.start(timeout=60)
         await client.wait_for_engines(2, timeout=300)
@@ -373,3 +380,24 @@ async def test_two_data_parallel_engines_behind_a_coordinator_serve_one_ranks_to
         client.close()
     finally:
         children.kill_all()
+
+
+def test_a_refit_that_reaches_data_parallel_ranks_at_different_turns_runs_on_all_at_one_turn():
+    """The race a whole-suite run hit: each engine's copy of a trainer's refit arrives on its own link, so one engine
+    may get it a turn of the lockstepped step loop later than another. Acting at once, the first would wait in the
+    transfer for the second, while the second waits in the turn's all-reduce for the first (until the transfer timed
+    out, missing the second engine's ranks). Held, every leader acts at the first turn in which all hold theirs."""
+    import os
+    import subprocess
+    import sys
+
+    from megatron_serve.engine.tensor_parallel import free_port
+
+    arrivals = [0, 2, 5]  # the copies reach the three leaders at turns 0, 2 and 5
+    script = os.path.join(os.path.dirname(__file__), "held_verb_ranks.py")
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    procs = [subprocess.Popen([sys.executable, script, str(rank), str(len(arrivals)), str(turn)], env=env,
+                              stdout=subprocess.PIPE, text=True) for rank, turn in enumerate(arrivals)]
+    acted = [p.communicate(timeout=120)[0].split() for p in procs]
+    assert [p.returncode for p in procs] == [0] * len(procs)
+    assert acted == [["5"]] * len(arrivals), acted  # each one's own arrival turn would be [0, 2, 5]: the hang

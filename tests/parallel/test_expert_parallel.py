@@ -27,17 +27,23 @@ from megatron_serve.model.tiny import make_tiny_model
 from megatron_serve.tokenizer import Tokenizer
 
 from ..devices import tensor_parallel_device
-from ..model.test_moe import NEW_TOKENS, VARIANTS, hf_greedy_with_routing
+from ..model.test_moe import VARIANTS, hf_greedy_with_routing
 from ..prompts import PROMPTS
 
 HEADS = dict(num_heads=4, num_kv_heads=2)  # splits over 2 and 4 tensor-parallel ranks
 
 
+@pytest.fixture(scope="module")
+def moe_models(tmp_path_factory) -> dict[str, str]:
+    """``{arch: model directory}``: 16 experts (Qwen3-MoE) or 8, so that 2 and 4 ranks hold whole experts."""
+    return {arch: str(make_tiny_model(tmp_path_factory.mktemp(arch), seed=1, **HEADS, **VARIANTS[arch]))
+            for arch in sorted(VARIANTS)}
+
+
 @pytest.fixture(scope="module", params=sorted(VARIANTS))
-def moe_model(request, tmp_path_factory) -> tuple[str, str]:
-    """``(arch, model directory)``: 16 experts (Qwen3-MoE) or 8, so that 2 and 4 ranks hold whole experts."""
-    path = make_tiny_model(tmp_path_factory.mktemp(request.param), seed=1, **HEADS, **VARIANTS[request.param])
-    return request.param, str(path)
+def moe_model(request, moe_models) -> tuple[str, str]:
+    """``(arch, model directory)``."""
+    return request.param, moe_models[request.param]
 
 
 class Recording:
@@ -104,13 +110,14 @@ LAYER_PROBE = textwrap.dedent("""
     for name in ("dispatch", "combine", "gather"):
         setattr(CapacityDispatcher, name, guarded(getattr(CapacityDispatcher, name)))
 
-    model_dir, rank, size, port, out, *cases = sys.argv[1:]
+    model_dirs, rank, size, port, out, *cases = sys.argv[1:]
     rank, size = int(rank), int(size)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size)
     over_tp = TensorParallel(rank, size, dist.group.WORLD, expert_parallel=size > 1)
     over_dp = TensorParallel(0, 1, expert_parallel=True, data_parallel=DataParallel(rank, size, dist.group.WORLD))
     results = {}
-    for case in cases:  # one group computes every case of its size: a rank's start costs more than a case
+    # one group computes every case of its size for every model: a rank's start costs more than a case
+    for model_dir, case in ((m, c) for m in model_dirs.split(",") for c in cases):
         dtype, mode = case.split(":")
         dp = mode.startswith("dp-")
         model = load_model(model_dir, getattr(torch, dtype), "cpu", over_dp if dp else over_tp)
@@ -127,7 +134,7 @@ LAYER_PROBE = textwrap.dedent("""
             deepep_fake.Buffer.calls.clear()
         if "invariant" in mode:
             model.use_batch_invariant_ops()
-        outputs = results[case] = []
+        outputs = results[model_dir, case] = []
         for layer in model.model.layers:
             block = layer.mlp
             if not isinstance(block, SparseMoeBlock):
@@ -151,7 +158,7 @@ LAYER_PROBE = textwrap.dedent("""
                     outputs.append((tokens, block(hidden.to(model.dtype))))
         if "deepep" in mode:
             from tests import deepep_fake
-            results[case + "#calls"] = sorted(deepep_fake.Buffer.calls)
+            results[model_dir, case + "#calls"] = sorted(deepep_fake.Buffer.calls)
     torch.save(results, out)
     dist.destroy_process_group()
 """)
@@ -168,23 +175,24 @@ LAYER_CASES = {1: ["float32:plain", "bfloat16:invariant"],
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def layer_outputs(model_dir: str, size: int, tmp_path) -> dict[str, list]:
+def layer_outputs(model_dirs: list[str], size: int, tmp_path) -> dict[tuple[str, str], list]:
     """Every MoE layer's ``(tokens, output)`` for 1, 3 and 37 tokens on ``size`` real processes over gloo, for each
-    of the size's cases: rank 0's (every rank ends the layer with every token's output), and under data-parallel
-    attention every rank's in rank order (each its own tokens)."""
+    model and each of the size's cases, by ``(model directory, case)``: rank 0's (every rank ends the layer with
+    every token's output), and under data-parallel attention every rank's in rank order (each its own tokens)."""
     port, files = free_port(), [tmp_path / f"{size}-{rank}.pt" for rank in range(size)]
-    procs = [subprocess.Popen([sys.executable, "-c", LAYER_PROBE, model_dir, str(rank), str(size), str(port),
-                               str(files[rank]), *LAYER_CASES[size]], cwd=ROOT) for rank in range(size)]
+    procs = [subprocess.Popen([sys.executable, "-c", LAYER_PROBE, ",".join(model_dirs), str(rank), str(size),
+                               str(port), str(files[rank]), *LAYER_CASES[size]], cwd=ROOT) for rank in range(size)]
     assert [p.wait(timeout=300) for p in procs] == [0] * size
     outputs = [torch.load(f) for f in files]
     merged = {}
-    for case, mine in outputs[0].items():
+    for key, mine in outputs[0].items():
+        case = key[1]
         if case.endswith("#calls") or ":dp-" in case:
-            merged[case] = [rank[case] for rank in outputs]
+            merged[key] = [rank[key] for rank in outputs]
             continue
         for other in outputs[1:]:
-            assert all(torch.equal(a, b) for (_, a), (_, b) in zip(mine, other[case], strict=True)), case
-        merged[case] = [output for _, output in mine]
+            assert all(torch.equal(a, b) for (_, a), (_, b) in zip(mine, other[key], strict=True)), key
+        merged[key] = [output for _, output in mine]
     return merged
 
 
@@ -203,11 +211,18 @@ def data_parallel_pairs(ranks: list[list[tuple[int, torch.Tensor]]], one: list[t
 
 
 @pytest.fixture(scope="module")
-def layers(moe_model, tmp_path_factory) -> dict[int, dict[str, list[torch.Tensor]]]:
-    """``{size: {case: outputs}}`` for the module's model: one group of processes per size."""
-    _, model_dir = moe_model
+def every_models_layers(moe_models, tmp_path_factory) -> dict[int, dict[tuple[str, str], list]]:
+    """``{size: {(model directory, case): outputs}}``: one group of processes per size, for every model."""
     tmp_path = tmp_path_factory.mktemp("layers")
-    return {size: layer_outputs(model_dir, size, tmp_path) for size in LAYER_CASES}
+    return {size: layer_outputs(sorted(moe_models.values()), size, tmp_path) for size in LAYER_CASES}
+
+
+@pytest.fixture
+def layers(moe_model, every_models_layers) -> dict[int, dict[str, list]]:
+    """``{size: {case: outputs}}`` for the module's model."""
+    _, model_dir = moe_model
+    return {size: {case: outputs for (model, case), outputs in cases.items() if model == model_dir}
+            for size, cases in every_models_layers.items()}
 
 
 @pytest.mark.slow
@@ -258,8 +273,9 @@ def test_batch_invariant_layer_is_bitwise_one_rank_and_the_unordered_combine_is_
         assert not all(torch.equal(a, b) for a, b in zip(unordered, one)), f"the control ({mode}) does not differ"
 
 
-GREEDY = SamplingParams(temperature=0.0, num_tokens_to_generate=NEW_TOKENS, ignore_eos=True, return_log_probs=True,
-                        return_routing_indices=True)
+GREEDY_TOKENS = 16  # decode steps with one request alone (every rank but one combines nothing)
+GREEDY = SamplingParams(temperature=0.0, num_tokens_to_generate=GREEDY_TOKENS, ignore_eos=True,
+                        return_log_probs=True, return_routing_indices=True)
 RUNS = (PROMPTS[:4], PROMPTS[4:5])  # concurrent requests, then one alone (decode steps of one token: all ranks but
 # one combine nothing)
 
@@ -303,7 +319,7 @@ def test_engine_equals_transformers(moe_model, engine_runs, size):
     hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     tokenizer = Tokenizer.from_pretrained(model_dir)
     for prompt, (tokens, routing, _) in zip(RUNS[0] + RUNS[1], engine_runs[size][0] + engine_runs[size][1]):
-        expected_tokens, expected_routing = hf_greedy_with_routing(hf, tokenizer.encode(prompt))
+        expected_tokens, expected_routing = hf_greedy_with_routing(hf, tokenizer.encode(prompt), GREEDY_TOKENS)
         assert tokens == expected_tokens
         np.testing.assert_array_equal(np.array(routing), expected_routing)
 

@@ -52,6 +52,7 @@ from .runner import ModelRunner
 from .sampler import Sampler
 from .scheduler import ScheduledBatch, Scheduler
 from .served import EngineFacts, EngineLoad
+from .turns import Turn
 from .sizing import build_kv_pool, default_dtype, engine_buffers, max_sequence_length_for, parameter_bytes
 from .speculative.decoder import Speculator
 from .speculative.factory import make_proposer
@@ -202,10 +203,11 @@ class DynamicInferenceEngine:
         scheduler = self.scheduler
         return bool(scheduler.pending) or in_flight or scheduler.has_work() or bool(scheduler.lora_queue)
 
-    def group_busy(self, busy: bool) -> bool:
-        """Whether the step loop steps now, given whether this engine has work: with data-parallel attention, while
-        any rank of the group has (:mod:`.data_parallel`)."""
-        return self.worker.runner.group_busy(busy)
+    def group_turn(self, busy: bool, holding: bool = False) -> Turn:
+        """Whether the step loop steps now, given whether this engine has work, and acts on the verb it holds: with
+        data-parallel attention, while any rank of the group has work, and once every rank holds its copy of the
+        verb (:mod:`.data_parallel`)."""
+        return self.worker.runner.group_turn(busy, holding)
 
     def add_request(self, request: Submitted) -> None:
         """Queue a request: an ``EngineRequest``, or a public request that the engine's outputs are applied to as

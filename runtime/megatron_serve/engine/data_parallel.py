@@ -4,8 +4,8 @@ attention runs on their own ``tensor_parallel_size`` ranks and whose MoE layers'
 ``N x tensor_parallel_size`` ranks (:class:`~megatron_serve.model.token_dispatcher.DataParallelDispatcher`).
 
 The MoE layers' all-to-alls span every data-parallel rank, so the engines step together, as vLLM's and SGLang's
-data-parallel ranks do: before each step the leaders agree whether any of them has work (:func:`any_busy`, one
-all-reduce of a flag), and while one has, every engine steps; a step in which an engine ran no forward (nothing to
+data-parallel ranks do: before each step the leaders agree whether any of them has work (:func:`agree_turn`, one
+all-reduce of two flags), and while one has, every engine steps; a step in which an engine ran no forward (nothing to
 schedule, or only a step to read back) ends with an empty MoE pass on its ranks (:func:`empty_moe_pass`): each MoE
 layer entered with no tokens, so the others' tokens reach its experts and come back.
 
@@ -16,6 +16,12 @@ MoE layers use fixed-capacity buffers of that size (:mod:`megatron_serve.model.c
 step a graph of that size covers replays it, the others (a step a graph does not cover, an idle rank's empty pass)
 run eagerly with the same buffers, so each layer's all-to-alls have one shape everywhere whether captured or not.
 Above the graphs, or without them, the ranks exchange exact counts; DeepEP's mode is picked from the same number.
+
+The same turn carries a verb whose work is one collective over every rank of every engine (a trainer's refit: its
+transfer group spans them all, :class:`.turns.HeldVerb`). Each engine's copy of the verb arrives on its own link, at
+its own turn: an engine that acted on it at once would wait in the transfer for the others, while they wait in the
+turn's all-reduce for it, until the transfer timed out. So each engine holds such a verb, and every one acts on it
+at the first turn in which all of them hold theirs.
 """
 
 from __future__ import annotations
@@ -24,13 +30,15 @@ import torch
 import torch.distributed as dist
 
 from ..model.moe import SparseMoeBlock
+from .turns import Turn
 
 
-def any_busy(leaders: object, busy: bool) -> bool:
-    """Whether any data-parallel rank has work (every leader calls this once per turn of its step loop)."""
-    flag = torch.tensor([int(busy)], dtype=torch.int64)
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=leaders)
-    return bool(flag.item())
+def agree_turn(leaders: object, busy: bool, holding: bool) -> Turn:
+    """Whether any data-parallel rank has work, and whether every one holds a verb that joins them all (every leader
+    calls this once per turn of its step loop)."""
+    flags = torch.tensor([int(busy), int(not holding)], dtype=torch.int64)
+    dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=leaders)
+    return Turn(bool(flags[0].item()), not flags[1].item())
 
 
 def agree_tokens(leaders: object, tokens: int) -> int:

@@ -39,20 +39,9 @@ from .link import CoordinatorLink
 from ..heap import freeze_startup_heap
 from .output import step_delta, step_messages
 from .served import EngineStepResult, ServedEngine
-from ..wire.messages import (
-    RENDEZVOUS_SCHEME,
-    Body,
-    Control,
-    EngineStepOut,
-    EngineSubmit,
-    HelloAck,
-    LoadLora,
-    Refit,
-    RequestDeltaOut,
-    Stop,
-    Suspend,
-    UnloadLora,
-)
+from .turns import HeldVerb, held
+from ..wire.messages import (RENDEZVOUS_SCHEME, Body, Control, EngineStepOut, EngineSubmit, HelloAck, LoadLora, Refit,
+                             RequestDeltaOut, Stop, Suspend, UnloadLora)
 from ..wire.protocol import HEADER_VERBS, Header, ProtocolError, Role, step_of
 from ..wire.request import EngineRequest, FinalRecord, FinishReason, RequestStatus
 
@@ -111,6 +100,7 @@ class EngineProcess:
         self.steps = 0
         self.iterations = 0  # of the loop in run(): the heartbeat's ``progress``
         self._handback_acked = False
+        self.held: HeldVerb | None = None  # a trainer's refit, until every data-parallel rank holds its copy
         self._stats_at = 0.0
 
     # -- signals
@@ -142,9 +132,17 @@ class EngineProcess:
                 if self.drain_deadline is not None and self._drain_finished():
                     return 0
                 # data-parallel attention ranks step together while any of them has work (engine.data_parallel):
-                # an idle one steps too, and does not wait on its inbox meanwhile
-                stepped = self.engine.group_busy(self.state is FleetState.RUNNING
-                                                 and self.engine.has_unfinished_requests())
+                # an idle one steps too, and does not wait on its inbox meanwhile; a verb that joins them all
+                # runs at the turn in which every one holds its copy
+                turn = self.engine.group_turn(self.state is FleetState.RUNNING
+                                              and self.engine.has_unfinished_requests(), self.held is not None)
+                if self.held is not None and (turn.verb or self.held.expired()):
+                    verb, self.held = self.held, None
+                    if turn.verb:
+                        self._on_step(verb.header, verb.body)
+                    else:
+                        self._ack(verb.body.control_id, verb.refusal(self.engine.epoch))
+                stepped = turn.step
                 if stepped:
                     self._step()
                 self._publish_stats()
@@ -212,6 +210,8 @@ class EngineProcess:
             self.engine.abort_request(body.request_id)
         elif header is Header.HANDBACK:
             self._handback_acked = True
+        elif header in HEADER_VERBS and (verb := held(header, body)) is not None:
+            self.held = verb  # run() acts on it (engine.data_parallel)
         elif header in HEADER_VERBS:
             self._on_step(header, body)
         elif header is Header.PEER_WEIGHTS:  # a joiner of our layout pulls our weights, now, between two steps

@@ -24,6 +24,7 @@ from ..model.llama import LlamaForCausalLM
 from ..model.moe import stack_routing
 from .graphs import DecodeGraphs, MixedGraphs, StepGraphs
 from .data_parallel import empty_moe_pass
+from .turns import Turn
 from .micro_batches import micro_batches
 from .step_plan import StepBuffers, StepPlan
 from .warmup import compile_kernels
@@ -231,10 +232,10 @@ class ModelRunner:
     def on_resume(self, restore: bool = False) -> None:
         """``restore``: the other ranks copy the KV they parked back into their pools (else they drop it)."""
 
-    def group_busy(self, busy: bool) -> bool:
-        """Whether the step loop steps now: when this engine has work, unless data-parallel attention ranks step
-        together (:mod:`.data_parallel`)."""
-        return busy
+    def group_turn(self, busy: bool, holding: bool = False) -> Turn:
+        """Whether the step loop steps now (when this engine has work) and acts on a verb it holds (at once),
+        unless data-parallel attention ranks agree on both together (:mod:`.data_parallel`)."""
+        return Turn(busy, holding)
 
     def end_step(self) -> None:
         """Called after each step; a data-parallel attention rank that ran no forward in it joins the MoE layers'

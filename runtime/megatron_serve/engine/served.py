@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, Sequence
 
 if TYPE_CHECKING:
+    from .turns import Turn
     import numpy as np
 
     from ..weights.peer_pull import PeerWeights
@@ -139,7 +140,7 @@ class ServedEngine(Protocol):
 
     def has_unfinished_requests(self) -> bool: ...
 
-    def group_busy(self, busy: bool) -> bool: ...  # step now? (data-parallel attention ranks step together)
+    def group_turn(self, busy: bool, holding: bool = False) -> Turn: ...  # step now? act on a held verb now?
 
     def add_request(self, request: EngineRequest) -> None: ...
 

@@ -46,7 +46,8 @@ from ..model.loader import load_model, load_weights
 from ..model.lora import LoraAdapter
 from ..model.lora_slots import LoraSlots
 from ..model.parallel import DataParallel, PipelineStage, TensorParallel
-from .data_parallel import agree_tokens, any_busy
+from .data_parallel import agree_tokens, agree_turn
+from .turns import Turn
 from .expert_backend import install_expert_backend
 from .kv_cache import KVCachePool
 from .kv_park import ParkedKV, ParkOrder
@@ -305,8 +306,10 @@ class TensorParallelRunner(ModelRunner):
     def on_resume(self, restore: bool = False) -> None:
         self._broadcast("resume", restore)
 
-    def group_busy(self, busy: bool) -> bool:
-        return busy if self.channel.leaders is None else self._among_leaders(any_busy, busy)
+    def group_turn(self, busy: bool, holding: bool = False) -> Turn:
+        if self.channel.leaders is None:
+            return Turn(busy, holding)
+        return self._among_leaders(lambda leaders, flags: agree_turn(leaders, *flags), (busy, holding))
 
     def _agree_tokens(self, tokens: int) -> int | None:
         """With data-parallel attention, the largest step of the data-parallel ranks (None without)."""
