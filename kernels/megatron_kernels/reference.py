@@ -138,7 +138,7 @@ def paged_attention_decode(
     num_seqs, num_heads, head_dim = q.shape
     block_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_heads // kv_heads
-    groups = decode_groups(tuple(context_lens.tolist()), block_size)
+    groups = decode_groups(tuple(context_lens.tolist()), block_size, group_cost(block_size, kv_heads, head_dim))
     queries_all = q.view(num_seqs, kv_heads, group, head_dim).transpose(0, 1).float()  # [Hkv, S, G, D]
     result = queries_all.new_empty(queries_all.shape)
     order = None
@@ -199,20 +199,27 @@ def _gather_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tenso
     return gathered[0], gathered[1]
 
 
-#: A group's fixed cost in the cost model of :func:`decode_groups`, in sequence-blocks of keys and values: the
-#: dozen ops a group adds, against what one block of one sequence costs to gather and multiply (a CPU, with the
-#: whole-block gather of a heads-first pool; the sweep that chose it: docs/design-measurements.md).
-_GROUP_COST = 8
+#: A decode group's fixed cost in the cost model of :func:`decode_groups`, in elements of keys (one value of one head
+#: of one token; the values cost as much again): the dozen ops a group adds, against what gathering and multiplying
+#: the keys and values costs (a CPU, with the whole-block gather of a heads-first pool). A fixed count of blocks
+#: would not do: a group's ops cost the same at every model size while a block's work grows with the heads and their
+#: width (the sweeps that chose it, on the benchmark model and on the served tiny one: docs/design-measurements.md).
+GROUP_COST_ELEMENTS = 1 << 15
+
+
+def group_cost(block_size: int, kv_heads: int, head_dim: int) -> int:
+    """:data:`GROUP_COST_ELEMENTS` in sequence-blocks of a cache of this shape (at least one)."""
+    return max(1, GROUP_COST_ELEMENTS // (block_size * kv_heads * head_dim))
 
 
 @functools.lru_cache(maxsize=16)
-def decode_groups(lens: tuple[int, ...], block_size: int) -> tuple[tuple[int, int, int], ...]:
+def decode_groups(lens: tuple[int, ...], block_size: int, cost: int) -> tuple[tuple[int, int, int], ...]:
     """The decode batch's sequences in groups of similar length: ``(start, end, blocks)`` per group, a slice of the
     sequences sorted longest first (stably), padded to ``blocks`` blocks.
 
-    The sorted sequences are cut between lengths where the padding saved pays for a group's fixed cost (``_GROUP_COST``):
-    a dynamic programme over the cut points, cheap at batch sizes (its cache keeps the plan across a
-    forward's layers, which share the step's lengths). A length of 0 counts as one block (its row is
+    The sorted sequences are cut between lengths where the padding saved pays for a group's fixed ``cost`` (in
+    sequence-blocks, :func:`group_cost`): a dynamic programme over the cut points, cheap at batch sizes (its cache
+    keeps the plan across a forward's layers, which share the step's lengths). A length of 0 counts as one block (its row is
     NaN: it attends to nothing).
     """
     widths = sorted((max(1, -(-length // block_size)) for length in lens), reverse=True)
@@ -220,7 +227,7 @@ def decode_groups(lens: tuple[int, ...], block_size: int) -> tuple[tuple[int, in
     best = [0] * len(bounds)  # best[i]: the cost of the sequences before bounds[i] (runs of one width each)
     cut = [0] * len(bounds)
     for end in range(1, len(bounds)):
-        best[end], cut[end] = min((best[start] + _GROUP_COST + (bounds[end] - bounds[start]) * widths[bounds[start]],
+        best[end], cut[end] = min((best[start] + cost + (bounds[end] - bounds[start]) * widths[bounds[start]],
                                    start) for start in range(end))
     groups = []
     end = len(bounds) - 1

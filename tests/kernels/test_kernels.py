@@ -272,16 +272,27 @@ def test_prefill_single_token_queries_match_decode():
     _close(prefill, decode, ATTN_TOL[torch.float32])
 
 
+def test_decode_groups_fixed_cost_counts_the_elements_of_a_block():
+    """A group's fixed cost is counted in key elements, not in blocks: a small model's blocks are cheap to pad, so
+    the same decode lengths make one group there and several for a model of wider heads (a fixed count of blocks
+    split the served tiny model's batches into groups that each cost more than the padding they saved)."""
+    lens = tuple(range(129, 225, 3))  # 32 decoding sequences of 9 to 14 blocks of 16
+    tiny = reference.decode_groups(lens, 16, reference.group_cost(16, 2, 16))  # the served tiny model's cache
+    wide = reference.decode_groups(lens, 16, reference.group_cost(16, 4, 64))  # the benchmark model's
+    assert len(tiny) == 1 < len(wide)
+    assert reference.group_cost(16, 64, 256) == 1  # never free: one block at least
+
+
 def test_reference_decode_in_length_groups_matches_attention_per_sequence():
     """The reference decode pads each group of similar lengths to its longest only; each row still equals the
     reference prefill's attention of one query over that sequence alone (another path, no padding), and a
     sequence of context 0 attends to nothing (NaN)."""
     context_lens = (1, 700, 17, 690, 100, 0, 300, 33, 16, 680)
-    groups = reference.decode_groups(context_lens, 16)
+    groups = reference.decode_groups(context_lens, 16, reference.group_cost(16, 2, 64))
     assert len(groups) > 1, "the lengths must make several groups for this test to mean anything"
     assert [start for start, _, _ in groups] == [0, *(end for _, end, _ in groups[:-1])]
     assert groups[-1][1] == len(context_lens)
-    assert reference.decode_groups((300,) * 10, 16) == ((0, 10, 19),)  # one length: one group
+    assert reference.decode_groups((300,) * 10, 16, 1) == ((0, 10, 19),)  # one length: one group
     k_cache, v_cache, tables, lens = _paged_setup(context_lens, 2, 64, 16, torch.float32, seed=42)
     q = _randn(len(context_lens), 8, 64, seed=43)
     decode = reference.paged_attention_decode(q.cpu(), k_cache.cpu(), v_cache.cpu(), tables.cpu(), lens.cpu(), 0.125)
