@@ -14,7 +14,7 @@ from ..wire.expert_routing import RoutingCapture
 from ..wire.messages import PromptScores
 from ..wire.prefix_hash import ROOT_HASH, salted_root
 from ..wire.request import (EngineRequest, EventType, FinalRecord, FinishReason, RequestEvent, RequestStatus,
-                            stamp_event)
+                            fail_timeline, stamp_event)
 from ..wire.sampling_params import SamplingParams
 
 
@@ -122,10 +122,7 @@ class Sequence:
         self.add_event(EventType.FINISH, reason.value)
 
     def fail(self, message: str, reason: FinishReason = FinishReason.ERROR) -> None:
-        self.status = RequestStatus.FAILED
-        self.finish_reason = reason
-        self.error = message
-        self.add_event(EventType.FAIL, message)
+        fail_timeline(self, message, reason)
 
     def final_record(self) -> FinalRecord:
         """Its record as it leaves the engine, without what travelled in its outputs (the receiver has it)."""

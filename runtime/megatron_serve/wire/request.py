@@ -148,11 +148,15 @@ class FinalRecord(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class Timeline(Protocol):
-    """What a request's events stamp: the engine's ``Sequence`` and the public record keep the same times."""
+    """What a request's events stamp: the engine's ``Sequence`` and the public record keep the same times and
+    end the same way."""
 
     events: list[RequestEvent]
     first_token_time: float | None
     finish_time: float | None
+    status: RequestStatus
+    finish_reason: FinishReason | None
+    error: str | None
 
 
 def stamp_event(timeline: Timeline, event_type: EventType, detail: str | None = None) -> None:
@@ -163,6 +167,14 @@ def stamp_event(timeline: Timeline, event_type: EventType, detail: str | None = 
         timeline.first_token_time = now
     elif event_type in (EventType.FINISH, EventType.FAIL):
         timeline.finish_time = now
+
+
+def fail_timeline(timeline: Timeline, message: str, reason: FinishReason) -> None:
+    """The request failed: its status, reason and message, and the FAIL event that says so."""
+    timeline.status = RequestStatus.FAILED
+    timeline.finish_reason = reason
+    timeline.error = message
+    stamp_event(timeline, EventType.FAIL, message)
 
 
 @dataclass
@@ -224,10 +236,7 @@ class DynamicInferenceRequest:
         stamp_event(self, event_type, detail)
 
     def fail(self, message: str, reason: FinishReason = FinishReason.ERROR) -> None:
-        self.status = RequestStatus.FAILED
-        self.finish_reason = reason
-        self.error = message
-        self.add_event(EventType.FAIL, message)
+        fail_timeline(self, message, reason)
 
     def final_record(self) -> FinalRecord:
         """The finished record, without what travelled in the deltas (the receiver has it)."""
