@@ -251,8 +251,10 @@ def documented_rl_loop(monkeypatch) -> dict:
 
 
 async def test_the_documented_rl_loop_continues_a_cut_rollout_from_the_host_tier(kept, monkeypatch):
+    long_budget = 800  # tokens: with its 40-token prompt, 53 of the fleet's 64 blocks
     loop = documented_rl_loop(monkeypatch)
     loop["SAMPLING"] = {"temperature": 0, "ignore_eos": True}  # greedy, so that the rollout compares
+    await asyncio.wait_for(loop["first_half_done"]([]), 5)  # a step without jobs ends at once (it raised)
     step = loop["rl_step"]
     cuts: list[list[dict]] = []
 
@@ -263,7 +265,9 @@ async def test_the_documented_rl_loop_continues_a_cut_rollout_from_the_host_tier
     loop["rl_step"] = recording_step
     rng = random.Random(12)
     short, long = ([rng.randrange(5, 500) for _ in range(40)] for _ in range(2))
-    jobs = {0: [{"prompt": short, "tokens": [], "budget": 24}, {"prompt": long, "tokens": [], "budget": 300}]}
+    # the long budget: the cut (a pause after the short one's end) must reach the engine before the long one ends,
+    # however slowly a loaded machine serves the pause (300 once finished first; then the second step had no job)
+    jobs = {0: [{"prompt": short, "tokens": [], "budget": 24}, {"prompt": long, "tokens": [], "budget": long_budget}]}
     trained: list[list[dict]] = []
 
     def train(finished: list[dict]) -> None:
@@ -275,18 +279,18 @@ async def test_the_documented_rl_loop_continues_a_cut_rollout_from_the_host_tier
     await loop["rl_loop"](kept.url, kept.model, 2, lambda index: jobs.get(index, []), train)
 
     ((cut,), ()) = cuts  # the long rollout was cut at the first step's end, the second step finished it
-    assert cut["finish_reason"] == "abort" and 16 <= len(cut["tokens"]) < 300
+    assert cut["finish_reason"] == "abort" and 16 <= len(cut["tokens"]) < long_budget
     assert [[(len(j["tokens"]), j["finish_reason"]) for j in step] for step in trained] == [[(24, "length")],
-                                                                                            [(300, "length")]]
+                                                                                            [(long_budget, "length")]]
     finished = trained[1][0]
     assert finished["tokens"][:len(cut["tokens"])] == cut["tokens"]
     # every complete block of its prompt and its tokens so far, from the host tier (the suspend freed the pool)
-    kept.generated += 24 + 300
+    kept.generated += 24 + long_budget
     text = counters_after(kept, kept.generated)
     found = metric(text, "megatron_serve_external_prefix_cache_hits_total", engine) - host_hits
     assert found == (len(long) + len(cut["tokens"]) - 1) // BLOCK * BLOCK > len(long)
-    uninterrupted = await asyncio.to_thread(complete_ids, kept, long, 300)
-    kept.generated += 300
+    uninterrupted = await asyncio.to_thread(complete_ids, kept, long, long_budget)
+    kept.generated += long_budget
     assert finished["tokens"] == uninterrupted  # the rollout is the one it would have been uncut
 
 
