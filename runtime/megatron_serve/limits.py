@@ -49,6 +49,9 @@ PROBE_BACKLOG = 4096
 #: at once, so the oldest is the likeliest idle one). The probe process raises its own open-file limit to hold
 #: them: nothing is shared with the main port's ``--max-connections``.
 PROBE_MAX_OPEN = 2048
+#: The main port's listen backlog (uvicorn's default): it listens before the probe port can say ready, so that a
+#: client sent there by a ready probe is queued until the server accepts, never refused.
+MAIN_BACKLOG = 2048
 
 #: Characters per token of context beyond which a prompt cannot fit with any common tokenizer:
 #: English averages about 4 characters per token and code about 3; 32 leaves room for prompts

@@ -36,6 +36,7 @@ from pathlib import Path
 
 from ..fleet.lifeline import Lifeline
 from ..fleet.supervisor import Child, Supervisor
+from ..limits import MAIN_BACKLOG
 
 logger = logging.getLogger("megatron_serve.server")
 
@@ -101,7 +102,7 @@ class Siblings:
     def start(self) -> None:
         sock = self.sock
         sock.set_inheritable(True)
-        sock.listen(2048)  # before any sibling accepts from it
+        sock.listen(MAIN_BACKLOG)  # before any sibling accepts from it
         for child in self.children:
             self._supervisor.start_child(child)
         self._supervisor.restart_dead(True)

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..generation_config import GenerationDefaults
 from ..http_options import METRICS_COMPAT, HTTPOptions
-from ..limits import (DEFAULT_COORDINATOR_GRACE, DEFAULT_KEEP_ALIVE, HEALTH_STALL_TIMEOUT, READY_TIMEOUT,
+from ..limits import (DEFAULT_COORDINATOR_GRACE, DEFAULT_KEEP_ALIVE, HEALTH_STALL_TIMEOUT, MAIN_BACKLOG, READY_TIMEOUT,
                       STATUS_INTERVAL, STATUS_TIMEOUT, RequestLimits)
 from ..multimodal import ImageOptions
 from . import api_servers, local_runs
@@ -302,6 +302,7 @@ async def _serve(args: argparse.Namespace, facts: Any, files: ServingFiles, toke
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, on_signal, sig)
 
+    sock.listen(MAIN_BACKLOG)  # before the probe port can say ready: from then on connections queue, never refused
     probes = await start_probes(args, probe_sock, args.coordinator, token, app)
 
     def started(url: str) -> None:
