@@ -59,6 +59,9 @@ if TYPE_CHECKING:
 
 # Keys of the transfer's store by which rank 0 stops the other trainer ranks, and hands them the verb's outcome.
 _ABORT, _OUTCOME = "sender/abort", "sender/outcome"
+#: What a trainer rank that lost rank 0 can say of the fleet.
+_FLEET_EPOCH = ("The engines apply nothing unless every rank committed: the coordinator's status says which epoch "
+                "they serve")
 
 #: ``on_bucket(index, count, nbytes)``, called on the transfer thread after each bucket left.
 BucketCallback = Callable[[int, int, int], None]
@@ -284,9 +287,7 @@ class WeightSender:
             present = await asyncio.to_thread(roll_call.attend, host, port, prefix, self.rank, self.timeout)
         except OSError as exc:
             raise WeightTransferError(f"trainer rank 0, which serves the transfer's store, cannot be reached at "
-                                      f"{host}:{port} ({exc}); this rank sent nothing. The engines apply nothing "
-                                      "unless every rank committed: the coordinator's status says which epoch they "
-                                      "serve") from exc
+                                      f"{host}:{port} ({exc}); this rank sent nothing. {_FLEET_EPOCH}") from exc
         try:
             figures, outcome = await self._send_and_read(rendezvous, mine, address, prefix)
         except BaseException:
@@ -321,8 +322,7 @@ class WeightSender:
         except RuntimeError as exc:  # its store is gone with it: what the fleet did, only the coordinator knows
             why = figures if isinstance(figures, Exception) else "this rank's part went through"
             raise WeightTransferError(f"trainer rank 0, which serves the transfer's store and sent the REFIT, is gone "
-                                      f"({exc}); this rank: {why}. The engines apply nothing unless every rank "
-                                      "committed: the coordinator's status says which epoch they serve") from exc
+                                      f"({exc}); this rank: {why}. {_FLEET_EPOCH}") from exc
 
     async def send_lora(self, name: str, weights: LoraWeights, *, version: int, rank: int | None = None,
                         alpha: float | None = None, use_rslora: bool = False, target_modules: list[str] | None = None,

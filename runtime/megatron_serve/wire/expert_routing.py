@@ -38,6 +38,15 @@ def routing_dtype(num_experts: int) -> np.dtype:
     return np.dtype(np.uint8 if num_experts <= 256 else np.uint16)
 
 
+def unrecorded_rows(count: int, start: int, rows: np.ndarray, dtype: np.dtype) -> np.ndarray | None:
+    """Of ``rows`` (positions ``start, start + 1, ...``), a copy of those past the ``count`` already recorded, or
+    None; a gap before ``start`` is a bug (``RuntimeError``)."""
+    if start > count:
+        raise RuntimeError(f"routing of position {start} computed before position {count}")
+    fresh = rows[count - start:]
+    return fresh.astype(dtype, copy=True) if len(fresh) else None
+
+
 class RoutingRecord:
     """Every row of one request so far, as its readers keep them (the coordinator's mirror, the client's collector,
     the expert API's adapter)."""
@@ -56,11 +65,9 @@ class RoutingRecord:
 
     def record(self, start: int, rows: np.ndarray) -> None:
         """Rows of positions ``start, start + 1, ...``; positions already recorded keep their first rows."""
-        if start > self.count:
-            raise RuntimeError(f"routing of position {start} computed before position {self.count}")
-        fresh = rows[self.count - start:]
-        if len(fresh):
-            self._chunks.append(fresh.astype(self.dtype, copy=True))
+        fresh = unrecorded_rows(self.count, start, rows, self.dtype)
+        if fresh is not None:
+            self._chunks.append(fresh)
             self.count += len(fresh)
 
     def array(self) -> np.ndarray:
@@ -84,11 +91,9 @@ class RoutingCapture:
 
     def record(self, start: int, rows: np.ndarray) -> None:
         """Rows of positions ``start, start + 1, ...``; positions already recorded keep their first rows."""
-        if start > self.count:
-            raise RuntimeError(f"routing of position {start} computed before position {self.count}")
-        fresh = rows[self.count - start:]
-        if len(fresh):
-            self._undelivered.append(fresh.astype(self.dtype, copy=True))
+        fresh = unrecorded_rows(self.count, start, rows, self.dtype)
+        if fresh is not None:
+            self._undelivered.append(fresh)
             self.count += len(fresh)
 
     def take_undelivered(self) -> tuple[int, np.ndarray] | None:
