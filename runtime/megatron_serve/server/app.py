@@ -45,6 +45,7 @@ from .model_routes import add_model_routes
 from .openapi_doc import error_responses, openapi_builder
 from .probe_routes import add_probe_routes
 from .request_log import RequestLog
+from .rl import RL_ADMIN_PATHS, add_rl_routes
 from .stats_log import log_stats
 from .tokenize import add_tokenize_routes
 from .tool_calls import parser_for_template
@@ -68,7 +69,7 @@ def key_for(path: str) -> str:
     """Which key the route at ``path`` asks for: ``"api"``, ``"admin"`` or ``"none"``."""
     if path in OPEN_PATHS:
         return "none"
-    return "admin" if path.startswith(ADMIN_PREFIX) or path in LORA_PATHS else "api"
+    return "admin" if path.startswith(ADMIN_PREFIX) or path in LORA_PATHS or path in RL_ADMIN_PATHS else "api"
 
 
 def create_app(
@@ -148,6 +149,7 @@ def create_app(
                         error_responses([400, 401, 404, 415] if guard.on else [400, 404, 415]))
     add_admin_routes(app, backend, monitor, admin_key)  # type: ignore[arg-type]  # the clients have the verbs
     add_lora_routes(app, backend, monitor, admin_key, runtime_lora_allowed(), model_name)  # type: ignore[arg-type]
+    add_rl_routes(app, ctx, admin_key, guard)
     app.openapi = openapi_builder(app, (*SELF_PARSED, *ADMIN_BODIES, *LORA_BODIES))  # type: ignore[method-assign]
     return app
 
