@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Iterable, Sequence
 
 from ..config import InferenceConfig
+from ..errors import NoFleet
 from .engine_client import EngineClient
 from .fleet_client import FleetClient
 from .generate_call import GenerateCall, stream_request_outputs
@@ -344,6 +345,9 @@ class MegatronAsyncLLM:
     async def sleep(self, level: int = 1) -> dict[str, Any]:
         """vLLM's ``sleep``: the fleet's ``suspend(level)`` (level 1 releases the KV cache, level 2 also moves
         the weights to host memory); coordinator mode only."""
+        if self.engine is not None:  # named as the caller called it: suspend() is not what they wrote
+            raise NoFleet("sleep() needs coordinator mode (use_coordinator=True): this engine runs in this process, "
+                          "with no fleet to put to sleep")
         return await self.suspend(level)
 
     async def wake_up(self, tags: list[str] | None = None) -> dict[str, Any]:

@@ -71,10 +71,14 @@ class StructuredOutputs:
         return llguidance.LLExecutor()
 
     def warm(self) -> threading.Thread:
-        """Load llguidance and build the vocabulary view, the executor and one matcher's first mask on a daemon
-        thread, off the step, so that the first constrained request finds them ready; returns the thread. A
-        constrained request that comes sooner waits for the part still being built (``cached_property``'s lock)."""
-        thread = threading.Thread(target=self._warm, name="megatron-serve-grammar-warmup", daemon=True)
+        """Load llguidance and build the vocabulary view, the executor and one matcher's first mask on a thread of
+        its own, off the step, so that the first constrained request finds them ready; returns the thread. A
+        constrained request that comes sooner waits for the part still being built (``cached_property``'s lock).
+
+        Not a daemon: the interpreter joins it before it finalizes. A daemon thread still inside llguidance or
+        torch when a short script ended crashed the process at exit (SIGSEGV, or SIGABRT from a C++ thread
+        destroyed while running); the join costs a script at most the warm-up's own time."""
+        thread = threading.Thread(target=self._warm, name="megatron-serve-grammar-warmup", daemon=False)
         thread.start()
         return thread
 
