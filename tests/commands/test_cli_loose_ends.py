@@ -94,3 +94,19 @@ def test_lora_modules_are_refused_before_anything_starts(module, reason):
 
     with pytest.raises(ValueError, match=reason):
         run(parse_args(["run", "--model", "/models/llama", "--enable-lora", "--lora-modules", module]))
+
+
+def test_lora_modules_files_are_checked_before_an_engine_starts(tiny_model, tmp_path):
+    """Issue 65: a missing adapter directory or one of too high a rank was refused by the engine once it had loaded
+    the model (and `serve` reported the engine's exit); now `run` reads each adapter first and says what is wrong.
+    No child is started: `run` raises before it reserves a port."""
+    from megatron_serve.commands.run import run  # noqa: PLC0415
+
+    from ..lora_adapters import make_peft_adapter  # noqa: PLC0415
+
+    with pytest.raises(ValueError, match=f"LoRA adapter 'gone': '{tmp_path}/missing' does not exist"):
+        run(parse_args(["run", "--model", tiny_model, "--enable-lora", "--lora-modules", f"gone={tmp_path}/missing"]))
+    wide = make_peft_adapter(tiny_model, tmp_path / "wide", rank=32, seed=0)
+    with pytest.raises(ValueError, match="LoRA adapter 'wide'.*rank 32"):
+        run(parse_args(["run", "--model", tiny_model, "--enable-lora", "--max-lora-rank", "16",
+                        "--lora-modules", f"wide={wide}"]))

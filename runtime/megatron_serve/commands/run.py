@@ -158,6 +158,13 @@ def run(args: argparse.Namespace) -> int:
     check_secret(token, args.insecure)  # a secret given beside --insecure is refused, as by the coordinator
     resolve_model_args(args)  # a Hub id becomes its local directory before the directory is checked
     check_model_dir(args.model, tokenizer=args.tokenizer is None)
+    if config.lora_modules:  # a missing directory or too high a rank is refused now, not by an engine once it loaded
+        from ..model.config import ModelConfig  # noqa: PLC0415
+        from ..model.lora import read_adapter  # noqa: PLC0415
+
+        model_config = ModelConfig.from_dir(args.model)
+        for name, path in config.lora_modules.items():
+            read_adapter(name, path, model_config, config.max_lora_rank)
     if args.tokenizer is not None:
         from ..tokenizer import check_tokenizer_files  # noqa: PLC0415
 
