@@ -22,13 +22,31 @@ if TYPE_CHECKING:
 JSON_DEFAULTS: dict[str, Any] = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
+def closed_objects(schema: Any) -> Any:
+    """``schema`` with ``"additionalProperties": false`` on every object schema that does not say otherwise.
+
+    vLLM's default backend (xgrammar, strict mode) reads a schema that way, and clients rely on it: LangChain's
+    ``with_structured_output`` and a forced tool send schemas without the key, and llguidance's own default (extra
+    keys allowed) let a small model add keys until its budget ran out, so the answer never parsed. A schema that
+    sets the key (``true``, or a schema for the extra values) keeps it."""
+    if isinstance(schema, list):
+        return [closed_objects(item) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    closed = {key: closed_objects(value) for key, value in schema.items()}
+    is_object = schema.get("type") == "object" or isinstance(schema.get("properties"), dict)
+    if is_object and "additionalProperties" not in schema:
+        closed["additionalProperties"] = False
+    return closed
+
+
 def grammar_for(spec: StructuredOutputsParams) -> str:
     """The llguidance grammar of a constraint (not yet checked: see :func:`grammar_error`)."""
     import llguidance  # noqa: PLC0415 - only processes that constrain output load it
 
     kind = spec.kind
     if kind == "json":
-        schema = json.loads(spec.json) if isinstance(spec.json, str) else spec.json
+        schema = closed_objects(json.loads(spec.json) if isinstance(spec.json, str) else spec.json)
         return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_DEFAULTS)
     if kind == "json_object":
         return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=JSON_DEFAULTS)

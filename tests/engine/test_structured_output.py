@@ -99,3 +99,22 @@ def test_a_bad_grammar_fails_its_request_alone(llm):
     assert outs[0].status is RequestStatus.FAILED and "structured_outputs" in outs[0].error
     assert "regex" in outs[0].error or "unclosed" in outs[0].error
     assert outs[1].status is RequestStatus.COMPLETED
+
+
+@pytest.mark.parametrize("extra,fits", [(None, False), (True, True)])
+def test_a_schema_without_additional_properties_is_closed_as_vllm_reads_it(llm, extra, fits):
+    """A schema that does not say ``additionalProperties`` admits no other key (vLLM's default backend is strict:
+    LangChain's structured output and forced tools send such schemas, and a small model added keys forever);
+    ``"additionalProperties": true`` keeps them open. The text is fed to the engine's grammar as if generated."""
+    schema = {"type": "object", "properties": {"city": {"type": "object", "properties": {"name": {"type": "string"}}}},
+              "required": ["city"]}
+    if extra is not None:
+        schema["additionalProperties"] = schema["properties"]["city"]["additionalProperties"] = extra
+    structured = llm.engine.worker.structured
+    for text in ('{"city": {"name": "Paris"}, "country": "FR"}', '{"city": {"name": "Paris", "zip": "75"}}'):
+        problem = structured.add("r", StructuredOutputsParams(json=schema), llm.tokenizer.encode(text))
+        structured.remove("r")
+        assert (problem is None) is fits, (text, problem)
+    assert structured.add("r", StructuredOutputsParams(json=schema), llm.tokenizer.encode('{"city": {"name": "P"}}')) \
+        is None
+    structured.remove("r")

@@ -48,6 +48,8 @@ QUANTIZATION_SCHEMES: tuple[str, ...] = ("auto", "none", "fp8")
 KV_CACHE_DTYPES: tuple[str, ...] = ("auto", "fp8", "fp8_e4m3")
 #: ``--all2all-backend`` values this build implements ("auto" and "alltoall" are this project's; vLLM's "naive",
 #: "pplx", "mori", "nixl_ep" and "flashinfer_*" are refused, naming them).
+#: ``--weight-transfer-config`` backends: vLLM's ``nccl``, and ``gloo`` (this project's name) for CPU trainers.
+WEIGHT_TRANSFER_BACKENDS: tuple[str, ...] = ("nccl", "gloo")
 ALL2ALL_BACKENDS: tuple[str, ...] = ("auto", "alltoall", "allgather_reducescatter", "deepep_high_throughput",
                                      "deepep_low_latency")
 
@@ -121,6 +123,14 @@ def _json_object(value: str) -> dict[str, Any]:
         raise argparse.ArgumentTypeError(f"not a JSON object: {exc}") from None
     if not isinstance(item, dict):
         raise argparse.ArgumentTypeError(f"must be a JSON object, got {value!r}")
+    return item
+
+
+def _weight_transfer_config(value: str) -> dict[str, Any]:
+    """``--weight-transfer-config``: vLLM's JSON object, whose one field is ``backend``."""
+    item = _json_object(value)
+    if set(item) != {"backend"} or item["backend"] not in WEIGHT_TRANSFER_BACKENDS:
+        raise argparse.ArgumentTypeError(f"{value!r}: expected {{\"backend\": \"nccl\"}} or {{\"backend\": \"gloo\"}}")
     return item
 
 
@@ -239,6 +249,14 @@ VLLM_OPTIONS: tuple[VllmOption, ...] = (
                spec=_spec(choices=TOOL_CALL_PARSERS, default=None,
                           help="tool-call format of the model's output (default: the one its chat template shows)"),
                scope=_SERVER, example=("--tool-call-parser", "hermes")),
+    VllmOption(("--weight-transfer-config",), _IMPLEMENTED, "a trainer pushes weights over its own process group "
+               "through vLLM's weight-transfer routes (`/init_weight_transfer_engine` ...), SGLang's and TRL's: "
+               "`{\"backend\": \"nccl\"}`, or `\"gloo\"` for CPU trainers; each update is one REFIT of the fleet "
+               "([RL frameworks](rl-frameworks.md))",
+               spec=_spec(type=_weight_transfer_config, default=None, metavar="JSON",
+                          help="'{\"backend\": \"nccl\"}' (or \"gloo\"): trainers push weights over their own "
+                               "process group through the weight routes"),
+               scope=_SERVER, example=("--weight-transfer-config", '{"backend": "gloo"}')),
     VllmOption(("--uvicorn-log-level",), _IMPLEMENTED, "the HTTP server's own log (uvicorn); `info` and below "
                "include its access log",
                spec=_spec(choices=("critical", "error", "warning", "info", "debug", "trace"), default=None,
@@ -377,7 +395,9 @@ VLLM_OPTIONS: tuple[VllmOption, ...] = (
     VllmOption(("--scheduling-policy",), _ACCEPTED, "admission is always ordered by a request's `priority` "
                "(lower first), then arrival: requests that send none are first come, first served",
                spec=_spec(choices=("fcfs", "priority")), scope=_ENGINE, example=("--scheduling-policy", "priority")),
-    VllmOption(("--guided-decoding-backend",), _ACCEPTED, "every output constraint is decoded with llguidance",
+    VllmOption(("--guided-decoding-backend",), _ACCEPTED, "every output constraint is decoded with llguidance, "
+               "reading JSON schemas as vLLM's default backend does: an object schema without `additionalProperties` "
+               "admits no other key",
                spec=_spec(metavar="NAME"), scope=_ENGINE, example=("--guided-decoding-backend", "xgrammar")),
     VllmOption(("--enable-lora",), _IMPLEMENTED, "serve LoRA adapters (PEFT checkpoints of the attention and "
                "MLP projections) beside the base model; the request's `model` picks one (docs/lora.md)",

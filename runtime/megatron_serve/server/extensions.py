@@ -47,7 +47,8 @@ EXTENSIONS: dict[str, str] = {
     "truncate_prompt_tokens": "keep only the last N tokens of the prompt (of each prompt; of the rendered chat); "
                               "-1 = the model's context length (vLLM's name)",
     "structured_outputs": "constrain the output: exactly one of json (a schema), regex, choice, grammar, "
-                          "json_object; the same as the guided_* fields (vLLM's current name)",
+                          "json_object; the same as the guided_* fields (vLLM's current name); an object schema without "
+                          "additionalProperties admits no other key, as vLLM's default backend reads it",
     "guided_decoding_backend": "accepted: every constraint is decoded with llguidance, whichever backend is named "
                                "(vLLM's name)",
     "chat_template_kwargs": "extra variables for the chat template, e.g. {\"enable_thinking\": false} for Qwen3 "
