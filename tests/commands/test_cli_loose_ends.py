@@ -83,6 +83,29 @@ async def test_inference_client_reads_the_token_from_the_environment(coordinator
             await client.status(timeout=60)
 
 
+async def test_megatron_llm_of_another_fleet_reads_the_token_from_the_environment(coordinator, monkeypatch, tmp_path):
+    """Issue 65: ``MegatronAsyncLLM(use_coordinator=True, coordinator_address=...)`` connected without a secret while
+    its refusal told the user to set ``$MEGATRON_SERVE_TOKEN``; it reads it now, as ``InferenceClient`` does."""
+    from megatron_serve import MegatronAsyncLLM  # noqa: PLC0415
+    from megatron_serve.model.tiny import make_tiny_model  # noqa: PLC0415
+
+    address, secret = coordinator
+    model = str(make_tiny_model(tmp_path / "model", seed=0))
+    monkeypatch.setenv(TOKEN_ENV, secret)
+    llm = MegatronAsyncLLM(model, use_coordinator=True, coordinator_address=address)
+    try:
+        assert "state" in await llm.status()
+    finally:
+        await llm.close()
+    monkeypatch.delenv(TOKEN_ENV)
+    llm = MegatronAsyncLLM(model, use_coordinator=True, coordinator_address=address)  # the control: no secret
+    try:
+        with pytest.raises(Unauthorized):
+            await llm.status()
+    finally:
+        await llm.close()
+
+
 @pytest.mark.parametrize("module,reason", [
     ("llama=/adapters/x", "an adapter named 'llama' would shadow the served model's name"),
     ("a/b=/adapters/x", "LoRA adapter name 'a/b' is not allowed"),

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any, Iterable
 from .coordinator_client import InferenceClient
 from ..config import InferenceConfig
 from ..fleet.local_fleet import LocalFleet
+from ..wire.security import TokenFrom
 
 if TYPE_CHECKING:
     import torch
@@ -54,7 +55,9 @@ class FleetClient(InferenceClient):
                                                             token=token, tokenizer_dir=tokenizer_dir,
                                                             max_request_logprobs=max_request_logprobs,
                                                             data_parallel_size=ranks)
-        super().__init__(address or "", token=token if fleet is None else fleet.token, tokenizer=text_tokenizer)
+        # Another's fleet without token=: $MEGATRON_SERVE_TOKEN, as InferenceClient and the commands read it.
+        secret = fleet.token if fleet is not None else TokenFrom.ENVIRONMENT if token is None else token
+        super().__init__(address or "", token=secret, tokenizer=text_tokenizer)
         self.fleet = fleet
         self._stopped = False
 
