@@ -119,3 +119,24 @@ def test_n_seeds_lists_and_truncation(llm):
     (cut,) = llm.generate(text, SamplingParams(max_tokens=4, temperature=0, truncate_prompt_tokens=4))
     (direct,) = llm.generate([tail], SamplingParams(max_tokens=4, temperature=0))
     assert cut.prompt_tokens == tail and cut.generated_tokens == direct.generated_tokens
+
+
+VLLM_SCRIPT = """
+from vllm import LLM
+from vllm.inputs import TokensPrompt, TextPrompt
+from vllm.lora.request import LoRARequest
+from vllm.outputs import RequestOutput, CompletionOutput
+from vllm.sampling_params import SamplingParams, StructuredOutputsParams, GuidedDecodingParams
+
+assert LoRARequest("a", 1, "/x").lora_name == "a"
+assert GuidedDecodingParams is StructuredOutputsParams
+assert TokensPrompt(prompt_token_ids=[1, 2])["prompt_token_ids"] == [1, 2] and TextPrompt(prompt="hi")["prompt"] == "hi"
+params = SamplingParams(max_tokens=2, structured_outputs=StructuredOutputsParams(choice=["x", "y"]))
+assert params.num_tokens_to_generate == 2 and RequestOutput and CompletionOutput and LLM
+"""
+
+
+def test_a_vllm_scripts_imports_work_with_the_package_name_replaced():
+    """Issue 65: ``vllm.inputs``, ``vllm.lora.request``, ``vllm.outputs`` and ``vllm.sampling_params`` have
+    namesakes, so replacing ``vllm`` by ``megatron_serve`` in a script is enough (they raised ImportError)."""
+    exec(compile(VLLM_SCRIPT.replace("vllm", "megatron_serve"), "vllm_script", "exec"), {})

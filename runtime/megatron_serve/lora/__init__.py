@@ -1,0 +1,1 @@
+"""vLLM's ``vllm.lora`` package: only :mod:`.request` (``LoRARequest``), for imports written against vLLM."""
