@@ -213,3 +213,16 @@ def test_megatron_core_fused_qkv_and_gate_up_shards_cut_into_hugging_face_pieces
     assert torch.equal(full["mlp.down_proj.weight"], down)
     with pytest.raises(ValueError, match="query groups split evenly"):
         fused_qkv_pieces("x.", fused, num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim, tp_rank=0, tp_size=8)
+
+
+def test_a_sharded_sender_without_a_process_group_says_what_it_needs():
+    """Issue 65: ``WeightSender(rank=, world_size>1)`` with no group died at ``send`` with torch's "Default process
+    group has not been initialized"; it is refused at once, naming both ways to give it one."""
+    import torch.distributed as dist  # noqa: PLC0415
+
+    from megatron_serve import WeightSender  # noqa: PLC0415
+
+    assert not dist.is_initialized()
+    with pytest.raises(ValueError, match="init_process_group first, or pass group="):
+        WeightSender(None, rank=1, world_size=2)
+    assert WeightSender(None, rank=0, world_size=1).world_size == 1  # one rank needs no group

@@ -67,6 +67,12 @@ _FLEET_EPOCH = ("The engines apply nothing unless every rank committed: the coor
 BucketCallback = Callable[[int, int, int], None]
 
 
+def _default_group_ready() -> bool:
+    import torch.distributed as dist  # noqa: PLC0415
+
+    return dist.is_available() and dist.is_initialized()
+
+
 class WeightTransferError(RuntimeError):
     """The sender's side of a transfer failed (engines that never joined, a broken connection).
 
@@ -114,6 +120,9 @@ class WeightSender:
             raise ValueError(f"timeout must be > 0, got {timeout}")
         if world_size < 1 or not 0 <= rank < world_size:
             raise ValueError(f"rank must be in 0..world_size - 1 and world_size >= 1, got rank {rank} of {world_size}")
+        if world_size > 1 and group is None and not _default_group_ready():
+            raise ValueError(f"a WeightSender of world_size {world_size} agrees on the manifest over the trainer's "
+                             "torch.distributed group: call torch.distributed.init_process_group first, or pass group=")
         self.bucket_bytes = int(bucket_bytes)
         self.rank, self.world_size, self.group = int(rank), int(world_size), group
         self.host = host
