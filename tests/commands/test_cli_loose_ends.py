@@ -133,3 +133,17 @@ def test_lora_modules_files_are_checked_before_an_engine_starts(tiny_model, tmp_
     with pytest.raises(ValueError, match="LoRA adapter 'wide'.*rank 32"):
         run(parse_args(["run", "--model", tiny_model, "--enable-lora", "--max-lora-rank", "16",
                         "--lora-modules", f"wide={wide}"]))
+
+
+@pytest.mark.parametrize("layout,reason", [
+    (["--tensor-parallel-size", "3"], "num_attention_heads=4 does not split over 3 tensor-parallel ranks"),
+    (["--pipeline-parallel-size", "5"], "2 layers do not split into 5 pipeline stages"),
+])
+def test_a_layout_the_model_cannot_take_is_refused_before_a_rank_starts(tiny_model, layout, reason):
+    """Issue 65: these two were refused by the ranks once they had started, and `serve` printed a rank's 14-line
+    traceback tail before the reason; `run` now asks the model's config first (no child started: it raises before
+    it reserves a port)."""
+    from megatron_serve.commands.run import run  # noqa: PLC0415
+
+    with pytest.raises(ValueError, match=reason):
+        run(parse_args(["run", "--model", tiny_model, *layout]))

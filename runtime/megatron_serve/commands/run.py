@@ -45,6 +45,7 @@ from .server import (API_KEY_ENV, ServingFiles, add_server_options, check_server
                      status_options)
 
 if TYPE_CHECKING:
+    from ..config import InferenceConfig
     from ..tokenizer import Tokenizer
 
 logger = logging.getLogger("megatron_serve.run")
@@ -158,13 +159,7 @@ def run(args: argparse.Namespace) -> int:
     check_secret(token, args.insecure)  # a secret given beside --insecure is refused, as by the coordinator
     resolve_model_args(args)  # a Hub id becomes its local directory before the directory is checked
     check_model_dir(args.model, tokenizer=args.tokenizer is None)
-    if config.lora_modules:  # a missing directory or too high a rank is refused now, not by an engine once it loaded
-        from ..model.config import ModelConfig  # noqa: PLC0415
-        from ..model.lora import read_adapter  # noqa: PLC0415
-
-        model_config = ModelConfig.from_dir(args.model)
-        for name, path in config.lora_modules.items():
-            read_adapter(name, path, model_config, config.max_lora_rank)
+    check_model_fits(args.model, config)
     if args.tokenizer is not None:
         from ..tokenizer import check_tokenizer_files  # noqa: PLC0415
 
@@ -175,6 +170,20 @@ def run(args: argparse.Namespace) -> int:
     from ..server.runner import run_loop  # noqa: PLC0415 - keep --help fast
 
     return run_loop(_Stack(args, config, api_key, token, files, ports).main())
+
+
+def check_model_fits(model: str, config: InferenceConfig) -> None:
+    """What the engines would refuse once they loaded the model, refused now in one line: a layout the model cannot
+    split into, and ``--lora-modules`` adapters that are missing or of too high a rank."""
+    from ..model.config import ModelConfig  # noqa: PLC0415
+    from ..model.lora import read_adapter  # noqa: PLC0415
+    from ..model.parallel import check_layout  # noqa: PLC0415
+
+    model_config = ModelConfig.from_dir(model)
+    check_layout(model_config.num_layers, model_config.num_heads, config.tensor_parallel_size,
+                 config.pipeline_parallel_size)
+    for name, path in (config.lora_modules or {}).items():
+        read_adapter(name, path, model_config, config.max_lora_rank)
 
 
 def _load_serving(args: argparse.Namespace, files: ServingFiles) -> tuple[Any, Any]:

@@ -25,7 +25,7 @@ from .layers import (ColumnParallelLinear, GatedMLP, ParallelLMHead, ReplicatedL
                      VocabParallelEmbedding, invariant_rotary_cos_sin, rotary_cos_sin)
 from .linears import Linears
 from .moe import FusedExperts, SparseMoeBlock
-from .parallel import SINGLE, TensorParallel, stage_layers
+from .parallel import SINGLE, TensorParallel, heads_problem, stage_layers
 
 if TYPE_CHECKING:  # annotations only: the engine installs the expert-parallel backend after the build
     from .expert_dispatch import ExpertStep
@@ -52,9 +52,9 @@ class _Ops:
 class LlamaAttention(nn.Module):
     def __init__(self, config: ModelConfig, layer_index: int, ops: _Ops, tp: TensorParallel, device: torch.device):
         super().__init__()
-        if config.num_heads % tp.size:  # replicated query heads would not match o_proj's split of their features
-            raise UnsupportedModelError(f"num_attention_heads={config.num_heads} does not split over {tp.size} "
-                                        "tensor-parallel ranks: each rank needs whole query heads")
+        problem = heads_problem(config.num_heads, tp.size)
+        if problem is not None:
+            raise UnsupportedModelError(problem)
         head_dim = config.head_dim
         self.head_dim = head_dim
         name = f"model.layers.{layer_index}.self_attn"
