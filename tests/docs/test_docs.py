@@ -146,6 +146,15 @@ def test_readme_is_short_and_points_into_docs():
     assert "../" not in readme and "DESIGN" not in readme and "shared/" not in readme
 
 
+def test_every_page_is_linked_from_the_overview():
+    """A page nobody links to is a page nobody finds (parallelism and KV tiers were such pages): every top-level page
+    is a row of docs/index.md's "Where to start"."""
+    overview = (ROOT / "docs" / "index.md").read_text()
+    unlinked = [page.name for page in sorted((ROOT / "docs").glob("*.md"))
+                if page.name != "index.md" and f"]({page.name})" not in overview]
+    assert not unlinked, unlinked
+
+
 def test_readme_quick_start_is_two_commands_and_the_image():
     readme = (ROOT / "README.md").read_text()
     block = re.search(r"## Quick start\n+```bash\n(.*?)```", readme, re.S)
