@@ -18,6 +18,12 @@ from .models import Usage
 from .translate import EngineJob
 
 
+def token_label(token: int) -> str:
+    """How vLLM names a token in a log-prob listing when asked for ids instead of text
+    (``return_tokens_as_token_ids``): an RL trainer reads ids back exactly, text may not round-trip."""
+    return f"token_id:{token}"
+
+
 def finish_reason(result: DynamicInferenceRequest) -> str | None:
     """The finish reason of a finished request: OpenAI's ``stop`` and ``length``, and vLLM's ``abort``
     for a request the fleet ended early (PAUSE in abort mode: the partial answer, to resubmit)."""

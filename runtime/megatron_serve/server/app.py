@@ -46,6 +46,7 @@ from .openapi_doc import error_responses, openapi_builder
 from .probe_routes import add_probe_routes
 from .request_log import RequestLog
 from .rl import RL_ADMIN_PATHS, add_rl_routes
+from .rl.token_routes import TOKEN_BODIES, add_token_routes
 from .stats_log import log_stats
 from .tokenize import add_tokenize_routes
 from .tool_calls import parser_for_template
@@ -115,6 +116,8 @@ def create_app(
     (:class:`~megatron_serve.http_options.HTTPOptions`; vLLM's flags of the same names).
     The backend is started by the app (in the background) if it is not started yet, but never
     closed by it: whoever made the backend closes it.
+
+    Long: the app's one assembly, a line or two per concern, read best whole.
     """
     if admin_key and admin_key == api_key:
         raise ValueError("the admin key must differ from the API key: the API key must not open the admin API")
@@ -150,7 +153,9 @@ def create_app(
     add_admin_routes(app, backend, monitor, admin_key)  # type: ignore[arg-type]  # the clients have the verbs
     add_lora_routes(app, backend, monitor, admin_key, runtime_lora_allowed(), model_name)  # type: ignore[arg-type]
     add_rl_routes(app, ctx, admin_key, guard)
-    app.openapi = openapi_builder(app, (*SELF_PARSED, *ADMIN_BODIES, *LORA_BODIES))  # type: ignore[method-assign]
+    add_token_routes(app, ctx, guard)  # the RL frameworks' generation routes, on the OpenAI routes' handlers
+    bodies = (*SELF_PARSED, *ADMIN_BODIES, *LORA_BODIES, *TOKEN_BODIES)
+    app.openapi = openapi_builder(app, bodies)  # type: ignore[method-assign]
     return app
 
 

@@ -11,7 +11,7 @@ from fastapi.responses import StreamingResponse
 from ..tokenizer import Tokenizer
 from ..client.outputs import StreamPartial
 from ..wire.request import DynamicInferenceRequest
-from .answers import Delta, StreamedAnswer, finish_reason, make_usage, running_usage
+from .answers import Delta, StreamedAnswer, finish_reason, make_usage, running_usage, token_label
 from .context import ServerContext
 from .errors import unsupported
 from .intake import check_budget
@@ -48,16 +48,20 @@ def _entry(text: str, logprob: float) -> dict[str, Any]:
 
 
 def chat_logprobs(tokenizer: Tokenizer, texts: list[str], log_probs: list[float],
-                  top_n: list[dict[int, float]] | None, n: int = 20) -> dict[str, Any]:
+                  top_n: list[dict[int, float]] | None, n: int = 20, ids: list[int] | None = None) -> dict[str, Any]:
     """Log-probs (``ChatChoiceLogprobs``' fields, plain data) of tokens whose texts (what each adds to the
-    generated text) are ``texts``; the ``n`` best alternatives are named by their own text."""
+    generated text) are ``texts``; the ``n`` best alternatives are named by their own text. ``ids``: the tokens'
+    ids, to name every token ``token_id:N`` instead (``return_tokens_as_token_ids``)."""
+    name = tokenizer.token_text if ids is None else token_label
+    if ids is not None:
+        texts = [token_label(token) for token in ids[: len(texts)]]
     content = []
     for i, text in enumerate(texts):
         entry = _entry(text, log_probs[i] if i < len(log_probs) else -9999.0)  # OpenAI's "unknown"
         alternatives = []
         if top_n is not None and i < len(top_n) and top_n[i]:
             ranked = sorted(top_n[i].items(), key=lambda kv: -kv[1])[:n]
-            alternatives = [_entry(tokenizer.token_text(t), lp) for t, lp in ranked]
+            alternatives = [_entry(name(t), lp) for t, lp in ranked]
         entry["top_logprobs"] = alternatives
         content.append(entry)
     return {"content": content, "refusal": None}
@@ -106,11 +110,12 @@ class ChatHandler:
         """One prompt, counted once: with ``n > 1``, the cached tokens of choice 0 (see ``cached_prompt_tokens``)."""
         return make_usage(len(self.prompt.tokens), finished)
 
-    def _logprobs(self, texts: list[str], log_probs: list[float],
-                  top_n: list[dict[int, float]] | None) -> dict[str, Any] | None:
+    def _logprobs(self, texts: list[str], log_probs: list[float], top_n: list[dict[int, float]] | None,
+                  ids: list[int]) -> dict[str, Any] | None:
         if not self.want_logprobs:
             return None
-        return chat_logprobs(self.ctx.tokenizer, texts, log_probs, top_n if self.top else None, self.top)
+        return chat_logprobs(self.ctx.tokenizer, texts, log_probs, top_n if self.top else None, self.top,
+                             ids if self.req.return_tokens_as_token_ids else None)
 
     def _finish_reason(self, result: DynamicInferenceRequest, called: bool) -> str | None:
         """``tool_calls`` when the model ended its turn with calls (a named function's call ends with ``stop``)."""
@@ -146,7 +151,7 @@ class ChatHandler:
         logprobs = None
         if self.want_logprobs:
             logprobs = self._logprobs(result.generated_token_texts, result.generated_log_probs,
-                                      result.generated_top_n_logprobs)  # texts made once, with the text
+                                      result.generated_top_n_logprobs, result.generated_tokens)  # texts made once
         ids = {"token_ids": list(result.generated_tokens)} if self.req.return_token_ids else {}
         return ChatChoice(index=job.index, message=message, logprobs=logprobs,
                           finish_reason=self._finish_reason(result, bool(message.tool_calls)),
@@ -172,7 +177,8 @@ class ChatHandler:
     def _content(self, writer: ChunkWriter, index: int, delta: Delta, reader: CallReader | None,
                  final: bool = False) -> tuple[bytes | None, bool]:
         """A chunk adding ``delta`` to choice ``index`` (None if nothing), and whether it carries tool calls."""
-        logprobs = self._logprobs(delta.token_texts, delta.log_probs, delta.top_n) if delta.tokens else None
+        logprobs = self._logprobs(delta.token_texts, delta.log_probs, delta.top_n, delta.tokens) if delta.tokens \
+            else None
         if reader is None:
             message = {"content": delta.text} if delta.text else {}
         else:

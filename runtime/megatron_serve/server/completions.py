@@ -13,7 +13,7 @@ from ..tokenizer import Tokenizer
 from ..client.detokenizer import token_texts
 from ..client.outputs import StreamPartial
 from ..wire.request import DynamicInferenceRequest, FinishReason
-from .answers import Delta, StreamedAnswer, finish_reason, make_usage, running_usage
+from .answers import Delta, StreamedAnswer, finish_reason, make_usage, running_usage, token_label
 from .context import ServerContext
 from .errors import bad_request, unsupported
 from .intake import check_budget
@@ -43,10 +43,15 @@ from .translate import (
 
 
 def completion_logprobs(tokenizer: Tokenizer, texts: list[str], log_probs: list[float | None],
-                        top_n: list[dict[int, float] | None] | None, offset: int, n: int = 20) -> dict[str, Any]:
+                        top_n: list[dict[int, float] | None] | None, offset: int, n: int = 20,
+                        ids: list[int] | None = None) -> dict[str, Any]:
     """The legacy completions log-prob block (``CompletionLogprobs``' fields, plain data) of tokens whose
     texts (what each adds to ``text``) are ``texts``; ``offset`` is where the first one starts. The ``n``
-    best alternatives are named by their own text."""
+    best alternatives are named by their own text. ``ids``: the tokens' ids, to name every token ``token_id:N``
+    instead (``return_tokens_as_token_ids``; the offsets then count those names, as vLLM's do)."""
+    name = tokenizer.token_text if ids is None else token_label
+    if ids is not None:
+        texts = [token_label(token) for token in ids[: len(texts)]]
     offsets = []
     for text in texts:
         offsets.append(offset)
@@ -55,7 +60,7 @@ def completion_logprobs(tokenizer: Tokenizer, texts: list[str], log_probs: list[
     token_logprobs += [None] * (len(texts) - len(token_logprobs))
     top: list[dict[str, float] | None] | None = None
     if top_n is not None:
-        top = [{tokenizer.token_text(t): float(lp) for t, lp in sorted(d.items(), key=lambda kv: -kv[1])[:n]}
+        top = [{name(t): float(lp) for t, lp in sorted(d.items(), key=lambda kv: -kv[1])[:n]}
                if d is not None else None for d in top_n[: len(texts)]]
         top += [None] * (len(texts) - len(top))
     return {"tokens": texts, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
@@ -144,13 +149,16 @@ class CompletionHandler:
         if self.want_logprobs:
             texts = list(result.generated_token_texts)  # made with the text, by the client's output processor
             log_probs, top = list(result.generated_log_probs), list(result.generated_top_n_logprobs)
+            ids = list(result.generated_tokens)
             if self.echo_logprobs:  # the prompt's tokens first; its first token has no log prob
                 skip = self.req.skip_special_tokens is not False
                 texts = token_texts(self.ctx.tokenizer, result.prompt_tokens, prefix, skip) + texts
                 log_probs = [None, *result.prompt_log_probs, *log_probs]
                 top = [None, *result.prompt_top_n_logprobs, *top]
+                ids = [*result.prompt_tokens, *ids]
             logprobs = completion_logprobs(self.ctx.tokenizer, texts, log_probs, top if self.top else None,
-                                           0 if self.echo_logprobs else len(prefix), self.top)
+                                           0 if self.echo_logprobs else len(prefix), self.top,
+                                           ids if self.req.return_tokens_as_token_ids else None)
         prompt_scores = None  # scored=False: an empty list, which whole_answers replaces
         if self.req.prompt_logprobs is not None:
             prompt_scores = prompt_logprobs(self.ctx.tokenizer, result, self.req.prompt_logprobs) if scored else []
@@ -235,4 +243,5 @@ class _CompletionEvents(StreamedAnswer):
         if not (handler.want_logprobs and delta.tokens):
             return None
         return completion_logprobs(handler.ctx.tokenizer, delta.token_texts, delta.log_probs,
-                                   delta.top_n if handler.top else None, offset, handler.top)
+                                   delta.top_n if handler.top else None, offset, handler.top,
+                                   delta.tokens if handler.req.return_tokens_as_token_ids else None)

@@ -64,6 +64,8 @@ EXTENSIONS: dict[str, str] = {
     "return_token_ids": "add prompt_token_ids (the prompt as the engine ran it) and each choice's token_ids (the "
                         "generated tokens) to the answer; streamed: prompt_token_ids on a choice's first chunk, "
                         "token_ids per chunk (vLLM's name and shape)",
+    "return_tokens_as_token_ids": "name every token of a log-prob listing 'token_id:N' instead of by its text, so "
+                                  "that a trainer reads back exactly the ids the engine ran (vLLM's name)",
 }
 
 #: Well-known fields this server does not implement, OpenAI's and other servers' (vLLM, SGLang):
@@ -91,7 +93,6 @@ NOT_IMPLEMENTED: dict[str, str] = {
     "documents": "retrieval documents in the chat template",
     "mm_processor_kwargs": "multimodal inputs",
     "logits_processors": "logits processors",
-    "return_tokens_as_token_ids": "token ids in log-prob listings",
     "lora_request": "an adapter in the body (a request picks a LoRA adapter by its model)",
     "regex": "SGLang's spelling (send guided_regex or structured_outputs.regex)",
     "json_schema": "SGLang's spelling (send guided_json, response_format or structured_outputs.json)",

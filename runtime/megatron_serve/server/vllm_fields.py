@@ -7,7 +7,8 @@ for what each does, ``translate.py`` for how):
   wins, as in vLLM); ``priority`` orders admission (lower first, then arrival); ``cache_salt``
   isolates prefix-cache entries; ``truncate_prompt_tokens`` keeps the prompt's last N tokens;
   ``structured_outputs`` is vLLM's current name for the ``guided_*`` family; ``return_token_ids``
-  adds the token ids of prompt and answer, so that an RL trainer never tokenizes text again;
+  adds the token ids of prompt and answer, so that an RL trainer never tokenizes text again, and
+  ``return_tokens_as_token_ids`` names the tokens of log-prob listings by id (``token_id:N``);
 * chat only: ``chat_template_kwargs`` reach the template, ``add_generation_prompt``,
   ``continue_final_message`` and ``add_special_tokens`` steer rendering and tokenization;
 * numbers sent as strings (``"max_tokens": "10"``) are read as numbers, as vLLM's lax parsing
@@ -81,6 +82,7 @@ class VllmSamplingFields(BaseModel):
     structured_outputs: StructuredOutputsRequest | None = extension("structured_outputs")
     guided_decoding_backend: GUIDED_BACKENDS | None = extension("guided_decoding_backend")
     return_token_ids: bool | None = extension("return_token_ids")
+    return_tokens_as_token_ids: bool | None = extension("return_tokens_as_token_ids")
 
     @model_validator(mode="before")
     @classmethod
