@@ -9,9 +9,14 @@ same prompt ids, and the body ``render`` answers runs on ``/inference/v1/generat
 
 from __future__ import annotations
 
+import httpx
 import pytest
 
-from ..conftest import surface
+from megatron_serve import MegatronAsyncLLM
+from megatron_serve.model.tiny import make_tiny_model
+from megatron_serve.server import create_app
+
+from ..conftest import serving, surface
 from .tokens_app import MODEL, error_of, events, fake_http
 
 pytestmark = pytest.mark.timeout(300)
@@ -144,3 +149,26 @@ async def test_return_tokens_as_token_ids_names_listed_tokens_by_id(tiny_model, 
         assert ids_of(answer["logprobs"]) == [f"token_id:{t}" for t in answer["token_ids"]]
         assert all(alt["token"].startswith("token_id:") for e in answer["logprobs"]["content"]
                    for alt in e["top_logprobs"])
+
+
+async def test_every_token_carries_the_weight_version_it_was_generated_with(tiny_model, tokenizer, tmp_path):
+    """The weight version is the REFIT epoch stamped on each token: in vLLM's choice and SGLang's meta_info."""
+    second = str(make_tiny_model(tmp_path / "second", seed=1))
+    prompt = tokenizer.encode("Which weights made these tokens?")
+    generate = {"token_ids": prompt, "sampling_params": {"max_tokens": 4, **GREEDY}}
+    sglang = {"input_ids": prompt, "sampling_params": {"max_new_tokens": 4, "temperature": 0, "ignore_eos": True}}
+    async with MegatronAsyncLLM(tiny_model) as llm:
+        app = create_app(llm.client, tokenizer, MODEL, vocab_size=512, max_model_len=1024, status_interval=0.05)
+        async with serving(app) as url, httpx.AsyncClient(base_url=url, timeout=60) as http:
+            before = (await http.post(GENERATE, json=generate)).json()["choices"][0]
+            assert before["weight_version"] == "0" and before["weight_versions"] == [
+                {"start": 0, "end": 4, "version": "0"}]
+            await llm.refit(second, epoch=4)
+            after = (await http.post(GENERATE, json=generate)).json()["choices"][0]
+            assert after["weight_version"] == "4" and after["weight_versions"] == [
+                {"start": 0, "end": 4, "version": "4"}]
+            assert after["token_ids"] != before["token_ids"]  # other weights, another answer
+            meta = (await http.post("/generate", json=sglang)).json()["meta_info"]
+            assert meta["weight_version"] == "4" and meta["weight_versions"] == after["weight_versions"]
+            streamed = events((await http.post(GENERATE, json={**generate, "stream": True})).text)
+            assert [c["choices"][0]["weight_version"] for c in streamed if c["choices"][0]["finish_reason"]] == ["4"]
