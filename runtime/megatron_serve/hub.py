@@ -4,7 +4,8 @@ Everything goes through ``huggingface_hub`` (its cache layout, locking, resumabl
 progress bars, tokens and offline mode); nothing here speaks HTTP. The order is the one that
 makes a first run unable to trip:
 
-1. a path that exists is a model directory, whatever it looks like (as in vLLM and transformers);
+1. a path that exists is a model directory, whatever it looks like (as in vLLM and transformers), or a GGUF
+   file, served through a directory made from it (:mod:`megatron_serve.model.gguf.view`);
 2. a Hub id is looked up in the local cache first (``models--org--name/snapshots/<commit>``
    through ``refs/<revision>``), with no network call at all: offline machines and air-gapped
    pods serve what is cached, and a cached model starts without waiting on the Hub;
@@ -63,12 +64,14 @@ def parse_hub_id(text: str) -> HubId | None:
 
 
 def resolve_model(model: str | os.PathLike, *, revision: str | None = None, cache_dir: str | os.PathLike | None = None,
-                  download: bool = True) -> Path:
-    """The local directory of ``model``: the path itself, or a Hub id's snapshot (cached or downloaded).
+                  download: bool = True, tokenizer: bool = True) -> Path:
+    """The local directory of ``model``: the path itself, a GGUF file's directory, or a Hub id's snapshot (cached
+    or downloaded).
 
     ``revision`` (vLLM's ``--revision``) is an alternative to ``@revision`` in the id; giving both
     is an error. ``cache_dir`` is the Hugging Face hub cache (default: ``$HF_HUB_CACHE``, usually
-    ``~/.cache/huggingface/hub``). ``download=False`` only looks in the cache.
+    ``~/.cache/huggingface/hub``). ``download=False`` only looks in the cache. ``tokenizer=False``: the
+    tokenizer comes from elsewhere (``--tokenizer``), so a GGUF file's directory is made without one.
     Anything that is not a Hub id comes back as a ``Path`` unchanged, for the directory checks to judge.
     """
     path = Path(model).expanduser()
@@ -76,7 +79,11 @@ def resolve_model(model: str | os.PathLike, *, revision: str | None = None, cach
     if path.exists() or hub is None:
         if revision is not None:
             raise ValueError(f"--revision {revision} applies to Hub ids (org/name), not to the directory {model}")
-        return path
+        if path.suffix.lower() != ".gguf" or not path.is_file():
+            return path
+        from .model.gguf.view import gguf_view  # noqa: PLC0415 - torch and gguf only for a GGUF file
+
+        return gguf_view(path, tokenizer=tokenizer)
     hub = hub.with_revision(revision)
     cached = _from_cache(hub, cache_dir)
     if cached is not None:

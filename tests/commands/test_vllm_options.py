@@ -64,7 +64,7 @@ def test_refused_options_and_unknown_ones_stop_serve_with_its_usage(capsys):
             err = capsys.readouterr().err
             assert SERVE_USAGE in err and f"{flag}: {row.reason}" in err
     for argv, message in ((["--not-a-vllm-option"], "unrecognized arguments: --not-a-vllm-option"),
-                          (["--quantization", "awq"], "'awq' is not supported by this build (supported: auto, none, fp8)"),
+                          (["--quantization", "awq"], "'awq' is not supported by this build (supported: auto, none, gguf, fp8)"),
                           (["--kv-cache-dtype", "fp8_e5m2"],
                            "'fp8_e5m2' is not supported by this build (supported: auto, fp8, fp8_e4m3)"),
                           (["-pp", "0"], "0: must be a positive integer"),

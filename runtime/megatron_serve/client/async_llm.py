@@ -76,7 +76,7 @@ class MegatronAsyncLLM:
             raise ValueError(f"max_request_logprobs must be a positive integer, got {max_request_logprobs!r}")
         self.use_coordinator = bool(use_coordinator)
         if isinstance(model, (str, os.PathLike)):
-            model = resolve_model(model)
+            model = resolve_model(model, tokenizer=tokenizer is None)
         self.generation_defaults = GenerationDefaults.load(
             generation_config, model if isinstance(model, Path) else None)
         self.model = model

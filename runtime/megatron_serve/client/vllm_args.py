@@ -20,8 +20,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from .vllm_options import (ALL2ALL_BACKENDS, KV_CACHE_DTYPES, QUANTIZATION_SCHEMES, VLLM_OPTIONS, Scope, Status,
-                           VllmOption)
+from .vllm_options import (ALL2ALL_BACKENDS, CHECKPOINT_QUANTIZATIONS, KV_CACHE_DTYPES, QUANTIZATION_SCHEMES,
+                           VLLM_OPTIONS, Scope, Status, VllmOption)
 
 logger = logging.getLogger(__name__)
 
@@ -41,8 +41,8 @@ def _dtype(value: Any) -> Any:
 
 
 def _quantization(value: Any) -> str | None:
-    if value in ("auto", "none"):
-        return None  # the checkpoint's own weights (an FP8 checkpoint's included)
+    if value in CHECKPOINT_QUANTIZATIONS:
+        return None  # the checkpoint's own weights (an FP8 checkpoint's, a GGUF file's included)
     if value not in QUANTIZATION_SCHEMES:
         raise ValueError(f"not supported by this build (supported: {', '.join(QUANTIZATION_SCHEMES)})")
     return value
@@ -262,4 +262,5 @@ def model_directory(model: str | os.PathLike, options: dict[str, Any]) -> Any:
     """``model`` resolved with vLLM's ``revision`` and ``download_dir`` (a Hub id's snapshot, or the path)."""
     from ..hub import resolve_model  # noqa: PLC0415 - the Hub client only when a model is named
 
-    return resolve_model(model, revision=options.get("revision"), cache_dir=options.get("download_dir"))
+    return resolve_model(model, revision=options.get("revision"), cache_dir=options.get("download_dir"),
+                         tokenizer=options.get("tokenizer") is None)

@@ -41,9 +41,11 @@ class Scope(enum.Enum):
     ENGINE = "engine"  # the engines' options: run, serve, engine, generate
 
 
-#: ``--quantization`` values this build implements ("auto"/"none": the checkpoint's weights as they are, an FP8
-#: checkpoint's included; "fp8": a float checkpoint's linear layers quantized at load).
-QUANTIZATION_SCHEMES: tuple[str, ...] = ("auto", "none", "fp8")
+#: ``--quantization`` values that serve the checkpoint's weights as they are ("auto"/"none": an FP8 checkpoint's
+#: included; "gguf", vLLM's for a GGUF file: its weights, dequantized at load).
+CHECKPOINT_QUANTIZATIONS: tuple[str, ...] = ("auto", "none", "gguf")
+#: ``--quantization`` values this build implements ("fp8": a float checkpoint's linear layers quantized at load).
+QUANTIZATION_SCHEMES: tuple[str, ...] = (*CHECKPOINT_QUANTIZATIONS, "fp8")
 #: ``--kv-cache-dtype`` values this build implements ("auto": the model's dtype; "fp8" is e4m3).
 KV_CACHE_DTYPES: tuple[str, ...] = ("auto", "fp8", "fp8_e4m3")
 #: ``--all2all-backend`` values this build implements ("auto" and "alltoall" are this project's; vLLM's "naive",
@@ -322,8 +324,8 @@ VLLM_OPTIONS: tuple[VllmOption, ...] = (
                "every rank on this machine", scope=_ENGINE),
     VllmOption(("--quantization", "-q"), _IMPLEMENTED, "the weights' quantization: `fp8` quantizes a float "
                "checkpoint's linear layers at load (a scale per row; activations per token); `auto`/`none` serve the "
-               "checkpoint's weights as they are (an FP8 checkpoint as FP8); other schemes are refused, naming the "
-               "scheme",
+               "checkpoint's weights as they are (an FP8 checkpoint as FP8, a GGUF file dequantized at load, which "
+               "`gguf` names too); other schemes are refused, naming the scheme",
                spec=_spec(type=_supported("--quantization", QUANTIZATION_SCHEMES, "this build implements no "
                                           "other scheme"),
                           default=None, metavar="|".join(QUANTIZATION_SCHEMES),

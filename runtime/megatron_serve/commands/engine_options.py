@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 from ..wire.lifecycle import KV_ON_REFIT
 from ..wire.sampling_params import LOGPROBS_MODES
 from .aliases import add_option
-from ..client.vllm_options import Scope, add_vllm_options
+from ..client.vllm_options import CHECKPOINT_QUANTIZATIONS, Scope, add_vllm_options
 
 if TYPE_CHECKING:
     from ..config import InferenceConfig
@@ -124,7 +124,7 @@ def inference_config_from_args(args: argparse.Namespace, tensor_parallel_size: i
         pipeline_parallel_size=args.pipeline_parallel_size,
         pipeline_micro_batches=args.pipeline_micro_batches,
         seed=args.seed,
-        quantization=None if args.quantization in (None, "auto", "none") else args.quantization,
+        quantization=None if args.quantization in (None, *CHECKPOINT_QUANTIZATIONS) else args.quantization,
         kv_cache_dtype=args.kv_cache_dtype, verify_logprobs_fraction=args.verify_logprobs_fraction,
         logprobs_mode=args.logprobs_mode, trainer_tensor_parallel_size=args.trainer_tensor_parallel_size,
         **({} if args.batch_invariant is None else {"batch_invariant": args.batch_invariant}),

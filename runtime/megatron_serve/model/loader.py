@@ -1,4 +1,5 @@
-"""Loading Hugging Face safetensors checkpoints (single file or sharded with an index) into the decoder.
+"""Loading Hugging Face safetensors checkpoints (single file or sharded with an index), or a GGUF file's directory
+(:mod:`.gguf`), into the decoder.
 
 Each tensor is handed to the owning layer's ``weight_loader``. A model's first load reads each tensor whole
 and checks it for NaN and infinities before it is copied in (:mod:`..weights.finite`; a refusal names the
@@ -22,6 +23,7 @@ from safetensors import safe_open
 from ..weights.finite import refuse_nonfinite
 from .config import ModelConfig
 from .errors import UnsupportedModelError
+from .gguf.view import GGUF_SUFFIX, WEIGHTS_LINK
 from .layers import TensorSource, _copy_checked, _read_all
 from .llama import LlamaForCausalLM
 from .moe import FusedExperts, expert_weight_name
@@ -46,9 +48,11 @@ SCALE_ALIASES = {"weight_scale_inv": "weight_scale"}
 
 
 def checkpoint_files(model_dir: str | Path) -> list[Path]:
-    """The safetensors files of a model directory, from its index when sharded."""
+    """The safetensors files of a model directory, from its index when sharded; a GGUF file's directory: the file."""
     model_dir = Path(model_dir)
     index = model_dir / "model.safetensors.index.json"
+    if (model_dir / WEIGHTS_LINK).is_file():
+        return [model_dir / WEIGHTS_LINK]
     if index.is_file():
         weight_map = json.loads(index.read_text())["weight_map"]
         files = sorted({model_dir / name for name in weight_map.values()})
@@ -63,11 +67,21 @@ def checkpoint_files(model_dir: str | Path) -> list[Path]:
 
 
 def iterate_checkpoint(model_dir: str | Path) -> Iterator[tuple[str, object]]:
-    """Yield ``(name, safetensors slice)`` for every tensor, without reading the data yet."""
+    """Yield ``(name, safetensors slice)`` for every tensor, without reading the data yet (a GGUF file's tensors
+    come dequantized, each when it is reached)."""
     for path in checkpoint_files(model_dir):
+        if path.suffix == GGUF_SUFFIX:
+            yield from _gguf_tensors(path)
+            continue
         with safe_open(str(path), framework="pt") as handle:
             for name in handle.keys():
                 yield name, handle.get_slice(name)
+
+
+def _gguf_tensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    from .gguf.tensors import gguf_tensors  # noqa: PLC0415 - the gguf library only where a GGUF file is served
+
+    return gguf_tensors(path)
 
 
 # safetensors' dtype names -> torch's, for the tensors :func:`checkpoint_views` maps
@@ -79,6 +93,9 @@ _SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.
 def checkpoint_tensors(model_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(name, tensor)`` for every tensor, each read whole when it is reached (one at a time)."""
     for path in checkpoint_files(model_dir):
+        if path.suffix == GGUF_SUFFIX:
+            yield from _gguf_tensors(path)
+            continue
         with safe_open(str(path), framework="pt") as handle:
             for name in handle.keys():
                 yield name, handle.get_tensor(name)
@@ -254,6 +271,9 @@ def verify_checkpoint(model: LlamaForCausalLM, model_dir: str | Path) -> None:
     The check runs the real loading path against a shape-only (meta) copy of the model, so it
     accepts exactly what ``load_weights`` would, and refuses with the first mismatch it finds.
     """
+    if any(path.suffix == GGUF_SUFFIX for path in checkpoint_files(model_dir)):
+        raise ValueError(f"{model_dir}: new weights come as a safetensors checkpoint; a GGUF file is served from "
+                         "the start only")
     new_config = ModelConfig.from_dir(model_dir)
     for name in STRUCTURAL_FIELDS:
         new, old = getattr(new_config, name), getattr(model.config, name)

@@ -1,0 +1,117 @@
+"""GGUF checkpoints written by the ``gguf`` library's own writer: a converted checkpoint loads the very weights of the
+safetensors it came from (Llama's permuted query and key rows included), every served tensor type dequantizes as
+the library itself does, and a file this engine cannot serve is refused at once, naming what it holds."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType
+
+from megatron_serve.hub import resolve_model
+from megatron_serve.model.config import ModelConfig
+from megatron_serve.model.errors import UnsupportedModelError
+from megatron_serve.model.gguf.tensors import gguf_tensors
+from megatron_serve.model.gguf.view import cache_root
+from megatron_serve.model.loader import STRUCTURAL_FIELDS, load_model
+from megatron_serve.model.tiny import make_tiny_model
+
+from .gguf_files import write_gguf
+
+CONVERSIONS = {
+    "llama": dict(arch="llama"),
+    "llama-tied": dict(arch="llama", tie_word_embeddings=True, num_kv_heads=1),
+    "mistral": dict(arch="mistral"),
+    "qwen2": dict(arch="qwen2"),
+    "qwen3": dict(arch="qwen3", head_dim=32),
+}
+QUANTIZED = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "F16", "BF16")
+
+
+@pytest.fixture(autouse=True)
+def own_cache(tmp_path, monkeypatch):
+    """Each test makes its GGUF directories in a cache of its own."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+
+
+@pytest.fixture(scope="module")
+def wide_checkpoint(tmp_path_factory):
+    """A Llama whose rows hold whole 256-value blocks, which the K-quants need."""
+    return make_tiny_model(tmp_path_factory.mktemp("wide"), seed=3, hidden_size=256, intermediate_size=256,
+                           num_heads=4, num_kv_heads=2)
+
+
+@pytest.mark.parametrize("variant", sorted(CONVERSIONS))
+def test_a_converted_checkpoint_loads_the_weights_it_came_from(variant, tmp_path):
+    model_dir = make_tiny_model(tmp_path / variant, seed=1, **CONVERSIONS[variant])
+    arch = "llama" if variant == "mistral" else None  # llama.cpp converts Mistral's decoders as llama
+    write_gguf(model_dir, tmp_path / "model.gguf", arch=arch, name="Mistral-tiny" if variant == "mistral" else "tiny")
+
+    view = resolve_model(tmp_path / "model.gguf", tokenizer=False)
+
+    assert view.name == "model.gguf"  # what the model is called when served
+    ours, theirs = ModelConfig.from_dir(view), ModelConfig.from_dir(model_dir)
+    assert {f: getattr(ours, f) for f in STRUCTURAL_FIELDS} == {f: getattr(theirs, f) for f in STRUCTURAL_FIELDS}
+    assert (ours.rope, ours.eos_token_ids) == (theirs.rope, theirs.eos_token_ids)
+    assert ours.rms_norm_eps == pytest.approx(theirs.rms_norm_eps, rel=1e-7)  # GGUF keeps it in float32
+    from_gguf = load_model(view, torch.float32, "cpu").state_dict()
+    from_safetensors = load_model(model_dir, torch.float32, "cpu").state_dict()
+    assert from_gguf.keys() == from_safetensors.keys()
+    assert all(torch.equal(from_gguf[name], from_safetensors[name]) for name in from_gguf)
+
+
+@pytest.mark.parametrize("qtype", QUANTIZED)
+def test_every_served_tensor_type_dequantizes_as_the_gguf_library_does(qtype, wide_checkpoint, tmp_path):
+    expected = write_gguf(wide_checkpoint, tmp_path / "model.gguf", GGMLQuantizationType[qtype])
+
+    loaded = dict(gguf_tensors(tmp_path / "model.gguf"))
+
+    assert loaded.keys() == expected.keys()
+    for name, values in expected.items():
+        assert torch.equal(loaded[name], torch.from_numpy(values)), name
+    weights = load_model(resolve_model(tmp_path / "model.gguf", tokenizer=False), torch.bfloat16, "cpu")
+    embedding = torch.from_numpy(expected["model.embed_tokens.weight"]).to(torch.bfloat16)
+    assert torch.equal(weights.state_dict()["model.embed_tokens.weight"], embedding)  # rounded once, at load
+
+
+def test_a_tensor_type_not_served_is_refused_naming_it(wide_checkpoint, tmp_path):
+    q2_k = np.zeros((4, 84), np.uint8)  # four rows of one 256-value block (84 bytes in Q2_K)
+    write_gguf(wide_checkpoint, tmp_path / "model.gguf", GGMLQuantizationType.Q8_0,
+               extra={"blk.0.attn_q_a.weight": (q2_k, GGMLQuantizationType.Q2_K)})
+
+    with pytest.raises(UnsupportedModelError, match=r"'blk\.0\.attn_q_a\.weight' has type Q2_K, which is not supported"):
+        resolve_model(tmp_path / "model.gguf")
+    assert not any(cache_root().glob("*/*"))  # nothing was left behind
+
+
+def test_a_tensor_with_no_place_is_refused_naming_it(wide_checkpoint, tmp_path):
+    rope_freqs = np.ones(32, np.float32)  # Llama 3.1's rotary scaling, as llama.cpp writes it
+    write_gguf(wide_checkpoint, tmp_path / "model.gguf", extra={"rope_freqs.weight": (rope_freqs, None)})
+
+    with pytest.raises(UnsupportedModelError, match=r"'rope_freqs\.weight' has no place"):
+        resolve_model(tmp_path / "model.gguf")
+
+
+def test_an_architecture_not_served_is_refused_naming_it(wide_checkpoint, tmp_path):
+    write_gguf(wide_checkpoint, tmp_path / "model.gguf", arch="gemma2")
+
+    with pytest.raises(UnsupportedModelError, match="GGUF architecture 'gemma2' is not supported"):
+        resolve_model(tmp_path / "model.gguf")
+
+
+def test_the_directory_is_made_once_and_names_the_file(wide_checkpoint, tmp_path):
+    write_gguf(wide_checkpoint, tmp_path / "Wide-Q8_0.gguf", GGMLQuantizationType.Q8_0)
+
+    first = resolve_model(tmp_path / "Wide-Q8_0.gguf", tokenizer=False)
+    config = first / "config.json"
+    made = config.stat().st_mtime_ns
+
+    assert resolve_model(str(tmp_path / "Wide-Q8_0.gguf"), tokenizer=False) == first
+    assert config.stat().st_mtime_ns == made
+    assert first.name == "Wide-Q8_0.gguf"
+    assert json.loads(config.read_text())["architectures"] == ["LlamaForCausalLM"]
+    with pytest.raises(ValueError, match="--revision"):
+        resolve_model(tmp_path / "Wide-Q8_0.gguf", revision="main")
