@@ -140,6 +140,7 @@ def _listing(result: DynamicInferenceRequest, top: int) -> tuple[list[list[float
 
 
 def _answer(prompts: list[list[int]], results: list[DynamicInferenceRequest], top: int | None) -> bytes:
+    """TRL's answer (JSON) of the sequences ``results`` of ``prompts``; ``top``: the log probs asked for, or None."""
     listings = [_listing(result, top) for result in results] if top is not None else None
     return _JSON.encode({"prompt_ids": prompts, "completion_ids": [list(result.generated_tokens) for result in results],
                          "logprobs": None if listings is None else [values for values, _ in listings],
@@ -159,6 +160,7 @@ def generate_fields(ctx: ServerContext, body: TrlGenerateRequest) -> tuple[dict[
 
 async def answer_generate(ctx: ServerContext, handler: CompletionHandler) -> Response:
     """Submit ``handler``'s jobs; TRL's answer."""
+    ctx.request_log.received(handler)
     results = await ctx.submit(handler.jobs, handler.id).results()
     answer = await ctx.workers.run(_answer, [p.tokens for p in handler.prompts], results, handler.req.logprobs)
     return Response(answer, media_type="application/json")
@@ -185,6 +187,8 @@ def conversation_fields(ctx: ServerContext, body: TrlChatRequest, index: int) ->
 
 async def answer_chat(ctx: ServerContext, handlers: list[ChatHandler]) -> Response:
     """Submit every conversation's jobs as one submission (aborted together); TRL's answer."""
+    for handler in handlers:
+        ctx.request_log.received(handler)
     jobs: list[EngineJob] = [job for handler in handlers for job in handler.jobs]
     results = await ctx.submit(jobs, handlers[0].id).results()
     first = handlers[0].req
@@ -264,6 +268,7 @@ def scoring_fields(ctx: ServerContext, body: TrlSequenceLogprobsRequest) -> tupl
 
 async def answer_scores(ctx: ServerContext, handler: CompletionHandler, body: TrlSequenceLogprobsRequest) -> Response:
     """Submit ``handler``'s jobs; TRL's scores, as nested lists or base64 arrays."""
+    ctx.request_log.received(handler)
     results = await ctx.submit(handler.jobs, handler.id).results()
     shape = _scores_binary if body.response_format == "binary" else _scores_json
     answer = await ctx.workers.run(shape, results, body.prompt_lengths, body.top_logprobs)

@@ -122,7 +122,7 @@ def fields(ctx: ServerContext, body: VllmGenerateRequest, request_id: str) -> di
         given["max_tokens"] = max_len - len(body.token_ids)  # vLLM's default: the rest of the context
     return {**given, "model": body.model or ctx.model_name, "prompt": body.token_ids, "stream": body.stream,
             "stream_options": body.stream_options, "request_id": request_id, "cache_salt": body.cache_salt,
-            "priority": body.priority, "return_routing_indices": body.return_routed_experts, "return_epochs": True}
+            "priority": body.priority, "return_routing_indices": body.return_routed_experts}
 
 
 #: This server's completions fields -> where they are in vLLM's body.
