@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import os
 import signal
@@ -11,7 +12,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import httpx
 import zmq
@@ -28,6 +29,20 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def hosted_rendezvous(world_size: int) -> Iterator[dict[str, str]]:
+    """The environment of an engine group whose rendezvous store this test hosts on a port the kernel gave it, as
+    torchrun's agent hosts one (``TORCHELASTIC_USE_AGENT_STORE``): no port picked free and bound later by rank 0,
+    which another process could take in between. The store lives until the block ends."""
+    import torch.distributed as dist  # noqa: PLC0415
+
+    store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False)
+    try:
+        yield {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(store.port), "TORCHELASTIC_USE_AGENT_STORE": "True"}
+    finally:
+        del store
 
 
 async def until(predicate: Callable[[], Any], timeout: float, what: str, interval: float = 0.02) -> Any:

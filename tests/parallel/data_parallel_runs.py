@@ -7,6 +7,7 @@ starting the processes costs more than a case."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pickle
 import subprocess
@@ -16,8 +17,9 @@ from pathlib import Path
 from typing import Any
 
 from megatron_serve import SamplingParams
-from megatron_serve.engine.tensor_parallel import free_port
 from megatron_serve.wire.request import DynamicInferenceRequest
+
+from ..helpers import hosted_rendezvous
 
 ENGINE = Path(__file__).with_name("data_parallel_engine.py")
 
@@ -67,8 +69,15 @@ def serve_cases(tmp_path: Path, cases: list[Case], tp: int = 1, timeout: float =
     dp = len(cases[0].runs)
     assert all(len(case.runs) == dp for case in cases), "one group serves cases of one layout"
     tmp_path.mkdir(parents=True, exist_ok=True)
+    with contextlib.ExitStack() as stores:  # each case's group meets at a store of its own, hosted here
+        meetings = [stores.enter_context(hosted_rendezvous(dp * tp)) for _ in cases]
+        return _run_cases(cases, [int(meeting["MASTER_PORT"]) for meeting in meetings], dp, tp, tmp_path,
+                          {**(env or {}), "TORCHELASTIC_USE_AGENT_STORE": "True"}, timeout)
+
+
+def _run_cases(cases: list[Case], ports: list[int], dp: int, tp: int, tmp_path: Path, env: dict[str, str],
+               timeout: float) -> Served:
     procs, outs = [], []
-    ports = [free_port() for _ in cases]
     own_ranks = tp if dp == 1 else 1  # processes started here per data-parallel rank (the rest: spawned)
     for rank in range(dp):
         for tp_rank in range(own_ranks):
@@ -78,7 +87,7 @@ def serve_cases(tmp_path: Path, cases: list[Case], tp: int = 1, timeout: float =
                              for case, port in zip(cases, ports)], f)
             placement = {"WORLD_SIZE": str(tp), "NPROC_PER_NODE": "1", "RANK": str(tp_rank)} if own_ranks > 1 else {}
             procs.append(subprocess.Popen([sys.executable, str(ENGINE), str(inputs), str(out)],
-                                          env={**os.environ, **(env or {}), "MASTER_ADDR": "127.0.0.1", **placement}))
+                                          env={**os.environ, **env, "MASTER_ADDR": "127.0.0.1", **placement}))
             if tp_rank == 0:
                 outs.append(out)
     try:

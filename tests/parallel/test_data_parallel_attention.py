@@ -328,11 +328,10 @@ async def test_two_data_parallel_engines_behind_a_coordinator_serve_one_ranks_to
 
     from megatron_serve import MegatronLLM, SamplingParams, WeightSender
     from megatron_serve.client.coordinator_client import InferenceClient
-    from megatron_serve.engine.tensor_parallel import free_port as free_rendezvous_port
     from megatron_serve.model.loader import checkpoint_tensors
     from megatron_serve.wire.request import RequestStatus
 
-    from ..helpers import Children, free_port
+    from ..helpers import Children, free_port, hosted_rendezvous
 
     model_dir, new_dir = (str(make_tiny_model(tmp_path / name, seed=seed, num_heads=4, num_kv_heads=2,
                                               **VARIANTS["qwen3_moe"])) for name, seed in (("m", 1), ("n", 2)))
@@ -348,38 +347,38 @@ async def test_two_data_parallel_engines_behind_a_coordinator_serve_one_ranks_to
     assert direct["old"] != direct["new"]
     children = Children(tmp_path)
     port = free_port()
-    rendezvous = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_rendezvous_port())}
-    try:
-        children.coordinator(model_dir, port)
-        late = {"LATE_REFIT_S": "0.5", "PYTHONPATH": os.pathsep.join([
-            os.path.join(os.path.dirname(__file__), "late_refit"), os.environ.get("PYTHONPATH", "")])}
-        for rank in range(2):
-            children.engine(model_dir, port, "--dtype", "float32", "--device", "cpu", "--data-parallel-size", "2",
-                            "--data-parallel-rank", str(rank), "--tensor-parallel", "2", "--enable-expert-parallel",
-                            "--max-requests", "4", env={**rendezvous, **(late if rank else {})})
-        client = InferenceClient(f"tcp://127.0.0.1:{port}", token=children.secret)
-        await client.start(timeout=60)
-        await client.wait_for_engines(2, timeout=300)
-        for batch in (prompts, prompts[:1]):
-            results = await asyncio.wait_for(asyncio.gather(*(client.add_request(p, params) for p in batch)), 300)
-            assert all(r.status is RequestStatus.COMPLETED for r in results)
-            assert {p: r.generated_tokens for p, r in zip(batch, results)} == {p: direct["old"][p] for p in batch}
+    with hosted_rendezvous(4) as rendezvous:  # the engines' 2 x 2 ranks meet at a store hosted here
+        try:
+            children.coordinator(model_dir, port)
+            late = {"LATE_REFIT_S": "0.5", "PYTHONPATH": os.pathsep.join([
+                os.path.join(os.path.dirname(__file__), "late_refit"), os.environ.get("PYTHONPATH", "")])}
+            for rank in range(2):
+                children.engine(model_dir, port, "--dtype", "float32", "--device", "cpu", "--data-parallel-size", "2",
+                                "--data-parallel-rank", str(rank), "--tensor-parallel", "2", "--enable-expert-parallel",
+                                "--max-requests", "4", env={**rendezvous, **(late if rank else {})})
+            client = InferenceClient(f"tcp://127.0.0.1:{port}", token=children.secret)
+            await client.start(timeout=60)
+            await client.wait_for_engines(2, timeout=300)
+            for batch in (prompts, prompts[:1]):
+                results = await asyncio.wait_for(asyncio.gather(*(client.add_request(p, params) for p in batch)), 300)
+                assert all(r.status is RequestStatus.COMPLETED for r in results)
+                assert {p: r.generated_tokens for p, r in zip(batch, results)} == {p: direct["old"][p] for p in batch}
 
-        await client.pause()
-        tensors = list(checkpoint_tensors(new_dir))
-        ack = await asyncio.wait_for(WeightSender(client, backend="gloo", timeout=120).send(tensors, epoch=1), 300)
-        receivers = ack["detail"]["receivers"]
-        experts = sum(t.numel() * t.element_size() for n, t in tensors if ".experts." in n)
-        assert sorted(receivers) == [1, 2, 3, 4]  # the trainer, then each engine's two ranks: none collides
-        assert all(experts / 4 <= f["bytes"] < experts / 4 + (sum(t.numel() * t.element_size() for _, t in tensors)
-                                                              - experts) * 0.6 for f in receivers.values()), receivers
-        await client.unpause()
-        results = await asyncio.wait_for(asyncio.gather(*(client.add_request(p, params) for p in prompts)), 300)
-        assert {p: r.generated_tokens for p, r in zip(prompts, results)} == direct["new"]
-        assert all(set(r.policy_epochs) == {1} for r in results)
-        client.close()
-    finally:
-        children.kill_all()
+            await client.pause()
+            tensors = list(checkpoint_tensors(new_dir))
+            ack = await asyncio.wait_for(WeightSender(client, backend="gloo", timeout=120).send(tensors, epoch=1), 300)
+            receivers = ack["detail"]["receivers"]
+            experts = sum(t.numel() * t.element_size() for n, t in tensors if ".experts." in n)
+            assert sorted(receivers) == [1, 2, 3, 4]  # the trainer, then each engine's two ranks: none collides
+            assert all(experts / 4 <= f["bytes"] < experts / 4 + (sum(t.numel() * t.element_size() for _, t in tensors)
+                                                                  - experts) * 0.6 for f in receivers.values()), receivers
+            await client.unpause()
+            results = await asyncio.wait_for(asyncio.gather(*(client.add_request(p, params) for p in prompts)), 300)
+            assert {p: r.generated_tokens for p, r in zip(prompts, results)} == direct["new"]
+            assert all(set(r.policy_epochs) == {1} for r in results)
+            client.close()
+        finally:
+            children.kill_all()
 
 
 def test_a_refit_that_reaches_data_parallel_ranks_at_different_turns_runs_on_all_at_one_turn():
@@ -391,7 +390,7 @@ def test_a_refit_that_reaches_data_parallel_ranks_at_different_turns_runs_on_all
     import subprocess
     import sys
 
-    from megatron_serve.engine.tensor_parallel import free_port
+    from ..helpers import free_port
 
     arrivals = [0, 2, 5]  # the copies reach the three leaders at turns 0, 2 and 5
     script = os.path.join(os.path.dirname(__file__), "held_verb_ranks.py")

@@ -45,12 +45,11 @@ async def test_a_killed_data_parallel_rank_makes_the_other_exit_promptly(tmp_pat
     """``killed``: which data-parallel rank's engine is SIGKILLed (rank 0 also hosts the rendezvous store);
     ``tensor``: each rank's tensor-parallel width (at 2 the killed engine's own worker rank is left behind)."""
     from megatron_serve.client.coordinator_client import InferenceClient
-    from megatron_serve.engine.tensor_parallel import free_port as free_rendezvous_port
 
     model_dir = str(make_tiny_model(tmp_path / "m", seed=1, num_heads=4, num_kv_heads=2, **VARIANTS["qwen3_moe"]))
     children = Children(tmp_path)
     port = free_port()
-    rendezvous = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_rendezvous_port())}
+    rendezvous = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
     try:
         children.coordinator(model_dir, port)
         engines = [children.engine(model_dir, port, "--dtype", "float32", "--data-parallel-size", "2",

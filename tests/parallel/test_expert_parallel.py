@@ -19,13 +19,13 @@ import torch
 import transformers
 
 from megatron_serve import InferenceConfig, MegatronLLM, SamplingParams
-from megatron_serve.engine.tensor_parallel import free_port
 from megatron_serve.model.loader import build_model, iterate_checkpoint, load_model, load_weights
 from megatron_serve.model.moe import expert_weight_name
 from megatron_serve.model.parallel import TensorParallel
 from megatron_serve.model.tiny import make_tiny_model
 from megatron_serve.tokenizer import Tokenizer
 
+from ..helpers import free_port
 from ..devices import tensor_parallel_device
 from ..model.test_moe import VARIANTS, hf_greedy_with_routing
 from ..prompts import PROMPTS

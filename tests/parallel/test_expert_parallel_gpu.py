@@ -19,9 +19,9 @@ import pytest
 import torch
 
 from megatron_serve import InferenceConfig, MegatronLLM, SamplingParams
-from megatron_serve.engine.tensor_parallel import free_port
 from megatron_serve.model.tiny import make_tiny_model
 
+from ..helpers import free_port
 from ..prompts import PROMPTS
 
 ROOT = Path(__file__).resolve().parents[2]

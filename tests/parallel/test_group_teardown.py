@@ -8,19 +8,18 @@ import subprocess
 import sys
 import textwrap
 
-from megatron_serve.engine.tensor_parallel import free_port
-
 # In a process of its own: thread counts of this process only, and a default group of its own.
 GROUPS = textwrap.dedent('''
-    import os, sys
+    import os
     import torch.distributed as dist
     from megatron_serve.engine.tensor_parallel import join_data_parallel, release_groups
 
     def threads():
         return len(os.listdir("/proc/self/task"))
 
+    store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True)  # a port from the kernel: none to be taken first
     before = threads()
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{sys.argv[1]}", rank=0, world_size=1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
     tp, channel = join_data_parallel(0, 1, 1, "gloo")  # the groups of data-parallel attention, as an engine's
     channel.send("stop")
     dist.destroy_process_group()
@@ -31,7 +30,7 @@ GROUPS = textwrap.dedent('''
 
 
 def test_released_groups_leave_no_thread_behind_and_destroying_them_alone_does():
-    done = subprocess.run([sys.executable, "-c", GROUPS, str(free_port())], capture_output=True, text=True, timeout=120)
+    done = subprocess.run([sys.executable, "-c", GROUPS], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     before, destroyed, released = map(int, done.stdout.split())
     assert destroyed > before, "the control: groups still held keep their threads after destroy_process_group"

@@ -29,10 +29,9 @@ import multiprocessing
 import multiprocessing.connection
 import multiprocessing.synchronize
 import os
-import socket
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, TypeVar
 
 import numpy as np
@@ -85,12 +84,6 @@ class Placement:
         return self.first_local_rank == 0
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def placement_for(world_size: int) -> Placement:
     """From the operator's rendezvous environment when it is set, else every rank on this machine."""
     env = os.environ
@@ -101,7 +94,7 @@ def placement_for(world_size: int) -> Placement:
         local = int(env.get("NPROC_PER_NODE", world_size))
         return Placement(world_size, int(env.get("RANK", "0")), local, env["MASTER_ADDR"],
                          int(env.get("MASTER_PORT", "29500")))
-    return Placement(world_size, 0, world_size, "127.0.0.1", free_port())
+    return Placement(world_size, 0, world_size, "127.0.0.1", 0)  # port 0: rank 0 takes one from the kernel
 
 
 def data_parallel_placement(config: InferenceConfig) -> Placement:
@@ -198,9 +191,18 @@ class PlanChannel:
         return tensor
 
 
-def join_group(placement: Placement, rank: int, device: torch.device, config: InferenceConfig
-               ) -> tuple[TensorParallel, PlanChannel]:
-    """Rendezvous with the other ranks; waits for late peers up to the timeout, then says what is missing.
+def host_store(placement: Placement) -> tuple[dist.TCPStore, Placement]:
+    """Rank 0's rendezvous store on a port the kernel picks, and the placement that names it: a port picked free and
+    bound later could be taken in between (a test's rank 0 met EADDRINUSE so)."""
+    store = dist.TCPStore(placement.master_addr, 0, placement.world_size, is_master=True, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=RENDEZVOUS_TIMEOUT_S))
+    return store, replace(placement, master_port=store.port)
+
+
+def join_group(placement: Placement, rank: int, device: torch.device, config: InferenceConfig,
+               store: dist.Store | None = None) -> tuple[TensorParallel, PlanChannel]:
+    """Rendezvous with the other ranks (through ``store`` when rank 0 hosts one already); waits for late peers up to
+    the timeout, then says what is missing. A port that cannot be bound fails at once, saying so.
 
     The group is ``pipeline_parallel_size`` stages of ``tensor_parallel_size`` ranks (stage ``s``'s rank ``r`` is
     rank ``s * tp + r``): each stage's ranks get a group of their own for the layers' collectives, the whole
@@ -209,17 +211,20 @@ def join_group(placement: Placement, rank: int, device: torch.device, config: In
     backend = "nccl" if device.type == "cuda" else "gloo"
     if device.type == "cuda":
         torch.cuda.set_device(device)
+    began, timeout = time.monotonic(), datetime.timedelta(seconds=RENDEZVOUS_TIMEOUT_S)
     try:
-        dist.init_process_group(
-            backend, init_method=f"tcp://{placement.master_addr}:{placement.master_port}", rank=rank,
-            world_size=placement.world_size, timeout=datetime.timedelta(seconds=RENDEZVOUS_TIMEOUT_S),
-        )
+        if store is None:  # rank 0 binds the port (at once or not at all), the others connect until the time-out;
+            # torchrun's convention: an agent that hosts the store already says so, and rank 0 connects to it too
+            hosted = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+            store = dist.TCPStore(placement.master_addr, placement.master_port, placement.world_size,
+                                  is_master=rank == 0 and not hosted, wait_for_workers=False, timeout=timeout)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=placement.world_size, timeout=timeout)
     except Exception as exc:  # noqa: BLE001 - re-raised with what to fix
-        raise RuntimeError(
-            f"tensor-parallel rank {rank}/{placement.world_size} could not join the group at "
-            f"{placement.master_addr}:{placement.master_port} within {RENDEZVOUS_TIMEOUT_S:.0f}s "
-            f"(are all {placement.world_size} ranks started?): {exc}"
-        ) from exc
+        waited = time.monotonic() - began
+        late = f" (are all {placement.world_size} ranks started?)" if waited >= RENDEZVOUS_TIMEOUT_S else ""
+        raise RuntimeError(f"tensor-parallel rank {rank}/{placement.world_size} could not join the group at "
+                           f"{placement.master_addr}:{placement.master_port} after {waited:.0f}s{late}: {exc}"
+                           ) from exc
     size, stages = config.tensor_parallel_size, config.pipeline_parallel_size
     if config.data_parallel_size > 1:
         return join_data_parallel(rank, size, config.data_parallel_size, backend, config.gathers_rows)
@@ -565,6 +570,7 @@ def start_rank_zero(model_dir: str, config: InferenceConfig
     dp = config.data_parallel_size > 1
     placement = data_parallel_placement(config) if dp else placement_for(config.world_size)
     check_local_devices(placement, torch.device(config.device).type)
+    store, placement = host_store(placement) if placement.master_port == 0 else (None, placement)
     workers = spawn_local_workers(model_dir, config, placement)
     if not placement.hosts_rank_zero and not dp:
         # This machine holds only followers: serve them until they exit; rank 0 lives in another pod.
@@ -572,5 +578,5 @@ def start_rank_zero(model_dir: str, config: InferenceConfig
             worker.join()
         raise SystemExit(max((w.exitcode or 0) for w in workers) if workers else 0)
     device = rank_device(0, config)
-    tp, channel = join_group(placement, placement.first_local_rank, device, config)
+    tp, channel = join_group(placement, placement.first_local_rank, device, config, store)
     return tp, channel, device, workers

@@ -1,0 +1,232 @@
+"""Partitions, not crashes: an engine whose link to the coordinator goes down (packets vanish: no FIN, no RST).
+
+The engine runs in a network namespace of its own, joined to this one by a veth pair; the coordinator, a second
+engine and the client stay here. Bringing the pair down cuts the link the way a node that vanished does: the
+engine is alive and keeps its sockets, and nothing it sends arrives. The coordinator must give its requests to the
+other engine (each finishes with the text of an uninterrupted run, every token streamed once), and when the link
+comes back the engine's late answers for requests that moved must reach no client: nothing is answered twice.
+
+Needs root (``ip netns``); skipped with that reason elsewhere. Times to detect and to recover are printed for
+docs/faults.md.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import subprocess
+import sys
+import time
+from collections import Counter
+from typing import Iterator
+
+import pytest
+
+from megatron_serve.client.coordinator_client import InferenceClient, StreamPartial
+from megatron_serve.config import InferenceConfig
+from megatron_serve.wire.protocol import Header
+from megatron_serve.wire.request import RequestStatus
+from megatron_serve.wire.sampling_params import SamplingParams
+
+from ..helpers import Children, free_port
+
+pytestmark = [pytest.mark.timeout(600), pytest.mark.slow]
+
+PROMPTS = [f"Partition test {i}: the quick brown fox jumps over {i} lazy dogs" for i in range(24)]
+LONG = SamplingParams(temperature=0.0, num_tokens_to_generate=48, ignore_eos=True)
+ENGINE_ARGS = ("--num-kv-blocks", "64", "--max-requests", "8", "--drain-timeout", "1")
+HEARTBEAT_TIMEOUT_S = 5
+# Link-local addresses on a veth pair this test makes: they exist only between this namespace and its own.
+HOST_IP, ENGINE_IP = "169.254.77.1", "169.254.77.2"
+
+
+def _ip(*args: str) -> None:
+    subprocess.run(["ip", *args], check=True, capture_output=True, text=True)
+
+
+@contextlib.contextmanager
+def engine_namespace() -> Iterator[tuple[str, str]]:
+    """A network namespace joined to this one by a veth pair: ``(namespace, this side's interface)``."""
+    tag = f"{os.getpid() % 100000}"
+    namespace, host_side, engine_side = f"ms-part-{tag}", f"msh{tag}", f"mse{tag}"
+    try:
+        _ip("netns", "add", namespace)
+    except (OSError, subprocess.CalledProcessError) as exc:
+        pytest.skip(f"network namespaces cannot be made here (needs root and iproute2): {exc}")
+    try:
+        _ip("link", "add", host_side, "type", "veth", "peer", "name", engine_side)
+        _ip("link", "set", engine_side, "netns", namespace)
+        _ip("addr", "add", f"{HOST_IP}/30", "dev", host_side)
+        _ip("link", "set", host_side, "up")
+        _ip("-n", namespace, "addr", "add", f"{ENGINE_IP}/30", "dev", engine_side)
+        _ip("-n", namespace, "link", "set", engine_side, "up")
+        _ip("-n", namespace, "link", "set", "lo", "up")
+        yield namespace, host_side
+    finally:
+        subprocess.run(["ip", "link", "del", host_side], capture_output=True)
+        subprocess.run(["ip", "netns", "del", namespace], capture_output=True)
+
+
+@pytest.fixture(scope="module")
+def direct(tiny_model):
+    from megatron_serve.client.llm import MegatronLLM  # noqa: PLC0415
+
+    llm = MegatronLLM(tiny_model, InferenceConfig(num_kv_blocks=64))
+    try:
+        return {p: r.generated_text for p, r in zip(PROMPTS, llm.generate(PROMPTS, LONG))}
+    finally:
+        llm.close()
+
+
+class Recorder:
+    """Counts RESULT messages as the client receives them (before any de-duplication)."""
+
+    def __init__(self, client: InferenceClient) -> None:
+        self.results: Counter = Counter()
+        original = client._on_message
+
+        def spy(header, body):
+            if header is Header.RESULT:
+                self.results[str(body.client_request_id)] += 1
+            original(header, body)
+
+        client._on_message = spy
+
+
+async def test_an_engine_cut_off_mid_stream_loses_no_request_and_answers_none_twice(tiny_model, direct, tmp_path):
+    children = Children(tmp_path)
+    port = free_port()
+    with engine_namespace() as (namespace, host_side):
+        try:
+            children.spawn(["coordinator", "--model", tiny_model, "--host", "0.0.0.0", "--port", str(port),
+                            "--heartbeat-timeout", str(HEARTBEAT_TIMEOUT_S)], "coordinator")
+            children.engine(tiny_model, port, *ENGINE_ARGS)
+            cut_off = _engine_in(children, namespace, tiny_model, port)
+            client = InferenceClient(f"tcp://127.0.0.1:{port}", token=children.secret, coordinator_timeout=3.0)
+            await client.start(timeout=60)
+            await client.wait_for_engines(2, timeout=300)
+            recorder = Recorder(client)
+            streamed = dict.fromkeys(PROMPTS, "")
+
+            async def one(prompt: str):
+                final = None
+                async for item in client.add_request_streaming(prompt, LONG, request_id=prompt):
+                    if isinstance(item, StreamPartial):
+                        streamed[prompt] += item.new_text
+                    else:
+                        final = item
+                return final
+
+            tasks = [asyncio.create_task(one(p)) for p in PROMPTS]
+            victim = await _busy(client, cut_off.pid, streamed)
+            _ip("link", "set", host_side, "down")  # packets vanish both ways
+            cut = time.monotonic()
+            while victim in {e["id"] for e in (await client.status())["engines"]}:
+                await asyncio.sleep(0.1)
+            detected = time.monotonic() - cut
+            results = await asyncio.wait_for(asyncio.gather(*tasks), 300)
+            recovered = time.monotonic() - cut
+            assert all(r.status is RequestStatus.COMPLETED for r in results), [r.status for r in results]
+            for prompt, result in zip(PROMPTS, results):
+                assert result.generated_text == direct[prompt] == streamed[prompt], prompt
+            assert any(any(e.type.value == "EVICT" for e in r.events) for r in results), "no request moved"
+            _ip("link", "set", host_side, "up")  # the engine's queued frames now arrive: late answers
+            await client.wait_for_engines(2, timeout=120)  # it joins again, as a new engine
+            again = await asyncio.wait_for(asyncio.gather(*(client.add_request(p, LONG) for p in PROMPTS)), 300)
+            assert [r.generated_text for r in again] == [direct[p] for p in PROMPTS]
+            assert all(recorder.results[p] == 1 for p in PROMPTS), recorder.results
+            print(f"\npartition coordinator-engine: detected in {detected:.1f}s, every request done {recovered:.1f}s "
+                  f"after the cut (heartbeat timeout {HEARTBEAT_TIMEOUT_S}s)")
+            client.close()
+        finally:
+            children.kill_all()
+
+
+def _in_namespace(children: Children, namespace: str, name: str, *args: str) -> subprocess.Popen:
+    """``megatron-serve ARGS`` inside ``namespace`` (``ip netns exec`` execs it: the pid is the command's)."""
+    log = children.log_dir / f"{name}.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(["ip", "netns", "exec", namespace, sys.executable, "-m", "megatron_serve.cli", *args],
+                                stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                env={**os.environ, "MEGATRON_SERVE_TOKEN": children.secret})
+    children.procs.append((proc, log))
+    return proc
+
+
+def _engine_in(children: Children, namespace: str, model: str, port: int) -> subprocess.Popen:
+    """An engine inside ``namespace``, reaching the coordinator over the veth pair."""
+    return _in_namespace(children, namespace, "engine-cut-off", "engine", "--model", model, "--coordinator",
+                         f"tcp://{HOST_IP}:{port}", *ENGINE_ARGS)
+
+
+@pytest.mark.parametrize("cut_s,outcome", [(2.0, "completed"), (8.0, "lost")])
+async def test_a_client_cut_off_from_its_coordinator_finishes_or_fails_naming_it(tiny_model, direct, tmp_path, cut_s,
+                                                                                   outcome):
+    """The link between a client (a server's, here the test's) and the coordinator goes down: back within the
+    client's grace period every stream finishes with its whole text, each token once; down for longer, each request
+    in flight fails within grace + time-out with ``CoordinatorLost`` naming the cause, and none waits forever."""
+    from megatron_serve.client.coordinator_client import CoordinatorLost  # noqa: PLC0415
+
+    children = Children(tmp_path)
+    port, grace, timeout = free_port(), 4.0, 1.0
+    with engine_namespace() as (namespace, host_side):
+        try:
+            _in_namespace(children, namespace, "coordinator", "coordinator", "--model", tiny_model, "--host",
+                          ENGINE_IP, "--port", str(port))
+            _in_namespace(children, namespace, "engine", "engine", "--model", tiny_model, "--coordinator",
+                          f"tcp://{ENGINE_IP}:{port}", *ENGINE_ARGS)
+            client = InferenceClient(f"tcp://{ENGINE_IP}:{port}", token=children.secret,
+                                     coordinator_timeout=timeout, coordinator_grace=grace)
+            await client.start(timeout=60)
+            await client.wait_for_engines(1, timeout=300)
+            streamed = dict.fromkeys(PROMPTS[:8], "")
+
+            async def one(prompt: str):
+                async for item in client.add_request_streaming(prompt, LONG, request_id=prompt):
+                    if isinstance(item, StreamPartial):
+                        streamed[prompt] += item.new_text
+                    else:
+                        return item
+
+            tasks = [asyncio.create_task(one(p)) for p in streamed]
+            while sum(map(len, streamed.values())) < 20:
+                await asyncio.sleep(0.02)
+            _ip("link", "set", host_side, "down")
+            cut = time.monotonic()
+            ends: list[float] = []
+            for task in tasks:
+                task.add_done_callback(lambda _: ends.append(time.monotonic() - cut))
+            done, _ = await asyncio.wait(tasks, timeout=cut_s)  # what ends while the link is down
+            _ip("link", "set", host_side, "up")
+            outcomes = await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), 300)
+            ended = max(ends)
+            # a short cut ends nothing before the link is back; a long one ends everything before it is
+            assert len(done) == (0 if outcome == "completed" else len(tasks)), (len(done), ends)
+            if outcome == "completed":
+                for prompt, result in zip(streamed, outcomes):
+                    assert not isinstance(result, BaseException), result
+                    assert result.generated_text == direct[prompt] == streamed[prompt], prompt
+            else:
+                unfinished = [o for o in outcomes if isinstance(o, BaseException)]
+                assert unfinished and all(isinstance(o, CoordinatorLost) for o in unfinished), outcomes
+                assert all("coordinator" in str(o) for o in unfinished)
+                assert all(o.generated_text == direct[p] for p, o in zip(streamed, outcomes)
+                           if not isinstance(o, BaseException))
+            print(f"\npartition client-coordinator, {cut_s:g}s cut: {outcome}, every request ended {ended:.1f}s after "
+                  f"the cut (grace {grace:g}s, coordinator time-out {timeout:g}s)")
+            client.close()
+        finally:
+            children.kill_all()
+
+
+async def _busy(client: InferenceClient, pid: int, streamed: dict[str, str], timeout: float = 120) -> str:
+    """The cut-off engine's id once it holds requests and tokens flow: the moment to cut it off."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        status = await client.status()
+        mine = [e for e in status["engines"] if int(e["info"]["pid"]) == pid]
+        if mine and mine[0]["assigned"] > 0 and sum(map(len, streamed.values())) >= 40:
+            return mine[0]["id"]
+        await asyncio.sleep(0.02)
+    raise AssertionError("the cut-off engine never held requests while tokens flowed")
