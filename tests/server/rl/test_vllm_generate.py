@@ -9,6 +9,9 @@ same prompt ids, and the body ``render`` answers runs on ``/inference/v1/generat
 
 from __future__ import annotations
 
+import asyncio
+import json
+
 import httpx
 import pytest
 
@@ -172,3 +175,29 @@ async def test_every_token_carries_the_weight_version_it_was_generated_with(tiny
             assert meta["weight_version"] == "4" and meta["weight_versions"] == after["weight_versions"]
             streamed = events((await http.post(GENERATE, json={**generate, "stream": True})).text)
             assert [c["choices"][0]["weight_version"] for c in streamed if c["choices"][0]["finish_reason"]] == ["4"]
+
+
+async def test_a_refit_mid_stream_splits_the_answer_into_two_weight_versions(tiny_model, tokenizer, tmp_path):
+    """A REFIT lands while a long stream runs: the tokens before it carry the old version, those after the new one
+    (SGLang's spans on vLLM's choice), none lost."""
+    second = str(make_tiny_model(tmp_path / "second", seed=1))
+    body = {"token_ids": tokenizer.encode("A long rollout"), "stream": True,
+            "sampling_params": {"max_tokens": 1000, **GREEDY}}
+    async with MegatronAsyncLLM(tiny_model) as llm:
+        app = create_app(llm.client, tokenizer, MODEL, vocab_size=512, max_model_len=1024, status_interval=0.05)
+        async with serving(app) as url, httpx.AsyncClient(base_url=url, timeout=120) as http:
+            received, refit, final = 0, None, None
+            async with http.stream("POST", GENERATE, json=body) as answer:
+                async for line in answer.aiter_lines():
+                    if not line.startswith("data: {"):
+                        continue
+                    (choice,) = json.loads(line[len("data: "):])["choices"]
+                    received += len(choice["token_ids"])
+                    if refit is None and received >= 5:  # under way: the new weights land mid-answer
+                        refit = asyncio.ensure_future(llm.refit(second, epoch=4))
+                    final = choice if choice["finish_reason"] else final
+            await refit
+    assert received == 1000 and final["finish_reason"] == "length"
+    old, new = final["weight_versions"]
+    assert old["version"] == final["weight_version"] == "0" and new["version"] == "4"
+    assert old["start"] == 0 and 5 <= old["end"] == new["start"] < new["end"] == 1000
