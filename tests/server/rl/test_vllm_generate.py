@@ -201,3 +201,38 @@ async def test_a_refit_mid_stream_splits_the_answer_into_two_weight_versions(tin
     old, new = final["weight_versions"]
     assert old["version"] == final["weight_version"] == "0" and new["version"] == "4"
     assert old["start"] == 0 and 5 <= old["end"] == new["start"] < new["end"] == 1000
+
+
+async def test_prime_rls_calls_get_what_its_clients_read(tiny_model, tokenizer):
+    """The bodies of PrimeIntellect-ai/renderers' ``renderers/client.py`` (``generate``: a top-k head asks
+    ``logprobs`` k + 2 with ``flat_logprobs``, ``extra_args.prl_compact_logprobs`` and ``detokenize: false``) and of
+    prime-rl's teacher scoring (``compute_teacher_logprobs``: ``max_tokens`` 1, ``prompt_logprobs`` 1), read as they
+    read the answers: native JSON log probs named ``token_id:N``, the sampled one first, k + 2 of them."""
+    prompt = tokenizer.encode("A prime-rl rollout")
+    head = 2
+    body = {"model": MODEL, "token_ids": prompt, "cache_salt": "run-7", "priority": 0, "sampling_params": {
+        "temperature": 0.0, "max_tokens": 6, "stop_token_ids": [3], "logprobs": head + 2, "flat_logprobs": True,
+        "extra_args": {"prl_compact_logprobs": True}, "detokenize": False, "skip_special_tokens": False}}
+    async with surface(tiny_model, tokenizer) as (_, http):
+        models = (await http.get("/v1/models")).json()["data"]
+        assert [card["max_model_len"] for card in models if card["id"] == MODEL] == [1024]
+        (choice,) = (await http.post(GENERATE, json=body)).json()["choices"]
+        assert "compact_logprobs" not in choice  # the client falls back to the JSON listing
+        content = choice["logprobs"]["content"]
+        assert len(content) == len(choice["token_ids"]) > 0
+        for token, entry in zip(choice["token_ids"], content):
+            assert entry["token"] == f"token_id:{token}" and entry["logprob"] != -9999.0
+            alternatives = [int(alt["token"].removeprefix("token_id:")) for alt in entry["top_logprobs"]]
+            assert alternatives[0] == token and len(set(alternatives)) == len(alternatives) == head + 2
+            assert all(alt["logprob"] <= 0 for alt in entry["top_logprobs"])
+
+        teacher = (await http.post(GENERATE, json={"model": MODEL, "token_ids": prompt, "sampling_params": {
+            "max_tokens": 1, "temperature": 1.0, "top_p": 1.0, "prompt_logprobs": 1}})).json()
+        scored = (await http.post("/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 0,
+                                                           "prompt_logprobs": 1})).json()["choices"][0]
+        assert teacher["prompt_logprobs"][0] is None
+
+        def actual(scores: list) -> list[float]:  # what compute_teacher_logprobs reads: each prompt token's log prob
+            return [position[str(token)]["logprob"] for token, position in zip(prompt[1:], scores[1:])]
+
+        assert actual(teacher["prompt_logprobs"]) == actual(scored["prompt_logprobs"])
