@@ -33,7 +33,7 @@ from ..heap import freeze_startup_heap
 from ..wire.messages import TO_COORDINATOR
 from ..wire.protocol import MAX_MESSAGE_BYTES, ProtocolError, decode, pack_batches
 from ..wire.security import SECRET_HINT
-from ..wire.transport import close_monitored, open_monitor, secure_server
+from ..wire.transport import close_monitored, keep_alive, open_monitor, secure_server
 from .core import CoordinatorCore
 from .effects import Effect, Probe, Send
 
@@ -95,6 +95,7 @@ class Coordinator:
                 self._authenticator.configure_curve(domain="*", location=CURVE_ALLOW_ANY)  # HELLO proves the rest
             secure_server(sock, self.core.secret)
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        keep_alive(sock)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.SNDHWM, 100_000)
         sock.setsockopt(zmq.RCVHWM, 100_000)

@@ -14,6 +14,27 @@ import zmq
 from .security import HANDSHAKE_EVENTS, FleetSecret, PeerKeys
 
 
+#: ZMTP heartbeats (milliseconds): each side's I/O thread pings every connection and drops one that answered nothing
+#: for the time-out, so a peer behind a link that went down (no FIN, no RST) is noticed by the transport itself, and
+#: a DEALER reconnects, however busy the Python side is (the pings never wait for the GIL). As long as the
+#: coordinator's own heartbeat time-out (10 s), so that a slow but alive peer is never dropped sooner by one than
+#: the other.
+ZMTP_HEARTBEAT_IVL_MS, ZMTP_HEARTBEAT_TIMEOUT_MS = 2_000, 10_000
+#: TCP keepalive (seconds): the kernel's own probes, for a connection idle between heartbeats' reach (a closed one).
+TCP_KEEPALIVE_IDLE_S, TCP_KEEPALIVE_INTVL_S, TCP_KEEPALIVE_CNT = 10, 5, 3
+
+
+def keep_alive(sock: zmq.Socket) -> None:
+    """ZMTP heartbeats and TCP keepalive on ``sock`` (every fleet socket, before it binds or connects)."""
+    sock.setsockopt(zmq.HEARTBEAT_IVL, ZMTP_HEARTBEAT_IVL_MS)
+    sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, ZMTP_HEARTBEAT_TIMEOUT_MS)
+    sock.setsockopt(zmq.HEARTBEAT_TTL, ZMTP_HEARTBEAT_TIMEOUT_MS)
+    sock.setsockopt(zmq.TCP_KEEPALIVE, 1)
+    sock.setsockopt(zmq.TCP_KEEPALIVE_IDLE, TCP_KEEPALIVE_IDLE_S)
+    sock.setsockopt(zmq.TCP_KEEPALIVE_INTVL, TCP_KEEPALIVE_INTVL_S)
+    sock.setsockopt(zmq.TCP_KEEPALIVE_CNT, TCP_KEEPALIVE_CNT)
+
+
 def open_peer_socket(ctx: zmq.Context, address: str, secret: FleetSecret | None, keys: PeerKeys, *, hwm: int,
                      linger: int) -> tuple[zmq.Socket, zmq.Socket]:
     """A DEALER connected to the coordinator at ``address`` and the monitor of its handshakes (read it; end both
@@ -25,6 +46,7 @@ def open_peer_socket(ctx: zmq.Context, address: str, secret: FleetSecret | None,
     sock.setsockopt(zmq.RCVHWM, hwm)
     sock.setsockopt(zmq.RECONNECT_IVL, 100)
     sock.setsockopt(zmq.RECONNECT_IVL_MAX, 2000)
+    keep_alive(sock)
     secure_client(sock, secret, keys)
     monitor = open_monitor(sock, HANDSHAKE_EVENTS)
     sock.connect(address)
