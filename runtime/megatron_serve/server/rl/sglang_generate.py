@@ -121,11 +121,12 @@ _RENAMES = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens",
             "regex": "guided_regex", "ebnf": "guided_grammar"}
 #: This server's completions fields -> where they are in SGLang's body.
 NAMES = {"prompt": "input_ids", "logprobs": "top_logprobs_num", "prompt_logprobs": "logprob_start_len",
-          "return_routing_indices": "return_routed_experts",
-          **{_RENAMES.get(name, name): f"sampling_params.{name}" for name in SglangSamplingParams.model_fields}}
+         "return_routing_indices": "return_routed_experts",
+         **{_RENAMES.get(name, name): f"sampling_params.{name}" for name in SglangSamplingParams.model_fields}}
 
 
 def _prompt(body: SglangGenerateRequest) -> Any:
+    """The completions ``prompt`` of ``body``: its ``input_ids`` or its ``text`` (exactly one)."""
     if (body.text is None) == (body.input_ids is None):
         raise bad_request("give exactly one of input_ids and text", param="input_ids",
                           code="missing_required_parameter" if body.text is None else "conflicting_parameters")
@@ -270,6 +271,7 @@ class _Shape:
         return {"type": "stop", "matched": next(iter(ends)) if len(ends) == 1 else None}
 
     def whole(self, results: list[DynamicInferenceRequest]) -> Any:
+        """The whole answer of the finished ``results`` (one per job): a list for a batch or ``n`` > 1."""
         answers = [self.sequence(job, _SoFar.of(result), result) for job, result in zip(self.handler.jobs, results)]
         return answers if self.batched else answers[0]
 

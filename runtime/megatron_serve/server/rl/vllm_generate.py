@@ -217,6 +217,7 @@ class _TokenEvents:
 
 
 def _request_id(request: Request, body_id: str | None) -> str:
+    """The id an answer names: the ``X-Request-Id`` header's, else the body's, else a fresh one (vLLM's order)."""
     return request_id_header(request) or body_id or uuid.uuid4().hex
 
 
