@@ -213,9 +213,9 @@ def spec_schema() -> dict[str, Any]:
         "The Hugging Face model the engines serve: a directory in the pods (path), or a Hub id (hub) that an init "
         "container of every pod fetches into the model volume.",
         {
-            "path": _str("Absolute path of the HF model directory inside the pods (inside mountPath when volume or "
-                         "hub is set). With hub, where the files are fetched to (default: "
-                         "<mountPath>/<org>/<name>[@<revision>]).",
+            "path": _str("Absolute path of the HF model directory, or of a GGUF file (*.gguf), inside the pods "
+                         "(inside mountPath when volume or hub is set). With hub, where the files are fetched to "
+                         "(default: <mountPath>/<org>/<name>[@<revision>]).",
                          minLength=1, maxLength=4096, pattern="^/"),
             "hub": _str("Hugging Face Hub id, org/name or org/name@revision (branch, tag or commit): an init "
                         "container (`megatron-serve download`) fetches it into the model volume before the "
