@@ -17,13 +17,13 @@ import argparse
 import asyncio
 import statistics
 import sys
-import tempfile
 import time
 from typing import Awaitable, Callable
 
 from megatron_serve import InferenceConfig, MegatronAsyncLLM, SamplingParams
 from megatron_serve.client.coordinator_client import InferenceClient
 from megatron_serve.fleet.local_fleet import LocalFleet
+from scratch import scratch_dir
 
 ONE_TOKEN = SamplingParams(temperature=0.0, num_tokens_to_generate=1, ignore_eos=True)
 
@@ -64,7 +64,7 @@ async def main(args: argparse.Namespace) -> None:
     if model is None:
         from megatron_serve.model.tiny import make_tiny_model
 
-        model = str(make_tiny_model(tempfile.mkdtemp(prefix="bench-tiny-"), seed=0))
+        model = str(make_tiny_model(scratch_dir("bench-tiny-"), seed=0))
     config = InferenceConfig(num_kv_blocks=args.num_kv_blocks, max_requests=args.max_requests)
     concurrencies = [int(c) for c in args.concurrency.split(",")]
     engine_counts = [int(e) for e in args.engines.split(",")]

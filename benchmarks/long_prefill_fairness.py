@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import tempfile
 import time
 from pathlib import Path
 
 from megatron_serve import DynamicInferenceRequest, InferenceConfig, SamplingParams
 from megatron_serve.engine.core import DynamicInferenceEngine
 from megatron_serve.model.tiny import make_tiny_model
+from scratch import scratch_dir
 
 PROMPT = [5 + i % 400 for i in range(1000)]
 SCORED = SamplingParams(temperature=0.0, num_tokens_to_generate=16, ignore_eos=True, return_log_probs=True,
@@ -62,7 +62,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2, help="runs of each setting, alternating")
     parser.add_argument("--every", type=int, default=3, help="steps between two short requests")
     args = parser.parse_args()
-    model = str(make_tiny_model(Path(tempfile.mkdtemp(prefix="bench-tiny-")) / "tiny", max_position_embeddings=2048))
+    model = str(make_tiny_model(scratch_dir("bench-tiny-") / "tiny", max_position_embeddings=2048))
     engines = {label: DynamicInferenceEngine.from_model_dir(model, InferenceConfig(long_prefill_token_threshold=value))
                for label, value in (("threshold 512 (default)", None), ("threshold 0 (off)", 0))}
     for round_index in range(args.rounds):

@@ -24,7 +24,6 @@ import http.client
 import multiprocessing
 import os
 import sys
-import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -32,6 +31,7 @@ from typing import Any
 
 import httpx
 
+from scratch import scratch_dir
 from serving import THREAD_VARIABLES, free_port, percentile, start_stack, stop_stack
 
 MP = multiprocessing.get_context("spawn")  # a fresh interpreter: nothing of this one's load, threads or GIL
@@ -141,7 +141,7 @@ def main() -> None:
     if model_dir is None:
         from megatron_serve.model.tiny import make_tiny_model  # noqa: PLC0415
 
-        model_dir = str(make_tiny_model(Path(tempfile.mkdtemp(prefix="bench-tiny-")) / "tiny-llama"))
+        model_dir = str(make_tiny_model(scratch_dir("bench-tiny-") / "tiny-llama"))
     health_port = free_port()
     proc, url, _output = start_stack(model_dir, args.engines, f"{args.run_args} --health-port {health_port}")
     idle_port: Any = MP.Queue()

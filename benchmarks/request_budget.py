@@ -23,12 +23,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import statistics
-import tempfile
 import time
 from pathlib import Path
 
 import httpx
 
+from scratch import scratch_dir
 from serving import start_stack, stop_stack
 
 PROMPT_TOKENS = 1000
@@ -128,7 +128,7 @@ def main() -> None:
     if model_dir is None:
         from megatron_serve.model.tiny import make_tiny_model  # noqa: PLC0415
 
-        model_dir = str(make_tiny_model(Path(tempfile.mkdtemp(prefix="bench-tiny-")) / "tiny-llama",
+        model_dir = str(make_tiny_model(scratch_dir("bench-tiny-") / "tiny-llama",
                                         max_position_embeddings=2048))
     proc, url, output = start_stack(model_dir, 1, args.run_args)
     try:

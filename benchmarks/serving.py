@@ -46,7 +46,6 @@ import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -54,6 +53,7 @@ from urllib.parse import urlsplit
 
 import aiohttp
 import httpx
+from scratch import scratch_dir
 
 LENGTHS = ("uniform", "staggered")
 #: Thread-count variables torch, OpenMP and the BLAS libraries read at start.
@@ -292,7 +292,7 @@ def free_port() -> int:
 def start_stack(model_dir: str, engines: int, run_args: str) -> tuple[subprocess.Popen, str, Path]:
     """``megatron-serve run`` in its own session; returns it, its URL and its output file."""
     port = free_port()
-    log_dir = Path(tempfile.mkdtemp(prefix="bench-serving-"))
+    log_dir = scratch_dir("bench-serving-")
     output = log_dir / "run.out"
     with open(output, "wb") as out:
         proc = subprocess.Popen([sys.executable, "-m", "megatron_serve.cli", "run", "--model", model_dir,
@@ -535,7 +535,7 @@ def main() -> None:
     if model_dir is None and args.url is None:
         from megatron_serve.model.tiny import make_tiny_model  # noqa: PLC0415
 
-        model_dir = str(make_tiny_model(Path(tempfile.mkdtemp(prefix="bench-tiny-")) / "tiny-llama"))
+        model_dir = str(make_tiny_model(scratch_dir("bench-tiny-") / "tiny-llama"))
     vocab = args.vocab_size or (int(json.loads(Path(model_dir, "config.json").read_text())["vocab_size"])
                                 if model_dir else 0)
 

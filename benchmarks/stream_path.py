@@ -37,7 +37,6 @@ import itertools
 import json
 import random
 import statistics
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -56,6 +55,7 @@ from megatron_serve.tokenizer import Tokenizer
 from megatron_serve.wire.messages import PROTOCOL_VERSION, RequestDeltaOut, StepTokensOut
 from megatron_serve.wire.protocol import Header, encode, encode_batch
 from megatron_serve.wire.request import EventType, FinalRecord, FinishReason, RequestEvent, RequestStatus
+from scratch import scratch_dir
 
 #: What a step's delta of one token carries from an engine: the token and its epochs (policy, KV, adapter).
 _EPOCHS = [[0], [0], [-1]]
@@ -67,7 +67,7 @@ def tiny_tokenizer_dir() -> Path:
     """The tiny model's tokenizer files, written once (no weights: the server makes no use of them)."""
     from transformers import PreTrainedTokenizerFast  # noqa: PLC0415 - only here
 
-    path = Path(tempfile.mkdtemp(prefix="stream-path-"))
+    path = scratch_dir("stream-path-")
     fast = PreTrainedTokenizerFast(tokenizer_object=train_tokenizer(), bos_token=BOS, eos_token=EOS,
                                    pad_token="<|pad|>")
     fast.chat_template = CHAT_TEMPLATE

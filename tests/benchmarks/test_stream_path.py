@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -23,11 +24,12 @@ def _module():
     return module
 
 
-def test_every_measure_runs_and_every_answer_is_its_tokens_text():
+def test_every_measure_runs_and_every_answer_is_its_tokens_text(tmp_path):
     result = subprocess.run([sys.executable, str(SCRIPT), "--streams", "4", "--requests", "12", "--steps", "3",
                              "--single-requests", "3", "--repeats", "1", "--check", "--json"],
-                            capture_output=True, text=True, timeout=300)
+                            capture_output=True, text=True, timeout=300, env={**os.environ, "TMPDIR": str(tmp_path)})
     assert result.returncode == 0, result.stderr[-3000:]
+    assert not list(tmp_path.iterdir())  # its scratch directory is gone (a suite's runs left one each in $TMPDIR)
     lines = result.stdout.strip().splitlines()
     checked = int(lines[0].split()[1])
     assert checked == 8 + 4 + 3 + 12  # the warm-up's, the token measure's, the request measure's, the mix's

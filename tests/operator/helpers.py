@@ -10,11 +10,13 @@ process instead when the runtime provides one.
 from __future__ import annotations
 
 import asyncio
+import atexit
 import base64
 import copy
 import glob
 import os
 import pathlib
+import shutil
 import tempfile
 import threading
 from collections.abc import Callable
@@ -31,6 +33,7 @@ os.environ.setdefault("MEGATRON_OPERATOR_COMMAND_TIMEOUT", "10")
 # The kubernetes client reads $KUBECONFIG's *path* once, at import: keep one path for the whole
 # session and rewrite the file for each test's emulator.
 KUBECONFIG = pathlib.Path(tempfile.mkdtemp(prefix="megatron-operator-tests-")) / "kubeconfig"
+atexit.register(shutil.rmtree, KUBECONFIG.parent, True)  # the session's, removed when it ends
 os.environ["KUBECONFIG"] = str(KUBECONFIG)
 import kubernetes.config.kube_config as _kube_config  # noqa: E402  (in case it was imported earlier)
 
