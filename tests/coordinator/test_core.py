@@ -34,7 +34,7 @@ def final_record(submitted: dict, tokens: list[int]) -> dict:
 
 
 def status(h: CoreHarness) -> msgspec.Struct:
-    return h.core.status(Status())
+    return h.core.status(Status(), h.now)
 
 
 def test_requests_are_dispatched_finished_once_and_forgotten_on_ack():

@@ -24,7 +24,7 @@ def rank(d: int, size: int = 2) -> dict[str, int]:
 
 
 def engines(h: CoreHarness) -> list[tuple[str, int]]:
-    return [(e["id"], e["group"]) for e in h.core.status(Status()).engines]
+    return [(e["id"], e["group"]) for e in h.core.status(Status(), h.now).engines]
 
 
 def test_the_ranks_of_one_group_register_side_by_side_and_a_held_rank_is_refused_by_name():

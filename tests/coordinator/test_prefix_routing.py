@@ -188,7 +188,7 @@ def test_coordinator_forgets_a_draining_engine_and_reports_cache_counters():
     policy = h.core.policy
     assert policy.select(request(seq(0, 4)), records) is records[0]
     h.send(records[1].identity, Header.HEARTBEAT, Heartbeat(cached_tokens=48, computed_tokens=300))
-    described = h.core.status(Status()).engines[1]
+    described = h.core.status(Status(), h.now).engines[1]
     assert (described["cached_tokens"], described["computed_tokens"]) == (48, 300)
     h.send(records[0].identity, Header.DRAINING, Draining(engine_id=records[0].engine_id))
     assert records[0].draining and policy.history_size(records[0].engine_id) == 0

@@ -288,7 +288,7 @@ class CoordinatorCore:
         elif header is Header.RESULT_ACK:
             self._on_result_ack(client, body)
         elif header is Header.STATUS:
-            self.send(identity, Header.STATUS_REPLY, self.status(body))
+            self.send(identity, Header.STATUS_REPLY, self.status(body, now))
         elif header is Header.HEARTBEAT:
             self.send(identity, Header.HEARTBEAT, self.heartbeat())
         else:
@@ -308,7 +308,7 @@ class CoordinatorCore:
         elif header is Header.KV_BLOCKS:
             self.handoffs.on_blocks(self, engine, body)
         elif header is Header.STATUS:
-            self.send(engine.identity, Header.STATUS_REPLY, self.status(Status()))
+            self.send(engine.identity, Header.STATUS_REPLY, self.status(Status(), now))
 
     # ------------------------------------------------------------------ requests
 
@@ -561,11 +561,12 @@ class CoordinatorCore:
 
     # ------------------------------------------------------------------ status
 
-    def status(self, ask: Status) -> StatusReply:
-        """The ``STATUS_REPLY`` body."""
+    def status(self, ask: Status, now: float) -> StatusReply:
+        """The ``STATUS_REPLY`` body as of ``now`` (each engine's ``stalled_s`` is read off its stall clock)."""
         engines = sorted(self.engines.values(), key=lambda e: e.slot)
         return StatusReply(
-            state=self.state.value, engines=[e.describe() for e in engines],
+            state=self.state.value,
+            engines=[{**e.describe(), "stalled_s": round(liveness.stalled_for(self, e, now), 3)} for e in engines],
             queued=self.requests.count(Phase.QUEUED),
             in_flight=self.requests.count(Phase.DISPATCHED), completed=self.requests.completed,
             failed=self.requests.failed, aborted=self.requests.aborted, status_id=ask.status_id, epoch=self.epoch,
@@ -574,5 +575,5 @@ class CoordinatorCore:
             pending_controls=[op.verb.name for op in self.verbs.queue], dropped_frames=self.drop.total,
             weights=self.weights_source, refits=self.refits,
             epoch_mismatch=sorted(e.engine_id for e in engines if e.epoch != self.epoch),
-            incomplete_weights=self.incomplete_weights())
+            incomplete_weights=self.incomplete_weights(), stall_timeout=self.stall_timeout)
 

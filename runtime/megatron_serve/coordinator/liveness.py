@@ -111,15 +111,28 @@ def _expire_stalled(core: "CoordinatorCore", now: float) -> None:
     idle engine gets work. An engine whose last heartbeat did not report the counter (an older
     engine, or one busy registering, e.g. loading the fleet's weights) is never taken for stalled.
     """
-    if core.state is not FleetState.RUNNING or core.verbs.queue:
+    if not _clocks_run(core):
         for engine in core.engines.values():
             engine.stall_clock = now
         return
     for engine in list(core.engines.values()):
-        stalled = now - engine.stall_clock
-        if engine.assigned and engine.progress is not None and stalled > core.stall_timeout:
+        stalled = stalled_for(core, engine, now)
+        if stalled > core.stall_timeout:
             core.liveness.drop_unresponsive(core, engine, f"its step loop made no progress for {stalled:.1f}s "
                                                           f"with {engine.load} request(s) assigned")
+
+
+def _clocks_run(core: "CoordinatorCore") -> bool:
+    return core.state is FleetState.RUNNING and not core.verbs.queue
+
+
+def stalled_for(core: "CoordinatorCore", engine: EngineRecord, now: float) -> float:
+    """How long ``engine``'s step loop has made no progress with requests assigned, as the stall clock counts it
+    (0 while it does not count: see :func:`_expire_stalled`); ``STATUS_REPLY`` shows it, so that a server's
+    liveness probe sees a wedged loop before the coordinator removes the engine at ``stall_timeout``."""
+    if not _clocks_run(core) or not engine.assigned or engine.progress is None:
+        return 0.0
+    return max(now - engine.stall_clock, 0.0)
 
 
 def _sweep_clients(core: "CoordinatorCore", now: float) -> None:

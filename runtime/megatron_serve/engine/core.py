@@ -160,7 +160,9 @@ class DynamicInferenceEngine:
                            pipeline_parallel_size=config.pipeline_parallel_size,
                            parameter_bytes=parameter_bytes(self.model),
                            kv_offload_blocks=self.host_tier.num_slots if self.host_tier is not None else 0,
-                           weights_layout=layout_digest(self.model))
+                           weights_layout=layout_digest(self.model), dtype=str(self.model.dtype).removeprefix("torch."),
+                           max_loras=config.max_loras if config.enable_lora else None,
+                           max_lora_rank=config.max_lora_rank if config.enable_lora else None)
 
     @classmethod
     def from_model_dir(cls, model_dir: str | Path, config: InferenceConfig | None = None,

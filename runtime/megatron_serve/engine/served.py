@@ -38,6 +38,9 @@ class EngineFacts:
     parameter_bytes: int | None = None  # the weights one rank holds (rank 0's; each rank holds about as much)
     kv_offload_blocks: int = 0  # blocks its host KV tier holds (--kv-offloading-size): prefix routing counts them
     weights_layout: str | None = None  # engines of one layout pull weights from each other (weights.peer_pull)
+    dtype: str | None = None  # what activations and the KV cache are computed in ("bfloat16"): the servers' server_info
+    max_loras: int | None = None  # adapters served at once, with LoRA on (None: off); the servers' lora_config
+    max_lora_rank: int | None = None
 
     def hello_info(self) -> dict[str, Any]:
         """The facts as HELLO's ``info`` carries them (absent ones left out, ``capacity`` travels beside)."""
@@ -60,6 +63,10 @@ class EngineFacts:
             info["kv_offload_blocks"] = self.kv_offload_blocks
         if self.weights_layout is not None:
             info["weights_layout"] = self.weights_layout
+        if self.dtype is not None:
+            info["dtype"] = self.dtype
+        if self.max_loras is not None:
+            info["max_loras"], info["max_lora_rank"] = self.max_loras, self.max_lora_rank
         return info
 
 

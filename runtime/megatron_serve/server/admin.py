@@ -28,8 +28,7 @@ from fastapi.responses import JSONResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from pydantic import BaseModel, ConfigDict, Field, create_model
 
-from ..client.coordinator_client import ControlError
-from ..wire.connection import CoordinatorError
+from ..wire.connection import ControlError, CoordinatorError
 from ..errors import NoFleet
 from ..wire.lifecycle import Verb
 from ..wire.messages import StatusReply

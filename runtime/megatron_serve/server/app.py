@@ -56,12 +56,15 @@ logger = logging.getLogger("megatron_serve.server")
 
 __all__ = ["API_KEY_ENV", "create_app", "key_for"]
 
-#: Routes that never ask for a key: the probes, the metrics and the API's own description. Every other
+#: Routes that never ask for a key: the probes (the RL frameworks' too: TRL's ``/health/``, prime-rl's
+#: ``/liveness``, SGLang's ``/health_generate``), the metrics and the API's own description. Every other
 #: route uses the model (its tokenizer and chat template included: ``/tokenize``, ``/detokenize``) and
-#: needs the API key when the server has one, except ``/v1/admin/*`` and vLLM's runtime LoRA routes
-#: (``/v1/load_lora_adapter``, ``/v1/unload_lora_adapter``), which need the admin key. The
+#: needs the API key when the server has one, except ``/v1/admin/*``, vLLM's runtime LoRA routes
+#: (``/v1/load_lora_adapter``, ``/v1/unload_lora_adapter``) and the RL frameworks' control and weight routes
+#: (:data:`.rl.RL_ADMIN_PATHS`), which need the admin key. The
 #: HTTP reference is generated from :func:`key_for`; tests/server/test_api_keys.py holds every route to it.
-OPEN_PATHS = ("/health", "/ready", "/metrics", "/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc")
+OPEN_PATHS = ("/health", "/ready", "/metrics", "/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc",
+              "/health/", "/liveness", "/health_generate")
 ADMIN_PREFIX = "/v1/admin/"
 _SUMMARY = "OpenAI-compatible inference API of a megatron-serve fleet"
 

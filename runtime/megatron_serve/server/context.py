@@ -16,6 +16,7 @@ from .errors import shutting_down
 from .fleet import FleetMonitor, InferenceBackend
 from .generation import PendingCounter, Submission
 from .intake import Workers
+from .live import LiveSubmissions
 from .metrics import ServerMetrics
 from .request_log import RequestLog
 from .translate import EngineJob
@@ -45,6 +46,8 @@ class ServerContext:
     request_log: RequestLog = field(default_factory=RequestLog)  # --enable-log-requests
     stream_interval: int = 1  # streamed tokens per chunk (--stream-interval)
     configured_adapters: dict[str, str] = field(default_factory=dict)  # --lora-modules (name -> directory)
+    #: What is being answered, by the ids its clients saw (the control routes abort by them: :mod:`.live`).
+    live: LiveSubmissions = field(default_factory=LiveSubmissions)
 
     @property
     def accepts_images(self) -> bool:
@@ -76,5 +79,7 @@ class ServerContext:
         ``label``: the response id (``cmpl-...``, ``chatcmpl-...``), which the request log names."""
         if self.stopping.is_set():
             raise shutting_down()
-        return Submission(self.backend, self.metrics, self.pending, self.stopping, jobs, label, self.request_log,
-                          self.stream_interval)
+        submission = Submission(self.backend, self.metrics, self.pending, self.stopping, jobs, label, self.request_log,
+                                self.stream_interval)
+        self.live.add(submission)
+        return submission

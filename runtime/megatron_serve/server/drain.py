@@ -24,8 +24,9 @@ from .errors import shutting_down
 
 logger = logging.getLogger("megatron_serve.server")
 
-#: Paths that are never refused nor waited for: probes and the metrics scrape.
-ALWAYS_ANSWERED = frozenset({"/health", "/ready", "/metrics"})
+#: Paths that are never refused nor waited for: probes (the RL frameworks' liveness probes too: TRL's and
+#: prime-rl's) and the metrics scrape.
+ALWAYS_ANSWERED = frozenset({"/health", "/ready", "/metrics", "/health/", "/liveness"})
 
 
 class Stopping(asyncio.Event):

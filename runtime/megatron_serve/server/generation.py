@@ -155,6 +155,7 @@ class Submission:
     stream_interval: int = 1  # streamed tokens go in groups of this many (a choice's first token at once)
     ids: list[str] = field(default_factory=list)
     unfinished: set[str] = field(default_factory=set)
+    cut_ids: set[str] = field(default_factory=set)  # ended by a control route (:meth:`cut`): an answer, not an error
     done: list[DynamicInferenceRequest] = field(default_factory=list)
     started: float = field(default_factory=time.monotonic)
 
@@ -171,6 +172,8 @@ class Submission:
         self._opened: set[str] = set()  # jobs whose first piece went
 
     def _finished(self, request_id: str, request: DynamicInferenceRequest | None) -> None:
+        if request is not None and request_id in self.cut_ids and request.finish_reason is FinishReason.ABORT:
+            request.status, request.error = RequestStatus.COMPLETED, None  # see cut()
         if request_id in self.unfinished:
             self.unfinished.discard(request_id)
             self.pending.release()
@@ -181,6 +184,17 @@ class Submission:
                 self.metrics.observe_failed()
             if not self.unfinished:
                 self.log.finished(self.label, self.done, self.started)
+
+    def cut(self) -> int:
+        """End every unfinished engine request now, as the fleet's PAUSE in ``abort`` mode ends one: its answer comes
+        with ``finish_reason`` ``abort`` and the tokens generated so far (vLLM's ``/abort_requests``, SGLang's
+        ``/abort_request``: a trainer resubmits the rest), not with the error of a request its client gave up on.
+        Returns how many it ended."""
+        cut = self.unfinished - self.cut_ids
+        self.cut_ids |= cut
+        for request_id in cut:
+            self.backend.abort(request_id)
+        return len(cut)
 
     def close(self) -> None:
         """Abort every engine request that has not finished (idempotent)."""

@@ -327,6 +327,7 @@ class StatusReply(Body):
     refits: int | None = None
     epoch_mismatch: list[str] | None = None
     incomplete_weights: list[str] | None = None  # engines left with a mix by a failed refit (UNPAUSE refused)
+    stall_timeout: float | None = None  # an engine whose ``stalled_s`` passes it is removed as unresponsive
 
 
 class Heartbeat(Body):

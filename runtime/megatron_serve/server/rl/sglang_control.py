@@ -1,0 +1,157 @@
+"""SGLang's native control API (``python/sglang/srt/entrypoints/http_server.py``) as slime, miles and AReaL call it,
+onto the lifecycle verbs.
+
+* ``GET /health_generate``: one token generated through the fleet (SGLang's ``input_ids [0]``, greedy), 200 with
+  an empty body once it came back, 503 when it did not within :data:`HEALTH_TIMEOUT` (SGLang's 20 s) or the fleet
+  does not step now (a paused fleet would hold it that long, then fail it: the answer comes at once instead).
+* ``POST /pause_generation {mode}``: PAUSE. SGLang's ``abort`` (its default) is ``abort``; ``in_place`` (requests
+  stay, with their KV) and ``retract`` (they go back to the queue, their KV may go) are both ``keep``: here the
+  requests stay in place and continue where they were. ``POST /continue_generation``: UNPAUSE. Both answer
+  ``{"message": ..., "status": "ok"}``.
+* ``POST /abort_request {rid, abort_all}``: the request ``rid`` names (or all, ``abort_all``) ends with
+  ``finish_reason`` ``abort`` and its tokens so far; an empty 200, as SGLang's.
+* ``GET|POST /flush_cache``: SGLang's text answer, 200 (see :mod:`.control` for why no engine step is needed).
+* ``GET|POST /release_memory_occupation {tags}``: SUSPEND (pausing a running fleet first, in ``keep`` mode): level
+  2 when ``tags`` is absent or names ``weights``, else level 1 (the KV cache; ``cuda_graph`` goes with it).
+  ``GET|POST /resume_memory_occupation {tags}``: RESUME (memory comes back whole here, whatever the tags), then
+  UNPAUSE when ``tags`` is absent or names ``kv_cache``: slime resumes the weights first, pushes new ones into the
+  paused fleet, and resumes the KV cache last, after which SGLang serves again. Both answer JSON ``null``, as
+  SGLang's routes that return nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from typing import Any, Literal
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from pydantic import BaseModel, ConfigDict
+
+from ...wire.lifecycle import PauseMode, Verb
+from ...wire.sampling_params import SamplingParams
+from ..errors import bad_request
+from .control import ACTING_RESPONSES, Control, Query
+from .tokens import read_anchor
+
+SGLANG_CONTROL_PATHS = frozenset({"/flush_cache", "/abort_request", "/pause_generation", "/continue_generation",
+                                  "/release_memory_occupation", "/resume_memory_occupation"})
+
+#: How long ``/health_generate`` waits for its token (SGLang's ``SGLANG_HEALTH_CHECK_TIMEOUT`` default).
+HEALTH_TIMEOUT = 20.0
+
+#: SGLang's pause modes -> this fleet's.
+PAUSE_MODES: dict[str, PauseMode] = {"abort": PauseMode.ABORT, "in_place": PauseMode.KEEP, "retract": PauseMode.KEEP}
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class AbortRequest(_Body):
+    """SGLang's ``AbortReq``."""
+
+    rid: str = ""
+    abort_all: bool = False
+
+
+class PauseGeneration(_Body):
+    """SGLang's ``PauseGenerationReqInput``."""
+
+    mode: Literal["abort", "in_place", "retract"] = "abort"
+
+
+class MemoryOccupation(_Body):
+    """SGLang's ``ReleaseMemoryOccupationReqInput`` and ``ResumeMemoryOccupationReqInput``."""
+
+    tags: list[Literal["kv_cache", "weights", "cuda_graph"]] | None = None
+
+
+class NoBody(_Body):
+    """``ContinueGenerationReqInput``: nothing."""
+
+
+def _read(model: type[_Body], raw: bytes, anchor: str) -> Any:
+    """A body that may be empty (SGLang's inputs have defaults for every field)."""
+    return read_anchor(model, raw, anchor) if raw.strip() else model()
+
+
+async def health_generate(control: Control) -> Response:
+    """One greedy token through the fleet (see the module docstring)."""
+    if await control.not_stepping("/health_generate"):
+        return Response(status_code=503)
+    request_id = f"health-{uuid.uuid4().hex}"
+    backend = control.ctx.backend
+    future = backend.add_request([0], SamplingParams(num_tokens_to_generate=1, temperature=0.0),
+                                     request_id=request_id)
+    try:
+        result = await asyncio.wait_for(asyncio.shield(future), HEALTH_TIMEOUT)
+    except Exception:  # noqa: BLE001 - any failure to generate (the deadline included) is the unhealthy answer
+        backend.abort(request_id)
+        return Response(status_code=503)
+    return Response(status_code=200 if result.generated_tokens else 503)
+
+
+def add_sglang_control_routes(app: FastAPI, control: Control, admin: list[Any]) -> None:
+    """SGLang's control routes on ``app``: ``/health_generate`` is a probe (no key), the others need the admin key
+    (``admin``: its dependencies)."""
+    acting = ACTING_RESPONSES
+    tags = ["RL frameworks"]
+
+    @app.get("/health_generate", tags=tags, summary="SGLang: health by one generated token",
+             responses={503: {"description": "no token within 20 s, or the fleet does not step now"}})
+    async def health_generate_route(request: Request) -> Response:
+        Query(request).done()
+        return await health_generate(control)
+
+    @app.post("/pause_generation", tags=tags, dependencies=admin, responses=acting,
+              summary="SGLang: pause generation",
+              description="PAUSE: `abort` (the default) in abort mode, `in_place` and `retract` in keep mode.")
+    async def pause_generation(request: Request) -> JSONResponse:
+        body = _read(PauseGeneration, await request.body(), "SGLang's PauseGenerationReqInput")
+        await control.run("/pause_generation", Verb.PAUSE, mode=PAUSE_MODES[body.mode].value)
+        return JSONResponse({"message": "Generation paused successfully.", "status": "ok"})
+
+    @app.post("/continue_generation", tags=tags, dependencies=admin, responses=acting,
+              summary="SGLang: continue generation", description="UNPAUSE.")
+    async def continue_generation(request: Request) -> JSONResponse:
+        _read(NoBody, await request.body(), "SGLang's ContinueGenerationReqInput")
+        await control.run("/continue_generation", Verb.UNPAUSE)
+        return JSONResponse({"message": "Generation continued successfully.", "status": "ok"})
+
+    @app.post("/abort_request", tags=tags, dependencies=admin, responses=acting, summary="SGLang: abort a request",
+              description="Ends the request `rid` names (the `rid` it was generated under, or the id of its "
+                          "answer), or every request in flight with `abort_all`, with `finish_reason` `abort` and its "
+                          "tokens so far.")
+    async def abort_request(request: Request) -> Response:
+        body = _read(AbortRequest, await request.body(), "SGLang's AbortReq")
+        if not body.abort_all and not body.rid:
+            raise bad_request("abort_request needs a rid, or abort_all true", param="rid")
+        control.abort(None if body.abort_all else [body.rid])
+        return Response(status_code=200)
+
+    async def flush_cache() -> PlainTextResponse:
+        await control.reset_prefix_cache("/flush_cache")
+        return PlainTextResponse("Cache flushed.\n")
+
+    async def release_memory_occupation(request: Request) -> JSONResponse:
+        body = _read(MemoryOccupation, await request.body(), "SGLang's ReleaseMemoryOccupationReqInput")
+        level = 2 if body.tags is None or "weights" in body.tags else 1
+        await control.run("/release_memory_occupation", Verb.SUSPEND, level=level)
+        return JSONResponse(None)
+
+    async def resume_memory_occupation(request: Request) -> JSONResponse:
+        body = _read(MemoryOccupation, await request.body(), "SGLang's ResumeMemoryOccupationReqInput")
+        await control.run("/resume_memory_occupation", Verb.RESUME)
+        if body.tags is None or "kv_cache" in body.tags:
+            await control.run("/resume_memory_occupation", Verb.UNPAUSE)
+        return JSONResponse(None)
+
+    for path, route, summary in (
+            ("/flush_cache", flush_cache, "SGLang: flush the cache"),
+            ("/release_memory_occupation", release_memory_occupation, "SGLang: release device memory (SUSPEND)"),
+            ("/resume_memory_occupation", resume_memory_occupation, "SGLang: resume device memory (RESUME)")):
+        for method in ("GET", "POST"):  # SGLang answers both; one operation each in the OpenAPI document
+            app.api_route(path, methods=[method], tags=tags, dependencies=admin, responses=acting, summary=summary,
+                          operation_id=f"{route.__name__}_{method.lower()}")(route)
