@@ -72,5 +72,6 @@ def test_two_api_servers_share_the_port_the_key_and_the_metrics(tiny_llama, tmp_
         stack.proc.send_signal(signal.SIGINT)  # drains both, then the fleet
         assert stack.proc.wait(120) == 0, stack.output()[-3000:]
         wait_until(lambda: not os.path.exists(f"/proc/{sibling}"), 30, "the sibling to exit")
+        assert "restarting it" not in stack.output()  # a sibling the signal ended is not started again
     finally:
         stack.kill()

@@ -108,7 +108,9 @@ class Siblings:
         self._supervisor.restart_dead(True)
 
     def signal(self, signum: int) -> None:
-        """Forward a stop signal (the first drains, a second stops at once, as in this process)."""
+        """Forward a stop signal (the first drains, a second stops at once, as in this process). Restarts end first:
+        a sibling that the signal ends (one still starting dies of it) is not started again."""
+        self._supervisor.restart_dead(False)
         self.signalled = True
         for child in self.children:
             if child.proc is not None and child.proc.poll() is None:
