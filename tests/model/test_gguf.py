@@ -4,13 +4,18 @@ the library itself does, and a file this engine cannot serve is refused at once,
 
 from __future__ import annotations
 
+import argparse
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType
 
+from megatron_serve import LLM, SamplingParams
+from megatron_serve.commands.inputs import check_model_dir
+from megatron_serve.commands.model_options import resolve_model_args
 from megatron_serve.hub import resolve_model
 from megatron_serve.model.config import ModelConfig
 from megatron_serve.model.errors import UnsupportedModelError
@@ -19,6 +24,7 @@ from megatron_serve.model.gguf.view import cache_root
 from megatron_serve.model.loader import STRUCTURAL_FIELDS, load_model
 from megatron_serve.model.tiny import make_tiny_model
 
+from ..prompts import PROMPTS
 from .gguf_files import write_gguf
 
 CONVERSIONS = {
@@ -115,3 +121,23 @@ def test_the_directory_is_made_once_and_names_the_file(wide_checkpoint, tmp_path
     assert json.loads(config.read_text())["architectures"] == ["LlamaForCausalLM"]
     with pytest.raises(ValueError, match="--revision"):
         resolve_model(tmp_path / "Wide-Q8_0.gguf", revision="main")
+
+
+def test_a_gguf_file_with_the_tokenizer_of_a_directory_serves_as_its_checkpoint(tmp_path):
+    """``serve model.gguf --tokenizer DIR`` (vLLM's spelling): the file's directory is made without a tokenizer, and
+    the tokens are the safetensors checkpoint's, greedy."""
+    model_dir = make_tiny_model(tmp_path / "tiny", seed=2)
+    write_gguf(model_dir, tmp_path / "tiny.gguf")
+    args = argparse.Namespace(model=str(tmp_path / "tiny.gguf"), revision=None, download_dir=None,
+                              tokenizer=str(model_dir))
+
+    resolve_model_args(args)
+
+    assert Path(args.model).name == "tiny.gguf" and args.tokenizer == str(model_dir)
+    assert check_model_dir(args.model, tokenizer=False) == Path(args.model)
+    assert not (Path(args.model) / "tokenizer.json").exists()
+    greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    served = LLM(model=str(tmp_path / "tiny.gguf"), tokenizer=str(model_dir), quantization="gguf", dtype="float32")
+    expected = LLM(model=str(model_dir), dtype="float32")
+    outputs = [llm.generate(PROMPTS, greedy, use_tqdm=False) for llm in (served, expected)]
+    assert [o.outputs[0].token_ids for o in outputs[0]] == [o.outputs[0].token_ids for o in outputs[1]]

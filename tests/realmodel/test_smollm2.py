@@ -1,0 +1,122 @@
+"""A trained model in the loop: SmolLM2-135M-Instruct from its GGUF file, through vLLM's ``LLM``, against
+transformers' own load of the same file (both in float32): the same greedy tokens, one prompt at a time and
+batched; the same chat text; the same prompt log probs; stop strings that end inside a word; text of characters
+whose bytes are split over several tokens."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron_serve import SamplingParams
+from megatron_serve.client.detokenizer import IncrementalDetokenizer
+from megatron_serve.hub import resolve_model
+from megatron_serve.tokenizer import Tokenizer
+
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Once upon a time",
+    "The largest planet in the solar system is",
+    "Water boils at a temperature of",
+    "import numpy as np\n",
+    "The three primary colors are",
+    "Q: What is 2 + 2?\nA:",
+    "My favourite book is",
+    "Kubernetes is",
+    "The opposite of hot is",
+    "In 1969, the first humans",
+    "To make a cup of tea, first",
+    "SELECT name FROM users WHERE",
+    "The French word for cat is",
+    "A haiku about the sea:\n",
+    "The speed of light is approximately",
+    "Photosynthesis is the process by which",
+    "for i in range(10):",
+    "The Eiffel Tower is located in",
+]
+NEW_TOKENS = 6
+GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+
+
+def transformers_greedy(model, tokens: list[int], new_tokens: int = NEW_TOKENS) -> list[int]:
+    out = model.generate(torch.tensor([tokens]), attention_mask=torch.ones(1, len(tokens), dtype=torch.long),
+                         max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=2)
+    return out[0, len(tokens):].tolist()
+
+
+def test_greedy_tokens_equal_transformers_one_prompt_at_a_time_and_batched(llm, reference):
+    model, tokenizer = reference
+    token_lists = [tokenizer.encode(prompt) for prompt in PROMPTS]
+    assert [llm.get_tokenizer().encode(prompt) for prompt in PROMPTS] == token_lists
+
+    batched = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    alone = [llm.generate(prompt, GREEDY, use_tqdm=False)[0] for prompt in PROMPTS[:2]]
+
+    expected = [transformers_greedy(model, tokens) for tokens in token_lists]
+    assert [out.outputs[0].token_ids for out in batched] == expected
+    assert [out.outputs[0].token_ids for out in alone] == expected[:2]
+    assert batched[0].outputs[0].text.startswith(" Paris")
+
+
+def test_the_chat_template_of_the_file_renders_as_transformers(llm, smollm2, reference):
+    _, tokenizer = reference
+    conversations = [
+        [{"role": "user", "content": "What is the capital of France?"}],
+        [{"role": "system", "content": "Answer in one word."}, {"role": "user", "content": "Hi"},
+         {"role": "assistant", "content": "Hello"}, {"role": "user", "content": "Bye"}],
+    ]
+    served = Tokenizer.from_pretrained(resolve_model(smollm2))  # what the HTTP server renders chats with
+    rendered = [tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+                for messages in conversations]
+    assert [served.apply_chat_template(messages) for messages in conversations] == rendered
+    assert [llm.get_tokenizer().apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            for messages in conversations] == rendered
+    assert rendered[0].startswith("<|im_start|>system\nYou are a helpful AI assistant named SmolLM")
+
+    reply = llm.chat(conversations[0], SamplingParams(temperature=0.0, max_tokens=16), use_tqdm=False)
+    assert "Paris" in reply[0].outputs[0].text
+
+
+def test_prompt_logprobs_equal_transformers(llm, reference):
+    model, tokenizer = reference
+    prompt = "The Eiffel Tower is located in Paris, the capital of France."
+    tokens = tokenizer.encode(prompt)
+
+    out = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0), use_tqdm=False)[0]
+
+    with torch.no_grad():
+        expected = torch.log_softmax(model(torch.tensor([tokens])).logits[0].float(), -1)
+    assert out.prompt_logprobs[0] is None
+    got = [out.prompt_logprobs[i][token].logprob for i, token in enumerate(tokens) if i]
+    assert got == pytest.approx([expected[i - 1, token].item() for i, token in enumerate(tokens) if i], abs=1e-4)
+
+
+def test_a_stop_string_inside_a_word_ends_the_text_before_it(llm):
+    free = llm.generate(PROMPTS[0], GREEDY, use_tqdm=False)[0].outputs[0]
+    assert free.text.startswith(" Paris")
+
+    stopped = llm.generate(PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, stop=["ari"]),
+                           use_tqdm=False)[0].outputs[0]
+
+    assert stopped.text == " P"
+    assert stopped.finish_reason == "stop" and stopped.stop_reason == "ari"
+
+
+def test_characters_split_over_tokens_stream_whole(llm, smollm2):
+    """Byte-level BPE writes an emoji it has no token for as byte tokens: each alone decodes to U+FFFD. Streamed a
+    token at a time, as the server streams, the text holds the character back until its last byte comes, then
+    shows it whole: the pieces join to the final text and none holds a replacement character."""
+    out = llm.generate("Emoji for pizza: \U0001F355. Emoji for cat:", GREEDY, use_tqdm=False)[0].outputs[0]
+    tokenizer = Tokenizer.from_pretrained(resolve_model(smollm2))
+    assert sum("\ufffd" in tokenizer.decode([token]) for token in out.token_ids) >= 2  # one character, split
+
+    stream = IncrementalDetokenizer(tokenizer)
+    pieces = []
+    for count in range(1, len(out.token_ids) + 1):
+        stream.update(out.token_ids[:count])
+        pieces.append(stream.take_new_text(final=count == len(out.token_ids)))
+
+    assert "".join(pieces) == out.text == tokenizer.decode(out.token_ids)
+    assert not any("\ufffd" in piece for piece in pieces)
+    assert "" in pieces and any(ord(c) > 0xFFFF for c in out.text)  # held back, then whole
