@@ -1,0 +1,147 @@
+"""The control routes against a real fleet: ``megatron-serve run`` (coordinator, one engine process, HTTP server)
+with an API key and an admin key. vLLM's ``/pause?mode=keep`` holds streams in flight and ``/resume`` finishes every
+one of them, token for token; ``/sleep`` and ``/wake_up`` around streams in flight; ``/abort_requests`` ends one
+stream by the ``request_id`` its client gave, with its tokens; SGLang's ``/health_generate`` and prime-rl's
+``/liveness``; ``/server_info`` with what the engine reported."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import httpx
+import pytest
+
+from ...processes import stop_process_group
+from ..conftest import wait_ready
+from ..test_openai_e2e import free_port
+
+pytestmark = [pytest.mark.timeout(300)]
+
+API_KEY, ADMIN_KEY = "inference-key", "admin-key"
+API = {"Authorization": f"Bearer {API_KEY}"}
+ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}
+TOKENS = 600
+
+
+@pytest.fixture(scope="module")
+def stack(tiny_model, tmp_path_factory):
+    log_dir = tmp_path_factory.mktemp("control-run")
+    port = free_port()
+    output = log_dir / "run.out"
+    with open(output, "wb") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "megatron_serve.cli", "run", "--model", tiny_model, "--port", str(port),
+             "--coordinator-port", "0", "--num-kv-blocks", "256", "--log-dir", str(log_dir), "--drain-timeout", "5"],
+            stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
+            env={**os.environ, "MEGATRON_SERVE_API_KEY": API_KEY, "MEGATRON_SERVE_ADMIN_KEY": ADMIN_KEY})
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_ready(proc, url, output)
+        yield SimpleNamespace(url=url, model=os.path.basename(tiny_model))
+    finally:
+        stop_process_group(proc)
+
+
+class Stream:
+    """A streamed completion read in the background: its tokens so far, its finish reason, its usage."""
+
+    def __init__(self, http: httpx.AsyncClient, model: str, prompt: str, request_id: str | None = None) -> None:
+        body = {"model": model, "prompt": prompt, "max_tokens": TOKENS, "stream": True, "temperature": 0.0,
+                "ignore_eos": True, "stream_options": {"include_usage": True}, "return_token_ids": True}
+        if request_id is not None:
+            body["request_id"] = request_id
+        self.tokens: list[int] = []
+        self.finish: str | None = None
+        self.usage: dict | None = None
+        self.task = asyncio.create_task(self._read(http, body))
+
+    async def _read(self, http: httpx.AsyncClient, body: dict) -> None:
+        async with http.stream("POST", "/v1/completions", json=body, headers=API) as response:
+            assert response.status_code == 200, await response.aread()
+            async for line in response.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[len("data: "):])
+                if chunk["choices"]:
+                    self.tokens += chunk["choices"][0].get("token_ids") or []
+                    self.finish = chunk["choices"][0]["finish_reason"] or self.finish
+                self.usage = chunk.get("usage") or self.usage
+
+    async def done(self) -> "Stream":
+        await asyncio.wait_for(self.task, 120)
+        return self
+
+
+async def _until(predicate, what: str, timeout: float = 60.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not predicate():
+        assert asyncio.get_running_loop().time() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(0.01)
+
+
+async def _held(streams: list[Stream]) -> list[int]:
+    """The streams' token counts, once they stood still for a while (a paused fleet sends nothing more)."""
+    counts = [len(s.tokens) for s in streams]
+    while True:
+        await asyncio.sleep(0.5)
+        now = [len(s.tokens) for s in streams]
+        if now == counts:
+            return now
+        counts = now
+
+
+async def test_pause_keep_holds_streams_in_flight_and_resume_finishes_every_one(stack):
+    async with httpx.AsyncClient(base_url=stack.url, timeout=120) as http:
+        streams = [Stream(http, stack.model, prompt) for prompt in ("Once upon a time", "In a galaxy", "The cat")]
+        await _until(lambda: all(s.tokens for s in streams), "every stream's first tokens")
+        assert (await http.post("/pause?mode=keep", headers=ADMIN)).json() == {"status": "paused"}
+        assert (await http.get("/is_paused", headers=API)).json() == {"is_paused": True}
+        held = await _held(streams)
+        assert all(0 < count < TOKENS for count in held) and not any(s.task.done() for s in streams)
+        assert (await http.post("/resume", headers=ADMIN)).json() == {"status": "resumed"}
+        for stream in streams:
+            await stream.done()
+            assert stream.finish == "length" and len(stream.tokens) == TOKENS == stream.usage["completion_tokens"]
+
+
+async def test_sleep_and_wake_up_around_streams_in_flight(stack):
+    async with httpx.AsyncClient(base_url=stack.url, timeout=120) as http:
+        streams = [Stream(http, stack.model, prompt) for prompt in ("A long road", "Under the sea")]
+        await _until(lambda: all(s.tokens for s in streams), "every stream's first tokens")
+        assert (await http.post("/sleep?level=1&mode=keep", headers=ADMIN)).status_code == 200
+        assert (await http.get("/is_sleeping", headers=API)).json() == {"is_sleeping": True}
+        status = (await http.get("/v1/admin/status", headers=ADMIN)).json()
+        assert status["state"] == "SUSPENDED" and status["suspend_level"] == 2
+        held = await _held(streams)
+        assert all(count < TOKENS for count in held)
+        assert (await http.post("/wake_up?tags=weights&tags=kv_cache", headers=ADMIN)).status_code == 200
+        assert (await http.get("/is_sleeping", headers=API)).json() == {"is_sleeping": False}
+        for stream in streams:
+            await stream.done()
+            assert stream.finish == "length" and len(stream.tokens) == TOKENS
+
+
+async def test_abort_requests_ends_one_stream_by_its_request_id_with_its_tokens(stack):
+    async with httpx.AsyncClient(base_url=stack.url, timeout=120) as http:
+        cut, kept = Stream(http, stack.model, "Cut short", "rollout-1"), Stream(http, stack.model, "Kept on")
+        await _until(lambda: cut.tokens and kept.tokens, "both streams' first tokens")
+        answer = await http.post("/abort_requests", json={"request_ids": ["rollout-1"]}, headers=ADMIN)
+        assert answer.json() == {"status": "aborted", "aborted": 1}
+        await cut.done()
+        assert cut.finish == "abort" and 0 < len(cut.tokens) < TOKENS == len((await kept.done()).tokens)
+        assert cut.usage["completion_tokens"] == len(cut.tokens)
+
+
+async def test_probes_and_server_info_read_the_real_fleet(stack):
+    async with httpx.AsyncClient(base_url=stack.url, timeout=120) as http:
+        assert (await http.get("/health_generate")).status_code == 200
+        assert (await http.get("/liveness")).json() == {"status": "ok"}
+        info = (await http.get("/server_info?config_format=json", headers=API)).json()
+        assert info["vllm_config"]["model_config"]["dtype"] == "float32"  # the engine's, on a CPU
+        assert info["vllm_config"]["model_config"]["max_model_len"] > 0 and info["tp_size"] == 1
+        assert (await http.get("/get_world_size", headers=API)).json() == {"world_size": 1}
