@@ -362,7 +362,10 @@ def metrics_page() -> str:
 # vLLM routes, in the order its docs list them
 VLLM_ROUTES = ["/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics", "/tokenize",
                "/detokenize", "/v1/load_lora_adapter", "/v1/unload_lora_adapter", "/v1/embeddings", "/v1/responses",
-               "/version", "/ping", "/inference/v1/generate", "/v1/chat/completions/render"]
+               "/version", "/ping", "/inference/v1/generate", "/v1/chat/completions/render",
+               # its RL routes (mounted in its dev mode)
+               "/init_weight_transfer_engine", "/start_weight_update", "/update_weights", "/finish_weight_update",
+               "/update_weight_version", "/weight_info", "/weight_checker", "/collective_rpc"]
 # What a vLLM series made here (no twin in the catalogue) is made from
 MADE_HERE = {"vllm:cache_config_info": "the engines' block size and KV blocks",
              "vllm:lora_requests_info": "the engines' adapter slots and the adapters of their running and waiting "

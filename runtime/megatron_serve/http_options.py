@@ -39,7 +39,9 @@ class HTTPOptions:
     ``log_stats``: a throughput / queue / KV-cache line every ``stats_interval`` seconds while busy.
     ``uvicorn_log_level`` (None: the server's log level) and ``access_log``: uvicorn's own log.
     ``metrics_compat``: ``"vllm"`` adds the ``vllm:`` series to ``/metrics``. ``docs``: serve
-    ``/docs``, ``/redoc`` and ``/openapi.json``.
+    ``/docs``, ``/redoc`` and ``/openapi.json``. ``weight_transfer_backend``: vLLM's ``--weight-transfer-config``
+    backend (``nccl``, or ``gloo`` for CPU trainers) through which a trainer's group pushes weights to the weight
+    routes (:mod:`megatron_serve.server.rl.weight_updates`); None: no trainer group is joined.
     """
 
     tool_call_parser: str | None = None
@@ -53,6 +55,7 @@ class HTTPOptions:
     access_log: bool = True
     metrics_compat: Literal["vllm", "none"] = "vllm"
     docs: bool = True
+    weight_transfer_backend: Literal["nccl", "gloo"] | None = None
 
     def __post_init__(self) -> None:
         if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_CALL_PARSERS:
@@ -85,4 +88,5 @@ class HTTPOptions:
                    log_requests=args.log_requests, max_log_len=args.max_log_len,
                    log_stats=not args.disable_log_stats, uvicorn_log_level=args.uvicorn_log_level,
                    access_log=not args.disable_uvicorn_access_log, metrics_compat=args.metrics_compat,
-                   docs=not args.disable_fastapi_docs)
+                   docs=not args.disable_fastapi_docs,
+                   weight_transfer_backend=(args.weight_transfer_config or {}).get("backend"))

@@ -17,11 +17,13 @@ from fastapi import FastAPI
 
 from ..context import ServerContext
 from .control_routes import CONTROL_ADMIN_PATHS, add_control_routes
+from .weight_routes import WEIGHT_ADMIN_PATHS, add_weight_routes
 
 #: Routes of this package that need the admin key (each module adds its own).
-RL_ADMIN_PATHS: frozenset[str] = CONTROL_ADMIN_PATHS
+RL_ADMIN_PATHS: frozenset[str] = CONTROL_ADMIN_PATHS | WEIGHT_ADMIN_PATHS
 
 
 def add_rl_routes(app: FastAPI, ctx: ServerContext, admin_key: str | None, api_guard: Any) -> None:
     """Every RL framework's routes on ``app``; ``api_guard``: the API key's guard (see :func:`..api_key.api_key_guard`)."""
     add_control_routes(app, ctx, admin_key, api_guard)
+    add_weight_routes(app, ctx, admin_key)

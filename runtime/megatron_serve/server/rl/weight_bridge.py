@@ -1,0 +1,117 @@
+"""The server as a receiving rank of a trainer's own process group: the weights a trainer broadcasts, in host memory.
+
+RL frameworks push weights into vLLM and SGLang servers by making a process group of their own (the trainer and
+every engine rank) and broadcasting the tensors over it. Here the server process joins that group in the engines'
+place, receives the broadcast into host tensors, and hands them to the fleet through the REFIT transaction
+(:mod:`.weight_updates`), so that every engine verifies names and shapes before any loads.
+
+The group is built as the framework builds its side (:class:`~megatron_serve.weights.framework_groups.Layout`),
+with no global default group (as :mod:`megatron_serve.weights.group` does): a ``TCPStore`` (the trainer's, or this
+server's where the protocol has a server rank serve it), the framework's key prefixes in front of it, and a
+``ProcessGroupGloo`` (``gloo``: CPU tensors) or ``ProcessGroupNCCL`` (``nccl``: the server process needs a GPU;
+each tensor lands on it, then is copied to host memory) made from them directly. Imported only when a trainer's
+group is joined: the HTTP server does not import torch otherwise.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import datetime
+import socket
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+from ...weights.framework_groups import PACKED_BUFFER_BYTES, Layout, TensorMeta, packed_chunks
+from ...weights.group import local_address_towards
+from ...weights.manifest import torch_dtype
+
+
+class TrainerGroup:
+    """This server's ranks in one trainer's group, joined (:meth:`join`, blocking) until :meth:`close`.
+
+    Every rank this server takes receives every broadcast (one thread each, as each were an engine); the tensors
+    are read from the first. One rank is the usual case: more exist only where a trainer counted more receivers.
+    """
+
+    def __init__(self, layout: Layout, store: dist.Store, groups: list[dist.ProcessGroup]) -> None:
+        self.layout = layout
+        self._store = store  # held: a store this server serves goes with it
+        self._groups = groups
+
+    @classmethod
+    def join(cls, layout: Layout, timeout: float) -> "TrainerGroup":
+        """Reach (or serve) the store and build this server's side of the group; returns once the trainer joined,
+        ``RuntimeError`` (torch's) when it does not within ``timeout``."""
+        span = datetime.timedelta(seconds=timeout)
+        # a store's clients count themselves in (torch's rendezvous waits for world_size of them); one this server
+        # serves waits for nobody (TRL's client does not count itself)
+        store = dist.TCPStore(layout.host, layout.port, layout.world_size, is_master=layout.hosts_store,
+                              timeout=span, wait_for_workers=not layout.hosts_store)
+        prefixed: dist.Store = store
+        for prefix in layout.prefixes:
+            prefixed = dist.PrefixStore(prefix, prefixed)
+        groups = _each([lambda rank=rank: _process_group(prefixed, rank, layout, span) for rank in layout.ranks])
+        return cls(layout, store, groups)
+
+    def receive(self, metas: list[TensorMeta], packed: bool, buffer_bytes: int = PACKED_BUFFER_BYTES
+                ) -> list[tuple[str, torch.Tensor]]:
+        """The announced tensors, in host memory, as the trainer broadcasts them (packed or one by one)."""
+        return _each([lambda group=group: _receive(group, self.layout, metas, packed, buffer_bytes)
+                      for group in self._groups])[0]
+
+    def barrier(self) -> None:
+        """Every rank of the group (TRL's client waits on one after each tensor)."""
+        _each([lambda group=group: group.barrier().wait() for group in self._groups])
+
+    def close(self) -> None:
+        """Release the connections (NCCL communicators need an explicit shutdown)."""
+        if self.layout.backend == "nccl":
+            for group in self._groups:
+                group.shutdown()
+        self._groups = []
+
+
+def _process_group(store: dist.Store, rank: int, layout: Layout, span: datetime.timedelta) -> dist.ProcessGroup:
+    if layout.backend == "nccl":
+        nccl = dist.ProcessGroupNCCL.Options()
+        nccl._timeout = span
+        return dist.ProcessGroupNCCL(store, rank, layout.world_size, nccl)
+    options = dist.ProcessGroupGloo._Options()
+    options._timeout = span
+    options._devices = [dist.ProcessGroupGloo.create_device(hostname=_towards(layout.host))]
+    return dist.ProcessGroupGloo(store, rank, layout.world_size, options)
+
+
+def _towards(host: str) -> str:
+    """The address the trainer reaches this process at (gloo's connections listen there): on the route to the
+    store's host, or this machine's name where this server serves the store on every interface."""
+    return socket.gethostbyname(socket.gethostname()) if host == "0.0.0.0" else local_address_towards(host)
+
+
+def _receive(group: dist.ProcessGroup, layout: Layout, metas: list[TensorMeta], packed: bool,
+             buffer_bytes: int) -> list[tuple[str, torch.Tensor]]:
+    device = torch.device("cuda", torch.cuda.current_device()) if layout.backend == "nccl" else torch.device("cpu")
+    received: list[tuple[str, torch.Tensor]] = []
+    for chunk in (packed_chunks(metas, buffer_bytes) if packed else [[meta] for meta in metas]):
+        buffer = torch.empty(sum(meta.nbytes for meta in chunk), dtype=torch.uint8, device=device)
+        options = dist.BroadcastOptions()
+        options.rootRank = layout.src
+        group.broadcast([buffer], options).wait()
+        host = buffer.cpu()
+        offset = 0
+        for meta in chunk:
+            received.append((meta.name, host[offset:offset + meta.nbytes].view(torch_dtype(meta.dtype))
+                             .view(meta.shape)))
+            offset += meta.nbytes
+    return received
+
+
+def _each(calls: list[Callable[[], Any]]) -> list[Any]:
+    """Each call on a thread of its own when there are several (each rank's collective blocks until every rank
+    called it); their results, or the first failure."""
+    if len(calls) == 1:
+        return [calls[0]()]
+    with concurrent.futures.ThreadPoolExecutor(len(calls)) as pool:
+        return [future.result() for future in [pool.submit(call) for call in calls]]

@@ -1,0 +1,232 @@
+"""One server's weight updates, whatever framework sends them: a trainer's group, staged tensors, the REFIT.
+
+Every framework's weight routes (:mod:`.weight_vllm`, :mod:`.weight_sglang`, :mod:`.weight_trl`) come here, so that
+all of them run as the fleet's REFIT transaction: the tensors a trainer broadcast are pushed into the fleet by a
+:class:`~megatron_serve.client.weight_sender.WeightSender` of this process (one sender, world size 1), whose REFIT
+has every engine verify names and shapes before any byte moves and loads all or nothing; the weight version a
+framework names becomes the epoch stamped on every token generated with the new weights. A directory update is the
+REFIT of that directory.
+
+A REFIT needs a paused fleet. The frameworks push into a running server (vLLM's and SGLang's engines load between
+two steps), so a commit on a RUNNING fleet pauses it in ``keep`` mode around the REFIT (requests in flight stop
+where they are and go on under the new weights, their tokens' epochs saying which weights made them) and unpauses
+it after, refused or not; a fleet the trainer paused (or suspended) stays as it was.
+
+What went through here is remembered as a checksum per tensor (:meth:`WeightUpdates.checksums`): the weights every
+engine acknowledged loading, at that epoch. Routes hold :attr:`WeightUpdates.lock` around what they do with the
+state, except :meth:`~WeightUpdates.start` and :meth:`~WeightUpdates.finish`, which take it themselves.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+from typing import TYPE_CHECKING, Any, Awaitable, Callable
+
+from fastapi import Request
+from pydantic import BaseModel, ConfigDict
+
+from ...weights.framework_groups import PACKED_BUFFER_BYTES, Layout, TensorMeta
+from ...wire.lifecycle import FleetState, PauseMode
+from ..errors import APIError
+from ..fleet import InferenceBackend
+from ..intake import parse_body
+
+if TYPE_CHECKING:  # torch only once a trainer's group is joined: the HTTP server runs without it otherwise
+    import torch
+
+    from ...client.coordinator_client import InferenceClient
+    from .weight_bridge import TrainerGroup
+
+#: How a route runs a verb: ``run(verb, call)`` answers ``call()``'s acknowledgement, or raises the refusal's HTTP
+#: answer (the admin API's :func:`~megatron_serve.server.admin.run_verb`, bound to the server's fleet monitor).
+VerbRunner = Callable[[str, Callable[[], Awaitable[dict[str, Any]]]], Awaitable[dict[str, Any]]]
+
+#: Seconds for a trainer to join, and for each transfer (a trainer's and the one into the fleet).
+TRANSFER_TIMEOUT_S = 300.0
+
+
+class Body(BaseModel):
+    """A framework's request body: its own field names; one it does not send is a 400 naming it."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+async def read(request: Request, model: type[Body]) -> Any:
+    """The body as ``model``; an empty one takes its defaults (frameworks post ``{}`` or nothing)."""
+    raw = await request.body()
+    return model() if not raw.strip() else parse_body(model, raw)
+
+
+def epoch_of(version: Any) -> int | None:
+    """A framework's weight version as the fleet's epoch: an integer (``3`` or ``"3"``), or None for the next one."""
+    if version is None:
+        return None
+    text = str(version)
+    if isinstance(version, bool) or not text.isdigit():
+        raise APIError(400, f"weight version {version!r} is not an epoch: here a weight version is the integer epoch "
+                            "stamped on every token generated with those weights (send 1, 2, ... or none for the "
+                            "next)", code="invalid_weight_version", type="invalid_request_error")
+    return int(text)
+
+
+class WeightUpdates:
+    """The weight-update state of one server: the trainer group it joined, the tensors staged for the next commit,
+    and the checksums of what the fleet loaded through it. One update at a time (:attr:`lock`)."""
+
+    def __init__(self, backend: InferenceBackend, transfer_backend: str | None, run: VerbRunner,
+                 timeout: float = TRANSFER_TIMEOUT_S) -> None:
+        self.backend = backend
+        self.transfer_backend = transfer_backend  # --weight-transfer-config's backend; None: no trainer groups
+        self.run = run
+        self.timeout = timeout
+        self.lock = asyncio.Lock()
+        self.group: TrainerGroup | None = None
+        self.staged: dict[str, torch.Tensor] | None = None  # None: no update started
+        self._checksums: tuple[int, dict[str, str]] | None = None  # (epoch, name -> sha256) of the last commit
+
+    def client(self) -> InferenceClient:
+        """The coordinator client that sends the REFIT (a fleet's; a server over one in-process engine has none)."""
+        from ...client.coordinator_client import InferenceClient  # noqa: PLC0415 - the backend's own module
+
+        if not isinstance(self.backend, InferenceClient):
+            raise APIError(501, "weight updates need a fleet with a coordinator (megatron-serve run, server or serve "
+                                "with --use-coordinator); this server runs its engine in process", code="unsupported")
+        return self.backend
+
+    def backend_for(self, requested: str | None) -> str:
+        """The transfer backend of a new trainer group: the configured one (``--weight-transfer-config``); a
+        framework that names another is refused."""
+        if self.transfer_backend is None:
+            raise APIError(400, "this server has no weight transfer: start it with --weight-transfer-config "
+                                "'{\"backend\": \"nccl\"}' (or \"gloo\" for CPU trainers)",
+                           code="weight_transfer_off", type="invalid_request_error")
+        if requested is not None and requested != self.transfer_backend:
+            raise APIError(400, f"backend {requested!r}: this server's weight transfer is {self.transfer_backend!r} "
+                                "(--weight-transfer-config)", code="invalid_request", type="invalid_request_error",
+                           param="backend")
+        return self.transfer_backend
+
+    async def open(self, layout: Layout) -> None:
+        """Join a trainer's group (any group joined before is left first); returns once the trainer joined."""
+        from .weight_bridge import TrainerGroup  # noqa: PLC0415 - torch, once a trainer's group is joined
+
+        self.client()
+        await self.close()
+        try:
+            self.group = await asyncio.to_thread(TrainerGroup.join, layout, self.timeout)
+        except (RuntimeError, OSError, ValueError) as exc:
+            raise APIError(503, f"the trainer's group at {layout.host}:{layout.port} was not joined: {exc}",
+                           code="weight_transfer_failed") from None
+
+    async def close(self) -> None:
+        group, self.group = self.group, None
+        self.staged = None
+        if group is not None:
+            await asyncio.to_thread(group.close)
+
+    def joined(self) -> TrainerGroup:
+        if self.group is None:
+            raise APIError(409, "no trainer group: initialize the weight transfer first", code="no_weight_transfer",
+                           type="invalid_request_error")
+        return self.group
+
+    async def receive(self, metas: list[TensorMeta], packed: bool, buffer_bytes: int = PACKED_BUFFER_BYTES,
+                      barrier: bool = False) -> list[tuple[str, torch.Tensor]]:
+        """The tensors the trainer broadcasts now (``barrier``: then a barrier of the whole group, TRL's)."""
+        group = self.joined()
+
+        def run() -> list[tuple[str, torch.Tensor]]:
+            tensors = group.receive(metas, packed, buffer_bytes)
+            if barrier:
+                group.barrier()
+            return tensors
+
+        try:
+            return await asyncio.to_thread(run)
+        except RuntimeError as exc:  # the trainer died or gave up mid-broadcast: nothing is staged
+            await self.close()
+            raise APIError(503, f"receiving the weights from the trainer failed ({exc}); the trainer's group is left, "
+                                "the fleet keeps its weights", code="weight_transfer_failed") from None
+
+    async def start(self) -> None:
+        """An update begins: what the trainer broadcasts from now on is staged until :meth:`finish`."""
+        async with self.lock:
+            self.joined()
+            self.staged = {}
+
+    def stage(self, tensors: list[tuple[str, torch.Tensor]]) -> None:
+        staged = self.staged if self.staged is not None else {}
+        staged.update(tensors)
+        self.staged = staged
+
+    async def finish(self, epoch: int | None) -> int:
+        """The commit point of a started update: one REFIT of every staged tensor; the epoch served after it."""
+        async with self.lock:
+            staged, self.staged = self.staged, None
+            if staged is None:
+                raise APIError(409, "no weight update started: POST /start_weight_update first",
+                               code="no_weight_update", type="invalid_request_error")
+            if not staged:  # started and finished with nothing sent: the weights stay, so does the epoch
+                return await self.epoch()
+            ack = await self.refit_tensors(list(staged.items()), epoch)
+        return int(ack["detail"]["epoch"])
+
+    async def refit_tensors(self, tensors: list[tuple[str, torch.Tensor]], epoch: int | None, *,
+                            pause: PauseMode = PauseMode.KEEP, keep_paused: bool = False) -> dict[str, Any]:
+        """REFIT the fleet with ``tensors`` (all or nothing, every engine verifying first); the acknowledgement.
+        ``pause``, ``keep_paused``: see :meth:`_paused`."""
+        from ...client.weight_sender import WeightSender  # noqa: PLC0415 - torch, as the bridge
+
+        client = self.client()
+
+        async def refit() -> dict[str, Any]:
+            return await WeightSender(client, backend="gloo", timeout=self.timeout).send(tensors, epoch=epoch)
+
+        ack = await self.run("refit", lambda: self._paused(client, refit, pause, keep_paused))
+        self._checksums = (int(ack["detail"]["epoch"]), {name: checksum(t) for name, t in tensors})
+        return ack
+
+    async def refit_directory(self, path: str, epoch: int | None, *, pause: PauseMode = PauseMode.KEEP,
+                              keep_paused: bool = False) -> dict[str, Any]:
+        """REFIT the fleet from a model directory (as the engines see it)."""
+        client = self.client()
+        ack = await self.run("refit", lambda: self._paused(client, lambda: client.refit(path, epoch), pause,
+                                                           keep_paused))
+        self._checksums = None  # the engines read the directory: this server never saw those bytes
+        return ack
+
+    @staticmethod
+    async def _paused(client: InferenceClient, refit: Callable[[], Awaitable[dict[str, Any]]], pause: PauseMode,
+                      keep_paused: bool) -> dict[str, Any]:
+        """``refit()`` on a paused fleet: a running one is paused in ``pause`` mode around it and unpaused after
+        (unless ``keep_paused``, SGLang's ``keep_pause``); ``abort`` also ends what a paused fleet holds (SGLang's
+        ``abort_all_requests``)."""
+        running = (await client.status())["state"] == FleetState.RUNNING.value
+        if running or pause is PauseMode.ABORT:
+            await client.pause(pause)
+        try:
+            return await refit()
+        finally:
+            if running and not keep_paused:
+                await client.unpause()
+
+    async def epoch(self) -> int:
+        return int((await self.client().status())["epoch"])
+
+    async def checksums(self) -> dict[str, str]:
+        """sha256 of each tensor the fleet loaded through this server, at the epoch it serves; 409 when the weights
+        it serves did not come through here (the server's own model, a directory), which it cannot see."""
+        served = await self.epoch()
+        if self._checksums is None or self._checksums[0] != served:
+            raise APIError(409, f"the weights of epoch {served} did not come through this server's weight routes "
+                                "(the model the fleet started with, or a directory): it has no checksums of them",
+                           code="no_checksums", type="invalid_request_error")
+        return dict(self._checksums[1])
+
+
+def checksum(tensor: torch.Tensor) -> str:
+    """sha256 of a tensor's bytes as the fleet received them."""
+    import torch  # noqa: PLC0415 - the tensors came with it
+
+    return hashlib.sha256(tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()).hexdigest()

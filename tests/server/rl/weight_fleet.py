@@ -1,0 +1,100 @@
+"""What the weight-route tests share: two tiny checkpoints, a served fleet of the first, a trainer process.
+
+``checkpoints``: models A and B (same shapes, other seeds) and the greedy completions that a server started from
+each answers (an in-process server per checkpoint, the reference). ``fleet``: ``megatron-serve run`` of A (a
+coordinator, one engine process, the HTTP server) with the admin key and ``--weight-transfer-config`` gloo.
+``run_trainer``: ``weight_trainer.py`` as a process of its own, the trainer side over real gloo and TCP.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import httpx
+import pytest
+
+from megatron_serve.model.tiny import make_tiny_model
+from megatron_serve.tokenizer import Tokenizer
+
+from ...helpers import free_port
+from ...processes import stop_process_group
+from ..conftest import surface, wait_ready
+
+ADMIN_KEY = "weights-admin-key"
+ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}
+PROMPTS = ["Hello there", "The quick brown fox jumps over the lazy dog", "1 2 3 4", "def add(a, b):"]
+TOKENS = 8
+TRAINER = Path(__file__).with_name("weight_trainer.py")
+
+
+def completion_body(model: str, prompt: str) -> dict:
+    return {"model": model, "prompt": prompt, "max_tokens": TOKENS, "temperature": 0, "ignore_eos": True,
+            "return_epochs": True}
+
+
+async def _served(model_dir: str) -> list[str]:
+    """The greedy completions of a server started from ``model_dir``."""
+    async with surface(model_dir, Tokenizer.from_pretrained(model_dir)) as (_, http):
+        answers = [(await http.post("/v1/completions", json=completion_body("tiny-llama", p))).json()
+                   for p in PROMPTS]
+    return [answer["choices"][0]["text"] for answer in answers]
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory) -> SimpleNamespace:
+    root = tmp_path_factory.mktemp("weight-routes")
+    a, b = str(make_tiny_model(root / "a", seed=0)), str(make_tiny_model(root / "b", seed=1))
+    texts = SimpleNamespace(a=asyncio.run(_served(a)), b=asyncio.run(_served(b)))
+    assert texts.a != texts.b
+    return SimpleNamespace(a=a, b=b, texts=texts)
+
+
+@pytest.fixture(scope="module")
+def fleet(checkpoints, tmp_path_factory):
+    log_dir = tmp_path_factory.mktemp("weight-routes-run")
+    key_file = log_dir / "admin-key"
+    key_file.write_text(ADMIN_KEY + "\n")
+    port = free_port()
+    output = log_dir / "run.out"
+    with open(output, "wb") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "megatron_serve.cli", "run", "--model", checkpoints.a, "--port", str(port),
+             "--coordinator-port", "0", "--num-kv-blocks", "256", "--log-dir", str(log_dir), "--drain-timeout", "5",
+             "--admin-key-file", str(key_file), "--weight-transfer-config", '{"backend": "gloo"}'],
+            stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_ready(proc, url, output)
+        with httpx.Client(base_url=url, timeout=300) as http:
+            model = http.get("/v1/models").json()["data"][0]["id"]
+            yield SimpleNamespace(url=url, http=http, model=model, path=checkpoints.a)
+    finally:
+        stop_process_group(proc)
+
+
+def completions(fleet: SimpleNamespace) -> tuple[list[str], set[int]]:
+    """The fleet's greedy completions of :data:`PROMPTS`, and the epochs on all their tokens."""
+    answers = [fleet.http.post("/v1/completions", json=completion_body(fleet.model, p)).json() for p in PROMPTS]
+    choices = [answer["choices"][0] for answer in answers]
+    return [c["text"] for c in choices], {epoch for c in choices for epoch in c["policy_epochs"]}
+
+
+def epoch(fleet: SimpleNamespace) -> int:
+    return fleet.http.get("/v1/admin/status", headers=ADMIN).json()["epoch"]
+
+
+def run_trainer(fleet: SimpleNamespace, protocol: str, model_dir: str, *extra: str) -> list[dict]:
+    """The trainer process for ``protocol`` (its calls and its broadcast); the JSON lines it printed (one per HTTP
+    answer: ``{"call", "status", "body"}``)."""
+    ended = subprocess.run([sys.executable, str(TRAINER), protocol, fleet.url, model_dir, str(free_port()), *extra],
+                           capture_output=True, text=True, timeout=600,
+                           env={**os.environ, "ADMIN_KEY": ADMIN_KEY})
+    lines = [json.loads(line) for line in ended.stdout.splitlines() if line.startswith("{")]
+    assert ended.returncode == 0, ended.stdout[-3000:] + ended.stderr[-3000:]
+    return lines

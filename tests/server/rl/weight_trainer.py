@@ -1,0 +1,163 @@
+"""A trainer process for the weight-route tests: one framework's weight-update calls and its broadcast, over gloo.
+
+``python weight_trainer.py PROTOCOL URL MODEL_DIR GROUP_PORT [options]`` (the admin key in ``$ADMIN_KEY``) pushes
+MODEL_DIR's tensors into the server at URL as the framework does, and prints one JSON line per HTTP answer
+(``{"call", "status", "body"}``). The calls replay each framework's own client, named per protocol below; only the
+collective is gloo (:mod:`megatron_serve.client.trainer_group`) where the framework's is NCCL.
+
+Options: ``--version N`` (the weight version to name), ``--corrupt name|shape|dtype`` (the last tensor announced
+under a name the model lacks, with a wrong shape, or with a dtype that cannot travel), ``--unpacked`` (vLLM: one
+broadcast per tensor), ``--no-start`` (vLLM before 0.19: ``/update_weights`` alone), ``--skyrl`` (SkyRL's bracket:
+its worker methods through ``/collective_rpc`` instead of vLLM's start and finish routes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import json
+import os
+from typing import Any, Callable
+
+import httpx
+import torch
+from safetensors.torch import load_file
+
+from megatron_serve.client.trainer_group import trainer_init, trainer_send_weights
+from megatron_serve.weights.framework_groups import TRL_PREFIX, sglang_prefixes
+
+GROUP = "weight_update_group"
+
+
+def tensors_of(model_dir: str, corrupt: str | None) -> tuple[list[tuple[str, torch.Tensor]], list[str]]:
+    """The checkpoint's tensors in a fixed order, and the dtype names to announce (one corrupted on request)."""
+    named = sorted(load_file(os.path.join(model_dir, "model.safetensors")).items())
+    dtypes = [str(t.dtype).removeprefix("torch.") for _, t in named]
+    if corrupt == "name":
+        named[-1] = ("model.layers.99.mlp.nope.weight", named[-1][1])
+    elif corrupt == "shape":
+        named[-1] = (named[-1][0], torch.zeros(3, 3, dtype=named[-1][1].dtype))
+    elif corrupt == "dtype":
+        dtypes[-1] = "int8"
+    return named, dtypes
+
+
+class Calls:
+    """The server's routes, each answer printed; ``alongside``: a call answered while this process broadcasts."""
+
+    def __init__(self, url: str) -> None:
+        self.http = httpx.Client(base_url=url, timeout=600,
+                                 headers={"Authorization": f"Bearer {os.environ['ADMIN_KEY']}"})
+        self.pool = concurrent.futures.ThreadPoolExecutor(1)
+
+    def post(self, path: str, body: Any = None) -> httpx.Response:
+        response = self.http.post(path, json=body) if body is not None else self.http.post(path)
+        print(json.dumps({"call": path, "status": response.status_code, "body": _json(response)}), flush=True)
+        return response
+
+    def alongside(self, path: str, body: Any, work: Callable[[], Any]) -> tuple[httpx.Response, Any]:
+        """Post while ``work`` runs here (the server blocks in the collective while it answers)."""
+        answer = self.pool.submit(self.post, path, body)
+        done = work()
+        return answer.result(), done
+
+
+def _json(response: httpx.Response) -> Any:
+    try:
+        return response.json()
+    except ValueError:
+        return response.text
+
+
+def vllm(calls: Calls, args: argparse.Namespace) -> None:
+    """TRL 1.16's ``VLLMClient`` (``trl/generation/vllm_client.py``: init_communicator, weight_update,
+    update_named_params) over vLLM's weight routes; packed broadcast unless ``--unpacked``."""
+    named, dtypes = tensors_of(args.model, args.corrupt)
+    init_info = {"master_address": "127.0.0.1", "master_port": args.port, "rank_offset": 1, "world_size": 2,
+                 "packed": not args.unpacked}
+    _, group = calls.alongside("/init_weight_transfer_engine", {"init_info": init_info},
+                               lambda: trainer_init("127.0.0.1", args.port, 2, timeout=120))
+    update_info = {"names": [n for n, _ in named], "dtype_names": dtypes, "shapes": [list(t.shape) for _, t in named]}
+    if args.skyrl:
+        calls.post("/collective_rpc", {"method": "skyrl_start_weight_update"})
+    elif not args.no_start:
+        calls.post("/start_weight_update", {"is_checkpoint_format": True})
+    if args.corrupt == "dtype":  # refused before any byte moves: nothing to broadcast
+        calls.post("/update_weights", {"update_info": update_info})
+        return
+    calls.alongside("/update_weights", {"update_info": update_info},
+                    lambda: trainer_send_weights(named, group, packed=not args.unpacked))
+    if args.skyrl:
+        calls.post("/collective_rpc", {"method": "skyrl_finish_weight_update"})
+    elif not args.no_start:
+        calls.post("/finish_weight_update", {"weight_version": args.version} if args.version else {})
+
+def sglang(calls: Calls, args: argparse.Namespace) -> None:
+    """slime's weight sync over SGLang's routes (``slime/backends/megatron_utils/update_weight_utils.py``:
+    ``init_weights_update_group``, ``update_weights_from_distributed`` with one broadcast per tensor in the order of
+    ``names``, ``destroy_weights_update_group``)."""
+    named, dtypes = tensors_of(args.model, args.corrupt)
+    group_body = {"master_address": "127.0.0.1", "master_port": args.port, "rank_offset": 1, "world_size": 2,
+                  "group_name": GROUP, "backend": "gloo"}
+    _, group = calls.alongside("/init_weights_update_group", group_body,
+                               lambda: trainer_init("127.0.0.1", args.port, 2, prefixes=sglang_prefixes(GROUP, "gloo"),
+                                                    timeout=120))
+    update = {"names": [n for n, _ in named], "dtypes": dtypes, "shapes": [list(t.shape) for _, t in named],
+              "group_name": GROUP, "flush_cache": True, **({"weight_version": args.version} if args.version else {})}
+    if args.corrupt == "dtype":  # refused before any byte moves: nothing to broadcast
+        calls.post("/update_weights_from_distributed", update)
+    else:
+        calls.alongside("/update_weights_from_distributed", update,
+                        lambda: trainer_send_weights(named, group, packed=False))
+    calls.post("/destroy_weights_update_group", {"group_name": GROUP})
+
+
+def trl(calls: Calls, args: argparse.Namespace) -> None:
+    """TRL 1.10's ``VLLMClient`` (``trl/generation/vllm_client.py``: ``init_communicator``,
+    ``update_model_params`` = ``update_named_param`` per parameter, ``close_communicator``), the client the last
+    rank of the group whose store the server serves, keys under TRL's ``client2server`` prefix."""
+    named, dtypes = tensors_of(args.model, args.corrupt)
+    calls.post("/init_communicator/", {"host": "0.0.0.0", "port": args.port, "world_size": 2,
+                                       "client_device_uuid": "42"})
+    group = trainer_init("127.0.0.1", args.port, 2, rank=1, prefixes=(TRL_PREFIX,), serves_store=False,
+                         timeout=120)
+    for (name, tensor), dtype in zip(named, dtypes):
+        answer = calls.post("/update_named_param/", {"name": name, "dtype": f"torch.{dtype}",
+                                                     "shape": list(tensor.shape)})
+        if answer.status_code != 200:  # TRL's client raises here: nothing broadcast
+            break
+        trainer_send_weights([(name, tensor)], group, src=1)
+        group.barrier().wait()
+    calls.post("/close_communicator/")
+
+
+def disk(calls: Calls, args: argparse.Namespace) -> None:
+    """SGLang's ``update_weights_from_disk`` (``slime/backends/sglang_utils/sglang_engine.py``): the server reads
+    the directory."""
+    calls.post("/update_weights_from_disk", {"model_path": args.model, "flush_cache": True,
+                                             **({"weight_version": args.version} if args.version else {})})
+
+
+def primerl(calls: Calls, args: argparse.Namespace) -> None:
+    """prime-rl's orchestrator once the trainer wrote a checkpoint (``prime_rl/orchestrator/client.py``:
+    ``update_weights``): ``/update_weights {weight_dir}``."""
+    calls.post("/update_weights", {"weight_dir": args.model})
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("protocol", choices=["vllm", "sglang", "trl", "disk", "primerl"])
+    parser.add_argument("url")
+    parser.add_argument("model")
+    parser.add_argument("port", type=int)
+    parser.add_argument("--version", default=None)
+    parser.add_argument("--corrupt", choices=["name", "shape", "dtype"], default=None)
+    parser.add_argument("--unpacked", action="store_true")
+    parser.add_argument("--no-start", action="store_true")
+    parser.add_argument("--skyrl", action="store_true")
+    args = parser.parse_args()
+    {"vllm": vllm, "sglang": sglang, "trl": trl, "disk": disk, "primerl": primerl}[args.protocol](Calls(args.url), args)
+
+
+if __name__ == "__main__":
+    main()
