@@ -19,6 +19,7 @@ is not here: a way to make the cache cold for a measurement, which would need a 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Iterable, TypeVar, cast
 
 from fastapi import Request
@@ -85,12 +86,15 @@ class Control:
         return True
 
 
+@dataclass(frozen=True)
 class FleetShape:
     """The parallel layout of the fleet as the anchors report theirs: every engine is a data-parallel replica of
     ``tensor x pipeline`` ranks (the first engine's layout; a fleet's engines share one)."""
 
-    def __init__(self, tensor: int, pipeline: int, data: int, expert: bool) -> None:
-        self.tensor, self.pipeline, self.data, self.expert = tensor, pipeline, data, expert
+    tensor: int
+    pipeline: int
+    data: int
+    expert: bool
 
     @classmethod
     def of(cls, engines: list[dict[str, Any]]) -> "FleetShape":
