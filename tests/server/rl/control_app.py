@@ -10,6 +10,7 @@ from typing import Any, AsyncIterator
 
 import httpx
 
+from megatron_serve.http_options import HTTPOptions
 from megatron_serve.server import create_app
 
 from ..conftest import serving
@@ -21,11 +22,13 @@ ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}
 
 
 @contextlib.asynccontextmanager
-async def controlled(tokenizer: Any, **fleet: Any) -> AsyncIterator[SimpleNamespace]:
-    """The served app, its fleet and an HTTP client (``fleet``: :class:`ControlledFleet`'s options)."""
+async def controlled(tokenizer: Any, options: HTTPOptions | None = None, **fleet: Any
+                     ) -> AsyncIterator[SimpleNamespace]:
+    """The served app, its fleet and an HTTP client (``fleet``: :class:`ControlledFleet`'s options; ``options``:
+    the app's)."""
     backend = ControlledFleet(tokenizer, **fleet)
     app = create_app(backend, tokenizer, "tiny-llama", api_key=API_KEY, admin_key=ADMIN_KEY, vocab_size=512,
-                     max_model_len=1024, status_interval=0.05)
+                     max_model_len=1024, status_interval=0.05, options=options)
     async with serving(app) as url, httpx.AsyncClient(base_url=url, timeout=60) as http:
         yield SimpleNamespace(fleet=backend, http=http)
 

@@ -8,6 +8,7 @@ import asyncio
 
 import pytest
 
+from megatron_serve.http_options import HTTPOptions
 from megatron_serve.wire.lifecycle import FleetState
 
 from .control_app import ADMIN, API, chunks, controlled, error_of, start_stream, tokens_and_reason, until
@@ -165,6 +166,9 @@ async def test_server_info_has_the_vllm_config_fields_the_frameworks_read(tokeni
         assert isinstance(text, str) and "tensor_parallel_size=2" in text
         models = (await s.http.get("/v1/models", headers=API)).json()["data"]
         assert models[0]["max_model_len"] == 256
+    async with controlled(tokenizer, HTTPOptions(weight_transfer_backend="gloo")) as s:  # --weight-transfer-config
+        config = (await s.http.get("/server_info?config_format=json", headers=API)).json()["vllm_config"]
+        assert config["weight_transfer_config"] == {"backend": "gloo"}
 
 
 async def test_acting_routes_need_the_admin_key_and_reading_ones_the_api_key(tokenizer):

@@ -35,6 +35,7 @@ def vllm_config(ctx: ServerContext, control: Control) -> dict[str, Any]:
     info, shape = _engine_info(ctx), control.shape()
     lora = ({"max_loras": info["max_loras"], "max_lora_rank": info["max_lora_rank"]}
             if info.get("max_loras") is not None else None)
+    backend = ctx.options.weight_transfer_backend
     return {
         "model_config": {"model": ctx.model_name, "served_model_name": ctx.model_name, "dtype": info.get("dtype"),
                          "max_model_len": ctx.max_model_len()},
@@ -43,7 +44,7 @@ def vllm_config(ctx: ServerContext, control: Control) -> dict[str, Any]:
                             "world_size": shape.world_size, "world_size_across_dp": shape.world_size_across_dp},
         "cache_config": {"block_size": info.get("block_size"), "enable_prefix_caching": info.get("prefix_caching")},
         "lora_config": lora,
-        "weight_transfer_config": None,  # no trainer's group joins this server's weight routes yet
+        "weight_transfer_config": {"backend": backend} if backend is not None else None,
     }
 
 
