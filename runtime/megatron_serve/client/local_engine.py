@@ -256,9 +256,14 @@ class EngineThread:
                 outputs = engine.step()
             except Exception as exc:  # fail what was running; the engine stays usable for new work
                 logger.exception("engine step failed")
-                failed = engine.take_unfinished_requests()
+                try:
+                    engine.take_unfinished_requests()
+                except Exception:  # noqa: BLE001 - the records the failed step could not build fail here too
+                    logger.exception("handing back the unfinished requests failed")
                 block = True
-                self._post([(request.request_id, RuntimeError(f"engine step failed: {exc}")) for request in failed])
+                # Every request a caller waits for, not only those the engine still held: one whose final record
+                # the step was building when it raised is held by no one else, and its caller would wait forever.
+                self._post([(request_id, RuntimeError(f"engine step failed: {exc}")) for request_id in list(self._loops)])
                 continue
             block = not engine.has_unfinished_requests()  # decided before the results go out (see class doc)
             if outputs:
