@@ -271,7 +271,7 @@ def verify_checkpoint(model: LlamaForCausalLM, model_dir: str | Path) -> None:
     The check runs the real loading path against a shape-only (meta) copy of the model, so it
     accepts exactly what ``load_weights`` would, and refuses with the first mismatch it finds.
     """
-    if any(path.suffix == GGUF_SUFFIX for path in checkpoint_files(model_dir)):
+    if (Path(model_dir) / WEIGHTS_LINK).exists():
         raise ValueError(f"{model_dir}: new weights come as a safetensors checkpoint; a GGUF file is served from "
                          "the start only")
     new_config = ModelConfig.from_dir(model_dir)
