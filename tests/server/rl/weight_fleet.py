@@ -1,7 +1,8 @@
 """What the weight-route tests share: two tiny checkpoints, a served fleet of the first, a trainer process.
 
 ``checkpoints``: models A and B (same shapes, other seeds) and the greedy completions that a server started from
-each answers (an in-process server per checkpoint, the reference). ``fleet``: ``megatron-serve run`` of A (a
+each answers (an in-process server per checkpoint, the reference; once per seed and process, the models being
+deterministic). ``fleet``: ``megatron-serve run`` of A (a
 coordinator, one engine process, the HTTP server) with the admin key and ``--weight-transfer-config`` gloo.
 ``run_trainer``: ``weight_trainer.py`` as a process of its own, the trainer side over real gloo and TCP.
 """
@@ -9,10 +10,12 @@ coordinator, one engine process, the HTTP server) with the admin key and ``--wei
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -46,11 +49,18 @@ async def _served(model_dir: str) -> list[str]:
     return [answer["choices"][0]["text"] for answer in answers]
 
 
+@functools.cache
+def reference_texts(seed: int) -> list[str]:
+    """The greedy completions of a server started from the tiny model of ``seed``."""
+    with tempfile.TemporaryDirectory() as root:
+        return asyncio.run(_served(str(make_tiny_model(Path(root) / "model", seed=seed))))
+
+
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory) -> SimpleNamespace:
     root = tmp_path_factory.mktemp("weight-routes")
     a, b = str(make_tiny_model(root / "a", seed=0)), str(make_tiny_model(root / "b", seed=1))
-    texts = SimpleNamespace(a=asyncio.run(_served(a)), b=asyncio.run(_served(b)))
+    texts = SimpleNamespace(a=reference_texts(0), b=reference_texts(1))
     assert texts.a != texts.b
     return SimpleNamespace(a=a, b=b, texts=texts)
 
