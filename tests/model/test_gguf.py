@@ -21,7 +21,7 @@ from megatron_serve.model.config import ModelConfig
 from megatron_serve.model.errors import UnsupportedModelError
 from megatron_serve.model.gguf.tensors import gguf_tensors
 from megatron_serve.model.gguf.view import cache_root
-from megatron_serve.model.loader import STRUCTURAL_FIELDS, load_model
+from megatron_serve.model.loader import STRUCTURAL_FIELDS, build_model, load_model, verify_checkpoint
 from megatron_serve.model.tiny import make_tiny_model
 
 from ..prompts import PROMPTS
@@ -141,3 +141,12 @@ def test_a_gguf_file_with_the_tokenizer_of_a_directory_serves_as_its_checkpoint(
     expected = LLM(model=str(model_dir), dtype="float32")
     outputs = [llm.generate(PROMPTS, greedy, use_tqdm=False) for llm in (served, expected)]
     assert [o.outputs[0].token_ids for o in outputs[0]] == [o.outputs[0].token_ids for o in outputs[1]]
+
+
+def test_a_refit_from_a_gguf_directory_is_refused(wide_checkpoint, tmp_path):
+    write_gguf(wide_checkpoint, tmp_path / "model.gguf", GGMLQuantizationType.Q8_0)
+    view = resolve_model(tmp_path / "model.gguf", tokenizer=False)
+    model = build_model(ModelConfig.from_dir(view), torch.float32, "meta")
+
+    with pytest.raises(ValueError, match="new weights come as a safetensors checkpoint; a GGUF file is served"):
+        verify_checkpoint(model, view)
