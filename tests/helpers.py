@@ -12,7 +12,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from collections import Counter
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import httpx
 import zmq
@@ -21,6 +22,9 @@ from megatron_serve.fleet.argv import TOKEN_ENV
 from megatron_serve.wire.messages import FROM_COORDINATOR, PROTOCOL_VERSION
 from megatron_serve.wire.protocol import Header, Message, decode, encode
 from megatron_serve.wire.security import FleetSecret, PeerKeys, make_secret
+
+if TYPE_CHECKING:
+    from megatron_serve.client.coordinator_client import InferenceClient
 
 PY = sys.executable
 
@@ -114,6 +118,21 @@ class Children:
                 proc.wait(timeout=10)
             except subprocess.TimeoutExpired:
                 pass
+
+
+class Recorder:
+    """Counts RESULT messages as the client receives them (before any de-duplication)."""
+
+    def __init__(self, client: InferenceClient) -> None:
+        self.results: Counter = Counter()
+        original = client._on_message
+
+        def spy(header, body):
+            if header is Header.RESULT:
+                self.results[str(body.client_request_id)] += 1
+            original(header, body)
+
+        client._on_message = spy
 
 
 class RawPeer:

@@ -18,18 +18,16 @@ import os
 import subprocess
 import sys
 import time
-from collections import Counter
 from typing import Iterator
 
 import pytest
 
 from megatron_serve.client.coordinator_client import InferenceClient, StreamPartial
 from megatron_serve.config import InferenceConfig
-from megatron_serve.wire.protocol import Header
 from megatron_serve.wire.request import RequestStatus
 from megatron_serve.wire.sampling_params import SamplingParams
 
-from ..helpers import Children, free_port
+from ..helpers import Children, Recorder, free_port
 
 pytestmark = [pytest.mark.timeout(600), pytest.mark.slow]
 
@@ -77,21 +75,6 @@ def direct(tiny_model):
         return {p: r.generated_text for p, r in zip(PROMPTS, llm.generate(PROMPTS, LONG))}
     finally:
         llm.close()
-
-
-class Recorder:
-    """Counts RESULT messages as the client receives them (before any de-duplication)."""
-
-    def __init__(self, client: InferenceClient) -> None:
-        self.results: Counter = Counter()
-        original = client._on_message
-
-        def spy(header, body):
-            if header is Header.RESULT:
-                self.results[str(body.client_request_id)] += 1
-            original(header, body)
-
-        client._on_message = spy
 
 
 async def test_an_engine_cut_off_mid_stream_loses_no_request_and_answers_none_twice(tiny_model, direct, tmp_path):

@@ -13,19 +13,17 @@ import signal
 import subprocess
 import sys
 import time
-from collections import Counter
 from types import SimpleNamespace
 
 import pytest
 
 from megatron_serve.client.coordinator_client import InferenceClient, StreamPartial, Unauthorized
 from megatron_serve.config import InferenceConfig
-from megatron_serve.wire.protocol import Header
 from megatron_serve.wire.request import RequestStatus
 from megatron_serve.wire.sampling_params import SamplingParams
 from megatron_serve.wire.security import make_secret
 
-from ..helpers import Children, free_port, until
+from ..helpers import Children, Recorder, free_port, until
 
 pytestmark = [pytest.mark.timeout(600), pytest.mark.slow]
 
@@ -82,21 +80,6 @@ async def client(fleet):
         yield c
     finally:
         c.close()
-
-
-class Recorder:
-    """Counts RESULT messages as the client receives them (before any de-duplication)."""
-
-    def __init__(self, client: InferenceClient) -> None:
-        self.results: Counter = Counter()
-        original = client._on_message
-
-        def spy(header, body):
-            if header is Header.RESULT:
-                self.results[str(body.client_request_id)] += 1
-            original(header, body)
-
-        client._on_message = spy
 
 
 async def _stream_all(client, prompts, texts):
