@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 from fastapi.responses import Response
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, RootModel
 
 from ...client.outputs import StreamPartial
 from ...wire.request import DynamicInferenceRequest, FinishReason
@@ -40,7 +40,7 @@ DEFAULT_MAX_NEW_TOKENS = 128
 class SglangSamplingParams(BaseModel):
     """SGLang's ``sampling_params`` (the fields this server honours; the ranges are those of ``/v1/completions``)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(strict=True, extra="forbid")
 
     max_new_tokens: int | None = Field(None, description=f"default {DEFAULT_MAX_NEW_TOKENS} (SGLang's)")
     min_new_tokens: int | None = None
@@ -69,7 +69,7 @@ class SglangSamplingParams(BaseModel):
 class SglangGenerateRequest(BaseModel):
     """Body of ``POST /generate`` (SGLang's ``GenerateReqInput``: the fields slime, miles and AReaL send)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(strict=True, extra="forbid")
 
     text: str | list[str] | None = None
     input_ids: list[int] | list[list[int]] | None = None
@@ -113,6 +113,11 @@ class SglangGenerateResponse(BaseModel):
     text: str
     output_ids: list[int]
     meta_info: MetaInfo
+
+
+class SglangGenerateAnswer(RootModel[SglangGenerateResponse | list[SglangGenerateResponse]]):
+    """Answer of ``POST /generate``: one sequence, or a list of them (in order, each with its ``index``) for a batch or
+    ``n`` > 1."""
 
 
 #: SGLang's sampling names -> this server's (the others are the same).

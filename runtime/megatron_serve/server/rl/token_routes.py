@@ -16,6 +16,7 @@ from ..api_key import APIKeyGuard
 from ..chat import ChatHandler
 from ..completions import CompletionHandler
 from ..context import ServerContext
+from ..images import load_images
 from ..intake import check_limits, parse_body, request_body_doc
 from ..models import ChatCompletionRequest
 from ..openapi_doc import error_responses
@@ -30,12 +31,11 @@ TOKEN_BODIES: tuple[type[BaseModel], ...] = (
     trl_generate.TrlChatRequest, trl_generate.TrlSequenceLogprobsRequest)
 
 
-def _chat_handler(ctx: ServerContext, raw: bytes) -> ChatHandler:
-    """On a worker thread: the chat route's own handler of a chat body (parsed, checked, rendered; nothing
-    submitted)."""
+def _chat_request(ctx: ServerContext, raw: bytes) -> ChatCompletionRequest:
+    """On a worker thread: a chat body parsed and checked, as the chat route reads it."""
     req = parse_body(ChatCompletionRequest, raw)
     check_limits(req, ctx.limits, ctx.max_model_len())
-    return ChatHandler(ctx, req)
+    return req
 
 
 def add_token_routes(app: FastAPI, ctx: ServerContext, guard: APIKeyGuard) -> None:
@@ -66,24 +66,25 @@ def add_token_routes(app: FastAPI, ctx: ServerContext, guard: APIKeyGuard) -> No
            stream=True)
     async def vllm_generate_tokens(request: Request, raw: bytes) -> Any:
         body, request_id = vllm_generate.read(request, raw)
-        handler = await ctx.workers.run(handler_for, ctx, CompletionHandler,
-                                        vllm_generate.fields(ctx, body, request_id), vllm_generate.NAMES)
+        handler = await handler_for(ctx, CompletionHandler, vllm_generate.fields(ctx, body, request_id),
+                                    vllm_generate.NAMES)
         return await vllm_generate.answer(ctx, handler, body, request_id)
 
     @route("/v1/chat/completions/render", "vLLM", ChatCompletionRequest, vllm_generate.VllmRenderResponse,
            "The exact prompt token ids (and sampling parameters) that /v1/chat/completions runs for this body, as "
            "the body of /inference/v1/generate.")
     async def vllm_render_chat(request: Request, raw: bytes) -> Any:
-        return vllm_generate.render_answer(request, await ctx.workers.run(_chat_handler, ctx, raw))
+        req = await ctx.workers.run(_chat_request, ctx, raw)
+        await load_images(req, ctx)  # a chat's image parts, as the chat route fetches them
+        return vllm_generate.render_answer(request, await ctx.workers.run(ChatHandler, ctx, req))
 
-    @route("/generate", "SGLang", sglang_generate.SglangGenerateRequest, sglang_generate.SglangGenerateResponse,
+    @route("/generate", "SGLang", sglang_generate.SglangGenerateRequest, sglang_generate.SglangGenerateAnswer,
            "SGLang's native generation: input_ids (or text) in; text, output_ids and meta_info (finish reason, log "
            "probs, weight versions, routed experts) out, a list for a batch or n > 1; with `stream: true`, "
            "cumulative events, then `data: [DONE]`.", stream=True)
     async def sglang_generate_tokens(request: Request, raw: bytes) -> Any:
         body = sglang_generate.read(raw)
-        handler = await ctx.workers.run(handler_for, ctx, CompletionHandler, sglang_generate.fields(ctx, body),
-                                        sglang_generate.NAMES)
+        handler = await handler_for(ctx, CompletionHandler, sglang_generate.fields(ctx, body), sglang_generate.NAMES)
         return await sglang_generate.answer(ctx, body, handler)
 
     @route("/generate/", "TRL", trl_generate.TrlGenerateRequest, trl_generate.TrlGenerateResponse,
@@ -91,16 +92,14 @@ def add_token_routes(app: FastAPI, ctx: ServerContext, guard: APIKeyGuard) -> No
            "rank) out.")
     async def trl_generate_tokens(request: Request, raw: bytes) -> Any:
         fields, names = trl_generate.generate_fields(ctx, trl_generate.read_generate(raw))
-        return await trl_generate.answer_generate(ctx, await ctx.workers.run(handler_for, ctx, CompletionHandler,
-                                                                             fields, names))
+        return await trl_generate.answer_generate(ctx, await handler_for(ctx, CompletionHandler, fields, names))
 
     @route("/chat/", "TRL", trl_generate.TrlChatRequest, trl_generate.TrlGenerateResponse,
            "TRL's vllm-serve chat: conversations in (each rendered with the chat template), prompt and completion "
            "ids (with log probs by rank) out.")
     async def trl_chat(request: Request, raw: bytes) -> Any:
         body = trl_generate.read_chat(raw)
-        handlers = [await ctx.workers.run(handler_for, ctx, ChatHandler,
-                                          *trl_generate.conversation_fields(ctx, body, index))
+        handlers = [await handler_for(ctx, ChatHandler, *trl_generate.conversation_fields(ctx, body, index))
                     for index in range(len(body.messages))]
         return await trl_generate.answer_chat(ctx, handlers)
 
@@ -111,5 +110,4 @@ def add_token_routes(app: FastAPI, ctx: ServerContext, guard: APIKeyGuard) -> No
     async def trl_sequence_logprobs(request: Request, raw: bytes) -> Any:
         body = trl_generate.read_scoring(raw)
         fields, names = trl_generate.scoring_fields(ctx, body)
-        return await trl_generate.answer_scores(ctx, await ctx.workers.run(handler_for, ctx, CompletionHandler,
-                                                                           fields, names), body)
+        return await trl_generate.answer_scores(ctx, await handler_for(ctx, CompletionHandler, fields, names), body)

@@ -11,8 +11,9 @@ answers differ.
 from __future__ import annotations
 
 import base64
+import contextlib
 import io
-from typing import TYPE_CHECKING, Any, Awaitable, Callable, TypeVar
+from typing import TYPE_CHECKING, Any, Awaitable, Callable, Iterator, TypeVar
 
 import numpy as np
 from fastapi import Request
@@ -20,6 +21,7 @@ from pydantic import BaseModel, ValidationError
 
 from ...wire.request import DynamicInferenceRequest
 from ..errors import APIError, bad_request, validation_error
+from ..images import load_images
 from ..intake import check_limits
 from ..streaming import cancel_on_disconnect, client_closed, read_body
 
@@ -68,17 +70,32 @@ def anchor_error(errors: list[Any], anchor: str) -> APIError:
                        code="unsupported_parameter")
 
 
-def handler_for(ctx: ServerContext, kind: type[H], fields: dict[str, Any], names: dict[str, str]) -> H:
-    """The completions (or chat) handler of a request given as this server's ``fields``, built on a worker thread as
-    the OpenAI routes build theirs: checked, tokenized or rendered, its engine jobs made, nothing submitted.
-    Every 400 names the anchor's field (``names``: this server's field -> the anchor's path, dotted)."""
+async def handler_for(ctx: ServerContext, kind: type[H], fields: dict[str, Any], names: dict[str, str]) -> H:
+    """The completions (or chat) handler of a request given as this server's ``fields``, built as the OpenAI routes
+    build theirs: checked on a worker thread, a chat's images fetched, then tokenized or rendered on a worker thread
+    (its engine jobs made, nothing submitted). Every 400 names the anchor's field (``names``: this server's field ->
+    the anchor's path, dotted)."""
+    with _anchor_params(names):
+        req = await ctx.workers.run(_request, ctx, kind, fields, names)
+        await load_images(req, ctx)
+        return await ctx.workers.run(kind, ctx, req)
+
+
+def _request(ctx: ServerContext, kind: type[H], fields: dict[str, Any], names: dict[str, str]) -> Any:
+    """On a worker thread: ``fields`` as ``kind``'s request model, within the limits."""
     try:
         req = kind.request_model.model_validate(fields)
     except ValidationError as exc:
         raise validation_error([_renamed(error, names) for error in exc.errors(include_url=False)]) from None
+    check_limits(req, ctx.limits, ctx.max_model_len())
+    return req
+
+
+@contextlib.contextmanager
+def _anchor_params(names: dict[str, str]) -> Iterator[None]:
+    """The ``param`` of an error raised inside, named as the anchor names it."""
     try:
-        check_limits(req, ctx.limits, ctx.max_model_len())
-        return kind(ctx, req)
+        yield
     except APIError as exc:
         if exc.param is not None:
             head, _, rest = exc.param.partition(".")

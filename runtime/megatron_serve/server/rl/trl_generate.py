@@ -41,7 +41,7 @@ _JSON = msgspec.json.Encoder()
 class _Sampling(BaseModel):
     """The sampling fields of TRL's generation bodies, with TRL's defaults."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(strict=True, extra="forbid")
 
     n: int = 1
     repetition_penalty: float = 1.0
@@ -85,7 +85,7 @@ class TrlGenerateResponse(BaseModel):
 class TrlSequenceLogprobsRequest(BaseModel):
     """Body of ``POST /get_sequence_logprobs/``."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(strict=True, extra="forbid")
 
     sequences: list[list[int]] = Field(description="whole sequences: prompt, then completion")
     prompt_lengths: list[int] = Field(description="per sequence, where its completion starts")

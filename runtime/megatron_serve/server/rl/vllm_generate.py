@@ -49,7 +49,7 @@ _JSON = msgspec.json.Encoder()
 class VllmGenerateRequest(BaseModel):
     """Body of ``POST /inference/v1/generate`` (vLLM's ``GenerateRequest``)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(strict=True, extra="forbid")
 
     request_id: str | None = Field(None, description="names the answer; the X-Request-Id header wins (vLLM's)")
     token_ids: list[int] = Field(description="the prompt, as token ids")

@@ -16,7 +16,7 @@ class VllmSamplingParams(BaseModel):
     """vLLM's ``SamplingParams`` as ``/inference/v1/generate`` takes them (the fields this server honours; the ranges
     are those of ``/v1/completions``)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(strict=True, extra="forbid")
 
     n: int | None = None
     max_tokens: int | None = Field(None, description="default: the rest of the context window (vLLM's)")
