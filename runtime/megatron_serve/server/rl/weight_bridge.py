@@ -101,9 +101,9 @@ def _receive(group: dist.ProcessGroup, layout: Layout, metas: list[TensorMeta], 
         group.broadcast([buffer], options).wait()
         host = buffer.cpu()
         offset = 0
-        for meta in chunk:
-            received.append((meta.name, host[offset:offset + meta.nbytes].view(torch_dtype(meta.dtype))
-                             .view(meta.shape)))
+        for meta in chunk:  # a copy each: packed bytes start anywhere, and a view needs its dtype's alignment
+            piece = host[offset:offset + meta.nbytes].clone()
+            received.append((meta.name, piece.view(torch_dtype(meta.dtype)).view(meta.shape)))
             offset += meta.nbytes
     return received
 
