@@ -17,6 +17,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from megatron_serve.client.vllm_options import ALL2ALL_BACKENDS
+
 MAX_TENSOR = 64
 MAX_PIPELINE = 16
 
@@ -46,6 +48,10 @@ def parallelism_schema() -> dict[str, Any]:
             "expert": _size("Expert-parallel ranks of a mixture-of-experts model: 1 slices every expert over the "
                             "stage's tensor ranks; tensor places whole experts on each of them and moves tokens with "
                             "all-to-all (--enable-expert-parallel; vLLM's ep = tp x dp).", MAX_TENSOR),
+            "all2allBackend": {"type": "string", "enum": list(ALL2ALL_BACKENDS), "default": "auto",
+                               "description": "How expert-parallel MoE layers move tokens (the engines' "
+                                              "--all2all-backend): auto takes DeepEP where every rank of the group "
+                                              "can run it, else all-to-all."},
             "dataParallelAttention": _size("Attention ranks per stage that each schedule their own requests and "
                                            "share the MoE layers (--data-parallel-size with "
                                            "--enable-expert-parallel); must divide tensor and needs expert = tensor.",

@@ -25,6 +25,8 @@ def layout_flags(spec: InferenceSpec) -> list[str]:
         flags += ["--data-parallel-size", str(spec.data_parallel_attention)]
     if spec.expert > 1:
         flags.append("--enable-expert-parallel")
+        if spec.all2all_backend != "auto":
+            flags += ["--all2all-backend", spec.all2all_backend]
     return flags
 
 

@@ -206,6 +206,7 @@ class InferenceSpec:
     pipeline: int
     data: int
     expert: int  # 1, or tensor: whole experts on every rank of a stage
+    all2all_backend: str  # the engines' --all2all-backend (auto: theirs)
     data_parallel_attention: int  # attention ranks per stage (each tensor / data_parallel_attention wide)
     gang: bool  # spec.engine.parallelism is set: each group is rendered as a gang (docs/parallelism.md)
     gpus_per_pod: int
@@ -310,6 +311,7 @@ def parse(resource: dict[str, Any], default_namespace: str = "default") -> Infer
         pipeline=par["pipeline"],
         data=par["data"],
         expert=par.get("expert", 1),
+        all2all_backend=par.get("all2allBackend", "auto"),
         data_parallel_attention=par.get("dataParallelAttention", 1),
         gang="parallelism" in engine,
         gpus_per_pod=engine["gpusPerPod"],

@@ -141,3 +141,18 @@ def test_render_command_names_a_bad_layout(tmp_path):
     out, err = io.StringIO(), io.StringIO()
     assert rendering.render_command(str(path), out, err) == 1 and out.getvalue() == ""
     assert "engine.parallelism.expert must be 1" in err.getvalue()
+
+
+@pytest.mark.parametrize("backend", ["auto", "deepep_low_latency"])
+def test_the_all2all_backend_reaches_the_engines_away_from_auto(backend):
+    """Issue 65: ``engine.parallelism.all2allBackend`` becomes the engines' ``--all2all-backend`` (auto, the engines'
+    default, adds no flag: existing resources' pods stay as they are)."""
+    doc = example()
+    doc["spec"]["engine"]["parallelism"]["all2allBackend"] = backend
+    sts = {o["metadata"]["name"]: o for o in render(doc, CONFIG) if o["kind"] == "StatefulSet"}
+    args = sts["qwen3-moe-engine-0"]["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert "--enable-expert-parallel" in args
+    if backend == "auto":
+        assert "--all2all-backend" not in args
+    else:
+        assert args[args.index("--all2all-backend") + 1] == backend

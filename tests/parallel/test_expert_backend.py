@@ -149,3 +149,40 @@ def test_data_parallel_steps_pad_to_one_size_whatever_each_rank_runs(tmp_path):
 
 def test_low_latency_buffers_hold_a_ranks_chunk_in_multiples_of_four():
     assert [rank_tokens(limit, tp) for limit, tp in ((512, 1), (512, 8), (1, 1), (100, 3))] == [512, 64, 4, 36]
+
+
+AGREE = """
+import sys
+import torch
+import torch.distributed as dist
+from megatron_serve.engine.expert_backend import agree_on_backend
+
+rank, backend = int(sys.argv[1]), sys.argv[2]
+dist.init_process_group("gloo")  # torchrun's environment, the store hosted by the test
+print(*agree_on_backend(backend, "auto: here", None, torch.device("cpu")), sep="|")
+dist.destroy_process_group()
+"""
+
+
+def test_auto_comes_to_one_backend_on_every_rank_of_a_group():
+    """Issue 65: each rank resolved ``auto`` alone, so a rank where deep_ep imports beside one where it cannot would
+    pick different backends and wait in dispatches the other never joins. Two real processes over gloo: one able,
+    one not: both run alltoall; both able: both keep DeepEP."""
+    import os  # noqa: PLC0415
+    import subprocess  # noqa: PLC0415
+    import sys  # noqa: PLC0415
+
+    from ..helpers import hosted_rendezvous  # noqa: PLC0415
+
+    for backends, agreed in ((("deepep_low_latency", "alltoall"), "alltoall"),
+                             (("deepep_low_latency", "deepep_low_latency"), "deepep_low_latency")):
+        with hosted_rendezvous(2) as meeting:
+            ranks = [subprocess.Popen([sys.executable, "-c", AGREE, str(rank), backend], text=True,
+                                      stdout=subprocess.PIPE, env={**os.environ, **meeting, "RANK": str(rank),
+                                                                   "WORLD_SIZE": "2"})
+                     for rank, backend in enumerate(backends)]
+            outs = [proc.communicate(timeout=120)[0].strip().split("|") for proc in ranks]
+        assert [proc.returncode for proc in ranks] == [0, 0]
+        assert [backend for backend, _ in outs] == [agreed, agreed], outs
+        if agreed == "alltoall":
+            assert outs[0][1] == "auto: another rank of the group cannot run DeepEP (auto: here here)"

@@ -16,6 +16,7 @@ from types import ModuleType
 from typing import Callable
 
 import torch
+import torch.distributed
 
 from ..config import InferenceConfig
 from ..model.deepep_dispatcher import LOW_LATENCY_HIDDEN, DeepEPBuffers, DeepEPDispatcher
@@ -90,6 +91,16 @@ def resolve_backend(config: InferenceConfig, device: torch.device, dtype: torch.
     return requested, "--all2all-backend"
 
 
+def agree_on_backend(backend: str, why: str, group: object, device: torch.device) -> tuple[str, str]:
+    """What ``auto`` came to, the same on every rank of the expert group: DeepEP only where every rank can run it (a
+    rank that imports deep_ep beside one that cannot would otherwise wait in a dispatch the other never joins)."""
+    able = torch.tensor([int(backend.startswith("deepep"))], device=device)
+    torch.distributed.all_reduce(able, op=torch.distributed.ReduceOp.MIN, group=group)
+    if backend.startswith("deepep") and not able.item():
+        return "alltoall", f"auto: another rank of the group cannot run DeepEP ({why} here)"
+    return backend, why
+
+
 def install_expert_backend(model: torch.nn.Module, config: InferenceConfig,
                            importer: Callable[[], ModuleType] = import_deep_ep) -> ExpertStep | None:
     """Resolve the backend and give every MoE layer of ``model`` its dispatchers (None, and nothing logged, where no
@@ -100,10 +111,12 @@ def install_expert_backend(model: torch.nn.Module, config: InferenceConfig,
     tp, device = model.tp, next(model.parameters()).device
     hidden, experts = model.config.hidden_size, blocks[0].experts.num_experts
     backend, why = resolve_backend(config, device, model.dtype, hidden, tp.expert_size, importer)
+    group = tp.data_parallel.group if tp.data_parallel.size > 1 else tp.group
+    if config.all2all_backend == "auto" and torch.distributed.is_initialized():  # a rank of a real group
+        backend, why = agree_on_backend(backend, why, group, device)
     factory = None
     if backend.startswith("deepep"):
         limit = low_latency_limit(config) if backend == "deepep_low_latency" else 0
-        group = tp.data_parallel.group if tp.data_parallel.size > 1 else tp.group
         buffers = DeepEPBuffers(importer(), group, hidden, experts, rank_tokens(max(limit, 1), tp.size))
         factory = lambda block, step: DeepEPDispatcher(block.tp, experts, buffers, step, limit)  # noqa: E731
     step = install_dispatchers(model, backend, factory)
