@@ -89,12 +89,14 @@ class CheckRequest(Body):
 
 def add_sglang_weight_routes(app: FastAPI, updates: WeightUpdates, guard: list[Any]) -> None:
     """SGLang's weight routes on ``app`` (the admin key's ``guard``); see the module docstring."""
-    groups: dict[str, str] = {}  # the group this server joined: {group_name: its address}
+    groups: set[str] = set()  # the name of the group this server joined
 
     @app.post("/update_weights_from_disk", dependencies=guard, tags=["sglang"])
     async def update_weights_from_disk(request: Request) -> dict[str, Any]:
         body = await read(request, DiskRequest)
-        _plain_format(body.load_format)
+        if body.load_format not in (None, "auto", "safetensors"):
+            raise bad_request(f"load_format {body.load_format!r}: the engines read the directory's safetensors "
+                              "(load_format unset, auto or safetensors)", param="load_format")
         epoch = epoch_of(body.weight_version)
         async with updates.lock:
             ack = await updates.refit_directory(body.model_path, epoch, pause=body.pause(), keep_paused=body.keep_pause)
@@ -113,13 +115,15 @@ def add_sglang_weight_routes(app: FastAPI, updates: WeightUpdates, guard: list[A
         async with updates.lock:
             await updates.open(layout)
             groups.clear()
-            groups[body.group_name] = f"{body.master_address}:{body.master_port}"
+            groups.add(body.group_name)
         return {"success": True, "message": "Succeeded to initialize custom process group."}
 
     @app.post("/update_weights_from_distributed", dependencies=guard, tags=["sglang"])
     async def update_weights_from_distributed(request: Request) -> dict[str, Any]:
         body = await read(request, DistributedRequest)
-        _plain_format(body.load_format)
+        if body.load_format is not None:
+            raise bad_request(f"load_format {body.load_format!r}: this server takes the tensors one by one in the "
+                              "order of names (load_format unset)", param="load_format")
         _known(groups, body.group_name)
         epoch = epoch_of(body.weight_version)
         try:
@@ -176,13 +180,7 @@ def _add_checker(app: FastAPI, updates: WeightUpdates, guard: list[Any]) -> None
         return {"success": True, "message": f"All {len(checksums)} tensors equal the snapshot."}
 
 
-def _plain_format(load_format: str | None) -> None:
-    if load_format not in (None, "auto"):
-        raise bad_request(f"load_format {load_format!r}: this server takes tensors one by one in the order of names "
-                          "(load_format unset)", param="load_format")
-
-
-def _known(groups: dict[str, str], name: str) -> None:
+def _known(groups: set[str], name: str) -> None:
     if name not in groups:
         raise APIError(409, f"no weight update group {name!r}: /init_weights_update_group first",
                        code="no_weight_transfer", type="invalid_request_error")
