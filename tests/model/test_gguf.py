@@ -150,3 +150,12 @@ def test_a_refit_from_a_gguf_directory_is_refused(wide_checkpoint, tmp_path):
 
     with pytest.raises(ValueError, match="new weights come as a safetensors checkpoint; a GGUF file is served"):
         verify_checkpoint(model, view)
+
+
+def test_a_file_without_a_tokenizer_says_to_name_one(wide_checkpoint, tmp_path):
+    write_gguf(wide_checkpoint, tmp_path / "model.gguf")  # no tokenizer.ggml.* metadata
+
+    with pytest.raises(UnsupportedModelError, match="transformers cannot build a tokenizer from the file .*"
+                                                    "pass --tokenizer DIR"):
+        resolve_model(tmp_path / "model.gguf")
+    assert resolve_model(tmp_path / "model.gguf", tokenizer=False).name == "model.gguf"

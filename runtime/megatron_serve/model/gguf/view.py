@@ -19,6 +19,7 @@ import shutil
 from pathlib import Path
 
 from ... import __version__
+from ..errors import UnsupportedModelError
 
 GGUF_SUFFIX = ".gguf"  # what tells a GGUF file (vLLM tells them by the suffix too)
 #: The link to the GGUF file inside its directory (the loader's weights).
@@ -72,7 +73,17 @@ def _build(path: Path, view: Path, tokenizer: bool) -> None:
     (view / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     (view / WEIGHTS_LINK).symlink_to(path)
     if tokenizer:
-        from transformers import AutoTokenizer  # noqa: PLC0415
+        _save_tokenizer(path, view)
 
+
+def _save_tokenizer(path: Path, view: Path) -> None:
+    """The file's tokenizer and chat template, as ``transformers`` builds them, saved into ``view``."""
+    from transformers import AutoTokenizer  # noqa: PLC0415
+
+    try:
         built = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
-        built.save_pretrained(str(view))
+    except (KeyError, ValueError, NotImplementedError) as exc:  # a vocabulary transformers cannot convert, or none
+        raise UnsupportedModelError(f"{path.name}: transformers cannot build a tokenizer from the file "
+                                    f"({type(exc).__name__}: {exc}): pass --tokenizer DIR, a directory with the "
+                                    "model's tokenizer files") from exc
+    built.save_pretrained(str(view))
