@@ -19,6 +19,7 @@ import shutil
 from pathlib import Path
 
 from ... import __version__
+from ..config import ModelConfig
 from ..errors import UnsupportedModelError
 
 GGUF_SUFFIX = ".gguf"  # what tells a GGUF file (vLLM tells them by the suffix too)
@@ -61,7 +62,6 @@ def gguf_view(path: str | os.PathLike, *, tokenizer: bool = True) -> Path:
 def _build(path: Path, view: Path, tokenizer: bool) -> None:
     from gguf import GGUFReader  # noqa: PLC0415 - the library only where a GGUF file is served
 
-    from ..config import ModelConfig  # noqa: PLC0415
     from .metadata import hf_config  # noqa: PLC0415
     from .tensors import check_tensors  # noqa: PLC0415
 
