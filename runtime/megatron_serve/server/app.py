@@ -46,6 +46,7 @@ from .openapi_doc import error_responses, openapi_builder
 from .probe_routes import add_probe_routes
 from .request_log import RequestLog
 from .rl import RL_ADMIN_PATHS, add_rl_routes
+from .rl.control_routes import CONTROL_BODIES
 from .rl.token_routes import TOKEN_BODIES, add_token_routes
 from .stats_log import log_stats
 from .tokenize import add_tokenize_routes
@@ -157,7 +158,7 @@ def create_app(
     add_lora_routes(app, backend, monitor, admin_key, runtime_lora_allowed(), model_name)  # type: ignore[arg-type]
     add_rl_routes(app, ctx, admin_key, guard)
     add_token_routes(app, ctx, guard)  # the RL frameworks' generation routes, on the OpenAI routes' handlers
-    bodies = (*SELF_PARSED, *ADMIN_BODIES, *LORA_BODIES, *TOKEN_BODIES)
+    bodies = (*SELF_PARSED, *ADMIN_BODIES, *LORA_BODIES, *TOKEN_BODIES, *CONTROL_BODIES)
     app.openapi = openapi_builder(app, bodies)  # type: ignore[method-assign]
     return app
 

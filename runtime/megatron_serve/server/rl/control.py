@@ -47,6 +47,21 @@ ACTING_RESPONSES: dict[int | str, dict[str, Any]] = {
         (503, "the coordinator is unreachable or did not acknowledge"))}
 
 
+def query_doc(*parameters: tuple[str, dict[str, Any], str]) -> dict[str, Any]:
+    """``openapi_extra`` listing a route's query parameters (``name``, JSON schema, what it does): the routes read
+    them themselves (:class:`Query`), so FastAPI does not see them."""
+    return {"parameters": [{"name": name, "in": "query", "required": False, "schema": schema, "description": about}
+                           for name, schema, about in parameters]}
+
+
+def one_of(*values: Any) -> dict[str, Any]:
+    """The JSON schema of a query parameter that takes one of ``values``."""
+    return {"enum": list(values)}
+
+
+FLAG: dict[str, Any] = {"type": "boolean"}
+
+
 class Control:
     """The lifecycle verbs and the fleet's facts, for the control routes of one app."""
 

@@ -20,7 +20,7 @@ from fastapi.responses import JSONResponse
 from ... import __version__
 from ..context import ServerContext
 from ..openapi_doc import error_responses
-from .control import Control, Query
+from .control import Control, Query, one_of, query_doc
 
 SERVER_INFO_PATHS = frozenset({"/server_info", "/get_server_info"})
 
@@ -74,7 +74,9 @@ def add_server_info_routes(app: FastAPI, ctx: ServerContext, control: Control, a
              summary="vLLM's and SGLang's server facts",
              description="vLLM's `{vllm_config, vllm_env, system_env}` (`?config_format=json`: `vllm_config` as "
                          "JSON, else text) beside SGLang's flat fields (`tp_size`, `pp_size`, `dp_size`, `ep_size`, "
-                         "`disaggregation_mode`, ...).")
+                         "`disaggregation_mode`, ...).",
+             openapi_extra=query_doc(("config_format", one_of("text", "json"), "`vllm_config` as text (default) "
+                                                                                 "or JSON")))
     async def server_info(request: Request) -> JSONResponse:
         query = Query(request)
         text = query.choice("config_format", ("text", "json"), "text") == "text"

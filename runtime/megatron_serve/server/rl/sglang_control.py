@@ -32,6 +32,7 @@ from pydantic import BaseModel, ConfigDict
 from ...wire.lifecycle import PauseMode, Verb
 from ...wire.sampling_params import SamplingParams
 from ..errors import bad_request
+from ..intake import request_body_doc
 from .control import ACTING_RESPONSES, Control, Query
 from .tokens import read_anchor
 
@@ -49,27 +50,31 @@ class _Body(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
 
-class AbortRequest(_Body):
+class SglangAbortRequest(_Body):
     """SGLang's ``AbortReq``."""
 
     rid: str = ""
     abort_all: bool = False
 
 
-class PauseGeneration(_Body):
+class SglangPauseGeneration(_Body):
     """SGLang's ``PauseGenerationReqInput``."""
 
     mode: Literal["abort", "in_place", "retract"] = "abort"
 
 
-class MemoryOccupation(_Body):
+class SglangMemoryOccupation(_Body):
     """SGLang's ``ReleaseMemoryOccupationReqInput`` and ``ResumeMemoryOccupationReqInput``."""
 
     tags: list[Literal["kv_cache", "weights", "cuda_graph"]] | None = None
 
 
-class NoBody(_Body):
-    """``ContinueGenerationReqInput``: nothing."""
+class SglangContinueGeneration(_Body):
+    """SGLang's ``ContinueGenerationReqInput``: nothing."""
+
+
+#: The bodies these routes read themselves, for the OpenAPI document.
+SGLANG_CONTROL_BODIES = (SglangPauseGeneration, SglangContinueGeneration, SglangAbortRequest, SglangMemoryOccupation)
 
 
 def _read(model: type[_Body], raw: bytes, anchor: str) -> Any:
@@ -99,33 +104,36 @@ def add_sglang_control_routes(app: FastAPI, control: Control, admin: list[Any]) 
     acting = ACTING_RESPONSES
     tags = ["RL frameworks"]
 
-    @app.get("/health_generate", tags=tags, summary="SGLang: health by one generated token",
-             responses={503: {"description": "no token within 20 s, or the fleet does not step now"}})
+    @app.get("/health_generate", tags=tags, summary="SGLang: health by one generated token", response_class=Response,
+             responses={200: {"description": "a token came back (an empty body)"},
+                        503: {"description": "no token within 20 s, or the fleet does not step now (an empty body)"}})
     async def health_generate_route(request: Request) -> Response:
         Query(request).done()
         return await health_generate(control)
 
     @app.post("/pause_generation", tags=tags, dependencies=admin, responses=acting,
-              summary="SGLang: pause generation",
+              summary="SGLang: pause generation", openapi_extra=request_body_doc(SglangPauseGeneration, required=False),
               description="PAUSE: `abort` (the default) in abort mode, `in_place` and `retract` in keep mode.")
     async def pause_generation(request: Request) -> JSONResponse:
-        body = _read(PauseGeneration, await request.body(), "SGLang's PauseGenerationReqInput")
+        body = _read(SglangPauseGeneration, await request.body(), "SGLang's PauseGenerationReqInput")
         await control.run("/pause_generation", Verb.PAUSE, mode=PAUSE_MODES[body.mode].value)
         return JSONResponse({"message": "Generation paused successfully.", "status": "ok"})
 
     @app.post("/continue_generation", tags=tags, dependencies=admin, responses=acting,
-              summary="SGLang: continue generation", description="UNPAUSE.")
+              summary="SGLang: continue generation", description="UNPAUSE.",
+              openapi_extra=request_body_doc(SglangContinueGeneration, required=False))
     async def continue_generation(request: Request) -> JSONResponse:
-        _read(NoBody, await request.body(), "SGLang's ContinueGenerationReqInput")
+        _read(SglangContinueGeneration, await request.body(), "SGLang's ContinueGenerationReqInput")
         await control.run("/continue_generation", Verb.UNPAUSE)
         return JSONResponse({"message": "Generation continued successfully.", "status": "ok"})
 
     @app.post("/abort_request", tags=tags, dependencies=admin, responses=acting, summary="SGLang: abort a request",
+              response_class=Response, openapi_extra=request_body_doc(SglangAbortRequest, required=False),
               description="Ends the request `rid` names (the `rid` it was generated under, or the id of its "
                           "answer), or every request in flight with `abort_all`, with `finish_reason` `abort` and its "
                           "tokens so far.")
     async def abort_request(request: Request) -> Response:
-        body = _read(AbortRequest, await request.body(), "SGLang's AbortReq")
+        body = _read(SglangAbortRequest, await request.body(), "SGLang's AbortReq")
         if not body.abort_all and not body.rid:
             raise bad_request("abort_request needs a rid, or abort_all true", param="rid")
         control.abort(None if body.abort_all else [body.rid])
@@ -136,22 +144,26 @@ def add_sglang_control_routes(app: FastAPI, control: Control, admin: list[Any]) 
         return PlainTextResponse("Cache flushed.\n")
 
     async def release_memory_occupation(request: Request) -> JSONResponse:
-        body = _read(MemoryOccupation, await request.body(), "SGLang's ReleaseMemoryOccupationReqInput")
+        body = _read(SglangMemoryOccupation, await request.body(), "SGLang's ReleaseMemoryOccupationReqInput")
         level = 2 if body.tags is None or "weights" in body.tags else 1
         await control.run("/release_memory_occupation", Verb.SUSPEND, level=level)
         return JSONResponse(None)
 
     async def resume_memory_occupation(request: Request) -> JSONResponse:
-        body = _read(MemoryOccupation, await request.body(), "SGLang's ResumeMemoryOccupationReqInput")
+        body = _read(SglangMemoryOccupation, await request.body(), "SGLang's ResumeMemoryOccupationReqInput")
         await control.run("/resume_memory_occupation", Verb.RESUME)
         if body.tags is None or "kv_cache" in body.tags:
             await control.run("/resume_memory_occupation", Verb.UNPAUSE)
         return JSONResponse(None)
 
-    for path, route, summary in (
-            ("/flush_cache", flush_cache, "SGLang: flush the cache"),
-            ("/release_memory_occupation", release_memory_occupation, "SGLang: release device memory (SUSPEND)"),
-            ("/resume_memory_occupation", resume_memory_occupation, "SGLang: resume device memory (RESUME)")):
+    memory = request_body_doc(SglangMemoryOccupation, required=False)
+    text = {**acting, 200: {"description": "SGLang's text", "content": {"text/plain": {"schema": {"type": "string"}}}}}
+    for path, route, summary, extra, responses in (
+            ("/flush_cache", flush_cache, "SGLang: flush the cache", None, text),
+            ("/release_memory_occupation", release_memory_occupation, "SGLang: release device memory (SUSPEND)",
+             memory, acting),
+            ("/resume_memory_occupation", resume_memory_occupation, "SGLang: resume device memory (RESUME)", memory,
+             acting)):
         for method in ("GET", "POST"):  # SGLang answers both; one operation each in the OpenAPI document
-            app.api_route(path, methods=[method], tags=tags, dependencies=admin, responses=acting, summary=summary,
-                          operation_id=f"{route.__name__}_{method.lower()}")(route)
+            app.api_route(path, methods=[method], tags=tags, dependencies=admin, responses=responses, summary=summary,
+                          operation_id=f"{route.__name__}_{method.lower()}", openapi_extra=extra)(route)

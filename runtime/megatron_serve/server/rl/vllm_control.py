@@ -32,8 +32,9 @@ from pydantic import BaseModel, ConfigDict
 
 from ...wire.lifecycle import FleetState, PauseMode, Verb
 from ..errors import APIError
+from ..intake import request_body_doc
 from ..openapi_doc import error_responses
-from .control import ACTING_RESPONSES, Control, Query
+from .control import ACTING_RESPONSES, FLAG, Control, Query, one_of, query_doc
 from .tokens import read_anchor
 
 VLLM_CONTROL_PATHS = frozenset({"/pause", "/resume", "/abort_requests", "/sleep", "/wake_up",
@@ -43,9 +44,11 @@ VLLM_CONTROL_PATHS = frozenset({"/pause", "/resume", "/abort_requests", "/sleep"
 SLEEP_LEVELS: dict[int, int | None] = {0: None, 1: 2, 2: 2}
 WAKE_TAGS = ("weights", "kv_cache", "scheduling")
 _MODES = tuple(mode.value for mode in PauseMode)
+_MODE_DOC = ("mode", one_of(*_MODES), "what happens to the requests held: `abort` (vLLM's default) ends them with their "
+             "tokens so far, `wait` lets the running ones finish, `keep` keeps them in place")
 
 
-class AbortRequests(BaseModel):
+class VllmAbortRequests(BaseModel):
     """vLLM's ``/abort_requests`` body: the ids to abort (none: every request in flight)."""
 
     model_config = ConfigDict(extra="forbid", strict=True)
@@ -92,7 +95,9 @@ def _add_lifecycle_routes(app: FastAPI, control: Control, admin: list[Any], api:
 
     @app.post("/pause", tags=tags, dependencies=admin, responses=acting, summary="vLLM: pause generation",
               description="PAUSE in `mode` (`abort`, vLLM's default; `wait`; `keep`). `clear_cache` is accepted and "
-                          "has nothing to do: see `/reset_prefix_cache`.")
+                          "has nothing to do: see `/reset_prefix_cache`.",
+              openapi_extra=query_doc(_MODE_DOC, ("clear_cache", FLAG, "accepted; nothing to clear"),
+                                      ("wait_for_inflight_requests", FLAG, "deprecated: true is `mode=wait`")))
     async def pause(request: Request) -> JSONResponse:
         query = Query(request)
         mode = pause_mode(query)
@@ -121,7 +126,8 @@ def _add_lifecycle_routes(app: FastAPI, control: Control, admin: list[Any], api:
 
     @app.post("/sleep", tags=tags, dependencies=admin, responses=acting, summary="vLLM: sleep",
               description="PAUSE in `mode` (default `abort`), then SUSPEND level 2 for `level` 1 or 2 (weights to "
-                          "host memory, KV cache released); `level` 0 only pauses.")
+                          "host memory, KV cache released); `level` 0 only pauses.", response_class=Response,
+              openapi_extra=query_doc(("level", one_of(*SLEEP_LEVELS), "vLLM's sleep level (default 1)"), _MODE_DOC))
     async def sleep_route(request: Request) -> Response:
         query = Query(request)
         level = query.choice("level", tuple(SLEEP_LEVELS), 1)
@@ -131,7 +137,9 @@ def _add_lifecycle_routes(app: FastAPI, control: Control, admin: list[Any], api:
         return Response(status_code=200)
 
     @app.post("/wake_up", tags=tags, dependencies=admin, responses=acting, summary="vLLM: wake up",
-              description="RESUME (memory back, whole, whatever `tags` name), then UNPAUSE: serving again.")
+              description="RESUME (memory back, whole, whatever `tags` name), then UNPAUSE: serving again.",
+              response_class=Response, openapi_extra=query_doc(
+                  ("tags", {"type": "array", "items": one_of(*WAKE_TAGS)}, "vLLM's memory tags (any: all of it)")))
     async def wake_up_route(request: Request) -> Response:
         query = Query(request)
         query.choices("tags", WAKE_TAGS)
@@ -154,14 +162,16 @@ def _add_request_routes(app: FastAPI, control: Control, admin: list[Any], api: l
     @app.post("/abort_requests", tags=tags, dependencies=admin, responses=acting, summary="vLLM: abort requests",
               description="Ends the requests named by `request_ids` (the ids of their answers, or the `request_id` "
                           "their clients gave), or every request in flight, with `finish_reason` `abort` and their "
-                          "tokens so far; the fleet goes on running.")
+                          "tokens so far; the fleet goes on running.",
+              openapi_extra=request_body_doc(VllmAbortRequests, required=False))
     async def abort_requests(request: Request) -> JSONResponse:
         raw = await request.body()
-        body = read_anchor(AbortRequests, raw, "vLLM's /abort_requests") if raw.strip() else AbortRequests()
+        body = read_anchor(VllmAbortRequests, raw, "vLLM's /abort_requests") if raw.strip() else VllmAbortRequests()
         return JSONResponse({"status": "aborted", "aborted": control.abort(body.request_ids)})
 
     @app.post("/reset_prefix_cache", tags=tags, dependencies=admin, responses=acting,
-              summary="vLLM: reset the prefix cache")
+              summary="vLLM: reset the prefix cache", openapi_extra=query_doc(
+                  ("reset_running_requests", FLAG, "accepted"), ("reset_external", FLAG, "accepted")))
     async def reset(request: Request) -> JSONResponse:
         query = Query(request)
         query.flag("reset_running_requests", False)
@@ -170,7 +180,8 @@ def _add_request_routes(app: FastAPI, control: Control, admin: list[Any], api: l
         return JSONResponse({"success": await control.reset_prefix_cache("/reset_prefix_cache")})
 
     @app.get("/get_world_size", tags=tags, dependencies=api, responses=reading,
-             summary="vLLM: the ranks of the served model")
+             summary="vLLM: the ranks of the served model", openapi_extra=query_doc(
+                 ("include_dp", FLAG, "count the data-parallel replicas (default true)")))
     async def get_world_size(request: Request) -> JSONResponse:
         query = Query(request)
         include_dp = query.flag("include_dp", True)
