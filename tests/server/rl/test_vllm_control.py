@@ -171,6 +171,38 @@ async def test_server_info_has_the_vllm_config_fields_the_frameworks_read(tokeni
         assert config["weight_transfer_config"] == {"backend": "gloo"}
 
 
+async def test_skyrls_remote_inference_client_calls_replayed(tokenizer):
+    """The control calls of SkyRL's ``skyrl_train/inference_servers/remote_inference_client.py``, as it makes them:
+    ``/pause`` with ``mode`` and ``clear_cache`` in the query, ``/sleep`` with ``level`` and ``tags``, ``/wake_up``
+    with ``tags``, ``/reset_prefix_cache`` with a JSON body, ``/get_world_size`` as a GET with an empty JSON body."""
+    async with controlled(tokenizer, tensor_parallel_size=2) as s:
+        assert (await s.http.post("/pause", params={"mode": "keep", "clear_cache": "false"}, headers=ADMIN)).json() \
+            == {"status": "paused"}
+        assert (await s.http.post("/resume", headers=ADMIN)).json() == {"status": "resumed"}
+        answer = await s.http.post("/sleep", params={"level": "2", "tags": ["weights", "kv_cache"]}, headers=ADMIN)
+        assert answer.status_code == 200 and not answer.headers.get("content-length", "0").strip("0")
+        answer = await s.http.post("/wake_up", params={"tags": ["weights"]}, headers=ADMIN)
+        assert answer.status_code == 200
+        answer = await s.http.post("/reset_prefix_cache", json={"reset_running_requests": False}, headers=ADMIN)
+        assert answer.json() == {"success": True}
+        error = error_of(await s.http.post("/reset_prefix_cache", json={"reset_all": True}, headers=ADMIN), 400)
+        assert error["param"] == "reset_all"
+        answer = await s.http.request("GET", "/get_world_size", json={}, headers=API)
+        assert answer.json() == {"world_size": 2}
+        assert [verb for verb, _ in s.fleet.verbs] == ["pause", "unpause", "pause", "suspend", "resume", "unpause"]
+
+
+async def test_trls_async_grpo_client_calls_replayed(tokenizer):
+    """TRL's ``trl/experimental/async_grpo/vllm_client.py``: ``GET /v1/models`` for ``max_model_len``,
+    ``GET /get_world_size``, ``POST /pause`` with ``params={"mode": "keep"}``, ``POST /resume``."""
+    async with controlled(tokenizer) as s:
+        assert (await s.http.get("/v1/models", headers=API)).json()["data"][0]["max_model_len"] == 256
+        assert (await s.http.get("/get_world_size", headers=API)).json() == {"world_size": 1}
+        assert (await s.http.post("/pause", params={"mode": "keep"}, headers=ADMIN)).status_code == 200
+        assert (await s.http.post("/resume", headers=ADMIN)).status_code == 200
+        assert s.fleet.verbs == [("pause", {"mode": "keep"}), ("unpause", {})]
+
+
 async def test_acting_routes_need_the_admin_key_and_reading_ones_the_api_key(tokenizer):
     async with controlled(tokenizer) as s:
         for path in ("/pause", "/resume", "/sleep", "/wake_up", "/abort_requests", "/reset_prefix_cache"):

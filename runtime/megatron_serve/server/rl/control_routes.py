@@ -19,13 +19,13 @@ from .liveness import add_liveness_route
 from .server_info import add_server_info_routes
 from .sglang_control import SGLANG_CONTROL_BODIES, SGLANG_CONTROL_PATHS, add_sglang_control_routes
 from .trl_control import TRL_CONTROL_PATHS, add_trl_control_routes
-from .vllm_control import VLLM_CONTROL_PATHS, VllmAbortRequests, add_vllm_control_routes
+from .vllm_control import VLLM_CONTROL_PATHS, VllmAbortRequests, VllmResetPrefixCache, add_vllm_control_routes
 
 #: The control routes that need the admin key.
 CONTROL_ADMIN_PATHS: frozenset[str] = VLLM_CONTROL_PATHS | SGLANG_CONTROL_PATHS | TRL_CONTROL_PATHS
 
 #: The bodies the control routes read themselves, for the OpenAPI document.
-CONTROL_BODIES = (VllmAbortRequests, *SGLANG_CONTROL_BODIES)
+CONTROL_BODIES = (VllmAbortRequests, VllmResetPrefixCache, *SGLANG_CONTROL_BODIES)
 
 
 def add_control_routes(app: FastAPI, ctx: ServerContext, admin_key: str | None, api_guard: Any) -> None:

@@ -6,15 +6,16 @@
 * ``POST /sleep?level=&mode=`` is vLLM's sleep: PAUSE in ``mode`` (default ``abort``), then, for level 1 or 2,
   SUSPEND level 2 (vLLM's level 1 moves the weights to host memory and drops the KV cache, which is this fleet's
   level 2; vLLM's level 2 drops the weights too, which here stay in host memory: a weight update after it works
-  either way). Level 0 only pauses, as in vLLM. ``POST /wake_up?tags=`` is RESUME, then UNPAUSE: vLLM's wake-up
-  resumes scheduling whatever its tags (``weights``, ``kv_cache``, ``scheduling``), and memory comes back whole here,
-  so the fleet serves again after any wake-up. Both answer an empty 200. ``GET /is_sleeping``: ``{"is_sleeping"}``,
+  either way). Level 0 only pauses, as in vLLM; ``tags`` (SkyRL sends them) are accepted. ``POST /wake_up?tags=``
+  is RESUME, then UNPAUSE: vLLM's wake-up resumes scheduling whatever its tags (``weights``, ``kv_cache``,
+  ``scheduling``), and memory comes back whole here, so the fleet serves again after any wake-up. Both answer an
+  empty 200. ``GET /is_sleeping``: ``{"is_sleeping"}``,
   true while the fleet does not step, as vLLM's engine answers it (its sleep level 0 is a pause).
 * ``POST /abort_requests {request_ids?}`` ends the named requests (the ids their answers carry, ``cmpl-...``, or
   the ``request_id`` the client gave) with ``finish_reason`` ``abort`` and their tokens so far, without pausing;
   none named: every request this server answers. ``{"status": "aborted", "aborted": n}``.
-* ``POST /reset_prefix_cache?reset_running_requests=&reset_external=``: ``{"success": true}``; see
-  :mod:`.control` for why no engine step is needed.
+* ``POST /reset_prefix_cache?reset_running_requests=&reset_external=`` (or those flags as a JSON body, as SkyRL
+  sends them): ``{"success": true}``; see :mod:`.control` for why no engine step is needed.
 * ``GET /get_world_size?include_dp=``: ``{"world_size"}``, tensor x pipeline ranks, times the data-parallel
   replicas unless ``include_dp=false``.
 
@@ -44,8 +45,8 @@ VLLM_CONTROL_PATHS = frozenset({"/pause", "/resume", "/abort_requests", "/sleep"
 SLEEP_LEVELS: dict[int, int | None] = {0: None, 1: 2, 2: 2}
 WAKE_TAGS = ("weights", "kv_cache", "scheduling")
 _MODES = tuple(mode.value for mode in PauseMode)
-_MODE_DOC = ("mode", one_of(*_MODES), "what happens to the requests held: `abort` (vLLM's default) ends them with their "
-             "tokens so far, `wait` lets the running ones finish, `keep` keeps them in place")
+_MODE_DOC = ("mode", one_of(*_MODES), "what happens to the requests held: `abort` (vLLM's default) ends them with "
+             "their tokens so far, `wait` lets the running ones finish, `keep` keeps them in place")
 
 
 class VllmAbortRequests(BaseModel):
@@ -53,6 +54,15 @@ class VllmAbortRequests(BaseModel):
 
     model_config = ConfigDict(extra="forbid", strict=True)
     request_ids: list[str] | None = None
+
+
+class VllmResetPrefixCache(BaseModel):
+    """``/reset_prefix_cache``'s flags as a body (SkyRL sends ``{"reset_running_requests": ...}`` there; vLLM reads
+    them from the query): accepted, with nothing to do."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    reset_running_requests: bool = False
+    reset_external: bool = False
 
 
 def pause_mode(query: Query, default: str = PauseMode.ABORT.value) -> PauseMode:
@@ -127,11 +137,14 @@ def _add_lifecycle_routes(app: FastAPI, control: Control, admin: list[Any], api:
     @app.post("/sleep", tags=tags, dependencies=admin, responses=acting, summary="vLLM: sleep",
               description="PAUSE in `mode` (default `abort`), then SUSPEND level 2 for `level` 1 or 2 (weights to "
                           "host memory, KV cache released); `level` 0 only pauses.", response_class=Response,
-              openapi_extra=query_doc(("level", one_of(*SLEEP_LEVELS), "vLLM's sleep level (default 1)"), _MODE_DOC))
+              openapi_extra=query_doc(("level", one_of(*SLEEP_LEVELS), "vLLM's sleep level (default 1)"), _MODE_DOC,
+                                      ("tags", {"type": "array", "items": one_of(*WAKE_TAGS)},
+                                       "accepted (SkyRL sends them): memory is released whole")))
     async def sleep_route(request: Request) -> Response:
         query = Query(request)
         level = query.choice("level", tuple(SLEEP_LEVELS), 1)
         mode = pause_mode(query)
+        query.choices("tags", WAKE_TAGS)  # SkyRL names them; memory is released whole here
         query.done()
         await sleep(control, "/sleep", level, mode)
         return Response(status_code=200)
@@ -170,13 +183,17 @@ def _add_request_routes(app: FastAPI, control: Control, admin: list[Any], api: l
         return JSONResponse({"status": "aborted", "aborted": control.abort(body.request_ids)})
 
     @app.post("/reset_prefix_cache", tags=tags, dependencies=admin, responses=acting,
-              summary="vLLM: reset the prefix cache", openapi_extra=query_doc(
-                  ("reset_running_requests", FLAG, "accepted"), ("reset_external", FLAG, "accepted")))
+              summary="vLLM: reset the prefix cache", openapi_extra={
+                  **query_doc(("reset_running_requests", FLAG, "accepted"), ("reset_external", FLAG, "accepted")),
+                  **request_body_doc(VllmResetPrefixCache, required=False)})
     async def reset(request: Request) -> JSONResponse:
         query = Query(request)
         query.flag("reset_running_requests", False)
         query.flag("reset_external", False)
         query.done()
+        raw = await request.body()
+        if raw.strip():
+            read_anchor(VllmResetPrefixCache, raw, "vLLM's /reset_prefix_cache")
         return JSONResponse({"success": await control.reset_prefix_cache("/reset_prefix_cache")})
 
     @app.get("/get_world_size", tags=tags, dependencies=api, responses=reading,
