@@ -26,6 +26,25 @@ async def test_pause_generation_maps_sglangs_modes_and_continue_generation_unpau
             assert s.fleet.verbs[-1] == ("unpause", {})
 
 
+async def test_areals_weight_update_bracket_replayed(tokenizer):
+    """AReaL's ``areal/engine/sglang_remote.py`` (``update_weights``): ``requests.post(f"http://{addr}/pause_generation")``
+    with no body, the update, then ``/continue_generation``: a request in flight ends with ``finish_reason`` ``abort``
+    and its tokens (AReaL resubmits the rest), and the fleet serves again after."""
+    async with controlled(tokenizer, tick=0.02) as s:
+        stack, response = await start_stream(s.http, 200)
+        read = asyncio.create_task(chunks(response))
+        await until(lambda: any(len(r.collector.tokens) >= 2 for r in s.fleet.requests.values()))
+        assert (await s.http.post("/pause_generation", headers=ADMIN)).status_code == 200
+        generated, reason = tokens_and_reason(await asyncio.wait_for(read, 20))
+        assert reason == "abort" and 2 <= generated < 200
+        await stack.aclose()
+        assert (await s.http.post("/continue_generation", headers=ADMIN)).status_code == 200
+        assert s.fleet.verbs == [("pause", {"mode": "abort"}), ("unpause", {})]
+        completion = await s.http.post("/v1/completions", headers=API,
+                                       json={"model": "tiny-llama", "prompt": [3, 4], "max_tokens": 3})
+        assert completion.json()["choices"][0]["finish_reason"] == "length"
+
+
 async def test_a_bad_body_is_a_400_naming_the_field(tokenizer):
     async with controlled(tokenizer) as s:
         for path, body, param in (("/pause_generation", {"mode": "pause"}, "mode"),
