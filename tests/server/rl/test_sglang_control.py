@@ -27,9 +27,9 @@ async def test_pause_generation_maps_sglangs_modes_and_continue_generation_unpau
 
 
 async def test_areals_weight_update_bracket_replayed(tokenizer):
-    """AReaL's ``areal/engine/sglang_remote.py`` (``update_weights``): ``requests.post(f"http://{addr}/pause_generation")``
-    with no body, the update, then ``/continue_generation``: a request in flight ends with ``finish_reason`` ``abort``
-    and its tokens (AReaL resubmits the rest), and the fleet serves again after."""
+    """AReaL's ``areal/engine/sglang_remote.py`` (``update_weights``): ``POST /pause_generation`` with no body, the
+    update, then ``/continue_generation``: a request in flight ends with ``finish_reason`` ``abort`` and its tokens
+    (AReaL resubmits the rest), and the fleet serves again after."""
     async with controlled(tokenizer, tick=0.02) as s:
         stack, response = await start_stream(s.http, 200)
         read = asyncio.create_task(chunks(response))
