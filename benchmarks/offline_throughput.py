@@ -21,6 +21,10 @@ per token (Qwen3-30B-A3B's proportions, scaled down).
     python benchmarks/offline_throughput.py --hf-modes dynamic
     python benchmarks/offline_throughput.py --temperature 1 --top-p 0.9 --n 8 --requests 8
     python benchmarks/offline_throughput.py --rl --requests 8
+    python benchmarks/offline_throughput.py --model SmolLM2-135M-Instruct.Q4_1.gguf --hf-modes dynamic
+
+``--model`` runs a real model instead (a directory, or a GGUF file: the engine dequantizes it at load, and
+``transformers`` loads the same file with ``gguf_file=``); the prompts stay random token ids.
 """
 
 from __future__ import annotations
@@ -29,12 +33,14 @@ import argparse
 import random
 import tempfile
 import time
+from pathlib import Path
 
 import msgspec
 import torch
 import transformers
 
 from megatron_serve import DynamicInferenceRequest, InferenceConfig, MegatronLLM, SamplingParams
+from megatron_serve.hub import resolve_model
 from megatron_serve.model.tiny import ARCHITECTURES, MOE_DEFAULTS, make_tiny_model
 
 
@@ -95,6 +101,14 @@ def run_megatron(model_dir: str, warmup, requests, max_requests: int, params: Sa
 HF_MODES = ("dynamic", "static", "compiled")
 
 
+def load_transformers(source: str) -> transformers.PreTrainedModel:
+    """``transformers``' own load of the model in float32: a directory, or a GGUF file (``gguf_file=``)."""
+    path = Path(source)
+    if path.suffix == ".gguf":
+        return transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+    return transformers.AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
+
+
 def generate_options(mode: str) -> dict:
     """``generate`` keywords of a ``--hf-modes`` mode."""
     if mode == "dynamic":
@@ -106,10 +120,10 @@ def generate_options(mode: str) -> dict:
     return {"cache_implementation": "static", "compile_config": compile_config}
 
 
-def run_transformers(model_dir: str, requests, batch_size: int, mode: str = "dynamic") -> tuple[float, float]:
+def run_transformers(source: str, requests, batch_size: int, mode: str = "dynamic") -> tuple[float, float]:
     """Wall and CPU seconds of the timed pass, ``generate`` in ``mode`` (:data:`HF_MODES`)."""
     device = "cuda" if torch.cuda.is_available() else "cpu"  # where the engine runs too
-    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device).eval()
+    model = load_transformers(source).to(device).eval()
     options = generate_options(mode)
     batches = []
     for start in range(0, len(requests), batch_size):
@@ -140,6 +154,7 @@ def run_transformers(model_dir: str, requests, batch_size: int, mode: str = "dyn
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", help="a real model (a directory or a GGUF file) instead of a random one")
     parser.add_argument("--arch", choices=sorted(ARCHITECTURES), default="llama")
     parser.add_argument("--experts", type=int, default=32, help="experts per layer (MoE archs)")
     parser.add_argument("--experts-per-token", type=int, default=4, help="experts per token (MoE archs)")
@@ -163,9 +178,11 @@ def main() -> None:
         parser.error(f"--hf-modes: unknown mode(s) {', '.join(unknown) or '(none given)'}; "
                      f"choose from {', '.join(HF_MODES)}")
     sampled_params = sampling(args)
+    name = Path(args.model).name if args.model else args.arch
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir = str(make_tiny_model(tmp, seed=0, **model_shape(args)))
-        hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir)
+        source = args.model or str(make_tiny_model(tmp, seed=0, **model_shape(args)))
+        model_dir = str(resolve_model(source))
+        hf = load_transformers(source)
         params = sum(p.numel() for p in hf.parameters())
         experts = getattr(hf.config, "_experts_implementation", None)  # transformers' MoE path (grouped_mm or eager)
         del hf
@@ -181,7 +198,7 @@ def main() -> None:
                 runs["greedy"].append(run_megatron(model_dir, warmup, requests, args.max_requests, None, args.n))
             (greedy, greedy_cpu), (sampled, sampled_cpu) = (min(runs[k]) for k in ("greedy", "sampled"))
             greedy_cpu, sampled_cpu = (min(cpu for _, cpu in runs[k]) for k in ("greedy", "sampled"))
-            print(f"model: {args.arch}, {params / 1e6:.1f}M parameters, {args.requests} prompts x n {args.n}, "
+            print(f"model: {name}, {params / 1e6:.1f}M parameters, {args.requests} prompts x n {args.n}, "
                   f"{useful} generated tokens, torch threads {torch.get_num_threads()}, best of {args.repeats}")
             print(f"{'run':<60}{'seconds':>10}{'tokens/s':>12}{'CPU s':>10}")
             print(f"{'greedy':<60}{greedy:>10.2f}{useful / greedy:>12.1f}{greedy_cpu:>10.2f}")
@@ -190,8 +207,8 @@ def main() -> None:
             print(f"sampled/greedy throughput: {greedy / sampled:.3f} (wall), {greedy_cpu / sampled_cpu:.3f} (CPU time)")
             return
         ours, ours_cpu = run_megatron(model_dir, warmup, requests, args.max_requests)
-        theirs = {mode: run_transformers(model_dir, requests, args.hf_batch_size, mode) for mode in hf_modes}
-    print(f"model: {args.arch}, {params / 1e6:.1f}M parameters, {args.requests} requests, {useful} generated tokens, "
+        theirs = {mode: run_transformers(source, requests, args.hf_batch_size, mode) for mode in hf_modes}
+    print(f"model: {name}, {params / 1e6:.1f}M parameters, {args.requests} requests, {useful} generated tokens, "
           f"torch threads {torch.get_num_threads()}" + (f", transformers experts: {experts}" if experts else ""))
     print(f"{'engine':<48}{'seconds':>10}{'tokens/s':>12}{'CPU s':>10}{'CPU ms/tok':>12}")
     rows = [("megatron-serve (continuous batching)", ours, ours_cpu)]
