@@ -1,14 +1,18 @@
 """A trained model in the loop: SmolLM2-135M-Instruct from its GGUF file, through vLLM's ``LLM``, against
 transformers' own load of the same file (both in float32): the same greedy tokens, one prompt at a time and
 batched; the same chat text; the same prompt log probs; stop strings that end inside a word; text of characters
-whose bytes are split over several tokens."""
+whose bytes are split over several tokens; JSON that follows its schema."""
 
 from __future__ import annotations
 
+import json
+
+import jsonschema
 import pytest
 import torch
 
 from megatron_serve import SamplingParams
+from megatron_serve.sampling_params import StructuredOutputsParams
 from megatron_serve.client.detokenizer import IncrementalDetokenizer
 from megatron_serve.hub import resolve_model
 from megatron_serve.tokenizer import Tokenizer
@@ -120,3 +124,15 @@ def test_characters_split_over_tokens_stream_whole(llm, smollm2):
     assert "".join(pieces) == out.text == tokenizer.decode(out.token_ids)
     assert not any("\ufffd" in piece for piece in pieces)
     assert "" in pieces and any(ord(c) > 0xFFFF for c in out.text)  # held back, then whole
+
+
+def test_json_schema_output_on_real_text_follows_the_schema(llm):
+    schema = {"type": "object", "additionalProperties": False, "required": ["city", "country"],
+              "properties": {"city": {"type": "string", "maxLength": 24}, "country": {"type": "string", "maxLength": 24}}}
+    params = SamplingParams(temperature=0.0, max_tokens=48, structured_outputs=StructuredOutputsParams(json=schema))
+
+    out = llm.chat([{"role": "user", "content": "Which city is the capital of France? Answer in JSON."}], params,
+                   use_tqdm=False)[0].outputs[0]
+
+    jsonschema.validate(json.loads(out.text), schema)
+    assert out.finish_reason == "stop", out.text
