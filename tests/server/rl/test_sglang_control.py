@@ -76,6 +76,17 @@ async def test_abort_request_by_rid_or_all_ends_with_abort_and_the_tokens_so_far
         assert s.fleet.verbs == []
 
 
+async def test_abort_request_finds_a_generate_request_by_its_rid(tokenizer):
+    async with controlled(tokenizer, tick=0.02) as s:
+        body = {"input_ids": [3, 4, 5], "sampling_params": {"max_new_tokens": 200}, "rid": "areal-7"}
+        answer = asyncio.create_task(s.http.post("/generate", json=body, headers=API))
+        await until(lambda: any(len(r.collector.tokens) >= 2 for r in s.fleet.requests.values()))
+        assert (await s.http.post("/abort_request", json={"rid": "areal-7"}, headers=ADMIN)).status_code == 200
+        meta = (await asyncio.wait_for(answer, 20)).json()["meta_info"]
+        assert meta["id"] == "areal-7" and meta["finish_reason"]["type"] == "abort"
+        assert 2 <= meta["completion_tokens"] < 200
+
+
 async def test_flush_cache_answers_sglangs_text_on_get_and_post(tokenizer):
     async with controlled(tokenizer) as s:
         for method in ("GET", "POST"):

@@ -162,7 +162,8 @@ def fields(ctx: ServerContext, body: SglangGenerateRequest) -> dict[str, Any]:
     scored = body.logprob_start_len is not None and body.logprob_start_len >= 0
     return {**given, "model": ctx.model_name, "prompt": _prompt(body), "stream": body.stream,
             "logprobs": top if body.return_logprob else None, "prompt_logprobs": top if scored else None,
-            "priority": body.priority, "return_routing_indices": body.return_routed_experts}
+            "priority": body.priority, "return_routing_indices": body.return_routed_experts,
+            "request_id": body.rid if isinstance(body.rid, str) else None}  # /abort_request {rid} finds it by it
 
 
 def _rids(body: SglangGenerateRequest, handler: CompletionHandler) -> list[str]:
