@@ -50,7 +50,7 @@ async def test_a_bad_body_is_a_400_naming_the_field(tokenizer):
         for path, body, param in (("/pause_generation", {"mode": "pause"}, "mode"),
                                   ("/pause_generation", {"mode": "abort", "now": True}, "now"),
                                   ("/continue_generation", {"torch": 1}, "torch"),
-                                  ("/abort_request", {"rid": 7}, "rid"), ("/abort_request", {}, "rid"),
+                                  ("/abort_request", {"rid": 7}, "rid"),
                                   ("/release_memory_occupation", {"tags": ["gpu"]}, "tags[0]"),
                                   ("/resume_memory_occupation", {"tags": "weights"}, "tags")):
             error = error_of(await s.http.post(path, json=body, headers=ADMIN), 400)
@@ -67,6 +67,8 @@ async def test_abort_request_by_rid_or_all_ends_with_abort_and_the_tokens_so_far
         answer = await s.http.post("/abort_request", json={"rid": "rollout-7"}, headers=ADMIN)
         assert answer.status_code == 200 and answer.content == b""
         assert tokens_and_reason(await asyncio.wait_for(named_read, 20))[1] == "abort"
+        assert not other_read.done()
+        assert (await s.http.post("/abort_request", json={}, headers=ADMIN)).status_code == 200  # nothing named
         assert not other_read.done()
         answer = await s.http.post("/abort_request", json={"abort_all": True}, headers=ADMIN)  # slime's call
         assert answer.status_code == 200

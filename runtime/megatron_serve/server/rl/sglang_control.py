@@ -9,7 +9,8 @@ onto the lifecycle verbs.
   requests stay in place and continue where they were. ``POST /continue_generation``: UNPAUSE. Both answer
   ``{"message": ..., "status": "ok"}``.
 * ``POST /abort_request {rid, abort_all}``: the request ``rid`` names (or all, ``abort_all``) ends with
-  ``finish_reason`` ``abort`` and its tokens so far; an empty 200, as SGLang's.
+  ``finish_reason`` ``abort`` and its tokens so far; an empty 200, as SGLang's (also when neither is given: nothing
+  to abort).
 * ``GET|POST /flush_cache``: SGLang's text answer, 200 (see :mod:`.control` for why no engine step is needed).
 * ``GET|POST /release_memory_occupation {tags}``: SUSPEND (pausing a running fleet first, in ``keep`` mode): level
   2 when ``tags`` is absent or names ``weights``, else level 1 (the KV cache; ``cuda_graph`` goes with it).
@@ -31,7 +32,6 @@ from pydantic import BaseModel, ConfigDict
 
 from ...wire.lifecycle import PauseMode, Verb
 from ...wire.sampling_params import SamplingParams
-from ..errors import bad_request
 from ..intake import request_body_doc
 from .control import ACTING_RESPONSES, Control, Query
 from .tokens import read_anchor
@@ -134,9 +134,8 @@ def add_sglang_control_routes(app: FastAPI, control: Control, admin: list[Any]) 
                           "tokens so far.")
     async def abort_request(request: Request) -> Response:
         body = _read(SglangAbortRequest, await request.body(), "SGLang's AbortReq")
-        if not body.abort_all and not body.rid:
-            raise bad_request("abort_request needs a rid, or abort_all true", param="rid")
-        control.abort(None if body.abort_all else [body.rid])
+        if body.abort_all or body.rid:  # neither: nothing to abort, as SGLang answers it
+            control.abort(None if body.abort_all else [body.rid])
         return Response(status_code=200)
 
     async def flush_cache() -> PlainTextResponse:
