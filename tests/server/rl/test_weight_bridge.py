@@ -52,3 +52,11 @@ def test_trls_layout_has_the_server_serve_the_store_and_the_trainer_send_as_the_
     layout = Layout.trainer_last("127.0.0.1", free_port(), 2, "gloo")
     got = received(layout, {"rank": 1, "prefixes": (TRL_PREFIX,), "serves_store": False}, packed=False)
     assert all(torch.equal(a, b) for (_, a), (_, b) in zip(got, TENSORS))
+
+
+def test_a_server_takes_every_receiving_rank_a_trainer_counted():
+    """A trainer that counted the fleet's engine ranks (``/get_world_size``) waits for all of them: the server
+    joins as each, and every one receives the broadcast."""
+    layout = Layout.trainer_first("127.0.0.1", free_port(), 1, 4, "gloo")
+    got = received(layout, {}, packed=True)
+    assert all(torch.equal(a, b) for (_, a), (_, b) in zip(got, TENSORS))

@@ -35,9 +35,9 @@ class TrainerGroup:
     are read from the first. One rank is the usual case: more exist only where a trainer counted more receivers.
     """
 
-    def __init__(self, layout: Layout, store: dist.Store, groups: list[dist.ProcessGroup]) -> None:
+    def __init__(self, layout: Layout, stores: list[dist.Store], groups: list[dist.ProcessGroup]) -> None:
         self.layout = layout
-        self._store = store  # held: a store this server serves goes with it
+        self._stores = stores  # held: a store this server serves goes with it
         self._groups = groups
 
     @classmethod
@@ -45,15 +45,10 @@ class TrainerGroup:
         """Reach (or serve) the store and build this server's side of the group; returns once the trainer joined,
         ``RuntimeError`` (torch's) when it does not within ``timeout``."""
         span = datetime.timedelta(seconds=timeout)
-        # a store's clients count themselves in (torch's rendezvous waits for world_size of them); one this server
-        # serves waits for nobody (TRL's client does not count itself)
-        store = dist.TCPStore(layout.host, layout.port, layout.world_size, is_master=layout.hosts_store,
-                              timeout=span, wait_for_workers=not layout.hosts_store)
-        prefixed: dist.Store = store
-        for prefix in layout.prefixes:
-            prefixed = dist.PrefixStore(prefix, prefixed)
-        groups = _each([lambda rank=rank: _process_group(prefixed, rank, layout, span) for rank in layout.ranks])
-        return cls(layout, store, groups)
+        stores = [_store(layout, span, first=index == 0) for index in range(len(layout.ranks))]
+        groups = _each([lambda rank=rank, store=store: _process_group(_prefixed(store, layout), rank, layout, span)
+                        for rank, store in zip(layout.ranks, stores)])
+        return cls(layout, stores, groups)
 
     def receive(self, metas: list[TensorMeta], packed: bool, buffer_bytes: int = PACKED_BUFFER_BYTES
                 ) -> list[tuple[str, torch.Tensor]]:
@@ -71,6 +66,24 @@ class TrainerGroup:
             for group in self._groups:
                 group.shutdown()
         self._groups = []
+
+
+def _store(layout: Layout, span: datetime.timedelta, first: bool) -> dist.TCPStore:
+    """A connection to the group's store for one rank (a rank's collectives wait on their own connection, so two
+    ranks of this process never share one). The first serves it where the layout says this side does; a store's
+    clients count themselves in (torch's rendezvous waits for world_size of them), one this server serves waits for
+    nobody (TRL's client does not count itself)."""
+    if first:
+        return dist.TCPStore(layout.host, layout.port, layout.world_size, is_master=layout.hosts_store, timeout=span,
+                             wait_for_workers=not layout.hosts_store)
+    host = "127.0.0.1" if layout.hosts_store and layout.host == "0.0.0.0" else layout.host
+    return dist.TCPStore(host, layout.port, layout.world_size, is_master=False, timeout=span)
+
+
+def _prefixed(store: dist.Store, layout: Layout) -> dist.Store:
+    for prefix in layout.prefixes:
+        store = dist.PrefixStore(prefix, store)
+    return store
 
 
 def _process_group(store: dist.Store, rank: int, layout: Layout, span: datetime.timedelta) -> dist.ProcessGroup:
