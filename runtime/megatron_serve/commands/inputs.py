@@ -74,7 +74,8 @@ def check_model_dir(model_dir: str, *, weights: bool = True, tokenizer: bool = T
     path = Path(model_dir).expanduser()
     if not path.is_dir():
         raise FileNotFoundError(f"model directory {model_dir} does not exist (make a small one with "
-                                "`megatron-serve make-tiny-model DIR`, or point --model at a Hugging Face model)")
+                                "`megatron-serve make-tiny-model DIR`, or point --model at a Hugging Face model "
+                                "or a GGUF file)")
     config_file = path / "config.json"
     if not config_file.is_file():
         raise FileNotFoundError(f"no config.json in model directory {model_dir} (point --model at a Hugging Face "
