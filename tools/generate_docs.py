@@ -365,7 +365,9 @@ VLLM_ROUTES = ["/v1/completions", "/v1/chat/completions", "/v1/models", "/health
                "/version", "/ping", "/inference/v1/generate", "/v1/chat/completions/render",
                # its RL routes (mounted in its dev mode)
                "/init_weight_transfer_engine", "/start_weight_update", "/update_weights", "/finish_weight_update",
-               "/update_weight_version", "/weight_info", "/weight_checker", "/collective_rpc"]
+               "/update_weight_version", "/weight_info", "/weight_checker", "/collective_rpc",
+               "/pause", "/resume", "/is_paused", "/abort_requests", "/sleep", "/wake_up", "/is_sleeping",
+               "/reset_prefix_cache", "/get_world_size", "/server_info"]
 # What a vLLM series made here (no twin in the catalogue) is made from
 MADE_HERE = {"vllm:cache_config_info": "the engines' block size and KV blocks",
              "vllm:lora_requests_info": "the engines' adapter slots and the adapters of their running and waiting "
