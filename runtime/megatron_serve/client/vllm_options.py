@@ -258,7 +258,7 @@ VLLM_OPTIONS: tuple[VllmOption, ...] = (
                spec=_spec(type=_weight_transfer_config, default=None, metavar="JSON",
                           help="'{\"backend\": \"nccl\"}' (or \"gloo\"): trainers push weights over their own "
                                "process group through the weight routes"),
-               scope=_SERVER, example=("--weight-transfer-config", '{"backend": "gloo"}')),
+               scope=_SERVER, example=("--weight-transfer-config", '{{"backend": "gloo"}}')),
     VllmOption(("--uvicorn-log-level",), _IMPLEMENTED, "the HTTP server's own log (uvicorn); `info` and below "
                "include its access log",
                spec=_spec(choices=("critical", "error", "warning", "info", "debug", "trace"), default=None,
