@@ -38,11 +38,13 @@ $(RUNTIME): $(PY) pyproject.toml
 	touch $(RUNTIME)
 
 # torchtitan without its trainer's dependencies (datasets, wandb, tensorboard...): the test extras hold the two its
-# model code imports (spmd_types, tyro), pinned beside it.
+# model code imports (spmd_types, tyro), pinned beside it. TRL likewise (datasets, pandas, pyarrow): the tests run
+# its VLLMClient (trl.generation.vllm_client), which imports what the runtime already has.
 TORCHTITAN := torchtitan==0.3.0
+TRL := trl==1.16.0
 $(TESTING): $(RUNTIME)
 	$(PIP) install -q -e '.[test,docs]'
-	$(PIP) install -q --no-deps $(TORCHTITAN)
+	$(PIP) install -q --no-deps $(TORCHTITAN) $(TRL)
 	touch $(TESTING)
 
 setup: $(TESTING)

@@ -91,3 +91,15 @@ def test_skyrls_bracket_through_collective_rpc_commits_once_under_the_next_epoch
     for method in ("update_weights_rdt", "reload_weights"):
         refused = fleet.http.post("/collective_rpc", json={"method": method}, headers=ADMIN)
         assert refused.status_code == 400 and method in refused.json()["error"]["message"]
+
+
+def test_trls_own_vllm_client_pushes_a_checkpoint_through_the_routes(fleet, checkpoints):
+    """TRL 1.16's ``VLLMClient`` itself (``init_communicator``, ``update_model_params``, ``close_communicator``),
+    only vLLM's NCCL trainer endpoint replaced by gloo (``weight_trainer.py``'s ``trl_client`` says what)."""
+    pytest.importorskip("trl", minversion="1.16")
+    served = epoch(fleet)
+    lines = run_trainer(fleet, "trl-client", checkpoints.a)
+    assert [(line["call"], line["status"]) for line in lines] == [
+        ("/init_weight_transfer_engine", 200), ("/start_weight_update", 200), ("/update_weights", 200),
+        ("/finish_weight_update", 200)]
+    assert completions(fleet) == (checkpoints.texts.a, {served + 1})

@@ -92,6 +92,55 @@ def vllm(calls: Calls, args: argparse.Namespace) -> None:
     elif not args.no_start:
         calls.post("/finish_weight_update", {"weight_version": args.version} if args.version else {})
 
+def trl_client(_: Calls, args: argparse.Namespace) -> None:
+    """TRL 1.16's own ``VLLMClient`` (``trl/generation/vllm_client.py``), unchanged but for vLLM's NCCL trainer
+    endpoint: its rendezvous (``open_trainer_endpoint``) and packed broadcast (``packed_nccl_broadcast_producer``)
+    are replaced by gloo's (:mod:`megatron_serve.client.trainer_group`), with the vLLM imports they come with
+    (``is_vllm_available``, ``get_ip``). Its session carries the admin key (TRL sends none of its own). Prints each
+    weight call's answer as the session saw it."""
+    from types import SimpleNamespace  # noqa: PLC0415 - only this protocol
+
+    import trl.generation.vllm_client as trl_vllm  # noqa: PLC0415 - only this protocol needs TRL
+
+    def endpoint(init_info: dict) -> SimpleNamespace:
+        group = trainer_init(init_info["master_address"], init_info["master_port"], init_info["world_size"],
+                             timeout=120)
+        return SimpleNamespace(pg=group, group=SimpleNamespace(store=None, socket=None))  # what close_communicator clears
+
+    def broadcast(iterator, group, src, post_iter_func) -> None:  # noqa: ANN001 - vLLM's signature
+        trainer_send_weights(((name, post_iter_func((name, t))) for name, t in iterator), group.pg, packed=True,
+                             src=src)
+
+    trl_vllm.is_vllm_available = lambda *_, **__: True
+    trl_vllm.get_ip = lambda: "127.0.0.1"
+    trl_vllm._HAS_STATEFUL_TRAINER_ENGINE = True
+    trl_vllm.open_trainer_endpoint = endpoint
+    trl_vllm.packed_nccl_broadcast_producer = broadcast
+
+    def printed(response: Any, *_: Any, **__: Any) -> None:
+        if response.request.method == "POST":
+            print(json.dumps({"call": "/" + response.url.rsplit("/", 1)[-1], "status": response.status_code,
+                              "body": response.json()}), flush=True)
+
+    client = trl_vllm.VLLMClient(base_url=args.url, group_port=args.port)
+    client.session.headers["Authorization"] = f"Bearer {os.environ['ADMIN_KEY']}"
+    client.session.hooks["response"].append(printed)
+    client.init_communicator(device=torch.device("cuda"))  # no index: TRL leaves the (absent) current device as is
+    client.update_model_params(_Parameters(tensors_of(args.model, None)[0]))
+    client.close_communicator()
+
+
+class _Parameters(torch.nn.Module):
+    """A module whose ``named_parameters`` are a checkpoint's tensors under its names (what TRL sends)."""
+
+    def __init__(self, named: list[tuple[str, torch.Tensor]]) -> None:
+        super().__init__()
+        self.named = named
+
+    def named_parameters(self, *_, **__):  # noqa: ANN201 - torch's signature
+        return iter([(name, torch.nn.Parameter(tensor, requires_grad=False)) for name, tensor in self.named])
+
+
 def sglang(calls: Calls, args: argparse.Namespace) -> None:
     """slime's weight sync over SGLang's routes (``slime/backends/megatron_utils/update_weight_utils.py``:
     ``init_weights_update_group``, ``update_weights_from_distributed`` with one broadcast per tensor in the order of
@@ -146,7 +195,7 @@ def primerl(calls: Calls, args: argparse.Namespace) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("protocol", choices=["vllm", "sglang", "trl", "disk", "primerl"])
+    parser.add_argument("protocol", choices=["vllm", "sglang", "trl", "disk", "primerl", "trl-client"])
     parser.add_argument("url")
     parser.add_argument("model")
     parser.add_argument("port", type=int)
@@ -156,7 +205,7 @@ def main() -> None:
     parser.add_argument("--no-start", action="store_true")
     parser.add_argument("--skyrl", action="store_true")
     args = parser.parse_args()
-    {"vllm": vllm, "sglang": sglang, "trl": trl, "disk": disk, "primerl": primerl}[args.protocol](Calls(args.url), args)
+    {"vllm": vllm, "sglang": sglang, "trl": trl, "disk": disk, "primerl": primerl, "trl-client": trl_client}[args.protocol](Calls(args.url), args)
 
 
 if __name__ == "__main__":
