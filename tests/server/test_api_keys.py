@@ -73,3 +73,31 @@ def test_the_banner_prints_the_key_the_way_it_was_given(monkeypatch):
     assert bearer_header(args) == ' -H "Authorization: Bearer $MEGATRON_SERVE_API_KEY"'
     command = curl_example("http://127.0.0.1:8000", "m", bearer_header(args))
     assert re.match(r"curl http://127\.0\.0\.1:8000/v1/completions -H 'Content-Type: application/json' -H", command)
+
+
+async def test_a_client_that_sets_no_header_presents_its_keys_from_netrc(tokenizer, tmp_path, monkeypatch):
+    """The RL frameworks' clients (TRL's ``VLLMClient``, SkyRL's, slime's) set no Authorization header; ``requests``
+    then sends HTTP Basic from ``~/.netrc`` for the host, and a key given as its password is taken. The same
+    client with a wrong password, or with no netrc line, is refused as before."""
+    import asyncio  # noqa: PLC0415
+
+    import requests  # noqa: PLC0415
+
+    app = create_app(FakeBackend(tokenizer), tokenizer, "tiny-llama", api_key=API_KEY, admin_key=ADMIN_KEY,
+                     vocab_size=512, max_model_len=1024, status_interval=0.05)
+    netrc = tmp_path / ".netrc"
+    monkeypatch.setenv("NETRC", str(netrc))
+
+    def statuses(password: str | None) -> tuple[int, int]:
+        netrc.write_text(f"machine 127.0.0.1 login trainer password {password}\n" if password else "")
+        netrc.chmod(0o600)
+        with requests.Session() as session:  # as the frameworks make theirs: no auth of its own
+            admin = session.get(f"{url}/v1/admin/status", timeout=30).status_code
+            api = session.post(f"{url}/tokenize", json={"model": "tiny-llama", "prompt": "hi"}, timeout=30)
+        return admin, api.status_code
+
+    async with serving(app) as url:
+        assert await asyncio.to_thread(statuses, ADMIN_KEY) == (200, 401)  # the admin key opens admin routes only
+        assert await asyncio.to_thread(statuses, API_KEY) == (403, 200)
+        assert await asyncio.to_thread(statuses, "wrong") == (403, 401)
+        assert await asyncio.to_thread(statuses, None) == (401, 401)

@@ -33,6 +33,7 @@ from ..errors import NoFleet
 from ..wire.lifecycle import Verb
 from ..wire.messages import StatusReply
 from ..wire.verb_calls import HTTP, VERB_CALLS, Arg, ArgumentError, VerbCall
+from .api_key import presented_key
 from .errors import APIError, bad_request
 from .fleet import FleetMonitor
 from .intake import parse_body, request_body_doc
@@ -132,11 +133,12 @@ def admin_guard(admin_key: str | None) -> list[Any]:
                         description="the server's admin key (not the API key), as `Authorization: Bearer KEY`")
     expected = admin_key.encode() if admin_key else None
 
-    async def require_admin_key(credentials: HTTPAuthorizationCredentials | None = Depends(bearer)) -> None:
+    async def require_admin_key(request: Request,
+                                credentials: HTTPAuthorizationCredentials | None = Depends(bearer)) -> None:
         if expected is None:
             raise APIError(403, "the admin API is off: start the server with --admin-key-file (or $"
                                 f"{ADMIN_KEY_ENV}) to use it", code="admin_disabled", type="permission_error")
-        offered = credentials.credentials.encode() if credentials is not None else b""
+        offered = presented_key(request, credentials)  # Bearer, or Basic with the key as password (~/.netrc)
         if not offered:
             raise APIError(401, "the admin API needs the admin key as 'Authorization: Bearer KEY' (the API key "
                                 "does not open it)", code="admin_key_required", headers={"WWW-Authenticate": "Bearer"})

@@ -1,5 +1,9 @@
 """The API key: ``/v1/*`` routes ask for it as ``Authorization: Bearer KEY`` when the server has one.
 
+A key is also taken as the password of HTTP Basic (any user name): that is what ``requests`` and aiohttp send
+from ``~/.netrc`` for a host when the caller sets no header, and the RL frameworks' clients (TRL's, SkyRL's,
+slime's) set none of their own, so a line in the trainer's ``~/.netrc`` gives them the key unchanged.
+
 Two forms of one check: a FastAPI dependency for the ordinary routes (and their OpenAPI security
 scheme), and a plain coroutine for the lean generation routes, which run without FastAPI's layers
 (:mod:`.fast_routes`).
@@ -7,6 +11,7 @@ scheme), and a plain coroutine for the lean generation routes, which run without
 
 from __future__ import annotations
 
+import base64
 import hmac
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable
@@ -32,6 +37,19 @@ class APIKeyGuard:
         return self.authorize is not None
 
 
+def presented_key(request: Request, credentials: HTTPAuthorizationCredentials | None) -> bytes:
+    """The key a request presents: the Bearer token, else the password of HTTP Basic, else nothing."""
+    if credentials is not None:
+        return credentials.credentials.encode()
+    scheme, _, encoded = request.headers.get("authorization", "").partition(" ")
+    if scheme.lower() != "basic":
+        return b""
+    try:
+        return base64.b64decode(encoded.strip(), validate=True).partition(b":")[2]
+    except ValueError:  # binascii.Error: not base64
+        return b""
+
+
 def api_key_guard(api_key: str | None) -> APIKeyGuard:
     """The guard for ``api_key`` (an open server without one: 401 for a missing or wrong key otherwise)."""
     if not api_key:
@@ -39,13 +57,14 @@ def api_key_guard(api_key: str | None) -> APIKeyGuard:
     bearer = HTTPBearer(auto_error=False, description="the server's API key, as `Authorization: Bearer KEY`")
     expected = api_key.encode()
 
-    async def require_api_key(credentials: HTTPAuthorizationCredentials | None = Depends(bearer)) -> None:
-        offered = credentials.credentials.encode() if credentials is not None else b""
+    async def require_api_key(request: Request,
+                              credentials: HTTPAuthorizationCredentials | None = Depends(bearer)) -> None:
+        offered = presented_key(request, credentials)
         if not offered or not hmac.compare_digest(offered, expected):
             raise APIError(401, "missing or wrong API key: send it as 'Authorization: Bearer KEY'",
                            code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
 
     async def check_key(request: Request) -> None:  # the dependency above, for the lean routes
-        await require_api_key(await bearer(request))
+        await require_api_key(request, await bearer(request))
 
     return APIKeyGuard([Depends(require_api_key)], check_key)
