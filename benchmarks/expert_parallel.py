@@ -36,8 +36,8 @@ from pathlib import Path
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 from megatron_serve import InferenceConfig, MegatronLLM, SamplingParams  # noqa: E402
-from megatron_serve.engine.tensor_parallel import free_port  # noqa: E402
 from megatron_serve.model.tiny import make_tiny_model  # noqa: E402
+from serving import free_port  # noqa: E402
 
 COUNTING_PROBE = textwrap.dedent("""
     import json, sys, torch, torch.distributed as dist
