@@ -27,7 +27,6 @@ from fastapi import Request
 from ...wire.lifecycle import FleetState, Verb
 from ..admin import LifecycleBackend, run_verb
 from ..errors import APIError, bad_request
-from ..models import ErrorResponse
 
 if TYPE_CHECKING:  # annotations only: the context's imports are deep, and the routes' modules hold one
     from ..context import ServerContext
@@ -35,16 +34,6 @@ if TYPE_CHECKING:  # annotations only: the context's imports are deep, and the r
 T = TypeVar("T")
 
 _TRUE, _FALSE = ("true", "1", "yes", "on"), ("false", "0", "no", "off")
-
-
-#: The error answers of a control route that acts (needs the admin key), for the OpenAPI document.
-ACTING_RESPONSES: dict[int | str, dict[str, Any]] = {
-    code: {"model": ErrorResponse, "description": description} for code, description in (
-        (400, "a bad or unknown query parameter or body field (named)"),
-        (401, "no admin key presented"),
-        (403, "a wrong admin key (the API key included), or no admin key configured"),
-        (409, "the lifecycle refuses the verb in the fleet's state (the message says why)"),
-        (503, "the coordinator is unreachable or did not acknowledge"))}
 
 
 def query_doc(*parameters: tuple[str, dict[str, Any], str]) -> dict[str, Any]:

@@ -33,7 +33,8 @@ from pydantic import BaseModel, ConfigDict
 from ...wire.lifecycle import PauseMode, Verb
 from ...wire.sampling_params import SamplingParams
 from ..intake import request_body_doc
-from .control import ACTING_RESPONSES, Control, Query
+from .control import Control, Query
+from .responses import ACTING_RESPONSES
 from .tokens import read_anchor
 
 SGLANG_CONTROL_PATHS = frozenset({"/flush_cache", "/abort_request", "/pause_generation", "/continue_generation",

@@ -16,7 +16,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from ..openapi_doc import error_responses
-from .control import ACTING_RESPONSES, Control, Query
+from .control import Control, Query
+from .responses import ACTING_RESPONSES
 
 TRL_CONTROL_PATHS = frozenset({"/reset_prefix_cache/"})
 

@@ -35,7 +35,8 @@ from ...wire.lifecycle import FleetState, PauseMode, Verb
 from ..errors import APIError
 from ..intake import request_body_doc
 from ..openapi_doc import error_responses
-from .control import ACTING_RESPONSES, FLAG, Control, Query, one_of, query_doc
+from .control import FLAG, Control, Query, one_of, query_doc
+from .responses import ACTING_RESPONSES
 from .tokens import read_anchor
 
 VLLM_CONTROL_PATHS = frozenset({"/pause", "/resume", "/abort_requests", "/sleep", "/wake_up",

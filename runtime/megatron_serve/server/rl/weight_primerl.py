@@ -15,6 +15,7 @@ from fastapi import FastAPI
 
 from ..errors import APIError
 from .weight_updates import Body, WeightUpdates
+from .responses import WEIGHT_RESPONSES
 
 PRIMERL_WEIGHT_PATHS = frozenset({"/init_broadcaster"})
 
@@ -33,7 +34,7 @@ async def update_from_directory(updates: WeightUpdates, body: WeightDirRequest) 
 def add_primerl_weight_routes(app: FastAPI, guard: list[Any]) -> None:
     """prime-rl's ``/init_broadcaster`` (refused by name); its ``/update_weights`` is served by vLLM's route."""
 
-    @app.post("/init_broadcaster", dependencies=guard, tags=["prime-rl"])
+    @app.post("/init_broadcaster", dependencies=guard, responses=WEIGHT_RESPONSES, tags=["prime-rl"])
     async def init_broadcaster() -> None:
         raise APIError(501, "prime-rl's NCCL broadcaster is not served here: its wire format is prime-rl's own. "
                             "Let the trainer write checkpoints and post /update_weights {\"weight_dir\": DIR} "

@@ -33,6 +33,7 @@ from ...weights.framework_groups import Layout, announced, sglang_prefixes
 from ...wire.lifecycle import PauseMode
 from ..errors import APIError, bad_request
 from .weight_updates import Body, WeightUpdates, epoch_of, read
+from .responses import WEIGHT_RESPONSES
 
 SGLANG_WEIGHT_PATHS = frozenset({"/update_weights_from_disk", "/init_weights_update_group",
                                  "/update_weights_from_distributed", "/destroy_weights_update_group",
@@ -91,7 +92,7 @@ def add_sglang_weight_routes(app: FastAPI, updates: WeightUpdates, guard: list[A
     """SGLang's weight routes on ``app`` (the admin key's ``guard``); see the module docstring."""
     groups: set[str] = set()  # the name of the group this server joined
 
-    @app.post("/update_weights_from_disk", dependencies=guard, tags=["sglang"])
+    @app.post("/update_weights_from_disk", dependencies=guard, responses=WEIGHT_RESPONSES, tags=["sglang"])
     async def update_weights_from_disk(request: Request) -> dict[str, Any]:
         body = await read(request, DiskRequest)
         if body.load_format not in (None, "auto", "safetensors"):
@@ -103,7 +104,7 @@ def add_sglang_weight_routes(app: FastAPI, updates: WeightUpdates, guard: list[A
         return {"success": True, "message": f"Succeeded to update model weights (epoch {ack['detail']['epoch']}).",
                 "num_paused_requests": 0}
 
-    @app.post("/init_weights_update_group", dependencies=guard, tags=["sglang"])
+    @app.post("/init_weights_update_group", dependencies=guard, responses=WEIGHT_RESPONSES, tags=["sglang"])
     async def init_weights_update_group(request: Request) -> dict[str, Any]:
         body = await read(request, GroupRequest)
         backend = updates.backend_for(body.backend)
@@ -118,7 +119,7 @@ def add_sglang_weight_routes(app: FastAPI, updates: WeightUpdates, guard: list[A
             groups.add(body.group_name)
         return {"success": True, "message": "Succeeded to initialize custom process group."}
 
-    @app.post("/update_weights_from_distributed", dependencies=guard, tags=["sglang"])
+    @app.post("/update_weights_from_distributed", dependencies=guard, responses=WEIGHT_RESPONSES, tags=["sglang"])
     async def update_weights_from_distributed(request: Request) -> dict[str, Any]:
         body = await read(request, DistributedRequest)
         if body.load_format is not None:
@@ -135,7 +136,7 @@ def add_sglang_weight_routes(app: FastAPI, updates: WeightUpdates, guard: list[A
             ack = await updates.refit_tensors(tensors, epoch, pause=body.pause())
         return {"success": True, "message": f"Succeeded to update parameter online (epoch {ack['detail']['epoch']})."}
 
-    @app.post("/destroy_weights_update_group", dependencies=guard, tags=["sglang"])
+    @app.post("/destroy_weights_update_group", dependencies=guard, responses=WEIGHT_RESPONSES, tags=["sglang"])
     async def destroy_weights_update_group(request: Request) -> dict[str, Any]:
         body = await read(request, DestroyRequest)
         _known(groups, body.group_name)
@@ -144,7 +145,7 @@ def add_sglang_weight_routes(app: FastAPI, updates: WeightUpdates, guard: list[A
             groups.clear()
         return {"success": True, "message": "Succeeded to destroy custom process group."}
 
-    @app.post("/update_weights_from_tensor", dependencies=guard, tags=["sglang"])
+    @app.post("/update_weights_from_tensor", dependencies=guard, responses=WEIGHT_RESPONSES, tags=["sglang"])
     async def update_weights_from_tensor() -> None:
         raise bad_request("update_weights_from_tensor is refused: it carries CUDA IPC handles, which only a trainer "
                           "on the engines' own GPUs can make, and the trainer is not on this fleet's machines; "
@@ -158,7 +159,7 @@ def _add_checker(app: FastAPI, updates: WeightUpdates, guard: list[Any]) -> None
     """SGLang's ``/weights_checker``: ``snapshot`` then ``compare`` over what the fleet loaded through this server."""
     snapshot: dict[str, dict[str, str]] = {}  # under "weights"
 
-    @app.post("/weights_checker", dependencies=guard, tags=["sglang"])
+    @app.post("/weights_checker", dependencies=guard, responses=WEIGHT_RESPONSES, tags=["sglang"])
     async def weights_checker(request: Request) -> dict[str, Any]:
         body = await read(request, CheckRequest)
         if body.action == "reset_tensors":

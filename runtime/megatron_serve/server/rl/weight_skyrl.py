@@ -17,6 +17,7 @@ from fastapi import FastAPI, Request
 
 from ..errors import bad_request
 from .weight_updates import Body, WeightUpdates, read
+from .responses import WEIGHT_RESPONSES
 
 SKYRL_WEIGHT_PATHS = frozenset({"/collective_rpc"})
 START, FINISH = "skyrl_start_weight_update", "skyrl_finish_weight_update"
@@ -33,7 +34,7 @@ class RpcRequest(Body):
 def add_skyrl_weight_routes(app: FastAPI, updates: WeightUpdates, guard: list[Any]) -> None:
     """``/collective_rpc`` on ``app`` (the admin key's ``guard``); see the module docstring."""
 
-    @app.post("/collective_rpc", dependencies=guard, tags=["skyrl"])
+    @app.post("/collective_rpc", dependencies=guard, responses=WEIGHT_RESPONSES, tags=["skyrl"])
     async def collective_rpc(request: Request) -> dict[str, Any]:
         body = await read(request, RpcRequest)
         if body.method == START:

@@ -28,6 +28,7 @@ from fastapi import FastAPI, Request
 from ...weights.framework_groups import Layout, announced
 from ..errors import APIError, bad_request
 from .weight_updates import Body, WeightUpdates, read
+from .responses import WEIGHT_RESPONSES
 
 TRL_WEIGHT_PATHS = frozenset({"/init_communicator/", "/update_named_param/", "/close_communicator/"})
 
@@ -70,7 +71,7 @@ def add_trl_weight_routes(app: FastAPI, updates: WeightUpdates, guard: list[Any]
     """TRL's weight routes on ``app`` (the admin key's ``guard``); see the module docstring."""
     background = Background()
 
-    @app.post("/init_communicator/", dependencies=guard, tags=["trl"])
+    @app.post("/init_communicator/", dependencies=guard, responses=WEIGHT_RESPONSES, tags=["trl"])
     async def init_communicator(request: Request) -> dict[str, str]:
         body = await read(request, CommunicatorRequest)
         backend = updates.backend_for(None)
@@ -87,7 +88,7 @@ def add_trl_weight_routes(app: FastAPI, updates: WeightUpdates, guard: list[Any]
         background.start(join())
         return {"message": "Request received, initializing communicator"}
 
-    @app.post("/update_named_param/", dependencies=guard, tags=["trl"])
+    @app.post("/update_named_param/", dependencies=guard, responses=WEIGHT_RESPONSES, tags=["trl"])
     async def update_named_param(request: Request) -> dict[str, str]:
         body = await read(request, NamedParamRequest)
         try:
@@ -105,7 +106,7 @@ def add_trl_weight_routes(app: FastAPI, updates: WeightUpdates, guard: list[Any]
         background.start(load())
         return {"message": "Request received, updating named parameter"}
 
-    @app.post("/close_communicator/", dependencies=guard, tags=["trl"])
+    @app.post("/close_communicator/", dependencies=guard, responses=WEIGHT_RESPONSES, tags=["trl"])
     async def close_communicator() -> dict[str, str]:
         try:
             await background.settle()

@@ -31,6 +31,7 @@ from ..errors import APIError, bad_request
 from ..intake import parse_body
 from .weight_primerl import WeightDirRequest, update_from_directory
 from .weight_updates import Body, WeightUpdates, epoch_of, read
+from .responses import WEIGHT_RESPONSES
 
 VLLM_WEIGHT_PATHS = frozenset({"/init_weight_transfer_engine", "/start_weight_update", "/update_weights",
                                "/finish_weight_update", "/update_weight_version", "/weight_info", "/weight_checker"})
@@ -85,7 +86,7 @@ def add_vllm_weight_routes(app: FastAPI, updates: WeightUpdates, guard: list[Any
     """vLLM's weight routes on ``app`` (the admin key's ``guard``); see the module docstring."""
     packing = {"packed": False, "buffer": PACKED_BUFFER_BYTES}  # what init_weight_transfer_engine said
 
-    @app.post("/init_weight_transfer_engine", dependencies=guard, tags=["vllm"])
+    @app.post("/init_weight_transfer_engine", dependencies=guard, responses=WEIGHT_RESPONSES, tags=["vllm"])
     async def init_weight_transfer_engine(request: Request) -> dict[str, str]:
         info = (await read(request, InitRequest)).init_info
         backend = updates.backend_for(None)
@@ -99,7 +100,7 @@ def add_vllm_weight_routes(app: FastAPI, updates: WeightUpdates, guard: list[Any
         packing.update(packed=info.packed, buffer=info.packed_buffer_size_bytes)
         return {"message": "Weight transfer initialized"}
 
-    @app.post("/start_weight_update", dependencies=guard, tags=["vllm"])
+    @app.post("/start_weight_update", dependencies=guard, responses=WEIGHT_RESPONSES, tags=["vllm"])
     async def start_weight_update(request: Request) -> dict[str, str]:
         body = await read(request, StartRequest)
         if not body.is_checkpoint_format:
@@ -112,7 +113,7 @@ def add_vllm_weight_routes(app: FastAPI, updates: WeightUpdates, guard: list[Any
         await updates.start()
         return {"message": "Weight update started"}
 
-    @app.post("/update_weights", dependencies=guard, tags=["vllm", "prime-rl"])
+    @app.post("/update_weights", dependencies=guard, responses=WEIGHT_RESPONSES, tags=["vllm", "prime-rl"])
     async def update_weights(request: Request) -> dict[str, Any]:
         raw = await request.body()
         keys = _keys(raw)
@@ -137,13 +138,13 @@ def add_vllm_weight_routes(app: FastAPI, updates: WeightUpdates, guard: list[Any
                 updates.stage(tensors)
         return {"message": "Weights updated"}
 
-    @app.post("/finish_weight_update", dependencies=guard, tags=["vllm"])
+    @app.post("/finish_weight_update", dependencies=guard, responses=WEIGHT_RESPONSES, tags=["vllm"])
     async def finish_weight_update(request: Request) -> dict[str, Any]:
         epoch = epoch_of((await read(request, FinishRequest)).weight_version)
         served = await updates.finish(epoch)
         return {"message": "Weight update finished", "weight_version": str(served)}
 
-    @app.post("/update_weight_version", dependencies=guard, tags=["vllm"])
+    @app.post("/update_weight_version", dependencies=guard, responses=WEIGHT_RESPONSES, tags=["vllm"])
     async def update_weight_version(request: Request) -> dict[str, Any]:
         wanted = epoch_of((await read(request, VersionRequest)).new_version)
         served = await updates.epoch()
@@ -153,7 +154,7 @@ def add_vllm_weight_routes(app: FastAPI, updates: WeightUpdates, guard: list[Any
                                 "weight_version", code="weight_version_is_epoch", type="invalid_request_error")
         return {"success": True, "new_version": str(served)}
 
-    @app.get("/weight_info", dependencies=guard, tags=["vllm"])
+    @app.get("/weight_info", dependencies=guard, responses=WEIGHT_RESPONSES, tags=["vllm"])
     async def weight_info() -> dict[str, str]:
         return {"weight_version": str(await updates.epoch())}
 
@@ -163,7 +164,7 @@ def add_vllm_weight_routes(app: FastAPI, updates: WeightUpdates, guard: list[Any
 def _add_checker(app: FastAPI, updates: WeightUpdates, guard: list[Any]) -> None:
     """vLLM's ``/weight_checker``: ``checksum`` and ``compare`` over what the fleet loaded through this server."""
 
-    @app.post("/weight_checker", dependencies=guard, tags=["vllm"])
+    @app.post("/weight_checker", dependencies=guard, responses=WEIGHT_RESPONSES, tags=["vllm"])
     async def weight_checker(request: Request) -> JSONResponse:
         body = await read(request, CheckerRequest)
         if body.action == "reset":
