@@ -6,9 +6,10 @@ import asyncio
 import contextlib
 import re
 import subprocess
+import sys
 import time
 from pathlib import Path
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Iterator
 
 import httpx
 import openai
@@ -19,6 +20,9 @@ from megatron_serve.server import create_app
 from megatron_serve.server.runner import bind_socket, serve_app
 from megatron_serve.model.tiny import make_tiny_model
 from megatron_serve.tokenizer import Tokenizer
+
+from ..helpers import free_port
+from ..processes import stop_process_group
 
 
 @pytest.fixture(scope="session")
@@ -82,6 +86,29 @@ def wait_ready(proc: subprocess.Popen, url: str, output: Path, timeout: float = 
         if time.monotonic() > deadline:
             pytest.fail(f"{proc.args} not ready in time:\n{output.read_text()}")
         time.sleep(0.2)
+
+
+@contextlib.contextmanager
+def admin_run(model: str, log_dir: Path, admin_key: str, *extra: str,
+              env: dict[str, str] | None = None) -> Iterator[str]:
+    """``megatron-serve run`` of ``model`` on a free port with ``admin_key`` in a key file (its output and logs in
+    ``log_dir``); yields its URL once ``/ready`` answers 200, and stops its process group after."""
+    key_file = log_dir / "admin-key"
+    key_file.write_text(admin_key + "\n")
+    port = free_port()
+    output = log_dir / "run.out"
+    with open(output, "wb") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "megatron_serve.cli", "run", "--model", model, "--port", str(port),
+             "--coordinator-port", "0", "--num-kv-blocks", "256", "--log-dir", str(log_dir), "--drain-timeout", "5",
+             "--admin-key-file", str(key_file), *extra],
+            stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True, env=env)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_ready(proc, url, output)
+        yield url
+    finally:
+        stop_process_group(proc)  # the run command stops its fleet on SIGINT
 
 
 def metric(text: str, name: str, labels: str = "") -> float:

@@ -22,10 +22,8 @@ import pytest
 
 from megatron_serve.server import create_app
 
-from ..processes import stop_process_group
-from .conftest import serving, wait_ready
+from .conftest import admin_run, serving
 from .fakes import FakeBackend
-from .test_openai_e2e import free_port
 
 pytestmark = [pytest.mark.timeout(300)]
 
@@ -36,24 +34,9 @@ VERBS = ("pause", "unpause", "suspend", "resume", "refit")
 
 @pytest.fixture(scope="module")
 def stack(tiny_model, tmp_path_factory):
-    log_dir = tmp_path_factory.mktemp("admin-run")
-    key_file = log_dir / "admin-key"
-    key_file.write_text(ADMIN_KEY + "\n")
-    port = free_port()
-    output = log_dir / "run.out"
-    with open(output, "wb") as out:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "megatron_serve.cli", "run", "--model", tiny_model, "--port", str(port),
-             "--coordinator-port", "0", "--num-kv-blocks", "256", "--log-dir", str(log_dir), "--drain-timeout", "5",
-             "--admin-key-file", str(key_file)],
-            stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
-            env={**os.environ, "MEGATRON_SERVE_API_KEY": API_KEY, "MEGATRON_SERVE_ADMIN_KEY": "not-this-one"})
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_ready(proc, url, output)
+    env = {**os.environ, "MEGATRON_SERVE_API_KEY": API_KEY, "MEGATRON_SERVE_ADMIN_KEY": "not-this-one"}
+    with admin_run(tiny_model, tmp_path_factory.mktemp("admin-run"), ADMIN_KEY, env=env) as url:
         yield SimpleNamespace(url=url, model=Path(tiny_model).name, path=tiny_model)
-    finally:
-        stop_process_group(proc)  # the run command stops its fleet on SIGINT
 
 
 @pytest.fixture(scope="module")

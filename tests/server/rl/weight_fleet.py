@@ -26,8 +26,7 @@ from megatron_serve.model.tiny import make_tiny_model
 from megatron_serve.tokenizer import Tokenizer
 
 from ...helpers import free_port
-from ...processes import stop_process_group
-from ..conftest import surface, wait_ready
+from ..conftest import admin_run, surface
 
 ADMIN_KEY = "weights-admin-key"
 ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}
@@ -67,25 +66,11 @@ def checkpoints(tmp_path_factory) -> SimpleNamespace:
 
 @pytest.fixture(scope="module")
 def fleet(checkpoints, tmp_path_factory):
-    log_dir = tmp_path_factory.mktemp("weight-routes-run")
-    key_file = log_dir / "admin-key"
-    key_file.write_text(ADMIN_KEY + "\n")
-    port = free_port()
-    output = log_dir / "run.out"
-    with open(output, "wb") as out:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "megatron_serve.cli", "run", "--model", checkpoints.a, "--port", str(port),
-             "--coordinator-port", "0", "--num-kv-blocks", "256", "--log-dir", str(log_dir), "--drain-timeout", "5",
-             "--admin-key-file", str(key_file), "--weight-transfer-config", '{"backend": "gloo"}'],
-            stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_ready(proc, url, output)
-        with httpx.Client(base_url=url, timeout=300) as http:
-            model = http.get("/v1/models").json()["data"][0]["id"]
-            yield SimpleNamespace(url=url, http=http, model=model, path=checkpoints.a)
-    finally:
-        stop_process_group(proc)
+    with admin_run(checkpoints.a, tmp_path_factory.mktemp("weight-routes-run"), ADMIN_KEY,
+                   "--weight-transfer-config", '{"backend": "gloo"}') as url, \
+            httpx.Client(base_url=url, timeout=300) as http:
+        model = http.get("/v1/models").json()["data"][0]["id"]
+        yield SimpleNamespace(url=url, http=http, model=model, path=checkpoints.a)
 
 
 def completions(fleet: SimpleNamespace) -> tuple[list[str], set[int]]:
