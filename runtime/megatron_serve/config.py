@@ -175,7 +175,7 @@ class InferenceConfig:
     # lora_modules adapters, or nowhere without them (engine.lora.allowed_lora_dirs)
     lora_allowed_dirs: list[str] | None = None
     speculative: SpeculativeConfig | None = None  # speculative decoding (engine.speculative); None: off
-    # The host tier of the KV cache, in GiB (vLLM's kv_offloading_size; engine.kv_offload); None: no tier.
+    # The host tier of the KV cache, in GiB (vLLM's kv_offloading_size; engine.kv.offload); None: no tier.
     kv_offloading_size: float | None = None
     kv_on_refit: str = "recompute"  # KV kept by suspend(keep_kv=True) across a refit: one of KV_ON_REFIT
 

@@ -21,7 +21,7 @@ from safetensors.torch import load_file, save_file
 
 from megatron_kernels import fp8
 from megatron_serve import EventType, InferenceConfig, MegatronLLM, SamplingParams
-from megatron_serve.engine.kv_cache import KVCachePool
+from megatron_serve.engine.kv.cache import KVCachePool
 from megatron_serve.engine.runner import ModelRunner
 from megatron_serve.engine.step_plan import StepBuffers, StepPlan
 from megatron_serve.model.loader import load_model

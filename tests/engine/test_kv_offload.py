@@ -12,8 +12,8 @@ from megatron_serve.client.vllm_args import parse_llm_keywords
 from megatron_serve.commands.engine_options import add_engine_options, inference_config_from_args
 from megatron_serve.fleet.argv import inference_config_to_argv
 from megatron_serve import DynamicInferenceRequest, InferenceConfig, MegatronLLM, SamplingParams
-from megatron_serve.engine.kv_cache import BlockAllocator, KVCachePool
-from megatron_serve.engine.kv_offload import TO_DEVICE, TO_HOST, Copier, HostKVTier
+from megatron_serve.engine.kv.cache import BlockAllocator, KVCachePool
+from megatron_serve.engine.kv.offload import TO_DEVICE, TO_HOST, Copier, HostKVTier
 
 BLOCK = 16
 POOL = 24  # blocks: room for two of the prompts below at a time, not all six

@@ -13,8 +13,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_serve.engine.kv_cache import KVCachePool
-from megatron_serve.engine.kv_offload import CudaCopier, HostKVTier
+from megatron_serve.engine.kv.cache import KVCachePool
+from megatron_serve.engine.kv.offload import CudaCopier, HostKVTier
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device: the copies run on a "
                                 "side stream (benchmarks/gpu_session.sh kvtiers runs this file on one)")

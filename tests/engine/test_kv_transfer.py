@@ -11,7 +11,7 @@ import pytest
 from megatron_serve import DynamicInferenceRequest, InferenceConfig, MegatronLLM, SamplingParams
 from megatron_serve.wire.kv_blocks import KVBlocks, KVTensor
 from megatron_serve.wire.protocol import Header, decode, encode
-from megatron_serve.engine import kv_transfer
+from megatron_serve.engine.kv import transfer as kv_transfer
 from megatron_serve.wire.messages import FROM_COORDINATOR, TO_COORDINATOR
 
 BLOCK = 16

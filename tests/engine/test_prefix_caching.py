@@ -7,7 +7,7 @@ import random
 import pytest
 
 from megatron_serve import DynamicInferenceRequest, InferenceConfig, MegatronLLM, SamplingParams
-from megatron_serve.engine.kv_cache import BlockAllocator
+from megatron_serve.engine.kv.cache import BlockAllocator
 from megatron_serve.wire.prefix_hash import block_hashes
 
 BLOCK = 16

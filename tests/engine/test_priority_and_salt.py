@@ -10,7 +10,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 from megatron_serve.coordinator.requests import Phase, RequestRecord, RequestTable
-from megatron_serve.engine.kv_cache import BlockAllocator
+from megatron_serve.engine.kv.cache import BlockAllocator
 from megatron_serve.engine.scheduler import Scheduler
 from megatron_serve.engine.sequence import Sequence
 from megatron_serve.wire.prefix_hash import ROOT_HASH, block_hashes, salted_root

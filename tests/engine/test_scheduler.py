@@ -9,7 +9,7 @@ import time
 import pytest
 
 from megatron_serve.engine.admission import Admission
-from megatron_serve.engine.kv_cache import BlockAllocator
+from megatron_serve.engine.kv.cache import BlockAllocator
 from megatron_serve.engine.scheduler import ScheduledBatch, Scheduler
 from megatron_serve.engine.sequence import Sequence
 from megatron_serve.engine.speculative.decoder import Emitted, Speculator

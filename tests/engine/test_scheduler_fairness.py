@@ -13,7 +13,7 @@ import pytest
 from megatron_serve.commands.engine_options import add_engine_options, inference_config_from_args
 from megatron_serve.config import InferenceConfig
 from megatron_serve.fleet.argv import inference_config_to_argv
-from megatron_serve.engine.kv_cache import BlockAllocator
+from megatron_serve.engine.kv.cache import BlockAllocator
 from megatron_serve.engine.scheduler import Scheduler
 from megatron_serve.engine.sequence import Sequence
 from megatron_serve.wire.request import EngineRequest

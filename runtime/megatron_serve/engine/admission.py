@@ -13,7 +13,7 @@ from ..model.config import ModelConfig
 from ..wire.expert_routing import RoutingCapture, routing_dtype
 from ..wire.request import EngineRequest
 from .encoder_cache import EncoderCache
-from .kv_cache import blocks_for_tokens
+from .kv.cache import blocks_for_tokens
 from .lora import EngineLoras, LoraAdapterError, Registration, admit_request
 from .sequence import Sequence
 from .structured_output import StructuredOutputs

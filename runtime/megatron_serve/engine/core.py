@@ -41,9 +41,9 @@ from .admission import Admission
 from .expert_api import Ended, ExpertApi, Submitted
 from .expert_backend import install_expert_backend
 from .graphs import graphs_for, largest_graph
-from .kv_cache import BlockAllocator
-from .kv_offload import HostKVTier
-from .kv_transfer import KVTransfer
+from .kv.cache import BlockAllocator
+from .kv.offload import HostKVTier
+from .kv.transfer import KVTransfer
 from .logprob_parity import ParityChecker
 from .lora import engine_loras, lora_report
 from .lora_verbs import Adapters
@@ -218,7 +218,7 @@ class DynamicInferenceEngine:
         self.expert.add(request, self.scheduler.add_request)
 
     def receive_kv(self, request_id: str) -> None:
-        """Start a request just added on the blocks a prefill engine computed (:mod:`.kv_transfer`)."""
+        """Start a request just added on the blocks a prefill engine computed (:mod:`.kv.transfer`)."""
         sequence = self.scheduler.requests.get(request_id)
         if sequence is not None:
             self.kv_transfer.receive(sequence, self.epoch, self.scheduler.waiting)

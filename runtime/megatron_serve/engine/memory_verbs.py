@@ -29,13 +29,13 @@ from ..weights.digests import forget_digests
 from ..weights.peer_pull import PeerWeights
 from ..weights.sources import RendezvousSource, WeightSource, weight_source
 from ..wire.messages import LoraPush
-from .kv_park import ParkedKV, ParkOrder
+from .kv.park import ParkedKV, ParkOrder
 from .lora import require
 
 if TYPE_CHECKING:
     from ..config import InferenceConfig
     from ..model.llama import LlamaForCausalLM
-    from .kv_cache import BlockAllocator, KVCachePool
+    from .kv.cache import BlockAllocator, KVCachePool
     from .logprob_parity import ParityChecker
     from .lora import EngineLoras, Registration
     from .scheduler import Scheduler
@@ -90,7 +90,7 @@ class DeviceMemory:
         """Release the KV pool (and at level 2 move weights to host); returns device bytes released.
 
         Cached blocks no request holds go to the host tier, if any, before the pool is released. With
-        ``keep_kv`` the blocks of the requests in flight are copied to host memory too (:mod:`.kv_park`) and
+        ``keep_kv`` the blocks of the requests in flight are copied to host memory too (:mod:`.kv.park`) and
         ``resume`` copies them back, so that those requests continue without recomputing anything; without
         it they wait to be recomputed from their tokens.
         """

@@ -31,7 +31,7 @@ from .warmup import compile_kernels
 
 if TYPE_CHECKING:
     from ..model.lora_slots import LoraRows
-    from .kv_park import ParkOrder
+    from .kv.park import ParkOrder
     from ..weights.sources import WeightSource
 
 logger = logging.getLogger(__name__)

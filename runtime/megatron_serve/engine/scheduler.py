@@ -9,7 +9,7 @@ request is preempted: its blocks are freed and it waits to be recomputed from it
 tokens it already generated, which leaves its output unchanged. A request's prefix-cache chain
 starts from its ``cache_salt`` (:func:`~megatron_serve.wire.prefix_hash.salted_root`), its adapter's and the
 weights' epoch (:func:`~megatron_serve.wire.prefix_hash.epoch_root`). A prefix that stops on the device goes on
-in the host tier when there is one (:mod:`.kv_offload`): those blocks are copied back, not recomputed.
+in the host tier when there is one (:mod:`.kv.offload`): those blocks are copied back, not recomputed.
 
 A prompt with more than ``long_prefill_token_threshold`` tokens left to compute is long (vLLM's
 option and its ``max_long_partial_prefills``): a step first gives at most that many tokens to each
@@ -34,7 +34,7 @@ from ..wire.expert_routing import record_step
 from ..wire.prefix_hash import block_hashes, chain_hash, epoch_root
 from ..wire.request import EngineRequest, EventType, FinishReason, RequestEvent, RequestStatus
 from .admission import Admission
-from .kv_cache import BlockAllocator, blocks_for_tokens
+from .kv.cache import BlockAllocator, blocks_for_tokens
 from .logprob_parity import ParityChecker
 from .lora_queue import LoraQueue
 from .prompt_scores import record_prompt_scores

@@ -17,7 +17,7 @@ if TYPE_CHECKING:
 
     from ..weights.peer_pull import PeerWeights
     from ..weights.sources import WeightSource
-    from .kv_transfer import KVTransfer
+    from .kv.transfer import KVTransfer
     from ..wire.messages import PromptScores
     from ..wire.request import EngineRequest, FinalRecord
 

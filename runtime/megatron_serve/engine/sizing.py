@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from ..config import InferenceConfig
-from .kv_cache import KVCachePool, blocks_for_tokens
+from .kv.cache import KVCachePool, blocks_for_tokens
 from .step_plan import StepBuffers
 from ..model.config import ModelConfig
 from ..model.llama import LlamaForCausalLM

@@ -48,8 +48,8 @@ from ..model.parallel import DataParallel, PipelineStage, TensorParallel
 from .data_parallel import agree_tokens, agree_turn
 from .turns import Turn
 from .expert_backend import install_expert_backend
-from .kv_cache import KVCachePool
-from .kv_park import ParkedKV, ParkOrder
+from .kv.cache import KVCachePool
+from .kv.park import ParkedKV, ParkOrder
 from .sizing import build_kv_pool, default_dtype, engine_buffers, max_sequence_length_for
 from .runner import ModelRunner, StepResult
 from .step_plan import StepBuffers, StepPlan

@@ -35,7 +35,7 @@ if TYPE_CHECKING:
     from ..config import InferenceConfig
     from ..model.llama import LlamaForCausalLM
     from ..tokenizer import Vocabulary
-    from .kv_cache import KVCachePool
+    from .kv.cache import KVCachePool
     from .logprob_parity import ParityChecker
     from .runner import ModelRunner
     from .scheduler import ScheduledBatch

@@ -156,7 +156,7 @@ class Pause(Control):
 
 class Suspend(Control):
     level: int | None = None
-    keep_kv: bool | None = None  # copy live requests' KV to host memory first, and back on RESUME (engine.kv_park)
+    keep_kv: bool | None = None  # copy live requests' KV to host memory first, and back on RESUME (engine.kv.park)
 
 
 class Stop(Control):

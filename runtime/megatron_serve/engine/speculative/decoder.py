@@ -59,7 +59,7 @@ from typing import TYPE_CHECKING, Callable
 
 import torch
 
-from ..kv_cache import BlockAllocator, blocks_for_tokens
+from ..kv.cache import BlockAllocator, blocks_for_tokens
 from ..logits_processors import apply_controls, apply_token_bitmask
 from ...wire.engine_stats import EngineStats
 from .adaptive import AdaptiveK, PinnedK

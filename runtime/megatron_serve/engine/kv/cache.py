@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from .kv_offload import HostKVTier
+    from .offload import HostKVTier
 
 
 class OutOfBlocksError(RuntimeError):
@@ -27,7 +27,7 @@ class BlockAllocator:
     prefix takes it back, and allocation reuses evictable blocks least-recently-freed first. Blocks
     are freed children first, so a parent is never evicted before its children.
 
-    With a host ``tier`` (:mod:`.kv_offload`), a cached block that is evicted is copied there first.
+    With a host ``tier`` (:mod:`.offload`), a cached block that is evicted is copied there first.
     """
 
     def __init__(self, num_blocks: int, enable_prefix_caching: bool = False, tier: "HostKVTier | None" = None):

@@ -2,7 +2,7 @@
 
 A prefill engine is told per request (``kv_transfer_params`` ``{"do_remote_decode": true}``, vLLM's shape) that
 the request's KV goes on to a decode engine: when the request leaves this engine after its first token, its
-blocks are copied to host memory before the pool frees them (:class:`~.kv_park.ParkedKV`'s copy) and wait in
+blocks are copied to host memory before the pool frees them (:class:`~.park.ParkedKV`'s copy) and wait in
 :meth:`KVTransfer.take` for the process to send them (``KV_BLOCKS`` in parts, :mod:`megatron_serve.wire.kv_blocks`).
 A decode engine keeps the parts that arrive (:meth:`KVTransfer.arrive`) until their request comes
 (``{"do_remote_prefill": true}``), then allocates blocks of its own, copies the contents in and starts the
@@ -21,12 +21,12 @@ from dataclasses import dataclass, field
 import msgspec
 import torch
 
-from ..wire.engine_stats import KV_TRANSFER, KV_TRANSFER_DIRECTIONS
-from ..wire.kv_blocks import MAX_PART_BYTES, KVBlocks, KVTensor
-from ..wire.request import FinishReason, RequestStatus
-from .kv_cache import BlockAllocator, KVCachePool, blocks_for_tokens
-from .kv_park import ParkedKV
-from .sequence import Sequence
+from ...wire.engine_stats import KV_TRANSFER, KV_TRANSFER_DIRECTIONS
+from ...wire.kv_blocks import MAX_PART_BYTES, KVBlocks, KVTensor
+from ...wire.request import FinishReason, RequestStatus
+from .cache import BlockAllocator, KVCachePool, blocks_for_tokens
+from .park import ParkedKV
+from ..sequence import Sequence
 
 logger = logging.getLogger("megatron_serve.engine")
 

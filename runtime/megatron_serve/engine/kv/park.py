@@ -5,7 +5,7 @@ generated after ``resume``: for RL, every rollout alive at each weight sync. Kee
 that live requests hold to host memory before the pool goes, and ``resume`` copies them back into the same
 block ids: the requests keep their block tables and continue where they stopped, no token computed twice.
 
-The copy is taken whole and dropped on resume: it is not a cache (that is :mod:`.kv_offload`'s host tier), and
+The copy is taken whole and dropped on resume: it is not a cache (that is :mod:`.offload`'s host tier), and
 its host memory is its own, sized by the blocks in use, not by ``--kv-offloading-size``. In a tensor- or
 pipeline-parallel group every rank parks its own part of the blocks (:class:`ParkOrder`) and copies it back, or
 drops it, as rank 0 decides at ``resume``.
@@ -18,8 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .kv_cache import KVCachePool
-from .kv_offload import CudaCopier, copier_for, host_buffers
+from .cache import KVCachePool
+from .offload import CudaCopier, copier_for, host_buffers
 
 
 @dataclass(frozen=True)

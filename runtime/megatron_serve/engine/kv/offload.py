@@ -27,8 +27,8 @@ from typing import Callable, Protocol
 
 import torch
 
-from ..wire.engine_stats import KV_OFFLOAD, KV_OFFLOAD_DIRECTIONS
-from .kv_cache import KVCachePool
+from ...wire.engine_stats import KV_OFFLOAD, KV_OFFLOAD_DIRECTIONS
+from .cache import KVCachePool
 
 #: vLLM's ``transfer_type`` label values of ``vllm:kv_offload_total_bytes`` and ``vllm:kv_offload_total_time``.
 TO_HOST, TO_DEVICE = KV_OFFLOAD_DIRECTIONS
