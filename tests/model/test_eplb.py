@@ -1,0 +1,116 @@
+"""EPLB's planner, map and moves without a model: replicas go to the busiest experts, every rank gets its slots and a
+share of the load near the mean, the map sends each (token, expert) pair to a replica of its own expert, and the
+moves between two placements leave every rank holding what the new one says."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from megatron_serve.model.eplb import (LayerPlacement, balancedness, identity_plan, pack, plan_layer, rank_loads,
+                                       replicate)
+from megatron_serve.model.expert_moves import plan_moves
+
+#: 16 experts over 4 ranks, two hot ones (a router biased toward experts 3 and 9), as the engine tests' routers.
+SKEWED = [40.0 if e in (3, 9) else 4.0 for e in range(16)]
+
+
+def test_replicas_go_to_the_experts_with_the_most_load_per_replica():
+    assert replicate(SKEWED, 16) == [1] * 16
+    counts = replicate(SKEWED, 20)
+    assert sum(counts) == 20 and counts[3] == counts[9] == 3 and all(c == 1 for e, c in enumerate(counts)
+                                                                     if e not in (3, 9))
+    assert replicate([5.0, 5.0, 1.0], 4) == [2, 1, 1]  # equals: the lowest id first
+    with pytest.raises(ValueError, match="3 physical experts cannot hold 4"):
+        replicate([1.0] * 4, 3)
+
+
+def test_pack_fills_every_pack_heaviest_first_and_keeps_one_label_apart():
+    where = pack([9.0, 1.0, 1.0, 9.0, 5.0, 5.0], [0, 1, 2, 3, 4, 5], 3)
+    assert sorted(where.count(p) for p in range(3)) == [2, 2, 2]
+    loads = [sum(w for w, p in zip([9.0, 1.0, 1.0, 9.0, 5.0, 5.0], where) if p == pack_) for pack_ in range(3)]
+    assert max(loads) == 10.0
+    # two copies of expert 7 never share a pack while another pack has room
+    where = pack([6.0, 6.0, 1.0, 1.0], [7, 7, 1, 2], 2)
+    assert where[0] != where[1]
+    with pytest.raises(ValueError, match="5 items do not split into 2"):
+        pack([1.0] * 5, list(range(5)), 2)
+
+
+def test_plan_balances_a_skewed_router_that_index_placement_leaves_lopsided():
+    before = balancedness(rank_loads(SKEWED, list(range(16)), 4))
+    plan = plan_layer(SKEWED, 24, 4)
+    after = balancedness(rank_loads(SKEWED, plan, 4))
+    assert before < 0.7 and after >= 0.9, (before, after)
+    assert 0.85 < balancedness(rank_loads(SKEWED, plan_layer(SKEWED, 20, 4), 4)) < after  # fewer copies, less even
+    assert sorted(set(plan)) == list(range(16)) and len(plan) == 24
+    for rank in range(4):  # each rank's slots hold ascending ids; an expert twice only where it has more copies
+        slots = plan[rank * 6:(rank + 1) * 6]  # than there are ranks (5 of experts 3 and 9 here)
+        assert slots == sorted(slots) and all(slots.count(e) == 1 for e in slots if e not in (3, 9))
+    assert plan_layer(SKEWED, 24, 4) == plan  # the same on every rank
+    assert plan_layer([1.0] * 16, 16, 4) != [] and balancedness(rank_loads([1.0] * 16, plan_layer([1.0] * 16, 16, 4),
+                                                                           4)) == 1.0
+    with pytest.raises(ValueError, match="18 physical experts do not split over 4"):
+        plan_layer(SKEWED, 18, 4)
+
+
+def test_hierarchical_plan_keeps_each_group_on_one_node():
+    load = [float(random.Random(e).randint(1, 50)) for e in range(16)]
+    plan = plan_layer(load, 24, 4, groups=4, nodes=2)  # 4 groups of 4 experts, 2 nodes of 2 ranks
+    nodes = [set(plan[:12]), set(plan[12:])]
+    assert not nodes[0] & nodes[1] and nodes[0] | nodes[1] == set(range(16))
+    for node in nodes:
+        groups = {e // 4 for e in node}
+        assert all(set(range(g * 4, g * 4 + 4)) <= node for g in groups), node  # whole groups per node
+    assert plan_layer(load, 24, 4, groups=3, nodes=2) == plan_layer(load, 24, 4)  # groups that do not split: global
+
+
+def test_identity_plan_is_index_placement_plus_copies():
+    assert identity_plan(16, 16, 4) == list(range(16))
+    plan = identity_plan(8, 12, 4)
+    assert [plan[r * 3:r * 3 + 2] for r in range(4)] == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert sorted(set(plan)) == list(range(8))
+
+
+def test_the_map_sends_each_pair_to_a_replica_of_its_expert_round_robin_and_counts_it():
+    plan = plan_layer(SKEWED, 20, 4)
+    placement = LayerPlacement(plan, 16, torch.device("cpu"))
+    ids = torch.tensor([[3, 9, 0, 1]] * 6)
+    physical = placement.physical(ids)
+    assert [[plan[p] for p in row] for row in physical.tolist()] == ids.tolist()
+    copies = {p for p, e in enumerate(plan) if e == 3}
+    used = {p for row in physical.tolist() for p in row if plan[p] == 3}
+    assert used == copies and len(copies) == 3  # six tokens spread over expert 3's three copies
+    assert torch.equal(placement.physical(ids), physical)  # a pair's choice depends on its place only
+    assert int(placement.load.sum()) == 2 * ids.numel()
+    assert placement.logical_load(placement.load.clone()).tolist()[3] == 12
+    before = placement.replicas.data_ptr()
+    placement.update(list(range(16)) + [3, 9, 3, 9])
+    assert placement.replicas.data_ptr() == before  # in place: a captured graph keeps reading it
+    with pytest.raises(ValueError, match="each of 16 logical experts"):
+        placement.update([0] * 20)
+
+
+@pytest.mark.parametrize("old_per, new_per", [(4, 5), (5, 5), (2, 3)])
+def test_moves_leave_every_rank_holding_its_new_experts(old_per, new_per):
+    """Every rank's moves simulated on lists: its sends arrive where the receiver's receives say, and each new slot
+    ends up with the expert the new placement names."""
+    ranks, rng = 4, random.Random(old_per * 10 + new_per)
+    experts = old_per * ranks if old_per == 4 else 16 if old_per == 5 else 8
+    old = plan_layer([float(rng.randint(1, 9)) for _ in range(experts)], old_per * ranks, ranks)
+    new = plan_layer([float(rng.randint(1, 9)) for _ in range(experts)], new_per * ranks, ranks)
+    moves = [plan_moves(old, new, ranks, rank) for rank in range(ranks)]
+    for rank, mine in enumerate(moves):
+        held = old[rank * old_per:(rank + 1) * old_per]
+        result: list[int | None] = [None] * new_per
+        for old_slot, new_slot in mine.local:
+            result[new_slot] = held[old_slot]
+        for source in range(ranks):
+            sent = [old[source * old_per + slot] for slot in moves[source].sends[rank]]
+            assert len(sent) == len(mine.receives[source])
+            for slot, expert in zip(mine.receives[source], sent):
+                result[slot] = expert
+        assert result == new[rank * new_per:(rank + 1) * new_per]
+    assert all(not m.moved for m in (plan_moves(old, old, ranks, r) for r in range(ranks)))
