@@ -20,6 +20,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from ..wire.kv_events import parse_kv_events_config
 from .vllm_options import (ALL2ALL_BACKENDS, CHECKPOINT_QUANTIZATIONS, KV_CACHE_DTYPES, QUANTIZATION_SCHEMES,
                            VLLM_OPTIONS, Scope, Status, VllmOption)
 
@@ -157,6 +158,7 @@ LLM_KEYWORDS: dict[str, Keyword] = {
     "max_cpu_loras": Keyword("max_cpu_loras", _positive_int),
     "speculative_config": Keyword("speculative", _speculative),
     "kv_offloading_size": Keyword("kv_offloading_size", _gib),
+    "kv_events_config": Keyword("kv_events_config", parse_kv_events_config),
 }
 
 

@@ -29,6 +29,7 @@ from types import MappingProxyType
 from typing import Any, Callable, Mapping
 
 from ..http_options import TOOL_CALL_PARSERS
+from ..wire.kv_events import KVEventsConfig, parse_kv_events_config
 
 class Status(enum.Enum):
     IMPLEMENTED = "implemented"  # with vLLM's meaning (under its name, or as an alias of ours)
@@ -126,6 +127,14 @@ def _json_object(value: str) -> dict[str, Any]:
     if not isinstance(item, dict):
         raise argparse.ArgumentTypeError(f"must be a JSON object, got {value!r}")
     return item
+
+
+def _kv_events_config(value: str) -> KVEventsConfig:
+    """``--kv-events-config``: vLLM's JSON object, every field checked (an unknown one named)."""
+    try:
+        return parse_kv_events_config(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc).removeprefix("--kv-events-config: ")) from None
 
 
 def _weight_transfer_config(value: str) -> dict[str, Any]:
@@ -370,6 +379,15 @@ VLLM_OPTIONS: tuple[VllmOption, ...] = (
                spec=_spec(type=_positive_float("--kv-offloading-size"), default=None, metavar="GIB",
                           help="host memory for the KV cache's host tier, in GiB (default: no host tier)"),
                scope=_ENGINE, example=("--kv-offloading-size", "0.01")),
+    VllmOption(("--kv-events-config",), _IMPLEMENTED, "vLLM's KV events (`BlockStored`, `BlockRemoved`, "
+               "`AllBlocksCleared`, msgpack) on a ZeroMQ PUB socket at `endpoint` with a replay ROUTER at "
+               "`replay_endpoint`: which blocks each tier holds (medium `GPU`, `CPU`, `DISK`), for a gateway's "
+               "KV-aware routing; the coordinator gets the same events over its own link (docs/kv-routing.md)",
+               spec=_spec(type=_kv_events_config, default=None, metavar="JSON",
+                          help="KV events, e.g. '{\"enable_kv_cache_events\": true, \"endpoint\": "
+                               "\"tcp://*:5557\"}' (default: only the coordinator gets them)"),
+               scope=_ENGINE, example=("--kv-events-config", '{{"enable_kv_cache_events": true, "publisher": '
+                                                             '"null"}}')),
     VllmOption(("--swap-space",), _ACCEPTED, "preempted requests are recomputed, never swapped to host memory",
                spec=_spec(type=float, metavar="GIB"), scope=_ENGINE, example=("--swap-space", "4")),
     VllmOption(("--disable-custom-all-reduce",), _ACCEPTED, "tensor parallelism uses torch.distributed's own "

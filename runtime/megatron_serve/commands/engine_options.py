@@ -134,7 +134,7 @@ def inference_config_from_args(args: argparse.Namespace, tensor_parallel_size: i
         lora_allowed_dirs=args.lora_allowed_dirs,
         lora_modules=dict(args.lora_modules) if args.lora_modules else None,
         speculative=args.speculative_config, kv_offloading_size=args.kv_offloading_size,
-        kv_on_refit=args.kv_on_refit,
+        kv_on_refit=args.kv_on_refit, kv_events_config=args.kv_events_config,
     )
 
 

@@ -42,6 +42,7 @@ from .expert_api import Ended, ExpertApi, Submitted
 from .expert_backend import install_expert_backend
 from .graphs import graphs_for, largest_graph
 from .kv.cache import BlockAllocator
+from .kv.events import KVEventLog, ZmqPublisher
 from .kv.offload import HostKVTier
 from .kv.transfer import KVTransfer
 from .logprob_parity import ParityChecker
@@ -52,7 +53,7 @@ from .runner import ModelRunner
 from .sampler import Sampler
 from .scheduler import ScheduledBatch, Scheduler
 from .served import EngineFacts, EngineLoad
-from .turns import Turn
+from .group.turns import Turn
 from .sizing import build_kv_pool, default_dtype, engine_buffers, max_sequence_length_for, parameter_bytes
 from .speculative.decoder import Speculator
 from .speculative.factory import make_proposer
@@ -85,9 +86,16 @@ class DynamicInferenceEngine:
         self.max_sequence_length = max_sequence_length_for(model.config, config)
         self.kv_cache = build_kv_pool(model, config, self.max_sequence_length, self.device,
                                       largest_graph(config, self.device))
-        self.host_tier = HostKVTier.sized(self.kv_cache, config.kv_offloading_size)
-        self.allocator = BlockAllocator(self.kv_cache.shape[2], config.enable_prefix_caching, self.host_tier)
         block_size = config.block_size_tokens
+        # what the KV tiers hold, told as vLLM's KV events to the coordinator and, with --kv-events-config, a socket
+        self.kv_events = KVEventLog(block_size, config.data_parallel_rank if config.data_parallel_size > 1 else None)
+        self.kv_publisher = (ZmqPublisher(config.kv_events_config, config.data_parallel_rank)
+                             if config.kv_events_config is not None and config.kv_events_config.publishes else None)
+        if self.kv_publisher is not None:
+            self.kv_events.attach(self.kv_publisher)  # its first batch: AllBlocksCleared (a start knows nothing)
+        self.host_tier = HostKVTier.sized(self.kv_cache, config.kv_offloading_size, self.kv_events)
+        self.allocator = BlockAllocator(self.kv_cache.shape[2], config.enable_prefix_caching, self.host_tier,
+                                        self.kv_events)
         self.kv_transfer = KVTransfer(self.kv_cache, self.allocator, block_size)  # prefill/decode disaggregation
         if runner is None:
             buffers = engine_buffers(config, self.max_sequence_length, self.device)
@@ -180,7 +188,8 @@ class DynamicInferenceEngine:
         if config.world_size == 1:
             return cls(load_model(model_dir, dtype, config.device, quantization=config.quantization), tokenizer, config,
                        model_dir=model_dir)
-        from .tensor_parallel import TensorParallelRunner, abandon_group, start_rank_zero  # noqa: PLC0415
+        from .group.leader import TensorParallelRunner  # noqa: PLC0415
+        from .group.spawn import abandon_group, start_rank_zero  # noqa: PLC0415
 
         tp, channel, device, workers = start_rank_zero(str(model_dir), config)
         try:
@@ -194,8 +203,12 @@ class DynamicInferenceEngine:
             raise
 
     def shutdown(self) -> None:
-        """Stop the other tensor-parallel ranks, if any; the engine is unusable afterwards."""
+        """Stop the other tensor-parallel ranks, if any, and the KV events' publisher; the engine is unusable
+        afterwards."""
         self.worker.runner.shutdown()
+        if self.kv_publisher is not None:
+            self.kv_events.flush()
+            self.kv_publisher.close()
 
     # ------------------------------------------------------------ requests in and out
     def has_unfinished_requests(self) -> bool:
@@ -208,7 +221,7 @@ class DynamicInferenceEngine:
     def group_turn(self, busy: bool, holding: bool = False) -> Turn:
         """Whether the step loop steps now, given whether this engine has work, and acts on the verb it holds: with
         data-parallel attention, while any rank of the group has work, and once every rank holds its copy of the
-        verb (:mod:`.data_parallel`)."""
+        verb (:mod:`.group.data_parallel`)."""
         return self.worker.runner.group_turn(busy, holding)
 
     def add_request(self, request: Submitted) -> None:
@@ -252,6 +265,7 @@ class DynamicInferenceEngine:
         """
         outputs = self.speculation.step(self) if self.speculation is not None else self.step_overlapped()
         self.worker.runner.end_step()  # data-parallel attention: a rank that ran no forward joins the MoE layers empty
+        self.kv_events.flush()  # the step's KV events, one batch
         return self.parity.deliver(outputs, self.epoch, self.stats, self.scheduler.add_request)
 
     def step_overlapped(self, ks: dict[str, int] | None = None) -> list[StepOutput]:

@@ -177,9 +177,7 @@ class DeviceMemory:
             message = str(error) if error is not None else (
                 f"{len(self.incomplete)} tensor(s) overwritten by an earlier failed refit were not sent again")
             raise RefitFailed(message, len(replaced), sorted(self.incomplete), self.epoch) from error
-        self.allocator.clear_cache()
-        if self.allocator.tier is not None:
-            self.allocator.tier.clear()  # keyed by the old epoch: nothing there can be found again
+        self.allocator.reset()  # both tiers are keyed by the old epoch: nothing there can be found again
         self.parity.void_all()
         if self.worker.encoder_cache is not None:
             self.worker.encoder_cache.clear()  # embeddings of the old vision weights

@@ -35,6 +35,7 @@ from ..wire.prefix_hash import block_hashes, chain_hash, epoch_root
 from ..wire.request import EngineRequest, EventType, FinishReason, RequestEvent, RequestStatus
 from .admission import Admission
 from .kv.cache import BlockAllocator, blocks_for_tokens
+from .kv.events import BlockOrigin
 from .logprob_parity import ParityChecker
 from .lora_queue import LoraQueue
 from .prompt_scores import record_prompt_scores
@@ -42,6 +43,12 @@ from .sequence import Sequence
 from .speculative.decoder import Emitted, Speculator
 from .steps import InFlightStep, StepOutput
 from .token_append import append_tokens, ended
+
+
+def block_adapter(sequence: Sequence) -> tuple[int, str] | None:
+    """The adapter a sequence's blocks are computed under, as KV events name it: (version, name); None: base."""
+    name = sequence.sampling_params.lora_name
+    return None if sequence.lora_slot < 0 or name is None else (sequence.lora_version, name)
 
 
 def step_order(entry: tuple[Sequence, int]) -> tuple[bool, int]:
@@ -216,11 +223,14 @@ class Scheduler:
             return
         size = self.block_size
         known = len(sequence.token_ids) - sequence.num_drafts - sequence.drafts_in_flight
+        told = self.allocator.events is not None
         for index in range(len(sequence.block_hashes), min(sequence.num_computed, known) // size):
             parent = sequence.block_hashes[-1] if sequence.block_hashes else epoch_root(sequence.prefix_root, epoch)
-            block_hash = chain_hash(parent, sequence.cache_tokens(index * size, (index + 1) * size))
+            tokens = sequence.cache_tokens(index * size, (index + 1) * size)
+            block_hash = chain_hash(parent, tokens)
             sequence.block_hashes.append(block_hash)
-            self.allocator.register(sequence.block_table[index], block_hash)
+            origin = BlockOrigin(parent if index else None, tuple(tokens), block_adapter(sequence)) if told else None
+            self.allocator.register(sequence.block_table[index], block_hash, origin)
 
     def _preempt_newest(self, preempted: list[Sequence]) -> Sequence:
         victim = self.running.pop()

@@ -107,6 +107,7 @@ ENGINE_FIELDS = {
     "pipeline_micro_batches": "pipeline_micro_batches",
     "kv_offloading_size": "kv_offloading_size",
     "kv_on_refit": "kv_on_refit",
+    "kv_events_config": "kv_events_config",
 }
 
 
@@ -124,6 +125,8 @@ def inference_config_to_argv(config: "InferenceConfig | None") -> list[str]:
             argv.append(flag if value else "--no-" + dest.replace("_", "-"))
         elif isinstance(value, list):
             argv += [flag, *map(str, value)]
+        elif name == "kv_events_config":  # a KVEventsConfig, as vLLM's JSON object
+            argv += [flag, value.to_json()]
         elif name == "speculative":  # a SpeculativeConfig, as vLLM's JSON object
             argv += [flag, json.dumps(asdict(value))]
         elif isinstance(value, dict):  # lora_modules: name -> path, in vLLM's JSON form (a name may hold "=")

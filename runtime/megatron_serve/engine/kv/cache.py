@@ -11,7 +11,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ...wire.kv_events import MEDIUM_DEVICE
+
 if TYPE_CHECKING:
+    from .events import BlockOrigin, KVEventLog
     from .offload import HostKVTier
 
 
@@ -27,13 +30,16 @@ class BlockAllocator:
     prefix takes it back, and allocation reuses evictable blocks least-recently-freed first. Blocks
     are freed children first, so a parent is never evicted before its children.
 
-    With a host ``tier`` (:mod:`.offload`), a cached block that is evicted is copied there first.
+    With a host ``tier`` (:mod:`.offload`), a cached block that is evicted is copied there first. With an event
+    log (:mod:`.events`), every block registered and forgotten is told to it (medium ``GPU``).
     """
 
-    def __init__(self, num_blocks: int, enable_prefix_caching: bool = False, tier: "HostKVTier | None" = None):
+    def __init__(self, num_blocks: int, enable_prefix_caching: bool = False, tier: "HostKVTier | None" = None,
+                 events: "KVEventLog | None" = None):
         self.num_blocks = num_blocks
         self.enable_prefix_caching = enable_prefix_caching
         self.tier = tier
+        self.events = events
         self._free: deque[int] = deque(range(num_blocks))
         self._evictable: OrderedDict[int, None] = OrderedDict()
         self._ref_counts = [0] * num_blocks
@@ -64,8 +70,11 @@ class BlockAllocator:
                 evicted.append((block, block_hash))
             self._ref_counts[block] = 1
             blocks.append(block)
-        if evicted and self.tier is not None:
-            self.tier.store(evicted)
+        if evicted:
+            if self.tier is not None:
+                self.tier.store(evicted)
+            if self.events is not None:
+                self.events.removed(MEDIUM_DEVICE, [block_hash for _, block_hash in evicted])
         return blocks
 
     def ref_count(self, block: int) -> int:
@@ -101,11 +110,14 @@ class BlockAllocator:
                 del self._evictable[block]
             self._ref_counts[block] += 1
 
-    def register(self, block: int, block_hash: int) -> None:
-        """Publish a computed, complete block under its hash (first writer wins)."""
+    def register(self, block: int, block_hash: int, origin: "BlockOrigin | None" = None) -> None:
+        """Publish a computed, complete block under its hash (first writer wins); ``origin`` (its chain parent,
+        tokens and adapter) is what the KV events say of it."""
         if self.enable_prefix_caching and block_hash not in self._block_of_hash and block not in self._hash_of_block:
             self._block_of_hash[block_hash] = block
             self._hash_of_block[block] = block_hash
+            if self.events is not None:
+                self.events.stored(MEDIUM_DEVICE, block_hash, origin)
 
     def blocks_in_use(self) -> list[int]:
         """The blocks some request holds."""
@@ -118,17 +130,30 @@ class BlockAllocator:
     def drop_evictable(self) -> None:
         """Forget the cached blocks no request holds (their contents are about to be lost); blocks in use keep
         their hashes."""
-        for block in self._evictable:
-            del self._block_of_hash[self._hash_of_block.pop(block)]
+        dropped = [self._hash_of_block.pop(block) for block in self._evictable]
+        for block_hash in dropped:
+            del self._block_of_hash[block_hash]
         self._free.extend(self._evictable)
         self._evictable.clear()
+        if self.events is not None:
+            self.events.removed(MEDIUM_DEVICE, dropped)
 
     def clear_cache(self) -> None:
         """Forget every cached hash (the pool's contents are gone or stale); blocks in use stay in use."""
+        if self.events is not None:
+            self.events.removed(MEDIUM_DEVICE, list(self._block_of_hash))
         self._free.extend(self._evictable)
         self._evictable.clear()
         self._hash_of_block.clear()
         self._block_of_hash.clear()
+
+    def reset(self) -> None:
+        """Forget every cached block in every tier (a refit: none of them can be found again): AllBlocksCleared."""
+        self.clear_cache()
+        if self.tier is not None:
+            self.tier.clear()
+        if self.events is not None:
+            self.events.cleared()  # says it all: the removals just told are dropped unsent
 
 
 def blocks_for_tokens(num_tokens: int, block_size: int) -> int:

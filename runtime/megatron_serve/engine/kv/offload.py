@@ -28,7 +28,9 @@ from typing import Callable, Protocol
 import torch
 
 from ...wire.engine_stats import KV_OFFLOAD, KV_OFFLOAD_DIRECTIONS
+from ...wire.kv_events import MEDIUM_HOST
 from .cache import KVCachePool
+from .events import KVEventLog
 
 #: vLLM's ``transfer_type`` label values of ``vllm:kv_offload_total_bytes`` and ``vllm:kv_offload_total_time``.
 TO_HOST, TO_DEVICE = KV_OFFLOAD_DIRECTIONS
@@ -174,8 +176,10 @@ class HostKVTier:
     """Complete KV blocks in host memory, by chained hash, least recently used first out (see the module
     docstring). ``capacity_bytes`` of host memory, in whole blocks of ``pool``'s layout."""
 
-    def __init__(self, pool: KVCachePool, capacity_bytes: int, copier: Copier | None = None):
+    def __init__(self, pool: KVCachePool, capacity_bytes: int, copier: Copier | None = None,
+                 events: KVEventLog | None = None):
         self.pool = pool
+        self.events = events  # told what the tier stores and drops (medium ``CPU``)
         self.copier = copier if copier is not None else copier_for(pool.device)
         self.block_bytes = pool.bytes_per_pool_block
         self.num_slots = int(capacity_bytes) // self.block_bytes
@@ -192,9 +196,9 @@ class HostKVTier:
         self.stats = TransferStats()
 
     @classmethod
-    def sized(cls, pool: KVCachePool, gib: float | None) -> "HostKVTier | None":
+    def sized(cls, pool: KVCachePool, gib: float | None, events: KVEventLog | None = None) -> "HostKVTier | None":
         """The tier ``--kv-offloading-size`` asks for (None: no tier)."""
-        return cls(pool, int(gib * 2**30)) if gib else None
+        return cls(pool, int(gib * 2**30), events=events) if gib else None
 
     @property
     def num_bytes(self) -> int:
@@ -245,6 +249,8 @@ class HostKVTier:
             if slot not in self._pins and slot not in filling:
                 del self._slot_of_hash[block_hash]
                 del self._hash_of_slot[slot]
+                if self.events is not None:
+                    self.events.removed(MEDIUM_HOST, [block_hash])
                 return slot
         return None
 
@@ -266,6 +272,8 @@ class HostKVTier:
             self._hash_of_slot[slot] = block_hash
             blocks.append(block)
             slots.append(slot)
+            if self.events is not None:
+                self.events.stored(MEDIUM_HOST, block_hash)
         if blocks:
             self._stores.append(self.copier.to_host(self.pool, blocks, self._host, slots))
             self.stats.bytes[TO_HOST] += len(blocks) * self.block_bytes
@@ -297,6 +305,8 @@ class HostKVTier:
         """Forget every block (a refit: none of them can be found again); a slot still being loaded from returns
         to use once its copy lands."""
         self._reap()
+        if self.events is not None:
+            self.events.removed(MEDIUM_HOST, list(self._slot_of_hash))
         self._slot_of_hash.clear()
         self._hash_of_slot.clear()
         self._free = [slot for slot in range(self.num_slots - 1, -1, -1) if slot not in self._pins]
