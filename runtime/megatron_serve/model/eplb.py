@@ -78,15 +78,30 @@ def pack(weights: Sequence[float], labels: Sequence[int], packs: int) -> list[in
 
 def _place(load: Sequence[float], experts: Sequence[int], num_physical: int, ranks: int) -> list[list[int]]:
     """``experts`` (logical ids) replicated to ``num_physical`` and packed onto ``ranks``: each rank's logical ids,
-    ascending."""
-    counts = replicate([load[e] for e in experts], num_physical)
-    labels = [e for e, count in zip(experts, counts) for _ in range(count)]
-    per_replica = {e: float(load[e]) / count for e, count in zip(experts, counts)}
-    where = pack([per_replica[e] for e in labels], labels, ranks)
-    slots: list[list[int]] = [[] for _ in range(ranks)]
-    for label, rank in zip(labels, where):
-        slots[rank].append(label)
-    return [sorted(rank) for rank in slots]
+    ascending. The busiest experts' copies come in multiples the ranks may not divide (two experts taking all the
+    load, six copies over four ranks: two ranks carry two); so the last few extra copies may go to the least busy
+    experts instead, whichever of those packings is the most even (the first among equals)."""
+    extra = num_physical - len(experts)
+    best: tuple[float, list[list[int]]] | None = None
+    for busy in range(extra, max(-1, extra - ranks), -1):
+        counts = replicate([load[e] for e in experts], len(experts) + busy)
+        idle = sorted(range(len(experts)), key=lambda i: (float(load[experts[i]]), i))
+        for i in range(extra - busy):
+            counts[idle[i % len(idle)]] += 1
+        labels = [e for e, count in zip(experts, counts) for _ in range(count)]
+        per_replica = {e: float(load[e]) / count for e, count in zip(experts, counts)}
+        weights = [per_replica[e] for e in labels]
+        where = pack(weights, labels, ranks)
+        sums = [0.0] * ranks
+        for weight, rank in zip(weights, where):
+            sums[rank] += weight
+        score = balancedness(sums)
+        if best is None or score > best[0] + 1e-12:
+            slots: list[list[int]] = [[] for _ in range(ranks)]
+            for label, rank in zip(labels, where):
+                slots[rank].append(label)
+            best = (score, [sorted(rank) for rank in slots])
+    return best[1]
 
 
 def plan_layer(load: Sequence[float], num_physical: int, ranks: int, groups: int = 1, nodes: int = 1) -> list[int]:
@@ -114,7 +129,7 @@ def plan_layer(load: Sequence[float], num_physical: int, ranks: int, groups: int
 
 def rank_loads(load: Sequence[float], physical_to_logical: Sequence[int], ranks: int) -> list[float]:
     """Each rank's expected tokens: a logical expert's load split evenly over its replicas (tokens pick a replica
-    round-robin, :meth:`LayerPlacement.physical`)."""
+    in turn, :meth:`LayerPlacement.physical`)."""
     counts: dict[int, int] = {}
     for e in physical_to_logical:
         counts[e] = counts.get(e, 0) + 1
@@ -155,6 +170,7 @@ class LayerPlacement:
         self.replicas = torch.zeros((num_experts, most), dtype=torch.int64, device=device)
         self.counts = torch.ones(num_experts, dtype=torch.int64, device=device)
         self.load = torch.zeros(self.num_physical, dtype=torch.int64, device=device)
+        self.rotation = torch.zeros((), dtype=torch.int64, device=device)  # the balancer adds one each step
         self.physical_to_logical: list[int] = []
         self.update(physical_to_logical)
 
@@ -174,12 +190,14 @@ class LayerPlacement:
 
     def physical(self, ids: torch.Tensor) -> torch.Tensor:
         """The physical expert each (token, logical expert) pair of ``ids [T, k]`` runs on, counted in :attr:`load`:
-        pair ``i`` (row-major) takes replica ``i mod count``, so a step's tokens spread over an expert's copies and the
-        choice depends on nothing but the pair's place (replicas hold the same weights: a token's result does not
-        depend on which ran it). No host synchronization."""
+        token ``t``'s column ``j`` takes replica ``(t + j + rotation) mod count``, so a step's tokens spread over an
+        expert's copies and successive steps of one token too. The choice depends on nothing but the pair's place and
+        the step (replicas hold the same weights: a token's result does not depend on which ran it). No host
+        synchronization."""
+        tokens, columns = ids.shape
         flat = ids.reshape(-1).to(torch.int64)
-        pair = torch.arange(flat.numel(), device=flat.device)
-        physical = self.replicas[flat, pair % self.counts[flat]]
+        place = (torch.arange(tokens, device=flat.device)[:, None] + torch.arange(columns, device=flat.device)).reshape(-1)
+        physical = self.replicas[flat, (place + self.rotation) % self.counts[flat]]
         self.load.index_add_(0, physical, torch.ones_like(physical))
         return physical.view(ids.shape)
 
