@@ -152,7 +152,7 @@ class InferenceConfig:
     # micro-batches a step's requests split into across the stages, so that stage s runs one while stage s - 1 runs
     # the next (engine.micro_batches); None: as many as stages
     pipeline_micro_batches: int | None = None
-    # data-parallel attention ranks sharing the MoE layers (engine.data_parallel), and which one this engine is
+    # data-parallel attention ranks sharing the MoE layers (engine.group.data_parallel), and which one this engine is
     data_parallel_size: int = 1
     data_parallel_rank: int = 0
     seed: int = 0

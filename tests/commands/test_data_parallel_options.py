@@ -59,7 +59,7 @@ def test_an_engine_takes_vllms_multi_host_flags_as_its_rendezvous_and_rank(monke
     """``vllm serve ... --data-parallel-size-local 1 --data-parallel-start-rank 1 --data-parallel-address A
     --data-parallel-rpc-port P`` on the second host is this engine's rank 1, meeting rank 0 at ``A:P``."""
     from megatron_serve.commands import engine
-    from megatron_serve.engine.tensor_parallel import Placement, data_parallel_placement
+    from megatron_serve.engine.group.placement import Placement, data_parallel_placement
 
     for name in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "NPROC_PER_NODE", "RANK"):
         monkeypatch.delenv(name, raising=False)

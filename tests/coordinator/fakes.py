@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass, field
 
 from megatron_serve.engine.served import EngineFacts, EngineLoad
-from megatron_serve.engine.turns import Turn
+from megatron_serve.engine.group.turns import Turn
 from megatron_serve.multimodal import PromptImage
 from megatron_serve.wire.request import (DynamicInferenceRequest, EngineRequest, EventType, FinalRecord, FinishReason,
                                          RequestStatus)

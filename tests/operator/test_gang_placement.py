@@ -17,7 +17,7 @@ from .test_gang_render import CONFIG, example
 
 from megatron_operator.render import render
 from megatron_serve.commands import engine as engine_command
-from megatron_serve.engine.tensor_parallel import Placement, data_parallel_placement, placement_for
+from megatron_serve.engine.group.placement import Placement, data_parallel_placement, placement_for
 
 ENV_NAMES = ("NODE_RANK", "RANK", "MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "NNODES", "NPROC_PER_NODE")
 

@@ -102,7 +102,8 @@ def follow_case(case: dict[str, Any]) -> None:
     environment (``WORLD_SIZE``, ``RANK``): what a rank spawned by rank 0's engine runs, until that engine stops."""
     import threading  # noqa: PLC0415
 
-    from megatron_serve.engine.tensor_parallel import Placement, run_worker  # noqa: PLC0415
+    from megatron_serve.engine.group.follower import run_worker  # noqa: PLC0415
+    from megatron_serve.engine.group.placement import Placement  # noqa: PLC0415
 
     size = case["config"]["tensor_parallel_size"]
     placement = Placement(size, case["tp_rank"], 1, os.environ["MASTER_ADDR"], case["port"])

@@ -1,6 +1,6 @@
 """Engines of data-parallel attention as the tests run them: one process per data-parallel rank (each an engine
 with its own scheduler and requests, starting its own tensor-parallel ranks), meeting at ``MASTER_ADDR``, stepping
-together while any has work (:mod:`megatron_serve.engine.data_parallel`).
+together while any has work (:mod:`megatron_serve.engine.group.data_parallel`).
 
 One group of processes serves every case of its layout, one engine after another (``data_parallel_engine.py``):
 starting the processes costs more than a case."""

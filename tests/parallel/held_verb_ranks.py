@@ -9,8 +9,8 @@ import sys
 
 import torch.distributed as dist
 
-from megatron_serve.engine.data_parallel import agree_turn
-from megatron_serve.engine.turns import HeldVerb
+from megatron_serve.engine.group.data_parallel import agree_turn
+from megatron_serve.engine.group.turns import HeldVerb
 
 
 def main() -> None:

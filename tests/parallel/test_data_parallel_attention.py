@@ -23,7 +23,7 @@ import torch
 import transformers
 
 from megatron_serve import InferenceConfig, SamplingParams
-from megatron_serve.engine.tensor_parallel import data_parallel_placement
+from megatron_serve.engine.group.placement import data_parallel_placement
 from megatron_serve.model.loader import build_model, load_model
 from megatron_serve.model.parallel import DataParallel, TensorParallel
 from megatron_serve.model.tiny import make_tiny_model

@@ -14,7 +14,7 @@ import time
 import pytest
 
 from megatron_serve import SamplingParams
-from megatron_serve.engine.tensor_parallel import RENDEZVOUS_TIMEOUT_S
+from megatron_serve.engine.group.placement import RENDEZVOUS_TIMEOUT_S
 from megatron_serve.model.tiny import make_tiny_model
 
 from ..helpers import Children, free_port

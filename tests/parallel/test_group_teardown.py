@@ -12,7 +12,7 @@ import textwrap
 GROUPS = textwrap.dedent('''
     import os
     import torch.distributed as dist
-    from megatron_serve.engine.tensor_parallel import join_data_parallel, release_groups
+    from megatron_serve.engine.group.placement import join_data_parallel, release_groups
 
     def threads():
         return len(os.listdir("/proc/self/task"))

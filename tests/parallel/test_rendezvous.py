@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from megatron_serve.config import InferenceConfig
-from megatron_serve.engine.tensor_parallel import Placement, host_store, join_group, placement_for
+from megatron_serve.engine.group.placement import Placement, host_store, join_group, placement_for
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -4,8 +4,9 @@ One module per job (see ``docs/architecture.md``): ``core`` (the step loop), ``s
 ``sequence`` (a request inside), ``worker`` (the device half), ``memory_verbs`` and ``lora_verbs`` (the verbs'
 objects), ``expert_api`` (Megatron's expert API: the public request in and out), ``kv_cache``,
 ``step_plan``, ``runner``, ``graphs``, ``sampler``, ``logits_processors``, ``structured_output``,
-``encoder_cache``, ``tensor_parallel`` and ``sizing``. Everything here needs torch; modules outside the
-engine that only need a helper (token texts, grammar checks, stats names) import torch-free modules.
+``encoder_cache``, ``sizing`` and the wing ``group`` (the ranks of a tensor-parallel group). Everything here needs
+torch; modules outside the engine that only need a helper (token texts, grammar checks, stats names) import
+torch-free modules.
 """
 
 from .core import DynamicInferenceEngine, StepOutput

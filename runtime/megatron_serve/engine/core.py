@@ -53,7 +53,7 @@ from .runner import ModelRunner
 from .sampler import Sampler
 from .scheduler import ScheduledBatch, Scheduler
 from .served import EngineFacts, EngineLoad
-from .turns import Turn
+from .group.turns import Turn
 from .sizing import build_kv_pool, default_dtype, engine_buffers, max_sequence_length_for, parameter_bytes
 from .speculative.decoder import Speculator
 from .speculative.factory import make_proposer
@@ -188,7 +188,8 @@ class DynamicInferenceEngine:
         if config.world_size == 1:
             return cls(load_model(model_dir, dtype, config.device, quantization=config.quantization), tokenizer, config,
                        model_dir=model_dir)
-        from .tensor_parallel import TensorParallelRunner, abandon_group, start_rank_zero  # noqa: PLC0415
+        from .group.leader import TensorParallelRunner  # noqa: PLC0415
+        from .group.spawn import abandon_group, start_rank_zero  # noqa: PLC0415
 
         tp, channel, device, workers = start_rank_zero(str(model_dir), config)
         try:
@@ -220,7 +221,7 @@ class DynamicInferenceEngine:
     def group_turn(self, busy: bool, holding: bool = False) -> Turn:
         """Whether the step loop steps now, given whether this engine has work, and acts on the verb it holds: with
         data-parallel attention, while any rank of the group has work, and once every rank holds its copy of the
-        verb (:mod:`.data_parallel`)."""
+        verb (:mod:`.group.data_parallel`)."""
         return self.worker.runner.group_turn(busy, holding)
 
     def add_request(self, request: Submitted) -> None:

@@ -14,9 +14,10 @@ Under expert parallelism a graph's MoE layers use the fixed-capacity all-to-all 
 sized for the graph's batch (:class:`~megatron_serve.model.expert_dispatch.ExpertStep`, set as the graph is
 captured). Every rank captures the same graphs in the same order, so their collectives pair up. With data-parallel
 attention the ranks run different batches: before each step they agree on the largest token count
-(:func:`.data_parallel.agree_tokens`), and every rank pads its step to the same size (:meth:`StepGraphs.padded_size`):
-a rank replays its graph of that size, or runs eagerly with buffers of that size (a step a graph does not cover,
-or an idle rank's empty MoE pass), so every MoE layer's all-to-alls have one shape on every rank.
+(:func:`.group.data_parallel.agree_tokens`), and every rank pads its step to the same size
+(:meth:`StepGraphs.padded_size`): a rank replays its graph of that size, or runs eagerly with buffers of that size
+(a step a graph does not cover, or an idle rank's empty MoE pass), so every MoE layer's all-to-alls have one shape on
+every rank.
 """
 
 from __future__ import annotations

@@ -39,7 +39,7 @@ from .link import CoordinatorLink
 from ..heap import freeze_startup_heap
 from .output import step_delta, step_messages
 from .served import EngineStepResult, ServedEngine
-from .turns import HeldVerb, held
+from .group.turns import HeldVerb, held
 from ..wire.messages import (RENDEZVOUS_SCHEME, Body, Control, EngineStepOut, EngineSubmit, HelloAck, LoadLora, Refit,
                              RequestDeltaOut, Stop, Suspend, UnloadLora)
 from ..wire.protocol import HEADER_VERBS, Header, ProtocolError, Role, step_of
@@ -131,7 +131,7 @@ class EngineProcess:
                     self._begin_drain(self.drain_timeout, "SIGTERM")
                 if self.drain_deadline is not None and self._drain_finished():
                     return 0
-                # data-parallel attention ranks step together while any of them has work (engine.data_parallel):
+                # data-parallel attention ranks step together while any of them has work (engine.group.data_parallel):
                 # an idle one steps too, and does not wait on its inbox meanwhile; a verb that joins them all
                 # runs at the turn in which every one holds its copy
                 turn = self.engine.group_turn(self.state is FleetState.RUNNING
@@ -211,7 +211,7 @@ class EngineProcess:
         elif header is Header.HANDBACK:
             self._handback_acked = True
         elif header in HEADER_VERBS and (verb := held(header, body)) is not None:
-            self.held = verb  # run() acts on it (engine.data_parallel)
+            self.held = verb  # run() acts on it (engine.group.data_parallel)
         elif header in HEADER_VERBS:
             self._on_step(header, body)
         elif header is Header.PEER_WEIGHTS:  # a joiner of our layout pulls our weights, now, between two steps

@@ -23,8 +23,8 @@ from ..model.attention import AttentionMetadata, ForwardContext, MultimodalStep
 from ..model.llama import LlamaForCausalLM
 from ..model.moe import stack_routing
 from .graphs import DecodeGraphs, MixedGraphs, StepGraphs
-from .data_parallel import empty_moe_pass
-from .turns import Turn
+from .group.data_parallel import empty_moe_pass
+from .group.turns import Turn
 from .micro_batches import micro_batches
 from .step_plan import StepBuffers, StepPlan
 from .warmup import compile_kernels
@@ -106,7 +106,7 @@ class ModelRunner:
     @torch.inference_mode()
     def empty_moe_pass(self, group_tokens: int | None) -> None:
         """A data-parallel rank with no forward this step joins every MoE layer with no tokens, its buffers of the
-        group's padded size where the others' are (:mod:`.data_parallel`)."""
+        group's padded size where the others' are (:mod:`.group.data_parallel`)."""
         self.size_expert_step(group_tokens, self.padded_size(group_tokens))
         empty_moe_pass(self.model)
 
@@ -129,7 +129,7 @@ class ModelRunner:
         sampled tokens of the step in flight, which the plan's gather rows take as their input.
         ``previous_shifts``: when that step verifies drafts, its drafts rejected per request (on the device),
         which correct the rows of a ``shifted`` plan (:meth:`correct`). ``group_tokens``: with data-parallel
-        attention, the largest step of the group's ranks (:func:`.data_parallel.agree_tokens`): the step pads to
+        attention, the largest step of the group's ranks (:func:`.group.data_parallel.agree_tokens`): the step pads to
         the graph size that holds it (:meth:`padded_size`), replayed or eager, as every rank's does.
         """
         dev = self.buffers.dev
@@ -234,12 +234,12 @@ class ModelRunner:
 
     def group_turn(self, busy: bool, holding: bool = False) -> Turn:
         """Whether the step loop steps now (when this engine has work) and acts on a verb it holds (at once),
-        unless data-parallel attention ranks agree on both together (:mod:`.data_parallel`)."""
+        unless data-parallel attention ranks agree on both together (:mod:`.group.data_parallel`)."""
         return Turn(busy, holding)
 
     def end_step(self) -> None:
         """Called after each step; a data-parallel attention rank that ran no forward in it joins the MoE layers'
-        collectives with an empty batch there (:mod:`.data_parallel`)."""
+        collectives with an empty batch there (:mod:`.group.data_parallel`)."""
 
     def on_refit(self, source: "WeightSource") -> None:
         pass

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, Sequence
 
 if TYPE_CHECKING:
-    from .turns import Turn
+    from .group.turns import Turn
     import numpy as np
 
     from ..weights.peer_pull import PeerWeights

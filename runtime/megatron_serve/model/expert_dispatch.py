@@ -13,7 +13,7 @@ The engine picks a backend at start (``--all2all-backend``, :mod:`megatron_serve
 
 Every rank of the expert-parallel group must pick alike in each layer (their collectives pair up): over the
 tensor-parallel ranks every rank runs the same plan; with data-parallel attention the ranks agree on ``tokens``
-first (:func:`megatron_serve.engine.data_parallel.agree_tokens`).
+first (:func:`megatron_serve.engine.group.data_parallel.agree_tokens`).
 """
 
 from __future__ import annotations

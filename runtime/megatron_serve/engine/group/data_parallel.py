@@ -11,7 +11,7 @@ layer entered with no tokens, so the others' tokens reach its experts and come b
 
 Each forward and each empty pass starts with one more all-reduce among the leaders: the largest token count of the
 step (:func:`agree_tokens`, vLLM's ``num_tokens_across_dp``), which each leader sends its ranks with the step. Where a
-step fits the CUDA graphs every rank pads to the same graph size (:meth:`.graphs.StepGraphs.padded_size`) and the
+step fits the CUDA graphs every rank pads to the same graph size (:meth:`..graphs.StepGraphs.padded_size`) and the
 MoE layers use fixed-capacity buffers of that size (:mod:`megatron_serve.model.capacity_dispatcher`): a rank whose
 step a graph of that size covers replays it, the others (a step a graph does not cover, an idle rank's empty pass)
 run eagerly with the same buffers, so each layer's all-to-alls have one shape everywhere whether captured or not.
@@ -29,7 +29,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ..model.moe import SparseMoeBlock
+from ...model.moe import SparseMoeBlock
 from .turns import Turn
 
 

@@ -1,0 +1,144 @@
+"""Rank 0's runner (:class:`TensorParallelRunner`): the engine's runner, which sends every step and lifecycle change
+to the group's other ranks (:mod:`.channel`) before acting on it itself, and gathers what they report of a refit or
+a peer pull. A collective that fails means the group broke: :class:`~megatron_serve.errors.EngineGroupLost`."""
+
+from __future__ import annotations
+
+import multiprocessing
+from typing import Callable, TypeVar
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from ...errors import EngineGroupLost
+from ...model.lora import LoraAdapter
+from ...weights.sources import WeightSource
+from ..graphs import StepGraphs
+from ..kv.park import ParkOrder
+from ..runner import ModelRunner, StepResult
+from ..step_plan import StepBuffers, StepPlan
+from .channel import PlanChannel, broadcast_previous_tokens
+from .data_parallel import agree_tokens, agree_turn
+from .placement import release_groups
+from .turns import Turn
+
+T = TypeVar("T")
+
+
+class TensorParallelRunner(ModelRunner):
+    """Rank 0's runner: broadcasts every step and lifecycle change before acting on it itself."""
+
+    def __init__(self, model, block_size: int, device: torch.device, buffers: StepBuffers,
+                 channel: PlanChannel, workers: list[multiprocessing.Process],
+                 graphs: StepGraphs | None = None):
+        super().__init__(model, block_size, device, buffers, graphs)
+        self.channel = channel
+        self.workers = workers
+        self._ran_forward = False  # since the last end_step: a data-parallel rank that did not runs an empty pass
+
+    def _broadcast(self, kind: str, payload: object = None, packed: np.ndarray | None = None,
+                   tokens: int | None = None) -> None:
+        self._check_workers()
+        try:
+            self.channel.send(kind, packed, payload, tokens)
+        except Exception as exc:  # noqa: BLE001 - a collective fails only when the group broke
+            raise EngineGroupLost(f"tensor-parallel group broke during {kind!r}: {exc}") from exc
+
+    def _check_workers(self) -> None:
+        """Fail fast when a local rank died, instead of waiting on a collective that cannot finish."""
+        dead = [w.name for w in self.workers if not w.is_alive()]
+        if dead:
+            raise EngineGroupLost(f"tensor-parallel group lost {', '.join(dead)}; this engine group must restart")
+
+    def run_plan(self, plan: StepPlan, kv_caches, image_embeddings=None, previous_tokens=None,
+                 previous_shifts=None) -> StepResult:
+        # verify steps are not overlapped under tensor parallelism (the followers would need the shifts too)
+        assert previous_shifts is None, "a plan corrected by a verify step in flight under tensor parallelism"
+        tokens = self._agree_tokens(plan.num_tokens)
+        self._broadcast("step", packed=self.buffers.pack(plan), tokens=tokens)
+        try:
+            broadcast_previous_tokens(self.channel, plan, previous_tokens, 0, self.device)
+            if plan.num_images:  # the tower runs on rank 0 only: its output goes with the step
+                self.channel.broadcast(image_embeddings.contiguous())
+            self._ran_forward = True
+            return super().run_plan(plan, kv_caches, image_embeddings, previous_tokens, group_tokens=tokens)
+        except Exception as exc:  # noqa: BLE001 - the forward's all-reduces fail when a peer died mid-step
+            self._check_workers()
+            raise EngineGroupLost(f"tensor-parallel forward failed: {exc}") from exc
+
+    def on_suspend(self, level: int, keep: ParkOrder | None = None) -> None:
+        self._broadcast("suspend", (level, keep))
+        super().on_suspend(level)
+
+    def on_resume(self, restore: bool = False) -> None:
+        self._broadcast("resume", restore)
+
+    def group_turn(self, busy: bool, holding: bool = False) -> Turn:
+        if self.channel.leaders is None:
+            return Turn(busy, holding)
+        return self._among_leaders(lambda leaders, flags: agree_turn(leaders, *flags), (busy, holding))
+
+    def _agree_tokens(self, tokens: int) -> int | None:
+        """With data-parallel attention, the largest step of the data-parallel ranks (None without)."""
+        return None if self.channel.leaders is None else self._among_leaders(agree_tokens, tokens)
+
+    def _among_leaders(self, collective: Callable[[object, T], T], value: T) -> T:
+        """``collective`` over the data-parallel attention ranks' leaders."""
+        try:
+            return collective(self.channel.leaders, value)
+        except Exception as exc:  # noqa: BLE001 - a collective fails only when the group broke
+            raise EngineGroupLost(f"data-parallel attention ranks lost one of them: {exc}") from exc
+
+    def end_step(self) -> None:
+        ran, self._ran_forward = self._ran_forward, False
+        if self.channel.leaders is None or ran:
+            return
+        tokens = self._agree_tokens(0)
+        self._broadcast("idle", tokens=tokens)
+        try:
+            self.empty_moe_pass(tokens)
+        except Exception as exc:  # noqa: BLE001 - the all-to-alls fail when a peer died mid-step
+            self._check_workers()
+            raise EngineGroupLost(f"data-parallel attention: an empty MoE pass failed: {exc}") from exc
+
+    def on_refit(self, source: WeightSource) -> None:
+        self._broadcast("refit", source)
+
+    def broadcast_lora_slot(self, slot: int, adapter: LoraAdapter) -> None:
+        """Every other rank writes its share of ``adapter`` into ``slot`` (:mod:`...model.lora_shards`) before the
+        next step, as rank 0 does: adapters live in rank 0's host memory only, so pushes need no other path."""
+        self._broadcast("lora", (slot, adapter))
+
+    def refit_outcomes(self) -> list[tuple[list[str], str | None]]:
+        return self._outcomes("a refit")
+
+    def on_share(self, payload: tuple[str, str, int, float]) -> None:
+        self._broadcast("peer", payload)
+
+    def share_outcomes(self) -> list[str | None]:
+        return self._outcomes("a peer pull")
+
+    def _outcomes(self, what: str) -> list:
+        """What each other rank reported of ``what``, in rank order (they send it once they are done)."""
+        outcomes: list = [None] * dist.get_world_size(self.channel.group)
+        try:
+            dist.gather_object(None, outcomes, dst=self.channel.leader, group=self.channel.group)
+        except Exception as exc:  # noqa: BLE001 - a collective fails only when the group broke
+            raise EngineGroupLost(f"tensor-parallel group broke during {what}: {exc}") from exc
+        return outcomes[1:]
+
+    def shutdown(self) -> None:
+        if not dist.is_initialized():
+            return
+        try:
+            self._broadcast("stop")
+        except EngineGroupLost:
+            pass  # followers already gone: nothing left to stop
+        finally:
+            dist.destroy_process_group()
+            release_groups(self.model.tp, self.channel)
+            for worker in self.workers:
+                worker.join(timeout=30)
+
+

@@ -1,0 +1,118 @@
+"""Starting a group from rank 0's process (:func:`start_rank_zero`): this machine's other ranks as spawned child
+processes (:func:`spawn_local_workers`, each running :func:`.follower.run_worker`), then joining the group; and
+leaving it when the start fails after it formed (:func:`abandon_group`)."""
+
+from __future__ import annotations
+
+import multiprocessing
+import multiprocessing.connection
+import multiprocessing.synchronize
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+from ...config import InferenceConfig
+from ...model.parallel import TensorParallel
+from .channel import PlanChannel
+from .follower import run_worker
+from .placement import (RENDEZVOUS_TIMEOUT_S, Placement, check_local_devices, data_parallel_placement, host_store,
+                        join_group, placement_for, rank_device)
+
+#: The exit code of a rank's process that found itself re-running its parent's script (see reimported_main).
+REIMPORTED_MAIN_EXIT = 3
+GUARD_HINT = ("a script that builds a tensor-parallel engine (LLM(..., tensor_parallel_size=N) and the like) must "
+              "do so under `if __name__ == \"__main__\":`: each other rank's process is started with "
+              "multiprocessing's spawn, which imports the script again, so that code at its top level runs again "
+              "there")
+
+
+
+def abandon_group(workers: list[multiprocessing.Process]) -> None:
+    """Rank 0 failed after the group formed: leave it and stop this machine's other ranks.
+
+    Without this a failed start left the process's default group behind, and every later engine
+    in the process failed with "trying to initialize the default process group twice".
+    """
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    for worker in workers:
+        worker.terminate()
+        worker.join(timeout=30)
+
+
+def reimported_main() -> bool:
+    """Whether this process is a spawned one still importing its parent's ``__main__`` (multiprocessing's
+    ``_inheriting``, what its own "bootstrapping phase" error checks): a script without a main guard."""
+    return bool(getattr(multiprocessing.current_process(), "_inheriting", False))  # set by spawn's _main only
+
+
+def refuse_reimported_main() -> None:
+    """Exit at once, saying why, when a rank's process re-runs its parent's script: without this the script's
+    engine started ranks of its own there, multiprocessing refused, and rank 0 waited for the missing rank until
+    the rendezvous timed out (300 s), then said "could not join the group"."""
+    if reimported_main():
+        print(f"megatron-serve: tensor-parallel rank process {os.getpid()} is running its parent's script again: "
+              f"{GUARD_HINT}", file=sys.stderr, flush=True)
+        raise SystemExit(REIMPORTED_MAIN_EXIT)
+
+
+def spawn_local_workers(model_dir: str, config: InferenceConfig, placement: Placement) -> list[multiprocessing.Process]:
+    """Start this machine's ranks other than rank 0 as child processes; returns once each has started (reached
+    :func:`run_worker`), and raises at once when one exits before it did."""
+    context = multiprocessing.get_context("spawn")
+    workers, started = [], []
+    for index in range(placement.local_count):
+        rank = placement.first_local_rank + index
+        if index == 0 and (rank == 0 or config.data_parallel_size > 1):  # this process: a leader
+            continue
+        event = context.Event()
+        process = context.Process(target=run_worker, args=(model_dir, config.to_dict(), placement, rank, index, event),
+                                  name=f"megatron-tp-rank-{rank}", daemon=True)
+        process.start()
+        workers.append(process)
+        started.append(event)
+    try:
+        wait_started(workers, started)
+    except BaseException:
+        for worker in workers:
+            worker.terminate()
+            worker.join(timeout=30)
+        raise
+    return workers
+
+
+def wait_started(workers: list[multiprocessing.Process], started: list[multiprocessing.synchronize.Event]) -> None:
+    """Wait until every worker set its ``started`` event, up to the rendezvous timeout; a worker that exits first
+    fails the start at once, with why when it says (:data:`REIMPORTED_MAIN_EXIT`)."""
+    deadline = time.monotonic() + RENDEZVOUS_TIMEOUT_S
+    while not all(event.is_set() for event in started):
+        for worker, event in zip(workers, started):
+            if not event.is_set() and worker.exitcode is not None:
+                why = GUARD_HINT if worker.exitcode == REIMPORTED_MAIN_EXIT else "its output above says why"
+                raise RuntimeError(f"{worker.name}'s process exited (code {worker.exitcode}) before it started: {why}")
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"tensor-parallel ranks not started within {RENDEZVOUS_TIMEOUT_S:.0f}s")
+        multiprocessing.connection.wait([w.sentinel for w in workers], timeout=0.05)
+
+
+
+def start_rank_zero(model_dir: str, config: InferenceConfig
+                    ) -> tuple[TensorParallel, PlanChannel, torch.device, list[multiprocessing.Process]]:
+    """Start this machine's other ranks and join the group as rank 0 (when this machine holds it)."""
+    refuse_reimported_main()
+    dp = config.data_parallel_size > 1
+    placement = data_parallel_placement(config) if dp else placement_for(config.world_size)
+    check_local_devices(placement, torch.device(config.device).type)
+    store, placement = host_store(placement) if placement.master_port == 0 else (None, placement)
+    workers = spawn_local_workers(model_dir, config, placement)
+    if not placement.hosts_rank_zero and not dp:
+        # This machine holds only followers: serve them until they exit; rank 0 lives in another pod.
+        for worker in workers:
+            worker.join()
+        raise SystemExit(max((w.exitcode or 0) for w in workers) if workers else 0)
+    device = rank_device(0, config)
+    tp, channel = join_group(placement, placement.first_local_rank, device, config, store)
+    return tp, channel, device, workers
