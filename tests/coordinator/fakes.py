@@ -11,6 +11,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+from megatron_serve.engine.kv.events import KVEventLog
 from megatron_serve.engine.served import EngineFacts, EngineLoad
 from megatron_serve.engine.group.turns import Turn
 from megatron_serve.multimodal import PromptImage
@@ -129,6 +130,7 @@ class FakeEngine:
         self.suspended = False
         self.steps = 0
         self.kv_transfer = _NoTransfers()
+        self.kv_events = KVEventLog(block_size or 16)  # a fake caches nothing: its events say so
         self.memory = _Memory(self)
         self.adapters = _Adapters(self)
         self._gate = threading.Event()

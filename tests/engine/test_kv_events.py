@@ -106,6 +106,11 @@ def holdings(batches: list[KVEventBatch]) -> dict[str, set[int]]:
     return held
 
 
+def last_seq(llm: MegatronLLM) -> int:
+    """The number of the last batch the engine's publisher was given."""
+    return llm.engine.kv_events.seq_of(llm.engine.kv_publisher)
+
+
 def prompts(count: int = 6, length: int = 5 * BLOCK + 3) -> list[list[int]]:
     rng = random.Random(0)
     return [[rng.randrange(5, 500) for _ in range(length)] for _ in range(count)]
@@ -134,7 +139,7 @@ def test_a_subscriber_of_vllms_schema_decodes_every_batch_and_sees_what_each_tie
         llm.generate([prompt], PARAMS)
     for prompt in batch:
         llm.generate([prompt], PARAMS)
-    last = engine.kv_events.seq
+    last = engine.kv_events.seq_of(engine.kv_publisher)
     received = subscriber.receive(last)
     assert received and received[-1][0] == last
     missed = subscriber.ask_replay(0)  # the slow joiner's gap: the replay fills it
@@ -157,7 +162,7 @@ def test_a_subscriber_of_vllms_schema_decodes_every_batch_and_sees_what_each_tie
     assert [seq for seq, _ in cleared] == [last + 1]
     assert [type(e) for e in DECODER.decode(cleared[0][1]).events] == [AllBlocksCleared]
     llm.generate([batch[0]], PARAMS)  # the new epoch's blocks carry other hashes
-    after = subscriber.receive(engine.kv_events.seq)
+    after = subscriber.receive(engine.kv_events.seq_of(engine.kv_publisher))
     stored = {h for _, p in after for e in DECODER.decode(p).events if isinstance(e, BlockStored) for h in e.block_hashes}
     assert stored and not stored & set(block_hashes(batch[0][: 5 * BLOCK], BLOCK))
 
@@ -166,11 +171,11 @@ def test_a_replay_after_a_gap_returns_exactly_the_missed_batches(published):
     llm, subscriber = published
     for prompt in prompts(4):
         llm.generate([prompt], PARAMS)
-    received = dict(subscriber.receive(llm.engine.kv_events.seq))
+    received = dict(subscriber.receive(last_seq(llm)))
     first_seen = min(received)
     gap = [seq for seq in sorted(received) if seq > first_seen][:3]  # the subscriber "loses" three batches
     assert len(gap) == 3
     replayed = subscriber.ask_replay(gap[0])
-    assert [seq for seq, _ in replayed] == list(range(gap[0], llm.engine.kv_events.seq + 1))
+    assert [seq for seq, _ in replayed] == list(range(gap[0], last_seq(llm) + 1))
     assert all(payload == received[seq] for seq, payload in replayed)  # the same bytes as published
-    assert subscriber.ask_replay(llm.engine.kv_events.seq + 1) == []  # nothing past the last: the end marker alone
+    assert subscriber.ask_replay(last_seq(llm) + 1) == []  # nothing past the last: the end marker alone

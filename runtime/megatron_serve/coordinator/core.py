@@ -36,6 +36,7 @@ from ..wire.messages import (
     Handback,
     Heartbeat,
     Hello,
+    KVEvents,
     ResultAck,
     ResultOut,
     Status,
@@ -45,6 +46,7 @@ from ..wire.messages import (
 )
 from ..wire.protocol import (HEADER_VERBS, ErrorCode, Header, Message, ProtocolError, Role, encode,
                              unbatch)
+from .kv_index import KVIndex
 from .routing import RoutingPolicy, make_routing_policy
 from ..wire.accumulator import DeltaAccumulator
 from ..wire.request import FinalRecord, FinishReason, RequestStatus
@@ -77,7 +79,7 @@ DEFAULT_STALL_TIMEOUT = 120.0
 # Which headers each role may send (after HELLO).
 ALLOWED: dict[Role, frozenset[Header]] = {
     Role.ENGINE: frozenset({Header.HEARTBEAT, Header.DRAINING, Header.CONTROL_ACK, Header.ENGINE_STEP,
-                            Header.HANDBACK, Header.STATUS, Header.KV_BLOCKS}),
+                            Header.HANDBACK, Header.STATUS, Header.KV_BLOCKS, Header.KV_EVENTS}),
     Role.CLIENT: frozenset({Header.SUBMIT, Header.ABORT, Header.RESULT_ACK, Header.STATUS, Header.HEARTBEAT,
                             *HEADER_VERBS}),
     Role.CONTROL: frozenset({Header.STATUS, Header.HEARTBEAT, *HEADER_VERBS}),
@@ -128,7 +130,8 @@ class CoordinatorCore:
         self.secret = fleet_secret(token)
         self.proven: dict[bytes, bytes | None] = {}  # connections that proved it (identity -> CURVE key), until gone
         self.routing_name = routing
-        self.policy: RoutingPolicy = make_routing_policy(routing)
+        self.kv_index = KVIndex()  # which engine holds which KV block, from their KV events (kv_aware reads it)
+        self.policy: RoutingPolicy = make_routing_policy(routing, self.kv_index)
         self.heartbeat_timeout = float(heartbeat_timeout)
         self.client_timeout = float(client_timeout)
         self.verb_timeout = float(verb_timeout)
@@ -307,6 +310,8 @@ class CoordinatorCore:
             self._on_handback(engine, body)
         elif header is Header.KV_BLOCKS:
             self.handoffs.on_blocks(self, engine, body)
+        elif header is Header.KV_EVENTS:
+            self._on_kv_events(engine, body, now)
         elif header is Header.STATUS:
             self.send(engine.identity, Header.STATUS_REPLY, self.status(Status(), now))
 
@@ -512,10 +517,21 @@ class CoordinatorCore:
             engine.state = body.state
         if body.stats is not None:
             engine.stats = body.stats
+            seq = body.stats.get("kv_events_seq")
+            if isinstance(seq, int) and not isinstance(seq, bool):
+                self.kv_index.reported(engine.engine_id, seq, now)
         if body.metrics is not None:
             engine.metrics = body.metrics  # passed through to STATUS for the servers' /metrics
         engine.note_progress(body.progress, now)
         self.send(engine.identity, Header.HEARTBEAT, self.heartbeat())
+
+    def _on_kv_events(self, engine: EngineRecord, body: KVEvents, now: float) -> None:
+        if body.engine_id != engine.engine_id:
+            self.drop(engine.engine_id, f"stale message for registration {body.engine_id!r}")
+            return
+        problem = self.kv_index.apply(engine.engine_id, body.seq, body.batch, now)
+        if problem is not None:
+            self.drop(engine.engine_id, problem)
 
     def _on_draining(self, engine: EngineRecord, _body: Draining) -> None:
         if not engine.draining:
@@ -549,6 +565,7 @@ class CoordinatorCore:
             return
         self.peers.pop(engine.identity, None)
         self.policy.forget(engine.engine_id)
+        self.kv_index.drop(engine.engine_id)
         orphans = sorted((r for k in engine.assigned if (r := self.requests.get(k)) is not None),
                          key=lambda r: r.arrival_time, reverse=True)
         engine.assigned.clear()

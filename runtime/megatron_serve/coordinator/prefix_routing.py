@@ -198,6 +198,6 @@ class PrefixAffinity:
                 "max_load_gap": self.max_load_gap, "max_load_ratio": self.max_load_ratio}
 
 
-register_routing_policy(PrefixAffinity.name, PrefixAffinity)
+register_routing_policy(PrefixAffinity.name, lambda _index: PrefixAffinity())
 
 __all__ = ["PrefixAffinity", "engine_block_size", "host_tier_blocks", "DEFAULT_MAX_LOAD_GAP", "DEFAULT_MAX_LOAD_RATIO"]

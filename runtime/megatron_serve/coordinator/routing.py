@@ -15,6 +15,7 @@ import importlib
 from typing import Any, Callable, Protocol, Sequence
 
 from ..wire.sampling_params import SamplingParams
+from .kv_index import KVIndex
 
 
 def adapter_candidates(request: RequestView, candidates: Sequence["EngineView"]) -> Sequence["EngineView"]:
@@ -50,6 +51,7 @@ class EngineView(Protocol):
     kv_blocks_total: int
     stats: dict[str, Any]  # extra facts from the engine's last heartbeat
     info: dict[str, Any]  # facts from its registration (pid, host, block_size, prefix_caching ...)
+    epoch: int  # the weights' generation it serves (its KV blocks' hashes chain from it)
 
     @property
     def load(self) -> int:  # requests assigned and not finished
@@ -133,24 +135,27 @@ class RoundRobin:
         pass
 
 
-ROUTING_POLICIES: dict[str, Callable[[], RoutingPolicy]] = {
-    "least_loaded": LeastLoaded,
-    "round_robin": RoundRobin,
+#: name -> the policy, made with the coordinator's KV index (:mod:`.kv_index`), which only ``kv_aware`` reads.
+ROUTING_POLICIES: dict[str, Callable[[KVIndex], RoutingPolicy]] = {
+    "least_loaded": lambda _index: LeastLoaded(),
+    "round_robin": lambda _index: RoundRobin(),
 }
 
 #: Policies named by the design that live in their own module and register on import.
-_PLUGIN_MODULES = {"prefix_affinity": "megatron_serve.coordinator.prefix_routing"}
+_PLUGIN_MODULES = {"prefix_affinity": "megatron_serve.coordinator.prefix_routing",
+                   "kv_aware": "megatron_serve.coordinator.kv_aware"}
 
 #: Every name the CLI offers (``--routing``), available or not yet.
-KNOWN_POLICIES = ("least_loaded", "round_robin", "prefix_affinity")
+KNOWN_POLICIES = ("least_loaded", "round_robin", "prefix_affinity", "kv_aware")
 
 
-def register_routing_policy(name: str, factory: Callable[[], RoutingPolicy]) -> None:
+def register_routing_policy(name: str, factory: Callable[[KVIndex], RoutingPolicy]) -> None:
     ROUTING_POLICIES[name] = factory
 
 
-def make_routing_policy(name: str) -> RoutingPolicy:
-    """Instantiate a policy by name; a clear ``ValueError`` when it does not exist (yet)."""
+def make_routing_policy(name: str, kv_index: KVIndex | None = None) -> RoutingPolicy:
+    """Instantiate a policy by name, over the coordinator's ``kv_index`` (a new empty one when None); a clear
+    ``ValueError`` when it does not exist (yet)."""
     if name not in ROUTING_POLICIES and name in _PLUGIN_MODULES:
         try:
             importlib.import_module(_PLUGIN_MODULES[name])
@@ -159,4 +164,4 @@ def make_routing_policy(name: str) -> RoutingPolicy:
     if name not in ROUTING_POLICIES:
         available = ", ".join(sorted(ROUTING_POLICIES))
         raise ValueError(f"routing policy {name!r} is not available in this build (available: {available})")
-    return ROUTING_POLICIES[name]()
+    return ROUTING_POLICIES[name](kv_index if kv_index is not None else KVIndex())

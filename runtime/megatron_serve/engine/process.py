@@ -183,6 +183,7 @@ class EngineProcess:
                            "(the coordinator re-queued them)", ack.coordinator_id, len(dropped))
         self.session = session
         self.engine_id = ack.engine_id
+        self.engine.kv_events.attach(self._send_kv_events)  # the coordinator's index starts from what it holds now
         logger.info("registered with coordinator %s as %s (group %s), state %s", ack.coordinator_id,
                     self.engine_id, ack.engine_group, ack.state)
         if ack.refit and not self._sync_weights(ack.refit):
@@ -278,13 +279,15 @@ class EngineProcess:
         The engine's ``metrics_snapshot()`` (cumulative counters and histogram buckets,
         :mod:`megatron_serve.wire.engine_stats`; None where it keeps none) travels as the heartbeat's ``metrics``.
         """
+        self.engine.kv_events.flush()  # what a verb or a step changed in the KV tiers, before the heartbeat says so
         now = time.monotonic()
         if not force and now - self._stats_at < 0.2:
             return
         self._stats_at = now
         e = self.engine
         load = e.load()
-        stats: dict[str, Any] = {"steps": self.steps, "suspend_level": self.suspend_level, "epoch": e.epoch}
+        stats: dict[str, Any] = {"steps": self.steps, "suspend_level": self.suspend_level, "epoch": e.epoch,
+                                 "kv_events_seq": e.kv_events.seq_of(self._send_kv_events)}
         loras = e.adapters.names()
         if loras is not None:  # the adapters it serves (name -> directory): the coordinator routes by them
             stats["loras"] = loras
@@ -303,6 +306,9 @@ class EngineProcess:
         snapshot = e.metrics_snapshot()
         if snapshot is not None:
             self.link.stats["metrics"] = snapshot
+
+    def _send_kv_events(self, seq: int, payload: bytes) -> None:
+        self._send(Header.KV_EVENTS, KVEvents(engine_id=self.engine_id or "", seq=seq, batch=msgspec.Raw(payload)))
 
     # -- lifecycle
 

@@ -17,6 +17,7 @@ if TYPE_CHECKING:
 
     from ..weights.peer_pull import PeerWeights
     from ..weights.sources import WeightSource
+    from .kv.events import KVEventLog
     from .kv.transfer import KVTransfer
     from ..wire.messages import PromptScores
     from ..wire.request import EngineRequest, FinalRecord
@@ -133,6 +134,7 @@ class ServedEngine(Protocol):
     and the verbs' objects it holds."""
 
     kv_transfer: KVTransfer  # prefill/decode disaggregation: blocks sent after prefill, received for decode
+    kv_events: KVEventLog  # what the KV tiers hold, as vLLM's KV events (the coordinator's index reads them)
     memory: MemoryVerbs  # suspend, resume, refit
     adapters: AdapterVerbs  # LoRA adapters
 

@@ -522,6 +522,16 @@ class PeerShare(Body):
     timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 120.0
 
 
+class KVEvents(Body):
+    """``KV_EVENTS``: batch ``seq`` of an engine's KV events (:mod:`megatron_serve.wire.kv_events`), its bytes as the
+    engine's ZeroMQ publisher sends them; a registration's first batch starts with ``AllBlocksCleared`` and holds
+    every block the engine holds then (the coordinator's index starts whole)."""
+
+    engine_id: str
+    seq: Annotated[int, msgspec.Meta(ge=0)]
+    batch: msgspec.Raw
+
+
 #: Bodies the coordinator accepts.
 TO_COORDINATOR: dict[Header, type[Body]] = {
     Header.HELLO: Hello,
@@ -544,6 +554,7 @@ TO_COORDINATOR: dict[Header, type[Body]] = {
     Header.ENGINE_STEP: EngineStep,
     Header.HANDBACK: Handback,
     Header.KV_BLOCKS: KVBlocks,
+    Header.KV_EVENTS: KVEvents,
 }
 
 #: Bodies engines and clients accept from the coordinator.

@@ -65,6 +65,7 @@ class Header(enum.IntEnum):
     HANDBACK = 52  # engine -> coordinator: these requests are yours again (ack echoes it back)
     KV_BLOCKS = 53  # prefill engine -> coordinator -> decode engine: a prefilled request's KV blocks (a part)
     PEER_WEIGHTS = 54  # coordinator -> engine: send your weights to a joiner of your layout (weights.peer_pull)
+    KV_EVENTS = 55  # engine -> coordinator: a numbered batch of the engine's KV events (wire.kv_events)
 
 
 #: The message each lifecycle verb travels as (the verbs and their rules: :mod:`megatron_serve.wire.lifecycle`).

@@ -3,7 +3,7 @@
 The allocator, the host tier and the disk tier tell :class:`KVEventLog` what they store and drop. The log keeps
 what each medium holds (a block's chain parent, tokens and adapter, learnt when it is first stored, serve its
 copies in the other tiers), gathers the events of a step and, at :meth:`KVEventLog.flush`, numbers them as one
-batch and hands it to its sinks: the ZeroMQ publisher of ``--kv-events-config`` (:class:`ZmqPublisher`, vLLM's
+batch and hands it to its sinks, each numbering its batches from its first: the ZeroMQ publisher of ``--kv-events-config`` (:class:`ZmqPublisher`, vLLM's
 PUB socket and replay ROUTER) and the engine process's link to the coordinator. Without a sink nothing is
 gathered; a sink that joins late (a new registration) starts from :meth:`KVEventLog.snapshot`: a clear, then
 every block held, so that its index is whole without a replay from the beginning.
@@ -45,7 +45,7 @@ class KVEventLog:
         self.block_size = block_size
         self.data_parallel_rank = data_parallel_rank
         self.sinks: list[Sink] = []
-        self.seq = -1  # the last batch's number
+        self._seqs: dict[Sink, int] = {}  # each sink's last batch number: a sink numbers from its snapshot on
         self._pending: list[KVEvent] = []
         self._origin: dict[int, BlockOrigin] = {}  # every hash held in some medium
         self._media: dict[int, set[str]] = {}
@@ -118,30 +118,37 @@ class KVEventLog:
         return events
 
     def attach(self, sink: Sink, snapshot: bool = True) -> None:
-        """Send batches to ``sink`` from now on; first (``snapshot``) the state as one batch of its own."""
+        """Send batches to ``sink`` from now on; first (``snapshot``) the state as one batch of its own. A sink
+        attached again (a new registration) gets a new snapshot."""
+        self.detach(sink)
         if snapshot:
             self._send([sink], self.snapshot())
         self.sinks.append(sink)
 
+    def seq_of(self, sink: Sink) -> int:
+        """The last batch number ``sink`` was given (-1: none)."""
+        return self._seqs.get(sink, -1)
+
     def detach(self, sink: Sink) -> None:
         if sink in self.sinks:
             self.sinks.remove(sink)
+        self._seqs.pop(sink, None)
         if not self.sinks:
             self._pending = []
 
-    def flush(self) -> int | None:
-        """Number what was gathered as one batch and give it to every sink; returns its seq (None: nothing)."""
+    def flush(self) -> bool:
+        """Give what was gathered to every sink as one batch, each numbering it next; False when nothing was."""
         if not self._pending:
-            return None
+            return False
         events, self._pending = self._pending, []
-        return self._send(self.sinks, events)
+        self._send(self.sinks, events)
+        return True
 
-    def _send(self, sinks: list[Sink], events: list[KVEvent]) -> int:
-        self.seq += 1
+    def _send(self, sinks: list[Sink], events: list[KVEvent]) -> None:
         payload = encode_batch(KVEventBatch(ts=time.time(), events=events, data_parallel_rank=self.data_parallel_rank))
         for sink in sinks:
-            sink(self.seq, payload)
-        return self.seq
+            self._seqs[sink] = seq = self._seqs.get(sink, -1) + 1
+            sink(seq, payload)
 
 
 def offset_endpoint(endpoint: str | None, rank: int) -> str | None:
