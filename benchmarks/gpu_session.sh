@@ -129,11 +129,14 @@ case ${1:-tests} in
       tests/parallel/test_expert_parallel_gpu.py
     step pytest_ep 540 python3 -m pytest -q -p no:cacheprovider --timeout 300 -rfE --durations 10 \
       tests/parallel/test_expert_parallel.py tests/parallel/test_expert_parallel_features.py \
-      tests/parallel/test_expert_backend.py
+      tests/parallel/test_expert_backend.py tests/parallel/test_expert_parallel_eplb.py tests/model/test_eplb.py
     if [ -n "$sizes" ]; then
       step all_to_all 120 python3 benchmarks/expert_parallel.py --device cuda --tables bandwidth --sizes $sizes --mib 256
       step ep_decode 540 python3 benchmarks/expert_parallel.py --device cuda --dtype bfloat16 --sizes $sizes \
         --hidden 2048 --experts 128 --top-k 8 --intermediate 768 --layers 8 --concurrency 64 --tokens 64
+      step ep_eplb 540 python3 benchmarks/expert_parallel.py --device cuda --dtype bfloat16 --tables eplb \
+        --sizes $sizes --hidden 2048 --experts 128 --top-k 8 --intermediate 768 --layers 8 --concurrency 64 \
+        --tokens 64 --redundant 32
     else
       echo "=== ep: one GPU: no multi-rank rows (TP/EP need a GPU a rank)"
     fi

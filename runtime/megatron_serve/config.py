@@ -98,6 +98,42 @@ class SpeculativeConfig:
             raise ValueError(f"speculative_config.model must be a path, got {self.model!r}")
 
 
+_EPLB_FIELDS = ("window_size", "step_interval", "num_redundant_experts", "log_balancedness")
+
+
+@dataclass
+class EplbConfig:
+    """vLLM's ``--eplb-config`` (with ``--enable-eplb``): expert-parallel load balancing (engine.expert_balancer).
+
+    Each MoE layer's tokens per expert are counted over the last ``window_size`` steps; every ``step_interval``
+    steps the experts are placed again, ``num_redundant_experts`` copies of the busiest ones included (each
+    rank holds ``(E + num_redundant_experts) / ep`` experts); ``log_balancedness`` logs each step's balancedness
+    (mean over max of the tokens per rank)."""
+
+    window_size: int = 1000
+    step_interval: int = 3000
+    num_redundant_experts: int = 0
+    log_balancedness: bool = False
+
+    @classmethod
+    def from_dict(cls, data: Any) -> "EplbConfig":
+        """From vLLM's JSON object; an unknown key or a bad value is an error naming it."""
+        if not isinstance(data, dict):
+            raise ValueError(f"eplb_config must be a JSON object, got {data!r}")
+        unknown = sorted(set(data) - set(_EPLB_FIELDS))
+        if unknown:
+            raise ValueError(f"eplb_config: unknown field {unknown[0]!r} (known: {', '.join(_EPLB_FIELDS)})")
+        return cls(**data)
+
+    def __post_init__(self) -> None:
+        for name, least in (("window_size", 1), ("step_interval", 1), ("num_redundant_experts", 0)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                raise ValueError(f"eplb_config.{name} must be an integer >= {least}, got {value!r}")
+        if not isinstance(self.log_balancedness, bool):
+            raise ValueError(f"eplb_config.log_balancedness must be true or false, got {self.log_balancedness!r}")
+
+
 def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
@@ -147,6 +183,9 @@ class InferenceConfig:
     # the tensor-parallel ranks hold whole experts of MoE layers, tokens move by all-to-all (model.token_dispatcher)
     enable_expert_parallel: bool = False
     all2all_backend: str = "auto"  # one of ALL2ALL_BACKENDS
+    # EPLB (vLLM's --enable-eplb, --eplb-config): experts placed by their measured load, busy ones copied
+    enable_eplb: bool = False
+    eplb_config: EplbConfig | None = None  # None: EplbConfig's defaults (with enable_eplb)
     # the layers split into this many stages (model.parallel.PipelineStage), tensor_parallel_size ranks each
     pipeline_parallel_size: int = 1
     # micro-batches a step's requests split into across the stages, so that stage s runs one while stage s - 1 runs
@@ -188,6 +227,7 @@ class InferenceConfig:
             self.speculative = SpeculativeConfig.from_dict(self.speculative)
         if self.speculative is not None and not isinstance(self.speculative, SpeculativeConfig):
             raise ValueError(f"speculative must be a SpeculativeConfig, a dict or None, got {self.speculative!r}")
+        self._check_eplb()
         if self.device is None:
             self.device = "cuda" if torch.cuda.is_available() else "cpu"
         if self.block_size_tokens is None:
@@ -245,6 +285,25 @@ class InferenceConfig:
         self._check_kv_tiers()
         self._check_data_parallel()
         self._check_all2all()
+
+    def _check_eplb(self) -> None:
+        if isinstance(self.eplb_config, dict):  # vLLM's JSON, or crossed a process boundary as plain values
+            self.eplb_config = EplbConfig.from_dict(self.eplb_config)
+        if self.eplb_config is not None and not isinstance(self.eplb_config, EplbConfig):
+            raise ValueError(f"eplb_config must be an EplbConfig, a dict or None, got {self.eplb_config!r}")
+        if not isinstance(self.enable_eplb, bool):
+            raise ValueError(f"enable_eplb must be true or false, got {self.enable_eplb!r}")
+        if not self.enable_eplb:
+            if self.eplb_config is not None:
+                raise ValueError("eplb_config needs enable_eplb")
+            return
+        if not self.enable_expert_parallel:
+            raise ValueError("enable_eplb balances the experts of an expert-parallel group: it needs "
+                             "enable_expert_parallel")
+        if self.enable_lora:
+            raise ValueError("enable_eplb does not serve LoRA adapters on the experts yet (an adapter's expert shares "
+                             "would have to move with the experts)")
+        self.eplb_config = self.eplb_config or EplbConfig()
 
     def _check_all2all(self) -> None:
         backend = self.all2all_backend

@@ -9,6 +9,7 @@ import random
 import pytest
 import torch
 
+from megatron_serve.config import EplbConfig, InferenceConfig
 from megatron_serve.model.eplb import (LayerPlacement, balancedness, identity_plan, pack, plan_layer, rank_loads,
                                        replicate)
 from megatron_serve.model.expert_moves import plan_moves
@@ -129,3 +130,41 @@ def test_moves_leave_every_rank_holding_its_new_experts(old_per, new_per):
                 result[slot] = expert
         assert result == new[rank * new_per:(rank + 1) * new_per]
     assert all(not m.moved for m in (plan_moves(old, old, ranks, r) for r in range(ranks)))
+def test_eplb_config_takes_vllms_fields_and_names_what_is_wrong():
+    config = InferenceConfig(enable_expert_parallel=True, tensor_parallel_size=2, enable_eplb=True,
+                             eplb_config={"window_size": 8, "step_interval": 4, "num_redundant_experts": 4})
+    assert config.eplb_config == EplbConfig(8, 4, 4, False)
+    assert InferenceConfig(**config.to_dict()).eplb_config == config.eplb_config
+    assert InferenceConfig(enable_expert_parallel=True, enable_eplb=True).eplb_config == EplbConfig()
+    with pytest.raises(ValueError, match="unknown field 'window'"):
+        InferenceConfig(enable_expert_parallel=True, enable_eplb=True, eplb_config={"window": 3})
+    with pytest.raises(ValueError, match="step_interval must be an integer >= 1, got 0"):
+        EplbConfig(step_interval=0)
+    with pytest.raises(ValueError, match="needs enable_expert_parallel"):
+        InferenceConfig(enable_eplb=True)
+    with pytest.raises(ValueError, match="eplb_config needs enable_eplb"):
+        InferenceConfig(eplb_config={"window_size": 2})
+    with pytest.raises(ValueError, match="LoRA"):
+        InferenceConfig(enable_expert_parallel=True, enable_eplb=True, enable_lora=True)
+
+
+def test_the_flags_and_keywords_reach_the_config():
+    import argparse  # noqa: PLC0415
+
+    from megatron_serve.client.vllm_args import parse_llm_keywords  # noqa: PLC0415
+    from megatron_serve.commands.engine_options import add_engine_options, inference_config_from_args  # noqa: PLC0415
+    from megatron_serve.fleet.argv import inference_config_to_argv  # noqa: PLC0415
+
+    parser = argparse.ArgumentParser()
+    add_engine_options(parser)
+    config = InferenceConfig(enable_expert_parallel=True, device="cpu", enable_eplb=True,
+                             eplb_config={"num_redundant_experts": 4, "step_interval": 7})
+    argv = inference_config_to_argv(config)  # as run starts its engines
+    assert "--enable-eplb" in argv and "--eplb-config" in argv
+    assert inference_config_from_args(parser.parse_args(argv)).eplb_config == config.eplb_config
+    assert not inference_config_from_args(parser.parse_args([])).enable_eplb
+    assert parse_llm_keywords({"enable_eplb": True, "eplb_config": {"window_size": 5}}).config == {
+        "enable_eplb": True, "eplb_config": {"window_size": 5}}
+    with pytest.raises(ValueError, match="eplb_config"):
+        parse_llm_keywords({"eplb_config": "big"})
+

@@ -109,6 +109,13 @@ def _speculative(value: Any) -> dict[str, Any]:
     return value
 
 
+def _eplb_config(value: Any) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise ValueError("must be a dict of vLLM's eplb-config fields (window_size, step_interval, "
+                         "num_redundant_experts, log_balancedness)")
+    return value
+
+
 def _anything(value: Any) -> Any:
     return value
 
@@ -138,6 +145,8 @@ LLM_KEYWORDS: dict[str, Keyword] = {
     "tensor_parallel_size": Keyword("tensor_parallel_size", _positive_int),
     "enable_expert_parallel": Keyword("enable_expert_parallel", _flag),
     "all2all_backend": Keyword("all2all_backend", _all2all_backend),
+    "enable_eplb": Keyword("enable_eplb", _flag),
+    "eplb_config": Keyword("eplb_config", _eplb_config),
     "gpu_memory_utilization": Keyword("kv_cache_memory_fraction", _fraction),  # of the memory left after weights
     "enforce_eager": Keyword("enable_cuda_graphs", lambda value: not _flag(value)),
     "enable_prefix_caching": Keyword("enable_prefix_caching", _flag),

@@ -370,6 +370,20 @@ VLLM_OPTIONS: tuple[VllmOption, ...] = (
                           default="auto", metavar="|".join(ALL2ALL_BACKENDS),
                           help="expert-parallel all-to-all: DeepEP where it runs, else alltoall (default: %(default)s)"),
                scope=_ENGINE, example=("--all2all-backend", "alltoall")),
+    VllmOption(("--enable-eplb",), _IMPLEMENTED, "expert-parallel load balancing (with "
+               "`--enable-expert-parallel`): each MoE layer's tokens per expert are counted over a window of steps, "
+               "and every `step_interval` steps the experts are placed again, copies of the busiest ones included, "
+               "moved between the ranks while steps run and swapped in between two steps (docs/parallelism.md)",
+               spec=_spec(action=argparse.BooleanOptionalAction, default=False,
+                          help="balance the experts' load over the expert-parallel ranks (default: off)"),
+               scope=_ENGINE, example=("--enable-eplb",)),
+    VllmOption(("--eplb-config",), _IMPLEMENTED, "EPLB's settings, vLLM's JSON: `window_size` (steps of load "
+               "counted, default 1000), `step_interval` (steps between placements, 3000), `num_redundant_experts` "
+               "(copies beyond one of each expert, 0; `(E + it)` must split over the ranks), `log_balancedness` "
+               "(log each step's balancedness, false)",
+               spec=_spec(type=_json_object, default=None, metavar="JSON",
+                          help="EPLB's settings, e.g. '{\"num_redundant_experts\": 4}' (default: vLLM's)"),
+               scope=_ENGINE, example=("--eplb-config", '{{"window_size": 100, "step_interval": 100}}')),
     VllmOption(("--trust-remote-code",), _ACCEPTED, "this project never runs model code from a checkpoint: "
                "every architecture it serves is implemented here", spec=_spec(action="store_true"), scope=_ENGINE,
                example=("--trust-remote-code",)),

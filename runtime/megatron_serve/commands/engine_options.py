@@ -121,6 +121,7 @@ def inference_config_from_args(args: argparse.Namespace, tensor_parallel_size: i
         enable_cuda_graphs=args.cuda_graphs, cuda_graph_sizes=args.cuda_graph_sizes,
         async_scheduling=args.async_scheduling, tensor_parallel_size=tensor_parallel_size,
         enable_expert_parallel=args.enable_expert_parallel, all2all_backend=args.all2all_backend,
+        enable_eplb=args.enable_eplb, eplb_config=args.eplb_config,
         pipeline_parallel_size=args.pipeline_parallel_size,
         pipeline_micro_batches=args.pipeline_micro_batches,
         seed=args.seed,

@@ -22,6 +22,7 @@ from ..config import InferenceConfig
 from ..model.deepep_dispatcher import LOW_LATENCY_HIDDEN, DeepEPBuffers, DeepEPDispatcher
 from ..model.expert_dispatch import ExpertStep, install_dispatchers
 from ..model.moe import SparseMoeBlock
+from .expert_balancer import ExpertBalancer, place_experts
 from .graphs import capture_sizes
 
 logger = logging.getLogger(__name__)
@@ -101,6 +102,22 @@ def agree_on_backend(backend: str, why: str, group: object, device: torch.device
     return backend, why
 
 
+def install_balancer(blocks: list[SparseMoeBlock], config: InferenceConfig, group: object, device: torch.device
+                     ) -> ExpertBalancer:
+    """EPLB over the expert-parallel group (``--enable-eplb``): the first placement with ``num_redundant_experts``
+    copies, and the balancer the runner calls each step. Its transfers get a group of their own (created by every
+    rank of the group together, here), so that a move's all-to-all runs beside a step's."""
+    eplb = config.eplb_config
+    transfer_group = torch.distributed.new_group(torch.distributed.get_process_group_ranks(group))
+    place_experts(blocks, eplb.num_redundant_experts, transfer_group)
+    balancer = ExpertBalancer(blocks, eplb, group, transfer_group, blocks[0].tp.data_parallel.size > 1, device)
+    if blocks[0].tp.expert_rank == 0:
+        logger.info("EPLB: %d MoE layers, %d physical experts each over %d ranks (%d redundant); window %d steps, "
+                    "rearranged every %d", len(blocks), blocks[0].experts.num_physical, blocks[0].tp.expert_size,
+                    eplb.num_redundant_experts, eplb.window_size, eplb.step_interval)
+    return balancer
+
+
 def install_expert_backend(model: torch.nn.Module, config: InferenceConfig,
                            importer: Callable[[], ModuleType] = import_deep_ep) -> ExpertStep | None:
     """Resolve the backend and give every MoE layer of ``model`` its dispatchers (None, and nothing logged, where no
@@ -109,9 +126,11 @@ def install_expert_backend(model: torch.nn.Module, config: InferenceConfig,
     if not blocks:
         return None
     tp, device = model.tp, next(model.parameters()).device
-    hidden, experts = model.config.hidden_size, blocks[0].experts.num_experts
-    backend, why = resolve_backend(config, device, model.dtype, hidden, tp.expert_size, importer)
     group = tp.data_parallel.group if tp.data_parallel.size > 1 else tp.group
+    if config.enable_eplb:  # physical experts first: the dispatchers move tokens to them
+        model.expert_balancer = install_balancer(blocks, config, group, device)
+    hidden, experts = model.config.hidden_size, blocks[0].experts.num_physical
+    backend, why = resolve_backend(config, device, model.dtype, hidden, tp.expert_size, importer)
     if config.all2all_backend == "auto" and torch.distributed.is_initialized():  # a rank of a real group
         backend, why = agree_on_backend(backend, why, group, device)
     factory = None

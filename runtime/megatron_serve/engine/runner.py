@@ -98,10 +98,13 @@ class ModelRunner:
         return self.graphs.padded_size(group_tokens)
 
     def size_expert_step(self, group_tokens: int | None, capacity: int | None) -> None:
-        """What this forward's MoE layers agree on with the other expert-parallel ranks (graphs set their own)."""
+        """What this forward's MoE layers agree on with the other expert-parallel ranks (graphs set their own); and
+        EPLB's step boundary, which every rank of the group passes once a forward (a step's or an empty MoE pass)."""
         step = self.model.expert_step
         if step is not None:
             step.tokens, step.capacity = group_tokens, capacity
+        if self.model.expert_balancer is not None:
+            self.model.expert_balancer.step()
 
     @torch.inference_mode()
     def empty_moe_pass(self, group_tokens: int | None) -> None:
@@ -208,6 +211,8 @@ class ModelRunner:
         ranks must capture in lockstep (their warm-up runs all-reduce), and data-parallel attention ranks must pad
         alike, so there it is an error.
         """
+        if self.model.expert_balancer is not None:  # the warm-up's tokens served nobody
+            self.model.expert_balancer.reset()
         if self.graphs is None:
             return
         if self.lora_rows is not None:  # the base graphs are captured without adapter rows, whatever ran last

@@ -103,6 +103,8 @@ ENGINE_FIELDS = {
     "speculative_config": "speculative",
     "enable_expert_parallel": "enable_expert_parallel",
     "all2all_backend": "all2all_backend",
+    "enable_eplb": "enable_eplb",
+    "eplb_config": "eplb_config",
     "pipeline_parallel_size": "pipeline_parallel_size",
     "pipeline_micro_batches": "pipeline_micro_batches",
     "kv_offloading_size": "kv_offloading_size",
@@ -127,7 +129,7 @@ def inference_config_to_argv(config: "InferenceConfig | None") -> list[str]:
             argv += [flag, *map(str, value)]
         elif name == "kv_events_config":  # a KVEventsConfig, as vLLM's JSON object
             argv += [flag, value.to_json()]
-        elif name == "speculative":  # a SpeculativeConfig, as vLLM's JSON object
+        elif name in ("speculative", "eplb_config"):  # a SpeculativeConfig or EplbConfig, as vLLM's JSON object
             argv += [flag, json.dumps(asdict(value))]
         elif isinstance(value, dict):  # lora_modules: name -> path, in vLLM's JSON form (a name may hold "=")
             argv += [flag, *(json.dumps({"name": name, "path": path}) for name, path in value.items())]

@@ -12,7 +12,7 @@ with a second, small all-to-all of their metadata: each row's local expert id (-
 experts compute nothing for it, :func:`megatron_kernels.triton_moe.fused_moe`) and the token it came from. So the
 real counts travel on the device, and every shape depends on ``(tokens, capacity)`` only.
 
-Under ``ordered`` (``--batch-invariant``) a token's experts are added in ascending expert id order, each
+Under ``ordered`` (``--batch-invariant``) a token's experts are added in its columns' order (ascending logical id), each
 ``(output * weight)`` rounded to the model dtype first, into zeros, by the exact dispatchers' own combine
 (:func:`.token_dispatcher.weighted_sum`, the ``index_add_`` of :func:`megatron_kernels.invariant.fused_moe` on one
 rank): so the layer's output is bitwise one rank's.
@@ -98,8 +98,11 @@ class CapacityDispatcher:
         back = torch.empty_like(outputs)
         dist.all_to_all_single(back, outputs.contiguous(), group=self.group)
         count, top_k = self.local.stop - self.local.start, weights.shape[1]
-        ascending = torch.argsort(self._ids, dim=1)  # a token's experts in ascending id order
-        pairs = (torch.arange(count, device=outputs.device)[:, None] * top_k + ascending).reshape(-1)
+        if self.ordered:  # a token's experts in column order (the block sorted them by logical id)
+            pairs = torch.arange(count * top_k, device=outputs.device)
+        else:
+            ascending = torch.argsort(self._ids, dim=1)
+            pairs = (torch.arange(count, device=outputs.device)[:, None] * top_k + ascending).reshape(-1)
         tokens = torch.arange(count * top_k, device=outputs.device) // top_k
         # through the module, as the exact dispatchers call it (a test's control replaces it for every dispatcher)
         return token_dispatcher.weighted_sum(back[self._index[pairs]], weights[self.local].reshape(-1)[pairs],

@@ -104,7 +104,7 @@ def install_dispatchers(model: torch.nn.Module, backend: str,
         return None
     step = ExpertStep()
     for block in blocks:
-        tp, experts, ordered = block.tp, block.experts.num_experts, block.dispatcher.ordered
+        tp, experts, ordered = block.tp, block.experts.num_physical, block.dispatcher.ordered
         exact = block.dispatcher.exact if isinstance(block.dispatcher, StepDispatcher) else block.dispatcher
         if backend == "allgather_reducescatter":
             if tp.data_parallel.size > 1:

@@ -252,22 +252,30 @@ class Fp8FusedExperts(FusedExperts):
 
     def weight_loader(self, param: nn.Parameter, source: TensorSource, part: str | None = None,
                       expert: int | None = None) -> tuple[str, ...]:
-        """One expert's projection (``part``/``expert``) or the whole stack, or their scales."""
-        source, expert = self.local_source(source, expert)
+        """One expert's projection (``part``/``expert``) or the whole stack, or their scales, into every slot holding
+        it."""
+        filled: tuple[str, ...] = ()
+        for piece, index in self.local_sources(source, expert):
+            filled = self._load_fp8_piece(param, piece, part, index) or filled
+        return filled
+
+    def _load_fp8_piece(self, param: nn.Parameter, source: TensorSource, part: str | None, index: int | slice
+                        ) -> tuple[str, ...]:
+        stacked = isinstance(index, slice)
         size, local, start = self.intermediate_size, self.local, self.start
         hidden = self.down_proj.shape[1]
         down = param is self.down_proj or param is self.down_proj_scale
         weight = self.down_proj if down else self.gate_up_proj
         scales = self.down_proj_scale if down else self.gate_up_proj_scale
-        pick = (lambda t: t) if expert is None else (lambda t: t[expert])
+        pick = lambda t: t[index]  # noqa: E731
         if down:
             regions = [((0, hidden), (start, local), (hidden, size), pick(weight.data), pick(scales.data))]
         else:
             regions = []
             for name in ("gate", "up") if part is None else (part,):
                 offset = 0 if name == "gate" else local
-                first_row = start + (size if expert is None and name == "up" else 0)
-                regions.append(((first_row, local), (0, hidden), (2 * size if expert is None else size, hidden),
+                first_row = start + (size if stacked and name == "up" else 0)
+                regions.append(((first_row, local), (0, hidden), (2 * size if stacked else size, hidden),
                                 pick(weight.data).narrow(-2, offset, local),
                                 _block_rows(pick(scales.data), self.block, offset, local)))
         filled = False

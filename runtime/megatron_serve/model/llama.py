@@ -29,6 +29,7 @@ from .parallel import SINGLE, TensorParallel, heads_problem, stage_layers
 
 if TYPE_CHECKING:  # annotations only: the engine installs the expert-parallel backend after the build
     from .expert_dispatch import ExpertStep
+    from .eplb import StepBalancer
 
 logger = logging.getLogger(__name__)
 
@@ -213,6 +214,8 @@ class LlamaForCausalLM(nn.Module):
         # what the MoE layers of a forward agree on with the other expert-parallel ranks: set by the engine's
         # backend (.expert_dispatch.install_dispatchers), None where no MoE layer moves tokens between ranks
         self.expert_step: ExpertStep | None = None
+        # EPLB (--enable-eplb): the engine's balancer, stepped by the runner before each forward; None: off
+        self.expert_balancer: StepBalancer | None = None
 
     @property
     def dtype(self) -> torch.dtype:

@@ -74,8 +74,7 @@ def expert_share(projection: str, a: torch.Tensor, b: torch.Tensor, experts: Fus
     of ``B``."""
     tp, local, start = experts.tp, experts.local, experts.start
     if tp.expert_parallel:
-        held = slice(experts.first_expert, experts.first_expert + experts.num_local_experts)
-        return a[held], b[held]
+        return a[experts.slots], b[experts.slots]
     if tp.size == 1:
         return a, b
     if projection == EXPERT_PROJECTIONS[0]:

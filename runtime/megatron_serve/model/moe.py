@@ -28,6 +28,7 @@ from torch import nn
 from megatron_kernels import get_op, invariant
 
 from .layers import GatedMLP, ReplicatedLinear, TensorSource, _check_full, _copy_checked, _narrow
+from .eplb import LayerPlacement
 from .parallel import SINGLE, TensorParallel
 from .token_dispatcher import AllToAllDispatcher, DataParallelDispatcher, TokenDispatcher
 
@@ -99,6 +100,10 @@ class FusedExperts(nn.Module):
             self.num_local_experts, self.local = num_experts, intermediate_size // tp.size
             self.start = tp.rank * self.local  # this rank's columns of each expert's intermediate dimension
         self.first_expert = tp.expert_rank * self.num_local_experts if tp.expert_parallel else 0
+        # the logical expert each slot of this rank's stack holds (EPLB places them otherwise, :mod:`.eplb`)
+        self.slots = list(range(self.first_expert, self.first_expert + self.num_local_experts))
+        self.num_physical = num_experts  # slots of every expert-parallel rank together (E + redundant ones)
+        self.version = 0  # bumped by every load (a refit), so that a transfer of older weights is not swapped in
         count = self.num_local_experts
         self.gate_up_proj = nn.Parameter(torch.empty(count, 2 * self.local, hidden_size, dtype=weight_dtype),
                                          requires_grad=False)
@@ -111,45 +116,55 @@ class FusedExperts(nn.Module):
 
     def holds(self, expert: int) -> bool:
         """Whether this rank holds (part of) ``expert``: a checkpoint tensor of another rank's expert is not read."""
-        return self.first_expert <= expert < self.first_expert + self.num_local_experts
+        return expert in self.slots
 
     def weight_pieces(self, param_name: str) -> frozenset:
         """The parts a checkpoint fills separately: ``(part, expert)`` for every expert held here."""
         parts = ("gate", "up") if param_name == "gate_up_proj" else ("down",)
-        return frozenset((part, expert) for part in parts
-                         for expert in range(self.first_expert, self.first_expert + self.num_local_experts))
+        return frozenset((part, expert) for part in parts for expert in self.slots)
 
-    def local_source(self, source: TensorSource, expert: int | None) -> tuple[TensorSource, int | None]:
-        """``(source, index in this rank's stack)``: a whole stack (``expert`` None) narrowed to this rank's experts."""
+    def local_sources(self, source: TensorSource, expert: int | None) -> list[tuple[TensorSource, int | slice]]:
+        """``(source, index)`` pairs to copy: one expert's tensor into each slot holding it (``index`` an int, the
+        expert dimension gone), or a whole stack (``expert`` None) narrowed to this rank's experts (``index`` a slice
+        of the stack: all of it, or one slot where EPLB places the experts out of order)."""
+        self.version += 1
         if expert is not None:
             if not 0 <= expert < self.num_experts:
                 raise ValueError(f"expert {expert} does not exist: this layer has {self.num_experts}")
-            return source, expert - self.first_expert
-        if self.num_local_experts == self.num_experts:
-            return source, None
+            return [(source, slot) for slot, held in enumerate(self.slots) if held == expert]
+        if self.slots == list(range(self.num_experts)):
+            return [(source, slice(None))]
         _check_full(source, 0, self.num_experts)
-        return _narrow(source, 0, self.first_expert, self.num_local_experts), None
+        first = self.slots[0]
+        if self.slots == list(range(first, first + len(self.slots))):
+            return [(_narrow(source, 0, first, len(self.slots)), slice(None))]
+        return [(_narrow(source, 0, held, 1), slice(slot, slot + 1)) for slot, held in enumerate(self.slots)]
 
     def weight_loader(self, param: nn.Parameter, source: TensorSource, part: str | None = None,
                       expert: int | None = None) -> None:
-        """Copy this rank's share of one expert's projection (``part``/``expert``) or of the whole stack."""
-        source, expert = self.local_source(source, expert)
+        """Copy this rank's share of one expert's projection (``part``/``expert``) or of the whole stack, into every
+        slot holding it."""
+        for piece, index in self.local_sources(source, expert):
+            self._load_piece(param, piece, part, index)
+
+    def _load_piece(self, param: nn.Parameter, source: TensorSource, part: str | None, index: int | slice) -> None:
         start, length, size = self.start, self.local, self.intermediate_size
+        stacked = isinstance(index, slice)
+        target = param.data[index]
         if param is self.down_proj:
-            target = param.data if expert is None else param.data[expert]
             _check_full(source, target.dim() - 1, size)
             _copy_checked(target, _narrow(source, target.dim() - 1, start, length))
             return
-        _check_full(source, 1 if expert is None else 0, 2 * size if expert is None else size)
+        _check_full(source, 1 if stacked else 0, 2 * size if stacked else size)
         parts = ("gate", "up") if part is None else (part,)
         for name in parts:
             offset = 0 if name == "gate" else length
-            target = param.data.narrow(-2, offset, length)
-            if expert is None:  # stacked [E, 2 * I, H]: gate rows first, then up rows
+            rows = target.narrow(-2, offset, length)
+            if stacked:  # stacked [E, 2 * I, H]: gate rows first, then up rows
                 piece = _narrow(source, 1, start + (0 if name == "gate" else size), length)
             else:
-                target, piece = target[expert], _narrow(source, 0, start, length)
-            _copy_checked(target, piece)
+                piece = _narrow(source, 0, start, length)
+            _copy_checked(rows, piece)
 
     def forward(self, hidden: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
                 tokens: torch.Tensor | None = None) -> torch.Tensor:
@@ -197,6 +212,8 @@ class SparseMoeBlock(nn.Module):
         self._family = family
         # swappable (:mod:`.token_dispatcher`); the engine installs its backend's (:mod:`.expert_dispatch`)
         self.dispatcher: TokenDispatcher | None = None
+        self.placement: LayerPlacement | None = None  # EPLB's logical-to-physical map (:mod:`.eplb`), if any
+        self._sort_columns = False  # a token's experts by logical id before dispatch (--batch-invariant)
         if tp.data_parallel.size > 1:
             self.dispatcher = DataParallelDispatcher(tp, moe.num_experts)
         elif tp.expert_parallel and tp.size > 1:
@@ -209,6 +226,7 @@ class SparseMoeBlock(nn.Module):
         self._sigmoid = invariant.sigmoid
         self._reduce = self.tp.ordered_sum
         self._weights_in_model_dtype = self._family != "mixtral"
+        self._sort_columns = True
         if self.dispatcher is not None:
             self.dispatcher.ordered = True
 
@@ -239,8 +257,15 @@ class SparseMoeBlock(nn.Module):
 
     def _expert_parallel(self, hidden: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """Dispatch, this rank's experts on one expert per row (unweighted: the combine weighs them), combine,
-        the shared expert on the tokens combined here, gather."""
+        the shared expert on the tokens combined here, gather. Under ``--batch-invariant`` each token's columns are
+        sorted by logical expert first (the ordered combine adds them in column order); under EPLB the logical ids
+        become physical ones (:meth:`.eplb.LayerPlacement.physical`)."""
         dispatcher = self.dispatcher
+        if self._sort_columns:
+            order = torch.argsort(ids, dim=1, stable=True)
+            ids, weights = ids.gather(1, order), weights.gather(1, order)
+        if self.placement is not None:
+            ids = self.placement.physical(ids)
         dispatched = dispatcher.dispatch(hidden, ids, weights)
         outputs = dispatched.rows
         if outputs.shape[0]:

@@ -20,9 +20,14 @@ experts, hence how many rows each rank sends each other rank, without exchanging
 All hand the experts rows of one expert each (``ids [m, 1]``, local ids) and get back each row's
 unweighted output; the router weights are applied in :meth:`combine` (:meth:`dispatch` takes them too, for
 dispatchers whose combine cannot apply them there: DeepEP's, :mod:`.deepep_dispatcher`). ``ordered``
-(``--batch-invariant``): a token's experts are added in ascending expert id order, each ``(output * weight)`` rounded to the model
-dtype first, into zeros, which is :func:`megatron_kernels.invariant.fused_moe`'s arithmetic on one rank:
-so the layer's output is bitwise one rank's. Otherwise the weighted outputs are summed in float32.
+(``--batch-invariant``): a token's experts are added in the order of its columns, which the MoE block sorted by
+logical expert id (:meth:`.moe.SparseMoeBlock.forward`: under EPLB the ids dispatched are physical, whose order is
+the placement's), each ``(output * weight)`` rounded to the model dtype first, into zeros, which is
+:func:`megatron_kernels.invariant.fused_moe`'s arithmetic on one rank: so the layer's output is bitwise one rank's.
+Otherwise the weighted outputs are summed in float32.
+
+``num_experts`` is the layer's physical experts (its logical ones without EPLB, :mod:`.eplb`); rank ``r`` holds
+``r * P/ep ..``.
 """
 
 from __future__ import annotations
@@ -97,6 +102,9 @@ class AllGatherDispatcher:
 
     def combine(self, outputs: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         pairs = self._pairs
+        if self.ordered:  # each token's rows in column order
+            order = torch.argsort(pairs)
+            outputs, pairs = outputs[order], pairs[order]
         out = weighted_sum(outputs, weights.reshape(-1)[pairs], pairs // weights.shape[1], self.local.stop,
                            self.ordered)
         return self.tp.ordered_sum(out) if self.ordered else self.tp.all_reduce(out)
@@ -164,8 +172,11 @@ class AllToAllDispatcher:
         back = outputs.new_empty((exchange.sent.numel(), outputs.shape[1]))
         dist.all_to_all_single(back, outputs.contiguous(), exchange.counts[rank], [c[rank] for c in exchange.counts],
                                group=self.tp.group)
-        top_k = weights.shape[1]
-        return weighted_sum(back, weights.reshape(-1)[exchange.sent], exchange.sent // top_k - self.local.start,
+        top_k, sent = weights.shape[1], exchange.sent
+        if self.ordered:  # each token's rows in column order
+            order = torch.argsort(sent)
+            back, sent = back[order], sent[order]
+        return weighted_sum(back, weights.reshape(-1)[sent], sent // top_k - self.local.start,
                             self.local.stop - self.local.start, self.ordered)
 
     def gather(self, chunk: torch.Tensor) -> torch.Tensor:
@@ -233,8 +244,11 @@ class DataParallelDispatcher:
     def combine(self, outputs: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         back = self._all_to_all(outputs.new_empty((self._sent.numel(), outputs.shape[1])), outputs,
                                 self._send_counts, self._receive_counts)
-        top_k = weights.shape[1]
-        return weighted_sum(back, weights[self.local].reshape(-1)[self._sent], self._sent // top_k,
+        top_k, sent = weights.shape[1], self._sent
+        if self.ordered:  # each token's rows in column order
+            order = torch.argsort(sent)
+            back, sent = back[order], sent[order]
+        return weighted_sum(back, weights[self.local].reshape(-1)[sent], sent // top_k,
                             self.local.stop - self.local.start, self.ordered)
 
     def gather(self, chunk: torch.Tensor) -> torch.Tensor:

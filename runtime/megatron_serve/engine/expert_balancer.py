@@ -1,0 +1,196 @@
+"""EPLB on an expert-parallel group (vLLM's ``--enable-eplb``): measure each MoE layer's load, plan a placement with
+redundant experts (:mod:`megatron_serve.model.eplb`), move the experts between the ranks while the steps run, and swap
+them in between two steps.
+
+Every rank of the group holds an :class:`ExpertBalancer` and calls :meth:`ExpertBalancer.step` once before each
+forward (the runner does: a step or an idle data-parallel rank's empty MoE pass), so all of them count the same steps
+and act on the same ones. Each step's tokens per physical expert (counted on the device by each layer's
+:class:`~megatron_serve.model.eplb.LayerPlacement`) go into a window of ``window_size`` steps; every ``step_interval``
+steps the window's load (summed over the data-parallel attention ranks, whose tokens differ) is planned, on every
+rank alike; each layer whose plan is better than its placement then moves, one layer at a time: its all-to-all starts
+at one step boundary, on a group of its own, and the next boundary waits for it (the step in between ran meanwhile),
+writes the new stack into the layer's parameters in place and points the map at it. A refit in between (the layer's
+weights changed) drops the move, on every rank alike.
+
+Balancedness (mean over max of the tokens per rank, 1.0 even) is kept per layer as measured over the window planned
+from, and as planned; ``log_balancedness`` logs the measured one every step on the group's first rank.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+
+from ..model.eplb import LayerPlacement, balancedness, identity_plan, plan_layer, rank_loads
+from ..model.expert_moves import ExpertTransfer, install_rows, plan_moves
+from ..model.moe import SparseMoeBlock
+from ..model.token_dispatcher import AllToAllDispatcher, DataParallelDispatcher
+
+if TYPE_CHECKING:
+    from ..config import EplbConfig
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class BalancerStats:
+    """What ``/metrics`` and the log report: per MoE layer the balancedness measured over the last window planned
+    from and the one its placement plans for; rearrangements (layers moved) and the seconds steps waited for them."""
+
+    measured: list[float]
+    planned: list[float]
+    rearrangements: int = 0
+    layers_moved: int = 0
+    seconds: float = 0.0
+    moved_experts: int = 0
+    history: list[tuple[int, float, float]] = field(default_factory=list)  # (step, mean measured, mean planned)
+
+
+@dataclass
+class _Move:
+    layer: int
+    transfer: ExpertTransfer
+    plan: list[int]
+    version: int
+
+
+class ExpertBalancer:
+    """One rank's EPLB over ``blocks`` (the MoE layers whose tokens cross ranks), their placements in place."""
+
+    def __init__(self, blocks: list[SparseMoeBlock], config: EplbConfig, group: object, transfer_group: object,
+                 data_parallel: bool, device: torch.device):
+        self.blocks, self.config = blocks, config
+        tp = blocks[0].tp
+        self.ranks, self.rank, self.tp_size = tp.expert_size, tp.expert_rank, tp.size
+        self.group, self.transfer_group, self.data_parallel = group, transfer_group, data_parallel
+        self.num_physical = blocks[0].experts.num_physical
+        self.load = torch.zeros((len(blocks), self.num_physical), dtype=torch.int64, device=device)
+        self.rotation = torch.zeros((), dtype=torch.int64, device=device)
+        for index, block in enumerate(blocks):  # every layer counts into one tensor, turns one rotation: a step's
+            block.placement.load = self.load[index]  # bookkeeping is three device operations
+            block.placement.rotation = self.rotation
+        self.window = torch.zeros((config.window_size, *self.load.shape), dtype=torch.int64, device=device)
+        self.steps = 0
+        self._plans: dict[int, list[int]] = {}
+        self._move: _Move | None = None
+        self.stats = BalancerStats([1.0] * len(blocks), [1.0] * len(blocks))
+
+    def reset(self) -> None:
+        """Forget the load counted so far (warm-up and graph captures count tokens that served nobody)."""
+        self.load.zero_()
+        self.window.zero_()
+
+    def step(self) -> None:
+        """The boundary before a forward, on every rank of the group: close the last step's counts into the window;
+        finish a move under way, plan every ``step_interval`` steps, and start the next layer's move."""
+        self.window[self.steps % self.config.window_size].copy_(self.load)
+        self.load.zero_()
+        self.rotation.add_(1)
+        self.steps += 1
+        if self.config.log_balancedness:
+            self._log_step()
+        began = time.perf_counter()
+        if self._move is not None:
+            self._finish()
+        elif self.steps % self.config.step_interval == 0:
+            self._plan()
+        if self._move is None and self._plans:
+            self._start(min(self._plans))
+        self.stats.seconds += time.perf_counter() - began
+
+    def _group_load(self, load: torch.Tensor) -> torch.Tensor:
+        """``load`` summed over the group's tokens, on the host: each data-parallel attention rank counted its own
+        (its tensor-parallel ranks the same ones), tensor-parallel ranks all of a step's."""
+        if self.data_parallel:
+            dist.all_reduce(load, group=self.group)
+            load = load // self.tp_size
+        return load.cpu()
+
+    def _log_step(self) -> None:
+        load = self._group_load(self.window[(self.steps - 1) % self.config.window_size].clone())
+        if self.rank == 0:
+            values = [balancedness(row.view(self.ranks, -1).sum(1).tolist()) for row in load]
+            logger.info("EPLB step %d: balancedness %.3f (lowest layer %.3f)", self.steps,
+                        sum(values) / len(values), min(values))
+
+    def _plan(self) -> None:
+        """Plan every layer from the window; queue those whose plan beats their placement."""
+        load = self._group_load(self.window.sum(0))
+        for index, block in enumerate(self.blocks):
+            placement = block.placement
+            physical = load[index]
+            self.stats.measured[index] = balancedness(physical.view(self.ranks, -1).sum(1).tolist())
+            logical = placement.logical_load(physical).tolist()
+            plan = plan_layer(logical, self.num_physical, self.ranks)
+            planned = balancedness(rank_loads(logical, plan, self.ranks))
+            current = balancedness(rank_loads(logical, placement.physical_to_logical, self.ranks))
+            if plan != placement.physical_to_logical and planned > current + 1e-6:
+                self._plans[index] = plan
+                self.stats.planned[index] = planned
+            else:
+                self._plans.pop(index, None)
+        if self._plans:
+            self.stats.rearrangements += 1
+        mean = sum(self.stats.measured) / len(self.stats.measured)
+        self.stats.history.append((self.steps, mean, sum(self.stats.planned) / len(self.stats.planned)))
+        if self.rank == 0:
+            logger.info("EPLB at step %d: measured balancedness %.3f over the last %d steps; %d of %d MoE layers to "
+                        "move (planned %.3f)", self.steps, mean, min(self.steps, self.config.window_size),
+                        len(self._plans), len(self.blocks), self.stats.history[-1][2])
+
+    def _start(self, layer: int) -> None:
+        plan = self._plans.pop(layer)
+        experts = self.blocks[layer].experts
+        moves = plan_moves(self.blocks[layer].placement.physical_to_logical, plan, self.ranks, self.rank)
+        per_rank = len(plan) // self.ranks
+        new_slots = plan[self.rank * per_rank:(self.rank + 1) * per_rank]
+        self._move = _Move(layer, ExpertTransfer(experts, moves, new_slots, self.transfer_group), plan,
+                           experts.version)
+        self.stats.moved_experts += moves.moved
+
+    def _finish(self) -> None:
+        """Swap the move in, unless a refit changed the layer's weights on any rank since it started."""
+        move, self._move = self._move, None
+        block = self.blocks[move.layer]
+        stale = torch.tensor([int(block.experts.version != move.version)], device=self.load.device)
+        dist.all_reduce(stale, op=dist.ReduceOp.MAX, group=self.transfer_group)
+        rows = move.transfer.rows()
+        if stale.item():
+            logger.info("EPLB: the weights of MoE layer %d changed during its move; it keeps its placement", move.layer)
+            return
+        install_rows(block.experts, move.transfer.new_slots, rows)
+        block.placement.update(move.plan)
+        self.window[:, move.layer].zero_()  # counted under the old map
+        self.stats.layers_moved += 1
+
+
+def place_experts(blocks: list[SparseMoeBlock], num_redundant: int, transfer_group: object) -> None:
+    """The first placement, at start (before graphs are captured): each layer's ``E + num_redundant`` physical
+    experts over the group (:func:`~megatron_serve.model.eplb.identity_plan`: each rank its own experts, then copies
+    fetched from the others), its dispatcher over the physical experts, and its map."""
+    tp = blocks[0].tp
+    ranks, rank = tp.expert_size, tp.expert_rank
+    for block in blocks:
+        experts = block.experts
+        logical, physical = experts.num_experts, experts.num_experts + num_redundant
+        if physical % ranks:
+            raise ValueError(f"--eplb-config num_redundant_experts={num_redundant}: {logical} + {num_redundant} "
+                             f"experts do not split over {ranks} expert-parallel ranks")
+        plan = identity_plan(logical, physical, ranks)
+        per_rank = physical // ranks
+        if num_redundant:
+            old = list(range(logical))
+            transfer = ExpertTransfer(experts, plan_moves(old, plan, ranks, rank), plan[rank * per_rank:
+                                                                                   (rank + 1) * per_rank],
+                                      transfer_group)
+            install_rows(experts, transfer.new_slots, transfer.rows())
+        experts.num_physical = physical
+        block.placement = LayerPlacement(plan, logical, experts.gate_up_proj.device)
+        ordered = block.dispatcher.ordered
+        block.dispatcher = (DataParallelDispatcher if tp.data_parallel.size > 1 else AllToAllDispatcher)(tp, physical)
+        block.dispatcher.ordered = ordered
