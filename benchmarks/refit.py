@@ -15,7 +15,7 @@ split comes from the REFIT acknowledgement. Prints one table (median of ``--roun
     python benchmarks/refit.py --hidden-size 2048 --layers 8 --rounds 5
     python benchmarks/refit.py --sharded --sizes 256,512,1024 --world-sizes 1,2,4   # refit_sharded.py's tables
 
-``--finite-check`` measures instead what the NaN/Inf check (``megatron_serve.weights.finite``) costs a refit, in
+``--finite-check`` measures instead what the NaN/Inf check (``megatron_serve.model.finite``) costs a refit, in
 one process (a direct-mode engine, no fleet): refits from a directory and from tensors in memory, each with the
 check and with it switched off (the code before the check), alternating, as bytes per second of the checkpoint;
 and the check alone over the same tensors.
@@ -36,7 +36,8 @@ import torch
 from safetensors.torch import load_file
 
 from megatron_serve import InferenceConfig, MegatronLLM, SamplingParams
-from megatron_serve.weights import finite, sources
+from megatron_serve.model import finite
+from megatron_serve.weights import sources
 from megatron_serve.client.coordinator_client import InferenceClient
 from megatron_serve.fleet.local_fleet import LocalFleet
 from megatron_serve.model.tiny import make_tiny_model

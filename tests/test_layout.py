@@ -304,3 +304,14 @@ def test_no_engine_module_accumulates_per_token_lists():
     containers = {node.target.id for node in cls.body if isinstance(node, ast.AnnAssign)
                   and re.search(r"\b(list|dict|set|deque|tuple|ndarray|PromptScores)\b", ast.unparse(node.annotation))}
     assert containers <= set(SEQUENCE_CONTAINERS), f"Sequence holds {sorted(containers - set(SEQUENCE_CONTAINERS))}"
+
+
+def test_the_model_never_imports_the_weights_wing():
+    """``model/`` is the floor beneath ``weights/`` (sources, transfers, the refit's targets): what both need (the
+    NaN/infinity check every load runs, ``model.finite``) lives in ``model/``, and no model module imports a
+    ``weights`` one, even inside a function (it imported ``weights/finite.py`` upward)."""
+    modules = _modules()
+    upward = {name: sorted(t for t in _imports(name, path, modules) if t.startswith("megatron_serve.weights"))
+              for name, path in modules.items() if name.startswith("megatron_serve.model")}
+    offenders = {name: targets for name, targets in upward.items() if targets}
+    assert not offenders, f"model modules importing weights/: {offenders}"

@@ -1,7 +1,7 @@
 """No weights holding NaN or an infinity are applied, on any load path (issue 55): every refusal names the tensor,
 and the fleet keeps serving its epoch with the same text.
 
-The check itself (:mod:`megatron_serve.weights.finite`) against dtypes and positions; a model's first load; a
+The check itself (:mod:`megatron_serve.model.finite`) against dtypes and positions; a model's first load; a
 directory refit and a refit from tensors in this process (direct mode); and a real fleet (coordinator and engine
 processes, gloo) taking a trainer's push of a NaN ``lm_head`` (refused by the sender before the REFIT; a sender
 that skips its check is refused by the engine before the bucket is applied), a NaN LoRA push and a NaN adapter
@@ -26,7 +26,7 @@ from megatron_serve.client.llm import MegatronLLM
 from megatron_serve.config import InferenceConfig
 from megatron_serve.model.loader import load_model
 from megatron_serve.model.lora import CONFIG_FILE, WEIGHTS_FILE
-from megatron_serve.weights.finite import NonFiniteWeights, first_nonfinite, refuse_nonfinite
+from megatron_serve.model.finite import NonFiniteWeights, first_nonfinite, refuse_nonfinite
 from megatron_serve.wire.sampling_params import SamplingParams
 
 from ..helpers import Children, free_port

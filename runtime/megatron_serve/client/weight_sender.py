@@ -39,7 +39,7 @@ import torch
 
 from ..weights import group as transfer
 from ..weights.drafter import DRAFTER_PREFIX
-from ..weights.finite import NonFiniteWeights, first_nonfinite, refuse_nonfinite
+from ..model.finite import NonFiniteWeights, first_nonfinite, refuse_nonfinite
 from ..weights.manifest import nbytes, pack, plan_buckets, spec_of
 from ..weights.sending import receivers, send_pieces
 from ..weights.shards import Item, cover_problem, merge_manifests, piece_of
@@ -147,7 +147,7 @@ class WeightSender:
         that does not fit raises :class:`~megatron_serve.client.coordinator_client.ControlError`
         (``refit_failed``); so does a transfer that breaks (a rank that died): every engine keeps its weights.
         A tensor holding NaN or an infinity on any rank raises ``ValueError`` naming it
-        (:class:`~megatron_serve.weights.finite.NonFiniteWeights`) on every rank before the REFIT is sent.
+        (:class:`~megatron_serve.model.finite.NonFiniteWeights`) on every rank before the REFIT is sent.
 
         ``drafter``: the draft model's (or EAGLE-3 head's) ``(name, tensor)`` pairs (its checkpoint's names),
         sent in the same transaction as ``drafter.`` + name and loaded under the same epoch by every engine's

@@ -2,7 +2,7 @@
 (:mod:`.gguf`), into the decoder.
 
 Each tensor is handed to the owning layer's ``weight_loader``. A model's first load reads each tensor whole
-and checks it for NaN and infinities before it is copied in (:mod:`..weights.finite`; a refusal names the
+and checks it for NaN and infinities before it is copied in (:mod:`.finite`; a refusal names the
 tensor); a refit's verify step checks views of the mapped files (:func:`checkpoint_views`), and its load
 step reads through safetensors slices, so a tensor-parallel rank reads only its slice.
 """
@@ -20,7 +20,7 @@ from typing import Callable, Iterable, Iterator
 import torch
 from safetensors import safe_open
 
-from ..weights.finite import refuse_nonfinite
+from .finite import refuse_nonfinite
 from .config import ModelConfig
 from .errors import UnsupportedModelError
 from .gguf.view import GGUF_SUFFIX, WEIGHTS_LINK

@@ -23,7 +23,7 @@ from typing import Iterable
 import torch
 from safetensors.torch import load_file
 
-from ..weights.finite import NonFiniteWeights, refuse_nonfinite
+from .finite import NonFiniteWeights, refuse_nonfinite
 from ..wire.lora_names import shown
 from .config import ModelConfig
 from .lora_experts import EXPERT_PROJECTIONS, expert_key, expert_shape, expert_targets, per_expert

@@ -36,7 +36,7 @@ from . import group as transfer
 from .digests import forget_digests, held_digests, keep_digests
 from .adapters import adapter_shapes, adapters_first, is_adapter
 from .drafter import is_drafter
-from .finite import refuse_nonfinite
+from ..model.finite import refuse_nonfinite
 from .layout import RegionSlice, engine_layout
 from .manifest import torch_dtype
 from .peak import peak_since, start_peak

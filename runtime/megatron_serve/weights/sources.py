@@ -1,7 +1,7 @@
 """Where a refit's weights come from: a model directory, tensors in this process, or a trainer.
 
 ``DynamicInferenceEngine.refit`` runs one path for all three: ``check`` (names and shapes against
-the served model, and every tensor it holds free of NaN and infinities, :mod:`.finite`; what ``REFIT_VERIFY``
+the served model, and every tensor it holds free of NaN and infinities, :mod:`..model.finite`; what ``REFIT_VERIFY``
 runs on every engine before any weight changes: a directory's tensors are read for it, a trainer's are checked
 by the sender before its REFIT and again by each engine as each bucket lands, before it is applied), then ``tensors`` streamed into the live parameters by the loader, on every
 tensor-parallel rank (each copies its slice, fused QKV and gate-up parts included). A source is
@@ -23,7 +23,7 @@ from ..model.llama import LlamaForCausalLM
 from ..model.loader import checkpoint_views, iterate_checkpoint, verify_checkpoint, verify_shapes
 from . import group as transfer
 from .drafter import is_drafter
-from .finite import refuse_nonfinite
+from ..model.finite import refuse_nonfinite
 from .manifest import plan_buckets, spec_of, unpack
 from .digests import forget_digests
 
