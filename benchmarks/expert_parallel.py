@@ -16,9 +16,13 @@ Two tables:
   the whole step, so the layouts compare. A ring all-reduce of B bytes sends ``2 (n - 1) / n * B`` per rank, a ring
   all-gather ``(n - 1)`` chunks; an all-to-all sends the rows bound for other ranks.
 * ``bandwidth`` (on request): an all-to-all's bytes per second between the ranks of one machine.
+* ``eplb`` (on request): EP=N on a model whose routers favour two experts (``--hot``), without and with EPLB
+  (``--enable-eplb``, ``--redundant`` copies; rearranged during a warm-up run), milliseconds per generated token,
+  wall and the whole group's CPU, with the balancedness each measured (mean over max of the tokens per rank).
 
     python benchmarks/expert_parallel.py                      # CPU: EP=2 vs TP=2 vs one rank
     python benchmarks/expert_parallel.py --sizes 2 4 --device cuda --hidden 1024 --experts 64
+    python benchmarks/expert_parallel.py --tables eplb --sizes 4   # EPLB against index placement, skewed router
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 from megatron_serve import InferenceConfig, MegatronLLM, SamplingParams  # noqa: E402
 from megatron_serve.model.tiny import make_tiny_model  # noqa: E402
+from pipeline_parallel import group_cpu_seconds  # noqa: E402
 from serving import free_port  # noqa: E402
 
 COUNTING_PROBE = textwrap.dedent("""
@@ -194,6 +199,61 @@ def bandwidth_table(args: argparse.Namespace) -> None:
         print(f"{size:<6} {measured['gb_per_s']:>8.2f} {measured['ms']:>8.2f}")
 
 
+def skew_router(model_dir: str, hot: list[int]) -> None:
+    """Make every MoE router favour ``hot``: a constant first feature in every token's embedding, read by those
+    experts' router rows only (as ``tests/parallel/test_expert_parallel_eplb.py``'s model)."""
+    from safetensors.torch import load_file, save_file  # noqa: PLC0415
+
+    path = Path(model_dir) / "model.safetensors"
+    tensors = load_file(path)
+    tensors["model.embed_tokens.weight"][:, 0] = 1.0
+    for name, tensor in tensors.items():
+        if name.endswith("mlp.gate.weight"):
+            tensor[:, 0] = 0.0
+            tensor[hot, 0] = 0.3
+    save_file(tensors, path, metadata={"format": "pt"})
+
+
+def eplb_run(model_dir: str, args: argparse.Namespace, size: int, eplb: dict | None) -> tuple[float, float, float]:
+    """(wall ms, group CPU ms) per generated token at ``--concurrency``, after a warm-up run long enough for the
+    rearrangement, and the balancedness measured over the measured run (EPLB's own count; without EPLB a balancer
+    that never moves: ``step_interval`` beyond the run)."""
+    counting = eplb or {"window_size": 1000, "step_interval": 100000, "num_redundant_experts": 0}
+    config = InferenceConfig(dtype=args.dtype, device=args.device, tensor_parallel_size=size, num_kv_blocks=512,
+                             enable_expert_parallel=True, enable_eplb=True, eplb_config=counting,
+                             max_requests=args.concurrency)
+    params = SamplingParams(temperature=0.0, num_tokens_to_generate=args.tokens, ignore_eos=True)
+    prompts = [f"Expert parallel benchmark prompt {i}: the quick brown fox" for i in range(args.concurrency)]
+    with MegatronLLM(model_dir, config) as llm:
+        balancer = llm.engine.model.expert_balancer
+        llm.generate(prompts, params)  # warm-up: the rearrangement (with EPLB) happens here
+        balancer.reset()
+        cpu, started = group_cpu_seconds(llm), time.perf_counter()
+        outs = llm.generate(prompts, params)
+        wall, cpu = time.perf_counter() - started, group_cpu_seconds(llm) - cpu
+        window = balancer.window.sum(0).view(len(balancer.blocks), size, -1).sum(2).float()
+        measured = float((window.mean(1) / window.max(1).values).mean())
+    tokens = sum(len(o.generated_tokens) for o in outs)
+    return 1000 * wall / tokens, 1000 * cpu / tokens, measured
+
+
+def eplb_table(model_dir: str, args: argparse.Namespace) -> None:
+    skew_router(model_dir, args.hot)
+    print(f"\nEPLB: router favouring experts {args.hot}, ms per generated token ({args.concurrency} requests of "
+          f"{args.tokens} tokens, {args.device}, {args.dtype})")
+    print(f"{'layout':<26} {'wall':>8} {'ratio':>7} {'cpu':>8} {'ratio':>7} {'balanced':>9}")
+    for size in args.sizes:
+        interval = max(4, args.tokens // 2)
+        rows = [(f"EP={size}", None),
+                (f"EP={size} EPLB +{args.redundant}", {"window_size": interval, "step_interval": interval,
+                                                        "num_redundant_experts": args.redundant})]
+        base = None
+        for name, eplb in rows:
+            wall, cpu, measured = eplb_run(model_dir, args, size, eplb)
+            base = base or (wall, cpu)
+            print(f"{name:<26} {wall:>8.2f} {wall / base[0]:>7.2f} {cpu:>8.2f} {cpu / base[1]:>7.2f} {measured:>9.3f}")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cpu")
@@ -208,14 +268,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--batch-tokens", type=int, default=64, help="tokens of the step the bytes are counted in")
     parser.add_argument("--mib", type=int, default=64, help="all-to-all size a rank, for the bandwidth table")
-    parser.add_argument("--tables", nargs="+", choices=("decode", "bytes", "bandwidth"), default=["decode", "bytes"])
+    parser.add_argument("--hot", type=int, nargs="+", default=[3, 5], help="experts the eplb table's router favours")
+    parser.add_argument("--redundant", type=int, default=4, help="the eplb table's num_redundant_experts")
+    parser.add_argument("--tables", nargs="+", choices=("decode", "bytes", "bandwidth", "eplb"),
+                        default=["decode", "bytes"])
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory() as root:
-        model_dir = make_model(args, Path(root)) if {"decode", "bytes"} & set(args.tables) else ""
+        model_dir = make_model(args, Path(root)) if {"decode", "bytes", "eplb"} & set(args.tables) else ""
         if "decode" in args.tables:
             decode_table(model_dir, args)
         if "bytes" in args.tables:
             bytes_table(model_dir, args)
+        if "eplb" in args.tables:
+            eplb_table(model_dir, args)
     if "bandwidth" in args.tables:
         bandwidth_table(args)
     return 0

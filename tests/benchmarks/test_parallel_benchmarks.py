@@ -43,6 +43,19 @@ def test_expert_parallel_prints_its_decode_and_bytes_tables():
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
+def test_expert_parallel_prints_its_eplb_table():
+    """Two busy experts on one of two ranks: EPLB's row measures the load even, the index placement's does not."""
+    out = run("expert_parallel.py", "--tables", "eplb", "--sizes", "2", "--hidden", "64", "--intermediate", "32",
+              "--experts", "8", "--top-k", "2", "--layers", "2", "--tokens", "8", "--concurrency", "2", "--hot", "1",
+              "2", "--redundant", "2")
+    rows = {name: [float(v) for v in values] for name, *values in re.findall(
+        rf"^(EP=2(?: EPLB \+2)?)\s+{NUMBER}\s+{NUMBER}\s+{NUMBER}\s+{NUMBER}\s+{NUMBER}$", out, re.M)}
+    assert set(rows) == {"EP=2", "EP=2 EPLB +2"}, out
+    assert rows["EP=2"][4] < 0.75 and rows["EP=2 EPLB +2"][4] >= 0.9, out
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
 def test_pipeline_parallel_prints_a_row_per_layout():
     out = run("pipeline_parallel.py", "--stages", "2", "--layers", "3", "--hidden", "64", "--intermediate", "128",
               "--tokens", "4", "--concurrency", "2")
