@@ -17,8 +17,11 @@ MAX_LINES = 600
 MAX_FUNCTION_LINES = 80
 MAX_FLAT_MODULES = 12
 #: The issue's aim, held since model/'s layers import their configs for annotations only (the deepest
-#: chain: client.local_engine -> engine -> core -> memory_verbs -> weights.sources -> model.loader -> ...).
-MAX_IMPORT_DEPTH = 12
+#: chain: client.local_engine -> engine -> core -> memory_verbs -> weights.sources -> model.loader -> ...), and one
+#: floor more since the table of sampling parameters (wire.sampling_fields, importing nothing) sits beneath
+#: SamplingParams and the server's list of extensions, both at the foot of the server's twelve floors
+#: (server -> local -> app -> ... -> context -> generation -> wire.connection -> ... -> wire.sampling_params).
+MAX_IMPORT_DEPTH = 13
 #: What a function over MAX_FUNCTION_LINES says in its docstring to stay whole: ``Long: <the reason>``.
 LONG_REASON = "Long:"
 
@@ -304,6 +307,62 @@ def test_no_engine_module_accumulates_per_token_lists():
     containers = {node.target.id for node in cls.body if isinstance(node, ast.AnnAssign)
                   and re.search(r"\b(list|dict|set|deque|tuple|ndarray|PromptScores)\b", ast.unparse(node.annotation))}
     assert containers <= set(SEQUENCE_CONTAINERS), f"Sequence holds {sorted(containers - set(SEQUENCE_CONTAINERS))}"
+
+
+#: The modules that may name several sampling parameters side by side, and why: the table itself, the typed struct it
+#: describes (held equal to it by tests/wire/test_sampling_fields.py), the sampler's filters (one op per input, named
+#: by their arguments), TRL's request body (TRL's own protocol and defaults: a new parameter reaches it through its
+#: ``generation_kwargs``, which the table reads) and the ``generate`` command's flags (three of vLLM's, not a listing).
+SAMPLING_LISTINGS = {
+    "megatron_serve.wire.sampling_fields": "the table",
+    "megatron_serve.wire.sampling_params": "SamplingParams' typed fields",
+    "megatron_serve.engine.sampler": "the filters' arguments",
+    "megatron_serve.server.rl.trl_generate": "TRL's GenerateRequest fields with TRL's defaults",
+    "megatron_serve.commands.generate": "the command's --temperature, --top-p and --top-k",
+}
+#: The modules that read the table rather than name the parameters.
+SAMPLING_TABLE_READERS = ("server.models", "server.translate", "server.rl.vllm_sampling", "server.rl.sglang_generate",
+                          "generation_config", "engine.sampling_state", "engine.logprob_parity", "wire.sampling_params")
+
+
+def _listed_names(node: ast.AST) -> set[str]:
+    """Names one node lists side by side: a literal's strings, a call's keywords, a class body's fields, a function's
+    arguments."""
+    if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+        return {e.value for e in node.elts if isinstance(e, ast.Constant) and isinstance(e.value, str)}
+    if isinstance(node, ast.Dict):
+        return {k.value for k in node.keys if isinstance(k, ast.Constant) and isinstance(k.value, str)}
+    if isinstance(node, ast.Call):
+        return {k.arg for k in node.keywords if k.arg}
+    if isinstance(node, ast.ClassDef):
+        return {s.target.id for s in node.body if isinstance(s, ast.AnnAssign) and isinstance(s.target, ast.Name)}
+    if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+        return {a.arg for a in node.args.args + node.args.kwonlyargs}
+    return set()
+
+
+def test_the_sampling_table_is_the_one_place_that_lists_sampling_parameters():
+    """Every parameter that changes the logits (a row of ``wire/sampling_fields.py`` with a stage) is named side by
+    side with others only where SAMPLING_LISTINGS says why: the server's request models, the translation, the vLLM
+    and SGLang bodies, the generation_config keys, the sampling state and the parity checker read the table (a new
+    parameter touched 8 files, each restating the list). Three names in one literal, call, class body or signature
+    is a listing."""
+    from megatron_serve.wire.sampling_fields import FIELDS  # noqa: PLC0415
+
+    knobs = {name for row in FIELDS if row.stage is not None
+             for name in (row.name, row.http, row.vllm, row.sglang, row.sampler) if name is not None}
+    listings = {}
+    for name, path in _modules().items():
+        if name.startswith("megatron_serve.") and name not in SAMPLING_LISTINGS:
+            for node in ast.walk(ast.parse(path.read_text())):
+                if len(found := _listed_names(node) & knobs) >= 3:
+                    listings[f"{name}:{node.lineno}"] = sorted(found)
+    assert not listings, f"sampling parameters listed outside the table: {listings}"
+    modules = _modules()
+    table = "megatron_serve.wire.sampling_fields"
+    for reader in SAMPLING_TABLE_READERS:
+        name = f"megatron_serve.{reader}"
+        assert table in _imports(name, modules[name], modules), f"{name} does not read the table"
 
 
 def test_the_model_never_imports_the_weights_wing():

@@ -7,8 +7,8 @@ requests, ``MegatronLLM.generate`` / ``MegatronAsyncLLM.generate`` called withou
 ``SamplingParams``, and ``megatron-serve generate``. ``none`` ignores the file (vLLM calls that
 ``vllm``, also accepted); a directory reads that directory's ``generation_config.json`` instead.
 
-Every sampling key vLLM reads has a ``SamplingParams`` field here, so each one is applied, and the
-commands log what they apply at start-up. ``max_new_tokens`` is the default of ``max_tokens``; a
+Every sampling key vLLM reads has a ``SamplingParams`` field here (its row of ``wire/sampling_fields.py`` names
+the key), so each one is applied, and the commands log what they apply at start-up. ``max_new_tokens`` is the default of ``max_tokens``; a
 request's own ``max_tokens`` wins (vLLM caps it instead; OpenAI clients expect what they ask for).
 ``do_sample`` is not read, as in vLLM: a temperature in the file is taken as given.
 """
@@ -22,15 +22,13 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any, Mapping
 
+from .wire.sampling_fields import GENERATION_CONFIG_KEYS
 from .wire.sampling_params import SamplingParams
 
 FILENAME = "generation_config.json"
 AUTO = "auto"
 NONE = ("none", "vllm")
 
-#: generation_config.json key -> SamplingParams field, for the sampling keys vLLM reads.
-_KEYS = {"temperature": "temperature", "top_k": "top_k", "top_p": "top_p", "min_p": "min_p",
-         "repetition_penalty": "repetition_penalty", "max_new_tokens": "num_tokens_to_generate"}
 
 
 @dataclass(frozen=True)
@@ -68,7 +66,8 @@ class GenerationDefaults:
             raise ValueError(f"cannot read {path}: {exc}") from None
         if not isinstance(data, dict):
             raise ValueError(f"{path} must hold a JSON object")
-        values = {_KEYS[key]: value for key, value in data.items() if key in _KEYS and value is not None}
+        values = {GENERATION_CONFIG_KEYS[key]: value for key, value in data.items()
+                  if key in GENERATION_CONFIG_KEYS and value is not None}
         try:
             SamplingParams(**values)
         except (TypeError, ValueError) as exc:

@@ -32,7 +32,8 @@ from typing import TYPE_CHECKING, Callable, Protocol, Sequence, TypeVar
 from ..wire.engine_stats import EngineStats
 from ..wire.messages import PromptScores
 from ..wire.request import EngineRequest, FinalRecord, RequestStatus
-from ..wire.sampling_params import PRIORITY_MAX, SamplingParams
+from ..wire.sampling_fields import FILTERS, PRIORITY_MAX
+from ..wire.sampling_params import SamplingParams
 
 if TYPE_CHECKING:  # pragma: no cover - the checker itself handles no tensor
     from torch import Tensor
@@ -128,7 +129,8 @@ class ParityChecker:
     @property
     def processed(self) -> bool:
         """Whether reported log probs are processed ones (``processed_logprobs``): a check then scores its rows
-        through the same processing (:attr:`score_view`), with the original's temperature, top-k, top-p, min-p."""
+        through the same processing (:attr:`score_view`), with the original's filters (the table's ``FILTER`` rows,
+        ``wire/sampling_fields.py``: temperature, top-k, top-p, min-p)."""
         return self.logprobs_mode == "processed_logprobs"
 
     @property
@@ -183,8 +185,8 @@ class ParityChecker:
                                                 len(reported.prompt) - 1)
         original = reported.params
         # processed: the original's processing, read back by score_view (its one drawn token from its own stream)
-        processing = (dict(temperature=original.temperature, top_k=original.top_k, top_p=original.top_p,
-                           min_p=original.min_p, seed=0) if self.processed else dict(temperature=0.0))
+        processing = ({**{row.name: getattr(original, row.name) for row in FILTERS}, "seed": 0} if self.processed
+                      else {"temperature": 0.0})
         params = SamplingParams(num_tokens_to_generate=1, ignore_eos=True, return_prompt_log_probs=True,
                                 priority=PRIORITY_MAX, cache_salt=original.cache_salt,  # the tenant's cache
                                 **processing)

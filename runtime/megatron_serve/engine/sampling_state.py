@@ -1,8 +1,9 @@
 """Per-request sampling state in persistent device buffers: written once when a request starts sampling.
 
 vLLM v1's ``InputBatch`` at this engine's size. Each request that samples holds a slot: its
-temperature, top-k, top-p, min-p, penalties, min_tokens and seed key sit in device vectors indexed by
-slot; a request with logit controls (bias, min_tokens, penalties) also holds a row of four dense
+sampler inputs (one device vector per ``sampler`` of the table of sampling parameters,
+``wire/sampling_fields.py``: temperature, top-k, top-p, min-p, penalties, min_tokens) and its seed key sit in
+device vectors indexed by slot; a request with logit controls (bias, min_tokens, penalties) also holds a row of four dense
 ``[rows, vocab]`` tables (additive bias, stop tokens held back by min_tokens, output token counts,
 prompt tokens). A slot is bound the first time a request samples and freed when it leaves the engine
 or is preempted (the next binding rebuilds it from the tokens on the host), so at most about
@@ -28,14 +29,17 @@ from typing import Iterable, Sequence as Seq
 import numpy as np
 import torch
 
+from ..wire.sampling_fields import FILTER, PENALTIES, SAMPLER_INPUTS
 from ..wire.sampling_params import SamplingParams
 
 MASK32 = 0xFFFFFFFF
 _GOLDEN = 0x9E3779B9
 
-#: The float vectors and the integer vectors per slot, by name (their row in ``floats`` / ``ints``).
-_FLOATS = ("temperature", "top_p", "min_p", "presence", "frequency", "repetition")
-_INTS = ("top_k", "min_tokens", "seed_key", "greedy")
+#: The float vectors and the integer vectors per slot, by name (their row in ``floats`` / ``ints``): the table's
+#: sampler inputs, then the seed's key and whether the slot decodes greedily.
+_FLOATS = tuple(row.sampler for row in SAMPLER_INPUTS if row.kind is float)
+_INTS = tuple(row.sampler for row in SAMPLER_INPUTS if row.kind is int) + ("seed_key", "greedy")
+_PENALTY_INPUTS = frozenset(row.sampler for row in PENALTIES)
 #: The per-row integers a step writes: slot, control row, position of the token drawn, tokens generated so far.
 _ROW_FIELDS = 4
 
@@ -62,19 +66,14 @@ class SlotInfo:
     """What the host keeps of a slot: enough to decide which ops a step needs, without reading the device."""
 
     greedy: bool
-    temperature: float
     top_k: int
-    top_p: float
-    min_p: float
     control: int  # row in the control tables; 0: the neutral row (no controls)
-    penalties: bool
-    repetition: bool
-    min_tokens: int
     top_n: int  # top log probs asked for
     log_probs: bool  # log probs asked for (or top_n)
+    inputs: frozenset[str]  # the sampler inputs off their neutral value (filters: only when it samples)
 
 
-_NEUTRAL = SlotInfo(True, 1.0, 0, 1.0, 0.0, 0, False, False, 0, 0, False)
+_NEUTRAL = SlotInfo(True, 0, 0, 0, False, frozenset())
 
 
 @dataclass
@@ -91,14 +90,15 @@ class StepRows:
         infos = self.infos
         self.any_sampled = not all(i.greedy for i in infos)
         self.all_sampled = not any(i.greedy for i in infos)
-        self.unit_temperature = all(i.temperature == 1.0 for i in infos if not i.greedy)
+        self.inputs: frozenset[str] = frozenset().union(*(i.inputs for i in infos))  # used by some row
+        self.unit_temperature = "temperature" not in self.inputs
         self.max_top_k = max((i.top_k for i in infos if not i.greedy), default=0)
-        self.any_top_p = any(i.top_p < 1.0 for i in infos if not i.greedy)
-        self.any_min_p = any(i.min_p > 0.0 for i in infos if not i.greedy)
+        self.any_top_p = "top_p" in self.inputs
+        self.any_min_p = "min_p" in self.inputs
         self.any_controls = any(i.control for i in infos)
-        self.any_penalties = any(i.penalties for i in infos)
-        self.any_repetition = any(i.repetition for i in infos)
-        self.any_min_tokens = any(i.min_tokens for i in infos)
+        self.any_penalties = not self.inputs.isdisjoint(_PENALTY_INPUTS)
+        self.any_repetition = "repetition" in self.inputs
+        self.any_min_tokens = "min_tokens" in self.inputs
         self.wanted = [row for row, i in enumerate(infos) if i.log_probs]
         self.top_n = max((i.top_n for i in infos), default=0)
 
@@ -127,9 +127,8 @@ class SamplingState:
         self._slots: dict[str, int] = {}
         self._infos: list[SlotInfo | None] = [_NEUTRAL] + [None] * capacity
         self._free_slots = list(range(capacity, 0, -1))  # slot 0: the neutral greedy slot of rows being dropped
-        self.floats[_FLOATS.index("temperature"), 0] = 1.0
-        self.floats[_FLOATS.index("top_p"), 0] = 1.0
-        self.floats[_FLOATS.index("repetition"), 0] = 1.0
+        for row in SAMPLER_INPUTS:  # slot 0 holds every input's neutral value
+            self.vector(row.sampler)[0] = row.default  # type: ignore[arg-type] - sampler inputs have a name
         self.ints[_INTS.index("greedy"), 0] = 1
         self._free_controls: list[int] = []  # rows of the control tables; row 0 is never handed out
         self._rows = _RowBuffers(capacity + 1, device)
@@ -150,13 +149,16 @@ class SamplingState:
         slot = self._free_slots.pop()
         control = self._bind_controls(params, prompt_tokens, output_tokens, stop_token_ids)
         greedy = params.is_greedy
-        info = SlotInfo(greedy, 1.0 if greedy else params.temperature, params.top_k, params.top_p, params.min_p,
-                        control, params.has_penalties,
-                        params.repetition_penalty != 1.0, params.min_tokens, params.top_n_logprobs,
-                        params.return_log_probs or bool(params.top_n_logprobs))
-        floats = [1.0 if greedy else params.temperature, params.top_p, params.min_p, params.presence_penalty,
-                  params.frequency_penalty, params.repetition_penalty]
-        ints = [min(params.top_k, self.vocab_size), params.min_tokens, seed_key(seed, params.sample_index), int(greedy)]
+        values = {row.sampler: getattr(params, row.name) for row in SAMPLER_INPUTS}
+        if greedy:
+            values["temperature"] = 1.0  # a greedy row's logits are not scaled (its filters do not apply)
+        inputs = frozenset(row.sampler for row in SAMPLER_INPUTS
+                           if values[row.sampler] != row.default and not (greedy and row.stage == FILTER))
+        info = SlotInfo(greedy, params.top_k, control, params.top_n_logprobs,
+                        params.return_log_probs or bool(params.top_n_logprobs), inputs)
+        values["top_k"] = min(params.top_k, self.vocab_size)
+        floats = [values[name] for name in _FLOATS]
+        ints = [values[name] for name in _INTS[:-2]] + [seed_key(seed, params.sample_index), int(greedy)]
         self.floats[:, slot] = self._stage(torch.tensor(floats, dtype=torch.float32))
         self.ints[:, slot] = self._stage(torch.tensor(ints, dtype=torch.int64))
         self._slots[key] = slot

@@ -7,7 +7,9 @@ that repeats itself).
 
 To implement an extension: add its entry to :data:`EXTENSIONS` (removing it from
 :data:`NOT_IMPLEMENTED`), declare the field in ``models.py`` with :func:`extension`, and honour it.
-A test checks that every declared field outside the OpenAI API is listed here and the reverse.
+A sampling parameter's field is a row of the table instead (``wire/sampling_fields.py``: its description,
+range and type there, and ``models.py`` declares it from the row). A test checks that every declared field
+outside the OpenAI API is listed here and the reverse.
 """
 
 from __future__ import annotations
@@ -16,16 +18,13 @@ from typing import Any
 
 from pydantic import Field
 
+from ..wire.sampling_fields import EXTENSION_DOCS
+
 #: Extensions this server implements: name -> what it does (shown in ``/openapi.json``).
 EXTENSIONS: dict[str, str] = {
-    "top_k": "sample among the k most likely tokens; 0 or -1 = off (vLLM's name)",
-    "ignore_eos": "keep generating past end-of-sequence tokens (vLLM's name)",
+    **EXTENSION_DOCS,  # the sampling parameters the server copies (top_k, min_p, ...): their rows' descriptions
     "return_epochs": "add policy_epochs and kv_epochs (the weights generation of every generated token) and "
                      "lora_epochs (its LoRA adapter version; -1: none) to each choice",
-    "repetition_penalty": "divides positive (and multiplies negative) logits of prompt and generated tokens; 1 = off "
-                          "(vLLM's name)",
-    "min_p": "drop tokens less likely than min_p times the most likely one; 0 = off (vLLM's name)",
-    "min_tokens": "no end-of-sequence token, stop token or stop string before this many tokens (vLLM's name)",
     "stop_token_ids": "generation also stops at these token ids, which are not returned (vLLM's name)",
     "guided_json": "the output follows this JSON schema (vLLM's name)",
     "guided_regex": "the output matches this regular expression (vLLM's name)",
@@ -34,16 +33,9 @@ EXTENSIONS: dict[str, str] = {
     "prompt_logprobs": "log-prob of every prompt token and this many alternatives at each position (vLLM's name "
                        "and shape; not with stream)",
     "response_format": "on /v1/completions too (as vLLM): 'json_object' or 'json_schema' constrains the output",
-    "return_routing_indices": "mixture-of-experts models: add routing_indices (the experts every processed token of "
-                              "prompt and answer was routed to) to each choice",
     # vLLM's request fields (server/vllm_fields.py), with vLLM's meaning
     "request_id": "names the request: the response id becomes cmpl-/chatcmpl-<request_id> and the request log "
                   "shows it; the X-Request-Id header wins (vLLM's name)",
-    "priority": "admission order when the engines are full: lower values first, then arrival; default 0 (vLLM's "
-                "name, as with --scheduling-policy priority)",
-    "cache_salt": "isolates prefix-cache entries: a request reuses cached KV blocks only of requests with the same "
-                  "salt (or, without one, of unsalted requests), so tenants cannot probe each other's prompts through "
-                  "cache timing; use a long random secret per tenant (vLLM's name)",
     "truncate_prompt_tokens": "keep only the last N tokens of the prompt (of each prompt; of the rendered chat); "
                               "-1 = the model's context length (vLLM's name)",
     "structured_outputs": "constrain the output: exactly one of json (a schema), regex, choice, grammar, "
@@ -58,9 +50,6 @@ EXTENSIONS: dict[str, str] = {
                               "add_generation_prompt=false (vLLM's name)",
     "add_special_tokens": "add the tokenizer's special tokens (BOS) to the prompt: on completions by default; on "
                           "chats off by default, on top of what the template writes (vLLM's name)",
-    "skip_special_tokens": "leave special tokens' text out of the output; default true (vLLM's name)",
-    "include_stop_str_in_output": "end the text after the stop string that ended it instead of before; default false "
-                                  "(vLLM's name)",
     "return_token_ids": "add prompt_token_ids (the prompt as the engine ran it) and each choice's token_ids (the "
                         "generated tokens) to the answer; streamed: prompt_token_ids on a choice's first chunk, "
                         "token_ids per chunk (vLLM's name and shape)",

@@ -156,9 +156,3 @@ def _too_large(size: int, param: str, max_bytes: int, at_least: bool = False) ->
 def _short(url: str, limit: int = 80) -> str:
     return url if len(url) <= limit else url[:limit] + "..."
 
-
-def files_of(content: Any) -> list[bytes]:
-    """The loaded files of a message's image parts (see :func:`load_images`), in order."""
-    if not isinstance(content, list):
-        return []
-    return [part.file for part in content if isinstance(part, ImageContentPart)]

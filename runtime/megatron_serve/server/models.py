@@ -5,7 +5,9 @@ and no field that is neither OpenAI's nor one of this server's extensions (liste
 ``extensions.py``): an unknown field is a 400 that names it, never silently ignored. Static
 ranges are field constraints, so that malformed bodies are refused before any work is done and
 ``/openapi.json`` states exactly what is accepted; the configurable limits (``n``, stop strings,
-prompt size, ...) are checked by ``intake.py``.
+prompt size, ...) are checked by ``intake.py``. The sampling parameters the server copies into
+``SamplingParams`` (temperature, top_k, min_p, the penalties, seed, ...) are declared from their rows of the
+table (``wire/sampling_fields.py``: type, range, description), not here.
 
 Response models are what the handlers build and what the OpenAPI document promises; the official
 ``openai`` client parses them, so field names and nesting follow the OpenAI API exactly.
@@ -13,7 +15,7 @@ Response models are what the handlers build and what the OpenAPI document promis
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal, Union
+from typing import Annotated, Any, Literal, Optional, Union
 
 from pydantic import (
     BaseModel,
@@ -24,15 +26,13 @@ from pydantic import (
     SerializerFunctionWrapHandler,
     Tag,
     TypeAdapter,
+    create_model,
     model_serializer,
 )
 
-from ..wire.sampling_params import MAX_TOP_N_LOGPROBS
+from ..wire.sampling_fields import COPIED, MAX_TOP_N_LOGPROBS
 from .extensions import extension
 from .vllm_fields import VllmChatFields, VllmCompletionFields, VllmSamplingFields
-
-#: Seeds are 64-bit signed integers in the OpenAI API.
-SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
 
 TokenId = Annotated[int, Field(ge=0)]
 StopSequence = Annotated[str, Field(min_length=1)]
@@ -62,29 +62,35 @@ class ResponseFormat(_Request):
     json_schema: JsonSchemaFormat | None = None
 
 
-class _SamplingRequest(_Request, VllmSamplingFields):
-    """Fields shared by ``/v1/completions`` and ``/v1/chat/completions`` (vLLM's: ``vllm_fields.py``)."""
+def _copied_fields() -> type[BaseModel]:
+    """The request fields of the sampling parameters the server copies, one per row of the table: ``kind | None``,
+    its range (the request's, where it differs from the engine's) and its description (an extension's from
+    ``extensions.py``, which lists the rows' own)."""
+    fields: dict[str, Any] = {}
+    for row in COPIED:
+        limits = row.request_bounds.pydantic(row.kind) if row.request_bounds is not None else {}
+        info = extension(row.http, **limits) if row.extension else Field(None, description=row.http_doc, **limits)
+        fields[row.http] = (Optional[row.kind], info)
+    return create_model("SamplingFields", **fields)
+
+
+#: The copied sampling parameters' request fields (``wire/sampling_fields.py``), a base of both endpoints' bodies.
+SamplingFields = _copied_fields()
+
+
+class _SamplingRequest(_Request, VllmSamplingFields, SamplingFields):  # type: ignore[misc,valid-type]
+    """Fields shared by ``/v1/completions`` and ``/v1/chat/completions`` (vLLM's: ``vllm_fields.py``; the sampling
+    parameters copied into ``SamplingParams``: :data:`SamplingFields`)."""
 
     model: str = Field(description="the served model name (see GET /v1/models)")
-    temperature: float | None = Field(None, ge=0.0, le=2.0, description="0 = greedy; default 1")
-    top_p: float | None = Field(None, gt=0.0, le=1.0, description="nucleus sampling mass; default 1 (off)")
-    top_k: int | None = extension("top_k", ge=-1)
     n: int | None = Field(None, ge=1, description="choices to generate for each prompt")
     stop: StopSequence | list[StopSequence] | None = Field(
         None, description="generation stops at the first of these strings; it is not returned (unless "
                           "include_stop_str_in_output)")
-    seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX, description="makes sampling repeatable")
     stream: bool | None = Field(None, description="answer with server-sent events ending in 'data: [DONE]'")
     stream_options: StreamOptions | None = None
-    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0, description="subtracted from the logit of every "
-                                                                              "token already generated; default 0")
-    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0, description="subtracted from a token's logit once "
-                                                                               "per time it was generated; default 0")
     logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = Field(
         None, description="token id (as a string) -> bias added to its logit, -100 to 100")
-    repetition_penalty: float | None = extension("repetition_penalty", gt=0.0, le=100.0)
-    min_p: float | None = extension("min_p", ge=0.0, le=1.0)
-    min_tokens: int | None = extension("min_tokens", ge=0)
     stop_token_ids: list[TokenId] | None = extension("stop_token_ids")
     response_format: ResponseFormat | None = Field(None, description="'json_object' or 'json_schema': the output is "
                                                                      "JSON (of that schema)")
@@ -95,11 +101,7 @@ class _SamplingRequest(_Request, VllmSamplingFields):
     guided_grammar: str | None = extension("guided_grammar", min_length=1)
     prompt_logprobs: int | None = extension("prompt_logprobs", ge=0, le=MAX_TOP_N_LOGPROBS)
     user: str | None = Field(None, description="accepted and ignored")
-    ignore_eos: bool | None = extension("ignore_eos")
     return_epochs: bool | None = extension("return_epochs")
-    return_routing_indices: bool | None = extension("return_routing_indices")
-    skip_special_tokens: bool | None = extension("skip_special_tokens")
-    include_stop_str_in_output: bool | None = extension("include_stop_str_in_output")
 
 
 def _prompt_shape(value: Any) -> str:
@@ -211,6 +213,12 @@ class ChatMessage(_Request):
     name: str | None = None
     tool_call_id: str | None = None
     tool_calls: list[ToolCall] | None = None
+
+    def image_files(self) -> list[bytes]:
+        """The loaded files of its image parts (``server.images.load_images`` loads them), in order."""
+        if not isinstance(self.content, list):
+            return []
+        return [part.file for part in self.content if isinstance(part, ImageContentPart)]
 
 
 class ChatCompletionRequest(_SamplingRequest, VllmChatFields):

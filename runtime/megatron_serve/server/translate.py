@@ -20,11 +20,11 @@ from ..tokenizer import Tokenizer
 from ..generation_config import GenerationDefaults
 from ..limits import RequestLimits
 from ..multimodal import PromptImage
+from ..wire.sampling_fields import copied_from_http
 from ..wire.sampling_params import SamplingParamError, SamplingParams, StructuredOutputsParams, stop_list
 from ..grammar import constraint_bytes, grammar_error
 from ..tokenizer import PromptTooLong
 from .errors import APIError, bad_request
-from .images import files_of
 from .vllm_fields import RESERVED_TEMPLATE_KWARGS
 from .models import (
     ChatCompletionRequest,
@@ -334,7 +334,7 @@ def chat_prompt(req: ChatCompletionRequest, tokenizer: Tokenizer, vocab_size: in
 def place_images(tokens: list[int], messages: list[ChatMessage], tokenizer: Tokenizer) -> tuple[list[int], list[PromptImage]]:
     """A rendered chat's image placeholders expanded for its images (loaded by ``server.images.load_images``,
     which refuses them for text models)."""
-    files = [data for message in messages for data in files_of(message.content)]
+    files = [data for message in messages for data in message.image_files()]
     if not files:
         return tokens, []
     try:
@@ -372,18 +372,10 @@ _PARAM_NAMES = {"num_tokens_to_generate": "max_tokens", "stop_words": "stop", "t
 
 def controls(req: _SamplingRequest, vocab_size: int | None, constraint: StructuredOutputsParams | None,
              prompt_log_probs: bool = False) -> dict[str, object]:
-    """The ``SamplingParams`` fields of the logit controls, output constraint and prompt scoring of a request.
-
-    ``min_p`` and ``repetition_penalty`` stay ``None`` when the request leaves them out, so that the
-    model's ``generation_config.json`` values (see ``sampling_params``) can apply.
-    """
+    """The ``SamplingParams`` fields of a request that are checked against the model (token ids of its vocabulary),
+    its output constraint and prompt scoring (the copied fields: see ``sampling_params``)."""
     return {
-        "presence_penalty": req.presence_penalty or 0.0,
-        "frequency_penalty": req.frequency_penalty or 0.0,
-        "repetition_penalty": req.repetition_penalty,
         "logit_bias": _logit_bias(req, vocab_size),
-        "min_p": req.min_p,
-        "min_tokens": req.min_tokens or 0,
         "stop_token_ids": _stop_token_ids(req, vocab_size),
         "structured_outputs": constraint,
         "return_prompt_log_probs": prompt_log_probs,
@@ -395,29 +387,19 @@ def sampling_params(req: _SamplingRequest, *, max_tokens: int, logprobs: bool, t
                     extra: dict[str, object] | None = None) -> SamplingParams:
     """The engine's ``SamplingParams`` for choice number ``choice`` (its ``sample_index``: one seed, a stream per choice).
 
-    A field the request leaves out takes the model's default (``defaults``, from its
-    ``generation_config.json``), else ``SamplingParams``' own, which are OpenAI's.
-    ``extra``: the logit controls and output constraint (see ``controls``).
+    The fields the table marks copied (``wire/sampling_fields.py``: temperature, top_k, min_p, the penalties,
+    seed, ...) are the request's own, as the table converts them; one the request leaves out takes the model's
+    default (``defaults``, from its ``generation_config.json``), else ``SamplingParams``' own, which are OpenAI's.
+    ``extra``: the token-id fields and output constraint (see ``controls``).
     """
-    stop = stop_list(req.stop)
-    top_k = None if req.top_k is None else max(req.top_k, 0)  # -1 and 0 both mean off
     try:
         return defaults.sampling_params(
-            temperature=None if req.temperature is None else float(req.temperature),
-            top_p=None if req.top_p is None else float(req.top_p),
-            top_k=top_k,
+            **copied_from_http(req),
             num_tokens_to_generate=max_tokens,
-            stop_words=stop,
-            ignore_eos=bool(req.ignore_eos),
+            stop_words=stop_list(req.stop),
             return_log_probs=logprobs,
             top_n_logprobs=top_logprobs,
-            seed=None if req.seed is None else req.seed % 2**63,  # OpenAI takes any 64-bit integer
             sample_index=choice,
-            return_routing_indices=bool(req.return_routing_indices),
-            priority=req.priority or 0,
-            cache_salt=req.cache_salt,
-            skip_special_tokens=req.skip_special_tokens is not False,
-            include_stop_str_in_output=bool(req.include_stop_str_in_output),
             **(extra or {}),
         )
     except SamplingParamError as exc:  # SamplingParams names its own field; name OpenAI's instead

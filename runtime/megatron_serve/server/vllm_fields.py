@@ -4,8 +4,9 @@ A script written for vLLM sends these in ``extra_body``; each is honoured (see `
 for what each does, ``translate.py`` for how):
 
 * ``request_id`` names the request in the response id and the logs (the ``X-Request-Id`` header
-  wins, as in vLLM); ``priority`` orders admission (lower first, then arrival); ``cache_salt``
-  isolates prefix-cache entries; ``truncate_prompt_tokens`` keeps the prompt's last N tokens;
+  wins, as in vLLM); ``priority`` orders admission (lower first, then arrival) and ``cache_salt``
+  isolates prefix-cache entries (both rows of the sampling table, ``wire/sampling_fields.py``,
+  declared from it with the other sampling fields); ``truncate_prompt_tokens`` keeps the prompt's last N tokens;
   ``structured_outputs`` is vLLM's current name for the ``guided_*`` family; ``return_token_ids``
   adds the token ids of prompt and answer, so that an RL trainer never tokenizes text again, and
   ``return_tokens_as_token_ids`` names the tokens of log-prob listings by id (``token_id:N``);
@@ -24,7 +25,6 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from ..wire.sampling_params import PRIORITY_MAX, PRIORITY_MIN
 from .extensions import extension
 
 #: What a client-chosen request id may hold: printable ASCII (it is logged), 1 to 256 characters.
@@ -76,8 +76,6 @@ class VllmSamplingFields(BaseModel):
     """The vLLM fields of both generation endpoints."""
 
     request_id: str | None = extension("request_id", pattern=REQUEST_ID_PATTERN)
-    priority: int | None = extension("priority", ge=PRIORITY_MIN, le=PRIORITY_MAX)
-    cache_salt: str | None = extension("cache_salt", min_length=1, max_length=1024)
     truncate_prompt_tokens: int | None = extension("truncate_prompt_tokens", ge=-1)
     structured_outputs: StructuredOutputsRequest | None = extension("structured_outputs")
     guided_decoding_backend: GUIDED_BACKENDS | None = extension("guided_decoding_backend")

@@ -23,7 +23,7 @@ by pydantic with their aliases, and nothing left out.
 
 from __future__ import annotations
 
-from typing import Any, AsyncIterator, Literal, Protocol
+from typing import TYPE_CHECKING, Any, AsyncIterator, Literal, Protocol
 
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, TypeAdapter
@@ -31,10 +31,12 @@ from pydantic import BaseModel, TypeAdapter
 from ..tokenizer import Tokenizer
 from ..limits import Cost
 from ..wire.request import DynamicInferenceRequest
-from .context import ServerContext
 from .intake import Workers
 from .models import PromptLogprob, PromptLogprobs
-from .translate import EngineJob
+
+if TYPE_CHECKING:  # annotations only: the endpoints hand their context and jobs in
+    from .context import ServerContext
+    from .translate import EngineJob
 
 #: Answers estimated larger than this many bytes are written in pieces; smaller ones are serialized whole (on the
 #: event loop, well under a millisecond).

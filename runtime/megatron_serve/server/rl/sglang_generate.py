@@ -14,13 +14,14 @@ from __future__ import annotations
 
 import uuid
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Optional
 
 import msgspec
 from fastapi.responses import Response
-from pydantic import BaseModel, ConfigDict, Field, RootModel
+from pydantic import BaseModel, ConfigDict, Field, RootModel, create_model
 
 from ...client.outputs import StreamPartial
+from ...wire.sampling_fields import COPIED, FIELDS
 from ...wire.request import DynamicInferenceRequest, FinishReason
 from ..chunks import event
 from ..errors import bad_request
@@ -37,29 +38,24 @@ _JSON = msgspec.json.Encoder()
 DEFAULT_MAX_NEW_TOKENS = 128
 
 
-class SglangSamplingParams(BaseModel):
+#: The copied sampling parameters (``wire/sampling_fields.py``) by SGLang's names (plain types: the completions
+#: request checks the ranges).
+SglangCopiedFields = create_model("SglangCopiedFields", **{row.sglang: (Optional[row.kind], None)  # type: ignore[misc]
+                                                           for row in COPIED if row.sglang is not None})
+
+
+class SglangSamplingParams(SglangCopiedFields):  # type: ignore[misc,valid-type]
     """SGLang's ``sampling_params`` (the fields this server honours; the ranges are those of ``/v1/completions``)."""
 
     model_config = ConfigDict(strict=True, extra="forbid")
 
     max_new_tokens: int | None = Field(None, description=f"default {DEFAULT_MAX_NEW_TOKENS} (SGLang's)")
-    min_new_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    min_p: float | None = None
-    frequency_penalty: float | None = None
-    presence_penalty: float | None = None
-    repetition_penalty: float | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
-    ignore_eos: bool | None = None
-    skip_special_tokens: bool | None = None
     no_stop_trim: bool | None = Field(None, description="keep the stop string at the end of the text")
     spaces_between_special_tokens: bool | None = Field(None, description="only false: special tokens' text is "
                                                                          "joined without spaces here")
     n: int | None = None
-    sampling_seed: int | None = None
     json_schema: str | None = None
     regex: str | None = None
     ebnf: str | None = None
@@ -120,10 +116,10 @@ class SglangGenerateAnswer(RootModel[SglangGenerateResponse | list[SglangGenerat
     ``n`` > 1."""
 
 
-#: SGLang's sampling names -> this server's (the others are the same).
-_RENAMES = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens",
-            "no_stop_trim": "include_stop_str_in_output", "sampling_seed": "seed", "json_schema": "guided_json",
-            "regex": "guided_regex", "ebnf": "guided_grammar"}
+#: SGLang's sampling names -> this server's (the others are the same): the table's, and the output constraints'.
+_RENAMES = {**{row.sglang: row.http for row in FIELDS if row.sglang is not None and row.http is not None
+               and row.sglang != row.http},
+            "json_schema": "guided_json", "regex": "guided_regex", "ebnf": "guided_grammar"}
 #: This server's completions fields -> where they are in SGLang's body.
 NAMES = {"prompt": "input_ids", "logprobs": "top_logprobs_num", "prompt_logprobs": "logprob_start_len",
          "return_routing_indices": "return_routed_experts",

@@ -110,8 +110,7 @@ class TrlSequenceLogprobsResponse(BaseModel):
 def _sampling(body: _Sampling) -> tuple[dict[str, Any], dict[str, str]]:
     """The completions fields of TRL's sampling fields (``generation_kwargs`` winning, as TRL merges them), and where
     each came from."""
-    given = body.model_dump(include={"n", "repetition_penalty", "temperature", "top_p", "top_k", "min_p",
-                                     "max_tokens", "logprobs"})
+    given = body.model_dump(include=set(_Sampling.model_fields) - {"structured_outputs_regex", "generation_kwargs"})
     try:
         params = VllmSamplingParams.model_validate(body.generation_kwargs)
     except ValidationError as exc:

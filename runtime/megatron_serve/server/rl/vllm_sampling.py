@@ -1,18 +1,30 @@
 """vLLM's sampling parameters both ways: as the tokens-in routes take them (``/inference/v1/generate``'s
 ``sampling_params``, TRL's ``generation_kwargs``) and as ``render`` gives them back for a chat's resolved parameters.
+
+The parameters the server copies (temperature, top_k, min_p, the penalties, seed, ...) come from the table of
+sampling parameters under their vLLM names (``wire/sampling_fields.py``); the rest are read here.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, Literal, Optional
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, create_model
 
+from ...wire.sampling_fields import COPIED
 from ...wire.sampling_params import SamplingParams
 from ..errors import bad_request
 
+#: The copied sampling parameters vLLM's SamplingParams has, by their vLLM names (plain types: the completions
+#: request checks the ranges).
+_COPIED_VLLM = [row for row in COPIED if row.vllm is not None]
+#: vLLM name -> the completions field, where they differ.
+_COMPLETIONS_NAME = {row.vllm: row.http for row in _COPIED_VLLM if row.vllm != row.http}
+VllmCopiedFields = create_model("VllmCopiedFields", **{row.vllm: (Optional[row.kind], None)  # type: ignore[misc]
+                                                       for row in _COPIED_VLLM})
 
-class VllmSamplingParams(BaseModel):
+
+class VllmSamplingParams(VllmCopiedFields):  # type: ignore[misc,valid-type]
     """vLLM's ``SamplingParams`` as ``/inference/v1/generate`` takes them (the fields this server honours; the ranges
     are those of ``/v1/completions``)."""
 
@@ -20,24 +32,12 @@ class VllmSamplingParams(BaseModel):
 
     n: int | None = None
     max_tokens: int | None = Field(None, description="default: the rest of the context window (vLLM's)")
-    min_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    min_p: float | None = None
-    seed: int | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
-    ignore_eos: bool | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    repetition_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
     logprobs: int | None = Field(None, description="log probs of each generated token: the sampled one and this many "
                                                     "others, listed as token_id:N")
     prompt_logprobs: int | None = None
-    skip_special_tokens: bool | None = None
-    include_stop_str_in_output: bool | None = None
     truncate_prompt_tokens: int | None = None
     structured_outputs: dict[str, Any] | None = None
     # How vLLM makes and keeps its outputs: a tokens-out answer is the same whichever is chosen
@@ -62,20 +62,16 @@ def sampling_fields(params: VllmSamplingParams, where: str) -> dict[str, Any]:
     if unknown:
         raise bad_request(f"{where}.extra_args.{unknown[0]}: no logits processor of this server reads it",
                           param=f"{where}.extra_args.{unknown[0]}", code="unsupported_parameter")
-    return params.model_dump(exclude_none=True, exclude=set(_NO_EFFECT))
+    given = params.model_dump(exclude_none=True, exclude=set(_NO_EFFECT))
+    return {_COMPLETIONS_NAME.get(name, name): value for name, value in given.items()}
 
 
 def vllm_sampling(params: SamplingParams, n: int) -> dict[str, Any]:
     """``params`` (a chat choice's) as the ``sampling_params`` of ``/inference/v1/generate`` that run the same."""
     fields: dict[str, Any] = {
-        "n": n, "max_tokens": params.num_tokens_to_generate, "min_tokens": params.min_tokens,
-        "temperature": params.temperature, "top_p": params.top_p, "top_k": params.top_k, "min_p": params.min_p,
-        "seed": params.seed, "stop": list(params.stop_words), "stop_token_ids": list(params.stop_token_ids),
-        "ignore_eos": params.ignore_eos, "presence_penalty": params.presence_penalty,
-        "frequency_penalty": params.frequency_penalty, "repetition_penalty": params.repetition_penalty,
+        "n": n, "max_tokens": params.num_tokens_to_generate, **{row.vllm: getattr(params, row.name) for row in _COPIED_VLLM},
+        "stop": list(params.stop_words), "stop_token_ids": list(params.stop_token_ids),
         "logprobs": params.top_n_logprobs if params.return_log_probs else None,
-        "skip_special_tokens": params.skip_special_tokens,
-        "include_stop_str_in_output": params.include_stop_str_in_output,
         "logit_bias": {str(t): b for t, b in dict(params.logit_bias).items()} if params.logit_bias else None,
         "structured_outputs": params.structured_outputs.to_dict() if params.structured_outputs else None,
     }
