@@ -10,6 +10,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from megatron_serve.wire.engine_stats import KV_OFFLOAD, KV_TRANSFER, EngineStats
 from megatron_serve.server.metric_catalog import SERIES
 from megatron_serve.server.metrics import ServerMetrics
+from megatron_serve.wire.request import DynamicInferenceRequest, EventType, RequestEvent
 
 
 class Monitor:
@@ -35,6 +36,11 @@ def scrape(engines: list[dict[str, Any]]) -> dict[str, Any]:
     metrics = ServerMetrics(Monitor(engines), lambda: 0, "llama")  # type: ignore[arg-type]
     metrics.http_requests.labels("/v1/completions", "200").inc()
     metrics.tpot.observe(0.01)
+    metrics.enable_tenants()  # a server with tenants (docs/tenants.md): its per-tenant series
+    request = DynamicInferenceRequest("r", None, [1, 2], generated_tokens=[3], arrival_time=10.0,
+                                      events=[RequestEvent(EventType.PREFILL, 10.5), RequestEvent(EventType.PREEMPT, 11)])
+    metrics.observe_tenant_request(("team-a", "critical"), request)
+    metrics.count_tenant_refusal(("team-a", "critical"), "requests_per_minute")
     text = metrics.render()[0].decode()
     # prometheus-client adds a <name>_created gauge (creation time) to its own counters and histograms
     return {family.name: family for family in text_string_to_metric_families(text)

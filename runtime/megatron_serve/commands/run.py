@@ -42,7 +42,7 @@ from .stack_ports import StackPorts, check_distinct, reserve_ports
 from .options import add_insecure_option, add_log_option, add_token_option, read_token, setup_logging
 from .server import (API_KEY_ENV, ServingFiles, add_server_options, check_server_options, connection_options,
                      image_options, probes_note, read_admin_key, read_api_key, read_limits, start_probes,
-                     status_options)
+                     status_options, tenancy_options)
 
 if TYPE_CHECKING:
     from ..config import InferenceConfig
@@ -72,7 +72,7 @@ def add_arguments(parser: argparse.ArgumentParser, *, positional_model: bool = F
                         help=f"coordinator port on --host, for `megatron-serve control` (default: {DEFAULT_PORT}, "
                              "or a free port when it is taken or is --port's or the probe port's; 0 = any free "
                              "port)")
-    parser.add_argument("--routing", default="least_loaded", choices=["least_loaded", "round_robin", "prefix_affinity", "kv_aware"],
+    parser.add_argument("--routing", default="least_loaded", choices=["least_loaded", "round_robin", "prefix_affinity"],
                         help="which engine group gets a request")
     parser.add_argument("--log-dir", metavar="DIR", help="where coordinator and engine logs go and stay (default: "
                                                          "the run's own temporary directory, removed when it ends)")
@@ -369,7 +369,8 @@ class _Stack:
                          limits=read_limits(args), tokenizer_threads=args.tokenizer_threads,
                          image_options=image_options(args), generation_defaults=self.files.generation_defaults,
                          options=HTTPOptions.from_args(args), stream_interval=args.stream_interval,
-                         lora_modules=dict(args.lora_modules or []), **status_options(args))
+                         lora_modules=dict(args.lora_modules or []), tenancy=tenancy_options(args),
+                         **status_options(args))
 
         probes = await start_probes(args, self.ports.probe, self.address, self.token, app)
 

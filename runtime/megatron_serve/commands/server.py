@@ -20,6 +20,7 @@ from ..http_options import METRICS_COMPAT, HTTPOptions
 from ..limits import (DEFAULT_COORDINATOR_GRACE, DEFAULT_KEEP_ALIVE, HEALTH_STALL_TIMEOUT, MAIN_BACKLOG, READY_TIMEOUT,
                       STATUS_INTERVAL, STATUS_TIMEOUT, RequestLimits)
 from ..multimodal import ImageOptions
+from ..server.tenants import FAIRNESS_HEADER, Shedding, TenancyOptions, tenant_table
 from . import api_servers, local_runs
 from .inputs import check_model_dir, coordinator_address, parse_port
 from .model_options import add_model_options, resolve_model_args
@@ -112,6 +113,7 @@ def add_server_options(parser: argparse.ArgumentParser, default_host: str) -> No
     group.add_argument("--metrics-compat", choices=METRICS_COMPAT, default="vllm",
                        help="vllm: /metrics also exports vLLM's series (vllm:num_requests_waiting, "
                             "vllm:kv_cache_usage_perc ...) for gateways and autoscalers written for vLLM")
+    add_tenancy_options(parser)
     limits = parser.add_argument_group("request limits", "what one request may carry; beyond it, 400 or 413 "
                                                          "before any work is done")
     defaults = RequestLimits()
@@ -130,6 +132,35 @@ def add_server_options(parser: argparse.ArgumentParser, default_host: str) -> No
                         help="do not fetch http(s) image URLs (data: URLs only), e.g. where the server must not "
                              "reach into its network")
     add_vllm_options(parser, Scope.SERVER)
+
+
+def add_tenancy_options(parser: argparse.ArgumentParser) -> None:
+    """Tenants besides the key file (its document names the keys, tenants, classes and limits: docs/tenants.md)."""
+    group = parser.add_argument_group("tenants", "several keys in the key file, each with its tenant, class and "
+                                                 "limits (docs/tenants.md); these flags: the fairness header and "
+                                                 "when sheddable requests are refused")
+    group.add_argument("--tenant-header", metavar="NAME", default=None,
+                       help=f"the header whose value names a request's tenant when its key names none (a gateway's "
+                            f"fairness id). Default: {FAIRNESS_HEADER}, read when the key file holds tenants; "
+                            "given, tenants are on with a single key or none too; '' never reads one")
+    defaults = Shedding()
+    group.add_argument("--shed-queue-depth", type=float, default=None, metavar="N",
+                       help=f"the fleet is saturated (sheddable requests get 503 + Retry-After) when every engine has "
+                            f"this many requests waiting, its own and its share of the coordinator's, or "
+                            f"--shed-kv-cache-usage of its KV blocks in use (default {defaults.queue_depth:g}; 0: off)")
+    group.add_argument("--shed-kv-cache-usage", type=float, default=None, metavar="F",
+                       help=f"see --shed-queue-depth: a fraction of the KV blocks (default {defaults.kv_cache_usage:g}; "
+                            "0: off)")
+    group.add_argument("--shed-stale-after", type=float, default=None, metavar="S",
+                       help=f"the fleet also counts as saturated when its last status is older than this "
+                            f"(default {defaults.stale_after:g}; 0: off)")
+    group.add_argument("--shed-retry-after", type=int, default=None, metavar="S",
+                       help=f"the Retry-After of a shed request (default {defaults.retry_after})")
+
+
+def tenancy_options(args: argparse.Namespace) -> TenancyOptions:
+    """The tenancy settings from the flags (``ValueError`` names a bad one)."""
+    return TenancyOptions.from_args(args)
 
 
 def image_options(args: argparse.Namespace) -> ImageOptions:
@@ -198,6 +229,9 @@ def check_server_options(args: argparse.Namespace) -> None:
     read_limits(args)
     image_options(args)
     HTTPOptions.from_args(args)
+    tenants = tenant_table(read_api_key(args), tenancy_options(args))  # a key document's errors, before any start
+    if admin_key is not None and tenants is not None and tenants.entry(admin_key.encode()) is not None:
+        raise ValueError("the admin key must differ from every API key of the key file")
 
 
 @dataclass(frozen=True)
@@ -282,7 +316,7 @@ async def _serve(args: argparse.Namespace, facts: Any, files: ServingFiles, toke
                      max_concurrent_requests=api_servers.per_process_limit(args), limits=read_limits(args),
                      tokenizer_threads=args.tokenizer_threads, image_options=image_options(args),
                      generation_defaults=files.generation_defaults, options=HTTPOptions.from_args(args),
-                     stream_interval=args.stream_interval, **status_options(args))
+                     stream_interval=args.stream_interval, tenancy=tenancy_options(args), **status_options(args))
     stop = asyncio.Event()
     serving = asyncio.current_task()
     loop = asyncio.get_running_loop()

@@ -7,6 +7,9 @@ slime's) set none of their own, so a line in the trainer's ``~/.netrc`` gives th
 Two forms of one check: a FastAPI dependency for the ordinary routes (and their OpenAPI security
 scheme), and a plain coroutine for the lean generation routes, which run without FastAPI's layers
 (:mod:`.fast_routes`).
+
+The key file may also hold several keys, each naming its tenant (:mod:`.tenants`): the guard then accepts any of
+them and notes which one a request presented, for its tenant's share and limits.
 """
 
 from __future__ import annotations
@@ -14,12 +17,16 @@ from __future__ import annotations
 import base64
 import hmac
 from dataclasses import dataclass, field
-from typing import Any, Awaitable, Callable
+from typing import TYPE_CHECKING, Any, Awaitable, Callable
 
 from fastapi import Depends, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 from .errors import APIError
+from .tenant_admission import note_key
+
+if TYPE_CHECKING:
+    from .tenants import TenantTable
 
 API_KEY_ENV = "MEGATRON_SERVE_API_KEY"
 
@@ -50,19 +57,27 @@ def presented_key(request: Request, credentials: HTTPAuthorizationCredentials | 
         return b""
 
 
-def api_key_guard(api_key: str | None) -> APIKeyGuard:
-    """The guard for ``api_key`` (an open server without one: 401 for a missing or wrong key otherwise)."""
-    if not api_key:
+def api_key_guard(api_key: str | None, tenants: TenantTable | None = None) -> APIKeyGuard:
+    """The guard for ``api_key`` (an open server without one: 401 for a missing or wrong key otherwise), or with
+    ``tenants`` for the keys of its table (the key file's document: :mod:`.tenants`), noting which key a request
+    presented for its tenant (:func:`~.tenant_admission.note_key`)."""
+    if (tenants is not None and not tenants.requires_key) or (tenants is None and not api_key):
         return APIKeyGuard()
     bearer = HTTPBearer(auto_error=False, description="the server's API key, as `Authorization: Bearer KEY`")
-    expected = api_key.encode()
+    expected = (api_key or "").encode()
 
     async def require_api_key(request: Request,
                               credentials: HTTPAuthorizationCredentials | None = Depends(bearer)) -> None:
         offered = presented_key(request, credentials)
-        if not offered or not hmac.compare_digest(offered, expected):
-            raise APIError(401, "missing or wrong API key: send it as 'Authorization: Bearer KEY'",
-                           code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+        if tenants is not None:
+            entry = tenants.entry(offered)
+            if entry is not None:
+                note_key(entry)
+                return
+        elif offered and hmac.compare_digest(offered, expected):
+            return
+        raise APIError(401, "missing or wrong API key: send it as 'Authorization: Bearer KEY'",
+                       code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
 
     async def check_key(request: Request) -> None:  # the dependency above, for the lean routes
         await require_api_key(request, await bearer(request))

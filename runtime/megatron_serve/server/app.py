@@ -49,6 +49,8 @@ from .rl import RL_ADMIN_PATHS, add_rl_routes
 from .rl.control_routes import CONTROL_BODIES
 from .rl.token_routes import TOKEN_BODIES, add_token_routes
 from .stats_log import log_stats
+from .tenant_admission import Tenancy, TenantScope
+from .tenants import TenancyOptions, tenant_table
 from .tokenize import add_tokenize_routes
 from .tool_calls import parser_for_template
 from .vllm_metrics import VllmCollector
@@ -97,6 +99,7 @@ def create_app(
     options: HTTPOptions | None = None,
     stream_interval: int = 1,
     lora_modules: dict[str, str] | None = None,
+    tenancy: TenancyOptions | None = None,
 ) -> FastAPI:
     """An OpenAI-compatible app in front of ``backend`` (an ``InferenceClient`` or the same interface).
 
@@ -116,6 +119,8 @@ def create_app(
     long a poll may take before the fleet counts as busy (or unreachable, without heartbeats), and how
     long ``/ready`` and ``/metrics`` wait for a fresh one (:mod:`.fleet`).
     ``admin_key``: opens ``/v1/admin/*`` (:mod:`.admin`; else they answer 403); it must differ from ``api_key``.
+    ``api_key`` may also be a document of several keys and their tenants (:mod:`.tenants`); ``tenancy``: the
+    fairness header and when the fleet counts as saturated (:class:`~.tenants.TenancyOptions`; docs/tenants.md).
     ``options``: tool-call parser, CORS, request and stats logs, ``vllm:`` metrics, uvicorn's log
     (:class:`~megatron_serve.http_options.HTTPOptions`; vLLM's flags of the same names).
     The backend is started by the app (in the background) if it is not started yet, but never
@@ -125,6 +130,9 @@ def create_app(
     """
     if admin_key and admin_key == api_key:
         raise ValueError("the admin key must differ from the API key: the API key must not open the admin API")
+    tenants = tenant_table(api_key, tenancy)
+    if admin_key and tenants is not None and tenants.entry(admin_key.encode()) is not None:
+        raise ValueError("the admin key must differ from every API key: an API key must not open the admin API")
     options = options or HTTPOptions()
     if isinstance(stream_interval, bool) or not isinstance(stream_interval, int) or stream_interval < 1:
         raise ValueError(f"stream_interval must be an integer >= 1, got {stream_interval!r}")
@@ -139,6 +147,8 @@ def create_app(
                         generation_defaults=generation_defaults or GenerationDefaults(), options=options,
                         request_log=RequestLog(options.log_requests, options.max_log_len),
                         stream_interval=stream_interval, configured_adapters=dict(lora_modules or {}))
+    if tenants is not None:
+        ctx.tenancy = Tenancy(tenants, tenancy or TenancyOptions(), monitor, metrics, lambda: pending.value)
 
     docs = {} if options.docs else {"docs_url": None, "redoc_url": None, "openapi_url": None}
     app = ServerApp(title="megatron-serve", version=__version__, summary=_SUMMARY, lifespan=_lifespan(ctx), **docs)
@@ -148,7 +158,7 @@ def create_app(
     for cls, settings in layers:
         app.add_middleware(cls, **settings)
 
-    guard = api_key_guard(api_key)
+    guard = api_key_guard(api_key, tenants)
     add_generation_routes(app, ctx, guard, layers)
     add_model_routes(app, ctx, guard)
     add_probe_routes(app, ctx)
@@ -202,6 +212,8 @@ def _layers(ctx: ServerContext) -> list[Layer]:
     preflight requests are answered before any other check). The lean routes run behind the same layers."""
     layers: list[Layer] = [(BodySizeLimit, {"limit": ctx.limits.max_body_bytes}), (Admission, {"state": ctx.drain}),
                            (_HTTPMetricsMiddleware, {"metrics": ctx.metrics})]
+    if ctx.tenancy is not None:  # the request's fairness header, and the key its check notes (tenant_admission)
+        layers.insert(0, (TenantScope, {"header": ctx.tenancy.header}))
     cors = ctx.options.cors
     if cors is not None:
         layers.append((CORSMiddleware, {"allow_origins": list(cors.origins), "allow_methods": list(cors.methods),

@@ -19,6 +19,7 @@ from .intake import Workers
 from .live import LiveSubmissions
 from .metrics import ServerMetrics
 from .request_log import RequestLog
+from .tenant_admission import Tenancy
 from .translate import EngineJob
 
 
@@ -48,6 +49,8 @@ class ServerContext:
     configured_adapters: dict[str, str] = field(default_factory=dict)  # --lora-modules (name -> directory)
     #: What is being answered, by the ids its clients saw (the control routes abort by them: :mod:`.live`).
     live: LiveSubmissions = field(default_factory=LiveSubmissions)
+    #: The tenants, their limits and the fleet's saturation (None: no tenants configured; :mod:`.tenant_admission`).
+    tenancy: Tenancy | None = None
 
     @property
     def accepts_images(self) -> bool:
@@ -74,12 +77,20 @@ class ServerContext:
         return self.monitor.max_sequence_length() or self.default_max_model_len
 
     def submit(self, jobs: list[EngineJob], label: str = "") -> Submission:
-        """Reserve queue room for ``jobs`` (429 when full); the caller awaits or streams the result.
+        """Reserve queue room for ``jobs`` (429 when full) and, with tenants, admit them for the request's tenant
+        (429 over its limits, 503 for a sheddable request while the fleet is saturated); the caller awaits or
+        streams the result.
 
         ``label``: the response id (``cmpl-...``, ``chatcmpl-...``), which the request log names."""
         if self.stopping.is_set():
             raise shutting_down()
-        submission = Submission(self.backend, self.metrics, self.pending, self.stopping, jobs, label, self.request_log,
-                                self.stream_interval)
+        ticket = None if self.tenancy is None else self.tenancy.admit(jobs)  # 429, 503; tags the jobs
+        try:
+            submission = Submission(self.backend, self.metrics, self.pending, self.stopping, jobs, label,
+                                    self.request_log, self.stream_interval, ticket=ticket)
+        except BaseException:
+            if ticket is not None:
+                ticket.close()
+            raise
         self.live.add(submission)
         return submission

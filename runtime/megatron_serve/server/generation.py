@@ -33,6 +33,7 @@ from .request_log import RequestLog
 from .streaming import DONE, EventWriter, Renderer
 
 if TYPE_CHECKING:  # annotations only: the translation of bodies is not this module's to load
+    from .tenant_admission import Ticket
     from .translate import EngineJob
 
 logger = logging.getLogger("megatron_serve.server")
@@ -158,6 +159,7 @@ class Submission:
     cut_ids: set[str] = field(default_factory=set)  # ended by a control route (:meth:`cut`): an answer, not an error
     done: list[DynamicInferenceRequest] = field(default_factory=list)
     started: float = field(default_factory=time.monotonic)
+    ticket: Ticket | None = None  # its tenant's reservation (server.tenant_admission), settled and freed here
 
     def __post_init__(self) -> None:
         self.pending.acquire(len(self.jobs))
@@ -180,6 +182,8 @@ class Submission:
             if request is not None:
                 self.metrics.observe_finished(request)
                 self.done.append(request)
+                if self.ticket is not None:
+                    self.ticket.finished(request)
             else:  # refused or lost on the way: no record came back
                 self.metrics.observe_failed()
             if not self.unfinished:
@@ -204,6 +208,8 @@ class Submission:
             if task is not asyncio.current_task():
                 task.cancel()  # each stream's own cleanup aborts its request
         self._tasks = []  # a cancelled task's traceback holds this submission: no reference cycle left
+        if self.ticket is not None:
+            self.ticket.close()
         if not self.unfinished:
             return
         count = len(self.unfinished)

@@ -18,6 +18,7 @@ from .admin import ADMIN_KEY_ENV
 from .app import API_KEY_ENV, create_app
 from .modelinfo import ModelFacts, default_model_name
 from .runner import serve_app
+from .tenants import TenancyOptions
 
 if TYPE_CHECKING:
     from ..client.async_llm import MegatronAsyncLLM
@@ -48,7 +49,8 @@ async def serve_async_llm(llm: "MegatronAsyncLLM", host: str = "127.0.0.1", port
                           limits: RequestLimits | None = None, read_timeout: float = 60.0,
                           timeout_keep_alive: float = DEFAULT_KEEP_ALIVE, max_connections: int | None = None,
                           drain_timeout: float = 0.0, image_options: ImageOptions | None = None,
-                          options: HTTPOptions | None = None, stream_interval: int = 1) -> None:
+                          options: HTTPOptions | None = None, stream_interval: int = 1,
+                          tenancy: TenancyOptions | None = None) -> None:
     """Serve the OpenAI API for ``llm`` until cancelled (or ``stop`` is set); ``llm`` stays open.
 
     ``api_key=None`` reads ``$MEGATRON_SERVE_API_KEY`` (no key when unset), like the commands do;
@@ -57,7 +59,8 @@ async def serve_async_llm(llm: "MegatronAsyncLLM", host: str = "127.0.0.1", port
     admitted requests may finish once ``stop`` is set): as the commands' flags of the same names;
     ``image_options``: as ``--image-fetch-timeout`` and ``--no-remote-images``; ``options``: vLLM's HTTP flags
     and the like (tool-call parser, CORS, request and stats logs, ``vllm:`` metrics; ``HTTPOptions``);
-    ``stream_interval``: as ``--stream-interval``.
+    ``stream_interval``: as ``--stream-interval``; ``tenancy``: as ``--tenant-header`` and ``--shed-*`` (the
+    tenants themselves come with ``api_key``, a key document: docs/tenants.md).
     ``chat_template``: as ``--chat-template`` (a file or the Jinja text). Requests that leave sampling
     fields out take ``llm.generation_defaults`` (the model's ``generation_config.json``).
     """
@@ -71,7 +74,7 @@ async def serve_async_llm(llm: "MegatronAsyncLLM", host: str = "127.0.0.1", port
     app = create_app(backend, tokenizer, facts.name, api_key, admin_key=admin_key, vocab_size=facts.vocab_size,
                      max_model_len=facts.max_model_len, max_concurrent_requests=max_concurrent_requests, limits=limits,
                      image_options=image_options, generation_defaults=llm.generation_defaults, options=options,
-                     stream_interval=stream_interval)
+                     stream_interval=stream_interval, tenancy=tenancy)
     await serve_app(app, host, port, log_level=log_level, stop=stop, read_timeout=read_timeout,
                     timeout_keep_alive=timeout_keep_alive, max_connections=max_connections, drain_timeout=drain_timeout)
 

@@ -58,6 +58,8 @@ class Series:
 
 
 ENGINE_LABELS = ("engine_group", "model_name")
+#: Labels of the per-tenant series: the tenant's name and its class (critical, standard, sheddable).
+TENANT_LABELS = ("tenant", "priority_class")
 
 SERIES: tuple[Series, ...] = (
     # ---- every engine, from its last heartbeat (vLLM's engine series, same meaning and unit)
@@ -164,6 +166,22 @@ SERIES: tuple[Series, ...] = (
            "vllm:request_time_per_output_token_seconds", "seconds"),
     Series("server_pending_requests", "gauge", "engine requests this server is waiting on", "server",
            unit="requests"),
+    # ---- this server's requests by tenant and class (docs/tenants.md; only with tenants configured)
+    Series("tenant_requests_total", "counter", "engine requests of each tenant this server finished", "server",
+           TENANT_LABELS, unit="requests"),
+    Series("tenant_prompt_tokens_total", "counter", "prompt tokens of those requests (vllm:prompt_tokens_total by "
+           "tenant)", "server", TENANT_LABELS, unit="tokens"),
+    Series("tenant_generation_tokens_total", "counter", "tokens generated for those requests "
+           "(vllm:generation_tokens_total by tenant)", "server", TENANT_LABELS, unit="tokens"),
+    Series("tenant_request_queue_time_seconds", "histogram", "time from a request's arrival at the coordinator "
+           "until an engine first scheduled it (vllm:request_queue_time_seconds by tenant)", "server", TENANT_LABELS,
+           unit="seconds"),
+    Series("tenant_num_preemptions_total", "counter", "times those requests were preempted, by a request of a "
+           "better class or because KV blocks ran out (vllm:num_preemptions_total by tenant)", "server",
+           TENANT_LABELS, unit="requests"),
+    Series("tenant_requests_refused_total", "counter", "requests refused before they started, by reason: over the "
+           "tenant's requests_per_minute, tokens_per_minute or max_concurrent (429), or sheddable while the fleet "
+           "is saturated (503)", "server", (*TENANT_LABELS, "reason"), unit="requests"),
 )
 
 BY_NAME: dict[str, Series] = {s.name: s for s in SERIES}

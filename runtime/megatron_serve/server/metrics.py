@@ -251,6 +251,7 @@ class ServerMetrics:
         self._by_status = {status: self.requests.labels(status) for status in ("completed", "failed", "aborted")}
         self._by_reason = {reason: self.finish_reasons.labels(reason) for reason in ("stop", "length")}
         self._http: dict[tuple[str, int], Any] = {}  # (route, status) -> its child of http_requests
+        self.tenant_series: _TenantSeries | None = None  # made by enable_tenants (a server with tenants)
         self.pending_gauge: Gauge | None = None
         if self.shared_dir is not None:
             entry = series("server_pending_requests")
@@ -269,7 +270,8 @@ class ServerMetrics:
         """This server's own series: this process's, or with several processes their sums."""
         if self.shared_dir is None:
             return [m for c in (self.http_requests, self.requests, self.finish_reasons, self.cached_prompt_tokens,
-                                self.finished_prompt_tokens, self.tpot) for m in c.collect()]
+                                self.finished_prompt_tokens, self.tpot, *(self.tenant_series.all if self.tenant_series
+                                                                                   else ())) for m in c.collect()]
         from prometheus_client.multiprocess import MultiProcessCollector  # noqa: PLC0415
 
         return list(MultiProcessCollector(None, path=self.shared_dir).collect())
@@ -302,6 +304,21 @@ class ServerMetrics:
         if ttft is not None and latency is not None and generated > 1 and latency >= ttft >= 0:
             self.tpot.observe((latency - ttft) / (generated - 1))
 
+    def enable_tenants(self) -> None:
+        """Export the per-tenant series (a server with tenants; the others never show them)."""
+        if self.tenant_series is None:
+            self.tenant_series = _TenantSeries(self.registry)
+
+    def observe_tenant_request(self, labels: tuple[str, str], request: Any) -> None:
+        """One finished engine request of a tenant (``labels``: its name and class)."""
+        if self.tenant_series is not None:
+            self.tenant_series.observe(labels, request)
+
+    def count_tenant_refusal(self, labels: tuple[str, str], reason: str) -> None:
+        """A tenant's request refused before it started (429 over a limit, 503 shed)."""
+        if self.tenant_series is not None:
+            self.tenant_series.refused.labels(*labels, reason).inc()
+
     def observe_aborted(self, count: int = 1) -> None:
         """Requests this server aborted (its client went away) before they finished."""
         self._by_status["aborted"].inc(count)
@@ -327,3 +344,33 @@ class ServerMetrics:
         for collector in self.collectors:
             registry.register(collector)
         return generate_latest(registry), CONTENT_TYPE_LATEST
+
+
+class _TenantSeries:
+    """The per-tenant series (docs/tenants.md), made once per server; none is exported before a tenant's first
+    request."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.requests = _counter(series("tenant_requests_total"), registry)
+        self.prompt_tokens = _counter(series("tenant_prompt_tokens_total"), registry)
+        self.generation_tokens = _counter(series("tenant_generation_tokens_total"), registry)
+        self.preemptions = _counter(series("tenant_num_preemptions_total"), registry)
+        self.refused = _counter(series("tenant_requests_refused_total"), registry)
+        queue = series("tenant_request_queue_time_seconds")
+        self.queue_time = Histogram(queue.base_name, queue.help, list(queue.labels),
+                                    buckets=HISTOGRAMS["request_queue_time_seconds"], registry=registry)
+        self.all = (self.requests, self.prompt_tokens, self.generation_tokens, self.preemptions, self.refused,
+                    self.queue_time)
+
+    def observe(self, labels: tuple[str, str], request: Any) -> None:
+        self.requests.labels(*labels).inc()
+        self.prompt_tokens.labels(*labels).inc(len(getattr(request, "prompt_tokens", ()) or ()))
+        self.generation_tokens.labels(*labels).inc(len(getattr(request, "generated_tokens", ()) or ()))
+        events = getattr(request, "events", ()) or ()
+        preempted = sum(1 for event in events if event.type.value == "PREEMPT")
+        if preempted:
+            self.preemptions.labels(*labels).inc(preempted)
+        scheduled = next((event.timestamp for event in events if event.type.value == "PREFILL"), None)
+        arrival = getattr(request, "arrival_time", None)
+        if scheduled is not None and arrival is not None:
+            self.queue_time.labels(*labels).observe(max(scheduled - arrival, 0.0))

@@ -1,0 +1,301 @@
+"""Whether a tenant's request may go in now: its limits (429 with ``Retry-After``), the fleet's saturation for
+``sheddable`` requests (503 with ``Retry-After``), and the tag its engine requests carry (docs/tenants.md).
+
+A request's tenant is found where it enters: :class:`TenantScope`, a layer in front of the routes, reads the
+fairness header, and the key check (:mod:`.api_key`) notes the key's entry, both in one per-request record (a
+context variable, so every route that submits sees it without passing it along). :meth:`Tenancy.admit` runs when
+the request's engine requests are submitted (``ServerContext.submit``), on every generation route alike:
+
+* a ``sheddable`` request while the fleet is saturated (:class:`Saturation`) gets a 503 before it costs anything;
+* over a limit, a 429 whose ``Retry-After`` is when the limit has room for it again (a request honouring it
+  succeeds, unless others of its tenant used the room first); a request that can never fit a limit is a 400;
+* otherwise its cost is reserved (a request slot, its prompt tokens and the most it may generate) and its engine
+  requests are tagged (``SamplingParams.tenant``). The :class:`Ticket` settles the reservation with what each
+  engine request used when it finishes, counts the tenant's series, and frees its slot when the request ends.
+
+Limits are token buckets holding a minute's worth (a tenant may spend a minute's budget at once, then at the rate
+it refills); they are per server process (``--api-server-count`` N gives each process the whole budget).
+"""
+
+from __future__ import annotations
+
+import contextvars
+import math
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable
+
+import msgspec
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from ..wire.tenancy import MAX_TENANT_NAME
+from .errors import APIError
+
+if TYPE_CHECKING:
+    from .tenants import KeyEntry, Shedding, TenancyOptions, Tenant, TenantTable
+    from .fleet import FleetMonitor
+    from .metrics import ServerMetrics
+    from .translate import EngineJob
+
+#: Header-named tenants' budgets kept at most (the idle ones go first); the series name at most this many by name.
+MAX_TRACKED = 10_000
+MAX_LABELLED = 100
+OTHER_LABEL = "other"
+
+
+@dataclass
+class RequestTenancy:
+    """What one request's way in found: the fairness header's value and the key's entry (None: none yet)."""
+
+    fairness_id: str | None = None
+    entry: KeyEntry | None = None
+
+
+_CURRENT: contextvars.ContextVar[RequestTenancy | None] = contextvars.ContextVar("megatron_serve_tenancy",
+                                                                                  default=None)
+
+
+def note_key(entry: KeyEntry) -> None:
+    """The key check's part: the request presented the key of ``entry``."""
+    current = _CURRENT.get()
+    if current is not None:
+        current.entry = entry
+
+
+class TenantScope:
+    """ASGI layer: a fresh :class:`RequestTenancy` for each HTTP request, with its fairness header's value."""
+
+    def __init__(self, app: ASGIApp, header: str | None) -> None:
+        self.app = app
+        self.header = header.lower().encode("latin-1") if header else None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        value = None
+        if self.header is not None:
+            for name, raw in scope["headers"]:
+                if name == self.header:
+                    value = raw.decode("latin-1")
+                    break
+        token = _CURRENT.set(RequestTenancy(value))
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            _CURRENT.reset(token)
+
+
+class RateBucket:
+    """``limit`` units a minute: full at first, spent by requests, refilled at ``limit / 60`` a second."""
+
+    __slots__ = ("limit", "level", "stamp")
+
+    def __init__(self, limit: int, now: float) -> None:
+        self.limit = limit
+        self.level = float(limit)
+        self.stamp = now
+
+    def _refill(self, now: float) -> None:
+        if now > self.stamp:
+            self.level = min(float(self.limit), self.level + (now - self.stamp) * self.limit / 60.0)
+            self.stamp = now
+
+    def wait(self, cost: float, now: float) -> float:
+        """Seconds until ``cost`` fits (0: now)."""
+        self._refill(now)
+        missing = cost - self.level
+        return 0.0 if missing <= 1e-9 else missing * 60.0 / self.limit
+
+    def take(self, cost: float) -> None:
+        self.level -= cost
+
+    def give(self, amount: float, now: float) -> None:
+        """Return what a request reserved and did not use."""
+        self._refill(now)
+        self.level = min(float(self.limit), self.level + amount)
+
+    def full(self, now: float) -> bool:
+        self._refill(now)
+        return self.level >= self.limit
+
+
+class TenantState:
+    """One tenant's budgets and requests in progress on this server."""
+
+    __slots__ = ("tokens", "requests", "running")
+
+    def __init__(self, tenant: Tenant, now: float) -> None:
+        limits = tenant.limits
+        self.tokens = None if limits.tokens_per_minute is None else RateBucket(limits.tokens_per_minute, now)
+        self.requests = None if limits.requests_per_minute is None else RateBucket(limits.requests_per_minute, now)
+        self.running = 0
+
+    def idle(self, now: float) -> bool:
+        return (not self.running and (self.tokens is None or self.tokens.full(now))
+                and (self.requests is None or self.requests.full(now)))
+
+
+class Saturation:
+    """Whether the fleet is saturated (:class:`~.tenants.Shedding`), from the monitor's last status and this server's
+    requests since (a burst between two polls counts)."""
+
+    def __init__(self, shedding: Shedding, monitor: "FleetMonitor", pending: Callable[[], int],
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.shedding = shedding
+        self.monitor = monitor
+        self.pending = pending
+        self.clock = clock
+        self._seen = -1.0  # the status time of the last check
+        self._pending_then = 0  # this server's pending count at that status
+
+    def reason(self) -> str | None:
+        """Why the fleet counts as saturated now, or None."""
+        shedding, monitor = self.shedding, self.monitor
+        if monitor.updated != self._seen:
+            self._seen, self._pending_then = monitor.updated, self.pending()
+        if shedding.stale_after is not None and (monitor.status is None
+                                                 or self.clock() - monitor.updated > shedding.stale_after):
+            return f"the fleet's status is older than {shedding.stale_after:g} s"
+        engines = monitor.engines
+        if not engines:
+            return None  # nothing to measure: requests wait for engines, as every class does
+        status = monitor.status or {}
+        queued = int(status.get("queued") or 0) + max(0, self.pending() - self._pending_then)
+        share = queued / len(engines)
+        for engine in engines:
+            waiting = int(engine.get("waiting") or 0) + share
+            total = int(engine.get("kv_blocks_total") or 0)
+            used = 1.0 - int(engine.get("kv_blocks_free") or 0) / total if total else 0.0
+            if not ((shedding.queue_depth is not None and waiting >= shedding.queue_depth)
+                    or (shedding.kv_cache_usage is not None and used >= shedding.kv_cache_usage)):
+                return None
+        return (f"every engine has at least {shedding.queue_depth:g} requests waiting or {shedding.kv_cache_usage:g} "
+                f"of its KV cache in use")
+
+
+class Ticket:
+    """One admitted request's reservation: settled per engine request (:meth:`finished`), freed once (:meth:`close`)."""
+
+    __slots__ = ("tenancy", "tenant", "state", "label", "closed")
+
+    def __init__(self, tenancy: "Tenancy", tenant: Tenant, state: TenantState | None, label: str) -> None:
+        self.tenancy = tenancy
+        self.tenant = tenant
+        self.state = state
+        self.label = label
+        self.closed = False
+
+    def finished(self, request: Any) -> None:
+        """One engine request finished (a ``DynamicInferenceRequest``): its unused tokens go back, its series count."""
+        generated = len(request.generated_tokens or ())
+        state = self.state
+        if state is not None and state.tokens is not None:
+            unused = request.sampling_params.num_tokens_to_generate - generated
+            if unused > 0:
+                state.tokens.give(unused, self.tenancy.clock())
+        self.tenancy.metrics.observe_tenant_request((self.label, self.tenant.priority_class), request)
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            if self.state is not None:
+                self.state.running -= 1
+
+
+class Tenancy:
+    """The tenants of one server and their budgets (module docstring)."""
+
+    def __init__(self, table: TenantTable, options: TenancyOptions, monitor: "FleetMonitor", metrics: "ServerMetrics",
+                 pending: Callable[[], int], clock: Callable[[], float] = time.monotonic) -> None:
+        self.table = table
+        self.header = options.header_name  # the fairness header (None: not read)
+        self.metrics = metrics
+        metrics.enable_tenants()
+        self.clock = clock
+        self.saturation = Saturation(options.shedding, monitor, pending, clock)
+        self.retry_after = options.shedding.retry_after
+        self.states: dict[str, TenantState] = {}
+        self.labels: set[str] = set(table.tenants)
+
+    def tenant(self) -> Tenant:
+        """The current request's tenant (400 for a fairness id that cannot name one)."""
+        current = _CURRENT.get()
+        if current is None:
+            return self.table.default
+        fairness_id = current.fairness_id
+        if fairness_id is not None and (not fairness_id or len(fairness_id) > MAX_TENANT_NAME
+                                        or not fairness_id.isprintable()):
+            raise APIError(400, f"the fairness id header must hold 1 to {MAX_TENANT_NAME} printable characters",
+                           code="invalid_tenant")
+        return self.table.tenant(current.entry, fairness_id)
+
+    def label(self, tenant: Tenant) -> str:
+        """The tenant's name in the series (the first :data:`MAX_LABELLED` beyond the configured ones, then other)."""
+        name = tenant.name
+        if name in self.labels:
+            return name
+        if len(self.labels) < len(self.table.tenants) + MAX_LABELLED:
+            self.labels.add(name)
+            return name
+        return OTHER_LABEL
+
+    def admit(self, jobs: list["EngineJob"]) -> Ticket:
+        """Admit the current request's ``jobs`` (its engine requests) or raise its 429, 503 or 400; tags them."""
+        tenant = self.tenant()
+        label = self.label(tenant)
+        labels = (label, tenant.priority_class)
+        if tenant.priority_class == "sheddable":
+            reason = self.saturation.reason()
+            if reason is not None:
+                self.metrics.count_tenant_refusal(labels, "saturated")
+                raise APIError(503, f"the fleet is saturated ({reason}): sheddable requests are refused until it "
+                                    "has room", code="fleet_saturated", headers={"Retry-After": str(self.retry_after)})
+        state = self._state(tenant) if tenant.limits.any else None
+        if state is not None:
+            self._reserve(tenant, state, labels, jobs)
+        tag = tenant.tag
+        for job in jobs:
+            job.params = _tagged(job.params, tag)
+        return Ticket(self, tenant, state, label)
+
+    def _reserve(self, tenant: Tenant, state: TenantState, labels: tuple[str, str], jobs: list["EngineJob"]) -> None:
+        """Take the request's cost from ``state``, or raise the refusal naming the limit it is over."""
+        limits, now = tenant.limits, self.clock()
+        if limits.max_concurrent is not None and state.running >= limits.max_concurrent:
+            self.metrics.count_tenant_refusal(labels, "max_concurrent")
+            raise _limited(tenant, "max_concurrent", f"{state.running} requests in progress", 1)
+        tokens = sum(len(job.prompt.tokens) + job.params.num_tokens_to_generate for job in jobs)
+        if state.tokens is not None and tokens > state.tokens.limit:
+            raise APIError(400, f"this request may use {tokens} tokens (prompts and max_tokens), more than tenant "
+                                f"{tenant.name!r} may use in a minute ({state.tokens.limit}): lower max_tokens",
+                           code="over_tenant_limit")
+        waits = {"requests_per_minute": state.requests.wait(1, now) if state.requests is not None else 0.0,
+                 "tokens_per_minute": state.tokens.wait(tokens, now) if state.tokens is not None else 0.0}
+        limit, wait = max(waits.items(), key=lambda item: item[1])
+        if wait > 0:
+            self.metrics.count_tenant_refusal(labels, limit)
+            raise _limited(tenant, limit, f"{getattr(limits, limit)} a minute", math.ceil(wait))
+        if state.requests is not None:
+            state.requests.take(1)
+        if state.tokens is not None:
+            state.tokens.take(tokens)
+        state.running += 1
+
+    def _state(self, tenant: Tenant) -> TenantState:
+        state = self.states.get(tenant.name)
+        if state is None:
+            now = self.clock()
+            if len(self.states) >= MAX_TRACKED:
+                self.states = {name: s for name, s in self.states.items() if not s.idle(now)}
+            state = self.states[tenant.name] = TenantState(tenant, now)
+        return state
+
+
+def _limited(tenant: Tenant, limit: str, figure: str, retry_after: int) -> APIError:
+    return APIError(429, f"tenant {tenant.name!r} is over its {limit} ({figure}); retry in {retry_after} s",
+                    param=None, code="rate_limit_exceeded", headers={"Retry-After": str(retry_after)})
+
+
+def _tagged(params: Any, tag: Any) -> Any:
+    return msgspec.structs.replace(params, tenant=tag)
