@@ -174,6 +174,7 @@ FIELDS: tuple[SamplingField, ...] = (
     SamplingField("include_stop_str_in_output", bool, False, None, "include_stop_str_in_output", True,
                   http_doc="end the text after the stop string that ended it instead of before; default false"
                            + _VLLM, extension=True, vllm="include_stop_str_in_output", sglang="no_stop_trim"),
+    SamplingField("tenant", object, None),  # whose request: set by the server from its API key (wire/tenancy.py)
 )
 
 BY_NAME: dict[str, SamplingField] = {field.name: field for field in FIELDS}

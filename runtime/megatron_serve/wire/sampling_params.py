@@ -1,10 +1,12 @@
 """Per-request sampling settings, validated once where they enter a process, so engines never see bad values.
 
 ``SamplingParams`` is a ``msgspec.Struct``: the same class is the Python API and the wire form (a
-msgpack map of its fields, defaults left out), so a new field is added in one place (here, with its
-check in :meth:`SamplingParams.validate`). Decoding checks the types in C and then runs
-``__post_init__``; building one in Python runs the same checks. Unknown fields are an error, not
-silently ignored.
+msgpack map of its fields, defaults left out). Each field is a row of the table of sampling parameters
+(:mod:`.sampling_fields`: its default, range, HTTP field, vLLM and SGLang names, generation_config key,
+sampler input): a new field is declared here, typed, and described there, and :meth:`SamplingParams.validate`
+checks every row's type and range from the table (the checks that relate fields stay here). Decoding checks
+the types in C and then runs ``__post_init__``; building one in Python runs the same checks. Unknown fields
+are an error, not silently ignored.
 
 Building one in Python also takes vLLM's names (``max_tokens``, ``stop``, ``logprobs``,
 ``prompt_logprobs``, ``guided_decoding``, ``top_k=-1``) beside ours, so that code written for vLLM's
@@ -19,16 +21,23 @@ from typing import Any
 import msgspec
 from msgspec import field
 
+from .sampling_fields import (
+    FIELDS,
+    LOGITS_CONTROLS,
+    MAX_LOGIT_BIAS,
+    MAX_TOP_N_LOGPROBS,
+    PENALTIES,
+    PRIORITY_MAX,
+    PRIORITY_MIN,
+    SamplingField,
+    differs_from_default,
+)
+
 GREEDY_TEMPERATURE = 1e-5
-#: OpenAI's range for ``logit_bias`` values, and for presence and frequency penalties.
-MAX_LOGIT_BIAS = 100.0
-MAX_PENALTY = 2.0
 #: What reported log probs are taken from (vLLM's ``--logprobs-mode``, an engine setting): ``raw``, the model's
 #: logits; ``processed``, after logit bias, min_tokens, penalties, grammar, temperature, min-p, top-k and top-p;
 #: as log probs or as logits.
 LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs", "raw_logits", "processed_logits")
-#: Most alternatives per token the engine returns (``top_n_logprobs``), as vLLM's default ``--max-logprobs``.
-MAX_TOP_N_LOGPROBS = 20
 
 
 class SamplingParamError(ValueError):
@@ -140,10 +149,6 @@ class TenantTag(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_de
 
 
 _CONSTRAINT_KINDS = ("json", "json_object", "regex", "choice", "grammar")
-
-
-#: Priorities fit a signed 32-bit integer (lower is admitted first; vLLM takes any int, no one needs more).
-PRIORITY_MIN, PRIORITY_MAX = -(2**31), 2**31 - 1
 
 
 class _VllmNames(type(msgspec.Struct)):  # type: ignore[misc]
@@ -258,13 +263,11 @@ class SamplingParams(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=T
         self.validate()
 
     def validate(self) -> None:
-        """Raise :class:`SamplingParamError` (a ``ValueError``) naming the first field whose value is unusable."""
-        _check_number("temperature", self.temperature, minimum=0.0)
-        _check_int("top_k", self.top_k, minimum=0)
-        _check_number("top_p", self.top_p, minimum=0.0, maximum=1.0)
-        if self.top_p == 0.0:
-            raise SamplingParamError("top_p", "must be in (0, 1], got 0")
-        _check_int("num_tokens_to_generate", self.num_tokens_to_generate, minimum=1)
+        """Raise :class:`SamplingParamError` (a ``ValueError``) naming the first field whose value is unusable: every
+        row's type and range as the table states them (:mod:`.sampling_fields`), then the lists, maps and structs,
+        and the checks that relate fields."""
+        for row in _CHECKED:
+            _check_field(row, getattr(self, row.name))
         if isinstance(self.stop_words, str) or not isinstance(self.stop_words, (list, tuple)):
             raise SamplingParamError("stop_words", f"must be a list of strings, got {self.stop_words!r}")
         for word in self.stop_words:
@@ -278,25 +281,11 @@ class SamplingParams(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=T
                 _check_int("termination_id", token_id, minimum=0)
             if isinstance(self.termination_id, tuple):
                 self.termination_id = list(self.termination_id)
-        if self.ignore_eos is not True and self.ignore_eos is not False:
-            raise SamplingParamError("ignore_eos", f"must be a bool, got {self.ignore_eos!r}")
-        if self.return_log_probs is not True and self.return_log_probs is not False:
-            raise SamplingParamError("return_log_probs", f"must be a bool, got {self.return_log_probs!r}")
-        _check_int("top_n_logprobs", self.top_n_logprobs, minimum=0, maximum=MAX_TOP_N_LOGPROBS)
-        if self.return_routing_indices is not True and self.return_routing_indices is not False:
-            raise SamplingParamError("return_routing_indices", f"must be a bool, got {self.return_routing_indices!r}")
-        if self.seed is not None:
-            _check_int("seed", self.seed, minimum=0)
         if self.ignore_eos and self.termination_id is not None:
             raise SamplingParamError("termination_id", "contradicts ignore_eos=True: give one or the other")
-        self._validate_extensions()
+        self._validate_collections()
 
-    def _validate_extensions(self) -> None:
-        _check_number("presence_penalty", self.presence_penalty, minimum=-MAX_PENALTY, maximum=MAX_PENALTY)
-        _check_number("frequency_penalty", self.frequency_penalty, minimum=-MAX_PENALTY, maximum=MAX_PENALTY)
-        _check_number("repetition_penalty", self.repetition_penalty)
-        if not 0 < self.repetition_penalty <= 100:
-            raise SamplingParamError("repetition_penalty", f"must be in (0, 100], got {self.repetition_penalty}")
+    def _validate_collections(self) -> None:
         if self.logit_bias is not None:
             bias = self.logit_bias
             if isinstance(bias, (list, tuple)):
@@ -309,8 +298,6 @@ class SamplingParams(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=T
                 _check_int("logit_bias", token_id, minimum=0, what="token id")
                 _check_number("logit_bias", value, minimum=-MAX_LOGIT_BIAS, maximum=MAX_LOGIT_BIAS, what="value")
             self.logit_bias = {int(t): float(b) for t, b in bias.items()} or None
-        _check_number("min_p", self.min_p, minimum=0.0, maximum=1.0)
-        _check_int("min_tokens", self.min_tokens, minimum=0)
         if self.min_tokens > self.num_tokens_to_generate:
             # vLLM's words and public name (``num_tokens_to_generate`` is ``max_tokens`` everywhere a user writes it)
             raise SamplingParamError("min_tokens", f"must be less than or equal to max_tokens="
@@ -321,27 +308,12 @@ class SamplingParams(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=T
             _check_int("stop_token_ids", token_id, minimum=0)
         if isinstance(self.stop_token_ids, tuple):
             self.stop_token_ids = list(self.stop_token_ids)
-        for name in ("return_prompt_log_probs", "skip_special_tokens", "include_stop_str_in_output"):
-            value = getattr(self, name)
-            if value is not True and value is not False:
-                raise SamplingParamError(name, f"must be a bool, got {value!r}")
         if isinstance(self.structured_outputs, dict):
             self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
             raise SamplingParamError("structured_outputs", f"must be StructuredOutputsParams, got {self.structured_outputs!r}")
-        _check_int("n", self.n, minimum=1)
-        _check_int("sample_index", self.sample_index, minimum=0)
-        if self.truncate_prompt_tokens is not None:
-            _check_int("truncate_prompt_tokens", self.truncate_prompt_tokens, minimum=1)
-        _check_int("priority", self.priority, minimum=PRIORITY_MIN, maximum=PRIORITY_MAX)
-        for name in ("lora_name", "lora_path"):
-            value = getattr(self, name)
-            if value is not None and (not isinstance(value, str) or not value):
-                raise ValueError(f"{name} must be a non-empty string, got {value!r}")
         if self.lora_path is not None and self.lora_name is None:
             raise ValueError("lora_path needs lora_name")
-        if self.cache_salt is not None and (not isinstance(self.cache_salt, str) or not self.cache_salt):
-            raise SamplingParamError("cache_salt", f"must be a non-empty string, got {self.cache_salt!r}")
         if isinstance(self.tenant, dict):
             self.tenant = TenantTag(**self.tenant)
         if self.tenant is not None and not isinstance(self.tenant, TenantTag):
@@ -374,13 +346,12 @@ class SamplingParams(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=T
     @property
     def has_penalties(self) -> bool:
         """Whether a penalty reads the tokens generated so far (presence, frequency, repetition)."""
-        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
+        return differs_from_default(self, PENALTIES)
 
     @property
     def has_logits_controls(self) -> bool:
         """Whether any control changes the logits before sampling (all neutral: the step skips that work)."""
-        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
-                    or self.logit_bias or self.min_tokens)
+        return differs_from_default(self, LOGITS_CONTROLS)
 
     def to_dict(self) -> dict[str, Any]:
         """Plain values (lists copied): every base field, and the extensions that are not neutral."""
@@ -469,6 +440,29 @@ def _typed_error(exc: msgspec.ValidationError, data: dict[str, Any] | bytes | No
         if unknown:
             return UnknownSamplingParams(unknown)
     return MalformedSamplingParams(str(exc))
+
+
+#: The rows whose type (and range) the table states: numbers, flags and strings.
+_CHECKED = tuple(row for row in FIELDS if row.kind in (int, float, bool, str))
+
+
+def _check_field(row: SamplingField, value: Any) -> None:
+    """One row's type and range as the table states them; a field whose default is None may be None."""
+    name = row.name
+    if value is None and row.default is None:
+        return
+    if row.kind is bool:
+        if value is not True and value is not False:
+            raise SamplingParamError(name, f"must be a bool, got {value!r}")
+    elif row.kind is str:
+        if not isinstance(value, str) or not value:
+            raise SamplingParamError(name, f"must be a non-empty string, got {value!r}")
+    else:
+        minimum, maximum, above = (row.bounds.minimum, row.bounds.maximum, row.bounds.above) if row.bounds \
+            else (None, None, None)
+        (_check_int if row.kind is int else _check_number)(name, value, minimum, maximum)
+        if above is not None and value <= above:
+            raise SamplingParamError(name, f"must be in ({above:g}, {maximum:g}], got {value}")
 
 
 def _check_number(name: str, value: Any, minimum: float | None = None, maximum: float | None = None,
