@@ -40,8 +40,8 @@ from ..heap import freeze_startup_heap
 from .output import step_delta, step_messages
 from .served import EngineStepResult, ServedEngine
 from .group.turns import HeldVerb, held
-from ..wire.messages import (RENDEZVOUS_SCHEME, Body, Control, EngineStepOut, EngineSubmit, HelloAck, LoadLora, Refit,
-                             RequestDeltaOut, Stop, Suspend, UnloadLora)
+from ..wire.messages import (RENDEZVOUS_SCHEME, Body, Control, EngineStepOut, EngineSubmit, HelloAck, KVEvents, LoadLora,
+                             Refit, RequestDeltaOut, Stop, Suspend, UnloadLora)
 from ..wire.protocol import HEADER_VERBS, Header, ProtocolError, Role, step_of
 from ..wire.request import EngineRequest, FinalRecord, FinishReason, RequestStatus
 
