@@ -43,6 +43,15 @@ def next_pow2(n: int) -> int:
     return triton.next_power_of_2(max(int(n), 1))
 
 
+#: ``tl.dot`` on a GPU takes no reduction dimension under 16 (the interpreter takes any): a head of 8 is padded.
+MIN_DOT_K = 16
+
+
+def dot_width(n: int) -> int:
+    """The tile width of a dimension that ``tl.dot`` reduces over (a head's): a power of two, at least 16."""
+    return max(MIN_DOT_K, next_pow2(n))
+
+
 def tile_budget(t: torch.Tensor) -> int:
     """Elements one program may hold in a 2-D/3-D tile: large under the interpreter, register-sized on GPU."""
     return 1 << 16 if interpreted(t) else 1 << 12

@@ -263,8 +263,15 @@ def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_we
         torch.mm(silu_and_mul(torch.mm(rows[at:at + size], w13[expert].t())), w2[expert].t(), out=down[at:at + size])
     real = torch.tensor(real, dtype=torch.long, device=device)
     scaled = (down[real] * topk_weights.reshape(-1)[order, None]).to(hidden.dtype)
-    # a token's rows come in ascending expert order, and index_add_ adds them one after another
-    return torch.zeros_like(hidden).index_add_(0, tokens, scaled)
+    # One index_add_ per expert, in ascending id order: within one a token appears once, so even CUDA's atomic
+    # adds meet no other row of the same token and a token's sum runs over its experts in that order. (One
+    # index_add_ of every row adds them one after another on a CPU but in any order on a GPU.)
+    out, begin = torch.zeros_like(hidden), 0
+    for count in counts:
+        if count:
+            out.index_add_(0, tokens[begin:begin + count], scaled[begin:begin + count])
+            begin += count
+    return out
 
 
 _OVERRIDES: dict[Callable, Callable] = {

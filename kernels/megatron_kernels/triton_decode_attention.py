@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from . import reference
-from ._triton_utils import fp8_native, interpreted, next_pow2, sm_count
+from ._triton_utils import dot_width, fp8_native, interpreted, next_pow2, sm_count
 from .triton_kv_cache import check_cache, scale_strides
 
 _LOG2E = 1.4426950408889634
@@ -208,7 +208,7 @@ def paged_attention_decode(
     max_context = block_tables.shape[1] * block_size
     if num_splits is None:
         num_splits = 1 if cpu else split_count(num_seqs, num_kv_heads, max_context, block_n, sm_count(q.device))
-    block_d = next_pow2(head_dim)
+    block_d = dot_width(head_dim)
     if num_splits > 1:
         part_out = torch.empty((num_seqs, num_q_heads, num_splits, head_dim), dtype=torch.float32, device=q.device)
         part_lse = torch.empty((num_seqs, num_q_heads, num_splits), dtype=torch.float32, device=q.device)

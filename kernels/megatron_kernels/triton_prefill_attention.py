@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 from . import reference
-from ._triton_utils import fp8_native, interpreted, next_pow2
+from ._triton_utils import dot_width, fp8_native, interpreted, next_pow2
 from .triton_kv_cache import check_cache, scale_strides
 
 _LOG2E = 1.4426950408889634
@@ -218,7 +218,7 @@ def paged_attention_prefill(
         BLOCK_G=block_g,
         BLOCK_Q=block_q,
         HEAD_DIM=head_dim,
-        BLOCK_D=next_pow2(head_dim),
+        BLOCK_D=dot_width(head_dim),
         BLOCK_SIZE=block_size,
         BLOCK_N=block_n,
         FP32_DOT=cpu or q.dtype == torch.float32,
