@@ -285,7 +285,7 @@ class CoordinatorCore:
 
     def _client_message(self, client: ClientRecord, identity: bytes, header: Header, body: Any, now: float) -> None:
         if header is Header.SUBMIT:
-            self._on_submit(client, identity, body)
+            self._on_submit(client, identity, body, now)
         elif header is Header.ABORT:
             self._on_abort(client, body)
         elif header is Header.RESULT_ACK:
@@ -317,7 +317,7 @@ class CoordinatorCore:
 
     # ------------------------------------------------------------------ requests
 
-    def _on_submit(self, client: ClientRecord, identity: bytes, body: Submit) -> None:
+    def _on_submit(self, client: ClientRecord, identity: bytes, body: Submit, now: float) -> None:
         crid = body.client_request_id
         key = f"{client.client_id}/{crid}"
         record = self.requests.get(key)
@@ -353,7 +353,7 @@ class CoordinatorCore:
                                                     client_request_id=crid))
             return
         client.requests.add(key)
-        self.requests.add(record, Phase.QUEUED)
+        self.requests.add(record, Phase.QUEUED, now)
         if record.exhausted():
             self.finish_here(record, "COMPLETED", "length", "length reached before resubmission")
 
@@ -459,6 +459,8 @@ class CoordinatorCore:
                 continue
             if out.new_tokens or out.routing is not None or out.prompt_scores is not None:
                 self._mirror(record, out, raw, steps)
+                if out.new_tokens and record.params.tenant is not None:  # its tenant's fair share (fair_queue)
+                    self.requests.fair.charge(record.params.tenant, len(out.new_tokens))
             handed_on = self.handoffs.active and self.handoffs.on_output(self, engine, record, out)
             if out.finished:
                 finished.append((record, out, handed_on))

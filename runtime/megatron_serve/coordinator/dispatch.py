@@ -4,7 +4,9 @@ The routing policy (:mod:`megatron_serve.coordinator.routing`) chooses among the
 now (of those, the ones already serving the request's LoRA adapter, when any does:
 :func:`~megatron_serve.coordinator.routing.adapter_candidates`): registered, not draining or stopping, serving the fleet's weights (see
 ``CoordinatorCore.serves_fleet_weights``), and below ``capacity * dispatch_factor`` requests (a
-little more than an engine runs at once, so that its next step never waits for the coordinator).
+little more than an engine runs at once, so that its next step never waits for the coordinator). A request
+of a tenant (:mod:`.fair_queue`) counts only the assigned requests of its band or better against that limit,
+so that a better class reaches an engine that lower ones fill, where it preempts one of them.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from ..wire.lifecycle import FleetState
 from ..wire.messages import EngineSubmitOut, WireImage
 from ..wire.protocol import Header
 from ..wire.request import EngineRequestOut, RoutingArray
+from ..wire.tenancy import WORST_BAND, band_of
 from .requests import RequestRecord
 from .routing import adapter_candidates
 
@@ -51,16 +54,26 @@ def dispatch(core: "CoordinatorCore", now: float) -> None:
     def room(engine: "EngineRecord") -> bool:
         return engine.load < max(1, int(engine.capacity * factor))
 
-    candidates = [e for e in core.engines.values()
-                  if not e.draining and not e.stopping and room(e) and core.serves_fleet_weights(e)]
+    eligible = [e for e in core.engines.values() if not e.draining and not e.stopping and core.serves_fleet_weights(e)]
+    candidates = [e for e in eligible if room(e)]
     table = core.requests
-    while candidates and (record := table.next_queued()) is not None:
-        engines = core.handoffs.candidates(core, record, candidates)  # prefill or decode (disaggregation)
+    if not candidates and not table.fair:
+        return
+    while (record := table.next_queued(now)) is not None:
+        pool = candidates
+        if not pool:  # a tenant's request of a better band than some assigned ones: room counted in its band
+            band = table.head_band
+            pool = [] if band is None or band >= WORST_BAND else [e for e in eligible if band_room(core, e, band)]
+            if not pool:
+                return
+        engines = core.handoffs.candidates(core, record, pool)  # prefill or decode (disaggregation)
         chosen = core.policy.select(record, adapter_candidates(record, engines)) if engines else None
         if chosen is None:
             return
         engine = core.engines[chosen.engine_id]
         table.pop_queued()
+        if record.params.tenant is not None:
+            table.fair.charge(record.params.tenant, len(record.prompt_tokens))
         table.dispatched(record, engine.engine_id)
         if not engine.assigned:  # an idle loop may wait without counting: its stall clock starts now
             engine.stall_clock = now
@@ -69,5 +82,14 @@ def dispatch(core: "CoordinatorCore", now: float) -> None:
         for part in blocks:  # a decode engine's blocks arrive ahead of their request (coordinator.disaggregation)
             core.send(engine.identity, Header.KV_BLOCKS, part, engine.batches)
         core.send(engine.identity, Header.ENGINE_SUBMIT, body, engine.batches)
-        if not room(engine):
+        if not room(engine) and engine in candidates:
             candidates.remove(engine)
+
+
+def band_room(core: "CoordinatorCore", engine: "EngineRecord", band: int) -> bool:
+    """Whether ``engine`` has room for a request of ``band``, counting only its requests of that band or better: a
+    ``critical`` request is sent to an engine full of ``sheddable`` ones, which then preempts one for it."""
+    records = core.requests.records
+    held = sum(1 for key in engine.assigned if (record := records.get(key)) is not None
+               and band_of(record.params.tenant) <= band)
+    return held < max(1, int(engine.capacity * core.dispatch_factor))

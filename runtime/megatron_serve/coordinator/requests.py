@@ -3,7 +3,9 @@
 Queued requests are dispatched in arrival order, except that a request with a ``priority`` goes
 ahead of every queued request with a larger value (lower first, as in the engines' schedulers), and
 a request that lost its engine goes ahead of all. Requests without a priority (0) never pay for
-the ordering: they wait in a plain deque, the others in a heap beside it.
+the ordering: they wait in a plain deque, the others in a heap beside it. Requests of tenants
+(``SamplingParams.tenant``) wait in the tenants' queue (:mod:`.fair_queue`: strict bands, fair shares),
+whose head goes before an untenanted one unless that one counts in a better band or came first.
 
 A request's life is a :class:`Phase`, changed only here: ``QUEUED``, ``DISPATCHED`` (to exactly one
 engine), ``FINISHED`` (its final record kept until delivered and acknowledged). The coordinator mirrors every token an engine reports, so a
@@ -35,6 +37,8 @@ from ..multimodal import PromptImage, cache_keys
 from ..wire.prefix_hash import adapter_root, salted_root
 from ..wire.request import EventType, RequestEvent
 from ..wire.sampling_params import SamplingParams
+from ..wire.tenancy import STANDARD_BAND
+from .fair_queue import FairQueue
 
 
 class Phase(enum.Enum):
@@ -70,6 +74,7 @@ class RequestRecord:
     final: bytes | None = None  # the finished record's msgpack (forwarded unparsed)
     images: list[PromptImage] = field(default_factory=list)  # placed in prompt_tokens by the caller's process
     queue_order: int = 0  # in the priority heap: when it was queued; in the deque: 0, or -1 moved (ahead of all)
+    queued_at: float | None = None  # a tenant's request: when it was queued (its band improves as it waits)
 
     @property
     def prefix_keys(self) -> list[int]:
@@ -138,8 +143,11 @@ class RequestTable:
         self.records: dict[str, RequestRecord] = {}
         self.queue: collections.deque[str] = collections.deque()  # priority 0, and moved requests (first)
         self.ranked: list[tuple[int, int, str]] = []  # heap of (priority, order, key): priorities other than 0
+        self.fair = FairQueue(self._live)  # requests of tenants (SamplingParams.tenant): bands, fair shares
         self._order = itertools.count(1)
         self._head_ranked = False  # whether next_queued's answer came from the heap
+        self._head_fair: RequestRecord | None = None  # next_queued's answer, when it came from the tenants' queue
+        self.head_band: int | None = None  # the band next_queued's answer counts in (None: no tenant's)
         self.undelivered: set[str] = set()  # finished, but the client could not be reached
         self.counts = collections.Counter({phase: 0 for phase in Phase})
         self.completed = 0
@@ -152,15 +160,22 @@ class RequestTable:
     def get(self, key: str) -> RequestRecord | None:
         return self.records.get(key)
 
-    def add(self, record: RequestRecord, phase: Phase) -> None:
+    def add(self, record: RequestRecord, phase: Phase, now: float | None = None) -> None:
         record.phase = phase
         self.records[record.request_id] = record
         self.counts[phase] += 1
         if phase is Phase.QUEUED:
-            if record.params.priority:
+            if record.params.tenant is not None:
+                self._fair(record, now)
+            elif record.params.priority:
                 self._rank(record)
             else:
                 self.queue.append(record.request_id)
+
+    def _fair(self, record: RequestRecord, now: float | None) -> None:
+        order = next(self._order)
+        record.queue_order = order
+        self.fair.push(record, order, now)
 
     def _rank(self, record: RequestRecord) -> None:
         """Queue a request with a priority in the heap (its order tells a live entry from a stale one)."""
@@ -180,6 +195,8 @@ class RequestTable:
         if first:
             record.queue_order = -1
             self.queue.appendleft(record.request_id)
+        elif record.params.tenant is not None:
+            self._fair(record, None)
         elif record.params.priority:
             self._rank(record)
         else:
@@ -207,8 +224,25 @@ class RequestTable:
             self.counts[record.phase] -= 1
         self.undelivered.discard(record.request_id)
 
-    def next_queued(self) -> RequestRecord | None:
-        """The request at the head of the queue (entries of aborted or moved requests are skipped)."""
+    def next_queued(self, now: float | None = None) -> RequestRecord | None:
+        """The request at the head of the queue (entries of aborted or moved requests are skipped): a moved one, else
+        the better of the untenanted queues' head (``standard``'s band) and the tenants' queue's (``now``: its
+        requests' bands improve as they wait); :attr:`head_band` says which band it counts in."""
+        legacy = self._next_untenanted()
+        self._head_fair, self.head_band = None, None
+        if not self.fair or (legacy is not None and legacy.queue_order == -1):
+            return legacy
+        found = self.fair.head(now)
+        if found is None:
+            return legacy
+        record, band = found
+        if legacy is None or band < STANDARD_BAND or (band == STANDARD_BAND
+                                                      and record.arrival_time <= legacy.arrival_time):
+            self._head_fair, self.head_band = record, band
+            return record
+        return legacy
+
+    def _next_untenanted(self) -> RequestRecord | None:
         queue = self.queue
         head = None
         while queue:
@@ -238,7 +272,9 @@ class RequestTable:
 
     def pop_queued(self) -> None:
         """Remove the request :meth:`next_queued` returned."""
-        if self.ranked and self._head_ranked:
+        if self._head_fair is not None:
+            self.fair.pop(self._head_fair)
+        elif self.ranked and self._head_ranked:
             heapq.heappop(self.ranked)
         else:
             self.queue.popleft()

@@ -18,6 +18,9 @@ decodes and shorter prompts behind them, running or waiting, get their share of 
 than waiting for every chunk of a long prompt that came first (several choices of one scored
 prompt). What budget is left then goes to the long prompts, running first, in order: a long prompt
 alone is chunked as without the threshold. How a prompt is chunked never changes its tokens.
+
+Requests of tenants (``SamplingParams.tenant``) are admitted by class and fair share, and a better class takes the
+slot or the KV blocks of a worse one: :mod:`.tenancy`, on from the first such request (none: as above).
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ from .lora_queue import LoraQueue
 from .prompt_scores import record_prompt_scores
 from .sequence import Sequence
 from .speculative.decoder import Emitted, Speculator
+from .tenancy import TenantPolicy
 from .steps import InFlightStep, StepOutput
 from .token_append import append_tokens, ended
 
@@ -83,6 +87,7 @@ class _Step:
     sequences: list[Sequence] = field(default_factory=list)
     counts: list[int] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
+    displaced: list[Sequence] = field(default_factory=list)  # preempted for a better band (engine.tenancy)
     _rows: dict[int, int] = field(default_factory=dict)  # id(sequence) -> its row in sequences
 
     def scheduled(self, sequence: Sequence) -> int:
@@ -98,6 +103,15 @@ class _Step:
         else:
             self.counts[row] += count
         self.budget -= count
+
+    def drop(self, sequence: Sequence) -> None:
+        """Take ``sequence``'s share out of this step (it was preempted after it was scheduled)."""
+        row = self._rows.pop(id(sequence), None)
+        if row is None:
+            return
+        self.budget += self.counts.pop(row)
+        self.sequences.pop(row)
+        self._rows = {id(s): index for index, s in enumerate(self.sequences)}
 
 
 class Scheduler:
@@ -136,10 +150,16 @@ class Scheduler:
         self.host_queried_tokens = 0  # of those, tokens not found on the device, looked up in the host tier
         self.host_cached_tokens = 0  # tokens admitted sequences copied back from the host tier instead of computing
         self.epoch = 0  # the weights' epoch served: new KV is computed under it, new tokens carry it
+        self.tenancy: TenantPolicy | None = None  # bands and fair shares, from the first request of a tenant
 
     def add(self, sequence: Sequence) -> None:
         """Queue ``sequence`` behind every waiting one whose priority value is not larger (arrival order within
-        a priority); without priorities, at the end."""
+        a priority); without priorities, at the end. The first request of a tenant turns the tenants' policy on
+        (:mod:`.tenancy`)."""
+        if sequence.sampling_params.tenant is not None:
+            if self.tenancy is None:
+                self.tenancy = TenantPolicy()
+            self.tenancy.added(sequence, [*self.running, *self.waiting])
         waiting = self.waiting
         if not waiting or waiting[-1].priority <= sequence.priority:
             waiting.append(sequence)
@@ -248,6 +268,10 @@ class Scheduler:
         threshold = self.long_prefill_token_threshold
         fair = threshold > 0
         step = _Step(self.max_batch_tokens, self.max_long_partial_prefills if fair else 0)
+        tenancy = self.tenancy
+        if tenancy is not None:  # the queue in bands and fair shares, and slots taken from worse bands for better
+            tenancy.order(self.waiting)
+            self._displace(tenancy, step)
         self._schedule_running(step, fair)
         pending = self._blocks_being_computed()
         self._admit_waiting(step, pending, fair)
@@ -256,7 +280,50 @@ class Scheduler:
             self._admit_waiting(step, pending, False)
         entries = list(zip(step.sequences, step.counts))
         entries.sort(key=step_order)
-        return ScheduledBatch(entries, step.preempted)
+        if tenancy is not None:
+            tenancy.charge(entries)
+            tenancy.waited(self.waiting)
+        return ScheduledBatch(entries, step.displaced + step.preempted)
+
+    def _displace(self, tenancy: TenantPolicy, step: _Step) -> None:
+        """Every request slot is taken: the waiting heads of a better band than the worst running requests take
+        theirs (the worst band's newest first), which go back to the queue with their tokens."""
+        free = self.max_requests - len(self.running)
+        victims: list[Sequence] = []
+        for head in self.waiting:
+            if head.pending_tokens:
+                break
+            if free > 0:
+                free -= 1
+                continue
+            victim = tenancy.victim(self.running, head)
+            if victim is None:
+                break
+            victims.append(self.running.pop())
+        for victim in victims:
+            self._displaced(tenancy, victim, step)
+
+    def _displaced(self, tenancy: TenantPolicy, victim: Sequence, step: _Step) -> None:
+        self.release(victim)
+        victim.status = RequestStatus.WAITING_IN_QUEUE
+        victim.add_event(EventType.PREEMPT, "a request of a better class")
+        tenancy.requeue(self.waiting, victim)
+        step.displaced.append(victim)
+
+    def _evict_for(self, sequence: Sequence, count: int, step: _Step) -> bool:
+        """KV blocks ran out for waiting ``sequence``: running requests of a worse band give theirs (the worst
+        band's newest first, its step's share dropped), until its ``count`` tokens fit; False if they cannot."""
+        tenancy = self.tenancy
+        if tenancy is None:
+            return False
+        while self._blocks_needed(sequence, count) > self.allocator.num_free:
+            victim = tenancy.victim(self.running, sequence)
+            if victim is None:
+                return False
+            self.running.pop()
+            step.drop(victim)
+            self._displaced(tenancy, victim, step)
+        return True
 
     def _chunk(self, step: _Step, tokens_left: int, fair: bool) -> int:
         """Tokens of a sequence with ``tokens_left`` to compute that this pass schedules (0: passed over): in the
@@ -315,7 +382,8 @@ class Scheduler:
                 skipped.append(sequence)
                 continue
             count = self._chunk(step, sequence.num_uncomputed, fair)
-            if self._blocks_needed(sequence, count) > self.allocator.num_free:
+            if self._blocks_needed(sequence, count) > self.allocator.num_free and not self._evict_for(sequence, count,
+                                                                                                     step):
                 self.release(sequence)
                 self.waiting.appendleft(sequence)
                 break
@@ -327,7 +395,10 @@ class Scheduler:
                 self.host_cached_tokens += sequence.host_tokens
             sequence.cached_tokens = min(cached, sequence.num_prompt)
             self._grow(sequence, count)
-            self.running.append(sequence)
+            if self.tenancy is not None:
+                self.tenancy.admitted(self.running, sequence)  # in band order (engine.tenancy)
+            else:
+                self.running.append(sequence)
             pending.update(sequence.prompt_hashes[len(sequence.block_hashes):])
             sequence.status = RequestStatus.ACTIVE
             sequence.add_event(EventType.PREFILL)

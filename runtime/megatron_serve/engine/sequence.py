@@ -59,6 +59,7 @@ class Sequence:
     lora_version: int = -1  # the version of its adapter in that slot (its tokens' lora_epochs); -1: none
     num_drafts: int = 0  # speculative guesses at the end of token_ids, not verified yet (engine.speculative)
     drafts_in_flight: int = 0  # guesses in token_ids of launched verify steps, not read yet (engine.speculative)
+    waited_steps: int = 0  # a tenant's request: steps it waited since it last ran (engine.tenancy promotes it)
 
     def __post_init__(self) -> None:
         self.prefix_root = salted_root(self.sampling_params.cache_salt)

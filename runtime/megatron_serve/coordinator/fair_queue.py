@@ -1,0 +1,115 @@
+"""The coordinator's queue for requests of tenants (``SamplingParams.tenant``): strict bands, fair shares by tokens.
+
+A queued request of a tenant waits in its band (its class: ``critical``, ``standard``, ``sheddable``), in its
+tenant's own heap (vLLM's ``priority``, then arrival). The next request to dispatch is the head of the best band
+that has one; within a band, the head of the tenant with the least **virtual tokens**: each tenant's count of the
+tokens the fleet computed for it (prompts when dispatched, then every generated token), divided by its weight. A
+tenant with twice the weight of another is served twice the tokens while both wait; a tenant that had nothing
+queued starts again at the least count of those that wait (it cannot bank the time it was away: the virtual token
+counter of Sheng et al., "Fairness in Serving Large Language Models", OSDI 2024).
+
+Starvation is bounded: a request queued for ``promote_after`` seconds counts as one band better, and one more for
+each further ``promote_after`` (the SGLang Model Gateway promotes the same way), so a flood of ``critical`` work
+delays a ``sheddable`` request, never forever.
+
+Requests without a tenant never come here (``coordinator.requests`` keeps them as before).
+"""
+
+from __future__ import annotations
+
+import heapq
+from typing import TYPE_CHECKING, Callable
+
+from ..wire.tenancy import CLASSES, TenantTag, band_of
+
+if TYPE_CHECKING:
+    from .requests import RequestRecord
+
+#: Seconds a queued request waits before it counts as one band better.
+DEFAULT_PROMOTE_AFTER = 30.0
+#: Tenants whose counts are kept at most, beyond those with requests queued (the rest start again when they return).
+MAX_COUNTED = 10_000
+
+#: One queued request: (priority, order, key).
+Entry = tuple[int, int, str]
+
+
+class FairQueue:
+    """The queued requests of tenants (module docstring). ``live(key, order)``: the queued record an entry stands for,
+    or None for a stale entry (finished, or queued again since)."""
+
+    def __init__(self, live: Callable[[str, int], "RequestRecord | None"],
+                 promote_after: float | None = DEFAULT_PROMOTE_AFTER) -> None:
+        self.live = live
+        self.promote_after = promote_after
+        self.bands: list[dict[str, list[Entry]]] = [{} for _ in CLASSES]
+        self.counts: dict[str, float] = {}  # virtual tokens by tenant
+        self.size = 0  # entries held, stale ones included
+
+    def __bool__(self) -> bool:
+        return self.size > 0
+
+    def push(self, record: "RequestRecord", order: int, now: float | None) -> None:
+        tag = record.params.tenant
+        assert tag is not None, "only requests of tenants are queued here"
+        tenants = self.bands[band_of(tag)]
+        heap = tenants.get(tag.name)
+        if heap is None:
+            heap = tenants[tag.name] = []
+            self._lift(tag.name)
+        if now is not None:
+            record.queued_at = now
+        heapq.heappush(heap, (record.params.priority, order, record.request_id))
+        self.size += 1
+
+    def _lift(self, name: str) -> None:
+        """A tenant with nothing queued comes back: at least the least count of the tenants that wait."""
+        waiting = [self.counts.get(other, 0.0) for tenants in self.bands for other in tenants if other != name]
+        floor = min(waiting, default=0.0)
+        if self.counts.get(name, 0.0) < floor:
+            self.counts[name] = floor
+        if len(self.counts) > MAX_COUNTED + len(waiting):
+            queued = {other for tenants in self.bands for other in tenants}
+            self.counts = {tenant: count for tenant, count in self.counts.items() if tenant in queued or tenant == name}
+
+    def head(self, now: float | None) -> tuple["RequestRecord", int] | None:
+        """The next request and the band it counts in now (its own, or better after waiting), or None."""
+        best: tuple[tuple[int, float, int], "RequestRecord", int] | None = None
+        for band, tenants in enumerate(self.bands):
+            for name in list(tenants):
+                heap = tenants[name]
+                record = self._head_of(heap)
+                if record is None:
+                    del tenants[name]
+                    continue
+                effective = self._band(band, record, now)
+                rank = (effective, self.counts.get(name, 0.0), heap[0][1])
+                if best is None or rank < best[0]:
+                    best = (rank, record, effective)
+        return None if best is None else (best[1], best[2])
+
+    def _head_of(self, heap: list[Entry]) -> "RequestRecord | None":
+        while heap:
+            _, order, key = heap[0]
+            record = self.live(key, order)
+            if record is not None:
+                return record
+            heapq.heappop(heap)
+            self.size -= 1
+        return None
+
+    def _band(self, band: int, record: "RequestRecord", now: float | None) -> int:
+        if now is None or not self.promote_after or record.queued_at is None:
+            return band
+        return max(0, band - int((now - record.queued_at) // self.promote_after))
+
+    def pop(self, record: "RequestRecord") -> None:
+        """Remove ``record``, the head :meth:`head` returned."""
+        tag = record.params.tenant
+        assert tag is not None
+        heapq.heappop(self.bands[band_of(tag)][tag.name])
+        self.size -= 1
+
+    def charge(self, tag: TenantTag, tokens: int) -> None:
+        """``tokens`` computed for a request of ``tag``'s tenant."""
+        self.counts[tag.name] = self.counts.get(tag.name, 0.0) + tokens / tag.weight

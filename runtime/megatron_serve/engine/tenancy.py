@@ -1,0 +1,132 @@
+"""An engine's policy for requests of tenants (``SamplingParams.tenant``, docs/tenants.md): strict bands, fair
+shares by tokens within a band, a better band displacing a worse one, and promotion after waiting.
+
+The scheduler holds one :class:`TenantPolicy` from the first request of a tenant it is given; until then (and in a
+fleet with no tenants, always) it schedules exactly as before. With it:
+
+* the waiting queue is put in order before each step (:meth:`TenantPolicy.order`): band by band, and within a band
+  the tenants' requests merged by their virtual tokens (the tokens this engine computed for each tenant, divided by
+  its weight, as ``coordinator.fair_queue`` counts them at the fleet's level), each tenant's own in the order it
+  had (vLLM's ``priority``, then arrival; a preempted request first);
+* the running list is kept in band order, so that the scheduler's preemption when KV blocks run out (its newest
+  running request) takes the worst band's newest first;
+* when every request slot is taken and the head of the queue is of a better band than the worst running request,
+  that one is preempted for it (:meth:`TenantPolicy.displace`), and the scheduler does the same when KV blocks run
+  out for it (:meth:`TenantPolicy.victim`). A preempted request keeps its tokens and goes back to the queue ahead
+  of its band: it is recomputed from its prompt and tokens (its blocks come back from the prefix cache or the host
+  tier where they still are), so its stream goes on unchanged;
+* a request waiting ``promote_after`` steps counts as one band better, and one more for each further
+  ``promote_after`` steps: no request waits forever behind better ones.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Iterable
+
+from ..wire.tenancy import band_of
+
+if TYPE_CHECKING:
+    from collections import deque
+
+    from .sequence import Sequence
+
+#: Steps a waiting request of a tenant waits before it counts as one band better.
+DEFAULT_PROMOTE_AFTER = 512
+
+
+def base_band(sequence: "Sequence") -> int:
+    return band_of(sequence.sampling_params.tenant)
+
+
+class TenantPolicy:
+    """Bands, fair shares and displacement for one scheduler (module docstring)."""
+
+    def __init__(self, promote_after: int = DEFAULT_PROMOTE_AFTER) -> None:
+        self.promote_after = promote_after
+        self.counts: dict[str, float] = {}  # virtual tokens by tenant
+
+    def band(self, sequence: "Sequence") -> int:
+        """The band ``sequence`` counts in now: its class's, better by one per ``promote_after`` steps waited."""
+        band = base_band(sequence)
+        if self.promote_after and sequence.waited_steps >= self.promote_after:
+            band = max(0, band - sequence.waited_steps // self.promote_after)
+        return band
+
+    def added(self, sequence: "Sequence", held: Iterable["Sequence"]) -> None:
+        """A new request: its tenant, if it had nothing here, starts at the least count of those that have."""
+        tag = sequence.sampling_params.tenant
+        if tag is None:
+            return
+        names = {s.sampling_params.tenant.name for s in held if s.sampling_params.tenant is not None}
+        if tag.name in names:
+            return
+        floor = min((self.counts.get(name, 0.0) for name in names), default=0.0)
+        self.counts[tag.name] = max(self.counts.get(tag.name, 0.0), floor)
+        if len(self.counts) > 4 * len(names) + 1024:  # tenants gone for good: they start again when they return
+            self.counts = {name: self.counts[name] for name in names | {tag.name}}
+
+    def order(self, waiting: "deque[Sequence]") -> None:
+        """Put ``waiting`` in order for this step: bands, then tenants merged by virtual tokens (each request counted
+        at the tokens it has to compute), each tenant's requests in their order."""
+        if len(waiting) < 2:
+            return
+        groups: dict[tuple[int, str], list["Sequence"]] = {}
+        for sequence in waiting:
+            tag = sequence.sampling_params.tenant
+            groups.setdefault((self.band(sequence), "" if tag is None else tag.name), []).append(sequence)
+        ordered: list["Sequence"] = []
+        for band in sorted({band for band, _ in groups}):
+            queues = {name: members for (b, name), members in groups.items() if b == band}
+            counts = {name: self.counts.get(name, 0.0) for name in queues}
+            heads = dict.fromkeys(queues, 0)
+            while queues:
+                name = min(queues, key=lambda n: (counts[n], queues[n][heads[n]].arrival_time))
+                sequence = queues[name][heads[name]]
+                ordered.append(sequence)
+                tag = sequence.sampling_params.tenant
+                counts[name] += sequence.num_uncomputed / (1.0 if tag is None else tag.weight)
+                heads[name] += 1
+                if heads[name] == len(queues[name]):
+                    del queues[name]
+        waiting.clear()
+        waiting.extend(ordered)
+
+    def charge(self, entries: Iterable[tuple["Sequence", int]]) -> None:
+        """The tokens a step computes, each for its request's tenant."""
+        counts = self.counts
+        for sequence, count in entries:
+            tag = sequence.sampling_params.tenant
+            if tag is not None:
+                counts[tag.name] = counts.get(tag.name, 0.0) + count / tag.weight
+
+    def waited(self, waiting: Iterable["Sequence"]) -> None:
+        """One more step for every request still waiting."""
+        for sequence in waiting:
+            sequence.waited_steps += 1
+
+    def admitted(self, running: list["Sequence"], sequence: "Sequence") -> None:
+        """Run ``sequence``: after every running request of its band or better (the running list stays in band
+        order, so that the newest of the worst band is the one preempted first)."""
+        sequence.waited_steps = 0
+        band = base_band(sequence)
+        index = len(running)
+        while index and base_band(running[index - 1]) > band:
+            index -= 1
+        running.insert(index, sequence)
+
+    def requeue(self, waiting: "deque[Sequence]", sequence: "Sequence") -> None:
+        """A preempted request back in the queue: ahead of its band, behind the better ones."""
+        band = self.band(sequence)
+        index = 0
+        while index < len(waiting) and self.band(waiting[index]) < band:
+            index += 1
+        waiting.insert(index, sequence)
+
+    def victim(self, running: list["Sequence"], head: "Sequence") -> "Sequence | None":
+        """The running request ``head`` (waiting) may take the place of: the worst band's newest, if worse than
+        ``head``'s band."""
+        if not running:
+            return None
+        last = running[-1]
+        return last if base_band(last) > self.band(head) else None
+

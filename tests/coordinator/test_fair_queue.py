@@ -1,0 +1,151 @@
+"""The coordinator's policy for requests of tenants (docs/tenants.md), on its pure core with a fake clock and fake
+engines: strict bands, weighted fair shares by tokens, room counted by band, starvation bounded by promotion, and
+untenanted requests as before.
+
+The fake engine here runs what it is sent first come first served, ``capacity`` at a time, one token per request
+and step: whatever share a tenant gets is the coordinator's doing.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import msgspec
+
+from megatron_serve.coordinator.fair_queue import FairQueue
+from megatron_serve.wire.messages import EngineStep, RequestDelta, Submit
+from megatron_serve.wire.protocol import Header
+from megatron_serve.wire.tenancy import TenantTag
+
+from .core_harness import CoreHarness
+
+C, E1 = b"client", b"engine-1"
+
+
+def submit(h: CoreHarness, crid: str, tenant: TenantTag | None, tokens: int = 8, priority: int = 0,
+           prompt: int = 4) -> None:
+    params = {"num_tokens_to_generate": tokens, **({"priority": priority} if priority else {})}
+    if tenant is not None:
+        params["tenant"] = msgspec.to_builtins(tenant)
+    h.send(C, Header.SUBMIT, Submit(client_request_id=crid, prompt=list(range(1, prompt + 1)),
+                                    sampling_params=msgspec.Raw(msgspec.msgpack.encode(params))))
+
+
+def dispatched(h: CoreHarness, identity: bytes = E1) -> list[str]:
+    return [body.request["request_id"].split("/", 1)[1] for body in h.take(identity, Header.ENGINE_SUBMIT)]
+
+
+class FakeEngine:
+    """Runs what the coordinator sends, first come first served, ``capacity`` at a time: one token per request and
+    step, finishing at its ``num_tokens_to_generate``."""
+
+    def __init__(self, h: CoreHarness, identity: bytes, capacity: int) -> None:
+        self.h, self.identity = h, identity
+        self.engine_id = h.engine(identity, group=0, capacity=capacity)
+        self.capacity = capacity
+        self.queue: list[dict] = []  # received, not finished (running: the first `capacity`)
+        self.generated: dict[str, int] = {}
+
+    def step(self) -> list[str]:
+        """One step; returns the requests that made a token."""
+        self.queue += [body.request for body in self.h.take(self.identity, Header.ENGINE_SUBMIT)]
+        outputs, ran = [], []
+        for request in list(self.queue[: self.capacity]):
+            rid = request["request_id"]
+            done = self.generated.get(rid, 0) + 1
+            self.generated[rid] = done
+            finished = done >= request["sampling_params"]["num_tokens_to_generate"]
+            record = {"request_id": rid, "status": "COMPLETED", "finish_reason": "length"} if finished else None
+            outputs.append(msgspec.Raw(msgspec.msgpack.encode(RequestDelta(
+                request_id=rid, new_tokens=[7], finished=finished,
+                request=msgspec.Raw(msgspec.msgpack.encode(record)) if record else msgspec.UNSET))))
+            ran.append(rid)
+            if finished:
+                self.queue.remove(request)
+        if outputs:
+            self.h.send(self.identity, Header.ENGINE_STEP, EngineStep(engine_id=self.engine_id, outputs=outputs))
+        return ran
+
+
+A, B = TenantTag("a", "standard", 1.0), TenantTag("b", "standard", 3.0)
+
+
+def test_bands_are_strict_and_priority_orders_a_tenants_own_requests():
+    h = CoreHarness(dispatch_factor=1.0)
+    h.client(C)
+    shed, std, crit = TenantTag("s", "sheddable"), TenantTag("t", "standard"), TenantTag("c", "critical")
+    for crid, tag, priority in (("s1", shed, 0), ("t1", std, 5), ("t2", std, -5), ("c1", crit, 0), ("s2", shed, 0)):
+        submit(h, crid, tag, priority=priority)
+    FakeEngine(h, E1, capacity=5)
+    assert dispatched(h) == ["c1", "t2", "t1", "s1", "s2"]
+
+
+def test_weights_one_to_three_get_generated_tokens_one_to_three():
+    h = CoreHarness(dispatch_factor=1.0)
+    h.client(C)
+    engine = FakeEngine(h, E1, capacity=4)
+    for i in range(150):  # both tenants keep more queued than the engine runs: contention all along
+        submit(h, f"a{i}", A)
+        submit(h, f"b{i}", B)
+    tokens: Counter[str] = Counter()
+    for _ in range(200):
+        tokens.update(rid.split("/")[1][0] for rid in engine.step())
+    assert tokens["a"] + tokens["b"] == 800
+    assert abs(tokens["b"] / tokens["a"] - 3.0) <= 0.3, tokens
+
+
+def test_control_without_tenants_the_queue_is_first_come_first_served():
+    h = CoreHarness(dispatch_factor=1.0)
+    h.client(C)
+    engine = FakeEngine(h, E1, capacity=4)
+    for i in range(60):
+        submit(h, f"a{i}", None)
+        submit(h, f"b{i}", None)
+    tokens: Counter[str] = Counter()
+    for _ in range(200):
+        tokens.update(rid.split("/")[1][0] for rid in engine.step())
+    assert tokens["a"] == tokens["b"] == 400  # arrival order alternates: equal, whatever weights would say
+
+
+def test_a_better_band_is_sent_to_an_engine_full_of_worse_ones_and_an_equal_one_waits():
+    h = CoreHarness(dispatch_factor=1.0)
+    h.client(C)
+    FakeEngine(h, E1, capacity=2)
+    flood = TenantTag("bulk", "sheddable")
+    for i in range(4):
+        submit(h, f"s{i}", flood)
+    assert dispatched(h) == ["s0", "s1"]  # the engine's room: 2
+    submit(h, "c0", TenantTag("chat", "critical"))
+    submit(h, "t0", TenantTag("team", "standard"))
+    assert dispatched(h) == ["c0", "t0"]  # room counted in their bands: none of theirs is assigned
+    submit(h, "c1", TenantTag("chat", "critical"))
+    submit(h, "t1", TenantTag("team", "standard"))
+    assert dispatched(h) == ["c1"]  # critical: c0 alone counts against its room; standard: c0 and t0 fill it
+    submit(h, "c2", TenantTag("chat", "critical"))
+    assert dispatched(h) == []
+
+
+def test_a_request_waiting_long_is_promoted_a_band_per_period():
+    h = CoreHarness(dispatch_factor=1.0, heartbeat_timeout=1e6, stall_timeout=1e6)
+    h.client(C)
+    engine = FakeEngine(h, E1, capacity=1)
+    submit(h, "busy", TenantTag("chat", "critical"), tokens=1000)
+    assert dispatched(h) == ["busy"]
+    submit(h, "old", TenantTag("bulk", "sheddable"))
+    h.advance(45.0)  # 1.5 periods: one band better (standard)
+    submit(h, "new", TenantTag("team", "standard"))
+    table = h.core.requests
+    assert table.next_queued(h.now).client_request_id == "old" and table.head_band == 1
+    h.advance(20.0)  # two periods: critical
+    assert table.next_queued(h.now).client_request_id == "old" and table.head_band == 0
+    assert dispatched(h) == []  # critical room is held by `busy`
+    engine.queue.clear()
+
+
+def test_a_tenant_back_from_idle_starts_at_the_least_count_of_those_waiting():
+    queue = FairQueue(lambda key, order: None)
+    queue.counts = {"a": 100.0, "b": 250.0, "ahead": 300.0}
+    queue.bands[1] = {"a": [(0, 1, "x")], "b": [(0, 2, "y")]}
+    queue._lift("idle")  # never counted: it starts level with the least, not at 0 (no banked share)
+    queue._lift("ahead")  # counted more than that: it keeps its count
+    assert queue.counts == {"a": 100.0, "b": 250.0, "ahead": 300.0, "idle": 100.0}

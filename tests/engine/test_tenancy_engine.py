@@ -1,0 +1,55 @@
+"""A critical request on a real engine whose every slot runs sheddable ones (docs/tenants.md): it makes its first
+token within 2 engine steps, and every stream, the preempted ones included, ends with exactly the tokens of an
+uninterrupted run (greedy), none lost or repeated."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+
+from megatron_serve import DynamicInferenceRequest, EventType, InferenceConfig, MegatronLLM, SamplingParams
+from megatron_serve.engine.core import DynamicInferenceEngine
+from megatron_serve.wire.tenancy import TenantTag
+
+from ..prompts import PROMPTS
+
+GREEDY = SamplingParams(temperature=0.0, num_tokens_to_generate=24, ignore_eos=True)
+BULK, CHAT = TenantTag("bulk", "sheddable"), TenantTag("chat", "critical")
+
+
+@pytest.mark.parametrize("async_scheduling, tagged", [(True, True), (False, True), (True, False)])
+def test_a_critical_request_starts_within_two_steps_and_the_preempted_streams_are_unchanged(tiny_llama,
+                                                                                          async_scheduling, tagged):
+    """``tagged`` False is the control: the same requests without tenants (the last with priority -5) wait for a slot."""
+    prompts = PROMPTS[:4] + [PROMPTS[4 % len(PROMPTS)] + " now"]
+    reference = [o.generated_tokens for o in MegatronLLM(tiny_llama).generate(prompts, GREEDY)]
+    engine = DynamicInferenceEngine.from_model_dir(tiny_llama, InferenceConfig(
+        max_requests=4, block_size_tokens=16, async_scheduling=async_scheduling))
+    requests = [DynamicInferenceRequest(request_id=f"r{i}", prompt=p, prompt_tokens=engine.tokenizer.encode(p),
+                                        sampling_params=msgspec.structs.replace(
+                                            GREEDY, **({"tenant": BULK if i < 4 else CHAT} if tagged
+                                                       else {"priority": 0 if i < 4 else -5})))
+                for i, p in enumerate(prompts)]
+    tokens: dict[str, list[int]] = {r.request_id: [] for r in requests}
+
+    def step() -> None:
+        for out in engine.step():
+            tokens[out.request_id] += out.new_tokens
+
+    for request in requests[:4]:
+        engine.add_request(request)
+    for _ in range(4):
+        step()
+    assert all(tokens[f"r{i}"] for i in range(4)) and len(engine.scheduler.running) == 4  # every slot: sheddable
+    engine.add_request(requests[4])
+    steps = 0
+    while not tokens["r4"]:
+        step()
+        steps += 1
+    assert steps <= 2 if tagged else steps > 10
+    while engine.has_unfinished_requests():
+        step()
+    assert [tokens[r.request_id] for r in requests] == reference
+    assert [r.generated_tokens for r in requests] == reference
+    preempted = [r.request_id for r in requests if any(e.type is EventType.PREEMPT for e in r.events)]
+    assert preempted == (["r3"] if tagged else [])  # the newest sheddable one

@@ -1,0 +1,108 @@
+"""The engine's policy for requests of tenants (engine/tenancy.py, docs/tenants.md) on the scheduler alone, with
+no model: strict bands, a better band taking a worse one's slot or KV blocks (its tokens kept), fair shares by
+tokens within a band, promotion after waiting, and untagged requests scheduled as before."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from megatron_serve.engine.tenancy import TenantPolicy
+from megatron_serve.wire.request import EventType, RequestStatus
+from megatron_serve.wire.tenancy import TenantTag
+
+from .test_scheduler import play, request, scheduler
+
+BULK = TenantTag("bulk", "sheddable")
+CHAT = TenantTag("chat", "critical")
+TEAM = TenantTag("team", "standard")
+
+
+def running(sched) -> list[str]:
+    return [s.request_id for s in sched.running]
+
+
+def test_a_critical_request_takes_the_newest_sheddable_slot_at_the_next_step_and_the_victim_keeps_its_tokens():
+    sched = scheduler(max_requests=2)
+    for name in ("s0", "s1"):
+        sched.add_request(request(name, 5, num_tokens_to_generate=20, tenant=BULK))
+    for _ in range(3):
+        play(sched)
+    victim = sched.requests["s1"]
+    tokens = list(victim.token_ids)
+    sched.add_request(request("c0", 5, tenant=CHAT))
+    batch = sched.schedule()
+    assert [s.request_id for s in batch.preempted] == ["s1"]  # the newest of the worst band
+    assert {s.request_id for s, _ in batch.entries} == {"s0", "c0"} and running(sched) == ["c0", "s0"]
+    assert victim.status is RequestStatus.WAITING_IN_QUEUE and victim.token_ids == tokens
+    assert victim.block_table == [] and victim.num_computed == 0  # recomputed from its tokens when it runs again
+    assert [e.type for e in victim.events][-1] is EventType.PREEMPT
+
+
+def test_control_untagged_requests_never_displace_one_another_whatever_their_priority():
+    sched = scheduler(max_requests=2)
+    for name in ("s0", "s1"):
+        sched.add_request(request(name, 5, num_tokens_to_generate=20, priority=5))
+    play(sched)
+    sched.add_request(request("c0", 5, priority=-5))
+    batch = sched.schedule()
+    assert batch.preempted == [] and running(sched) == ["s0", "s1"] and sched.tenancy is None
+
+
+def test_an_equal_band_waits_for_a_free_slot():
+    sched = scheduler(max_requests=2)
+    for name in ("t0", "t1"):
+        sched.add_request(request(name, 5, num_tokens_to_generate=20, tenant=TEAM))
+    play(sched)
+    sched.add_request(request("t2", 5, tenant=TenantTag("other", "standard")))
+    assert sched.schedule().preempted == [] and running(sched) == ["t0", "t1"]
+
+
+def test_bands_are_strict_when_a_slot_frees():
+    sched = scheduler(max_requests=1)
+    sched.add_request(request("busy", 5, num_tokens_to_generate=2, tenant=CHAT))
+    play(sched)
+    for name, tag in (("s", BULK), ("t", TEAM), ("c", CHAT)):
+        sched.add_request(request(name, 5, tenant=tag))
+    order = []
+    for _ in range(30):
+        counts, _ = play(sched)
+        order += [name for name in counts if name not in order]
+    assert order == ["busy", "c", "t", "s"]
+
+
+def test_kv_blocks_for_a_better_band_come_from_the_worst_running_request():
+    sched = scheduler(num_blocks=8, max_requests=4)  # blocks of 4 tokens
+    for name in ("s0", "s1"):
+        sched.add_request(request(name, 14, num_tokens_to_generate=2, tenant=BULK))  # 4 blocks each: the pool
+    play(sched)
+    assert sched.allocator.num_free == 0
+    sched.add_request(request("c0", 6, tenant=CHAT))
+    batch = sched.schedule()
+    assert [s.request_id for s in batch.preempted] == ["s1"] and "c0" in {s.request_id for s, _ in batch.entries}
+    assert running(sched) == ["c0", "s0"]
+
+
+def test_weights_one_to_three_get_tokens_one_to_three_within_a_band():
+    sched = scheduler(num_blocks=256, max_requests=4)
+    light, heavy = TenantTag("light", "standard", 1.0), TenantTag("heavy", "standard", 3.0)
+    for i in range(100):  # more than either gets in the steps played: both wait all along
+        sched.add_request(request(f"l{i}", 4, num_tokens_to_generate=8, tenant=light, ignore_eos=True))
+        sched.add_request(request(f"h{i}", 4, num_tokens_to_generate=8, tenant=heavy, ignore_eos=True))
+    generated: Counter[str] = Counter()
+    for _ in range(120):
+        _, outputs = play(sched)
+        generated.update(out.request_id[0] for out in outputs if out.new_tokens)
+    assert abs(generated["h"] / generated["l"] - 3.0) <= 0.3, generated
+
+
+def test_a_request_waiting_long_is_promoted_and_then_takes_a_slot():
+    sched = scheduler(max_requests=1)
+    sched.tenancy = TenantPolicy(promote_after=3)
+    sched.add_request(request("busy", 5, num_tokens_to_generate=100, tenant=TEAM))
+    play(sched)
+    sched.add_request(request("old", 5, tenant=BULK))
+    steps = 0
+    while "old" not in running(sched):
+        play(sched)
+        steps += 1
+    assert steps == 2 * 3 + 1  # two bands better after two periods: critical, which displaces the standard one
