@@ -15,7 +15,7 @@ from megatron_serve.coordinator import (
     DEFAULT_WEIGHTS_TIMEOUT,
     Coordinator,
 )
-from megatron_serve.engine.process import EngineProcess
+from megatron_serve.engine.process.loop import EngineProcess
 from megatron_serve.wire.security import make_secret
 
 from .coordinator.fakes import FakeEngine

@@ -13,8 +13,10 @@ from dataclasses import dataclass, field
 
 from megatron_serve.engine.kv.events import KVEventLog
 from megatron_serve.engine.served import EngineFacts, EngineLoad
+from megatron_serve.engine.verbs import Serving, call
 from megatron_serve.engine.group.turns import Turn
 from megatron_serve.multimodal import PromptImage
+from megatron_serve.wire.kv_blocks import wants_remote_prefill
 from megatron_serve.wire.request import (DynamicInferenceRequest, EngineRequest, EventType, FinalRecord, FinishReason,
                                          RequestStatus)
 
@@ -50,22 +52,6 @@ class FakeStepOutput:
     new_routing: tuple[int, object] | None = None  # fake engines route no experts
     epochs: tuple[int, int, int] = (-1, -1, -1)  # a fake reports no epochs
     prompt_scores: None = None
-
-
-class _NoTransfers:
-    """A fake engine's prefill/decode disaggregation: it never prefills for another engine."""
-
-    def send_after_prefill(self, request_id: str) -> None:
-        pass
-
-    def take(self, engine_id: str) -> list:
-        return []
-
-    def discard(self, request_id: str) -> None:
-        pass
-
-    def clear(self) -> None:
-        pass
 
 
 class _Memory:
@@ -129,10 +115,10 @@ class FakeEngine:
         self.requests: dict[str, DynamicInferenceRequest] = {}
         self.suspended = False
         self.steps = 0
-        self.kv_transfer = _NoTransfers()
         self.kv_events = KVEventLog(block_size or 16)  # a fake caches nothing: its events say so
         self.memory = _Memory(self)
         self.adapters = _Adapters(self)
+        self.serving = Serving()  # the verbs are the real engine's table (engine.verbs), over this fake
         self._gate = threading.Event()
         self._gate.set()
 
@@ -194,7 +180,10 @@ class FakeEngine:
     def group_turn(self, busy: bool, holding: bool = False) -> Turn:
         return Turn(busy, holding)  # one engine: no data-parallel ranks to step with
 
-    def add_request(self, request: EngineRequest) -> None:
+    def call(self, step, body) -> dict:
+        return call(self, step, body)
+
+    def add_request(self, request: EngineRequest, kv_transfer_params: dict | None = None) -> None:
         record = DynamicInferenceRequest(
             request.request_id, None, list(request.prompt_tokens), request.sampling_params,
             generated_tokens=list(request.generated_tokens), events=list(request.events),
@@ -202,9 +191,14 @@ class FakeEngine:
             images=[PromptImage(image.data, image.offset, image.length) for image in request.images])
         record.add_event(EventType.ADD)
         self.requests[request.request_id] = record
+        if wants_remote_prefill(kv_transfer_params):
+            raise NotImplementedError("a fake engine receives no KV blocks")  # it never prefills for another
 
-    def receive_kv(self, request_id: str) -> None:
-        raise NotImplementedError("a fake engine receives no KV blocks")  # it never prefills for another
+    def kv_in(self, part) -> None:
+        raise NotImplementedError("a fake engine receives no KV blocks")
+
+    def kv_out(self, engine_id: str) -> list:
+        return []  # it never prefills for another engine
 
     def step(self) -> list[FakeStepOutput]:
         if self.suspended:
@@ -239,7 +233,7 @@ class FakeEngine:
         request.fail("aborted", FinishReason.ABORT)
         return request.final_record()
 
-    def take_unfinished_requests(self) -> list[FinalRecord]:
+    def take_unfinished_requests(self, forget_transfers: bool = False) -> list[FinalRecord]:
         taken = list(self.requests.values())
         self.requests.clear()
         for request in taken:

@@ -34,8 +34,8 @@ class RecordingEngine(FakeEngine):
         super().__init__(**kwargs)
         self.seen: dict[str, DynamicInferenceRequest] = {}
 
-    def add_request(self, request: EngineRequest) -> None:
-        super().add_request(request)
+    def add_request(self, request: EngineRequest, kv_transfer_params: dict | None = None) -> None:
+        super().add_request(request, kv_transfer_params)
         self.seen[request.request_id] = self.requests[request.request_id]
 
 

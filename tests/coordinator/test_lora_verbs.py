@@ -18,7 +18,7 @@ import msgspec
 import pytest
 
 from megatron_serve.client.coordinator_client import ControlError, InferenceClient
-from megatron_serve.engine.process import EngineProcess
+from megatron_serve.engine.process.loop import EngineProcess
 from megatron_serve.wire.sampling_params import SamplingParams
 
 from .fakes import FakeEngine, expected_tokens
@@ -55,9 +55,9 @@ class LoraFake(FakeEngine):
     def unload_lora_adapter(self, name: str) -> None:
         del self.loras[name]
 
-    def add_request(self, request) -> None:
+    def add_request(self, request, kv_transfer_params=None) -> None:
         self.ran.append(request.sampling_params.lora_name)
-        super().add_request(request)
+        super().add_request(request, kv_transfer_params)
 
 
 def add(fleet, fake: FakeEngine) -> FakeEngine:

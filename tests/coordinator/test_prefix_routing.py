@@ -13,7 +13,7 @@ import pytest
 
 from megatron_serve.client.coordinator_client import InferenceClient
 from megatron_serve.wire.messages import Control, ControlAck, Draining, Heartbeat, Refit, Status, Suspend
-from megatron_serve.engine.process import EngineProcess
+from megatron_serve.engine.process.loop import EngineProcess
 from megatron_serve.wire.prefix_hash import ROOT_HASH, block_hashes
 from megatron_serve.coordinator.prefix_routing import DEFAULT_MAX_LOAD_GAP, DEFAULT_MAX_LOAD_RATIO, PrefixAffinity
 from megatron_serve.wire.protocol import Header

@@ -13,7 +13,7 @@ import threading
 import pytest
 
 from megatron_serve.client.coordinator_client import ControlError, InferenceClient
-from megatron_serve.engine.process import EngineProcess
+from megatron_serve.engine.process.loop import EngineProcess
 from megatron_serve.wire.sampling_params import SamplingParams
 
 from .fakes import FakeEngine, expected_tokens

@@ -16,7 +16,7 @@ import pytest
 from megatron_serve import cli
 from megatron_serve.client.coordinator_client import InferenceClient
 from megatron_serve.coordinator import Coordinator
-from megatron_serve.engine.process import EngineProcess
+from megatron_serve.engine.process.loop import EngineProcess
 from megatron_serve.wire.request import EventType, RequestStatus
 from megatron_serve.wire.sampling_params import SamplingParams
 
@@ -31,7 +31,7 @@ HEARTBEAT = 0.1  # engines heartbeat often, so a small stall timeout has a wide 
 
 def republish(proc: EngineProcess, progress) -> None:
     """Make ``proc``'s heartbeats report ``progress(proc)`` instead of its loop count (None: leave it out)."""
-    publish = proc._publish_stats
+    publish = proc.publish_stats
 
     def publish_other(force: bool = False) -> None:
         publish(force)
@@ -39,7 +39,7 @@ def republish(proc: EngineProcess, progress) -> None:
         value = progress(proc)
         proc.link.stats = stats if value is None else {**stats, "progress": value}
 
-    proc._publish_stats = publish_other
+    proc.publish_stats = publish_other
 
 
 async def engines_by_id(client: InferenceClient) -> dict[str, dict]:

@@ -7,7 +7,7 @@ import time
 
 import zmq
 
-from megatron_serve.engine.link import CoordinatorLink
+from megatron_serve.engine.process.link import CoordinatorLink
 
 
 class _EndsAfterOneLook:

@@ -42,10 +42,9 @@ def prefill(model_dir: str) -> tuple[list[DynamicInferenceRequest], list[KVBlock
     served = engine(model_dir)
     requests = [DynamicInferenceRequest(f"r{i}", "", p, params(1)) for i, p in enumerate(prompts())]
     for request in requests:
-        served.kv_transfer.send_after_prefill(request.request_id)
-        served.add_request(request)
+        served.add_request(request, {"do_remote_decode": True})
     finish(served)
-    wire = [decode(encode(Header.KV_BLOCKS, blocks), TO_COORDINATOR).body for blocks in served.kv_transfer.take("e")]
+    wire = [decode(encode(Header.KV_BLOCKS, blocks), TO_COORDINATOR).body for blocks in served.kv_out("e")]
     return requests, wire, served.load().computed_tokens
 
 
@@ -54,12 +53,11 @@ def decode_from(model_dir: str, firsts: list[DynamicInferenceRequest], blocks: l
     sends them, through their wire form)."""
     served = engine(model_dir)
     for part in blocks:
-        served.kv_transfer.arrive(decode(encode(Header.KV_BLOCKS, part), FROM_COORDINATOR).body)
+        served.kv_in(decode(encode(Header.KV_BLOCKS, part), FROM_COORDINATOR).body)
     requests = [DynamicInferenceRequest(r.request_id, "", list(r.prompt_tokens), params(),
                                         generated_tokens=list(r.generated_tokens)) for r in firsts]
     for request in requests:
-        served.add_request(request)
-        served.receive_kv(request.request_id)
+        served.add_request(request, {"do_remote_prefill": True})
     finish(served)
     return requests, served
 
@@ -115,13 +113,12 @@ def test_only_a_request_that_goes_on_sends_its_blocks(tiny_llama):
                 DynamicInferenceRequest("stop", "", prompts()[0], stop_at_first),
                 DynamicInferenceRequest("abort", "", prompts()[1], params(4))]
     for request in requests:
-        served.kv_transfer.send_after_prefill(request.request_id)
-        served.add_request(request)
+        served.add_request(request, {"do_remote_decode": True})
     served.step()
     served.abort_request("abort")
     finish(served)
     assert requests[1].finish_reason.value == "stop" and requests[2].finish_reason.value == "abort"
-    assert [b.request_id for b in served.kv_transfer.take("e")] == ["length"]
+    assert [b.request_id for b in served.kv_out("e")] == ["length"]
     assert served.kv_transfer.counts.transfers["sent"] == 1
 
 
@@ -148,12 +145,11 @@ def test_a_suspend_before_a_prefilled_request_runs_lets_its_blocks_go_and_it_com
     firsts, blocks, _ = prefill(tiny_llama)
     served = engine(tiny_llama)
     for part in blocks:
-        served.kv_transfer.arrive(part)
+        served.kv_in(part)
     requests = [DynamicInferenceRequest(r.request_id, "", list(r.prompt_tokens), params(),
                                         generated_tokens=list(r.generated_tokens)) for r in firsts]
     for request in requests:
-        served.add_request(request)
-        served.receive_kv(request.request_id)
+        served.add_request(request, {"do_remote_prefill": True})
     assert served.load().kv_blocks_free < served.load().kv_blocks_total  # waiting, with its blocks
     served.memory.suspend()
     served.memory.resume()

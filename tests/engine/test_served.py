@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from megatron_serve import InferenceConfig
 from megatron_serve.engine.core import DynamicInferenceEngine
-from megatron_serve.engine.process import EngineProcess
+from megatron_serve.engine.process.loop import EngineProcess
 from megatron_serve.engine.served import AdapterVerbs, MemoryVerbs, ServedEngine
 
 from ..coordinator.fakes import FakeEngine

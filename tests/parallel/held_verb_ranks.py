@@ -1,5 +1,5 @@
 """One data-parallel attention leader in a gloo group of leaders, turning its step loop as an engine process does
-(``engine.process.EngineProcess.run``): it gets its copy of a trainer's refit at the turn its command line names, holds
+(``engine.process.loop.EngineProcess.run``): it gets its copy of a trainer's refit at the turn its command line names, holds
 it, and prints the turn at which the leaders agreed to act on it (``test_data_parallel_attention``)."""
 
 from __future__ import annotations

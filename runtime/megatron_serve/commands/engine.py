@@ -128,7 +128,7 @@ def run(args: argparse.Namespace) -> int:
     check_model_dir(args.model, tokenizer=args.tokenizer is None)
     token = read_token(args)
     from ..engine import DynamicInferenceEngine  # noqa: PLC0415 - torch import is slow
-    from ..engine.process import run_engine_process  # noqa: PLC0415
+    from ..engine.process.loop import run_engine_process  # noqa: PLC0415
 
     def make_engine() -> DynamicInferenceEngine:
         started = time.monotonic()

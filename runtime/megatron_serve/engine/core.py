@@ -19,6 +19,9 @@ too: the step after one is planned as if it accepted every draft and corrected o
 rejected (:mod:`.speculative.decoder`; the cases that read first instead are listed in
 :meth:`~.speculative.stepping.SpeculativeSteps.overlaps`).
 
+The engine process reaches every lifecycle verb through one entry, ``call(step, body)`` (:mod:`.verbs`: one table of
+actions over the verbs' objects), and prefill/decode disaggregation through two, ``kv_in`` and ``kv_out``.
+
 The engine never raises for a bad request: the request fails alone and comes back from ``step()``.
 It deals in token ids only: EOS, stop token ids, length and grammar completion end a request here;
 text and stop strings are made by whoever reads the tokens (:mod:`megatron_serve.client.output_processor`),
@@ -30,6 +33,7 @@ from __future__ import annotations
 import logging
 import weakref
 from pathlib import Path
+from typing import Any
 
 from ..config import InferenceConfig
 from ..model.config import ModelConfig
@@ -37,6 +41,8 @@ from ..model.llama import LlamaForCausalLM
 from ..model.loader import load_model
 from ..tokenizer import Tokenizer, TokenizerFiles, Vocabulary
 from ..wire.engine_stats import EngineStats
+from ..wire.kv_blocks import KVBlocks, wants_remote_decode, wants_remote_prefill
+from ..wire.lifecycle import Step
 from .admission import Admission
 from .expert_api import Ended, ExpertApi, Submitted
 from .expert_backend import install_expert_backend
@@ -59,6 +65,7 @@ from .speculative.decoder import Speculator
 from .speculative.factory import make_proposer
 from .speculative.stepping import SpeculativeSteps
 from .steps import InFlightStep, StepOutput
+from .verbs import Serving, call
 from .worker import ModelWorker
 from ..weights.peer_pull import layout_digest
 
@@ -129,6 +136,7 @@ class DynamicInferenceEngine:
         self.memory = DeviceMemory(model, config, self.worker, self.kv_cache, self.scheduler, self.parity,
                                    self.speculator, self.loras, lambda: settle()())
         self.adapters = Adapters(self.loras, self.stats)
+        self.serving = Serving(lora_push_dir=config.lora_push_dir)  # what the verbs leave (.verbs)
 
     @property
     def epoch(self) -> int:
@@ -224,31 +232,51 @@ class DynamicInferenceEngine:
         verb (:mod:`.group.data_parallel`)."""
         return self.worker.runner.group_turn(busy, holding)
 
-    def add_request(self, request: Submitted) -> None:
+    def call(self, step: Step | str, body: Any) -> dict[str, Any]:
+        """A lifecycle verb (or a registration) between two steps, given its message: what the engine did, the
+        acknowledgement's detail (one table of actions, :mod:`.verbs`)."""
+        return call(self, step, body)
+
+    def add_request(self, request: Submitted, kv_transfer_params: dict[str, Any] | None = None) -> None:
         """Queue a request: an ``EngineRequest``, or a public request that the engine's outputs are applied to as
         they are made (Megatron's expert API, :mod:`.expert_api`); one that can never run fails alone (reported
-        by the next ``step``)."""
+        by the next ``step``). ``kv_transfer_params`` (vLLM's, :mod:`.kv.transfer`): its KV goes on to a decode
+        engine after its first token (``do_remote_decode``), or it starts on the blocks a prefill engine computed,
+        which arrived first (``do_remote_prefill``, :meth:`kv_in`); parts of any other request are dropped."""
+        request_id = request.request_id
+        if wants_remote_decode(kv_transfer_params):
+            self.kv_transfer.send_after_prefill(request_id)
         self.expert.add(request, self.scheduler.add_request)
-
-    def receive_kv(self, request_id: str) -> None:
-        """Start a request just added on the blocks a prefill engine computed (:mod:`.kv.transfer`)."""
-        sequence = self.scheduler.requests.get(request_id)
-        if sequence is not None:
+        if not wants_remote_prefill(kv_transfer_params):
+            self.kv_transfer.discard(request_id)
+        elif (sequence := self.scheduler.requests.get(request_id)) is not None:
             self.kv_transfer.receive(sequence, self.epoch, self.scheduler.waiting)
+
+    def kv_in(self, part: KVBlocks) -> None:
+        """A part of a prefilled request's KV blocks (``KV_BLOCKS``), ahead of the request, which starts on them."""
+        self.kv_transfer.arrive(part)
+
+    def kv_out(self, engine_id: str) -> list[KVBlocks]:
+        """The blocks of requests prefilled here that go on to a decode engine, copied out since the last call, as
+        the ``KV_BLOCKS`` parts of registration ``engine_id``."""
+        return self.kv_transfer.take(engine_id)
 
     def abort_request(self, request_id: str) -> Ended | None:
         """Drop a request; its final record (the public request, for one added so), or None if unknown."""
         sequence = self.scheduler.abort_request(request_id)
         return None if sequence is None else self.expert.ended(sequence)
 
-    def take_unfinished_requests(self) -> list[Ended]:
+    def take_unfinished_requests(self, forget_transfers: bool = False) -> list[Ended]:
         """Hand back every unfinished request (draining), as its final record (the public request, for one added
-        so): blocks freed, tokens generated so far kept.
+        so): blocks freed, tokens generated so far kept. ``forget_transfers`` (a new registration, whose coordinator
+        sends its requests again): every KV part that arrived and every mark of blocks to send is dropped first.
 
         The step in flight is finished first: its tokens are on the public requests handed back (a caller that
         must deliver them as outputs calls ``sync()`` first); outputs of requests it finished stay for ``step()``.
         After a failed step (the caller fails what it hands back), a step in flight that fails too is dropped.
         """
+        if forget_transfers:
+            self.kv_transfer.clear()
         try:
             self.settle()
         except Exception:  # noqa: BLE001 - the failure that brought us here is being handled

@@ -1,9 +1,11 @@
 """What the engine process needs of an engine: :class:`ServedEngine`, one typed interface.
 
-``EngineProcess`` drives ``DynamicInferenceEngine`` in production and deterministic fakes in the fleet
-tests. Both implement this protocol, so the process reads each fact directly: it used to probe the engine
+``EngineProcess`` (:mod:`.process`) drives ``DynamicInferenceEngine`` in production and deterministic fakes in the
+fleet tests. Both implement this protocol, so the process reads each fact directly: it used to probe the engine
 with 18 ``getattr(engine, name, default)`` calls, which turned a misspelt or missing member into a
 silently wrong HELLO (a fleet without a block size routes without prefix affinity) instead of an error.
+Every lifecycle verb reaches the engine through one member, ``call(step, body)`` (:mod:`.verbs`), and prefill/decode
+disaggregation through two, ``kv_in`` and ``kv_out``, with a request's ``kv_transfer_params`` given as it is added.
 """
 
 from __future__ import annotations
@@ -18,8 +20,10 @@ if TYPE_CHECKING:
     from ..weights.peer_pull import PeerWeights
     from ..weights.sources import WeightSource
     from .kv.events import KVEventLog
-    from .kv.transfer import KVTransfer
+    from ..wire.kv_blocks import KVBlocks
+    from ..wire.lifecycle import Step
     from ..wire.messages import PromptScores
+    from .verbs import Serving
     from ..wire.request import EngineRequest, FinalRecord
 
 
@@ -130,13 +134,13 @@ class AdapterVerbs(Protocol):
 
 
 class ServedEngine(Protocol):
-    """The engine as :class:`~megatron_serve.engine.process.EngineProcess` serves it: the step loop's members,
-    and the verbs' objects it holds."""
+    """The engine as :class:`~megatron_serve.engine.process.loop.EngineProcess` serves it: the step loop's members,
+    the verbs' one entry, and the verbs' objects it holds."""
 
-    kv_transfer: KVTransfer  # prefill/decode disaggregation: blocks sent after prefill, received for decode
     kv_events: KVEventLog  # what the KV tiers hold, as vLLM's KV events (the coordinator's index reads them)
     memory: MemoryVerbs  # suspend, resume, refit
     adapters: AdapterVerbs  # LoRA adapters
+    serving: Serving  # what the verbs change beside weights and pools (source, suspend level), and HELLO says of it
 
     @property
     def epoch(self) -> int: ...  # generation of the weights being served (-1: a mix after a failed load)
@@ -151,14 +155,20 @@ class ServedEngine(Protocol):
 
     def group_turn(self, busy: bool, holding: bool = False) -> Turn: ...  # step now? act on a held verb now?
 
-    def add_request(self, request: EngineRequest) -> None: ...
+    def call(self, step: Step | str, body: Any) -> dict[str, Any]: ...  # a verb's work: the acknowledgement's detail
+
+    # a request, and vLLM's kv_transfer_params: its KV goes on after prefill, or it starts on blocks that arrived
+    def add_request(self, request: EngineRequest, kv_transfer_params: dict[str, Any] | None = None) -> None: ...
+
+    def kv_in(self, part: KVBlocks) -> None: ...  # a part of a prefilled request's blocks, ahead of the request
+
+    def kv_out(self, engine_id: str) -> Sequence[KVBlocks]: ...  # blocks of requests prefilled here, to send on
 
     def step(self) -> Sequence[EngineStepResult]: ...
 
     def sync(self) -> Sequence[EngineStepResult]: ...
 
-    def receive_kv(self, request_id: str) -> None: ...  # a request just added starts on its blocks that arrived
-
     def abort_request(self, request_id: str) -> object: ...  # how it ended (unused: the coordinator ends it itself)
 
-    def take_unfinished_requests(self) -> Sequence[FinalRecord]: ...  # the requests of EngineRequests handed back
+    # the requests of EngineRequests handed back; with forget_transfers, every KV part and mark too (a new session)
+    def take_unfinished_requests(self, forget_transfers: bool = False) -> Sequence[FinalRecord]: ...

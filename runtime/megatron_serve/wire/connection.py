@@ -1,6 +1,6 @@
 """A peer's connection to the coordinator, without sockets: HELLO, backoff, heartbeats, reconnects.
 
-Engines (:mod:`megatron_serve.engine.link`, a thread with a blocking socket) and clients
+Engines (:mod:`megatron_serve.engine.process.link`, a thread with a blocking socket) and clients
 (:mod:`megatron_serve.client.coordinator_client`, asyncio) keep a coordinator connection the same way, written here
 once; each owns its socket and asks a :class:`Connection` what to do:
 

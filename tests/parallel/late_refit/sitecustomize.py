@@ -8,7 +8,7 @@ import queue
 import time
 
 if os.environ.get("LATE_REFIT_S"):
-    from megatron_serve.engine import link
+    from megatron_serve.engine.process import link
 
     class _LateRefits(queue.Queue):
         def put(self, item, block=True, timeout=None):

@@ -1,4 +1,4 @@
-"""The engine's connection to the coordinator, in a thread of its own (see :mod:`.engine_process`).
+"""The engine's connection to the coordinator, in a thread of its own (see :mod:`.loop`).
 
 The thread owns the DEALER socket (a CURVE client of the coordinator when the fleet has a secret:
 :mod:`megatron_serve.wire.security`) and its monitor; what to send when (HELLO with backoff, a HEARTBEAT every second
@@ -21,13 +21,13 @@ from typing import TYPE_CHECKING, Any
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from ..wire.connection import Connection, Unauthorized
-from ..wire.protocol import Header, ProtocolError, encode
-from ..wire.security import FleetSecret, PeerKeys, fleet_secret, hello_credentials, refused_message
-from ..wire.transport import close_monitored, open_peer_socket
+from ...wire.connection import Connection, Unauthorized
+from ...wire.protocol import Header, ProtocolError, encode
+from ...wire.security import FleetSecret, PeerKeys, fleet_secret, hello_credentials, refused_message
+from ...wire.transport import close_monitored, open_peer_socket
 
 if TYPE_CHECKING:
-    from ..wire.messages import Body
+    from ...wire.messages import Body
 
 logger = logging.getLogger("megatron_serve.engine_process")
 

@@ -1,0 +1,45 @@
+"""A registration with a coordinator, the first or again after a reconnect (:func:`on_registered`): a new session,
+the engine brought to what the fleet serves (``engine.call(REGISTER, ack)``), and the state the coordinator said."""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+from ...wire.lifecycle import FleetState
+from ...wire.messages import HelloAck
+from ...wire.protocol import Header
+from ..verbs import REGISTER
+
+if TYPE_CHECKING:
+    from .loop import EngineProcess
+
+logger = logging.getLogger("megatron_serve.engine_process")
+
+
+def on_registered(proc: EngineProcess, ack: HelloAck, session: int) -> None:
+    # Registering may take minutes (loading the fleet's weights, resuming): meanwhile the loop's
+    # count says nothing, and heartbeats carry none (the coordinator reads that as "unknown").
+    link, engine = proc.link, proc.engine
+    link.stats = {k: v for k, v in link.stats.items() if k != "progress"}
+    if proc.session:
+        dropped = engine.take_unfinished_requests(forget_transfers=True)
+        logger.warning("registered again with coordinator %s: dropped %d in-flight request(s) "
+                       "(the coordinator re-queued them)", ack.coordinator_id, len(dropped))
+    proc.session = session
+    proc.engine_id = ack.engine_id
+    engine.kv_events.attach(proc.send_kv_events)  # the coordinator's index starts from what it holds now
+    logger.info("registered with coordinator %s as %s (group %s), state %s", ack.coordinator_id,
+                proc.engine_id, ack.engine_group, ack.state)
+    problem = engine.call(REGISTER, ack).get("error")
+    if problem is not None:
+        proc.fatal = problem
+        return
+    target = ack.state
+    if target == FleetState.SUSPENDED.value:
+        proc.state = FleetState.SUSPENDED
+    else:  # a STOPPED coordinator: wait paused until it is restarted with UNPAUSE
+        proc.state = FleetState.RUNNING if target == FleetState.RUNNING.value else FleetState.PAUSED
+    if proc.drain_deadline is not None:
+        proc.send(Header.DRAINING, {"engine_id": proc.engine_id})
+    proc.publish_stats(force=True)
