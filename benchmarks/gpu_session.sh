@@ -101,7 +101,7 @@ case ${1:-tests} in
   invariant)  # the GPU kernels' checks and their cost first: the steps together outlast one 10-minute call
     step pytest_invariant_gpu 240 python3 -m pytest -q -p no:cacheprovider --timeout 120 -rfEs \
       tests/kernels/test_invariant_attention.py tests/kernels/test_invariant_kernels.py \
-      tests/invariance/test_invariant_cuda_graphs.py
+      tests/invariance/test_invariant_cuda_graphs.py tests/model/test_weighted_sum.py
     step invariant_gpu 300 python3 benchmarks/invariant_gpu.py --batches 1,64,256
     step pytest_invariant 420 python3 -m pytest -q -p no:cacheprovider --timeout 300 -rfEs --durations 10 tests/invariance
     step parity_invariant 300 python3 -m pytest -q -p no:cacheprovider -rfE tests/parity/test_vs_itself_invariant.py \

@@ -23,9 +23,10 @@ from megatron_serve.model import token_dispatcher
 if __name__ in ("__main__", "__mp_main__"):  # this group's processes only, never a test process that imports this
     _weighted_sum = token_dispatcher.weighted_sum
 
-    def _maybe_unordered(outputs, weights, tokens, count, ordered):
+    def _maybe_unordered(outputs, weights, tokens, count, ordered, top_k):
         """The control: with ``UNORDERED_COMBINE=1`` every rank sums a token's experts in float32."""
-        return _weighted_sum(outputs, weights, tokens, count, ordered and os.environ.get("UNORDERED_COMBINE") != "1")
+        return _weighted_sum(outputs, weights, tokens, count, ordered and os.environ.get("UNORDERED_COMBINE") != "1",
+                             top_k)
 
     token_dispatcher.weighted_sum = _maybe_unordered
     _gathers_rows = InferenceConfig.gathers_rows

@@ -106,7 +106,7 @@ class CapacityDispatcher:
         tokens = torch.arange(count * top_k, device=outputs.device) // top_k
         # through the module, as the exact dispatchers call it (a test's control replaces it for every dispatcher)
         return token_dispatcher.weighted_sum(back[self._index[pairs]], weights[self.local].reshape(-1)[pairs],
-                                             tokens, count, self.ordered)
+                                             tokens, count, self.ordered, top_k)
 
     def gather(self, chunk: torch.Tensor) -> torch.Tensor:
         return gather_chunks(self.tp, chunk, self._bounds)

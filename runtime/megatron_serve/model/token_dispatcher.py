@@ -67,15 +67,24 @@ class TokenDispatcher(Protocol):
 
 
 def weighted_sum(outputs: torch.Tensor, weights: torch.Tensor, tokens: torch.Tensor, num_tokens: int,
-                 ordered: bool) -> torch.Tensor:
+                 ordered: bool, top_k: int) -> torch.Tensor:
     """Each token's expert outputs times their router weights, summed into ``[num_tokens, H]``.
 
-    ``ordered``: rows must come in ascending expert order per token; each product is rounded to the model
-    dtype and added in that order (``index_add_`` adds them one after another), as the invariant kernel does.
+    ``ordered``: rows come grouped by token (``tokens`` ascending), a token's at most ``top_k`` in the order they
+    are to be added; each product is rounded to the model dtype and added in that order into zeros, as the
+    invariant kernel does. The rows are laid out ``[num_tokens, top_k, H]`` and added one column at a time, not
+    by one ``index_add_`` of every row: that adds them one after another on a CPU but in any order on a GPU (its
+    atomic adds). No host synchronization: CUDA graphs capture it.
     """
     if ordered:
         scaled = (outputs * weights[:, None]).to(outputs.dtype)
-        return outputs.new_zeros((num_tokens, outputs.shape[1])).index_add_(0, tokens, scaled)
+        place = torch.arange(tokens.numel(), device=tokens.device) - torch.searchsorted(tokens, tokens)
+        columns = scaled.new_zeros((num_tokens, top_k, scaled.shape[1]))
+        columns[tokens, place] = scaled
+        total = scaled.new_zeros((num_tokens, scaled.shape[1]))
+        for column in range(top_k):
+            total = total + columns[:, column]
+        return total
     total = torch.zeros((num_tokens, outputs.shape[1]), dtype=torch.float32, device=outputs.device)
     return total.index_add_(0, tokens, outputs.float() * weights.float()[:, None]).to(outputs.dtype)
 
@@ -106,7 +115,7 @@ class AllGatherDispatcher:
             order = torch.argsort(pairs)
             outputs, pairs = outputs[order], pairs[order]
         out = weighted_sum(outputs, weights.reshape(-1)[pairs], pairs // weights.shape[1], self.local.stop,
-                           self.ordered)
+                           self.ordered, weights.shape[1])
         return self.tp.ordered_sum(out) if self.ordered else self.tp.all_reduce(out)
 
     def gather(self, local: torch.Tensor) -> torch.Tensor:
@@ -177,7 +186,7 @@ class AllToAllDispatcher:
             order = torch.argsort(sent)
             back, sent = back[order], sent[order]
         return weighted_sum(back, weights.reshape(-1)[sent], sent // top_k - self.local.start,
-                            self.local.stop - self.local.start, self.ordered)
+                            self.local.stop - self.local.start, self.ordered, top_k)
 
     def gather(self, chunk: torch.Tensor) -> torch.Tensor:
         return gather_chunks(self.tp, chunk, self._exchange.bounds)
@@ -249,7 +258,7 @@ class DataParallelDispatcher:
             order = torch.argsort(sent)
             back, sent = back[order], sent[order]
         return weighted_sum(back, weights[self.local].reshape(-1)[sent], sent // top_k,
-                            self.local.stop - self.local.start, self.ordered)
+                            self.local.stop - self.local.start, self.ordered, top_k)
 
     def gather(self, chunk: torch.Tensor) -> torch.Tensor:
         return gather_chunks(self.tp, chunk, self._bounds)
