@@ -102,12 +102,9 @@ class PodController:
         emu = self.cluster.emu
         seen = -1
         while True:
-            async with emu.changed:
-                try:
-                    await asyncio.wait_for(emu.changed.wait_for(lambda: emu.rv != seen), 0.2)
-                except asyncio.TimeoutError:
-                    pass
-                seen = emu.rv
+            # react to changes; also re-check now and then (tests release held workloads)
+            await emu.wait_until(lambda: emu.rv != seen, 0.2)
+            seen = emu.rv
             for plural in ("statefulsets", lws.PLURAL):
                 for obj in emu.objects_of(plural, self.namespace):
                     await self.sync(obj)

@@ -301,12 +301,9 @@ class Cluster:
         emu = self.emu
         seen = -1
         while True:
-            async with emu.changed:
-                try:  # react to changes; also re-check now and then (tests release held workloads)
-                    await asyncio.wait_for(emu.changed.wait_for(lambda: emu.rv != seen), 0.2)
-                except asyncio.TimeoutError:
-                    pass
-                seen = emu.rv
+            # react to changes; also re-check now and then (tests release held workloads)
+            await emu.wait_until(lambda: emu.rv != seen, 0.2)
+            seen = emu.rv
             for plural in ("deployments", "statefulsets"):
                 for obj in emu.objects_of(plural):
                     name = obj["metadata"]["name"]

@@ -34,6 +34,7 @@ import secrets
 import uuid
 import warnings
 from collections.abc import AsyncIterator
+from collections.abc import Callable
 from typing import Any
 
 import aiohttp.web
@@ -108,7 +109,7 @@ class StrictKubernetesEmulator(kmock.KubernetesEmulator):
         self.store: dict[tuple[Any, str | None, str], dict[str, Any]] = {}
         self.rv = 1
         self.log: list[tuple[int, Any, dict[str, Any]]] = []
-        self.changed = asyncio.Condition()
+        self._pulse = asyncio.Event()  # set and replaced at every change: see wait_until
         self.scale_paths: dict[Any, dict[str, str]] = {}
         self.printer_columns: dict[Any, list[dict[str, Any]]] = {}
         self.api_calls: list[tuple[str, str, str, str | None]] = []
@@ -136,19 +137,42 @@ class StrictKubernetesEmulator(kmock.KubernetesEmulator):
         self.rv += 1
         return str(self.rv)
 
+    def _notify(self) -> None:
+        pulse, self._pulse = self._pulse, asyncio.Event()
+        pulse.set()
+
+    async def wait_until(self, predicate: Callable[[], bool], timeout: float | None) -> bool:
+        """Wait until ``predicate()`` holds after a change (or at once), or ``timeout`` seconds pass (None: no
+        limit); returns whether it holds.
+
+        An event set and replaced at each change, not an ``asyncio.Condition`` under ``asyncio.wait_for``: on
+        Python 3.11 a task cancelled there (a controller stopped at the end of a test) could wait forever to get the
+        condition's lock back, under load, and the test hung at its teardown."""
+        loop = asyncio.get_running_loop()
+        deadline = None if timeout is None else loop.time() + timeout
+        while not predicate():
+            pulse = self._pulse
+            remaining = None if deadline is None else deadline - loop.time()
+            if remaining is not None and remaining <= 0:
+                return False
+            try:
+                async with asyncio.timeout(remaining):
+                    await pulse.wait()
+            except TimeoutError:
+                return predicate()
+        return True
+
     async def end_watches(self) -> None:
         """End every open watch stream (the server waits for open handlers when it stops)."""
-        async with self.changed:
-            self.closing = True
-            self.changed.notify_all()
+        self.closing = True
+        self._notify()
 
     def logged_rv(self) -> int:
         return self.log[-1][0] if self.log else 0
 
     async def _emit(self, res: Any, kind: str, obj: dict[str, Any]) -> None:
-        async with self.changed:
-            self.log.append((int(obj["metadata"]["resourceVersion"]), res, {"type": kind, "object": copy.deepcopy(obj)}))
-            self.changed.notify_all()
+        self.log.append((int(obj["metadata"]["resourceVersion"]), res, {"type": kind, "object": copy.deepcopy(obj)}))
+        self._notify()
 
     def _record(self, request: kmock.Request) -> None:
         res = request.resource
@@ -503,18 +527,14 @@ class StrictKubernetesEmulator(kmock.KubernetesEmulator):
             for obj in initial:
                 yield {"type": "ADDED", "object": obj}
         while True:
-            async with self.changed:
-                try:
-                    remaining = None if deadline is None else max(0.0, deadline - loop.time())
-                    await asyncio.wait_for(self.changed.wait_for(
-                        lambda: self.logged_rv() > cursor or self.closing), remaining)
-                except asyncio.TimeoutError:
-                    return
-                if self.closing:
-                    return
-                # (a version may be stamped but not logged yet: follow the log, not the counter)
-                events = [(rv, e) for rv, res, e in self.log if rv > cursor and res == request.resource]
-                cursor = self.logged_rv()
+            remaining = None if deadline is None else max(0.0, deadline - loop.time())
+            if not await self.wait_until(lambda: self.logged_rv() > cursor or self.closing, remaining):
+                return
+            if self.closing:
+                return
+            # (a version may be stamped but not logged yet: follow the log, not the counter)
+            events = [(rv, e) for rv, res, e in self.log if rv > cursor and res == request.resource]
+            cursor = self.logged_rv()
             for _, event in events:
                 meta = event["object"]["metadata"]
                 if request.namespace is not None and meta.get("namespace") != request.namespace:
