@@ -17,7 +17,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from . import crd_disaggregation, crd_kv_tiers, crd_layout
+from . import crd_disaggregation, crd_kv_tiers, crd_layout, crd_tenants
 
 GROUP = "serving.megatron.dev"
 VERSION = "v1alpha1"
@@ -191,7 +191,8 @@ CEL_RULES: list[tuple[str, str, str, CelCheck]] = [
     ),
 ]
 
-CEL_RULES += crd_layout.CEL_RULES + crd_disaggregation.CEL_RULES + crd_kv_tiers.CEL_RULES
+CEL_RULES += (crd_layout.CEL_RULES + crd_disaggregation.CEL_RULES + crd_kv_tiers.CEL_RULES
+              + crd_tenants.CEL_RULES)
 
 # rule text -> python twin (the operator evaluates these; tests compare them with real CEL)
 CEL_CHECKS: dict[str, CelCheck] = {rule: check for _, rule, _, check in CEL_RULES}
@@ -350,6 +351,7 @@ def spec_schema() -> dict[str, Any]:
                 required=["name", "key"],
             ),
             "resources": _resources("Resources of the server container."),
+            **crd_tenants.server_fields(),
             "apiServerCount": _int("HTTP server processes in the server container, sharing its port, each with its "
                                    "own coordinator client (vLLM's --api-server-count): for more streamed tokens "
                                    "per second than one process writes. Give the container about one CPU per "
@@ -420,6 +422,7 @@ def spec_schema() -> dict[str, Any]:
             "engine": engine,
             "coordinator": coordinator,
             "server": server,
+            "tenants": crd_tenants.tenants_schema(),
             "lora": lora,
             "network": network,
             "lifecycle": _str("Running | Paused (stop stepping, keep memory) | Suspended (release GPU memory) | "

@@ -19,6 +19,8 @@ an API key). ``megatron-serve render`` refuses such a resource unless ``--no-str
 
 from __future__ import annotations
 
+import json
+
 from typing import Any
 
 from .names import COORDINATOR_PORT, coordinator_name, object_meta, selector_labels
@@ -97,8 +99,17 @@ def _admits(rule: dict[str, Any], port: dict[str, Any]) -> bool:
 
 def _authenticated(container: dict[str, Any], port: dict[str, Any]) -> bool:
     """Whether what listens on ``port`` asks for credentials: the OpenAI server's port, given an API key."""
-    keyed = any(e.get("name") == API_KEY_ENV and "valueFrom" in e for e in container.get("env", []))
+    keyed = any(e.get("name") == API_KEY_ENV and ("valueFrom" in e or _names_keys(e.get("value", "")))
+                for e in container.get("env", []))
     return container.get("args", [""])[0] == "server" and port.get("name") == "http" and keyed
+
+
+def _names_keys(document: str) -> bool:
+    """Whether a key document (spec.tenants: crd_tenants) lists any key."""
+    try:
+        return bool(json.loads(document).get("keys"))
+    except (ValueError, AttributeError):
+        return False
 
 
 def _pod_template(obj: dict[str, Any]) -> dict[str, Any] | None:

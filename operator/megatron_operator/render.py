@@ -36,6 +36,7 @@ from megatron_serve.fleet.argv import kv_role_argv
 
 from .config import ENV_TOKEN_KEY, ENV_TOKEN_KEY_FILE, OperatorConfig, read_token_key, token_key_from_env
 from .crd_kv_tiers import with_host_tier
+from .crd_tenants import server_tenancy
 from .engine_args import engine_flags, layout_flags, lora_flags
 from .leader_worker_set import render_engine_lws
 from .model_fetch import fetch_container
@@ -204,9 +205,11 @@ def render_coordinator_deployment(spec: InferenceSpec, config: OperatorConfig) -
         "volumeMounts": mounts,
     }
     server_env = _base_env(spec)
-    if spec.api_key_secret_ref:
+    tenancy_env, tenancy_args = server_tenancy(spec.tenants, spec.api_key_secret_ref, spec.server_tenancy)
+    if spec.api_key_secret_ref and not spec.tenants:
         server_env.append({"name": API_KEY_ENV, "valueFrom": {"secretKeyRef": {
             "name": spec.api_key_secret_ref["name"], "key": spec.api_key_secret_ref["key"]}}})
+    server_env += tenancy_env  # spec.tenants: their keys and the key document (crd_tenants)
     probe_port: int | str = spec.probe_port or "http"
     server = {
         "name": "server",
@@ -216,7 +219,8 @@ def render_coordinator_deployment(spec: InferenceSpec, config: OperatorConfig) -
                  str(spec.drain_timeout_seconds), "--health-port", str(spec.probe_port), *_served_name(spec)]
                 # on by default; the flag only when off, so existing pod templates stay unchanged
                 + ([] if spec.remote_images else ["--no-remote-images"])
-                + (["--api-server-count", str(spec.api_server_count)] if spec.api_server_count > 1 else []),
+                + (["--api-server-count", str(spec.api_server_count)] if spec.api_server_count > 1 else [])
+                + tenancy_args,
         "env": server_env,
         "ports": [{"name": "http", "containerPort": spec.server_port, "protocol": "TCP"}],
         # /ready: requests are served now (coordinator reachable, fleet RUNNING, not draining); /health: the

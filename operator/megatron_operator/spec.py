@@ -233,6 +233,8 @@ class InferenceSpec:
     server_port: int
     probe_port: int  # the server's --health-port; 0: none, the probes use server_port
     api_key_secret_ref: dict[str, str] | None
+    tenants: list[dict[str, Any]]  # spec.tenants as given, defaulted (crd_tenants renders them for the server)
+    server_tenancy: dict[str, Any]  # spec.server's tenantHeader and shedding, as given
     server_resources: dict[str, Any]
     api_server_count: int
     remote_images: bool
@@ -338,6 +340,8 @@ def parse(resource: dict[str, Any], default_namespace: str = "default") -> Infer
         server_port=server["port"],
         probe_port=server["probePort"],
         api_key_secret_ref=server.get("apiKeySecretRef"),
+        tenants=[dict(tenant) for tenant in spec.get("tenants", [])],
+        server_tenancy={k: server[k] for k in ("tenantHeader", "shedding") if k in server},
         server_resources=dict(server.get("resources", {})),
         api_server_count=server["apiServerCount"],
         remote_images=server["remoteImages"],
