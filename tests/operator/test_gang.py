@@ -166,7 +166,6 @@ async def test_a_deleted_rank_restarts_its_statefulset_group(cluster):
         await pods.stop()
 
 
-@pytest.mark.timeout(300)  # 9 s alone; it ran past 120 s twice in whole-suite runs at load 5-7 (see the note)
 async def test_leaderworkerset_groups_are_restarted_by_their_controller_not_the_operator(cluster):
     """With the LWS CRD the operator deletes no pod (RecreateGroupOnPodRestart is the controller's); its
     status follows the pods that come back."""
