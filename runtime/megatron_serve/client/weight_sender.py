@@ -41,7 +41,7 @@ from ..weights import group as transfer
 from ..weights.drafter import DRAFTER_PREFIX
 from ..model.finite import NonFiniteWeights, first_nonfinite, refuse_nonfinite
 from ..weights.manifest import nbytes, pack, plan_buckets, spec_of
-from ..weights.sending import receivers, send_pieces
+from ..weights.sending import FIGURES_AFTER_ANSWER_S, receivers, send_pieces
 from ..weights.shards import Item, cover_problem, merge_manifests, piece_of
 from ..wire.messages import RENDEZVOUS_SCHEME, LoraPush, Rendezvous
 from . import roll_call
@@ -237,7 +237,7 @@ class WeightSender:
                 raise
             detail = ack.setdefault("detail", {})
             detail["receivers"] = await asyncio.to_thread(receivers, store, self.world_size, figures["world_size"],
-                                                          self.timeout)
+                                                          min(self.timeout, FIGURES_AFTER_ANSWER_S))
             await asyncio.to_thread(self._publish, store, ranks, ack)
         finally:
             if ranks is not None:

@@ -138,7 +138,14 @@ def _send(group: dist.ProcessGroup, queues: dict[int, deque], pieces: Sequence[P
             land(engine)
 
 
-def receivers(store: dist.Store, first: int, world_size: int, timeout: float) -> dict[int, dict[str, Any]]:
+#: How long rank 0 waits for an engine rank's figures once the REFIT is answered. Each rank publishes them as it
+#: finishes loading, before the answer, so they are there or about to be; a rank that died meanwhile never
+#: publishes, and waiting the transfer's whole time-out for it held the trainer's ``send`` that long.
+FIGURES_AFTER_ANSWER_S = 30.0
+
+
+def receivers(store: dist.Store, first: int, world_size: int, timeout: float = FIGURES_AFTER_ANSWER_S
+              ) -> dict[int, dict[str, Any]]:
     """Every engine rank's figures (bytes received, seconds, bytes/s, the bytes it serves, its peak memory), which
     each publishes once it loaded: read on rank 0 once the REFIT is answered (a rank whose figures do not come
     within ``timeout`` is left out, logged)."""
