@@ -149,3 +149,16 @@ def test_a_tenant_back_from_idle_starts_at_the_least_count_of_those_waiting():
     queue._lift("idle")  # never counted: it starts level with the least, not at 0 (no banked share)
     queue._lift("ahead")  # counted more than that: it keeps its count
     assert queue.counts == {"a": 100.0, "b": 250.0, "ahead": 300.0, "idle": 100.0}
+
+
+def test_a_request_is_charged_its_prompt_and_max_tokens_and_given_back_what_it_did_not_use():
+    h = CoreHarness(dispatch_factor=1.0)
+    h.client(C)
+    engine = FakeEngine(h, E1, capacity=1)
+    submit(h, "a0", B, tokens=10, prompt=6)  # weight 3
+    assert h.core.requests.fair.counts["b"] == (6 + 10) / 3
+    engine.step()
+    request = engine.queue[0]
+    request["sampling_params"]["num_tokens_to_generate"] = 2  # it stops early (as at a stop string or EOS)
+    engine.step()
+    assert h.core.requests.fair.counts["b"] == (6 + 2) / 3

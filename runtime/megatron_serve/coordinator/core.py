@@ -459,8 +459,6 @@ class CoordinatorCore:
                 continue
             if out.new_tokens or out.routing is not None or out.prompt_scores is not None:
                 self._mirror(record, out, raw, steps)
-                if out.new_tokens and record.params.tenant is not None:  # its tenant's fair share (fair_queue)
-                    self.requests.fair.charge(record.params.tenant, len(out.new_tokens))
             handed_on = self.handoffs.active and self.handoffs.on_output(self, engine, record, out)
             if out.finished:
                 finished.append((record, out, handed_on))

@@ -73,7 +73,7 @@ def dispatch(core: "CoordinatorCore", now: float) -> None:
         engine = core.engines[chosen.engine_id]
         table.pop_queued()
         if record.params.tenant is not None:
-            table.fair.charge(record.params.tenant, len(record.prompt_tokens))
+            table.fair.charge(record)
         table.dispatched(record, engine.engine_id)
         if not engine.assigned:  # an idle loop may wait without counting: its stall clock starts now
             engine.stall_clock = now

@@ -3,8 +3,10 @@
 A queued request of a tenant waits in its band (its class: ``critical``, ``standard``, ``sheddable``), in its
 tenant's own heap (vLLM's ``priority``, then arrival). The next request to dispatch is the head of the best band
 that has one; within a band, the head of the tenant with the least **virtual tokens**: each tenant's count of the
-tokens the fleet computed for it (prompts when dispatched, then every generated token), divided by its weight. A
-tenant with twice the weight of another is served twice the tokens while both wait; a tenant that had nothing
+tokens given to it, divided by its weight. A
+tenant with twice the weight of another is served twice the tokens while both wait. A request is charged when it
+is dispatched, for what it may cost (its prompt and its ``max_tokens``), and what it did not use is given back
+when it finishes: the requests a tenant has waiting in engines count as given to it. A tenant that had nothing
 queued starts again at the least count of those that wait (it cannot bank the time it was away: the virtual token
 counter of Sheng et al., "Fairness in Serving Large Language Models", OSDI 2024).
 
@@ -110,6 +112,20 @@ class FairQueue:
         heapq.heappop(self.bands[band_of(tag)][tag.name])
         self.size -= 1
 
-    def charge(self, tag: TenantTag, tokens: int) -> None:
-        """``tokens`` computed for a request of ``tag``'s tenant."""
-        self.counts[tag.name] = self.counts.get(tag.name, 0.0) + tokens / tag.weight
+    def charge(self, record: "RequestRecord") -> None:
+        """``record`` is dispatched: its tenant is charged what it may cost (its prompt and the tokens it may still
+        generate), settled when it finishes (:meth:`settle`). Charged up front, a tenant's share counts the work it
+        was given, not only the work done so far: the requests it has waiting in engines count too."""
+        tag = record.params.tenant
+        assert tag is not None
+        cost = len(record.prompt_tokens) + max(record.params.num_tokens_to_generate - len(record.generated_tokens), 0)
+        record.charged += cost
+        self.counts[tag.name] = self.counts.get(tag.name, 0.0) + cost / tag.weight
+
+    def settle(self, record: "RequestRecord") -> None:
+        """``record`` finished: what it was charged and did not use goes back to its tenant."""
+        tag = record.params.tenant
+        unused = record.charged - len(record.prompt_tokens) - len(record.generated_tokens)
+        record.charged = 0
+        if tag is not None and unused > 0 and tag.name in self.counts:
+            self.counts[tag.name] -= unused / tag.weight

@@ -75,6 +75,7 @@ class RequestRecord:
     images: list[PromptImage] = field(default_factory=list)  # placed in prompt_tokens by the caller's process
     queue_order: int = 0  # in the priority heap: when it was queued; in the deque: 0, or -1 moved (ahead of all)
     queued_at: float | None = None  # a tenant's request: when it was queued (its band improves as it waits)
+    charged: int = 0  # a tenant's request: tokens charged to its tenant's share (fair_queue), settled at its finish
 
     @property
     def prefix_keys(self) -> list[int]:
@@ -209,6 +210,8 @@ class RequestTable:
 
     def finish(self, record: RequestRecord, final: bytes, status: str | None, finish_reason: str | None) -> None:
         """``final`` is the record the client gets; ``status`` and ``finish_reason`` (its fields) count it."""
+        if record.charged:
+            self.fair.settle(record)
         self._move(record, Phase.FINISHED)
         record.engine_id = None
         record.final = final

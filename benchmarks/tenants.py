@@ -1,0 +1,245 @@
+"""Tenants on a whole stack (`megatron-serve run`: HTTP server, coordinator, engine; docs/tenants.md), three figures:
+
+1. **flood**: tenant `bulk` keeps 4x the fleet's request slots of long streamed completions in flight; tenant
+   `chat` sends short requests one after another. `chat`'s TTFT p50/p99 alone, under the flood with `bulk`
+   `sheddable` and `chat` `standard`, and (the control) under the flood with both `standard`; and `bulk`'s tokens/s
+   meanwhile (it must progress). Shedding is off here (`--shed-* 0`): the figure is the scheduling's.
+2. **weights**: tenants of weight 1 and 3 in one class, each with twice the slots in flight; the tokens each was
+   streamed over the window, and their ratio.
+3. **overhead**: no tenants, 64 streams (`benchmarks/serving.py`'s workload): CPU seconds of the server, the
+   coordinator and the engine per request, this tree against ``--baseline DIR`` (a checkout of the tree before
+   tenants; its ``runtime`` goes first on the stack's ``PYTHONPATH``), alternated ``--repeats`` times.
+
+    python benchmarks/tenants.py                                  # all three on a new tiny model
+    python benchmarks/tenants.py --only overhead --baseline /tmp/before --repeats 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import aiohttp
+
+from scratch import scratch_dir
+from serving import EventStream, percentile, stack_cpu_seconds, start_stack, stop_stack
+
+SLOTS = 8  # the engine's request slots (--max-requests)
+MODEL_NAME = ["tiny-llama"]  # the served name: the model directory's
+NO_SHEDDING = "--shed-queue-depth 0 --shed-kv-cache-usage 0 --shed-stale-after 0"
+
+
+def document(tenants: dict[str, dict]) -> str:
+    """A key document: each tenant's key is ``key-<name>``."""
+    return json.dumps({"tenants": tenants, "keys": [{"key": f"key-{name}", "tenant": name} for name in tenants]})
+
+
+async def stream(http: aiohttp.ClientSession, key: str, prompt: list[int], tokens: int,
+                 counted: dict[str, int] | None = None) -> float:
+    """One streamed completion; its TTFT. ``counted``: tokens generated, by key (each request's when it ends)."""
+    body = {"model": MODEL_NAME[0], "prompt": prompt, "max_tokens": tokens, "stream": True, "ignore_eos": True,
+            "temperature": 0, "stream_options": {"include_usage": True}}
+    started = time.perf_counter()
+    first = None
+    events = EventStream()
+    async with http.post("/v1/completions", json=body, headers={"Authorization": f"Bearer {key}"}) as response:
+        if response.status != 200:
+            raise RuntimeError(f"HTTP {response.status}: {(await response.read()).decode()[:300]}")
+        async for chunk in response.content.iter_any():
+            for data in events.feed(chunk):
+                if data == "[DONE]":
+                    continue
+                message = json.loads(data)
+                if message.get("usage") and counted is not None:  # every token, whatever its text
+                    counted[key] = counted.get(key, 0) + message["usage"]["completion_tokens"]
+                if message["choices"] and message["choices"][0].get("text"):
+                    first = first or time.perf_counter()
+    return (first or time.perf_counter()) - started
+
+
+def prompts(count: int, length: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(10, 500) for _ in range(length)] for _ in range(count)]
+
+
+async def closed_loop(url: str, key: str, concurrency: int, tokens: int, stop: asyncio.Event,
+                      counted: dict[str, int]) -> None:
+    """``concurrency`` streams of ``key`` in flight until ``stop``."""
+    work = prompts(4096, 32, 11)  # every tenant the same prompts
+    async with aiohttp.ClientSession(base_url=url, timeout=aiohttp.ClientTimeout(total=600),
+                                     connector=aiohttp.TCPConnector(limit=concurrency + 2)) as http:
+        async def worker(index: int) -> None:
+            turn = index
+            while not stop.is_set():
+                await stream(http, key, work[turn % len(work)], tokens, counted)
+                turn += concurrency
+
+        workers = [asyncio.ensure_future(worker(i)) for i in range(concurrency)]
+        await stop.wait()
+        for task in workers:
+            task.cancel()
+        await asyncio.gather(*workers, return_exceptions=True)
+
+
+async def chat_ttfts(url: str, count: int) -> list[float]:
+    async with aiohttp.ClientSession(base_url=url, timeout=aiohttp.ClientTimeout(total=600)) as http:
+        return [await stream(http, "key-chat", prompt, 8) for prompt in prompts(count, 32, 7)]
+
+
+async def flood_level(url: str, requests: int) -> tuple[list[float], float]:
+    """``chat``'s TTFTs under ``bulk``'s flood, and ``bulk``'s tokens/s meanwhile."""
+    stop, counted = asyncio.Event(), {}
+    flood = asyncio.ensure_future(closed_loop(url, "key-bulk", 4 * SLOTS, 256, stop, counted))
+    await asyncio.sleep(3.0)  # the flood fills every slot and queue
+    before, started = counted.get("key-bulk", 0), time.perf_counter()
+    ttfts = await chat_ttfts(url, requests)
+    rate = (counted.get("key-bulk", 0) - before) / (time.perf_counter() - started)
+    stop.set()
+    await flood
+    return ttfts, rate
+
+
+def with_stack(model: str, run_args: str, body, env: dict[str, str] | None = None):
+    """``body(url, pid)``'s result, run against a stack started for it (``env``: the stack's extra variables)."""
+    proc, url, _ = start_stack(model, 1, run_args) if env is None else _start_with(model, run_args, env)
+    try:
+        return asyncio.run(body(url, proc.pid))
+    finally:
+        stop_stack(proc)
+
+
+def _start_with(model: str, run_args: str, env: dict[str, str]):
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        return start_stack(model, 1, run_args)
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def key_file(text: str) -> str:
+    path = scratch_dir("bench-tenants-") / "keys.json"
+    path.write_text(text)
+    return str(path)
+
+
+def run_flood(model: str, requests: int) -> None:
+    base = f"--max-requests {SLOTS} {NO_SHEDDING}"
+    alone_doc = key_file(document({"bulk": {"class": "sheddable"}, "chat": {"class": "standard"}}))
+    same_doc = key_file(document({"bulk": {"class": "standard"}, "chat": {"class": "standard"}}))
+    alone = with_stack(model, f"{base} --api-key-file {alone_doc}", lambda url, _: chat_ttfts(url, requests))
+    bands, bulk_rate = with_stack(model, f"{base} --api-key-file {alone_doc}",
+                                  lambda url, _: flood_level(url, requests))
+    same, same_rate = with_stack(model, f"{base} --api-key-file {same_doc}", lambda url, _: flood_level(url, requests))
+    print(f"\nflood: bulk keeps {4 * SLOTS} streams of 256 tokens in flight ({SLOTS} slots); chat: {requests} "
+          "requests of 8 tokens, one after another")
+    print("| chat's TTFT | p50 (s) | p99 (s) | p99 / alone | bulk tokens/s |\n|---|---|---|---|---|")
+    p99 = percentile(alone, 99)
+    for name, values, rate in (("alone", alone, None), ("flood, bulk sheddable", bands, bulk_rate),
+                               ("flood, both standard (control)", same, same_rate)):
+        print(f"| {name} | {percentile(values, 50):.3f} | {percentile(values, 99):.3f} | "
+              f"{percentile(values, 99) / p99:.2f} | {'' if rate is None else f'{rate:.0f}'} |")
+
+
+def run_weights(model: str, seconds: float, warmup: float = 10.0) -> None:
+    doc = key_file(document({"w1": {"class": "standard", "weight": 1}, "w3": {"class": "standard", "weight": 3}}))
+
+    async def body(url: str, _pid: int) -> dict[str, int]:
+        stop, counted = asyncio.Event(), {}
+        loops = [asyncio.ensure_future(closed_loop(url, key, 2 * SLOTS, 64, stop, counted))
+                 for key in ("key-w1", "key-w3")]
+        await asyncio.sleep(warmup)  # until the requests sent first, in arrival order, have finished
+        before = dict(counted)
+        await asyncio.sleep(seconds)
+        window = {key: counted.get(key, 0) - before.get(key, 0) for key in ("key-w1", "key-w3")}
+        stop.set()
+        await asyncio.gather(*loops)
+        return window
+
+    window = with_stack(model, f"--max-requests {SLOTS} {NO_SHEDDING} --api-key-file {doc}", body)
+    print(f"\nweights: two tenants of one class, {2 * SLOTS} streams of 64 tokens each in flight, {seconds:g} s")
+    print(f"| tenant | weight | tokens | share |\n|---|---|---|---|")
+    total = sum(window.values())
+    for key, weight in (("key-w1", 1), ("key-w3", 3)):
+        print(f"| {key[4:]} | {weight} | {window[key]} | {window[key] / total:.3f} |")
+    print(f"ratio w3 / w1: {window['key-w3'] / max(window['key-w1'], 1):.2f} (weights: 3.00)")
+
+
+def run_overhead(model: str, baseline: str | None, repeats: int, requests: int) -> None:
+    """CPU per request at 64 streams, no tenants: this tree and the baseline's, alternated."""
+    trees = {"this tree": None} | ({"baseline": baseline} if baseline else {})
+    cpu: dict[str, list[dict[str, float]]] = {name: [] for name in trees}
+
+    async def load(url: str) -> None:
+        work = prompts(requests, 128, 3)
+        async with aiohttp.ClientSession(base_url=url, timeout=aiohttp.ClientTimeout(total=600),
+                                         connector=aiohttp.TCPConnector(limit=70)) as http:
+            queue = list(work)
+
+            async def worker() -> None:
+                while queue:
+                    await stream(http, "none", queue.pop(), 64)
+
+            await asyncio.gather(*(worker() for _ in range(64)))
+
+    for _ in range(repeats):
+        for name, tree in trees.items():
+            env = None if tree is None else {"PYTHONPATH": os.pathsep.join(
+                [str(Path(tree) / "runtime"), str(Path(tree) / "kernels"), os.environ.get("PYTHONPATH", "")])}
+
+            async def measured(url: str, pid: int) -> dict[str, float]:
+                start = stack_cpu_seconds(pid) or {}
+                await load(url)
+                end = stack_cpu_seconds(pid) or {}
+                return {part: (end[part] - start.get(part, 0.0)) / requests for part in end}
+
+            cpu[name].append(with_stack(model, "--max-requests 64", measured, env))
+    print(f"\noverhead: no tenants, 64 streams of 64 tokens, {requests} requests; CPU ms per request (median of "
+          f"{repeats})")
+    print("| tree | server | coordinator | engine |\n|---|---|---|---|")
+    for name, runs in cpu.items():
+        cells = [statistics.median(run.get(part, 0.0) for run in runs) * 1000 for part in
+                 ("server", "coordinator", "engines")]
+        print(f"| {name} | " + " | ".join(f"{c:.2f}" for c in cells) + " |")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", help="model directory (default: a new tiny model)")
+    parser.add_argument("--only", choices=("flood", "weights", "overhead"), action="append")
+    parser.add_argument("--requests", type=int, default=40, help="chat's requests per flood level")
+    parser.add_argument("--seconds", type=float, default=20.0, help="the weights' window")
+    parser.add_argument("--baseline", help="a checkout of the tree before tenants, for the overhead's control")
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--overhead-requests", type=int, default=256)
+    args = parser.parse_args()
+    model = args.model
+    if model is None:
+        from megatron_serve.model.tiny import make_tiny_model  # noqa: PLC0415
+
+        model = str(make_tiny_model(scratch_dir("bench-tiny-") / "tiny-llama"))
+    MODEL_NAME[0] = Path(model).name
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    only = set(args.only or ("flood", "weights", "overhead"))
+    if "flood" in only:
+        run_flood(model, args.requests)
+    if "weights" in only:
+        run_weights(model, args.seconds)
+    if "overhead" in only:
+        run_overhead(model, args.baseline, args.repeats, args.overhead_requests)
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    main()
