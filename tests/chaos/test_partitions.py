@@ -14,10 +14,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 from typing import Iterator
 
 import pytest
@@ -27,7 +29,7 @@ from megatron_serve.config import InferenceConfig
 from megatron_serve.wire.request import RequestStatus
 from megatron_serve.wire.sampling_params import SamplingParams
 
-from ..helpers import Children, Recorder, free_port
+from ..helpers import Children, Recorder, free_port, until
 
 pytestmark = [pytest.mark.timeout(600), pytest.mark.slow]
 
@@ -213,3 +215,96 @@ async def _busy(client: InferenceClient, pid: int, streamed: dict[str, str], tim
             return mine[0]["id"]
         await asyncio.sleep(0.02)
     raise AssertionError("the cut-off engine never held requests while tokens flowed")
+
+
+TRAINER = Path(__file__).parents[1] / "weights" / "trainer.py"
+GREEDY = SamplingParams(temperature=0.0, num_tokens_to_generate=8, ignore_eos=True)
+TRANSFER_TIMEOUT_S = 15
+
+
+@pytest.fixture(scope="module")
+def policy_b(tmp_path_factory) -> tuple[str, list[list[int]]]:
+    """Another tiny model (the trainer's new weights) and its greedy tokens for PROMPTS, from a direct engine."""
+    from megatron_serve.client.llm import MegatronLLM  # noqa: PLC0415
+    from megatron_serve.model.tiny import make_tiny_model  # noqa: PLC0415
+
+    model = str(make_tiny_model(tmp_path_factory.mktemp("policy-b"), seed=1))
+    with MegatronLLM(model, InferenceConfig(num_kv_blocks=64)) as llm:
+        return model, [r.generated_tokens for r in llm.generate(PROMPTS, GREEDY)]
+
+
+def _trainer_in(children: Children, namespace: str, port: int, model: str, epoch: int, *extra: str
+                ) -> subprocess.Popen:
+    """tests/weights/trainer.py inside ``namespace``: it reaches the coordinator over the veth pair and serves the
+    transfer's store on its own side of it; its JSON lines on a pipe."""
+    return subprocess.Popen(["ip", "netns", "exec", namespace, sys.executable, str(TRAINER), f"tcp://{HOST_IP}:{port}",
+                             model, str(epoch), str(64 << 10), "--timeout", str(TRANSFER_TIMEOUT_S), *extra],
+                            stdout=subprocess.PIPE, stderr=open(children.log_dir / f"trainer-{epoch}.log", "wb"),
+                            stdin=subprocess.DEVNULL, text=True,
+                            env={**os.environ, "MEGATRON_SERVE_TOKEN": children.secret})
+
+
+async def _line(proc: subprocess.Popen, timeout: float = 300) -> dict:
+    line = await asyncio.wait_for(asyncio.to_thread(proc.stdout.readline), timeout)
+    assert line, f"the trainer ended without a line (exit {proc.wait()})"
+    return json.loads(line)
+
+
+async def _greedy(client: InferenceClient) -> tuple[list[list[int]], set[int]]:
+    results = await asyncio.gather(*(client.add_request(p, GREEDY) for p in PROMPTS))
+    return [r.generated_tokens for r in results], {e for r in results for e in r.policy_epochs}
+
+
+async def test_a_trainer_cut_off_mid_refit_leaves_every_engine_on_its_old_weights(tiny_model, policy_b, tmp_path):
+    """The trainer's link (to the coordinator and to every engine rank) goes down after two buckets of a refit:
+    the engines' transfer times out, nothing is applied (they load only once every rank committed), every engine
+    stays on its old weights and epoch and serves them again once unpaused; a trainer on a link that works then
+    refits the fleet. The time from the cut to the REFIT's answer is printed for docs/faults.md."""
+    children = Children(tmp_path)
+    port = free_port()
+    model_b, tokens_b = policy_b
+    with engine_namespace() as (namespace, host_side):
+        try:
+            children.spawn(["coordinator", "--model", tiny_model, "--host", "0.0.0.0", "--port", str(port)],
+                           "coordinator")
+            children.engine(tiny_model, port)
+            children.engine(tiny_model, port)
+            async with InferenceClient(f"tcp://127.0.0.1:{port}", token=children.secret) as client:
+                await client.wait_for_engines(2, timeout=300)
+                tokens_a, epochs = await _greedy(client)
+                assert epochs == {0} and tokens_a != tokens_b
+                await client.pause()
+                held = _trainer_in(children, namespace, port, model_b, 3, "--hold-after-bucket", "2")
+                try:
+                    first = await _line(held)
+                    while first.get("bucket") != 2:
+                        first = await _line(held)
+                    _ip("link", "set", host_side, "down")
+                    cut = time.monotonic()
+
+                    async def answered():
+                        status = await client.status()
+                        return status if not status["pending_controls"] else None
+
+                    status = await until(answered, TRANSFER_TIMEOUT_S + 90, "the cut REFIT to be answered")
+                    answered_s = time.monotonic() - cut
+                    assert not status["incomplete_weights"]
+                    assert status["epoch"] == 0 and all(e["epoch"] == 0 for e in status["engines"]), status
+                    await client.unpause()
+                    assert await _greedy(client) == (tokens_a, {0})
+                finally:
+                    held.kill()
+                    held.wait()
+                _ip("link", "set", host_side, "up")
+                await client.pause()
+                trainer = _trainer_in(children, namespace, port, model_b, 5)
+                ack = await _line(trainer)
+                while "bucket" in ack:
+                    ack = await _line(trainer)
+                assert trainer.wait(60) == 0 and ack["detail"]["epoch"] == 5, ack
+                await client.unpause()
+                assert await _greedy(client) == (tokens_b, {5})
+            print(f"\npartition trainer-engine during a refit: answered {answered_s:.1f}s after the cut (transfer "
+                  f"time-out {TRANSFER_TIMEOUT_S}s), every engine on its old epoch")
+        finally:
+            children.kill_all()

@@ -2,7 +2,9 @@
 
 ``python trainer.py ADDRESS MODEL_DIR EPOCH BUCKET_BYTES [--die-after-bucket N]`` (the fleet secret in
 ``$MEGATRON_SERVE_TOKEN``) prints one JSON line (the acknowledgement, or the error) and exits 0 when the fleet acknowledged. With
-``--die-after-bucket N`` it kills itself (SIGKILL, like a crashed trainer) right after bucket N left.
+``--die-after-bucket N`` it kills itself (SIGKILL, like a crashed trainer) right after bucket N left; with
+``--hold-after-bucket N`` it stops sending there, alive, until killed (the moment a partition test cuts its link).
+``--timeout S`` is the transfer's time-out (``WeightSender``'s).
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import asyncio
 import json
 import os
 import signal
+import threading
 
 import torch
 from transformers import AutoModelForCausalLM
@@ -27,10 +30,13 @@ async def main(args: argparse.Namespace) -> int:
         print(json.dumps({"bucket": index + 1, "of": count}), flush=True)
         if args.die_after_bucket is not None and index + 1 >= args.die_after_bucket:
             os.kill(os.getpid(), signal.SIGKILL)
+        if args.hold_after_bucket is not None and index + 1 >= args.hold_after_bucket:
+            threading.Event().wait()
 
     # a control client: the verbs and STATUS a trainer sends, without the tokenizer a client that submits loads
     async with InferenceClient(args.address, token=os.environ.get("MEGATRON_SERVE_TOKEN"), role="control") as client:
-        sender = WeightSender(client, backend="gloo", bucket_bytes=args.bucket_bytes, on_bucket=on_bucket)
+        sender = WeightSender(client, backend="gloo", bucket_bytes=args.bucket_bytes, on_bucket=on_bucket,
+                              timeout=args.timeout)
         try:
             ack = await sender.send(model.named_parameters(), epoch=args.epoch)
         except (ControlError, WeightTransferError) as exc:
@@ -47,4 +53,6 @@ if __name__ == "__main__":
     parser.add_argument("epoch", type=int)
     parser.add_argument("bucket_bytes", type=int)
     parser.add_argument("--die-after-bucket", type=int, default=None)
+    parser.add_argument("--hold-after-bucket", type=int, default=None)
+    parser.add_argument("--timeout", type=float, default=120.0)
     raise SystemExit(asyncio.run(main(parser.parse_args())))
