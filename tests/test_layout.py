@@ -395,3 +395,26 @@ def test_the_model_never_imports_the_weights_wing():
               for name, path in modules.items() if name.startswith("megatron_serve.model")}
     offenders = {name: targets for name, targets in upward.items() if targets}
     assert not offenders, f"model modules importing weights/: {offenders}"
+
+
+REFIT_TRANSACTION = ("engine.memory_verbs", "engine.refit_targets", "weights.sources", "weights.sharded",
+                     "weights.peer_pull", "weights.drafter", "weights.adapters")
+
+
+def test_the_refit_transaction_probes_nothing():
+    """The refit's targets and sources say what they hold through typed protocols (``WeightTarget``: claims, check,
+    load, commit; ``WeightSource``: check, shapes, adapters, tensors), so the transaction and its sources never ask
+    an object what it is: no ``getattr``/``hasattr``, and no function-level import (one fed an ``isinstance`` on the
+    sharded source). The transaction used four probes over five weight sources."""
+    modules = _modules()
+    offenders = []
+    for short in REFIT_TRANSACTION:
+        name = f"megatron_serve.{short}"
+        for node in ast.walk(ast.parse(modules[name].read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                offenders += [f"{name}:{inner.lineno} import in {node.name}" for inner in ast.walk(node)
+                              if isinstance(inner, (ast.Import, ast.ImportFrom))]
+            elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+                  and node.func.id in ("getattr", "hasattr")):
+                offenders.append(f"{name}:{node.lineno} {node.func.id}")
+    assert not offenders, f"probes in the refit transaction: {offenders}"

@@ -1,7 +1,8 @@
 """The pure pieces of LoRA adapters in a policy refit (weights.adapters) and of a peer pull (weights.peer_pull).
 
-An engine builds every adapter before the first policy tensor reaches a live weight: :func:`divert_adapters` hands
-them over before yielding any policy pair, and a refusal there stops the stream with nothing yielded. A rendezvous
+An engine builds every adapter before the first policy tensor reaches a live weight: the refit's routing
+(:func:`~megatron_serve.engine.refit_targets.route`) hands them over before yielding any policy pair, and a refusal
+there stops the stream with nothing yielded. A rendezvous
 that lists adapters outside a sharded refit, or one twice, is refused. A peer pull copies a donor's state byte for
 byte over a real gloo pair, and refuses a donor of another layout or epoch before any byte moves.
 """
@@ -16,7 +17,8 @@ import torch
 
 from megatron_serve.model.loader import load_model
 from megatron_serve.model.tiny import make_tiny_model
-from megatron_serve.weights.adapters import adapter_tensor, adapters_first, divert_adapters, split_name
+from megatron_serve.engine.refit_targets import route
+from megatron_serve.weights.adapters import adapter_tensor, adapters_first, split_name
 from megatron_serve.weights.peer_pull import PeerSource, PeerWeights, layout_digest
 from megatron_serve.wire.messages import LoraPush, PeerShare, PieceSpec, Rendezvous, TensorSpec
 
@@ -28,27 +30,41 @@ def test_adapter_names_split_back_even_with_dots():
     assert split_name(name) == ("math.v2", "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight")
 
 
+class _Held:
+    """A refit target of the pure routing (:func:`route`): records when and what it was handed."""
+
+    def __init__(self, prefix: str, before_policy: bool, seen: list, refuse: str | None = None):
+        self.prefix, self.before_policy, self.seen, self.refuse = prefix, before_policy, seen, refuse
+
+    def claims(self, name: str) -> bool:
+        return name.startswith(self.prefix)
+
+    def load(self, pairs) -> None:
+        if self.refuse is not None:
+            raise ValueError(self.refuse)
+        self.seen.append((self.prefix, list(pairs)))
+
+
 def test_adapters_are_built_before_the_first_policy_tensor():
-    stream = adapters_first([("model.norm.weight", 1), (adapter_tensor("a", "x.lora_A.weight"), 2),
-                             ("lm_head.weight", 3), (adapter_tensor("a", "x.lora_B.weight"), 4)])
+    a_a, a_b = adapter_tensor("a", "x.lora_A.weight"), adapter_tensor("a", "x.lora_B.weight")
+    stream = adapters_first([("model.norm.weight", 1), (a_a, 2), ("lm_head.weight", 3), (a_b, 4),
+                             ("drafter.model.norm.weight", 5)])
     seen: list = []
-    out = []
-    for pair in divert_adapters(stream, lambda held: seen.append(("ready", held))):
-        out.append(pair)
+    for pair in route(stream, [_Held("adapter/", True, seen), _Held("drafter.", False, seen)]):
         seen.append(pair[0])
-    assert seen == [("ready", {"a": [("x.lora_A.weight", 2), ("x.lora_B.weight", 4)]}), "model.norm.weight",
-                    "lm_head.weight"]
+    assert seen == [("adapter/", [(a_a, 2), (a_b, 4)]), "model.norm.weight", "lm_head.weight",
+                    ("drafter.", [("drafter.model.norm.weight", 5)])]
 
 
 def test_a_refused_adapter_stops_the_stream_before_any_policy_tensor():
-    def refuse(held):
-        raise ValueError("LoRA adapter 'a': rank 16 above --max-lora-rank 8")
-
-    stream = divert_adapters([(adapter_tensor("a", "x.lora_A.weight"), 1), ("model.norm.weight", 2)], refuse)
+    refusing = _Held("adapter/", True, [], refuse="LoRA adapter 'a': rank 16 above --max-lora-rank 8")
+    stream = route([(adapter_tensor("a", "x.lora_A.weight"), 1), ("model.norm.weight", 2)], [refusing])
     with pytest.raises(ValueError, match="max-lora-rank"):
         next(stream)
+    late = route([("model.norm.weight", 1), (adapter_tensor("a", "x.lora_A.weight"), 2)],
+                 [_Held("adapter/", True, [])])
     with pytest.raises(ValueError, match="travel first"):
-        list(divert_adapters([("model.norm.weight", 1), (adapter_tensor("a", "x.lora_A.weight"), 2)], dict))
+        list(late)
 
 
 def _rendezvous(**fields) -> Rendezvous:

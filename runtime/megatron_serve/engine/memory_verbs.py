@@ -5,11 +5,11 @@ They sit apart from the step loop (:mod:`.core`) because they run between steps,
 ``settle`` has finished the step in flight, and touch the model and the pools as wholes. Their own state (suspended,
 the KV parked in host memory, the refit counters) lives here; the weights' epoch is the scheduler's. A trainer's
 refit whose rendezvous carries ``lora`` is an adapter version instead (:meth:`.lora.EngineLoras.push`):
-the base weights, their epoch and the prefix cache stay. Tensors named ``drafter.*`` in a refit
-(:mod:`..weights.drafter`) are the draft model's, loaded under the same epoch right after the policy's; so
-are the policy's own MTP layers (``model.layers.{num_hidden_layers}.*``, method ``mtp``), under their names.
-A sharded refit may carry LoRA adapter versions too (``Rendezvous.adapters``, :mod:`..weights.adapters`): checked
-with the policy, built before the first policy weight changes, registered once the policy loaded, under its epoch.
+the base weights, their epoch and the prefix cache stay. Any other refit is one transaction over typed targets
+(:mod:`.refit_targets`): the policy; the draft model's tensors (``drafter.*``, :mod:`..weights.drafter`) or the
+policy's own MTP layers (``model.layers.{num_hidden_layers}.*``, method ``mtp``), loaded under the same epoch right
+after the policy's; the LoRA adapter versions a sharded refit may carry (``Rendezvous.adapters``,
+:mod:`..weights.adapters`), built before the first policy weight changes. Check all, stream once, commit all or none.
 """
 
 from __future__ import annotations
@@ -22,25 +22,21 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 
 from ..errors import RefitFailed
-from ..model.loader import load_weights
-from ..weights.adapters import adapter_shapes, divert_adapters
-from ..weights.drafter import divert, drafter_shapes
-from ..weights.digests import forget_digests
 from ..weights.peer_pull import PeerWeights
 from ..weights.sources import RendezvousSource, WeightSource, weight_source
 from ..wire.messages import LoraPush
 from .kv.park import ParkedKV, ParkOrder
 from .lora import require
+from .refit_targets import AdapterTarget, PolicyTarget, WeightTarget, route, speculative_targets
 
 if TYPE_CHECKING:
     from ..config import InferenceConfig
     from ..model.llama import LlamaForCausalLM
     from .kv.cache import BlockAllocator, KVCachePool
     from .logprob_parity import ParityChecker
-    from .lora import EngineLoras, Registration
+    from .lora import EngineLoras
     from .scheduler import Scheduler
     from .speculative.decoder import Speculator
-    from .speculative.draft_model import DraftModelProposer
     from .worker import ModelWorker
 
 logger = logging.getLogger("megatron_serve.engine")
@@ -128,9 +124,10 @@ class DeviceMemory:
         """Load new weights of the same shapes in place; returns timings and the new epoch.
 
         ``source``: a model directory (every weight), or a :mod:`megatron_serve.weights.sources`
-        source (tensors in this process, a trainer's broadcast: any subset of the weights). Names
-        and shapes are verified before any live weight is touched, so a bad source leaves the old
-        weights serving. Cached prefix blocks of the old weights are forgotten; requests in flight
+        source (tensors in this process, a trainer's broadcast: any subset of the weights). One transaction over
+        the refit's targets (:mod:`.refit_targets`): every target checks its names and shapes before any live
+        weight is touched, so a bad source leaves the old weights serving; the source streams once; then every
+        target commits, or none. Cached prefix blocks of the old weights are forgotten; requests in flight
         keep their KV and continue, and their per-token epochs show the switch.
 
         A load that fails midway (a read error, a trainer that died) raises
@@ -143,107 +140,70 @@ class DeviceMemory:
             return self._push_adapter(source, push)
         self._settle()  # the step in flight was computed with the old weights: its tokens carry the old epoch
         started = time.perf_counter()
-        source.check(self.model)
-        drafter = self._check_drafter(source)
-        pushes = self._check_adapters(source)
+        policy, held = self._targets(source)
+        for target in (policy, *held):
+            target.check(source)
         verified = time.perf_counter()
         self.worker.runner.on_refit(source)
-        replaced: set[str] = set()
         error: BaseException | None = None
-        drafted: list[tuple[str, object]] = []  # the drafter's tensors, kept aside as they stream past
-        owns = getattr(self.speculator.proposer, "owns", None) if self.speculator is not None else None  # MTP
-        built: list[Registration] = []  # the adapters' new versions, built before the first policy weight changes
         try:
-            stream = source.tensors(self.model)
-            if pushes:
-                stream = divert_adapters(stream, lambda held: built.extend(self._build_adapters(pushes, held)))
-            load_weights(self.model, divert(stream, drafted, owns), progress=replaced.add, partial=source.partial)
+            policy.load(route(source.tensors(self.model), held))
         except Exception as exc:  # noqa: BLE001 - reported below, with what the other ranks did
             error = exc
+        replaced, error = self._outcome(policy.replaced, source.partial, error)
+        if error is not None or self.incomplete:
+            message = str(error) if error is not None else (
+                f"{len(self.incomplete)} tensor(s) overwritten by an earlier failed refit were not sent again")
+            raise RefitFailed(message, len(replaced), sorted(self.incomplete), self.epoch) from error
+        new_epoch = self.epoch + 1 if epoch is None else int(epoch)
+        failures = [failure for target in (policy, *held) if (failure := target.commit(new_epoch)) is not None]
+        finished = time.perf_counter()
+        self.refits += 1
+        self.last_refit = {"verify_s": verified - started, "load_s": finished - verified, "total_s": finished - started}
+        return {"epoch": self.epoch, **self.last_refit, **({"drafter_error": failures[0]} if failures else {})}
+
+    def _targets(self, source: WeightSource) -> tuple[PolicyTarget, list[WeightTarget]]:
+        """The refit's targets: the policy, and those that claim their tensors of the stream before it does (the
+        speculative method's MTP layers or drafter, the adapter versions a sharded refit carries)."""
+        spec, proposer = self.config.speculative, self.speculator.proposer if self.speculator is not None else None
+        held: list[WeightTarget] = [*speculative_targets(spec.method if spec is not None else None, proposer,
+                                                         self.model, source.partial),
+                                    AdapterTarget(self.loras, source.adapters(), self._live_slots)]
+        return PolicyTarget(self.model, source.partial, self._switch), held
+
+    def _outcome(self, replaced: set[str], partial: bool, error: BaseException | None
+                 ) -> tuple[set[str], BaseException | None]:
+        """Every rank's overwritten tensors (the followers' added to ``replaced``) and the first error of any rank;
+        what the engine now holds of two generations is kept in ``incomplete`` (a mix has no epoch: -1, and the
+        proposer hears of it)."""
         for names, follower_error in self.worker.runner.refit_outcomes():
             replaced.update(names)
             if error is None and follower_error:
                 error = RuntimeError(f"a tensor-parallel rank failed: {follower_error}")
         if error is not None:
             self.incomplete |= replaced
-        elif source.partial:
+        elif partial:
             self.incomplete -= replaced
         else:
             self.incomplete = set()
         if self.incomplete:
             self.epoch = -1  # a mix of two generations: no epoch describes it
             self._refit_drafter()
-        if error is not None or self.incomplete:
-            message = str(error) if error is not None else (
-                f"{len(self.incomplete)} tensor(s) overwritten by an earlier failed refit were not sent again")
-            raise RefitFailed(message, len(replaced), sorted(self.incomplete), self.epoch) from error
+        return replaced, error
+
+    def _switch(self, epoch: int) -> None:
+        """The policy's commit: nothing cached under the old weights can be found again, and the proposer hears."""
         self.allocator.reset()  # both tiers are keyed by the old epoch: nothing there can be found again
         self.parity.void_all()
         if self.worker.encoder_cache is not None:
             self.worker.encoder_cache.clear()  # embeddings of the old vision weights
-        self.epoch = self.epoch + 1 if epoch is None else int(epoch)
+        self.epoch = epoch
         self._refit_drafter()
-        drafter_error = None
-        if drafted and (drafter is not None or owns is not None):
-            drafter_error = self._load_drafter(self.speculator.proposer, drafted, source.partial)
-        for entry in built:
-            require(self.loras).register(entry)
-        finished = time.perf_counter()
-        self.refits += 1
-        self.last_refit = {"verify_s": verified - started, "load_s": finished - verified, "total_s": finished - started}
-        return {"epoch": self.epoch, **self.last_refit, **({"drafter_error": drafter_error} if drafter_error else {})}
 
     def _refit_drafter(self) -> None:
         """Tell the speculative proposer the weights changed: a drafter computed under the old ones must not propose."""
         if self.speculator is not None:
             self.speculator.proposer.on_refit(self.epoch)
-
-    def _check_drafter(self, source: WeightSource) -> DraftModelProposer | None:
-        """The drafter (a draft model, an EAGLE-3 head) that the refit's ``drafter.*`` tensors (if any) refit, once
-        their names and shapes fit it; ``ValueError`` when they do not, or when this engine runs no such drafter.
-        The policy's MTP layers (which the MTP proposer holds) are checked here too, so that every tensor of the
-        transaction is verified before any weight changes, the drafter's as the policy's."""
-        shapes = getattr(source, "shapes", None)  # a directory carries no drafter tensors (no ``shapes``)
-        named = shapes() if shapes is not None else []
-        proposer = self.speculator.proposer if self.speculator is not None else None
-        owns = getattr(proposer, "owns", None)
-        owned = [(name, shape) for name, shape in named if owns is not None and owns(name)]
-        if owned:
-            try:
-                proposer.check_weights(owned)
-            except ValueError as exc:
-                raise ValueError(f"MTP layer tensors do not fit the MTP layer: {exc}") from exc
-        wanted = drafter_shapes(named)
-        if not wanted:
-            return None
-        if not hasattr(proposer, "check_weights"):
-            raise ValueError(f"the refit carries {len(wanted)} drafter tensor(s) (e.g. drafter.{wanted[0][0]}) but "
-                             "this engine runs no drafter to refit (speculative method draft_model or eagle3)")
-        try:
-            proposer.check_weights(wanted)
-        except ValueError as exc:
-            raise ValueError(f"drafter tensors do not fit the drafter: {exc}") from exc
-        return proposer
-
-    def _load_drafter(self, proposer: DraftModelProposer, named: list[tuple[str, object]], partial: bool
-                      ) -> str | None:
-        """The drafter's part of the refit, under the policy's new epoch; returns why it failed, if it did.
-
-        Its tensors were verified before any weight changed, exactly as the policy's were: names and shapes in the
-        verify step (:meth:`_check_drafter`: the drafter's own loader on a shape-only copy, or its shape table), their
-        values before a trainer's commit (:mod:`..weights.sharded`) or in the source's check. What is left here is
-        the copy into tensors of those shapes that the policy's load did too, and neither can be undone after the
-        commit (nothing keeps the old weights: a second copy of every weight is what a rollback would cost). So a
-        failure now, a fault rather than a bad refit, is not rolled back: the policy's refit stands, whole, and the
-        drafter stays stale (it proposes nothing, so every token is still the policy's) until a refit brings it; the
-        refit's answer says so (``drafter_error``), as the log does."""
-        try:
-            proposer.load_weights(named, self.epoch, partial=partial)
-        except Exception as exc:  # noqa: BLE001 - speculation only costs speed; the policy's weights are whole
-            forget_digests(self.model)  # a later delta must send the drafter's tensors again
-            logger.error("refit of the draft model failed, speculation is off until one succeeds: %s", exc)
-            return f"the drafter stays stale (it proposes nothing until a refit brings it): {exc}"
-        return None
 
     def verify_refit(self, source: str | Path | WeightSource) -> float:
         """Check that ``source`` holds weights of this model's names and shapes (no tensor data read);
@@ -253,39 +213,13 @@ class DeviceMemory:
         source = weight_source(source)
         push = _adapter_push(source)
         if push is None:
-            source.check(self.model)
-            self._check_drafter(source)
-            self._check_adapters(source)
+            policy, held = self._targets(source)
+            for target in (policy, *held):
+                target.check(source)
         else:
             require(self.loras).check_push(push, ((s.name, s.shape) for s in source.rendezvous.manifest),
                                            self._live_slots())
         return time.perf_counter() - started
-
-    def _check_adapters(self, source: WeightSource) -> list[LoraPush]:
-        """The adapter versions a sharded refit carries, once each fits (names, shapes, rank, a newer version, room
-        in host memory); ``ValueError`` naming the adapter and the problem otherwise (the whole refit is refused)."""
-        from ..weights.sharded import ShardedSource  # noqa: PLC0415 - the transfer's modules only for a trainer's refit
-
-        pushes = list(source.rendezvous.adapters or ()) if isinstance(source, ShardedSource) else []
-        if not pushes:
-            return []
-        if self.loras is None:
-            raise ValueError(f"the refit carries LoRA adapter {pushes[0].name!r} but this engine runs without "
-                             "enable_lora")
-        shapes = adapter_shapes(source.shapes())
-        live = self._live_slots()
-        for push in pushes:
-            if push.name not in shapes:
-                raise ValueError(f"the refit lists LoRA adapter {push.name!r} but carries none of its tensors")
-            self.loras.check_push(push, shapes[push.name], live)
-        return pushes
-
-    def _build_adapters(self, pushes: list[LoraPush], held: dict[str, list[tuple[str, object]]]
-                        ) -> list[Registration]:
-        """Every adapter's new version from its received tensors (whole regions: ``value[()]`` reads all)."""
-        live = self._live_slots()
-        return [require(self.loras).prepare(push, [(name, value[()]) for name, value in held.get(push.name, ())], live)
-                for push in pushes]
 
     def _live_slots(self) -> set[int]:
         return {sequence.lora_slot for sequence in self.scheduler.requests.values()}

@@ -12,7 +12,7 @@ transfer committed: all of them with the policy, under its epoch, or none.
 
 from __future__ import annotations
 
-from typing import Callable, Iterable, Iterator, TypeVar
+from typing import Iterable, TypeVar
 
 ADAPTER_PREFIX = "adapter/"
 
@@ -49,25 +49,3 @@ def adapters_first(named: Iterable[tuple[str, T]]) -> list[tuple[str, T]]:
     before the first policy tensor reaches a live weight."""
     pairs = list(named)
     return [pair for pair in pairs if is_adapter(pair[0])] + [pair for pair in pairs if not is_adapter(pair[0])]
-
-
-def divert_adapters(named: Iterable[tuple[str, T]], ready: Callable[[dict[str, list[tuple[str, T]]]], None]
-                    ) -> Iterator[tuple[str, T]]:
-    """Yield the policy's pairs; collect the adapters' (each adapter's PEFT-named pairs) and call ``ready`` with
-    them before the first policy pair is yielded (or at the end): an exception there stops the refit before any
-    policy weight changed. The stream must carry the adapters' pairs first (:func:`adapters_first`)."""
-    held: dict[str, list[tuple[str, T]]] = {}
-    called = False
-    for name, value in named:
-        if is_adapter(name):
-            if called:
-                raise ValueError(f"adapter tensor {name!r} arrived after the policy's: adapters travel first")
-            adapter, peft_name = split_name(name)
-            held.setdefault(adapter, []).append((peft_name, value))
-            continue
-        if not called:
-            called = True
-            ready(held)
-        yield name, value
-    if not called:
-        ready(held)

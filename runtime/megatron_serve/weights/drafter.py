@@ -10,7 +10,7 @@ their weights ``model.``/``lm_head.``), so the prefix cannot shadow a policy wei
 
 from __future__ import annotations
 
-from typing import Callable, Iterable, Iterator, TypeVar
+from typing import Iterable, Iterator, TypeVar
 
 from .adapters import is_adapter
 
@@ -27,19 +27,6 @@ def policy_only(named: Iterable[tuple[str, T]]) -> Iterator[tuple[str, T]]:
     """The policy's pairs of a refit's stream (what tensor-parallel followers load: the drafter runs on rank 0, and
     so do a group's LoRA adapters, :mod:`.adapters`)."""
     return ((name, value) for name, value in named if not is_drafter(name) and not is_adapter(name))
-
-
-def divert(named: Iterable[tuple[str, T]], drafter: list[tuple[str, T]],
-           owned: Callable[[str], bool] | None = None) -> Iterator[tuple[str, T]]:
-    """Yield the policy's pairs and append the drafter's, unprefixed, to ``drafter`` as they stream past.
-    ``owned``: policy names the drafter holds instead of the policy's model (the MTP layers), appended as named."""
-    for name, value in named:
-        if is_drafter(name):
-            drafter.append((name[len(DRAFTER_PREFIX):], value))
-        elif owned is not None and owned(name):
-            drafter.append((name, value))
-        else:
-            yield name, value
 
 
 def drafter_shapes(shapes: Iterable[tuple[str, tuple[int, ...]]]) -> list[tuple[str, tuple[int, ...]]]:

@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from ..model.llama import LlamaForCausalLM
-from ..wire.messages import PeerShare
+from ..wire.messages import LoraPush, PeerShare
 from . import group as transfer
 from .digests import forget_digests
 
@@ -197,6 +197,13 @@ class PeerSource:
 
     def check(self, model: LlamaForCausalLM) -> None:
         """Nothing to check before the donor is reached: :meth:`tensors` compares its layout and epoch first."""
+
+    def shapes(self) -> list[tuple[str, tuple[int, ...]]]:
+        """None named: the donor's state is the policy's own, checked against its layout when reached."""
+        return []
+
+    def adapters(self) -> tuple[LoraPush, ...]:
+        return ()
 
     def tensors(self, model: LlamaForCausalLM) -> Iterator[tuple[str, torch.Tensor]]:
         """This rank's part: check its donor rank, wait until every rank of this engine did, receive its state."""

@@ -31,7 +31,7 @@ import torch.distributed as dist
 
 from ..model.llama import LlamaForCausalLM
 from ..model.loader import verify_shapes
-from ..wire.messages import TRANSFER_DTYPES, Rendezvous
+from ..wire.messages import TRANSFER_DTYPES, LoraPush, Rendezvous
 from . import group as transfer
 from .digests import forget_digests, held_digests, keep_digests
 from .adapters import adapter_shapes, adapters_first, is_adapter
@@ -89,6 +89,9 @@ class ShardedSource:
     def shapes(self) -> list[tuple[str, tuple[int, ...]]]:
         """Every ``(name, shape)`` pair of the manifest, the drafter's (:mod:`.drafter`) included."""
         return [(spec.name, tuple(spec.shape)) for spec in self.rendezvous.manifest]
+
+    def adapters(self) -> tuple[LoraPush, ...]:
+        return tuple(self.rendezvous.adapters or ())
 
     def tensors(self, model: LlamaForCausalLM) -> Iterator[tuple[str, RegionSlice]]:
         """Receive this rank's regions, commit with every rank, then yield them; digests kept once all loaded."""

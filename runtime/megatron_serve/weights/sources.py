@@ -10,6 +10,7 @@ picklable: rank 0 hands it to its tensor-parallel followers as it is.
 
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,9 +19,9 @@ from typing import Iterable, Iterator, Protocol
 import torch
 import torch.distributed as dist
 
-from ..wire.messages import Rendezvous, TensorSpec
+from ..wire.messages import LoraPush, Rendezvous, TensorSpec
 from ..model.llama import LlamaForCausalLM
-from ..model.loader import checkpoint_views, iterate_checkpoint, verify_checkpoint, verify_shapes
+from ..model.loader import checkpoint_files, checkpoint_views, iterate_checkpoint, verify_checkpoint, verify_shapes
 from . import group as transfer
 from .drafter import is_drafter
 from ..model.finite import refuse_nonfinite
@@ -34,6 +35,13 @@ class WeightSource(Protocol):
 
     def check(self, model: LlamaForCausalLM) -> None:
         """``ValueError`` naming the first tensor that does not fit ``model``; touches nothing."""
+
+    def shapes(self) -> list[tuple[str, tuple[int, ...]]]:
+        """Every ``(name, shape)`` pair the source carries (the drafter's and the adapters' included), reading no
+        tensor data: what the refit's targets other than the policy check (:mod:`..engine.refit_targets`)."""
+
+    def adapters(self) -> tuple[LoraPush, ...]:
+        """The LoRA adapter versions the source carries beside the policy (a sharded refit's only)."""
 
     def tensors(self, model: LlamaForCausalLM) -> Iterable[tuple[str, object]]:
         """``(checkpoint name, full tensor or safetensors slice)`` pairs, on every rank."""
@@ -53,6 +61,18 @@ class DirectorySource:
     def check(self, model: LlamaForCausalLM) -> None:
         verify_checkpoint(model, self.path)
         refuse_nonfinite(checkpoint_views(self.path), f"the checkpoint at {self.path}")  # reads every tensor
+
+    def shapes(self) -> list[tuple[str, tuple[int, ...]]]:
+        """Every tensor's name and shape from the safetensors headers (after :meth:`check`: no GGUF file)."""
+        named = []
+        for path in checkpoint_files(self.path):
+            with open(path, "rb") as file:
+                header = json.loads(file.read(int.from_bytes(file.read(8), "little")))
+            named += [(name, tuple(entry["shape"])) for name, entry in header.items() if name != "__metadata__"]
+        return named
+
+    def adapters(self) -> tuple[LoraPush, ...]:
+        return ()
 
     def tensors(self, model: LlamaForCausalLM) -> Iterator[tuple[str, object]]:
         forget_digests(model)  # what a later delta compares against is no longer what this rank holds
@@ -87,6 +107,9 @@ class TensorSource:
         """Every ``(name, shape)`` pair, the drafter's (:mod:`.drafter`) included."""
         return [(name, tuple(t.shape)) for name, t in self.named]
 
+    def adapters(self) -> tuple[LoraPush, ...]:
+        return ()
+
     def tensors(self, model: LlamaForCausalLM) -> Iterable[tuple[str, object]]:
         forget_digests(model)
         return self.named
@@ -119,6 +142,11 @@ class RendezvousSource:
     def shapes(self) -> list[tuple[str, tuple[int, ...]]]:
         """Every ``(name, shape)`` pair of the manifest, the drafter's (:mod:`.drafter`) included."""
         return [(spec.name, tuple(spec.shape)) for spec in self.rendezvous.manifest]
+
+    def adapters(self) -> tuple[LoraPush, ...]:
+        """None: a broadcast carries one adapter version alone (``lora``), never beside the policy (a rendezvous
+        lists ``adapters`` only with ``pieces``)."""
+        return ()
 
     def tensors(self, model: LlamaForCausalLM) -> Iterator[tuple[str, torch.Tensor]]:
         """Join the transfer group as this rank and yield every tensor as its bucket arrives."""
