@@ -77,6 +77,9 @@ class _Memory:
     def refit(self, source: str, epoch: int | None = None) -> dict[str, float]:
         return self.fake.refit(source, epoch)
 
+    def reset_prefix_cache(self, reset_running_requests: bool) -> dict[str, object]:
+        return self.fake.reset_prefix_cache(reset_running_requests)
+
     @property
     def peers(self) -> None:
         """A fake never reports a layout digest, so the coordinator never pairs it for a peer pull."""
@@ -115,6 +118,7 @@ class FakeEngine:
         self.requests: dict[str, DynamicInferenceRequest] = {}
         self.suspended = False
         self.steps = 0
+        self.prefix_resets = 0
         self.kv_events = KVEventLog(block_size or 16)  # a fake caches nothing: its events say so
         self.memory = _Memory(self)
         self.adapters = _Adapters(self)
@@ -162,6 +166,14 @@ class FakeEngine:
 
     def refit(self, source: str, epoch: int | None = None) -> dict[str, float]:
         raise NotImplementedError("this engine cannot refit its weights")
+
+    def reset_prefix_cache(self, reset_running_requests: bool) -> dict[str, object]:
+        """A fake caches nothing; it refuses while it runs requests unless they go back to be recomputed (vLLM's
+        rule, the real engine's), and counts its resets."""
+        if self.num_running and not reset_running_requests:
+            return {"reset": False, "held_blocks": self.num_running}
+        self.prefix_resets += 1
+        return {"reset": True, "forgotten_blocks": 0, "recomputed": self.num_running}
 
     def lora_adapters(self) -> dict[str, str] | None:
         return None  # started without enable_lora

@@ -78,7 +78,7 @@ async def test_openapi_documents_every_route_and_no_422(tokenizer, backend):
     assert set(doc["paths"]) == {"/v1/completions", "/v1/chat/completions", "/v1/models", "/v1/models/{model}",
                                  "/health", "/ready", "/metrics", "/tokenize", "/detokenize",
                                  *(f"/v1/admin/{verb}" for verb in ("pause", "unpause", "suspend", "resume", "refit",
-                                                                    "status")),
+                                                                    "reset_prefix_cache", "status")),
                                  "/v1/load_lora_adapter", "/v1/unload_lora_adapter", *RL_FRAMEWORK_PATHS}
     assert "422" not in json.dumps(doc["paths"])
     post = doc["paths"]["/v1/completions"]["post"]

@@ -2,7 +2,8 @@
 
 The device pool (24 blocks of 16 tokens) is smaller than the working set (six prompts of five cacheable blocks):
 sent again, the prompts find their prefixes in the host tier with texts and log probs ``==`` the first pass
-under ``--batch-invariant``; the same fleet without ``--kv-offloading-size`` finds few; after a refit none.
+under ``--batch-invariant``; the same fleet without ``--kv-offloading-size`` finds few; after a refit none, and
+after vLLM's ``/reset_prefix_cache`` none either.
 
 One more fleet with a tier (``kept``, the module's) serves the rest. A stream in flight through pause, suspend
 with ``keep_kv``, resume and unpause ends as an uninterrupted one (texts and log probs ``==``), and the engines
@@ -135,6 +136,13 @@ def test_prefixes_come_back_from_the_host_tier_bitwise_a_control_finds_few_a_ref
         third = [complete(served, p) for p in prompts()]
         assert cached(third) == [0] * 6
         assert [choice(a) for a in third] == [choice(a) for a in first]
+
+        # vLLM's /reset_prefix_cache (RESET_PREFIX_CACHE): the warm prefixes (control) are found nowhere after it
+        assert cached([complete(served, p) for p in prompts()]) == [5 * BLOCK] * 6
+        answer = served.http.post("/reset_prefix_cache", headers=ADMIN)
+        assert answer.status_code == 200 and answer.json() == {"success": True}
+        after = [complete(served, p) for p in prompts()]
+        assert cached(after) == [0] * 6 and [choice(a) for a in after] == [choice(a) for a in first]
 
     with fleet(tiny_model, tmp_path_factory.mktemp("no-tier")) as control:
         control_first, control_second = two_passes(control)

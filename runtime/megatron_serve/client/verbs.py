@@ -101,3 +101,11 @@ class FleetVerbs:
         """UNLOAD_LORA: no engine serves ``lora_name`` to new requests; requests already admitted under it finish
         under it. :class:`ControlError` (code ``lora_not_found``) when no engine serves that name."""
         return await self.control(Verb.UNLOAD_LORA, timeout, lora_name=lora_name)
+
+    async def reset_prefix_cache(self, reset_running_requests: bool = False,
+                                 timeout: float | None = None) -> dict[str, Any]:
+        """RESET_PREFIX_CACHE: every engine forgets every cached prefix block (device pool and host tier), between
+        two steps, in any state but STOPPED. An engine whose running requests hold blocks does not reset unless
+        ``reset_running_requests`` (they are then recomputed from their tokens): the acknowledgement's ``detail``
+        says ``reset`` (every engine did) and each engine's ``reset``."""
+        return await self.control(Verb.RESET_PREFIX_CACHE, timeout, reset_running_requests=reset_running_requests)

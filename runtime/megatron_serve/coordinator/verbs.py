@@ -57,7 +57,8 @@ from ..wire.lifecycle import (
     parse_pause_mode,
     transition,
 )
-from ..wire.messages import Control, ControlAck, Error, LoadLora, Pause, Refit, Rendezvous, Stop, Suspend, UnloadLora
+from ..wire.messages import (Control, ControlAck, Error, LoadLora, Pause, Refit, Rendezvous, ResetPrefixCache, Stop,
+                             Suspend, UnloadLora)
 from ..wire.protocol import VERB_HEADERS, ErrorCode, Header
 from .peers import ClientRecord, EngineRecord
 from .requests import Phase
@@ -115,6 +116,7 @@ class ControlOp:
     unresponsive: list[str] = field(default_factory=list)  # engines removed for missing a step's deadline
     failed: dict[str, str] = field(default_factory=dict)  # REFIT, LoRA: engine id -> why it could not load
     lora: LoadLora | UnloadLora | None = None  # LOAD_LORA, UNLOAD_LORA: the adapter
+    reset_running: bool = False  # RESET_PREFIX_CACHE: running requests are recomputed so that every engine resets
 
     @property
     def step(self) -> Step:
@@ -159,6 +161,8 @@ class VerbRunner:
                 problem = f"suspend level must be 1 or 2, got {op.level}"
         elif isinstance(body, Stop):
             op.drain_timeout = body.drain_timeout
+        elif isinstance(body, ResetPrefixCache):
+            op.reset_running = bool(body.reset_running_requests)
         elif isinstance(body, Pause):
             problem = self._pause_problem(op, body)
         elif isinstance(body, (LoadLora, UnloadLora)):
@@ -318,6 +322,8 @@ class VerbRunner:
                 # engines that register while (or after) the others load it.
                 core.epoch, core.weights_source = int(op.epoch or 0), op.source
                 core.refits += 1
+        elif step is Step.RESET_PREFIX_CACHE:
+            body = ResetPrefixCache(control_id=control_id, reset_running_requests=op.reset_running or None)
         elif isinstance(op.lora, LoadLora):
             body = msgspec.structs.replace(op.lora, control_id=control_id, phase=spec.phase)
         elif op.lora is not None:
@@ -482,6 +488,11 @@ class VerbRunner:
                 core.loaded_loras[op.lora.lora_name] = op.lora.lora_path
             else:
                 core.loaded_loras.pop(op.lora.lora_name, None)
+        if op.verb is Verb.RESET_PREFIX_CACHE:  # what every engine did: each one's ``reset`` (see the lifecycle table)
+            detail.update(noop=False, reset=all(f.get("reset") is True for f in op.engines.values()))
+            for engine_id, facts in op.engines.items():
+                if facts.get("reset") is True and engine_id in core.engines:
+                    core.policy.forget(engine_id)  # nothing of it can be found again (its KV events say so too)
         if op.unresponsive:
             detail["unresponsive"] = list(op.unresponsive)
         logger.info("%s acknowledged: %s -> %s by %d engine(s)%s", op.verb.name, op.previous_state,

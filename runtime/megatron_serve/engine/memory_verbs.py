@@ -238,6 +238,25 @@ class DeviceMemory:
         return {"epoch": self.epoch, "verify_s": verified - started, "load_s": finished - verified,
                 "total_s": finished - started}
 
+    def reset_prefix_cache(self, reset_running_requests: bool) -> dict[str, Any]:
+        """Forget every cached prefix block, on the device and in the host tier (AllBlocksCleared in the KV events).
+
+        As vLLM's scheduler: while requests hold blocks the reset is refused (``reset: false``), unless
+        ``reset_running_requests``, which sends them back to the queue to be recomputed from their tokens (their
+        outputs so far are kept); the blocks they held are then cached no more either.
+        """
+        self._settle()
+        held = len(self.allocator.blocks_in_use())
+        if held and not reset_running_requests:
+            logger.info("prefix cache reset refused: running requests hold %d KV block(s)", held)
+            return {"reset": False, "held_blocks": held}
+        recomputed = len(self.scheduler.evict_all()) if held else 0
+        cached = self.allocator.num_cached
+        self.allocator.reset()
+        logger.info("prefix cache reset: %d cached block(s) forgotten in every tier%s", cached,
+                    f", {recomputed} running request(s) to be recomputed" if recomputed else "")
+        return {"reset": True, "forgotten_blocks": cached, "recomputed": recomputed}
+
     def resume(self) -> None:
         """Bring weights and the KV pool back, then capture the decode graphs over them again.
 

@@ -117,6 +117,8 @@ class MemoryVerbs(Protocol):
 
     def refit(self, source: str | WeightSource, epoch: int | None = None) -> dict[str, Any]: ...
 
+    def reset_prefix_cache(self, reset_running_requests: bool) -> dict[str, Any]: ...  # every KV tier's cached blocks
+
     @property
     def peers(self) -> PeerWeights: ...  # its side of peer pulls as a donor (weights.peer_pull)
 

@@ -23,7 +23,8 @@ from typing import TYPE_CHECKING, Any, Callable
 from ..errors import RefitFailed
 from ..wire.lifecycle import FleetState, Step
 from ..wire.lora_names import shown
-from ..wire.messages import RENDEZVOUS_SCHEME, Control, HelloAck, LoadLora, Refit, Suspend, UnloadLora
+from ..wire.messages import (RENDEZVOUS_SCHEME, Control, HelloAck, LoadLora, Refit, ResetPrefixCache, Suspend,
+                             UnloadLora)
 
 if TYPE_CHECKING:
     from ..weights.sources import WeightSource
@@ -205,6 +206,13 @@ def _lora(engine: ServedEngine, body: LoadLora | UnloadLora) -> dict[str, Any]:
     return {**detail, "loras": adapters.names() or {}}
 
 
+def _reset_prefix_cache(engine: ServedEngine, body: ResetPrefixCache) -> dict[str, Any]:
+    """RESET_PREFIX_CACHE between two steps: ``{"reset": true}`` once no cached block of any tier can be found
+    again; ``{"reset": false, "held_blocks": n}`` when running requests hold blocks and the verb did not say
+    ``reset_running_requests`` (vLLM's rule: its reset needs every block free)."""
+    return engine.memory.reset_prefix_cache(bool(body.reset_running_requests))
+
+
 def _register(engine: ServedEngine, ack: HelloAck) -> dict[str, Any]:
     """At registration: the fleet's current weights (when ours differ) and LoRA adapters, then its suspension (or
     none). ``{"error": why}`` when the weights cannot be loaded: the engine cannot serve this fleet."""
@@ -283,5 +291,6 @@ ACTIONS: dict[Step | str, Callable[[ServedEngine, Any], dict[str, Any]]] = {
     Step.LORA_VERIFY: _lora,
     Step.LORA_LOAD: _lora,
     Step.LORA_UNLOAD: _lora,
+    Step.RESET_PREFIX_CACHE: _reset_prefix_cache,
     REGISTER: _register,
 }

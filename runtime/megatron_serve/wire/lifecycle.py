@@ -38,6 +38,11 @@ be encoded twice, and the two copies disagreed):
   one. LOAD_LORA runs ``LORA_VERIFY`` (every engine reads and checks the adapter, none serves it) then
   ``LORA_LOAD``, so that one engine's refusal (a missing path, a rank above ``--max-lora-rank``, a
   module the model lacks, a shape mismatch, a name already loaded) leaves every engine as it was.
+* ``RESET_PREFIX_CACHE`` (vLLM's ``reset_prefix_cache``, SGLang's ``flush_cache``) is legal in every state but
+  STOPPED and keeps it: every engine forgets every cached prefix block, in every KV tier, between two steps. An
+  engine whose running requests hold blocks refuses it in its acknowledgement (``reset: false``) unless the verb
+  says ``reset_running_requests``, which first sends them back to be recomputed (vLLM's rule); the verb itself
+  is acknowledged either way, each engine saying whether it reset.
 * PAUSE's :class:`PauseMode` (what happens to the requests the fleet holds) is an argument of the
   verb, not a state: every mode ends in the same PAUSED, with the same engine step, and the fleet
   behaves the same afterwards (it holds what is left and what arrives, until UNPAUSE). The modes
@@ -79,6 +84,7 @@ class Verb(str, enum.Enum):
     REFIT = "refit"
     LOAD_LORA = "load_lora"
     UNLOAD_LORA = "unload_lora"
+    RESET_PREFIX_CACHE = "reset_prefix_cache"
 
 
 class PauseMode(str, enum.Enum):
@@ -160,6 +166,7 @@ class Step(str, enum.Enum):
     LORA_VERIFY = "LORA_VERIFY"
     LORA_LOAD = "LORA_LOAD"
     LORA_UNLOAD = "LORA_UNLOAD"
+    RESET_PREFIX_CACHE = "RESET_PREFIX_CACHE"
 
 
 #: Verbs whose messages carry a ``phase`` saying which of their steps they are.
@@ -205,6 +212,9 @@ STEPS: dict[Step, StepSpec] = {
                              phase="load"),
     Step.LORA_UNLOAD: StepSpec(Verb.UNLOAD_LORA, Deadline.VERB,
                                "stop serving a LoRA adapter to new requests (running ones finish under it)"),
+    Step.RESET_PREFIX_CACHE: StepSpec(Verb.RESET_PREFIX_CACHE, Deadline.VERB,
+                                      "forget every cached prefix block in every KV tier (refused while running "
+                                      "requests hold blocks, unless they are sent back to be recomputed)"),
 }
 
 
@@ -226,7 +236,8 @@ def _refit(state: FleetState) -> Transition:
 
 def _lora(state: FleetState) -> dict[Verb, Transition | str]:
     return {Verb.LOAD_LORA: Transition(state, (Step.LORA_VERIFY, Step.LORA_LOAD)),
-            Verb.UNLOAD_LORA: Transition(state, (Step.LORA_UNLOAD,))}
+            Verb.UNLOAD_LORA: Transition(state, (Step.LORA_UNLOAD,)),
+            Verb.RESET_PREFIX_CACHE: Transition(state, (Step.RESET_PREFIX_CACHE,))}
 
 
 _STOP = Transition(_S.STOPPED, (Step.STOP,))
@@ -271,6 +282,7 @@ TABLE: dict[FleetState, dict[Verb, Transition | Refusal]] = {
         Verb.REFIT: _REFIT_NEEDS_PAUSE,
         Verb.LOAD_LORA: _NOT_WHILE_STOPPED,
         Verb.UNLOAD_LORA: _NOT_WHILE_STOPPED,
+        Verb.RESET_PREFIX_CACHE: _NOT_WHILE_STOPPED,
     },
 }
 

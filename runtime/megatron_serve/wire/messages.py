@@ -293,6 +293,13 @@ class UnloadLora(Control):
     lora_name: str
 
 
+class ResetPrefixCache(Control):
+    """RESET_PREFIX_CACHE: forget every cached prefix block; ``reset_running_requests`` sends the running requests
+    back to be recomputed first (without it, an engine whose requests hold blocks does not reset)."""
+
+    reset_running_requests: bool | None = None
+
+
 class ControlAck(Body):
     control_id: ClientId
     state: str
@@ -547,6 +554,7 @@ TO_COORDINATOR: dict[Header, type[Body]] = {
     Header.REFIT: Refit,
     Header.LOAD_LORA: LoadLora,
     Header.UNLOAD_LORA: UnloadLora,
+    Header.RESET_PREFIX_CACHE: ResetPrefixCache,
     Header.STATUS: Status,
     Header.HEARTBEAT: Heartbeat,
     Header.DRAINING: Draining,
@@ -577,6 +585,7 @@ FROM_COORDINATOR: dict[Header, type[Body]] = {
     Header.REFIT: Refit,
     Header.LOAD_LORA: LoadLora,
     Header.UNLOAD_LORA: UnloadLora,
+    Header.RESET_PREFIX_CACHE: ResetPrefixCache,
     Header.HANDBACK: Handback,
     Header.KV_BLOCKS: KVBlocks,
     Header.PEER_WEIGHTS: PeerShare,

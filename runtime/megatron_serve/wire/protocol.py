@@ -54,6 +54,7 @@ class Header(enum.IntEnum):
     REFIT = 26  # in-place weight refit (legal while PAUSED or SUSPENDED)
     LOAD_LORA = 27  # serve a LoRA adapter (phase verify, then load)
     UNLOAD_LORA = 28  # stop serving a LoRA adapter
+    RESET_PREFIX_CACHE = 29  # forget every cached prefix block in every KV tier
     # introspection and liveness
     STATUS = 30
     STATUS_REPLY = 31
@@ -78,6 +79,7 @@ VERB_HEADERS: dict[Verb, Header] = {
     Verb.REFIT: Header.REFIT,
     Verb.LOAD_LORA: Header.LOAD_LORA,
     Verb.UNLOAD_LORA: Header.UNLOAD_LORA,
+    Verb.RESET_PREFIX_CACHE: Header.RESET_PREFIX_CACHE,
 }
 HEADER_VERBS: dict[Header, Verb] = {header: verb for verb, header in VERB_HEADERS.items()}
 _STEP_MESSAGES: dict[tuple[Header, str | None], Step] = {

@@ -139,6 +139,10 @@ def _pause_fields(values: dict[str, Any]) -> dict[str, Any]:
     return {"mode": None if mode is PauseMode.KEEP else mode.value, "drain_timeout": values["drain_timeout"]}
 
 
+def _reset_fields(values: dict[str, Any]) -> dict[str, Any]:
+    return {"reset_running_requests": values["reset_running_requests"] or None}
+
+
 def _suspend_fields(values: dict[str, Any]) -> dict[str, Any]:
     return {"level": values["level"], "keep_kv": values["keep_kv"] or None}
 
@@ -182,6 +186,11 @@ VERB_CALLS: dict[Verb, VerbCall] = {call.verb: call for call in (
     ), method="load_lora_adapter", direct=True),
     VerbCall(Verb.UNLOAD_LORA, "UNLOAD_LORA: no engine serves the adapter to new requests; running ones finish under "
              "it", (_LORA_NAME,), method="unload_lora_adapter", direct=True),
+    VerbCall(Verb.RESET_PREFIX_CACHE, "RESET_PREFIX_CACHE: every engine forgets every cached prefix block, in every "
+             "KV tier; an engine whose running requests hold blocks does not, unless they are recomputed", (
+        Arg("reset_running_requests", bool, "send the running requests back to be recomputed first, so that every "
+            "engine resets (vLLM's reset_running_requests)", default=False),
+    ), http=True, fields=_reset_fields),
 )}
 
 

@@ -77,7 +77,10 @@ class ControlledFleet:
         if verb is Verb.RESUME and target is not FleetState.RUNNING:
             self.suspend_level = None
         previous, self.state = self.state, target
-        return {"state": target.value, "detail": {"previous_state": previous.value}}
+        detail: dict[str, Any] = {"previous_state": previous.value}
+        if verb is Verb.RESET_PREFIX_CACHE:  # as an engine answers it: refused while requests run, unless recomputed
+            detail["reset"] = not self.requests or bool(arguments.get("reset_running_requests"))
+        return {"state": target.value, "detail": detail}
 
     def wedge(self) -> None:
         self.wedged_since = time.monotonic()

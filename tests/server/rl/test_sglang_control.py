@@ -90,10 +90,17 @@ async def test_abort_request_finds_a_generate_request_by_its_rid(tokenizer):
 
 
 async def test_flush_cache_answers_sglangs_text_on_get_and_post(tokenizer):
+    """RESET_PREFIX_CACHE; SGLang's 400 ``Flush cache failed.`` while a request runs (it flushes an idle scheduler)."""
     async with controlled(tokenizer) as s:
         for method in ("GET", "POST"):
             answer = await s.http.request(method, "/flush_cache", headers=ADMIN)
             assert answer.status_code == 200 and answer.text.startswith("Cache flushed.")
+        assert s.fleet.verbs == [("reset_prefix_cache", {"reset_running_requests": False})] * 2
+        stack, _ = await start_stream(s.http, 200)
+        async with stack:
+            await until(lambda: len(s.fleet.requests) == 1)
+            answer = await s.http.post("/flush_cache", headers=ADMIN)
+            assert answer.status_code == 400 and answer.text == "Flush cache failed.\n"
 
 
 async def test_memory_occupation_suspends_and_resumes_as_slime_calls_it(tokenizer):

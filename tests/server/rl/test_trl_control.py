@@ -17,4 +17,4 @@ async def test_trls_control_routes_answer_as_trl_vllm_serve(tokenizer):
         assert answer.json() == {"message": "Request received, resetting prefix cache status: True"}
         assert (await s.http.post("/reset_prefix_cache/", headers=API)).status_code == 403
         assert (await s.http.get("/get_world_size/")).status_code == 401
-        assert s.fleet.verbs == []
+        assert s.fleet.verbs == [("reset_prefix_cache", {"reset_running_requests": False})]

@@ -139,11 +139,24 @@ async def test_a_verb_the_lifecycle_refuses_is_a_409_naming_the_state(tokenizer)
         assert error["message"].startswith("/pause refused")
 
 
-async def test_reset_prefix_cache_answers_success(tokenizer):
+async def test_reset_prefix_cache_runs_the_verb_and_is_a_409_while_requests_hold_blocks(tokenizer):
+    """vLLM's rule (``Scheduler.reset_prefix_cache``): refused while running requests hold KV, unless
+    ``reset_running_requests`` recomputes them; its route answers the refusal 409."""
     async with controlled(tokenizer) as s:
-        for query in ("", "?reset_running_requests=true&reset_external=true"):
+        for query, running in (("", False), ("?reset_running_requests=true&reset_external=true", True)):
             answer = await s.http.post(f"/reset_prefix_cache{query}", headers=ADMIN)
             assert answer.status_code == 200 and answer.json() == {"success": True}
+            assert s.fleet.verbs[-1] == ("reset_prefix_cache", {"reset_running_requests": running})
+        stack, _ = await start_stream(s.http, 200)
+        async with stack:
+            await until(lambda: len(s.fleet.requests) == 1)
+            error = error_of(await s.http.post("/reset_prefix_cache", headers=ADMIN), 409)
+            assert error["code"] == "prefix_cache_in_use" and error["param"] == "reset_running_requests"
+            answer = await s.http.post("/reset_prefix_cache", json={"reset_running_requests": True}, headers=ADMIN)
+            assert answer.status_code == 200 and answer.json() == {"success": True}
+            assert s.fleet.verbs[-1] == ("reset_prefix_cache", {"reset_running_requests": True})
+        s.fleet.state = FleetState.STOPPED
+        assert error_of(await s.http.post("/reset_prefix_cache", headers=ADMIN), 409)["code"] == "illegal_transition"
 
 
 async def test_get_world_size_counts_tensor_ranks_times_replicas(tokenizer):
@@ -189,7 +202,8 @@ async def test_skyrls_remote_inference_client_calls_replayed(tokenizer):
         assert error["param"] == "reset_all"
         answer = await s.http.request("GET", "/get_world_size", json={}, headers=API)
         assert answer.json() == {"world_size": 2}
-        assert [verb for verb, _ in s.fleet.verbs] == ["pause", "unpause", "pause", "suspend", "resume", "unpause"]
+        assert [verb for verb, _ in s.fleet.verbs] == ["pause", "unpause", "pause", "suspend", "resume", "unpause",
+                                                       "reset_prefix_cache"]
 
 
 async def test_trls_async_grpo_client_calls_replayed(tokenizer):

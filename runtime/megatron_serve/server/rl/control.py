@@ -9,12 +9,13 @@ in the fleet's state). The anchors' query strings are parsed here, strictly: Fas
 on something other than what it asked for, so both are a 400 naming the parameter.
 
 Resetting the prefix cache (vLLM's ``/reset_prefix_cache``, SGLang's ``/flush_cache``, TRL's
-``/reset_prefix_cache/``) needs no engine step here. The frameworks reset it after a weight update, so that no
-request reuses KV computed under the old weights. Here a block's key is chained from the weights' epoch (and the
-request's ``cache_salt`` and LoRA registration), and a REFIT forgets every hash of the device pool and empties the
-host tier (docs/kv-tiers.md, "Never the old weights' KV"): after a weight update nothing in any KV tier can be found
-again, so the reset they ask for has already happened, for the device pool and the host tier alike. What the reset
-is not here: a way to make the cache cold for a measurement, which would need a verb the engines run.
+``/reset_prefix_cache/``) is the RESET_PREFIX_CACHE verb: every engine forgets every cached prefix block, in the
+device pool and the host tier, between two steps (its KV events say ``AllBlocksCleared``). A block's key is chained
+from the weights' epoch, so after a weight update nothing stale could be found anyway; the reset the frameworks send
+then is what makes the cache cold, for a measurement or a fresh start. As vLLM's scheduler, an engine whose running
+requests hold blocks does not reset unless ``reset_running_requests`` sends them back to be recomputed: the reset
+answers False (vLLM's ``/reset_prefix_cache`` a 409, TRL's message ``status: False``, SGLang's ``/flush_cache`` a
+400 with its own text).
 """
 
 from __future__ import annotations
@@ -84,10 +85,11 @@ class Control:
         live = self.ctx.live
         return sum(submission.cut() for submission in (live.named(request_ids) if request_ids else live.unfinished()))
 
-    async def reset_prefix_cache(self, route: str) -> bool:
-        """True once the fleet answers (nothing stale can be reused: see the module docstring); 503 without it."""
-        await self.state(route)
-        return True
+    async def reset_prefix_cache(self, route: str, reset_running_requests: bool = False) -> bool:
+        """RESET_PREFIX_CACHE on every engine: True when every one reset (see the module docstring), False when
+        running requests kept one from it; 503 without a coordinator, 409 in STOPPED."""
+        ack = await self.run(route, Verb.RESET_PREFIX_CACHE, reset_running_requests=reset_running_requests)
+        return (ack.get("detail") or {}).get("reset") is True
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,8 @@ onto the lifecycle verbs.
 * ``POST /abort_request {rid, abort_all}``: the request ``rid`` names (or all, ``abort_all``) ends with
   ``finish_reason`` ``abort`` and its tokens so far; an empty 200, as SGLang's (also when neither is given: nothing
   to abort).
-* ``GET|POST /flush_cache``: SGLang's text answer, 200 (see :mod:`.control` for why no engine step is needed).
+* ``GET|POST /flush_cache``: RESET_PREFIX_CACHE (:mod:`.control`), SGLang's text answer with 200; SGLang's
+  ``Flush cache failed.`` with a 400 while running requests hold blocks (SGLang flushes only an idle scheduler).
 * ``GET|POST /release_memory_occupation {tags}``: SUSPEND (pausing a running fleet first, in ``keep`` mode): level
   2 when ``tags`` is absent or names ``weights``, else level 1 (the KV cache; ``cuda_graph`` goes with it).
   ``GET|POST /resume_memory_occupation {tags}``: RESUME (memory comes back whole here, whatever the tags), then
@@ -36,6 +37,10 @@ from ..intake import request_body_doc
 from .control import Control, Query
 from .responses import ACTING_RESPONSES
 from .tokens import read_anchor
+
+#: SGLang's text, with its 400, when the cache was not flushed (its scheduler refuses while requests run; so does
+#: every engine here while running requests hold blocks).
+_FLUSH_REFUSED = "Flush cache failed.\n"
 
 SGLANG_CONTROL_PATHS = frozenset({"/flush_cache", "/abort_request", "/pause_generation", "/continue_generation",
                                   "/release_memory_occupation", "/resume_memory_occupation"})
@@ -140,7 +145,8 @@ def add_sglang_control_routes(app: FastAPI, control: Control, admin: list[Any]) 
         return Response(status_code=200)
 
     async def flush_cache() -> PlainTextResponse:
-        await control.reset_prefix_cache("/flush_cache")
+        if not await control.reset_prefix_cache("/flush_cache"):
+            return PlainTextResponse(_FLUSH_REFUSED, status_code=400)
         return PlainTextResponse("Cache flushed.\n")
 
     async def release_memory_occupation(request: Request) -> JSONResponse:

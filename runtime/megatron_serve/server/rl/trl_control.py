@@ -4,8 +4,9 @@
   probe, like ``/health``).
 * ``GET /get_world_size/``: ``{"world_size"}``, tensor-parallel ranks times data-parallel replicas, as TRL counts
   its server's workers (pipeline stages are ranks too here: each joins a weight transfer).
-* ``POST /reset_prefix_cache/``: TRL's ``{"message": "Request received, resetting prefix cache status: True"}``
-  (see :mod:`.control` for why no engine step is needed).
+* ``POST /reset_prefix_cache/``: RESET_PREFIX_CACHE (:mod:`.control`), answered as TRL does,
+  ``{"message": "Request received, resetting prefix cache status: True"}`` (``False`` while running requests hold
+  blocks: TRL's server resets without preempting them, so it answers False then too).
 """
 
 from __future__ import annotations

@@ -15,7 +15,10 @@
   the ``request_id`` the client gave) with ``finish_reason`` ``abort`` and their tokens so far, without pausing;
   none named: every request this server answers. ``{"status": "aborted", "aborted": n}``.
 * ``POST /reset_prefix_cache?reset_running_requests=&reset_external=`` (or those flags as a JSON body, as SkyRL
-  sends them): ``{"success": true}``; see :mod:`.control` for why no engine step is needed.
+  sends them) is RESET_PREFIX_CACHE (:mod:`.control`): ``{"success": true}`` once every engine forgot every cached
+  block; a 409 ``prefix_cache_in_use`` (vLLM's 409) when running requests hold blocks and
+  ``reset_running_requests`` was not given. ``reset_external`` (a KV connector's cache) is accepted: the host tier
+  is reset either way, and there is no other.
 * ``GET /get_world_size?include_dp=``: ``{"world_size"}``, tensor x pipeline ranks, times the data-parallel
   replicas unless ``include_dp=false``.
 
@@ -59,7 +62,7 @@ class VllmAbortRequests(BaseModel):
 
 class VllmResetPrefixCache(BaseModel):
     """``/reset_prefix_cache``'s flags as a body (SkyRL sends ``{"reset_running_requests": ...}`` there; vLLM reads
-    them from the query): accepted, with nothing to do."""
+    them from the query)."""
 
     model_config = ConfigDict(extra="forbid", strict=True)
     reset_running_requests: bool = False
@@ -184,18 +187,28 @@ def _add_request_routes(app: FastAPI, control: Control, admin: list[Any], api: l
         return JSONResponse({"status": "aborted", "aborted": control.abort(body.request_ids)})
 
     @app.post("/reset_prefix_cache", tags=tags, dependencies=admin, responses=acting,
-              summary="vLLM: reset the prefix cache", openapi_extra={
-                  **query_doc(("reset_running_requests", FLAG, "accepted"), ("reset_external", FLAG, "accepted")),
+              summary="vLLM: reset the prefix cache",
+              description="RESET_PREFIX_CACHE: every engine forgets every cached prefix block (device pool and host "
+                          "tier). 409 when running requests hold blocks, unless `reset_running_requests` sends them "
+                          "back to be recomputed.", openapi_extra={
+                  **query_doc(("reset_running_requests", FLAG, "recompute the running requests so that the reset "
+                                                               "happens (default false: refused while they run)"),
+                              ("reset_external", FLAG, "accepted: the host tier is reset either way")),
                   **request_body_doc(VllmResetPrefixCache, required=False)})
     async def reset(request: Request) -> JSONResponse:
         query = Query(request)
-        query.flag("reset_running_requests", False)
+        running = query.flag("reset_running_requests", False)
         query.flag("reset_external", False)
         query.done()
         raw = await request.body()
         if raw.strip():
-            read_anchor(VllmResetPrefixCache, raw, "vLLM's /reset_prefix_cache")
-        return JSONResponse({"success": await control.reset_prefix_cache("/reset_prefix_cache")})
+            running = running or read_anchor(VllmResetPrefixCache, raw,
+                                              "vLLM's /reset_prefix_cache").reset_running_requests
+        if not await control.reset_prefix_cache("/reset_prefix_cache", running):
+            raise APIError(409, "/reset_prefix_cache: running requests hold KV blocks, so the prefix cache was not "
+                                "reset; reset_running_requests=true recomputes them and resets it",
+                           code="prefix_cache_in_use", type="invalid_request_error", param="reset_running_requests")
+        return JSONResponse({"success": True})
 
     @app.get("/get_world_size", tags=tags, dependencies=api, responses=reading,
              summary="vLLM: the ranks of the served model", openapi_extra=query_doc(
