@@ -164,6 +164,7 @@ class _NoText:
     """Stands in for the tokenizer: the benchmark feeds token ids and ignores text."""
 
     eos_token_id = None
+    is_fast = False  # no grammars: the engine's structured-output warm-up says so and moves on
     all_special_ids: list[int] = []
     added_tokens_decoder: dict = {}
 

@@ -90,6 +90,8 @@ class StructuredOutputs:
                                            log_level=0)
             mask = torch.full((1, (self.vocab_size + 31) // 32), -1, dtype=torch.int32)
             fill_par(self._executor, [(matcher, 0)], mask.numpy())
+        except ValueError as exc:  # the tokenizer cannot serve grammars (no tokenizer.json): said once, no traceback
+            logger.info("structured outputs are not available: %s", exc)
         except Exception:  # noqa: BLE001 - a first constrained request meets the same problem and reports it
             logger.exception("warming the grammar engine failed")
 
