@@ -4,6 +4,8 @@ by load alone; a refit or a departure drops an engine's entries."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import msgspec
 import pytest
 
@@ -141,3 +143,19 @@ def test_temperature_spreads_a_hot_prefix_and_zero_keeps_it():
     assert {warm.select(request, engines).engine_id for _ in range(50)} == {"e0", "e1"}
     with pytest.raises(ValueError):
         KVAware(index, temperature=-1)
+
+
+def test_a_burst_of_one_prefix_stays_on_one_engine_before_its_events_arrive_and_the_guess_expires():
+    h, sides = fleet()
+    prompt = prompt_of(700)
+    first = route(h, sides, "p0", prompt)  # no engine has said anything of it yet
+    assert route(h, sides, "p1", prompt) == first  # the blocks on their way count: not computed a second time
+    assert h.core.policy.hit_blocks == 6
+    control = KVAware(h.core.kv_index, pending_s=0.0)  # without them the next goes by load alone
+    views = [h.core.engines[side.engine_id] for side in sides]
+    request = SimpleNamespace(request_id="c", params=None, prefix_keys=prompt, prefix_root=ROOT_HASH)
+    assert control.select(request, views).group != first
+    h.core.kv_index.now += 10.0  # no event said it was stored: the guess expires
+    assert h.core.policy.match(sides[first].engine_id, block_hashes(prompt[:6 * BS], BS), h.core.kv_index.now) == (0, 0)
+    with pytest.raises(ValueError, match="pending_s"):
+        KVAware(h.core.kv_index, pending_s=-1)

@@ -11,6 +11,11 @@ group); above 0 an engine is drawn with probability ``softmax(-cost / (temperatu
 hot prefix. An engine whose events lag or were lost (:meth:`~.kv_index.KVIndex.trusted`) is matched as holding
 nothing: load alone decides for it. ``prefix_affinity``'s load bound applies: a group far above the least loaded
 one is skipped whatever it holds.
+
+Blocks on their way: an engine tells a block stored only after the step that computed it, so a burst of one prefix
+would otherwise be spread over every engine before the first of them says it holds it (each computing it once).
+As Dynamo's router counts the blocks of the requests it sent, the chain of each routed prompt counts as held on its
+engine's device for ``pending_s`` seconds of the index's clock, until its own events take over.
 """
 
 from __future__ import annotations
@@ -20,12 +25,14 @@ import random
 from typing import Any, Sequence
 
 from ..wire.prefix_hash import block_hashes, epoch_root
-from .kv_index import KVIndex
+from .kv_index import MEDIUM_WEIGHTS, KVIndex
 from .prefix_routing import DEFAULT_MAX_LOAD_GAP, DEFAULT_MAX_LOAD_RATIO, engine_block_size
 from .routing import EngineView, RequestView, register_routing_policy
 
 DEFAULT_OVERLAP_WEIGHT = 1.0
 DEFAULT_TEMPERATURE = 0.0
+DEFAULT_PENDING_S = 2.0
+MAX_PENDING_BLOCKS = 65_536  # per engine: a few MB at most
 MAX_PROMPT_BLOCKS = 2_048
 
 
@@ -36,9 +43,10 @@ class KVAware:
 
     def __init__(self, index: KVIndex, *, overlap_weight: float = DEFAULT_OVERLAP_WEIGHT,
                  temperature: float = DEFAULT_TEMPERATURE, max_load_gap: int = DEFAULT_MAX_LOAD_GAP,
-                 max_load_ratio: float = DEFAULT_MAX_LOAD_RATIO, seed: int | None = None) -> None:
-        if overlap_weight < 0 or temperature < 0:
-            raise ValueError("overlap_weight and temperature must be >= 0")
+                 max_load_ratio: float = DEFAULT_MAX_LOAD_RATIO, seed: int | None = None,
+                 pending_s: float = DEFAULT_PENDING_S) -> None:
+        if overlap_weight < 0 or temperature < 0 or pending_s < 0:
+            raise ValueError("overlap_weight, temperature and pending_s must be >= 0")
         if max_load_gap < 0 or max_load_ratio < 1.0:
             raise ValueError("max_load_gap must be >= 0 and max_load_ratio >= 1")
         self.index = index
@@ -47,6 +55,8 @@ class KVAware:
         self.max_load_gap = int(max_load_gap)
         self.max_load_ratio = float(max_load_ratio)
         self._random = random.Random(seed)
+        self.pending_s = float(pending_s)
+        self._pending: dict[str, dict[int, float]] = {}  # engine -> block hash routed there -> until when it counts
         self.hit_blocks = 0  # blocks the chosen engines held, for logs and the benchmark
         self.untrusted = 0  # candidates routed by load alone because their events lag
 
@@ -72,7 +82,7 @@ class KVAware:
                         usable = min((len(tokens) - 1) // size, MAX_PROMPT_BLOCKS)  # the last token is computed
                         chains[key] = block_hashes(tokens[: usable * size], size,
                                                    epoch_root(request.prefix_root, engine.epoch))
-                    found, worth = self.index.match(engine.engine_id, chains[key])
+                    found, worth = self.match(engine.engine_id, chains[key], now)
                 else:
                     self.untrusted += 1
             in_use = max(engine.kv_blocks_total - engine.kv_blocks_free, 0)
@@ -80,7 +90,41 @@ class KVAware:
             scored.append((cost, engine.load, found, engine))
         chosen = self._choose(scored)
         self.hit_blocks += next(found for _, _, found, engine in scored if engine is chosen)
+        chain = chains.get((engine_block_size(chosen) or 16, chosen.epoch))
+        if chain:
+            self._sent(chosen.engine_id, chain, now)
         return chosen
+
+    def match(self, engine_id: str, hashes: list[int], now: float) -> tuple[int, float]:
+        """Leading blocks of ``hashes`` the engine holds by its events, or was sent less than ``pending_s`` ago, and
+        their worth by medium (a block on its way counts as on the device)."""
+        state = self.index.engines.get(engine_id)
+        held = state.blocks if state is not None else {}
+        pending = self._pending.get(engine_id, {})
+        count, worth = 0, 0.0
+        for block_hash in hashes:
+            media = held.get(block_hash)
+            if media:
+                worth += max(MEDIUM_WEIGHTS.get(medium, 0.5) for medium in media)
+            elif pending.get(block_hash, -1.0) >= now:
+                worth += 1.0
+            else:
+                break
+            count += 1
+        return count, worth
+
+    def _sent(self, engine_id: str, chain: list[int], now: float) -> None:
+        """The chain of a prompt routed to ``engine_id``: held there until its events say what it keeps."""
+        pending = self._pending.setdefault(engine_id, {})
+        if len(pending) + len(chain) > MAX_PENDING_BLOCKS:
+            for block_hash in [h for h, until in pending.items() if until < now]:
+                del pending[block_hash]
+            while len(pending) + len(chain) > MAX_PENDING_BLOCKS and pending:
+                del pending[next(iter(pending))]
+        until = now + self.pending_s
+        for block_hash in chain:
+            pending.pop(block_hash, None)  # re-inserted: the oldest stay first
+            pending[block_hash] = until
 
     def _choose(self, scored: list[tuple[float, int, int, EngineView]]) -> EngineView:
         """The cheapest (ties: load, then group), or with a temperature a draw favouring the cheap."""
@@ -93,6 +137,7 @@ class KVAware:
     def forget(self, engine_id: str) -> None:
         """The engine left, drains or changed weights: what it held is found no more."""
         self.index.forget_blocks(engine_id)
+        self._pending.pop(engine_id, None)
 
     def suspended(self, engine: EngineView) -> None:
         """Nothing to guess: the engine's own events say what its suspend let go."""
@@ -104,4 +149,4 @@ class KVAware:
 
 register_routing_policy(KVAware.name, KVAware)
 
-__all__ = ["KVAware", "DEFAULT_OVERLAP_WEIGHT", "DEFAULT_TEMPERATURE"]
+__all__ = ["KVAware", "DEFAULT_OVERLAP_WEIGHT", "DEFAULT_PENDING_S", "DEFAULT_TEMPERATURE"]

@@ -1,0 +1,214 @@
+"""Prefix hit rate of ``kv_aware`` routing (the engines' KV events) against ``prefix_affinity`` (routed-prefix memory)
+on a replayed multi-tenant trace with an eviction storm (docs/kv-routing.md).
+
+Real engines (``MegatronLLM``'s engine, in this process, the same weights each run) stepped in lockstep, one step
+each per tick, and the coordinator's real policies choosing among them with what the coordinator would see: each
+engine's requests in flight, its KV blocks free, and for ``kv_aware`` a :class:`~megatron_serve.coordinator.kv_index.
+KVIndex` fed by the engine's own KV event batches (the bytes its link would carry), on a clock of ``--tick-s``
+seconds per step.
+
+The trace (seeded, replayed identically for every policy): ``--tenants`` tenants, each a system prompt of
+``--prefix-blocks`` blocks followed by a user turn of its own, arriving with Zipf-like weights, a few per tick. In
+the middle a batch tenant's rollouts (a GRPO group: ``--storm`` samples of one short prompt, ``--storm-tokens`` tokens
+each) take the KV pools: their growing contexts evict the cached system prompts. Routed-prefix memory still believes its engines
+hold them (it remembers what it *sent*, not what the pools *kept*); the index sees every ``BlockRemoved``.
+
+Reported per policy: prefix hit rate (prompt tokens the device pool or host tier served / prompt tokens that could
+have been, i.e. all but each prompt's last), before / during / after the storm, and every request's tokens, which
+must be equal across policies (checked: routing never changes a text; ``batch_invariant`` on).
+
+    python benchmarks/kv_routing.py            # CPU-sized defaults
+    python benchmarks/kv_routing.py --smoke    # seconds: the test suite runs this
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import tempfile
+import time
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+from typing import Any
+
+from megatron_serve import InferenceConfig, MegatronLLM, SamplingParams
+from megatron_serve.coordinator.kv_aware import KVAware
+from megatron_serve.coordinator.kv_index import KVIndex
+from megatron_serve.coordinator.routing import make_routing_policy
+from megatron_serve.model.tiny import make_tiny_model
+from megatron_serve.wire.prefix_hash import ROOT_HASH
+from megatron_serve.wire.request import EngineRequest
+
+BLOCK = 16
+PHASES = ("before", "storm", "after")
+
+
+@dataclass
+class Arrival:
+    """One request of the trace: when it arrives, its tokens, how many to generate, and its phase."""
+
+    tick: int
+    request_id: str
+    prompt: list[int]
+    tokens: int
+    phase: str
+    tenant: str
+
+
+def make_trace(args: argparse.Namespace) -> list[Arrival]:
+    """The seeded multi-tenant trace with a storm in its middle third (see the module docstring)."""
+    rng = random.Random(args.seed)
+    prefixes = [[rng.randrange(5, 500) for _ in range(args.prefix_blocks * BLOCK)] for _ in range(args.tenants)]
+    weights = [1.0 / (rank + 1) for rank in range(args.tenants)]
+    trace: list[Arrival] = []
+    third = args.ticks // 3
+    for tick in range(args.ticks):
+        phase = PHASES[min(tick // third, 2)] if third else "before"
+        for _ in range(args.per_tick):
+            tenant = rng.choices(range(args.tenants), weights)[0]
+            tail = [rng.randrange(5, 500) for _ in range(rng.randrange(3, BLOCK))]
+            trace.append(Arrival(tick, f"t{tenant}-{len(trace)}", prefixes[tenant] + tail, args.tokens, phase,
+                                 f"t{tenant}"))
+    storm_ticks = range(third, 2 * third) if third else range(0)
+    group_prompt = [rng.randrange(5, 500) for _ in range(BLOCK + 3)]  # a GRPO group: one prompt, n samples
+    for index in range(args.storm if storm_ticks else 0):
+        tick = storm_ticks[0] + index // args.slots  # a slot's worth per tick: where the group's prompt is
+        trace.append(Arrival(tick, f"storm-{index}", group_prompt, args.storm_tokens, "storm", "batch"))
+    return sorted(trace, key=lambda a: a.tick)
+
+
+@dataclass
+class Outcome:
+    tokens: dict[str, list[int]] = field(default_factory=dict)
+    cached: dict[str, int] = field(default_factory=dict)  # phase -> prompt tokens served from a cache
+    usable: dict[str, int] = field(default_factory=dict)  # phase -> prompt tokens that could have been
+    sent: dict[str, dict[str, int]] = field(default_factory=dict)  # tenant -> engine -> requests
+    seconds: float = 0.0
+
+
+def make_engines(model_dir: str, args: argparse.Namespace, index: KVIndex, clock: list[float]) -> list[Any]:
+    engines = []
+    for number in range(args.engines):
+        llm = MegatronLLM(model_dir, InferenceConfig(block_size_tokens=BLOCK, num_kv_blocks=args.pool_blocks,
+                                                     max_requests=args.slots, max_batch_tokens=2048,
+                                                     enable_prefix_caching=True, batch_invariant=True))
+        engine = llm.engine
+        engine_id = f"engine-{number}"
+        engine.kv_events.attach(lambda seq, payload, e=engine_id: index.apply(e, seq, payload, clock[0]))
+        engines.append(SimpleNamespace(engine=engine, engine_id=engine_id, group=number, running={}))
+    return engines
+
+
+def view(side: Any, args: argparse.Namespace) -> SimpleNamespace:
+    """What the coordinator's engine record says of ``side`` (its heartbeat's facts, up to date every tick)."""
+    allocator = side.engine.allocator
+    return SimpleNamespace(engine_id=side.engine_id, group=side.group, capacity=args.slots, load=len(side.running),
+                           kv_blocks_free=allocator.num_free, kv_blocks_total=allocator.num_blocks, stats={},
+                           info={"block_size": BLOCK, "prefix_caching": True}, epoch=side.engine.epoch, side=side)
+
+
+def replay(model_dir: str, args: argparse.Namespace, routing: str, trace: list[Arrival]) -> Outcome:
+    """The trace through ``args.engines`` engines routed by ``routing``; what each request got."""
+    index = KVIndex()
+    policy = (KVAware(index, overlap_weight=args.overlap_weight) if routing == "kv_aware"
+              else make_routing_policy(routing, index))
+    clock = [0.0]  # the coordinator's clock: --tick-s per tick (one step of every engine), not this machine's
+    engines = make_engines(model_dir, args, index, clock)
+    outcome, queue, pending = Outcome(), list(trace), []
+    started = time.perf_counter()
+    tick = 0
+    while queue or pending or any(side.running for side in engines):
+        clock[0] = index.now = tick * args.tick_s
+        while queue and queue[0].tick <= tick:
+            pending.append(queue.pop(0))
+        while pending:
+            views = [view(side, args) for side in engines if len(side.running) < args.slots]
+            if not views:
+                break
+            arrival = pending.pop(0)
+            request = SimpleNamespace(request_id=arrival.request_id, params=SamplingParams(),
+                                      prefix_keys=arrival.prompt, prefix_root=ROOT_HASH)
+            side = policy.select(request, views).side
+            params = SamplingParams(temperature=0.0, num_tokens_to_generate=arrival.tokens, ignore_eos=True)
+            side.engine.add_request(EngineRequest(request_id=arrival.request_id, prompt_tokens=arrival.prompt,
+                                                  sampling_params=params, arrival_time=time.time()))
+            side.running[arrival.request_id] = arrival
+            tenant = outcome.sent.setdefault(arrival.tenant, {})
+            tenant[side.engine_id] = tenant.get(side.engine_id, 0) + 1
+        for side in engines:
+            if side.engine.has_unfinished_requests():
+                for out in side.engine.step():
+                    collect(outcome, side, out)
+        tick += 1
+    outcome.seconds = time.perf_counter() - started
+    for side in engines:
+        side.engine.shutdown()
+    return outcome
+
+
+def collect(outcome: Outcome, side: Any, out: Any) -> None:
+    """One step's output of a request: its tokens, and at its first what its admission found cached."""
+    arrival = side.running[out.request_id]
+    outcome.tokens.setdefault(out.request_id, []).extend(out.new_tokens)
+    if out.cached_tokens is not None and arrival.tenant != "batch":
+        outcome.cached[arrival.phase] = outcome.cached.get(arrival.phase, 0) + out.cached_tokens
+        outcome.usable[arrival.phase] = outcome.usable.get(arrival.phase, 0) + len(arrival.prompt) - 1
+    if out.finished:
+        del side.running[out.request_id]
+
+
+def rate(outcome: Outcome, phases: tuple[str, ...] = PHASES) -> float:
+    usable = sum(outcome.usable.get(p, 0) for p in phases)
+    return sum(outcome.cached.get(p, 0) for p in phases) / usable if usable else 0.0
+
+
+def report(args: argparse.Namespace, trace: list[Arrival], rows: dict[str, Outcome]) -> None:
+    tenants = sum(1 for a in trace if a.tenant != "batch")
+    print(f"trace: {tenants} tenant requests ({args.tenants} tenants, system prompts of {args.prefix_blocks} blocks of "
+          f"{BLOCK}), a storm of {args.storm} rollouts x {args.storm_tokens} tokens; {args.engines} engines x "
+          f"{args.pool_blocks} KV blocks, {args.slots} slots")
+    print(f"  {'routing':>16} {'hit rate':>9} {'before':>7} {'storm':>7} {'after':>7} {'seconds':>8}")
+    for name, row in rows.items():
+        print(f"  {name:>16} {rate(row):9.3f} " + " ".join(f"{rate(row, (p,)):7.3f}" for p in PHASES)
+              + f" {row.seconds:8.1f}")
+    aware, memory = rate(rows["kv_aware"]), rate(rows["prefix_affinity"])
+    print(f"  kv_aware / prefix_affinity: x{aware / memory:.2f} overall, storm and after x"
+          f"{rate(rows['kv_aware'], PHASES[1:]) / max(rate(rows['prefix_affinity'], PHASES[1:]), 1e-9):.2f}")
+    print(f"  texts: {len(rows['kv_aware'].tokens)} requests, equal under every policy")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--engines", type=int, default=3)
+    parser.add_argument("--pool-blocks", type=int, default=40)
+    parser.add_argument("--slots", type=int, default=8)
+    parser.add_argument("--tenants", type=int, default=6)
+    parser.add_argument("--prefix-blocks", type=int, default=6)
+    parser.add_argument("--ticks", type=int, default=60)
+    parser.add_argument("--per-tick", type=int, default=2)
+    parser.add_argument("--tokens", type=int, default=4)
+    parser.add_argument("--storm", type=int, default=8)
+    parser.add_argument("--storm-tokens", type=int, default=256)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--tick-s", type=float, default=0.05, help="the coordinator's seconds per engine step")
+    parser.add_argument("--overlap-weight", type=float, default=1.0, help="kv_aware's (Dynamo's default: 1)")
+    parser.add_argument("--policies", default="least_loaded,prefix_affinity,kv_aware")
+    parser.add_argument("--smoke", action="store_true", help="a smaller trace: seconds")
+    args = parser.parse_args()
+    if args.smoke:
+        args.ticks, args.per_tick, args.storm, args.storm_tokens = 24, 1, 4, 48
+    policies = args.policies.split(",")
+    if not {"kv_aware", "prefix_affinity"} <= set(policies):
+        parser.error("--policies must name kv_aware and prefix_affinity")
+    trace = make_trace(args)
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = str(make_tiny_model(tmp, seed=0))
+        rows = {name: replay(model_dir, args, name, trace) for name in policies}
+    first = rows[policies[0]].tokens
+    for name, row in rows.items():
+        assert row.tokens == first, f"{name} changed a text"
+    report(args, trace, rows)
+
+
+if __name__ == "__main__":
+    main()

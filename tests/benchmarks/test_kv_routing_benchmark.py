@@ -1,0 +1,25 @@
+"""``benchmarks/kv_routing.py --smoke`` runs end to end on CPU (real engines, the coordinator's policies), so the
+benchmark cannot rot unnoticed: every policy's texts are equal (the script asserts it) and it prints a hit rate for
+each."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCHMARK = Path(__file__).resolve().parents[2] / "benchmarks" / "kv_routing.py"
+
+pytestmark = pytest.mark.timeout(900)
+
+
+def test_kv_routing_smoke_prints_each_policys_hit_rate_with_texts_unchanged():
+    result = subprocess.run([sys.executable, str(BENCHMARK), "--smoke"], capture_output=True, text=True, timeout=880)
+    assert result.returncode == 0, result.stderr[-2000:]
+    rates = dict(re.findall(r"^\s*(prefix_affinity|kv_aware)\s+([\d.]+)\s", result.stdout, re.M))
+    assert set(rates) == {"prefix_affinity", "kv_aware"}, result.stdout
+    assert all(0.0 < float(rate) <= 1.0 for rate in rates.values()), result.stdout
+    assert "equal under every policy" in result.stdout
