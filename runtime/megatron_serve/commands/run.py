@@ -72,7 +72,8 @@ def add_arguments(parser: argparse.ArgumentParser, *, positional_model: bool = F
                         help=f"coordinator port on --host, for `megatron-serve control` (default: {DEFAULT_PORT}, "
                              "or a free port when it is taken or is --port's or the probe port's; 0 = any free "
                              "port)")
-    parser.add_argument("--routing", default="least_loaded", choices=["least_loaded", "round_robin", "prefix_affinity"],
+    parser.add_argument("--routing", default="least_loaded",
+                        choices=["least_loaded", "round_robin", "prefix_affinity", "kv_aware"],
                         help="which engine group gets a request")
     parser.add_argument("--log-dir", metavar="DIR", help="where coordinator and engine logs go and stay (default: "
                                                          "the run's own temporary directory, removed when it ends)")
