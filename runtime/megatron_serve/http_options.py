@@ -9,8 +9,8 @@ commands can build and check it before anything starts.
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass
-from typing import Literal
+from dataclasses import dataclass, field
+from typing import Any, Literal
 
 #: Tool-call formats the server reads (``--tool-call-parser``); ``qwen3_xml`` is ``qwen3_coder``'s format.
 TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral", "qwen3_coder", "qwen3_xml")
@@ -90,3 +90,63 @@ class HTTPOptions:
                    access_log=not args.disable_uvicorn_access_log, metrics_compat=args.metrics_compat,
                    docs=not args.disable_fastapi_docs,
                    weight_transfer_backend=(args.weight_transfer_config or {}).get("backend"))
+
+
+#: The Gateway API Inference Extension's header naming a request's tenant (its fairness id).
+FAIRNESS_HEADER = "x-gateway-inference-fairness-id"
+
+
+@dataclass(frozen=True)
+class Shedding:
+    """When the fleet counts as saturated, so that ``sheddable`` requests get a 503 with ``Retry-After`` instead of
+    a place in an unbounded queue (the Gateway API Inference Extension's saturation detector): every engine has at
+    least ``queue_depth`` requests waiting (its own queue and its share of the coordinator's) or ``kv_cache_usage``
+    of its KV blocks in use, or the fleet's last status is older than ``stale_after`` seconds. None turns one
+    signal off. ``retry_after``: the seconds a shed request is told to wait."""
+
+    queue_depth: float | None = 8.0
+    kv_cache_usage: float | None = 0.95
+    stale_after: float | None = 5.0
+    retry_after: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("queue_depth", "stale_after"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise ValueError(f"shedding's {name} must be > 0 (None: off), got {value!r}")
+        if self.kv_cache_usage is not None and not 0 < self.kv_cache_usage <= 1:
+            raise ValueError(f"shedding's kv_cache_usage must be in (0, 1] (None: off), got {self.kv_cache_usage!r}")
+        if isinstance(self.retry_after, bool) or not isinstance(self.retry_after, int) or self.retry_after < 1:
+            raise ValueError(f"shedding's retry_after must be a whole number of seconds >= 1, got {self.retry_after!r}")
+
+
+@dataclass(frozen=True)
+class TenancyOptions:
+    """The server's tenancy settings besides the key file: ``header``, the fairness header (None: the Gateway API
+    Inference Extension's, read only when the key file is a document; "" never read; a name: read, tenants on even
+    with a single key or none), and ``shedding``."""
+
+    header: str | None = None
+    shedding: Shedding = field(default_factory=Shedding)
+
+    @property
+    def header_name(self) -> str | None:
+        """The header read for a fairness id, lowercase (None: none)."""
+        if self.header == "":
+            return None
+        return (self.header or FAIRNESS_HEADER).lower()
+
+    @classmethod
+    def from_args(cls, args: Any) -> "TenancyOptions":
+        """From ``--tenant-header`` and the ``--shed-*`` flags (0 turns a signal off); ``ValueError`` names a bad one."""
+        def off(value: float | None) -> float | None:
+            return None if value is not None and value == 0 else value
+
+        defaults = Shedding()
+        shedding = Shedding(
+            queue_depth=off(args.shed_queue_depth) if args.shed_queue_depth is not None else defaults.queue_depth,
+            kv_cache_usage=(off(args.shed_kv_cache_usage) if args.shed_kv_cache_usage is not None
+                            else defaults.kv_cache_usage),
+            stale_after=off(args.shed_stale_after) if args.shed_stale_after is not None else defaults.stale_after,
+            retry_after=args.shed_retry_after if args.shed_retry_after is not None else defaults.retry_after)
+        return cls(args.tenant_header, shedding)

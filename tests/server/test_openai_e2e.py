@@ -374,7 +374,7 @@ def counter(text: str, name: str, labels: str = "") -> float:
 
 def test_metrics_during_load_show_every_documented_series(stack, tiny_model):
     """Scrape /metrics before, during and after real load: every catalogued series is there and sane."""
-    from megatron_serve.server.metric_catalog import SERIES  # noqa: PLC0415
+    from megatron_serve.server.metric_catalog import SERIES, TENANT_LABELS  # noqa: PLC0415
 
     engine = f'engine_group="0",model_name="{stack.model}"'
     headers = {"Authorization": f"Bearer {API_KEY}"}
@@ -422,11 +422,14 @@ def test_metrics_during_load_show_every_documented_series(stack, tiny_model):
     wait_until(settled, 30, "the engine counters to catch up")
     after = during.pop()
     # a counter per draft position has samples only where speculation ran (tests/commands/test_speculative_run.py),
-    # the KV offload counters only where a host tier runs (tests/server/test_kv_tiers_http.py)
+    # the KV offload counters only where a host tier runs (tests/server/test_kv_tiers_http.py), the per-tenant
+    # series only where tenants are configured (tests/server/test_tenants.py)
     by_position = {"megatron_serve_spec_decode_num_accepted_tokens_per_pos_total",
                    "megatron_serve_kv_offload_total_bytes_total", "megatron_serve_kv_offload_total_time_total"}
     assert not re.search(r"^megatron_serve_spec_decode_num_accepted_tokens_per_pos_total\{", after, flags=re.M)
-    for entry in (e for e in SERIES if e.full_name not in by_position):  # every other documented series has samples
+    assert not re.search(r"^megatron_serve_tenant_", after, flags=re.M)  # no tenants here: none tagged
+    # every other documented series has samples
+    for entry in (e for e in SERIES if e.full_name not in by_position and e.labels[:2] != TENANT_LABELS):
         assert re.search(rf"^{entry.full_name}(_bucket|_count)?[{{ ]", after, flags=re.M), entry.full_name
     for text in [before, *during, after]:
         assert 0 <= metric(text, "megatron_serve_kv_cache_usage_perc", engine) <= 1

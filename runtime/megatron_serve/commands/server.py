@@ -16,11 +16,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ..generation_config import GenerationDefaults
-from ..http_options import METRICS_COMPAT, HTTPOptions
+from ..http_options import FAIRNESS_HEADER, METRICS_COMPAT, HTTPOptions, Shedding, TenancyOptions
 from ..limits import (DEFAULT_COORDINATOR_GRACE, DEFAULT_KEEP_ALIVE, HEALTH_STALL_TIMEOUT, MAIN_BACKLOG, READY_TIMEOUT,
                       STATUS_INTERVAL, STATUS_TIMEOUT, RequestLimits)
 from ..multimodal import ImageOptions
-from ..server.tenants import FAIRNESS_HEADER, Shedding, TenancyOptions, tenant_table
 from . import api_servers, local_runs
 from .inputs import check_model_dir, coordinator_address, parse_port
 from .model_options import add_model_options, resolve_model_args
@@ -229,6 +228,8 @@ def check_server_options(args: argparse.Namespace) -> None:
     read_limits(args)
     image_options(args)
     HTTPOptions.from_args(args)
+    from ..server.tenants import tenant_table  # noqa: PLC0415 - the server package: not for --help
+
     tenants = tenant_table(read_api_key(args), tenancy_options(args))  # a key document's errors, before any start
     if admin_key is not None and tenants is not None and tenants.entry(admin_key.encode()) is not None:
         raise ValueError("the admin key must differ from every API key of the key file")

@@ -30,12 +30,12 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..http_options import FAIRNESS_HEADER, Shedding, TenancyOptions
 from ..wire.tenancy import BANDS, CLASSES, DEFAULT_CLASS, MAX_TENANT_NAME, TenantTag
 
 #: The anonymous tenant, whose entry also gives the settings of tenants that have none.
 DEFAULT_TENANT = "default"
 #: The Gateway API Inference Extension's fairness header (its flow control's tenant).
-FAIRNESS_HEADER = "x-gateway-inference-fairness-id"
 _LIMITS = ("tokens_per_minute", "requests_per_minute", "max_concurrent")
 _SETTINGS = ("class", "weight", *_LIMITS)
 _KEY_SOURCES = ("key", "key_file", "key_env")
@@ -243,62 +243,6 @@ def _tenant(name: Any, settings: Any, where: str) -> Tenant:
             raise TenantConfigError(f"{where}.{limit} must be a whole number >= 1, got {value!r}")
         limits[limit] = value
     return Tenant(name, cls, float(weight), TenantLimits(**limits))
-
-
-@dataclass(frozen=True)
-class Shedding:
-    """When the fleet counts as saturated, so that ``sheddable`` requests get a 503 with ``Retry-After`` instead of
-    a place in an unbounded queue (the Gateway API Inference Extension's saturation detector): every engine has at
-    least ``queue_depth`` requests waiting (its own queue and its share of the coordinator's) or ``kv_cache_usage``
-    of its KV blocks in use, or the fleet's last status is older than ``stale_after`` seconds. None turns one
-    signal off. ``retry_after``: the seconds a shed request is told to wait."""
-
-    queue_depth: float | None = 8.0
-    kv_cache_usage: float | None = 0.95
-    stale_after: float | None = 5.0
-    retry_after: int = 1
-
-    def __post_init__(self) -> None:
-        for name in ("queue_depth", "stale_after"):
-            value = getattr(self, name)
-            if value is not None and not value > 0:
-                raise ValueError(f"shedding's {name} must be > 0 (None: off), got {value!r}")
-        if self.kv_cache_usage is not None and not 0 < self.kv_cache_usage <= 1:
-            raise ValueError(f"shedding's kv_cache_usage must be in (0, 1] (None: off), got {self.kv_cache_usage!r}")
-        if isinstance(self.retry_after, bool) or not isinstance(self.retry_after, int) or self.retry_after < 1:
-            raise ValueError(f"shedding's retry_after must be a whole number of seconds >= 1, got {self.retry_after!r}")
-
-
-@dataclass(frozen=True)
-class TenancyOptions:
-    """The server's tenancy settings besides the key file: ``header``, the fairness header (None: the Gateway API
-    Inference Extension's, read only when the key file is a document; "" never read; a name: read, tenants on even
-    with a single key or none), and ``shedding``."""
-
-    header: str | None = None
-    shedding: Shedding = field(default_factory=Shedding)
-
-    @property
-    def header_name(self) -> str | None:
-        """The header read for a fairness id, lowercase (None: none)."""
-        if self.header == "":
-            return None
-        return (self.header or FAIRNESS_HEADER).lower()
-
-    @classmethod
-    def from_args(cls, args: Any) -> "TenancyOptions":
-        """From ``--tenant-header`` and the ``--shed-*`` flags (0 turns a signal off); ``ValueError`` names a bad one."""
-        def off(value: float | None) -> float | None:
-            return None if value is not None and value == 0 else value
-
-        defaults = Shedding()
-        shedding = Shedding(
-            queue_depth=off(args.shed_queue_depth) if args.shed_queue_depth is not None else defaults.queue_depth,
-            kv_cache_usage=(off(args.shed_kv_cache_usage) if args.shed_kv_cache_usage is not None
-                            else defaults.kv_cache_usage),
-            stale_after=off(args.shed_stale_after) if args.shed_stale_after is not None else defaults.stale_after,
-            retry_after=args.shed_retry_after if args.shed_retry_after is not None else defaults.retry_after)
-        return cls(args.tenant_header, shedding)
 
 
 def tenant_table(api_key: str | None, options: TenancyOptions | None, env: dict[str, str] | None = None
