@@ -63,10 +63,10 @@ def arrivals(engine: DynamicInferenceEngine) -> list:
     seen: list = []
     add = engine.add_request
 
-    def record(request: EngineRequest):
+    def record(request: EngineRequest, kv_transfer_params: dict | None = None):
         seen.append((list(request.generated_tokens), None if request.routing_indices is None
                      else request.routing_indices.array()))
-        add(request)
+        add(request, kv_transfer_params)
 
     engine.add_request = record
     return seen
