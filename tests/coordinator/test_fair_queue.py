@@ -162,3 +162,16 @@ def test_a_request_is_charged_its_prompt_and_max_tokens_and_given_back_what_it_d
     request["sampling_params"]["num_tokens_to_generate"] = 2  # it stops early (as at a stop string or EOS)
     engine.step()
     assert h.core.requests.fair.counts["b"] == (6 + 2) / 3
+
+
+def test_a_request_dropped_without_finishing_gives_back_what_it_did_not_use():
+    h = CoreHarness(dispatch_factor=1.0)
+    h.client(C)
+    engine = FakeEngine(h, E1, capacity=1)
+    submit(h, "a0", B, tokens=10, prompt=6)
+    engine.step()
+    engine.step()  # two tokens made
+    (record,) = h.core.requests.records.values()
+    assert len(record.generated_tokens) == 2
+    h.core.requests.forget(record)  # its client gone: the table drops it unfinished
+    assert h.core.requests.fair.counts["b"] == (6 + 2) / 3

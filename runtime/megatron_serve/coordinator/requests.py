@@ -223,6 +223,8 @@ class RequestTable:
             self.failed += 1
 
     def forget(self, record: RequestRecord) -> None:
+        if record.charged:  # dropped without finishing (its client gone): its tenant gets back what it did not use
+            self.fair.settle(record)
         if self.records.pop(record.request_id, None) is not None:
             self.counts[record.phase] -= 1
         self.undelivered.discard(record.request_id)
