@@ -47,6 +47,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -174,14 +175,12 @@ class EventStream:
 # ----------------------------------------------------------------------------- serving
 
 
-async def one_request(http: aiohttp.ClientSession, model: str, prompt: list[int], output_tokens: int) -> Sample:
-    body = {"model": model, "prompt": prompt, "max_tokens": output_tokens, "stream": True, "ignore_eos": True,
-            "stream_options": {"include_usage": True}, **SAMPLING.body()}
-    started = time.perf_counter()
-    first = last = None
-    tokens = 0
+async def completion_messages(http: aiohttp.ClientSession, body: dict, headers: dict[str, str] | None = None
+                              ) -> AsyncIterator[dict]:
+    """The JSON messages of one streamed ``/v1/completions`` answer, in order; an HTTP error or an error message
+    raises ``RuntimeError`` with its text."""
     events = EventStream()
-    async with http.post("/v1/completions", json=body) as response:
+    async with http.post("/v1/completions", json=body, headers=headers) as response:
         if response.status != 200:
             raise RuntimeError(f"HTTP {response.status}: {(await response.read()).decode()[:300]}")
         async for chunk in response.content.iter_any():
@@ -191,11 +190,21 @@ async def one_request(http: aiohttp.ClientSession, model: str, prompt: list[int]
                 message = json.loads(data)
                 if "error" in message:
                     raise RuntimeError(message["error"]["message"])
-                if message.get("usage"):
-                    tokens = message["usage"]["completion_tokens"]
-                if any(choice.get("text") for choice in message["choices"]):
-                    last = time.perf_counter()
-                    first = first or last
+                yield message
+
+
+async def one_request(http: aiohttp.ClientSession, model: str, prompt: list[int], output_tokens: int) -> Sample:
+    body = {"model": model, "prompt": prompt, "max_tokens": output_tokens, "stream": True, "ignore_eos": True,
+            "stream_options": {"include_usage": True}, **SAMPLING.body()}
+    started = time.perf_counter()
+    first = last = None
+    tokens = 0
+    async for message in completion_messages(http, body):
+        if message.get("usage"):
+            tokens = message["usage"]["completion_tokens"]
+        if any(choice.get("text") for choice in message["choices"]):
+            last = time.perf_counter()
+            first = first or last
     end = time.perf_counter()
     if first is None or tokens == 0:
         raise RuntimeError("no tokens streamed")

@@ -29,7 +29,7 @@ from pathlib import Path
 import aiohttp
 
 from scratch import scratch_dir
-from serving import EventStream, percentile, stack_cpu_seconds, start_stack, stop_stack
+from serving import completion_messages, percentile, stack_cpu_seconds, start_stack, stop_stack
 
 SLOTS = 8  # the engine's request slots (--max-requests)
 MODEL_NAME = ["tiny-llama"]  # the served name: the model directory's
@@ -48,19 +48,11 @@ async def stream(http: aiohttp.ClientSession, key: str, prompt: list[int], token
             "temperature": 0, "stream_options": {"include_usage": True}}
     started = time.perf_counter()
     first = None
-    events = EventStream()
-    async with http.post("/v1/completions", json=body, headers={"Authorization": f"Bearer {key}"}) as response:
-        if response.status != 200:
-            raise RuntimeError(f"HTTP {response.status}: {(await response.read()).decode()[:300]}")
-        async for chunk in response.content.iter_any():
-            for data in events.feed(chunk):
-                if data == "[DONE]":
-                    continue
-                message = json.loads(data)
-                if message.get("usage") and counted is not None:  # every token, whatever its text
-                    counted[key] = counted.get(key, 0) + message["usage"]["completion_tokens"]
-                if message["choices"] and message["choices"][0].get("text"):
-                    first = first or time.perf_counter()
+    async for message in completion_messages(http, body, {"Authorization": f"Bearer {key}"}):
+        if message.get("usage") and counted is not None:  # every token, whatever its text
+            counted[key] = counted.get(key, 0) + message["usage"]["completion_tokens"]
+        if message["choices"] and message["choices"][0].get("text"):
+            first = first or time.perf_counter()
     return (first or time.perf_counter()) - started
 
 
