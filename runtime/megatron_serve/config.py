@@ -42,6 +42,17 @@ def batch_invariant_from_env() -> bool:
     return value == "1"
 
 
+def _from_json_object(cls: type, data: Any, option: str, fields: tuple[str, ...]) -> Any:
+    """``cls`` from vLLM's JSON object ``data`` for ``option``; not an object, an unknown key or a bad value is an
+    error naming it."""
+    if not isinstance(data, dict):
+        raise ValueError(f"{option} must be a JSON object, got {data!r}")
+    unknown = sorted(set(data) - set(fields))
+    if unknown:
+        raise ValueError(f"{option}: unknown field {unknown[0]!r} (known: {', '.join(fields)})")
+    return cls(**data)
+
+
 SPECULATIVE_METHODS = ("ngram", "draft_model", "mtp", "eagle3")
 _SPECULATIVE_FIELDS = ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "model",
                        "adaptive")
@@ -69,12 +80,7 @@ class SpeculativeConfig:
     @classmethod
     def from_dict(cls, data: Any) -> "SpeculativeConfig":
         """From vLLM's JSON object; an unknown key or a bad value is an error naming it."""
-        if not isinstance(data, dict):
-            raise ValueError(f"speculative_config must be a JSON object, got {data!r}")
-        unknown = sorted(set(data) - set(_SPECULATIVE_FIELDS))
-        if unknown:
-            raise ValueError(f"speculative_config: unknown field {unknown[0]!r} (known: {', '.join(_SPECULATIVE_FIELDS)})")
-        return cls(**data)
+        return _from_json_object(cls, data, "speculative_config", _SPECULATIVE_FIELDS)
 
     def __post_init__(self) -> None:
         if self.method not in SPECULATIVE_METHODS:
@@ -118,12 +124,7 @@ class EplbConfig:
     @classmethod
     def from_dict(cls, data: Any) -> "EplbConfig":
         """From vLLM's JSON object; an unknown key or a bad value is an error naming it."""
-        if not isinstance(data, dict):
-            raise ValueError(f"eplb_config must be a JSON object, got {data!r}")
-        unknown = sorted(set(data) - set(_EPLB_FIELDS))
-        if unknown:
-            raise ValueError(f"eplb_config: unknown field {unknown[0]!r} (known: {', '.join(_EPLB_FIELDS)})")
-        return cls(**data)
+        return _from_json_object(cls, data, "eplb_config", _EPLB_FIELDS)
 
     def __post_init__(self) -> None:
         for name, least in (("window_size", 1), ("step_interval", 1), ("num_redundant_experts", 0)):
