@@ -21,8 +21,6 @@ import json
 import os
 import random
 import re
-import subprocess
-import sys
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -32,9 +30,7 @@ from typing import Iterator
 import httpx
 import pytest
 
-from ..processes import stop_process_group
-from .conftest import metric, wait_ready
-from .test_openai_e2e import free_port
+from .conftest import admin_run, metric
 
 pytestmark = [pytest.mark.timeout(600)]
 
@@ -47,23 +43,11 @@ ENGINE = 'engine_group="0",model_name="{model}"'
 
 @contextmanager
 def fleet(model: str, log_dir, *extra: str) -> Iterator[SimpleNamespace]:
-    key_file = log_dir / "admin-key"
-    key_file.write_text(ADMIN_KEY + "\n")
-    port = free_port()
-    output = log_dir / "run.out"
-    with open(output, "wb") as out:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "megatron_serve.cli", "run", "--model", model, "--port", str(port),
-             "--coordinator-port", "0", "--num-kv-blocks", "24", "--block-size", str(BLOCK), "--max-num-seqs", "2",
-             "--batch-invariant", "--log-dir", str(log_dir), "--admin-key-file", str(key_file), *extra],
-            stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True, env=os.environ)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_ready(proc, url, output)
+    """A batch-invariant ``run`` with a small pool (24 blocks of BLOCK tokens, two sequences), the admin key."""
+    with admin_run(model, log_dir, ADMIN_KEY, "--num-kv-blocks", "24", "--block-size", str(BLOCK), "--max-num-seqs",
+                   "2", "--batch-invariant", *extra, env=os.environ) as url:
         with httpx.Client(base_url=url, timeout=120) as http:
             yield SimpleNamespace(http=http, model=os.path.basename(model), path=model, url=url)
-    finally:
-        stop_process_group(proc)
 
 
 def prompts() -> list[list[int]]:
