@@ -63,11 +63,17 @@ def test_two_api_servers_share_the_port_the_key_and_the_metrics(tiny_llama, tmp_
         os.kill(sibling, signal.SIGSTOP)  # now only the run's own server accepts
         try:
             second = [complete(stack.url, stack.model) for _ in range(2)]
+            assert [r.status_code for r in second] == [200, 200], [r.text for r in second]
             # The run's process answers the scrape, and counts the sibling's requests too.
-            wait_until(lambda: completed(stack.url) == 5, 30, "the sibling's requests in the run's /metrics")
+            seen: list[float] = []
+            try:
+                wait_until(lambda: seen.append(completed(stack.url)) or seen[-1] == 5, 30,
+                           "the sibling's requests in the run's /metrics")
+            except TimeoutError as exc:
+                raise AssertionError(f"{exc}; completed requests seen: {sorted(set(seen))}\n"
+                                     f"{stack.output()[-3000:]}") from None
         finally:
             os.kill(sibling, signal.SIGCONT)
-        assert [r.status_code for r in second] == [200, 200]
         assert completed(stack.url) == 5  # from either process
         stack.proc.send_signal(signal.SIGINT)  # drains both, then the fleet
         assert stack.proc.wait(120) == 0, stack.output()[-3000:]
