@@ -7,7 +7,7 @@ from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from megatron_serve.wire.engine_stats import KV_OFFLOAD, KV_TRANSFER, EngineStats
+from megatron_serve.wire.engine_stats import EPLB, KV_OFFLOAD, KV_TRANSFER, EngineStats
 from megatron_serve.server.metric_catalog import SERIES
 from megatron_serve.server.metrics import ServerMetrics
 from megatron_serve.wire.request import DynamicInferenceRequest, EventType, RequestEvent
@@ -57,7 +57,28 @@ def a_report() -> dict[str, Any]:
     report = stats.to_wire(prefix_cache_queries=40, prefix_cache_hits=16)
     report[KV_OFFLOAD] = {"GPU_to_CPU": {"bytes": 8192, "seconds": 0.25}, "CPU_to_GPU": {"bytes": 4096, "seconds": 0.5}}
     report[KV_TRANSFER] = {"sent": {"transfers": 3, "bytes": 3072}, "received": {"transfers": 0, "bytes": 0}}
+    report[EPLB] = {"layers": [1, 3], "measured": [0.5, 0.625], "planned": [1.0, 0.875], "rearrangements": 2,
+                    "layers_moved": 3, "seconds": 0.25}
     return report
+
+
+def test_eplb_balancedness_is_per_layer_and_its_counts_per_engine():
+    before_any_plan = copy.deepcopy(a_report())
+    for key in ("measured", "planned"):
+        del before_any_plan[EPLB][key]
+    broken = copy.deepcopy(a_report())
+    broken[EPLB].update(measured=[0.5], planned=["x", 0.5], seconds=-1)
+    families = scrape([engine(0, a_report()), engine(1, before_any_plan), engine(2, broken)])
+    measured = {(s.labels["engine_group"], s.labels["layer"]): s.value
+                for s in families["megatron_serve_eplb_balancedness"].samples}
+    planned = {(s.labels["engine_group"], s.labels["layer"]): s.value
+               for s in families["megatron_serve_eplb_planned_balancedness"].samples}
+    assert measured == {("0", "1"): 0.5, ("0", "3"): 0.625}  # none before a plan; one of two values is no map
+    assert planned == {("0", "1"): 1.0, ("0", "3"): 0.875, ("2", "3"): 0.5}
+    counts = {name: {s.labels["engine_group"]: s.value for s in families[f"megatron_serve_eplb_{name}"].samples}
+              for name in ("rearrangements", "layers_moved", "rearrangement_seconds")}
+    assert counts == {"rearrangements": {"0": 2, "1": 2, "2": 2}, "layers_moved": {"0": 3, "1": 3, "2": 3},
+                      "rearrangement_seconds": {"0": 0.25, "1": 0.25}}
 
 
 def test_prefill_decode_transfers_are_counted_by_direction():

@@ -159,6 +159,8 @@ class DynamicInferenceEngine:
         if self.host_tier is not None:
             self.host_tier.report(snapshot, self.scheduler.host_queried_tokens, self.scheduler.host_cached_tokens)
         self.kv_transfer.counts.report(snapshot)
+        if self.model.expert_balancer is not None:  # --enable-eplb
+            self.model.expert_balancer.report(snapshot)
         scheduler = self.scheduler
         lora = lora_report(self.loras, scheduler.running, [*scheduler.waiting, *scheduler.lora_queue.sequences()])
         if lora is not None:

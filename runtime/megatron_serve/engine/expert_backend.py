@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import importlib
 import logging
+import re
 from types import ModuleType
 from typing import Callable
 
@@ -26,6 +27,8 @@ from .expert_balancer import ExpertBalancer, place_experts
 from .graphs import capture_sizes
 
 logger = logging.getLogger(__name__)
+
+_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.mlp$")  # an MoE block's module name: its decoder layer
 
 
 @functools.cache
@@ -102,15 +105,17 @@ def agree_on_backend(backend: str, why: str, group: object, device: torch.device
     return backend, why
 
 
-def install_balancer(blocks: list[SparseMoeBlock], config: InferenceConfig, group: object, device: torch.device
-                     ) -> ExpertBalancer:
+def install_balancer(blocks: list[SparseMoeBlock], config: InferenceConfig, group: object, device: torch.device,
+                     layers: list[int]) -> ExpertBalancer:
     """EPLB over the expert-parallel group (``--enable-eplb``): the first placement with ``num_redundant_experts``
-    copies, and the balancer the runner calls each step. Its transfers get a group of their own (created by every
-    rank of the group together, here), so that a move's all-to-all runs beside a step's."""
+    copies, and the balancer the runner calls each step (``layers``: the blocks' decoder layers, which its metrics
+    name). Its transfers get a group of their own (created by every rank of the group together, here), so that a
+    move's all-to-all runs beside a step's."""
     eplb = config.eplb_config
     transfer_group = torch.distributed.new_group(torch.distributed.get_process_group_ranks(group))
     place_experts(blocks, eplb.num_redundant_experts, transfer_group)
-    balancer = ExpertBalancer(blocks, eplb, group, transfer_group, blocks[0].tp.data_parallel.size > 1, device)
+    balancer = ExpertBalancer(blocks, eplb, group, transfer_group, blocks[0].tp.data_parallel.size > 1, device,
+                              layers)
     if blocks[0].tp.expert_rank == 0:
         logger.info("EPLB: %d MoE layers, %d physical experts each over %d ranks (%d redundant); window %d steps, "
                     "rearranged every %d", len(blocks), blocks[0].experts.num_physical, blocks[0].tp.expert_size,
@@ -122,13 +127,16 @@ def install_expert_backend(model: torch.nn.Module, config: InferenceConfig,
                            importer: Callable[[], ModuleType] = import_deep_ep) -> ExpertStep | None:
     """Resolve the backend and give every MoE layer of ``model`` its dispatchers (None, and nothing logged, where no
     MoE layer moves tokens between ranks); rank 0 of the expert-parallel group logs which backend runs."""
-    blocks = [m for m in model.modules() if isinstance(m, SparseMoeBlock) and m.dispatcher is not None]
-    if not blocks:
+    named = [(name, m) for name, m in model.named_modules()
+             if isinstance(m, SparseMoeBlock) and m.dispatcher is not None]
+    if not named:
         return None
+    blocks = [block for _, block in named]
     tp, device = model.tp, next(model.parameters()).device
     group = tp.data_parallel.group if tp.data_parallel.size > 1 else tp.group
     if config.enable_eplb:  # physical experts first: the dispatchers move tokens to them
-        model.expert_balancer = install_balancer(blocks, config, group, device)
+        layers = [int(_LAYER.search(name)[1]) for name, _ in named]
+        model.expert_balancer = install_balancer(blocks, config, group, device, layers)
     hidden, experts = model.config.hidden_size, blocks[0].experts.num_physical
     backend, why = resolve_backend(config, device, model.dtype, hidden, tp.expert_size, importer)
     if config.all2all_backend == "auto" and torch.distributed.is_initialized():  # a rank of a real group

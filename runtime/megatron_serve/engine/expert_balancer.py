@@ -21,7 +21,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -30,6 +30,7 @@ from ..model.eplb import LayerPlacement, balancedness, identity_plan, plan_layer
 from ..model.expert_moves import ExpertTransfer, install_rows, plan_moves
 from ..model.moe import SparseMoeBlock
 from ..model.token_dispatcher import AllToAllDispatcher, DataParallelDispatcher
+from ..wire.engine_stats import EPLB
 
 if TYPE_CHECKING:
     from ..config import EplbConfig
@@ -39,9 +40,12 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class BalancerStats:
-    """What ``/metrics`` and the log report: per MoE layer the balancedness measured over the last window planned
-    from and the one its placement plans for; rearrangements (layers moved) and the seconds steps waited for them."""
+    """What ``/metrics`` and the log report: per MoE layer (``layers``: their decoder layers) the balancedness
+    measured over the last window planned from and the one its placement plans for; rearrangements (plans that moved
+    a layer), layers moved, and the seconds steps waited at the balancer's boundaries (planning, a move's end, the
+    swap)."""
 
+    layers: list[int]
     measured: list[float]
     planned: list[float]
     rearrangements: int = 0
@@ -49,6 +53,15 @@ class BalancerStats:
     seconds: float = 0.0
     moved_experts: int = 0
     history: list[tuple[int, float, float]] = field(default_factory=list)  # (step, mean measured, mean planned)
+
+    def to_wire(self) -> dict[str, Any]:
+        """The heartbeat's ``metrics["eplb"]`` (:data:`megatron_serve.wire.engine_stats.EPLB`): cumulative counts,
+        and the balancedness once a window was measured (before the first plan there is none to report)."""
+        wire: dict[str, Any] = {"layers": list(self.layers), "rearrangements": self.rearrangements,
+                                "layers_moved": self.layers_moved, "seconds": self.seconds}
+        if self.history:
+            wire.update(measured=list(self.measured), planned=list(self.planned))
+        return wire
 
 
 @dataclass
@@ -60,10 +73,11 @@ class _Move:
 
 
 class ExpertBalancer:
-    """One rank's EPLB over ``blocks`` (the MoE layers whose tokens cross ranks), their placements in place."""
+    """One rank's EPLB over ``blocks`` (the MoE layers whose tokens cross ranks; ``layers``: their decoder layers),
+    their placements in place."""
 
     def __init__(self, blocks: list[SparseMoeBlock], config: EplbConfig, group: object, transfer_group: object,
-                 data_parallel: bool, device: torch.device):
+                 data_parallel: bool, device: torch.device, layers: list[int]):
         self.blocks, self.config = blocks, config
         tp = blocks[0].tp
         self.ranks, self.rank, self.tp_size = tp.expert_size, tp.expert_rank, tp.size
@@ -78,7 +92,7 @@ class ExpertBalancer:
         self.steps = 0
         self._plans: dict[int, list[int]] = {}
         self._move: _Move | None = None
-        self.stats = BalancerStats([1.0] * len(blocks), [1.0] * len(blocks))
+        self.stats = BalancerStats(list(layers), [1.0] * len(blocks), [1.0] * len(blocks))
 
     def reset(self) -> None:
         """Forget the load counted so far (warm-up and graph captures count tokens that served nobody)."""
@@ -102,6 +116,10 @@ class ExpertBalancer:
         if self._move is None and self._plans:
             self._start(min(self._plans))
         self.stats.seconds += time.perf_counter() - began
+
+    def report(self, snapshot: dict[str, Any]) -> None:
+        """Add the balancer's series to an engine's heartbeat ``metrics`` (:mod:`megatron_serve.wire.engine_stats`)."""
+        snapshot[EPLB] = self.stats.to_wire()
 
     def _group_load(self, load: torch.Tensor) -> torch.Tensor:
         """``load`` summed over the group's tokens, on the host: each data-parallel attention rank counted its own
@@ -132,8 +150,9 @@ class ExpertBalancer:
             if plan != placement.physical_to_logical and planned > current + 1e-6:
                 self._plans[index] = plan
                 self.stats.planned[index] = planned
-            else:
+            else:  # it stays: its placement is the plan
                 self._plans.pop(index, None)
+                self.stats.planned[index] = current
         if self._plans:
             self.stats.rearrangements += 1
         mean = sum(self.stats.measured) / len(self.stats.measured)

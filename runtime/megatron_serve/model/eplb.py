@@ -38,6 +38,9 @@ class StepBalancer(Protocol):
     def reset(self) -> None:
         """Forget the load counted so far (after warm-up and graph captures)."""
 
+    def report(self, snapshot: dict) -> None:
+        """Add its series to an engine's heartbeat ``metrics``."""
+
 
 def replicate(load: Sequence[float], num_physical: int) -> list[int]:
     """How many replicas each logical expert gets, ``num_physical`` in all (one each at least): each extra one goes to

@@ -130,6 +130,20 @@ SERIES: tuple[Series, ...] = (
     Series("lora_adapter_load_seconds", "histogram", "time an engine took to read, check and register a LoRA "
            "adapter it was told to serve while running (LOAD_LORA, /v1/load_lora_adapter, add_lora)", "engine",
            ENGINE_LABELS, unit="seconds"),
+    # ---- EPLB (--enable-eplb), every engine of an expert-parallel group that balances its experts
+    Series("eplb_balancedness", "gauge", "EPLB: each MoE layer's balancedness, the mean over the max of the tokens "
+           "per expert-parallel rank (1: even), measured over the window the last rearrangement was planned from",
+           "engine", (*ENGINE_LABELS, "layer"), unit="fraction"),
+    Series("eplb_planned_balancedness", "gauge", "EPLB: the balancedness each MoE layer's placement gives that "
+           "window's load (what the layer's rearrangement planned for, or its placement as it stays)", "engine",
+           (*ENGINE_LABELS, "layer"), unit="fraction"),
+    Series("eplb_rearrangements_total", "counter", "EPLB: plans that moved the experts of at least one MoE layer",
+           "engine", ENGINE_LABELS, unit="rearrangements"),
+    Series("eplb_layers_moved_total", "counter", "EPLB: MoE layers whose experts moved and were swapped in",
+           "engine", ENGINE_LABELS, unit="layers"),
+    Series("eplb_rearrangement_seconds_total", "counter", "EPLB: seconds the steps waited for the balancer between "
+           "two steps (planning, the end of a move's transfer, the swap; the transfers themselves run beside the "
+           "steps)", "engine", ENGINE_LABELS, unit="seconds"),
     # ---- the fleet, from the coordinator's STATUS (no vLLM twin)
     Series("coordinator_reachable", "gauge", "1 while the coordinator answers STATUS", "fleet"),
     Series("lifecycle_state", "gauge", "1 for the fleet's current lifecycle state (RUNNING, PAUSED, "

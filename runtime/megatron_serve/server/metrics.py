@@ -23,8 +23,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from ..wire.engine_stats import (ACCEPTED_PER_POS, COUNTERS, FINISH_REASONS, HISTOGRAMS, KV_OFFLOAD, KV_OFFLOAD_DIRECTIONS,
-                                 KV_TRANSFER, KV_TRANSFER_DIRECTIONS)
+from ..wire.engine_stats import (ACCEPTED_PER_POS, COUNTERS, EPLB, FINISH_REASONS, HISTOGRAMS, KV_OFFLOAD,
+                                 KV_OFFLOAD_DIRECTIONS, KV_TRANSFER, KV_TRANSFER_DIRECTIONS)
 from ..wire.lifecycle import FleetState
 from .fleet import FleetMonitor
 from .metric_catalog import SERIES, Series, series
@@ -172,12 +172,30 @@ def read_engine(engine: dict[str, Any]) -> EngineReading:
         moved = transfers.get(direction) if isinstance(transfers.get(direction), dict) else {}
         reading.put("kv_transfers_total", reported_number(moved.get("transfers")), direction)
         reading.put("kv_transfer_bytes_total", reported_number(moved.get("bytes")), direction)
+    eplb = report.get(EPLB)
+    if isinstance(eplb, dict):
+        read_eplb(reading, eplb)
     histograms = report.get("histograms") if isinstance(report.get("histograms"), dict) else {}
     for name, bounds in HISTOGRAMS.items():
         parsed = reported_buckets(histograms.get(name), bounds)
         if parsed is not None:
             reading.histograms[name] = parsed
     return reading
+
+
+def read_eplb(reading: EngineReading, eplb: dict[str, Any]) -> None:
+    """EPLB's series of one engine (``metrics["eplb"]``): per-layer balancedness where a window was measured, and the
+    counts."""
+    reading.put("eplb_rearrangements_total", reported_number(eplb.get("rearrangements")))
+    reading.put("eplb_layers_moved_total", reported_number(eplb.get("layers_moved")))
+    reading.put("eplb_rearrangement_seconds_total", reported_number(eplb.get("seconds")))
+    layers = eplb.get("layers") if isinstance(eplb.get("layers"), list) else []
+    for name, key in (("eplb_balancedness", "measured"), ("eplb_planned_balancedness", "planned")):
+        values = eplb.get(key)
+        if isinstance(values, list) and len(values) == len(layers):
+            for layer, value in zip(layers, values):
+                if isinstance(layer, int) and not isinstance(layer, bool):
+                    reading.put(name, reported_number(value), str(layer))
 
 
 class _EngineCollector(Collector):

@@ -54,6 +54,10 @@ KV_OFFLOAD_DIRECTIONS = ("GPU_to_CPU", "CPU_to_GPU")
 #: prefill/decode disaggregation's blocks on the wire: {"sent": {"transfers": n, "bytes": b}, "received": {...}}
 KV_TRANSFER = "kv_transfer"
 KV_TRANSFER_DIRECTIONS = ("sent", "received")
+#: EPLB's balancing on the wire (``--enable-eplb``; engine.expert_balancer.BalancerStats.to_wire): {"layers": [decoder
+#: layer of each MoE layer], "measured": [balancedness per layer, over the last window planned from; absent before
+#: the first plan], "planned": [...], "rearrangements": n, "layers_moved": n, "seconds": s}
+EPLB = "eplb"
 #: finish reasons counted by ``request_success``
 FINISH_REASONS = (FinishReason.STOP.value, FinishReason.LENGTH.value, FinishReason.ABORT.value)
 
