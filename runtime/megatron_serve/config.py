@@ -302,8 +302,9 @@ class InferenceConfig:
             raise ValueError("enable_eplb balances the experts of an expert-parallel group: it needs "
                              "enable_expert_parallel")
         if self.enable_lora:
-            raise ValueError("enable_eplb does not serve LoRA adapters on the experts yet (an adapter's expert shares "
-                             "would have to move with the experts)")
+            raise ValueError("enable_eplb (--enable-eplb) cannot run with enable_lora (--enable-lora) yet: each rank "
+                             "holds an adapter's shares of its own experts only, and those shares do not follow the "
+                             "experts' replicas when EPLB moves them")
         self.eplb_config = self.eplb_config or EplbConfig()
 
     def _check_all2all(self) -> None:

@@ -2,16 +2,19 @@
 balancedness measured before the rearrangement is low, the one measured after it at least 0.9; the rearrangement runs
 while requests decode and every request completes; under ``--batch-invariant`` the tokens and log probs are ``==``
 before and after it and ``==`` one rank's, and the routing indices (logical expert ids) are one rank's. Qwen3-MoE
-(16 experts, top 4, 4 copies more) and Mixtral (8 experts, top 2, 4 copies more)."""
+(16 experts, top 4, 4 copies more) and Mixtral (8 experts, top 2, 4 copies more). Block-FP8 experts move with their
+scales: over 2 ranks, the answers after the moves are ``==`` the group's without EPLB."""
 
 from __future__ import annotations
 
 import pytest
+import torch
 from safetensors.torch import load_file, save_file
 
 from megatron_serve import InferenceConfig, MegatronLLM, SamplingParams
 from megatron_serve.model.tiny import make_tiny_model
 
+from ..fp8_checkpoints import block_fp8_checkpoint
 from ..model.test_moe import VARIANTS
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
@@ -61,3 +64,25 @@ def test_rearranged_experts_even_the_load_and_change_no_bit(tmp_path, arch):
     (_, before, planned), (_, after, _) = stats.history[:2]
     assert before < 0.9 and planned >= 0.9 and after >= 0.9, stats.history
     assert stats.rearrangements >= 1 and stats.moved_experts > 0
+
+
+def test_fp8_experts_move_with_their_scales(tmp_path):
+    """A move carries each expert's e4m3 weights and its 16x16 block scales as one byte row (gloo has no FP8): with
+    the layers rearranged, tokens, log probs and routing are ``==`` the same group's without EPLB, and the tokens one
+    rank's (FP8 log probs over 2 ranks differ from one rank's in the last bits, with or without EPLB)."""
+    model_dir = str(block_fp8_checkpoint(skewed_model(tmp_path / "base", "qwen3_moe"), tmp_path / "fp8", (16, 16)))
+    with MegatronLLM(model_dir, InferenceConfig(block_size_tokens=8, batch_invariant=True)) as one:
+        one_rank = [tokens for tokens, _, _ in answers(one)]
+    ep2 = dict(block_size_tokens=8, batch_invariant=True, device="cpu", tensor_parallel_size=2,
+               enable_expert_parallel=True)
+    with MegatronLLM(model_dir, InferenceConfig(**ep2)) as llm:
+        expected = answers(llm)
+    with MegatronLLM(model_dir, InferenceConfig(**ep2, enable_eplb=True, eplb_config=EPLB)) as llm:
+        experts = llm.engine.model.model.layers[0].mlp.experts
+        assert experts.gate_up_proj.dtype == torch.float8_e4m3fn and experts.gate_up_proj_scale.shape[0] == 10
+        first = answers(llm)
+        moved = llm.engine.model.expert_balancer.stats.layers_moved
+        second = answers(llm)
+    assert moved, "no layer moved during the first run: the test tests nothing"
+    assert first == expected and second == expected
+    assert [tokens for tokens, _, _ in expected] == one_rank
