@@ -27,9 +27,11 @@ MiB = 1 << 20
 #: client expired connections first. 130 s, ASP.NET Kestrel's default, is above them all (llm-d sets vLLM's
 #: ``VLLM_HTTP_TIMEOUT_KEEP_ALIVE`` to 120 for its sidecar's 90).
 DEFAULT_KEEP_ALIVE = 130.0
-#: Seconds a new connection may stay idle before its first request (at most ``--timeout-keep-alive``): clients
-#: send at once, so a connection that does not within this is closed (1,000 idle connections were never closed).
-FIRST_REQUEST_IDLE = 5.0
+#: Seconds a new connection may stay idle before its first request (at most ``--timeout-keep-alive``): a connection
+#: that sends nothing is closed (1,000 idle connections were never closed). Not shorter: a client whose own loop is
+#: busy (400 streams in one process under load) sent its request more than 5 s after connecting and read a closed
+#: connection; nginx's ``client_header_timeout`` is 60 s.
+FIRST_REQUEST_IDLE = 30.0
 #: Seconds a lost coordinator has to come back before what is pending on it fails (``--coordinator-grace``;
 #: see :class:`megatron_serve.client.coordinator_client.InferenceClient`).
 DEFAULT_COORDINATOR_GRACE = 30.0

@@ -7,7 +7,7 @@ never closed, and 20,400 exhausted the process's 20,000 open files: ``/health`` 
 asyncio logged a traceback per failed ``accept()`` (577,535 of them, 256 MB, in 45 s), until the
 client closed them. :class:`ServerProtocol` adds, per connection:
 
-* an idle deadline from the moment it opens (``FIRST_REQUEST_IDLE``, 5 s, or ``timeout_keep_alive`` when
+* an idle deadline from the moment it opens (``FIRST_REQUEST_IDLE``, 30 s, or ``timeout_keep_alive`` when
   shorter): a connection that sends nothing is closed; between two requests the deadline is
   ``timeout_keep_alive`` (130 s by default, longer than clients and proxies keep idle connections:
   see :data:`~megatron_serve.limits.DEFAULT_KEEP_ALIVE`);
