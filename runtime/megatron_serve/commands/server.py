@@ -17,8 +17,8 @@ from typing import TYPE_CHECKING, Any
 
 from ..generation_config import GenerationDefaults
 from ..http_options import FAIRNESS_HEADER, METRICS_COMPAT, HTTPOptions, Shedding, TenancyOptions
-from ..limits import (DEFAULT_COORDINATOR_GRACE, DEFAULT_KEEP_ALIVE, HEALTH_STALL_TIMEOUT, MAIN_BACKLOG, READY_TIMEOUT,
-                      STATUS_INTERVAL, STATUS_TIMEOUT, RequestLimits)
+from ..limits import (DEFAULT_COORDINATOR_GRACE, DEFAULT_KEEP_ALIVE, FIRST_REQUEST_IDLE, HEALTH_STALL_TIMEOUT,
+                      MAIN_BACKLOG, READY_TIMEOUT, STATUS_INTERVAL, STATUS_TIMEOUT, RequestLimits)
 from ..multimodal import ImageOptions
 from . import api_servers, local_runs
 from .inputs import check_model_dir, coordinator_address, parse_port
@@ -70,7 +70,8 @@ def add_server_options(parser: argparse.ArgumentParser, default_host: str) -> No
     group.add_argument("--timeout-keep-alive", type=float, default=DEFAULT_KEEP_ALIVE, metavar="S",
                        help="close a connection idle for this many seconds between two requests (uvicorn's option; "
                             "longer than clients and proxies keep idle connections, so that they close first); "
-                            "before its first request a connection may stay idle 5 s, or this when shorter")
+                            f"before its first request a connection may stay idle {FIRST_REQUEST_IDLE:g} s, or this when "
+                            "shorter")
     group.add_argument("--max-connections", type=int, default=None, metavar="N",
                        help="open connections at most; past it a new one gets 503 and is closed (default: the "
                             "open-file limit, raised to its maximum, less a reserve)")
