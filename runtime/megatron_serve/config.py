@@ -12,6 +12,7 @@ import torch
 from .wire.lora_names import name_problem, path_problem
 from .wire.kv_events import KVEventsConfig, parse_kv_events_config
 from .wire.lifecycle import KV_ON_REFIT
+from .wire.kv_events import KV_OFFLOADING_BACKENDS
 from .wire.sampling_params import LOGPROBS_MODES
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -219,6 +220,11 @@ class InferenceConfig:
     speculative: SpeculativeConfig | None = None  # speculative decoding (engine.speculative); None: off
     # The host tier of the KV cache, in GiB (vLLM's kv_offloading_size; engine.kv.offload); None: no tier.
     kv_offloading_size: float | None = None
+    # Where the host tier's evicted blocks go: vLLM's kv_offloading_backend, "native" (nowhere) or "disk" (files in
+    # kv_disk_dir, shared by the node's engines, kv_disk_size GiB in all: engine.kv.disk).
+    kv_offloading_backend: str = "native"
+    kv_disk_dir: str | None = None
+    kv_disk_size: float | None = None
     kv_on_refit: str = "recompute"  # KV kept by suspend(keep_kv=True) across a refit: one of KV_ON_REFIT
     # vLLM's --kv-events-config (wire.kv_events): KV events published on a ZeroMQ socket of the engine's own
     kv_events_config: KVEventsConfig | None = None
@@ -350,9 +356,31 @@ class InferenceConfig:
             if self.tensor_parallel_size * self.pipeline_parallel_size > 1:
                 raise ValueError("kv_offloading_size is not implemented with tensor or pipeline parallelism yet")
             self.kv_offloading_size = float(size)
+        self._check_disk_tier()
         self.kv_events_config = parse_kv_events_config(self.kv_events_config)  # a dict when it crossed processes
         if self.kv_on_refit not in KV_ON_REFIT:
             raise ValueError(f"kv_on_refit must be one of {', '.join(KV_ON_REFIT)}, got {self.kv_on_refit!r}")
+
+    def _check_disk_tier(self) -> None:
+        backend = self.kv_offloading_backend
+        if backend not in KV_OFFLOADING_BACKENDS:
+            raise ValueError(f"kv_offloading_backend must be one of {', '.join(KV_OFFLOADING_BACKENDS)}, got "
+                             f"{backend!r} (lmcache is not served: the disk backend is this project's own)")
+        disk = {"kv_disk_dir": self.kv_disk_dir, "kv_disk_size": self.kv_disk_size}
+        if backend != "disk":
+            given = [name for name, value in disk.items() if value is not None]
+            if given:
+                raise ValueError(f"{', '.join(given)} needs kv_offloading_backend 'disk'")
+            return
+        missing = [name for name, value in {"kv_offloading_size": self.kv_offloading_size, **disk}.items()
+                   if value is None]
+        if missing:
+            raise ValueError(f"kv_offloading_backend 'disk' needs {', '.join(missing)} (the disk tier holds what the "
+                             "host tier evicts, in a directory of a bounded size)")
+        size = self.kv_disk_size
+        if isinstance(size, bool) or not isinstance(size, (int, float)) or not size > 0:
+            raise ValueError(f"kv_disk_size must be a positive number of GiB, got {size!r}")
+        self.kv_disk_size = float(size)
 
     @property
     def world_size(self) -> int:

@@ -168,6 +168,7 @@ LLM_KEYWORDS: dict[str, Keyword] = {
     "speculative_config": Keyword("speculative", _speculative),
     "kv_offloading_size": Keyword("kv_offloading_size", _gib),
     "kv_events_config": Keyword("kv_events_config", parse_kv_events_config),
+    "kv_offloading_backend": Keyword("kv_offloading_backend", str),
 }
 
 

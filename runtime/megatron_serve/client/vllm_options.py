@@ -29,7 +29,7 @@ from types import MappingProxyType
 from typing import Any, Callable, Mapping
 
 from ..http_options import TOOL_CALL_PARSERS
-from ..wire.kv_events import KVEventsConfig, parse_kv_events_config
+from ..wire.kv_events import KV_OFFLOADING_BACKENDS, KVEventsConfig, parse_kv_events_config
 
 class Status(enum.Enum):
     IMPLEMENTED = "implemented"  # with vLLM's meaning (under its name, or as an alias of ours)
@@ -393,6 +393,15 @@ VLLM_OPTIONS: tuple[VllmOption, ...] = (
                spec=_spec(type=_positive_float("--kv-offloading-size"), default=None, metavar="GIB",
                           help="host memory for the KV cache's host tier, in GiB (default: no host tier)"),
                scope=_ENGINE, example=("--kv-offloading-size", "0.01")),
+    VllmOption(("--kv-offloading-backend",), _IMPLEMENTED, "where the host tier's evicted blocks go: `native` "
+               "(vLLM's default: nowhere, they are dropped) or `disk`, files in `--kv-disk-dir` (at most "
+               "`--kv-disk-size` GiB) that every engine of the node reads back, checked before use "
+               "(docs/kv-tiers.md); vLLM's `lmcache` is refused",
+               spec=_spec(type=_supported("--kv-offloading-backend", KV_OFFLOADING_BACKENDS,
+                                          "LMCache is not served; disk is this project's node-shared tier"),
+                          default="native", metavar="|".join(KV_OFFLOADING_BACKENDS),
+                          help="where blocks evicted from the host tier go (default: %(default)s: dropped)"),
+               scope=_ENGINE, example=("--kv-offloading-backend", "native")),
     VllmOption(("--kv-events-config",), _IMPLEMENTED, "vLLM's KV events (`BlockStored`, `BlockRemoved`, "
                "`AllBlocksCleared`, msgpack) on a ZeroMQ PUB socket at `endpoint` with a replay ROUTER at "
                "`replay_endpoint`: which blocks each tier holds (medium `GPU`, `CPU`, `DISK`), for a gateway's "

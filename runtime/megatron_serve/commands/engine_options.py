@@ -101,11 +101,23 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
                        help="the tensor-parallel size of the trainer that recomputes log probs under "
                             "megatron_serve.invariant: with --batch-invariant, an engine at another size warns at "
                             "start (each size splits the reductions its own way; default: not declared)")
+    _add_kv_tier_options(group)
+    add_vllm_options(parser, Scope.ENGINE)
+
+
+def _add_kv_tier_options(group: argparse._ArgumentGroup) -> None:
+    """The disk tier's place and size (``--kv-offloading-backend disk``, vLLM's flag, is among the vLLM options) and
+    what a resume does with kept KV after a refit."""
+    group.add_argument("--kv-disk-dir", default=None, metavar="DIR",
+                       help="with --kv-offloading-backend disk: the directory of the KV disk tier, shared by the "
+                            "engines of a node (each reads the blocks the others wrote)")
+    group.add_argument("--kv-disk-size", type=float, default=None, metavar="GIB",
+                       help="with --kv-offloading-backend disk: the most the directory holds, every engine's files "
+                            "together, in GiB (least recently used out first)")
     group.add_argument("--kv-on-refit", choices=KV_ON_REFIT, default="recompute",
                        help="what resume does with the KV that suspend --keep-kv kept when a refit came in between: "
                             "recompute each request's context under the new weights, or keep the old KV (the "
                             "tokens' kv_epochs say so) (default: %(default)s)")
-    add_vllm_options(parser, Scope.ENGINE)
 
 
 def inference_config_from_args(args: argparse.Namespace, tensor_parallel_size: int = 1) -> "InferenceConfig":
@@ -136,6 +148,8 @@ def inference_config_from_args(args: argparse.Namespace, tensor_parallel_size: i
         lora_modules=dict(args.lora_modules) if args.lora_modules else None,
         speculative=args.speculative_config, kv_offloading_size=args.kv_offloading_size,
         kv_on_refit=args.kv_on_refit, kv_events_config=args.kv_events_config,
+        kv_offloading_backend=args.kv_offloading_backend, kv_disk_dir=args.kv_disk_dir,
+        kv_disk_size=args.kv_disk_size,
     )
 
 

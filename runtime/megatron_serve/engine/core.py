@@ -126,6 +126,10 @@ class DynamicInferenceEngine:
         # Nothing the engine holds refers back to it (a cycle kept a dropped engine and its KV pool alive until a
         # later garbage collection): the hooks close over its parts, the verbs reach settle() through a weak reference.
         kv_transfer, scheduler = self.kv_transfer, self.scheduler
+        if config.kv_offloading_backend == "disk":  # the node's disk tier, behind the host tier (engine.kv.disk)
+            model_identity = f"{Path(model_dir).resolve() if model_dir is not None else ''}|{layout_digest(model)}"
+            self.host_tier.attach_disk(config.kv_disk_dir, int(config.kv_disk_size * 2**30), model_identity,
+                                       lambda: scheduler.epoch)
         scheduler.leaving.append(lambda sequence: kv_transfer.on_leave(sequence, scheduler.epoch))
         self.scheduler.forgets.append(self.worker.forget)
         self.expert = ExpertApi()  # the public requests added (Megatron's expert API), applied their outputs

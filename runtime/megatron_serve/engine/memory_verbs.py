@@ -252,7 +252,7 @@ class DeviceMemory:
             return {"reset": False, "held_blocks": held}
         recomputed = len(self.scheduler.evict_all()) if held else 0
         cached = self.allocator.num_cached
-        self.allocator.reset()
+        self.allocator.reset(forget_files=True)  # the node's disk tier too: its files of this epoch are removed
         logger.info("prefix cache reset: %d cached block(s) forgotten in every tier%s", cached,
                     f", {recomputed} running request(s) to be recomputed" if recomputed else "")
         return {"reset": True, "forgotten_blocks": cached, "recomputed": recomputed}

@@ -109,6 +109,9 @@ ENGINE_FIELDS = {
     "pipeline_micro_batches": "pipeline_micro_batches",
     "kv_offloading_size": "kv_offloading_size",
     "kv_on_refit": "kv_on_refit",
+    "kv_offloading_backend": "kv_offloading_backend",
+    "kv_disk_dir": "kv_disk_dir",
+    "kv_disk_size": "kv_disk_size",
     "kv_events_config": "kv_events_config",
 }
 

@@ -32,6 +32,10 @@ MEDIUM_HOST = "CPU"
 MEDIUM_DISK = "DISK"
 MEDIA = (MEDIUM_DEVICE, MEDIUM_HOST, MEDIUM_DISK)
 
+#: vLLM's ``--kv-offloading-backend`` values served here: ``native`` (the host tier alone, vLLM's default) and ``disk``
+#: (the host tier spills to files shared by a node's engines: ``engine.kv.disk``).
+KV_OFFLOADING_BACKENDS = ("native", "disk")
+
 #: The replay socket's end-of-replay marker (a seq of -1 with an empty payload).
 END_OF_REPLAY = (-1).to_bytes(8, "big", signed=True)
 

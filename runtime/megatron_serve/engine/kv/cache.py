@@ -147,11 +147,12 @@ class BlockAllocator:
         self._hash_of_block.clear()
         self._block_of_hash.clear()
 
-    def reset(self) -> None:
-        """Forget every cached block in every tier (a refit: none of them can be found again): AllBlocksCleared."""
+    def reset(self, forget_files: bool = False) -> None:
+        """Forget every cached block in every tier (a refit: none of them can be found again): AllBlocksCleared.
+        ``forget_files``: a prefix-cache reset, which also removes the disk tier's files of the current epoch."""
         self.clear_cache()
         if self.tier is not None:
-            self.tier.clear()
+            self.tier.clear(forget_files)
         if self.events is not None:
             self.events.cleared()  # says it all: the removals just told are dropped unsent
 

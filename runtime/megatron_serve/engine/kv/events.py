@@ -58,6 +58,10 @@ class KVEventLog:
         """The hashes ``medium`` holds (tests, snapshots)."""
         return [h for h, media in self._media.items() if medium in media]
 
+    def origin(self, block_hash: int) -> BlockOrigin | None:
+        """What a block held in some medium is (None: not held, or its tokens were never said)."""
+        return self._origin.get(block_hash)
+
     def stored(self, medium: str, block_hash: int, origin: BlockOrigin | None = None) -> None:
         """``medium`` now holds ``block_hash`` (``origin``: known from an earlier store when None)."""
         if origin is not None:

@@ -13,7 +13,9 @@ version is never found by a request of the new ones, in either tier; a refit als
 nothing in it can be found again.
 
 Slots are reused least recently used first; a slot whose copy back to the device has not completed is pinned
-and never reused. The copies themselves are a :class:`Copier`'s: on a GPU a side stream with pinned host
+and never reused. With a disk tier behind it (:mod:`.disk`, ``--kv-offloading-backend disk``) the block of a slot
+being reused is written to the node's disk first, and a lookup that stops in host memory goes on there: a block
+found on disk is read into a host slot and copied to the device as any host hit. The copies themselves are a :class:`Copier`'s: on a GPU a side stream with pinned host
 memory (the host never waits; the device's next step waits for the copies that it depends on), on a CPU a
 plain copy.
 """
@@ -30,6 +32,7 @@ import torch
 from ...wire.engine_stats import KV_OFFLOAD, KV_OFFLOAD_DIRECTIONS
 from ...wire.kv_events import MEDIUM_HOST
 from .cache import KVCachePool
+from .disk import DiskKVTier, layout_key
 from .events import KVEventLog
 
 #: vLLM's ``transfer_type`` label values of ``vllm:kv_offload_total_bytes`` and ``vllm:kv_offload_total_time``.
@@ -179,6 +182,7 @@ class HostKVTier:
     def __init__(self, pool: KVCachePool, capacity_bytes: int, copier: Copier | None = None,
                  events: KVEventLog | None = None):
         self.pool = pool
+        self.disk: DiskKVTier | None = None  # behind this tier (attach_disk)
         self.events = events  # told what the tier stores and drops (medium ``CPU``)
         self.copier = copier if copier is not None else copier_for(pool.device)
         self.block_bytes = pool.bytes_per_pool_block
@@ -199,6 +203,14 @@ class HostKVTier:
     def sized(cls, pool: KVCachePool, gib: float | None, events: KVEventLog | None = None) -> "HostKVTier | None":
         """The tier ``--kv-offloading-size`` asks for (None: no tier)."""
         return cls(pool, int(gib * 2**30), events=events) if gib else None
+
+    def attach_disk(self, directory: str, capacity_bytes: int, model_identity: str,
+                    epoch: Callable[[], int]) -> DiskKVTier:
+        """Put the node's disk tier behind this one (``--kv-offloading-backend disk``)."""
+        rows = [buffer[0] for buffer in self._host]
+        self.disk = DiskKVTier(directory, capacity_bytes, layout_key(model_identity, rows), self.block_bytes, epoch,
+                               self.events)
+        return self.disk
 
     @property
     def num_bytes(self) -> int:
@@ -247,12 +259,38 @@ class HostKVTier:
             return self._free.pop()
         for block_hash, slot in self._slot_of_hash.items():
             if slot not in self._pins and slot not in filling:
+                if self.disk is not None:
+                    self._spill(block_hash, slot)
                 del self._slot_of_hash[block_hash]
                 del self._hash_of_slot[slot]
                 if self.events is not None:
                     self.events.removed(MEDIUM_HOST, [block_hash])
                 return slot
         return None
+
+    def _slot_rows(self, slot: int) -> list[torch.Tensor]:
+        return [buffer[slot] for buffer in self._host]
+
+    def _spill(self, block_hash: int, slot: int) -> None:
+        """Write a slot's block to the disk tier before the slot is reused (its copy from the device landed first)."""
+        if self._stores:
+            self.wait()
+        self.disk.write(block_hash, self._slot_rows(slot), self.events.origin(block_hash) if self.events else None)
+
+    def _from_disk(self, block_hash: int, filling: set[int]) -> int | None:
+        """A host slot holding ``block_hash`` read from the disk tier; None when the disk has no sound copy."""
+        slot = self._take_slot(filling)
+        if slot is None:
+            return None
+        found = self.disk.read(block_hash, self._slot_rows(slot))
+        if found is None:
+            self._free.append(slot)
+            return None
+        self._slot_of_hash[block_hash] = slot
+        self._hash_of_slot[slot] = block_hash
+        if self.events is not None:
+            self.events.stored(MEDIUM_HOST, block_hash, found.origin)
+        return slot
 
     def store(self, evicted: list[tuple[int, int]]) -> int:
         """Copy the device blocks ``(block, hash)`` leaving the pool to host slots (those already here are only
@@ -283,9 +321,11 @@ class HostKVTier:
     def take(self, hashes: list[int]) -> list[int]:
         """The slots holding the longest prefix of ``hashes``, pinned until :meth:`load` copies them back."""
         self._reap()
-        slots = []
+        slots: list[int] = []
         for block_hash in hashes:
             slot = self._slot_of_hash.get(block_hash)
+            if slot is None and self.disk is not None:
+                slot = self._from_disk(block_hash, set(slots))
             if slot is None:
                 break
             self._slot_of_hash.move_to_end(block_hash)
@@ -301,10 +341,13 @@ class HostKVTier:
         self.stats.bytes[TO_DEVICE] += len(slots) * self.block_bytes
         self._reap()
 
-    def clear(self) -> None:
+    def clear(self, forget_files: bool = False) -> None:
         """Forget every block (a refit: none of them can be found again); a slot still being loaded from returns
-        to use once its copy lands."""
+        to use once its copy lands. ``forget_files`` (a prefix-cache reset) also removes the disk tier's files of
+        the current epoch; a refit leaves them, unreachable under the new epoch's keys."""
         self._reap()
+        if forget_files and self.disk is not None:
+            self.disk.forget()
         if self.events is not None:
             self.events.removed(MEDIUM_HOST, list(self._slot_of_hash))
         self._slot_of_hash.clear()

@@ -1,0 +1,49 @@
+"""One engine process of the disk-tier tests (``python -m tests.engine.disk_tier_run '<json>'``).
+
+It serves a tiny model with the node's disk tier (or without it), optionally refits first, runs the prompts it is
+given one at a time and prints one JSON line: each prompt's tokens, log probs and cached tokens, and what its disk
+tier did. Several of these, one after the other or at once, are the engines of one node.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import sys
+
+from megatron_serve import InferenceConfig, MegatronLLM, SamplingParams
+
+BLOCK = 16
+POOL = 24  # device blocks: under five prompts' worth
+HOST_BLOCKS = 8  # host slots: a prompt's five blocks come back through them
+BLOCK_BYTES = 8192  # the tiny model's block (checked below)
+PARAMS = SamplingParams(temperature=0.0, num_tokens_to_generate=4, ignore_eos=True, return_log_probs=True)
+
+
+def prompts(count: int = 14, length: int = 5 * BLOCK + 3, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(5, 500) for _ in range(length)] for _ in range(count)]
+
+
+def main(spec: dict) -> dict:
+    disk = spec.get("disk")
+    config = InferenceConfig(block_size_tokens=BLOCK, num_kv_blocks=POOL, max_requests=2, max_batch_tokens=256,
+                             kv_offloading_size=HOST_BLOCKS * BLOCK_BYTES / 2**30, batch_invariant=True,
+                             **({} if disk is None else {"kv_offloading_backend": "disk", "kv_disk_dir": disk,
+                                                         "kv_disk_size": spec.get("disk_bytes", 2**20) / 2**30}))
+    llm = MegatronLLM(spec["model"], config)
+    engine = llm.engine
+    assert engine.host_tier.block_bytes == BLOCK_BYTES, engine.host_tier.block_bytes
+    if spec.get("refit"):
+        engine.memory.refit(spec["model"])  # the same weights under a new epoch
+    every = prompts()
+    outputs = [llm.generate([every[index]], PARAMS)[0] for index in spec["run"]]
+    tier = engine.host_tier.disk
+    return {"tokens": [o.generated_tokens for o in outputs], "log_probs": [o.generated_log_probs for o in outputs],
+            "cached": [o.cached_tokens for o in outputs], "epoch": engine.epoch,
+            "disk": None if tier is None else {"written": tier.written, "hits": tier.hits, "corrupt": tier.corrupt,
+                                               "evicted": tier.evicted}}
+
+
+if __name__ == "__main__":
+    print(json.dumps(main(json.loads(sys.argv[1]))))

@@ -1,0 +1,200 @@
+"""The node's disk tier of the KV cache (--kv-offloading-backend disk): files several engine processes share.
+
+The files themselves first (no model): a block comes back bitwise, a short or corrupt file is never served, an
+epoch finds only its own files, the size bound removes the least recently used across processes, and the KV events
+say medium DISK. Then real engine processes of a tiny model on one directory: B hits the blocks A wrote with ==
+log probs, a truncated file is recomputed, a refit reads none of the old files.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from megatron_serve.engine.kv.disk import HEADER, DiskKVTier, layout_key
+from megatron_serve.engine.kv.events import BlockOrigin, KVEventLog
+from megatron_serve.wire.kv_events import MEDIUM_DISK, MEDIUM_HOST, BlockRemoved, BlockStored, decode_batch
+from megatron_serve.wire.prefix_hash import block_hashes
+
+from .disk_tier_run import BLOCK, prompts
+
+REPO = Path(__file__).resolve().parents[2]
+ROWS = [(2, 16, 2, 8), (2, 16, 2)]  # a slot's rows: values (bf16) and fp8-style scales (float32)
+BLOCK_BYTES = 2 * 16 * 2 * 8 * 2 + 2 * 16 * 2 * 4
+FILE_BYTES = HEADER.size + BLOCK_BYTES  # a file without an origin
+
+
+def slot(seed: int) -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randn(ROWS[0], generator=generator).to(torch.bfloat16), torch.rand(ROWS[1], generator=generator)]
+
+
+def empty() -> list[torch.Tensor]:
+    return [torch.zeros(ROWS[0], dtype=torch.bfloat16), torch.zeros(ROWS[1])]
+
+
+def tier(directory: Path, blocks: int = 64, epoch: list[int] | None = None, events: KVEventLog | None = None,
+         model: str = "tiny") -> DiskKVTier:
+    epoch = epoch if epoch is not None else [0]
+    return DiskKVTier(directory, blocks * FILE_BYTES, layout_key(model, empty()), BLOCK_BYTES, lambda: epoch[0], events)
+
+
+def test_a_block_comes_back_bitwise_and_its_origin_with_it(tmp_path):
+    writer, reader = tier(tmp_path), tier(tmp_path)  # two engines of one node
+    origin = BlockOrigin(7, tuple(range(16)), (2, "adapter"))
+    assert writer.write(0xABC, slot(1), origin)
+    into = empty()
+    found = reader.read(0xABC, into)
+    assert found is not None and found.origin == origin
+    assert all(torch.equal(a, b) for a, b in zip(into, slot(1)))
+    assert reader.read(0xABD, empty()) is None and reader.misses == 1
+    assert tier(tmp_path, model="other").read(0xABC, empty()) is None  # another model's layout: not its files
+
+
+@pytest.mark.parametrize("damage", ["truncated", "flipped", "empty", "other key"])
+def test_a_damaged_file_is_never_served_and_is_removed(tmp_path, damage):
+    disk = tier(tmp_path)
+    disk.write(5, slot(2), None)
+    path = disk.path(5, 0)
+    data = bytearray(path.read_bytes())
+    if damage == "truncated":
+        data = data[: len(data) - 100]
+    elif damage == "flipped":
+        data[-1] ^= 1
+    elif damage == "empty":
+        data = bytearray()
+    else:
+        data[8] ^= 1  # the header's block hash: a file renamed onto another block's name
+    path.write_bytes(bytes(data))
+    into = empty()
+    assert disk.read(5, into) is None
+    assert disk.corrupt == 1 and not path.exists()
+    assert all(not t.any() for t in into)  # nothing is copied from a file that is not sound
+
+
+def test_a_new_epoch_finds_none_of_the_old_files_and_a_reset_removes_only_its_own(tmp_path):
+    epoch = [0]
+    disk = tier(tmp_path, epoch=epoch)
+    disk.write(9, slot(3), None)
+    epoch[0] = 1
+    assert disk.read(9, empty()) is None  # unreachable, not removed
+    assert disk.path(9, 0).exists()
+    disk.write(9, slot(4), None)
+    disk.forget()  # a prefix-cache reset at epoch 1
+    assert not disk.path(9, 1).exists() and disk.path(9, 0).exists()
+    epoch[0] = -1  # a mix of two generations: nothing written, nothing found
+    assert not disk.write(10, slot(5), None) and disk.read(9, empty()) is None
+
+
+def test_the_size_bound_removes_the_least_recently_used_file_first(tmp_path):
+    disk = tier(tmp_path, blocks=6)
+    for block_hash in range(6):
+        disk.write(block_hash, slot(block_hash), None)
+        os.utime(disk.path(block_hash, 0), (1000.0 + block_hash, 1000.0 + block_hash))  # a clear order of writes
+    assert disk.read(0, empty()) is not None  # now the most recently used
+    disk.write(6, slot(6), None)  # over the bound: trimmed to 90% of it (five files), oldest use first
+    kept = {h for h in range(7) if disk.path(h, 0).exists()}
+    assert kept == {0, 3, 4, 5, 6} and disk.evicted == 2
+    assert sum(p.stat().st_size for p in tmp_path.rglob("*.kv")) <= 6 * FILE_BYTES
+
+
+WRITER = textwrap.dedent("""
+    from tests.engine.test_kv_disk import slot, tier
+    from pathlib import Path
+    disk = tier(Path({directory!r}), blocks=10)
+    for block_hash in range({first}, {first} + 40):
+        disk.write(block_hash, slot(block_hash), None)
+    print(disk.evicted)
+""")
+
+
+def test_engines_writing_at_once_keep_the_directory_under_its_bound(tmp_path):
+    """Two writer processes, 40 blocks each, a bound of 10: the ledger they share keeps the total under it."""
+    writers = [subprocess.Popen([sys.executable, "-c", WRITER.format(directory=str(tmp_path), first=first)], cwd=REPO,
+                                stdout=subprocess.PIPE, text=True) for first in (0, 1000)]
+    evicted = [int(w.communicate(timeout=120)[0]) for w in writers]
+    assert all(w.returncode == 0 for w in writers)
+    files = list(tmp_path.rglob("*.kv"))
+    assert sum(p.stat().st_size for p in files) <= 10 * FILE_BYTES
+    assert len(files) + sum(evicted) == 80
+    ledger = int.from_bytes((tmp_path / ".lock").read_bytes()[:8], "little")
+    assert ledger == sum(p.stat().st_size for p in files)
+    assert not list(tmp_path.rglob(".tmp-*"))
+
+
+def test_the_kv_events_say_disk_for_what_the_tier_stores_and_removes(tmp_path):
+    log = KVEventLog(block_size=16)
+    batches = []
+    log.attach(lambda seq, payload: batches.append(decode_batch(payload)), snapshot=False)
+    disk = tier(tmp_path, blocks=2, events=log)
+    for block_hash in (1, 2, 3):
+        log.stored(MEDIUM_HOST, block_hash, BlockOrigin(None, tuple(range(16))))
+        disk.write(block_hash, slot(block_hash), None)  # the log knows its origin from the host tier
+        os.utime(disk.path(block_hash, 0), (1000.0 + block_hash,) * 2)
+    log.flush()
+    events = [event for batch in batches for event in batch.events]
+    stored = [h for e in events if isinstance(e, BlockStored) and e.medium == MEDIUM_DISK for h in e.block_hashes]
+    removed = [h for e in events if isinstance(e, BlockRemoved) and e.medium == MEDIUM_DISK for h in e.block_hashes]
+    assert stored == [1, 2, 3] and removed == [1, 2]  # the third write went over the bound: trimmed to 90%
+    assert log.holds(MEDIUM_DISK) == [3]
+
+
+# Real engine processes of one node, one after another, on one directory.
+
+def engine(model: str, disk: Path | None, run: list[int], refit: bool = False) -> dict:
+    spec = {"model": model, "disk": None if disk is None else str(disk), "run": run, "refit": refit}
+    answer = subprocess.run([sys.executable, "-m", "tests.engine.disk_tier_run", json.dumps(spec)], cwd=REPO,
+                            capture_output=True, text=True, timeout=600)
+    assert answer.returncode == 0, answer.stderr[-3000:]
+    return json.loads(answer.stdout.strip().splitlines()[-1])
+
+
+def files_of(disk: Path, prompt: list[int], epoch: int = 0) -> list[Path]:
+    """The files of a prompt's complete blocks, in chain order (epoch 0 keeps the plain root)."""
+    (home,) = [p for p in disk.iterdir() if p.is_dir()]
+    return [home / f"e{epoch}" / f"{h:016x}.kv" for h in block_hashes(prompt[: 5 * BLOCK], BLOCK)]
+
+
+@pytest.fixture(scope="module")
+def written(tiny_llama, tmp_path_factory) -> tuple[Path, dict]:
+    """Engine A's pass over 14 prompts, whose first six end on the node's disk."""
+    disk = tmp_path_factory.mktemp("kv-disk")
+    first = engine(tiny_llama, disk, list(range(14)))
+    assert first["cached"] == [0] * 14 and first["disk"]["written"] >= 30
+    assert all(path.exists() for index in range(6) for path in files_of(disk, prompts()[index]))
+    return disk, first
+
+
+def test_engine_b_hits_the_blocks_engine_a_wrote_with_equal_log_probs(tiny_llama, written):
+    disk, first = written
+    second = engine(tiny_llama, disk, list(range(6)))
+    assert second["cached"] == [5 * BLOCK] * 6 and second["disk"]["hits"] == 30
+    assert second["tokens"] == first["tokens"][:6]
+    assert second["log_probs"] == first["log_probs"][:6]  # A computed them; B read them: ==
+    control = engine(tiny_llama, None, list(range(6)))  # without the tier, B computes them
+    assert control["cached"] == [0] * 6
+    assert control["log_probs"] == second["log_probs"]
+
+
+def test_a_truncated_file_is_recomputed_and_a_refit_reads_none_of_the_old_files(tiny_llama, written):
+    disk, first = written
+    third = files_of(disk, prompts()[6])[2]  # the third block of a prompt no test read yet
+    assert third.exists()
+    third.write_bytes(third.read_bytes()[:-1000])
+    damaged = engine(tiny_llama, disk, [6])
+    assert damaged["cached"] == [2 * BLOCK]  # two blocks from disk, the rest recomputed
+    assert damaged["disk"]["corrupt"] == 1 and damaged["disk"]["hits"] == 2
+    assert damaged["log_probs"] == first["log_probs"][6:7] and damaged["tokens"] == first["tokens"][6:7]
+    old = [path for index in (3, 4) for path in files_of(disk, prompts()[index])]
+    assert all(path.exists() for path in old)  # what an engine of epoch 0 hits (the test above)
+    refitted = engine(tiny_llama, disk, [3, 4], refit=True)
+    assert refitted["epoch"] == 1 and refitted["cached"] == [0, 0] and refitted["disk"]["hits"] == 0
+    assert refitted["tokens"] == first["tokens"][3:5] and refitted["log_probs"] == first["log_probs"][3:5]
+    assert all(path.exists() for path in old)  # unreachable, not removed
