@@ -19,7 +19,7 @@ import triton.language as tl
 
 from . import reference
 from ._triton_utils import dot_width, fp8_native, interpreted, next_pow2, sm_count
-from .triton_kv_cache import check_cache, scale_strides
+from .triton_kv_cache import check_cache, fit_to_cache, scale_strides
 
 _LOG2E = 1.4426950408889634
 _MIN_TOKENS_PER_SPLIT = 256
@@ -187,18 +187,10 @@ def paged_attention_decode(
     if k_scales is not None and not fp8_native(q.device):
         return reference.paged_attention_decode(q, k_cache, v_cache, block_tables, context_lens, scale,
                                                 k_scales=k_scales, v_scales=v_scales)
+    q, out, block_size, num_kv_heads = fit_to_cache(q, k_cache, out)
     num_seqs, num_q_heads, head_dim = q.shape
-    _, block_size, num_kv_heads, cache_head_dim = k_cache.shape
-    if cache_head_dim != head_dim or num_q_heads % num_kv_heads:
-        raise ValueError(f"q {tuple(q.shape)} does not fit cache {tuple(k_cache.shape)}")
-    if q.stride(-1) != 1:
-        q = q.contiguous()
     block_tables = block_tables if block_tables.stride(-1) == 1 else block_tables.contiguous()
     context_lens = context_lens.contiguous()
-    if out is None:
-        out = torch.empty((num_seqs, num_q_heads, head_dim), dtype=q.dtype, device=q.device)
-    elif out.shape != q.shape or out.stride(-1) != 1:
-        raise ValueError(f"out {tuple(out.shape)} must have q's shape {tuple(q.shape)} and a contiguous last dimension")
     if num_seqs == 0:
         return out
     group = num_q_heads // num_kv_heads

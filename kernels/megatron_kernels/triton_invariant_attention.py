@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 from ._triton_utils import fp8_native, next_pow2
-from .triton_kv_cache import check_cache, scale_strides
+from .triton_kv_cache import check_cache, fit_to_cache, scale_strides
 
 KEY_BLOCK = 32
 """Keys per block of the online softmax, for every row and every launch (the CPU mode's block too)."""
@@ -126,17 +126,10 @@ def _launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: 
     check_cache(k_cache, v_cache, k_scales, v_scales)
     if k_scales is not None and not fp8_native(q.device):
         raise NotImplementedError("an FP8 cache needs compute capability 8.9 for the invariant attention kernel")
+    q, out, block_size, kv_heads = fit_to_cache(q, k_cache, out)
     rows, heads, head_dim = q.shape
-    _, block_size, kv_heads, cache_dim = k_cache.shape
-    if cache_dim != head_dim or heads % kv_heads:
-        raise ValueError(f"q {tuple(q.shape)} does not fit cache {tuple(k_cache.shape)}")
-    if out is None:
-        out = torch.empty_like(q)
-    elif out.shape != q.shape or out.stride(-1) != 1:
-        raise ValueError(f"out {tuple(out.shape)} must have q's shape {tuple(q.shape)} and a contiguous last dimension")
     if rows == 0:
         return out
-    q = q if q.stride(-1) == 1 else q.contiguous()
     decode_tables, decode_lens = decode if decode is not None else (None, None)
     prefill_tables, starts, prefill_lens = prefill if prefill is not None else (None, None, None)
     decode_tables = _rows_contiguous(decode_tables if decode_tables is not None else prefill_tables)

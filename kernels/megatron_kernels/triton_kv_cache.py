@@ -129,6 +129,24 @@ def check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor, k_scales: torch.Te
             raise ValueError("KV scales must share one layout with contiguous heads")
 
 
+def fit_to_cache(q: torch.Tensor, k_cache: torch.Tensor, out: torch.Tensor | None
+                 ) -> tuple[torch.Tensor, torch.Tensor, int, int]:
+    """An attention kernel's query rows ``[rows, heads, head_dim]`` checked against the cache
+    ``[blocks, block_size, kv_heads, head_dim]``: ``q`` with a contiguous last dimension, where the output goes
+    (``out``, checked, or a new tensor of ``q``'s shape), the cache's block size and KV heads."""
+    _, heads, head_dim = q.shape
+    _, block_size, kv_heads, cache_dim = k_cache.shape
+    if cache_dim != head_dim or heads % kv_heads:
+        raise ValueError(f"q {tuple(q.shape)} does not fit cache {tuple(k_cache.shape)}")
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    if out is None:
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    elif out.shape != q.shape or out.stride(-1) != 1:
+        raise ValueError(f"out {tuple(out.shape)} must have q's shape {tuple(q.shape)} and a contiguous last dimension")
+    return q, out, block_size, kv_heads
+
+
 def scale_strides(k_scales: torch.Tensor | None) -> tuple[int, int]:
     """(block, slot) strides of the FP8 scales (zeros for a plain cache, whose kernels never read them)."""
     return (0, 0) if k_scales is None else (k_scales.stride(0), k_scales.stride(1))

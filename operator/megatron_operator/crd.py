@@ -488,6 +488,7 @@ def status_schema() -> dict[str, Any]:
             }),
             "groups": crd_layout.groups_status_schema(),
             "roles": crd_disaggregation.roles_status_schema(),
+            "kvEvents": crd_kv_tiers.events_status_schema(),
             "endpoint": _str("OpenAI base URL inside the cluster."),
             "selector": _str("Label selector of engine pods (for the scale subresource)."),
             "observedGeneration": {"type": "integer", "format": "int64",

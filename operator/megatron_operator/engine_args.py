@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 
+from .kv_node import kv_node_flags
 from .spec import InferenceSpec
 
 
@@ -71,6 +72,7 @@ def engine_flags(spec: InferenceSpec) -> list[str]:
         flags += ["--kv-offloading-size", f"{spec.kv_offloading_size:g}"]
     if spec.kv_on_refit is not None:
         flags += ["--kv-on-refit", spec.kv_on_refit]
+    flags += kv_node_flags(spec)
     if spec.speculative is not None:  # vLLM's JSON, its snake_case keys; sorted, so the pod template is stable
         fields = {_SPECULATIVE_KEYS[key]: value for key, value in spec.speculative.items()}
         flags += ["--speculative-config", json.dumps(fields, sort_keys=True)]

@@ -23,6 +23,7 @@ import json
 
 from typing import Any
 
+from .kv_node import events_ingress
 from .names import COORDINATOR_PORT, coordinator_name, object_meta, selector_labels
 from .spec import InferenceSpec
 
@@ -71,7 +72,8 @@ def engine_policy(spec: InferenceSpec) -> dict[str, Any]:
             "policyTypes": ["Ingress"],
             # Every port (the ranks' collectives listen on ports of their choosing): the fleet's engines
             # and its trainers only. Probes are exec probes; the coordinator never connects to an engine.
-            "ingress": [{"from": [_engine_pods(spec), *spec.trainers]}],
+            # spec.engine.kvEvents.subscribers: the events ports also from a gateway's indexer.
+            "ingress": [{"from": [_engine_pods(spec), *spec.trainers]}, *events_ingress(spec)],
         },
     }
 

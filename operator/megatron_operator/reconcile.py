@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from . import leader_worker_set as lws
-from . import names, render
+from . import kv_node, names, render
 from .kube import Kube, KubeError
 
 Event = tuple[str, str, str]  # (type, reason, message)
@@ -180,7 +180,21 @@ class Reconciler:
         if leader_worker_set:
             kinds.insert(1, (lws.API_VERSION, lws.KIND))
         await self._delete_extra_groups(name, namespace, uid, kinds, {_key(o) for o in desired}, result)
+        await self._delete_dropped(name, namespace, uid, {_key(o) for o in desired}, result)
         return result
+
+    async def _delete_dropped(self, name: str, namespace: str, uid: str | None, wanted: set[tuple[str, str]],
+                              result: ChildrenResult) -> None:
+        """Delete the optional children the spec no longer asks for (the KV events Service without kvEvents)."""
+        for api_version, kind, item_name in (("v1", "Service", kv_node.kv_events_service_name(name)),):
+            if (kind, item_name) in wanted:
+                continue
+            live = await self.kube.get(api_version, kind, namespace, item_name)
+            if live is None or controller_uid(live) not in (None, uid):
+                continue
+            await self.kube.delete(api_version, kind, namespace, item_name)
+            result.writes += 1
+            result.events.append(("Normal", "Deleted", f"Deleted {kind} {item_name} (no longer in the spec)"))
 
     async def _create(self, obj: dict[str, Any], result: ChildrenResult) -> dict[str, Any] | None:
         label = f"{obj['kind']} {obj['metadata']['name']}"

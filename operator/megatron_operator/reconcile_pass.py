@@ -28,7 +28,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from . import gang, lifecycle, names, render, status
+from . import gang, kv_node, lifecycle, names, render, status
 from . import leader_worker_set as lws
 from .config import OperatorConfig
 from .coordinator_link import CoordinatorRejected, CoordinatorUnavailable, LinkCache
@@ -87,7 +87,7 @@ async def _pass(resource: Mapping[str, Any], state: ResourceState, kube: Kube, c
 
     obs = status.Observation(generation=generation, desired_lifecycle=spec.lifecycle,
                              endpoint=names.endpoint(name, namespace, spec.server_port),
-                             selector=names.engine_pod_selector(name))
+                             selector=names.engine_pod_selector(name), kv_events=kv_node.events_status(spec))
     token = await existing_token(kube, name, namespace)
     address = config.coordinator_address(name, namespace)
     coordinator_state: str | None = None

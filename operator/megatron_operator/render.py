@@ -38,6 +38,7 @@ from .config import ENV_TOKEN_KEY, ENV_TOKEN_KEY_FILE, OperatorConfig, read_toke
 from .crd_kv_tiers import with_host_tier
 from .crd_tenants import server_tenancy
 from .engine_args import engine_flags, layout_flags, lora_flags
+from .kv_node import disk_volume, events_container_ports, render_events_service
 from .leader_worker_set import render_engine_lws
 from .model_fetch import fetch_container
 from .names import (COORDINATOR_PORT, RENDEZVOUS_PORT, coordinator_name, coordinator_service_address, engine_name,
@@ -303,8 +304,9 @@ def engine_pod_template(spec: InferenceSpec, group: int, config: OperatorConfig,
     volumes.append({"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": ENGINE_SHM_LIMIT}})
     mounts.append({"name": "dshm", "mountPath": "/dev/shm"})
     lora_volumes, lora_mounts = _lora_volume(spec)
-    volumes += lora_volumes
-    mounts += lora_mounts
+    disk_volumes, disk_mounts = disk_volume(spec)  # spec.engine.kvDiskTier
+    volumes += lora_volumes + disk_volumes
+    mounts += lora_mounts + disk_mounts
     pods = spec.pods_per_group
     gpus = spec.gpus_per_engine_pod
     args = [
@@ -343,7 +345,8 @@ def engine_pod_template(spec: InferenceSpec, group: int, config: OperatorConfig,
     container.update({
         "args": args,
         "env": env,
-        "ports": [{"name": "rendezvous", "containerPort": RENDEZVOUS_PORT, "protocol": "TCP"}],
+        "ports": [{"name": "rendezvous", "containerPort": RENDEZVOUS_PORT, "protocol": "TCP"},
+                  *events_container_ports(spec)],
         # Model loading can take long: the startup probe allows 30 minutes to register.
         "startupProbe": _engine_probe("registered", 10, 180),
         # Ready while the coordinator has this group registered.
@@ -417,6 +420,9 @@ def render_spec(spec: InferenceSpec, config: OperatorConfig | None = None, *, to
         engine_policy(spec),
         render_coordinator_deployment(spec, config),
     ]
+    events_service = render_events_service(spec)  # spec.engine.kvEvents
+    if events_service is not None:
+        objects.append(events_service)
     for group in range(spec.data):
         objects += render_engine_group(spec, group, config, engines_stopped, leader_worker_set)
     return objects

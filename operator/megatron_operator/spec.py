@@ -220,6 +220,8 @@ class InferenceSpec:
     kv_cache_dtype: str  # auto or fp8
     kv_offloading_size: float | None  # GiB of host memory for the engines' host KV tier; None: no tier
     kv_on_refit: str | None  # the engines' --kv-on-refit; None: their default (recompute)
+    kv_disk_tier: dict[str, Any] | None  # spec.engine.kvDiskTier as given (None: no disk tier; kv_node)
+    kv_events: dict[str, Any] | None  # spec.engine.kvEvents, defaulted (None: the engines publish none; kv_node)
     speculative: dict[str, Any] | None  # spec.engine.speculative as given (camelCase), None: off
     prefill_replicas: int  # spec.engine.disaggregation's prefill groups; 0: not disaggregated
     decode_replicas: int
@@ -327,6 +329,8 @@ def parse(resource: dict[str, Any], default_namespace: str = "default") -> Infer
         kv_cache_dtype=engine["kvCacheDtype"],
         kv_offloading_size=engine.get("kvOffloadingSize"),
         kv_on_refit=engine.get("kvOnRefit"),
+        kv_disk_tier=dict(engine["kvDiskTier"]) if "kvDiskTier" in engine else None,
+        kv_events=dict(engine["kvEvents"]) if "kvEvents" in engine else None,
         speculative=dict(engine["speculative"]) if "speculative" in engine else None,
         prefill_replicas=engine.get("disaggregation", {}).get("prefillReplicas", 0),
         decode_replicas=engine.get("disaggregation", {}).get("decodeReplicas", 0),

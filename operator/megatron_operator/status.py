@@ -41,6 +41,7 @@ class Observation:
     model: dict[str, Any] | None = None  # status.model: the weights served (kept as it was when None)
     groups: list[dict[str, Any]] | None = None  # status.groups: the gangs' ranks (None: no gangs)
     roles: list[dict[str, Any]] | None = None  # status.roles: each group's prefill/decode part (None: colocated)
+    kv_events: dict[str, Any] | None = None  # status.kvEvents: where the engines' KV events are (None: not published)
 
 
 def _condition(previous: dict[str, dict[str, Any]], ctype: str, ok: bool, reason: str, message: str,
@@ -134,6 +135,7 @@ def compute(previous: dict[str, Any] | None, obs: Observation, now: str | None =
         "model": obs.model,
         "groups": obs.groups,
         "roles": obs.roles,
+        "kvEvents": obs.kv_events,
         "conditions": [c[t] for t in CONDITION_TYPES],
     }
     if gen is not None:
@@ -145,7 +147,7 @@ def changes(previous: dict[str, Any] | None, new: dict[str, Any]) -> dict[str, A
     """The top-level status keys of ``new`` that differ from ``previous`` (a merge patch)."""
     previous = previous or {}
     delta = {key: value for key, value in new.items() if previous.get(key) != value}
-    for key in ("groups", "roles"):  # no gangs, or no roles, any more (the spec's field removed)
+    for key in ("groups", "roles", "kvEvents"):  # no gangs, roles or events any more (the spec's field removed)
         if key in previous and key not in new:
             delta[key] = None
     if isinstance(delta.get("model"), dict) and isinstance(previous.get("model"), dict):
