@@ -15,7 +15,7 @@ import json
 import mmap
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Callable, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 from safetensors import safe_open
@@ -69,13 +69,7 @@ def checkpoint_files(model_dir: str | Path) -> list[Path]:
 def iterate_checkpoint(model_dir: str | Path) -> Iterator[tuple[str, object]]:
     """Yield ``(name, safetensors slice)`` for every tensor, without reading the data yet (a GGUF file's tensors
     come dequantized, each when it is reached)."""
-    for path in checkpoint_files(model_dir):
-        if path.suffix == GGUF_SUFFIX:
-            yield from _gguf_tensors(path)
-            continue
-        with safe_open(str(path), framework="pt") as handle:
-            for name in handle.keys():
-                yield name, handle.get_slice(name)
+    return _each_tensor(model_dir, whole=False)
 
 
 def _gguf_tensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
@@ -92,13 +86,18 @@ _SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.
 
 def checkpoint_tensors(model_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(name, tensor)`` for every tensor, each read whole when it is reached (one at a time)."""
+    return _each_tensor(model_dir, whole=True)
+
+
+def _each_tensor(model_dir: str | Path, whole: bool) -> Iterator[tuple[str, Any]]:
+    """Each tensor read whole (``whole``) or as a safetensors slice read on demand; a GGUF file's come whole."""
     for path in checkpoint_files(model_dir):
         if path.suffix == GGUF_SUFFIX:
             yield from _gguf_tensors(path)
             continue
         with safe_open(str(path), framework="pt") as handle:
             for name in handle.keys():
-                yield name, handle.get_tensor(name)
+                yield name, handle.get_tensor(name) if whole else handle.get_slice(name)
 
 
 def checkpoint_views(model_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
