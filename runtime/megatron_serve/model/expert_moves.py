@@ -11,7 +11,7 @@ once it is done; :func:`install_rows` writes them into the experts' parameters i
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -36,10 +36,12 @@ class Moves:
         return sum(len(r) for r in self.receives)
 
 
-def plan_moves(old: Sequence[int], new: Sequence[int], ranks: int, rank: int) -> Moves:
+def plan_moves(old: Sequence[int], new: Sequence[int], ranks: int, rank: int, missing: Collection[int] = ()
+               ) -> Moves:
     """``rank``'s part of going from placement ``old`` to ``new`` (physical-to-logical maps; the slot counts may
     differ, as at the first placement); the same computation on every rank, so each rank's sends are another's
-    receives."""
+    receives. ``missing``: logical experts no rank holds any more (a lost rank's, :mod:`.eplb_recovery`), whose new
+    slots are left for the caller to fill."""
     old_per, new_per = len(old) // ranks, len(new) // ranks
     holders: dict[int, list[tuple[int, int]]] = {}
     for physical, logical in enumerate(old):
@@ -57,6 +59,8 @@ def plan_moves(old: Sequence[int], new: Sequence[int], ranks: int, rank: int) ->
             if logical in mine:
                 if dest == rank:
                     local.append((mine[logical], slot))
+                continue
+            if logical in missing:
                 continue
             if logical not in holders:
                 raise ValueError(f"logical expert {logical} is in no slot of the old placement")
