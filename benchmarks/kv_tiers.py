@@ -7,6 +7,11 @@
   time): with the pool alone most prefixes were evicted before they come back; with ``--kv-offloading-size``
   they come back from host memory. Per request: TTFT (its prefill, the engine to itself) and CPU time of
   this process (``time.process_time``), tier off vs on, as ratios; outputs must be equal (checked).
+* Disk: engine A serves the same prompts and as many others with the node's disk tier
+  (``--kv-offloading-backend disk``) behind a host tier of two prompts, so that the prompts' blocks end in files;
+  engine B, new, on the same directory, serves the prompts again and reads them from disk, against engine C
+  without the disk tier, which computes them. Per request: TTFT and CPU time of this process per prompt token;
+  outputs must be equal (checked).
 * Suspend: ``--live`` requests in flight, suspended and resumed; time of suspend + resume, bytes kept in
   host memory, and the time and tokens computed until every request has its next token, keep_kv vs a plain
   suspend (which recomputes every context).
@@ -37,10 +42,26 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def config(args, tier: float | None) -> InferenceConfig:
+def config(args, tier: float | None, disk: str | None = None) -> InferenceConfig:
+    on_disk = {} if disk is None else {"kv_offloading_backend": "disk", "kv_disk_dir": disk,
+                                       "kv_disk_size": args.disk_gib}
     return InferenceConfig(dtype=args.dtype, device=args.device, block_size_tokens=BLOCK,
                            num_kv_blocks=args.pool_blocks, max_requests=args.live, max_batch_tokens=4096,
-                           kv_offloading_size=tier)
+                           kv_offloading_size=tier, **on_disk)
+
+
+def timed(llm: MegatronLLM, prompts: list[list[int]], device: str) -> tuple[list[float], list[float], list]:
+    """Each prompt alone, one token: its TTFT, this process's CPU time, and its tokens."""
+    ttft, cpu, outputs = [], [], []
+    for prompt in prompts:
+        _sync(device)
+        wall, process = time.perf_counter(), time.process_time()
+        out = llm.generate([prompt], SamplingParams(temperature=0.0, num_tokens_to_generate=1, ignore_eos=True))
+        _sync(device)
+        ttft.append(time.perf_counter() - wall)
+        cpu.append(time.process_time() - process)
+        outputs.append(out[0].generated_tokens)
+    return ttft, cpu, outputs
 
 
 def tiers(model_dir: str, args, tier: float | None) -> dict:
@@ -65,6 +86,29 @@ def tiers(model_dir: str, args, tier: float | None) -> dict:
     return {"ttft": statistics.median(ttft), "cpu": statistics.mean(cpu), "outputs": outputs,
             "cached": engine.load().cached_tokens, "host_hits": engine.scheduler.host_cached_tokens,
             "bytes": dict(host.stats.bytes) if host is not None else {}}
+
+
+def disk(model_dir: str, args) -> dict:
+    """Engine B reads from disk what engine A wrote, against engine C computing it (see the module docstring)."""
+    rng = random.Random(2)
+    prompts = [[rng.randrange(5, 500) for _ in range(args.prefix_len)] for _ in range(2 * args.prefixes)]
+    warm = [[7] * 40]  # sharing no block with the workload
+    recompute = MegatronLLM(model_dir, config(args, args.tier_gib))
+    host_gib = 2 * (args.prefix_len // BLOCK) * recompute.engine.kv_cache.bytes_per_pool_block / 2**30
+    rows = {}
+    with tempfile.TemporaryDirectory() as directory:
+        writer = MegatronLLM(model_dir, config(args, host_gib, directory))
+        timed(writer, prompts, args.device)  # the second half pushes the first out to disk
+        written = writer.engine.host_tier.disk.written
+        del writer
+        reader = MegatronLLM(model_dir, config(args, args.tier_gib, directory))
+        for name, llm in (("recompute", recompute), ("disk hit", reader)):
+            timed(llm, warm, args.device)
+            ttft, cpu, outputs = timed(llm, prompts[: args.prefixes], args.device)
+            rows[name] = {"ttft": statistics.median(ttft), "cpu": statistics.mean(cpu), "outputs": outputs,
+                          "cached": llm.engine.load().cached_tokens}
+        rows["disk hit"].update(hits=reader.engine.host_tier.disk.hits, written=written)
+    return rows
 
 
 def suspend(model_dir: str, args, keep_kv: bool) -> dict:
@@ -107,6 +151,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--live", type=int, default=4)
     parser.add_argument("--tier-gib", type=float, default=0.5)
+    parser.add_argument("--disk-gib", type=float, default=1.0, help="the disk tier's bound")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default=None)
     parser.add_argument("--smoke", action="store_true", help="a tiny model and workload: seconds")
@@ -130,6 +175,17 @@ def main() -> None:
                   f"{row['host_hits']:10d}")
         print(f"  on/off: TTFT x{on['ttft'] / off['ttft']:.2f}, CPU x{on['cpu'] / off['cpu']:.2f}; "
               f"copied {on['bytes']}")
+        rows = disk(model_dir, args)
+        assert rows["disk hit"]["outputs"] == rows["recompute"]["outputs"], "the disk tier changed an output"
+        print(f"disk: engine B reads {args.prefixes} prompts x {args.prefix_len} tokens engine A wrote "
+              f"({rows['disk hit']['written']} blocks written), against an engine that computes them")
+        print(f"  {'':>10} {'TTFT ms':>10} {'CPU ms/req':>11} {'CPU us/tok':>11} {'cached tok':>11}")
+        for name, row in rows.items():
+            print(f"  {name:>10} {1e3 * row['ttft']:10.2f} {1e3 * row['cpu']:11.2f} "
+                  f"{1e6 * row['cpu'] / args.prefix_len:11.2f} {row['cached']:11d}")
+        hit, computed = rows["disk hit"], rows["recompute"]
+        print(f"  disk/recompute: TTFT x{hit['ttft'] / computed['ttft']:.2f}, CPU x{hit['cpu'] / computed['cpu']:.2f}; "
+              f"{hit['hits']} blocks read from disk")
         plain, kept = suspend(model_dir, args, False), suspend(model_dir, args, True)
         print(f"suspend/resume: {args.live} live requests")
         print(f"  {'':>10} {'suspend ms':>11} {'resume ms':>10} {'next tok ms':>12} {'kept bytes':>11} "

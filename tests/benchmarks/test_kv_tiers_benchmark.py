@@ -10,12 +10,16 @@ from pathlib import Path
 BENCHMARK = Path(__file__).resolve().parents[2] / "benchmarks" / "kv_tiers.py"
 
 
-def test_kv_tiers_smoke_finds_prefixes_on_the_host_and_keeps_the_kv():
+def test_kv_tiers_smoke_finds_prefixes_on_the_host_and_on_disk_and_keeps_the_kv():
     result = subprocess.run([sys.executable, str(BENCHMARK), "--smoke"], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
     hits = re.search(r"^\s*tier on\s+[\d.]+\s+[\d.]+\s+(\d+)\s+(\d+)$", result.stdout, re.M)
     assert hits is not None and int(hits.group(2)) > 0, result.stdout
     off = re.search(r"^\s*tier off\s+[\d.]+\s+[\d.]+\s+\d+\s+(\d+)$", result.stdout, re.M)
     assert off is not None and int(off.group(1)) == 0, result.stdout
+    disk = re.search(r"^\s*disk hit\s+[\d.]+\s+[\d.]+\s+[\d.]+\s+(\d+)$", result.stdout, re.M)
+    assert disk is not None and int(disk.group(1)) > 0, result.stdout  # engine B found engine A's blocks on disk
+    computed = re.search(r"^\s*recompute\s+[\d.]+\s+[\d.]+\s+[\d.]+\s+(\d+)$", result.stdout, re.M)
+    assert computed is not None and int(computed.group(1)) == 0, result.stdout
     rows = dict(re.findall(r"^\s*(recompute|keep_kv)\s+[\d.]+\s+[\d.]+\s+[\d.]+\s+\d+\s+(\d+)$", result.stdout, re.M))
     assert int(rows["keep_kv"]) < int(rows["recompute"]), result.stdout  # only the new tokens, not the contexts
