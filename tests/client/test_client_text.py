@@ -103,7 +103,7 @@ async def test_a_coordinator_below_protocol_6_is_not_submitted_to(tokenizer, pro
     """From 6 tokens travel only as STEP_TOKENS: an older coordinator would send TOKENS, which this client no longer
     reads. The refusal names both versions."""
     async with registered({"protocol": protocol}, tokenizer=tokenizer) as (_, client):
-        with pytest.raises(CoordinatorError, match=f"speaks protocol {protocol}; this client speaks 6") as info:
+        with pytest.raises(CoordinatorError, match=f"speaks protocol {protocol}; this client speaks {PROTOCOL_VERSION}") as info:
             client.add_request([1, 2, 3], SamplingParams())
         assert info.value.code == "unsupported" and "coordinators of 6 or later" in str(info.value)
         assert client.num_pending == 0

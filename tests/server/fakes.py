@@ -11,8 +11,10 @@ import time
 from typing import Any, AsyncIterator
 
 from megatron_serve.client.coordinator_client import StreamPartial
+from megatron_serve.client.local_engine import one_engine
 from megatron_serve.wire.messages import TokenDelta
 from megatron_serve.client.output_processor import OutputCollector
+from megatron_serve.wire.placement import Placement
 from megatron_serve.wire.request import DynamicInferenceRequest, EventType, FinishReason, RequestStatus
 from megatron_serve.wire.sampling_params import SamplingParams
 
@@ -90,8 +92,9 @@ class FakeBackend:
         finally:
             self.running.discard(request_id)
 
-    def add_request(self, prompt: list[int], sampling_params: SamplingParams, *,
-                    request_id: str | None = None) -> "asyncio.Future[DynamicInferenceRequest]":
+    def add_request(self, prompt: list[int], sampling_params: SamplingParams, *, request_id: str | None = None,
+                    placement: Placement | None = None) -> "asyncio.Future[DynamicInferenceRequest]":
+        one_engine(placement)  # one engine, as the in-process client: rank 0 only
         async def collect() -> DynamicInferenceRequest:
             final = None
             async for item in self._generate(request_id, prompt, sampling_params):
@@ -103,7 +106,9 @@ class FakeBackend:
         return task
 
     async def add_request_streaming(self, prompt: list[int], sampling_params: SamplingParams, *,
-                                    request_id: str | None = None) -> AsyncIterator[Any]:
+                                    request_id: str | None = None, placement: Placement | None = None
+                                    ) -> AsyncIterator[Any]:
+        one_engine(placement)
         finished = False
         try:
             async for item in self._generate(request_id, prompt, sampling_params):

@@ -39,6 +39,7 @@ from ..errors import ClientNotStarted
 from ..wire.connection import Connection, ControlError, CoordinatorError, CoordinatorLost, Unauthorized
 from ..limits import DEFAULT_COORDINATOR_GRACE
 from ..wire.messages import PROTOCOL_VERSION, SUBMIT_PROTOCOL, Error, HelloAck
+from ..wire.placement import PLACEMENT_PROTOCOL, Placement, PlacementError
 from ..multimodal import PromptImage
 from .output_processor import OutputCollector, check_params, load_tokenizer
 from .prompts import ImagePrompt, Prompt, prompt_for_fleet
@@ -418,7 +419,8 @@ class InferenceClient(FleetVerbs):
                 entry[2].set_exception(ControlError(code, message, body.detail))
             return
         if body.client_request_id is not None:
-            exc = ValueError(message) if code == ErrorCode.INVALID_REQUEST.value else CoordinatorError(code, message)
+            exc = (ValueError(message) if code == ErrorCode.INVALID_REQUEST.value else PlacementError(message)
+                   if code == ErrorCode.INVALID_PLACEMENT.value else CoordinatorError(code, message))
             self._pending.fail(body.client_request_id, exc)
             return
         logger.warning("coordinator error %s: %s", code, message)
@@ -437,7 +439,7 @@ class InferenceClient(FleetVerbs):
 
     def _new_pending(self, prompt: Prompt, sampling_params: SamplingParams | dict | None,
                      request_id: str | None, stream: bool, images: list[bytes | PromptImage] | None,
-                     sink: Sink | None = None) -> PendingRequest:
+                     sink: Sink | None = None, placement: Placement | None = None) -> PendingRequest:
         self._require_started()
         self._require_coordinator()
         if isinstance(prompt, ImagePrompt):  # what MegatronAsyncLLM hands on for a prompt dict with images
@@ -450,6 +452,7 @@ class InferenceClient(FleetVerbs):
         ack = self._connection.ack
         if ack is not None and ack.protocol < SUBMIT_PROTOCOL:
             raise CoordinatorError(ErrorCode.UNSUPPORTED.value, self._old_coordinator(ack))
+        placement = self._placement_for(ack, placement)
         tokens, placed = prompt_for_fleet(prompt, list(images or ()), self.tokenizer)
         request_id = str(request_id) if request_id is not None else f"{self._auto_ids}{next(self._request_numbers)}"
         if request_id in self._pending:
@@ -457,7 +460,7 @@ class InferenceClient(FleetVerbs):
         collector = OutputCollector(request_id, prompt if isinstance(prompt, str) else tokens, params, self.tokenizer,
                                     prompt_tokens=tokens)
         pending = PendingRequest(request_id, tokens, params, stream, self._loop.create_future(), collector,
-                                 sink if sink is not None else asyncio.Queue() if stream else None)
+                                 sink if sink is not None else asyncio.Queue() if stream else None, placement=placement)
         if placed:
             pending.images = [image.to_wire() for image in placed]
             encode(Header.SUBMIT, pending.submit_body())  # too large a frame: ValueError here, nothing sent
@@ -465,30 +468,46 @@ class InferenceClient(FleetVerbs):
         self._send_submit(pending)
         return pending
 
+    @staticmethod
+    def _placement_for(ack: HelloAck | None, placement: Placement | None) -> Placement | None:
+        """What of ``placement`` the coordinator reads: all of it from protocol 7 on; before, a session is left out (a
+        hint) and a rank refused (an older coordinator would run the request anywhere)."""
+        if placement is None or ack is None or ack.protocol >= PLACEMENT_PROTOCOL:
+            return placement
+        if placement.data_parallel_rank is not None:
+            raise CoordinatorError(ErrorCode.UNSUPPORTED.value, (
+                f"coordinator {ack.coordinator_id} speaks protocol {ack.protocol}; a data-parallel rank needs "
+                f"{PLACEMENT_PROTOCOL} or later (this client speaks {PROTOCOL_VERSION}): upgrade the coordinator"))
+        return None
+
     def _send_submit(self, pending: PendingRequest) -> None:
         self._send(Header.SUBMIT, pending.submit_body())
 
     def add_request(self, prompt: Prompt, sampling_params: SamplingParams | dict | None = None, *,
-                    request_id: str | None = None, images: list[bytes | PromptImage] | None = None
-                    ) -> "asyncio.Future[DynamicInferenceRequest]":
+                    request_id: str | None = None, images: list[bytes | PromptImage] | None = None,
+                    placement: Placement | None = None) -> "asyncio.Future[DynamicInferenceRequest]":
         """Submit one prompt; the future resolves to the finished ``DynamicInferenceRequest``.
 
         Failed requests (too long, aborted) resolve normally with ``status`` FAILED; a request the
         coordinator cannot accept at all (bad sampling values, empty prompt) raises ``ValueError``.
         ``images`` (vision-language models): image files, one per image placeholder of the prompt
         (placed here, by the model's processor), or ``PromptImage``s already placed in token-id prompts.
+        ``placement``: its session (kept on one engine) and data-parallel rank (pinned to one): docs/kv-routing.md; a
+        rank no engine holds raises :class:`~megatron_serve.wire.placement.PlacementError` (a ``ValueError``).
         """
-        return self._new_pending(prompt, sampling_params, request_id, False, images).future
+        return self._new_pending(prompt, sampling_params, request_id, False, images, placement=placement).future
 
     async def add_request_streaming(self, prompt: Prompt,
                                     sampling_params: SamplingParams | dict | None = None, *,
-                                    request_id: str | None = None, images: list[bytes | PromptImage] | None = None
+                                    request_id: str | None = None, images: list[bytes | PromptImage] | None = None,
+                                    placement: Placement | None = None
                                     ) -> AsyncIterator[StreamPartial | DynamicInferenceRequest]:
         """Yield a :class:`StreamPartial` per engine step, then the final request.
 
-        Leaving the loop early (``break``, cancellation) aborts the request. ``images``: as :meth:`add_request`.
+        Leaving the loop early (``break``, cancellation) aborts the request. ``images``, ``placement``: as
+        :meth:`add_request`.
         """
-        pending = self._new_pending(prompt, sampling_params, request_id, True, images)
+        pending = self._new_pending(prompt, sampling_params, request_id, True, images, placement=placement)
 
         def abandon() -> None:
             if not self._closed:
@@ -498,11 +517,12 @@ class InferenceClient(FleetVerbs):
             yield item
 
     def add_request_streaming_to(self, prompt: Prompt, sampling_params: SamplingParams | dict | None, sink: Sink, *,
-                                 request_id: str | None = None, images: list[bytes | PromptImage] | None = None) -> str:
+                                 request_id: str | None = None, images: list[bytes | PromptImage] | None = None,
+                                 placement: Placement | None = None) -> str:
         """Submit one prompt whose :class:`StreamPartial` items, final request or error the receive loop puts straight
         into ``sink`` (no task per stream, as :meth:`add_request_streaming` needs: a wake-up less per chunk for
         the HTTP server); returns its id. The caller aborts it (:meth:`abort`) when it stops listening."""
-        return self._new_pending(prompt, sampling_params, request_id, True, images, sink).request_id
+        return self._new_pending(prompt, sampling_params, request_id, True, images, sink, placement).request_id
 
     def abort(self, request_id: str) -> None:
         """Abort a pending request; its future resolves with ``finish_reason`` ``abort``."""

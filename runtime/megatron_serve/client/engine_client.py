@@ -21,6 +21,7 @@ from ..wire.lifecycle import Verb
 from ..multimodal import PromptImage
 from .outputs import StreamItem
 from .prompts import Prompt
+from ..wire.placement import Placement
 from ..wire.request import DynamicInferenceRequest
 from ..wire.sampling_params import SamplingParams
 
@@ -35,17 +36,18 @@ class EngineClient(Protocol):
         """Be ready for requests (connect, start engines); idempotent."""
 
     def add_request(self, prompt: Prompt, sampling_params: SamplingParams, *, request_id: str | None = None,
-                    images: list[bytes | PromptImage] | None = None) -> "asyncio.Future[DynamicInferenceRequest]":
+                    images: list[bytes | PromptImage] | None = None, placement: Placement | None = None
+                    ) -> "asyncio.Future[DynamicInferenceRequest]":
         """Submit one prompt; the future resolves to the finished request (``status`` FAILED when it failed).
 
         ``images`` (vision-language models): image files, one per image placeholder of the prompt, or
         ``PromptImage``s already placed in token ids (what the HTTP server sends); or pass an
-        ``ImagePrompt`` as ``prompt``.
+        ``ImagePrompt`` as ``prompt``. ``placement``: its session and data-parallel rank (``wire.placement``).
         """
 
     def add_request_streaming(self, prompt: Prompt, sampling_params: SamplingParams, *,
-                              request_id: str | None = None, images: list[bytes | PromptImage] | None = None
-                              ) -> AsyncIterator[StreamItem]:
+                              request_id: str | None = None, images: list[bytes | PromptImage] | None = None,
+                              placement: Placement | None = None) -> AsyncIterator[StreamItem]:
         """Partials as tokens are generated, then the finished request; leaving early aborts it."""
 
     def abort(self, request_id: str) -> None:

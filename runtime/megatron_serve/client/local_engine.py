@@ -33,6 +33,7 @@ from ..wire.verb_calls import verb_call
 from ..engine.output import step_delta
 from ..wire.connection import ControlError
 from ..wire.messages import RequestDeltaOut
+from ..wire.placement import Placement, PlacementError
 from ..wire.protocol import ErrorCode
 from .output_processor import OutputCollector
 from .outputs import StreamItem
@@ -309,6 +310,13 @@ class EngineThread:
         self._post(told)
 
 
+def one_engine(placement: Placement | None) -> None:
+    """One engine holds data-parallel rank 0 only (a session needs no choosing)."""
+    rank = None if placement is None else placement.data_parallel_rank
+    if rank:
+        raise PlacementError(f"data-parallel rank {rank} is out of range: 1 engine serves (rank 0)")
+
+
 class LocalEngineClient:
     """The engine-client interface over an engine in this process (see the module docstring)."""
 
@@ -327,15 +335,18 @@ class LocalEngineClient:
         return self
 
     def add_request(self, prompt: Prompt, sampling_params: SamplingParams, *, request_id: str | None = None,
-                    images: list[bytes | PromptImage] | None = None) -> "asyncio.Future[DynamicInferenceRequest]":
+                    images: list[bytes | PromptImage] | None = None, placement: Placement | None = None
+                    ) -> "asyncio.Future[DynamicInferenceRequest]":
         """Submit one prompt; the future resolves to the finished request."""
+        one_engine(placement)
         prompt = ImagePrompt(prompt, images) if images else prompt
         return self._thread.submit(prompt, sampling_params, stream=False, request_id=request_id)[1]
 
     async def add_request_streaming(self, prompt: Prompt, sampling_params: SamplingParams, *,
-                                    request_id: str | None = None, images: list[bytes | PromptImage] | None = None
-                                    ) -> AsyncIterator[StreamItem]:
+                                    request_id: str | None = None, images: list[bytes | PromptImage] | None = None,
+                                    placement: Placement | None = None) -> AsyncIterator[StreamItem]:
         """Partials as steps add tokens, then the finished request; leaving early aborts it."""
+        one_engine(placement)
         prompt = ImagePrompt(prompt, images) if images else prompt
         request_id, _future, items = self._thread.submit(prompt, sampling_params, stream=True, request_id=request_id)
         async for item in iterate_stream(items, lambda: self._thread.abort(request_id)):

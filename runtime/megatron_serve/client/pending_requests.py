@@ -19,6 +19,7 @@ from typing import Any, Callable, Iterator
 import msgspec
 
 from ..wire.messages import TokenDelta, delta_past
+from ..wire.placement import Placement
 from .output_processor import OutputCollector
 from .outputs import unreadable_result
 from ..wire.request import DynamicInferenceRequest, FinalRecord
@@ -39,6 +40,7 @@ class PendingRequest:
     queue: asyncio.Queue | None = None
     aborted: bool = False
     images: list[dict[str, Any]] = field(default_factory=list)  # wire form (PromptImage.to_wire)
+    placement: Placement | None = None  # its session and data-parallel rank (wire.placement)
     put: Callable[[Any], None] | None = field(init=False, repr=False)  # the queue's put_nowait, bound once
 
     def __post_init__(self) -> None:
@@ -52,6 +54,8 @@ class PendingRequest:
             body["generated_tokens"] = self.collector.tokens
         if self.images:
             body["images"] = self.images
+        if self.placement is not None:
+            body["placement"] = self.placement
         return body
 
     def resolve(self, request: DynamicInferenceRequest, tail: bool = True) -> None:

@@ -20,6 +20,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, default=DEFAULT_PORT, help="ROUTER port (0 = any free port)")
     parser.add_argument("--routing", choices=KNOWN_POLICIES, default="least_loaded",
                         help="which engine group gets a request")
+    parser.add_argument("--session-affinity-ttl", type=float, default=600.0, metavar="S",
+                        help="forget a session's engine (X-Session-ID, a body's session_id) after this many seconds "
+                             "without a request of it; until then its requests go back to that engine while it is "
+                             "under its load bound (docs/kv-routing.md)")
     parser.add_argument("--heartbeat-timeout", type=float, default=10.0, metavar="S",
                         help="remove an engine silent for this long and re-queue its requests")
     parser.add_argument("--verb-timeout", type=float, default=60.0, metavar="S",
@@ -60,6 +64,8 @@ def run(args: argparse.Namespace) -> int:
     parse_port(args.port, "--port")
     if args.heartbeat_timeout <= 0:
         raise ValueError(f"--heartbeat-timeout must be > 0, got {args.heartbeat_timeout}")
+    if args.session_affinity_ttl < 0:
+        raise ValueError(f"--session-affinity-ttl must be >= 0, got {args.session_affinity_ttl}")
     if args.max_request_image_bytes < 1:
         raise ValueError(f"--max-request-image-bytes must be >= 1, got {args.max_request_image_bytes}")
     if args.max_request_logprobs < 1:
@@ -79,6 +85,7 @@ def run(args: argparse.Namespace) -> int:
         verb_timeout=args.verb_timeout, weights_timeout=args.weights_timeout, stall_timeout=args.stall_timeout,
         max_message_bytes=args.max_message_bytes, model=args.model, max_image_bytes=args.max_request_image_bytes,
         max_request_logprobs=args.max_request_logprobs, tokenizer_dir=os.path.abspath(tokenizer_dir),
+        session_ttl=args.session_affinity_ttl,
     )
     import zmq  # noqa: PLC0415
 

@@ -75,6 +75,10 @@ def add_arguments(parser: argparse.ArgumentParser, *, positional_model: bool = F
     parser.add_argument("--routing", default="least_loaded",
                         choices=["least_loaded", "round_robin", "prefix_affinity", "kv_aware"],
                         help="which engine group gets a request")
+    parser.add_argument("--session-affinity-ttl", type=float, default=600.0, metavar="S",
+                        help="forget a session's engine (X-Session-ID, a body's session_id) after this many seconds "
+                             "without a request of it; until then its requests go back to that engine while it is "
+                             "under its load bound (docs/kv-routing.md)")
     parser.add_argument("--log-dir", metavar="DIR", help="where coordinator and engine logs go and stay (default: "
                                                          "the run's own temporary directory, removed when it ends)")
     parser.add_argument("--startup-timeout", type=float, default=600.0, metavar="S",
@@ -308,7 +312,8 @@ class _Stack:
                                 token=self.token, insecure=self.token is None, routing=args.routing,
                                 drain_timeout=args.drain_timeout, log_dir=args.log_dir, tokenizer_dir=args.tokenizer,
                                 max_request_logprobs=args.max_request_logprobs,
-                                prefill_engines=args.prefill_engines, decode_engines=args.decode_engines,
+                                session_ttl=args.session_affinity_ttl, prefill_engines=args.prefill_engines,
+                                decode_engines=args.decode_engines,
                                 data_parallel_size=args.data_parallel_size)
         started = time.monotonic()
         self.address = address = await asyncio.to_thread(self.fleet.start, 60.0)

@@ -23,30 +23,13 @@ import msgspec
 
 from ..limits import DEFAULT_MAX_REQUEST_LOGPROBS, engine_request_cost, over_budget
 from ..wire.lifecycle import FleetState
-from ..wire.messages import (
-    RENDEZVOUS_SCHEME,
-    PROTOCOL_VERSION,
-    SUBMIT_PROTOCOL,
-    TO_COORDINATOR,
-    ClientAbort,
-    Draining,
-    EngineAbort,
-    EngineStep,
-    Error,
-    Handback,
-    Heartbeat,
-    Hello,
-    KVEvents,
-    ResultAck,
-    ResultOut,
-    Status,
-    StatusReply,
-    RequestDelta,
-    Submit,
-)
+from ..wire.messages import (RENDEZVOUS_SCHEME, PROTOCOL_VERSION, SUBMIT_PROTOCOL, TO_COORDINATOR, ClientAbort,
+                             Draining, EngineAbort, EngineStep, Error, Handback, Heartbeat, Hello, KVEvents, ResultAck,
+                             ResultOut, Status, StatusReply, RequestDelta, Submit)
 from ..wire.protocol import (HEADER_VERBS, ErrorCode, Header, Message, ProtocolError, Role, encode,
                              unbatch)
 from .kv_index import KVIndex
+from .placement import DEFAULT_SESSION_TTL_S, Sessions, admit, pinned_gone, refusal_code
 from .routing import RoutingPolicy, make_routing_policy
 from ..wire.accumulator import DeltaAccumulator
 from ..wire.request import FinalRecord, FinishReason, RequestStatus
@@ -119,12 +102,14 @@ class CoordinatorCore:
         tokenizer_dir: str | None = None,
         max_image_bytes: int = DEFAULT_MAX_IMAGE_BYTES,
         max_request_logprobs: int = DEFAULT_MAX_REQUEST_LOGPROBS,
+        session_ttl: float = DEFAULT_SESSION_TTL_S,
     ) -> None:
         """``token``: the fleet secret (``None``: insecure). ``tokenizer_dir``: only announced to clients
         (HELLO_ACK), which tokenize and make the text; the coordinator loads no tokenizer.
         ``max_image_bytes``: image file bytes one request may carry, ``max_request_logprobs`` log-prob entries
         (prompt positions and tokens to generate, by the log probs of each: what its engine sends back over
-        the links; :func:`~megatron_serve.limits.engine_request_cost`); more is refused with ERROR."""
+        the links; :func:`~megatron_serve.limits.engine_request_cost`); more is refused with ERROR.
+        ``session_ttl``: seconds a session's engine is remembered after its last request (:mod:`.placement`)."""
         self.max_image_bytes = int(max_image_bytes)
         self.max_request_logprobs = int(max_request_logprobs)
         self.secret = fleet_secret(token)
@@ -132,6 +117,7 @@ class CoordinatorCore:
         self.routing_name = routing
         self.kv_index = KVIndex()  # which engine holds which KV block, from their KV events (kv_aware reads it)
         self.policy: RoutingPolicy = make_routing_policy(routing, self.kv_index)
+        self.sessions = Sessions(session_ttl)  # a session's engine, for its next request (placement)
         self.heartbeat_timeout = float(heartbeat_timeout)
         self.client_timeout = float(client_timeout)
         self.verb_timeout = float(verb_timeout)
@@ -348,9 +334,9 @@ class CoordinatorCore:
             over = over_budget(engine_request_cost(len(record.prompt_tokens), params), self.max_request_logprobs)
             if over is not None:
                 raise ValueError(over)
+            admit(record, body.placement, self.engines.values())  # its session, its engine if pinned
         except ValueError as exc:
-            self.send(identity, Header.ERROR, Error(code=ErrorCode.INVALID_REQUEST.value, message=str(exc),
-                                                    client_request_id=crid))
+            self.send(identity, Header.ERROR, Error(code=refusal_code(exc), message=str(exc), client_request_id=crid))
             return
         client.requests.add(key)
         self.requests.add(record, Phase.QUEUED, now)
@@ -429,7 +415,10 @@ class CoordinatorCore:
                 del self.clients[client.client_id]
 
     def requeue(self, record: RequestRecord, reason: str) -> None:
-        """Put a request that lost its engine back at the head of the queue, keeping its tokens."""
+        """Put a request that lost its engine back at the head of the queue, keeping its tokens; one pinned to that
+        engine (a data-parallel rank: :mod:`.placement`) fails instead, with the tokens it has."""
+        if record.pinned is not None:
+            return self.finish_here(record, *pinned_gone(reason))
         record.moves += 1
         record.add_event("EVICT", reason)
         if record.exhausted():

@@ -7,6 +7,10 @@ now (of those, the ones already serving the request's LoRA adapter, when any doe
 little more than an engine runs at once, so that its next step never waits for the coordinator). A request
 of a tenant (:mod:`.fair_queue`) counts only the assigned requests of its band or better against that limit,
 so that a better class reaches an engine that lower ones fill, where it preempts one of them.
+
+Placement (:mod:`.placement`) comes first: a request pinned to a data-parallel rank goes to its engine whatever its
+room (or fails when that engine is gone), and a session's request to its session's engine when the policy would
+only be asked to choose among candidates that include it under the load bound.
 """
 
 from __future__ import annotations
@@ -54,12 +58,25 @@ def dispatch(core: "CoordinatorCore", now: float) -> None:
     def room(engine: "EngineRecord") -> bool:
         return engine.load < max(1, int(engine.capacity * factor))
 
+    core.sessions.expire(now)
     eligible = [e for e in core.engines.values() if not e.draining and not e.stopping and core.serves_fleet_weights(e)]
     candidates = [e for e in eligible if room(e)]
     table = core.requests
     if not candidates and not table.fair:
         return
     while (record := table.next_queued(now)) is not None:
+        if record.pinned is not None:
+            engine = core.engines.get(record.pinned)
+            if engine is not None and engine not in eligible:
+                return  # draining (it will leave: then it fails) or loading the fleet's weights: held
+            table.pop_queued()
+            if engine is None:
+                core.requeue(record, f"engine {record.pinned} left the fleet before it ran the request")
+            else:
+                send(core, record, engine, now)
+                if not room(engine) and engine in candidates:
+                    candidates.remove(engine)
+            continue
         pool = candidates
         if not pool:  # a tenant's request of a better band than some assigned ones: room counted in its band
             band = table.head_band
@@ -67,23 +84,33 @@ def dispatch(core: "CoordinatorCore", now: float) -> None:
             if not pool:
                 return
         engines = core.handoffs.candidates(core, record, pool)  # prefill or decode (disaggregation)
-        chosen = core.policy.select(record, adapter_candidates(record, engines)) if engines else None
+        session = record.session_id
+        chosen = core.sessions.choose(session, engines, now) if session is not None and engines else None
+        if chosen is None:
+            chosen = core.policy.select(record, adapter_candidates(record, engines)) if engines else None
         if chosen is None:
             return
         engine = core.engines[chosen.engine_id]
+        if session is not None:
+            core.sessions.bind(session, engine.engine_id, now)
         table.pop_queued()
-        if record.params.tenant is not None:
-            table.fair.charge(record)
-        table.dispatched(record, engine.engine_id)
-        if not engine.assigned:  # an idle loop may wait without counting: its stall clock starts now
-            engine.stall_clock = now
-        engine.assigned.add(record.request_id)
-        blocks, body = core.handoffs.submit(record, engine, EngineSubmitOut(request=wire_record(record)))
-        for part in blocks:  # a decode engine's blocks arrive ahead of their request (coordinator.disaggregation)
-            core.send(engine.identity, Header.KV_BLOCKS, part, engine.batches)
-        core.send(engine.identity, Header.ENGINE_SUBMIT, body, engine.batches)
+        send(core, record, engine, now)
         if not room(engine) and engine in candidates:
             candidates.remove(engine)
+
+
+def send(core: "CoordinatorCore", record: RequestRecord, engine: "EngineRecord", now: float) -> None:
+    """Dispatch the queued request the table just popped to ``engine``."""
+    if record.params.tenant is not None:
+        core.requests.fair.charge(record)
+    core.requests.dispatched(record, engine.engine_id)
+    if not engine.assigned:  # an idle loop may wait without counting: its stall clock starts now
+        engine.stall_clock = now
+    engine.assigned.add(record.request_id)
+    blocks, body = core.handoffs.submit(record, engine, EngineSubmitOut(request=wire_record(record)))
+    for part in blocks:  # a decode engine's blocks arrive ahead of their request (coordinator.disaggregation)
+        core.send(engine.identity, Header.KV_BLOCKS, part, engine.batches)
+    core.send(engine.identity, Header.ENGINE_SUBMIT, body, engine.batches)
 
 
 def band_room(core: "CoordinatorCore", engine: "EngineRecord", band: int) -> bool:

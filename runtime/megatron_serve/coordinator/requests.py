@@ -76,6 +76,8 @@ class RequestRecord:
     queue_order: int = 0  # in the priority heap: when it was queued; in the deque: 0, or -1 moved (ahead of all)
     queued_at: float | None = None  # a tenant's request: when it was queued (its band improves as it waits)
     charged: int = 0  # a tenant's request: tokens charged to its tenant's share (fair_queue), settled at its finish
+    session_id: str | None = None  # the multi-turn session it belongs to (coordinator.placement): its engine first
+    pinned: str | None = None  # the engine its data-parallel rank named at arrival: it runs there or fails
 
     @property
     def prefix_keys(self) -> list[int]:

@@ -163,6 +163,7 @@ class LocalFleet:
         tokenizer_dir: str | os.PathLike | None = None,
         insecure: bool = False,
         max_request_logprobs: int | None = None,
+        session_ttl: float | None = None,
         prefill_engines: int = 0,
         decode_engines: int = 0,
         data_parallel_size: int = 1,
@@ -176,7 +177,8 @@ class LocalFleet:
         of each instead of ``num_engines`` colocated ones (coordinator.disaggregation). ``data_parallel_size``:
         each of the ``num_engines`` groups is that many data-parallel attention ranks sharing the experts
         (``inference_config.enable_expert_parallel``), an engine process each; ``num_engines`` is then the
-        fleet's engine processes, ``groups`` its groups."""
+        fleet's engine processes, ``groups`` its groups. ``session_ttl``: the coordinator's ``--session-affinity-ttl``
+        (default: its own)."""
         if num_engines < 1:
             raise ValueError(f"num_engines must be >= 1, got {num_engines}")
         check_data_parallel(data_parallel_size, inference_config, prefill_engines or decode_engines)
@@ -207,6 +209,8 @@ class LocalFleet:
         self.rendezvous_host = "127.0.0.1"  # every rank of a gang runs here
         self.tokenizer_args = ["--tokenizer", str(tokenizer_dir)] if tokenizer_dir is not None else []
         self.budget_args = ["--max-request-logprobs", str(max_request_logprobs)] if max_request_logprobs else []
+        if session_ttl is not None:
+            self.budget_args += ["--session-affinity-ttl", str(session_ttl)]
         self._lock_fd: int | None = None
         if log_dir is None:
             self.log_dir, self._lock_fd = make_run_dir()

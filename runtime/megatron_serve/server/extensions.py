@@ -23,6 +23,8 @@ from ..wire.sampling_fields import EXTENSION_DOCS
 #: Extensions this server implements: name -> what it does (shown in ``/openapi.json``).
 EXTENSIONS: dict[str, str] = {
     **EXTENSION_DOCS,  # the sampling parameters the server copies (top_k, min_p, ...): their rows' descriptions
+    "session_id": "the multi-turn session the request belongs to (SkyRL's; the X-Session-ID header wins): its "
+                  "requests stay on the engine that holds its KV blocks while that engine is under its load bound",
     "return_epochs": "add policy_epochs and kv_epochs (the weights generation of every generated token) and "
                      "lora_epochs (its LoRA adapter version; -1: none) to each choice",
     "stop_token_ids": "generation also stops at these token ids, which are not returned (vLLM's name)",

@@ -24,11 +24,13 @@ from typing import TYPE_CHECKING, Any, Callable, Protocol, runtime_checkable
 from ..wire.connection import CoordinatorError, CoordinatorLost
 from ..client.outputs import StreamPartial
 from ..errors import ClientNotStarted
+from ..wire.placement import PlacementError
 from ..wire.request import DynamicInferenceRequest, EventType, FinishReason, RequestStatus
 from .drain import Stopping
 from .errors import APIError, shutting_down
 from .fleet import InferenceBackend
 from .metrics import ServerMetrics
+from .placement import placement_refused
 from .request_log import RequestLog
 from .streaming import DONE, EventWriter, Renderer
 
@@ -55,7 +57,7 @@ class SinkBackend(Protocol):
     (:meth:`~megatron_serve.client.coordinator_client.InferenceClient.add_request_streaming_to`)."""
 
     def add_request_streaming_to(self, prompt: Any, sampling_params: Any, sink: Any, *, request_id: str | None = None,
-                                 images: list[Any] | None = None) -> str: ...
+                                 images: list[Any] | None = None, placement: Any = None) -> str: ...
 
 
 @functools.lru_cache(maxsize=None)
@@ -114,6 +116,8 @@ def check_result(request: DynamicInferenceRequest) -> DynamicInferenceRequest:
 def _submission_error(exc: Exception) -> APIError:
     if isinstance(exc, APIError):
         return exc
+    if isinstance(exc, PlacementError):  # a data-parallel rank no engine holds
+        return placement_refused(exc)
     if isinstance(exc, ValueError):  # the coordinator's INVALID_REQUEST
         return APIError(400, str(exc), code="invalid_request")
     if isinstance(exc, CoordinatorLost):
@@ -138,8 +142,11 @@ def merge_pieces(first: StreamPartial | None, then: StreamPartial) -> StreamPart
 
 
 def _images(job: EngineJob) -> dict[str, Any]:
-    """The backend's ``images`` argument, for prompts that have images only."""
-    return {"images": job.prompt.images} if job.prompt.images else {}
+    """The backend's ``images`` and ``placement`` arguments, for jobs that have them only."""
+    extra: dict[str, Any] = {"images": job.prompt.images} if job.prompt.images else {}
+    if job.placement is not None:
+        extra["placement"] = job.placement
+    return extra
 
 
 @dataclass

@@ -22,6 +22,7 @@ from .images import load_images
 from .intake import check_limits, parse_body, request_body_doc, small_body, unconstrained
 from .models import ChatCompletionRequest, ChatCompletionResponse, CompletionRequest, CompletionResponse
 from .openapi_doc import error_responses
+from .placement import place, request_placement
 from .request_log import request_id_header
 from .streaming import cancel_on_disconnect, client_closed, read_body
 
@@ -64,11 +65,13 @@ async def _answer(ctx: ServerContext, handler_type: Handler, request: Request) -
         req = _parse(ctx, handler_type, body) if small else await ctx.workers.run(_parse, ctx, handler_type, body)
         if header_id is not None:  # vLLM: the X-Request-Id header wins over the body's request_id
             req.request_id = header_id
+        placement = request_placement(request, req.session_id)  # X-Session-ID, X-data-parallel-rank: 400s first
         await load_images(req, ctx)  # a chat's image parts, fetched and checked (none: nothing to do)
         if small and handler_type is CompletionHandler and unconstrained(req):
             handler = handler_type(ctx, req)
         else:
             handler = await ctx.workers.run(handler_type, ctx, req)  # tokenize or render
+        place(handler.jobs, placement)
         ctx.request_log.received(handler)
         return await (handler.stream() if handler.req.stream else handler.complete())
 

@@ -30,6 +30,7 @@ from pydantic import (
     model_serializer,
 )
 
+from ..wire.placement import MAX_SESSION_ID_CHARS
 from ..wire.sampling_fields import COPIED, MAX_TOP_N_LOGPROBS
 from .extensions import extension
 from .vllm_fields import VllmChatFields, VllmCompletionFields, VllmSamplingFields
@@ -102,6 +103,7 @@ class _SamplingRequest(_Request, VllmSamplingFields, SamplingFields):  # type: i
     prompt_logprobs: int | None = extension("prompt_logprobs", ge=0, le=MAX_TOP_N_LOGPROBS)
     user: str | None = Field(None, description="accepted and ignored")
     return_epochs: bool | None = extension("return_epochs")
+    session_id: str | None = extension("session_id", min_length=1, max_length=MAX_SESSION_ID_CHARS)
 
 
 def _prompt_shape(value: Any) -> str:

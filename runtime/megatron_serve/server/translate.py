@@ -20,6 +20,7 @@ from ..tokenizer import Tokenizer
 from ..generation_config import GenerationDefaults
 from ..limits import RequestLimits
 from ..multimodal import PromptImage
+from ..wire.placement import Placement
 from ..wire.sampling_fields import copied_from_http
 from ..wire.sampling_params import SamplingParamError, SamplingParams, StructuredOutputsParams, stop_list
 from ..grammar import constraint_bytes, grammar_error
@@ -69,6 +70,7 @@ class EngineJob:
     prompt_index: int
     prompt: Prompt
     params: SamplingParams
+    placement: Placement | None = None  # its session and data-parallel rank (server.placement)
 
 
 def check_model(requested: str, served: list[str]) -> None:

@@ -25,7 +25,8 @@ with a list of the client's request ids). Version 6 makes it the only token mess
 a message per request) is retired, and a reconnected client's catch-ups travel as ``STEP_TOKENS`` with
 ``starts``. Peers submit to each other from 6 on (:data:`SUBMIT_PROTOCOL`): a client below 6 would drop the
 catch-ups' ``starts`` and read them as new tokens, and a coordinator below 6 would send ``TOKENS`` this
-client no longer reads; each refuses the other with a message naming both versions.
+client no longer reads; each refuses the other with a message naming both versions. Version 7 adds ``SUBMIT``'s
+``placement``: a session and a data-parallel rank (:mod:`.placement` says what an older coordinator gets).
 """
 
 from __future__ import annotations
@@ -35,11 +36,12 @@ from typing import Annotated, Any, Union
 import msgspec
 
 from .kv_blocks import KVBlocks
+from .placement import Placement
 from .protocol import Header
 from .request import WireImage
 
 #: The protocol version this code speaks.
-PROTOCOL_VERSION = 6
+PROTOCOL_VERSION = 7
 #: The lowest version whose peers may submit to each other: from 6 on every token travels in ``STEP_TOKENS``
 #: (and from 4 on the client makes the text).
 SUBMIT_PROTOCOL = 6
@@ -106,6 +108,7 @@ class Submit(Body):
     stream: bool | None = None
     generated_tokens: list[TokenId] | None = None  # resubmission after a coordinator restart: continue
     images: list[WireImage] | None = None  # one per image placeholder of the prompt, in order
+    placement: Placement | None = None  # protocol 7: its session and data-parallel rank (wire.placement)
 
 
 class Result(Body):

@@ -119,6 +119,7 @@ class ErrorCode(str, enum.Enum):
     CONTROL_ID_REUSED = "control_id_reused"  # a control id already used for another verb or other arguments
     LORA_REFUSED = "lora_refused"  # an engine refused a LoRA adapter (bad adapter, name taken); nothing changed
     LORA_NOT_FOUND = "lora_not_found"  # UNLOAD_LORA of an adapter no engine serves
+    INVALID_PLACEMENT = "invalid_placement"  # SUBMIT pinned to a data-parallel rank no engine holds (protocol 7)
 
 
 class ProtocolError(ValueError):

@@ -79,6 +79,8 @@ class SglangGenerateRequest(BaseModel):
     return_routed_experts: bool | None = None
     priority: int | None = None
     log_metrics: bool | None = Field(None, description="accepted: this server's metrics count every request")
+    session_id: str | None = Field(None, description="the multi-turn session it belongs to (X-Session-ID wins): kept "
+                                                     "on the engine that holds its KV blocks (docs/kv-routing.md)")
 
 
 class FinishReasonInfo(BaseModel):

@@ -20,6 +20,7 @@ from ..images import load_images
 from ..intake import check_limits, parse_body, request_body_doc
 from ..models import ChatCompletionRequest
 from ..openapi_doc import error_responses
+from ..placement import place, request_placement
 from . import sglang_generate, trl_generate, vllm_generate
 from .tokens import handler_for, serve
 
@@ -66,8 +67,10 @@ def add_token_routes(app: FastAPI, ctx: ServerContext, guard: APIKeyGuard) -> No
            stream=True)
     async def vllm_generate_tokens(request: Request, raw: bytes) -> Any:
         body, request_id = vllm_generate.read(request, raw)
+        placement = request_placement(request, body.session_id)  # X-Session-ID, X-data-parallel-rank
         handler = await handler_for(ctx, CompletionHandler, vllm_generate.fields(ctx, body, request_id),
                                     vllm_generate.NAMES)
+        place(handler.jobs, placement)
         return await vllm_generate.answer(ctx, handler, body, request_id)
 
     @route("/v1/chat/completions/render", "vLLM", ChatCompletionRequest, vllm_generate.VllmRenderResponse,
@@ -84,7 +87,9 @@ def add_token_routes(app: FastAPI, ctx: ServerContext, guard: APIKeyGuard) -> No
            "cumulative events, then `data: [DONE]`.", stream=True)
     async def sglang_generate_tokens(request: Request, raw: bytes) -> Any:
         body = sglang_generate.read(raw)
+        placement = request_placement(request, body.session_id)
         handler = await handler_for(ctx, CompletionHandler, sglang_generate.fields(ctx, body), sglang_generate.NAMES)
+        place(handler.jobs, placement)
         return await sglang_generate.answer(ctx, body, handler)
 
     @route("/generate/", "TRL", trl_generate.TrlGenerateRequest, trl_generate.TrlGenerateResponse,

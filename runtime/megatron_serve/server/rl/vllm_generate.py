@@ -10,8 +10,8 @@ routes (:mod:`.token_routes`) build the handlers.
 vLLM's answer, plus what this fleet knows of every token: ``weight_version`` (the weights of the choice's first
 token, as vLLM binds a version to a request) and ``weight_versions`` (SGLang's per-token spans). vLLM turns routed
 experts on for the whole server; here a request asks with ``return_routed_experts`` (SGLang's name).
-``X-data-parallel-rank`` pins a request to one engine in vLLM: this fleet's coordinator places every request
-itself, so the header is refused by name rather than ignored.
+``X-data-parallel-rank`` pins the request to one engine, as in vLLM, and ``X-Session-ID`` (or the body's
+``session_id``) keeps a multi-turn session on one engine (:mod:`..placement`, read by the route).
 """
 
 from __future__ import annotations
@@ -28,7 +28,6 @@ from ...client.outputs import StreamPartial
 from ...wire.request import DynamicInferenceRequest
 from ..answers import finish_reason, token_label, usage_fields
 from ..chunks import event
-from ..errors import bad_request
 from ..models import StreamOptions, Usage
 from ..request_log import request_id_header
 from ..streaming import stream_answer
@@ -42,7 +41,6 @@ if TYPE_CHECKING:  # annotations only: the routes module builds the handlers (to
     from ..context import ServerContext
     from ..translate import EngineJob
 
-DATA_PARALLEL_RANK_HEADER = "X-data-parallel-rank"
 _JSON = msgspec.json.Encoder()
 
 
@@ -63,6 +61,8 @@ class VllmGenerateRequest(BaseModel):
                                                                  "routed_experts (SGLang's name for the request field)")
     features: None = Field(None, description="only null: this route takes no multimodal features")
     kv_transfer_params: None = Field(None, description="only null: a fleet disaggregates prefill and decode itself")
+    session_id: str | None = Field(None, description="the multi-turn session it belongs to (X-Session-ID wins): kept "
+                                                     "on the engine that holds its KV blocks (docs/kv-routing.md)")
 
 
 class VllmTokenLogprob(BaseModel):
@@ -223,10 +223,6 @@ def _request_id(request: Request, body_id: str | None) -> str:
 
 def read(request: Request, raw: bytes) -> tuple[VllmGenerateRequest, str]:
     """The body of ``/inference/v1/generate`` and the request's id (the ``X-Request-Id`` header wins, as in vLLM)."""
-    if DATA_PARALLEL_RANK_HEADER.lower() in request.headers:
-        raise bad_request(f"{DATA_PARALLEL_RANK_HEADER}: this fleet's coordinator places every request on an engine "
-                          "itself; a request cannot pin one (send it without the header)",
-                          param=DATA_PARALLEL_RANK_HEADER, code="unsupported_parameter")
     body = read_anchor(VllmGenerateRequest, raw, "vLLM's GenerateRequest")
     return body, _request_id(request, body.request_id)
 
