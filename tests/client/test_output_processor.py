@@ -165,3 +165,29 @@ def test_pieces_list_each_token_once_its_text_is_sent_and_add_up_to_the_final_te
         assert texts == final.generated_token_texts and len(texts) == len(final.generated_tokens)
         assert "".join(texts) == final.generated_text == sent
         assert any(t == "" for t in texts)  # a split character's first bytes (or tokens past the stop) add nothing
+
+
+@pytest.mark.parametrize("stop", [[], ["\x00never"]])
+@pytest.mark.parametrize("sizes", [[1], [3, 1, 5]])
+def test_the_stop_token_is_in_the_ids_and_its_log_probs_not_in_the_text(tokenizer, stop, sizes):
+    """vLLM's detokenizer: a delta that ends with the stop token (``stop_token``) keeps it in the ids, with its log
+    prob and an empty listed text, and leaves its text out (in with ``include_stop_str_in_output``). Here the stop
+    id is an ordinary token (".") whose text would show: the control is the same deltas without the flag."""
+    tokens = tokenizer.encode("hello there.", add_special_tokens=False)
+    for include, flagged, expected in ((False, True, tokenizer.decode(tokens[:-1])),
+                                       (True, True, "hello there."), (False, False, "hello there.")):
+        params = SamplingParams(return_log_probs=True, top_n_logprobs=2, stop_words=stop,
+                                include_stop_str_in_output=include)
+        collector = OutputCollector("r", PROMPT, params, tokenizer)
+        items = deltas(tokens, sizes)
+        items[-1].stop_token = flagged
+        streamed, streamed_tokens = run(collector, items)
+        tail = collector.tail()
+        streamed += tail.new_text if tail is not None else ""
+        final = collector.finish(DynamicInferenceRequest("r", None, PROMPT, status=RequestStatus.COMPLETED,
+                                                         finish_reason=FinishReason.STOP))
+        assert final.generated_tokens == streamed_tokens == tokens and collector.out.stop_token is flagged
+        assert streamed == final.generated_text == expected, (include, flagged)
+        assert len(final.generated_log_probs) == len(final.generated_token_texts) == len(tokens)
+        assert "".join(final.generated_token_texts) == final.generated_text
+        assert (final.generated_token_texts[-1] == "") is (flagged and not include)

@@ -108,8 +108,10 @@ def test_results_are_request_outputs_with_the_records_beside(llm):
     stop_id = record.generated_tokens[1]
     stopped = llm.generate("Hello", SamplingParams(max_tokens=8, temperature=0, stop_token_ids=[stop_id]),
                            use_tqdm=False)[0].outputs[0]
-    # the engine keeps no stop token in the record: vLLM's token_ids would end with it, its stop_reason name it
-    assert (stopped.finish_reason, stopped.stop_reason, stopped.token_ids) == ("stop", None, [record.generated_tokens[0]])
+    # as vLLM's: token_ids end with the stop token, stop_reason names it
+    assert (stopped.finish_reason, stopped.stop_reason, stopped.token_ids) == ("stop", stop_id,
+                                                                               record.generated_tokens[:2])
+    assert stopped.text == llm.tokenizer.decode(record.generated_tokens[:1])  # its text is not in the text
     word = llm.tokenizer.decode(record.generated_tokens[2:4])
     (by_word,) = llm.generate("Hello", SamplingParams(max_tokens=8, temperature=0, stop=[word, "never there"]),
                               use_tqdm=False)

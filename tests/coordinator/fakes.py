@@ -52,6 +52,7 @@ class FakeStepOutput:
     new_routing: tuple[int, object] | None = None  # fake engines route no experts
     epochs: tuple[int, int, int] = (-1, -1, -1)  # a fake reports no epochs
     prompt_scores: None = None
+    stop_token: bool = False  # a fake ends by length (or as told), never at a stop id
 
 
 class _Memory:

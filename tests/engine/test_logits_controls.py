@@ -53,7 +53,7 @@ def test_min_tokens_holds_off_the_stop_token_and_stop_token_ids_end_generation(l
     first = llm.generate(PROMPTS[0], SamplingParams(**GREEDY))[0].generated_tokens
     stop_on = first[3]
     stopped = llm.generate(PROMPTS[0], SamplingParams(**GREEDY, stop_token_ids=[stop_on]))[0]
-    assert stopped.generated_tokens == first[: first.index(stop_on)]
+    assert stopped.generated_tokens == first[: first.index(stop_on) + 1]  # the stop token last, as in vLLM
     assert stopped.finish_reason.value == "stop"
     held = llm.generate(PROMPTS[0], SamplingParams(**GREEDY, stop_token_ids=[stop_on], min_tokens=10))[0]
     assert stop_on not in held.generated_tokens[:10]

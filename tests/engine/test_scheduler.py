@@ -195,16 +195,19 @@ def test_a_prefix_with_another_cache_salt_or_epoch_is_not_found():
     assert play(sched)[0] == {"b": 13} and sched.cached_tokens == 0
 
 
-def test_a_stop_id_finishes_the_request_without_appending_it():
+def test_a_stop_id_finishes_the_request_and_stays_its_last_token():
+    """vLLM's and SGLang's outputs end with the stop id, counted and with its log prob (the engine dropped it:
+    ``new_tokens == []`` then, and a trainer's next turn lacked the template's end token)."""
     sched = scheduler()
     sched.add_request(request("a", 5, stop_token_ids=[9]))
     forgotten: list[str] = []
     sched.forgets.append(forgotten.append)
     sequence = sched.requests["a"]
     _, (out,) = play(sched, 7)
-    assert out.new_tokens == [7] and out.new_log_probs == [-0.5] and not out.finished
+    assert out.new_tokens == [7] and out.new_log_probs == [-0.5] and not out.finished and not out.stop_token
     _, (out,) = play(sched, 9)
-    assert out.finished and out.new_tokens == [] and sequence.output_tokens == [7]
+    assert out.finished and out.stop_token and out.new_tokens == [9] and out.new_log_probs == [-0.5]
+    assert sequence.output_tokens == [7, 9] and sequence.num_output == 2
     assert out.final.finish_reason is FinishReason.STOP and out.final.status is RequestStatus.COMPLETED
     assert forgotten == ["a"] and sched.allocator.num_free == sched.allocator.num_blocks and not sched.has_work()
 
@@ -215,11 +218,36 @@ def test_eos_stops_unless_ignored_and_length_ends_at_num_tokens_to_generate():
     sched.add_request(request("ignored", 5, ignore_eos=True, num_tokens_to_generate=2))
     ignored = sched.requests["ignored"]
     _, outputs = play(sched, EOS)
-    assert [(o.request_id, o.new_tokens, o.finished) for o in outputs] == [("eos", [], True),
-                                                                           ("ignored", [EOS], False)]
+    assert [(o.request_id, o.new_tokens, o.finished, o.stop_token) for o in outputs] == [
+        ("eos", [EOS], True, True), ("ignored", [EOS], False, False)]
     _, (out,) = play(sched, EOS)
-    assert out.finished and out.final.finish_reason is FinishReason.LENGTH
+    assert out.finished and out.final.finish_reason is FinishReason.LENGTH and not out.stop_token
     assert ignored.output_tokens == [EOS, EOS]
+
+
+def test_a_stop_id_at_the_length_limit_is_a_stop():
+    """vLLM's check_stop looks at the stop ids before the length."""
+    sched = scheduler()
+    sched.add_request(request("a", 5, num_tokens_to_generate=1))
+    _, (out,) = play(sched, EOS)
+    assert out.new_tokens == [EOS] and out.final.finish_reason is FinishReason.STOP
+
+
+def test_a_continuation_that_brings_its_stop_token_ends_without_generating():
+    """A request resubmitted with the tokens its client has, the stop token last (the end was lost on the way):
+    nothing is generated after it, nothing doubled. A continuation whose stop id is held off by min_tokens goes on."""
+    sched = scheduler()
+    brought = EngineRequest(request_id="a", prompt_tokens=[10, 11, 12], generated_tokens=[7, EOS],
+                            sampling_params=SamplingParams(num_tokens_to_generate=8), arrival_time=time.time())
+    sched.add_request(brought)
+    (out,) = sched.pending
+    assert out.finished and out.new_tokens == [] and out.final.finish_reason is FinishReason.STOP
+    assert "a" not in sched.requests and not sched.has_work()
+    held = EngineRequest(request_id="b", prompt_tokens=[10, 11, 12], generated_tokens=[7, EOS],
+                         sampling_params=SamplingParams(num_tokens_to_generate=8, min_tokens=3),
+                         arrival_time=time.time())
+    sched.add_request(held)
+    assert "b" in sched.requests
 
 
 def test_update_from_output_records_each_tokens_epochs():
@@ -274,7 +302,7 @@ def test_a_verify_step_stops_at_an_accepted_drafts_stop_id():
     step = _verify_step(sched, [30, EOS, 32])
     sequence = sched.running[0]
     (out,) = sched.update_from_output(step, [Emitted([30, EOS, 32, 33], [None] * 4, [None] * 4, [None] * 4, 3)])
-    assert out.finished and out.new_tokens == [30] and sequence.output_tokens == [7, 30]
+    assert out.finished and out.stop_token and out.new_tokens == [30, EOS] and sequence.output_tokens == [7, 30, EOS]
     assert sched.allocator.num_free == sched.allocator.num_blocks
 
 

@@ -65,8 +65,8 @@ def test_routing_indices_with_speculation_are_the_plain_engines(tiny_moe):
     spec, accepted = generate(tiny_moe, prompts, params, speculative=True)
     assert accepted > 0
     assert routed(spec) == routed(plain)
-    # a stopped request's rows end at its last token's position (the stop token was sampled there)
-    assert [len(r.routing_indices) for r in spec[4:]] == [len(r.prompt_tokens) + len(r.generated_tokens)
+    # a stopped request's rows end at the position that sampled its stop token, its last token (never processed)
+    assert [len(r.routing_indices) for r in spec[4:]] == [len(r.prompt_tokens) + len(r.generated_tokens) - 1
                                                           for r in spec[4:]]
 
 

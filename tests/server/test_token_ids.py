@@ -108,3 +108,40 @@ async def test_kv_transfer_params_is_refused_by_name(tiny_model, tokenizer):
             await client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2,
                                             extra_body={"kv_transfer_paramz": {}})
         assert unknown.value.body["code"] == "unknown_parameter"
+
+
+async def test_the_stop_token_ends_the_ids_counted_and_scored_and_stays_out_of_the_text(tiny_model, tokenizer):
+    """vLLM's answer to a choice that a stop token ended: its id last in ``token_ids``, counted in ``usage``, with a
+    log prob; its text not in the text (whole or streamed), unless ``include_stop_str_in_output``. The stop token
+    here is an ordinary token of the greedy answer, so its text would show (the engine dropped it before: the ids
+    ended before it)."""
+    async with surface(tiny_model, tokenizer) as (client, _):
+        free = await client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=9, temperature=0,
+                                               extra_body={"ignore_eos": True, **IDS})
+        ids = free.choices[0].token_ids
+        stop = ids[4]
+        upto = ids[:ids.index(stop) + 1]
+        body = {"ignore_eos": True, "stop_token_ids": [stop], **IDS}
+        answer = await client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=9, temperature=0, logprobs=0,
+                                                 extra_body=body)
+        (choice,) = answer.choices
+        assert choice.finish_reason == "stop" and choice.token_ids == upto
+        assert answer.usage.completion_tokens == len(upto) and len(choice.logprobs.token_logprobs) == len(upto)
+        assert choice.text == tokenizer.decode(upto[:-1]) != tokenizer.decode(upto)
+        included = await client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=9, temperature=0,
+                                                   extra_body={**body, "include_stop_str_in_output": True})
+        assert included.choices[0].text == tokenizer.decode(upto)
+        stream = await client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=9, temperature=0,
+                                                 stream=True, extra_body=body)
+        chunks = [chunk async for chunk in stream]
+        assert "".join(c.choices[0].text for c in chunks if c.choices) == choice.text
+        assert [t for c in chunks if c.choices for t in (c.choices[0].token_ids or [])] == upto
+        chat = await client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=9, temperature=0,
+                                                    extra_body={"ignore_eos": True, **IDS})
+        said = chat.choices[0].token_ids
+        stopped = await client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=9, temperature=0,
+                                                       extra_body={"ignore_eos": True, "stop_token_ids": [said[3]],
+                                                                   **IDS})
+        assert stopped.choices[0].token_ids == said[:said.index(said[3]) + 1]
+        assert stopped.usage.completion_tokens == len(stopped.choices[0].token_ids)
+        assert stopped.choices[0].message.content == tokenizer.decode(stopped.choices[0].token_ids[:-1])

@@ -183,6 +183,13 @@ class IncrementalDetokenizer:
             self.append(new_tokens)
         self._seen += len(new_tokens)
 
+    def skip(self) -> None:
+        """Count the next token without its text: the stop token that ended the request (vLLM leaves it out of the
+        text unless ``include_stop_str_in_output``); with ``token_texts`` its share is empty."""
+        self._seen += 1
+        if self.ends is not None:
+            self.ends.append(self._done_length)
+
     def _find_stop(self, text: str, word: str, checked: int) -> int:
         """The first occurrence of ``word`` that ends past the text searched before and the stop floor, or -1."""
         return text.find(word, max(0, max(checked, self._stop_floor) - len(word) + 1))

@@ -110,13 +110,21 @@ class OutputCollector:
             return StreamPartial(self.request_id, [], "")
         tokens = delta.new_tokens
         detokenizer = self.detokenizer
+        # vLLM's detokenizer: the stop token that ended the request is in the ids, not in the text
+        unread = 1 if delta.stop_token and tokens and not self.params.include_stop_str_in_output else 0
         if detokenizer is None or not detokenizer.stop_words:  # every token kept (one a step, most often)
             self.out.tokens += tokens
             kept = len(tokens)
             if detokenizer is not None:
-                detokenizer.extend(tokens)
+                detokenizer.extend(tokens[:-1] if unread else tokens)
+                if unread:
+                    detokenizer.skip()
         else:
-            kept = self._take_tokens(tokens)
+            kept = self._take_tokens(tokens[:-1] if unread else tokens)
+            if unread and not self.stopped:
+                self.out.tokens.append(tokens[-1])
+                detokenizer.skip()
+                kept += 1
         if kept and self.first_token_time is None:
             self.first_token_time = time.time()
         self.out.add_rest(delta, kept, self.request_id)

@@ -114,14 +114,17 @@ class Shaper:
             entries.append(entry)
         return entries
 
-    def stop_reason(self, record: DynamicInferenceRequest) -> str | None:
-        """vLLM's ``stop_reason`` for a stop string: the one that ended the choice, found again in its tokens as
-        the detokenizer found it (the one whose first occurrence ends first). ``None`` otherwise: the engine
-        keeps a stop token out of the record (vLLM's ``token_ids`` end with it), so which of ``stop_token_ids``
-        or the end-of-sequence token ended a choice is not known here."""
+    def stop_reason(self, record: DynamicInferenceRequest) -> int | str | None:
+        """vLLM's ``stop_reason``: the id of ``stop_token_ids`` that ended the choice (the last of its ``token_ids``, as
+        in vLLM; a stop string ends the ids at the token that completed it, never a stop id, whose text is not
+        searched); else the stop string that ended it, found again in its tokens as the detokenizer found it (the one
+        whose first occurrence ends first); ``None`` for the end-of-sequence token and any other end."""
         if record.finish_reason != "stop" or not record.generated_tokens:
             return None
         params = record.sampling_params
+        last = record.generated_tokens[-1]
+        if last in params.stop_token_ids:
+            return last
         if params.stop_words and self.tokenizer is not None:
             text = self.tokenizer.decode(record.generated_tokens, skip_special_tokens=params.skip_special_tokens)
             hits = [(index + len(word), index, word) for word in params.stop_words if (index := text.find(word)) >= 0]

@@ -126,7 +126,8 @@ class RequestRecord:
         skip = max(have - out.resumed, 0)  # into the lists mirrored since the resubmission
         delta = TokenDelta(new_tokens=out.tokens[have:], new_log_probs=out.log_probs[skip:] or None,
                            top_ids=out.top_ids[skip:] or None, top_log_probs=out.top_log_probs[skip:] or None,
-                           cached_tokens=out.cached_tokens, prompt_scores=out.prompt_scores)
+                           cached_tokens=out.cached_tokens, prompt_scores=out.prompt_scores,
+                           stop_token=out.stop_token)
         if have >= out.resumed:
             delta.epochs = [out.policy_epochs[skip:], out.kv_epochs[skip:], out.lora_epochs[skip:]]
         if out.routing is not None:  # every row: the client keeps those it has

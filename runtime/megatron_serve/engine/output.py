@@ -68,6 +68,8 @@ def step_delta(out: "StepOutput") -> RequestDeltaOut:
     if out.cached_tokens is not None:
         delta.cached_tokens = out.cached_tokens
         delta.prompt_scores = out.prompt_scores
+    if out.stop_token:
+        delta.stop_token = True
     if out.final is not None:
         delta.request = out.final
     return delta

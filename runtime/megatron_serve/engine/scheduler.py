@@ -453,6 +453,10 @@ class Scheduler:
         sequence, registration = admitted
         sequence.events.append(added)
         self.requests[request.request_id] = sequence
+        if sequence.brought_its_stop:  # generating past its stop token would double it
+            sequence.complete(FinishReason.STOP)
+            self._leave(sequence)
+            return
         if self.parity is not None:
             self.parity.admitted(sequence)
         self.lora_queue.add(sequence, registration, self, self.requests.values())
@@ -473,6 +477,10 @@ class Scheduler:
     def fail(self, sequence: Sequence, message: str) -> None:
         """A request that cannot go on (its images failed to encode): it fails alone, its output in ``pending``."""
         sequence.fail(message)
+        self._leave(sequence)
+
+    def _leave(self, sequence: Sequence) -> None:
+        """A request that ends without a token here: forgotten, its output in ``pending``."""
         self.forget(sequence)
         out = ended(sequence)
         self.stats.finish(out.final)

@@ -87,6 +87,14 @@ class Sequence:
         return self.token_ids[self.num_prompt : self.num_prompt + self.num_output]
 
     @property
+    def brought_its_stop(self) -> bool:
+        """A continuation whose last generated token is one of its stop ids (past ``min_tokens``): it ended where it
+        ran before (its stop token reached the client, the end did not), so it ends here without a token."""
+        n = self.num_output
+        return n >= max(self.sampling_params.min_tokens, 1) and self.token_ids[self.num_prompt + n - 1] in \
+            self.stop_token_ids
+
+    @property
     def num_uncomputed(self) -> int:
         """Tokens to compute before it samples again: known ones, and the pending one as the last input."""
         return len(self.token_ids) + self.pending_tokens - self.num_computed

@@ -89,6 +89,7 @@ class EngineStepResult(Protocol):
     cached_tokens: int | None
     prompt_scores: PromptScores | None
     final: FinalRecord | None
+    stop_token: bool  # the last new token is the stop id that ended it
 
 
 @dataclass(frozen=True)

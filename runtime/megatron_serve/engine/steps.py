@@ -38,6 +38,7 @@ class StepOutput:
     cached_tokens: int | None = None
     prompt_scores: PromptScores | None = None
     final: FinalRecord | None = None  # once finished: the record without what the deltas carried
+    stop_token: bool = False  # the last new token is the stop id that ended it (kept in the ids, not in the text)
     request: Public | None = None  # the public request, for one added so (Megatron's expert API: .expert_api)
 
     def extend(self, later: "StepOutput") -> None:
@@ -52,6 +53,7 @@ class StepOutput:
             self.top_log_probs = (self.top_log_probs or []) + later.top_log_probs
         self.finished = later.finished
         self.final = later.final
+        self.stop_token = later.stop_token
         if later.new_routing is not None:  # the positions of later tokens: they continue the rows before
             self.new_routing = (later.new_routing if self.new_routing is None else
                                 (self.new_routing[0], np.concatenate([self.new_routing[1], later.new_routing[1]])))

@@ -1,7 +1,12 @@
 """A finished step's tokens appended to one request, and the stop checks each token passes: stop ids, the grammar's
 end or error, the length limit. Pure bookkeeping over the request's :class:`~.sequence.Sequence`, called by
 :meth:`.scheduler.Scheduler.update_from_output`; a row of a verify step brings several tokens (its accepted drafts and
-one more), appended one by one as the plain engine would append them over as many steps."""
+one more), appended one by one as the plain engine would append them over as many steps.
+
+A stop id (EOS, or one of ``stop_token_ids``) is kept as the last token, counted and given its log prob, as vLLM's
+and SGLang's outputs keep it: an RL trainer's next turn extends prompt + completion ids exactly (a chat template
+renders the assistant's end token after its turn). Its KV is never computed (the request ends there), and its
+output says it is a stop token (``StepOutput.stop_token``) so that the text is made without it."""
 
 from __future__ import annotations
 
@@ -17,8 +22,9 @@ from .structured_output import StructuredOutputs
 def append_token(sequence: Sequence, token: int, log_prob: float | None, top_ids: list[int] | None,
                  top_log_probs: list[float] | None, epochs: tuple[int, int], structured: StructuredOutputs | None
                  ) -> StepOutput:
-    """Append one sampled token (``epochs``: the weights' and its KV's) unless it is a stop id, and say whether the
-    request finished; the request's status and events are set here, its resources freed by the caller."""
+    """Append one sampled token (``epochs``: the weights' and its KV's), and say whether the request finished (a stop
+    id, the grammar's end, the length limit; vLLM's ``check_stop`` order); the request's status and events are set
+    here, its resources freed by the caller."""
     out = StepOutput(sequence.request_id, [], [], False, (epochs[0], epochs[1], sequence.lora_version))
     if not sequence.num_output:  # its first token: what its admission found goes with it
         sequence.add_event(EventType.FIRST_TOKEN)
@@ -26,16 +32,17 @@ def append_token(sequence: Sequence, token: int, log_prob: float | None, top_ids
         out.prompt_scores, sequence.prompt_scores = sequence.prompt_scores, None
     finish: FinishReason | None = None
     problem: str | None = None
-    if token in sequence.stop_token_ids:
+    sequence.token_ids.append(token)
+    sequence.num_output += 1
+    out.new_tokens.append(token)
+    if log_prob is not None:
+        out.new_log_probs.append(log_prob)
+    if top_ids is not None and top_log_probs is not None:
+        out.top_ids, out.top_log_probs = [top_ids], [top_log_probs]
+    if token in sequence.stop_token_ids:  # the grammar allowed it only where it may end: no need to feed it
         finish = FinishReason.STOP
+        out.stop_token = True
     else:
-        sequence.token_ids.append(token)
-        sequence.num_output += 1
-        out.new_tokens.append(token)
-        if log_prob is not None:
-            out.new_log_probs.append(log_prob)
-        if top_ids is not None and top_log_probs is not None:
-            out.top_ids, out.top_log_probs = [top_ids], [top_log_probs]
         grammar_done, problem = (structured.accept(sequence.request_id, token)
                                  if structured is not None and sequence.request_id in structured else (False, None))
         if problem is not None:

@@ -27,7 +27,8 @@ EXTENSIONS: dict[str, str] = {
                   "requests stay on the engine that holds its KV blocks while that engine is under its load bound",
     "return_epochs": "add policy_epochs and kv_epochs (the weights generation of every generated token) and "
                      "lora_epochs (its LoRA adapter version; -1: none) to each choice",
-    "stop_token_ids": "generation also stops at these token ids, which are not returned (vLLM's name)",
+    "stop_token_ids": "generation also stops at these token ids; the one that ends it is the last token id (counted, "
+                      "with its log prob), not in the text (vLLM's name)",
     "guided_json": "the output follows this JSON schema (vLLM's name)",
     "guided_regex": "the output matches this regular expression (vLLM's name)",
     "guided_choice": "the output is one of these strings (vLLM's name)",

@@ -28,7 +28,7 @@ class DeltaAccumulator:
     """
 
     __slots__ = ("tokens", "resumed", "log_probs", "top_ids", "top_log_probs", "_epochs", "cached_tokens",
-                 "prompt_scores", "routing")
+                 "prompt_scores", "routing", "stop_token")
 
     def __init__(self, tokens: list[int] | None = None) -> None:
         self.tokens: list[int] = list(tokens or ())
@@ -42,6 +42,7 @@ class DeltaAccumulator:
         self.cached_tokens: int | None = None  # prompt tokens found in the prefix cache, once reported
         self.prompt_scores: PromptScores | None = None  # the first engine's (a next one scores them again)
         self.routing: RoutingRecord | None = None
+        self.stop_token = False  # the last id is the stop id that ended the request (TokenDelta.stop_token)
 
     @property
     def policy_epochs(self) -> list[int]:
@@ -73,7 +74,7 @@ class DeltaAccumulator:
         delta with epochs takes 0.29 us instead of 0.64 (in-process, CPU time).
         """
         if (delta.new_log_probs is None and delta.top_ids is None and delta.routing is None
-                and delta.cached_tokens is None and delta.prompt_scores is None):
+                and delta.cached_tokens is None and delta.prompt_scores is None and not delta.stop_token):
             epochs = delta.epochs
             if kept == 1 and epochs is not None and len(epochs) == 3:  # most deltas: one id and its three epochs
                 policy, kv, lora = epochs
@@ -82,6 +83,8 @@ class DeltaAccumulator:
                     return
             self._add_epochs(epochs, len(delta.new_tokens), kept)
             return
+        if delta.stop_token and kept == len(delta.new_tokens):
+            self.stop_token = True
         if delta.cached_tokens is not None:
             self.cached_tokens = delta.cached_tokens
         if delta.prompt_scores is not None and self.prompt_scores is None:

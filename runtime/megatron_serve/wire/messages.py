@@ -420,6 +420,9 @@ class TokenDelta(Body):
     # With the request's first tokens (an engine that stops at the first token sends them with none):
     cached_tokens: int | None = None  # prompt tokens its engine found in the prefix cache
     prompt_scores: PromptScores | None = None  # return_prompt_log_probs
+    # The last of new_tokens is the stop id that ended the request (EOS or stop_token_ids): it stays in the ids,
+    # counted and with its log prob, and the text is made without it unless include_stop_str_in_output (vLLM's)
+    stop_token: bool = False
 
 
 class RequestDelta(TokenDelta, kw_only=True):

@@ -100,7 +100,14 @@ async def test_slimes_payload_gets_the_ids_and_log_probs_generate_gets(tiny_mode
         stopped = (await http.post("/generate", json={**payload, "sampling_params": slime_params(
             8, stop_token_ids=[stop], ignore_eos=True)})).json()
         assert stopped["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
-        assert stopped["output_ids"] == answer["output_ids"][:answer["output_ids"].index(stop)]  # the engine's rule
+        upto = answer["output_ids"][:answer["output_ids"].index(stop) + 1]  # SGLang's output_ids end with it
+        assert stopped["output_ids"] == upto and stopped["meta_info"]["completion_tokens"] == len(upto)
+        assert len(stopped["meta_info"]["output_token_logprobs"]) == len(upto)
+        assert stopped["text"] == tokenizer.decode(upto, skip_special_tokens=False)  # no_stop_trim: its text too
+        trimmed = (await http.post("/generate", json={**payload, "sampling_params": {**slime_params(
+            8, stop_token_ids=[stop], ignore_eos=True), "no_stop_trim": False}})).json()
+        assert trimmed["output_ids"] == upto and trimmed["text"] == tokenizer.decode(upto[:-1],
+                                                                                     skip_special_tokens=False)
 
         scored = (await http.post("/generate", json={**payload, "logprob_start_len": 0})).json()["meta_info"]
         assert [entry[1] for entry in scored["input_token_logprobs"]] == prompt

@@ -257,22 +257,25 @@ class _Shape:
         return fields
 
     def _finish(self, job: EngineJob, result: DynamicInferenceRequest) -> dict[str, Any]:
-        """SGLang's finish reason: ``stop`` with what ``matched`` (a stop string, or the stop token when only one could
-        end the request: the engine ends at a stop token without keeping it, so which of several is not known; null
-        then), ``length`` with the tokens generated, ``abort`` with why."""
+        """SGLang's finish reason: ``stop`` with what ``matched`` (the stop token, which ends ``output_ids`` as in
+        SGLang, checked first as SGLang checks tokens before strings; else the stop string), ``length`` with the
+        tokens generated, ``abort`` with why."""
         reason = result.finish_reason
         if reason is FinishReason.LENGTH:
             return {"type": "length", "length": len(result.generated_tokens)}
         if reason is not FinishReason.STOP:
             return {"type": "abort", "message": result.error or "the fleet ended the request early"}
         params = job.params
+        ends = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.ctx.tokenizer.eos_token_ids))
+        last = result.generated_tokens[-1] if result.generated_tokens else None
+        if last in ends:
+            return {"type": "stop", "matched": last}
         if params.stop_words:
             text = self.ctx.tokenizer.decode(list(result.generated_tokens), skip_special_tokens=False)
             matched = next((stop for stop in params.stop_words if stop in text), None)
             if matched is not None:
                 return {"type": "stop", "matched": matched}
-        ends = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.ctx.tokenizer.eos_token_ids))
-        return {"type": "stop", "matched": next(iter(ends)) if len(ends) == 1 else None}
+        return {"type": "stop", "matched": None}
 
     def whole(self, results: list[DynamicInferenceRequest]) -> Any:
         """The whole answer of the finished ``results`` (one per job): a list for a batch or ``n`` > 1."""
