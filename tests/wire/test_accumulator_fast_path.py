@@ -5,7 +5,7 @@ delta with anything more still takes the full path."""
 from __future__ import annotations
 
 from megatron_serve.wire.accumulator import DeltaAccumulator
-from megatron_serve.wire.messages import TokenDelta
+from megatron_serve.wire.messages import TokenDelta, delta_past
 
 SLOTS = DeltaAccumulator.__slots__
 
@@ -44,3 +44,19 @@ def test_ids_with_epochs_keep_what_the_full_path_keeps() -> None:
     assert _state(fast) == _state(full)
     assert fast.policy_epochs == [4, 4, 5, -1, 1, 2] and fast.kv_epochs == [2, 2, 2, -1, 1, 2]
     assert fast.lora_epochs == [0, -1, -1, -1, 1, 2]
+
+
+def test_a_stop_token_delta_is_kept_and_a_catch_up_past_it_carries_it() -> None:
+    """A delta that ends at the stop token takes the full path and leaves the flag (the coordinator's mirror hands it
+    to a reconnected client's catch-up); a client that kept only part of it (a stop string first) does not keep it."""
+    acc = DeltaAccumulator()
+    acc.add(TokenDelta(new_tokens=[1, 2]), "r")
+    assert not acc.stop_token
+    acc.add(TokenDelta(new_tokens=[3, 9], epochs=[[0, 0], [0, 0], [-1, -1]], stop_token=True), "r")
+    assert acc.stop_token and acc.tokens == [1, 2, 3, 9] and acc.policy_epochs == [-1, -1, 0, 0]
+    cut = DeltaAccumulator()
+    cut.tokens.append(3)
+    cut.add_rest(TokenDelta(new_tokens=[3, 9], stop_token=True), 1, "r")
+    assert not cut.stop_token
+    catch_up = delta_past(TokenDelta(new_tokens=[3, 9], stop_token=True), 2, 3)
+    assert catch_up is not None and catch_up.new_tokens == [9] and catch_up.stop_token
