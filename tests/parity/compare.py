@@ -126,9 +126,9 @@ def against_reference(name: str, request: DynamicInferenceRequest, reference: Re
     problem = _log_probs_close(name, "prompt log probs", request.prompt_log_probs, reference.prompt_log_probs,
                                tolerance, tally)
     got = _choices(request)
-    expected: list[int | str] = reference.tokens + ([STOP] if reference.stopped else [])
+    expected: list[int | str] = reference.choices + ([STOP] if reference.stopped else [])
     index = _first_difference(got, expected)
-    equal = len(reference.tokens) if index is None else min(index, len(reference.tokens))
+    equal = len(reference.choices) if index is None else min(index, len(reference.choices))
     tally.tokens += equal
     problem = problem or _log_probs_close(name, "log probs", request.generated_log_probs[:equal],
                                           reference.log_probs[:equal], tolerance, tally)
@@ -141,7 +141,7 @@ def against_reference(name: str, request: DynamicInferenceRequest, reference: Re
     want = expected[index] if index < len(expected) else "<end>"
     margin = f"margin {reference.margins[index]:.2e}" if index < len(expected) else "transformers ended"
     return (f"{name} step {index}: the engine chose {have}, transformers {want} ({margin}; "
-            f"tokens before: {reference.tokens[:index]})")
+            f"tokens before: {reference.choices[:index]})")
 
 
 def _margin(top: dict[int, float]) -> float:

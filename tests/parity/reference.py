@@ -27,7 +27,8 @@ from .models import LoadedModel
 
 @dataclass
 class Reference:
-    """One request's expected run: ``choices`` ends with the stop token when one ended it."""
+    """One request's expected run: ``choices`` ends with the stop token when one ended it (as transformers' ``generate``
+    and the engine's tokens do)."""
 
     prompt: list[int]
     choices: list[int] = field(default_factory=list)
@@ -35,10 +36,6 @@ class Reference:
     log_probs: list[float] = field(default_factory=list)  # raw log-softmax at each choice
     stopped: bool = False  # the last choice is a stop token
     prompt_log_probs: list[float] = field(default_factory=list)
-
-    @property
-    def tokens(self) -> list[int]:
-        return self.choices[:-1] if self.stopped else self.choices
 
 
 def controlled_logits(raw: torch.Tensor, prompt: list[int], output: list[int], params: SamplingParams,
