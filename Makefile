@@ -39,12 +39,14 @@ $(RUNTIME): $(PY) pyproject.toml
 
 # torchtitan without its trainer's dependencies (datasets, wandb, tensorboard...): the test extras hold the two its
 # model code imports (spmd_types, tyro), pinned beside it. TRL likewise (datasets, pandas, pyarrow): the tests run
-# its VLLMClient (trl.generation.vllm_client), which imports what the runtime already has.
+# its VLLMClient (trl.generation.vllm_client), which imports what the runtime already has. lm-eval likewise
+# (evaluate, scikit-learn, rouge-score...): the test extras hold what its API and hf models and our tasks import.
 TORCHTITAN := torchtitan==0.3.0
 TRL := trl==1.16.0
+LM_EVAL := lm_eval==0.4.13
 $(TESTING): $(RUNTIME)
 	$(PIP) install -q -e '.[test,docs]'
-	$(PIP) install -q --no-deps $(TORCHTITAN) $(TRL)
+	$(PIP) install -q --no-deps $(TORCHTITAN) $(TRL) $(LM_EVAL)
 	touch $(TESTING)
 
 setup: $(TESTING)

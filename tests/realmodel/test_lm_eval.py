@@ -1,0 +1,56 @@
+"""lm-eval on the real model: the repository's two tasks (benchmarks/evals) run by lm-eval's ``local-completions``
+(log-likelihoods through echo and prompt log probs) and ``local-chat-completions`` (greedy generation through the
+chat template) against a ``megatron-serve serve`` of SmolLM2's GGUF file, and by lm-eval's own ``hf`` backend on
+the session's transformers load of the same file: every item the same choice (log-likelihoods within
+``LOGLIKELIHOOD_TOLERANCE``) or the same text, so the same score. A few items of each here;
+``benchmarks/lm_eval_parity.py`` runs them all (docs/benchmarks.md)."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+from lm_eval.models.huggingface import HFLM
+
+from megatron_serve.hub import resolve_model
+
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "lm_eval_parity.py"
+LIMITS = {"megatron_facts_mc": 12, "megatron_facts_gen": 4}
+
+
+@pytest.fixture(scope="module")
+def parity():
+    spec = importlib.util.spec_from_file_location("lm_eval_parity", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up
+    spec.loader.exec_module(module)
+    yield module
+    del sys.modules[spec.name]
+
+
+@pytest.fixture(scope="module")
+def server(parity, smollm2, gguf_cache, tmp_path_factory):
+    with parity.server(smollm2, "float32", tmp_path_factory.mktemp("lm_eval") / "serve.log") as (url, name):
+        yield url, name
+
+
+@pytest.fixture(scope="module")
+def hf(reference) -> HFLM:
+    """lm-eval's ``hf`` backend on the session's transformers model (float32, CPU), one item at a time."""
+    model, tokenizer = reference
+    return HFLM(pretrained=model, tokenizer=tokenizer, batch_size=1)
+
+
+@pytest.mark.parametrize("task", list(LIMITS))
+def test_lm_eval_scores_every_item_as_its_hf_backend(parity, server, hf, smollm2, task):
+    url, name = server
+    ours = parity.items(parity.served(url, name, resolve_model(smollm2), task, LIMITS[task]), task)
+    theirs = parity.items(parity.evaluate(hf, task, LIMITS[task]), task)
+
+    assert len(ours) == len(theirs) == LIMITS[task]
+    assert [item.score for item in ours] == [item.score for item in theirs]
+    disagreeing = [(a, b) for a, b in zip(ours, theirs, strict=True) if not parity.agree(a, b)]
+    assert not disagreeing
+    assert sum(item.score for item in ours) >= LIMITS[task] / 2  # a trained model: mostly right on these items
