@@ -12,6 +12,10 @@ The trace (seeded, replayed identically for every policy): ``--tenants`` tenants
 the middle a batch tenant's rollouts (a GRPO group: ``--storm`` samples of one short prompt, ``--storm-tokens`` tokens
 each) take the KV pools: their growing contexts evict the cached system prompts. Routed-prefix memory still believes its engines
 hold them (it remembers what it *sent*, not what the pools *kept*); the index sees every ``BlockRemoved``.
+``--storm-groups`` groups arrive together (a GRPO step), each prompt ``--storm-prompt-blocks`` blocks; with
+``--storm-resumed N`` each sample is a partial rollout that already generated N tokens (resumed after a pause or a
+refit): its KV fills a pool at its first step, while the memory counts only its prompt. ``--popularity uniform``
+makes every tenant as frequent (no hot tenant whose blocks the engines' LRU keeps anyway).
 
 Reported per policy: prefix hit rate (prompt tokens the device pool or host tier served / prompt tokens that could
 have been, i.e. all but each prompt's last), before / during / after the storm, and every request's tokens, which
@@ -53,13 +57,14 @@ class Arrival:
     tokens: int
     phase: str
     tenant: str
+    resumed: list[int] = field(default_factory=list)  # tokens a partial rollout already generated (it goes on)
 
 
 def make_trace(args: argparse.Namespace) -> list[Arrival]:
     """The seeded multi-tenant trace with a storm in its middle third (see the module docstring)."""
     rng = random.Random(args.seed)
     prefixes = [[rng.randrange(5, 500) for _ in range(args.prefix_blocks * BLOCK)] for _ in range(args.tenants)]
-    weights = [1.0 / (rank + 1) for rank in range(args.tenants)]
+    weights = [1.0 / (rank + 1) if args.popularity == "zipf" else 1.0 for rank in range(args.tenants)]
     trace: list[Arrival] = []
     third = args.ticks // 3
     for tick in range(args.ticks):
@@ -70,10 +75,14 @@ def make_trace(args: argparse.Namespace) -> list[Arrival]:
             trace.append(Arrival(tick, f"t{tenant}-{len(trace)}", prefixes[tenant] + tail, args.tokens, phase,
                                  f"t{tenant}"))
     storm_ticks = range(third, 2 * third) if third else range(0)
-    group_prompt = [rng.randrange(5, 500) for _ in range(BLOCK + 3)]  # a GRPO group: one prompt, n samples
-    for index in range(args.storm if storm_ticks else 0):
-        tick = storm_ticks[0] + index // args.slots  # a slot's worth per tick: where the group's prompt is
-        trace.append(Arrival(tick, f"storm-{index}", group_prompt, args.storm_tokens, "storm", "batch"))
+    groups = args.storm_groups if storm_ticks else 0
+    for group in range(groups):  # a GRPO step's groups, at the storm's start: one prompt, n samples each
+        group_prompt = [rng.randrange(5, 500) for _ in range(args.storm_prompt_blocks * BLOCK + 3)]
+        for index in range(args.storm):
+            tick = storm_ticks[0] + index // args.slots  # a slot's worth per tick: where the group's prompt is
+            resumed = [rng.randrange(5, 500) for _ in range(args.storm_resumed)]
+            trace.append(Arrival(tick, f"storm-{group}-{index}", group_prompt, args.storm_tokens, "storm", "batch",
+                                 resumed))
     return sorted(trace, key=lambda a: a.tick)
 
 
@@ -129,9 +138,11 @@ def replay(model_dir: str, args: argparse.Namespace, routing: str, trace: list[A
             request = SimpleNamespace(request_id=arrival.request_id, params=SamplingParams(),
                                       prefix_keys=arrival.prompt, prefix_root=ROOT_HASH)
             side = policy.select(request, views).side
-            params = SamplingParams(temperature=0.0, num_tokens_to_generate=arrival.tokens, ignore_eos=True)
+            params = SamplingParams(temperature=0.0, num_tokens_to_generate=len(arrival.resumed) + arrival.tokens,
+                                    ignore_eos=True)
             side.engine.add_request(EngineRequest(request_id=arrival.request_id, prompt_tokens=arrival.prompt,
-                                                  sampling_params=params, arrival_time=time.time()))
+                                                  generated_tokens=arrival.resumed, sampling_params=params,
+                                                  arrival_time=time.time()))
             side.running[arrival.request_id] = arrival
             tenant = outcome.sent.setdefault(arrival.tenant, {})
             tenant[side.engine_id] = tenant.get(side.engine_id, 0) + 1
@@ -184,11 +195,18 @@ def main() -> None:
     parser.add_argument("--slots", type=int, default=8)
     parser.add_argument("--tenants", type=int, default=6)
     parser.add_argument("--prefix-blocks", type=int, default=6)
+    parser.add_argument("--popularity", choices=("zipf", "uniform"), default="zipf",
+                        help="how often each tenant comes: Zipf-like (1/rank) or all alike")
     parser.add_argument("--ticks", type=int, default=60)
     parser.add_argument("--per-tick", type=int, default=2)
     parser.add_argument("--tokens", type=int, default=4)
     parser.add_argument("--storm", type=int, default=8)
     parser.add_argument("--storm-tokens", type=int, default=256)
+    parser.add_argument("--storm-groups", type=int, default=1, help="GRPO groups, each of --storm samples")
+    parser.add_argument("--storm-prompt-blocks", type=int, default=1, help="blocks of a group's prompt (+3 tokens)")
+    parser.add_argument("--storm-resumed", type=int, default=0,
+                        help="tokens each storm sample already generated: partial rollouts resumed (after a refit, a "
+                             "pause), whose KV fills the pool at once while routed-prefix memory counts their prompt")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--tick-s", type=float, default=0.05, help="the coordinator's seconds per engine step")
     parser.add_argument("--overlap-weight", type=float, default=1.0, help="kv_aware's (Dynamo's default: 1)")
