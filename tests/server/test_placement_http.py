@@ -78,6 +78,8 @@ def test_a_session_stays_on_its_engine_and_moves_with_its_texts_when_that_engine
             histories[name] += tokens + [rng.randrange(5, 500) for _ in range(3)]  # the tool's answer
             generate(served, [rng.randrange(5, 500) for _ in range(8)])
     assert len(homes["a"]) == 1 and len(homes["b"]) == 1, homes  # every turn on one engine: 100%
+    sessions = served.http.get("/v1/admin/status", headers=ADMIN).json()["sessions"]
+    assert sessions["sessions"] == 2 and sessions["kept"] == 6 and sessions["moved"] == 0, sessions
 
     (home,) = homes["a"]
     pid = next(e["info"]["pid"] for e in engines(served) if e["id"] == home)

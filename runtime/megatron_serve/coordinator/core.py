@@ -581,5 +581,6 @@ class CoordinatorCore:
             pending_controls=[op.verb.name for op in self.verbs.queue], dropped_frames=self.drop.total,
             weights=self.weights_source, refits=self.refits,
             epoch_mismatch=sorted(e.engine_id for e in engines if e.epoch != self.epoch),
-            incomplete_weights=self.incomplete_weights(), stall_timeout=self.stall_timeout)
+            incomplete_weights=self.incomplete_weights(), stall_timeout=self.stall_timeout,
+            sessions=self.sessions.describe())
 

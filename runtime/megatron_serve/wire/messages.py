@@ -338,6 +338,7 @@ class StatusReply(Body):
     epoch_mismatch: list[str] | None = None
     incomplete_weights: list[str] | None = None  # engines left with a mix by a failed refit (UNPAUSE refused)
     stall_timeout: float | None = None  # an engine whose ``stalled_s`` passes it is removed as unresponsive
+    sessions: dict[str, Any] | None = None  # session affinity: sessions known, requests kept and moved, the TTL
 
 
 class Heartbeat(Body):
