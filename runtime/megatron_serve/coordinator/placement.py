@@ -13,7 +13,8 @@ requests are routed afresh (a restarted engine registers under a new id).
 A data-parallel rank (vLLM's ``X-data-parallel-rank``) names the engine at that index of the fleet's (engine group,
 data-parallel rank) order (:func:`~.routing.engine_slot`), resolved once, when the request arrives: a rank no engine
 holds is refused then (:class:`~megatron_serve.wire.placement.PlacementError`). A pinned request goes to its engine
-whatever its load (it waits in that engine's own queue, as in vLLM, where each data-parallel engine has one), and
+whatever that engine's load, once any engine has room for routed work (it waits in its engine's own queue, as in
+vLLM, where each data-parallel engine has one), and
 fails if that engine leaves before it finishes: vLLM never moves a pinned request either, and a caller that pins
 wants that engine's cache or state, not an answer from elsewhere.
 """
