@@ -21,6 +21,7 @@ from ..step_plan import StepBuffers, StepPlan
 from .channel import PlanChannel, broadcast_previous_tokens
 from .data_parallel import agree_tokens, agree_turn
 from .placement import release_groups
+from .survival import GroupSurvival
 from .turns import Turn
 
 T = TypeVar("T")
@@ -31,10 +32,11 @@ class TensorParallelRunner(ModelRunner):
 
     def __init__(self, model, block_size: int, device: torch.device, buffers: StepBuffers,
                  channel: PlanChannel, workers: list[multiprocessing.Process],
-                 graphs: StepGraphs | None = None):
+                 graphs: StepGraphs | None = None, survival: GroupSurvival | None = None):
         super().__init__(model, block_size, device, buffers, graphs)
         self.channel = channel
         self.workers = workers
+        self.survival = survival  # serves on without a lost data-parallel rank (.survival); None: the group ends
         self._ran_forward = False  # since the last end_step: a data-parallel rank that did not runs an empty pass
 
     def _broadcast(self, kind: str, payload: object = None, packed: np.ndarray | None = None,
@@ -65,7 +67,10 @@ class TensorParallelRunner(ModelRunner):
             return super().run_plan(plan, kv_caches, image_embeddings, previous_tokens, group_tokens=tokens)
         except Exception as exc:  # noqa: BLE001 - the forward's all-reduces fail when a peer died mid-step
             self._check_workers()
-            raise EngineGroupLost(f"tensor-parallel forward failed: {exc}") from exc
+            if self.survival is None:
+                raise EngineGroupLost(f"tensor-parallel forward failed: {exc}") from exc
+            self.survival.rejoin(exc)  # the survivors all failed in this step: each runs it again
+            return self.run_plan(plan, kv_caches, image_embeddings, previous_tokens)
 
     def on_suspend(self, level: int, keep: ParkOrder | None = None) -> None:
         self._broadcast("suspend", (level, keep))
@@ -88,19 +93,28 @@ class TensorParallelRunner(ModelRunner):
         try:
             return collective(self.channel.leaders, value)
         except Exception as exc:  # noqa: BLE001 - a collective fails only when the group broke
-            raise EngineGroupLost(f"data-parallel attention ranks lost one of them: {exc}") from exc
+            if self.survival is None:
+                raise EngineGroupLost(f"data-parallel attention ranks lost one of them: {exc}") from exc
+            self.survival.rejoin(exc)
+            return self._among_leaders(collective, value)
 
     def end_step(self) -> None:
         ran, self._ran_forward = self._ran_forward, False
         if self.channel.leaders is None or ran:
             return
+        self._idle_pass()
+
+    def _idle_pass(self) -> None:
         tokens = self._agree_tokens(0)
         self._broadcast("idle", tokens=tokens)
         try:
             self.empty_moe_pass(tokens)
         except Exception as exc:  # noqa: BLE001 - the all-to-alls fail when a peer died mid-step
             self._check_workers()
-            raise EngineGroupLost(f"data-parallel attention: an empty MoE pass failed: {exc}") from exc
+            if self.survival is None:
+                raise EngineGroupLost(f"data-parallel attention: an empty MoE pass failed: {exc}") from exc
+            self.survival.rejoin(exc)
+            self._idle_pass()
 
     def on_refit(self, source: WeightSource) -> None:
         self._broadcast("refit", source)
