@@ -495,7 +495,7 @@ def print_table(rows: list[list[str]]) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--url", help="an already running server (default: start `megatron-serve run`)")
-    parser.add_argument("--model", help="model directory: of the started stack, and of the offline runs (default: a "
+    parser.add_argument("--model", help="model directory or GGUF file: of the started stack, and of the offline runs (default: a "
                                         "new tiny model; with --url, no offline runs)")
     parser.add_argument("--model-name", help="served model name (default: asked from GET /v1/models)")
     parser.add_argument("--api-key", default=os.environ.get("MEGATRON_SERVE_API_KEY"))
@@ -541,6 +541,10 @@ def main() -> None:
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
 
     model_dir = args.model
+    if model_dir is not None:  # a GGUF file: the directory the stack makes of it (config, tokenizer, the file)
+        from megatron_serve.hub import resolve_model  # noqa: PLC0415
+
+        model_dir = str(resolve_model(model_dir))
     if model_dir is None and args.url is None:
         from megatron_serve.model.tiny import make_tiny_model  # noqa: PLC0415
 
