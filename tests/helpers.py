@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib.util
 import inspect
 import os
 import signal
@@ -13,6 +14,7 @@ import sys
 import time
 from pathlib import Path
 from collections import Counter
+from types import ModuleType
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import httpx
@@ -197,3 +199,23 @@ def metric_by_engine_group(url: str, name: str) -> dict[str, float]:
             group = line.split('engine_group="', 1)[1].split('"', 1)[0]
             values[group] = values.get(group, 0.0) + float(line.rsplit(" ", 1)[1])
     return values
+
+
+def load_script(name: str, path: Path) -> ModuleType:
+    """A script outside the packages (a benchmark, a tool) imported as the module ``name``, registered in
+    ``sys.modules`` while the test holds it (its dataclasses look their module up): :func:`script_module`."""
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None, path
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+@contextlib.contextmanager
+def script_module(name: str, path: Path) -> Iterator[ModuleType]:
+    """:func:`load_script` for the time of a ``with`` block (a module fixture's)."""
+    try:
+        yield load_script(name, path)
+    finally:
+        sys.modules.pop(name, None)

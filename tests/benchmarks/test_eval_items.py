@@ -4,18 +4,16 @@ multiple-choice item has one right choice among distinct ones."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
+
+from tests.helpers import load_script
 
 EVALS = Path(__file__).resolve().parents[2] / "benchmarks" / "evals"
 
 
 def make_items():
-    spec = importlib.util.spec_from_file_location("make_items", EVALS / "make_items.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("make_items", EVALS / "make_items.py")
 
 
 def test_the_kept_items_are_what_the_generator_writes():

@@ -6,7 +6,6 @@ Its earlier reader split lines wherever Python does (``str.splitlines``: U+2028,
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
@@ -14,17 +13,15 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers import script_module
+
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "serving.py"
 
 
 @pytest.fixture(scope="module")
 def serving():
-    spec = importlib.util.spec_from_file_location("serving_benchmark", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up
-    spec.loader.exec_module(module)
-    yield module
-    del sys.modules[spec.name]
+    with script_module("serving_benchmark", SCRIPT) as module:
+        yield module
 
 
 @pytest.mark.parametrize("newline", [b"\n", b"\r\n", b"\r"])

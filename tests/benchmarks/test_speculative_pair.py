@@ -6,8 +6,6 @@ simulated with the draft-model proposer against the target's own greedy tokens).
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 
 import pytest
@@ -17,17 +15,15 @@ from megatron_serve import InferenceConfig
 from megatron_serve.engine.speculative.draft_model import DraftModelProposer
 from megatron_serve.engine.speculative.proposer import DraftInput
 
+from tests.helpers import script_module
+
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "speculative_pair.py"
 
 
 @pytest.fixture(scope="module")
 def pair_module():
-    spec = importlib.util.spec_from_file_location("speculative_pair", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up
-    spec.loader.exec_module(module)
-    yield module
-    del sys.modules[spec.name]
+    with script_module("speculative_pair", SCRIPT) as module:
+        yield module
 
 
 @pytest.fixture

@@ -3,7 +3,6 @@ every answer's text is its tokens' decoding (and a changed byte in an answer fai
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -13,15 +12,13 @@ from types import SimpleNamespace
 
 import pytest
 
+from tests.helpers import load_script
+
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "stream_path.py"
 
 
 def _module():
-    spec = importlib.util.spec_from_file_location("stream_path_benchmark", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # (its dataclasses look their module up)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("stream_path_benchmark", SCRIPT)
 
 
 def test_every_measure_runs_and_every_answer_is_its_tokens_text(tmp_path):

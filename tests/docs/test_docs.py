@@ -8,7 +8,6 @@ metric added without ``make docs``) fails ``test_generated_files_are_current``.
 from __future__ import annotations
 
 import ast
-import importlib.util
 import os
 import re
 import subprocess
@@ -17,15 +16,14 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers import load_script
+
 ROOT = Path(__file__).resolve().parents[2]
 DOCS = ROOT / "docs"
 
 
 def generator():
-    spec = importlib.util.spec_from_file_location("generate_docs", ROOT / "tools" / "generate_docs.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("generate_docs", ROOT / "tools" / "generate_docs.py")
 
 
 def test_generated_files_are_current():

@@ -7,8 +7,6 @@ the session's transformers load of the same file: every item the same choice (lo
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 
 import pytest
@@ -16,18 +14,16 @@ from lm_eval.models.huggingface import HFLM
 
 from megatron_serve.hub import resolve_model
 
+from tests.helpers import script_module
+
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "lm_eval_parity.py"
 LIMITS = {"megatron_facts_mc": 12, "megatron_facts_gen": 4}
 
 
 @pytest.fixture(scope="module")
 def parity():
-    spec = importlib.util.spec_from_file_location("lm_eval_parity", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up
-    spec.loader.exec_module(module)
-    yield module
-    del sys.modules[spec.name]
+    with script_module("lm_eval_parity", SCRIPT) as module:
+        yield module
 
 
 @pytest.fixture(scope="module")
