@@ -11,6 +11,7 @@ import jsonschema
 import pytest
 
 from .helpers import CRD_PATH, EXAMPLES, ROOT, load_yaml, structural_json_schema
+from .test_operator_render import identified
 
 from megatron_operator import crd, spec
 
@@ -108,6 +109,15 @@ def crd_errors(resource: dict[str, Any]) -> list[str]:
     if not errors:
         errors = _cel_errors(obj, schema)
     return errors
+
+
+def assert_refused(resource: dict[str, Any], reason: str, case: str) -> None:
+    """``resource`` is refused by the operator's parser with a reason that starts with ``reason``, and by the CRD
+    (structure and CEL rules, as the API server applies them)."""
+    with pytest.raises(spec.SpecError) as info:
+        spec.parse(identified(resource))
+    assert any(r.startswith(reason) for r in info.value.reasons), info.value.reasons
+    assert crd_errors(resource), f"the CRD accepts {case!r}"
 
 
 def test_examples_validate_against_the_crd(example):
