@@ -24,10 +24,8 @@ process loop:
 * :mod:`.follower`: every other rank's loop (load its slice, mirror rank 0's KV pool, follow the broadcasts, and
   its own part of suspend, resume and refit);
 * :mod:`.spawn`: starting this machine's other ranks from rank 0's process, and leaving the group on a failed start;
-* :mod:`.data_parallel` and :mod:`.turns`: what data-parallel attention ranks agree on at each turn;
-* :mod:`.regroup` and :mod:`.survival`: the data-parallel ranks left after one is lost form a new group and serve on.
+* :mod:`.data_parallel` and :mod:`.turns`: what data-parallel attention ranks agree on at each turn.
 
 If any rank dies, the next collective fails on the others, and they exit: the coordinator then sees the group gone
-and re-queues its requests. Data-parallel attention ranks of one process each on CPU serve on instead
-(:mod:`.survival`); the coordinator re-queues the lost rank's requests only.
+and re-queues its requests.
 """

@@ -21,7 +21,6 @@ from ..step_plan import StepBuffers, StepPlan
 from .channel import PlanChannel, broadcast_previous_tokens
 from .data_parallel import agree_tokens, agree_turn
 from .placement import release_groups
-from .survival import GroupSurvival
 from .turns import Turn
 
 T = TypeVar("T")
@@ -32,11 +31,10 @@ class TensorParallelRunner(ModelRunner):
 
     def __init__(self, model, block_size: int, device: torch.device, buffers: StepBuffers,
                  channel: PlanChannel, workers: list[multiprocessing.Process],
-                 graphs: StepGraphs | None = None, survival: GroupSurvival | None = None):
+                 graphs: StepGraphs | None = None):
         super().__init__(model, block_size, device, buffers, graphs)
         self.channel = channel
         self.workers = workers
-        self.survival = survival  # serves on without a lost data-parallel rank (.survival); None: the group ends
         self._ran_forward = False  # since the last end_step: a data-parallel rank that did not runs an empty pass
 
     def _broadcast(self, kind: str, payload: object = None, packed: np.ndarray | None = None,
@@ -67,10 +65,7 @@ class TensorParallelRunner(ModelRunner):
             return super().run_plan(plan, kv_caches, image_embeddings, previous_tokens, group_tokens=tokens)
         except Exception as exc:  # noqa: BLE001 - the forward's all-reduces fail when a peer died mid-step
             self._check_workers()
-            if self.survival is None:
-                raise EngineGroupLost(f"tensor-parallel forward failed: {exc}") from exc
-            self.survival.rejoin(exc)  # the survivors all failed in this step: each runs it again
-            return self.run_plan(plan, kv_caches, image_embeddings, previous_tokens)
+            raise EngineGroupLost(f"tensor-parallel forward failed: {exc}") from exc
 
     def on_suspend(self, level: int, keep: ParkOrder | None = None) -> None:
         self._broadcast("suspend", (level, keep))
@@ -93,28 +88,19 @@ class TensorParallelRunner(ModelRunner):
         try:
             return collective(self.channel.leaders, value)
         except Exception as exc:  # noqa: BLE001 - a collective fails only when the group broke
-            if self.survival is None:
-                raise EngineGroupLost(f"data-parallel attention ranks lost one of them: {exc}") from exc
-            self.survival.rejoin(exc)
-            return self._among_leaders(collective, value)
+            raise EngineGroupLost(f"data-parallel attention ranks lost one of them: {exc}") from exc
 
     def end_step(self) -> None:
         ran, self._ran_forward = self._ran_forward, False
         if self.channel.leaders is None or ran:
             return
-        self._idle_pass()
-
-    def _idle_pass(self) -> None:
         tokens = self._agree_tokens(0)
         self._broadcast("idle", tokens=tokens)
         try:
             self.empty_moe_pass(tokens)
         except Exception as exc:  # noqa: BLE001 - the all-to-alls fail when a peer died mid-step
             self._check_workers()
-            if self.survival is None:
-                raise EngineGroupLost(f"data-parallel attention: an empty MoE pass failed: {exc}") from exc
-            self.survival.rejoin(exc)
-            self._idle_pass()
+            raise EngineGroupLost(f"data-parallel attention: an empty MoE pass failed: {exc}") from exc
 
     def on_refit(self, source: WeightSource) -> None:
         self._broadcast("refit", source)
