@@ -3,8 +3,9 @@ group exiting and restarting (issue 63's "a rank's loss without a restart"; SGLa
 groups over the survivors the same way).
 
 A collective with a dead peer fails on the ranks that talk to it (gloo: the peer's connection is reset; no timeout is
-waited out). Each survivor then leaves its broken default group, which closes its sockets, so a survivor still
-blocked in a collective with it fails too, and none waits out the collective timeout. The survivors meet in the
+waited out). Each survivor then leaves its broken default group, which closes its sockets once nothing references the
+group any more (the caller drops its references; the failed collective's frames, in reference cycles, are collected
+here), so a survivor still blocked in a collective with it fails too, and none waits out the collective timeout. The survivors meet in the
 group's rendezvous store under ``regroup/<generation>/``: each registers its old rank; once all but one have (one
 loss) or ``wait_s`` passed (more), the first to look seals the membership with one compare-and-set, so every survivor
 reads the same list, and a rank that registers after the seal is told it is out. The members then form a new gloo
@@ -18,6 +19,7 @@ the store, and the group exits as before.
 from __future__ import annotations
 
 import datetime
+import gc
 import json
 import time
 from dataclasses import dataclass
@@ -46,8 +48,10 @@ def regroup(store: dist.Store, generation: int, rank: int, world_size: int, wait
     ``world_size`` ranks (``rank``: this process's rank in the broken group); ``timeout``: the new group's collective
     timeout. Raises :class:`~megatron_serve.errors.EngineGroupLost` when this rank came after the membership was
     sealed, or no other rank is left to form a group with."""
+    gc.collect()  # a failed collective's frames hold its group in reference cycles: a group kept keeps its sockets
     if dist.is_initialized():
         dist.destroy_process_group()  # closes its connections: a survivor blocked on this rank fails at once
+    gc.collect()
     prefix = f"regroup/{generation}/"
     store.set(f"{prefix}rank/{rank}", "1")
     count = store.add(f"{prefix}count", 1)
