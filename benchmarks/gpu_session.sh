@@ -36,6 +36,10 @@
 #                                            # tier, keep_kv and partial-rollout tests natively (the engines on the
 #                                            # GPU), then benchmarks/kv_tiers.py's tables (tier on/off, keep_kv vs
 #                                            # recompute) at a 1024-wide, 16-layer shape
+#   bash benchmarks/gpu_session.sh rl        # the RL frameworks' weight routes with the engine on the GPU (vLLM's,
+#                                            # SGLang's, TRL's, prime-rl's over gloo), then with 2 GPUs or more the
+#                                            # NCCL leg: a trainer on GPU 1 broadcasting into the server on GPU 0
+#                                            # through vLLM's routes, packed and unpacked, checked bitwise
 #
 # The device image has torch, triton and transformers; packages it lacks travel as wheels in .whl
 # (`pip download --python-version 3.12 --only-binary=:all: -d .whl ...`) and install into /tmp/site. Each step has its own time limit, so one
@@ -170,5 +174,14 @@ case ${1:-tests} in
     step kv_tiers 540 python3 benchmarks/kv_tiers.py --device cuda --dtype bfloat16 --hidden-size 1024 --layers 16 \
       --prefix-len 2048 --pool-blocks 512 --tier-gib 4
     ;;
-  *) echo "usage: $0 tests|serving|bench|fp8|invariant|speculative|ep|pp|refit|kvtiers" >&2; exit 2 ;;
+  rl)  # a trainer and an engine cannot share one GPU's NCCL group: the NCCL leg needs two
+    step pytest_rl_weights 480 python3 -m pytest -q -p no:cacheprovider --timeout 450 -rfE --durations 10 \
+      tests/server/rl/test_vllm_weights.py tests/server/rl/test_sglang_weights.py tests/server/rl/test_trl_weights.py
+    if [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then
+      step rl_nccl 480 python3 -m pytest -q -p no:cacheprovider --timeout 450 -rfEs tests/server/rl/test_vllm_weights_nccl.py
+    else
+      echo "=== rl: one GPU: no NCCL leg (the trainer needs a GPU of its own)"
+    fi
+    ;;
+  *) echo "usage: $0 tests|serving|bench|fp8|invariant|speculative|ep|pp|refit|kvtiers|rl" >&2; exit 2 ;;
 esac

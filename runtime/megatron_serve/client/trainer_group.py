@@ -1,5 +1,6 @@
-"""The trainer's side of a weight-transfer group for a CPU trainer (``gloo``): what vLLM's
-``NCCLWeightTransferEngine.trainer_init`` and ``trainer_send_weights`` do on GPUs, for the server's weight routes.
+"""The trainer's side of a weight-transfer group: what vLLM's ``NCCLWeightTransferEngine.trainer_init`` and
+``trainer_send_weights`` do, for the server's weight routes, over ``gloo`` (a CPU trainer, the tests) or ``nccl`` (a
+trainer on a GPU of its own, the server on another: ``benchmarks/gpu_session.sh rl``).
 
 A CPU trainer (and the tests) drives a server's vLLM or SGLang weight routes with these: :func:`trainer_init` serves
 the group's store at ``master_address:master_port`` as rank 0 and returns once every receiving rank joined (the
@@ -23,16 +24,23 @@ from ..weights.group import local_address_towards
 
 
 def trainer_init(master_address: str, master_port: int, world_size: int, *, rank: int = 0,
-                 prefixes: tuple[str, ...] = (), serves_store: bool = True, timeout: float = 300.0
-                 ) -> dist.ProcessGroup:
+                 prefixes: tuple[str, ...] = (), serves_store: bool = True, timeout: float = 300.0,
+                 backend: str = "gloo") -> dist.ProcessGroup:
     """Build the trainer's side of the group as ``rank`` of ``world_size``, serving the store (vLLM's and SGLang's
     trainer, rank 0) or reaching the server's (TRL's client, the last rank: ``serves_store=False``); returns once
-    every rank joined."""
+    every rank joined. ``backend``: the server's ``--weight-transfer-config`` backend (``nccl``: this process's
+    current CUDA device is its rank's)."""
+    if backend not in ("gloo", "nccl"):
+        raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
     span = datetime.timedelta(seconds=timeout)
     store: dist.Store = dist.TCPStore(master_address, master_port, world_size, is_master=serves_store, timeout=span,
                                       wait_for_workers=not serves_store)
     for prefix in prefixes:
         store = dist.PrefixStore(prefix, store)
+    if backend == "nccl":
+        nccl = dist.ProcessGroupNCCL.Options()
+        nccl._timeout = span
+        return dist.ProcessGroupNCCL(store, rank, world_size, nccl)
     options = dist.ProcessGroupGloo._Options()
     options._timeout = span
     options._devices = [dist.ProcessGroupGloo.create_device(hostname=local_address_towards(master_address))]
@@ -60,6 +68,8 @@ def trainer_send_weights(named_tensors: Iterable[tuple[str, torch.Tensor]], grou
 
 
 def _broadcast(group: dist.ProcessGroup, buffer: torch.Tensor, src: int) -> None:
+    if isinstance(group, getattr(dist, "ProcessGroupNCCL", ())):  # NCCL moves device memory only
+        buffer = buffer.to(torch.device("cuda", torch.cuda.current_device()))
     options = dist.BroadcastOptions()
     options.rootRank = src
     group.broadcast([buffer], options).wait()

@@ -84,12 +84,13 @@ def epoch(fleet: SimpleNamespace) -> int:
     return fleet.http.get("/v1/admin/status", headers=ADMIN).json()["epoch"]
 
 
-def run_trainer(fleet: SimpleNamespace, protocol: str, model_dir: str, *extra: str) -> list[dict]:
+def run_trainer(fleet: SimpleNamespace, protocol: str, model_dir: str, *extra: str,
+                env: dict[str, str] | None = None) -> list[dict]:
     """The trainer process for ``protocol`` (its calls and its broadcast); the JSON lines it printed (one per HTTP
-    answer: ``{"call", "status", "body"}``)."""
+    answer: ``{"call", "status", "body"}``). ``env``: more of its environment (a GPU of its own)."""
     ended = subprocess.run([sys.executable, str(TRAINER), protocol, fleet.url, model_dir, str(free_port()), *extra],
                            capture_output=True, text=True, timeout=600,
-                           env={**os.environ, "ADMIN_KEY": ADMIN_KEY})
+                           env={**os.environ, "ADMIN_KEY": ADMIN_KEY, **(env or {})})
     lines = [json.loads(line) for line in ended.stdout.splitlines() if line.startswith("{")]
     assert ended.returncode == 0, ended.stdout[-3000:] + ended.stderr[-3000:]
     return lines

@@ -8,7 +8,8 @@ collective is gloo (:mod:`megatron_serve.client.trainer_group`) where the framew
 Options: ``--version N`` (the weight version to name), ``--corrupt name|shape|dtype`` (the last tensor announced
 under a name the model lacks, with a wrong shape, or with a dtype that cannot travel), ``--unpacked`` (vLLM: one
 broadcast per tensor), ``--no-start`` (vLLM before 0.19: ``/update_weights`` alone), ``--skyrl`` (SkyRL's bracket:
-its worker methods through ``/collective_rpc`` instead of vLLM's start and finish routes).
+its worker methods through ``/collective_rpc`` instead of vLLM's start and finish routes), ``--backend nccl`` (vLLM:
+the broadcast over NCCL from this process's GPU, as TRL's is; the GPU session's two-GPU leg).
 """
 
 from __future__ import annotations
@@ -76,7 +77,7 @@ def vllm(calls: Calls, args: argparse.Namespace) -> None:
     init_info = {"master_address": "127.0.0.1", "master_port": args.port, "rank_offset": 1, "world_size": 2,
                  "packed": not args.unpacked}
     _, group = calls.alongside("/init_weight_transfer_engine", {"init_info": init_info},
-                               lambda: trainer_init("127.0.0.1", args.port, 2, timeout=120))
+                               lambda: trainer_init("127.0.0.1", args.port, 2, timeout=120, backend=args.backend))
     update_info = {"names": [n for n, _ in named], "dtype_names": dtypes, "shapes": [list(t.shape) for _, t in named]}
     if args.skyrl:
         calls.post("/collective_rpc", {"method": "skyrl_start_weight_update"})
@@ -204,6 +205,7 @@ def main() -> None:
     parser.add_argument("--unpacked", action="store_true")
     parser.add_argument("--no-start", action="store_true")
     parser.add_argument("--skyrl", action="store_true")
+    parser.add_argument("--backend", choices=["gloo", "nccl"], default="gloo")  # vllm: the server's backend
     args = parser.parse_args()
     {"vllm": vllm, "sglang": sglang, "trl": trl, "disk": disk, "primerl": primerl, "trl-client": trl_client}[args.protocol](Calls(args.url), args)
 
