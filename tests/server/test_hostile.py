@@ -30,7 +30,7 @@ from types import SimpleNamespace
 import httpx
 import pytest
 
-from megatron_serve.limits import RequestLimits
+from megatron_serve.limits import FIRST_REQUEST_IDLE, RequestLimits
 
 from ..processes import stop_process_group
 from .test_openai_e2e import free_port
@@ -307,8 +307,8 @@ async def test_500_connections_opening_and_dropping(stack):
 
 
 async def test_2000_idle_connections_are_closed_after_the_keep_alive_timeout(stack):
-    """Connections that never send a byte are closed by the server 5 s after they open (its first-request
-    deadline): 1,000 were never closed before, and 20,400 used up the open-file limit. One that sent a
+    """Connections that never send a byte are closed by the server ``FIRST_REQUEST_IDLE`` (30 s) after they open
+    (its first-request deadline): 1,000 were never closed before, and 20,400 used up the open-file limit. One that sent a
     request is answered and kept (--timeout-keep-alive, 130 s). The /health probe keeps answering
     throughout (checked at the end)."""
     began = time.perf_counter()
@@ -318,7 +318,7 @@ async def test_2000_idle_connections_are_closed_after_the_keep_alive_timeout(sta
     used_reader, used_writer = await asyncio.open_connection(stack.host, stack.port)
     used_writer.write(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
     opened = time.perf_counter() - began
-    closed = await asyncio.wait_for(asyncio.gather(*(reader.read() for reader, _ in idle)), 60)
+    closed = await asyncio.wait_for(asyncio.gather(*(reader.read() for reader, _ in idle)), FIRST_REQUEST_IDLE + 60)
     took = time.perf_counter() - began
     after_request = await asyncio.wait_for(used_reader.readuntil(b"\r\n\r\n"), 30)
     assert not used_reader.at_eof()  # answered, and kept past the first-request deadline of the idle ones
@@ -326,7 +326,7 @@ async def test_2000_idle_connections_are_closed_after_the_keep_alive_timeout(sta
         writer.close()
     assert closed == [b""] * 2000  # closed by the server, nothing answered
     assert after_request.startswith(b"HTTP/1.1 200")
-    assert took < opened + 5.0 + 15, (opened, took)  # the first-request deadline, not the client's patience
+    assert took < opened + FIRST_REQUEST_IDLE + 15, (opened, took)  # the first-request deadline, not our patience
     async with httpx.AsyncClient(base_url=stack.url, timeout=30) as http:
         response = await http.get("/ready")
     record(stack, response)
