@@ -26,7 +26,7 @@ from typing import Any, Sequence
 
 from ..wire.prefix_hash import block_hashes, epoch_root
 from .kv_index import MEDIUM_WEIGHTS, KVIndex
-from .prefix_routing import DEFAULT_MAX_LOAD_GAP, DEFAULT_MAX_LOAD_RATIO, engine_block_size
+from .prefix_routing import DEFAULT_MAX_LOAD_GAP, DEFAULT_MAX_LOAD_RATIO, engine_block_size, load_limit
 from .routing import EngineView, RequestView, register_routing_policy
 
 DEFAULT_OVERLAP_WEIGHT = 1.0
@@ -61,7 +61,7 @@ class KVAware:
         self.untrusted = 0  # candidates routed by load alone because their events lag
 
     def load_limit(self, min_load: int) -> float:
-        return min_load + max(self.max_load_gap, (self.max_load_ratio - 1.0) * min_load)
+        return load_limit(min_load, self.max_load_gap, self.max_load_ratio)
 
     def select(self, request: RequestView, candidates: Sequence[EngineView]) -> EngineView | None:
         tokens = list(request.prefix_keys)

@@ -49,6 +49,13 @@ DEFAULT_MAX_HASHES_PER_GROUP = 65_536
 DEFAULT_MAX_PROMPT_BLOCKS = 2_048
 
 
+def load_limit(min_load: float, max_load_gap: int = DEFAULT_MAX_LOAD_GAP,
+               max_load_ratio: float = DEFAULT_MAX_LOAD_RATIO) -> float:
+    """The most requests in flight an engine may have to be chosen for its cache (a prefix, a session), given the
+    least-loaded candidate's count (see :class:`PrefixAffinity`)."""
+    return min_load + max(max_load_gap, (max_load_ratio - 1.0) * min_load)
+
+
 def engine_block_size(engine: EngineView) -> int | None:
     """The engine's KV block size when it caches prefixes (from its registration facts or heartbeat stats)."""
     for source in (getattr(engine, "info", None), getattr(engine, "stats", None)):
@@ -99,7 +106,7 @@ class PrefixAffinity:
 
     def load_limit(self, min_load: int) -> float:
         """The most requests in flight a group may have to be chosen, given the least-loaded group's count."""
-        return min_load + max(self.max_load_gap, (self.max_load_ratio - 1.0) * min_load)
+        return load_limit(min_load, self.max_load_gap, self.max_load_ratio)
 
     def select(self, request: RequestView, candidates: Sequence[EngineView]) -> EngineView | None:
         tokens = list(request.prefix_keys)
@@ -200,4 +207,5 @@ class PrefixAffinity:
 
 register_routing_policy(PrefixAffinity.name, lambda _index: PrefixAffinity())
 
-__all__ = ["PrefixAffinity", "engine_block_size", "host_tier_blocks", "DEFAULT_MAX_LOAD_GAP", "DEFAULT_MAX_LOAD_RATIO"]
+__all__ = ["PrefixAffinity", "engine_block_size", "host_tier_blocks", "load_limit", "DEFAULT_MAX_LOAD_GAP",
+           "DEFAULT_MAX_LOAD_RATIO"]
