@@ -144,7 +144,7 @@ class DiskKVTier:
         try:
             with open(path, "rb") as file:
                 data = bytearray(os.fstat(file.fileno()).st_size)  # writable: the tensors below view it
-                data = data[: file.readinto(data)]
+                del data[file.readinto(data):]  # a file cut short since the stat: what was read (no copy)
         except FileNotFoundError:
             self.misses += 1
             return None
