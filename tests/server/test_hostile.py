@@ -308,8 +308,8 @@ async def test_500_connections_opening_and_dropping(stack):
 
 async def test_2000_idle_connections_are_closed_after_the_keep_alive_timeout(stack):
     """Connections that never send a byte are closed by the server ``FIRST_REQUEST_IDLE`` (30 s) after they open
-    (its first-request deadline): 1,000 were never closed before, and 20,400 used up the open-file limit. One that sent a
-    request is answered and kept (--timeout-keep-alive, 130 s). The /health probe keeps answering
+    (its first-request deadline): 1,000 were never closed before, and 20,400 used up the open-file limit. One that
+    sent a request is answered and kept (--timeout-keep-alive, 130 s). The /health probe keeps answering
     throughout (checked at the end)."""
     began = time.perf_counter()
     idle = []

@@ -70,8 +70,8 @@ def add_server_options(parser: argparse.ArgumentParser, default_host: str) -> No
     group.add_argument("--timeout-keep-alive", type=float, default=DEFAULT_KEEP_ALIVE, metavar="S",
                        help="close a connection idle for this many seconds between two requests (uvicorn's option; "
                             "longer than clients and proxies keep idle connections, so that they close first); "
-                            f"before its first request a connection may stay idle {FIRST_REQUEST_IDLE:g} s, or this when "
-                            "shorter")
+                            f"before its first request a connection may stay idle {FIRST_REQUEST_IDLE:g} s, or this "
+                            "when shorter")
     group.add_argument("--max-connections", type=int, default=None, metavar="N",
                        help="open connections at most; past it a new one gets 503 and is closed (default: the "
                             "open-file limit, raised to its maximum, less a reserve)")

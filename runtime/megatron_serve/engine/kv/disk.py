@@ -63,7 +63,8 @@ class Found(NamedTuple):
 
 
 def layout_key(model_identity: str, block_tensors: list[torch.Tensor]) -> bytes:
-    """16 bytes naming what a block's bytes mean: the model (``model_identity``) and each host slot's shape and dtype."""
+    """16 bytes naming what a block's bytes mean: the model (``model_identity``) and each host slot's shape and
+    dtype."""
     digest = hashlib.blake2b(model_identity.encode("utf-8"), digest_size=16, person=b"kv_disk_layout")
     for tensor in block_tensors:
         digest.update(f"{tuple(tensor.shape)}:{tensor.dtype};".encode())

@@ -15,9 +15,9 @@ nothing in it can be found again.
 Slots are reused least recently used first; a slot whose copy back to the device has not completed is pinned
 and never reused. With a disk tier behind it (:mod:`.disk`, ``--kv-offloading-backend disk``) the block of a slot
 being reused is written to the node's disk first, and a lookup that stops in host memory goes on there: a block
-found on disk is read into a host slot and copied to the device as any host hit. The copies themselves are a :class:`Copier`'s: on a GPU a side stream with pinned host
-memory (the host never waits; the device's next step waits for the copies that it depends on), on a CPU a
-plain copy.
+found on disk is read into a host slot and copied to the device as any host hit. The copies themselves are a
+:class:`Copier`'s: on a GPU a side stream with pinned host memory (the host never waits; the device's next step
+waits for the copies that it depends on), on a CPU a plain copy.
 """
 
 from __future__ import annotations
