@@ -112,15 +112,16 @@ class OutputCollector:
         detokenizer = self.detokenizer
         # vLLM's detokenizer: the stop token that ended the request is in the ids, not in the text
         unread = 1 if delta.stop_token and tokens and not self.params.include_stop_str_in_output else 0
+        read = tokens[:-1] if unread else tokens  # the tokens whose text is made (no copy on the common path)
         if detokenizer is None or not detokenizer.stop_words:  # every token kept (one a step, most often)
             self.out.tokens += tokens
             kept = len(tokens)
             if detokenizer is not None:
-                detokenizer.extend(tokens[:-1] if unread else tokens)
+                detokenizer.extend(read)
                 if unread:
                     detokenizer.skip()
         else:
-            kept = self._take_tokens(tokens[:-1] if unread else tokens)
+            kept = self._take_tokens(read)
             if unread and not self.stopped:
                 self.out.tokens.append(tokens[-1])
                 detokenizer.skip()
