@@ -4,10 +4,13 @@ a 5xx, stays up, and answers a normal request afterwards exactly as before.
 One stack for the module (coordinator, engine, HTTP server as real processes). A separate process
 probes ``GET /health`` every 100 ms during every case, as a Kubernetes liveness probe would, on a
 new connection each time. Its worst latency is checked at the end and printed, next to that of a
-trivial reference server probed alongside (its own process, nothing else to do). The limit is
-1 s, scaled by how overloaded the host is: with a load average of 20 on 2 cores (other suites
-running) a process that needs a tenth of a core waits for it, whatever it does, while an idle
-one like the reference does not. A stall, as before this suite existed, was 7 to 57 s.
+trivial reference server probed alongside (its own process, nothing else to do). What is checked
+is each answer's time less what the server's event-loop thread spent runnable but waiting for a CPU
+meanwhile (the kernel's ``schedstat``): with other suites running on 2 cores a process waits for its
+turn, whatever it does, and a busy one longer than an idle one like the reference (in CI a 2.75 s
+answer under a load of 5, the reference's worst 85 ms). The limit on the rest is 1 s, scaled by how
+overloaded the host is, for the probe's own waits. A stall, as before this suite existed, was 7 to
+57 s of the server's own.
 
 The cases run in the order of this file and share the stack on purpose: each must leave it
 healthy for the next, and the last test checks that nothing accumulated (the greedy text of a
@@ -45,7 +48,11 @@ GREEDY = {"prompt": "The quick brown fox", "max_tokens": 16, "temperature": 0}
 
 PROBE = r"""
 import http.client, sys, time
-host, port, reference, out = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+host, port, reference, out, server_pid = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5]
+
+def waited():  # seconds the server's event-loop thread has spent runnable but waiting for a CPU
+    with open(f"/proc/{server_pid}/task/{server_pid}/schedstat") as stats:
+        return int(stats.read().split()[1]) / 1e9
 
 def probe(port):
     began = time.perf_counter()
@@ -60,12 +67,14 @@ def probe(port):
 
 with open(out, "a", buffering=1) as log:
     while True:
-        now = time.time()
+        now, before = time.time(), waited()
         latency, status = probe(port)
+        starved = waited() - before
         reference_latency, _ = probe(reference)
-        log.write(f"{now:.3f} {latency:.4f} {status} {reference_latency:.4f}\n")
+        log.write(f"{now:.3f} {latency:.4f} {status} {reference_latency:.4f} {starved:.4f}\n")
         time.sleep(0.1)
 """
+
 
 REFERENCE = r"""
 import asyncio, sys
@@ -110,7 +119,7 @@ def stack(tiny_model, tmp_path_factory):
     reference = subprocess.Popen([sys.executable, "-c", REFERENCE, str(reference_port)], stdin=subprocess.DEVNULL,
                                  start_new_session=True)
     probe = subprocess.Popen([sys.executable, "-c", PROBE, "127.0.0.1", str(port), str(reference_port),
-                              str(probe_log)], stdin=subprocess.DEVNULL, start_new_session=True)
+                              str(probe_log), str(proc.pid)], stdin=subprocess.DEVNULL, start_new_session=True)
     deadline = time.monotonic() + 60
     while not (probe_log.exists() and " 200 " in probe_log.read_text()):  # the probe watches from the first case
         assert probe.poll() is None and time.monotonic() < deadline, "the /health probe did not start"
@@ -379,19 +388,23 @@ async def test_stack_is_healthy_and_nothing_accumulated(stack):
     assert "Traceback" not in output and "socket.send() raised exception" not in output, output[-3000:]
     samples = [line.split() for line in stack.probe_log.read_text().splitlines()]
     latencies = [float(s[1]) for s in samples]
+    own = [float(s[1]) - float(s[4]) for s in samples]  # less the server's waits for a CPU
     failures = [s for s in samples if s[2] != "200"]
-    worst, noise = max(latencies), max(float(s[3]) for s in samples)
+    worst, noise = max(own), max(float(s[3]) for s in samples)
 
     def ms(values: list[float], q: float) -> str:
         return f"{sorted(values)[min(int(len(values) * q), len(values) - 1)] * 1000:.0f} ms"
 
-    print(f"\n/health during the hostile suite: {len(latencies)} probes, worst {worst * 1000:.0f} ms, p99 "
-          f"{ms(latencies, 0.99)}, median {ms(latencies, 0.5)}; reference server on the same machine: worst "
-          f"{noise * 1000:.0f} ms, median {ms([float(s[3]) for s in samples], 0.5)}")
+    print(f"\n/health during the hostile suite: {len(latencies)} probes, worst {max(latencies) * 1000:.0f} ms "
+          f"({worst * 1000:.0f} ms less the server's waits for a CPU), p99 {ms(latencies, 0.99)}, median "
+          f"{ms(latencies, 0.5)}; reference server on the same machine: worst {noise * 1000:.0f} ms, median "
+          f"{ms([float(s[3]) for s in samples], 0.5)}")
     for case, (began, ended) in stack.cases.items():
-        during = [float(s[1]) for s in samples if began <= float(s[0]) <= ended]
+        during = [(float(s[1]), float(s[4])) for s in samples if began <= float(s[0]) <= ended]
         if during:
-            print(f"  {case}: {len(during)} probes, worst {max(during) * 1000:.0f} ms")
+            slowest = max(during)
+            print(f"  {case}: {len(during)} probes, worst {slowest[0] * 1000:.0f} ms "
+                  f"({slowest[1] * 1000:.0f} ms of it waiting for a CPU)")
     stack.load.append(os.getloadavg()[0])
     limit = PROBE_LIMIT * max(1.0, max(stack.load) / (os.cpu_count() or 1) / 2)
     print(f"  limit {limit:.2f} s (load average {max(stack.load):.1f} on {os.cpu_count()} cores)")
@@ -403,4 +416,5 @@ async def test_stack_is_healthy_and_nothing_accumulated(stack):
     assert times[0] <= began and times[-1] >= ended, (times[0], began, times[-1], ended)
     largest_gap = max(later - earlier for earlier, later in zip(times, times[1:]))
     assert largest_gap < 2 * limit + 0.5, f"the probe went quiet for {largest_gap:.2f} s"
-    assert worst < limit, f"/health took {worst:.3f}s (reference server: {noise:.3f}s, limit {limit:.2f}s)"
+    assert worst < limit, (f"/health took {worst:.3f}s besides the server's waits for a CPU (reference server: "
+                           f"{noise:.3f}s, limit {limit:.2f}s)")
