@@ -1,4 +1,5 @@
-"""Partitions, not crashes: an engine whose link to the coordinator goes down (packets vanish: no FIN, no RST).
+"""Partitions, not crashes: an engine whose link to the coordinator goes down (packets vanish: no FIN, no RST), a
+client's link to the coordinator, a trainer's during a refit, and one rank's link to the rest of its group.
 
 The engine runs in a network namespace of its own, joined to this one by a veth pair; the coordinator, a second
 engine and the client stay here. Bringing the pair down cuts the link the way a node that vanished does: the
@@ -62,7 +63,7 @@ def engine_namespace() -> Iterator[tuple[str, str]]:
         _ip("-n", namespace, "addr", "add", f"{ENGINE_IP}/30", "dev", engine_side)
         _ip("-n", namespace, "link", "set", engine_side, "up")
         _ip("-n", namespace, "link", "set", "lo", "up")
-        yield namespace, host_side
+        yield namespace, host_side, engine_side
     finally:
         subprocess.run(["ip", "link", "del", host_side], capture_output=True)
         subprocess.run(["ip", "netns", "del", namespace], capture_output=True)
@@ -82,7 +83,7 @@ def direct(tiny_model):
 async def test_an_engine_cut_off_mid_stream_loses_no_request_and_answers_none_twice(tiny_model, direct, tmp_path):
     children = Children(tmp_path)
     port = free_port()
-    with engine_namespace() as (namespace, host_side):
+    with engine_namespace() as (namespace, host_side, _):
         try:
             children.spawn(["coordinator", "--model", tiny_model, "--host", "0.0.0.0", "--port", str(port),
                             "--heartbeat-timeout", str(HEARTBEAT_TIMEOUT_S)], "coordinator")
@@ -128,13 +129,14 @@ async def test_an_engine_cut_off_mid_stream_loses_no_request_and_answers_none_tw
             children.kill_all()
 
 
-def _in_namespace(children: Children, namespace: str, name: str, *args: str) -> subprocess.Popen:
+def _in_namespace(children: Children, namespace: str, name: str, *args: str, env: dict[str, str] | None = None
+                  ) -> subprocess.Popen:
     """``megatron-serve ARGS`` inside ``namespace`` (``ip netns exec`` execs it: the pid is the command's)."""
     log = children.log_dir / f"{name}.log"
     with open(log, "wb") as out:
         proc = subprocess.Popen(["ip", "netns", "exec", namespace, sys.executable, "-m", "megatron_serve.cli", *args],
                                 stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                env={**os.environ, "MEGATRON_SERVE_TOKEN": children.secret})
+                                env={**os.environ, "MEGATRON_SERVE_TOKEN": children.secret, **(env or {})})
     children.procs.append((proc, log))
     return proc
 
@@ -155,7 +157,7 @@ async def test_a_client_cut_off_from_its_coordinator_finishes_or_fails_naming_it
 
     children = Children(tmp_path)
     port, grace, timeout = free_port(), 4.0, 1.0
-    with engine_namespace() as (namespace, host_side):
+    with engine_namespace() as (namespace, host_side, _):
         try:
             _in_namespace(children, namespace, "coordinator", "coordinator", "--model", tiny_model, "--host",
                           ENGINE_IP, "--port", str(port))
@@ -263,7 +265,7 @@ async def test_a_trainer_cut_off_mid_refit_leaves_every_engine_on_its_old_weight
     children = Children(tmp_path)
     port = free_port()
     model_b, tokens_b = policy_b
-    with engine_namespace() as (namespace, host_side):
+    with engine_namespace() as (namespace, host_side, _):
         try:
             children.spawn(["coordinator", "--model", tiny_model, "--host", "0.0.0.0", "--port", str(port)],
                            "coordinator")
@@ -306,5 +308,69 @@ async def test_a_trainer_cut_off_mid_refit_leaves_every_engine_on_its_old_weight
                 assert await _greedy(client) == (tokens_b, {5})
             print(f"\npartition trainer-engine during a refit: answered {answered_s:.1f}s after the cut (transfer "
                   f"time-out {TRANSFER_TIMEOUT_S}s), every engine on its old epoch")
+        finally:
+            children.kill_all()
+
+
+async def test_a_rank_cut_off_from_its_group_moves_the_groups_requests_and_answers_none_twice(tiny_model, tmp_path):
+    """Group A is two tensor-parallel ranks: rank 0 here, rank 1 in the namespace, their collectives over the veth
+    pair (as two pods of a LeaderWorkerSet); group B is one rank here. With the pair down, A's step waits in a
+    collective that never completes: its leader still hears the coordinator and heartbeats, but its step loop makes
+    no progress, and the coordinator's stall check takes its requests to B. Every stream completes with the text
+    of an uninterrupted run (``--batch-invariant``: two ranks' tokens are one rank's), each answered once; with the
+    pair back up, A's step completes and its late answers for requests that moved reach no client."""
+    from megatron_serve.client.llm import MegatronLLM  # noqa: PLC0415
+
+    invariant = ("--batch-invariant",)
+    with MegatronLLM(tiny_model, InferenceConfig(num_kv_blocks=64, batch_invariant=True)) as llm:
+        direct = {p: r.generated_text for p, r in zip(PROMPTS, llm.generate(PROMPTS, LONG))}
+    children = Children(tmp_path)
+    port, stall_s = free_port(), 4.0
+    with engine_namespace() as (namespace, host_side, engine_side):
+        try:
+            children.spawn(["coordinator", "--model", tiny_model, "--host", "0.0.0.0", "--port", str(port),
+                            "--stall-timeout", str(stall_s)], "coordinator")
+            children.engine(tiny_model, port, *ENGINE_ARGS, *invariant)
+            rendezvous = {"WORLD_SIZE": "2", "NPROC_PER_NODE": "1", "MASTER_ADDR": HOST_IP,
+                          "MASTER_PORT": str(free_port())}
+            leader = children.engine(tiny_model, port, *ENGINE_ARGS, *invariant, "--tensor-parallel", "2",
+                                     env={**rendezvous, "RANK": "0", "GLOO_SOCKET_IFNAME": host_side})
+            _in_namespace(children, namespace, "rank-cut-off", "engine", "--model", tiny_model, "--coordinator",
+                          f"tcp://{HOST_IP}:{port}", *ENGINE_ARGS, *invariant, "--tensor-parallel", "2",
+                          env={**rendezvous, "RANK": "1", "GLOO_SOCKET_IFNAME": engine_side})
+            client = InferenceClient(f"tcp://127.0.0.1:{port}", token=children.secret)
+            await client.start(timeout=60)
+            await client.wait_for_engines(2, timeout=300)
+            recorder = Recorder(client)
+            streamed = dict.fromkeys(PROMPTS, "")
+
+            async def one(prompt: str):
+                async for item in client.add_request_streaming(prompt, LONG, request_id=prompt):
+                    if isinstance(item, StreamPartial):
+                        streamed[prompt] += item.new_text
+                    else:
+                        return item
+
+            tasks = [asyncio.create_task(one(p)) for p in PROMPTS]
+            victim = await _busy(client, leader.pid, streamed)
+            _ip("link", "set", host_side, "down")
+            cut = time.monotonic()
+            while victim in {e["id"] for e in (await client.status())["engines"]}:
+                await asyncio.sleep(0.1)
+            detected = time.monotonic() - cut
+            results = await asyncio.wait_for(asyncio.gather(*tasks), 300)
+            recovered = time.monotonic() - cut
+            assert all(r.status is RequestStatus.COMPLETED for r in results), [r.status for r in results]
+            for prompt, result in zip(PROMPTS, results):
+                assert result.generated_text == direct[prompt] == streamed[prompt], prompt
+            assert any(any(e.type.value == "EVICT" for e in r.events) for r in results), "no request moved"
+            _ip("link", "set", host_side, "up")  # A's collective completes: late answers for requests that moved
+            await client.wait_for_engines(2, timeout=120)  # its leader registers again
+            again = await asyncio.wait_for(asyncio.gather(*(client.add_request(p, LONG) for p in PROMPTS)), 300)
+            assert [r.generated_text for r in again] == [direct[p] for p in PROMPTS]
+            assert all(recorder.results[p] == 1 for p in PROMPTS), recorder.results
+            print(f"\npartition rank-rank (tensor-parallel group): detected in {detected:.1f}s, every request done "
+                  f"{recovered:.1f}s after the cut (stall time-out {stall_s:g}s)")
+            client.close()
         finally:
             children.kill_all()
