@@ -9,8 +9,33 @@ endpoints), ``fleet`` (the coordinator's status), ``metrics`` (Prometheus), ``st
 disconnects), ``runner`` (uvicorn), ``local`` (serving a ``MegatronAsyncLLM``).
 """
 
-from .app import API_KEY_ENV, create_app
-from .runner import bind_socket, serve_app
-from .local import serve_async_llm
 
-__all__ = ["API_KEY_ENV", "bind_socket", "create_app", "serve_app", "serve_async_llm"]
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+# Imported on first use (PEP 562): the probe process runs ``server.probe_process`` and needs none of FastAPI,
+# which importing ``.app`` here cost it (some 1.5 s of CPU at each start).
+_EXPORTS = {"API_KEY_ENV": ".app", "create_app": ".app", "bind_socket": ".runner", "serve_app": ".runner",
+            "serve_async_llm": ".local"}
+
+__all__ = sorted(_EXPORTS)
+
+if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
+    from .app import API_KEY_ENV, create_app
+    from .local import serve_async_llm
+    from .runner import bind_socket, serve_app
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:  # a submodule not imported yet: ``from megatron_serve.server import chunked`` imports it
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(module, __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))

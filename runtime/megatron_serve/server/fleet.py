@@ -34,7 +34,6 @@ from typing import Any, AsyncIterator, Protocol, runtime_checkable
 
 from ..limits import READY_TIMEOUT, STATUS_INTERVAL, STATUS_TIMEOUT
 from ..wire.lifecycle import FleetState
-from .errors import APIError
 
 logger = logging.getLogger("megatron_serve.server")
 
@@ -221,6 +220,8 @@ class FleetMonitor:
         """Raise 503 unless new requests can be accepted (PAUSED and SUSPENDED fleets accept and hold them)."""
         reason = self.refusal_reason()
         if reason is not None:
+            from .errors import APIError  # noqa: PLC0415 - FastAPI: not imported by the probe process
+
             code = "coordinator_unreachable" if not self.reachable else "fleet_stopped"
             raise APIError(503, f"service unavailable: {reason}", code=code, headers={"Retry-After": "5"})
 
