@@ -27,7 +27,8 @@ import msgspec
 from megatron_serve.coordinator import CoordinatorCore
 from megatron_serve.coordinator.effects import Send
 from megatron_serve.coordinator.loop import frames_by_peer
-from megatron_serve.wire.messages import FROM_COORDINATOR, PROTOCOL_VERSION, TO_COORDINATOR
+from megatron_serve.wire.handshake import PROTOCOL_VERSION
+from megatron_serve.wire.messages import FROM_COORDINATOR, TO_COORDINATOR
 from megatron_serve.wire.protocol import Header, Message, decode, encode, pack_batches, unbatch
 
 PROMPT = [101, 2023, 2003, 1037, 3231, 102]

@@ -168,7 +168,8 @@ def ours_coordinator(pipe: Any, secret: str | None) -> None:
 
 def ours_engines(address: str, count: int, secret: str | None) -> None:
     """``count`` fake engines speaking this project's frames: every request finishes with one token at once."""
-    from megatron_serve.wire.messages import FROM_COORDINATOR, PROTOCOL_VERSION
+    from megatron_serve.wire.handshake import PROTOCOL_VERSION
+    from megatron_serve.wire.messages import FROM_COORDINATOR
     from megatron_serve.wire.protocol import Header, decode, encode, unbatch
     from megatron_serve.wire.security import PeerKeys, fleet_secret, hello_credentials
     from megatron_serve.wire.transport import secure_client

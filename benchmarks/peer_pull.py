@@ -26,7 +26,7 @@ import torch
 from megatron_serve.model.loader import load_model
 from megatron_serve.model.tiny import make_tiny_model
 from megatron_serve.weights.peer_pull import PeerSource, PeerWeights
-from megatron_serve.wire.messages import PeerShare
+from megatron_serve.wire.rendezvous import PeerShare
 
 sys.path.insert(0, str(Path(__file__).parent))
 from weight_sync import memory_copy_bandwidth  # noqa: E402

@@ -52,7 +52,8 @@ from megatron_serve.model.tiny import BOS, CHAT_TEMPLATE, CORPUS, EOS, train_tok
 from megatron_serve.server import create_app
 from megatron_serve.server.connections import ServerProtocol
 from megatron_serve.tokenizer import Tokenizer
-from megatron_serve.wire.messages import PROTOCOL_VERSION, RequestDeltaOut, StepTokensOut
+from megatron_serve.wire.deltas import RequestDeltaOut, StepTokensOut
+from megatron_serve.wire.handshake import PROTOCOL_VERSION
 from megatron_serve.wire.protocol import Header, encode, encode_batch
 from megatron_serve.wire.request import EventType, FinalRecord, FinishReason, RequestEvent, RequestStatus
 from scratch import scratch_dir

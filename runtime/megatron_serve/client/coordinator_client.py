@@ -38,7 +38,7 @@ import msgspec
 from ..errors import ClientNotStarted
 from ..wire.connection import Connection, ControlError, CoordinatorError, CoordinatorLost, Unauthorized
 from ..limits import DEFAULT_COORDINATOR_GRACE
-from ..wire.messages import PROTOCOL_VERSION, SUBMIT_PROTOCOL, Error, HelloAck
+from ..wire.handshake import PROTOCOL_VERSION, SUBMIT_PROTOCOL, Error, HelloAck
 from ..wire.placement import PLACEMENT_PROTOCOL, Placement, PlacementError
 from ..multimodal import PromptImage
 from .output_processor import OutputCollector, check_params, load_tokenizer

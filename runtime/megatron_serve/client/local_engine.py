@@ -32,7 +32,7 @@ from ..wire.lifecycle import FleetState, Verb
 from ..wire.verb_calls import verb_call
 from ..engine.output import step_delta
 from ..wire.connection import ControlError
-from ..wire.messages import RequestDeltaOut
+from ..wire.deltas import RequestDeltaOut
 from ..wire.placement import Placement, PlacementError
 from ..wire.protocol import ErrorCode
 from .output_processor import OutputCollector
@@ -40,7 +40,8 @@ from .outputs import StreamItem
 from .pending_requests import PendingRequest, PendingRequests
 from ..multimodal import PromptImage
 from .prompts import ImagePrompt, Prompt, tokenize_prompt
-from ..wire.request import DynamicInferenceRequest, EngineRequest, FinishReason, RequestStatus, WireImage
+from ..wire.request import DynamicInferenceRequest, EngineRequest, FinishReason, RequestStatus
+from ..wire.submission import WireImage
 from ..wire.sampling_params import SamplingParams
 from .streams import iterate_stream
 from ..tokenizer import Tokenizer

@@ -21,7 +21,7 @@ from typing import Any, Mapping, Union
 import torch
 from safetensors.torch import load_file
 
-from ..wire.messages import LoraPush
+from ..wire.rendezvous import LoraPush
 
 #: A PEFT model, a PEFT state dict, or ``{module path: (lora_A, lora_B)}``.
 LoraWeights = Union[Any, Mapping[str, torch.Tensor], Mapping[str, tuple[torch.Tensor, torch.Tensor]]]

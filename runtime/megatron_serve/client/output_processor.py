@@ -1,6 +1,6 @@
 """Where token ids become a request's text: detokenization, stop strings and the finished record.
 
-Engines send token ids only (:class:`~megatron_serve.wire.messages.TokenDelta`); whoever reads them
+Engines send token ids only (:class:`~megatron_serve.wire.deltas.TokenDelta`); whoever reads them
 makes the text, as vLLM's frontend ``OutputProcessor`` does: the HTTP server's and
 ``MegatronLLM``'s :class:`~megatron_serve.client.coordinator_client.InferenceClient`, and in direct mode the caller's
 event loop (:mod:`megatron_serve.client.local_engine`), never the engine's step thread. One
@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 
 from .detokenizer import IncrementalDetokenizer
 from ..wire.accumulator import DeltaAccumulator
-from ..wire.messages import TokenDelta
+from ..wire.deltas import TokenDelta
 from .outputs import StreamPartial
 from ..wire.request import DynamicInferenceRequest, EventType, FinishReason, RequestEvent, RequestStatus
 from ..wire.sampling_params import SamplingParams

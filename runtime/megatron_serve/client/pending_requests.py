@@ -18,7 +18,7 @@ from typing import Any, Callable, Iterator
 
 import msgspec
 
-from ..wire.messages import TokenDelta, delta_past
+from ..wire.deltas import TokenDelta, delta_past
 from ..wire.placement import Placement
 from .output_processor import OutputCollector
 from .outputs import unreadable_result

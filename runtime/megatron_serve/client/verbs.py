@@ -12,7 +12,7 @@ from typing import Any
 
 from ..wire.connection import Connection, ControlError
 from ..wire.lifecycle import PauseMode, Verb
-from ..wire.messages import Rendezvous
+from ..wire.rendezvous import Rendezvous
 from ..wire.protocol import VERB_HEADERS, ErrorCode, Header
 from ..wire.verb_calls import verb_call
 

@@ -43,7 +43,7 @@ from ..model.finite import NonFiniteWeights, first_nonfinite, refuse_nonfinite
 from ..weights.manifest import nbytes, pack, plan_buckets, spec_of
 from ..weights.sending import FIGURES_AFTER_ANSWER_S, receivers, send_pieces
 from ..weights.shards import Item, cover_problem, merge_manifests, piece_of
-from ..wire.messages import RENDEZVOUS_SCHEME, LoraPush, Rendezvous
+from ..wire.rendezvous import RENDEZVOUS_SCHEME, LoraPush, Rendezvous
 from . import roll_call
 from .coordinator_client import ControlError, InferenceClient
 from ..weights.adapters import adapter_tensor

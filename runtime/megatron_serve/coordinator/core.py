@@ -23,9 +23,12 @@ import msgspec
 
 from ..limits import DEFAULT_MAX_REQUEST_LOGPROBS, engine_request_cost, over_budget
 from ..wire.lifecycle import FleetState
-from ..wire.messages import (RENDEZVOUS_SCHEME, PROTOCOL_VERSION, SUBMIT_PROTOCOL, TO_COORDINATOR, ClientAbort,
-                             Draining, EngineAbort, EngineStep, Error, Handback, Heartbeat, Hello, KVEvents, ResultAck,
-                             ResultOut, Status, StatusReply, RequestDelta, Submit)
+from ..wire.deltas import EngineStep, RequestDelta
+from ..wire.handshake import PROTOCOL_VERSION, SUBMIT_PROTOCOL, Error, Hello
+from ..wire.messages import TO_COORDINATOR
+from ..wire.rendezvous import RENDEZVOUS_SCHEME
+from ..wire.status import Draining, Heartbeat, KVEvents, Status, StatusReply
+from ..wire.submission import ClientAbort, EngineAbort, Handback, ResultAck, ResultOut, Submit
 from ..wire.protocol import (HEADER_VERBS, ErrorCode, Header, Message, ProtocolError, Role, encode,
                              unbatch)
 from .kv_index import KVIndex

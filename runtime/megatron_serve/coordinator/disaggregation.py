@@ -26,7 +26,8 @@ from typing import TYPE_CHECKING, Sequence
 import msgspec
 
 from ..wire.kv_blocks import KVBlocks, remote_decode, remote_prefill
-from ..wire.messages import EngineSubmitOut, RequestDelta
+from ..wire.deltas import RequestDelta
+from ..wire.submission import EngineSubmitOut
 from .requests import RequestRecord
 
 if TYPE_CHECKING:

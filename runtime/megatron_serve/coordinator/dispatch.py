@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 import msgspec
 
 from ..wire.lifecycle import FleetState
-from ..wire.messages import EngineSubmitOut, WireImage
+from ..wire.submission import EngineSubmitOut, WireImage
 from ..wire.protocol import Header
 from ..wire.request import EngineRequestOut, RoutingArray
 from ..wire.tenancy import WORST_BAND, band_of

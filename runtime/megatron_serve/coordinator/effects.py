@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..wire.messages import Hello
+from ..wire.handshake import Hello
 
 
 @dataclass(frozen=True, slots=True)

@@ -19,7 +19,8 @@ import uuid
 from typing import TYPE_CHECKING, Any
 
 from ..wire.lifecycle import FleetState
-from ..wire.messages import PROTOCOL_VERSION, RENDEZVOUS_SCHEME, Error, Hello, HelloAck, PeerShare
+from ..wire.handshake import PROTOCOL_VERSION, Error, Hello, HelloAck
+from ..wire.rendezvous import RENDEZVOUS_SCHEME, PeerShare
 from ..wire.protocol import ErrorCode, Header, Role
 from .peers import ClientRecord, EngineRecord
 from .requests import Phase

@@ -18,7 +18,7 @@ import logging
 from typing import TYPE_CHECKING
 
 from ..wire.lifecycle import FleetState
-from ..wire.messages import Error
+from ..wire.handshake import Error
 from ..wire.protocol import ErrorCode, Header
 from .peers import EngineRecord
 from .requests import Phase

@@ -9,7 +9,7 @@ length) and within the per-request byte limit (the engine reads them anyway).
 from __future__ import annotations
 
 from ..multimodal import PromptImage
-from ..wire.messages import WireImage
+from ..wire.submission import WireImage
 
 #: Image bytes one request may carry: well inside the 16 MiB frame with its prompt, and above the
 #: server's 10 MiB per image, so that one large image always fits.

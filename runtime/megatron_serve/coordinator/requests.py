@@ -32,7 +32,8 @@ import msgspec
 
 from ..wire.accumulator import DeltaAccumulator
 from ..wire.expert_routing import RoutingRecord, routing_to_wire
-from ..wire.messages import ClientId, RequestDelta, RoutingRows, TokenDelta
+from ..wire.body import ClientId
+from ..wire.deltas import RequestDelta, RoutingRows, TokenDelta
 from ..multimodal import PromptImage, cache_keys
 from ..wire.prefix_hash import adapter_root, salted_root
 from ..wire.request import EventType, RequestEvent

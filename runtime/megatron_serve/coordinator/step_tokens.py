@@ -2,7 +2,7 @@
 
 The core mirrors each request's delta and files it here with the bytes the engine sent
 (:meth:`StepShares.add`); at the end of the step each client gets its requests' deltas as those bytes,
-spliced into one message beside their ids (``wire.messages.StepTokens``): nothing built or encoded per
+spliced into one message beside their ids (``wire.deltas.StepTokens``): nothing built or encoded per
 request. A step whose share for one client would pass the frame limit goes as several such messages.
 A reconnected or resubmitting client's catch-up (:func:`catch_up`) is the same message with ``starts``.
 """
@@ -13,7 +13,8 @@ import logging
 
 import msgspec
 
-from ..wire.messages import ClientId, StepTokens, StepTokensOut, TokenDelta
+from ..wire.body import ClientId
+from ..wire.deltas import StepTokens, StepTokensOut, TokenDelta
 from ..wire.protocol import MAX_MESSAGE_BYTES, Header
 from .effects import Send
 

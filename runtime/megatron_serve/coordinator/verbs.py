@@ -57,8 +57,9 @@ from ..wire.lifecycle import (
     parse_pause_mode,
     transition,
 )
-from ..wire.messages import (Control, ControlAck, Error, LoadLora, Pause, Refit, Rendezvous, ResetPrefixCache, Stop,
-                             Suspend, UnloadLora)
+from ..wire.controls import Control, ControlAck, LoadLora, Pause, Refit, ResetPrefixCache, Stop, Suspend, UnloadLora
+from ..wire.handshake import Error
+from ..wire.rendezvous import Rendezvous
 from ..wire.protocol import VERB_HEADERS, ErrorCode, Header
 from .peers import ClientRecord, EngineRecord
 from .requests import Phase

@@ -22,7 +22,8 @@ from typing import Callable
 import numpy as np
 
 from ..wire.expert_routing import RoutingRecord
-from ..wire.request import DynamicInferenceRequest, EngineRequest, FinalRecord, RoutingArray, WireImage
+from ..wire.request import DynamicInferenceRequest, EngineRequest, FinalRecord, RoutingArray
+from ..wire.submission import WireImage
 from .sequence import Sequence
 from .steps import StepOutput
 

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Protocol, Sequence, TypeVar
 
 from ..wire.engine_stats import EngineStats
-from ..wire.messages import PromptScores
+from ..wire.deltas import PromptScores
 from ..wire.request import EngineRequest, FinalRecord, RequestStatus
 from ..wire.sampling_fields import FILTERS, PRIORITY_MAX
 from ..wire.sampling_params import SamplingParams

@@ -42,7 +42,7 @@ from ..model.config import ModelConfig
 from ..model.lora import (LoraAdapter, LoraAdapterError, adapter_experts, adapter_of, adapter_scaling, check_shapes,
                           read_adapter)
 from ..wire.lora_names import name_problem, path_problem, shown
-from ..wire.messages import LoraPush
+from ..wire.rendezvous import LoraPush
 from ..wire.prefix_hash import adapter_root
 
 __all__ = ["EngineLoras", "LoraAdapterError", "Registration", "adapter_root", "admit_request", "engine_loras",

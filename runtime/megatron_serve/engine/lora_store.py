@@ -23,7 +23,7 @@ import torch
 from safetensors.torch import save_file
 
 from ..model.lora import CONFIG_FILE, WEIGHTS_FILE
-from ..wire.messages import LoraPush
+from ..wire.rendezvous import LoraPush
 
 VERSION_KEY = "megatron_serve_version"
 

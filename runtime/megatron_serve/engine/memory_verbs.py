@@ -24,7 +24,7 @@ import torch
 from ..errors import RefitFailed
 from ..weights.peer_pull import PeerWeights
 from ..weights.sources import RendezvousSource, WeightSource, weight_source
-from ..wire.messages import LoraPush
+from ..wire.rendezvous import LoraPush
 from .kv.park import ParkedKV, ParkOrder
 from .lora import require
 from .refit_targets import AdapterTarget, PolicyTarget, WeightTarget, route, speculative_targets

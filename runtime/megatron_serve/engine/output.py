@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from ..wire.expert_routing import routing_to_wire
-from ..wire.messages import PromptScores, RoutingRows, RequestDeltaOut
+from ..wire.deltas import PromptScores, RequestDeltaOut, RoutingRows
 
 if TYPE_CHECKING:
     from .steps import StepOutput

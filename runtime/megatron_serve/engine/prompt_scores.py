@@ -8,7 +8,7 @@ from typing import Callable
 
 import torch
 
-from ..wire.messages import PromptScores
+from ..wire.deltas import PromptScores
 from .sampler import DeviceScores, score_tokens
 from .sequence import Sequence
 from .step_plan import prompt_positions_to_score

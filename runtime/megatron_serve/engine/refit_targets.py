@@ -24,7 +24,7 @@ from ..weights.adapters import adapter_shapes, is_adapter, split_name
 from ..weights.digests import forget_digests
 from ..weights.drafter import DRAFTER_PREFIX, drafter_shapes, is_drafter
 from ..weights.sources import WeightSource
-from ..wire.messages import LoraPush
+from ..wire.rendezvous import LoraPush
 from .lora import EngineLoras, Registration
 from .speculative.proposer import Proposer
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 from ..multimodal import PromptImage, cache_keys
 from ..wire.expert_routing import RoutingCapture
-from ..wire.messages import PromptScores
+from ..wire.deltas import PromptScores
 from ..wire.prefix_hash import ROOT_HASH, salted_root
 from ..wire.request import (EngineRequest, EventType, FinalRecord, FinishReason, RequestEvent, RequestStatus,
                             fail_timeline, stamp_event)

@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     from .kv.events import KVEventLog
     from ..wire.kv_blocks import KVBlocks
     from ..wire.lifecycle import Step
-    from ..wire.messages import PromptScores
+    from ..wire.deltas import PromptScores
     from .verbs import Serving
     from ..wire.request import EngineRequest, FinalRecord
 

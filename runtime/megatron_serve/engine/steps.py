@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from ..wire.messages import PromptScores
+from ..wire.deltas import PromptScores
 from ..wire.request import FinalRecord
 from .sampler import DeviceSample, DeviceScores, Readback
 from .sequence import Sequence

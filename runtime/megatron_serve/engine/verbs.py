@@ -23,8 +23,9 @@ from typing import TYPE_CHECKING, Any, Callable
 from ..errors import RefitFailed
 from ..wire.lifecycle import FleetState, Step
 from ..wire.lora_names import shown
-from ..wire.messages import (RENDEZVOUS_SCHEME, Control, HelloAck, LoadLora, Refit, ResetPrefixCache, Suspend,
-                             UnloadLora)
+from ..wire.controls import Control, LoadLora, Refit, ResetPrefixCache, Suspend, UnloadLora
+from ..wire.handshake import HelloAck
+from ..wire.rendezvous import RENDEZVOUS_SCHEME
 
 if TYPE_CHECKING:
     from ..weights.sources import WeightSource

@@ -31,7 +31,7 @@ from pydantic import BaseModel, ConfigDict, Field, create_model
 from ..wire.connection import ControlError, CoordinatorError
 from ..errors import NoFleet
 from ..wire.lifecycle import Verb
-from ..wire.messages import StatusReply
+from ..wire.status import StatusReply
 from ..wire.verb_calls import HTTP, VERB_CALLS, Arg, ArgumentError, VerbCall
 from .api_key import presented_key
 from .errors import APIError, bad_request

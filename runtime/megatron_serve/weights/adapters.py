@@ -2,7 +2,7 @@
 
 A trainer that trains LoRA adapters beside the policy sends them in the same REFIT as the policy
 (``WeightSender.send(..., adapters=...)``): the rendezvous lists each adapter's config
-(:class:`~megatron_serve.wire.messages.LoraPush`, in ``Rendezvous.adapters``) and the manifest carries its tensors
+(:class:`~megatron_serve.wire.rendezvous.LoraPush`, in ``Rendezvous.adapters``) and the manifest carries its tensors
 under this prefix. Adapter names never hold a ``/`` (:mod:`..wire.lora_names`) and checkpoint names never start
 with ``adapter/``, so the name splits back unambiguously and cannot shadow a policy weight. Every engine checks
 each adapter with the policy in the verify step, receives its tensors whole on each group's rank 0 (which keeps a

@@ -17,7 +17,7 @@ import math
 from dataclasses import dataclass
 from typing import Iterable
 
-from ..wire.messages import TRANSFER_BACKENDS, TRANSFER_DTYPES
+from ..wire.rendezvous import TRANSFER_BACKENDS, TRANSFER_DTYPES
 
 #: vLLM's packed buffer size (``DEFAULT_PACKED_BUFFER_SIZE_BYTES``): the trainer and the receiver must agree on it.
 PACKED_BUFFER_BYTES = 1 << 30

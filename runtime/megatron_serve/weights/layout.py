@@ -20,7 +20,7 @@ import torch
 
 from ..model.llama import LlamaForCausalLM
 from ..model.loader import build_model, load_weights
-from ..wire.messages import TensorSpec
+from ..wire.rendezvous import TensorSpec
 from .adapters import is_adapter
 from .drafter import is_drafter
 from .manifest import torch_dtype

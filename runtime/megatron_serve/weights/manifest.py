@@ -14,7 +14,7 @@ from typing import Iterable
 
 import torch
 
-from ..wire.messages import TRANSFER_DTYPES, TensorSpec
+from ..wire.rendezvous import TRANSFER_DTYPES, TensorSpec
 
 ALIGNMENT = 64  # bytes; views of any float dtype (and vectorised copies) need an aligned start
 

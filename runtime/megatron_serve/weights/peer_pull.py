@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from ..model.llama import LlamaForCausalLM
-from ..wire.messages import LoraPush, PeerShare
+from ..wire.rendezvous import LoraPush, PeerShare
 from . import group as transfer
 from .digests import forget_digests
 

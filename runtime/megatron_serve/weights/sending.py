@@ -21,7 +21,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from ..wire.messages import PieceSpec, Rendezvous
+from ..wire.rendezvous import PieceSpec, Rendezvous
 from . import group as transfer
 from .adapters import is_adapter
 from .shards import (IN_FLIGHT, Chunk, LinkBucket, buckets_of, changed_key, digest, layout_key, link_chunks,

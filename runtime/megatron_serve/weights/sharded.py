@@ -31,7 +31,7 @@ import torch.distributed as dist
 
 from ..model.llama import LlamaForCausalLM
 from ..model.loader import verify_shapes
-from ..wire.messages import TRANSFER_DTYPES, LoraPush, Rendezvous
+from ..wire.rendezvous import TRANSFER_DTYPES, LoraPush, Rendezvous
 from . import group as transfer
 from .digests import forget_digests, held_digests, keep_digests
 from .adapters import adapter_shapes, adapters_first, is_adapter
@@ -65,8 +65,9 @@ def sent_names(rendezvous: Rendezvous, store: dist.Store, rank: int, regions: di
 
 @dataclass(frozen=True)
 class ShardedSource:
-    """Weights that ``rendezvous.senders`` trainer ranks hold in pieces (:class:`~megatron_serve.wire.messages.Rendezvous`
-    with ``pieces``); a refit source as :mod:`.sources` describes them."""
+    """Weights that ``rendezvous.senders`` trainer ranks hold in pieces
+    (:class:`~megatron_serve.wire.rendezvous.Rendezvous` with ``pieces``); a refit source as :mod:`.sources` describes
+    them."""
 
     rendezvous: Rendezvous
     label: str

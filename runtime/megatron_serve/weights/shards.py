@@ -20,7 +20,7 @@ from typing import Iterable, Sequence, Union
 
 import torch
 
-from ..wire.messages import TRANSFER_DTYPES, PieceSpec, TensorSpec
+from ..wire.rendezvous import TRANSFER_DTYPES, PieceSpec, TensorSpec
 from .manifest import ALIGNMENT, spec_of
 
 Box = tuple[tuple[int, ...], tuple[int, ...]]  # (start on every dim, size on every dim)

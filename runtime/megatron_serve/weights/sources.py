@@ -19,7 +19,7 @@ from typing import Iterable, Iterator, Protocol
 import torch
 import torch.distributed as dist
 
-from ..wire.messages import LoraPush, Rendezvous, TensorSpec
+from ..wire.rendezvous import LoraPush, Rendezvous, TensorSpec
 from ..model.llama import LlamaForCausalLM
 from ..model.loader import checkpoint_files, checkpoint_views, iterate_checkpoint, verify_checkpoint, verify_shapes
 from . import group as transfer
@@ -127,7 +127,7 @@ def check_backend(rv: Rendezvous, model: LlamaForCausalLM) -> None:
 
 @dataclass(frozen=True)
 class RendezvousSource:
-    """Weights a trainer broadcasts in buckets (:class:`~megatron_serve.wire.messages.Rendezvous`)."""
+    """Weights a trainer broadcasts in buckets (:class:`~megatron_serve.wire.rendezvous.Rendezvous`)."""
 
     rendezvous: Rendezvous
     label: str

@@ -1,6 +1,6 @@
 """What a request's token deltas carried so far: the one accumulation of the output path.
 
-Engines send ids and what was asked to go with them, step by step (``messages.RequestDelta``), and leave
+Engines send ids and what was asked to go with them, step by step (``deltas.RequestDelta``), and leave
 those fields out of the final record (``request.FinalRecord``). Two places keep them, with this one code:
 the coordinator's mirror of each request (a request that moves continues from it; a client that
 reconnects gets what it missed from it; ``coordinator.requests.RequestRecord``) and the client's
@@ -15,7 +15,7 @@ import logging
 import msgspec
 
 from .expert_routing import RoutingRecord, mirror_rows
-from .messages import PromptScores, TokenDelta
+from .deltas import PromptScores, TokenDelta
 
 logger = logging.getLogger(__name__)
 

@@ -34,7 +34,8 @@ from __future__ import annotations
 import logging
 from typing import Any, Iterator
 
-from .messages import FROM_COORDINATOR, PROTOCOL_VERSION, HelloAck
+from .handshake import PROTOCOL_VERSION, HelloAck
+from .messages import FROM_COORDINATOR
 from .protocol import ErrorCode, Header, Message, ProtocolError, decode_all, encode
 from .security import HandshakeWatch
 

@@ -44,7 +44,7 @@ class KVBlocks(msgspec.Struct, omit_defaults=True, kw_only=True):
     """``KV_BLOCKS``: a part of the KV of request ``request_id``'s first ``num_tokens`` tokens, which fill
     ``num_blocks`` blocks of ``block_size`` tokens (the last one maybe partly), computed under weights ``epoch``:
     the blocks ``first_block`` on, as many as its tensors hold. (A message body
-    as :class:`~megatron_serve.wire.messages.Body` is; defined here so that the messages can name it.)"""
+    as :class:`~megatron_serve.wire.body.Body` is; defined here so that the messages can name it.)"""
 
     request_id: str
     engine_id: str  # the prefill engine's registration (a message of an older one is stale)

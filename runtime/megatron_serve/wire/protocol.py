@@ -21,7 +21,8 @@ import msgspec
 from .lifecycle import PHASED_VERBS, STEPS, Step, Verb
 
 if TYPE_CHECKING:
-    from .messages import Batch, Body
+    from .body import Body
+    from .handshake import Batch
 
 #: Default largest frame accepted (and sent). Prompts of a million tokens fit easily.
 MAX_MESSAGE_BYTES = 16 * 1024 * 1024

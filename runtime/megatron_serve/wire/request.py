@@ -5,7 +5,7 @@ output collector from the deltas and the final record (``client.output_processor
 API that drives an engine directly, by the engine's one adapter (``engine.expert_api``). What travels is typed
 (msgspec, checked where it is decoded): :class:`EngineRequest` to an engine (``ENGINE_SUBMIT``: what was asked,
 and the tokens a continuation starts from; an engine builds its own state from it), and :class:`FinalRecord`
-back (the finished record without what travelled step by step in the deltas, ``wire.messages.RequestDelta``).
+back (the finished record without what travelled step by step in the deltas, ``wire.deltas.RequestDelta``).
 Both encode as the maps the hand-written ``to_dict``/``from_dict`` codec wrote before them, key for key.
 """
 
@@ -22,6 +22,7 @@ import numpy as np
 from ..multimodal import PromptImage
 from .expert_routing import routing_from_wire, routing_to_wire
 from .sampling_params import SamplingParams
+from .submission import WireImage
 
 
 class RequestStatus(str, enum.Enum):
@@ -60,15 +61,6 @@ class EventType(str, enum.Enum):
     EVICT = "EVICT"
     FINISH = "FINISH"
     FAIL = "FAIL"
-
-
-class WireImage(msgspec.Struct, omit_defaults=True, kw_only=True):
-    """An image file of a vision-language prompt (see ``multimodal.PromptImage``); ``offset`` and
-    ``length`` say which run of placeholder tokens it fills once placed."""
-
-    data: bytes
-    offset: Annotated[int, msgspec.Meta(ge=0)] | None = None
-    length: Annotated[int, msgspec.Meta(ge=0)] = 0
 
 
 class RequestEvent(msgspec.Struct):

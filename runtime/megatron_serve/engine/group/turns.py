@@ -7,7 +7,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-from ...wire.messages import Refit
+from ...wire.controls import Refit
 
 
 class Turn(NamedTuple):

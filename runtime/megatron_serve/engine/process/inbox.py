@@ -10,7 +10,8 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from ...wire.messages import EngineStepOut, EngineSubmit, RequestDeltaOut
+from ...wire.deltas import EngineStepOut, RequestDeltaOut
+from ...wire.submission import EngineSubmit
 from ...wire.protocol import HEADER_VERBS, Header
 from ...wire.request import EngineRequest, FinalRecord, FinishReason, RequestStatus
 from ..group.turns import held

@@ -27,7 +27,7 @@ from ...wire.security import FleetSecret, PeerKeys, fleet_secret, hello_credenti
 from ...wire.transport import close_monitored, open_peer_socket
 
 if TYPE_CHECKING:
-    from ...wire.messages import Body
+    from ...wire.body import Body
 
 logger = logging.getLogger("megatron_serve.engine_process")
 

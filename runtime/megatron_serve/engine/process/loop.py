@@ -16,7 +16,10 @@ import zmq
 from ...errors import EngineGroupLost
 from ...heap import freeze_startup_heap
 from ...wire.lifecycle import STEPS, FleetState, Step, engine_state_after
-from ...wire.messages import Body, Control, EngineStepOut, KVEvents, LoadLora, Refit, RequestDeltaOut
+from ...wire.body import Body
+from ...wire.controls import Control, LoadLora, Refit
+from ...wire.deltas import EngineStepOut, RequestDeltaOut
+from ...wire.status import KVEvents
 from ...wire.protocol import Header, ProtocolError, Role, step_of
 from ..output import step_delta, step_messages
 from .drain import begin_drain, drain_finished

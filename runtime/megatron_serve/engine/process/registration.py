@@ -7,7 +7,7 @@ import logging
 from typing import TYPE_CHECKING
 
 from ...wire.lifecycle import FleetState
-from ...wire.messages import HelloAck
+from ...wire.handshake import HelloAck
 from ...wire.protocol import Header
 from ..verbs import REGISTER
 

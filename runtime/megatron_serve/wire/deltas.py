@@ -1,0 +1,142 @@
+"""The output path's bodies: what one engine step added to each request (``ENGINE_STEP``), and the same deltas
+forwarded to a client (``STEP_TOKENS``), with the one cut a catch-up needs (:func:`delta_past`); docs/wire-protocol.md.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+import msgspec
+
+from .body import Body, ClientId, TokenId
+
+
+class RoutingRows(Body):
+    """Routing replay: the expert-routing rows of a request's positions ``start, start + 1, ...``
+    (``expert_routing``: ``shape`` [rows, MoE layers, top_k], ``dtype`` uint8/uint16, ``data`` the raw ids)."""
+
+    start: Annotated[int, msgspec.Meta(ge=0)]
+    shape: list[Annotated[int, msgspec.Meta(ge=0)]]
+    dtype: str
+    data: bytes
+
+
+class PromptScores(Body):
+    """``return_prompt_log_probs``: the log probs of prompt tokens 1.. and, with ``top_n_logprobs``, the
+    n most likely tokens at each of those positions, as parallel lists."""
+
+    log_probs: list[float]
+    top_ids: list[list[int]] | None = None
+    top_log_probs: list[list[float]] | None = None
+
+
+class TokenDelta(Body):
+    """What one engine step added to one request: its new token ids and, when asked, what goes with them.
+
+    Only ids travel: the text is made where it is read (the client side,
+    :mod:`megatron_serve.client.output_processor`), which keeps detokenization and stop strings off the
+    engine's step thread. Top-n log probs are parallel lists (``top_ids[i]`` and
+    ``top_log_probs[i]`` for new token ``i``), not a map per token.
+    """
+
+    new_tokens: list[TokenId]
+    new_log_probs: list[float] | None = None
+    top_ids: list[list[int]] | None = None
+    top_log_probs: list[list[float]] | None = None
+    epochs: list[list[int]] | None = None  # [policy epochs, KV epochs, LoRA adapter versions] of the new tokens
+    routing: RoutingRows | None = None  # return_routing_indices: the rows processed since the last delta
+    # With the request's first tokens (an engine that stops at the first token sends them with none):
+    cached_tokens: int | None = None  # prompt tokens its engine found in the prefix cache
+    prompt_scores: PromptScores | None = None  # return_prompt_log_probs
+    # The last of new_tokens is the stop id that ended the request (EOS or stop_token_ids): it stays in the ids,
+    # counted and with its log prob, and the text is made without it unless include_stop_str_in_output (vLLM's)
+    stop_token: bool = False
+
+
+class RequestDelta(TokenDelta, kw_only=True):
+    """One request's share of an engine step; the final one carries the record's remaining fields.
+
+    (Not the engine's ``megatron_serve.engine.StepOutput``, the in-process result this is built from.)"""
+
+    request_id: str
+    finished: bool
+    # When finished: the record without what already travelled in deltas (the receivers accumulate them;
+    # ``wire.request.FinalRecord``). Maybe nil.
+    request: msgspec.Raw | msgspec.UnsetType = msgspec.UNSET
+
+
+class RequestDeltaOut(RequestDelta, kw_only=True):
+    """:class:`RequestDelta` as an engine writes it (its final record, a ``wire.request.FinalRecord``, encoded
+    with the step; typed ``Any`` here because that module builds on this one)."""
+
+    request: Any = msgspec.UNSET
+
+
+class EngineStep(Body):
+    engine_id: str
+    # Each item decoded on its own, so that one unreadable output does not lose the others.
+    outputs: list[msgspec.Raw]
+
+
+class EngineStepOut(Body):
+    """:class:`EngineStep` as an engine writes it: every request's delta of one step, one message."""
+
+    engine_id: str
+    outputs: list[RequestDeltaOut]
+
+
+class StepTokens(Body):
+    """The token message (protocol 6: the only one): the deltas one engine step made for the requests of one client,
+    ``deltas[i]`` for its request ``client_request_ids[i]``.
+
+    The coordinator forwards each delta as the engine encoded it (a ``RequestDelta``, whose engine-side fields
+    a client ignores) and only decodes it to keep its mirror of the request's tokens: no message to build
+    and encode per request and step.
+
+    ``starts`` is set on catch-ups only (what a reconnected or resubmitting client lacked, from the coordinator's
+    mirror): ``starts[i]`` is the index of ``deltas[i]``'s first token in its request's generated tokens. The count
+    the coordinator went by is old by the time the catch-up arrives (the steps it forwarded since reach the client
+    first, and the catch-up repeats them), so the client keeps only what lies past the tokens it has
+    (:func:`delta_past`).
+    """
+
+    client_request_ids: list[ClientId]
+    deltas: list[TokenDelta]
+    starts: list[Annotated[int, msgspec.Meta(ge=0)]] | None = None
+
+    def __post_init__(self) -> None:
+        if len(self.client_request_ids) != len(self.deltas):
+            raise ValueError(f"{len(self.client_request_ids)} client_request_ids for {len(self.deltas)} deltas")
+        if self.starts is not None and len(self.starts) != len(self.deltas):
+            raise ValueError(f"{len(self.starts)} starts for {len(self.deltas)} deltas")
+
+
+def delta_past(delta: TokenDelta, start: int, have: int) -> TokenDelta | None:
+    """A catch-up ``delta`` whose first token is generated token ``start``, without the tokens before index ``have``
+    (a client's count when it arrives); None when it brings nothing new. Per-token lists end with the tokens (they
+    may cover only the last ones: a resubmission's own tokens came without them) and are cut alike."""
+    if have <= start:
+        return delta
+    drop = have - start
+    count = len(delta.new_tokens)
+    if drop >= count:
+        return None
+
+    def cut(values: list[Any]) -> list[Any]:
+        return values[max(drop - (count - len(values)), 0):]
+
+    def cut_some(values: list[Any] | None) -> list[Any] | None:
+        return None if values is None else cut(values)
+
+    epochs = None if delta.epochs is None else [cut(e) for e in delta.epochs]
+    return msgspec.structs.replace(delta, new_tokens=delta.new_tokens[drop:], epochs=epochs,
+                                   new_log_probs=cut_some(delta.new_log_probs), top_ids=cut_some(delta.top_ids),
+                                   top_log_probs=cut_some(delta.top_log_probs))
+
+
+class StepTokensOut(Body):
+    """:class:`StepTokens` as the coordinator writes it: the engine's deltas spliced in as they came."""
+
+    client_request_ids: list[ClientId]
+    deltas: list[msgspec.Raw]
+    starts: list[int] | None = None
