@@ -45,14 +45,9 @@ __all__ = [
     "delta_past",
 ]
 
-#: Bodies the coordinator accepts.
-TO_COORDINATOR: dict[Header, type[Body]] = {
-    Header.HELLO: Hello,
-    Header.BATCH: Batch,
-    Header.SUBMIT: Submit,
-    Header.ABORT: ClientAbort,
-    Header.RESULT_ACK: ResultAck,
-    Header.PAUSE: Pause,
+#: The verbs, with the same bodies both ways: a client's reaches the coordinator, which passes it on to the engines
+#: (PAUSE aside: its mode is the coordinator's work, so engines get a plain :class:`Control`).
+_VERBS: dict[Header, type[Body]] = {
     Header.UNPAUSE: Control,
     Header.SUSPEND: Suspend,
     Header.RESUME: Control,
@@ -61,6 +56,17 @@ TO_COORDINATOR: dict[Header, type[Body]] = {
     Header.LOAD_LORA: LoadLora,
     Header.UNLOAD_LORA: UnloadLora,
     Header.RESET_PREFIX_CACHE: ResetPrefixCache,
+}
+
+#: Bodies the coordinator accepts.
+TO_COORDINATOR: dict[Header, type[Body]] = {
+    Header.HELLO: Hello,
+    Header.BATCH: Batch,
+    Header.SUBMIT: Submit,
+    Header.ABORT: ClientAbort,
+    Header.RESULT_ACK: ResultAck,
+    Header.PAUSE: Pause,
+    **_VERBS,
     Header.STATUS: Status,
     Header.HEARTBEAT: Heartbeat,
     Header.DRAINING: Draining,
@@ -84,14 +90,7 @@ FROM_COORDINATOR: dict[Header, type[Body]] = {
     Header.ENGINE_SUBMIT: EngineSubmit,
     Header.ABORT: EngineAbort,
     Header.PAUSE: Control,
-    Header.UNPAUSE: Control,
-    Header.SUSPEND: Suspend,
-    Header.RESUME: Control,
-    Header.STOP: Stop,
-    Header.REFIT: Refit,
-    Header.LOAD_LORA: LoadLora,
-    Header.UNLOAD_LORA: UnloadLora,
-    Header.RESET_PREFIX_CACHE: ResetPrefixCache,
+    **_VERBS,
     Header.HANDBACK: Handback,
     Header.KV_BLOCKS: KVBlocks,
     Header.PEER_WEIGHTS: PeerShare,
