@@ -1,4 +1,4 @@
-"""Prefix caching: identical outputs, fewer prefill tokens, LRU eviction children first."""
+"""Prefix caching: identical outputs, fewer prefill tokens, LRU eviction children first, the worst band first."""
 
 from __future__ import annotations
 
@@ -87,6 +87,48 @@ def test_lru_eviction_takes_children_before_parents():
     assert allocator.lookup(hashes) == table[:2]
     allocator.allocate(1)
     assert allocator.lookup(hashes) == table[:1]
+
+
+def cached_chain(allocator: BlockAllocator, first_token: int, band: int, length: int = 2) -> list[int]:
+    """``length`` blocks of a chain computed for a request of ``band``, registered and freed (evictable)."""
+    hashes = block_hashes([first_token + i for i in range(4 * length)], 4)
+    table = allocator.allocate(length, band)
+    for block, block_hash in zip(table, hashes):
+        allocator.register(block, block_hash)
+    allocator.free(table)
+    return hashes
+
+
+def test_eviction_takes_the_worst_band_first_and_the_least_recently_freed_within_a_band():
+    allocator = BlockAllocator(8, enable_prefix_caching=True)
+    chains = {"critical": cached_chain(allocator, 100, 0),  # freed first: plain LRU would evict it first
+              "sheddable_old": cached_chain(allocator, 200, 2),
+              "standard": cached_chain(allocator, 300, 1),
+              "sheddable_new": cached_chain(allocator, 400, 2)}
+    assert allocator.num_free == 8 and allocator.num_cached == 8
+    before, order = dict.fromkeys(chains, 2), []
+    for _ in range(8):
+        allocator.allocate(1, 0)
+        now = {name: len(allocator.lookup(hashes)) for name, hashes in chains.items()}
+        order += [(name, now[name]) for name in chains if now[name] < before[name]]
+        before = now
+    assert order == [("sheddable_old", 1), ("sheddable_old", 0), ("sheddable_new", 1), ("sheddable_new", 0),
+                     ("standard", 1), ("standard", 0), ("critical", 1), ("critical", 0)]  # each chain child first
+
+
+def test_a_shared_block_keeps_the_best_band_that_held_it_since_it_was_last_evictable():
+    allocator = BlockAllocator(4, enable_prefix_caching=True)
+    hashes = cached_chain(allocator, 100, 2)  # a sheddable request's two blocks
+    parent, child = allocator.lookup(hashes)
+    allocator.acquire([parent], 0)  # a critical request shares the parent...
+    allocator.acquire([parent, child], 2)  # ...with a sheddable one that holds the chain
+    allocator.free([parent])  # the critical request leaves first
+    allocator.free([parent, child])  # the sheddable one frees both last
+    newer = cached_chain(allocator, 200, 2, length=1)
+    allocator.allocate(2, 2)  # the never-cached block, then the sheddable band's least recently freed: the child
+    assert allocator.lookup(hashes) == [parent] and allocator.lookup(newer) != []
+    allocator.allocate(1, 2)
+    assert allocator.lookup(hashes) == [parent] and allocator.lookup(newer) == []  # the parent stays critical's
 
 
 def test_shared_blocks_are_reference_counted():

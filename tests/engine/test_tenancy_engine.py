@@ -1,6 +1,6 @@
 """A critical request on a real engine whose every slot runs sheddable ones (docs/tenants.md): it makes its first
 token within 2 engine steps, and every stream, the preempted ones included, ends with exactly the tokens of an
-uninterrupted run (greedy), none lost or repeated."""
+uninterrupted run (greedy), none lost or repeated; and its cached system prompt outlives a sheddable flood."""
 
 from __future__ import annotations
 
@@ -53,3 +53,30 @@ def test_a_critical_request_starts_within_two_steps_and_the_preempted_streams_ar
     assert [r.generated_tokens for r in requests] == reference
     preempted = [r.request_id for r in requests if any(e.type is EventType.PREEMPT for e in r.events)]
     assert preempted == (["r3"] if tagged else [])  # the newest sheddable one
+
+
+@pytest.mark.parametrize("tagged", [True, False])
+def test_a_critical_prompts_prefix_cache_hit_survives_a_sheddable_flood(tiny_llama, tagged):
+    """A critical request caches its system prompt; a flood of sheddable requests twice the pool's size passes; the
+    next critical request finds the prompt cached. ``tagged`` False is the control: untagged (plain LRU), the flood
+    evicts it."""
+    engine = DynamicInferenceEngine.from_model_dir(tiny_llama, InferenceConfig(
+        max_requests=2, block_size_tokens=16, num_kv_blocks=16, max_sequence_length=96))
+    system = [30 + i for i in range(48)]
+    short = msgspec.structs.replace(GREEDY, num_tokens_to_generate=2)
+
+    def run(name: str, prompts: list[list[int]], tag: TenantTag) -> list[DynamicInferenceRequest]:
+        """The requests of ``prompts``, all at once, run to their end."""
+        params = msgspec.structs.replace(short, tenant=tag) if tagged else short
+        requests = [DynamicInferenceRequest(request_id=f"{name}{i}", prompt=None, prompt_tokens=prompt,
+                                            sampling_params=params) for i, prompt in enumerate(prompts)]
+        for request in requests:
+            engine.add_request(request)
+        while engine.has_unfinished_requests():
+            engine.step()
+        return requests
+
+    assert run("c0", [system + [5, 6]], CHAT)[0].cached_tokens == 0
+    flood = run("f", [[5 + i] + [40 + j % 50 for j in range(62)] for i in range(8)], BULK)  # 4 blocks each
+    assert sum(len(r.generated_tokens) for r in flood) == 16  # 8 x 4 blocks through a pool of 16
+    assert run("c1", [system + [7, 8]], CHAT)[0].cached_tokens == (48 if tagged else 0)

@@ -106,3 +106,34 @@ def test_a_request_waiting_long_is_promoted_and_then_takes_a_slot():
         play(sched)
         steps += 1
     assert steps == 2 * 3 + 1  # two bands better after two periods: critical, which displaces the standard one
+
+
+def prefix_hit_after_a_flood(chat: TenantTag | None, flood: TenantTag | None) -> tuple[int, int]:
+    """A chat request caches a 3-block system prompt and finishes; a flood of 8 other requests (4 blocks each, 32 in
+    all) then passes through the 16-block pool; a second chat request with the system prompt comes. Returns the
+    second's tokens found in the prefix cache and the blocks the flood made the pool evict."""
+    sched = scheduler(num_blocks=16, max_requests=2, prefix_caching=True)
+    system = [60 + i for i in range(12)]
+    sched.add_request(request("c0", system + [1, 3], num_tokens_to_generate=2, tenant=chat, ignore_eos=True))
+    while sched.has_work():
+        play(sched)
+    assert sched.allocator.num_cached == 3
+    for i in range(8):  # distinct first tokens: no block shared with the system prompt or one another
+        sched.add_request(request(f"f{i}", [i + 3] + [20 + j for j in range(13)], num_tokens_to_generate=2,
+                                  tenant=flood, ignore_eos=True))
+    while sched.has_work():
+        play(sched)
+    sched.add_request(request("c1", system + [4, 5], num_tokens_to_generate=2, tenant=chat, ignore_eos=True))
+    play(sched)
+    return sched.requests["c1"].cached_tokens, 8 * 4 - (16 - 4)
+
+
+def test_kv_eviction_takes_a_sheddable_floods_blocks_before_a_critical_tenants_cached_prompt():
+    cached, evicted = prefix_hit_after_a_flood(CHAT, BULK)
+    assert evicted > 0 and cached == 12  # the system prompt's three blocks, every one still cached
+
+
+def test_control_under_plain_lru_the_same_flood_evicts_the_prompt():
+    """Untagged (no tenants: every block in one band, least recently freed first), the oldest blocks go first."""
+    assert prefix_hit_after_a_flood(None, None)[0] == 0
+    assert prefix_hit_after_a_flood(BULK, CHAT)[0] == 0  # and a critical flood takes a sheddable prompt's blocks

@@ -20,7 +20,8 @@ prompt). What budget is left then goes to the long prompts, running first, in or
 alone is chunked as without the threshold. How a prompt is chunked never changes its tokens.
 
 Requests of tenants (``SamplingParams.tenant``) are admitted by class and fair share, and a better class takes the
-slot or the KV blocks of a worse one: :mod:`.tenancy`, on from the first such request (none: as above).
+slot or the KV blocks of a worse one: :mod:`.tenancy`, on from the first such request (none: as above). Every block
+is taken for its request's band, so that the prefix cache evicts the worst band's blocks first (:mod:`.kv.cache`).
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ from .lora_queue import LoraQueue
 from .prompt_scores import record_prompt_scores
 from .sequence import Sequence
 from .speculative.decoder import Emitted, Speculator
-from .tenancy import TenantPolicy
+from .tenancy import TenantPolicy, base_band
 from .steps import InFlightStep, StepOutput
 from .token_append import append_tokens, ended
 
@@ -178,7 +179,7 @@ class Scheduler:
     def _grow(self, sequence: Sequence, num_tokens: int) -> None:
         needed = self._blocks_needed(sequence, num_tokens)
         if needed > 0:
-            sequence.block_table.extend(self.allocator.allocate(needed))
+            sequence.block_table.extend(self.allocator.allocate(needed, base_band(sequence)))
 
     def release(self, sequence: Sequence) -> None:
         """Drop a sequence's blocks; it must be recomputed from scratch to run again."""
@@ -205,14 +206,15 @@ class Scheduler:
         cacheable = (len(sequence.token_ids) - 1) // self.block_size
         sequence.prompt_hashes = hashes = block_hashes(sequence.cache_tokens(0, cacheable * self.block_size),
                                                        self.block_size, epoch_root(sequence.prefix_root, self.epoch))
+        band = base_band(sequence)
         blocks = self.allocator.lookup(hashes)
-        self.allocator.acquire(blocks)
+        self.allocator.acquire(blocks, band)
         on_device = len(blocks)
         tier = self.allocator.tier
         if tier is not None and on_device < cacheable:
             slots = tier.take(hashes[on_device : on_device + self.allocator.num_free])
             if slots:
-                loaded = self.allocator.allocate(len(slots))
+                loaded = self.allocator.allocate(len(slots), band)
                 tier.load(slots, loaded)
                 for block, block_hash in zip(loaded, hashes[on_device:]):
                     self.allocator.register(block, block_hash)

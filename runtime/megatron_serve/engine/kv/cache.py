@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ...wire.kv_events import MEDIUM_DEVICE
+from ...wire.tenancy import CLASSES, STANDARD_BAND
 
 if TYPE_CHECKING:
     from .events import BlockOrigin, KVEventLog
@@ -30,6 +31,13 @@ class BlockAllocator:
     prefix takes it back, and allocation reuses evictable blocks least-recently-freed first. Blocks
     are freed children first, so a parent is never evicted before its children.
 
+    Eviction takes the worst band first (``wire.tenancy``: ``sheddable``, then ``standard``, then ``critical``),
+    least recently freed first within a band, so that a flood of a worse class cannot push out a better class's
+    cached prefix (its system prompt). A block's band is the best band of the requests that held it since it was
+    last evictable: every request holding a child holds its parent, so a parent's band is never worse than its
+    child's and children still go first. Callers that pass no band (no tenants) put every block in ``standard``:
+    plain LRU, as before.
+
     With a host ``tier`` (:mod:`.offload`), a cached block that is evicted is copied there first. With an event
     log (:mod:`.events`), every block registered and forgotten is told to it (medium ``GPU``).
     """
@@ -41,34 +49,42 @@ class BlockAllocator:
         self.tier = tier
         self.events = events
         self._free: deque[int] = deque(range(num_blocks))
-        self._evictable: OrderedDict[int, None] = OrderedDict()
+        # evictable blocks by band, each least recently freed first
+        self._evictable: tuple[OrderedDict[int, None], ...] = tuple(OrderedDict() for _ in CLASSES)
         self._ref_counts = [0] * num_blocks
+        self._bands = [STANDARD_BAND] * num_blocks  # the best band holding each block since it was last evictable
         self._hash_of_block: dict[int, int] = {}
         self._block_of_hash: dict[int, int] = {}
 
     @property
     def num_free(self) -> int:
         """Blocks an allocation can take now: never-cached ones plus evictable cached ones."""
-        return len(self._free) + len(self._evictable)
+        critical, standard, sheddable = self._evictable
+        return len(self._free) + len(critical) + len(standard) + len(sheddable)
 
     @property
     def num_cached(self) -> int:
         return len(self._block_of_hash)
 
-    def allocate(self, count: int) -> list[int]:
+    def allocate(self, count: int, band: int = STANDARD_BAND) -> list[int]:
+        """``count`` blocks for a request of ``band``: never-cached ones first, then the evictable ones of the worst
+        band, least recently freed first."""
         if count > self.num_free:
             raise OutOfBlocksError(f"asked for {count} KV blocks, {self.num_free} free")
         blocks = []
         evicted: list[tuple[int, int]] = []
+        free, ref_counts, bands = self._free, self._ref_counts, self._bands
+        critical, standard, sheddable = self._evictable
         for _ in range(count):
-            if self._free:
-                block = self._free.popleft()
+            if free:
+                block = free.popleft()
             else:
-                block, _ = self._evictable.popitem(last=False)
+                block, _ = (sheddable or standard or critical).popitem(last=False)
                 block_hash = self._hash_of_block.pop(block)
                 del self._block_of_hash[block_hash]
                 evicted.append((block, block_hash))
-            self._ref_counts[block] = 1
+            ref_counts[block] = 1
+            bands[block] = band
             blocks.append(block)
         if evicted:
             if self.tier is not None:
@@ -82,14 +98,15 @@ class BlockAllocator:
 
     def free(self, blocks: list[int]) -> None:
         """Drop one reference to each block; pass a block table as is (it is released children first)."""
+        ref_counts, cached, bands, evictable = self._ref_counts, self._hash_of_block, self._bands, self._evictable
         for block in reversed(blocks):
-            count = self._ref_counts[block]
+            count = ref_counts[block]
             if count <= 0:
                 raise ValueError(f"block {block} freed twice")
-            self._ref_counts[block] = count - 1
+            ref_counts[block] = count - 1
             if count == 1:
-                if block in self._hash_of_block:
-                    self._evictable[block] = None
+                if block in cached:
+                    evictable[bands[block]][block] = None
                 else:
                     self._free.append(block)
 
@@ -103,11 +120,16 @@ class BlockAllocator:
             blocks.append(block)
         return blocks
 
-    def acquire(self, blocks: list[int]) -> None:
-        """Take a reference to cached blocks found by ``lookup`` (reviving evictable ones)."""
+    def acquire(self, blocks: list[int], band: int = STANDARD_BAND) -> None:
+        """Take a reference to cached blocks found by ``lookup`` (reviving evictable ones) for a request of
+        ``band``."""
+        bands = self._bands
         for block in blocks:
             if self._ref_counts[block] == 0:
-                del self._evictable[block]
+                del self._evictable[bands[block]][block]
+                bands[block] = band
+            elif band < bands[block]:
+                bands[block] = band
             self._ref_counts[block] += 1
 
     def register(self, block: int, block_hash: int, origin: "BlockOrigin | None" = None) -> None:
@@ -124,17 +146,17 @@ class BlockAllocator:
         return [block for block, count in enumerate(self._ref_counts) if count > 0]
 
     def evictable_blocks(self) -> list[tuple[int, int]]:
-        """``(block, hash)`` of the cached blocks no request holds, least recently freed first."""
-        return [(block, self._hash_of_block[block]) for block in self._evictable]
+        """``(block, hash)`` of the cached blocks no request holds, in eviction order: the worst band first, least
+        recently freed first within one."""
+        return [(block, self._hash_of_block[block]) for band in reversed(self._evictable) for block in band]
 
     def drop_evictable(self) -> None:
         """Forget the cached blocks no request holds (their contents are about to be lost); blocks in use keep
         their hashes."""
-        dropped = [self._hash_of_block.pop(block) for block in self._evictable]
+        dropped = [self._hash_of_block.pop(block) for band in self._evictable for block in band]
         for block_hash in dropped:
             del self._block_of_hash[block_hash]
-        self._free.extend(self._evictable)
-        self._evictable.clear()
+        self._release_evictable()
         if self.events is not None:
             self.events.removed(MEDIUM_DEVICE, dropped)
 
@@ -142,10 +164,14 @@ class BlockAllocator:
         """Forget every cached hash (the pool's contents are gone or stale); blocks in use stay in use."""
         if self.events is not None:
             self.events.removed(MEDIUM_DEVICE, list(self._block_of_hash))
-        self._free.extend(self._evictable)
-        self._evictable.clear()
+        self._release_evictable()
         self._hash_of_block.clear()
         self._block_of_hash.clear()
+
+    def _release_evictable(self) -> None:
+        for band in self._evictable:
+            self._free.extend(band)
+            band.clear()
 
     def reset(self, forget_files: bool = False) -> None:
         """Forget every cached block in every tier (a refit: none of them can be found again): AllBlocksCleared.

@@ -27,6 +27,7 @@ from ...wire.request import FinishReason, RequestStatus
 from .cache import BlockAllocator, KVCachePool, blocks_for_tokens
 from .park import ParkedKV
 from ..sequence import Sequence
+from ..tenancy import base_band
 
 logger = logging.getLogger("megatron_serve.engine")
 
@@ -128,7 +129,7 @@ class KVTransfer:
             logger.warning("request %s: prefilled KV not used, its context is computed here: %s",
                            sequence.request_id, why)
             return False
-        blocks = self.allocator.allocate(kv.num_blocks)
+        blocks = self.allocator.allocate(kv.num_blocks, base_band(sequence))
         host = [torch.frombuffer(bytearray(t.data), dtype=torch.uint8).view(target.dtype).view(t.shape)
                 for t, target in zip(kv.tensors, self.pool.block_tensors())]
         ParkedKV(blocks, host, kv.epoch, kv.num_bytes, 0.0).restore(self.pool)
