@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from ..weights.framework_groups import PACKED_BUFFER_BYTES
-from ..weights.group import local_address_towards
+from ..weights.group import backend_group, local_address_towards
 
 
 def trainer_init(master_address: str, master_port: int, world_size: int, *, rank: int = 0,
@@ -37,14 +37,7 @@ def trainer_init(master_address: str, master_port: int, world_size: int, *, rank
                                       wait_for_workers=not serves_store)
     for prefix in prefixes:
         store = dist.PrefixStore(prefix, store)
-    if backend == "nccl":
-        nccl = dist.ProcessGroupNCCL.Options()
-        nccl._timeout = span
-        return dist.ProcessGroupNCCL(store, rank, world_size, nccl)
-    options = dist.ProcessGroupGloo._Options()
-    options._timeout = span
-    options._devices = [dist.ProcessGroupGloo.create_device(hostname=local_address_towards(master_address))]
-    return dist.ProcessGroupGloo(store, rank, world_size, options)  # which holds the store as long as it lives
+    return backend_group(store, rank, world_size, backend, span, local_address_towards(master_address))
 
 
 def trainer_send_weights(named_tensors: Iterable[tuple[str, torch.Tensor]], group: dist.ProcessGroup, *,

@@ -126,16 +126,24 @@ def announce(address: str, prefix: str, rank: int, world_size: int, timeout: flo
 def process_group(store: dist.Store, rank: int, world_size: int, backend: str, timeout: float,
                   host: str) -> dist.ProcessGroup:
     """Build this process's side of the group (every rank calls it; it returns once all have)."""
-    prefixed = dist.PrefixStore("transfer", store)
-    span = datetime.timedelta(seconds=timeout)
+    return backend_group(dist.PrefixStore("transfer", store), rank, world_size, backend,
+                         datetime.timedelta(seconds=timeout), host)
+
+
+def backend_group(store: dist.Store, rank: int, world_size: int, backend: str, span: datetime.timedelta,
+                  host: str) -> dist.ProcessGroup:
+    """A ``nccl`` or ``gloo`` group over ``store`` whose collectives give up after ``span``, built without
+    ``init_process_group`` (a refit's, a trainer's and the weight routes' groups live beside the engine's own);
+    gloo listens at ``host``, the address the peers reach this process at. The group holds the store as long as
+    it lives."""
     if backend == "nccl":
         options = dist.ProcessGroupNCCL.Options()
         options._timeout = span
-        return dist.ProcessGroupNCCL(prefixed, rank, world_size, options)
+        return dist.ProcessGroupNCCL(store, rank, world_size, options)
     options = dist.ProcessGroupGloo._Options()
     options._timeout = span
     options._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
-    return dist.ProcessGroupGloo(prefixed, rank, world_size, options)
+    return dist.ProcessGroupGloo(store, rank, world_size, options)
 
 
 def broadcast(group: dist.ProcessGroup, buffer: torch.Tensor) -> dist.Work:

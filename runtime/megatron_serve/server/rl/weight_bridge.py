@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from ...weights.framework_groups import PACKED_BUFFER_BYTES, Layout, TensorMeta, packed_chunks
-from ...weights.group import local_address_towards
+from ...weights.group import backend_group, local_address_towards
 from ...weights.manifest import torch_dtype
 
 
@@ -46,7 +46,9 @@ class TrainerGroup:
         ``RuntimeError`` (torch's) when it does not within ``timeout``."""
         span = datetime.timedelta(seconds=timeout)
         stores = [_store(layout, span, first=index == 0) for index in range(len(layout.ranks))]
-        groups = _each([lambda rank=rank, store=store: _process_group(_prefixed(store, layout), rank, layout, span)
+        host = _towards(layout.host)
+        groups = _each([lambda rank=rank, store=store: backend_group(_prefixed(store, layout), rank, layout.world_size,
+                                                                     layout.backend, span, host)
                         for rank, store in zip(layout.ranks, stores)])
         return cls(layout, stores, groups)
 
@@ -84,17 +86,6 @@ def _prefixed(store: dist.Store, layout: Layout) -> dist.Store:
     for prefix in layout.prefixes:
         store = dist.PrefixStore(prefix, store)
     return store
-
-
-def _process_group(store: dist.Store, rank: int, layout: Layout, span: datetime.timedelta) -> dist.ProcessGroup:
-    if layout.backend == "nccl":
-        nccl = dist.ProcessGroupNCCL.Options()
-        nccl._timeout = span
-        return dist.ProcessGroupNCCL(store, rank, layout.world_size, nccl)
-    options = dist.ProcessGroupGloo._Options()
-    options._timeout = span
-    options._devices = [dist.ProcessGroupGloo.create_device(hostname=_towards(layout.host))]
-    return dist.ProcessGroupGloo(store, rank, layout.world_size, options)
 
 
 def _towards(host: str) -> str:
