@@ -22,6 +22,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from ..fleet.lifeline import wait_for_end_of_file
+
 
 class Janitor:
     """The caller's end: the janitor process and the pipe's write end, kept open (never written) for as long
@@ -33,17 +35,6 @@ class Janitor:
                                         pass_fds=(read,), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                         stderr=subprocess.DEVNULL, start_new_session=True)
         os.close(read)
-
-
-def wait_for_end_of_file(fd: int) -> None:
-    while True:
-        try:
-            if not os.read(fd, 1):
-                return
-        except InterruptedError:
-            continue
-        except OSError:
-            return
 
 
 def main(argv: list[str]) -> int:

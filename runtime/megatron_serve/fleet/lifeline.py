@@ -80,15 +80,21 @@ def hold_lifeline() -> None:
 
 
 def _watch(fd: int) -> None:
+    wait_for_end_of_file(fd)
+    _parent_gone()
+
+
+def wait_for_end_of_file(fd: int) -> None:
+    """Block until the pipe's read end ``fd`` reads end-of-file (or fails): the kernel's word that no process holds
+    the write end any more. The children's lifeline and ``run``'s janitor wait on one so."""
     while True:
         try:
             if not os.read(fd, 1):
-                break
+                return
         except InterruptedError:
             continue
         except OSError:
-            break
-    _parent_gone()
+            return
 
 
 def _parent_gone() -> None:
