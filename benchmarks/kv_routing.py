@@ -17,6 +17,12 @@ hold them (it remembers what it *sent*, not what the pools *kept*); the index se
 refit): its KV fills a pool at its first step, while the memory counts only its prompt. ``--popularity uniform``
 makes every tenant as frequent (no hot tenant whose blocks the engines' LRU keeps anyway).
 
+Two knobs model what routed-prefix memory cannot know. ``--routers N``: N routers (gateway or coordinator replicas)
+take the arrivals in turn, each with a policy of its own: routed-prefix memory remembers only what its router sent,
+while every ``kv_aware`` router reads the same engines' events. ``--restart-at TICK``: the router restarts then: the
+memory starts empty, the index is rebuilt from each engine's snapshot of the blocks it holds (what a new subscriber
+gets first).
+
 Reported per policy: prefix hit rate (prompt tokens the device pool or host tier served / prompt tokens that could
 have been, i.e. all but each prompt's last), before / during / after the storm, and every request's tokens, which
 must be equal across policies (checked: routing never changes a text; ``batch_invariant`` on).
@@ -95,17 +101,40 @@ class Outcome:
     seconds: float = 0.0
 
 
-def make_engines(model_dir: str, args: argparse.Namespace, index: KVIndex, clock: list[float]) -> list[Any]:
+def make_engines(model_dir: str, args: argparse.Namespace) -> list[Any]:
     engines = []
     for number in range(args.engines):
         llm = MegatronLLM(model_dir, InferenceConfig(block_size_tokens=BLOCK, num_kv_blocks=args.pool_blocks,
                                                      max_requests=args.slots, max_batch_tokens=2048,
                                                      enable_prefix_caching=True, batch_invariant=True))
-        engine = llm.engine
-        engine_id = f"engine-{number}"
-        engine.kv_events.attach(lambda seq, payload, e=engine_id: index.apply(e, seq, payload, clock[0]))
-        engines.append(SimpleNamespace(engine=engine, engine_id=engine_id, group=number, running={}))
+        engines.append(SimpleNamespace(engine=llm.engine, engine_id=f"engine-{number}", group=number, running={},
+                                       sink=None))
     return engines
+
+
+class Routers:
+    """``--routers`` routers of one policy over the same engines; ``restart()`` starts them afresh, as a coordinator
+    (or gateway) process that restarted: routed-prefix memory empty, the KV index rebuilt from the engines'
+    snapshots."""
+
+    def __init__(self, routing: str, args: argparse.Namespace, engines: list[Any], clock: list[float]) -> None:
+        self.routing, self.args, self.engines, self.clock = routing, args, engines, clock
+        self.restart()
+
+    def restart(self) -> None:
+        self.index = index = KVIndex()
+        index.now = self.clock[0]
+        for side in self.engines:
+            if side.sink is not None:
+                side.engine.kv_events.detach(side.sink)
+            side.sink = lambda seq, payload, e=side.engine_id: index.apply(e, seq, payload, self.clock[0])
+            side.engine.kv_events.attach(side.sink)  # the snapshot first, then every batch
+        self.policies = [KVAware(index, overlap_weight=self.args.overlap_weight) if self.routing == "kv_aware"
+                         else make_routing_policy(self.routing, index) for _ in range(self.args.routers)]
+
+    def select(self, number: int, request: Any, views: list[Any]) -> Any:
+        """The engine the router that takes arrival ``number`` (in turn) chooses."""
+        return self.policies[number % len(self.policies)].select(request, views)
 
 
 def view(side: Any, args: argparse.Namespace) -> SimpleNamespace:
@@ -118,16 +147,16 @@ def view(side: Any, args: argparse.Namespace) -> SimpleNamespace:
 
 def replay(model_dir: str, args: argparse.Namespace, routing: str, trace: list[Arrival]) -> Outcome:
     """The trace through ``args.engines`` engines routed by ``routing``; what each request got."""
-    index = KVIndex()
-    policy = (KVAware(index, overlap_weight=args.overlap_weight) if routing == "kv_aware"
-              else make_routing_policy(routing, index))
     clock = [0.0]  # the coordinator's clock: --tick-s per tick (one step of every engine), not this machine's
-    engines = make_engines(model_dir, args, index, clock)
+    engines = make_engines(model_dir, args)
+    routers = Routers(routing, args, engines, clock)
     outcome, queue, pending = Outcome(), list(trace), []
     started = time.perf_counter()
-    tick = 0
+    tick = routed = 0
     while queue or pending or any(side.running for side in engines):
-        clock[0] = index.now = tick * args.tick_s
+        clock[0] = routers.index.now = tick * args.tick_s
+        if tick == args.restart_at:
+            routers.restart()
         while queue and queue[0].tick <= tick:
             pending.append(queue.pop(0))
         while pending:
@@ -137,7 +166,8 @@ def replay(model_dir: str, args: argparse.Namespace, routing: str, trace: list[A
             arrival = pending.pop(0)
             request = SimpleNamespace(request_id=arrival.request_id, params=SamplingParams(),
                                       prefix_keys=arrival.prompt, prefix_root=ROOT_HASH)
-            side = policy.select(request, views).side
+            side = routers.select(routed, request, views).side
+            routed += 1
             params = SamplingParams(temperature=0.0, num_tokens_to_generate=len(arrival.resumed) + arrival.tokens,
                                     ignore_eos=True)
             side.engine.add_request(EngineRequest(request_id=arrival.request_id, prompt_tokens=arrival.prompt,
@@ -177,7 +207,8 @@ def report(args: argparse.Namespace, trace: list[Arrival], rows: dict[str, Outco
     tenants = sum(1 for a in trace if a.tenant != "batch")
     print(f"trace: {tenants} tenant requests ({args.tenants} tenants, system prompts of {args.prefix_blocks} blocks of "
           f"{BLOCK}), a storm of {args.storm} rollouts x {args.storm_tokens} tokens; {args.engines} engines x "
-          f"{args.pool_blocks} KV blocks, {args.slots} slots")
+          f"{args.pool_blocks} KV blocks, {args.slots} slots; {args.routers} router(s)"
+          + (f", restarted at tick {args.restart_at}" if args.restart_at is not None else ""))
     print(f"  {'routing':>16} {'hit rate':>9} {'before':>7} {'storm':>7} {'after':>7} {'seconds':>8}")
     for name, row in rows.items():
         print(f"  {name:>16} {rate(row):9.3f} " + " ".join(f"{rate(row, (p,)):7.3f}" for p in PHASES)
@@ -211,6 +242,10 @@ def main() -> None:
     parser.add_argument("--tick-s", type=float, default=0.05, help="the coordinator's seconds per engine step")
     parser.add_argument("--overlap-weight", type=float, default=1.0, help="kv_aware's (Dynamo's default: 1)")
     parser.add_argument("--policies", default="least_loaded,prefix_affinity,kv_aware")
+    parser.add_argument("--routers", type=int, default=1,
+                        help="routers taking the arrivals in turn, each with a policy (and a memory) of its own")
+    parser.add_argument("--restart-at", type=int, default=None, metavar="TICK",
+                        help="the router(s) restart at this tick: memory lost, the index rebuilt from snapshots")
     parser.add_argument("--smoke", action="store_true", help="a smaller trace: seconds")
     args = parser.parse_args()
     if args.smoke:
