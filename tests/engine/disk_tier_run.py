@@ -25,24 +25,29 @@ def prompts(count: int = 14, length: int = 5 * BLOCK + 3, seed: int = 0) -> list
     return [[rng.randrange(5, 500) for _ in range(length)] for _ in range(count)]
 
 
+def config(disk: str | None, disk_bytes: int = 2**20) -> InferenceConfig:
+    """The engines' configuration: the node's disk tier in ``disk`` (None: without it)."""
+    return InferenceConfig(block_size_tokens=BLOCK, num_kv_blocks=POOL, max_requests=2, max_batch_tokens=256,
+                           kv_offloading_size=HOST_BLOCKS * BLOCK_BYTES / 2**30, batch_invariant=True,
+                           **({} if disk is None else {"kv_offloading_backend": "disk", "kv_disk_dir": disk,
+                                                       "kv_disk_size": disk_bytes / 2**30}))
+
+
 def main(spec: dict) -> dict:
-    disk = spec.get("disk")
-    config = InferenceConfig(block_size_tokens=BLOCK, num_kv_blocks=POOL, max_requests=2, max_batch_tokens=256,
-                             kv_offloading_size=HOST_BLOCKS * BLOCK_BYTES / 2**30, batch_invariant=True,
-                             **({} if disk is None else {"kv_offloading_backend": "disk", "kv_disk_dir": disk,
-                                                         "kv_disk_size": spec.get("disk_bytes", 2**20) / 2**30}))
-    llm = MegatronLLM(spec["model"], config)
+    llm = MegatronLLM(spec["model"], config(spec.get("disk"), spec.get("disk_bytes", 2**20)))
     engine = llm.engine
     assert engine.host_tier.block_bytes == BLOCK_BYTES, engine.host_tier.block_bytes
     if spec.get("refit"):
         engine.memory.refit(spec["model"])  # the same weights under a new epoch
     every = prompts()
     outputs = [llm.generate([every[index]], PARAMS)[0] for index in spec["run"]]
+    engine.host_tier.flush()  # the spills queued so far are written (engine.kv.disk_io)
     tier = engine.host_tier.disk
     return {"tokens": [o.generated_tokens for o in outputs], "log_probs": [o.generated_log_probs for o in outputs],
             "cached": [o.cached_tokens for o in outputs], "epoch": engine.epoch,
             "disk": None if tier is None else {"written": tier.written, "hits": tier.hits, "corrupt": tier.corrupt,
-                                               "evicted": tier.evicted}}
+                                               "evicted": tier.evicted,
+                                               "dropped": engine.host_tier.disk_io.dropped}}
 
 
 if __name__ == "__main__":

@@ -13,17 +13,21 @@ import os
 import subprocess
 import sys
 import textwrap
+import threading
 from pathlib import Path
 
 import pytest
 import torch
 
+from megatron_serve import DynamicInferenceRequest, SamplingParams
+from megatron_serve.engine.core import DynamicInferenceEngine
 from megatron_serve.engine.kv.disk import HEADER, DiskKVTier, layout_key
+from megatron_serve.engine.kv.disk_io import DiskIO
 from megatron_serve.engine.kv.events import BlockOrigin, KVEventLog
 from megatron_serve.wire.kv_events import MEDIUM_DISK, MEDIUM_HOST, BlockRemoved, BlockStored, decode_batch
 from megatron_serve.wire.prefix_hash import block_hashes
 
-from .disk_tier_run import BLOCK, prompts
+from .disk_tier_run import BLOCK, PARAMS, config, prompts
 
 REPO = Path(__file__).resolve().parents[2]
 ROWS = [(2, 16, 2, 8), (2, 16, 2)]  # a slot's rows: values (bf16) and fp8-style scales (float32)
@@ -105,6 +109,27 @@ def test_the_size_bound_removes_the_least_recently_used_file_first(tmp_path):
     assert sum(p.stat().st_size for p in tmp_path.rglob("*.kv")) <= 6 * FILE_BYTES
 
 
+def test_a_spill_is_copied_out_at_once_and_a_full_write_queue_drops_the_next(tmp_path):
+    """The step hands a block to the writer thread and reuses its host slot; with the queue full it drops the
+    spill rather than wait; the file appears whole, once written."""
+    disk = tier(tmp_path)
+    gate, real = threading.Event(), disk.write
+    disk.write = lambda *args: (gate.wait(60), real(*args))[1]  # the writer thread holds here
+    io = DiskIO(disk, empty(), depth=1)
+    rows = slot(1)
+    queued = io.spill(1, rows, None, 0)
+    assert io.spill(2, slot(2), None, 0) is None and io.dropped == 1  # its one staging row is taken
+    for row in rows:
+        row.zero_()  # the host slot, reused at once
+    assert not list(tmp_path.rglob("*.kv"))
+    gate.set()
+    queued.result(timeout=60)
+    into = empty()
+    assert disk.read(1, into) is not None and all(torch.equal(a, b) for a, b in zip(into, slot(1)))
+    assert not disk.path(2, 0).exists()
+    io.close()
+
+
 WRITER = textwrap.dedent("""
     from tests.engine.test_kv_disk import slot, tier
     from pathlib import Path
@@ -138,6 +163,7 @@ def test_the_kv_events_say_disk_for_what_the_tier_stores_and_removes(tmp_path):
         log.stored(MEDIUM_HOST, block_hash, BlockOrigin(None, tuple(range(16))))
         disk.write(block_hash, slot(block_hash), None)  # the log knows its origin from the host tier
         os.utime(disk.path(block_hash, 0), (1000.0 + block_hash,) * 2)
+    disk.announce()  # the step thread tells the log what the file operations did
     log.flush()
     events = [event for batch in batches for event in batch.events]
     stored = [h for e in events if isinstance(e, BlockStored) and e.medium == MEDIUM_DISK for h in e.block_hashes]
@@ -190,7 +216,8 @@ def test_a_truncated_file_is_recomputed_and_a_refit_reads_none_of_the_old_files(
     third.write_bytes(third.read_bytes()[:-1000])
     damaged = engine(tiny_llama, disk, [6])
     assert damaged["cached"] == [2 * BLOCK]  # two blocks from disk, the rest recomputed
-    assert damaged["disk"]["corrupt"] == 1 and damaged["disk"]["hits"] == 2
+    # the reads of a prefix start together: the two blocks after the bad one are read too, and not used
+    assert damaged["disk"]["corrupt"] == 1 and damaged["disk"]["hits"] == 4
     assert damaged["log_probs"] == first["log_probs"][6:7] and damaged["tokens"] == first["tokens"][6:7]
     old = [path for index in (3, 4) for path in files_of(disk, prompts()[index])]
     assert all(path.exists() for path in old)  # what an engine of epoch 0 hits (the test above)
@@ -198,3 +225,32 @@ def test_a_truncated_file_is_recomputed_and_a_refit_reads_none_of_the_old_files(
     assert refitted["epoch"] == 1 and refitted["cached"] == [0, 0] and refitted["disk"]["hits"] == 0
     assert refitted["tokens"] == first["tokens"][3:5] and refitted["log_probs"] == first["log_probs"][3:5]
     assert all(path.exists() for path in old)  # unreachable, not removed
+
+
+def test_a_step_does_not_wait_for_a_disk_read(tiny_llama, written):
+    """A request whose prefix is on disk waits for its reads (real file reads, held by a gate this test opens) while
+    another keeps producing tokens; once they land it runs on them, with engine A's tokens and log probs."""
+    disk, first = written
+    engine = DynamicInferenceEngine.from_model_dir(tiny_llama, config(str(disk)), vocabulary_only=True)
+    files = engine.host_tier.disk
+    gate, real = threading.Event(), files.read
+
+    def held(*args):
+        assert gate.wait(60), "the gate was never opened"
+        return real(*args)
+
+    files.read = held
+    other = DynamicInferenceRequest("other", "", [3] * 40, SamplingParams(temperature=0.0, num_tokens_to_generate=6,
+                                                                             ignore_eos=True))
+    reader = DynamicInferenceRequest("reader", "", prompts()[0], PARAMS)
+    engine.add_request(other)
+    engine.add_request(reader)
+    while len(other.generated_tokens) < 6:
+        engine.step()
+    assert not reader.generated_tokens and engine.host_tier.reading()  # its blocks are still being read
+    gate.set()
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert reader.cached_tokens == 5 * BLOCK and files.hits == 5
+    assert reader.generated_tokens == first["tokens"][0] and reader.generated_log_probs == first["log_probs"][0]
+    engine.shutdown()

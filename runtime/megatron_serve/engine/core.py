@@ -71,6 +71,8 @@ from ..weights.peer_pull import layout_digest
 
 logger = logging.getLogger(__name__)
 
+DISK_WAIT_S = 0.05  # a step with nothing to run but requests waiting for disk reads waits this long for one at most
+
 
 class DynamicInferenceEngine:
     """The step loop over the scheduler (the bookkeeping), the worker (the device half: runner, sampler, sampling
@@ -130,6 +132,8 @@ class DynamicInferenceEngine:
             model_identity = f"{Path(model_dir).resolve() if model_dir is not None else ''}|{layout_digest(model)}"
             self.host_tier.attach_disk(config.kv_disk_dir, int(config.kv_disk_size * 2**30), model_identity,
                                        lambda: scheduler.epoch)
+        if self.host_tier is not None:  # the slots held for a request whose blocks were being read from disk
+            self.scheduler.forgets.append(self.host_tier.release)
         scheduler.leaving.append(lambda sequence: kv_transfer.on_leave(sequence, scheduler.epoch))
         self.scheduler.forgets.append(self.worker.forget)
         self.expert = ExpertApi()  # the public requests added (Megatron's expert API), applied their outputs
@@ -220,6 +224,8 @@ class DynamicInferenceEngine:
         """Stop the other tensor-parallel ranks, if any, and the KV events' publisher; the engine is unusable
         afterwards."""
         self.worker.runner.shutdown()
+        if self.host_tier is not None:
+            self.host_tier.close()  # the disk tier's queued writes land first
         if self.kv_publisher is not None:
             self.kv_events.flush()
             self.kv_publisher.close()
@@ -289,6 +295,9 @@ class DynamicInferenceEngine:
             logger.exception("finishing the step in flight failed; its tokens are dropped")
         sequences = self.scheduler.take_unfinished()
         self.worker.clear([s.request_id for s in sequences])  # the requests leave: their device state too
+        if self.host_tier is not None:  # and the slots held for those waiting for disk reads
+            for sequence in sequences:
+                self.host_tier.release(sequence.request_id)
         return [self.expert.ended(s) for s in sequences]
 
     # ------------------------------------------------------------------ step
@@ -348,6 +357,8 @@ class DynamicInferenceEngine:
         if self.memory.suspended or not scheduler.has_work():
             return None
         batch = scheduler.schedule()
+        if not batch and self._in_flight is None and self.host_tier is not None and self.host_tier.reading():
+            self.host_tier.await_disk(DISK_WAIT_S)  # only requests whose blocks are on their way: no spin
         self.stats.preempted(len(batch.preempted))
         for sequence in batch.preempted:  # bound again, from its tokens, when it samples next
             self.worker.unbind(sequence.request_id)

@@ -19,6 +19,11 @@ directory's total size is kept in a ledger file under an ``flock``. When the led
 holding the lock measures the directory and removes the least recently used files down to 90% of it: a scan per
 tenth of the bound written, not per block. A file removed while another engine reads it stays readable through the
 open handle (POSIX), and one removed before the open is a miss.
+
+The engine runs these file operations on threads of its own (:mod:`.disk_io`), so everything here may run off the
+step thread: the lock is a thread lock as well as an ``flock`` (an ``flock`` excludes other processes, not other
+threads of this one), and what the KV events should say is left as notices that :meth:`DiskKVTier.announce` hands
+to the event log on the step thread (the log is the step thread's).
 """
 
 from __future__ import annotations
@@ -28,7 +33,9 @@ import hashlib
 import logging
 import os
 import struct
+import threading
 import time
+from collections import deque
 from pathlib import Path
 from typing import Callable, Iterator, NamedTuple
 
@@ -93,9 +100,11 @@ class DiskKVTier:
         self.block_bytes = block_bytes
         self.epoch = epoch
         self.events = events
+        self._notices: deque[tuple[bool, int, BlockOrigin | None]] = deque()  # (stored?, hash, origin) for the log
         self.home = self.root / layout.hex()
         self.home.mkdir(parents=True, exist_ok=True)
         self._lock_fd = os.open(self.root / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+        self._thread_lock = threading.Lock()
         self._scan_every = max(1, self.capacity_bytes // 10)
         self._written_since_scan = 0
         self.written = self.hits = self.misses = self.corrupt = self.evicted = 0
@@ -108,10 +117,37 @@ class DiskKVTier:
     def path(self, block_hash: int, epoch: int) -> Path:
         return self.home / f"e{epoch}" / f"{block_hash:016x}{SUFFIX}"
 
-    def write(self, block_hash: int, slot: list[torch.Tensor], origin: BlockOrigin | None) -> bool:
-        """Store one block (``slot``: its host rows, :meth:`HostKVTier` order); False when the epoch is a mix. An
-        existing file of the same key is replaced: its bytes are the same block's."""
+    def has(self, block_hash: int) -> bool:
+        """Whether a file of ``block_hash`` is there now, under the current epoch (a lookup: its bytes are checked
+        when it is read)."""
         epoch = self.epoch()
+        found = epoch >= 0 and self.path(block_hash, epoch).exists()
+        if not found:
+            self.misses += 1
+        return found
+
+    def announce(self) -> None:
+        """Tell the event log what the file operations since the last call stored and removed (step thread)."""
+        notices, events = self._notices, self.events
+        while notices:
+            stored, block_hash, origin = notices.popleft()
+            if events is None:
+                continue
+            if stored:
+                events.stored(MEDIUM_DISK, block_hash, origin)
+            else:
+                events.removed(MEDIUM_DISK, [block_hash])
+
+    def _notice(self, stored: bool, block_hashes: list[int], origin: BlockOrigin | None = None) -> None:
+        if self.events is not None:
+            self._notices.extend((stored, block_hash, origin) for block_hash in block_hashes)
+
+    def write(self, block_hash: int, slot: list[torch.Tensor], origin: BlockOrigin | None,
+              epoch: int | None = None) -> bool:
+        """Store one block (``slot``: its host rows, :meth:`HostKVTier` order) under ``epoch`` (None: the current
+        one, which the caller should read when the block leaves memory: a refit may come before the write); False
+        when the epoch is a mix. An existing file of the same key is replaced: its bytes are the same block's."""
+        epoch = self.epoch() if epoch is None else epoch
         if epoch < 0:
             return False
         target = self.path(block_hash, epoch)
@@ -131,14 +167,14 @@ class DiskKVTier:
                 file.write(part.data)
         os.replace(temporary, target)  # whole or not at all, for every reader
         self.written += 1
-        if self.events is not None:
-            self.events.stored(MEDIUM_DISK, block_hash)
+        self._notice(True, [block_hash])
         self._account(HEADER.size + len(meta) + length)
         return True
 
-    def read(self, block_hash: int, slot: list[torch.Tensor]) -> Found | None:
-        """Read a block into ``slot`` (its host rows); None when no sound file holds it (a bad one is removed)."""
-        epoch = self.epoch()
+    def read(self, block_hash: int, slot: list[torch.Tensor], epoch: int | None = None) -> Found | None:
+        """Read a block of ``epoch`` (None: the current one) into ``slot`` (its host rows); None when no sound file
+        holds it (a bad one is removed)."""
+        epoch = self.epoch() if epoch is None else epoch
         if epoch < 0:
             return None
         path = self.path(block_hash, epoch)
@@ -166,8 +202,7 @@ class DiskKVTier:
         except FileNotFoundError:
             pass  # removed by another engine since the read: the bytes read are whole and checked
         self.hits += 1
-        if self.events is not None:
-            self.events.stored(MEDIUM_DISK, block_hash, origin)
+        self._notice(True, [block_hash], origin)
         return Found(origin)
 
     def _check(self, data: bytearray, block_hash: int, epoch: int, expected: int) -> BlockOrigin | None | bool:
@@ -198,8 +233,7 @@ class DiskKVTier:
                 removed.append(_hash_of(entry.name))
                 self._unlink(entry.path)
             self._trim(force=True)
-        if self.events is not None:
-            self.events.removed(MEDIUM_DISK, [h for h in removed if h is not None])
+        self._notice(False, [h for h in removed if h is not None])
 
     def _remove(self, path: Path, size: int) -> None:
         with self._locked():
@@ -245,8 +279,7 @@ class DiskKVTier:
                     self.evicted += 1
                     if path.startswith(mine) and (block_hash := _hash_of(os.path.basename(path))) is not None:
                         gone.append(block_hash)
-            if gone and self.events is not None:
-                self.events.removed(MEDIUM_DISK, gone)
+            self._notice(False, gone)
         self._set_ledger(total)
 
     def _ledger(self, delta: int) -> int:
@@ -262,7 +295,7 @@ class DiskKVTier:
         os.pwrite(self._lock_fd, total.to_bytes(8, "little"), 0)
 
     def _locked(self) -> "_Flock":
-        return _Flock(self._lock_fd)
+        return _Flock(self._lock_fd, self._thread_lock)
 
     @staticmethod
     def _unlink(path: str | Path) -> bool:
@@ -274,16 +307,20 @@ class DiskKVTier:
 
 
 class _Flock:
-    """The directory's lock, across the node's engines (``flock`` on the lock file, which also holds the ledger)."""
+    """The directory's lock, across the node's engines (``flock`` on the lock file, which also holds the ledger) and
+    the threads of this one (``thread_lock``)."""
 
-    def __init__(self, fd: int):
+    def __init__(self, fd: int, thread_lock: threading.Lock):
         self.fd = fd
+        self.thread_lock = thread_lock
 
     def __enter__(self) -> None:
+        self.thread_lock.acquire()
         fcntl.flock(self.fd, fcntl.LOCK_EX)
 
     def __exit__(self, *exc: object) -> None:
         fcntl.flock(self.fd, fcntl.LOCK_UN)
+        self.thread_lock.release()
 
 
 def _dirs(path: Path | str) -> Iterator[str]:

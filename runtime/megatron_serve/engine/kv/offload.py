@@ -14,8 +14,12 @@ nothing in it can be found again.
 
 Slots are reused least recently used first; a slot whose copy back to the device has not completed is pinned
 and never reused. With a disk tier behind it (:mod:`.disk`, ``--kv-offloading-backend disk``) the block of a slot
-being reused is written to the node's disk first, and a lookup that stops in host memory goes on there: a block
-found on disk is read into a host slot and copied to the device as any host hit. The copies themselves are a
+being reused is written to the node's disk, and a lookup that stops in host memory goes on there: a block found on
+disk is read into a host slot and copied to the device as any host hit. Neither waits on the step thread
+(:mod:`.disk_io`): a spill copies the block out and queues its write; a lookup that finds blocks on disk starts
+their reads and answers "not yet" (:meth:`HostKVTier.take` returns None), the request waits in the queue while
+others step, and the same lookup after the reads landed finds them in host memory. The slots found or being read
+for a waiting request are held for it until it looks again or leaves. The copies themselves are a
 :class:`Copier`'s: on a GPU a side stream with pinned host memory (the host never waits; the device's next step
 waits for the copies that it depends on), on a CPU a plain copy.
 """
@@ -23,7 +27,8 @@ waits for the copies that it depends on), on a CPU a plain copy.
 from __future__ import annotations
 
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
+from concurrent.futures import FIRST_COMPLETED, Future, wait as wait_futures
 from dataclasses import dataclass, field
 from typing import Callable, Protocol
 
@@ -33,6 +38,7 @@ from ...wire.engine_stats import KV_OFFLOAD, KV_OFFLOAD_DIRECTIONS
 from ...wire.kv_events import MEDIUM_HOST
 from .cache import KVCachePool
 from .disk import DiskKVTier, layout_key
+from .disk_io import DiskIO
 from .events import KVEventLog
 
 #: vLLM's ``transfer_type`` label values of ``vllm:kv_offload_total_bytes`` and ``vllm:kv_offload_total_time``.
@@ -70,6 +76,16 @@ class _CudaTransfer:
 
     def seconds(self) -> float:
         return self.start.elapsed_time(self.end) / 1000.0
+
+
+@dataclass
+class _Read:
+    """A disk read into a host slot, started under the tier's ``generation`` (a clear ends a generation)."""
+
+    block_hash: int
+    slot: int
+    future: Future
+    generation: int
 
 
 def _raw(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -183,6 +199,7 @@ class HostKVTier:
                  events: KVEventLog | None = None):
         self.pool = pool
         self.disk: DiskKVTier | None = None  # behind this tier (attach_disk)
+        self.disk_io: DiskIO | None = None  # its reads and writes, off the step thread
         self.events = events  # told what the tier stores and drops (medium ``CPU``)
         self.copier = copier if copier is not None else copier_for(pool.device)
         self.block_bytes = pool.bytes_per_pool_block
@@ -196,6 +213,13 @@ class HostKVTier:
         self._free = list(range(self.num_slots - 1, -1, -1))
         self._pins: dict[int, int] = {}  # slot -> copies to the device in flight from it
         self._loads: list[tuple[Transfer, list[int]]] = []
+        self._reads: dict[int, _Read] = {}  # hash -> its disk read in flight, of this generation
+        self._landing: list[_Read] = []  # every disk read in flight (a clear leaves earlier ones landing)
+        self._reading_slots: set[int] = set()  # slots a disk read fills: out of use until it lands
+        self._writes: dict[int, Future] = {}  # hash -> its disk write in flight: a lookup waits for it, not misses
+        self._holds: dict[str | None, list[int]] = {}  # a waiting request's slots, kept for its next lookup
+        self._held: Counter[int] = Counter()
+        self._generation = 0
         self._stores: list[Transfer] = []
         self.stats = TransferStats()
 
@@ -210,6 +234,7 @@ class HostKVTier:
         rows = [buffer[0] for buffer in self._host]
         self.disk = DiskKVTier(directory, capacity_bytes, layout_key(model_identity, rows), self.block_bytes, epoch,
                                self.events)
+        self.disk_io = DiskIO(self.disk, rows)
         return self.disk
 
     @property
@@ -241,8 +266,7 @@ class HostKVTier:
                 self._pins[slot] -= 1
                 if not self._pins[slot]:
                     del self._pins[slot]
-                    if slot not in self._hash_of_slot:  # forgotten by clear() while it was loaded from
-                        self._free.append(slot)
+                    self._release(slot)  # free if clear() forgot its block while it was loaded from
         self._loads = still
         pending = []
         for transfer in self._stores:
@@ -252,13 +276,44 @@ class HostKVTier:
                 pending.append(transfer)
         self._stores = pending
 
+    def _release(self, slot: int) -> None:
+        """Free ``slot`` if nothing uses it any more: no block, no copy, no hold, no disk read."""
+        if (slot not in self._hash_of_slot and slot not in self._pins and not self._held[slot]
+                and slot not in self._reading_slots):
+            self._free.append(slot)
+
+    def _land(self) -> None:
+        """Tell the events what the disk did; land the disk reads that are done (a sound block joins the tier, a
+        missing or bad one, or one of a generation that a clear ended, frees its slot); forget finished writes."""
+        if self.disk is None:
+            return
+        self.disk.announce()
+        still: list[_Read] = []
+        for read in self._landing:
+            if not read.future.done():
+                still.append(read)
+                continue
+            self._reading_slots.discard(read.slot)
+            found = read.future.result()
+            if read.generation == self._generation:
+                del self._reads[read.block_hash]
+                if found is not None:
+                    self._slot_of_hash[read.block_hash] = read.slot
+                    self._hash_of_slot[read.slot] = read.block_hash
+                    if self.events is not None:
+                        self.events.stored(MEDIUM_HOST, read.block_hash, found.origin)
+                    continue
+            self._release(read.slot)
+        self._landing = still
+        self._writes = {block_hash: write for block_hash, write in self._writes.items() if not write.done()}
+
     def _take_slot(self, filling: set[int]) -> int | None:
-        """A free slot, else the least recently used one neither pinned nor being filled by the same copy (its
-        block forgotten); None when there is none."""
+        """A free slot, else the least recently used one neither pinned, held nor being filled by the same copy
+        (its block forgotten); None when there is none."""
         if self._free:
             return self._free.pop()
         for block_hash, slot in self._slot_of_hash.items():
-            if slot not in self._pins and slot not in filling:
+            if slot not in self._pins and slot not in filling and not self._held[slot]:
                 if self.disk is not None:
                     self._spill(block_hash, slot)
                 del self._slot_of_hash[block_hash]
@@ -272,30 +327,37 @@ class HostKVTier:
         return [buffer[slot] for buffer in self._host]
 
     def _spill(self, block_hash: int, slot: int) -> None:
-        """Write a slot's block to the disk tier before the slot is reused (its copy from the device landed first)."""
+        """Queue a slot's block for the disk tier before the slot is reused (its copy from the device landed first;
+        the write copies the bytes out): dropped when the write queue is full."""
         if self._stores:
             self.wait()
-        self.disk.write(block_hash, self._slot_rows(slot), self.events.origin(block_hash) if self.events else None)
+        origin = self.events.origin(block_hash) if self.events else None
+        write = self.disk_io.spill(block_hash, self._slot_rows(slot), origin, self.disk.epoch())
+        if write is not None:
+            self._writes[block_hash] = write
 
-    def _from_disk(self, block_hash: int, filling: set[int]) -> int | None:
-        """A host slot holding ``block_hash`` read from the disk tier; None when the disk has no sound copy."""
+    def _start_read(self, block_hash: int, filling: set[int]) -> int | None:
+        """The slot a disk read of ``block_hash`` fills: one in flight, or one started now; None when the disk has
+        no file of it or there is no slot for it."""
+        read = self._reads.get(block_hash)
+        if read is not None:
+            return read.slot
+        if not self.disk.has(block_hash):
+            return None
         slot = self._take_slot(filling)
         if slot is None:
             return None
-        found = self.disk.read(block_hash, self._slot_rows(slot))
-        if found is None:
-            self._free.append(slot)
-            return None
-        self._slot_of_hash[block_hash] = slot
-        self._hash_of_slot[slot] = block_hash
-        if self.events is not None:
-            self.events.stored(MEDIUM_HOST, block_hash, found.origin)
+        future = self.disk_io.read(block_hash, self._slot_rows(slot), self.disk.epoch())
+        self._reads[block_hash] = read = _Read(block_hash, slot, future, self._generation)
+        self._landing.append(read)
+        self._reading_slots.add(slot)
         return slot
 
     def store(self, evicted: list[tuple[int, int]]) -> int:
         """Copy the device blocks ``(block, hash)`` leaving the pool to host slots (those already here are only
         marked recently used); returns how many were copied."""
         self._reap()
+        self._land()
         blocks, slots = [], []
         filling: set[int] = set()
         for block, block_hash in evicted:
@@ -318,20 +380,65 @@ class HostKVTier:
             self._reap()
         return len(blocks)
 
-    def take(self, hashes: list[int]) -> list[int]:
-        """The slots holding the longest prefix of ``hashes``, pinned until :meth:`load` copies them back."""
+    def take(self, hashes: list[int], owner: str | None = None) -> list[int] | None:
+        """The slots holding the longest prefix of ``hashes``, pinned until :meth:`load` copies them back; None
+        (not yet) while some of them are on their way from disk: the reads run, and the slots found so far are held
+        for ``owner`` (a request) until its next call or :meth:`release`."""
         self._reap()
+        self._land()
         slots: list[int] = []
+        waiting = False
         for block_hash in hashes:
             slot = self._slot_of_hash.get(block_hash)
-            if slot is None and self.disk is not None:
-                slot = self._from_disk(block_hash, set(slots))
+            if slot is not None:
+                self._slot_of_hash.move_to_end(block_hash)
+            elif self.disk is not None:
+                if block_hash in self._writes:  # its file is not there yet: the lookup comes back once it is
+                    waiting = True
+                    break
+                slot = self._start_read(block_hash, set(slots))
+                waiting = waiting or slot is not None
             if slot is None:
                 break
-            self._slot_of_hash.move_to_end(block_hash)
-            self._pins[slot] = self._pins.get(slot, 0) + 1
             slots.append(slot)
-        return slots
+        previous = self._holds.pop(owner, [])
+        if waiting:
+            self._holds[owner] = slots
+            self._held.update(slots)
+        else:
+            for slot in slots:
+                self._pins[slot] = self._pins.get(slot, 0) + 1
+        self._unhold(previous)
+        return None if waiting else slots
+
+    def release(self, owner: str | None) -> None:
+        """Let go of the slots held for ``owner`` (a request that left while its blocks were read)."""
+        self._unhold(self._holds.pop(owner, []))
+
+    def _unhold(self, slots: list[int]) -> None:
+        for slot in slots:
+            self._held[slot] -= 1
+            if not self._held[slot]:
+                del self._held[slot]
+                self._release(slot)
+
+    def reading(self) -> bool:
+        """Whether disk reads or writes that a lookup may wait for are in flight."""
+        return bool(self._reads or self._writes)
+
+    def await_disk(self, timeout: float) -> None:
+        """Block until a disk read or write in flight is done, at most ``timeout`` seconds (a step with nothing to
+        run but requests waiting for their blocks: the engine waits here rather than spin)."""
+        pending = [read.future for read in self._reads.values()] + list(self._writes.values())
+        if pending:
+            wait_futures(pending, timeout, FIRST_COMPLETED)
+
+    def flush(self) -> None:
+        """Wait until every block spilled so far is written (a reset removes files; a test or a benchmark reads
+        what was written)."""
+        if self.disk_io is not None:
+            self.disk_io.flush()
+            self._land()
 
     def load(self, slots: list[int], blocks: list[int]) -> None:
         """Copy the slots :meth:`take` pinned into device ``blocks``; each slot stays pinned until its copy lands."""
@@ -347,15 +454,28 @@ class HostKVTier:
         the current epoch; a refit leaves them, unreachable under the new epoch's keys."""
         self._reap()
         if forget_files and self.disk is not None:
+            self.flush()  # no write queued before the reset lands after it
             self.disk.forget()
+        self._land()
         if self.events is not None:
             self.events.removed(MEDIUM_HOST, list(self._slot_of_hash))
         self._slot_of_hash.clear()
         self._hash_of_slot.clear()
-        self._free = [slot for slot in range(self.num_slots - 1, -1, -1) if slot not in self._pins]
+        self._generation += 1  # the reads in flight land into nothing
+        self._reads.clear()
+        self._holds.clear()
+        self._held.clear()
+        self._free = [slot for slot in range(self.num_slots - 1, -1, -1)
+                      if slot not in self._pins and slot not in self._reading_slots]
 
     def wait(self) -> None:
         """Block until every copy has landed (before the pool is released or read by the host)."""
         if isinstance(self.copier, CudaCopier):
             self.copier.stream.synchronize()
         self._reap()
+
+    def close(self) -> None:
+        """Finish the disk tier's queued writes and stop its threads (the engine shuts down)."""
+        if self.disk_io is not None:
+            self.disk_io.close()
+            self.disk.close()

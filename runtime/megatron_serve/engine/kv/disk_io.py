@@ -1,0 +1,87 @@
+"""The disk tier's file I/O off the engine's step thread: a writer and a reader thread over :class:`~.disk.DiskKVTier`.
+
+A step that spilled a block or admitted a prefix found on disk used to write or read the files itself, so every
+request in the batch waited for the disk (a block of Llama-3.1-8B at 64 tokens is 8 MiB). Here the step only hands
+work over:
+
+* a spill copies the block's bytes into one of ``depth`` staging rows (the host slot is reused at once) and queues
+  the write; with every staging row taken, the spill is dropped and counted (``dropped``): the block is recomputed
+  if it is asked for again, and the step never waits for the disk. The file is published by its rename, whole
+  (:meth:`~.disk.DiskKVTier.write`), so a reader of another engine never sees it in part;
+* a read fills a host slot that the caller keeps out of use until the read's future is done.
+
+Reads and writes have a thread each, so that a prefix a request waits for is not queued behind writes nobody waits
+for. The executors' threads are joined at interpreter exit after the work queued (``concurrent.futures``), so an
+engine process that ends leaves its queued blocks written for the next one.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+
+from .disk import DiskKVTier, Found
+from .events import BlockOrigin
+
+logger = logging.getLogger("megatron_serve.engine")
+
+WRITE_DEPTH = 16  # blocks queued for writing at most (their staging rows: depth x the block's bytes of memory)
+
+
+class DiskIO:
+    """Writes and reads of ``disk``'s files on two threads (see the module docstring); ``rows``: one host slot's
+    tensors, the shape of a staging row."""
+
+    def __init__(self, disk: DiskKVTier, rows: list[torch.Tensor], depth: int = WRITE_DEPTH):
+        self.disk = disk
+        self._staging = [torch.empty((depth, *row.shape), dtype=row.dtype) for row in rows]
+        self._spare: queue.SimpleQueue[int] = queue.SimpleQueue()  # staging rows free for a spill
+        for index in range(depth):
+            self._spare.put(index)
+        self._writer = ThreadPoolExecutor(1, thread_name_prefix="kv-disk-write")
+        self._reader = ThreadPoolExecutor(1, thread_name_prefix="kv-disk-read")
+        self.dropped = 0  # spills dropped because every staging row was queued
+
+    def spill(self, block_hash: int, rows: list[torch.Tensor], origin: BlockOrigin | None, epoch: int) -> Future | None:
+        """Copy a block out of ``rows`` and queue its write under ``epoch``; None when the queue is full (dropped)."""
+        try:
+            index = self._spare.get_nowait()
+        except queue.Empty:
+            self.dropped += 1
+            return None
+        staged = [buffer[index] for buffer in self._staging]
+        for target, source in zip(staged, rows):
+            target.copy_(source)
+        return self._writer.submit(self._write, index, block_hash, staged, origin, epoch)
+
+    def _write(self, index: int, block_hash: int, staged: list[torch.Tensor], origin: BlockOrigin | None,
+               epoch: int) -> None:
+        try:
+            self.disk.write(block_hash, staged, origin, epoch)
+        except OSError as error:  # a full or failing disk costs the block, not the engine
+            logger.warning("KV disk tier: block %016x not written: %s", block_hash, error)
+        finally:
+            self._spare.put(index)
+
+    def read(self, block_hash: int, rows: list[torch.Tensor], epoch: int) -> Future:
+        """Start reading a block of ``epoch`` into ``rows``; the future holds its :class:`~.disk.Found`, or None."""
+        return self._reader.submit(self._read, block_hash, rows, epoch)
+
+    def _read(self, block_hash: int, rows: list[torch.Tensor], epoch: int) -> Found | None:
+        try:
+            return self.disk.read(block_hash, rows, epoch)
+        except OSError as error:  # unreadable: a miss, recomputed
+            logger.warning("KV disk tier: block %016x not read: %s", block_hash, error)
+            return None
+
+    def flush(self) -> None:
+        """Wait until every write queued so far is done (a reset removes files; a test reads what was written)."""
+        self._writer.submit(lambda: None).result()
+
+    def close(self) -> None:
+        """Finish the queued writes and reads and stop both threads."""
+        self._writer.shutdown(wait=True)
+        self._reader.shutdown(wait=True)
