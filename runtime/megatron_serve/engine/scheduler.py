@@ -49,6 +49,8 @@ from .tenancy import TenantPolicy, base_band
 from .steps import InFlightStep, StepOutput
 from .token_append import append_tokens, ended
 
+READING = -1  # what _attach_cached_prefix says of a sequence whose blocks are being read from disk (no hash is < 0)
+
 
 def block_adapter(sequence: Sequence) -> tuple[int, str] | None:
     """The adapter a sequence's blocks are computed under, as KV events name it: (version, name); None: base."""
@@ -212,7 +214,10 @@ class Scheduler:
         on_device = len(blocks)
         tier = self.allocator.tier
         if tier is not None and on_device < cacheable:
-            slots = tier.take(hashes[on_device : on_device + self.allocator.num_free])
+            slots = tier.take(hashes[on_device : on_device + self.allocator.num_free], sequence.request_id)
+            if slots is None:  # some are on their way from disk (kv.offload): it waits, and others step
+                self.allocator.free(blocks)
+                return READING
             if slots:
                 loaded = self.allocator.allocate(len(slots), band)
                 tier.load(slots, loaded)
@@ -379,7 +384,7 @@ class Scheduler:
                 skipped.append(sequence)  # judged by its whole length: no prefix-cache lookup for it
                 continue
             next_hash = self._attach_cached_prefix(sequence)
-            if next_hash is not None and next_hash in pending:
+            if next_hash == READING or next_hash is not None and next_hash in pending:
                 self.release(sequence)
                 skipped.append(sequence)
                 continue
