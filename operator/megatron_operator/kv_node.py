@@ -15,7 +15,7 @@ import math
 from typing import Any
 
 from .crd_kv_tiers import KV_EVENTS_PORT
-from .names import object_meta, selector_labels
+from .names import service
 from .spec import InferenceSpec
 
 DISK_VOLUME = "kv-disk"
@@ -84,18 +84,8 @@ def render_events_service(spec: InferenceSpec) -> dict[str, Any] | None:
     """The headless Service listing every engine pod's events ports (None without ``kvEvents``)."""
     if spec.kv_events is None:
         return None
-    return {
-        "apiVersion": "v1",
-        "kind": "Service",
-        "metadata": object_meta(spec, kv_events_service_name(spec.name), "engine"),
-        "spec": {
-            "clusterIP": "None",
-            "publishNotReadyAddresses": False,
-            "selector": selector_labels(spec.name, "engine"),
-            "ports": [{"name": name, "port": port, "targetPort": port, "protocol": "TCP"}
-                      for name, port in _ports(spec)],
-        },
-    }
+    return service(spec, kv_events_service_name(spec.name), "engine",
+                   [{"name": name, "port": port, "targetPort": port} for name, port in _ports(spec)], headless=True)
 
 
 def events_status(spec: InferenceSpec) -> dict[str, Any] | None:

@@ -1,4 +1,5 @@
-"""The names, labels and metadata of a resource's children (shared by rendering and its network policies)."""
+"""The names, labels and metadata of a resource's children (shared by rendering and its network policies), and the
+Service around a component's pods, which is little more."""
 
 from __future__ import annotations
 
@@ -70,3 +71,19 @@ def object_meta(spec: InferenceSpec, name: str, component: str, group: int | Non
             "controller": True,
         }]
     return meta
+
+
+def service(spec: InferenceSpec, name: str, component: str, ports: list[dict[str, Any]], *, group: int | None = None,
+            headless: bool = False, publish_not_ready: bool = False) -> dict[str, Any]:
+    """A Service named ``name`` selecting the ``component`` pods (of engine group ``group``), TCP on ``ports``
+    (each ``{name, port, targetPort}``). ``headless``: no cluster IP, its name resolves to each pod; with
+    ``publish_not_ready`` also to pods not ready yet."""
+    body: dict[str, Any] = ({"clusterIP": "None", "publishNotReadyAddresses": publish_not_ready} if headless
+                            else {"type": "ClusterIP"})
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": object_meta(spec, name, component, group),
+        "spec": {**body, "selector": selector_labels(spec.name, component, group),
+                 "ports": [{**port, "protocol": "TCP"} for port in ports]},
+    }

@@ -42,7 +42,7 @@ from .kv_node import disk_volume, events_container_ports, render_events_service
 from .leader_worker_set import render_engine_lws
 from .model_fetch import fetch_container
 from .names import (COORDINATOR_PORT, RENDEZVOUS_PORT, coordinator_name, coordinator_service_address, engine_name,
-                    labels, object_meta, secret_name, selector_labels, server_service_name)
+                    labels, object_meta, secret_name, selector_labels, server_service_name, service)
 from .network import API_KEY_ENV, coordinator_policy, engine_policy, unauthenticated_ports
 from .spec import InferenceSpec, SpecError, parse
 
@@ -162,30 +162,13 @@ def render_secret(spec: InferenceSpec, token: str) -> dict[str, Any]:
 
 
 def render_server_service(spec: InferenceSpec) -> dict[str, Any]:
-    return {
-        "apiVersion": "v1",
-        "kind": "Service",
-        "metadata": object_meta(spec, server_service_name(spec.name), "coordinator"),
-        "spec": {
-            "type": "ClusterIP",
-            "selector": selector_labels(spec.name, "coordinator"),
-            "ports": [{"name": "http", "port": spec.server_port, "targetPort": "http", "protocol": "TCP"}],
-        },
-    }
+    return service(spec, server_service_name(spec.name), "coordinator",
+                   [{"name": "http", "port": spec.server_port, "targetPort": "http"}])
 
 
 def render_coordinator_service(spec: InferenceSpec) -> dict[str, Any]:
-    return {
-        "apiVersion": "v1",
-        "kind": "Service",
-        "metadata": object_meta(spec, coordinator_name(spec.name), "coordinator"),
-        "spec": {
-            "type": "ClusterIP",
-            "selector": selector_labels(spec.name, "coordinator"),
-            "ports": [{"name": "coordinator", "port": COORDINATOR_PORT, "targetPort": "coordinator",
-                       "protocol": "TCP"}],
-        },
-    }
+    return service(spec, coordinator_name(spec.name), "coordinator",
+                   [{"name": "coordinator", "port": COORDINATOR_PORT, "targetPort": "coordinator"}])
 
 
 def render_coordinator_deployment(spec: InferenceSpec, config: OperatorConfig) -> dict[str, Any]:
@@ -259,18 +242,10 @@ def render_coordinator_deployment(spec: InferenceSpec, config: OperatorConfig) -
 
 
 def render_engine_service(spec: InferenceSpec, group: int) -> dict[str, Any]:
-    return {
-        "apiVersion": "v1",
-        "kind": "Service",
-        "metadata": object_meta(spec, engine_name(spec.name, group), "engine", group),
-        "spec": {
-            "clusterIP": "None",
-            # Ranks must find each other before any of them is ready.
-            "publishNotReadyAddresses": True,
-            "selector": selector_labels(spec.name, "engine", group),
-            "ports": [{"name": "rendezvous", "port": RENDEZVOUS_PORT, "targetPort": "rendezvous", "protocol": "TCP"}],
-        },
-    }
+    # Ranks must find each other before any of them is ready.
+    return service(spec, engine_name(spec.name, group), "engine",
+                   [{"name": "rendezvous", "port": RENDEZVOUS_PORT, "targetPort": "rendezvous"}], group=group,
+                   headless=True, publish_not_ready=True)
 
 
 def _engine_probe(mode: str, period: int, failures: int) -> dict[str, Any]:
