@@ -51,25 +51,18 @@ class EngineFacts:
         """The facts as HELLO's ``info`` carries them (absent ones left out, ``capacity`` travels beside)."""
         info: dict[str, Any] = {"kv_blocks_total": self.kv_blocks_total,
                                 "tensor_parallel_size": self.tensor_parallel_size}
+        known = {"parameter_bytes": self.parameter_bytes, "kv_cache_bytes": self.kv_cache_bytes,
+                 "max_sequence_length": self.max_sequence_length, "block_size": self.block_size,
+                 "weights_layout": self.weights_layout, "dtype": self.dtype}
+        info.update((name, value) for name, value in known.items() if value is not None)
         if self.expert_parallel:
             info["expert_parallel"] = True
         if self.pipeline_parallel_size > 1:
             info["pipeline_parallel_size"] = self.pipeline_parallel_size
-        if self.parameter_bytes is not None:
-            info["parameter_bytes"] = self.parameter_bytes
-        if self.kv_cache_bytes is not None:
-            info["kv_cache_bytes"] = self.kv_cache_bytes
-        if self.max_sequence_length is not None:
-            info["max_sequence_length"] = self.max_sequence_length
         if self.block_size is not None:
-            info["block_size"] = self.block_size
             info["prefix_caching"] = self.prefix_caching
         if self.kv_offload_blocks:
             info["kv_offload_blocks"] = self.kv_offload_blocks
-        if self.weights_layout is not None:
-            info["weights_layout"] = self.weights_layout
-        if self.dtype is not None:
-            info["dtype"] = self.dtype
         if self.max_loras is not None:
             info["max_loras"], info["max_lora_rank"] = self.max_loras, self.max_lora_rank
         return info
