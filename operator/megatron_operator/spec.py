@@ -49,20 +49,13 @@ def _type_ok(value: Any, schema: dict[str, Any]) -> bool:
     return isinstance(value, _TYPES[kind])
 
 
+#: What a spec's value is called in an error, by type (``bool`` before ``int``: a boolean is an int to Python).
+_KINDS: tuple[tuple[type, str], ...] = ((bool, "a boolean"), (int, "an integer"), (float, "a number"),
+                                        (str, "a string"), (list, "a list"), (dict, "an object"))
+
+
 def _describe(value: Any) -> str:
-    if isinstance(value, bool):
-        return "a boolean"
-    if isinstance(value, int):
-        return "an integer"
-    if isinstance(value, float):
-        return "a number"
-    if isinstance(value, str):
-        return "a string"
-    if isinstance(value, list):
-        return "a list"
-    if isinstance(value, dict):
-        return "an object"
-    return type(value).__name__
+    return next((words for kind, words in _KINDS if isinstance(value, kind)), type(value).__name__)
 
 
 def apply_defaults(value: Any, schema: dict[str, Any]) -> Any:
