@@ -22,7 +22,7 @@ from megatron_serve.wire.sampling_params import SamplingParams
 
 from .fakes import FakeEngine, expected_tokens
 from ..helpers import until
-from .test_verb_timeout import consume, engine_ids, hang_after
+from .test_verb_timeout import MOVED_PROMPT, engine_ids, hang_after, hang_mid_request
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -57,14 +57,9 @@ async def stays(predicate, seconds: float, what: str) -> None:
 async def test_engine_that_hangs_while_running_is_dropped_and_its_request_moves(fleet_factory):
     fleet = fleet_factory(stall_timeout=1.0)
     hung_proc, hung_fake, _ = fleet.add_engine(heartbeat_interval=HEARTBEAT)
-    hanging = hang_after(hung_fake, 3)
     async with InferenceClient(fleet.address, token=fleet.token) as client:
-        [hung_id] = [e["id"] for e in (await client.wait_for_engines(1, timeout=20, poll=0.02))["engines"]]
-        prompt = [4, 5, 6]
-        streamed: list[int] = []
-
-        task = asyncio.create_task(consume(client, prompt, "moved", streamed))
-        assert await asyncio.to_thread(hanging.wait, 10), "the engine never reached its fourth step"
+        prompt, streamed = MOVED_PROMPT, []
+        hung_id, task = await hang_mid_request(client, hung_fake, streamed)
         hung_at = time.monotonic()
         fleet.add_engine(heartbeat_interval=HEARTBEAT)
 

@@ -50,6 +50,22 @@ async def consume(client: InferenceClient, prompt: list[int], request_id: str,
     raise AssertionError("the stream ended without a final request")
 
 
+#: The prompt of the request :func:`hang_mid_request` starts.
+MOVED_PROMPT = [4, 5, 6]
+
+
+async def hang_mid_request(client: InferenceClient, fake: FakeEngine,
+                           streamed: list[int]) -> tuple[str, asyncio.Task[DynamicInferenceRequest]]:
+    """Start request ``moved`` (:data:`MOVED_PROMPT`, 20 tokens, streamed into ``streamed``) on the fleet's one
+    engine, ``fake``'s, and return once that engine hangs in its fourth step: the engine's id and the request's
+    task (which completes once the request moved to a healthy engine)."""
+    hanging = hang_after(fake, 3)
+    [engine_id] = [e["id"] for e in (await client.wait_for_engines(1, timeout=20, poll=0.02))["engines"]]
+    task = asyncio.create_task(consume(client, MOVED_PROMPT, "moved", streamed))
+    assert await asyncio.to_thread(hanging.wait, 10), "the engine never reached its fourth step"
+    return engine_id, task
+
+
 async def engine_ids(client: InferenceClient) -> list[str]:
     return sorted(e["id"] for e in (await client.status())["engines"])
 
@@ -57,14 +73,9 @@ async def engine_ids(client: InferenceClient) -> list[str]:
 async def test_engine_that_never_acks_is_dropped_and_its_request_moves(fleet_factory):
     fleet = fleet_factory(verb_timeout=1.0)
     hung_proc, hung_fake, _ = fleet.add_engine()
-    hanging = hang_after(hung_fake, 3)
     async with InferenceClient(fleet.address, token=fleet.token) as client:
-        [hung_id] = [e["id"] for e in (await client.wait_for_engines(1, timeout=20, poll=0.02))["engines"]]
-        prompt = [4, 5, 6]
-        streamed: list[int] = []
-
-        task = asyncio.create_task(consume(client, prompt, "moved", streamed))
-        assert await asyncio.to_thread(hanging.wait, 10), "the engine never reached its fourth step"
+        prompt, streamed = MOVED_PROMPT, []
+        hung_id, task = await hang_mid_request(client, hung_fake, streamed)
         hung_proc.link.heartbeat_interval = 0.05  # its link thread lives on: heartbeats keep coming, often
         fleet.add_engine()
         await client.wait_for_engines(2, timeout=20, poll=0.02)
