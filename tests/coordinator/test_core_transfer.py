@@ -37,16 +37,22 @@ def paused_fleet() -> tuple[CoreHarness, str, str]:
     return h, e1, e2
 
 
-def transfer(h: CoreHarness, control_id: str, epoch: int, outcomes: dict[bytes, dict]) -> list[Refit]:
-    """Run one trainer refit: every engine verifies, then acknowledges its load with ``outcomes[peer]``."""
+def verified(h: CoreHarness, control_id: str, epoch: int | None, rv: Rendezvous,
+             peers: tuple[bytes, ...] = (E1, E2)) -> list[Refit]:
+    """Send a trainer refit of ``rv``: every engine of ``peers`` gets the verify step and passes it; their load
+    steps."""
     h.send(C, Header.REFIT, Refit(control_id=control_id, source="rendezvous://127.0.0.1:4000", epoch=epoch,
-                                  rendezvous=rendezvous()))
-    for peer in outcomes:
+                                  rendezvous=rv))
+    for peer in peers:
         assert h.take(peer, Header.REFIT)[0].phase == "verify"
         h.send(peer, Header.CONTROL_ACK, ControlAck(control_id=f"{control_id}#0", state="PAUSED"))
-    loads = []
+    return [h.take(peer, Header.REFIT)[0] for peer in peers]
+
+
+def transfer(h: CoreHarness, control_id: str, epoch: int, outcomes: dict[bytes, dict]) -> list[Refit]:
+    """Run one trainer refit: every engine verifies, then acknowledges its load with ``outcomes[peer]``."""
+    loads = verified(h, control_id, epoch, rendezvous(), tuple(outcomes))
     for peer, detail in outcomes.items():
-        loads.append(h.take(peer, Header.REFIT)[0])
         h.send(peer, Header.CONTROL_ACK, ControlAck(control_id=f"{control_id}#1", state="PAUSED", detail=detail))
     return loads
 
@@ -154,12 +160,7 @@ def test_an_adapter_push_takes_one_rank_per_tensor_parallel_group():
     h, e1, e2 = paused_fleet()
     push = LoraPush(name="a", version=1, rank=4, alpha=8.0)
     manifest = [TensorSpec("base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight", (4, 64), "float32")]
-    h.send(C, Header.REFIT, Refit(control_id="l", source="rendezvous://127.0.0.1:4000", epoch=0,
-                                  rendezvous=rendezvous(manifest=manifest, lora=push)))
-    for peer in (E1, E2):
-        assert h.take(peer, Header.REFIT)[0].phase == "verify"
-        h.send(peer, Header.CONTROL_ACK, ControlAck(control_id="l#0", state="PAUSED"))
-    load1, load2 = h.take(E1, Header.REFIT)[0], h.take(E2, Header.REFIT)[0]
+    load1, load2 = verified(h, "l", 0, rendezvous(manifest=manifest, lora=push))
     assert (load1.rendezvous.world_size, load1.rendezvous.rank_offset) == (3, 1)
     assert (load2.rendezvous.world_size, load2.rendezvous.rank_offset) == (3, 2)
 
@@ -167,12 +168,7 @@ def test_an_adapter_push_takes_one_rank_per_tensor_parallel_group():
 def test_a_sharded_trainer_takes_the_first_ranks_and_bad_pieces_are_refused_at_once():
     h, _, _ = paused_fleet()
     pieces = [PieceSpec("model.norm.weight", 0, (0,), (32,)), PieceSpec("model.norm.weight", 1, (32,), (32,))]
-    h.send(C, Header.REFIT, Refit(control_id="s", source="rendezvous://127.0.0.1:4000", epoch=2,
-                                  rendezvous=rendezvous(pieces=pieces, senders=2)))
-    for peer in (E1, E2):
-        assert h.take(peer, Header.REFIT)[0].phase == "verify"
-        h.send(peer, Header.CONTROL_ACK, ControlAck(control_id="s#0", state="PAUSED"))
-    load1, load2 = h.take(E1, Header.REFIT)[0], h.take(E2, Header.REFIT)[0]
+    load1, load2 = verified(h, "s", 2, rendezvous(pieces=pieces, senders=2))
     # trainer ranks 0 and 1; group 0 is rank 2; group 1 (tensor-parallel 2) ranks 3 and 4
     assert (load1.rendezvous.world_size, load1.rendezvous.rank_offset) == (5, 2)
     assert (load2.rendezvous.world_size, load2.rendezvous.rank_offset) == (5, 3)
