@@ -12,6 +12,8 @@ Driven through the coordinator's core and the client's own pending-request table
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import Iterator
 
 import msgspec
 import pytest
@@ -33,26 +35,35 @@ def _pending(loop: asyncio.AbstractEventLoop, params: SamplingParams) -> Pending
                           OutputCollector("r", [1, 2, 3], params, None), asyncio.Queue())
 
 
-def _streamed_after_an_overtaken_resubmission(keep_start: bool) -> list[int]:
-    """Tokens 11, 12 before the reconnect; 13 forwarded between the HELLO_ACK and the resubmission (which counted
-    2 tokens); 14 last. What the client's stream carried."""
+@contextlib.contextmanager
+def _started(tokens: int) -> Iterator[tuple[CoreHarness, PendingRequests, str, dict]]:
+    """A client on its old socket with request ``r`` (``tokens`` to generate) dispatched to an engine: the harness,
+    the client's table, the engine id, the request as the engine got it (on an event loop closed after)."""
     h = CoreHarness()
     loop = asyncio.new_event_loop()
     try:
-        params = SamplingParams(num_tokens_to_generate=4)
+        params = SamplingParams(num_tokens_to_generate=tokens)
         pending = PendingRequests()
         pending.add(_pending(loop, params))
+        h.client(OLD)
+        engine = h.engine(ENGINE)
+        h.send(OLD, Header.SUBMIT, Submit(client_request_id="r", prompt=[1, 2, 3], stream=True,
+                                          sampling_params=msgspec.Raw(msgspec.msgpack.encode(params))))
+        yield h, pending, engine, h.take(ENGINE, Header.ENGINE_SUBMIT)[0].request
+    finally:
+        loop.close()
+
+
+def _streamed_after_an_overtaken_resubmission(keep_start: bool) -> list[int]:
+    """Tokens 11, 12 before the reconnect; 13 forwarded between the HELLO_ACK and the resubmission (which counted
+    2 tokens); 14 last. What the client's stream carried."""
+    with _started(4) as (h, pending, engine, submitted):
         stream = pending.get("r").queue
 
         def receive(identity: bytes, strip: bool = False) -> None:
             for body in h.take(identity, Header.STEP_TOKENS):
                 pending.on_delta(body.client_request_id, body, None if strip else body.start)
 
-        h.client(OLD)
-        engine = h.engine(ENGINE)
-        h.send(OLD, Header.SUBMIT, Submit(client_request_id="r", prompt=[1, 2, 3], stream=True,
-                                          sampling_params=msgspec.Raw(msgspec.msgpack.encode(params))))
-        submitted = h.take(ENGINE, Header.ENGINE_SUBMIT)[0].request
         step(h, ENGINE, engine, "c1/r", [11])
         step(h, ENGINE, engine, "c1/r", [12])
         receive(OLD)
@@ -69,8 +80,6 @@ def _streamed_after_an_overtaken_resubmission(keep_start: bool) -> list[int]:
         while not stream.empty():
             streamed += stream.get_nowait().new_tokens
         return streamed
-    finally:
-        loop.close()
 
 
 def test_a_resubmission_overtaken_by_a_step_gets_each_token_once():
@@ -80,18 +89,6 @@ def test_a_resubmission_overtaken_by_a_step_gets_each_token_once():
 def test_a_catch_up_read_without_its_start_repeats_the_overtaking_step():
     """The control: the catch-up really overlaps what the client had."""
     assert _streamed_after_an_overtaken_resubmission(keep_start=False) == [11, 12, 13, 13, 14]
-
-
-def _start(h: CoreHarness, loop: asyncio.AbstractEventLoop, params: SamplingParams) -> tuple[PendingRequests, str, dict]:
-    """A client on its old socket with request ``r`` dispatched to an engine: its table, the engine id, the
-    request as the engine got it."""
-    pending = PendingRequests()
-    pending.add(_pending(loop, params))
-    h.client(OLD)
-    engine = h.engine(ENGINE)
-    h.send(OLD, Header.SUBMIT, Submit(client_request_id="r", prompt=[1, 2, 3], stream=True,
-                                      sampling_params=msgspec.Raw(msgspec.msgpack.encode(params))))
-    return pending, engine, h.take(ENGINE, Header.ENGINE_SUBMIT)[0].request
 
 
 def _deliver(h: CoreHarness, pending: PendingRequests, identity: bytes) -> None:
@@ -114,11 +111,7 @@ def _streamed(pending_request: PendingRequest) -> list[int]:
 def test_a_step_lost_with_the_old_socket_comes_before_the_steps_on_the_new_one():
     """Tokens 11, 12 read on the old socket; 13 forwarded to it and lost when the client replaced it; 14 forwarded
     to the new socket before the resubmission (which counted 2 tokens) arrives; 15 last."""
-    h = CoreHarness()
-    loop = asyncio.new_event_loop()
-    try:
-        params = SamplingParams(num_tokens_to_generate=5)
-        pending, engine, submitted = _start(h, loop, params)
+    with _started(5) as (h, pending, engine, submitted):
         request = pending.get("r")
         step(h, ENGINE, engine, "c1/r", [11])
         step(h, ENGINE, engine, "c1/r", [12])
@@ -134,17 +127,11 @@ def test_a_step_lost_with_the_old_socket_comes_before_the_steps_on_the_new_one()
         _deliver(h, pending, NEW)
         assert request.future.done()
         assert _streamed(request) == request.future.result().generated_tokens == [11, 12, 13, 14, 15]
-    finally:
-        loop.close()
 
 
 def test_a_result_delivered_at_the_hello_comes_after_the_tokens_lost_with_the_old_socket():
     """The last step (12) and the RESULT went to the old socket and were lost; the new HELLO delivers the result."""
-    h = CoreHarness()
-    loop = asyncio.new_event_loop()
-    try:
-        params = SamplingParams(num_tokens_to_generate=2)
-        pending, engine, submitted = _start(h, loop, params)
+    with _started(2) as (h, pending, engine, submitted):
         request = pending.get("r")
         step(h, ENGINE, engine, "c1/r", [11])
         _deliver(h, pending, OLD)
@@ -154,8 +141,6 @@ def test_a_result_delivered_at_the_hello_comes_after_the_tokens_lost_with_the_ol
         _deliver(h, pending, NEW)
         assert request.future.done()
         assert _streamed(request) == request.future.result().generated_tokens == [11, 12]
-    finally:
-        loop.close()
 
 
 @pytest.mark.parametrize(("have", "kept"), [(4, [13, 14, 15]), (5, [14, 15]), (7, None), (3, [12, 13, 14, 15])])
