@@ -83,6 +83,17 @@ def _containers(obj: dict[str, Any]) -> list[dict[str, Any]]:
     return obj["spec"]["template"]["spec"]["containers"]
 
 
+def engine_command(**engine: Any) -> tuple[str, list[str]]:
+    """The first engine group's command and its arguments, rendered from the tp2-dp4 example with ``engine``'s fields
+    set in ``spec.engine`` (a None value leaves its field out)."""
+    (resource,) = load_yaml(ROOT / "manifests" / "examples" / "tp2-dp4.yaml")
+    resource["spec"]["engine"].update({name: value for name, value in engine.items() if value is not None})
+    sts = by_key(render(identified(resource), CONFIG))[("StatefulSet", "qwen-14b-engine-0")]
+    (container,) = _containers(sts)
+    command, *args = container["args"]
+    return command, args
+
+
 def test_pods_are_hardened_and_probed(example):
     for obj in render(example, CONFIG):
         if obj["kind"] not in ("Deployment", "StatefulSet"):
@@ -355,12 +366,7 @@ def test_wiring_into_the_megatron_serve_cli(monkeypatch: pytest.MonkeyPatch, cap
 
 @pytest.mark.parametrize("cuda_graphs", [None, True, False])
 def test_engine_cuda_graphs_switch_reaches_the_engine_command(cuda_graphs):
-    (resource,) = load_yaml(ROOT / "manifests" / "examples" / "tp2-dp4.yaml")
-    if cuda_graphs is not None:
-        resource["spec"]["engine"]["cudaGraphs"] = cuda_graphs
-    sts = by_key(render(identified(resource), CONFIG))[("StatefulSet", "qwen-14b-engine-0")]
-    (engine,) = _containers(sts)
-    command, *args = engine["args"]
+    command, args = engine_command(cudaGraphs=cuda_graphs)
     # Off only when asked: the default adds no flag, so pod templates rendered before the field existed still match.
     assert ("--no-cuda-graphs" in args) is (cuda_graphs is False)
     assert not any(a == "--cuda-graphs" for a in args)
@@ -376,11 +382,7 @@ def test_engine_cuda_graphs_switch_reaches_the_engine_command(cuda_graphs):
     ({"quantization": "fp8", "kvCacheDtype": "fp8"}, ["--quantization", "fp8", "--kv-cache-dtype", "fp8"]),
 ])
 def test_engine_fp8_fields_reach_the_engine_command(fields, flags):
-    (resource,) = load_yaml(ROOT / "manifests" / "examples" / "tp2-dp4.yaml")
-    resource["spec"]["engine"].update(fields)
-    sts = by_key(render(identified(resource), CONFIG))[("StatefulSet", "qwen-14b-engine-0")]
-    (engine,) = _containers(sts)
-    command, *args = engine["args"]
+    command, args = engine_command(**fields)
     # Defaults add no flag, so pod templates rendered before the fields existed still match.
     rendered = [a for i, a in enumerate(args) if a in ("--quantization", "--kv-cache-dtype")
                 or (i and args[i - 1] in ("--quantization", "--kv-cache-dtype"))]
@@ -465,12 +467,7 @@ def test_a_hub_model_is_fetched_by_an_init_container_into_the_model_volume(volum
      {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3, "adaptive": False}),
 ])
 def test_engine_speculative_reaches_the_engine_command_as_vllms_json(speculative, expected):
-    (resource,) = load_yaml(ROOT / "manifests" / "examples" / "tp2-dp4.yaml")
-    if speculative is not None:
-        resource["spec"]["engine"]["speculative"] = speculative
-    sts = by_key(render(identified(resource), CONFIG))[("StatefulSet", "qwen-14b-engine-0")]
-    (engine,) = _containers(sts)
-    command, *args = engine["args"]
+    command, args = engine_command(speculative=speculative)
     assert ("--speculative-config" in args) is (speculative is not None)  # off: no flag, templates unchanged
     parsed, _ = _parser_for(command).parse_known_args(args)
     assert parsed.speculative_config == expected
