@@ -17,6 +17,7 @@ Figures: docs/design-measurements.md ("Start-up CPU").
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import signal
 import statistics
@@ -25,6 +26,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Iterator
 
 #: The kinds of process, by a piece of their command line, first match wins (the run process is the parent).
 KINDS = (("engine", "megatron_serve.cli engine"), ("coordinator", "megatron_serve.cli coordinator"),
@@ -90,8 +92,10 @@ def settled(run_pid: int, timeout: float) -> dict[str, float]:
     raise TimeoutError(f"the processes were still busy {timeout} s after ready")
 
 
-def one_start(model: str, timeout: float) -> tuple[dict[str, float], dict[str, float]]:
-    """CPU seconds per kind of process at the run's "is ready" line, and once they all are idle."""
+@contextlib.contextmanager
+def started(model: str, timeout: float) -> Iterator[int]:
+    """A ``megatron-serve run`` of ``model`` (insecure, ports of its own), from its "is ready" line until the block
+    ends, when it and its children are stopped; yields the run process's id."""
     proc = subprocess.Popen(
         [sys.executable, "-m", "megatron_serve.cli", "run", "--model", model, "--port", "0",
          "--coordinator-port", "0", "--insecure"],
@@ -106,7 +110,7 @@ def one_start(model: str, timeout: float) -> tuple[dict[str, float], dict[str, f
                 raise TimeoutError(f"no 'is ready' within {timeout} s")
         else:
             raise RuntimeError(f"run ended before it was ready (exit code {proc.wait()})")
-        return cpu_by_kind(proc.pid), settled(proc.pid, timeout)
+        yield proc.pid
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
         try:
@@ -114,6 +118,12 @@ def one_start(model: str, timeout: float) -> tuple[dict[str, float], dict[str, f
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+
+
+def one_start(model: str, timeout: float) -> tuple[dict[str, float], dict[str, float]]:
+    """CPU seconds per kind of process at the run's "is ready" line, and once they all are idle."""
+    with started(model, timeout) as pid:
+        return cpu_by_kind(pid), settled(pid, timeout)
 
 
 def report(title: str, runs: list[dict[str, float]]) -> None:

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import ast
+import importlib.util
 import json
 import os
+import sys
 from dataclasses import asdict, dataclass, field
-from typing import Any
-
-import torch
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from .wire.lora_names import name_problem, path_problem
 from .wire.kv_events import KVEventsConfig, parse_kv_events_config
@@ -15,7 +17,12 @@ from .wire.lifecycle import KV_ON_REFIT
 from .wire.kv_events import KV_OFFLOADING_BACKENDS
 from .wire.sampling_params import LOGPROBS_MODES
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+if TYPE_CHECKING:
+    import torch
+
+# torch is imported where a dtype or a GPU is resolved, not with this module: the processes that only check options
+# (``run``'s server process, ``control``) run without it, an import of some 2 s of CPU
+_DTYPE_NAMES = ("float32", "bfloat16", "float16")
 QUANTIZATIONS = ("fp8",)  # quantize a checkpoint's linear layers at load (vLLM's --quantization)
 KV_CACHE_DTYPES = {"auto": "auto", "fp8": "fp8", "fp8_e4m3": "fp8"}  # vLLM's spellings -> ours (fp8 is e4m3)
 # how expert-parallel MoE layers move tokens (vLLM's --all2all-backend; model.expert_dispatch, engine.expert_backend):
@@ -25,14 +32,45 @@ ALL2ALL_BACKENDS = ("auto", "alltoall", "allgather_reducescatter", "deepep_high_
 
 def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
     """Accept ``"bfloat16"``-style names or a ``torch.dtype``; anything else is a clear error."""
+    import torch  # noqa: PLC0415 - see _DTYPE_NAMES
+
+    dtypes = {name: getattr(torch, name) for name in _DTYPE_NAMES}
     if isinstance(dtype, torch.dtype):
-        if dtype not in _DTYPES.values():
-            raise ValueError(f"dtype must be one of {', '.join(_DTYPES)}, got {dtype}")
+        if dtype not in dtypes.values():
+            raise ValueError(f"dtype must be one of {', '.join(dtypes)}, got {dtype}")
         return dtype
     name = str(dtype).removeprefix("torch.")
-    if name not in _DTYPES:
-        raise ValueError(f"dtype must be one of {', '.join(_DTYPES)}, got {dtype!r}")
-    return _DTYPES[name]
+    if name not in dtypes:
+        raise ValueError(f"dtype must be one of {', '.join(dtypes)}, got {dtype!r}")
+    return dtypes[name]
+
+
+def default_device() -> str:
+    """``cuda`` where torch sees a GPU, else ``cpu``: ``torch.cuda.is_available()``, asked without importing torch
+    where its build has neither CUDA nor ROCm (its ``version.py`` says so; such a build never sees a GPU)."""
+    if "torch" not in sys.modules and not _torch_built_for_gpus():
+        return "cpu"
+    import torch  # noqa: PLC0415 - see _DTYPE_NAMES
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _torch_built_for_gpus() -> bool:
+    """Whether the installed torch's ``version.py`` names a CUDA or HIP version (True where it cannot be read)."""
+    spec = importlib.util.find_spec("torch")
+    if spec is None or not spec.submodule_search_locations:
+        return True
+    try:
+        tree = ast.parse((Path(next(iter(spec.submodule_search_locations))) / "version.py").read_text())
+    except (OSError, SyntaxError, StopIteration):
+        return True
+    built: dict[str, Any] = {}
+    for node in tree.body:
+        target = node.targets[0] if isinstance(node, ast.Assign) else getattr(node, "target", None)
+        if isinstance(target, ast.Name) and target.id in ("cuda", "hip"):
+            value = node.value
+            built[target.id] = value.value if isinstance(value, ast.Constant) else "unknown"
+    return built.keys() != {"cuda", "hip"} or any(value is not None for value in built.values())
 
 
 def batch_invariant_from_env() -> bool:
@@ -136,7 +174,7 @@ class EplbConfig:
             raise ValueError(f"eplb_config.log_balancedness must be true or false, got {self.log_balancedness!r}")
 
 
-def dtype_name(dtype: torch.dtype) -> str:
+def dtype_name(dtype: str | torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
@@ -236,7 +274,7 @@ class InferenceConfig:
             raise ValueError(f"speculative must be a SpeculativeConfig, a dict or None, got {self.speculative!r}")
         self._check_eplb()
         if self.device is None:
-            self.device = "cuda" if torch.cuda.is_available() else "cpu"
+            self.device = default_device()
         if self.block_size_tokens is None:
             self.block_size_tokens = 64 if str(self.device).startswith("cuda") else 16
         if self.dtype is not None:
@@ -445,7 +483,7 @@ class InferenceConfig:
     def to_dict(self) -> dict[str, Any]:
         """Plain values only, so the config can cross a process boundary (msgpack, argv)."""
         data = asdict(self)
-        if isinstance(self.dtype, torch.dtype):
+        if self.dtype is not None:
             data["dtype"] = dtype_name(self.dtype)
         if self.kv_events_config is not None:
             data["kv_events_config"] = json.loads(self.kv_events_config.to_json())

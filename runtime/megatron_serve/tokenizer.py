@@ -50,12 +50,10 @@ class Tokenizer:
     @classmethod
     def from_pretrained(cls, model_dir: str | Path, chat_template: str | None = None) -> "Tokenizer":
         """The tokenizer files of ``model_dir``; ``chat_template`` (Jinja text) replaces the model's own."""
-        from transformers import AutoTokenizer  # noqa: PLC0415 - heavy import, only when a tokenizer is needed
-
         from .multimodal import load_image_processor  # noqa: PLC0415
 
         model_dir = check_tokenizer_files(model_dir)
-        hf_tokenizer = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
+        hf_tokenizer = _load_hf_tokenizer(model_dir)
         if chat_template is not None:
             hf_tokenizer.chat_template = chat_template
         return cls(hf_tokenizer, _eos_ids(model_dir, hf_tokenizer), load_image_processor(model_dir))
@@ -212,6 +210,51 @@ def load_chat_template(value: str) -> str:
     except jinja2.TemplateSyntaxError as exc:
         raise ValueError(f"--chat-template: not a valid Jinja template (line {exc.lineno}: {exc.message})") from None
     return text
+
+
+#: The classes a ``tokenizer_config.json`` may name that ``AutoTokenizer`` loads as ``TokenizersBackend`` (the
+#: ``tokenizer.json`` as it is), unless the model type is one of :data:`_AUTO_OVERRIDDEN_TYPES`.
+_GENERIC_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")
+#: Model types for which ``AutoTokenizer`` loads the class ``transformers`` registers for the type (one of its own)
+#: in place of a generic class that ``tokenizer_config.json`` names: its ``MODELS_WITH_INCORRECT_HUB_TOKENIZER_CLASS``
+#: that have such a class. ``tests/test_tokenizer_load.py`` holds this equal to the installed ``transformers``'.
+_AUTO_OVERRIDDEN_TYPES = frozenset({"hyperclovax_vision_v2", "qwen2", "qwen3_5", "qwen3_5_moe", "qwen3_5_moe_text",
+                                    "qwen4_exp", "siglip2"})
+
+
+def _load_hf_tokenizer(model_dir: Path) -> PreTrainedTokenizerBase:
+    """``AutoTokenizer``'s tokenizer for ``model_dir``, loaded as ``TokenizersBackend`` without it where
+    ``AutoTokenizer`` would pick that class too (:func:`_auto_picks_backend`).
+
+    ``AutoTokenizer`` reads the model's config through ``AutoConfig`` first, whose imports (torch and
+    ``transformers``' modelling utilities) cost some 4 s of CPU, several times the tokenizer's own load, in every
+    server process; the test suite starts hundreds of them. Whatever it decides otherwise (a class of the model
+    type's own, remote code, Mistral's format) still goes through it.
+    """
+    if _auto_picks_backend(model_dir):
+        from transformers.tokenization_utils_tokenizers import TokenizersBackend  # noqa: PLC0415 - heavy import
+
+        return TokenizersBackend.from_pretrained(str(model_dir), local_files_only=True)
+    from transformers import AutoTokenizer  # noqa: PLC0415 - heavy import, only when a tokenizer is needed
+
+    return AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
+
+
+def _auto_picks_backend(model_dir: Path) -> bool:
+    """Whether ``AutoTokenizer`` loads ``model_dir``'s tokenizer as ``TokenizersBackend`` for sure, read from its
+    files alone: ``tokenizer_config.json`` names a generic class and no code of its own (``auto_map``), there is a
+    ``tokenizer.json`` and a ``config.json``, and the model type is not one that ``AutoTokenizer`` gives a class of
+    its own whatever the file says."""
+    try:
+        tokenizer_config = json.loads((model_dir / "tokenizer_config.json").read_text())
+        config = json.loads((model_dir / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return (isinstance(tokenizer_config, dict) and isinstance(config, dict)
+            and tokenizer_config.get("tokenizer_class") in _GENERIC_CLASSES and "auto_map" not in tokenizer_config
+            and (model_dir / "tokenizer.json").is_file()
+            and config.get("model_type") not in _AUTO_OVERRIDDEN_TYPES
+            and config.get("model_name") not in _AUTO_OVERRIDDEN_TYPES)
 
 
 def check_tokenizer_files(model_dir: str | Path) -> Path:

@@ -16,7 +16,8 @@ from megatron_serve.model.config import ModelConfig
 from megatron_serve.model.errors import UnsupportedModelError
 from megatron_serve.model.llama import PipelineGap
 from megatron_serve.model.loader import build_model, iterate_checkpoint, load_weights
-from megatron_serve.model.parallel import PipelineStage, TensorParallel, stage_layers
+from megatron_serve.model.layout import stage_layers
+from megatron_serve.model.parallel import PipelineStage, TensorParallel
 from megatron_serve.model.tiny import make_tiny_model
 
 from ..prompts import PROMPTS

@@ -97,7 +97,7 @@ def check_model_dir(model_dir: str, *, weights: bool = True, tokenizer: bool = T
     except ValueError as exc:  # UnsupportedModelError among them
         raise ValueError(f"{model_dir}: {exc}") from None
     if weights:
-        from ..model.loader import checkpoint_files  # noqa: PLC0415
+        from ..model.checkpoint_files import checkpoint_files  # noqa: PLC0415
 
         checkpoint_files(path)
     if tokenizer:

@@ -181,14 +181,16 @@ def check_model_fits(model: str, config: InferenceConfig) -> None:
     """What the engines would refuse once they loaded the model, refused now in one line: a layout the model cannot
     split into, and ``--lora-modules`` adapters that are missing or of too high a rank."""
     from ..model.config import ModelConfig  # noqa: PLC0415
-    from ..model.lora import read_adapter  # noqa: PLC0415
-    from ..model.parallel import check_layout  # noqa: PLC0415
+    from ..model.layout import check_layout  # noqa: PLC0415
 
     model_config = ModelConfig.from_dir(model)
     check_layout(model_config.num_layers, model_config.num_heads, config.tensor_parallel_size,
                  config.pipeline_parallel_size)
-    for name, path in (config.lora_modules or {}).items():
-        read_adapter(name, path, model_config, config.max_lora_rank)
+    if config.lora_modules:
+        from ..model.lora import read_adapter  # noqa: PLC0415 - torch: only where adapters are served
+
+        for name, path in config.lora_modules.items():
+            read_adapter(name, path, model_config, config.max_lora_rank)
 
 
 def _load_serving(args: argparse.Namespace, files: ServingFiles) -> tuple[Any, Any]:

@@ -25,7 +25,8 @@ from .layers import (ColumnParallelLinear, GatedMLP, ParallelLMHead, ReplicatedL
                      VocabParallelEmbedding, invariant_rotary_cos_sin, rotary_cos_sin)
 from .linears import Linears
 from .moe import FusedExperts, SparseMoeBlock
-from .parallel import SINGLE, TensorParallel, heads_problem, stage_layers
+from .layout import heads_problem, stage_layers
+from .parallel import SINGLE, TensorParallel
 
 if TYPE_CHECKING:  # annotations only: the engine installs the expert-parallel backend after the build
     from .expert_dispatch import ExpertStep

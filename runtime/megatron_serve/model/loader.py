@@ -20,6 +20,7 @@ from typing import Any, Callable, Iterable, Iterator
 import torch
 from safetensors import safe_open
 
+from .checkpoint_files import checkpoint_files
 from .finite import refuse_nonfinite
 from .config import ModelConfig
 from .errors import UnsupportedModelError
@@ -45,25 +46,6 @@ IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "self_attn.k_scale", "self_attn.v_sca
                     "k_proj.output_scale", "v_proj.output_scale")
 # block-wise FP8 checkpoints' name of the scale (a multiplier, as compressed-tensors' ``weight_scale``)
 SCALE_ALIASES = {"weight_scale_inv": "weight_scale"}
-
-
-def checkpoint_files(model_dir: str | Path) -> list[Path]:
-    """The safetensors files of a model directory, from its index when sharded; a GGUF file's directory: the file."""
-    model_dir = Path(model_dir)
-    index = model_dir / "model.safetensors.index.json"
-    if (model_dir / WEIGHTS_LINK).is_file():
-        return [model_dir / WEIGHTS_LINK]
-    if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        files = sorted({model_dir / name for name in weight_map.values()})
-    else:
-        files = sorted(model_dir.glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"no *.safetensors weights in model directory {model_dir}")
-    missing = [str(f) for f in files if not f.is_file()]
-    if missing:
-        raise FileNotFoundError(f"checkpoint index names missing files: {', '.join(missing)}")
-    return files
 
 
 def iterate_checkpoint(model_dir: str | Path) -> Iterator[tuple[str, object]]:

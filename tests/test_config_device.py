@@ -1,0 +1,30 @@
+"""``InferenceConfig`` imports no torch until it resolves a dtype or asks for a GPU, and its default device is
+``torch.cuda.is_available()``'s answer either way."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import torch
+
+from megatron_serve import config
+
+
+def test_the_default_device_is_torchs_answer():
+    assert config.default_device() == ("cuda" if torch.cuda.is_available() else "cpu")
+    assert config._torch_built_for_gpus() == (torch.version.cuda is not None or torch.version.hip is not None)
+
+
+def test_a_config_of_default_dtype_is_made_and_sent_without_torch():
+    code = ("import sys; from megatron_serve.config import InferenceConfig; c = InferenceConfig(); "
+            "print(c.device, c.to_dict()['dtype'], 'torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    built_for_gpus = config._torch_built_for_gpus()
+    assert out == [config.default_device(), "None", str(built_for_gpus)]
+
+
+def test_a_named_dtype_becomes_torchs_and_is_sent_by_name():
+    made = config.InferenceConfig(dtype="bfloat16", device="cpu")
+    assert made.dtype is torch.bfloat16 and made.to_dict()["dtype"] == "bfloat16"
+    assert config.InferenceConfig(dtype=torch.float16, device="cpu").to_dict()["dtype"] == "float16"
