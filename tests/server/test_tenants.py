@@ -16,7 +16,7 @@ import httpx
 import pytest
 
 from megatron_serve.server import create_app
-from megatron_serve.server.tenant_admission import RateBucket
+from megatron_serve.server.tenant_budgets import RateBucket
 from megatron_serve.server.tenants import (DEFAULT_TENANT, FAIRNESS_HEADER, Shedding, TenancyOptions,
                                            TenantConfigError, is_document, parse_document, tenant_table)
 from megatron_serve.wire.tenancy import TenantTag

@@ -7,7 +7,8 @@ that inherit the *listening socket* (its descriptor, not its port): every proces
 same queue, a busy one simply accepts less, and ``--port 0`` works. Each sibling is the ``server``
 code path with the same options (API keys, request limits, drain timeout, ...), its own
 ``InferenceClient`` and its own fleet-status poll; ``--max-concurrent-requests`` is divided among
-the N processes (rounded up), so the whole server holds about the limit it was given.
+the N processes (rounded up), so the whole server holds about the limit it was given; the tenants' limits are
+kept in one store the N processes share (:mod:`~megatron_serve.server.tenant_budgets`), so each holds exactly.
 
 ``/metrics`` stays fleet-wide from any process: with N > 1 the server's own series (requests, HTTP
 answers, time per output token, pending requests) are kept in Prometheus' multiprocess files and

@@ -14,7 +14,8 @@ the request's engine requests are submitted (``ServerContext.submit``), on every
   engine request used when it finishes, counts the tenant's series, and frees its slot when the request ends.
 
 Limits are token buckets holding a minute's worth (a tenant may spend a minute's budget at once, then at the rate
-it refills); they are per server process (``--api-server-count`` N gives each process the whole budget).
+it refills); with ``--api-server-count`` N the N processes keep them in one store (:mod:`.tenant_budgets`), so
+that they hold for the whole server.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from ..wire.tenancy import MAX_TENANT_NAME
 from .errors import APIError
+from .tenant_budgets import LocalBudgets, SharedBudgets, TenantState
 
 if TYPE_CHECKING:
     from .tenants import KeyEntry, Shedding, TenancyOptions, Tenant, TenantTable
@@ -37,8 +39,7 @@ if TYPE_CHECKING:
     from .metrics import ServerMetrics
     from .translate import EngineJob
 
-#: Header-named tenants' budgets kept at most (the idle ones go first); the series name at most this many by name.
-MAX_TRACKED = 10_000
+#: The series name at most this many tenants by name beyond the configured ones.
 MAX_LABELLED = 100
 OTHER_LABEL = "other"
 
@@ -86,56 +87,6 @@ class TenantScope:
             _CURRENT.reset(token)
 
 
-class RateBucket:
-    """``limit`` units a minute: full at first, spent by requests, refilled at ``limit / 60`` a second."""
-
-    __slots__ = ("limit", "level", "stamp")
-
-    def __init__(self, limit: int, now: float) -> None:
-        self.limit = limit
-        self.level = float(limit)
-        self.stamp = now
-
-    def _refill(self, now: float) -> None:
-        if now > self.stamp:
-            self.level = min(float(self.limit), self.level + (now - self.stamp) * self.limit / 60.0)
-            self.stamp = now
-
-    def wait(self, cost: float, now: float) -> float:
-        """Seconds until ``cost`` fits (0: now)."""
-        self._refill(now)
-        missing = cost - self.level
-        return 0.0 if missing <= 1e-9 else missing * 60.0 / self.limit
-
-    def take(self, cost: float) -> None:
-        self.level -= cost
-
-    def give(self, amount: float, now: float) -> None:
-        """Return what a request reserved and did not use."""
-        self._refill(now)
-        self.level = min(float(self.limit), self.level + amount)
-
-    def full(self, now: float) -> bool:
-        self._refill(now)
-        return self.level >= self.limit
-
-
-class TenantState:
-    """One tenant's budgets and requests in progress on this server."""
-
-    __slots__ = ("tokens", "requests", "running")
-
-    def __init__(self, tenant: Tenant, now: float) -> None:
-        limits = tenant.limits
-        self.tokens = None if limits.tokens_per_minute is None else RateBucket(limits.tokens_per_minute, now)
-        self.requests = None if limits.requests_per_minute is None else RateBucket(limits.requests_per_minute, now)
-        self.running = 0
-
-    def idle(self, now: float) -> bool:
-        return (not self.running and (self.tokens is None or self.tokens.full(now))
-                and (self.requests is None or self.requests.full(now)))
-
-
 class Saturation:
     """Whether the fleet is saturated (:class:`~.tenants.Shedding`), from the monitor's last status and this server's
     requests since (a burst between two polls counts)."""
@@ -175,32 +126,35 @@ class Saturation:
 
 
 class Ticket:
-    """One admitted request's reservation: settled per engine request (:meth:`finished`), freed once (:meth:`close`)."""
+    """One admitted request's reservation: counted per engine request (:meth:`finished`), settled and freed once
+    (:meth:`close`: one change to the budgets per request, which a store shared between processes pays for).
+    ``limited``: whether its tenant has limits (its reservation is in the tenancy's budgets)."""
 
-    __slots__ = ("tenancy", "tenant", "state", "label", "closed")
+    __slots__ = ("tenancy", "tenant", "limited", "label", "closed", "unused")
 
-    def __init__(self, tenancy: "Tenancy", tenant: Tenant, state: TenantState | None, label: str) -> None:
+    def __init__(self, tenancy: "Tenancy", tenant: Tenant, limited: bool, label: str) -> None:
         self.tenancy = tenancy
         self.tenant = tenant
-        self.state = state
+        self.limited = limited
         self.label = label
         self.closed = False
+        self.unused = 0  # reserved tokens the finished engine requests did not generate
 
     def finished(self, request: Any) -> None:
-        """One engine request finished (a ``DynamicInferenceRequest``): its unused tokens go back, its series count."""
-        generated = len(request.generated_tokens or ())
-        state = self.state
-        if state is not None and state.tokens is not None:
-            unused = request.sampling_params.num_tokens_to_generate - generated
-            if unused > 0:
-                state.tokens.give(unused, self.tenancy.clock())
+        """One engine request finished (a ``DynamicInferenceRequest``): its unused tokens noted, its series count."""
+        self.unused += max(0, request.sampling_params.num_tokens_to_generate - len(request.generated_tokens or ()))
         self.tenancy.metrics.observe_tenant_request((self.label, self.tenant.priority_class), request)
 
     def close(self) -> None:
+        """The request ended: its slot and the tokens it did not use go back."""
         if not self.closed:
             self.closed = True
-            if self.state is not None:
-                self.state.running -= 1
+            if self.limited:
+                now = self.tenancy.clock()
+                with self.tenancy.budgets.hold(self.tenant, now) as state:
+                    state.running -= 1
+                    if state.tokens is not None and self.unused:
+                        state.tokens.give(self.unused, now)
 
 
 class Tenancy:
@@ -215,7 +169,8 @@ class Tenancy:
         self.clock = clock
         self.saturation = Saturation(options.shedding, monitor, pending, clock)
         self.retry_after = options.shedding.retry_after
-        self.states: dict[str, TenantState] = {}
+        # the tenants' budgets: this process's own, or shared by the processes of --api-server-count
+        self.budgets = LocalBudgets() if metrics.shared_dir is None else SharedBudgets(metrics.shared_dir)
         self.labels: set[str] = set(table.tenants)
 
     def tenant(self) -> Tenant:
@@ -251,13 +206,14 @@ class Tenancy:
                 self.metrics.count_tenant_refusal(labels, "saturated")
                 raise APIError(503, f"the fleet is saturated ({reason}): sheddable requests are refused until it "
                                     "has room", code="fleet_saturated", headers={"Retry-After": str(self.retry_after)})
-        state = self._state(tenant) if tenant.limits.any else None
-        if state is not None:
-            self._reserve(tenant, state, labels, jobs)
+        limited = tenant.limits.any
+        if limited:
+            with self.budgets.hold(tenant, self.clock()) as state:
+                self._reserve(tenant, state, labels, jobs)
         tag = tenant.tag
         for job in jobs:
             job.params = _tagged(job.params, tag)
-        return Ticket(self, tenant, state, label)
+        return Ticket(self, tenant, limited, label)
 
     def _reserve(self, tenant: Tenant, state: TenantState, labels: tuple[str, str], jobs: list["EngineJob"]) -> None:
         """Take the request's cost from ``state``, or raise the refusal naming the limit it is over."""
@@ -281,15 +237,6 @@ class Tenancy:
         if state.tokens is not None:
             state.tokens.take(tokens)
         state.running += 1
-
-    def _state(self, tenant: Tenant) -> TenantState:
-        state = self.states.get(tenant.name)
-        if state is None:
-            now = self.clock()
-            if len(self.states) >= MAX_TRACKED:
-                self.states = {name: s for name, s in self.states.items() if not s.idle(now)}
-            state = self.states[tenant.name] = TenantState(tenant, now)
-        return state
 
 
 def _limited(tenant: Tenant, limit: str, figure: str, retry_after: int) -> APIError:
