@@ -27,6 +27,8 @@ from megatron_serve.wire.security import FleetSecret, PeerKeys, make_secret
 
 if TYPE_CHECKING:
     from megatron_serve.client.coordinator_client import InferenceClient
+    from megatron_serve.wire.request import DynamicInferenceRequest
+    from megatron_serve.wire.sampling_params import SamplingParams
 
 PY = sys.executable
 
@@ -71,6 +73,20 @@ def wait_until(predicate: Callable[[], bool], timeout: float, what: str, interva
         if time.monotonic() > deadline:
             raise TimeoutError(f"timed out after {timeout:.0f}s waiting for {what}")
         time.sleep(interval)
+
+
+async def stream_into(client: InferenceClient, prompt: list[int], params: SamplingParams, streamed: list[int],
+                      **options: Any) -> DynamicInferenceRequest:
+    """Stream one request (``options`` as ``add_request_streaming`` takes them), adding its tokens to ``streamed`` as
+    they come; the final request."""
+    from megatron_serve.client.outputs import StreamPartial  # the client package imports a quarter second
+
+    async for item in client.add_request_streaming(prompt, params, **options):
+        if isinstance(item, StreamPartial):
+            streamed.extend(item.new_tokens)
+        else:
+            return item
+    raise AssertionError("the stream ended without a final request")
 
 
 class Children:

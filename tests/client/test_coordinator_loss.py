@@ -14,12 +14,12 @@ import time
 
 import pytest
 
-from megatron_serve.client.coordinator_client import CoordinatorLost, InferenceClient, StreamPartial
+from megatron_serve.client.coordinator_client import CoordinatorLost, InferenceClient
 from megatron_serve.wire.request import RequestStatus
 from megatron_serve.wire.sampling_params import SamplingParams
 
 from ..coordinator.fakes import expected_tokens
-from ..helpers import until
+from ..helpers import stream_into, until
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -41,16 +41,7 @@ async def client_with_work_in_flight(fleet, grace: float) -> tuple[InferenceClie
 async def start_streams(client: InferenceClient) -> tuple[list[asyncio.Task], list[list[int]]]:
     streamed: list[list[int]] = [[] for _ in PROMPTS]
 
-    async def consume(i: int, prompt: list[int]):
-        final = None
-        async for item in client.add_request_streaming(prompt, LONG):
-            if isinstance(item, StreamPartial):
-                streamed[i].extend(item.new_tokens)
-            else:
-                final = item
-        return final
-
-    tasks = [asyncio.create_task(consume(i, p)) for i, p in enumerate(PROMPTS)]
+    tasks = [asyncio.create_task(stream_into(client, p, LONG, streamed[i])) for i, p in enumerate(PROMPTS)]
     await until(lambda: all(streamed), 20, "every stream under way")
     return tasks, streamed
 

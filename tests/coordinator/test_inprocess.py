@@ -16,7 +16,7 @@ from megatron_serve.wire.request import FinishReason, RequestStatus
 from megatron_serve.wire.sampling_params import SamplingParams
 
 from .fakes import BLOCK_BYTES, expected_tokens
-from ..helpers import until
+from ..helpers import stream_into, until
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -278,16 +278,8 @@ async def test_client_and_engine_rejoin_restarted_coordinator(fleet_factory):
         ps = prompts(5)
         streamed: list[list[int]] = [[] for _ in ps]
 
-        async def consume(i, p):
-            final = None
-            async for item in client.add_request_streaming(p, SamplingParams(num_tokens_to_generate=80)):
-                if isinstance(item, StreamPartial):
-                    streamed[i].extend(item.new_tokens)
-                else:
-                    final = item
-            return final
-
-        tasks = [asyncio.create_task(consume(i, p)) for i, p in enumerate(ps)]
+        params = SamplingParams(num_tokens_to_generate=80)
+        tasks = [asyncio.create_task(stream_into(client, p, params, streamed[i])) for i, p in enumerate(ps)]
         await until(lambda: _in_flight(client, 5), 10, "in flight")
         await asyncio.sleep(0.1)
         fleet.stop_coordinator()

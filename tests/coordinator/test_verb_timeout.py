@@ -13,12 +13,12 @@ import time
 import pytest
 
 from megatron_serve import cli
-from megatron_serve.client.coordinator_client import InferenceClient, StreamPartial
+from megatron_serve.client.coordinator_client import InferenceClient
 from megatron_serve.wire.request import DynamicInferenceRequest, EventType, RequestStatus
 from megatron_serve.wire.sampling_params import SamplingParams
 
 from .fakes import FakeEngine, expected_tokens
-from ..helpers import until
+from ..helpers import stream_into, until
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -41,13 +41,8 @@ def hang_after(fake: FakeEngine, steps: int) -> threading.Event:
 async def consume(client: InferenceClient, prompt: list[int], request_id: str,
                   streamed: list[int]) -> DynamicInferenceRequest:
     """Stream a 20-token request, collecting its tokens in ``streamed``; the final request."""
-    async for item in client.add_request_streaming(prompt, SamplingParams(num_tokens_to_generate=20),
-                                                   request_id=request_id):
-        if isinstance(item, StreamPartial):
-            streamed.extend(item.new_tokens)
-        else:
-            return item
-    raise AssertionError("the stream ended without a final request")
+    return await stream_into(client, prompt, SamplingParams(num_tokens_to_generate=20), streamed,
+                             request_id=request_id)
 
 
 #: The prompt of the request :func:`hang_mid_request` starts.
