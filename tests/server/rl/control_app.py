@@ -60,6 +60,18 @@ async def chunks(response: httpx.Response) -> list[dict]:
     return found
 
 
+async def pause_aborts_a_stream(s: SimpleNamespace, path: str, after: int) -> None:
+    """A 200-token stream under way (``after`` tokens generated) when ``path`` is posted (a pause that aborts, by
+    one framework's route) ends with ``finish_reason`` ``abort`` and the tokens it had."""
+    stack, response = await start_stream(s.http, 200)
+    read = asyncio.create_task(chunks(response))
+    await until(lambda: any(len(r.collector.tokens) >= after for r in s.fleet.requests.values()))
+    assert (await s.http.post(path, headers=ADMIN)).status_code == 200
+    generated, reason = tokens_and_reason(await asyncio.wait_for(read, 20))
+    assert reason == "abort" and after <= generated < 200
+    await stack.aclose()
+
+
 def tokens_and_reason(found: list[dict]) -> tuple[int, str | None]:
     """How many tokens a stream generated (its usage) and its finish reason."""
     reasons = [c["choices"][0]["finish_reason"] for c in found if c["choices"] and c["choices"][0]["finish_reason"]]

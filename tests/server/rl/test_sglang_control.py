@@ -9,7 +9,8 @@ import asyncio
 
 import pytest
 
-from .control_app import ADMIN, API, chunks, controlled, error_of, start_stream, tokens_and_reason, until
+from .control_app import (ADMIN, API, chunks, controlled, error_of, pause_aborts_a_stream, start_stream,
+                          tokens_and_reason, until)
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -31,13 +32,7 @@ async def test_areals_weight_update_bracket_replayed(tokenizer):
     update, then ``/continue_generation``: a request in flight ends with ``finish_reason`` ``abort`` and its tokens
     (AReaL resubmits the rest), and the fleet serves again after."""
     async with controlled(tokenizer, tick=0.02) as s:
-        stack, response = await start_stream(s.http, 200)
-        read = asyncio.create_task(chunks(response))
-        await until(lambda: any(len(r.collector.tokens) >= 2 for r in s.fleet.requests.values()))
-        assert (await s.http.post("/pause_generation", headers=ADMIN)).status_code == 200
-        generated, reason = tokens_and_reason(await asyncio.wait_for(read, 20))
-        assert reason == "abort" and 2 <= generated < 200
-        await stack.aclose()
+        await pause_aborts_a_stream(s, "/pause_generation", after=2)
         assert (await s.http.post("/continue_generation", headers=ADMIN)).status_code == 200
         assert s.fleet.verbs == [("pause", {"mode": "abort"}), ("unpause", {})]
         completion = await s.http.post("/v1/completions", headers=API,

@@ -11,7 +11,8 @@ import pytest
 from megatron_serve.http_options import HTTPOptions
 from megatron_serve.wire.lifecycle import FleetState
 
-from .control_app import ADMIN, API, chunks, controlled, error_of, start_stream, tokens_and_reason, until
+from .control_app import (ADMIN, API, chunks, controlled, error_of, pause_aborts_a_stream, start_stream,
+                          tokens_and_reason, until)
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -65,13 +66,7 @@ async def test_pause_keep_holds_streams_in_flight_and_resume_finishes_every_one(
 
 async def test_pause_abort_ends_streams_with_finish_reason_abort_and_their_tokens(tokenizer):
     async with controlled(tokenizer, tick=0.02) as s:
-        stack, response = await start_stream(s.http, 200)
-        read = asyncio.create_task(chunks(response))
-        await until(lambda: any(len(r.collector.tokens) >= 3 for r in s.fleet.requests.values()))
-        assert (await s.http.post("/pause?mode=abort", headers=ADMIN)).status_code == 200
-        generated, reason = tokens_and_reason(await asyncio.wait_for(read, 20))
-        assert reason == "abort" and 3 <= generated < 200
-        await stack.aclose()
+        await pause_aborts_a_stream(s, "/pause?mode=abort", after=3)
 
 
 async def test_abort_requests_ends_the_named_ones_and_the_fleet_runs_on(tokenizer):
