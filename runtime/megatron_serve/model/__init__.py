@@ -6,8 +6,9 @@ The names below are imported on first use (PEP 562): the server's processes read
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from .. import lazy_exports
 
 _EXPORTS = {"ModelConfig": ".config", "UnsupportedModelError": ".errors", "LlamaForCausalLM": ".llama",
             "load_model": ".loader"}
@@ -21,14 +22,4 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
     from .loader import load_model
 
 
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:  # a submodule not imported yet: ``from megatron_serve.model import mrope`` imports it
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(module, __name__), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_EXPORTS))
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

@@ -12,8 +12,9 @@ disconnects), ``runner`` (uvicorn), ``local`` (serving a ``MegatronAsyncLLM``).
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from .. import lazy_exports
 
 # Imported on first use (PEP 562): the probe process runs ``server.probe_process`` and needs none of FastAPI,
 # which importing ``.app`` here cost it (some 1.5 s of CPU at each start).
@@ -28,14 +29,4 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
     from .runner import bind_socket, serve_app
 
 
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:  # a submodule not imported yet: ``from megatron_serve.server import chunked`` imports it
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(module, __name__), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_EXPORTS))
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
