@@ -2,11 +2,7 @@
 
 from __future__ import annotations
 
-import time
-import uuid
 from typing import Any
-
-from fastapi.responses import StreamingResponse
 
 from ..tokenizer import Tokenizer
 from ..client.outputs import StreamPartial
@@ -15,7 +11,8 @@ from .answers import Delta, StreamedAnswer, finish_reason, make_usage, running_u
 from .context import ServerContext
 from .errors import unsupported
 from .intake import check_budget
-from .whole_answers import prompt_logprobs, whole_answer
+from .handlers import GenerationHandler
+from .whole_answers import prompt_logprobs
 from .models import (
     ChatChoice,
     ChatCompletionRequest,
@@ -32,8 +29,6 @@ from .translate import (
     EngineJob,
     Prompt,
     chat_prompt,
-    check_common,
-    check_model,
     controls,
     extension_fields,
     make_jobs,
@@ -67,22 +62,18 @@ def chat_logprobs(tokenizer: Tokenizer, texts: list[str], log_probs: list[float]
     return {"content": content, "refusal": None}
 
 
-class ChatHandler:
+class ChatHandler(GenerationHandler):
     """Validates one chat request, submits its ``n`` engine requests, and shapes the answer."""
 
     request_model = ChatCompletionRequest
     scored_in = "envelope"  # where a whole answer's prompt_logprobs go (whole_answers.AnswerShape)
+    id_prefix = "chatcmpl"
+    req: ChatCompletionRequest
 
     def __init__(self, ctx: ServerContext, req: ChatCompletionRequest) -> None:
-        self.ctx = ctx
-        self.req = req
-        self.id = f"chatcmpl-{req.request_id or uuid.uuid4().hex}"  # vLLM: the client's request_id names it
-        self.created = int(time.time())
-        self.n = req.n or 1
+        super().__init__(ctx, req)
         self.want_logprobs = bool(req.logprobs)
         self.top = req.top_logprobs or 0
-        check_model(req.model, ctx.served_names)
-        check_common(req)
         if req.prompt_logprobs is not None and req.stream:
             raise unsupported("prompt_logprobs", "prompt_logprobs with stream=true")
         ctx.monitor.check_accepting()
@@ -135,14 +126,6 @@ class ChatHandler:
             elif isinstance(event, Arguments):
                 calls[event.index].function.arguments += event.text
         return ChatResponseMessage(content=content if content.strip() or not calls else None, tool_calls=calls or None)
-
-    async def complete(self) -> ChatCompletionResponse | StreamingResponse:
-        return await whole_answer(self.ctx, self.jobs, self, self.cost,
-                                  self.want_logprobs or self.req.prompt_logprobs is not None, self.id)
-
-    @property
-    def prompt_logprobs(self) -> int | None:
-        return self.req.prompt_logprobs
 
     def choice(self, job: EngineJob, result: DynamicInferenceRequest, scored: bool = True) -> ChatChoice:
         """One choice of the whole answer (:class:`~.whole_answers.AnswerShape`; the envelope holds the prompt log

@@ -3,11 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-import time
-import uuid
 from typing import Any
-
-from fastapi.responses import StreamingResponse
 
 from ..tokenizer import Tokenizer
 from ..client.detokenizer import token_texts
@@ -17,7 +13,8 @@ from .answers import Delta, StreamedAnswer, finish_reason, make_usage, running_u
 from .context import ServerContext
 from .errors import bad_request, unsupported
 from .intake import check_budget
-from .whole_answers import prompt_logprobs, whole_answer
+from .handlers import GenerationHandler
+from .whole_answers import prompt_logprobs
 from .models import (
     CompletionChoice,
     CompletionRequest,
@@ -30,8 +27,6 @@ from .translate import (
     DEFAULT_COMPLETION_TOKENS,
     EngineJob,
     Prompt,
-    check_common,
-    check_model,
     completion_prompts,
     controls,
     extension_fields,
@@ -78,22 +73,18 @@ def prompt_only(result: DynamicInferenceRequest) -> DynamicInferenceRequest:
                                finish_reason=FinishReason.LENGTH)
 
 
-class CompletionHandler:
+class CompletionHandler(GenerationHandler):
     """Validates one request, submits its engine requests, and shapes the answer."""
 
     request_model = CompletionRequest
     scored_in = "choice"  # where a whole answer's prompt_logprobs go (whole_answers.AnswerShape)
+    id_prefix = "cmpl"
+    req: CompletionRequest
 
     def __init__(self, ctx: ServerContext, req: CompletionRequest) -> None:
-        self.ctx = ctx
-        self.req = req
-        self.id = f"cmpl-{req.request_id or uuid.uuid4().hex}"  # vLLM: the client's request_id names it
-        self.created = int(time.time())
-        self.n = req.n or 1
+        super().__init__(ctx, req)
         self.want_logprobs = req.logprobs is not None
         self.top = req.logprobs or 0
-        check_model(req.model, ctx.served_names)
-        check_common(req)
         if req.suffix:
             raise unsupported("suffix", "suffix (insertion)")
         if req.best_of is not None and req.best_of != self.n:
@@ -130,14 +121,6 @@ class CompletionHandler:
         return make_usage(sum(len(p.tokens) for p in self.prompts), finished)
 
     # ------------------------------------------------------------------ whole answer
-
-    async def complete(self) -> CompletionResponse | StreamingResponse:
-        return await whole_answer(self.ctx, self.jobs, self, self.cost,
-                                  self.want_logprobs or self.req.prompt_logprobs is not None, self.id)
-
-    @property
-    def prompt_logprobs(self) -> int | None:
-        return self.req.prompt_logprobs
 
     def choice(self, job: EngineJob, result: DynamicInferenceRequest, scored: bool = True) -> CompletionChoice:
         """One choice of the whole answer (:class:`~.whole_answers.AnswerShape`)."""
