@@ -6,7 +6,8 @@ work over:
 
 * a spill copies the block's bytes into one of ``depth`` staging rows (the host slot is reused at once) and queues
   the write; with every staging row taken, the spill is dropped and counted (``dropped``): the block is recomputed
-  if it is asked for again, and the step never waits for the disk. The file is published by its rename, whole
+  if it is asked for again, and the step never waits for the disk. The queue holds a burst: a long prompt that
+  enters the device pool pushes as many blocks out of the host tier in one step (:func:`write_depth`). The file is published by its rename, whole
   (:meth:`~.disk.DiskKVTier.write`), so a reader of another engine never sees it in part;
 * a read fills a host slot that the caller keeps out of use until the read's future is done.
 
@@ -28,14 +29,20 @@ from .events import BlockOrigin
 
 logger = logging.getLogger("megatron_serve.engine")
 
-WRITE_DEPTH = 16  # blocks queued for writing at most (their staging rows: depth x the block's bytes of memory)
+WRITE_QUEUE_BYTES = 256 * 2**20  # the staging rows of the blocks queued for writing, at most
+
+
+def write_depth(block_bytes: int, host_slots: int) -> int:
+    """How many spills may wait for the writer: as many as the host tier can let go at once (every slot), within
+    :data:`WRITE_QUEUE_BYTES` (pages of a staging row never used are never touched: no memory)."""
+    return max(1, min(host_slots, WRITE_QUEUE_BYTES // block_bytes))
 
 
 class DiskIO:
     """Writes and reads of ``disk``'s files on two threads (see the module docstring); ``rows``: one host slot's
     tensors, the shape of a staging row."""
 
-    def __init__(self, disk: DiskKVTier, rows: list[torch.Tensor], depth: int = WRITE_DEPTH):
+    def __init__(self, disk: DiskKVTier, rows: list[torch.Tensor], depth: int):
         self.disk = disk
         self._staging = [torch.empty((depth, *row.shape), dtype=row.dtype) for row in rows]
         self._spare: queue.SimpleQueue[int] = queue.SimpleQueue()  # staging rows free for a spill

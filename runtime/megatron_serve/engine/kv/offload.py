@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter, OrderedDict
-from concurrent.futures import FIRST_COMPLETED, Future, wait as wait_futures
+from concurrent.futures import ALL_COMPLETED, Future, wait as wait_futures
 from dataclasses import dataclass, field
 from typing import Callable, Protocol
 
@@ -38,7 +38,7 @@ from ...wire.engine_stats import KV_OFFLOAD, KV_OFFLOAD_DIRECTIONS
 from ...wire.kv_events import MEDIUM_HOST
 from .cache import KVCachePool
 from .disk import DiskKVTier, layout_key
-from .disk_io import DiskIO
+from .disk_io import DiskIO, write_depth
 from .events import KVEventLog
 
 #: vLLM's ``transfer_type`` label values of ``vllm:kv_offload_total_bytes`` and ``vllm:kv_offload_total_time``.
@@ -234,7 +234,7 @@ class HostKVTier:
         rows = [buffer[0] for buffer in self._host]
         self.disk = DiskKVTier(directory, capacity_bytes, layout_key(model_identity, rows), self.block_bytes, epoch,
                                self.events)
-        self.disk_io = DiskIO(self.disk, rows)
+        self.disk_io = DiskIO(self.disk, rows, write_depth(self.block_bytes, self.num_slots))
         return self.disk
 
     @property
@@ -427,11 +427,12 @@ class HostKVTier:
         return bool(self._reads or self._writes)
 
     def await_disk(self, timeout: float) -> None:
-        """Block until a disk read or write in flight is done, at most ``timeout`` seconds (a step with nothing to
-        run but requests waiting for their blocks: the engine waits here rather than spin)."""
+        """Block until the disk reads and writes in flight are done, at most ``timeout`` seconds (a step with nothing
+        to run but requests waiting for their blocks: the engine waits here rather than spin, and for all of them,
+        as a request needs its whole prefix: one lookup again, not one per block)."""
         pending = [read.future for read in self._reads.values()] + list(self._writes.values())
         if pending:
-            wait_futures(pending, timeout, FIRST_COMPLETED)
+            wait_futures(pending, timeout, ALL_COMPLETED)
 
     def flush(self) -> None:
         """Wait until every block spilled so far is written (a reset removes files; a test or a benchmark reads
