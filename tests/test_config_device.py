@@ -6,6 +6,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from megatron_serve import config
@@ -14,6 +15,16 @@ from megatron_serve import config
 def test_the_default_device_is_torchs_answer():
     assert config.default_device() == ("cuda" if torch.cuda.is_available() else "cpu")
     assert config._torch_built_for_gpus() == (torch.version.cuda is not None or torch.version.hip is not None)
+
+
+@pytest.mark.parametrize(("version_py", "gpus"), [
+    ("cuda: Optional[str] = None\nhip: Optional[str] = None\n", False),
+    ("cuda: Optional[str] = '12.4'\nhip: Optional[str] = None\n", True),
+    ("cuda = None\nhip = '6.2.41133'\n", True),
+    ("cuda = None\n", True),  # hip unsaid: torch is asked
+])
+def test_a_build_for_gpus_is_read_from_torchs_version_file(version_py, gpus):
+    assert config.names_gpu_version(version_py) is gpus
 
 
 def test_a_config_of_default_dtype_is_made_and_sent_without_torch():

@@ -16,8 +16,8 @@ from megatron_serve import tokenizer as tokenizer_module
 from megatron_serve.model.tiny import make_tiny_model
 from megatron_serve.tokenizer import Tokenizer
 
-TEXTS = ["Hello, world!", "  leading spaces and\ttabs\n\nnewlines", "naïve café 東京 🙂", "<|im_start|>user\nhi<|im_end|>",
-         "a . b , c ! d ? e 's f n't g", ""]
+TEXTS = ["Hello, world!", "  leading spaces and\ttabs\n\nnewlines", "naïve café 東京 🙂",
+         "<|im_start|>user\nhi<|im_end|>", "a . b , c ! d ? e 's f n't g", ""]
 CONVERSATION = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2 + 2?"},
                 {"role": "assistant", "content": "4"}, {"role": "user", "content": "And 3 + 3?"}]
 
@@ -42,7 +42,8 @@ def test_the_tokenizer_is_the_one_auto_tokenizer_loads(model_dir):
     ours = Tokenizer.from_pretrained(model_dir)
     auto = Tokenizer(transformers.AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True), [])
     model_type = json.loads((model_dir / "config.json").read_text())["model_type"]
-    assert tokenizer_module._auto_picks_backend(model_dir) == (model_type not in tokenizer_module._AUTO_OVERRIDDEN_TYPES)
+    overridden = model_type in tokenizer_module._AUTO_OVERRIDDEN_TYPES
+    assert tokenizer_module._auto_picks_backend(model_dir) == (not overridden)
     assert type(ours.hf_tokenizer) is type(auto.hf_tokenizer)
     assert ours.vocab_size == auto.vocab_size and ours.special_token_ids == auto.special_token_ids
     assert ours.hf_tokenizer.eos_token_id == auto.hf_tokenizer.eos_token_id

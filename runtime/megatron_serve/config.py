@@ -21,7 +21,7 @@ if TYPE_CHECKING:
     import torch
 
 # torch is imported where a dtype or a GPU is resolved, not with this module: the processes that only check options
-# (``run``'s server process, ``control``) run without it, an import of some 2 s of CPU
+# (the HTTP server's, ``run``'s) run without it, an import of some 2 s of CPU
 _DTYPE_NAMES = ("float32", "bfloat16", "float16")
 QUANTIZATIONS = ("fp8",)  # quantize a checkpoint's linear layers at load (vLLM's --quantization)
 KV_CACHE_DTYPES = {"auto": "auto", "fp8": "fp8", "fp8_e4m3": "fp8"}  # vLLM's spellings -> ours (fp8 is e4m3)
@@ -61,16 +61,21 @@ def _torch_built_for_gpus() -> bool:
     if spec is None or not spec.submodule_search_locations:
         return True
     try:
-        tree = ast.parse((Path(next(iter(spec.submodule_search_locations))) / "version.py").read_text())
+        return names_gpu_version((Path(next(iter(spec.submodule_search_locations))) / "version.py").read_text())
     except (OSError, SyntaxError, StopIteration):
         return True
-    built: dict[str, Any] = {}
-    for node in tree.body:
-        target = node.targets[0] if isinstance(node, ast.Assign) else getattr(node, "target", None)
-        if isinstance(target, ast.Name) and target.id in ("cuda", "hip"):
-            value = node.value
-            built[target.id] = value.value if isinstance(value, ast.Constant) else "unknown"
-    return built.keys() != {"cuda", "hip"} or any(value is not None for value in built.values())
+
+
+def names_gpu_version(version_py: str) -> bool:
+    """Whether a torch ``version.py`` names a CUDA or a HIP version, or leaves either unsaid (``cuda = None`` and
+    ``hip = None``: a build for CPUs alone)."""
+    built: dict[str, Any] = {}  # "cuda" and "hip" -> the version it names (None: built without)
+    for node in ast.parse(version_py).body:
+        if isinstance(node, (ast.Assign, ast.AnnAssign)) and node.value is not None:
+            for target in node.targets if isinstance(node, ast.Assign) else [node.target]:
+                if isinstance(target, ast.Name) and target.id in ("cuda", "hip"):
+                    built[target.id] = node.value.value if isinstance(node.value, ast.Constant) else "unknown"
+    return built.keys() != {"cuda", "hip"} or any(version is not None for version in built.values())
 
 
 def batch_invariant_from_env() -> bool:
