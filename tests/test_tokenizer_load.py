@@ -88,3 +88,19 @@ def test_a_file_naming_remote_code_goes_through_auto_tokenizer(tmp_path):
     config["tokenizer_class"] = "GPT2Tokenizer"  # a class of its own: AutoTokenizer resolves it
     (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
     assert not tokenizer_module._auto_picks_backend(tmp_path)
+
+
+@pytest.mark.parametrize("model_type", ["gemma", "mistral"])
+def test_a_file_naming_pretrained_tokenizer_fast_loads_as_auto_tokenizer_does(tmp_path, model_type):
+    """``PreTrainedTokenizerFast`` is ``TokenizersBackend`` to ``AutoTokenizer``, also for a model type that
+    ``transformers`` registers a class of its own for (Gemma's) but that it does not override."""
+    source = Path(make_tiny_model(tmp_path / "tiny", seed=0))
+    for name in ("tokenizer.json", "tokenizer_config.json", "config.json"):
+        data = json.loads((source / name).read_text())
+        data.update({"tokenizer_config.json": {"tokenizer_class": "PreTrainedTokenizerFast"},
+                     "config.json": {"model_type": model_type}}.get(name, {}))
+        (tmp_path / name).write_text(json.dumps(data))
+    ours = Tokenizer.from_pretrained(tmp_path).hf_tokenizer
+    auto = transformers.AutoTokenizer.from_pretrained(str(tmp_path), local_files_only=True)
+    assert tokenizer_module._auto_picks_backend(tmp_path) and type(ours) is type(auto)
+    assert [ours(text)["input_ids"] for text in TEXTS] == [auto(text)["input_ids"] for text in TEXTS]
