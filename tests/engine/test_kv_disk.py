@@ -22,7 +22,9 @@ import torch
 from megatron_serve import DynamicInferenceRequest, SamplingParams
 from megatron_serve.engine.core import DynamicInferenceEngine
 from megatron_serve.engine.kv.disk import HEADER, DiskKVTier, layout_key
+from megatron_serve.engine.kv.cache import KVCachePool
 from megatron_serve.engine.kv.disk_io import DiskIO
+from megatron_serve.engine.kv.offload import HostKVTier
 from megatron_serve.engine.kv.events import BlockOrigin, KVEventLog
 from megatron_serve.wire.kv_events import MEDIUM_DISK, MEDIUM_HOST, BlockRemoved, BlockStored, decode_batch
 from megatron_serve.wire.prefix_hash import block_hashes
@@ -128,6 +130,34 @@ def test_a_spill_is_copied_out_at_once_and_a_full_write_queue_drops_the_next(tmp
     assert disk.read(1, into) is not None and all(torch.equal(a, b) for a, b in zip(into, slot(1)))
     assert not disk.path(2, 0).exists()
     io.close()
+
+
+def test_a_lookup_waits_for_its_reads_and_the_slots_held_for_a_request_that_left_are_let_go(tmp_path):
+    """The host tier's lookup says "not yet" while a prefix is read from disk (one read per block, however often it
+    asks), then finds it in host memory, bitwise; a request that leaves meanwhile holds no slot."""
+    pool = KVCachePool(2, 8, 4, 1, 2, torch.float32, "cpu")
+    blocks = pool.block_tensors()[0]
+    for block in range(5):
+        blocks[:, :, block] = float(block + 1)
+    host = HostKVTier(pool, 3 * pool.bytes_per_pool_block)
+    disk = host.attach_disk(str(tmp_path), 2**20, "tiny", lambda: 0)
+    host.store([(0, 100), (1, 101)])
+    host.store([(2, 102), (3, 103), (4, 104)])  # 100 and 101 go on to disk
+    host.flush()
+    gate, real = threading.Event(), disk.read
+    disk.read = lambda *args: (gate.wait(60), real(*args))[1]
+    assert host.take([100, 101], "r") is None and host.take([100, 101], "r") is None
+    gate.set()
+    host.await_disk(60)
+    slots = host.take([100, 101], "r")
+    host.load(slots, [5, 6])
+    assert torch.equal(blocks[:, :, 5:7], blocks[:, :, 0:2]) and disk.hits == 2
+    host.flush()
+    assert host.take([103], "gone") is None  # spilled by the reads above: read for a request that then leaves
+    host.release("gone")
+    host.await_disk(60)
+    assert disk.hits == 3 and host.store([(5, 105), (6, 106), (7, 107)]) == 3  # every slot reusable: none held for it
+    host.close()
 
 
 WRITER = textwrap.dedent("""
