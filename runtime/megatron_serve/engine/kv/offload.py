@@ -19,63 +19,29 @@ disk is read into a host slot and copied to the device as any host hit. Neither 
 (:mod:`.disk_io`): a spill copies the block out and queues its write; a lookup that finds blocks on disk starts
 their reads and answers "not yet" (:meth:`HostKVTier.take` returns None), the request waits in the queue while
 others step, and the same lookup after the reads landed finds them in host memory. The slots found or being read
-for a waiting request are held for it until it looks again or leaves. The copies themselves are a
-:class:`Copier`'s: on a GPU a side stream with pinned host memory (the host never waits; the device's next step
-waits for the copies that it depends on), on a CPU a plain copy.
+for a waiting request are held for it until it looks again or leaves. The copies between the pool and the slots
+are a :class:`~.copier.Copier`'s (:mod:`.copier`).
 """
 
 from __future__ import annotations
 
-import time
 from collections import Counter, OrderedDict
 from concurrent.futures import ALL_COMPLETED, Future, wait as wait_futures
 from dataclasses import dataclass, field
-from typing import Callable, Protocol
+from typing import Callable
 
 import torch
 
 from ...wire.engine_stats import KV_OFFLOAD, KV_OFFLOAD_DIRECTIONS
 from ...wire.kv_events import MEDIUM_HOST
 from .cache import KVCachePool
+from .copier import Copier, CudaCopier, Transfer, copier_for
 from .disk import DiskKVTier, layout_key
 from .disk_io import DiskIO, write_depth
 from .events import KVEventLog
 
 #: vLLM's ``transfer_type`` label values of ``vllm:kv_offload_total_bytes`` and ``vllm:kv_offload_total_time``.
 TO_HOST, TO_DEVICE = KV_OFFLOAD_DIRECTIONS
-
-
-class Transfer(Protocol):
-    """One copy the tier started: done once its data has landed."""
-
-    def done(self) -> bool: ...
-
-    def seconds(self) -> float:
-        """How long the copy took (called once it is done)."""
-        ...
-
-
-@dataclass
-class _Finished:
-    elapsed: float
-
-    def done(self) -> bool:
-        return True
-
-    def seconds(self) -> float:
-        return self.elapsed
-
-
-@dataclass
-class _CudaTransfer:
-    start: torch.cuda.Event
-    end: torch.cuda.Event
-
-    def done(self) -> bool:
-        return self.end.query()
-
-    def seconds(self) -> float:
-        return self.start.elapsed_time(self.end) / 1000.0
 
 
 @dataclass
@@ -86,90 +52,6 @@ class _Read:
     slot: int
     future: Future
     generation: int
-
-
-def _raw(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    """The tensors as bytes where they are float8 (index_select and index_copy_ take no e4m3): a copy is a copy."""
-    return [t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t for t in tensors]
-
-
-class Copier:
-    """Copies blocks between the device pool and host slots (``pool.block_tensors()`` order, block dim 2).
-
-    This one copies on the calling thread: on a CPU the "device" pool is host memory, and a copy is a memcpy.
-    """
-
-    pin_memory = False
-
-    def to_host(self, pool: KVCachePool, blocks: list[int], host: list[torch.Tensor], slots: list[int]) -> Transfer:
-        started = time.perf_counter()
-        index = torch.tensor(blocks, dtype=torch.long, device=pool.device)
-        where = torch.tensor(slots, dtype=torch.long)
-        for source, target in zip(_raw(pool.block_tensors()), _raw(host)):
-            target.index_copy_(0, where, source.index_select(2, index).movedim(2, 0))
-        return _Finished(time.perf_counter() - started)
-
-    def to_device(self, host: list[torch.Tensor], slots: list[int], pool: KVCachePool, blocks: list[int]) -> Transfer:
-        started = time.perf_counter()
-        index = torch.tensor(blocks, dtype=torch.long, device=pool.device)
-        where = torch.tensor(slots, dtype=torch.long)
-        for source, target in zip(_raw(host), _raw(pool.block_tensors())):
-            target.index_copy_(2, index, source.index_select(0, where).movedim(0, 2))
-        return _Finished(time.perf_counter() - started)
-
-
-class CudaCopier(Copier):
-    """Copies on a side stream between the pool and pinned host slots; the host never waits for them.
-
-    Both streams wait for each other on the device, never on the host. The side stream first waits for the work
-    queued so far on the compute stream: a copy to the host reads blocks that a step still in flight may be
-    writing, and a copy to the device writes blocks that such a step may still read or write (a block freed and
-    handed out again while its last step runs). The compute stream then waits for the copy's end: the step
-    launched next may overwrite what a copy to the host reads, and reads what a copy to the device writes. The
-    pool's tensors are marked as used by the side stream (``record_stream``), so that memory released while a
-    copy is queued (the pool freed by a suspend) is not handed out before the copy is done.
-    """
-
-    pin_memory = True
-
-    def __init__(self, device: torch.device):
-        self.stream = torch.cuda.Stream(device)
-
-    def _copy(self, pool: KVCachePool, run: Callable[[], None]) -> Transfer:
-        compute = torch.cuda.current_stream(self.stream.device)
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        self.stream.wait_stream(compute)  # ordered after every step launched so far
-        with torch.cuda.stream(self.stream):
-            start.record()
-            run()
-            end.record()
-        for tensor in pool.block_tensors():
-            tensor.record_stream(self.stream)
-        compute.wait_event(end)  # the next step is ordered after the copy
-        return _CudaTransfer(start, end)
-
-    def to_host(self, pool: KVCachePool, blocks: list[int], host: list[torch.Tensor], slots: list[int]) -> Transfer:
-        def run() -> None:
-            index = torch.tensor(blocks, dtype=torch.long).to(pool.device, non_blocking=True)
-            for source, target in zip(_raw(pool.block_tensors()), _raw(host)):
-                staged = source.index_select(2, index).movedim(2, 0).contiguous()  # side-stream memory
-                for row, slot in enumerate(slots):
-                    target[slot].copy_(staged[row], non_blocking=True)
-        return self._copy(pool, run)
-
-    def to_device(self, host: list[torch.Tensor], slots: list[int], pool: KVCachePool, blocks: list[int]) -> Transfer:
-        def run() -> None:
-            index = torch.tensor(blocks, dtype=torch.long).to(pool.device, non_blocking=True)
-            for source, target in zip(_raw(host), _raw(pool.block_tensors())):
-                staged = torch.empty((len(slots), *source.shape[1:]), dtype=source.dtype, device=pool.device)
-                for row, slot in enumerate(slots):
-                    staged[row].copy_(source[slot], non_blocking=True)
-                target.index_copy_(2, index, staged.movedim(0, 2))
-        return self._copy(pool, run)
-
-
-def copier_for(device: torch.device) -> Copier:
-    return CudaCopier(device) if device.type == "cuda" else Copier()
 
 
 @dataclass
