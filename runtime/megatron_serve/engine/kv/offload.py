@@ -358,7 +358,8 @@ class HostKVTier:
         self._reap()
 
     def close(self) -> None:
-        """Finish the disk tier's queued writes and stop its threads (the engine shuts down)."""
+        """Finish the disk tier's queued writes and stop its threads (the engine shuts down; again: nothing)."""
         if self.disk_io is not None:
             self.disk_io.close()
             self.disk.close()
+            self.disk_io = None
