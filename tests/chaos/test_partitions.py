@@ -92,41 +92,49 @@ async def test_an_engine_cut_off_mid_stream_loses_no_request_and_answers_none_tw
             client = InferenceClient(f"tcp://127.0.0.1:{port}", token=children.secret, coordinator_timeout=3.0)
             await client.start(timeout=60)
             await client.wait_for_engines(2, timeout=300)
-            recorder = Recorder(client)
-            streamed = dict.fromkeys(PROMPTS, "")
-
-            async def one(prompt: str):
-                final = None
-                async for item in client.add_request_streaming(prompt, LONG, request_id=prompt):
-                    if isinstance(item, StreamPartial):
-                        streamed[prompt] += item.new_text
-                    else:
-                        final = item
-                return final
-
-            tasks = [asyncio.create_task(one(p)) for p in PROMPTS]
-            victim = await _busy(client, cut_off.pid, streamed)
-            _ip("link", "set", host_side, "down")  # packets vanish both ways
-            cut = time.monotonic()
-            while victim in {e["id"] for e in (await client.status())["engines"]}:
-                await asyncio.sleep(0.1)
-            detected = time.monotonic() - cut
-            results = await asyncio.wait_for(asyncio.gather(*tasks), 300)
-            recovered = time.monotonic() - cut
-            assert all(r.status is RequestStatus.COMPLETED for r in results), [r.status for r in results]
-            for prompt, result in zip(PROMPTS, results):
-                assert result.generated_text == direct[prompt] == streamed[prompt], prompt
-            assert any(any(e.type.value == "EVICT" for e in r.events) for r in results), "no request moved"
-            _ip("link", "set", host_side, "up")  # the engine's queued frames now arrive: late answers
-            await client.wait_for_engines(2, timeout=120)  # it joins again, as a new engine
-            again = await asyncio.wait_for(asyncio.gather(*(client.add_request(p, LONG) for p in PROMPTS)), 300)
-            assert [r.generated_text for r in again] == [direct[p] for p in PROMPTS]
-            assert all(recorder.results[p] == 1 for p in PROMPTS), recorder.results
+            detected, recovered = await _cut_under_streams(client, cut_off.pid, host_side, direct)
             print(f"\npartition coordinator-engine: detected in {detected:.1f}s, every request done {recovered:.1f}s "
                   f"after the cut (heartbeat timeout {HEARTBEAT_TIMEOUT_S}s)")
             client.close()
         finally:
             children.kill_all()
+
+
+async def _cut_under_streams(client: InferenceClient, pid: int, host_side: str, direct: dict[str, str]
+                             ) -> tuple[float, float]:
+    """Stream every prompt, bring the pair down once the engine ``pid`` leads holds requests while tokens flow, and
+    check what a cut must leave: the engine dropped, each request moved and completed with ``direct``'s text,
+    streamed once; then bring the pair up, wait for the engine to register again, and check that the late answers
+    reached no client. Returns the seconds from the cut to the engine's removal and to every request's end."""
+    recorder = Recorder(client)
+    streamed = dict.fromkeys(PROMPTS, "")
+
+    async def one(prompt: str):
+        async for item in client.add_request_streaming(prompt, LONG, request_id=prompt):
+            if isinstance(item, StreamPartial):
+                streamed[prompt] += item.new_text
+            else:
+                return item
+
+    tasks = [asyncio.create_task(one(p)) for p in PROMPTS]
+    victim = await _busy(client, pid, streamed)
+    _ip("link", "set", host_side, "down")  # packets vanish both ways
+    cut = time.monotonic()
+    while victim in {e["id"] for e in (await client.status())["engines"]}:
+        await asyncio.sleep(0.1)
+    detected = time.monotonic() - cut
+    results = await asyncio.wait_for(asyncio.gather(*tasks), 300)
+    recovered = time.monotonic() - cut
+    assert all(r.status is RequestStatus.COMPLETED for r in results), [r.status for r in results]
+    for prompt, result in zip(PROMPTS, results):
+        assert result.generated_text == direct[prompt] == streamed[prompt], prompt
+    assert any(any(e.type.value == "EVICT" for e in r.events) for r in results), "no request moved"
+    _ip("link", "set", host_side, "up")  # the engine's queued frames now arrive: late answers
+    await client.wait_for_engines(2, timeout=120)  # it registers again, as a new engine
+    again = await asyncio.wait_for(asyncio.gather(*(client.add_request(p, LONG) for p in PROMPTS)), 300)
+    assert [r.generated_text for r in again] == [direct[p] for p in PROMPTS]
+    assert all(recorder.results[p] == 1 for p in PROMPTS), recorder.results
+    return detected, recovered
 
 
 def _in_namespace(children: Children, namespace: str, name: str, *args: str, env: dict[str, str] | None = None
@@ -341,34 +349,7 @@ async def test_a_rank_cut_off_from_its_group_moves_the_groups_requests_and_answe
             client = InferenceClient(f"tcp://127.0.0.1:{port}", token=children.secret)
             await client.start(timeout=60)
             await client.wait_for_engines(2, timeout=300)
-            recorder = Recorder(client)
-            streamed = dict.fromkeys(PROMPTS, "")
-
-            async def one(prompt: str):
-                async for item in client.add_request_streaming(prompt, LONG, request_id=prompt):
-                    if isinstance(item, StreamPartial):
-                        streamed[prompt] += item.new_text
-                    else:
-                        return item
-
-            tasks = [asyncio.create_task(one(p)) for p in PROMPTS]
-            victim = await _busy(client, leader.pid, streamed)
-            _ip("link", "set", host_side, "down")
-            cut = time.monotonic()
-            while victim in {e["id"] for e in (await client.status())["engines"]}:
-                await asyncio.sleep(0.1)
-            detected = time.monotonic() - cut
-            results = await asyncio.wait_for(asyncio.gather(*tasks), 300)
-            recovered = time.monotonic() - cut
-            assert all(r.status is RequestStatus.COMPLETED for r in results), [r.status for r in results]
-            for prompt, result in zip(PROMPTS, results):
-                assert result.generated_text == direct[prompt] == streamed[prompt], prompt
-            assert any(any(e.type.value == "EVICT" for e in r.events) for r in results), "no request moved"
-            _ip("link", "set", host_side, "up")  # A's collective completes: late answers for requests that moved
-            await client.wait_for_engines(2, timeout=120)  # its leader registers again
-            again = await asyncio.wait_for(asyncio.gather(*(client.add_request(p, LONG) for p in PROMPTS)), 300)
-            assert [r.generated_text for r in again] == [direct[p] for p in PROMPTS]
-            assert all(recorder.results[p] == 1 for p in PROMPTS), recorder.results
+            detected, recovered = await _cut_under_streams(client, leader.pid, host_side, direct)
             print(f"\npartition rank-rank (tensor-parallel group): detected in {detected:.1f}s, every request done "
                   f"{recovered:.1f}s after the cut (stall time-out {stall_s:g}s)")
             client.close()
