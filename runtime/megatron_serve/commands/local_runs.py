@@ -24,6 +24,8 @@ import stat
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from ..fleet.lifeline import process_exists
+
 RUN_FILE = "run.json"
 SECRET_FILE = "secret"
 
@@ -130,7 +132,7 @@ def live_runs() -> list[LocalRun]:
             run = LocalRun(**json.loads(path.read_text()), directory=directory)
         except (OSError, ValueError, TypeError):
             continue
-        if _alive(run.pid):
+        if process_exists(run.pid):
             found.append(run)
         else:
             shutil.rmtree(directory, ignore_errors=True)
@@ -161,13 +163,3 @@ def secret_for(address: str) -> str | None:
     insecure one)."""
     run = next((r for r in live_runs() if r.coordinator == address), None)
     return run.secret() if run is not None else None
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # exists, another user's
-    return True

@@ -102,3 +102,15 @@ def _parent_gone() -> None:
         os.write(2, f"megatron-serve (pid {os.getpid()}): the parent process is gone: exiting\n".encode())
     finally:
         os._exit(1)
+
+
+def process_exists(pid: int) -> bool:
+    """Whether process ``pid`` exists (another user's does too): what a lock file or a table row naming a process
+    that may have died is checked against."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    return True

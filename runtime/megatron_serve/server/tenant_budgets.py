@@ -20,6 +20,8 @@ import threading
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ..fleet.lifeline import process_exists
+
 if TYPE_CHECKING:
     from .tenants import Tenant
 
@@ -118,7 +120,7 @@ class SharedBudgets:
                             " requests REAL, requests_at REAL)")
             self.db.execute("CREATE TABLE IF NOT EXISTS running (tenant TEXT, pid INTEGER, count INTEGER, "
                             "PRIMARY KEY (tenant, pid))")
-            gone = [pid for (pid,) in self.db.execute("SELECT DISTINCT pid FROM running") if not _alive(pid)]
+            gone = [pid for (pid,) in self.db.execute("SELECT DISTINCT pid FROM running") if not process_exists(pid)]
             self.db.executemany("DELETE FROM running WHERE pid = ?", [(pid,) for pid in gone])
             self.db.execute("COMMIT")
 
@@ -194,14 +196,3 @@ class _Held:
                 db.execute(statement)
         finally:
             self.budgets._lock.release()
-
-
-def _alive(pid: int) -> bool:
-    """Whether process ``pid`` exists (one of another user's does too)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        pass
-    return True
