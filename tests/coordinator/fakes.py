@@ -193,6 +193,9 @@ class FakeEngine:
     def group_turn(self, busy: bool, holding: bool = False) -> Turn:
         return Turn(busy, holding)  # one engine: no data-parallel ranks to step with
 
+    def idle(self) -> None:
+        pass  # no KV tiers: nothing lands between steps
+
     def call(self, step, body) -> dict:
         return call(self, step, body)
 

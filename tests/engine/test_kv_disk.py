@@ -26,7 +26,7 @@ from megatron_serve.engine.kv.cache import KVCachePool
 from megatron_serve.engine.kv.disk_io import DiskIO
 from megatron_serve.engine.kv.offload import HostKVTier
 from megatron_serve.engine.kv.events import BlockOrigin, KVEventLog
-from megatron_serve.wire.kv_events import MEDIUM_DISK, MEDIUM_HOST, BlockRemoved, BlockStored, decode_batch
+from megatron_serve.wire.kv_events import MEDIUM_DEVICE, MEDIUM_DISK, MEDIUM_HOST, BlockRemoved, BlockStored, decode_batch
 from megatron_serve.wire.prefix_hash import block_hashes
 
 from .disk_tier_run import BLOCK, PARAMS, config, prompts
@@ -200,6 +200,23 @@ def test_the_kv_events_say_disk_for_what_the_tier_stores_and_removes(tmp_path):
     removed = [h for e in events if isinstance(e, BlockRemoved) and e.medium == MEDIUM_DISK for h in e.block_hashes]
     assert stored == [1, 2, 3] and removed == [1, 2]  # the third write went over the bound: trimmed to 90%
     assert log.holds(MEDIUM_DISK) == [3]
+
+
+def test_an_idle_engine_hands_out_the_disk_tiers_stored_events(tmp_path):
+    """Writes that land after the last store reach the event log without another lookup or store (an engine's idle
+    loop turn calls ``announce``): no "stored on disk" event waits for the next request."""
+    pool = KVCachePool(2, 8, 4, 1, 2, torch.float32, "cpu")
+    log = KVEventLog(block_size=4)
+    host = HostKVTier(pool, 2 * pool.bytes_per_pool_block, events=log)
+    host.attach_disk(str(tmp_path), 2**20, "tiny", lambda: 0)
+    log.stored(MEDIUM_DEVICE, 100, BlockOrigin(None, tuple(range(4))))  # its tokens, as the pool's store says them
+    host.store([(0, 100), (1, 101)])
+    host.store([(2, 102)])  # 100 goes on to disk
+    host.disk_io.flush()  # written, and no lookup or store since
+    assert log.holds(MEDIUM_DISK) == []
+    host.announce()
+    assert log.holds(MEDIUM_DISK) == [100]
+    host.close()
 
 
 # Real engine processes of one node, one after another, on one directory.

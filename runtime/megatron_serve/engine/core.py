@@ -311,6 +311,13 @@ class DynamicInferenceEngine:
         self.kv_events.flush()  # the step's KV events, one batch
         return self.parity.deliver(outputs, self.epoch, self.stats, self.scheduler.add_request)
 
+    def idle(self) -> None:
+        """A turn of the process loop with nothing to step: the disk tier's writes that landed since still reach
+        the KV events (a step flushes them; an idle engine would keep them until its next request)."""
+        if self.host_tier is not None:
+            self.host_tier.announce()
+        self.kv_events.flush()
+
     def step_overlapped(self, ks: dict[str, int] | None = None) -> list[StepOutput]:
         """A step launched before the one in flight is read (see :meth:`step`): a plain step, or with ``ks`` (each
         drafting request's K) a verify step."""

@@ -151,6 +151,8 @@ class ServedEngine(Protocol):
 
     def group_turn(self, busy: bool, holding: bool = False) -> Turn: ...  # step now? act on a held verb now?
 
+    def idle(self) -> None: ...  # a loop turn with no step: hand out what landed meanwhile (the disk tier's events)
+
     def call(self, step: Step | str, body: Any) -> dict[str, Any]: ...  # a verb's work: the acknowledgement's detail
 
     # a request, and vLLM's kv_transfer_params: its KV goes on after prefill, or it starts on blocks that arrived

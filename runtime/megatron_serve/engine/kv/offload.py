@@ -316,6 +316,11 @@ class HostKVTier:
         if pending:
             wait_futures(pending, timeout, ALL_COMPLETED)
 
+    def announce(self) -> None:
+        """Hand the event log what the disk did since the last lookup or store (an idle engine calls this: its
+        "stored on disk" events would otherwise wait for the next request)."""
+        self._land()
+
     def flush(self) -> None:
         """Wait until every block spilled so far is written (a reset removes files; a test or a benchmark reads
         what was written)."""

@@ -111,6 +111,8 @@ class EngineProcess:
                 stepped = turn.step
                 if stepped:
                     self.step()
+                else:
+                    self.engine.idle()
                 self.publish_stats()
         finally:
             self.link.close()
