@@ -100,6 +100,15 @@ async def test_an_engine_cut_off_mid_stream_loses_no_request_and_answers_none_tw
             children.kill_all()
 
 
+async def _stream_text(client: InferenceClient, prompt: str, streamed: dict[str, str]):
+    """Stream ``prompt`` (its id: the prompt), adding each piece of text to ``streamed[prompt]``; its final result."""
+    async for item in client.add_request_streaming(prompt, LONG, request_id=prompt):
+        if isinstance(item, StreamPartial):
+            streamed[prompt] += item.new_text
+        else:
+            return item
+
+
 async def _cut_under_streams(client: InferenceClient, pid: int, host_side: str, direct: dict[str, str]
                              ) -> tuple[float, float]:
     """Stream every prompt, bring the pair down once the engine ``pid`` leads holds requests while tokens flow, and
@@ -108,15 +117,7 @@ async def _cut_under_streams(client: InferenceClient, pid: int, host_side: str, 
     reached no client. Returns the seconds from the cut to the engine's removal and to every request's end."""
     recorder = Recorder(client)
     streamed = dict.fromkeys(PROMPTS, "")
-
-    async def one(prompt: str):
-        async for item in client.add_request_streaming(prompt, LONG, request_id=prompt):
-            if isinstance(item, StreamPartial):
-                streamed[prompt] += item.new_text
-            else:
-                return item
-
-    tasks = [asyncio.create_task(one(p)) for p in PROMPTS]
+    tasks = [asyncio.create_task(_stream_text(client, p, streamed)) for p in PROMPTS]
     victim = await _busy(client, pid, streamed)
     _ip("link", "set", host_side, "down")  # packets vanish both ways
     cut = time.monotonic()
@@ -176,15 +177,7 @@ async def test_a_client_cut_off_from_its_coordinator_finishes_or_fails_naming_it
             await client.start(timeout=60)
             await client.wait_for_engines(1, timeout=300)
             streamed = dict.fromkeys(PROMPTS[:8], "")
-
-            async def one(prompt: str):
-                async for item in client.add_request_streaming(prompt, LONG, request_id=prompt):
-                    if isinstance(item, StreamPartial):
-                        streamed[prompt] += item.new_text
-                    else:
-                        return item
-
-            tasks = [asyncio.create_task(one(p)) for p in streamed]
+            tasks = [asyncio.create_task(_stream_text(client, p, streamed)) for p in streamed]
             while sum(map(len, streamed.values())) < 20:
                 await asyncio.sleep(0.02)
             _ip("link", "set", host_side, "down")
