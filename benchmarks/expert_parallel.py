@@ -46,11 +46,11 @@ from serving import free_port  # noqa: E402
 
 COUNTING_PROBE = textwrap.dedent("""
     import json, sys, torch, torch.distributed as dist
-    from megatron_serve.model.expert_dispatch import install_dispatchers
+    from megatron_serve.model.experts.dispatch import install_dispatchers
     from megatron_serve.model.loader import load_model
-    from megatron_serve.model.moe import SparseMoeBlock
+    from megatron_serve.model.experts.moe import SparseMoeBlock
     from megatron_serve.model.parallel import DataParallel, TensorParallel
-    from megatron_serve.model.token_dispatcher import AllGatherDispatcher
+    from megatron_serve.model.experts.token_dispatcher import AllGatherDispatcher
 
     rank, size, port, model_dir, layouts, tokens, device = sys.argv[1:]
     rank, size, tokens = int(rank), int(size), int(tokens)

@@ -39,7 +39,7 @@ from megatron_serve import InferenceConfig, MegatronLLM, SamplingParams, WeightS
 from megatron_serve.client.coordinator_client import InferenceClient
 from megatron_serve.fleet.local_fleet import LocalFleet
 from megatron_serve.model.config import ModelConfig
-from megatron_serve.model.lora import PROJECTIONS, projection_shape
+from megatron_serve.model.lora.checkpoint import PROJECTIONS, projection_shape
 from megatron_serve.model.tiny import make_tiny_model
 
 GOAL_8 = 0.8

@@ -1,5 +1,5 @@
 """A stand-in for ``deep_ep`` on CPU: its V1 ``Buffer``'s documented semantics over torch.distributed (gloo), for
-the tests of :mod:`megatron_serve.model.deepep_dispatcher`. DeepEP's kernels need GPUs joined by NVLink or RDMA,
+the tests of :mod:`megatron_serve.model.experts.deepep_dispatcher`. DeepEP's kernels need GPUs joined by NVLink or RDMA,
 which this machine lacks; everything around them runs for real.
 
 What DeepEP documents and this reproduces (``deep_ep/buffers/legacy.py``, ``tests/legacy``):

@@ -243,7 +243,7 @@ def load_image_processor(model_dir: str | Path) -> ImageProcessor | None:
     """The image processor of a vision-language model directory; None for a text model."""
     import json  # noqa: PLC0415
 
-    from .model.vision_config import is_vision_language, split_vision_language  # noqa: PLC0415
+    from .model.vision.config import is_vision_language, split_vision_language  # noqa: PLC0415
 
     path = Path(model_dir) / "config.json"
     if not path.is_file():

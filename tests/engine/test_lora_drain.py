@@ -8,7 +8,7 @@ import pytest
 
 from megatron_serve import DynamicInferenceRequest, InferenceConfig, SamplingParams
 from megatron_serve.engine import DynamicInferenceEngine
-from megatron_serve.engine.lora_queue import LoraQueue
+from megatron_serve.engine.lora.queue import LoraQueue
 from megatron_serve.model.tiny import make_tiny_model
 
 from ..lora_adapters import make_peft_adapter

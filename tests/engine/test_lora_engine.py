@@ -12,7 +12,7 @@ from safetensors.torch import load_file, save_file
 
 from megatron_serve import DynamicInferenceRequest, InferenceConfig, SamplingParams
 from megatron_serve.engine import DynamicInferenceEngine, scheduler
-from megatron_serve.model.lora import LoraAdapterError
+from megatron_serve.model.lora.checkpoint import LoraAdapterError
 from megatron_serve.model.tiny import make_tiny_model
 
 from ..lora_adapters import make_peft_adapter, peft_model

@@ -9,7 +9,7 @@ import shutil
 import pytest
 import torch
 
-from megatron_serve.model.lora import LoraAdapterError, read_adapter
+from megatron_serve.model.lora.checkpoint import LoraAdapterError, read_adapter
 from megatron_serve.model.tiny import make_tiny_model
 
 from ..lora_adapters import make_peft_adapter, peft_model

@@ -108,7 +108,7 @@ def test_requests_with_images_speculate_and_emit_the_plain_engines_tokens(tmp_pa
 def test_control_image_rows_at_text_positions_change_the_tokens(tmp_path, monkeypatch):
     """Negative control for the test above: generated positions (verify rows among them) placed at their token
     index, without the images' shift, get other log probs: the test's equality does rest on those positions."""
-    from megatron_serve.model import mrope  # noqa: PLC0415
+    from megatron_serve.model.vision import mrope  # noqa: PLC0415
 
     model = str(make_tiny_model(tmp_path / "qwen2-vl", seed=5, arch="qwen2_vl"))
     prompts = [{"prompt": f"Look {IMAGE} here look here look here", "images": [png(84, 112, 1)]}]

@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from megatron_serve.config import EplbConfig, InferenceConfig
-from megatron_serve.model.eplb import (LayerPlacement, balancedness, identity_plan, pack, plan_layer, rank_loads,
-                                       replicate)
-from megatron_serve.model.expert_moves import plan_moves
+from megatron_serve.model.experts.eplb import (LayerPlacement, balancedness, identity_plan, pack, plan_layer,
+                                               rank_loads, replicate)
+from megatron_serve.model.experts.moves import plan_moves
 
 #: 16 experts over 4 ranks, two hot ones (a router biased toward experts 3 and 9), as the engine tests' routers.
 SKEWED = [40.0 if e in (3, 9) else 4.0 for e in range(16)]

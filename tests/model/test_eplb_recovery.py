@@ -8,8 +8,8 @@ from collections import Counter
 
 import pytest
 
-from megatron_serve.model.eplb import identity_plan, plan_layer
-from megatron_serve.model.eplb_recovery import recovery, survivor_plan
+from megatron_serve.model.experts.eplb import identity_plan, plan_layer
+from megatron_serve.model.experts.eplb_recovery import recovery, survivor_plan
 
 
 def simulate(old: list[int], ranks: int, lost: set[int], experts: int) -> list[int]:

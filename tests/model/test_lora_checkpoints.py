@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from megatron_serve.model.config import ModelConfig
-from megatron_serve.model.lora import LoraAdapterError, read_adapter
+from megatron_serve.model.lora.checkpoint import LoraAdapterError, read_adapter
 from megatron_serve.model.tiny import make_tiny_model
 
 from ..lora_adapters import make_peft_adapter

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_serve.model.token_dispatcher import weighted_sum
+from megatron_serve.model.experts.token_dispatcher import weighted_sum
 
 
 def rows(seed: int, counts: list[int], hidden: int = 48) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -18,7 +18,7 @@ import sys
 from typing import Any
 
 from megatron_serve import InferenceConfig
-from megatron_serve.model import token_dispatcher
+from megatron_serve.model.experts import token_dispatcher
 
 if __name__ in ("__main__", "__mp_main__"):  # this group's processes only, never a test process that imports this
     _weighted_sum = token_dispatcher.weighted_sum

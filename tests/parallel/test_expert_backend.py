@@ -22,9 +22,9 @@ from megatron_serve.engine.expert_backend import install_expert_backend, rank_to
 from megatron_serve.engine.graphs import DecodeGraphs, MixedGraphs, StepGraphs
 from megatron_serve.engine.sizing import engine_buffers
 from megatron_serve.fleet.argv import inference_config_to_argv
-from megatron_serve.model import expert_dispatch
-from megatron_serve.model.deepep_dispatcher import low_latency_rows, normal_pairs, normal_sum
-from megatron_serve.model.expert_dispatch import StepDispatcher
+from megatron_serve.model.experts import dispatch as expert_dispatch
+from megatron_serve.model.experts.deepep_dispatcher import low_latency_rows, normal_pairs, normal_sum
+from megatron_serve.model.experts.dispatch import StepDispatcher
 from megatron_serve.model.loader import build_model, load_model
 from megatron_serve.model.parallel import TensorParallel
 from megatron_serve.model.tiny import make_tiny_model

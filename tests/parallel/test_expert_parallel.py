@@ -20,7 +20,7 @@ import transformers
 
 from megatron_serve import InferenceConfig, MegatronLLM, SamplingParams
 from megatron_serve.model.loader import build_model, iterate_checkpoint, load_model, load_weights
-from megatron_serve.model.moe import expert_weight_name
+from megatron_serve.model.experts.moe import expert_weight_name
 from megatron_serve.model.parallel import TensorParallel
 from megatron_serve.model.tiny import make_tiny_model
 from megatron_serve.tokenizer import Tokenizer
@@ -93,12 +93,12 @@ def test_each_rank_reads_and_holds_only_its_experts(moe_model, size):
 
 LAYER_PROBE = textwrap.dedent("""
     import sys, torch, torch.distributed as dist
-    from megatron_serve.model.capacity_dispatcher import CapacityDispatcher
-    from megatron_serve.model.expert_dispatch import install_dispatchers
+    from megatron_serve.model.experts.capacity_dispatcher import CapacityDispatcher
+    from megatron_serve.model.experts.dispatch import install_dispatchers
     from megatron_serve.model.loader import load_model
-    from megatron_serve.model.moe import SparseMoeBlock
+    from megatron_serve.model.experts.moe import SparseMoeBlock
     from megatron_serve.model.parallel import DataParallel, TensorParallel
-    from megatron_serve.model.token_dispatcher import AllGatherDispatcher
+    from megatron_serve.model.experts.token_dispatcher import AllGatherDispatcher
     from tests.host_sync import NoHostSync
 
     def guarded(method):  # the fixed-capacity dispatcher never reads a value on the host (a capture forbids it)
@@ -123,7 +123,7 @@ LAYER_PROBE = textwrap.dedent("""
         model = load_model(model_dir, getattr(torch, dtype), "cpu", over_dp if dp else over_tp)
         step = install_dispatchers(model, "alltoall") if "capacity" in mode else None
         if "deepep" in mode:  # DeepEP's dispatcher over the fake deep_ep; a mode's limit keeps it in one mode
-            from megatron_serve.model.deepep_dispatcher import DeepEPBuffers, DeepEPDispatcher
+            from megatron_serve.model.experts.deepep_dispatcher import DeepEPBuffers, DeepEPDispatcher
             from tests import deepep_fake
             tp, experts = over_dp if dp else over_tp, model.config.moe.num_experts
             group = tp.data_parallel.group if dp else tp.group

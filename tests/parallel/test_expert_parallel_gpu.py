@@ -33,11 +33,11 @@ PROBE = textwrap.dedent("""
     import sys, torch, torch.distributed as dist
     from megatron_serve.config import InferenceConfig
     from megatron_serve.engine.expert_backend import install_expert_backend
-    from megatron_serve.model.expert_dispatch import install_dispatchers
+    from megatron_serve.model.experts.dispatch import install_dispatchers
     from megatron_serve.model.loader import load_model
-    from megatron_serve.model.moe import SparseMoeBlock
+    from megatron_serve.model.experts.moe import SparseMoeBlock
     from megatron_serve.model.parallel import TensorParallel
-    from megatron_serve.model.token_dispatcher import AllToAllDispatcher
+    from megatron_serve.model.experts.token_dispatcher import AllToAllDispatcher
 
     model_dir, rank, size, port, mode = sys.argv[1:]
     rank, size = int(rank), int(size)

@@ -11,10 +11,10 @@ import torch
 from megatron_serve import InferenceConfig, SamplingParams
 from megatron_serve.client.lora_push import adapter_push
 from megatron_serve.engine import DynamicInferenceEngine
-from megatron_serve.model import lora_slots
+from megatron_serve.model.lora import slots as lora_slots
 from megatron_serve.model.loader import load_model
-from megatron_serve.model.lora import LoraAdapterError, read_adapter
-from megatron_serve.model.lora_slots import LoraSlots
+from megatron_serve.model.lora.checkpoint import LoraAdapterError, read_adapter
+from megatron_serve.model.lora.slots import LoraSlots
 from megatron_serve.model.parallel import TensorParallel
 from megatron_serve.model.tiny import make_tiny_model
 

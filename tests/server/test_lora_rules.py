@@ -22,7 +22,7 @@ from safetensors.torch import load_file, save_file
 
 from megatron_serve.client.llm import MegatronLLM
 from megatron_serve.config import InferenceConfig
-from megatron_serve.model.lora import MAX_CONFIG_BYTES, WEIGHTS_FILE
+from megatron_serve.model.lora.checkpoint import MAX_CONFIG_BYTES, WEIGHTS_FILE
 from megatron_serve.wire.sampling_params import SamplingParams
 
 from ..lora_adapters import make_peft_adapter

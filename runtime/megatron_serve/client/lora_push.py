@@ -7,7 +7,7 @@ adapter's name in the keys: ``...q_proj.lora_A.default.weight`` or ``...q_proj.l
 ``target_parameters`` naming the one expert parameter they adapt). All become ``(PEFT name, tensor)`` pairs as
 a saved checkpoint names them
 (``base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight``); every engine checks them against
-its base model before any byte moves (:func:`megatron_serve.model.lora.check_shapes`).
+its base model before any byte moves (:func:`megatron_serve.model.lora.checkpoint.check_shapes`).
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from ..tokenizer import Tokenizer
-from ..model.lora import CONFIG_FILE
+from ..model.lora.checkpoint import CONFIG_FILE
 from ..wire.sampling_params import SamplingParams
 from .prompts import ImagePrompt, Prompt
 

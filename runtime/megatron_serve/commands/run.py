@@ -187,7 +187,7 @@ def check_model_fits(model: str, config: InferenceConfig) -> None:
     check_layout(model_config.num_layers, model_config.num_heads, config.tensor_parallel_size,
                  config.pipeline_parallel_size)
     if config.lora_modules:
-        from ..model.lora import read_adapter  # noqa: PLC0415 - torch: only where adapters are served
+        from ..model.lora.checkpoint import read_adapter  # noqa: PLC0415 - torch: only where adapters are served
 
         for name, path in config.lora_modules.items():
             read_adapter(name, path, model_config, config.max_lora_rank)

@@ -14,7 +14,7 @@ from ..wire.expert_routing import RoutingCapture, routing_dtype
 from ..wire.request import EngineRequest
 from .encoder_cache import EncoderCache
 from .kv.cache import blocks_for_tokens
-from .lora import EngineLoras, LoraAdapterError, Registration, admit_request
+from .lora.adapters import EngineLoras, LoraAdapterError, Registration, admit_request
 from .sequence import Sequence
 from .structured_output import StructuredOutputs
 

@@ -52,8 +52,8 @@ from .kv.events import KVEventLog, ZmqPublisher
 from .kv.offload import HostKVTier
 from .kv.transfer import KVTransfer
 from .logprob_parity import ParityChecker
-from .lora import engine_loras, lora_report
-from .lora_verbs import Adapters
+from .lora.adapters import engine_loras, lora_report
+from .lora.verbs import Adapters
 from .memory_verbs import DeviceMemory
 from .runner import ModelRunner
 from .sampler import Sampler

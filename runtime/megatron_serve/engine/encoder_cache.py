@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from ..model.mrope import MropePositions, mrope_positions
+from ..model.vision.mrope import MropePositions, mrope_positions
 from ..multimodal import ImageError, ImageProcessor, PromptImage
 from .sequence import Sequence
 

@@ -4,7 +4,7 @@ every rank alike, and said in one log line (docs/parallelism.md).
 ``auto`` (the default) takes DeepEP where it can run (:func:`deepep_problem` finds nothing to stop it): in its
 low-latency mode for steps up to the largest CUDA graph, normal mode above, as SGLang's ``--deepep-mode auto``
 does; everywhere else the plain all-to-all (``alltoall``). A backend named explicitly that cannot run is refused at
-start, saying why. What each backend does is :mod:`megatron_serve.model.expert_dispatch`'s.
+start, saying why. What each backend does is :mod:`megatron_serve.model.experts.dispatch`'s.
 """
 
 from __future__ import annotations
@@ -20,9 +20,9 @@ import torch
 import torch.distributed
 
 from ..config import InferenceConfig
-from ..model.deepep_dispatcher import LOW_LATENCY_HIDDEN, DeepEPBuffers, DeepEPDispatcher
-from ..model.expert_dispatch import ExpertStep, install_dispatchers
-from ..model.moe import SparseMoeBlock
+from ..model.experts.deepep_dispatcher import LOW_LATENCY_HIDDEN, DeepEPBuffers, DeepEPDispatcher
+from ..model.experts.dispatch import ExpertStep, install_dispatchers
+from ..model.experts.moe import SparseMoeBlock
 from .expert_balancer import ExpertBalancer, place_experts
 from .graphs import capture_sizes
 

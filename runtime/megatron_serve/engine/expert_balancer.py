@@ -1,11 +1,11 @@
 """EPLB on an expert-parallel group (vLLM's ``--enable-eplb``): measure each MoE layer's load, plan a placement with
-redundant experts (:mod:`megatron_serve.model.eplb`), move the experts between the ranks while the steps run, and swap
+redundant experts (:mod:`~megatron_serve.model.experts.eplb`), move the experts between the ranks while the steps run, and swap
 them in between two steps.
 
 Every rank of the group holds an :class:`ExpertBalancer` and calls :meth:`ExpertBalancer.step` once before each
 forward (the runner does: a step or an idle data-parallel rank's empty MoE pass), so all of them count the same steps
 and act on the same ones. Each step's tokens per physical expert (counted on the device by each layer's
-:class:`~megatron_serve.model.eplb.LayerPlacement`) go into a window of ``window_size`` steps; every ``step_interval``
+:class:`~megatron_serve.model.experts.eplb.LayerPlacement`) go into a window of ``window_size`` steps; every ``step_interval``
 steps the window's load (summed over the data-parallel attention ranks, whose tokens differ) is planned, on every
 rank alike; each layer whose plan is better than its placement then moves, one layer at a time: its all-to-all starts
 at one step boundary, on a group of its own, and the next boundary waits for it (the step in between ran meanwhile),
@@ -26,10 +26,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from ..model.eplb import LayerPlacement, balancedness, identity_plan, plan_layer, rank_loads
-from ..model.expert_moves import ExpertTransfer, install_rows, plan_moves
-from ..model.moe import SparseMoeBlock
-from ..model.token_dispatcher import AllToAllDispatcher, DataParallelDispatcher
+from ..model.experts.eplb import LayerPlacement, balancedness, identity_plan, plan_layer, rank_loads
+from ..model.experts.moves import ExpertTransfer, install_rows, plan_moves
+from ..model.experts.moe import SparseMoeBlock
+from ..model.experts.token_dispatcher import AllToAllDispatcher, DataParallelDispatcher
 from ..wire.engine_stats import EPLB
 
 if TYPE_CHECKING:
@@ -190,7 +190,7 @@ class ExpertBalancer:
 
 def place_experts(blocks: list[SparseMoeBlock], num_redundant: int, transfer_group: object) -> None:
     """The first placement, at start (before graphs are captured): each layer's ``E + num_redundant`` physical
-    experts over the group (:func:`~megatron_serve.model.eplb.identity_plan`: each rank its own experts, then copies
+    experts over the group (:func:`~megatron_serve.model.experts.eplb.identity_plan`: each rank its own experts, then copies
     fetched from the others), its dispatcher over the physical experts, and its map."""
     tp = blocks[0].tp
     ranks, rank = tp.expert_size, tp.expert_rank

@@ -11,7 +11,7 @@ when the engine suspends (the pool is freed; weights may leave the GPU) and capt
 Refit copies weights in place, so graphs survive it.
 
 Under expert parallelism a graph's MoE layers use the fixed-capacity all-to-all (or DeepEP's low-latency mode),
-sized for the graph's batch (:class:`~megatron_serve.model.expert_dispatch.ExpertStep`, set as the graph is
+sized for the graph's batch (:class:`~megatron_serve.model.experts.dispatch.ExpertStep`, set as the graph is
 captured). Every rank captures the same graphs in the same order, so their collectives pair up. With data-parallel
 attention the ranks run different batches: before each step they agree on the largest token count
 (:func:`.group.data_parallel.agree_tokens`), and every rank pads its step to the same size
@@ -32,7 +32,7 @@ import torch
 from megatron_kernels.ops import backend_for
 
 from ..config import InferenceConfig
-from ..model.moe import routing_dtype, stack_routing
+from ..model.experts.moe import routing_dtype, stack_routing
 from ..model.attention import AttentionMetadata, ForwardContext
 from .step_plan import StepBuffers, StepPlan
 

@@ -26,7 +26,7 @@ from ..weights.peer_pull import PeerWeights
 from ..weights.sources import RendezvousSource, WeightSource, weight_source
 from ..wire.rendezvous import LoraPush
 from .kv.park import ParkedKV, ParkOrder
-from .lora import require
+from .lora.adapters import require
 from .refit_targets import AdapterTarget, PolicyTarget, WeightTarget, route, speculative_targets
 
 if TYPE_CHECKING:
@@ -34,7 +34,7 @@ if TYPE_CHECKING:
     from ..model.llama import LlamaForCausalLM
     from .kv.cache import BlockAllocator, KVCachePool
     from .logprob_parity import ParityChecker
-    from .lora import EngineLoras
+    from .lora.adapters import EngineLoras
     from .scheduler import Scheduler
     from .speculative.decoder import Speculator
     from .worker import ModelWorker

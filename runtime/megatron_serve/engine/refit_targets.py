@@ -25,7 +25,7 @@ from ..weights.digests import forget_digests
 from ..weights.drafter import DRAFTER_PREFIX, drafter_shapes, is_drafter
 from ..weights.sources import WeightSource
 from ..wire.rendezvous import LoraPush
-from .lora import EngineLoras, Registration
+from .lora.adapters import EngineLoras, Registration
 from .speculative.proposer import Proposer
 
 logger = logging.getLogger("megatron_serve.engine")

@@ -21,7 +21,7 @@ import torch
 
 from ..model.attention import AttentionMetadata, ForwardContext, MultimodalStep
 from ..model.llama import LlamaForCausalLM
-from ..model.moe import stack_routing
+from ..model.experts.moe import stack_routing
 from .graphs import DecodeGraphs, MixedGraphs, StepGraphs
 from .group.data_parallel import empty_moe_pass
 from .group.turns import Turn
@@ -30,7 +30,7 @@ from .step_plan import StepBuffers, StepPlan
 from .warmup import compile_kernels
 
 if TYPE_CHECKING:
-    from ..model.lora_slots import LoraRows
+    from ..model.lora.slots import LoraRows
     from .kv.park import ParkOrder
     from ..weights.sources import WeightSource
 

@@ -41,7 +41,7 @@ from .admission import Admission
 from .kv.cache import BlockAllocator, blocks_for_tokens
 from .kv.events import BlockOrigin
 from .logprob_parity import ParityChecker
-from .lora_queue import LoraQueue
+from .lora.queue import LoraQueue
 from .prompt_scores import record_prompt_scores
 from .sequence import Sequence
 from .speculative.decoder import Emitted, Speculator

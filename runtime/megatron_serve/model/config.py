@@ -14,7 +14,7 @@ from typing import Any
 from .errors import UnsupportedModelError
 from .families import ARCHITECTURES, Family, MoEConfig
 from .quantization import QuantizationConfig, parse_quantization
-from .vision_config import VISION_LANGUAGE_ARCHITECTURES, VisionConfig, is_vision_language, split_vision_language
+from .vision.config import VISION_LANGUAGE_ARCHITECTURES, VisionConfig, is_vision_language, split_vision_language
 
 SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear")
 SUPPORTED_ACTIVATIONS = ("silu",)

@@ -42,7 +42,7 @@ from .layers import (
     is_fp8,
 )
 from .linears import PLAIN_LINEARS, Linears
-from .moe import FusedExperts
+from .experts.moe import FusedExperts
 from .parallel import SINGLE, TensorParallel
 from .quantization import Fp8Scheme, QuantizationConfig
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from .layers import ColumnParallelLinear, GatheredRowLinear, RowParallelLinear
-from .moe import FusedExperts
+from .experts.moe import FusedExperts
 from .parallel import SINGLE, TensorParallel
 
 

@@ -24,13 +24,13 @@ from .fp8_layers import linears_for
 from .layers import (ColumnParallelLinear, GatedMLP, ParallelLMHead, ReplicatedLinear, RMSNorm, RowParallelLinear,
                      VocabParallelEmbedding, invariant_rotary_cos_sin, rotary_cos_sin)
 from .linears import Linears
-from .moe import FusedExperts, SparseMoeBlock
+from .experts.moe import FusedExperts, SparseMoeBlock
 from .layout import heads_problem, stage_layers
 from .parallel import SINGLE, TensorParallel
 
 if TYPE_CHECKING:  # annotations only: the engine installs the expert-parallel backend after the build
-    from .expert_dispatch import ExpertStep
-    from .eplb import StepBalancer
+    from .experts.dispatch import ExpertStep
+    from .experts.eplb import StepBalancer
 
 logger = logging.getLogger(__name__)
 

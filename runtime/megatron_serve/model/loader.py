@@ -27,7 +27,7 @@ from .errors import UnsupportedModelError
 from .gguf.view import GGUF_SUFFIX, WEIGHTS_LINK
 from .layers import TensorSource, _copy_checked, _read_all
 from .llama import LlamaForCausalLM
-from .moe import FusedExperts, expert_weight_name
+from .experts.moe import FusedExperts, expert_weight_name
 from .parallel import SINGLE, TensorParallel
 from .quantization import ONLINE, online_fp8
 
@@ -314,7 +314,7 @@ def build_model(config: ModelConfig, dtype: torch.dtype, device: torch.device | 
     """An uninitialised model with parameters allocated directly on ``device`` in ``dtype``."""
     model_class = LlamaForCausalLM
     if config.vision is not None:
-        from .vision import VisionLanguageModel as model_class  # noqa: PLC0415 - transformers only when needed
+        from .vision.towers import VisionLanguageModel as model_class  # noqa: PLC0415 - transformers only when needed
     with _default_dtype(dtype), torch.device(device):
         model = model_class(config, tp=tp, device=device)
     return model.eval()

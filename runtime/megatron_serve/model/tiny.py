@@ -27,7 +27,7 @@ MOE_DEFAULTS = {
     "qwen3_moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64, norm_topk_prob=True),
 }
 
-#: vision-language architectures, written by :mod:`megatron_serve.model.tiny_vision`
+#: vision-language architectures, written by :mod:`megatron_serve.model.vision.tiny`
 VISION_ARCHITECTURES = ("llava", "qwen2_vl", "qwen2_5_vl")
 ARCHITECTURE_NAMES = (*ARCHITECTURES, *VISION_ARCHITECTURES)
 
@@ -121,7 +121,7 @@ def make_tiny_model(
     if vocab_size is not None and vocab_size > len(fast):
         fast.add_tokens([f"<|filler_{i}|>" for i in range(vocab_size - len(fast))])
     if arch in VISION_ARCHITECTURES:
-        from .tiny_vision import make_tiny_vision_model  # noqa: PLC0415
+        from .vision.tiny import make_tiny_vision_model  # noqa: PLC0415
 
         return make_tiny_vision_model(path, arch, seed, hidden_size, num_layers, num_heads, num_kv_heads,
                                       intermediate_size, fast)

@@ -6,7 +6,7 @@ A trainer that trains LoRA adapters beside the policy sends them in the same REF
 under this prefix. Adapter names never hold a ``/`` (:mod:`..wire.lora_names`) and checkpoint names never start
 with ``adapter/``, so the name splits back unambiguously and cannot shadow a policy weight. Every engine checks
 each adapter with the policy in the verify step, receives its tensors whole on each group's rank 0 (which keeps a
-group's adapters, :mod:`megatron_serve.engine.lora`), and registers the new versions only once the policy's
+group's adapters, :mod:`megatron_serve.engine.lora.adapters`), and registers the new versions only once the policy's
 transfer committed: all of them with the policy, under its epoch, or none.
 """
 

@@ -1,7 +1,7 @@
 """Data-parallel attention (``--data-parallel-size N --enable-expert-parallel``): N engines, one per data-parallel
 rank, each with its own scheduler, KV cache and requests (the coordinator routes to each as to any engine), whose
 attention runs on their own ``tensor_parallel_size`` ranks and whose MoE layers' experts are sharded over all
-``N x tensor_parallel_size`` ranks (:class:`~megatron_serve.model.token_dispatcher.DataParallelDispatcher`).
+``N x tensor_parallel_size`` ranks (:class:`~megatron_serve.model.experts.token_dispatcher.DataParallelDispatcher`).
 
 The MoE layers' all-to-alls span every data-parallel rank, so the engines step together, as vLLM's and SGLang's
 data-parallel ranks do: before each step the leaders agree whether any of them has work (:func:`agree_turn`, one
@@ -12,7 +12,7 @@ layer entered with no tokens, so the others' tokens reach its experts and come b
 Each forward and each empty pass starts with one more all-reduce among the leaders: the largest token count of the
 step (:func:`agree_tokens`, vLLM's ``num_tokens_across_dp``), which each leader sends its ranks with the step. Where a
 step fits the CUDA graphs every rank pads to the same graph size (:meth:`..graphs.StepGraphs.padded_size`) and the
-MoE layers use fixed-capacity buffers of that size (:mod:`megatron_serve.model.capacity_dispatcher`): a rank whose
+MoE layers use fixed-capacity buffers of that size (:mod:`megatron_serve.model.experts.capacity_dispatcher`): a rank whose
 step a graph of that size covers replays it, the others (a step a graph does not cover, an idle rank's empty pass)
 run eagerly with the same buffers, so each layer's all-to-alls have one shape everywhere whether captured or not.
 Above the graphs, or without them, the ranks exchange exact counts; DeepEP's mode is picked from the same number.
@@ -29,7 +29,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ...model.moe import SparseMoeBlock
+from ...model.experts.moe import SparseMoeBlock
 from .turns import Turn
 
 

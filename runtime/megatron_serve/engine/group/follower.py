@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from ...config import InferenceConfig
 from ...model.loader import load_model, load_weights
-from ...model.lora_slots import LoraSlots
+from ...model.lora.slots import LoraSlots
 from ...weights.drafter import policy_only
 from ...weights.peer_pull import follow_share
 from ...weights.sources import WeightSource

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from ...errors import EngineGroupLost
-from ...model.lora import LoraAdapter
+from ...model.lora.checkpoint import LoraAdapter
 from ...weights.sources import WeightSource
 from ..graphs import StepGraphs
 from ..kv.park import ParkOrder

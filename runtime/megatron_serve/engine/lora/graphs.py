@@ -19,11 +19,11 @@ import torch
 
 from megatron_kernels.reference_lora import LoraBatch
 
-from .graphs import DecodeGraphs, GraphOutputs
+from ..graphs import DecodeGraphs, GraphOutputs
 
 if TYPE_CHECKING:
-    from ..model.lora_slots import LoraSlots
-    from .runner import ModelRunner
+    from ...model.lora.slots import LoraSlots
+    from ..runner import ModelRunner
 
 
 class LoraDecodeGraphs(DecodeGraphs):

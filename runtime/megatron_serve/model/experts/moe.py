@@ -27,15 +27,15 @@ from torch import nn
 
 from megatron_kernels import get_op, invariant
 
-from .layers import GatedMLP, ReplicatedLinear, TensorSource, _check_full, _copy_checked, _narrow
+from ..layers import GatedMLP, ReplicatedLinear, TensorSource, _check_full, _copy_checked, _narrow
 from .eplb import LayerPlacement
-from .parallel import SINGLE, TensorParallel
+from ..parallel import SINGLE, TensorParallel
 from .token_dispatcher import AllToAllDispatcher, DataParallelDispatcher, TokenDispatcher
 
 if TYPE_CHECKING:  # annotations only: the experts read configs, never build them
-    from .config import ModelConfig
-    from .families import MoEConfig
-    from .linears import Linears
+    from ..config import ModelConfig
+    from ..families import MoEConfig
+    from ..linears import Linears
 
 # Hub names of one expert's projections: (stacked parameter, part of it)
 _EXPERT_PROJECTIONS = {

@@ -22,11 +22,11 @@ from __future__ import annotations
 from collections import Counter, deque
 from typing import TYPE_CHECKING, Iterable
 
-from .lora import EngineLoras, Registration, adapter_root
+from .adapters import EngineLoras, Registration, adapter_root
 
 if TYPE_CHECKING:
-    from .scheduler import Scheduler
-    from .sequence import Sequence
+    from ..scheduler import Scheduler
+    from ..sequence import Sequence
 
 
 class LoraQueue:

@@ -19,11 +19,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from .attention import ForwardContext
-from .config import ModelConfig
-from .llama import LlamaForCausalLM
+from ..attention import ForwardContext
+from ..config import ModelConfig
+from ..llama import LlamaForCausalLM
 from .mrope import mrope_cos_sin
-from .parallel import SINGLE, TensorParallel
+from ..parallel import SINGLE, TensorParallel
 
 PixelInputs = dict[str, torch.Tensor]
 

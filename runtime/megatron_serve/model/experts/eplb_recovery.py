@@ -20,7 +20,7 @@ from collections import Counter
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
-from .expert_moves import Moves, plan_moves
+from .moves import Moves, plan_moves
 
 
 @dataclass(frozen=True)

@@ -23,10 +23,10 @@ from typing import Iterable
 import torch
 from safetensors.torch import load_file
 
-from .finite import NonFiniteWeights, refuse_nonfinite
-from ..wire.lora_names import shown
-from .config import ModelConfig
-from .lora_experts import EXPERT_PROJECTIONS, expert_key, expert_shape, expert_targets, per_expert
+from ..finite import NonFiniteWeights, refuse_nonfinite
+from ...wire.lora_names import shown
+from ..config import ModelConfig
+from .experts import EXPERT_PROJECTIONS, expert_key, expert_shape, expert_targets, per_expert
 
 ATTENTION_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")

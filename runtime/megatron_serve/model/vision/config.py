@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from .errors import UnsupportedModelError
+from ..errors import UnsupportedModelError
 
 #: architecture -> vision kind
 VISION_LANGUAGE_ARCHITECTURES = {

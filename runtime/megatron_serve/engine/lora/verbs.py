@@ -8,11 +8,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from .lora import require
+from .adapters import require
 
 if TYPE_CHECKING:
-    from ..wire.engine_stats import EngineStats
-    from .lora import EngineLoras
+    from ...wire.engine_stats import EngineStats
+    from .adapters import EngineLoras
 
 
 class Adapters:
@@ -30,7 +30,7 @@ class Adapters:
 
     def load(self, name: str, path: str) -> float:
         """Serve the PEFT adapter at ``path`` as ``name`` from the next request on (engine.lora); a bad adapter
-        raises :class:`~megatron_serve.model.lora.LoraAdapterError` and changes nothing. Returns the seconds the
+        raises :class:`~megatron_serve.model.lora.checkpoint.LoraAdapterError` and changes nothing. Returns the seconds the
         load took (the verify's read included), observed in ``lora_adapter_load_seconds``."""
         seconds = require(self.loras).load(name, path)
         self.stats.histograms["lora_adapter_load_seconds"].observe(seconds)

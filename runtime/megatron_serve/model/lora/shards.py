@@ -24,9 +24,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .lora_experts import EXPERT_PROJECTIONS
-from .moe import FusedExperts
-from .parallel import TensorParallel
+from .experts import EXPERT_PROJECTIONS
+from ..experts.moe import FusedExperts
+from ..parallel import TensorParallel
 
 
 @dataclass(frozen=True)

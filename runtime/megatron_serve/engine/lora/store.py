@@ -22,8 +22,8 @@ from typing import Iterable
 import torch
 from safetensors.torch import save_file
 
-from ..model.lora import CONFIG_FILE, WEIGHTS_FILE
-from ..wire.rendezvous import LoraPush
+from ...model.lora.checkpoint import CONFIG_FILE, WEIGHTS_FILE
+from ...wire.rendezvous import LoraPush
 
 VERSION_KEY = "megatron_serve_version"
 

@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .parallel import TensorParallel
+from ..parallel import TensorParallel
 from . import token_dispatcher
 from .token_dispatcher import Dispatched, gather_chunks
 

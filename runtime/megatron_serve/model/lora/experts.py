@@ -16,7 +16,7 @@ import re
 
 import torch
 
-from .config import ModelConfig
+from ..config import ModelConfig
 
 #: This model's names of the expert projections, in module order (the order of PEFT's wrapping).
 EXPERT_PROJECTIONS = ("experts.gate_up_proj", "experts.down_proj")

@@ -29,8 +29,8 @@ from typing import Any
 import torch
 
 from .capacity_dispatcher import chunk_bounds
-from .expert_dispatch import ExpertStep
-from .parallel import TensorParallel
+from .dispatch import ExpertStep
+from ..parallel import TensorParallel
 from .token_dispatcher import Dispatched, gather_chunks
 
 #: Hidden sizes DeepEP's low-latency kernels are compiled for (its ``SWITCH_HIDDEN``).

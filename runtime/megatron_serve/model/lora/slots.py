@@ -30,11 +30,11 @@ from torch.nn import functional as F
 from megatron_kernels import get_op, invariant_lora
 from megatron_kernels.reference_lora import LoraBatch, slot_table
 
-from .config import ModelConfig
-from .lora import LoraAdapter, LoraAdapterError, projection_shape
-from .lora_experts import EXPERT_PROJECTIONS, expert_shape
-from .lora_shards import expert_share, lora_shard
-from .moe import FusedExperts
+from ..config import ModelConfig
+from .checkpoint import LoraAdapter, LoraAdapterError, projection_shape
+from .experts import EXPERT_PROJECTIONS, expert_shape
+from .shards import expert_share, lora_shard
+from ..experts.moe import FusedExperts
 
 # decoder-layer module -> the checkpoint projections it holds, in the order of its output features
 FUSED_TARGETS = {

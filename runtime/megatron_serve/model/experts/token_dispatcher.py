@@ -38,7 +38,7 @@ from typing import Protocol
 import torch
 import torch.distributed as dist
 
-from .parallel import TensorParallel
+from ..parallel import TensorParallel
 
 
 @dataclass(frozen=True)

@@ -38,29 +38,29 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Iterable
 
-from ..model.config import ModelConfig
-from ..model.lora import (LoraAdapter, LoraAdapterError, adapter_experts, adapter_of, adapter_scaling, check_shapes,
-                          read_adapter)
-from ..wire.lora_names import name_problem, path_problem, shown
-from ..wire.rendezvous import LoraPush
-from ..wire.prefix_hash import adapter_root
+from ...model.config import ModelConfig
+from ...model.lora.checkpoint import (LoraAdapter, LoraAdapterError, adapter_experts, adapter_of, adapter_scaling,
+                                      check_shapes, read_adapter)
+from ...wire.lora_names import name_problem, path_problem, shown
+from ...wire.rendezvous import LoraPush
+from ...wire.prefix_hash import adapter_root
 
 __all__ = ["EngineLoras", "LoraAdapterError", "Registration", "adapter_root", "admit_request", "engine_loras",
            "lora_report", "require"]
-from ..model.llama import LlamaForCausalLM
-from ..model.lora_slots import LoraSlots
-from .lora_graphs import add_lora_graphs
-from .lora_store import save_pushed, stored_version
+from ...model.llama import LlamaForCausalLM
+from ...model.lora.slots import LoraSlots
+from .graphs import add_lora_graphs
+from .store import save_pushed, stored_version
 
 logger = logging.getLogger("megatron_serve.engine")
 
 if TYPE_CHECKING:
     import torch
 
-    from ..config import InferenceConfig
-    from ..wire.sampling_params import SamplingParams
-    from .runner import ModelRunner
-    from .sequence import Sequence
+    from ...config import InferenceConfig
+    from ...wire.sampling_params import SamplingParams
+    from ..runner import ModelRunner
+    from ..sequence import Sequence
 
 
 @dataclass
