@@ -9,7 +9,7 @@ Layouts shared with :mod:`megatron_kernels.triton_lora`:
   model, no delta), the runs of consecutive rows of one slot, and the adapter rows grouped by slot.
 
 The weight tables may have any strides (the model stores them transposed, as a GEMM reads them:
-:mod:`megatron_serve.model.lora_slots`). ``lora_shrink``'s result is only for ``lora_expand`` of the same
+:mod:`megatron_serve.model.lora.slots`). ``lora_shrink``'s result is only for ``lora_expand`` of the same
 implementation (its row layout is the implementation's).
 
 The reference multiplies each run of rows of one slot as a slice of the activations: one matmul into ``h``
