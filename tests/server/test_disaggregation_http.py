@@ -101,9 +101,10 @@ def test_disaggregated_tokens_equal_a_colocated_run_and_the_prompt_is_computed_o
         control = computed(metrics_when(colocated, lambda text: (computed(text) or 0) >= once))
     with fleet(tiny_llama, tmp_path / "pd", "--prefill-engines", "1", "--decode-engines", "1") as pd:
         answers = [complete(pd, prompt) for prompt in sent]
-        text = metrics_when(pd, lambda t: (computed(t) or 0) >= once and sum(
-            v for k, v in series(t, "megatron_serve_kv_transfers_total").items() if 'direction="received"' in k)
-            >= len(sent))
+        # Both ends' counters: each engine's heartbeat carries its own, the sender's a moment apart from the receiver's.
+        text = metrics_when(pd, lambda t: (computed(t) or 0) >= once and all(
+            sum(v for k, v in series(t, "megatron_serve_kv_transfers_total").items() if f'direction="{way}"' in k)
+            >= len(sent) for way in ("sent", "received")))
     assert [tokens_and_log_probs(answer) for answer in answers] == expected
     assert all(len(tokens) == MAX_TOKENS for tokens, _ in expected)
     transfers = series(text, "megatron_serve_kv_transfers_total")
