@@ -56,9 +56,9 @@ run: $(RUNTIME)
 	$(VENV)/bin/megatron-serve run --model $(SMOLLM2_GGUF) $(ARGS)
 
 # The suite runs over TEST_WORKERS pytest-xdist workers, a file to a worker (module fixtures start their fleets
-# once; the release checks build from the checkout one at a time). Threads stay torch's default: the
-# batch-invariance controls need the default mode's multi-threaded arithmetic (tests/conftest.py has them wait
-# for work asleep: docs/testing.md). The sources are compiled first: every process the suite starts imports some 300
+# once; the release checks build from the checkout one at a time). One OpenMP thread a process, waiting for work
+# asleep, but torch's default threads where tests are about arithmetic under threads (tests/conftest.py,
+# tests/threads.py; docs/testing.md). The sources are compiled first: every process the suite starts imports some 300
 # of the project's modules, and where PYTHONDONTWRITEBYTECODE is set (as on this machine) each one compiled them
 # again (0.3-0.4 s of CPU a process).
 TEST_WORKERS ?= 3

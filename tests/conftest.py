@@ -20,6 +20,10 @@ from .parity.options import add_options
 # process's spinning threads took the cores from the processes with work, most of the suite's CPU
 # (docs/testing.md). Set before a test module imports torch; every process a test starts inherits it.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# One intra-op thread a process, but in the folders whose tests are about arithmetic under threads
+# (tests/threads.py): three workers, each with engines and ranks of their own, keep two cores busy without a second
+# OpenMP thread in each process, which only added synchronisation (docs/testing.md has the figures).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -76,7 +80,8 @@ def machine_line() -> str:
     build = f"torch {version('torch')}"
     pages = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 0
     return (f"machine: {cores} usable cores of {os.cpu_count()}, {pages / 2**30:.0f} GiB, load {os.getloadavg()}, "
-            f"{build}, OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')}")
+            f"{build}, OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')}, "
+            f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')}")
 
 
 #: Seconds past a test's limit after which the backstop below ends its worker.

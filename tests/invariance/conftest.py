@@ -8,6 +8,8 @@ from megatron_serve.model.tiny import make_tiny_model
 
 from .runs import RECIPE_COMPLETION, RECIPE_PROMPTS, run_prompts
 
+from ..threads import default_threads  # noqa: F401 - autouse: this folder runs at torch's default threads
+
 
 @pytest.fixture(scope="session")
 def models(tmp_path_factory) -> dict[str, str]:

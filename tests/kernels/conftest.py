@@ -4,5 +4,7 @@ import os
 
 import torch
 
+from ..threads import default_threads  # noqa: F401 - autouse: this folder runs at torch's default threads
+
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
