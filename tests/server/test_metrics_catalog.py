@@ -7,7 +7,7 @@ from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from megatron_serve.wire.engine_stats import EPLB, KV_OFFLOAD, KV_TRANSFER, EngineStats
+from megatron_serve.wire.engine_stats import EPLB, KV_DISK, KV_OFFLOAD, KV_TRANSFER, EngineStats
 from megatron_serve.server.metric_catalog import SERIES
 from megatron_serve.server.metrics import ServerMetrics
 from megatron_serve.wire.request import DynamicInferenceRequest, EventType, RequestEvent
@@ -57,6 +57,9 @@ def a_report() -> dict[str, Any]:
     report = stats.to_wire(prefix_cache_queries=40, prefix_cache_hits=16)
     report[KV_OFFLOAD] = {"GPU_to_CPU": {"bytes": 8192, "seconds": 0.25}, "CPU_to_GPU": {"bytes": 4096, "seconds": 0.5}}
     report[KV_TRANSFER] = {"sent": {"transfers": 3, "bytes": 3072}, "received": {"transfers": 0, "bytes": 0}}
+    report[KV_DISK] = {"written": 5, "hits": 2, "misses": 3, "corrupt": 1, "evicted": 4, "dropped": 6,
+                       "read_errors": 0, "write_errors": 7, "read_bytes": 2048, "write_bytes": 5120,
+                       "usage_bytes": 4096, "files": 4}
     report[EPLB] = {"layers": [1, 3], "measured": [0.5, 0.625], "planned": [1.0, 0.875], "rearrangements": 2,
                     "layers_moved": 3, "seconds": 0.25}
     return report
@@ -86,6 +89,20 @@ def test_prefill_decode_transfers_are_counted_by_direction():
     transfers = {s.labels["direction"]: s.value for s in families["megatron_serve_kv_transfers"].samples}
     moved = {s.labels["direction"]: s.value for s in families["megatron_serve_kv_transfer_bytes"].samples}
     assert transfers == {"sent": 3, "received": 0} and moved == {"sent": 3072, "received": 0}
+
+
+def test_the_disk_tier_s_counts_are_series_of_their_own_and_its_io_by_operation():
+    families = scrape([engine(0, a_report())])
+    plain = {name: families[f"megatron_serve_kv_disk_{name}"].samples[0].value
+             for name in ("usage_bytes", "blocks", "blocks_written", "hits", "misses", "corrupt", "evictions",
+                          "dropped_writes")}
+    assert plain == {"usage_bytes": 4096, "blocks": 4, "blocks_written": 5, "hits": 2, "misses": 3, "corrupt": 1,
+                     "evictions": 4, "dropped_writes": 6}
+    by_operation = {(name, s.labels["operation"]): s.value for name in ("errors", "io_bytes")
+                    for s in families[f"megatron_serve_kv_disk_{name}"].samples}
+    assert by_operation == {("errors", "read"): 0, ("errors", "write"): 7, ("io_bytes", "read"): 2048,
+                            ("io_bytes", "write"): 5120}
+    assert not scrape([engine(0, {**a_report(), KV_DISK: None})])["megatron_serve_kv_disk_hits"].samples
 
 
 def test_the_host_tier_s_copies_are_vllm_s_series_by_transfer_type():

@@ -92,6 +92,28 @@ SERIES: tuple[Series, ...] = (
            "engine", (*ENGINE_LABELS, "transfer_type"), "vllm:kv_offload_total_bytes_total", "bytes"),
     Series("kv_offload_total_time_total", "counter", "seconds those copies took, by direction", "engine",
            (*ENGINE_LABELS, "transfer_type"), "vllm:kv_offload_total_time_total", "seconds"),
+    Series("kv_disk_usage_bytes", "gauge", "bytes of KV block files in the node's disk tier directory, every "
+           "engine's (--kv-offloading-backend disk; the ledger the engines share, exact at each of its scans)",
+           "engine", ENGINE_LABELS, unit="bytes"),
+    Series("kv_disk_blocks", "gauge", "KV block files in that directory, every engine's", "engine", ENGINE_LABELS,
+           unit="blocks"),
+    Series("kv_disk_blocks_written_total", "counter", "blocks the host tier let go that the engine wrote to the disk "
+           "tier", "engine", ENGINE_LABELS, unit="blocks"),
+    Series("kv_disk_hits_total", "counter", "blocks the engine read back from the disk tier, sound, into its host "
+           "tier", "engine", ENGINE_LABELS, unit="blocks"),
+    Series("kv_disk_misses_total", "counter", "blocks the engine looked up in the disk tier and found no file of",
+           "engine", ENGINE_LABELS, unit="blocks"),
+    Series("kv_disk_corrupt_total", "counter", "disk tier files the engine found short, corrupt or of another key: "
+           "removed, their blocks recomputed", "engine", ENGINE_LABELS, unit="blocks"),
+    Series("kv_disk_evictions_total", "counter", "disk tier files the engine removed, least recently used first, to "
+           "keep the directory under --kv-disk-size", "engine", ENGINE_LABELS, unit="blocks"),
+    Series("kv_disk_dropped_writes_total", "counter", "blocks the host tier let go that were not written to disk "
+           "because the engine's write queue was full (recomputed if asked for again)", "engine", ENGINE_LABELS,
+           unit="blocks"),
+    Series("kv_disk_errors_total", "counter", "disk tier file reads and writes that failed with an OS error, by "
+           "operation (read, write)", "engine", (*ENGINE_LABELS, "operation"), unit="blocks"),
+    Series("kv_disk_io_bytes_total", "counter", "bytes of disk tier files the engine read and wrote, by operation "
+           "(read, write)", "engine", (*ENGINE_LABELS, "operation"), unit="bytes"),
     Series("kv_transfers_total", "counter", "prefill/decode disaggregation: requests whose KV blocks the engine sent "
            "on after prefill (direction sent) or continued from in decode (received)", "engine",
            (*ENGINE_LABELS, "direction"), unit="requests"),

@@ -23,8 +23,9 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from ..wire.engine_stats import (ACCEPTED_PER_POS, COUNTERS, EPLB, FINISH_REASONS, HISTOGRAMS, KV_OFFLOAD,
-                                 KV_OFFLOAD_DIRECTIONS, KV_TRANSFER, KV_TRANSFER_DIRECTIONS)
+from ..wire.engine_stats import (ACCEPTED_PER_POS, COUNTERS, EPLB, FINISH_REASONS, HISTOGRAMS, KV_DISK,
+                                 KV_DISK_OPERATIONS, KV_OFFLOAD, KV_OFFLOAD_DIRECTIONS, KV_TRANSFER,
+                                 KV_TRANSFER_DIRECTIONS)
 from ..wire.lifecycle import FleetState
 from .fleet import FleetMonitor
 from .metric_catalog import SERIES, Series, series
@@ -172,6 +173,9 @@ def read_engine(engine: dict[str, Any]) -> EngineReading:
         moved = transfers.get(direction) if isinstance(transfers.get(direction), dict) else {}
         reading.put("kv_transfers_total", reported_number(moved.get("transfers")), direction)
         reading.put("kv_transfer_bytes_total", reported_number(moved.get("bytes")), direction)
+    disk = report.get(KV_DISK)
+    if isinstance(disk, dict):
+        read_kv_disk(reading, disk)
     eplb = report.get(EPLB)
     if isinstance(eplb, dict):
         read_eplb(reading, eplb)
@@ -181,6 +185,23 @@ def read_engine(engine: dict[str, Any]) -> EngineReading:
         if parsed is not None:
             reading.histograms[name] = parsed
     return reading
+
+
+#: the disk tier's unlabelled series and their keys in ``metrics["kv_disk"]``
+_KV_DISK_SERIES = (("kv_disk_usage_bytes", "usage_bytes"), ("kv_disk_blocks", "files"),
+                   ("kv_disk_blocks_written_total", "written"), ("kv_disk_hits_total", "hits"),
+                   ("kv_disk_misses_total", "misses"), ("kv_disk_corrupt_total", "corrupt"),
+                   ("kv_disk_evictions_total", "evicted"), ("kv_disk_dropped_writes_total", "dropped"))
+
+
+def read_kv_disk(reading: EngineReading, disk: dict[str, Any]) -> None:
+    """The disk KV tier's series of one engine (``metrics["kv_disk"]``, engines with ``--kv-offloading-backend
+    disk`` only)."""
+    for name, key in _KV_DISK_SERIES:
+        reading.put(name, reported_number(disk.get(key)))
+    for operation in KV_DISK_OPERATIONS:
+        reading.put("kv_disk_errors_total", reported_number(disk.get(f"{operation}_errors")), operation)
+        reading.put("kv_disk_io_bytes_total", reported_number(disk.get(f"{operation}_bytes")), operation)
 
 
 def read_eplb(reading: EngineReading, eplb: dict[str, Any]) -> None:

@@ -51,6 +51,11 @@ ACCEPTED_PER_POS = "spec_decode_num_accepted_tokens_per_pos"
 #: the host KV tier's copies on the wire: {"GPU_to_CPU": {"bytes": n, "seconds": s}, "CPU_to_GPU": {...}}
 KV_OFFLOAD = "kv_offload"
 KV_OFFLOAD_DIRECTIONS = ("GPU_to_CPU", "CPU_to_GPU")
+#: the disk KV tier on the wire (engine.kv.disk_io.DiskIO.to_wire): this engine's blocks "written", "hits", "misses",
+#: "corrupt", "evicted", "dropped" (write queue full), "<operation>_errors" and "<operation>_bytes" per operation,
+#: and the node directory's "usage_bytes" and "files"
+KV_DISK = "kv_disk"
+KV_DISK_OPERATIONS = ("read", "write")
 #: prefill/decode disaggregation's blocks on the wire: {"sent": {"transfers": n, "bytes": b}, "received": {...}}
 KV_TRANSFER = "kv_transfer"
 KV_TRANSFER_DIRECTIONS = ("sent", "received")

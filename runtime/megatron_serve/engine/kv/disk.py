@@ -15,7 +15,7 @@ file that is short, torn, of another key or corrupt is never served, it is remov
 
 Engines are separate processes, so nothing here is held in memory between them: a file appears whole or not at all
 (written to a temporary name, then renamed), its modification time is its last use (a read touches it), and the
-directory's total size is kept in a ledger file under an ``flock``. When the ledger goes over the bound, the engine
+directory's total size and file count are kept in a ledger file under an ``flock`` (the count for the metrics). When the ledger goes over the bound, the engine
 holding the lock measures the directory and removes the least recently used files down to 90% of it: a scan per
 tenth of the bound written, not per block. A file removed while another engine reads it stays readable through the
 open handle (POSIX), and one removed before the open is a miss.
@@ -108,6 +108,7 @@ class DiskKVTier:
         self._scan_every = max(1, self.capacity_bytes // 10)
         self._written_since_scan = 0
         self.written = self.hits = self.misses = self.corrupt = self.evicted = 0
+        self.bytes_written = self.bytes_read = 0  # this engine's file I/O (the metrics' kv_disk_io_bytes)
         with self._locked():
             self._trim(force=True)  # the ledger starts from what is there (a writer may have died mid-update)
 
@@ -166,9 +167,11 @@ class DiskKVTier:
             for part in payload:
                 file.write(part.data)
         os.replace(temporary, target)  # whole or not at all, for every reader
+        size = HEADER.size + len(meta) + length
         self.written += 1
+        self.bytes_written += size
         self._notice(True, [block_hash])
-        self._account(HEADER.size + len(meta) + length)
+        self._account(size)
         return True
 
     def read(self, block_hash: int, slot: list[torch.Tensor], epoch: int | None = None) -> Found | None:
@@ -185,6 +188,7 @@ class DiskKVTier:
         except FileNotFoundError:
             self.misses += 1
             return None
+        self.bytes_read += len(data)
         expected = sum(t.numel() * t.element_size() for t in slot)
         origin = self._check(data, block_hash, epoch, expected)
         if origin is False:
@@ -235,16 +239,21 @@ class DiskKVTier:
             self._trim(force=True)
         self._notice(False, [h for h in removed if h is not None])
 
+    def usage(self) -> tuple[int, int]:
+        """The bytes and the number of block files in the directory, every engine's, as the shared ledger says
+        (read without the lock: a gauge for the metrics, exact again at the next scan)."""
+        return self._read_ledger()
+
     def _remove(self, path: Path, size: int) -> None:
         with self._locked():
             if self._unlink(str(path)):
-                self._ledger(-size)
+                self._ledger(-size, -1)
 
     def _account(self, size: int) -> None:
         """Add a written file to the ledger; trim the directory when it went over its bound."""
         self._written_since_scan += size
         with self._locked():
-            total = self._ledger(size)
+            total, _files = self._ledger(size, 1)
             if total > self.capacity_bytes or self._written_since_scan >= self._scan_every:
                 self._trim(force=total > self.capacity_bytes)
 
@@ -267,6 +276,7 @@ class DiskKVTier:
                     if entry.name.endswith(SUFFIX):
                         files.append((stat.st_mtime, stat.st_size, entry.path))
                         total += stat.st_size
+        removed = 0
         if force and total > self.capacity_bytes:
             files.sort()
             gone: list[int] = []
@@ -276,23 +286,27 @@ class DiskKVTier:
                     break
                 if self._unlink(path):
                     total -= size
+                    removed += 1
                     self.evicted += 1
                     if path.startswith(mine) and (block_hash := _hash_of(os.path.basename(path))) is not None:
                         gone.append(block_hash)
             self._notice(False, gone)
-        self._set_ledger(total)
+        self._set_ledger(total, len(files) - removed)
 
-    def _ledger(self, delta: int) -> int:
-        total = max(0, self._read_ledger() + delta)
-        self._set_ledger(total)
-        return total
+    def _ledger(self, delta: int, files_delta: int) -> tuple[int, int]:
+        total, files = self._read_ledger()
+        total, files = max(0, total + delta), max(0, files + files_delta)
+        self._set_ledger(total, files)
+        return total, files
 
-    def _read_ledger(self) -> int:
-        data = os.pread(self._lock_fd, 8, 0)
-        return int.from_bytes(data, "little") if len(data) == 8 else 0
+    def _read_ledger(self) -> tuple[int, int]:
+        """The ledger: the directory's bytes, then its block files (8 bytes each, little-endian)."""
+        data = os.pread(self._lock_fd, 16, 0)
+        total = int.from_bytes(data[:8], "little") if len(data) >= 8 else 0
+        return total, int.from_bytes(data[8:16], "little") if len(data) == 16 else 0
 
-    def _set_ledger(self, total: int) -> None:
-        os.pwrite(self._lock_fd, total.to_bytes(8, "little"), 0)
+    def _set_ledger(self, total: int, files: int) -> None:
+        os.pwrite(self._lock_fd, total.to_bytes(8, "little") + files.to_bytes(8, "little"), 0)
 
     def _locked(self) -> "_Flock":
         return _Flock(self._lock_fd, self._thread_lock)

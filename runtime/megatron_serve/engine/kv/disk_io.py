@@ -51,6 +51,7 @@ class DiskIO:
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="kv-disk-write")
         self._reader = ThreadPoolExecutor(1, thread_name_prefix="kv-disk-read")
         self.dropped = 0  # spills dropped because every staging row was queued
+        self.write_errors = self.read_errors = 0  # file operations the OS refused (the block is recomputed)
 
     def spill(self, block_hash: int, rows: list[torch.Tensor], origin: BlockOrigin | None, epoch: int) -> Future | None:
         """Copy a block out of ``rows`` and queue its write under ``epoch``; None when the queue is full (dropped)."""
@@ -69,6 +70,7 @@ class DiskIO:
         try:
             self.disk.write(block_hash, staged, origin, epoch)
         except OSError as error:  # a full or failing disk costs the block, not the engine
+            self.write_errors += 1
             logger.warning("KV disk tier: block %016x not written: %s", block_hash, error)
         finally:
             self._spare.put(index)
@@ -81,8 +83,20 @@ class DiskIO:
         try:
             return self.disk.read(block_hash, rows, epoch)
         except OSError as error:  # unreadable: a miss, recomputed
+            self.read_errors += 1
             logger.warning("KV disk tier: block %016x not read: %s", block_hash, error)
             return None
+
+    def to_wire(self) -> dict[str, int]:
+        """The disk tier's counts for the engine's heartbeat (:data:`~megatron_serve.wire.engine_stats.KV_DISK`):
+        this engine's since it started, and the directory's usage, every engine's. Read on the step thread while the
+        threads count: each figure is an int, whole, at worst one operation behind."""
+        disk = self.disk
+        usage_bytes, files = disk.usage()
+        return {"written": disk.written, "hits": disk.hits, "misses": disk.misses, "corrupt": disk.corrupt,
+                "evicted": disk.evicted, "dropped": self.dropped, "read_errors": self.read_errors,
+                "write_errors": self.write_errors, "read_bytes": disk.bytes_read, "write_bytes": disk.bytes_written,
+                "usage_bytes": usage_bytes, "files": files}
 
     def flush(self) -> None:
         """Wait until every write queued so far is done (a reset removes files; a test reads what was written)."""

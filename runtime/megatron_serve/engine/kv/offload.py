@@ -32,7 +32,7 @@ from typing import Callable
 
 import torch
 
-from ...wire.engine_stats import KV_OFFLOAD, KV_OFFLOAD_DIRECTIONS
+from ...wire.engine_stats import KV_DISK, KV_OFFLOAD, KV_OFFLOAD_DIRECTIONS
 from ...wire.kv_events import MEDIUM_HOST
 from .cache import KVCachePool
 from .copier import Copier, CudaCopier, Transfer, copier_for
@@ -125,9 +125,12 @@ class HostKVTier:
 
     def report(self, snapshot: dict, queried_tokens: int, hit_tokens: int) -> None:
         """Add the tier's series to an engine's heartbeat ``metrics`` (:mod:`megatron_serve.wire.engine_stats`):
-        the tokens admitted requests looked up here and found here, and the copies' bytes and seconds."""
+        the tokens admitted requests looked up here and found here, and the copies' bytes and seconds; with a disk
+        tier, its counts."""
         snapshot["counters"].update(external_prefix_cache_queries=queried_tokens, external_prefix_cache_hits=hit_tokens)
         snapshot[KV_OFFLOAD] = self.stats.to_wire()
+        if self.disk_io is not None:
+            snapshot[KV_DISK] = self.disk_io.to_wire()
 
     @property
     def num_cached(self) -> int:
