@@ -67,6 +67,24 @@ async def until(predicate: Callable[[], Any], timeout: float, what: str, interva
         await asyncio.sleep(interval)
 
 
+def rank_processes(engine_pid: int) -> list[int]:
+    """The tensor-parallel ranks an engine process started: the children of its multiprocessing fork server (which
+    engine/group/spawn.py forks every rank from), whose command line they share."""
+    def children(pid: int) -> list[int]:
+        try:
+            return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+        except OSError:
+            return []
+
+    def forkserver(pid: int) -> bool:
+        try:
+            return b"multiprocessing.forkserver" in Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            return False
+
+    return [rank for server in children(engine_pid) if forkserver(server) for rank in children(server)]
+
+
 def wait_until(predicate: Callable[[], bool], timeout: float, what: str, interval: float = 0.05) -> None:
     deadline = time.monotonic() + timeout
     while not predicate():

@@ -17,17 +17,11 @@ from megatron_serve import SamplingParams
 from megatron_serve.engine.group.placement import RENDEZVOUS_TIMEOUT_S
 from megatron_serve.model.tiny import make_tiny_model
 
-from ..helpers import Children, free_port
+from ..helpers import Children, free_port, rank_processes
 from ..model.test_moe import VARIANTS
 
 #: What a surviving engine says when its group lost a rank (megatron_serve.errors.EngineGroupLost's messages)
 LOST = re.compile(r"data-parallel attention ranks lost one of them|engine group lost a rank")
-
-
-def rank_workers(pid: int) -> list[int]:
-    """The tensor-parallel worker ranks an engine process started (multiprocessing's spawned children)."""
-    children = pathlib.Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
-    return [int(c) for c in children if b"spawn_main" in pathlib.Path(f"/proc/{c}/cmdline").read_bytes()]
 
 
 def alive(pid: int) -> bool:
@@ -72,7 +66,7 @@ async def test_a_killed_data_parallel_rank_makes_the_other_exit_promptly(tmp_pat
         streams = [asyncio.create_task(consume(f"Request {i}: the quick brown fox")) for i in range(4)]
         await asyncio.wait_for(streaming.wait(), 300)
         assert all(e.poll() is None for e in engines)
-        orphans = rank_workers(engines[killed].pid)
+        orphans = rank_processes(engines[killed].pid)
         assert len(orphans) == tensor - 1
         killed_at = time.monotonic()
         engines[killed].send_signal(signal.SIGKILL)

@@ -20,10 +20,9 @@ from megatron_serve.model.config import ModelConfig
 from megatron_serve.model.loader import build_model
 from megatron_serve.model.parallel import TensorParallel
 from megatron_serve.model.tiny import make_tiny_model
-from tests.helpers import until
+from tests.helpers import rank_processes, until
 from tests.run_stack import complete, restart_lines, start_run, stream
 
-from .test_tp_fleet import follower_pids
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -58,7 +57,7 @@ async def test_a_killed_rank_restarts_its_group_and_every_stream_completes(tmp_p
                      for p, first in zip(PROMPTS, firsts)]
             await asyncio.wait_for(asyncio.gather(*(f.wait() for f in firsts)), 300)
             engine = stack.one("engine")
-            [follower] = follower_pids(engine)
+            [follower] = rank_processes(engine)
             assert not any(task.done() for task in tasks), "the streams ended before the kill: nothing is tested"
             os.kill(follower, signal.SIGKILL)
             outcomes = await asyncio.wait_for(asyncio.gather(*tasks), 600)

@@ -1,6 +1,6 @@
 """A direct-mode tensor-parallel script without ``if __name__ == "__main__":`` is told so at once.
 
-multiprocessing's spawn imports the script again in each other rank's process, so its top level builds
+multiprocessing's fork server imports the script again in each other rank's process, so its top level builds
 an engine there too. Before (issue 54) that engine tried to start ranks of its own, multiprocessing refused
 in the child, and rank 0 waited for the missing rank until the rendezvous timed out (300 s), then said
 "could not join the group". Now the child says what happened and exits, and rank 0 fails at once with the
@@ -45,7 +45,7 @@ def test_a_script_without_the_main_guard_is_told_at_once(tiny_llama, tmp_path):
     assert done.stderr.strip().splitlines()[-1] == (
         "RuntimeError: megatron-tp-rank-1's process exited (code 3) before it started: a script that builds a "
         "tensor-parallel engine (LLM(..., tensor_parallel_size=N) and the like) must do so under "
-        "`if __name__ == \"__main__\":`: each other rank's process is started with multiprocessing's spawn, which "
+        "`if __name__ == \"__main__\":`: each other rank's process is started by multiprocessing's fork server, which "
         "imports the script again, so that code at its top level runs again there"), done.stderr[-3000:]
     assert "is running its parent's script again" in done.stderr  # the child said it too, in its own words
     assert "tokens" not in done.stdout

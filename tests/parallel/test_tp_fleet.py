@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-from pathlib import Path
 
 import pytest
 
@@ -16,28 +15,12 @@ from megatron_serve.wire.request import RequestStatus
 from megatron_serve.wire.sampling_params import SamplingParams
 from megatron_serve.model.tiny import make_tiny_model
 
-from ..helpers import Children, free_port
+from ..helpers import Children, free_port, rank_processes
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 PROMPTS = [f"Tensor parallel request {i}: the quick brown fox" for i in range(100)]
 PARAMS = SamplingParams(temperature=0.0, num_tokens_to_generate=24, ignore_eos=True)
-
-
-def follower_pids(engine_pid: int) -> list[int]:
-    """The tensor-parallel ranks an engine process spawned (children running multiprocessing's spawn_main)."""
-    pids = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            cmdline = (entry / "cmdline").read_bytes()
-        except (OSError, IndexError, ValueError):
-            continue
-        if ppid == engine_pid and b"spawn_main" in cmdline:
-            pids.append(int(entry.name))
-    return pids
 
 
 @pytest.fixture(scope="module")
@@ -70,7 +53,7 @@ async def test_two_tp2_groups_serve_and_survive_the_loss_of_a_rank(model, tmp_pa
         while sum(map(len, streamed.values())) < 100:  # both groups are busy generating
             assert asyncio.get_running_loop().time() < deadline, "no tokens flowed"
             await asyncio.sleep(0.05)
-        followers = follower_pids(engines[0].pid)
+        followers = rank_processes(engines[0].pid)
         assert len(followers) == 1, followers
         os.kill(followers[0], signal.SIGKILL)
         results = await asyncio.wait_for(asyncio.gather(*tasks), 400)

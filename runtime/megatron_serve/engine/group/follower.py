@@ -35,7 +35,7 @@ def run_worker(model_dir: str, config_dict: dict, placement: Placement, rank: in
     from ...fleet.lifeline import parent_death_signal  # noqa: PLC0415
     from ...model.config import ModelConfig  # noqa: PLC0415
 
-    parent_death_signal()  # dies with rank 0's process (spawned from its main thread), whatever kills it
+    parent_death_signal()  # dies with its fork server, which ends with rank 0's process whatever kills it
     started.set()
 
     config = InferenceConfig(**config_dict)

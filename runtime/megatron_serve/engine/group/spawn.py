@@ -1,6 +1,12 @@
-"""Starting a group from rank 0's process (:func:`start_rank_zero`): this machine's other ranks as spawned child
-processes (:func:`spawn_local_workers`, each running :func:`.follower.run_worker`), then joining the group; and
-leaving it when the start fails after it formed (:func:`abandon_group`)."""
+"""Starting a group from rank 0's process (:func:`start_rank_zero`): this machine's other ranks as child processes
+(:func:`spawn_local_workers`, each running :func:`.follower.run_worker`), then joining the group; and leaving it when
+the start fails after it formed (:func:`abandon_group`).
+
+The ranks come from multiprocessing's fork server, which imports torch and the follower's modules once (:data:`PRELOAD`)
+and forks every rank from there: a fresh interpreter per rank spent most of its start importing torch, again for each
+rank and again for each group a process starts. A fork server starts clean (nothing has run on its threads), so
+forking it is as safe as spawning; each rank still imports the parent's ``__main__`` as a spawned one would, and takes
+rank 0's environment as it is when the rank starts (the fork server keeps the one it started with)."""
 
 from __future__ import annotations
 
@@ -24,9 +30,12 @@ from .placement import (RENDEZVOUS_TIMEOUT_S, Placement, check_local_devices, da
 #: The exit code of a rank's process that found itself re-running its parent's script (see reimported_main).
 REIMPORTED_MAIN_EXIT = 3
 GUARD_HINT = ("a script that builds a tensor-parallel engine (LLM(..., tensor_parallel_size=N) and the like) must "
-              "do so under `if __name__ == \"__main__\":`: each other rank's process is started with "
-              "multiprocessing's spawn, which imports the script again, so that code at its top level runs again "
-              "there")
+              "do so under `if __name__ == \"__main__\":`: each other rank's process is started by "
+              "multiprocessing's fork server, which imports the script again, so that code at its top level runs "
+              "again there")
+
+#: What the fork server imports before it forks a rank: what every rank would import first.
+PRELOAD = ["torch", "torch.distributed", "megatron_serve.engine.group.follower"]
 
 
 
@@ -52,24 +61,28 @@ def reimported_main() -> bool:
 def refuse_reimported_main() -> None:
     """Exit at once, saying why, when a rank's process re-runs its parent's script: without this the script's
     engine started ranks of its own there, multiprocessing refused, and rank 0 waited for the missing rank until
-    the rendezvous timed out (300 s), then said "could not join the group"."""
+    the rendezvous timed out (300 s), then said "could not join the group". ``os._exit``: the fork server turns any
+    exception, ``SystemExit`` too, into exit code 1, and this process has run nothing yet that needs ending."""
     if reimported_main():
         print(f"megatron-serve: tensor-parallel rank process {os.getpid()} is running its parent's script again: "
               f"{GUARD_HINT}", file=sys.stderr, flush=True)
-        raise SystemExit(REIMPORTED_MAIN_EXIT)
+        os._exit(REIMPORTED_MAIN_EXIT)
 
 
 def spawn_local_workers(model_dir: str, config: InferenceConfig, placement: Placement) -> list[multiprocessing.Process]:
     """Start this machine's ranks other than rank 0 as child processes; returns once each has started (reached
     :func:`run_worker`), and raises at once when one exits before it did."""
-    context = multiprocessing.get_context("spawn")
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(PRELOAD)  # read when the server starts: once a process
+    environment = dict(os.environ)
     workers, started = [], []
     for index in range(placement.local_count):
         rank = placement.first_local_rank + index
         if index == 0 and (rank == 0 or config.data_parallel_size > 1):  # this process: a leader
             continue
         event = context.Event()
-        process = context.Process(target=run_worker, args=(model_dir, config.to_dict(), placement, rank, index, event),
+        process = context.Process(target=run_forked_worker,
+                                  args=(environment, model_dir, config.to_dict(), placement, rank, index, event),
                                   name=f"megatron-tp-rank-{rank}", daemon=True)
         process.start()
         workers.append(process)
@@ -82,6 +95,15 @@ def spawn_local_workers(model_dir: str, config: InferenceConfig, placement: Plac
             worker.join(timeout=30)
         raise
     return workers
+
+
+def run_forked_worker(environment: dict[str, str], model_dir: str, config_dict: dict, placement: Placement, rank: int,
+                      local_index: int, started: multiprocessing.synchronize.Event) -> None:
+    """A rank forked from the fork server: rank 0's environment of now (``OMP_NUM_THREADS``, ``CUDA_VISIBLE_DEVICES``,
+    ``MASTER_ADDR``... are read after this), then :func:`.follower.run_worker`."""
+    os.environ.clear()
+    os.environ.update(environment)
+    run_worker(model_dir, config_dict, placement, rank, local_index, started)
 
 
 def wait_started(workers: list[multiprocessing.Process], started: list[multiprocessing.synchronize.Event]) -> None:
