@@ -14,6 +14,7 @@ from megatron_serve.fleet.argv import inference_config_to_argv
 from megatron_serve import DynamicInferenceRequest, InferenceConfig, MegatronLLM, SamplingParams
 from megatron_serve.engine.kv.cache import BlockAllocator, KVCachePool
 from megatron_serve.engine.kv.offload import TO_DEVICE, TO_HOST, Copier, HostKVTier
+from megatron_serve.wire.tenancy import BANDS, STANDARD_BAND
 
 BLOCK = 16
 POOL = 24  # blocks: room for two of the prompts below at a time, not all six
@@ -99,9 +100,9 @@ def test_blocks_computed_across_a_refit_are_never_found_by_the_new_weights(tiny_
     """The device prefix cache too: only the prompt's blocks of the new weights are found, never the old
     request's later blocks, although their chain continues from the same tokens."""
     assert computed_across_a_refit(tiny_llama) == 2 * BLOCK
-    from megatron_serve.engine import scheduler  # noqa: PLC0415
+    from megatron_serve.engine.kv import blocks  # noqa: PLC0415
 
-    monkeypatch.setattr(scheduler, "epoch_root", lambda root, epoch: root)  # the control: keys without the epoch
+    monkeypatch.setattr(blocks, "epoch_root", lambda root, epoch: root)  # the control: keys without the epoch
     assert computed_across_a_refit(tiny_llama) == 5 * BLOCK  # the old weights' blocks served to the new ones
 
 
@@ -165,6 +166,24 @@ def test_lru_order_and_pins_while_a_load_is_in_flight():
     allocator.free(table)
     allocator.allocate(4)  # evicts the cached block: its contents are copied to the tier under its hash first
     assert 7 in tier
+
+
+def test_a_full_host_tier_lets_a_worse_band_s_block_go_before_an_older_block_of_a_better_band():
+    """The host tier evicts as the device pool does: the worst band first, least recently used within a band; the
+    pool hands each evicted block's band over."""
+    pool = KVCachePool(2, 1, 4, 1, 2, torch.float32, "cpu")
+    tier = HostKVTier(pool, 2 * pool.bytes_per_pool_block)
+    allocator = BlockAllocator(1, enable_prefix_caching=True, tier=tier)
+    for block_hash, band in ((100, BANDS["critical"]), (101, BANDS["sheddable"]), (102, STANDARD_BAND)):
+        (block,) = allocator.allocate(1, band)  # evicts the block cached before it to the tier
+        allocator.register(block, block_hash)
+        allocator.free([block])
+    allocator.allocate(1)  # 102 leaves the pool into a full tier: the sheddable 101 makes room, not the older 100
+    assert 100 in tier and 101 not in tier and 102 in tier
+    tier.store([(0, 103)], [BANDS["critical"]])  # no worse band left: the standard 102
+    assert 100 in tier and 102 not in tier
+    tier.store([(0, 104)], [BANDS["critical"]])  # within one band, the least recently used
+    assert 100 not in tier and 103 in tier and 104 in tier
 
 
 @pytest.mark.parametrize("size", [0, -1.0, True, "1"])

@@ -72,7 +72,7 @@ def test_a_salt_roots_the_chain_and_engines_and_routing_agree():
     scheduler.add(first)
     scheduler.schedule()
     first.num_computed = len(tokens)
-    scheduler.register_computed_blocks(first)
+    scheduler.blocks.register_computed(first, scheduler.epoch)
     # the coordinator's routing hashes a salted prompt exactly as the engine cached it
     record = RequestRecord("r", "client", "r", tokens, SamplingParams(cache_salt="t1"), b"", False)
     engine = SimpleNamespace(engine_id="e0", group=0, capacity=4, kv_blocks_free=60, kv_blocks_total=64, load=0,

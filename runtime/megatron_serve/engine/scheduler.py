@@ -20,8 +20,8 @@ prompt). What budget is left then goes to the long prompts, running first, in or
 alone is chunked as without the threshold. How a prompt is chunked never changes its tokens.
 
 Requests of tenants (``SamplingParams.tenant``) are admitted by class and fair share, and a better class takes the
-slot or the KV blocks of a worse one: :mod:`.tenancy`, on from the first such request (none: as above). Every block
-is taken for its request's band, so that the prefix cache evicts the worst band's blocks first (:mod:`.kv.cache`).
+slot or the KV blocks of a worse one: :mod:`.tenancy`, on from the first such request (none: as above). Which blocks
+a step takes, the cached prefix a request starts on and the blocks it publishes are :mod:`.kv.blocks`'.
 """
 
 from __future__ import annotations
@@ -35,28 +35,18 @@ import numpy as np
 
 from ..wire.engine_stats import EngineStats
 from ..wire.expert_routing import record_step
-from ..wire.prefix_hash import block_hashes, chain_hash, epoch_root
 from ..wire.request import EngineRequest, EventType, FinishReason, RequestEvent, RequestStatus
 from .admission import Admission
-from .kv.cache import BlockAllocator, blocks_for_tokens
-from .kv.events import BlockOrigin
+from .kv.blocks import READING, SequenceBlocks
+from .kv.cache import BlockAllocator
 from .logprob_parity import ParityChecker
 from .lora.queue import LoraQueue
 from .prompt_scores import record_prompt_scores
 from .sequence import Sequence
 from .speculative.decoder import Emitted, Speculator
-from .tenancy import TenantPolicy, base_band
+from .tenancy import TenantPolicy
 from .steps import InFlightStep, StepOutput
 from .token_append import append_tokens, ended
-
-READING = -1  # what _attach_cached_prefix says of a sequence whose blocks are being read from disk (no hash is < 0)
-
-
-def block_adapter(sequence: Sequence) -> tuple[int, str] | None:
-    """The adapter a sequence's blocks are computed under, as KV events name it: (version, name); None: base."""
-    name = sequence.sampling_params.lora_name
-    return None if sequence.lora_slot < 0 or name is None else (sequence.lora_version, name)
-
 
 def step_order(entry: tuple[Sequence, int]) -> tuple[bool, int]:
     """Where an entry goes in its step: decode-shaped entries (one token) first, as the step plan needs them, then
@@ -142,6 +132,7 @@ class Scheduler:
         self.leaving: list[Callable[[Sequence], None]] = []
         self.allocator = allocator
         self.block_size = block_size
+        self.blocks = SequenceBlocks(allocator, block_size)  # each request's blocks
         self.max_batch_tokens = max_batch_tokens
         self.max_requests = max_requests
         self.long_prefill_token_threshold = long_prefill_token_threshold  # 0: no prompt is long (off)
@@ -175,62 +166,6 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def _blocks_needed(self, sequence: Sequence, num_tokens: int) -> int:
-        return blocks_for_tokens(sequence.num_computed + num_tokens, self.block_size) - len(sequence.block_table)
-
-    def _grow(self, sequence: Sequence, num_tokens: int) -> None:
-        needed = self._blocks_needed(sequence, num_tokens)
-        if needed > 0:
-            sequence.block_table.extend(self.allocator.allocate(needed, base_band(sequence)))
-
-    def release(self, sequence: Sequence) -> None:
-        """Drop a sequence's blocks; it must be recomputed from scratch to run again."""
-        self.allocator.free(sequence.block_table)
-        sequence.block_table = []
-        sequence.block_hashes = []
-        sequence.prompt_hashes = []
-        sequence.num_computed = 0
-        sequence.host_tokens = 0
-        sequence.kv_epoch = None
-
-    def _attach_cached_prefix(self, sequence: Sequence) -> int | None:
-        """Start a sequence on the longest cached chain of its blocks.
-
-        Returns the hash of its first block that is not cached (None when all shareable blocks
-        are). The last token is always computed (its logits are needed), so it is never matched.
-        A request that still needs prompt log probs reads nothing from the cache: the positions it
-        would skip must be scored (vLLM's choice too); it still publishes its blocks for others.
-        A request that records its expert routing reads nothing either (its routing must be its own).
-        """
-        if (not self.allocator.enable_prefix_caching or sequence.num_computed or not sequence.reads_prefix_cache
-                or sequence.prompt_scores_missing or self.epoch < 0):  # -1: a mix of weights, nothing shared
-            return None
-        cacheable = (len(sequence.token_ids) - 1) // self.block_size
-        sequence.prompt_hashes = hashes = block_hashes(sequence.cache_tokens(0, cacheable * self.block_size),
-                                                       self.block_size, epoch_root(sequence.prefix_root, self.epoch))
-        band = base_band(sequence)
-        blocks = self.allocator.lookup(hashes)
-        self.allocator.acquire(blocks, band)
-        on_device = len(blocks)
-        tier = self.allocator.tier
-        if tier is not None and on_device < cacheable:
-            slots = tier.take(hashes[on_device : on_device + self.allocator.num_free], sequence.request_id)
-            if slots is None:  # some are on their way from disk (kv.offload): it waits, and others step
-                self.allocator.free(blocks)
-                return READING
-            if slots:
-                loaded = self.allocator.allocate(len(slots), band)
-                tier.load(slots, loaded)
-                for block, block_hash in zip(loaded, hashes[on_device:]):
-                    self.allocator.register(block, block_hash)
-                blocks += loaded
-                sequence.host_tokens = len(slots) * self.block_size
-        if blocks:
-            sequence.block_table = list(blocks)
-            sequence.block_hashes = hashes[: len(blocks)]
-            sequence.num_computed = len(blocks) * self.block_size
-        return hashes[len(blocks)] if len(blocks) < cacheable else None
-
     def _blocks_being_computed(self) -> set[int]:
         """Hashes of shareable blocks that running sequences have still to compute.
 
@@ -242,26 +177,9 @@ class Scheduler:
             pending.update(sequence.prompt_hashes[len(sequence.block_hashes):])
         return pending
 
-    def register_computed_blocks(self, sequence: Sequence) -> None:
-        """Publish the sequence's newly completed blocks whose tokens the host knows to the prefix cache (drafts
-        not verified yet are not known: their rows may be rolled back)."""
-        epoch = self.epoch if sequence.kv_epoch is None else sequence.kv_epoch
-        if not self.allocator.enable_prefix_caching or epoch < 0:  # -1: a mix of weights, nothing to share
-            return
-        size = self.block_size
-        known = len(sequence.token_ids) - sequence.num_drafts - sequence.drafts_in_flight
-        told = self.allocator.events is not None
-        for index in range(len(sequence.block_hashes), min(sequence.num_computed, known) // size):
-            parent = sequence.block_hashes[-1] if sequence.block_hashes else epoch_root(sequence.prefix_root, epoch)
-            tokens = sequence.cache_tokens(index * size, (index + 1) * size)
-            block_hash = chain_hash(parent, tokens)
-            sequence.block_hashes.append(block_hash)
-            origin = BlockOrigin(parent if index else None, tuple(tokens), block_adapter(sequence)) if told else None
-            self.allocator.register(sequence.block_table[index], block_hash, origin)
-
     def _preempt_newest(self, preempted: list[Sequence]) -> Sequence:
         victim = self.running.pop()
-        self.release(victim)
+        self.blocks.release(victim)
         victim.status = RequestStatus.WAITING_IN_QUEUE
         victim.add_event(EventType.PREEMPT)
         self.waiting.appendleft(victim)
@@ -311,7 +229,7 @@ class Scheduler:
             self._displaced(tenancy, victim, step)
 
     def _displaced(self, tenancy: TenantPolicy, victim: Sequence, step: _Step) -> None:
-        self.release(victim)
+        self.blocks.release(victim)
         victim.status = RequestStatus.WAITING_IN_QUEUE
         victim.add_event(EventType.PREEMPT, "a request of a better class")
         tenancy.requeue(self.waiting, victim)
@@ -323,7 +241,7 @@ class Scheduler:
         tenancy = self.tenancy
         if tenancy is None:
             return False
-        while self._blocks_needed(sequence, count) > self.allocator.num_free:
+        while not self.blocks.fit(sequence, count):
             victim = tenancy.victim(self.running, sequence)
             if victim is None:
                 return False
@@ -353,10 +271,10 @@ class Scheduler:
             count = self._chunk(step, sequence.num_uncomputed, fair)
             if not count:
                 continue
-            while self._blocks_needed(sequence, count) > self.allocator.num_free:
+            while not self.blocks.fit(sequence, count):
                 if self._preempt_newest(step.preempted) is sequence:
                     return  # the sequence itself was preempted: nothing newer is left running
-            self._grow(sequence, count)
+            self.blocks.grow(sequence, count)
             step.add(sequence, count)
 
     def _grow_cut_short(self, step: _Step) -> None:
@@ -368,8 +286,8 @@ class Scheduler:
             done = step.scheduled(sequence)
             count = min(sequence.num_uncomputed - done, step.budget)
             if (sequence.schedulable and count > 0
-                    and self._blocks_needed(sequence, done + count) <= self.allocator.num_free):
-                self._grow(sequence, done + count)
+                    and self.blocks.fit(sequence, done + count)):
+                self.blocks.grow(sequence, done + count)
                 step.add(sequence, count)
 
     def _admit_waiting(self, step: _Step, pending: set[int], fair: bool) -> None:
@@ -383,15 +301,14 @@ class Scheduler:
             if fair and self._is_long(sequence.num_uncomputed) and not step.long_turns:
                 skipped.append(sequence)  # judged by its whole length: no prefix-cache lookup for it
                 continue
-            next_hash = self._attach_cached_prefix(sequence)
+            next_hash = self.blocks.attach_cached_prefix(sequence, self.epoch)
             if next_hash == READING or next_hash is not None and next_hash in pending:
-                self.release(sequence)
+                self.blocks.release(sequence)
                 skipped.append(sequence)
                 continue
             count = self._chunk(step, sequence.num_uncomputed, fair)
-            if self._blocks_needed(sequence, count) > self.allocator.num_free and not self._evict_for(sequence, count,
-                                                                                                     step):
-                self.release(sequence)
+            if not self.blocks.fit(sequence, count) and not self._evict_for(sequence, count, step):
+                self.blocks.release(sequence)
                 self.waiting.appendleft(sequence)
                 break
             cached = sequence.num_computed
@@ -401,7 +318,7 @@ class Scheduler:
                 self.host_queried_tokens += len(sequence.token_ids) - (cached - sequence.host_tokens)
                 self.host_cached_tokens += sequence.host_tokens
             sequence.cached_tokens = min(cached, sequence.num_prompt)
-            self._grow(sequence, count)
+            self.blocks.grow(sequence, count)
             if self.tenancy is not None:
                 self.tenancy.admitted(self.running, sequence)  # in band order (engine.tenancy)
             else:
@@ -418,17 +335,17 @@ class Scheduler:
             self.running.remove(sequence)
         elif sequence in self.waiting:
             self.waiting.remove(sequence)
-        self.release(sequence)
+        self.blocks.release(sequence)
 
     def evict_all(self) -> list[Sequence]:
         """Move every running sequence back to waiting without blocks (suspend); returns them. A waiting one that
         holds blocks (a decode engine's prefilled request: engine.kv_transfer) lets them go too."""
         for sequence in self.waiting:
             if sequence.block_table:
-                self.release(sequence)
+                self.blocks.release(sequence)
         evicted = list(self.running)
         for sequence in reversed(evicted):
-            self.release(sequence)
+            self.blocks.release(sequence)
             sequence.status = RequestStatus.WAITING_IN_QUEUE
             sequence.add_event(EventType.EVICT)
             self.waiting.appendleft(sequence)
@@ -439,7 +356,7 @@ class Scheduler:
         """Remove and return every sequence, running first (oldest first), with blocks freed."""
         taken = self.running + list(self.waiting)
         for sequence in self.running:
-            self.release(sequence)
+            self.blocks.release(sequence)
         self.running.clear()
         self.waiting.clear()
         return taken
@@ -549,7 +466,7 @@ class Scheduler:
             record_prompt_scores(*step.scores)
         for sequence, _count in step.entries:
             if not sequence.finished:
-                self.register_computed_blocks(sequence)
+                self.blocks.register_computed(sequence, self.epoch)
         now = time.monotonic()
         sequences, outputs, observed = [], [], []
         parity = self.parity
@@ -570,7 +487,7 @@ class Scheduler:
             if not sequence.finished:
                 if later:
                     Speculator.restore(sequence, later)
-                self.register_computed_blocks(sequence)
+                self.blocks.register_computed(sequence, self.epoch)
         self.stats.observe_step(sequences, observed, now)
         for emitted in self.emitted:
             emitted(outputs)

@@ -27,7 +27,7 @@ One speculative step, in the engine's ``schedule -> launch -> sample -> finish``
    that position.
 4. ``rollback``: the rejected drafts leave ``token_ids``, ``num_computed`` drops to the verified tokens, and
    KV blocks past the request's tokens go back to the pool. Blocks are published to the prefix cache only up
-   to the verified tokens (``Scheduler.register_computed_blocks`` stops before drafts).
+   to the verified tokens (``SequenceBlocks.register_computed`` stops before drafts).
 
 Overlapped verify steps (``async_scheduling``, vLLM v1's async scheduling with speculation): the next step is
 planned and launched before a verify step is read. The host plans it as if every draft of the step in flight
