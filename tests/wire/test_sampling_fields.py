@@ -5,6 +5,8 @@ from it. ``tests/test_layout.py`` holds that no other module lists the parameter
 
 from __future__ import annotations
 
+import json
+
 import pydantic
 import pytest
 import torch
@@ -25,6 +27,7 @@ from megatron_serve.wire.sampling_fields import (
     GENERATION_CONFIG_KEYS,
     SAMPLER_INPUTS,
     Bounds,
+    SamplingField,
 )
 from megatron_serve.wire.sampling_params import SamplingParams
 
@@ -58,6 +61,32 @@ def test_sampling_params_refuses_what_a_rows_bounds_refuse_naming_the_field(row)
         SamplingParams.from_dict({row.name: row.kind(row.bounds.minimum)})
 
 
+def _inside(bounds: Bounds | None, value: float) -> bool:
+    return bounds is None or ((bounds.minimum is None or value >= bounds.minimum)
+                              and (bounds.maximum is None or value <= bounds.maximum)
+                              and (bounds.above is None or value > bounds.above))
+
+
+def _set(row: SamplingField) -> object:
+    """A request's value of ``row`` off its neutral default, inside both its request's range and its own: the tests
+    below build every request from the table, so a new row is checked by them with no edit here."""
+    if row.kind is bool:
+        return not row.default
+    if row.kind is str:
+        return "s"
+    for candidate in (2, 0.5):
+        value = row.kind(candidate)
+        if value != row.default and _inside(row.request_bounds, value) and _inside(row.bounds, value):
+            return value
+    raise AssertionError(f"no value off the default inside the bounds of {row.name}")
+
+
+def _engine(row: SamplingField) -> object:
+    """:func:`_set`'s value as ``SamplingParams`` holds it."""
+    value = _set(row)
+    return value if row.from_http is None else row.from_http(value)
+
+
 @pytest.mark.parametrize("model", [CompletionRequest, ChatCompletionRequest])
 def test_the_request_models_declare_the_copied_rows_with_their_ranges(model):
     base = {"model": "m", "prompt": "x"} if model is CompletionRequest else {"model": "m", "messages": [
@@ -80,44 +109,41 @@ def test_the_vllm_and_sglang_bodies_take_the_copied_rows_by_their_names():
             assert row.vllm in VllmSamplingParams.model_fields
         if row.sglang is not None:
             assert row.sglang in SglangSamplingParams.model_fields
-    given = SamplingParams(temperature=0.5, top_k=7, min_p=0.25, seed=3, presence_penalty=0.5)
+    given = SamplingParams(**{row.name: _engine(row) for row in COPIED if row.vllm})
     back = vllm_sampling(given, 1)
     assert {row.vllm: back[row.vllm] for row in COPIED if row.vllm} == {
         row.vllm: getattr(given, row.name) for row in COPIED if row.vllm}
 
 
 def test_the_translation_copies_every_copied_row_and_leaves_out_what_a_request_does_not_set():
-    request = CompletionRequest(model="m", prompt="x", temperature=0.5, top_k=-1, top_p=0.9, seed=-1, min_p=0.25,
-                                presence_penalty=1, frequency_penalty=-0.5, repetition_penalty=1.5, min_tokens=2,
-                                ignore_eos=True, priority=-3, cache_salt="s", skip_special_tokens=False,
-                                include_stop_str_in_output=True, return_routing_indices=True)
+    request = CompletionRequest(model="m", prompt="x", **{row.http: _set(row) for row in COPIED})
     params = translated(request, max_tokens=4, logprobs=False, top_logprobs=0, choice=0,
                         defaults=GenerationDefaults({"min_p": 0.5, "top_k": 20}))
-    assert {row.name: getattr(params, row.name) for row in COPIED} == {
-        "temperature": 0.5, "top_k": 0, "top_p": 0.9, "seed": 2**63 - 1, "min_p": 0.25, "presence_penalty": 1.0,
-        "frequency_penalty": -0.5, "repetition_penalty": 1.5, "min_tokens": 2, "ignore_eos": True, "priority": -3,
-        "cache_salt": "s", "skip_special_tokens": False, "include_stop_str_in_output": True,
-        "return_routing_indices": True}
+    assert {row.name: getattr(params, row.name) for row in COPIED} == {row.name: _engine(row) for row in COPIED}
     silent = translated(CompletionRequest(model="m", prompt="x"), max_tokens=4, logprobs=False, top_logprobs=0,
                         choice=0, defaults=GenerationDefaults({"min_p": 0.5, "top_k": 20}))
     assert {row.name: getattr(silent, row.name) for row in COPIED} == {
         row.name: {"min_p": 0.5, "top_k": 20}.get(row.name, row.default) for row in COPIED}
 
 
+def test_the_translation_reads_vllms_off_top_k_and_any_64_bit_seed():
+    request = CompletionRequest(model="m", prompt="x", top_k=-1, seed=-1)
+    params = translated(request, max_tokens=4, logprobs=False, top_logprobs=0, choice=0,
+                        defaults=GenerationDefaults({"top_k": 20}))
+    assert (params.top_k, params.seed) == (0, 2**63 - 1)
+
+
 def test_generation_config_keys_are_the_rows_that_name_one(tmp_path):
-    (tmp_path / "generation_config.json").write_text('{"temperature": 0.6, "top_k": 20, "top_p": 0.95, "min_p": 0.1, '
-                                                     '"repetition_penalty": 1.1, "max_new_tokens": 64, "do_sample": true}')
+    named = [BY_NAME[name] for name in GENERATION_CONFIG_KEYS.values()]
+    config = {row.generation_config: _engine(row) for row in named}
+    (tmp_path / "generation_config.json").write_text(json.dumps({**config, "do_sample": True, "bos_token_id": 1}))
     defaults = GenerationDefaults.load("auto", tmp_path)
-    assert dict(defaults.values) == {GENERATION_CONFIG_KEYS[key]: value for key, value in (
-        ("temperature", 0.6), ("top_k", 20), ("top_p", 0.95), ("min_p", 0.1), ("repetition_penalty", 1.1),
-        ("max_new_tokens", 64))}
-    assert set(GENERATION_CONFIG_KEYS.values()) <= set(BY_NAME)
+    assert dict(defaults.values) == {row.name: _engine(row) for row in named}
 
 
 def test_the_sampling_state_keeps_one_vector_per_sampler_input_written_from_the_request():
     state = SamplingState(16, torch.device("cpu"), capacity=2)
-    params = SamplingParams(temperature=0.5, top_k=3, top_p=0.9, min_p=0.25, presence_penalty=0.5,
-                            frequency_penalty=0.25, repetition_penalty=1.5, min_tokens=2)
+    params = SamplingParams(**{row.name: _engine(row) for row in SAMPLER_INPUTS})
     state.add("a", params, seed=1, prompt_tokens=[1], output_tokens=[], stop_token_ids=[])
     rows = state.rows(["a"], [0], [0])
     for row in SAMPLER_INPUTS:
@@ -136,7 +162,7 @@ def test_a_greedy_request_uses_no_filter_but_keeps_its_penalties():
 
 def test_the_parity_checker_scores_with_the_originals_filters():
     checker = ParityChecker(1.0, 64, "processed_logprobs")
-    original = SamplingParams(temperature=0.5, top_k=3, top_p=0.9, min_p=0.25, return_log_probs=True)
+    original = SamplingParams(**{row.name: _engine(row) for row in FILTERS}, return_log_probs=True)
     from megatron_serve.engine.logprob_parity import Reported  # noqa: PLC0415
 
     reported = Reported([1, 2], original, tokens=[3], log_probs=[-0.5], epochs={0})
