@@ -418,3 +418,24 @@ def test_the_refit_transaction_probes_nothing():
                   and node.func.id in ("getattr", "hasattr")):
                 offenders.append(f"{name}:{node.lineno} {node.func.id}")
     assert not offenders, f"probes in the refit transaction: {offenders}"
+
+
+#: The plain engine's modules: they know drafts only as data (:mod:`megatron_serve.engine.drafts`, ``Emitted``'s
+#: accepted count), never the speculative wing, which the engine class composes and the worker calls through its hooks.
+PLAIN_ENGINE = ("scheduler", "steps", "worker", "token_append", "sequence", "sampler", "sampling_state", "step_plan",
+                "runner", "drafts", "kv.blocks")
+
+
+def test_the_plain_engine_never_imports_the_speculative_wing():
+    """Speculation inverted the engine's layers: the plain step's row type lived in ``engine/speculative`` and the
+    scheduler called the speculator to roll drafts back. Type-checking imports (the worker's hook's type) are
+    allowed."""
+    modules = _modules()
+    offenders = {}
+    for short in PLAIN_ENGINE:
+        name = f"megatron_serve.engine.{short}"
+        upward = sorted(t for t in _imports(name, modules[name], modules)
+                        if t.startswith("megatron_serve.engine.speculative"))
+        if upward:
+            offenders[name] = upward
+    assert not offenders, f"plain engine modules importing engine/speculative: {offenders}"

@@ -12,7 +12,7 @@ import torch
 
 from megatron_serve.engine.expert_api import ExpertApi
 from megatron_serve.engine.sampler import DeviceScores, Readback
-from megatron_serve.engine.speculative.decoder import Emitted
+from megatron_serve.engine.steps import Emitted
 from megatron_serve.wire.expert_routing import RoutingCapture
 from megatron_serve.wire.request import (DynamicInferenceRequest, EngineRequest, EventType, FinalRecord, FinishReason,
                                          RequestStatus)

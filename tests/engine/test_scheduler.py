@@ -12,7 +12,8 @@ from megatron_serve.engine.admission import Admission
 from megatron_serve.engine.kv.cache import BlockAllocator
 from megatron_serve.engine.scheduler import ScheduledBatch, Scheduler
 from megatron_serve.engine.sequence import Sequence
-from megatron_serve.engine.speculative.decoder import Emitted, Speculator
+from megatron_serve.engine.drafts import mark_in_flight
+from megatron_serve.engine.steps import Emitted
 from megatron_serve.engine.steps import InFlightStep, StepOutput
 from megatron_serve.model.config import ModelConfig
 from megatron_serve.wire.request import EngineRequest, EventType, FinishReason, RequestStatus
@@ -271,7 +272,7 @@ def _verify_step(sched: Scheduler, drafts: list[int]) -> InFlightStep:
     assert batch.entries == [(sequence, 1 + len(drafts))]
     step = launch(sched, batch)
     sequence.pending_tokens -= 1  # mark_in_flight counts the verify step's pending token itself
-    Speculator.mark_in_flight(step.sampling, [len(drafts)])
+    mark_in_flight(step.sampling, [len(drafts)])
     step.drafts = [len(drafts)]
     return step
 

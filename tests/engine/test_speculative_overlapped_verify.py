@@ -18,7 +18,7 @@ from msgspec.structs import replace
 
 from megatron_serve import DynamicInferenceRequest, InferenceConfig, SamplingParams
 from megatron_serve.config import SpeculativeConfig
-from megatron_serve.engine import DynamicInferenceEngine
+from megatron_serve.engine import DynamicInferenceEngine, scheduler
 from megatron_serve.engine.speculative.decoder import Speculator
 from megatron_serve.wire.request import FinishReason
 from megatron_serve.wire.sampling_params import StructuredOutputsParams
@@ -138,14 +138,14 @@ def test_preemption_under_a_tiny_pool_with_verify_steps_in_flight(tiny_llama, mo
     """Drafts and the optimistic plan of a verify step in flight need KV blocks: a pool of 16 blocks of 4 tokens
     preempts; a preempted request whose verify step is in flight (the plain step after it was being scheduled)
     gets that step's tokens and is recomputed."""
-    rollback, preempted_in_flight = Speculator.rollback, []
+    rollback, preempted_in_flight = scheduler.roll_back, []
 
     def spy(sequence, drafts, *args):
         if drafts and not sequence.block_table:  # its drafts' step was read after the request lost its blocks
             preempted_in_flight.append(sequence.request_id)
         return rollback(sequence, drafts, *args)
 
-    monkeypatch.setattr(Speculator, "rollback", staticmethod(spy))
+    monkeypatch.setattr(scheduler, "roll_back", spy)
     kwargs = dict(block_size_tokens=4, num_kv_blocks=16, max_batch_tokens=32, long_prefill_token_threshold=0)
     prompts = repetitive_prompts(21, 5)
     prompts[1] = prompts[0][:8] + prompts[1]  # a shared prefix: prefix-cache hits

@@ -37,15 +37,15 @@ from ..wire.engine_stats import EngineStats
 from ..wire.expert_routing import record_step
 from ..wire.request import EngineRequest, EventType, FinishReason, RequestEvent, RequestStatus
 from .admission import Admission
+from .drafts import restore, roll_back
 from .kv.blocks import READING, SequenceBlocks
 from .kv.cache import BlockAllocator
 from .logprob_parity import ParityChecker
 from .lora.queue import LoraQueue
 from .prompt_scores import record_prompt_scores
 from .sequence import Sequence
-from .speculative.decoder import Emitted, Speculator
 from .tenancy import TenantPolicy
-from .steps import InFlightStep, StepOutput
+from .steps import Emitted, InFlightStep, StepOutput
 from .token_append import append_tokens, ended
 
 def step_order(entry: tuple[Sequence, int]) -> tuple[bool, int]:
@@ -476,7 +476,7 @@ class Scheduler:
                 continue
             out = emitted[row]
             # the step launched after this one drafted past it: its drafts go back after this step's tokens
-            later = Speculator.rollback(sequence, drafts[row], out.accepted, self.allocator, self.block_size)
+            later = roll_back(sequence, drafts[row], out.accepted, self.blocks)
             outputs.append(append_tokens(sequence, out, (self.epoch, step.kv_epochs[row]), self.structured,
                                          drafted.get(id(sequence))))
             if outputs[-1].finished:
@@ -486,7 +486,7 @@ class Scheduler:
                 observed.append(outputs[-1])
             if not sequence.finished:
                 if later:
-                    Speculator.restore(sequence, later)
+                    restore(sequence, later)
                 self.blocks.register_computed(sequence, self.epoch)
         self.stats.observe_step(sequences, observed, now)
         for emitted in self.emitted:

@@ -14,10 +14,22 @@ from ..wire.deltas import PromptScores
 from ..wire.request import FinalRecord
 from .sampler import DeviceSample, DeviceScores, Readback
 from .sequence import Sequence
-from .speculative.decoder import Emitted, Verification
 
 if TYPE_CHECKING:
     from .expert_api import Public
+    from .speculative.decoder import Verification
+
+
+@dataclass
+class Emitted:
+    """What one request's rows of a step produced: the tokens to append, in order, and how many of its drafts were
+    accepted (a plain step's row: one token, none; drafts are data, :mod:`.drafts`)."""
+
+    tokens: list[int] = field(default_factory=list)
+    log_probs: list[float | None] = field(default_factory=list)
+    top_ids: list[list[int] | None] = field(default_factory=list)  # each token's top-n, as the wire carries them
+    top_log_probs: list[list[float] | None] = field(default_factory=list)
+    accepted: int = 0  # drafts accepted (the tokens less the bonus one)
 
 
 @dataclass(slots=True)
@@ -76,7 +88,7 @@ class InFlightStep:
     sample: DeviceSample | None = None  # None until sampled (a grammar row waits for the step before)
     verify_logits: torch.Tensor | None = None  # draft rows' logits of a speculative step (engine.speculative)
     drafts: list[int] | None = None  # a verify step's drafts per sampling row
-    verification: Verification | None = None  # an overlapped verify step's draws and accepted counts, on the device
+    verification: "Verification | None" = None  # an overlapped verify step's draws and accepted counts, on the device
     emitted: list[Emitted] | None = None  # a verify step read at once (a fallback): its tokens per sampling row
 
 

@@ -14,8 +14,7 @@ import numpy as np
 
 from ..wire.request import EventType, FinishReason
 from .sequence import Sequence
-from .speculative.decoder import Emitted
-from .steps import StepOutput
+from .steps import Emitted, StepOutput
 from .structured_output import StructuredOutputs
 
 

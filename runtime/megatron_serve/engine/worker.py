@@ -26,9 +26,9 @@ from .logits_processors import apply_controls, apply_token_bitmask
 from .prompt_scores import score_prompts
 from .sampler import Readback, Sampler
 from .sampling_state import SamplingState
-from .speculative.decoder import Emitted, Speculator
 from .step_plan import write_plan
-from .steps import InFlightStep
+from .drafts import mark_in_flight
+from .steps import Emitted, InFlightStep
 from .structured_output import StructuredOutputs
 
 if TYPE_CHECKING:
@@ -40,6 +40,7 @@ if TYPE_CHECKING:
     from .runner import ModelRunner
     from .scheduler import ScheduledBatch
     from .sequence import Sequence
+    from .speculative.decoder import Speculator
 
 
 def encoder_cache_for(model: LlamaForCausalLM, tokenizer: Vocabulary) -> EncoderCache | None:
@@ -167,7 +168,7 @@ class ModelWorker:
                                                          self.sampling_state, self.sampler, masks, shift)
             step.sample = step.verification.sample
         step.logits = step.verify_logits = None
-        Speculator.mark_in_flight(sampling, step.drafts)
+        mark_in_flight(sampling, step.drafts)
 
     def read(self, step: InFlightStep) -> list[Emitted]:
         """A launched step's tokens per sampling row (waits for the device), for the scheduler's

@@ -25,8 +25,8 @@ One speculative step, in the engine's ``schedule -> launch -> sample -> finish``
    applies at every depth, each the mask of the state after the drafts before it
    (:meth:`~..structured_output.StructuredOutputs.bitmask` with drafts), as the plain engine applies it at
    that position.
-4. ``rollback``: the rejected drafts leave ``token_ids``, ``num_computed`` drops to the verified tokens, and
-   KV blocks past the request's tokens go back to the pool. Blocks are published to the prefix cache only up
+4. ``roll_back`` (the scheduler's, by counts: :mod:`..drafts`): the rejected drafts leave ``token_ids``,
+   ``num_computed`` drops to the verified tokens, and KV blocks past the request's tokens go back to the pool. Blocks are published to the prefix cache only up
    to the verified tokens (``SequenceBlocks.register_computed`` stops before drafts).
 
 Overlapped verify steps (``async_scheduling``, vLLM v1's async scheduling with speculation): the next step is
@@ -40,7 +40,7 @@ the runner moves the next step's rows of that request back by it (positions, seq
 the block table, the gathered token's index: the bonus token sits at depth ``a``), and the sampler's seeded
 streams and generated counts move back with them, so every draw is the one at its true position: the output is
 the plain engine's, token for token. Drafts guessed past wrong assumptions are merely worse guesses, rejected
-like any other. When the step in flight is read, ``rollback`` takes the later step's drafts off the end of
+like any other. When the step in flight is read, ``roll_back`` takes the later step's drafts off the end of
 ``token_ids``, removes the rejected drafts, appends the emitted tokens and ``restore`` puts the later drafts
 back; a request that finished (stop token, EOS, length) or left meanwhile has its later rows dropped. Where the
 next step cannot be planned this way, a verify step reads the step in flight first and is read at once
@@ -54,14 +54,14 @@ each; on a CPU each row costs compute, which the K policy's measured step cost c
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
 import torch
 
-from ..kv.cache import BlockAllocator, blocks_for_tokens
 from ..logits_processors import apply_controls, apply_token_bitmask
 from ...wire.engine_stats import EngineStats
+from ..steps import Emitted
 from .adaptive import AdaptiveK, PinnedK
 from .proposer import DraftInput, Proposer
 
@@ -88,17 +88,6 @@ class Verification:
     sample: "DeviceSample"  # every depth's drawn token, request by request, depth by depth
     drafts: list[list[int]]  # each sampling request's drafts
     shifts: torch.Tensor  # [requests] int64, on the device: drafts rejected (the next step's correction)
-
-
-@dataclass
-class Emitted:
-    """What one request's rows of a step produced: the tokens to append, in order, and how many were drafts."""
-
-    tokens: list[int] = field(default_factory=list)
-    log_probs: list[float | None] = field(default_factory=list)
-    top_ids: list[list[int] | None] = field(default_factory=list)  # each token's top-n, as the wire carries them
-    top_log_probs: list[list[float] | None] = field(default_factory=list)
-    accepted: int = 0  # drafts accepted (the tokens less the bonus one)
 
 
 @dataclass
@@ -374,21 +363,6 @@ class Speculator:
         return emitted
 
     @staticmethod
-    def mark_in_flight(sampling: list["Sequence"], counts: list[int]) -> None:
-        """A verify step was launched for ``sampling`` (``counts``: each request's drafts): its drafts are now in
-        flight (the next step may draft after them), and its next input is the draw after its last draft (planned
-        as if all were accepted; the next step's rows are corrected on the device by the step's ``shifts``)."""
-        row = 0
-        for index, (sequence, drafts) in enumerate(zip(sampling, counts)):
-            row += drafts
-            sequence.pending_tokens += 1
-            sequence.pending_row = row
-            sequence.verify_row = index
-            sequence.drafts_in_flight += drafts
-            sequence.num_drafts = 0
-            row += 1
-
-    @staticmethod
     def _draft_counts(guesses: list[list[int]], owner: list[int], depth_of: list[int], rows: "StepRows",
                       state: "SamplingState") -> torch.Tensor | None:
         """``[rows, vocab]``: the drafts before each row's depth (``guesses``: each request's drafts), which its
@@ -410,32 +384,3 @@ class Speculator:
         self.wake()
         self.proposer.forget(request_id)
         self.policy.forget(request_id)
-
-    @staticmethod
-    def rollback(sequence: "Sequence", drafts: int, accepted: int, allocator: BlockAllocator, block_size: int
-                 ) -> list[int]:
-        """Take a read step's ``drafts`` drafts (``accepted`` of them accepted) back out of ``sequence`` and keep
-        the KV of the accepted ones; blocks past what it computed (plus the one token to come) return to the
-        pool. Returns the drafts of the step launched after it, taken off the end of ``token_ids`` too, so that
-        the read step's tokens are appended before them (:meth:`restore` puts them back). A request preempted
-        meanwhile computed nothing that is kept: only its tokens change."""
-        if not sequence.drafts_in_flight:
-            return []
-        later = sequence.drafts_in_flight - drafts
-        tokens = sequence.token_ids
-        kept = tokens[len(tokens) - later:] if later else []
-        del tokens[len(tokens) - later - drafts:]
-        sequence.drafts_in_flight = 0
-        if drafts and sequence.block_table:
-            sequence.num_computed -= drafts - accepted
-            keep = blocks_for_tokens(sequence.num_computed + 1, block_size)
-            if len(sequence.block_table) > keep:
-                allocator.free(sequence.block_table[keep:])
-                del sequence.block_table[keep:]
-        return kept
-
-    @staticmethod
-    def restore(sequence: "Sequence", later: list[int]) -> None:
-        """Put back the drafts of a step still in flight that :meth:`rollback` took off."""
-        sequence.token_ids.extend(later)
-        sequence.drafts_in_flight = len(later)
