@@ -106,7 +106,8 @@ class DeviceMemory:
             else:
                 self.scheduler.evict_all()
             if self.allocator.tier is not None:
-                self.allocator.tier.store(self.allocator.evictable_blocks())
+                evictable = self.allocator.evictable_blocks()
+                self.allocator.tier.store(evictable, self.allocator.bands_of(evictable))
                 self.allocator.tier.wait()
             self.allocator.drop_evictable()  # their contents die with the pool; blocks in use keep theirs (keep_kv)
             if self.worker.encoder_cache is not None:

@@ -6,13 +6,14 @@ a block returns to the free list when its last reference is dropped.
 
 from __future__ import annotations
 
-from collections import OrderedDict, deque
+from collections import deque
 from typing import TYPE_CHECKING
 
 import torch
 
 from ...wire.kv_events import MEDIUM_DEVICE
-from ...wire.tenancy import CLASSES, STANDARD_BAND
+from ...wire.tenancy import STANDARD_BAND
+from .bands import BandedLRU
 
 if TYPE_CHECKING:
     from .events import BlockOrigin, KVEventLog
@@ -31,15 +32,15 @@ class BlockAllocator:
     prefix takes it back, and allocation reuses evictable blocks least-recently-freed first. Blocks
     are freed children first, so a parent is never evicted before its children.
 
-    Eviction takes the worst band first (``wire.tenancy``: ``sheddable``, then ``standard``, then ``critical``),
-    least recently freed first within a band, so that a flood of a worse class cannot push out a better class's
-    cached prefix (its system prompt). A block's band is the best band of the requests that held it since it was
-    last evictable: every request holding a child holds its parent, so a parent's band is never worse than its
-    child's and children still go first. Callers that pass no band (no tenants) put every block in ``standard``:
-    plain LRU, as before.
+    Eviction takes the worst band first (``wire.tenancy``: ``sheddable``, then ``standard``, then ``critical``), least
+    recently freed first within a band (:mod:`.bands`, the host tier's order too), so that a flood of a worse class
+    cannot push out a better class's cached prefix (its system prompt). A block's band is the best band of the requests
+    that held it since it was last evictable: every request holding a child holds its parent, so a parent's band is
+    never worse than its child's and children still go first. Callers that pass no band (no tenants) put every block in
+    ``standard``: plain LRU, as before.
 
-    With a host ``tier`` (:mod:`.offload`), a cached block that is evicted is copied there first. With an event
-    log (:mod:`.events`), every block registered and forgotten is told to it (medium ``GPU``).
+    With a host ``tier`` (:mod:`.offload`), a cached block that is evicted is copied there first, with its band. With an
+    event log (:mod:`.events`), every block registered and forgotten is told to it (medium ``GPU``).
     """
 
     def __init__(self, num_blocks: int, enable_prefix_caching: bool = False, tier: "HostKVTier | None" = None,
@@ -49,8 +50,7 @@ class BlockAllocator:
         self.tier = tier
         self.events = events
         self._free: deque[int] = deque(range(num_blocks))
-        # evictable blocks by band, each least recently freed first
-        self._evictable: tuple[OrderedDict[int, None], ...] = tuple(OrderedDict() for _ in CLASSES)
+        self._evictable: BandedLRU[int] = BandedLRU()  # by band, each least recently freed first
         self._ref_counts = [0] * num_blocks
         self._bands = [STANDARD_BAND] * num_blocks  # the best band holding each block since it was last evictable
         self._hash_of_block: dict[int, int] = {}
@@ -59,8 +59,7 @@ class BlockAllocator:
     @property
     def num_free(self) -> int:
         """Blocks an allocation can take now: never-cached ones plus evictable cached ones."""
-        critical, standard, sheddable = self._evictable
-        return len(self._free) + len(critical) + len(standard) + len(sheddable)
+        return len(self._free) + len(self._evictable)
 
     @property
     def num_cached(self) -> int:
@@ -73,22 +72,23 @@ class BlockAllocator:
             raise OutOfBlocksError(f"asked for {count} KV blocks, {self.num_free} free")
         blocks = []
         evicted: list[tuple[int, int]] = []
-        free, ref_counts, bands = self._free, self._ref_counts, self._bands
-        critical, standard, sheddable = self._evictable
+        evicted_bands: list[int] = []
+        free, ref_counts, bands, evictable = self._free, self._ref_counts, self._bands, self._evictable
         for _ in range(count):
             if free:
                 block = free.popleft()
             else:
-                block, _ = (sheddable or standard or critical).popitem(last=False)
+                block = evictable.pop()
                 block_hash = self._hash_of_block.pop(block)
                 del self._block_of_hash[block_hash]
                 evicted.append((block, block_hash))
+                evicted_bands.append(bands[block])
             ref_counts[block] = 1
             bands[block] = band
             blocks.append(block)
         if evicted:
             if self.tier is not None:
-                self.tier.store(evicted)
+                self.tier.store(evicted, evicted_bands)
             if self.events is not None:
                 self.events.removed(MEDIUM_DEVICE, [block_hash for _, block_hash in evicted])
         return blocks
@@ -106,7 +106,7 @@ class BlockAllocator:
             ref_counts[block] = count - 1
             if count == 1:
                 if block in cached:
-                    evictable[bands[block]][block] = None
+                    evictable.add(block, bands[block])
                 else:
                     self._free.append(block)
 
@@ -126,7 +126,7 @@ class BlockAllocator:
         bands = self._bands
         for block in blocks:
             if self._ref_counts[block] == 0:
-                del self._evictable[bands[block]][block]
+                self._evictable.remove(block, bands[block])
                 bands[block] = band
             elif band < bands[block]:
                 bands[block] = band
@@ -148,12 +148,16 @@ class BlockAllocator:
     def evictable_blocks(self) -> list[tuple[int, int]]:
         """``(block, hash)`` of the cached blocks no request holds, in eviction order: the worst band first, least
         recently freed first within one."""
-        return [(block, self._hash_of_block[block]) for band in reversed(self._evictable) for block in band]
+        return [(block, self._hash_of_block[block]) for block in self._evictable]
+
+    def bands_of(self, blocks: list[tuple[int, int]]) -> list[int]:
+        """The band of each ``(block, hash)`` (what the host tier keeps them under)."""
+        return [self._bands[block] for block, _ in blocks]
 
     def drop_evictable(self) -> None:
         """Forget the cached blocks no request holds (their contents are about to be lost); blocks in use keep
         their hashes."""
-        dropped = [self._hash_of_block.pop(block) for band in self._evictable for block in band]
+        dropped = [self._hash_of_block.pop(block) for block in self._evictable]
         for block_hash in dropped:
             del self._block_of_hash[block_hash]
         self._release_evictable()
@@ -169,9 +173,8 @@ class BlockAllocator:
         self._block_of_hash.clear()
 
     def _release_evictable(self) -> None:
-        for band in self._evictable:
-            self._free.extend(band)
-            band.clear()
+        self._free.extend(self._evictable)
+        self._evictable.clear()
 
     def reset(self, forget_files: bool = False) -> None:
         """Forget every cached block in every tier (a refit: none of them can be found again): AllBlocksCleared.

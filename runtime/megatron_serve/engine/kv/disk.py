@@ -15,10 +15,10 @@ file that is short, torn, of another key or corrupt is never served, it is remov
 
 Engines are separate processes, so nothing here is held in memory between them: a file appears whole or not at all
 (written to a temporary name, then renamed), its modification time is its last use (a read touches it), and the
-directory's total size and file count are kept in a ledger file under an ``flock`` (the count for the metrics). When the ledger goes over the bound, the engine
-holding the lock measures the directory and removes the least recently used files down to 90% of it: a scan per
-tenth of the bound written, not per block. A file removed while another engine reads it stays readable through the
-open handle (POSIX), and one removed before the open is a miss.
+directory's total size and file count are kept in a ledger file under an ``flock`` (the count for the metrics). When the
+ledger goes over the bound, the engine holding the lock measures the directory and removes the least recently used files
+down to 90% of it: a scan per tenth of the bound written, not per block. A file removed while another engine reads it
+stays readable through the open handle (POSIX), and one removed before the open is a miss.
 
 The engine runs these file operations on threads of its own (:mod:`.disk_io`), so everything here may run off the
 step thread: the lock is a thread lock as well as an ``flock`` (an ``flock`` excludes other processes, not other

@@ -12,20 +12,21 @@ registration (each version of an adapter is its own registration) and the weight
 version is never found by a request of the new ones, in either tier; a refit also empties the tier, since
 nothing in it can be found again.
 
-Slots are reused least recently used first; a slot whose copy back to the device has not completed is pinned
-and never reused. With a disk tier behind it (:mod:`.disk`, ``--kv-offloading-backend disk``) the block of a slot
-being reused is written to the node's disk, and a lookup that stops in host memory goes on there: a block found on
-disk is read into a host slot and copied to the device as any host hit. Neither waits on the step thread
-(:mod:`.disk_io`): a spill copies the block out and queues its write; a lookup that finds blocks on disk starts
-their reads and answers "not yet" (:meth:`HostKVTier.take` returns None), the request waits in the queue while
-others step, and the same lookup after the reads landed finds them in host memory. The slots found or being read
-for a waiting request are held for it until it looks again or leaves. The copies between the pool and the slots
-are a :class:`~.copier.Copier`'s (:mod:`.copier`).
+Slots are reused by the device pool's rule (:mod:`.bands`): the worst priority band first, least recently used first
+within a band (a block keeps the band the pool evicted it with; one read from disk is ``standard``). A slot whose copy
+back to the device has not completed is pinned and never reused. With a disk tier behind it (:mod:`.disk`,
+``--kv-offloading-backend disk``) the block of a slot being reused is written to the node's disk, and a lookup that
+stops in host memory goes on there: a block found on disk is read into a host slot and copied to the device as any host
+hit. Neither waits on the step thread (:mod:`.disk_io`): a spill copies the block out and queues its write; a lookup
+that finds blocks on disk starts their reads and answers "not yet" (:meth:`HostKVTier.take` returns None), the request
+waits in the queue while others step, and the same lookup after the reads landed finds them in host memory. The slots
+found or being read for a waiting request are held for it until it looks again or leaves. The copies between the pool
+and the slots are a :class:`~.copier.Copier`'s (:mod:`.copier`).
 """
 
 from __future__ import annotations
 
-from collections import Counter, OrderedDict
+from collections import Counter
 from concurrent.futures import ALL_COMPLETED, Future, wait as wait_futures
 from dataclasses import dataclass, field
 from typing import Callable
@@ -34,6 +35,8 @@ import torch
 
 from ...wire.engine_stats import KV_DISK, KV_OFFLOAD, KV_OFFLOAD_DIRECTIONS
 from ...wire.kv_events import MEDIUM_HOST
+from ...wire.tenancy import STANDARD_BAND
+from .bands import BandedLRU
 from .cache import KVCachePool
 from .copier import Copier, CudaCopier, Transfer, copier_for
 from .disk import DiskKVTier, layout_key
@@ -74,8 +77,8 @@ def host_buffers(pool: KVCachePool, num_slots: int, pin_memory: bool) -> list[to
 
 
 class HostKVTier:
-    """Complete KV blocks in host memory, by chained hash, least recently used first out (see the module
-    docstring). ``capacity_bytes`` of host memory, in whole blocks of ``pool``'s layout."""
+    """Complete KV blocks in host memory, by chained hash, the worst band's least recently used first out (see the
+    module docstring). ``capacity_bytes`` of host memory, in whole blocks of ``pool``'s layout."""
 
     def __init__(self, pool: KVCachePool, capacity_bytes: int, copier: Copier | None = None,
                  events: KVEventLog | None = None):
@@ -90,7 +93,9 @@ class HostKVTier:
             raise ValueError(f"kv_offloading_size holds no KV block: one takes {self.block_bytes} bytes, "
                              f"{int(capacity_bytes)} were given")
         self._host = host_buffers(pool, self.num_slots, self.copier.pin_memory)
-        self._slot_of_hash: OrderedDict[int, int] = OrderedDict()  # least recently used first
+        self._slot_of_hash: dict[int, int] = {}
+        self._order: BandedLRU[int] = BandedLRU()  # the hashes here, in eviction order (by band, then LRU)
+        self._band_of_hash: dict[int, int] = {}
         self._hash_of_slot: dict[int, int] = {}
         self._free = list(range(self.num_slots - 1, -1, -1))
         self._pins: dict[int, int] = {}  # slot -> copies to the device in flight from it
@@ -182,8 +187,9 @@ class HostKVTier:
             found = read.future.result()
             if read.generation == self._generation:
                 del self._reads[read.block_hash]
-                if found is not None:
+                if found is not None:  # its band is not on disk: standard
                     self._slot_of_hash[read.block_hash] = read.slot
+                    self._keep(read.block_hash, STANDARD_BAND)
                     self._hash_of_slot[read.slot] = read.block_hash
                     if self.events is not None:
                         self.events.stored(MEDIUM_HOST, read.block_hash, found.origin)
@@ -193,20 +199,31 @@ class HostKVTier:
         self._writes = {block_hash: write for block_hash, write in self._writes.items() if not write.done()}
 
     def _take_slot(self, filling: set[int]) -> int | None:
-        """A free slot, else the least recently used one neither pinned, held nor being filled by the same copy
-        (its block forgotten); None when there is none."""
+        """A free slot, else the first in eviction order (the worst band's least recently used) neither pinned, held
+        nor being filled by the same copy (its block forgotten); None when there is none."""
         if self._free:
             return self._free.pop()
-        for block_hash, slot in self._slot_of_hash.items():
+        for block_hash in self._order:
+            slot = self._slot_of_hash[block_hash]
             if slot not in self._pins and slot not in filling and not self._held[slot]:
                 if self.disk is not None:
                     self._spill(block_hash, slot)
                 del self._slot_of_hash[block_hash]
+                self._order.remove(block_hash, self._band_of_hash.pop(block_hash))  # the iteration ends here
                 del self._hash_of_slot[slot]
                 if self.events is not None:
                     self.events.removed(MEDIUM_HOST, [block_hash])
                 return slot
         return None
+
+    def _keep(self, block_hash: int, band: int) -> None:
+        """Put ``block_hash`` in ``band``, as its most recently used (the band of its latest holders, as the pool
+        counts a block's band since it was last evictable)."""
+        previous = self._band_of_hash.get(block_hash)
+        if previous is not None:
+            self._order.remove(block_hash, previous)
+        self._order.add(block_hash, band)
+        self._band_of_hash[block_hash] = band
 
     def _slot_rows(self, slot: int) -> list[torch.Tensor]:
         return [buffer[slot] for buffer in self._host]
@@ -238,22 +255,25 @@ class HostKVTier:
         self._reading_slots.add(slot)
         return slot
 
-    def store(self, evicted: list[tuple[int, int]]) -> int:
+    def store(self, evicted: list[tuple[int, int]], bands: list[int] | None = None) -> int:
         """Copy the device blocks ``(block, hash)`` leaving the pool to host slots (those already here are only
-        marked recently used); returns how many were copied."""
+        marked recently used), each under its priority band (``bands``, the pool's; None: all ``standard``), which
+        orders the tier's eviction as the pool's (:mod:`.bands`); returns how many were copied."""
         self._reap()
         self._land()
         blocks, slots = [], []
         filling: set[int] = set()
-        for block, block_hash in evicted:
+        for index, (block, block_hash) in enumerate(evicted):
+            band = bands[index] if bands is not None else STANDARD_BAND
             if block_hash in self._slot_of_hash:
-                self._slot_of_hash.move_to_end(block_hash)
+                self._keep(block_hash, band)
                 continue
             slot = self._take_slot(filling)
             if slot is None:
                 break
             filling.add(slot)
             self._slot_of_hash[block_hash] = slot
+            self._keep(block_hash, band)
             self._hash_of_slot[slot] = block_hash
             blocks.append(block)
             slots.append(slot)
@@ -276,7 +296,7 @@ class HostKVTier:
         for block_hash in hashes:
             slot = self._slot_of_hash.get(block_hash)
             if slot is not None:
-                self._slot_of_hash.move_to_end(block_hash)
+                self._order.touch(block_hash, self._band_of_hash[block_hash])
             elif self.disk is not None:
                 if block_hash in self._writes:  # its file is not there yet: the lookup comes back once it is
                     waiting = True
@@ -351,6 +371,8 @@ class HostKVTier:
         if self.events is not None:
             self.events.removed(MEDIUM_HOST, list(self._slot_of_hash))
         self._slot_of_hash.clear()
+        self._order.clear()
+        self._band_of_hash.clear()
         self._hash_of_slot.clear()
         self._generation += 1  # the reads in flight land into nothing
         self._reads.clear()
