@@ -424,15 +424,17 @@ def test_metrics_during_load_show_every_documented_series(stack, tiny_model):
     # a counter per draft position has samples only where speculation ran (tests/commands/test_speculative_run.py),
     # the KV offload counters only where a host tier runs (tests/server/test_kv_tiers_http.py), the per-tenant
     # series only where tenants are configured (tests/server/test_tenants.py), the EPLB series only where an expert-parallel
-    # group balances its experts (tests/parallel/test_expert_parallel_eplb_metrics.py)
+    # group balances its experts (tests/parallel/test_expert_parallel_eplb_metrics.py), the disk tier's only where one
+    # runs (tests/server/test_kv_disk_metrics.py)
     by_position = {"megatron_serve_spec_decode_num_accepted_tokens_per_pos_total",
                    "megatron_serve_kv_offload_total_bytes_total", "megatron_serve_kv_offload_total_time_total"}
     assert not re.search(r"^megatron_serve_spec_decode_num_accepted_tokens_per_pos_total\{", after, flags=re.M)
     assert not re.search(r"^megatron_serve_tenant_", after, flags=re.M)  # no tenants here: none tagged
     assert not re.search(r"^megatron_serve_eplb_", after, flags=re.M)  # no EPLB here: nothing balanced
+    assert not re.search(r"^megatron_serve_kv_disk_", after, flags=re.M)  # no disk tier here
     # every other documented series has samples
     for entry in (e for e in SERIES if e.full_name not in by_position and e.labels[:2] != TENANT_LABELS
-                  and not e.name.startswith("eplb_")):
+                  and not e.name.startswith(("eplb_", "kv_disk_"))):
         assert re.search(rf"^{entry.full_name}(_bucket|_count)?[{{ ]", after, flags=re.M), entry.full_name
     for text in [before, *during, after]:
         assert 0 <= metric(text, "megatron_serve_kv_cache_usage_perc", engine) <= 1
