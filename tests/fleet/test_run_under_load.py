@@ -25,7 +25,9 @@ from tests.run_stack import start_run, stream
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 STREAMS = 400
-TOKENS = 64  # modest: the test is about the server's readiness under many streams, not their length
+TOKENS = 32  # modest: the test is about the server's readiness under many streams, not their length (64 before:
+#              the streams' phase, and the probes that run through it, twice as long for the same contract)
+PROBE_EVERY = 0.3  # seconds: each probe is three requests on new connections, seconds of CPU over the phase
 
 
 def newcomer(url: str, model: str, number: int) -> tuple[int, dict]:
@@ -44,10 +46,10 @@ def ready(url: str) -> tuple[int, dict, float]:
 
 def probe(url: str, probes: str, model: str, loaded: threading.Event, done: threading.Event) -> tuple[list, list]:
     """From threads of their own (the streams keep the test's event loop busy): ``/ready`` on both ports and a new
-    completion every 0.2 s, each on a new connection, from when ``loaded`` is set until ``done``."""
+    completion every ``PROBE_EVERY`` s, each on a new connection, from when ``loaded`` is set until ``done``."""
     readies, newcomers = [], []
     with ThreadPoolExecutor(64) as pool:
-        while not done.wait(0.2):
+        while not done.wait(PROBE_EVERY):
             if loaded.is_set():
                 readies += [pool.submit(ready, url), pool.submit(ready, probes)]
                 newcomers.append(pool.submit(newcomer, url, model, len(newcomers)))
