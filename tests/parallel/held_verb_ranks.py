@@ -1,6 +1,6 @@
-"""One data-parallel attention leader in a gloo group of leaders, turning its step loop as an engine process does
-(``engine.process.loop.EngineProcess.run``): it gets its copy of a trainer's refit at the turn its command line names, holds
-it, and prints the turn at which the leaders agreed to act on it (``test_data_parallel_attention``)."""
+"""Data-parallel attention leaders in a gloo group, each turning its step loop as an engine process does
+(``engine.process.loop.EngineProcess.run``): each gets its copy of a trainer's refit at the turn its command line
+names, holds it, and prints the turn at which the leaders agreed to act on it (``test_data_parallel_attention``)."""
 
 from __future__ import annotations
 
@@ -14,14 +14,35 @@ from megatron_serve.engine.group.turns import HeldVerb
 
 
 def main() -> None:
-    rank, world, arrives = (int(arg) for arg in sys.argv[1:4])
+    """``held_verb_ranks.py TURN...``: one leader per arrival turn, each a child forked from this process once it has
+    imported what they run (a process's start, importing torch, costs more than the leaders' turns); prints each
+    leader's ``rank turn``, and exits non-zero where a leader did."""
+    import os  # noqa: PLC0415
+
+    arrivals = [int(arg) for arg in sys.argv[1:]]
+    children = []
+    for rank, arrives in enumerate(arrivals):
+        pid = os.fork()
+        if pid == 0:
+            code = 1
+            try:
+                lead(rank, len(arrivals), arrives)
+                code = 0
+            finally:
+                sys.stdout.flush()
+                os._exit(code)
+        children.append(pid)
+    sys.exit(max(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) != 0 for pid in children))
+
+
+def lead(rank: int, world: int, arrives: int) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
     held = None
     for turn in range(10):  # past the last arrival (the test's)
         if turn == arrives:
             held = HeldVerb("REFIT", None, float("inf"))
         if agree_turn(dist.group.WORLD, busy=False, holding=held is not None).verb:
-            print(turn, flush=True)
+            print(rank, turn, flush=True)
             break
     dist.destroy_process_group()
 
