@@ -4,7 +4,9 @@
 each answers (an in-process server per checkpoint, the reference; once per seed and process, the models being
 deterministic). ``fleet``: ``megatron-serve run`` of A (a
 coordinator, one engine process, the HTTP server) with the admin key and ``--weight-transfer-config`` gloo.
-``run_trainer``: ``weight_trainer.py`` as a process of its own, the trainer side over real gloo and TCP.
+``run_trainer``: ``weight_trainer.py`` as a process of its own, the trainer side over real gloo and TCP (the
+fleet's trainer: one such process for the module's runs, each run with its own session and group, so that torch is
+imported once, not once per run).
 """
 
 from __future__ import annotations
@@ -13,9 +15,11 @@ import asyncio
 import functools
 import json
 import os
+import queue
 import subprocess
 import sys
 import tempfile
+import threading
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -70,7 +74,59 @@ def fleet(checkpoints, tmp_path_factory):
                    "--weight-transfer-config", '{"backend": "gloo"}') as url, \
             httpx.Client(base_url=url, timeout=300) as http:
         model = http.get("/v1/models").json()["data"][0]["id"]
-        yield SimpleNamespace(url=url, http=http, model=model, path=checkpoints.a)
+        with Trainer() as trainer:
+            yield SimpleNamespace(url=url, http=http, model=model, path=checkpoints.a, trainer=trainer)
+
+
+class Trainer:
+    """``weight_trainer.py --serve``: the trainer process the module's runs share (its runs one at a time)."""
+
+    def __enter__(self) -> "Trainer":
+        self.errors = tempfile.TemporaryFile("w+")
+        self.proc = subprocess.Popen([sys.executable, str(TRAINER), "--serve"], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=self.errors, text=True, bufsize=1,
+                                     env={**os.environ, "ADMIN_KEY": ADMIN_KEY})
+        self.lines: queue.Queue[str] = queue.Queue()
+        threading.Thread(target=self._read, daemon=True).start()
+        return self
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            self.lines.put(line)
+        self.lines.put("")  # the process ended
+
+    def __exit__(self, *_) -> None:
+        self.proc.stdin.close()
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self.errors.close()
+
+    def stderr(self) -> str:
+        self.errors.seek(0)
+        return self.errors.read()[-3000:]
+
+    def run(self, argv: list[str], timeout: float = 600) -> list[dict]:
+        """One run's JSON lines; fails the test with the run's traceback if it raised."""
+        assert self.proc.poll() is None, self.stderr()
+        self.proc.stdin.write(json.dumps(argv) + "\n")
+        self.proc.stdin.flush()
+        lines: list[dict] = []
+        while True:
+            try:
+                line = self.lines.get(timeout=timeout)
+            except queue.Empty:
+                raise AssertionError(f"trainer run {argv} took over {timeout}s: {lines} {self.stderr()}") from None
+            assert line, f"trainer exited during {argv}: {lines} {self.stderr()}"
+            if not line.startswith("{"):
+                continue
+            row = json.loads(line)
+            if "trainer_done" in row:
+                assert row["error"] is None, f"{lines}\n{row['error']}"
+                return lines
+            lines.append(row)
 
 
 def completions(fleet: SimpleNamespace) -> tuple[list[str], set[int]]:
@@ -87,7 +143,10 @@ def epoch(fleet: SimpleNamespace) -> int:
 def run_trainer(fleet: SimpleNamespace, protocol: str, model_dir: str, *extra: str,
                 env: dict[str, str] | None = None) -> list[dict]:
     """The trainer process for ``protocol`` (its calls and its broadcast); the JSON lines it printed (one per HTTP
-    answer: ``{"call", "status", "body"}``). ``env``: more of its environment (a GPU of its own)."""
+    answer: ``{"call", "status", "body"}``). ``env``: more of its environment (a GPU of its own), in a process of
+    its own; otherwise the fleet's :class:`Trainer` runs it."""
+    if env is None and getattr(fleet, "trainer", None) is not None:
+        return fleet.trainer.run([protocol, fleet.url, model_dir, str(free_port()), *extra])
     ended = subprocess.run([sys.executable, str(TRAINER), protocol, fleet.url, model_dir, str(free_port()), *extra],
                            capture_output=True, text=True, timeout=600,
                            env={**os.environ, "ADMIN_KEY": ADMIN_KEY, **(env or {})})

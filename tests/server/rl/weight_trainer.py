@@ -10,6 +10,8 @@ under a name the model lacks, with a wrong shape, or with a dtype that cannot tr
 broadcast per tensor), ``--no-start`` (vLLM before 0.19: ``/update_weights`` alone), ``--skyrl`` (SkyRL's bracket:
 its worker methods through ``/collective_rpc`` instead of vLLM's start and finish routes), ``--backend nccl`` (vLLM:
 the broadcast over NCCL from this process's GPU, as TRL's is; the GPU session's two-GPU leg).
+
+``python weight_trainer.py --serve``: the same runs, one per line of stdin, in one process (see :func:`serve`).
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ import argparse
 import concurrent.futures
 import json
 import os
+import sys
+import traceback
 from typing import Any, Callable
 
 import httpx
@@ -194,7 +198,7 @@ def primerl(calls: Calls, args: argparse.Namespace) -> None:
     calls.post("/update_weights", {"weight_dir": args.model})
 
 
-def main() -> None:
+def parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser()
     parser.add_argument("protocol", choices=["vllm", "sglang", "trl", "disk", "primerl", "trl-client"])
     parser.add_argument("url")
@@ -206,8 +210,39 @@ def main() -> None:
     parser.add_argument("--no-start", action="store_true")
     parser.add_argument("--skyrl", action="store_true")
     parser.add_argument("--backend", choices=["gloo", "nccl"], default="gloo")  # vllm: the server's backend
-    args = parser.parse_args()
-    {"vllm": vllm, "sglang": sglang, "trl": trl, "disk": disk, "primerl": primerl, "trl-client": trl_client}[args.protocol](Calls(args.url), args)
+    return parser
+
+
+def run(argv: list[str]) -> None:
+    """One trainer run: ``argv`` as on the command line."""
+    args = parser().parse_args(argv)
+    calls = Calls(args.url)
+    try:
+        {"vllm": vllm, "sglang": sglang, "trl": trl, "disk": disk, "primerl": primerl,
+         "trl-client": trl_client}[args.protocol](calls, args)
+    finally:
+        calls.pool.shutdown()
+        calls.http.close()
+
+
+def serve() -> None:
+    """``--serve``: one trainer process for many runs (torch imported once): each line on stdin is a run's argv as
+    a JSON list; after its JSON lines the run prints ``{"trainer_done": true, "error": null | traceback}``. Each run
+    has its own HTTP session and its own group (a fresh port, store and gloo group), as a process of its own has."""
+    for line in sys.stdin:
+        error = None
+        try:
+            run(json.loads(line))
+        except BaseException:  # noqa: BLE001 - reported to the test, which fails on it
+            error = traceback.format_exc()
+        print(json.dumps({"trainer_done": True, "error": error}), flush=True)
+
+
+def main() -> None:
+    if sys.argv[1:] == ["--serve"]:
+        serve()
+    else:
+        run(sys.argv[1:])
 
 
 if __name__ == "__main__":
