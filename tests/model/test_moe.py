@@ -3,7 +3,7 @@
 The reference is a greedy loop over ``transformers``' own forward with its KV cache and
 ``output_router_logits=True``, one prompt at a time: it yields the tokens and, for every token the
 model processed, the top-k experts of its router (no EOS handling, so a tiny model that prefers EOS
-still generates 32 tokens). Our engine runs the prompts together, half of them asking for
+still generates 16 tokens). Our engine runs the prompts together, half of them asking for
 ``routing_indices``; every answer must equal the reference, also when a small KV pool forces
 preemptions and recomputation, when the prefix cache already holds the prompt, and at TP=2
 (every expert's intermediate dimension split over two gloo ranks).
@@ -23,7 +23,7 @@ from megatron_serve.model.tiny import make_tiny_model
 from ..devices import tensor_parallel_device
 from ..prompts import PROMPTS
 
-NEW_TOKENS = 32
+NEW_TOKENS = 16  # each further step checks one more token and its routing alike (32 before: twice the cost)
 
 VARIANTS = {
     "mixtral": dict(arch="mixtral"),
@@ -95,8 +95,9 @@ def test_greedy_tokens_and_routing_equal_transformers(moe_case):
 
 def test_preemption_changes_neither_tokens_nor_routing(moe_case):
     model_dir, token_lists, reference = moe_case
-    # 14 blocks of 8 tokens hold about two of these requests at full length: the rest wait or are preempted.
-    llm = MegatronLLM(model_dir, InferenceConfig(dtype="float32", block_size_tokens=8, num_kv_blocks=14,
+    # 8 blocks of 8 tokens hold about two of these requests at full length (prompts of 2 to 31 tokens and 16
+    # generated: 3 to 6 blocks each): the rest wait or are preempted.
+    llm = MegatronLLM(model_dir, InferenceConfig(dtype="float32", block_size_tokens=8, num_kv_blocks=8,
                                                  max_batch_tokens=64))
     with_routing = [i % 2 == 1 for i in range(len(token_lists))]
     requests = run_together(llm, token_lists, with_routing)
