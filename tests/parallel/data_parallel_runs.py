@@ -57,7 +57,7 @@ Served = dict[str, list[list[list[DynamicInferenceRequest]]]]  # case name -> [r
 
 
 def serve_cases(tmp_path: Path, cases: list[Case], tp: int = 1, timeout: float = 900,
-                env: dict[str, str] | None = None) -> Served:
+                env: dict[str, str] | None = None, spawn: bool = False) -> Served:
     """Every case on one group of ``len(runs)`` data-parallel ranks of ``tp`` tensor-parallel ranks each (one rank
     alone: a group of one engine), the processes' environment this one's with ``env``. Returns
     ``served[case][d][n]``: rank ``d``'s finished requests of run ``n``.
@@ -65,6 +65,8 @@ def serve_cases(tmp_path: Path, cases: list[Case], tp: int = 1, timeout: float =
     Without data-parallel attention the group's tensor-parallel ranks other than 0 are processes of their own too,
     each following every case's engine in turn (``data_parallel_engine.py``), as ranks on other machines do: an
     engine that spawned its ranks would start them again for each case, and a rank's start costs more than a case.
+    ``spawn``: each engine spawns its tensor-parallel ranks all the same (forked from one fork server: for a group of
+    few cases, cheaper than a process of their own importing torch each).
     """
     dp = len(cases[0].runs)
     assert all(len(case.runs) == dp for case in cases), "one group serves cases of one layout"
@@ -72,13 +74,13 @@ def serve_cases(tmp_path: Path, cases: list[Case], tp: int = 1, timeout: float =
     with contextlib.ExitStack() as stores:  # each case's group meets at a store of its own, hosted here
         meetings = [stores.enter_context(hosted_rendezvous(dp * tp)) for _ in cases]
         return _run_cases(cases, [int(meeting["MASTER_PORT"]) for meeting in meetings], dp, tp, tmp_path,
-                          {**(env or {}), "TORCHELASTIC_USE_AGENT_STORE": "True"}, timeout)
+                          {**(env or {}), "TORCHELASTIC_USE_AGENT_STORE": "True"}, timeout, spawn)
 
 
 def _run_cases(cases: list[Case], ports: list[int], dp: int, tp: int, tmp_path: Path, env: dict[str, str],
-               timeout: float) -> Served:
+               timeout: float, spawn: bool = False) -> Served:
     procs, outs = [], []
-    own_ranks = tp if dp == 1 else 1  # processes started here per data-parallel rank (the rest: spawned)
+    own_ranks = tp if dp == 1 and not spawn else 1  # processes started here per data-parallel rank (the rest: spawned)
     for rank in range(dp):
         for tp_rank in range(own_ranks):
             inputs, out = (tmp_path / f"dp{dp}-tp{tp}-{rank}-{tp_rank}.{kind}" for kind in ("in", "out"))

@@ -125,7 +125,9 @@ def served(models, tmp_path_factory) -> Callable[[int, int], Served]:
 
     def get(dp: int, tp: int = 1) -> Served:
         if (dp, tp) not in cache:
-            cache[dp, tp] = serve_cases(root / f"dp{dp}-tp{tp}", layout_cases(dp, tp, models), tp=tp)
+            # TP 4 serves one case: its engine spawns its ranks (one fork server) rather than 3 processes of their own
+            cache[dp, tp] = serve_cases(root / f"dp{dp}-tp{tp}", layout_cases(dp, tp, models), tp=tp,
+                                        spawn=(dp, tp) == (1, 4))
         return cache[dp, tp]
 
     get.root = root  # where each layout's group keeps its files (graph logs)

@@ -55,12 +55,15 @@ def generate(model_dir: str, tp: int, routing: bool = False):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("model_fixture", ["gqa_model", "mqa_tied_model", "moe_model"])
-def test_tp2_and_tp4_equal_tp1(model_fixture, request):
+@pytest.mark.parametrize("model_fixture, sizes", [("gqa_model", (2, 4)), ("mqa_tied_model", (2,)), ("moe_model", (2,))])
+def test_tp2_and_tp4_equal_tp1(model_fixture, sizes, request):
+    """TP=4 on the GQA model only, where it differs from TP=2 (KV heads replicated, fewer than ranks); the MQA model
+    replicates its one KV head at TP=2 already, and the MoE model's 4-way column split of its experts is the 2-way's
+    code (``test_expert_parallel`` runs MoE layers over 4 ranks)."""
     model_dir = request.getfixturevalue(model_fixture)
     routing = model_fixture == "moe_model"
     tokens_1, log_probs_1, routing_1 = generate(model_dir, 1, routing)
-    for tp in (2, 4):
+    for tp in sizes:
         tokens, log_probs, routing_tp = generate(model_dir, tp, routing)
         assert tokens == tokens_1, f"TP={tp} diverged"
         assert routing_tp == routing_1, f"TP={tp} routed differently"
@@ -69,7 +72,7 @@ def test_tp2_and_tp4_equal_tp1(model_fixture, request):
 
 
 LOAD_PROBE = textwrap.dedent("""
-    import json, sys, torch
+    import json, os, sys, torch
     from megatron_serve.model.loader import load_model
     from megatron_serve.model.parallel import TensorParallel
 
@@ -78,14 +81,20 @@ LOAD_PROBE = textwrap.dedent("""
             if line.startswith("RssAnon:"):
                 return int(line.split()[1]) * 1024
 
-    model_dir, rank, size = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
-    base = anon_rss()
-    peak = [0]
-    def progress(_name):
-        peak[0] = max(peak[0], anon_rss() - base)
-    model = load_model(model_dir, torch.float32, "cpu", TensorParallel(rank=rank, size=size), progress)
-    local = sum(p.numel() * p.element_size() for p in model.parameters())
-    print(json.dumps({"peak": peak[0], "local_bytes": local}))
+    # one process imports torch; each load runs in a child forked from it (memory as a fresh process's after import)
+    model_dir, sizes = sys.argv[1], [int(size) for size in sys.argv[2:]]
+    for size in sizes:
+        pid = os.fork()
+        if pid == 0:
+            base = anon_rss()
+            peak = [0]
+            def progress(_name):
+                peak[0] = max(peak[0], anon_rss() - base)
+            model = load_model(model_dir, torch.float32, "cpu", TensorParallel(rank=size - 1, size=size), progress)
+            local = sum(p.numel() * p.element_size() for p in model.parameters())
+            print(json.dumps({"size": size, "peak": peak[0], "local_bytes": local}), flush=True)
+            os._exit(0)
+        assert os.waitpid(pid, 0)[1] == 0
 """)
 
 
@@ -94,10 +103,11 @@ def test_each_rank_loads_about_one_nth_of_the_weights(tmp_path):
     model_dir = make_tiny_model(tmp_path / "big", seed=0, hidden_size=256, num_layers=4, num_heads=8, num_kv_heads=4,
                                 intermediate_size=1024)
     full = None
-    for size in (1, 2, 4):
-        out = subprocess.run([sys.executable, "-c", LOAD_PROBE, str(model_dir), str(size - 1), str(size)],
-                             check=True, capture_output=True, text=True)
-        measured = json.loads(out.stdout.strip().splitlines()[-1])
+    out = subprocess.run([sys.executable, "-c", LOAD_PROBE, str(model_dir), "1", "2", "4"], check=True,
+                         capture_output=True, text=True)
+    rows = [json.loads(line) for line in out.stdout.strip().splitlines() if line.startswith("{")]
+    assert [row["size"] for row in rows] == [1, 2, 4], out.stdout
+    for size, measured in zip((1, 2, 4), rows):
         if size == 1:
             full = measured["local_bytes"]
             largest_tensor = 256 * 1024 * 4  # the MLP projections
