@@ -1,7 +1,7 @@
 """Expert parallelism (``enable_expert_parallel``) over the tensor-parallel ranks, on CPU over gloo: each rank reads
 only its experts, an MoE layer's output equals one rank's (bitwise under ``--batch-invariant``, with the control
 that an unordered combine breaks it), and engines of 2 and 4 ranks give one rank's and ``transformers``' tokens and
-routing, for Qwen3-MoE, Qwen2-MoE (a shared expert, replicated) and Mixtral."""
+routing, for Qwen3-MoE, Qwen2-MoE (a shared expert, replicated) and Mixtral (engines of 4 ranks: Qwen3-MoE)."""
 
 from __future__ import annotations
 
@@ -92,7 +92,7 @@ def test_each_rank_reads_and_holds_only_its_experts(moe_model, size):
 
 
 LAYER_PROBE = textwrap.dedent("""
-    import sys, torch, torch.distributed as dist
+    import os, sys, traceback, torch, torch.distributed as dist
     from megatron_serve.model.experts.capacity_dispatcher import CapacityDispatcher
     from megatron_serve.model.experts.dispatch import install_dispatchers
     from megatron_serve.model.loader import load_model
@@ -110,63 +110,93 @@ LAYER_PROBE = textwrap.dedent("""
     for name in ("dispatch", "combine", "gather"):
         setattr(CapacityDispatcher, name, guarded(getattr(CapacityDispatcher, name)))
 
-    model_dirs, rank, size, port, out, *cases = sys.argv[1:]
-    rank, size = int(rank), int(size)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size)
-    over_tp = TensorParallel(rank, size, dist.group.WORLD, expert_parallel=size > 1)
-    over_dp = TensorParallel(0, 1, expert_parallel=True, data_parallel=DataParallel(rank, size, dist.group.WORLD))
-    results = {}
-    # one group computes every case of its size for every model: a rank's start costs more than a case
-    for model_dir, case in ((m, c) for m in model_dirs.split(",") for c in cases):
-        dtype, mode = case.split(":")
-        dp = mode.startswith("dp-")
-        model = load_model(model_dir, getattr(torch, dtype), "cpu", over_dp if dp else over_tp)
-        step = install_dispatchers(model, "alltoall") if "capacity" in mode else None
-        if "deepep" in mode:  # DeepEP's dispatcher over the fake deep_ep; a mode's limit keeps it in one mode
-            from megatron_serve.model.experts.deepep_dispatcher import DeepEPBuffers, DeepEPDispatcher
-            from tests import deepep_fake
-            tp, experts = over_dp if dp else over_tp, model.config.moe.num_experts
-            group = tp.data_parallel.group if dp else tp.group
-            buffers = DeepEPBuffers(deepep_fake, group, model.config.hidden_size, experts, 40)
-            limit = 64 if "low-latency" in mode else 0
-            step = install_dispatchers(model, "deepep_low_latency",
-                                       lambda block, step: DeepEPDispatcher(block.tp, experts, buffers, step, limit))
-            deepep_fake.Buffer.calls.clear()
-        if "invariant" in mode:
-            model.use_batch_invariant_ops()
-        outputs = results[model_dir, case] = []
-        for layer in model.model.layers:
-            block = layer.mlp
-            if not isinstance(block, SparseMoeBlock):
-                continue
-            if "allgather" in mode and size > 1:
-                block.dispatcher = AllGatherDispatcher(over_tp, model.config.moe.num_experts)
-            if "unordered" in mode and size > 1:
-                block.dispatcher.ordered = False
-            # over TP ranks every rank has the step's tokens (one token: all but one chunk empty); with data-parallel
-            # attention each rank its own count in each round, one rank idle (0)
-            rounds = [[(1, 3, 37, 0)[(i + r) % 4] for r in range(size)] for i in range(4)] if dp else \
-                [[tokens] * size for tokens in (1, 3, 37)]
-            for counts in rounds:
-                tokens = counts[rank]
-                if step is not None and "capacity" in mode:  # buffers for more tokens than any rank has, as in
-                    step.capacity = max(counts) + 3  # a padded graph
-                elif step is not None:
-                    step.tokens = max(counts)  # (data-parallel ranks agree on it: DeepEP's mode follows it)
-                hidden = torch.randn(tokens, model.config.hidden_size, generator=torch.Generator().manual_seed(tokens))
-                with torch.no_grad():
-                    outputs.append((tokens, block(hidden.to(model.dtype))))
-        if "deepep" in mode:
-            from tests import deepep_fake
-            results[model_dir, case + "#calls"] = sorted(deepep_fake.Buffer.calls)
-    torch.save(results, out)
-    dist.destroy_process_group()
+    def probe(model_dirs, rank, size, port, out, cases):
+        rank, size = int(rank), int(size)
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size)
+        over_tp = TensorParallel(rank, size, dist.group.WORLD, expert_parallel=size > 1)
+        over_dp = TensorParallel(0, 1, expert_parallel=True, data_parallel=DataParallel(rank, size, dist.group.WORLD))
+        results = {}
+        # one group computes every case of its size for every model: a rank's start costs more than a case
+        for model_dir, case in ((m, c) for m in model_dirs.split(",") for c in cases):
+            dtype, mode = case.split(":")
+            one = mode.startswith("one-")  # one rank alone, computed by each rank of the group beside its cases
+            mode = mode.removeprefix("one-")
+            dp = mode.startswith("dp-")
+            parallel = TensorParallel() if one else over_dp if dp else over_tp
+            model = load_model(model_dir, getattr(torch, dtype), "cpu", parallel)
+            step = install_dispatchers(model, "alltoall") if "capacity" in mode else None
+            if "deepep" in mode:  # DeepEP's dispatcher over the fake deep_ep; a mode's limit keeps it in one mode
+                from megatron_serve.model.experts.deepep_dispatcher import DeepEPBuffers, DeepEPDispatcher
+                from tests import deepep_fake
+                tp, experts = over_dp if dp else over_tp, model.config.moe.num_experts
+                group = tp.data_parallel.group if dp else tp.group
+                buffers = DeepEPBuffers(deepep_fake, group, model.config.hidden_size, experts, 40)
+                limit = 64 if "low-latency" in mode else 0
+                step = install_dispatchers(
+                    model, "deepep_low_latency",
+                    lambda block, step: DeepEPDispatcher(block.tp, experts, buffers, step, limit))
+                deepep_fake.Buffer.calls.clear()
+            if "invariant" in mode:
+                model.use_batch_invariant_ops()
+            outputs = results[model_dir, case] = []
+            for layer in model.model.layers:
+                block = layer.mlp
+                if not isinstance(block, SparseMoeBlock):
+                    continue
+                if "allgather" in mode and size > 1:
+                    block.dispatcher = AllGatherDispatcher(over_tp, model.config.moe.num_experts)
+                if "unordered" in mode and size > 1:
+                    block.dispatcher.ordered = False
+                # over TP ranks every rank has the step's tokens (one token: all but one chunk empty); with
+                # data-parallel attention each rank its own count in each round, one rank idle (0)
+                rounds = [[(1, 3, 37, 0)[(i + r) % 4] for r in range(size)] for i in range(4)] if dp else \
+                    [[tokens] * size for tokens in (1, 3, 37)]
+                for counts in rounds:
+                    tokens = counts[rank]
+                    if step is not None and "capacity" in mode:  # buffers for more tokens than any rank has, as in
+                        step.capacity = max(counts) + 3  # a padded graph
+                    elif step is not None:
+                        step.tokens = max(counts)  # (data-parallel ranks agree on it: DeepEP's mode follows it)
+                    hidden = torch.randn(tokens, model.config.hidden_size,
+                                         generator=torch.Generator().manual_seed(tokens))
+                    with torch.no_grad():
+                        outputs.append((tokens, block(hidden.to(model.dtype))))
+            if "deepep" in mode:
+                from tests import deepep_fake
+                results[model_dir, case + "#calls"] = sorted(deepep_fake.Buffer.calls)
+        torch.save(results, out)
+        dist.destroy_process_group()
+
+    # one process imports torch and the modules; every group's ranks are children forked from it (a process's start,
+    # importing torch, costs more than a rank's cases): argv is the model directories, the output folder, then each
+    # group's "size port case,case..."
+    model_dirs, out_dir, *groups = sys.argv[1:]
+    children = []
+    for group in groups:
+        size, port, cases = group.split(" ")
+        for rank in range(int(size)):
+            pid = os.fork()
+            if pid == 0:
+                code = 1
+                try:
+                    probe(model_dirs, rank, int(size), port, os.path.join(out_dir, f"{size}-{rank}.pt"),
+                          cases.split(","))
+                    code = 0
+                except BaseException:
+                    traceback.print_exc()
+                finally:
+                    sys.stdout.flush()
+                    sys.stderr.flush()
+                    os._exit(code)
+            children.append(pid)
+    sys.exit(sum(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) != 0 for pid in children))
 """)
 
 #: The ``dtype:mode`` cases each world size computes, for the layer tests: ``capacity`` the fixed-capacity
-#: all-to-all, ``dp-`` data-parallel attention over every rank (each its own tokens).
-LAYER_CASES = {1: ["float32:plain", "bfloat16:invariant"],
-               2: ["float32:plain", "float32:allgather", "bfloat16:invariant", "bfloat16:invariant-unordered",
+#: all-to-all, ``dp-`` data-parallel attention over every rank (each its own tokens), ``one-`` one rank alone (the
+#: baseline, computed in the group of 2 rather than in a process of its own: a process's start costs more).
+LAYER_CASES = {2: ["float32:one-plain", "bfloat16:one-invariant",
+                   "float32:plain", "float32:allgather", "bfloat16:invariant", "bfloat16:invariant-unordered",
                    "float32:capacity", "bfloat16:invariant-capacity", "bfloat16:invariant-capacity-unordered",
                    "float32:dp-plain", "float32:dp-capacity", "bfloat16:dp-invariant-capacity",
                    "float32:deepep-normal", "float32:deepep-low-latency", "float32:dp-deepep-low-latency"],
@@ -175,15 +205,22 @@ LAYER_CASES = {1: ["float32:plain", "bfloat16:invariant"],
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def layer_outputs(model_dirs: list[str], size: int, tmp_path) -> dict[tuple[str, str], list]:
-    """Every MoE layer's ``(tokens, output)`` for 1, 3 and 37 tokens on ``size`` real processes over gloo, for each
-    model and each of the size's cases, by ``(model directory, case)``: rank 0's (every rank ends the layer with
-    every token's output), and under data-parallel attention every rank's in rank order (each its own tokens)."""
-    port, files = free_port(), [tmp_path / f"{size}-{rank}.pt" for rank in range(size)]
-    procs = [subprocess.Popen([sys.executable, "-c", LAYER_PROBE, ",".join(model_dirs), str(rank), str(size),
-                               str(port), str(files[rank]), *LAYER_CASES[size]], cwd=ROOT) for rank in range(size)]
-    assert [p.wait(timeout=300) for p in procs] == [0] * size
-    outputs = [torch.load(f) for f in files]
+def layer_outputs(model_dirs: list[str], tmp_path) -> dict[int, dict[tuple[str, str], list]]:
+    """``{size: outputs}``: every MoE layer's ``(tokens, output)`` for 1, 3 and 37 tokens on ``size`` real processes
+    over gloo (every size's group at once, each rank forked from one process), for each model and each of the size's
+    cases, by ``(model directory, case)``: rank 0's (every rank ends the layer with every token's output), and under
+    data-parallel attention every rank's in rank order (each its own tokens)."""
+    groups = [f"{size} {free_port()} {','.join(cases)}" for size, cases in LAYER_CASES.items()]
+    proc = subprocess.Popen([sys.executable, "-c", LAYER_PROBE, ",".join(model_dirs), str(tmp_path), *groups],
+                            cwd=ROOT)
+    assert proc.wait(timeout=300) == 0
+    return {size: merged_ranks([torch.load(tmp_path / f"{size}-{rank}.pt") for rank in range(size)])
+            for size in LAYER_CASES}
+
+
+def merged_ranks(outputs: list[dict]) -> dict[tuple[str, str], list]:
+    """A group's ranks' outputs as one: rank 0's, checked equal to every other rank's, where every rank has every
+    token's; every rank's in rank order under data-parallel attention (and DeepEP's calls)."""
     merged = {}
     for key, mine in outputs[0].items():
         case = key[1]
@@ -214,7 +251,10 @@ def data_parallel_pairs(ranks: list[list[tuple[int, torch.Tensor]]], one: list[t
 def every_models_layers(moe_models, tmp_path_factory) -> dict[int, dict[tuple[str, str], list]]:
     """``{size: {(model directory, case): outputs}}``: one group of processes per size, for every model."""
     tmp_path = tmp_path_factory.mktemp("layers")
-    return {size: layer_outputs(sorted(moe_models.values()), size, tmp_path) for size in LAYER_CASES}
+    every = layer_outputs(sorted(moe_models.values()), tmp_path)
+    every[1] = {(model, case.replace(":one-", ":")): outputs for (model, case), outputs in every[2].items()
+                if ":one-" in case}
+    return every
 
 
 @pytest.fixture
@@ -291,35 +331,61 @@ def serve(model_dir: str, size: int, device: str) -> list[list[tuple]]:
         llm.close()
 
 
+#: ``(arch, size)`` of the engines: every family over 2 ranks, Qwen3-MoE (16 experts, 4 a rank) over 4 too. Mixtral
+#: and Qwen2-MoE over 4 repeat their 2-rank engines' check (their own code paths, Mixtral's ``block_sparse_moe`` and
+#: Qwen2-MoE's replicated shared expert, run at 2 already); the layer tests run all three over 4.
+ENGINES = [(arch, 2) for arch in sorted(VARIANTS)] + [("qwen3_moe", 4)]
+
+
 @pytest.fixture(scope="module")
-def engine_runs(moe_model) -> dict[int | tuple[int, str], list[list[tuple]]]:
-    """``{size: runs}``: one engine per size serves both runs (starting its ranks costs more than the runs), on the
-    GPUs where this machine has one a rank (NCCL), else on CPU (gloo); ``{(1, device): runs}``: one rank on each
-    device a size ran on, the baseline it is compared with."""
-    _, model_dir = moe_model
-    runs: dict = {size: serve(model_dir, size, tensor_parallel_device(size)) for size in (2, 4)}
-    for device in {tensor_parallel_device(size) for size in (2, 4)}:
-        runs[1, device] = serve(model_dir, 1, device)
-    return runs
+def engine_runs(moe_models):
+    """``engine_runs(arch, size)``: one engine per arch and size serves both runs (starting its ranks costs more than
+    the runs), on the GPUs where this machine has one a rank (NCCL), else on CPU (gloo); ``engine_runs(arch, 1,
+    device)``: one rank on the device a size ran on, the baseline it is compared with. Each served once."""
+    cache: dict = {}
+
+    def get(arch: str, size: int, device: str | None = None) -> list[list[tuple]]:
+        key = (arch, size, device or tensor_parallel_device(size))
+        if key not in cache:
+            cache[key] = serve(moe_models[arch], size, key[2])
+        return cache[key]
+
+    return get
+
+
+@pytest.fixture(scope="module")
+def hf_reference(moe_models):
+    """``hf_reference(arch)``: ``transformers``' greedy tokens and routing of each prompt of the runs alone."""
+    cache: dict = {}
+
+    def get(arch: str) -> list[tuple[list[int], np.ndarray]]:
+        if arch not in cache:
+            model_dir = moe_models[arch]
+            hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+            tokenizer = Tokenizer.from_pretrained(model_dir)
+            cache[arch] = [hf_greedy_with_routing(hf, tokenizer.encode(prompt), GREEDY_TOKENS)
+                           for prompt in RUNS[0] + RUNS[1]]
+        return cache[arch]
+
+    return get
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("size", [2, 4])
-def test_engine_equals_one_rank_together_and_alone(engine_runs, size):
-    for run, expected_run in zip(engine_runs[size], engine_runs[1, tensor_parallel_device(size)], strict=True):
+@pytest.mark.parametrize("arch, size", ENGINES)
+def test_engine_equals_one_rank_together_and_alone(engine_runs, arch, size):
+    expected = engine_runs(arch, 1, tensor_parallel_device(size))
+    for run, expected_run in zip(engine_runs(arch, size), expected, strict=True):
         for (tokens, routing, log_probs), (tokens_1, routing_1, log_probs_1) in zip(run, expected_run, strict=True):
             assert tokens == tokens_1 and routing == routing_1
             assert log_probs == pytest.approx(log_probs_1, abs=1e-4)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("size", [2, 4])
-def test_engine_equals_transformers(moe_model, engine_runs, size):
-    _, model_dir = moe_model
-    hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    tokenizer = Tokenizer.from_pretrained(model_dir)
-    for prompt, (tokens, routing, _) in zip(RUNS[0] + RUNS[1], engine_runs[size][0] + engine_runs[size][1]):
-        expected_tokens, expected_routing = hf_greedy_with_routing(hf, tokenizer.encode(prompt), GREEDY_TOKENS)
+@pytest.mark.parametrize("arch, size", ENGINES)
+def test_engine_equals_transformers(engine_runs, hf_reference, arch, size):
+    runs = engine_runs(arch, size)
+    for (tokens, routing, _), (expected_tokens, expected_routing) in zip(runs[0] + runs[1], hf_reference(arch),
+                                                                         strict=True):
         assert tokens == expected_tokens
         np.testing.assert_array_equal(np.array(routing), expected_routing)
 
