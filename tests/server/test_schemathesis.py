@@ -28,7 +28,9 @@ from megatron_serve.server.rl import RL_ADMIN_PATHS
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
-MIN_CASES = 500
+# The example budget (330 + 220 before, halved for CPU): enough for every operation to be called (positive) and
+# every request body broken (negative), which the test asserts; the derandomized cases are the same on every run.
+MIN_CASES = 250
 MODEL = "tiny-llama"  # the directory name of the session's tiny model
 CASES: list[str] = []
 
@@ -93,7 +95,7 @@ def documented_operations(url: str) -> tuple[set[str], set[str], set[str]]:
              if "requestBody" not in operation and not operation.get("parameters")})
 
 
-@pytest.mark.parametrize("mode, examples", [(GenerationMode.POSITIVE, 330), (GenerationMode.NEGATIVE, 220)])
+@pytest.mark.parametrize("mode, examples", [(GenerationMode.POSITIVE, 165), (GenerationMode.NEGATIVE, 110)])
 def test_api_keeps_its_openapi_promises(served_url, mode, examples):
     # The admin routes are off here (no admin key: 403 before any body is read); test_admin_http.py checks them, and
     # tests/server/rl the RL frameworks' routes that need the admin key.
