@@ -112,7 +112,36 @@ def follow_case(case: dict[str, Any]) -> None:
 
 
 def main() -> None:
-    with open(sys.argv[1], "rb") as f:
+    """``data_parallel_engine.py IN OUT``: one rank; ``data_parallel_engine.py --ranks IN OUT IN OUT...``: a rank per
+    pair, each a child forked from this process once it has imported the engine (a process's start, importing torch,
+    costs more than a case); exits non-zero where a rank did."""
+    if sys.argv[1] != "--ranks":
+        serve_rank(sys.argv[1], sys.argv[2])
+        return
+    from megatron_serve.engine import DynamicInferenceEngine  # noqa: F401, PLC0415 - imported once, for every rank
+    pairs = sys.argv[2:]
+    children = []
+    for inputs, out in zip(pairs[::2], pairs[1::2], strict=True):
+        pid = os.fork()
+        if pid == 0:
+            code = 1
+            try:
+                serve_rank(inputs, out)
+                code = 0
+            except BaseException:
+                import traceback  # noqa: PLC0415
+
+                traceback.print_exc()
+            finally:
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(code)
+        children.append(pid)
+    sys.exit(max(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) != 0 for pid in children))
+
+
+def serve_rank(inputs: str, out: str) -> None:
+    with open(inputs, "rb") as f:
         cases = pickle.load(f)
     results = {}
     for case in cases:
@@ -125,7 +154,7 @@ def main() -> None:
             follow_case(case)
         else:
             results[case["name"]] = serve_case(case)
-    with open(sys.argv[2], "wb") as f:
+    with open(out, "wb") as f:
         pickle.dump(results, f)
     if any(case["tp_rank"] for case in cases):
         # as a spawned rank ends (multiprocessing's os._exit): the interpreter's teardown can abort on a thread the

@@ -2,8 +2,8 @@
 balancedness measured before the rearrangement is low, the one measured after it at least 0.9; the rearrangement runs
 while requests decode and every request completes; under ``--batch-invariant`` the tokens and log probs are ``==``
 before and after it and ``==`` one rank's, and the routing indices (logical expert ids) are one rank's. Qwen3-MoE
-(16 experts, top 4, 4 copies more) and Mixtral (8 experts, top 2, 4 copies more). Block-FP8 experts move with their
-scales: over 2 ranks, the answers after the moves are ``==`` the group's without EPLB."""
+(16 experts, top 4, 4 copies more). Block-FP8 experts move with their scales: over 2 ranks, the answers after the
+moves are ``==`` the group's without EPLB."""
 
 from __future__ import annotations
 
@@ -47,7 +47,9 @@ def answers(llm: MegatronLLM) -> list[tuple]:
             for o in llm.generate(PROMPTS, GREEDY)]
 
 
-@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
+# Qwen3-MoE only: Mixtral (8 experts, top 2) ran the same rearrangement code on the engine's one MoE block type (its
+# checkpoint's names are the loader's, which test_expert_parallel reads per rank), a repeat at a group's cost.
+@pytest.mark.parametrize("arch", ["qwen3_moe"])
 def test_rearranged_experts_even_the_load_and_change_no_bit(tmp_path, arch):
     model_dir = skewed_model(tmp_path / arch, arch)
     with MegatronLLM(model_dir, InferenceConfig(dtype="float32", block_size_tokens=8, batch_invariant=True)) as one:

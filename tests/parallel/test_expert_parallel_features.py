@@ -41,7 +41,7 @@ def test_batch_invariant_rows_are_their_own_and_speculation_changes_nothing(qwen
     dispatcher) the same tokens and log probs, and drafts accepted."""
     rng = random.Random(7)
     prompts = repetitive_prompts(7, 4)
-    params = [looping(rng, num_tokens_to_generate=24, return_log_probs=True, return_routing_indices=True)
+    params = [looping(rng, num_tokens_to_generate=16, return_log_probs=True, return_routing_indices=True)
               for _ in prompts]
     speculative = SpeculativeConfig(method="ngram", num_speculative_tokens=3, prompt_lookup_max=3, adaptive=False)
     results = {}
