@@ -92,8 +92,9 @@ def tiny_llava(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="module")
 def direct(tiny_llava):
-    """Greedy answer of direct mode to one chat: the server's rendering, tokenized the server's way."""
-    llm = MegatronLLM(tiny_llava, InferenceConfig(num_kv_blocks=64))
+    """Greedy answer of direct mode to one chat: the server's rendering, tokenized the server's way (no prefix
+    cache: the uncached reference of the prefix-cache test too)."""
+    llm = MegatronLLM(tiny_llava, InferenceConfig(num_kv_blocks=64, enable_prefix_caching=False))
     tokenizer = llm.tokenizer
 
     def answer(picture: bytes, text: str = QUESTION) -> str:
@@ -203,10 +204,9 @@ def test_bad_images_are_400s_naming_the_problem(stack, web):
     assert ask(stack, data_url(PICTURE)).choices[0].finish_reason == "length"
 
 
-async def test_prefix_cache_is_keyed_by_image_content(tiny_llava):
+async def test_prefix_cache_is_keyed_by_image_content(tiny_llava, direct):
     """Same image twice: cached; same text with another image: nothing cached; answers equal the uncached run."""
     tokenizer = Tokenizer.from_pretrained(tiny_llava)
-    cold = MegatronLLM(tiny_llava, InferenceConfig(num_kv_blocks=64, enable_prefix_caching=False))
     config = InferenceConfig(block_size_tokens=16, num_kv_blocks=64, enable_prefix_caching=True)
     async with MegatronAsyncLLM(tiny_llava, config) as llm:
         app = create_app(llm.client, tokenizer, "tiny-llava", status_interval=0.05)
@@ -223,13 +223,7 @@ async def test_prefix_cache_is_keyed_by_image_content(tiny_llava):
     assert first.usage.prompt_tokens_details.cached_tokens == 0
     assert again.usage.prompt_tokens_details.cached_tokens == (again.usage.prompt_tokens - 1) // 16 * 16 > 16
     assert other.usage.prompt_tokens_details.cached_tokens == 0, "another image must not hit the cache"
-    uncached = {}
-    for picture in (PICTURE, OTHER):
-        rendered = tokenizer.apply_chat_template([{"role": "user", "content": [{"type": "image"},
-                                                                               {"type": "text", "text": QUESTION}]}])
-        prompt = {"prompt": tokenizer.encode(rendered, add_special_tokens=False), "images": [picture]}
-        uncached[picture] = cold.generate([prompt], SamplingParams(temperature=0.0, num_tokens_to_generate=MAX_TOKENS,
-                                                                   ignore_eos=True))[0].generated_text
+    uncached = {picture: direct(picture) for picture in (PICTURE, OTHER)}
     assert first.choices[0].message.content == again.choices[0].message.content == uncached[PICTURE]
     assert other.choices[0].message.content == uncached[OTHER] != uncached[PICTURE]
 
