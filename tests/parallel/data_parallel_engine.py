@@ -143,6 +143,7 @@ def main() -> None:
 def serve_rank(inputs: str, out: str) -> None:
     with open(inputs, "rb") as f:
         cases = pickle.load(f)
+    os.environ.update(cases[0].get("env", {}))  # this process's placement (a tensor-parallel rank of its own)
     results = {}
     for case in cases:
         os.environ["MASTER_PORT"] = str(case["port"])

@@ -81,24 +81,19 @@ def _run_cases(cases: list[Case], ports: list[int], dp: int, tp: int, tmp_path: 
                timeout: float, spawn: bool = False) -> Served:
     procs, outs = [], []
     own_ranks = tp if dp == 1 and not spawn else 1  # processes started here per data-parallel rank (the rest: spawned)
-    forked = []  # one rank per data-parallel rank: all forked from one process (data_parallel_engine.py --ranks)
+    forked = []  # every process of the group, forked from one (data_parallel_engine.py --ranks)
     for rank in range(dp):
         for tp_rank in range(own_ranks):
             inputs, out = (tmp_path / f"dp{dp}-tp{tp}-{rank}-{tp_rank}.{kind}" for kind in ("in", "out"))
-            with open(inputs, "wb") as f:
-                pickle.dump([dict(_for_rank(case, port, rank, dp, tp, tmp_path), tp_rank=tp_rank)
+            placement = {"WORLD_SIZE": str(tp), "NPROC_PER_NODE": "1", "RANK": str(tp_rank)} if own_ranks > 1 else {}
+            with open(inputs, "wb") as f:  # (each process sets its placement's environment as it starts)
+                pickle.dump([dict(_for_rank(case, port, rank, dp, tp, tmp_path), tp_rank=tp_rank, env=placement)
                              for case, port in zip(cases, ports)], f)
             if tp_rank == 0:
                 outs.append(out)
-            if own_ranks == 1:
-                forked += [str(inputs), str(out)]
-                continue
-            placement = {"WORLD_SIZE": str(tp), "NPROC_PER_NODE": "1", "RANK": str(tp_rank)}
-            procs.append(subprocess.Popen([sys.executable, str(ENGINE), str(inputs), str(out)],
-                                          env={**os.environ, **env, "MASTER_ADDR": "127.0.0.1", **placement}))
-    if forked:
-        procs.append(subprocess.Popen([sys.executable, str(ENGINE), "--ranks", *forked],
-                                      env={**os.environ, **env, "MASTER_ADDR": "127.0.0.1"}))
+            forked += [str(inputs), str(out)]
+    procs.append(subprocess.Popen([sys.executable, str(ENGINE), "--ranks", *forked],
+                                  env={**os.environ, **env, "MASTER_ADDR": "127.0.0.1"}))
     try:
         codes = [p.wait(timeout=timeout) for p in procs]
     finally:
