@@ -23,7 +23,7 @@ from .conftest import serving
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 MODEL = "tiny-llama"
-SEEDS = range(40)
+SEEDS = range(20)  # 40 before: each fourth with stop strings, and enough draws for empty token texts (asserted)
 
 
 def events(text: str) -> list[dict]:
@@ -77,7 +77,7 @@ async def test_chat_token_entries_concatenate_to_the_content(tiny_model, tokeniz
     async with MegatronAsyncLLM(tiny_model) as llm:
         app = create_app(llm.client, tokenizer, MODEL, vocab_size=512, max_model_len=1024)
         async with serving(app) as url, httpx.AsyncClient(base_url=url, timeout=120) as http:
-            for seed in range(0, 40, 4):
+            for seed in range(0, 40, 8):  # every fourth of 40 before
                 body = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 32,
                         "temperature": 1.0, "seed": seed, "logprobs": True, "top_logprobs": 2, "ignore_eos": True}
                 whole = (await http.post("/v1/chat/completions", json=body)).json()
