@@ -68,9 +68,10 @@ def test_the_url_mode_measures_the_cpu_of_the_stack_listening_there(tiny_llama, 
     stack = start_run(tiny_llama, tmp_path / "run", engines=1)
     try:
         result = subprocess.run([sys.executable, str(SCRIPT), "--url", stack.url, "--model", tiny_llama,
-                                 # 4,096 tokens: enough CPU in each process for its clock ticks (10 ms) to count
-                                 "--no-offline", "--concurrency", "8", "--requests", "128", "--lengths", "uniform",
-                                 "--output-tokens", "32", "--prompt-tokens", "8"],
+                                 # 1,024 tokens (4,096 before): still enough CPU in the server and the engine, the
+                                 # two processes asserted on, for their clock ticks (10 ms) to count
+                                 "--no-offline", "--concurrency", "8", "--requests", "64", "--lengths", "uniform",
+                                 "--output-tokens", "16", "--prompt-tokens", "8"],
                                 capture_output=True, text=True, timeout=600)
     finally:
         stack.kill()

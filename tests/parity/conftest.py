@@ -19,7 +19,7 @@ from megatron_serve.config import resolve_dtype  # noqa: E402
 from .compare import TALLIES, Tally  # noqa: E402
 from .engine_runs import Placement  # noqa: E402
 from .models import CASES_PER_MODEL, LoadedModel, ModelPool  # noqa: E402
-from .options import ParityOptions  # noqa: E402
+from .options import INVARIANT_DEFAULT_CASES, ParityOptions  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -72,7 +72,7 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
         seeds = options.seeds
         metafunc.parametrize("case_seed", seeds, ids=[f"case{seed}" for seed in seeds])
     if "invariant_case_seed" in metafunc.fixturenames:
-        seeds = options.seeds if options.only is not None else options.seeds[::INVARIANT_SHARE]
+        seeds = options.seeds if options.only is not None else options.seeds_of(INVARIANT_DEFAULT_CASES)[::INVARIANT_SHARE]
         metafunc.parametrize("invariant_case_seed", seeds, ids=[f"case{seed}" for seed in seeds])
 
 
