@@ -45,7 +45,9 @@ def serve_varied(llm: MegatronLLM) -> None:
         engine.step()
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2_moe"])
+# qwen2_moe only: serving it launches every kernel serving llama does (decode, prefill, rms_norm, rotary,
+# silu_and_mul) plus the MoE grouped GEMM; the llama case (17 CPU-s under the interpreter) was dropped.
+@pytest.mark.parametrize("arch", ["qwen2_moe"])
 def test_serving_meets_no_kernel_variant_the_sweep_missed(arch, tmp_path, monkeypatch):
     monkeypatch.setenv("MEGATRON_KERNELS", "triton")
     model_dir = str(make_tiny_model(tmp_path / arch, seed=5, arch=arch))
