@@ -17,7 +17,9 @@ from megatron_serve.hub import resolve_model
 from tests.helpers import script_module
 
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "lm_eval_parity.py"
-LIMITS = {"megatron_facts_mc": 12, "megatron_facts_gen": 4}
+# the first 4 items of each task: the check is per item (the same choice and log-likelihoods, or the same text), so a
+# few items of each task type say it (it held 12 multiple-choice items before, for ~3x the CPU of this case)
+LIMITS = {"megatron_facts_mc": 4, "megatron_facts_gen": 4}
 
 
 @pytest.fixture(scope="module")
