@@ -17,27 +17,17 @@ from megatron_serve.client.detokenizer import IncrementalDetokenizer
 from megatron_serve.hub import resolve_model
 from megatron_serve.tokenizer import Tokenizer
 
+# 8 prompts of varied lengths and kinds (prose, code, Q&A, SQL) batched: each one's tokens are transformers' own,
+# one prompt at a time (it held 12 more of the same kinds before, each another transformers generate)
 PROMPTS = [
     "The capital of France is",
     "def fibonacci(n):",
     "Once upon a time",
     "The largest planet in the solar system is",
-    "Water boils at a temperature of",
     "import numpy as np\n",
-    "The three primary colors are",
     "Q: What is 2 + 2?\nA:",
-    "My favourite book is",
-    "Kubernetes is",
-    "The opposite of hot is",
-    "In 1969, the first humans",
-    "To make a cup of tea, first",
     "SELECT name FROM users WHERE",
-    "The French word for cat is",
     "A haiku about the sea:\n",
-    "The speed of light is approximately",
-    "Photosynthesis is the process by which",
-    "for i in range(10):",
-    "The Eiffel Tower is located in",
 ]
 NEW_TOKENS = 6
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
