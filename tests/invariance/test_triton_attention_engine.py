@@ -17,7 +17,6 @@ if not torch.cuda.is_available():  # before triton: CPU tensors go through the i
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from megatron_kernels import triton_invariant_attention  # noqa: E402
-from megatron_serve.engine.structured_output import StructuredOutputs  # noqa: E402
 from megatron_serve.model.attention import PagedAttention  # noqa: E402
 
 from .runs import Setup, differing, run_target  # noqa: E402
@@ -36,9 +35,6 @@ def kernel_attention(monkeypatch):
     if type(triton_invariant_attention._invariant_attention_kernel).__name__ != "InterpretedFunction":
         pytest.skip("triton was imported without TRITON_INTERPRET=1 in this process")
     monkeypatch.setattr(PagedAttention, "_attend_invariant", _kernel_attention)
-    # no request here is constrained: the engines skip their grammar warm-up (llguidance's vocabulary view, a thread
-    # of CPU-seconds per engine at start)
-    monkeypatch.setattr(StructuredOutputs, "warm", lambda self: None)
 
 
 def test_the_target_is_bitwise_the_same_in_every_batch_through_the_kernel(models, kernel_attention):

@@ -27,7 +27,6 @@ from safetensors.torch import load_file, save_file
 from megatron_serve.client.coordinator_client import InferenceClient
 from megatron_serve.client.llm import MegatronLLM
 from megatron_serve.config import InferenceConfig
-from megatron_serve.engine.structured_output import StructuredOutputs
 from megatron_serve.model.tiny import make_tiny_model
 from megatron_serve.tokenizer import Tokenizer
 from megatron_serve.wire.sampling_params import SamplingParams
@@ -48,13 +47,9 @@ EMBEDDING = "model.embed_tokens.weight"
 
 
 def outputs(model_dir: str, **config) -> list[list[int]]:
-    """Greedy outputs of an in-process engine. Its grammar warm-up (llguidance's view of the 32768-token
-    vocabulary, built on a thread at start and joined at exit) costs about 12 CPU-s per engine, which made most of
-    this module's CPU; no request here is constrained, so the expected outputs' three engines skip it."""
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(StructuredOutputs, "warm", lambda self: None)
-        with MegatronLLM(model_dir, InferenceConfig(num_kv_blocks=64, **config)) as llm:
-            return [r.generated_tokens for r in llm.generate(PROMPTS, GREEDY)]
+    """Greedy outputs of an in-process engine."""
+    with MegatronLLM(model_dir, InferenceConfig(num_kv_blocks=64, **config)) as llm:
+        return [r.generated_tokens for r in llm.generate(PROMPTS, GREEDY)]
 
 
 def rewritten(model_dir: str, out: Path, change) -> str:

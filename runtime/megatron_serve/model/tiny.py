@@ -7,7 +7,9 @@ own initialisation. The same seed always writes the same files.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
+from typing import Any
 
 ARCHITECTURES = {
     "llama": ("LlamaConfig", "LlamaForCausalLM"),
@@ -84,6 +86,21 @@ def train_tokenizer(vocab_size: int = 512):
     return tokenizer
 
 
+def with_placeholders(tokenizer: Any, vocab_size: int) -> Any:
+    """``tokenizer`` with placeholder words (``<|filler_N|>``) up to ``vocab_size`` entries, in its BPE vocabulary:
+    no merge makes them, so no text tokenizes to them, and each decodes as itself. Not added tokens: whatever
+    matches added tokens in text scans every one of them (llguidance's view of a vocabulary padded to 32,768 with
+    added tokens took 5.5 CPU-s to build, 0.16 s with the same words in the vocabulary)."""
+    from tokenizers import Tokenizer  # noqa: PLC0415
+
+    data = json.loads(tokenizer.to_str())
+    words = data["model"]["vocab"]
+    taken = max([*words.values(), *(token["id"] for token in data["added_tokens"])]) + 1
+    for index in range(vocab_size - taken):
+        words[f"<|filler_{index}|>"] = taken + index
+    return Tokenizer.from_str(json.dumps(data))
+
+
 def make_tiny_model(
     path: str | Path,
     seed: int = 0,
@@ -113,13 +130,12 @@ def make_tiny_model(
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
 
+    trained = train_tokenizer(tokenizer_vocab_size)
     fast = PreTrainedTokenizerFast(
-        tokenizer_object=train_tokenizer(tokenizer_vocab_size),
+        tokenizer_object=with_placeholders(trained, vocab_size) if vocab_size is not None else trained,
         bos_token=BOS, eos_token=EOS, pad_token="<|pad|>",
     )
     fast.chat_template = CHAT_TEMPLATE
-    if vocab_size is not None and vocab_size > len(fast):
-        fast.add_tokens([f"<|filler_{i}|>" for i in range(vocab_size - len(fast))])
     if arch in VISION_ARCHITECTURES:
         from .vision.tiny import make_tiny_vision_model  # noqa: PLC0415
 
