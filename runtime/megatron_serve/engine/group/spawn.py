@@ -15,6 +15,7 @@ import multiprocessing.connection
 import multiprocessing.synchronize
 import os
 import sys
+import tempfile
 import time
 
 import torch
@@ -74,6 +75,7 @@ def spawn_local_workers(model_dir: str, config: InferenceConfig, placement: Plac
     :func:`run_worker`), and raises at once when one exits before it did."""
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload(PRELOAD)  # read when the server starts: once a process
+    short_socket_directory()
     environment = dict(os.environ)
     workers, started = [], []
     for index in range(placement.local_count):
@@ -95,6 +97,29 @@ def spawn_local_workers(model_dir: str, config: InferenceConfig, placement: Plac
             worker.join(timeout=30)
         raise
     return workers
+
+
+#: The longest path of a Unix socket (``sun_path``, less its terminating byte), and what multiprocessing adds to its
+#: temporary directory's for the fork server's socket (``/pymp-XXXXXXXX/listener-XXXXXXXX``).
+SOCKET_PATH_MAX = 107
+FORKSERVER_SUFFIX = 36
+
+
+def short_socket_directory() -> None:
+    """Where ``TMPDIR`` is too long for the fork server's socket (a ``run`` fleet's engine gets a directory of its
+    own, deep in a test's or a pod's), this process's multiprocessing directory goes under the system's short one
+    instead (what Python 3.13's multiprocessing does itself): the server's bind failed with "AF_UNIX path too long"
+    and the engine exited at start."""
+    from multiprocessing import util  # noqa: PLC0415
+
+    if len(tempfile.gettempdir()) + FORKSERVER_SUFFIX <= SOCKET_PATH_MAX:
+        return
+    saved = tempfile.tempdir
+    tempfile.tempdir = next(d for d in ("/tmp", "/dev/shm", os.getcwd()) if os.access(d, os.W_OK))
+    try:
+        util.get_temp_dir()  # made now, under the short directory, and kept for this process (removed at its exit)
+    finally:
+        tempfile.tempdir = saved
 
 
 def run_forked_worker(environment: dict[str, str], model_dir: str, config_dict: dict, placement: Placement, rank: int,
