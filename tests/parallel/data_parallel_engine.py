@@ -5,9 +5,9 @@ it serves every case of its group one after another, each an engine of its own m
 Run as a script, not ``-c``: each tensor-parallel rank's process (forked from a fork server) imports this file again,
 so the controls installed at its top level reach every rank: the ordered combine's (``UNORDERED_COMBINE``) and the
 gathered row-parallel layers' (``PARTIAL_SUMS``). They read their variable when called, so a case turns them on or off
-for the engine it builds (its ranks take rank 0's variables as they start). So does the CPU stand-in for CUDA graphs (``GRAPHS``: the
-engine captures and replays its steps as on a GPU, a "replay" running the captured forward again over the same
-static buffers), which notes each replay's size and each empty MoE pass's buffer size in ``GRAPH_LOG/<pid>``.
+for the engine it builds (its ranks take rank 0's variables as they start). So does the CPU stand-in for CUDA graphs
+(``GRAPHS``: the engine captures and replays its steps as on a GPU, a "replay" running the captured forward again over
+the same static buffers), which notes each replay's size and each empty MoE pass's buffer size in ``GRAPH_LOG/<pid>``.
 """
 
 from __future__ import annotations
