@@ -30,6 +30,13 @@ class _Functions(TorchFunctionMode):
 
 
 class _Ops(TorchDispatchMode):
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        """No: torch wraps a mode's ``__torch_dispatch__`` to keep Dynamo out of it otherwise, and that wrapper
+        imports ``torch._dynamo`` at its first call (about 2 s of CPU in every process that guards a step; nothing
+        here is compiled)."""
+        return False
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func._schema.name in _OPS:

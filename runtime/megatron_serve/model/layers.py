@@ -268,7 +268,13 @@ class RMSNorm(nn.Module):
 
 
 def rotary_cos_sin(head_dim: int, max_positions: int, rope: RopeConfig) -> tuple[torch.Tensor, torch.Tensor]:
-    """float32 ``cos``/``sin`` tables ``[max_positions, head_dim // 2]``, with Llama 3 / linear scaling."""
+    """float32 ``cos``/``sin`` tables ``[max_positions, head_dim // 2]``, with Llama 3 / linear scaling.
+
+    Under a ``meta`` device (a model built for its shapes alone: refit's checks, a rank's layout) the tables are
+    shapes too: arithmetic on meta tensors goes through ``torch._refs``, whose first call imports ``torch._dynamo``
+    (about 2 s of CPU in each engine process that checks a refit)."""
+    if torch.get_default_device().type == "meta":
+        return torch.empty(max_positions, head_dim // 2), torch.empty(max_positions, head_dim // 2)
     freqs = rotary_angles(head_dim, max_positions, rope)
     return freqs.cos(), freqs.sin()
 
