@@ -60,12 +60,13 @@ run: $(RUNTIME)
 # asleep, but torch's default threads where tests are about arithmetic under threads (tests/conftest.py,
 # tests/threads.py; docs/testing.md). The sources are compiled first: every process the suite starts imports some 300
 # of the project's modules, and where PYTHONDONTWRITEBYTECODE is set (as on this machine) each one compiled them
-# again (0.3-0.4 s of CPU a process).
+# again (0.3-0.4 s of CPU a process). The suite itself runs without PYTHONDONTWRITEBYTECODE: pytest keeps its rewritten
+# test modules only where Python may write bytecode, and each worker rewrote all 650 of them (11 s of CPU) every run.
 TEST_WORKERS ?= 3
 TEST_ARGS ?=
 test: $(TESTING)
 	$(PY) -m compileall -q runtime operator kernels tests > /dev/null
-	TRITON_INTERPRET=1 $(PY) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --max-worker-restart 0 \
+	env -u PYTHONDONTWRITEBYTECODE TRITON_INTERPRET=1 $(PY) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --max-worker-restart 0 \
 		--durations=10 $(TEST_ARGS)
 
 test-fast: $(TESTING)

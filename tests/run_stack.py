@@ -25,6 +25,7 @@ import httpx
 from megatron_serve.client.coordinator_client import InferenceClient
 from megatron_serve.commands.local_runs import RUN_FILE, SECRET_FILE
 
+from tests.helpers import http_get
 from tests.server.test_openai_e2e import free_port
 
 
@@ -107,7 +108,7 @@ class RunStack:
         return self.log.read_text(errors="replace")
 
     def ready(self) -> dict:
-        return httpx.get(f"{self.url}/ready", timeout=10).json()
+        return http_get(f"{self.url}/ready", timeout=10).json()
 
     async def wait_engines(self, count: int, timeout: float) -> float:
         """Poll ``/ready`` until ``count`` engines serve, each one of this run's live engine processes (a
@@ -162,14 +163,14 @@ def start_run(model: str, tmp: Path, *extra: str, engines: int = 2, close_stdout
     while True:
         assert proc.poll() is None, f"run exited with {proc.returncode}: {stack.output()[-3000:]}"
         try:
-            if httpx.get(f"{url}/ready", timeout=2).status_code == 200:
+            if http_get(f"{url}/ready", timeout=2).status_code == 200:
                 break
         except httpx.TransportError:
             pass
         assert time.monotonic() < deadline, stack.output()[-3000:]
         time.sleep(0.2)
     auth = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    stack.model = httpx.get(f"{url}/v1/models", headers=auth, timeout=10).json()["data"][0]["id"]
+    stack.model = http_get(f"{url}/v1/models", headers=auth, timeout=10).json()["data"][0]["id"]
     return stack
 
 

@@ -21,7 +21,7 @@ from megatron_serve.server.runner import bind_socket, serve_app
 from megatron_serve.model.tiny import make_tiny_model
 from megatron_serve.tokenizer import Tokenizer
 
-from ..helpers import free_port
+from ..helpers import free_port, http_get
 from ..processes import stop_process_group
 
 
@@ -79,7 +79,7 @@ def wait_ready(proc: subprocess.Popen, url: str, output: Path, timeout: float = 
         if proc.poll() is not None:
             pytest.fail(f"{proc.args} exited with {proc.returncode}:\n{output.read_text()}")
         try:
-            if httpx.get(f"{url}/ready", timeout=2).status_code == 200:
+            if http_get(f"{url}/ready", timeout=2).status_code == 200:
                 return
         except httpx.TransportError:
             pass

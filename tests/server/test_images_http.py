@@ -28,6 +28,7 @@ from megatron_serve.server import create_app
 from megatron_serve.model.tiny import make_tiny_model
 from megatron_serve.tokenizer import Tokenizer
 
+from ..helpers import http_get
 from ..images import png
 from ..processes import stop_process_group
 from .conftest import serving
@@ -145,7 +146,7 @@ class socket_port:
 
 def _ready(url: str) -> bool:
     try:
-        return httpx.get(f"{url}/ready", timeout=2).status_code == 200
+        return http_get(f"{url}/ready", timeout=2).status_code == 200
     except httpx.TransportError:
         return False
 

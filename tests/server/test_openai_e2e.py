@@ -27,6 +27,7 @@ from megatron_serve.commands import local_runs
 from megatron_serve.config import InferenceConfig
 from megatron_serve.wire.sampling_params import SamplingParams
 
+from ..helpers import http_get
 from .conftest import metric, wait_ready
 from .fakes import wait_until
 
@@ -138,7 +139,7 @@ def control(address: str, verb: str, **kwargs):
 
 
 def scrape(stack) -> str:
-    return httpx.get(f"{stack.url}/metrics", timeout=10).text
+    return http_get(f"{stack.url}/metrics", timeout=10).text
 
 
 def test_models_health_ready_and_metric_names(stack, client):
