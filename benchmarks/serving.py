@@ -450,17 +450,18 @@ def pin_stack(run_pid: int, pinning: Pinning) -> None:
 def served_vocab_size(url: str, model: str, headers: dict[str, str]) -> int:
     """One past the largest token id the server's ``/detokenize`` accepts (it refuses ids outside the vocabulary)."""
     def accepted(token: int) -> bool:
-        answer = httpx.post(f"{url}/detokenize", json={"model": model, "tokens": [token]}, headers=headers, timeout=30)
+        answer = http.post(f"{url}/detokenize", json={"model": model, "tokens": [token]})
         if answer.status_code not in (200, 400):
             raise SystemExit(f"/detokenize answered {answer.status_code}: pass --vocab-size or --model")
         return answer.status_code == 200
 
-    low, high = 0, 1024
-    while accepted(high):
-        low, high = high, high * 2
-    while high - low > 1:
-        middle = (low + high) // 2
-        low, high = (middle, high) if accepted(middle) else (low, middle)
+    with httpx.Client(headers=headers, timeout=30) as http:  # one client: each new one loads the CA bundle again
+        low, high = 0, 1024
+        while accepted(high):
+            low, high = high, high * 2
+        while high - low > 1:
+            middle = (low + high) // 2
+            low, high = (middle, high) if accepted(middle) else (low, middle)
     return high
 
 

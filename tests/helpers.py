@@ -239,7 +239,7 @@ def metric_by_engine_group(url: str, name: str) -> dict[str, float]:
     """The samples of ``name`` on a server's ``/metrics``, summed by ``engine_group`` (engines report in
     heartbeats: poll for what must show, a beat later)."""
     values: dict[str, float] = {}
-    for line in httpx.get(f"{url}/metrics", timeout=30).text.splitlines():
+    for line in http_get(f"{url}/metrics", timeout=30).text.splitlines():
         if line.startswith(name + "{"):
             group = line.split('engine_group="', 1)[1].split('"', 1)[0]
             values[group] = values.get(group, 0.0) + float(line.rsplit(" ", 1)[1])

@@ -17,7 +17,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.helpers import wait_until
+from tests.helpers import http_get, http_post, wait_until
 from tests.run_stack import child_pids, start_run
 from tests.server.conftest import metric
 
@@ -45,12 +45,12 @@ def siblings(run_pid: int) -> list[int]:
 
 def complete(url: str, model: str, key: str | None = KEY) -> httpx.Response:
     headers = {"Authorization": f"Bearer {key}"} if key else {}
-    return httpx.post(f"{url}/v1/completions", headers=headers, timeout=120,
+    return http_post(f"{url}/v1/completions", headers=headers, timeout=120,
                       json={"model": model, "prompt": "Hello there", "max_tokens": 3, "ignore_eos": True})
 
 
 def completed(url: str) -> float:
-    return metric(httpx.get(f"{url}/metrics", timeout=30).text, "megatron_serve_requests_total", 'status="completed"')
+    return metric(http_get(f"{url}/metrics", timeout=30).text, "megatron_serve_requests_total", 'status="completed"')
 
 
 def test_two_api_servers_share_the_port_the_keys_the_tenants_limits_and_the_metrics(tiny_llama, tmp_path):

@@ -7,14 +7,13 @@ import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
 
-import httpx
 import openai
 import pytest
 
 from megatron_serve import DynamicInferenceRequest, InferenceConfig, SamplingParams
 from megatron_serve.engine import DynamicInferenceEngine
 
-from ..helpers import metric_by_engine_group, wait_until
+from ..helpers import http_get, metric_by_engine_group, wait_until
 from ..processes import stop_process_group
 from ..server.conftest import wait_ready
 from ..server.test_openai_e2e import free_port
@@ -50,7 +49,7 @@ def test_run_with_speculative_config_serves_the_plain_engines_tokens(tiny_llama,
         assert served == request.generated_tokens and len(served) == 40
 
         def counted(name: str) -> float:  # engines report in heartbeats: the counters arrive a beat later
-            lines = [line for line in httpx.get(f"{url}/metrics", timeout=30).text.splitlines()
+            lines = [line for line in http_get(f"{url}/metrics", timeout=30).text.splitlines()
                      if line.startswith(name + "{")]
             return sum(float(line.rsplit(" ", 1)[1]) for line in lines)
 

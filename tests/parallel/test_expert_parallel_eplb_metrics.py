@@ -13,6 +13,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from tests.helpers import http_get
 from tests.run_stack import complete, start_run
 
 from .test_expert_parallel_eplb import PROMPTS, skewed_model
@@ -39,7 +40,7 @@ def metrics_after(url: str, generated: int) -> str:
     """``/metrics`` once the engine's heartbeat counts ``generated`` tokens: its report after the last step."""
     deadline = time.monotonic() + 60
     while True:
-        text = httpx.get(f"{url}/metrics", timeout=10).text
+        text = http_get(f"{url}/metrics", timeout=10).text
         counted = sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
                       if s.name == "megatron_serve_generation_tokens_total")
         if counted >= generated:

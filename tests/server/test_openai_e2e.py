@@ -461,7 +461,7 @@ def test_metrics_during_load_show_every_documented_series(stack, tiny_model):
 
 def test_stopped_fleet_answers_503(stack, client):
     control(stack.address, "stop", drain_timeout=5.0)
-    wait_until(lambda: httpx.get(f"{stack.url}/ready").status_code == 503, 30, "not ready")
+    wait_until(lambda: http_get(f"{stack.url}/ready").status_code == 503, 30, "not ready")
     assert httpx.get(f"{stack.url}/ready").json()["state"] == "STOPPED"
     with pytest.raises(openai.InternalServerError) as info:
         client.completions.create(model=stack.model, prompt="Hi", max_tokens=2)

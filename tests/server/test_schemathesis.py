@@ -26,6 +26,8 @@ from megatron_serve.client.async_llm import MegatronAsyncLLM
 from megatron_serve.config import InferenceConfig
 from megatron_serve.server.rl import RL_ADMIN_PATHS
 
+from ..helpers import http_get
+
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 MIN_CASES = 500
@@ -67,12 +69,13 @@ def served_url(tiny_model):
     deadline = time.monotonic() + 120
     while True:
         try:
-            if httpx.get(f"{url}/ready", timeout=2).status_code == 200:
+            if http_get(f"{url}/ready", timeout=2).status_code == 200:
                 break
         except httpx.TransportError:
             pass
         assert thread.is_alive(), "serve() died during start-up"
         assert time.monotonic() < deadline, "serve() did not become ready"
+        time.sleep(0.05)
         time.sleep(0.1)
     try:
         yield url
@@ -84,7 +87,7 @@ def served_url(tiny_model):
 def documented_operations(url: str) -> tuple[set[str], set[str], set[str]]:
     """The operations the document lists (``METHOD /path``, the admin routes aside), those that take a body, and
     those that take nothing at all (no body, no parameter: no call to them can break their schema)."""
-    document = httpx.get(f"{url}/openapi.json", timeout=30).json()
+    document = http_get(f"{url}/openapi.json", timeout=30).json()
     operations = {f"{method.upper()} {path}": operation for path, methods in document["paths"].items()
                   for method, operation in methods.items()
                   if "admin" not in operation.get("tags", []) and path not in RL_ADMIN_PATHS}

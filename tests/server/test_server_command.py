@@ -17,6 +17,7 @@ import pytest
 from megatron_serve.client.coordinator_client import InferenceClient
 from megatron_serve.wire.security import make_secret
 
+from ..helpers import http_get, http_post
 from .fakes import wait_until
 from .test_openai_e2e import free_port
 
@@ -63,31 +64,31 @@ def test_server_before_coordinator_then_ready_then_stopped(tiny_model, tmp_path)
             def up() -> bool:
                 assert server.poll() is None, (tmp_path / "server.log").read_text()
                 try:
-                    return httpx.get(f"{url}/health", timeout=2).status_code == 200
+                    return http_get(f"{url}/health", timeout=2).status_code == 200
                 except httpx.TransportError:
                     return False
 
             wait_until(up, 120, "the server to answer /health", interval=0.2)
-            ready = httpx.get(f"{url}/ready")
+            ready = http_get(f"{url}/ready")
             assert ready.status_code == 503 and ready.json()["coordinator_reachable"] is False
-            answer = httpx.post(f"{url}/v1/completions", json=body, headers=auth)
+            answer = http_post(f"{url}/v1/completions", json=body, headers=auth)
             assert answer.status_code == 503 and answer.json()["error"]["code"] == "coordinator_unreachable"
-            assert httpx.post(f"{url}/v1/completions", json=body,
+            assert http_post(f"{url}/v1/completions", json=body,
                               headers={"Authorization": "Bearer not-this-one"}).status_code == 401  # file wins
 
             procs.append(spawn(["coordinator", "--model", tiny_model, "--host", "127.0.0.1", "--port",
                                 str(coordinator_port)], coord_log))
-            wait_until(lambda: httpx.get(f"{url}/ready").status_code == 200, 120, "ready", interval=0.2)
-            assert httpx.get(f"{url}/ready").json() == {"ready": True, "state": "RUNNING",
+            wait_until(lambda: http_get(f"{url}/ready").status_code == 200, 120, "ready", interval=0.2)
+            assert http_get(f"{url}/ready").json() == {"ready": True, "state": "RUNNING",
                                                          "coordinator_reachable": True, "busy": False, "engines": 0,
                                                          "detail": None}
 
             control(address, "stop")
-            wait_until(lambda: httpx.get(f"{url}/ready").status_code == 503, 30, "not ready")
-            answer = httpx.post(f"{url}/v1/completions", json=body, headers=auth)
+            wait_until(lambda: http_get(f"{url}/ready").status_code == 503, 30, "not ready")
+            answer = http_post(f"{url}/v1/completions", json=body, headers=auth)
             assert answer.status_code == 503 and answer.json()["error"]["code"] == "fleet_stopped"
             control(address, "unpause")
-            wait_until(lambda: httpx.get(f"{url}/ready").status_code == 200, 30, "ready again")
+            wait_until(lambda: http_get(f"{url}/ready").status_code == 200, 30, "ready again")
 
             server.send_signal(signal.SIGTERM)
             assert server.wait(timeout=30) == 0
