@@ -2,8 +2,9 @@
 
 The files themselves first (no model): a block comes back bitwise, a short or corrupt file is never served, an
 epoch finds only its own files, the size bound removes the least recently used across processes, and the KV events
-say medium DISK. Then real engine processes of a tiny model on one directory: B hits the blocks A wrote with ==
-log probs, a truncated file is recomputed, a refit reads none of the old files.
+say medium DISK. Then engines of a tiny model on one directory: B, a process of its own, hits the blocks engine A
+(of the test process) wrote with == log probs; engines in the test process (files are what engines share) find a
+truncated file recomputed and, refitted, none of the old files.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from megatron_serve.engine.kv.events import BlockOrigin, KVEventLog
 from megatron_serve.wire.kv_events import MEDIUM_DEVICE, MEDIUM_DISK, MEDIUM_HOST, BlockRemoved, BlockStored, decode_batch
 from megatron_serve.wire.prefix_hash import block_hashes
 
+from . import disk_tier_run
 from .disk_tier_run import BLOCK, PARAMS, config, prompts
 
 REPO = Path(__file__).resolve().parents[2]
@@ -219,10 +221,15 @@ def test_an_idle_engine_hands_out_the_disk_tiers_stored_events(tmp_path):
     host.close()
 
 
-# Real engine processes of one node, one after another, on one directory.
+# Engines of one node, one after another, on one directory: a process of its own where one reads what another
+# process wrote.
 
-def engine(model: str, disk: Path | None, run: list[int], refit: bool = False) -> dict:
+def engine(model: str, disk: Path | None, run: list[int], refit: bool = False, process: bool = False) -> dict:
+    """``disk_tier_run``'s answer, from an engine process of its own (``process``) or one in this process (about
+    3 s of CPU less: no interpreter, torch and megatron_serve to start)."""
     spec = {"model": model, "disk": None if disk is None else str(disk), "run": run, "refit": refit}
+    if not process:
+        return disk_tier_run.main(spec)
     answer = subprocess.run([sys.executable, "-m", "tests.engine.disk_tier_run", json.dumps(spec)], cwd=REPO,
                             capture_output=True, text=True, timeout=600)
     assert answer.returncode == 0, answer.stderr[-3000:]
@@ -237,7 +244,7 @@ def files_of(disk: Path, prompt: list[int], epoch: int = 0) -> list[Path]:
 
 @pytest.fixture(scope="module")
 def written(tiny_llama, tmp_path_factory) -> tuple[Path, dict]:
-    """Engine A's pass over 14 prompts, whose first six end on the node's disk."""
+    """Engine A's pass over 14 prompts (in this process), whose first six end on the node's disk."""
     disk = tmp_path_factory.mktemp("kv-disk")
     first = engine(tiny_llama, disk, list(range(14)))
     assert first["cached"] == [0] * 14 and first["disk"]["written"] >= 30
@@ -247,7 +254,7 @@ def written(tiny_llama, tmp_path_factory) -> tuple[Path, dict]:
 
 def test_engine_b_hits_the_blocks_engine_a_wrote_with_equal_log_probs(tiny_llama, written):
     disk, first = written
-    second = engine(tiny_llama, disk, list(range(6)))
+    second = engine(tiny_llama, disk, list(range(6)), process=True)
     assert second["cached"] == [5 * BLOCK] * 6 and second["disk"]["hits"] == 30
     assert second["tokens"] == first["tokens"][:6]
     assert second["log_probs"] == first["log_probs"][:6]  # A computed them; B read them: ==
