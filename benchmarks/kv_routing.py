@@ -1,7 +1,7 @@
 """Prefix hit rate of ``kv_aware`` routing (the engines' KV events) against ``prefix_affinity`` (routed-prefix memory)
 on a replayed multi-tenant trace with an eviction storm (docs/kv-routing.md).
 
-Real engines (``MegatronLLM``'s engine, in this process, the same weights each run) stepped in lockstep, one step
+Real engines (``DynamicInferenceEngine``s in this process, the same weights each run) stepped in lockstep, one step
 each per tick, and the coordinator's real policies choosing among them with what the coordinator would see: each
 engine's requests in flight, its KV blocks free, and for ``kv_aware`` a :class:`~megatron_serve.coordinator.kv_index.
 KVIndex` fed by the engine's own KV event batches (the bytes its link would carry), on a clock of ``--tick-s``
@@ -28,7 +28,7 @@ have been, i.e. all but each prompt's last), before / during / after the storm, 
 must be equal across policies (checked: routing never changes a text; ``batch_invariant`` on).
 
     python benchmarks/kv_routing.py            # CPU-sized defaults
-    python benchmarks/kv_routing.py --smoke    # seconds: the test suite runs this
+    python benchmarks/kv_routing.py --smoke    # seconds: the test suite runs this (with --model, its tiny model)
 """
 
 from __future__ import annotations
@@ -41,8 +41,9 @@ from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
 
-from megatron_serve import InferenceConfig, MegatronLLM, SamplingParams
+from megatron_serve import InferenceConfig, SamplingParams
 from megatron_serve.coordinator.kv_aware import KVAware
+from megatron_serve.engine.core import DynamicInferenceEngine
 from megatron_serve.coordinator.kv_index import KVIndex
 from megatron_serve.coordinator.routing import make_routing_policy
 from megatron_serve.model.tiny import make_tiny_model
@@ -102,12 +103,15 @@ class Outcome:
 
 
 def make_engines(model_dir: str, args: argparse.Namespace) -> list[Any]:
+    """The engines, stepped by ``replay`` itself: token ids in and out, so each holds its vocabulary only (an engine
+    process's, without ``transformers``)."""
     engines = []
     for number in range(args.engines):
-        llm = MegatronLLM(model_dir, InferenceConfig(block_size_tokens=BLOCK, num_kv_blocks=args.pool_blocks,
-                                                     max_requests=args.slots, max_batch_tokens=2048,
-                                                     enable_prefix_caching=True, batch_invariant=True))
-        engines.append(SimpleNamespace(engine=llm.engine, engine_id=f"engine-{number}", group=number, running={},
+        engine = DynamicInferenceEngine.from_model_dir(
+            model_dir, InferenceConfig(block_size_tokens=BLOCK, num_kv_blocks=args.pool_blocks, max_requests=args.slots,
+                                       max_batch_tokens=2048, enable_prefix_caching=True, batch_invariant=True),
+            vocabulary_only=True)
+        engines.append(SimpleNamespace(engine=engine, engine_id=f"engine-{number}", group=number, running={},
                                        sink=None))
     return engines
 
@@ -247,6 +251,8 @@ def main() -> None:
     parser.add_argument("--restart-at", type=int, default=None, metavar="TICK",
                         help="the router(s) restart at this tick: memory lost, the index rebuilt from snapshots")
     parser.add_argument("--smoke", action="store_true", help="a smaller trace: seconds")
+    parser.add_argument("--model", default=None, help="a model directory instead of the tiny model made here (the test "
+                        "suite gives its own, the same: no model to make, no transformers model)")
     args = parser.parse_args()
     if args.smoke:
         args.ticks, args.per_tick, args.storm, args.storm_tokens = 24, 1, 4, 48
@@ -255,7 +261,7 @@ def main() -> None:
         parser.error("--policies must name kv_aware and prefix_affinity")
     trace = make_trace(args)
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir = str(make_tiny_model(tmp, seed=0))
+        model_dir = args.model or str(make_tiny_model(tmp, seed=0))
         rows = {name: replay(model_dir, args, name, trace) for name in policies}
     first = rows[policies[0]].tokens
     for name, row in rows.items():

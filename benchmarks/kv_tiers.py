@@ -21,7 +21,7 @@
   suspend (which recomputes every context).
 
     python benchmarks/kv_tiers.py                 # CPU-sized defaults
-    python benchmarks/kv_tiers.py --smoke         # seconds: the test suite runs this
+    python benchmarks/kv_tiers.py --smoke         # seconds: the test suite runs this (with --model, its tiny model)
     python benchmarks/kv_tiers.py --hidden-size 1024 --layers 16 --prefix-len 2048 --device cuda  # a GPU
     python benchmarks/kv_tiers.py --sections disk-steps   # one section
 """
@@ -257,6 +257,8 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default=None)
     parser.add_argument("--smoke", action="store_true", help="a tiny model and workload: seconds")
+    parser.add_argument("--model", default=None, help="a model directory instead of a random model of --hidden-size "
+                        "and --layers (the test suite gives its tiny model: no model to make, no transformers model)")
     parser.add_argument("--sections", default="tiers,disk,disk-steps,suspend",
                         help="comma-separated: tiers, disk, disk-steps, suspend")
     args = parser.parse_args()
@@ -266,9 +268,9 @@ def main() -> None:
     # blocks of the working set: twice the pool
     args.prefixes = max(2, 2 * args.pool_blocks // (args.prefix_len // BLOCK))
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir = str(make_tiny_model(tmp, seed=0, hidden_size=args.hidden_size, num_layers=args.layers,
-                                        intermediate_size=4 * args.hidden_size,
-                                        max_position_embeddings=max(1024, 2 * args.prefix_len)))
+        model_dir = args.model or str(make_tiny_model(tmp, seed=0, hidden_size=args.hidden_size,
+                                                      num_layers=args.layers, intermediate_size=4 * args.hidden_size,
+                                                      max_position_embeddings=max(1024, 2 * args.prefix_len)))
         sections = set(args.sections.split(","))
         if "tiers" in sections:
             report_tiers(model_dir, args)

@@ -16,9 +16,10 @@ BENCHMARK = Path(__file__).resolve().parents[2] / "benchmarks" / "kv_routing.py"
 pytestmark = pytest.mark.timeout(900)
 
 
-def test_kv_routing_smoke_prints_each_policys_hit_rate_with_texts_unchanged():
+def test_kv_routing_smoke_prints_each_policys_hit_rate_with_texts_unchanged(tiny_llama):
     # two routers, restarted mid-trace: each with a memory of its own, the index rebuilt from the engines' snapshots
-    result = subprocess.run([sys.executable, str(BENCHMARK), "--smoke", "--routers", "2", "--restart-at", "10"],
+    result = subprocess.run([sys.executable, str(BENCHMARK), "--smoke", "--model", tiny_llama, "--routers", "2",
+                             "--restart-at", "10"],
                             capture_output=True, text=True, timeout=880)
     assert result.returncode == 0, result.stderr[-2000:]
     rates = dict(re.findall(r"^\s*(prefix_affinity|kv_aware)\s+([\d.]+)\s", result.stdout, re.M))
