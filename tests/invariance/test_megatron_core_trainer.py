@@ -11,17 +11,12 @@ CPU it runs, and its log probs differ from the engine's.
 from __future__ import annotations
 
 import contextlib
+from typing import TYPE_CHECKING
 
 import pytest
 import torch
 import torch.distributed as dist
-from megatron.core import parallel_state
-from megatron.core.models.gpt import GPTModel
-from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-from megatron.core.packed_seq_params import PackedSeqParams
-from megatron.core.tensor_parallel import random as megatron_random
 
-from megatron_kernels import invariant_megatron_core as recipe
 from megatron_serve.invariant import batch_invariant
 
 from ..devices import tensor_parallel_device
@@ -29,10 +24,17 @@ from ..helpers import free_port
 from .batches import completion_log_probs, packed, right_padded
 from .runs import RECIPE_LENGTH as LENGTH
 
+# Megatron-core (and the recipe, which imports it) is imported in the functions that use it: ~3 s of CPU that only
+# the worker running this module pays, not every worker's collection.
+if TYPE_CHECKING:
+    from megatron.core.models.gpt import GPTModel
+
 
 @pytest.fixture(scope="module", autouse=True)
 def model_parallel():
     """Megatron-core's parallel state over gloo, world size 1 (tensor, pipeline and context parallel 1)."""
+    from megatron.core import parallel_state
+
     assert not dist.is_initialized(), "another test left a process group in this process"
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", world_size=1, rank=0)
     parallel_state.initialize_model_parallel(1, 1)
@@ -44,6 +46,10 @@ def model_parallel():
 
 
 def _model(model_dir: str, dtype: str, spec=None) -> GPTModel:
+    from megatron.core.models.gpt import GPTModel
+
+    from megatron_kernels import invariant_megatron_core as recipe
+
     config, kwargs = recipe.gpt_config_from_hf(model_dir, getattr(torch, dtype))
     model = GPTModel(config, transformer_layer_spec=spec or recipe.get_gpt_invariant_block_spec(config), **kwargs)
     recipe.load_hf_checkpoint(model, model_dir)
@@ -72,6 +78,8 @@ def test_a_gpt_model_of_the_invariant_spec_gives_the_engines_log_probs(models, r
 @pytest.mark.parametrize("arch, dtype", [("llama", "float32"), ("qwen3_moe", "bfloat16")])
 def test_packed_sequences_give_the_engines_log_probs(models, recipe_runs, arch, dtype):
     """Megatron-core's packed sequences (``thd``: one row, ``cu_seqlens``), as verl's Megatron backend packs them."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
     runs = recipe_runs(arch, dtype)
     model = _model(models[arch], dtype).eval()
     row = packed([run.prompt + run.tokens for run in runs])
@@ -119,6 +127,12 @@ def test_in_training_mode_with_autograd_the_log_probs_hold_and_the_weights_get_g
 def test_control_megatron_cores_local_spec_differs_and_needs_cuda(models, recipe_runs, monkeypatch):
     """On a CPU the local spec stops at CUDA-only code; with those calls pointed at the CPU it runs. On a GPU it
     runs as it is. Either way its log probs are not the engine's."""
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.tensor_parallel import random as megatron_random
+
+    from megatron_kernels import invariant_megatron_core as recipe
+
     runs = recipe_runs("llama", "bfloat16")
     device = tensor_parallel_device(1)
     config, kwargs = recipe.gpt_config_from_hf(models["llama"], torch.bfloat16)
@@ -137,6 +151,8 @@ def test_control_megatron_cores_local_spec_differs_and_needs_cuda(models, recipe
 
 
 def test_fusions_and_other_mixtures_of_experts_are_refused(models):
+    from megatron_kernels import invariant_megatron_core as recipe
+
     config, _ = recipe.gpt_config_from_hf(models["llama"], torch.float32)
     config.bias_activation_fusion = True
     with pytest.raises(ValueError, match="bias_activation_fusion on: .*set them False"):
@@ -150,6 +166,10 @@ def test_fusions_and_other_mixtures_of_experts_are_refused(models):
 
 
 def test_a_checkpoint_that_does_not_fit_is_refused(models, tmp_path):
+    from megatron.core.models.gpt import GPTModel
+
+    from megatron_kernels import invariant_megatron_core as recipe
+
     config, kwargs = recipe.gpt_config_from_hf(models["llama"], torch.float32)
     config.qk_layernorm = True  # the model wants q/k norms the Llama checkpoint has not
     model = GPTModel(config, transformer_layer_spec=recipe.get_gpt_invariant_block_spec(config), **kwargs)

@@ -14,17 +14,20 @@ import dataclasses
 
 import pytest
 import torch
-from torchtitan.models.common import CosSinRoPE, RMSNorm
 
-from megatron_kernels import invariant_torchtitan as recipe
 from megatron_serve.invariant import batch_invariant
 
 from ..devices import tensor_parallel_device
 from .batches import completion_log_probs, packed, right_padded
 from .runs import RECIPE_LENGTH as LENGTH
 
+# TorchTitan (and the recipe, which imports it) is imported in the functions that use it: ~2 s of CPU that only the
+# worker running this module pays, not every worker's collection.
+
 
 def _model(config, model_dir: str, dtype: str) -> torch.nn.Module:
+    from megatron_kernels import invariant_torchtitan as recipe
+
     model = recipe.load_hf_checkpoint(config.build(), model_dir)
     return model.to(tensor_parallel_device(1), getattr(torch, dtype))
 
@@ -39,6 +42,8 @@ def _forward(model: torch.nn.Module, batch, masks=None, positions=None) -> torch
 @pytest.mark.parametrize("arch, dtype", [("llama", "float32"), ("llama", "bfloat16"), ("qwen3", "bfloat16"),
                                          ("qwen3_moe", "bfloat16")])
 def test_a_model_of_the_recipe_gives_the_engines_log_probs(models, recipe_runs, arch, dtype):
+    from megatron_kernels import invariant_torchtitan as recipe
+
     runs = recipe_runs(arch, dtype)
     engine = [run.log_probs for run in runs]
     model = _model(recipe.config_from_hf(models[arch]), models[arch], dtype).eval()
@@ -53,6 +58,8 @@ def test_a_model_of_the_recipe_gives_the_engines_log_probs(models, recipe_runs, 
 
 
 def test_in_training_mode_with_autograd_the_log_probs_hold_and_the_weights_get_gradients(models, recipe_runs):
+    from megatron_kernels import invariant_torchtitan as recipe
+
     runs = recipe_runs("llama", "float32")
     model = _model(recipe.config_from_hf(models["llama"]), models["llama"], "float32").train()
     batch = right_padded([run.prompt + run.tokens for run in runs], LENGTH)
@@ -67,6 +74,10 @@ def test_in_training_mode_with_autograd_the_log_probs_hold_and_the_weights_get_g
 
 def _stock(config):
     """``config`` with TorchTitan's own rotary (the rotate-half one: the same weights' row order) and norms."""
+    from torchtitan.models.common import CosSinRoPE, RMSNorm
+
+    from megatron_kernels import invariant_torchtitan as recipe
+
     def norm(invariant: recipe.InvariantRMSNorm.Config) -> RMSNorm.Config:
         return RMSNorm.Config(normalized_shape=invariant.normalized_shape, eps=invariant.eps)
 
@@ -80,6 +91,8 @@ def _stock(config):
 
 
 def test_control_torchtitans_own_rotary_and_norms_differ(models, recipe_runs):
+    from megatron_kernels import invariant_torchtitan as recipe
+
     runs = recipe_runs("llama", "bfloat16")
     model = _model(_stock(recipe.config_from_hf(models["llama"])), models["llama"], "bfloat16").eval()
     row = packed([run.prompt + run.tokens for run in runs])
@@ -92,6 +105,8 @@ def test_control_torchtitans_own_rotary_and_norms_differ(models, recipe_runs):
 
 
 def test_what_the_recipe_does_not_compute_is_refused(models, tmp_path):
+    from megatron_kernels import invariant_torchtitan as recipe
+
     model = recipe.config_from_hf(models["llama"]).build()
     ids = torch.tensor([[5, 6, 7, 8]])
     with torch.no_grad(), batch_invariant(), pytest.raises(TypeError, match="takes .*attention_masks"):
